@@ -297,7 +297,7 @@ def hybridize(
         fn = functools.partial(_nnx_apply, graphdef)
         return Hybrid(
             fn,
-            state.to_pure_dict(),
+            nnx.to_pure_dict(state),
             name=name or type(model).__name__,
             max_traces=max_traces,
         )
@@ -307,9 +307,7 @@ def hybridize(
                 f"hybridize({type(model).__name__}) needs its variables: write "
                 "hybridize(module, module.init(jax.random.key(0), x))."
             )
-        return Hybrid(
-            model.apply, params, name=name or type(model).__name__, max_traces=max_traces
-        )
+        return Hybrid(model.apply, params, name=name or type(model).__name__, max_traces=max_traces)
     if isinstance(model, Hybrid):
         raise TypeError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
     if callable(model):
@@ -326,5 +324,4 @@ def hybridize(
 
 
 def _nnx_apply(graphdef: Any, params: Any, *inputs: Any) -> Any:
-    state = nnx.State(params)
-    return nnx.merge(graphdef, state)(*inputs)
+    return nnx.merge(graphdef, params)(*inputs)

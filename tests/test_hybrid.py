@@ -1,0 +1,251 @@
+"""The Hybrid object: eager vs compiled, tracing made visible, control flow, threads."""
+
+import threading
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+from flax import nnx
+
+import symjax_mlp as sm
+from symjax_mlp.tour import HybridNet
+
+
+def _concurrent_net():
+    return sm.HybridSequential(
+        (sm.HybridConcurrent((sm.mlp((16, 8)), sm.Dense(5, activation="tanh"))), sm.Dense(3))
+    )
+
+
+class EagerAndCompiledAgree(chex.TestCase):
+    """The same numerics under jax.jit and without it (chex variants), and via Hybrid."""
+
+    def _check(self, net, x):
+        variables = net.init(jax.random.key(1), x)
+        h = sm.hybridize(net, variables)
+        out = self.variant(h.fn)(h.params, x)
+        expected = h.eager(x)
+        chex.assert_trees_all_close(out, expected, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(h(x), expected, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(h.hybridize(False)(x), expected, rtol=1e-5, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_chapter_mlp(self):
+        self._check(sm.mlp((256, 128, 2)), jax.random.normal(jax.random.key(0), (1, 512)))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_concurrent_net(self):
+        self._check(_concurrent_net(), jax.random.normal(jax.random.key(0), (4, 12)))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(
+        ((7,), 3, 1, "relu"),
+        ((33, 1), 5, 9, "gelu"),
+        ((64, 64, 10), 20, 2, "tanh"),
+        ((1, 300, 4, 2), 2, 17, "silu"),
+    )
+    def test_random_shapes(self, sizes, width, batch, act):
+        x = jax.random.normal(jax.random.key(width), (batch, width))
+        self._check(sm.mlp(sizes, activation=act), x)
+
+
+def test_hybridize_accepts_linen_nnx_and_functions(chapter):
+    _, variables, h, x = chapter
+    assert isinstance(h, sm.Hybrid) and h.params is variables
+
+    lin = nnx.Linear(512, 2, rngs=nnx.Rngs(0))
+    hn = sm.hybridize(lin)
+    assert isinstance(hn.params, dict) and set(hn.params) == {"kernel", "bias"}
+    np.testing.assert_allclose(hn(x), lin(x), rtol=1e-5)
+    np.testing.assert_allclose(hn.eager(x), lin(x), rtol=1e-6)
+
+    hf = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.float32(3)})
+    np.testing.assert_allclose(hf(jnp.ones(2)), [3.0, 3.0])
+
+
+def test_hybridize_rejects_bad_arguments(chapter):
+    net, variables, h, _ = chapter
+    with pytest.raises(TypeError, match="needs its variables"):
+        sm.hybridize(net)
+    with pytest.raises(TypeError, match="takes no params"):
+        sm.hybridize(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), {})
+    with pytest.raises(TypeError, match="needs params"):
+        sm.hybridize(lambda p, x: x)
+    with pytest.raises(TypeError, match="got int"):
+        sm.hybridize(3, {})
+    with pytest.raises(TypeError, match="already hybridized"):
+        sm.hybridize(h, variables)
+    with pytest.raises(ValueError, match="max_traces"):
+        sm.hybridize(net, variables, max_traces=0)
+
+
+def test_hybridize_false_returns_an_eager_twin(chapter):
+    _, _, h, x = chapter
+    calls = []
+    h.on_trace(lambda x: calls.append(x))
+    twin = h.hybridize(False)
+    assert twin is not h and h.compiled and not twin.compiled
+    twin(x)
+    twin(x)
+    assert twin.trace_count == 0 and len(calls) == 2  # eager: Python every call
+    assert h.hybridize(True).compiled
+
+
+def test_compiled_call_traces_once_per_signature(chapter):
+    _, _, h, x = chapter
+    h(x)
+    h(x + 1)
+    assert h.trace_count == 1
+    h(jnp.ones((7, 512)))
+    h(jnp.ones((7, 512)))
+    assert h.trace_count == 2
+    (first, second) = h.trace_log
+    assert first.index == 0 and first.reason == "first call"
+    assert first.signature == (sm.ArgSpec("args[0]", (1, 512), "float32", False),)
+    assert second.reason == "args[0].shape changed from (1, 512) to (7, 512)"
+
+
+def test_retrace_reasons_name_path_and_change():
+    h = sm.hybridize(lambda p, x, y: x["a"] * y, {})
+    h({"a": jnp.ones(3)}, jnp.ones(3))
+    h({"a": jnp.ones(3, jnp.int32)}, jnp.ones(3))
+    h({"a": jnp.ones(3)}, 2.0)  # a Python float is weakly typed
+    h({"a": jnp.ones(3), "b": jnp.ones(1)}, jnp.ones(3))
+    reasons = [e.reason for e in h.trace_log]
+    assert reasons[1] == "args[0]['a'].dtype changed from float32 to int32"
+    assert "args[1].shape changed from (3,) to ()" in reasons[2]
+    assert "args[1].weak_type changed from False to True" in reasons[2]
+    assert reasons[3].startswith("input tree structure changed")
+    assert "args[0]['a']: float32[3]" in str(h.trace_log[0])
+
+
+def test_max_traces_raises_with_the_explanation(chapter):
+    net, variables, _, x = chapter
+    h = sm.hybridize(net, variables, max_traces=1)
+    h(x)
+    with pytest.raises(sm.RetraceError, match=r"args\[0\].shape changed from \(1, 512\)") as info:
+        h(jnp.ones((2, 512)))
+    assert "max_traces=1" in str(info.value) and isinstance(info.value, sm.SymjaxError)
+    assert h.trace_count == 1
+    h(x)  # the traced signature still works
+
+
+def test_on_trace_sees_tracers_once_and_eager_values_every_time(chapter):
+    _, _, h, x = chapter
+    seen = []
+
+    def record(x):
+        seen.append(x)
+
+    assert h.on_trace(record) is record
+    h(x)
+    assert len(seen) == 1 and isinstance(seen[0], jax.core.Tracer)
+    h(x)
+    assert len(seen) == 1
+    h.eager(x)
+    h.eager(x)
+    assert len(seen) == 3 and all(isinstance(s, jax.Array) for s in seen[1:])
+    assert not any(isinstance(s, jax.core.Tracer) for s in seen[1:])
+    with pytest.raises(TypeError, match="callable"):
+        h.on_trace(3)
+
+
+def test_the_chapters_hybridnet_printout(capsys):
+    net = HybridNet()
+    x = jax.random.normal(jax.random.key(0), (1, 3))
+    h = sm.hybridize(net, net.init(jax.random.key(1), x))
+    capsys.readouterr()
+
+    expected = h.eager(x)
+    eager = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in eager] == ["value x", "result "]
+    assert "Tracer" not in "".join(eager) and "[[" in eager[0]
+
+    np.testing.assert_allclose(h(x), expected, rtol=1e-6)
+    first = capsys.readouterr().out.splitlines()
+    assert len(first) == 2
+    assert "Tracer(float32[1,3])" in first[0] and "Tracer(float32[1,4])" in first[1]
+
+    np.testing.assert_allclose(h(x), expected, rtol=1e-6)
+    assert capsys.readouterr().out == ""  # the compiled program has no print in it
+
+
+def _if(p, x):
+    if x.sum() > 0:
+        return x
+    return -x
+
+
+def _while(p, x):
+    while x.sum() < 10:
+        x = x * 2
+    return x
+
+
+def _asarray(p, x):
+    return jnp.asarray(np.asarray(x) + 1)
+
+
+def _float(p, x):
+    return x * float(x.sum())
+
+
+@pytest.mark.parametrize("fn", [_if, _while, _asarray, _float])
+def test_control_flow_on_traced_values_is_a_clear_error(fn):
+    x = jnp.ones(3)
+    h = sm.hybridize(fn, {})
+    h.eager(x)  # imperative mode runs it fine
+    for call in (h, h.lower, h.graph):
+        with pytest.raises(sm.ControlFlowError) as info:
+            call(x)
+        msg = str(info.value)
+        assert msg.startswith(f"{fn.__name__}:")
+        assert "eager" in msg and "jnp.where" in msg and "jax.lax.fori_loop" in msg
+        assert isinstance(info.value.__cause__, jax.errors.JAXTypeError)
+
+
+def test_python_for_over_a_static_range_unrolls():
+    def repeat(p, x):
+        for _ in range(4):
+            x = jnp.sin(x) + p
+        return x
+
+    h = sm.hybridize(repeat, jnp.float32(1))
+    x = jnp.arange(3.0)
+    np.testing.assert_allclose(h(x), h.eager(x), rtol=1e-6)
+    counts = h.graph(x).primitive_counts
+    assert counts["sin"] == 4 and counts["add"] == 4
+
+
+def test_concurrent_first_calls_trace_once_and_agree(chapter):
+    _, _, h, x = chapter
+    barrier = threading.Barrier(8)
+    results = [None] * 8
+
+    def worker(i):
+        barrier.wait()
+        results[i] = np.asarray(h(x))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert h.trace_count == 1
+    for r in results:
+        np.testing.assert_array_equal(r, results[0])
+
+
+def test_stages_are_exposed(chapter):
+    _, _, h, x = chapter
+    lowered = h.lower(x)
+    assert isinstance(lowered, jax.stages.Lowered)
+    assert "stablehlo.dot_general" in lowered.as_text()
+    compiled = h.compile(x)
+    assert isinstance(compiled, jax.stages.Compiled)
+    assert "HloModule" in compiled.as_text()
+    assert compiled.cost_analysis()["flops"] > 0
+    assert compiled.memory_analysis().argument_size_in_bytes >= 4 * 164_482

@@ -1,0 +1,91 @@
+"""Models: construction, shapes, names, and errors."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import symjax_mlp as sm
+
+
+def test_mlp_is_the_chapters_net():
+    net = sm.mlp((256, 128, 2))
+    x = jnp.ones((1, 512))
+    variables = net.init(jax.random.key(0), x)
+    shapes = jax.tree.map(jnp.shape, variables["params"])
+    assert shapes == {
+        "layers_0": {"kernel": (512, 256), "bias": (256,)},
+        "layers_1": {"kernel": (256, 128), "bias": (128,)},
+        "layers_2": {"kernel": (128, 2), "bias": (2,)},
+    }
+    assert net.apply(variables, x).shape == (1, 2)
+    assert [layer.activation for layer in net.layers] == ["relu", "relu", None]
+
+
+def test_dense_applies_its_activation():
+    layer = sm.Dense(3, activation="relu")
+    x = jnp.array([[1.0, -2.0]])
+    variables = layer.init(jax.random.key(0), x)
+    p = variables["params"]
+    expected = np.maximum(np.asarray(x) @ np.asarray(p["kernel"]) + np.asarray(p["bias"]), 0)
+    np.testing.assert_allclose(layer.apply(variables, x), expected, rtol=1e-6)
+
+
+def test_every_listed_activation_runs():
+    x = jnp.linspace(-2, 2, 8).reshape(2, 4)
+    for name in sm.ACTIVATIONS:
+        net = sm.mlp((3, 2), activation=name)
+        y = net.apply(net.init(jax.random.key(0), x), x)
+        assert y.shape == (2, 2) and bool(jnp.all(jnp.isfinite(y))), name
+
+
+def test_unknown_activation_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown activation 'rleu'") as info:
+        sm.Dense(3, activation="rleu")
+    assert "relu" in str(info.value) and "gelu" in str(info.value)
+    with pytest.raises(ValueError, match="unknown activation"):
+        sm.mlp((3, 2), activation="nope")
+
+
+@pytest.mark.parametrize("sizes", [(), (3, 0), (3, -1), (2.5,)])
+def test_bad_sizes_are_named(sizes):
+    with pytest.raises(ValueError, match="positive ints"):
+        sm.mlp(sizes)
+
+
+def test_empty_containers_are_errors():
+    with pytest.raises(ValueError, match="at least one layer"):
+        sm.HybridSequential(())
+    with pytest.raises(ValueError, match="at least one branch"):
+        sm.HybridConcurrent(())
+
+
+def test_concurrent_feeds_every_branch_and_concatenates():
+    a, b = sm.Dense(3), sm.mlp((4, 5))
+    cat = sm.HybridConcurrent((a, b))
+    x = jax.random.normal(jax.random.key(1), (2, 6))
+    variables = cat.init(jax.random.key(0), x)
+    y = cat.apply(variables, x)
+    ya = a.apply({"params": variables["params"]["branches_0"]}, x)
+    yb = b.apply({"params": variables["params"]["branches_1"]}, x)
+    np.testing.assert_allclose(y, jnp.concatenate([ya, yb], axis=-1), rtol=1e-6)
+
+
+def test_concurrent_axis():
+    cat = sm.HybridConcurrent((sm.Dense(3), sm.Dense(3)), axis=0)
+    x = jnp.ones((2, 4))
+    assert cat.apply(cat.init(jax.random.key(0), x), x).shape == (4, 3)
+
+
+def test_models_nest_and_are_linen_modules():
+    net = sm.HybridSequential((sm.HybridConcurrent((sm.Dense(4), sm.Dense(4))), sm.Dense(1)))
+    assert isinstance(net, nn.Module)
+    x = jnp.ones((5, 3))
+    assert net.apply(net.init(jax.random.key(0), x), x).shape == (5, 1)
+
+
+def test_dtype_is_respected():
+    net = sm.mlp((4, 2), dtype=jnp.bfloat16)
+    x = jnp.ones((1, 3), jnp.bfloat16)
+    assert net.apply(net.init(jax.random.key(0), x), x).dtype == jnp.bfloat16
