@@ -174,6 +174,12 @@ class Hybrid:
         twin._callbacks = self._callbacks
         return twin
 
+    def shard(self, mesh: Any = None, *, axis: str = "data", pad: bool = True) -> Any:
+        """Runs this Hybrid data-parallel over ``mesh``; see :func:`symjax_mlp.shard`."""
+        from symjax_mlp.distributed import shard  # distributed imports hybrid; avoid a cycle
+
+        return shard(self, mesh, axis=axis, pad=pad)
+
     # -- the stages ------------------------------------------------------------------------
     def lower(self, *inputs: Any) -> jax.stages.Lowered:
         """Traces and lowers for ``inputs``: ``.as_text()`` is the StableHLO module."""

@@ -1,0 +1,19 @@
+"""The chapter's benchmark: 1000 calls of the MLP, eager vs hybridized, and much more.
+
+    python scripts/bench.py                    # about a minute on 2 cores
+    python scripts/bench.py --compare torch    # PyTorch eager / jit.script / compile too
+    python scripts/bench.py --sweep            # batch 1..65536 vs the matmul peak (JSON, PNG)
+    python scripts/bench.py --json bench.json  # every figure, versions, backend, device
+
+All the logic lives in :mod:`symjax_mlp.bench`; ``symjax-mlp bench`` runs the same function.
+"""
+
+import sys
+
+from symjax_mlp.bench import main
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ValueError as e:  # a bad option value: say it like argparse does
+        sys.exit(f"bench.py: error: {e}")

@@ -1,0 +1,218 @@
+"""The benchmark library: fields, structure, JSON and the CLI; never speeds.
+
+Every run here uses tiny call counts and a tiny net so the file stays well under a minute.
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from symjax_mlp import bench
+from symjax_mlp.cli import main as cli_main
+
+TINY = {"sizes": (8, 2), "in_features": 16}
+
+
+def test_timing_fields_and_stats():
+    t = bench.time_calls(lambda: jnp.ones(3) + 1, name="add", calls=4, repeats=5, warmup=2)
+    assert (t.name, t.calls, t.inputs_per_call, len(t.times)) == ("add", 4, 1, 5)
+    assert all(s > 0 for s in t.times)
+    assert t.min <= t.median <= max(t.times)
+    assert t.per_call_min == pytest.approx(t.min / 4)
+    lo, med = t.per_inputs(1000)
+    assert lo == pytest.approx(t.min * 250) and med == pytest.approx(t.median * 250)
+    d = t.to_dict()
+    assert set(d) >= {"calls", "repeats", "times_s", "min_s", "median_s", "per_call_min_s"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.calls = 1
+
+
+def test_every_timed_call_is_synced():
+    synced = []
+
+    class Out:
+        def block_until_ready(self):
+            synced.append(1)
+            return self
+
+    bench.time_calls(Out, calls=3, repeats=5, warmup=2)
+    assert len(synced) == 2 + 3 * 5  # warm-up calls and every timed call
+
+
+def test_interleaved_order_and_inputs_per_call():
+    order = []
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    t = bench.time_interleaved(fns, calls=1, repeats=3, warmup=1, inputs_per_call={"b": 10})
+    assert order == ["a", "b"] + ["a", "b"] * 3  # warm-ups, then repeat r of each in turn
+    assert list(t) == ["a", "b"] and t["b"].inputs_per_call == 10
+
+
+def test_bad_counts_are_refused():
+    with pytest.raises(ValueError, match="calls and repeats must be >= 1"):
+        bench.time_calls(lambda: 0, calls=0)
+
+
+def test_stages_are_timed_separately():
+    s = bench.time_stages(lambda x: x * 2 + 1, jnp.ones(3), repeats=2)
+    assert list(s) == ["trace", "lower", "compile"]
+    assert all(len(t.times) == 2 and t.min > 0 for t in s.values())
+
+
+def test_environment_says_where_it_ran():
+    env = bench.environment()
+    for key in ("jax", "jaxlib", "flax", "python", "backend", "device", "device_kind"):
+        assert isinstance(env[key], str) and env[key]
+    assert env["cpu_count"] >= 1 and env["cpu_usable"] >= 1
+
+
+@pytest.fixture(scope="module")
+def report():
+    return bench.benchmark(
+        calls=4,
+        repeats=2,
+        eager_chunks=2,
+        stage_repeats=1,
+        train_step=False,
+        iree=False,
+        peak_size=32,
+        **TINY,
+    )
+
+
+def test_report_rows_and_headline(report):
+    keys = [r.key for r in report.rows]
+    assert keys[:5] == ["eager", "flax_eager", "jnp_eager", "hybridized", "floor"]
+    assert keys[-2:] == ["vmap", "batch"]
+    assert report.rows[0].speedup == pytest.approx(1.0)
+    assert all(r.speedup > 0 for r in report.rows)
+    assert report.row("eager").timing.calls * len(report.row("eager").timing.times) == 4
+    assert report.row("hybridized").timing.calls == 4
+    assert report.row("vmap").timing.inputs_per_call == 4
+    assert report.without_s == pytest.approx(sum(report.row("eager").timing.times))
+    assert report.with_s == pytest.approx(report.row("hybridized").timing.median)
+    assert set(report.stages) >= {"trace", "lower", "compile", "first_call"}
+    assert report.extra["peak"]["size"] == 32 and report.extra["peak"]["gflops"] > 0
+    traces = report.extra["traces"]  # one trace per input shape, none while timing
+    assert traces["count"] >= 2 and not any("same signature" in e for e in traces["log"])
+    assert set(report.targets) >= {
+        "hybridized_vs_eager",
+        "hybridized_over_floor",
+        "vmap_vs_single_calls",
+    }
+    for t in report.targets.values():
+        assert set(t) == {"value", "target", "met", "what"} and isinstance(t["met"], bool)
+
+
+def test_report_text_starts_with_the_chapter_lines(report):
+    lines = bench.format_report(report).splitlines()
+    assert lines[0].startswith("Without hybridization: ") and lines[0].endswith(" sec")
+    assert lines[1].startswith("With hybridization: ") and lines[1].endswith(" sec")
+    text = "\n".join(lines)
+    assert "hybridized (h)" in text and "AOT floor" in text and "ran on: " in text
+    assert "what it means: " in text and "matmul rate" in text
+
+
+def test_report_json_round_trips(report):
+    d = json.loads(json.dumps(report.to_dict()))
+    assert d["chapter"]["calls"] == 4
+    assert {r["key"] for r in d["rows"]} >= {"eager", "hybridized", "floor", "vmap"}
+    assert d["env"]["backend"] and d["env"]["cpu_count"] >= 1
+    assert d["config"]["sizes"] == [8, 2]
+
+
+def test_optional_rows_are_skipped_with_a_note_or_present(report):
+    keys = {r.key for r in report.rows}
+    has_artifact = "artifact_jax" in keys
+    noted = any("artifact" in n for n in report.notes)
+    assert has_artifact or noted
+
+
+def test_bad_compare_is_a_user_error():
+    with pytest.raises(ValueError, match="--compare accepts only 'torch'"):
+        bench.benchmark(compare=("tensorflow",))
+
+
+def test_torch_rows_share_the_table():
+    torch = pytest.importorskip("torch")
+    del torch
+    r = bench.benchmark(
+        calls=2,
+        repeats=1,
+        eager_chunks=1,
+        stage_repeats=1,
+        artifact=False,
+        train_step=False,
+        peak=False,
+        compare=("torch",),
+        **TINY,
+    )
+    keys = {row.key for row in r.rows}
+    assert {"torch_eager", "torch_script", "torch_compile"} <= keys
+    assert "torch_fastest_over_hybridized" in r.targets
+    assert {"torch_script", "torch_compile"} <= set(r.stages)  # their compile times
+    assert not any("differs" in n for n in r.notes)  # same weights, same outputs
+
+
+def test_sweep_points_peak_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    s = bench.sweep(
+        batch_sizes=(1, 4), eager_max_batch=1, repeats=1, min_seconds=0, peak_size=32, **TINY
+    )
+    assert [(p.mode, p.batch) for p in s.points] == [
+        ("hybridized", 1),
+        ("eager", 1),
+        ("hybridized", 4),
+    ]
+    assert s.peak_gflops > 0 and s.peak_size == 32
+    p = s.points[-1]
+    assert p.flops_per_call == 4 * s.points[0].flops_per_call > 0
+    assert p.samples_per_s > 0 and p.gflops > 0
+    d = json.loads(json.dumps(s.to_dict()))
+    assert {"mode", "batch", "samples_per_s", "gflops", "fraction_of_peak"} <= set(d["points"][0])
+    assert "matmul peak" in bench.format_sweep(s)
+    png = Path(bench.plot_sweep(s, tmp_path / "sweep.png"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bench_writes_json(tmp_path, capsys, monkeypatch, report):
+    seen = {}
+
+    def fake_benchmark(**kw):  # the wiring is under test here, not the timing
+        seen.update(kw)
+        return report
+
+    monkeypatch.setattr(bench, "benchmark", fake_benchmark)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--calls", "4", "--sizes", "8,2", "--compare", "torch", "--no-iree"]
+    assert cli_main([*argv, "--quiet", "--json", str(out)]) == 0
+    assert seen["calls"] == 4 and seen["sizes"] == (8, 2) and seen["compare"] == ("torch",)
+    assert seen["iree"] is False and seen["artifact"] is True and seen["progress"] is None
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Without hybridization: ")
+    assert captured.err == ""  # --quiet
+    d = json.loads(out.read_text())
+    assert {"chapter", "rows", "stages", "targets", "traces", "env", "config", "notes"} <= set(d)
+    assert {"jax", "flax", "backend", "device_kind", "cpu_count"} <= set(d["env"])
+
+
+def test_cli_bench_user_errors_exit_2(capsys):
+    assert cli_main(["bench", "--sizes", "4,x"]) == 2
+    assert cli_main(["bench", "--calls", "0", "--quiet"]) == 2
+    assert "must all be >= 1" in capsys.readouterr().err
+
+
+def test_script_is_thin_and_runs():
+    script = Path(__file__).parent.parent / "scripts" / "bench.py"
+    argv = ["--calls", "2", "--repeats", "1", "--eager-chunks", "1", "--sizes", "4,2"]
+    argv += ["--in-features", "8", "--no-artifact", "--no-train", "--no-peak"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1].startswith("With hybridization: ")
+    assert "[bench" in proc.stderr  # the progress display

@@ -1,0 +1,531 @@
+"""Portable artifacts: every test exports, then loads (or inspects) what it exported."""
+
+import builtins
+import json
+import marshal
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+
+import symjax_mlp as sm
+from symjax_mlp.cli import main
+
+CORE = {"manifest.json", "model.jaxexport", "model.mlirbc", "model.mlir", "params.safetensors"}
+
+
+def small(seed=0, sizes=(16, 3), features=8):
+    net = sm.mlp(sizes)
+    x = jax.random.normal(jax.random.key(100 + seed), (2, features), jnp.float32)
+    return sm.hybridize(net, net.init(jax.random.key(seed), x)), x
+
+
+def rand(batch, features=8, seed=0):
+    return jax.random.normal(jax.random.key(seed), (batch, features), jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    """A small MLP exported with a symbolic batch, and its Hybrid."""
+    h, x = small()
+    return sm.export(h, tmp_path_factory.mktemp("a") / "mlp", example=x), h
+
+
+def litter(directory):
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+# -- export and load ----------------------------------------------------------------------------
+def test_chapter_net_round_trip_for_batch_1_7_1000(tmp_path):
+    net = sm.mlp((256, 128, 2))
+    x = rand(1, 512)
+    h = sm.hybridize(net, net.init(jax.random.key(1), x))
+    art = sm.export(h, tmp_path / "net", example=x, batch="b")
+    assert {p.name for p in art.path.iterdir()} == CORE
+    assert litter(tmp_path) == []
+    m = sm.load(tmp_path / "net")
+    for batch in (1, 7, 1000):  # one artifact, any batch size
+        xb = rand(batch, 512, seed=batch)
+        y = m(xb)
+        assert isinstance(y, jax.Array) and y.shape == (batch, 2)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(h(xb)), rtol=1e-6, atol=0)
+
+
+def test_manifest_records_the_contract(art):
+    art, h = art
+    m = sm.load(art.path)
+    manifest = json.loads((art.path / "manifest.json").read_text())
+    assert manifest == sm.artifact.thaw(m.manifest) == sm.artifact.thaw(art.manifest)
+    assert manifest["format"] == "symjax_mlp.artifact" and manifest["format_version"] == 1
+    assert manifest["platforms"] == ["cpu"] and manifest["nr_devices"] == 1
+    assert manifest["calling_convention_version"] >= 9
+    assert manifest["versions"]["jax"] == jax.__version__
+    assert {"jaxlib", "flax", "symjax_mlp"} <= set(manifest["versions"])
+    assert manifest["created"].endswith("+00:00")
+    assert manifest["signature"] == {
+        "inputs": [{"path": "args[0]", "shape": ["b", 8], "dtype": "float32"}],
+        "outputs": [{"path": "out", "shape": ["b", 3], "dtype": "float32"}],
+        "output_kind": "array",
+        "batch": "b",
+    }
+    assert str(m.signature) == "(args[0]: float32[b, 8]) -> float32[b, 3]  with b >= 1"
+    assert [p["path"] for p in manifest["params"]] == [
+        "params/layers_0/bias",
+        "params/layers_0/kernel",
+        "params/layers_1/bias",
+        "params/layers_1/kernel",
+    ]
+    assert set(manifest["files"]) == CORE - {"manifest.json"}
+    for name, entry in manifest["files"].items():
+        data = (art.path / name).read_bytes()
+        assert entry == {"sha256": sm.manifest.sha256(data), "bytes": len(data)}
+    # the weights are plain safetensors, one tensor per param path
+    weights = safetensors.numpy.load_file(art.path / "params.safetensors")
+    kernel = h.params["params"]["layers_0"]["kernel"]
+    np.testing.assert_array_equal(weights["params/layers_0/kernel"], kernel)
+    # the params are inputs of the exported module, not constants folded into it
+    text = (art.path / "model.mlir").read_text()
+    assert "tensor<8x16xf32>" in text.split("func.func public @main", 1)[1].split("{", 1)[0]
+    assert manifest["mlir_arguments"][-1] == "args[0]"
+
+
+def test_inspect_reports_signature_versions_and_op_counts(art):
+    art, _ = art
+    info = sm.inspect(art.path)
+    counts = info.op_counts()
+    assert counts["stablehlo.dot_general"] == 2 and counts["stablehlo.custom_call"] == 1
+    assert info.size_bytes == sum(p.stat().st_size for p in art.path.iterdir())
+    text = str(info)
+    assert "float32[b, 8]" in text and "jax " + jax.__version__ in text
+    assert "stablehlo.dot_general" in text and "params/layers_1/kernel: float32[16, 3]" in text
+    assert sm.load(art.path)(rand(2)).shape == (2, 3)
+
+
+def test_fresh_process_loads_without_the_model_source(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "secret_model_xyz.py").write_text(
+        textwrap.dedent(
+            """
+            import flax.linen as nn, jax.numpy as jnp
+
+            class SecretNet(nn.Module):
+                @nn.compact
+                def __call__(self, x):
+                    h = jnp.tanh(nn.Dense(32, name="hidden")(x))
+                    return nn.Dense(4, name="head")(h) * 2.0
+            """
+        )
+    )
+    sys.path.insert(0, str(src))
+    try:
+        import secret_model_xyz
+
+        net = secret_model_xyz.SecretNet()
+        x = rand(1, 6)
+        h = sm.hybridize(net, net.init(jax.random.key(0), x))
+        sm.export(h, tmp_path / "art", example=x)
+    finally:
+        sys.path.remove(str(src))
+        sys.modules.pop("secret_model_xyz", None)
+    shutil.rmtree(src)  # the source (and its bytecode cache) is gone
+    # verify() loads the artifact in a fresh process (cwd: a temporary directory), where the
+    # module that defined SecretNet exists nowhere
+    report = sm.verify(tmp_path / "art", reference=h, batches=(1, 7, 1000), rtol=1e-6, atol=0)
+    assert report.ok, str(report)
+    assert [c.batch for c in report.checks] == [1, 7, 1000]
+    assert report.reference == "SecretNet"
+
+
+# -- atomic writes ------------------------------------------------------------------------------
+def test_existing_path_needs_overwrite(tmp_path):
+    h1, x = small(seed=1)
+    h2, _ = small(seed=2)
+    sm.export(h1, tmp_path / "m", example=x)
+    with pytest.raises(sm.ArtifactError, match=r"already exists.*overwrite=True"):
+        sm.export(h2, tmp_path / "m", example=x)
+    np.testing.assert_array_equal(sm.load(tmp_path / "m")(x), h1(x))  # untouched
+    sm.export(h2, tmp_path / "m", example=x, overwrite=True)
+    np.testing.assert_array_equal(sm.load(tmp_path / "m")(x), h2(x))
+    assert litter(tmp_path) == [] and [p.name for p in tmp_path.iterdir()] == ["m"]
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(sm.ArtifactError, match="not an artifact"):
+        sm.export(h2, tmp_path / "notes", example=x, overwrite=True)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+
+
+def test_export_killed_mid_write_leaves_previous_artifact(tmp_path):
+    h1, x = small(seed=1)
+    sm.export(h1, tmp_path / "m", example=x)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()}
+    script = textwrap.dedent(
+        """
+        import sys, time
+        import jax, jax.numpy as jnp
+        import symjax_mlp as sm
+        from symjax_mlp import artifact
+
+        def stall(file, data):  # write half of the weights, then wait to be killed
+            if file.name == "params.safetensors":
+                with open(file, "wb") as f:
+                    f.write(data[: len(data) // 2])
+                    f.flush()
+                open("writing", "w").close()
+                time.sleep(60)
+            with open(file, "wb") as f:
+                f.write(data)
+
+        artifact.write_file = stall
+        net = sm.mlp((16, 3))
+        x = jnp.ones((2, 8))
+        h = sm.hybridize(net, net.init(jax.random.key(9), x))
+        sm.export(h, "m", example=x, overwrite=True)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "writing").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "the export never started writing"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    proc.stderr.close()
+    half_written = [n for n in litter(tmp_path) if n.startswith(".m.tmp-")]
+    assert len(half_written) == 1  # it died inside the temporary sibling ...
+    assert not (tmp_path / half_written[0] / "manifest.json").exists()
+    after = {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()}
+    assert after == before  # ... and the previous artifact is intact and loadable
+    np.testing.assert_array_equal(sm.load(tmp_path / "m")(x), h1(x))
+    h2, _ = small(seed=2)
+    sm.export(h2, tmp_path / "m", example=x, overwrite=True)
+    assert litter(tmp_path) == []  # a successful export clears the dead export's litter
+    np.testing.assert_array_equal(sm.load(tmp_path / "m")(x), h2(x))
+
+
+def test_write_failure_keeps_previous_artifact(tmp_path, monkeypatch):
+    h1, x = small(seed=1)
+    h2, _ = small(seed=2)
+    sm.export(h1, tmp_path / "m", example=x)
+    real = sm.artifact.write_file
+
+    def disk_full(file, data):
+        if file.name == "model.mlir":
+            raise OSError(28, "No space left on device")
+        real(file, data)
+
+    monkeypatch.setattr(sm.artifact, "write_file", disk_full)
+    with pytest.raises(sm.ArtifactError, match=r"cannot write the artifact .*No space left"):
+        sm.export(h2, tmp_path / "m", example=x, overwrite=True)
+    assert litter(tmp_path) == []
+    np.testing.assert_array_equal(sm.load(tmp_path / "m")(x), h1(x))
+
+
+def test_failed_export_leaves_no_litter(tmp_path):
+    _, x = small()
+    h = sm.hybridize(lambda p, x: {"a": x * p["w"]}, {"w": jnp.ones(8)})
+    with pytest.raises(sm.SignatureError, match=r"returns .*array or a flat tuple"):
+        sm.export(h, tmp_path / "m", example=x)
+    h = sm.hybridize(lambda p, x: (x * p["w"], x.sum(-1)), {"w": jnp.ones(8)})
+    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a list"):
+        sm.export(h, tmp_path / "m", example=([1.0],))
+    with pytest.raises(sm.SignatureError, match=r"concrete value of the symbolic batch 'b'"):
+        sm.export(sm.hybridize(lambda p, x: x * int(x.shape[0]), {}), tmp_path / "m", example=x)
+    branchy = sm.hybridize(lambda p, x: x if x.sum() > 0 else -x, {})
+    with pytest.raises(sm.ControlFlowError, match=r"jnp.where"):
+        sm.export(branchy, tmp_path / "m", example=x)
+    assert list(tmp_path.iterdir()) == []
+    sm.export(h, tmp_path / "m", example=x)
+    y, s = sm.load(tmp_path / "m")(x)
+    np.testing.assert_array_equal(y, x * 1.0)
+    np.testing.assert_allclose(s, x.sum(-1), rtol=1e-6)
+
+
+# -- load-time checks ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CORE - {"manifest.json"}))
+def test_corrupted_file_is_rejected_before_deserializing(art, tmp_path, monkeypatch, name):
+    art, _ = art
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in art.path.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    data = bytearray((copy / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / name).write_bytes(bytes(data))
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a corrupted file reached a deserializer")
+
+    monkeypatch.setattr(jax.export, "deserialize", must_not_run)
+    monkeypatch.setattr(safetensors, "deserialize", must_not_run)
+    with pytest.raises(sm.ArtifactError, match=rf"{name} is corrupted: its sha256"):
+        sm.load(copy)
+    with pytest.raises(sm.ArtifactError, match=rf"{name} is corrupted"):
+        sm.inspect(copy)
+    (copy / name).unlink()
+    with pytest.raises(sm.ArtifactError, match=rf"{name} is missing"):
+        sm.load(copy)
+
+
+def edited(art_path, tmp_path, **changes):
+    copy = tmp_path / "edited"
+    copy.mkdir()
+    for p in art_path.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest.update(changes)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def test_missing_or_foreign_manifest(art, tmp_path):
+    art, _ = art
+    with pytest.raises(sm.ArtifactError, match="does not exist"):
+        sm.load(tmp_path / "nowhere")
+    copy = edited(art.path, tmp_path)
+    (copy / "manifest.json").unlink()
+    with pytest.raises(sm.ArtifactError, match=r"manifest.json is missing.*not a complete"):
+        sm.load(copy)
+    (copy / "manifest.json").write_text("{not json")
+    with pytest.raises(sm.ArtifactError, match="not valid JSON"):
+        sm.load(copy)
+    assert sm.load(art.path)(rand(1)).shape == (1, 3)
+
+
+def test_files_of_different_exports_do_not_mix(art, tmp_path):
+    art, _ = art
+    h, x = small(sizes=(5, 3))
+    other = sm.export(h, tmp_path / "other", example=x)
+    blob = (other.path / "model.jaxexport").read_bytes()
+    files = sm.artifact.thaw(art.manifest["files"])
+    files["model.jaxexport"] = {"sha256": sm.manifest.sha256(blob), "bytes": len(blob)}
+    copy = edited(art.path, tmp_path, files=files)
+    (copy / "model.jaxexport").write_bytes(blob)  # checksums agree, contents do not
+    with pytest.raises(sm.ArtifactError, match=r"model.jaxexport does not match .*manifest"):
+        sm.load(copy)
+
+
+def test_newer_format_version_is_refused(art, tmp_path):
+    art, _ = art
+    copy = edited(art.path, tmp_path, format_version=2)
+    with pytest.raises(sm.ArtifactError, match=r"format version 2.*pip install -U symjax_mlp"):
+        sm.load(copy)
+    assert sm.load(art.path)(rand(1)).shape == (1, 3)
+
+
+def test_outside_the_compatibility_window_says_how_to_reexport(art, tmp_path, monkeypatch):
+    art, _ = art
+    copy = edited(
+        art.path,
+        tmp_path,
+        calling_convention_version=3,
+        created="2023-01-05T10:00:00+00:00",
+        versions={"jax": "0.4.1", "jaxlib": "0.4.1"},
+    )
+    monkeypatch.setattr(jax.export, "deserialize", pytest.fail)
+    with pytest.raises(sm.ArtifactError) as e:
+        sm.load(copy)
+    msg = str(e.value)
+    assert "model.jaxexport" in msg and "calling convention version 3" in msg
+    assert "2023-01-05" in msg and "0.4.1" in msg and "about 6 months" in msg
+    assert "re-export" in msg and "overwrite=True" in msg
+    monkeypatch.undo()
+    assert sm.load(art.path)(rand(1)).shape == (1, 3)
+
+
+def test_platform_not_exported_for_is_refused(tmp_path):
+    h, x = small()
+    art = sm.export(h, tmp_path / "gpu", example=x, platforms=("cuda",))  # on a CPU machine
+    assert art.platforms == ("cuda",)
+    assert "stablehlo.dot_general" in sm.inspect(art.path).op_counts()
+    with pytest.raises(sm.ArtifactError, match=r"exported for cuda.*runs on cpu.*platforms="):
+        sm.load(art.path)
+    with pytest.raises(ValueError, match=r"a GPU is 'cuda' or 'rocm'"):
+        sm.export(h, tmp_path / "gpu2", example=x, platforms=("gpu",))
+
+
+def test_multi_platform_export_runs_here(tmp_path):
+    h, x = small()
+    art = sm.export(h, tmp_path / "both", example=x, platforms=("cpu", "cuda"))
+    assert art.manifest["mlir_arguments"][0] == "platform_index"
+    assert sm.inspect(art.path).op_counts()["stablehlo.dot_general"] == 4  # one per platform
+    m = sm.load(art.path)
+    for batch in (1, 5):
+        xb = rand(batch, seed=batch)
+        np.testing.assert_allclose(m(xb), h(xb), rtol=1e-6, atol=0)
+
+
+def test_more_devices_than_present_is_refused(art, tmp_path):
+    art, _ = art
+    copy = edited(art.path, tmp_path, nr_devices=jax.device_count() + 1)
+    with pytest.raises(sm.ArtifactError, match=r"sharded over \d+ devices.*sees \d+ cpu device"):
+        sm.load(copy)
+
+
+# -- call-time checks ---------------------------------------------------------------------------
+def test_calls_are_checked(art):
+    art, h = art
+    m = sm.load(art.path)
+    cases = [
+        (jnp.ones((3, 7)), r"args\[0\] has shape \(3, 7\) but the artifact expects \(b, 8\)"),
+        (jnp.ones(8), r"shape \(8,\), rank 1.*expects rank 2: \(b, 8\).*x\[None\]"),
+        (jnp.ones((0, 8)), r"args\[0\].shape\[0\] is 0, and a batch of 0 is rejected"),
+        (np.ones((2, 8)), r"args\[0\] has dtype float64 .* float32\[b, 8\].*astype"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(sm.SignatureError, match=message):
+            m(bad)
+    with pytest.raises(sm.SignatureError, match=r"takes 1 input\(s\).*got 2"):
+        m(rand(1), rand(1))
+    np.testing.assert_allclose(m(rand(4)), h(rand(4)), rtol=1e-6)
+
+
+def test_static_batch_and_several_inputs(tmp_path):
+    def fn(p, x, y):
+        return x @ p["w"], (y * p["s"]).sum(-1)
+
+    h = sm.hybridize(fn, {"w": jnp.ones((8, 2)), "s": jnp.float32(3)})
+    x, y = rand(3), rand(3, 5)
+    art = sm.export(h, tmp_path / "static", example=(x, y), batch=None)
+    assert art.signature.inputs[1].shape == (3, 5) and art.signature.output_kind == "tuple"
+    m = sm.load(art.path)
+    for got, want in zip(m(x, y), h(x, y), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(sm.SignatureError, match=r"args\[0\].shape\[0\] is 4, not 3"):
+        m(rand(4), rand(4, 5))
+    sm.export(h, tmp_path / "poly", example=(x, y), batch="n")
+    m = sm.load(tmp_path / "poly")
+    assert m(rand(6), rand(6, 5))[0].shape == (6, 2)
+    with pytest.raises(sm.SignatureError, match=r"args\[1\].shape\[0\] is 5 but args\[0\]"):
+        m(rand(6), rand(5, 5))
+
+
+# -- safety -------------------------------------------------------------------------------------
+def test_no_pickle_or_eval_on_the_load_path(tmp_path, monkeypatch):
+    h, x = small(seed=3, sizes=(12, 5))
+    sm.export(h, tmp_path / "m", example=x)
+    # Warm up process-wide one-time imports that are not ours (scipy's LAPACK, pulled in by
+    # jax.export on the first CPU call, builds namedtuples with eval) on a different model.
+    h0, _ = small(seed=4, sizes=(3,))
+    sm.export(h0, tmp_path / "warm", example=x)
+    sm.load(tmp_path / "warm")(x)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("pickle/marshal/eval/exec called on the load path")
+
+    for module, name in [
+        (pickle, "load"),
+        (pickle, "loads"),
+        (pickle, "Unpickler"),
+        (marshal, "loads"),
+        (builtins, "eval"),
+        (builtins, "exec"),
+    ]:
+        monkeypatch.setattr(module, name, forbidden)
+    with pytest.raises(AssertionError):
+        pickle.loads(pickle.dumps(1))
+    m = sm.load(tmp_path / "m")
+    got = m(x)
+    monkeypatch.undo()
+    np.testing.assert_allclose(got, h(x), rtol=1e-6)
+
+
+# -- swapping weights ---------------------------------------------------------------------------
+def test_params_swap_and_tree_mismatch(tmp_path):
+    h1, x = small(seed=1)
+    h2, _ = small(seed=2)
+    sm.export(h1, tmp_path / "one", example=x)
+    sm.export(h2, tmp_path / "two", example=x)
+    m = sm.load(tmp_path / "one", params=tmp_path / "two" / "params.safetensors")
+    np.testing.assert_allclose(m(x), h2(x), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(sm.load(tmp_path / "one", params=h2.params)(x), h2(x), rtol=1e-6)
+
+    h3, _ = small(seed=1, sizes=(16, 4, 3))
+    sm.export(h3, tmp_path / "three", example=x)
+    with pytest.raises(sm.ArtifactError) as e:
+        sm.load(tmp_path / "one", params=str(tmp_path / "three" / "params.safetensors"))
+    msg = str(e.value)
+    assert "three/params.safetensors does not match the artifact's param tree" in msg
+    assert "0 missing, 2 extra" in msg and "extra:   params/layers_2/kernel" in msg
+
+    weights = safetensors.numpy.load_file(tmp_path / "two" / "params.safetensors")
+    weights["params/Dense_9/kernel"] = weights.pop("params/layers_1/kernel")
+    safetensors.numpy.save_file(weights, tmp_path / "renamed.safetensors")
+    with pytest.raises(sm.ArtifactError, match=r"renamed to params/Dense_9/kernel\?"):
+        sm.load(tmp_path / "one", params=tmp_path / "renamed.safetensors")
+    weights["params/layers_1/kernel"] = weights.pop("params/Dense_9/kernel")[:, :2]
+    safetensors.numpy.save_file(weights, tmp_path / "narrow.safetensors")
+    with pytest.raises(
+        sm.ArtifactError, match=r"layers_1/kernel is float32\[16, 2\] .* expects float32\[16, 3\]"
+    ):
+        sm.load(tmp_path / "one", params=tmp_path / "narrow.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(sm.ArtifactError, match=r"junk\.safetensors is not a valid safetensors"):
+        sm.load(tmp_path / "one", params=tmp_path / "junk.safetensors")
+
+
+def test_bfloat16_params_round_trip(tmp_path):
+    h = sm.hybridize(lambda p, x: x @ p["w"], {"w": jnp.full((8, 2), 0.5, jnp.bfloat16)})
+    x = rand(3).astype(jnp.bfloat16)
+    art = sm.export(h, tmp_path / "bf16", example=x)
+    assert art.params[0].dtype == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(sm.load(art.path)(x)), np.asarray(h(x)))
+
+
+# -- verify and the CLI -------------------------------------------------------------------------
+def test_verify_fails_against_a_different_model(art):
+    art, _ = art
+    wrong, _ = small(seed=5)
+    report = sm.verify(art.path, reference=wrong, batches=(2, 3))
+    assert not report.ok and report.load_seconds["jax"] > 0
+    assert [(c.runtime, c.batch, c.ok) for c in report.checks] == [
+        ("jax", 2, False),
+        ("jax", 3, False),
+    ]
+    assert "FAIL jax   batch     2" in str(report) and "differs beyond tolerance" in str(report)
+
+
+def test_cli_export_inspect_run(tmp_path, capsys):
+    path = str(tmp_path / "cli")
+    args = ["export", path, "--sizes", "8,2", "--in-features", "4", "--platforms", "cpu,cuda"]
+    assert main(args) == 0
+    assert "(args[0]: float32[b, 4]) -> float32[b, 2]" in capsys.readouterr().out
+    assert main(args) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "platforms  cpu, cuda" in out and "stablehlo.dot_general" in out
+    assert main(["inspect", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["platforms"] == ["cpu", "cuda"]
+    x = np.asarray(rand(5, 4))
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "bad.npy", x.astype(np.float64))
+    y = str(tmp_path / "y.npy")
+    assert main(["run", path, "--input", str(tmp_path / "x.npy"), "--output", y]) == 0
+    net = sm.mlp((8, 2))
+    h = sm.hybridize(net, net.init(jax.random.key(0), jnp.zeros((1, 4))))
+    np.testing.assert_allclose(np.load(y), h(x), rtol=1e-6)
+    assert main(["run", path, "--input", str(tmp_path / "bad.npy"), "--output", y]) == 2
+    assert "has dtype float64" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
+    assert main(["export", str(tmp_path / "s"), "--sizes", "3", "--batch", "4"]) == 0
+    assert sm.inspect(tmp_path / "s").signature.inputs[0].shape == (4, 512)
+    assert main(["export", str(tmp_path / "t"), "--batch", "0"]) == 2
+
+
+def test_public_names():
+    for name in ("export", "load", "verify", "inspect", "Artifact", "LoadedModel"):
+        assert name in sm.__all__ and hasattr(sm, name)
+    assert sm.load is sys.modules["symjax_mlp.export"].load
+    assert sm.verify is sys.modules["symjax_mlp.verify"].verify

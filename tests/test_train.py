@@ -1,0 +1,330 @@
+"""Training: accuracy on real data, no retracing, bitwise reproducibility and resume,
+checkpoints without pickle, named errors, divergence, export of the trained model, the CLI."""
+
+import dataclasses
+import importlib
+import json
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from safetensors.numpy import load_file
+
+import symjax_mlp as sm
+from symjax_mlp.cli import main
+from symjax_mlp.step import init_params
+
+train_module = importlib.import_module("symjax_mlp.train")  # sm.train is the function
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return sm.load_digits()
+
+
+@pytest.fixture(scope="module")
+def trained(digits):
+    """The full run: default MLP and adam on the digits, 20 epochs, compiled."""
+    return sm.train(data=digits, epochs=20)
+
+
+@pytest.fixture(scope="module")
+def four_epochs(digits, tmp_path_factory):
+    """An uninterrupted 4-epoch run with a checkpoint after every epoch."""
+    ckpt = tmp_path_factory.mktemp("uninterrupted")
+    return sm.train(data=digits, epochs=4, checkpoint=ckpt), ckpt
+
+
+def _history(result):
+    return [
+        {k: v for k, v in dataclasses.asdict(r).items() if k != "seconds"} for r in result.history
+    ]
+
+
+def test_load_digits_is_a_fixed_standardised_split(digits):
+    again = sm.load_digits()
+    assert digits.x_train.shape == (1438, 64) and digits.x_test.shape == (359, 64)
+    assert digits.x_train.dtype == np.float32 and digits.y_train.dtype == np.int32
+    np.testing.assert_array_equal(digits.x_test, again.x_test)
+    np.testing.assert_array_equal(digits.y_train, again.y_train)
+    assert set(digits.y_test) == set(range(10)) and digits.num_classes == 10
+    np.testing.assert_allclose(digits.x_train.mean(axis=0), 0, atol=1e-5)
+    raw = digits.x_test * digits.std + digits.mean  # standardize() inverts this
+    np.testing.assert_allclose(digits.standardize(raw), digits.x_test, atol=1e-5)
+
+
+def test_train_reaches_95_percent_in_under_a_minute_and_never_retraces(trained):
+    assert trained.test_accuracy >= 0.95, trained.test_accuracy
+    assert trained.train_seconds < 60
+    assert trained.trace_count == 1  # 460 steps, one trace: every batch has one signature
+    assert trained.compiled and trained.step == 20 * 23 and trained.epoch == 20
+    assert [r.epoch for r in trained.history] == list(range(1, 21))
+    assert trained.history[-1].loss < trained.history[0].loss / 10
+    assert trained.history[-1].test_accuracy == trained.test_accuracy
+    json.dumps(trained.to_dict())  # the history is JSON-able
+
+
+def test_step_traces_once_under_chex(digits):
+    net, opt = sm.mlp((128, 64, 10)), optax.adam(1e-3)
+    chex.clear_trace_counter()
+    step = jax.jit(chex.assert_max_traces(sm.train_step(net, opt), n=1), donate_argnums=(0, 1))
+    params = init_params(net, jax.random.key(0), digits.x_train[:1])
+    opt_state = opt.init(params)
+    w = np.ones(64, np.float32)
+    w[50:] = 0  # a padded last batch has the same signature
+    for i in range(4):
+        x, y = digits.x_train[64 * i : 64 * (i + 1)], digits.y_train[64 * i : 64 * (i + 1)]
+        params, opt_state, metrics = step(params, opt_state, x, y, w if i == 3 else np.ones_like(w))
+    assert np.isfinite(metrics["loss"]) and 0 <= metrics["correct"] <= 50
+
+
+class StepNumerics(chex.TestCase):
+    """The step's loss, accuracy count and update hold jitted and un-jitted.
+
+    Digits-shaped (batch 64, 64 features, the default MLP), so the eager variant shares its
+    op-by-op compilations with the eager training test.
+    """
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_weighted_loss_and_sgd_update(self):
+        net, opt = sm.mlp((128, 64, 10)), optax.sgd(0.1)
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((64, 64)).astype(np.float32)
+        y = rng.integers(0, 10, 64).astype(np.int32)
+        w = (np.arange(64) < 50).astype(np.float32)  # rows 50.. are padding
+        params = init_params(net, jax.random.key(0), x[:1])
+
+        @jax.jit
+        def reference(p):
+            def real_loss(p):
+                logits = net.apply({"params": p}, x[:50])
+                return optax.losses.softmax_cross_entropy_with_integer_labels(logits, y[:50]).mean()
+
+            loss, grads = jax.value_and_grad(real_loss)(p)
+            correct = jnp.sum(jnp.argmax(net.apply({"params": p}, x[:50]), -1) == y[:50])
+            return loss, correct, jax.tree.map(lambda p, g: p - 0.1 * g, p, grads)
+
+        loss, correct, want = reference(params)
+        new, _, metrics = self.variant(sm.train_step(net, opt))(params, opt.init(params), x, y, w)
+        chex.assert_trees_all_close(metrics["loss"], loss, rtol=1e-5)
+        chex.assert_trees_all_close(metrics["correct"], correct.astype(jnp.float32))
+        chex.assert_trees_all_close(new, want, rtol=1e-5, atol=1e-6)
+
+
+def test_same_seed_gives_bitwise_identical_params(digits, four_epochs):
+    first, _ = four_epochs
+    second = sm.train(data=digits, epochs=4)
+    chex.assert_trees_all_equal(first.params, second.params)
+    chex.assert_trees_all_equal(first.opt_state, second.opt_state)
+    assert _history(first) == _history(second)
+
+
+def test_resume_continues_exactly_as_the_uninterrupted_run(digits, four_epochs, tmp_path):
+    full, _ = four_epochs
+    part = sm.train(data=digits, epochs=2, checkpoint=tmp_path)
+    assert part.checkpoint.name == "step_00000046"
+    resumed = sm.train(data=digits, epochs=4, checkpoint=tmp_path, resume=True)
+    assert resumed.resumed_from.name == "step_00000046" and resumed.step == full.step
+    chex.assert_trees_all_equal(resumed.params, full.params)  # bitwise
+    chex.assert_trees_all_equal(resumed.opt_state, full.opt_state)
+    assert _history(resumed) == _history(full)
+    assert resumed.test_accuracy == full.test_accuracy
+
+
+def test_checkpoints_are_safetensors_and_json_and_restore_bitwise(four_epochs):
+    full, ckpt = four_epochs
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000069", "step_00000092"]  # keep=2
+    newest = sm.latest_checkpoint(ckpt)
+    assert sorted(p.name for p in newest.iterdir()) == ["manifest.json", "state.safetensors"]
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["step"] == 92 and manifest["epoch"] == 4
+    assert manifest["metadata"]["config"]["batch_size"] == 64
+    tensors = load_file(newest / "state.safetensors")  # no pickle anywhere
+    assert tensors["params/layers_0/kernel"].shape == (64, 128)
+    assert {"opt_state/0/count", "opt_state/0/mu/layers_2/bias", "rng"} <= set(tensors)
+    like = sm.TrainState(
+        jax.tree.map(jnp.zeros_like, full.params),
+        optax.adam(1e-3).init(full.params),
+        jax.random.key(7),
+    )
+    state, meta = sm.restore_checkpoint(ckpt, like)
+    chex.assert_trees_all_equal(state.params, full.params)
+    chex.assert_trees_all_equal(state.opt_state, full.opt_state)
+    assert state.step == 92 and len(meta["history"]) == 4
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    params = {"w": jnp.arange(3.0)}
+    state = sm.TrainState(params, optax.adam(1e-3).init(params), jax.random.key(0), step=1)
+    good = sm.save_checkpoint(tmp_path, state)
+
+    def crash(tensors, path):
+        path.write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sm.checkpoint, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        sm.save_checkpoint(tmp_path, dataclasses.replace(state, step=2))
+    assert [p.name for p in tmp_path.iterdir()] == [good.name]  # no half checkpoint, no temp
+    assert sm.latest_checkpoint(tmp_path) == good
+
+
+def test_checkpoint_mismatches_are_named(digits, four_epochs):
+    full, ckpt = four_epochs
+    with pytest.raises(sm.ArtifactError, match=r"already holds checkpoints .*resume=True"):
+        sm.train(data=digits, epochs=5, checkpoint=ckpt)
+    with pytest.raises(sm.ArtifactError, match=r"\{'batch_size': 64\}.*\{'batch_size': 32\}"):
+        sm.train(data=digits, epochs=5, batch_size=32, checkpoint=ckpt, resume=True)
+    narrow = {**full.params, "layers_0": {"kernel": jnp.zeros((32, 128)), "bias": jnp.zeros(128)}}
+    like = sm.TrainState(narrow, optax.adam(1e-3).init(narrow), jax.random.key(0))
+    with pytest.raises(
+        sm.ArtifactError,
+        match=r"'params/layers_0/kernel' has shape \(64, 128\).*expects shape \(32, 128\)",
+    ):
+        sm.restore_checkpoint(ckpt, like)
+    like = sm.TrainState(full.params, optax.sgd(0.1).init(full.params), jax.random.key(0))
+    with pytest.raises(sm.ArtifactError, match="does not fit this model and optimizer"):
+        sm.restore_checkpoint(ckpt, like)
+
+
+@pytest.mark.parametrize(
+    ("change", "sizes", "message"),
+    [
+        (
+            {"y_train": "minus_one"},
+            (32, 10),
+            r"labels out of range: digits.y_train holds values from -1 to 9 .*first y_train\[0\] "
+            r"= -1\), but digits.num_classes is 10, so labels must be integers in 0..9",
+        ),
+        ({}, (32, 5), r"labels out of range: .*the model has 5 outputs, so .* in 0..4"),
+        (
+            {"x_test": "narrow"},
+            (32, 10),
+            r"digits.x_test has 63 features per example but x_train has 64",
+        ),
+        ({"x_train": "nan"}, (32, 10), r"digits.x_train\[5, 7\] is NaN\); expected finite"),
+        ({"x_train": "empty"}, (32, 10), r"digits.x_train is empty \(shape \(0, 64\)\)"),
+    ],
+)
+def test_bad_input_is_named_before_training(digits, monkeypatch, change, sizes, message):
+    monkeypatch.setattr(train_module, "train_step", lambda *a: pytest.fail("a step was built"))
+    fields = {}
+    for name, how in change.items():
+        a = getattr(digits, name).copy()
+        if how == "minus_one":
+            a[0] = -1
+        elif how == "narrow":
+            a = a[:, :63]
+        elif how == "nan":
+            a[5, 7] = np.nan
+        elif how == "empty":
+            a, fields["y_train"] = a[:0], digits.y_train[:0]
+        fields[name] = a
+    with pytest.raises(sm.DataError, match=message):
+        sm.train(sm.mlp(sizes), dataclasses.replace(digits, **fields))
+
+
+def _nan_at(count: int) -> optax.GradientTransformation:
+    """Makes the ``count``-th update (0-based) NaN: the loss after it is NaN."""
+
+    def update(updates, seen, params=None):
+        scale = jnp.where(seen == count, jnp.nan, 1.0)
+        return jax.tree.map(lambda u: u * scale, updates), seen + 1
+
+    return optax.GradientTransformation(lambda p: jnp.zeros([], jnp.int32), update)
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(digits, tmp_path):
+    opt = optax.chain(optax.adam(1e-3), _nan_at(30))
+    seen = []
+    with pytest.raises(sm.DivergenceError, match=r"loss is nan at step 31 \(epoch 2, batch 9") as e:
+        sm.train(data=digits, optimizer=opt, epochs=3, checkpoint=tmp_path, on_epoch=seen.append)
+    assert (e.value.step, e.value.epoch) == (31, 2) and [r.epoch for r in seen] == [1]
+    assert e.value.checkpoint.name == "step_00000023" and "kept" in str(e.value)
+    assert sm.latest_checkpoint(tmp_path) == e.value.checkpoint
+    resumed = sm.train(data=digits, epochs=1, checkpoint=tmp_path, resume=True, optimizer=opt)
+    assert resumed.step == 23 and all(np.isfinite(x).all() for x in jax.tree.leaves(resumed.params))
+
+    # A huge learning rate; the second transformation keeps the params themselves as its state,
+    # which train() must copy, since params and optimizer state are both donated.
+    keeps_params = optax.GradientTransformation(lambda p: p, lambda u, s, p=None: (u, s))
+    opt = optax.chain(optax.sgd(1e30), keeps_params)
+    with pytest.raises(sm.DivergenceError, match=r"at step 1 .*no checkpoint was written") as e:
+        sm.train(data=digits, optimizer=opt, epochs=1)
+    assert e.value.checkpoint is None
+
+
+def test_eager_step_matches_compiled(digits, four_epochs):
+    full, _ = four_epochs
+    eager = sm.train(data=digits, epochs=1, compiled=False)
+    assert not eager.compiled and eager.trace_count == 0
+    np.testing.assert_allclose(eager.history[0].loss, full.history[0].loss, rtol=1e-5)
+    assert abs(eager.history[0].test_accuracy - full.history[0].test_accuracy) <= 2 / 359
+
+
+def test_time_train_step_reports_both_rates():
+    r = sm.time_train_step(steps=3, eager_steps=2)
+    assert set(r) == {
+        "compiled_steps_per_s",
+        "eager_steps_per_s",
+        "speedup",
+        "compile_seconds",
+        "steps",
+        "eager_steps",
+        "batch_size",
+        "in_features",
+        "sizes",
+        "backend",
+        "device",
+    }
+    assert r["compiled_steps_per_s"] > 0 and r["eager_steps_per_s"] > 0
+    assert r["speedup"] == pytest.approx(r["compiled_steps_per_s"] / r["eager_steps_per_s"])
+    assert (r["steps"], r["eager_steps"], r["sizes"]) == (3, 2, [128, 64, 10])
+
+
+def test_exported_model_reproduces_the_test_accuracy_in_a_fresh_process(trained, digits, tmp_path):
+    trained.export(tmp_path / "digits_mlp")
+    np.save(tmp_path / "x.npy", digits.x_test)
+    in_process = np.asarray(trained.hybridize()(digits.x_test)).argmax(-1)
+    code = (
+        "import json, sys, numpy as np, symjax_mlp as sm\n"
+        "m = sm.load(sys.argv[1])\n"
+        "pred = np.asarray(m(np.load(sys.argv[2]))).argmax(-1)\n"
+        "print(json.dumps(pred.tolist()))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "digits_mlp"), str(tmp_path / "x.npy")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    pred = np.array(json.loads(run.stdout.splitlines()[-1]))
+    np.testing.assert_array_equal(pred, in_process)
+    assert np.mean(pred == digits.y_test) == trained.test_accuracy
+
+
+def test_cli_train_progress_json_checkpoint_resume(tmp_path, capsys):
+    ckpt, hist = tmp_path / "ckpt", tmp_path / "h.json"
+    argv = ["train", "--epochs", "1", "--checkpoint", str(ckpt), "--json", str(hist)]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "epoch 1/1 [####################] loss " in err and "test " in err
+    assert out.startswith("test accuracy ") and "after 1 epochs (23 steps, compiled)" in out
+    assert len(json.loads(hist.read_text())["history"]) == 1
+
+    # --resume with the target already reached: restores, trains nothing, reports the same
+    assert main(["train", "--epochs", "1", "--quiet", "--resume", *argv[3:]]) == 0
+    out2, err = capsys.readouterr()
+    assert err == "" and out2.split(" after")[0] == out.split(" after")[0]
+    data = json.loads(hist.read_text())
+    assert [r["epoch"] for r in data["history"]] == [1] and data["resumed_from"].endswith("23")
+
+    assert main(["train", "--sizes", "32,5", "--quiet"]) == 2
+    assert "labels out of range" in capsys.readouterr().err
