@@ -4,6 +4,8 @@ Write the model imperatively, flip one switch (:func:`hybridize`) and get the sy
 as a jaxpr (:class:`Graph`), an XLA-compiled call, and a portable StableHLO artifact.
 """
 
+from importlib import metadata as _metadata
+
 from symjax_mlp.artifact import Artifact, inspect
 from symjax_mlp.checkpoint import (
     TrainState,
@@ -11,7 +13,7 @@ from symjax_mlp.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
-from symjax_mlp.data import DataError, Dataset, load_digits
+from symjax_mlp.data import Dataset, load_digits
 from symjax_mlp.distributed import (
     LoadedSharded,
     Sharded,
@@ -25,6 +27,8 @@ from symjax_mlp.distributed import (
 from symjax_mlp.errors import (
     ArtifactError,
     ControlFlowError,
+    DataError,
+    DivergenceError,
     RetraceError,
     SignatureError,
     SymjaxError,
@@ -35,10 +39,10 @@ from symjax_mlp.hybrid import ArgSpec, Hybrid, TraceEvent, hybridize
 from symjax_mlp.manifest import Signature, TensorSpec
 from symjax_mlp.models import ACTIVATIONS, Dense, HybridConcurrent, HybridSequential, mlp
 from symjax_mlp.step import time_train_step, train_step
-from symjax_mlp.train import DivergenceError, EpochRecord, TrainResult, train
+from symjax_mlp.train import EpochRecord, TrainResult, train
 from symjax_mlp.verify import VerifyCheck, VerifyReport, verify
 
-__version__ = "0.1.0"
+__version__ = _metadata.version("symjax_mlp")  # pyproject.toml is the one source
 
 __all__ = [
     "ACTIVATIONS",

@@ -13,13 +13,9 @@ import dataclasses
 
 import numpy as np
 
-from symjax_mlp.errors import SymjaxError
+from symjax_mlp.errors import DataError
 
-__all__ = ["DataError", "Dataset", "check_dataset", "load_digits"]
-
-
-class DataError(SymjaxError, ValueError):
-    """Training data is empty, misshapen, non-finite or has labels the model cannot predict."""
+__all__ = ["Dataset", "check_dataset", "load_digits"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

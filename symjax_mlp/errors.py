@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 __all__ = [
     "ArtifactError",
     "ControlFlowError",
+    "DataError",
+    "DivergenceError",
     "RetraceError",
     "SignatureError",
     "SymjaxError",
@@ -29,3 +33,23 @@ class RetraceError(SymjaxError):
 
 class ControlFlowError(SymjaxError, TypeError):
     """Python control flow or a host conversion was applied to a traced (symbolic) value."""
+
+
+class DataError(SymjaxError, ValueError):
+    """Training data is empty, misshapen, non-finite or has labels the model cannot predict."""
+
+
+class DivergenceError(SymjaxError, FloatingPointError):
+    """The training loss (or the parameters) became NaN or infinite.
+
+    Attributes:
+      step: the optimizer step whose loss was not finite (updates applied before it).
+      epoch: the epoch it happened in (1-based).
+      checkpoint: the last good checkpoint, kept on disk (``None`` without checkpoints).
+    """
+
+    def __init__(self, message: str, *, step: int, epoch: int, checkpoint: Path | None):
+        super().__init__(message)
+        self.step = step
+        self.epoch = epoch
+        self.checkpoint = checkpoint

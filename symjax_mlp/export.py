@@ -59,7 +59,8 @@ def export(
 
     Args:
       h: the :class:`~symjax_mlp.Hybrid` to export; its params become inputs of the exported
-        function and are written to ``params.safetensors``.
+        function and are written to ``params.safetensors``. A :class:`~symjax_mlp.Sharded`
+        exports its sharded program (see :meth:`~symjax_mlp.Sharded.export`).
       path: the artifact directory. Written atomically: a temporary sibling, manifest last,
         then renamed into place.
       example: an input array, or a tuple of input arrays; only shapes and dtypes are used.
@@ -82,6 +83,12 @@ def export(
       >>> sm.load("my_mlp")(x).shape
       (1, 2)
     """
+    from symjax_mlp.distributed import Sharded  # distributed imports export; avoid a cycle
+
+    if isinstance(h, Sharded):  # records the mesh: nr_devices = mesh.size
+        return h.export(
+            path, example=example, batch=batch, platforms=platforms, overwrite=overwrite
+        )
     if not isinstance(h, Hybrid):
         raise TypeError(
             f"export() expects a Hybrid; got {type(h).__name__}. Write "
@@ -100,13 +107,20 @@ def export(
     check_target(path, overwrite)  # fail before the work, not after it
     specs, host_params = param_specs(h.params)
     treedef = jax.tree.structure(h.params)
-    fn = h.fn
+    fn, paths = h.fn, [s.path for s in specs]
 
-    def model(param_leaves: list[jax.Array], *inputs: jax.Array) -> Any:
-        return fn(jax.tree.unflatten(treedef, param_leaves), *inputs)
+    # The params go in as a dict keyed by path, so the module's own input tree names every
+    # param and load binds weights by name (an edited manifest cannot swap two of one shape).
+    def model(params: dict[str, jax.Array], *inputs: jax.Array) -> Any:
+        return fn(jax.tree.unflatten(treedef, [params[p] for p in paths]), *inputs)
 
     model.__name__ = "model"
-    p_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in host_params]
+    order = sorted(range(len(specs)), key=lambda i: specs[i].path)  # a dict flattens sorted
+    specs, host_params = [specs[i] for i in order], [host_params[i] for i in order]
+    p_structs = {
+        s.path: jax.ShapeDtypeStruct(a.shape, a.dtype)
+        for s, a in zip(specs, host_params, strict=True)
+    }
     try:
         exported = jax.export.export(jax.jit(model), platforms=platforms)(p_structs, *in_specs)
     except _TRACER_ERRORS as e:
@@ -287,6 +301,8 @@ class LoadedModel:
         self._params = params
         self._run = run
         self._caller = f'symjax_mlp.load("{path}")'
+        self._single_output = self.signature.output_kind == "array"
+        self._checked: set[tuple[Any, ...]] = set()
 
     @property
     def params(self) -> dict[str, np.ndarray]:
@@ -294,9 +310,18 @@ class LoadedModel:
         return dict(self._params)
 
     def __call__(self, *inputs: jax.typing.ArrayLike) -> Any:
-        arrays = self.signature.check(inputs, caller=self._caller)
-        outs = self._run(arrays)
-        return outs[0] if self.signature.output_kind == "array" else tuple(outs)
+        # Hot path: a (shape, dtype) signature that passed the check once needs no second
+        # check; only arrays (things with .shape and .dtype) are remembered, at most 256.
+        try:
+            key = tuple((x.shape, x.dtype) for x in inputs)
+        except AttributeError:
+            key = None
+        if key is None or key not in self._checked:
+            inputs = self.signature.check(inputs, caller=self._caller)
+            if key is not None and len(self._checked) < 256:
+                self._checked.add(key)
+        outs = self._run(inputs)
+        return outs[0] if self._single_output else tuple(outs)
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"

@@ -12,7 +12,9 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import re
+import stat
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ JAXEXPORT, MLIRBC, MLIR, PARAMS = (
     "params.safetensors",
 )
 CORE_FILES = (JAXEXPORT, MLIRBC, MLIR, PARAMS)
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few kB; refuse to read gigabytes of one
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _REQUIRED = (
     "format",
     "format_version",
@@ -205,32 +209,200 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path} {what}. Pass the directory written by symjax_mlp.export.")
     file = path / MANIFEST
     try:
-        manifest = json.loads(file.read_bytes())
+        manifest = json.loads(read_regular(file, limit=MAX_MANIFEST_BYTES))
     except FileNotFoundError:
         raise ArtifactError(
             f"{file} is missing: {path} is not a complete symjax_mlp artifact (the manifest is "
             "written last, so an export that did not finish has none). Export it again."
         ) from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ArtifactError(f"{file} is not valid JSON ({e}); the artifact is corrupted.") from e
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{file} holds a JSON {type(manifest).__name__}, not an object.")
     if manifest.get("format") != FORMAT:
         raise ArtifactError(
-            f"{file}: format is {manifest.get('format')!r}, not {FORMAT!r}: this directory was "
-            "not written by symjax_mlp.export."
+            f"{file}: format is {_show(manifest.get('format'))}, not {FORMAT!r}: this directory "
+            "was not written by symjax_mlp.export."
         )
     version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+    if not _is_int(version) or version > FORMAT_VERSION or version < 1:
         raise ArtifactError(
-            f"{file}: format version {version!r}; this symjax_mlp reads format version "
+            f"{file}: format version {_show(version)}; this symjax_mlp reads format version "
             f"{FORMAT_VERSION}. An artifact from a newer symjax_mlp needs that version: "
             "pip install -U symjax_mlp."
         )
     missing = [k for k in _REQUIRED if k not in manifest]
     if missing:
         raise ArtifactError(f"{file} lacks the field(s) {', '.join(missing)}; it is corrupted.")
+    check_schema(manifest, file=file)
     return manifest
+
+
+def read_regular(file: Path, *, size: int | None = None, limit: int | None = None) -> bytes:
+    """Reads one file of an artifact: a regular file, never a link, FIFO or device.
+
+    It is opened without following a symbolic link (an artifact never holds one: a link could
+    point out of the directory, or at ``/dev/zero``) and without blocking, and its size is
+    checked against ``size`` (the manifest's record) or ``limit`` before a byte is read.
+
+    Raises:
+      FileNotFoundError: ``file`` does not exist (callers say what that means).
+      ArtifactError: anything else that makes it unreadable or not what was recorded.
+    """
+    flags = os.O_RDONLY
+    for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "O_BINARY"):
+        flags |= getattr(os, name, 0)
+    try:
+        fd = os.open(file, flags)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:  # ELOOP: a symlink; ValueError: a NUL in the name
+        if os.path.islink(file):
+            raise ArtifactError(
+                f"{file} is a symbolic link; an artifact's files are regular files inside its "
+                "directory and loading never follows a link. Replace it by the file it points "
+                "to, or export again."
+            ) from None
+        raise ArtifactError(f"{file} cannot be read: {e}") from e
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ArtifactError(
+                f"{file} is not a regular file (a directory, FIFO or device); the artifact is "
+                "corrupted. Restore the file or export again."
+            )
+        if size is not None and info.st_size != size:
+            raise ArtifactError(
+                f"{file} is corrupted: it has {info.st_size} bytes but the manifest records "
+                f"{size}. Nothing was deserialized. Restore the file or export again."
+            )
+        if limit is not None and info.st_size > limit:
+            raise ArtifactError(
+                f"{file} has {info.st_size} bytes, more than the {limit} a symjax_mlp artifact's "
+                "manifest can have; it is not one. Export it again."
+            )
+        try:
+            data = f.read(info.st_size + 1)
+        except OSError as e:
+            raise ArtifactError(f"{file} cannot be read: {e}") from e
+    if len(data) != info.st_size:
+        raise ArtifactError(f"{file} changed while it was read; load it again.")
+    return data
+
+
+# -- the manifest's schema: checked before any field is used -----------------------------------
+def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
+    """Checks the type (and range, where one matters) of every field a loader reads.
+
+    Raises:
+      ArtifactError: naming the field, what it holds and what a manifest has there.
+    """
+    m, sig = manifest, manifest["signature"]
+    rules: list[tuple[str, Callable[[], Any], Callable[[Any], bool], str]] = [
+        ("name", lambda: m["name"], _is_str, "a string"),
+        ("created", lambda: m["created"], _is_str, "a string"),
+        ("versions", lambda: m["versions"], _str_dict, "an object of version strings"),
+        ("platforms", lambda: m["platforms"], _platforms, "a list of distinct platform names"),
+        ("nr_devices", lambda: m["nr_devices"], _count, "an int >= 1"),
+        ("calling_convention_version", lambda: m["calling_convention_version"], _is_int, "an int"),
+        ("ordered_effects", lambda: m.get("ordered_effects", 0), _size, "an int >= 0"),
+        ("signature", lambda: sig, lambda v: isinstance(v, dict), "an object"),
+        ("signature.inputs", lambda: sig.get("inputs"), _tensors(True), _TENSORS),
+        ("signature.outputs", lambda: sig.get("outputs"), _tensors(True), _TENSORS),
+        ("signature.output_kind", lambda: sig.get("output_kind"),
+         lambda v: v == "tuple" or (v == "array" and len(sig["outputs"]) == 1),
+         '"tuple", or "array" with one output'),
+        ("signature.batch", lambda: sig.get("batch"), lambda v: v is None or _is_str(v),
+         "a name or null"),
+        ("params", lambda: m["params"], _tensors(False), _TENSORS + " with distinct paths"),
+        ("mlir_arguments", lambda: m["mlir_arguments"], _str_list, "a list of names"),
+        ("files", lambda: m["files"], _files, "an object {file name: {sha256, bytes}} naming "
+         "plain files inside the artifact, each with 64 lowercase hex digits and a size"),
+    ]  # fmt: skip
+    for field, get, ok, want in rules:
+        value = get()
+        if not ok(value):
+            raise ArtifactError(
+                f"{file}: {field} is {_show(value)}, but a symjax_mlp manifest has {want} "
+                "there; the artifact is corrupted or was edited. Export it again."
+            )
+
+
+_TENSORS = "a list of {path, shape, dtype} (each dimension a size >= 0 or a name)"
+
+
+def _is_str(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _size(x: Any) -> bool:
+    return _is_int(x) and x >= 0
+
+
+def _count(x: Any) -> bool:
+    return _is_int(x) and x >= 1
+
+
+def _str_list(x: Any) -> bool:
+    return isinstance(x, list) and all(map(_is_str, x))
+
+
+def _str_dict(x: Any) -> bool:
+    return isinstance(x, dict) and all(map(_is_str, x.values()))
+
+
+def _platforms(x: Any) -> bool:
+    return _str_list(x) and len(x) > 0 and len(set(x)) == len(x)
+
+
+def _tensors(symbolic: bool) -> Callable[[Any], bool]:
+    def dim_ok(d: Any) -> bool:
+        return _size(d) or (symbolic and _is_str(d) and d != "")
+
+    def ok(x: Any) -> bool:
+        return (
+            isinstance(x, list)
+            and all(
+                isinstance(d, dict)
+                and all(_is_str(d.get(k)) and d[k] != "" for k in ("path", "dtype"))
+                and isinstance(d.get("shape"), list)
+                and all(map(dim_ok, d["shape"]))
+                for d in x
+            )
+            and len({d["path"] for d in x}) == len(x)
+        )
+
+    return ok
+
+
+def _files(x: Any) -> bool:
+    return isinstance(x, dict) and all(
+        _is_file_name(name)
+        and isinstance(e, dict)
+        and _is_str(e.get("sha256"))
+        and _SHA256.fullmatch(e["sha256"]) is not None
+        and _size(e.get("bytes"))
+        for name, e in x.items()
+    )
+
+
+def _is_file_name(name: str) -> bool:
+    """A plain name of a file directly inside the artifact directory: no path, no escape."""
+    return (
+        name not in ("", ".", "..", MANIFEST)
+        and not any(c in name for c in ("/", "\\", "\x00"))
+        and os.path.basename(name) == name
+        and len(name.encode("utf-8", "surrogatepass")) <= 255
+    )
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def read_files(path: Path, manifest: Mapping[str, Any]) -> dict[str, bytes]:
@@ -241,10 +413,10 @@ def read_files(path: Path, manifest: Mapping[str, Any]) -> dict[str, bytes]:
         raise ArtifactError(f"{path / MANIFEST} does not list {lacking}; it is corrupted.")
     blobs = {}
     for name, entry in listed.items():
-        if os.path.basename(name) != name or name in ("", ".", ".."):
+        if not _is_file_name(name):
             raise ArtifactError(f"{path / MANIFEST} lists {name!r}, which is not a file name.")
         try:
-            data = (path / name).read_bytes()
+            data = read_regular(path / name, size=entry["bytes"])
         except FileNotFoundError:
             raise ArtifactError(
                 f"{path / name} is missing (the manifest lists it). The artifact is incomplete: "
@@ -254,8 +426,8 @@ def read_files(path: Path, manifest: Mapping[str, Any]) -> dict[str, bytes]:
         if digest != entry["sha256"]:
             raise ArtifactError(
                 f"{path / name} is corrupted: its sha256 is {digest[:16]}... but the manifest "
-                f"records {entry['sha256'][:16]}... ({len(data)} bytes; {entry['bytes']} "
-                "expected). Nothing was deserialized. Restore the file or export again."
+                f"records {entry['sha256'][:16]}... ({len(data)} bytes). Nothing was "
+                "deserialized. Restore the file or export again."
             )
         blobs[name] = data
     return blobs

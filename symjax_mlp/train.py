@@ -26,7 +26,7 @@ import optax
 
 from symjax_mlp.checkpoint import TrainState, latest_checkpoint, restore_checkpoint, save_checkpoint
 from symjax_mlp.data import Dataset, check_dataset, load_digits
-from symjax_mlp.errors import ArtifactError, RetraceError, SymjaxError
+from symjax_mlp.errors import ArtifactError, DivergenceError, RetraceError
 from symjax_mlp.models import mlp
 from symjax_mlp.step import init_params, train_step
 
@@ -34,23 +34,7 @@ if TYPE_CHECKING:
     from symjax_mlp.artifact import Artifact
     from symjax_mlp.hybrid import Hybrid
 
-__all__ = ["DivergenceError", "EpochRecord", "TrainResult", "train"]
-
-
-class DivergenceError(SymjaxError, FloatingPointError):
-    """The training loss (or the parameters) became NaN or infinite.
-
-    Attributes:
-      step: the optimizer step whose loss was not finite (updates applied before it).
-      epoch: the epoch it happened in (1-based).
-      checkpoint: the last good checkpoint, kept on disk (``None`` without checkpoints).
-    """
-
-    def __init__(self, message: str, *, step: int, epoch: int, checkpoint: Path | None):
-        super().__init__(message)
-        self.step = step
-        self.epoch = epoch
-        self.checkpoint = checkpoint
+__all__ = ["EpochRecord", "TrainResult", "train"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 from symjax_mlp.errors import ArtifactError
 from symjax_mlp.manifest import (
     JAXEXPORT,
+    MLIRBC,
     check_calling_convention,
     compatibility_note,
     shape_dims,
@@ -71,27 +72,88 @@ def runner(
                 f"{e}). {compatibility_note(manifest)}"
             ) from e
         call = jax.jit(exported.call)
-    want = [tuple(p["shape"]) for p in manifest["params"]] + [
-        tuple(s["shape"]) for s in manifest["signature"]["inputs"]
-    ]
-    got = [shape_dims(a.shape) for a in exported.in_avals]
-    agree = (
-        got == want
-        and list(exported.platforms) == list(manifest["platforms"])
-        and exported.calling_convention_version == manifest["calling_convention_version"]
-    )
-    if not agree:
-        raise ArtifactError(
-            f"{path / JAXEXPORT} does not match {path / 'manifest.json'}: the module takes "
-            f"{got} on {exported.platforms}, the manifest lists {want} on "
-            f"{manifest['platforms']}. The artifact was edited; export it again."
-        )
+    _check_agrees(path, manifest, blobs, exported)
     _CALLS[key] = exported, call
     while len(_CALLS) > _MAX_CALLS:
         _CALLS.pop(next(iter(_CALLS)))  # least recently loaded
-    leaves = [jax.numpy.asarray(a) for a in params]
+    names = [p["path"] for p in manifest["params"]]
+    weights = {n: jax.numpy.asarray(a) for n, a in zip(names, params, strict=True)}
+    n = manifest["nr_devices"]
+    if n == 1:
 
-    def run(inputs: list[Any]) -> list[Any]:
-        return jax.tree.leaves(call(leaves, *inputs))
+        def run(inputs: list[Any]) -> list[Any]:
+            return jax.tree.leaves(call(weights, *inputs))
 
-    return run
+        return run
+    # A sharded export runs on exactly n devices: under the caller's mesh of n devices (as
+    # load_sharded sets one), else under a mesh of the first n (check_supported saw enough).
+    mesh = jax.make_mesh(
+        (n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n]
+    )
+
+    def run_sharded(inputs: list[Any]) -> list[Any]:
+        current = jax.sharding.get_mesh()
+        if not current.empty and current.size == n:
+            return jax.tree.leaves(call(weights, *inputs))
+        with jax.set_mesh(mesh):
+            return jax.tree.leaves(call(weights, *inputs))
+
+    return run_sharded
+
+
+def _check_agrees(
+    path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes], exported: Any
+) -> None:
+    """Checks the deserialized module against the manifest and ``model.mlirbc``.
+
+    Each file's checksum only proves that file is what the manifest recorded; this proves the
+    files belong together: the module takes the listed params (by name), inputs and outputs
+    (shapes and dtypes), on the listed platforms and devices, and is the very StableHLO of
+    ``model.mlirbc`` (so both runtimes run one program).
+    """
+    sig = manifest["signature"]
+
+    def types(specs: Any) -> list[tuple[tuple[Any, ...], str]]:
+        return [(tuple(s["shape"]), s["dtype"]) for s in specs]
+
+    params = sorted(manifest["params"], key=lambda p: p["path"])  # a dict flattens sorted
+    want_in, want_out = types(params) + types(sig["inputs"]), types(sig["outputs"])
+    got_in = [(shape_dims(a.shape), str(a.dtype)) for a in exported.in_avals]
+    got_out = [(shape_dims(a.shape), str(a.dtype)) for a in exported.out_avals]
+    names = dict.fromkeys((p["path"] for p in params), 0)
+    in_tree = jax.tree.structure(((names, *[0] * len(sig["inputs"])), {}))
+    n_out = len(sig["outputs"])
+    out_tree = jax.tree.structure(0 if sig["output_kind"] == "array" else (0,) * n_out)
+    checks = [
+        (exported.in_tree == in_tree, f"takes {exported.in_tree}, not {in_tree}"),
+        (got_in == want_in, f"takes {got_in}, not {want_in}"),
+        (exported.out_tree == out_tree, f"returns {exported.out_tree}, not {out_tree}"),
+        (got_out == want_out, f"returns {got_out}, not {want_out}"),
+        (
+            list(exported.platforms) == list(manifest["platforms"]),
+            f"runs on {list(exported.platforms)}, not {list(manifest['platforms'])}",
+        ),
+        (
+            exported.nr_devices == manifest["nr_devices"],
+            f"runs on {exported.nr_devices} device(s), not {manifest['nr_devices']}",
+        ),
+        (
+            exported.calling_convention_version == manifest["calling_convention_version"],
+            f"has calling convention {exported.calling_convention_version}",
+        ),
+        (
+            len(exported.ordered_effects) == manifest.get("ordered_effects", 0),
+            f"has {len(exported.ordered_effects)} ordered effect(s)",
+        ),
+        (
+            bytes(exported.mlir_module_serialized) == blobs[MLIRBC],
+            f"holds a StableHLO module other than {MLIRBC}'s",
+        ),
+    ]
+    problems = [what for ok, what in checks if not ok]
+    if problems:
+        raise ArtifactError(
+            f"{path / JAXEXPORT} does not match {path / 'manifest.json'} and {MLIRBC}: the module "
+            + "; ".join(problems)
+            + ". The files come from different exports, or one was edited; export it again."
+        )
