@@ -3,6 +3,7 @@
     python scripts/bench.py                    # about a minute on 2 cores
     python scripts/bench.py --compare torch    # PyTorch eager / jit.script / compile too
     python scripts/bench.py --sweep            # batch 1..65536 vs the matmul peak (JSON, PNG)
+    python scripts/bench.py --devices 8        # sharded throughput on 1, 2, 4, 8 devices
     python scripts/bench.py --json bench.json  # every figure, versions, backend, device
 
 All the logic lives in :mod:`symjax_mlp.bench`; ``symjax-mlp bench`` runs the same function.

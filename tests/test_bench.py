@@ -5,17 +5,52 @@ Every run here uses tiny call counts and a tiny net so the file stays well under
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import matplotlib.image
 import pytest
+import torch
 
 from symjax_mlp import bench
+from symjax_mlp.bench import cli as bench_cli
 from symjax_mlp.cli import main as cli_main
+from symjax_mlp.distributed import CPU_NOTE
 
 TINY = {"sizes": (8, 2), "in_features": 16}
+
+
+def tiny_benchmark(**kw):
+    """The benchmark on a tiny net with the fewest calls; ``kw`` overrides."""
+    fewest = {"calls": 2, "repeats": 1, "eager_chunks": 1, "stage_repeats": 1}
+    return bench.benchmark(**(fewest | {"peak": False, "train_step": False} | TINY | kw))
+
+
+def test_public_names_are_pinned():
+    assert bench.__all__ == [
+        "BenchReport",
+        "Row",
+        "SweepPoint",
+        "SweepReport",
+        "Timing",
+        "add_arguments",
+        "benchmark",
+        "environment",
+        "format_devices",
+        "format_report",
+        "format_sweep",
+        "main",
+        "measure_peak",
+        "plot_sweep",
+        "sweep",
+        "time_calls",
+        "time_interleaved",
+        "time_stages",
+    ]
+    assert all(callable(getattr(bench, name)) for name in bench.__all__)
 
 
 def test_timing_fields_and_stats():
@@ -72,16 +107,8 @@ def test_environment_says_where_it_ran():
 
 @pytest.fixture(scope="module")
 def report():
-    return bench.benchmark(
-        calls=4,
-        repeats=2,
-        eager_chunks=2,
-        stage_repeats=1,
-        train_step=False,
-        iree=False,
-        peak_size=32,
-        **TINY,
-    )
+    """One run with every row that needs no extra framework: the artifact in JAX and IREE."""
+    return tiny_benchmark(calls=4, repeats=2, eager_chunks=2, peak=True, peak_size=32)
 
 
 def test_report_rows_and_headline(report):
@@ -125,11 +152,26 @@ def test_report_json_round_trips(report):
     assert d["config"]["sizes"] == [8, 2]
 
 
-def test_optional_rows_are_skipped_with_a_note_or_present(report):
-    keys = {r.key for r in report.rows}
-    has_artifact = "artifact_jax" in keys
-    noted = any("artifact" in n for n in report.notes)
-    assert has_artifact or noted
+def test_artifact_rows_are_present_with_iree_installed(report):
+    keys = [r.key for r in report.rows]
+    assert keys[5:7] == ["artifact_jax", "artifact_iree"]  # after the floor, before vmap
+    assert report.row("artifact_iree").label == "loaded artifact (IREE, CPU)"
+    assert {"export", "load_jax", "load_iree"} <= set(report.stages)
+    assert "artifact_over_hybridized" in report.targets
+    assert not any("skipped" in n for n in report.notes)
+
+
+def test_missing_iree_drops_its_row_with_a_note(monkeypatch):
+    monkeypatch.setitem(sys.modules, "iree.compiler", None)  # `import iree.compiler` fails
+    monkeypatch.setitem(sys.modules, "iree.runtime", None)
+    r = tiny_benchmark()
+    keys = {row.key for row in r.rows}
+    assert "artifact_jax" in keys and "artifact_iree" not in keys
+    assert "load_iree" not in r.stages
+    (note,) = [n for n in r.notes if "IREE" in n]
+    assert note.startswith("artifact (IREE) row skipped: ArtifactError: ")
+    assert "pip install 'symjax_mlp[iree]'" in note  # the note says what to do
+    assert "note: " + note in bench.format_report(r)
 
 
 def test_bad_compare_is_a_user_error():
@@ -138,28 +180,16 @@ def test_bad_compare_is_a_user_error():
 
 
 def test_torch_rows_share_the_table():
-    torch = pytest.importorskip("torch")
-    del torch
-    r = bench.benchmark(
-        calls=2,
-        repeats=1,
-        eager_chunks=1,
-        stage_repeats=1,
-        artifact=False,
-        train_step=False,
-        peak=False,
-        compare=("torch",),
-        **TINY,
-    )
+    r = tiny_benchmark(artifact=False, compare=("torch",))
     keys = {row.key for row in r.rows}
     assert {"torch_eager", "torch_script", "torch_compile"} <= keys
     assert "torch_fastest_over_hybridized" in r.targets
     assert {"torch_script", "torch_compile"} <= set(r.stages)  # their compile times
     assert not any("differs" in n for n in r.notes)  # same weights, same outputs
+    assert any(n.startswith(f"torch: {torch.__version__}, ") for n in r.notes)
 
 
 def test_sweep_points_peak_and_plot(tmp_path):
-    pytest.importorskip("matplotlib")
     s = bench.sweep(
         batch_sizes=(1, 4), eager_max_batch=1, repeats=1, min_seconds=0, peak_size=32, **TINY
     )
@@ -177,6 +207,7 @@ def test_sweep_points_peak_and_plot(tmp_path):
     assert "matmul peak" in bench.format_sweep(s)
     png = Path(bench.plot_sweep(s, tmp_path / "sweep.png"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(png).shape[:2] == (462, 1210)  # 11 x 4.2 in at 110 dpi
 
 
 def test_cli_bench_writes_json(tmp_path, capsys, monkeypatch, report):
@@ -186,7 +217,7 @@ def test_cli_bench_writes_json(tmp_path, capsys, monkeypatch, report):
         seen.update(kw)
         return report
 
-    monkeypatch.setattr(bench, "benchmark", fake_benchmark)
+    monkeypatch.setattr(bench_cli, "benchmark", fake_benchmark)
     out = tmp_path / "bench.json"
     argv = ["bench", "--calls", "4", "--sizes", "8,2", "--compare", "torch", "--no-iree"]
     assert cli_main([*argv, "--quiet", "--json", str(out)]) == 0
@@ -200,19 +231,60 @@ def test_cli_bench_writes_json(tmp_path, capsys, monkeypatch, report):
     assert {"jax", "flax", "backend", "device_kind", "cpu_count"} <= set(d["env"])
 
 
+def test_cli_bench_devices_table_and_json(tmp_path, capsys, monkeypatch, report):
+    monkeypatch.setattr(bench_cli, "benchmark", lambda **kw: report)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--sizes", "8,2", "--in-features", "16", "--devices", "1"]
+    assert cli_main([*argv, "--quiet", "--json", str(out)]) == 0  # one device: in-process
+    d = json.loads(out.read_text())["devices"]
+    assert d["n_devices"] == 1 and not d["in_subprocess"]
+    assert d["sizes"] == [8, 2] and d["in_features"] == 16 and d["note"]
+    (row,) = d["rows"]
+    assert set(row) >= {
+        "devices",
+        "inference_examples_per_s",
+        "train_examples_per_s",
+        "inference_speedup",
+        "compile_seconds",
+        "max_abs_diff",
+        "matches_1_device",
+    }
+    assert row["devices"] == 1 and row["inference_speedup"] == 1.0
+    assert row["max_abs_diff"] == 0.0 and row["matches_1_device"] is True
+    assert row["inference_examples_per_s"] > 0 and row["train_examples_per_s"] > 0
+    text = capsys.readouterr().out
+    assert "throughput against device count (global batch 4096, mlp(8, 2) on 16" in text
+    assert f"note: {d['note']}" in text
+    assert bench.format_devices(d) in text
+
+
 def test_cli_bench_user_errors_exit_2(capsys):
     assert cli_main(["bench", "--sizes", "4,x"]) == 2
+    assert cli_main(["bench", "--devices", "0"]) == 2
+    assert "--devices must be an int >= 1; got '0'" in capsys.readouterr().err
     assert cli_main(["bench", "--calls", "0", "--quiet"]) == 2
     assert "must all be >= 1" in capsys.readouterr().err
 
 
-def test_script_is_thin_and_runs():
+def test_script_is_thin_and_runs_on_two_devices(tmp_path):
     script = Path(__file__).parent.parent / "scripts" / "bench.py"
     argv = ["--calls", "2", "--repeats", "1", "--eager-chunks", "1", "--sizes", "4,2"]
-    argv += ["--in-features", "8", "--no-artifact", "--no-train", "--no-peak"]
+    argv += ["--in-features", "8", "--no-artifact", "--no-train", "--no-peak", "--devices", "2"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2")  # 2 virtual devices
     proc = subprocess.run(
-        [sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), *argv, "--json", str(tmp_path / "b.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[1].startswith("With hybridization: ")
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith("With hybridization: ")
     assert "[bench" in proc.stderr  # the progress display
+    d = json.loads((tmp_path / "b.json").read_text())["devices"]
+    assert [r["devices"] for r in d["rows"]] == [1, 2] and d["note"] == CPU_NOTE
+    assert all(r["matches_1_device"] for r in d["rows"])
+    table = lines[lines.index(next(t for t in lines if t.startswith("throughput against"))) :]
+    assert "2 virtual CPU devices" in table[0]
+    assert [t.split()[0] for t in table[2:4]] == ["1", "2"] and table[4] == f"note: {CPU_NOTE}"
