@@ -28,8 +28,7 @@ from symjax_mlp.manifest import (
     MLIR,
     Signature,
     TensorSpec,
-    read_files,
-    read_manifest,
+    read_artifact,
 )
 
 __all__ = ["Artifact", "inspect"]
@@ -116,8 +115,7 @@ def inspect(path: str | os.PathLike[str]) -> Artifact:
       ArtifactError: the directory is missing, incomplete or corrupted.
     """
     path = Path(path)
-    manifest = read_manifest(path)
-    read_files(path, manifest)
+    manifest, _ = read_artifact(path)
     return Artifact(path, freeze(manifest))
 
 

@@ -33,8 +33,7 @@ from symjax_mlp.manifest import (
     PARAMS,
     Signature,
     TensorSpec,
-    read_files,
-    read_manifest,
+    read_artifact,
     sha256,
     shape_dims,
 )
@@ -361,8 +360,7 @@ def load(
     if runtime not in RUNTIMES:
         raise ValueError(f"load(runtime={runtime!r}): expected one of {RUNTIMES}.")
     path = Path(path)
-    manifest = read_manifest(path)
-    blobs = read_files(path, manifest)
+    manifest, blobs = read_artifact(path)
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
     backend = importlib.import_module(f"symjax_mlp.runtimes.{runtime}")
     backend.check_supported(path, manifest)

@@ -264,7 +264,7 @@ def read_regular(file: Path, *, size: int | None = None, limit: int | None = Non
                 "to, or export again."
             ) from None
         raise ArtifactError(f"{file} cannot be read: {e}") from e
-    with os.fdopen(fd, "rb") as f:
+    try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ArtifactError(
@@ -281,13 +281,19 @@ def read_regular(file: Path, *, size: int | None = None, limit: int | None = Non
                 f"{file} has {info.st_size} bytes, more than the {limit} a symjax_mlp artifact's "
                 "manifest can have; it is not one. Export it again."
             )
-        try:
-            data = f.read(info.st_size + 1)
-        except OSError as e:
-            raise ArtifactError(f"{file} cannot be read: {e}") from e
+        data = bytearray()
+        while len(data) <= info.st_size:  # one read more than the size, to see it ends there
+            chunk = os.read(fd, info.st_size + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError as e:
+        raise ArtifactError(f"{file} cannot be read: {e}") from e
+    finally:
+        os.close(fd)
     if len(data) != info.st_size:
         raise ArtifactError(f"{file} changed while it was read; load it again.")
-    return data
+    return bytes(data)
 
 
 # -- the manifest's schema: checked before any field is used -----------------------------------
@@ -431,6 +437,31 @@ def read_files(path: Path, manifest: Mapping[str, Any]) -> dict[str, bytes]:
             )
         blobs[name] = data
     return blobs
+
+
+def read_artifact(path: Path, *, attempts: int = 3) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """Reads the manifest, then every file, checked; retried if ``path`` was replaced meanwhile.
+
+    An export swaps a whole new directory into ``path``. A reader that read the old manifest
+    and then a new file would see a checksum mismatch that is no corruption; the directory's
+    identity (its inode) tells the two apart, and the read starts over on the new artifact.
+    """
+    for attempt in range(attempts):
+        before = _identity(path)
+        try:
+            manifest = read_manifest(path)
+            return manifest, read_files(path, manifest)
+        except ArtifactError:
+            if attempt + 1 == attempts or _identity(path) == before:
+                raise
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 # -- compatibility ----------------------------------------------------------------------------

@@ -198,6 +198,13 @@ def _check8(out_dir: str) -> None:
         res["wrong_mesh_error"] = str(e)
     sm.shard(h, sm.data_mesh(2)).export(out_dir / "art2", example=x[:1])
     res["loaded_2_of_8"] = np.asarray(load_sharded(out_dir / "art2")(x[:13]))
+    # sm.export of a Sharded exports its sharded program; sm.load runs an N-device artifact
+    # on a mesh of the first N devices (it once raised JAX's "exported for 8 devices" error).
+    art8b = sm.export(s, out_dir / "art8b", example=x[:1])
+    res["sm_export_nr_devices"] = art8b.manifest["nr_devices"]
+    for batch in (64, 13):
+        res[f"sm_load_{batch}"] = np.asarray(sm.load(out_dir / "art8b")(x[:batch]))
+    res["sm_load_2_of_8"] = np.asarray(sm.load(out_dir / "art2")(x[:13]))
 
     np.savez(out_dir / "check8.npz", **res)
 
@@ -258,6 +265,18 @@ def test_8_devices_export_loads_on_matching_mesh_only(eight):
     for loader in (sm.load, load_sharded):
         with pytest.raises(sm.ArtifactError, match="8 devices"):
             loader(out / "art8")
+
+
+def test_8_devices_sm_export_and_sm_load_of_a_sharded_model(eight):
+    out, r = eight
+    net, _, variables, x, _ = _problem()
+    h = sm.hybridize(net, variables)
+    assert r["sm_export_nr_devices"] == 8
+    for key, rows in (("sm_load_64", 64), ("sm_load_13", 13), ("sm_load_2_of_8", 13)):
+        assert r[key].shape == (rows, 4)
+        np.testing.assert_allclose(r[key], h(x[:rows]), rtol=1e-5, atol=1e-6, err_msg=key)
+    with pytest.raises(sm.ArtifactError, match=r"sharded over 8 devices.*sees 1"):
+        sm.load(out / "art8b")  # here, in pytest, JAX sees one device
 
 
 def test_bench_devices_reports_rows_and_says_cpu_is_correctness_only():

@@ -1,9 +1,12 @@
 """Run an artifact with JAX: ``load(path)`` (the default runtime).
 
-``model.jaxexport`` is deserialized with ``jax.export.deserialize`` (flatbuffers, no pickle)
-and called through one ``jax.jit`` of ``Exported.call``, with the params as device arrays
-passed as the first argument. XLA compiles once per input shape, and a module loaded again in
-the same process (same sha256) reuses the compilations.
+``model.jaxexport`` is deserialized with ``jax.export.deserialize`` (flatbuffers, no pickle),
+checked against the manifest and ``model.mlirbc`` (names, shapes, dtypes, trees, platforms,
+devices, the StableHLO bytes), and called through one ``jax.jit`` of ``Exported.call``, with
+the params as a dict of device arrays keyed by param path (the module's own input tree names
+them, so weights are bound by name). XLA compiles once per input shape, and a module loaded
+again in the same process (same sha256) reuses the compilations. An artifact exported for
+N > 1 devices runs under the caller's mesh of N devices, else a mesh of the first N.
 """
 
 from __future__ import annotations
@@ -124,7 +127,16 @@ def _check_agrees(
     in_tree = jax.tree.structure(((names, *[0] * len(sig["inputs"])), {}))
     n_out = len(sig["outputs"])
     out_tree = jax.tree.structure(0 if sig["output_kind"] == "array" else (0,) * n_out)
+    all_names = [*names, *(s["path"] for s in sig["inputs"])]
+    kept = list(exported.module_kept_var_idx)  # the inputs main() takes; IREE runs this list
+    args = (["platform_index"] if len(exported.platforms) > 1 else []) + [
+        all_names[i] if 0 <= i < len(all_names) else f"#{i}" for i in kept
+    ]
     checks = [
+        (
+            args == list(manifest["mlir_arguments"]) and kept == sorted(set(kept)),
+            f"passes {args} to its StableHLO main, not {list(manifest['mlir_arguments'])}",
+        ),
         (exported.in_tree == in_tree, f"takes {exported.in_tree}, not {in_tree}"),
         (got_in == want_in, f"takes {got_in}, not {want_in}"),
         (exported.out_tree == out_tree, f"returns {exported.out_tree}, not {out_tree}"),

@@ -1,0 +1,139 @@
+"""Threads: racing first calls of a Hybrid and of a LoadedModel, loads racing each other, and
+an export while another thread calls the model.
+
+``tests/test_hybrid.py`` races eight first calls of one signature; here several signatures
+race at once, and the artifact side (load, call, export) is raced too.
+"""
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+from test_export import rand, small
+
+import symjax_mlp as sm
+
+THREADS = 8
+# Four signatures: three batch sizes, and one other dtype.
+INPUTS = [rand(1), rand(3, seed=1), rand(64, seed=2), rand(3, seed=3).astype(jnp.bfloat16)]
+
+
+def race(work, n=THREADS):
+    """Runs ``work(i)`` in ``n`` threads released together; returns results, re-raises errors."""
+    barrier = threading.Barrier(n)
+    results, errors = [None] * n, []
+
+    def run(i):
+        barrier.wait()
+        try:
+            results[i] = work(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def rotated(i):
+    """Thread i's order of the signatures: every signature is some thread's first call."""
+    return [(i + k) % len(INPUTS) for k in range(len(INPUTS))]
+
+
+def test_racing_first_calls_of_several_signatures_trace_once_each():
+    h, _ = small()
+
+    def work(i):
+        return {k: np.asarray(h(INPUTS[k])) for k in rotated(i)}
+
+    results = race(work)
+    assert h.trace_count == len(INPUTS), [str(e) for e in h.trace_log]
+    signatures = [e.signature for e in h.trace_log]
+    assert len(set(signatures)) == len(INPUTS)  # one trace per signature, none twice
+    for k, x in enumerate(INPUTS):
+        for r in results:
+            np.testing.assert_array_equal(r[k], results[0][k])  # identical in every thread
+        want = np.asarray(h.eager(x), np.float32)
+        tol = 1e-2 if x.dtype == jnp.bfloat16 else 1e-6
+        np.testing.assert_allclose(np.asarray(results[0][k], np.float32), want, rtol=tol, atol=tol)
+
+
+def test_racing_loads_and_first_calls_of_one_artifact(tmp_path):
+    h, x = small(seed=4)
+    sm.export(h, tmp_path / "m", example=x)
+    float_inputs = INPUTS[:3]
+    want = [np.asarray(h(x)) for x in float_inputs]
+    shared = sm.load(tmp_path / "m")
+
+    def work(i):
+        own = sm.load(tmp_path / "m")  # eight loads race too (one module cache, shared)
+        order = [k % len(float_inputs) for k in rotated(i)]
+        return [(k, np.asarray(m(float_inputs[k]))) for k in order for m in (shared, own)]
+
+    for result in race(work):
+        for k, y in result:
+            np.testing.assert_array_equal(y, want[k])
+
+
+def test_loads_racing_a_replacing_export_see_the_old_or_the_new_artifact(tmp_path):
+    """An export swaps a new directory in; a load that read the old manifest and then a new
+    file once reported the artifact corrupted (10 of 367 loads). Now it reads the new one."""
+    (h1, x), (h2, _) = small(seed=1), small(seed=2)
+    sm.export(h1, tmp_path / "m", example=x)
+    want = {np.asarray(h(x)).tobytes() for h in (h1, h2)}
+    done, seen, errors = threading.Event(), [], []
+
+    def keep_loading(i):
+        while not done.is_set() or len(seen) < 100:
+            seen.append(np.asarray(sm.load(tmp_path / "m")(x)).tobytes())
+
+    def readers():
+        try:
+            race(keep_loading, 3)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=readers)
+    thread.start()
+    try:
+        for i in range(20):
+            sm.export((h2, h1)[i % 2], tmp_path / "m", example=x, overwrite=True)
+    finally:
+        done.set()
+        thread.join()
+    assert not errors, errors
+    assert len(seen) >= 100 and set(seen) == want
+
+
+def test_export_while_another_thread_calls_the_model(tmp_path):
+    h, x = small(seed=5)
+    want = np.asarray(h(x))
+    done, calls, errors = threading.Event(), [], []
+
+    def keep_calling():
+        try:
+            while not done.is_set() or len(calls) < 20:
+                calls.append(np.asarray(h(x)))
+        except BaseException as e:
+            errors.append(e)
+
+    caller = threading.Thread(target=keep_calling)
+    caller.start()
+    try:
+        for i in range(3):  # export (and replace) while the model is being called
+            before = len(calls)
+            art = sm.export(h, tmp_path / "m", example=x, overwrite=i > 0)
+            assert len(calls) > before  # the calls went on during the export
+            np.testing.assert_array_equal(sm.load(art.path)(x), want)
+    finally:
+        done.set()
+        caller.join()
+    assert not errors, errors
+    assert len(calls) >= 20 and all(np.array_equal(c, want) for c in calls)
+    assert h.trace_count == 1  # exporting traces the function, not the Hybrid's cache
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]

@@ -1,0 +1,301 @@
+"""Loader fuzzing, and what an artifact can never do: escape its directory, allocate what its
+manifest declares, run code, or return a different answer.
+
+The fuzz cases run in worker processes (``tests/fuzz_target.py``), so a crash is a counted
+signal, not a dead test run. CI runs ``SYMJAX_FUZZ_CASES`` cases (default 1000, about 15 s on
+two cores); the release run, documented in RELIABILITY.md, is::
+
+    SYMJAX_FUZZ_CASES=20000 SYMJAX_FUZZ_WORKERS=8 pytest tests/test_fuzz.py -k fuzzed -s
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tracemalloc
+from pathlib import Path
+
+import fuzz_target
+import numpy as np
+import pytest
+from test_export import small
+
+import symjax_mlp as sm
+
+CASES = int(os.environ.get("SYMJAX_FUZZ_CASES", "1000"))
+SEED = int(os.environ.get("SYMJAX_FUZZ_SEED", "0"))
+WORKERS = int(os.environ.get("SYMJAX_FUZZ_WORKERS", "2"))
+
+
+# -- the fuzz run -------------------------------------------------------------------------------
+def test_fuzzed_artifacts_are_refused_or_load_unchanged(tmp_path):
+    summary = fuzz_target.fuzz(tmp_path, cases=CASES, seed=SEED, workers=WORKERS)
+    print("\n" + json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
+    failures = summary["failures"]
+    assert failures == [], f"{len(failures)} failing case(s):\n" + "\n".join(
+        f"  case {f['case']}: {f['outcome']} after {f.get('notes')}: "
+        f"{f.get('detail', f.get('returncode', ''))!s:.400}\n    {f['reproduce']}"
+        for f in failures[:20]
+    )
+    counts = summary["counts"]
+    assert sum(counts.values()) == CASES and set(counts) <= {"rejected", "same"}
+    assert counts["rejected"] > CASES // 2 and counts.get("same", 0) > 0  # both happen
+    assert {k.split(":")[0] for k in summary["families"]} == {"raw", "resigned", "manifest", "text"}
+    assert not summary["code_executed"]
+    assert summary["max_rss_mb"] < 1024  # no worker allocated anything a manifest declared
+
+
+def test_the_fuzz_driver_sees_crashes_hangs_and_wrong_outputs(tmp_path, monkeypatch):
+    """The zeros above mean something: sabotaged cases are each caught and attributed."""
+    monkeypatch.setenv("SYMJAX_FUZZ_SELFTEST", "1=crash,3=hang,4=foreign,6=wrong")
+    summary = fuzz_target.fuzz(tmp_path, cases=8, seed=SEED, workers=1, timeout=3)
+    failed = {f["case"]: f for f in summary["failures"]}
+    assert {c: f["outcome"] for c, f in failed.items()} == {
+        1: "crash",
+        3: "hang",
+        4: "foreign",
+        6: "wrong",
+    }
+    assert failed[1]["returncode"] == -signal.SIGSEGV and failed[1]["notes"]
+    assert sum(summary["counts"].values()) == 8  # restarted after the crash and the hang
+
+
+# -- escapes, allocations, code -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """An artifact with two (3, 3) kernels (only their names tell them apart), and its output."""
+    h, x = small(sizes=(3, 3, 2), features=3)
+    path = tmp_path_factory.mktemp("tiny") / "art"
+    sm.export(h, path, example=x)
+    return path, x, np.asarray(sm.load(path)(x))
+
+
+def _copy(art: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(art, copy)
+    return copy
+
+
+def _edit(copy: Path, edit) -> None:
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _resign(copy: Path, name: str, data: bytes) -> None:
+    """Replaces a file *and* records its new checksum, so the bytes reach a deserializer."""
+    (copy / name).write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    _edit(copy, lambda m: m["files"].update({name: {"sha256": digest, "bytes": len(data)}}))
+
+
+def _opened(monkeypatch) -> list[str]:
+    """Records every path os.open is asked for (lexically: links are not resolved)."""
+    seen, real = [], os.open
+
+    def spy(path, *args, **kwargs):
+        seen.append(os.path.abspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy)
+    return seen
+
+
+def _relist(copy: Path, old: str, new: str) -> None:
+    _edit(copy, lambda m: m["files"].__setitem__(new, m["files"].pop(old)))
+
+
+ESCAPES = {
+    "dot-dot name": lambda c, bait: _relist(c, "model.mlirbc", "../model.mlirbc"),
+    "absolute name": lambda c, bait: _relist(c, "model.mlirbc", str(bait)),
+    "dot-dot inside a name": lambda c, bait: _relist(c, "model.mlirbc", "x/../../model.mlirbc"),
+    "relative symlink": lambda c, bait: (
+        (c / "model.mlirbc").unlink(),
+        (c / "model.mlirbc").symlink_to("../model.mlirbc"),
+    ),
+    "absolute symlink": lambda c, bait: (
+        (c / "model.mlirbc").unlink(),
+        (c / "model.mlirbc").symlink_to(bait),
+    ),
+    "extra absolute entry": lambda c, bait: _edit(
+        c,
+        lambda m: m["files"].update(
+            {
+                str(bait): {
+                    "sha256": hashlib.sha256(bait.read_bytes()).hexdigest(),
+                    "bytes": len(bait.read_bytes()),
+                }
+            }
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(ESCAPES))
+def test_paths_in_an_artifact_cannot_escape_its_directory(tiny, tmp_path, monkeypatch, how):
+    art, _, _ = tiny
+    copy = _copy(art, tmp_path)
+    bait = tmp_path / "model.mlirbc"  # the very bytes the manifest records, waiting outside
+    shutil.copy(art / "model.mlirbc", bait)
+    ESCAPES[how](copy, bait)
+    seen = _opened(monkeypatch)
+    for read in (sm.load, sm.inspect):
+        with pytest.raises(sm.ArtifactError, match=r"not a file name|plain files|symbolic link"):
+            read(copy)
+    monkeypatch.undo()
+    assert seen and not [p for p in seen if not p.startswith(str(copy) + os.sep)]
+
+
+def _safetensors_header(copy: Path, shape: list[int]) -> bytes:
+    """params.safetensors whose first tensor claims ``shape`` (over the same 12 data bytes)."""
+    data = (copy / "params.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["params/layers_0/bias"]["shape"] = shape
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+
+ENORMOUS = {
+    "param shape": lambda c: _edit(c, lambda m: m["params"][1].update(shape=[2**40, 2**40])),
+    "input shape": lambda c: _edit(
+        c, lambda m: m["signature"]["inputs"][0].update(shape=[2**62, 3])
+    ),
+    "output shape": lambda c: _edit(
+        c, lambda m: m["signature"]["outputs"][0].update(shape=["b", 2**63])
+    ),
+    "file size": lambda c: _edit(c, lambda m: m["files"]["params.safetensors"].update(bytes=2**40)),
+    "safetensors header": lambda c: _resign(
+        c, "params.safetensors", _safetensors_header(c, [2**40, 2**40])
+    ),
+    "both": lambda c: (
+        _edit(c, lambda m: m["params"][0].update(shape=[2**31, 2**31])),
+        _resign(c, "params.safetensors", _safetensors_header(c, [2**31, 2**31])),
+    ),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ENORMOUS))
+def test_enormous_declared_shapes_are_never_allocated(tiny, tmp_path, what):
+    art, _, _ = tiny
+    copy = _copy(art, tmp_path)
+    ENORMOUS[what](copy)
+    tracemalloc.start()
+    try:
+        with pytest.raises(sm.ArtifactError):
+            sm.load(copy)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"loading allocated {peak / 1e6:.0f} MB"
+
+
+def test_loading_never_runs_code_from_the_artifact(tiny, tmp_path):
+    art, x, y = tiny
+    marker = tmp_path / "PWNED"
+    code = f"open({str(marker)!r}, 'w').close()\n"
+    copy = _copy(art, tmp_path)
+    modules = ("sitecustomize", "usercustomize", "__init__", "__main__", "jax", "numpy")
+    for name in (*modules, "safetensors", "symjax_mlp", "model"):
+        (copy / f"{name}.py").write_text(code)
+    evil = (copy / "model.py").read_bytes()
+
+    def hostile(m):
+        m["name"], m["created"], m["versions"]["jax"] = code, f"{{{code}}}", f"$({code})"
+        m["files"]["model.py"] = {"sha256": hashlib.sha256(evil).hexdigest(), "bytes": len(evil)}
+
+    _edit(copy, hostile)
+    before = set(sys.modules)
+    np.testing.assert_array_equal(sm.load(copy)(x), y)  # read as bytes, checksummed, unused
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    _resign(copy, "params.safetensors", pickle.dumps(Payload()))
+    with pytest.raises(sm.ArtifactError, match="not a valid safetensors file"):
+        sm.load(copy)
+    assert not marker.exists()
+    new = [sys.modules[m] for m in set(sys.modules) - before]
+    assert not [m for m in new if str(getattr(m, "__file__", "")).startswith(str(copy))]
+
+
+# -- each bug the fuzzer found, pinned -----------------------------------------------------------
+def _swap_kernel_names(m):
+    kernels = [p for p in m["params"] if p["shape"] == [3, 3]]
+    kernels[0]["path"], kernels[1]["path"] = kernels[1]["path"], kernels[0]["path"]
+
+
+def _other_module(copy):
+    other = copy.parent / "other"
+    h, x = small(seed=7, sizes=(3, 3, 2), features=3)
+    sm.export(sm.hybridize(lambda p, x: h.fn(p, x) * 2, h.params), other, example=x)
+    _resign(copy, "model.jaxexport", (other / "model.jaxexport").read_bytes())
+
+
+def _flip_module(copy):
+    blob = bytearray((copy / "model.jaxexport").read_bytes())
+    start = bytes(blob).find((copy / "model.mlirbc").read_bytes())
+    blob[start + 1000] ^= 0x10
+    _resign(copy, "model.jaxexport", bytes(blob))
+
+
+def _replace(copy, name, make):
+    (copy / name).unlink()
+    make(copy / name)
+
+
+FOUND = {  # what the loader did before the fix -> now
+    "output_kind array->tuple (returned a tuple)": lambda c: _edit(
+        c, lambda m: m["signature"].update(output_kind="tuple")
+    ),
+    "jaxexport of another model, re-signed (ran it)": _other_module,
+    "jaxexport's StableHLO flipped, re-signed (JaxRuntimeError at call)": _flip_module,
+    "output dtype edited (a lying signature)": lambda c: _edit(
+        c, lambda m: m["signature"]["outputs"][0].update(dtype="float16")
+    ),
+    "FIFO (hung forever)": lambda c: _replace(c, "params.safetensors", os.mkfifo),
+    "symlink to /dev/zero (read until out of memory)": lambda c: _replace(
+        c, "model.mlir", lambda f: f.symlink_to("/dev/zero")
+    ),
+    "directory (IsADirectoryError)": lambda c: _replace(c, "manifest.json", Path.mkdir),
+    "deep JSON (RecursionError)": lambda c: (c / "manifest.json").write_text("[" * 10**5),
+    "NUL in a file name (ValueError)": lambda c: _relist(c, "model.mlir", "model.mlir\x00"),
+    "300-char file name (OSError)": lambda c: _relist(c, "model.mlir", "a" * 300),
+    "sha256 an int (TypeError)": lambda c: _edit(
+        c, lambda m: m["files"]["model.mlir"].update(sha256=12)
+    ),
+    "nr_devices a string (TypeError)": lambda c: _edit(c, lambda m: m.update(nr_devices="1")),
+    "platforms null (TypeError)": lambda c: _edit(c, lambda m: m.update(platforms=None)),
+    "param entry a list (TypeError)": lambda c: _edit(c, lambda m: m["params"].append([3])),
+    "files a list (AttributeError)": lambda c: _edit(c, lambda m: m.update(files=[])),
+    "signature without inputs (KeyError)": lambda c: _edit(
+        c, lambda m: m["signature"].pop("inputs")
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(FOUND))
+def test_each_loader_bug_the_fuzzer_found_is_an_artifact_error_now(tiny, tmp_path, bug):
+    art, x, _ = tiny
+    copy = _copy(art, tmp_path)
+    FOUND[bug](copy)
+    with pytest.raises(sm.ArtifactError) as info:
+        sm.load(copy)(x)
+    assert str(copy) in str(info.value)
+
+
+def test_params_are_bound_by_name_so_swapped_names_change_nothing(tiny, tmp_path):
+    """Two (3, 3) kernels trading names in the manifest once swapped the weights silently."""
+    art, x, y = tiny
+    copy = _copy(art, tmp_path)
+    _edit(copy, _swap_kernel_names)
+    np.testing.assert_array_equal(sm.load(copy)(x), y)
+    _edit(copy, lambda m: m["params"].reverse())  # nor does the order of the entries
+    np.testing.assert_array_equal(sm.load(copy)(x), y)
+    _edit(copy, lambda m: m["params"][0].update(path="params/layers_9/bias"))
+    with pytest.raises(sm.ArtifactError, match=r"missing: params/layers_9/bias"):
+        sm.load(copy)
