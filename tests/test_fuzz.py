@@ -2,7 +2,7 @@
 manifest declares, run code, or return a different answer.
 
 The fuzz cases run in worker processes (``tests/fuzz_target.py``), so a crash is a counted
-signal, not a dead test run. CI runs ``SYMJAX_FUZZ_CASES`` cases (default 1000, about 15 s on
+signal, not a dead test run. CI runs ``SYMJAX_FUZZ_CASES`` cases (default 1000, 15-25 s on
 two cores); the release run, documented in RELIABILITY.md, is::
 
     SYMJAX_FUZZ_CASES=20000 SYMJAX_FUZZ_WORKERS=8 pytest tests/test_fuzz.py -k fuzzed -s
