@@ -193,3 +193,15 @@ def test_cli_verify_compares_runtimes(chapter, capsys):
     out = capsys.readouterr().out
     assert "verify" in out and "OK" in out
     assert out.count("ok   iree") == 3 and out.count("ok   jax") == 3
+
+
+def test_iree_refuses_an_unknown_mlir_argument(chapter, tmp_path):
+    art, _ = chapter
+    import shutil
+
+    copy = shutil.copytree(art.path, tmp_path / "edited")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["mlir_arguments"][0] = "params/not_there"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(sm.ArtifactError, match="not_there"):
+        sm.load(copy, runtime="iree")

@@ -190,8 +190,13 @@ def runner(
             slots.append(np.asarray(list(manifest["platforms"]).index("cpu"), np.int32))
         elif arg in inputs:
             slots.append(inputs[arg])
-        else:
+        elif arg in on_device:
             slots.append(on_device[arg])
+        else:
+            raise ArtifactError(
+                f"{path / 'manifest.json'}: mlir_arguments names {arg!r}, which is neither a "
+                "param nor an input of the artifact. The manifest was edited; export it again."
+            )
     n_out = len(signature.outputs)
 
     def run(args: list[Any]) -> list[np.ndarray]:
