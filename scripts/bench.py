@@ -6,15 +6,13 @@
     python scripts/bench.py --devices 8        # sharded throughput on 1, 2, 4, 8 devices
     python scripts/bench.py --json bench.json  # every figure, versions, backend, device
 
-All the logic lives in :mod:`symjax_mlp.bench`; ``symjax-mlp bench`` runs the same function.
+All the logic lives in :mod:`symjax_mlp.bench`; this script is ``symjax-mlp bench``, with the
+same options and exit codes (0 ok, 2 a usage error, 1 a bug).
 """
 
 import sys
 
-from symjax_mlp.bench import main
+from symjax_mlp.cli import main
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except ValueError as e:  # a bad option value: say it like argparse does
-        sys.exit(f"bench.py: error: {e}")
+    sys.exit(main(["bench", *sys.argv[1:]]))

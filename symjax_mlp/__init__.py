@@ -1,96 +1,93 @@
 """symjax_mlp: hybrid programming for Flax MLPs.
 
 Write the model imperatively, flip one switch (:func:`hybridize`) and get the symbolic program
-as a jaxpr (:class:`Graph`), an XLA-compiled call, and a portable StableHLO artifact.
+as a jaxpr (:class:`Graph`), an XLA-compiled call, and a portable StableHLO artifact
+(:func:`export`, :func:`load`). Training lives in :mod:`symjax_mlp.training`, the benchmark in
+:mod:`symjax_mlp.bench`, the chapter's examples in :mod:`symjax_mlp.chapter`.
+
+The flow, one stage per private module, each importing only from the stages before it::
+
+    _errors, _specs, _files -> _models -> _hybrid -> _artifact -> _export -> _runtimes
+      -> _load -> _verify -> training, bench, chapter -> cli
 """
 
+import importlib as _importlib
 from importlib import metadata as _metadata
 
-from symjax_mlp.artifact import Artifact, inspect
-from symjax_mlp.checkpoint import (
-    TrainState,
-    latest_checkpoint,
-    restore_checkpoint,
-    save_checkpoint,
-)
-from symjax_mlp.data import Dataset, load_digits
-from symjax_mlp.distributed import (
-    LoadedSharded,
-    Sharded,
-    ShardedStep,
-    bench_devices,
-    data_mesh,
-    load_sharded,
-    shard,
-    shard_step,
-)
-from symjax_mlp.errors import (
-    ArtifactError,
-    ControlFlowError,
-    DataError,
-    DivergenceError,
-    RetraceError,
-    SignatureError,
-    SymjaxError,
-)
-from symjax_mlp.export import LoadedModel, export, export_mlp, load
-from symjax_mlp.graph import Graph, stage
-from symjax_mlp.hybrid import ArgSpec, Hybrid, TraceEvent, hybridize
-from symjax_mlp.manifest import Signature, TensorSpec
-from symjax_mlp.models import ACTIVATIONS, Dense, HybridConcurrent, HybridSequential, mlp
-from symjax_mlp.step import time_train_step, train_step
-from symjax_mlp.train import EpochRecord, TrainResult, train
-from symjax_mlp.verify import VerifyCheck, VerifyReport, verify
+from symjax_mlp._artifact.reading import Artifact as Artifact
+from symjax_mlp._artifact.reading import inspect as inspect
+from symjax_mlp._artifact.signature import Signature as Signature
+from symjax_mlp._errors import ArtifactError as ArtifactError
+from symjax_mlp._errors import CheckpointError as CheckpointError
+from symjax_mlp._errors import ControlFlowError as ControlFlowError
+from symjax_mlp._errors import DataError as DataError
+from symjax_mlp._errors import DivergenceError as DivergenceError
+from symjax_mlp._errors import RetraceError as RetraceError
+from symjax_mlp._errors import SignatureError as SignatureError
+from symjax_mlp._errors import SymjaxError as SymjaxError
+from symjax_mlp._export import export as export
+from symjax_mlp._hybrid.graph import Graph as Graph
+from symjax_mlp._hybrid.graph import stage as stage
+from symjax_mlp._hybrid.hybrid import Hybrid as Hybrid
+from symjax_mlp._hybrid.hybrid import hybridize as hybridize
+from symjax_mlp._hybrid.hybrid import shard as shard
+from symjax_mlp._hybrid.mesh import data_mesh as data_mesh
+from symjax_mlp._hybrid.trace import TraceEvent as TraceEvent
+from symjax_mlp._load import LoadedModel as LoadedModel
+from symjax_mlp._load import load as load
+from symjax_mlp._models import ACTIVATIONS as ACTIVATIONS
+from symjax_mlp._models import Dense as Dense
+from symjax_mlp._models import HybridConcurrent as HybridConcurrent
+from symjax_mlp._models import HybridSequential as HybridSequential
+from symjax_mlp._models import mlp as mlp
+from symjax_mlp._specs import TensorSpec as TensorSpec
+from symjax_mlp._verify import VerifyCheck as VerifyCheck
+from symjax_mlp._verify import VerifyReport as VerifyReport
+from symjax_mlp._verify import verify as verify
 
 __version__ = _metadata.version("symjax_mlp")  # pyproject.toml is the one source
 
+_SUBPACKAGES = ("bench", "chapter", "training")  # imported on first use: loading needs none
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return _importlib.import_module(f"symjax_mlp.{name}")
+    raise AttributeError(f"module 'symjax_mlp' has no attribute {name!r}")
+
+
 __all__ = [
     "ACTIVATIONS",
-    "ArgSpec",
     "Artifact",
     "ArtifactError",
+    "CheckpointError",
     "ControlFlowError",
     "DataError",
-    "Dataset",
     "Dense",
     "DivergenceError",
-    "EpochRecord",
     "Graph",
     "Hybrid",
     "HybridConcurrent",
     "HybridSequential",
     "LoadedModel",
-    "LoadedSharded",
     "RetraceError",
-    "Sharded",
-    "ShardedStep",
     "Signature",
     "SignatureError",
     "SymjaxError",
     "TensorSpec",
     "TraceEvent",
-    "TrainResult",
-    "TrainState",
     "VerifyCheck",
     "VerifyReport",
-    "bench_devices",
+    "bench",
+    "chapter",
     "data_mesh",
     "export",
-    "export_mlp",
     "hybridize",
     "inspect",
-    "latest_checkpoint",
     "load",
-    "load_digits",
-    "load_sharded",
     "mlp",
-    "restore_checkpoint",
-    "save_checkpoint",
     "shard",
-    "shard_step",
     "stage",
-    "time_train_step",
-    "train",
-    "train_step",
+    "training",
     "verify",
 ]

@@ -1,16 +1,12 @@
-"""Shared fixtures: the chapter's MLP, hybridized, and its batch-1 input."""
+"""Test setup, done once: 8 virtual CPU devices, so sharding runs in process.
+
+``jax_num_cpu_devices`` must be set before JAX starts its CPU backend, which is why it is set
+here, at import, before any test touches a device. Fixtures live in ``helpers.py``.
+"""
 
 import jax
-import jax.numpy as jnp
-import pytest
 
-import symjax_mlp as sm
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
 
-
-@pytest.fixture
-def chapter():
-    """(net, variables, h, x): mlp((256, 128, 2)) on a (1, 512) float32 input."""
-    net = sm.mlp((256, 128, 2))
-    x = jax.random.normal(jax.random.key(0), (1, 512), jnp.float32)
-    variables = net.init(jax.random.key(1), x)
-    return net, variables, sm.hybridize(net, variables), x
+from helpers import chapter  # noqa: E402, F401  (a fixture, shared by every test module)

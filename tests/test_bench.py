@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import matplotlib.image
 import pytest
 import torch
+from symjax_mlp.bench import CPU_NOTE
 
 from symjax_mlp import bench
 from symjax_mlp.bench import cli as bench_cli
 from symjax_mlp.cli import main as cli_main
-from symjax_mlp.distributed import CPU_NOTE
 
 TINY = {"sizes": (8, 2), "in_features": 16}
 

@@ -22,10 +22,10 @@ import numpy as np
 import optax
 import pytest
 from jax.experimental import multihost_utils
+from symjax_mlp.bench import CPU_NOTE, bench_devices
+from symjax_mlp.training import train_step
 
 import symjax_mlp as sm
-from symjax_mlp.distributed import CPU_NOTE, bench_devices, load_sharded
-from symjax_mlp.step import train_step
 
 STEPS = 10
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -116,7 +116,7 @@ def test_shard_on_one_device_equals_hybrid():
 def test_shard_step_on_one_device_equals_jit():
     net, optimizer, variables, x, y = _problem()
     traces = []
-    step = sm.shard_step(_counted(train_step(net, optimizer), traces), sm.data_mesh(1))
+    step = sm.training.shard_step(_counted(train_step(net, optimizer), traces), sm.data_mesh(1))
     got, losses = _train(step, variables["params"], optimizer, x, y)
     want, want_losses = _single_device_train()
     for k, v in _flat(want).items():
@@ -173,7 +173,7 @@ def _check8(out_dir: str) -> None:
         res["nopad_error"] = str(e)
 
     traces = []
-    step = sm.shard_step(_counted(train_step(net, optimizer), traces), mesh)
+    step = sm.training.shard_step(_counted(train_step(net, optimizer), traces), mesh)
     p0 = variables["params"]
     hlo = step.lower(p0, jax.jit(optimizer.init)(p0), x, y).compile().as_text()
     res["all_reduce_in_hlo"] = "all-reduce" in hlo
@@ -182,7 +182,7 @@ def _check8(out_dir: str) -> None:
     res["train_traces"] = len(traces)
     params61, _ = _train(step, variables["params"], optimizer, x[:61], y[:61])
     try:
-        sm.shard_step(train_step(net, optimizer), mesh, pad=False)(p0, None, x[:61], y[:61])
+        sm.training.shard_step(train_step(net, optimizer), mesh, pad=False)(p0, None, x[:61], y[:61])
     except sm.SignatureError as e:
         res["step_nopad_error"] = str(e)
     res.update({f"train61{k}": v for k, v in _flat(params61).items()})
@@ -300,7 +300,7 @@ def _worker(process_id: str, port: str, out_file: str) -> None:
     )
     net, optimizer, variables, x, y = _problem()
     mesh = sm.data_mesh()  # spans both processes' devices
-    step = sm.shard_step(train_step(net, optimizer), mesh)
+    step = sm.training.shard_step(train_step(net, optimizer), mesh)
     params, losses = _train(step, variables["params"], optimizer, x, y)
     out = sm.shard(sm.hybridize(net, variables), mesh)(x[:13])
     res = {f"train{k}": v for k, v in _flat(params).items()}  # _train fetched them to host

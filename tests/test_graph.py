@@ -7,9 +7,9 @@ import subprocess
 import jax
 import jax.numpy as jnp
 import pytest
+from symjax_mlp.chapter import fancy_func
 
 import symjax_mlp as sm
-from symjax_mlp.tour import fancy_func
 
 
 def test_chapter_graph_counts_and_layers(chapter):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 from flax import nnx
+from symjax_mlp.chapter import HybridNet
 
 import symjax_mlp as sm
-from symjax_mlp.tour import HybridNet
 
 
 def _concurrent_net():
@@ -104,7 +104,7 @@ def test_compiled_call_traces_once_per_signature(chapter):
     assert h.trace_count == 2
     (first, second) = h.trace_log
     assert first.index == 0 and first.reason == "first call"
-    assert first.signature == (sm.ArgSpec("args[0]", (1, 512), "float32", False),)
+    assert first.signature == (sm.TensorSpec("args[0]", (1, 512), "float32", False),)
     assert second.reason == "args[0].shape changed from (1, 512) to (7, 512)"
 
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from iree.compiler.tools.binaries import find_tool
+from symjax_mlp.runtimes import iree as iree_rt
 
 import symjax_mlp as sm
 from symjax_mlp.cli import main
-from symjax_mlp.runtimes import iree as iree_rt
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 

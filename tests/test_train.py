@@ -14,30 +14,30 @@ import numpy as np
 import optax
 import pytest
 from safetensors.numpy import load_file
+from symjax_mlp.training import init_params
 
 import symjax_mlp as sm
 from symjax_mlp.cli import main
-from symjax_mlp.step import init_params
 
-train_module = importlib.import_module("symjax_mlp.train")  # sm.train is the function
+train_module = importlib.import_module("symjax_mlp.train")  # sm.training.train is the function
 
 
 @pytest.fixture(scope="module")
 def digits():
-    return sm.load_digits()
+    return sm.training.load_digits()
 
 
 @pytest.fixture(scope="module")
 def trained(digits):
     """The full run: default MLP and adam on the digits, 20 epochs, compiled."""
-    return sm.train(data=digits, epochs=20)
+    return sm.training.train(data=digits, epochs=20)
 
 
 @pytest.fixture(scope="module")
 def four_epochs(digits, tmp_path_factory):
     """An uninterrupted 4-epoch run with a checkpoint after every epoch."""
     ckpt = tmp_path_factory.mktemp("uninterrupted")
-    return sm.train(data=digits, epochs=4, checkpoint=ckpt), ckpt
+    return sm.training.train(data=digits, epochs=4, checkpoint=ckpt), ckpt
 
 
 def _history(result):
@@ -47,7 +47,7 @@ def _history(result):
 
 
 def test_load_digits_is_a_fixed_standardised_split(digits):
-    again = sm.load_digits()
+    again = sm.training.load_digits()
     assert digits.x_train.shape == (1438, 64) and digits.x_test.shape == (359, 64)
     assert digits.x_train.dtype == np.float32 and digits.y_train.dtype == np.int32
     np.testing.assert_array_equal(digits.x_test, again.x_test)
@@ -72,7 +72,7 @@ def test_train_reaches_95_percent_in_under_a_minute_and_never_retraces(trained):
 def test_step_traces_once_under_chex(digits):
     net, opt = sm.mlp((128, 64, 10)), optax.adam(1e-3)
     chex.clear_trace_counter()
-    step = jax.jit(chex.assert_max_traces(sm.train_step(net, opt), n=1), donate_argnums=(0, 1))
+    step = jax.jit(chex.assert_max_traces(sm.training.train_step(net, opt), n=1), donate_argnums=(0, 1))
     params = init_params(net, jax.random.key(0), digits.x_train[:1])
     opt_state = opt.init(params)
     w = np.ones(64, np.float32)
@@ -110,7 +110,7 @@ class StepNumerics(chex.TestCase):
             return loss, correct, jax.tree.map(lambda p, g: p - 0.1 * g, p, grads)
 
         loss, correct, want = reference(params)
-        new, _, metrics = self.variant(sm.train_step(net, opt))(params, opt.init(params), x, y, w)
+        new, _, metrics = self.variant(sm.training.train_step(net, opt))(params, opt.init(params), x, y, w)
         chex.assert_trees_all_close(metrics["loss"], loss, rtol=1e-5)
         chex.assert_trees_all_close(metrics["correct"], correct.astype(jnp.float32))
         chex.assert_trees_all_close(new, want, rtol=1e-5, atol=1e-6)
@@ -118,7 +118,7 @@ class StepNumerics(chex.TestCase):
 
 def test_same_seed_gives_bitwise_identical_params(digits, four_epochs):
     first, _ = four_epochs
-    second = sm.train(data=digits, epochs=4)
+    second = sm.training.train(data=digits, epochs=4)
     chex.assert_trees_all_equal(first.params, second.params)
     chex.assert_trees_all_equal(first.opt_state, second.opt_state)
     assert _history(first) == _history(second)
@@ -126,9 +126,9 @@ def test_same_seed_gives_bitwise_identical_params(digits, four_epochs):
 
 def test_resume_continues_exactly_as_the_uninterrupted_run(digits, four_epochs, tmp_path):
     full, _ = four_epochs
-    part = sm.train(data=digits, epochs=2, checkpoint=tmp_path)
+    part = sm.training.train(data=digits, epochs=2, checkpoint=tmp_path)
     assert part.checkpoint.name == "step_00000046"
-    resumed = sm.train(data=digits, epochs=4, checkpoint=tmp_path, resume=True)
+    resumed = sm.training.train(data=digits, epochs=4, checkpoint=tmp_path, resume=True)
     assert resumed.resumed_from.name == "step_00000046" and resumed.step == full.step
     chex.assert_trees_all_equal(resumed.params, full.params)  # bitwise
     chex.assert_trees_all_equal(resumed.opt_state, full.opt_state)
@@ -139,7 +139,7 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(digits, four_epochs, 
 def test_checkpoints_are_safetensors_and_json_and_restore_bitwise(four_epochs):
     full, ckpt = four_epochs
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000069", "step_00000092"]  # keep=2
-    newest = sm.latest_checkpoint(ckpt)
+    newest = sm.training.latest_checkpoint(ckpt)
     assert sorted(p.name for p in newest.iterdir()) == ["manifest.json", "state.safetensors"]
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["step"] == 92 and manifest["epoch"] == 4
@@ -147,12 +147,12 @@ def test_checkpoints_are_safetensors_and_json_and_restore_bitwise(four_epochs):
     tensors = load_file(newest / "state.safetensors")  # no pickle anywhere
     assert tensors["params/layers_0/kernel"].shape == (64, 128)
     assert {"opt_state/0/count", "opt_state/0/mu/layers_2/bias", "rng"} <= set(tensors)
-    like = sm.TrainState(
+    like = sm.training.TrainState(
         jax.tree.map(jnp.zeros_like, full.params),
         optax.adam(1e-3).init(full.params),
         jax.random.key(7),
     )
-    state, meta = sm.restore_checkpoint(ckpt, like)
+    state, meta = sm.training.restore_checkpoint(ckpt, like)
     chex.assert_trees_all_equal(state.params, full.params)
     chex.assert_trees_all_equal(state.opt_state, full.opt_state)
     assert state.step == 92 and len(meta["history"]) == 4
@@ -160,8 +160,8 @@ def test_checkpoints_are_safetensors_and_json_and_restore_bitwise(four_epochs):
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     params = {"w": jnp.arange(3.0)}
-    state = sm.TrainState(params, optax.adam(1e-3).init(params), jax.random.key(0), step=1)
-    good = sm.save_checkpoint(tmp_path, state)
+    state = sm.training.TrainState(params, optax.adam(1e-3).init(params), jax.random.key(0), step=1)
+    good = sm.training.save_checkpoint(tmp_path, state)
 
     def crash(tensors, path):
         path.write_bytes(b"half a file")
@@ -169,27 +169,27 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sm.checkpoint, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
-        sm.save_checkpoint(tmp_path, dataclasses.replace(state, step=2))
+        sm.training.save_checkpoint(tmp_path, dataclasses.replace(state, step=2))
     assert [p.name for p in tmp_path.iterdir()] == [good.name]  # no half checkpoint, no temp
-    assert sm.latest_checkpoint(tmp_path) == good
+    assert sm.training.latest_checkpoint(tmp_path) == good
 
 
 def test_checkpoint_mismatches_are_named(digits, four_epochs):
     full, ckpt = four_epochs
     with pytest.raises(sm.ArtifactError, match=r"already holds checkpoints .*resume=True"):
-        sm.train(data=digits, epochs=5, checkpoint=ckpt)
+        sm.training.train(data=digits, epochs=5, checkpoint=ckpt)
     with pytest.raises(sm.ArtifactError, match=r"\{'batch_size': 64\}.*\{'batch_size': 32\}"):
-        sm.train(data=digits, epochs=5, batch_size=32, checkpoint=ckpt, resume=True)
+        sm.training.train(data=digits, epochs=5, batch_size=32, checkpoint=ckpt, resume=True)
     narrow = {**full.params, "layers_0": {"kernel": jnp.zeros((32, 128)), "bias": jnp.zeros(128)}}
-    like = sm.TrainState(narrow, optax.adam(1e-3).init(narrow), jax.random.key(0))
+    like = sm.training.TrainState(narrow, optax.adam(1e-3).init(narrow), jax.random.key(0))
     with pytest.raises(
         sm.ArtifactError,
         match=r"'params/layers_0/kernel' has shape \(64, 128\).*expects shape \(32, 128\)",
     ):
-        sm.restore_checkpoint(ckpt, like)
-    like = sm.TrainState(full.params, optax.sgd(0.1).init(full.params), jax.random.key(0))
+        sm.training.restore_checkpoint(ckpt, like)
+    like = sm.training.TrainState(full.params, optax.sgd(0.1).init(full.params), jax.random.key(0))
     with pytest.raises(sm.ArtifactError, match="does not fit this model and optimizer"):
-        sm.restore_checkpoint(ckpt, like)
+        sm.training.restore_checkpoint(ckpt, like)
 
 
 @pytest.mark.parametrize(
@@ -226,7 +226,7 @@ def test_bad_input_is_named_before_training(digits, monkeypatch, change, sizes, 
             a, fields["y_train"] = a[:0], digits.y_train[:0]
         fields[name] = a
     with pytest.raises(sm.DataError, match=message):
-        sm.train(sm.mlp(sizes), dataclasses.replace(digits, **fields))
+        sm.training.train(sm.mlp(sizes), dataclasses.replace(digits, **fields))
 
 
 def _nan_at(count: int) -> optax.GradientTransformation:
@@ -243,11 +243,11 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(digit
     opt = optax.chain(optax.adam(1e-3), _nan_at(30))
     seen = []
     with pytest.raises(sm.DivergenceError, match=r"loss is nan at step 31 \(epoch 2, batch 9") as e:
-        sm.train(data=digits, optimizer=opt, epochs=3, checkpoint=tmp_path, on_epoch=seen.append)
+        sm.training.train(data=digits, optimizer=opt, epochs=3, checkpoint=tmp_path, on_epoch=seen.append)
     assert (e.value.step, e.value.epoch) == (31, 2) and [r.epoch for r in seen] == [1]
     assert e.value.checkpoint.name == "step_00000023" and "kept" in str(e.value)
-    assert sm.latest_checkpoint(tmp_path) == e.value.checkpoint
-    resumed = sm.train(data=digits, epochs=1, checkpoint=tmp_path, resume=True, optimizer=opt)
+    assert sm.training.latest_checkpoint(tmp_path) == e.value.checkpoint
+    resumed = sm.training.train(data=digits, epochs=1, checkpoint=tmp_path, resume=True, optimizer=opt)
     assert resumed.step == 23 and all(np.isfinite(x).all() for x in jax.tree.leaves(resumed.params))
 
     # A huge learning rate; the second transformation keeps the params themselves as its state,
@@ -255,20 +255,20 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(digit
     keeps_params = optax.GradientTransformation(lambda p: p, lambda u, s, p=None: (u, s))
     opt = optax.chain(optax.sgd(1e30), keeps_params)
     with pytest.raises(sm.DivergenceError, match=r"at step 1 .*no checkpoint was written") as e:
-        sm.train(data=digits, optimizer=opt, epochs=1)
+        sm.training.train(data=digits, optimizer=opt, epochs=1)
     assert e.value.checkpoint is None
 
 
 def test_eager_step_matches_compiled(digits, four_epochs):
     full, _ = four_epochs
-    eager = sm.train(data=digits, epochs=1, compiled=False)
+    eager = sm.training.train(data=digits, epochs=1, compiled=False)
     assert not eager.compiled and eager.trace_count == 0
     np.testing.assert_allclose(eager.history[0].loss, full.history[0].loss, rtol=1e-5)
     assert abs(eager.history[0].test_accuracy - full.history[0].test_accuracy) <= 2 / 359
 
 
 def test_time_train_step_reports_both_rates():
-    r = sm.time_train_step(steps=3, eager_steps=2)
+    r = sm.bench.time_train_step(steps=3, eager_steps=2)
     assert set(r) == {
         "compiled_steps_per_s",
         "eager_steps_per_s",

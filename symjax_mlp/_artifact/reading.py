@@ -1,0 +1,203 @@
+"""Reading an artifact directory back: every listed file checked, then an :class:`Artifact`.
+
+A reader checks the manifest, then reads each file the manifest lists in bounded chunks and
+compares its sha256 before any parser sees a byte. An export swaps whole directories, so a
+read that raced one starts over on the new artifact.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from symjax_mlp._artifact.format import CORE_FILES, MLIR, is_file_name, read_manifest
+from symjax_mlp._artifact.signature import Signature
+from symjax_mlp._errors import ArtifactError
+from symjax_mlp._files import MANIFEST, read_regular, sha256
+from symjax_mlp._specs import TensorSpec
+
+_OP = re.compile(r'^\s*(?:%[^=]*=\s*)?"?((?:stablehlo|chlo|func|sdy|mhlo)\.[a-z_0-9]+|call)\b')
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifact:
+    """An exported model on disk: its directory and its (checked) manifest.
+
+    Returned by :func:`~symjax_mlp.export` and :func:`inspect`; ``str(artifact)`` is the
+    summary ``symjax-mlp inspect`` prints. Run it with :func:`~symjax_mlp.load`.
+
+    Example:
+      >>> art = sm.export(h, "my_mlp", example=x)
+      >>> art.signature.inputs[0].shape
+      ('b', 512)
+    """
+
+    path: Path
+    manifest: Mapping[str, Any]
+
+    @property
+    def signature(self) -> Signature:
+        """The input/output :class:`~symjax_mlp.manifest.Signature`, symbolic dims by name."""
+        return Signature.from_json(self.manifest["signature"])
+
+    @property
+    def platforms(self) -> tuple[str, ...]:
+        return tuple(self.manifest["platforms"])
+
+    @property
+    def params(self) -> tuple[TensorSpec, ...]:
+        """The param tree, flattened: one :class:`TensorSpec` per param, in call order."""
+        return tuple(TensorSpec.from_json(p) for p in self.manifest["params"])
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the artifact's files, manifest included (caches excluded)."""
+        files = self.manifest["files"].values()
+        return sum(f["bytes"] for f in files) + (self.path / MANIFEST).stat().st_size
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest as plain JSON data (dicts and lists)."""
+        return thaw(self.manifest)
+
+    def op_counts(self) -> dict[str, int]:
+        """How often each StableHLO (and func) op occurs in ``model.mlir``, most frequent first."""
+        return count_ops((self.path / MLIR).read_text())
+
+    def __str__(self) -> str:
+        m = self.manifest
+        v = m["versions"]
+        n_values = sum(_numel(p.shape) for p in self.params)
+        lines = [
+            f"artifact   {self.path}  ({len(m['files']) + 1} files, {_kb(self.size_bytes)}; "
+            f"format {m['format']} v{m['format_version']})",
+            f"function   {m['name']}  exported {m['created']}",
+            f"signature  {self.signature}",
+            f"platforms  {', '.join(self.platforms)}   devices {m['nr_devices']}   "
+            f"calling convention {m['calling_convention_version']}",
+            "versions   " + ", ".join(f"{k} {val}" for k, val in v.items()),
+            f"params     {len(self.params)} tensors, {n_values:,} values",
+        ]
+        lines += [f"  {p}" for p in self.params]
+        lines.append("mlir args  " + ", ".join(m["mlir_arguments"]))
+        lines.append("files      sha256")
+        for k, f in m["files"].items():
+            lines.append(f"  {k:<20} {f['sha256'][:16]}...  {f['bytes']:>10,} B")
+        counts = self.op_counts()
+        lines.append(f"stablehlo  {sum(counts.values())} ops")
+        lines += [f"  {name:<36} {n:>5}" for name, n in counts.items()]
+        return "\n".join(lines)
+
+
+def inspect(path: str | os.PathLike[str]) -> Artifact:
+    """Reads an artifact's manifest and checks every file's sha256; deserializes nothing.
+
+    Args:
+      path: an artifact directory written by :func:`~symjax_mlp.export`.
+
+    Returns:
+      The :class:`Artifact`; ``print(inspect(path))`` shows manifest, signature, platforms,
+      versions and StableHLO op counts.
+
+    Raises:
+      ArtifactError: the directory is missing, incomplete or corrupted.
+    """
+    path = Path(path)
+    manifest, _ = read_artifact(path)
+    return Artifact(path, freeze(manifest))
+
+
+def count_ops(mlir_text: str) -> dict[str, int]:
+    """Counts op names in StableHLO text (one op per line, as MLIR prints it)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in mlir_text.splitlines():
+        m = _OP.match(line)
+        if m:
+            counts["func.call" if m.group(1) == "call" else m.group(1)] += 1
+    return dict(counts.most_common())
+
+
+def _numel(shape: tuple[int | str, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _kb(n: int) -> str:
+    return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.2f} MB"
+
+
+def freeze(x: Any) -> Any:
+    if isinstance(x, dict):
+        return MappingProxyType({k: freeze(v) for k, v in x.items()})
+    if isinstance(x, list):
+        return tuple(freeze(v) for v in x)
+    return x
+
+
+def thaw(x: Any) -> Any:
+    """A frozen manifest back to plain JSON data (dicts and lists)."""
+    if isinstance(x, Mapping):
+        return {k: thaw(v) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return [thaw(v) for v in x]
+    return x
+
+
+def read_files(path: Path, manifest: Mapping[str, Any]) -> dict[str, bytes]:
+    """Reads every file the manifest lists and checks its sha256 before anyone parses it."""
+    listed = manifest["files"]
+    if set(CORE_FILES) - set(listed):
+        lacking = ", ".join(sorted(set(CORE_FILES) - set(listed)))
+        raise ArtifactError(f"{path / MANIFEST} does not list {lacking}; it is corrupted.")
+    blobs = {}
+    for name, entry in listed.items():
+        if not is_file_name(name):
+            raise ArtifactError(f"{path / MANIFEST} lists {name!r}, which is not a file name.")
+        try:
+            data = read_regular(path / name, size=entry["bytes"], error=ArtifactError)
+        except FileNotFoundError:
+            raise ArtifactError(
+                f"{path / name} is missing (the manifest lists it). The artifact is incomplete: "
+                "restore the file or export again."
+            ) from None
+        digest = sha256(data)
+        if digest != entry["sha256"]:
+            raise ArtifactError(
+                f"{path / name} is corrupted: its sha256 is {digest[:16]}... but the manifest "
+                f"records {entry['sha256'][:16]}... ({len(data)} bytes). Nothing was "
+                "deserialized. Restore the file or export again."
+            )
+        blobs[name] = data
+    return blobs
+
+
+def read_artifact(path: Path, *, attempts: int = 3) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """Reads the manifest, then every file, checked; retried if ``path`` was replaced meanwhile.
+
+    An export swaps a whole new directory into ``path``. A reader that read the old manifest
+    and then a new file would see a checksum mismatch that is no corruption; the directory's
+    identity (its inode) tells the two apart, and the read starts over on the new artifact.
+    """
+    for attempt in range(attempts):
+        before = _identity(path)
+        try:
+            manifest = read_manifest(path)
+            return manifest, read_files(path, manifest)
+        except ArtifactError:
+            if attempt + 1 == attempts or _identity(path) == before:
+                raise
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino

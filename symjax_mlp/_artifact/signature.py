@@ -1,0 +1,127 @@
+"""The call signature of an artifact: what it takes and returns, checked on every new shape.
+
+Plain data, no JAX: the loader and both runtimes check a call's inputs against it before any
+array reaches a compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from symjax_mlp._errors import SignatureError
+from symjax_mlp._specs import TensorSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """What an artifact's function takes and returns (params excluded).
+
+    Attributes:
+      inputs: one :class:`TensorSpec` per positional input, ``args[0]``, ``args[1]``, ...
+      outputs: one :class:`TensorSpec` per output array.
+      output_kind: ``"array"`` (the function returns one array) or ``"tuple"``.
+      batch: the name of the symbolic leading dimension (``"b"``), or ``None`` if every
+        shape is static. A symbolic dimension is always ``>= 1``.
+    """
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    output_kind: str
+    batch: str | None
+
+    def __str__(self) -> str:
+        ins = ", ".join(map(str, self.inputs))
+        outs = ", ".join(o.type for o in self.outputs)
+        if self.output_kind == "tuple":
+            outs = f"({outs})"
+        where = f"  with {self.batch} >= 1" if self.batch else ""
+        return f"({ins}) -> {outs}{where}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "inputs": [s.to_json() for s in self.inputs],
+            "outputs": [s.to_json() for s in self.outputs],
+            "output_kind": self.output_kind,
+            "batch": self.batch,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Signature:
+        return cls(
+            tuple(TensorSpec.from_json(s) for s in d["inputs"]),
+            tuple(TensorSpec.from_json(s) for s in d["outputs"]),
+            str(d["output_kind"]),
+            d.get("batch"),
+        )
+
+    def check(self, inputs: Sequence[Any], *, caller: str) -> list[Any]:
+        """Checks a call's inputs; returns them as arrays (JAX arrays are passed through).
+
+        Raises:
+          SignatureError: wrong number of inputs, rank, shape, dtype, or a batch of 0.
+        """
+        if len(inputs) != len(self.inputs):
+            want = ", ".join(map(str, self.inputs))
+            raise SignatureError(
+                f"{caller}: the artifact takes {len(self.inputs)} input(s) ({want}); "
+                f"got {len(inputs)}. Call it as m({', '.join(s.path for s in self.inputs)})."
+            )
+        arrays = [
+            x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x) for x in inputs
+        ]
+        sizes: dict[str, tuple[str, int]] = {}
+        for spec, x in zip(self.inputs, arrays, strict=True):
+            shape = tuple(x.shape)
+            if len(shape) != len(spec.shape):
+                raise SignatureError(
+                    f"{caller}: input {spec.path} has shape {shape}, rank {len(shape)}, but the "
+                    f"artifact expects rank {len(spec.shape)}: {self._expects(spec)}. "
+                    + _rank_hint(spec.shape, shape)
+                )
+            for i, (got, dim) in enumerate(zip(shape, spec.shape, strict=True)):
+                if got == dim:
+                    continue
+                if isinstance(dim, int):
+                    raise SignatureError(
+                        f"{caller}: input {spec.path} has shape {shape} but the artifact expects "
+                        f"{self._expects(spec)}: {spec.path}.shape[{i}] is {got}, not {dim}. "
+                        f"Pass an array whose dimension {i} is {dim}."
+                    )
+                if got < 1:
+                    raise SignatureError(
+                        f"{caller}: input {spec.path} has shape {shape} but the artifact expects "
+                        f"{self._expects(spec)}: {spec.path}.shape[{i}] is {got}, and a batch of "
+                        f"{got} is rejected. Pass at least one row."
+                    )
+                seen = sizes.setdefault(dim, (f"{spec.path}.shape[{i}]", got))
+                if seen[1] != got:
+                    raise SignatureError(
+                        f"{caller}: {spec.path}.shape[{i}] is {got} but {seen[0]} is "
+                        f"{seen[1]}; both are the symbolic dimension {dim} and must agree."
+                    )
+            if x.dtype != spec.dtype:
+                raise SignatureError(
+                    f"{caller}: input {spec.path} has dtype {np.dtype(x.dtype)} but the "
+                    f"artifact expects {spec.type}. Cast it: x.astype(np.{spec.dtype})."
+                )
+        return arrays
+
+    def _expects(self, spec: TensorSpec) -> str:
+        names = sorted({d for d in spec.shape if isinstance(d, str)})
+        where = f" with {', '.join(names)} >= 1" if names else ""
+        return _shape_text(spec.shape) + where
+
+
+def _shape_text(shape: Sequence[int | str]) -> str:
+    inner = ", ".join(map(str, shape))
+    return f"({inner},)" if len(shape) == 1 else f"({inner})"
+
+
+def _rank_hint(want: Sequence[int | str], got: tuple[int, ...]) -> str:
+    if len(want) == len(got) + 1 and tuple(want[1:]) == got:
+        return "Add the batch dimension: x[None] (one row) or x.reshape(1, -1)."
+    return f"Pass an array of rank {len(want)}."

@@ -1,0 +1,49 @@
+"""The errors symjax_mlp raises. Every one derives from :class:`SymjaxError`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class SymjaxError(Exception):
+    """Base class of every error raised by symjax_mlp; catch this to catch them all."""
+
+
+class ArtifactError(SymjaxError):
+    """An artifact directory is missing, corrupted, incompatible or cannot be written."""
+
+
+class CheckpointError(SymjaxError):
+    """A training checkpoint is missing, corrupted, or does not fit the run resuming from it."""
+
+
+class SignatureError(SymjaxError, ValueError):
+    """An input does not match the shape or dtype a compiled program or artifact expects."""
+
+
+class RetraceError(SymjaxError):
+    """A :class:`~symjax_mlp.Hybrid` traced more often than its ``max_traces`` budget allows."""
+
+
+class ControlFlowError(SymjaxError, TypeError):
+    """Python control flow or a host conversion was applied to a traced (symbolic) value."""
+
+
+class DataError(SymjaxError, ValueError):
+    """Training data is empty, misshapen, non-finite or has labels the model cannot predict."""
+
+
+class DivergenceError(SymjaxError, FloatingPointError):
+    """The training loss (or the parameters) became NaN or infinite.
+
+    Attributes:
+      step: the optimizer step whose loss was not finite (updates applied before it).
+      epoch: the epoch it happened in (1-based).
+      checkpoint: the last good checkpoint, kept on disk (``None`` without checkpoints).
+    """
+
+    def __init__(self, message: str, *, step: int, epoch: int, checkpoint: Path | None):
+        super().__init__(message)
+        self.step = step
+        self.epoch = epoch
+        self.checkpoint = checkpoint

@@ -1,0 +1,243 @@
+"""Stage 3 of the flow: a :class:`~symjax_mlp.Hybrid` to a portable StableHLO artifact.
+
+``export`` runs ``jax.export`` on the Hybrid's pure function with the params as *inputs* (not
+constants), so the weights live in a separate, cross-language ``params.safetensors`` and can be
+swapped at load. A sharded Hybrid exports its sharded program (the manifest records the
+device count). The directory is written atomically, manifest last.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform as _platform
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from symjax_mlp._artifact.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    JAXEXPORT,
+    MANIFEST,
+    MLIR,
+    MLIRBC,
+    PARAMS,
+    check_target,
+)
+from symjax_mlp._artifact.reading import Artifact, freeze
+from symjax_mlp._artifact.signature import Signature
+from symjax_mlp._artifact.weights import encode_params, param_specs
+from symjax_mlp._errors import ArtifactError, SignatureError
+from symjax_mlp._files import sha256, write_dir
+from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
+from symjax_mlp._specs import TensorSpec, shape_dims
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what jax.export lowers for
+
+
+def export(
+    h: Hybrid,
+    path: str | os.PathLike[str],
+    *,
+    example: jax.typing.ArrayLike | Sequence[jax.typing.ArrayLike],
+    batch: str | None = "b",
+    platforms: Sequence[str] = ("cpu",),
+    overwrite: bool = False,
+) -> Artifact:
+    """Exports ``h`` as a portable artifact directory (StableHLO + safetensors + manifest).
+
+    Args:
+      h: the :class:`~symjax_mlp.Hybrid` to export; its params become inputs of the exported
+        function and are written to ``params.safetensors``. A :class:`~symjax_mlp.Sharded`
+        exports its sharded program (see :meth:`~symjax_mlp.Sharded.export`).
+      path: the artifact directory. Written atomically: a temporary sibling, manifest last,
+        then renamed into place.
+      example: an input array, or a tuple of input arrays; only shapes and dtypes are used.
+      batch: the name of a symbolic leading dimension shared by every input (one artifact
+        serves any batch size >= 1), or ``None`` to export the example's static shapes.
+      platforms: the JAX platforms to lower for, e.g. ``("cpu", "cuda")``; no device of
+        those platforms is needed to export.
+      overwrite: replace an existing artifact at ``path``.
+
+    Returns:
+      The :class:`~symjax_mlp.Artifact`.
+
+    Raises:
+      ArtifactError: ``path`` exists (without ``overwrite``) or cannot be written.
+      SignatureError: ``example`` is not an array or a tuple of arrays, or the output is not.
+
+    Example:
+      >>> h = sm.hybridize(net, net.init(jax.random.key(0), x))
+      >>> art = sm.export(h, "my_mlp", example=x, platforms=("cpu", "cuda"))
+      >>> sm.load("my_mlp")(x).shape
+      (1, 2)
+    """
+    if not isinstance(h, Hybrid):
+        raise TypeError(
+            f"export() expects a Hybrid; got {type(h).__name__}. Write "
+            "sm.export(sm.hybridize(model, variables), path, example=x)."
+        )
+    path = Path(path)
+    examples = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    in_specs = _input_structs(examples, batch)
+    platforms = tuple(platforms)
+    unknown = [p for p in platforms if p not in PLATFORMS]
+    if unknown or not platforms or len(set(platforms)) != len(platforms):
+        raise ValueError(
+            f"export(platforms={platforms!r}): name each platform once, from {PLATFORMS} "
+            "(a GPU is 'cuda' or 'rocm')."
+        )
+    check_target(path, overwrite)  # fail before the work, not after it
+    specs, host_params = param_specs(h.params)
+    treedef = jax.tree.structure(h.params)
+    fn, paths = _sharded_fn(h) if h.mesh is not None else h.fn, [s.path for s in specs]
+
+    # The params go in as a dict keyed by path, so the module's own input tree names every
+    # param and load binds weights by name (an edited manifest cannot swap two of one shape).
+    def model(params: dict[str, jax.Array], *inputs: jax.Array) -> Any:
+        return fn(jax.tree.unflatten(treedef, [params[p] for p in paths]), *inputs)
+
+    model.__name__ = "model"
+    order = sorted(range(len(specs)), key=lambda i: specs[i].path)  # a dict flattens sorted
+    specs, host_params = [specs[i] for i in order], [host_params[i] for i in order]
+    p_structs = {
+        s.path: jax.ShapeDtypeStruct(a.shape, a.dtype)
+        for s, a in zip(specs, host_params, strict=True)
+    }
+    try:
+        exported = jax.export.export(jax.jit(model), platforms=platforms)(p_structs, *in_specs)
+    except TRACER_ERRORS as e:
+        raise control_flow_error(h.name, e) from e
+    except jax.errors.InconclusiveDimensionOperation as e:
+        raise SignatureError(
+            f"export({h.name}, batch={batch!r}): the function needs a concrete value of the "
+            f"symbolic batch {batch!r} ({str(e).splitlines()[0]}). Keep the batch symbolic "
+            "(use x.shape[0] only inside jnp operations, reshape with -1), or export static "
+            "shapes with batch=None."
+        ) from e
+    out_leaves = jax.tree.leaves(exported.out_avals)
+    out_kind = _output_kind(exported, h)
+    signature = Signature(
+        tuple(
+            TensorSpec(f"args[{i}]", shape_dims(a.shape), str(a.dtype))
+            for i, a in enumerate(exported.in_avals[len(specs) :])
+        ),
+        tuple(
+            TensorSpec(
+                "out" if out_kind == "array" else f"out[{i}]", shape_dims(a.shape), str(a.dtype)
+            )
+            for i, a in enumerate(out_leaves)
+        ),
+        out_kind,
+        batch,
+    )
+    names = [s.path for s in specs] + [s.path for s in signature.inputs]
+    if len(set(names)) != len(names) or "platform_index" in names:
+        raise ArtifactError(f"export({h.name}): param paths collide with input names: {names}")
+    mlir_args = (["platform_index"] if len(platforms) > 1 else []) + [
+        names[i] for i in exported.module_kept_var_idx
+    ]
+    files = {
+        JAXEXPORT: bytes(exported.serialize()),
+        MLIRBC: bytes(exported.mlir_module_serialized),
+        MLIR: exported.mlir_module().encode(),
+        PARAMS: encode_params(specs, host_params),
+    }
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "name": h.name,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": _versions(),
+        "platforms": list(platforms),
+        "nr_devices": exported.nr_devices,
+        "calling_convention_version": exported.calling_convention_version,
+        "ordered_effects": len(exported.ordered_effects),
+        "signature": signature.to_json(),
+        "params": [s.to_json() for s in specs],
+        "mlir_arguments": mlir_args,
+        "files": {k: {"sha256": sha256(v), "bytes": len(v)} for k, v in files.items()},
+    }
+    files[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode()
+    write_dir(path, files, overwrite=overwrite, check=check_target, error=ArtifactError)
+    return Artifact(path, freeze(manifest))
+
+
+def _sharded_fn(h: Hybrid) -> Callable[..., Any]:
+    """``h.fn`` with the sharding of ``h``'s mesh as constraints: batch split, params
+    replicated, so ``jax.export`` records ``nr_devices = mesh.size``."""
+    mesh, fn = h.mesh, h.fn
+    rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P(h.axis))
+
+    def sharded(params: Any, *inputs: jax.Array) -> Any:
+        params = jax.lax.with_sharding_constraint(params, rep)
+        inputs = jax.lax.with_sharding_constraint(inputs, dat)
+        return jax.lax.with_sharding_constraint(fn(params, *inputs), dat)
+
+    return sharded
+
+
+def _input_structs(examples: tuple[Any, ...], batch: str | None) -> list[jax.ShapeDtypeStruct]:
+    if batch is not None and (not isinstance(batch, str) or not batch.isidentifier()):
+        raise ValueError(f"export(batch={batch!r}): pass a name such as 'b', or None.")
+    dim = jax.export.symbolic_shape(batch)[0] if batch else None
+    structs = []
+    for i, x in enumerate(examples):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise SignatureError(
+                f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
+                "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."
+            )
+        shape = tuple(x.shape)
+        if dim is not None:
+            if not shape:
+                raise SignatureError(
+                    f"export(example=...): args[{i}] is a scalar, so it has no batch dimension "
+                    f"for batch={batch!r}. Pass batch=None for static shapes."
+                )
+            shape = (dim, *shape[1:])
+        structs.append(jax.ShapeDtypeStruct(shape, x.dtype))
+    return structs
+
+
+def _output_kind(exported: Any, h: Hybrid) -> str:
+    out_tree = exported.out_tree
+    if out_tree.num_leaves == 1 and out_tree == jax.tree.structure(0):
+        return "array"
+    if out_tree.num_nodes == out_tree.num_leaves + 1 and (
+        out_tree == jax.tree.structure((0,) * out_tree.num_leaves)
+    ):
+        return "tuple"
+    raise SignatureError(
+        f"export({h.name}): the function returns {out_tree}; an artifact returns an array or a "
+        "flat tuple of arrays (what every runtime, IREE included, can hand back). Return "
+        "tuple(jax.tree.leaves(out)) from the function you export."
+    )
+
+
+def _versions() -> dict[str, str]:
+    import jaxlib
+
+    def dist(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    return {
+        "symjax_mlp": dist("symjax_mlp"),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": dist("flax"),
+        "numpy": np.__version__,
+        "python": _platform.python_version(),
+    }

@@ -1,0 +1,260 @@
+"""Files on disk: the one atomic writer, bounded safe reads, and sha256 in chunks.
+
+Artifacts, checkpoints and caches are all written the same way: into a temporary sibling,
+fsynced, then renamed into place (``renameat2`` on Linux: ``RENAME_NOREPLACE`` for a new
+directory, ``RENAME_EXCHANGE`` to replace one), so a reader sees the old version or the new
+one, never half of one, and a writer killed mid-way leaves the old version intact.
+
+Reading never follows a symbolic link, never blocks on a FIFO, and checks a file's size before
+reading a byte of it.
+
+:func:`write_file` is the documented test seam: the crash-safety tests replace it to kill a
+writer half-way through a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import stat
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from symjax_mlp._errors import SymjaxError
+
+MANIFEST = "manifest.json"
+CHUNK = 1 << 20  # hash and read in bounded chunks
+
+_AT_FDCWD, _RENAME_NOREPLACE, _RENAME_EXCHANGE = -100, 1, 2
+_UNSUPPORTED = (22, 38, 95)  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot do it
+
+
+# -- hashing ----------------------------------------------------------------------------------
+def sha256(data: bytes) -> str:
+    """The hex sha256 of ``data``, hashed in bounded chunks."""
+    digest = hashlib.sha256()
+    view = memoryview(data)
+    for i in range(0, len(view), CHUNK):
+        digest.update(view[i : i + CHUNK])
+    return digest.hexdigest()
+
+
+# -- reading ----------------------------------------------------------------------------------
+def _open_regular(file: Path, error: type[SymjaxError]) -> int:
+    flags = os.O_RDONLY
+    for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "O_BINARY"):
+        flags |= getattr(os, name, 0)
+    try:
+        fd = os.open(file, flags)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:  # ELOOP: a symlink; ValueError: a NUL in the name
+        if os.path.islink(file):
+            raise error(
+                f"{file} is a symbolic link; loading never follows a link (it could point out "
+                "of the directory, or at /dev/zero). Replace it by the file it points to."
+            ) from None
+        raise error(f"{file} cannot be read: {e}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(
+            f"{file} is not a regular file (a directory, FIFO or device), so it is not what was "
+            "written there. Restore the file, or write it again."
+        )
+    return fd
+
+
+def read_regular(
+    file: Path,
+    *,
+    size: int | None = None,
+    limit: int | None = None,
+    error: type[SymjaxError],
+) -> bytes:
+    """Reads one regular file: never a link, FIFO or device, its size checked first.
+
+    Args:
+      file: the file.
+      size: the size it must have (a manifest's record), or ``None``.
+      limit: the most bytes it may have, or ``None``.
+      error: the :class:`~symjax_mlp.SymjaxError` subclass to raise.
+
+    Raises:
+      FileNotFoundError: ``file`` does not exist (callers say what that means).
+      SymjaxError: of type ``error``, for anything else that makes it unreadable.
+    """
+    fd = _open_regular(file, error)
+    try:
+        actual = os.fstat(fd).st_size
+        if size is not None and actual != size:
+            raise error(
+                f"{file} is corrupted: it has {actual} bytes but the manifest records {size}. "
+                "Nothing was deserialized. Restore the file, or write it again."
+            )
+        if limit is not None and actual > limit:
+            raise error(
+                f"{file} has {actual} bytes, more than the {limit} such a file can have; it is "
+                "not one written by symjax_mlp. Write it again."
+            )
+        data = bytearray()
+        while len(data) <= actual:  # one read more than the size, to see it ends there
+            chunk = os.read(fd, min(CHUNK, actual + 1 - len(data)))
+            if not chunk:
+                break
+            data += chunk
+    except OSError as e:
+        raise error(f"{file} cannot be read: {e}") from e
+    finally:
+        os.close(fd)
+    if len(data) != actual:
+        raise error(f"{file} changed while it was read; read it again.")
+    return bytes(data)
+
+
+def sha256_file(file: Path, *, error: type[SymjaxError]) -> str:
+    """The sha256 of a regular file, read in bounded chunks (never a link or FIFO)."""
+    digest = hashlib.sha256()
+    fd = _open_regular(file, error)
+    try:
+        while chunk := os.read(fd, CHUNK):
+            digest.update(chunk)
+    except OSError as e:
+        raise error(f"{file} cannot be read: {e}") from e
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+# -- writing ----------------------------------------------------------------------------------
+def write_file(file: Path, data: bytes) -> None:
+    """Writes and fsyncs one file (the test seam: crash-safety tests replace it)."""
+    with open(file, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_file_atomic(file: Path, data: bytes) -> None:
+    """Writes ``file`` through a temporary sibling and one ``os.replace``."""
+    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        write_file(tmp, data)
+        os.replace(tmp, file)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def write_dir(
+    path: Path,
+    files: Mapping[str, bytes],
+    *,
+    overwrite: bool,
+    check: Callable[[Path, bool], None],
+    error: type[SymjaxError],
+) -> None:
+    """Writes ``files`` (in order: put the manifest last) into a new directory at ``path``.
+
+    Args:
+      path: the directory to create, or replace when ``overwrite``.
+      files: file name -> bytes, written in this order, each fsynced.
+      overwrite: replace an existing ``path``.
+      check: ``check(path, overwrite)`` raises if ``path`` may not be written; called before
+        and again just before the rename.
+      error: the :class:`~symjax_mlp.SymjaxError` subclass to raise.
+
+    Raises:
+      SymjaxError: of type ``error``; any previous directory at ``path`` is then unchanged.
+    """
+    check(path, overwrite)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise error(f"cannot write {path}: {e}") from e
+    try:
+        for name, data in files.items():
+            write_file(tmp / name, data)
+        _fsync_dir(tmp)
+        check(path, overwrite)  # it may have appeared while we were writing
+        if path.exists() or path.is_symlink():
+            _replace(tmp, path)  # tmp now holds the previous directory
+            shutil.rmtree(tmp)
+        elif not _rename(tmp, path, _RENAME_NOREPLACE):
+            os.rename(tmp, path)  # not Linux: fails on a non-empty directory that appeared
+        _fsync_dir(path.parent)
+    except FileExistsError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        check(path, False)  # another writer won the race: say so, as for an existing path
+        raise error(f"cannot write {path}: another writer created it meanwhile.") from None
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise error(f"cannot write {path}: {e}. Anything there before is unchanged.") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    remove_stale(path)
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    """Swaps ``tmp`` into ``path``; afterwards ``tmp`` holds what ``path`` held."""
+    if _rename(tmp, path, _RENAME_EXCHANGE):
+        return
+    old = path.parent / f".{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    os.rename(path, old)  # not Linux: two renames, a tiny window without path
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        os.rename(old, path)  # put the previous one back
+        raise
+    os.rename(old, tmp)
+
+
+def _rename(a: Path, b: Path, flags: int) -> bool:
+    """Linux ``renameat2(a, b, flags)``; False where unsupported, FileExistsError if taken."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    if err == 17:  # EEXIST, with RENAME_NOREPLACE
+        raise FileExistsError(err, os.strerror(err), str(b))
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every platform can open a directory
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def remove_stale(path: Path) -> None:
+    """Removes temporary siblings left by writers of ``path`` whose process has died."""
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?:tmp|old)-(\d+)-[0-9a-f]+$")
+    for sibling in path.parent.iterdir():
+        m = pattern.match(sibling.name)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

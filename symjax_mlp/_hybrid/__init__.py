@@ -1,0 +1,1 @@
+"""Stage 1 of the flow: trace log -> mesh -> jaxpr reading -> DOT -> Graph -> Hybrid."""

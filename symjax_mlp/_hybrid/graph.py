@@ -1,0 +1,132 @@
+"""The symbolic program: a staged jaxpr you can print, count, attribute to layers and draw.
+
+:func:`stage` turns any function into a :class:`Graph` with :func:`jax.make_jaxpr`; a
+:class:`~symjax_mlp.Hybrid` stages its function the same way (``h.graph(x)``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import shutil
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+from symjax_mlp._hybrid.dot import to_dot
+from symjax_mlp._hybrid.jaxpr import eqn_flops, sub_jaxprs, walk
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """A staged program: the jaxpr of a function on given inputs, and ways to look at it.
+
+    ``str(g)`` is the jaxpr. Counts include the equations inside sub-jaxprs (the body of a
+    ``custom_jvp_call`` or nested ``jit``) as well as the wrapping equation itself.
+
+    Attributes:
+      jaxpr: the ``ClosedJaxpr`` from :func:`jax.make_jaxpr`.
+      name: the staged function's name.
+    """
+
+    jaxpr: jex_core.ClosedJaxpr
+    name: str
+    _lower: Callable[[], jax.stages.Lowered] = dataclasses.field(repr=False, compare=False)
+
+    def __str__(self) -> str:
+        return str(self.jaxpr)
+
+    @functools.cached_property
+    def primitive_counts(self) -> collections.Counter[str]:
+        """How many equations use each primitive, e.g. ``{"dot_general": 3, "add": 3, ...}``."""
+        return collections.Counter(e.primitive.name for e, _ in walk(self.jaxpr.jaxpr))
+
+    @functools.cached_property
+    def by_layer(self) -> dict[str, collections.Counter[str]]:
+        """Primitive counts per named layer (the ``jax.named_scope`` path; ``""``: unnamed)."""
+        layers: dict[str, collections.Counter[str]] = {}
+        for eqn, layer in walk(self.jaxpr.jaxpr):
+            layers.setdefault(layer, collections.Counter())[eqn.primitive.name] += 1
+        return layers
+
+    @functools.cached_property
+    def flops(self) -> int:
+        """Floating-point operations, counted from the jaxpr with XLA's conventions.
+
+        A ``dot_general`` costs ``2 * K`` per output element, an elementwise op one per output
+        element, a reduction one per input element; layout ops (reshape, broadcast) cost none.
+        Equations are counted once, at the innermost level.
+        """
+        return sum(eqn_flops(e) for e, _ in walk(self.jaxpr.jaxpr) if not any(sub_jaxprs(e)))
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
+        """Stages ``fn(*args, **kwargs)`` with :func:`jax.make_jaxpr`."""
+        jaxpr = jax.make_jaxpr(fn)(*args, **kwargs)
+        return cls(jaxpr, name, lambda: jax.jit(fn).lower(*args, **kwargs))
+
+    def lower(self) -> jax.stages.Lowered:
+        """Lowers the staged function with ``jax.jit``: ``.as_text()`` is StableHLO."""
+        return self._lower()
+
+    def optimized(self) -> str:
+        """XLA's optimized HLO for this program, after constant folding and fusion."""
+        return self._lower().compile().as_text()
+
+    def to_dot(self) -> str:
+        """Graphviz DOT: one node per equation, clustered by layer, edges along data flow."""
+        return to_dot(self.jaxpr, self.name)
+
+    def to_svg(self) -> str:
+        """Renders :meth:`to_dot` with the Graphviz ``dot`` program (must be on PATH)."""
+        dot = shutil.which("dot")
+        if dot is None:
+            raise RuntimeError(
+                "Graph.to_svg() needs the Graphviz `dot` program on PATH (Debian/Ubuntu: "
+                "apt-get install graphviz); Graph.to_dot() gives the DOT text without it."
+            )
+        done = subprocess.run(
+            [dot, "-Tsvg"], input=self.to_dot(), capture_output=True, text=True, check=True
+        )
+        return done.stdout
+
+
+def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
+    """Returns a function that stages ``fn`` on its arguments into a :class:`Graph`.
+
+    Pass the plain (un-jitted) function: staging shows each operation it performs, and
+    :meth:`Graph.optimized` shows what XLA makes of them.
+
+    Raises:
+      TypeError: ``fn`` is already ``jax.jit``-wrapped (its jaxpr would be one opaque
+        ``jit`` equation) or a :class:`~symjax_mlp.Hybrid`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import symjax_mlp as sm
+      >>> a, b, c, d = (jnp.float32(v) for v in (1, 2, 3, 4))
+      >>> g = sm.stage(lambda: (a + b) + (c + d))()
+      >>> g.primitive_counts["add"]
+      3
+    """
+    if callable(getattr(fn, "eager", None)) and callable(getattr(fn, "graph", None)):
+        raise TypeError(
+            "stage() got a Hybrid; stage its function instead: h.graph(x) (or stage(h.fn)"
+            "(h.params, x))."
+        )
+    if isinstance(fn, jax.stages.Wrapped) or hasattr(fn, "lower"):
+        inner = getattr(fn, "__wrapped__", None)
+        hint = f" (here: stage({inner.__name__}))" if inner is not None else ""
+        raise TypeError(
+            f"stage() got {getattr(fn, '__name__', fn)!r}, which is already jax.jit-compiled: "
+            "its jaxpr would be a single opaque `jit` equation hiding every layer. Pass the "
+            f"undecorated Python function{hint}, e.g. stage(f.__wrapped__)."
+        )
+    if not callable(fn):
+        raise TypeError(f"stage() expects a callable; got {type(fn).__name__}.")
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return functools.partial(Graph.of, fn, name)

@@ -1,0 +1,150 @@
+"""Hybridizable MLP building blocks: pure ``flax.linen`` modules with plain-dict params.
+
+Flax runs every submodule call under ``jax.named_scope(<module name>)``, so the jaxpr and the
+HLO of these models carry layer names (``layers_0``, ``branches_1``, ...), which
+:attr:`symjax_mlp.Graph.by_layer` reads back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+#: Elementwise activations from :mod:`jax.nn` that a :class:`Dense` layer accepts by name.
+ACTIVATIONS: tuple[str, ...] = (
+    "celu",
+    "elu",
+    "gelu",
+    "hard_sigmoid",
+    "hard_silu",
+    "hard_swish",
+    "hard_tanh",
+    "leaky_relu",
+    "log_sigmoid",
+    "mish",
+    "relu",
+    "relu6",
+    "selu",
+    "sigmoid",
+    "silu",
+    "soft_sign",
+    "softplus",
+    "sparse_plus",
+    "squareplus",
+    "swish",
+    "tanh",
+)
+
+
+def activation(name: str | None) -> Callable[[jax.Array], jax.Array]:
+    """Returns the :mod:`jax.nn` activation called ``name`` (``None`` is the identity).
+
+    Raises:
+      ValueError: ``name`` is not one of :data:`ACTIVATIONS`.
+
+    Example:
+      >>> activation("relu")(jnp.array([-1.0, 2.0]))
+      Array([0., 2.], dtype=float32)
+    """
+    if name is None:
+        return lambda x: x
+    if not isinstance(name, str) or name not in ACTIVATIONS:
+        raise ValueError(
+            f"unknown activation {name!r}; expected None or one of: {', '.join(ACTIVATIONS)}."
+        )
+    return getattr(jax.nn, name)
+
+
+class Dense(nn.Dense):
+    """``flax.linen.Dense`` followed by an optional activation named from :mod:`jax.nn`.
+
+    Example:
+      >>> layer = Dense(4, activation="relu")
+      >>> variables = layer.init(jax.random.key(0), jnp.ones((1, 3)))
+      >>> layer.apply(variables, jnp.ones((1, 3))).shape
+      (1, 4)
+    """
+
+    activation: str | None = None
+
+    def __post_init__(self) -> None:
+        activation(self.activation)  # validate at construction, not at first call
+        super().__post_init__()
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        return activation(self.activation)(super().__call__(inputs))
+
+
+class HybridSequential(nn.Module):
+    """Runs ``layers`` one after the other, each on the previous one's output."""
+
+    layers: Sequence[nn.Module]
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("HybridSequential needs at least one layer; got an empty sequence.")
+        super().__post_init__()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class HybridConcurrent(nn.Module):
+    """Feeds the same input to every branch and concatenates their outputs along ``axis``.
+
+    Example:
+      >>> cat = HybridConcurrent((Dense(3), Dense(5)))
+      >>> variables = cat.init(jax.random.key(0), jnp.ones((2, 4)))
+      >>> cat.apply(variables, jnp.ones((2, 4))).shape
+      (2, 8)
+    """
+
+    branches: Sequence[nn.Module]
+    axis: int = -1
+
+    def __post_init__(self) -> None:
+        if not self.branches:
+            raise ValueError("HybridConcurrent needs at least one branch; got an empty sequence.")
+        super().__post_init__()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.concatenate([branch(x) for branch in self.branches], axis=self.axis)
+
+
+def mlp(
+    sizes: Sequence[int], *, activation: str | None = "relu", dtype: jnp.dtype | None = None
+) -> HybridSequential:
+    """Builds a multilayer perceptron: ``Dense`` layers of ``sizes``, ``activation`` between.
+
+    The last layer has no activation. ``mlp((256, 128, 2))`` is the chapter's network
+    (512 → 256 → 128 → 2 with ReLU; the input width comes from the data at ``init``).
+
+    Args:
+      sizes: output width of each layer, at least one positive int.
+      activation: name of a :mod:`jax.nn` activation (see :data:`ACTIVATIONS`) or ``None``.
+      dtype: computation dtype of every layer (``None``: from the inputs).
+
+    Raises:
+      ValueError: an empty ``sizes``, a non-positive width or an unknown activation.
+
+    Example:
+      >>> net = mlp((256, 128, 2))
+      >>> variables = net.init(jax.random.key(0), jnp.ones((1, 512)))
+      >>> net.apply(variables, jnp.ones((1, 512))).shape
+      (1, 2)
+    """
+    sizes = tuple(sizes)
+    if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
+        raise ValueError(f"mlp sizes must be a non-empty sequence of positive ints; got {sizes!r}.")
+    last = len(sizes) - 1
+    return HybridSequential(
+        tuple(
+            Dense(s, activation=None if i == last else activation, dtype=dtype)
+            for i, s in enumerate(sizes)
+        )
+    )

@@ -1,0 +1,214 @@
+"""Run an artifact with IREE instead of JAX: ``load(path, runtime="iree")``.
+
+``model.mlirbc`` (the ``jax.export`` StableHLO module, unchanged) is compiled by
+``iree.compiler`` for ``llvm-cpu`` with ``--iree-llvmcpu-target-cpu=host`` and run by
+``iree.runtime``. What that takes, found by reading the module and IREE's input conversion:
+
+- The symbolic batch dimension stays dynamic (``tensor<?x512xf32>``); IREE compiles it as is.
+- ``jax.export`` guards symbolic dimensions with ``stablehlo.custom_call @shape_assertion``;
+  IREE's StableHLO input pipeline erases those calls, so IREE does not check shapes. This
+  module checks them itself, with the artifact's :class:`~symjax_mlp.Signature`,
+  before every call (a batch of 0 is rejected here, not by IREE).
+- A multi-platform export takes a leading ``i32`` platform index (``main(%platform_index,
+  ...)``) and ``stablehlo.case``-switches on it; we pass the index of ``"cpu"``. An export
+  without ``"cpu"`` may hold accelerator-only lowerings and is refused.
+- Unused params are dropped from the module (``module_kept_var_idx``): the manifest's
+  ``mlir_arguments`` lists what ``main`` takes, in order.
+- JAX's CPU custom calls (LAPACK ``lapack_*_ffi`` for ``jnp.linalg``) and sharded or
+  effectful exports have no IREE lowering: they raise :class:`~symjax_mlp.ArtifactError`,
+  never a silent fallback to JAX.
+
+The compiled ``.vmfb`` is cached in a per-user cache directory (:func:`cache_dir`), under a
+name keyed by the sha256 of ``model.mlirbc``, the IREE version, the target and this host's
+CPU, written atomically. Compiled code is never read from the artifact directory: a file
+planted there is never executed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from symjax_mlp._artifact.format import MLIR, MLIRBC
+from symjax_mlp._artifact.signature import Signature
+from symjax_mlp._errors import ArtifactError
+from symjax_mlp._files import sha256, write_file_atomic
+
+TARGET = "llvm-cpu"
+DRIVER = "local-task"
+_CUSTOM_CALL = re.compile(r"stablehlo\.custom_call\s+@([\w.$-]+)")
+_KNOWN_CUSTOM_CALLS = {"shape_assertion"}  # IREE erases these; everything else it rejects
+
+
+def _modules() -> tuple[Any, Any]:
+    try:
+        import iree.compiler as ic
+        import iree.runtime as ir
+    except ImportError as e:
+        raise ArtifactError(
+            "load(runtime='iree') needs IREE's compiler and runtime: "
+            "pip install 'symjax_mlp[iree]' (iree-base-compiler, iree-base-runtime). "
+            f"Import failed: {e}"
+        ) from e
+    return ic, ir
+
+
+def iree_version() -> str:
+    """The installed IREE compiler version, e.g. ``3.13.0rc20261016``."""
+    from iree.compiler import version
+
+    return str(version.VERSION)
+
+
+def compile_flags() -> list[str]:
+    """The ``iree-compile`` flags used for an artifact (the same as the CLI recipe)."""
+    return [
+        "--iree-input-type=stablehlo",
+        "--iree-hal-target-device=local",
+        f"--iree-hal-local-target-device-backends={TARGET}",
+        "--iree-llvmcpu-target-cpu=host",
+    ]
+
+
+def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
+    """Refuses, with the reason, artifacts IREE's llvm-cpu cannot run (before compiling)."""
+    _modules()
+    where = path / "manifest.json"
+    if "cpu" not in manifest["platforms"]:
+        raise ArtifactError(
+            f"{where}: runtime='iree' compiles the cpu lowering for IREE's llvm-cpu, but the "
+            f"artifact was exported for {', '.join(manifest['platforms'])} only. Re-export with "
+            "'cpu' among the platforms, e.g. platforms=('cpu', 'cuda')."
+        )
+    if manifest["nr_devices"] != 1:
+        raise ArtifactError(
+            f"{where}: the artifact is sharded over {manifest['nr_devices']} devices; IREE "
+            "runs single-device exports only. Use runtime='jax', or export unsharded."
+        )
+    if manifest.get("ordered_effects", 0):
+        raise ArtifactError(
+            f"{where}: the exported function has ordered effects (e.g. io_callback), which "
+            "IREE cannot run. Use runtime='jax'."
+        )
+
+
+def cache_dir() -> Path:
+    """Where compiled ``.vmfb`` files are cached: a per-user directory, never the artifact.
+
+    ``$XDG_CACHE_HOME/symjax_mlp/iree`` (default ``~/.cache/symjax_mlp/iree``), the same
+    convention JAX, pip and IREE's own tools follow.
+    """
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "symjax_mlp" / "iree"
+
+
+def vmfb_cache_key(module_sha256: str) -> str:
+    """The cache file name for a module: sha256 of the module, IREE version, target and CPU."""
+    text = " ".join([module_sha256, iree_version(), TARGET, _host_key(), *compile_flags()])
+    return f"{hashlib.sha256(text.encode()).hexdigest()}.vmfb"
+
+
+def _host_key() -> str:
+    """A short fingerprint of this CPU (``host`` compiles for its exact features)."""
+    text = platform.machine()
+    with contextlib.suppress(OSError):
+        info = Path("/proc/cpuinfo").read_text()
+        for field in ("model name", "flags", "Features", "CPU part"):
+            m = re.search(rf"^{field}\s*:\s*(.*)$", info, re.M)
+            text += "|" + (m.group(1) if m else "")
+    text += "|" + platform.processor()
+    return f"{platform.machine()}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+def _compile(path: Path, mlirbc: bytes, mlir_text: str, *, cached: bool = True) -> bytes:
+    """Returns the ``.vmfb`` for ``mlirbc``: from the user's cache, else compiled and cached."""
+    ic, _ = _modules()
+    calls = sorted(set(_CUSTOM_CALL.findall(mlir_text)) - _KNOWN_CUSTOM_CALLS)
+    if calls:
+        raise ArtifactError(
+            f"{path / MLIR}: IREE cannot run this model: it calls the custom call(s) "
+            f"{', '.join(calls)}, which are JAX/XLA runtime kernels (LAPACK for jnp.linalg, "
+            "GPU libraries, ...) with no IREE lowering. Use runtime='jax', or express the "
+            "computation with plain jnp/lax ops before exporting."
+        )
+    # The cache is keyed by the module's own sha256 (computed here, not read from the
+    # manifest) and lives in a per-user directory: compiled code never comes from the artifact.
+    cache = cache_dir() / vmfb_cache_key(sha256(mlirbc))
+    if cached:
+        with contextlib.suppress(OSError):
+            return cache.read_bytes()
+    try:
+        data = ic.compile_str(mlirbc, input_type="stablehlo", extra_args=compile_flags()[1:])
+    except ic.CompilerToolError as e:
+        tail = "\n".join(str(e).strip().splitlines()[-12:])
+        raise ArtifactError(
+            f"{path / MLIRBC}: IREE {iree_version()} could not compile it for {TARGET}. "
+            f"Use runtime='jax'. IREE said:\n{tail}"
+        ) from e
+    with contextlib.suppress(OSError):  # an unwritable cache directory: just not cached
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(cache, data)
+    return data
+
+
+def runner(
+    path: Path,
+    manifest: Mapping[str, Any],
+    blobs: Mapping[str, bytes],
+    params: Sequence[np.ndarray],
+) -> Callable[[list[Any]], list[np.ndarray]]:
+    """Compiles (or reuses) the ``.vmfb`` and returns ``run(inputs) -> [np.ndarray, ...]``."""
+    _, ir = _modules()
+    config = ir.Config(DRIVER)
+    for cached in (True, False):  # a damaged cache entry is compiled again, never trusted
+        vmfb = _compile(path, blobs[MLIRBC], blobs[MLIR].decode(), cached=cached)
+        try:
+            context = ir.SystemContext(config=config)
+            module = ir.VmModule.copy_buffer(context.instance, vmfb)
+            context.add_vm_module(module)
+            main = context.modules[module.name]["main"]
+            break
+        except (RuntimeError, ValueError, KeyError) as e:
+            if not cached:
+                raise ArtifactError(
+                    f"{path / MLIRBC}: IREE could not load the compiled module: {e}"
+                ) from e
+    signature = Signature.from_json(manifest["signature"])
+    names = [p["path"] for p in manifest["params"]]
+    on_device = {
+        n: ir.asdevicearray(config.device, np.asarray(p))
+        for n, p in zip(names, params, strict=True)
+    }
+    slots: list[Any] = []  # per mlir argument: a device array, or the index of a call input
+    inputs = {s.path: i for i, s in enumerate(signature.inputs)}
+    for arg in manifest["mlir_arguments"]:
+        if arg == "platform_index":
+            slots.append(np.asarray(list(manifest["platforms"]).index("cpu"), np.int32))
+        elif arg in inputs:
+            slots.append(inputs[arg])
+        elif arg in on_device:
+            slots.append(on_device[arg])
+        else:
+            raise ArtifactError(
+                f"{path / 'manifest.json'}: mlir_arguments names {arg!r}, which is neither a "
+                "param nor an input of the artifact. The manifest was edited; export it again."
+            )
+    n_out = len(signature.outputs)
+
+    def run(args: list[Any]) -> list[np.ndarray]:
+        host = [np.asarray(a) for a in args]
+        result = main(*[host[s] if isinstance(s, int) else s for s in slots])
+        outs = list(result) if isinstance(result, (tuple, list)) else [result]
+        if len(outs) != n_out:
+            raise ArtifactError(f"{path / MLIRBC}: IREE returned {len(outs)} outputs, not {n_out}.")
+        return [np.asarray(o) for o in outs]
+
+    return run

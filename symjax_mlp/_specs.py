@@ -1,0 +1,49 @@
+"""One spec for one idea: the path, shape and dtype of an array, in traces and in artifacts.
+
+A :class:`TensorSpec` names an input leaf a :class:`~symjax_mlp.Hybrid` traced on (there its
+``weak_type`` matters, because JAX specialises on it) and a tensor of an artifact's contract
+(there a dimension may be symbolic, a name such as ``"b"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One array: a path, a shape (ints and symbolic names), a dtype, and JAX's weak type.
+
+    Example:
+      >>> from symjax_mlp import TensorSpec
+      >>> str(TensorSpec("args[0]", ("b", 512), "float32"))
+      'args[0]: float32[b, 512]'
+    """
+
+    path: str
+    shape: tuple[int | str, ...]
+    dtype: str
+    weak_type: bool = False
+
+    def __str__(self) -> str:
+        weak = " (weak)" if self.weak_type else ""
+        return f"{self.path}: {self.type}{weak}"
+
+    @property
+    def type(self) -> str:
+        """``float32[b, 512]``: the dtype and the shape, symbolic dimensions by name."""
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> TensorSpec:
+        return cls(str(d["path"]), tuple(d["shape"]), str(d["dtype"]))
+
+
+def shape_dims(shape: Sequence[Any]) -> tuple[int | str, ...]:
+    """A JAX shape as spec dims: ints stay, symbolic dimensions become their names."""
+    return tuple(d if isinstance(d, int) else str(d) for d in shape)

@@ -1,0 +1,229 @@
+"""Verify an artifact end to end: reload it in a fresh process and compare with a reference.
+
+The fresh process proves the artifact runs without the caller's state (its model source, its
+imports, its jit caches); a crash there is reported instead of taking the caller down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from symjax_mlp._artifact.reading import inspect
+from symjax_mlp._errors import SymjaxError
+from symjax_mlp._load import RUNTIMES, load
+from symjax_mlp._specs import TensorSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyCheck:
+    """One runtime at one batch size against the reference."""
+
+    runtime: str
+    batch: int
+    ok: bool
+    max_abs_err: float
+    detail: str = ""
+
+    def __str__(self) -> str:
+        err = "-" if math.isnan(self.max_abs_err) else f"{self.max_abs_err:.3g}"
+        mark = "ok  " if self.ok else "FAIL"
+        where = f"{self.runtime:<5} batch {self.batch:>5}"
+        return f"  {mark} {where}  max |err| {err:>9}  {self.detail}".rstrip()
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """What :func:`verify` found; ``ok`` is true when every check passed.
+
+    Attributes:
+      path: the artifact directory.
+      reference: what the outputs were compared with.
+      checks: one :class:`VerifyCheck` per (runtime, batch size).
+      load_seconds: per runtime, the time ``load`` took in the fresh process.
+      errors: failures of a whole runtime or of the fresh process itself.
+    """
+
+    path: Path
+    reference: str
+    rtol: float
+    atol: float
+    checks: tuple[VerifyCheck, ...]
+    load_seconds: Mapping[str, float]
+    errors: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and not self.errors and all(c.ok for c in self.checks)
+
+    def __str__(self) -> str:
+        loads = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.load_seconds.items())
+        lines = [
+            f"verify {self.path}: {'OK' if self.ok else 'FAILED'}",
+            f"  reference: {self.reference}; rtol {self.rtol:g}, atol {self.atol:g}",
+            f"  load in a fresh process: {loads or '-'}",
+        ]
+        lines += [str(c) for c in self.checks]
+        lines += [f"  error: {e}" for e in self.errors]
+        return "\n".join(lines)
+
+
+def verify(
+    path: str | os.PathLike[str],
+    reference: Callable[..., Any] | None = None,
+    *,
+    runtimes: Sequence[str] = ("jax",),
+    batches: Sequence[int] = (1, 7, 128),
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+    seed: int = 0,
+    timeout: float = 300.0,
+) -> VerifyReport:
+    """Reloads an artifact in a fresh Python process, runs random inputs, compares outputs.
+
+    Args:
+      path: the artifact directory.
+      reference: what to compare with, usually the exported :class:`~symjax_mlp.Hybrid`
+        (any callable on the same inputs). ``None`` compares with the artifact's own JAX
+        run in this process: use it to compare runtimes, e.g. ``runtimes=("jax", "iree")``.
+      runtimes: the runtimes to load in the fresh process.
+      batches: batch sizes to try (ignored for a static-shape artifact: its own batch).
+      rtol, atol: tolerances, as in ``numpy.allclose``.
+      seed: seeds the random inputs.
+      timeout: seconds the fresh process may take.
+
+    Returns:
+      A :class:`VerifyReport`; ``report.ok`` says whether every check passed.
+
+    Raises:
+      ArtifactError: the artifact is missing or corrupted (checked here first).
+
+    Example:
+      >>> report = sm.verify("my_mlp", reference=h, runtimes=("jax", "iree"))
+      >>> report.ok
+      True
+    """
+    unknown = [rt for rt in runtimes if rt not in RUNTIMES]
+    if unknown or not runtimes:
+        raise ValueError(f"verify(runtimes={tuple(runtimes)!r}): choose from {RUNTIMES}.")
+    if not batches or min(batches) < 1:
+        raise ValueError(f"verify(batches={tuple(batches)!r}): pass batch sizes >= 1.")
+    art = inspect(path)
+    sig = art.signature
+    rng = np.random.default_rng(seed)
+    if sig.batch is None:
+        batches = (int(sig.inputs[0].shape[0]) if sig.inputs and sig.inputs[0].shape else 1,)
+    inputs = {b: [_random(s, b, rng) for s in sig.inputs] for b in batches}
+    with tempfile.TemporaryDirectory(prefix="symjax_mlp_verify_") as tmp:
+        work = Path(tmp)
+        job = {"path": str(art.path.resolve()), "runtimes": list(runtimes), "batches": {}}
+        for b, xs in inputs.items():
+            job["batches"][str(b)] = names = [f"x{b}_{i}.npy" for i in range(len(xs))]
+            for name, x in zip(names, xs, strict=True):
+                np.save(work / name, x)
+        (work / "job.json").write_text(json.dumps(job))
+        code = "import sys; from symjax_mlp._verify import _worker; sys.exit(_worker(sys.argv[1]))"
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", code, str(work / "job.json")],
+                cwd=work,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return _failed(art.path, f"the fresh process ran past {timeout:g} s")
+        if proc.returncode != 0 or not (work / "result.json").exists():
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+            return _failed(art.path, f"the fresh process exited {proc.returncode}:\n{tail}")
+        result = json.loads((work / "result.json").read_text())
+        if reference is None:
+            reference, ref_name = load(art.path), "the artifact's JAX run in this process"
+        else:
+            ref_name = getattr(reference, "name", None) or type(reference).__name__
+        checks, errors = [], []
+        for rt in runtimes:
+            got = result[rt]
+            if "error" in got:
+                errors.append(f"{rt}: {got['error']}")
+                continue
+            for b, xs in inputs.items():
+                want = [np.asarray(w) for w in _as_list(reference(*xs))]
+                outs = [np.load(work / n) for n in got["outputs"][str(b)]]
+                checks.append(_compare(rt, b, outs, want, rtol, atol))
+    loads = {rt: result[rt]["load_seconds"] for rt in runtimes if "load_seconds" in result[rt]}
+    return VerifyReport(art.path, ref_name, rtol, atol, tuple(checks), loads, tuple(errors))
+
+
+def _random(spec: TensorSpec, batch: int, rng: np.random.Generator) -> np.ndarray:
+    shape = tuple(batch if isinstance(d, str) else d for d in spec.shape)
+    dtype = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else np.dtype(np.float32)
+    if np.issubdtype(dtype, np.floating):
+        x = rng.standard_normal(shape)
+    elif dtype == np.bool_:
+        x = rng.random(shape) < 0.5
+    else:
+        x = rng.integers(0, 10, shape)
+    if spec.dtype == "bfloat16":
+        import ml_dtypes
+
+        return x.astype(ml_dtypes.bfloat16)
+    return x.astype(dtype)
+
+
+def _as_list(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _compare(
+    rt: str, b: int, outs: list[np.ndarray], want: list[np.ndarray], rtol: float, atol: float
+) -> VerifyCheck:
+    if len(outs) != len(want):
+        return VerifyCheck(rt, b, False, math.nan, f"{len(outs)} outputs, expected {len(want)}")
+    err, detail = 0.0, ""
+    for i, (o, w) in enumerate(zip(outs, want, strict=True)):
+        if o.shape != w.shape or o.dtype != w.dtype:
+            shapes = f"{o.dtype}{list(o.shape)} vs {w.dtype}{list(w.shape)}"
+            return VerifyCheck(rt, b, False, math.nan, f"output {i} is {shapes}")
+        o64, w64 = o.astype(np.float64), w.astype(np.float64)
+        err = max(err, float(np.max(np.abs(o64 - w64), initial=0.0)))
+        if not np.allclose(o64, w64, rtol=rtol, atol=atol):
+            detail = f"output {i} differs beyond tolerance"
+    return VerifyCheck(rt, b, not detail, err, detail)
+
+
+def _failed(path: Path, why: str) -> VerifyReport:
+    return VerifyReport(path, "-", math.nan, math.nan, (), {}, (why,))
+
+
+def _worker(job_file: str) -> int:
+    """The fresh process: loads the artifact per runtime, runs the inputs, saves outputs."""
+    work = Path(job_file).parent
+    job = json.loads(Path(job_file).read_text())
+    result: dict[str, Any] = {}
+    for rt in job["runtimes"]:
+        try:
+            t0 = time.perf_counter()
+            model = load(job["path"], runtime=rt)
+            entry: dict[str, Any] = {"load_seconds": time.perf_counter() - t0, "outputs": {}}
+            for b, names in job["batches"].items():
+                outs = _as_list(model(*[np.load(work / n) for n in names]))
+                entry["outputs"][b] = files = [f"y_{rt}_{b}_{i}.npy" for i in range(len(outs))]
+                for name, out in zip(files, outs, strict=True):
+                    np.save(work / name, np.asarray(out))
+        except SymjaxError as e:
+            entry = {"error": f"{type(e).__name__}: {e}"}
+        result[rt] = entry
+    (work / "result.json").write_text(json.dumps(result))
+    return 0

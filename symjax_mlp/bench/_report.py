@@ -1,0 +1,221 @@
+"""The benchmark's result: its rows, the issue's targets, and the report in words and JSON.
+
+:func:`~symjax_mlp.bench.benchmark` measures; this module holds what it returns
+(:class:`BenchReport`, a :class:`Row` per way of running the net) and how that reads:
+:func:`format_report` prints the chapter's two lines first, then the table, the stages, what
+the figures mean, the targets and where it ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from symjax_mlp.bench._timing import Timing
+from symjax_mlp.bench._timing import format_seconds as _fmt_s
+
+#: The table's label of each row key; ``{n}`` is the number of inputs.
+LABELS = {
+    "eager": "eager op-by-op (h.eager)",
+    "flax_eager": "Flax eager (net.apply, no jit)",
+    "jnp_eager": "jax.numpy eager, no Flax",
+    "hybridized": "hybridized (h)",
+    "floor": "AOT floor (jit.lower.compile)",
+    "artifact_jax": "loaded artifact (JAX)",
+    "artifact_iree": "loaded artifact (IREE, CPU)",
+    "torch_eager": "PyTorch eager",
+    "torch_script": "torch.jit.script",
+    "torch_compile": "torch.compile",
+    "vmap": "{n} inputs, one call (vmap)",
+    "batch": "batch of {n}, one call (h)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the table: a way of running the same net on the same inputs.
+
+    ``speedup`` is the eager row's min time per input over this row's (min over min).
+    """
+
+    key: str
+    label: str
+    timing: Timing
+    speedup: float
+
+    def to_dict(self) -> dict[str, Any]:
+        lo, med = self.timing.per_inputs(1000)
+        return {
+            "key": self.key,
+            "label": self.label,
+            "speedup": self.speedup,
+            "per_1000_inputs_min_s": lo,
+            "per_1000_inputs_median_s": med,
+            **self.timing.to_dict(),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchReport:
+    """Everything one :func:`~symjax_mlp.bench.benchmark` run measured; ``to_dict()`` is its JSON.
+
+    Attributes:
+      without_s, with_s: the chapter's two lines: ``calls`` calls of ``h.eager`` (the whole
+        run, timed in chunks) and of ``h`` (the median repeat).
+      rows: the table, eager first.
+      stages: ``trace``/``lower``/``compile`` of the net, and ``first_call`` of a fresh
+        ``h`` (all three plus one run).
+      targets: each ratio the issue sets a target for: ``{"value", "target", "met"}``.
+      extra: optional sections (``peak``, ``traces``, ``train_step``), when they ran.
+      notes: why an optional row was skipped, warnings worth reading.
+      config: the arguments of the run; env: :func:`~symjax_mlp.bench.environment`.
+    """
+
+    without_s: float
+    with_s: float
+    calls: int
+    rows: tuple[Row, ...]
+    stages: dict[str, Timing]
+    targets: dict[str, dict[str, Any]]
+    extra: dict[str, Any]
+    notes: tuple[str, ...]
+    config: dict[str, Any]
+    env: dict[str, Any]
+
+    def row(self, key: str) -> Row | None:
+        return next((r for r in self.rows if r.key == key), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chapter": {"calls": self.calls, "without_s": self.without_s, "with_s": self.with_s},
+            "rows": [r.to_dict() for r in self.rows],
+            "stages": {k: v.to_dict() for k, v in self.stages.items()},
+            "targets": self.targets,
+            **self.extra,
+            "notes": list(self.notes),
+            "config": self.config,
+            "env": self.env,
+        }
+
+
+def make_rows(timings: Mapping[str, Timing], n: int) -> tuple[Row, ...]:
+    """A labelled :class:`Row` per timing, each with its speedup over ``timings["eager"]``."""
+    base = timings["eager"].per_input_min
+    return tuple(
+        Row(key, LABELS.get(key, key).format(n=n), t, base / t.per_input_min)
+        for key, t in timings.items()
+    )
+
+
+def targets(t: Mapping[str, Timing]) -> dict[str, dict[str, Any]]:
+    """The issue's targets, as measured (min over min); ``met`` is informative, never asserted."""
+
+    def per_input(key: str) -> float:
+        return t[key].per_input_min
+
+    out: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, value: float, target: float, higher_is_better: bool, what: str) -> None:
+        met = value >= target if higher_is_better else value <= target
+        op = ">=" if higher_is_better else "<="
+        out[name] = {"value": value, "target": f"{op} {target:g}", "met": met, "what": what}
+
+    hyb = per_input("hybridized")
+    add("hybridized_vs_eager", per_input("eager") / hyb, 10, True, "speedup of h over h.eager")
+    add("hybridized_over_floor", hyb / per_input("floor"), 1.15, False, "h per call / floor")
+    if "artifact_jax" in t:
+        add("artifact_over_hybridized", per_input("artifact_jax") / hyb, 1.3, False,
+            "loaded artifact (JAX) per call / h")  # fmt: skip
+    for key in ("vmap", "batch"):
+        add(f"{key}_vs_single_calls", hyb / per_input(key), 10, True,
+            f"single h calls / one {key} call over as many inputs")  # fmt: skip
+    torch_keys = [k for k in ("torch_eager", "torch_script", "torch_compile") if k in t]
+    if torch_keys:
+        fastest = min(torch_keys, key=per_input)
+        add("torch_fastest_over_hybridized", per_input(fastest) / hyb, 1, True,
+            f"fastest PyTorch mode ({fastest}) per call / h; > 1 means h is faster")  # fmt: skip
+    return out
+
+
+def _meaning(report: BenchReport) -> list[str]:
+    """What the figures say, in words, from this run's own numbers."""
+    per = {r.key: r.timing.per_call_min for r in report.rows}
+    n = report.calls
+    e, j, hyb, floor = per["eager"], per["jnp_eager"], per["hybridized"], per["floor"]
+    out = [
+        f"what it means: eager, every call re-runs Python: Flax re-enters each module and checks "
+        f"each param's shape, then dispatches each op ({_fmt_s(e)} a call); the same ops "
+        f"dispatched one by one from plain jax.numpy cost {_fmt_s(j)}.",
+        f"Hybridized, a call is one dispatch of one XLA executable: {_fmt_s(hyb)}, against "
+        f"{_fmt_s(floor)} for the bare AOT executable (h's own Python adds "
+        f"{_fmt_s(max(hyb - floor, 0.0))}).",
+    ]
+    v = report.row("vmap")
+    if v:
+        out.append(
+            f"All {n} inputs in one call ({_fmt_s(v.timing.per_call_min)}): the dispatch is paid "
+            f"once and the matmuls see {n} rows at a time, {hyb * n / v.timing.per_call_min:.1f}x "
+            f"faster than {n} single calls."
+        )
+    pk = report.extra.get("peak")
+    if pk:
+        bound = pk["batched_flops"] / (pk["gflops"] * 1e9)
+        out.append(
+            f"As one batch it runs at {pk['batched_gflops']:.1f} GFLOP/s, "
+            f"{pk['batched_gflops'] / pk['gflops']:.0%} of this machine's measured matmul rate "
+            f"({pk['gflops']:.1f} GFLOP/s, best {pk['size']}² jnp.dot): it is compute-bound; at "
+            f"that rate {n} inputs take {_fmt_s(bound)}, {hyb * n / bound:.1f}x less than {n} "
+            "single calls here."
+        )
+    return out
+
+
+def format_report(report: BenchReport) -> str:
+    """The human-readable report: the chapter's two lines first, then the table and the rest."""
+    n = report.calls
+    lines = [
+        f"Without hybridization: {report.without_s:.4f} sec",
+        f"With hybridization: {report.with_s:.4f} sec",
+        "",
+        f"{n} batch-1 inputs of mlp({report.config['sizes']}) on "
+        f"(1, {report.config['in_features']}); min and median over repeats, every call synced",
+        f"{'row':<34}{'min':>11}{'median':>11}{'per call':>11}{'calls x rep':>13}{'speedup':>10}",
+    ]
+    for r in report.rows:
+        lo, med = r.timing.per_inputs(n)
+        reps = f"{r.timing.calls}x{len(r.timing.times)}"
+        lines.append(
+            f"{r.label:<34}{_fmt_s(lo):>11}{_fmt_s(med):>11}"
+            f"{_fmt_s(r.timing.per_call_min):>11}{reps:>13}{r.speedup:>9.1f}x"
+        )
+    lines.append("(min/median: seconds for all the inputs; speedup: over eager, min vs min)")
+    lines += ["", "stages (min / median over repeats; one-off where a single figure):"]
+    for k, t in report.stages.items():
+        extra = f" / {_fmt_s(t.median)}" if len(t.times) > 1 else ""
+        lines.append(f"  {k:<12} {_fmt_s(t.min)}{extra}")
+    tr = report.extra.get("train_step")
+    if tr:
+        lines += [
+            "",
+            f"train step (mlp{tuple(tr['sizes'])}, batch {tr['batch_size']}): compiled "
+            f"{tr['compiled_steps_per_s']:.0f} steps/s, eager {tr['eager_steps_per_s']:.1f} "
+            f"steps/s, {tr['speedup']:.0f}x; first compiled step {tr['compile_seconds']:.2f} s",
+        ]
+    lines += ["", *_meaning(report)]
+    lines += ["", "targets (measured in this run):"]
+    for name, t in report.targets.items():
+        mark = "met" if t["met"] else "MISSED"
+        lines.append(f"  {name:<30} {t['value']:>8.2f}  (target {t['target']}) {mark}")
+    e = report.env
+    lines += [
+        "",
+        f"ran on: {e['backend']} / {e['device_kind']} ({e['device']}), {e['cpu_usable']} of "
+        f"{e['cpu_count']} cores usable, load average {e.get('loadavg', ['?'])[0]:.2f} at start"
+        if "loadavg" in e
+        else f"ran on: {e['backend']} / {e['device_kind']} ({e['device']})",
+        f"versions: jax {e['jax']}, jaxlib {e['jaxlib']}, flax {e['flax']}, "
+        f"symjax_mlp {e['symjax_mlp']}, python {e['python']}",
+    ]
+    lines += [f"note: {note}" for note in report.notes]
+    return "\n".join(lines)

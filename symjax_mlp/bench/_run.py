@@ -1,0 +1,248 @@
+"""The chapter's benchmark, run: ``calls`` batch-1 calls of one MLP, every way there is.
+
+:func:`benchmark` times the rows (eager, Flax and jax.numpy eager, hybridized, the AOT floor,
+the exported artifact in JAX and IREE, PyTorch, one batched call) with the timer of
+:mod:`symjax_mlp.bench.timing` and returns a :class:`~symjax_mlp.bench.BenchReport`. Optional
+rows (the artifact, IREE, PyTorch, the training step) are skipped with a note when they fail,
+for example when their package is missing: an optional row never sinks the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from symjax_mlp._export import export
+from symjax_mlp._hybrid.hybrid import Hybrid, hybridize
+from symjax_mlp._load import load
+from symjax_mlp._models import mlp
+from symjax_mlp.bench._report import BenchReport, make_rows, targets
+from symjax_mlp.bench._scaling import measure_peak
+from symjax_mlp.bench._timing import Progress, Timing, environment, time_interleaved, time_stages
+from symjax_mlp.bench._train_step import time_train_step
+from symjax_mlp.bench._twins import mlp_jnp, torch_rows
+
+
+def benchmark(
+    *,
+    calls: int = 1000,
+    repeats: int = 15,
+    eager_chunks: int = 10,
+    sizes: Sequence[int] = (256, 128, 2),
+    in_features: int = 512,
+    activation: str | None = "relu",
+    compare: Sequence[str] = (),
+    artifact: bool = True,
+    iree: bool = True,
+    train_step: bool = True,
+    stage_repeats: int = 5,
+    peak: bool = True,
+    peak_size: int | None = None,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> BenchReport:
+    """Runs the chapter's benchmark: ``calls`` batch-1 calls of one MLP, every way there is.
+
+    Rows (all on the same net, weights and input): ``h.eager``; Flax ``net.apply`` un-jitted;
+    the same math in plain ``jax.numpy``, un-jitted; ``h(x)``; the floor, a
+    ``jax.jit(f).lower(...).compile()`` executable called on pre-flattened params; the
+    exported artifact loaded in JAX and in IREE (when IREE is installed); PyTorch
+    (``compare=("torch",)``); and all ``calls`` inputs in one compiled call, via ``vmap`` and
+    as one batch.
+
+    Eager rows run the ``calls`` calls once, in ``eager_chunks`` timed chunks (eager Flax
+    costs milliseconds a call); the compiled rows run ``repeats`` repeats of ``calls``
+    calls, interleaved.
+
+    Args:
+      calls: batch-1 calls per repeat (the chapter's 1000).
+      repeats: repeats of each compiled row (min and median over them).
+      eager_chunks: chunks the eager rows' ``calls`` calls are timed in (their repeats).
+      sizes, in_features, activation: the net, ``mlp(sizes, activation=...)`` on
+        ``(1, in_features)`` inputs.
+      compare: other frameworks to add to the table: ``("torch",)``.
+      artifact, iree, train_step: include those optional rows/sections when available.
+      stage_repeats: repeats of the trace/lower/compile timing.
+      peak, peak_size: also time an ``n x n`` ``jnp.dot`` (see
+        :func:`~symjax_mlp.bench.measure_peak`), to say how close the batched call gets to
+        this machine's matmul rate.
+      seed: for the params and the input.
+      progress: called with a status line as the run goes.
+
+    Returns:
+      A :class:`~symjax_mlp.bench.BenchReport`.
+
+    Example:
+      >>> r = benchmark(calls=10, repeats=2, eager_chunks=2, artifact=False, train_step=False)
+      >>> r.rows[0].key, r.row("hybridized").timing.calls
+      ('eager', 10)
+    """
+    bad = sorted(set(compare) - {"torch"})
+    if bad:
+        raise ValueError(f"--compare accepts only 'torch'; got {', '.join(bad)}.")
+    if calls < 1 or repeats < 1 or eager_chunks < 1 or stage_repeats < 1:
+        raise ValueError("calls, repeats, eager_chunks and stage_repeats must all be >= 1.")
+    say = progress or (lambda _: None)
+    env = environment()
+    notes: list[str] = []
+    extra: dict[str, Any] = {}
+    net = mlp(tuple(sizes), activation=activation)
+    rng = np.random.default_rng(seed)  # inputs from numpy: nothing to compile
+    inputs = rng.standard_normal((calls, 1, in_features), dtype=np.float32)
+    x, xs, xb = (jnp.asarray(a) for a in (inputs[0], inputs, inputs[:, 0]))
+    variables = jax.jit(net.init)(jax.random.key(seed), x)  # one compile, not one per op
+
+    # Stages first, on a fresh function: nothing has been traced or compiled yet.
+    say("timing trace / lower / compile")
+    stages = time_stages(net.apply, variables, x, repeats=stage_repeats)
+    t0 = time.perf_counter()
+    h = hybridize(net, variables)
+    h(x).block_until_ready()
+    stages["first_call"] = Timing("first_call", 1, (time.perf_counter() - t0,))
+
+    # Eager: the chapter's "without" line is exactly `calls` calls, timed in chunks.
+    chunk = max(1, calls // eager_chunks)
+    pure = functools.partial(mlp_jnp, activation=activation)
+    eager = time_interleaved(
+        {
+            "eager": lambda: h.eager(x),
+            "flax_eager": lambda: net.apply(variables, x),
+            "jnp_eager": lambda: pure(variables, x),
+        },
+        calls=chunk,
+        repeats=eager_chunks,
+        warmup=3,
+        progress=say,
+    )
+
+    # Compiled, batch 1: h, the floor, the artifact, other frameworks; interleaved.
+    leaves, treedef = jax.tree.flatten(variables)
+
+    def flat_apply(leaves: Any, x: jax.Array) -> jax.Array:
+        return net.apply(jax.tree.unflatten(treedef, leaves), x)
+
+    floor = jax.jit(flat_apply).lower(leaves, x).compile()
+    fast: dict[str, Callable[[], Any]] = {
+        "hybridized": lambda: h(x),
+        "floor": lambda: floor(leaves, x),
+    }
+    syncs: dict[str, Callable[[Any], Any]] = {}
+    restore_torch: Callable[[], None] = lambda: None  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="symjax_mlp_bench_") as tmp:
+        if artifact:
+            fast |= _artifact_rows(h, x, os.path.join(tmp, "mlp"), iree, notes, stages, say)
+        if "torch" in compare:
+            say("building the PyTorch twins (torch.compile takes a while)")
+            try:
+                tfns, tsyncs, restore_torch = torch_rows(variables, x, activation, notes, stages)
+            except (ImportError, ValueError) as e:
+                notes.append(f"torch rows skipped: {type(e).__name__}: {e}")
+            else:
+                fast |= tfns
+                syncs |= tsyncs
+        try:
+            compiled = time_interleaved(
+                fast, calls=calls, repeats=repeats, syncs=syncs, progress=say
+            )
+        finally:
+            restore_torch()
+
+    # All `calls` inputs in one compiled call: vmap over single inputs, and one plain batch.
+    vfn = jax.jit(jax.vmap(h.fn, in_axes=(None, 0))).lower(h.params, xs).compile()
+    batched = time_interleaved(
+        {"vmap": lambda: vfn(h.params, xs), "batch": lambda: h(xb)},
+        calls=max(1, min(20, calls // 10)),
+        repeats=repeats,
+        inputs_per_call={"vmap": calls, "batch": calls},
+        progress=say,
+    )
+
+    if peak:
+        say("measuring the matmul peak")
+        gflops, n, _ = measure_peak(peak_size)
+        batch_flops = h.graph(xb).flops
+        extra["peak"] = {
+            "gflops": gflops,
+            "size": n,
+            "batched_flops": batch_flops,
+            "batched_gflops": batch_flops / batched["batch"].per_call_min / 1e9,
+        }
+
+    # No retrace while timing: one trace for batch 1, one for the batch of `calls`.
+    extra["traces"] = {"count": h.trace_count, "log": [str(e) for e in h.trace_log]}
+    if train_step:
+        extra["train_step"] = _train_step_section(notes, say)
+
+    timings = {**eager, **compiled, **batched}
+    env["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    config = {
+        "calls": calls,
+        "repeats": repeats,
+        "eager_chunks": eager_chunks,
+        "sizes": list(sizes),
+        "in_features": in_features,
+        "activation": activation,
+        "compare": list(compare),
+        "seed": seed,
+    }
+    return BenchReport(
+        without_s=sum(timings["eager"].times) * calls / (chunk * eager_chunks),
+        with_s=timings["hybridized"].median,
+        calls=calls,
+        rows=make_rows(timings, calls),
+        stages=stages,
+        targets=targets(timings),
+        extra=extra,
+        notes=tuple(notes),
+        config=config,
+        env=env,
+    )
+
+
+def _artifact_rows(
+    h: Hybrid, x: jax.Array, path: str, iree: bool, notes: list[str], stages: dict, say: Progress
+) -> dict[str, Callable[[], Any]]:
+    """The exported artifact, loaded back in JAX and (if installed) IREE, as timed rows."""
+    fns: dict[str, Callable[[], Any]] = {}
+    say("exporting the artifact")
+    try:
+        t0 = time.perf_counter()
+        export(h, path, example=x, batch="b")
+        t1 = time.perf_counter()
+        m = load(path)
+        m(x)
+        stages["export"] = Timing("export", 1, (t1 - t0,))
+        stages["load_jax"] = Timing("load_jax", 1, (time.perf_counter() - t1,))
+        fns["artifact_jax"] = lambda: m(x)
+    except Exception as e:  # an optional row must not sink the run; the note says why
+        notes.append(f"artifact (JAX) row skipped: {type(e).__name__}: {e}")
+        return fns
+    if not iree:
+        return fns
+    say("loading the artifact in IREE (compiles it once)")
+    try:
+        t0 = time.perf_counter()
+        mi = load(path, runtime="iree")
+        mi(x)
+        stages["load_iree"] = Timing("load_iree", 1, (time.perf_counter() - t0,))
+        fns["artifact_iree"] = lambda: mi(x)
+    except Exception as e:  # e.g. IREE not installed: the ArtifactError says what to install
+        notes.append(f"artifact (IREE) row skipped: {type(e).__name__}: {str(e)[:300]}")
+    return fns
+
+
+def _train_step_section(notes: list[str], say: Progress) -> dict[str, Any] | None:
+    say("timing the training step, compiled and eager")
+    try:
+        return time_train_step()
+    except Exception as e:
+        notes.append(f"train step section skipped: {type(e).__name__}: {e}")
+        return None

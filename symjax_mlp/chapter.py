@@ -1,0 +1,201 @@
+"""The chapter "Compilers and Interpreters", step by step, on real symjax_mlp objects.
+
+The chapter's own examples (:func:`fancy_func`, :class:`HybridNet`, the MLP) and the demos
+built on them: ``symjax-mlp tour`` prints :func:`tour`, ``symjax-mlp graph`` prints
+:func:`describe_mlp`, ``symjax-mlp export`` runs :func:`export_mlp`.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> import symjax_mlp as sm
+  >>> from symjax_mlp.chapter import fancy_func
+  >>> a, b, c, d = (jnp.float32(v) for v in (1, 2, 3, 4))
+  >>> sm.stage(lambda: fancy_func(a, b, c, d))().primitive_counts["add"]
+  3
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from symjax_mlp._artifact.reading import Artifact
+from symjax_mlp._errors import ControlFlowError
+from symjax_mlp._export import export
+from symjax_mlp._hybrid.graph import stage
+from symjax_mlp._hybrid.hybrid import Hybrid, hybridize
+from symjax_mlp._models import Dense, mlp
+from symjax_mlp.bench import time_calls
+
+__all__ = ["HybridNet", "chapter_mlp", "describe_mlp", "export_mlp", "fancy_func", "tour"]
+
+
+def add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def fancy_func(a: Any, b: Any, c: Any, d: Any) -> Any:
+    """The chapter's example: three additions, in imperative Python."""
+    e = add(a, b)
+    f = add(c, d)
+    g = add(e, f)
+    return g
+
+
+class HybridNet(nn.Module):
+    """The chapter's HybridNet: 4 hidden ReLU units, 2 outputs, and ``print`` calls inside."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        print("value x: ", x)
+        x = Dense(4, activation="relu", name="hidden")(x)
+        print("result : ", x)
+        return Dense(2, name="output")(x)
+
+
+def chapter_mlp(
+    sizes: Sequence[int] = (256, 128, 2),
+    *,
+    in_features: int = 512,
+    batch: int = 1,
+    activation: str | None = "relu",
+    seed: int = 0,
+) -> tuple[Hybrid, jax.Array]:
+    """The chapter's MLP, hybridized, and a random input of shape ``(batch, in_features)``."""
+    net = mlp(sizes, activation=activation)
+    x = jax.random.normal(jax.random.key(seed), (batch, in_features), jnp.float32)
+    return hybridize(net, net.init(jax.random.key(seed + 1), x), name="mlp"), x
+
+
+def describe_mlp(
+    sizes: Sequence[int] = (256, 128, 2),
+    *,
+    in_features: int = 512,
+    batch: int = 1,
+    activation: str | None = "relu",
+    format: str = "summary",
+) -> str:
+    """One view of an MLP's program: ``jaxpr``, ``stablehlo``, ``hlo``, ``dot`` or ``summary``."""
+    h, x = chapter_mlp(sizes, in_features=in_features, batch=batch, activation=activation)
+    views: dict[str, Callable[[], str]] = {
+        "jaxpr": lambda: str(h.graph(x)),
+        "stablehlo": lambda: h.lower(x).as_text(),
+        "hlo": lambda: h.compile(x).as_text(),
+        "dot": lambda: h.graph(x).to_dot(),
+        "summary": lambda: _summary(h, x),
+    }
+    if format not in views:
+        raise ValueError(f"unknown format {format!r}; expected one of: {', '.join(views)}.")
+    return views[format]()
+
+
+def _summary(h: Hybrid, x: jax.Array) -> str:
+    g = h.graph(x)
+    xla_flops = h.compile(x).cost_analysis().get("flops", float("nan"))
+    lines = [
+        f"{h.name}: input {x.dtype}{list(x.shape)}, "
+        f"{sum(p.size for p in jax.tree.leaves(h.params)):,} params",
+        f"flops: {g.flops:,} counted from the jaxpr, {xla_flops:,.0f} by XLA's cost analysis",
+        "primitives: " + ", ".join(f"{k}={v}" for k, v in sorted(g.primitive_counts.items())),
+        "by layer:",
+    ]
+    for layer, counts in g.by_layer.items():
+        ops = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+        lines.append(f"  {layer or '(top level)'}: {ops}")
+    return "\n".join(lines)
+
+
+def export_mlp(
+    path: str | os.PathLike[str],
+    *,
+    sizes: Sequence[int] = (256, 128, 2),
+    in_features: int = 512,
+    activation: str = "relu",
+    seed: int = 0,
+    batch: str | int = "b",
+    platforms: Sequence[str] = ("cpu",),
+    overwrite: bool = False,
+) -> Artifact:
+    """Exports the chapter's MLP (``mlp(sizes)`` on ``in_features`` inputs, initialised from
+    ``seed``): what ``symjax-mlp export`` runs.
+
+    Args:
+      batch: a name for a symbolic batch dimension, or an int for a static batch size.
+      Others: as in :func:`~symjax_mlp.mlp` and :func:`~symjax_mlp.export`.
+    """
+    static = isinstance(batch, int) and not isinstance(batch, bool)
+    x = jax.numpy.zeros((batch if static else 1, in_features), jax.numpy.float32)
+    net = mlp(tuple(sizes), activation=activation)
+    h = hybridize(net, net.init(jax.random.key(seed), x))
+    return export(
+        h,
+        path,
+        example=x,
+        batch=None if static else batch,
+        platforms=platforms,
+        overwrite=overwrite,
+    )
+
+
+def tour(*, calls: int = 1000, print: Callable[..., None] = print) -> None:
+    """Walks through the chapter: imperative, symbolic, hybrid, tracing, timing, control flow."""
+    step = iter(range(1, 100))
+
+    def title(text: str) -> None:
+        print(f"\n== {next(step)}. {text} ==")
+
+    title("Imperative: Python runs every add")
+    print("fancy_func(1, 2, 3, 4) =", fancy_func(1, 2, 3, 4))
+
+    title("Symbolic: stage the same function, let XLA optimize it")
+    a, b, c, d = (jnp.float32(v) for v in (1, 2, 3, 4))
+    g = stage(lambda: fancy_func(a, b, c, d))()
+    print("the jaxpr still has", g.primitive_counts["add"], "adds:")
+    print(g)
+    print("XLA's optimized HLO folds them into one constant:")
+    print(g.optimized())
+
+    title("Hybrid: the chapter's MLP (512 -> 256 -> 128 -> 2), eager and compiled")
+    h, x = chapter_mlp()
+    print("h.eager(x) =", h.eager(x))
+    print("h(x)       =", h(x))
+
+    title("The symbolic program of the MLP")
+    print(h.graph(x))
+    print(_summary(h, x))
+
+    title("Python runs only while tracing (the chapter's HybridNet print demonstration)")
+    net = HybridNet()
+    x3 = jax.random.normal(jax.random.key(0), (1, 3))
+    print("-- init runs the Python body once to create the params")
+    hn = hybridize(net, net.init(jax.random.key(1), x3), name="HybridNet")
+    print("-- eager call: Python prints concrete values")
+    print(hn.eager(x3))
+    print("-- first compiled call: Python prints tracers (symbols), once")
+    print(hn(x3))
+    print("-- second compiled call: nothing to print, only the compiled program runs")
+    print(hn(x3))
+    print(f"trace_count = {hn.trace_count}")
+
+    title(f"Timing {calls} calls at batch 1 (scripts/bench.py measures this properly)")
+    for label, fn in (("Without", h.eager), ("With", h)):
+        seconds = time_calls(lambda fn=fn: fn(x), name=label, calls=calls, repeats=1).min
+        print(f"{label} hybridization: {seconds:.4f} sec")
+
+    title("Control flow: a Python `if` on a traced value")
+
+    def relu_if(params, x):
+        if x.sum() > 0:  # needs a concrete value
+            return x
+        return -x
+
+    hc = hybridize(relu_if, {}, name="relu_if")
+    print("eager works:", hc.eager(jnp.ones(2)))
+    try:
+        hc(jnp.ones(2))
+    except ControlFlowError as e:
+        print(f"compiled raises ControlFlowError:\n{e}")

@@ -1,0 +1,38 @@
+"""Training with optax: the pure step, data-parallel steps, checkpoints, the loop.
+
+``sm.training.train`` jit-compiles one step at one boundary (params and optimizer state
+donated), runs it over shuffled, padded batches, checkpoints without pickle and resumes
+exactly. The pieces are public for research code that writes its own loop.
+"""
+
+from symjax_mlp.training._checkpoint import TrainState as TrainState
+from symjax_mlp.training._checkpoint import latest_checkpoint as latest_checkpoint
+from symjax_mlp.training._checkpoint import restore_checkpoint as restore_checkpoint
+from symjax_mlp.training._checkpoint import save_checkpoint as save_checkpoint
+from symjax_mlp.training._data import Dataset as Dataset
+from symjax_mlp.training._data import load_digits as load_digits
+from symjax_mlp.training._loop import EpochRecord as EpochRecord
+from symjax_mlp.training._loop import TrainResult as TrainResult
+from symjax_mlp.training._loop import train as train
+from symjax_mlp.training._sharded import ShardedStep as ShardedStep
+from symjax_mlp.training._sharded import shard_step as shard_step
+from symjax_mlp.training._step import Step as Step
+from symjax_mlp.training._step import init_params as init_params
+from symjax_mlp.training._step import train_step as train_step
+
+__all__ = [
+    "Dataset",
+    "EpochRecord",
+    "ShardedStep",
+    "Step",
+    "TrainResult",
+    "TrainState",
+    "init_params",
+    "latest_checkpoint",
+    "load_digits",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "shard_step",
+    "train",
+    "train_step",
+]

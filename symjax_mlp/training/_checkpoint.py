@@ -1,0 +1,264 @@
+"""Training checkpoints without pickle: safetensors for the arrays, JSON for the rest.
+
+A checkpoint is a directory ``step_<8 digits>`` inside a checkpoint directory:
+
+* ``state.safetensors``: one tensor per leaf of the params and the optimizer state, named by
+  its key path (``params/layers_0/kernel``, ``opt_state/0/mu/layers_0/kernel``), plus the
+  PRNG key data as ``rng``;
+* ``manifest.json`` (written last): format version, step, epoch, the sha256 and the name,
+  shape and dtype of every tensor, and any JSON-able ``metadata`` (the history, the config).
+
+Each checkpoint is written into a temporary directory beside it and renamed into place, so a
+crash never leaves a half-written ``step_*``; older ones are pruned only after the new one is
+in place. Restoring reads the tensors back into the tree structure of a freshly initialised
+state, checking every name, shape and dtype, so no code object is ever deserialized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load, save
+
+from symjax_mlp._errors import CheckpointError
+from symjax_mlp._files import read_regular, sha256, write_dir
+
+FORMAT_VERSION = 1
+_STATE_FILE = "state.safetensors"
+_MANIFEST = "manifest.json"
+_MAX_MANIFEST_BYTES = 64 << 20
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a training run needs to continue exactly: a pytree.
+
+    Attributes:
+      params: the model parameters (the ``"params"`` collection).
+      opt_state: the optax optimizer state.
+      rng: a typed PRNG key; split once per epoch for the shuffle.
+      step: optimizer updates applied so far.
+      epoch: epochs completed so far.
+    """
+
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    step: int = dataclasses.field(default=0, metadata={"static": True})
+    epoch: int = dataclasses.field(default=0, metadata={"static": True})
+
+
+def _tensors(state: TrainState) -> dict[str, np.ndarray]:
+    """Flattens ``state`` into ``{key path: array}``; names must be unique."""
+    tensors: dict[str, np.ndarray] = {}
+    for prefix in ("params", "opt_state"):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(state, prefix)):
+            name = prefix + "/" + jax.tree_util.keystr(path, simple=True, separator="/")
+            if name in tensors:
+                raise CheckpointError(
+                    f"two leaves of the training state are both named {name!r}; rename the "
+                    "dict keys that contain '/' so every leaf has its own checkpoint name."
+                )
+            tensors[name] = np.asarray(leaf)
+    tensors["rng"] = np.asarray(jax.random.key_data(state.rng))
+    return tensors
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    state: TrainState,
+    *,
+    metadata: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Writes ``state`` as ``directory/step_<step>`` atomically; keeps the newest ``keep``.
+
+    Args:
+      directory: the checkpoint directory (created if missing).
+      state: the state to save; its arrays are copied to host memory.
+      metadata: JSON-able extras stored in the manifest (e.g. the history).
+      keep: how many checkpoints to keep, newest first (at least 1).
+
+    Returns:
+      The path of the new checkpoint.
+
+    Raises:
+      CheckpointError: a checkpoint for this step already exists, or a leaf name is ambiguous.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from symjax_mlp.training import TrainState, save_checkpoint
+      >>> p = {"w": jnp.zeros(2)}
+      >>> s = TrainState(p, optax.adam(1e-3).init(p), jax.random.key(0), step=3)
+      >>> save_checkpoint(getfixture("tmp_path"), s).name
+      'step_00000003'
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1; got {keep!r}.")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"step_{state.step:08d}"
+    tensors = _tensors(state)
+    state_bytes = save(tensors)
+    manifest = {
+        "format": "symjax_mlp.checkpoint",
+        "format_version": FORMAT_VERSION,
+        "step": state.step,
+        "epoch": state.epoch,
+        "files": {_STATE_FILE: sha256(state_bytes)},
+        "tensors": {
+            name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in tensors.items()
+        },
+        "jax_version": jax.__version__,
+        "metadata": metadata or {},
+    }
+    files = {
+        _STATE_FILE: state_bytes,
+        _MANIFEST: (json.dumps(manifest, indent=1, allow_nan=False) + "\n").encode(),
+    }
+    write_dir(final, files, overwrite=False, check=_check_new, error=CheckpointError)
+    for old in _checkpoints(directory)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _check_new(final: Path, overwrite: bool) -> None:
+    if final.exists() or final.is_symlink():
+        raise CheckpointError(
+            f"checkpoint {final} already exists; a step is written once. Resume from it, or "
+            "use another checkpoint directory."
+        )
+
+
+def _checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints in ``directory``, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest checkpoint in ``directory``, or ``None`` if it holds none."""
+    found = _checkpoints(Path(directory))
+    return found[-1] if found else None
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    file = path / _MANIFEST
+    try:
+        manifest = json.loads(read_regular(file, limit=_MAX_MANIFEST_BYTES, error=CheckpointError))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint.") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(
+            f"{file} is not valid JSON ({e}); the checkpoint is corrupted."
+        ) from (e)
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != "symjax_mlp.checkpoint"
+        or manifest.get("format_version") != FORMAT_VERSION
+    ):
+        got = manifest if not isinstance(manifest, dict) else manifest.get("format")
+        raise CheckpointError(
+            f"{path} is not a symjax_mlp checkpoint of format version {FORMAT_VERSION} "
+            f"(its manifest holds {str(got)[:60]!r}). Resume from a checkpoint train() wrote."
+        )
+    ok = {
+        "step": isinstance(manifest.get("step"), int) and manifest["step"] >= 0,
+        "epoch": isinstance(manifest.get("epoch"), int) and manifest["epoch"] >= 0,
+        "files": isinstance(manifest.get("files"), dict),
+        "metadata": isinstance(manifest.get("metadata", {}), dict),
+    }
+    bad = [k for k, good in ok.items() if not good]
+    if bad:
+        raise CheckpointError(
+            f"{file}: the field(s) {', '.join(bad)} are missing or of the wrong type; the "
+            "checkpoint is corrupted or was edited. Resume from an older step_* directory."
+        )
+    return manifest
+
+
+def restore_checkpoint(
+    path: str | os.PathLike, like: TrainState
+) -> tuple[TrainState, dict[str, Any]]:
+    """Reads a checkpoint into the tree structure of ``like`` (a freshly initialised state).
+
+    Args:
+      path: a ``step_*`` checkpoint, or a checkpoint directory (its newest checkpoint).
+      like: a state of the same model and optimizer; only its structure, shapes and dtypes
+        are used.
+
+    Returns:
+      ``(state, metadata)``: the restored state and the manifest's ``metadata``.
+
+    Raises:
+      CheckpointError: no checkpoint, a corrupted or foreign one, or one whose tensors do not
+        match ``like`` (another model, feature width or optimizer); the message names the
+        tensor, what the checkpoint holds and what was expected.
+    """
+    path = Path(path)
+    if not (path / _MANIFEST).exists() and not (path / _MANIFEST).is_symlink():
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise CheckpointError(f"no checkpoint in {path}: expected step_* directories in it.")
+        path = newest
+    manifest = _read_manifest(path)
+    state_file = path / _STATE_FILE
+    try:
+        data = read_regular(state_file, error=CheckpointError)
+    except FileNotFoundError:
+        data = None
+    if data is None or sha256(data) != manifest["files"].get(_STATE_FILE):
+        raise CheckpointError(
+            f"{state_file} is missing or does not match its sha256 in the manifest; the "
+            "checkpoint is corrupted. Restore from an older step_* directory."
+        )
+    try:
+        stored = load(data)
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise CheckpointError(f"{state_file} is not a valid safetensors file: {e}") from e
+    wanted = _tensors(like)
+    missing = sorted(set(wanted) - set(stored))
+    extra = sorted(set(stored) - set(wanted))
+    if missing or extra:
+        raise CheckpointError(
+            f"{path} does not fit this model and optimizer: missing tensors {missing[:5]}, "
+            f"unexpected tensors {extra[:5]}. Resume with the model and optimizer that wrote it."
+        )
+    for name, want in wanted.items():
+        got = stored[name]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {got.shape} and dtype {got.dtype}, but this "
+                f"model expects shape {want.shape} and dtype {want.dtype}. The checkpoint was "
+                "written for another model or feature width; resume with the same ones."
+            )
+
+    def leaves(prefix: str, tree: Any) -> Any:
+        paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        names = [
+            prefix + "/" + jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in paths
+        ]
+        return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(stored[n]) for n in names])
+
+    rng = jax.random.wrap_key_data(stored["rng"], impl=jax.random.key_impl(like.rng))
+    state = TrainState(
+        params=leaves("params", like.params),
+        opt_state=leaves("opt_state", like.opt_state),
+        rng=rng,
+        step=int(manifest["step"]),
+        epoch=int(manifest["epoch"]),
+    )
+    return state, manifest.get("metadata", {})

@@ -1,0 +1,200 @@
+"""Classification data for :func:`~symjax_mlp.train`: a fixed split, checked before training.
+
+:func:`load_digits` is real data that ships inside an installed package (scikit-learn's bundled
+8x8 digits, the optional ``data`` extra), so training needs no download. :class:`Dataset`
+holds any train/test split of 2-D float features and integer labels; :func:`check_dataset`
+names every problem (an empty split, a wrong feature width, NaN, labels out of range) before
+a single step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from symjax_mlp._errors import DataError
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dataset:
+    """A fixed train/test split: features ``(n, d)`` float32, labels ``(n,)`` int32.
+
+    Attributes:
+      x_train, y_train: the examples the optimizer sees.
+      x_test, y_test: held out; accuracy is reported on these.
+      num_classes: how many classes the labels index (``None``: ``max(label) + 1``).
+      name: shown in messages and the training history.
+      mean, std: the per-feature statistics the features were standardised with
+        (``None`` when they were not); apply them to new raw inputs with :meth:`standardize`.
+
+    Example:
+      >>> x = np.zeros((4, 3), np.float32); y = np.array([0, 1, 0, 1])
+      >>> Dataset(x, y, x, y).num_features
+      3
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int | None = None
+    name: str = "dataset"
+    mean: np.ndarray | None = None
+    std: np.ndarray | None = None
+
+    @property
+    def num_features(self) -> int:
+        """The width of a feature row (the model's input width)."""
+        return int(np.shape(self.x_train)[-1])
+
+    def standardize(self, x: np.ndarray) -> np.ndarray:
+        """Applies this dataset's standardisation to raw features ``x`` (float32)."""
+        x = np.asarray(x, np.float32)
+        if self.mean is None or self.std is None:
+            return x
+        return ((x - self.mean) / self.std).astype(np.float32)
+
+
+def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """scikit-learn's bundled handwritten digits: 1797 8x8 images, 10 classes, a fixed split.
+
+    The split is stratified and depends only on ``seed``; features are standardised with the
+    training split's per-pixel mean and standard deviation (constant pixels get std 1).
+    With the defaults: 1438 training and 359 test examples, 64 features.
+
+    Args:
+      test_fraction: share of each class held out for testing, in (0, 1).
+      seed: seeds the split (not the training).
+
+    Raises:
+      ImportError: scikit-learn is missing; install the extra: ``pip install symjax_mlp[data]``.
+      ValueError: ``test_fraction`` is not in (0, 1).
+
+    Example:
+      >>> data = load_digits()
+      >>> data.x_train.shape, data.x_test.shape, data.num_classes
+      ((1438, 64), (359, 64), 10)
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1); got {test_fraction!r}.")
+    try:
+        from sklearn.datasets import load_digits as _sklearn_digits
+    except ImportError as e:
+        raise ImportError(
+            "load_digits needs scikit-learn, which ships the digits data: "
+            "pip install 'symjax_mlp[data]'."
+        ) from e
+    x, y = _sklearn_digits(return_X_y=True)
+    x = x.astype(np.float32)
+    y = y.astype(np.int32)
+    rng = np.random.default_rng(seed)
+    test_rows = []
+    for c in np.unique(y):  # stratified: the same share of every class is held out
+        rows = rng.permutation(np.flatnonzero(y == c))
+        test_rows.append(rows[: round(len(rows) * test_fraction)])
+    is_test = np.zeros(len(y), bool)
+    is_test[np.concatenate(test_rows)] = True
+    x_train, x_test = x[~is_test], x[is_test]
+    mean = x_train.mean(axis=0)
+    std = x_train.std(axis=0)
+    std = np.where(std > 0, std, np.float32(1)).astype(np.float32)
+    return Dataset(
+        x_train=(x_train - mean) / std,
+        y_train=y[~is_test],
+        x_test=(x_test - mean) / std,
+        y_test=y[is_test],
+        num_classes=10,
+        name="digits",
+        mean=mean,
+        std=std,
+    )
+
+
+def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
+    """Checks ``data`` and returns it as float32 features and int32 labels.
+
+    Args:
+      data: the split to check.
+      num_outputs: the model's output width; labels must lie in ``0 .. num_outputs - 1``.
+
+    Raises:
+      DataError: a split is empty or not 2-D, the features of the splits differ in width,
+        features or labels are NaN or infinite, labels are not integers, the row counts of
+        features and labels differ, or a label is outside ``0 .. num_outputs - 1`` (or
+        ``0 .. num_classes - 1``). The message names the array, what it holds and what was
+        expected.
+    """
+    if not isinstance(data, Dataset):
+        raise TypeError(
+            f"train() expects a symjax_mlp.Dataset; got {type(data).__name__}. Wrap arrays as "
+            "Dataset(x_train, y_train, x_test, y_test)."
+        )
+    xs = {}
+    for name in ("x_train", "x_test"):
+        x = np.asarray(getattr(data, name))
+        if x.ndim != 2:
+            raise DataError(
+                f"{data.name}.{name} has shape {x.shape}; expected 2-D features "
+                "(examples, features). Reshape it, e.g. x.reshape(len(x), -1)."
+            )
+        if x.shape[0] == 0:
+            raise DataError(
+                f"{data.name}.{name} is empty (shape {x.shape}); expected at least one example. "
+                "Check the loading and splitting of the data."
+            )
+        if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
+            raise DataError(f"{data.name}.{name} has dtype {x.dtype}; expected real numbers.")
+        _check_finite(f"{data.name}.{name}", x)
+        xs[name] = x.astype(np.float32)
+    width, test_width = xs["x_train"].shape[1], xs["x_test"].shape[1]
+    if test_width != width:
+        raise DataError(
+            f"{data.name}.x_test has {test_width} features per example but x_train has {width}; "
+            "both splits must have the same feature width. Preprocess them the same way."
+        )
+    limits = []
+    if num_outputs is not None:
+        limits.append((num_outputs, f"the model has {num_outputs} outputs"))
+    if data.num_classes is not None:
+        limits.append((data.num_classes, f"{data.name}.num_classes is {data.num_classes}"))
+    ys = {}
+    for name, x_name in (("y_train", "x_train"), ("y_test", "x_test")):
+        y = np.asarray(getattr(data, name))
+        if y.ndim != 1 or len(y) != len(xs[x_name]):
+            raise DataError(
+                f"{data.name}.{name} has shape {y.shape}; expected one integer label per row of "
+                f"{x_name}, shape ({len(xs[x_name])},)."
+            )
+        if not np.issubdtype(y.dtype, np.integer):
+            if not np.issubdtype(y.dtype, np.floating):
+                raise DataError(f"{data.name}.{name} has dtype {y.dtype}; expected int labels.")
+            _check_finite(f"{data.name}.{name}", y)
+            if np.any(y != np.round(y)):
+                bad = int(np.flatnonzero(y != np.round(y))[0])
+                raise DataError(
+                    f"{data.name}.{name}[{bad}] is {y[bad]!r}; expected integer class labels."
+                )
+        for limit, what in limits:
+            out = np.flatnonzero((y < 0) | (y >= limit))
+            if out.size:
+                raise DataError(
+                    f"labels out of range: {data.name}.{name} holds values from {y.min():g} to "
+                    f"{y.max():g} ({out.size} out of range, first {name}[{out[0]}] = "
+                    f"{y[out[0]]:g}), but {what}, so labels must be integers in 0..{limit - 1}. "
+                    "Remap the labels to 0..K-1 or give the model K outputs."
+                )
+        ys[name] = y.astype(np.int32)
+    return dataclasses.replace(data, **xs, **ys)
+
+
+def _check_finite(name: str, a: np.ndarray) -> None:
+    bad = ~np.isfinite(a)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        kind = "NaN" if np.isnan(a[first]) else "infinite"
+        where = ", ".join(map(str, first))
+        raise DataError(
+            f"{name} contains {int(bad.sum())} non-finite values (first: {name}[{where}] is "
+            f"{kind}); expected finite numbers. Drop or impute those examples before training."
+        )

@@ -1,0 +1,376 @@
+"""Training with optax: one jit-compiled step, the same step eagerly, checkpoints, exact resume.
+
+:func:`train` applies ``jax.jit`` to :func:`~symjax_mlp.training.train_step` at one boundary,
+with the params and the optimizer state donated, and runs it over shuffled, padded batches, so every
+step has one signature and the step traces exactly once per run (a second trace raises
+:class:`~symjax_mlp.RetraceError`). ``compiled=False`` runs the very same step op by op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from symjax_mlp._artifact.reading import Artifact
+from symjax_mlp._errors import CheckpointError, DivergenceError, RetraceError
+from symjax_mlp._export import export
+from symjax_mlp._hybrid.hybrid import Hybrid, hybridize
+from symjax_mlp._models import mlp
+from symjax_mlp.training._checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from symjax_mlp.training._data import Dataset, check_dataset, load_digits
+from symjax_mlp.training._step import init_params, train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochRecord:
+    """One epoch of the history: mean training loss and accuracies after it."""
+
+    epoch: int
+    step: int
+    loss: float
+    train_accuracy: float
+    test_accuracy: float
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainResult:
+    """What :func:`train` returns: the trained params, their history, and how it ran.
+
+    Attributes:
+      model: the ``flax.linen`` module that was trained.
+      params: its trained ``"params"`` collection.
+      opt_state: the final optimizer state.
+      step, epoch: optimizer steps and epochs completed (including resumed ones).
+      history: one :class:`EpochRecord` per completed epoch, oldest first.
+      test_accuracy: accuracy on the test split of the final params.
+      train_seconds: wall time of this call (init, compile, epochs, evaluation).
+      compiled: whether the step was jit-compiled.
+      trace_count: how often this call traced the step (1 when compiled, 0 eagerly).
+      resumed_from: the checkpoint this call continued from, or ``None``.
+      checkpoint: the newest checkpoint written or resumed from, or ``None``.
+      num_features: the model's input width.
+    """
+
+    model: nn.Module
+    params: Any
+    opt_state: Any
+    step: int
+    epoch: int
+    history: tuple[EpochRecord, ...]
+    test_accuracy: float
+    train_seconds: float
+    compiled: bool
+    trace_count: int
+    resumed_from: Path | None
+    checkpoint: Path | None
+    num_features: int
+
+    def hybridize(self, **kwargs: Any) -> Hybrid:
+        """The trained model as a :class:`~symjax_mlp.Hybrid` (``kwargs`` go to ``hybridize``)."""
+        return hybridize(self.model, {"params": self.params}, **kwargs)
+
+    def export(self, path: str | os.PathLike, **kwargs: Any) -> Artifact:
+        """Exports the trained model with a symbolic batch: ``export(h, path, batch="b")``."""
+        example = np.zeros((1, self.num_features), np.float32)
+        kwargs.setdefault("batch", "b")
+        return export(self.hybridize(), path, example=example, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able summary: accuracy, timing, steps and the per-epoch history."""
+        return {
+            "test_accuracy": self.test_accuracy,
+            "train_seconds": self.train_seconds,
+            "step": self.step,
+            "epoch": self.epoch,
+            "compiled": self.compiled,
+            "trace_count": self.trace_count,
+            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
+            "checkpoint": None if self.checkpoint is None else str(self.checkpoint),
+            "history": [dataclasses.asdict(r) for r in self.history],
+        }
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _shuffle(rng: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    rng, key = jax.random.split(rng)
+    return rng, jax.random.permutation(key, n)
+
+
+def _batches(
+    order: np.ndarray, x: np.ndarray, y: np.ndarray, batch_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One epoch in ``order``, padded cyclically to whole batches (padding has weight 0)."""
+    n = len(x)
+    steps = math.ceil(n / batch_size)
+    order = np.resize(order, steps * batch_size)
+    w = np.zeros(steps * batch_size, np.float32)
+    w[:n] = 1.0
+    shape = (steps, batch_size)
+    return x[order].reshape(*shape, -1), y[order].reshape(shape), w.reshape(shape)
+
+
+def _fingerprint(data: Dataset) -> str:
+    digest = hashlib.sha256()
+    for a in (data.x_train, data.y_train):
+        digest.update(str(a.shape).encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
+
+
+def _unaliased(params: Any, opt_state: Any) -> Any:
+    """Copies optimizer-state leaves that are params (or repeat): both trees are donated."""
+    seen = {id(leaf) for leaf in jax.tree.leaves(params)}
+
+    def own(leaf: Any) -> Any:
+        if id(leaf) in seen:
+            return jnp.array(leaf, copy=True)
+        seen.add(id(leaf))
+        return leaf
+
+    return jax.tree.map(own, opt_state)
+
+
+def _nonfinite_leaf(tree: Any) -> str | None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(tree)):
+        if not np.all(np.isfinite(leaf)):
+            return jax.tree_util.keystr(path)
+    return None
+
+
+def train(
+    model: nn.Module | None = None,
+    data: Dataset | None = None,
+    *,
+    optimizer: optax.GradientTransformation | None = None,
+    learning_rate: float | None = None,
+    epochs: int = 20,
+    batch_size: int = 64,
+    seed: int = 0,
+    compiled: bool = True,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 1,
+    resume: bool = False,
+    on_epoch: Callable[[EpochRecord], None] | None = None,
+) -> TrainResult:
+    """Trains a classifier with optax; the step is jit-compiled (or eager, for comparison).
+
+    Every epoch shuffles the training split with a key split from ``seed``, pads the last
+    batch (padding has weight 0, so each example counts once), runs one step per batch and
+    evaluates the test split. The same ``seed`` gives bitwise-identical params on the CPU, and
+    resuming from a checkpoint continues exactly as the uninterrupted run would have.
+
+    Args:
+      model: a ``flax.linen`` module mapping ``(batch, features)`` to ``(batch, classes)``
+        logits (default: ``mlp((128, 64, num_classes))``).
+      data: a :class:`~symjax_mlp.Dataset` (default: :func:`~symjax_mlp.load_digits`).
+      optimizer: any ``optax.GradientTransformation`` (default: ``optax.adam``).
+      learning_rate: the default adam's learning rate (default 1e-3); not used otherwise.
+      epochs: total epochs to reach, counting those done before a resumed checkpoint.
+      batch_size: examples per step.
+      seed: seeds the initialisation and the shuffle.
+      compiled: ``True`` runs the step jit-compiled with params and optimizer state donated;
+        ``False`` runs the same step eagerly, op by op.
+      checkpoint: a directory for checkpoints (``None``: none are written).
+      checkpoint_every: write a checkpoint every this many epochs (and after the last one).
+      resume: continue from the newest checkpoint in ``checkpoint`` (a fresh start if it
+        holds none).
+      on_epoch: called with each :class:`EpochRecord` as soon as the epoch ends.
+
+    Returns:
+      A :class:`TrainResult`; ``result.hybridize()`` is the trained model.
+
+    Raises:
+      DataError: bad data (empty, wrong feature width, NaN, labels out of range), before any
+        step runs.
+      DivergenceError: the loss became NaN or infinite; names the step and keeps the last good
+        checkpoint.
+      CheckpointError: ``checkpoint`` already holds checkpoints and ``resume`` is false, or the
+        checkpoint does not fit this model, optimizer, data, seed or batch size.
+      ValueError: a hyperparameter is out of range.
+
+    Example:
+      >>> import symjax_mlp as sm
+      >>> result = sm.training.train(epochs=2)
+      >>> result.step, len(result.history), result.trace_count
+      (46, 2, 1)
+    """
+    for name, value, low in (
+        ("epochs", epochs, 0),
+        ("batch_size", batch_size, 1),
+        ("checkpoint_every", checkpoint_every, 1),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}; got {value!r}.")
+    if optimizer is None:
+        optimizer = optax.adam(1e-3 if learning_rate is None else learning_rate)
+    elif learning_rate is not None:
+        raise ValueError(
+            "learning_rate sets the default adam only; with an explicit optimizer, give it the "
+            f"learning rate instead, e.g. optax.sgd({learning_rate!r})."
+        )
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3); "
+            f"got {type(optimizer).__name__}."
+        )
+    if resume and checkpoint is None:
+        raise ValueError("resume=True needs checkpoint=DIR, the directory to resume from.")
+
+    start = time.perf_counter()
+    data = check_dataset(load_digits() if data is None else data)
+    if model is None:
+        classes = data.num_classes or int(max(data.y_train.max(), data.y_test.max())) + 1
+        model = mlp((128, 64, classes))
+    example = data.x_train[:1]
+    out = jax.eval_shape(lambda: model.apply(model.init(jax.random.key(0), example), example))
+    if out.ndim != 2:
+        raise TypeError(
+            f"train() needs a model whose output is (batch, classes) logits; {type(model).__name__}"
+            f" returns shape {out.shape} for input shape {example.shape}."
+        )
+    data = check_dataset(data, num_outputs=out.shape[-1])
+
+    rng, init_key = jax.random.split(jax.random.key(seed))
+    params = init_params(model, init_key, example)
+    state = TrainState(params, _unaliased(params, optimizer.init(params)), rng)
+    config = {
+        "seed": seed,
+        "batch_size": batch_size,
+        "data": data.name,
+        "data_sha256": _fingerprint(data),
+        "num_features": data.num_features,
+        "num_outputs": int(out.shape[-1]),
+    }
+    history: list[EpochRecord] = []
+    resumed_from = newest = None
+    if checkpoint is not None and (found := latest_checkpoint(checkpoint)) is not None:
+        if not resume:
+            raise CheckpointError(
+                f"{checkpoint} already holds checkpoints (newest: {found.name}). Pass "
+                "resume=True to continue from it, or use an empty directory."
+            )
+        state, meta = restore_checkpoint(found, state)
+        changed = [k for k, v in config.items() if meta.get("config", {}).get(k) != v]
+        if changed:
+            was = {k: meta.get("config", {}).get(k) for k in changed}
+            raise CheckpointError(
+                f"{found} was written with {was}, but this run has "
+                f"{ {k: config[k] for k in changed} }. Resuming would not continue that run; "
+                "resume with the same settings, or start over in an empty directory."
+            )
+        history = [EpochRecord(**r) for r in meta["history"]]
+        resumed_from = newest = found
+
+    step = train_step(model, optimizer)
+    traces: list[tuple[Any, ...]] = []
+
+    def counted(params, opt_state, x, y, w):
+        traces.append(tuple(jax.typeof(a) for a in (x, y, w)))
+        if len(traces) > 1:
+            raise RetraceError(
+                f"train step traced again (trace #{len(traces) - 1}) with inputs {traces[-1]}; "
+                f"the first trace had {traces[0]}. Every step should see one signature."
+            )
+        return step(params, opt_state, x, y, w)
+
+    def predict(params, x):
+        return jnp.argmax(model.apply({"params": params}, x), axis=-1)
+
+    if compiled:
+        step_fn = jax.jit(counted, donate_argnums=(0, 1))
+        predict_fn = jax.jit(predict)
+    else:
+        step_fn, predict_fn = step, predict
+
+    def accuracy(params) -> float:
+        return int(np.sum(np.asarray(predict_fn(params, data.x_test)) == data.y_test)) / len(
+            data.y_test
+        )
+
+    params, opt_state, rng = state.params, state.opt_state, state.rng
+    n_train = len(data.y_train)
+    for epoch in range(state.epoch + 1, epochs + 1):
+        t0 = time.perf_counter()
+        rng, order = _shuffle(rng, n_train)
+        xb, yb, wb = _batches(np.asarray(order), data.x_train, data.y_train, batch_size)
+        metrics = []
+        for i in range(len(xb)):
+            params, opt_state, m = step_fn(params, opt_state, xb[i], yb[i], wb[i])
+            metrics.append(m)
+        metrics = jax.device_get(metrics)
+        losses = np.array([m["loss"] for m in metrics])
+        first_step = state.step
+        bad = np.flatnonzero(~np.isfinite(losses))
+        bad_leaf = None if bad.size else _nonfinite_leaf(params)
+        if bad.size or bad_leaf is not None:
+            i = int(bad[0]) if bad.size else len(xb) - 1
+            what = (
+                f"the loss is {losses[i]} at step {first_step + i}"
+                if bad.size
+                else f"the update at step {first_step + i} made params{bad_leaf} non-finite"
+            )
+            kept = (
+                f"the last good checkpoint is kept: {newest}"
+                if newest
+                else "no checkpoint was written (pass checkpoint=DIR to keep one)"
+            )
+            raise DivergenceError(
+                f"training diverged: {what} (epoch {epoch}, batch {i + 1} of {len(xb)}; "
+                f"{first_step + i} updates applied before it). Training stopped; {kept}. "
+                "Lower the learning rate, clip the gradients (optax.clip_by_global_norm) or "
+                "check the data.",
+                step=first_step + i,
+                epoch=epoch,
+                checkpoint=newest,
+            )
+        real = wb.sum(axis=1)
+        record = EpochRecord(
+            epoch=epoch,
+            step=first_step + len(xb),
+            loss=float(np.sum(losses * real) / n_train),
+            train_accuracy=float(sum(float(m["correct"]) for m in metrics) / n_train),
+            test_accuracy=accuracy(params),
+            seconds=time.perf_counter() - t0,
+        )
+        history.append(record)
+        state = TrainState(params, opt_state, rng, step=record.step, epoch=epoch)
+        if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
+            meta = {"config": config, "history": [dataclasses.asdict(r) for r in history]}
+            newest = save_checkpoint(checkpoint, state, metadata=meta)
+        if on_epoch is not None:
+            on_epoch(record)
+
+    return TrainResult(
+        model=model,
+        params=params,
+        opt_state=opt_state,
+        step=state.step,
+        epoch=state.epoch,
+        history=tuple(history),
+        test_accuracy=accuracy(params),
+        train_seconds=time.perf_counter() - start,
+        compiled=compiled,
+        trace_count=len(traces),
+        resumed_from=resumed_from,
+        checkpoint=newest,
+        num_features=data.num_features,
+    )

@@ -1,0 +1,137 @@
+"""The package layout is the flow: each module imports only from the stages before it.
+
+Read from the code (every ``import`` statement, lazy ones inside functions included), not
+from a list someone keeps in sync by hand: a cycle or a backward edge fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import symjax_mlp as sm
+
+ROOT = Path(sm.__file__).parent
+
+# The flow, first stage first. A module belongs to the longest prefix that names it; inside a
+# stage that is a package (training, bench, ...), imports must only be acyclic.
+STAGES = (
+    "symjax_mlp._errors",
+    "symjax_mlp._specs",
+    "symjax_mlp._files",
+    "symjax_mlp._models",
+    "symjax_mlp._hybrid.trace",
+    "symjax_mlp._hybrid.mesh",
+    "symjax_mlp._hybrid.jaxpr",
+    "symjax_mlp._hybrid.dot",
+    "symjax_mlp._hybrid.graph",
+    "symjax_mlp._hybrid.hybrid",
+    "symjax_mlp._hybrid",
+    "symjax_mlp._artifact.format",
+    "symjax_mlp._artifact.signature",
+    "symjax_mlp._artifact.weights",
+    "symjax_mlp._artifact.reading",
+    "symjax_mlp._artifact",
+    "symjax_mlp._export",
+    "symjax_mlp._runtimes",
+    "symjax_mlp._load",
+    "symjax_mlp._verify",
+    "symjax_mlp.serving",
+    "symjax_mlp.training",
+    "symjax_mlp.bench",
+    "symjax_mlp.chapter",
+    "symjax_mlp",
+    "symjax_mlp.cli",
+    "symjax_mlp.__main__",
+)
+PUBLIC_NAMESPACES = ("symjax_mlp", "symjax_mlp.training", "symjax_mlp.bench", "symjax_mlp.chapter")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for file in ROOT.rglob("*.py"):
+        parts = list(file.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = file
+    return mods
+
+
+def _imports(name: str, file: Path, known: set[str]) -> set[str]:
+    """The symjax_mlp modules ``file`` imports (``from a import b`` counts a.b if a module)."""
+    package = name if file.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+            found |= subs if len(subs) == len(node.names) else {base, *subs}
+    return {m for m in found if m in known and m != name}
+
+
+def _stage(module: str) -> int:
+    best = max((s for s in STAGES if module == s or module.startswith(s + ".")), key=len)
+    return STAGES.index(best)
+
+
+GRAPH = {name: _imports(name, file, set(_modules())) for name, file in _modules().items()}
+
+
+def test_every_module_has_a_stage():
+    for module in GRAPH:
+        assert _stage(module) >= 0, module
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_imports_only_from_earlier_stages(module):
+    backward = [m for m in GRAPH[module] if _stage(m) > _stage(module)]
+    assert not backward, f"{module} imports from later stages: {backward}"
+
+
+def test_no_import_cycles():
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(m: str, path: list[str]) -> None:
+        if state.get(m) == 2:
+            return
+        assert state.get(m) != 1, "import cycle: " + " -> ".join([*path, m])
+        state[m] = 1
+        for dep in sorted(GRAPH[m]):
+            visit(dep, [*path, m])
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        visit(m, [])
+
+
+def test_private_modules_have_no_all_and_public_ones_do():
+    for module, file in _modules().items():
+        tree = ast.parse(file.read_text())
+        has_all = any(
+            isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+            for n in tree.body
+        )
+        private = any(p.startswith("_") and not p.startswith("__") for p in module.split("."))
+        if private:
+            assert not has_all, f"{module} is private but declares __all__"
+        elif module in PUBLIC_NAMESPACES:
+            assert has_all, f"{module} is public but declares no __all__"
+
+
+def test_nothing_imports_the_cli():
+    users = [m for m, deps in GRAPH.items() if any(d.startswith("symjax_mlp.cli") for d in deps)]
+    assert all(m.startswith(("symjax_mlp.cli", "symjax_mlp.__main__")) for m in users), users
+
+
+def test_the_checker_sees_a_backward_edge():
+    # the hybrid imports the graph (an earlier stage): the reverse edge would be refused
+    assert "symjax_mlp._hybrid.graph" in GRAPH["symjax_mlp._hybrid.hybrid"]
+    assert _stage("symjax_mlp._hybrid.graph") < _stage("symjax_mlp._hybrid.hybrid")
+    assert _stage("symjax_mlp._load") > _stage("symjax_mlp._export")
