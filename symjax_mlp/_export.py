@@ -76,9 +76,13 @@ def export(
       SignatureError: ``example`` is not an array or a tuple of arrays, or the output is not.
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import symjax_mlp as sm
+      >>> net, x = sm.mlp((4, 2)), jnp.ones((1, 3))
       >>> h = sm.hybridize(net, net.init(jax.random.key(0), x))
-      >>> art = sm.export(h, "my_mlp", example=x, platforms=("cpu", "cuda"))
-      >>> sm.load("my_mlp")(x).shape
+      >>> path = getfixture("tmp_path") / "my_mlp"
+      >>> art = sm.export(h, path, example=x, platforms=("cpu", "cuda"))
+      >>> sm.load(art.path)(x).shape
       (1, 2)
     """
     if not isinstance(h, Hybrid):
@@ -168,7 +172,14 @@ def export(
         "files": {k: {"sha256": sha256(v), "bytes": len(v)} for k, v in files.items()},
     }
     files[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode()
-    write_dir(path, files, overwrite=overwrite, check=check_target, error=ArtifactError)
+    write_dir(
+        path,
+        files,
+        overwrite=overwrite,
+        check=check_target,
+        error=ArtifactError,
+        what="the artifact",
+    )
     return Artifact(path, freeze(manifest))
 
 

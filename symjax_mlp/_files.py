@@ -157,6 +157,7 @@ def write_dir(
     overwrite: bool,
     check: Callable[[Path, bool], None],
     error: type[SymjaxError],
+    what: str = "",
 ) -> None:
     """Writes ``files`` (in order: put the manifest last) into a new directory at ``path``.
 
@@ -167,17 +168,19 @@ def write_dir(
       check: ``check(path, overwrite)`` raises if ``path`` may not be written; called before
         and again just before the rename.
       error: the :class:`~symjax_mlp.SymjaxError` subclass to raise.
+      what: what ``path`` is, for messages (``"the artifact"``); default: just the path.
 
     Raises:
       SymjaxError: of type ``error``; any previous directory at ``path`` is then unchanged.
     """
+    target = f"{what} {path}" if what else str(path)
     check(path, overwrite)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
     except OSError as e:
-        raise error(f"cannot write {path}: {e}") from e
+        raise error(f"cannot write {target}: {e}") from e
     try:
         for name, data in files.items():
             write_file(tmp / name, data)
@@ -192,10 +195,10 @@ def write_dir(
     except FileExistsError:
         shutil.rmtree(tmp, ignore_errors=True)
         check(path, False)  # another writer won the race: say so, as for an existing path
-        raise error(f"cannot write {path}: another writer created it meanwhile.") from None
+        raise error(f"cannot write {target}: another writer created it meanwhile.") from None
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise error(f"cannot write {path}: {e}. Anything there before is unchanged.") from e
+        raise error(f"cannot write {target}: {e}. Anything there before is unchanged.") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -110,7 +110,12 @@ def verify(
       ArtifactError: the artifact is missing or corrupted (checked here first).
 
     Example:
-      >>> report = sm.verify("my_mlp", reference=h, runtimes=("jax", "iree"))
+      >>> import jax, jax.numpy as jnp
+      >>> import symjax_mlp as sm
+      >>> net, x = sm.mlp((4, 2)), jnp.ones((1, 3))
+      >>> h = sm.hybridize(net, net.init(jax.random.key(0), x))
+      >>> art = sm.export(h, getfixture("tmp_path") / "my_mlp", example=x)
+      >>> report = sm.verify(art.path, reference=h, runtimes=("jax", "iree"))
       >>> report.ok
       True
     """

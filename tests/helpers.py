@@ -21,3 +21,15 @@ def chapter():
     x = jax.random.normal(jax.random.key(0), (1, 512), jnp.float32)
     variables = net.init(jax.random.key(1), x)
     return net, variables, sm.hybridize(net, variables), x
+
+
+def small(seed=0, sizes=(16, 3), features=8):
+    """(h, x): a small MLP, hybridized, and a (2, features) float32 input."""
+    net = sm.mlp(sizes)
+    x = jax.random.normal(jax.random.key(100 + seed), (2, features), jnp.float32)
+    return sm.hybridize(net, net.init(jax.random.key(seed), x)), x
+
+
+def rand(batch, features=8, seed=0):
+    """A (batch, features) float32 normal input."""
+    return jax.random.normal(jax.random.key(seed), (batch, features), jnp.float32)

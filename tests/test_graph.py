@@ -7,9 +7,9 @@ import subprocess
 import jax
 import jax.numpy as jnp
 import pytest
-from symjax_mlp.chapter import fancy_func
 
 import symjax_mlp as sm
+from symjax_mlp.chapter import fancy_func
 
 
 def test_chapter_graph_counts_and_layers(chapter):
@@ -73,7 +73,7 @@ def test_stage_rejects_jitted_functions_and_hybrids(chapter):
 def test_to_dot_is_valid_graphviz(chapter):
     _, _, h, x = chapter
     dot = h.graph(x).to_dot()
-    assert dot.startswith('digraph "apply"') and dot.rstrip().endswith("}")
+    assert dot.startswith('digraph "HybridSequential"') and dot.rstrip().endswith("}")
     assert dot.count("dot_general") == 3
     assert 'label="HybridSequential/layers_2"' in dot
 

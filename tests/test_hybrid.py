@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 from flax import nnx
-from symjax_mlp.chapter import HybridNet
 
 import symjax_mlp as sm
+from symjax_mlp.chapter import HybridNet
 
 
 def _concurrent_net():
@@ -112,14 +112,17 @@ def test_retrace_reasons_name_path_and_change():
     h = sm.hybridize(lambda p, x, y: x["a"] * y, {})
     h({"a": jnp.ones(3)}, jnp.ones(3))
     h({"a": jnp.ones(3, jnp.int32)}, jnp.ones(3))
-    h({"a": jnp.ones(3)}, 2.0)  # a Python float is weakly typed
+    h({"a": jnp.ones(3)}, jnp.asarray(2.0))  # weakly typed, like a Python scalar in JAX
     h({"a": jnp.ones(3), "b": jnp.ones(1)}, jnp.ones(3))
+    h({"a": jnp.ones(3)}, 2.0)  # a Python float is a static setting
     reasons = [e.reason for e in h.trace_log]
     assert reasons[1] == "args[0]['a'].dtype changed from float32 to int32"
     assert "args[1].shape changed from (3,) to ()" in reasons[2]
     assert "args[1].weak_type changed from False to True" in reasons[2]
     assert reasons[3].startswith("input tree structure changed")
+    assert "args[1] (static) changed from (absent) to 2.0" in reasons[4]
     assert "args[0]['a']: float32[3]" in str(h.trace_log[0])
+    assert "args[1]=2.0" in str(h.trace_log[4])
 
 
 def test_max_traces_raises_with_the_explanation(chapter):

@@ -115,7 +115,8 @@ def test_private_modules_have_no_all_and_public_ones_do():
     for module, file in _modules().items():
         tree = ast.parse(file.read_text())
         has_all = any(
-            isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+            isinstance(n, ast.Assign)
+            and any(getattr(t, "id", None) == "__all__" for t in n.targets)
             for n in tree.body
         )
         private = any(p.startswith("_") and not p.startswith("__") for p in module.split("."))

@@ -33,9 +33,13 @@ class Artifact:
     summary ``symjax-mlp inspect`` prints. Run it with :func:`~symjax_mlp.load`.
 
     Example:
-      >>> art = sm.export(h, "my_mlp", example=x)
+      >>> import jax, jax.numpy as jnp
+      >>> import symjax_mlp as sm
+      >>> net, x = sm.mlp((4, 2)), jnp.ones((1, 3))
+      >>> h = sm.hybridize(net, net.init(jax.random.key(0), x))
+      >>> art = sm.export(h, getfixture("tmp_path") / "my_mlp", example=x)
       >>> art.signature.inputs[0].shape
-      ('b', 512)
+      ('b', 3)
     """
 
     path: Path

@@ -19,6 +19,7 @@ from jax.extend import core as jex_core
 
 from symjax_mlp._hybrid.dot import to_dot
 from symjax_mlp._hybrid.jaxpr import eqn_flops, sub_jaxprs, walk
+from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, partition, rebuild
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +66,23 @@ class Graph:
 
     @classmethod
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
-        """Stages ``fn(*args, **kwargs)`` with :func:`jax.make_jaxpr`."""
-        jaxpr = jax.make_jaxpr(fn)(*args, **kwargs)
-        return cls(jaxpr, name, lambda: jax.jit(fn).lower(*args, **kwargs))
+        """Stages ``fn(*args, **kwargs)`` with :func:`jax.make_jaxpr`; Python settings among
+        the arguments (bool, int, str, ...) are static, as in a Hybrid's call.
+
+        Raises:
+          ControlFlowError: Python needed a concrete value from a traced array.
+        """
+        static, dyn, dyn_kw = partition(args, kwargs, caller=f"stage({name})")
+
+        def staged(*dyn: Any, **dyn_kw: Any) -> Any:
+            a, k = rebuild(static, dyn, dyn_kw)
+            return fn(*a, **k)
+
+        try:
+            jaxpr = jax.make_jaxpr(staged)(*dyn, **dyn_kw)
+        except TRACER_ERRORS as e:
+            raise control_flow_error(name, e) from e
+        return cls(jaxpr, name, lambda: jax.jit(staged).lower(*dyn, **dyn_kw))
 
     def lower(self) -> jax.stages.Lowered:
         """Lowers the staged function with ``jax.jit``: ``.as_text()`` is StableHLO."""

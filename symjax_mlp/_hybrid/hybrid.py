@@ -1,4 +1,4 @@
-"""The Hybrid object: a pure function plus its params, eager or XLA-compiled at one switch.
+"""The Hybrid object: a model plus its params (and state), eager or XLA-compiled at one switch.
 
 ``hybridize`` is the one place where ``jax.jit`` is applied. The compiled path is a single
 ``jax.jit`` object created once per ``Hybrid``: JAX's C++ dispatch keeps one executable per
@@ -7,21 +7,30 @@ input signature, and the params are flattened once, at construction. Every trace
 enforces the ``max_traces`` budget and runs the ``on_trace`` callbacks, so tracing is
 visible, never silent.
 
+What a call takes, as MXNet's ``hybridize`` and equinox's ``filter_jit`` see it: arrays
+(JAX or NumPy, and tuples/dicts of them) are traced; Python settings (bool, int, float, str,
+None, tuples of them) are static, part of the cache key, so ``h(x, train=True)`` just works.
+
+A model with state carries it across calls exactly as eager calls would: linen's mutable
+collections (``batch_stats``) and rng streams (``dropout``), and every non-``Param`` variable of
+an nnx module (batch statistics, rng counts). The pure form, for ``jax.grad`` and optax, is
+:meth:`Hybrid.apply`, which returns the new state instead of holding it.
+
 Sharding is a setting of the same object: ``h.shard(mesh)`` is a Hybrid whose one ``jax.jit``
 carries the data-parallel in/out shardings (see :mod:`symjax_mlp._hybrid.mesh`).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from symjax_mlp._errors import RetraceError, SignatureError
+from symjax_mlp._errors import ControlFlowError, RetraceError, SignatureError
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.trace import (
@@ -29,21 +38,157 @@ from symjax_mlp._hybrid.trace import (
     TraceEvent,
     control_flow_error,
     explain,
+    partition,
+    rebuild,
     signature,
 )
 
+_FROZEN = (
+    "{name}: a Hybrid is a frozen result (like jax.stages.Compiled): its {field!r} cannot be "
+    "assigned, because the compiled program and the eager path would then disagree. Write "
+    "h = h.replace({field}=...) for a new Hybrid with the new value."
+)
+_STATE_UNDER_TRANSFORM = (
+    "{name}: a stateful Hybrid was called inside a JAX transformation (jax.jit, jax.grad, "
+    "jax.vmap, ...), where its new state would be a tracer. Use the pure form inside "
+    "transformations: out, state = h.apply(h.params, x) returns the new state instead of "
+    "holding it."
+)
+
+
+# -- how to call each kind of model purely -------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """A model as a pure function of ``(fixed, state, rng, args, kwargs)``.
+
+    ``split`` cuts the user's params into the part a call never changes (``fixed``: what
+    gradients are taken of) and the part it does (``state``); ``merge`` joins them back.
+    ``call`` returns ``(out, new_state, new_rng)``.
+    """
+
+    call: Callable[..., tuple[Any, Any, Any]]
+    split: Callable[[Any], tuple[Any, Any]]
+    merge: Callable[[Any, Any], Any]
+    stateful: bool
+    kind: str = "plain"
+    module: Any = None
+
+    def inference(self, rng: Any, name: str) -> Callable[..., Any]:
+        """``f(params, *args, **kwargs) -> out``: one call, its state update dropped."""
+
+        def model(params: Any, *args: Any, **kwargs: Any) -> Any:
+            fixed, state = self.split(params)
+            return self.call(fixed, state, rng, args, kwargs)[0]
+
+        model.__name__ = name
+        return model
+
+
+def _plain(fn: Callable[..., Any]) -> _Model:
+    def call(fixed, state, rng, args, kwargs):
+        return fn(fixed, *args, **kwargs), state, rng
+
+    return _Model(call, lambda p: (p, None), lambda f, s: f, stateful=False)
+
+
+def _linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> _Model:
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            f"hybridize({type(model).__name__}, variables): variables must be the dict that "
+            f"{type(model).__name__}.init returns ({{'params': ...}}); got "
+            f"{type(variables).__name__}."
+        )
+    collections = list(variables)
+    if mutable is None:  # every collection but the params is state, as model.apply has it
+        mutable = tuple(c for c in collections if c != "params")
+    unknown = [c for c in mutable if c not in collections]
+    if unknown:
+        raise ValueError(
+            f"hybridize({type(model).__name__}, mutable={tuple(mutable)!r}): the variables "
+            f"have no collection {unknown[0]!r}; they hold {collections}."
+        )
+    mutable = tuple(mutable)
+    streams = None if rngs is None else tuple(rngs)
+
+    def split(v):
+        return ({c: v[c] for c in collections if c not in mutable}, {c: v[c] for c in mutable})
+
+    def merge(fixed, state):
+        both = {**fixed, **state}
+        return {c: both[c] for c in collections}
+
+    def call(fixed, state, rng, args, kwargs):
+        keys = None
+        if rng is not None:
+            pairs = {n: jax.random.split(rng[n]) for n in streams}
+            rng, keys = {n: k[0] for n, k in pairs.items()}, {n: k[1] for n, k in pairs.items()}
+        variables = merge(fixed, state)
+        if not mutable:
+            return model.apply(variables, *args, rngs=keys, **kwargs), state, rng
+        out, updates = model.apply(variables, *args, rngs=keys, mutable=list(mutable), **kwargs)
+        return out, {**state, **updates}, rng
+
+    stateful = bool(mutable) or rngs is not None
+    return _Model(call, split, merge, stateful, kind="linen", module=model)
+
+
+def _nnx(module: Any) -> tuple[_Model, Any]:
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    fixed, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+    def call(fixed, state, rng, args, kwargs):
+        m = nnx.merge(graphdef, fixed, state) if state else nnx.merge(graphdef, fixed)
+        out = m(*args, **kwargs)
+        if not state:
+            return out, state, rng
+        return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]), rng
+
+    def merge(fixed, state):
+        return {"params": fixed, "state": state} if state else fixed
+
+    def split(p):
+        return (p["params"], p["state"]) if state else (p, {})
+
+    def module_of(fixed, state):
+        return nnx.merge(graphdef, fixed, state) if state else nnx.merge(graphdef, fixed)
+
+    m = _Model(call, split, merge, stateful=bool(state), kind="nnx", module=module_of)
+    return m, merge(fixed, state)
+
+
+def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:
+    if rngs is None:
+        return None
+    streams = dict(rngs) if isinstance(rngs, Mapping) else {"dropout": rngs}
+    for name, key in streams.items():
+        if isinstance(key, int) and not isinstance(key, bool):
+            streams[name] = jax.random.key(key)
+        elif not (hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
+            raise TypeError(
+                f"hybridize(rngs=...): stream {name!r} is a {type(key).__name__}; pass a typed "
+                "key (jax.random.key(0)) or an int seed, or a dict {'dropout': key, ...}."
+            )
+    return streams
+
 
 class Hybrid:
-    """A pure function ``fn(params, *inputs)`` bound to its params, compiled by XLA on call.
+    """A model bound to its params, compiled by XLA on call, or run eagerly; a frozen result.
 
     Create one with :func:`~symjax_mlp.hybridize`. ``h(x)`` runs the compiled program (one
-    trace and compile per input signature); ``h.eager(x)`` runs the same function op by op,
-    Python and all, every time. ``h.shard(mesh)`` runs it data-parallel over a device mesh.
+    trace and compile per input signature and static setting); ``h.eager(x)`` runs the same
+    function op by op, Python and all, every time; ``h.apply(params, x)`` is the compiled pure
+    function for ``jax.grad``. ``h.shard(mesh)`` runs it data-parallel over a device mesh.
+    Settings never change in place: ``h.replace(params=new)`` returns a new Hybrid.
 
     Attributes:
-      fn: the pure function, ``fn(params, *inputs)``.
-      params: its params (replicated over the mesh when sharded).
+      fn: the pure inference function ``fn(params, *args, **kwargs) -> out`` (what
+        :func:`~symjax_mlp.export` exports; state updates are dropped).
+      params: the params, with the latest state of a stateful model (a linen model's
+        variables; ``{"params": ..., "state": ...}`` for an nnx module with state).
       name: shown in trace logs and errors.
+      stateful: whether calls carry state (mutable collections, rng streams, nnx variables).
       max_traces: the trace budget, or ``None``.
       compiled: whether ``__call__`` is compiled (``False``: eager).
       mesh: the ``jax.sharding.Mesh`` the batch is split over, or ``None`` (one device).
@@ -71,118 +216,266 @@ class Hybrid:
         mesh: Mesh | None = None,
         axis: str = "data",
         pad: bool = True,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+        donate: bool = False,
+        _model: _Model | None = None,
+        _rng: Any = None,
     ) -> None:
         if max_traces is not None and (
             not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
         ):
             raise ValueError(f"max_traces must be a positive int or None; got {max_traces!r}.")
-        self.fn = fn
-        self.name = name or getattr(fn, "__name__", type(fn).__name__)
-        self.max_traces = max_traces
-        self.compiled = compiled
-        self.axis, self.pad = axis, pad
-        self._leaves, self._treedef = jax.tree.flatten(params)
-        self._lock = threading.Lock()
-        self._events: list[TraceEvent] = []
-        self._callbacks: list[Callable[..., Any]] = []
+        model = _plain(fn) if _model is None else _model
+        name = name or getattr(fn, "__name__", type(fn).__name__)
+        settings = {
+            "fn": fn if _model is None else model.inference(_rng, name),
+            "name": name,
+            "max_traces": max_traces,
+            "compiled": compiled,
+            "axis": axis,
+            "pad": pad,
+            "static_argnums": frozenset(_ints(static_argnums)),
+            "static_argnames": frozenset(_strs(static_argnames)),
+            "donate": bool(donate),
+            "_model": model,
+            "_rng": _rng,
+            "_lock": threading.RLock(),
+            "_events": [],
+            "_callbacks": [],
+        }
+        for k, v in settings.items():
+            object.__setattr__(self, k, v)
+        fixed, state = model.split(params)
+        leaves, treedef = jax.tree.flatten(fixed)
+        stateful = model.stateful
+        object.__setattr__(self, "stateful", stateful)
+        object.__setattr__(self, "_treedef", treedef)
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "_given", params)
         if mesh is None:
-            self.mesh, self.n_shards = None, 1
-            self.params = params
-            self._jitted = jax.jit(self._trace)
-            return
-        self.mesh, rep, self._batch_sharding, self.n_shards = _mesh.shardings(mesh, axis)
-        self._leaves = [_mesh.place(leaf, rep) for leaf in self._leaves]
-        self.params = jax.tree.unflatten(self._treedef, self._leaves)
-        self._jitted = jax.jit(
-            self._trace_sharded,
-            in_shardings=(rep, self._batch_sharding),
-            out_shardings=self._batch_sharding,
-        )
+            object.__setattr__(self, "mesh", None)
+            object.__setattr__(self, "n_shards", 1)
+            object.__setattr__(self, "_leaves", leaves)
+            trace = self._trace_stateful if stateful else self._trace
+            donated = (2, 3) if (stateful and donate) else ()
+            jitted = jax.jit(trace, static_argnums=0, donate_argnums=donated)
+        else:
+            if stateful:
+                raise ValueError(
+                    f"{self.name}.shard(...): a stateful Hybrid cannot be sharded yet (its "
+                    "state would need a sharding too). Shard the stateless inference model: "
+                    "sm.hybridize(model, variables) of a model called in eval mode."
+                )
+            m, rep, dat, n = _mesh.shardings(mesh, axis)
+            object.__setattr__(self, "mesh", m)
+            object.__setattr__(self, "n_shards", n)
+            object.__setattr__(self, "_batch_sharding", dat)
+            object.__setattr__(self, "_leaves", [_mesh.place(leaf, rep) for leaf in leaves])
+            jitted = jax.jit(
+                self._trace_sharded,
+                static_argnums=0,
+                in_shardings=(rep, dat, dat),
+                out_shardings=dat,
+            )
+        object.__setattr__(self, "_jitted", jitted)
+        object.__setattr__(self, "_apply", None)
+
+    def __setattr__(self, field: str, value: Any) -> None:
+        raise AttributeError(_FROZEN.format(name=self.name, field=field))
+
+    # -- what it holds ---------------------------------------------------------------------
+    @property
+    def params(self) -> Any:
+        """The params, with the latest state (read-only; see :meth:`replace`)."""
+        if not self.stateful and self.mesh is None:
+            return self._given
+        fixed = jax.tree.unflatten(self._treedef, self._leaves)
+        return self._model.merge(fixed, self._state)
+
+    @property
+    def module(self) -> Any:
+        """The model with its current state: an nnx module (merged anew), or the linen module."""
+        module = self._model.module
+        if self._model.kind == "nnx":  # rebuilt from the current state
+            return module(jax.tree.unflatten(self._treedef, self._leaves), self._state)
+        return module
+
+    @property
+    def rng(self) -> Any:
+        """The held rng keys (``{"dropout": key}``) of a linen model, or ``None``."""
+        return self._rng
+
+    def replace(self, **changes: Any) -> Hybrid:
+        """A new Hybrid with ``changes`` (``params``, ``name``, ``max_traces``, ``compiled``,
+        ``mesh``, ``axis``, ``pad``, ``static_argnums``, ``static_argnames``, ``donate``).
+
+        The new Hybrid has its own trace log (a new compiled program) and shares the
+        ``on_trace`` callbacks.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import symjax_mlp as sm
+          >>> h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+          >>> h.replace(params=jnp.float32(3))(jnp.ones(2))
+          Array([3., 3.], dtype=float32)
+        """
+        allowed = {
+            "params", "name", "max_traces", "compiled", "mesh", "axis", "pad",
+            "static_argnums", "static_argnames", "donate", "rng",
+        }  # fmt: skip
+        bad = sorted(set(changes) - allowed)
+        if bad:
+            raise TypeError(
+                f"{self.name}.replace({bad[0]}=...): not a setting of a Hybrid; choose from "
+                f"{', '.join(sorted(allowed))}."
+            )
+        settings = {
+            "params": self.params,
+            "name": self.name,
+            "max_traces": self.max_traces,
+            "compiled": self.compiled,
+            "mesh": self.mesh,
+            "axis": self.axis,
+            "pad": self.pad,
+            "static_argnums": tuple(self.static_argnums),
+            "static_argnames": tuple(self.static_argnames),
+            "donate": self.donate,
+            "rng": self._rng,
+        } | changes
+        params, rng = settings.pop("params"), settings.pop("rng")
+        fn = self._model.call if self._model.kind != "plain" else self.fn
+        twin = Hybrid(fn, params, _model=self._model, _rng=rng, **settings)
+        object.__setattr__(twin, "_callbacks", self._callbacks)
+        return twin
 
     # -- calling ---------------------------------------------------------------------------
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""
         if not self.compiled:
-            return self.eager(*inputs)
+            return self.eager(*args, **kwargs)
+        static, dyn, dyn_kw = partition(
+            args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
+        )
         try:
-            if self.mesh is None:
-                return self._jitted(self._leaves, *inputs)
-            batch, placed = self._prepare(inputs)
-            out = self._jitted(self._leaves, placed)
+            if self.mesh is not None:
+                return self._call_sharded(static, dyn, dyn_kw)
+            if not self.stateful:
+                return self._jitted(static, self._leaves, *dyn, **dyn_kw)
+            with self._lock:
+                out, state, rng = self._jitted(
+                    static, self._leaves, self._state, self._rng, dyn, dyn_kw
+                )
+                self._hold(state, rng)
+            return out
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
-        if placed[0].shape[0] == batch:
-            return out
-        return jax.tree.map(lambda y: y[:batch], out)
 
-    def eager(self, *inputs: Any) -> Any:
-        """Runs ``fn`` imperatively: op by op, Python (and its ``print``) on every call.
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the model imperatively: op by op, Python (and its ``print``) on every call.
 
-        The ``on_trace`` callbacks run too, with the concrete inputs, every call.
+        The ``on_trace`` callbacks run too, with the concrete inputs, every call; a stateful
+        model's state is carried exactly as in compiled calls.
         """
         for callback in self._callbacks:
-            callback(*inputs)
-        return self.fn(self.params, *inputs)
+            callback(*args, **kwargs)
+        fixed = jax.tree.unflatten(self._treedef, self._leaves)
+        with self._lock:
+            out, state, rng = self._model.call(fixed, self._state, self._rng, args, kwargs)
+            if self.stateful:
+                self._hold(state, rng)
+        return out
+
+    def apply(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        """The compiled pure function: ``h.apply(h.params, x)``, for ``jax.grad`` and optax.
+
+        Traced visibly (``entry="apply"`` in :attr:`trace_log`, counted against
+        ``max_traces``). A stateless model returns ``out``; a stateful one returns
+        ``(out, new_params)`` with the updated state, and holds nothing: it uses the rng keys
+        held now (:attr:`rng`) without advancing them.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> import symjax_mlp as sm
+          >>> h = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.float32(2)})
+          >>> jax.grad(lambda p: h.apply(p, jnp.ones(3)).sum())(h.params)
+          {'w': Array(3., dtype=float32)}
+        """
+        static, dyn, dyn_kw = partition(
+            args, kwargs, self.static_argnums, self.static_argnames, caller=f"{self.name}.apply"
+        )
+        if self._apply is None:
+            donated = (1,) if self.donate else ()
+            object.__setattr__(
+                self, "_apply", jax.jit(self._trace_apply, static_argnums=0, donate_argnums=donated)
+            )
+        try:
+            return self._apply(static, params, self._rng, dyn, dyn_kw)
+        except TRACER_ERRORS as e:
+            raise control_flow_error(self.name, e) from e
 
     def hybridize(self, active: bool = True) -> Hybrid:
         """Returns a twin whose ``__call__`` is compiled (``True``) or eager (``False``).
 
         ``self`` is unchanged; the twin shares the params and callbacks but not the traces.
         """
-        return self._twin(compiled=active)
+        return self.replace(compiled=active)
 
     def shard(self, mesh: Mesh | None = None, *, axis: str = "data", pad: bool = True) -> Hybrid:
         """This Hybrid run data-parallel over ``mesh``; see :func:`~symjax_mlp.shard`."""
         mesh = _mesh.data_mesh(axis=axis) if mesh is None else mesh
-        return self._twin(mesh=mesh, axis=axis, pad=pad)
-
-    def _twin(self, **changes: Any) -> Hybrid:
-        settings = dict(
-            name=self.name,
-            max_traces=self.max_traces,
-            compiled=self.compiled,
-            mesh=self.mesh,
-            axis=self.axis,
-            pad=self.pad,
-        )
-        params = jax.tree.unflatten(self._treedef, self._leaves)
-        twin = Hybrid(self.fn, params, **(settings | changes))
-        twin._callbacks = self._callbacks
-        return twin
+        return self.replace(mesh=mesh, axis=axis, pad=pad)
 
     # -- the stages ------------------------------------------------------------------------
-    def lower(self, *inputs: Any) -> jax.stages.Lowered:
-        """Traces and lowers for ``inputs``: ``.as_text()`` is the StableHLO module.
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module.
 
         A sharded Hybrid lowers for the padded batch: one SPMD module for every device.
         """
+        static, dyn, dyn_kw = partition(
+            args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
+        )
         try:
-            if self.mesh is None:
-                return self._jitted.lower(self._leaves, *inputs)
-            return self._jitted.lower(self._leaves, self._prepare(inputs)[1])
+            if self.mesh is not None:
+                _, placed, placed_kw = self._prepare(dyn, dyn_kw)
+                return self._jitted.lower(static, self._leaves, placed, placed_kw)
+            if not self.stateful:
+                return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
+            return self._jitted.lower(static, self._leaves, self._state, self._rng, dyn, dyn_kw)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
 
-    def compile(self, *inputs: Any) -> jax.stages.Compiled:
+    def compile(self, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
         """Lowers and compiles: ``.as_text()`` is XLA's optimized HLO, with ``.cost_analysis()``
         and ``.memory_analysis()``."""
-        return self.lower(*inputs).compile()
+        return self.lower(*args, **kwargs).compile()
 
-    def graph(self, *inputs: Any):
-        """Stages ``fn`` on ``inputs`` into a :class:`~symjax_mlp.Graph` (the jaxpr, per layer).
+    def graph(self, *args: Any, **kwargs: Any) -> Graph:
+        """Stages the model on the inputs into a :class:`~symjax_mlp.Graph` (jaxpr, per layer).
 
         This stages the un-jitted function, so every layer shows; it is not counted in
-        :attr:`trace_count`, which counts the traces of the compiled path.
+        :attr:`trace_count`, which counts the traces of the compiled path. Static settings
+        (``train=True``) are taken as in a call.
         """
+        static, dyn, dyn_kw = partition(
+            args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
+        )
+        model, rng, state = self._model, self._rng, self._state
+
+        def staged(fixed: Any, dyn: Any, dyn_kw: Any) -> Any:
+            args, kwargs = rebuild(static, dyn, dyn_kw)
+            return model.call(fixed, state, rng, args, kwargs)[0]
+
+        fixed = jax.tree.unflatten(self._treedef, self._leaves)
         try:
-            return Graph.of(self.fn, self.name, self.params, *inputs)
+            return Graph.of(staged, self.name, fixed, dyn, dyn_kw)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
 
     # -- tracing you can see ---------------------------------------------------------------
     @property
     def trace_count(self) -> int:
-        """How many times the compiled path has traced ``fn``."""
+        """How many times the compiled paths (``h(x)``, ``h.apply``) have traced the model."""
         return len(self._events)
 
     @property
@@ -191,7 +484,7 @@ class Hybrid:
         return tuple(self._events)
 
     def on_trace(self, callback: Callable[..., Any]) -> Callable[..., Any]:
-        """Registers ``callback(*inputs)``; runs once per trace, with the traced inputs.
+        """Registers ``callback(*args, **kwargs)``; runs once per trace, with traced inputs.
 
         In eager mode it runs on every call, with concrete arrays. Returns ``callback``, so it
         also works as a decorator.
@@ -201,28 +494,66 @@ class Hybrid:
         self._callbacks.append(callback)
         return callback
 
-    def _trace(self, leaves: list[Any], *inputs: Any) -> Any:
+    def _begin(self, static: Any, dyn: Any, dyn_kw: Any, entry: str) -> TraceEvent:
+        """The event this trace will log; raises RetraceError past the budget."""
+        sig, tree, shown = signature(dyn, dyn_kw, static)
         with self._lock:
-            sig, tree = signature(inputs)
-            reason = explain(sig, tree, self._events)
-            event = TraceEvent(len(self._events), sig, tree, reason)
+            reason = explain(sig, tree, self._events, shown)
+            event = TraceEvent(len(self._events), sig, tree, reason, shown, entry)
             if self.max_traces is not None and len(self._events) >= self.max_traces:
                 history = "\n  ".join(map(str, self._events))
                 raise RetraceError(
                     f"{self.name}: trace #{event.index} would exceed max_traces="
                     f"{self.max_traces}. Why it retraced: {reason}.\n  Earlier traces:\n  "
                     f"{history}\nCall it with inputs of one shape and dtype (pad the batch, or "
-                    "cast once), or raise max_traces if each signature is intended."
+                    "cast once) and fixed settings, or raise max_traces if each is intended."
                 )
-            self._events.append(event)
+        args, kwargs = rebuild(static, dyn, dyn_kw)
         for callback in self._callbacks:
-            callback(*inputs)
-        return self.fn(jax.tree.unflatten(self._treedef, leaves), *inputs)
+            callback(*args, **kwargs)
+        return event
+
+    def _commit(self, event: TraceEvent) -> None:
+        """Logs a trace that succeeded (a failed trace is neither logged nor counted)."""
+        self._events.append(dataclasses.replace(event, index=len(self._events)))
+
+    def _trace(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:
+        event = self._begin(static, dyn, dyn_kw, "call")
+        args, kwargs = rebuild(static, dyn, dyn_kw)
+        fixed = jax.tree.unflatten(self._treedef, leaves)
+        out = self._model.call(fixed, self._state, self._rng, args, kwargs)[0]
+        self._commit(event)
+        return out
+
+    def _trace_stateful(
+        self, static: Any, leaves: list[Any], state: Any, rng: Any, dyn: Any, dyn_kw: Any
+    ) -> Any:
+        event = self._begin(static, dyn, dyn_kw, "call")
+        args, kwargs = rebuild(static, dyn, dyn_kw)
+        fixed = jax.tree.unflatten(self._treedef, leaves)
+        result = self._model.call(fixed, state, rng, args, kwargs)
+        self._commit(event)
+        return result
+
+    def _trace_apply(self, static: Any, params: Any, rng: Any, dyn: Any, dyn_kw: Any) -> Any:
+        event = self._begin(static, dyn, dyn_kw, "apply")
+        args, kwargs = rebuild(static, dyn, dyn_kw)
+        fixed, state = self._model.split(params)
+        out, state, _ = self._model.call(fixed, state, rng, args, kwargs)
+        self._commit(event)
+        return (out, self._model.merge(fixed, state)) if self.stateful else out
+
+    def _hold(self, state: Any, rng: Any) -> None:
+        leaves = jax.tree.leaves((state, rng))
+        if leaves and isinstance(leaves[0], jax.core.Tracer):
+            raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "_rng", rng)
 
     # -- sharded -----------------------------------------------------------------------------
-    def _trace_sharded(self, leaves: list[jax.Array], inputs: tuple[jax.Array, ...]) -> Any:
-        out = self._trace(leaves, *inputs)
-        batch = inputs[0].shape[0]
+    def _trace_sharded(self, static: Any, leaves: list[Any], dyn: Any, dyn_kw: Any) -> Any:
+        out = self._trace(static, leaves, *dyn, **dyn_kw)
+        batch = dyn[0].shape[0]
         for path, leaf in jax.tree_util.tree_leaves_with_path(out):
             if leaf.ndim == 0 or leaf.shape[0] != batch:
                 raise SignatureError(
@@ -232,19 +563,39 @@ class Hybrid:
                 )
         return out
 
-    def _prepare(self, inputs: tuple[Any, ...]) -> tuple[int, tuple[jax.Array, ...]]:
+    def _call_sharded(self, static: Any, dyn: Any, dyn_kw: Any) -> Any:
+        batch, placed, placed_kw = self._prepare(dyn, dyn_kw)
+        out = self._jitted(static, self._leaves, placed, placed_kw)
+        if placed[0].shape[0] == batch:
+            return out
+        return jax.tree.map(lambda y: y[:batch], out)
+
+    def _prepare(self, dyn: tuple[Any, ...], dyn_kw: dict[str, Any]) -> tuple[int, Any, Any]:
         caller = f"{self.name}.shard(...)"
-        if not inputs:
+        if not dyn:
             raise SignatureError(f"{caller}: needs at least one batched input.")
-        batch = _mesh.batch_size(inputs, caller)
+        arrays = [*dyn, *dyn_kw.values()]
+        batch = _mesh.batch_size(arrays, caller)
         extra = _mesh.padding(batch, self.n_shards, self.pad, caller)
-        placed = (_mesh.place(_mesh.pad_rows(x, extra), self._batch_sharding) for x in inputs)
-        return batch, tuple(placed)
+
+        def put(x: Any) -> jax.Array:
+            return _mesh.place(_mesh.pad_rows(x, extra), self._batch_sharding)
+
+        return batch, tuple(map(put, dyn)), {k: put(v) for k, v in dyn_kw.items()}
 
     def __repr__(self) -> str:
         where = "" if self.mesh is None else f", mesh={dict(self.mesh.shape)}, axis={self.axis!r}"
         mode = "compiled" if self.compiled else "eager"
-        return f"Hybrid({self.name}, {mode}, traces={self.trace_count}{where})"
+        state = ", stateful" if self.stateful else ""
+        return f"Hybrid({self.name}, {mode}{state}, traces={self.trace_count}{where})"
+
+
+def _ints(x: int | Sequence[int]) -> tuple[int, ...]:
+    return (x,) if isinstance(x, int) else tuple(x)
+
+
+def _strs(x: str | Sequence[str]) -> tuple[str, ...]:
+    return (x,) if isinstance(x, str) else tuple(x)
 
 
 def hybridize(
@@ -253,16 +604,29 @@ def hybridize(
     *,
     name: str | None = None,
     max_traces: int | None = None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    mutable: Sequence[str] | None = None,
+    rngs: Any = None,
+    donate: bool = False,
 ) -> Hybrid:
     """Binds a model to its params as a :class:`Hybrid`: one switch from eager to compiled.
 
     Args:
       model: a ``flax.linen.Module`` (with ``params`` its variables, as returned by
-        ``init``), a ``flax.nnx.Module`` (no ``params``: its state is split off once), or any
-        pure function ``fn(params, *inputs)``.
+        ``init``), a ``flax.nnx.Module`` (no ``params``: its state is split off once and
+        carried across calls), or any pure function ``fn(params, *args, **kwargs)``.
       params: the variables or params; must be omitted for an nnx module.
       name: shown in trace logs and errors (default: the function or module class name).
       max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.
+      static_argnums, static_argnames: arguments to treat as static even when they are
+        arrays (spelled as in ``jax.jit``). Python settings are static anyway.
+      mutable: a linen model's collections that a call updates (default: every collection
+        but ``"params"``, e.g. ``batch_stats``); held across calls.
+      rngs: a linen model's rng streams: a key (the ``"dropout"`` stream), an int seed, or
+        ``{"dropout": key, ...}``; split anew on every call.
+      donate: donate the held state to each call (and the params to :meth:`Hybrid.apply`),
+        so XLA reuses their buffers.
 
     Returns:
       A :class:`Hybrid`; ``h(x)`` is XLA-compiled, ``h.eager(x)`` imperative.
@@ -273,47 +637,65 @@ def hybridize(
     Example:
       >>> import jax.numpy as jnp
       >>> import symjax_mlp as sm
-      >>> h = sm.hybridize(lambda p, x: x * p["scale"], {"scale": jnp.float32(2)})
-      >>> h(jnp.ones(2))
-      Array([2., 2.], dtype=float32)
+      >>> h = sm.hybridize(lambda p, x, scale=1.0: x * p["w"] * scale, {"w": jnp.float32(2)})
+      >>> h(jnp.ones(2), scale=3.0)
+      Array([6., 6.], dtype=float32)
     """
-    from flax import linen as nn
-    from flax import nnx
-
-    if isinstance(model, nnx.Module):
-        if params is not None:
+    settings = dict(
+        max_traces=max_traces,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate=donate,
+    )
+    if isinstance(model, Hybrid):
+        raise TypeError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
+    kind = _flax_kind(model)
+    if kind == "nnx":
+        if params is not None or mutable is not None or rngs is not None:
             raise TypeError(
-                "hybridize(nnx_module) takes no params: the module carries its own state. "
-                "Write hybridize(module)."
+                "hybridize(nnx_module) takes no params, mutable or rngs: the module carries its "
+                "own state (nnx.Rngs, nnx.BatchStat, ...). Write hybridize(module)."
             )
-        graphdef, state = nnx.split(model)
-        fn = functools.partial(_nnx_apply, graphdef)
-        return Hybrid(
-            fn,
-            nnx.to_pure_dict(state),
-            name=name or type(model).__name__,
-            max_traces=max_traces,
-        )
-    if isinstance(model, nn.Module):
+        m, state = _nnx(model)
+        return Hybrid(m.call, state, name=name or type(model).__name__, _model=m, **settings)
+    if kind == "linen":
         if params is None:
             raise TypeError(
                 f"hybridize({type(model).__name__}) needs its variables: write "
                 "hybridize(module, module.init(jax.random.key(0), x))."
             )
-        return Hybrid(model.apply, params, name=name or type(model).__name__, max_traces=max_traces)
-    if isinstance(model, Hybrid):
-        raise TypeError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
+        streams = _rng_streams(rngs)
+        m = _linen(model, params, mutable, streams)
+        name = name or type(model).__name__
+        return Hybrid(m.call, params, name=name, _model=m, _rng=streams, **settings)
+    if mutable is not None or rngs is not None:
+        raise TypeError(
+            "hybridize(fn, params, mutable=/rngs=): those are settings of a flax.linen module. "
+            "A pure function carries no state: return what changes and pass it back in."
+        )
     if callable(model):
         if params is None:
             raise TypeError(
                 "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
                 "For a function without params write hybridize(lambda _, x: f(x), {})."
             )
-        return Hybrid(model, params, name=name, max_traces=max_traces)
+        return Hybrid(model, params, name=name, **settings)
     raise TypeError(
         "hybridize() expects a flax.linen.Module with its variables, a flax.nnx.Module, or a "
         f"pure function fn(params, *inputs); got {type(model).__name__}."
     )
+
+
+def _flax_kind(model: Any) -> str | None:
+    """``"nnx"``, ``"linen"`` or ``None``, without importing flax when the caller has not."""
+    import sys
+
+    nnx, linen = sys.modules.get("flax.nnx"), sys.modules.get("flax.linen")
+    if nnx is not None and isinstance(model, nnx.Module):
+        return "nnx"
+    if linen is not None and isinstance(model, linen.Module):
+        return "linen"
+    return None
 
 
 def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool = True) -> Hybrid:
@@ -334,7 +716,7 @@ def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool 
 
     Raises:
       TypeError: ``h`` is not a Hybrid.
-      ValueError: ``axis`` is not an axis of ``mesh``.
+      ValueError: ``axis`` is not an axis of ``mesh``, or ``h`` is stateful.
 
     Example:
       >>> import jax.numpy as jnp
@@ -350,9 +732,3 @@ def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool 
             "shard(sm.hybridize(model, variables), mesh)."
         )
     return h.shard(mesh, axis=axis, pad=pad)
-
-
-def _nnx_apply(graphdef: Any, params: Any, *inputs: Any) -> Any:
-    from flax import nnx
-
-    return nnx.merge(graphdef, params)(*inputs)

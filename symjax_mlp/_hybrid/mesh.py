@@ -39,7 +39,8 @@ def data_mesh(
       ValueError: fewer than ``n_devices`` devices are visible.
 
     Example:
-      >>> data_mesh(1).shape
+      >>> import symjax_mlp as sm
+      >>> dict(sm.data_mesh(1).shape)
       {'data': 1}
     """
     devices = list(jax.devices() if devices is None else devices)

@@ -35,6 +35,8 @@ _CONTROL_FLOW_HELP = (
     "  - np.asarray(x) / float(x)   ->  keep using jnp operations on x\n"
     "  - a value that is really a setting -> pass it as a Python constant (static), not as an "
     "array input.\n"
+    "  - a data-dependent shape (x[: int(n)], jnp.nonzero(x)) -> give it a static size "
+    "(jnp.nonzero(x, size=k)), mask with jnp.where, or pad to a fixed length.\n"
     "A Python `for` over a fixed range is fine: it unrolls into the graph."
 )
 
@@ -54,57 +56,209 @@ class TraceEvent:
 
     Attributes:
       index: 0 for the first trace, 1 for the first retrace, ...
-      signature: one :class:`~symjax_mlp.TensorSpec` per input leaf (params not included).
-      tree: the input tree structure, as text.
+      signature: one :class:`~symjax_mlp.TensorSpec` per traced input leaf (params not
+        included).
+      tree: the traced inputs' tree structure, as text.
       reason: ``"first call"`` or what changed against the nearest earlier trace, e.g.
-        ``"args[0].shape changed from (1, 512) to (7, 512)"``.
+        ``"args[0].shape changed from (1, 512) to (7, 512)"`` or
+        ``"kwargs['train'] changed from True to False"``.
+      static: the static (Python) arguments the trace was specialised on, as
+        ``(path, repr(value))`` pairs.
+      entry: ``"call"`` (``h(x)``) or ``"apply"`` (``h.apply(params, x)``).
     """
 
     index: int
     signature: tuple[TensorSpec, ...]
     tree: str
     reason: str
+    static: tuple[tuple[str, str], ...] = ()
+    entry: str = "call"
 
     def __str__(self) -> str:
-        sig = ", ".join(map(str, self.signature))
-        return f"trace #{self.index} [{sig}]: {self.reason}"
+        sig = ", ".join([*map(str, self.signature), *(f"{k}={v}" for k, v in self.static)])
+        where = "" if self.entry == "call" else f" ({self.entry})"
+        return f"trace #{self.index}{where} [{sig}]: {self.reason}"
 
 
-def signature(args: Sequence[Any]) -> tuple[tuple[TensorSpec, ...], str]:
-    """The specs of ``args``' leaves (``args[0]``, ``args[1]["x"]``, ...) and their tree."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tuple(args))
+# -- static and traced arguments ----------------------------------------------------------------
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def is_static(value: Any) -> bool:
+    """A Python setting, not data: None, bool, int, float, complex, str, or a tuple of them."""
+    if isinstance(value, _SCALARS):
+        return True
+    return isinstance(value, tuple) and all(map(is_static, value))
+
+
+class _Frozen:
+    """A concrete array forced static (``static_argnums``): hashed and compared by value."""
+
+    __slots__ = ("_key", "array")
+
+    def __init__(self, array: Any) -> None:
+        import numpy as np
+
+        self.array = np.asarray(array)
+        self._key = (self.array.shape, str(self.array.dtype), self.array.tobytes())
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Frozen) and self._key == other._key
+
+    def __repr__(self) -> str:
+        return repr(self.array)
+
+
+def _static_value(path: str, value: Any) -> Any:
+    if is_static(value):
+        return value
+    if (
+        hasattr(value, "shape")
+        and hasattr(value, "dtype")
+        and not isinstance(value, jax.core.Tracer)
+    ):
+        return _Frozen(value)
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"{path} is marked static but is a {type(value).__name__}, which cannot be hashed "
+            "(a jit cache key). Pass a tuple instead of a list, or do not mark it static."
+        ) from None
+    return value
+
+
+def partition(
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    static_argnums: frozenset[int] = frozenset(),
+    static_argnames: frozenset[str] = frozenset(),
+    *,
+    caller: str,
+) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
+    """Splits a call into ``(static key, traced args, traced kwargs)``.
+
+    Python settings (see :func:`is_static`) and the arguments named in ``static_argnums`` /
+    ``static_argnames`` are static: part of the jit cache key. Everything else is traced.
+
+    Raises:
+      SignatureError: an argument is a list (ambiguous: a pytree of scalars or an array).
+    """
+    static: list[tuple[Any, Any]] = []
+    dyn_args: list[Any] = []
+    for i, a in enumerate(args):
+        if i in static_argnums:
+            static.append((i, _static_value(f"{caller}: args[{i}]", a)))
+        elif is_static(a):
+            static.append((i, a))
+        else:
+            if isinstance(a, list):
+                raise _list_error(caller, f"args[{i}]", a)
+            dyn_args.append(a)
+    dyn_kwargs: dict[str, Any] = {}
+    for k, v in kwargs.items():
+        if k in static_argnames:
+            static.append((k, _static_value(f"{caller}: kwargs[{k!r}]", v)))
+        elif is_static(v):
+            static.append((k, v))
+        else:
+            if isinstance(v, list):
+                raise _list_error(caller, f"kwargs[{k!r}]", v)
+            dyn_kwargs[k] = v
+    return tuple(static), tuple(dyn_args), dyn_kwargs
+
+
+def _list_error(caller: str, path: str, value: list) -> Exception:
+    from symjax_mlp._errors import SignatureError
+
+    return SignatureError(
+        f"{caller}: {path} is a Python list of {len(value)} element(s), but an input must be an "
+        "array (or a tuple/dict of arrays). A list would be traced element by element as "
+        f"separate scalars. Pass jnp.asarray({path.split('[')[0]}) instead, or a tuple if it "
+        "is a setting."
+    )
+
+
+def rebuild(
+    static: tuple[Any, ...], dyn_args: Sequence[Any], dyn_kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's ``(args, kwargs)`` from :func:`partition`'s pieces."""
+    positional = {k: v for k, v in static if isinstance(k, int)}
+    kwargs = dict(dyn_kwargs)
+    kwargs.update((k, _unfreeze(v)) for k, v in static if isinstance(k, str))
+    dyn = iter(dyn_args)
+    n = len(dyn_args) + len(positional)
+    args = tuple(_unfreeze(positional[i]) if i in positional else next(dyn) for i in range(n))
+    return args, kwargs
+
+
+def _unfreeze(v: Any) -> Any:
+    return v.array if isinstance(v, _Frozen) else v
+
+
+def _path(key: Any) -> str:
+    return f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
+
+
+def signature(
+    args: Sequence[Any], kwargs: dict[str, Any] | None = None, static: tuple[Any, ...] = ()
+) -> tuple[tuple[TensorSpec, ...], str, tuple[tuple[str, str], ...]]:
+    """The specs of the traced leaves (``args[0]``, ``kwargs['mask']``...), their tree, and
+    the static values."""
     specs = []
-    for path, leaf in leaves:
-        aval = jax.typeof(leaf)
-        specs.append(
-            TensorSpec(
-                path="args" + jax.tree_util.keystr(path),
-                shape=tuple(aval.shape),
-                dtype=str(aval.dtype),
-                weak_type=bool(getattr(aval, "weak_type", False)),
+    trees = []
+    for prefix, tree in (("args", tuple(args)), ("kwargs", dict(kwargs or {}))):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        trees.append(str(treedef))
+        for path, leaf in leaves:
+            aval = jax.typeof(leaf)
+            specs.append(
+                TensorSpec(
+                    path=prefix + jax.tree_util.keystr(path),
+                    shape=tuple(aval.shape),
+                    dtype=str(aval.dtype),
+                    weak_type=bool(getattr(aval, "weak_type", False)),
+                )
             )
-        )
-    return tuple(specs), str(treedef)
+    tree = trees[0] if trees[1] == str(jax.tree.structure({})) else " ".join(trees)
+    return tuple(specs), tree, tuple((_path(k), repr(v)) for k, v in static)
 
 
-def explain(sig: tuple[TensorSpec, ...], tree: str, events: Sequence[TraceEvent]) -> str:
-    """Why ``(sig, tree)`` traced again: its differences from the nearest earlier trace."""
+def explain(
+    sig: tuple[TensorSpec, ...],
+    tree: str,
+    events: Sequence[TraceEvent],
+    static: tuple[tuple[str, str], ...] = (),
+) -> str:
+    """Why ``(sig, tree, static)`` traced again: its differences from the nearest earlier trace."""
     if not events:
         return "first call"
 
     def distance(e: TraceEvent) -> int:
         if e.tree != tree:
             return 1 << 30
-        return sum(a != b for a, b in zip(e.signature, sig, strict=True))
+        return sum(a != b for a, b in zip(e.signature, sig, strict=True)) + len(
+            set(e.static) ^ set(static)
+        )
 
     old = min(reversed(events), key=distance)
-    if old.tree != tree:
-        return f"input tree structure changed from {old.tree} to {tree}"
     changes = []
-    for n, o in zip(sig, old.signature, strict=True):
+    if old.tree != tree:
+        changes.append(f"input tree structure changed from {old.tree} to {tree}")
+    for n, o in zip(sig, old.signature) if old.tree == tree else ():
         for field in ("shape", "dtype", "weak_type"):
             if getattr(n, field) != getattr(o, field):
                 changes.append(
                     f"{n.path}.{field} changed from {getattr(o, field)} to {getattr(n, field)}"
                 )
+    was, now = dict(old.static), dict(static)
+    for path in sorted(set(was) | set(now)):
+        if was.get(path) != now.get(path):
+            changes.append(
+                f"{path} (static) changed from {was.get(path, '(absent)')} to "
+                f"{now.get(path, '(absent)')}"
+            )
     return "; ".join(changes) or "same signature traced again (a new jax.jit cache entry)"

@@ -20,8 +20,9 @@
 
 The compiled ``.vmfb`` is cached in a per-user cache directory (:func:`cache_dir`), under a
 name keyed by the sha256 of ``model.mlirbc``, the IREE version, the target and this host's
-CPU, written atomically. Compiled code is never read from the artifact directory: a file
-planted there is never executed.
+CPU, written atomically with its own sha256 (a damaged entry is compiled again, never run).
+Compiled code is never read from the artifact directory: a file planted there is never
+executed.
 """
 
 from __future__ import annotations
@@ -143,8 +144,10 @@ def _compile(path: Path, mlirbc: bytes, mlir_text: str, *, cached: bool = True) 
     # manifest) and lives in a per-user directory: compiled code never comes from the artifact.
     cache = cache_dir() / vmfb_cache_key(sha256(mlirbc))
     if cached:
-        with contextlib.suppress(OSError):
-            return cache.read_bytes()
+        with contextlib.suppress(OSError):  # an entry is "<sha256 hex>\n<vmfb>"
+            digest, _, data = cache.read_bytes().partition(b"\n")
+            if digest == sha256(data).encode():
+                return data  # else damaged: compiled again, never run
     try:
         data = ic.compile_str(mlirbc, input_type="stablehlo", extra_args=compile_flags()[1:])
     except ic.CompilerToolError as e:
@@ -155,7 +158,7 @@ def _compile(path: Path, mlirbc: bytes, mlir_text: str, *, cached: bool = True) 
         ) from e
     with contextlib.suppress(OSError):  # an unwritable cache directory: just not cached
         cache.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(cache, data)
+        write_file_atomic(cache, sha256(data).encode() + b"\n" + data)
     return data
 
 

@@ -87,7 +87,10 @@ def benchmark(
     """
     bad = sorted(set(compare) - {"torch"})
     if bad:
-        raise ValueError(f"--compare accepts only 'torch'; got {', '.join(bad)}.")
+        raise ValueError(
+            f"benchmark(compare={tuple(compare)!r}): the frameworks to compare with are "
+            "('torch',); drop the others."
+        )
     if calls < 1 or repeats < 1 or eager_chunks < 1 or stage_repeats < 1:
         raise ValueError("calls, repeats, eager_chunks and stage_repeats must all be >= 1.")
     say = progress or (lambda _: None)

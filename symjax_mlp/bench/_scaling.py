@@ -108,7 +108,8 @@ def measure_peak(
         rate = 2 * size**3 / t.per_call_min / 1e9
         if best is None or rate > best[0]:
             best = (rate, size, t)
-    assert best is not None, "measure_peak needs at least one size"
+    if best is None:
+        raise ValueError(f"measure_peak(n={n!r}): pass at least one matrix size, e.g. n=1024.")
     return best
 
 
@@ -222,8 +223,10 @@ def format_devices(result: Mapping[str, Any]) -> str:
     count, followed by its note (on virtual CPU devices: correctness only, not scaling).
 
     Example:
-      >>> print(format_devices(bench_devices(1, batch=64)))  # doctest: +SKIP
-      throughput against device count (global batch 64, mlp(256, 128, 2) on 512 features; ...
+      >>> from symjax_mlp.bench import bench_devices, format_devices
+      >>> result = bench_devices(1, sizes=(8, 2), in_features=4, batch=8, repeats=1, train_steps=1)
+      >>> print(format_devices(result).splitlines()[0])  # doctest: +ELLIPSIS
+      throughput against device count (global batch 8, mlp(8, 2) on 4 features; ...
     """
     where = f"{result['backend']} / {result['device_kind']}"
     if result.get("virtual_cpu_devices"):

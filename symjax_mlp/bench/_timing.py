@@ -128,6 +128,8 @@ def time_interleaved(
       name -> :class:`Timing`, in the order of ``fns``.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from symjax_mlp.bench import time_interleaved
       >>> t = time_interleaved({"add": lambda: jnp.ones(3) + 1}, calls=10, repeats=5)
       >>> t["add"].calls, len(t["add"].times)
       (10, 5)
@@ -158,6 +160,8 @@ def time_calls(
     """Times one zero-argument callable; see :func:`time_interleaved` for the arguments.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from symjax_mlp.bench import time_calls
       >>> t = time_calls(lambda: jnp.ones(3) * 2, calls=20, repeats=5)
       >>> t.min <= t.median
       True
@@ -188,6 +192,8 @@ def time_stages(fn: Callable[..., Any], *args: Any, repeats: int = 5) -> dict[st
       ``{"trace": Timing, "lower": Timing, "compile": Timing}``, one call per repeat.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from symjax_mlp.bench import time_stages
       >>> s = time_stages(lambda x: x * 2, jnp.ones(3), repeats=2)
       >>> sorted(s)
       ['compile', 'lower', 'trace']
