@@ -13,7 +13,7 @@ import importlib.metadata
 import json
 import os
 import platform as _platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from symjax_mlp._artifact.weights import encode_params, param_specs
 from symjax_mlp._errors import ArtifactError, SignatureError
 from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
+from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, partition, rebuild
 from symjax_mlp._specs import TensorSpec, shape_dims
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what jax.export lowers for
@@ -52,21 +52,26 @@ def export(
     batch: str | None = "b",
     platforms: Sequence[str] = ("cpu",),
     overwrite: bool = False,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> Artifact:
     """Exports ``h`` as a portable artifact directory (StableHLO + safetensors + manifest).
 
     Args:
       h: the :class:`~symjax_mlp.Hybrid` to export; its params become inputs of the exported
-        function and are written to ``params.safetensors``. A :class:`~symjax_mlp.Sharded`
-        exports its sharded program (see :meth:`~symjax_mlp.Sharded.export`).
+        function and are written to ``params.safetensors``. A sharded Hybrid
+        (``h.shard(mesh)``) exports its sharded program, for ``mesh.size`` devices. A stateful
+        one exports one call with its current state; the state update is dropped (inference).
       path: the artifact directory. Written atomically: a temporary sibling, manifest last,
         then renamed into place.
       example: an input array, or a tuple of input arrays; only shapes and dtypes are used.
+        Python settings in it (``(x, 2)`` for a depth) are static: baked into the export.
       batch: the name of a symbolic leading dimension shared by every input (one artifact
         serves any batch size >= 1), or ``None`` to export the example's static shapes.
       platforms: the JAX platforms to lower for, e.g. ``("cpu", "cuda")``; no device of
         those platforms is needed to export.
       overwrite: replace an existing artifact at ``path``.
+      kwargs: keyword settings baked into the export, e.g. ``{"train": False}``; Python
+        values only (the artifact's inputs are positional arrays).
 
     Returns:
       The :class:`~symjax_mlp.Artifact`.
@@ -92,6 +97,19 @@ def export(
         )
     path = Path(path)
     examples = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    static, examples, array_kwargs = partition(
+        examples,
+        dict(kwargs or {}),
+        h.static_argnums,
+        h.static_argnames,
+        caller=f"export({h.name})",
+    )
+    if array_kwargs:
+        raise SignatureError(
+            f"export({h.name}, kwargs=...): {', '.join(array_kwargs)} are arrays; an artifact's "
+            "inputs are positional. Pass them in example=(x, ...) and call the artifact with "
+            "them positionally, or bake a Python setting (True, 3, 'relu') instead."
+        )
     in_specs = _input_structs(examples, batch)
     platforms = tuple(platforms)
     unknown = [p for p in platforms if p not in PLATFORMS]
@@ -101,14 +119,16 @@ def export(
             "(a GPU is 'cuda' or 'rocm')."
         )
     check_target(path, overwrite)  # fail before the work, not after it
-    specs, host_params = param_specs(h.params)
-    treedef = jax.tree.structure(h.params)
-    fn, paths = _sharded_fn(h) if h.mesh is not None else h.fn, [s.path for s in specs]
+    stored, fn = _exportable(h)
+    specs, host_params = param_specs(stored)
+    treedef = jax.tree.structure(stored)
+    fn, paths = _sharded_fn(h, fn) if h.mesh is not None else fn, [s.path for s in specs]
 
     # The params go in as a dict keyed by path, so the module's own input tree names every
     # param and load binds weights by name (an edited manifest cannot swap two of one shape).
     def model(params: dict[str, jax.Array], *inputs: jax.Array) -> Any:
-        return fn(jax.tree.unflatten(treedef, [params[p] for p in paths]), *inputs)
+        args, kw = rebuild(static, inputs, {})
+        return fn(jax.tree.unflatten(treedef, [params[p] for p in paths]), *args, **kw)
 
     model.__name__ = "model"
     order = sorted(range(len(specs)), key=lambda i: specs[i].path)  # a dict flattens sorted
@@ -169,6 +189,7 @@ def export(
         "signature": signature.to_json(),
         "params": [s.to_json() for s in specs],
         "mlir_arguments": mlir_args,
+        "static": {(f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v in static},
         "files": {k: {"sha256": sha256(v), "bytes": len(v)} for k, v in files.items()},
     }
     files[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode()
@@ -183,16 +204,46 @@ def export(
     return Artifact(path, freeze(manifest))
 
 
-def _sharded_fn(h: Hybrid) -> Callable[..., Any]:
-    """``h.fn`` with the sharding of ``h``'s mesh as constraints: batch split, params
+def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:
+    """What an export stores (params, and a flax model's state) and the function of it.
+
+    Typed rng keys (a linen model's streams, an nnx module's ``Rngs``) cannot be stored as
+    tensors; they are baked into the function as constants (the values ``h`` holds now).
+    """
+    tree, fn = h.variables, h.fn
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = {i: x for i, x in enumerate(leaves) if _is_key(x)}
+    if not keys:
+        return tree, fn
+    stored = jax.tree.unflatten(treedef, [None if i in keys else x for i, x in enumerate(leaves)])
+
+    def with_keys(stored: Any, *args: Any, **kwargs: Any) -> Any:
+        slots = jax.tree.leaves(stored, is_leaf=lambda x: x is None)
+        full = [keys.get(i, x) for i, x in enumerate(slots)]
+        return fn(jax.tree.unflatten(treedef, full), *args, **kwargs)
+
+    return stored, with_keys
+
+
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with the sharding of ``h``'s mesh as constraints: batch split, params
     replicated, so ``jax.export`` records ``nr_devices = mesh.size``."""
-    mesh, fn = h.mesh, h.fn
+    mesh = h.mesh
     rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P(h.axis))
 
-    def sharded(params: Any, *inputs: jax.Array) -> Any:
+    def sharded(params: Any, *inputs: Any, **kw: Any) -> Any:
         params = jax.lax.with_sharding_constraint(params, rep)
-        inputs = jax.lax.with_sharding_constraint(inputs, dat)
-        return jax.lax.with_sharding_constraint(fn(params, *inputs), dat)
+        arrays = [i for i, x in enumerate(inputs) if hasattr(x, "shape")]
+        placed = jax.lax.with_sharding_constraint([inputs[i] for i in arrays], dat)
+        inputs = list(inputs)
+        for i, x in zip(arrays, placed, strict=True):
+            inputs[i] = x
+        return jax.lax.with_sharding_constraint(fn(params, *inputs, **kw), dat)
 
     return sharded
 

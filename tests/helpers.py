@@ -33,3 +33,217 @@ def small(seed=0, sizes=(16, 3), features=8):
 def rand(batch, features=8, seed=0):
     """A (batch, features) float32 normal input."""
     return jax.random.normal(jax.random.key(seed), (batch, features), jnp.float32)
+
+
+# -- the model zoo: ordinary Flax models, as researchers write them ------------------------------
+import dataclasses  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+
+class LinenBatchNorm(nn.Module):
+    """Dense -> BatchNorm (batch statistics in train mode) -> relu -> Dense."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+class LinenDropout(nn.Module):
+    """Dense -> Dropout (an rng stream in train mode) -> Dense, with a deterministic flag."""
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        x = nn.relu(nn.Dense(16)(x))
+        x = nn.Dropout(0.5)(x, deterministic=deterministic)
+        return nn.Dense(3)(x)
+
+
+class LinenTwoInputs(nn.Module):
+    """Two inputs of different widths, and a keyword scale."""
+
+    @nn.compact
+    def __call__(self, x, y, scale: float = 1.0):
+        return (nn.Dense(4)(x) + nn.Dense(4)(y)) * scale
+
+
+class LinenDict(nn.Module):
+    """A dict in, a dict out."""
+
+    @nn.compact
+    def __call__(self, batch):
+        h = nn.tanh(nn.Dense(8)(batch["x"]))
+        return {"logits": nn.Dense(3)(h), "norm": jnp.sum(h * h, axis=-1)}
+
+
+class LinenDepth(nn.Module):
+    """A Python-int depth: how many of its hidden layers a call uses."""
+
+    @nn.compact
+    def __call__(self, x, depth: int = 3):
+        layers = [nn.Dense(8, name=f"hidden_{i}") for i in range(3)]
+        x = nn.Dense(8, name="stem")(x)
+        for layer in layers[:depth]:
+            x = nn.relu(layer(x))
+        return nn.Dense(2, name="head")(x)
+
+
+class NnxBatchNorm(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(5, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x, train: bool = False):
+        return self.out(nnx.relu(self.norm(self.dense(x), use_running_average=not train)))
+
+
+class NnxDropout(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(5, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x, deterministic: bool = True):
+        return self.out(self.drop(nnx.relu(self.dense(x)), deterministic=deterministic))
+
+
+class NnxTwoInputs(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.a = nnx.Linear(5, 4, rngs=rngs)
+        self.b = nnx.Linear(2, 4, rngs=rngs)
+
+    def __call__(self, x, y, scale: float = 1.0):
+        return (self.a(x) + self.b(y)) * scale
+
+
+class NnxDepth(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.stem = nnx.Linear(5, 8, rngs=rngs)
+        self.hidden = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(3)])
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x, depth: int = 3):
+        x = self.stem(x)
+        for layer in self.hidden[:depth]:
+            x = nnx.relu(layer(x))
+        return self.head(x)
+
+
+def _scaled(params, x, scale=1.0):
+    return jnp.tanh(x @ params["w"] + params["b"]) * scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model of the zoo: how to build it, call it in train and eval mode, and hybridize it.
+
+    Attributes:
+      name: the test id.
+      kind: ``"linen"``, ``"nnx"`` or ``"fn"``.
+      build: ``build() -> (model, params)`` (``params`` is ``None`` for nnx).
+      inputs: ``inputs(seed) -> tuple`` of positional inputs.
+      train: keyword settings of a training call (state moves, rng drawn).
+      eval: keyword settings of an inference call (what export bakes in).
+      rng: the linen ``rngs=`` stream keys, or ``None``.
+    """
+
+    name: str
+    kind: str
+    build: Callable[[], tuple[Any, Any]]
+    inputs: Callable[[int], tuple[Any, ...]]
+    train: dict = dataclasses.field(default_factory=dict)
+    eval: dict = dataclasses.field(default_factory=dict)
+    rng: Any = None
+
+    @property
+    def stateful(self) -> bool:
+        return self.name in {"linen_batchnorm", "linen_dropout", "nnx_batchnorm", "nnx_dropout"}
+
+    def hybridize(self, **kw) -> sm.Hybrid:
+        model, params = self.build()
+        if self.kind == "nnx":
+            return sm.hybridize(model, **kw)
+        if self.rng is not None:
+            kw.setdefault("rngs", self.rng)
+        return sm.hybridize(model, params, **kw)
+
+
+def _x(seed: int, shape=(4, 5)) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _linen(module: nn.Module, *example, **kw) -> Callable[[], tuple[Any, Any]]:
+    def build():
+        return module, module.init(jax.random.key(42), *example, **kw)
+
+    return build
+
+
+def _nnx(cls) -> Callable[[], tuple[Any, None]]:
+    return lambda: (cls(nnx.Rngs(0, dropout=7)), None)
+
+
+X, Y = _x(0), _x(1, (4, 2))
+ZOO = (
+    Case("linen_batchnorm", "linen", _linen(LinenBatchNorm(), X), lambda s: (_x(s),),
+         train={"train": True}, eval={"train": False}),
+    Case("linen_dropout", "linen", _linen(LinenDropout(), X), lambda s: (_x(s),),
+         train={"deterministic": False}, eval={"deterministic": True}, rng=jax.random.key(3)),
+    Case("linen_two_inputs", "linen", _linen(LinenTwoInputs(), X, Y),
+         lambda s: (_x(s), _x(s + 100, (4, 2))), train={"scale": 2.0}),
+    Case("linen_dict", "linen", _linen(LinenDict(), {"x": X}), lambda s: ({"x": _x(s)},)),
+    Case("linen_depth", "linen", _linen(LinenDepth(), X), lambda s: (_x(s), 2),
+         eval={}),
+    Case("nnx_batchnorm", "nnx", _nnx(NnxBatchNorm), lambda s: (_x(s),),
+         train={"train": True}, eval={"train": False}),
+    Case("nnx_dropout", "nnx", _nnx(NnxDropout), lambda s: (_x(s),),
+         train={"deterministic": False}, eval={"deterministic": True}),
+    Case("nnx_two_inputs", "nnx", _nnx(NnxTwoInputs), lambda s: (_x(s), _x(s + 100, (4, 2))),
+         train={"scale": 2.0}),
+    Case("nnx_depth", "nnx", _nnx(NnxDepth), lambda s: (_x(s), 2)),
+    Case("fn_kwargs", "fn",
+         lambda: (_scaled, {"w": np.full((5, 3), 0.1, np.float32), "b": np.zeros(3, np.float32)}),
+         lambda s: (_x(s),), train={"scale": 3.0}),
+)  # fmt: skip
+
+
+def reference_calls(case: Case, n: int, settings: dict) -> tuple[list[Any], Any]:
+    """``n`` calls of the plain Flax model (no symjax_mlp), carrying state by hand.
+
+    Returns the outputs and the final state in the form ``Hybrid.state`` holds it: linen's
+    mutable collections and rng streams, or the nnx module's non-Param state.
+    """
+    model, params = case.build()
+    outs = []
+    if case.kind == "nnx":
+        for i in range(n):
+            outs.append(model(*case.inputs(i), **settings))
+        return outs, nnx.state(model, nnx.Not(nnx.Param))
+    if case.kind == "fn":
+        return [model(params, *case.inputs(i), **settings) for i in range(n)], None
+    variables, key = dict(params), case.rng
+    mutable = [c for c in variables if c != "params"]
+    for i in range(n):
+        rngs = None
+        if key is not None:
+            key, sub = jax.random.split(key)
+            rngs = {"dropout": sub}
+        if mutable:
+            out, updates = model.apply(
+                variables, *case.inputs(i), rngs=rngs, mutable=mutable, **settings
+            )
+            variables = {**variables, **updates}
+        else:
+            out = model.apply(variables, *case.inputs(i), rngs=rngs, **settings)
+        outs.append(out)
+    state = {c: variables[c] for c in mutable}
+    if key is not None:
+        state["rngs"] = {"dropout": key}
+    return outs, state

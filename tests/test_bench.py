@@ -14,10 +14,8 @@ import jax.numpy as jnp
 import matplotlib.image
 import pytest
 import torch
-from symjax_mlp.bench import CPU_NOTE
 
 from symjax_mlp import bench
-from symjax_mlp.bench import cli as bench_cli
 from symjax_mlp.cli import main as cli_main
 
 TINY = {"sizes": (8, 2), "in_features": 16}
@@ -31,26 +29,30 @@ def tiny_benchmark(**kw):
 
 def test_public_names_are_pinned():
     assert bench.__all__ == [
+        "CPU_NOTE",
         "BenchReport",
         "Row",
         "SweepPoint",
         "SweepReport",
         "Timing",
-        "add_arguments",
+        "bench_devices",
         "benchmark",
         "environment",
         "format_devices",
         "format_report",
         "format_sweep",
-        "main",
         "measure_peak",
         "plot_sweep",
         "sweep",
         "time_calls",
         "time_interleaved",
         "time_stages",
+        "time_train_step",
     ]
-    assert all(callable(getattr(bench, name)) for name in bench.__all__)
+    assert isinstance(bench.CPU_NOTE, str) and bench.CPU_NOTE
+    assert all(callable(getattr(bench, name)) for name in bench.__all__ if name != "CPU_NOTE")
+    for cli_only in ("add_arguments", "main"):  # the command line lives in symjax_mlp.cli
+        assert not hasattr(bench, cli_only)
 
 
 def test_timing_fields_and_stats():
@@ -175,7 +177,11 @@ def test_missing_iree_drops_its_row_with_a_note(monkeypatch):
 
 
 def test_bad_compare_is_a_user_error():
-    with pytest.raises(ValueError, match="--compare accepts only 'torch'"):
+    with pytest.raises(
+        ValueError,
+        match=r"benchmark\(compare=\('tensorflow',\)\): the frameworks to compare with are "
+        r"\('torch',\); drop the others",
+    ):
         bench.benchmark(compare=("tensorflow",))
 
 
@@ -210,31 +216,33 @@ def test_sweep_points_peak_and_plot(tmp_path):
     assert matplotlib.image.imread(png).shape[:2] == (462, 1210)  # 11 x 4.2 in at 110 dpi
 
 
-def test_cli_bench_writes_json(tmp_path, capsys, monkeypatch, report):
-    seen = {}
+# The CLI runs the real benchmark, with the fewest calls: its options reach the run.
+FEWEST_ARGV = ["--repeats", "1", "--eager-chunks", "1", "--stage-repeats", "1", "--no-peak"]
 
-    def fake_benchmark(**kw):  # the wiring is under test here, not the timing
-        seen.update(kw)
-        return report
 
-    monkeypatch.setattr(bench_cli, "benchmark", fake_benchmark)
+def test_cli_bench_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["bench", "--calls", "4", "--sizes", "8,2", "--compare", "torch", "--no-iree"]
+    argv = ["bench", "--calls", "4", "--sizes", "8,2", "--in-features", "16", *FEWEST_ARGV]
+    argv += ["--no-train", "--compare", "torch", "--no-iree"]
     assert cli_main([*argv, "--quiet", "--json", str(out)]) == 0
-    assert seen["calls"] == 4 and seen["sizes"] == (8, 2) and seen["compare"] == ("torch",)
-    assert seen["iree"] is False and seen["artifact"] is True and seen["progress"] is None
     captured = capsys.readouterr()
     assert captured.out.startswith("Without hybridization: ")
-    assert captured.err == ""  # --quiet
+    assert captured.err == ""  # --quiet: no progress display
     d = json.loads(out.read_text())
     assert {"chapter", "rows", "stages", "targets", "traces", "env", "config", "notes"} <= set(d)
     assert {"jax", "flax", "backend", "device_kind", "cpu_count"} <= set(d["env"])
+    assert d["chapter"]["calls"] == d["config"]["calls"] == 4
+    assert d["config"]["sizes"] == [8, 2] and d["config"]["compare"] == ["torch"]
+    keys = {r["key"] for r in d["rows"]}
+    assert {"torch_eager", "torch_script", "torch_compile"} <= keys  # --compare torch
+    assert "artifact_jax" in keys and "artifact_iree" not in keys  # artifact on, --no-iree
+    assert "train_step" not in d and "peak" not in d  # --no-train, --no-peak
 
 
-def test_cli_bench_devices_table_and_json(tmp_path, capsys, monkeypatch, report):
-    monkeypatch.setattr(bench_cli, "benchmark", lambda **kw: report)
+def test_cli_bench_devices_table_and_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["bench", "--sizes", "8,2", "--in-features", "16", "--devices", "1"]
+    argv = ["bench", "--calls", "2", "--sizes", "8,2", "--in-features", "16", *FEWEST_ARGV]
+    argv += ["--no-artifact", "--no-train", "--devices", "1"]
     assert cli_main([*argv, "--quiet", "--json", str(out)]) == 0  # one device: in-process
     d = json.loads(out.read_text())["devices"]
     assert d["n_devices"] == 1 and not d["in_subprocess"]
@@ -283,8 +291,10 @@ def test_script_is_thin_and_runs_on_two_devices(tmp_path):
     assert lines[1].startswith("With hybridization: ")
     assert "[bench" in proc.stderr  # the progress display
     d = json.loads((tmp_path / "b.json").read_text())["devices"]
-    assert [r["devices"] for r in d["rows"]] == [1, 2] and d["note"] == CPU_NOTE
+    assert [r["devices"] for r in d["rows"]] == [1, 2] and d["note"] == bench.CPU_NOTE
     assert all(r["matches_1_device"] for r in d["rows"])
     table = lines[lines.index(next(t for t in lines if t.startswith("throughput against"))) :]
     assert "2 virtual CPU devices" in table[0]
-    assert [t.split()[0] for t in table[2:4]] == ["1", "2"] and table[4] == f"note: {CPU_NOTE}"
+    assert [t.split()[0] for t in table[2:4]] == ["1", "2"] and table[
+        4
+    ] == f"note: {bench.CPU_NOTE}"

@@ -1,10 +1,11 @@
 """Data parallelism: sharded inference and training equal one device, on 1, 8 and 2x1 devices.
 
-The pytest process has JAX initialised with one CPU device. The 8-device checks run this file
-as a script in a fresh process (``jax_num_cpu_devices`` must be set before JAX initialises),
-which saves its results to an ``.npz``; the assertions, against single-device results computed
-here, run in pytest. The multi-process check starts two ``jax.distributed`` processes on
-localhost (gloo CPU collectives), each with one CPU device.
+conftest.py starts JAX with 8 virtual CPU devices, so the 1-, 2- and 8-device checks run here,
+in process, on meshes of the first N devices (``sm.data_mesh(N)``). Two checks need other
+processes: an artifact sharded over more devices than are visible here is exported by a
+``python -c`` child with 16 devices, and the multi-process check starts two ``jax.distributed``
+processes on localhost (gloo CPU collectives, one CPU device each) running
+``tests/workers/distributed_worker.py``.
 """
 
 from __future__ import annotations
@@ -21,24 +22,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.experimental import multihost_utils
-from symjax_mlp.bench import CPU_NOTE, bench_devices
-from symjax_mlp.training import train_step
+from helpers import N_DEVICES
 
 import symjax_mlp as sm
 
 STEPS = 10
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+SIZES, LR = (32, 16, 4), 1e-2
+WORKER = Path(__file__).parent / "workers" / "distributed_worker.py"
 
 
 @functools.cache
 def _problem():
-    """The model, optimizer, params and data shared by every process (deterministic)."""
-    net, optimizer = sm.mlp((32, 16, 4)), optax.adam(1e-2)
+    """The model, optimizer, params and data every check shares (deterministic)."""
+    net, optimizer = sm.mlp(SIZES), optax.adam(LR)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 12)).astype(np.float32)
     y = rng.integers(0, 4, 64).astype(np.int32)
-    # NumPy-drawn params of init's shapes: no RNG program to compile in every process.
+    # NumPy-drawn params of init's shapes: host arrays, never donated away by a sharded step.
     shapes = jax.eval_shape(net.init, jax.random.key(0), x[:1])
     variables = jax.tree.map(lambda a: rng.normal(0, 0.3, a.shape).astype(a.dtype), shapes)
     return net, optimizer, variables, x, y
@@ -56,9 +57,9 @@ def _train(step_fn, params, optimizer, x, y, w=None):
 
 @functools.cache
 def _single_device_train(n: int = 64):
-    """Plain ``jax.jit`` training on the first ``n`` examples, on this process's one device."""
+    """Plain ``jax.jit`` training on the first ``n`` examples, on one device."""
     net, optimizer, variables, x, y = _problem()
-    step = jax.jit(train_step(net, optimizer))
+    step = jax.jit(sm.training.train_step(net, optimizer))
     w = np.ones(n, np.float32)
     return _train(step, variables["params"], optimizer, x[:n], y[:n], w)
 
@@ -77,35 +78,41 @@ def _flat(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree.leaves_with_path(tree)}
 
 
-def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-W", "error", __file__, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc
+def _assert_params_close(got, want, where: str = "") -> None:
+    got = _flat(got)
+    for k, v in _flat(want).items():
+        np.testing.assert_allclose(got[k], v, err_msg=f"{where}{k}", **TOL)
 
 
-# -- one device, in process ---------------------------------------------------------------------
-def test_data_mesh_one_device_and_clear_error_for_more():
-    mesh = sm.data_mesh()
-    assert dict(mesh.shape) == {"data": 1}
-    assert mesh.axis_types == (jax.sharding.AxisType.Auto,)
-    with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
-        sm.data_mesh(2)
+def _hybrid():
+    net, _, variables, x, _ = _problem()
+    return sm.hybridize(net, variables), x
+
+
+# -- meshes and one device -----------------------------------------------------------------
+def test_data_mesh_sizes_and_clear_error_for_more_than_visible():
+    assert jax.device_count() == N_DEVICES == 8
+    assert dict(sm.data_mesh().shape) == {"data": 8}  # default: every visible device
+    for n in (1, 2, 8):
+        mesh = sm.data_mesh(n)
+        assert dict(mesh.shape) == {"data": n}
+        assert list(mesh.devices.flat) == jax.devices()[:n]  # the first n devices
+        assert mesh.axis_types == (jax.sharding.AxisType.Auto,)
+    with pytest.raises(ValueError, match=r"data_mesh\(9\): JAX sees 8 device\(s\)") as e:
+        sm.data_mesh(9)
+    assert "n_devices must be 1..8" in str(e.value)
+    assert "xla_force_host_platform_device_count" in str(e.value)  # says how to get more
+    with pytest.raises(ValueError, match=r"n_devices must be 1\.\.8"):
+        sm.data_mesh(0)
 
 
 def test_shard_on_one_device_equals_hybrid():
-    net, _, variables, x, _ = _problem()
-    h = sm.hybridize(net, variables)
+    h, x = _hybrid()
     x = x[:13]
-    s = h.shard()
-    assert isinstance(s, sm.Sharded) and s.n_shards == 1
+    s = h.shard(sm.data_mesh(1))
+    assert isinstance(s, sm.Hybrid) and s is not h
+    assert (s.n_shards, s.axis, s.pad, dict(s.mesh.shape)) == (1, "data", True, {"data": 1})
+    assert (h.mesh, h.n_shards) == (None, 1)  # h itself is unchanged
     out = s(x)
     np.testing.assert_allclose(out, h(x), rtol=1e-5)
     assert out.sharding.spec == jax.sharding.PartitionSpec("data")
@@ -116,19 +123,20 @@ def test_shard_on_one_device_equals_hybrid():
 def test_shard_step_on_one_device_equals_jit():
     net, optimizer, variables, x, y = _problem()
     traces = []
-    step = sm.training.shard_step(_counted(train_step(net, optimizer), traces), sm.data_mesh(1))
+    step = sm.training.shard_step(
+        _counted(sm.training.train_step(net, optimizer), traces), sm.data_mesh(1)
+    )
+    assert isinstance(step, sm.training.ShardedStep) and step.n_shards == 1
     got, losses = _train(step, variables["params"], optimizer, x, y)
     want, want_losses = _single_device_train()
-    for k, v in _flat(want).items():
-        np.testing.assert_allclose(_flat(got)[k], v, err_msg=k, **TOL)
+    _assert_params_close(got, want)
     np.testing.assert_allclose(losses, want_losses, **TOL)
     assert losses[-1] < losses[0]
     assert len(traces) == 1, traces  # ten steps, one trace: the second call did not retrace
 
 
 def test_shard_errors_say_what_to_do():
-    net, _, variables, x, _ = _problem()
-    h = sm.hybridize(net, variables)
+    h, x = _hybrid()
     with pytest.raises(TypeError, match="expects a Hybrid"):
         sm.shard(h.fn)
     with pytest.raises(ValueError, match="axis='model' is not an axis"):
@@ -141,193 +149,171 @@ def test_shard_errors_say_what_to_do():
 
 
 def test_public_names():
-    for name in ("Sharded", "ShardedStep", "data_mesh", "shard", "shard_step", "load_sharded"):
+    for name in ("Hybrid", "data_mesh", "shard", "load", "export"):
         assert name in sm.__all__ and hasattr(sm, name)
-    assert "bench_devices" in sm.__all__
+    for name in ("ShardedStep", "shard_step"):
+        assert name in sm.training.__all__ and hasattr(sm.training, name)
+    for name in ("bench_devices", "CPU_NOTE"):
+        assert name in sm.bench.__all__ and hasattr(sm.bench, name)
+    for gone in ("Sharded", "load_sharded", "ShardedStep", "shard_step", "bench_devices"):
+        assert gone not in sm.__all__ and not hasattr(sm, gone)  # one home for each name
 
 
-# -- eight virtual CPU devices, in a subprocess -------------------------------------------------
-def _check8(out_dir: str) -> None:
-    """Runs in a fresh process with 8 CPU devices; saves what pytest asserts on."""
-    jax.config.update("jax_num_cpu_devices", 8)
-    out_dir = Path(out_dir)
-    assert jax.device_count() == 8
-    res: dict = {}
-    net, optimizer, variables, x, y = _problem()
-    h = sm.hybridize(net, variables)
-    mesh = sm.data_mesh()
-    s = h.shard(mesh)
-    for batch in (64, 13):
-        res[f"infer_{batch}"] = np.asarray(s(x[:batch]))
+# -- eight devices, in process -------------------------------------------------------------
+def test_8_devices_inference_equals_one_device():
+    h, x = _hybrid()
+    s = h.shard(sm.data_mesh(8))
+    assert s.n_shards == 8 and dict(s.mesh.shape) == {"data": 8}
+    out = s(x)
+    np.testing.assert_allclose(out, h(x), rtol=1e-5, atol=1e-6)
+    assert out.sharding.spec == jax.sharding.PartitionSpec("data")
+    assert len(out.sharding.device_set) == 8
+    s(x[:13])
     s(x)
-    res["infer_trace_count"] = s.trace_count  # 64 and 13 (padded to 16): two signatures
-    lowered = s.lower(x)
-    res["num_partitions_8"] = "mhlo.num_partitions = 8" in lowered.as_text()
-    res["out_spec_is_data"] = s(x).sharding.spec == jax.sharding.PartitionSpec("data")
-    res["out_devices"] = len(s(x).sharding.device_set)
-    explicit = jax.make_mesh((8,), ("data",))  # JAX's default axis types (Explicit)
-    res["infer_explicit"] = np.asarray(sm.shard(h, explicit)(x[:13]))
-    try:
-        sm.shard(h, mesh, pad=False)(x[:13])
-    except sm.SignatureError as e:
-        res["nopad_error"] = str(e)
+    assert s.trace_count == 2, s.trace_log  # batch 64 and batch 13 (padded to 16); no retraces
+    assert "mhlo.num_partitions = 8" in s.lower(x).as_text()  # one SPMD program for all eight
 
+
+def test_8_devices_batch_13_is_padded_and_trimmed():
+    h, x = _hybrid()
+    want = h(x[:13])
+    explicit = jax.make_mesh((8,), ("data",))  # JAX's default axis types (Explicit)
+    assert explicit.axis_types == (jax.sharding.AxisType.Explicit,)
+    for name, mesh in (("auto", sm.data_mesh(8)), ("explicit", explicit)):
+        got = sm.shard(h, mesh)(x[:13])
+        assert got.shape == (13, 4), name
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    with pytest.raises(sm.SignatureError, match="batch 13 does not divide over 8 shards") as e:
+        sm.shard(h, sm.data_mesh(8), pad=False)(x[:13])
+    assert "multiple of 8 (e.g. 16)" in str(e.value)
+
+
+def test_8_devices_training_equals_one_device():
+    net, optimizer, variables, x, y = _problem()
+    mesh = sm.data_mesh(8)
     traces = []
-    step = sm.training.shard_step(_counted(train_step(net, optimizer), traces), mesh)
+    step = sm.training.shard_step(_counted(sm.training.train_step(net, optimizer), traces), mesh)
+    assert step.n_shards == 8
     p0 = variables["params"]
     hlo = step.lower(p0, jax.jit(optimizer.init)(p0), x, y).compile().as_text()
-    res["all_reduce_in_hlo"] = "all-reduce" in hlo
-    params, losses = _train(step, p0, optimizer, x, y)
-    res.update({f"train{k}": v for k, v in _flat(params).items()}, train_losses=np.array(losses))
-    res["train_traces"] = len(traces)
-    params61, _ = _train(step, variables["params"], optimizer, x[:61], y[:61])
-    try:
-        sm.training.shard_step(train_step(net, optimizer), mesh, pad=False)(p0, None, x[:61], y[:61])
-    except sm.SignatureError as e:
-        res["step_nopad_error"] = str(e)
-    res.update({f"train61{k}": v for k, v in _flat(params61).items()})
-
-    art = s.export(out_dir / "art8", example=x[:1], batch="b")
-    res["manifest_nr_devices"] = art.manifest["nr_devices"]
-    m = load_sharded(out_dir / "art8")
-    for batch in (64, 13):
-        res[f"loaded_{batch}"] = np.asarray(m(x[:batch]))
-    try:
-        load_sharded(out_dir / "art8", sm.data_mesh(4))
-    except sm.ArtifactError as e:
-        res["wrong_mesh_error"] = str(e)
-    sm.shard(h, sm.data_mesh(2)).export(out_dir / "art2", example=x[:1])
-    res["loaded_2_of_8"] = np.asarray(load_sharded(out_dir / "art2")(x[:13]))
-    # sm.export of a Sharded exports its sharded program; sm.load runs an N-device artifact
-    # on a mesh of the first N devices (it once raised JAX's "exported for 8 devices" error).
-    art8b = sm.export(s, out_dir / "art8b", example=x[:1])
-    res["sm_export_nr_devices"] = art8b.manifest["nr_devices"]
-    for batch in (64, 13):
-        res[f"sm_load_{batch}"] = np.asarray(sm.load(out_dir / "art8b")(x[:batch]))
-    res["sm_load_2_of_8"] = np.asarray(sm.load(out_dir / "art2")(x[:13]))
-
-    np.savez(out_dir / "check8.npz", **res)
-
-
-@pytest.fixture(scope="module")
-def eight(tmp_path_factory):
-    out = tmp_path_factory.mktemp("eight")
-    _run(["check8", str(out)])
-    with np.load(out / "check8.npz") as f:
-        return out, {k: f[k][()] if f[k].shape == () else f[k] for k in f.files}
-
-
-def test_8_devices_inference_equals_one_device(eight):
-    _, r = eight
-    net, _, variables, x, _ = _problem()
-    h = sm.hybridize(net, variables)
-    np.testing.assert_allclose(r["infer_64"], h(x), rtol=1e-5, atol=1e-6)
-    assert r["num_partitions_8"]  # one SPMD program for all eight devices
-    assert r["out_spec_is_data"] and r["out_devices"] == 8
-    assert r["infer_trace_count"] == 2  # batch 64 and batch 13 (padded to 16); no retraces
-
-
-def test_8_devices_batch_13_is_padded_and_trimmed(eight):
-    _, r = eight
-    net, _, variables, x, _ = _problem()
-    want = sm.hybridize(net, variables)(x[:13])
-    for key in ("infer_13", "infer_explicit"):
-        assert r[key].shape == (13, 4)
-        np.testing.assert_allclose(r[key], want, rtol=1e-5, atol=1e-6, err_msg=key)
-    assert "batch 13 does not divide over 8 shards" in r["nopad_error"]
-    assert "multiple of 8 (e.g. 16)" in r["nopad_error"]
-
-
-def test_8_devices_training_equals_one_device(eight):
-    _, r = eight
+    assert "all-reduce" in hlo  # XLA reduces the gradients; nothing by hand
+    got, losses = _train(step, p0, optimizer, x, y)
     want, want_losses = _single_device_train()
-    for k, v in _flat(want).items():
-        np.testing.assert_allclose(r[f"train{k}"], v, err_msg=k, **TOL)
-    np.testing.assert_allclose(r["train_losses"], want_losses, **TOL)
-    assert r["all_reduce_in_hlo"]  # XLA reduces the gradients; nothing by hand
-    assert r["train_traces"] == 1  # lower + ten steps: one trace, one program
-    want61, _ = _single_device_train(61)  # 61 rows: 3 weight-0 pad rows
-    assert "batch 61 does not divide over 8 shards" in r["step_nopad_error"]
-    for k, v in _flat(want61).items():
-        np.testing.assert_allclose(r[f"train61{k}"], v, err_msg=k, **TOL)
+    _assert_params_close(got, want)
+    np.testing.assert_allclose(losses, want_losses, **TOL)
+    assert len(traces) == 1, traces  # lower + ten steps: one trace, one program
+
+    got61, _ = _train(step, p0, optimizer, x[:61], y[:61])  # 61 rows: 3 weight-0 pad rows
+    want61, _ = _single_device_train(61)
+    _assert_params_close(got61, want61, "batch 61: ")
+    no_pad = sm.training.shard_step(sm.training.train_step(net, optimizer), mesh, pad=False)
+    with pytest.raises(sm.SignatureError, match="batch 61 does not divide over 8 shards"):
+        no_pad(p0, None, x[:61], y[:61])
 
 
-def test_8_devices_export_loads_on_matching_mesh_only(eight):
-    out, r = eight
-    net, _, variables, x, _ = _problem()
-    h = sm.hybridize(net, variables)
-    assert r["manifest_nr_devices"] == 8
-    for batch in (64, 13):
-        np.testing.assert_allclose(r[f"loaded_{batch}"], h(x[:batch]), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(r["loaded_2_of_8"], h(x[:13]), rtol=1e-5, atol=1e-6)
-    assert "exported for 8 devices, but the mesh {'data': 4} has 4" in r["wrong_mesh_error"]
-    # Here, in pytest, JAX sees one device: loading the 8-device artifact is a clear error.
-    for loader in (sm.load, load_sharded):
-        with pytest.raises(sm.ArtifactError, match="8 devices"):
-            loader(out / "art8")
+def test_8_devices_export_records_nr_devices_and_loads_on_a_matching_mesh_only(tmp_path):
+    h, x = _hybrid()
+    s = sm.shard(h, sm.data_mesh(8))
+    art = sm.export(s, tmp_path / "art8", example=x[:1], batch="b")
+    assert art.manifest["nr_devices"] == 8 and sm.inspect(art.path).manifest["nr_devices"] == 8
+    loaded = {
+        "no mesh": sm.load(art.path),  # no mesh of 8 around: the first 8 devices
+        "mesh=": sm.load(art.path, mesh=sm.data_mesh(8)),
+    }
+    for how, m in loaded.items():
+        for batch in (64, 13):
+            out = m(x[:batch])
+            assert out.shape == (batch, 4), (how, batch)
+            np.testing.assert_allclose(out, h(x[:batch]), rtol=1e-5, atol=1e-6, err_msg=how)
+            assert out.sharding.device_set == set(jax.devices()), how
+    for n in (4, 1):
+        with pytest.raises(
+            sm.ArtifactError,
+            match=rf"exported for 8 device\(s\), but the mesh \{{'data': {n}\}} has {n}",
+        ):
+            sm.load(art.path, mesh=sm.data_mesh(n))
 
 
-def test_8_devices_sm_export_and_sm_load_of_a_sharded_model(eight):
-    out, r = eight
-    net, _, variables, x, _ = _problem()
-    h = sm.hybridize(net, variables)
-    assert r["sm_export_nr_devices"] == 8
-    for key, rows in (("sm_load_64", 64), ("sm_load_13", 13), ("sm_load_2_of_8", 13)):
-        assert r[key].shape == (rows, 4)
-        np.testing.assert_allclose(r[key], h(x[:rows]), rtol=1e-5, atol=1e-6, err_msg=key)
-    with pytest.raises(sm.ArtifactError, match=r"sharded over 8 devices.*sees 1"):
-        sm.load(out / "art8b")  # here, in pytest, JAX sees one device
+def test_2_device_export_runs_on_2_of_the_8_devices(tmp_path):
+    h, x = _hybrid()
+    art = sm.export(sm.shard(h, sm.data_mesh(2)), tmp_path / "art2", example=x[:1])
+    assert art.manifest["nr_devices"] == 2
+    want = h(x[:13])
+    m = sm.load(art.path)
+    out = m(x[:13])  # no caller mesh: the first 2 devices
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert out.sharding.device_set == set(jax.devices()[:2])
+    last_two = sm.data_mesh(2, devices=jax.devices()[6:])
+    with jax.set_mesh(last_two):  # the caller's mesh of 2 devices is used
+        out = m(x[:13])
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert out.sharding.device_set == set(jax.devices()[6:])
+    middle = sm.data_mesh(2, devices=jax.devices()[4:6])
+    out = sm.load(art.path, mesh=middle)(x[:13])  # mesh=: exactly those devices
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert out.sharding.device_set == set(jax.devices()[4:6])
+    with pytest.raises(sm.ArtifactError, match=r"exported for 2 device\(s\).*sm.data_mesh\(2\)"):
+        sm.load(art.path, mesh=sm.data_mesh(8))
+
+
+_EXPORT_16 = """
+import sys, jax, numpy as np, symjax_mlp as sm
+assert jax.device_count() == 16, jax.devices()
+net, x = sm.mlp((4, 2)), np.ones((1, 3), np.float32)
+h = sm.hybridize(net, net.init(jax.random.key(0), x))
+sm.export(sm.shard(h, sm.data_mesh(16)), sys.argv[1], example=x)
+"""
+
+
+def test_an_artifact_for_more_devices_than_visible_is_refused(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="16")
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", _EXPORT_16, str(tmp_path / "art16")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sm.inspect(tmp_path / "art16").manifest["nr_devices"] == 16
+    for mesh in (None, sm.data_mesh(8)):
+        with pytest.raises(sm.ArtifactError, match=r"sharded over 16 devices.*sees 8"):
+            sm.load(tmp_path / "art16", mesh=mesh)  # here JAX sees 8
 
 
 def test_bench_devices_reports_rows_and_says_cpu_is_correctness_only():
     small = {"sizes": (16, 4), "in_features": 12, "batch": 64, "repeats": 2, "train_steps": 2}
-    here = bench_devices(1, **small)  # JAX here sees one device: runs in this process
-    assert not here["in_subprocess"] and [r["devices"] for r in here["rows"]] == [1]
-    res = bench_devices(8, **small)  # needs 8 devices: a subprocess with 8 CPU devices
-    assert res["in_subprocess"] and res["virtual_cpu_devices"] and res["note"] == CPU_NOTE
-    assert "correctness" in CPU_NOTE and "not how it scales" in CPU_NOTE
-    assert [r["devices"] for r in res["rows"]] == [1, 2, 4, 8]
-    for row in here["rows"] + res["rows"]:
+    note = sm.bench.CPU_NOTE
+    assert "correctness" in note and "not how it scales" in note
+    here = sm.bench.bench_devices(8, **small)  # 8 devices are visible: runs in this process
+    assert not here["in_subprocess"] and [r["devices"] for r in here["rows"]] == [1, 2, 4, 8]
+    more = sm.bench.bench_devices(16, **small)  # more than visible: 16 CPU devices, a subprocess
+    assert more["in_subprocess"] and [r["devices"] for r in more["rows"]] == [1, 2, 4, 8, 16]
+    for res in (here, more):
+        assert res["virtual_cpu_devices"] and res["note"] == note
+    for row in here["rows"] + more["rows"]:
         assert row["matches_1_device"], row
         assert row["inference_examples_per_s"] > 0 and row["train_examples_per_s"] > 0
 
 
-# -- two processes (jax.distributed), one CPU device each ----------------------------------------
-def _worker(process_id: str, port: str, out_file: str) -> None:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        f"127.0.0.1:{port}", num_processes=2, process_id=int(process_id), initialization_timeout=60
-    )
-    net, optimizer, variables, x, y = _problem()
-    mesh = sm.data_mesh()  # spans both processes' devices
-    step = sm.training.shard_step(train_step(net, optimizer), mesh)
-    params, losses = _train(step, variables["params"], optimizer, x, y)
-    out = sm.shard(sm.hybridize(net, variables), mesh)(x[:13])
-    res = {f"train{k}": v for k, v in _flat(params).items()}  # _train fetched them to host
-    res["losses"] = np.array(losses)
-    res["infer_13"] = multihost_utils.process_allgather(out, tiled=True)
-    res["counts"] = np.array([jax.process_count(), jax.device_count(), jax.local_device_count()])
-    np.savez(out_file, **res)
-    jax.distributed.shutdown()
-
-
+# -- two processes (jax.distributed), one CPU device each ----------------------------------
 def test_two_processes_agree_with_one(tmp_path):
+    net, _, variables, x, y = _problem()
+    leaves = jax.tree.leaves(variables)
+    problem = {f"param_{i}": a for i, a in enumerate(leaves)}
+    np.savez(tmp_path / "problem.npz", sizes=SIZES, lr=LR, steps=STEPS, x=x, y=y, **problem)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+
+    def files(i: int) -> list[str]:
+        return [str(tmp_path / "problem.npz"), str(tmp_path / f"{i}.npz")]
+
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-W",
-                "error",
-                __file__,
-                "worker",
-                str(i),
-                port,
-                str(tmp_path / f"{i}.npz"),
-            ],
+            [sys.executable, "-W", "error", str(WORKER), str(i), port, *files(i)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -341,19 +327,17 @@ def test_two_processes_agree_with_one(tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
     assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(logs)
-    net, _, variables, x, _ = _problem()
     want, want_losses = _single_device_train()
+    want_leaves = jax.tree.leaves({"params": want})
+    assert len(want_leaves) == len(leaves)
     rows = np.asarray(sm.hybridize(net, variables)(x[:13]))
     for i in range(2):
         with np.load(tmp_path / f"{i}.npz") as r:
-            assert r["counts"].tolist() == [2, 2, 1]
-            for k, v in _flat(want).items():
-                np.testing.assert_allclose(r[f"train{k}"], v, err_msg=f"process {i}: {k}", **TOL)
+            assert r["counts"].tolist() == [2, 2, 1]  # 2 processes, 2 devices, 1 of them here
+            for j, v in enumerate(want_leaves):
+                np.testing.assert_allclose(r[f"param_{j}"], v, err_msg=f"process {i}", **TOL)
             np.testing.assert_allclose(r["losses"], want_losses, **TOL)
             assert r["infer_13"].shape == (13, 4)
             np.testing.assert_allclose(r["infer_13"], rows, rtol=1e-5, atol=1e-6)
-
-
-if __name__ == "__main__":
-    {"check8": _check8, "worker": _worker}[sys.argv[1]](*sys.argv[2:])

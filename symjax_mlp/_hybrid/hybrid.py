@@ -57,41 +57,45 @@ _STATE_UNDER_TRANSFORM = (
 
 
 # -- how to call each kind of model purely -------------------------------------------------------
+_RNGS = "rngs"  # where a linen model's rng streams live in its state
+
+
 @dataclasses.dataclass(frozen=True)
 class _Model:
-    """A model as a pure function of ``(fixed, state, rng, args, kwargs)``.
+    """A model as a pure function ``call(params, state, args, kwargs) -> (out, new_state)``.
 
-    ``split`` cuts the user's params into the part a call never changes (``fixed``: what
-    gradients are taken of) and the part it does (``state``); ``merge`` joins them back.
-    ``call`` returns ``(out, new_state, new_rng)``.
+    ``params`` is what gradients are taken of and a call never changes; ``state`` is what a
+    call carries forward (a linen model's mutable collections and rng streams, an nnx
+    module's non-``Param`` variables); ``{}`` for a stateless model.
     """
 
-    call: Callable[..., tuple[Any, Any, Any]]
-    split: Callable[[Any], tuple[Any, Any]]
-    merge: Callable[[Any, Any], Any]
+    call: Callable[..., tuple[Any, Any]]
     stateful: bool
     kind: str = "plain"
     module: Any = None
 
-    def inference(self, rng: Any, name: str) -> Callable[..., Any]:
-        """``f(params, *args, **kwargs) -> out``: one call, its state update dropped."""
+    def inference(self, name: str) -> Callable[..., Any]:
+        """``f(variables, *args, **kwargs) -> out``, the state update dropped; ``variables``
+        is ``{"params": p, "state": s}`` for a stateful model, else the params."""
 
-        def model(params: Any, *args: Any, **kwargs: Any) -> Any:
-            fixed, state = self.split(params)
-            return self.call(fixed, state, rng, args, kwargs)[0]
+        def model(variables: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.stateful:
+                return self.call(variables, {}, args, kwargs)[0]
+            return self.call(variables["params"], variables["state"], args, kwargs)[0]
 
         model.__name__ = name
         return model
 
 
 def _plain(fn: Callable[..., Any]) -> _Model:
-    def call(fixed, state, rng, args, kwargs):
-        return fn(fixed, *args, **kwargs), state, rng
+    def call(params, state, args, kwargs):
+        return fn(params, *args, **kwargs), state
 
-    return _Model(call, lambda p: (p, None), lambda f, s: f, stateful=False)
+    return _Model(call, stateful=False)
 
 
-def _linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> _Model:
+def _linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
+    """``(_Model, params, state)`` for a linen module and its variables."""
     if not isinstance(variables, Mapping):
         raise TypeError(
             f"hybridize({type(model).__name__}, variables): variables must be the dict that "
@@ -102,60 +106,52 @@ def _linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any)
     if mutable is None:  # every collection but the params is state, as model.apply has it
         mutable = tuple(c for c in collections if c != "params")
     unknown = [c for c in mutable if c not in collections]
-    if unknown:
+    if unknown or _RNGS in collections:
         raise ValueError(
             f"hybridize({type(model).__name__}, mutable={tuple(mutable)!r}): the variables "
-            f"have no collection {unknown[0]!r}; they hold {collections}."
+            f"hold the collections {collections}; name the mutable ones among them "
+            f"(and none may be called {_RNGS!r})."
         )
     mutable = tuple(mutable)
-    streams = None if rngs is None else tuple(rngs)
+    streams = _rng_streams(rngs)
+    params = {c: variables[c] for c in collections if c not in mutable}
+    state = {c: variables[c] for c in mutable}
+    if streams is not None:
+        state[_RNGS] = streams
 
-    def split(v):
-        return ({c: v[c] for c in collections if c not in mutable}, {c: v[c] for c in mutable})
-
-    def merge(fixed, state):
-        both = {**fixed, **state}
-        return {c: both[c] for c in collections}
-
-    def call(fixed, state, rng, args, kwargs):
+    def call(params, state, args, kwargs):
+        state = dict(state)
         keys = None
-        if rng is not None:
-            pairs = {n: jax.random.split(rng[n]) for n in streams}
-            rng, keys = {n: k[0] for n, k in pairs.items()}, {n: k[1] for n, k in pairs.items()}
-        variables = merge(fixed, state)
+        if _RNGS in state:
+            pairs = {n: jax.random.split(k) for n, k in state[_RNGS].items()}
+            state[_RNGS] = {n: k[0] for n, k in pairs.items()}
+            keys = {n: k[1] for n, k in pairs.items()}
+        variables = {**params, **{c: state[c] for c in mutable}}
         if not mutable:
-            return model.apply(variables, *args, rngs=keys, **kwargs), state, rng
+            return model.apply(variables, *args, rngs=keys, **kwargs), state
         out, updates = model.apply(variables, *args, rngs=keys, mutable=list(mutable), **kwargs)
-        return out, {**state, **updates}, rng
+        return out, {**state, **updates}
 
-    stateful = bool(mutable) or rngs is not None
-    return _Model(call, split, merge, stateful, kind="linen", module=model)
+    m = _Model(call, stateful=bool(state), kind="linen", module=model)
+    return m, params, state
 
 
-def _nnx(module: Any) -> tuple[_Model, Any]:
+def _nnx(module: Any) -> tuple:
+    """``(_Model, params, state)`` for an nnx module: its Params, and everything else."""
     from flax import nnx
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    fixed, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+    params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
-    def call(fixed, state, rng, args, kwargs):
-        m = nnx.merge(graphdef, fixed, state) if state else nnx.merge(graphdef, fixed)
+    def merge(params, state):
+        return nnx.merge(graphdef, params, state) if state else nnx.merge(graphdef, params)
+
+    def call(params, state, args, kwargs):
+        m = merge(params, state)
         out = m(*args, **kwargs)
-        if not state:
-            return out, state, rng
-        return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]), rng
+        return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]) if state else state
 
-    def merge(fixed, state):
-        return {"params": fixed, "state": state} if state else fixed
-
-    def split(p):
-        return (p["params"], p["state"]) if state else (p, {})
-
-    def module_of(fixed, state):
-        return nnx.merge(graphdef, fixed, state) if state else nnx.merge(graphdef, fixed)
-
-    m = _Model(call, split, merge, stateful=bool(state), kind="nnx", module=module_of)
-    return m, merge(fixed, state)
+    return _Model(call, stateful=bool(state), kind="nnx", module=merge), params, state
 
 
 def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:
@@ -183,12 +179,16 @@ class Hybrid:
     Settings never change in place: ``h.replace(params=new)`` returns a new Hybrid.
 
     Attributes:
-      fn: the pure inference function ``fn(params, *args, **kwargs) -> out`` (what
-        :func:`~symjax_mlp.export` exports; state updates are dropped).
-      params: the params, with the latest state of a stateful model (a linen model's
-        variables; ``{"params": ..., "state": ...}`` for an nnx module with state).
+      fn: the pure inference function ``fn(variables, *args, **kwargs) -> out`` (see
+        :attr:`variables`), or the function given to :func:`~symjax_mlp.hybridize`; what
+        :func:`~symjax_mlp.export` exports.
+      params: what gradients are taken of: a linen model's variables without its mutable
+        collections, an nnx module's ``Param`` values, or the params given.
+      state: what calls carry forward (read-only; ``{}`` when stateless): a linen model's
+        mutable collections and rng streams (``state["rngs"]``), or an nnx module's other
+        variables (batch statistics, rng keys and counts).
       name: shown in trace logs and errors.
-      stateful: whether calls carry state (mutable collections, rng streams, nnx variables).
+      stateful: whether calls carry state.
       max_traces: the trace budget, or ``None``.
       compiled: whether ``__call__`` is compiled (``False``: eager).
       mesh: the ``jax.sharding.Mesh`` the batch is split over, or ``None`` (one device).
@@ -220,7 +220,7 @@ class Hybrid:
         static_argnames: str | Sequence[str] = (),
         donate: bool = False,
         _model: _Model | None = None,
-        _rng: Any = None,
+        _state: Any = None,
     ) -> None:
         if max_traces is not None and (
             not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
@@ -228,8 +228,9 @@ class Hybrid:
             raise ValueError(f"max_traces must be a positive int or None; got {max_traces!r}.")
         model = _plain(fn) if _model is None else _model
         name = name or getattr(fn, "__name__", type(fn).__name__)
+        leaves, treedef = jax.tree.flatten(params)
         settings = {
-            "fn": fn if _model is None else model.inference(_rng, name),
+            "fn": fn if _model is None else model.inference(name),
             "name": name,
             "max_traces": max_traces,
             "compiled": compiled,
@@ -238,48 +239,51 @@ class Hybrid:
             "static_argnums": frozenset(_ints(static_argnums)),
             "static_argnames": frozenset(_strs(static_argnames)),
             "donate": bool(donate),
+            "stateful": model.stateful,
             "_model": model,
-            "_rng": _rng,
+            "_given": params,
+            "_treedef": treedef,
+            "_state": {} if _state is None else _state,
             "_lock": threading.RLock(),
             "_events": [],
             "_callbacks": [],
+            "_apply": None,
         }
         for k, v in settings.items():
             object.__setattr__(self, k, v)
-        fixed, state = model.split(params)
-        leaves, treedef = jax.tree.flatten(fixed)
-        stateful = model.stateful
-        object.__setattr__(self, "stateful", stateful)
-        object.__setattr__(self, "_treedef", treedef)
-        object.__setattr__(self, "_state", state)
-        object.__setattr__(self, "_given", params)
         if mesh is None:
-            object.__setattr__(self, "mesh", None)
-            object.__setattr__(self, "n_shards", 1)
-            object.__setattr__(self, "_leaves", leaves)
-            trace = self._trace_stateful if stateful else self._trace
-            donated = (2, 3) if (stateful and donate) else ()
-            jitted = jax.jit(trace, static_argnums=0, donate_argnums=donated)
-        else:
-            if stateful:
-                raise ValueError(
-                    f"{self.name}.shard(...): a stateful Hybrid cannot be sharded yet (its "
-                    "state would need a sharding too). Shard the stateless inference model: "
-                    "sm.hybridize(model, variables) of a model called in eval mode."
-                )
-            m, rep, dat, n = _mesh.shardings(mesh, axis)
-            object.__setattr__(self, "mesh", m)
-            object.__setattr__(self, "n_shards", n)
-            object.__setattr__(self, "_batch_sharding", dat)
-            object.__setattr__(self, "_leaves", [_mesh.place(leaf, rep) for leaf in leaves])
-            jitted = jax.jit(
+            trace = self._trace_stateful if self.stateful else self._trace
+            donated = (2,) if (self.stateful and donate) else ()
+            self._set(
+                mesh=None,
+                n_shards=1,
+                _leaves=leaves,
+                _jitted=jax.jit(trace, static_argnums=0, donate_argnums=donated),
+            )
+            return
+        if self.stateful:
+            raise ValueError(
+                f"{name}.shard(...): a stateful Hybrid cannot be sharded yet (its state would "
+                "need a sharding too). Shard the stateless inference model: hybridize the model "
+                "without mutable collections or rngs, and call it in eval mode."
+            )
+        m, rep, dat, n = _mesh.shardings(mesh, axis)
+        self._set(
+            mesh=m,
+            n_shards=n,
+            _batch_sharding=dat,
+            _leaves=[_mesh.place(leaf, rep) for leaf in leaves],
+            _jitted=jax.jit(
                 self._trace_sharded,
                 static_argnums=0,
                 in_shardings=(rep, dat, dat),
                 out_shardings=dat,
-            )
-        object.__setattr__(self, "_jitted", jitted)
-        object.__setattr__(self, "_apply", None)
+            ),
+        )
+
+    def _set(self, **fields: Any) -> None:
+        for k, v in fields.items():
+            object.__setattr__(self, k, v)
 
     def __setattr__(self, field: str, value: Any) -> None:
         raise AttributeError(_FROZEN.format(name=self.name, field=field))
@@ -287,28 +291,27 @@ class Hybrid:
     # -- what it holds ---------------------------------------------------------------------
     @property
     def params(self) -> Any:
-        """The params, with the latest state (read-only; see :meth:`replace`)."""
-        if not self.stateful and self.mesh is None:
+        """What gradients are taken of (read-only; see :meth:`replace`)."""
+        if self.mesh is None:
             return self._given
-        fixed = jax.tree.unflatten(self._treedef, self._leaves)
-        return self._model.merge(fixed, self._state)
+        return jax.tree.unflatten(self._treedef, self._leaves)
+
+    @property
+    def state(self) -> Any:
+        """What calls carry forward, as of the last call (``{}`` when stateless)."""
+        return self._state
 
     @property
     def module(self) -> Any:
-        """The model with its current state: an nnx module (merged anew), or the linen module."""
-        module = self._model.module
-        if self._model.kind == "nnx":  # rebuilt from the current state
-            return module(jax.tree.unflatten(self._treedef, self._leaves), self._state)
-        return module
-
-    @property
-    def rng(self) -> Any:
-        """The held rng keys (``{"dropout": key}``) of a linen model, or ``None``."""
-        return self._rng
+        """The model: an nnx module rebuilt with the current state, or the linen module."""
+        if self._model.kind == "nnx":
+            return self._model.module(self.params, self._state)
+        return self._model.module
 
     def replace(self, **changes: Any) -> Hybrid:
-        """A new Hybrid with ``changes`` (``params``, ``name``, ``max_traces``, ``compiled``,
-        ``mesh``, ``axis``, ``pad``, ``static_argnums``, ``static_argnames``, ``donate``).
+        """A new Hybrid with ``changes`` (``params``, ``state``, ``name``, ``max_traces``,
+        ``compiled``, ``mesh``, ``axis``, ``pad``, ``static_argnums``, ``static_argnames``,
+        ``donate``).
 
         The new Hybrid has its own trace log (a new compiled program) and shares the
         ``on_trace`` callbacks.
@@ -320,18 +323,9 @@ class Hybrid:
           >>> h.replace(params=jnp.float32(3))(jnp.ones(2))
           Array([3., 3.], dtype=float32)
         """
-        allowed = {
-            "params", "name", "max_traces", "compiled", "mesh", "axis", "pad",
-            "static_argnums", "static_argnames", "donate", "rng",
-        }  # fmt: skip
-        bad = sorted(set(changes) - allowed)
-        if bad:
-            raise TypeError(
-                f"{self.name}.replace({bad[0]}=...): not a setting of a Hybrid; choose from "
-                f"{', '.join(sorted(allowed))}."
-            )
         settings = {
             "params": self.params,
+            "state": self._state,
             "name": self.name,
             "max_traces": self.max_traces,
             "compiled": self.compiled,
@@ -341,11 +335,17 @@ class Hybrid:
             "static_argnums": tuple(self.static_argnums),
             "static_argnames": tuple(self.static_argnames),
             "donate": self.donate,
-            "rng": self._rng,
-        } | changes
-        params, rng = settings.pop("params"), settings.pop("rng")
-        fn = self._model.call if self._model.kind != "plain" else self.fn
-        twin = Hybrid(fn, params, _model=self._model, _rng=rng, **settings)
+        }
+        bad = sorted(set(changes) - set(settings))
+        if bad:
+            raise TypeError(
+                f"{self.name}.replace({bad[0]}=...): not a setting of a Hybrid; choose from "
+                f"{', '.join(sorted(settings))}."
+            )
+        settings |= changes
+        params, state = settings.pop("params"), settings.pop("state")
+        fn = self.fn if self._model.kind == "plain" else self._model.call
+        twin = Hybrid(fn, params, _model=self._model, _state=state, **settings)
         object.__setattr__(twin, "_callbacks", self._callbacks)
         return twin
 
@@ -363,10 +363,8 @@ class Hybrid:
             if not self.stateful:
                 return self._jitted(static, self._leaves, *dyn, **dyn_kw)
             with self._lock:
-                out, state, rng = self._jitted(
-                    static, self._leaves, self._state, self._rng, dyn, dyn_kw
-                )
-                self._hold(state, rng)
+                out, state = self._jitted(static, self._leaves, self._state, dyn, dyn_kw)
+                self._hold(state)
             return out
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
@@ -379,20 +377,18 @@ class Hybrid:
         """
         for callback in self._callbacks:
             callback(*args, **kwargs)
-        fixed = jax.tree.unflatten(self._treedef, self._leaves)
         with self._lock:
-            out, state, rng = self._model.call(fixed, self._state, self._rng, args, kwargs)
+            out, state = self._model.call(self.params, self._state, args, kwargs)
             if self.stateful:
-                self._hold(state, rng)
+                self._hold(state)
         return out
 
-    def apply(self, params: Any, *args: Any, **kwargs: Any) -> Any:
-        """The compiled pure function: ``h.apply(h.params, x)``, for ``jax.grad`` and optax.
+    def apply(self, params: Any, *args: Any, state: Any = None, **kwargs: Any) -> Any:
+        """The compiled pure function, for ``jax.grad`` and optax: ``h.apply(h.params, x)``.
 
         Traced visibly (``entry="apply"`` in :attr:`trace_log`, counted against
-        ``max_traces``). A stateless model returns ``out``; a stateful one returns
-        ``(out, new_params)`` with the updated state, and holds nothing: it uses the rng keys
-        held now (:attr:`rng`) without advancing them.
+        ``max_traces``). A stateless model returns ``out``. A stateful one returns
+        ``(out, new_state)``, from ``state`` (default: :attr:`state`), and holds nothing.
 
         Example:
           >>> import jax, jax.numpy as jnp
@@ -406,13 +402,20 @@ class Hybrid:
         )
         if self._apply is None:
             donated = (1,) if self.donate else ()
-            object.__setattr__(
-                self, "_apply", jax.jit(self._trace_apply, static_argnums=0, donate_argnums=donated)
-            )
+            jitted = jax.jit(self._trace_apply, static_argnums=0, donate_argnums=donated)
+            object.__setattr__(self, "_apply", jitted)
+        state = self._state if state is None else state
         try:
-            return self._apply(static, params, self._rng, dyn, dyn_kw)
+            out, new_state = self._apply(static, params, state, dyn, dyn_kw)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
+        return (out, new_state) if self.stateful else out
+
+    @property
+    def variables(self) -> Any:
+        """What :attr:`fn` takes: ``{"params": params, "state": state}`` for a stateful model,
+        else the params."""
+        return {"params": self.params, "state": self._state} if self.stateful else self.params
 
     def hybridize(self, active: bool = True) -> Hybrid:
         """Returns a twin whose ``__call__`` is compiled (``True``) or eager (``False``).
@@ -441,7 +444,7 @@ class Hybrid:
                 return self._jitted.lower(static, self._leaves, placed, placed_kw)
             if not self.stateful:
                 return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
-            return self._jitted.lower(static, self._leaves, self._state, self._rng, dyn, dyn_kw)
+            return self._jitted.lower(static, self._leaves, self._state, dyn, dyn_kw)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
 
@@ -460,15 +463,15 @@ class Hybrid:
         static, dyn, dyn_kw = partition(
             args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
         )
-        model, rng, state = self._model, self._rng, self._state
+        call, state = self._model.call, self._state
 
-        def staged(fixed: Any, dyn: Any, dyn_kw: Any) -> Any:
+        def staged(params: Any, dyn: Any, dyn_kw: Any) -> Any:
             args, kwargs = rebuild(static, dyn, dyn_kw)
-            return model.call(fixed, state, rng, args, kwargs)[0]
+            return call(params, state, args, kwargs)[0]
 
-        fixed = jax.tree.unflatten(self._treedef, self._leaves)
+        staged.__name__ = self.name
         try:
-            return Graph.of(staged, self.name, fixed, dyn, dyn_kw)
+            return Graph.of(staged, self.name, self.params, dyn, dyn_kw)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
 
@@ -515,40 +518,33 @@ class Hybrid:
 
     def _commit(self, event: TraceEvent) -> None:
         """Logs a trace that succeeded (a failed trace is neither logged nor counted)."""
-        self._events.append(dataclasses.replace(event, index=len(self._events)))
+        with self._lock:
+            self._events.append(dataclasses.replace(event, index=len(self._events)))
 
-    def _trace(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:
-        event = self._begin(static, dyn, dyn_kw, "call")
+    def _run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
+        event = self._begin(static, dyn, dyn_kw, entry)
         args, kwargs = rebuild(static, dyn, dyn_kw)
-        fixed = jax.tree.unflatten(self._treedef, leaves)
-        out = self._model.call(fixed, self._state, self._rng, args, kwargs)[0]
-        self._commit(event)
-        return out
-
-    def _trace_stateful(
-        self, static: Any, leaves: list[Any], state: Any, rng: Any, dyn: Any, dyn_kw: Any
-    ) -> Any:
-        event = self._begin(static, dyn, dyn_kw, "call")
-        args, kwargs = rebuild(static, dyn, dyn_kw)
-        fixed = jax.tree.unflatten(self._treedef, leaves)
-        result = self._model.call(fixed, state, rng, args, kwargs)
+        params = leaves if entry == "apply" else jax.tree.unflatten(self._treedef, leaves)
+        result = self._model.call(params, state, args, kwargs)
         self._commit(event)
         return result
 
-    def _trace_apply(self, static: Any, params: Any, rng: Any, dyn: Any, dyn_kw: Any) -> Any:
-        event = self._begin(static, dyn, dyn_kw, "apply")
-        args, kwargs = rebuild(static, dyn, dyn_kw)
-        fixed, state = self._model.split(params)
-        out, state, _ = self._model.call(fixed, state, rng, args, kwargs)
-        self._commit(event)
-        return (out, self._model.merge(fixed, state)) if self.stateful else out
+    def _trace(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:
+        return self._run(static, leaves, self._state, dyn, dyn_kw, "call")[0]
 
-    def _hold(self, state: Any, rng: Any) -> None:
-        leaves = jax.tree.leaves((state, rng))
+    def _trace_stateful(
+        self, static: Any, leaves: list[Any], state: Any, dyn: Any, dyn_kw: Any
+    ) -> Any:
+        return self._run(static, leaves, state, dyn, dyn_kw, "call")
+
+    def _trace_apply(self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any) -> Any:
+        return self._run(static, params, state, dyn, dyn_kw, "apply")
+
+    def _hold(self, state: Any) -> None:
+        leaves = jax.tree.leaves(state)
         if leaves and isinstance(leaves[0], jax.core.Tracer):
             raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
         object.__setattr__(self, "_state", state)
-        object.__setattr__(self, "_rng", rng)
 
     # -- sharded -----------------------------------------------------------------------------
     def _trace_sharded(self, static: Any, leaves: list[Any], dyn: Any, dyn_kw: Any) -> Any:
@@ -656,34 +652,34 @@ def hybridize(
                 "hybridize(nnx_module) takes no params, mutable or rngs: the module carries its "
                 "own state (nnx.Rngs, nnx.BatchStat, ...). Write hybridize(module)."
             )
-        m, state = _nnx(model)
-        return Hybrid(m.call, state, name=name or type(model).__name__, _model=m, **settings)
-    if kind == "linen":
+        m, params, state = _nnx(model)
+    elif kind == "linen":
         if params is None:
             raise TypeError(
                 f"hybridize({type(model).__name__}) needs its variables: write "
                 "hybridize(module, module.init(jax.random.key(0), x))."
             )
-        streams = _rng_streams(rngs)
-        m = _linen(model, params, mutable, streams)
-        name = name or type(model).__name__
-        return Hybrid(m.call, params, name=name, _model=m, _rng=streams, **settings)
-    if mutable is not None or rngs is not None:
+        m, linen_params, state = _linen(model, params, mutable, rngs)
+        params = params if not state else linen_params  # stateless: the very dict given
+    elif mutable is not None or rngs is not None:
         raise TypeError(
             "hybridize(fn, params, mutable=/rngs=): those are settings of a flax.linen module. "
             "A pure function carries no state: return what changes and pass it back in."
         )
-    if callable(model):
+    elif callable(model):
         if params is None:
             raise TypeError(
                 "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
                 "For a function without params write hybridize(lambda _, x: f(x), {})."
             )
         return Hybrid(model, params, name=name, **settings)
-    raise TypeError(
-        "hybridize() expects a flax.linen.Module with its variables, a flax.nnx.Module, or a "
-        f"pure function fn(params, *inputs); got {type(model).__name__}."
-    )
+    else:
+        raise TypeError(
+            "hybridize() expects a flax.linen.Module with its variables, a flax.nnx.Module, or "
+            f"a pure function fn(params, *inputs); got {type(model).__name__}."
+        )
+    name = name or type(model).__name__
+    return Hybrid(m.call, params, name=name, _model=m, _state=state, **settings)
 
 
 def _flax_kind(model: Any) -> str | None:

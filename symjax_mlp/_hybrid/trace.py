@@ -248,7 +248,7 @@ def explain(
     changes = []
     if old.tree != tree:
         changes.append(f"input tree structure changed from {old.tree} to {tree}")
-    for n, o in zip(sig, old.signature) if old.tree == tree else ():
+    for n, o in zip(sig, old.signature, strict=True) if old.tree == tree else ():
         for field in ("shape", "dtype", "weak_type"):
             if getattr(n, field) != getattr(o, field):
                 changes.append(

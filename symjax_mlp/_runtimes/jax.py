@@ -87,7 +87,7 @@ def runner(
 
         return run
     # A sharded export runs on exactly n devices: under the caller's mesh of n devices (as
-    # load_sharded sets one), else under a mesh of the first n (check_supported saw enough).
+    # load(path, mesh=...) sets one), else under a mesh of the first n (check_supported saw enough).
     mesh = jax.make_mesh(
         (n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n]
     )

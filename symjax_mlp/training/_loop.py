@@ -181,7 +181,8 @@ def train(
     Args:
       model: a ``flax.linen`` module mapping ``(batch, features)`` to ``(batch, classes)``
         logits (default: ``mlp((128, 64, num_classes))``).
-      data: a :class:`~symjax_mlp.Dataset` (default: :func:`~symjax_mlp.load_digits`).
+      data: a :class:`~symjax_mlp.training.Dataset` (default:
+        :func:`~symjax_mlp.training.load_digits`).
       optimizer: any ``optax.GradientTransformation`` (default: ``optax.adam``).
       learning_rate: the default adam's learning rate (default 1e-3); not used otherwise.
       epochs: total epochs to reach, counting those done before a resumed checkpoint.

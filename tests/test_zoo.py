@@ -1,0 +1,304 @@
+"""Every feature over the model zoo: linen and nnx, flags, state, rng, several inputs, pytrees.
+
+For each model: compiled == eager == plain Flax after N calls (same rng, same state), static
+settings retrace with a reason, gradients through ``h.apply`` equal ``jax.grad`` of plain
+Flax, and the eval-mode model exports and loads back.
+"""
+
+from __future__ import annotations
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import ZOO, Case, reference_calls
+
+import symjax_mlp as sm
+
+N = 3
+TOL = {"rtol": 2e-5, "atol": 2e-5}
+IDS = [c.name for c in ZOO]
+
+
+def _pure(state):
+    if isinstance(state, nnx.State):
+        return nnx.to_pure_dict(state)
+    return state
+
+
+def _keyless(tree):
+    """``tree`` (an nnx State or pytree) with typed rng keys as their raw key data."""
+
+    def data(v):
+        return jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+
+    return jax.tree.map(data, _pure(tree))
+
+
+def _assert_trees_close(a, b):
+    chex.assert_trees_all_close(_keyless(a), _keyless(b), **TOL)
+
+
+@pytest.mark.parametrize("case", ZOO, ids=IDS)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_compiled_equals_eager_equals_plain_flax(case: Case, mode: str):
+    settings = case.train if mode == "train" else case.eval
+    want, want_state = reference_calls(case, N, settings)
+    compiled, eager = case.hybridize(), case.hybridize()
+    got = [compiled(*case.inputs(i), **settings) for i in range(N)]
+    got_eager = [eager.eager(*case.inputs(i), **settings) for i in range(N)]
+    _assert_trees_close(got, want)
+    _assert_trees_close(got_eager, want)
+    if want_state is not None and jax.tree.leaves(_pure(want_state)):
+        _assert_trees_close(compiled.state, want_state)
+        _assert_trees_close(eager.state, want_state)
+    assert compiled.trace_count == 1  # one signature, one setting: one trace for N calls
+    assert compiled.stateful == case.stateful
+
+
+@pytest.mark.parametrize("case", [c for c in ZOO if c.stateful], ids=lambda c: c.name)
+def test_state_moves_in_train_mode(case: Case):
+    h = case.hybridize()
+    before = jax.tree.map(np.asarray, jax.tree.leaves(_keyless(h.state)))
+    first = h(*case.inputs(0), **case.train)
+    second = h(*case.inputs(0), **case.train)  # same input: only the state differs
+    after = jax.tree.map(np.asarray, jax.tree.leaves(_keyless(h.state)))
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    if "dropout" in case.name:  # a new mask on every call, as eager Flax draws one
+        assert not np.allclose(np.asarray(first), np.asarray(second))
+
+
+def test_the_nnx_module_reads_back_with_its_state():
+    case = next(c for c in ZOO if c.name == "nnx_batchnorm")
+    h = case.hybridize()
+    for i in range(N):
+        h(*case.inputs(i), train=True)
+    module = h.module
+    assert isinstance(module, nnx.Module)
+    _, want_state = reference_calls(case, N, case.train)
+    _assert_trees_close(nnx.state(module, nnx.Not(nnx.Param)), want_state)
+    # the module read back computes what h computes
+    x = case.inputs(9)[0]
+    chex.assert_trees_all_close(module(x, train=False), h(x, train=False), **TOL)
+
+
+def test_a_static_setting_retraces_with_its_name_and_values():
+    case = next(c for c in ZOO if c.name == "linen_batchnorm")
+    h = case.hybridize(max_traces=2)
+    x = case.inputs(0)[0]
+    h(x, train=True)
+    h(x, train=True)
+    h(x, train=False)
+    assert h.trace_count == 2
+    assert h.trace_log[1].reason == "kwargs['train'] (static) changed from True to False"
+    with pytest.raises(sm.RetraceError, match=r"kwargs\['depth'\] \(static\)"):
+        h(x, train=False, depth=1)  # counts against the budget like any retrace
+
+
+def test_positional_int_and_str_settings_are_static():
+    h = sm.hybridize(lambda p, x, n, mode: x * n if mode == "mul" else x + n, {})
+    x = jnp.ones(2)
+    assert np.array_equal(h(x, 3, "mul"), [3.0, 3.0])
+    assert np.array_equal(h(x, 3, "add"), [4.0, 4.0])
+    assert h.trace_count == 2
+    assert "args[2] (static) changed from 'mul' to 'add'" in h.trace_log[1].reason
+
+
+def test_static_argnums_force_an_array_static():
+    def f(p, x, table):
+        return x * int(table[0])  # needs the concrete value of `table`
+
+    h = sm.hybridize(f, {}, static_argnums=1)  # args[1] of the call, as the trace log names it
+    assert np.array_equal(h(jnp.ones(2), np.array([4])), [4.0, 4.0])
+    with pytest.raises(sm.ControlFlowError):
+        sm.hybridize(f, {})(jnp.ones(2), np.array([4]))
+
+
+def test_kwargs_arrays_are_traced():
+    h = sm.hybridize(lambda p, x, mask=None: x if mask is None else x * mask, {})
+    x = jnp.ones(3)
+    assert np.array_equal(h(x, mask=jnp.array([1.0, 0.0, 1.0])), [1.0, 0.0, 1.0])
+    assert np.array_equal(h(x, mask=jnp.array([0.0, 0.0, 1.0])), [0.0, 0.0, 1.0])
+    assert h.trace_count == 1
+    assert [s.path for s in h.trace_log[0].signature] == ["args[0]", "kwargs['mask']"]
+
+
+@pytest.mark.parametrize("case", ZOO, ids=IDS)
+def test_grad_through_apply_equals_plain_flax(case: Case):
+    model, params = case.build()
+    h = case.hybridize()
+    xs, settings = case.inputs(0), case.train if not case.stateful else case.eval
+
+    def loss_h(p):
+        out = h.apply(p, *xs, **settings)
+        out = out[0] if h.stateful else out
+        return sum(jnp.sum(o**2) for o in jax.tree.leaves(out))
+
+    got = jax.grad(loss_h)(h.params)
+    assert jax.tree.structure(got) == jax.tree.structure(h.params)
+    if case.kind == "nnx":
+        graphdef, p, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss_ref(p):
+            out = nnx.merge(graphdef, p, rest)(*xs, **settings)
+            return sum(jnp.sum(o**2) for o in jax.tree.leaves(out))
+
+        want = nnx.to_pure_dict(jax.grad(loss_ref)(p))
+    elif case.kind == "linen":
+        collections = {c: v for c, v in params.items() if c != "params"}
+
+        def loss_ref(p):
+            out = model.apply({**p, **collections}, *xs, **settings)
+            return sum(jnp.sum(o**2) for o in jax.tree.leaves(out))
+
+        want = jax.grad(loss_ref)({"params": params["params"]})
+    else:
+
+        def loss_ref(p):
+            return sum(jnp.sum(o**2) for o in jax.tree.leaves(model(p, *xs, **settings)))
+
+        want = jax.grad(loss_ref)(params)
+    chex.assert_trees_all_close(got, want, **TOL)
+    assert any(e.entry == "apply" for e in h.trace_log)
+
+
+def test_apply_returns_the_new_state_of_a_stateful_model_and_holds_nothing():
+    case = next(c for c in ZOO if c.name == "linen_batchnorm")
+    h = case.hybridize()
+    x = case.inputs(0)[0]
+    model, variables = case.build()
+    before = h.state
+    out, new = h.apply(h.params, x, train=True)
+    assert h.state is before  # nothing held
+    ref_out, ref_updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    chex.assert_trees_all_close(out, ref_out, **TOL)
+    chex.assert_trees_all_close(new["batch_stats"], ref_updates["batch_stats"], **TOL)
+    # the pure form chains: feeding the new state back gives the second step
+    out2, _ = h.apply(h.params, x, train=True, state=new)
+    ref2, _ = model.apply({**variables, **ref_updates}, x, train=True, mutable=["batch_stats"])
+    chex.assert_trees_all_close(out2, ref2, **TOL)
+
+
+def test_optax_drives_apply():
+    import optax
+
+    case = next(c for c in ZOO if c.name == "linen_two_inputs")
+    h = case.hybridize()
+    xs = case.inputs(0)
+    opt = optax.sgd(0.1)
+    params, state = h.params, opt.init(h.params)
+
+    def loss(p):
+        return jnp.mean(h.apply(p, *xs) ** 2)
+
+    first = loss(params)
+    for _ in range(5):
+        grads = jax.grad(loss)(params)
+        updates, state = opt.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert loss(params) < first
+    assert h.trace_count <= 2  # the grad trace and the plain one: not one per step
+
+
+def test_grad_vmap_and_outer_jit_over_a_stateless_hybrid(chapter):
+    _, _, h, x = chapter
+    g = jax.grad(lambda x: h(x).sum())(x)
+    assert g.shape == x.shape and np.isfinite(np.asarray(g)).all()
+    xs = jnp.stack([x[0]] * 5)[:, None, :]
+    chex.assert_trees_all_close(jax.vmap(h)(xs)[:, 0], h(xs[:, 0]), **TOL)
+    chex.assert_trees_all_close(jax.jit(lambda x: h(x) * 2)(x), h(x) * 2, **TOL)
+
+
+def test_a_stateful_hybrid_under_jit_says_to_use_apply():
+    case = next(c for c in ZOO if c.name == "nnx_batchnorm")
+    h = case.hybridize()
+    with pytest.raises(sm.ControlFlowError, match=r"h\.apply\(h\.params, x\)"):
+        jax.jit(lambda x: h(x, train=True))(case.inputs(0)[0])
+
+
+def test_donate_reuses_the_state_buffers():
+    case = next(c for c in ZOO if c.name == "linen_batchnorm")
+    h = case.hybridize(donate=True)
+    old = jax.tree.leaves(h.state)[0]
+    h(*case.inputs(0), train=True)
+    h(*case.inputs(1), train=True)
+    assert old.is_deleted()  # the first call's input state was donated to XLA
+    _, want = reference_calls(case, 2, case.train)
+    _assert_trees_close(h.state, want)  # donation changes buffers, not results
+    assert h.trace_count == 1
+
+
+def test_a_hybrid_is_frozen_and_replace_stays_in_sync(chapter):
+    _, variables, h, x = chapter
+    with pytest.raises(AttributeError, match=r"h = h\.replace\(params=\.\.\.\)"):
+        h.params = variables
+    doubled = jax.tree.map(lambda a: a * 2, variables)
+    h2 = h.replace(params=doubled)
+    chex.assert_trees_all_close(h2(x), h2.eager(x), **TOL)
+    assert not np.allclose(np.asarray(h2(x)), np.asarray(h(x)))
+    with pytest.raises(TypeError, match="not a setting"):
+        h.replace(weights=doubled)
+
+
+def test_a_failed_trace_is_neither_counted_nor_logged(chapter):
+    _, _, h, x = chapter
+    h = h.replace(max_traces=1)
+    with pytest.raises(flax.errors.ScopeParamShapeError):
+        h(jnp.ones((1, 511)))  # wrong width: flax raises while tracing
+    assert h.trace_count == 0
+    h(x)
+    assert h.trace_count == 1 and h.trace_log[0].reason == "first call"
+
+
+def test_reason_is_against_the_nearest_earlier_trace():
+    h = sm.hybridize(lambda p, x: x * 2, {})
+    h(jnp.ones((1, 3)))
+    h(jnp.ones((5, 4), jnp.int32))
+    h(jnp.ones((5, 4)))  # one change from the second trace, two from the first
+    assert h.trace_log[2].reason == "args[0].dtype changed from int32 to float32"
+    h(jnp.ones((5, 4), jnp.int32))
+    assert h.trace_count == 3  # a cache hit: no fourth trace
+
+
+def test_a_python_list_is_refused_as_an_input_type(chapter):
+    _, _, h, _ = chapter
+    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a Python list.*jnp\.asarray"):
+        h([[1.0] * 512])
+
+
+def test_data_dependent_shapes_are_control_flow_errors_with_the_fix():
+    take = sm.hybridize(lambda p, x, n: x[: int(n)], {})
+    with pytest.raises(sm.ControlFlowError, match="static size"):
+        take(jnp.ones(5), jnp.asarray(2))
+    nonzero = sm.hybridize(lambda p, x: jnp.nonzero(x)[0], {})
+    with pytest.raises(sm.ControlFlowError, match=r"jnp\.nonzero\(x, size=k\)"):
+        nonzero(jnp.ones(5))
+    with pytest.raises(sm.ControlFlowError):
+        sm.stage(lambda x: jnp.nonzero(x)[0])(jnp.ones(5))
+
+
+@pytest.mark.parametrize("case", ZOO, ids=IDS)
+def test_stage_and_graph_take_the_same_arguments(case: Case):
+    h = case.hybridize()
+    g = h.graph(*case.inputs(0), **case.eval)
+    assert g.name == h.name and g.primitive_counts
+    assert h.trace_count == 0
+
+
+@pytest.mark.parametrize("case", ZOO, ids=IDS)
+def test_export_and_load_in_eval_mode(case: Case, tmp_path):
+    h = case.hybridize()
+    xs = case.inputs(0)
+    if case.name == "linen_dict":  # an artifact's inputs are positional arrays: refused clearly
+        with pytest.raises(sm.SignatureError, match=r"args\[0\] is a dict"):
+            sm.export(h, tmp_path / case.name, example=xs)
+        assert not (tmp_path / case.name).exists()
+        return
+    arrays = tuple(x for x in xs if hasattr(x, "shape"))
+    art = sm.export(h, tmp_path / case.name, example=xs, kwargs=case.eval)
+    m = sm.load(art.path)
+    want = h(*xs, **case.eval)
+    chex.assert_trees_all_close(m(*arrays), want, **TOL)
