@@ -1,4 +1,4 @@
-"""Classification data for :func:`~symjax_mlp.training.train`: a fixed split, checked before training.
+"""Classification data for :func:`~symjax_mlp.training.train`: a fixed split, checked first.
 
 :func:`load_digits` is real data that ships inside an installed package (scikit-learn's bundled
 8x8 digits, the optional ``data`` extra), so training needs no download. :class:`Dataset`
