@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -337,3 +338,71 @@ def test_cli_train_progress_json_checkpoint_resume(tmp_path, capsys):
 
     assert main(["train", "--sizes", "32,5", "--quiet"]) == 2
     assert "labels out of range" in capsys.readouterr().err
+
+
+class _BatchNormNet(nn.Module):
+    """A digits classifier with BatchNorm: batch statistics while training, running ones after."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(64)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+        return nn.Dense(10)(x)
+
+
+class _DropoutNet(nn.Module):
+    """A digits classifier with Dropout: a fresh mask every step, none in inference."""
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        x = nn.relu(nn.Dense(64)(x))
+        return nn.Dense(10)(nn.Dropout(0.2)(x, deterministic=deterministic))
+
+
+@pytest.mark.parametrize("net", [_BatchNormNet(), _DropoutNet()], ids=["batchnorm", "dropout"])
+def test_train_batchnorm_and_dropout_models_and_ship_them(digits, net, tmp_path):
+    result = sm.training.train(net, data=digits, epochs=3, checkpoint=tmp_path / "ckpt")
+    assert result.trace_count == 1 and result.test_accuracy > 0.8  # it learns
+    assert result.model_state is not None
+    if "batch_stats" in result.model_state:  # the running statistics moved off their init
+        mean = result.model_state["batch_stats"]["BatchNorm_0"]["mean"]
+        assert float(jnp.abs(mean).max()) > 1e-3
+        assert result.eval_flags == {"train": False}
+    else:
+        assert result.eval_flags == {"deterministic": True} and "rng" in result.model_state
+    # resuming restores the state too, and continues
+    more = sm.training.train(net, data=digits, epochs=4, checkpoint=tmp_path / "ckpt", resume=True)
+    assert more.epoch == 4 and more.resumed_from is not None
+    # the exported model runs in inference mode and reproduces the run's accuracy
+    art = result.export(tmp_path / "art")
+    predictions = np.argmax(np.asarray(sm.load(art.path)(digits.x_test)), axis=-1)
+    assert np.mean(predictions == digits.y_test) == pytest.approx(result.test_accuracy, abs=1e-9)
+
+
+def test_resume_refuses_another_model_or_optimizer(digits, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    sm.training.train(sm.mlp((32, 10)), data=digits, epochs=1, checkpoint=ckpt)
+    with pytest.raises(sm.CheckpointError, match="model_sha256"):
+        sm.training.train(
+            sm.mlp((32, 10), activation="tanh"), data=digits, epochs=2, checkpoint=ckpt, resume=True
+        )
+    with pytest.raises(sm.CheckpointError, match="optimizer_sha256"):
+        sm.training.train(
+            sm.mlp((32, 10)),
+            data=digits,
+            epochs=2,
+            checkpoint=ckpt,
+            resume=True,
+            optimizer=optax.adam(3e-2),
+        )
+
+
+def test_an_edited_epoch_is_refused(digits, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    sm.training.train(sm.mlp((32, 10)), data=digits, epochs=1, checkpoint=ckpt)
+    manifest_file = sm.training.latest_checkpoint(ckpt) / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["epoch"] = 9
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(sm.CheckpointError, match=r"records epoch 9.*history has 1 epoch"):
+        sm.training.train(sm.mlp((32, 10)), data=digits, epochs=5, checkpoint=ckpt, resume=True)

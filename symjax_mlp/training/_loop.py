@@ -36,7 +36,7 @@ from symjax_mlp.training._checkpoint import (
     save_checkpoint,
 )
 from symjax_mlp.training._data import Dataset, check_dataset, load_digits
-from symjax_mlp.training._step import init_params, train_step
+from symjax_mlp.training._step import ModelVars, apply_model, init_params, model_spec, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,9 @@ class TrainResult:
       resumed_from: the checkpoint this call continued from, or ``None``.
       checkpoint: the newest checkpoint written or resumed from, or ``None``.
       num_features: the model's input width.
+      model_state: a BatchNorm/Dropout model's trained state (its ``batch_stats`` and the
+        raw key of its ``dropout`` stream), or ``None``.
+      eval_flags: the keyword settings of an inference call, e.g. ``{"train": False}``.
     """
 
     model: nn.Module
@@ -83,15 +86,28 @@ class TrainResult:
     resumed_from: Path | None
     checkpoint: Path | None
     num_features: int
+    model_state: Any = None
+    eval_flags: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        """The trained model's flax variables: ``{"params": ..., "batch_stats": ...}``."""
+        collections = {c: v for c, v in (self.model_state or {}).items() if c != "rng"}
+        return {"params": self.params, **collections}
 
     def hybridize(self, **kwargs: Any) -> Hybrid:
-        """The trained model as a :class:`~symjax_mlp.Hybrid` (``kwargs`` go to ``hybridize``)."""
-        return hybridize(self.model, {"params": self.params}, **kwargs)
+        """The trained model as a :class:`~symjax_mlp.Hybrid` (``kwargs`` go to ``hybridize``).
+
+        Call it in inference mode with :attr:`eval_flags` (``h(x, train=False)``).
+        """
+        return hybridize(self.model, self.variables, **kwargs)
 
     def export(self, path: str | os.PathLike, **kwargs: Any) -> Artifact:
-        """Exports the trained model with a symbolic batch: ``export(h, path, batch="b")``."""
+        """Exports the trained model in inference mode (:attr:`eval_flags` baked in) with a
+        symbolic batch: ``export(h, path, batch="b", kwargs=eval_flags)``."""
         example = np.zeros((1, self.num_features), np.float32)
         kwargs.setdefault("batch", "b")
+        kwargs.setdefault("kwargs", self.eval_flags)
         return export(self.hybridize(), path, example=example, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,6 +170,51 @@ def _nonfinite_leaf(tree: Any) -> str | None:
         if not np.all(np.isfinite(leaf)):
             return jax.tree_util.keystr(path)
     return None
+
+
+def _model_fingerprint(model: nn.Module, params: Any) -> str:
+    """The model's configuration (its repr: layers, widths, activations) and param tree."""
+    tree = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params)
+    return hashlib.sha256(f"{model!r}|{tree}".encode()).hexdigest()
+
+
+def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
+    """What the optimizer does, measured: its first two updates of a fixed small problem.
+
+    An optax transformation is a pair of closures, so its hyperparameters cannot be read;
+    two steps on fixed gradients tell adam(1e-3) from adam(3e-2) or sgd, deterministically.
+    """
+    w = {"w": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)}
+    g = {"w": jnp.cos(jnp.arange(8, dtype=jnp.float32))}
+    digest = hashlib.sha256(type(optimizer).__name__.encode())
+    try:
+        opt_state = optimizer.init(w)
+        for _ in range(2):
+            updates, opt_state = optimizer.update(g, opt_state, w)
+            digest.update(np.asarray(updates["w"], np.float32).tobytes())
+    except Exception:  # an optimizer that cannot run on a toy tree: its type only
+        pass
+    return digest.hexdigest()
+
+
+def _history(found: Path, meta: dict[str, Any], state: TrainState) -> list[EpochRecord]:
+    """The history a checkpoint records, checked against its step and epoch."""
+    try:
+        history = [EpochRecord(**r) for r in meta["history"]]
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{found}: its history is missing or malformed ({e}); the checkpoint was edited or "
+            "is corrupted. Resume from an older step_* directory, or start over."
+        ) from None
+    last = history[-1] if history else None
+    if len(history) != state.epoch or (last is not None and last.step != state.step):
+        raise CheckpointError(
+            f"{found}: it records epoch {state.epoch} and step {state.step}, but its history "
+            f"has {len(history)} epoch(s) ending at step {last.step if last else 0}. The "
+            "manifest was edited; resuming would skip or repeat epochs. Resume from an older "
+            "step_* directory, or start over."
+        )
+    return history
 
 
 def train(
@@ -252,7 +313,8 @@ def train(
 
     rng, init_key = jax.random.split(jax.random.key(seed))
     params = init_params(model, init_key, example)
-    state = TrainState(params, _unaliased(params, optimizer.init(params)), rng)
+    trainable = params.params if isinstance(params, ModelVars) else params
+    state = TrainState(params, _unaliased(params, optimizer.init(trainable)), rng)
     config = {
         "seed": seed,
         "batch_size": batch_size,
@@ -260,6 +322,8 @@ def train(
         "data_sha256": _fingerprint(data),
         "num_features": data.num_features,
         "num_outputs": int(out.shape[-1]),
+        "model_sha256": _model_fingerprint(model, params),
+        "optimizer_sha256": _optimizer_fingerprint(optimizer),
     }
     history: list[EpochRecord] = []
     resumed_from = newest = None
@@ -278,7 +342,7 @@ def train(
                 f"{ {k: config[k] for k in changed} }. Resuming would not continue that run; "
                 "resume with the same settings, or start over in an empty directory."
             )
-        history = [EpochRecord(**r) for r in meta["history"]]
+        history = _history(found, meta, state)
         resumed_from = newest = found
 
     step = train_step(model, optimizer)
@@ -294,7 +358,7 @@ def train(
         return step(params, opt_state, x, y, w)
 
     def predict(params, x):
-        return jnp.argmax(model.apply({"params": params}, x), axis=-1)
+        return jnp.argmax(apply_model(model, params, x, train=False)[0], axis=-1)
 
     if compiled:
         step_fn = jax.jit(counted, donate_argnums=(0, 1))
@@ -360,9 +424,10 @@ def train(
         if on_epoch is not None:
             on_epoch(record)
 
+    stateful = isinstance(params, ModelVars)
     return TrainResult(
         model=model,
-        params=params,
+        params=params.params if stateful else params,
         opt_state=opt_state,
         step=state.step,
         epoch=state.epoch,
@@ -374,4 +439,6 @@ def train(
         resumed_from=resumed_from,
         checkpoint=newest,
         num_features=data.num_features,
+        model_state=params.state if stateful else None,
+        eval_flags=model_spec(model, example).eval_flags,
     )

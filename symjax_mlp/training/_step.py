@@ -8,10 +8,13 @@ the params and optimizer state donated) at their own boundary, as
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,18 +24,117 @@ import optax
 Step = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelVars:
+    """The trainable params of a model with state, and that state, as one pytree.
+
+    Attributes:
+      params: the ``"params"`` collection: what the optimizer updates.
+      state: what the forward pass carries: the model's other collections (``batch_stats``)
+        and, under ``"rng"``, the raw key data of its ``dropout`` stream (split every step).
+    """
+
+    params: Any
+    state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """How to call a flax.linen classifier in training and in inference.
+
+    Attributes:
+      train_flags, eval_flags: the keyword settings for each (``train=True`` /
+        ``deterministic=False`` ...), from the model's ``__call__`` signature.
+      mutable: the collections a training call updates (``("batch_stats",)``).
+      rng: whether a training call draws from a ``dropout`` rng stream.
+    """
+
+    train_flags: dict[str, bool]
+    eval_flags: dict[str, bool]
+    mutable: tuple[str, ...]
+    rng: bool
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.mutable) or self.rng
+
+
+_FLAGS = (("train", True), ("training", True), ("deterministic", False))
+
+
+def model_spec(model: nn.Module, example: Any) -> ModelSpec:
+    """Reads the flags a model takes, and whether training needs mutable collections or rngs."""
+    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
+    params = inspect.signature(type(model).__call__).parameters
+    train, evals = {}, {}
+    for name, training in _FLAGS:
+        if name in params:
+            train[name], evals[name] = training, not training
+    variables = jax.eval_shape(model.init, jax.random.key(0), example)
+    mutable = tuple(c for c in variables if c != "params")
+
+    def run(v: Any, x: Any, rngs: Any = None) -> Any:
+        return model.apply(v, x, rngs=rngs, mutable=list(mutable), **train)
+
+    try:
+        jax.eval_shape(run, variables, example)
+        rng = False
+    except flax.errors.InvalidRngError:
+        jax.eval_shape(run, variables, example, {"dropout": jax.random.key(0)})
+        rng = True
+    return ModelSpec(train, evals, mutable, rng)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def init_params(model: nn.Module, key: jax.Array, example: jax.Array) -> Any:
     """``model.init(key, example)["params"]``, compiled once per model and input signature.
 
-    Compiled because eagerly each initializer op compiles on its own (seconds on a CPU), and
-    cached on the (hashable) module, so repeated runs of one model pay it once.
+    A model with state (BatchNorm's ``batch_stats``, a ``dropout`` rng) gets a
+    :class:`ModelVars` of its params and that state instead. Compiled because eagerly each
+    initializer op compiles on its own (seconds on a CPU), and cached on the (hashable) module,
+    so repeated runs of one model pay it once.
     """
-    return model.init(key, example)["params"]
+    spec = model_spec(model, example)
+    variables = model.init(key, example)
+    if not spec.stateful:
+        return variables["params"]
+    state = {c: variables[c] for c in spec.mutable}
+    if spec.rng:
+        state["rng"] = jax.random.key_data(jax.random.fold_in(key, 1))
+    return ModelVars(variables["params"], state)
+
+
+def apply_model(model: nn.Module, params: Any, x: jax.Array, *, train: bool) -> Any:
+    """Logits of ``model`` for ``x``, and the new params (a :class:`ModelVars` moves its state).
+
+    Returns:
+      ``(logits, params)``; ``params`` is unchanged unless it is a :class:`ModelVars` and
+      ``train`` (then its collections and rng move on, exactly as eager Flax would).
+    """
+    if not isinstance(params, ModelVars):
+        return model.apply({"params": params}, x), params
+    spec = model_spec(model, x[:1])  # read at trace time: shapes only
+    flags = spec.train_flags if train else spec.eval_flags
+    collections = {c: params.state[c] for c in spec.mutable}
+    variables = {"params": params.params, **collections}
+    if not train:
+        return model.apply(variables, x, **flags), params
+    state = dict(params.state)
+    rngs = None
+    if spec.rng:
+        key, sub = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        state["rng"], rngs = jax.random.key_data(key), {"dropout": sub}
+    logits, updates = model.apply(variables, x, rngs=rngs, mutable=list(spec.mutable), **flags)
+    return logits, ModelVars(params.params, {**state, **updates})
 
 
 def train_step(model: nn.Module, optimizer: optax.GradientTransformation) -> Step:
     """The pure training step ``step(params, opt_state, x, y, w) -> (params, opt_state, metrics)``.
+
+    ``params`` is the ``"params"`` collection, or a :class:`ModelVars` for a model with
+    BatchNorm or Dropout (its state moves on every step; the optimizer state is of
+    ``params.params``); :func:`init_params` gives the right one.
 
     The loss is the softmax cross-entropy of ``model`` against integer labels ``y``, averaged
     with per-example weights ``w`` (0 marks padding); ``metrics`` holds the batch ``"loss"``
@@ -51,17 +153,22 @@ def train_step(model: nn.Module, optimizer: optax.GradientTransformation) -> Ste
       ['correct', 'loss']
     """
 
-    def loss_fn(params: Any, x: jax.Array, y: jax.Array, w: jax.Array):
-        logits = model.apply({"params": params}, x)
+    def loss_fn(trainable: Any, rest: Any, x: jax.Array, y: jax.Array, w: jax.Array):
+        params = trainable if rest is None else ModelVars(trainable, rest)
+        logits, params = apply_model(model, params, x, train=True)
         losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
         loss = jnp.sum(w * losses) / jnp.maximum(jnp.sum(w), 1.0)
         correct = jnp.sum(w * (jnp.argmax(logits, axis=-1) == y))
-        return loss, correct
+        return loss, (correct, params)
 
     def step(params: Any, opt_state: Any, x: jax.Array, y: jax.Array, w: jax.Array):
-        (loss, correct), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, w)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        stateful = isinstance(params, ModelVars)
+        trainable, rest = (params.params, params.state) if stateful else (params, None)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, (correct, moved)), grads = grad_fn(trainable, rest, x, y, w)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        params = ModelVars(trainable, moved.state) if stateful else trainable
         return params, opt_state, {"loss": loss, "correct": correct}
 
     return step
