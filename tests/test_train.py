@@ -298,8 +298,9 @@ def test_time_train_step_reports_both_rates():
 
 
 def test_exported_model_reproduces_the_test_accuracy_in_a_fresh_process(trained, digits, tmp_path):
-    trained.export(tmp_path / "digits_mlp")
-    np.save(tmp_path / "x.npy", digits.x_test)
+    trained.export(tmp_path / "digits_mlp")  # the standardisation travels with the model
+    raw = digits.x_test * digits.std + digits.mean  # the pixels as they come
+    np.save(tmp_path / "x.npy", raw.astype(np.float32))
     in_process = np.asarray(trained.hybridize()(digits.x_test)).argmax(-1)
     code = (
         "import json, sys, numpy as np, symjax_mlp as sm\n"
@@ -375,7 +376,8 @@ def test_train_batchnorm_and_dropout_models_and_ship_them(digits, net, tmp_path)
     assert more.epoch == 4 and more.resumed_from is not None
     # the exported model runs in inference mode and reproduces the run's accuracy
     art = result.export(tmp_path / "art")
-    predictions = np.argmax(np.asarray(sm.load(art.path)(digits.x_test)), axis=-1)
+    raw = (digits.x_test * digits.std + digits.mean).astype(np.float32)
+    predictions = np.argmax(np.asarray(sm.load(art.path)(raw)), axis=-1)
     assert np.mean(predictions == digits.y_test) == pytest.approx(result.test_accuracy, abs=1e-9)
 
 

@@ -29,6 +29,8 @@ class Dataset:
         (``None`` when they were not); apply them to new raw inputs with :meth:`standardize`.
 
     Example:
+      >>> import numpy as np
+      >>> from symjax_mlp.training import Dataset
       >>> x = np.zeros((4, 3), np.float32); y = np.array([0, 1, 0, 1])
       >>> Dataset(x, y, x, y).num_features
       3

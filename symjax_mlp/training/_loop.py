@@ -71,6 +71,8 @@ class TrainResult:
       model_state: a BatchNorm/Dropout model's trained state (its ``batch_stats`` and the
         raw key of its ``dropout`` stream), or ``None``.
       eval_flags: the keyword settings of an inference call, e.g. ``{"train": False}``.
+      standardize: the data's per-feature ``(mean, std)`` the model was trained on (raw
+        features ``x`` enter it as ``(x - mean) / std``), or ``None``.
     """
 
     model: nn.Module
@@ -88,6 +90,7 @@ class TrainResult:
     num_features: int
     model_state: Any = None
     eval_flags: dict[str, bool] = dataclasses.field(default_factory=dict)
+    standardize: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def variables(self) -> dict[str, Any]:
@@ -102,13 +105,29 @@ class TrainResult:
         """
         return hybridize(self.model, self.variables, **kwargs)
 
-    def export(self, path: str | os.PathLike, **kwargs: Any) -> Artifact:
-        """Exports the trained model in inference mode (:attr:`eval_flags` baked in) with a
-        symbolic batch: ``export(h, path, batch="b", kwargs=eval_flags)``."""
+    def export(
+        self, path: str | os.PathLike, *, raw_inputs: bool = True, **kwargs: Any
+    ) -> Artifact:
+        """Exports the trained model in inference mode, with a symbolic batch.
+
+        With ``raw_inputs`` (the default) the data's standardisation (:attr:`standardize`)
+        is baked into the exported function: the artifact takes raw features, as they come,
+        and gives the logits the training run evaluated. ``kwargs`` go to
+        :func:`~symjax_mlp.export`.
+        """
         example = np.zeros((1, self.num_features), np.float32)
         kwargs.setdefault("batch", "b")
-        kwargs.setdefault("kwargs", self.eval_flags)
-        return export(self.hybridize(), path, example=example, **kwargs)
+        if not raw_inputs or self.standardize is None:
+            kwargs.setdefault("kwargs", self.eval_flags)
+            return export(self.hybridize(), path, example=example, **kwargs)
+        model, flags = self.model, self.eval_flags
+        mean, std = (np.asarray(a, np.float32) for a in self.standardize)
+
+        def raw_model(variables: Any, x: jax.Array) -> jax.Array:
+            return model.apply(variables, (x - mean) / std, **flags)
+
+        h = hybridize(raw_model, self.variables, name=type(model).__name__)
+        return export(h, path, example=example, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able summary: accuracy, timing, steps and the per-epoch history."""
@@ -441,4 +460,5 @@ def train(
         num_features=data.num_features,
         model_state=params.state if stateful else None,
         eval_flags=model_spec(model, example).eval_flags,
+        standardize=None if data.mean is None else (data.mean, data.std),
     )
