@@ -9,7 +9,7 @@ import threading
 
 import jax.numpy as jnp
 import numpy as np
-from test_export import rand, small
+from helpers import rand, small
 
 import symjax_mlp as sm
 

@@ -1,9 +1,10 @@
 """Loader fuzzing, and what an artifact can never do: escape its directory, allocate what its
 manifest declares, run code, or return a different answer.
 
-The fuzz cases run in worker processes (``tests/fuzz_target.py``), so a crash is a counted
-signal, not a dead test run. CI runs ``SYMJAX_FUZZ_CASES`` cases (default 1000, 15-25 s on
-two cores); the release run, documented in RELIABILITY.md, is::
+The fuzz cases run in worker processes (the ``tests/fuzzing`` package: its driver starts
+``python -m fuzzing.worker``), so a crash is a counted signal, not a dead test run. CI runs
+``SYMJAX_FUZZ_CASES`` cases (default 1000, 15-25 s on two cores); the release run, documented
+in RELIABILITY.md, is::
 
     SYMJAX_FUZZ_CASES=20000 SYMJAX_FUZZ_WORKERS=8 pytest tests/test_fuzz.py -k fuzzed -s
 """
@@ -18,10 +19,10 @@ import sys
 import tracemalloc
 from pathlib import Path
 
-import fuzz_target
 import numpy as np
 import pytest
-from test_export import small
+from fuzzing.driver import fuzz
+from helpers import small
 
 import symjax_mlp as sm
 
@@ -32,7 +33,7 @@ WORKERS = int(os.environ.get("SYMJAX_FUZZ_WORKERS", "2"))
 
 # -- the fuzz run -------------------------------------------------------------------------------
 def test_fuzzed_artifacts_are_refused_or_load_unchanged(tmp_path):
-    summary = fuzz_target.fuzz(tmp_path, cases=CASES, seed=SEED, workers=WORKERS)
+    summary = fuzz(tmp_path, cases=CASES, seed=SEED, workers=WORKERS)
     print("\n" + json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
     failures = summary["failures"]
     assert failures == [], f"{len(failures)} failing case(s):\n" + "\n".join(
@@ -51,7 +52,7 @@ def test_fuzzed_artifacts_are_refused_or_load_unchanged(tmp_path):
 def test_the_fuzz_driver_sees_crashes_hangs_and_wrong_outputs(tmp_path, monkeypatch):
     """The zeros above mean something: sabotaged cases are each caught and attributed."""
     monkeypatch.setenv("SYMJAX_FUZZ_SELFTEST", "1=crash,3=hang,4=foreign,6=wrong")
-    summary = fuzz_target.fuzz(tmp_path, cases=8, seed=SEED, workers=1, timeout=3)
+    summary = fuzz(tmp_path, cases=8, seed=SEED, workers=1, timeout=3)
     failed = {f["case"]: f for f in summary["failures"]}
     assert {c: f["outcome"] for c, f in failed.items()} == {
         1: "crash",
@@ -219,7 +220,7 @@ def test_loading_never_runs_code_from_the_artifact(tiny, tmp_path):
     with pytest.raises(sm.ArtifactError, match="not a valid safetensors file"):
         sm.load(copy)
     assert not marker.exists()
-    new = [sys.modules[m] for m in set(sys.modules) - before]
+    new = [module for name, module in sys.modules.items() if name not in before]
     assert not [m for m in new if str(getattr(m, "__file__", "")).startswith(str(copy))]
 
 

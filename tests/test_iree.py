@@ -1,19 +1,22 @@
 """The same artifact outside JAX: IREE from Python, and IREE's native tools with no Python."""
 
+import hashlib
 import importlib
 import json
+import shutil
 import subprocess
 
 import iree.compiler
+import iree.runtime
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
 from iree.compiler.tools.binaries import find_tool
-from symjax_mlp.runtimes import iree as iree_rt
 
 import symjax_mlp as sm
+import symjax_mlp._runtimes.iree as iree_rt  # the cache location: cache_dir, vmfb_cache_key
 from symjax_mlp.cli import main
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -31,6 +34,14 @@ def chapter(tmp_path_factory):
     return sm.export(h, tmp_path_factory.mktemp("iree") / "net", example=rand(1)), h
 
 
+@pytest.fixture(autouse=True)
+def user_cache(tmp_path, monkeypatch):
+    """Each test its own per-user cache (``$XDG_CACHE_HOME``): none runs what another built."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    assert iree_rt.cache_dir() == tmp_path / "xdg-cache" / "symjax_mlp" / "iree"
+    return iree_rt.cache_dir()
+
+
 @pytest.fixture
 def compiles(monkeypatch):
     """Counts calls of iree.compiler.compile_str (the only place IREE compiles)."""
@@ -45,8 +56,33 @@ def compiles(monkeypatch):
     return calls
 
 
-def test_iree_matches_jax_and_caches_the_vmfb(chapter, compiles):
+@pytest.fixture
+def executed(monkeypatch):
+    """Records the bytes of every compiled module IREE is handed to run."""
+    modules = []
+    real = iree.runtime.VmModule.copy_buffer
+
+    def recording(instance, buffer):
+        modules.append(bytes(buffer))
+        return real(instance, buffer)
+
+    monkeypatch.setattr(iree.runtime.VmModule, "copy_buffer", staticmethod(recording))
+    return modules
+
+
+def cache_entry(art):
+    """Where the .vmfb compiled from this artifact's model.mlirbc is cached for this user."""
+    module_sha = hashlib.sha256((art.path / "model.mlirbc").read_bytes()).hexdigest()
+    return iree_rt.cache_dir() / iree_rt.vmfb_cache_key(module_sha)
+
+
+def listing(directory):
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def test_iree_matches_jax_and_caches_the_vmfb_per_user(chapter, compiles, user_cache):
     art, h = chapter
+    before = listing(art.path)
     m = sm.load(art.path, runtime="iree")
     assert len(compiles) == 1 and "--iree-llvmcpu-target-cpu=host" in compiles[0]
     jax_model = sm.load(art.path)
@@ -56,26 +92,99 @@ def test_iree_matches_jax_and_caches_the_vmfb(chapter, compiles):
         assert isinstance(y, np.ndarray) and y.shape == (batch, 2) and y.dtype == np.float32
         np.testing.assert_allclose(y, np.asarray(jax_model(x)), **TOL)
         np.testing.assert_allclose(y, np.asarray(h(x)), **TOL)
-    cache = art.path / iree_rt.vmfb_cache_name()
-    assert cache.exists() and iree_rt.iree_version() in cache.name and "llvm-cpu" in cache.name
-    # cached: no second compile; the extra files do not break the artifact's checksums
-    sm.load(art.path, runtime="iree")
+    # the cache is one file in the user's cache directory, none in the artifact
+    cache = cache_entry(art)
+    assert [p.name for p in user_cache.iterdir()] == [cache.name]  # no temporary litter
+    assert cache.name.endswith(".vmfb") and cache.stat().st_size > 0
+    assert listing(art.path) == before
+    # cached: no second compile; the artifact is as exported
+    np.testing.assert_allclose(sm.load(art.path, runtime="iree")(rand(3)), h(rand(3)), **TOL)
     assert len(compiles) == 1
     assert sm.inspect(art.path).op_counts()["stablehlo.dot_general"] == 3
     np.testing.assert_allclose(sm.load(art.path)(rand(3)), h(rand(3)), rtol=1e-6)
-    # a corrupted cache is detected and rebuilt, never run
-    data = bytearray(cache.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    cache.write_bytes(bytes(data))
-    m = sm.load(art.path, runtime="iree")
-    assert len(compiles) == 2
-    np.testing.assert_allclose(m(rand(2)), np.asarray(h(rand(2))), **TOL)
-    # a cache for another IREE version or CPU has another name and is left alone
-    other = art.path / "model.iree-0.0.1.llvm-cpu-x86_64-0000000000.vmfb"
+    # a cache entry for another module, IREE version or CPU has another name: left alone
+    other = user_cache / f"{'0' * 64}.vmfb"
     other.write_bytes(b"stale")
     sm.load(art.path, runtime="iree")
-    assert len(compiles) == 2 and other.read_bytes() == b"stale"
-    other.unlink()
+    assert len(compiles) == 1 and other.read_bytes() == b"stale"
+    assert listing(art.path) == before
+
+
+def _damage(data: bytes, how: str) -> bytes:
+    if how == "flipped":
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0xFF
+        return bytes(b)
+    if how == "truncated":
+        return data[: len(data) // 2]
+    if how == "empty":
+        return b""
+    return b"\x7fELF not a vmfb" * 64  # "junk"
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "empty", "junk"])
+def test_a_damaged_cache_entry_is_compiled_again_never_trusted(chapter, compiles, how):
+    art, h = chapter
+    sm.load(art.path, runtime="iree")
+    cache = cache_entry(art)
+    good = cache.read_bytes()
+    assert len(compiles) == 1
+    cache.write_bytes(_damage(good, how))
+    m = sm.load(art.path, runtime="iree")
+    assert len(compiles) == 2  # the damaged entry was not run: it was compiled again
+    for batch in (1, 7):
+        x = rand(batch, seed=batch)
+        np.testing.assert_allclose(m(x), np.asarray(h(x)), **TOL)
+    assert cache.read_bytes() != _damage(good, how)  # and the cache holds the new build
+    np.testing.assert_allclose(sm.load(art.path, runtime="iree")(rand(2)), h(rand(2)), **TOL)
+    assert len(compiles) == 2
+
+
+def test_compiled_code_planted_in_the_artifact_is_never_run(
+    chapter, tmp_path, compiles, executed, user_cache
+):
+    """A .vmfb (and a matching .sha256 stamp) in the artifact directory is never loaded:
+    compiled code only comes from the user's own cache, keyed by the module's sha256."""
+    art, h = chapter
+    copy = shutil.copytree(art.path, tmp_path / "art")
+    # a real, loadable .vmfb of another program taking the same arguments (the same weights,
+    # its output negated): if it ran, every answer would be wrong
+    evil = sm.hybridize(lambda p, x: -h.fn(p, x), h.params)
+    assert not np.allclose(evil(rand(2)), h(rand(2)), **TOL)
+    other = sm.export(evil, tmp_path / "evil", example=rand(1))
+    assert other.manifest["mlir_arguments"] == art.manifest["mlir_arguments"]
+    mlirbc = (other.path / "model.mlirbc").read_bytes()
+    planted_vmfb = iree.compiler.compile_str(
+        mlirbc, input_type="stablehlo", extra_args=iree_rt.compile_flags()[1:]
+    )
+    module_sha = hashlib.sha256((copy / "model.mlirbc").read_bytes()).hexdigest()
+    names = [
+        iree_rt.vmfb_cache_key(module_sha),  # the very name the user's cache would use
+        f"model.iree-{iree_rt.iree_version()}.llvm-cpu-x86_64-0000000000.vmfb",
+        "model.vmfb",
+    ]
+    planted = {}
+    for name in names:
+        planted[name] = planted_vmfb
+        stamp = " ".join([hashlib.sha256(planted_vmfb).hexdigest(), module_sha])
+        planted[f"{name}.sha256"] = " ".join([stamp, *iree_rt.compile_flags()]).encode()
+    planted["junk.vmfb"] = b"\x7fELF" + bytes(range(256)) * 16
+    planted["junk.vmfb.sha256"] = hashlib.sha256(planted["junk.vmfb"]).hexdigest().encode()
+    for name, data in planted.items():
+        (copy / name).write_bytes(data)
+    compiles.clear()
+    for attempt in range(2):  # compiled into an empty cache, then from the cache
+        m = sm.load(copy, runtime="iree")
+        for batch in (1, 7):
+            x = rand(batch, seed=batch)
+            np.testing.assert_allclose(m(x), np.asarray(h(x)), **TOL)
+        assert len(compiles) == 1, attempt
+        assert [p.name for p in user_cache.iterdir()] == [names[0]]
+        assert user_cache.joinpath(names[0]).read_bytes() != planted_vmfb
+    assert executed and not [b for b in executed if b in planted.values()]
+    for name, data in planted.items():  # untouched
+        assert (copy / name).read_bytes() == data, name
+    assert sm.inspect(copy).op_counts()["stablehlo.dot_general"] == 3  # the extra files: no harm
 
 
 def test_iree_checks_shapes_and_dtypes_itself(chapter):
@@ -133,7 +242,8 @@ def test_iree_compile_failure_is_an_artifact_error(tmp_path, compiles):
     bad = b"module { func.func @main() { stablehlo.bogus_op } }"
     (art.path / "model.mlirbc").write_bytes(bad)
     manifest = json.loads((art.path / "manifest.json").read_text())
-    manifest["files"]["model.mlirbc"] = {"sha256": sm.manifest.sha256(bad), "bytes": len(bad)}
+    digest = hashlib.sha256(bad).hexdigest()
+    manifest["files"]["model.mlirbc"] = {"sha256": digest, "bytes": len(bad)}
     (art.path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(sm.ArtifactError, match=r"model.mlirbc: IREE .* could not compile"):
         sm.load(art.path, runtime="iree")
@@ -197,8 +307,6 @@ def test_cli_verify_compares_runtimes(chapter, capsys):
 
 def test_iree_refuses_an_unknown_mlir_argument(chapter, tmp_path):
     art, _ = chapter
-    import shutil
-
     copy = shutil.copytree(art.path, tmp_path / "edited")
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["mlir_arguments"][0] = "params/not_there"

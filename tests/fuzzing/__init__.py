@@ -1,0 +1,27 @@
+"""The loader fuzzer: mutate an artifact, load it, call it, and classify what happened.
+
+Every case is a pure function of ``(seed, case)``: it copies the original artifact, applies
+one or a few mutations, runs ``sm.load(path)(x)`` and reports one JSON line. The outcomes:
+
+- ``rejected``: a :class:`symjax_mlp.SymjaxError` subclass (the artifact is refused: fine);
+- ``same``: it loaded and returned bit-for-bit the original output (a harmless change: fine);
+- ``foreign``: any other exception (a bug: the loader must say what is wrong);
+- ``wrong``: it loaded and returned something else (a bug: a silent wrong answer);
+- ``escaped``: it loaded although the case reads a file outside the artifact directory;
+- ``executed``: something in the artifact ran as code (a marker file appeared);
+- ``crash`` / ``hang``: the worker process died on a signal / a case ran past its timeout
+  (set by the driver, which restarts the worker at the next case).
+
+Plain modules, never collected by pytest (``tests/test_fuzz.py`` drives them):
+
+- :mod:`fuzzing.cases`: the artifacts a run is built on, and what a worker knows of them;
+- :mod:`fuzzing.mutations`: how one case's files are mutated;
+- :mod:`fuzzing.worker`: the worker process: runs cases, classifies them, one JSON line each;
+- :mod:`fuzzing.driver`: starts the workers, restarts them after a crash or a hang, and sums up.
+
+Usage, from the repository root (the release run is ``SYMJAX_FUZZ_CASES=20000``)::
+
+    PYTHONPATH=tests python -m fuzzing fuzz OUT --cases 500 --seed 0 --workers 2  # summary
+    PYTHONPATH=tests python -m fuzzing show OUT --seed 0 --case 123   # one case, traceback
+    PYTHONPATH=tests python -m fuzzing.worker OUT SEED FIRST STOP     # the driver's workers
+"""

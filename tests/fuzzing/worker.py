@@ -1,0 +1,128 @@
+"""The fuzz worker process: runs a range of cases, one JSON line each on stdout.
+
+``python -m fuzzing.worker OUT SEED FIRST STOP`` (with ``tests`` on ``PYTHONPATH``; the driver,
+:mod:`fuzzing.driver`, starts it) runs cases ``FIRST`` to ``STOP - 1`` against the artifacts in
+``OUT`` (see :func:`fuzzing.cases.make`). Before loading each case it prints a ``start`` line,
+so that a case that kills or hangs the interpreter is still attributed; after it, the result:
+the outcome (see :mod:`fuzzing`), what was mutated, the time and the peak memory. Result lines
+start with :data:`TAG` (libraries may print to stdout too). Its address space is limited to
+:data:`MEMORY_LIMIT`, so an enormous allocation fails, visibly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from fuzzing.cases import Context, case_rng, host, same
+from fuzzing.mutations import mutate
+
+TAG = "@fuzz "  # prefix of the worker's result lines (libraries may print to stdout too)
+OK = ("rejected", "same")
+MEMORY_LIMIT = 4 << 30  # address space per worker: an enormous allocation fails, visibly
+
+
+def run_case(ctx: Context, seed: int, case: int, *, started=None, verbose: bool = False) -> dict:
+    """Runs one case; returns its JSON-ready result (``started(info)`` runs before loading)."""
+    import symjax_mlp as sm
+
+    rng = case_rng(seed, case)
+    t0 = time.perf_counter()
+    spec = mutate(rng, ctx)
+    if started is not None:
+        started({"case": case, "family": spec["family"], "notes": spec["notes"]})
+    if spec["params"] is not None:
+        expected, nan_equal = ctx.expected_for_params(spec["params"]), True
+    else:
+        expected, nan_equal = ctx.expected, False
+    detail = ""
+    sabotage = _sabotage().get(case)
+    try:
+        where = ctx.original if sabotage else ctx.case  # sabotage: the driver's self-test
+        got = host(sm.load(where)(ctx.x))
+        if sabotage:
+            got = _sabotaged(sabotage, got)
+    except sm.SymjaxError as e:
+        outcome, detail = "rejected", f"{type(e).__name__}: {e}"
+    except Exception as e:
+        outcome = "foreign"
+        detail = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_tb(e.__traceback__)[-4:])
+    else:
+        if spec["escapes"]:
+            outcome = "escaped"
+        elif expected is not None and same(got, expected, nan_equal=nan_equal):
+            outcome = "same"
+        else:
+            outcome = "wrong"
+            detail = f"got {got!r}, expected {expected!r}"
+    if ctx.marker.exists():
+        outcome, detail = "executed", f"{ctx.marker} appeared"
+    if verbose:
+        print(detail)
+    return {
+        "case": case,
+        "family": spec["family"],
+        "notes": spec["notes"],
+        "outcome": outcome,
+        "detail": detail[:2000],
+        "seconds": round(time.perf_counter() - t0, 4),
+        "max_rss_mb": _peak_rss_mb(),
+    }
+
+
+def _sabotage() -> dict[int, str]:
+    """``SYMJAX_FUZZ_SELFTEST="3=crash,5=hang,7=foreign,9=wrong"``: cases that misbehave on
+    purpose, so a test can check that the driver sees every kind of failure."""
+    spec = os.environ.get("SYMJAX_FUZZ_SELFTEST", "")
+    return {int(k): v for k, v in (item.split("=") for item in spec.split(",") if item)}
+
+
+def _sabotaged(kind: str, got):
+    if kind == "crash":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "foreign":
+        raise RuntimeError("sabotaged")
+    return (got[0], tuple(a + 1 for a in got[1]))  # "wrong"
+
+
+def _peak_rss_mb() -> int:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss, not inherited from the
+    process that forked it)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) // 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
+# -- the worker process ------------------------------------------------------------------------
+def worker(out: Path, seed: int, first: int, stop: int) -> None:
+    """Runs cases ``first`` to ``stop - 1``, one JSON line each (after a ``start`` line)."""
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    work = out / f"work-{os.getpid()}"
+    try:
+        ctx = Context(out, work)
+
+        def started(info: dict) -> None:
+            print(TAG + json.dumps(dict(info, start=True)), flush=True)
+
+        for case in range(first, stop):
+            print(TAG + json.dumps(run_case(ctx, seed, case, started=started)), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":  # python -m fuzzing.worker OUT SEED FIRST STOP
+    out, seed, first, stop = sys.argv[1:]
+    with contextlib.suppress(BrokenPipeError):
+        worker(Path(out), int(seed), int(first), int(stop))
