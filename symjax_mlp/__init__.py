@@ -3,12 +3,13 @@
 Write the model imperatively, flip one switch (:func:`hybridize`) and get the symbolic program
 as a jaxpr (:class:`Graph`), an XLA-compiled call, and a portable StableHLO artifact
 (:func:`export`, :func:`load`). Training lives in :mod:`symjax_mlp.training`, the benchmark in
-:mod:`symjax_mlp.bench`, the chapter's examples in :mod:`symjax_mlp.chapter`.
+:mod:`symjax_mlp.bench`, serving (a micro-batcher, an HTTP server) in :mod:`symjax_mlp.serving`,
+the chapter's examples in :mod:`symjax_mlp.chapter`.
 
 The flow, one stage per private module, each importing only from the stages before it::
 
     _errors, _specs, _files -> _models -> _hybrid -> _artifact -> _export -> _runtimes
-      -> _load -> _verify -> training, bench, chapter -> cli
+      -> _load -> _verify -> serving -> training, bench, chapter -> cli
 """
 
 import importlib as _importlib
@@ -19,6 +20,7 @@ from symjax_mlp._artifact.reading import inspect as inspect
 from symjax_mlp._artifact.signature import Signature as Signature
 from symjax_mlp._errors import ArtifactError as ArtifactError
 from symjax_mlp._errors import CheckpointError as CheckpointError
+from symjax_mlp._errors import ConfigError as ConfigError
 from symjax_mlp._errors import ControlFlowError as ControlFlowError
 from symjax_mlp._errors import DataError as DataError
 from symjax_mlp._errors import DivergenceError as DivergenceError
@@ -47,7 +49,8 @@ from symjax_mlp._verify import verify as verify
 
 __version__ = _metadata.version("symjax_mlp")  # pyproject.toml is the one source
 
-_SUBPACKAGES = ("bench", "chapter", "training")  # imported on first use: loading needs none
+# imported on first use: loading needs none
+_SUBPACKAGES = ("bench", "chapter", "serving", "training")
 
 
 def __getattr__(name: str):
@@ -61,6 +64,7 @@ __all__ = [
     "Artifact",
     "ArtifactError",
     "CheckpointError",
+    "ConfigError",
     "ControlFlowError",
     "DataError",
     "Dense",
@@ -86,6 +90,7 @@ __all__ = [
     "inspect",
     "load",
     "mlp",
+    "serving",
     "shard",
     "stage",
     "training",

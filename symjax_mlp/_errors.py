@@ -9,6 +9,13 @@ class SymjaxError(Exception):
     """Base class of every error raised by symjax_mlp; catch this to catch them all."""
 
 
+class ConfigError(SymjaxError, ValueError, TypeError):
+    """An argument or setting is invalid (a size of 0, an unknown name, a wrong type).
+
+    It is also a ``ValueError`` and a ``TypeError``, what Python itself would raise for it.
+    """
+
+
 class ArtifactError(SymjaxError):
     """An artifact directory is missing, corrupted, incompatible or cannot be written."""
 
@@ -47,3 +54,7 @@ class DivergenceError(SymjaxError, FloatingPointError):
         self.step = step
         self.epoch = epoch
         self.checkpoint = checkpoint
+
+
+class OverloadError(SymjaxError, RuntimeError):
+    """A serving queue is full: the request was refused, not queued; retry it later."""

@@ -35,7 +35,7 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._artifact.reading import Artifact, freeze
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import encode_params, param_specs
-from symjax_mlp._errors import ArtifactError, SignatureError
+from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
 from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, partition, rebuild
@@ -91,7 +91,7 @@ def export(
       (1, 2)
     """
     if not isinstance(h, Hybrid):
-        raise TypeError(
+        raise ConfigError(
             f"export() expects a Hybrid; got {type(h).__name__}. Write "
             "sm.export(sm.hybridize(model, variables), path, example=x)."
         )
@@ -114,7 +114,7 @@ def export(
     platforms = tuple(platforms)
     unknown = [p for p in platforms if p not in PLATFORMS]
     if unknown or not platforms or len(set(platforms)) != len(platforms):
-        raise ValueError(
+        raise ConfigError(
             f"export(platforms={platforms!r}): name each platform once, from {PLATFORMS} "
             "(a GPU is 'cuda' or 'rocm')."
         )
@@ -250,7 +250,7 @@ def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _input_structs(examples: tuple[Any, ...], batch: str | None) -> list[jax.ShapeDtypeStruct]:
     if batch is not None and (not isinstance(batch, str) or not batch.isidentifier()):
-        raise ValueError(f"export(batch={batch!r}): pass a name such as 'b', or None.")
+        raise ConfigError(f"export(batch={batch!r}): pass a name such as 'b', or None.")
     dim = jax.export.symbolic_shape(batch)[0] if batch else None
     structs = []
     for i, x in enumerate(examples):

@@ -23,7 +23,7 @@ from symjax_mlp._artifact.format import PARAMS
 from symjax_mlp._artifact.reading import freeze, read_artifact
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import check_params, decode_params, param_specs
-from symjax_mlp._errors import ArtifactError
+from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._files import read_regular
 from symjax_mlp._hybrid.mesh import auto_mesh
 from symjax_mlp._specs import TensorSpec
@@ -127,7 +127,7 @@ def load(
       ((1, 2), '(args[0]: float32[b, 3]) -> float32[b, 2]  with b >= 1')
     """
     if runtime not in RUNTIMES:
-        raise ValueError(f"load(runtime={runtime!r}): expected one of {RUNTIMES}.")
+        raise ConfigError(f"load(runtime={runtime!r}): expected one of {RUNTIMES}.")
     path = Path(path)
     manifest, blobs = read_artifact(path)
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
@@ -159,7 +159,7 @@ def _check_mesh(path: Path, manifest: Any, mesh: Mesh | None) -> Mesh | None:
     if mesh is None:
         return None
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"load(mesh=...) expects a jax.sharding.Mesh; got {type(mesh).__name__}.")
+        raise ConfigError(f"load(mesh=...) expects a jax.sharding.Mesh; got {type(mesh).__name__}.")
     if mesh.size != need:
         raise ArtifactError(
             f'symjax_mlp.load("{path}"): the artifact was exported for {need} device(s), but '

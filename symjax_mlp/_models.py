@@ -13,6 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from symjax_mlp._errors import ConfigError
+
 #: Elementwise activations from :mod:`jax.nn` that a :class:`Dense` layer accepts by name.
 ACTIVATIONS: tuple[str, ...] = (
     "celu",
@@ -52,7 +54,7 @@ def activation(name: str | None) -> Callable[[jax.Array], jax.Array]:
     if name is None:
         return lambda x: x
     if not isinstance(name, str) or name not in ACTIVATIONS:
-        raise ValueError(
+        raise ConfigError(
             f"unknown activation {name!r}; expected None or one of: {', '.join(ACTIVATIONS)}."
         )
     return getattr(jax.nn, name)
@@ -85,7 +87,7 @@ class HybridSequential(nn.Module):
 
     def __post_init__(self) -> None:
         if not self.layers:
-            raise ValueError("HybridSequential needs at least one layer; got an empty sequence.")
+            raise ConfigError("HybridSequential needs at least one layer; got an empty sequence.")
         super().__post_init__()
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -109,7 +111,7 @@ class HybridConcurrent(nn.Module):
 
     def __post_init__(self) -> None:
         if not self.branches:
-            raise ValueError("HybridConcurrent needs at least one branch; got an empty sequence.")
+            raise ConfigError("HybridConcurrent needs at least one branch; got an empty sequence.")
         super().__post_init__()
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -140,7 +142,9 @@ def mlp(
     """
     sizes = tuple(sizes)
     if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
-        raise ValueError(f"mlp sizes must be a non-empty sequence of positive ints; got {sizes!r}.")
+        raise ConfigError(
+            f"mlp sizes must be a non-empty sequence of positive ints; got {sizes!r}."
+        )
     last = len(sizes) - 1
     return HybridSequential(
         tuple(

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from symjax_mlp._artifact.reading import inspect
-from symjax_mlp._errors import SymjaxError
+from symjax_mlp._errors import ConfigError, SymjaxError
 from symjax_mlp._load import RUNTIMES, load
 from symjax_mlp._specs import TensorSpec
 
@@ -66,6 +66,22 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return bool(self.checks) and not self.errors and all(c.ok for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON data (``symjax-mlp verify --json``)."""
+        checks = [dataclasses.asdict(c) for c in self.checks]
+        for c in checks:  # JSON has no NaN
+            c["max_abs_err"] = None if math.isnan(c["max_abs_err"]) else c["max_abs_err"]
+        return {
+            "path": str(self.path),
+            "ok": self.ok,
+            "reference": self.reference,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "checks": checks,
+            "load_seconds": dict(self.load_seconds),
+            "errors": list(self.errors),
+        }
 
     def __str__(self) -> str:
         loads = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.load_seconds.items())
@@ -121,9 +137,9 @@ def verify(
     """
     unknown = [rt for rt in runtimes if rt not in RUNTIMES]
     if unknown or not runtimes:
-        raise ValueError(f"verify(runtimes={tuple(runtimes)!r}): choose from {RUNTIMES}.")
+        raise ConfigError(f"verify(runtimes={tuple(runtimes)!r}): choose from {RUNTIMES}.")
     if not batches or min(batches) < 1:
-        raise ValueError(f"verify(batches={tuple(batches)!r}): pass batch sizes >= 1.")
+        raise ConfigError(f"verify(batches={tuple(batches)!r}): pass batch sizes >= 1.")
     art = inspect(path)
     sig = art.signature
     rng = np.random.default_rng(seed)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from symjax_mlp._artifact.reading import Artifact
-from symjax_mlp._errors import ControlFlowError
+from symjax_mlp._errors import ConfigError, ControlFlowError
 from symjax_mlp._export import export
 from symjax_mlp._hybrid.graph import stage
 from symjax_mlp._hybrid.hybrid import Hybrid, hybridize
@@ -89,17 +89,21 @@ def describe_mlp(
         "summary": lambda: _summary(h, x),
     }
     if format not in views:
-        raise ValueError(f"unknown format {format!r}; expected one of: {', '.join(views)}.")
+        raise ConfigError(f"unknown format {format!r}; expected one of: {', '.join(views)}.")
     return views[format]()
 
 
 def _summary(h: Hybrid, x: jax.Array) -> str:
     g = h.graph(x)
     xla_flops = h.compile(x).cost_analysis().get("flops", float("nan"))
+    flops = f"{g.flops:,}"
+    if not g.flops_exact:
+        unknown = ", ".join("a while_loop" if p == "while" else p for p in g.flops_unknown)
+        flops = f"at least {flops} ({unknown}'s trip count is unknown)"
     lines = [
         f"{h.name}: input {x.dtype}{list(x.shape)}, "
         f"{sum(p.size for p in jax.tree.leaves(h.params)):,} params",
-        f"flops: {g.flops:,} counted from the jaxpr, {xla_flops:,.0f} by XLA's cost analysis",
+        f"flops: {flops} counted from the jaxpr, {xla_flops:,.0f} by XLA's cost analysis",
         "primitives: " + ", ".join(f"{k}={v}" for k, v in sorted(g.primitive_counts.items())),
         "by layer:",
     ]

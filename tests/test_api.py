@@ -17,8 +17,8 @@ PUBLIC = {
         "Artifact", "LoadedModel", "Signature", "TensorSpec", "VerifyCheck", "VerifyReport",
         "export", "inspect", "load", "verify",
         # errors
-        "ArtifactError", "CheckpointError", "ControlFlowError", "DataError", "DivergenceError",
-        "RetraceError", "SignatureError", "SymjaxError",
+        "ArtifactError", "CheckpointError", "ConfigError", "ControlFlowError", "DataError",
+        "DivergenceError", "RetraceError", "SignatureError", "SymjaxError",
         # public sub-packages
         "bench", "chapter", "training",
     },
@@ -28,10 +28,11 @@ PUBLIC = {
         "save_checkpoint", "shard_step", "train", "train_step",
     },
     "symjax_mlp.bench": {
-        "CPU_NOTE", "BenchReport", "Row", "SweepPoint", "SweepReport", "Timing", "bench_devices",
-        "benchmark", "environment", "format_devices", "format_report", "format_sweep",
-        "measure_peak", "plot_sweep", "sweep", "time_calls", "time_interleaved", "time_stages",
-        "time_train_step",
+        "CPU_NOTE", "BenchReport", "Row", "RowChange", "RunComparison", "SweepPoint",
+        "SweepReport", "Timing", "bench_devices", "benchmark", "compare_runs", "environment",
+        "format_comparison", "format_devices", "format_report", "format_sweep", "measure_peak",
+        "plot_devices", "plot_sweep", "plot_training", "sweep", "time_calls", "time_interleaved",
+        "time_stages", "time_train_step",
     },
     "symjax_mlp.chapter": {
         "HybridNet", "chapter_mlp", "describe_mlp", "export_mlp", "fancy_func", "tour",

@@ -54,3 +54,156 @@ def test_python_dash_m_entry_point():
     )
     assert done.returncode == 0, done.stderr
     assert "dot_general=1" in done.stdout
+
+
+# -- a newcomer's first hour: user errors are one line, bugs a traceback ------------------------
+def _run_cli(*argv, timeout=120, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "symjax_mlp", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def test_version_and_help_show_defaults(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"symjax-mlp {version('symjax_mlp')}"
+    assert main(["graph", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "(default: 512)" in out and "(default: summary)" in out
+    assert main(["--help"]) == 0
+    assert "``" not in capsys.readouterr().out  # plain text, not reStructuredText
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["graph", "--in-features", "0"], "--in-features must be an int >= 1; got '0'"),
+        (["graph", "--batch", "-3"], "--batch must be an int >= 1; got '-3'"),
+        (["export", "x", "--in-features", "0"], "--in-features must be an int >= 1"),
+        (["export", "x", "--batch", "-3"], "--batch must be a name for a symbolic batch"),
+        (["verify", "x", "--batches", "0"], "--batches must be positive ints"),
+        (["train", "--epochs", "0"], "--epochs must be an int >= 1"),
+    ],
+)
+def test_bad_values_are_one_line_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2
+
+
+def test_run_input_dir_is_refused(tmp_path, capsys):
+    assert main(["run", str(tmp_path), "--input", str(tmp_path), "--output", "y.npy"]) == 2
+    assert "is a directory; pass a .npy file" in capsys.readouterr().err
+
+
+def test_a_missing_extra_names_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert main(["train", "--epochs", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'symjax_mlp[data]'" in err and "Traceback" not in err
+
+
+def test_a_bug_exits_1_with_the_traceback(monkeypatch, capsys):
+    import symjax_mlp.chapter
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(symjax_mlp.chapter, "describe_mlp", broken)
+    assert main(["graph"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: boom" in err and "this is a bug" in err
+
+
+def test_broken_pipe_is_quiet():
+    done = subprocess.run(
+        f"{sys.executable} -m symjax_mlp graph --format hlo | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.startswith("HloModule") and "Traceback" not in done.stderr
+    assert "BrokenPipe" not in done.stderr
+
+
+def test_ctrl_c_exits_130_in_one_line():
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "symjax_mlp", "tour", "--calls", "100000000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(6)  # past the imports, inside the tour
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip() == "symjax-mlp tour: interrupted"
+
+
+def test_run_writes_exactly_the_output_path_stdout_and_npz(tmp_path, capsys):
+    import numpy as np
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    np.save(tmp_path / "x.npy", np.ones((4, 2), np.float32))
+    x = str(tmp_path / "x.npy")
+    capsys.readouterr()
+    out = tmp_path / "y.out"
+    assert main(["run", str(art), "--input", x, "--output", str(out)]) == 0
+    assert out.exists() and not (tmp_path / "y.out.npy").exists()
+    assert f"wrote {out}: float32[4, 3]" in capsys.readouterr().out
+    y = np.load(out)
+    npz = tmp_path / "y.npz"
+    assert main(["run", str(art), "--input", x, "--output", str(npz)]) == 0
+    np.testing.assert_array_equal(np.load(npz)["out0"], y)
+    done = subprocess.run(
+        [sys.executable, "-m", "symjax_mlp", "run", str(art), "--input", x, "--output", "-"],
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and b"wrote stdout: float32[4, 3]" in done.stderr
+    import io
+
+    np.testing.assert_array_equal(np.load(io.BytesIO(done.stdout)), y)
+
+
+def test_json_convention_and_train_refuses_paths_before_training(tmp_path, capsys):
+    import json
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(art), "--json"]) == 0  # no PATH: stdout
+    assert json.loads(capsys.readouterr().out)["format"] == "symjax_mlp.artifact"
+    assert main(["inspect", str(art), "--json", str(tmp_path / "m.json")]) == 0
+    assert json.loads((tmp_path / "m.json").read_text())["format"] == "symjax_mlp.artifact"
+    # an existing export target or a --json directory: refused at once, before any epoch
+    assert main(["train", "--export", str(art), "--quiet"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["train", "--json", str(tmp_path), "--quiet"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_verify_json_tolerances_and_exit_1_on_a_failed_check(tmp_path, capsys):
+    import json
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "16,3", "--in-features", "8"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(art), "--batches", "1,3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and [c["batch"] for c in report["checks"]] == [1, 3]
+    # IREE and XLA round differently: with no tolerance at all, the check fails: exit 1
+    argv = ["verify", str(art), "--runtime", "iree", "--batches", "128", "--rtol", "0"]
+    assert main([*argv, "--atol", "0"]) == 1
+    assert "FAIL" in capsys.readouterr().out

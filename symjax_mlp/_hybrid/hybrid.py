@@ -30,7 +30,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from symjax_mlp._errors import ControlFlowError, RetraceError, SignatureError
+from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError, SignatureError
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.trace import (
@@ -97,7 +97,7 @@ def _plain(fn: Callable[..., Any]) -> _Model:
 def _linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
     """``(_Model, params, state)`` for a linen module and its variables."""
     if not isinstance(variables, Mapping):
-        raise TypeError(
+        raise ConfigError(
             f"hybridize({type(model).__name__}, variables): variables must be the dict that "
             f"{type(model).__name__}.init returns ({{'params': ...}}); got "
             f"{type(variables).__name__}."
@@ -107,7 +107,7 @@ def _linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any)
         mutable = tuple(c for c in collections if c != "params")
     unknown = [c for c in mutable if c not in collections]
     if unknown or _RNGS in collections:
-        raise ValueError(
+        raise ConfigError(
             f"hybridize({type(model).__name__}, mutable={tuple(mutable)!r}): the variables "
             f"hold the collections {collections}; name the mutable ones among them "
             f"(and none may be called {_RNGS!r})."
@@ -137,8 +137,15 @@ def _linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any)
 
 
 def _nnx(module: Any) -> tuple:
-    """``(_Model, params, state)`` for an nnx module: its Params, and everything else."""
+    """``(_Model, params, state)`` for an nnx module: its Params, and everything else.
+
+    A call runs each submodule under ``jax.named_scope`` of its attribute path (``"dense"``,
+    ``"hidden/0"``), as linen does with its module names, so that :attr:`Graph.by_layer` and
+    the HLO's op names show the layers; the module is a fresh merge, private to the call.
+    """
     from flax import nnx
+
+    from symjax_mlp._hybrid.jaxpr import layer_scopes
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
@@ -148,7 +155,8 @@ def _nnx(module: Any) -> tuple:
 
     def call(params, state, args, kwargs):
         m = merge(params, state)
-        out = m(*args, **kwargs)
+        with layer_scopes(m):
+            out = m(*args, **kwargs)
         return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]) if state else state
 
     return _Model(call, stateful=bool(state), kind="nnx", module=merge), params, state
@@ -162,7 +170,7 @@ def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:
         if isinstance(key, int) and not isinstance(key, bool):
             streams[name] = jax.random.key(key)
         elif not (hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
-            raise TypeError(
+            raise ConfigError(
                 f"hybridize(rngs=...): stream {name!r} is a {type(key).__name__}; pass a typed "
                 "key (jax.random.key(0)) or an int seed, or a dict {'dropout': key, ...}."
             )
@@ -225,7 +233,7 @@ class Hybrid:
         if max_traces is not None and (
             not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
         ):
-            raise ValueError(f"max_traces must be a positive int or None; got {max_traces!r}.")
+            raise ConfigError(f"max_traces must be a positive int or None; got {max_traces!r}.")
         model = _plain(fn) if _model is None else _model
         name = name or getattr(fn, "__name__", type(fn).__name__)
         leaves, treedef = jax.tree.flatten(params)
@@ -262,7 +270,7 @@ class Hybrid:
             )
             return
         if self.stateful:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}.shard(...): a stateful Hybrid cannot be sharded yet (its state would "
                 "need a sharding too). Shard the stateless inference model: hybridize the model "
                 "without mutable collections or rngs, and call it in eval mode."
@@ -338,7 +346,7 @@ class Hybrid:
         }
         bad = sorted(set(changes) - set(settings))
         if bad:
-            raise TypeError(
+            raise ConfigError(
                 f"{self.name}.replace({bad[0]}=...): not a setting of a Hybrid; choose from "
                 f"{', '.join(sorted(settings))}."
             )
@@ -493,7 +501,7 @@ class Hybrid:
         also works as a decorator.
         """
         if not callable(callback):
-            raise TypeError(f"on_trace expects a callable; got {type(callback).__name__}.")
+            raise ConfigError(f"on_trace expects a callable; got {type(callback).__name__}.")
         self._callbacks.append(callback)
         return callback
 
@@ -644,37 +652,37 @@ def hybridize(
         donate=donate,
     )
     if isinstance(model, Hybrid):
-        raise TypeError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
+        raise ConfigError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
     kind = _flax_kind(model)
     if kind == "nnx":
         if params is not None or mutable is not None or rngs is not None:
-            raise TypeError(
+            raise ConfigError(
                 "hybridize(nnx_module) takes no params, mutable or rngs: the module carries its "
                 "own state (nnx.Rngs, nnx.BatchStat, ...). Write hybridize(module)."
             )
         m, params, state = _nnx(model)
     elif kind == "linen":
         if params is None:
-            raise TypeError(
+            raise ConfigError(
                 f"hybridize({type(model).__name__}) needs its variables: write "
                 "hybridize(module, module.init(jax.random.key(0), x))."
             )
         m, linen_params, state = _linen(model, params, mutable, rngs)
         params = params if not state else linen_params  # stateless: the very dict given
     elif mutable is not None or rngs is not None:
-        raise TypeError(
+        raise ConfigError(
             "hybridize(fn, params, mutable=/rngs=): those are settings of a flax.linen module. "
             "A pure function carries no state: return what changes and pass it back in."
         )
     elif callable(model):
         if params is None:
-            raise TypeError(
+            raise ConfigError(
                 "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
                 "For a function without params write hybridize(lambda _, x: f(x), {})."
             )
         return Hybrid(model, params, name=name, **settings)
     else:
-        raise TypeError(
+        raise ConfigError(
             "hybridize() expects a flax.linen.Module with its variables, a flax.nnx.Module, or "
             f"a pure function fn(params, *inputs); got {type(model).__name__}."
         )
@@ -723,7 +731,7 @@ def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool 
       ((3, 2), 1)
     """
     if not isinstance(h, Hybrid):
-        raise TypeError(
+        raise ConfigError(
             f"shard() expects a Hybrid; got {type(h).__name__}. Write "
             "shard(sm.hybridize(model, variables), mesh)."
         )

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from symjax_mlp._errors import SignatureError
+from symjax_mlp._errors import ConfigError, SignatureError
 
 
 def data_mesh(
@@ -46,7 +46,7 @@ def data_mesh(
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices) if n_devices is None else n_devices
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= len(devices):
-        raise ValueError(
+        raise ConfigError(
             f"data_mesh({n_devices!r}): JAX sees {len(devices)} device(s), so n_devices must "
             f"be 1..{len(devices)}. For more CPU devices, start the process with "
             "XLA_FLAGS=--xla_force_host_platform_device_count=N (or call "
@@ -64,9 +64,9 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 def shardings(mesh: Mesh | None, axis: str) -> tuple[Mesh, NamedSharding, NamedSharding, int]:
     mesh = data_mesh(axis=axis) if mesh is None else mesh
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"expected a jax.sharding.Mesh (see data_mesh()); got {type(mesh)}.")
+        raise ConfigError(f"expected a jax.sharding.Mesh (see data_mesh()); got {type(mesh)}.")
     if axis not in mesh.axis_names:
-        raise ValueError(
+        raise ConfigError(
             f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}; pass axis= one of "
             f"{mesh.axis_names}."
         )

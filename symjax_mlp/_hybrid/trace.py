@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._errors import ControlFlowError
+from symjax_mlp._errors import ConfigError, ControlFlowError
 from symjax_mlp._specs import TensorSpec
 
 # The errors JAX raises when Python needs a concrete value from a tracer.
@@ -124,7 +124,7 @@ def _static_value(path: str, value: Any) -> Any:
     try:
         hash(value)
     except TypeError:
-        raise TypeError(
+        raise ConfigError(
             f"{path} is marked static but is a {type(value).__name__}, which cannot be hashed "
             "(a jit cache key). Pass a tuple instead of a list, or do not mark it static."
         ) from None

@@ -1,22 +1,70 @@
-"""``symjax-mlp`` / ``python -m symjax_mlp``: one subcommand per public function.
+"""symjax-mlp (also python -m symjax_mlp): the chapter's hybrid programming from the shell.
 
-Exit codes: 0 ok, 2 user error (bad arguments, a :class:`~symjax_mlp.SymjaxError`), 1 bug.
-No logic lives only here: each handler parses, calls one library function, prints.
+Each subcommand parses its arguments (refusing bad ones before any work), calls one library
+function and prints the result. Exit codes: 0 ok, 2 a user error (a bad argument, a
+SymjaxError, a missing optional extra: one line, no traceback), 1 a bug (with the traceback),
+130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import Any
 
-from symjax_mlp.cli._args import sizes
+from symjax_mlp.cli import _args
+from symjax_mlp.cli._args import add_json, batch, input_file, positive, sizes
+
+PROG = "symjax-mlp"
+_EXTRAS = {  # a missing module -> the optional extra that installs it
+    "iree": "iree",
+    "sklearn": "data",
+    "matplotlib": "plot",
+    "torch": "torch",
+    "starlette": "serve",
+    "uvicorn": "serve",
+    "model_signing": "sign",
+}
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's help shows its default; descriptions keep their line breaks."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line (and a pointer to ``--help``)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        if args and args[0].startswith("-") and kwargs.get("help") is None:
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
+
+def _parser(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help, formatter_class=_Formatter)
+
+
+def _emit_json(data: Any, target: str) -> None:
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    if target == "-":
+        sys.stdout.write(text)
+    else:
+        with open(target, "w") as f:
+            f.write(text)
 
 
 # -- tour ------------------------------------------------------------------------------------
 def _add_tour(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("tour", help="the chapter, step by step, on real objects")
-    p.add_argument("--calls", type=int, default=1000, help="calls in the short timing")
+    p = _parser(sub, "tour", "the chapter, step by step, on real objects")
+    p.add_argument("--calls", type=positive("--calls"), default=1000, help="calls in the timing")
     p.set_defaults(handler=_run_tour)
 
 
@@ -29,11 +77,11 @@ def _run_tour(args: argparse.Namespace) -> int:
 
 # -- graph -----------------------------------------------------------------------------------
 def _add_graph(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("graph", help="print the MLP's symbolic program")
-    p.add_argument("--sizes", type=sizes, default=(256, 128, 2))
-    p.add_argument("--in-features", type=int, default=512)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--activation", default="relu")
+    p = _parser(sub, "graph", "print the MLP's symbolic program")
+    p.add_argument("--sizes", type=sizes, default=(256, 128, 2), help="layer widths")
+    p.add_argument("--in-features", type=positive("--in-features"), default=512)
+    p.add_argument("--batch", type=positive("--batch"), default=1)
+    p.add_argument("--activation", default="relu", help="a jax.nn activation name")
     p.add_argument(
         "--format", choices=("jaxpr", "stablehlo", "hlo", "dot", "summary"), default="summary"
     )
@@ -55,25 +103,15 @@ def _run_graph(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- export / inspect / run / verify (issue: artifacts) --------------------------------------
-def _batch(text: str) -> str | int:
-    if text.isdigit() and int(text) >= 1:
-        return int(text)
-    if text.isidentifier():
-        return text
-    raise argparse.ArgumentTypeError(
-        f"--batch must be a name for a symbolic batch (b) or a static size >= 1; got {text!r}"
-    )
-
-
+# -- export / inspect / run / verify ---------------------------------------------------------
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="export the chapter's MLP as a portable artifact")
+    p = _parser(sub, "export", "export the chapter's MLP as a portable artifact")
     p.add_argument("path", help="the artifact directory to write")
     p.add_argument("--sizes", type=sizes, default=(256, 128, 2), help="layer widths")
-    p.add_argument("--in-features", type=int, default=512)
-    p.add_argument("--activation", default="relu")
+    p.add_argument("--in-features", type=positive("--in-features"), default=512)
+    p.add_argument("--activation", default="relu", help="a jax.nn activation name")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights")
-    p.add_argument("--batch", type=_batch, default="b", help="symbolic name (b) or a size")
+    p.add_argument("--batch", type=batch, default="b", help="a symbolic name (b) or a size")
     p.add_argument("--platforms", default="cpu", help="comma-separated, e.g. cpu,cuda")
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
     p.set_defaults(handler=_run_export)
@@ -97,27 +135,35 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="an artifact's manifest, signature and StableHLO ops")
+    p = _parser(sub, "inspect", "an artifact's manifest, signature and StableHLO ops")
     p.add_argument("path", help="an artifact directory")
-    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    add_json(p, "the manifest")
     p.set_defaults(handler=_run_inspect)
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    import json
-
     from symjax_mlp import inspect
 
     art = inspect(args.path)
-    print(json.dumps(art.to_json(), indent=2) if args.json else art)
+    if args.json:
+        _emit_json(art.to_json(), args.json)
+    else:
+        print(art)
     return 0
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run an artifact on .npy inputs, write .npy outputs")
+    p = _parser(sub, "run", "run an artifact on .npy inputs and write its outputs")
     p.add_argument("path", help="an artifact directory")
-    p.add_argument("--input", action="append", required=True, help=".npy file, once per input")
-    p.add_argument("--output", action="append", required=True, help=".npy file per output")
+    p.add_argument(
+        "--input", action="append", required=True, type=input_file, help=".npy, once per input"
+    )
+    p.add_argument(
+        "--output",
+        required=True,
+        help="where to write: a .npy file (exactly this path), '-' for stdout (.npy bytes), or "
+        "a .npz file for several outputs (out0, out1, ...)",
+    )
     p.add_argument("--runtime", choices=("jax", "iree"), default="jax")
     p.set_defaults(handler=_run_run)
 
@@ -125,40 +171,73 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def _run_run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from symjax_mlp import load
+    from symjax_mlp import SignatureError, load
 
-    xs = [np.load(f, allow_pickle=False) for f in args.input]
-    out = load(args.path, runtime=args.runtime)(*xs)
-    outs = list(out) if isinstance(out, tuple) else [out]
-    if len(outs) != len(args.output):
-        raise ValueError(f"the artifact returns {len(outs)} array(s); pass --output that often")
-    for file, y in zip(args.output, outs, strict=True):
-        np.save(file, np.asarray(y))
-        print(f"wrote {file}: {y.dtype}{list(y.shape)}")
+    _args.writable(args.output, "--output", overwrite=True)
+    xs = []
+    for file in args.input:
+        try:
+            xs.append(np.load(file, allow_pickle=False))
+        except (ValueError, OSError) as e:
+            raise SignatureError(f"--input {file}: not a readable .npy array ({e}).") from None
+    model = load(args.path, runtime=args.runtime)
+    out = model(*xs)
+    outs = [np.asarray(y) for y in (out if isinstance(out, tuple) else (out,))]
+    if args.output.endswith(".npz"):
+        with open(args.output, "wb") as f:
+            np.savez(f, **{f"out{i}": y for i, y in enumerate(outs)})
+    elif len(outs) != 1:
+        raise SignatureError(
+            f"the artifact returns {len(outs)} arrays; --output {args.output} holds one. Pass "
+            "a .npz path to write them all (out0, out1, ...)."
+        )
+    elif args.output == "-":
+        np.save(sys.stdout.buffer, outs[0])
+        sys.stdout.buffer.flush()
+    else:
+        with open(args.output, "wb") as f:
+            np.save(f, outs[0])
+    shapes = ", ".join(f"{y.dtype}{list(y.shape)}" for y in outs)
+    where = "stdout" if args.output == "-" else args.output
+    print(f"wrote {where}: {shapes}", file=sys.stderr if args.output == "-" else sys.stdout)
     return 0
 
 
 def _add_verify(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="reload an artifact in a fresh process and check it")
+    p = _parser(sub, "verify", "reload an artifact in a fresh process and check it")
     p.add_argument("path", help="an artifact directory")
     p.add_argument("--runtime", action="append", choices=("jax", "iree"), help="repeatable")
-    p.add_argument("--batches", type=sizes, default=(1, 7, 128), help="e.g. 1,7,128")
+    p.add_argument(
+        "--batches", type=_args.int_list("--batches"), default=(1, 7, 128), help="e.g. 1,7,128"
+    )
+    p.add_argument("--rtol", type=_args.non_negative_float("--rtol"), default=1e-5)
+    p.add_argument("--atol", type=_args.non_negative_float("--atol"), default=1e-5)
+    add_json(p, "the report")
     p.set_defaults(handler=_run_verify)
 
 
 def _run_verify(args: argparse.Namespace) -> int:
     from symjax_mlp import verify
 
-    report = verify(args.path, runtimes=tuple(args.runtime or ("jax",)), batches=args.batches)
-    print(report)
-    return 0 if report.ok else 2
+    report = verify(
+        args.path,
+        runtimes=tuple(args.runtime or ("jax",)),
+        batches=args.batches,
+        rtol=args.rtol,
+        atol=args.atol,
+    )
+    if args.json:
+        _emit_json(report.to_dict(), args.json)
+    else:
+        print(report)
+    return 0 if report.ok else 1
 
 
-# -- bench (issue: benchmark) ----------------------------------------------------------------
+# -- bench -----------------------------------------------------------------------------------
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from symjax_mlp.cli._bench import add_arguments
 
-    p = sub.add_parser("bench", help="the chapter's benchmark: eager vs hybridized and beyond")
+    p = _parser(sub, "bench", "the chapter's benchmark: eager vs hybridized and beyond")
     add_arguments(p)
     p.set_defaults(handler=_run_bench)
 
@@ -169,62 +248,66 @@ def _run_bench(args: argparse.Namespace) -> int:
     return main(args)
 
 
-# -- train (issue: training) -----------------------------------------------------------------
+# -- train -----------------------------------------------------------------------------------
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train an MLP on the bundled digits data with optax")
+    p = _parser(sub, "train", "train an MLP on the bundled digits data with optax")
     p.add_argument("--sizes", type=sizes, default=(128, 64, 10), help="layer widths")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--learning-rate", type=float, default=1e-3, help="adam's learning rate")
+    p.add_argument("--epochs", type=positive("--epochs"), default=20)
+    p.add_argument("--batch-size", type=positive("--batch-size"), default=64)
+    p.add_argument(
+        "--learning-rate", type=positive("--learning-rate", float), default=1e-3, help="adam's"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eager", action="store_true", help="run the step eagerly, not compiled")
     p.add_argument("--checkpoint", metavar="DIR", help="write a checkpoint every epoch here")
-    p.add_argument("--checkpoint-every", type=int, default=1, metavar="EPOCHS")
+    p.add_argument(
+        "--checkpoint-every", type=positive("--checkpoint-every"), default=1, metavar="EPOCHS"
+    )
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint DIR")
-    p.add_argument("--json", metavar="PATH", help="write the history as JSON")
+    add_json(p, "the history")
     p.add_argument("--export", metavar="PATH", help="export the trained model as an artifact")
-    p.add_argument("--quiet", action="store_true", help="no per-epoch progress")
+    p.add_argument("--overwrite", action="store_true", help="replace --export/--json targets")
+    p.add_argument("--quiet", action="store_true", help="no progress")
     p.set_defaults(handler=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
     from symjax_mlp import mlp
+    from symjax_mlp._artifact.format import check_target
+    from symjax_mlp.cli._progress import epochs_progress
     from symjax_mlp.training import train
 
-    def progress(r) -> None:
-        done = round(20 * r.epoch / args.epochs)
-        print(
-            f"epoch {r.epoch:>{len(str(args.epochs))}}/{args.epochs} "
-            f"[{'#' * done}{'.' * (20 - done)}] loss {r.loss:.4f}  "
-            f"train {r.train_accuracy:.2%}  test {r.test_accuracy:.2%}  {r.seconds:.2f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    result = train(
-        mlp(args.sizes),
-        learning_rate=args.learning_rate,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        compiled=not args.eager,
-        checkpoint=args.checkpoint,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        on_epoch=None if args.quiet else progress,
-    )
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+    if args.json:  # refused before training, never after
+        _args.writable(args.json, "--json", overwrite=args.overwrite)
     if args.export:
-        result.export(args.export)
-        print(f"exported the trained model to {args.export}")
+        check_target(Path(args.export), args.overwrite)
+    if args.resume and not args.checkpoint:
+        raise argparse.ArgumentTypeError("--resume needs --checkpoint DIR, the directory to use")
+    with epochs_progress(args.epochs, quiet=args.quiet) as on_epoch:
+        result = train(
+            mlp(args.sizes),
+            learning_rate=args.learning_rate,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            compiled=not args.eager,
+            checkpoint=args.checkpoint,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            on_epoch=on_epoch,
+        )
+    if args.json:
+        _emit_json(result.to_dict(), args.json)
+    if args.export:
+        result.export(args.export, overwrite=args.overwrite)
+        print(f"exported the trained model to {args.export} (it takes raw pixels)")
     print(
         f"test accuracy {result.test_accuracy:.2%} after {result.epoch} epochs "
         f"({result.step} steps, {'compiled' if result.compiled else 'eager'}) "
-        f"in {result.train_seconds:.1f} s"
+        f"in {result.train_seconds:.1f} s",
+        file=sys.stderr if args.json == "-" else sys.stdout,
     )
     return 0
 
@@ -242,27 +325,63 @@ _COMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="symjax-mlp", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from symjax_mlp import __version__
+
+    parser = _Parser(prog=PROG, description=__doc__, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _COMMANDS:
         add(sub)
     return parser
 
 
+def _missing_extra(e: ImportError) -> str | None:
+    name = (e.name or "").split(".")[0]
+    extra = _EXTRAS.get(name)
+    if extra is None:
+        return None
+    return f"this needs the optional package {name!r}: pip install 'symjax_mlp[{extra}]'"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the CLI; returns the exit code (0 ok, 2 user error, 1 bug)."""
+    """Runs the CLI; returns the exit code (0 ok, 2 user error, 1 bug, 130 interrupted)."""
     from symjax_mlp import SymjaxError
 
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
+    except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help and --version
         return int(e.code or 0)
+    where = f"{PROG} {args.command}"
     try:
         return args.handler(args)
-    except (SymjaxError, ValueError, FileNotFoundError) as e:
-        print(f"symjax-mlp {args.command}: error: {e}", file=sys.stderr)
+    except (SymjaxError, argparse.ArgumentTypeError) as e:
+        print(f"{where}: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:
+        hint = _missing_extra(e)
+        if hint is not None:
+            print(f"{where}: error: {hint}", file=sys.stderr)
+            return 2
+        return _bug(where)
+    except KeyboardInterrupt:
+        print(f"\n{where}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `| head` closed the pipe: stop quietly, as cat and grep do
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception:
+        return _bug(where)
+
+
+def _bug(where: str) -> int:
+    traceback.print_exc()
+    print(
+        f"{where}: this is a bug in symjax_mlp (the traceback above); please report it.",
+        file=sys.stderr,
+    )
+    return 1
 
 
 if __name__ == "__main__":

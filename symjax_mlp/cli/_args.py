@@ -1,17 +1,109 @@
-"""Argument types shared by the subcommands: each refuses a bad value before any work."""
+"""Argument types and checks shared by the subcommands: a bad value is refused before any work.
+
+Each type raises ``argparse.ArgumentTypeError`` naming the option, what it got and what it
+takes, so argparse prints one line and exits 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from pathlib import Path
 
 
-def sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(s) for s in text.split(","))
-    except ValueError:
+def int_list(option: str) -> Callable[[str], tuple[int, ...]]:
+    """``"256,128,2"`` -> ``(256, 128, 2)``: comma-separated ints >= 1, for ``option``."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(s) for s in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{option} must be comma-separated ints such as 256,128,2; got {text!r}"
+            ) from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{option} must be positive ints; got {text!r}")
+        return values
+
+    return parse
+
+
+sizes = int_list("--sizes")
+
+
+def positive(option: str, kind: type = int) -> Callable[[str], int | float]:
+    """An int (or float) > 0 for ``option``."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value <= 0:
+            what = "an int >= 1" if kind is int else "a number > 0"
+            raise argparse.ArgumentTypeError(f"{option} must be {what}; got {text!r}")
+        return value
+
+    return parse
+
+
+def non_negative_float(option: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"{option} must be a number >= 0; got {text!r}")
+        return value
+
+    return parse
+
+
+def batch(text: str) -> str | int:
+    """``--batch``: a name for a symbolic batch (``b``) or a static size >= 1."""
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    if text.isidentifier():
+        return text
+    raise argparse.ArgumentTypeError(
+        f"--batch must be a name for a symbolic batch (b) or a static size >= 1; got {text!r}"
+    )
+
+
+def input_file(text: str) -> Path:
+    """An existing regular file to read (``--input``)."""
+    path = Path(text)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise argparse.ArgumentTypeError(f"--input {text}: {what}; pass a .npy file")
+    return path
+
+
+def add_json(parser: argparse.ArgumentParser, what: str) -> None:
+    """The one ``--json [PATH|-]`` convention: write ``what`` as JSON to PATH, or stdout."""
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help=f"write {what} as JSON to PATH (no PATH or '-': to stdout)",
+    )
+
+
+def writable(path: str, option: str, *, overwrite: bool) -> None:
+    """Refuses an output path before any work: a directory, a missing parent, or an existing
+    file without ``overwrite``."""
+    if path == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{option} {path}: is a directory; pass a file path")
+    if not p.parent.exists():
         raise argparse.ArgumentTypeError(
-            f"--sizes must be comma-separated ints such as 256,128,2; got {text!r}"
-        ) from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"--sizes must be positive ints; got {text!r}")
-    return sizes
+            f"{option} {path}: the directory {p.parent} does not exist"
+        )
+    if p.exists() and not overwrite:
+        raise argparse.ArgumentTypeError(
+            f"{option} {path}: already exists; pass --overwrite to replace it"
+        )

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load, save
 
-from symjax_mlp._errors import CheckpointError
+from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._files import read_regular, sha256, write_dir
 
 FORMAT_VERSION = 1
@@ -105,7 +105,7 @@ def save_checkpoint(
       'step_00000003'
     """
     if keep < 1:
-        raise ValueError(f"keep must be at least 1; got {keep!r}.")
+        raise ConfigError(f"keep must be at least 1; got {keep!r}.")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step_{state.step:08d}"

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from symjax_mlp._errors import DataError
+from symjax_mlp._errors import ConfigError, DataError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -79,13 +79,14 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
       ((1438, 64), (359, 64), 10)
     """
     if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1); got {test_fraction!r}.")
+        raise ConfigError(f"test_fraction must be in (0, 1); got {test_fraction!r}.")
     try:
         from sklearn.datasets import load_digits as _sklearn_digits
     except ImportError as e:
         raise ImportError(
             "load_digits needs scikit-learn, which ships the digits data: "
-            "pip install 'symjax_mlp[data]'."
+            "pip install 'symjax_mlp[data]'.",
+            name="sklearn",
         ) from e
     x, y = _sklearn_digits(return_X_y=True)
     x = x.astype(np.float32)
@@ -128,7 +129,7 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
         expected.
     """
     if not isinstance(data, Dataset):
-        raise TypeError(
+        raise ConfigError(
             f"train() expects a symjax_mlp.Dataset; got {type(data).__name__}. Wrap arrays as "
             "Dataset(x_train, y_train, x_test, y_test)."
         )

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from symjax_mlp._artifact.reading import Artifact
-from symjax_mlp._errors import CheckpointError, DivergenceError, RetraceError
+from symjax_mlp._errors import CheckpointError, ConfigError, DivergenceError, RetraceError
 from symjax_mlp._export import export
 from symjax_mlp._hybrid.hybrid import Hybrid, hybridize
 from symjax_mlp._models import mlp
@@ -300,21 +300,21 @@ def train(
         ("checkpoint_every", checkpoint_every, 1),
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}; got {value!r}.")
+            raise ConfigError(f"{name} must be an int >= {low}; got {value!r}.")
     if optimizer is None:
         optimizer = optax.adam(1e-3 if learning_rate is None else learning_rate)
     elif learning_rate is not None:
-        raise ValueError(
+        raise ConfigError(
             "learning_rate sets the default adam only; with an explicit optimizer, give it the "
             f"learning rate instead, e.g. optax.sgd({learning_rate!r})."
         )
     if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(
+        raise ConfigError(
             f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3); "
             f"got {type(optimizer).__name__}."
         )
     if resume and checkpoint is None:
-        raise ValueError("resume=True needs checkpoint=DIR, the directory to resume from.")
+        raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
 
     start = time.perf_counter()
     data = check_dataset(load_digits() if data is None else data)
@@ -324,7 +324,7 @@ def train(
     example = data.x_train[:1]
     out = jax.eval_shape(lambda: model.apply(model.init(jax.random.key(0), example), example))
     if out.ndim != 2:
-        raise TypeError(
+        raise ConfigError(
             f"train() needs a model whose output is (batch, classes) logits; {type(model).__name__}"
             f" returns shape {out.shape} for input shape {example.shape}."
         )

@@ -1,0 +1,79 @@
+"""Progress for the long commands: a rich progress bar on a terminal, plain lines otherwise.
+
+Plain lines (one per step of work, on stderr) are what logs and pipes want; on a terminal,
+``rich`` draws one bar with the time elapsed and an ETA. ``--quiet`` shows neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def epochs_progress(epochs: int, *, quiet: bool) -> Iterator[Callable[[Any], None] | None]:
+    """``on_epoch`` for :func:`symjax_mlp.training.train`: a bar over ``epochs``, or lines."""
+    if quiet:
+        yield None
+        return
+    width = len(str(epochs))
+
+    def line(r: Any) -> str:
+        return (
+            f"loss {r.loss:.4f}  train {r.train_accuracy:.2%}  test {r.test_accuracy:.2%}  "
+            f"{r.seconds:.2f} s"
+        )
+
+    if not sys.stderr.isatty():
+
+        def plain(r: Any) -> None:
+            done = round(20 * r.epoch / epochs)
+            bar = "#" * done + "." * (20 - done)
+            print(f"epoch {r.epoch:>{width}}/{epochs} [{bar}] {line(r)}", file=sys.stderr)
+
+        yield plain
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("epoch"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TextColumn("{task.description}"),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task("", total=epochs)
+
+        def update(r: Any) -> None:
+            bar.update(task, completed=r.epoch, description=line(r))
+
+        yield update
+
+
+@contextlib.contextmanager
+def status(message: str, *, quiet: bool = False) -> Iterator[None]:
+    """A spinner with ``message`` on a terminal while a long call runs (a line otherwise)."""
+    if quiet:
+        yield
+        return
+    if not sys.stderr.isatty():
+        print(f"{message} ...", file=sys.stderr, flush=True)
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(message):
+        yield
