@@ -8,12 +8,13 @@ device count). The directory is written atomically, manifest last.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
 import os
 import platform as _platform
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, partition, rebuild
 from symjax_mlp._specs import TensorSpec, shape_dims
 
-PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what jax.export lowers for
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+COMPATIBILITY_WINDOW = datetime.timedelta(days=180)  # what jax.export lowers for
 
 
 def export(
@@ -53,6 +55,10 @@ def export(
     platforms: Sequence[str] = ("cpu",),
     overwrite: bool = False,
     kwargs: Mapping[str, Any] | None = None,
+    shapes: Sequence[str | None] | None = None,
+    constraints: Sequence[str] = (),
+    metadata: Mapping[str, Any] | None = None,
+    vjp_order: int = 0,
 ) -> Artifact:
     """Exports ``h`` as a portable artifact directory (StableHLO + safetensors + manifest).
 
@@ -72,6 +78,16 @@ def export(
       overwrite: replace an existing artifact at ``path``.
       kwargs: keyword settings baked into the export, e.g. ``{"train": False}``; Python
         values only (the artifact's inputs are positional arrays).
+      shapes: a ``jax.export`` shape spec per input instead of ``batch``: ``"b, 512"``,
+        ``"b, t"``, ``"512"`` (``None``: the example's static shape). Names are shared across
+        inputs; the manifest records them and a call checks them.
+      constraints: ``jax.export`` constraints on those names, e.g. ``("t <= 1024",)``
+        (every symbolic dimension is also ``>= 1``).
+      metadata: a model card, JSON data (labels, preprocessing, metrics, license, author):
+        recorded in the manifest, shown by ``inspect`` and mirrored into
+        ``params.safetensors``'s ``__metadata__`` for other safetensors readers.
+      vjp_order: how many orders of gradients the artifact carries (``1``: ``jax.grad`` of
+        the loaded model works).
 
     Returns:
       The :class:`~symjax_mlp.Artifact`.
@@ -110,7 +126,10 @@ def export(
             "inputs are positional. Pass them in example=(x, ...) and call the artifact with "
             "them positionally, or bake a Python setting (True, 3, 'relu') instead."
         )
-    in_specs = _input_structs(examples, batch)
+    in_specs = _input_structs(examples, batch, shapes, tuple(constraints), h.name)
+    meta = _metadata(metadata, h.name)
+    if not isinstance(vjp_order, int) or isinstance(vjp_order, bool) or vjp_order < 0:
+        raise ConfigError(f"export(vjp_order={vjp_order!r}): pass an int >= 0 (1 for jax.grad).")
     platforms = tuple(platforms)
     unknown = [p for p in platforms if p not in PLATFORMS]
     if unknown or not platforms or len(set(platforms)) != len(platforms):
@@ -138,9 +157,19 @@ def export(
         for s, a in zip(specs, host_params, strict=True)
     }
     try:
-        exported = jax.export.export(jax.jit(model), platforms=platforms)(p_structs, *in_specs)
+        with _no_source_locations():  # reproducible bytes: no path of this machine inside
+            exported = jax.export.export(jax.jit(model), platforms=platforms)(p_structs, *in_specs)
     except TRACER_ERRORS as e:
         raise control_flow_error(h.name, e) from e
+    except RuntimeError:  # e.g. std::bad_cast from a host callback's lowering
+        callbacks = _callbacks(model, p_structs, in_specs)
+        if not callbacks:
+            raise
+        raise ConfigError(
+            f"export({h.name}): the function calls back into Python ({', '.join(callbacks)}), "
+            "and an artifact carries no Python: it runs where your code is not. Compute it "
+            "with jnp/lax operations, or keep that step outside the exported function."
+        ) from None
     except jax.errors.InconclusiveDimensionOperation as e:
         raise SignatureError(
             f"export({h.name}, batch={batch!r}): the function needs a concrete value of the "
@@ -162,7 +191,8 @@ def export(
             for i, a in enumerate(out_leaves)
         ),
         out_kind,
-        batch,
+        batch if shapes is None else None,
+        tuple(constraints),
     )
     names = [s.path for s in specs] + [s.path for s in signature.inputs]
     if len(set(names)) != len(names) or "platform_index" in names:
@@ -170,17 +200,22 @@ def export(
     mlir_args = (["platform_index"] if len(platforms) > 1 else []) + [
         names[i] for i in exported.module_kept_var_idx
     ]
+    created = datetime.datetime.now(datetime.UTC)
     files = {
-        JAXEXPORT: bytes(exported.serialize()),
+        JAXEXPORT: bytes(exported.serialize(vjp_order=vjp_order)),
         MLIRBC: bytes(exported.mlir_module_serialized),
         MLIR: exported.mlir_module().encode(),
-        PARAMS: encode_params(specs, host_params),
+        PARAMS: encode_params(specs, host_params, metadata=_mirror(meta)),
     }
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "name": h.name,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "created": created.isoformat(timespec="seconds"),
+        # jax.export promises that JAX loads an artifact for 6 months after it was made.
+        "compatible_until": (created + COMPATIBILITY_WINDOW).date().isoformat(),
+        "vjp_order": vjp_order,
+        "metadata": meta,
         "versions": _versions(),
         "platforms": list(platforms),
         "nr_devices": exported.nr_devices,
@@ -225,6 +260,18 @@ def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:
     return stored, with_keys
 
 
+def _callbacks(fn: Callable[..., Any], *args: Any) -> list[str]:
+    """The host-callback primitives (``pure_callback``, ``io_callback``, ...) ``fn`` stages."""
+    from symjax_mlp._hybrid.jaxpr import walk
+
+    try:
+        jaxpr = jax.make_jaxpr(fn)(args[0], *args[1])
+    except Exception:  # cannot stage it again: no better message to give
+        return []
+    names = {eqn.primitive.name for eqn, _ in walk(jaxpr.jaxpr)}
+    return sorted(n for n in names if "callback" in n)
+
+
 def _is_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
@@ -248,27 +295,112 @@ def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
     return sharded
 
 
-def _input_structs(examples: tuple[Any, ...], batch: str | None) -> list[jax.ShapeDtypeStruct]:
-    if batch is not None and (not isinstance(batch, str) or not batch.isidentifier()):
-        raise ConfigError(f"export(batch={batch!r}): pass a name such as 'b', or None.")
-    dim = jax.export.symbolic_shape(batch)[0] if batch else None
-    structs = []
+def _input_structs(
+    examples: tuple[Any, ...],
+    batch: str | None,
+    shapes: Sequence[str | None] | None,
+    constraints: tuple[str, ...],
+    name: str,
+) -> list[jax.ShapeDtypeStruct]:
     for i, x in enumerate(examples):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise SignatureError(
                 f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
                 "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."
             )
+    if shapes is not None:
+        return _spec_structs(examples, shapes, constraints, name)
+    if constraints:
+        raise ConfigError(
+            f"export({name}, constraints=...): constraints name the dimensions of shapes=; "
+            "pass shapes too, e.g. shapes=('b, t',), constraints=('t <= 1024',)."
+        )
+    if batch is not None and (not isinstance(batch, str) or not batch.isidentifier()):
+        raise ConfigError(f"export(batch={batch!r}): pass a name such as 'b', or None.")
+    dim = jax.export.symbolic_shape(batch)[0] if batch else None
+    structs = []
+    for i, x in enumerate(examples):
         shape = tuple(x.shape)
         if dim is not None:
             if not shape:
                 raise SignatureError(
                     f"export(example=...): args[{i}] is a scalar, so it has no batch dimension "
-                    f"for batch={batch!r}. Pass batch=None for static shapes."
+                    f"for batch={batch!r}. Pass batch=None for static shapes, or shapes=."
                 )
             shape = (dim, *shape[1:])
         structs.append(jax.ShapeDtypeStruct(shape, x.dtype))
     return structs
+
+
+def _spec_structs(
+    examples: tuple[Any, ...], shapes: Sequence[str | None], constraints: tuple[str, ...], name: str
+) -> list[jax.ShapeDtypeStruct]:
+    """Inputs with ``jax.export`` shape specs, all in one scope (names shared, constrained)."""
+    shapes = tuple(shapes)
+    if len(shapes) != len(examples):
+        raise ConfigError(
+            f"export({name}, shapes={shapes!r}): one spec per input; the example has "
+            f"{len(examples)} input(s)."
+        )
+    try:
+        scope = jax.export.SymbolicScope(constraints)
+        specs = [
+            None if spec is None else jax.export.symbolic_shape(spec, scope=scope)
+            for spec in shapes
+        ]
+    except (ValueError, TypeError) as e:
+        raise ConfigError(
+            f"export({name}, shapes={shapes!r}, constraints={constraints!r}): {e}. Write specs "
+            "as jax.export does, e.g. 'b, 512', and constraints such as 't <= 1024'."
+        ) from None
+    structs = []
+    for i, (x, dims) in enumerate(zip(examples, specs, strict=True)):
+        if dims is None:
+            structs.append(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype))
+            continue
+        fixed = [(j, d) for j, d in enumerate(dims) if isinstance(d, int)]
+        if len(dims) != len(x.shape) or any(x.shape[j] != d for j, d in fixed):
+            raise SignatureError(
+                f"export({name}, shapes=...): args[{i}] has shape {tuple(x.shape)}, which the "
+                f"spec {shapes[i]!r} does not describe. Give a spec of rank {len(x.shape)} "
+                "whose numbers match the example."
+            )
+        structs.append(jax.ShapeDtypeStruct(dims, x.dtype))
+    return structs
+
+
+def _metadata(metadata: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
+    """The model card as plain JSON data, refused early if it is not JSON."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
+        raise ConfigError(
+            f"export({name}, metadata=...): pass a dict with str keys; got "
+            f"{type(metadata).__name__}."
+        )
+    try:
+        return json.loads(json.dumps(dict(metadata), allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"export({name}, metadata=...): {e}. The model card is JSON: strings, numbers, "
+            "lists and dicts (convert arrays with .tolist())."
+        ) from None
+
+
+def _mirror(meta: Mapping[str, Any]) -> dict[str, str]:
+    """The model card as safetensors ``__metadata__`` (string -> string)."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+
+
+@contextlib.contextmanager
+def _no_source_locations() -> Iterator[None]:
+    """Exports without the Python source locations (file paths of this machine) in the
+    module, so the same model exports to the same bytes anywhere. Scoped to the export."""
+    from jax._src import config  # the scoped form of jax_traceback_in_locations_limit
+
+    limit = getattr(config, "traceback_in_locations_limit", None)
+    with limit(0) if limit is not None else contextlib.nullcontext():
+        yield
 
 
 def _output_kind(exported: Any, h: Hybrid) -> str:

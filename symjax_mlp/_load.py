@@ -130,6 +130,7 @@ def load(
         raise ConfigError(f"load(runtime={runtime!r}): expected one of {RUNTIMES}.")
     path = Path(path)
     manifest, blobs = read_artifact(path)
+    _warn_if_expiring(path, manifest)
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
     backend = importlib.import_module(f"symjax_mlp._runtimes.{runtime}")
     backend.check_supported(path, manifest)
@@ -176,3 +177,24 @@ def _under(mesh: Mesh, run: Callable[[list[Any]], list[Any]]) -> Callable[..., l
             return run(inputs)
 
     return run_on_mesh
+
+
+def _warn_if_expiring(path: Path, manifest: Any, *, days: int = 30) -> None:
+    """Warns when the artifact leaves ``jax.export``'s compatibility window within ``days``."""
+    import datetime
+    import warnings
+
+    until = manifest.get("compatible_until")
+    try:
+        end = datetime.date.fromisoformat(str(until))
+    except ValueError:
+        return  # older artifacts record no window; the calling convention check still runs
+    left = (end - datetime.date.today()).days
+    if left <= days:
+        warnings.warn(
+            f'symjax_mlp.load("{path}"): the artifact leaves jax.export\'s compatibility window '
+            f"on {end} ({'in ' + str(left) + ' days' if left >= 0 else 'already'}): newer JAX "
+            "releases may refuse it. Export it again from its source with this JAX.",
+            FutureWarning,
+            stacklevel=3,
+        )

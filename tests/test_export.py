@@ -70,6 +70,7 @@ def test_manifest_records_the_contract(art):
         "outputs": [{"path": "out", "shape": ["b", 3], "dtype": "float32"}],
         "output_kind": "array",
         "batch": "b",
+        "constraints": [],
     }
     assert str(m.signature) == "(args[0]: float32[b, 8]) -> float32[b, 3]  with b >= 1"
     assert [p["path"] for p in manifest["params"]] == [

@@ -1,12 +1,18 @@
 """The symbolic graph: counts, layers, flops, DOT, and XLA's optimized program."""
 
+import concurrent.futures
+import functools
 import re
 import shutil
 import subprocess
 
+import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
+from helpers import ZOO, NnxDepth
 
 import symjax_mlp as sm
 from symjax_mlp.chapter import fancy_func
@@ -89,3 +95,296 @@ def test_to_svg_renders_with_graphviz_or_says_how_to_get_it(chapter, monkeypatch
     monkeypatch.setenv("PATH", "")
     with pytest.raises(RuntimeError, match="apt-get install graphviz"):
         g.to_svg()
+
+
+# -- DOT: literals, nested jaxprs as clusters, every model of the zoo renders --------------------
+def _clusters(dot: str) -> list[tuple[tuple[str, ...], str]]:
+    """``(enclosing cluster labels, outermost first; node label)`` for each node of the DOT."""
+    nodes, open_ = [], []
+    for line in dot.splitlines():
+        head = re.match(r'\s*subgraph cluster_\w+ \{ label="((?:[^"\\]|\\.)*)";', line)
+        if head:
+            open_.append(head.group(1))
+        elif line.strip() == "}":
+            if open_:
+                open_.pop()
+        else:
+            node = re.match(r'\s*\w+ \[.*label="((?:[^"\\]|\\.)*)"\];$', line)
+            if node:
+                nodes.append((tuple(open_), node.group(1)))
+    assert not open_, "unbalanced clusters"
+    return nodes
+
+
+def _assert_renders(dot: str) -> None:
+    assert dot.startswith("digraph ") and dot.rstrip().endswith("}")
+    assert dot.count("{") == dot.count("}")
+    if shutil.which("dot"):  # .ci/run installs Graphviz, so CI takes this branch
+        done = subprocess.run(["dot", "-Tsvg"], input=dot, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert "<svg" in done.stdout and not done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: jnp.maximum(x, 0),
+        jax.nn.softmax,
+        lambda x: (x * 2, jnp.float32(3)),  # a constant output
+        lambda x: jnp.float32(7),  # nothing but a constant
+    ],
+    ids=["maximum", "softmax", "constant_output", "only_constant"],
+)
+def test_to_dot_draws_literals_as_constant_nodes(fn):
+    dot = sm.stage(fn)(jnp.ones((2, 3))).to_dot()
+    literals = re.findall(r'(lit\d+) \[shape=plaintext, label="([^"]*)"\];', dot)
+    assert literals
+    for node, _ in literals:  # every constant feeds an equation or an output
+        assert re.search(rf"^  {node} -> (op|out)\d+;$", dot, re.M), node
+    _assert_renders(dot)
+
+
+def test_to_dot_draws_the_maximum_literal_next_to_its_max():
+    dot = sm.stage(lambda x: jnp.maximum(x, 0))(jnp.ones(3)).to_dot()
+    (node,) = re.findall(r'(lit\d+) \[shape=plaintext, label="0(?:\.0)?"\];', dot)
+    (op,) = re.findall(r'(op\d+) \[shape=box, label="max', dot)
+    assert f"  {node} -> {op};" in dot
+
+
+def test_to_dot_shows_the_relu_inside_its_call_clusters(chapter):
+    _, _, h, x = chapter
+    dot = h.graph(x).to_dot()
+    nodes = _clusters(dot)
+    maxes = [where for where, label in nodes if label.startswith("max\\n")]
+    assert maxes == [
+        (f"HybridSequential/layers_{i}", "custom_jvp_call: relu", "jit: relu") for i in (0, 1)
+    ]
+    assert [label for where, label in nodes if where and where[-1] == "jit: relu"].count(
+        "0.0"
+    ) == 2  # the relu's literal 0, drawn inside the call
+    assert dot.count("dot_general") == 3
+    _assert_renders(dot)
+    if shutil.which("dot"):
+        assert "jit: relu" in h.graph(x).to_svg()
+
+
+def test_to_dot_draws_scan_while_and_cond_bodies():
+    w = jnp.eye(4)
+
+    def f(x):
+        with jax.named_scope("loops"):
+            x = jax.lax.scan(lambda c, _: (jnp.sin(c @ w), None), x, None, length=3)[0]
+            x = jax.lax.while_loop(lambda c: c.sum() < 100, lambda c: c * 2 + 1, x)
+        return jax.lax.cond(x.sum() > 0, lambda y: jnp.exp(y), lambda y: -y, x)
+
+    dot = sm.stage(f)(jnp.ones((2, 4))).to_dot()
+    nodes = {(where, label.split("\\n")[0]) for where, label in _clusters(dot)}
+    assert (("loops", "scan (length=3)", "body"), "dot_general") in nodes
+    assert (("loops", "scan (length=3)", "body"), "sin") in nodes
+    assert (("loops", "while_loop (trip count unknown)", "cond"), "reduce_sum") in nodes
+    assert (("loops", "while_loop (trip count unknown)", "body"), "mul") in nodes
+    assert (("loops", "while_loop (trip count unknown)", "body"), "1.0") in nodes  # literal
+    assert (("cond", "branch 1"), "exp") in nodes and (("cond", "branch 0"), "neg") in nodes
+    assert (("cond",), "index") in nodes  # the branch index flows into the cond
+    _assert_renders(dot)
+
+
+@pytest.mark.parametrize("case", ZOO, ids=[c.name for c in ZOO])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_every_zoo_model_draws_and_renders(case, mode):
+    g = case.hybridize().graph(*case.inputs(0), **getattr(case, mode))
+    dot = g.to_dot()
+    assert dot.startswith(f'digraph "{g.name}"')
+    _assert_renders(dot)
+    for layer in g.by_layer:
+        if layer:
+            assert f'label="{layer}"' in dot
+
+
+# -- flops: convolutions, scan trip counts, while loops, cond ------------------------------------
+class _ConvNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))  # SAME padding: the border positions cost less
+        x = nn.relu(nn.Conv(8, (3, 3), strides=(2, 2), feature_group_count=4)(x))
+        x = nn.Conv(6, (2, 2), padding="VALID", kernel_dilation=(2, 2))(x)
+        return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+def _xla_flops(fn, *args):
+    return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+
+def test_conv_flops_match_xla_cost_analysis():
+    net, x = _ConvNet(), jax.random.normal(jax.random.key(0), (2, 12, 12, 4))
+    h = sm.hybridize(net, net.init(jax.random.key(1), x))
+    g, xla = h.graph(x), h.compile(x).cost_analysis()["flops"]
+    assert g.primitive_counts["conv_general_dilated"] == 3 and g.flops_exact
+    assert abs(g.flops - xla) <= 0.05 * xla, (g.flops, xla)
+
+
+def test_a_valid_convolution_costs_two_flops_per_output_kernel_and_channel():
+    x, k = jnp.ones((2, 9, 9, 6)), jnp.ones((3, 3, 2, 9))  # HWIO, feature groups of 2 channels
+
+    def conv(x, k):
+        return jax.lax.conv_general_dilated(
+            x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=3,
+        )  # fmt: skip
+
+    g = sm.stage(conv)(x, k)
+    assert g.flops == 2 * (2 * 7 * 7 * 9) * (3 * 3) * (6 // 3)
+    assert g.flops == _xla_flops(conv, x, k)
+
+
+def _matmul_scan(unroll):
+    w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+
+    def f(x):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=10, unroll=unroll)
+
+    return f
+
+
+def test_scan_flops_are_the_body_times_its_length():
+    x = jnp.ones((8, 64))
+    body = sm.stage(lambda c: jnp.tanh(c @ jnp.ones((64, 64))))(x).flops
+    g = sm.stage(_matmul_scan(1))(x)
+    assert g.flops == 10 * body == 10 * 2 * 8 * 64 * 64 and g.flops_exact
+    # XLA's cost analysis counts a rolled loop's body once; unrolled, it sees every trip
+    xla = _xla_flops(_matmul_scan(True), x)
+    assert sm.stage(_matmul_scan(True))(x).flops == g.flops
+    assert abs(g.flops - xla) <= 0.05 * xla, (g.flops, xla)
+    fori = sm.stage(lambda x: jax.lax.fori_loop(0, 10, lambda i, c: jnp.tanh(c @ x), x))(
+        jnp.ones((64, 64))
+    )  # static bounds: a scan, whose body also adds 1 to the counter
+    assert fori.primitive_counts["scan"] == 1 and fori.flops == 10 * (2 * 64**3 + 1)
+
+
+def test_while_loop_flops_are_a_lower_bound_and_say_so(monkeypatch):
+    w, x = jnp.eye(16) * 2, jnp.ones((4, 16))
+
+    def loop(params, x):
+        return jax.lax.while_loop(lambda c: c.sum() < 1e4, lambda c: c @ w, x)
+
+    h = sm.hybridize(loop, {}, name="loop")
+    g = h.graph(x)
+    assert g.flops_exact is False and g.flops_unknown == ("while",)
+    assert g.flops == 4 * 16 + 1  # the condition, which runs at least once; not the body
+    assert g.flops < h.compile(x).cost_analysis()["flops"]
+    monkeypatch.setattr(sm.chapter, "chapter_mlp", lambda *a, **k: (h, x))
+    summary = sm.chapter.describe_mlp()
+    assert f"flops: at least {g.flops:,} (a while_loop's trip count is unknown)" in summary
+
+
+def test_known_trip_counts_are_exact(chapter):
+    _, _, h, x = chapter
+    assert h.graph(x).flops_exact and h.graph(x).flops_unknown == ()
+    assert "at least" not in sm.chapter.describe_mlp(sizes=(4, 2), in_features=3)
+
+
+def test_cond_costs_its_costliest_branch_as_in_xla():
+    w = jnp.ones((32, 32))
+
+    def f(x):
+        return jax.lax.cond(x.sum() > 0, lambda x: x @ w, jnp.sin, x)
+
+    g, xla = sm.stage(f)(jnp.ones((4, 32))), _xla_flops(f, jnp.ones((4, 32)))
+    assert g.flops >= 2 * 4 * 32 * 32 and abs(g.flops - xla) <= 0.05 * xla, (g.flops, xla)
+
+
+def test_nested_named_scopes_are_layers():
+    def f(x):
+        with jax.named_scope("outer"):
+
+            def body(c, _):
+                with jax.named_scope("inner"):
+                    return jnp.sin(c) * 2, None
+
+            return jax.lax.scan(body, x, None, length=3)[0] + 1
+
+    layers = sm.stage(f)(jnp.ones(3)).by_layer
+    assert layers["outer"] == {"scan": 1, "add": 1}
+    assert layers["outer/inner"] == {"sin": 1, "mul": 1}
+
+
+# -- nnx layer names -------------------------------------------------------------------------------
+NNX_LAYERS = {
+    "nnx_batchnorm": {"dense", "norm", "out"},
+    "nnx_dropout": {"dense", "drop", "out"},
+    "nnx_two_inputs": {"a", "b"},
+    "nnx_depth": {"stem", "hidden/0", "hidden/1", "head"},  # depth=2: hidden/2 is not called
+}
+
+
+@pytest.mark.parametrize("case", [c for c in ZOO if c.kind == "nnx"], ids=lambda c: c.name)
+def test_nnx_submodules_are_named_layers(case):
+    h, xs = case.hybridize(), case.inputs(0)
+    by_layer = h.graph(*xs, **case.train).by_layer
+    assert set(by_layer) - {""} == NNX_LAYERS[case.name]
+    for layer in NNX_LAYERS[case.name] - {"norm", "drop"}:  # the nnx.Linear layers
+        assert by_layer[layer]["dot_general"] == 1, layer
+    stablehlo = h.lower(*xs, **case.eval).as_text(debug_info=True)
+    hlo = h.compile(*xs, **case.eval).as_text()
+    for layer in NNX_LAYERS[case.name] - {"drop"}:  # eval-mode dropout is no operation
+        assert re.search(rf'loc\("[^"]*/{re.escape(layer)}/', stablehlo), layer
+        assert re.search(rf'op_name="[^"]*/{re.escape(layer)}/', hlo), layer
+
+
+def test_nnx_layer_names_leave_the_model_and_its_results_alone():
+    case, call = next(c for c in ZOO if c.name == "nnx_depth"), nnx.Linear.__call__
+    h, (x, depth) = case.hybridize(), case.inputs(0)
+    model, _ = case.build()
+    want = model(x, depth)
+    chex.assert_trees_all_close(h(x, depth), want, rtol=1e-6)
+    chex.assert_trees_all_close(h.eager(x, depth), want, rtol=1e-6)
+    h.graph(x, depth)
+    for _, m in nnx.iter_modules(h.module):  # no class swapped in for good
+        assert type(m) in (NnxDepth, nnx.Linear, nnx.List), type(m)
+    assert nnx.Linear.__call__ is call  # the class itself is never patched
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(self.linear(x))
+
+
+class _Nested(nnx.Module):
+    def __init__(self, rngs):
+        self.block = _Block(rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.block(x))
+
+
+def test_nested_nnx_modules_name_their_path_once():
+    h = sm.hybridize(_Nested(nnx.Rngs(0)))
+    layers = h.graph(jnp.ones((1, 4))).by_layer
+    assert layers["block/linear"]["dot_general"] == 1 and layers["head"]["dot_general"] == 1
+    assert layers["block"]["custom_jvp_call"] == 1  # the relu, in the block's own call
+
+
+def test_nnx_layer_names_are_per_call_under_threads():
+    cases = [c for c in ZOO if c.name in ("nnx_depth", "nnx_two_inputs")]
+    hybrids = [(c.name, c.hybridize(), c.inputs(0)) for c in cases]
+
+    def layers(item):
+        name, h, xs = item
+        return name, set(h.graph(*xs).by_layer) - {""}
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for name, got in pool.map(layers, hybrids * 4):
+            assert got == NNX_LAYERS[name]
+
+
+# -- names -----------------------------------------------------------------------------------------
+def test_stage_names_a_partial_after_its_function():
+    one = jnp.float32(1)
+    g = sm.stage(functools.partial(fancy_func, one))(one, one, one)
+    assert g.name == "fancy_func" and g.to_dot().startswith('digraph "fancy_func"')
+    nested = functools.partial(functools.partial(fancy_func, one), one)
+    assert sm.stage(nested)(one, one).name == "fancy_func"

@@ -89,6 +89,12 @@ class Artifact:
         ]
         lines += [f"  {p}" for p in self.params]
         lines.append("mlir args  " + ", ".join(m["mlir_arguments"]))
+        if m.get("compatible_until"):
+            lines.append(
+                f"loads in   JAX releases until {m['compatible_until']} (jax.export window)"
+            )
+        for key, value in (m.get("metadata") or {}).items():
+            lines.append(f"card       {key}: {value}")
         lines.append("files      sha256")
         for k, f in m["files"].items():
             lines.append(f"  {k:<20} {f['sha256'][:16]}...  {f['bytes']:>10,} B")

@@ -25,20 +25,26 @@ class Signature:
       outputs: one :class:`TensorSpec` per output array.
       output_kind: ``"array"`` (the function returns one array) or ``"tuple"``.
       batch: the name of the symbolic leading dimension (``"b"``), or ``None`` if every
-        shape is static. A symbolic dimension is always ``>= 1``.
+        shape is static or the shapes came from per-input specs. A symbolic dimension is
+        always ``>= 1``.
+      constraints: further bounds on the symbolic dimensions, as ``jax.export`` writes them
+        (``"t <= 1024"``); checked on every call.
     """
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     output_kind: str
     batch: str | None
+    constraints: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))
         outs = ", ".join(o.type for o in self.outputs)
         if self.output_kind == "tuple":
             outs = f"({outs})"
-        where = f"  with {self.batch} >= 1" if self.batch else ""
+        names = sorted({d for s in self.inputs for d in s.shape if isinstance(d, str)})
+        bounds = [f"{n} >= 1" for n in names] + list(self.constraints)
+        where = f"  with {', '.join(bounds)}" if bounds else ""
         return f"({ins}) -> {outs}{where}"
 
     def to_json(self) -> dict[str, Any]:
@@ -47,6 +53,7 @@ class Signature:
             "outputs": [s.to_json() for s in self.outputs],
             "output_kind": self.output_kind,
             "batch": self.batch,
+            "constraints": list(self.constraints),
         }
 
     @classmethod
@@ -56,6 +63,7 @@ class Signature:
             tuple(TensorSpec.from_json(s) for s in d["outputs"]),
             str(d["output_kind"]),
             d.get("batch"),
+            tuple(str(c) for c in d.get("constraints", ())),
         )
 
     def check(self, inputs: Sequence[Any], *, caller: str) -> list[Any]:
@@ -103,10 +111,18 @@ class Signature:
                         f"{caller}: {spec.path}.shape[{i}] is {got} but {seen[0]} is "
                         f"{seen[1]}; both are the symbolic dimension {dim} and must agree."
                     )
-            if x.dtype != spec.dtype:
+            if str(x.dtype) != spec.dtype:  # as text: bfloat16 and rng key types included
+                namespace = "np" if hasattr(np, spec.dtype) else "jnp"
                 raise SignatureError(
-                    f"{caller}: input {spec.path} has dtype {np.dtype(x.dtype)} but the "
-                    f"artifact expects {spec.type}. Cast it: x.astype(np.{spec.dtype})."
+                    f"{caller}: input {spec.path} has dtype {x.dtype} but the artifact expects "
+                    f"{spec.type}. Cast it: x.astype({namespace}.{spec.dtype})."
+                )
+        for constraint in self.constraints:
+            if not _holds(constraint, {k: v for k, (_, v) in sizes.items()}):
+                where = ", ".join(f"{k} = {v} ({p})" for k, (p, v) in sorted(sizes.items()))
+                raise SignatureError(
+                    f"{caller}: the inputs give {where}, but the artifact requires "
+                    f"{constraint}. Pass inputs within that bound (split a longer one)."
                 )
         return arrays
 
@@ -114,6 +130,32 @@ class Signature:
         names = sorted({d for d in spec.shape if isinstance(d, str)})
         where = f" with {', '.join(names)} >= 1" if names else ""
         return _shape_text(spec.shape) + where
+
+
+_OPS = {
+    "<=": lambda a, b: a <= b,
+    ">=": lambda a, b: a >= b,
+    "==": lambda a, b: a == b,
+    "<": lambda a, b: a < b,
+    ">": lambda a, b: a > b,
+}
+
+
+def _holds(constraint: str, sizes: Mapping[str, int]) -> bool:
+    """Evaluates ``"t <= 1024"`` or ``"b >= t"`` on the call's sizes (unknown names: True)."""
+    for op in ("<=", ">=", "==", "<", ">"):
+        left, sep, right = constraint.partition(op)
+        if sep:
+            break
+    else:
+        return True
+
+    def value(term: str) -> int | None:
+        term = term.strip()
+        return int(term) if term.lstrip("-").isdigit() else sizes.get(term)
+
+    a, b = value(left), value(right)
+    return a is None or b is None or _OPS[op](a, b)
 
 
 def _shape_text(shape: Sequence[int | str]) -> str:

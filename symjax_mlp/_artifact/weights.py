@@ -53,9 +53,11 @@ def param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
         arr = np.asarray(leaf)
         if arr.dtype not in _NP_TO_ST:
             raise ArtifactError(
-                f"param {'/'.join(parts)} has dtype {arr.dtype}, which safetensors cannot store."
+                f"param {'/'.join(parts) or 'params'} has dtype {arr.dtype}, which "
+                "safetensors cannot store. Cast it (to float32, int32, ...) before exporting."
             )
-        specs.append(TensorSpec("/".join(parts), tuple(arr.shape), str(arr.dtype)))
+        path = "/".join(parts) or "params"  # a single array as the params: one tensor
+        specs.append(TensorSpec(path, tuple(arr.shape), str(arr.dtype)))
         arrays.append(arr)
     return specs, arrays
 
@@ -67,8 +69,14 @@ def _key_name(key: Any) -> str:
     return str(key)
 
 
-def encode_params(specs: Sequence[TensorSpec], arrays: Sequence[np.ndarray]) -> bytes:
-    """Serializes params to safetensors bytes, one tensor per param path."""
+def encode_params(
+    specs: Sequence[TensorSpec],
+    arrays: Sequence[np.ndarray],
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> bytes:
+    """Serializes params to safetensors bytes, one tensor per param path; ``metadata`` (a
+    model card, strings) goes into the file's ``__metadata__`` beside the format tag."""
     keep = [np.array(a, order="C", copy=None) for a in arrays]  # 0-d stays 0-d
     tensors = {
         s.path: safetensors.TensorSpec(
@@ -79,7 +87,8 @@ def encode_params(specs: Sequence[TensorSpec], arrays: Sequence[np.ndarray]) -> 
         )
         for s, a in zip(specs, keep, strict=True)
     }
-    return bytes(safetensors.serialize(tensors, metadata={"format": "symjax_mlp.params"}))
+    header = {**(metadata or {}), "format": "symjax_mlp.params"}
+    return bytes(safetensors.serialize(tensors, metadata=header))
 
 
 def decode_params(data: bytes, *, file: Path | str) -> dict[str, np.ndarray]:

@@ -1,49 +1,170 @@
-"""Drawing a jaxpr as Graphviz DOT: one node per equation, clustered by layer."""
+"""Drawing a jaxpr as Graphviz DOT: one node per equation, clustered by layer and call.
+
+An equation with sub-jaxprs (a ``jit`` or ``custom_jvp_call``, ``cond`` branches, a ``scan``
+or ``while`` body) is a labelled cluster (``subgraph cluster_N``) holding the equations of its
+sub-jaxprs, so every layer's operations show; data flows into and out of it along the edges
+of the sub-jaxprs' inputs and outputs. Literals (the ``0.0`` of a relu) are small constant
+nodes next to the equation that reads them.
+"""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
-from symjax_mlp._hybrid.jaxpr import layer_of
+import numpy as np
+from jax.extend import core as jex_core
+
+from symjax_mlp._hybrid.jaxpr import Body, bodies, call_name, layer_of
+
+# What a variable stands for in the drawing: the nodes that produce it, or a literal that is
+# drawn where it is used.
+_Source = list[str] | jex_core.Literal
 
 
 def to_dot(closed: Any, name: str) -> str:
     """Graphviz DOT: one node per equation, clustered by layer, edges along data flow."""
     jaxpr = closed.jaxpr
+    drawing = _Drawing()
     lines = [f'digraph "{_quote(name)}" {{', "  rankdir=TB;", "  node [fontsize=10];"]
-    producer: dict[Any, str] = {}
+    env: dict[Any, _Source] = {}
     for i, v in enumerate(jaxpr.invars):
-        node = f"in{i}"
-        lines.append(f'  {node} [shape=ellipse, label="{_quote(_aval(v))}"];')
-        producer[v] = node
+        lines.append(f'  in{i} [shape=ellipse, label="{_quote(_aval(v))}"];')
+        env[v] = [f"in{i}"]
     for i, v in enumerate(jaxpr.constvars):
-        node = f"const{i}"
-        lines.append(f'  {node} [shape=ellipse, style=dashed, label="{_quote(_aval(v))}"];')
-        producer[v] = node
-    clusters: dict[str, list[str]] = {}
-    edges = []
-    for i, eqn in enumerate(jaxpr.eqns):
-        node = f"op{i}"
-        out = ", ".join(_aval(v) for v in eqn.outvars)
-        label = f"{eqn.primitive.name}\\n{_quote(out)}"
-        layer = layer_of(str(eqn.source_info.name_stack))
-        clusters.setdefault(layer, []).append(f'{node} [shape=box, label="{label}"];')
-        edges += [f"  {producer[v]} -> {node};" for v in eqn.invars if v in producer]
-        producer.update((v, node) for v in eqn.outvars)
-    for j, (layer, nodes) in enumerate(clusters.items()):
-        if layer:
-            lines.append(f'  subgraph cluster_{j} {{ label="{_quote(layer)}";')
-            lines += [f"    {n}" for n in nodes]
-            lines.append("  }")
-        else:
-            lines += [f"  {n}" for n in nodes]
-    lines += edges
+        lines.append(f'  const{i} [shape=ellipse, style=dashed, label="{_quote(_aval(v))}"];')
+        env[v] = [f"const{i}"]
+    body = drawing.jaxpr(jaxpr, env)
+    outs = []
     for i, v in enumerate(jaxpr.outvars):
-        lines.append(f'  out{i} [shape=ellipse, label="{_quote(_aval(v))}"];')
-        if v in producer:
-            lines.append(f"  {producer[v]} -> out{i};")
+        outs.append(f'out{i} [shape=ellipse, label="{_quote(_aval(v))}"];')
+        drawing.edges += [f"{s} -> out{i};" for s in drawing.sources(v, env, outs)]
+    lines += [f"  {line}" for line in (*body, *outs, *drawing.edges)]
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+class _Drawing:
+    """Node and cluster ids, and the edges, of one DOT graph being drawn."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self.edges: list[str] = []
+
+    def new(self, prefix: str) -> str:
+        return f"{prefix}{next(self._ids)}"
+
+    def cluster(self, label: str, body: list[str], style: str = "") -> list[str]:
+        head = f'subgraph {self.new("cluster_")} {{ label="{_quote(label)}";{style}'
+        return [head, *(f"  {line}" for line in body), "}"]
+
+    def sources(self, atom: Any, env: dict[Any, _Source], out: list[str]) -> list[str]:
+        """The nodes an input ``atom`` comes from; a literal is drawn (into ``out``) here."""
+        if isinstance(atom, jex_core.Literal):
+            node = self.new("lit")
+            out.append(f'{node} [shape=plaintext, label="{_quote(_literal(atom))}"];')
+            return [node]
+        source = env.get(atom, [])
+        return self.sources(source, env, out) if isinstance(source, jex_core.Literal) else source
+
+    def jaxpr(self, jaxpr: Any, env: dict[Any, _Source]) -> list[str]:
+        """The nodes of ``jaxpr``'s equations, in one cluster per layer (named scope)."""
+        groups: dict[str, list[str]] = {}
+        for eqn in jaxpr.eqns:
+            out = groups.setdefault(layer_of(str(eqn.source_info.name_stack)), [])
+            subs = bodies(eqn)
+            if subs:
+                self._nested(eqn, subs, env, out)
+                continue
+            node = self.new("op")
+            avals = ", ".join(_aval(v) for v in eqn.outvars)
+            out.append(f'{node} [shape=box, label="{eqn.primitive.name}\\n{_quote(avals)}"];')
+            for atom in eqn.invars:
+                self.edges += [f"{s} -> {node};" for s in self.sources(atom, env, out)]
+            env.update((v, [node]) for v in eqn.outvars)
+        lines: list[str] = []
+        for layer, nodes in groups.items():
+            lines += self.cluster(layer, nodes) if layer else nodes
+        return lines
+
+    def _nested(self, eqn: Any, subs: list[Body], env: dict[Any, _Source], out: list[str]):
+        """``eqn`` as a cluster of its sub-jaxprs, wired to its inputs and outputs."""
+        inner: list[str] = []
+        produced: list[list[str]] = [[] for _ in eqn.outvars]
+        bound: set[int] = set()
+        for k, body in enumerate(subs):
+            benv: dict[Any, _Source] = {}
+            lines: list[str] = []
+            for v in body.jaxpr.constvars:
+                node = self.new("const")
+                lines.append(f'{node} [shape=ellipse, style=dashed, label="{_quote(_aval(v))}"];')
+                benv[v] = [node]
+            for v, index in zip(body.jaxpr.invars, _inputs(eqn, k, body), strict=True):
+                if index is None:
+                    node = self.new("arg")
+                    lines.append(f'{node} [shape=ellipse, label="{_quote(_aval(v))}"];')
+                    benv[v] = [node]
+                    continue
+                bound.add(index)
+                atom = eqn.invars[index]
+                benv[v] = atom if isinstance(atom, jex_core.Literal) else env.get(atom, [])
+            lines += self.jaxpr(body.jaxpr, benv)
+            for i, v in _outputs(eqn, body):
+                produced[i] += self.sources(v, benv, lines)
+            inner += self.cluster(body.role, lines, " style=dashed;") if body.role else lines
+        free = [a for i, a in enumerate(eqn.invars) if i not in bound]
+        if free or not all(produced):  # e.g. a cond's branch index
+            node = self.new("op")
+            label = "index" if eqn.primitive.name == "cond" else eqn.primitive.name
+            inner.append(f'{node} [shape=diamond, label="{label}"];')
+            for atom in free:
+                self.edges += [f"{s} -> {node};" for s in self.sources(atom, env, inner)]
+            produced = [p or [node] for p in produced]
+        out += self.cluster(_title(eqn), inner)
+        env.update(zip(eqn.outvars, produced, strict=True))
+
+
+def _inputs(eqn: Any, k: int, body: Body) -> list[int | None]:
+    """For each input of ``eqn``'s ``k``-th sub-jaxpr, the index of the equation's input it
+    is bound to (``None``: not known)."""
+    n, params = len(body.jaxpr.invars), eqn.params
+    if eqn.primitive.name == "while":
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        carry = list(range(nc + nb, len(eqn.invars)))
+        consts = list(range(nc)) if body.role == "cond" else list(range(nc, nc + nb))
+        return consts + carry
+    m = len(eqn.invars)
+    if n <= m:  # a call or scan: all of them; a cond's branches: all but the index
+        return list(range(m - n, m))
+    return [None] * (n - m) + list(range(m))
+
+
+def _outputs(eqn: Any, body: Body) -> list[tuple[int, Any]]:
+    """``(i, v)``: the sub-jaxpr's output ``v`` becomes the equation's ``i``-th output."""
+    if eqn.primitive.name == "while" and body.role == "cond":
+        return []
+    outs = body.jaxpr.outvars
+    if len(outs) != len(eqn.outvars):
+        return []
+    return list(enumerate(outs))
+
+
+def _title(eqn: Any) -> str:
+    name, params = eqn.primitive.name, eqn.params
+    if name == "scan":
+        return f"scan (length={params['length']})"
+    if name == "while":
+        return "while_loop (trip count unknown)"
+    called = call_name(eqn)
+    return f"{name}: {called}" if called else name
+
+
+def _literal(v: Any) -> str:
+    try:
+        value = np.asarray(v.val)
+    except (TypeError, ValueError):  # e.g. a typed PRNG key
+        return _aval(v)
+    return str(value.item()) if value.ndim == 0 else _aval(v)
 
 
 def _aval(v: Any) -> str:

@@ -17,8 +17,9 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
+from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.dot import to_dot
-from symjax_mlp._hybrid.jaxpr import eqn_flops, sub_jaxprs, walk
+from symjax_mlp._hybrid.jaxpr import count_flops, walk
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, partition, rebuild
 
 
@@ -27,7 +28,8 @@ class Graph:
     """A staged program: the jaxpr of a function on given inputs, and ways to look at it.
 
     ``str(g)`` is the jaxpr. Counts include the equations inside sub-jaxprs (the body of a
-    ``custom_jvp_call`` or nested ``jit``) as well as the wrapping equation itself.
+    ``custom_jvp_call`` or nested ``jit``, ``cond`` branches, ``scan`` and ``while`` bodies) as
+    well as the wrapping equation itself; each is counted once, wherever it runs.
 
     Attributes:
       jaxpr: the ``ClosedJaxpr`` from :func:`jax.make_jaxpr`.
@@ -55,14 +57,35 @@ class Graph:
         return layers
 
     @functools.cached_property
+    def _flops(self) -> tuple[int, tuple[str, ...]]:
+        return count_flops(self.jaxpr.jaxpr)
+
+    @property
     def flops(self) -> int:
         """Floating-point operations, counted from the jaxpr with XLA's conventions.
 
-        A ``dot_general`` costs ``2 * K`` per output element, an elementwise op one per output
-        element, a reduction one per input element; layout ops (reshape, broadcast) cost none.
-        Equations are counted once, at the innermost level.
+        A ``dot_general`` costs ``2 * K`` per output element, a convolution ``2 * in_channels
+        / feature_group_count`` per output element and kernel position that lands on the input
+        (not on padding), an elementwise op one per output element, a reduction one per input
+        element; transcendentals (``exp``, ``tanh``, ...) and layout ops (reshape, broadcast)
+        cost none. Equations are counted at the innermost level: a ``scan`` body times its
+        ``length`` (a ``fori_loop`` with static bounds is a ``scan``), a ``cond`` as its
+        costliest branch. A ``while_loop``'s trip count is unknown: its body is not counted
+        and :attr:`flops_exact` is false, so this is a lower bound.
         """
-        return sum(eqn_flops(e) for e, _ in walk(self.jaxpr.jaxpr) if not any(sub_jaxprs(e)))
+        return self._flops[0]
+
+    @property
+    def flops_exact(self) -> bool:
+        """Whether :attr:`flops` is the whole count: false when a body runs an unknown number
+        of times (a ``while_loop``; see :attr:`flops_unknown`), and :attr:`flops` is then a
+        lower bound."""
+        return not self._flops[1]
+
+    @property
+    def flops_unknown(self) -> tuple[str, ...]:
+        """The primitives whose bodies run an unknown number of times, e.g. ``("while",)``."""
+        return self._flops[1]
 
     @classmethod
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
@@ -93,7 +116,12 @@ class Graph:
         return self._lower().compile().as_text()
 
     def to_dot(self) -> str:
-        """Graphviz DOT: one node per equation, clustered by layer, edges along data flow."""
+        """Graphviz DOT: one node per equation, clustered by layer, edges along data flow.
+
+        Nested jaxprs (``jit``, ``custom_jvp_call``, ``cond`` branches, ``scan``/``while``
+        bodies) are labelled clusters holding their own equations; literals are small
+        constant nodes.
+        """
         return to_dot(self.jaxpr, self.name)
 
     def to_svg(self) -> str:
@@ -129,19 +157,25 @@ def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
       3
     """
     if callable(getattr(fn, "eager", None)) and callable(getattr(fn, "graph", None)):
-        raise TypeError(
+        raise ConfigError(
             "stage() got a Hybrid; stage its function instead: h.graph(x) (or stage(h.fn)"
             "(h.params, x))."
         )
     if isinstance(fn, jax.stages.Wrapped) or hasattr(fn, "lower"):
         inner = getattr(fn, "__wrapped__", None)
         hint = f" (here: stage({inner.__name__}))" if inner is not None else ""
-        raise TypeError(
+        raise ConfigError(
             f"stage() got {getattr(fn, '__name__', fn)!r}, which is already jax.jit-compiled: "
             "its jaxpr would be a single opaque `jit` equation hiding every layer. Pass the "
             f"undecorated Python function{hint}, e.g. stage(f.__wrapped__)."
         )
     if not callable(fn):
-        raise TypeError(f"stage() expects a callable; got {type(fn).__name__}.")
-    name = getattr(fn, "__name__", type(fn).__name__)
-    return functools.partial(Graph.of, fn, name)
+        raise ConfigError(f"stage() expects a callable; got {type(fn).__name__}.")
+    return functools.partial(Graph.of, fn, _name(fn))
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    """``fn``'s name; a ``functools.partial`` is named after the function it wraps."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)

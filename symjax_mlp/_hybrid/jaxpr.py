@@ -1,36 +1,113 @@
 """Reading a jaxpr: its equations (nested ones included), their layers and their flops.
 
 Counting works on the jaxpr's equations, recursing into sub-jaxprs such as
-``custom_jvp_call`` and ``jit``, never on its text, which changes across JAX versions.
+``custom_jvp_call``, ``jit``, ``cond`` branches and ``scan``/``while`` bodies, never on its
+text, which changes across JAX versions. :func:`bodies` says how often each sub-jaxpr runs.
+
+:func:`layer_scopes` names the layers of an nnx module: it runs each submodule's call under a
+``jax.named_scope`` of its attribute path, which is what :func:`layer_of` reads back.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import functools
 import math
+import threading
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 from jax.extend import core as jex_core
 
 # Elementwise primitives that XLA's cost model counts as one flop per output element.
 _ELEMENTWISE_FLOPS = frozenset(
     {
-        "add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "exp", "exp2", "log",
-        "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "pow", "integer_pow", "erf",
-        "select_n", "sin", "cos", "square", "rem", "atan2", "cbrt", "erf_inv", "is_finite",
-        "nextafter", "tan", "clamp",
+        "add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "exp2", "select_n",
+        "square", "rem", "is_finite", "nextafter", "clamp", "erf_inv", "eq", "ne", "lt", "le",
+        "gt", "ge", "convert_element_type", "floor", "ceil", "round", "reduce_precision",
+    }
+)  # fmt: skip
+# XLA counts these as "transcendentals", not flops (HloCostAnalysis::HandleElementwiseOp).
+_TRANSCENDENTALS = frozenset(
+    {
+        "exp", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow",
+        "erf", "sin", "cos", "tan", "atan2",
     }
 )  # fmt: skip
 _REDUCTION_FLOPS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+# Primitives whose sub-jaxprs run exactly once per run of the equation.
+_CALLS = frozenset(
+    {
+        "jit", "pjit", "closed_call", "core_call", "named_call", "custom_jvp_call",
+        "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint",
+    }
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """A sub-jaxpr of an equation, and how often it runs per run of the equation.
+
+    Attributes:
+      role: what it is to the equation: ``""`` for a call (``jit``, ``custom_jvp_call``),
+        ``"body"`` (``scan``, ``while``), ``"cond"`` (``while``), ``"branch 0"`` (``cond``),
+        or the parameter's name for a primitive this module does not know.
+      jaxpr: the sub-jaxpr.
+      trips: how many times it runs; a lower bound when ``exact`` is false.
+      exact: whether ``trips`` is known (false for a ``while`` loop's body and condition).
+    """
+
+    role: str
+    jaxpr: jex_core.Jaxpr
+    trips: int = 1
+    exact: bool = True
+
+
+def _jaxprs(value: Any) -> Iterator[jex_core.Jaxpr]:
+    for v in value if isinstance(value, tuple | list) else (value,):
+        if isinstance(v, jex_core.ClosedJaxpr):
+            yield v.jaxpr
+        elif isinstance(v, jex_core.Jaxpr):
+            yield v
 
 
 def sub_jaxprs(eqn: Any) -> Iterator[jex_core.Jaxpr]:
+    """Every sub-jaxpr of ``eqn``'s parameters."""
     for value in eqn.params.values():
-        for v in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(v, jex_core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jex_core.Jaxpr):
-                yield v
+        yield from _jaxprs(value)
+
+
+def bodies(eqn: Any) -> list[Body]:
+    """``eqn``'s sub-jaxprs, each with how often it runs (``[]``: a plain equation)."""
+    name, params = eqn.primitive.name, eqn.params
+    if name == "scan":
+        return [Body("body", params["jaxpr"].jaxpr, int(params["length"]))]
+    if name == "while":
+        return [
+            Body("cond", params["cond_jaxpr"].jaxpr, 1, exact=False),
+            Body("body", params["body_jaxpr"].jaxpr, 0, exact=False),
+        ]
+    if name == "cond":
+        return [Body(f"branch {i}", b.jaxpr) for i, b in enumerate(params["branches"])]
+    if name in _CALLS:
+        return [Body("", j) for j in sub_jaxprs(eqn)]
+    return [Body(key, j, exact=False) for key, v in params.items() for j in _jaxprs(v)]
+
+
+def call_name(eqn: Any) -> str:
+    """The name of a call equation's function (``"relu"``), or ``""``."""
+    name = eqn.params.get("name")
+    if isinstance(name, str):
+        return name
+    for j in sub_jaxprs(eqn):
+        info = getattr(j, "debug_info", None)
+        func = getattr(info, "func_name", "") if info is not None else ""
+        if func and not func.startswith("<"):
+            return func
+    return ""
 
 
 def layer_of(name_stack: str) -> str:
@@ -42,24 +119,180 @@ def layer_of(name_stack: str) -> str:
     return "/".join(parts)
 
 
-def walk(jaxpr: jex_core.Jaxpr, layer: str | None = None) -> Iterator[tuple[Any, str]]:
-    """Every equation, sub-jaxprs included, with the layer it belongs to."""
+def walk(jaxpr: jex_core.Jaxpr, layer: str = "") -> Iterator[tuple[Any, str]]:
+    """Every equation, sub-jaxprs included, with the layer it belongs to.
+
+    A sub-jaxpr's name stack is relative to its equation's, so an equation's layer is its
+    enclosing equation's layer followed by its own named scopes.
+    """
     for eqn in jaxpr.eqns:
-        own = layer if layer is not None else layer_of(str(eqn.source_info.name_stack))
+        own = layer_of("/".join(filter(None, (layer, str(eqn.source_info.name_stack)))))
         yield eqn, own
         for sub in sub_jaxprs(eqn):
             yield from walk(sub, own)
 
 
+def count_flops(jaxpr: jex_core.Jaxpr) -> tuple[int, tuple[str, ...]]:
+    """``(flops, unknown)``: the flops of one run of ``jaxpr`` and the primitives whose
+    bodies run an unknown number of times (e.g. ``("while",)``), in which case the flops are
+    what is known: a lower bound.
+
+    A body runs as often as :func:`bodies` says (a ``scan`` body ``length`` times, a
+    ``while`` body at least zero times, its condition at least once); a ``cond`` costs its
+    costliest branch, as in XLA's cost analysis.
+    """
+    total, unknown = 0, []
+    for eqn in jaxpr.eqns:
+        subs = bodies(eqn)
+        if not subs:
+            total += eqn_flops(eqn)
+            continue
+        counted = [(b, *count_flops(b.jaxpr)) for b in subs]
+        if eqn.primitive.name == "cond":
+            total += max(flops for _, flops, _ in counted)
+        else:
+            total += sum(b.trips * flops for b, flops, _ in counted)
+        unknown += [eqn.primitive.name for b in subs if not b.exact]
+        unknown += [name for _, _, names in counted for name in names]
+    return total, tuple(dict.fromkeys(unknown))
+
+
 def eqn_flops(eqn: Any) -> int:
+    """The flops of one equation without sub-jaxprs, with XLA's conventions."""
     name = eqn.primitive.name
     if name == "dot_general":
         (contract, _), _ = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval.shape
         k = math.prod(lhs[d] for d in contract)
         return 2 * k * math.prod(eqn.outvars[0].aval.shape)
+    if name == "conv_general_dilated":
+        return conv_flops(eqn)
     if name in _ELEMENTWISE_FLOPS:
         return math.prod(eqn.outvars[0].aval.shape)
+    if name == "integer_pow":  # lowered to square-and-multiply, and a division if y < 0
+        y = abs(eqn.params["y"])
+        muls = max(y.bit_length() - 1, 0) + max(y.bit_count() - 1, 0)
+        return (muls + (eqn.params["y"] < 0)) * math.prod(eqn.outvars[0].aval.shape)
     if name in _REDUCTION_FLOPS:
         return math.prod(eqn.invars[0].aval.shape)
     return 0
+
+
+def conv_flops(eqn: Any) -> int:
+    """A convolution's flops as XLA counts them (``HloCostAnalysis::GetConvolutionFlops``).
+
+    ``2 * batch/batch_groups * out_channels * in_channels/feature_groups * positions``, where
+    ``positions`` is, per spatial dimension, the number of (output, kernel) index pairs that
+    land on an input element rather than on padding or a dilation hole. Without padding
+    this is ``2 * output elements * kernel spatial size * in_channels/feature_group_count``.
+    """
+    p = eqn.params
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    out = eqn.outvars[0].aval.shape
+    lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
+    positions = 1
+    for i in range(len(lhs_spec) - 2):
+        positions *= _valid_positions(
+            lhs[lhs_spec[2 + i]],
+            rhs[rhs_spec[2 + i]],
+            out[out_spec[2 + i]],
+            stride=p["window_strides"][i],
+            pad_low=p["padding"][i][0],
+            base_dilation=p["lhs_dilation"][i],
+            window_dilation=p["rhs_dilation"][i],
+        )
+    batch = lhs[lhs_spec[0]] // p["batch_group_count"]
+    in_features = lhs[lhs_spec[1]] // p["feature_group_count"]
+    return 2 * batch * in_features * out[out_spec[1]] * positions
+
+
+def _valid_positions(
+    size: int,
+    kernel: int,
+    out: int,
+    *,
+    stride: int,
+    pad_low: int,
+    base_dilation: int,
+    window_dilation: int,
+) -> int:
+    count = 0
+    for k in range(kernel):
+        for o in range(out):
+            index = o * stride - pad_low + k * window_dilation
+            if index % base_dilation == 0 and 0 <= index // base_dilation < size:
+                count += 1
+    return count
+
+
+# -- naming an nnx module's layers ---------------------------------------------------------------
+_SCOPES: contextvars.ContextVar[dict[int, tuple[Any, ...]] | None] = contextvars.ContextVar(
+    "symjax_mlp_nnx_scopes", default=None
+)
+_CALLER: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+    "symjax_mlp_nnx_caller", default=()
+)
+_SCOPED: dict[type, type] = {}
+_SCOPED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def layer_scopes(module: Any) -> Iterator[None]:
+    """For the duration of the block, each submodule of the nnx ``module`` runs its
+    ``__call__`` under ``jax.named_scope`` of its attribute path (``"dense"``,
+    ``"hidden/0"``), relative to the submodule whose call it is in.
+
+    ``module`` must be private to the caller (a fresh ``nnx.merge``): its submodules are
+    given, for the block only, a subclass of their class whose ``__call__`` opens the scope.
+    The user's classes and objects are never changed, and concurrent blocks on other modules
+    (other threads, other Hybrids) do not see each other's scopes.
+    """
+    from flax import nnx
+
+    paths: dict[int, tuple[Any, ...]] = {}
+    swapped: list[tuple[Any, type]] = []
+    for path, sub in nnx.iter_modules(module):
+        cls = type(sub)
+        if not path or id(sub) in paths or not callable(sub):
+            continue
+        paths[id(sub)] = tuple(path)
+        swapped.append((sub, cls))
+    token = _SCOPES.set(paths)
+    try:
+        for sub, cls in swapped:
+            object.__setattr__(sub, "__class__", _scoped(cls))
+        yield
+    finally:
+        for sub, cls in swapped:
+            object.__setattr__(sub, "__class__", cls)
+        _SCOPES.reset(token)
+
+
+def _scoped(cls: type) -> type:
+    """The subclass of ``cls`` whose ``__call__`` runs under its instance's named scope: one
+    per class, created once (nnx registers every Module class as a graph node and pytree)."""
+    with _SCOPED_LOCK:
+        if cls not in _SCOPED:
+            base_call = cls.__call__
+
+            @functools.wraps(base_call)
+            def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+                path = (_SCOPES.get() or {}).get(id(self))
+                if path is None:  # a copy made inside the call (e.g. by an nnx transform)
+                    return base_call(self, *args, **kwargs)
+                caller = _CALLER.get()
+                inner = path[len(caller) :] if path[: len(caller)] == caller else path
+                token = _CALLER.set(path)
+                try:
+                    with jax.named_scope("/".join(map(str, inner))):
+                        return base_call(self, *args, **kwargs)
+                finally:
+                    _CALLER.reset(token)
+
+            namespace = {"__call__": __call__, "__module__": cls.__module__}
+            kwargs = {}
+            if hasattr(cls, "_pytree__is_pytree"):
+                kwargs["pytree"] = cls._pytree__is_pytree
+            _SCOPED[cls] = type(cls)(cls.__name__, (cls,), namespace, **kwargs)
+            _SCOPED[cls].__qualname__ = cls.__qualname__
+        return _SCOPED[cls]

@@ -1,0 +1,156 @@
+"""What an artifact carries: shapes, a model card, gradients, every input type; same bytes twice.
+
+Every test is a round trip: export, then load (in this process) and call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors
+from helpers import ZOO
+
+import symjax_mlp as sm
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _mlp(sizes=(8, 3), features=5):
+    net, x = sm.mlp(sizes), jnp.ones((2, features))
+    return sm.hybridize(net, net.init(jax.random.key(0), x)), x
+
+
+def test_the_same_model_exports_to_the_same_bytes_and_no_local_path(tmp_path):
+    h, x = _mlp()
+    a = sm.export(h, tmp_path / "a", example=x)
+    b = sm.export(h, tmp_path / "b", example=x)
+    for name in a.manifest["files"]:
+        assert (a.path / name).read_bytes() == (b.path / name).read_bytes(), name
+    ma, mb = (json.loads((p / "manifest.json").read_text()) for p in (a.path, b.path))
+    for m in (ma, mb):
+        m.pop("created")
+    assert ma == mb
+    here = (str(tmp_path), __file__, str(__import__("pathlib").Path(sm.__file__).parent))
+    for file in a.path.iterdir():
+        data = file.read_bytes()
+        for path in here:
+            assert path.encode() not in data, f"{file.name} holds {path}"
+
+
+def test_a_model_card_travels_in_the_manifest_inspect_and_safetensors(tmp_path):
+    h, x = _mlp()
+    card = {"labels": ["a", "b", "c"], "license": "Apache-2.0", "metrics": {"accuracy": 0.9}}
+    art = sm.export(h, tmp_path / "m", example=x, metadata=card)
+    assert dict(sm.inspect(art.path).to_json()["metadata"]) == card
+    assert "card       license: Apache-2.0" in str(sm.inspect(art.path))
+    with safetensors.safe_open(art.path / "params.safetensors", "np") as f:
+        header = f.metadata()
+    assert header["license"] == "Apache-2.0" and json.loads(header["labels"]) == ["a", "b", "c"]
+    with pytest.raises(sm.ConfigError, match=r"metadata=.*JSON"):
+        sm.export(h, tmp_path / "n", example=x, metadata={"w": np.ones(2)})
+    assert not (tmp_path / "n").exists()
+
+
+def test_the_compatibility_window_is_recorded_shown_and_warned_about(tmp_path):
+    h, x = _mlp()
+    art = sm.export(h, tmp_path / "m", example=x)
+    created = datetime.datetime.fromisoformat(art.manifest["created"]).date()
+    until = datetime.date.fromisoformat(art.manifest["compatible_until"])
+    assert (until - created).days == 180
+    assert f"until {until}" in str(art)
+    # an artifact 20 days from the end of its window: load warns, and still loads
+    manifest = json.loads((art.path / "manifest.json").read_text())
+    soon = datetime.date.today() + datetime.timedelta(days=20)
+    manifest["compatible_until"] = soon.isoformat()
+    (art.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(FutureWarning, match=r"compatibility window.*in 20 days"):
+        m = sm.load(art.path)
+    chex.assert_trees_all_close(m(x), h(x), **TOL)
+
+
+def test_shape_specs_per_input_with_constraints(tmp_path):
+    def fn(p, x, seq):  # x: (b, 5); seq: (b, t) with t <= 8
+        return x @ p["w"] + jnp.sum(seq, axis=-1, keepdims=True)
+
+    h = sm.hybridize(fn, {"w": jnp.ones((5, 3))})
+    example = (jnp.ones((2, 5)), jnp.ones((2, 4)))
+    art = sm.export(h, tmp_path / "m", example=example, shapes=("b, 5", "b, t"),
+                    constraints=("t <= 8",))  # fmt: skip
+    assert art.signature.inputs[1].shape == ("b", "t")
+    assert "t <= 8" in str(art.signature)
+    m = sm.load(art.path)
+    for b, t in ((1, 1), (3, 8)):
+        x, seq = jnp.ones((b, 5)), jnp.ones((b, t))
+        chex.assert_trees_all_close(m(x, seq), h(x, seq), **TOL)
+    with pytest.raises(sm.SignatureError, match=r"t = 9.*requires t <= 8"):
+        m(jnp.ones((1, 5)), jnp.ones((1, 9)))
+    with pytest.raises(sm.SignatureError, match="must agree"):
+        m(jnp.ones((2, 5)), jnp.ones((3, 4)))
+
+
+def test_an_unbatched_second_input(tmp_path):
+    h = sm.hybridize(lambda p, x, bias: x @ p + bias, jnp.ones((5, 3)))
+    art = sm.export(h, tmp_path / "m", example=(jnp.ones((2, 5)), jnp.ones(3)),
+                    shapes=("b, 5", None))  # fmt: skip
+    assert art.signature.inputs[1].shape == (3,)
+    m = sm.load(art.path)
+    chex.assert_trees_all_close(m(jnp.ones((7, 5)), jnp.ones(3)), h(jnp.ones((7, 5)), jnp.ones(3)))
+
+
+def test_grad_of_a_loaded_model(tmp_path):
+    h, x = _mlp()
+    art = sm.export(h, tmp_path / "m", example=x, vjp_order=1)
+    m = sm.load(art.path)
+    got = jax.grad(lambda x: m(x).sum())(x)
+    want = jax.grad(lambda x: h(x).sum())(x)
+    chex.assert_trees_all_close(got, want, **TOL)
+    assert sm.inspect(art.path).manifest["vjp_order"] == 1
+
+
+def test_single_array_params_and_rng_key_inputs(tmp_path):
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(3))
+    art = sm.export(h, tmp_path / "scalar", example=jnp.ones((2, 2)))
+    assert [p.path for p in art.params] == ["params"]
+    chex.assert_trees_all_close(sm.load(art.path)(jnp.ones((4, 2))), jnp.full((4, 2), 3.0))
+
+    noisy = sm.hybridize(lambda p, key, x: x * p + jax.random.normal(key, x.shape), jnp.float32(1))
+    art = sm.export(noisy, tmp_path / "key", example=(jax.random.key(0), jnp.ones((2, 3))),
+                    batch=None)  # fmt: skip
+    key = jax.random.key(7)
+    chex.assert_trees_all_close(
+        sm.load(art.path)(key, jnp.ones((2, 3))), noisy(key, jnp.ones((2, 3)))
+    )
+
+
+def test_an_nnx_model_holding_a_dropout_rng_exports(tmp_path):
+    case = next(c for c in ZOO if c.name == "nnx_dropout")
+    h = case.hybridize()
+    x = case.inputs(0)[0]
+    art = sm.export(h, tmp_path / "m", example=x, kwargs=case.eval)
+    chex.assert_trees_all_close(sm.load(art.path)(x), h(x, **case.eval), **TOL)
+
+
+def test_a_host_callback_is_refused_at_export(tmp_path):
+    def f(p, x):
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.pure_callback(lambda a: np.asarray(a) * 2, shape, x) * p
+
+    h = sm.hybridize(f, jnp.float32(2))
+    with pytest.raises(sm.ConfigError, match=r"calls back into Python \(pure_callback\)"):
+        sm.export(h, tmp_path / "m", example=jnp.ones((2, 3)))
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_bfloat16_input_error_names_a_cast_that_exists(tmp_path):
+    h = sm.hybridize(lambda p, x: x * p, jnp.bfloat16(2))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 2), jnp.bfloat16))
+    m = sm.load(art.path)
+    assert m(jnp.ones((1, 2), jnp.bfloat16)).dtype == jnp.bfloat16
+    with pytest.raises(sm.SignatureError, match=r"x\.astype\(jnp\.bfloat16\)"):
+        m(np.ones((1, 2), np.float32))
