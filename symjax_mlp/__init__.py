@@ -14,6 +14,7 @@ The flow, one stage per private module, each importing only from the stages befo
 
 import importlib as _importlib
 from importlib import metadata as _metadata
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from symjax_mlp._artifact.reading import Artifact as Artifact
 from symjax_mlp._artifact.reading import inspect as inspect
@@ -37,11 +38,6 @@ from symjax_mlp._hybrid.mesh import data_mesh as data_mesh
 from symjax_mlp._hybrid.trace import TraceEvent as TraceEvent
 from symjax_mlp._load import LoadedModel as LoadedModel
 from symjax_mlp._load import load as load
-from symjax_mlp._models import ACTIVATIONS as ACTIVATIONS
-from symjax_mlp._models import Dense as Dense
-from symjax_mlp._models import HybridConcurrent as HybridConcurrent
-from symjax_mlp._models import HybridSequential as HybridSequential
-from symjax_mlp._models import mlp as mlp
 from symjax_mlp._specs import TensorSpec as TensorSpec
 from symjax_mlp._verify import VerifyCheck as VerifyCheck
 from symjax_mlp._verify import VerifyReport as VerifyReport
@@ -49,14 +45,41 @@ from symjax_mlp._verify import verify as verify
 
 __version__ = _metadata.version("symjax_mlp")  # pyproject.toml is the one source
 
-# imported on first use: loading needs none
-_SUBPACKAGES = ("bench", "chapter", "serving", "training")
+if _TYPE_CHECKING:  # imported on first use, below: loading an artifact needs no flax
+    from symjax_mlp._models import ACTIVATIONS as ACTIVATIONS
+    from symjax_mlp._models import Dense as Dense
+    from symjax_mlp._models import HybridConcurrent as HybridConcurrent
+    from symjax_mlp._models import HybridSequential as HybridSequential
+    from symjax_mlp._models import mlp as mlp
+
+_LAZY = {
+    "ACTIVATIONS": "symjax_mlp._models",
+    "Dense": "symjax_mlp._models",
+    "HybridConcurrent": "symjax_mlp._models",
+    "HybridSequential": "symjax_mlp._models",
+    "mlp": "symjax_mlp._models",
+    "bench": None,
+    "chapter": None,
+    "serving": None,
+    "training": None,
+}
 
 
 def __getattr__(name: str):
-    if name in _SUBPACKAGES:
+    """The models (flax) and the sub-packages (optax, ...) load on first use, so that
+    ``import symjax_mlp; symjax_mlp.load(path)`` imports neither."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'symjax_mlp' has no attribute {name!r}")
+    where = _LAZY[name]
+    if where is None:
         return _importlib.import_module(f"symjax_mlp.{name}")
-    raise AttributeError(f"module 'symjax_mlp' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

@@ -154,3 +154,21 @@ def test_a_bfloat16_input_error_names_a_cast_that_exists(tmp_path):
     assert m(jnp.ones((1, 2), jnp.bfloat16)).dtype == jnp.bfloat16
     with pytest.raises(sm.SignatureError, match=r"x\.astype\(jnp\.bfloat16\)"):
         m(np.ones((1, 2), np.float32))
+
+
+def test_loading_imports_no_flax_optax_or_training(tmp_path):
+    import subprocess
+    import sys
+
+    h, x = _mlp()
+    art = sm.export(h, tmp_path / "m", example=x)
+    code = (
+        "import sys, numpy as np, symjax_mlp as sm\n"
+        f"m = sm.load({str(art.path)!r})\n"
+        "m(np.ones((3, 5), np.float32))\n"
+        "print(sorted({k.split('.')[0] for k in sys.modules} & {'flax', 'optax', 'chex'}))\n"
+        "print(sorted(k for k in sys.modules if k.startswith('symjax_mlp.training')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "[]"]
