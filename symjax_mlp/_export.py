@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from symjax_mlp import _selftest as selftest
 from symjax_mlp._artifact.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -207,6 +208,9 @@ def export(
         MLIR: exported.mlir_module().encode(),
         PARAMS: encode_params(specs, host_params, metadata=_mirror(meta)),
     }
+    vectors = _self_test_vectors(exported, signature, specs, host_params)
+    if vectors is not None:
+        files[selftest.SELFTEST] = vectors
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -270,6 +274,19 @@ def _callbacks(fn: Callable[..., Any], *args: Any) -> list[str]:
         return []
     names = {eqn.primitive.name for eqn, _ in walk(jaxpr.jaxpr)}
     return sorted(n for n in names if "callback" in n)
+
+
+def _self_test_vectors(
+    exported: Any, signature: Signature, specs: Sequence[TensorSpec], arrays: Sequence[Any]
+) -> bytes | None:
+    """Seeded inputs and what the exported program gives for them, where it runs here."""
+    here = jax.export.default_export_platform()
+    xs = selftest.inputs(signature.inputs)
+    if xs is None or here not in exported.platforms or exported.nr_devices != 1:
+        return None
+    params = {s.path: a for s, a in zip(specs, arrays, strict=True)}
+    outs = jax.tree.leaves(jax.jit(exported.call)(params, *xs))
+    return selftest.encode(xs, [np.asarray(y) for y in outs])
 
 
 def _is_key(x: Any) -> bool:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from symjax_mlp import _selftest as selftest
 from symjax_mlp._artifact.format import PARAMS
 from symjax_mlp._artifact.reading import freeze, read_artifact
 from symjax_mlp._artifact.signature import Signature
@@ -92,6 +93,7 @@ def load(
     params: str | os.PathLike[str] | Any | None = None,
     runtime: str = "jax",
     mesh: Mesh | None = None,
+    self_test: bool = True,
 ) -> LoadedModel:
     """Loads an artifact written by :func:`export`; no model source code is needed.
 
@@ -106,6 +108,8 @@ def load(
         another export's ``params.safetensors``) or a params pytree; default: the artifact's.
       runtime: ``"jax"`` (XLA via ``jax.export``) or ``"iree"`` (IREE's llvm-cpu, needs the
         ``symjax_mlp[iree]`` extra).
+      self_test: run the artifact's self-test vectors (the inputs it was exported with and
+        the outputs they gave) and refuse a model that no longer reproduces them.
       mesh: for an artifact exported from a sharded Hybrid: a mesh of exactly its
         ``nr_devices`` devices to run on (default: the caller's mesh of that size, else the
         first ``nr_devices`` devices).
@@ -151,6 +155,8 @@ def load(
     run = backend.runner(path, manifest, blobs, ordered)
     if mesh is not None:
         run = _under(mesh, run)
+    if self_test and params is None:  # other weights give other outputs, by design
+        selftest.run(path, manifest, blobs, run)
     weights = dict(zip([s.path for s in expected], ordered, strict=True))
     return LoadedModel(path, freeze(manifest), runtime, weights, run)
 

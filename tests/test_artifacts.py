@@ -172,3 +172,33 @@ def test_loading_imports_no_flax_optax_or_training(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[]", "[]"]
+
+
+def test_self_test_vectors_run_at_load_and_catch_a_changed_model(tmp_path):
+    import hashlib
+    import time
+
+    h, x = _mlp()
+    art = sm.export(h, tmp_path / "m", example=x)
+    assert "selftest.safetensors" in art.manifest["files"]
+    t0 = time.perf_counter()
+    sm.load(art.path)  # runs them: a model that reproduces its vectors loads
+    assert time.perf_counter() - t0 < 30
+    # a consistent artifact whose weights were swapped (checksums recomputed): refused at load
+    weights = sm.load(art.path).params
+    doubled = {k: np.asarray(v) * 2 for k, v in weights.items()}
+    other = sm.export(h.replace(params=jax.tree.map(lambda a: a * 2, h.params)),
+                      tmp_path / "other", example=x)  # fmt: skip
+    planted = (other.path / "params.safetensors").read_bytes()
+    manifest = json.loads((art.path / "manifest.json").read_text())
+    (art.path / "params.safetensors").write_bytes(planted)
+    manifest["files"]["params.safetensors"] = {
+        "sha256": hashlib.sha256(planted).hexdigest(),
+        "bytes": len(planted),
+    }
+    (art.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(sm.ArtifactError, match="no longer reproduces its self-test"):
+        sm.load(art.path)
+    m = sm.load(art.path, self_test=False)  # to inspect it anyway
+    chex.assert_trees_all_close(m(x), h.replace(params=jax.tree.map(lambda a: a * 2, h.params))(x))
+    assert set(doubled) == set(weights)

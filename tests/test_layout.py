@@ -34,6 +34,7 @@ STAGES = (
     "symjax_mlp._artifact.weights",
     "symjax_mlp._artifact.reading",
     "symjax_mlp._artifact",
+    "symjax_mlp._selftest",
     "symjax_mlp._export",
     "symjax_mlp._runtimes",
     "symjax_mlp._load",

@@ -1,0 +1,94 @@
+"""Self-test vectors: a few inputs an artifact was exported with, and the outputs they gave.
+
+``export`` runs the exported program on seeded random inputs of the signature's shapes and
+stores both in ``selftest.safetensors`` (listed in the manifest, so checksummed like every
+file). ``load`` runs them before handing the model over and refuses one that no longer
+reproduces them within the platform's tolerance: a wrong answer caught at load, not in
+production. Only ExecuTorch's BundledProgram does this, and opt-in; here it is the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+
+from symjax_mlp._artifact.weights import decode_params
+from symjax_mlp._errors import ArtifactError
+
+SELFTEST = "selftest.safetensors"
+BATCH = 2  # rows per symbolic batch dimension in the vectors
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # XLA may fuse differently across CPUs and versions
+
+
+def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
+    """Seeded random inputs of ``specs``' shapes (symbolic dims as ``BATCH``), or ``None``
+    when an input cannot be stored (an rng key)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for spec in specs:
+        shape = tuple(BATCH if isinstance(d, str) else d for d in spec.shape)
+        dtype = str(spec.dtype)
+        if dtype.startswith("key"):
+            return None
+        kind = np.dtype(dtype) if hasattr(np, dtype) else None
+        if kind is not None and np.issubdtype(kind, np.integer):
+            out.append(rng.integers(0, 4, shape).astype(kind))
+        elif kind is not None and kind == np.bool_:
+            out.append(rng.integers(0, 2, shape).astype(bool))
+        else:  # floats, bfloat16 included
+            import ml_dtypes
+
+            target = kind if kind is not None else np.dtype(getattr(ml_dtypes, dtype))
+            out.append(rng.standard_normal(shape).astype(np.float32).astype(target))
+    return out
+
+
+def encode(xs: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> bytes:
+    """The vectors as safetensors: ``args[i]`` and ``out[i]``."""
+    tensors = {f"args[{i}]": np.ascontiguousarray(x) for i, x in enumerate(xs)}
+    tensors |= {f"out[{i}]": np.ascontiguousarray(np.asarray(y)) for i, y in enumerate(outs)}
+    specs = {
+        name: safetensors.TensorSpec(
+            dtype=str(a.dtype), shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
+        )
+        for name, a in tensors.items()
+    }
+    return bytes(safetensors.serialize(specs, metadata={"format": "symjax_mlp.selftest"}))
+
+
+def run(
+    path: Path,
+    manifest: Mapping[str, Any],
+    blobs: Mapping[str, bytes],
+    call: Callable[[list[Any]], list[Any]],
+) -> None:
+    """Runs the vectors through ``call``; raises :class:`~symjax_mlp.ArtifactError` unless
+    every output matches. An artifact without vectors (an older export) passes."""
+    if SELFTEST not in blobs:
+        return
+    vectors = decode_params(blobs[SELFTEST], file=path / SELFTEST)
+    n_in = len(manifest["signature"]["inputs"])
+    n_out = len(manifest["signature"]["outputs"])
+    try:
+        xs = [vectors[f"args[{i}]"] for i in range(n_in)]
+        want = [vectors[f"out[{i}]"] for i in range(n_out)]
+    except KeyError as e:
+        raise ArtifactError(
+            f"{path / SELFTEST} lacks the vector {e}; the artifact is corrupted. Export it again."
+        ) from None
+    got = [np.asarray(y) for y in call(list(xs))]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g64, w64 = (np.asarray(a, np.float64) for a in (g, w))
+        if g.shape != w.shape or not np.allclose(g64, w64, **TOLERANCE):
+            err = float(np.max(np.abs(g64 - w64))) if g.shape == w.shape else float("nan")
+            raise ArtifactError(
+                f'symjax_mlp.load("{path}"): the model no longer reproduces its self-test: '
+                f"out[{i}] differs from what it gave at export by up to {err:.3g} (tolerance "
+                f"rtol {TOLERANCE['rtol']}, atol {TOLERANCE['atol']}). The weights, the "
+                "module or this platform's numerics changed; do not trust its answers. Export "
+                "it again, or load with self_test=False to inspect it anyway."
+            )
