@@ -15,12 +15,12 @@ PUBLIC = {
         "Hybrid", "TraceEvent", "hybridize", "shard", "data_mesh", "Graph", "stage",
         # artifacts
         "Artifact", "LoadedModel", "Signature", "TensorSpec", "VerifyCheck", "VerifyReport",
-        "export", "inspect", "load", "verify",
+        "export", "inspect", "load", "verify", "sign", "verify_signature",
         # errors
         "ArtifactError", "CheckpointError", "ConfigError", "ControlFlowError", "DataError",
         "DivergenceError", "RetraceError", "SignatureError", "SymjaxError",
         # public sub-packages
-        "bench", "chapter", "training",
+        "bench", "chapter", "serving", "training",
     },
     "symjax_mlp.training": {
         "Dataset", "EpochRecord", "ShardedStep", "Step", "TrainResult", "TrainState",
@@ -32,7 +32,12 @@ PUBLIC = {
         "SweepReport", "Timing", "bench_devices", "benchmark", "compare_runs", "environment",
         "format_comparison", "format_devices", "format_report", "format_sweep", "measure_peak",
         "plot_devices", "plot_sweep", "plot_training", "sweep", "time_calls", "time_interleaved",
-        "time_stages", "time_train_step",
+        "time_stages", "time_train_step", "bench_serving", "format_serving", "bench_stateful",
+        "format_stateful", "bench_coldstart", "format_coldstart",
+    },
+    "symjax_mlp.serving": {
+        "LATENCY_BUCKETS", "Batcher", "BatcherStats", "OverloadError", "RequestFuture",
+        "RequestTiming", "create_app", "dispatch_mode", "latency_mode", "serve",
     },
     "symjax_mlp.chapter": {
         "HybridNet", "chapter_mlp", "describe_mlp", "export_mlp", "fancy_func", "tour",
@@ -50,7 +55,11 @@ def test_all_is_pinned(namespace):
 
 
 def test_the_top_level_is_the_core():
-    assert len(sm.__all__) <= 34  # about 30 names: training and benchmarking live below
+    # about 30 names: training, benchmarking and serving live below, in public sub-packages,
+    # whose names alone are at the top (the bound on the core is what it was with three)
+    subpackages = {n for n in sm.__all__ if f"symjax_mlp.{n}" in PUBLIC}
+    assert subpackages == {"bench", "chapter", "serving", "training"}
+    assert len(set(sm.__all__) - subpackages) <= 33  # 31, and signing: sign, verify_signature
 
 
 def test_public_names_never_shadow_their_modules():

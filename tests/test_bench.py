@@ -6,6 +6,7 @@ Every run here uses tiny call counts and a tiny net so the file stays well under
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import matplotlib.image
 import pytest
 import torch
 
+import symjax_mlp as sm
 from symjax_mlp import bench
 from symjax_mlp.cli import main as cli_main
 
@@ -27,44 +29,18 @@ def tiny_benchmark(**kw):
     return bench.benchmark(**(fewest | {"peak": False, "train_step": False} | TINY | kw))
 
 
-def test_public_names_are_pinned():
-    assert bench.__all__ == [
-        "CPU_NOTE",
-        "BenchReport",
-        "Row",
-        "SweepPoint",
-        "SweepReport",
-        "Timing",
-        "bench_devices",
-        "benchmark",
-        "environment",
-        "format_devices",
-        "format_report",
-        "format_sweep",
-        "measure_peak",
-        "plot_sweep",
-        "sweep",
-        "time_calls",
-        "time_interleaved",
-        "time_stages",
-        "time_train_step",
-    ]
-    assert isinstance(bench.CPU_NOTE, str) and bench.CPU_NOTE
-    assert all(callable(getattr(bench, name)) for name in bench.__all__ if name != "CPU_NOTE")
-    for cli_only in ("add_arguments", "main"):  # the command line lives in symjax_mlp.cli
-        assert not hasattr(bench, cli_only)
-
-
 def test_timing_fields_and_stats():
     t = bench.time_calls(lambda: jnp.ones(3) + 1, name="add", calls=4, repeats=5, warmup=2)
     assert (t.name, t.calls, t.inputs_per_call, len(t.times)) == ("add", 4, 1, 5)
     assert all(s > 0 for s in t.times)
     assert t.min <= t.median <= max(t.times)
     assert t.per_call_min == pytest.approx(t.min / 4)
+    assert t.spread == pytest.approx(t.median / t.min - 1) and t.spread >= 0
     lo, med = t.per_inputs(1000)
     assert lo == pytest.approx(t.min * 250) and med == pytest.approx(t.median * 250)
     d = t.to_dict()
     assert set(d) >= {"calls", "repeats", "times_s", "min_s", "median_s", "per_call_min_s"}
+    assert d["spread"] == t.spread
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.calls = 1
 
@@ -102,7 +78,7 @@ def test_stages_are_timed_separately():
 
 def test_environment_says_where_it_ran():
     env = bench.environment()
-    for key in ("jax", "jaxlib", "flax", "python", "backend", "device", "device_kind"):
+    for key in ("jax", "jaxlib", "flax", "python", "backend", "device", "device_kind", "cpu_model"):
         assert isinstance(env[key], str) and env[key]
     assert env["cpu_count"] >= 1 and env["cpu_usable"] >= 1
 
@@ -148,6 +124,7 @@ def test_report_text_starts_with_the_chapter_lines(report):
 
 def test_report_json_round_trips(report):
     d = json.loads(json.dumps(report.to_dict()))
+    assert d["schema"] == 1  # documented in the module docstring of symjax_mlp.bench._report
     assert d["chapter"]["calls"] == 4
     assert {r["key"] for r in d["rows"]} >= {"eager", "hybridized", "floor", "vmap"}
     assert d["env"]["backend"] and d["env"]["cpu_count"] >= 1
@@ -195,10 +172,15 @@ def test_torch_rows_share_the_table():
     assert any(n.startswith(f"torch: {torch.__version__}, ") for n in r.notes)
 
 
-def test_sweep_points_peak_and_plot(tmp_path):
-    s = bench.sweep(
-        batch_sizes=(1, 4), eager_max_batch=1, repeats=1, min_seconds=0, peak_size=32, **TINY
+@pytest.fixture(scope="module")
+def tiny_sweep():
+    return bench.sweep(
+        batch_sizes=(1, 4), eager_max_batch=1, repeats=2, min_seconds=0, peak_size=32, **TINY
     )
+
+
+def test_sweep_points_peak_and_json(tiny_sweep):
+    s = tiny_sweep
     assert [(p.mode, p.batch) for p in s.points] == [
         ("hybridized", 1),
         ("eager", 1),
@@ -208,12 +190,62 @@ def test_sweep_points_peak_and_plot(tmp_path):
     p = s.points[-1]
     assert p.flops_per_call == 4 * s.points[0].flops_per_call > 0
     assert p.samples_per_s > 0 and p.gflops > 0
+    assert p.seconds_per_example == pytest.approx(p.timing.per_call_min / 4)
+    assert p.seconds_per_example <= p.seconds_per_example_median
+    assert s.floor_seconds_per_example == pytest.approx(s.flops_per_example / (s.peak_gflops * 1e9))
     d = json.loads(json.dumps(s.to_dict()))
+    assert d["schema"] == 1
     assert {"mode", "batch", "samples_per_s", "gflops", "fraction_of_peak"} <= set(d["points"][0])
-    assert "matmul peak" in bench.format_sweep(s)
-    png = Path(bench.plot_sweep(s, tmp_path / "sweep.png"))
+    assert {"seconds_per_example_min", "seconds_per_example_median", "median_s"} <= set(
+        d["points"][0]
+    )
+    text = bench.format_sweep(s)
+    assert "matmul peak" in text and "compute floor" in text and "median" in text
+
+
+def svg_text(path):
+    """The text of an SVG figure (its labels are kept as text, not as glyph outlines)."""
+    return Path(path).read_text()
+
+
+def test_sweep_figure_reads_like_a_paper_figure(tiny_sweep, tmp_path):
+    written = bench.plot_sweep(tiny_sweep, tmp_path / "sweep")
+    png, svg = map(Path, written)
+    assert (png.name, svg.name) == ("sweep.png", "sweep.svg")  # PNG and SVG, one drawing
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert matplotlib.image.imread(png).shape[:2] == (462, 1210)  # 11 x 4.2 in at 110 dpi
+    assert matplotlib.image.imread(png).shape[:2] == (720, 1440)  # 12 x 6 in at 120 dpi
+    text = svg_text(svg)
+    assert text.lstrip().startswith("<?xml") and "<svg" in text
+    for shown in (
+        "batch size (examples per call, log scale)",  # axes with units
+        "seconds per example (log scale)",
+        "achieved GFLOP/s (log scale)",
+        "compute floor: ",  # the machine's limits, as lines
+        "measured matmul rate ",
+        "hybridized: fastest repeat",  # min and median, the band between
+        "hybridized: median (shaded)",
+        "eager: fastest repeat",
+        "of 2 repeats",  # the caption: repeats, machine, versions
+        tiny_sweep.env["cpu_model"],
+        f"{tiny_sweep.env['cpu_usable']} of {tiny_sweep.env['cpu_count']} cores usable",
+        f"jax {tiny_sweep.env['jax']}",
+        f"symjax_mlp {tiny_sweep.env['symjax_mlp']}",
+    ):
+        assert shown in text, shown
+    assert " µs" in text  # the time ticks carry their unit
+    # a path with an image suffix names the same pair; formats pick the files
+    (pdf,) = bench.plot_sweep(tiny_sweep, tmp_path / "again.png", formats=("pdf",))
+    assert pdf == str(tmp_path / "again.pdf") and Path(pdf).read_bytes()[:4] == b"%PDF"
+
+
+def test_degenerate_sweeps_are_refused(tiny_sweep, tmp_path):
+    for batch_sizes in ((), (0, 4), (2, 2)):
+        with pytest.raises(sm.ConfigError, match="pass distinct batch sizes >= 1"):
+            bench.sweep(batch_sizes=batch_sizes)
+    one = dataclasses.replace(tiny_sweep, points=tiny_sweep.points[:2])  # batch 1 only
+    with pytest.raises(sm.ConfigError, match="a curve needs at least 2"):
+        bench.plot_sweep(one, tmp_path / "one")
+    assert not list(tmp_path.iterdir())  # no empty plot written
 
 
 # The CLI runs the real benchmark, with the fewest calls: its options reach the run.
@@ -237,12 +269,14 @@ def test_cli_bench_writes_json(tmp_path, capsys):
     assert {"torch_eager", "torch_script", "torch_compile"} <= keys  # --compare torch
     assert "artifact_jax" in keys and "artifact_iree" not in keys  # artifact on, --no-iree
     assert "train_step" not in d and "peak" not in d  # --no-train, --no-peak
+    assert d["schema"] == 1 and d["config"]["quick"] is False
+    assert "QUICK RUN" not in captured.out
 
 
 def test_cli_bench_devices_table_and_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "--calls", "2", "--sizes", "8,2", "--in-features", "16", *FEWEST_ARGV]
-    argv += ["--no-artifact", "--no-train", "--devices", "1"]
+    argv += ["--no-artifact", "--no-train", "--devices", "1", "--devices-out", str(tmp_path / "d")]
     assert cli_main([*argv, "--quiet", "--json", str(out)]) == 0  # one device: in-process
     d = json.loads(out.read_text())["devices"]
     assert d["n_devices"] == 1 and not d["in_subprocess"]
@@ -264,6 +298,8 @@ def test_cli_bench_devices_table_and_json(tmp_path, capsys):
     assert "throughput against device count (global batch 4096, mlp(8, 2) on 16" in text
     assert f"note: {d['note']}" in text
     assert bench.format_devices(d) in text
+    assert f"wrote {tmp_path / 'd.png'}, {tmp_path / 'd.svg'}" in text  # the figure, both formats
+    assert "examples per second (log scale)" in svg_text(tmp_path / "d.svg")
 
 
 def test_cli_bench_user_errors_exit_2(capsys):
@@ -271,13 +307,14 @@ def test_cli_bench_user_errors_exit_2(capsys):
     assert cli_main(["bench", "--devices", "0"]) == 2
     assert "--devices must be an int >= 1; got '0'" in capsys.readouterr().err
     assert cli_main(["bench", "--calls", "0", "--quiet"]) == 2
-    assert "must all be >= 1" in capsys.readouterr().err
+    assert "--calls must be an int >= 1; got '0'" in capsys.readouterr().err
 
 
 def test_script_is_thin_and_runs_on_two_devices(tmp_path):
     script = Path(__file__).parent.parent / "scripts" / "bench.py"
     argv = ["--calls", "2", "--repeats", "1", "--eager-chunks", "1", "--sizes", "4,2"]
     argv += ["--in-features", "8", "--no-artifact", "--no-train", "--no-peak", "--devices", "2"]
+    argv += ["--devices-out", str(tmp_path / "devices")]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2")  # 2 virtual devices
     proc = subprocess.run(
         [sys.executable, str(script), *argv, "--json", str(tmp_path / "b.json")],
@@ -298,3 +335,272 @@ def test_script_is_thin_and_runs_on_two_devices(tmp_path):
     assert [t.split()[0] for t in table[2:4]] == ["1", "2"] and table[
         4
     ] == f"note: {bench.CPU_NOTE}"
+    assert (tmp_path / "devices.png").is_file() and (tmp_path / "devices.svg").is_file()
+
+
+# -- a newcomer's first hour: --quick, usage errors, figures, --diff, digits, --help ----------
+def test_quick_run_is_a_first_look_and_says_so(tmp_path, capsys):
+    out = tmp_path / "quick.json"
+    argv = ["bench", "--quick", "--sizes", "8,2", "--in-features", "16", "--quiet"]
+    assert cli_main([*argv, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0].startswith("Without hybridization: ") and lines[2] == ""
+    assert lines[3].startswith("QUICK RUN (--quick): 50 calls, 5 repeats; skipped IREE, ")
+    assert "run without --quick" in lines[3]
+    d = json.loads(out.read_text())
+    c = d["config"]
+    assert (c["quick"], c["calls"], c["repeats"], c["eager_chunks"], c["stage_repeats"]) == (
+        True,
+        50,
+        5,
+        5,
+        2,
+    )
+    assert (c["iree"], c["train_step"], c["peak"]) == (False, False, False)  # the slow sections
+    keys = {r["key"] for r in d["rows"]}
+    assert "artifact_jax" in keys and "artifact_iree" not in keys
+    assert "train_step" not in d and "peak" not in d
+    assert not any("skipped" in n for n in d["notes"])  # not tried, so nothing failed
+
+
+def test_quick_settings_yield_to_the_callers():
+    r = tiny_benchmark(quick=True, calls=4, repeats=None, peak=True, peak_size=32, artifact=False)
+    assert (r.config["calls"], r.config["repeats"], r.config["quick"]) == (4, 5, True)
+    assert "peak" in r.extra  # asked for, so measured
+    banner = bench.format_report(r).splitlines()[3]
+    assert "skipped IREE, the training step (ask with --iree, --train)." in banner
+    assert "peak" not in banner
+
+
+def test_degenerate_sweep_is_a_usage_error_before_any_work(capsys):
+    for argv, says in (
+        (["--sweep-max", "1"], "--sweep-min 1 --sweep-max 1 gives 1 batch size(s) [1]"),
+        (["--sweep-min", "64", "--sweep-max", "100"], "gives 1 batch size(s) [64]"),
+        (["--sweep-min", "100", "--sweep-max", "10"], "gives 0 batch size(s) []"),
+    ):
+        assert cli_main(["bench", "--sweep", *argv, "--quiet"]) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == ""  # refused before the benchmark ran
+        (line,) = captured.err.splitlines()  # one line
+        assert line.startswith("symjax-mlp bench: error: ") and says in line
+        assert "a sweep needs at least 2 powers of two in the range" in line
+    for bad in ("0", "-4", "x"):
+        assert cli_main(["bench", "--sweep", "--sweep-max", bad]) == 2
+        assert f"--sweep-max must be an int >= 1; got '{bad}'" in capsys.readouterr().err
+
+
+def devices_result(virtual):
+    rows = [
+        {"devices": k, "inference_examples_per_s": 1e5 * k**0.5, "train_examples_per_s": 4e4 * k}
+        | {"matches_1_device": True}
+        for k in (1, 2, 4)
+    ]
+    note = bench.CPU_NOTE if virtual else "real devices: rows show data-parallel scaling"
+    return {"backend": "cpu" if virtual else "gpu", "device_kind": "cpu", "n_devices": 4}, {
+        "virtual_cpu_devices": virtual,
+        "note": note,
+        "batch": 64,
+        "sizes": [8, 2],
+        "in_features": 16,
+        "repeats": 3,
+        "train_steps": 2,
+        "rows": rows,
+    }
+
+
+def test_devices_figure_says_virtual_devices_show_correctness(tmp_path):
+    env = bench.environment()
+    head, body = devices_result(virtual=True)
+    png, svg = bench.plot_devices(head | body, tmp_path / "devices", env=env)
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = svg_text(svg)
+    for shown in (
+        "devices (log scale)",
+        "examples per second (log scale)",
+        "inference: ideal linear scaling",
+        "every device count matches the 1-device result",
+        "correctness,",  # on the axes: virtual CPU devices share the host's cores
+        "Note: CPU virtual devices share this machine",  # and in the caption
+        env["cpu_model"],
+        f"jax {env['jax']}",
+    ):
+        assert shown in text, shown
+    head, body = devices_result(virtual=False)
+    (svg,) = bench.plot_devices(head | body, tmp_path / "real", env=env, formats=("svg",))
+    assert "not scaling" not in svg_text(svg)
+
+
+def test_training_figure_from_a_result_its_dict_or_its_history(tmp_path):
+    result = sm.training.train(sm.mlp((16, 10)), epochs=2)
+    png, svg = bench.plot_training(result, tmp_path / "train.png")
+    assert (Path(png).name, Path(svg).name) == ("train.png", "train.svg")
+    text = svg_text(svg)
+    for shown in (
+        "epoch",
+        "mean training loss per epoch",
+        "accuracy after the epoch (%)",
+        "train split",
+        "test split",
+        f"training: 2 epochs, final test accuracy {result.test_accuracy:.2%}",
+        f"{result.step} steps, compiled step (jit)",
+        bench.environment()["cpu_model"],
+    ):
+        assert shown in text, shown
+    for i, source in enumerate((result.to_dict(), result.history, json.loads(json.dumps(
+        result.to_dict()["history"]
+    )))):  # fmt: skip
+        (out,) = bench.plot_training(source, tmp_path / f"again{i}", formats=("svg",))
+        assert "final test accuracy" in svg_text(out)
+    with pytest.raises(sm.ConfigError, match="nothing to plot"):
+        bench.plot_training([], tmp_path / "empty")
+
+
+def run_json(path, rows, stages=(), **config):
+    """A synthetic benchmark JSON: ``rows`` maps key -> (min, median, repeats) per input."""
+    d = {
+        "schema": 1,
+        "rows": [
+            {
+                "key": key,
+                "label": key,
+                "per_1000_inputs_min_s": lo * 1000,
+                "per_1000_inputs_median_s": med * 1000,
+                "repeats": reps,
+            }
+            for key, (lo, med, reps) in rows.items()
+        ],
+        "stages": {
+            k: {"min_s": lo, "median_s": med, "repeats": reps} for k, (lo, med, reps) in stages
+        },
+        "config": {"calls": 1000, "quick": False} | config,
+        "env": {"cpu_model": "test CPU", "jax": "0.10.2"},
+    }
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+def test_diff_tells_a_regression_from_noise(tmp_path, capsys):
+    old = run_json(
+        tmp_path / "old.json",
+        {
+            "hybridized": (1.0e-6, 1.01e-6, 5),  # quiet row
+            "floor": (1.0e-6, 1.30e-6, 5),  # noisy row: 30% spread
+            "eager": (10e-6, 10.1e-6, 5),
+            "artifact_jax": (1.0e-6, 1.05e-6, 5),  # 5% spread
+            "vmap": (1e-7, 1e-7, 5),
+        },
+        stages=[("compile", (0.2, 0.2, 1))],
+    )
+    new = run_json(
+        tmp_path / "new.json",
+        {
+            "hybridized": (1.2e-6, 1.21e-6, 5),  # 20% slower, beyond a 2% band: a regression
+            "floor": (1.2e-6, 1.25e-6, 5),  # 20% slower, within its 30% band: noise
+            "eager": (5e-6, 5.05e-6, 5),  # 2x faster
+            "artifact_jax": (1.05e-6, 1.06e-6, 5),  # exactly at its 5% band: noise
+            "batch": (1e-7, 1e-7, 5),
+        },
+        stages=[("compile", (0.3, 0.3, 1))],  # one repeat: no noise estimate
+        calls=50,
+        quick=True,
+    )
+    out = tmp_path / "diff.json"
+    assert cli_main(["bench", "--diff", old, new, "--json", str(out)]) == 0
+    text, wrote = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    assert wrote == f"wrote {out}"
+    assert "Without hybridization" not in text  # compares, does not benchmark
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line[:1].isalpha()}
+    assert rows["hybridized"][-3:] == ["1.200", "±2.0%", "SLOWER"]
+    assert rows["floor"][-3:] == ["1.200", "±30.0%", "noise"]
+    assert rows["eager"][-3:] == ["0.500", "±2.0%", "faster"]
+    assert rows["artifact_jax"][-3:] == ["1.050", "±5.0%", "noise"]
+    assert "stage: compile" in text and "? 1 repeat" in text
+    assert "only in the old run: row vmap" in text and "only in the new run: row batch" in text
+    assert "the runs differ in settings (calls 1000 -> 50; quick False -> True)" in text
+    assert text.rstrip().endswith(
+        "1 slower beyond the noise (hybridized), 1 faster, 2 within the noise, "
+        "1 without a noise estimate (1 repeat)."
+    )
+    d = json.loads(out.read_text())
+    verdicts = {c["key"]: c["verdict"] for c in d["changes"]}
+    assert verdicts == {
+        "hybridized": "slower",
+        "floor": "noise",
+        "eager": "faster",
+        "artifact_jax": "noise",
+        "compile": "unknown",
+    }
+    c = bench.compare_runs(old, new)
+    assert [ch.key for ch in c.regressions] == ["hybridized"]
+    assert c.changes[0].ratio == pytest.approx(1.2) and c.changes[0].noise == pytest.approx(0.02)
+    assert bench.format_comparison(c) == text
+
+
+def test_diff_refuses_what_it_cannot_read(tmp_path, capsys):
+    good = run_json(tmp_path / "good.json", {"hybridized": (1e-6, 1e-6, 5)})
+    future = tmp_path / "future.json"
+    future.write_text(json.dumps({"schema": 2, "rows": []}))
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    for bad, says in (
+        (future, "schema 2; this symjax_mlp reads schema 1"),
+        (tmp_path / "missing.json", "no such file"),
+        (tmp_path / "broken.json", "not a readable JSON file"),
+        (tmp_path / "other.json", "not a benchmark run"),
+    ):
+        assert cli_main(["bench", "--diff", good, str(bad)]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("symjax-mlp bench: error: ") and says in line, line
+    legacy = json.loads(Path(good).read_text())
+    del legacy["schema"]  # a file from before the schema reads, with a note
+    c = bench.compare_runs(good, legacy)
+    assert c.changes[0].verdict == "noise" and "has no schema field" in c.notes[0]
+
+
+def test_a_run_compared_with_itself_is_noise(report):
+    c = bench.compare_runs(report.to_dict(), json.loads(json.dumps(report.to_dict())))
+    assert {ch.section for ch in c.changes} == {"row", "stage"}
+    assert {ch.key for ch in c.changes if ch.section == "row"} == {r.key for r in report.rows}
+    assert all(ch.ratio == 1.0 for ch in c.changes)
+    assert {ch.verdict for ch in c.changes} <= {"noise", "unknown"} and not c.regressions
+
+
+TARGET_LINE = re.compile(r"^  (\w+) +(\d+\.\d{3})  \(target (>=|<=) ([\d.]+)\) (met|MISSED)$")
+
+
+def target_lines(report):
+    lines = bench.format_report(report).splitlines()
+    start = lines.index("targets (measured in this run):") + 1
+    return [TARGET_LINE.match(line) for line in lines[start : start + len(report.targets)]]
+
+
+def test_target_lines_never_contradict_their_digits(report):
+    for m in target_lines(report):
+        assert m, "a target line with 3 decimals"
+        value, op, bound = float(m[2]), m[3], float(m[4])
+        assert (m[5] == "met") == (value >= bound if op == ">=" else value <= bound)
+        assert report.targets[m[1]]["met"] == (m[5] == "met")
+    for value, shown, mark in ((1.1504, "1.150", "met"), (1.1506, "1.151", "MISSED")):
+        t = {"value": value, "target": "<= 1.15", "met": value <= 1.15, "what": ""}
+        (m,) = target_lines(dataclasses.replace(report, targets={"hybridized_over_floor": t}))
+        assert (m[2], m[5]) == (shown, mark)
+
+
+def test_every_bench_option_shows_its_default(capsys):
+    assert cli_main(["bench", "--help"]) == 0
+    text = capsys.readouterr().out
+    entries: list[str] = []
+    for line in text[text.index("options:") :].splitlines()[1:]:
+        if line.startswith("  -"):
+            entries.append(line)
+        elif line.startswith("   ") and entries:
+            entries[-1] += " " + line.strip()
+    entries = [" ".join(e.split()) for e in entries if not e.startswith("  -h, --help")]
+    assert len(entries) >= 20
+    for entry in entries:
+        assert "(default: " in entry, entry
+    by_option = {e.split()[0].rstrip(","): e for e in entries}
+    assert "(default: 1000; --quick: 50)" in by_option["--calls"]
+    assert "(default: on; --quick: off)" in by_option["--iree"]
+    assert "--compare" in by_option["--diff"] and "--diff" in by_option["--compare"]

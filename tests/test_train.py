@@ -330,8 +330,11 @@ def test_cli_train_progress_json_checkpoint_resume(tmp_path, capsys):
     assert out.startswith("test accuracy ") and "after 1 epochs (23 steps, compiled)" in out
     assert len(json.loads(hist.read_text())["history"]) == 1
 
+    # --json PATH exists: refused before any training, with the way out
+    assert main(["train", "--epochs", "1", "--quiet", "--resume", *argv[3:]]) == 2
+    assert "h.json: already exists; pass --overwrite" in capsys.readouterr().err
     # --resume with the target already reached: restores, trains nothing, reports the same
-    assert main(["train", "--epochs", "1", "--quiet", "--resume", *argv[3:]]) == 0
+    assert main(["train", "--epochs", "1", "--quiet", "--resume", "--overwrite", *argv[3:]]) == 0
     out2, err = capsys.readouterr()
     assert err == "" and out2.split(" after")[0] == out.split(" after")[0]
     data = json.loads(hist.read_text())

@@ -22,6 +22,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.hybrid import hybridize
 from symjax_mlp._hybrid.mesh import data_mesh
 from symjax_mlp._models import mlp
@@ -141,7 +142,7 @@ def bench_devices(
       RuntimeError: the subprocess failed (its stderr is in the message).
     """
     if not isinstance(n_devices, int) or n_devices < 1:
-        raise ValueError(f"bench_devices: n_devices must be an int >= 1; got {n_devices!r}.")
+        raise ConfigError(f"bench_devices: n_devices must be an int >= 1; got {n_devices!r}.")
     kwargs = {
         "n_devices": n_devices,
         "sizes": list(sizes),
@@ -154,7 +155,7 @@ def bench_devices(
     if n_devices <= jax.device_count():
         return {**_bench_here(**kwargs), "in_subprocess": False}
     if jax.default_backend() != "cpu":
-        raise ValueError(
+        raise ConfigError(
             f"bench_devices({n_devices}): only {jax.device_count()} {jax.default_backend()} "
             f"device(s) are visible. Ask for at most {jax.device_count()}."
         )

@@ -4,6 +4,18 @@
 (:class:`BenchReport`, a :class:`Row` per way of running the net) and how that reads:
 :func:`format_report` prints the chapter's two lines first, then the table, the stages, what
 the figures mean, the targets and where it ran.
+
+The JSON (``BenchReport.to_dict()``, ``symjax-mlp bench --json``) carries ``"schema": 1``
+(:data:`SCHEMA`). Schema 1 is: ``schema``; ``chapter`` (``calls``, ``without_s``,
+``with_s``); ``rows``, a list of :meth:`Row.to_dict` (``key``, ``label``, ``speedup``,
+``per_1000_inputs_min_s``, ``per_1000_inputs_median_s`` and the row's
+:meth:`~symjax_mlp.bench.Timing.to_dict`: ``calls``, ``repeats``, ``times_s``, ``min_s``,
+``median_s``, ``spread``, ...); ``stages`` (name -> timing); ``targets`` (name -> ``value``,
+``target``, ``met``, ``what``); the optional sections ``peak``, ``traces``, ``train_step``
+(and, from the command line, ``devices`` and ``sweep``); ``notes``; ``config`` (the run's
+arguments, ``quick`` among them) and ``env`` (:func:`~symjax_mlp.bench.environment`). New keys
+may be added under the same schema; a key renamed, removed or changed in meaning bumps it.
+:func:`~symjax_mlp.bench.compare_runs` reads schema 1 (and files from before the schema).
 """
 
 from __future__ import annotations
@@ -14,6 +26,13 @@ from typing import Any
 
 from symjax_mlp.bench._timing import Timing
 from symjax_mlp.bench._timing import format_seconds as _fmt_s
+
+#: The version of the benchmark's JSON layout (see the module docstring); readers check it.
+SCHEMA = 1
+
+#: Decimals the targets are printed with; ``met`` is decided on the value rounded to them, so
+#: a printed value never contradicts its verdict (no "1.15 (target <= 1.15) MISSED").
+TARGET_DECIMALS = 3
 
 #: The table's label of each row key; ``{n}`` is the number of inputs.
 LABELS = {
@@ -66,7 +85,8 @@ class BenchReport:
       rows: the table, eager first.
       stages: ``trace``/``lower``/``compile`` of the net, and ``first_call`` of a fresh
         ``h`` (all three plus one run).
-      targets: each ratio the issue sets a target for: ``{"value", "target", "met"}``.
+      targets: each ratio the issue sets a target for: ``{"value", "target", "met"}``;
+        ``met`` is decided on ``value`` rounded to :data:`TARGET_DECIMALS` decimals, as printed.
       extra: optional sections (``peak``, ``traces``, ``train_step``), when they ran.
       notes: why an optional row was skipped, warnings worth reading.
       config: the arguments of the run; env: :func:`~symjax_mlp.bench.environment`.
@@ -88,6 +108,7 @@ class BenchReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema": SCHEMA,
             "chapter": {"calls": self.calls, "without_s": self.without_s, "with_s": self.with_s},
             "rows": [r.to_dict() for r in self.rows],
             "stages": {k: v.to_dict() for k, v in self.stages.items()},
@@ -108,8 +129,20 @@ def make_rows(timings: Mapping[str, Timing], n: int) -> tuple[Row, ...]:
     )
 
 
+def target_met(value: float, target: str) -> bool:
+    """Whether ``value`` meets ``target`` (``">= 10"``, ``"<= 1.15"``), on the value rounded to
+    :data:`TARGET_DECIMALS` decimals: the verdict of the digits the report prints."""
+    op, _, bound = target.partition(" ")
+    shown = round(value, TARGET_DECIMALS)
+    return shown >= float(bound) if op == ">=" else shown <= float(bound)
+
+
 def targets(t: Mapping[str, Timing]) -> dict[str, dict[str, Any]]:
-    """The issue's targets, as measured (min over min); ``met`` is informative, never asserted."""
+    """The issue's targets, as measured (min over min); ``met`` is informative, never asserted.
+
+    ``met`` compares the value rounded to :data:`TARGET_DECIMALS` decimals, the digits
+    :func:`format_report` prints, so the line and its verdict always agree.
+    """
 
     def per_input(key: str) -> float:
         return t[key].per_input_min
@@ -117,9 +150,8 @@ def targets(t: Mapping[str, Timing]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
 
     def add(name: str, value: float, target: float, higher_is_better: bool, what: str) -> None:
-        met = value >= target if higher_is_better else value <= target
-        op = ">=" if higher_is_better else "<="
-        out[name] = {"value": value, "target": f"{op} {target:g}", "met": met, "what": what}
+        bound = f"{'>=' if higher_is_better else '<='} {target:g}"
+        out[name] = {"value": value, "target": bound, "met": target_met(value, bound), "what": what}
 
     hyb = per_input("hybridized")
     add("hybridized_vs_eager", per_input("eager") / hyb, 10, True, "speedup of h over h.eager")
@@ -171,12 +203,34 @@ def _meaning(report: BenchReport) -> list[str]:
     return out
 
 
+def _quick_lines(report: BenchReport) -> list[str]:
+    """The banner of a quick run: what it skipped, and that its figures are a first look."""
+    if not report.config.get("quick"):
+        return []
+    c = report.config
+    sections = (("IREE", "iree"), ("the training step", "train_step"), ("the matmul peak", "peak"))
+    skipped = [(name, key) for name, key in sections if not c.get(key, True)]
+    flags = {"iree": "--iree", "train_step": "--train", "peak": "--peak"}
+    ask = (
+        f"; skipped {', '.join(n for n, _ in skipped)} "
+        f"(ask with {', '.join(flags[k] for _, k in skipped)})"
+        if skipped
+        else ""
+    )
+    return [
+        "",
+        f"QUICK RUN (--quick): {c['calls']} calls, {c['repeats']} repeats{ask}. A first look: "
+        "for figures to quote, run without --quick.",
+    ]
+
+
 def format_report(report: BenchReport) -> str:
     """The human-readable report: the chapter's two lines first, then the table and the rest."""
     n = report.calls
     lines = [
         f"Without hybridization: {report.without_s:.4f} sec",
         f"With hybridization: {report.with_s:.4f} sec",
+        *_quick_lines(report),
         "",
         f"{n} batch-1 inputs of mlp({report.config['sizes']}) on "
         f"(1, {report.config['in_features']}); min and median over repeats, every call synced",
@@ -205,15 +259,18 @@ def format_report(report: BenchReport) -> str:
     lines += ["", *_meaning(report)]
     lines += ["", "targets (measured in this run):"]
     for name, t in report.targets.items():
-        mark = "met" if t["met"] else "MISSED"
-        lines.append(f"  {name:<30} {t['value']:>8.2f}  (target {t['target']}) {mark}")
+        mark = "met" if target_met(t["value"], t["target"]) else "MISSED"  # as printed
+        value = f"{t['value']:.{TARGET_DECIMALS}f}"
+        lines.append(f"  {name:<30} {value:>10}  (target {t['target']}) {mark}")
     e = report.env
+    where = f"ran on: {e['backend']} / {e['device_kind']} ({e['device']})"
+    where += f", {e['cpu_model']}" if e.get("cpu_model") else ""
+    where += f", {e['cpu_usable']} of {e['cpu_count']} cores usable"
+    if "loadavg" in e:
+        where += f", load average {e['loadavg'][0]:.2f} at start"
     lines += [
         "",
-        f"ran on: {e['backend']} / {e['device_kind']} ({e['device']}), {e['cpu_usable']} of "
-        f"{e['cpu_count']} cores usable, load average {e.get('loadavg', ['?'])[0]:.2f} at start"
-        if "loadavg" in e
-        else f"ran on: {e['backend']} / {e['device_kind']} ({e['device']})",
+        where,
         f"versions: jax {e['jax']}, jaxlib {e['jaxlib']}, flax {e['flax']}, "
         f"symjax_mlp {e['symjax_mlp']}, python {e['python']}",
     ]

@@ -5,6 +5,10 @@ the exported artifact in JAX and IREE, PyTorch, one batched call) with the timer
 :mod:`symjax_mlp.bench.timing` and returns a :class:`~symjax_mlp.bench.BenchReport`. Optional
 rows (the artifact, IREE, PyTorch, the training step) are skipped with a note when they fail,
 for example when their package is missing: an optional row never sinks the run.
+
+``benchmark(quick=True)`` (``--quick``) is a first look in seconds: the :data:`QUICK` settings
+instead of :data:`FULL` for whatever the caller leaves unset, without the slow sections
+(IREE, the training step, the matmul peak) unless asked; its report says it is a quick run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from symjax_mlp._errors import ConfigError
 from symjax_mlp._export import export
 from symjax_mlp._hybrid.hybrid import Hybrid, hybridize
 from symjax_mlp._load import load
@@ -30,23 +35,45 @@ from symjax_mlp.bench._timing import Progress, Timing, environment, time_interle
 from symjax_mlp.bench._train_step import time_train_step
 from symjax_mlp.bench._twins import mlp_jnp, torch_rows
 
+#: The settings of a full run, for every argument of :func:`benchmark` left at ``None``.
+FULL: dict[str, Any] = {
+    "calls": 1000,
+    "repeats": 15,
+    "eager_chunks": 10,
+    "stage_repeats": 5,
+    "iree": True,
+    "train_step": True,
+    "peak": True,
+}
+#: The settings of ``quick=True`` (``--quick``): a first look in seconds, slow sections off.
+QUICK: dict[str, Any] = {
+    "calls": 50,
+    "repeats": 5,
+    "eager_chunks": 5,
+    "stage_repeats": 2,
+    "iree": False,
+    "train_step": False,
+    "peak": False,
+}
+
 
 def benchmark(
     *,
-    calls: int = 1000,
-    repeats: int = 15,
-    eager_chunks: int = 10,
+    calls: int | None = None,
+    repeats: int | None = None,
+    eager_chunks: int | None = None,
     sizes: Sequence[int] = (256, 128, 2),
     in_features: int = 512,
     activation: str | None = "relu",
     compare: Sequence[str] = (),
     artifact: bool = True,
-    iree: bool = True,
-    train_step: bool = True,
-    stage_repeats: int = 5,
-    peak: bool = True,
+    iree: bool | None = None,
+    train_step: bool | None = None,
+    stage_repeats: int | None = None,
+    peak: bool | None = None,
     peak_size: int | None = None,
     seed: int = 0,
+    quick: bool = False,
     progress: Progress | None = None,
 ) -> BenchReport:
     """Runs the chapter's benchmark: ``calls`` batch-1 calls of one MLP, every way there is.
@@ -62,8 +89,11 @@ def benchmark(
     costs milliseconds a call); the compiled rows run ``repeats`` repeats of ``calls``
     calls, interleaved.
 
+    Every argument left at ``None`` takes its value from :data:`FULL`, or from :data:`QUICK`
+    with ``quick=True``; given values always win (``quick=True, peak=True`` measures the peak).
+
     Args:
-      calls: batch-1 calls per repeat (the chapter's 1000).
+      calls: batch-1 calls per repeat (the chapter's 1000; 50 quick).
       repeats: repeats of each compiled row (min and median over them).
       eager_chunks: chunks the eager rows' ``calls`` calls are timed in (their repeats).
       sizes, in_features, activation: the net, ``mlp(sizes, activation=...)`` on
@@ -75,6 +105,7 @@ def benchmark(
         :func:`~symjax_mlp.bench.measure_peak`), to say how close the batched call gets to
         this machine's matmul rate.
       seed: for the params and the input.
+      quick: a first look: the :data:`QUICK` settings; the report says it is a quick run.
       progress: called with a status line as the run goes.
 
     Returns:
@@ -85,14 +116,28 @@ def benchmark(
       >>> r.rows[0].key, r.row("hybridized").timing.calls
       ('eager', 10)
     """
+    preset = QUICK if quick else FULL
+    calls, repeats, eager_chunks, stage_repeats = (
+        preset[k] if v is None else v
+        for k, v in (
+            ("calls", calls),
+            ("repeats", repeats),
+            ("eager_chunks", eager_chunks),
+            ("stage_repeats", stage_repeats),
+        )
+    )
+    iree, train_step, peak = (
+        preset[k] if v is None else v
+        for k, v in (("iree", iree), ("train_step", train_step), ("peak", peak))
+    )
     bad = sorted(set(compare) - {"torch"})
     if bad:
-        raise ValueError(
+        raise ConfigError(
             f"benchmark(compare={tuple(compare)!r}): the frameworks to compare with are "
             "('torch',); drop the others."
         )
     if calls < 1 or repeats < 1 or eager_chunks < 1 or stage_repeats < 1:
-        raise ValueError("calls, repeats, eager_chunks and stage_repeats must all be >= 1.")
+        raise ConfigError("calls, repeats, eager_chunks and stage_repeats must all be >= 1.")
     say = progress or (lambda _: None)
     env = environment()
     notes: list[str] = []
@@ -195,6 +240,12 @@ def benchmark(
         "activation": activation,
         "compare": list(compare),
         "seed": seed,
+        "quick": quick,
+        "artifact": artifact,
+        "iree": iree,
+        "train_step": train_step,
+        "peak": peak,
+        "stage_repeats": stage_repeats,
     }
     return BenchReport(
         without_s=sum(timings["eager"].times) * calls / (chunk * eager_chunks),

@@ -3,13 +3,13 @@ matmul rate (:func:`measure_peak`), and against device count (:func:`format_devi
 table of :func:`symjax_mlp.bench_devices`).
 
 Each point takes enough calls (a power of two) that a repeat lasts a set time, then the min
-over repeats. matplotlib is imported only by :func:`plot_sweep` (``symjax_mlp[plot]``).
+over repeats (and the median, for the noise band). The figures are drawn by
+:mod:`symjax_mlp.bench._figures` (:func:`~symjax_mlp.bench.plot_sweep`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.hybrid import hybridize
 from symjax_mlp._models import mlp
+from symjax_mlp.bench._report import SCHEMA
 from symjax_mlp.bench._timing import Progress, Timing, environment, time_autoranged
 from symjax_mlp.bench._timing import format_seconds as _fmt_s
 
@@ -41,12 +43,30 @@ class SweepPoint:
     def gflops(self) -> float:
         return self.flops_per_call / self.timing.per_call_min / 1e9
 
+    @property
+    def gflops_median(self) -> float:
+        """The FLOP rate at the median repeat (the low end of the spread band)."""
+        return self.flops_per_call / self.timing.per_call_median / 1e9
+
+    @property
+    def seconds_per_example(self) -> float:
+        """Seconds per example at the fastest repeat."""
+        return self.timing.per_call_min / self.batch
+
+    @property
+    def seconds_per_example_median(self) -> float:
+        """Seconds per example at the median repeat."""
+        return self.timing.per_call_median / self.batch
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "batch": self.batch,
             "samples_per_s": self.samples_per_s,
+            "seconds_per_example_min": self.seconds_per_example,
+            "seconds_per_example_median": self.seconds_per_example_median,
             "gflops": self.gflops,
+            "gflops_median": self.gflops_median,
             "fraction_of_peak": self.gflops / self.peak_gflops,
             "flops_per_call": self.flops_per_call,
             **self.timing.to_dict(),
@@ -55,7 +75,11 @@ class SweepPoint:
 
 @dataclasses.dataclass(frozen=True)
 class SweepReport:
-    """Throughput against batch size, for ``h`` and ``h.eager``, and the machine's matmul peak."""
+    """Throughput against batch size, for ``h`` and ``h.eager``, and the machine's matmul peak.
+
+    ``to_dict()`` is its JSON (``"schema": 1``, as the benchmark's): ``peak``, ``points`` (one
+    :meth:`SweepPoint.to_dict` each), ``config`` and ``env``.
+    """
 
     points: tuple[SweepPoint, ...]
     peak_gflops: float
@@ -64,8 +88,21 @@ class SweepReport:
     config: dict[str, Any]
     env: dict[str, Any]
 
+    @property
+    def flops_per_example(self) -> float:
+        """FLOPs of one example (the same at every batch size)."""
+        p = self.points[0]
+        return p.flops_per_call / p.batch
+
+    @property
+    def floor_seconds_per_example(self) -> float:
+        """The compute floor: one example's FLOPs at the measured matmul rate."""
+        return self.flops_per_example / (self.peak_gflops * 1e9)
+
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema": SCHEMA,
+            "floor_seconds_per_example": self.floor_seconds_per_example,
             "peak": {"gflops": self.peak_gflops, "size": self.peak_size, **self.peak.to_dict()},
             "points": [p.to_dict() for p in self.points],
             "config": self.config,
@@ -109,7 +146,7 @@ def measure_peak(
         if best is None or rate > best[0]:
             best = (rate, size, t)
     if best is None:
-        raise ValueError(f"measure_peak(n={n!r}): pass at least one matrix size, e.g. n=1024.")
+        raise ConfigError(f"measure_peak(n={n!r}): pass at least one matrix size, e.g. n=1024.")
     return best
 
 
@@ -122,24 +159,40 @@ def sweep(
     activation: str | None = "relu",
     repeats: int = 5,
     min_seconds: float = 0.05,
-    peak_size: int | None = None,
+    peak_size: int | Sequence[int] | None = None,
+    peak_repeats: int = 10,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> SweepReport:
     """Samples/s and GFLOP/s against batch size, hybridized and eager, and the matmul peak.
 
     Each point takes enough calls (a power of two) that a repeat lasts ``min_seconds``, then
-    the min over ``repeats``. Eager runs only up to ``eager_max_batch``. FLOPs are counted on
-    the jaxpr (:attr:`symjax_mlp.Graph.flops`): the dots, bias adds and activations.
+    the min and the median over ``repeats``. Eager runs only up to ``eager_max_batch``. FLOPs
+    are counted on the jaxpr (:attr:`symjax_mlp.Graph.flops`): the dots, bias adds and
+    activations. The peak is :func:`measure_peak` (``peak_size``, ``peak_repeats``), measured
+    before and after the points; the better of the two counts.
+
+    Raises:
+      ConfigError: ``batch_sizes`` is empty, or holds a size < 1 or a duplicate.
 
     Example:
       >>> s = sweep(batch_sizes=(1, 2), eager_max_batch=1, repeats=1, min_seconds=0, peak_size=64)
       >>> [(p.mode, p.batch) for p in s.points]
       [('hybridized', 1), ('eager', 1), ('hybridized', 2)]
     """
+    batch_sizes = tuple(batch_sizes)
+    if not batch_sizes or min(batch_sizes) < 1 or len(set(batch_sizes)) != len(batch_sizes):
+        raise ConfigError(
+            f"sweep(batch_sizes={batch_sizes!r}): pass distinct batch sizes >= 1, "
+            "e.g. (1, 16, 256)."
+        )
+    if repeats < 1 or peak_repeats < 1:
+        raise ConfigError(
+            f"sweep: repeats and peak_repeats must be >= 1; got {repeats}, {peak_repeats}."
+        )
     say = progress or (lambda _: None)
     say("measuring the matmul peak")
-    peak_gflops, peak_n, peak = measure_peak(peak_size)
+    peak_gflops, peak_n, peak = measure_peak(peak_size, repeats=peak_repeats)
     net = mlp(tuple(sizes), activation=activation)
     rng = np.random.default_rng(seed)
     h = hybridize(net, jax.jit(net.init)(jax.random.key(seed), jnp.ones((1, in_features))))
@@ -165,11 +218,12 @@ def sweep(
         "activation": activation,
         "repeats": repeats,
         "min_seconds": min_seconds,
+        "peak_repeats": peak_repeats,
     }
     # Measured again at the end: the peak is the better of the two (load drifts on a shared
     # machine); every point's fraction is against it.
     say("measuring the matmul peak again")
-    again, again_n, peak2 = measure_peak(peak_size)
+    again, again_n, peak2 = measure_peak(peak_size, repeats=peak_repeats)
     if again > peak_gflops:
         peak_gflops, peak_n, peak = again, again_n, peak2
         points = [dataclasses.replace(p, peak_gflops=again) for p in points]
@@ -182,40 +236,21 @@ def format_sweep(report: SweepReport) -> str:
         f"matmul peak ({report.peak_size}x{report.peak_size} float32 dot): "
         f"{report.peak_gflops:.1f} GFLOP/s (the best jnp.dot rate measured in this run, not "
         "the hardware's; a point can pass it when its weights stay in cache)",
-        f"{'batch':>7}{'mode':>12}{'per call':>11}{'samples/s':>13}{'GFLOP/s':>10}{'of peak':>9}",
+        f"compute floor: {_fmt_s(report.floor_seconds_per_example)} per example "
+        f"({report.flops_per_example:.4g} FLOPs at that rate)",
+        f"{'batch':>7}{'mode':>12}{'per call':>11}{'per example':>13}{'median':>11}"
+        f"{'samples/s':>13}{'GFLOP/s':>10}{'of peak':>9}",
     ]
     for p in report.points:
         lines.append(
             f"{p.batch:>7}{p.mode:>12}{_fmt_s(p.timing.per_call_min):>11}"
+            f"{_fmt_s(p.seconds_per_example):>13}{_fmt_s(p.seconds_per_example_median):>11}"
             f"{p.samples_per_s:>13.4g}{p.gflops:>10.2f}{p.gflops / report.peak_gflops:>9.1%}"
         )
+    lines.append(
+        f"(min over {report.config['repeats']} repeats; median: the median repeat, per example)"
+    )
     return "\n".join(lines)
-
-
-def plot_sweep(report: SweepReport, path: str | os.PathLike[str]) -> str:
-    """Writes the sweep as a PNG (needs matplotlib: ``symjax_mlp[plot]``); returns the path."""
-    from matplotlib.figure import Figure  # optional extra; no pyplot, no global backend
-
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    ax1, ax2 = fig.subplots(1, 2)
-    for mode, style in (("hybridized", "o-"), ("eager", "s--")):
-        pts = [p for p in report.points if p.mode == mode]
-        if pts:
-            ax1.plot([p.batch for p in pts], [p.samples_per_s for p in pts], style, label=mode)
-            ax2.plot([p.batch for p in pts], [p.gflops for p in pts], style, label=mode)
-    peak = f"matmul peak {report.peak_gflops:.0f} GFLOP/s ({report.peak_size}² jnp.dot)"
-    ax2.axhline(report.peak_gflops, color="k", ls=":", label=peak)
-    for ax, ylabel in ((ax1, "samples / s"), (ax2, "achieved GFLOP/s")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    e = report.env
-    fig.suptitle(f"mlp{tuple(report.config['sizes'])} on {e['backend']} / {e['device_kind']}")
-    fig.savefig(path, dpi=110)
-    return os.fspath(path)
 
 
 def format_devices(result: Mapping[str, Any]) -> str:

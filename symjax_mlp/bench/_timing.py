@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from symjax_mlp._errors import ConfigError
+
 #: Called with a short status line as a run goes (``None`` where a function takes one: quiet).
 Progress = Callable[[str], None]
 
@@ -52,6 +54,12 @@ class Timing:
         return statistics.median(self.times)
 
     @property
+    def spread(self) -> float:
+        """``median / min - 1``: how far the median repeat lies above the fastest, the noise
+        band of this figure (0.0 with a single repeat, where there is no estimate)."""
+        return self.median / self.min - 1 if self.min > 0 else 0.0
+
+    @property
     def per_call_min(self) -> float:
         return self.min / self.calls
 
@@ -80,6 +88,7 @@ class Timing:
             "median_s": self.median,
             "per_call_min_s": self.per_call_min,
             "per_call_median_s": self.per_call_median,
+            "spread": self.spread,
         }
 
 
@@ -135,7 +144,7 @@ def time_interleaved(
       (10, 5)
     """
     if calls < 1 or repeats < 1:
-        raise ValueError(f"calls and repeats must be >= 1; got calls={calls}, repeats={repeats}.")
+        raise ConfigError(f"calls and repeats must be >= 1; got calls={calls}, repeats={repeats}.")
     sync_of: dict[str, Callable[[Any], Any]] = {}
     for name, fn in fns.items():
         if progress:
@@ -227,8 +236,22 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def environment() -> dict[str, Any]:
-    """Versions, backend, device and core count: what every figure must be read against."""
+    """Versions, backend, device, CPU model and core count: what every figure must be read
+    against."""
     import importlib.metadata
 
     import flax
@@ -243,6 +266,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "backend": jax.default_backend(),
         "device": str(dev),
         "device_kind": dev.device_kind,

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from symjax_mlp._errors import ConfigError
 from symjax_mlp._models import mlp
 from symjax_mlp.training import Step, init_params, train_step
 
@@ -42,7 +43,7 @@ def time_train_step(
       True
     """
     if steps < 1 or eager_steps < 1:
-        raise ValueError(f"steps and eager_steps must be >= 1; got {steps}, {eager_steps}.")
+        raise ConfigError(f"steps and eager_steps must be >= 1; got {steps}, {eager_steps}.")
     model = mlp(tuple(sizes))
     optimizer = optax.adam(1e-3) if optimizer is None else optimizer
     kx, ky, kp = jax.random.split(jax.random.key(seed), 3)

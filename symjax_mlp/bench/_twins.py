@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from symjax_mlp._errors import ConfigError
 from symjax_mlp._models import activation as act
 from symjax_mlp.bench._timing import Timing, usable_cores
 
@@ -59,7 +60,7 @@ def torch_rows(
     acts = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "sigmoid": torch.nn.Sigmoid}
     acts |= {"gelu": functools.partial(torch.nn.GELU, approximate="tanh"), "silu": torch.nn.SiLU}
     if activation not in acts:
-        raise ValueError(f"no PyTorch twin for activation {activation!r}")
+        raise ConfigError(f"no PyTorch twin for activation {activation!r}")
     gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     old_threads = torch.get_num_threads()

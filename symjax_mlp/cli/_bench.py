@@ -2,28 +2,38 @@
 
 :func:`add_arguments` declares the options on any parser; :func:`main` runs
 :func:`~symjax_mlp.bench.benchmark`, then ``--devices`` (:func:`~symjax_mlp.bench.bench_devices`)
-and ``--sweep`` when asked, prints each report, and writes ``--json``. Progress: stderr.
+and ``--sweep`` when asked, prints each report, and writes ``--json`` and the figures (PNG and
+SVG); ``--quick`` is a first look in seconds, ``--diff OLD NEW`` compares two runs' JSON.
+Progress: stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from symjax_mlp._errors import ConfigError
 from symjax_mlp.bench import (
     bench_devices,
+    bench_serving,
     benchmark,
+    compare_runs,
+    format_comparison,
     format_devices,
     format_report,
+    format_serving,
     format_sweep,
+    plot_devices,
     plot_sweep,
     sweep,
 )
-from symjax_mlp.cli._args import sizes
+from symjax_mlp.bench._run import FULL, QUICK
+from symjax_mlp.cli._args import positive, sizes
 
 
 def _count(text: str) -> int:
@@ -32,30 +42,87 @@ def _count(text: str) -> int:
     return int(text)
 
 
+class _Preset:
+    """A default that depends on ``--quick``; ``--help`` shows both (``1000; --quick: 50``)."""
+
+    def __init__(self, full: Any, quick: Any) -> None:
+        self.full, self.quick = full, quick
+
+    def __str__(self) -> str:
+        def show(v: Any) -> str:
+            return {True: "on", False: "off"}.get(v, str(v)) if isinstance(v, bool) else str(v)
+
+        return f"{show(self.full)}; --quick: {show(self.quick)}"
+
+
+def _preset(key: str) -> _Preset:
+    return _Preset(FULL[key], QUICK[key])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds the benchmark's options to ``parser`` (shared by the script and the CLI)."""
+    """Adds the benchmark's options to ``parser`` (shared by the script and the CLI).
+
+    Every option's help shows its default; where ``--quick`` changes it, both values.
+    """
+    if not issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter):
+        parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     a = parser.add_argument
-    a("--calls", type=int, default=1000, help="batch-1 calls per repeat (default 1000)")
-    a("--repeats", type=int, default=15, help="repeats of the compiled rows (default 15)")
-    a("--eager-chunks", type=int, default=10, help="chunks the eager calls are timed in")
-    a("--sizes", type=sizes, default=(256, 128, 2), help="layer widths (default 256,128,2)")
-    a("--in-features", type=int, default=512, help="input width (default 512)")
-    a("--activation", default="relu", help="a jax.nn activation name (default relu)")
+    on_off = argparse.BooleanOptionalAction
+    a("--quick", action="store_true",
+      help=f"a first look in seconds: {QUICK['calls']} calls x {QUICK['repeats']} repeats; the "
+      "slow sections (IREE, the training step, the matmul peak) off unless asked (--iree, "
+      "--train, --peak); smaller --sweep and --devices runs; the report says it is "
+      "quick")  # fmt: skip
+    a("--calls", type=positive("--calls"), default=_preset("calls"),
+      help="batch-1 calls per repeat")  # fmt: skip
+    a("--repeats", type=positive("--repeats"), default=_preset("repeats"),
+      help="repeats of the compiled rows")  # fmt: skip
+    a("--eager-chunks", type=positive("--eager-chunks"), default=_preset("eager_chunks"),
+      help="chunks the eager calls are timed in (their repeats)")  # fmt: skip
+    a("--sizes", type=sizes, default=(256, 128, 2), help="layer widths")
+    a("--in-features", type=positive("--in-features"), default=512, help="input width")
+    a("--activation", default="relu", help="a jax.nn activation name")
     a("--compare", action="append", default=[], choices=("torch",),
-      help="add another framework's rows (torch: eager, jit.script, compile)")  # fmt: skip
-    a("--stage-repeats", type=int, default=5, help="repeats of trace/lower/compile")
-    a("--no-artifact", action="store_true", help="skip the exported-artifact rows")
-    a("--no-iree", action="store_true", help="skip the IREE row")
-    a("--no-train", action="store_true", help="skip the training-step section")
-    a("--no-peak", action="store_true", help="skip the matmul-peak measurement")
+      help="add another framework's rows (torch: eager, jit.script, compile); to compare two "
+      "runs' JSON, see --diff")  # fmt: skip
+    a("--stage-repeats", type=positive("--stage-repeats"), default=_preset("stage_repeats"),
+      help="repeats of trace/lower/compile")  # fmt: skip
+    a("--artifact", action=on_off, default=True, help="the exported-artifact rows")
+    a("--iree", action=on_off, default=_preset("iree"), help="the artifact's IREE row")
+    a("--train", action=on_off, default=_preset("train_step"), help="the training-step section")
+    a("--peak", action=on_off, default=_preset("peak"), help="the matmul-peak measurement")
     a("--devices", type=_count, metavar="N",
       help="also time sharded inference and training on 1, 2, 4, ... N devices (virtual CPU "
-      "devices in a subprocess when fewer are visible: correctness only)")  # fmt: skip
-    a("--sweep", action="store_true", help="also sweep batch sizes 1..--sweep-max")
-    a("--sweep-max", type=int, default=65536, help="largest batch of the sweep (default 65536)")
-    a("--sweep-eager-max", type=int, default=4096, help="largest eager batch (default 4096)")
-    a("--sweep-out", default="bench_sweep", help="sweep writes PREFIX.json and PREFIX.png")
-    a("--json", metavar="PATH", help="write every figure, with versions and device, as JSON")
+      "devices in a subprocess when fewer are visible: correctness only); writes a figure to "
+      "--devices-out")  # fmt: skip
+    a("--devices-out", metavar="PREFIX", default="bench_devices",
+      help="--devices writes PREFIX.png and PREFIX.svg")  # fmt: skip
+    a("--sweep", action="store_true",
+      help="also sweep batch sizes, the powers of two from --sweep-min to --sweep-max")  # fmt: skip
+    a("--sweep-min", type=positive("--sweep-min"), default=1, help="smallest batch of the sweep")
+    a("--sweep-max", type=positive("--sweep-max"), default=_Preset(65536, 4096),
+      help="largest batch of the sweep (the range must hold at least 2 powers of two)")  # fmt: skip
+    a("--sweep-eager-max", type=positive("--sweep-eager-max"), default=_Preset(4096, 256),
+      help="largest eager batch of the sweep")  # fmt: skip
+    a("--sweep-out", metavar="PREFIX", default="bench_sweep",
+      help="the sweep writes PREFIX.json, PREFIX.png and PREFIX.svg")  # fmt: skip
+    a("--serving", action="store_true",
+      help="also the serving benchmark (bench_serving): batch-1 latency per dispatch mode and "
+      "PyTorch mode, each in a fresh process; the micro-batcher under 1, 8, 64 clients; "
+      "symjax-mlp serve over loopback")  # fmt: skip
+    a("--diff", nargs=2, metavar=("OLD.json", "NEW.json"),
+      help="instead of benchmarking, compare two runs' --json files: the ratio per row, its "
+      "noise band (from each row's min/median spread) and the rows changed beyond the noise "
+      "(--compare is something else: another framework's rows)")  # fmt: skip
+    a("--stateful", action="store_true",
+      help="also stateful models (BatchNorm in train mode, nnx Dropout): the Hybrid against "
+      "the same function jitted by hand, state passed and returned, and nnx.jit")  # fmt: skip
+    a("--coldstart", action="store_true",
+      help="also cold starts: a fresh process imports, loads the artifact and calls it, "
+      "first and later runs, against import jax + one jitted call")  # fmt: skip
+    a("--json", nargs="?", const="-", metavar="PATH",
+      help="write every figure, with versions and device, as JSON (schema 1) to PATH (no "
+      "PATH or '-': to stdout, the report to stderr); with --diff, the comparison")  # fmt: skip
     a("--quiet", action="store_true", help="no progress display on stderr")
     return parser
 
@@ -81,24 +148,74 @@ class _Progress:
             self.stream.flush()
 
 
+def _resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Replaces each ``--quick``-dependent default by its value for this run."""
+    for key, value in vars(args).items():
+        if isinstance(value, _Preset):
+            setattr(args, key, value.quick if args.quick else value.full)
+    return args
+
+
+def _sweep_batches(args: argparse.Namespace) -> tuple[int, ...]:
+    """The powers of two from --sweep-min to --sweep-max; fewer than 2 is a usage error."""
+    lo, hi = args.sweep_min, args.sweep_max
+    batches = tuple(b for b in (2**i for i in range(41)) if lo <= b <= hi)
+    if len(batches) < 2:
+        raise ConfigError(
+            f"--sweep-min {lo} --sweep-max {hi} gives {len(batches)} batch size(s) "
+            f"{list(batches)}; a sweep needs at least 2 powers of two in the range, e.g. "
+            f"--sweep-max {max(4, 4 * lo)}"
+        )
+    return batches
+
+
 def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     """Runs the benchmark from the command line (``scripts/bench.py``, ``symjax-mlp bench``).
 
     Prints the chapter's two lines first, then the table, the stages, the device and the
     targets; ``--devices N`` adds throughput against device count, ``--sweep`` the batch-size
-    sweep (JSON and PNG); ``--json`` writes it all.
+    sweep (JSON, PNG and SVG); ``--json`` writes it all. ``--quick`` is a first look in
+    seconds; ``--diff OLD NEW`` compares two runs' JSON instead of running.
 
     Args:
       args: parsed options (from :func:`add_arguments`), or argv to parse (``None``: sys.argv).
 
     Returns:
       The exit code, 0.
+
+    Raises:
+      ConfigError: a usage error found after parsing (a sweep range of fewer than 2 batch
+        sizes, an unreadable --diff file), before any work; the CLI prints it and exits 2.
     """
     if not isinstance(args, argparse.Namespace):
         parser = argparse.ArgumentParser(
-            prog="bench", description="The chapter's benchmark: eager vs hybridized and beyond."
+            prog="bench",
+            description="The chapter's benchmark: eager vs hybridized and beyond.",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
         args = add_arguments(parser).parse_args(args)
+    args = _resolve(args)
+    if args.json == "-":  # stdout is the JSON: everything else goes to stderr
+        stdout = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            code = _main(args)
+        stdout.write(_JSON_OUT.pop())
+        return code
+    return _main(args)
+
+
+_JSON_OUT: list[str] = []
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.diff:
+        comparison = compare_runs(*args.diff)
+        print(format_comparison(comparison), flush=True)
+        if args.json:
+            _write_json(comparison.to_dict(), args.json)
+            print(f"wrote {args.json}")
+        return 0
+    batches = _sweep_batches(args) if args.sweep else ()  # refused before any work
     progress = None if args.quiet else _Progress(sys.stderr)
     report = benchmark(
         calls=args.calls,
@@ -108,11 +225,12 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         in_features=args.in_features,
         activation=args.activation,
         compare=tuple(dict.fromkeys(args.compare)),
-        artifact=not args.no_artifact,
-        iree=not args.no_iree,
-        train_step=not args.no_train,
+        artifact=args.artifact,
+        iree=args.iree,
+        train_step=args.train,
         stage_repeats=args.stage_repeats,
-        peak=not args.no_peak,
+        peak=args.peak,
+        quick=args.quick,
         progress=progress,
     )
     if progress:
@@ -122,13 +240,17 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     if args.devices:
         if progress:
             progress(f"sharded inference and training on 1..{args.devices} devices")
-        devices = bench_devices(args.devices, sizes=args.sizes, in_features=args.in_features)
+        small = {"repeats": 5, "train_steps": 3} if args.quick else {}
+        devices = bench_devices(
+            args.devices, sizes=args.sizes, in_features=args.in_features, **small
+        )
         if progress:
             progress.done()
         out["devices"] = devices
         print("\n" + format_devices(devices), flush=True)
+        _plot(lambda: plot_devices(devices, args.devices_out, env=report.env), [])
     if args.sweep:
-        batches = tuple(b for b in (2**i for i in range(40)) if b <= args.sweep_max)
+        quick = {"repeats": 3, "min_seconds": 0.01, "peak_size": 512, "peak_repeats": 3}
         sw = sweep(
             batch_sizes=batches,
             eager_max_batch=args.sweep_eager_max,
@@ -136,25 +258,62 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
             in_features=args.in_features,
             activation=args.activation,
             progress=progress,
+            **(quick if args.quick else {}),
         )
         if progress:
             progress.done()
         out["sweep"] = sw.to_dict()
         print("\n" + format_sweep(sw))
         _write_json(sw.to_dict(), args.sweep_out + ".json")
-        written = [args.sweep_out + ".json"]
-        try:
-            written.append(plot_sweep(sw, args.sweep_out + ".png"))
-        except ImportError:
-            print("note: matplotlib not installed; no plot (pip install symjax_mlp[plot])")
-        print("wrote " + ", ".join(written))
+        _plot(lambda: plot_sweep(sw, args.sweep_out), [args.sweep_out + ".json"])
+    if args.serving:
+        out["serving"] = serving = bench_serving(
+            sizes=args.sizes, in_features=args.in_features, activation=args.activation,
+            progress=progress,
+        )  # fmt: skip
+        if progress:
+            progress.done()
+        print("\n" + format_serving(serving), flush=True)
+    if args.stateful:
+        from symjax_mlp.bench import bench_stateful, format_stateful
+
+        out["stateful"] = stateful = bench_stateful(progress=progress)
+        if progress:
+            progress.done()
+        print("\n" + format_stateful(stateful), flush=True)
+        out["stateful"] = {
+            m: {r: t.to_dict() for r, t in rows.items()} for m, rows in stateful.items()
+        }
+    if args.coldstart:
+        from symjax_mlp.bench import bench_coldstart, format_coldstart
+
+        if progress:
+            progress("cold starts in fresh processes")
+        out["coldstart"] = coldstart = bench_coldstart(sizes=args.sizes)
+        if progress:
+            progress.done()
+        print("\n" + format_coldstart(coldstart), flush=True)
     if args.json:
         _write_json(out, args.json)
-        print(f"wrote {args.json}")
+        if args.json != "-":
+            print(f"wrote {args.json}")
     return 0
 
 
+def _plot(draw: Any, written: list[str]) -> None:
+    """Draws a figure, and says what was written (a note when matplotlib is missing)."""
+    try:
+        written += draw()
+    except ImportError:
+        print("note: matplotlib not installed; no figure (pip install 'symjax_mlp[plot]')")
+    if written:
+        print("wrote " + ", ".join(written))
+
+
 def _write_json(obj: Any, path: str) -> None:
+    if path == "-":
+        _JSON_OUT.append(json.dumps(obj, indent=2, default=str) + "\n")
+        return
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, default=str)
         f.write("\n")

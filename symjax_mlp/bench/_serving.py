@@ -1,0 +1,742 @@
+"""Serving, measured: per-request latency per dispatch mode, the micro-batcher, the HTTP server.
+
+:func:`bench_serving` runs three sections on the chapter's MLP, each where its figures mean
+something:
+
+- ``latency``: synced batch-1 calls, one fresh subprocess per mode, because JAX's dispatch
+  mode is fixed when its CPU backend starts: JAX with asynchronous dispatch (the default),
+  JAX in :func:`~symjax_mlp.serving.latency_mode`, and PyTorch eager / ``jit.script`` /
+  ``compile`` (with the benchmark's threads and with one), each in two forms: the input
+  already on the device, and a NumPy array in and out (what a server does).
+- ``batcher``: one subprocess in latency mode: one-at-a-time synced calls, then a
+  :class:`~symjax_mlp.serving.Batcher` under 1, 8, 64 concurrent clients (threads blocking in
+  ``b(x)``, and callers keeping that many futures in flight): throughput, p50, p99, rows per
+  batch.
+- ``http``: ``symjax-mlp serve`` in a subprocess, driven over loopback by keep-alive clients
+  (``.npy`` and JSON bodies) at a bounded concurrency: throughput, p50, p99.
+
+:func:`format_serving` prints the tables and the targets (64 clients >= 5x one-at-a-time, the
+batcher adding <= 10 µs at concurrency 1, JAX in latency mode >= 2x faster than the fastest
+PyTorch mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import io
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from symjax_mlp._errors import ConfigError
+from symjax_mlp.bench._timing import Progress, environment, format_seconds, usable_cores
+
+SECTIONS = ("latency", "batcher", "http")
+TORCH_MODES = ("torch_eager", "torch_script", "torch_compile")
+_LABELS = {
+    "jax": "JAX h(x)",
+    "torch_eager": "PyTorch eager",
+    "torch_script": "torch.jit.script",
+    "torch_compile": "torch.compile",
+}
+_CHILD = (
+    "import json, sys; from symjax_mlp.bench._serving import _child; "
+    "print('\\n' + json.dumps(_child(**json.loads(sys.argv[1]))))"
+)
+
+
+# -- timing one call at a time ---------------------------------------------------------------
+def _percentiles(samples: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(samples, np.float64)
+    return {
+        "p50_s": float(np.percentile(a, 50)),
+        "p90_s": float(np.percentile(a, 90)),
+        "p99_s": float(np.percentile(a, 99)),
+        "mean_s": float(a.mean()),
+        "n": len(a),
+    }
+
+
+def _per_call(fn: Callable[[], Any], calls: int, repeats: int, warmup: int = 200) -> dict:
+    """Times ``calls * repeats`` synced calls one by one: percentiles, and the fastest
+    repeat's mean."""
+    for _ in range(warmup):
+        fn()
+    clock = time.perf_counter
+    samples = np.empty(calls * repeats)
+    means = []
+    for r in range(repeats):
+        start = clock()
+        for i in range(calls):
+            t0 = clock()
+            fn()
+            samples[r * calls + i] = clock() - t0
+        means.append((clock() - start) / calls)
+    return {**_percentiles(samples), "best_repeat_mean_s": min(means)}
+
+
+# -- the subprocesses ------------------------------------------------------------------------
+def _child(kind: str, **kw: Any) -> dict[str, Any]:
+    """Runs one measurement in this (fresh) process; JAX's dispatch is set first."""
+    if kw.get("dispatch") == "sync":
+        from symjax_mlp.serving import latency_mode
+
+        latency_mode()  # before anything starts JAX's backend
+    if kind == "jax":
+        return _jax_latency(**kw)
+    if kind == "torch":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave torch the GPU
+        return _torch_latency(**kw)
+    if kind == "batcher":
+        return _batcher_rows(**kw)
+    raise ConfigError(f"unknown child kind {kind!r}")
+
+
+def _chapter(sizes: Sequence[int], in_features: int, activation: str | None, seed: int):
+    import jax
+
+    from symjax_mlp._hybrid.hybrid import hybridize
+    from symjax_mlp._models import mlp
+
+    net = mlp(tuple(sizes), activation=activation)
+    rng = np.random.default_rng(seed)
+    xn = rng.standard_normal((1, in_features), dtype=np.float32)
+    variables = jax.jit(net.init)(jax.random.key(seed), xn)
+    return hybridize(net, variables, name="mlp"), variables, xn
+
+
+def _jax_latency(*, dispatch, sizes, in_features, activation, seed, calls, repeats) -> dict:
+    import jax
+
+    from symjax_mlp.serving import dispatch_mode
+
+    h, _, xn = _chapter(sizes, in_features, activation, seed)
+    x = jax.device_put(xn)
+    forms = {
+        "device": _per_call(lambda: h(x).block_until_ready(), calls, repeats),
+        "numpy": _per_call(lambda: np.asarray(h(xn)), calls, repeats),
+    }
+    return {
+        "mode": "jax",
+        "dispatch": dispatch_mode(),
+        "threads": None,
+        "device": str(jax.devices()[0]),
+        "forms": forms,
+        "traces": h.trace_count,
+    }
+
+
+def _torch_latency(*, mode, threads, sizes, in_features, activation, seed, calls, repeats) -> dict:
+    import warnings
+
+    import jax
+    import torch  # optional extra: symjax_mlp[torch]
+
+    from symjax_mlp.bench._twins import dense_layers
+
+    _, variables, xn = _chapter(sizes, in_features, activation, seed)
+    acts = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "sigmoid": torch.nn.Sigmoid}
+    if activation not in acts:
+        raise ConfigError(f"no PyTorch twin for activation {activation!r}")
+    gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    if not gpu:
+        torch.set_num_threads(threads)
+    layers, modules = dense_layers(variables), []
+    for i, (kernel, bias) in enumerate(layers):
+        kernel = np.array(kernel)
+        lin = torch.nn.Linear(*kernel.shape)
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(kernel.T.copy()))
+            lin.bias.copy_(torch.from_numpy(np.array(bias)))
+        modules += [lin] + ([acts[activation]()] if i < len(layers) - 1 else [])
+    net = torch.nn.Sequential(*modules).eval().to(device)
+    tx = torch.from_numpy(xn).to(device)
+    t0 = time.perf_counter()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jit.script is deprecated in torch 2.x; still timed
+        if mode == "torch_script":
+            net = torch.jit.script(net)
+        elif mode == "torch_compile":
+            net = torch.compile(net)
+        net(tx)
+    build_s = time.perf_counter() - t0
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+
+    def on_device() -> Any:
+        with torch.no_grad():
+            y = net(tx)
+        sync()
+        return y
+
+    def numpy_in_out() -> np.ndarray:
+        with torch.no_grad():
+            return net(torch.from_numpy(xn).to(device)).cpu().numpy()
+
+    forms = {
+        "device": _per_call(on_device, calls, repeats),
+        "numpy": _per_call(numpy_in_out, calls, repeats),
+    }
+    return {
+        "mode": mode,
+        "dispatch": None,
+        "threads": None if gpu else threads,
+        "device": str(device),
+        "torch": torch.__version__,
+        "build_s": build_s,
+        "forms": forms,
+    }
+
+
+def _batcher_rows(
+    *, dispatch, sizes, in_features, activation, seed, clients, requests, max_batch
+) -> dict:
+    from symjax_mlp.serving import Batcher, dispatch_mode
+
+    h, _, xn = _chapter(sizes, in_features, activation, seed)
+    pool = np.random.default_rng(seed + 1).standard_normal((256, 1, in_features), np.float32)
+    rows = [pool[i] for i in range(len(pool))]
+    k = len(rows)
+    state = {"i": 0}
+
+    def direct() -> np.ndarray:
+        state["i"] += 1
+        return np.asarray(h(rows[state["i"] % k]))
+
+    n_direct = max(200, requests // 2)
+    t0 = time.perf_counter()
+    timing = _per_call(direct, n_direct, 1)
+    one = {**timing, "throughput_rps": 1.0 / timing["mean_s"], "wall_s": time.perf_counter() - t0}
+    out = []
+    with Batcher(h, example=xn, max_batch=max_batch) as b:
+        compiled = h.trace_count  # every bucket traced and compiled by now
+        for c in clients:
+            for kind in ("threads", "futures"):
+                before = b.stats
+                lat, wall = (_threads if kind == "threads" else _futures)(b, rows, c, requests)
+                after = b.stats
+                batches = after.batches - before.batches
+                out.append(
+                    {
+                        "clients": c,
+                        "kind": kind,
+                        "requests": len(lat),
+                        "throughput_rps": len(lat) / wall,
+                        "rows_per_batch": (after.rows - before.rows) / max(1, batches),
+                        "padded_rows": after.padded_rows - before.padded_rows,
+                        "batches": batches,
+                        **_percentiles(lat),
+                    }
+                )
+        stats = b.stats.to_dict()
+        retraced = h.trace_count - compiled
+    return {
+        "dispatch": dispatch_mode(),
+        "max_batch": max_batch,
+        "direct": one,
+        "rows": out,
+        "buckets": list(b.buckets),
+        "traces_while_serving": retraced,
+        "stats": stats,
+    }
+
+
+def _threads(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[list[float], float]:
+    """``c`` threads, each calling ``b(x)`` in a loop (a closed loop of blocking clients)."""
+    per = max(1, requests // c)
+    lats: list[list[float]] = [[] for _ in range(c)]
+    gate = threading.Barrier(c + 1)
+
+    def client(j: int) -> None:
+        clock, mine, k = time.perf_counter, lats[j], len(rows)
+        gate.wait()
+        for i in range(per):
+            t0 = clock()
+            b(rows[(i * c + j) % k])
+            mine.append(clock() - t0)
+
+    threads = [threading.Thread(target=client, args=(j,)) for j in range(c)]
+    for t in threads:
+        t.start()
+    gate.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    return [x for mine in lats for x in mine], time.perf_counter() - start
+
+
+def _futures(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[list[float], float]:
+    """``c`` requests kept in flight through ``submit`` and done-callbacks (async clients)."""
+    clock, lock, done = time.perf_counter, threading.Lock(), threading.Event()
+    lat: list[float] = []
+    issued = [0]
+    total = max(c, requests)
+
+    def launch() -> None:
+        with lock:
+            if issued[0] >= total:
+                return
+            i = issued[0]
+            issued[0] += 1
+        t0 = clock()
+        b.submit(rows[i % len(rows)]).add_done_callback(lambda f: finished(f, t0))
+
+    def finished(f: Any, t0: float) -> None:
+        if f.exception() is not None:  # stop, and let the caller see it
+            failed.append(f.exception())
+            done.set()
+            return
+        with lock:
+            lat.append(clock() - t0)
+            last = len(lat) == total
+        if last:
+            done.set()
+        else:
+            launch()
+
+    failed: list[BaseException] = []
+    start = clock()
+    for _ in range(c):
+        launch()
+    done.wait()
+    if failed:
+        raise failed[0]
+    return lat, clock() - start
+
+
+def _run_child(kind: str, kw: dict, env: Mapping[str, str] | None, timeout: float) -> dict:
+    full = dict(os.environ, **(env or {}))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps({"kind": kind, **kw})],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"bench_serving: the {kind} subprocess ({kw.get('mode', kw.get('dispatch'))}) failed "
+            f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- the HTTP section ------------------------------------------------------------------------
+@contextlib.contextmanager
+def _server(artifact: str, max_batch: int, env: Mapping[str, str] | None, timeout: float):
+    """``symjax-mlp serve`` on a free loopback port; yields ``(host, port, proc)``."""
+    cmd = [sys.executable, "-m", "symjax_mlp", "serve", artifact, "--host", "127.0.0.1"]
+    cmd += ["--port", "0", "--max-batch", str(max_batch)]
+    errors = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a file, not a pipe: never fills up)
+    proc = subprocess.Popen(
+        cmd, env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=errors, text=True
+    )
+    try:
+        url = _wait_for_url(proc, errors, timeout)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        yield host, int(port), proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+        errors.close()
+
+
+def _wait_for_url(proc: subprocess.Popen, errors: Any, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=0.5):
+                if proc.poll() is not None:
+                    break
+                continue
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            found = re.search(r"(http://\S+:\d+)", line)
+            if found:
+                return found.group(1)
+    proc.kill()
+    proc.wait()
+    errors.seek(0)
+    raise RuntimeError(
+        f"bench_serving: the server did not start within {timeout} s:\n{errors.read()[-3000:]}"
+    )
+
+
+def _http_load(host: str, port: int, body: bytes, kind: str, c: int, requests: int) -> dict:
+    per = max(1, requests // c)
+    lats: list[list[float]] = [[] for _ in range(c)]
+    errors = [0] * c
+    gate = threading.Barrier(c + 1)
+    headers = {"Content-Type": kind}
+
+    def client(j: int) -> None:
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        try:
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            gate.wait()
+            clock = time.perf_counter
+            for _ in range(per):
+                t0 = clock()
+                conn.request("POST", "/predict", body=body, headers=headers)
+                resp = conn.getresponse()
+                resp.read()
+                lats[j].append(clock() - t0)
+                errors[j] += resp.status != 200
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=client, args=(j,)) for j in range(c)]
+    for t in threads:
+        t.start()
+    gate.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    lat = [x for mine in lats for x in mine]
+    return {"throughput_rps": len(lat) / wall, "errors": sum(errors), **_percentiles(lat)}
+
+
+def _scrape(host: str, port: int) -> dict[str, float]:
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    found = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            found[name] = float(value)
+    return found
+
+
+def _http_rows(
+    *, sizes, in_features, activation, seed, clients, requests, max_batch, env, timeout, say
+) -> dict:
+    import jax
+
+    from symjax_mlp._export import export
+    from symjax_mlp._hybrid.hybrid import hybridize
+    from symjax_mlp._models import mlp
+
+    net = mlp(tuple(sizes), activation=activation)
+    xn = np.random.default_rng(seed).standard_normal((1, in_features), dtype=np.float32)
+    h = hybridize(net, jax.jit(net.init)(jax.random.key(seed), xn), name="mlp")
+    npy = io.BytesIO()
+    np.save(npy, xn, allow_pickle=False)
+    bodies = {
+        "npy": (npy.getvalue(), "application/x-npy"),
+        "json": (json.dumps({"inputs": xn.tolist()}).encode(), "application/json"),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="symjax_mlp_serve_") as tmp:
+        art = os.path.join(tmp, "mlp")
+        export(h, art, example=xn, batch="b")
+        say("starting symjax-mlp serve")
+        with _server(art, max_batch, env, timeout) as (host, port, proc):
+            for c in clients:
+                for name, (body, kind) in bodies.items():
+                    say(f"HTTP: {c} client(s), {name} bodies")
+                    before = _scrape(host, port)
+                    row = _http_load(host, port, body, kind, c, requests)
+                    after = _scrape(host, port)
+                    key_b, key_r = (
+                        "symjax_mlp_batcher_batches_total",
+                        "symjax_mlp_batcher_rows_total",
+                    )
+                    batches = after.get(key_b, 0) - before.get(key_b, 0)
+                    row["rows_per_batch"] = (after.get(key_r, 0) - before.get(key_r, 0)) / max(
+                        1, batches
+                    )
+                    rows.append({"clients": c, "body": name, **row})
+            metrics = _scrape(host, port)
+        exit_code = proc.returncode
+    return {"rows": rows, "server_exit_code": exit_code, "metrics": metrics}
+
+
+# -- the whole benchmark ---------------------------------------------------------------------
+def bench_serving(
+    *,
+    sections: Sequence[str] = SECTIONS,
+    sizes: Sequence[int] = (256, 128, 2),
+    in_features: int = 512,
+    activation: str | None = "relu",
+    calls: int = 2000,
+    repeats: int = 5,
+    torch: bool = True,
+    torch_modes: Sequence[str] = TORCH_MODES,
+    clients: Sequence[int] = (1, 8, 64),
+    requests: int = 4000,
+    max_batch: int = 64,
+    http_clients: Sequence[int] = (1, 16),
+    http_requests: int = 600,
+    env: Mapping[str, str] | None = None,
+    seed: int = 0,
+    timeout: float = 600.0,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Measures serving the chapter's MLP: latency per dispatch mode, the batcher, HTTP.
+
+    Every section runs in fresh subprocesses (the dispatch mode is fixed when JAX's CPU
+    backend starts), one after another, so no two measurements share the cores.
+
+    Args:
+      sections: any of ``"latency"``, ``"batcher"``, ``"http"``.
+      sizes, in_features, activation: the net, ``mlp(sizes)`` on ``(1, in_features)`` rows.
+      calls, repeats: synced batch-1 calls per repeat in the latency section.
+      torch: add the PyTorch rows (when torch is installed; else a note).
+      torch_modes: which of ``torch_eager``, ``torch_script``, ``torch_compile``.
+      clients: concurrent in-process clients of the batcher.
+      requests: requests per concurrency level (and half as many one-at-a-time calls).
+      max_batch: the batcher's (and server's) largest batch.
+      http_clients, http_requests: concurrent HTTP clients, requests per level.
+      env: extra environment for the subprocesses (e.g. ``{"XLA_FLAGS": ...}``).
+      seed: for the params and the inputs.
+      timeout: seconds per subprocess.
+      progress: called with a status line as the run goes.
+
+    Returns:
+      A dict with ``config``, ``env``, ``notes``, ``targets`` and one entry per section run:
+      ``latency`` (``rows``: ``mode``, ``dispatch``, ``threads``, ``forms``: ``device`` and
+      ``numpy``, each ``p50_s``, ``p90_s``, ``p99_s``, ``mean_s``, ``best_repeat_mean_s``),
+      ``batcher`` (``direct`` and ``rows``: ``clients``, ``kind``, ``throughput_rps``,
+      ``p50_s``, ``p99_s``, ``rows_per_batch``, ...), ``http`` (``rows``: ``clients``,
+      ``body``, ``throughput_rps``, ``p50_s``, ``p99_s``, ``errors``, ``rows_per_batch``).
+
+    Raises:
+      ConfigError: an unknown section or torch mode, or a size below 1.
+      RuntimeError: a subprocess failed (its stderr is in the message).
+    """
+    bad = sorted(set(sections) - set(SECTIONS)) + sorted(set(torch_modes) - set(TORCH_MODES))
+    if bad:
+        raise ConfigError(
+            f"bench_serving: unknown section or torch mode {bad}; sections are {SECTIONS}, "
+            f"torch modes {TORCH_MODES}."
+        )
+    if min(calls, repeats, requests, max_batch, http_requests, *clients, *http_clients) < 1:
+        raise ConfigError(
+            "bench_serving: calls, repeats, requests, clients, max_batch must be >= 1."
+        )
+    say = progress or (lambda _: None)
+    net = {"sizes": list(sizes), "in_features": in_features, "activation": activation, "seed": seed}
+    notes: list[str] = []
+    result: dict[str, Any] = {
+        "config": {
+            **net,
+            "sections": list(sections),
+            "calls": calls,
+            "repeats": repeats,
+            "clients": list(clients),
+            "requests": requests,
+            "max_batch": max_batch,
+            "http_clients": list(http_clients),
+            "http_requests": http_requests,
+            "env": dict(env or {}),
+        },
+        "env": environment(),
+        "notes": notes,
+    }
+    timed = {"calls": calls, "repeats": repeats}
+    if "latency" in sections:
+        rows = []
+        for dispatch in ("async", "sync"):
+            say(f"latency: JAX, {dispatch} dispatch, fresh process")
+            rows.append(_run_child("jax", {"dispatch": dispatch, **net, **timed}, env, timeout))
+        if torch:
+            try:
+                import torch as _torch  # noqa: F401  (only to know it is there)
+            except ImportError:
+                notes.append("torch rows skipped: torch is not installed (symjax_mlp[torch])")
+            else:
+                on_cpu = result["env"]["backend"] == "cpu"  # threads matter only there
+                threads = [usable_cores()] + ([1] if usable_cores() > 1 and on_cpu else [])
+                for mode in torch_modes:
+                    for n in threads if mode != "torch_compile" else threads[:1]:
+                        say(f"latency: {mode}, {n} thread(s), fresh process")
+                        kw = {"mode": mode, "threads": n, **net, **timed}
+                        try:
+                            rows.append(_run_child("torch", kw, env, timeout))
+                        except (RuntimeError, subprocess.TimeoutExpired) as e:
+                            notes.append(f"{mode} ({n} threads) skipped: {str(e)[-300:]}")
+        result["latency"] = {"rows": rows}
+    if "batcher" in sections:
+        say(f"batcher: one-at-a-time, then {', '.join(map(str, clients))} clients")
+        kw = {"dispatch": "sync", **net, "clients": list(clients), "requests": requests}
+        result["batcher"] = _run_child("batcher", {**kw, "max_batch": max_batch}, env, timeout)
+    if "http" in sections:
+        result["http"] = _http_rows(
+            **net,
+            clients=list(http_clients),
+            requests=http_requests,
+            max_batch=max_batch,
+            env=env,
+            timeout=timeout,
+            say=say,
+        )
+    result["targets"] = _targets(result)
+    return result
+
+
+def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    lat = result.get("latency", {}).get("rows", [])
+    jax_sync = [r for r in lat if r["mode"] == "jax" and r["dispatch"] == "sync"]
+    torch_rows = [r for r in lat if r["mode"] != "jax"]
+    if jax_sync and torch_rows:
+        best = min(torch_rows, key=lambda r: r["forms"]["device"]["p50_s"])
+        ratio = best["forms"]["device"]["p50_s"] / jax_sync[0]["forms"]["device"]["p50_s"]
+        out.append(
+            {
+                "name": "latency_vs_fastest_torch",
+                "what": f"fastest PyTorch p50 ({_mode_label(best)}) / JAX latency-mode p50",
+                "value": ratio,
+                "target": ">= 2",
+                "met": ratio >= 2,
+            }
+        )
+    b = result.get("batcher")
+    if b:
+        direct = b["direct"]
+        by = {(r["clients"], r["kind"]): r for r in b["rows"]}
+        for kind in ("threads", "futures"):
+            top = max((r for r in b["rows"] if r["kind"] == kind), key=lambda r: r["clients"])
+            ratio = top["throughput_rps"] / direct["throughput_rps"]
+            out.append(
+                {
+                    "name": f"batcher_throughput_{top['clients']}_{kind}",
+                    "what": f"{top['clients']} clients ({kind}) req/s / one-at-a-time req/s",
+                    "value": ratio,
+                    "target": ">= 5",
+                    "met": ratio >= 5,
+                }
+            )
+        if (1, "threads") in by:
+            added = by[1, "threads"]["p50_s"] - direct["p50_s"]
+            out.append(
+                {
+                    "name": "batcher_overhead_c1",
+                    "what": "batcher p50 at 1 client - direct call p50 (µs)",
+                    "value": added * 1e6,
+                    "target": "<= 10",
+                    "met": added <= 10e-6,
+                }
+            )
+    h = result.get("http")
+    if h and h["rows"]:
+        worst = max(h["rows"], key=lambda r: r["p99_s"])
+        out.append(
+            {
+                "name": "http_p99",
+                "what": f"worst HTTP p99 (ms; {worst['clients']} clients, {worst['body']})",
+                "value": worst["p99_s"] * 1e3,
+                "target": "reported",
+                "met": None,
+            }
+        )
+    return out
+
+
+def _mode_label(r: Mapping[str, Any]) -> str:
+    label = _LABELS.get(r["mode"], r["mode"])
+    if r["mode"] == "jax":
+        return f"{label}, {r['dispatch']} dispatch"
+    return label + (f", {r['threads']} thread(s)" if r.get("threads") else "")
+
+
+def format_serving(result: Mapping[str, Any]) -> str:
+    """The serving benchmark as text: the latency table, the batcher, HTTP, the targets.
+
+    Example:
+      >>> from symjax_mlp.bench import format_serving
+      >>> print(format_serving({"notes": [], "targets": []}))
+      Serving benchmark: no sections were run.
+    """
+    us = format_seconds
+    parts: list[str] = []
+    lat = result.get("latency")
+    if lat:
+        lines = [
+            "Per-request latency: the chapter MLP at batch 1, synced, one fresh process per mode",
+            f"  {'mode':<38} {'on device p50':>13} {'p99':>9}   "
+            f"{'numpy in/out p50':>16} {'p99':>9}",
+        ]
+        for r in lat["rows"]:
+            d, n = r["forms"]["device"], r["forms"]["numpy"]
+            lines.append(
+                f"  {_mode_label(r):<38} {us(d['p50_s']):>13} {us(d['p99_s']):>9}   "
+                f"{us(n['p50_s']):>16} {us(n['p99_s']):>9}"
+            )
+        parts.append("\n".join(lines))
+    b = result.get("batcher")
+    if b:
+        d = b["direct"]
+        lines = [
+            f"Micro-batcher: max_batch {b['max_batch']}, {b['dispatch']} dispatch, in-process "
+            f"clients (buckets {b['buckets']} compiled ahead, "
+            f"{b['traces_while_serving']} traces while serving)",
+            f"  {'clients':<22} {'req/s':>9} {'p50':>10} {'p99':>10} {'rows/batch':>10} "
+            f"{'vs one-at-a-time':>16}",
+            f"  {'one at a time, direct':<22} {d['throughput_rps']:>9.0f} {us(d['p50_s']):>10} "
+            f"{us(d['p99_s']):>10} {1.0:>10.1f} {1.0:>15.2f}x",
+        ]
+        for r in b["rows"]:
+            who = f"{r['clients']} {r['kind']}"
+            lines.append(
+                f"  {who:<22} {r['throughput_rps']:>9.0f} {us(r['p50_s']):>10} "
+                f"{us(r['p99_s']):>10} {r['rows_per_batch']:>10.1f} "
+                f"{r['throughput_rps'] / d['throughput_rps']:>15.2f}x"
+            )
+        parts.append("\n".join(lines))
+    h = result.get("http")
+    if h:
+        lines = [
+            "HTTP: symjax-mlp serve on loopback (uvicorn, keep-alive clients, bounded load)",
+            f"  {'clients':>7} {'body':<5} {'req/s':>9} {'p50':>10} {'p99':>10} "
+            f"{'rows/batch':>10} {'errors':>6}",
+        ]
+        for r in h["rows"]:
+            lines.append(
+                f"  {r['clients']:>7} {r['body']:<5} {r['throughput_rps']:>9.0f} "
+                f"{us(r['p50_s']):>10} {us(r['p99_s']):>10} {r['rows_per_batch']:>10.1f} "
+                f"{r['errors']:>6}"
+            )
+        lines.append(f"  server exit code after SIGINT: {h['server_exit_code']}")
+        parts.append("\n".join(lines))
+    if not parts:
+        return "Serving benchmark: no sections were run."
+    targets = result.get("targets", [])
+    if targets:
+        lines = ["Targets"]
+        for t in targets:
+            verdict = "reported" if t["met"] is None else ("met" if t["met"] else "MISSED")
+            lines.append(f"  {t['what']}: {t['value']:.2f} (target {t['target']}): {verdict}")
+        parts.append("\n".join(lines))
+    env = result.get("env", {})
+    where = f"{env.get('device', '?')}, {env.get('cpu_usable', '?')} usable cores"
+    parts.append(f"Ran on {where}; jax {env.get('jax', '?')}.")
+    parts.extend(f"note: {n}" for n in result.get("notes", []))
+    return "\n\n".join(parts)
