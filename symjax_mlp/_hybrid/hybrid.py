@@ -267,6 +267,7 @@ class Hybrid:
                 n_shards=1,
                 _leaves=leaves,
                 _jitted=jax.jit(trace, static_argnums=0, donate_argnums=donated),
+                _fast=compiled and not self.stateful and not self.static_argnums,
             )
             return
         if self.stateful:
@@ -277,6 +278,7 @@ class Hybrid:
             )
         m, rep, dat, n = _mesh.shardings(mesh, axis)
         self._set(
+            _fast=False,
             mesh=m,
             n_shards=n,
             _batch_sharding=dat,
@@ -360,6 +362,15 @@ class Hybrid:
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""
+        if self._fast and not kwargs:  # the hot path: arrays in, one stateless dispatch
+            for a in args:
+                if type(a) not in _ARRAYS:
+                    break
+            else:
+                try:
+                    return self._jitted((), self._leaves, *args)
+                except TRACER_ERRORS as e:
+                    raise control_flow_error(self.name, e) from e
         if not self.compiled:
             return self.eager(*args, **kwargs)
         static, dyn, dyn_kw = partition(
@@ -592,6 +603,21 @@ class Hybrid:
         mode = "compiled" if self.compiled else "eager"
         state = ", stateful" if self.stateful else ""
         return f"Hybrid({self.name}, {mode}{state}, traces={self.trace_count}{where})"
+
+
+def _array_types() -> tuple[type, ...]:
+    """The concrete array types a call may pass straight to the jit (no static partition);
+    found without creating an array, which would start JAX's backend at import."""
+    import numpy as np
+
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:  # another JAX layout: every call takes the general path
+        return (np.ndarray,)
+    return (ArrayImpl, np.ndarray)
+
+
+_ARRAYS = frozenset(_array_types())
 
 
 def _ints(x: int | Sequence[int]) -> tuple[int, ...]:

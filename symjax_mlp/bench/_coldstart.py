@@ -17,6 +17,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from symjax_mlp._export import export
+from symjax_mlp._hybrid.hybrid import hybridize
+from symjax_mlp._models import mlp
+
 _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
@@ -69,11 +76,11 @@ def bench_coldstart(*, repeats: int = 3, sizes: tuple[int, ...] = (256, 128, 2))
       >>> sorted(r["rows"]), r["ratio"] > 0
       (['import jax + one jit call', 'symjax_mlp: import, load, first call'], True)
     """
-    from symjax_mlp.chapter import export_mlp
-
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        art = export_mlp(Path(tmp) / "m", sizes=sizes)
+        net, x = mlp(tuple(sizes)), jnp.zeros((1, 512), jnp.float32)
+        h = hybridize(net, net.init(jax.random.key(0), x))
+        art = export(h, Path(tmp) / "m", example=x)
         targets = {
             "symjax_mlp: import, load, first call": str(art.path),
             "import jax + one jit call": "jax",

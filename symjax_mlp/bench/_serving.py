@@ -97,7 +97,6 @@ def _child(kind: str, **kw: Any) -> dict[str, Any]:
     if kind == "jax":
         return _jax_latency(**kw)
     if kind == "torch":
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave torch the GPU
         return _torch_latency(**kw)
     if kind == "batcher":
         return _batcher_rows(**kw)
@@ -316,8 +315,16 @@ def _futures(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[lis
     return lat, clock() - start
 
 
-def _run_child(kind: str, kw: dict, env: Mapping[str, str] | None, timeout: float) -> dict:
+def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """The environment of a subprocess: ours, ``env``, and no GPU memory grab (on a GPU the
+    parent already holds JAX's preallocated share)."""
     full = dict(os.environ, **(env or {}))
+    full.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return full
+
+
+def _run_child(kind: str, kw: dict, env: Mapping[str, str] | None, timeout: float) -> dict:
+    full = _child_env(env)
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps({"kind": kind, **kw})],
         env=full,
@@ -342,7 +349,7 @@ def _server(artifact: str, max_batch: int, env: Mapping[str, str] | None, timeou
     cmd += ["--port", "0", "--max-batch", str(max_batch)]
     errors = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a file, not a pipe: never fills up)
     proc = subprocess.Popen(
-        cmd, env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=errors, text=True
+        cmd, env=_child_env(env), stdout=subprocess.PIPE, stderr=errors, text=True
     )
     try:
         url = _wait_for_url(proc, errors, timeout)

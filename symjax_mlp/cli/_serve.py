@@ -1,0 +1,73 @@
+"""``symjax-mlp serve ARTIFACT --port N``: an artifact over HTTP, a micro-batcher underneath.
+
+The handler switches JAX to :func:`~symjax_mlp.serving.latency_mode` first (before anything
+starts JAX's CPU backend; ``--dispatch async`` keeps JAX's default), then runs
+:func:`~symjax_mlp.serving.serve` until SIGINT or SIGTERM, and exits 0 after a clean shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from symjax_mlp.cli._args import positive
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(
+            f"--port must be an int from 0 to 65535 (0: any free port); got {text!r}"
+        )
+    return int(text)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Declares ``serve`` and its options on the CLI's subcommands."""
+    help = "serve an artifact over HTTP (JSON and .npy), with a micro-batcher underneath"
+    p = sub.add_parser(
+        "serve",
+        help=help,
+        description=help + ". Endpoints: POST /predict, GET /health, GET /metrics, "
+        "GET /signature. Needs the symjax_mlp[serve] extra.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("path", help="the artifact directory (symjax-mlp export)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="the port (0: any free port)")
+    p.add_argument("--runtime", choices=("jax", "iree"), default="jax", help="how to run it")
+    p.add_argument(
+        "--max-batch",
+        type=positive("--max-batch"),
+        default=None,
+        help="most rows per model call (None: 64, or the artifact's static batch)",
+    )
+    p.add_argument(
+        "--max-queue", type=positive("--max-queue"), default=1024, help="waiting requests"
+    )
+    p.add_argument(
+        "--dispatch",
+        choices=("sync", "async"),
+        default="sync",
+        help="JAX's CPU dispatch: sync is the latency mode (calls run on the calling thread)",
+    )
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.set_defaults(handler=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serves ``args.path`` until interrupted; returns 0 after a clean shutdown."""
+    from symjax_mlp.serving import latency_mode, serve
+
+    if args.dispatch == "sync":
+        latency_mode()  # before anything starts JAX's CPU backend
+    serve(
+        args.path,
+        host=args.host,
+        port=args.port,
+        runtime=args.runtime,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        log_level=args.log_level,
+    )
+    print("symjax-mlp serve: shut down cleanly", flush=True)
+    return 0

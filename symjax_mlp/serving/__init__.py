@@ -1,0 +1,42 @@
+"""Serving: a model behind a micro-batcher, an HTTP server, and a latency mode.
+
+- :class:`Batcher`: thread-safe ``submit(x) -> Future`` and blocking ``b(x)`` over a
+  :class:`~symjax_mlp.Hybrid` or a loaded artifact (:class:`~symjax_mlp.LoadedModel`):
+  concurrent requests are merged into a few batch sizes compiled ahead of time.
+- :func:`create_app` / :func:`serve`: the batcher over HTTP (starlette + uvicorn, the
+  ``symjax_mlp[serve]`` extra, imported only when used); ``symjax-mlp serve ARTIFACT``.
+- :func:`latency_mode`: JAX's CPU calls on the calling thread, for per-request latency; the
+  library never switches it by itself.
+
+Example:
+  >>> import jax.numpy as jnp, numpy as np
+  >>> import symjax_mlp as sm
+  >>> h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+  >>> with sm.serving.Batcher(h, example=jnp.ones((1, 2)), max_batch=4) as b:
+  ...     b(np.ones((1, 2), np.float32))
+  array([[2., 2.]], dtype=float32)
+"""
+
+from symjax_mlp._errors import OverloadError as OverloadError
+from symjax_mlp.serving._app import create_app as create_app
+from symjax_mlp.serving._app import serve as serve
+from symjax_mlp.serving._batcher import LATENCY_BUCKETS as LATENCY_BUCKETS
+from symjax_mlp.serving._batcher import Batcher as Batcher
+from symjax_mlp.serving._batcher import BatcherStats as BatcherStats
+from symjax_mlp.serving._batcher import RequestFuture as RequestFuture
+from symjax_mlp.serving._batcher import RequestTiming as RequestTiming
+from symjax_mlp.serving._latency import dispatch_mode as dispatch_mode
+from symjax_mlp.serving._latency import latency_mode as latency_mode
+
+__all__ = [
+    "LATENCY_BUCKETS",
+    "Batcher",
+    "BatcherStats",
+    "OverloadError",
+    "RequestFuture",
+    "RequestTiming",
+    "create_app",
+    "dispatch_mode",
+    "latency_mode",
+    "serve",
+]

@@ -1,0 +1,398 @@
+"""The HTTP server: an ASGI app (starlette) over a :class:`~symjax_mlp.serving.Batcher`.
+
+Endpoints:
+
+- ``POST /predict``: one request. JSON ``{"inputs": X}`` for a one-input model (``X`` nested
+  lists, rows first), or ``{"inputs": {"args[0]": X0, "args[1]": X1}}`` by input name;
+  answered ``{"outputs": Y}`` (a list of arrays for a tuple output). Or a ``.npy`` body
+  (``Content-Type: application/x-npy``, one-input models), answered with a ``.npy`` (an
+  ``.npz`` of ``out0``, ``out1``, ... for a tuple output). A ``Server-Timing`` header gives
+  the request's queued/padded/compute/split milliseconds.
+- ``GET /health``: ``{"status": "ok", ...}`` (503 once closing).
+- ``GET /metrics``: the batcher's and the server's counters, Prometheus text format.
+- ``GET /signature``: what a request takes.
+
+Errors are JSON ``{"error": class name, "message": ...}``: 400 an unreadable body, 413 too
+large, 415 an unknown content type, 422 a :class:`~symjax_mlp.SignatureError` (the message
+says what was received and what is expected), 503 a full queue
+(:class:`~symjax_mlp.serving.OverloadError`, with ``Retry-After``), 500 the model raised.
+
+starlette and uvicorn are the optional extra ``symjax_mlp[serve]``, imported only here, when
+an app is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from symjax_mlp._errors import OverloadError, SignatureError
+from symjax_mlp._load import load
+from symjax_mlp.serving._batcher import Batcher
+
+NPY = "application/x-npy"
+NPZ = "application/x-npz"
+_NPY_TYPES = (NPY, "application/octet-stream", "application/npy")
+
+
+def _require() -> Any:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"the symjax_mlp server needs the optional packages starlette and uvicorn ({e}). "
+            "Install them with: pip install 'symjax_mlp[serve]'",
+            name=e.name,
+        ) from e
+
+
+class BadRequest(Exception):
+    """A body that cannot be read as a request (answered with ``status``)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any], bool]:
+    """The request's inputs, and whether it came as .npy (answer in kind)."""
+    specs = batcher.specs
+    kind = content_type.split(";")[0].strip().lower()
+    if kind in _NPY_TYPES:
+        if len(specs) != 1:
+            raise BadRequest(
+                415,
+                f"a .npy body holds one array, but this model takes {len(specs)} inputs "
+                f"({', '.join(map(str, specs))}); send JSON "
+                '{"inputs": {"args[0]": [...], ...}} instead.',
+            )
+        try:
+            x = np.load(io.BytesIO(body), allow_pickle=False)
+        except Exception as e:
+            raise BadRequest(400, f"the body is not a readable .npy array ({e}).") from None
+        if not isinstance(x, np.ndarray):
+            raise BadRequest(400, "the body is an .npz archive; send one .npy array.")
+        return [x], True
+    if kind not in ("application/json", ""):
+        raise BadRequest(
+            415,
+            f"unsupported Content-Type {content_type!r}; send application/json "
+            f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).',
+        )
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise BadRequest(400, f"the body is not valid JSON ({e}).") from None
+    if not isinstance(data, dict) or "inputs" not in data:
+        raise BadRequest(
+            400,
+            'the JSON body must be an object with "inputs": {"inputs": [[...], ...]} (rows '
+            'first), or {"inputs": {"args[0]": [...], ...}} naming each input; got '
+            f"{type(data).__name__}{' without inputs' if isinstance(data, dict) else ''}.",
+        )
+    inputs = data["inputs"]
+    names = [s.path for s in specs]
+    if isinstance(inputs, dict):
+        if sorted(inputs) != sorted(names):
+            raise SignatureError(
+                f"{batcher.name}: the request names the inputs {sorted(inputs)}, but the model "
+                f"takes {names} ({', '.join(map(str, specs))}). Send one entry per input."
+            )
+        values = [inputs[n] for n in names]
+    elif len(specs) == 1:
+        values = [inputs]
+    else:
+        raise SignatureError(
+            f"{batcher.name}: the model takes {len(specs)} inputs ({', '.join(map(str, specs))})"
+            '; name them: {"inputs": {"args[0]": [...], "args[1]": [...]}}.'
+        )
+    return [_from_json(batcher, spec, v) for spec, v in zip(specs, values, strict=True)], False
+
+
+def _from_json(batcher: Batcher, spec: Any, value: Any) -> np.ndarray:
+    """JSON numbers as the input's dtype; refuses what the cast would change (1.5 -> int)."""
+    try:
+        raw = np.asarray(value)
+    except ValueError as e:  # ragged lists
+        raise SignatureError(
+            f"{batcher.name}: input {spec.path} is not a rectangular array ({e}); send nested "
+            f"lists of one shape, {spec.type}."
+        ) from None
+    want = np.dtype(spec.dtype)
+    if raw.dtype.kind not in "biuf" or (raw.dtype.kind == "f" and want.kind in "biu"):
+        what = "integers" if want.kind in "biu" else "numbers"
+        raise SignatureError(
+            f"{batcher.name}: input {spec.path} holds {raw.dtype} values, but the model takes "
+            f"{spec.type}; send {what} (JSON has no dtypes: they are cast to {want})."
+        )
+    return raw.astype(want, copy=False)
+
+
+def _to_json(out: Any) -> Any:
+    if isinstance(out, np.ndarray):
+        return out.tolist()
+    return [np.asarray(y).tolist() for y in jax.tree.leaves(out)]
+
+
+def _to_npy(out: Any) -> tuple[bytes, str]:
+    buf = io.BytesIO()
+    if isinstance(out, np.ndarray):
+        np.save(buf, out, allow_pickle=False)
+        return buf.getvalue(), NPY
+    np.savez(buf, **{f"out{i}": np.asarray(y) for i, y in enumerate(jax.tree.leaves(out))})
+    return buf.getvalue(), NPZ
+
+
+class _HttpCounters:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_code: dict[int, int] = {}
+
+    def count(self, code: int) -> None:
+        with self.lock:
+            self.by_code[code] = self.by_code.get(code, 0) + 1
+
+    def prometheus(self, prefix: str) -> str:
+        with self.lock:
+            codes = sorted(self.by_code.items())
+        lines = [
+            f"# HELP {prefix}_http_requests_total Answered /predict requests, by status code.",
+            f"# TYPE {prefix}_http_requests_total counter",
+        ]
+        lines += [f'{prefix}_http_requests_total{{code="{c}"}} {n}' for c, n in codes]
+        return "\n".join(lines) + "\n"
+
+
+def create_app(
+    batcher: Batcher,
+    *,
+    max_body_bytes: int = 64 * 2**20,
+    close_batcher: bool = True,
+    prefix: str = "symjax_mlp",
+) -> Any:
+    """The ASGI app serving ``batcher`` (a ``starlette.applications.Starlette``).
+
+    Args:
+      batcher: the :class:`~symjax_mlp.serving.Batcher` that runs the requests.
+      max_body_bytes: larger request bodies are refused with 413.
+      close_batcher: close the batcher when the app shuts down (it finishes queued work).
+      prefix: the metric names' prefix on ``/metrics``.
+
+    Raises:
+      ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import symjax_mlp as sm
+      >>> h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+      >>> b = sm.serving.Batcher(h, example=jnp.ones((1, 3)), max_batch=4)
+      >>> app = sm.serving.create_app(b)
+      >>> sorted(r.path for r in app.routes)
+      ['/health', '/metrics', '/predict', '/signature']
+      >>> b.close()
+    """
+    _require()
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    http = _HttpCounters()
+
+    def error(status: int, e: Exception, headers: dict[str, str] | None = None) -> Response:
+        http.count(status)
+        body = {"error": type(e).__name__, "message": str(e)}
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def predict(request: Request) -> Response:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            return error(413, BadRequest(413, _too_large(int(size), max_body_bytes)))
+        chunks, received = [], 0
+        async for chunk in request.stream():
+            chunks.append(chunk)
+            received += len(chunk)
+            if received > max_body_bytes:
+                return error(413, BadRequest(413, _too_large(received, max_body_bytes)))
+        body = b"".join(chunks)
+        try:
+            inputs, as_npy = _decode(batcher, body, request.headers.get("content-type", ""))
+            future = batcher.submit(*inputs)
+        except BadRequest as e:
+            return error(e.status, e)
+        except SignatureError as e:
+            return error(422, e)
+        except OverloadError as e:
+            return error(503, e, {"Retry-After": "1"})
+        except RuntimeError as e:  # closed: shutting down
+            return error(503, e)
+        try:
+            out = await asyncio.wrap_future(future)
+        except Exception as e:  # the model raised
+            return error(500, e)
+        t = future.timing
+        headers = {}
+        if t is not None:
+            headers["Server-Timing"] = ", ".join(
+                f"{k};dur={v * 1e3:.3f}"
+                for k, v in (
+                    ("queued", t.queued),
+                    ("padded", t.padded),
+                    ("compute", t.compute),
+                    ("split", t.split),
+                )
+            )
+            headers["X-Batch"] = (
+                f"rows={t.batch_rows}; requests={t.batch_requests}; bucket={t.bucket}"
+            )
+        http.count(200)
+        if as_npy:
+            data, kind = _to_npy(out)
+            return Response(data, media_type=kind, headers=headers)
+        return JSONResponse({"outputs": _to_json(out)}, headers=headers)
+
+    async def health(request: Request) -> Response:
+        s = batcher.stats
+        body = {
+            "status": "closing" if batcher.closed else "ok",
+            "model": batcher.name,
+            "queue_depth": s.queue_depth,
+            "completed": s.completed,
+        }
+        return JSONResponse(body, status_code=503 if batcher.closed else 200)
+
+    async def metrics(request: Request) -> Response:
+        text = batcher.stats.to_prometheus(f"{prefix}_batcher") + http.prometheus(prefix)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def signature(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "inputs": [s.to_json() for s in batcher.specs],
+                "max_batch": batcher.max_batch,
+                "buckets": list(batcher.buckets),
+                "model": batcher.name,
+            }
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any):
+        yield
+        if close_batcher:
+            await asyncio.get_running_loop().run_in_executor(None, batcher.close)
+
+    routes = [
+        Route("/predict", predict, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/signature", signature, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _too_large(size: int, limit: int) -> str:
+    return (
+        f"the body has {size} bytes, more than max_body_bytes={limit}; split the request into "
+        "smaller ones."
+    )
+
+
+def serve(
+    artifact: str | os.PathLike[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    runtime: str = "jax",
+    max_batch: int | None = None,
+    max_queue: int = 1024,
+    max_body_bytes: int = 64 * 2**20,
+    log_level: str = "warning",
+    ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
+
+    Loads the artifact (:func:`~symjax_mlp.load`), compiles the batcher's buckets, binds
+    ``host:port`` (``port=0``: a free port), calls ``ready(url)`` (default: prints
+    ``serving PATH on URL``) and runs uvicorn. On a signal it stops accepting connections,
+    finishes the requests in flight and the queued ones, and returns. For per-request latency
+    on the CPU, call :func:`~symjax_mlp.serving.latency_mode` first (``symjax-mlp serve``
+    does).
+
+    Args:
+      artifact: the artifact directory.
+      host, port: where to listen.
+      runtime: ``"jax"`` or ``"iree"``.
+      max_batch, max_queue: see :class:`~symjax_mlp.serving.Batcher`.
+      max_body_bytes: larger request bodies are refused (413).
+      log_level: uvicorn's log level.
+      ready: called with the URL once the socket is bound.
+
+    Raises:
+      ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
+      ArtifactError: the artifact cannot be loaded.
+    """
+    _require()
+    import uvicorn
+
+    model = load(artifact, runtime=runtime)
+    batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue)
+    try:
+        app = create_app(batcher, max_body_bytes=max_body_bytes)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(2048)  # connections queue from here on: "ready" means ready
+            bound = sock.getsockname()[1]
+            shown = f"[{host}]" if family == socket.AF_INET6 else host
+            url = f"http://{shown}:{bound}"
+            config = uvicorn.Config(
+                app,
+                log_level=log_level,
+                access_log=False,
+                lifespan="on",
+                timeout_graceful_shutdown=30,
+            )
+            server = uvicorn.Server(config)
+            (ready or _print_ready(artifact))(url)
+            with _quiet_signals():
+                server.run(sockets=[sock])
+    finally:
+        batcher.close()
+
+
+def _print_ready(artifact: Any) -> Callable[[str], None]:
+    def say(url: str) -> None:
+        print(f"serving {artifact} on {url} (POST /predict, GET /health, GET /metrics)", flush=True)
+
+    return say
+
+
+@contextlib.contextmanager
+def _quiet_signals():
+    """uvicorn re-raises the signal it shut down on; here that ends serve() normally."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda *_: None) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        sys.stdout.flush()

@@ -1,0 +1,842 @@
+"""A micro-batcher: a stream of requests merged into a few pre-compiled batch shapes.
+
+One executor lane runs one batch at a time. A request that finds it idle (and nothing
+queued) is dispatched at once: :meth:`Batcher.__call__` runs it on the calling thread (no
+thread hand-off), :meth:`Batcher.submit` hands it to the batcher's thread. Requests that
+arrive while a batch runs wait in a bounded queue and are merged, in arrival order, into the
+next batch, up to ``max_batch`` rows. A batch is padded with zero rows to the smallest bucket
+(powers of two by default) that holds it; every bucket was compiled when the batcher was
+made, so nothing compiles while serving, and padding rows are never returned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from symjax_mlp._errors import OverloadError, SignatureError
+from symjax_mlp._load import LoadedModel
+from symjax_mlp._specs import TensorSpec
+
+#: Upper bounds (seconds) of the request-latency histogram in :attr:`BatcherStats.latency`.
+LATENCY_BUCKETS = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
+    0.5, 1.0, 2.5,
+)  # fmt: skip
+_STAGES = ("queued", "padded", "compute", "split")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestTiming:
+    """Where one request's time went, in seconds; the last three are its batch's.
+
+    Attributes:
+      queued: from the call (or ``submit``) to its batch starting.
+      padded: assembling the batch: stacking the requests, zero-filling the padding rows.
+      compute: the model call, results on the host (synced).
+      split: cutting the results into one per request.
+      rows: the request's rows.
+      batch_rows: the real rows of its batch (all its requests).
+      batch_requests: the requests merged into its batch.
+      bucket: the compiled batch size it ran at (``bucket - batch_rows`` padding rows).
+    """
+
+    queued: float
+    padded: float
+    compute: float
+    split: float
+    rows: int
+    batch_rows: int
+    batch_requests: int
+    bucket: int
+
+    @property
+    def total(self) -> float:
+        """Seconds from the call to the result."""
+        return self.queued + self.padded + self.compute + self.split
+
+
+class RequestFuture(concurrent.futures.Future):
+    """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.
+
+    Attributes:
+      timing: the request's :class:`RequestTiming`, set before the result (``None`` until
+        then, and for a request cancelled or failed before it ran).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._timing: tuple | None = None
+
+    @property
+    def timing(self) -> RequestTiming | None:
+        """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
+        t = self._timing
+        return None if t is None else RequestTiming(*t)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatcherStats:
+    """A snapshot of a :class:`Batcher`'s counters (see :attr:`Batcher.stats`).
+
+    Attributes:
+      requests: requests accepted (queued or run).
+      completed: requests that got their result.
+      failed: requests whose batch raised (each got the exception).
+      cancelled: requests cancelled before they ran (``future.cancel()``, ``close(cancel=True)``).
+      rejected: requests refused at submit: ``rejected_by`` says why (``"signature"``: wrong
+        inputs, ``"overload"``: queue full, ``"closed"``: after :meth:`Batcher.close`).
+      batches: model calls; ``batches_by_bucket`` counts them per compiled size.
+      rows: real rows computed; ``padded_rows`` the zero rows added to reach a bucket.
+      queue_depth: requests waiting now; ``busy``: whether a batch is running now.
+      seconds: per stage (``queued``, ``padded``, ``compute``, ``split``), the sum over
+        completed requests.
+      latency: ``(upper bound in seconds, completed requests at most that slow)`` per
+        :data:`LATENCY_BUCKETS` entry, cumulative, as a Prometheus histogram.
+      latency_sum: total seconds of the completed requests, call to result.
+    """
+
+    requests: int
+    completed: int
+    failed: int
+    cancelled: int
+    rejected: int
+    rejected_by: dict[str, int]
+    batches: int
+    batches_by_bucket: dict[int, int]
+    rows: int
+    padded_rows: int
+    queue_depth: int
+    busy: bool
+    seconds: dict[str, float]
+    latency: tuple[tuple[float, int], ...]
+    latency_sum: float
+
+    @property
+    def mean_batch_rows(self) -> float:
+        """Real rows per model call (0.0 before the first)."""
+        return self.rows / self.batches if self.batches else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "mean_batch_rows": self.mean_batch_rows}
+
+    def to_prometheus(self, prefix: str = "symjax_mlp_batcher") -> str:
+        """The counters in Prometheus' text exposition format (version 0.0.4).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import symjax_mlp as sm
+          >>> h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+          >>> with sm.serving.Batcher(h, example=jnp.ones((1, 3)), max_batch=2) as b:
+          ...     _ = b(jnp.ones((1, 3)))
+          ...     text = b.stats.to_prometheus()
+          >>> [line for line in text.splitlines() if line.startswith("symjax_mlp_batcher_rows")]
+          ['symjax_mlp_batcher_rows_total 1']
+        """
+        p = prefix
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP {p}_{name} {help}", f"# TYPE {p}_{name} {kind}"])
+            lines.extend(f"{p}_{name}{labels} {_number(v)}" for labels, v in samples)
+
+        def counter(name: str, help: str, value: float) -> None:
+            metric(f"{name}_total", "counter", help, [("", value)])
+
+        counter("requests", "Requests accepted.", self.requests)
+        counter("completed", "Requests that got their result.", self.completed)
+        counter("failed", "Requests whose batch raised.", self.failed)
+        counter("cancelled", "Requests cancelled before they ran.", self.cancelled)
+        metric(
+            "rejected_total",
+            "counter",
+            "Requests refused at submit, by reason.",
+            [(f'{{reason="{k}"}}', v) for k, v in sorted(self.rejected_by.items())],
+        )
+        counter("batches", "Model calls.", self.batches)
+        metric(
+            "bucket_batches_total",
+            "counter",
+            "Model calls per compiled batch size.",
+            [(f'{{bucket="{k}"}}', v) for k, v in sorted(self.batches_by_bucket.items())],
+        )
+        counter("rows", "Real rows computed.", self.rows)
+        counter("padded_rows", "Zero rows added to reach a compiled batch size.", self.padded_rows)
+        metric("queue_depth", "gauge", "Requests waiting now.", [("", self.queue_depth)])
+        metric("busy", "gauge", "1 while a batch runs.", [("", int(self.busy))])
+        stage = [(f'_sum{{stage="{k}"}}', v) for k, v in self.seconds.items()]
+        stage += [(f'_count{{stage="{k}"}}', self.completed) for k in self.seconds]
+        metric(
+            "stage_seconds",
+            "summary",
+            "Seconds per stage of completed requests (batch stages counted per request).",
+            stage,
+        )
+        hist = [(f'_bucket{{le="{_number(le)}"}}', n) for le, n in self.latency]
+        hist += [('_bucket{le="+Inf"}', self.completed), ("_sum", self.latency_sum)]
+        hist += [("_count", self.completed)]
+        metric("request_seconds", "histogram", "Seconds from call to result.", hist)
+        return "\n".join(lines) + "\n"
+
+
+def _number(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+class _Request:
+    """One request in flight: its inputs, and how its caller waits (a future or a lock)."""
+
+    __slots__ = ("arrays", "error", "future", "result", "rows", "t0", "waiter")
+
+    def __init__(self, arrays: list[np.ndarray], rows: int, t0: float) -> None:
+        self.arrays, self.rows, self.t0 = arrays, rows, t0
+        self.future: RequestFuture | None = None
+        self.waiter: Any = None  # a held lock, released when the result is in
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def done(self, result: Any, timing: tuple) -> None:
+        """Hands over the result; ``timing``: the :class:`RequestTiming` fields."""
+        if self.future is not None:
+            self.future._timing = timing
+            self.future.set_result(result)
+        else:
+            self.result = result
+            self.waiter.release()
+
+    def fail(self, error: BaseException) -> None:
+        if self.future is not None:
+            self.future.set_exception(error)
+        else:
+            self.error = error
+            self.waiter.release()
+
+
+class _Counters:
+    def __init__(self, buckets: Sequence[int]) -> None:
+        self.requests = self.completed = self.failed = self.cancelled = 0
+        self.batches = self.rows = self.padded_rows = 0
+        self.rejected = dict.fromkeys(("signature", "overload", "closed"), 0)
+        self.by_bucket = dict.fromkeys(buckets, 0)
+        self.seconds = dict.fromkeys(_STAGES, 0.0)
+        self.latency = [0] * (len(LATENCY_BUCKETS) + 1)  # per bucket, the last: slower
+        self.latency_sum = 0.0
+        self.pending: list[tuple] = []
+
+    def fold(self) -> None:
+        """Counts the requests that ran alone, on their callers' threads (the lock is held).
+
+        They are appended to ``pending`` as ``(t0, t1, t2, t3, t4, rows, bucket)``, so that
+        the call itself does the least work after the model returns.
+        """
+        pending, self.pending = self.pending, []
+        s, latency = self.seconds, self.latency
+        for t0, t1, t2, t3, t4, rows, bucket in pending:
+            self.batches += 1
+            self.rows += rows
+            self.padded_rows += bucket - rows
+            self.by_bucket[bucket] += 1
+            s["queued"] += t1 - t0
+            s["padded"] += t2 - t1
+            s["compute"] += t3 - t2
+            s["split"] += t4 - t3
+            self.latency_sum += t4 - t0
+            latency[bisect.bisect_left(LATENCY_BUCKETS, t4 - t0)] += 1
+        self.completed += len(pending)
+
+    def record(self, batch: Sequence[_Request], t1: float, t4: float, stages, rows, bucket):
+        """Counts one finished batch (the lane's lock is held)."""
+        if len(self.pending) > 4096:
+            self.fold()
+        self.batches += 1
+        self.rows += rows
+        self.padded_rows += bucket - rows
+        self.by_bucket[bucket] += 1
+        k = len(batch)
+        self.completed += k
+        s, latency = self.seconds, self.latency
+        for r in batch:
+            s["queued"] += t1 - r.t0
+            total = t4 - r.t0
+            self.latency_sum += total
+            latency[bisect.bisect_left(LATENCY_BUCKETS, total)] += 1
+        padded, compute, split = stages
+        s["padded"] += padded * k
+        s["compute"] += compute * k
+        s["split"] += split * k
+
+
+class _Lane:
+    """The executor state, shared by the batcher and its thread (which holds no Batcher)."""
+
+    def __init__(self, call: Callable[..., Any], row_specs, buckets, max_queue) -> None:
+        self.call = call
+        self.row_shapes = [tuple(s.shape[1:]) for s in row_specs]
+        self.dtypes = [np.dtype(s.dtype) for s in row_specs]
+        self.buckets = tuple(buckets)
+        self.max_batch = self.buckets[-1]
+        self.bucket_of = [0] + [self.buckets[bisect.bisect_left(self.buckets, n)]
+                                for n in range(1, self.max_batch + 1)]  # fmt: skip
+        self.max_queue = max_queue
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.queue: collections.deque[_Request] = collections.deque()
+        self.busy = False
+        self.closing = False
+        self.n = _Counters(self.buckets)
+        self.to_host: Callable[[Any], Any] = _tree_to_host
+        self.split: Callable[[Any, int, int], Any] = _tree_rows
+        self.own: Callable[[Any], Any] = _tree_copy
+
+    # -- the executor thread -----------------------------------------------------------------
+    def work(self) -> None:
+        while True:
+            with self.lock:
+                while self.busy or not self.queue:
+                    if self.closing and not self.queue and not self.busy:
+                        return
+                    self.wake.wait()
+                batch, rows = self.take()
+                if not batch:
+                    continue
+                self.busy = True
+            self.run(batch, rows)
+
+    def take(self) -> tuple[list[_Request], int]:
+        """Pops the next batch (FIFO, at most max_batch rows); drops cancelled requests."""
+        batch: list[_Request] = []
+        rows, q, limit = 0, self.queue, self.max_batch
+        while q and rows + q[0].rows <= limit:
+            r = q.popleft()
+            if r.future is not None and not r.future.set_running_or_notify_cancel():
+                self.n.cancelled += 1
+                continue
+            batch.append(r)
+            rows += r.rows
+        return batch, rows
+
+    def run(self, batch: list[_Request], rows: int) -> None:
+        """Runs one batch on the executor thread and hands each request its result."""
+        clock = time.perf_counter
+        t1 = clock()
+        bucket = self.bucket_of[rows]
+        try:
+            inputs = self.assemble(batch, rows, bucket)
+            t2 = clock()
+            out = self.to_host(self.call(*inputs))
+            t3 = clock()
+            results, start, split = [], 0, self.split
+            for r in batch:
+                results.append(split(out, start, start + r.rows))
+                start += r.rows
+            t4 = clock()
+        except BaseException as e:  # every request of the batch gets it; the lane carries on
+            with self.lock:
+                self.n.failed += len(batch)
+                self.finish()
+            for r in batch:
+                r.fail(e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        stages = (t2 - t1, t3 - t2, t4 - t3)
+        with self.lock:
+            self.n.record(batch, t1, t4, stages, rows, bucket)
+            self.finish()
+        padded, compute, split_s, k = *stages, len(batch)
+        for r, result in zip(batch, results, strict=True):
+            r.done(result, (t1 - r.t0, padded, compute, split_s, r.rows, rows, k, bucket))
+
+    def run_alone(self, arrays: list[np.ndarray], rows: int, t0: float) -> Any:
+        """Runs one request on the calling thread (the lane is idle, marked busy for it)."""
+        clock = time.perf_counter
+        t1 = clock()
+        bucket = self.bucket_of[rows]
+        try:
+            if rows == bucket:
+                t2 = clock()
+                out = self.call(*arrays)
+                result = self.own(out)  # one copy to the host, owned by the caller
+                t3 = t4 = clock()
+            else:
+                inputs = self.assemble_one(arrays, rows, bucket)
+                t2 = clock()
+                out = self.to_host(self.call(*inputs))
+                t3 = clock()
+                result = self.split(out, 0, rows)
+                t4 = clock()
+        except BaseException:
+            with self.lock:
+                self.n.failed += 1
+                self.finish()
+            raise
+        with self.lock:
+            # counted later, in bulk (see _Counters.fold): the least work after the call
+            self.n.pending.append((t0, t1, t2, t3, t4, rows, bucket))
+            if len(self.n.pending) > 4096:
+                self.n.fold()
+            self.busy = False
+            if self.queue or self.closing:
+                self.wake.notify()
+        return result
+
+    def assemble_one(self, arrays: list[np.ndarray], rows: int, bucket: int) -> list[Any]:
+        return [
+            np.concatenate([a, np.zeros((bucket - rows, *shape), a.dtype)])
+            for a, shape in zip(arrays, self.row_shapes, strict=True)
+        ]
+
+    def assemble(self, batch: Sequence[_Request], rows: int, bucket: int) -> list[Any]:
+        """The model's inputs: the requests' rows stacked, zero rows up to the bucket."""
+        if len(batch) == 1 and rows == bucket:
+            return batch[0].arrays
+        inputs = []
+        for i, dtype in enumerate(self.dtypes):
+            parts = [r.arrays[i] for r in batch]
+            if bucket > rows:
+                parts.append(np.zeros((bucket - rows, *self.row_shapes[i]), dtype))
+            inputs.append(np.concatenate(parts))
+        return inputs
+
+    def finish(self) -> None:
+        """Marks the lane idle and wakes the thread if there is more (the lock is held)."""
+        self.busy = False
+        if self.queue or self.closing:
+            self.wake.notify()
+
+    def close(self, cancel: bool) -> None:
+        with self.lock:
+            self.closing = True
+            dropped = []
+            if cancel:
+                while self.queue:
+                    dropped.append(self.queue.popleft())
+                self.n.cancelled += len(dropped)
+            self.wake.notify_all()
+        for r in dropped:
+            if r.future is not None:
+                r.future.cancel()
+            else:
+                r.fail(concurrent.futures.CancelledError("the batcher was closed with cancel=True"))
+
+
+def _tree_to_host(out: Any) -> Any:
+    return jax.tree.map(np.asarray, out)
+
+
+def _tree_copy(out: Any) -> Any:
+    return jax.tree.map(np.array, out)
+
+
+def _tree_rows(out: Any, start: int, stop: int) -> Any:
+    return jax.tree.map(lambda y: y[start:stop].copy(), out)
+
+
+def _array_rows(out: np.ndarray, start: int, stop: int) -> np.ndarray:
+    return out[start:stop].copy()
+
+
+def _power_buckets(max_batch: int) -> tuple[int, ...]:
+    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
+    return tuple(sorted({*sizes, max_batch}))
+
+
+class Batcher:
+    """Serves a model to many callers: concurrent requests become a few pre-compiled batches.
+
+    A request is what the model takes, with a leading batch dimension of 1..``max_batch``
+    rows: ``b(x)`` returns what ``model(x)`` would, as NumPy arrays. A lone request never
+    waits: when nothing runs and nothing is queued it is dispatched at once (``b(x)`` on the
+    calling thread, ``b.submit(x)`` on the batcher's thread). Requests that arrive while a
+    batch runs are queued (at most ``max_queue``) and merged, in arrival order, into the next
+    batch. A batch is zero-padded to the smallest of :attr:`buckets` that holds it; each
+    bucket is compiled here, at construction, so nothing compiles while serving, and padding
+    rows are never returned. Batched rows equal the same rows run alone up to float rounding
+    (XLA may pick another kernel for another batch size; at one bucket, bit for bit).
+
+    A bad request (wrong shape, dtype, number of inputs or rows) is refused by ``submit``
+    itself with :class:`~symjax_mlp.SignatureError`; a full queue refuses with
+    :class:`OverloadError`; either leaves the other requests alone. If the model raises,
+    every request of that batch gets the exception, and the batcher carries on.
+
+    Use it as a context manager, or call :meth:`close`: it stops taking requests and
+    finishes (or, ``cancel=True``, cancels) what is queued. Inputs are read when their batch
+    runs: do not change a NumPy input in place before its result is back.
+
+    Args:
+      model: a :class:`~symjax_mlp.LoadedModel` (``sm.load(path)``; its signature says what
+        a request takes), a :class:`~symjax_mlp.Hybrid` (with ``example``), or any callable
+        ``f(*batched_inputs) -> array or pytree of arrays`` treating rows independently.
+      example: for a Hybrid or a callable: an input batch (an array, or a tuple of arrays
+        for several inputs) giving each input's row shape and dtype. Not for a LoadedModel.
+      max_batch: most rows in one model call (default 64, or a static artifact batch).
+      buckets: the batch sizes compiled ahead of time (default: powers of two up to
+        ``max_batch``, and ``max_batch``); the largest must be ``max_batch``.
+      max_queue: most requests waiting; one more is refused with :class:`OverloadError`.
+      name: shown in errors (default: the model's name or artifact path).
+
+    Raises:
+      TypeError: a Hybrid or callable without ``example``, or a LoadedModel with one.
+      ValueError: bad ``max_batch``/``buckets``/``max_queue``; an artifact whose batch is not
+        its inputs' leading dimension; outputs without the batch as leading dimension.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import symjax_mlp as sm
+      >>> net, x = sm.mlp((4, 2)), jnp.ones((1, 3))
+      >>> h = sm.hybridize(net, net.init(jax.random.key(0), x))
+      >>> with sm.serving.Batcher(h, example=x, max_batch=8) as b:
+      ...     y = b(np.ones((3, 3), np.float32))          # 3 rows, run at bucket 4
+      ...     f = b.submit(np.ones((1, 3), np.float32))   # a concurrent.futures.Future
+      ...     print(y.shape, f.result().shape, b.buckets, b.stats.padded_rows)
+      (3, 2) (1, 2) (1, 2, 4, 8) 1
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        example: Any = None,
+        max_batch: int | None = None,
+        buckets: Sequence[int] | None = None,
+        max_queue: int = 1024,
+        name: str | None = None,
+    ) -> None:
+        if isinstance(model, LoadedModel):
+            if example is not None:
+                raise TypeError(
+                    "Batcher(LoadedModel, example=...): a loaded artifact carries its signature "
+                    f"({model.signature}); drop example=."
+                )
+            specs, static = _artifact_specs(model)
+            name = name or str(model.path)
+        elif callable(model):
+            if example is None:
+                raise TypeError(
+                    f"Batcher({type(model).__name__}): pass example=, an input batch (an array, "
+                    "or a tuple of arrays for several inputs) that gives each input's row shape "
+                    "and dtype, e.g. Batcher(h, example=x) with x of shape (1, features)."
+                )
+            specs, static = _example_specs(example), None
+            name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
+        else:
+            raise TypeError(
+                "Batcher(model): expected a LoadedModel (sm.load(path)), a Hybrid "
+                f"(sm.hybridize(...)) or a callable; got {type(model).__name__}."
+            )
+        self.name = f"Batcher({name})"
+        self.buckets = _buckets(self.name, max_batch, buckets, static)
+        self.max_batch = self.buckets[-1]
+        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
+            raise ValueError(f"{self.name}: max_queue must be an int >= 1; got {max_queue!r}.")
+        self.max_queue = max_queue
+        #: What one request takes: one spec per input, the batch dimension named ``b``.
+        self.specs: tuple[TensorSpec, ...] = specs
+        self.model = model
+        lane = _Lane(model, specs, self.buckets, max_queue)
+        self._ranks = [len(shape) + 1 for shape in lane.row_shapes]
+        self._warm_up(lane)
+        self._lane = lane
+        self._thread = threading.Thread(target=lane.work, name=self.name, daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, lane.close, False)
+
+    def _warm_up(self, lane: _Lane) -> None:
+        """Compiles every bucket (one call each) and checks the outputs are per row."""
+        single = True
+        for bucket in self.buckets:
+            zeros = [
+                np.zeros((bucket, *s), d) for s, d in zip(lane.row_shapes, lane.dtypes, strict=True)
+            ]
+            out = lane.call(*zeros)
+            single = isinstance(out, jax.Array | np.ndarray)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(_tree_to_host(out)):
+                if leaf.ndim == 0 or leaf.shape[0] != bucket:
+                    raise ValueError(
+                        f"{self.name}: output out{jax.tree_util.keystr(path)} has shape "
+                        f"{leaf.shape} for a batch of {bucket}, but batching needs per-row "
+                        f"outputs with the batch ({bucket}) as leading dimension. Serve a model "
+                        "that returns one result per input row (reduce over rows afterwards)."
+                    )
+        if single:
+            lane.to_host, lane.split, lane.own = np.asarray, _array_rows, np.array
+
+    # -- requests ----------------------------------------------------------------------------
+    def _check(self, inputs: tuple[Any, ...]) -> tuple[list[np.ndarray], int]:
+        lane = self._lane
+        if len(inputs) != len(lane.dtypes):
+            self._reject("signature")
+            want = ", ".join(map(str, self.specs))
+            raise SignatureError(
+                f"{self.name}: a request takes {len(lane.dtypes)} input(s) ({want}); got "
+                f"{len(inputs)}. Call it as b({', '.join(s.path for s in self.specs)})."
+            )
+        arrays, rows = [], None
+        for x, shape, dtype, rank in zip(
+            inputs, lane.row_shapes, lane.dtypes, self._ranks, strict=True
+        ):
+            a = x if type(x) is np.ndarray else np.asarray(x)
+            if (
+                a.ndim != rank
+                or a.shape[1:] != shape
+                or a.dtype != dtype
+                or not 0 < a.shape[0] <= self.max_batch
+                or (rows is not None and a.shape[0] != rows)
+            ):
+                self._reject("signature")
+                raise SignatureError(self._explain(len(arrays), a, rows))
+            rows = a.shape[0]
+            arrays.append(a)
+        return arrays, rows  # type: ignore[return-value]
+
+    def _explain(self, i: int, a: np.ndarray, rows: int | None) -> str:
+        spec, lane = self.specs[i], self._lane
+        want = f"{spec.type} with 1 <= b <= {self.max_batch} rows"
+        head = f"{self.name}: input {spec.path} has shape {a.shape} and dtype {a.dtype}, but a "
+        head += f"request takes {want}"
+        shape = lane.row_shapes[i]
+        if a.ndim != len(shape) + 1:
+            hint = (
+                "Add the batch dimension: x[None] (one row)."
+                if a.shape == shape
+                else f"Pass an array of rank {len(shape) + 1}."
+            )
+            return f"{head}: rank {a.ndim}, not {len(shape) + 1}. {hint}"
+        if a.shape[1:] != shape:
+            return f"{head}: each row is {a.shape[1:]}, not {shape}. Pass rows of shape {shape}."
+        if a.dtype != lane.dtypes[i]:
+            return f"{head}. Cast it: x.astype(np.{lane.dtypes[i]})."
+        if a.shape[0] < 1:
+            return f"{head}: it has no rows. Pass at least one row."
+        if a.shape[0] > self.max_batch:
+            return (
+                f"{head}: it has {a.shape[0]} rows. Split it into requests of at most "
+                f"{self.max_batch} rows, or make a Batcher with max_batch >= {a.shape[0]}."
+            )
+        return (
+            f"{head}: it has {a.shape[0]} rows but {self.specs[0].path} has {rows}; the inputs "
+            "of one request must have the same number of rows."
+        )
+
+    def _reject(self, reason: str) -> None:
+        with self._lane.lock:
+            self._lane.n.rejected[reason] += 1
+
+    def _closed_error(self) -> RuntimeError:
+        return RuntimeError(f"{self.name} is closed: it takes no more requests; make a new one.")
+
+    def _overload_error(self) -> OverloadError:
+        return OverloadError(
+            f"{self.name}: the queue is full ({self.max_queue} requests waiting, max_queue="
+            f"{self.max_queue}), so the request was refused, not queued. Retry it later, "
+            "send fewer requests at once, or make a Batcher with a larger max_queue."
+        )
+
+    def _enqueue(self, request: _Request) -> None:
+        lane = self._lane
+        with lane.lock:
+            if lane.closing:
+                lane.n.rejected["closed"] += 1
+                raise self._closed_error()
+            if len(lane.queue) >= lane.max_queue:
+                lane.n.rejected["overload"] += 1
+                raise self._overload_error()
+            lane.n.requests += 1
+            lane.queue.append(request)
+            if not lane.busy:
+                lane.wake.notify()
+
+    def submit(self, *inputs: Any) -> RequestFuture:
+        """Queues one request; returns at once with a ``concurrent.futures.Future``.
+
+        The future's result is what ``model(*inputs)`` returns, as NumPy arrays; its
+        ``timing`` (a :class:`RequestTiming`) is set before the result.
+
+        Raises:
+          SignatureError: the inputs do not fit :attr:`specs` (or have more than
+            ``max_batch`` rows); nothing is queued.
+          OverloadError: ``max_queue`` requests are already waiting.
+          RuntimeError: the batcher is closed.
+        """
+        t0 = time.perf_counter()
+        arrays, rows = self._check(inputs)
+        request = _Request(arrays, rows, t0)
+        request.future = future = RequestFuture()
+        self._enqueue(request)
+        return future
+
+    def run(self, *inputs: Any, timeout: float | None = None) -> Any:
+        """Runs one request and waits for its result: ``b(x)`` is ``b.run(x)``.
+
+        When the batcher is idle (nothing running, nothing queued) the request runs on the
+        calling thread at once, with no thread hand-off; otherwise it joins the next batch.
+
+        Raises:
+          SignatureError, OverloadError, RuntimeError: as :meth:`submit`.
+          TimeoutError: no result after ``timeout`` seconds (the request still runs).
+          Exception: what the model raised for the request's batch.
+        """
+        t0 = time.perf_counter()
+        arrays, rows = self._check(inputs)
+        lane = self._lane
+        with lane.lock:
+            alone = not lane.busy and not lane.queue and not lane.closing
+            if alone:
+                lane.busy = True
+                lane.n.requests += 1
+        if alone:
+            return lane.run_alone(arrays, rows, t0)
+        request = _Request(arrays, rows, t0)
+        request.waiter = waiter = threading.Lock()
+        waiter.acquire()
+        self._enqueue(request)
+        if not waiter.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(
+                f"{self.name}: no result after {timeout} s (the request is still queued or "
+                "running); wait longer, or raise max_batch if the queue is long."
+            )
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    __call__ = run
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def stats(self) -> BatcherStats:
+        """A snapshot of the counters and timings (see :class:`BatcherStats`)."""
+        lane = self._lane
+        with lane.lock:
+            n = lane.n
+            n.fold()
+            return BatcherStats(
+                requests=n.requests,
+                completed=n.completed,
+                failed=n.failed,
+                cancelled=n.cancelled,
+                rejected=sum(n.rejected.values()),
+                rejected_by=dict(n.rejected),
+                batches=n.batches,
+                batches_by_bucket=dict(n.by_bucket),
+                rows=n.rows,
+                padded_rows=n.padded_rows,
+                queue_depth=len(lane.queue),
+                busy=lane.busy,
+                seconds=dict(n.seconds),
+                latency=tuple(zip(LATENCY_BUCKETS, itertools.accumulate(n.latency), strict=False)),
+                latency_sum=n.latency_sum,
+            )
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._lane.closing
+
+    def close(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stops taking requests, then finishes what is queued (``cancel=True``: cancels it).
+
+        Waits (at most ``timeout`` seconds) for the running batch and, unless cancelled, the
+        queued ones; the batcher's thread then ends. Calling it again does no harm.
+
+        Raises:
+          TimeoutError: the work did not finish within ``timeout`` (the thread keeps going).
+        """
+        self._lane.close(cancel)
+        self._finalizer.detach()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(
+                f"{self.name}.close(timeout={timeout}): the queued work is still running; "
+                "wait longer, or close(cancel=True) to drop what has not started."
+            )
+
+    def __enter__(self) -> Batcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"queue={len(self._lane.queue)}"
+        ins = ", ".join(s.type for s in self.specs)
+        return f"{self.name}: ({ins}), buckets={list(self.buckets)}, {state}"
+
+
+# -- what a request takes --------------------------------------------------------------------
+def _example_specs(example: Any) -> tuple[TensorSpec, ...]:
+    arrays = example if isinstance(example, tuple) else (example,)
+    specs = []
+    for i, x in enumerate(arrays):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(
+                f"Batcher(example=...): input {i} is a {type(x).__name__}; pass arrays (a "
+                "tuple of arrays for several inputs), each with the batch as leading dimension."
+            )
+        if len(x.shape) == 0:
+            raise ValueError(
+                f"Batcher(example=...): input {i} is a scalar; batching needs a leading batch "
+                "dimension, e.g. x[None]."
+            )
+        specs.append(TensorSpec(f"args[{i}]", ("b", *map(int, x.shape[1:])), str(x.dtype)))
+    return tuple(specs)
+
+
+def _artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None]:
+    """The per-request specs of an artifact, and its static batch (``None``: symbolic)."""
+    sig = model.signature
+    specs, static = [], set()
+    for spec in sig.inputs:
+        lead = spec.shape[0] if spec.shape else None
+        rest = spec.shape[1:]
+        if lead is None or any(isinstance(d, str) for d in rest):
+            raise ValueError(
+                f"Batcher({model.path}): input {spec.path} is {spec.type}, but batching needs "
+                "the batch as leading dimension and static sizes elsewhere. Export the model "
+                "with a symbolic batch: export(..., batch='b')."
+            )
+        if isinstance(lead, int):
+            static.add(lead)
+        specs.append(TensorSpec(spec.path, ("b", *rest), spec.dtype))
+    if len(static) > 1 or (static and sig.batch is not None):
+        raise ValueError(
+            f"Batcher({model.path}): the inputs' leading dimensions {sig} disagree; batching "
+            "needs one batch dimension shared by every input."
+        )
+    return tuple(specs), (static.pop() if static else None)
+
+
+def _buckets(
+    name: str, max_batch: int | None, buckets: Sequence[int] | None, static: int | None
+) -> tuple[int, ...]:
+    if static is not None:
+        if (max_batch not in (None, static)) or (buckets is not None and list(buckets) != [static]):
+            raise ValueError(
+                f"{name}: the artifact was exported for a static batch of {static}, so every "
+                f"model call runs {static} rows; drop max_batch/buckets (or pass {static}), or "
+                "export it with a symbolic batch (batch='b') to batch freely."
+            )
+        return (static,)
+    if max_batch is None:
+        max_batch = max(buckets) if buckets else 64
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise ValueError(f"{name}: max_batch must be an int >= 1; got {max_batch!r}.")
+    if buckets is None:
+        return _power_buckets(max_batch)
+    sizes = sorted(set(buckets))
+    if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes) or sizes[-1] != max_batch:
+        raise ValueError(
+            f"{name}: buckets must be ints >= 1 whose largest is max_batch={max_batch}; got "
+            f"{list(buckets)!r}."
+        )
+    return tuple(sizes)

@@ -1,0 +1,731 @@
+"""Serving: the micro-batcher, the latency mode, the HTTP server and the serving benchmark.
+
+Behaviour only (what runs where, which rows come back, what is refused), never speed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import symjax_mlp as sm
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class Gated:
+    """A model whose calls wait for ``open``: holds the lane busy while requests queue up."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.open = threading.Event()
+        self.open.set()
+        self.entered = threading.Event()
+        self.threads: list[int] = []
+        self.sizes: list[int] = []
+
+    def __call__(self, *xs):
+        self.threads.append(threading.get_ident())
+        self.entered.set()
+        assert self.open.wait(30), "the test never opened the gate"
+        self.sizes.append(xs[0].shape[0])
+        return self.fn(*xs)
+
+    def hold(self):
+        self.open.clear()
+        self.entered.clear()
+
+
+@contextlib.contextmanager
+def no_compiles():
+    """Collects the XLA compilations that happen inside the block."""
+    seen: list[str] = []
+
+    def listen(event, duration_secs, **kwargs):
+        if event == COMPILE_EVENT:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def rows(n, features=512, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, features), np.float32)
+
+
+def busy_then_queue(b, gate, first, queued):
+    """Runs ``first`` (held in the model), queues ``queued`` behind it, then opens the gate."""
+    gate.hold()
+    f0 = b.submit(first)
+    assert gate.entered.wait(30)
+    futures = [b.submit(x) for x in queued]
+    assert b.stats.queue_depth == len(queued)
+    gate.open.set()
+    return f0, futures
+
+
+# -- the batcher -------------------------------------------------------------------------------
+def test_a_lone_request_runs_at_once_on_the_calling_thread(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=8) as b:
+        gate.threads.clear()
+        y = b(rows(1))
+        assert gate.threads == [threading.get_ident()]  # no hand-off to another thread
+        np.testing.assert_allclose(y, np.asarray(h(rows(1))), rtol=1e-6)
+        f = b.submit(rows(1))
+        assert isinstance(f, concurrent.futures.Future)
+        f.result(30)
+        assert gate.threads[-1] != threading.get_ident()  # submit hands it to the thread
+        s = b.stats
+        assert (s.requests, s.completed, s.batches, s.rows) == (2, 2, 2, 2)
+        assert f.timing.batch_requests == 1 and f.timing.bucket == 1
+        assert f.timing.queued >= 0 and f.timing.compute > 0 and f.timing.total >= f.timing.compute
+
+
+def test_requests_arriving_while_busy_are_merged_into_the_next_batch(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=8) as b:
+        gate.sizes.clear()
+        queued = [rows(n, seed=n) for n in (1, 2, 3, 1)]  # 7 rows: one batch at bucket 8
+        f0, futures = busy_then_queue(b, gate, rows(1), queued)
+        results = [f.result(30) for f in futures]
+        f0.result(30)
+        assert gate.sizes == [1, 8]  # the first alone, the four others merged and padded
+        for f, q, y in zip(futures, queued, results, strict=True):
+            assert y.shape == (q.shape[0], 2)  # padding rows never come back
+            t = f.timing
+            assert (t.batch_requests, t.batch_rows, t.bucket, t.rows) == (4, 7, 8, q.shape[0])
+        assert b.stats.padded_rows == 1
+        assert b.stats.batches_by_bucket[8] == 1
+
+
+def test_batched_rows_equal_the_same_rows_run_alone(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=8) as b:
+        queued = [rows(n, seed=10 + n) for n in (2, 1, 3)]
+        f0, futures = busy_then_queue(b, gate, rows(1, seed=1), queued)
+        results = [f.result(30) for f in futures]
+        f0.result(30)
+    offset = 0
+    for q, y in zip(queued, results, strict=True):
+        alone = np.asarray(h(q))  # its own batch size: XLA may pick another kernel
+        np.testing.assert_allclose(y, alone, rtol=1e-5, atol=1e-6)
+        same_bucket = np.zeros((8, 512), np.float32)  # the same program, the rows in place
+        same_bucket[offset : offset + len(q)] = q
+        want = np.asarray(h(same_bucket))[offset : offset + len(q)]
+        np.testing.assert_array_equal(y, want)  # bit for bit
+        offset += len(q)
+
+
+def test_results_are_the_requests_own_arrays(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
+        f0, futures = busy_then_queue(b, gate, rows(1), [rows(1, seed=2), rows(2, seed=3)])
+        a, c = (f.result(30) for f in futures)
+        f0.result(30)
+    assert a.flags.writeable and c.flags.writeable
+    assert not np.shares_memory(a, c)  # no view into the padded batch
+    assert a.base is None and c.base is None
+
+
+def test_nothing_compiles_while_serving(chapter):
+    _, _, h, x = chapter
+    before = h.trace_count
+    with sm.serving.Batcher(h, example=x, max_batch=16) as b:
+        assert b.buckets == (1, 2, 4, 8, 16)
+        assert h.trace_count == before + len(b.buckets)  # each bucket compiled here
+        with no_compiles() as compiled:
+            for n in range(1, 17):
+                assert b(rows(n, seed=n)).shape == (n, 2)
+            futures = [b.submit(rows(n, seed=n)) for n in (3, 5, 16, 1)]
+            for f in futures:
+                f.result(30)
+        assert compiled == []
+        assert h.trace_count == before + len(b.buckets)
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        (rows(1)[0], ["shape (512,)", "float32[b, 512]", "x[None]"]),
+        (rows(1)[:, :3], ["shape (1, 3)", "each row is (3,), not (512,)"]),
+        (rows(1).astype(np.float64), ["dtype float64", "x.astype(np.float32)"]),
+        (rows(9), ["9 rows", "max_batch >= 9"]),
+        (rows(0), ["no rows"]),
+        ([[0.0] * 512], ["dtype float64", "astype(np.float32)"]),
+    ],
+)
+def test_a_bad_request_is_refused_at_submit_without_harming_the_others(chapter, bad, says):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=8) as b:
+        f0, (f1,) = busy_then_queue(b, gate, rows(1), [rows(2)])
+        gate.hold()
+        with pytest.raises(sm.SignatureError) as e:
+            b.submit(bad)
+        with pytest.raises(sm.SignatureError):
+            b(bad)
+        gate.open.set()
+        for text in says:
+            assert text in str(e.value), str(e.value)
+        assert f0.result(30).shape == (1, 2) and f1.result(30).shape == (2, 2)
+        s = b.stats
+        assert s.rejected_by["signature"] == 2 and s.rejected == 2
+        assert s.requests == s.completed == 2
+        assert b(rows(1)).shape == (1, 2)
+
+
+def test_wrong_number_of_inputs_is_refused(chapter):
+    _, _, h, x = chapter
+    with (
+        sm.serving.Batcher(h, example=x, max_batch=2) as b,
+        pytest.raises(sm.SignatureError, match=r"takes 1 input\(s\).*got 2"),
+    ):
+        b.submit(rows(1), rows(1))
+
+
+def test_several_inputs_must_have_the_same_rows():
+    h = sm.hybridize(lambda p, x, y: x * p + y.sum(axis=1, keepdims=True), jnp.float32(2))
+    example = (jnp.ones((1, 3)), jnp.ones((1, 2)))
+    with sm.serving.Batcher(h, example=example, max_batch=4) as b:
+        y = b(np.ones((2, 3), np.float32), np.ones((2, 2), np.float32))
+        np.testing.assert_array_equal(y, np.full((2, 3), 4.0, np.float32))
+        with pytest.raises(sm.SignatureError, match="same number of rows"):
+            b(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32))
+
+
+def test_a_full_queue_refuses_with_an_overload_error(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=4, max_queue=2) as b:
+        gate.hold()
+        f0 = b.submit(rows(1))
+        assert gate.entered.wait(30)
+        queued = [b.submit(rows(1)), b.submit(rows(1))]
+        with pytest.raises(sm.serving.OverloadError) as e:
+            b.submit(rows(1))
+        assert isinstance(e.value, sm.SymjaxError)
+        assert "max_queue=2" in str(e.value) and "Retry" in str(e.value)
+        gate.open.set()
+        for f in [f0, *queued]:
+            assert f.result(30).shape == (1, 2)
+        assert b.stats.rejected_by["overload"] == 1
+        assert b.submit(rows(1)).result(30).shape == (1, 2)  # room again
+
+
+def test_close_finishes_what_is_queued(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    b = sm.serving.Batcher(gate, example=x, max_batch=4)
+    gate.hold()
+    f0 = b.submit(rows(1))
+    assert gate.entered.wait(30)
+    queued = [b.submit(rows(1, seed=i)) for i in range(3)]
+    closer = threading.Thread(target=b.close)
+    closer.start()
+    while not b.closed:
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="closed"):
+        b.submit(rows(1))
+    gate.open.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert all(f.done() and not f.cancelled() for f in [f0, *queued])
+    assert b.stats.completed == 4 and b.stats.rejected_by["closed"] == 1
+    assert b.name not in [t.name for t in threading.enumerate()]  # its thread ended
+
+
+def test_close_cancel_cancels_what_is_queued(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
+        gate.hold()
+        f0 = b.submit(rows(1))
+        assert gate.entered.wait(30)
+        queued = [b.submit(rows(1)) for _ in range(3)]
+        waiter_error = []
+
+        def blocking_call():
+            try:
+                b(rows(1))
+            except concurrent.futures.CancelledError as e:
+                waiter_error.append(e)
+
+        caller = threading.Thread(target=blocking_call)
+        caller.start()
+        while b.stats.queue_depth < 4:
+            time.sleep(0.001)
+        threading.Timer(0.05, gate.open.set).start()
+        b.close(cancel=True)
+        caller.join(30)
+        assert f0.result(30).shape == (1, 2)  # the running batch finishes
+        assert all(f.cancelled() for f in queued)
+        assert len(waiter_error) == 1  # the blocking caller is told, not left hanging
+        assert b.stats.cancelled == 4
+    assert b.closed
+
+
+def test_a_cancelled_future_is_skipped(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
+        gate.sizes.clear()
+        gate.hold()
+        f0 = b.submit(rows(1))
+        assert gate.entered.wait(30)
+        f1, f2 = b.submit(rows(1)), b.submit(rows(2))
+        assert f1.cancel()
+        gate.open.set()
+        assert f2.result(30).shape == (2, 2)
+        f0.result(30)
+        assert f1.cancelled() and gate.sizes == [1, 2]
+        assert b.stats.cancelled == 1
+
+
+def test_run_times_out(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
+        gate.hold()
+        f0 = b.submit(rows(1))
+        assert gate.entered.wait(30)
+        with pytest.raises(TimeoutError, match=r"no result after 0\.05 s"):
+            b.run(rows(1), timeout=0.05)
+        gate.open.set()
+        f0.result(30)
+
+
+def test_a_model_error_reaches_every_request_of_its_batch_and_the_batcher_carries_on(chapter):
+    _, _, h, x = chapter
+
+    def picky(xs):
+        if np.isnan(xs).any():
+            raise FloatingPointError("a NaN row")
+        return h(xs)
+
+    gate = Gated(picky)
+    with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
+        poisoned = rows(1)
+        poisoned[0, 0] = np.nan
+        f0, (good, bad) = busy_then_queue(b, gate, rows(1), [rows(1), poisoned])
+        for f in (good, bad):
+            with pytest.raises(FloatingPointError, match="NaN row"):
+                f.result(30)
+        assert f0.result(30).shape == (1, 2)
+        with pytest.raises(FloatingPointError):
+            b(poisoned)  # inline: raised to the caller
+        assert b(rows(1)).shape == (1, 2)  # and the batcher carries on
+        assert b.stats.failed == 3
+
+
+def test_concurrent_clients_each_get_their_own_rows(chapter):
+    _, _, h, x = chapter
+    want = {i: np.asarray(h(rows(1, seed=i))) for i in range(64)}
+    errors: list[BaseException] = []
+    with sm.serving.Batcher(h, example=x, max_batch=8) as b:
+
+        def client(j):
+            try:
+                for k in range(12):
+                    i = (j * 12 + k) % 64
+                    got = b(rows(1, seed=i)) if k % 2 else b.submit(rows(1, seed=i)).result(30)
+                    np.testing.assert_allclose(got, want[i], rtol=1e-5, atol=1e-6)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=client, args=(j,)) for j in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        s = b.stats
+    assert errors == []
+    assert s.requests == s.completed == s.rows == 16 * 12
+    assert s.failed == s.rejected == s.cancelled == 0
+    assert sum(s.batches_by_bucket.values()) == s.batches
+    assert s.padded_rows == sum(k * n for k, n in s.batches_by_bucket.items()) - s.rows
+
+
+def test_stats_in_prometheus_text_format(chapter):
+    _, _, h, x = chapter
+    with sm.serving.Batcher(h, example=x, max_batch=4) as b:
+        b(rows(3))
+        b(rows(1))
+        with pytest.raises(sm.SignatureError):
+            b(rows(1)[:, :2])
+        text = b.stats.to_prometheus("svc")
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.fullmatch(r"# (HELP|TYPE) svc_\w+ .+", line), line
+            continue
+        name, value = line.rsplit(" ", 1)
+        assert re.fullmatch(r'svc_\w+(\{\w+="[^"]*"\})?', name), line
+        samples[name] = float(value)
+    assert samples["svc_requests_total"] == 2 and samples["svc_rows_total"] == 4
+    assert samples["svc_padded_rows_total"] == 1  # 3 rows ran at bucket 4
+    assert samples['svc_rejected_total{reason="signature"}'] == 1
+    assert samples['svc_request_seconds_bucket{le="+Inf"}'] == 2
+    assert samples["svc_request_seconds_count"] == 2
+    assert samples['svc_bucket_batches_total{bucket="4"}'] == 1
+    assert "# TYPE svc_request_seconds histogram" in text
+
+
+def test_pytree_outputs_are_split_per_request():
+    h = sm.hybridize(lambda p, x: {"double": x * p, "sum": x.sum(axis=1)}, jnp.float32(2))
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=jnp.ones((1, 3)), max_batch=4) as b:
+        f0, (f1, f2) = busy_then_queue(
+            b, gate, np.ones((1, 3), np.float32), [np.ones((1, 3), np.float32) * 2] * 2
+        )
+        out = f1.result(30)
+        f2.result(30), f0.result(30)
+    np.testing.assert_array_equal(out["double"], np.full((1, 3), 4.0, np.float32))
+    np.testing.assert_array_equal(out["sum"], np.full((1,), 6.0, np.float32))
+
+
+def test_outputs_without_the_batch_dimension_are_refused():
+    h = sm.hybridize(lambda p, x: (x * p).sum(), jnp.float32(2))
+    with pytest.raises(ValueError, match="per-row outputs"):
+        sm.serving.Batcher(h, example=jnp.ones((1, 3)), max_batch=2)
+
+
+def test_the_constructor_checks_its_arguments(chapter, tmp_path):
+    _, _, h, x = chapter
+    with pytest.raises(TypeError, match="pass example="):
+        sm.serving.Batcher(h)
+    with pytest.raises(TypeError, match="expected a LoadedModel"):
+        sm.serving.Batcher(42, example=x)
+    with pytest.raises(ValueError, match="largest is max_batch=8"):
+        sm.serving.Batcher(h, example=x, max_batch=8, buckets=(1, 4))
+    with pytest.raises(ValueError, match="max_queue"):
+        sm.serving.Batcher(h, example=x, max_batch=2, max_queue=0)
+    with sm.serving.Batcher(h, example=x, buckets=(1, 3, 6)) as b:
+        assert b.buckets == (1, 3, 6) and b.max_batch == 6
+        assert b(rows(5)).shape == (5, 2)
+        assert b.stats.batches_by_bucket[6] == 1
+    m = sm.load(sm.chapter.export_mlp(tmp_path / "m").path)
+    with pytest.raises(TypeError, match="drop example="):
+        sm.serving.Batcher(m, example=x)
+
+
+# -- a loaded artifact ------------------------------------------------------------------------
+def test_a_loaded_artifact_with_a_symbolic_batch(chapter, tmp_path):
+    art = sm.chapter.export_mlp(tmp_path / "m")
+    m = sm.load(art.path)
+    with no_compiles() as compiled_here:
+        b = sm.serving.Batcher(m, max_batch=8)
+    assert len(compiled_here) >= 1  # the buckets compile at construction
+    requests = [rows(n, seed=n) for n in (1, 3, 8, 5)]
+    wants = [np.asarray(m(r)) for r in requests]  # m alone compiles the sizes 3 and 5
+    with b, no_compiles() as compiled:
+        assert b.buckets == (1, 2, 4, 8)
+        futures = [b.submit(r) for r in requests]
+        for want, f in zip(wants, futures, strict=True):
+            np.testing.assert_allclose(f.result(30), want, rtol=1e-5, atol=1e-6)
+        with pytest.raises(sm.SignatureError, match="float32"):
+            b(rows(1).astype(np.float16))
+    assert compiled == []
+    assert repr(b).startswith(f"Batcher({art.path})")
+
+
+def test_a_loaded_artifact_with_a_static_batch(tmp_path):
+    art = sm.chapter.export_mlp(tmp_path / "m4", batch=4)
+    m = sm.load(art.path)
+    with sm.serving.Batcher(m) as b:
+        assert b.buckets == (4,) and b.max_batch == 4
+        y = b(rows(3))
+        np.testing.assert_allclose(y, np.asarray(m(np.vstack([rows(3), rows(1) * 0])))[:3])
+        assert b.stats.padded_rows == 1
+    with pytest.raises(ValueError, match="static batch of 4"):
+        sm.serving.Batcher(m, max_batch=8)
+
+
+# -- the latency mode -------------------------------------------------------------------------
+def test_latency_mode_refuses_once_jax_has_started():
+    jnp.ones(1).block_until_ready()
+    assert sm.serving.dispatch_mode() == "async"  # the library never flipped it
+    with pytest.raises(RuntimeError, match="before any JAX computation"):
+        sm.serving.latency_mode()
+    assert sm.serving.dispatch_mode() == "async"
+
+
+def test_latency_mode_in_a_fresh_process():
+    code = (
+        "import symjax_mlp as sm, jax.numpy as jnp\n"
+        "from symjax_mlp.chapter import chapter_mlp\n"
+        "before = sm.serving.dispatch_mode()\n"
+        "sm.serving.latency_mode()\n"
+        "h, x = chapter_mlp()\n"
+        "h(x).block_until_ready()\n"
+        "sm.serving.latency_mode()  # in force already: a no-op\n"
+        "print(before, sm.serving.dispatch_mode())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["async", "sync"]
+
+
+# -- the HTTP server --------------------------------------------------------------------------
+def _start(path, *extra):
+    cmd = [sys.executable, "-m", "symjax_mlp", "serve", str(path), "--host", "127.0.0.1"]
+    proc = subprocess.Popen(
+        [*cmd, "--port", "0", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline and proc.poll() is None:
+            if sel.select(timeout=0.5):
+                line = proc.stdout.readline()
+                found = re.search(r"(http://127\.0\.0\.1:\d+)", line)
+                if found:
+                    return proc, found.group(1)
+    _stop(proc, signal.SIGKILL)
+    raise AssertionError("the server did not start")
+
+
+def _stop(proc, sig=signal.SIGINT):
+    """Signals the server and waits; returns ``(exit code, stdout, stderr)``."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    art = sm.chapter.export_mlp(tmp_path_factory.mktemp("serve") / "mlp")
+    proc, url = _start(art.path, "--max-batch", "8")
+    try:
+        yield url, sm.load(art.path)
+    finally:
+        code, out, err = _stop(proc)
+    assert code == 0, err
+    assert "shut down cleanly" in out
+
+
+def _post(url, body, content_type):
+    req = urllib.request.Request(
+        url + "/predict", data=body, headers={"Content-Type": content_type}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers, e.read()
+
+
+def _get(url, path):
+    with urllib.request.urlopen(url + path, timeout=60) as r:
+        return r.status, r.headers, r.read()
+
+
+def test_http_predict_with_json_and_npy_bodies(server):
+    url, m = server
+    x = rows(3, seed=7)
+    want = np.asarray(m(x))
+    code, headers, body = _post(
+        url, json.dumps({"inputs": x.tolist()}).encode(), "application/json"
+    )
+    assert code == 200, body
+    np.testing.assert_allclose(np.array(json.loads(body)["outputs"]), want, rtol=1e-5, atol=1e-6)
+    assert re.search(
+        r"queued;dur=[\d.]+, padded;dur=[\d.]+, compute;dur=", headers["Server-Timing"]
+    )
+    named = json.dumps({"inputs": {"args[0]": x.tolist()}}).encode()
+    assert _post(url, named, "application/json")[0] == 200
+    buf = io.BytesIO()
+    np.save(buf, x)
+    code, headers, body = _post(url, buf.getvalue(), "application/x-npy")
+    assert code == 200 and headers["content-type"] == "application/x-npy"
+    got = np.load(io.BytesIO(body), allow_pickle=False)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert got.dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "code", "says"),
+    [
+        (json.dumps({"inputs": [[1.0, 2.0, 3.0]]}), "application/json", 422, "(1, 3)"),
+        (json.dumps({"inputs": [0.5] * 512}), "application/json", 422, "x[None]"),
+        (json.dumps({"inputs": [[1, 2], [3]]}), "application/json", 422, "rectangular"),
+        (json.dumps({"inputs": {"x": [[0.0] * 512]}}), "application/json", 422, "args[0]"),
+        (json.dumps({"inputs": [["a"] * 512]}), "application/json", 422, "numbers"),
+        (json.dumps({"x": 1}), "application/json", 400, '"inputs"'),
+        ("{not json", "application/json", 400, "not valid JSON"),
+        ("hello", "text/plain", 415, "application/x-npy"),
+        ("not an npy file", "application/x-npy", 400, ".npy"),
+    ],
+)
+def test_http_bad_requests_are_4xx_with_the_message(server, body, kind, code, says):
+    url, _ = server
+    status, _, raw = _post(url, body.encode(), kind)
+    assert status == code, raw
+    answer = json.loads(raw)
+    assert says in answer["message"], answer
+    if status == 422:
+        assert answer["error"] == "SignatureError"
+        assert "float32[b, 512]" in answer["message"]  # what is expected, too
+
+
+def test_http_health_signature_and_metrics(server):
+    url, _ = server
+    assert _post(url, json.dumps({"inputs": rows(1).tolist()}).encode(), "application/json")[0]
+    code, _, body = _get(url, "/health")
+    assert code == 200 and json.loads(body)["status"] == "ok"
+    code, _, body = _get(url, "/signature")
+    sig = json.loads(body)
+    assert sig["inputs"] == [{"path": "args[0]", "shape": ["b", 512], "dtype": "float32"}]
+    assert sig["buckets"] == [1, 2, 4, 8]
+    code, headers, body = _get(url, "/metrics")
+    assert code == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = body.decode()
+    assert re.search(r"^symjax_mlp_batcher_requests_total [1-9]\d*$", text, re.M)
+    assert re.search(r'^symjax_mlp_http_requests_total\{code="200"\} [1-9]\d*$', text, re.M)
+    assert re.search(r"^# TYPE symjax_mlp_batcher_request_seconds histogram$", text, re.M)
+
+
+def test_http_concurrent_clients_get_their_own_answers(server):
+    url, m = server
+    inputs = [rows(1 + i % 3, seed=100 + i) for i in range(24)]
+    wants = [np.asarray(m(x)) for x in inputs]
+
+    def one(i):
+        body = io.BytesIO()
+        np.save(body, inputs[i])
+        code, _, raw = _post(url, body.getvalue(), "application/x-npy")
+        return code, np.load(io.BytesIO(raw), allow_pickle=False)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(len(inputs))))
+    for (code, got), want in zip(answers, wants, strict=True):
+        assert code == 200
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_server_finishes_in_flight_requests_on_sigterm(tmp_path):
+    art = sm.chapter.export_mlp(tmp_path / "mlp")
+    proc, url = _start(art.path)
+    try:
+        body = json.dumps({"inputs": rows(2).tolist()}).encode()
+        assert _post(url, body, "application/json")[0] == 200
+    finally:
+        code, out, err = _stop(proc, signal.SIGTERM)
+    assert code == 0, err
+    assert "shut down cleanly" in out
+
+
+def test_serving_without_the_extra_says_which_extra_to_install(tmp_path):
+    art = sm.chapter.export_mlp(tmp_path / "mlp")
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('starlette', 'uvicorn'):\n"
+        "            raise ImportError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    code = blocker + (
+        "import symjax_mlp.serving\n"  # works without the extra
+        "print('starlette' in sys.modules)\n"
+        "from symjax_mlp.cli import main\n"
+        f"sys.exit(main(['serve', {str(art.path)!r}, '--port', '0']))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.stdout.strip() == "False"
+    assert out.returncode == 2, out.stderr
+    assert "pip install 'symjax_mlp[serve]'" in out.stderr
+
+
+def test_serve_refuses_a_bad_port(capsys):
+    from symjax_mlp.cli import main
+
+    assert main(["serve", "somewhere", "--port", "70000"]) == 2
+    assert "--port must be an int from 0 to 65535" in capsys.readouterr().err
+
+
+# -- the serving benchmark --------------------------------------------------------------------
+def test_bench_serving_latency_and_batcher_sections():
+    result = sm.bench.bench_serving(
+        sections=("latency", "batcher"),
+        sizes=(16, 2),
+        in_features=8,
+        calls=20,
+        repeats=2,
+        torch=False,
+        clients=(1, 4),
+        requests=40,
+        max_batch=8,
+    )
+    modes = [(r["mode"], r["dispatch"]) for r in result["latency"]["rows"]]
+    assert modes == [("jax", "async"), ("jax", "sync")]  # each set in its own fresh process
+    for r in result["latency"]["rows"]:
+        for form in ("device", "numpy"):
+            t = r["forms"][form]
+            assert 0 < t["p50_s"] <= t["p99_s"] and t["n"] == 40
+    b = result["batcher"]
+    assert b["dispatch"] == "sync" and b["traces_while_serving"] == 0
+    assert b["buckets"] == [1, 2, 4, 8]
+    assert [(r["clients"], r["kind"]) for r in b["rows"]] == [
+        (1, "threads"),
+        (1, "futures"),
+        (4, "threads"),
+        (4, "futures"),
+    ]
+    assert all(r["requests"] == 40 and r["throughput_rps"] > 0 for r in b["rows"])
+    names = [t["name"] for t in result["targets"]]
+    assert "batcher_overhead_c1" in names and "batcher_throughput_4_threads" in names
+    text = sm.bench.format_serving(result)
+    assert "Per-request latency" in text and "Micro-batcher" in text and "Targets" in text
+    json.dumps(result)  # the --json output
+
+
+def test_bench_serving_refuses_unknown_sections():
+    with pytest.raises(sm.ConfigError, match="unknown section"):
+        sm.bench.bench_serving(sections=("grpc",))
+
+
+def test_the_gpu_check_script_exists_and_is_bash():
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_check.sh")
+    with open(script) as f:
+        text = f.read()
+    assert text.startswith("#!/usr/bin/env bash")
+    assert "--xla_gpu_enable_command_buffer=" in text
+    out = subprocess.run(["bash", "-n", script], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
