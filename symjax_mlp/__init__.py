@@ -38,6 +38,8 @@ from symjax_mlp._hybrid.mesh import data_mesh as data_mesh
 from symjax_mlp._hybrid.trace import TraceEvent as TraceEvent
 from symjax_mlp._load import LoadedModel as LoadedModel
 from symjax_mlp._load import load as load
+from symjax_mlp._signing import sign as sign
+from symjax_mlp._signing import verify_signature as verify_signature
 from symjax_mlp._specs import TensorSpec as TensorSpec
 from symjax_mlp._verify import VerifyCheck as VerifyCheck
 from symjax_mlp._verify import VerifyReport as VerifyReport
@@ -115,7 +117,9 @@ __all__ = [
     "mlp",
     "serving",
     "shard",
+    "sign",
     "stage",
     "training",
     "verify",
+    "verify_signature",
 ]

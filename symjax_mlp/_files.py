@@ -74,14 +74,19 @@ def read_regular(
     *,
     size: int | None = None,
     limit: int | None = None,
+    sha256: str | None = None,
     error: type[SymjaxError],
-) -> bytes:
+) -> bytearray:
     """Reads one regular file: never a link, FIFO or device, its size checked first.
+
+    The bytes go into one buffer of the file's size, read (and hashed) in chunks of
+    :data:`CHUNK`: reading a file takes its size in memory plus a chunk, never more.
 
     Args:
       file: the file.
       size: the size it must have (a manifest's record), or ``None``.
       limit: the most bytes it may have, or ``None``.
+      sha256: the hex sha256 it must have, or ``None``; compared before returning.
       error: the :class:`~symjax_mlp.SymjaxError` subclass to raise.
 
     Raises:
@@ -90,44 +95,149 @@ def read_regular(
     """
     fd = _open_regular(file, error)
     try:
-        actual = os.fstat(fd).st_size
-        if size is not None and actual != size:
+        actual = _check_size(file, os.fstat(fd).st_size, size, limit, error)
+        try:
+            data = bytearray(actual)
+        except MemoryError:
             raise error(
-                f"{file} is corrupted: it has {actual} bytes but the manifest records {size}. "
-                "Nothing was deserialized. Restore the file, or write it again."
-            )
-        if limit is not None and actual > limit:
-            raise error(
-                f"{file} has {actual} bytes, more than the {limit} such a file can have; it is "
-                "not one written by symjax_mlp. Write it again."
-            )
-        data = bytearray()
-        while len(data) <= actual:  # one read more than the size, to see it ends there
-            chunk = os.read(fd, min(CHUNK, actual + 1 - len(data)))
-            if not chunk:
+                f"{file} has {actual:,} bytes, more than this process can hold in memory."
+            ) from None
+        view, digest, done = memoryview(data), hashlib.sha256(), 0
+        while done < actual:
+            n = os.readv(fd, [view[done : done + CHUNK]])
+            if n == 0:
                 break
-            data += chunk
+            digest.update(view[done : done + n])
+            done += n
+        extra = os.read(fd, 1)  # one read more than the size, to see it ends there
+        view.release()
     except OSError as e:
         raise error(f"{file} cannot be read: {e}") from e
     finally:
         os.close(fd)
-    if len(data) != actual:
+    if done != actual or extra:
         raise error(f"{file} changed while it was read; read it again.")
-    return bytes(data)
+    if sha256 is not None:
+        _check_digest(file, digest.hexdigest(), sha256, actual, error)
+    return data
+
+
+def hash_regular(
+    file: Path, *, size: int | None = None, sha256: str | None = None, error: type[SymjaxError]
+) -> str:
+    """The sha256 of a regular file, read in chunks and never held: a chunk of memory.
+
+    Same checks as :func:`read_regular` (no link, FIFO or device; ``size`` and ``sha256``
+    compared), for files that are checked but not used.
+    """
+    fd = _open_regular(file, error)
+    digest, done = hashlib.sha256(), 0
+    try:
+        actual = _check_size(file, os.fstat(fd).st_size, size, None, error)
+        while chunk := os.read(fd, CHUNK):
+            digest.update(chunk)
+            done += len(chunk)
+    except OSError as e:
+        raise error(f"{file} cannot be read: {e}") from e
+    finally:
+        os.close(fd)
+    if done != actual:
+        raise error(f"{file} changed while it was read; read it again.")
+    if sha256 is not None:
+        _check_digest(file, digest.hexdigest(), sha256, actual, error)
+    return digest.hexdigest()
+
+
+class Reader:
+    """One checked pass over a regular file: its bytes in order, hashed as they are read.
+
+    ``with Reader(file, size=n, error=E) as r: r.read(8); r.readinto(buffer); r.finish(sha)``
+    reads a file straight into buffers the caller owns (one per tensor, aligned for zero-copy
+    use), so that reading takes the file's size in memory and no more; :meth:`finish` checks
+    that the file ended there and had the expected sha256.
+    """
+
+    def __init__(self, file: Path, *, size: int | None, error: type[SymjaxError]) -> None:
+        self.file, self.error = file, error
+        self.fd = _open_regular(file, error)
+        try:
+            self.size = _check_size(file, os.fstat(self.fd).st_size, size, None, error)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.done, self.digest = 0, hashlib.sha256()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def readinto(self, view: memoryview) -> None:
+        """Fills ``view`` (a writable byte buffer) with the next ``len(view)`` bytes."""
+        view = memoryview(view).cast("B")
+        got = 0
+        try:
+            while got < len(view):
+                n = os.readv(self.fd, [view[got : got + CHUNK]])
+                if n == 0:
+                    raise self.error(f"{self.file} changed while it was read; read it again.")
+                self.digest.update(view[got : got + n])
+                got += n
+        except OSError as e:
+            raise self.error(f"{self.file} cannot be read: {e}") from e
+        self.done += got
+
+    def read(self, n: int) -> bytearray:
+        """The next ``n`` bytes (``n`` at most what is left of the file)."""
+        if n > self.size - self.done:
+            raise self.error(f"{self.file} ends before byte {self.done + n:,}; it is truncated.")
+        data = bytearray(n)
+        self.readinto(memoryview(data))
+        return data
+
+    def finish(self, sha256: str | None) -> str:
+        """Checks that the file ends here, and its sha256; returns the sha256."""
+        try:
+            extra = os.read(self.fd, 1)
+        except OSError as e:
+            raise self.error(f"{self.file} cannot be read: {e}") from e
+        if extra or self.done != self.size:
+            raise self.error(f"{self.file} changed while it was read; read it again.")
+        digest = self.digest.hexdigest()
+        if sha256 is not None:
+            _check_digest(self.file, digest, sha256, self.size, self.error)
+        return digest
 
 
 def sha256_file(file: Path, *, error: type[SymjaxError]) -> str:
     """The sha256 of a regular file, read in bounded chunks (never a link or FIFO)."""
-    digest = hashlib.sha256()
-    fd = _open_regular(file, error)
-    try:
-        while chunk := os.read(fd, CHUNK):
-            digest.update(chunk)
-    except OSError as e:
-        raise error(f"{file} cannot be read: {e}") from e
-    finally:
-        os.close(fd)
-    return digest.hexdigest()
+    return hash_regular(file, error=error)
+
+
+def _check_size(
+    file: Path, actual: int, size: int | None, limit: int | None, error: type[SymjaxError]
+) -> int:
+    if size is not None and actual != size:
+        raise error(
+            f"{file} is corrupted: it has {actual} bytes but the manifest records {size}. "
+            "Nothing was deserialized. Restore the file, or write it again."
+        )
+    if limit is not None and actual > limit:
+        raise error(
+            f"{file} has {actual} bytes, more than the {limit} such a file can have; it is "
+            "not one written by symjax_mlp. Write it again."
+        )
+    return actual
+
+
+def _check_digest(file: Path, digest: str, want: str, n: int, error: type[SymjaxError]) -> None:
+    if digest != want:
+        raise error(
+            f"{file} is corrupted: its sha256 is {digest[:16]}... but the manifest records "
+            f"{str(want)[:16]}... ({n} bytes). Nothing was deserialized. Restore the file, or "
+            "write it again (export the artifact again)."
+        )
 
 
 # -- writing ----------------------------------------------------------------------------------

@@ -1,17 +1,21 @@
 """Stage 5 of the flow: an artifact directory to a callable model, no model source needed.
 
-``load`` checks, in this order and before any bytes reach a deserializer: the manifest, the
-sha256 of every file, the format version, the platform, the device count, and the params
-against the manifest's param tree. Then a runtime (:mod:`symjax_mlp._runtimes`) deserializes
-the ``jax.export`` module (JAX) or compiles ``model.mlirbc`` (IREE). Nothing here uses pickle
-or eval.
+``load`` checks, in this order: the signature of every file (with ``verify_signature=``),
+then, before any bytes reach a deserializer, the manifest, the sha256 of every file, the
+format version, the platform, the device count, and the params against the manifest's param
+tree. Then it deserializes ``model.jaxexport`` (both runtimes: its module must be
+``model.mlirbc``'s) and checks the ops of that module (:mod:`symjax_mlp._artifact.ops`)
+before anything compiles it; a runtime (:mod:`symjax_mlp._runtimes`) then runs it through
+XLA (JAX, refined shapes checked per input signature) or compiles it with IREE. Nothing here
+uses pickle or eval, and a failure of the program at a call is an ``ArtifactError`` naming
+the artifact.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +24,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from symjax_mlp import _selftest as selftest
-from symjax_mlp._artifact.format import PARAMS
-from symjax_mlp._artifact.reading import freeze, read_artifact
-from symjax_mlp._artifact.signature import Signature
-from symjax_mlp._artifact.weights import check_params, decode_params, param_specs
-from symjax_mlp._errors import ArtifactError, ConfigError
-from symjax_mlp._files import read_regular
+from symjax_mlp._artifact import ops
+from symjax_mlp._artifact.format import JAXEXPORT, PARAMS, printable
+from symjax_mlp._artifact.reading import USED, freeze, read_artifact
+from symjax_mlp._artifact.signature import Signature, _is_array
+from symjax_mlp._artifact.weights import check_params, param_specs, read_safetensors_file
+from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._hybrid.mesh import auto_mesh
 from symjax_mlp._specs import TensorSpec
 
@@ -51,7 +55,7 @@ class LoadedModel:
         path: Path,
         manifest: Any,
         runtime: str,
-        params: dict[str, np.ndarray],
+        params: dict[str, Any],
         run: Callable[[list[Any]], list[Any]],
     ) -> None:
         self.path = path
@@ -60,28 +64,42 @@ class LoadedModel:
         self.runtime = runtime
         self._params = params
         self._run = run
-        self._caller = f'symjax_mlp.load("{path}")'
+        self._caller = f'symjax_mlp.load("{printable(str(path))}")'
         self._single_output = self.signature.output_kind == "array"
         self._checked: set[tuple[Any, ...]] = set()
 
     @property
     def params(self) -> dict[str, np.ndarray]:
         """The weights in use, ``{"params/layers_0/kernel": array, ...}`` (read-only arrays)."""
-        return dict(self._params)
+        return {k: _read_only(v) for k, v in self._params.items()}
 
     def __call__(self, *inputs: jax.typing.ArrayLike) -> Any:
+        outs = self._outputs(inputs)
+        return outs[0] if self._single_output else tuple(outs)
+
+    def _outputs(self, inputs: Any) -> list[Any]:
         # Hot path: a (shape, dtype) signature that passed the check once needs no second
-        # check; only arrays (things with .shape and .dtype) are remembered, at most 256.
-        try:
+        # check; only NumPy and JAX arrays are remembered, at most 256 signatures.
+        key = None
+        if all(_is_array(x) for x in inputs):
             key = tuple((x.shape, x.dtype) for x in inputs)
-        except AttributeError:
-            key = None
         if key is None or key not in self._checked:
             inputs = self.signature.check(inputs, caller=self._caller)
             if key is not None and len(self._checked) < 256:
                 self._checked.add(key)
-        outs = self._run(inputs)
-        return outs[0] if self._single_output else tuple(outs)
+        try:
+            return self._run(list(inputs))
+        except SymjaxError:
+            raise
+        except Exception as e:  # the program failed: XLA, IREE or jax.export raised
+            if _is_tracer_error(e):
+                raise  # the caller's own jax.jit code, not the artifact
+            raise ArtifactError(
+                f"{self._caller}: running the program of {printable(str(self.path / JAXEXPORT))} "
+                f"failed ({type(e).__name__}: {printable(str(e)[:600])}). The artifact's "
+                "files agree with each other but its program does not run here; it is "
+                "corrupted, was edited, or was made for another JAX. Export it again."
+            ) from e
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
@@ -94,13 +112,21 @@ def load(
     runtime: str = "jax",
     mesh: Mesh | None = None,
     self_test: bool = True,
+    trust: bool = False,
+    allow: Iterable[str] | None = None,
+    verify_signature: str | os.PathLike[str] | None = None,
 ) -> LoadedModel:
     """Loads an artifact written by :func:`export`; no model source code is needed.
 
-    Checks, in this order and before any bytes reach a deserializer: the manifest, the sha256
-    of every file, the format version, the platform, the device count, and the params against
-    the manifest's param tree. Then it deserializes the ``jax.export`` module (JAX) or compiles
-    ``model.mlirbc`` (IREE). Nothing here uses pickle or eval.
+    Checks, in this order: the signature of every file (with ``verify_signature``); then,
+    before any bytes reach a deserializer, the manifest, the sha256 of every file, the format
+    version, the platform, the device count, and the params against the manifest's param
+    tree; then that ``model.jaxexport`` agrees with the manifest and holds ``model.mlirbc``'s
+    module, and that module's ops (read in a child process), against an allow-list of what
+    MLPs export to: no custom calls but ``jax.export``'s own, no host callbacks, no loop of
+    more than a small constant trip count, bounded work. Only then does a runtime compile it
+    (JAX: checking each call's refined shapes first; IREE). Nothing here uses pickle or eval.
+    An artifact from a stranger is a program from a stranger: see RELIABILITY.md.
 
     Args:
       path: the artifact directory.
@@ -113,12 +139,24 @@ def load(
       mesh: for an artifact exported from a sharded Hybrid: a mesh of exactly its
         ``nr_devices`` devices to run on (default: the caller's mesh of that size, else the
         first ``nr_devices`` devices).
+      trust: ``True`` skips the checks of the program's ops below: for an artifact you
+        trust as you trust code you run (an artifact is a program; see RELIABILITY.md).
+      allow: what the program may do beyond an MLP's ops, by name, e.g.
+        ``{"custom_call:lapack_spotrf_ffi"}`` (``jnp.linalg``), ``{"while"}`` (a loop whose
+        trip count is not a small constant), ``{"compute"}`` (more than ~4e9 element
+        operations per call beyond the batch). By default every op is checked against an
+        allow-list of what MLPs export to, before anything compiles; a refusal names what
+        to allow.
+      verify_signature: the PEM file of a public key: refuse the artifact unless every file
+        in its directory is what that key's owner signed with :func:`~symjax_mlp.sign`
+        (checked before any file is parsed; needs ``symjax_mlp[sign]``).
 
     Returns:
       A callable :class:`LoadedModel` with ``.signature`` and ``.manifest``.
 
     Raises:
-      ArtifactError: anything wrong with the artifact, naming the file and what to do.
+      ArtifactError: anything wrong with the artifact, naming the file and what to do: also
+        at a call, if its program fails there.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -132,33 +170,125 @@ def load(
     """
     if runtime not in RUNTIMES:
         raise ConfigError(f"load(runtime={runtime!r}): expected one of {RUNTIMES}.")
+    allowed = ops.normalize_allow(allow)
     path = Path(path)
-    manifest, blobs = read_artifact(path)
+    unchanged = None
+    if verify_signature is not None:  # before any parser sees a byte
+        from symjax_mlp._signing import check
+
+        unchanged = check(path, verify_signature)
+    manifest, blobs = read_artifact(path, keep=(*USED, selftest.SELFTEST))
+    if unchanged is not None:
+        unchanged()  # what was read is what was verified
     _warn_if_expiring(path, manifest)
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
     backend = importlib.import_module(f"symjax_mlp._runtimes.{runtime}")
     backend.check_supported(path, manifest)
     mesh = _check_mesh(path, manifest, mesh)
     if params is None:
-        found, source = decode_params(blobs[PARAMS], file=path / PARAMS), path / PARAMS
+        found, source = blobs[PARAMS], path / PARAMS  # read and checked by read_artifact
     elif isinstance(params, (str, os.PathLike)):
         source = Path(params)
         try:
-            data = read_regular(source, error=ArtifactError)
+            found = read_safetensors_file(source)[0]
         except FileNotFoundError:
             raise ArtifactError(f"load(params={str(source)!r}): there is no such file.") from None
-        found = decode_params(data, file=source)
     else:
         specs, arrays = param_specs(params)
         found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="
     ordered = check_params(found, expected, file=source)
-    run = backend.runner(path, manifest, blobs, ordered)
+    from symjax_mlp._runtimes.jax import deserialize
+
+    exported = deserialize(path, manifest, blobs)  # both runtimes: the module that runs
+    guard = None
+    if not trust:
+        report = _program(path, manifest, exported)
+        if hasattr(backend, "check_program"):
+            backend.check_program(path, report)
+        ops.check(report, file=path / JAXEXPORT, allow=allowed, caller="load()")
+        guard = _guard(path, report, allowed)
+    run, weights = backend.runner(path, manifest, blobs, ordered, exported=exported, guard=guard)
+    del blobs[PARAMS], found, ordered  # the weights live on in `weights` (on device for JAX)
     if mesh is not None:
         run = _under(mesh, run)
+    model = LoadedModel(path, freeze(manifest), runtime, weights, run)
     if self_test and params is None:  # other weights give other outputs, by design
-        selftest.run(path, manifest, blobs, run)
-    weights = dict(zip([s.path for s in expected], ordered, strict=True))
-    return LoadedModel(path, freeze(manifest), runtime, weights, run)
+        selftest.run(path, manifest, blobs, model._outputs)
+    return model
+
+
+# sha256 of model.jaxexport -> what its program (and its VJPs) do, most recent last
+_REPORTS: dict[str, ops.ModuleReport] = {}
+
+
+def _program(path: Path, manifest: Any, exported: Any) -> ops.ModuleReport:
+    """The ops report of the module that runs, and of each VJP module it carries."""
+    key = manifest["files"][JAXEXPORT]["sha256"]
+    report = _REPORTS.pop(key, None)
+    if report is None:
+        report = ops.analyze(exported.mlir_module_serialized, file=path / JAXEXPORT)
+        problems = list(report.problems)
+        module, order = exported, 0
+        while module.has_vjp():  # jax.grad of the loaded model runs these modules
+            order += 1
+            if order > 8:
+                problems.append(ops.Problem("vjp", "more than 8 orders of VJP modules"))
+                break
+            try:
+                module = module.vjp()
+            except Exception as e:
+                raise ArtifactError(
+                    f"{path / JAXEXPORT}: its VJP module of order {order} cannot be read ({e})."
+                ) from e
+            vjp = ops.analyze(module.mlir_module_serialized, file=path / JAXEXPORT)
+            problems += [ops.Problem(p.key, f"{p.what} (in its VJP of order {order})")
+                         for p in vjp.problems]  # fmt: skip
+        report = ops.ModuleReport(report.counts, report.custom_calls, report.work, tuple(problems))
+    _REPORTS[key] = report
+    while len(_REPORTS) > 32:
+        _REPORTS.pop(next(iter(_REPORTS)))
+    return report
+
+
+def _guard(path: Path, report: ops.ModuleReport, allowed: frozenset[str]) -> Any:
+    """Checks a call's refined module: at most ``MAX_WORK`` plus the module's static work
+    per input element (shapes computed from constants cannot hide a huge tensor)."""
+
+    def check_call(refined: Any, n_inputs: int) -> None:
+        module, context = refined
+        with context:
+            work = ops.analyze_module(module)
+        budget = ops.MAX_WORK + max(report.work, 1) * max(n_inputs, 1)
+        if work.work > budget and "compute" not in allowed:
+            raise ArtifactError(
+                f"{path / JAXEXPORT}: for these inputs ({n_inputs:,} elements) the program asks "
+                f"for about {work.work:.3g} element operations, more than {budget:.3g} (its "
+                f"own static work, {report.work:,}, per input element, plus {ops.MAX_WORK:.3g}"
+                "): its shapes grow with no relation to its inputs. Refused before compiling; "
+                "pass allow={'compute'} (or trust=True) to load() if you trust it."
+            )
+
+    return check_call
+
+
+def _read_only(a: Any) -> np.ndarray:
+    out = np.asarray(a)
+    if out.flags.writeable:
+        out = out.view()
+        out.flags.writeable = False
+    return out
+
+
+def _is_tracer_error(e: Exception) -> bool:
+    """An error of the caller's own tracing (``jax.jit`` of code around the model)."""
+    tracer_errors = (
+        jax.errors.ConcretizationTypeError,
+        jax.errors.UnexpectedTracerError,
+        jax.errors.TracerArrayConversionError,
+        jax.errors.TracerBoolConversionError,
+        jax.errors.TracerIntegerConversionError,
+    )
+    return isinstance(e, tracer_errors)
 
 
 def _check_mesh(path: Path, manifest: Any, mesh: Mesh | None) -> Mesh | None:

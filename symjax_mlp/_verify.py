@@ -20,9 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from symjax_mlp._artifact.format import printable
 from symjax_mlp._artifact.reading import inspect
 from symjax_mlp._errors import ConfigError, SymjaxError
 from symjax_mlp._load import RUNTIMES, load
+from symjax_mlp._signing import verify_signature as check_signature
 from symjax_mlp._specs import TensorSpec
 
 
@@ -91,7 +93,9 @@ class VerifyReport:
             f"  load in a fresh process: {loads or '-'}",
         ]
         lines += [str(c) for c in self.checks]
-        lines += [f"  error: {e}" for e in self.errors]
+        for e in self.errors:  # messages quote the artifact: print no terminal escapes
+            lines += ["  error: " + printable(line) for line in str(e).splitlines()[:1]]
+            lines += ["    " + printable(line) for line in str(e).splitlines()[1:]]
         return "\n".join(lines)
 
 
@@ -105,6 +109,9 @@ def verify(
     atol: float = 1e-5,
     seed: int = 0,
     timeout: float = 300.0,
+    trust: bool = False,
+    allow: Sequence[str] | None = None,
+    verify_signature: str | os.PathLike[str] | None = None,
 ) -> VerifyReport:
     """Reloads an artifact in a fresh Python process, runs random inputs, compares outputs.
 
@@ -118,6 +125,8 @@ def verify(
       rtol, atol: tolerances, as in ``numpy.allclose``.
       seed: seeds the random inputs.
       timeout: seconds the fresh process may take.
+      trust, allow, verify_signature: passed to every :func:`~symjax_mlp.load` (the
+        program's ops, and the signature of every file, are checked as ``load`` checks them).
 
     Returns:
       A :class:`VerifyReport`; ``report.ok`` says whether every check passed.
@@ -140,6 +149,13 @@ def verify(
         raise ConfigError(f"verify(runtimes={tuple(runtimes)!r}): choose from {RUNTIMES}.")
     if not batches or min(batches) < 1:
         raise ConfigError(f"verify(batches={tuple(batches)!r}): pass batch sizes >= 1.")
+    options = {"trust": bool(trust), "allow": sorted(allow or ())}
+    if verify_signature is not None:
+        options["verify_signature"] = str(Path(verify_signature).resolve())
+        load_options = dict(options, verify_signature=Path(options["verify_signature"]))
+        check_signature(path, load_options["verify_signature"])  # before reading a byte
+    else:
+        load_options = dict(options)
     art = inspect(path)
     sig = art.signature
     rng = np.random.default_rng(seed)
@@ -148,7 +164,12 @@ def verify(
     inputs = {b: [_random(s, b, rng) for s in sig.inputs] for b in batches}
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_verify_") as tmp:
         work = Path(tmp)
-        job = {"path": str(art.path.resolve()), "runtimes": list(runtimes), "batches": {}}
+        job = {
+            "path": str(art.path.resolve()),
+            "runtimes": list(runtimes),
+            "batches": {},
+            "options": options,
+        }
         for b, xs in inputs.items():
             job["batches"][str(b)] = names = [f"x{b}_{i}.npy" for i in range(len(xs))]
             for name, x in zip(names, xs, strict=True):
@@ -170,7 +191,8 @@ def verify(
             return _failed(art.path, f"the fresh process exited {proc.returncode}:\n{tail}")
         result = json.loads((work / "result.json").read_text())
         if reference is None:
-            reference, ref_name = load(art.path), "the artifact's JAX run in this process"
+            reference = load(art.path, **load_options)
+            ref_name = "the artifact's JAX run in this process"
         else:
             ref_name = getattr(reference, "name", None) or type(reference).__name__
         checks, errors = [], []
@@ -236,7 +258,7 @@ def _worker(job_file: str) -> int:
     for rt in job["runtimes"]:
         try:
             t0 = time.perf_counter()
-            model = load(job["path"], runtime=rt)
+            model = load(job["path"], runtime=rt, **job.get("options", {}))
             entry: dict[str, Any] = {"load_seconds": time.perf_counter() - t0, "outputs": {}}
             for b, names in job["batches"].items():
                 outs = _as_list(model(*[np.load(work / n) for n in names]))

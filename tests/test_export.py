@@ -25,6 +25,7 @@ import symjax_mlp._files as files_seam  # the documented write seam
 from symjax_mlp.cli import main
 
 CORE = {"manifest.json", "model.jaxexport", "model.mlirbc", "model.mlir", "params.safetensors"}
+FILES = CORE | {"selftest.safetensors"}  # and the self-test vectors, where export can run them
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_chapter_net_round_trip_for_batch_1_7_1000(tmp_path):
     x = rand(1, 512)
     h = sm.hybridize(net, net.init(jax.random.key(1), x))
     art = sm.export(h, tmp_path / "net", example=x, batch="b")
-    assert {p.name for p in art.path.iterdir()} == CORE
+    assert {p.name for p in art.path.iterdir()} == FILES
     assert litter(tmp_path) == []
     m = sm.load(tmp_path / "net")
     for batch in (1, 7, 1000):  # one artifact, any batch size
@@ -79,7 +80,7 @@ def test_manifest_records_the_contract(art):
         "params/layers_1/bias",
         "params/layers_1/kernel",
     ]
-    assert set(manifest["files"]) == CORE - {"manifest.json"}
+    assert set(manifest["files"]) == FILES - {"manifest.json"}
     for name, entry in manifest["files"].items():
         data = (art.path / name).read_bytes()
         assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
@@ -247,7 +248,7 @@ def test_failed_export_leaves_no_litter(tmp_path):
 
 
 # -- load-time checks ---------------------------------------------------------------------------
-@pytest.mark.parametrize("name", sorted(CORE - {"manifest.json"}))
+@pytest.mark.parametrize("name", sorted(FILES - {"manifest.json"}))
 def test_corrupted_file_is_rejected_before_deserializing(art, tmp_path, monkeypatch, name):
     art, _ = art
     copy = tmp_path / "copy"

@@ -2,11 +2,15 @@
 manifest declares, run code, or return a different answer.
 
 The fuzz cases run in worker processes (the ``tests/fuzzing`` package: its driver starts
-``python -m fuzzing.worker``), so a crash is a counted signal, not a dead test run. CI runs
-``SYMJAX_FUZZ_CASES`` cases (default 1000, 15-25 s on two cores); the release run, documented
-in RELIABILITY.md, is::
+``python -m fuzzing.worker``), so a crash is a counted signal, not a dead test run. Three
+targets: ``loader`` (a real artifact mutated every way), ``hostile`` (consistent artifacts a
+stranger made: forged programs, crafted weights, planted files) and ``checkpoint``. CI runs
+``SYMJAX_FUZZ_CASES`` loader cases (default 1000), ``SYMJAX_FUZZ_HOSTILE_CASES`` (300) and
+``SYMJAX_FUZZ_CHECKPOINT_CASES`` (200), about a minute on two cores; the release run,
+documented in RELIABILITY.md, is::
 
-    SYMJAX_FUZZ_CASES=20000 SYMJAX_FUZZ_WORKERS=8 pytest tests/test_fuzz.py -k fuzzed -s
+    SYMJAX_FUZZ_CASES=20000 SYMJAX_FUZZ_HOSTILE_CASES=12000 SYMJAX_FUZZ_CHECKPOINT_CASES=8000 \
+        pytest tests/test_fuzz.py -k fuzzed -s
 """
 
 import hashlib
@@ -27,6 +31,8 @@ from helpers import small
 import symjax_mlp as sm
 
 CASES = int(os.environ.get("SYMJAX_FUZZ_CASES", "1000"))
+HOSTILE_CASES = int(os.environ.get("SYMJAX_FUZZ_HOSTILE_CASES", "300"))
+CHECKPOINT_CASES = int(os.environ.get("SYMJAX_FUZZ_CHECKPOINT_CASES", "200"))
 SEED = int(os.environ.get("SYMJAX_FUZZ_SEED", "0"))
 WORKERS = int(os.environ.get("SYMJAX_FUZZ_WORKERS", "2"))
 
@@ -47,6 +53,40 @@ def test_fuzzed_artifacts_are_refused_or_load_unchanged(tmp_path):
     assert {k.split(":")[0] for k in summary["families"]} == {"raw", "resigned", "manifest", "text"}
     assert not summary["code_executed"]
     assert summary["max_rss_mb"] < 1024  # no worker allocated anything a manifest declared
+
+
+def _no_failures(summary):
+    failures = summary["failures"]
+    assert failures == [], f"{len(failures)} failing case(s):\n" + "\n".join(
+        f"  case {f['case']}: {f['outcome']} after {f.get('notes')}: "
+        f"{f.get('detail', f.get('returncode', ''))!s:.400}\n    {f['reproduce']}"
+        for f in failures[:20]
+    )
+    assert not summary["code_executed"]
+
+
+def test_fuzzed_hostile_artifacts_are_refused_or_run_their_benign_program(tmp_path):
+    summary = fuzz(tmp_path, cases=HOSTILE_CASES, seed=SEED, workers=WORKERS, target_name="hostile")
+    print("\n" + json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
+    _no_failures(summary)
+    counts = summary["counts"]
+    assert sum(counts.values()) == HOSTILE_CASES and set(counts) <= {"rejected", "same"}
+    assert counts["rejected"] > HOSTILE_CASES // 2 and counts.get("same", 0) > 0
+    # a listed 64 MiB file was among them: hashed in chunks, never held
+    assert summary["max_rss_mb"] < 1024
+
+
+def test_fuzzed_checkpoints_are_refused_or_restore_what_they_hold(tmp_path):
+    summary = fuzz(
+        tmp_path, cases=CHECKPOINT_CASES, seed=SEED, workers=WORKERS, target_name="checkpoint"
+    )
+    print("\n" + json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=2))
+    _no_failures(summary)
+    counts = summary["counts"]
+    assert sum(counts.values()) == CHECKPOINT_CASES and set(counts) <= {"rejected", "same"}
+    assert counts["rejected"] > CHECKPOINT_CASES // 2 and counts.get("same", 0) > 0
+    kinds = {k.split(":")[0] for k in summary["families"]}
+    assert kinds == {f"checkpoint-{k}" for k in ("raw", "resigned", "crafted", "manifest", "text")}
 
 
 def test_the_fuzz_driver_sees_crashes_hangs_and_wrong_outputs(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
+from fuzzing import forge
 from iree.compiler.tools.binaries import find_tool
 
 import symjax_mlp as sm
@@ -225,7 +226,12 @@ def test_iree_refuses_what_it_cannot_run(tmp_path, compiles):
     sm.export(h, tmp_path / "linalg", example=x, batch=None)
     with pytest.raises(sm.ArtifactError, match=r"lapack_spotrf_ffi.*runtime='jax'"):
         sm.load(tmp_path / "linalg", runtime="iree")
-    np.testing.assert_allclose(sm.load(tmp_path / "linalg")(x), h(x), rtol=1e-5)  # JAX can
+    # JAX can, once the native kernel is allowed by name (refused by default: a LAPACK kernel
+    # trusts the buffer sizes the module declares)
+    with pytest.raises(sm.ArtifactError, match=r"allow=\{'custom_call:lapack_spotrf_ffi'\}"):
+        sm.load(tmp_path / "linalg")
+    m = sm.load(tmp_path / "linalg", allow={"custom_call:lapack_spotrf_ffi"})
+    np.testing.assert_allclose(m(x), h(x), rtol=1e-5)
     assert compiles == []  # refused up front, no fallback and no compile attempt
 
     manifest = json.loads((tmp_path / "cuda" / "manifest.json").read_text())
@@ -236,20 +242,25 @@ def test_iree_refuses_what_it_cannot_run(tmp_path, compiles):
 
 
 def test_iree_compile_failure_is_an_artifact_error(tmp_path, compiles):
-    h = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.ones(3)})
-    art = sm.export(h, tmp_path / "m", example=rand(1, 3))
-    # a module IREE rejects, with a consistent checksum: IREE's own diagnostic must surface
-    bad = b"module { func.func @main() { stablehlo.bogus_op } }"
-    (art.path / "model.mlirbc").write_bytes(bad)
-    manifest = json.loads((art.path / "manifest.json").read_text())
-    digest = hashlib.sha256(bad).hexdigest()
-    manifest["files"]["model.mlirbc"] = {"sha256": digest, "bytes": len(bad)}
-    (art.path / "manifest.json").write_text(json.dumps(manifest))
+    # a consistent artifact (every checksum right, model.mlirbc the module of model.jaxexport)
+    # whose program IREE cannot compile: an outfeed, which load refuses unless trusted
+    src, _ = forge.base(tmp_path / "base")
+    art = forge.forge(src, tmp_path / "m", forge.infeed)
+    with pytest.raises(
+        sm.ArtifactError, match=r"(?s)stablehlo.outfeed.*allow=\{'create_token', 'outfeed'\}"
+    ):
+        sm.load(art, runtime="iree")
+    assert compiles == []  # refused before anything compiled it
     with pytest.raises(sm.ArtifactError, match=r"model.mlirbc: IREE .* could not compile"):
-        sm.load(art.path, runtime="iree")
+        sm.load(art, runtime="iree", trust=True)  # IREE's own diagnostic surfaces
     assert len(compiles) == 1
-    with pytest.raises(sm.ArtifactError, match=r"StableHLO module other than model.mlirbc"):
-        sm.load(art.path)  # JAX refuses it too: its module is not model.mlirbc (one program)
+    # a model.mlirbc that is not model.jaxexport's module never reaches IREE, trusted or not
+    bad = b"module { func.func @main() { stablehlo.bogus_op } }"
+    forge.resign(art, tmp_path / "mixed", files={"model.mlirbc": bad})
+    for runtime in ("iree", "jax"):
+        with pytest.raises(sm.ArtifactError, match=r"StableHLO module other than model.mlirbc"):
+            sm.load(tmp_path / "mixed", runtime=runtime, trust=True)
+    assert len(compiles) == 1
 
 
 def native(path):

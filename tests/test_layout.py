@@ -32,8 +32,10 @@ STAGES = (
     "symjax_mlp._artifact.format",
     "symjax_mlp._artifact.signature",
     "symjax_mlp._artifact.weights",
+    "symjax_mlp._artifact.ops",
     "symjax_mlp._artifact.reading",
     "symjax_mlp._artifact",
+    "symjax_mlp._signing",
     "symjax_mlp._selftest",
     "symjax_mlp._export",
     "symjax_mlp._runtimes",
@@ -47,7 +49,13 @@ STAGES = (
     "symjax_mlp.cli",
     "symjax_mlp.__main__",
 )
-PUBLIC_NAMESPACES = ("symjax_mlp", "symjax_mlp.training", "symjax_mlp.bench", "symjax_mlp.chapter")
+PUBLIC_NAMESPACES = (
+    "symjax_mlp",
+    "symjax_mlp.serving",
+    "symjax_mlp.training",
+    "symjax_mlp.bench",
+    "symjax_mlp.chapter",
+)
 
 
 def _modules() -> dict[str, Path]:

@@ -27,6 +27,9 @@ JAXEXPORT, MLIRBC, MLIR, PARAMS = (
 )
 CORE_FILES = (JAXEXPORT, MLIRBC, MLIR, PARAMS)
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few kB; refuse to read gigabytes of one
+MAX_PARAMS = 65_536  # param tensors (and inputs, outputs) an artifact may have
+MAX_FILES = 1_024  # files a manifest may list
+MAX_CONSTRAINT_CHARS = 256
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _REQUIRED = (
     "format",
@@ -104,10 +107,20 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
          '"tuple", or "array" with one output'),
         ("signature.batch", lambda: sig.get("batch"), lambda v: v is None or _is_str(v),
          "a name or null"),
-        ("params", lambda: m["params"], _tensors(False), _TENSORS + " with distinct paths"),
+        ("signature.constraints", lambda: sig.get("constraints", []), _constraints,
+         f"a list of at most 64 constraints such as \"t <= 1024\" ({MAX_CONSTRAINT_CHARS} "
+         "characters at most)"),
+        ("params", lambda: m["params"], _tensors(False),
+         _TENSORS + f" with distinct paths, at most {MAX_PARAMS:,} of them"),
         ("mlir_arguments", lambda: m["mlir_arguments"], _str_list, "a list of names"),
         ("files", lambda: m["files"], _files, "an object {file name: {sha256, bytes}} naming "
-         "plain files inside the artifact, each with 64 lowercase hex digits and a size"),
+         f"at most {MAX_FILES:,} plain files inside the artifact, each with 64 lowercase hex "
+         "digits and a size"),
+        ("metadata", lambda: m.get("metadata", {}), lambda v: isinstance(v, dict), "an object"),
+        ("vjp_order", lambda: m.get("vjp_order", 0), lambda v: _size(v) and v <= 8,
+         "an int from 0 to 8"),
+        ("compatible_until", lambda: m.get("compatible_until", ""), _is_str, "a date"),
+        ("static", lambda: m.get("static", {}), _str_dict, "an object of strings"),
     ]  # fmt: skip
     for field, get, ok, want in rules:
         value = get()
@@ -145,6 +158,10 @@ def _str_dict(x: Any) -> bool:
     return isinstance(x, dict) and all(map(_is_str, x.values()))
 
 
+def _constraints(x: Any) -> bool:
+    return _str_list(x) and len(x) <= 64 and all(0 < len(c) <= MAX_CONSTRAINT_CHARS for c in x)
+
+
 def _platforms(x: Any) -> bool:
     return _str_list(x) and len(x) > 0 and len(set(x)) == len(x)
 
@@ -156,6 +173,7 @@ def _tensors(symbolic: bool) -> Callable[[Any], bool]:
     def ok(x: Any) -> bool:
         return (
             isinstance(x, list)
+            and len(x) <= MAX_PARAMS
             and all(
                 isinstance(d, dict)
                 and all(_is_str(d.get(k)) and d[k] != "" for k in ("path", "dtype"))
@@ -170,13 +188,17 @@ def _tensors(symbolic: bool) -> Callable[[Any], bool]:
 
 
 def _files(x: Any) -> bool:
-    return isinstance(x, dict) and all(
-        is_file_name(name)
-        and isinstance(e, dict)
-        and _is_str(e.get("sha256"))
-        and _SHA256.fullmatch(e["sha256"]) is not None
-        and _size(e.get("bytes"))
-        for name, e in x.items()
+    return (
+        isinstance(x, dict)
+        and len(x) <= MAX_FILES
+        and all(
+            is_file_name(name)
+            and isinstance(e, dict)
+            and _is_str(e.get("sha256"))
+            and _SHA256.fullmatch(e["sha256"]) is not None
+            and _size(e.get("bytes"))
+            for name, e in x.items()
+        )
     )
 
 
@@ -193,6 +215,18 @@ def is_file_name(name: str) -> bool:
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal could act on escaped (``\\x1b``, ``\\u202e``).
+
+    Control characters (escape sequences, carriage returns, backspaces), and the other
+    characters Python's ``repr`` escapes (bidirectional overrides, ...), are shown as their
+    escapes: a manifest from a stranger can print nothing but text.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 # -- compatibility ----------------------------------------------------------------------------

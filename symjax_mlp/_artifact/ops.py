@@ -25,8 +25,17 @@ every op of every function. :func:`check` then refuses, unless the caller allows
 
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import dataclasses
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -99,7 +108,10 @@ class ModuleReport:
 
 
 def parse(mlirbc: bytes, *, file: Path) -> Any:
-    """The StableHLO module of portable-artifact bytecode, as a jaxlib ``ir.Module``."""
+    """The StableHLO module of portable-artifact bytecode, as a jaxlib ``ir.Module``.
+
+    In this process: only for bytes :func:`analyze` has read safely in its child process.
+    """
     import jax.extend.mlir as jex
     from jax._src.interpreters import mlir as jax_mlir
 
@@ -115,15 +127,134 @@ def parse(mlirbc: bytes, *, file: Path) -> Any:
 
 
 def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
-    """Walks every op of the module in ``mlirbc``; see :mod:`symjax_mlp._artifact.ops`."""
-    module, context = parse(mlirbc, file=file)
-    with context:
-        return _Walk(module).report()
+    """Walks every op of the module in ``mlirbc``; see :mod:`symjax_mlp._artifact.ops`.
+
+    The bytes are read by StableHLO's bytecode reader, native code that a crafted module
+    can crash (a single flipped bit did, with SIGSEGV): so they are read, and walked, in a
+    child process (:class:`Checker`), and only a module that reads there is ever read here.
+    A crash or a hang of the child is an :class:`ArtifactError`.
+    """
+    return CHECKER.report(bytes(mlirbc), file=file)
 
 
-def analyze_module(module: Any) -> ModuleReport:
+class Checker:
+    """A child process that reads and walks modules for this one: one at a time, started on
+    first use (about a second: it imports JAX's MLIR bindings), restarted after a crash."""
+
+    TIMEOUT = 20.0  # seconds one module may take to read and walk (a model's: milliseconds)
+
+    def __init__(self) -> None:
+        self.proc: Any = None
+        self.lock = threading.Lock()
+
+    def _start(self) -> Any:
+        if self.proc is None or self.proc.poll() is not None:
+            code = f"from symjax_mlp._artifact.ops import serve; serve({os.getpid()})"
+            self.proc = subprocess.Popen(  # -I: nothing from the caller's cwd or environment
+                [sys.executable, "-I", "-c", code],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                cwd=tempfile.gettempdir(),
+            )
+        return self.proc
+
+    def report(self, data: bytes, *, file: Path) -> ModuleReport:
+        with self.lock:
+            for attempt in (0, 1):
+                proc = self._start()
+                try:
+                    proc.stdin.write(len(data).to_bytes(8, "little") + data)
+                    proc.stdin.flush()
+                except (BrokenPipeError, OSError):
+                    self.close()
+                    if attempt:
+                        raise ArtifactError(f"{file}: the module checker does not start.") from None
+                    continue  # it had exited (idle, killed): a new one
+                line = self._answer(proc, file)
+                break
+        answer = json.loads(line)
+        if "error" in answer:
+            raise ArtifactError(f"{file}: {answer['error']}")
+        r = answer["report"]
+        return ModuleReport(
+            r["counts"], r["custom_calls"], r["work"], tuple(Problem(*p) for p in r["problems"])
+        )
+
+    def _answer(self, proc: Any, file: Path) -> bytes:
+        ready, _, _ = select.select([proc.stdout], [], [], self.TIMEOUT)
+        line = proc.stdout.readline() if ready else None
+        if line:
+            return line
+        self.close()
+        if line is None:
+            raise ArtifactError(
+                f"{file}: reading the StableHLO module took more than {self.TIMEOUT:g} s; "
+                "refused (no model's module takes that)."
+            )
+        why = f"signal {-proc.returncode}" if (proc.returncode or 0) < 0 else "an exit"
+        raise ArtifactError(
+            f"{file}: StableHLO's bytecode reader crashed ({why}) on this module, in the "
+            "child process that reads modules for the loader: the module is corrupted or "
+            "crafted. Refused; nothing was compiled."
+        )
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
+CHECKER = Checker()
+atexit.register(CHECKER.close)
+
+
+def serve(parent: int) -> None:
+    """The child of :class:`Checker`: reads modules from stdin, writes one JSON line each;
+    dies with its parent (a parent killed mid-check leaves no child running)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        return  # the parent died before the line above
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        head = stdin.read(8)
+        if len(head) < 8:
+            return
+        data = stdin.read(int.from_bytes(head, "little"))
+        try:
+            module, context = parse(data, file=Path("module"))
+            with context:
+                r = analyze_module(module)
+            answer: dict[str, Any] = {"report": {
+                "counts": r.counts, "custom_calls": r.custom_calls, "work": r.work,
+                "problems": [[p.key, p.what] for p in r.problems],
+            }}  # fmt: skip
+        except ArtifactError as e:
+            answer = {"error": str(e).removeprefix("module: ")}
+        stdout.write(json.dumps(answer).encode() + b"\n")
+        stdout.flush()
+
+
+def analyze_module(module: Any, *, file: Path | str = "the module") -> ModuleReport:
     """:func:`analyze` of an ``ir.Module`` already parsed (in its context)."""
-    return _Walk(module).report()
+    try:
+        return _Walk(module).report()
+    except RecursionError:
+        raise ArtifactError(f"{file}: its regions nest too deeply to check; refused.") from None
+    except (RuntimeError, ValueError, TypeError, UnicodeDecodeError) as e:  # MLIR bindings
+        raise ArtifactError(
+            f"{file}: the StableHLO module cannot be checked ({type(e).__name__}: "
+            f"{str(e)[:200]}); refused."
+        ) from e
 
 
 def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
@@ -155,9 +286,14 @@ def check(report: ModuleReport, *, file: Path, allow: frozenset[str], caller: st
     raise ArtifactError(
         f"{file}: {caller} refuses to compile this module; it does what an MLP artifact "
         f"never needs:\n{lines}{more}\nIf you trust whoever made the artifact as you trust "
-        f"code you run, pass allow={set(keys)!r} (just these) or trust=True (anything) to "
+        f"code you run, pass allow={show_keys(keys)} (just these) or trust=True (anything) to "
         f"{caller}. An untrusted artifact is untrusted code: run it in a sandbox."
     )
+
+
+def show_keys(keys: Iterable[str]) -> str:
+    """``{'a', 'b'}``, sorted (a set's own repr is in hash order)."""
+    return "{" + ", ".join(repr(k) for k in sorted(keys)) + "}"
 
 
 # -- the walk ---------------------------------------------------------------------------------
@@ -203,6 +339,10 @@ class _Walk:
         elif name == "func.func":
             fname = _str_attr(op, "sym_name") or f"#{len(self.funcs)}"
             func = self.funcs.setdefault(fname, {"work": 0, "ops": 0, "calls": []})
+            if not op.regions or not len(op.regions[0].blocks):
+                self._problem(  # jax.export writes none; lowering one crashed JAX (SIGSEGV)
+                    "call", f"the function @{fname} is declared without a body (an external symbol)"
+                )
             if func["ops"]:
                 self._problem("module", f"two functions named @{fname}")
             mult = 1
@@ -312,15 +452,20 @@ def _attr(op: Any, name: str) -> Any:
 def _str_attr(op: Any, name: str) -> str | None:
     from jaxlib.mlir import ir
 
-    a = _attr(op, name)
-    return a.value if isinstance(a, ir.StringAttr) else None
+    a = _attr(op, name)  # value_bytes: a forged name need not be UTF-8
+    return a.value_bytes.decode("utf-8", "replace") if isinstance(a, ir.StringAttr) else None
 
 
 def _symbol_attr(op: Any, name: str) -> str:
     from jaxlib.mlir import ir
 
     a = _attr(op, name)
-    return a.value if isinstance(a, ir.FlatSymbolRefAttr) else "?"
+    if not isinstance(a, ir.FlatSymbolRefAttr):
+        return "?"
+    try:
+        return a.value
+    except (RuntimeError, UnicodeDecodeError):  # a forged name need not be UTF-8
+        return str(a).removeprefix("@")
 
 
 def _elements(t: Any) -> int:

@@ -1,28 +1,37 @@
 """Reading an artifact directory back: every listed file checked, then an :class:`Artifact`.
 
 A reader checks the manifest, then reads each file the manifest lists in bounded chunks and
-compares its sha256 before any parser sees a byte. An export swaps whole directories, so a
-read that raced one starts over on the new artifact.
+compares its sha256 before any parser sees a byte: the files a loader uses go into one buffer
+of their size, the others are only hashed (a chunk of memory, whatever their size). An export
+swaps whole directories, so a read that raced one starts over on the new artifact.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from symjax_mlp._artifact.format import CORE_FILES, MLIR, is_file_name, read_manifest
+from symjax_mlp._artifact.format import (
+    CORE_FILES,
+    JAXEXPORT,
+    MLIRBC,
+    PARAMS,
+    is_file_name,
+    printable,
+    read_manifest,
+)
+from symjax_mlp._artifact.ops import ModuleReport, analyze, show_keys
 from symjax_mlp._artifact.signature import Signature
+from symjax_mlp._artifact.weights import read_safetensors_file
 from symjax_mlp._errors import ArtifactError
-from symjax_mlp._files import MANIFEST, read_regular, sha256
+from symjax_mlp._files import MANIFEST, hash_regular, read_regular
 from symjax_mlp._specs import TensorSpec
 
-_OP = re.compile(r'^\s*(?:%[^=]*=\s*)?"?((?:stablehlo|chlo|func|sdy|mhlo)\.[a-z_0-9]+|call)\b')
+USED = (JAXEXPORT, MLIRBC, PARAMS)  # the files a loader reads into memory; others are hashed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +79,49 @@ class Artifact:
         return thaw(self.manifest)
 
     def op_counts(self) -> dict[str, int]:
-        """How often each StableHLO (and func) op occurs in ``model.mlir``, most frequent first."""
-        return count_ops((self.path / MLIR).read_text())
+        """How often each op occurs in the program that runs, most frequent first.
+
+        Counted in the StableHLO module of ``model.jaxexport`` (which must be the bytes of
+        ``model.mlirbc``, the module IREE runs), parsed with jaxlib's MLIR bindings, every op
+        of every region; not in ``model.mlir``, the text kept for people to read, which no
+        runtime uses.
+
+        Raises:
+          ArtifactError: a file changed since :func:`inspect`, or the two modules differ.
+        """
+        return dict(self.program().counts)
+
+    def program(self) -> ModuleReport:
+        """What the program that runs does: its ops, custom calls, work, and what
+        :func:`~symjax_mlp.load` refuses without ``allow=`` or ``trust=True``."""
+        import jax
+
+        files = self.manifest["files"]
+
+        def read(name: str) -> bytearray:
+            try:
+                entry = files[name]
+                file = self.path / name
+                return read_regular(
+                    file, size=entry["bytes"], sha256=entry["sha256"], error=ArtifactError
+                )
+            except (FileNotFoundError, KeyError):
+                raise ArtifactError(f"{self.path / name} is missing; inspect it again.") from None
+
+        module = read(MLIRBC)
+        try:
+            exported = jax.export.deserialize(read(JAXEXPORT))
+            same = bytes(exported.mlir_module_serialized) == module
+        except Exception as e:  # flatbuffers and JAX raise what they raise
+            raise ArtifactError(
+                f"{self.path / JAXEXPORT}: jax.export could not deserialize it ({e})."
+            ) from e
+        if not same:
+            raise ArtifactError(
+                f"{self.path / JAXEXPORT} holds a StableHLO module other than {MLIRBC}'s: the "
+                "files come from different exports, or one was edited. Export it again."
+            )
+        return analyze(module, file=self.path / MLIRBC)
 
     def __str__(self) -> str:
         m = self.manifest
@@ -98,10 +148,16 @@ class Artifact:
         lines.append("files      sha256")
         for k, f in m["files"].items():
             lines.append(f"  {k:<20} {f['sha256'][:16]}...  {f['bytes']:>10,} B")
-        counts = self.op_counts()
-        lines.append(f"stablehlo  {sum(counts.values())} ops")
-        lines += [f"  {name:<36} {n:>5}" for name, n in counts.items()]
-        return "\n".join(lines)
+        program = self.program()
+        lines.append(f"stablehlo  {sum(program.counts.values())} ops (model.jaxexport's module)")
+        lines += [f"  {name:<36} {n:>5}" for name, n in program.counts.items()]
+        lines += [f"  custom_call @{name:<22} {n:>5}" for name, n in program.custom_calls.items()]
+        if program.problems:
+            keys = sorted({p.key for p in program.problems})
+            lines.append(f"load       refuses it unless allow={show_keys(keys)} or trust=True:")
+            lines += [f"  - {p.what}" for p in program.problems]
+        # every string above may come from a stranger's manifest: no terminal escapes
+        return "\n".join(printable(line) for line in lines)
 
 
 def inspect(path: str | os.PathLike[str]) -> Artifact:
@@ -118,18 +174,8 @@ def inspect(path: str | os.PathLike[str]) -> Artifact:
       ArtifactError: the directory is missing, incomplete or corrupted.
     """
     path = Path(path)
-    manifest, _ = read_artifact(path)
+    manifest, _ = read_artifact(path, keep=())
     return Artifact(path, freeze(manifest))
-
-
-def count_ops(mlir_text: str) -> dict[str, int]:
-    """Counts op names in StableHLO text (one op per line, as MLIR prints it)."""
-    counts: collections.Counter[str] = collections.Counter()
-    for line in mlir_text.splitlines():
-        m = _OP.match(line)
-        if m:
-            counts["func.call" if m.group(1) == "call" else m.group(1)] += 1
-    return dict(counts.most_common())
 
 
 def _numel(shape: tuple[int | str, ...]) -> int:
@@ -160,8 +206,15 @@ def thaw(x: Any) -> Any:
     return x
 
 
-def read_files(path: Path, manifest: Mapping[str, Any]) -> dict[str, bytes]:
-    """Reads every file the manifest lists and checks its sha256 before anyone parses it."""
+def read_files(
+    path: Path, manifest: Mapping[str, Any], *, keep: tuple[str, ...] = USED
+) -> dict[str, Any]:
+    """Checks the size and sha256 of every file the manifest lists before anyone parses it.
+
+    Returns the bytes of the files in ``keep`` (one buffer each, of the file's size; for
+    ``params.safetensors`` its tensors, ``{path: array}``, read straight into place); the
+    others are hashed in chunks and not kept.
+    """
     listed = manifest["files"]
     if set(CORE_FILES) - set(listed):
         lacking = ", ".join(sorted(set(CORE_FILES) - set(listed)))
@@ -169,26 +222,28 @@ def read_files(path: Path, manifest: Mapping[str, Any]) -> dict[str, bytes]:
     blobs = {}
     for name, entry in listed.items():
         if not is_file_name(name):
-            raise ArtifactError(f"{path / MANIFEST} lists {name!r}, which is not a file name.")
+            raise ArtifactError(
+                f"{path / MANIFEST} lists {printable(repr(name))}, which is not a file name."
+            )
+        file, size, digest = path / name, entry["bytes"], entry["sha256"]
         try:
-            data = read_regular(path / name, size=entry["bytes"], error=ArtifactError)
+            if name == PARAMS and name in keep:  # tensors straight from the file, hashed
+                blobs[name] = read_safetensors_file(file, size=size, sha256=digest)[0]
+            elif name in keep:
+                blobs[name] = read_regular(file, size=size, sha256=digest, error=ArtifactError)
+            else:
+                hash_regular(file, size=size, sha256=digest, error=ArtifactError)
         except FileNotFoundError:
             raise ArtifactError(
-                f"{path / name} is missing (the manifest lists it). The artifact is incomplete: "
+                f"{file} is missing (the manifest lists it). The artifact is incomplete: "
                 "restore the file or export again."
             ) from None
-        digest = sha256(data)
-        if digest != entry["sha256"]:
-            raise ArtifactError(
-                f"{path / name} is corrupted: its sha256 is {digest[:16]}... but the manifest "
-                f"records {entry['sha256'][:16]}... ({len(data)} bytes). Nothing was "
-                "deserialized. Restore the file or export again."
-            )
-        blobs[name] = data
     return blobs
 
 
-def read_artifact(path: Path, *, attempts: int = 3) -> tuple[dict[str, Any], dict[str, bytes]]:
+def read_artifact(
+    path: Path, *, attempts: int = 3, keep: tuple[str, ...] = USED
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Reads the manifest, then every file, checked; retried if ``path`` was replaced meanwhile.
 
     An export swaps a whole new directory into ``path``. A reader that read the old manifest
@@ -199,7 +254,7 @@ def read_artifact(path: Path, *, attempts: int = 3) -> tuple[dict[str, Any], dic
         before = _identity(path)
         try:
             manifest = read_manifest(path)
-            return manifest, read_files(path, manifest)
+            return manifest, read_files(path, manifest, keep=keep)
         except ArtifactError:
             if attempt + 1 == attempts or _identity(path) == before:
                 raise

@@ -7,11 +7,14 @@ array reaches a compiled program.
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError
 from symjax_mlp._specs import TensorSpec
 
@@ -78,9 +81,7 @@ class Signature:
                 f"{caller}: the artifact takes {len(self.inputs)} input(s) ({want}); "
                 f"got {len(inputs)}. Call it as m({', '.join(s.path for s in self.inputs)})."
             )
-        arrays = [
-            x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x) for x in inputs
-        ]
+        arrays = [_as_array(x, spec, caller) for x, spec in zip(inputs, self.inputs, strict=True)]
         sizes: dict[str, tuple[str, int]] = {}
         for spec, x in zip(self.inputs, arrays, strict=True):
             shape = tuple(x.shape)
@@ -152,10 +153,44 @@ def _holds(constraint: str, sizes: Mapping[str, int]) -> bool:
 
     def value(term: str) -> int | None:
         term = term.strip()
-        return int(term) if term.lstrip("-").isdigit() else sizes.get(term)
+        return int(term) if re.fullmatch(r"-?[0-9]{1,30}", term) else sizes.get(term)
 
     a, b = value(left), value(right)
     return a is None or b is None or _OPS[op](a, b)
+
+
+def _is_array(x: Any) -> bool:
+    """A NumPy array or scalar, or a JAX array (a tracer under the caller's ``jax.jit`` too)."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return True
+    jax = sys.modules.get("jax")  # no JAX imported: no JAX array can exist
+    return jax is not None and isinstance(x, jax.Array)
+
+
+def _as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
+    """``x`` as an array: arrays pass; Python numbers and (nested) lists are converted; any
+    other object (a torch tensor, an object with a ``shape``) is refused, by its type."""
+    if _is_array(x):
+        return x
+    kind = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
+    if isinstance(x, (bool, int, float, complex, list, tuple)):
+        try:
+            return np.asarray(x)
+        except (ValueError, TypeError, OverflowError) as e:
+            why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise SignatureError(
+                f"{caller}: input {spec.path} is a {kind} that is not an array ({why}); the "
+                f"artifact expects {spec.type}. Pass a NumPy or JAX array of that shape."
+            ) from None
+    hint = ""
+    if kind.startswith("torch."):
+        hint = " Convert it: x.detach().cpu().numpy() (or jax.dlpack.from_dlpack(x))."
+    elif hasattr(x, "__array__"):
+        hint = " Convert it: np.asarray(x)."
+    raise SignatureError(
+        f"{caller}: input {spec.path} is a {printable(kind)}, not a NumPy or JAX array; the "
+        f"artifact expects {spec.type}. Pass a np.ndarray or jax.Array.{hint}"
+    )
 
 
 def _shape_text(shape: Sequence[int | str]) -> str:

@@ -1,12 +1,15 @@
 """``params.safetensors``: the weights, one tensor per param path, readable from any language.
 
 Paths join the param tree's keys with ``/`` (``params/layers_0/kernel``). Tensors are written
-and read with safetensors' raw (de)serializer, so the common dtypes, bfloat16 included,
-round-trips, and reading never involves pickle.
+with safetensors' raw serializer, so the common dtypes, bfloat16 included, round-trip, and read
+back by a strict reader of the format (:func:`read_safetensors`): views of the file's bytes,
+never a copy, never pickle.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,9 @@ import ml_dtypes
 import numpy as np
 import safetensors
 
-from symjax_mlp._errors import ArtifactError
+from symjax_mlp._artifact.format import MAX_PARAMS, printable
+from symjax_mlp._errors import ArtifactError, SymjaxError
+from symjax_mlp._files import Reader
 from symjax_mlp._specs import TensorSpec
 
 # safetensors dtype codes <-> NumPy dtypes (bfloat16 comes from ml_dtypes, as in JAX).
@@ -91,22 +96,182 @@ def encode_params(
     return bytes(safetensors.serialize(tensors, metadata=header))
 
 
-def decode_params(data: bytes, *, file: Path | str) -> dict[str, np.ndarray]:
-    """Parses safetensors bytes into ``{path: array}`` (read-only views, no pickle)."""
-    try:
-        flat = safetensors.deserialize(data)
-    except Exception as e:  # safetensors raises its own SafetensorError
-        raise ArtifactError(f"{file} is not a valid safetensors file: {e}") from e
+def decode_params(
+    data: bytes | bytearray, *, file: Path | str, error: type[SymjaxError] = ArtifactError
+) -> dict[str, np.ndarray]:
+    """Parses safetensors bytes into ``{path: array}``: read-only views of ``data``, no copy.
+
+    A strict reader of the safetensors format (no pickle, no code), at least as strict as the
+    ``safetensors`` package and stricter where it is lenient: a tensor name given twice
+    (safetensors keeps the last one silently), unknown fields, shapes NumPy cannot hold, and
+    more than :data:`MAX_TENSORS` tensors are refused. Every tensor's bytes lie inside the
+    file, back to back in order, and cover it exactly.
+
+    Raises:
+      SymjaxError: of type ``error`` (:class:`ArtifactError` by default), naming ``file``.
+    """
+    tensors, _ = read_safetensors(data, file=file, error=error)
+    return tensors
+
+
+MAX_TENSORS = MAX_PARAMS
+MAX_HEADER_BYTES = 100_000_000  # the safetensors package's own limit
+_ST_ITEMSIZE = {k: v.itemsize for k, v in _ST_DTYPES.items()}
+
+
+def read_safetensors(
+    data: bytes | bytearray,
+    *,
+    file: Path | str,
+    error: type[SymjaxError] = ArtifactError,
+    max_tensors: int = MAX_TENSORS,
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """``(tensors, metadata)`` of safetensors bytes (views of ``data``); see
+    :func:`decode_params`."""
+    n = len(data)
+    if n < 8:
+        raise _bad(file, error, f"it has {n} bytes, fewer than the 8 of its header length")
+    size = int.from_bytes(data[:8], "little")
+    _check_header_size(file, error, size, n)
+    entries, metadata = _parse_header(bytes(data[8 : 8 + size]), n, file, error, max_tensors)
     out = {}
-    for name, t in flat:
-        if t["dtype"] not in _ST_DTYPES:
-            raise ArtifactError(f"{file}: tensor {name} has unsupported dtype {t['dtype']}.")
-        out[name] = np.frombuffer(t["data"], _ST_DTYPES[t["dtype"]]).reshape(t["shape"])
+    for begin, _, name, dtype, shape, count in entries:
+        a = np.frombuffer(data, _ST_DTYPES[dtype], count=count, offset=8 + size + begin)
+        out[name] = _frozen(a.reshape(shape))
+    return out, metadata
+
+
+def read_safetensors_file(
+    file: Path,
+    *,
+    size: int | None = None,
+    sha256: str | None = None,
+    error: type[SymjaxError] = ArtifactError,
+    max_tensors: int = MAX_TENSORS,
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """``(tensors, metadata)`` of a safetensors file, read in one checked pass straight into
+    one 64-byte-aligned buffer per tensor (hashed as it is read, ``size`` and ``sha256``
+    compared): the file's size in memory, no copy, and arrays JAX can use in place.
+
+    Raises:
+      FileNotFoundError: no such file.
+      SymjaxError: of type ``error``, for anything else (:func:`decode_params`).
+    """
+    with Reader(file, size=size, error=error) as r:
+        if r.size < 8:
+            raise _bad(file, error, f"it has {r.size} bytes, fewer than the 8 of its header length")
+        n = int.from_bytes(r.read(8), "little")
+        _check_header_size(file, error, n, r.size)
+        entries, metadata = _parse_header(bytes(r.read(n)), r.size, file, error, max_tensors)
+        out = {}
+        for _, _, name, dtype, shape, count in entries:  # in file order, back to back
+            nbytes = count * _ST_ITEMSIZE[dtype]
+            raw = np.empty(nbytes + 64, np.uint8)
+            start = (-raw.ctypes.data) % 64
+            raw = raw[start : start + nbytes]
+            r.readinto(memoryview(raw))
+            out[name] = _frozen(raw.view(_ST_DTYPES[dtype]).reshape(shape))
+        r.finish(sha256)
+    return out, metadata
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _bad(file: Path | str, error: type[SymjaxError], why: str) -> SymjaxError:
+    return error(f"{file} is not a valid safetensors file: {why}.")
+
+
+def _check_header_size(file: Path | str, error: type[SymjaxError], size: int, n: int) -> None:
+    if size > MAX_HEADER_BYTES or 8 + size > n:
+        raise _bad(file, error, f"its header claims {size:,} bytes, but the file has {n:,}")
+
+
+def _parse_header(
+    text_bytes: bytes, n: int, file: Path | str, error: type[SymjaxError], max_tensors: int
+) -> tuple[list[tuple[int, int, str, str, list[int], int]], dict[str, str]]:
+    """The tensors of a safetensors header, in file order, checked to tile the ``n`` bytes
+    of the file exactly; and its ``__metadata__``."""
+
+    def bad(why: str) -> SymjaxError:
+        return _bad(file, error, why)
+
+    try:
+        text = text_bytes.decode("utf-8")
+        if not text.startswith("{"):
+            raise ValueError("the header is not a JSON object")
+        header = json.loads(text, object_pairs_hook=_unique_pairs)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
+        raise bad(f"its header is not valid JSON ({str(e)[:200]})") from None
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad("its __metadata__ is not an object of strings")
+    if len(header) > max_tensors:
+        raise bad(f"it holds {len(header):,} tensors, more than the {max_tensors:,} allowed")
+    entries = []
+    for name, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise bad(f"tensor {_show(name)} is not {{dtype, shape, data_offsets}}")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+            raise bad(f"tensor {_show(name)} has the unsupported dtype {_show(dtype)}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 32
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise bad(f"tensor {_show(name)} has the shape {_show(shape)}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            raise bad(f"tensor {_show(name)} has the data_offsets {_show(offsets)}")
+        if math.prod(max(d, 1) for d in shape) * _ST_ITEMSIZE[dtype] >= 1 << 62:
+            raise bad(f"tensor {_show(name)} has the shape {_show(shape)}, too large for NumPy")
+        entries.append((offsets[0], offsets[1], name, dtype, shape, math.prod(shape)))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    end = 0
+    for begin, stop, name, dtype, shape, count in entries:
+        if begin != end or stop < begin:
+            raise bad(f"tensor {_show(name)}'s bytes [{begin}, {stop}) do not follow the last "
+                      f"tensor's, which end at {end}")  # fmt: skip
+        if stop - begin != count * _ST_ITEMSIZE[dtype]:
+            raise bad(
+                f"tensor {_show(name)} is {dtype}{shape} ({count * _ST_ITEMSIZE[dtype]} bytes) "
+                f"but has {stop - begin}"
+            )
+        end = stop
+    data_start = 8 + len(text_bytes)
+    if data_start + end != n:
+        raise bad(f"its tensors end at byte {data_start + end:,}, but the file has {n:,}")
+    return entries, metadata
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the name {twice!r} is given twice (safetensors forbids it)")
     return out
+
+
+def _show(value: Any) -> str:
+    return printable(_short(repr(value)))
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _spec_of(name: str, a: np.ndarray) -> TensorSpec:
     return TensorSpec(name, tuple(a.shape), str(a.dtype))
+
+
+MAX_LISTED = 20  # mismatches an error message lists
 
 
 def check_params(
@@ -114,32 +279,49 @@ def check_params(
 ) -> list[np.ndarray]:
     """Matches params against the manifest's param tree; returns them in call order.
 
+    Linear in the number of params (at most :data:`MAX_PARAMS`); a message lists the first
+    :data:`MAX_LISTED` mismatches.
+
     Raises:
       ArtifactError: naming missing, extra (and likely renamed) keys, or shape/dtype mismatches.
     """
+    if len(found) > MAX_PARAMS:
+        raise ArtifactError(
+            f"{file} holds {len(found):,} params, more than the {MAX_PARAMS:,} an artifact may "
+            "have. Use the weights of the same model."
+        )
     want = {s.path: s for s in expected}
     missing = [k for k in want if k not in found]
     extra = [k for k in found if k not in want]
     if missing or extra:
+        by_type: dict[tuple[tuple[int, ...], str], list[str]] = {}
+        for e in extra:
+            by_type.setdefault((tuple(found[e].shape), str(found[e].dtype)), []).append(e)
         lines = []
-        for m in missing:
+        for m in missing[:MAX_LISTED]:
             s = want[m]
-            twin = [e for e in extra if _spec_of(e, found[e]) == TensorSpec(e, s.shape, s.dtype)]
+            twin = by_type.get((tuple(s.shape), s.dtype), [])
             hint = f" (renamed to {twin[0]}?)" if len(twin) == 1 else ""
             lines.append(f"  missing: {s}{hint}")
-        lines += [f"  extra:   {_spec_of(e, found[e])}" for e in extra]
+        if len(missing) > MAX_LISTED:
+            lines.append(f"  ... and {len(missing) - MAX_LISTED:,} more missing")
+        lines += [f"  extra:   {_spec_of(e, found[e])}" for e in extra[:MAX_LISTED]]
+        if len(extra) > MAX_LISTED:
+            lines.append(f"  ... and {len(extra) - MAX_LISTED:,} more extra")
         raise ArtifactError(
             f"{file} does not match the artifact's param tree ({len(missing)} missing, "
-            f"{len(extra)} extra):\n" + "\n".join(lines) + "\nUse weights of the same model "
-            "(same layer names and sizes), e.g. the params.safetensors of another export of it."
+            f"{len(extra)} extra):\n"
+            + "\n".join(map(printable, lines))
+            + "\nUse weights of the same model (same layer names and sizes), e.g. the "
+            "params.safetensors of another export of it."
         )
     ordered = []
     for s in expected:
         a = found[s.path]
         if tuple(a.shape) != tuple(s.shape) or str(a.dtype) != s.dtype:
             raise ArtifactError(
-                f"{file}: param {s.path} is {a.dtype}{list(a.shape)} but the artifact expects "
-                f"{s.type}. Use weights of the same architecture."
+                f"{file}: param {printable(s.path)} is {a.dtype}{list(a.shape)} but the "
+                f"artifact expects {printable(s.type)}. Use weights of the same architecture."
             )
         ordered.append(a)
     return ordered

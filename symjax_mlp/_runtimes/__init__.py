@@ -1,11 +1,16 @@
 """Stage 4 of the flow: the runtimes that run a loaded artifact.
 
-A runtime is a module with two functions, called by :func:`~symjax_mlp.load` after every
-check of the artifact has passed:
+A runtime is a module with these functions, called by :func:`~symjax_mlp.load`:
 
 - ``check_supported(path, manifest)`` raises :class:`~symjax_mlp.ArtifactError` for an
-  artifact this runtime cannot run here (platform, device count, ops);
-- ``runner(path, manifest, blobs, params) -> run`` returns ``run(inputs) -> [array, ...]``.
+  artifact this runtime cannot run here (platform, device count, effects);
+- ``check_program(path, report)`` (optional) refuses a program whose ops it cannot run,
+  from the :class:`~symjax_mlp._artifact.ops.ModuleReport` of the module that runs;
+- ``runner(path, manifest, blobs, params, *, exported, guard) -> (run, weights)`` returns
+  ``run(inputs) -> [array, ...]`` and the weights it runs with. ``exported`` is the
+  deserialized ``model.jaxexport``, checked (:func:`symjax_mlp._runtimes.jax.deserialize`)
+  to hold the very module of ``model.mlirbc``; ``guard`` (``None`` when trusted) checks each
+  call's refined module before it compiles.
 
 ``jax`` runs the ``jax.export`` module through XLA; ``iree`` compiles ``model.mlirbc`` with
 IREE (no JAX on the call path).

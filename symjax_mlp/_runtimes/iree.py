@@ -2,7 +2,10 @@
 
 ``model.mlirbc`` (the ``jax.export`` StableHLO module, unchanged) is compiled by
 ``iree.compiler`` for ``llvm-cpu`` with ``--iree-llvmcpu-target-cpu=host`` and run by
-``iree.runtime``. What that takes, found by reading the module and IREE's input conversion:
+``iree.runtime``. Before it compiles, the loader deserializes ``model.jaxexport`` and checks
+that ``model.mlirbc`` is its module (as for the JAX runtime), and checks that module's ops
+(:mod:`symjax_mlp._artifact.ops`). What running it takes, found by reading the module and
+IREE's input conversion:
 
 - The symbolic batch dimension stays dynamic (``tensor<?x512xf32>``); IREE compiles it as is.
 - ``jax.export`` guards symbolic dimensions with ``stablehlo.custom_call @shape_assertion``;
@@ -38,14 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from symjax_mlp._artifact.format import MLIR, MLIRBC
+from symjax_mlp._artifact.format import MLIRBC
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import sha256, write_file_atomic
 
 TARGET = "llvm-cpu"
 DRIVER = "local-task"
-_CUSTOM_CALL = re.compile(r"stablehlo\.custom_call\s+@([\w.$-]+)")
 _KNOWN_CUSTOM_CALLS = {"shape_assertion"}  # IREE erases these; everything else it rejects
 
 
@@ -129,17 +131,21 @@ def _host_key() -> str:
     return f"{platform.machine()}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
 
 
-def _compile(path: Path, mlirbc: bytes, mlir_text: str, *, cached: bool = True) -> bytes:
-    """Returns the ``.vmfb`` for ``mlirbc``: from the user's cache, else compiled and cached."""
-    ic, _ = _modules()
-    calls = sorted(set(_CUSTOM_CALL.findall(mlir_text)) - _KNOWN_CUSTOM_CALLS)
+def check_program(path: Path, report: Any) -> None:
+    """Refuses modules IREE cannot compile (custom calls), read from the module that runs."""
+    calls = sorted(set(report.custom_calls) - _KNOWN_CUSTOM_CALLS)
     if calls:
         raise ArtifactError(
-            f"{path / MLIR}: IREE cannot run this model: it calls the custom call(s) "
+            f"{path / MLIRBC}: IREE cannot run this model: it calls the custom call(s) "
             f"{', '.join(calls)}, which are JAX/XLA runtime kernels (LAPACK for jnp.linalg, "
             "GPU libraries, ...) with no IREE lowering. Use runtime='jax', or express the "
             "computation with plain jnp/lax ops before exporting."
         )
+
+
+def _compile(path: Path, mlirbc: bytes, *, cached: bool = True) -> bytes:
+    """Returns the ``.vmfb`` for ``mlirbc``: from the user's cache, else compiled and cached."""
+    ic, _ = _modules()
     # The cache is keyed by the module's own sha256 (computed here, not read from the
     # manifest) and lives in a per-user directory: compiled code never comes from the artifact.
     cache = cache_dir() / vmfb_cache_key(sha256(mlirbc))
@@ -149,7 +155,7 @@ def _compile(path: Path, mlirbc: bytes, mlir_text: str, *, cached: bool = True) 
             if digest == sha256(data).encode():
                 return data  # else damaged: compiled again, never run
     try:
-        data = ic.compile_str(mlirbc, input_type="stablehlo", extra_args=compile_flags()[1:])
+        data = ic.compile_str(bytes(mlirbc), input_type="stablehlo", extra_args=compile_flags()[1:])
     except ic.CompilerToolError as e:
         tail = "\n".join(str(e).strip().splitlines()[-12:])
         raise ArtifactError(
@@ -165,14 +171,19 @@ def _compile(path: Path, mlirbc: bytes, mlir_text: str, *, cached: bool = True) 
 def runner(
     path: Path,
     manifest: Mapping[str, Any],
-    blobs: Mapping[str, bytes],
+    blobs: Mapping[str, Any],
     params: Sequence[np.ndarray],
-) -> Callable[[list[Any]], list[np.ndarray]]:
-    """Compiles (or reuses) the ``.vmfb`` and returns ``run(inputs) -> [np.ndarray, ...]``."""
+    *,
+    exported: Any,
+    guard: Callable[[Any, int], None] | None = None,
+) -> tuple[Callable[[list[Any]], list[np.ndarray]], dict[str, np.ndarray]]:
+    """Compiles (or reuses) the ``.vmfb`` and returns ``run(inputs) -> [np.ndarray, ...]``
+    and the weights. ``exported`` (checked to hold ``model.mlirbc``) is not run; IREE
+    compiles the dynamic module once, so ``guard`` (per-call refined shapes) does not apply."""
     _, ir = _modules()
     config = ir.Config(DRIVER)
     for cached in (True, False):  # a damaged cache entry is compiled again, never trusted
-        vmfb = _compile(path, blobs[MLIRBC], blobs[MLIR].decode(), cached=cached)
+        vmfb = _compile(path, blobs[MLIRBC], cached=cached)
         try:
             context = ir.SystemContext(config=config)
             module = ir.VmModule.copy_buffer(context.instance, vmfb)
@@ -214,4 +225,4 @@ def runner(
             raise ArtifactError(f"{path / MLIRBC}: IREE returned {len(outs)} outputs, not {n_out}.")
         return [np.asarray(o) for o in outs]
 
-    return run
+    return run, dict(zip(names, params, strict=True))

@@ -11,6 +11,7 @@ N > 1 devices runs under the caller's mesh of N devices, else a mesh of the firs
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,39 +54,67 @@ _CALLS: dict[str, tuple[Any, Callable[..., Any]]] = {}
 _MAX_CALLS = 8
 
 
-def runner(
-    path: Path,
-    manifest: Mapping[str, Any],
-    blobs: Mapping[str, bytes],
-    params: Sequence[np.ndarray],
-) -> Callable[[list[Any]], list[Any]]:
-    """Deserializes ``model.jaxexport`` and returns ``run(inputs) -> [jax.Array, ...]``."""
+def deserialize(path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, Any]) -> Any:
+    """``model.jaxexport`` deserialized and checked against the manifest and ``model.mlirbc``.
+
+    Both runtimes call it: the module IREE compiles (``model.mlirbc``) is then the very module
+    ``jax.export`` runs, and the one whose ops the loader checks.
+    """
     key = manifest["files"][JAXEXPORT]["sha256"]
-    cached = _CALLS.pop(key, None)  # the same module loaded again: reuse its compilations
+    cached = _CALLS.get(key)
     if cached:
-        exported, call = cached
+        exported = cached[0]
     else:
         try:
-            exported = jax.export.deserialize(bytearray(blobs[JAXEXPORT]))
+            exported = jax.export.deserialize(blobs[JAXEXPORT])
         except Exception as e:  # an unreadable module: most likely made by an incompatible JAX
             raise ArtifactError(
                 f"{path / JAXEXPORT}: jax.export could not deserialize it ({type(e).__name__}: "
-                f"{e}). {compatibility_note(manifest)}"
+                f"{str(e)[:300]}). {compatibility_note(manifest)}"
             ) from e
-        call = jax.jit(exported.call)
     _check_agrees(path, manifest, blobs, exported)
+    return exported
+
+
+def runner(
+    path: Path,
+    manifest: Mapping[str, Any],
+    blobs: Mapping[str, Any],
+    params: Sequence[np.ndarray],
+    *,
+    exported: Any,
+    guard: Callable[[Any, int], None] | None = None,
+) -> tuple[Callable[[list[Any]], list[Any]], dict[str, Any]]:
+    """Returns ``run(inputs) -> [jax.Array, ...]`` and the weights it runs with (on device).
+
+    ``guard(module, n)``, unless None, sees the StableHLO of each new input signature with
+    every shape refined to the call's (``n``: the inputs' element count) before XLA compiles
+    it, and may refuse it.
+    """
+    key = manifest["files"][JAXEXPORT]["sha256"]
+    cached = _CALLS.pop(key, None)  # the same module loaded again: reuse its compilations
+    call = cached[1] if cached and cached[0] is exported else jax.jit(exported.call)
     _CALLS[key] = exported, call
     while len(_CALLS) > _MAX_CALLS:
         _CALLS.pop(next(iter(_CALLS)))  # least recently loaded
     names = [p["path"] for p in manifest["params"]]
-    weights = {n: jax.numpy.asarray(a) for n, a in zip(names, params, strict=True)}
+    # device_put, not jnp.asarray (which makes two copies): the arrays read from the file are
+    # 64-byte aligned, so on CPU the device buffer is the host buffer, no copy at all
+    weights = {n: jax.device_put(a) for n, a in zip(names, params, strict=True)}
+    checked: set[Any] = set()
+
+    def call_checked(inputs: list[Any]) -> list[Any]:
+        if guard is not None:
+            shapes = tuple((tuple(x.shape), str(x.dtype)) for x in inputs)
+            if shapes not in checked and all(isinstance(d, int) for s, _ in shapes for d in s):
+                guard(_refined(path, call, weights, inputs), sum(math.prod(s) for s, _ in shapes))
+                if len(checked) < 256:
+                    checked.add(shapes)
+        return jax.tree.leaves(call(weights, *inputs))
+
     n = manifest["nr_devices"]
     if n == 1:
-
-        def run(inputs: list[Any]) -> list[Any]:
-            return jax.tree.leaves(call(weights, *inputs))
-
-        return run
+        return call_checked, weights
     # A sharded export runs on exactly n devices: under the caller's mesh of n devices (as
     # load(path, mesh=...) sets one), else under a mesh of the first n (check_supported saw enough).
     mesh = jax.make_mesh(
@@ -95,11 +124,39 @@ def runner(
     def run_sharded(inputs: list[Any]) -> list[Any]:
         current = jax.sharding.get_mesh()
         if not current.empty and current.size == n:
-            return jax.tree.leaves(call(weights, *inputs))
+            return call_checked(inputs)
         with jax.set_mesh(mesh):
-            return jax.tree.leaves(call(weights, *inputs))
+            return call_checked(inputs)
 
-    return run_sharded
+    return run_sharded, weights
+
+
+def _refined(path: Path, call: Any, weights: Any, inputs: list[Any]) -> Any:
+    """The StableHLO XLA would compile for ``inputs``' shapes: lowered, shapes refined."""
+    import io
+
+    import jax.extend.mlir as jex
+    from jax._src.interpreters import mlir as jax_mlir
+
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+    module = call.lower(weights, *structs).compiler_ir("stablehlo")
+    buffer = io.BytesIO()
+    module.operation.write_bytecode(buffer)
+    try:
+        refined = jex.refine_polymorphic_shapes(
+            buffer.getvalue(),
+            enable_shape_assertions=True,
+            validate_static_shapes=True,
+            enable_shardy=jax.config.jax_use_shardy_partitioner,
+        )
+    except Exception as e:  # MLIR raises plain exceptions
+        raise ArtifactError(
+            f"{path / JAXEXPORT}: the module's shapes cannot be resolved for inputs "
+            f"{[tuple(s.shape) for s in structs]} ({type(e).__name__}: {str(e)[:300]})."
+        ) from e
+    context = jax_mlir.make_ir_context()
+    with context:
+        return jax_mlir.ir.Module.parse(refined), context
 
 
 def _check_agrees(
@@ -113,6 +170,8 @@ def _check_agrees(
     ``model.mlirbc`` (so both runtimes run one program).
     """
     sig = manifest["signature"]
+    n_dev = manifest["nr_devices"]
+    symbolic = any(not isinstance(d, int) for a in exported.in_avals for d in a.shape)
 
     def types(specs: Any) -> list[tuple[tuple[Any, ...], str]]:
         return [(tuple(s["shape"]), s["dtype"]) for s in specs]
@@ -158,6 +217,22 @@ def _check_agrees(
         (
             bytes(exported.mlir_module_serialized) == blobs[MLIRBC],
             f"holds a StableHLO module other than {MLIRBC}'s",
+        ),
+        (
+            not exported.disabled_safety_checks,
+            f"was exported with jax.export's safety checks disabled "
+            f"({', '.join(map(str, exported.disabled_safety_checks))[:200]})",
+        ),
+        (not exported.unordered_effects, "has effects (host callbacks)"),
+        (
+            len(exported.in_shardings_hlo) == len(exported.in_avals)
+            and len(exported.out_shardings_hlo) == len(exported.out_avals)
+            and (n_dev > 1 or not any(exported.in_shardings_hlo + exported.out_shardings_hlo)),
+            "has shardings that do not fit its inputs, outputs or device count",
+        ),
+        (
+            bool(exported.uses_global_constants) == (symbolic or len(exported.platforms) > 1),
+            "says it uses global constants, which it does not (or the reverse)",
         ),
     ]
     problems = [what for ok, what in checks if not ok]

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from symjax_mlp.cli import _args
+from symjax_mlp.cli import _args, _serve
 from symjax_mlp.cli._args import add_json, batch, input_file, positive, sizes
 
 PROG = "symjax-mlp"
@@ -212,6 +212,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rtol", type=_args.non_negative_float("--rtol"), default=1e-5)
     p.add_argument("--atol", type=_args.non_negative_float("--atol"), default=1e-5)
+    p.add_argument("--key", help="a PEM public key: refuse unless every file is signed by it")
     add_json(p, "the report")
     p.set_defaults(handler=_run_verify)
 
@@ -225,6 +226,7 @@ def _run_verify(args: argparse.Namespace) -> int:
         batches=args.batches,
         rtol=args.rtol,
         atol=args.atol,
+        verify_signature=args.key,
     )
     if args.json:
         _emit_json(report.to_dict(), args.json)
@@ -321,6 +323,7 @@ _COMMANDS = (
     _add_verify,
     _add_bench,
     _add_train,
+    _serve.add_parser,
 )
 
 

@@ -27,8 +27,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import load, save
+from safetensors.numpy import save
 
+from symjax_mlp._artifact.weights import MAX_TENSORS, read_safetensors_file
 from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._files import read_regular, sha256, write_dir
 
@@ -37,6 +38,10 @@ _STATE_FILE = "state.safetensors"
 _MANIFEST = "manifest.json"
 _MAX_MANIFEST_BYTES = 64 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_MAX_TENSORS = 8 * MAX_TENSORS  # params and the optimizer's state of them
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_RECORD = {"epoch": int, "step": int, "loss": float, "train_accuracy": float,
+           "test_accuracy": float, "seconds": float}  # fmt: skip
 
 
 @jax.tree_util.register_dataclass
@@ -175,11 +180,16 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             f"{path} is not a symjax_mlp checkpoint of format version {FORMAT_VERSION} "
             f"(its manifest holds {str(got)[:60]!r}). Resume from a checkpoint train() wrote."
         )
+    meta = manifest.get("metadata", {})
     ok = {
-        "step": isinstance(manifest.get("step"), int) and manifest["step"] >= 0,
-        "epoch": isinstance(manifest.get("epoch"), int) and manifest["epoch"] >= 0,
-        "files": isinstance(manifest.get("files"), dict),
-        "metadata": isinstance(manifest.get("metadata", {}), dict),
+        "step": _count(manifest.get("step")),
+        "epoch": _count(manifest.get("epoch")),
+        "files": isinstance(manifest.get("files"), dict)
+        and isinstance(manifest["files"].get(_STATE_FILE), str)
+        and _SHA256.fullmatch(manifest["files"][_STATE_FILE]) is not None,
+        "metadata": isinstance(meta, dict),
+        "metadata.config": not isinstance(meta, dict) or isinstance(meta.get("config", {}), dict),
+        "metadata.history": not isinstance(meta, dict) or _history_ok(meta.get("history", [])),
     }
     bad = [k for k, good in ok.items() if not good]
     if bad:
@@ -188,6 +198,26 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             "checkpoint is corrupted or was edited. Resume from an older step_* directory."
         )
     return manifest
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _history_ok(history: Any) -> bool:
+    """A list of epoch records: each exactly the fields of ``EpochRecord``, as numbers."""
+
+    def number(v: Any, kind: type) -> bool:
+        if isinstance(v, bool):
+            return False
+        return isinstance(v, int) if kind is int else isinstance(v, int | float)
+
+    return isinstance(history, list) and all(
+        isinstance(r, dict)
+        and set(r) == set(_RECORD)
+        and all(number(r[k], kind) for k, kind in _RECORD.items())
+        for r in history
+    )
 
 
 def restore_checkpoint(
@@ -216,19 +246,18 @@ def restore_checkpoint(
         path = newest
     manifest = _read_manifest(path)
     state_file = path / _STATE_FILE
-    try:
-        data = read_regular(state_file, error=CheckpointError)
-    except FileNotFoundError:
-        data = None
-    if data is None or sha256(data) != manifest["files"].get(_STATE_FILE):
-        raise CheckpointError(
-            f"{state_file} is missing or does not match its sha256 in the manifest; the "
-            "checkpoint is corrupted. Restore from an older step_* directory."
+    try:  # the artifact reader's own checks: no link or FIFO, strict, hashed as it is read
+        stored, _ = read_safetensors_file(
+            state_file,
+            sha256=manifest["files"][_STATE_FILE],
+            error=CheckpointError,
+            max_tensors=_MAX_TENSORS,
         )
-    try:
-        stored = load(data)
-    except Exception as e:  # safetensors raises its own SafetensorError
-        raise CheckpointError(f"{state_file} is not a valid safetensors file: {e}") from e
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{state_file} is missing; the checkpoint is incomplete. Restore from an older "
+            "step_* directory."
+        ) from None
     wanted = _tensors(like)
     missing = sorted(set(wanted) - set(stored))
     extra = sorted(set(stored) - set(wanted))

@@ -14,14 +14,15 @@ import random
 import shutil
 from pathlib import Path
 
-MANIFEST, JAXEXPORT, MLIRBC, MLIR, PARAMS = (
+MANIFEST, JAXEXPORT, MLIRBC, MLIR, PARAMS, SELFTEST = (
     "manifest.json",
     "model.jaxexport",
     "model.mlirbc",
     "model.mlir",
     "params.safetensors",
+    "selftest.safetensors",
 )
-FILES = (MANIFEST, JAXEXPORT, MLIRBC, MLIR, PARAMS)
+FILES = (MANIFEST, JAXEXPORT, MLIRBC, MLIR, PARAMS, SELFTEST)
 DATA = FILES[1:]
 
 

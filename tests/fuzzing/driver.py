@@ -17,8 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from fuzzing.cases import make
-from fuzzing.worker import OK, TAG
+from fuzzing.worker import OK, TAG, target
 
 TESTS = Path(__file__).resolve().parent.parent  # on the workers' PYTHONPATH: fuzzing is there
 
@@ -37,14 +36,16 @@ def _pump(stream, lines: queue.Queue) -> None:
     lines.put(None)  # end of output: the worker exited
 
 
-def _drive(out: Path, seed: int, cases: list[int], timeout: float, results: dict, log) -> None:
+def _drive(
+    out: Path, seed: int, cases: list[int], timeout: float, results: dict, log, name: str
+) -> None:
     """Runs ``cases`` (contiguous) in worker processes; restarts after a crash or a hang."""
     todo = collections.deque(cases)
     while todo:
         first, stop = todo[0], todo[-1] + 1
         cmd = [sys.executable, "-W", "error", "-m", "fuzzing.worker", str(out), str(seed)]
         proc = subprocess.Popen(
-            [*cmd, str(first), str(stop)],
+            [*cmd, str(first), str(stop), name],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -86,27 +87,36 @@ def _drive(out: Path, seed: int, cases: list[int], timeout: float, results: dict
             results[current].pop("start")
             todo.popleft()
         elif rc not in (0, -9) and todo:
-            raise RuntimeError(f"fuzz worker exited with {rc} outside a case; see workers.log")
+            raise RuntimeError(f"fuzz worker exited with {rc} outside a case; see workers-*.log")
 
 
-def fuzz(out: Path, *, cases: int, seed: int = 0, workers: int = 2, timeout: float = 30) -> dict:
-    """Runs ``cases`` fuzz cases over ``workers`` processes; returns the summary.
+def fuzz(
+    out: Path,
+    *,
+    cases: int,
+    seed: int = 0,
+    workers: int = 2,
+    timeout: float = 30,
+    target_name: str = "loader",
+) -> dict:
+    """Runs ``cases`` fuzz cases of ``target_name`` over ``workers`` processes; returns the
+    summary.
 
     The summary counts outcomes (``counts``), lists every failing case (``failures``, with how
     to reproduce it), and records per-family counts, the slowest case and the workers' peak
     memory.
     """
     out = Path(out).resolve()
-    make(out)
+    target(target_name)[0](out)
     (out / "PWNED").unlink(missing_ok=True)
     ids = list(range(cases))
     size = -(-cases // workers)
     ranges = [ids[i : i + size] for i in range(0, cases, size)]  # contiguous: fewer starts
     results: dict[int, dict] = {}
     t0 = time.perf_counter()
-    with open(out / "workers.log", "w") as log:
+    with open(out / f"workers-{target_name}.log", "w") as log:
         threads = [
-            threading.Thread(target=_drive, args=(out, seed, r, timeout, results, log))
+            threading.Thread(target=_drive, args=(out, seed, r, timeout, results, log, target_name))
             for r in ranges
         ]
         for t in threads:
@@ -115,18 +125,20 @@ def fuzz(out: Path, *, cases: int, seed: int = 0, workers: int = 2, timeout: flo
             t.join()
     missing = sorted(set(ids) - set(results))
     if missing:
-        raise RuntimeError(f"fuzz cases {missing[:10]}... produced no result; see workers.log")
+        raise RuntimeError(f"fuzz cases {missing[:10]}... produced no result; see workers-*.log")
     counts = collections.Counter(r["outcome"] for r in results.values())
     families = collections.Counter(
         f"{r.get('family', '?')}:{r['outcome']}" for r in results.values()
     )
     failures = [
-        dict(r, reproduce=f"{REPRODUCE} --seed {seed} --case {r['case']}")
+        dict(r, reproduce=f"{REPRODUCE} --target {target_name} --seed {seed} --case {r['case']}")
         for r in sorted(results.values(), key=lambda r: r["case"])
         if r["outcome"] not in OK
     ]
     timed = [r for r in results.values() if "seconds" in r]
+    largest = max((r.get("largest_file_mb", 0) for r in timed), default=0)
     return {
+        "target": target_name,
         "cases": cases,
         "seed": seed,
         "workers": workers,
@@ -136,5 +148,6 @@ def fuzz(out: Path, *, cases: int, seed: int = 0, workers: int = 2, timeout: flo
         "failures": failures,
         "slowest_case_s": max((r["seconds"] for r in timed), default=0),
         "max_rss_mb": max((r.get("max_rss_mb", 0) for r in timed), default=0),
+        "largest_listed_file_mb": largest,
         "code_executed": (out / "PWNED").exists(),
     }

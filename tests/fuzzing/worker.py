@@ -1,8 +1,9 @@
 """The fuzz worker process: runs a range of cases, one JSON line each on stdout.
 
-``python -m fuzzing.worker OUT SEED FIRST STOP`` (with ``tests`` on ``PYTHONPATH``; the driver,
-:mod:`fuzzing.driver`, starts it) runs cases ``FIRST`` to ``STOP - 1`` against the artifacts in
-``OUT`` (see :func:`fuzzing.cases.make`). Before loading each case it prints a ``start`` line,
+``python -m fuzzing.worker OUT SEED FIRST STOP [TARGET]`` (``tests`` on ``PYTHONPATH``; the
+driver, :mod:`fuzzing.driver`, starts it) runs cases ``FIRST`` to ``STOP - 1`` of ``TARGET``
+(:data:`TARGETS`: ``loader``, the default, ``hostile`` or ``checkpoint``) against what
+``make`` wrote in ``OUT``. Before loading each case it prints a ``start`` line,
 so that a case that kills or hangs the interpreter is still attributed; after it, the result:
 the outcome (see :mod:`fuzzing`), what was mutated, the time and the peak memory. Result lines
 start with :data:`TAG` (libraries may print to stdout too). Its address space is limited to
@@ -74,7 +75,7 @@ def run_case(ctx: Context, seed: int, case: int, *, started=None, verbose: bool 
         "outcome": outcome,
         "detail": detail[:2000],
         "seconds": round(time.perf_counter() - t0, 4),
-        "max_rss_mb": _peak_rss_mb(),
+        "max_rss_mb": peak_rss_mb(),
     }
 
 
@@ -95,7 +96,7 @@ def _sabotaged(kind: str, got):
     return (got[0], tuple(a + 1 for a in got[1]))  # "wrong"
 
 
-def _peak_rss_mb() -> int:
+def peak_rss_mb() -> int:
     """This process's peak resident memory (VmHWM: unlike ru_maxrss, not inherited from the
     process that forked it)."""
     with contextlib.suppress(OSError), open("/proc/self/status") as f:
@@ -106,23 +107,44 @@ def _peak_rss_mb() -> int:
 
 
 # -- the worker process ------------------------------------------------------------------------
-def worker(out: Path, seed: int, first: int, stop: int) -> None:
+TARGETS = ("loader", "hostile", "checkpoint")  # what a run fuzzes (see fuzzing.driver)
+
+
+def target(name: str):
+    """``(make, Context, run_case)`` of a fuzz target."""
+    if name == "loader":
+        from fuzzing.cases import make
+
+        return make, Context, run_case
+    if name == "hostile":
+        from fuzzing import hostile
+
+        return hostile.make, hostile.Context, hostile.run_case
+    if name == "checkpoint":
+        from fuzzing import checkpoints
+
+        return checkpoints.make, checkpoints.Context, checkpoints.run_case
+    raise ValueError(f"unknown fuzz target {name!r}; choose from {TARGETS}")
+
+
+def worker(out: Path, seed: int, first: int, stop: int, name: str = "loader") -> None:
     """Runs cases ``first`` to ``stop - 1``, one JSON line each (after a ``start`` line)."""
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-    work = out / f"work-{os.getpid()}"
+    work = out / f"work-{name}-{os.getpid()}"
+    _, context, run = target(name)
     try:
-        ctx = Context(out, work)
+        ctx = context(out, work)
 
         def started(info: dict) -> None:
             print(TAG + json.dumps(dict(info, start=True)), flush=True)
 
         for case in range(first, stop):
-            print(TAG + json.dumps(run_case(ctx, seed, case, started=started)), flush=True)
+            print(TAG + json.dumps(run(ctx, seed, case, started=started)), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-if __name__ == "__main__":  # python -m fuzzing.worker OUT SEED FIRST STOP
-    out, seed, first, stop = sys.argv[1:]
+if __name__ == "__main__":  # python -m fuzzing.worker OUT SEED FIRST STOP [TARGET]
+    out, seed, first, stop, *name = sys.argv[1:]
     with contextlib.suppress(BrokenPipeError):
-        worker(Path(out), int(seed), int(first), int(stop))
+        worker(Path(out), int(seed), int(first), int(stop), *name)

@@ -1,0 +1,185 @@
+"""Who made an artifact: signing with the OpenSSF ``model-signing`` package, offline, by key.
+
+Checksums in the manifest prove that the files are the ones the manifest lists, not who wrote
+them: anyone can export a model and list its files. A signature can: :func:`sign` hashes
+*every* file of the artifact directory (listed or not, ``.git`` included: only the signature
+itself is left out) with ``model_signing`` and signs that manifest with an elliptic-curve
+private key into ``model.sig`` (a Sigstore bundle, no network, no transparency log).
+:func:`verify_signature`, and ``load(path, verify_signature=PUBLIC_KEY)``, check it before any
+parser of symjax_mlp reads a byte: an unsigned artifact, a file added, removed or changed, or
+another key is an :class:`~symjax_mlp.ArtifactError`.
+
+Before ``model_signing`` reads the directory it is checked to hold only regular files and
+directories (no symlink, FIFO or device, at most :data:`MAX_ENTRIES` entries), so verifying
+cannot hang or be redirected; and the files' identities (inode, size, change time) are
+recorded, so that a loader can check that what it read is what was verified.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from symjax_mlp._errors import ArtifactError, ConfigError
+
+SIGNATURE = "model.sig"
+MAX_ENTRIES = 4096
+MAX_SIGNATURE_BYTES = 1 << 20
+
+
+def _model_signing() -> tuple[Any, Any, Any]:
+    try:
+        import model_signing.hashing
+        import model_signing.signing
+        import model_signing.verifying
+    except ImportError as e:
+        raise ConfigError(
+            "signing artifacts needs the optional package model-signing: "
+            f"pip install 'symjax_mlp[sign]' ({e})"
+        ) from e
+    return model_signing.hashing, model_signing.signing, model_signing.verifying
+
+
+def _hashing(hashing: Any) -> Any:
+    """Every file but the signature, git files included (the default would skip ``.git``)."""
+    return hashing.Config().set_ignored_paths(paths=[SIGNATURE], ignore_git_paths=False)
+
+
+def _key_file(key: Any, what: str) -> Path:
+    if not isinstance(key, (str, os.PathLike)):
+        raise ConfigError(
+            f"{what}: pass the path of a PEM key file; got {type(key).__name__}. Write a key "
+            "with cryptography's private_bytes/public_bytes (PEM)."
+        )
+    file = Path(key)
+    if not file.is_file():
+        raise ConfigError(f"{what}: {file} is not a key file.")
+    return file
+
+
+def snapshot(path: Path) -> dict[str, tuple[int, int, int, int]]:
+    """``{relative path: (device, inode, size, ctime_ns)}`` of every entry under ``path``.
+
+    Raises:
+      ArtifactError: a symlink, FIFO, socket or device inside, or more than
+        :data:`MAX_ENTRIES` entries.
+    """
+    out: dict[str, tuple[int, int, int, int]] = {}
+    todo = [path]
+    while todo:
+        directory = todo.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except OSError as e:
+            raise ArtifactError(f"{directory} cannot be listed: {e}") from e
+        for entry in entries:
+            if len(out) >= MAX_ENTRIES:
+                raise ArtifactError(
+                    f"{path} holds more than {MAX_ENTRIES} files; it is not an artifact."
+                )
+            info = entry.stat(follow_symlinks=False)
+            rel = os.path.relpath(entry.path, path)
+            if stat.S_ISDIR(info.st_mode):
+                todo.append(Path(entry.path))
+            elif not stat.S_ISREG(info.st_mode):
+                raise ArtifactError(
+                    f"{Path(entry.path)} is not a regular file (a symlink, FIFO or device); a "
+                    "signed artifact holds only files. Nothing was verified."
+                )
+            out[rel] = (info.st_dev, info.st_ino, info.st_size, info.st_ctime_ns)
+    return out
+
+
+def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> Path:
+    """Signs every file of an artifact directory with an elliptic-curve private key.
+
+    Writes ``path/model.sig``, a Sigstore bundle made by the OpenSSF ``model-signing``
+    package (``pip install 'symjax_mlp[sign]'``), offline: no network, no transparency log.
+    Sign after the export is final: any later change to any file in the directory (a new
+    export, a file added) makes :func:`verify_signature` refuse it.
+
+    Args:
+      path: the artifact directory.
+      private_key: a PEM file of an elliptic-curve private key (e.g. made with
+        ``cryptography``'s ``ec.generate_private_key(ec.SECP256R1())``).
+
+    Returns:
+      The signature file.
+
+    Raises:
+      ArtifactError: ``path`` is not a directory of plain files.
+      ConfigError: ``model-signing`` is missing, or ``private_key`` is not a key file.
+    """
+    hashing, signing, _ = _model_signing()
+    path = Path(path)
+    key = _key_file(private_key, "sign(private_key=...)")
+    if not path.is_dir() or path.is_symlink():
+        raise ArtifactError(f"{path} is not an artifact directory; there is nothing to sign.")
+    snapshot(path)
+    (path / SIGNATURE).unlink(missing_ok=True)
+    try:
+        config = signing.Config().set_hashing_config(_hashing(hashing))
+        config.use_elliptic_key_signer(private_key=key).sign(path, path / SIGNATURE)
+    except (ValueError, TypeError, OSError) as e:
+        raise ConfigError(f"sign({str(path)!r}): model-signing failed: {e}") from e
+    return path / SIGNATURE
+
+
+def verify_signature(path: str | os.PathLike[str], public_key: str | os.PathLike[str]) -> None:
+    """Checks that every file of ``path`` is what the holder of ``public_key``'s private key
+    signed with :func:`sign`, and nothing more: no file added, removed or changed.
+
+    ``load(path, verify_signature=public_key)`` does this before reading any file, and
+    checks afterwards that no file changed in between.
+
+    Args:
+      path: the artifact directory.
+      public_key: a PEM file of the elliptic-curve public key.
+
+    Raises:
+      ArtifactError: the artifact is unsigned, a file was added, removed or changed, or it was
+        signed with another key.
+      ConfigError: ``model-signing`` is missing, or ``public_key`` is not a key file.
+    """
+    check(path, public_key)
+
+
+def check(path: str | os.PathLike[str], public_key: str | os.PathLike[str]) -> Callable[[], None]:
+    """:func:`verify_signature`; returns ``unchanged()``, which raises
+    :class:`ArtifactError` if any file of ``path`` was replaced or modified since (a loader
+    calls it after reading the files, so what it read is what was verified)."""
+    hashing, _, verifying = _model_signing()
+    path = Path(path)
+    key = _key_file(public_key, "verify_signature=")
+    if not path.is_dir() or path.is_symlink():
+        raise ArtifactError(f"{path} is not an artifact directory; there is nothing to verify.")
+    before = snapshot(path)
+    sig = path / SIGNATURE
+    if SIGNATURE not in before:
+        raise ArtifactError(
+            f"{path} is not signed (no {SIGNATURE}), and a public key was given: refusing it. "
+            "Ask its author to sign it with symjax_mlp.sign(path, private_key), or load it "
+            "without verify_signature= if you trust where it came from."
+        )
+    if before[SIGNATURE][2] > MAX_SIGNATURE_BYTES:
+        raise ArtifactError(f"{sig} has more than {MAX_SIGNATURE_BYTES} bytes; it is no signature.")
+    try:
+        config = verifying.Config().set_hashing_config(_hashing(hashing))
+        config.use_elliptic_key_verifier(public_key=key).verify(path, sig)
+    except Exception as e:  # model_signing, sigstore and cryptography raise their own types
+        raise ArtifactError(
+            f"{path}: the signature {sig.name} does not verify with {key}: "
+            f"{type(e).__name__}: {str(e)[:400]}. The artifact was changed after it was signed, "
+            "or signed by someone else: refusing it."
+        ) from None
+
+    def unchanged() -> None:
+        if snapshot(path) != before:
+            raise ArtifactError(f"{path} changed while it was verified and read; load it again.")
+
+    if snapshot(path) != before:
+        unchanged()
+    return unchanged

@@ -1,0 +1,629 @@
+"""Loading an artifact from a stranger: no native code, no crash, no hang, or a clear refusal.
+
+Every hostile artifact here is *consistent*: its files agree with each other and every
+checksum matches (``fuzzing.forge`` re-signs them), so only the loader's own checks of the
+program, the weights and the inputs stand between it and the process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from fuzzing import forge
+from helpers import ZOO, rand
+
+import symjax_mlp as sm
+from symjax_mlp.cli import main
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The static MLP every hostile program edits, and its input."""
+    return forge.base(tmp_path_factory.mktemp("base") / "mlp")
+
+
+@pytest.fixture(scope="module")
+def symbolic(tmp_path_factory):
+    """The same MLP with a symbolic batch."""
+    return forge.base(tmp_path_factory.mktemp("symbolic") / "mlp", batch="b")
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Fails the test if anything calls (so traces, compiles or runs) an exported program."""
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a refused program reached jax.export's call (and XLA)")
+
+    monkeypatch.setattr(jax.export.Exported, "call", must_not_run)
+
+
+def _edit(path, edit):
+    m = json.loads((path / "manifest.json").read_text())
+    edit(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+# -- 2. the program: checked op by op, in the module that runs, before compiling ----------------
+@pytest.mark.parametrize("program", sorted(forge.PROGRAMS))
+def test_hostile_programs_are_refused_before_compiling(base, tmp_path, nothing_runs, program):
+    src, _ = base
+    art = forge.forge(src, tmp_path / program, forge.PROGRAMS[program])
+    key = forge.REFUSED_AS[program]
+    for runtime in ("jax", "iree"):
+        t0 = time.perf_counter()
+        with pytest.raises(sm.ArtifactError) as info:
+            sm.load(art, runtime=runtime)
+        assert time.perf_counter() - t0 < 10
+        if runtime == "jax" or not key.startswith("custom_call"):
+            assert "refuses to compile" in str(info.value)
+            assert repr(key) in str(info.value) and "trust=True" in str(info.value)
+        else:  # IREE says first that it cannot compile a custom call at all
+            assert "IREE cannot run this model" in str(info.value)
+    assert any(p.key == key for p in sm.inspect(art).program().problems)
+
+
+def test_what_sm_export_writes_unchecked_is_refused(tmp_path, request):
+    """jax.export checks custom calls and callbacks at export only: these export fine."""
+    made = forge.hostile_exports(tmp_path)
+    request.getfixturevalue("nothing_runs")
+    for name, key in (("export_endless", "while"), ("export_data_loop", "while"),
+                      ("export_linalg", "custom_call:lapack_sgetrf_ffi")):  # fmt: skip
+        with pytest.raises(sm.ArtifactError, match=rf"allow=.*{key}"):
+            sm.load(made[name])
+
+
+def test_what_is_allowed_by_name_loads(base, tmp_path):
+    src, x = base
+    art = forge.forge(src, tmp_path / "loop", forge.uncounted_loop)  # squares until inf
+    with pytest.raises(sm.ArtifactError, match=r"trip count is not a constant"):
+        sm.load(art)
+    for options in ({"allow": {"while"}}, {"allow": ["stablehlo.while"]}, {"trust": True}):
+        y = np.asarray(sm.load(art, self_test=False, **options)(x))
+        assert y.shape == (2, 2) and not np.isfinite(y).all()
+    # the self-test vectors are still those of the exported MLP: this program fails them
+    with pytest.raises(sm.ArtifactError, match=r"no longer reproduces its self-test"):
+        sm.load(art, allow={"while"})
+    with pytest.raises(sm.ArtifactError, match=r"load\(allow=...\)"):
+        sm.load(art, allow={""})
+
+
+def test_counted_loops_of_a_small_constant_trip_count_load(tmp_path):
+    def fori(p, x):
+        return jax.lax.fori_loop(0, 10, lambda i, c: c * 0.5 + p["w"], x)
+
+    def long(p, x):
+        return jax.lax.fori_loop(0, 100_000, lambda i, c: c * 0.5 + p["w"], x)
+
+    x = jnp.ones((2, 3))
+    h = sm.hybridize(fori, {"w": jnp.ones(3)})
+    np.testing.assert_allclose(sm.load(sm.export(h, tmp_path / "f", example=x).path)(x), h(x))
+    art = sm.export(sm.hybridize(long, {"w": jnp.ones(3)}), tmp_path / "l", example=x)
+    with pytest.raises(sm.ArtifactError, match=r"while loop of 100,000 iterations"):
+        sm.load(art.path)
+
+
+def _every_export(tmp_path):
+    """The zoo, the chapter MLP, sharded and multi-platform exports: what the allow-list is."""
+    for case in ZOO:
+        if case.name == "linen_dict":  # dict inputs cannot be exported
+            continue
+        yield (
+            case.name,
+            sm.export(
+                case.hybridize(), tmp_path / case.name, example=case.inputs(0), kwargs=case.eval
+            ),
+        )
+    net = sm.mlp((256, 128, 2))
+    h = sm.hybridize(net, net.init(jax.random.key(1), rand(1, 512)))
+    yield "chapter", sm.export(h, tmp_path / "chapter", example=rand(1, 512))
+    yield "static", sm.export(h, tmp_path / "static", example=rand(3, 512), batch=None)
+    yield (
+        "platforms",
+        sm.export(h, tmp_path / "mp", example=rand(1, 512), platforms=("cpu", "cuda")),
+    )
+    yield "sharded", sm.export(h.shard(sm.data_mesh(4)), tmp_path / "sh", example=rand(4, 512))
+    for act in sm.ACTIVATIONS:
+        net = sm.mlp((5, 3), activation=act)
+        ha = sm.hybridize(net, net.init(jax.random.key(1), rand(2, 4)))
+        yield act, sm.export(ha, tmp_path / act, example=rand(2, 4))
+
+
+def test_every_model_of_the_zoo_passes_the_op_check(tmp_path):
+    seen = set()
+    for name, art in _every_export(tmp_path):
+        program = art.program()
+        assert program.problems == (), (name, program.problems)
+        seen |= set(program.counts)
+        sm.load(art.path)  # and loads, self-test included
+    assert {"stablehlo.dot_general", "stablehlo.while", "stablehlo.case", "sdy.mesh"} <= seen
+
+
+def test_op_counts_are_those_of_the_module_that_runs(base, tmp_path):
+    src, _ = base
+    art = forge.resign(src, tmp_path / "text", files={"model.mlir": b"stablehlo.while\n" * 50})
+    counts = sm.inspect(art).op_counts()  # model.mlir says 50 loops; the module has none
+    assert "stablehlo.while" not in counts and counts["stablehlo.dot_general"] == 2
+    other = forge.forge(src, tmp_path / "other", forge.harmless)
+    forge.resign(
+        art, tmp_path / "mixed", files={"model.mlirbc": (other / "model.mlirbc").read_bytes()}
+    )
+    with pytest.raises(sm.ArtifactError, match=r"StableHLO module other than model.mlirbc"):
+        sm.inspect(tmp_path / "mixed").op_counts()
+    text = str(sm.inspect(forge.forge(src, tmp_path / "cb", forge.callback)))
+    assert "custom_call @xla_ffi_python_cpu_callback" in text and "load       refuses" in text
+
+
+def test_shapes_computed_at_the_call_are_bounded_too(symbolic, tmp_path):
+    """A dynamic shape that only refinement makes (10**5, 10**5): bounded per call, before
+    XLA compiles it (compiled, it runs for about a minute)."""
+    src, x = symbolic
+    art = forge.forge(src, tmp_path / "dyn", forge.dynamic_huge)
+    assert sm.inspect(art).program().problems == ()  # nothing static to see
+    t0 = time.perf_counter()
+    with pytest.raises(sm.ArtifactError, match=r"per input element"):
+        sm.load(art)  # the self-test's call
+    m = sm.load(art, self_test=False)
+    with pytest.raises(sm.ArtifactError, match=r"for these inputs \(6 elements\)"):
+        m(x)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_a_callback_in_the_callers_own_jit_is_never_the_artifacts(base, tmp_path):
+    """The forged callback (index 0) once ran the caller's pure_callback and replaced the
+    answer; it is refused at load, and the caller's callback is called only by the caller."""
+    src, x = base
+    art = forge.forge(src, tmp_path / "cb", forge.callback)
+    calls = []
+
+    def mine(v):
+        calls.append(v.shape)
+        return np.asarray(v)
+
+    def caller(x, m):
+        y = jax.pure_callback(mine, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return m(y) if m is not None else y
+
+    with pytest.raises(sm.ArtifactError, match=r"host callback"):
+        sm.load(art)
+    m = sm.load(src)
+    np.testing.assert_array_equal(jax.jit(lambda x: caller(x, m))(x), m(x))
+    assert calls == [(2, 3)]
+
+
+# -- 3. hangs -------------------------------------------------------------------------------------
+def _safetensors(tensors: dict[str, np.ndarray]) -> bytes:
+    import safetensors.numpy
+
+    return safetensors.numpy.save(tensors)
+
+
+def test_param_matching_is_linear_and_bounded(base, tmp_path):
+    src, _ = base
+    n = 4000  # 88 s before; every name unmatched, every tensor of one shape
+    theirs = {f"params/a{i}": np.zeros(1, np.float32) for i in range(n)}
+    data = _safetensors(theirs)
+
+    def listing(m):
+        m["params"] = [{"path": f"params/b{i}", "shape": [1], "dtype": "float32"} for i in range(n)]
+
+    art = forge.resign(src, tmp_path / "many", files={"params.safetensors": data}, manifest=listing)
+    t0 = time.perf_counter()
+    with pytest.raises(sm.ArtifactError, match=r"4000 missing, 4000 extra") as info:
+        sm.load(art)
+    assert time.perf_counter() - t0 < 3
+    assert str(info.value).count("missing:") == 20 and "3,980 more missing" in str(info.value)
+
+    def too_many(m):
+        m["params"] = [{"path": f"p{i}", "shape": [1], "dtype": "float32"} for i in range(70_000)]
+
+    forge.resign(src, tmp_path / "bound", manifest=too_many)
+    with pytest.raises(sm.ArtifactError, match=r"at most 65,536"):
+        sm.load(tmp_path / "bound")
+    many = _safetensors({f"p{i}": np.zeros(0, np.float32) for i in range(70_000)})
+    forge.resign(src, tmp_path / "bound2", files={"params.safetensors": many})
+    with pytest.raises(sm.ArtifactError, match=r"70,000 tensors, more than the 65,536"):
+        sm.load(tmp_path / "bound2")
+
+
+def _finishes(fn, seconds=20):
+    """Runs ``fn`` in a thread; returns what it raised (it must finish within ``seconds``)."""
+    out = {}
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s: it hangs"
+    return out.get("error")
+
+
+def _checkpoint(tmp_path):
+    import optax
+
+    p = {"w": jnp.arange(3.0)}
+    opt = optax.adam(1e-3)
+    state = sm.training.TrainState(p, opt.init(p), jax.random.key(0), step=3, epoch=1)
+    return sm.training.save_checkpoint(tmp_path / "ckpt", state), state
+
+
+def test_a_fifo_as_a_checkpoint_manifest_never_blocks(tmp_path):
+    path, like = _checkpoint(tmp_path)
+    for name in ("manifest.json", "state.safetensors"):
+        copy = tmp_path / f"fifo-{name}"
+        shutil.copytree(path, copy)
+        (copy / name).unlink()
+        os.mkfifo(copy / name)
+        error = _finishes(lambda c=copy: sm.training.restore_checkpoint(c, like))
+        assert isinstance(error, sm.CheckpointError), error
+        assert "not a regular file" in str(error)
+
+
+# -- 4. two exports racing for one new path --------------------------------------------------------
+RACER = textwrap.dedent(
+    """
+    import os, sys, time
+    import jax, jax.numpy as jnp, numpy as np
+    import symjax_mlp as sm
+    import symjax_mlp._files as files_seam
+
+    seed, target, ready, go = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    real = files_seam.write_file
+
+    def after_the_first_check(file, data):  # both writers are past export's first check
+        if file.name == "manifest.json":
+            open(ready, "w").close()
+            while not os.path.exists(go):
+                time.sleep(0.005)
+        real(file, data)
+
+    files_seam.write_file = after_the_first_check
+    net = sm.mlp((4, 2))
+    x = jnp.ones((2, 3))
+    h = sm.hybridize(net, net.init(jax.random.key(seed), x))
+    try:
+        sm.export(h, target, example=x)
+    except sm.ArtifactError as e:
+        print("LOST", e)
+    else:
+        print("WON", np.asarray(h(x)).tobytes().hex())
+    """
+)
+
+
+def test_two_processes_exporting_to_one_new_path_never_lose_the_winner(tmp_path):
+    for round_ in range(3):
+        target, go = tmp_path / f"art{round_}", tmp_path / f"go{round_}"
+        ready = [tmp_path / f"ready{round_}-{i}" for i in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", RACER, str(10 + i), str(target), str(ready[i]), str(go)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        deadline = time.monotonic() + 120
+        while not all(r.exists() for r in ready):
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        go.touch()
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        lines = sorted(o.strip().splitlines()[-1] for o, _ in outs)
+        assert [line.split()[0] for line in lines] == ["LOST", "WON"], lines
+        assert "already exists" in lines[0] or "created it meanwhile" in lines[0]
+        y = np.asarray(sm.load(target)(np.ones((2, 3), np.float32)))
+        assert y.tobytes().hex() == lines[1].split()[1]  # the winner's artifact, whole
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".art{round_}.")]
+
+
+# -- 5. foreign exceptions and memory ---------------------------------------------------------
+def _raw_safetensors(header: dict, data: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["zero-size huge dims", "duplicate names", "overlapping", "gap", "unknown field", "65 dims"],
+)
+def test_crafted_safetensors_are_artifact_errors(base, tmp_path, what):
+    src, _ = base
+    f32 = {"dtype": "F32"}
+    data = {
+        "zero-size huge dims": (
+            '{"a": {"dtype": "F32", "shape": [0, 4611686018427387904], "data_offsets": [0, 0]}}',
+            b"",
+        ),
+        "duplicate names": (
+            '{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},'
+            ' "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+            b"\0" * 4,
+        ),
+        "overlapping": (
+            json.dumps(
+                {
+                    "a": {**f32, "shape": [2], "data_offsets": [0, 8]},
+                    "b": {**f32, "shape": [2], "data_offsets": [4, 12]},
+                }
+            ),
+            b"\0" * 12,
+        ),
+        "gap": (json.dumps({"a": {**f32, "shape": [1], "data_offsets": [4, 8]}}), b"\0" * 8),
+        "unknown field": (
+            json.dumps({"a": {**f32, "shape": [1], "data_offsets": [0, 4], "x": 1}}),
+            b"\0" * 4,
+        ),
+        "65 dims": (json.dumps({"a": {**f32, "shape": [0] * 65, "data_offsets": [0, 0]}}), b""),
+    }[what]
+    header = data[0].encode()
+    blob = len(header).to_bytes(8, "little") + header + data[1]
+    art = forge.resign(src, tmp_path / "st", files={"params.safetensors": blob})
+    with pytest.raises(sm.ArtifactError, match=r"params.safetensors is not a valid safetensors"):
+        sm.load(art)
+    (tmp_path / "w.safetensors").write_bytes(blob)
+    with pytest.raises(sm.ArtifactError, match=r"w.safetensors is not a valid safetensors"):
+        sm.load(src, params=tmp_path / "w.safetensors")
+
+
+def test_a_large_sparse_listed_file_is_hashed_in_chunks(base, tmp_path):
+    """Listed files no runtime uses are hashed, never held; used ones are held once."""
+    src, _ = base
+    size = 256 << 20
+    blob = tmp_path / "blob.bin"
+    with open(blob, "wb") as f:
+        f.truncate(size)  # sparse: no disk, all zeros
+    digest = hashlib.sha256()
+    zeros = bytes(1 << 20)
+    for _ in range(size >> 20):
+        digest.update(zeros)
+    art = forge.resign(src, tmp_path / "big", manifest=lambda m: m["files"].update(
+        {"blob.bin": {"sha256": digest.hexdigest(), "bytes": size}}))  # fmt: skip
+    shutil.move(blob, art / "blob.bin")
+    code = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import symjax_mlp as sm
+
+        def peak():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) << 10
+
+        sm.load(sys.argv[1])  # warm: JAX, XLA and the compiler
+        before = peak()
+        sm.load(sys.argv[2])(np.zeros((2, 3), np.float32))
+        print(peak() - before)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(art)], capture_output=True, text=True,
+        timeout=300, check=True,
+    )  # fmt: skip
+    grew = int(out.stdout.split()[-1])
+    assert grew < 48 << 20, f"loading grew the peak by {grew >> 20} MiB for a {size >> 20} MiB file"
+
+
+def test_re_signed_module_fields_are_compared_or_fail_as_artifact_errors(symbolic, base, tmp_path):
+    src, _ = symbolic
+    forge.resign(src, tmp_path / "globals", uses_global_constants=False)
+    with pytest.raises(sm.ArtifactError, match=r"global constants"):
+        sm.load(tmp_path / "globals")
+    forge.resign(
+        src,
+        tmp_path / "effects",
+        disabled_safety_checks=(jax.export.DisabledSafetyCheck.platform(),),
+    )
+    with pytest.raises(sm.ArtifactError, match=r"safety checks disabled"):
+        sm.load(tmp_path / "effects")
+    # a program that fails in XLA (trusted, so unchecked): an ArtifactError at the call
+    static, xs = base
+    art = forge.forge(static, tmp_path / "native", forge.unknown_custom_call)
+    m = sm.load(art, trust=True, self_test=False)
+    with pytest.raises(sm.ArtifactError, match=r"running the program of .*model.jaxexport failed"):
+        m(xs)
+    with pytest.raises(sm.ArtifactError, match=r"running the program"):
+        sm.load(art, trust=True)  # the self-test runs it at load
+
+    # a function declared without a body crashed JAX's lowering (SIGSEGV): refused
+    def external(text):
+        text = forge.in_relu(text, (
+            "    %hostile = func.call @elsewhere(%IN) : (tensor<2x4xf32>) -> tensor<2x4xf32>\n"
+        ))  # fmt: skip
+        return text[: text.rindex("}")] + (
+            "  func.func private @elsewhere(tensor<2x4xf32>) -> tensor<2x4xf32>\n}\n"
+        )
+
+    with pytest.raises(sm.ArtifactError, match=r"@elsewhere is declared without a body"):
+        sm.load(forge.forge(static, tmp_path / "external", external))
+
+
+class FakeTorchTensor:  # what torch.Tensor looks like to the loader: shape, dtype, __array__
+    __module__ = "torch"
+    __qualname__ = "Tensor"
+    shape = (2, 3)
+    dtype = "torch.float32"
+
+    def __array__(self, dtype=None, copy=None):
+        return np.zeros((2, 3), np.float32)
+
+
+class Duck:
+    def __init__(self):
+        self.shape = [2, 3]  # a list: unhashable, once a TypeError in the loader's cache key
+        self.dtype = object()
+
+
+@pytest.mark.parametrize(
+    "x, message",
+    [
+        (FakeTorchTensor(), r"torch.Tensor, not a NumPy or JAX array.*x.detach\(\).cpu\(\)"),
+        (Duck(), r"test_security.Duck, not a NumPy or JAX array"),
+        ([[1.0, 2.0, 3.0], [4.0]], r"is a list that is not an array"),
+        ("abc", r"is a str, not a NumPy or JAX array"),
+    ],
+)
+def test_inputs_of_other_types_are_signature_errors(base, x, message):
+    src, _ = base
+    m = sm.load(src)
+    for _ in range(2):  # and again: nothing of it was cached
+        with pytest.raises(sm.SignatureError, match=message):
+            m(x)
+
+
+def test_checkpoint_reader_refuses_what_it_cannot_read(tmp_path):
+    path, like = _checkpoint(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+
+    def variant(name, edit=None, state=None):
+        copy = tmp_path / name
+        shutil.copytree(path, copy)
+        m = json.loads(json.dumps(manifest))
+        if state is not None:
+            (copy / "state.safetensors").write_bytes(state)
+            m["files"]["state.safetensors"] = hashlib.sha256(state).hexdigest()
+        if edit is not None:
+            edit(m)
+        (copy / "manifest.json").write_text(json.dumps(m))
+        return copy
+
+    data = (path / "state.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + n].decode()
+    first = header[1 : header.index("}") + 1]  # the first tensor's entry, written twice
+    dup = ("{" + first + "," + header[1:]).encode()
+    cases = {
+        "sha256 an int": variant("a", lambda m: m["files"].update({"state.safetensors": 12})),
+        "files a list": variant("b", lambda m: m.update(files=[])),
+        "history entries of strings": variant(
+            "c", lambda m: m["metadata"].update(history=["epoch 1"])
+        ),
+        "history record of the wrong types": variant(
+            "d",
+            lambda m: m["metadata"].update(
+                history=[
+                    {
+                        "epoch": "1",
+                        "step": 3,
+                        "loss": 0.1,
+                        "train_accuracy": 1.0,
+                        "test_accuracy": 1.0,
+                        "seconds": 1.0,
+                    }
+                ]
+            ),
+        ),
+        "config a list": variant("e", lambda m: m["metadata"].update(config=[1])),
+        "duplicate tensor names": variant(
+            "f", state=len(dup).to_bytes(8, "little") + dup + data[8 + n :]
+        ),
+        "not safetensors": variant("g", state=b"\x80\x04junk"),
+    }
+    for what, copy in cases.items():
+        error = _finishes(lambda c=copy: sm.training.restore_checkpoint(c, like))
+        assert isinstance(error, sm.CheckpointError), (what, error)
+    state, _ = sm.training.restore_checkpoint(path, like)
+    np.testing.assert_array_equal(state.params["w"], like.params["w"])
+
+
+def test_inspect_prints_no_terminal_escapes(base, tmp_path):
+    src, _ = base
+    evil = "\x1b]0;pwned\x07\x1b[2J\r\u202eevil"
+
+    def edit(m):
+        m["name"] = evil
+        m["versions"]["jax"] = evil
+        m["metadata"] = {evil: evil}
+
+    art = forge.resign(src, tmp_path / "esc", manifest=edit)
+    text = str(sm.inspect(art))
+    assert "\x1b" not in text and "\r" not in text and "\u202e" not in text and "\x07" not in text
+    assert "\\x1b]0;pwned\\x07\\x1b[2J\\r\\u202eevil" in text
+    assert main(["inspect", str(art)]) == 0
+
+
+# -- 6. authenticity: signed by a key, checked before any parser ---------------------------------
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    out = {}
+    for name in ("ours", "theirs"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        pem = serialization.Encoding.PEM
+        private = key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        public = key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo)
+        (d / f"{name}.pem").write_bytes(private)
+        (d / f"{name}.pub").write_bytes(public)
+        out[name] = (d / f"{name}.pem", d / f"{name}.pub")
+    return out
+
+
+def test_a_signed_artifact_loads_with_its_key_and_nothing_else_does(
+    base, tmp_path, keys, monkeypatch, capsys
+):
+    src, x = base
+    art = tmp_path / "signed"
+    shutil.copytree(src, art)
+    private, public = keys["ours"]
+    assert sm.sign(art, private) == art / "model.sig"
+    sm.verify_signature(art, public)
+    np.testing.assert_array_equal(sm.load(art, verify_signature=public)(x), sm.load(src)(x))
+    assert main(["verify", str(art), "--key", str(public), "--batches", "2"]) == 0
+    with pytest.raises(sm.ArtifactError, match=r"is not signed"):
+        sm.load(src, verify_signature=public)
+    with pytest.raises(sm.ArtifactError, match=r"does not verify with .*theirs.pub"):
+        sm.load(art, verify_signature=keys["theirs"][1])
+
+    def must_not_parse(*args, **kwargs):
+        raise AssertionError("a parser ran before the signature was checked")
+
+    tampered = {
+        "a planted file": lambda c: (c / "sitecustomize.py").write_text("import os"),
+        "a planted .git file": lambda c: ((c / ".git").mkdir(), (c / ".git" / "x").write_text("1")),
+        "the manifest edited": lambda c: (c / "manifest.json").write_text("{not json"),
+        "the weights replaced": lambda c: (c / "params.safetensors").write_bytes(b"\0" * 64),
+        "a file removed": lambda c: (c / "model.mlir").unlink(),
+    }
+    for what, tamper in tampered.items():
+        copy = tmp_path / what.replace(" ", "_")
+        shutil.copytree(art, copy)
+        tamper(copy)
+        with monkeypatch.context() as mp:
+            mp.setattr(json, "loads", must_not_parse)
+            mp.setattr(jax.export, "deserialize", must_not_parse)
+            with pytest.raises(sm.ArtifactError, match=r"does not verify"):
+                sm.load(copy, verify_signature=public)
+        assert main(["verify", str(copy), "--key", str(public)]) == 2, what
+    fifo = tmp_path / "fifo"
+    shutil.copytree(art, fifo)
+    os.mkfifo(fifo / "extra")
+    error = _finishes(lambda: sm.load(fifo, verify_signature=public))
+    assert isinstance(error, sm.ArtifactError) and "not a regular file" in str(error)
+    with pytest.raises(sm.ConfigError, match=r"not a key file"):
+        sm.load(art, verify_signature=tmp_path / "no-such.pub")
+    capsys.readouterr()
