@@ -331,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     from symjax_mlp import __version__
 
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=_Formatter)
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"{PROG} {__version__}", help="print the version"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _COMMANDS:
         add(sub)
