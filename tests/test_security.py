@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -203,6 +205,54 @@ def test_a_callback_in_the_callers_own_jit_is_never_the_artifacts(base, tmp_path
     m = sm.load(src)
     np.testing.assert_array_equal(jax.jit(lambda x: caller(x, m))(x), m(x))
     assert calls == [(2, 3)]
+
+
+REGRESSIONS = Path(forge.__file__).parent / "regressions"  # modules the fuzzer found
+
+
+def test_a_module_that_crashes_stablehlos_reader_is_refused_not_a_crash(base, tmp_path):
+    """One flipped bit of a module made StableHLO's bytecode reader segfault (the fuzzer,
+    seed 0 case 897): modules are read in a child process, and a crash there is a refusal."""
+    src, _ = base
+    module = (REGRESSIONS / "reader_sigsegv.mlirbc").read_bytes()
+    art = forge.resign(src, tmp_path / "crash", module=module)
+    for read in (sm.load, lambda p: sm.inspect(p).op_counts()):
+        with pytest.raises(sm.ArtifactError, match=r"bytecode reader crashed \(signal 11\)"):
+            read(art)
+    assert sm.load(src)  # and the next module is read by a new child
+
+
+def test_a_module_that_hangs_stablehlos_reader_is_refused_in_seconds(base, tmp_path):
+    """Two flipped bits made the reader loop for ever (seed 1 case 15919)."""
+    src, _ = base
+    module = (REGRESSIONS / "reader_hang.mlirbc").read_bytes()
+    art = forge.resign(src, tmp_path / "hang", module=module)
+    t0 = time.perf_counter()
+    with pytest.raises(sm.ArtifactError, match=r"reading the StableHLO module took more than"):
+        sm.load(art)
+    assert time.perf_counter() - t0 < 30
+
+
+def test_forged_attributes_jax_reads_unchecked_are_refused(symbolic, tmp_path):
+    """A shape_assertion whose error_message was no string crashed JAX's shape refinement
+    (SIGSEGV, seed 1 case 16124); jax.* attributes of the wrong type likewise reach JAX."""
+    src, _ = symbolic
+
+    def no_string(text):
+        forged = "error_message = dense<[0, 1]> : tensor<2xi64>"
+        return re.sub(r'error_message = "[^"]*"', forged, text, count=1)
+
+    def global_constant(text):
+        return text.replace('jax.global_constant = "b"', "jax.global_constant = 3 : i32", 1)
+
+    edits = (
+        ("message", no_string, r"custom_call @shape_assertion with"),
+        ("global", global_constant, r"attribute jax.global_constant"),
+    )
+    for name, edit, what in edits:
+        art = forge.forge(src, tmp_path / name, edit)
+        with pytest.raises(sm.ArtifactError, match=what):
+            sm.load(art)
 
 
 # -- 3. hangs -------------------------------------------------------------------------------------

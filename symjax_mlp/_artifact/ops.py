@@ -141,7 +141,7 @@ class Checker:
     """A child process that reads and walks modules for this one: one at a time, started on
     first use (about a second: it imports JAX's MLIR bindings), restarted after a crash."""
 
-    TIMEOUT = 20.0  # seconds one module may take to read and walk (a model's: milliseconds)
+    TIMEOUT = 10.0  # seconds one module may take to read and walk (a model's: milliseconds)
 
     def __init__(self) -> None:
         self.proc: Any = None
@@ -366,9 +366,14 @@ class _Walk:
                     f"custom_call @{target}: a native kernel that reads and writes buffers of "
                     "the sizes the module declares, unchecked",
                 )
+            else:
+                self._jax_custom_call(op, target)
+                self._attributes(op, name)
         elif name == "func.call" and func is not None:
             callee = _symbol_attr(op, "callee")
             func["calls"].append((callee, mult))
+        if name != "stablehlo.custom_call":  # a kernel allowed by name: its attributes too
+            self._attributes(op, name)
         inner = mult
         if name == "stablehlo.while":
             trips = _trip_count(op)
@@ -384,6 +389,83 @@ class _Walk:
             for block in region.blocks:
                 for child in block.operations:
                     self._op(child.operation, func, inner)
+
+    def _attributes(self, op: Any, name: str) -> None:
+        """Dialect-prefixed attributes (``jax.*``, ``mhlo.*``: nothing verifies those) must
+        be ones jax.export writes, of the type it writes: JAX and XLA read them unchecked."""
+        from jaxlib.mlir import ir
+
+        for attr_name in op.attributes:
+            a = op.attributes[attr_name]
+            if "." in attr_name:
+                self._attribute(name, attr_name, a)
+            elif attr_name in ("arg_attrs", "res_attrs") and name == "func.func":
+                for entry in a if isinstance(a, ir.ArrayAttr) else [None]:
+                    if not isinstance(entry, ir.DictAttr):
+                        self._problem("attribute", f"{name} with {attr_name} of {entry}")
+                        continue
+                    for i in range(len(entry)):
+                        named = entry[i]
+                        self._attribute(f"{name} argument", named.name, named.attr)
+
+    def _attribute(self, where: str, attr_name: str, a: Any) -> None:
+        if attr_name.startswith("sdy."):
+            return  # Shardy verifies its own attributes
+        kinds = _ATTRIBUTES.get(attr_name)
+        if kinds is None or not isinstance(a, kinds):
+            self._problem(
+                "attribute",
+                f"the attribute {attr_name} ({type(a).__name__}) of {where}, which jax.export "
+                "does not write so",
+            )
+
+    def _jax_custom_call(self, op: Any, target: str) -> None:
+        """A custom call jax.export emits must look exactly like what it emits: JAX's shape
+        refinement read a forged ``shape_assertion`` (an error_message that was no string)
+        and crashed (SIGSEGV)."""
+        from jaxlib.mlir import ir
+
+        attrs = {n: op.attributes[n] for n in op.attributes}
+        if target == "shape_assertion":
+            want = {
+                "call_target_name": ir.StringAttr,
+                "api_version": ir.IntegerAttr,
+                "error_message": ir.StringAttr,
+                "has_side_effect": ir.BoolAttr,
+            }
+            operands = list(op.operands)
+            ok = (
+                set(attrs) <= set(want)
+                and {"error_message", "has_side_effect"} <= set(attrs)
+                and all(isinstance(attrs[k], want[k]) for k in attrs)
+                and not list(op.results)
+                and operands
+                and all(
+                    _scalar_type(v.type, {1} if i == 0 else {32, 64})
+                    for i, v in enumerate(operands)
+                )
+            )
+        else:  # sharding annotations: one array in, the same array out
+            want = {
+                "call_target_name": ir.StringAttr,
+                "api_version": ir.IntegerAttr,
+                "backend_config": ir.StringAttr,
+                "has_side_effect": ir.BoolAttr,
+                "mhlo.sharding": ir.StringAttr,
+                "mhlo.frontend_attributes": ir.DictAttr,
+            }
+            ok = (
+                set(attrs) <= set(want)
+                and all(isinstance(attrs[k], want[k]) for k in attrs)
+                and len(list(op.operands)) == 1
+                and len(list(op.results)) == 1
+            )
+        if not ok:
+            self._problem(
+                f"custom_call:{target}",
+                f"custom_call @{target} with operands, results or attributes other than those "
+                "jax.export writes",
+            )
 
     def _cost(self, op: Any) -> int:
         sizes = [_elements(v.type) for v in (*op.operands, *op.results)]
@@ -442,6 +524,48 @@ class _Walk:
 
 
 # -- attribute and type helpers ----------------------------------------------------------------
+def _attribute_kinds() -> dict[str, tuple[type, ...]]:
+    from jaxlib.mlir import ir
+
+    string, integer, boolean = (ir.StringAttr,), (ir.IntegerAttr,), (ir.BoolAttr,)
+    return {
+        "jax.uses_shape_polymorphism": boolean,
+        "jax.global_constant": string,
+        "jax.result_info": string,
+        "jax.buffer_donor": boolean,
+        "mhlo.num_partitions": integer,
+        "mhlo.num_replicas": integer,
+        "mhlo.sharding": string,
+        "mhlo.layout_mode": string,
+        "mhlo.memory_kind": string,
+        "mhlo.frontend_attributes": (ir.DictAttr,),
+        "mhlo.backend_config": (ir.DictAttr, ir.StringAttr),
+        "tf.aliasing_output": integer,
+        "stablehlo.mesh": (ir.DictAttr,),  # on sdy.mesh, as Shardy writes it
+    }
+
+
+class _Kinds(dict):  # built on first use: jaxlib.mlir imports only in the checker
+    def get(self, key: str, default: Any = None) -> Any:
+        if not self:
+            self.update(_attribute_kinds())
+        return super().get(key, default)
+
+
+_ATTRIBUTES = _Kinds()
+
+
+def _scalar_type(t: Any, widths: set[int]) -> bool:
+    from jaxlib.mlir import ir
+
+    return (
+        isinstance(t, ir.RankedTensorType)
+        and t.rank == 0
+        and isinstance(t.element_type, ir.IntegerType)
+        and t.element_type.width in widths
+    )
+
+
 def _attr(op: Any, name: str) -> Any:
     try:
         return op.attributes[name]
