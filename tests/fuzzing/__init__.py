@@ -12,16 +12,23 @@ one or a few mutations, runs ``sm.load(path)(x)`` and reports one JSON line. The
 - ``crash`` / ``hang``: the worker process died on a signal / a case ran past its timeout
   (set by the driver, which restarts the worker at the next case).
 
-Plain modules, never collected by pytest (``tests/test_fuzz.py`` drives them):
+Plain modules, never collected by pytest (``tests/test_fuzz.py`` drives them). Three targets,
+each a ``make``, a ``Context`` and a ``run_case`` (:func:`fuzzing.worker.target`):
 
-- :mod:`fuzzing.cases`: the artifacts a run is built on, and what a worker knows of them;
-- :mod:`fuzzing.mutations`: how one case's files are mutated;
-- :mod:`fuzzing.worker`: the worker process: runs cases, classifies them, one JSON line each;
-- :mod:`fuzzing.driver`: starts the workers, restarts them after a crash or a hang, and sums up.
+- ``loader``: :mod:`fuzzing.cases` (the artifacts a run is built on, and what a worker knows
+  of them) and :mod:`fuzzing.mutations` (how one case's files are mutated);
+- ``hostile``: :mod:`fuzzing.hostile`, whole consistent artifacts a stranger could make (with
+  :mod:`fuzzing.forge`: forged programs, re-signed so that every checksum matches), mutated
+  cheaply; ``regressions/`` holds modules it found that crashed or hung StableHLO's reader;
+- ``checkpoint``: :mod:`fuzzing.checkpoints`, training checkpoints mutated and restored;
 
-Usage, from the repository root (the release run is ``SYMJAX_FUZZ_CASES=20000``)::
+and :mod:`fuzzing.worker` (the worker process: runs cases, classifies them, one JSON line
+each), :mod:`fuzzing.driver` (starts the workers, restarts them after a crash or a hang, and
+sums up).
 
-    PYTHONPATH=tests python -m fuzzing fuzz OUT --cases 500 --seed 0 --workers 2  # summary
-    PYTHONPATH=tests python -m fuzzing show OUT --seed 0 --case 123   # one case, traceback
-    PYTHONPATH=tests python -m fuzzing.worker OUT SEED FIRST STOP     # the driver's workers
+Usage, from the repository root (release runs: ``--cases 20000 --seed 1``, RELIABILITY.md)::
+
+    PYTHONPATH=tests python -m fuzzing fuzz OUT --target hostile --cases 500 --seed 0
+    PYTHONPATH=tests python -m fuzzing show OUT --target hostile --seed 0 --case 123
+    PYTHONPATH=tests python -m fuzzing.worker OUT SEED FIRST STOP TARGET  # the driver's workers
 """
