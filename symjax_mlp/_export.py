@@ -9,6 +9,7 @@ device count). The directory is written atomically, manifest last.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -32,7 +33,10 @@ from symjax_mlp._artifact.format import (
     MLIR,
     MLIRBC,
     PARAMS,
+    RESERVED_ENTRY_NAMES,
+    SELFTEST,
     check_target,
+    entry_files,
 )
 from symjax_mlp._artifact.reading import Artifact, freeze
 from symjax_mlp._artifact.signature import Signature
@@ -48,7 +52,7 @@ COMPATIBILITY_WINDOW = datetime.timedelta(days=180)  # what jax.export lowers fo
 
 
 def export(
-    h: Hybrid,
+    h: Hybrid | Mapping[str, Hybrid],
     path: str | os.PathLike[str],
     *,
     example: jax.typing.ArrayLike | Sequence[jax.typing.ArrayLike],
@@ -107,12 +111,180 @@ def export(
       >>> sm.load(art.path)(x).shape
       (1, 2)
     """
-    if not isinstance(h, Hybrid):
-        raise ConfigError(
-            f"export() expects a Hybrid; got {type(h).__name__}. Write "
-            "sm.export(sm.hybridize(model, variables), path, example=x)."
-        )
     path = Path(path)
+    points = _entry_points(h)
+    names = list(points)
+    meta = _metadata(metadata, names[0])
+    if not isinstance(vjp_order, int) or isinstance(vjp_order, bool) or vjp_order < 0:
+        raise ConfigError(f"export(vjp_order={vjp_order!r}): pass an int >= 0 (1 for jax.grad).")
+    platforms = tuple(platforms)
+    unknown = [p for p in platforms if p not in PLATFORMS]
+    if unknown or not platforms or len(set(platforms)) != len(platforms):
+        raise ConfigError(
+            f"export(platforms={platforms!r}): name each platform once, from {PLATFORMS} "
+            "(a GPU is 'cuda' or 'rocm')."
+        )
+    settings = {
+        key: _per_entry(value, names, key)
+        for key, value in (
+            ("example", example), ("kwargs", kwargs), ("shapes", shapes),
+            ("constraints", constraints),
+        )
+    }  # fmt: skip
+    staged = [
+        _stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
+        for i, n in enumerate(names)
+    ]
+    shared = _shared_params(names, staged)
+    check_target(path, overwrite)  # fail before the work, not after it
+    files: dict[str, bytes] = {}
+    programs = []
+    for i, (name, stage) in enumerate(zip(names, staged, strict=True)):
+        # The default entry point takes every weight (the manifest's params); the others
+        # take their own, by path, from the same params.safetensors.
+        own = shared if i == 0 else {s.path: shared[s.path] for s in stage.specs}
+        exported, signature = _export_program(stage, own, platforms)
+        roles = {JAXEXPORT: JAXEXPORT, MLIRBC: MLIRBC, MLIR: MLIR, SELFTEST: SELFTEST}
+        if i:
+            roles = entry_files(name)
+        files[roles[JAXEXPORT]] = bytes(exported.serialize(vjp_order=vjp_order))
+        files[roles[MLIRBC]] = bytes(exported.mlir_module_serialized)
+        files[roles[MLIR]] = exported.mlir_module().encode()
+        vectors = _self_test_vectors(exported, signature, own)
+        if vectors is not None:
+            files[roles[SELFTEST]] = vectors
+        else:
+            del roles[SELFTEST]
+        inputs = [*own, *(s.path for s in signature.inputs)]
+        programs.append(
+            {
+                "name": stage.h.name,
+                "signature": signature.to_json(),
+                "params": sorted(own),
+                "mlir_arguments": (["platform_index"] if len(platforms) > 1 else [])
+                + [inputs[k] for k in exported.module_kept_var_idx],
+                "static": {
+                    (f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v in stage.static
+                },
+                "program_files": roles,
+                "nr_devices": exported.nr_devices,
+                "calling_convention_version": exported.calling_convention_version,
+                "ordered_effects": len(exported.ordered_effects),
+            }
+        )
+    _same_program_settings(names, programs)
+    specs = [shared[p][0] for p in sorted(shared)]
+    files[PARAMS] = encode_params(
+        specs, [shared[p][1] for p in sorted(shared)], metadata=_mirror(meta)
+    )
+    created = datetime.datetime.now(datetime.UTC)
+    main = programs[0]
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "name": main["name"],
+        "created": created.isoformat(timespec="seconds"),
+        # jax.export promises that JAX loads an artifact for 6 months after it was made.
+        "compatible_until": (created + COMPATIBILITY_WINDOW).date().isoformat(),
+        "vjp_order": vjp_order,
+        "metadata": meta,
+        "versions": _versions(),
+        "platforms": list(platforms),
+        "nr_devices": main["nr_devices"],
+        "calling_convention_version": main["calling_convention_version"],
+        "ordered_effects": main["ordered_effects"],
+        "signature": main["signature"],
+        "params": [s.to_json() for s in specs],
+        "mlir_arguments": main["mlir_arguments"],
+        "static": main["static"],
+        "files": {k: {"sha256": sha256(v), "bytes": len(v)} for k, v in files.items()},
+    }
+    if len(names) > 1:
+        manifest["entry"] = names[0]
+        manifest["entries"] = {
+            name: {k: p[k] for k in ENTRY_FIELDS}
+            for name, p in zip(names[1:], programs[1:], strict=True)
+        }
+    files[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode()
+    write_dir(
+        path,
+        files,
+        overwrite=overwrite,
+        check=check_target,
+        error=ArtifactError,
+        what="the artifact",
+    )
+    return Artifact(path, freeze(manifest))
+
+
+ENTRY_FIELDS = ("name", "signature", "params", "mlir_arguments", "static", "program_files")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """One entry point, ready to export: its Hybrid, settings, inputs and stored params."""
+
+    h: Hybrid
+    static: Any
+    in_specs: list[jax.ShapeDtypeStruct]
+    specs: list[TensorSpec]  # its params, sorted by path
+    host_params: list[np.ndarray]
+    fn: Callable[..., Any]  # fn(params tree, *inputs)
+    treedef: Any
+    batch: str | None
+    per_input_shapes: bool
+    constraints: tuple[str, ...]
+
+
+def _entry_points(h: Any) -> dict[str, Hybrid]:
+    """``h`` as named entry points: one Hybrid is the entry point ``main``."""
+    points = {"main": h} if isinstance(h, Hybrid) else h
+    if not isinstance(points, Mapping) or not points:
+        raise ConfigError(
+            f"export() expects a Hybrid or a dict of them; got {type(h).__name__}. Write "
+            "sm.export(sm.hybridize(model, variables), path, example=x), or "
+            'sm.export({"predict": h, "embed": h_embed}, path, example=x) for several entry '
+            "points over one weight file."
+        )
+    for name, value in points.items():
+        if not isinstance(value, Hybrid):
+            raise ConfigError(
+                f"export({{{name!r}: ...}}): each entry point is a Hybrid; got "
+                f"{type(value).__name__}. Wrap it: sm.hybridize(fn, params)."
+            )
+        if not (isinstance(name, str) and name.isidentifier() and name.isascii()) or (
+            len(name) > 64 or name in RESERVED_ENTRY_NAMES or name.startswith("_")
+        ):
+            raise ConfigError(
+                f"export({{{name!r}: ...}}): an entry point's name is a Python identifier of "
+                f"at most 64 ASCII characters, not starting with '_' and not one of "
+                f"{sorted(RESERVED_ENTRY_NAMES)} (it names files): e.g. 'predict', 'embed'."
+            )
+    return dict(points)
+
+
+def _per_entry(value: Any, names: list[str], what: str) -> list[Any]:
+    """``value`` for each entry point: a dict keyed by every entry point's name gives each
+    its own; anything else is shared."""
+    if len(names) > 1 and isinstance(value, Mapping) and set(value) & set(names):
+        if set(value) != set(names):
+            raise ConfigError(
+                f"export({what}={{...}}): a per-entry {what} names every entry point, "
+                f"{', '.join(names)}; got {', '.join(map(str, value))}."
+            )
+        return [value[n] for n in names]
+    return [value] * len(names)
+
+
+def _stage(
+    h: Hybrid,
+    batch: str | None,
+    *,
+    example: Any,
+    kwargs: Mapping[str, Any] | None,
+    shapes: Sequence[str | None] | None,
+    constraints: Sequence[str],
+) -> _Stage:
     examples = tuple(example) if isinstance(example, (tuple, list)) else (example,)
     static, examples, array_kwargs = partition(
         examples,
@@ -128,35 +300,61 @@ def export(
             "them positionally, or bake a Python setting (True, 3, 'relu') instead."
         )
     in_specs = _input_structs(examples, batch, shapes, tuple(constraints), h.name)
-    meta = _metadata(metadata, h.name)
-    if not isinstance(vjp_order, int) or isinstance(vjp_order, bool) or vjp_order < 0:
-        raise ConfigError(f"export(vjp_order={vjp_order!r}): pass an int >= 0 (1 for jax.grad).")
-    platforms = tuple(platforms)
-    unknown = [p for p in platforms if p not in PLATFORMS]
-    if unknown or not platforms or len(set(platforms)) != len(platforms):
-        raise ConfigError(
-            f"export(platforms={platforms!r}): name each platform once, from {PLATFORMS} "
-            "(a GPU is 'cuda' or 'rocm')."
-        )
-    check_target(path, overwrite)  # fail before the work, not after it
     stored, fn = _exportable(h)
     specs, host_params = param_specs(stored)
     treedef = jax.tree.structure(stored)
-    fn, paths = _sharded_fn(h, fn) if h.mesh is not None else fn, [s.path for s in specs]
+    fn = _sharded_fn(h, fn) if h.mesh is not None else fn
+    order = sorted(range(len(specs)), key=lambda i: specs[i].path)  # a dict flattens sorted
+    return _Stage(
+        h,
+        static,
+        in_specs,
+        [specs[i] for i in order],
+        [host_params[i] for i in order],
+        fn,
+        treedef,
+        batch,
+        shapes is not None,
+        tuple(constraints),
+    )
 
-    # The params go in as a dict keyed by path, so the module's own input tree names every
-    # param and load binds weights by name (an edited manifest cannot swap two of one shape).
+
+def _shared_params(names: list[str], staged: list[_Stage]) -> dict[str, tuple[TensorSpec, Any]]:
+    """Every entry point's params by path, one tensor per path: the one weight file."""
+    shared: dict[str, tuple[TensorSpec, Any]] = {}
+    owner: dict[str, str] = {}
+    for name, stage in zip(names, staged, strict=True):
+        for spec, array in zip(stage.specs, stage.host_params, strict=True):
+            if spec.path in shared:
+                (other, known) = shared[spec.path]
+                if other != spec or not np.array_equal(known, array):
+                    raise ConfigError(
+                        f"export(): entry points {owner[spec.path]!r} and {name!r} both have a "
+                        f"param {spec.path}, with different values ({other} and {spec}); one "
+                        "weight file holds one tensor per path. Build both Hybrids from the "
+                        "same variables (e.g. linen's method=, or a function of the same "
+                        "params)."
+                    )
+                continue
+            shared[spec.path], owner[spec.path] = (spec, array), name
+    return shared
+
+
+def _export_program(
+    stage: _Stage, own: Mapping[str, tuple[TensorSpec, Any]], platforms: tuple[str, ...]
+) -> tuple[Any, Signature]:
+    """``jax.export`` of one entry point, its params a dict keyed by path (so the module's
+    own input tree names every param and load binds weights by name)."""
+    h, static, treedef, fn = stage.h, stage.static, stage.treedef, stage.fn
+    paths = [s.path for s in stage.specs]
+
     def model(params: dict[str, jax.Array], *inputs: jax.Array) -> Any:
         args, kw = rebuild(static, inputs, {})
         return fn(jax.tree.unflatten(treedef, [params[p] for p in paths]), *args, **kw)
 
     model.__name__ = "model"
-    order = sorted(range(len(specs)), key=lambda i: specs[i].path)  # a dict flattens sorted
-    specs, host_params = [specs[i] for i in order], [host_params[i] for i in order]
-    p_structs = {
-        s.path: jax.ShapeDtypeStruct(a.shape, a.dtype)
-        for s, a in zip(specs, host_params, strict=True)
-    }
+    p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in sorted(own.items())}
+    in_specs = stage.in_specs
     try:
         with _no_source_locations():  # reproducible bytes: no path of this machine inside
             exported = jax.export.export(jax.jit(model), platforms=platforms)(p_structs, *in_specs)
@@ -173,74 +371,42 @@ def export(
         ) from None
     except jax.errors.InconclusiveDimensionOperation as e:
         raise SignatureError(
-            f"export({h.name}, batch={batch!r}): the function needs a concrete value of the "
-            f"symbolic batch {batch!r} ({str(e).splitlines()[0]}). Keep the batch symbolic "
-            "(use x.shape[0] only inside jnp operations, reshape with -1), or export static "
-            "shapes with batch=None."
+            f"export({h.name}, batch={stage.batch!r}): the function needs a concrete value of "
+            f"the symbolic batch {stage.batch!r} ({str(e).splitlines()[0]}). Keep the batch "
+            "symbolic (use x.shape[0] only inside jnp operations, reshape with -1), or export "
+            "static shapes with batch=None."
         ) from e
-    out_leaves = jax.tree.leaves(exported.out_avals)
     out_kind = _output_kind(exported, h)
     signature = Signature(
         tuple(
             TensorSpec(f"args[{i}]", shape_dims(a.shape), str(a.dtype))
-            for i, a in enumerate(exported.in_avals[len(specs) :])
+            for i, a in enumerate(exported.in_avals[len(p_structs) :])
         ),
         tuple(
             TensorSpec(
                 "out" if out_kind == "array" else f"out[{i}]", shape_dims(a.shape), str(a.dtype)
             )
-            for i, a in enumerate(out_leaves)
+            for i, a in enumerate(jax.tree.leaves(exported.out_avals))
         ),
         out_kind,
-        batch if shapes is None else None,
-        tuple(constraints),
+        None if stage.per_input_shapes else stage.batch,
+        stage.constraints,
     )
-    names = [s.path for s in specs] + [s.path for s in signature.inputs]
+    names = [*p_structs, *(s.path for s in signature.inputs)]
     if len(set(names)) != len(names) or "platform_index" in names:
         raise ArtifactError(f"export({h.name}): param paths collide with input names: {names}")
-    mlir_args = (["platform_index"] if len(platforms) > 1 else []) + [
-        names[i] for i in exported.module_kept_var_idx
-    ]
-    created = datetime.datetime.now(datetime.UTC)
-    files = {
-        JAXEXPORT: bytes(exported.serialize(vjp_order=vjp_order)),
-        MLIRBC: bytes(exported.mlir_module_serialized),
-        MLIR: exported.mlir_module().encode(),
-        PARAMS: encode_params(specs, host_params, metadata=_mirror(meta)),
-    }
-    vectors = _self_test_vectors(exported, signature, specs, host_params)
-    if vectors is not None:
-        files[selftest.SELFTEST] = vectors
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "name": h.name,
-        "created": created.isoformat(timespec="seconds"),
-        # jax.export promises that JAX loads an artifact for 6 months after it was made.
-        "compatible_until": (created + COMPATIBILITY_WINDOW).date().isoformat(),
-        "vjp_order": vjp_order,
-        "metadata": meta,
-        "versions": _versions(),
-        "platforms": list(platforms),
-        "nr_devices": exported.nr_devices,
-        "calling_convention_version": exported.calling_convention_version,
-        "ordered_effects": len(exported.ordered_effects),
-        "signature": signature.to_json(),
-        "params": [s.to_json() for s in specs],
-        "mlir_arguments": mlir_args,
-        "static": {(f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v in static},
-        "files": {k: {"sha256": sha256(v), "bytes": len(v)} for k, v in files.items()},
-    }
-    files[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode()
-    write_dir(
-        path,
-        files,
-        overwrite=overwrite,
-        check=check_target,
-        error=ArtifactError,
-        what="the artifact",
-    )
-    return Artifact(path, freeze(manifest))
+    return exported, signature
+
+
+def _same_program_settings(names: list[str], programs: list[dict[str, Any]]) -> None:
+    """Entry points share the artifact's devices, calling convention and effects."""
+    for key in ("nr_devices", "calling_convention_version", "ordered_effects"):
+        values = {n: p[key] for n, p in zip(names, programs, strict=True)}
+        if len(set(values.values())) > 1:
+            raise ConfigError(
+                f"export(): the entry points differ in {key} ({values}); an artifact's entry "
+                "points run on one set of devices. Shard them alike (or not at all)."
+            )
 
 
 def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:
@@ -277,14 +443,14 @@ def _callbacks(fn: Callable[..., Any], *args: Any) -> list[str]:
 
 
 def _self_test_vectors(
-    exported: Any, signature: Signature, specs: Sequence[TensorSpec], arrays: Sequence[Any]
+    exported: Any, signature: Signature, own: Mapping[str, tuple[TensorSpec, Any]]
 ) -> bytes | None:
     """Seeded inputs and what the exported program gives for them, where it runs here."""
     here = jax.export.default_export_platform()
     xs = selftest.inputs(signature.inputs)
     if xs is None or here not in exported.platforms or exported.nr_devices != 1:
         return None
-    params = {s.path: a for s, a in zip(specs, arrays, strict=True)}
+    params = {p: a for p, (_, a) in own.items()}
     outs = jax.tree.leaves(jax.jit(exported.call)(params, *xs))
     return selftest.encode(xs, [np.asarray(y) for y in outs])
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,16 @@ from jax.sharding import Mesh
 
 from symjax_mlp import _selftest as selftest
 from symjax_mlp._artifact import ops
-from symjax_mlp._artifact.format import JAXEXPORT, PARAMS, printable
+from symjax_mlp._artifact.format import (
+    JAXEXPORT,
+    MLIRBC,
+    PARAMS,
+    entry_names,
+    entry_point,
+    entry_view,
+    printable,
+    program_file,
+)
 from symjax_mlp._artifact.reading import USED, freeze, read_artifact
 from symjax_mlp._artifact.signature import Signature, _is_array
 from symjax_mlp._artifact.weights import check_params, param_specs, read_safetensors_file
@@ -36,6 +46,13 @@ from symjax_mlp._specs import TensorSpec
 RUNTIMES = ("jax", "iree")
 
 
+class _NoEntryPoint(ConfigError, KeyError):
+    """``m[name]`` for a name the artifact has no entry point of (a ``KeyError`` too)."""
+
+    def __str__(self) -> str:  # a KeyError would show its message quoted
+        return str(self.args[0])
+
+
 class LoadedModel:
     """An artifact ready to call: checked, deserialized (JAX) or compiled (IREE).
 
@@ -43,11 +60,17 @@ class LoadedModel:
     :class:`~symjax_mlp.SignatureError`) and runs the exported program with the artifact's
     params. The JAX runtime returns ``jax.Array``; the IREE runtime returns NumPy arrays.
 
+    An artifact exported with several entry points (``export({"predict": h, "embed": e},
+    ...)``) loads as its default (first) one; ``m["embed"]`` is another, over the same
+    weights, loaded and checked the same way on first use.
+
     Attributes:
       path: the artifact directory.
-      manifest: the manifest, read-only.
+      manifest: the manifest as this entry point sees it (its signature, params, program
+        files), read-only.
       signature: what the model takes and returns, symbolic dims by name.
       runtime: ``"jax"`` or ``"iree"``.
+      entry: the name of this entry point.
     """
 
     def __init__(
@@ -57,16 +80,45 @@ class LoadedModel:
         runtime: str,
         params: dict[str, Any],
         run: Callable[[list[Any]], list[Any]],
+        opener: _Opener | None = None,
     ) -> None:
         self.path = path
         self.manifest = manifest
         self.signature = Signature.from_json(manifest["signature"])
         self.runtime = runtime
+        self.entry = entry_point(manifest)
         self._params = params
         self._run = run
-        self._caller = f'symjax_mlp.load("{printable(str(path))}")'
+        self._opener = opener
+        self._file = printable(str(path / program_file(manifest, JAXEXPORT)))
+        self._caller = f'symjax_mlp.load("{printable(str(path))}")' + (
+            f"[{self.entry!r}]" if len(self.entries) > 1 else ""
+        )
         self._single_output = self.signature.output_kind == "array"
         self._checked: set[tuple[Any, ...]] = set()
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The artifact's model card (``export(..., metadata=...)``), as JSON data."""
+        from symjax_mlp._artifact.reading import thaw
+
+        return thaw(self.manifest.get("metadata", {}))
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The artifact's entry points, the default first."""
+        return entry_names(self.manifest)
+
+    def __getitem__(self, name: str) -> LoadedModel:
+        """The entry point ``name`` of the same artifact, over the same weights."""
+        if name == self.entry:
+            return self
+        if name not in self.entries or self._opener is None:
+            raise _NoEntryPoint(
+                f'symjax_mlp.load("{printable(str(self.path))}") has no entry point '
+                f"{printable(repr(name))}; it has {', '.join(self.entries)}."
+            )
+        return self._opener.open(name)
 
     @property
     def params(self) -> dict[str, np.ndarray]:
@@ -84,6 +136,8 @@ class LoadedModel:
         if all(_is_array(x) for x in inputs):
             key = tuple((x.shape, x.dtype) for x in inputs)
         if key is None or key not in self._checked:
+            if _is_batching(inputs):
+                raise self._no_vmap()
             inputs = self.signature.check(inputs, caller=self._caller)
             if key is not None and len(self._checked) < 256:
                 self._checked.add(key)
@@ -94,12 +148,23 @@ class LoadedModel:
         except Exception as e:  # the program failed: XLA, IREE or jax.export raised
             if _is_tracer_error(e):
                 raise  # the caller's own jax.jit code, not the artifact
+            if isinstance(e, NotImplementedError) and _is_batching(inputs):
+                raise self._no_vmap() from None
             raise ArtifactError(
-                f"{self._caller}: running the program of {printable(str(self.path / JAXEXPORT))} "
+                f"{self._caller}: running the program of {self._file} "
                 f"failed ({type(e).__name__}: {printable(str(e)[:600])}). The artifact's "
                 "files agree with each other but its program does not run here; it is "
                 "corrupted, was edited, or was made for another JAX. Export it again."
             ) from e
+
+    def _no_vmap(self) -> ConfigError:
+        batch = self.signature.batch or "its leading dimension"
+        return ConfigError(
+            f"{self._caller}: jax.vmap cannot map over a loaded model (a jax.export program "
+            f"has no batching rule). It takes a whole batch along {batch}: call m(xs) on "
+            "the stacked inputs instead of jax.vmap(m)(xs) (one example: m(x[None])[0]), "
+            "or apply jax.vmap inside the function before you export it."
+        )
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
@@ -182,8 +247,7 @@ def load(
         unchanged()  # what was read is what was verified
     _warn_if_expiring(path, manifest)
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
-    backend = importlib.import_module(f"symjax_mlp._runtimes.{runtime}")
-    backend.check_supported(path, manifest)
+    importlib.import_module(f"symjax_mlp._runtimes.{runtime}").check_supported(path, manifest)
     mesh = _check_mesh(path, manifest, mesh)
     if params is None:
         found, source = blobs[PARAMS], path / PARAMS  # read and checked by read_artifact
@@ -197,24 +261,69 @@ def load(
         specs, arrays = param_specs(params)
         found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="
     ordered = check_params(found, expected, file=source)
-    from symjax_mlp._runtimes.jax import deserialize
+    opener = _Opener(
+        path,
+        manifest,
+        runtime,
+        blobs,
+        mesh=mesh,
+        trust=trust,
+        allowed=allowed,
+        self_test=self_test and params is None,  # other weights give other outputs, by design
+    )
+    return opener.open(None, ordered)
 
-    exported = deserialize(path, manifest, blobs)  # both runtimes: the module that runs
-    guard = None
-    if not trust:
-        report = _program(path, manifest, exported)
-        if hasattr(backend, "check_program"):
-            backend.check_program(path, report)
-        ops.check(report, file=path / JAXEXPORT, allow=allowed, caller="load()")
-        guard = _guard(path, report, allowed)
-    run, weights = backend.runner(path, manifest, blobs, ordered, exported=exported, guard=guard)
-    del blobs[PARAMS], found, ordered  # the weights live on in `weights` (on device for JAX)
-    if mesh is not None:
-        run = _under(mesh, run)
-    model = LoadedModel(path, freeze(manifest), runtime, weights, run)
-    if self_test and params is None:  # other weights give other outputs, by design
-        selftest.run(path, manifest, blobs, model._outputs)
-    return model
+
+class _Opener:
+    """Opens an artifact's entry points over its weights: the default one at load, each
+    other one on first use (``m["embed"]``), checked alike, the weights placed once."""
+
+    def __init__(self, path: Path, manifest: Any, runtime: str, blobs: dict[str, Any],
+                 **options: Any) -> None:  # fmt: skip
+        self.path, self.manifest, self.runtime, self.blobs = path, manifest, runtime, blobs
+        self.options = options
+        self.backend = importlib.import_module(f"symjax_mlp._runtimes.{runtime}")
+        self.weights: dict[str, Any] = {}
+        self.opened: dict[str, LoadedModel] = {}
+        self.lock = threading.Lock()
+
+    def open(self, entry: str | None, arrays: list[Any] | None = None) -> LoadedModel:
+        with self.lock:
+            view = entry_view(self.manifest, entry)
+            name = entry_point(view)
+            if name in self.opened:
+                return self.opened[name]
+            if arrays is None:  # another entry point: its params among the placed weights
+                arrays = [self.weights[p["path"]] for p in view["params"]]
+            model = self._open(view, arrays)
+            self.opened[name] = model
+            return model
+
+    def _open(self, view: dict[str, Any], arrays: list[Any]) -> LoadedModel:
+        from symjax_mlp._runtimes.jax import deserialize
+
+        path, blobs, options = self.path, self.blobs, self.options
+        exported = deserialize(path, view, blobs)  # both runtimes: the module that runs
+        guard = None
+        if not options["trust"]:
+            report = _program(path, view, exported)
+            if hasattr(self.backend, "check_program"):
+                self.backend.check_program(path / program_file(view, MLIRBC), report)
+            file = path / program_file(view, JAXEXPORT)
+            ops.check(report, file=file, allow=options["allowed"], caller="load()")
+            guard = _guard(file, report, options["allowed"])
+        run, weights = self.backend.runner(
+            path, view, blobs, arrays, exported=exported, guard=guard
+        )
+        if not self.weights:
+            self.weights = weights  # on device for JAX: every entry point runs on these
+            blobs.pop(PARAMS, None)  # the host copies are no longer needed
+        if options["mesh"] is not None:
+            run = _under(options["mesh"], run)
+        model = LoadedModel(path, freeze(view), self.runtime, weights, run, self)
+        if options["self_test"]:
+            selftest.run(path, view, blobs, model._outputs)
+        return model
 
 
 # sha256 of model.jaxexport -> what its program (and its VJPs) do, most recent last
@@ -223,10 +332,11 @@ _REPORTS: dict[str, ops.ModuleReport] = {}
 
 def _program(path: Path, manifest: Any, exported: Any) -> ops.ModuleReport:
     """The ops report of the module that runs, and of each VJP module it carries."""
-    key = manifest["files"][JAXEXPORT]["sha256"]
+    file = path / program_file(manifest, JAXEXPORT)
+    key = manifest["files"][file.name]["sha256"]
     report = _REPORTS.pop(key, None)
     if report is None:
-        report = ops.analyze(exported.mlir_module_serialized, file=path / JAXEXPORT)
+        report = ops.analyze(exported.mlir_module_serialized, file=file)
         problems = list(report.problems)
         module, order = exported, 0
         while module.has_vjp():  # jax.grad of the loaded model runs these modules
@@ -238,9 +348,9 @@ def _program(path: Path, manifest: Any, exported: Any) -> ops.ModuleReport:
                 module = module.vjp()
             except Exception as e:
                 raise ArtifactError(
-                    f"{path / JAXEXPORT}: its VJP module of order {order} cannot be read ({e})."
+                    f"{file}: its VJP module of order {order} cannot be read ({e})."
                 ) from e
-            vjp = ops.analyze(module.mlir_module_serialized, file=path / JAXEXPORT)
+            vjp = ops.analyze(module.mlir_module_serialized, file=file)
             problems += [ops.Problem(p.key, f"{p.what} (in its VJP of order {order})")
                          for p in vjp.problems]  # fmt: skip
         report = ops.ModuleReport(report.counts, report.custom_calls, report.work, tuple(problems))
@@ -250,7 +360,7 @@ def _program(path: Path, manifest: Any, exported: Any) -> ops.ModuleReport:
     return report
 
 
-def _guard(path: Path, report: ops.ModuleReport, allowed: frozenset[str]) -> Any:
+def _guard(file: Path, report: ops.ModuleReport, allowed: frozenset[str]) -> Any:
     """Checks a call's refined module: at most ``MAX_WORK`` plus the module's static work
     per input element (shapes computed from constants cannot hide a huge tensor)."""
 
@@ -261,7 +371,7 @@ def _guard(path: Path, report: ops.ModuleReport, allowed: frozenset[str]) -> Any
         budget = ops.MAX_WORK + max(report.work, 1) * max(n_inputs, 1)
         if work.work > budget and "compute" not in allowed:
             raise ArtifactError(
-                f"{path / JAXEXPORT}: for these inputs ({n_inputs:,} elements) the program asks "
+                f"{file}: for these inputs ({n_inputs:,} elements) the program asks "
                 f"for about {work.work:.3g} element operations, more than {budget:.3g} (its "
                 f"own static work, {report.work:,}, per input element, plus {ops.MAX_WORK:.3g}"
                 "): its shapes grow with no relation to its inputs. Refused before compiling; "
@@ -334,3 +444,8 @@ def _warn_if_expiring(path: Path, manifest: Any, *, days: int = 30) -> None:
             FutureWarning,
             stacklevel=3,
         )
+
+
+def _is_batching(inputs: Any) -> bool:
+    """Whether the call runs under ``jax.vmap`` (its inputs are batch tracers)."""
+    return any(type(x).__name__ == "BatchTracer" for x in inputs)

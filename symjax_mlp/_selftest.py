@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import safetensors
 
+from symjax_mlp._artifact.format import SELFTEST, program_file
 from symjax_mlp._artifact.weights import decode_params
 from symjax_mlp._errors import ArtifactError
 
-SELFTEST = "selftest.safetensors"
 BATCH = 2  # rows per symbolic batch dimension in the vectors
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # XLA may fuse differently across CPUs and versions
 
@@ -68,9 +68,10 @@ def run(
 ) -> None:
     """Runs the vectors through ``call``; raises :class:`~symjax_mlp.ArtifactError` unless
     every output matches. An artifact without vectors (an older export) passes."""
-    if SELFTEST not in blobs:
+    name = program_file(manifest, SELFTEST)
+    if name not in blobs:
         return
-    vectors = decode_params(blobs[SELFTEST], file=path / SELFTEST)
+    vectors = decode_params(blobs[name], file=path / name)
     n_in = len(manifest["signature"]["inputs"])
     n_out = len(manifest["signature"]["outputs"])
     try:
@@ -78,7 +79,7 @@ def run(
         want = [vectors[f"out[{i}]"] for i in range(n_out)]
     except KeyError as e:
         raise ArtifactError(
-            f"{path / SELFTEST} lacks the vector {e}; the artifact is corrupted. Export it again."
+            f"{path / name} lacks the vector {e}; the artifact is corrupted. Export it again."
         ) from None
     got = [np.asarray(y) for y in call(list(xs))]
     for i, (g, w) in enumerate(zip(got, want, strict=True)):

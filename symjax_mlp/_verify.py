@@ -1,7 +1,10 @@
 """Verify an artifact end to end: reload it in a fresh process and compare with a reference.
 
 The fresh process proves the artifact runs without the caller's state (its model source, its
-imports, its jit caches); a crash there is reported instead of taking the caller down.
+imports, its jit caches); a crash there is reported instead of taking the caller down. Arrays
+cross to it, and back, as .npy files with their dtype names beside them: NumPy stores an
+ml_dtypes array (bfloat16 first of all) as raw bytes, ``|V2``, and :func:`npy_array` gives such
+bytes their dtype back; ``symjax-mlp run`` reads its ``--input`` files the same way.
 """
 
 from __future__ import annotations
@@ -170,10 +173,13 @@ def verify(
             "batches": {},
             "options": options,
         }
+        dtypes: dict[str, str] = {}
         for b, xs in inputs.items():
             job["batches"][str(b)] = names = [f"x{b}_{i}.npy" for i in range(len(xs))]
             for name, x in zip(names, xs, strict=True):
                 np.save(work / name, x)
+                dtypes[name] = str(x.dtype)
+        job["dtypes"] = dtypes
         (work / "job.json").write_text(json.dumps(job))
         code = "import sys; from symjax_mlp._verify import _worker; sys.exit(_worker(sys.argv[1]))"
         try:
@@ -203,10 +209,45 @@ def verify(
                 continue
             for b, xs in inputs.items():
                 want = [np.asarray(w) for w in _as_list(reference(*xs))]
-                outs = [np.load(work / n) for n in got["outputs"][str(b)]]
+                outs = [_read(work, n, got["dtypes"]) for n in got["outputs"][str(b)]]
                 checks.append(_compare(rt, b, outs, want, rtol, atol))
     loads = {rt: result[rt]["load_seconds"] for rt in runtimes if "load_seconds" in result[rt]}
     return VerifyReport(art.path, ref_name, rtol, atol, tuple(checks), loads, tuple(errors))
+
+
+def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x``, as read from a .npy file, given back the ``dtype`` that .npy cannot name.
+
+    NumPy writes an ml_dtypes array (bfloat16, the float8 and int4 types, as JAX uses them) to
+    .npy as raw bytes of its itemsize, a plain void dtype (``|V2`` for bfloat16), and reads it
+    back as that: ``np.load(f).view(ml_dtypes.bfloat16)`` is the way back. This does that view
+    when ``x`` is such a void array and ``dtype`` names an ml_dtypes type of the same itemsize;
+    the bytes are unchanged. Any other array comes back as it is, uncast, for the caller's
+    dtype check to accept or refuse (a float32 file stays float32).
+
+    Example:
+      >>> import io, ml_dtypes, numpy as np
+      >>> f = io.BytesIO()
+      >>> np.save(f, np.array([1.5, -2.0], ml_dtypes.bfloat16))
+      >>> _ = f.seek(0)
+      >>> x = np.load(f)
+      >>> str(x.dtype), npy_array(x, "bfloat16").tolist()
+      ('|V2', [1.5, -2.0])
+    """
+    if x.dtype.kind != "V" or x.dtype.names is not None or x.dtype.subdtype is not None:
+        return x
+    import ml_dtypes
+
+    kind = getattr(ml_dtypes, dtype, None)
+    if not (isinstance(kind, type) and issubclass(kind, np.generic)):
+        return x
+    if np.dtype(kind).itemsize != x.dtype.itemsize:
+        return x
+    return x.view(kind)
+
+
+def _read(work: Path, name: str, dtypes: Mapping[str, str]) -> np.ndarray:
+    return npy_array(np.load(work / name, allow_pickle=False), dtypes.get(name, ""))
 
 
 def _random(spec: TensorSpec, batch: int, rng: np.random.Generator) -> np.ndarray:
@@ -259,12 +300,18 @@ def _worker(job_file: str) -> int:
         try:
             t0 = time.perf_counter()
             model = load(job["path"], runtime=rt, **job.get("options", {}))
-            entry: dict[str, Any] = {"load_seconds": time.perf_counter() - t0, "outputs": {}}
+            entry: dict[str, Any] = {
+                "load_seconds": time.perf_counter() - t0,
+                "outputs": {},
+                "dtypes": {},
+            }
             for b, names in job["batches"].items():
-                outs = _as_list(model(*[np.load(work / n) for n in names]))
+                outs = _as_list(model(*[_read(work, n, job["dtypes"]) for n in names]))
                 entry["outputs"][b] = files = [f"y_{rt}_{b}_{i}.npy" for i in range(len(outs))]
                 for name, out in zip(files, outs, strict=True):
-                    np.save(work / name, np.asarray(out))
+                    y = np.asarray(out)
+                    np.save(work / name, y)
+                    entry["dtypes"][name] = str(y.dtype)
         except SymjaxError as e:
             entry = {"error": f"{type(e).__name__}: {e}"}
         result[rt] = entry

@@ -202,3 +202,155 @@ def test_self_test_vectors_run_at_load_and_catch_a_changed_model(tmp_path):
     m = sm.load(art.path, self_test=False)  # to inspect it anyway
     chex.assert_trees_all_close(m(x), h.replace(params=jax.tree.map(lambda a: a * 2, h.params))(x))
     assert set(doubled) == set(weights)
+
+
+class _EncoderHead(__import__("flax").linen.Module):
+    """A model with a second method: ``embed`` is the encoder alone."""
+
+    def setup(self):
+        import flax.linen as nn
+
+        self.enc, self.head = nn.Dense(8), nn.Dense(3)
+
+    def embed(self, x):
+        return jax.nn.relu(self.enc(x))
+
+    def decode(self, z):
+        return self.head(z)
+
+    def __call__(self, x):
+        return self.decode(self.embed(x))
+
+
+def _entry_points():
+    net, x = _EncoderHead(), jnp.ones((2, 5))
+    v = net.init(jax.random.key(0), x)
+    points = {
+        "predict": sm.hybridize(net, v),
+        "embed": sm.hybridize(lambda p, x: net.apply(p, x, method="embed"), v),
+        "decode": sm.hybridize(lambda p, z: net.apply(p, z, method="decode"), v),
+    }
+    return points, {"predict": x, "embed": x, "decode": jnp.ones((2, 8))}
+
+
+def test_several_entry_points_share_one_weight_file(tmp_path):
+    points, examples = _entry_points()
+    art = sm.export(points, tmp_path / "m", example=examples, metadata={"labels": [1, 2, 3]},
+                    vjp_order=1)  # fmt: skip
+    names = sorted(p.name for p in art.path.iterdir())
+    assert [n for n in names if n.endswith(".safetensors") and "selftest" not in n] == [
+        "params.safetensors"
+    ]
+    assert {"embed.jaxexport", "decode.mlirbc", "embed.selftest.safetensors"} <= set(names)
+    assert list(art.entries) == ["predict", "embed", "decode"]
+    assert art.entries["decode"].inputs[0].shape == ("b", 8)
+    text = str(sm.inspect(art.path))
+    assert "embed (<lambda>): (args[0]: float32[b, 5]) -> float32[b, 8]" in text
+    assert "ops (decode.jaxexport's module)" in text
+    for runtime in ("jax", "iree"):
+        m = sm.load(art.path, runtime=runtime)
+        assert m.entries == ("predict", "embed", "decode") and m.entry == "predict"
+        assert m["predict"] is m and m["embed"] is m["embed"]
+        assert m.metadata == {"labels": [1, 2, 3]}
+        for name, h in points.items():
+            x = jnp.full((7, examples[name].shape[1]), 0.5)
+            chex.assert_trees_all_close(m[name](x), h(x), **TOL)
+        with pytest.raises(KeyError, match=r"no entry point .nope.; it has predict, embed"):
+            m["nope"]
+    m = sm.load(art.path)
+    for k, w in m.params.items():  # one copy of the weights, whatever the entry point
+        assert np.shares_memory(w, m["embed"].params[k]), k
+    x = jnp.ones((3, 5))
+    got = jax.grad(lambda x: m["embed"](x).sum())(x)
+    chex.assert_trees_all_close(got, jax.grad(lambda x: points["embed"](x).sum())(x), **TOL)
+
+
+def test_entry_points_with_their_own_params_take_only_those(tmp_path):
+    x = jnp.ones((2, 4))
+    a = sm.hybridize(lambda p, x: x @ p["a"], {"a": jnp.ones((4, 2))})
+    b = sm.hybridize(lambda p, x: x * p["b"], {"b": jnp.full((4,), 2.0)})
+    art = sm.export({"first": a, "second": b}, tmp_path / "m", example=x)
+    assert [p.path for p in art.params] == ["a", "b"]  # the one weight file holds both
+    assert art.manifest["entries"]["second"]["params"] == ("b",)
+    m = sm.load(art.path)
+    chex.assert_trees_all_close(m(x), a(x))
+    chex.assert_trees_all_close(m["second"](x), b(x))
+    assert set(m["second"].params) == {"b"}
+    # one path, two values: refused, nothing written
+    clash = sm.hybridize(lambda p, x: x * p["b"], {"b": jnp.full((4,), 3.0)})
+    with pytest.raises(sm.ConfigError, match=r"'second' and 'third' both have a param b"):
+        sm.export({"first": a, "second": b, "third": clash}, tmp_path / "n", example=x)
+    for bad in ("model", "_private", "two words", ""):
+        with pytest.raises(sm.ConfigError, match="entry point's name is a Python identifier"):
+            sm.export({"first": a, bad: b}, tmp_path / "n", example=x)
+    with pytest.raises(sm.ConfigError, match="names every entry point, first, second"):
+        sm.export({"first": a, "second": b}, tmp_path / "n", example={"first": x})
+    with pytest.raises(sm.ConfigError, match="a Hybrid or a dict of them"):
+        sm.export([a, b], tmp_path / "n", example=x)
+    assert not (tmp_path / "n").exists()
+
+
+def test_an_entry_point_is_checked_like_the_default_before_it_runs(tmp_path):
+    """A stranger's artifact: a harmless default and an entry point with an unbounded loop
+    (a whole, consistent export). Loading is lazy per entry point; using it is refused."""
+    x = jnp.ones((2, 4))
+    ok = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+
+    def spin(p, x):
+        return jax.lax.while_loop(lambda c: c[0] < 10**6, lambda c: (c[0] + 1, c[1] * p), (0, x))[1]
+
+    art = sm.export({"ok": ok, "spin": sm.hybridize(spin, jnp.float32(2))}, tmp_path / "m",
+                    example=x)  # fmt: skip
+    m = sm.load(art.path)
+    chex.assert_trees_all_close(m(x), 2 * x)
+    with pytest.raises(
+        sm.ArtifactError, match=r"(?s)spin\.jaxexport.*a while loop of 1,000,000 iterations"
+    ):
+        m["spin"]
+    assert "while" in str(sm.inspect(art.path))
+
+
+def test_a_tampered_entry_point_is_refused(tmp_path):
+    points, examples = _entry_points()
+    art = sm.export(points, tmp_path / "m", example=examples)
+    file = art.path / "manifest.json"
+    good = json.loads(file.read_text())
+
+    def load_with(edit):
+        manifest = json.loads(json.dumps(good))
+        edit(manifest)
+        file.write_text(json.dumps(manifest))
+        return sm.load(art.path)
+
+    # the embed entry point pointed at the default's program: its module is not its signature
+    def swap(m):
+        m["entries"]["embed"]["program_files"]["model.jaxexport"] = "model.jaxexport"
+        m["entries"]["embed"]["program_files"]["model.mlirbc"] = "model.mlirbc"
+
+    with pytest.raises(sm.ArtifactError, match="does not match"):
+        load_with(swap)["embed"]
+    edits = {
+        "program_files": lambda m: m["entries"]["embed"]["program_files"].update(
+            {"model.jaxexport": "../x"}
+        ),
+        "params": lambda m: m["entries"]["embed"]["params"].append("params/nope"),
+        "entries": lambda m: m["entries"].update({"predict": m["entries"]["embed"]}),
+        "signature": lambda m: m["entries"]["decode"].pop("signature"),
+    }
+    for field, edit in edits.items():
+        with pytest.raises(sm.ArtifactError, match=rf"{field}.*corrupted or was edited"):
+            load_with(edit)
+    # an unlisted file named as an entry's program
+    (art.path / "extra.jaxexport").write_bytes(b"x")
+    with pytest.raises(sm.ArtifactError, match="program_files"):
+        load_with(lambda m: m["entries"]["embed"]["program_files"].update(
+            {"model.jaxexport": "extra.jaxexport"}))  # fmt: skip
+
+
+def test_vmap_over_a_loaded_model_is_refused_with_the_fix(tmp_path):
+    h, x = _mlp()
+    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    for xs in (jnp.ones((4, 5)), jnp.ones((4, 1, 5))):  # per example: (5,) or (1, 5)
+        with pytest.raises(sm.ConfigError, match=r"jax\.vmap cannot map.*call m\(xs\)"):
+            jax.vmap(m)(xs)
+    chex.assert_trees_all_close(m(jnp.ones((4, 5))), h(jnp.ones((4, 5))), **TOL)

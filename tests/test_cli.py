@@ -207,3 +207,74 @@ def test_verify_json_tolerances_and_exit_1_on_a_failed_check(tmp_path, capsys):
     argv = ["verify", str(art), "--runtime", "iree", "--batches", "128", "--rtol", "0"]
     assert main([*argv, "--atol", "0"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+# -- bfloat16 through .npy: NumPy stores it as |V2; run and verify give it its dtype back -------
+def _bfloat16_artifact(tmp_path):
+    """(path, x): an MLP with bfloat16 params, exported on a bfloat16 (2, 8) input -> (b, 8)."""
+    import jax
+    import jax.numpy as jnp
+
+    import symjax_mlp as sm
+
+    net = sm.mlp((16, 8))
+    x = jax.random.normal(jax.random.key(1), (2, 8)).astype(jnp.bfloat16)
+    variables = jax.tree.map(lambda a: a.astype(jnp.bfloat16), net.init(jax.random.key(0), x))
+    h = sm.hybridize(net, variables)
+    return sm.export(h, tmp_path / "m", example=x).path, h, x
+
+
+def test_run_reads_and_writes_bfloat16_as_V2_npy(tmp_path, capsys):
+    import ml_dtypes
+    import numpy as np
+
+    import symjax_mlp as sm
+
+    art, _, x = _bfloat16_artifact(tmp_path)
+    np.save(tmp_path / "x.npy", np.asarray(x))
+    assert np.load(tmp_path / "x.npy").dtype == np.dtype("V2")  # what NumPy makes of bfloat16
+    want = np.asarray(sm.load(art)(x))
+    y = tmp_path / "y.npy"
+    assert main(["run", str(art), "--input", str(tmp_path / "x.npy"), "--output", str(y)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {y}: bfloat16[2, 8]" in out
+    assert "np.load(...).view(ml_dtypes.bfloat16)" in out
+    got = np.load(y)
+    assert got.dtype == np.dtype("V2")
+    np.testing.assert_array_equal(got.view(ml_dtypes.bfloat16), want)  # bit for bit
+    # the output file is an input file: run it again, and into a .npz
+    npz = tmp_path / "z.npz"
+    assert main(["run", str(art), "--input", str(y), "--output", str(npz)]) == 0
+    again = np.load(npz)["out0"].view(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(again, np.asarray(sm.load(art)(want)))
+
+
+def test_run_refuses_a_float32_file_for_a_bfloat16_input(tmp_path, capsys):
+    import numpy as np
+
+    art, _, x = _bfloat16_artifact(tmp_path)
+    np.save(tmp_path / "x.npy", np.asarray(x, np.float32))
+    y = tmp_path / "y.npy"
+    argv = ["run", str(art), "--input", str(tmp_path / "x.npy"), "--output", str(y)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"--input {tmp_path / 'x.npy'} (args[0]) holds float32[2, 8]" in err
+    assert "expects bfloat16[b, 8]; nothing is cast" in err
+    assert "x.astype(jnp.bfloat16)" in err
+    assert "np.bfloat16" not in err.replace("jnp.bfloat16", "")  # no cast that does not exist
+    assert not y.exists()
+
+
+def test_verify_a_bfloat16_artifact_passes(tmp_path, capsys):
+    import json
+
+    import symjax_mlp as sm
+
+    art, h, _ = _bfloat16_artifact(tmp_path)
+    capsys.readouterr()
+    assert main(["verify", str(art), "--batches", "1,3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and [c["batch"] for c in report["checks"]] == [1, 3]
+    report = sm.verify(art, reference=h, batches=(2,))
+    assert report.ok, str(report)

@@ -25,7 +25,11 @@ JAXEXPORT, MLIRBC, MLIR, PARAMS = (
     "model.mlir",
     "params.safetensors",
 )
+SELFTEST = "selftest.safetensors"
 CORE_FILES = (JAXEXPORT, MLIRBC, MLIR, PARAMS)
+PROGRAM_FILES = (JAXEXPORT, MLIRBC, MLIR)  # what each entry point has of its own
+MAX_ENTRIES = 64
+RESERVED_ENTRY_NAMES = frozenset({"model", "params", "selftest", "manifest"})
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few kB; refuse to read gigabytes of one
 MAX_PARAMS = 65_536  # param tensors (and inputs, outputs) an artifact may have
 MAX_FILES = 1_024  # files a manifest may list
@@ -90,7 +94,7 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
     Raises:
       ArtifactError: naming the field, what it holds and what a manifest has there.
     """
-    m, sig = manifest, manifest["signature"]
+    m = manifest
     rules: list[tuple[str, Callable[[], Any], Callable[[Any], bool], str]] = [
         ("name", lambda: m["name"], _is_str, "a string"),
         ("created", lambda: m["created"], _is_str, "a string"),
@@ -99,20 +103,9 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
         ("nr_devices", lambda: m["nr_devices"], _count, "an int >= 1"),
         ("calling_convention_version", lambda: m["calling_convention_version"], _is_int, "an int"),
         ("ordered_effects", lambda: m.get("ordered_effects", 0), _size, "an int >= 0"),
-        ("signature", lambda: sig, lambda v: isinstance(v, dict), "an object"),
-        ("signature.inputs", lambda: sig.get("inputs"), _tensors(True), _TENSORS),
-        ("signature.outputs", lambda: sig.get("outputs"), _tensors(True), _TENSORS),
-        ("signature.output_kind", lambda: sig.get("output_kind"),
-         lambda v: v == "tuple" or (v == "array" and len(sig["outputs"]) == 1),
-         '"tuple", or "array" with one output'),
-        ("signature.batch", lambda: sig.get("batch"), lambda v: v is None or _is_str(v),
-         "a name or null"),
-        ("signature.constraints", lambda: sig.get("constraints", []), _constraints,
-         f"a list of at most 64 constraints such as \"t <= 1024\" ({MAX_CONSTRAINT_CHARS} "
-         "characters at most)"),
+        *_program_rules(m, ""),
         ("params", lambda: m["params"], _tensors(False),
          _TENSORS + f" with distinct paths, at most {MAX_PARAMS:,} of them"),
-        ("mlir_arguments", lambda: m["mlir_arguments"], _str_list, "a list of names"),
         ("files", lambda: m["files"], _files, "an object {file name: {sha256, bytes}} naming "
          f"at most {MAX_FILES:,} plain files inside the artifact, each with 64 lowercase hex "
          "digits and a size"),
@@ -120,8 +113,33 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
         ("vjp_order", lambda: m.get("vjp_order", 0), lambda v: _size(v) and v <= 8,
          "an int from 0 to 8"),
         ("compatible_until", lambda: m.get("compatible_until", ""), _is_str, "a date"),
-        ("static", lambda: m.get("static", {}), _str_dict, "an object of strings"),
+        ("entry", lambda: m.get("entry", "main"), _entry_name, "an entry point name"),
+        ("entries", lambda: m.get("entries", {}),
+         lambda v: isinstance(v, dict) and len(v) < MAX_ENTRIES
+         and all(_entry_name(k) and isinstance(e, dict) for k, e in v.items())
+         and m.get("entry", "main") not in v,
+         f"an object of at most {MAX_ENTRIES - 1} named entry points, the default not among them"),
     ]  # fmt: skip
+    entries = m.get("entries", {})
+    for name, entry in entries.items() if isinstance(entries, dict) else ():
+        if not isinstance(entry, dict):
+            break  # the rule on "entries" reports it first
+        rules += [
+            (f"entries.{name}.name", lambda e=entry: e.get("name", _MISSING), _is_str,
+             "a string"),
+            *_program_rules(entry, f"entries.{name}."),
+            (f"entries.{name}.params", lambda e=entry: e.get("params", _MISSING),
+             lambda v: _str_list(v) and len(set(v)) == len(v)
+             and set(v) <= {p["path"] for p in m["params"]},  # checked above: a list of dicts
+             "a list of distinct param paths, each in params"),
+            (f"entries.{name}.program_files", lambda e=entry: e.get("program_files", _MISSING),
+             lambda v: isinstance(v, dict) and set(PROGRAM_FILES) <= set(v)
+             and set(v) <= {*PROGRAM_FILES, SELFTEST}
+             and all(_is_str(f) and f in m["files"] for f in v.values())
+             and len(set(v.values())) == len(v),
+             f"an object naming the entry's own {', '.join(PROGRAM_FILES)} (and "
+             f"{SELFTEST}), each a distinct file listed in files"),
+        ]  # fmt: skip
     for field, get, ok, want in rules:
         value = get()
         if not ok(value):
@@ -132,6 +150,45 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
 
 
 _TENSORS = "a list of {path, shape, dtype} (each dimension a size >= 0 or a name)"
+_MISSING = "(missing)"
+
+
+def _program_rules(
+    m: Mapping[str, Any], prefix: str
+) -> list[tuple[str, Callable[[], Any], Callable[[Any], bool], str]]:
+    """The rules on what one entry point's program takes and returns."""
+
+    def sig() -> Any:
+        value = m.get("signature", _MISSING)
+        return value if isinstance(value, dict) else {}
+
+    return [
+        (f"{prefix}signature", lambda: m.get("signature", _MISSING),
+         lambda v: isinstance(v, dict), "an object"),
+        (f"{prefix}signature.inputs", lambda: sig().get("inputs"), _tensors(True), _TENSORS),
+        (f"{prefix}signature.outputs", lambda: sig().get("outputs"), _tensors(True), _TENSORS),
+        (f"{prefix}signature.output_kind", lambda: sig().get("output_kind"),
+         lambda v: v == "tuple" or (v == "array" and len(sig()["outputs"]) == 1),
+         '"tuple", or "array" with one output'),
+        (f"{prefix}signature.batch", lambda: sig().get("batch"),
+         lambda v: v is None or _is_str(v), "a name or null"),
+        (f"{prefix}signature.constraints", lambda: sig().get("constraints", []), _constraints,
+         f"a list of at most 64 constraints such as \"t <= 1024\" ({MAX_CONSTRAINT_CHARS} "
+         "characters at most)"),
+        (f"{prefix}mlir_arguments", lambda: m.get("mlir_arguments", _MISSING), _str_list,
+         "a list of names"),
+        (f"{prefix}static", lambda: m.get("static", {}), _str_dict, "an object of strings"),
+    ]  # fmt: skip
+
+
+def _entry_name(x: Any) -> bool:
+    return (
+        _is_str(x)
+        and x.isidentifier()
+        and x.isascii()
+        and len(x) <= 64
+        and x not in RESERVED_ENTRY_NAMES
+    )
 
 
 def _is_str(x: Any) -> bool:
@@ -227,6 +284,56 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# -- entry points -----------------------------------------------------------------------------
+# An artifact holds one or more entry points over one params.safetensors. The default entry
+# point is described by the manifest's top-level fields and has the model.* files; each other
+# one (manifest["entries"][name]) has its own program files, signature and param subset.
+_PROGRAM_FIELDS = ("name", "signature", "mlir_arguments", "static")
+
+
+def entry_point(view: Mapping[str, Any]) -> str:
+    """The name of the entry point an :func:`entry_view` describes."""
+    return view.get("entry_point", view.get("entry", "main"))
+
+
+def entry_names(manifest: Mapping[str, Any]) -> tuple[str, ...]:
+    """The artifact's entry points, the default first."""
+    return (manifest.get("entry", "main"), *manifest.get("entries", {}))
+
+
+def entry_view(manifest: Mapping[str, Any], name: str | None = None) -> dict[str, Any]:
+    """The manifest as one entry point sees it (``None``: the default): its name, signature,
+    program files and the params it takes, over the artifact's shared fields."""
+    default = manifest.get("entry", "main")
+    view = {k: v for k, v in manifest.items() if k not in ("program_files", "entry_point")}
+    if name is None or name == default:
+        return view  # the manifest itself
+    entry = manifest.get("entries", {}).get(name)
+    if entry is None:
+        raise KeyError(name)
+    used = set(entry["params"])
+    return (
+        view
+        | {k: entry[k] for k in _PROGRAM_FIELDS if k in entry}
+        | {
+            "entry_point": name,
+            "params": [p for p in manifest["params"] if p["path"] in used],
+            "program_files": dict(entry["program_files"]),
+        }
+    )
+
+
+def program_file(view: Mapping[str, Any], role: str) -> str:
+    """The file an entry point keeps as ``role`` (``model.jaxexport``, ``selftest.safetensors``
+    ...): the default entry point's are those names themselves."""
+    return view.get("program_files", {}).get(role, role)
+
+
+def entry_files(name: str) -> dict[str, str]:
+    """The files an export writes for a (non-default) entry point named ``name``."""
+    return {role: f"{name}.{role.removeprefix('model.')}" for role in (*PROGRAM_FILES, SELFTEST)}
 
 
 # -- compatibility ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ swaps whole directories, so a read that raced one starts over on the new artifac
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,8 +21,11 @@ from symjax_mlp._artifact.format import (
     JAXEXPORT,
     MLIRBC,
     PARAMS,
+    entry_names,
+    entry_view,
     is_file_name,
     printable,
+    program_file,
     read_manifest,
 )
 from symjax_mlp._artifact.ops import ModuleReport, analyze, show_keys
@@ -56,8 +60,21 @@ class Artifact:
 
     @property
     def signature(self) -> Signature:
-        """The input/output :class:`~symjax_mlp.manifest.Signature`, symbolic dims by name."""
+        """The default entry point's :class:`~symjax_mlp.Signature`, symbolic dims by name."""
         return Signature.from_json(self.manifest["signature"])
+
+    @property
+    def entries(self) -> dict[str, Signature]:
+        """Every entry point's signature, the default first (one entry for a single model)."""
+        return {
+            name: Signature.from_json(entry_view(self.manifest, name)["signature"])
+            for name in entry_names(self.manifest)
+        }
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The model card given to :func:`~symjax_mlp.export` (``metadata=``), as JSON data."""
+        return thaw(self.manifest.get("metadata", {}))
 
     @property
     def platforms(self) -> tuple[str, ...]:
@@ -78,7 +95,7 @@ class Artifact:
         """The manifest as plain JSON data (dicts and lists)."""
         return thaw(self.manifest)
 
-    def op_counts(self) -> dict[str, int]:
+    def op_counts(self, entry: str | None = None) -> dict[str, int]:
         """How often each op occurs in the program that runs, most frequent first.
 
         Counted in the StableHLO module of ``model.jaxexport`` (which must be the bytes of
@@ -86,17 +103,28 @@ class Artifact:
         of every region; not in ``model.mlir``, the text kept for people to read, which no
         runtime uses.
 
+        ``entry`` names an entry point (default: the default one).
+
         Raises:
           ArtifactError: a file changed since :func:`inspect`, or the two modules differ.
         """
-        return dict(self.program().counts)
+        return dict(self.program(entry).counts)
 
-    def program(self) -> ModuleReport:
-        """What the program that runs does: its ops, custom calls, work, and what
-        :func:`~symjax_mlp.load` refuses without ``allow=`` or ``trust=True``."""
+    def program(self, entry: str | None = None) -> ModuleReport:
+        """What the program of ``entry`` (default: the default entry point) does: its ops,
+        custom calls, work, and what :func:`~symjax_mlp.load` refuses without ``allow=`` or
+        ``trust=True``."""
         import jax
 
         files = self.manifest["files"]
+        try:
+            view = entry_view(self.manifest, entry)
+        except KeyError:
+            raise ArtifactError(
+                f"{self.path} has no entry point {entry!r}; it has "
+                f"{', '.join(entry_names(self.manifest))}."
+            ) from None
+        jaxexport, mlirbc = program_file(view, JAXEXPORT), program_file(view, MLIRBC)
 
         def read(name: str) -> bytearray:
             try:
@@ -108,20 +136,20 @@ class Artifact:
             except (FileNotFoundError, KeyError):
                 raise ArtifactError(f"{self.path / name} is missing; inspect it again.") from None
 
-        module = read(MLIRBC)
+        module = read(mlirbc)
         try:
-            exported = jax.export.deserialize(read(JAXEXPORT))
+            exported = jax.export.deserialize(read(jaxexport))
             same = bytes(exported.mlir_module_serialized) == module
         except Exception as e:  # flatbuffers and JAX raise what they raise
             raise ArtifactError(
-                f"{self.path / JAXEXPORT}: jax.export could not deserialize it ({e})."
+                f"{self.path / jaxexport}: jax.export could not deserialize it ({e})."
             ) from e
         if not same:
             raise ArtifactError(
-                f"{self.path / JAXEXPORT} holds a StableHLO module other than {MLIRBC}'s: the "
+                f"{self.path / jaxexport} holds a StableHLO module other than {mlirbc}'s: the "
                 "files come from different exports, or one was edited. Export it again."
             )
-        return analyze(module, file=self.path / MLIRBC)
+        return analyze(module, file=self.path / mlirbc)
 
     def __str__(self) -> str:
         m = self.manifest
@@ -132,6 +160,15 @@ class Artifact:
             f"format {m['format']} v{m['format_version']})",
             f"function   {m['name']}  exported {m['created']}",
             f"signature  {self.signature}",
+        ]
+        names = entry_names(m)
+        if len(names) > 1:
+            lines += [f"entries    {names[0]} (default): {self.signature}"]
+            lines += [
+                f"           {n} ({entry_view(m, n)['name']}): {sig}"
+                for n, sig in list(self.entries.items())[1:]
+            ]
+        lines += [
             f"platforms  {', '.join(self.platforms)}   devices {m['nr_devices']}   "
             f"calling convention {m['calling_convention_version']}",
             "versions   " + ", ".join(f"{k} {val}" for k, val in v.items()),
@@ -144,18 +181,21 @@ class Artifact:
                 f"loads in   JAX releases until {m['compatible_until']} (jax.export window)"
             )
         for key, value in (m.get("metadata") or {}).items():
-            lines.append(f"card       {key}: {value}")
+            shown = value if isinstance(value, str) else json.dumps(thaw(value))
+            lines.append(f"card       {key}: {shown}")
         lines.append("files      sha256")
+        width = max(20, *map(len, m["files"]))
         for k, f in m["files"].items():
-            lines.append(f"  {k:<20} {f['sha256'][:16]}...  {f['bytes']:>10,} B")
-        program = self.program()
-        lines.append(f"stablehlo  {sum(program.counts.values())} ops (model.jaxexport's module)")
-        lines += [f"  {name:<36} {n:>5}" for name, n in program.counts.items()]
-        lines += [f"  custom_call @{name:<22} {n:>5}" for name, n in program.custom_calls.items()]
-        if program.problems:
-            keys = sorted({p.key for p in program.problems})
-            lines.append(f"load       refuses it unless allow={show_keys(keys)} or trust=True:")
-            lines += [f"  - {p.what}" for p in program.problems]
+            lines.append(f"  {k:<{width}} {f['sha256'][:16]}...  {f['bytes']:>10,} B")
+        for entry in entry_names(m):
+            program, file = self.program(entry), program_file(entry_view(m, entry), JAXEXPORT)
+            lines.append(f"stablehlo  {sum(program.counts.values())} ops ({file}'s module)")
+            lines += [f"  {name:<36} {n:>5}" for name, n in program.counts.items()]
+            lines += [f"  custom_call @{n:<22} {k:>5}" for n, k in program.custom_calls.items()]
+            if program.problems:
+                keys = sorted({p.key for p in program.problems})
+                lines.append(f"load       refuses it unless allow={show_keys(keys)} or trust=True:")
+                lines += [f"  - {p.what}" for p in program.problems]
         # every string above may come from a stranger's manifest: no terminal escapes
         return "\n".join(printable(line) for line in lines)
 
@@ -216,6 +256,8 @@ def read_files(
     others are hashed in chunks and not kept.
     """
     listed = manifest["files"]
+    views = [entry_view(manifest, e) for e in entry_names(manifest)]
+    keep = tuple({program_file(v, role) for v in views for role in keep})  # each entry point's
     if set(CORE_FILES) - set(listed):
         lacking = ", ".join(sorted(set(CORE_FILES) - set(listed)))
         raise ArtifactError(f"{path / MANIFEST} does not list {lacking}; it is corrupted.")

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from symjax_mlp._artifact.format import MLIRBC
+from symjax_mlp._artifact.format import MLIRBC, program_file
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import sha256, write_file_atomic
@@ -131,19 +131,20 @@ def _host_key() -> str:
     return f"{platform.machine()}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
 
 
-def check_program(path: Path, report: Any) -> None:
-    """Refuses modules IREE cannot compile (custom calls), read from the module that runs."""
+def check_program(file: Path, report: Any) -> None:
+    """Refuses modules IREE cannot compile (custom calls), read from the module that runs
+    (``file``: its ``.mlirbc``)."""
     calls = sorted(set(report.custom_calls) - _KNOWN_CUSTOM_CALLS)
     if calls:
         raise ArtifactError(
-            f"{path / MLIRBC}: IREE cannot run this model: it calls the custom call(s) "
+            f"{file}: IREE cannot run this model: it calls the custom call(s) "
             f"{', '.join(calls)}, which are JAX/XLA runtime kernels (LAPACK for jnp.linalg, "
             "GPU libraries, ...) with no IREE lowering. Use runtime='jax', or express the "
             "computation with plain jnp/lax ops before exporting."
         )
 
 
-def _compile(path: Path, mlirbc: bytes, *, cached: bool = True) -> bytes:
+def _compile(file: Path, mlirbc: bytes, *, cached: bool = True) -> bytes:
     """Returns the ``.vmfb`` for ``mlirbc``: from the user's cache, else compiled and cached."""
     ic, _ = _modules()
     # The cache is keyed by the module's own sha256 (computed here, not read from the
@@ -159,7 +160,7 @@ def _compile(path: Path, mlirbc: bytes, *, cached: bool = True) -> bytes:
     except ic.CompilerToolError as e:
         tail = "\n".join(str(e).strip().splitlines()[-12:])
         raise ArtifactError(
-            f"{path / MLIRBC}: IREE {iree_version()} could not compile it for {TARGET}. "
+            f"{file}: IREE {iree_version()} could not compile it for {TARGET}. "
             f"Use runtime='jax'. IREE said:\n{tail}"
         ) from e
     with contextlib.suppress(OSError):  # an unwritable cache directory: just not cached
@@ -182,8 +183,9 @@ def runner(
     compiles the dynamic module once, so ``guard`` (per-call refined shapes) does not apply."""
     _, ir = _modules()
     config = ir.Config(DRIVER)
+    name = program_file(manifest, MLIRBC)
     for cached in (True, False):  # a damaged cache entry is compiled again, never trusted
-        vmfb = _compile(path, blobs[MLIRBC], cached=cached)
+        vmfb = _compile(path / name, blobs[name], cached=cached)
         try:
             context = ir.SystemContext(config=config)
             module = ir.VmModule.copy_buffer(context.instance, vmfb)
@@ -193,7 +195,7 @@ def runner(
         except (RuntimeError, ValueError, KeyError) as e:
             if not cached:
                 raise ArtifactError(
-                    f"{path / MLIRBC}: IREE could not load the compiled module: {e}"
+                    f"{path / name}: IREE could not load the compiled module: {e}"
                 ) from e
     signature = Signature.from_json(manifest["signature"])
     names = [p["path"] for p in manifest["params"]]
@@ -222,7 +224,7 @@ def runner(
         result = main(*[host[s] if isinstance(s, int) else s for s in slots])
         outs = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(outs) != n_out:
-            raise ArtifactError(f"{path / MLIRBC}: IREE returned {len(outs)} outputs, not {n_out}.")
+            raise ArtifactError(f"{path / name}: IREE returned {len(outs)} outputs, not {n_out}.")
         return [np.asarray(o) for o in outs]
 
     return run, dict(zip(names, params, strict=True))

@@ -24,6 +24,7 @@ from symjax_mlp._artifact.format import (
     MLIRBC,
     check_calling_convention,
     compatibility_note,
+    program_file,
 )
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._specs import shape_dims
@@ -60,16 +61,17 @@ def deserialize(path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, Any
     Both runtimes call it: the module IREE compiles (``model.mlirbc``) is then the very module
     ``jax.export`` runs, and the one whose ops the loader checks.
     """
-    key = manifest["files"][JAXEXPORT]["sha256"]
+    file = program_file(manifest, JAXEXPORT)
+    key = manifest["files"][file]["sha256"]
     cached = _CALLS.get(key)
     if cached:
         exported = cached[0]
     else:
         try:
-            exported = jax.export.deserialize(blobs[JAXEXPORT])
+            exported = jax.export.deserialize(blobs[file])
         except Exception as e:  # an unreadable module: most likely made by an incompatible JAX
             raise ArtifactError(
-                f"{path / JAXEXPORT}: jax.export could not deserialize it ({type(e).__name__}: "
+                f"{path / file}: jax.export could not deserialize it ({type(e).__name__}: "
                 f"{str(e)[:300]}). {compatibility_note(manifest)}"
             ) from e
     _check_agrees(path, manifest, blobs, exported)
@@ -91,7 +93,7 @@ def runner(
     every shape refined to the call's (``n``: the inputs' element count) before XLA compiles
     it, and may refuse it.
     """
-    key = manifest["files"][JAXEXPORT]["sha256"]
+    key = manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"]
     cached = _CALLS.pop(key, None)  # the same module loaded again: reuse its compilations
     call = cached[1] if cached and cached[0] is exported else jax.jit(exported.call)
     _CALLS[key] = exported, call
@@ -107,7 +109,8 @@ def runner(
         if guard is not None:
             shapes = tuple((tuple(x.shape), str(x.dtype)) for x in inputs)
             if shapes not in checked and all(isinstance(d, int) for s, _ in shapes for d in s):
-                guard(_refined(path, call, weights, inputs), sum(math.prod(s) for s, _ in shapes))
+                refined = _refined(path, manifest, call, weights, inputs)
+                guard(refined, sum(math.prod(s) for s, _ in shapes))
                 if len(checked) < 256:
                     checked.add(shapes)
         return jax.tree.leaves(call(weights, *inputs))
@@ -131,7 +134,9 @@ def runner(
     return run_sharded, weights
 
 
-def _refined(path: Path, call: Any, weights: Any, inputs: list[Any]) -> Any:
+def _refined(
+    path: Path, manifest: Mapping[str, Any], call: Any, weights: Any, inputs: list[Any]
+) -> Any:
     """The StableHLO XLA would compile for ``inputs``' shapes: lowered, shapes refined."""
     import io
 
@@ -151,7 +156,8 @@ def _refined(path: Path, call: Any, weights: Any, inputs: list[Any]) -> Any:
         )
     except Exception as e:  # MLIR raises plain exceptions
         raise ArtifactError(
-            f"{path / JAXEXPORT}: the module's shapes cannot be resolved for inputs "
+            f"{path / program_file(manifest, JAXEXPORT)}: the module's shapes cannot be "
+            f"resolved for inputs "
             f"{[tuple(s.shape) for s in structs]} ({type(e).__name__}: {str(e)[:300]})."
         ) from e
     context = jax_mlir.make_ir_context()
@@ -171,6 +177,7 @@ def _check_agrees(
     """
     sig = manifest["signature"]
     n_dev = manifest["nr_devices"]
+    jaxexport, mlirbc = program_file(manifest, JAXEXPORT), program_file(manifest, MLIRBC)
     symbolic = any(not isinstance(d, int) for a in exported.in_avals for d in a.shape)
 
     def types(specs: Any) -> list[tuple[tuple[Any, ...], str]]:
@@ -215,8 +222,8 @@ def _check_agrees(
             f"has {len(exported.ordered_effects)} ordered effect(s)",
         ),
         (
-            bytes(exported.mlir_module_serialized) == blobs[MLIRBC],
-            f"holds a StableHLO module other than {MLIRBC}'s",
+            bytes(exported.mlir_module_serialized) == blobs[mlirbc],
+            f"holds a StableHLO module other than {mlirbc}'s",
         ),
         (
             not exported.disabled_safety_checks,
@@ -238,7 +245,7 @@ def _check_agrees(
     problems = [what for ok, what in checks if not ok]
     if problems:
         raise ArtifactError(
-            f"{path / JAXEXPORT} does not match {path / 'manifest.json'} and {MLIRBC}: the module "
+            f"{path / jaxexport} does not match {path / 'manifest.json'} and {mlirbc}: the module "
             + "; ".join(problems)
             + ". The files come from different exports, or one was edited; export it again."
         )

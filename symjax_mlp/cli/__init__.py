@@ -152,8 +152,20 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+_RUN_DTYPES = """\
+bfloat16 (and the other ml_dtypes types JAX uses, float8, int4) has no .npy type: NumPy
+stores such an array as its raw bytes, a void dtype of its itemsize (|V2 for bfloat16), and
+reads it back as that. So:
+  inputs   a |V2 file is read as bfloat16 where the artifact expects bfloat16 (write it with
+           np.save("x.npy", x.astype(jnp.bfloat16))); a float32 file is refused there, as
+           a loaded model refuses a float32 array: nothing is cast behind your back.
+  outputs  a bfloat16 output is written the same way, bit for bit (|V2): read it back with
+           np.load("y.npy").view(ml_dtypes.bfloat16), or pass it to run as an --input."""
+
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = _parser(sub, "run", "run an artifact on .npy inputs and write its outputs")
+    p.epilog = _RUN_DTYPES
     p.add_argument("path", help="an artifact directory")
     p.add_argument(
         "--input", action="append", required=True, type=input_file, help=".npy, once per input"
@@ -169,9 +181,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_run(args: argparse.Namespace) -> int:
+    """``run``: .npy files in, the artifact's outputs out (dtypes as ``_RUN_DTYPES`` says)."""
     import numpy as np
 
     from symjax_mlp import SignatureError, load
+    from symjax_mlp._verify import npy_array
 
     _args.writable(args.output, "--output", overwrite=True)
     xs = []
@@ -181,6 +195,16 @@ def _run_run(args: argparse.Namespace) -> int:
         except (ValueError, OSError) as e:
             raise SignatureError(f"--input {file}: not a readable .npy array ({e}).") from None
     model = load(args.path, runtime=args.runtime)
+    specs = model.signature.inputs  # a |V2 file where bfloat16 is expected: bfloat16
+    xs = [npy_array(x, specs[i].dtype) if i < len(specs) else x for i, x in enumerate(xs)]
+    for file, x, spec in zip(args.input, xs, specs, strict=False):
+        if str(x.dtype) != spec.dtype:  # the library refuses it too; this names the file
+            cast = f"{'np' if hasattr(np, spec.dtype) else 'jnp'}.{spec.dtype}"
+            raise SignatureError(
+                f"--input {file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact "
+                f"expects {spec.type}; nothing is cast. Save it as {spec.dtype}: "
+                f'np.save("{file}", x.astype({cast})).'
+            )
     out = model(*xs)
     outs = [np.asarray(y) for y in (out if isinstance(out, tuple) else (out,))]
     if args.output.endswith(".npz"):
@@ -199,7 +223,17 @@ def _run_run(args: argparse.Namespace) -> int:
             np.save(f, outs[0])
     shapes = ", ".join(f"{y.dtype}{list(y.shape)}" for y in outs)
     where = "stdout" if args.output == "-" else args.output
-    print(f"wrote {where}: {shapes}", file=sys.stderr if args.output == "-" else sys.stdout)
+    stream = sys.stderr if args.output == "-" else sys.stdout
+    print(f"wrote {where}: {shapes}", file=stream)
+    raw = {
+        str(y.dtype): y.dtype.itemsize for y in outs if y.dtype.kind == "V" and not y.dtype.names
+    }
+    for name, size in sorted(raw.items()):  # no .npy type: raw bytes; say how to read them
+        print(
+            f"note: .npy has no {name} type, so it is stored as |V{size} (the same bytes); "
+            f"read it back with np.load(...).view(ml_dtypes.{name})",
+            file=stream,
+        )
     return 0
 
 
