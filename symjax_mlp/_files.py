@@ -249,6 +249,14 @@ def write_file(file: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def cache_dir(*parts: str) -> Path:
+    """A per-user cache directory of symjax_mlp: ``$XDG_CACHE_HOME/symjax_mlp/...`` (default
+    ``~/.cache/symjax_mlp/...``), the convention JAX, pip and IREE's own tools follow. What is
+    cached there is derived on this machine; nothing in it ever comes from an artifact."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root, "symjax_mlp", *parts)
+
+
 def write_file_atomic(file: Path, data: bytes) -> None:
     """Writes ``file`` through a temporary sibling and one ``os.replace``."""
     tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")

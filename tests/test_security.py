@@ -682,3 +682,30 @@ def test_a_signed_artifact_loads_with_its_key_and_nothing_else_does(
     with pytest.raises(sm.ConfigError, match=r"not a key file"):
         sm.load(art, verify_signature=tmp_path / "no-such.pub")
     capsys.readouterr()
+
+
+def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_path):
+    """Later cold starts skip reading the module again (the report is cached under the
+    module's sha256 in the user's cache); the cache is what load uses, and a damaged
+    entry is never trusted: the module is read again and the entry rewritten."""
+    net = sm.mlp((4, 2))
+    x = jnp.ones((2, 3))
+    art = sm.export(sm.hybridize(net, net.init(jax.random.key(0), x)), tmp_path / "m", example=x)
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    code = f"import symjax_mlp as sm; sm.load({str(art.path)!r}); print('loaded')"
+
+    def load_fresh() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    assert load_fresh().stdout.strip() == "loaded"
+    (entry,) = (tmp_path / "cache" / "symjax_mlp" / "ops").iterdir()
+    report = json.loads(entry.read_text())
+    assert report["counts"]["stablehlo.dot_general"] == 2 and report["problems"] == []
+    planted = dict(report, problems=[["while", "a problem planted in the cache"]])
+    entry.write_text(json.dumps(planted))
+    done = load_fresh()
+    assert "a problem planted in the cache" in done.stderr, done.stderr[-500:]
+    entry.write_bytes(b"\x00 not json")
+    assert load_fresh().stdout.strip() == "loaded"
+    assert json.loads(entry.read_text()) == report

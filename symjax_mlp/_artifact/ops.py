@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from symjax_mlp._errors import ArtifactError
+from symjax_mlp._files import cache_dir, sha256, write_file_atomic
 
 ALLOWED_OPS = frozenset(
     {
@@ -133,8 +134,50 @@ def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
     can crash (a single flipped bit did, with SIGSEGV): so they are read, and walked, in a
     child process (:class:`Checker`), and only a module that reads there is ever read here.
     A crash or a hang of the child is an :class:`ArtifactError`.
+
+    A module read before, in any process of this user, is not read again: its report is
+    cached in ``~/.cache/symjax_mlp/ops`` under the sha256 of its bytes and of this checker
+    (so a new symjax_mlp or jaxlib reads every module afresh), which takes a second off
+    every later cold start.
     """
-    return CHECKER.report(bytes(mlirbc), file=file)
+    data = bytes(mlirbc)
+    cache = cache_dir("ops") / _cache_key(sha256(data))
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return _from_json(json.loads(cache.read_bytes()))  # else damaged or absent: read it
+    report = CHECKER.report(data, file=file)
+    with contextlib.suppress(OSError):  # an unwritable cache directory: just not cached
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(cache, json.dumps(_to_json(report)).encode())
+    return report
+
+
+def _cache_key(module_sha256: str) -> str:
+    import jaxlib
+
+    checker = Path(__file__).read_bytes()  # the rules: a changed checker reads modules anew
+    return sha256(b"%s %s %s" % (module_sha256.encode(), jaxlib.__version__.encode(), checker))
+
+
+def _to_json(r: ModuleReport) -> dict[str, Any]:
+    return {
+        "counts": r.counts,
+        "custom_calls": r.custom_calls,
+        "work": r.work,
+        "problems": [[p.key, p.what] for p in r.problems],
+    }
+
+
+def _from_json(r: dict[str, Any]) -> ModuleReport:
+    report = ModuleReport(
+        dict(r["counts"]),
+        dict(r["custom_calls"]),
+        int(r["work"]),
+        tuple(Problem(str(k), str(w)) for k, w in r["problems"]),
+    )
+    counts = (*report.counts.values(), *report.custom_calls.values())
+    if not all(isinstance(n, int) for n in counts):
+        raise ValueError("not a report")
+    return report
 
 
 class Checker:
@@ -176,10 +219,7 @@ class Checker:
         answer = json.loads(line)
         if "error" in answer:
             raise ArtifactError(f"{file}: {answer['error']}")
-        r = answer["report"]
-        return ModuleReport(
-            r["counts"], r["custom_calls"], r["work"], tuple(Problem(*p) for p in r["problems"])
-        )
+        return _from_json(answer["report"])
 
     def _answer(self, proc: Any, file: Path) -> bytes:
         ready, _, _ = select.select([proc.stdout], [], [], self.TIMEOUT)
@@ -233,11 +273,7 @@ def serve(parent: int) -> None:
         try:
             module, context = parse(data, file=Path("module"))
             with context:
-                r = analyze_module(module)
-            answer: dict[str, Any] = {"report": {
-                "counts": r.counts, "custom_calls": r.custom_calls, "work": r.work,
-                "problems": [[p.key, p.what] for p in r.problems],
-            }}  # fmt: skip
+                answer: dict[str, Any] = {"report": _to_json(analyze_module(module))}
         except ArtifactError as e:
             answer = {"error": str(e).removeprefix("module: ")}
         stdout.write(json.dumps(answer).encode() + b"\n")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import platform
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +43,7 @@ import numpy as np
 from symjax_mlp._artifact.format import MLIRBC, program_file
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._errors import ArtifactError
+from symjax_mlp._files import cache_dir as cache_dir_of
 from symjax_mlp._files import sha256, write_file_atomic
 
 TARGET = "llvm-cpu"
@@ -109,8 +109,7 @@ def cache_dir() -> Path:
     ``$XDG_CACHE_HOME/symjax_mlp/iree`` (default ``~/.cache/symjax_mlp/iree``), the same
     convention JAX, pip and IREE's own tools follow.
     """
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "symjax_mlp" / "iree"
+    return cache_dir_of("iree")
 
 
 def vmfb_cache_key(module_sha256: str) -> str:
