@@ -278,3 +278,26 @@ def test_verify_a_bfloat16_artifact_passes(tmp_path, capsys):
     assert report["ok"] and [c["batch"] for c in report["checks"]] == [1, 3]
     report = sm.verify(art, reference=h, batches=(2,))
     assert report.ok, str(report)
+
+
+def test_run_an_entry_point_by_name(tmp_path, capsys):
+    import jax.numpy as jnp
+    import numpy as np
+
+    import symjax_mlp as sm
+
+    x = jnp.ones((2, 4), jnp.float32)
+    double = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    plus = sm.hybridize(lambda p, x: x + p, jnp.float32(2))
+    art = sm.export({"double": double, "plus": plus}, tmp_path / "m", example=x)
+    np.save(tmp_path / "x.npy", np.asarray(x))
+    run = ["run", str(art.path), "--input", str(tmp_path / "x.npy"), "--output"]
+    assert main([*run, str(tmp_path / "y.npy"), "--entry", "plus"]) == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), np.full((2, 4), 3.0))
+    assert main([*run, str(tmp_path / "z.npy")]) == 0  # the default: the first
+    np.testing.assert_array_equal(np.load(tmp_path / "z.npy"), np.full((2, 4), 2.0))
+    capsys.readouterr()
+    assert main([*run, str(tmp_path / "w.npy"), "--entry", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no entry point 'nope'; it has double, plus" in err and "Traceback" not in err
+    assert "entries    double (default)" in str(sm.inspect(art.path))

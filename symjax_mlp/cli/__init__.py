@@ -177,6 +177,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "a .npz file for several outputs (out0, out1, ...)",
     )
     p.add_argument("--runtime", choices=("jax", "iree"), default="jax")
+    p.add_argument("--entry", help="the entry point to run (default: the artifact's default)")
     p.set_defaults(handler=_run_run)
 
 
@@ -195,6 +196,8 @@ def _run_run(args: argparse.Namespace) -> int:
         except (ValueError, OSError) as e:
             raise SignatureError(f"--input {file}: not a readable .npy array ({e}).") from None
     model = load(args.path, runtime=args.runtime)
+    if args.entry is not None:
+        model = model[args.entry]
     specs = model.signature.inputs  # a |V2 file where bfloat16 is expected: bfloat16
     xs = [npy_array(x, specs[i].dtype) if i < len(specs) else x for i, x in enumerate(xs)]
     for file, x, spec in zip(args.input, xs, specs, strict=False):
