@@ -512,7 +512,7 @@ def test_cli_export_inspect_run(tmp_path, capsys):
     h = sm.hybridize(net, net.init(jax.random.key(0), jnp.zeros((1, 4))))
     np.testing.assert_allclose(np.load(y), h(x), rtol=1e-6)
     assert main(["run", path, "--input", str(tmp_path / "bad.npy"), "--output", y]) == 2
-    assert "(args[0]) holds float64[5, 4] but the artifact expects float32" in capsys.readouterr().err
+    assert "holds float64[5, 4] but the artifact expects float32" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "missing")]) == 2
     assert main(["export", str(tmp_path / "s"), "--sizes", "3", "--batch", "4"]) == 0
     assert sm.inspect(tmp_path / "s").signature.inputs[0].shape == (4, 512)
