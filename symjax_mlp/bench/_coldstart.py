@@ -1,8 +1,8 @@
 """Cold start: a fresh process that imports symjax_mlp, loads an artifact and calls it once.
 
 Each row runs in its own fresh Python process, twice in a row: the first run fills JAX's
-persistent compilation cache (a per-user directory given to the child), the second reuses
-it. Stages are timed apart: ``import``, ``load`` (manifest, checksums, deserialize,
+persistent compilation cache and symjax_mlp's per-user caches (directories given to the
+child, empty at first), the second reuses them. Stages are timed apart: ``import``, ``load`` (manifest, checksums, deserialize,
 self-test) and the ``first call``. The floor is the same for plain JAX: ``import jax`` and one
 jitted call of a tiny function, with the same cache.
 """
@@ -49,7 +49,11 @@ print(json.dumps({"import": t1 - t0, "load": t2 - t1, "first call": t3 - t2, "to
 
 
 def _child(target: str, cache: Path) -> dict[str, float]:
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    env = dict(  # symjax_mlp's own per-user caches (the op check's reports) start empty too
+        os.environ,
+        JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+        XDG_CACHE_HOME=str(cache / "xdg"),
+    )
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, target, str(cache)],
         capture_output=True,
