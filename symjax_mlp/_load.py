@@ -311,7 +311,8 @@ class _Opener:
                 self.backend.check_program(path / program_file(view, MLIRBC), report)
             file = path / program_file(view, JAXEXPORT)
             ops.check(report, file=file, allow=options["allowed"], caller="load()")
-            guard = _guard(file, report, options["allowed"])
+            digest = self.manifest["files"][file.name]["sha256"]
+            guard = _guard(file, report, options["allowed"], digest)
         run, weights = self.backend.runner(
             path, view, blobs, arrays, exported=exported, guard=guard
         )
@@ -360,16 +361,24 @@ def _program(path: Path, manifest: Any, exported: Any) -> ops.ModuleReport:
     return report
 
 
-def _guard(file: Path, report: ops.ModuleReport, allowed: frozenset[str]) -> Any:
+def _guard(file: Path, report: ops.ModuleReport, allowed: frozenset[str], digest: str) -> Any:
     """Checks a call's refined module: at most ``MAX_WORK`` plus the module's static work
-    per input element (shapes computed from constants cannot hide a huge tensor)."""
+    per input element (shapes computed from constants cannot hide a huge tensor). A verdict
+    that a module (by sha256) fits for some input shapes is remembered per user."""
 
-    def check_call(refined: Any, n_inputs: int) -> None:
-        module, context = refined
+    def check_call(refine: Callable[[], Any], n_inputs: int, shapes: Any) -> None:
+        if "compute" in allowed:
+            return
+        verdict = f"{digest} fits {shapes!r}"
+        if ops.remembered(verdict):
+            return
+        module, context = refine()
         with context:
             work = ops.analyze_module(module)
         budget = ops.MAX_WORK + max(report.work, 1) * max(n_inputs, 1)
-        if work.work > budget and "compute" not in allowed:
+        if work.work <= budget:
+            ops.remember(verdict)
+        else:
             raise ArtifactError(
                 f"{file}: for these inputs ({n_inputs:,} elements) the program asks "
                 f"for about {work.work:.3g} element operations, more than {budget:.3g} (its "

@@ -699,7 +699,11 @@ def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_p
                               text=True, timeout=120)  # fmt: skip
 
     assert load_fresh().stdout.strip() == "loaded"
-    (entry,) = (tmp_path / "cache" / "symjax_mlp" / "ops").iterdir()
+    cached = sorted((tmp_path / "cache" / "symjax_mlp" / "ops").iterdir())
+    (entry,) = [f for f in cached if f.read_bytes().startswith(b"{")]  # the report; verdicts
+    assert [f.read_text() for f in cached if f != entry] == [  # (the call's shapes fit)
+        f"{art.manifest['files']['model.jaxexport']['sha256']} fits (((2, 3), 'float32'),)"
+    ]
     report = json.loads(entry.read_text())
     assert report["counts"]["stablehlo.dot_general"] == 2 and report["problems"] == []
     planted = dict(report, problems=[["while", "a problem planted in the cache"]])

@@ -151,6 +151,20 @@ def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
     return report
 
 
+def remembered(verdict: str) -> bool:
+    """Whether the checker found ``verdict`` (a statement about a module by its sha256) true
+    before, in any process of this user (see :func:`remember`)."""
+    return (cache_dir("ops") / _cache_key(verdict)).is_file()
+
+
+def remember(verdict: str) -> None:
+    """Records that ``verdict`` holds, keyed like a report (the checker's source included)."""
+    with contextlib.suppress(OSError):
+        file = cache_dir("ops") / _cache_key(verdict)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(file, verdict.encode())
+
+
 def _cache_key(module_sha256: str) -> str:
     import jaxlib
 

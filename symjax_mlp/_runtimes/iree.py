@@ -175,7 +175,7 @@ def runner(
     params: Sequence[np.ndarray],
     *,
     exported: Any,
-    guard: Callable[[Any, int], None] | None = None,
+    guard: Callable[[Callable[[], Any], int, Any], None] | None = None,
 ) -> tuple[Callable[[list[Any]], list[np.ndarray]], dict[str, np.ndarray]]:
     """Compiles (or reuses) the ``.vmfb`` and returns ``run(inputs) -> [np.ndarray, ...]``
     and the weights. ``exported`` (checked to hold ``model.mlirbc``) is not run; IREE

@@ -85,13 +85,13 @@ def runner(
     params: Sequence[np.ndarray],
     *,
     exported: Any,
-    guard: Callable[[Any, int], None] | None = None,
+    guard: Callable[[Callable[[], Any], int, Any], None] | None = None,
 ) -> tuple[Callable[[list[Any]], list[Any]], dict[str, Any]]:
     """Returns ``run(inputs) -> [jax.Array, ...]`` and the weights it runs with (on device).
 
-    ``guard(module, n)``, unless None, sees the StableHLO of each new input signature with
-    every shape refined to the call's (``n``: the inputs' element count) before XLA compiles
-    it, and may refuse it.
+    ``guard(refine, n, shapes)``, unless None, is called once per new input signature
+    (``shapes``; ``n``: the inputs' element count) before XLA compiles it, and may refuse it;
+    ``refine()`` gives the StableHLO with every shape refined to the call's.
     """
     key = manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"]
     cached = _CALLS.pop(key, None)  # the same module loaded again: reuse its compilations
@@ -109,8 +109,11 @@ def runner(
         if guard is not None:
             shapes = tuple((tuple(x.shape), str(x.dtype)) for x in inputs)
             if shapes not in checked and all(isinstance(d, int) for s, _ in shapes for d in s):
-                refined = _refined(path, manifest, call, weights, inputs)
-                guard(refined, sum(math.prod(s) for s, _ in shapes))
+                guard(
+                    lambda: _refined(path, manifest, call, weights, inputs),
+                    sum(math.prod(s) for s, _ in shapes),
+                    shapes,
+                )
                 if len(checked) < 256:
                     checked.add(shapes)
         return jax.tree.leaves(call(weights, *inputs))

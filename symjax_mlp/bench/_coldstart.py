@@ -2,9 +2,10 @@
 
 Each row runs in its own fresh Python process, twice in a row: the first run fills JAX's
 persistent compilation cache and symjax_mlp's per-user caches (directories given to the
-child, empty at first), the second reuses them. Stages are timed apart: ``import``, ``load`` (manifest, checksums, deserialize,
-self-test) and the ``first call``. The floor is the same for plain JAX: ``import jax`` and one
-jitted call of a tiny function, with the same cache.
+child, empty at first), the second reuses them. Stages are timed apart: ``import``,
+``load`` (manifest, checksums, deserialize, self-test) and the ``first call``. The floor is
+the same for plain JAX: ``import jax`` and one jitted call of a tiny function, with the same
+cache.
 """
 
 from __future__ import annotations
