@@ -302,3 +302,21 @@ def test_export_and_load_in_eval_mode(case: Case, tmp_path):
     m = sm.load(art.path)
     want = h(*xs, **case.eval)
     chex.assert_trees_all_close(m(*arrays), want, **TOL)
+
+
+def test_a_call_that_changes_the_state_structure_says_to_use_apply():
+    import flax.linen as nn
+
+    class Sows(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            self.sow("intermediates", "h", x)  # one more leaf per call
+            return nn.Dense(2)(x)
+
+    model, x = Sows(), jnp.ones((1, 3))
+    variables = model.init(jax.random.key(0), x, mutable=True)  # with "intermediates"
+    h = sm.hybridize(model, variables, mutable=["intermediates"])
+    with pytest.raises(sm.ConfigError, match=r"structure of the model's state(.|\n)*h\.apply"):
+        h(x)
+    _, state = h.apply(h.params, x)  # the pure form returns the state the call made
+    assert len(state["intermediates"]["h"]) == 2

@@ -13,8 +13,12 @@ None, tuples of them) are static, part of the cache key, so ``h(x, train=True)``
 
 A model with state carries it across calls exactly as eager calls would: linen's mutable
 collections (``batch_stats``) and rng streams (``dropout``), and every non-``Param`` variable of
-an nnx module (batch statistics, rng counts). The pure form, for ``jax.grad`` and optax, is
-:meth:`Hybrid.apply`, which returns the new state instead of holding it.
+an nnx module (batch statistics, rng counts). The state is held as the params are, flattened
+once: a list of arrays, typed rng keys as their raw ``key_data`` (the compiled function wraps
+and unwraps them), so a call passes and takes back a flat list and :attr:`Hybrid.state`
+rebuilds the tree only when read. A call may change the state's values but not its structure.
+The pure form, for ``jax.grad`` and optax, is :meth:`Hybrid.apply`, which returns the new
+state instead of holding it.
 
 Sharding is a setting of the same object: ``h.shard(mesh)`` is a Hybrid whose one ``jax.jit``
 carries the data-parallel in/out shardings (see :mod:`symjax_mlp._hybrid.mesh`).
@@ -53,6 +57,13 @@ _STATE_UNDER_TRANSFORM = (
     "jax.vmap, ...), where its new state would be a tracer. Use the pure form inside "
     "transformations: out, state = h.apply(h.params, x) returns the new state instead of "
     "holding it."
+)
+_STATE_STRUCTURE = (
+    "{name}: a call changed the structure of the model's state, from {before} to {after}. A "
+    "Hybrid holds its state as the arrays it started with; a call may change their values, not "
+    "add, remove or retype them (a variable created inside __call__, a sow into a mutable "
+    "collection). Create every variable when the model is built, or use the pure form, "
+    "out, state = h.apply(h.params, x), which returns whatever state the call makes."
 )
 
 
@@ -177,6 +188,27 @@ def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:
     return streams
 
 
+def _is_key(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _state_structure(state: Any) -> tuple[Any, tuple[str | None, ...]]:
+    """The state's treedef and, per leaf, its rng key impl (``None``: not a key)."""
+    leaves, treedef = jax.tree.flatten(state)
+    return treedef, tuple(jax.random.key_impl(leaf) if _is_key(leaf) else None for leaf in leaves)
+
+
+def _unwrap(leaves: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
+    pairs = zip(leaves, impls, strict=True)
+    return [leaf if i is None else jax.random.key_data(leaf) for leaf, i in pairs]
+
+
+def _wrap(raw: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
+    pairs = zip(raw, impls, strict=True)
+    return [r if i is None else jax.random.wrap_key_data(r, impl=i) for r, i in pairs]
+
+
 class Hybrid:
     """A model bound to its params, compiled by XLA on call, or run eagerly; a frozen result.
 
@@ -237,6 +269,8 @@ class Hybrid:
         model = _plain(fn) if _model is None else _model
         name = name or getattr(fn, "__name__", type(fn).__name__)
         leaves, treedef = jax.tree.flatten(params)
+        state = {} if _state is None else _state
+        state_def, key_impls = _state_structure(state)
         settings = {
             "fn": fn if _model is None else model.inference(name),
             "name": name,
@@ -251,7 +285,10 @@ class Hybrid:
             "_model": model,
             "_given": params,
             "_treedef": treedef,
-            "_state": {} if _state is None else _state,
+            "_held": _unwrap(jax.tree.leaves(state), key_impls),
+            "_state_def": state_def,
+            "_key_impls": key_impls,
+            "_state_tree": state,  # the tree of ``_held``, rebuilt on the first read after a call
             "_lock": threading.RLock(),
             "_events": [],
             "_callbacks": [],
@@ -267,7 +304,7 @@ class Hybrid:
                 n_shards=1,
                 _leaves=leaves,
                 _jitted=jax.jit(trace, static_argnums=0, donate_argnums=donated),
-                _fast=compiled and not self.stateful and not self.static_argnums,
+                _fast=compiled and not self.static_argnums,
             )
             return
         if self.stateful:
@@ -309,13 +346,18 @@ class Hybrid:
     @property
     def state(self) -> Any:
         """What calls carry forward, as of the last call (``{}`` when stateless)."""
-        return self._state
+        tree = self._state_tree
+        if tree is None:
+            with self._lock:  # not between a call and its _hold
+                tree = jax.tree.unflatten(self._state_def, _wrap(self._held, self._key_impls))
+                object.__setattr__(self, "_state_tree", tree)
+        return tree
 
     @property
     def module(self) -> Any:
         """The model: an nnx module rebuilt with the current state, or the linen module."""
         if self._model.kind == "nnx":
-            return self._model.module(self.params, self._state)
+            return self._model.module(self.params, self.state)
         return self._model.module
 
     def replace(self, **changes: Any) -> Hybrid:
@@ -335,7 +377,7 @@ class Hybrid:
         """
         settings = {
             "params": self.params,
-            "state": self._state,
+            "state": self.state,
             "name": self.name,
             "max_traces": self.max_traces,
             "compiled": self.compiled,
@@ -362,13 +404,18 @@ class Hybrid:
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""
-        if self._fast and not kwargs:  # the hot path: arrays in, one stateless dispatch
+        if self._fast and not kwargs:  # the hot path: arrays in, one dispatch
             for a in args:
                 if type(a) not in _ARRAYS:
                     break
             else:
                 try:
-                    return self._jitted((), self._leaves, *args)
+                    if not self.stateful:
+                        return self._jitted((), self._leaves, *args)
+                    with self._lock:
+                        out, held = self._jitted((), self._leaves, self._held, args, {})
+                        self._hold(held)
+                    return out
                 except TRACER_ERRORS as e:
                     raise control_flow_error(self.name, e) from e
         if not self.compiled:
@@ -382,8 +429,8 @@ class Hybrid:
             if not self.stateful:
                 return self._jitted(static, self._leaves, *dyn, **dyn_kw)
             with self._lock:
-                out, state = self._jitted(static, self._leaves, self._state, dyn, dyn_kw)
-                self._hold(state)
+                out, held = self._jitted(static, self._leaves, self._held, dyn, dyn_kw)
+                self._hold(held)
             return out
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
@@ -397,9 +444,9 @@ class Hybrid:
         for callback in self._callbacks:
             callback(*args, **kwargs)
         with self._lock:
-            out, state = self._model.call(self.params, self._state, args, kwargs)
+            out, state = self._model.call(self.params, self.state, args, kwargs)
             if self.stateful:
-                self._hold(state)
+                self._hold(self._flatten_state(state))
         return out
 
     def apply(self, params: Any, *args: Any, state: Any = None, **kwargs: Any) -> Any:
@@ -423,7 +470,7 @@ class Hybrid:
             donated = (1,) if self.donate else ()
             jitted = jax.jit(self._trace_apply, static_argnums=0, donate_argnums=donated)
             object.__setattr__(self, "_apply", jitted)
-        state = self._state if state is None else state
+        state = self.state if state is None else state
         try:
             out, new_state = self._apply(static, params, state, dyn, dyn_kw)
         except TRACER_ERRORS as e:
@@ -434,7 +481,7 @@ class Hybrid:
     def variables(self) -> Any:
         """What :attr:`fn` takes: ``{"params": params, "state": state}`` for a stateful model,
         else the params."""
-        return {"params": self.params, "state": self._state} if self.stateful else self.params
+        return {"params": self.params, "state": self.state} if self.stateful else self.params
 
     def hybridize(self, active: bool = True) -> Hybrid:
         """Returns a twin whose ``__call__`` is compiled (``True``) or eager (``False``).
@@ -463,7 +510,7 @@ class Hybrid:
                 return self._jitted.lower(static, self._leaves, placed, placed_kw)
             if not self.stateful:
                 return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
-            return self._jitted.lower(static, self._leaves, self._state, dyn, dyn_kw)
+            return self._jitted.lower(static, self._leaves, self._held, dyn, dyn_kw)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
 
@@ -482,7 +529,7 @@ class Hybrid:
         static, dyn, dyn_kw = partition(
             args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
         )
-        call, state = self._model.call, self._state
+        call, state = self._model.call, self.state
 
         def staged(params: Any, dyn: Any, dyn_kw: Any) -> Any:
             args, kwargs = rebuild(static, dyn, dyn_kw)
@@ -549,21 +596,32 @@ class Hybrid:
         return result
 
     def _trace(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:
-        return self._run(static, leaves, self._state, dyn, dyn_kw, "call")[0]
+        return self._run(static, leaves, self.state, dyn, dyn_kw, "call")[0]
 
     def _trace_stateful(
-        self, static: Any, leaves: list[Any], state: Any, dyn: Any, dyn_kw: Any
+        self, static: Any, leaves: list[Any], held: list[Any], dyn: Any, dyn_kw: Any
     ) -> Any:
-        return self._run(static, leaves, state, dyn, dyn_kw, "call")
+        state = jax.tree.unflatten(self._state_def, _wrap(held, self._key_impls))
+        out, new_state = self._run(static, leaves, state, dyn, dyn_kw, "call")
+        return out, self._flatten_state(new_state)
 
     def _trace_apply(self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any) -> Any:
         return self._run(static, params, state, dyn, dyn_kw, "apply")
 
-    def _hold(self, state: Any) -> None:
-        leaves = jax.tree.leaves(state)
-        if leaves and isinstance(leaves[0], jax.core.Tracer):
+    def _flatten_state(self, state: Any) -> list[Any]:
+        """A call's new state as held: its leaves, keys as raw data; the same structure."""
+        state_def, key_impls = _state_structure(state)
+        if state_def != self._state_def or key_impls != self._key_impls:
+            raise ConfigError(
+                _STATE_STRUCTURE.format(name=self.name, before=self._state_def, after=state_def)
+            )
+        return _unwrap(jax.tree.leaves(state), key_impls)
+
+    def _hold(self, held: list[Any]) -> None:
+        if held and isinstance(held[0], jax.core.Tracer):
             raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
-        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "_held", held)
+        object.__setattr__(self, "_state_tree", None)
 
     # -- sharded -----------------------------------------------------------------------------
     def _trace_sharded(self, static: Any, leaves: list[Any], dyn: Any, dyn_kw: Any) -> Any:

@@ -7,11 +7,23 @@ timed, interleaved and synced per call, as
 - ``hybrid``: ``h(x, train=True)``, the state held by the Hybrid;
 - ``by hand``: one ``jax.jit`` of the same pure function, the state passed in and returned
   by the caller: the floor a Hybrid's bookkeeping is measured against;
+- ``compiled``: that function lowered and compiled once (``jax.jit(f).lower(...).compile()``)
+  and the ``jax.stages.Compiled`` called directly, the state carried as by hand: what one call
+  of the executable costs from Python, with no wrapper at all;
 - ``nnx.jit`` (nnx only): flax's own transform of the stateful module.
+
+Every row of a model runs the very same model, rng implementation included. The nnx Dropout
+model is timed twice: with the keys ``nnx.Rngs`` makes by default (threefry) and with
+``jax.random.key(1, impl="unsafe_rbg")`` in every row. On CPU, JAX lowers threefry as a rolled
+``while`` loop, and each one (the ``fold_in`` of the stream's count, the mask's bits) costs the
+XLA CPU runtime tens of µs per call, more than the MLP's arithmetic; ``unsafe_rbg`` draws with
+XLA's ``RngBitGenerator`` and has no loop. The second model shows what that choice is worth; it
+is a setting of the user's model, not of the Hybrid, and changes the random stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,6 +31,25 @@ import jax.numpy as jnp
 
 from symjax_mlp._hybrid.hybrid import hybridize
 from symjax_mlp.bench._timing import Progress, Timing, format_seconds, time_interleaved
+
+
+def _carried(step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: jax.Array):
+    """``() -> out`` for ``step(fixed, state, x) -> (out, state)``, the state held in a cell."""
+    cell = [state]
+
+    def call() -> Any:
+        out, cell[0] = step(fixed, cell[0], x)
+        return out
+
+    return call
+
+
+def _by_hand_rows(step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: jax.Array):
+    compiled = jax.jit(step).lower(fixed, state, x).compile()
+    return {
+        "by hand": _carried(jax.jit(step), fixed, state, x),
+        "compiled": _carried(compiled, fixed, state, x),
+    }
 
 
 def _linen_rows(x: jax.Array) -> dict[str, Any]:
@@ -34,21 +65,19 @@ def _linen_rows(x: jax.Array) -> dict[str, Any]:
     model = BatchNormMLP()
     variables = model.init(jax.random.key(0), x)
     h = hybridize(model, variables)
-    state = {"v": variables}
+    params = {c: v for c, v in variables.items() if c != "batch_stats"}
 
-    @jax.jit
-    def by_hand(variables, x):
-        out, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
-        return out, {**variables, **updates}
+    def step(params, batch_stats, x):
+        out, updates = model.apply(
+            {**params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+        )
+        return out, updates["batch_stats"]
 
-    def hand() -> Any:
-        out, state["v"] = by_hand(state["v"], x)
-        return out
-
-    return {"hybrid": lambda: h(x, train=True), "by hand": hand}
+    hand = _by_hand_rows(step, params, variables["batch_stats"], x)
+    return {"hybrid": lambda: h(x, train=True), **hand}
 
 
-def _nnx_rows(x: jax.Array) -> dict[str, Any]:
+def _nnx_rows(x: jax.Array, key_impl: str | None = None) -> dict[str, Any]:
     from flax import nnx
 
     class DropoutMLP(nnx.Module):
@@ -60,42 +89,49 @@ def _nnx_rows(x: jax.Array) -> dict[str, Any]:
         def __call__(self, x):
             return self.b(self.drop(nnx.relu(self.a(x))))
 
-    h = hybridize(DropoutMLP(nnx.Rngs(0, dropout=1)))
-    graphdef, params, rest = nnx.split(DropoutMLP(nnx.Rngs(0, dropout=1)), nnx.Param, ...)
-    held = {"rest": rest}
+    def model() -> DropoutMLP:  # a fresh one per row, each from the same seeds and key impl
+        dropout = 1 if key_impl is None else jax.random.key(1, impl=key_impl)
+        return DropoutMLP(nnx.Rngs(0, dropout=dropout))
 
-    @jax.jit
-    def by_hand(params, rest, x):
+    h = hybridize(model())
+    graphdef, params, rest = nnx.split(model(), nnx.Param, ...)
+
+    def step(params, rest, x):
         m = nnx.merge(graphdef, params, rest)
         out = m(x)
         return out, nnx.split(m, nnx.Param, ...)[2]
 
-    def hand() -> Any:
-        out, held["rest"] = by_hand(params, held["rest"], x)
-        return out
-
-    module = DropoutMLP(nnx.Rngs(0, dropout=1))
+    hand = _by_hand_rows(step, params, rest, x)
+    module = model()
     stepped = nnx.jit(lambda m, x: m(x))
-    return {"hybrid": lambda: h(x), "by hand": hand, "nnx.jit": lambda: stepped(module, x)}
+    return {"hybrid": lambda: h(x), **hand, "nnx.jit": lambda: stepped(module, x)}
+
+
+_MODELS: dict[str, Callable[[jax.Array], dict[str, Any]]] = {
+    "linen BatchNorm (train)": _linen_rows,
+    "nnx Dropout": _nnx_rows,
+    "nnx Dropout (unsafe_rbg)": lambda x: _nnx_rows(x, key_impl="unsafe_rbg"),
+}
 
 
 def bench_stateful(
     *, calls: int = 500, repeats: int = 7, in_features: int = 512, progress: Progress | None = None
 ) -> dict[str, dict[str, Timing]]:
-    """Times both stateful models at batch 1; see the module docstring for the rows.
+    """Times the stateful models at batch 1; see the module docstring for the rows.
 
     Returns:
-      ``{"linen BatchNorm (train)": {row: Timing}, "nnx Dropout": {row: Timing}}``.
+      ``{"linen BatchNorm (train)": {row: Timing}, "nnx Dropout": {row: Timing},
+      "nnx Dropout (unsafe_rbg)": {row: Timing}}``.
 
     Example:
       >>> from symjax_mlp.bench import bench_stateful
       >>> rows = bench_stateful(calls=5, repeats=2, in_features=8)
       >>> sorted(rows["nnx Dropout"])
-      ['by hand', 'hybrid', 'nnx.jit']
+      ['by hand', 'compiled', 'hybrid', 'nnx.jit']
     """
     x = jax.random.normal(jax.random.key(0), (1, in_features), jnp.float32)
     out = {}
-    for name, rows in (("linen BatchNorm (train)", _linen_rows), ("nnx Dropout", _nnx_rows)):
+    for name, rows in _MODELS.items():
         if progress:
             progress(f"stateful: {name}")
         out[name] = time_interleaved(rows(x), calls=calls, repeats=repeats)
@@ -103,17 +139,21 @@ def bench_stateful(
 
 
 def format_stateful(result: dict[str, dict[str, Timing]]) -> str:
-    """The rows as a table: per call (min, median) and the ratio to the by-hand floor."""
+    """The rows as a table: per call (min, median), the ratio to the by-hand floor and, where
+    the model has an ``nnx.jit`` row, how many times faster than it each row is."""
     lines = [
         "stateful models at batch 1, every call synced (state carried across calls)",
-        f"{'model':<26}{'row':<10}{'min/call':>11}{'median/call':>13}{'vs by hand':>12}",
+        f"{'model':<26}{'row':<10}{'min/call':>11}{'median/call':>13}{'vs by hand':>12}"
+        f"{'nnx.jit / row':>15}",
     ]
     for model, rows in result.items():
         floor = rows["by hand"].per_call_min
+        flax_jit = rows.get("nnx.jit")
         for row, t in rows.items():
             ratio = t.per_call_min / floor
+            faster = f"{flax_jit.per_call_min / t.per_call_min:>14.2f}x" if flax_jit else ""
             lines.append(
                 f"{model:<26}{row:<10}{format_seconds(t.per_call_min):>11}"
-                f"{format_seconds(t.per_call_median):>13}{ratio:>11.3f}x"
+                f"{format_seconds(t.per_call_median):>13}{ratio:>11.3f}x{faster}"
             )
     return "\n".join(lines)
