@@ -5,6 +5,7 @@ Behaviour only (what runs where, which rows come back, what is refused), never s
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import io
@@ -370,6 +371,191 @@ def test_concurrent_clients_each_get_their_own_rows(chapter):
     assert s.padded_rows == sum(k * n for k, n in s.batches_by_bucket.items()) - s.rows
 
 
+def test_a_request_behind_a_lone_call_joins_the_queue_and_runs_next(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with (
+        sm.serving.Batcher(gate, example=x, max_batch=8) as b,
+        concurrent.futures.ThreadPoolExecutor(1) as caller,
+    ):
+        caller_thread = caller.submit(threading.get_ident).result(30)
+        gate.threads.clear()
+        gate.hold()
+        lone = caller.submit(b, rows(1))  # b(x) on the pool's thread: it runs there
+        assert gate.entered.wait(30)
+        s = b.stats
+        assert s.busy and s.queue_depth == 0 and s.requests == 1
+        behind = b.submit(rows(2))
+        assert b.stats.queue_depth == 1  # the lone call holds the lane: this one waits
+        gate.open.set()
+        assert lone.result(30).shape == (1, 2) and behind.result(30).shape == (2, 2)
+        first, second = gate.threads
+        assert first == caller_thread  # the lone call ran on its caller's thread
+        assert second not in (caller_thread, threading.get_ident())  # the batcher's
+        assert behind.timing.queued > 0 and behind.timing.bucket == 2
+    s = b.stats
+    assert (s.requests, s.completed, s.batches, s.rows, s.busy) == (2, 2, 2, 3, False)
+
+
+def test_a_signature_seen_before_is_looked_up_and_others_still_refused(chapter):
+    _, _, h, x = chapter
+    with sm.serving.Batcher(h, example=x, max_batch=8) as b:
+        good = rows(3)
+        want = np.asarray(h(good))
+        for _ in range(2):  # checked, then looked up
+            np.testing.assert_allclose(b(good), want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(b.submit(good).result(30), want, rtol=1e-5, atol=1e-6)
+        with pytest.raises(sm.SignatureError, match="dtype float64"):
+            b(good.astype(np.float64))  # the same shape, another dtype
+        with pytest.raises(sm.SignatureError, match="dtype >f4"):
+            b(good.astype(">f4"))  # float32, but not in this machine's byte order
+        with pytest.raises(sm.SignatureError, match="each row is"):
+            b(good[:, :4])
+        np.testing.assert_allclose(b(jnp.asarray(good)), want, rtol=1e-5, atol=1e-6)
+        assert b.stats.rejected_by["signature"] == 3
+    two = sm.hybridize(lambda p, u, v: u * p + v.sum(axis=1, keepdims=True), jnp.float32(2))
+    with sm.serving.Batcher(two, example=(jnp.ones((1, 3)), jnp.ones((1, 2))), max_batch=4) as b:
+        u, v = np.ones((2, 3), np.float32), np.ones((2, 2), np.float32)
+        for _ in range(2):
+            np.testing.assert_array_equal(b(u, v), np.full((2, 3), 4.0, np.float32))
+        with pytest.raises(sm.SignatureError, match="dtype float64"):
+            b(u, v.astype(np.float64))
+
+
+def test_futures_work_with_wait_as_completed_callbacks_and_asyncio(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=8) as b:
+        gate.hold()
+        f0 = b.submit(rows(1))
+        assert gate.entered.wait(30)
+        queued = [b.submit(rows(1, seed=i)) for i in range(3)]
+        with pytest.raises(TimeoutError):
+            queued[0].result(timeout=0.01)
+        with pytest.raises(TimeoutError):
+            queued[0].exception(timeout=0.01)
+        seen = []
+        queued[1].add_done_callback(lambda f: seen.append((f, f.timing is not None)))
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            waited = pool.submit(concurrent.futures.wait, [f0, *queued], 30)
+            completed = pool.submit(lambda: set(concurrent.futures.as_completed(queued, 30)))
+            blocked = pool.submit(queued[2].result, 20)  # woken by its own batch
+            time.sleep(0.05)  # let them block
+            opened = time.monotonic()
+            gate.open.set()
+            done, not_done = waited.result(30)
+            assert done == {f0, *queued} and not not_done
+            assert completed.result(30) == set(queued)
+            assert blocked.result(30).shape == (1, 2)
+            assert time.monotonic() - opened < 15, "result() was not woken by its batch"
+        assert seen == [(queued[1], True)]  # once, with the timing already set
+        assert queued[0].exception() is None and queued[0].done() and not queued[0].running()
+
+        async def request():
+            return await asyncio.wrap_future(b.submit(rows(2)))
+
+        assert asyncio.run(request()).shape == (2, 2)
+
+
+def test_a_done_callback_may_call_the_batcher(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
+        got, done = [], threading.Event()
+
+        def again(f):  # on the batcher's thread, which holds the lane between two batches
+            y = b.run(rows(3), timeout=20)  # (a timeout: were it queued, it would wait on us)
+            got.append((threading.get_ident(), y.shape, b.submit(rows(2))))
+            done.set()
+
+        f0, (f1,) = busy_then_queue(b, gate, rows(1), [rows(1)])
+        f1.add_done_callback(again)
+        assert done.wait(30)
+        (thread, shape, later) = got[0]
+        assert thread != threading.get_ident() and shape == (3, 2)
+        assert later.result(30).shape == (2, 2) and f0.result(30).shape == (1, 2)
+        assert b(rows(1)).shape == (1, 2)
+    assert b.stats.completed == 5
+
+
+def test_a_cancelled_future_reaches_wait_and_its_callbacks(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    b = sm.serving.Batcher(gate, example=x, max_batch=4)
+    gate.hold()
+    f0 = b.submit(rows(1))
+    assert gate.entered.wait(30)
+    dropped, closed = b.submit(rows(1)), b.submit(rows(1))
+    called = []
+    dropped.add_done_callback(called.append)
+    assert dropped.cancel() and dropped.cancel() and dropped.cancelled()
+    assert called == [dropped]
+    with pytest.raises(concurrent.futures.CancelledError):
+        dropped.result(30)
+    threading.Timer(0.05, gate.open.set).start()
+    b.close(cancel=True)  # `closed` was still queued: cancelled, and wait() is told
+    assert not concurrent.futures.wait([f0, dropped, closed], timeout=30).not_done
+    assert f0.result(30).shape == (1, 2)
+    assert closed.cancelled() and b.stats.cancelled == 2
+
+
+def test_lone_calls_submits_cancels_and_overloads_under_load_add_up(chapter):
+    _, _, h, x = chapter
+    errors: list[BaseException] = []
+    overloaded = [0]
+    with sm.serving.Batcher(h, example=x, max_batch=4, max_queue=8) as b:
+
+        def client(j):
+            rng = np.random.default_rng(j)
+            for k in range(30):
+                n = int(rng.integers(1, 5))
+                try:
+                    if k % 3:
+                        assert b(rows(n, seed=k)).shape == (n, 2)
+                        continue
+                    f = b.submit(rows(n, seed=k))
+                    if k % 2 and f.cancel():
+                        continue
+                    assert f.result(30).shape == (n, 2)
+                    assert f.timing.rows == n and f.timing.bucket >= f.timing.batch_rows
+                except sm.serving.OverloadError:
+                    overloaded[0] += 1
+                except BaseException as e:
+                    errors.append(e)
+
+        threads = [threading.Thread(target=client, args=(j,)) for j in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    s = b.stats  # after close: everything queued has run or was dropped
+    assert errors == []
+    assert s.requests == s.completed + s.cancelled and s.failed == 0
+    assert s.requests + s.rejected == 12 * 30 and s.rejected_by["overload"] == overloaded[0]
+    assert s.queue_depth == 0 and not s.busy
+    assert dict(s.latency)[2.5] <= s.completed and s.latency_sum > 0
+    assert s.padded_rows == sum(k * n for k, n in s.batches_by_bucket.items()) - s.rows
+
+
+def test_counters_folded_in_small_chunks_add_up(chapter, monkeypatch):
+    from symjax_mlp.serving import _batcher
+
+    monkeypatch.setattr(_batcher, "_FOLD_EVERY", 2)  # fold every few batches, not 4096
+    _, _, h, x = chapter
+    with sm.serving.Batcher(h, example=x, max_batch=4) as b:
+        timings = []
+        for n in (1, 3, 4, 2, 1, 1):
+            assert b(rows(n)).shape == (n, 2)
+            f = b.submit(rows(n))
+            f.result(30)
+            timings.append(f.timing)
+    s = b.stats
+    assert (s.requests, s.completed, s.batches, s.rows) == (12, 12, 12, 24)
+    assert s.padded_rows == 2 and s.batches_by_bucket == {1: 6, 2: 2, 4: 4}  # 3 rows: 4
+    assert dict(s.latency)[2.5] == 12 and s.latency_sum > sum(t.total for t in timings) > 0
+    assert all(v >= 0 for v in s.seconds.values())
+
+
 def test_stats_in_prometheus_text_format(chapter):
     _, _, h, x = chapter
     with sm.serving.Batcher(h, example=x, max_batch=4) as b:
@@ -692,6 +878,7 @@ def test_bench_serving_latency_and_batcher_sections():
         clients=(1, 4),
         requests=40,
         max_batch=8,
+        batcher_dispatch=("sync", "async"),
     )
     modes = [(r["mode"], r["dispatch"]) for r in result["latency"]["rows"]]
     assert modes == [("jax", "async"), ("jax", "sync")]  # each set in its own fresh process
@@ -699,18 +886,25 @@ def test_bench_serving_latency_and_batcher_sections():
         for form in ("device", "numpy"):
             t = r["forms"][form]
             assert 0 < t["p50_s"] <= t["p99_s"] and t["n"] == 40
-    b = result["batcher"]
-    assert b["dispatch"] == "sync" and b["traces_while_serving"] == 0
-    assert b["buckets"] == [1, 2, 4, 8]
-    assert [(r["clients"], r["kind"]) for r in b["rows"]] == [
-        (1, "threads"),
-        (1, "futures"),
-        (4, "threads"),
-        (4, "futures"),
-    ]
-    assert all(r["requests"] == 40 and r["throughput_rps"] > 0 for r in b["rows"])
+    for key, dispatch in (("batcher", "sync"), ("batcher_async", "async")):
+        b = result[key]
+        assert b["dispatch"] == dispatch and b["traces_while_serving"] == 0
+        assert b["buckets"] == [1, 2, 4, 8]
+        assert [(r["clients"], r["kind"]) for r in b["rows"]] == [
+            (1, "threads"),
+            (1, "futures"),
+            (4, "threads"),
+            (4, "futures"),
+        ]
+        for r in b["rows"]:
+            assert r["requests"] == 40 and r["throughput_rps"] > 0 and r["direct_rps"] > 0
+            assert r["vs_direct"] == pytest.approx(r["throughput_rps"] / r["direct_rps"])
+        c1 = b["c1"]  # direct calls and b(x) interleaved: the same number of each
+        assert c1["direct"]["n"] == c1["batcher"]["n"] >= 200
+        assert c1["added_p50_s"] == pytest.approx(c1["batcher"]["p50_s"] - c1["direct"]["p50_s"])
     names = [t["name"] for t in result["targets"]]
     assert "batcher_overhead_c1" in names and "batcher_throughput_4_threads" in names
+    assert "batcher_overhead_c1_async" in names and "batcher_throughput_4_futures_async" in names
     text = sm.bench.format_serving(result)
     assert "Per-request latency" in text and "Micro-batcher" in text and "Targets" in text
     json.dumps(result)  # the --json output
@@ -719,6 +913,8 @@ def test_bench_serving_latency_and_batcher_sections():
 def test_bench_serving_refuses_unknown_sections():
     with pytest.raises(sm.ConfigError, match="unknown section"):
         sm.bench.bench_serving(sections=("grpc",))
+    with pytest.raises(sm.ConfigError, match="'sync' and/or 'async'"):
+        sm.bench.bench_serving(sections=("batcher",), batcher_dispatch=("gpu",))
 
 
 def test_the_gpu_check_script_exists_and_is_bash():

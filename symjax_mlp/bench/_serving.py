@@ -8,10 +8,12 @@ something:
   JAX in :func:`~symjax_mlp.serving.latency_mode`, and PyTorch eager / ``jit.script`` /
   ``compile`` (with the benchmark's threads and with one), each in two forms: the input
   already on the device, and a NumPy array in and out (what a server does).
-- ``batcher``: one subprocess in latency mode: one-at-a-time synced calls, then a
-  :class:`~symjax_mlp.serving.Batcher` under 1, 8, 64 concurrent clients (threads blocking in
-  ``b(x)``, and callers keeping that many futures in flight): throughput, p50, p99, rows per
-  batch.
+- ``batcher``: one subprocess in latency mode (and one in async dispatch, if asked): a
+  :class:`~symjax_mlp.serving.Batcher` at 1 client, its calls alternated one by one with
+  direct synced calls (the added µs: the median of the pairs' differences, each pair timed in
+  the same microseconds), then under 1, 8, 64 concurrent clients (threads blocking in ``b(x)``,
+  and callers keeping that many futures in flight): throughput against direct calls timed
+  just before and after each row, p50, p99, rows per batch.
 - ``http``: ``symjax-mlp serve`` in a subprocess, driven over loopback by keep-alive clients
   (``.npy`` and JSON bodies) at a bounded concurrency: throughput, p50, p99.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import io
+import itertools
 import json
 import os
 import re
@@ -207,32 +210,39 @@ def _batcher_rows(
     h, _, xn = _chapter(sizes, in_features, activation, seed)
     pool = np.random.default_rng(seed + 1).standard_normal((256, 1, in_features), np.float32)
     rows = [pool[i] for i in range(len(pool))]
-    k = len(rows)
-    state = {"i": 0}
+    following = itertools.cycle(rows).__next__
 
-    def direct() -> np.ndarray:
-        state["i"] += 1
-        return np.asarray(h(rows[state["i"] % k]))
+    def direct(x: np.ndarray) -> np.ndarray:
+        return np.asarray(h(x))
 
-    n_direct = max(200, requests // 2)
+    n_direct = max(200, requests // 4)
     t0 = time.perf_counter()
-    timing = _per_call(direct, n_direct, 1)
+    timing = _per_call(lambda: direct(following()), n_direct, 1)
     one = {**timing, "throughput_rps": 1.0 / timing["mean_s"], "wall_s": time.perf_counter() - t0}
     out = []
     with Batcher(h, example=xn, max_batch=max_batch) as b:
         compiled = h.trace_count  # every bucket traced and compiled by now
+        c1 = _paired_c1(b, direct, rows, max(200, requests // 2))
+        _threads(b, rows, 1, 50)  # warm both paths
+        _futures(b, rows, 1, 50)
+        direct_before = _direct_rps(direct, rows, n_direct)
         for c in clients:
             for kind in ("threads", "futures"):
                 before = b.stats
                 lat, wall = (_threads if kind == "threads" else _futures)(b, rows, c, requests)
                 after = b.stats
                 batches = after.batches - before.batches
+                direct_after = _direct_rps(direct, rows, n_direct)  # and the next row's before
+                base = (direct_before + direct_after) / 2  # the same seconds as the row
+                direct_before = direct_after
                 out.append(
                     {
                         "clients": c,
                         "kind": kind,
                         "requests": len(lat),
                         "throughput_rps": len(lat) / wall,
+                        "direct_rps": base,
+                        "vs_direct": len(lat) / wall / base,
                         "rows_per_batch": (after.rows - before.rows) / max(1, batches),
                         "padded_rows": after.padded_rows - before.padded_rows,
                         "batches": batches,
@@ -245,11 +255,56 @@ def _batcher_rows(
         "dispatch": dispatch_mode(),
         "max_batch": max_batch,
         "direct": one,
+        "c1": c1,
         "rows": out,
         "buckets": list(b.buckets),
         "traces_while_serving": retraced,
         "stats": stats,
     }
+
+
+def _paired_c1(b: Any, direct: Callable, rows: list[np.ndarray], calls: int) -> dict:
+    """A direct call and ``b(x)`` on the same input, alternated call by call (which goes first
+    flips every pair), so that both see the same machine: the batcher's own cost at
+    concurrency 1 is the median of the pairs' differences (robust to a busy machine, whose
+    preemptions shift the two p50s apart at random; their difference is reported too)."""
+    clock, k = time.perf_counter, len(rows)
+    for i in range(100):
+        direct(rows[i % k])
+        b(rows[i % k])
+    d, w = np.empty(calls), np.empty(calls)
+    for i in range(calls):
+        x = rows[i % k]
+        if i & 1:
+            t0 = clock()
+            direct(x)
+            t1 = clock()
+            b(x)
+            t2 = clock()
+            d[i], w[i] = t1 - t0, t2 - t1
+        else:
+            t0 = clock()
+            b(x)
+            t1 = clock()
+            direct(x)
+            t2 = clock()
+            w[i], d[i] = t1 - t0, t2 - t1
+    direct_p, batcher_p = _percentiles(d), _percentiles(w)
+    return {
+        "direct": direct_p,
+        "batcher": batcher_p,
+        "added_p50_s": batcher_p["p50_s"] - direct_p["p50_s"],
+        "added_paired_median_s": float(np.median(w - d)),
+    }
+
+
+def _direct_rps(direct: Callable, rows: list[np.ndarray], n: int) -> float:
+    """One-at-a-time synced calls per second, over ``n`` calls."""
+    k = len(rows)
+    start = time.perf_counter()
+    for i in range(n):
+        direct(rows[i % k])
+    return n / (time.perf_counter() - start)
 
 
 def _threads(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[list[float], float]:
@@ -499,6 +554,7 @@ def bench_serving(
     clients: Sequence[int] = (1, 8, 64),
     requests: int = 4000,
     max_batch: int = 64,
+    batcher_dispatch: Sequence[str] = ("sync",),
     http_clients: Sequence[int] = (1, 16),
     http_requests: int = 600,
     env: Mapping[str, str] | None = None,
@@ -518,8 +574,13 @@ def bench_serving(
       torch: add the PyTorch rows (when torch is installed; else a note).
       torch_modes: which of ``torch_eager``, ``torch_script``, ``torch_compile``.
       clients: concurrent in-process clients of the batcher.
-      requests: requests per concurrency level (and half as many one-at-a-time calls).
+      requests: requests per concurrency level (half as many interleaved pairs at 1 client,
+        a quarter as many direct calls around each level).
       max_batch: the batcher's (and server's) largest batch.
+      batcher_dispatch: the dispatch modes the batcher section runs in, each in its own
+        fresh process: ``"sync"`` (:func:`~symjax_mlp.serving.latency_mode`, as
+        ``symjax-mlp serve``; ``result["batcher"]``) and/or ``"async"`` (JAX's default;
+        ``result["batcher_async"]``).
       http_clients, http_requests: concurrent HTTP clients, requests per level.
       env: extra environment for the subprocesses (e.g. ``{"XLA_FLAGS": ...}``).
       seed: for the params and the inputs.
@@ -530,7 +591,9 @@ def bench_serving(
       A dict with ``config``, ``env``, ``notes``, ``targets`` and one entry per section run:
       ``latency`` (``rows``: ``mode``, ``dispatch``, ``threads``, ``forms``: ``device`` and
       ``numpy``, each ``p50_s``, ``p90_s``, ``p99_s``, ``mean_s``, ``best_repeat_mean_s``),
-      ``batcher`` (``direct`` and ``rows``: ``clients``, ``kind``, ``throughput_rps``,
+      ``batcher`` (and ``batcher_async``: ``direct``; ``c1``: ``direct`` and ``batcher``
+      percentiles of the interleaved calls, ``added_paired_median_s``, ``added_p50_s``; and
+      ``rows``: ``clients``, ``kind``, ``throughput_rps``, ``direct_rps``, ``vs_direct``,
       ``p50_s``, ``p99_s``, ``rows_per_batch``, ...), ``http`` (``rows``: ``clients``,
       ``body``, ``throughput_rps``, ``p50_s``, ``p99_s``, ``errors``, ``rows_per_batch``).
 
@@ -543,6 +606,11 @@ def bench_serving(
         raise ConfigError(
             f"bench_serving: unknown section or torch mode {bad}; sections are {SECTIONS}, "
             f"torch modes {TORCH_MODES}."
+        )
+    if not batcher_dispatch or set(batcher_dispatch) - {"sync", "async"}:
+        raise ConfigError(
+            f"bench_serving: batcher_dispatch must name 'sync' and/or 'async'; got "
+            f"{list(batcher_dispatch)!r}."
         )
     if min(calls, repeats, requests, max_batch, http_requests, *clients, *http_clients) < 1:
         raise ConfigError(
@@ -560,6 +628,7 @@ def bench_serving(
             "clients": list(clients),
             "requests": requests,
             "max_batch": max_batch,
+            "batcher_dispatch": list(batcher_dispatch),
             "http_clients": list(http_clients),
             "http_requests": http_requests,
             "env": dict(env or {}),
@@ -591,9 +660,11 @@ def bench_serving(
                             notes.append(f"{mode} ({n} threads) skipped: {str(e)[-300:]}")
         result["latency"] = {"rows": rows}
     if "batcher" in sections:
-        say(f"batcher: one-at-a-time, then {', '.join(map(str, clients))} clients")
-        kw = {"dispatch": "sync", **net, "clients": list(clients), "requests": requests}
-        result["batcher"] = _run_child("batcher", {**kw, "max_batch": max_batch}, env, timeout)
+        for dispatch in batcher_dispatch:
+            say(f"batcher, {dispatch} dispatch: 1 client, then {', '.join(map(str, clients))}")
+            kw = {"dispatch": dispatch, **net, "clients": list(clients), "requests": requests}
+            key = "batcher" if dispatch == "sync" else "batcher_async"
+            result[key] = _run_child("batcher", {**kw, "max_batch": max_batch}, env, timeout)
     if "http" in sections:
         result["http"] = _http_rows(
             **net,
@@ -625,33 +696,34 @@ def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "met": ratio >= 2,
             }
         )
-    b = result.get("batcher")
-    if b:
-        direct = b["direct"]
-        by = {(r["clients"], r["kind"]): r for r in b["rows"]}
+    for key in ("batcher", "batcher_async"):
+        b = result.get(key)
+        if not b:
+            continue
+        mode = "" if key == "batcher" else ", async dispatch"
+        suffix = "" if key == "batcher" else "_async"
         for kind in ("threads", "futures"):
             top = max((r for r in b["rows"] if r["kind"] == kind), key=lambda r: r["clients"])
-            ratio = top["throughput_rps"] / direct["throughput_rps"]
+            ratio = top["vs_direct"]
             out.append(
                 {
-                    "name": f"batcher_throughput_{top['clients']}_{kind}",
-                    "what": f"{top['clients']} clients ({kind}) req/s / one-at-a-time req/s",
+                    "name": f"batcher_throughput_{top['clients']}_{kind}{suffix}",
+                    "what": f"{top['clients']} clients ({kind}{mode}) req/s / one-at-a-time req/s",
                     "value": ratio,
                     "target": ">= 5",
                     "met": ratio >= 5,
                 }
             )
-        if (1, "threads") in by:
-            added = by[1, "threads"]["p50_s"] - direct["p50_s"]
-            out.append(
-                {
-                    "name": "batcher_overhead_c1",
-                    "what": "batcher p50 at 1 client - direct call p50 (µs)",
-                    "value": added * 1e6,
-                    "target": "<= 10",
-                    "met": added <= 10e-6,
-                }
-            )
+        added = b["c1"]["added_paired_median_s"]
+        out.append(
+            {
+                "name": f"batcher_overhead_c1{suffix}",
+                "what": f"b(x) - direct call at 1 client, interleaved, median (µs{mode})",
+                "value": added * 1e6,
+                "target": "<= 10",
+                "met": added <= 10e-6,
+            }
+        )
     h = result.get("http")
     if h and h["rows"]:
         worst = max(h["rows"], key=lambda r: r["p99_s"])
@@ -672,6 +744,30 @@ def _mode_label(r: Mapping[str, Any]) -> str:
     if r["mode"] == "jax":
         return f"{label}, {r['dispatch']} dispatch"
     return label + (f", {r['threads']} thread(s)" if r.get("threads") else "")
+
+
+def _format_batcher(b: Mapping[str, Any]) -> str:
+    us, d, c1 = format_seconds, b["direct"], b["c1"]
+    lines = [
+        f"Micro-batcher: max_batch {b['max_batch']}, {b['dispatch']} dispatch, in-process "
+        f"clients (buckets {b['buckets']} compiled ahead, "
+        f"{b['traces_while_serving']} traces while serving)",
+        f"  at 1 client, calls interleaved with direct ones: b(x) adds "
+        f"{c1['added_paired_median_s'] * 1e6:.1f} µs (median of the pairs; direct p50 "
+        f"{us(c1['direct']['p50_s'])}, b(x) p50 {us(c1['batcher']['p50_s'])})",
+        f"  {'clients':<22} {'req/s':>9} {'p50':>10} {'p99':>10} {'rows/batch':>10} "
+        f"{'vs one-at-a-time':>16}",
+        f"  {'one at a time, direct':<22} {d['throughput_rps']:>9.0f} {us(d['p50_s']):>10} "
+        f"{us(d['p99_s']):>10} {1.0:>10.1f} {1.0:>15.2f}x",
+    ]
+    for r in b["rows"]:
+        who = f"{r['clients']} {r['kind']}"
+        lines.append(
+            f"  {who:<22} {r['throughput_rps']:>9.0f} {us(r['p50_s']):>10} "
+            f"{us(r['p99_s']):>10} {r['rows_per_batch']:>10.1f} {r['vs_direct']:>15.2f}x"
+        )
+    lines.append("  (vs one-at-a-time: against direct calls timed just before and after each row)")
+    return "\n".join(lines)
 
 
 def format_serving(result: Mapping[str, Any]) -> str:
@@ -698,26 +794,10 @@ def format_serving(result: Mapping[str, Any]) -> str:
                 f"{us(n['p50_s']):>16} {us(n['p99_s']):>9}"
             )
         parts.append("\n".join(lines))
-    b = result.get("batcher")
-    if b:
-        d = b["direct"]
-        lines = [
-            f"Micro-batcher: max_batch {b['max_batch']}, {b['dispatch']} dispatch, in-process "
-            f"clients (buckets {b['buckets']} compiled ahead, "
-            f"{b['traces_while_serving']} traces while serving)",
-            f"  {'clients':<22} {'req/s':>9} {'p50':>10} {'p99':>10} {'rows/batch':>10} "
-            f"{'vs one-at-a-time':>16}",
-            f"  {'one at a time, direct':<22} {d['throughput_rps']:>9.0f} {us(d['p50_s']):>10} "
-            f"{us(d['p99_s']):>10} {1.0:>10.1f} {1.0:>15.2f}x",
-        ]
-        for r in b["rows"]:
-            who = f"{r['clients']} {r['kind']}"
-            lines.append(
-                f"  {who:<22} {r['throughput_rps']:>9.0f} {us(r['p50_s']):>10} "
-                f"{us(r['p99_s']):>10} {r['rows_per_batch']:>10.1f} "
-                f"{r['throughput_rps'] / d['throughput_rps']:>15.2f}x"
-            )
-        parts.append("\n".join(lines))
+    for key in ("batcher", "batcher_async"):
+        b = result.get(key)
+        if b:
+            parts.append(_format_batcher(b))
     h = result.get("http")
     if h:
         lines = [

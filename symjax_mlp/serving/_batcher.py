@@ -7,6 +7,22 @@ arrive while a batch runs wait in a bounded queue and are merged, in arrival ord
 next batch, up to ``max_batch`` rows. A batch is padded with zero rows to the smallest bucket
 (powers of two by default) that holds it; every bucket was compiled when the batcher was
 made, so nothing compiles while serving, and padding rows are never returned.
+
+What a request costs besides the model (measured by ``symjax-mlp bench --serving``):
+
+- the check: a NumPy request whose ``(shape, dtype)`` passed once is looked up in a dict,
+  not checked again;
+- a lone ``b(x)``: no lock and no future: it pops the lane's token (``list.pop`` is atomic),
+  calls the model, copies the result once, and appends the token back (with the GIL
+  disabled, under the lock); the lock is taken only when requests queued up meanwhile;
+- a queued request: one slot in a deque; its batch is stacked by one ``np.concatenate``
+  (zero rows appended for the bucket) and its rows copied out of the batch's result;
+- the counters: each batch appends one tuple of timestamps to a deque, folded into
+  :class:`BatcherStats` (a vectorized histogram) only when the stats are read, or every
+  4096 batches;
+- a future (:class:`RequestFuture`): a batcher's futures share one lock, so a whole batch is
+  settled under one acquire, and only callers blocked in ``result()`` on a future are woken
+  for it; the future is its own queue entry.
 """
 
 from __future__ import annotations
@@ -16,10 +32,18 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures._base import (  # Future's states, which wait()/as_completed() read
+    CANCELLED,
+    CANCELLED_AND_NOTIFIED,
+    FINISHED,
+    PENDING,
+    RUNNING,
+)
 from typing import Any
 
 import jax
@@ -35,6 +59,10 @@ LATENCY_BUCKETS = (
     0.5, 1.0, 2.5,
 )  # fmt: skip
 _STAGES = ("queued", "padded", "compute", "split")
+_DONE = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
+_FOLD_EVERY = 4096  # batches counted before they are folded into the stats
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()  # False on a free-threaded build
+_clock = time.perf_counter
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,20 +98,114 @@ class RequestTiming:
 class RequestFuture(concurrent.futures.Future):
     """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.
 
+    It works wherever a ``concurrent.futures.Future`` does (done callbacks,
+    ``concurrent.futures.wait`` and ``as_completed``, ``asyncio.wrap_future``). The futures
+    of one batcher share one lock: the batcher settles a whole batch under one acquire, and
+    wakes only the callers blocked in ``result()`` or ``exception()`` on this future.
+
     Attributes:
       timing: the request's :class:`RequestTiming`, set before the result (``None`` until
         then, and for a request cancelled or failed before it ran).
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._timing: tuple | None = None
+    # The fields concurrent.futures.Future's methods read, as class defaults: a request sets
+    # only what changes. The request itself (inputs, rows, start time) rides on the future.
+    _state = PENDING
+    _result: Any = None
+    _exception: BaseException | None = None
+    _wake: threading.Condition | None = None  # made when a caller first blocks on it
+    _batch: tuple | None = None  # (t1, padded, compute, split, batch_rows, requests, bucket)
+    arrays: Sequence[Any] = ()
+    rows = 0
+    t0 = 0.0
+
+    def __init__(self, condition: threading.Condition | None = None) -> None:
+        # no super().__init__(): it would make a Condition (an RLock) per request
+        self._condition = threading.Condition() if condition is None else condition
+        self._waiters: list[Any] = []  # concurrent.futures.wait()'s
+        self._done_callbacks: list[Callable[[Any], Any]] = []
 
     @property
     def timing(self) -> RequestTiming | None:
         """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
-        t = self._timing
-        return None if t is None else RequestTiming(*t)
+        b = self._batch
+        if b is None:
+            return None
+        t1, padded, compute, split, batch_rows, requests, bucket = b
+        return RequestTiming(
+            t1 - self.t0, padded, compute, split, self.rows, batch_rows, requests, bucket
+        )
+
+    def _wait(self, timeout: float | None) -> str:
+        """Waits (at most ``timeout`` s) for a final state; returns the state."""
+        state = self._state
+        if _GIL and state in _DONE:  # settled: _result and _exception were set first
+            return state
+        with self._condition:
+            if self._state not in _DONE:
+                if self._wake is None:
+                    self._wake = threading.Condition(self._condition)
+                self._wake.wait_for(lambda: self._state in _DONE, timeout)
+            return self._state
+
+    def result(self, timeout: float | None = None) -> Any:
+        state = self._wait(timeout)
+        if state == FINISHED:
+            if self._exception is not None:
+                try:
+                    raise self._exception
+                finally:
+                    self = None  # as concurrent.futures does: no reference cycle
+            return self._result
+        if state in _DONE:
+            raise concurrent.futures.CancelledError()
+        raise TimeoutError()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        state = self._wait(timeout)
+        if state == FINISHED:
+            return self._exception
+        if state in _DONE:
+            raise concurrent.futures.CancelledError()
+        raise TimeoutError()
+
+    def cancel(self) -> bool:
+        with self._condition:
+            if self._state in (RUNNING, FINISHED):
+                return False
+            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED):
+                return True
+            self._state = CANCELLED
+            if self._wake is not None:
+                self._wake.notify_all()
+        self._invoke_callbacks()
+        return True
+
+    def set_result(self, result: Any) -> None:
+        self._settle(result, None)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self._settle(None, exception)
+
+    def _settle(self, result: Any, exception: BaseException | None) -> None:
+        with self._condition:
+            if self._state in _DONE:
+                raise concurrent.futures.InvalidStateError(f"{self._state}: {self!r}")
+            _finish(self, result, exception)
+        self._invoke_callbacks()
+
+
+def _finish(f: RequestFuture, result: Any, exception: BaseException | None) -> None:
+    """Settles ``f`` (its lock is held); the caller then runs its done callbacks."""
+    f._result, f._exception, f._state = result, exception, FINISHED
+    if f._waiters:
+        for w in f._waiters:
+            if exception is None:
+                w.add_result(f)
+            else:
+                w.add_exception(f)
+    if f._wake is not None:
+        f._wake.notify_all()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,86 +317,58 @@ def _number(v: float) -> str:
 
 
 class _Request:
-    """One request in flight: its inputs, and how its caller waits (a future or a lock)."""
+    """A blocking ``b(x)`` in the queue: its inputs, and the held lock its caller waits on."""
 
-    __slots__ = ("arrays", "error", "future", "result", "rows", "t0", "waiter")
+    __slots__ = ("arrays", "error", "result", "rows", "t0", "waiter")
 
-    def __init__(self, arrays: list[np.ndarray], rows: int, t0: float) -> None:
-        self.arrays, self.rows, self.t0 = arrays, rows, t0
-        self.future: RequestFuture | None = None
-        self.waiter: Any = None  # a held lock, released when the result is in
+    def __init__(self, arrays: Sequence[Any], rows: int, t0: float, waiter: Any) -> None:
+        self.arrays, self.rows, self.t0, self.waiter = arrays, rows, t0, waiter
         self.result: Any = None
         self.error: BaseException | None = None
-
-    def done(self, result: Any, timing: tuple) -> None:
-        """Hands over the result; ``timing``: the :class:`RequestTiming` fields."""
-        if self.future is not None:
-            self.future._timing = timing
-            self.future.set_result(result)
-        else:
-            self.result = result
-            self.waiter.release()
-
-    def fail(self, error: BaseException) -> None:
-        if self.future is not None:
-            self.future.set_exception(error)
-        else:
-            self.error = error
-            self.waiter.release()
 
 
 class _Counters:
     def __init__(self, buckets: Sequence[int]) -> None:
         self.requests = self.completed = self.failed = self.cancelled = 0
+        self.alone = 0  # requests run on their callers' threads (the rest: in `requests`)
         self.batches = self.rows = self.padded_rows = 0
         self.rejected = dict.fromkeys(("signature", "overload", "closed"), 0)
         self.by_bucket = dict.fromkeys(buckets, 0)
         self.seconds = dict.fromkeys(_STAGES, 0.0)
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)  # per bucket, the last: slower
         self.latency_sum = 0.0
-        self.pending: list[tuple] = []
+        # One entry per batch run, appended by whoever runs it (a deque: no lock needed):
+        # (t0, t1, t2, t3, t4, rows, bucket), t0 the request's start (a float) or the list of
+        # its requests' starts; t1..t4: the batch's stages began and the split ended.
+        self.pending: collections.deque[tuple] = collections.deque()
 
     def fold(self) -> None:
-        """Counts the requests that ran alone, on their callers' threads (the lock is held).
-
-        They are appended to ``pending`` as ``(t0, t1, t2, t3, t4, rows, bucket)``, so that
-        the call itself does the least work after the model returns.
-        """
-        pending, self.pending = self.pending, []
-        s, latency = self.seconds, self.latency
-        for t0, t1, t2, t3, t4, rows, bucket in pending:
+        """Counts the batches in ``pending`` (the lane's lock is held)."""
+        pending, latencies = self.pending, []
+        s = self.seconds
+        while pending:
+            t0, t1, t2, t3, t4, rows, bucket = pending.popleft()
             self.batches += 1
             self.rows += rows
             self.padded_rows += bucket - rows
             self.by_bucket[bucket] += 1
-            s["queued"] += t1 - t0
-            s["padded"] += t2 - t1
-            s["compute"] += t3 - t2
-            s["split"] += t4 - t3
-            self.latency_sum += t4 - t0
-            latency[bisect.bisect_left(LATENCY_BUCKETS, t4 - t0)] += 1
-        self.completed += len(pending)
-
-    def record(self, batch: Sequence[_Request], t1: float, t4: float, stages, rows, bucket):
-        """Counts one finished batch (the lane's lock is held)."""
-        if len(self.pending) > 4096:
-            self.fold()
-        self.batches += 1
-        self.rows += rows
-        self.padded_rows += bucket - rows
-        self.by_bucket[bucket] += 1
-        k = len(batch)
-        self.completed += k
-        s, latency = self.seconds, self.latency
-        for r in batch:
-            s["queued"] += t1 - r.t0
-            total = t4 - r.t0
+            if type(t0) is float:
+                k, total = 1, t4 - t0
+                latencies.append(total)
+            else:
+                ts = [t4 - t for t in t0]
+                k, total = len(ts), sum(ts)
+                latencies += ts
+            self.completed += k
             self.latency_sum += total
-            latency[bisect.bisect_left(LATENCY_BUCKETS, total)] += 1
-        padded, compute, split = stages
-        s["padded"] += padded * k
-        s["compute"] += compute * k
-        s["split"] += split * k
+            s["queued"] += total - k * (t4 - t1)
+            s["padded"] += k * (t2 - t1)
+            s["compute"] += k * (t3 - t2)
+            s["split"] += k * (t4 - t3)
+        if latencies:
+            where = np.searchsorted(LATENCY_BUCKETS, latencies)  # as bisect_left: le=
+            for i, n in enumerate(np.bincount(where, minlength=len(self.latency)).tolist()):
+                self.latency[i] += n
 
 
 class _Lane:
@@ -291,113 +385,192 @@ class _Lane:
         self.max_queue = max_queue
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
-        self.queue: collections.deque[_Request] = collections.deque()
-        self.busy = False
+        self.sleeping = False  # the thread waits on `wake` and nobody notified it yet
+        self.futures = threading.Condition()  # the one lock (an RLock) of all our futures
+        self.queue: collections.deque[_Request | RequestFuture] = collections.deque()
+        # The lane's token: whoever pops it (a lone call, or the thread for a batch) runs the
+        # model until it appends it back; empty while the lane is busy.
+        self.idle = [True]
         self.closing = False
         self.n = _Counters(self.buckets)
         self.to_host: Callable[[Any], Any] = _tree_to_host
         self.split: Callable[[Any, int, int], Any] = _tree_rows
-        self.own: Callable[[Any], Any] = _tree_copy
+        self.single = False  # one array out: the split is a list of row copies
+        self.thread: int | None = None  # the batcher's thread (its ident)
 
     # -- the executor thread -----------------------------------------------------------------
     def work(self) -> None:
-        while True:
-            with self.lock:
-                while self.busy or not self.queue:
-                    if self.closing and not self.queue and not self.busy:
+        lock, idle = self.lock, self.idle
+        lock.acquire()
+        try:
+            while True:
+                if not self.queue:
+                    if self.closing and idle:
                         return
-                    self.wake.wait()
-                batch, rows = self.take()
-                if not batch:
+                    self.sleep()
                     continue
-                self.busy = True
-            self.run(batch, rows)
+                if not _claim(idle):  # a lone call runs: it wakes us when it is done
+                    self.sleep()
+                    continue
+                try:
+                    while self.queue:  # the lane stays ours while there is work
+                        batch, starts, rows = self.take()
+                        if batch:
+                            lock.release()
+                            try:
+                                self.run(batch, starts, rows)
+                            finally:
+                                lock.acquire()
+                        if len(self.n.pending) > _FOLD_EVERY:
+                            self.n.fold()
+                finally:
+                    idle.append(True)
+        finally:
+            lock.release()
 
-    def take(self) -> tuple[list[_Request], int]:
-        """Pops the next batch (FIFO, at most max_batch rows); drops cancelled requests."""
-        batch: list[_Request] = []
+    def sleep(self) -> None:
+        self.sleeping = True
+        self.wake.wait()
+        self.sleeping = False
+
+    def nudge(self) -> None:
+        """Wakes the thread if it sleeps (the lock is held): one notify per wake-up."""
+        if self.sleeping:
+            self.sleeping = False
+            self.wake.notify()
+
+    def take(self) -> tuple[list[Any], list[float], int]:
+        """Pops the next batch (FIFO, at most max_batch rows); drops cancelled futures."""
+        batch: list[Any] = []
+        starts: list[float] = []
         rows, q, limit = 0, self.queue, self.max_batch
-        while q and rows + q[0].rows <= limit:
-            r = q.popleft()
-            if r.future is not None and not r.future.set_running_or_notify_cancel():
-                self.n.cancelled += 1
-                continue
-            batch.append(r)
-            rows += r.rows
-        return batch, rows
+        with self.futures:  # a future turns running here, or was cancelled while queued
+            while q and rows + q[0].rows <= limit:
+                r = q.popleft()
+                if type(r) is not _Request:
+                    if r._state != PENDING:  # cancelled while queued
+                        if r._state == CANCELLED:  # as set_running_or_notify_cancel()
+                            r._state = CANCELLED_AND_NOTIFIED
+                            for w in r._waiters:
+                                w.add_cancelled(r)
+                        self.n.cancelled += 1
+                        continue
+                    r._state = RUNNING
+                batch.append(r)
+                starts.append(r.t0)
+                rows += r.rows
+        return batch, starts, rows
 
-    def run(self, batch: list[_Request], rows: int) -> None:
+    def run(self, batch: list[Any], starts: list[float], rows: int) -> None:
         """Runs one batch on the executor thread and hands each request its result."""
-        clock = time.perf_counter
-        t1 = clock()
+        t1 = _clock()
         bucket = self.bucket_of[rows]
         try:
             inputs = self.assemble(batch, rows, bucket)
-            t2 = clock()
+            t2 = _clock()
             out = self.to_host(self.call(*inputs))
-            t3 = clock()
-            results, start, split = [], 0, self.split
-            for r in batch:
-                results.append(split(out, start, start + r.rows))
-                start += r.rows
-            t4 = clock()
+            t3 = _clock()
+            if self.single and rows == len(batch):  # one row each: the common case
+                results = [out[i : i + 1].copy() for i in range(rows)]
+            else:
+                results, start, split = [], 0, self.split
+                for r in batch:
+                    results.append(split(out, start, start + r.rows))
+                    start += r.rows
+            t4 = _clock()
         except BaseException as e:  # every request of the batch gets it; the lane carries on
             with self.lock:
                 self.n.failed += len(batch)
-                self.finish()
-            for r in batch:
-                r.fail(e)
+            self.settle(batch, None, e)
             if not isinstance(e, Exception):
                 raise
             return
-        stages = (t2 - t1, t3 - t2, t4 - t3)
-        with self.lock:
-            self.n.record(batch, t1, t4, stages, rows, bucket)
-            self.finish()
-        padded, compute, split_s, k = *stages, len(batch)
-        for r, result in zip(batch, results, strict=True):
-            r.done(result, (t1 - r.t0, padded, compute, split_s, r.rows, rows, k, bucket))
+        self.n.pending.append((starts, t1, t2, t3, t4, rows, bucket))  # before any result
+        self.settle(batch, results, None, (t1, t2 - t1, t3 - t2, t4 - t3, rows, len(batch), bucket))
 
-    def run_alone(self, arrays: list[np.ndarray], rows: int, t0: float) -> Any:
-        """Runs one request on the calling thread (the lane is idle, marked busy for it)."""
-        clock = time.perf_counter
-        t1 = clock()
+    def settle(self, batch, results, error, timing=None) -> None:
+        """Hands out a batch's results (or ``error``): one lock for its futures, one release
+        per blocked caller, then the futures' done callbacks."""
+        futures = False
+        with self.futures:
+            for i, r in enumerate(batch):
+                if type(r) is _Request:
+                    if error is None:
+                        r.result = results[i]
+                    else:
+                        r.error = error
+                    r.waiter.release()
+                else:  # as _finish(r, ...), inlined: this runs per request
+                    futures = True
+                    r._batch = timing
+                    if error is None:
+                        r._result = results[i]
+                    else:
+                        r._exception = error
+                    r._state = FINISHED
+                    for w in r._waiters:  # concurrent.futures.wait()'s
+                        if error is None:
+                            w.add_result(r)
+                        else:
+                            w.add_exception(r)
+                    if r._wake is not None:
+                        r._wake.notify_all()
+        if futures:
+            for r in batch:
+                if type(r) is not _Request and r._done_callbacks:
+                    r._invoke_callbacks()
+
+    # -- a lone request, on its caller's thread ----------------------------------------------
+    def run_alone(self, arrays: Sequence[Any], rows: int, t0: float) -> Any:
+        """Runs one request on the calling thread, which holds the lane's token (and gives it
+        back itself)."""
+        n = self.n
+        n.alone += 1  # only the token's holder writes it
         bucket = self.bucket_of[rows]
         try:
-            if rows == bucket:
-                t2 = clock()
-                out = self.call(*arrays)
-                result = self.own(out)  # one copy to the host, owned by the caller
-                t3 = t4 = clock()
+            if rows == bucket and self.single:  # the hot path: one copy to the caller's array
+                result = np.asarray(self.call(*arrays)).copy()
+                t1 = t2 = t0  # queued and padded: nothing; the check counts as compute
+                t3 = t4 = _clock()
             else:
-                inputs = self.assemble_one(arrays, rows, bucket)
-                t2 = clock()
+                t1 = _clock()
+                inputs = self.assemble_one(arrays, rows, bucket) if rows < bucket else arrays
+                t2 = _clock()
                 out = self.to_host(self.call(*inputs))
-                t3 = clock()
+                t3 = _clock()
                 result = self.split(out, 0, rows)
-                t4 = clock()
+                t4 = _clock()
         except BaseException:
             with self.lock:
-                self.n.failed += 1
-                self.finish()
+                n.failed += 1
             raise
-        with self.lock:
-            # counted later, in bulk (see _Counters.fold): the least work after the call
-            self.n.pending.append((t0, t1, t2, t3, t4, rows, bucket))
-            if len(self.n.pending) > 4096:
-                self.n.fold()
-            self.busy = False
-            if self.queue or self.closing:
-                self.wake.notify()
+        n.pending.append((t0, t1, t2, t3, t4, rows, bucket))  # counted later, in bulk
         return result
 
-    def assemble_one(self, arrays: list[np.ndarray], rows: int, bucket: int) -> list[Any]:
+    def release(self) -> None:
+        """Gives the token back, and wakes the thread if requests came meanwhile."""
+        if _GIL and len(self.n.pending) <= _FOLD_EVERY:
+            # No lock: an enqueuer looks for the token under the lock after appending, so it
+            # either sees it (and wakes the thread) or appended before we look at the queue.
+            self.idle.append(True)
+            if self.queue or self.closing:
+                with self.lock:
+                    self.nudge()
+            return
+        with self.lock:
+            if len(self.n.pending) > _FOLD_EVERY:
+                self.n.fold()
+            self.idle.append(True)
+            if self.queue or self.closing:
+                self.nudge()
+
+    def assemble_one(self, arrays: Sequence[Any], rows: int, bucket: int) -> list[Any]:
         return [
             np.concatenate([a, np.zeros((bucket - rows, *shape), a.dtype)])
             for a, shape in zip(arrays, self.row_shapes, strict=True)
         ]
 
-    def assemble(self, batch: Sequence[_Request], rows: int, bucket: int) -> list[Any]:
+    def assemble(self, batch: Sequence[Any], rows: int, bucket: int) -> Sequence[Any]:
         """The model's inputs: the requests' rows stacked, zero rows up to the bucket."""
         if len(batch) == 1 and rows == bucket:
             return batch[0].arrays
@@ -409,12 +582,6 @@ class _Lane:
             inputs.append(np.concatenate(parts))
         return inputs
 
-    def finish(self) -> None:
-        """Marks the lane idle and wakes the thread if there is more (the lock is held)."""
-        self.busy = False
-        if self.queue or self.closing:
-            self.wake.notify()
-
     def close(self, cancel: bool) -> None:
         with self.lock:
             self.closing = True
@@ -425,18 +592,26 @@ class _Lane:
                 self.n.cancelled += len(dropped)
             self.wake.notify_all()
         for r in dropped:
-            if r.future is not None:
-                r.future.cancel()
+            if type(r) is not _Request:
+                r.cancel()
+                r.set_running_or_notify_cancel()  # tells concurrent.futures.wait(), too
             else:
-                r.fail(concurrent.futures.CancelledError("the batcher was closed with cancel=True"))
+                r.error = concurrent.futures.CancelledError(
+                    "the batcher was closed with cancel=True"
+                )
+                r.waiter.release()
+
+
+def _claim(idle: list[bool]) -> bool:
+    """Takes the lane's token if it is there (``list.pop`` is atomic)."""
+    try:
+        return idle.pop()
+    except IndexError:
+        return False
 
 
 def _tree_to_host(out: Any) -> Any:
     return jax.tree.map(np.asarray, out)
-
-
-def _tree_copy(out: Any) -> Any:
-    return jax.tree.map(np.array, out)
 
 
 def _tree_rows(out: Any, start: int, stop: int) -> Any:
@@ -546,10 +721,15 @@ class Batcher:
         self.model = model
         lane = _Lane(model, specs, self.buckets, max_queue)
         self._ranks = [len(shape) + 1 for shape in lane.row_shapes]
+        # The NumPy shapes (a tuple of them for several inputs) that passed the check, with
+        # their rows; a request's dtypes must be these very objects to be looked up.
+        self._accepted: dict[Any, int] = {}
+        self._dtypes = tuple(lane.dtypes)
         self._warm_up(lane)
         self._lane = lane
         self._thread = threading.Thread(target=lane.work, name=self.name, daemon=True)
         self._thread.start()
+        lane.thread = self._thread.ident
         self._finalizer = weakref.finalize(self, lane.close, False)
 
     def _warm_up(self, lane: _Lane) -> None:
@@ -570,10 +750,27 @@ class Batcher:
                         "that returns one result per input row (reduce over rows afterwards)."
                     )
         if single:
-            lane.to_host, lane.split, lane.own = np.asarray, _array_rows, np.array
+            lane.to_host, lane.split = np.asarray, _array_rows
+            lane.single = True
 
     # -- requests ----------------------------------------------------------------------------
-    def _check(self, inputs: tuple[Any, ...]) -> tuple[list[np.ndarray], int]:
+    def _check(self, inputs: tuple[Any, ...]) -> tuple[Sequence[Any], int]:
+        """The request's arrays and rows; NumPy inputs of a shape seen before are looked up."""
+        if len(inputs) == 1:
+            x = inputs[0]
+            if type(x) is np.ndarray and x.dtype is self._dtypes[0]:
+                rows = self._accepted.get(x.shape)
+                if rows is not None:
+                    return inputs, rows
+        elif all(type(x) is np.ndarray for x in inputs) and [x.dtype for x in inputs] == list(
+            self._dtypes
+        ):
+            rows = self._accepted.get(tuple([x.shape for x in inputs]))
+            if rows is not None:
+                return inputs, rows
+        return self._check_slow(inputs)
+
+    def _check_slow(self, inputs: tuple[Any, ...]) -> tuple[Sequence[Any], int]:
         lane = self._lane
         if len(inputs) != len(lane.dtypes):
             self._reject("signature")
@@ -582,11 +779,12 @@ class Batcher:
                 f"{self.name}: a request takes {len(lane.dtypes)} input(s) ({want}); got "
                 f"{len(inputs)}. Call it as b({', '.join(s.path for s in self.specs)})."
             )
-        arrays, rows = [], None
+        arrays, rows, numpy = [], None, True
         for x, shape, dtype, rank in zip(
             inputs, lane.row_shapes, lane.dtypes, self._ranks, strict=True
         ):
-            a = x if type(x) is np.ndarray else np.asarray(x)
+            numpy = numpy and type(x) is np.ndarray
+            a = x if type(x) is np.ndarray else np.asarray(x)  # read on the host anyway
             if (
                 a.ndim != rank
                 or a.shape[1:] != shape
@@ -598,6 +796,9 @@ class Batcher:
                 raise SignatureError(self._explain(len(arrays), a, rows))
             rows = a.shape[0]
             arrays.append(a)
+        if numpy:  # at most max_batch keys: only the rows may differ
+            shapes = tuple(a.shape for a in arrays)
+            self._accepted[shapes[0] if len(shapes) == 1 else shapes] = rows
         return arrays, rows  # type: ignore[return-value]
 
     def _explain(self, i: int, a: np.ndarray, rows: int | None) -> str:
@@ -643,7 +844,7 @@ class Batcher:
             "send fewer requests at once, or make a Batcher with a larger max_queue."
         )
 
-    def _enqueue(self, request: _Request) -> None:
+    def _enqueue(self, request: _Request | RequestFuture) -> None:
         lane = self._lane
         with lane.lock:
             if lane.closing:
@@ -654,14 +855,16 @@ class Batcher:
                 raise self._overload_error()
             lane.n.requests += 1
             lane.queue.append(request)
-            if not lane.busy:
-                lane.wake.notify()
+            if lane.idle:  # nobody runs the lane: wake its thread (a runner checks the queue)
+                lane.nudge()
 
     def submit(self, *inputs: Any) -> RequestFuture:
         """Queues one request; returns at once with a ``concurrent.futures.Future``.
 
         The future's result is what ``model(*inputs)`` returns, as NumPy arrays; its
-        ``timing`` (a :class:`RequestTiming`) is set before the result.
+        ``timing`` (a :class:`RequestTiming`) is set before the result. Its done callbacks
+        run on the batcher's thread, between two batches: keep them short (``b(x)`` in one
+        runs there at once; waiting there for another queued request would stall it).
 
         Raises:
           SignatureError: the inputs do not fit :attr:`specs` (or have more than
@@ -669,11 +872,12 @@ class Batcher:
           OverloadError: ``max_queue`` requests are already waiting.
           RuntimeError: the batcher is closed.
         """
-        t0 = time.perf_counter()
+        t0 = _clock()
         arrays, rows = self._check(inputs)
-        request = _Request(arrays, rows, t0)
-        request.future = future = RequestFuture()
-        self._enqueue(request)
+        lane = self._lane
+        future = RequestFuture(lane.futures)
+        future.arrays, future.rows, future.t0 = arrays, rows, t0
+        self._enqueue(future)
         return future
 
     def run(self, *inputs: Any, timeout: float | None = None) -> Any:
@@ -687,19 +891,29 @@ class Batcher:
           TimeoutError: no result after ``timeout`` seconds (the request still runs).
           Exception: what the model raised for the request's batch.
         """
-        t0 = time.perf_counter()
+        t0 = _clock()
         arrays, rows = self._check(inputs)
         lane = self._lane
-        with lane.lock:
-            alone = not lane.busy and not lane.queue and not lane.closing
-            if alone:
-                lane.busy = True
-                lane.n.requests += 1
-        if alone:
+        idle = lane.idle
+        if idle and not lane.queue and not lane.closing:
+            try:
+                idle.pop()  # the lane's token (list.pop is atomic): ours if it was there
+            except IndexError:
+                pass  # taken meanwhile: join the queue
+            else:
+                if not lane.queue:  # run it here, with no lock held
+                    try:
+                        return lane.run_alone(arrays, rows, t0)
+                    finally:
+                        lane.release()
+                lane.release()  # requests came first: join them
+        if threading.get_ident() == lane.thread:
+            # b(x) in a done callback, on the batcher's thread: it holds the token between
+            # two batches, so the request runs here rather than wait for itself
             return lane.run_alone(arrays, rows, t0)
-        request = _Request(arrays, rows, t0)
-        request.waiter = waiter = threading.Lock()
+        waiter = threading.Lock()
         waiter.acquire()
+        request = _Request(arrays, rows, t0, waiter)
         self._enqueue(request)
         if not waiter.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError(
@@ -721,7 +935,7 @@ class Batcher:
             n = lane.n
             n.fold()
             return BatcherStats(
-                requests=n.requests,
+                requests=n.requests + n.alone,
                 completed=n.completed,
                 failed=n.failed,
                 cancelled=n.cancelled,
@@ -732,7 +946,7 @@ class Batcher:
                 rows=n.rows,
                 padded_rows=n.padded_rows,
                 queue_depth=len(lane.queue),
-                busy=lane.busy,
+                busy=not lane.idle,
                 seconds=dict(n.seconds),
                 latency=tuple(zip(LATENCY_BUCKETS, itertools.accumulate(n.latency), strict=False)),
                 latency_sum=n.latency_sum,
