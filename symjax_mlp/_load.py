@@ -41,9 +41,12 @@ from symjax_mlp._artifact.signature import Signature, _is_array
 from symjax_mlp._artifact.weights import check_params, param_specs, read_safetensors_file
 from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._hybrid.mesh import auto_mesh
-from symjax_mlp._specs import TensorSpec
+from symjax_mlp._specs import TensorSpec, array_types
 
 RUNTIMES = ("jax", "iree")
+
+
+_ARRAYS = array_types()
 
 
 class _NoEntryPoint(ConfigError, KeyError):
@@ -133,8 +136,11 @@ class LoadedModel:
         # Hot path: a (shape, dtype) signature that passed the check once needs no second
         # check; only NumPy and JAX arrays are remembered, at most 256 signatures.
         key = None
-        if all(_is_array(x) for x in inputs):
-            key = tuple((x.shape, x.dtype) for x in inputs)
+        for x in inputs:
+            if type(x) not in _ARRAYS and not _is_array(x):
+                break
+        else:
+            key = tuple([(x.shape, x.dtype) for x in inputs])
         if key is None or key not in self._checked:
             if _is_batching(inputs):
                 raise self._no_vmap()

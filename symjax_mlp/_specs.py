@@ -47,3 +47,16 @@ class TensorSpec:
 def shape_dims(shape: Sequence[Any]) -> tuple[int | str, ...]:
     """A JAX shape as spec dims: ints stay, symbolic dimensions become their names."""
     return tuple(d if isinstance(d, int) else str(d) for d in shape)
+
+
+def array_types() -> frozenset[type]:
+    """The concrete array types (NumPy's, JAX's) a hot path may take as they are, with no
+    check beyond a remembered ``(shape, dtype)``; found without creating an array, which
+    would start JAX's backend (imports JAX: call it where JAX is imported anyway)."""
+    import numpy as np
+
+    try:
+        from jax._src.array import ArrayImpl
+    except ImportError:  # another JAX layout: every call takes the general path
+        return frozenset({np.ndarray})
+    return frozenset({ArrayImpl, np.ndarray})

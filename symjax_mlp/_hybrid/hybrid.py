@@ -46,6 +46,7 @@ from symjax_mlp._hybrid.trace import (
     rebuild,
     signature,
 )
+from symjax_mlp._specs import array_types
 
 _FROZEN = (
     "{name}: a Hybrid is a frozen result (like jax.stages.Compiled): its {field!r} cannot be "
@@ -663,19 +664,7 @@ class Hybrid:
         return f"Hybrid({self.name}, {mode}{state}, traces={self.trace_count}{where})"
 
 
-def _array_types() -> tuple[type, ...]:
-    """The concrete array types a call may pass straight to the jit (no static partition);
-    found without creating an array, which would start JAX's backend at import."""
-    import numpy as np
-
-    try:
-        from jax._src.array import ArrayImpl
-    except ImportError:  # another JAX layout: every call takes the general path
-        return (np.ndarray,)
-    return (ArrayImpl, np.ndarray)
-
-
-_ARRAYS = frozenset(_array_types())
+_ARRAYS = array_types()
 
 
 def _ints(x: int | Sequence[int]) -> tuple[int, ...]:

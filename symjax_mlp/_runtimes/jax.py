@@ -103,20 +103,29 @@ def runner(
     # device_put, not jnp.asarray (which makes two copies): the arrays read from the file are
     # 64-byte aligned, so on CPU the device buffer is the host buffer, no copy at all
     weights = {n: jax.device_put(a) for n, a in zip(names, params, strict=True)}
-    checked: set[Any] = set()
+    checked: set[Any] = set()  # (shape, dtype) of the inputs of each call the guard passed
+    tree = exported.out_tree
+    single = tree.num_leaves == 1 and tree.num_nodes == 1  # one array, not a tuple of one
+
+    def check_new(inputs: list[Any], key: Any) -> None:
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in inputs)
+        if not all(isinstance(d, int) for s, _ in shapes for d in s):
+            return  # traced under the caller's jit: checked when it is compiled for real shapes
+        guard(
+            lambda: _refined(path, manifest, call, weights, inputs),
+            sum(math.prod(s) for s, _ in shapes),
+            shapes,
+        )
+        if len(checked) < 256:
+            checked.add(key)
 
     def call_checked(inputs: list[Any]) -> list[Any]:
         if guard is not None:
-            shapes = tuple((tuple(x.shape), str(x.dtype)) for x in inputs)
-            if shapes not in checked and all(isinstance(d, int) for s, _ in shapes for d in s):
-                guard(
-                    lambda: _refined(path, manifest, call, weights, inputs),
-                    sum(math.prod(s) for s, _ in shapes),
-                    shapes,
-                )
-                if len(checked) < 256:
-                    checked.add(shapes)
-        return jax.tree.leaves(call(weights, *inputs))
+            key = tuple([(x.shape, x.dtype) for x in inputs])  # str(dtype) costs microseconds
+            if key not in checked:
+                check_new(inputs, key)
+        out = call(weights, *inputs)
+        return [out] if single else list(out)
 
     n = manifest["nr_devices"]
     if n == 1:
