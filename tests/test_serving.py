@@ -925,3 +925,18 @@ def test_the_gpu_check_script_exists_and_is_bash():
     assert "--xla_gpu_enable_command_buffer=" in text
     out = subprocess.run(["bash", "-n", script], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
+
+
+def test_serve_one_entry_point_of_an_artifact(tmp_path):
+    x = np.ones((2, 4), np.float32)
+    double = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    plus = sm.hybridize(lambda p, x: x + p, jnp.float32(2))
+    art = sm.export({"double": double, "plus": plus}, tmp_path / "m", example=x)
+    proc, url = _start(art.path, "--entry", "plus")
+    try:
+        body = json.dumps({"inputs": x.tolist()}).encode()
+        status, _, body = _post(url, body, "application/json")
+        assert status == 200 and json.loads(body)["outputs"] == np.full((2, 4), 3.0).tolist()
+    finally:
+        code, _, err = _stop(proc)
+    assert code == 0, err

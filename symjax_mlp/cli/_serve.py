@@ -49,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default="sync",
         help="JAX's CPU dispatch: sync is the latency mode (calls run on the calling thread)",
     )
+    p.add_argument("--entry", help="the entry point to serve (default: the artifact's default)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     p.set_defaults(handler=run)
     return p
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         log_level=args.log_level,
+        entry=args.entry,
     )
     print("symjax-mlp serve: shut down cleanly", flush=True)
     return 0

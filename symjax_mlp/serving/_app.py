@@ -321,6 +321,7 @@ def serve(
     max_body_bytes: int = 64 * 2**20,
     log_level: str = "warning",
     ready: Callable[[str], None] | None = None,
+    entry: str | None = None,
 ) -> None:
     """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
 
@@ -339,6 +340,7 @@ def serve(
       max_body_bytes: larger request bodies are refused (413).
       log_level: uvicorn's log level.
       ready: called with the URL once the socket is bound.
+      entry: the entry point to serve (default: the artifact's default one).
 
     Raises:
       ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
@@ -348,6 +350,8 @@ def serve(
     import uvicorn
 
     model = load(artifact, runtime=runtime)
+    if entry is not None:
+        model = model[entry]
     batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue)
     try:
         app = create_app(batcher, max_body_bytes=max_body_bytes)
