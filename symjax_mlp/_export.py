@@ -72,6 +72,10 @@ def export(
         function and are written to ``params.safetensors``. A sharded Hybrid
         (``h.shard(mesh)``) exports its sharded program, for ``mesh.size`` devices. A stateful
         one exports one call with its current state; the state update is dropped (inference).
+        Or a dict of them, ``{"predict": h, "embed": h_embed}``: several entry points over one
+        ``params.safetensors`` (a param path shared by two must hold the same tensor), the
+        first the default; ``example``, ``kwargs``, ``shapes`` and ``constraints`` may then
+        be dicts keyed by every entry point's name, one value each.
       path: the artifact directory. Written atomically: a temporary sibling, manifest last,
         then renamed into place.
       example: an input array, or a tuple of input arrays; only shapes and dtypes are used.
