@@ -713,3 +713,30 @@ def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_p
     entry.write_bytes(b"\x00 not json")
     assert load_fresh().stdout.strip() == "loaded"
     assert json.loads(entry.read_text()) == report
+
+
+def test_a_checker_that_cannot_start_says_so_not_that_the_module_is_crafted(tmp_path):
+    """The checker child imports symjax_mlp and jax from the caller's sys.path; when it
+    cannot, the error says that (it used to blame the module)."""
+    net = sm.mlp((4, 2))
+    x = jnp.ones((2, 3))
+    art = sm.export(sm.hybridize(net, net.init(jax.random.key(0), x)), tmp_path / "m", example=x)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import symjax_mlp as sm
+        sys.path.insert(0, {str(tmp_path / "shadow")!r})  # a jax that cannot be imported
+        try:
+            sm.load({str(art.path)!r})
+        except sm.ArtifactError as e:
+            print(e)
+        """
+    )
+    (tmp_path / "shadow" / "jax").mkdir(parents=True)
+    (tmp_path / "shadow" / "jax" / "__init__.py").write_text("raise ImportError('no jax here')")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))  # no cached report
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    said = done.stdout
+    assert "the module checker" in said and "did not start" in said, done.stderr[-2000:]
+    assert "ImportError: no jax here" in said and "crafted" not in said

@@ -199,27 +199,51 @@ class Checker:
     first use (about a second: it imports JAX's MLIR bindings), restarted after a crash."""
 
     TIMEOUT = 10.0  # seconds one module may take to read and walk (a model's: milliseconds)
+    START_TIMEOUT = 120.0  # seconds the child may take to import JAX and say it is ready
 
     def __init__(self) -> None:
         self.proc: Any = None
+        self.log: Any = None
         self.lock = threading.Lock()
 
-    def _start(self) -> Any:
-        if self.proc is None or self.proc.poll() is not None:
-            code = f"from symjax_mlp._artifact.ops import serve; serve({os.getpid()})"
-            self.proc = subprocess.Popen(  # -I: nothing from the caller's cwd or environment
-                [sys.executable, "-I", "-c", code],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                cwd=tempfile.gettempdir(),
-            )
-        return self.proc
+    def _start(self, file: Path) -> Any:
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc
+        self.close()
+        # -I: nothing from the caller's cwd or environment; the modules this process imports
+        # are found where this process found them (absolute entries of its sys.path only:
+        # never a cwd, which may be the artifact's directory or a shared /tmp)
+        paths = [p for p in sys.path if os.path.isabs(p)]
+        code = (
+            f"import sys; sys.path[:] = {paths!r}; "
+            f"from symjax_mlp._artifact.ops import serve; serve({os.getpid()})"
+        )
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the child)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            cwd=tempfile.gettempdir(),
+        )
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.START_TIMEOUT)
+        if ready and self.proc.stdout.readline() == b"ready\n":
+            return self.proc
+        self.log.seek(0)
+        said = self.log.read()[-800:].decode("utf-8", "replace").strip().splitlines()
+        self.close()
+        raise ArtifactError(
+            f"{file}: the module checker, the child process that reads StableHLO for the "
+            f"loader, did not start ({said[-1] if said else 'it said nothing'}). It runs "
+            f"{sys.executable} -I with this process's sys.path and imports symjax_mlp and "
+            "jax from there: check that this Python can import both, or load with "
+            "trust=True an artifact you trust as you trust code you run."
+        )
 
     def report(self, data: bytes, *, file: Path) -> ModuleReport:
         with self.lock:
             for attempt in (0, 1):
-                proc = self._start()
+                proc = self._start(file)
                 try:
                     proc.stdin.write(len(data).to_bytes(8, "little") + data)
                     proc.stdin.flush()
@@ -262,6 +286,9 @@ class Checker:
                 proc.kill()
             proc.wait()
             proc.stdout.close()
+        log, self.log = self.log, None
+        if log is not None:
+            log.close()
 
 
 CHECKER = Checker()
@@ -278,7 +305,11 @@ def serve(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         return  # the parent died before the line above
+    import jax.extend.mlir  # noqa: F401  (what parse needs, imported before "ready")
+
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdout.write(b"ready\n")
+    stdout.flush()
     while True:
         head = stdin.read(8)
         if len(head) < 8:
