@@ -28,14 +28,7 @@ from symjax_mlp._errors import DivergenceError as DivergenceError
 from symjax_mlp._errors import RetraceError as RetraceError
 from symjax_mlp._errors import SignatureError as SignatureError
 from symjax_mlp._errors import SymjaxError as SymjaxError
-from symjax_mlp._export import export as export
-from symjax_mlp._hybrid.graph import Graph as Graph
-from symjax_mlp._hybrid.graph import stage as stage
-from symjax_mlp._hybrid.hybrid import Hybrid as Hybrid
-from symjax_mlp._hybrid.hybrid import hybridize as hybridize
-from symjax_mlp._hybrid.hybrid import shard as shard
 from symjax_mlp._hybrid.mesh import data_mesh as data_mesh
-from symjax_mlp._hybrid.trace import TraceEvent as TraceEvent
 from symjax_mlp._load import LoadedModel as LoadedModel
 from symjax_mlp._load import load as load
 from symjax_mlp._signing import sign as sign
@@ -47,7 +40,14 @@ from symjax_mlp._verify import verify as verify
 
 __version__ = _metadata.version("symjax_mlp")  # pyproject.toml is the one source
 
-if _TYPE_CHECKING:  # imported on first use, below: loading an artifact needs no flax
+if _TYPE_CHECKING:  # imported on first use, below: loading an artifact needs none of them
+    from symjax_mlp._export import export as export
+    from symjax_mlp._hybrid.graph import Graph as Graph
+    from symjax_mlp._hybrid.graph import stage as stage
+    from symjax_mlp._hybrid.hybrid import Hybrid as Hybrid
+    from symjax_mlp._hybrid.hybrid import hybridize as hybridize
+    from symjax_mlp._hybrid.hybrid import shard as shard
+    from symjax_mlp._hybrid.trace import TraceEvent as TraceEvent
     from symjax_mlp._models import ACTIVATIONS as ACTIVATIONS
     from symjax_mlp._models import Dense as Dense
     from symjax_mlp._models import HybridConcurrent as HybridConcurrent
@@ -55,6 +55,13 @@ if _TYPE_CHECKING:  # imported on first use, below: loading an artifact needs no
     from symjax_mlp._models import mlp as mlp
 
 _LAZY = {
+    "export": "symjax_mlp._export",
+    "Graph": "symjax_mlp._hybrid.graph",
+    "stage": "symjax_mlp._hybrid.graph",
+    "Hybrid": "symjax_mlp._hybrid.hybrid",
+    "hybridize": "symjax_mlp._hybrid.hybrid",
+    "shard": "symjax_mlp._hybrid.hybrid",
+    "TraceEvent": "symjax_mlp._hybrid.trace",
     "ACTIVATIONS": "symjax_mlp._models",
     "Dense": "symjax_mlp._models",
     "HybridConcurrent": "symjax_mlp._models",
@@ -68,8 +75,9 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    """The models (flax) and the sub-packages (optax, ...) load on first use, so that
-    ``import symjax_mlp; symjax_mlp.load(path)`` imports neither."""
+    """Hybrid, export, the models (flax) and the sub-packages (optax, ...) load on first
+    use, so that ``import symjax_mlp; symjax_mlp.load(path)`` imports none of them (a
+    fresh process that only loads starts faster)."""
     if name not in _LAZY:
         raise AttributeError(f"module 'symjax_mlp' has no attribute {name!r}")
     where = _LAZY[name]
