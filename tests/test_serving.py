@@ -70,6 +70,15 @@ def no_compiles():
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
+def _run_clients(client, n, *, timeout):
+    """Runs ``client(j)`` for j in 0..n-1, each on its own thread, and waits for them."""
+    threads = [threading.Thread(target=client, args=(j,)) for j in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def rows(n, features=512, seed=0):
     return np.random.default_rng(seed).standard_normal((n, features), np.float32)
 
@@ -358,11 +367,7 @@ def test_concurrent_clients_each_get_their_own_rows(chapter):
             except BaseException as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=client, args=(j,)) for j in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        _run_clients(client, 16, timeout=60)
         s = b.stats
     assert errors == []
     assert s.requests == s.completed == s.rows == 16 * 12
@@ -523,11 +528,7 @@ def test_lone_calls_submits_cancels_and_overloads_under_load_add_up(chapter):
                 except BaseException as e:
                     errors.append(e)
 
-        threads = [threading.Thread(target=client, args=(j,)) for j in range(12)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        _run_clients(client, 12, timeout=120)
     s = b.stats  # after close: everything queued has run or was dropped
     assert errors == []
     assert s.requests == s.completed + s.cancelled and s.failed == 0
