@@ -71,6 +71,23 @@ def test_state_moves_in_train_mode(case: Case):
         assert not np.allclose(np.asarray(first), np.asarray(second))
 
 
+@pytest.mark.parametrize("case", [c for c in ZOO if "dropout" in c.name], ids=lambda c: c.name)
+def test_a_hybrid_draws_the_same_bits_with_threefry_unrolled(case: Case):
+    """A Hybrid's programs lower threefry unrolled, with no ``while`` loop (JAX's CPU default
+    is a rolled loop); ``jax.jit`` of the very same function outside a Hybrid still lowers as
+    JAX does, and both draw the same masks."""
+    h = case.hybridize()
+    x = case.inputs(0)
+    before = h.variables
+    assert "stablehlo.while" not in h.lower(*x, **case.train).as_text()
+    assert " while(" not in h.compile(*x, **case.train).as_text()  # XLA's optimized HLO
+    plain = jax.jit(lambda variables, *a: h.fn(variables, *a, **case.train))
+    if jax.default_backend() == "cpu":
+        assert "stablehlo.while" in plain.lower(before, *x).as_text()
+        assert " while(" in plain.lower(before, *x).compile().as_text()
+    _assert_trees_close(h(*x, **case.train), plain(before, *x))
+
+
 def test_the_nnx_module_reads_back_with_its_state():
     case = next(c for c in ZOO if c.name == "nnx_batchnorm")
     h = case.hybridize()

@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 
 from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError, SignatureError
 from symjax_mlp._hybrid import mesh as _mesh
+from symjax_mlp._hybrid import rng as _rng
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.trace import (
     TRACER_ERRORS,
@@ -304,7 +305,7 @@ class Hybrid:
                 mesh=None,
                 n_shards=1,
                 _leaves=leaves,
-                _jitted=jax.jit(trace, static_argnums=0, donate_argnums=donated),
+                _jitted=self._jit(trace, static_argnums=0, donate_argnums=donated),
                 _fast=compiled and not self.static_argnums,
             )
             return
@@ -321,13 +322,22 @@ class Hybrid:
             n_shards=n,
             _batch_sharding=dat,
             _leaves=[_mesh.place(leaf, rep) for leaf in leaves],
-            _jitted=jax.jit(
+            _jitted=self._jit(
                 self._trace_sharded,
                 static_argnums=0,
                 in_shardings=(rep, dat, dat),
                 out_shardings=dat,
             ),
         )
+
+    def _jit(self, trace: Callable[..., Any], **options: Any) -> Any:
+        """``jax.jit`` of ``trace``, its module named ``jit_<name>_hybrid`` (see ``rng``)."""
+
+        def program(*args: Any, **kwargs: Any) -> Any:
+            return trace(*args, **kwargs)
+
+        program.__name__ = program.__qualname__ = _rng.program_name(self.name)
+        return jax.jit(program, **options)
 
     def _set(self, **fields: Any) -> None:
         for k, v in fields.items():
@@ -469,7 +479,7 @@ class Hybrid:
         )
         if self._apply is None:
             donated = (1,) if self.donate else ()
-            jitted = jax.jit(self._trace_apply, static_argnums=0, donate_argnums=donated)
+            jitted = self._jit(self._trace_apply, static_argnums=0, donate_argnums=donated)
             object.__setattr__(self, "_apply", jitted)
         state = self.state if state is None else state
         try:

@@ -6,19 +6,22 @@ timed, interleaved and synced per call, as
 
 - ``hybrid``: ``h(x, train=True)``, the state held by the Hybrid;
 - ``by hand``: one ``jax.jit`` of the same pure function, the state passed in and returned
-  by the caller: the floor a Hybrid's bookkeeping is measured against;
+  by the caller: the floor a Hybrid's bookkeeping is measured against. It is lowered as a
+  Hybrid's program is (threefry unrolled on CPU, see :mod:`symjax_mlp._hybrid.rng`), so the two
+  rows run the same executable;
 - ``compiled``: that function lowered and compiled once (``jax.jit(f).lower(...).compile()``)
   and the ``jax.stages.Compiled`` called directly, the state carried as by hand: what one call
   of the executable costs from Python, with no wrapper at all;
+- ``plain jit`` (models that draw with threefry): the same ``jax.jit`` as by hand, lowered as
+  JAX lowers it by default: on CPU, threefry as a rolled ``while`` loop, each step of which
+  costs XLA's CPU runtime tens of µs. What the unrolled lowering is worth;
 - ``nnx.jit`` (nnx only): flax's own transform of the stateful module.
 
 Every row of a model runs the very same model, rng implementation included. The nnx Dropout
 model is timed twice: with the keys ``nnx.Rngs`` makes by default (threefry) and with
-``jax.random.key(1, impl="unsafe_rbg")`` in every row. On CPU, JAX lowers threefry as a rolled
-``while`` loop, and each one (the ``fold_in`` of the stream's count, the mask's bits) costs the
-XLA CPU runtime tens of µs per call, more than the MLP's arithmetic; ``unsafe_rbg`` draws with
-XLA's ``RngBitGenerator`` and has no loop. The second model shows what that choice is worth; it
-is a setting of the user's model, not of the Hybrid, and changes the random stream.
+``jax.random.key(1, impl="unsafe_rbg")`` in every row, which draws with XLA's
+``RngBitGenerator`` and has no loop at all; it is a setting of the user's model, not of the
+Hybrid, and changes the random stream.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from symjax_mlp._hybrid.hybrid import hybridize
+from symjax_mlp._hybrid.rng import program_name
 from symjax_mlp.bench._timing import Progress, Timing, format_seconds, time_interleaved
 
 
@@ -44,12 +48,21 @@ def _carried(step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: ja
     return call
 
 
-def _by_hand_rows(step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: jax.Array):
-    compiled = jax.jit(step).lower(fixed, state, x).compile()
-    return {
-        "by hand": _carried(jax.jit(step), fixed, state, x),
-        "compiled": _carried(compiled, fixed, state, x),
+def _by_hand_rows(
+    step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: jax.Array, threefry: bool
+) -> dict[str, Callable[[], Any]]:
+    def program(*args: Any) -> tuple[Any, Any]:
+        return step(*args)
+
+    program.__name__ = program_name(step.__name__)  # lowered as a Hybrid's program is
+    jitted = jax.jit(program)
+    rows = {
+        "by hand": _carried(jitted, fixed, state, x),
+        "compiled": _carried(jitted.lower(fixed, state, x).compile(), fixed, state, x),
     }
+    if threefry:
+        rows["plain jit"] = _carried(jax.jit(step), fixed, state, x)
+    return rows
 
 
 def _linen_rows(x: jax.Array) -> dict[str, Any]:
@@ -73,7 +86,7 @@ def _linen_rows(x: jax.Array) -> dict[str, Any]:
         )
         return out, updates["batch_stats"]
 
-    hand = _by_hand_rows(step, params, variables["batch_stats"], x)
+    hand = _by_hand_rows(step, params, variables["batch_stats"], x, threefry=False)
     return {"hybrid": lambda: h(x, train=True), **hand}
 
 
@@ -101,7 +114,7 @@ def _nnx_rows(x: jax.Array, key_impl: str | None = None) -> dict[str, Any]:
         out = m(x)
         return out, nnx.split(m, nnx.Param, ...)[2]
 
-    hand = _by_hand_rows(step, params, rest, x)
+    hand = _by_hand_rows(step, params, rest, x, threefry=key_impl is None)
     module = model()
     stepped = nnx.jit(lambda m, x: m(x))
     return {"hybrid": lambda: h(x), **hand, "nnx.jit": lambda: stepped(module, x)}
@@ -127,7 +140,7 @@ def bench_stateful(
       >>> from symjax_mlp.bench import bench_stateful
       >>> rows = bench_stateful(calls=5, repeats=2, in_features=8)
       >>> sorted(rows["nnx Dropout"])
-      ['by hand', 'compiled', 'hybrid', 'nnx.jit']
+      ['by hand', 'compiled', 'hybrid', 'nnx.jit', 'plain jit']
     """
     x = jax.random.normal(jax.random.key(0), (1, in_features), jnp.float32)
     out = {}
