@@ -13,6 +13,7 @@ the artifact.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import os
 import threading
@@ -310,7 +311,7 @@ class _Opener:
 
         path, blobs, options = self.path, self.blobs, self.options
         exported = deserialize(path, view, blobs)  # both runtimes: the module that runs
-        guard = None
+        guard = report = None
         if not options["trust"]:
             report = _program(path, view, exported)
             if hasattr(self.backend, "check_program"):
@@ -320,8 +321,9 @@ class _Opener:
             digest = self.manifest["files"][file.name]["sha256"]
             guard = _guard(file, report, options["allowed"], digest)
         run, weights = self.backend.runner(
-            path, view, blobs, arrays, exported=exported, guard=guard
-        )
+            path, view, blobs, arrays, exported=exported, guard=guard,
+            custom_calls=None if report is None else report.custom_calls,
+        )  # fmt: skip
         if not self.weights:
             self.weights = weights  # on device for JAX: every entry point runs on these
             blobs.pop(PARAMS, None)  # the host copies are no longer needed
@@ -344,7 +346,7 @@ def _program(path: Path, manifest: Any, exported: Any) -> ops.ModuleReport:
     report = _REPORTS.pop(key, None)
     if report is None:
         report = ops.analyze(exported.mlir_module_serialized, file=file)
-        problems = list(report.problems)
+        problems, calls = list(report.problems), collections.Counter(report.custom_calls)
         module, order = exported, 0
         while module.has_vjp():  # jax.grad of the loaded model runs these modules
             order += 1
@@ -358,9 +360,10 @@ def _program(path: Path, manifest: Any, exported: Any) -> ops.ModuleReport:
                     f"{file}: its VJP module of order {order} cannot be read ({e})."
                 ) from e
             vjp = ops.analyze(module.mlir_module_serialized, file=file)
+            calls.update(vjp.custom_calls)
             problems += [ops.Problem(p.key, f"{p.what} (in its VJP of order {order})")
                          for p in vjp.problems]  # fmt: skip
-        report = ops.ModuleReport(report.counts, report.custom_calls, report.work, tuple(problems))
+        report = ops.ModuleReport(report.counts, dict(calls), report.work, tuple(problems))
     _REPORTS[key] = report
     while len(_REPORTS) > 32:
         _REPORTS.pop(next(iter(_REPORTS)))

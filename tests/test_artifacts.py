@@ -6,7 +6,9 @@ Every test is a round trip: export, then load (in this process) and call.
 from __future__ import annotations
 
 import datetime
+import io
 import json
+import re
 
 import chex
 import jax
@@ -168,10 +170,38 @@ def test_loading_imports_no_flax_optax_or_training(tmp_path):
         "m(np.ones((3, 5), np.float32))\n"
         "print(sorted({k.split('.')[0] for k in sys.modules} & {'flax', 'optax', 'chex'}))\n"
         "print(sorted(k for k in sys.modules if k.startswith('symjax_mlp.training')))\n"
+        "print('scipy.linalg' in sys.modules)\n"  # JAX's LAPACK set-up: skipped, none called
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["[]", "[]"]
+    assert done.stdout.split() == ["[]", "[]", "False"]
+
+
+def test_a_module_that_calls_lapack_still_gets_jax_lapack_set_up(tmp_path):
+    """The LAPACK set-up is skipped only for modules that call none of its kernels: a solve
+    (LAPACK kernels on CPU), allowed by name, loads and runs right in a fresh process."""
+    import subprocess
+    import sys
+
+    a = np.array([[4.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 2.0]], np.float32)
+    h = sm.hybridize(lambda p, x: jnp.linalg.solve(p, x.T).T, jnp.asarray(a))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 3)))
+    with pytest.raises(sm.ArtifactError, match="lapack") as refused:
+        sm.load(art.path)
+    allow = set(re.findall(r"custom_call:lapack_\w+", str(refused.value)))
+    others = set(re.findall(r"the op ([\w.]+)", str(refused.value)))
+    allow |= {o.removeprefix("stablehlo.") for o in others}
+    code = (
+        "import sys, numpy as np, symjax_mlp as sm\n"
+        f"m = sm.load({str(art.path)!r}, allow={sorted(allow)!r})\n"
+        "np.save(sys.stdout.buffer, np.asarray(m(np.eye(3, dtype=np.float32)[:2])))\n"
+        "print('scipy.linalg' in sys.modules, file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    got = np.load(io.BytesIO(done.stdout))
+    np.testing.assert_allclose(got, np.linalg.solve(a, np.eye(3)[:2].T).T, rtol=1e-5)
+    assert done.stderr.decode().split()[-1] == "True"  # the set-up ran: scipy's LAPACK
 
 
 def test_self_test_vectors_run_at_load_and_catch_a_changed_model(tmp_path):

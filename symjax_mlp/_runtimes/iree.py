@@ -176,10 +176,12 @@ def runner(
     *,
     exported: Any,
     guard: Callable[[Callable[[], Any], int, Any], None] | None = None,
+    custom_calls: Any = None,
 ) -> tuple[Callable[[list[Any]], list[np.ndarray]], dict[str, np.ndarray]]:
     """Compiles (or reuses) the ``.vmfb`` and returns ``run(inputs) -> [np.ndarray, ...]``
     and the weights. ``exported`` (checked to hold ``model.mlirbc``) is not run; IREE
-    compiles the dynamic module once, so ``guard`` (per-call refined shapes) does not apply."""
+    compiles the dynamic module once, so ``guard`` (per-call refined shapes) does not apply,
+    and ``custom_calls`` (checked by ``check_program``) is not needed."""
     _, ir = _modules()
     config = ir.Config(DRIVER)
     name = program_file(manifest, MLIRBC)

@@ -7,11 +7,18 @@ the params as a dict of device arrays keyed by param path (the module's own inpu
 them, so weights are bound by name). XLA compiles once per input shape, and a module loaded
 again in the same process (same sha256) reuses the compilations. An artifact exported for
 N > 1 devices runs under the caller's mesh of N devices, else a mesh of the first N.
+
+Before JAX lowers an exported CPU module it sets up its LAPACK kernels, which imports
+``scipy.linalg``: 0.25-0.4 s of a cold start, paid even by a module that calls none of them.
+When the op check shows that a module calls no LAPACK kernel, the set-up is skipped while this
+thread compiles it (:func:`_no_lapack`); every other lowering gets it as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +57,56 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
         )
 
 
+# -- JAX's LAPACK kernels, set up only for a module that calls them ---------------------------
+_LOCAL = threading.local()  # .no_lapack: this thread compiles a module that calls no LAPACK
+
+
+def _install_lapack_skip() -> frozenset[str] | None:
+    """Wraps JAX's LAPACK set-up so that it can be skipped; the kernels' custom-call targets.
+
+    ``None`` (nothing wrapped) where this JAX lacks the pieces: then every module gets the
+    set-up, as JAX does by default.
+    """
+    try:  # jax 0.10: _ensure_backends_initialized calls linalg.initialize_lapack by name
+        from jax._src.lax import linalg
+        from jax._src.lib import lapack
+
+        targets = frozenset(lapack._lapack.registrations())
+        set_up = linalg.initialize_lapack
+    except (ImportError, AttributeError):
+        return None
+    if getattr(set_up, "_symjax_mlp", False):
+        return targets
+
+    def initialize_lapack() -> None:
+        if not getattr(_LOCAL, "no_lapack", False):
+            set_up()
+
+    initialize_lapack._symjax_mlp = True  # type: ignore[attr-defined]
+    linalg.initialize_lapack = initialize_lapack
+    return targets
+
+
+_LAPACK_TARGETS = _install_lapack_skip()
+
+
+@contextlib.contextmanager
+def _no_lapack(custom_calls: Any):
+    """Skips JAX's LAPACK set-up in this thread if ``custom_calls`` (the module's custom-call
+    targets; ``None``: unknown) include none of its kernels."""
+    skip = (
+        custom_calls is not None
+        and _LAPACK_TARGETS is not None
+        and _LAPACK_TARGETS.isdisjoint(custom_calls)
+    )
+    before = getattr(_LOCAL, "no_lapack", False)
+    _LOCAL.no_lapack = skip
+    try:
+        yield
+    finally:
+        _LOCAL.no_lapack = before
+
+
 # sha256 of model.jaxexport -> (Exported, its jitted call), most recently loaded last.
 _CALLS: dict[str, tuple[Any, Callable[..., Any]]] = {}
 _MAX_CALLS = 8
@@ -86,12 +143,15 @@ def runner(
     *,
     exported: Any,
     guard: Callable[[Callable[[], Any], int, Any], None] | None = None,
+    custom_calls: Any = None,
 ) -> tuple[Callable[[list[Any]], list[Any]], dict[str, Any]]:
     """Returns ``run(inputs) -> [jax.Array, ...]`` and the weights it runs with (on device).
 
     ``guard(refine, n, shapes)``, unless None, is called once per new input signature
     (``shapes``; ``n``: the inputs' element count) before XLA compiles it, and may refuse it;
     ``refine()`` gives the StableHLO with every shape refined to the call's.
+    ``custom_calls``: the targets the module (and its VJPs) call, as the op check found them,
+    or ``None``; a module known to call no LAPACK kernel compiles without JAX's LAPACK set-up.
     """
     key = manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"]
     cached = _CALLS.pop(key, None)  # the same module loaded again: reuse its compilations
@@ -122,8 +182,11 @@ def runner(
     def call_checked(inputs: list[Any]) -> list[Any]:
         if guard is not None:
             key = tuple([(x.shape, x.dtype) for x in inputs])  # str(dtype) costs microseconds
-            if key not in checked:
-                check_new(inputs, key)
+            if key not in checked:  # the first call of this signature: it compiles
+                with _no_lapack(custom_calls):
+                    check_new(inputs, key)
+                    out = call(weights, *inputs)
+                return [out] if single else list(out)
         out = call(weights, *inputs)
         return [out] if single else list(out)
 

@@ -20,13 +20,13 @@ Example:
 from symjax_mlp._errors import OverloadError as OverloadError
 from symjax_mlp.serving._app import create_app as create_app
 from symjax_mlp.serving._app import serve as serve
-from symjax_mlp.serving._batcher import LATENCY_BUCKETS as LATENCY_BUCKETS
 from symjax_mlp.serving._batcher import Batcher as Batcher
-from symjax_mlp.serving._batcher import BatcherStats as BatcherStats
-from symjax_mlp.serving._batcher import RequestFuture as RequestFuture
-from symjax_mlp.serving._batcher import RequestTiming as RequestTiming
+from symjax_mlp.serving._futures import RequestFuture as RequestFuture
+from symjax_mlp.serving._futures import RequestTiming as RequestTiming
 from symjax_mlp.serving._latency import dispatch_mode as dispatch_mode
 from symjax_mlp.serving._latency import latency_mode as latency_mode
+from symjax_mlp.serving._stats import LATENCY_BUCKETS as LATENCY_BUCKETS
+from symjax_mlp.serving._stats import BatcherStats as BatcherStats
 
 __all__ = [
     "LATENCY_BUCKETS",

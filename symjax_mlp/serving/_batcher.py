@@ -30,14 +30,12 @@ from __future__ import annotations
 import bisect
 import collections
 import concurrent.futures
-import dataclasses
 import itertools
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures._base import (  # Future's states, which wait()/as_completed() read
+from concurrent.futures._base import (  # Future's states, set inline per request
     CANCELLED,
     CANCELLED_AND_NOTIFIED,
     FINISHED,
@@ -52,268 +50,11 @@ import numpy as np
 from symjax_mlp._errors import OverloadError, SignatureError
 from symjax_mlp._load import LoadedModel
 from symjax_mlp._specs import TensorSpec
+from symjax_mlp.serving._futures import GIL, RequestFuture
+from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats, Counters
 
-#: Upper bounds (seconds) of the request-latency histogram in :attr:`BatcherStats.latency`.
-LATENCY_BUCKETS = (
-    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
-    0.5, 1.0, 2.5,
-)  # fmt: skip
-_STAGES = ("queued", "padded", "compute", "split")
-_DONE = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
 _FOLD_EVERY = 4096  # batches counted before they are folded into the stats
-_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()  # False on a free-threaded build
 _clock = time.perf_counter
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestTiming:
-    """Where one request's time went, in seconds; the last three are its batch's.
-
-    Attributes:
-      queued: from the call (or ``submit``) to its batch starting.
-      padded: assembling the batch: stacking the requests, zero-filling the padding rows.
-      compute: the model call, results on the host (synced).
-      split: cutting the results into one per request.
-      rows: the request's rows.
-      batch_rows: the real rows of its batch (all its requests).
-      batch_requests: the requests merged into its batch.
-      bucket: the compiled batch size it ran at (``bucket - batch_rows`` padding rows).
-    """
-
-    queued: float
-    padded: float
-    compute: float
-    split: float
-    rows: int
-    batch_rows: int
-    batch_requests: int
-    bucket: int
-
-    @property
-    def total(self) -> float:
-        """Seconds from the call to the result."""
-        return self.queued + self.padded + self.compute + self.split
-
-
-class RequestFuture(concurrent.futures.Future):
-    """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.
-
-    It works wherever a ``concurrent.futures.Future`` does (done callbacks,
-    ``concurrent.futures.wait`` and ``as_completed``, ``asyncio.wrap_future``). The futures
-    of one batcher share one lock: the batcher settles a whole batch under one acquire, and
-    wakes only the callers blocked in ``result()`` or ``exception()`` on this future.
-
-    Attributes:
-      timing: the request's :class:`RequestTiming`, set before the result (``None`` until
-        then, and for a request cancelled or failed before it ran).
-    """
-
-    # The fields concurrent.futures.Future's methods read, as class defaults: a request sets
-    # only what changes. The request itself (inputs, rows, start time) rides on the future.
-    _state = PENDING
-    _result: Any = None
-    _exception: BaseException | None = None
-    _wake: threading.Condition | None = None  # made when a caller first blocks on it
-    _batch: tuple | None = None  # (t1, padded, compute, split, batch_rows, requests, bucket)
-    arrays: Sequence[Any] = ()
-    rows = 0
-    t0 = 0.0
-
-    def __init__(self, condition: threading.Condition | None = None) -> None:
-        # no super().__init__(): it would make a Condition (an RLock) per request
-        self._condition = threading.Condition() if condition is None else condition
-        self._waiters: list[Any] = []  # concurrent.futures.wait()'s
-        self._done_callbacks: list[Callable[[Any], Any]] = []
-
-    @property
-    def timing(self) -> RequestTiming | None:
-        """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
-        b = self._batch
-        if b is None:
-            return None
-        t1, padded, compute, split, batch_rows, requests, bucket = b
-        return RequestTiming(
-            t1 - self.t0, padded, compute, split, self.rows, batch_rows, requests, bucket
-        )
-
-    def _wait(self, timeout: float | None) -> str:
-        """Waits (at most ``timeout`` s) for a final state; returns the state."""
-        state = self._state
-        if _GIL and state in _DONE:  # settled: _result and _exception were set first
-            return state
-        with self._condition:
-            if self._state not in _DONE:
-                if self._wake is None:
-                    self._wake = threading.Condition(self._condition)
-                self._wake.wait_for(lambda: self._state in _DONE, timeout)
-            return self._state
-
-    def result(self, timeout: float | None = None) -> Any:
-        state = self._wait(timeout)
-        if state == FINISHED:
-            if self._exception is not None:
-                try:
-                    raise self._exception
-                finally:
-                    self = None  # as concurrent.futures does: no reference cycle
-            return self._result
-        if state in _DONE:
-            raise concurrent.futures.CancelledError()
-        raise TimeoutError()
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        state = self._wait(timeout)
-        if state == FINISHED:
-            return self._exception
-        if state in _DONE:
-            raise concurrent.futures.CancelledError()
-        raise TimeoutError()
-
-    def cancel(self) -> bool:
-        with self._condition:
-            if self._state in (RUNNING, FINISHED):
-                return False
-            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED):
-                return True
-            self._state = CANCELLED
-            if self._wake is not None:
-                self._wake.notify_all()
-        self._invoke_callbacks()
-        return True
-
-    def set_result(self, result: Any) -> None:
-        self._settle(result, None)
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        self._settle(None, exception)
-
-    def _settle(self, result: Any, exception: BaseException | None) -> None:
-        with self._condition:
-            if self._state in _DONE:
-                raise concurrent.futures.InvalidStateError(f"{self._state}: {self!r}")
-            _finish(self, result, exception)
-        self._invoke_callbacks()
-
-
-def _finish(f: RequestFuture, result: Any, exception: BaseException | None) -> None:
-    """Settles ``f`` (its lock is held); the caller then runs its done callbacks."""
-    f._result, f._exception, f._state = result, exception, FINISHED
-    if f._waiters:
-        for w in f._waiters:
-            if exception is None:
-                w.add_result(f)
-            else:
-                w.add_exception(f)
-    if f._wake is not None:
-        f._wake.notify_all()
-
-
-@dataclasses.dataclass(frozen=True)
-class BatcherStats:
-    """A snapshot of a :class:`Batcher`'s counters (see :attr:`Batcher.stats`).
-
-    Attributes:
-      requests: requests accepted (queued or run).
-      completed: requests that got their result.
-      failed: requests whose batch raised (each got the exception).
-      cancelled: requests cancelled before they ran (``future.cancel()``, ``close(cancel=True)``).
-      rejected: requests refused at submit: ``rejected_by`` says why (``"signature"``: wrong
-        inputs, ``"overload"``: queue full, ``"closed"``: after :meth:`Batcher.close`).
-      batches: model calls; ``batches_by_bucket`` counts them per compiled size.
-      rows: real rows computed; ``padded_rows`` the zero rows added to reach a bucket.
-      queue_depth: requests waiting now; ``busy``: whether a batch is running now.
-      seconds: per stage (``queued``, ``padded``, ``compute``, ``split``), the sum over
-        completed requests.
-      latency: ``(upper bound in seconds, completed requests at most that slow)`` per
-        :data:`LATENCY_BUCKETS` entry, cumulative, as a Prometheus histogram.
-      latency_sum: total seconds of the completed requests, call to result.
-    """
-
-    requests: int
-    completed: int
-    failed: int
-    cancelled: int
-    rejected: int
-    rejected_by: dict[str, int]
-    batches: int
-    batches_by_bucket: dict[int, int]
-    rows: int
-    padded_rows: int
-    queue_depth: int
-    busy: bool
-    seconds: dict[str, float]
-    latency: tuple[tuple[float, int], ...]
-    latency_sum: float
-
-    @property
-    def mean_batch_rows(self) -> float:
-        """Real rows per model call (0.0 before the first)."""
-        return self.rows / self.batches if self.batches else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "mean_batch_rows": self.mean_batch_rows}
-
-    def to_prometheus(self, prefix: str = "symjax_mlp_batcher") -> str:
-        """The counters in Prometheus' text exposition format (version 0.0.4).
-
-        Example:
-          >>> import jax.numpy as jnp
-          >>> import symjax_mlp as sm
-          >>> h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
-          >>> with sm.serving.Batcher(h, example=jnp.ones((1, 3)), max_batch=2) as b:
-          ...     _ = b(jnp.ones((1, 3)))
-          ...     text = b.stats.to_prometheus()
-          >>> [line for line in text.splitlines() if line.startswith("symjax_mlp_batcher_rows")]
-          ['symjax_mlp_batcher_rows_total 1']
-        """
-        p = prefix
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP {p}_{name} {help}", f"# TYPE {p}_{name} {kind}"])
-            lines.extend(f"{p}_{name}{labels} {_number(v)}" for labels, v in samples)
-
-        def counter(name: str, help: str, value: float) -> None:
-            metric(f"{name}_total", "counter", help, [("", value)])
-
-        counter("requests", "Requests accepted.", self.requests)
-        counter("completed", "Requests that got their result.", self.completed)
-        counter("failed", "Requests whose batch raised.", self.failed)
-        counter("cancelled", "Requests cancelled before they ran.", self.cancelled)
-        metric(
-            "rejected_total",
-            "counter",
-            "Requests refused at submit, by reason.",
-            [(f'{{reason="{k}"}}', v) for k, v in sorted(self.rejected_by.items())],
-        )
-        counter("batches", "Model calls.", self.batches)
-        metric(
-            "bucket_batches_total",
-            "counter",
-            "Model calls per compiled batch size.",
-            [(f'{{bucket="{k}"}}', v) for k, v in sorted(self.batches_by_bucket.items())],
-        )
-        counter("rows", "Real rows computed.", self.rows)
-        counter("padded_rows", "Zero rows added to reach a compiled batch size.", self.padded_rows)
-        metric("queue_depth", "gauge", "Requests waiting now.", [("", self.queue_depth)])
-        metric("busy", "gauge", "1 while a batch runs.", [("", int(self.busy))])
-        stage = [(f'_sum{{stage="{k}"}}', v) for k, v in self.seconds.items()]
-        stage += [(f'_count{{stage="{k}"}}', self.completed) for k in self.seconds]
-        metric(
-            "stage_seconds",
-            "summary",
-            "Seconds per stage of completed requests (batch stages counted per request).",
-            stage,
-        )
-        hist = [(f'_bucket{{le="{_number(le)}"}}', n) for le, n in self.latency]
-        hist += [('_bucket{le="+Inf"}', self.completed), ("_sum", self.latency_sum)]
-        hist += [("_count", self.completed)]
-        metric("request_seconds", "histogram", "Seconds from call to result.", hist)
-        return "\n".join(lines) + "\n"
-
-
-def _number(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
 
 
 class _Request:
@@ -325,50 +66,6 @@ class _Request:
         self.arrays, self.rows, self.t0, self.waiter = arrays, rows, t0, waiter
         self.result: Any = None
         self.error: BaseException | None = None
-
-
-class _Counters:
-    def __init__(self, buckets: Sequence[int]) -> None:
-        self.requests = self.completed = self.failed = self.cancelled = 0
-        self.alone = 0  # requests run on their callers' threads (the rest: in `requests`)
-        self.batches = self.rows = self.padded_rows = 0
-        self.rejected = dict.fromkeys(("signature", "overload", "closed"), 0)
-        self.by_bucket = dict.fromkeys(buckets, 0)
-        self.seconds = dict.fromkeys(_STAGES, 0.0)
-        self.latency = [0] * (len(LATENCY_BUCKETS) + 1)  # per bucket, the last: slower
-        self.latency_sum = 0.0
-        # One entry per batch run, appended by whoever runs it (a deque: no lock needed):
-        # (t0, t1, t2, t3, t4, rows, bucket), t0 the request's start (a float) or the list of
-        # its requests' starts; t1..t4: the batch's stages began and the split ended.
-        self.pending: collections.deque[tuple] = collections.deque()
-
-    def fold(self) -> None:
-        """Counts the batches in ``pending`` (the lane's lock is held)."""
-        pending, latencies = self.pending, []
-        s = self.seconds
-        while pending:
-            t0, t1, t2, t3, t4, rows, bucket = pending.popleft()
-            self.batches += 1
-            self.rows += rows
-            self.padded_rows += bucket - rows
-            self.by_bucket[bucket] += 1
-            if type(t0) is float:
-                k, total = 1, t4 - t0
-                latencies.append(total)
-            else:
-                ts = [t4 - t for t in t0]
-                k, total = len(ts), sum(ts)
-                latencies += ts
-            self.completed += k
-            self.latency_sum += total
-            s["queued"] += total - k * (t4 - t1)
-            s["padded"] += k * (t2 - t1)
-            s["compute"] += k * (t3 - t2)
-            s["split"] += k * (t4 - t3)
-        if latencies:
-            where = np.searchsorted(LATENCY_BUCKETS, latencies)  # as bisect_left: le=
-            for i, n in enumerate(np.bincount(where, minlength=len(self.latency)).tolist()):
-                self.latency[i] += n
 
 
 class _Lane:
@@ -392,7 +89,7 @@ class _Lane:
         # model until it appends it back; empty while the lane is busy.
         self.idle = [True]
         self.closing = False
-        self.n = _Counters(self.buckets)
+        self.n = Counters(self.buckets)
         self.to_host: Callable[[Any], Any] = _tree_to_host
         self.split: Callable[[Any, int, int], Any] = _tree_rows
         self.single = False  # one array out: the split is a list of row copies
@@ -549,7 +246,7 @@ class _Lane:
 
     def release(self) -> None:
         """Gives the token back, and wakes the thread if requests came meanwhile."""
-        if _GIL and len(self.n.pending) <= _FOLD_EVERY:
+        if GIL and len(self.n.pending) <= _FOLD_EVERY:
             # No lock: an enqueuer looks for the token under the lock after appending, so it
             # either sees it (and wakes the thread) or appended before we look at the queue.
             self.idle.append(True)

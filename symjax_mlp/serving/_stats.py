@@ -1,0 +1,174 @@
+"""A batcher's counters: the running tallies, and the snapshot a reader gets.
+
+Whoever runs a batch appends one tuple of timestamps to a deque (no lock); the tallies are
+folded from it, vectorized, only when the stats are read or every few thousand batches.
+:class:`BatcherStats` is the frozen snapshot, also as Prometheus text.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+#: Upper bounds (seconds) of the request-latency histogram in :attr:`BatcherStats.latency`.
+LATENCY_BUCKETS = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25,
+    0.5, 1.0, 2.5,
+)  # fmt: skip
+STAGES = ("queued", "padded", "compute", "split")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatcherStats:
+    """A snapshot of a :class:`Batcher`'s counters (see :attr:`Batcher.stats`).
+
+    Attributes:
+      requests: requests accepted (queued or run).
+      completed: requests that got their result.
+      failed: requests whose batch raised (each got the exception).
+      cancelled: requests cancelled before they ran (``future.cancel()``, ``close(cancel=True)``).
+      rejected: requests refused at submit: ``rejected_by`` says why (``"signature"``: wrong
+        inputs, ``"overload"``: queue full, ``"closed"``: after :meth:`Batcher.close`).
+      batches: model calls; ``batches_by_bucket`` counts them per compiled size.
+      rows: real rows computed; ``padded_rows`` the zero rows added to reach a bucket.
+      queue_depth: requests waiting now; ``busy``: whether a batch is running now.
+      seconds: per stage (``queued``, ``padded``, ``compute``, ``split``), the sum over
+        completed requests.
+      latency: ``(upper bound in seconds, completed requests at most that slow)`` per
+        :data:`LATENCY_BUCKETS` entry, cumulative, as a Prometheus histogram.
+      latency_sum: total seconds of the completed requests, call to result.
+    """
+
+    requests: int
+    completed: int
+    failed: int
+    cancelled: int
+    rejected: int
+    rejected_by: dict[str, int]
+    batches: int
+    batches_by_bucket: dict[int, int]
+    rows: int
+    padded_rows: int
+    queue_depth: int
+    busy: bool
+    seconds: dict[str, float]
+    latency: tuple[tuple[float, int], ...]
+    latency_sum: float
+
+    @property
+    def mean_batch_rows(self) -> float:
+        """Real rows per model call (0.0 before the first)."""
+        return self.rows / self.batches if self.batches else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "mean_batch_rows": self.mean_batch_rows}
+
+    def to_prometheus(self, prefix: str = "symjax_mlp_batcher") -> str:
+        """The counters in Prometheus' text exposition format (version 0.0.4).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import symjax_mlp as sm
+          >>> h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+          >>> with sm.serving.Batcher(h, example=jnp.ones((1, 3)), max_batch=2) as b:
+          ...     _ = b(jnp.ones((1, 3)))
+          ...     text = b.stats.to_prometheus()
+          >>> [line for line in text.splitlines() if line.startswith("symjax_mlp_batcher_rows")]
+          ['symjax_mlp_batcher_rows_total 1']
+        """
+        p = prefix
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP {p}_{name} {help}", f"# TYPE {p}_{name} {kind}"])
+            lines.extend(f"{p}_{name}{labels} {_number(v)}" for labels, v in samples)
+
+        def counter(name: str, help: str, value: float) -> None:
+            metric(f"{name}_total", "counter", help, [("", value)])
+
+        counter("requests", "Requests accepted.", self.requests)
+        counter("completed", "Requests that got their result.", self.completed)
+        counter("failed", "Requests whose batch raised.", self.failed)
+        counter("cancelled", "Requests cancelled before they ran.", self.cancelled)
+        metric(
+            "rejected_total",
+            "counter",
+            "Requests refused at submit, by reason.",
+            [(f'{{reason="{k}"}}', v) for k, v in sorted(self.rejected_by.items())],
+        )
+        counter("batches", "Model calls.", self.batches)
+        metric(
+            "bucket_batches_total",
+            "counter",
+            "Model calls per compiled batch size.",
+            [(f'{{bucket="{k}"}}', v) for k, v in sorted(self.batches_by_bucket.items())],
+        )
+        counter("rows", "Real rows computed.", self.rows)
+        counter("padded_rows", "Zero rows added to reach a compiled batch size.", self.padded_rows)
+        metric("queue_depth", "gauge", "Requests waiting now.", [("", self.queue_depth)])
+        metric("busy", "gauge", "1 while a batch runs.", [("", int(self.busy))])
+        stage = [(f'_sum{{stage="{k}"}}', v) for k, v in self.seconds.items()]
+        stage += [(f'_count{{stage="{k}"}}', self.completed) for k in self.seconds]
+        metric(
+            "stage_seconds",
+            "summary",
+            "Seconds per stage of completed requests (batch stages counted per request).",
+            stage,
+        )
+        hist = [(f'_bucket{{le="{_number(le)}"}}', n) for le, n in self.latency]
+        hist += [('_bucket{le="+Inf"}', self.completed), ("_sum", self.latency_sum)]
+        hist += [("_count", self.completed)]
+        metric("request_seconds", "histogram", "Seconds from call to result.", hist)
+        return "\n".join(lines) + "\n"
+
+
+def _number(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+class Counters:
+    def __init__(self, buckets: Sequence[int]) -> None:
+        self.requests = self.completed = self.failed = self.cancelled = 0
+        self.alone = 0  # requests run on their callers' threads (the rest: in `requests`)
+        self.batches = self.rows = self.padded_rows = 0
+        self.rejected = dict.fromkeys(("signature", "overload", "closed"), 0)
+        self.by_bucket = dict.fromkeys(buckets, 0)
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self.latency = [0] * (len(LATENCY_BUCKETS) + 1)  # per bucket, the last: slower
+        self.latency_sum = 0.0
+        # One entry per batch run, appended by whoever runs it (a deque: no lock needed):
+        # (t0, t1, t2, t3, t4, rows, bucket), t0 the request's start (a float) or the list of
+        # its requests' starts; t1..t4: the batch's stages began and the split ended.
+        self.pending: collections.deque[tuple] = collections.deque()
+
+    def fold(self) -> None:
+        """Counts the batches in ``pending`` (the lane's lock is held)."""
+        pending, latencies = self.pending, []
+        s = self.seconds
+        while pending:
+            t0, t1, t2, t3, t4, rows, bucket = pending.popleft()
+            self.batches += 1
+            self.rows += rows
+            self.padded_rows += bucket - rows
+            self.by_bucket[bucket] += 1
+            if type(t0) is float:
+                k, total = 1, t4 - t0
+                latencies.append(total)
+            else:
+                ts = [t4 - t for t in t0]
+                k, total = len(ts), sum(ts)
+                latencies += ts
+            self.completed += k
+            self.latency_sum += total
+            s["queued"] += total - k * (t4 - t1)
+            s["padded"] += k * (t2 - t1)
+            s["compute"] += k * (t3 - t2)
+            s["split"] += k * (t4 - t3)
+        if latencies:
+            where = np.searchsorted(LATENCY_BUCKETS, latencies)  # as bisect_left: le=
+            for i, n in enumerate(np.bincount(where, minlength=len(self.latency)).tolist()):
+                self.latency[i] += n
