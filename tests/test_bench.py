@@ -55,6 +55,11 @@ def test_every_timed_call_is_synced():
 
     bench.time_calls(Out, calls=3, repeats=5, warmup=2)
     assert len(synced) == 2 + 3 * 5  # warm-up calls and every timed call
+    synced.clear()
+    made = []
+    t = bench.time_calls(lambda: made.append(1) or Out(), calls=3, repeats=5, pipelined=True)
+    assert len(made) == 10 + 3 * 5 and len(synced) == 2 + 5  # one sync per loop: the last call
+    assert t.pipelined and t.to_dict()["pipelined"]
 
 
 def test_interleaved_order_and_inputs_per_call():
@@ -107,8 +112,13 @@ def test_report_rows_and_headline(report):
     assert set(report.targets) >= {
         "hybridized_vs_eager",
         "hybridized_over_floor",
+        "hybridized_over_floor_pipelined",
         "vmap_vs_single_calls",
     }
+    piped = report.extra["pipelined"]  # the JAX rows again, one sync per repeat
+    assert set(piped) == {"hybridized", "floor", "artifact_jax"} & {r.key for r in report.rows}
+    assert all(t["pipelined"] and t["calls"] == 4 for t in piped.values())
+    assert not report.row("hybridized").timing.pipelined
     for t in report.targets.values():
         assert set(t) == {"value", "target", "met", "what"} and isinstance(t["met"], bool)
 
@@ -120,6 +130,7 @@ def test_report_text_starts_with_the_chapter_lines(report):
     text = "\n".join(lines)
     assert "hybridized (h)" in text and "AOT floor" in text and "ran on: " in text
     assert "what it means: " in text and "matmul rate" in text
+    assert "pipelined, one sync per repeat" in text and "h's own Python costs" in text
 
 
 def test_report_json_round_trips(report):

@@ -1,7 +1,10 @@
 """The timer: synced, warmed-up, interleaved wall-clock timing, and where it ran.
 
 Every timed call ends in ``block_until_ready`` (JAX dispatches asynchronously; without it a
-loop times only the dispatch), every callable is warmed up first, and every figure is the min
+loop times only the dispatch): a *synced* call is what a request answered on its own costs.
+A *pipelined* timing (``pipelined=True``) syncs once, after the last call of a repeat, as the
+chapter's loop does: what a call costs when the next is dispatched while one runs. Every
+callable is warmed up first, and every figure is the min
 and the median over repeats. Callables that are compared to each other are timed
 *interleaved* (repeat 1 of each, then repeat 2 of each, ...), so that noise from other
 processes lands on all of them alike. :func:`time_stages` times tracing, lowering and
@@ -29,19 +32,22 @@ Progress = Callable[[str], None]
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Wall-clock seconds of ``repeats`` runs of ``calls`` calls each, every call synced.
+    """Wall-clock seconds of ``repeats`` runs of ``calls`` calls each, every call synced
+    (``pipelined``: one sync per repeat, after its last call).
 
     Attributes:
       name: what was timed.
       calls: calls per repeat.
       times: seconds of each repeat (``len(times)`` repeats).
       inputs_per_call: samples one call processes (1000 for a batched call of 1000).
+      pipelined: whether only the last call of a repeat was waited for.
     """
 
     name: str
     calls: int
     times: tuple[float, ...]
     inputs_per_call: int = 1
+    pipelined: bool = False
 
     @property
     def min(self) -> float:
@@ -89,6 +95,7 @@ class Timing:
             "per_call_min_s": self.per_call_min,
             "per_call_median_s": self.per_call_median,
             "spread": self.spread,
+            "pipelined": self.pipelined,
         }
 
 
@@ -100,11 +107,17 @@ def _sync_for(out: Any) -> Callable[[Any], Any]:
     return jax.block_until_ready  # pytrees; numpy and CPU tensors pass through
 
 
-def _loop(fn: Callable[[], Any], sync: Callable[[Any], Any], calls: int) -> float:
+def _loop(fn: Callable[[], Any], sync: Callable[[Any], Any], calls: int, pipelined: bool) -> float:
     clock = time.perf_counter
     t0 = clock()
-    for _ in range(calls):
-        sync(fn())
+    if pipelined:
+        out = None
+        for _ in range(calls):
+            out = fn()
+        sync(out)
+    else:
+        for _ in range(calls):
+            sync(fn())
     return clock() - t0
 
 
@@ -116,13 +129,16 @@ def time_interleaved(
     warmup: int = 10,
     syncs: Mapping[str, Callable[[Any], Any]] | None = None,
     inputs_per_call: Mapping[str, int] | None = None,
+    pipelined: bool = False,
     progress: Progress | None = None,
 ) -> dict[str, Timing]:
     """Times several zero-argument callables, their repeats interleaved.
 
     Each callable is warmed up (``warmup`` calls, at least one), then repeat ``r`` of every
     callable runs before repeat ``r + 1`` of any, so slow drifts in machine load hit every
-    row alike. Every timed call is followed by its sync (``block_until_ready`` by default).
+    row alike. Every timed call is followed by its sync (``block_until_ready`` by default);
+    with ``pipelined``, only the last call of each repeat (the others still run: JAX runs a
+    program's calls in order on its device).
 
     Args:
       fns: name -> callable; each call should do one unit of work and return its output.
@@ -131,6 +147,7 @@ def time_interleaved(
       warmup: untimed calls before timing.
       syncs: name -> ``sync(output)``, for outputs that need another wait (``torch.cuda``).
       inputs_per_call: name -> samples per call (default 1).
+      pipelined: sync once per repeat, not after every call.
       progress: called with a short status line before each callable's warm-up.
 
     Returns:
@@ -152,15 +169,17 @@ def time_interleaved(
         out = fn()
         sync_of[name] = (syncs or {}).get(name) or _sync_for(out)
         sync_of[name](out)
-        _loop(fn, sync_of[name], max(0, warmup - 1))
+        _loop(fn, sync_of[name], max(0, warmup - 1), pipelined)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(repeats):
         if progress:
             progress(f"timing {', '.join(fns)}: repeat {r + 1}/{repeats}")
         for name, fn in fns.items():
-            times[name].append(_loop(fn, sync_of[name], calls))
+            times[name].append(_loop(fn, sync_of[name], calls, pipelined))
     per = inputs_per_call or {}
-    return {name: Timing(name, calls, tuple(times[name]), per.get(name, 1)) for name in fns}
+    return {
+        name: Timing(name, calls, tuple(times[name]), per.get(name, 1), pipelined) for name in fns
+    }
 
 
 def time_calls(
@@ -187,7 +206,7 @@ def time_autoranged(
     sync = _sync_for(out)
     sync(out)
     calls = 1
-    while calls < max_calls and _loop(fn, sync, calls) < min_seconds:
+    while calls < max_calls and _loop(fn, sync, calls, False) < min_seconds:
         calls *= 2
     return time_calls(fn, name=name, calls=min(calls, max_calls), repeats=repeats, warmup=1)
 
