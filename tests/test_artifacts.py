@@ -130,6 +130,21 @@ def test_single_array_params_and_rng_key_inputs(tmp_path):
     )
 
 
+def test_an_entry_point_without_self_test_vectors_loads_with_the_self_test_on(tmp_path):
+    """An entry point that takes an rng key gets no vectors; it must not be checked against
+    the default entry point's (it was: a SignatureError on an honest export)."""
+    x = jnp.ones((2, 4))
+    scale = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    noise = sm.hybridize(lambda p, k: jax.random.normal(k, (2, 4)) * p, jnp.float32(2))
+    art = sm.export({"scale": scale, "noise": noise}, tmp_path / "m", batch=None,
+                    example={"scale": x, "noise": jax.random.key(0)})  # fmt: skip
+    assert "noise.selftest.safetensors" not in art.manifest["files"]
+    m = sm.load(art.path)  # self_test=True by default
+    key = jax.random.key(1)
+    chex.assert_trees_all_close(m["noise"](key), noise(key))
+    chex.assert_trees_all_close(m(x), 2 * x)
+
+
 def test_an_nnx_model_holding_a_dropout_rng_exports(tmp_path):
     case = next(c for c in ZOO if c.name == "nnx_dropout")
     h = case.hybridize()

@@ -12,11 +12,13 @@ one or a few mutations, runs ``sm.load(path)(x)`` and reports one JSON line. The
 - ``crash`` / ``hang``: the worker process died on a signal / a case ran past its timeout
   (set by the driver, which restarts the worker at the next case).
 
-Plain modules, never collected by pytest (``tests/test_fuzz.py`` drives them). Three targets,
+Plain modules, never collected by pytest (``tests/test_fuzz.py`` drives them). Four targets,
 each a ``make``, a ``Context`` and a ``run_case`` (:func:`fuzzing.worker.target`):
 
 - ``loader``: :mod:`fuzzing.cases` (the artifacts a run is built on, and what a worker knows
   of them) and :mod:`fuzzing.mutations` (how one case's files are mutated);
+- ``entries``: :mod:`fuzzing.entries`, the same on an artifact of two entry points, with
+  mutations of its ``entries`` and ``entry`` fields, and every entry point called;
 - ``hostile``: :mod:`fuzzing.hostile`, whole consistent artifacts a stranger could make (with
   :mod:`fuzzing.forge`: forged programs, re-signed so that every checksum matches), mutated
   cheaply; ``regressions/`` holds modules it found that crashed or hung StableHLO's reader;

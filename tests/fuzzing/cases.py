@@ -13,6 +13,7 @@ import pickle
 import random
 import shutil
 from pathlib import Path
+from typing import ClassVar
 
 MANIFEST, JAXEXPORT, MLIRBC, MLIR, PARAMS, SELFTEST = (
     "manifest.json",
@@ -30,24 +31,49 @@ DATA = FILES[1:]
 def make(out: Path) -> None:
     """Writes ``out/original`` (a tiny MLP), ``out/other`` (another export), ``out/x.npy``,
     the bait files an escape would read, and a pickle payload that would touch a marker."""
-    import jax
-    import numpy as np
-
     import symjax_mlp as sm
 
     out.mkdir(parents=True, exist_ok=True)
-    x = np.asarray(jax.random.normal(jax.random.key(7), (3, 3)), np.float32)
+    x = example()
+    for name, net, variables in mlps(x):
+        sm.export(sm.hybridize(net, variables), out / name, example=x, overwrite=True)
+    finish(out, out, x, FILES)
+
+
+def example():
+    """The input every case is called with: (3, 3) float32."""
+    import jax
+    import numpy as np
+
+    return np.asarray(jax.random.normal(jax.random.key(7), (3, 3)), np.float32)
+
+
+def mlps(x) -> list[tuple[str, object, dict]]:
+    """``(name, net, variables)`` of the original's MLP and of another export's."""
+    import jax
+
+    import symjax_mlp as sm
+
     # (3, 3, 2) on 3 features: two (3, 3) kernels and two (3,) biases, so that a swap of
     # same-shaped params passes every shape check and only the names can tell them apart.
+    made = []
     for name, act, seed in (("original", "tanh", 0), ("other", "relu", 1)):
         net = sm.mlp((3, 3, 2), activation=act)
-        h = sm.hybridize(net, net.init(jax.random.key(seed), x))
-        sm.export(h, out / name, example=x, overwrite=True)
-    np.save(out / "x.npy", x)
-    bait = out / "bait"
+        made.append((name, net, net.init(jax.random.key(seed), x)))
+    return made
+
+
+def finish(out: Path, base: Path, x, files: tuple[str, ...]) -> None:
+    """Writes what a target's originals in ``base`` need beside them: ``base/x.npy``, the bait
+    files an escape would read (``base/bait``), and ``out``'s pickle payload, which would touch
+    the marker ``out/PWNED``."""
+    import numpy as np
+
+    np.save(base / "x.npy", x)
+    bait = base / "bait"
     bait.mkdir(exist_ok=True)
-    for f in FILES:
-        shutil.copy(out / "original" / f, bait / f)
+    for f in files:
+        shutil.copy(base / "original" / f, bait / f)
     marker = out / "PWNED"
 
     class Payload:  # unpickling it would create the marker: loading must never unpickle
@@ -64,7 +90,15 @@ def case_rng(seed: int, case: int) -> random.Random:
 
 
 class Context:
-    """What a worker knows: the original artifact, its output, and the scratch directory."""
+    """What a worker knows: the original artifact, its output, and the scratch directory.
+
+    A target over other originals (:mod:`fuzzing.entries`) subclasses it: where ``make`` wrote
+    them (``ROOT``, under ``out``), their files, and what the oracle compares (``outputs``).
+    """
+
+    ROOT = ""  # the originals' directory, under out
+    FILES, DATA = FILES, DATA  # the original's files; all but the manifest
+    MODULES: ClassVar[dict[str, str]] = {JAXEXPORT: MLIRBC}  # each .jaxexport: its module's file
 
     def __init__(self, out: Path, work: Path):
         import numpy as np
@@ -72,19 +106,24 @@ class Context:
         import symjax_mlp as sm
 
         self.out, self.work = out.resolve(), work.resolve()
-        self.original = self.out / "original"
-        self.other = self.out / "other"
+        base = self.out / self.ROOT
+        self.original, self.other, self.bait = base / "original", base / "other", base / "bait"
         self.case = self.work / "case"
         self.marker = self.out / "PWNED"
-        self.x = np.load(self.out / "x.npy")
-        self.blobs = {f: (self.original / f).read_bytes() for f in FILES}
-        self.other_blobs = {f: (self.other / f).read_bytes() for f in FILES}
+        self.inputs = base / "x.npy"
+        self.x = np.load(self.inputs)
+        self.blobs = {f: (self.original / f).read_bytes() for f in self.FILES}
+        self.other_blobs = {f: (self.other / f).read_bytes() for f in self.FILES}
         self.manifest = json.loads(self.blobs[MANIFEST])
         self.reference = sm.load(self.original)
-        self.expected = host(self.reference(self.x))
+        self.expected = self.outputs(self.reference)
         self.work.mkdir(parents=True, exist_ok=True)
-        for f in FILES:  # bait for "../NAME" from the case directory
+        for f in self.FILES:  # bait for "../NAME" from the case directory
             (self.work / f).write_bytes(self.blobs[f])
+
+    def outputs(self, model):
+        """What the oracle compares: the output of a loaded model on the input."""
+        return host(model(self.x))
 
     def reset(self) -> None:
         if self.case.is_symlink() or self.case.is_file():
@@ -92,7 +131,7 @@ class Context:
         elif self.case.exists():
             shutil.rmtree(self.case)
         self.case.mkdir()
-        for f in FILES:
+        for f in self.FILES:
             (self.case / f).write_bytes(self.blobs[f])
 
     def expected_for_params(self, data: bytes):
@@ -117,7 +156,7 @@ class Context:
             node[leaf] = value
         import symjax_mlp as sm
 
-        return host(sm.load(self.original, params=tree)(self.x))
+        return self.outputs(sm.load(self.original, params=tree))
 
 
 def host(y):

@@ -5,14 +5,15 @@
 callbacks, LAPACK calls with result buffers smaller than their input, unknown custom calls,
 recursion, loops of 2**31 steps or of a data-dependent count, 10**10-element tensors, call
 explosions, outfeeds, shapes only the call resolves), the loops and LAPACK calls ``sm.export``
-writes unchecked, and benign programs (the exported MLP itself, and one that adds its output
-to itself). Each case copies one and applies a few cheap mutations, each re-signed:
+writes unchecked, benign programs (the exported MLP itself, and one that adds its output to
+itself), and an export of two entry points, a benign default and a second that calls LAPACK
+(:func:`two_entries`). Each case copies one and applies a few cheap mutations, each re-signed:
 
 - flipped, deleted or inserted bytes of the *module*, re-serialized into ``model.jaxexport``
-  and ``model.mlirbc`` alike, so the StableHLO bytecode reader and the op check see bytes no
-  exporter wrote;
+  and ``model.mlirbc`` alike (or into another entry point's two files), so the StableHLO
+  bytecode reader and the op check see bytes no exporter wrote;
 - fields of the ``jax.export`` flatbuffer (``uses_global_constants``, platforms, disabled
-  checks, effects, kept arguments);
+  checks, effects, kept arguments), of any entry point's;
 - crafted ``params.safetensors`` with a manifest that agrees (duplicate names, zero-size
   tensors of huge dims, overlapping or gapped offsets, unknown fields or dtypes, renamed and
   extra tensors);
@@ -23,7 +24,8 @@ The worker loads each case with the defaults and calls it directly and under its
 ``jax.jit`` with its own ``pure_callback`` (a forged callback once ran that function and
 replaced the answer). Outcomes as in :mod:`fuzzing`; a case is ``same`` only if it returns
 bit-for-bit what its benign program gives, ``executed`` if planted code ran or the caller's
-callback was called by anything but the caller.
+callback was called by anything but the caller; every other entry point (``m[name](x)``) must
+be refused (the case is then ``rejected``), or it is ``wrong``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from pathlib import Path
 from fuzzing import forge
 from fuzzing.cases import case_rng, host, same
 
-BENIGN = ("benign_base", "benign_symbolic")  # they load: their output is the oracle
+ENTRIES = "made_entries_linalg"  # a benign default, a hostile second entry point
+BENIGN = ("benign_base", "benign_symbolic", ENTRIES)  # their default's output is the oracle
 SPARSE_MB = (1, 16, 64)  # sizes of the large listed file (sparse: no disk)
 
 
@@ -61,7 +64,33 @@ def make(out: Path) -> None:
     forge.forge(symbolic, root / "forged_dynamic_huge", forge.dynamic_huge)
     for name, path in forge.hostile_exports(root).items():
         path.rename(root / f"made_{name}")
+    two_entries(root / ENTRIES)
     (root / "done").touch()
+
+
+def two_entries(path: Path) -> Path:
+    """A whole, consistent export of two entry points over one weight: a benign default
+    (``scale``) and ``solve``, which calls LAPACK (``jnp.linalg``, which ``jax.export``
+    allows). Loading opens the default only; ``m["solve"]`` is checked as the default is, and
+    refused."""
+    import jax.numpy as jnp
+
+    import symjax_mlp as sm
+
+    x, w = jnp.ones((2, 3), jnp.float32), {"w": jnp.float32(1.5)}
+    points = {
+        "scale": sm.hybridize(lambda p, x: x * p["w"], w),
+        "solve": sm.hybridize(lambda p, x: jnp.linalg.inv(x.T @ x + p["w"] * jnp.eye(3)), w),
+    }
+    return sm.export(points, path, example=x, batch=None, overwrite=True).path
+
+
+def _programs(art: Path) -> list[tuple[str, str]]:
+    """The ``(.jaxexport, .mlirbc)`` files of each entry point of an artifact, the default's
+    first."""
+    m = json.loads((art / forge.MANIFEST).read_text())
+    own = [e["program_files"] for e in m.get("entries", {}).values()]
+    return [(forge.JAXEXPORT, forge.MLIRBC)] + [(f[forge.JAXEXPORT], f[forge.MLIRBC]) for f in own]
 
 
 class Context:
@@ -81,9 +110,11 @@ class Context:
         self.x = np.load(self.root / "x.npy")
         self.bases = sorted(p.name for p in self.root.iterdir() if p.is_dir())
         self.expected = {b: host(sm.load(self.root / b)(self.x)) for b in BENIGN}
+        self.programs = {b: _programs(self.root / b) for b in self.bases}
         self.exported = {
-            b: jax.export.deserialize(bytearray((self.root / b / forge.JAXEXPORT).read_bytes()))
-            for b in self.bases
+            (b, f): jax.export.deserialize(bytearray((self.root / b / f).read_bytes()))
+            for b, files in self.programs.items()
+            for f, _ in files
         }
         self.weights = {}  # each base's params, read by safetensors' own reader
         for b in self.bases:
@@ -117,9 +148,17 @@ def _resign(ctx: Context, files: dict[str, bytes] | None = None, edit=None) -> N
     (ctx.case / forge.MANIFEST).write_text(json.dumps(m))
 
 
+def _program(rng: random.Random, ctx: Context, base: str) -> tuple[str, str]:
+    """The ``(.jaxexport, .mlirbc)`` of one of ``base``'s entry points (drawn if several)."""
+    programs = ctx.programs[base]
+    return programs[0] if len(programs) == 1 else rng.choice(programs)
+
+
 def _module_bytes(rng: random.Random, ctx: Context, base: str) -> str:
-    """Corrupts the module bytecode itself, in model.jaxexport and model.mlirbc alike."""
-    exported = ctx.exported[base]
+    """Corrupts the module bytecode itself, in model.jaxexport and model.mlirbc alike (or in
+    another entry point's two files)."""
+    jaxexport, mlirbc = _program(rng, ctx, base)
+    exported = ctx.exported[base, jaxexport]
     b = bytearray(exported.mlir_module_serialized)
     op = rng.choice(["flip", "flip", "flip", "delete", "insert", "truncate", "overwrite"])
     i = rng.randrange(len(b))
@@ -146,15 +185,16 @@ def _module_bytes(rng: random.Random, ctx: Context, base: str) -> str:
         what = f"overwrite {len(chunk)} at {i}"
     module = bytes(b)
     forged = dataclasses.replace(exported, mlir_module_serialized=module)
-    _resign(ctx, {forge.MLIRBC: module, forge.JAXEXPORT: bytes(forged.serialize())})
-    return f"module bytes, in both files: {what}"
+    _resign(ctx, {mlirbc: module, jaxexport: bytes(forged.serialize())})
+    return f"module bytes, in {jaxexport} and {mlirbc}: {what}"
 
 
 def _fields(rng: random.Random, ctx: Context, base: str) -> str:
     """Edits a field of the jax.export flatbuffer (and the manifest where it records it)."""
     import jax
 
-    exported = ctx.exported[base]
+    jaxexport, _ = _program(rng, ctx, base)
+    exported = ctx.exported[base, jaxexport]
     field = rng.choice(
         ["uses_global_constants", "platforms", "disabled_safety_checks", "module_kept_var_idx",
          "nr_devices", "calling_convention_version", "in_shardings_hlo"]
@@ -190,8 +230,8 @@ def _fields(rng: random.Random, ctx: Context, base: str) -> str:
         ):
             m[field] = list(value) if field == "platforms" else value
 
-    _resign(ctx, {forge.JAXEXPORT: data}, also)
-    return f"field {field} -> {value!r}"[:200]
+    _resign(ctx, {jaxexport: data}, also)
+    return f"{jaxexport}: field {field} -> {value!r}"[:200]
 
 
 def _header(tensors: dict, metadata: dict | None = None) -> bytes:
@@ -358,6 +398,13 @@ def run_case(ctx: Context, seed: int, case: int, *, started=None, verbose: bool 
             return m(y)
 
         inside = host(jax.jit(caller)(ctx.x))
+        ran, refused = [], {}  # the other entry points (ENTRIES'): hostile, so to be refused
+        for name in m.entries[1:]:
+            try:
+                m[name](ctx.x)
+                ran.append(name)
+            except sm.SymjaxError as e:
+                refused[name] = f"{type(e).__name__}: {e}"
     except sm.SymjaxError as e:
         outcome, detail = "rejected", f"{type(e).__name__}: {e}"
     except Exception as e:
@@ -367,8 +414,11 @@ def run_case(ctx: Context, seed: int, case: int, *, started=None, verbose: bool 
         expected = ctx.expected.get(spec["base"])  # None: a hostile program, which must fail
         if len(ctx.calls) != 1:
             outcome, detail = "executed", f"the caller's callback ran {len(ctx.calls)} times"
+        elif ran:
+            outcome, detail = "wrong", f"loaded {spec['base']} and its entry points {ran} ran"
         elif expected is not None and same(got, expected) and same(inside, expected):
-            outcome = "same"
+            outcome = "rejected" if refused else "same"  # the default ran its benign program
+            detail = "; ".join(f"m[{n!r}] refused: {why}" for n, why in refused.items())
         else:
             outcome, detail = "wrong", f"loaded {spec['base']} and got {got!r}"
     if ctx.marker.exists():

@@ -8,7 +8,8 @@ shapes up to 2**64, dtypes, versions, platforms, device counts, file names with 
 absolute paths, checksums, param names, code in strings). "Re-signed" cases change a file
 *and* its checksum in the manifest, so the bytes reach the deserializers: then the files must
 still agree with each other, and changed weights must be exactly what an independent
-safetensors reader sees.
+safetensors reader sees. (:mod:`fuzzing.entries` runs these on an artifact of two entry
+points, every file of both among the targets, with its own mutations of the entry points.)
 
 Every function draws only from the ``rng`` it is given, in a fixed order: a case is a pure
 function of its seed.
@@ -23,7 +24,7 @@ import random
 import shutil
 from pathlib import Path
 
-from fuzzing.cases import DATA, FILES, JAXEXPORT, MANIFEST, MLIRBC, PARAMS, Context
+from fuzzing.cases import MANIFEST, PARAMS, Context
 
 NASTY = (
     None, True, False, 0, -1, 1, 2, 7, 2**31, 2**40, 2**63, -(2**63), 2**64, 1.5,
@@ -82,7 +83,7 @@ def _bytes_op(rng: random.Random, data: bytes) -> tuple[str, bytes]:
 
 def _raw(rng: random.Random, ctx: Context) -> tuple[list[str], bool]:
     """One file changed on disk, manifest untouched (or the manifest's bytes themselves)."""
-    target = rng.choice([MANIFEST, MANIFEST, *DATA])
+    target = rng.choice([MANIFEST, MANIFEST, *ctx.DATA])
     file = ctx.case / target
     op = rng.choice(["bytes"] * 8 + ["swap", "other", "delete", "dir", "symlink", "fifo"])
     if op == "bytes":
@@ -90,7 +91,7 @@ def _raw(rng: random.Random, ctx: Context) -> tuple[list[str], bool]:
         file.write_bytes(data)
         return [f"{target}: {what}"], False
     if op == "swap":
-        second = rng.choice([f for f in FILES if f != target])
+        second = rng.choice([f for f in ctx.FILES if f != target])
         a, b = file.read_bytes(), (ctx.case / second).read_bytes()
         file.write_bytes(b)
         (ctx.case / second).write_bytes(a)
@@ -113,21 +114,22 @@ def _raw(rng: random.Random, ctx: Context) -> tuple[list[str], bool]:
         os.symlink("/dev/zero", file)
         return [f"{target}: symlink to /dev/zero"], False
     if dest == "inside":
-        os.symlink(rng.choice([f for f in FILES if f != target]), file)
+        os.symlink(rng.choice([f for f in ctx.FILES if f != target]), file)
         return [f"{target}: symlink to a sibling"], False
     # the same bytes, but outside the artifact: loading must refuse to follow it
-    os.symlink(f"../{target}" if dest == "outside" else ctx.out / "bait" / target, file)
+    os.symlink(f"../{target}" if dest == "outside" else ctx.bait / target, file)
     return [f"{target}: symlink out of the artifact ({dest})"], True
 
 
 def _resigned(rng: random.Random, ctx: Context) -> tuple[list[str], bool, bytes | None]:
     """A data file changed *and* its checksum updated in the manifest."""
-    target = rng.choice(DATA)
+    target = rng.choice(ctx.DATA)
     op = rng.choice(["bytes"] * 6 + ["other", "swap", "payload", "fields", "fields"])
     blob = ctx.blobs[target]
-    if op == "fields" and target == JAXEXPORT:  # the flatbuffer around the embedded module
-        start = blob.find(ctx.blobs[MLIRBC])
-        outside = [i for i in range(len(blob)) if not start <= i < start + len(ctx.blobs[MLIRBC])]
+    if op == "fields" and target in ctx.MODULES:  # the flatbuffer around the embedded module
+        module = ctx.blobs[ctx.MODULES[target]]
+        start = blob.find(module)
+        outside = [i for i in range(len(blob)) if not start <= i < start + len(module)]
         b = bytearray(blob)
         for i in rng.sample(outside, rng.choice([1, 1, 2, 4])):
             b[i] ^= 1 << rng.randrange(8)
@@ -137,7 +139,7 @@ def _resigned(rng: random.Random, ctx: Context) -> tuple[list[str], bool, bytes 
     elif op == "other":
         what, data = "from another export", ctx.other_blobs[target]
     elif op == "swap":
-        src = rng.choice([f for f in DATA if f != target])
+        src = rng.choice([f for f in ctx.DATA if f != target])
         what, data = f"holds {src}", ctx.blobs[src]
     else:
         what, data = "a pickle payload", (ctx.out / "payload.pkl").read_bytes()
@@ -239,7 +241,7 @@ def _platforms(rng, m, ctx):
 def _escape(rng, m, ctx):
     """Renames a listed file to a path outside the artifact where the same bytes wait."""
     name = rng.choice(list(m["files"]))
-    bait = ctx.out / "bait" / name
+    bait = ctx.bait / name
     new = rng.choice([
         f"../{name}", str(bait), f"../../{ctx.work.name}/{name}", f"./../{name}",
         f"{name}/../../{name}", "/" + name, "..", ".", "", f"sub/../{name}", f"{name}\x00",
@@ -256,10 +258,10 @@ def _escape(rng, m, ctx):
 
 def _extra_file(rng, m, ctx):
     """Lists one more file, outside the artifact, with its correct checksum."""
-    target = rng.choice(["/etc/hostname", "/etc/passwd", str(ctx.out / "x.npy"), "../x.npy"])
+    target = rng.choice(["/etc/hostname", "/etc/passwd", str(ctx.inputs), "../x.npy"])
     real = ctx.case / target if not target.startswith("/") else Path(target)
     if target == "../x.npy":
-        shutil.copy(ctx.out / "x.npy", ctx.work / "x.npy")
+        shutil.copy(ctx.inputs, ctx.work / "x.npy")
     try:
         data = real.read_bytes()
     except OSError:
@@ -357,12 +359,14 @@ MANIFEST_OPS = (
 )
 
 
-def _manifest(rng: random.Random, ctx: Context) -> tuple[list[str], bool]:
+def _manifest(rng: random.Random, ctx: Context, ops=MANIFEST_OPS) -> tuple[list[str], bool]:
+    """One to three of ``ops``, each ``(rng, manifest, ctx) -> (note, escapes)``, applied to
+    the manifest as data."""
     m = json.loads(ctx.blobs[MANIFEST])
     notes, escapes = [], False
     for _ in range(rng.choice([1, 1, 1, 2, 3])):
         try:
-            note, esc = rng.choice(MANIFEST_OPS)(rng, m, ctx)
+            note, esc = rng.choice(ops)(rng, m, ctx)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             note, esc = f"(skipped: an earlier edit removed what this one edits: {e!r})", False
         notes.append(note)
@@ -398,10 +402,17 @@ def _manifest_text(rng: random.Random, ctx: Context) -> tuple[list[str], bool]:
     return [f"manifest text: {op}"], False
 
 
-def mutate(rng: random.Random, ctx: Context) -> dict:
-    """Applies one case's mutations to ``ctx.case``; returns what the oracle needs."""
+FAMILIES = {"raw": 30, "resigned": 25, "manifest": 40, "text": 5}  # how often each is drawn
+
+
+def mutate(rng: random.Random, ctx: Context, families=FAMILIES, extra=None) -> dict:
+    """Applies one case's mutations to ``ctx.case``; returns what the oracle needs.
+
+    ``families`` weighs the families; ``extra`` maps those beyond these four to their function,
+    ``(rng, ctx) -> (notes, escapes)``.
+    """
     ctx.reset()
-    family = rng.choices(["raw", "resigned", "manifest", "text"], weights=[30, 25, 40, 5])[0]
+    family = rng.choices(list(families), weights=list(families.values()))[0]
     params = None
     if family == "raw":
         notes, escapes = _raw(rng, ctx)
@@ -409,6 +420,8 @@ def mutate(rng: random.Random, ctx: Context) -> dict:
         notes, escapes, params = _resigned(rng, ctx)
     elif family == "manifest":
         notes, escapes = _manifest(rng, ctx)
-    else:
+    elif family == "text":
         notes, escapes = _manifest_text(rng, ctx)
+    else:
+        notes, escapes = extra[family](rng, ctx)
     return {"family": family, "notes": notes, "escapes": escapes, "params": params}

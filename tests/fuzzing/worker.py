@@ -2,8 +2,8 @@
 
 ``python -m fuzzing.worker OUT SEED FIRST STOP [TARGET]`` (``tests`` on ``PYTHONPATH``; the
 driver, :mod:`fuzzing.driver`, starts it) runs cases ``FIRST`` to ``STOP - 1`` of ``TARGET``
-(:data:`TARGETS`: ``loader``, the default, ``hostile`` or ``checkpoint``) against what
-``make`` wrote in ``OUT``. Before loading each case it prints a ``start`` line,
+(:data:`TARGETS`: ``loader``, the default, ``entries``, ``hostile`` or ``checkpoint``)
+against what ``make`` wrote in ``OUT``. Before loading each case it prints a ``start`` line,
 so that a case that kills or hangs the interpreter is still attributed; after it, the result:
 the outcome (see :mod:`fuzzing`), what was mutated, the time and the peak memory. Result lines
 start with :data:`TAG` (libraries may print to stdout too). Its address space is limited to
@@ -31,39 +31,21 @@ OK = ("rejected", "same")
 MEMORY_LIMIT = 4 << 30  # address space per worker: an enormous allocation fails, visibly
 
 
-def run_case(ctx: Context, seed: int, case: int, *, started=None, verbose: bool = False) -> dict:
-    """Runs one case; returns its JSON-ready result (``started(info)`` runs before loading)."""
-    import symjax_mlp as sm
+def run_case(
+    ctx: Context, seed: int, case: int, *, started=None, verbose: bool = False,
+    mutate=mutate, check=None,
+) -> dict:  # fmt: skip
+    """Runs one case; returns its JSON-ready result (``started(info)`` runs before loading).
 
+    ``mutate(rng, ctx)`` mutates the case; ``check(ctx, spec, case) -> (outcome, detail)``
+    loads and judges it (default: :func:`check_loaded`).
+    """
     rng = case_rng(seed, case)
     t0 = time.perf_counter()
     spec = mutate(rng, ctx)
     if started is not None:
         started({"case": case, "family": spec["family"], "notes": spec["notes"]})
-    if spec["params"] is not None:
-        expected, nan_equal = ctx.expected_for_params(spec["params"]), True
-    else:
-        expected, nan_equal = ctx.expected, False
-    detail = ""
-    sabotage = _sabotage().get(case)
-    try:
-        where = ctx.original if sabotage else ctx.case  # sabotage: the driver's self-test
-        got = host(sm.load(where)(ctx.x))
-        if sabotage:
-            got = _sabotaged(sabotage, got)
-    except sm.SymjaxError as e:
-        outcome, detail = "rejected", f"{type(e).__name__}: {e}"
-    except Exception as e:
-        outcome = "foreign"
-        detail = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_tb(e.__traceback__)[-4:])
-    else:
-        if spec["escapes"]:
-            outcome = "escaped"
-        elif expected is not None and same(got, expected, nan_equal=nan_equal):
-            outcome = "same"
-        else:
-            outcome = "wrong"
-            detail = f"got {got!r}, expected {expected!r}"
+    outcome, detail = (check or check_loaded)(ctx, spec, case)
     if ctx.marker.exists():
         outcome, detail = "executed", f"{ctx.marker} appeared"
     if verbose:
@@ -77,6 +59,49 @@ def run_case(ctx: Context, seed: int, case: int, *, started=None, verbose: bool 
         "seconds": round(time.perf_counter() - t0, 4),
         "max_rss_mb": peak_rss_mb(),
     }
+
+
+def check_loaded(ctx: Context, spec: dict, case: int) -> tuple[str, str]:
+    """``sm.load(case)(x)``: refused, or the original's output (or, for re-signed weights, what
+    safetensors' own reader finds)."""
+    import symjax_mlp as sm
+
+    if spec["params"] is not None:
+        expected, nan_equal = ctx.expected_for_params(spec["params"]), True
+    else:
+        expected, nan_equal = ctx.expected, False
+    sabotage = _sabotage().get(case)
+
+    def call():  # sabotage (the driver's self-test) misbehaves on the original
+        got = host(sm.load(ctx.original if sabotage else ctx.case)(ctx.x))
+        return _sabotaged(sabotage, got) if sabotage else got
+
+    got, outcome, detail = attempt(call)
+    return (outcome, detail) if outcome else judge(got, expected, spec, nan_equal=nan_equal)
+
+
+def attempt(call) -> tuple[object, str, str]:
+    """``(call(), "", "")``, or ``(None, outcome, detail)`` if it raised: ``rejected`` for a
+    library error, ``foreign`` (with the traceback's end) for any other exception."""
+    import symjax_mlp as sm
+
+    try:
+        return call(), "", ""
+    except sm.SymjaxError as e:
+        return None, "rejected", f"{type(e).__name__}: {e}"
+    except Exception as e:
+        tb = "".join(traceback.format_tb(e.__traceback__)[-4:])
+        return None, "foreign", f"{type(e).__name__}: {e}\n{tb}"
+
+
+def judge(got, expected, spec: dict, *, nan_equal: bool = False) -> tuple[str, str]:
+    """What a case that loaded and ran did: ``escaped`` (its files reach outside),
+    ``same`` (bit-for-bit ``expected``; None: nothing may run) or ``wrong``."""
+    if spec["escapes"]:
+        return "escaped", ""
+    if expected is not None and same(got, expected, nan_equal=nan_equal):
+        return "same", ""
+    return "wrong", f"got {got!r}, expected {expected!r}"
 
 
 def _sabotage() -> dict[int, str]:
@@ -107,7 +132,7 @@ def peak_rss_mb() -> int:
 
 
 # -- the worker process ------------------------------------------------------------------------
-TARGETS = ("loader", "hostile", "checkpoint")  # what a run fuzzes (see fuzzing.driver)
+TARGETS = ("loader", "entries", "hostile", "checkpoint")  # what a run fuzzes (see fuzzing.driver)
 
 
 def target(name: str):
@@ -116,6 +141,10 @@ def target(name: str):
         from fuzzing.cases import make
 
         return make, Context, run_case
+    if name == "entries":
+        from fuzzing import entries
+
+        return entries.make, entries.Context, entries.run_case
     if name == "hostile":
         from fuzzing import hostile
 
