@@ -200,9 +200,14 @@ def _meaning(report: BenchReport) -> list[str]:
     piped = report.extra.get("pipelined") or {}
     if {"hybridized", "floor"} <= piped.keys():
         ph, pf = (piped[k]["per_call_min_s"] for k in ("hybridized", "floor"))
+        cost = (
+            f"h's own Python costs {_fmt_s(ph - pf)} a call"
+            if ph > pf
+            else "h was the faster of the two here: its own Python is within the noise"
+        )
         out[-1] += (
             f" Pipelined (one sync per repeat, no wait for each result) {_fmt_s(ph)} against "
-            f"{_fmt_s(pf)}: h's own Python costs {_fmt_s(max(ph - pf, 0))} a call."
+            f"{_fmt_s(pf)}: {cost}."
         )
     v = report.row("vmap")
     if v:
@@ -214,12 +219,13 @@ def _meaning(report: BenchReport) -> list[str]:
     pk = report.extra.get("peak")
     if pk:
         bound = pk["batched_flops"] / (pk["gflops"] * 1e9)
+        share = pk["batched_gflops"] / pk["gflops"]
+        verdict = "it is compute-bound" if share >= 0.7 else "below the best square matmul's rate"
         out.append(
-            f"As one batch it runs at {pk['batched_gflops']:.1f} GFLOP/s, "
-            f"{pk['batched_gflops'] / pk['gflops']:.0%} of this machine's measured matmul rate "
-            f"({pk['gflops']:.1f} GFLOP/s, best {pk['size']}² jnp.dot): it is compute-bound; at "
-            f"that rate {n} inputs take {_fmt_s(bound)}, {hyb * n / bound:.1f}x less than {n} "
-            "single calls here."
+            f"As one batch it runs at {pk['batched_gflops']:.1f} GFLOP/s, {share:.0%} of this "
+            f"machine's measured matmul rate ({pk['gflops']:.1f} GFLOP/s, best {pk['size']}² "
+            f"jnp.dot): {verdict}; at that rate {n} inputs take {_fmt_s(bound)}, "
+            f"{hyb * n / bound:.1f}x less than {n} single calls here."
         )
     return out
 
