@@ -28,6 +28,7 @@ STAGES = (
     "symjax_mlp._hybrid.dot",
     "symjax_mlp._hybrid.graph",
     "symjax_mlp._hybrid.rng",
+    "symjax_mlp._hybrid.pure",
     "symjax_mlp._hybrid.hybrid",
     "symjax_mlp._hybrid",
     "symjax_mlp._artifact.format",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -38,6 +38,15 @@ from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError, Sign
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import rng as _rng
 from symjax_mlp._hybrid.graph import Graph
+from symjax_mlp._hybrid.pure import (
+    PureModel,
+    linen,
+    nnx_module,
+    plain,
+    state_structure,
+    unwrap_keys,
+    wrap_keys,
+)
 from symjax_mlp._hybrid.trace import (
     TRACER_ERRORS,
     TraceEvent,
@@ -67,148 +76,6 @@ _STATE_STRUCTURE = (
     "collection). Create every variable when the model is built, or use the pure form, "
     "out, state = h.apply(h.params, x), which returns whatever state the call makes."
 )
-
-
-# -- how to call each kind of model purely -------------------------------------------------------
-_RNGS = "rngs"  # where a linen model's rng streams live in its state
-
-
-@dataclasses.dataclass(frozen=True)
-class _Model:
-    """A model as a pure function ``call(params, state, args, kwargs) -> (out, new_state)``.
-
-    ``params`` is what gradients are taken of and a call never changes; ``state`` is what a
-    call carries forward (a linen model's mutable collections and rng streams, an nnx
-    module's non-``Param`` variables); ``{}`` for a stateless model.
-    """
-
-    call: Callable[..., tuple[Any, Any]]
-    stateful: bool
-    kind: str = "plain"
-    module: Any = None
-
-    def inference(self, name: str) -> Callable[..., Any]:
-        """``f(variables, *args, **kwargs) -> out``, the state update dropped; ``variables``
-        is ``{"params": p, "state": s}`` for a stateful model, else the params."""
-
-        def model(variables: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self.stateful:
-                return self.call(variables, {}, args, kwargs)[0]
-            return self.call(variables["params"], variables["state"], args, kwargs)[0]
-
-        model.__name__ = name
-        return model
-
-
-def _plain(fn: Callable[..., Any]) -> _Model:
-    def call(params, state, args, kwargs):
-        return fn(params, *args, **kwargs), state
-
-    return _Model(call, stateful=False)
-
-
-def _linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
-    """``(_Model, params, state)`` for a linen module and its variables."""
-    if not isinstance(variables, Mapping):
-        raise ConfigError(
-            f"hybridize({type(model).__name__}, variables): variables must be the dict that "
-            f"{type(model).__name__}.init returns ({{'params': ...}}); got "
-            f"{type(variables).__name__}."
-        )
-    collections = list(variables)
-    if mutable is None:  # every collection but the params is state, as model.apply has it
-        mutable = tuple(c for c in collections if c != "params")
-    unknown = [c for c in mutable if c not in collections]
-    if unknown or _RNGS in collections:
-        raise ConfigError(
-            f"hybridize({type(model).__name__}, mutable={tuple(mutable)!r}): the variables "
-            f"hold the collections {collections}; name the mutable ones among them "
-            f"(and none may be called {_RNGS!r})."
-        )
-    mutable = tuple(mutable)
-    streams = _rng_streams(rngs)
-    params = {c: variables[c] for c in collections if c not in mutable}
-    state = {c: variables[c] for c in mutable}
-    if streams is not None:
-        state[_RNGS] = streams
-
-    def call(params, state, args, kwargs):
-        state = dict(state)
-        keys = None
-        if _RNGS in state:
-            pairs = {n: jax.random.split(k) for n, k in state[_RNGS].items()}
-            state[_RNGS] = {n: k[0] for n, k in pairs.items()}
-            keys = {n: k[1] for n, k in pairs.items()}
-        variables = {**params, **{c: state[c] for c in mutable}}
-        if not mutable:
-            return model.apply(variables, *args, rngs=keys, **kwargs), state
-        out, updates = model.apply(variables, *args, rngs=keys, mutable=list(mutable), **kwargs)
-        return out, {**state, **updates}
-
-    m = _Model(call, stateful=bool(state), kind="linen", module=model)
-    return m, params, state
-
-
-def _nnx(module: Any) -> tuple:
-    """``(_Model, params, state)`` for an nnx module: its Params, and everything else.
-
-    A call runs each submodule under ``jax.named_scope`` of its attribute path (``"dense"``,
-    ``"hidden/0"``), as linen does with its module names, so that :attr:`Graph.by_layer` and
-    the HLO's op names show the layers; the module is a fresh merge, private to the call.
-    """
-    from flax import nnx
-
-    from symjax_mlp._hybrid.jaxpr import layer_scopes
-
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-
-    def merge(params, state):
-        return nnx.merge(graphdef, params, state) if state else nnx.merge(graphdef, params)
-
-    def call(params, state, args, kwargs):
-        m = merge(params, state)
-        with layer_scopes(m):
-            out = m(*args, **kwargs)
-        return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]) if state else state
-
-    return _Model(call, stateful=bool(state), kind="nnx", module=merge), params, state
-
-
-def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:
-    if rngs is None:
-        return None
-    streams = dict(rngs) if isinstance(rngs, Mapping) else {"dropout": rngs}
-    for name, key in streams.items():
-        if isinstance(key, int) and not isinstance(key, bool):
-            streams[name] = jax.random.key(key)
-        elif not (hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
-            raise ConfigError(
-                f"hybridize(rngs=...): stream {name!r} is a {type(key).__name__}; pass a typed "
-                "key (jax.random.key(0)) or an int seed, or a dict {'dropout': key, ...}."
-            )
-    return streams
-
-
-def _is_key(leaf: Any) -> bool:
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _state_structure(state: Any) -> tuple[Any, tuple[str | None, ...]]:
-    """The state's treedef and, per leaf, its rng key impl (``None``: not a key)."""
-    leaves, treedef = jax.tree.flatten(state)
-    return treedef, tuple(jax.random.key_impl(leaf) if _is_key(leaf) else None for leaf in leaves)
-
-
-def _unwrap(leaves: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
-    pairs = zip(leaves, impls, strict=True)
-    return [leaf if i is None else jax.random.key_data(leaf) for leaf, i in pairs]
-
-
-def _wrap(raw: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
-    pairs = zip(raw, impls, strict=True)
-    return [r if i is None else jax.random.wrap_key_data(r, impl=i) for r, i in pairs]
 
 
 class Hybrid:
@@ -261,18 +128,18 @@ class Hybrid:
         static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (),
         donate: bool = False,
-        _model: _Model | None = None,
+        _model: PureModel | None = None,
         _state: Any = None,
     ) -> None:
         if max_traces is not None and (
             not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
         ):
             raise ConfigError(f"max_traces must be a positive int or None; got {max_traces!r}.")
-        model = _plain(fn) if _model is None else _model
+        model = plain(fn) if _model is None else _model
         name = name or getattr(fn, "__name__", type(fn).__name__)
         leaves, treedef = jax.tree.flatten(params)
         state = {} if _state is None else _state
-        state_def, key_impls = _state_structure(state)
+        state_def, key_impls = state_structure(state)
         settings = {
             "fn": fn if _model is None else model.inference(name),
             "name": name,
@@ -287,7 +154,7 @@ class Hybrid:
             "_model": model,
             "_given": params,
             "_treedef": treedef,
-            "_held": _unwrap(jax.tree.leaves(state), key_impls),
+            "_held": unwrap_keys(jax.tree.leaves(state), key_impls),
             "_state_def": state_def,
             "_key_impls": key_impls,
             "_state_tree": state,  # the tree of ``_held``, rebuilt on the first read after a call
@@ -360,7 +227,7 @@ class Hybrid:
         tree = self._state_tree
         if tree is None:
             with self._lock:  # not between a call and its _hold
-                tree = jax.tree.unflatten(self._state_def, _wrap(self._held, self._key_impls))
+                tree = jax.tree.unflatten(self._state_def, wrap_keys(self._held, self._key_impls))
                 object.__setattr__(self, "_state_tree", tree)
         return tree
 
@@ -612,7 +479,7 @@ class Hybrid:
     def _trace_stateful(
         self, static: Any, leaves: list[Any], held: list[Any], dyn: Any, dyn_kw: Any
     ) -> Any:
-        state = jax.tree.unflatten(self._state_def, _wrap(held, self._key_impls))
+        state = jax.tree.unflatten(self._state_def, wrap_keys(held, self._key_impls))
         out, new_state = self._run(static, leaves, state, dyn, dyn_kw, "call")
         return out, self._flatten_state(new_state)
 
@@ -621,12 +488,12 @@ class Hybrid:
 
     def _flatten_state(self, state: Any) -> list[Any]:
         """A call's new state as held: its leaves, keys as raw data; the same structure."""
-        state_def, key_impls = _state_structure(state)
+        state_def, key_impls = state_structure(state)
         if state_def != self._state_def or key_impls != self._key_impls:
             raise ConfigError(
                 _STATE_STRUCTURE.format(name=self.name, before=self._state_def, after=state_def)
             )
-        return _unwrap(jax.tree.leaves(state), key_impls)
+        return unwrap_keys(jax.tree.leaves(state), key_impls)
 
     def _hold(self, held: list[Any]) -> None:
         if held and isinstance(held[0], jax.core.Tracer):
@@ -743,14 +610,14 @@ def hybridize(
                 "hybridize(nnx_module) takes no params, mutable or rngs: the module carries its "
                 "own state (nnx.Rngs, nnx.BatchStat, ...). Write hybridize(module)."
             )
-        m, params, state = _nnx(model)
+        m, params, state = nnx_module(model)
     elif kind == "linen":
         if params is None:
             raise ConfigError(
                 f"hybridize({type(model).__name__}) needs its variables: write "
                 "hybridize(module, module.init(jax.random.key(0), x))."
             )
-        m, linen_params, state = _linen(model, params, mutable, rngs)
+        m, linen_params, state = linen(model, params, mutable, rngs)
         params = params if not state else linen_params  # stateless: the very dict given
     elif mutable is not None or rngs is not None:
         raise ConfigError(
@@ -777,10 +644,10 @@ def _flax_kind(model: Any) -> str | None:
     """``"nnx"``, ``"linen"`` or ``None``, without importing flax when the caller has not."""
     import sys
 
-    nnx, linen = sys.modules.get("flax.nnx"), sys.modules.get("flax.linen")
-    if nnx is not None and isinstance(model, nnx.Module):
+    flax_nnx, flax_linen = sys.modules.get("flax.nnx"), sys.modules.get("flax.linen")
+    if flax_nnx is not None and isinstance(model, flax_nnx.Module):
         return "nnx"
-    if linen is not None and isinstance(model, linen.Module):
+    if flax_linen is not None and isinstance(model, flax_linen.Module):
         return "linen"
     return None
 

@@ -1,0 +1,158 @@
+"""How to call each kind of model purely: ``call(params, state, args, kwargs) -> (out, state)``.
+
+A :class:`~symjax_mlp.Hybrid` holds one :class:`PureModel`: a plain function of its params
+(:func:`plain`), a linen module and its variables (:func:`linen`: the mutable collections and
+rng streams are the state) or an nnx module (:func:`nnx_module`: its ``Param`` values are the
+params, every other variable the state). The state is held flat, typed rng keys as their raw
+``key_data`` (:func:`state_structure`, :func:`unwrap_keys`, :func:`wrap_keys`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from symjax_mlp._errors import ConfigError
+
+_RNGS = "rngs"  # where a linen model's rng streams live in its state
+
+
+@dataclasses.dataclass(frozen=True)
+class PureModel:
+    """A model as a pure function ``call(params, state, args, kwargs) -> (out, new_state)``.
+
+    ``params`` is what gradients are taken of and a call never changes; ``state`` is what a
+    call carries forward (a linen model's mutable collections and rng streams, an nnx
+    module's non-``Param`` variables); ``{}`` for a stateless model.
+    """
+
+    call: Callable[..., tuple[Any, Any]]
+    stateful: bool
+    kind: str = "plain"
+    module: Any = None
+
+    def inference(self, name: str) -> Callable[..., Any]:
+        """``f(variables, *args, **kwargs) -> out``, the state update dropped; ``variables``
+        is ``{"params": p, "state": s}`` for a stateful model, else the params."""
+
+        def model(variables: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.stateful:
+                return self.call(variables, {}, args, kwargs)[0]
+            return self.call(variables["params"], variables["state"], args, kwargs)[0]
+
+        model.__name__ = name
+        return model
+
+
+def plain(fn: Callable[..., Any]) -> PureModel:
+    def call(params, state, args, kwargs):
+        return fn(params, *args, **kwargs), state
+
+    return PureModel(call, stateful=False)
+
+
+def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
+    """``(PureModel, params, state)`` for a linen module and its variables."""
+    if not isinstance(variables, Mapping):
+        raise ConfigError(
+            f"hybridize({type(model).__name__}, variables): variables must be the dict that "
+            f"{type(model).__name__}.init returns ({{'params': ...}}); got "
+            f"{type(variables).__name__}."
+        )
+    collections = list(variables)
+    if mutable is None:  # every collection but the params is state, as model.apply has it
+        mutable = tuple(c for c in collections if c != "params")
+    unknown = [c for c in mutable if c not in collections]
+    if unknown or _RNGS in collections:
+        raise ConfigError(
+            f"hybridize({type(model).__name__}, mutable={tuple(mutable)!r}): the variables "
+            f"hold the collections {collections}; name the mutable ones among them "
+            f"(and none may be called {_RNGS!r})."
+        )
+    mutable = tuple(mutable)
+    streams = _rng_streams(rngs)
+    params = {c: variables[c] for c in collections if c not in mutable}
+    state = {c: variables[c] for c in mutable}
+    if streams is not None:
+        state[_RNGS] = streams
+
+    def call(params, state, args, kwargs):
+        state = dict(state)
+        keys = None
+        if _RNGS in state:
+            pairs = {n: jax.random.split(k) for n, k in state[_RNGS].items()}
+            state[_RNGS] = {n: k[0] for n, k in pairs.items()}
+            keys = {n: k[1] for n, k in pairs.items()}
+        variables = {**params, **{c: state[c] for c in mutable}}
+        if not mutable:
+            return model.apply(variables, *args, rngs=keys, **kwargs), state
+        out, updates = model.apply(variables, *args, rngs=keys, mutable=list(mutable), **kwargs)
+        return out, {**state, **updates}
+
+    m = PureModel(call, stateful=bool(state), kind="linen", module=model)
+    return m, params, state
+
+
+def nnx_module(module: Any) -> tuple:
+    """``(PureModel, params, state)`` for an nnx module: its Params, and everything else.
+
+    A call runs each submodule under ``jax.named_scope`` of its attribute path (``"dense"``,
+    ``"hidden/0"``), as linen does with its module names, so that :attr:`Graph.by_layer` and
+    the HLO's op names show the layers; the module is a fresh merge, private to the call.
+    """
+    from flax import nnx
+
+    from symjax_mlp._hybrid.jaxpr import layer_scopes
+
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+    def merge(params, state):
+        return nnx.merge(graphdef, params, state) if state else nnx.merge(graphdef, params)
+
+    def call(params, state, args, kwargs):
+        m = merge(params, state)
+        with layer_scopes(m):
+            out = m(*args, **kwargs)
+        return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]) if state else state
+
+    return PureModel(call, stateful=bool(state), kind="nnx", module=merge), params, state
+
+
+def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:
+    if rngs is None:
+        return None
+    streams = dict(rngs) if isinstance(rngs, Mapping) else {"dropout": rngs}
+    for name, key in streams.items():
+        if isinstance(key, int) and not isinstance(key, bool):
+            streams[name] = jax.random.key(key)
+        elif not (hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
+            raise ConfigError(
+                f"hybridize(rngs=...): stream {name!r} is a {type(key).__name__}; pass a typed "
+                "key (jax.random.key(0)) or an int seed, or a dict {'dropout': key, ...}."
+            )
+    return streams
+
+
+def _is_key(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def state_structure(state: Any) -> tuple[Any, tuple[str | None, ...]]:
+    """The state's treedef and, per leaf, its rng key impl (``None``: not a key)."""
+    leaves, treedef = jax.tree.flatten(state)
+    return treedef, tuple(jax.random.key_impl(leaf) if _is_key(leaf) else None for leaf in leaves)
+
+
+def unwrap_keys(leaves: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
+    pairs = zip(leaves, impls, strict=True)
+    return [leaf if i is None else jax.random.key_data(leaf) for leaf, i in pairs]
+
+
+def wrap_keys(raw: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
+    pairs = zip(raw, impls, strict=True)
+    return [r if i is None else jax.random.wrap_key_data(r, impl=i) for r, i in pairs]
