@@ -678,6 +678,28 @@ def test_latency_mode_in_a_fresh_process():
     assert out.stdout.split() == ["async", "sync"]
 
 
+@pytest.mark.parametrize("given", [None, "--xla_cpu_multi_thread_eigen=true"])
+def test_latency_mode_makes_xla_cpu_matmuls_single_threaded_unless_told(given):
+    """In a fresh process: XLA_FLAGS gains the flag before the backend starts (XLA reads it
+    then), a value the user set is kept, and the model still runs and agrees."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if given:
+        env["XLA_FLAGS"] = given
+    code = (
+        "import os, numpy as np, symjax_mlp as sm\n"
+        "sm.serving.latency_mode()\n"
+        "from symjax_mlp.chapter import chapter_mlp\n"
+        "h, x = chapter_mlp()\n"
+        "np.testing.assert_allclose(h(x), h.eager(x), rtol=1e-5, atol=1e-6)\n"
+        "print(os.environ['XLA_FLAGS'])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [given or "--xla_cpu_multi_thread_eigen=false"]
+
+
 # -- the HTTP server --------------------------------------------------------------------------
 def _start(path, *extra):
     cmd = [sys.executable, "-m", "symjax_mlp", "serve", str(path), "--host", "127.0.0.1"]

@@ -6,8 +6,14 @@ that thread. For throughput that overlaps Python with compute. For one request a
 is a thread hand-off per call, often more than the small program itself. The switch
 (``jax_cpu_enable_async_dispatch``) is read once, when JAX starts its CPU backend, so it must
 be set before the first computation; :func:`latency_mode` sets it, and refuses when it is too
-late rather than silently doing nothing. The library never sets it by itself: only you, or
-the ``symjax-mlp serve`` and ``symjax-mlp bench --serving`` entry points, do.
+late rather than silently doing nothing. It also makes XLA's CPU matmuls single-threaded
+(``--xla_cpu_multi_thread_eigen=false`` in ``XLA_FLAGS``, also read when the backend starts):
+handing a batch-1 matvec to Eigen's thread pool and waiting for it costs more than the second
+core gains, and a call then runs on its caller's thread from start to finish, as PyTorch's
+fastest per-request mode (one thread) does. Measured on the chapter MLP, 2-core CPU, synced
+batch-1 calls: p50 about 15% lower, p10 about 25% lower; batch 64 no slower. The library
+never sets either by itself: only you, or the ``symjax-mlp serve`` and ``symjax-mlp bench
+--serving`` entry points, do.
 
 What else sits on a batch-1 call's path (measured by ``symjax-mlp bench --serving``):
 the Python wrapper (a :class:`~symjax_mlp.Hybrid` sorts static from traced arguments, a
@@ -19,9 +25,12 @@ On a GPU the flag changes nothing: kernels are always queued on a stream.
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 _FLAG = "jax_cpu_enable_async_dispatch"
+_EIGEN = "--xla_cpu_multi_thread_eigen"  # XLA_FLAGS; a value the user set there is kept
 
 
 def _backend_started() -> bool | None:
@@ -52,14 +61,17 @@ def latency_mode() -> None:
     """Runs JAX's CPU calls inline, on the calling thread: per-request latency, not throughput.
 
     Sets ``jax_cpu_enable_async_dispatch=False``, which JAX reads once, when its CPU backend
-    starts. Call it first thing, before any JAX computation (creating an array counts)::
+    starts, and adds ``--xla_cpu_multi_thread_eigen=false`` to ``XLA_FLAGS`` (read then too;
+    subprocesses inherit it) unless ``XLA_FLAGS`` already sets it. Call it first thing,
+    before any JAX computation (creating an array counts)::
 
         import symjax_mlp as sm
         sm.serving.latency_mode()   # before the first jnp.ones, sm.load, h(x), ...
 
-    Equivalently: ``jax.config.update("jax_cpu_enable_async_dispatch", False)`` at the same
-    point. ``symjax-mlp serve`` does this for you (``--dispatch async`` opts out). A call that
-    finds the mode already in force is a no-op.
+    Equivalently: ``jax.config.update("jax_cpu_enable_async_dispatch", False)`` and
+    ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`` at the same point. ``symjax-mlp serve``
+    does this for you (``--dispatch async`` opts out). A call that finds the mode already in
+    force is a no-op.
 
     Raises:
       RuntimeError: JAX's backend already started with asynchronous dispatch; the setting
@@ -75,9 +87,9 @@ def latency_mode() -> None:
       ...     print("too late:", "before any JAX computation" in str(e))
       too late: True
     """
-    if not jax.config.read(_FLAG):
-        return  # already synchronous: set before the backend started
     if _backend_started():
+        if not jax.config.read(_FLAG):
+            return  # already synchronous: set before the backend started
         raise RuntimeError(
             "latency_mode(): JAX's backend has already started with asynchronous CPU dispatch, "
             "and jax_cpu_enable_async_dispatch is read only at that start, so setting it now "
@@ -85,3 +97,6 @@ def latency_mode() -> None:
             "(at the top of the program), or run the latency-sensitive code in a fresh process."
         )
     jax.config.update(_FLAG, False)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _EIGEN not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_EIGEN}=false".strip()
