@@ -661,43 +661,29 @@ def test_latency_mode_refuses_once_jax_has_started():
     assert sm.serving.dispatch_mode() == "async"
 
 
-def test_latency_mode_in_a_fresh_process():
-    code = (
-        "import symjax_mlp as sm, jax.numpy as jnp\n"
-        "from symjax_mlp.chapter import chapter_mlp\n"
-        "before = sm.serving.dispatch_mode()\n"
-        "sm.serving.latency_mode()\n"
-        "h, x = chapter_mlp()\n"
-        "h(x).block_until_ready()\n"
-        "sm.serving.latency_mode()  # in force already: a no-op\n"
-        "print(before, sm.serving.dispatch_mode())\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.split() == ["async", "sync"]
-
-
 @pytest.mark.parametrize("given", [None, "--xla_cpu_multi_thread_eigen=true"])
-def test_latency_mode_makes_xla_cpu_matmuls_single_threaded_unless_told(given):
-    """In a fresh process: XLA_FLAGS gains the flag before the backend starts (XLA reads it
-    then), a value the user set is kept, and the model still runs and agrees."""
+def test_latency_mode_in_a_fresh_process(given):
+    """Dispatch turns synchronous, and XLA_FLAGS gains the single-threaded-matmul flag before
+    the backend starts (XLA reads it then), unless the user set it; the model agrees."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if given:
         env["XLA_FLAGS"] = given
     code = (
         "import os, numpy as np, symjax_mlp as sm\n"
-        "sm.serving.latency_mode()\n"
         "from symjax_mlp.chapter import chapter_mlp\n"
+        "before = sm.serving.dispatch_mode()\n"
+        "sm.serving.latency_mode()\n"
         "h, x = chapter_mlp()\n"
         "np.testing.assert_allclose(h(x), h.eager(x), rtol=1e-5, atol=1e-6)\n"
-        "print(os.environ['XLA_FLAGS'])\n"
+        "sm.serving.latency_mode()  # in force already: a no-op\n"
+        "print(before, sm.serving.dispatch_mode(), os.environ['XLA_FLAGS'])\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [given or "--xla_cpu_multi_thread_eigen=false"]
+    flags = given or "--xla_cpu_multi_thread_eigen=false"
+    assert out.stdout.split() == ["async", "sync", flags]
 
 
 # -- the HTTP server --------------------------------------------------------------------------
