@@ -69,8 +69,7 @@ def run(
     """Runs the vectors through ``call``; raises :class:`~symjax_mlp.ArtifactError` unless
     every output matches. An entry point without vectors (an older export, or inputs no
     vectors can be drawn for, such as rng keys) passes."""
-    files = manifest.get("program_files")  # an entry point's own files; the default: by role
-    name = program_file(manifest, SELFTEST) if files is None else files.get(SELFTEST)
+    name = program_file(manifest, SELFTEST)
     if name is None or name not in blobs:
         return
     vectors = decode_params(blobs[name], file=path / name)

@@ -53,6 +53,14 @@ class Gated:
         self.open.clear()
         self.entered.clear()
 
+    def busy(self, b, x):
+        """Holds the gate and submits ``x`` to ``b``: returns its future once it runs (in the
+        model, the lane busy), so that what is submitted next queues up."""
+        self.hold()
+        first = b.submit(x)
+        assert self.entered.wait(30)
+        return first
+
 
 @contextlib.contextmanager
 def no_compiles():
@@ -85,9 +93,7 @@ def rows(n, features=512, seed=0):
 
 def busy_then_queue(b, gate, first, queued):
     """Runs ``first`` (held in the model), queues ``queued`` behind it, then opens the gate."""
-    gate.hold()
-    f0 = b.submit(first)
-    assert gate.entered.wait(30)
+    f0 = gate.busy(b, first)
     futures = [b.submit(x) for x in queued]
     assert b.stats.queue_depth == len(queued)
     gate.open.set()
@@ -232,9 +238,7 @@ def test_a_full_queue_refuses_with_an_overload_error(chapter):
     _, _, h, x = chapter
     gate = Gated(h)
     with sm.serving.Batcher(gate, example=x, max_batch=4, max_queue=2) as b:
-        gate.hold()
-        f0 = b.submit(rows(1))
-        assert gate.entered.wait(30)
+        f0 = gate.busy(b, rows(1))
         queued = [b.submit(rows(1)), b.submit(rows(1))]
         with pytest.raises(sm.serving.OverloadError) as e:
             b.submit(rows(1))
@@ -251,9 +255,7 @@ def test_close_finishes_what_is_queued(chapter):
     _, _, h, x = chapter
     gate = Gated(h)
     b = sm.serving.Batcher(gate, example=x, max_batch=4)
-    gate.hold()
-    f0 = b.submit(rows(1))
-    assert gate.entered.wait(30)
+    f0 = gate.busy(b, rows(1))
     queued = [b.submit(rows(1, seed=i)) for i in range(3)]
     closer = threading.Thread(target=b.close)
     closer.start()
@@ -273,9 +275,7 @@ def test_close_cancel_cancels_what_is_queued(chapter):
     _, _, h, x = chapter
     gate = Gated(h)
     with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
-        gate.hold()
-        f0 = b.submit(rows(1))
-        assert gate.entered.wait(30)
+        f0 = gate.busy(b, rows(1))
         queued = [b.submit(rows(1)) for _ in range(3)]
         waiter_error = []
 
@@ -304,9 +304,7 @@ def test_a_cancelled_future_is_skipped(chapter):
     gate = Gated(h)
     with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
         gate.sizes.clear()
-        gate.hold()
-        f0 = b.submit(rows(1))
-        assert gate.entered.wait(30)
+        f0 = gate.busy(b, rows(1))
         f1, f2 = b.submit(rows(1)), b.submit(rows(2))
         assert f1.cancel()
         gate.open.set()
@@ -320,9 +318,7 @@ def test_run_times_out(chapter):
     _, _, h, x = chapter
     gate = Gated(h)
     with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
-        gate.hold()
-        f0 = b.submit(rows(1))
-        assert gate.entered.wait(30)
+        f0 = gate.busy(b, rows(1))
         with pytest.raises(TimeoutError, match=r"no result after 0\.05 s"):
             b.run(rows(1), timeout=0.05)
         gate.open.set()
@@ -431,9 +427,7 @@ def test_futures_work_with_wait_as_completed_callbacks_and_asyncio(chapter):
     _, _, h, x = chapter
     gate = Gated(h)
     with sm.serving.Batcher(gate, example=x, max_batch=8) as b:
-        gate.hold()
-        f0 = b.submit(rows(1))
-        assert gate.entered.wait(30)
+        f0 = gate.busy(b, rows(1))
         queued = [b.submit(rows(1, seed=i)) for i in range(3)]
         with pytest.raises(TimeoutError):
             queued[0].result(timeout=0.01)
@@ -487,9 +481,7 @@ def test_a_cancelled_future_reaches_wait_and_its_callbacks(chapter):
     _, _, h, x = chapter
     gate = Gated(h)
     b = sm.serving.Batcher(gate, example=x, max_batch=4)
-    gate.hold()
-    f0 = b.submit(rows(1))
-    assert gate.entered.wait(30)
+    f0 = gate.busy(b, rows(1))
     dropped, closed = b.submit(rows(1)), b.submit(rows(1))
     called = []
     dropped.add_done_callback(called.append)

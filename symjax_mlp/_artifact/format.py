@@ -325,15 +325,23 @@ def entry_view(manifest: Mapping[str, Any], name: str | None = None) -> dict[str
     )
 
 
-def program_file(view: Mapping[str, Any], role: str) -> str:
+def program_file(view: Mapping[str, Any], role: str) -> str | None:
     """The file an entry point keeps as ``role`` (``model.jaxexport``, ``selftest.safetensors``
-    ...): the default entry point's are those names themselves."""
-    return view.get("program_files", {}).get(role, role)
+    ...): the default entry point's are those names themselves, and so is a file every entry
+    point shares (``params.safetensors``). ``None``: the entry point has no such file (only
+    its self-test is optional)."""
+    files = view.get("program_files")
+    if files is None or role not in _ENTRY_ROLES:
+        return role
+    return files.get(role)
+
+
+_ENTRY_ROLES = (*PROGRAM_FILES, SELFTEST)  # the files each entry point has of its own
 
 
 def entry_files(name: str) -> dict[str, str]:
     """The files an export writes for a (non-default) entry point named ``name``."""
-    return {role: f"{name}.{role.removeprefix('model.')}" for role in (*PROGRAM_FILES, SELFTEST)}
+    return {role: f"{name}.{role.removeprefix('model.')}" for role in _ENTRY_ROLES}
 
 
 # -- compatibility ----------------------------------------------------------------------------

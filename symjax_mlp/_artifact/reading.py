@@ -257,7 +257,8 @@ def read_files(
     """
     listed = manifest["files"]
     views = [entry_view(manifest, e) for e in entry_names(manifest)]
-    keep = tuple({program_file(v, role) for v in views for role in keep})  # each entry point's
+    kept = {program_file(v, role) for v in views for role in keep}  # each entry point's
+    keep = tuple(kept - {None})
     if set(CORE_FILES) - set(listed):
         lacking = ", ".join(sorted(set(CORE_FILES) - set(listed)))
         raise ArtifactError(f"{path / MANIFEST} does not list {lacking}; it is corrupted.")

@@ -199,12 +199,7 @@ class Hybrid:
 
     def _jit(self, trace: Callable[..., Any], **options: Any) -> Any:
         """``jax.jit`` of ``trace``, its module named ``jit_<name>_hybrid`` (see ``rng``)."""
-
-        def program(*args: Any, **kwargs: Any) -> Any:
-            return trace(*args, **kwargs)
-
-        program.__name__ = program.__qualname__ = _rng.program_name(self.name)
-        return jax.jit(program, **options)
+        return jax.jit(_rng.as_program(trace, self.name), **options)
 
     def _set(self, **fields: Any) -> None:
         for k, v in fields.items():

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from symjax_mlp._hybrid.hybrid import hybridize
-from symjax_mlp._hybrid.rng import program_name
+from symjax_mlp._hybrid.rng import as_program
 from symjax_mlp.bench._timing import Progress, Timing, format_seconds, time_interleaved
 
 
@@ -51,11 +51,7 @@ def _carried(step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: ja
 def _by_hand_rows(
     step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: jax.Array, threefry: bool
 ) -> dict[str, Callable[[], Any]]:
-    def program(*args: Any) -> tuple[Any, Any]:
-        return step(*args)
-
-    program.__name__ = program_name(step.__name__)  # lowered as a Hybrid's program is
-    jitted = jax.jit(program)
+    jitted = jax.jit(as_program(step, step.__name__))  # lowered as a Hybrid's program is
     rows = {
         "by hand": _carried(jitted, fixed, state, x),
         "compiled": _carried(jitted.lower(fixed, state, x).compile(), fixed, state, x),

@@ -4,11 +4,10 @@ Every timed call ends in ``block_until_ready`` (JAX dispatches asynchronously; w
 loop times only the dispatch): a *synced* call is what a request answered on its own costs.
 A *pipelined* timing (``pipelined=True``) syncs once, after the last call of a repeat, as the
 chapter's loop does: what a call costs when the next is dispatched while one runs. Every
-callable is warmed up first, and every figure is the min
-and the median over repeats. Callables that are compared to each other are timed
-*interleaved* (repeat 1 of each, then repeat 2 of each, ...), so that noise from other
-processes lands on all of them alike. :func:`time_stages` times tracing, lowering and
-compiling apart from steady-state calls.
+callable is warmed up first, and every figure is the min and the median over repeats.
+Callables that are compared to each other are timed *interleaved* (repeat 1 of each, then
+repeat 2 of each, ...), so that noise from other processes lands on all of them alike.
+:func:`time_stages` times tracing, lowering and compiling apart from steady-state calls.
 """
 
 from __future__ import annotations
@@ -114,7 +113,8 @@ def _loop(fn: Callable[[], Any], sync: Callable[[Any], Any], calls: int, pipelin
         out = None
         for _ in range(calls):
             out = fn()
-        sync(out)
+        if calls:  # a warm-up of no calls has nothing to wait for
+            sync(out)
     else:
         for _ in range(calls):
             sync(fn())
