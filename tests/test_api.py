@@ -36,8 +36,8 @@ PUBLIC = {
         "format_stateful", "bench_coldstart", "format_coldstart",
     },
     "symjax_mlp.serving": {
-        "LATENCY_BUCKETS", "Batcher", "BatcherStats", "OverloadError", "RequestFuture",
-        "RequestTiming", "create_app", "dispatch_mode", "latency_mode", "serve",
+        "LATENCY_BUCKETS", "AsyncRequest", "Batcher", "BatcherStats", "OverloadError",
+        "RequestFuture", "RequestTiming", "create_app", "dispatch_mode", "latency_mode", "serve",
     },
     "symjax_mlp.chapter": {
         "HybridNet", "chapter_mlp", "describe_mlp", "export_mlp", "fancy_func", "tour",

@@ -91,6 +91,23 @@ def rows(n, features=512, seed=0):
     return np.random.default_rng(seed).standard_normal((n, features), np.float32)
 
 
+def refusing_nan(h):
+    """``h``, raising for a batch with a NaN in it (a model error for one request's batch)."""
+
+    def picky(xs):
+        if np.isnan(xs).any():
+            raise FloatingPointError("a NaN row")
+        return h(xs)
+
+    return picky
+
+
+def nan_row():
+    x = rows(1)
+    x[0, 0] = np.nan
+    return x
+
+
 def busy_then_queue(b, gate, first, queued):
     """Runs ``first`` (held in the model), queues ``queued`` behind it, then opens the gate."""
     f0 = gate.busy(b, first)
@@ -328,15 +345,9 @@ def test_run_times_out(chapter):
 def test_a_model_error_reaches_every_request_of_its_batch_and_the_batcher_carries_on(chapter):
     _, _, h, x = chapter
 
-    def picky(xs):
-        if np.isnan(xs).any():
-            raise FloatingPointError("a NaN row")
-        return h(xs)
-
-    gate = Gated(picky)
+    gate = Gated(refusing_nan(h))
     with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
-        poisoned = rows(1)
-        poisoned[0, 0] = np.nan
+        poisoned = nan_row()
         f0, (good, bad) = busy_then_queue(b, gate, rows(1), [rows(1), poisoned])
         for f in (good, bad):
             with pytest.raises(FloatingPointError, match="NaN row"):
@@ -454,6 +465,87 @@ def test_futures_work_with_wait_as_completed_callbacks_and_asyncio(chapter):
             return await asyncio.wrap_future(b.submit(rows(2)))
 
         assert asyncio.run(request()).shape == (2, 2)
+
+
+def test_asubmit_serves_asyncio_with_one_loop_wake_up_per_batch(chapter, monkeypatch):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    wake_ups = []
+
+    async def clients(b):
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+        monkeypatch.setattr(loop, "call_soon_threadsafe", lambda *a: wake_ups.append(a) or real(*a))
+        f0 = gate.busy(b, rows(1))
+        xs = [rows(1, seed=i) for i in range(6)]
+        requests = [b.asubmit(xi) for xi in xs]  # queued behind the held batch
+        assert b.stats.queue_depth == 6
+        gate.open.set()
+        ys = await asyncio.gather(*requests)
+        f0.result(30)
+        return xs, ys, requests
+
+    with sm.serving.Batcher(gate, example=x, max_batch=8) as b:
+        gate.sizes.clear()
+        xs, ys, requests = asyncio.run(clients(b))
+        assert gate.sizes == [1, 8]  # the six merged into one batch, padded to 8
+        assert len(wake_ups) == 1  # one call_soon_threadsafe for the whole batch
+        for xi, y, r in zip(xs, ys, requests, strict=True):
+            np.testing.assert_allclose(y, np.asarray(h(xi)), rtol=1e-5, atol=1e-6)
+            assert (r.timing.batch_requests, r.timing.bucket, r.timing.rows) == (6, 8, 1)
+            assert r.timing.total >= r.timing.compute > 0
+
+
+def test_asubmit_refuses_cancels_and_reports_errors(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+
+    async def scenario(b):
+        with pytest.raises(sm.SignatureError, match=r"has shape \(1, 3\)"):
+            b.asubmit(np.ones((1, 3), np.float32))  # refused at once, nothing queued
+        f0 = gate.busy(b, rows(1))
+        dropped, kept = b.asubmit(rows(1)), b.asubmit(rows(2))
+        assert dropped.cancel()  # its batch has not started: it is skipped
+        gate.open.set()
+        assert (await kept).shape == (2, 2)
+        f0.result(30)
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+        assert dropped.timing is None
+
+        f0 = gate.busy(b, rows(1))
+        queued = b.asubmit(rows(1))
+        threading.Timer(0.05, gate.open.set).start()
+        await asyncio.get_running_loop().run_in_executor(None, lambda: b.close(cancel=True))
+        with pytest.raises(asyncio.CancelledError):
+            await queued  # closed with cancel=True before its batch ran
+        f0.result(30)
+
+    with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
+        gate.sizes.clear()
+        asyncio.run(scenario(b))
+        assert gate.sizes[:2] == [1, 2]  # the cancelled request never ran
+        assert b.stats.cancelled == 2 and b.stats.rejected_by["signature"] == 1
+    with (
+        sm.serving.Batcher(h, example=x, max_batch=4) as b,
+        pytest.raises(RuntimeError, match="no asyncio event loop runs on this thread"),
+    ):
+        b.asubmit(rows(1))
+
+
+def test_asubmit_hands_a_model_error_to_the_awaiter(chapter):
+    _, _, h, x = chapter
+
+    poisoned = nan_row()
+
+    async def call(b):
+        with pytest.raises(FloatingPointError, match="NaN row"):
+            await b.asubmit(poisoned)
+        assert (await b.asubmit(rows(1))).shape == (1, 2)  # the batcher carries on
+
+    with sm.serving.Batcher(refusing_nan(h), example=x, max_batch=2) as b:
+        asyncio.run(call(b))
+        assert b.stats.failed == 1
 
 
 def test_a_done_callback_may_call_the_batcher(chapter):
@@ -891,11 +983,9 @@ def test_bench_serving_latency_and_batcher_sections():
         b = result[key]
         assert b["dispatch"] == dispatch and b["traces_while_serving"] == 0
         assert b["buckets"] == [1, 2, 4, 8]
+        kinds = ("threads", "futures", "asyncio")
         assert [(r["clients"], r["kind"]) for r in b["rows"]] == [
-            (1, "threads"),
-            (1, "futures"),
-            (4, "threads"),
-            (4, "futures"),
+            (c, kind) for c in (1, 4) for kind in kinds
         ]
         for r in b["rows"]:
             assert r["requests"] == 40 and r["throughput_rps"] > 0 and r["direct_rps"] > 0
@@ -906,6 +996,7 @@ def test_bench_serving_latency_and_batcher_sections():
     names = [t["name"] for t in result["targets"]]
     assert "batcher_overhead_c1" in names and "batcher_throughput_4_threads" in names
     assert "batcher_overhead_c1_async" in names and "batcher_throughput_4_futures_async" in names
+    assert "batcher_throughput_4_asyncio" in names
     text = sm.bench.format_serving(result)
     assert "Per-request latency" in text and "Micro-batcher" in text and "Targets" in text
     json.dumps(result)  # the --json output

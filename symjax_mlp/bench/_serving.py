@@ -12,8 +12,9 @@ something:
   :class:`~symjax_mlp.serving.Batcher` at 1 client, its calls alternated one by one with
   direct synced calls (the added µs: the median of the pairs' differences, each pair timed in
   the same microseconds), then under 1, 8, 64 concurrent clients (threads blocking in ``b(x)``,
-  and callers keeping that many futures in flight): throughput against direct calls timed
-  just before and after each row, p50, p99, rows per batch.
+  callers keeping that many futures in flight, and coroutines on one event loop awaiting
+  ``b.asubmit(x)``): throughput against direct calls timed just before and after each row,
+  p50, p99, rows per batch.
 - ``http``: ``symjax-mlp serve`` in a subprocess, driven over loopback by keep-alive clients
   (``.npy`` and JSON bodies) at a bounded concurrency: throughput, p50, p99.
 
@@ -24,6 +25,7 @@ PyTorch mode).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import io
@@ -223,13 +225,13 @@ def _batcher_rows(
     with Batcher(h, example=xn, max_batch=max_batch) as b:
         compiled = h.trace_count  # every bucket traced and compiled by now
         c1 = _paired_c1(b, direct, rows, max(200, requests // 2))
-        _threads(b, rows, 1, 50)  # warm both paths
-        _futures(b, rows, 1, 50)
+        for clients_of in KINDS.values():  # warm every path
+            clients_of(b, rows, 1, 50)
         direct_before = _direct_rps(direct, rows, n_direct)
         for c in clients:
-            for kind in ("threads", "futures"):
+            for kind, clients_of in KINDS.items():
                 before = b.stats
-                lat, wall = (_threads if kind == "threads" else _futures)(b, rows, c, requests)
+                lat, wall = clients_of(b, rows, c, requests)
                 after = b.stats
                 batches = after.batches - before.batches
                 direct_after = _direct_rps(direct, rows, n_direct)  # and the next row's before
@@ -332,35 +334,34 @@ def _threads(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[lis
 
 
 def _futures(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[list[float], float]:
-    """``c`` requests kept in flight through ``submit`` and done-callbacks (async clients)."""
-    clock, lock, done = time.perf_counter, threading.Lock(), threading.Event()
+    """``c`` requests kept in flight through ``submit`` and done-callbacks (async clients).
+
+    A client's callback (on the batcher's thread) records its latency and submits the next
+    request; ``next()`` on the shared counter and ``list.append`` are atomic, so no lock."""
+    clock, done, k = time.perf_counter, threading.Event(), len(rows)
     lat: list[float] = []
-    issued = [0]
+    failed: list[BaseException] = []
     total = max(c, requests)
+    issued = itertools.count()
 
     def launch() -> None:
-        with lock:
-            if issued[0] >= total:
-                return
-            i = issued[0]
-            issued[0] += 1
-        t0 = clock()
-        b.submit(rows[i % len(rows)]).add_done_callback(lambda f: finished(f, t0))
+        i = next(issued)
+        if i < total:
+            t0 = clock()
+            b.submit(rows[i % k]).add_done_callback(lambda f: finished(f, t0))
 
     def finished(f: Any, t0: float) -> None:
-        if f.exception() is not None:  # stop, and let the caller see it
-            failed.append(f.exception())
+        error = f.exception()
+        if error is not None:  # stop, and let the caller see it
+            failed.append(error)
             done.set()
             return
-        with lock:
-            lat.append(clock() - t0)
-            last = len(lat) == total
-        if last:
+        lat.append(clock() - t0)
+        if len(lat) == total:
             done.set()
         else:
             launch()
 
-    failed: list[BaseException] = []
     start = clock()
     for _ in range(c):
         launch()
@@ -368,6 +369,29 @@ def _futures(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[lis
     if failed:
         raise failed[0]
     return lat, clock() - start
+
+
+def _asyncio(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[list[float], float]:
+    """``c`` coroutines on one event loop (this thread), each awaiting ``b.asubmit(x)`` in a
+    loop: an asyncio server's handlers."""
+    per, k, clock = max(1, requests // c), len(rows), time.perf_counter
+    lats: list[float] = []
+
+    async def client(j: int) -> None:
+        for i in range(per):
+            t0 = clock()
+            await b.asubmit(rows[(i * c + j) % k])
+            lats.append(clock() - t0)
+
+    async def main() -> float:
+        start = clock()
+        await asyncio.gather(*(client(j) for j in range(c)))
+        return clock() - start
+
+    return lats, asyncio.run(main())
+
+
+KINDS = {"threads": _threads, "futures": _futures, "asyncio": _asyncio}
 
 
 def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -702,7 +726,7 @@ def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
             continue
         mode = "" if key == "batcher" else ", async dispatch"
         suffix = "" if key == "batcher" else "_async"
-        for kind in ("threads", "futures"):
+        for kind in KINDS:
             top = max((r for r in b["rows"] if r["kind"] == kind), key=lambda r: r["clients"])
             ratio = top["vs_direct"]
             out.append(

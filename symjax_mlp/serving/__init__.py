@@ -1,8 +1,9 @@
 """Serving: a model behind a micro-batcher, an HTTP server, and a latency mode.
 
-- :class:`Batcher`: thread-safe ``submit(x) -> Future`` and blocking ``b(x)`` over a
-  :class:`~symjax_mlp.Hybrid` or a loaded artifact (:class:`~symjax_mlp.LoadedModel`):
-  concurrent requests are merged into a few batch sizes compiled ahead of time.
+- :class:`Batcher`: thread-safe ``submit(x) -> Future``, blocking ``b(x)`` and asyncio
+  ``await b.asubmit(x)`` over a :class:`~symjax_mlp.Hybrid` or a loaded artifact
+  (:class:`~symjax_mlp.LoadedModel`): concurrent requests are merged into a few batch
+  sizes compiled ahead of time.
 - :func:`create_app` / :func:`serve`: the batcher over HTTP (starlette + uvicorn, the
   ``symjax_mlp[serve]`` extra, imported only when used); ``symjax-mlp serve ARTIFACT``.
 - :func:`latency_mode`: JAX's CPU calls on the calling thread, for per-request latency; the
@@ -21,6 +22,7 @@ from symjax_mlp._errors import OverloadError as OverloadError
 from symjax_mlp.serving._app import create_app as create_app
 from symjax_mlp.serving._app import serve as serve
 from symjax_mlp.serving._batcher import Batcher as Batcher
+from symjax_mlp.serving._futures import AsyncRequest as AsyncRequest
 from symjax_mlp.serving._futures import RequestFuture as RequestFuture
 from symjax_mlp.serving._futures import RequestTiming as RequestTiming
 from symjax_mlp.serving._latency import dispatch_mode as dispatch_mode
@@ -30,6 +32,7 @@ from symjax_mlp.serving._stats import BatcherStats as BatcherStats
 
 __all__ = [
     "LATENCY_BUCKETS",
+    "AsyncRequest",
     "Batcher",
     "BatcherStats",
     "OverloadError",

@@ -230,7 +230,7 @@ def create_app(
         body = b"".join(chunks)
         try:
             inputs, as_npy = _decode(batcher, body, request.headers.get("content-type", ""))
-            future = batcher.submit(*inputs)
+            request = batcher.asubmit(*inputs)
         except BadRequest as e:
             return error(e.status, e)
         except SignatureError as e:
@@ -240,10 +240,10 @@ def create_app(
         except RuntimeError as e:  # closed: shutting down
             return error(503, e)
         try:
-            out = await asyncio.wrap_future(future)
+            out = await request
         except Exception as e:  # the model raised
             return error(500, e)
-        t = future.timing
+        t = request.timing
         headers = {}
         if t is not None:
             headers["Server-Timing"] = ", ".join(

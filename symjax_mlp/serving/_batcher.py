@@ -27,9 +27,11 @@ What a request costs besides the model (measured by ``symjax-mlp bench --serving
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import threading
 import time
@@ -50,9 +52,10 @@ import numpy as np
 from symjax_mlp._errors import OverloadError, SignatureError
 from symjax_mlp._load import LoadedModel
 from symjax_mlp._specs import TensorSpec
-from symjax_mlp.serving._futures import GIL, RequestFuture
+from symjax_mlp.serving._futures import GIL, AsyncRequest, RequestFuture
 from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats, Counters
 
+_CANCELLED = "the batcher was closed with cancel=True"
 _FOLD_EVERY = 4096  # batches counted before they are folded into the stats
 _clock = time.perf_counter
 
@@ -66,6 +69,30 @@ class _Request:
         self.arrays, self.rows, self.t0, self.waiter = arrays, rows, t0, waiter
         self.result: Any = None
         self.error: BaseException | None = None
+
+
+def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
+    """On an event loop: hands a batch's results to that loop's awaiting tasks."""
+    for r, result in items:
+        f = r.future
+        if f.done():  # cancelled by its awaiter meanwhile
+            continue
+        if error is None:
+            f.set_result(result)
+        elif isinstance(error, concurrent.futures.CancelledError):
+            f.cancel(str(error))
+        else:
+            f.set_exception(error)
+
+
+def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
+    """One wake-up per event loop for a whole batch (not one per request)."""
+    by_loop: dict[Any, list[tuple[AsyncRequest, Any]]] = {}
+    for item in items:
+        by_loop.setdefault(item[0].future.get_loop(), []).append(item)
+    for loop, mine in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits these now
+            loop.call_soon_threadsafe(_resolve, mine, error)
 
 
 class _Lane:
@@ -144,7 +171,12 @@ class _Lane:
         with self.futures:  # a future turns running here, or was cancelled while queued
             while q and rows + q[0].rows <= limit:
                 r = q.popleft()
-                if type(r) is not _Request:
+                kind = type(r)
+                if kind is AsyncRequest:
+                    if r.future.cancelled():  # its task was cancelled while queued
+                        self.n.cancelled += 1
+                        continue
+                elif kind is not _Request:
                     if r._state != PENDING:  # cancelled while queued
                         if r._state == CANCELLED:  # as set_running_or_notify_cancel()
                             r._state = CANCELLED_AND_NOTIFIED
@@ -188,15 +220,19 @@ class _Lane:
     def settle(self, batch, results, error, timing=None) -> None:
         """Hands out a batch's results (or ``error``): one lock for its futures, one release
         per blocked caller, then the futures' done callbacks."""
-        futures = False
+        futures, awaited = False, []
         with self.futures:
             for i, r in enumerate(batch):
-                if type(r) is _Request:
+                kind = type(r)
+                if kind is _Request:
                     if error is None:
                         r.result = results[i]
                     else:
                         r.error = error
                     r.waiter.release()
+                elif kind is AsyncRequest:
+                    r._batch = timing
+                    awaited.append((r, None if error is not None else results[i]))
                 else:  # as _finish(r, ...), inlined: this runs per request
                     futures = True
                     r._batch = timing
@@ -212,9 +248,11 @@ class _Lane:
                             w.add_exception(r)
                     if r._wake is not None:
                         r._wake.notify_all()
+        if awaited:
+            _wake_loops(awaited, error)
         if futures:
             for r in batch:
-                if type(r) is not _Request and r._done_callbacks:
+                if type(r) is RequestFuture and r._done_callbacks:
                     r._invoke_callbacks()
 
     # -- a lone request, on its caller's thread ----------------------------------------------
@@ -288,14 +326,17 @@ class _Lane:
                     dropped.append(self.queue.popleft())
                 self.n.cancelled += len(dropped)
             self.wake.notify_all()
+        awaited = [(r, None) for r in dropped if type(r) is AsyncRequest]
+        if awaited:
+            _wake_loops(awaited, concurrent.futures.CancelledError(_CANCELLED))
         for r in dropped:
+            if type(r) is AsyncRequest:
+                continue
             if type(r) is not _Request:
                 r.cancel()
                 r.set_running_or_notify_cancel()  # tells concurrent.futures.wait(), too
             else:
-                r.error = concurrent.futures.CancelledError(
-                    "the batcher was closed with cancel=True"
-                )
+                r.error = concurrent.futures.CancelledError(_CANCELLED)
                 r.waiter.release()
 
 
@@ -622,6 +663,46 @@ class Batcher:
         return request.result
 
     __call__ = run
+
+    def asubmit(self, *inputs: Any) -> AsyncRequest:
+        """Queues one request from asyncio code: ``y = await b.asubmit(x)``.
+
+        It checks and queues the request at once, like :meth:`submit` (a lone request is
+        dispatched to the batcher's thread at once; it never runs on the event loop, which
+        stays free to take the requests that will join the next batch), and returns an
+        :class:`AsyncRequest` to await. The results come back on the caller's loop with one
+        wake-up per batch and loop, not one per request as
+        ``await asyncio.wrap_future(b.submit(x))`` would cost. Cancelling it (or the task
+        awaiting it) drops the request if its batch has not started.
+
+        Raises:
+          SignatureError, OverloadError: as :meth:`submit`; nothing is queued.
+          RuntimeError: the batcher is closed, or no event loop runs on this thread (from
+            plain threads, call ``b.submit(x)`` or ``b(x)``).
+        """
+        t0 = _clock()
+        arrays, rows = self._check(inputs)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                f"{self.name}.asubmit(): no asyncio event loop runs on this thread. Call it "
+                "in a coroutine (y = await b.asubmit(x)); from plain threads, call b.submit(x) "
+                "or b(x)."
+            ) from None
+        request = AsyncRequest(arrays, rows, t0, loop.create_future())
+        self._enqueue(request)
+        return request
+        lane = self._lane
+        try:  # idle: run it now, on this thread, as b(x) does
+            request.future.set_result(lane.run_alone(arrays, rows, t0))
+            _, t1, t2, t3, t4, _, bucket = lane.n.pending[-1]
+            request._batch = (t1, t2 - t1, t3 - t2, t4 - t3, rows, 1, bucket)
+        except Exception as e:  # the model raised: the awaiter gets it
+            request.future.set_exception(e)
+        finally:
+            lane.release()
+        return request
 
     # -- state -------------------------------------------------------------------------------
     @property

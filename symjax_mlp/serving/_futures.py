@@ -56,6 +56,44 @@ class RequestTiming:
         return self.queued + self.padded + self.compute + self.split
 
 
+def request_timing(t0: float, rows: int, batch: tuple | None) -> RequestTiming | None:
+    """A request's timing from its start, its rows and its batch's timings (``None``: it
+    never ran)."""
+    if batch is None:
+        return None
+    t1, padded, compute, split, batch_rows, requests, bucket = batch
+    return RequestTiming(t1 - t0, padded, compute, split, rows, batch_rows, requests, bucket)
+
+
+class AsyncRequest:
+    """What :meth:`Batcher.asubmit` returns: await it for the result.
+
+    Attributes:
+      future: the ``asyncio.Future`` of the result, on the loop that called ``asubmit``
+        (for ``asyncio.wait``, ``asyncio.shield``, ...).
+      timing: the request's :class:`RequestTiming`, set before the result (``None`` until
+        then, and for a request cancelled or failed before it ran).
+    """
+
+    __slots__ = ("_batch", "arrays", "future", "rows", "t0")
+
+    def __init__(self, arrays: Sequence[Any], rows: int, t0: float, future: Any) -> None:
+        self.arrays, self.rows, self.t0, self.future = arrays, rows, t0, future
+        self._batch: tuple | None = None  # as RequestFuture's
+
+    def __await__(self) -> Any:
+        return self.future.__await__()
+
+    @property
+    def timing(self) -> RequestTiming | None:
+        """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
+        return request_timing(self.t0, self.rows, self._batch)
+
+    def cancel(self) -> bool:
+        """Drops the request if its batch has not started; ``False`` once it has a result."""
+        return self.future.cancel()
+
+
 class RequestFuture(concurrent.futures.Future):
     """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.
 
@@ -89,13 +127,7 @@ class RequestFuture(concurrent.futures.Future):
     @property
     def timing(self) -> RequestTiming | None:
         """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
-        b = self._batch
-        if b is None:
-            return None
-        t1, padded, compute, split, batch_rows, requests, bucket = b
-        return RequestTiming(
-            t1 - self.t0, padded, compute, split, self.rows, batch_rows, requests, bucket
-        )
+        return request_timing(self.t0, self.rows, self._batch)
 
     def _wait(self, timeout: float | None) -> str:
         """Waits (at most ``timeout`` s) for a final state; returns the state."""
