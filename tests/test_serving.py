@@ -588,13 +588,31 @@ def test_a_cancelled_future_reaches_wait_and_its_callbacks(chapter):
     assert closed.cancelled() and b.stats.cancelled == 2
 
 
-def test_lone_calls_submits_cancels_and_overloads_under_load_add_up(chapter):
+def test_lone_calls_submits_asubmits_cancels_and_overloads_under_load_add_up(chapter):
     _, _, h, x = chapter
     errors: list[BaseException] = []
     overloaded = [0]
     with sm.serving.Batcher(h, example=x, max_batch=4, max_queue=8) as b:
 
+        async def asyncio_client(j):
+            rng = np.random.default_rng(j)
+            for k in range(30):
+                n = int(rng.integers(1, 5))
+                try:
+                    r = b.asubmit(rows(n, seed=k))
+                    if k % 2 and r.cancel():
+                        continue
+                    assert (await r).shape == (n, 2)
+                    assert r.timing.rows == n and r.timing.bucket >= r.timing.batch_rows
+                except sm.serving.OverloadError:
+                    overloaded[0] += 1
+                except BaseException as e:
+                    errors.append(e)
+
         def client(j):
+            if j % 4 == 0:  # 3 of the 12 clients are asyncio tasks, each on its own loop
+                asyncio.run(asyncio_client(j))
+                return
             rng = np.random.default_rng(j)
             for k in range(30):
                 n = int(rng.integers(1, 5))

@@ -22,7 +22,9 @@ What a request costs besides the model (measured by ``symjax-mlp bench --serving
   4096 batches;
 - a future (:class:`RequestFuture`): a batcher's futures share one lock, so a whole batch is
   settled under one acquire, and only callers blocked in ``result()`` on a future are woken
-  for it; the future is its own queue entry.
+  for it; the future is its own queue entry;
+- an asyncio request (:meth:`Batcher.asubmit`): its own queue entry too, and one
+  ``call_soon_threadsafe`` per batch and event loop, not one per request.
 """
 
 from __future__ import annotations
@@ -692,16 +694,6 @@ class Batcher:
             ) from None
         request = AsyncRequest(arrays, rows, t0, loop.create_future())
         self._enqueue(request)
-        return request
-        lane = self._lane
-        try:  # idle: run it now, on this thread, as b(x) does
-            request.future.set_result(lane.run_alone(arrays, rows, t0))
-            _, t1, t2, t3, t4, _, bucket = lane.n.pending[-1]
-            request._batch = (t1, t2 - t1, t3 - t2, t4 - t3, rows, 1, bucket)
-        except Exception as e:  # the model raised: the awaiter gets it
-            request.future.set_exception(e)
-        finally:
-            lane.release()
         return request
 
     # -- state -------------------------------------------------------------------------------
