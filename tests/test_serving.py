@@ -993,6 +993,7 @@ def test_bench_serving_latency_and_batcher_sections():
     )
     modes = [(r["mode"], r["dispatch"]) for r in result["latency"]["rows"]]
     assert modes == [("jax", "async"), ("jax", "sync")]  # each set in its own fresh process
+    assert (result["latency"]["rounds"], result["latency"]["calls_per_round"]) == (2, 20)
     for r in result["latency"]["rows"]:
         for form in ("device", "numpy"):
             t = r["forms"][form]

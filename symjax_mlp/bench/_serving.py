@@ -3,8 +3,9 @@
 :func:`bench_serving` runs three sections on the chapter's MLP, each where its figures mean
 something:
 
-- ``latency``: synced batch-1 calls, one fresh subprocess per mode, because JAX's dispatch
-  mode is fixed when its CPU backend starts: JAX with asynchronous dispatch (the default),
+- ``latency``: synced batch-1 calls, one fresh subprocess per mode (JAX's dispatch mode is
+  fixed when its CPU backend starts), all started first and then timed in interleaved rounds,
+  one mode at a time: JAX with asynchronous dispatch (the default),
   JAX in :func:`~symjax_mlp.serving.latency_mode`, and PyTorch eager / ``jit.script`` /
   ``compile`` (with the benchmark's threads and with one), each in two forms: the input
   already on the device, and a NumPy array in and out (what a server does).
@@ -79,30 +80,36 @@ def _per_call(fn: Callable[[], Any], calls: int, repeats: int, warmup: int = 200
     repeat's mean."""
     for _ in range(warmup):
         fn()
+    samples = [_one_round(fn, calls) for _ in range(repeats)]
+    return _summary(samples)
+
+
+def _one_round(fn: Callable[[], Any], calls: int) -> list[float]:
+    """``calls`` synced calls, each timed on its own (seconds)."""
     clock = time.perf_counter
-    samples = np.empty(calls * repeats)
-    means = []
-    for r in range(repeats):
-        start = clock()
-        for i in range(calls):
-            t0 = clock()
-            fn()
-            samples[r * calls + i] = clock() - t0
-        means.append((clock() - start) / calls)
-    return {**_percentiles(samples), "best_repeat_mean_s": min(means)}
+    samples = np.empty(calls)
+    for i in range(calls):
+        t0 = clock()
+        fn()
+        samples[i] = clock() - t0
+    return samples.tolist()
+
+
+def _summary(rounds: Sequence[Sequence[float]]) -> dict:
+    """Percentiles over every round's calls, and the fastest round's mean."""
+    means = [float(np.mean(r)) for r in rounds]
+    return {**_percentiles([x for r in rounds for x in r]), "best_repeat_mean_s": min(means)}
 
 
 # -- the subprocesses ------------------------------------------------------------------------
-def _child(kind: str, **kw: Any) -> dict[str, Any]:
+def _child(kind: str, **kw: Any) -> dict[str, Any] | None:
     """Runs one measurement in this (fresh) process; JAX's dispatch is set first."""
     if kw.get("dispatch") == "sync":
         from symjax_mlp.serving import latency_mode
 
         latency_mode()  # before anything starts JAX's backend
-    if kind == "jax":
-        return _jax_latency(**kw)
-    if kind == "torch":
-        return _torch_latency(**kw)
+    if kind in ("jax", "torch"):
+        return _latency_child(kind, **kw)
     if kind == "batcher":
         return _batcher_rows(**kw)
     raise ConfigError(f"unknown child kind {kind!r}")
@@ -121,7 +128,8 @@ def _chapter(sizes: Sequence[int], in_features: int, activation: str | None, see
     return hybridize(net, variables, name="mlp"), variables, xn
 
 
-def _jax_latency(*, dispatch, sizes, in_features, activation, seed, calls, repeats) -> dict:
+def _jax_latency(*, dispatch, sizes, in_features, activation, seed) -> tuple[Callable, dict]:
+    """JAX's batch-1 calls: what to report, and the call of each form."""
     import jax
 
     from symjax_mlp.serving import dispatch_mode
@@ -129,20 +137,24 @@ def _jax_latency(*, dispatch, sizes, in_features, activation, seed, calls, repea
     h, _, xn = _chapter(sizes, in_features, activation, seed)
     x = jax.device_put(xn)
     forms = {
-        "device": _per_call(lambda: h(x).block_until_ready(), calls, repeats),
-        "numpy": _per_call(lambda: np.asarray(h(xn)), calls, repeats),
-    }
-    return {
-        "mode": "jax",
-        "dispatch": dispatch_mode(),
-        "threads": None,
-        "device": str(jax.devices()[0]),
-        "forms": forms,
-        "traces": h.trace_count,
+        "device": lambda: h(x).block_until_ready(),
+        "numpy": lambda: np.asarray(h(xn)),
     }
 
+    def meta() -> dict:
+        return {
+            "mode": "jax",
+            "dispatch": dispatch_mode(),
+            "threads": None,
+            "device": str(jax.devices()[0]),
+            "traces": h.trace_count,
+        }
 
-def _torch_latency(*, mode, threads, sizes, in_features, activation, seed, calls, repeats) -> dict:
+    return meta, forms
+
+
+def _torch_latency(*, mode, threads, sizes, in_features, activation, seed) -> tuple[Callable, dict]:
+    """The PyTorch twin's batch-1 calls in ``mode``: what to report, and each form's call."""
     import warnings
 
     import jax
@@ -189,19 +201,35 @@ def _torch_latency(*, mode, threads, sizes, in_features, activation, seed, calls
         with torch.no_grad():
             return net(torch.from_numpy(xn).to(device)).cpu().numpy()
 
-    forms = {
-        "device": _per_call(on_device, calls, repeats),
-        "numpy": _per_call(numpy_in_out, calls, repeats),
-    }
-    return {
+    meta = {
         "mode": mode,
         "dispatch": None,
         "threads": None if gpu else threads,
         "device": str(device),
         "torch": torch.__version__,
         "build_s": build_s,
-        "forms": forms,
     }
+    return lambda: meta, {"device": on_device, "numpy": numpy_in_out}
+
+
+def _latency_child(kind: str, warmup: int, **kw: Any) -> None:
+    """A latency subprocess: builds its mode, then times one round per request on stdin
+    (``{"calls": n}``), printing each round's samples, until ``{"quit": true}``; idle (blocked
+    on stdin, using no core) while the other modes run theirs."""
+    meta, forms = (_jax_latency if kind == "jax" else _torch_latency)(**kw)
+    for fn in forms.values():
+        for _ in range(warmup):
+            fn()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        if ask.get("quit"):
+            return
+        for fn in forms.values():  # caches and branch predictors warm again after idling
+            for _ in range(min(warmup, 50)):
+                fn()
+        rounds = {form: _one_round(fn, ask["calls"]) for form, fn in forms.items()}
+        print(json.dumps({"meta": meta(), "rounds": rounds}), flush=True)
 
 
 def _batcher_rows(
@@ -392,6 +420,102 @@ def _asyncio(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[lis
 
 
 KINDS = {"threads": _threads, "futures": _futures, "asyncio": _asyncio}
+
+
+def _latency_rows(
+    modes: Sequence[tuple[str, dict]],
+    net: Mapping[str, Any],
+    *,
+    calls: int,
+    rounds: int,
+    env: Mapping[str, str] | None,
+    timeout: float,
+    say: Callable[[str], None],
+    notes: list[str],
+) -> dict[str, Any]:
+    """Every mode in its own fresh process, all started first (one at a time), then timed in
+    ``rounds`` interleaved rounds of ``calls`` synced calls (mode after mode, the order
+    rotating each round), so that a busy spell of the machine lands on every mode alike."""
+    children: list[tuple[str, dict, subprocess.Popen, Any]] = []
+    try:
+        for kind, kw in modes:
+            label = kw.get("mode", f"JAX, {kw.get('dispatch')} dispatch")
+            threads = f", {kw['threads']} thread(s)" if "threads" in kw else ""
+            say(f"latency: starting {label}{threads} in a fresh process")
+            errors = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a file: never fills up)
+            args = json.dumps({"kind": kind, "warmup": 200, **kw, **net})
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, args],
+                env=_child_env(env),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=errors,
+                text=True,
+            )
+            children.append((kind, kw, proc, errors))
+            try:
+                _answer(proc, errors, timeout, f"the {label} subprocess")
+            except RuntimeError as e:
+                if kind == "jax":
+                    raise
+                notes.append(f"{label}{threads} skipped: {str(e)[-300:]}")
+                _stop(*children.pop()[2:])
+        samples: list[dict[str, list]] = [{} for _ in children]
+        metas: list[dict] = [{} for _ in children]
+        for r in range(rounds):
+            say(f"latency: round {r + 1}/{rounds}, {len(children)} modes in turn")
+            for i in itertools.islice(itertools.cycle(range(len(children))), r, r + len(children)):
+                _, kw, proc, errors = children[i]
+                proc.stdin.write(json.dumps({"calls": calls}) + "\n")
+                proc.stdin.flush()
+                got = _answer(proc, errors, timeout, f"the latency subprocess ({kw})")
+                metas[i] = got["meta"]
+                for form, xs in got["rounds"].items():
+                    samples[i].setdefault(form, []).append(xs)
+                time.sleep(0.05)  # let a thread pool's spin-wait end before the next mode
+    finally:
+        for _, _, proc, errors in children:
+            _stop(proc, errors)
+    rows = [
+        {**meta, "forms": {form: _summary(xs) for form, xs in by_form.items()}}
+        for meta, by_form in zip(metas, samples, strict=True)
+    ]
+    return {"rows": rows, "rounds": rounds, "calls_per_round": calls}
+
+
+def _stop(proc: subprocess.Popen, errors: Any) -> None:
+    """Asks a latency subprocess to quit (kills it after 10 s) and closes its files."""
+    if proc.poll() is None:
+        with contextlib.suppress(OSError):
+            proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            proc.stdin.flush()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for stream in (proc.stdin, proc.stdout, errors):
+        with contextlib.suppress(OSError):
+            stream.close()
+
+
+def _answer(proc: subprocess.Popen, errors: Any, timeout: float, who: str) -> dict[str, Any]:
+    """The next JSON line a subprocess prints (at most ``timeout`` s away)."""
+    ready = selectors.DefaultSelector()
+    ready.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not ready.select(timeout):
+            raise RuntimeError(f"bench_serving: {who} gave no answer within {timeout} s")
+        line = proc.stdout.readline()
+    finally:
+        ready.close()
+    if not line:
+        proc.wait()
+        errors.seek(0)
+        raise RuntimeError(
+            f"bench_serving: {who} failed (exit {proc.returncode}):\n{errors.read()[-3000:]}"
+        )
+    return json.loads(line)
 
 
 def _child_env(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -594,7 +718,8 @@ def bench_serving(
     Args:
       sections: any of ``"latency"``, ``"batcher"``, ``"http"``.
       sizes, in_features, activation: the net, ``mlp(sizes)`` on ``(1, in_features)`` rows.
-      calls, repeats: synced batch-1 calls per repeat in the latency section.
+      calls, repeats: synced batch-1 calls per round, and rounds (the modes take turns), in
+        the latency section.
       torch: add the PyTorch rows (when torch is installed; else a note).
       torch_modes: which of ``torch_eager``, ``torch_script``, ``torch_compile``.
       clients: concurrent in-process clients of the batcher.
@@ -660,12 +785,8 @@ def bench_serving(
         "env": environment(),
         "notes": notes,
     }
-    timed = {"calls": calls, "repeats": repeats}
     if "latency" in sections:
-        rows = []
-        for dispatch in ("async", "sync"):
-            say(f"latency: JAX, {dispatch} dispatch, fresh process")
-            rows.append(_run_child("jax", {"dispatch": dispatch, **net, **timed}, env, timeout))
+        modes = [("jax", {"dispatch": d}) for d in ("async", "sync")]
         if torch:
             try:
                 import torch as _torch  # noqa: F401  (only to know it is there)
@@ -676,13 +797,11 @@ def bench_serving(
                 threads = [usable_cores()] + ([1] if usable_cores() > 1 and on_cpu else [])
                 for mode in torch_modes:
                     for n in threads if mode != "torch_compile" else threads[:1]:
-                        say(f"latency: {mode}, {n} thread(s), fresh process")
-                        kw = {"mode": mode, "threads": n, **net, **timed}
-                        try:
-                            rows.append(_run_child("torch", kw, env, timeout))
-                        except (RuntimeError, subprocess.TimeoutExpired) as e:
-                            notes.append(f"{mode} ({n} threads) skipped: {str(e)[-300:]}")
-        result["latency"] = {"rows": rows}
+                        modes.append(("torch", {"mode": mode, "threads": n}))
+        result["latency"] = _latency_rows(
+            modes, net, calls=calls, rounds=repeats, env=env, timeout=timeout, say=say,
+            notes=notes,
+        )  # fmt: skip
     if "batcher" in sections:
         for dispatch in batcher_dispatch:
             say(f"batcher, {dispatch} dispatch: 1 client, then {', '.join(map(str, clients))}")
@@ -807,7 +926,9 @@ def format_serving(result: Mapping[str, Any]) -> str:
     lat = result.get("latency")
     if lat:
         lines = [
-            "Per-request latency: the chapter MLP at batch 1, synced, one fresh process per mode",
+            "Per-request latency: the chapter MLP at batch 1, synced, one fresh process per mode"
+            f" ({lat.get('rounds', '?')} rounds of {lat.get('calls_per_round', '?')} calls, the "
+            "modes interleaved)",
             f"  {'mode':<38} {'on device p50':>13} {'p99':>9}   "
             f"{'numpy in/out p50':>16} {'p99':>9}",
         ]
