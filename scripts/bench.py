@@ -17,7 +17,7 @@ same options and exit codes (0 ok, 2 a usage error, 1 a bug).
 
 import sys
 
-from symjax_mlp.cli import main
+from symjax_mlp.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", *sys.argv[1:]]))
+    run(["bench", *sys.argv[1:]])

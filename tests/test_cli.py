@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -145,7 +146,36 @@ def test_ctrl_c_exits_130_in_one_line():
     )
     time.sleep(6)  # past the imports, inside the tour
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    assert_interrupted(proc, timeout=60)
+
+
+def test_ctrl_c_leaves_at_once_while_other_threads_still_work():
+    # XLA compiles on its own threads; an interrupt mid-compile used to crash (a segfault)
+    # or hang the interpreter's teardown. Here a thread that is still working stands in for
+    # them: a normal exit would wait for it, `symjax-mlp` leaves at once.
+    code = textwrap.dedent(
+        """
+        import os, signal, sys, threading, time
+        from symjax_mlp import cli
+        threading.Thread(target=time.sleep, args=(300,)).start()  # not a daemon
+        threading.Timer(4, os.kill, (os.getpid(), signal.SIGINT)).start()
+        sys.argv = ["symjax-mlp", "tour", "--calls", "100000000"]
+        cli.run()
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    assert_interrupted(proc, timeout=90)
+
+
+def assert_interrupted(proc, timeout):
+    """``proc`` (an interrupted ``symjax-mlp tour``) exits 130 with one line, in time."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:  # a hung process must not outlive the test
+        proc.kill()
+        proc.communicate()
     assert proc.returncode == 130, err
     assert err.strip() == "symjax-mlp tour: interrupted"
 

@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from symjax_mlp.cli import _args, _serve
 from symjax_mlp.cli._args import add_json, batch, input_file, positive, sizes
@@ -428,3 +428,20 @@ def _bug(where: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run(argv: Sequence[str] | None = None) -> NoReturn:
+    """The ``symjax-mlp`` command (and ``scripts/bench.py``): exits with :func:`main`'s code.
+
+    After an interrupt (130) it leaves at once (``os._exit``), without tearing the
+    interpreter down: XLA may still be compiling on its own threads for the interrupted call,
+    and freeing its client under them crashes the process (a segfault) or hangs it. Files are
+    safe: every artifact and checkpoint is written to a temporary name and renamed.
+    """
+    code = main(argv)
+    if code == 130:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(130)
+    sys.exit(code)
