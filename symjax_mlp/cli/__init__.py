@@ -426,10 +426,6 @@ def _bug(where: str) -> int:
     return 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def run(argv: Sequence[str] | None = None) -> NoReturn:
     """The ``symjax-mlp`` command (and ``scripts/bench.py``): exits with :func:`main`'s code.
 
@@ -445,3 +441,7 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
                 stream.flush()
         os._exit(130)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -3,7 +3,9 @@
 A :class:`RequestFuture` is a ``concurrent.futures.Future`` (``wait``, ``as_completed`` and
 ``add_done_callback`` work on it) built to be settled a whole batch at a time: the futures
 of one batcher share one lock, and only the callers blocked in ``result()`` on a future are
-woken for it. It is also its own entry in the batcher's queue.
+woken for it. It is also its own entry in the batcher's queue. An :class:`AsyncRequest`,
+what ``asubmit`` returns, is its asyncio counterpart: an awaitable over an ``asyncio.Future``,
+and its own queue entry too.
 """
 
 from __future__ import annotations
