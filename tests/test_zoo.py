@@ -325,6 +325,30 @@ def test_export_and_load_in_eval_mode(case: Case, tmp_path):
     chex.assert_trees_all_close(sm.load(two.path)["second"](*arrays), want, **TOL)
 
 
+@pytest.mark.parametrize("case", [c for c in ZOO if c.name != "linen_dict"], ids=lambda c: c.name)
+def test_a_batcher_serves_each_exported_model_row_for_row(case: Case, tmp_path):
+    """Each zoo model's artifact (eval mode) behind a Batcher: blocking calls, futures and
+    asyncio requests of 1-3 rows each get the rows the artifact gives them alone."""
+    import asyncio
+
+    h = case.hybridize()
+    xs = case.inputs(0)
+    m = sm.load(sm.export(h, tmp_path / case.name, example=xs, kwargs=case.eval).path)
+    arrays = [np.asarray(x) for x in xs if hasattr(x, "shape")]
+    requests = [[a[i:j] for a in arrays] for i, j in ((0, 1), (1, 4), (2, 4), (3, 4))]
+    wants = [m(*r) for r in requests]
+
+    async def awaited(b):
+        return await asyncio.gather(*(b.asubmit(*r) for r in requests))
+
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        got = [b(*requests[0])]
+        got += [f.result(30) for f in [b.submit(*r) for r in requests[1:]]]
+        got += asyncio.run(awaited(b))
+    for want, y in zip(wants + wants, got, strict=True):
+        chex.assert_trees_all_close(y, want, **TOL)
+
+
 def test_a_call_that_changes_the_state_structure_says_to_use_apply():
     import flax.linen as nn
 

@@ -332,12 +332,10 @@ class _Lane:
         if awaited:
             _wake_loops(awaited, concurrent.futures.CancelledError(_CANCELLED))
         for r in dropped:
-            if type(r) is AsyncRequest:
-                continue
-            if type(r) is not _Request:
+            if type(r) is RequestFuture:
                 r.cancel()
                 r.set_running_or_notify_cancel()  # tells concurrent.futures.wait(), too
-            else:
+            elif type(r) is _Request:
                 r.error = concurrent.futures.CancelledError(_CANCELLED)
                 r.waiter.release()
 
