@@ -496,6 +496,39 @@ def test_asubmit_serves_asyncio_with_one_loop_wake_up_per_batch(chapter, monkeyp
             assert r.timing.total >= r.timing.compute > 0
 
 
+def test_a_lone_asubmit_runs_on_its_loop_and_a_pass_of_many_on_the_batcher(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)  # records the thread and batch size of every model call
+
+    async def scenario(b):
+        lone = b.asubmit(rows(1))
+        y = await lone  # the batcher idle, nothing else queued: it runs right here
+        dropped = b.asubmit(rows(1))
+        dropped.cancel()  # before its pass ended: it never runs
+        await asyncio.sleep(0)
+        xs = [rows(1, seed=i) for i in range(5)]
+        many = [b.asubmit(xi) for xi in xs]  # one pass: one batch, on the batcher's thread
+        ys = await asyncio.gather(*many)
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+        return lone, y, xs, ys, many
+
+    with sm.serving.Batcher(gate, example=x, max_batch=8) as b:
+        gate.threads.clear()
+        gate.sizes.clear()
+        lone, y, xs, ys, many = asyncio.run(scenario(b))
+        here, worker = threading.get_ident(), b._thread.ident
+        assert list(zip(gate.threads, gate.sizes, strict=True)) == [(here, 1), (worker, 8)]
+        np.testing.assert_array_equal(y, np.asarray(h(rows(1))))
+        assert (lone.timing.batch_requests, lone.timing.bucket) == (1, 1)
+        assert lone.timing.total >= lone.timing.compute > 0
+        for xi, yi, r in zip(xs, ys, many, strict=True):
+            np.testing.assert_allclose(yi, np.asarray(h(xi)), rtol=1e-5, atol=1e-6)
+            assert (r.timing.batch_requests, r.timing.bucket) == (5, 8)
+        stats = b.stats
+        assert (stats.requests, stats.cancelled, stats.completed) == (7, 1, 6)
+
+
 def test_asubmit_refuses_cancels_and_reports_errors(chapter):
     _, _, h, x = chapter
     gate = Gated(h)
