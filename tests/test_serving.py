@@ -1024,8 +1024,9 @@ def test_bench_serving_latency_and_batcher_sections():
         max_batch=8,
         batcher_dispatch=("sync", "async"),
     )
-    modes = [(r["mode"], r["dispatch"]) for r in result["latency"]["rows"]]
-    assert modes == [("jax", "async"), ("jax", "sync")]  # each set in its own fresh process
+    modes = [(r["mode"], r["dispatch"], r["constants"]) for r in result["latency"]["rows"]]
+    # each set in its own fresh process; the last with the params compiled in
+    assert modes == [("jax", "async", False), ("jax", "sync", False), ("jax", "sync", True)]
     assert (result["latency"]["rounds"], result["latency"]["calls_per_round"]) == (2, 20)
     for r in result["latency"]["rows"]:
         for form in ("device", "numpy"):

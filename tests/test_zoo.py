@@ -365,3 +365,25 @@ def test_a_call_that_changes_the_state_structure_says_to_use_apply():
         h(x)
     _, state = h.apply(h.params, x)  # the pure form returns the state the call made
     assert len(state["intermediates"]["h"]) == 2
+
+
+@pytest.mark.parametrize("case", ZOO, ids=IDS)
+def test_params_as_constants_calls_equal_plain_flax_and_pass_no_params(case: Case):
+    want, want_state = reference_calls(case, N, case.train)
+    baked, plain = case.hybridize(params_as_constants=True), case.hybridize()
+    got = [baked(*case.inputs(i), **case.train) for i in range(N)]
+    _assert_trees_close(got, want)
+    if want_state is not None and jax.tree.leaves(_pure(want_state)):
+        _assert_trees_close(baked.state, want_state)  # the state still moves, as an input
+    passed = len(jax.tree.leaves(baked.lower(*case.inputs(0), **case.train).args_info))
+    unbaked = len(jax.tree.leaves(plain.lower(*case.inputs(0), **case.train).args_info))
+    assert passed == unbaked - len(jax.tree.leaves(plain.params))  # no param is an input
+    assert baked.replace(name="again").params_as_constants and baked.trace_count == 1
+
+
+def test_params_as_constants_cannot_be_sharded(chapter):
+    _, _, h, x = chapter
+    baked = h.replace(params_as_constants=True)
+    with pytest.raises(sm.ConfigError, match=r"h.replace\(params_as_constants=False\).shard"):
+        baked.shard()
+    np.testing.assert_array_equal(baked(x), h(x))  # and unsharded, the same numbers
