@@ -1010,6 +1010,27 @@ def test_serve_refuses_a_bad_port(capsys):
     assert "--port must be an int from 0 to 65535" in capsys.readouterr().err
 
 
+def test_serve_freezes_the_gc_once_the_model_is_ready(monkeypatch, capsys):
+    import gc
+
+    from symjax_mlp.cli import main
+
+    seen = []
+
+    def fake_serve(path, *, ready, **settings):  # stands in for load, compile, bind, run
+        seen.append(gc.get_freeze_count())
+        ready("http://127.0.0.1:1234")
+        seen.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(sm.serving, "serve", fake_serve)
+    try:
+        assert main(["serve", "my_mlp", "--dispatch", "async"]) == 0
+    finally:
+        gc.unfreeze()
+    assert seen[0] == 0 and seen[1] > 1000  # what existed when it was ready, frozen
+    assert "serving my_mlp on http://127.0.0.1:1234" in capsys.readouterr().out
+
+
 # -- the serving benchmark --------------------------------------------------------------------
 def test_bench_serving_latency_and_batcher_sections():
     result = sm.bench.bench_serving(

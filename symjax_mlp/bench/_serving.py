@@ -38,6 +38,7 @@ import os
 import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -613,6 +614,10 @@ def _http_load(host: str, port: int, body: bytes, kind: str, c: int, requests: i
 
     def client(j: int) -> None:
         conn = http.client.HTTPConnection(host, port, timeout=60)
+        conn.connect()
+        # No Nagle delay, as urllib3 and httpx set: http.client writes the headers and the
+        # body apart, and Nagle may hold the body back until the headers are acknowledged
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             conn.request("GET", "/health")
             conn.getresponse().read()

@@ -3,11 +3,16 @@
 The handler switches JAX to :func:`~symjax_mlp.serving.latency_mode` first (before anything
 starts JAX's CPU backend; ``--dispatch async`` keeps JAX's default), then runs
 :func:`~symjax_mlp.serving.serve` until SIGINT or SIGTERM, and exits 0 after a clean shutdown.
+Once the model is loaded and compiled it calls ``gc.freeze()``: what exists then (JAX, the
+model, its executables) stays for the life of the process, and Python's full collections
+need not walk it again. Without it, one full collection took 84-89 ms on a 2-core CPU and
+stalled every request in flight: with 16 HTTP clients, one request in 40 waited about 90 ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 
 from symjax_mlp.cli._args import positive
 
@@ -58,9 +63,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Serves ``args.path`` until interrupted; returns 0 after a clean shutdown."""
     from symjax_mlp.serving import latency_mode, serve
+    from symjax_mlp.serving._app import _print_ready
 
     if args.dispatch == "sync":
         latency_mode()  # before anything starts JAX's CPU backend
+    say = _print_ready(args.path)
+
+    def ready(url: str) -> None:
+        gc.freeze()  # loaded and compiled: see the module's docstring
+        say(url)
+
     serve(
         args.path,
         host=args.host,
@@ -69,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         log_level=args.log_level,
+        ready=ready,
         entry=args.entry,
     )
     print("symjax-mlp serve: shut down cleanly", flush=True)
