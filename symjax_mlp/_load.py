@@ -75,6 +75,7 @@ class LoadedModel:
       signature: what the model takes and returns, symbolic dims by name.
       runtime: ``"jax"`` or ``"iree"``.
       entry: the name of this entry point.
+      params_as_constants: whether its programs hold the weights as constants (``load``).
     """
 
     def __init__(
@@ -187,6 +188,7 @@ def load(
     trust: bool = False,
     allow: Iterable[str] | None = None,
     verify_signature: str | os.PathLike[str] | None = None,
+    params_as_constants: bool = False,
 ) -> LoadedModel:
     """Loads an artifact written by :func:`export`; no model source code is needed.
 
@@ -222,6 +224,11 @@ def load(
       verify_signature: the PEM file of a public key: refuse the artifact unless every file
         in its directory is what that key's owner signed with :func:`~symjax_mlp.sign`
         (checked before any file is parsed; needs ``symjax_mlp[sign]``).
+      params_as_constants: compile the weights into each program XLA builds for a call, as
+        constants, instead of passing them to every call (JAX runtime, one device): for
+        serving, where a call's latency counts; see :func:`~symjax_mlp.hybridize`. The
+        weights of a loaded model never change, so nothing goes stale. The checks above are
+        the same: they read the artifact's module, which takes the weights as inputs.
 
     Returns:
       A callable :class:`LoadedModel` with ``.signature`` and ``.manifest``.
@@ -242,6 +249,15 @@ def load(
     """
     if runtime not in RUNTIMES:
         raise ConfigError(f"load(runtime={runtime!r}): expected one of {RUNTIMES}.")
+    if params_as_constants not in (False, True):
+        raise ConfigError(
+            f"load(params_as_constants={params_as_constants!r}): expected True or False."
+        )
+    if params_as_constants and runtime != "jax":
+        raise ConfigError(
+            f"load(runtime={runtime!r}, params_as_constants=True): only the JAX runtime compiles "
+            "the weights into its programs. Drop params_as_constants, or use runtime='jax'."
+        )
     allowed = ops.normalize_allow(allow)
     path = Path(path)
     unchanged = None
@@ -277,6 +293,7 @@ def load(
         trust=trust,
         allowed=allowed,
         self_test=self_test and params is None,  # other weights give other outputs, by design
+        constants=params_as_constants,
     )
     return opener.open(None, ordered)
 
@@ -320,9 +337,10 @@ class _Opener:
             ops.check(report, file=file, allow=options["allowed"], caller="load()")
             digest = self.manifest["files"][file.name]["sha256"]
             guard = _guard(file, report, options["allowed"], digest)
+        baked = {"constants": True} if options["constants"] else {}  # (the JAX runtime's)
         run, weights = self.backend.runner(
             path, view, blobs, arrays, exported=exported, guard=guard,
-            custom_calls=None if report is None else report.custom_calls,
+            custom_calls=None if report is None else report.custom_calls, **baked,
         )  # fmt: skip
         if not self.weights:
             self.weights = weights  # on device for JAX: every entry point runs on these
@@ -330,6 +348,7 @@ class _Opener:
         if options["mesh"] is not None:
             run = _under(options["mesh"], run)
         model = LoadedModel(path, freeze(view), self.runtime, weights, run, self)
+        model.params_as_constants = options["constants"]
         if options["self_test"]:
             selftest.run(path, view, blobs, model._outputs)
         return model

@@ -55,6 +55,22 @@ def test_chapter_net_round_trip_for_batch_1_7_1000(tmp_path):
         np.testing.assert_allclose(np.asarray(y), np.asarray(h(xb)), rtol=1e-6, atol=0)
 
 
+def test_load_params_as_constants_compiles_the_weights_into_the_program(art):
+    art, _ = art
+    plain, baked = sm.load(art.path), sm.load(art.path, params_as_constants=True)
+    assert baked.params_as_constants and not plain.params_as_constants
+    for batch in (1, 5):  # each batch size its own program, the symbolic batch kept
+        xb = rand(batch, 8, seed=batch)
+        np.testing.assert_array_equal(np.asarray(baked(xb)), np.asarray(plain(xb)))
+    for w in baked._params.values():  # its programs hold the weights: they still run
+        w.delete()
+    np.testing.assert_array_equal(np.asarray(baked(rand(5, 8, seed=5))), plain(rand(5, 8, seed=5)))
+    with pytest.raises(sm.ConfigError, match="only the JAX runtime compiles the weights"):
+        sm.load(art.path, runtime="iree", params_as_constants=True)
+    with pytest.raises(sm.ConfigError, match="expected True or False"):
+        sm.load(art.path, params_as_constants="yes")
+
+
 def test_manifest_records_the_contract(art):
     art, h = art
     m = sm.load(art.path)

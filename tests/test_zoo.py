@@ -319,6 +319,8 @@ def test_export_and_load_in_eval_mode(case: Case, tmp_path):
     m = sm.load(art.path)
     want = h(*xs, **case.eval)
     chex.assert_trees_all_close(m(*arrays), want, **TOL)
+    baked = sm.load(art.path, params_as_constants=True)  # the weights compiled in
+    chex.assert_trees_all_close(baked(*arrays), want, **TOL)
     # the same model as the second entry point of a two-entry artifact: one weight file
     two = sm.export({"first": h, "second": h}, tmp_path / "two", example=xs, kwargs=case.eval)
     assert [p.path for p in two.params] == [p.path for p in art.params]

@@ -17,6 +17,7 @@ thread compiles it (:func:`_no_lapack`); every other lowering gets it as before.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -33,7 +34,7 @@ from symjax_mlp._artifact.format import (
     compatibility_note,
     program_file,
 )
-from symjax_mlp._errors import ArtifactError
+from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._specs import shape_dims
 
 
@@ -144,6 +145,7 @@ def runner(
     exported: Any,
     guard: Callable[[Callable[[], Any], int, Any], None] | None = None,
     custom_calls: Any = None,
+    constants: bool = False,
 ) -> tuple[Callable[[list[Any]], list[Any]], dict[str, Any]]:
     """Returns ``run(inputs) -> [jax.Array, ...]`` and the weights it runs with (on device).
 
@@ -152,6 +154,8 @@ def runner(
     ``refine()`` gives the StableHLO with every shape refined to the call's.
     ``custom_calls``: the targets the module (and its VJPs) call, as the op check found them,
     or ``None``; a module known to call no LAPACK kernel compiles without JAX's LAPACK set-up.
+    ``constants``: run a jit that closes over the weights (XLA constants), not one taking them;
+    the guard still refines the module that takes them.
     """
     key = manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"]
     cached = _CALLS.pop(key, None)  # the same module loaded again: reuse its compilations
@@ -166,6 +170,16 @@ def runner(
     checked: set[Any] = set()  # (shape, dtype) of the inputs of each call the guard passed
     tree = exported.out_tree
     single = tree.num_leaves == 1 and tree.num_nodes == 1  # one array, not a tuple of one
+    if constants and manifest["nr_devices"] != 1:
+        raise ConfigError(
+            f"load({str(path)!r}, params_as_constants=True): the artifact runs sharded over "
+            f"{manifest['nr_devices']} devices, and its weights are placed on each; load it "
+            "without params_as_constants."
+        )
+    if constants:  # the weights closed over: XLA constants
+        run = jax.jit(lambda *inputs: exported.call(weights, *inputs))
+    else:
+        run = functools.partial(call, weights)
 
     def check_new(inputs: list[Any], key: Any) -> None:
         shapes = tuple((tuple(x.shape), str(x.dtype)) for x in inputs)
@@ -185,9 +199,9 @@ def runner(
             if key not in checked:  # the first call of this signature: it compiles
                 with _no_lapack(custom_calls):
                     check_new(inputs, key)
-                    out = call(weights, *inputs)
+                    out = run(*inputs)
                 return [out] if single else list(out)
-        out = call(weights, *inputs)
+        out = run(*inputs)
         return [out] if single else list(out)
 
     n = manifest["nr_devices"]
