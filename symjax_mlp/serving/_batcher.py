@@ -3,11 +3,11 @@
 One executor lane runs one batch at a time. A request that finds it idle (and nothing
 queued) is dispatched at once: :meth:`Batcher.__call__` runs it on the calling thread (no
 thread hand-off), :meth:`Batcher.submit` hands it to the batcher's thread, and
-:meth:`Batcher.asubmit` runs it on the event loop when the loop's current pass ends. Requests that
-arrive while a batch runs wait in a bounded queue and are merged, in arrival order, into the
-next batch, up to ``max_batch`` rows. A batch is padded with zero rows to the smallest bucket
-(powers of two by default) that holds it; every bucket was compiled when the batcher was
-made, so nothing compiles while serving, and padding rows are never returned.
+:meth:`Batcher.asubmit` runs it on the event loop when the loop's current pass ends.
+Requests that arrive while a batch runs wait in a bounded queue and are merged, in arrival
+order, into the next batch, up to ``max_batch`` rows. A batch is padded with zero rows to the
+smallest bucket (powers of two by default) that holds it; every bucket was compiled when the
+batcher was made, so nothing compiles while serving, and padding rows are never returned.
 
 What a request costs besides the model (measured by ``symjax-mlp bench --serving``):
 
