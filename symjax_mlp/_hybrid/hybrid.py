@@ -196,6 +196,7 @@ class Hybrid:
         m, rep, dat, n = _mesh.shardings(mesh, axis)
         self._set(
             _fast=False,
+            _constants=None,
             mesh=m,
             n_shards=n,
             _batch_sharding=dat,
@@ -478,7 +479,7 @@ class Hybrid:
         if entry == "apply":
             params = leaves
         else:  # a baked call closes over the params: JAX stages them as constants
-            baked = self.mesh is None and self._constants is not None
+            baked = self._constants is not None
             params = jax.tree.unflatten(self._treedef, self._constants if baked else leaves)
         result = self._model.call(params, state, args, kwargs)
         self._commit(event)
