@@ -25,7 +25,7 @@ import numpy as np
 
 import symjax_mlp as sm
 
-RUNS = 20
+RUNS = 14  # sized for CI (2 cores, the suite under 10 minutes); each run starts a process
 LANES = 2  # runs in parallel, each lane on its own artifact path
 MODELS = textwrap.dedent(
     """
