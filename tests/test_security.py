@@ -87,6 +87,8 @@ def test_what_sm_export_writes_unchecked_is_refused(tmp_path, request):
                       ("export_linalg", "custom_call:lapack_sgetrf_ffi")):  # fmt: skip
         with pytest.raises(sm.ArtifactError, match=rf"allow=.*{key}"):
             sm.load(made[name])
+        with pytest.raises(sm.ArtifactError, match=rf"allow=.*{key}"):  # the weights baked in
+            sm.load(made[name], params_as_constants=True)
 
 
 def test_what_is_allowed_by_name_loads(base, tmp_path):
@@ -182,6 +184,9 @@ def test_shapes_computed_at_the_call_are_bounded_too(symbolic, tmp_path):
     m = sm.load(art, self_test=False)
     with pytest.raises(sm.ArtifactError, match=r"for these inputs \(6 elements\)"):
         m(x)
+    baked = sm.load(art, self_test=False, params_as_constants=True)  # checked per call too
+    with pytest.raises(sm.ArtifactError, match=r"for these inputs \(6 elements\)"):
+        baked(x)
     assert time.perf_counter() - t0 < 10
 
 

@@ -330,7 +330,8 @@ def test_export_and_load_in_eval_mode(case: Case, tmp_path):
 @pytest.mark.parametrize("case", [c for c in ZOO if c.name != "linen_dict"], ids=lambda c: c.name)
 def test_a_batcher_serves_each_exported_model_row_for_row(case: Case, tmp_path):
     """Each zoo model's artifact (eval mode) behind a Batcher: blocking calls, futures and
-    asyncio requests of 1-3 rows each get the rows the artifact gives them alone."""
+    asyncio requests (one at a time, run on the loop, and gathered, run as one batch) of 1-3
+    rows each get the rows the artifact gives them alone."""
     import asyncio
 
     h = case.hybridize()
@@ -341,13 +342,14 @@ def test_a_batcher_serves_each_exported_model_row_for_row(case: Case, tmp_path):
     wants = [m(*r) for r in requests]
 
     async def awaited(b):
-        return await asyncio.gather(*(b.asubmit(*r) for r in requests))
+        alone = [await b.asubmit(*r) for r in requests]  # one at a time: each on the loop
+        return alone + await asyncio.gather(*(b.asubmit(*r) for r in requests))  # batched
 
     with sm.serving.Batcher(m, max_batch=4) as b:
         got = [b(*requests[0])]
         got += [f.result(30) for f in [b.submit(*r) for r in requests[1:]]]
         got += asyncio.run(awaited(b))
-    for want, y in zip(wants + wants, got, strict=True):
+    for want, y in zip(wants * 3, got, strict=True):
         chex.assert_trees_all_close(y, want, **TOL)
 
 
