@@ -450,10 +450,8 @@ def _latency_rows(
     children: list[tuple[str, dict, subprocess.Popen, Any]] = []
     try:
         for kind, kw in modes:
-            label = kw.get("mode", f"JAX, {kw.get('dispatch')} dispatch")
-            label += ", params as constants" if kw.get("constants") else ""
-            threads = f", {kw['threads']} thread(s)" if "threads" in kw else ""
-            say(f"latency: starting {label}{threads} in a fresh process")
+            label = _mode_label({"mode": kind, **kw})  # as its row will be labelled
+            say(f"latency: starting {label} in a fresh process")
             errors = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a file: never fills up)
             args = json.dumps({"kind": kind, "warmup": 200, **kw, **net})
             proc = subprocess.Popen(
@@ -470,7 +468,7 @@ def _latency_rows(
             except RuntimeError as e:
                 if kind == "jax":
                     raise
-                notes.append(f"{label}{threads} skipped: {str(e)[-300:]}")
+                notes.append(f"{label} skipped: {str(e)[-300:]}")
                 _stop(*children.pop()[2:])
         samples: list[dict[str, list]] = [{} for _ in children]
         metas: list[dict] = [{} for _ in children]
