@@ -254,6 +254,8 @@ def test_2_device_export_runs_on_2_of_the_8_devices(tmp_path):
     assert out.sharding.device_set == set(jax.devices()[4:6])
     with pytest.raises(sm.ArtifactError, match=r"exported for 2 device\(s\).*sm.data_mesh\(2\)"):
         sm.load(art.path, mesh=sm.data_mesh(8))
+    with pytest.raises(sm.ConfigError, match=r"sharded over 2 devices.*without params_as_const"):
+        sm.load(art.path, params_as_constants=True)
 
 
 _EXPORT_16 = """
