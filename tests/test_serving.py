@@ -941,6 +941,7 @@ def test_http_health_signature_and_metrics(server):
     sig = json.loads(body)
     assert sig["inputs"] == [{"path": "args[0]", "shape": ["b", 512], "dtype": "float32"}]
     assert sig["buckets"] == [1, 2, 4, 8]
+    assert sig["params_as_constants"] is False
     code, headers, body = _get(url, "/metrics")
     assert code == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
     text = body.decode()
@@ -1091,6 +1092,35 @@ def test_the_gpu_check_script_exists_and_is_bash():
     assert "--xla_gpu_enable_command_buffer=" in text
     out = subprocess.run(["bash", "-n", script], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
+
+
+def test_serve_params_as_constants_answers_as_a_plain_load(tmp_path):
+    art = sm.chapter.export_mlp(tmp_path / "mlp")
+    proc, url = _start(art.path, "--max-batch", "4", "--params-as-constants")
+    try:
+        assert json.loads(_get(url, "/signature")[2])["params_as_constants"] is True
+        for n, bucket in ((1, 1), (3, 4)):  # a whole bucket, and 3 rows padded to 4
+            x = rows(n, seed=n)
+            body = io.BytesIO()
+            np.save(body, x)
+            status, _, raw = _post(url, body.getvalue(), "application/x-npy")
+            assert status == 200, raw
+            padded = np.concatenate([x, np.zeros((bucket - n, 512), np.float32)])
+            want = np.asarray(sm.load(art.path)(padded))  # what the batcher ran, plain
+            np.testing.assert_array_equal(np.load(io.BytesIO(raw)), want[:n])
+    finally:
+        code, _, err = _stop(proc)
+    assert code == 0, err
+
+
+def test_serve_params_as_constants_on_iree_is_a_clear_error(tmp_path, capsys):
+    from symjax_mlp.cli import main
+
+    art = sm.chapter.export_mlp(tmp_path / "mlp")
+    args = ["serve", str(art.path), "--runtime", "iree", "--params-as-constants"]
+    assert main([*args, "--dispatch", "async"]) == 2
+    err = capsys.readouterr().err
+    assert "only the JAX runtime compiles the weights" in err and "Traceback" not in err
 
 
 def test_serve_one_entry_point_of_an_artifact(tmp_path):

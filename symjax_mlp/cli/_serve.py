@@ -54,6 +54,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default="sync",
         help="JAX's CPU dispatch: sync is the latency mode (calls run on the calling thread)",
     )
+    p.add_argument(
+        "--params-as-constants",
+        action="store_true",
+        help="compile the weights into each bucket's program (JAX runtime, one device): "
+        "a call passes only its inputs",
+    )
     p.add_argument("--entry", help="the entry point to serve (default: the artifact's default)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     p.set_defaults(handler=run)
@@ -83,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         ready=ready,
         entry=args.entry,
+        params_as_constants=args.params_as_constants,
     )
     print("symjax-mlp serve: shut down cleanly", flush=True)
     return 0

@@ -285,6 +285,7 @@ def create_app(
                 "max_batch": batcher.max_batch,
                 "buckets": list(batcher.buckets),
                 "model": batcher.name,
+                "params_as_constants": bool(getattr(batcher.model, "params_as_constants", False)),
             }
         )
 
@@ -322,6 +323,7 @@ def serve(
     log_level: str = "warning",
     ready: Callable[[str], None] | None = None,
     entry: str | None = None,
+    params_as_constants: bool = False,
 ) -> None:
     """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
 
@@ -342,15 +344,18 @@ def serve(
       log_level: uvicorn's log level.
       ready: called with the URL once the socket is bound.
       entry: the entry point to serve (default: the artifact's default one).
+      params_as_constants: compile the weights into each bucket's program (see
+        :func:`~symjax_mlp.load`): a call passes only its inputs, a few µs less per batch.
 
     Raises:
+      ConfigError: ``params_as_constants`` with ``runtime="iree"`` or a sharded artifact.
       ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
       ArtifactError: the artifact cannot be loaded.
     """
     _require()
     import uvicorn
 
-    model = load(artifact, runtime=runtime)
+    model = load(artifact, runtime=runtime, params_as_constants=params_as_constants)
     if entry is not None:
         model = model[entry]
     batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue)
