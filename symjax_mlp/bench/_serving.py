@@ -709,8 +709,8 @@ def bench_serving(
     sizes: Sequence[int] = (256, 128, 2),
     in_features: int = 512,
     activation: str | None = "relu",
-    calls: int = 2000,
-    repeats: int = 5,
+    calls: int = 500,
+    repeats: int = 20,
     torch: bool = True,
     torch_modes: Sequence[str] = TORCH_MODES,
     clients: Sequence[int] = (1, 8, 64),
@@ -732,8 +732,12 @@ def bench_serving(
     Args:
       sections: any of ``"latency"``, ``"batcher"``, ``"http"``.
       sizes, in_features, activation: the net, ``mlp(sizes)`` on ``(1, in_features)`` rows.
-      calls, repeats: synced batch-1 calls per round, and rounds (the modes take turns), in
-        the latency section.
+      calls, repeats: synced batch-1 calls per round, and rounds (the modes take turns, the
+        order rotating each round), in the latency section. Many short rounds, at least as
+        many as modes, put each mode at each place of the turn (after each other mode) and
+        spread a busy spell of the machine over all of them. On a 2-core VM, two runs each,
+        alternated: 5 rounds of 2000 calls read the PyTorch/JAX target 1.64x and 1.66x (and
+        params as constants slower than the plain call); 20 rounds of 500 read 1.99x twice.
       torch: add the PyTorch rows (when torch is installed; else a note).
       torch_modes: which of ``torch_eager``, ``torch_script``, ``torch_compile``.
       clients: concurrent in-process clients of the batcher.
