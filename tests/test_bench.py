@@ -65,10 +65,11 @@ def test_every_timed_call_is_synced():
 
 def test_interleaved_order_and_inputs_per_call():
     order = []
-    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
-    t = bench.time_interleaved(fns, calls=1, repeats=3, warmup=1, inputs_per_call={"b": 10})
-    assert order == ["a", "b"] + ["a", "b"] * 3  # warm-ups, then repeat r of each in turn
-    assert list(t) == ["a", "b"] and t["b"].inputs_per_call == 10
+    fns = {k: (lambda k=k: order.append(k)) for k in "abc"}
+    t = bench.time_interleaved(fns, calls=1, repeats=4, warmup=1, inputs_per_call={"b": 10})
+    # the warm-ups, then repeat r of each in turn, the turn rotating: each follows each other
+    assert order == [*"abc", *"abc", *"bca", *"cab", *"abc"]
+    assert list(t) == ["a", "b", "c"] and t["b"].inputs_per_call == 10
 
 
 def test_bad_counts_are_refused():

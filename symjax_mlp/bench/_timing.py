@@ -136,8 +136,10 @@ def time_interleaved(
 
     Each callable is warmed up (``warmup`` calls, at least one), then repeat ``r`` of every
     callable runs before repeat ``r + 1`` of any, so slow drifts in machine load hit every
-    row alike. Every timed call is followed by its sync (``block_until_ready`` by default);
-    with ``pipelined``, only the last call of each repeat (the others still run: JAX runs a
+    row alike; the order rotates each repeat, so no row always runs right after the same
+    other (one that leaves a thread pool spinning, or the caches full of its own data).
+    Every timed call is followed by its sync (``block_until_ready`` by default); with
+    ``pipelined``, only the last call of each repeat (the others still run: JAX runs a
     program's calls in order on its device).
 
     Args:
@@ -171,11 +173,13 @@ def time_interleaved(
         sync_of[name](out)
         _loop(fn, sync_of[name], max(0, warmup - 1), pipelined)
     times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     for r in range(repeats):
         if progress:
             progress(f"timing {', '.join(fns)}: repeat {r + 1}/{repeats}")
-        for name, fn in fns.items():
-            times[name].append(_loop(fn, sync_of[name], calls, pipelined))
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            times[name].append(_loop(fns[name], sync_of[name], calls, pipelined))
     per = inputs_per_call or {}
     return {
         name: Timing(name, calls, tuple(times[name]), per.get(name, 1), pipelined) for name in fns
