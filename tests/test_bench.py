@@ -132,7 +132,12 @@ def test_report_text_starts_with_the_chapter_lines(report):
     text = "\n".join(lines)
     assert "hybridized (h)" in text and "AOT floor" in text and "ran on: " in text
     assert "what it means: " in text and "matmul rate" in text
-    assert "pipelined, one sync per repeat" in text and "h's own Python costs" in text
+    assert "pipelined, one sync per repeat" in text
+    piped = report.extra["pipelined"]  # which sentence: as this run's own figures say
+    if piped["hybridized"]["per_call_min_s"] > piped["floor"]["per_call_min_s"]:
+        assert "h's own Python costs" in text
+    else:
+        assert "h was the faster of the two here" in text
 
 
 def test_report_json_round_trips(report):
