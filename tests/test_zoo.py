@@ -331,12 +331,14 @@ def test_export_and_load_in_eval_mode(case: Case, tmp_path):
 def test_a_batcher_serves_each_exported_model_row_for_row(case: Case, tmp_path):
     """Each zoo model's artifact (eval mode) behind a Batcher: blocking calls, futures and
     asyncio requests (one at a time, run on the loop, and gathered, run as one batch) of 1-3
-    rows each get the rows the artifact gives them alone."""
+    rows each get the rows the artifact gives them alone; a baked load (params as constants,
+    what ``symjax-mlp serve --params-as-constants`` serves) as well."""
     import asyncio
 
     h = case.hybridize()
     xs = case.inputs(0)
-    m = sm.load(sm.export(h, tmp_path / case.name, example=xs, kwargs=case.eval).path)
+    path = sm.export(h, tmp_path / case.name, example=xs, kwargs=case.eval).path
+    m = sm.load(path)
     arrays = [np.asarray(x) for x in xs if hasattr(x, "shape")]
     requests = [[a[i:j] for a in arrays] for i, j in ((0, 1), (1, 4), (2, 4), (3, 4))]
     wants = [m(*r) for r in requests]
@@ -345,12 +347,13 @@ def test_a_batcher_serves_each_exported_model_row_for_row(case: Case, tmp_path):
         alone = [await b.asubmit(*r) for r in requests]  # one at a time: each on the loop
         return alone + await asyncio.gather(*(b.asubmit(*r) for r in requests))  # batched
 
-    with sm.serving.Batcher(m, max_batch=4) as b:
-        got = [b(*requests[0])]
-        got += [f.result(30) for f in [b.submit(*r) for r in requests[1:]]]
-        got += asyncio.run(awaited(b))
-    for want, y in zip(wants * 3, got, strict=True):
-        chex.assert_trees_all_close(y, want, **TOL)
+    for served in (m, sm.load(path, params_as_constants=True)):
+        with sm.serving.Batcher(served, max_batch=4) as b:
+            got = [b(*requests[0])]
+            got += [f.result(30) for f in [b.submit(*r) for r in requests[1:]]]
+            got += asyncio.run(awaited(b))
+        for want, y in zip(wants * 3, got, strict=True):
+            chex.assert_trees_all_close(y, want, **TOL)
 
 
 def test_a_call_that_changes_the_state_structure_says_to_use_apply():
