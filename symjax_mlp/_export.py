@@ -235,6 +235,7 @@ class _Stage:
     host_params: list[np.ndarray]
     fn: Callable[..., Any]  # fn(params tree, *inputs)
     treedef: Any
+    leaf_paths: tuple[str, ...]  # the params' paths in treedef's (flatten) order
     batch: str | None
     per_input_shapes: bool
     constraints: tuple[str, ...]
@@ -308,7 +309,18 @@ def _stage(
     specs, host_params = param_specs(stored)
     treedef = jax.tree.structure(stored)
     fn = _sharded_fn(h, fn) if h.mesh is not None else fn
-    order = sorted(range(len(specs)), key=lambda i: specs[i].path)  # a dict flattens sorted
+    leaf_paths = tuple(s.path for s in specs)
+    if len(set(leaf_paths)) < len(leaf_paths):
+        twice = sorted({p for p in leaf_paths if leaf_paths.count(p) > 1})
+        raise ConfigError(
+            f"export({h.name}): two params share the path {twice[0]!r} (keys that print alike, "
+            "such as 1 and '1'); params.safetensors names each tensor by its path. Rename one."
+        )
+    # The weight file and the module's params dict are sorted by path (a dict flattens
+    # sorted); the model rebuilds its own tree from them in its flatten order (leaf_paths),
+    # which differs from sorted order for lists of 11+ layers ('10' < '2') and for keys with
+    # characters below '/' ('proj-out' < 'proj/...').
+    order = sorted(range(len(specs)), key=lambda i: specs[i].path)
     return _Stage(
         h,
         static,
@@ -317,6 +329,7 @@ def _stage(
         [host_params[i] for i in order],
         fn,
         treedef,
+        leaf_paths,
         batch,
         shapes is not None,
         tuple(constraints),
@@ -350,7 +363,7 @@ def _export_program(
     """``jax.export`` of one entry point, its params a dict keyed by path (so the module's
     own input tree names every param and load binds weights by name)."""
     h, static, treedef, fn = stage.h, stage.static, stage.treedef, stage.fn
-    paths = [s.path for s in stage.specs]
+    paths = stage.leaf_paths
 
     def model(params: dict[str, jax.Array], *inputs: jax.Array) -> Any:
         args, kw = rebuild(static, inputs, {})

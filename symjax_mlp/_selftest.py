@@ -18,10 +18,24 @@ import safetensors
 
 from symjax_mlp._artifact.format import SELFTEST, program_file
 from symjax_mlp._artifact.weights import decode_params
-from symjax_mlp._errors import ArtifactError
+from symjax_mlp._errors import ArtifactError, SymjaxError
 
 BATCH = 2  # rows per symbolic batch dimension in the vectors
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # XLA may fuse differently across CPUs and versions
+ULPS = 4  # a narrower float's outputs: this many of its epsilons (relative and absolute)
+
+
+def tolerance(dtype: Any) -> dict[str, float]:
+    """The self-test's tolerance for outputs of ``dtype``: ``TOLERANCE``, or for a float
+    narrower than float32 (float16, bfloat16: one rounding there is 1e-3 to 8e-3) ``ULPS``
+    of its epsilon."""
+    import ml_dtypes
+
+    try:
+        eps = float(ml_dtypes.finfo(dtype).eps)
+    except ValueError:  # not a float: integers and bools compare at TOLERANCE
+        return dict(TOLERANCE)
+    return {k: max(v, ULPS * eps) for k, v in TOLERANCE.items()}
 
 
 def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
@@ -49,8 +63,9 @@ def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
 
 def encode(xs: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> bytes:
     """The vectors as safetensors: ``args[i]`` and ``out[i]``."""
-    tensors = {f"args[{i}]": np.ascontiguousarray(x) for i, x in enumerate(xs)}
-    tensors |= {f"out[{i}]": np.ascontiguousarray(np.asarray(y)) for i, y in enumerate(outs)}
+    # np.asarray(order="C"), not np.ascontiguousarray: that one makes a scalar 1-d
+    tensors = {f"args[{i}]": np.asarray(x, order="C") for i, x in enumerate(xs)}
+    tensors |= {f"out[{i}]": np.asarray(y, order="C") for i, y in enumerate(outs)}
     specs = {
         name: safetensors.TensorSpec(
             dtype=str(a.dtype), shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
@@ -82,15 +97,34 @@ def run(
         raise ArtifactError(
             f"{path / name} lacks the vector {e}; the artifact is corrupted. Export it again."
         ) from None
-    got = [np.asarray(y) for y in call(list(xs))]
+    sig = manifest["signature"]
+    for i, (x, spec) in enumerate(zip(xs, sig["inputs"], strict=True)):
+        shape = tuple(BATCH if isinstance(d, str) else d for d in spec["shape"])
+        _fits(path / name, f"args[{i}]", x, spec["dtype"], shape, f"input {i}")
+    for i, (y, spec) in enumerate(zip(want, sig["outputs"], strict=True)):
+        _fits(path / name, f"out[{i}]", y, spec["dtype"], y.shape, f"output {i}")
+    try:
+        got = [np.asarray(y) for y in call(list(xs))]
+    except SymjaxError as e:  # the vectors fit the signature, yet the program refuses them
+        raise ArtifactError(f"{path / name}: its vectors do not run: {e}") from None
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         g64, w64 = (np.asarray(a, np.float64) for a in (g, w))
-        if g.shape != w.shape or not np.allclose(g64, w64, **TOLERANCE):
+        tol = tolerance(w.dtype)
+        if g.shape != w.shape or not np.allclose(g64, w64, **tol):
             err = float(np.max(np.abs(g64 - w64))) if g.shape == w.shape else float("nan")
             raise ArtifactError(
                 f'symjax_mlp.load("{path}"): the model no longer reproduces its self-test: '
                 f"out[{i}] differs from what it gave at export by up to {err:.3g} (tolerance "
-                f"rtol {TOLERANCE['rtol']}, atol {TOLERANCE['atol']}). The weights, the "
+                f"rtol {tol['rtol']:g}, atol {tol['atol']:g}). The weights, the "
                 "module or this platform's numerics changed; do not trust its answers. Export "
                 "it again, or load with self_test=False to inspect it anyway."
             )
+
+
+def _fits(file: Path, vector: str, a: np.ndarray, dtype: str, shape: tuple, what: str) -> None:
+    if a.shape != shape or str(a.dtype) != dtype:
+        raise ArtifactError(
+            f"{file}: its vector {vector} is {a.dtype}{list(a.shape)}, but the signature's "
+            f"{what} is {dtype}{list(shape)}; the artifact is corrupted or was edited. Export "
+            "it again."
+        )

@@ -83,11 +83,12 @@ class LinenDict(nn.Module):
 
 
 class LinenDepth(nn.Module):
-    """A Python-int depth: how many of its hidden layers a call uses."""
+    """A Python-int depth: how many of its hidden layers a call uses. The names sort apart
+    as keys and as joined paths ("hidden" < "hidden-1", but "hidden-1/..." < "hidden/...")."""
 
     @nn.compact
     def __call__(self, x, depth: int = 3):
-        layers = [nn.Dense(8, name=f"hidden_{i}") for i in range(3)]
+        layers = [nn.Dense(8, name=n) for n in ("hidden", "hidden-1", "hidden-2")]
         x = nn.Dense(8, name="stem")(x)
         for layer in layers[:depth]:
             x = nn.relu(layer(x))
@@ -124,9 +125,11 @@ class NnxTwoInputs(nnx.Module):
 
 
 class NnxDepth(nnx.Module):
+    """12 hidden layers of one shape, in a list: paths "hidden/10" sort before "hidden/2"."""
+
     def __init__(self, rngs: nnx.Rngs):
         self.stem = nnx.Linear(5, 8, rngs=rngs)
-        self.hidden = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(3)])
+        self.hidden = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(12)])
         self.head = nnx.Linear(8, 2, rngs=rngs)
 
     def __call__(self, x, depth: int = 3):
@@ -207,7 +210,7 @@ ZOO = (
          train={"deterministic": False}, eval={"deterministic": True}),
     Case("nnx_two_inputs", "nnx", _nnx(NnxTwoInputs), lambda s: (_x(s), _x(s + 100, (4, 2))),
          train={"scale": 2.0}),
-    Case("nnx_depth", "nnx", _nnx(NnxDepth), lambda s: (_x(s), 2)),
+    Case("nnx_depth", "nnx", _nnx(NnxDepth), lambda s: (_x(s), 11)),
     Case("fn_kwargs", "fn",
          lambda: (_scaled, {"w": np.full((5, 3), 0.1, np.float32), "b": np.zeros(3, np.float32)}),
          lambda s: (_x(s),), train={"scale": 3.0}),

@@ -494,6 +494,40 @@ def test_bfloat16_params_round_trip(tmp_path):
     np.testing.assert_array_equal(np.asarray(sm.load(art.path)(x)), np.asarray(h(x)))
 
 
+def test_scalar_inputs_and_outputs_load_and_pass_their_self_test(tmp_path):
+    """A rank-0 input and a rank-0 output: the self-test vectors keep their rank (they were
+    once stored 1-d, and the default load refused what export had just written)."""
+    h = sm.hybridize(lambda p, x, t: jnp.mean(x @ p) / t, jnp.full((8, 2), 0.5, jnp.float32))
+    x, t = rand(3), jnp.float32(2.0)
+    art = sm.export(h, tmp_path / "scalar", example=(x, t), batch=None)
+    vectors = safetensors.numpy.load_file(art.path / "selftest.safetensors")
+    assert vectors["args[1]"].shape == () and vectors["out[0]"].shape == ()
+    y = sm.load(art.path)(x, t)  # the self-test runs and passes
+    assert np.shape(y) == () and np.allclose(y, h(x, t), rtol=1e-6)
+
+
+def test_two_params_with_one_path_are_refused(tmp_path):
+    """Two leaves whose keys print alike would share one tensor of params.safetensors."""
+
+    @jax.tree_util.register_pytree_with_keys_class
+    class Twins:
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+
+        def tree_flatten_with_keys(self):
+            key = jax.tree_util.DictKey("w")
+            return ((key, self.a), (key, self.b)), None
+
+        @classmethod
+        def tree_unflatten(cls, _, children):
+            return cls(*children)
+
+    h = sm.hybridize(lambda p, x: x @ p.a + x @ p.b, Twins(jnp.ones((8, 2)), jnp.zeros((8, 2))))
+    with pytest.raises(sm.ConfigError, match=r"two params share the path 'w'"):
+        sm.export(h, tmp_path / "twins", example=rand(2))
+    assert not (tmp_path / "twins").exists()
+
+
 # -- verify and the CLI -------------------------------------------------------------------------
 def test_verify_fails_against_a_different_model(art):
     art, _ = art

@@ -313,7 +313,7 @@ NNX_LAYERS = {
     "nnx_batchnorm": {"dense", "norm", "out"},
     "nnx_dropout": {"dense", "drop", "out"},
     "nnx_two_inputs": {"a", "b"},
-    "nnx_depth": {"stem", "hidden/0", "hidden/1", "head"},  # depth=2: hidden/2 is not called
+    "nnx_depth": {"stem", *(f"hidden/{i}" for i in range(11)), "head"},  # hidden/11 is not called
 }
 
 

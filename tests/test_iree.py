@@ -211,6 +211,27 @@ def test_iree_runs_a_multi_platform_export(tmp_path):
     np.testing.assert_allclose(m(x), np.asarray(h(x)), **TOL)
 
 
+def test_a_float16_model_passes_its_self_test_under_iree(tmp_path):
+    """IREE rounds a float16 model's outputs a float16 ulp away from XLA's; the self-test's
+    tolerance is in the output's own epsilons (a float32 tolerance refused it)."""
+    import flax.linen as nn
+
+    class Half(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(16, dtype=jnp.float16, param_dtype=jnp.float16)(x))
+            return nn.Dense(3, dtype=jnp.float16, param_dtype=jnp.float16)(x)
+
+    x = rand(4, 5).astype(jnp.float16)
+    net = Half()
+    h = sm.hybridize(net, net.init(jax.random.key(1), x))
+    art = sm.export(h, tmp_path / "half", example=x)
+    y = sm.load(art.path, runtime="iree")(x)  # the self-test runs, under IREE
+    eps = float(jnp.finfo(jnp.float16).eps)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(h(x), np.float32),
+                               rtol=4 * eps, atol=4 * eps)  # fmt: skip
+
+
 def test_iree_refuses_what_it_cannot_run(tmp_path, compiles):
     net = sm.mlp((4,))
     x = rand(2, 3)

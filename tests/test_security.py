@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from fuzzing import forge
@@ -535,6 +536,32 @@ class Duck:
     def __init__(self):
         self.shape = [2, 3]  # a list: unhashable, once a TypeError in the loader's cache key
         self.dtype = object()
+
+
+@pytest.mark.parametrize(
+    "vectors, message",
+    [
+        ({"args[0]": np.zeros((5, 7), np.float32), "out[0]": np.zeros((5, 2), np.float32)},
+         r"args\[0\] is float32\[5, 7\], but the signature's input 0 is float32\[2, 3\]"),
+        ({"args[0]": np.zeros((2, 3), np.int32), "out[0]": np.zeros((2, 2), np.float32)},
+         r"args\[0\] is int32\[2, 3\]"),
+        ({"args[0]": np.ones((2, 3), np.float32), "out[0]": np.ones((2, 2), np.uint8)},
+         r"out\[0\] is uint8\[2, 2\], but the signature's output 0 is float32"),
+        ({"args[0]": np.ones((2, 3), np.float32), "out[0]": np.ones((2, 2), np.float32)},
+         r"no longer reproduces its self-test"),
+    ],
+    ids=["shape", "dtype", "out_dtype", "out_values"],
+)  # fmt: skip
+def test_self_test_vectors_that_do_not_fit_are_artifact_errors(base, tmp_path, vectors, message):
+    """Vectors of another shape or dtype once came out as a SignatureError about a call the
+    user never made; they are the artifact's fault, named by its file."""
+    src, _ = base
+    blob = safetensors.numpy.save(vectors)
+    art = forge.resign(src, tmp_path / "vectors", files={"selftest.safetensors": blob})
+    with pytest.raises(sm.ArtifactError, match=message) as info:
+        sm.load(art)
+    assert "selftest.safetensors" in str(info.value) or "self-test" in str(info.value)
+    sm.load(art, self_test=False)  # the program itself is fine
 
 
 @pytest.mark.parametrize(
