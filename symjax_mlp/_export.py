@@ -30,12 +30,14 @@ from symjax_mlp._artifact.format import (
     FORMAT_VERSION,
     JAXEXPORT,
     MANIFEST,
+    MAX_DEPTH,
     MLIR,
     MLIRBC,
     PARAMS,
     RESERVED_ENTRY_NAMES,
     SELFTEST,
     check_target,
+    depth,
     entry_files,
 )
 from symjax_mlp._artifact.reading import Artifact, freeze
@@ -579,12 +581,18 @@ def _metadata(metadata: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
             f"{type(metadata).__name__}."
         )
     try:
-        return json.loads(json.dumps(dict(metadata), allow_nan=False))
-    except (TypeError, ValueError) as e:
+        card = json.loads(json.dumps(dict(metadata), allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
         raise ConfigError(
             f"export({name}, metadata=...): {e}. The model card is JSON: strings, numbers, "
             "lists and dicts (convert arrays with .tolist())."
         ) from None
+    if depth(card) > MAX_DEPTH - 1:  # the card sits one level into the manifest
+        raise ConfigError(
+            f"export({name}, metadata=...): the model card nests more than {MAX_DEPTH - 1} "
+            "levels deep, more than a loader reads; flatten it (or store it as a string)."
+        )
+    return card
 
 
 def _mirror(meta: Mapping[str, Any]) -> dict[str, str]:

@@ -10,6 +10,7 @@ bytes their dtype back; ``symjax-mlp run`` reads its ``--input`` files the same 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -25,7 +26,7 @@ import numpy as np
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._artifact.reading import inspect
-from symjax_mlp._errors import ConfigError, SymjaxError
+from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._load import RUNTIMES, load
 from symjax_mlp._signing import verify_signature as check_signature
 from symjax_mlp._specs import TensorSpec
@@ -162,9 +163,14 @@ def verify(
     art = inspect(path)
     sig = art.signature
     rng = np.random.default_rng(seed)
-    if sig.batch is None:
-        batches = (int(sig.inputs[0].shape[0]) if sig.inputs and sig.inputs[0].shape else 1,)
-    inputs = {b: [_random(s, b, rng) for s in sig.inputs] for b in batches}
+    if not any(isinstance(d, str) for s in sig.inputs for d in s.shape):  # static: one size
+        first = sig.inputs[0].shape if sig.inputs else ()
+        batches = (first[0] if first else 1,)
+    kinds = [_input_kind(art.path, s) for s in sig.inputs]
+    _check_size(art.path, sig, kinds, batches)
+    inputs = {
+        b: [_random(s, k, b, rng) for s, k in zip(sig.inputs, kinds, strict=True)] for b in batches
+    }
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_verify_") as tmp:
         work = Path(tmp)
         job = {
@@ -177,7 +183,7 @@ def verify(
         for b, xs in inputs.items():
             job["batches"][str(b)] = names = [f"x{b}_{i}.npy" for i in range(len(xs))]
             for name, x in zip(names, xs, strict=True):
-                np.save(work / name, x)
+                np.save(work / name, _key_data(x))  # an rng key crosses as its key data
                 dtypes[name] = str(x.dtype)
         job["dtypes"] = dtypes
         (work / "job.json").write_text(json.dumps(job))
@@ -246,24 +252,94 @@ def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.view(kind)
 
 
-def _read(work: Path, name: str, dtypes: Mapping[str, str]) -> np.ndarray:
-    return npy_array(np.load(work / name, allow_pickle=False), dtypes.get(name, ""))
+def _read(work: Path, name: str, dtypes: Mapping[str, str]) -> Any:
+    x = np.load(work / name, allow_pickle=False)
+    dtype = dtypes.get(name, "")
+    if dtype in _key_impls():  # an rng key crosses as its key data
+        import jax
+
+        return jax.random.wrap_key_data(x, impl=_key_impls()[dtype])
+    return npy_array(x, dtype)
 
 
-def _random(spec: TensorSpec, batch: int, rng: np.random.Generator) -> np.ndarray:
+MAX_INPUT_BYTES = 64 * 2**20  # of random inputs verify draws, over every batch size
+
+
+@functools.cache
+def _key_impls() -> dict[str, str]:
+    """JAX's rng-key dtype names (``key<fry>``) and the impl of each (``threefry2x32``)."""
+    import jax
+
+    names = ("threefry2x32", "rbg", "unsafe_rbg")
+    return {str(jax.random.key(0, impl=n).dtype): n for n in names}
+
+
+def _input_kind(path: Path, spec: TensorSpec) -> np.dtype | str:
+    """The NumPy dtype of an input (an rng key: its impl's name), or ArtifactError."""
+    if spec.dtype in _key_impls():
+        return _key_impls()[spec.dtype]
+    import ml_dtypes
+
+    kind = spec.dtype if hasattr(np, spec.dtype) else getattr(ml_dtypes, spec.dtype, None)
+    try:
+        return np.dtype(kind) if kind is not None else np.dtype(spec.dtype)
+    except TypeError:
+        raise ArtifactError(
+            f"{path}: the signature's input {spec.path} has dtype {spec.dtype!r}, which names "
+            "no array type (float32, bfloat16, int32, key<fry>, ...); the manifest is "
+            "corrupted or was edited. Export it again."
+        ) from None
+
+
+def _check_size(path: Path, sig: Any, kinds: list[Any], batches: Sequence[int]) -> None:
+    """Refuses random inputs past ``MAX_INPUT_BYTES`` before drawing any: the shapes are
+    the manifest's, so a stranger's artifact would choose what verify allocates."""
+
+    def nbytes(b: int) -> int:
+        total = 0
+        for spec, kind in zip(sig.inputs, kinds, strict=True):
+            size = kind.itemsize if isinstance(kind, np.dtype) else 16  # a key: its data
+            total += size * math.prod(b if isinstance(d, str) else d for d in spec.shape)
+        return total
+
+    total = sum(nbytes(b) for b in batches)
+    if total <= MAX_INPUT_BYTES:
+        return
+    if nbytes(1) * len(batches) > MAX_INPUT_BYTES:
+        raise ArtifactError(
+            f"{path}: its signature {sig} asks for {nbytes(1):,} bytes of inputs even at "
+            f"batch 1, more than verify draws ({MAX_INPUT_BYTES:,} in all). That is no MLP's "
+            "row: check the manifest (symjax-mlp inspect), or call the loaded model on "
+            "inputs of your own."
+        )
+    raise ConfigError(
+        f"verify(batches={tuple(batches)!r}): the inputs of {sig} at these batch sizes take "
+        f"{total:,} bytes, more than verify draws ({MAX_INPUT_BYTES:,}); pass smaller "
+        "batches (batches=(1, 7), or --batches 1,7)."
+    )
+
+
+def _random(spec: TensorSpec, kind: Any, batch: int, rng: np.random.Generator) -> Any:
     shape = tuple(batch if isinstance(d, str) else d for d in spec.shape)
-    dtype = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else np.dtype(np.float32)
-    if np.issubdtype(dtype, np.floating):
-        x = rng.standard_normal(shape)
-    elif dtype == np.bool_:
-        x = rng.random(shape) < 0.5
-    else:
-        x = rng.integers(0, 10, shape)
-    if spec.dtype == "bfloat16":
-        import ml_dtypes
+    if isinstance(kind, str):  # an rng key of that impl, one per element
+        import jax
 
-        return x.astype(ml_dtypes.bfloat16)
-    return x.astype(dtype)
+        key = jax.random.key(int(rng.integers(2**31)), impl=kind)
+        return jax.random.split(key, shape) if shape else key
+    if kind == np.bool_:
+        return rng.random(shape) < 0.5
+    if np.issubdtype(kind, np.integer):
+        return rng.integers(0, 10, shape).astype(kind)
+    return rng.standard_normal(shape, np.float32).astype(kind)  # floats, bfloat16 too
+
+
+def _key_data(x: Any) -> np.ndarray:
+    """An input as .npy can hold it: an rng key as its raw ``key_data``."""
+    if str(getattr(x, "dtype", "")) in _key_impls():
+        import jax
+
+        return np.asarray(jax.random.key_data(x))
+    return x
 
 
 def _as_list(out: Any) -> list[Any]:

@@ -59,6 +59,25 @@ def test_a_model_card_travels_in_the_manifest_inspect_and_safetensors(tmp_path):
     assert not (tmp_path / "n").exists()
 
 
+def test_a_deeply_nested_manifest_is_an_artifact_error_not_a_recursion_error(tmp_path):
+    """json.loads reads 600 levels that the manifest's freeze() then recursed through until
+    RecursionError; nesting is bounded (32 levels) at read, and at export for a model card."""
+    h, x = _mlp()
+    deep: object = "leaf"
+    for _ in range(600):
+        deep = [deep]
+    with pytest.raises(sm.ConfigError, match=r"nests more than 31 levels deep"):
+        sm.export(h, tmp_path / "n", example=x, metadata={"deep": deep})
+    assert not (tmp_path / "n").exists()
+    art = sm.export(h, tmp_path / "m", example=x, metadata={"ok": [[[["four levels"]]]]})
+    manifest = json.loads((art.path / "manifest.json").read_text())
+    manifest["metadata"]["deep"] = deep
+    (art.path / "manifest.json").write_text(json.dumps(manifest))
+    for read in (sm.inspect, sm.load):
+        with pytest.raises(sm.ArtifactError, match=r"nests its JSON more than 32 levels deep"):
+            read(art.path)
+
+
 def test_the_compatibility_window_is_recorded_shown_and_warned_about(tmp_path):
     h, x = _mlp()
     art = sm.export(h, tmp_path / "m", example=x)

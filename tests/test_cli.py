@@ -331,3 +331,40 @@ def test_run_an_entry_point_by_name(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no entry point 'nope'; it has double, plus" in err and "Traceback" not in err
     assert "entries    double (default)" in str(sm.inspect(art.path))
+
+
+def test_an_embedding_artifact_runs_from_the_cli_with_allow(tmp_path, capsys, monkeypatch):
+    """nn.Embed lowers to stablehlo.gather, which load() refuses by default: the refusal says
+    how to allow it on the command line, and run, verify and serve take --allow/--trust."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import symjax_mlp as sm
+
+    class Embed(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            return nn.Dense(2)(nn.Embed(50, 8)(ids).mean(axis=1))
+
+    ids = jnp.array([[1, 2, 3], [4, 5, 49]], jnp.int32)
+    net = Embed()
+    h = sm.hybridize(net, net.init(jax.random.key(0), ids))
+    art = sm.export(h, tmp_path / "embed", example=ids)
+    np.save(tmp_path / "ids.npy", np.asarray(ids))
+    run = ["run", str(art.path), "--input", str(tmp_path / "ids.npy"), "--output"]
+    assert main([*run, str(tmp_path / "y.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "the op stablehlo.gather" in err and "--allow gather, or --trust" in err
+    assert "Traceback" not in err
+    for opts in (["--allow", "gather"], ["--trust"]):
+        assert main([*run, str(tmp_path / "y.npy"), *opts]) == 0
+        np.testing.assert_allclose(np.load(tmp_path / "y.npy"), h(ids), rtol=1e-6)
+    assert main(["verify", str(art.path), "--allow", "gather"]) == 0
+    assert "OK" in capsys.readouterr().out
+    seen = {}
+    monkeypatch.setattr(sm.serving, "serve", lambda path, **kw: seen.update(kw))
+    assert main(["serve", str(art.path), "--dispatch", "async", "--allow", "gather"]) == 0
+    assert seen["allow"] == ["gather"] and seen["trust"] is False
+    assert seen["verify_signature"] is None

@@ -541,6 +541,44 @@ def test_verify_fails_against_a_different_model(art):
     assert "FAIL jax   batch     2" in str(report) and "differs beyond tolerance" in str(report)
 
 
+def test_verify_draws_inputs_for_per_input_shapes_and_rng_keys(tmp_path):
+    """Symbolic sizes past the batch (``shapes=("b, 5", "b, t")``) and an rng-key input:
+    honest exports that verify once crashed on (int("b"), np.dtype("key<fry>"))."""
+    seq = sm.hybridize(lambda p, x, s: x @ p + jnp.sum(s, -1, keepdims=True), jnp.ones((5, 3)))
+    art = sm.export(seq, tmp_path / "seq", example=(rand(2, 5), rand(2, 4)),
+                    shapes=("b, 5", "b, t"))  # fmt: skip
+    report = sm.verify(art.path, reference=seq, batches=(1, 3))
+    assert report.ok, report
+    assert [c.batch for c in report.checks] == [1, 3]
+    noisy = sm.hybridize(lambda p, k, x: x * p + jax.random.normal(k, x.shape), jnp.float32(1))
+    art = sm.export(noisy, tmp_path / "key", example=(jax.random.key(0), rand(2, 3)), batch=None)
+    report = sm.verify(art.path, reference=noisy)
+    assert report.ok and report.checks[0].max_abs_err == 0.0, report
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, error, message",
+    [
+        ([2**40, 2**40], "float32", sm.ArtifactError, r"even at batch 1, more than verify draws"),
+        ([2, 2**25], "float32", sm.ArtifactError, r"asks for 268,435,456 bytes"),
+        ([2, 3], "evil", sm.ArtifactError, r"dtype 'evil', which names no array type"),
+        (["b", 2**17], "float32", sm.ConfigError, r"pass smaller batches"),
+    ],
+)  # fmt: skip
+def test_verify_bounds_what_a_manifest_makes_it_draw(art, tmp_path, shape, dtype, error, message):
+    """verify draws its inputs from the manifest's signature before the fresh process's load
+    compares it with the module: a stranger's manifest must not choose gigabytes (once 768
+    MiB of memory and 256 MiB of disk for a [2, 2**25] input) or crash it."""
+    src, _ = art
+    edited = tmp_path / "edited"
+    shutil.copytree(src.path, edited)
+    m = json.loads((edited / "manifest.json").read_text())
+    m["signature"]["inputs"][0].update(shape=shape, dtype=dtype)
+    (edited / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(error, match=message):
+        sm.verify(edited, batches=(1, 7, 128))
+
+
 def test_cli_export_inspect_run(tmp_path, capsys):
     path = str(tmp_path / "cli")
     args = ["export", path, "--sizes", "8,2", "--in-features", "4", "--platforms", "cpu,cuda"]

@@ -1136,3 +1136,27 @@ def test_serve_one_entry_point_of_an_artifact(tmp_path):
     finally:
         code, _, err = _stop(proc)
     assert code == 0, err
+
+
+def test_serve_refuses_what_cannot_be_batched_in_one_line(tmp_path, capsys):
+    """An rng-key input, a scalar input, a symbolic size past the batch: honest artifacts a
+    batcher cannot serve. ``symjax-mlp serve`` says so in one line and exits 2 (a
+    ConfigError), not with a traceback."""
+    from symjax_mlp.cli import main
+
+    noisy = sm.hybridize(lambda p, k, x: x * p + jax.random.normal(k, x.shape), jnp.float32(1))
+    scalar = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    seq = sm.hybridize(lambda p, x, s: x @ p + jnp.sum(s, -1, keepdims=True), jnp.ones((5, 3)))
+    arts = {
+        "key<fry>[]": sm.export(noisy, tmp_path / "key", batch=None,
+                                example=(jax.random.key(0), jnp.ones((2, 3)))),
+        "float32[]": sm.export(scalar, tmp_path / "scalar", example=jnp.float32(3), batch=None),
+        "float32[b, t]": sm.export(seq, tmp_path / "seq", example=(jnp.ones((2, 5)),
+                                   jnp.ones((2, 4))), shapes=("b, 5", "b, t")),
+    }  # fmt: skip
+    for what, art in arts.items():
+        with pytest.raises(sm.ConfigError, match=re.escape(f"is {what}, but batching needs")):
+            sm.serving.Batcher(sm.load(art.path))
+        assert main(["serve", str(art.path), "--port", "0", "--dispatch", "async"]) == 2
+        err = capsys.readouterr().err
+        assert f"is {what}, but batching needs" in err and "Traceback" not in err

@@ -34,6 +34,7 @@ MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few kB; refuse to read gigabyte
 MAX_PARAMS = 65_536  # param tensors (and inputs, outputs) an artifact may have
 MAX_FILES = 1_024  # files a manifest may list
 MAX_CONSTRAINT_CHARS = 256
+MAX_DEPTH = 32  # JSON nesting of a manifest; json.loads reads deeper than Python recursion
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _REQUIRED = (
     "format",
@@ -68,6 +69,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{file} is not valid JSON ({e}); the artifact is corrupted.") from e
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{file} holds a JSON {type(manifest).__name__}, not an object.")
+    if depth(manifest) > MAX_DEPTH:
+        raise ArtifactError(
+            f"{file} nests its JSON more than {MAX_DEPTH} levels deep (a manifest nests about 5, "
+            "a model card a few more); it is corrupted or crafted."
+        )
     if manifest.get("format") != FORMAT:
         raise ArtifactError(
             f"{file}: format is {_show(manifest.get('format'))}, not {FORMAT!r}: this directory "
@@ -85,6 +91,21 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{file} lacks the field(s) {', '.join(missing)}; it is corrupted.")
     check_schema(manifest, file=file)
     return manifest
+
+
+def depth(x: Any) -> int:
+    """How deeply JSON data nests its lists and objects (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(x, 1)]
+    while todo:
+        v, d = todo.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, d)
+        if deepest > MAX_DEPTH:  # deep enough to refuse: stop walking
+            return deepest
+        todo.extend((c, d + 1) for c in children)
+    return deepest
 
 
 # -- the manifest's schema: checked before any field is used -----------------------------------

@@ -178,6 +178,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--runtime", choices=("jax", "iree"), default="jax")
     p.add_argument("--entry", help="the entry point to run (default: the artifact's default)")
+    _args.add_trust_options(p)
     p.set_defaults(handler=_run_run)
 
 
@@ -195,7 +196,7 @@ def _run_run(args: argparse.Namespace) -> int:
             xs.append(np.load(file, allow_pickle=False))
         except (ValueError, OSError) as e:
             raise SignatureError(f"--input {file}: not a readable .npy array ({e}).") from None
-    model = load(args.path, runtime=args.runtime)
+    model = load(args.path, runtime=args.runtime, **_args.load_options(args))
     if args.entry is not None:
         model = model[args.entry]
     specs = model.signature.inputs  # a |V2 file where bfloat16 is expected: bfloat16
@@ -249,7 +250,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rtol", type=_args.non_negative_float("--rtol"), default=1e-5)
     p.add_argument("--atol", type=_args.non_negative_float("--atol"), default=1e-5)
-    p.add_argument("--key", help="a PEM public key: refuse unless every file is signed by it")
+    _args.add_trust_options(p)
     add_json(p, "the report")
     p.set_defaults(handler=_run_verify)
 
@@ -263,7 +264,7 @@ def _run_verify(args: argparse.Namespace) -> int:
         batches=args.batches,
         rtol=args.rtol,
         atol=args.atol,
-        verify_signature=args.key,
+        **_args.load_options(args),
     )
     if args.json:
         _emit_json(report.to_dict(), args.json)

@@ -107,3 +107,28 @@ def writable(path: str, option: str, *, overwrite: bool) -> None:
         raise argparse.ArgumentTypeError(
             f"{option} {path}: already exists; pass --overwrite to replace it"
         )
+
+
+def add_trust_options(p: argparse.ArgumentParser, key: bool = True) -> None:
+    """``--allow OP`` (repeatable), ``--trust`` and ``--key PEM``: what ``load()`` takes as
+    ``allow=``, ``trust=True`` and ``verify_signature=``."""
+    p.add_argument(
+        "--allow",
+        action="append",
+        default=None,
+        metavar="OP",
+        help="let the artifact's program use OP, as load(allow=...) does (e.g. gather, while, "
+        "custom_call:NAME); repeatable. Only for artifacts you trust as code",
+    )
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="skip the program checks, as load(trust=True): only for artifacts you made",
+    )
+    if key:
+        p.add_argument("--key", help="a PEM public key: refuse unless every file is signed by it")
+
+
+def load_options(args: argparse.Namespace) -> dict:
+    """The ``load()`` keywords of :func:`add_trust_options`' options."""
+    return {"allow": args.allow, "trust": args.trust, "verify_signature": args.key}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 
-from symjax_mlp.cli._args import positive
+from symjax_mlp.cli._args import add_trust_options, load_options, positive
 
 
 def _port(text: str) -> int:
@@ -61,6 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "a call passes only its inputs",
     )
     p.add_argument("--entry", help="the entry point to serve (default: the artifact's default)")
+    add_trust_options(p)
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     p.set_defaults(handler=run)
     return p
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         ready=ready,
         entry=args.entry,
         params_as_constants=args.params_as_constants,
+        **load_options(args),
     )
     print("symjax-mlp serve: shut down cleanly", flush=True)
     return 0

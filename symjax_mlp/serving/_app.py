@@ -32,7 +32,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -324,6 +324,9 @@ def serve(
     ready: Callable[[str], None] | None = None,
     entry: str | None = None,
     params_as_constants: bool = False,
+    trust: bool = False,
+    allow: Iterable[str] | None = None,
+    verify_signature: str | os.PathLike[str] | None = None,
 ) -> None:
     """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
 
@@ -346,6 +349,8 @@ def serve(
       entry: the entry point to serve (default: the artifact's default one).
       params_as_constants: compile the weights into each bucket's program (see
         :func:`~symjax_mlp.load`): a call passes only its inputs, a few µs less per batch.
+      trust, allow, verify_signature: passed to :func:`~symjax_mlp.load` (the program's
+        checks, and the signature every file must carry).
 
     Raises:
       ConfigError: ``params_as_constants`` with ``runtime="iree"`` or a sharded artifact.
@@ -355,7 +360,14 @@ def serve(
     _require()
     import uvicorn
 
-    model = load(artifact, runtime=runtime, params_as_constants=params_as_constants)
+    model = load(
+        artifact,
+        runtime=runtime,
+        params_as_constants=params_as_constants,
+        trust=trust,
+        allow=allow,
+        verify_signature=verify_signature,
+    )
     if entry is not None:
         model = model[entry]
     batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue)

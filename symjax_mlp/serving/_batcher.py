@@ -55,7 +55,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import OverloadError, SignatureError
+from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
 from symjax_mlp._load import LoadedModel
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._futures import GIL, AsyncRequest, RequestFuture
@@ -406,9 +406,10 @@ class Batcher:
       name: shown in errors (default: the model's name or artifact path).
 
     Raises:
-      TypeError: a Hybrid or callable without ``example``, or a LoadedModel with one.
-      ValueError: bad ``max_batch``/``buckets``/``max_queue``; an artifact whose batch is not
-        its inputs' leading dimension; outputs without the batch as leading dimension.
+      ConfigError: (also a ``TypeError`` and a ``ValueError``) a Hybrid or callable without
+        ``example``, or a LoadedModel with one; bad ``max_batch``/``buckets``/``max_queue``;
+        an artifact whose batch is not its inputs' leading dimension (an rng key input, a
+        symbolic size elsewhere); outputs without the batch as leading dimension.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -434,7 +435,7 @@ class Batcher:
     ) -> None:
         if isinstance(model, LoadedModel):
             if example is not None:
-                raise TypeError(
+                raise ConfigError(
                     "Batcher(LoadedModel, example=...): a loaded artifact carries its signature "
                     f"({model.signature}); drop example=."
                 )
@@ -442,7 +443,7 @@ class Batcher:
             name = name or str(model.path)
         elif callable(model):
             if example is None:
-                raise TypeError(
+                raise ConfigError(
                     f"Batcher({type(model).__name__}): pass example=, an input batch (an array, "
                     "or a tuple of arrays for several inputs) that gives each input's row shape "
                     "and dtype, e.g. Batcher(h, example=x) with x of shape (1, features)."
@@ -450,7 +451,7 @@ class Batcher:
             specs, static = _example_specs(example), None
             name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
         else:
-            raise TypeError(
+            raise ConfigError(
                 "Batcher(model): expected a LoadedModel (sm.load(path)), a Hybrid "
                 f"(sm.hybridize(...)) or a callable; got {type(model).__name__}."
             )
@@ -458,7 +459,7 @@ class Batcher:
         self.buckets = _buckets(self.name, max_batch, buckets, static)
         self.max_batch = self.buckets[-1]
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
-            raise ValueError(f"{self.name}: max_queue must be an int >= 1; got {max_queue!r}.")
+            raise ConfigError(f"{self.name}: max_queue must be an int >= 1; got {max_queue!r}.")
         self.max_queue = max_queue
         #: What one request takes: one spec per input, the batch dimension named ``b``.
         self.specs: tuple[TensorSpec, ...] = specs
@@ -489,7 +490,7 @@ class Batcher:
             single = isinstance(out, jax.Array | np.ndarray)
             for path, leaf in jax.tree_util.tree_leaves_with_path(_tree_to_host(out)):
                 if leaf.ndim == 0 or leaf.shape[0] != bucket:
-                    raise ValueError(
+                    raise ConfigError(
                         f"{self.name}: output out{jax.tree_util.keystr(path)} has shape "
                         f"{leaf.shape} for a batch of {bucket}, but batching needs per-row "
                         f"outputs with the batch ({bucket}) as leading dimension. Serve a model "
@@ -807,12 +808,12 @@ def _example_specs(example: Any) -> tuple[TensorSpec, ...]:
     specs = []
     for i, x in enumerate(arrays):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            raise TypeError(
+            raise ConfigError(
                 f"Batcher(example=...): input {i} is a {type(x).__name__}; pass arrays (a "
                 "tuple of arrays for several inputs), each with the batch as leading dimension."
             )
         if len(x.shape) == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"Batcher(example=...): input {i} is a scalar; batching needs a leading batch "
                 "dimension, e.g. x[None]."
             )
@@ -828,7 +829,7 @@ def _artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | N
         lead = spec.shape[0] if spec.shape else None
         rest = spec.shape[1:]
         if lead is None or any(isinstance(d, str) for d in rest):
-            raise ValueError(
+            raise ConfigError(
                 f"Batcher({model.path}): input {spec.path} is {spec.type}, but batching needs "
                 "the batch as leading dimension and static sizes elsewhere. Export the model "
                 "with a symbolic batch: export(..., batch='b')."
@@ -837,7 +838,7 @@ def _artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | N
             static.add(lead)
         specs.append(TensorSpec(spec.path, ("b", *rest), spec.dtype))
     if len(static) > 1 or (static and sig.batch is not None):
-        raise ValueError(
+        raise ConfigError(
             f"Batcher({model.path}): the inputs' leading dimensions {sig} disagree; batching "
             "needs one batch dimension shared by every input."
         )
@@ -849,7 +850,7 @@ def _buckets(
 ) -> tuple[int, ...]:
     if static is not None:
         if (max_batch not in (None, static)) or (buckets is not None and list(buckets) != [static]):
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: the artifact was exported for a static batch of {static}, so every "
                 f"model call runs {static} rows; drop max_batch/buckets (or pass {static}), or "
                 "export it with a symbolic batch (batch='b') to batch freely."
@@ -858,12 +859,12 @@ def _buckets(
     if max_batch is None:
         max_batch = max(buckets) if buckets else 64
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-        raise ValueError(f"{name}: max_batch must be an int >= 1; got {max_batch!r}.")
+        raise ConfigError(f"{name}: max_batch must be an int >= 1; got {max_batch!r}.")
     if buckets is None:
         return _power_buckets(max_batch)
     sizes = sorted(set(buckets))
     if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes) or sizes[-1] != max_batch:
-        raise ValueError(
+        raise ConfigError(
             f"{name}: buckets must be ints >= 1 whose largest is max_batch={max_batch}; got "
             f"{list(buckets)!r}."
         )
