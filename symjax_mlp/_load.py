@@ -6,14 +6,17 @@ format version, the platform, the device count, and the params against the manif
 tree. Then it deserializes ``model.jaxexport`` (both runtimes: its module must be
 ``model.mlirbc``'s) and checks the ops of that module (:mod:`symjax_mlp._artifact.ops`)
 before anything compiles it; a runtime (:mod:`symjax_mlp._runtimes`) then runs it through
-XLA (JAX, refined shapes checked per input signature) or compiles it with IREE. Nothing here
-uses pickle or eval, and a failure of the program at a call is an ``ArtifactError`` naming
-the artifact.
+XLA (JAX) or compiles it with IREE, and :class:`Guard` bounds the module refined for each
+new input signature before it compiles (JAX: each VJP module too, when ``jax.grad`` first
+calls it; IREE: also the module refined for the self-test's shapes, before IREE compiles).
+Nothing here uses pickle or eval, and a failure of the program at a call is an
+``ArtifactError`` naming the artifact.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib
 import os
 import threading
@@ -198,8 +201,10 @@ def load(
     tree; then that ``model.jaxexport`` agrees with the manifest and holds ``model.mlirbc``'s
     module, and that module's ops (read in a child process), against an allow-list of what
     MLPs export to: no custom calls but ``jax.export``'s own, no host callbacks, no loop of
-    more than a small constant trip count, bounded work. Only then does a runtime compile it
-    (JAX: checking each call's refined shapes first; IREE). Nothing here uses pickle or eval.
+    more than a small constant trip count, bounded work. Only then does a runtime compile it,
+    checking the work of the module refined for each call's shapes first (JAX: also of each
+    VJP module, when ``jax.grad`` first calls it; IREE: also for the self-test's shapes,
+    before IREE compiles its one module for every batch). Nothing here uses pickle or eval.
     An artifact from a stranger is a program from a stranger: see RELIABILITY.md.
 
     Args:
@@ -330,13 +335,14 @@ class _Opener:
         exported = deserialize(path, view, blobs)  # both runtimes: the module that runs
         guard = report = None
         if not options["trust"]:
-            report = _program(path, view, exported)
+            report, vjp_work = _program(path, view, exported)
             if hasattr(self.backend, "check_program"):
                 self.backend.check_program(path / program_file(view, MLIRBC), report)
             file = path / program_file(view, JAXEXPORT)
             ops.check(report, file=file, allow=options["allowed"], caller="load()")
-            digest = self.manifest["files"][file.name]["sha256"]
-            guard = _guard(file, report, options["allowed"], digest)
+            if "compute" not in options["allowed"]:
+                digest = self.manifest["files"][file.name]["sha256"]
+                guard = Guard(file, digest, (report.work, *vjp_work))
         baked = {"constants": True} if options["constants"] else {}  # (the JAX runtime's)
         run, weights = self.backend.runner(
             path, view, blobs, arrays, exported=exported, guard=guard,
@@ -354,19 +360,21 @@ class _Opener:
         return model
 
 
-# sha256 of model.jaxexport -> what its program (and its VJPs) do, most recent last
-_REPORTS: dict[str, ops.ModuleReport] = {}
+# sha256 of model.jaxexport -> what its program (and its VJPs) do, and the static work of each
+# VJP module, most recent last
+_REPORTS: dict[str, tuple[ops.ModuleReport, tuple[int, ...]]] = {}
 
 
-def _program(path: Path, manifest: Any, exported: Any) -> ops.ModuleReport:
-    """The ops report of the module that runs, and of each VJP module it carries."""
+def _program(path: Path, manifest: Any, exported: Any) -> tuple[ops.ModuleReport, tuple[int, ...]]:
+    """The ops report of the module that runs, and of each VJP module it carries; and the
+    static work of each VJP module, by order (what :class:`Guard` bounds their calls by)."""
     file = path / program_file(manifest, JAXEXPORT)
     key = manifest["files"][file.name]["sha256"]
-    report = _REPORTS.pop(key, None)
-    if report is None:
+    found = _REPORTS.pop(key, None)
+    if found is None:
         report = ops.analyze(exported.mlir_module_serialized, file=file)
         problems, calls = list(report.problems), collections.Counter(report.custom_calls)
-        module, order = exported, 0
+        module, order, works = exported, 0, []
         while module.has_vjp():  # jax.grad of the loaded model runs these modules
             order += 1
             if order > 8:
@@ -380,42 +388,79 @@ def _program(path: Path, manifest: Any, exported: Any) -> ops.ModuleReport:
                 ) from e
             vjp = ops.analyze(module.mlir_module_serialized, file=file)
             calls.update(vjp.custom_calls)
+            works.append(vjp.work)
             problems += [ops.Problem(p.key, f"{p.what} (in its VJP of order {order})")
                          for p in vjp.problems]  # fmt: skip
         report = ops.ModuleReport(report.counts, dict(calls), report.work, tuple(problems))
-    _REPORTS[key] = report
+        found = report, tuple(works)
+    _REPORTS[key] = found
     while len(_REPORTS) > 32:
         _REPORTS.pop(next(iter(_REPORTS)))
-    return report
+    return found
 
 
-def _guard(file: Path, report: ops.ModuleReport, allowed: frozenset[str], digest: str) -> Any:
-    """Checks a call's refined module: at most ``MAX_WORK`` plus the module's static work
-    per input element (shapes computed from constants cannot hide a huge tensor). A verdict
-    that a module (by sha256) fits for some input shapes is remembered per user."""
+_TOO_MUCH_WORK = (
+    "{file}: {inputs} {module} asks for about {work:.3g} element "
+    "operations, more than {budget:.3g} (its own static work, {static:,}, per input element, "
+    "plus {max_work:.3g}): its shapes grow with no relation to its inputs. Refused before "
+    "anything compiles or runs it; pass allow={{'compute'}} (or trust=True) to load() if you "
+    "trust it."
+)
 
-    def check_call(refine: Callable[[], Any], n_inputs: int, shapes: Any) -> None:
-        if "compute" in allowed:
-            return
-        verdict = f"{digest} fits {shapes!r}"
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """Checks a call's refined module before it compiles: at most ``MAX_WORK`` plus the
+    module's static work per input element (shapes computed from constants cannot hide a huge
+    tensor). The module is the program (``order=0``) or, when ``jax.grad`` first calls it for
+    some shapes, its VJP module of that order. A verdict that a module (by sha256) fits for
+    some input shapes is remembered per user.
+
+    A runtime calls ``guard(refine, n_inputs, shapes)``: ``refine()`` gives the StableHLO
+    (and its MLIR context) with every shape refined to the call's, ``n_inputs`` the call's
+    input element count, ``shapes`` the ``(shape, dtype)`` of each input of the module.
+    Guards compare equal when they check the same file alike, so a runtime may share what it
+    compiled with one among loads of the same artifact.
+
+    Attributes:
+      file: ``model.jaxexport``, for messages.
+      digest: its sha256.
+      works: the static work of the program, then of its VJP modules by order.
+    """
+
+    file: Path
+    digest: str
+    works: tuple[int, ...]
+
+    def __call__(
+        self,
+        refine: Callable[[], Any],
+        n_inputs: int,
+        shapes: Any,
+        *,
+        order: int = 0,
+        inputs: str | None = None,
+    ) -> None:
+        of = f" VJP {order}" if order else ""  # a VJP's verdict is its own
+        verdict = f"{self.digest}{of} fits {shapes!r}"
         if ops.remembered(verdict):
             return
-        module, context = refine()
+        refined, context = refine()
         with context:
-            work = ops.analyze_module(module)
-        budget = ops.MAX_WORK + max(report.work, 1) * max(n_inputs, 1)
-        if work.work <= budget:
+            work = ops.analyze_module(refined).work
+        static = max(self.works[min(order, len(self.works) - 1)], 1)
+        budget = ops.MAX_WORK + static * max(n_inputs, 1)
+        if work <= budget:
             ops.remember(verdict)
-        else:
-            raise ArtifactError(
-                f"{file}: for these inputs ({n_inputs:,} elements) the program asks "
-                f"for about {work.work:.3g} element operations, more than {budget:.3g} (its "
-                f"own static work, {report.work:,}, per input element, plus {ops.MAX_WORK:.3g}"
-                "): its shapes grow with no relation to its inputs. Refused before compiling; "
-                "pass allow={'compute'} (or trust=True) to load() if you trust it."
-            )
-
-    return check_call
+            return
+        module = "the program"
+        if order:
+            module = f"its VJP module of order {order} (what jax.grad of the loaded model runs)"
+        inputs = inputs or f"for these inputs ({n_inputs:,} elements)"
+        what = {"file": self.file, "inputs": inputs, "module": module, "static": static}
+        raise ArtifactError(
+            _TOO_MUCH_WORK.format(work=work, budget=budget, max_work=ops.MAX_WORK, **what)
+        )
 
 
 def _read_only(a: Any) -> np.ndarray:

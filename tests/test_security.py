@@ -191,6 +191,80 @@ def test_shapes_computed_at_the_call_are_bounded_too(symbolic, tmp_path):
     assert time.perf_counter() - t0 < 10
 
 
+def test_shapes_computed_in_a_vjp_module_are_bounded_when_jax_grad_calls_it(tmp_path):
+    """jax.grad of a loaded model runs the VJP module it carries: the same hidden
+    (10**5, 10**5) tensor there (unchecked, XLA compiles it and the gradient comes out 5e14
+    off) is bounded when a gradient first calls it; the forward program, untouched, runs."""
+    net = sm.mlp((4, 2))
+    x = jnp.asarray(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    src = sm.export(h, tmp_path / "mlp", example=x, batch="b", vjp_order=2).path
+    m = sm.load(src)  # honest: gradients of both orders as the Hybrid's
+    for grad in (jax.grad, lambda f: jax.jit(jax.grad(f))):
+        np.testing.assert_allclose(
+            grad(lambda x: m(x).sum())(x), jax.grad(lambda x: h(x).sum())(x), rtol=1e-6
+        )
+
+    def second(f):
+        return jax.grad(lambda x: jax.grad(lambda x: (f(x) ** 2).sum())(x).sum())
+
+    np.testing.assert_allclose(second(m)(x), second(h)(x), rtol=1e-5, atol=1e-6)
+
+    one = sm.export(h, tmp_path / "one", example=x, batch="b", vjp_order=1).path
+    art = forge.forge_vjp(one, tmp_path / "dyn", forge.vjp_dynamic_huge)
+    assert sm.inspect(art).program().problems == ()  # nothing static to see
+    t0 = time.perf_counter()
+    for m in (sm.load(art), sm.load(art, params_as_constants=True)):  # the self-test runs
+        np.testing.assert_allclose(m(x), h(x), rtol=1e-6)
+        for grad in (jax.grad, lambda f: jax.jit(jax.grad(f))):
+            with pytest.raises(
+                sm.ArtifactError,
+                match=r"for these inputs \(6 elements\) its VJP module of order 1 \(what "
+                r"jax.grad of the loaded model runs\) asks for .* per input element",
+            ):
+                grad(lambda x, m=m: m(x).sum())(x)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_shapes_computed_at_the_call_are_bounded_before_iree_compiles(
+    symbolic, tmp_path, monkeypatch
+):
+    """IREE's compiler folds a shape computed from constants and builds the tensor while it
+    compiles (6 GiB for a (40000, 40000) one): the module refined for the self-test's shapes
+    is bounded before iree-compile starts, and each new input signature before IREE runs it."""
+    import iree.compiler
+
+    src, x = symbolic
+    compiled = []
+    real = iree.compiler.compile_str
+
+    def compile_str(*args, **kwargs):
+        compiled.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(iree.compiler, "compile_str", compile_str)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))  # no other run's .vmfb
+    art = forge.forge(src, tmp_path / "dyn", forge.dynamic_huge)
+    t0 = time.perf_counter()
+    for self_test in (True, False):
+        with pytest.raises(
+            sm.ArtifactError,
+            match=r"for inputs of shapes \(2, 3\) \(6 elements; IREE compiles one module .* "
+            r"per input element",
+        ):
+            sm.load(art, runtime="iree", self_test=self_test)
+    assert compiled == []  # refused before iree-compile ever saw it
+    assert time.perf_counter() - t0 < 10
+    grows = forge.forge(src, tmp_path / "grows", forge.huge_past_batch_2)
+    m = sm.load(grows, runtime="iree")  # nothing at the self-test's batch of 2
+    np.testing.assert_allclose(m(x), sm.load(src)(x), rtol=1e-6)
+    t0 = time.perf_counter()
+    with pytest.raises(sm.ArtifactError, match=r"for these inputs \(9 elements\) the program"):
+        m(np.ones((3, 3), np.float32))  # 10**10 elements at a batch of 3
+    assert time.perf_counter() - t0 < 10
+    assert len(compiled) == 1
+
+
 def test_a_callback_in_the_callers_own_jit_is_never_the_artifacts(base, tmp_path):
     """The forged callback (index 0) once ran the caller's pure_callback and replaced the
     answer; it is refused at load, and the caller's callback is called only by the caller."""

@@ -919,8 +919,12 @@ def test_http_predict_with_json_and_npy_bodies(server):
         ("{not json", "application/json", 400, "not valid JSON"),
         ("hello", "text/plain", 415, "application/x-npy"),
         ("not an npy file", "application/x-npy", 400, ".npy"),
+        ('{"inputs": ' + "[" * 5000 + "]" * 5000 + "}", "application/json", 400,
+         "not valid JSON"),  # json.loads' RecursionError: once a 503, "shutting down"
+        (json.dumps({"inputs": [[1e39] * 512]}), "application/json", 422,
+         "beyond float32's range"),  # once cast to inf in silence
     ],
-)
+)  # fmt: skip
 def test_http_bad_requests_are_4xx_with_the_message(server, body, kind, code, says):
     url, _ = server
     status, _, raw = _post(url, body.encode(), kind)
@@ -930,6 +934,55 @@ def test_http_bad_requests_are_4xx_with_the_message(server, body, kind, code, sa
     if status == 422:
         assert answer["error"] == "SignatureError"
         assert "float32[b, 512]" in answer["message"]  # what is expected, too
+
+
+def test_http_non_finite_answers_big_endian_npy_and_what_metrics_count(server):
+    """Outputs that are NaN or inf come back as JSON's NaN/Infinity (as Python's json and TF
+    Serving write them), not as a 500 counted as a 200; a big-endian .npy is read as the same
+    numbers."""
+    url, m = server
+
+    def count(code):
+        found = re.search(
+            rf'http_requests_total\{{code="{code}"\}} (\d+)', _get(url, "/metrics")[2].decode()
+        )
+        return int(found.group(1)) if found else 0
+
+    before = count(200)
+    x = np.full((1, 512), 3e38, np.float32)  # finite, but the sums overflow
+    want = np.asarray(m(x))
+    assert not np.isfinite(want).all()
+    for body in ({"inputs": x.tolist()}, {"inputs": [[float("nan")] * 512]}):
+        code, headers, raw = _post(url, json.dumps(body).encode(), "application/json")
+        assert code == 200 and headers["content-type"] == "application/json", raw
+        got = np.array(json.loads(raw)["outputs"])
+        assert got.shape == (1, 2) and not np.isfinite(got).any()
+    np.testing.assert_array_equal(np.array(json.loads(_post(
+        url, json.dumps({"inputs": x.tolist()}).encode(), "application/json")[2])["outputs"]),
+        want)  # fmt: skip
+    assert count(200) == before + 3
+    y = rows(2, seed=3)
+    buf = io.BytesIO()
+    np.save(buf, y.astype(">f4"))
+    code, _, raw = _post(url, buf.getvalue(), "application/x-npy")
+    assert code == 200, raw
+    np.testing.assert_array_equal(np.load(io.BytesIO(raw)), np.asarray(m(y)))
+
+
+def test_json_integers_outside_the_inputs_dtype_are_refused_not_wrapped():
+    """[[1, 2**31]] for an int32 input was cast to -2**31 and answered 200."""
+    from symjax_mlp.serving._app import _decode
+
+    h = sm.hybridize(lambda p, x: x * p, jnp.int32(2))
+    with sm.serving.Batcher(h, example=np.ones((1, 2), np.int32), max_batch=2) as b:
+        for big in (2**31, -(2**31) - 1, 2**40, 2**63, 2**70):
+            body = json.dumps({"inputs": [[1, big]]}).encode()
+            with pytest.raises(sm.SignatureError, match=r"outside int32's range"):
+                _decode(b, body, "application/json")
+        xs, _ = _decode(b, json.dumps({"inputs": [[1, 2**31 - 1]]}).encode(), "application/json")
+        assert xs[0].dtype == np.int32 and xs[0].tolist() == [[1, 2**31 - 1]]
+        with pytest.raises(sm.SignatureError, match=r"send integers"):
+            _decode(b, json.dumps({"inputs": [[1.5, 2]]}).encode(), "application/json")
 
 
 def test_http_health_signature_and_metrics(server):

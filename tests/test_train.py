@@ -411,3 +411,97 @@ def test_an_edited_epoch_is_refused(digits, tmp_path):
     manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(sm.CheckpointError, match=r"records epoch 9.*history has 1 epoch"):
         sm.training.train(sm.mlp((32, 10)), data=digits, epochs=5, checkpoint=ckpt, resume=True)
+
+
+class _IsTrainingNet(nn.Module):
+    """BatchNorm and Dropout behind a flag that training does not find by name."""
+
+    @nn.compact
+    def __call__(self, x, is_training: bool = False):
+        x = nn.BatchNorm(use_running_average=not is_training, momentum=0.5)(nn.Dense(32)(x))
+        return nn.Dense(10)(nn.Dropout(0.5)(nn.relu(x), deterministic=not is_training))
+
+
+class _IsTrainingDropoutNet(nn.Module):
+    """Dropout behind such a flag, and no state: only a call with the flag flipped shows it."""
+
+    @nn.compact
+    def __call__(self, x, is_training: bool = False):
+        return nn.Dense(10)(
+            nn.Dropout(0.5)(nn.relu(nn.Dense(32)(x)), deterministic=not is_training)
+        )
+
+
+class _AttributeModeNet(nn.Module):
+    """Dropout whose mode is an attribute, fixed for every call: train() cannot switch it."""
+
+    training: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dropout(0.5, deterministic=not self.training)(nn.relu(nn.Dense(32)(x)))
+        return nn.Dense(10)(x)
+
+
+def _never_initialised():
+    def never(*args):
+        pytest.fail("the optimizer was initialised: training began before the flag check")
+
+    return optax.GradientTransformation(never, never)
+
+
+def test_a_model_whose_flag_is_not_found_is_refused_before_training(digits):
+    net, opt = _IsTrainingNet(), _never_initialised()
+    with pytest.raises(
+        sm.ConfigError,
+        match=r"train\(_IsTrainingNet\): _IsTrainingNet's __call__ takes none of the flags .*"
+        r"\(train, training, deterministic\), and a call with its defaults draws no rng and "
+        r"updates none of its state \('batch_stats'\): every step would run it in inference "
+        r"mode.*A call with is_training=True updates the collection 'batch_stats'. If "
+        r"is_training is its mode, name it: train\(\.\.\., train_flags=\{'is_training': "
+        r"True\}, eval_flags=\{'is_training': False\}\)",
+    ):
+        sm.training.train(net, digits, optimizer=opt)
+    with pytest.raises(sm.ConfigError, match=r"is_training=True draws from the rng stream 'drop"):
+        sm.training.train(_IsTrainingDropoutNet(), digits, optimizer=opt)
+    with pytest.raises(sm.ConfigError, match=r"train_step\(_IsTrainingNet.*train_flags=\{'is_tr"):
+        step = sm.training.train_step(net, optax.sgd(0.1))
+        step(None, None, digits.x_train[:4], digits.y_train[:4], np.ones(4, np.float32))
+    with pytest.raises(sm.ConfigError, match=r"names 'is_trainig', which _IsTrainingNet.__call__"):
+        sm.training.train(net, digits, optimizer=opt, train_flags={"is_trainig": True})
+    with pytest.raises(sm.ConfigError, match=r"inference call.*updates the collection 'batch_st"):
+        both = {"is_training": True}  # eval_flags that leave it training
+        sm.training.train(net, digits, optimizer=opt, train_flags=both, eval_flags=both)
+
+
+def test_train_flags_name_a_flag_of_any_name(digits):
+    flags = {"train_flags": {"is_training": True}, "eval_flags": {"is_training": False}}
+    opt = optax.adam(1e-2)
+    result = sm.training.train(_IsTrainingNet(), digits, optimizer=opt, epochs=2, **flags)
+    mean = result.model_state["batch_stats"]["BatchNorm_0"]["mean"]
+    assert float(jnp.abs(mean).max()) > 1e-3  # batch statistics, so the training mode
+    assert "rng" in result.model_state  # a training call draws dropout masks
+    assert result.eval_flags == {"is_training": False} and result.trace_count == 1
+    assert result.test_accuracy > 0.8
+    h = result.hybridize()
+    logits = h(jnp.asarray(digits.x_test), **result.eval_flags)
+    assert np.mean(np.argmax(np.asarray(logits), -1) == digits.y_test) == result.test_accuracy
+
+
+def test_a_mode_set_as_an_attribute_is_named_with_its_rng_stream(digits):
+    opt = _never_initialised()
+    with pytest.raises(
+        sm.ConfigError,
+        match=r"_AttributeModeNet's inference call, model.apply\(variables, x\), draws from the "
+        r"rng stream 'dropout', so it is not in inference mode.*attribute "
+        r"_AttributeModeNet\(training=True\).*def __call__\(self, x, train: bool = False\)",
+    ):
+        sm.training.train(_AttributeModeNet(), digits, optimizer=opt)
+    # train_step trains it as it is (its defaults draw dropout masks): nothing to refuse there
+    net, sgd = _AttributeModeNet(), optax.sgd(0.1)
+    params = init_params(net, jax.random.key(0), digits.x_train[:1])
+    assert "rng" in params.state
+    step = jax.jit(sm.training.train_step(net, sgd))
+    x, y = digits.x_train[:8], digits.y_train[:8]
+    _, _, metrics = step(params, sgd.init(params.params), x, y, np.ones(8, np.float32))
+    assert np.isfinite(metrics["loss"])

@@ -248,6 +248,52 @@ def test_donate_reuses_the_state_buffers():
     assert h.trace_count == 1
 
 
+def _deleted(tree) -> list[str]:
+    leaves = jax.tree_util.tree_leaves_with_path(_pure(tree))
+    return [jax.tree_util.keystr(path) for path, leaf in leaves if leaf.is_deleted()]
+
+
+@pytest.mark.parametrize("case", [c for c in ZOO if c.stateful], ids=lambda c: c.name)
+def test_donate_consumes_only_buffers_the_hybrid_made(case: Case):
+    model, variables = case.build()
+    if case.kind == "nnx":
+        given, h = nnx.state(model), sm.hybridize(model, donate=True)
+    else:
+        given = {"variables": variables, "rngs": case.rng}
+        h = sm.hybridize(model, variables, rngs=case.rng, donate=True)
+    held = jax.tree.leaves(_pure(h.state))
+    module = h.module  # an nnx module built from the state: it outlives the next call
+    for i in range(N):
+        h(*case.inputs(i), **case.train)
+    assert any(leaf.is_deleted() for leaf in held)  # the Hybrid's own state was donated
+    assert _deleted(given) == []  # the caller's variables, keys and nnx module were not
+    _, want_state = reference_calls(case, N, case.train)
+    _assert_trees_close(h.state, want_state)
+    # the caller's model still runs on its own untouched variables, as plain Flax
+    x = case.inputs(0)
+    fresh, _ = reference_calls(case, 1, case.eval)
+    if case.kind == "nnx":
+        _assert_trees_close(model(*x, **case.eval), fresh[0])
+        _assert_trees_close(module(*x, **case.eval), fresh[0])  # built before the calls
+    else:
+        _assert_trees_close(model.apply(variables, *x, **case.eval), fresh[0])
+
+
+def test_apply_of_a_donating_hybrid_consumes_nothing_it_is_given():
+    case = next(c for c in ZOO if c.name == "linen_batchnorm")
+    h, plain = case.hybridize(donate=True), case.hybridize()
+    x = case.inputs(0)[0]
+    out, state = h.apply(h.params, x, train=True)  # the README's pure form
+    h.apply(h.params, x, train=True, state=state)  # consumes neither
+    assert _deleted(h.params) == [] and _deleted(state) == [] and _deleted(h.state) == []
+    want, want_state = plain.apply(plain.params, x, train=True)
+    chex.assert_trees_all_close((out, state), (want, want_state), **TOL)
+    chex.assert_trees_all_close(h(x, train=True), plain(x, train=True), **TOL)  # h still runs
+    twin = h.replace(donate=False)  # holds a copy, not the buffers h's next call consumes
+    h(x, train=True)
+    chex.assert_trees_all_close(twin(x, train=True), want, **TOL)
+
+
 def test_a_hybrid_is_frozen_and_replace_stays_in_sync(chapter):
     _, variables, h, x = chapter
     with pytest.raises(AttributeError, match=r"h = h\.replace\(params=\.\.\.\)"):

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError, SignatureError
@@ -142,6 +143,10 @@ class Hybrid:
         leaves, treedef = jax.tree.flatten(params)
         state = {} if _state is None else _state
         state_def, key_impls = state_structure(state)
+        held = unwrap_keys(jax.tree.leaves(state), key_impls)
+        # A donating call consumes the held state: hold buffers of our own, never the caller's
+        # (their variables, an nnx module's BatchStat) nor another Hybrid's. Copied once, here.
+        owned = bool(donate) and model.stateful and mesh is None
         settings = {
             "fn": fn if _model is None else model.inference(name),
             "name": name,
@@ -157,10 +162,11 @@ class Hybrid:
             "_model": model,
             "_given": params,
             "_treedef": treedef,
-            "_held": unwrap_keys(jax.tree.leaves(state), key_impls),
+            "_held": _copies(held) if owned else held,
             "_state_def": state_def,
             "_key_impls": key_impls,
-            "_state_tree": state,  # the tree of ``_held``, rebuilt on the first read after a call
+            # The tree of ``_held``, rebuilt on the first read after a call (or a copy).
+            "_state_tree": None if owned else state,
             "_lock": threading.RLock(),
             "_events": [],
             "_callbacks": [],
@@ -242,8 +248,15 @@ class Hybrid:
     def module(self) -> Any:
         """The model: an nnx module rebuilt with the current state, or the linen module."""
         if self._model.kind == "nnx":
-            return self._model.module(self.params, self.state)
+            state = self._state_copy() if self.donate else self.state
+            return self._model.module(self.params, state)
         return self._model.module
+
+    def _state_copy(self) -> Any:
+        """:attr:`state` in new buffers, which no call of this Hybrid consumes."""
+        with self._lock:
+            raw = _copies(self._held)
+        return jax.tree.unflatten(self._state_def, wrap_keys(raw, self._key_impls))
 
     def replace(self, **changes: Any) -> Hybrid:
         """A new Hybrid with ``changes`` (``params``, ``state``, ``name``, ``max_traces``,
@@ -282,6 +295,8 @@ class Hybrid:
             )
         settings |= changes
         params, state = settings.pop("params"), settings.pop("state")
+        if self.donate and not settings["donate"] and "state" not in changes:
+            state = self._state_copy()  # self's next call consumes what it holds
         fn = self.fn if self._model.kind == "plain" else self._model.call
         twin = Hybrid(fn, params, _model=self._model, _state=state, **settings)
         object.__setattr__(twin, "_callbacks", self._callbacks)
@@ -352,9 +367,8 @@ class Hybrid:
         static, dyn, dyn_kw = partition(
             args, kwargs, self.static_argnums, self.static_argnames, caller=f"{self.name}.apply"
         )
-        if self._apply is None:
-            donated = (1,) if self.donate else ()
-            jitted = self._jit(self._trace_apply, static_argnums=0, donate_argnums=donated)
+        if self._apply is None:  # never donating: params and state are the caller's
+            jitted = self._jit(self._trace_apply, static_argnums=0)
             object.__setattr__(self, "_apply", jitted)
         state = self.state if state is None else state
         try:
@@ -556,6 +570,11 @@ class Hybrid:
 _ARRAYS = array_types()
 
 
+def _copies(leaves: list[Any]) -> list[Any]:
+    """New buffers with the values of ``leaves``, for a Hybrid to hold and donate."""
+    return [jnp.array(leaf, copy=True) for leaf in leaves]
+
+
 def _ints(x: int | Sequence[int]) -> tuple[int, ...]:
     return (x,) if isinstance(x, int) else tuple(x)
 
@@ -592,8 +611,11 @@ def hybridize(
         but ``"params"``, e.g. ``batch_stats``); held across calls.
       rngs: a linen model's rng streams: a key (the ``"dropout"`` stream), an int seed, or
         ``{"dropout": key, ...}``; split anew on every call.
-      donate: donate the held state to each call (and the params to :meth:`Hybrid.apply`),
-        so XLA reuses their buffers.
+      donate: donate the held state to each ``h(x)`` call, so XLA writes the new state into
+        its buffers (no effect on a stateless model). The Hybrid holds its own copy of the
+        state, made once, here: your variables (or nnx module) are never consumed. Arrays read
+        from :attr:`Hybrid.state` are valid until the next call; copy them to keep them.
+        :meth:`Hybrid.apply` never donates: its params and state are yours (and ``h.params``).
       params_as_constants: compile the params into ``h(x)``'s program as constants (as
         ``torch.jit.freeze`` does), instead of passing them to every call: for serving, where
         a call's latency counts. A batch-1 call of the chapter MLP passes one array instead of

@@ -13,5 +13,5 @@ A runtime is a module with these functions, called by :func:`~symjax_mlp.load`:
   call's refined module before it compiles.
 
 ``jax`` runs the ``jax.export`` module through XLA; ``iree`` compiles ``model.mlirbc`` with
-IREE (no JAX on the call path).
+IREE (JAX only refines a new input signature's shapes, once, for the loader's check).
 """

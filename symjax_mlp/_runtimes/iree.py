@@ -20,6 +20,13 @@ IREE's input conversion:
 - JAX's CPU custom calls (LAPACK ``lapack_*_ffi`` for ``jnp.linalg``) and sharded or
   effectful exports have no IREE lowering: they raise :class:`~symjax_mlp.ArtifactError`,
   never a silent fallback to JAX.
+- IREE's compiler folds shapes computed from constants and evaluates constant tensors while
+  it compiles: a dynamic shape that only becomes static there (a ``dynamic_iota`` of a
+  constant shape) would be built in the compiler's memory, unseen by the static op check.
+  So the loader's per-call bound (:class:`symjax_mlp._load.Guard`) is applied to the module
+  JAX refines for the self-test's input shapes before IREE compiles it (a shape IREE can
+  fold is the same for every batch), and, as for the JAX runtime, for each new input
+  signature before IREE runs it (a shape that grows with the batch).
 
 The compiled ``.vmfb`` is cached in a per-user cache directory (:func:`cache_dir`), under a
 name keyed by the sha256 of ``model.mlirbc``, the IREE version, the target and this host's
@@ -45,6 +52,7 @@ from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import cache_dir as cache_dir_of
 from symjax_mlp._files import sha256, write_file_atomic
+from symjax_mlp._selftest import BATCH
 
 TARGET = "llvm-cpu"
 DRIVER = "local-task"
@@ -175,16 +183,33 @@ def runner(
     params: Sequence[np.ndarray],
     *,
     exported: Any,
-    guard: Callable[[Callable[[], Any], int, Any], None] | None = None,
+    guard: Callable[..., None] | None = None,
     custom_calls: Any = None,
 ) -> tuple[Callable[[list[Any]], list[np.ndarray]], dict[str, np.ndarray]]:
     """Compiles (or reuses) the ``.vmfb`` and returns ``run(inputs) -> [np.ndarray, ...]``
-    and the weights. ``exported`` (checked to hold ``model.mlirbc``) is not run; IREE
-    compiles the dynamic module once, so ``guard`` (per-call refined shapes) does not apply,
-    and ``custom_calls`` (checked by ``check_program``) is not needed."""
+    and the weights. ``exported`` (checked to hold ``model.mlirbc``) is not run, only
+    refined by JAX for ``guard`` (``None`` when trusted): IREE compiles the dynamic module
+    once, after ``guard`` passed it refined for the self-test's input shapes; each new input
+    signature is checked by ``guard`` before IREE runs it. ``custom_calls``: the targets the
+    module calls (``check_program`` allowed none that matters), for JAX's lowering."""
     _, ir = _modules()
     config = ir.Config(DRIVER)
     name = program_file(manifest, MLIRBC)
+    signature = Signature.from_json(manifest["signature"])
+    check = None
+    checked: set[Any] = set()  # (shape, dtype) of the inputs of each call the guard passed
+    if guard is not None:
+        check = _checker(path, manifest, exported, params, guard, custom_calls)
+        structs = _compiled_for(signature, exported)
+        shapes = ", ".join(str(s.shape) for s in structs)
+        check(
+            structs,
+            inputs=(
+                f"for inputs of shapes {shapes} ({{n:,}} elements; IREE compiles one module for "
+                f"every batch, checked here at the self-test's batch of {BATCH})"
+            ),
+        )
+        checked.add(tuple((s.shape, s.dtype) for s in structs))
     for cached in (True, False):  # a damaged cache entry is compiled again, never trusted
         vmfb = _compile(path / name, blobs[name], cached=cached)
         try:
@@ -198,7 +223,6 @@ def runner(
                 raise ArtifactError(
                     f"{path / name}: IREE could not load the compiled module: {e}"
                 ) from e
-    signature = Signature.from_json(manifest["signature"])
     names = [p["path"] for p in manifest["params"]]
     on_device = {
         n: ir.asdevicearray(config.device, np.asarray(p))
@@ -222,6 +246,12 @@ def runner(
 
     def run(args: list[Any]) -> list[np.ndarray]:
         host = [np.asarray(a) for a in args]
+        if check is not None:
+            key = tuple([(a.shape, a.dtype) for a in host])
+            if key not in checked:  # a new input signature: its refined shapes first
+                check(host)
+                if len(checked) < 256:
+                    checked.add(key)
         result = main(*[host[s] if isinstance(s, int) else s for s in slots])
         outs = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(outs) != n_out:
@@ -229,3 +259,47 @@ def runner(
         return [np.asarray(o) for o in outs]
 
     return run, dict(zip(names, params, strict=True))
+
+
+def _compiled_for(signature: Signature, exported: Any) -> list[Any]:
+    """The input shapes IREE's module is checked at before it compiles: the self-test's
+    (each symbolic dimension ``BATCH``, as ``export`` ran them), the dtypes the module takes."""
+    import jax
+
+    avals = exported.in_avals[len(exported.in_avals) - len(signature.inputs) :]
+    return [
+        jax.ShapeDtypeStruct(tuple(BATCH if isinstance(d, str) else d for d in s.shape), a.dtype)
+        for s, a in zip(signature.inputs, avals, strict=True)
+    ]
+
+
+def _checker(
+    path: Path, manifest: Mapping[str, Any], exported: Any, params: Sequence[np.ndarray],
+    guard: Callable[..., None], custom_calls: Any,
+) -> Callable[..., None]:  # fmt: skip
+    """``check(xs, inputs=...)``: ``guard`` applied to ``exported`` refined by JAX for the
+    shapes of ``xs`` (arrays or ``jax.ShapeDtypeStruct``), as the JAX runtime applies it;
+    ``inputs``: how a refusal names them (``{n}``: their element count)."""
+    import math
+
+    import jax
+
+    from symjax_mlp._runtimes.jax import refined
+
+    call = jax.jit(exported.call)
+    names = [p["path"] for p in manifest["params"]]
+    weights = {n: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)
+               for n, a in zip(names, params, strict=True)}  # fmt: skip
+
+    def check(xs: Sequence[Any], *, inputs: str | None = None) -> None:
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in xs)
+        n = sum(math.prod(s) for s, _ in shapes)
+        structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
+        guard(
+            lambda: refined(path, manifest, call, (weights, *structs), custom_calls=custom_calls),
+            n,
+            shapes,
+            inputs=None if inputs is None else inputs.format(n=n),
+        )
+
+    return check

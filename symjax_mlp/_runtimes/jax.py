@@ -108,8 +108,9 @@ def _no_lapack(custom_calls: Any):
         _LOCAL.no_lapack = before
 
 
-# sha256 of model.jaxexport -> (Exported, its jitted call), most recently loaded last.
-_CALLS: dict[str, tuple[Any, Callable[..., Any]]] = {}
+# sha256 of model.jaxexport -> (Exported, its jitted call, the guard its VJPs are checked
+# by), most recently loaded last.
+_CALLS: dict[str, tuple[Any, Callable[..., Any], Any]] = {}
 _MAX_CALLS = 8
 
 
@@ -143,7 +144,7 @@ def runner(
     params: Sequence[np.ndarray],
     *,
     exported: Any,
-    guard: Callable[[Callable[[], Any], int, Any], None] | None = None,
+    guard: Callable[..., None] | None = None,
     custom_calls: Any = None,
     constants: bool = False,
 ) -> tuple[Callable[[list[Any]], list[Any]], dict[str, Any]]:
@@ -151,16 +152,25 @@ def runner(
 
     ``guard(refine, n, shapes)``, unless None, is called once per new input signature
     (``shapes``; ``n``: the inputs' element count) before XLA compiles it, and may refuse it;
-    ``refine()`` gives the StableHLO with every shape refined to the call's.
+    ``refine()`` gives the StableHLO with every shape refined to the call's. ``jax.grad`` of
+    the call runs the VJP modules ``exported`` carries: each is checked the same way, by
+    ``guard(refine, n, shapes, order=k)``, when a gradient first calls it for some shapes
+    (:func:`_vjp_checked`), before JAX lowers it. ``guard`` must be hashable: loads of one
+    module share the compilations of one jitted call where their guards are equal.
     ``custom_calls``: the targets the module (and its VJPs) call, as the op check found them,
     or ``None``; a module known to call no LAPACK kernel compiles without JAX's LAPACK set-up.
     ``constants``: run a jit that closes over the weights (XLA constants), not one taking them;
     the guard still refines the module that takes them.
     """
     key = manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"]
+    vjp_guard = guard if guard is not None and exported.has_vjp() else None
+    fn = exported.call
+    if vjp_guard is not None:  # jax.grad of fn runs the VJP modules: checked first
+        fn = _vjp_checked(path, manifest, exported, vjp_guard)
     cached = _CALLS.pop(key, None)  # the same module loaded again: reuse its compilations
-    call = cached[1] if cached and cached[0] is exported else jax.jit(exported.call)
-    _CALLS[key] = exported, call
+    reuse = cached and cached[0] is exported and cached[2] == vjp_guard
+    call = cached[1] if reuse else jax.jit(fn)
+    _CALLS[key] = exported, call, vjp_guard
     while len(_CALLS) > _MAX_CALLS:
         _CALLS.pop(next(iter(_CALLS)))  # least recently loaded
     names = [p["path"] for p in manifest["params"]]
@@ -177,7 +187,7 @@ def runner(
             "without params_as_constants."
         )
     if constants:  # the weights closed over: XLA constants
-        run = jax.jit(lambda *inputs: exported.call(weights, *inputs))
+        run = jax.jit(lambda *inputs: fn(weights, *inputs))
     else:
         run = functools.partial(call, weights)
 
@@ -185,8 +195,9 @@ def runner(
         shapes = tuple((tuple(x.shape), str(x.dtype)) for x in inputs)
         if not all(isinstance(d, int) for s, _ in shapes for d in s):
             return  # traced under the caller's jit: checked when it is compiled for real shapes
+        structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
         guard(
-            lambda: _refined(path, manifest, call, weights, inputs),
+            lambda: refined(path, manifest, call, (weights, *structs)),
             sum(math.prod(s) for s, _ in shapes),
             shapes,
         )
@@ -223,35 +234,99 @@ def runner(
     return run_sharded, weights
 
 
-def _refined(
-    path: Path, manifest: Mapping[str, Any], call: Any, weights: Any, inputs: list[Any]
-) -> Any:
-    """The StableHLO XLA would compile for ``inputs``' shapes: lowered, shapes refined."""
+def refined(
+    path: Path, manifest: Mapping[str, Any], fn: Any, args: Sequence[Any], *,
+    module: str = "the module", custom_calls: Any = None,
+) -> Any:  # fmt: skip
+    """The StableHLO XLA would compile for ``jax.jit(fn)(*args)`` (``args``: arrays or
+    ``jax.ShapeDtypeStruct``): lowered, every shape refined to ``args``', with its MLIR
+    context. ``module`` names what ``fn`` calls, for messages; ``custom_calls``, where
+    known, the targets it calls (:func:`_no_lapack`)."""
     import io
 
     import jax.extend.mlir as jex
     from jax._src.interpreters import mlir as jax_mlir
 
-    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
-    module = call.lower(weights, *structs).compiler_ir("stablehlo")
-    buffer = io.BytesIO()
-    module.operation.write_bytecode(buffer)
+    lowered = fn if hasattr(fn, "lower") else jax.jit(fn)
+    shapes = [tuple(a.shape) for a in args if not isinstance(a, Mapping)]  # not the params
+    skip = _no_lapack(custom_calls) if custom_calls is not None else contextlib.nullcontext()
     try:
-        refined = jex.refine_polymorphic_shapes(
+        with skip:
+            ir_module = lowered.lower(*args).compiler_ir("stablehlo")
+        buffer = io.BytesIO()
+        ir_module.operation.write_bytecode(buffer)
+        refined_bytes = jex.refine_polymorphic_shapes(
             buffer.getvalue(),
             enable_shape_assertions=True,
             validate_static_shapes=True,
             enable_shardy=jax.config.jax_use_shardy_partitioner,
         )
-    except Exception as e:  # MLIR raises plain exceptions
+    except Exception as e:  # MLIR raises plain exceptions; jax.export ValueErrors
         raise ArtifactError(
-            f"{path / program_file(manifest, JAXEXPORT)}: the module's shapes cannot be "
-            f"resolved for inputs "
-            f"{[tuple(s.shape) for s in structs]} ({type(e).__name__}: {str(e)[:300]})."
+            f"{path / program_file(manifest, JAXEXPORT)}: the shapes of {module} cannot be "
+            f"resolved for inputs {shapes} ({type(e).__name__}: {str(e)[:300]})."
         ) from e
     context = jax_mlir.make_ir_context()
     with context:
-        return jax_mlir.ir.Module.parse(refined), context
+        return jax_mlir.ir.Module.parse(refined_bytes), context
+
+
+def _vjp_checked(
+    path: Path, manifest: Mapping[str, Any], module: Any, guard: Any, order: int = 1,
+    n_inputs: int | None = None,
+) -> Callable[..., Any]:  # fmt: skip
+    """``module.call`` whose VJP module (``module.vjp()``, of ``order``) is checked by
+    ``guard`` for the shapes ``jax.grad`` calls it with, before JAX lowers it; and so on for
+    each higher order.
+
+    ``jax.export`` differentiates ``Exported.call`` with a ``custom_vjp`` whose backward pass
+    calls ``module.vjp()`` on the primal inputs and output cotangents; this is the same rule,
+    with the check first. ``n_inputs``: the element count of the loaded model's own inputs
+    (default: those of ``module``'s inputs after the first, its params).
+    """
+    if not module.has_vjp():
+        return module.call
+
+    @jax.custom_vjp
+    def call(*args: Any) -> Any:
+        return module.call(*args)
+
+    def forward(*args: Any) -> tuple[Any, Any]:
+        return module.call(*args), args
+
+    def backward(args: Any, cts: Any) -> Any:
+        vjp = module.vjp()
+        primals, cts = jax.tree.leaves(args), jax.tree.leaves(cts)
+        expected = vjp.in_avals[len(primals) :]
+        if len(expected) != len(cts):
+            raise ArtifactError(
+                f"{path / program_file(manifest, JAXEXPORT)}: its VJP module of order {order} "
+                f"takes {len(vjp.in_avals)} inputs, not the {len(primals)} primals and "
+                f"{len(cts)} cotangents jax.grad passes it. It was edited; export it again."
+            )
+        cts = [  # float0 where the module expects it (integer outputs), as jax.export does
+            np.zeros(c.shape, jax.dtypes.float0) if a.dtype == jax.dtypes.float0 else c
+            for c, a in zip(cts, expected, strict=True)
+        ]
+        vjp_args = [*primals, *cts]
+        n = n_inputs
+        if n is None:
+            n = sum(math.prod(x.shape) for x in jax.tree.leaves(args[1:]))
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in vjp_args)
+        if all(isinstance(d, int) for s, _ in shapes for d in s):  # else: traced symbolically
+            structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in vjp_args]
+            what = f"its VJP module of order {order}"
+            guard(
+                lambda: refined(path, manifest, vjp.call, structs, module=what),
+                n,
+                shapes,
+                order=order,
+            )
+        out = _vjp_checked(path, manifest, vjp, guard, order + 1, n)(*vjp_args)
+        return tuple(jax.tree.unflatten(jax.tree.structure(args), jax.tree.leaves(out)))
+
+    call.defvjp(forward, backward)
+    return call
 
 
 def _check_agrees(

@@ -85,6 +85,8 @@ def _decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any]
             raise BadRequest(400, f"the body is not a readable .npy array ({e}).") from None
         if not isinstance(x, np.ndarray):
             raise BadRequest(400, "the body is an .npz archive; send one .npy array.")
+        if x.dtype.byteorder == (">" if sys.byteorder == "little" else "<"):
+            x = x.astype(x.dtype.newbyteorder("="))  # the same numbers, in this CPU's order
         return [x], True
     if kind not in ("application/json", ""):
         raise BadRequest(
@@ -94,8 +96,8 @@ def _decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any]
         )
     try:
         data = json.loads(body)
-    except ValueError as e:
-        raise BadRequest(400, f"the body is not valid JSON ({e}).") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
+        raise BadRequest(400, f"the body is not valid JSON ({_short(str(e))}).") from None
     if not isinstance(data, dict) or "inputs" not in data:
         raise BadRequest(
             400,
@@ -108,8 +110,9 @@ def _decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any]
     if isinstance(inputs, dict):
         if sorted(inputs) != sorted(names):
             raise SignatureError(
-                f"{batcher.name}: the request names the inputs {sorted(inputs)}, but the model "
-                f"takes {names} ({', '.join(map(str, specs))}). Send one entry per input."
+                f"{batcher.name}: the request names the inputs {_short(str(sorted(inputs)))}, "
+                f"but the model takes {names} ({', '.join(map(str, specs))}). Send one entry "
+                "per input."
             )
         values = [inputs[n] for n in names]
     elif len(specs) == 1:
@@ -123,22 +126,62 @@ def _decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any]
 
 
 def _from_json(batcher: Batcher, spec: Any, value: Any) -> np.ndarray:
-    """JSON numbers as the input's dtype; refuses what the cast would change (1.5 -> int)."""
+    """JSON numbers as the input's dtype; refuses what the cast would change (1.5 -> int,
+    2**31 -> int32, 1e39 -> float32). ``NaN``, ``Infinity`` and ``-Infinity`` (what Python's
+    json, and TF Serving, read and write) are floats like any other."""
     try:
         raw = np.asarray(value)
-    except ValueError as e:  # ragged lists
+    except (ValueError, OverflowError) as e:  # ragged lists
         raise SignatureError(
-            f"{batcher.name}: input {spec.path} is not a rectangular array ({e}); send nested "
-            f"lists of one shape, {spec.type}."
+            f"{batcher.name}: input {spec.path} is not a rectangular array ({_short(str(e))}); "
+            f"send nested lists of one shape, {spec.type}."
         ) from None
     want = np.dtype(spec.dtype)
-    if raw.dtype.kind not in "biuf" or (raw.dtype.kind == "f" and want.kind in "biu"):
+    integral = raw.dtype.kind in "biu" or (
+        raw.dtype.kind == "O" and all(type(v) is int for v in raw.flat)  # past int64
+    )
+    if raw.dtype.kind == "f" and want.kind in "iu" and np.array_equal(raw, np.trunc(raw)):
+        integral, raw = True, raw.astype(object)  # whole numbers (2**63: NumPy made floats)
+    if not (integral or raw.dtype.kind == "f") or (raw.dtype.kind == "f" and want.kind in "biu"):
         what = "integers" if want.kind in "biu" else "numbers"
         raise SignatureError(
             f"{batcher.name}: input {spec.path} holds {raw.dtype} values, but the model takes "
             f"{spec.type}; send {what} (JSON has no dtypes: they are cast to {want})."
         )
-    return raw.astype(want, copy=False)
+    if want.kind in "iu" and raw.size and integral:
+        info = np.iinfo(want)
+        low, high = min(raw.flat), max(raw.flat)
+        if low < info.min or high > info.max:
+            raise SignatureError(
+                f"{batcher.name}: input {spec.path} holds integers from {low} to {high}, "
+                f"outside {want}'s range [{info.min}, {info.max}]; the model takes "
+                f"{spec.type}. Send values in range."
+            )
+    with np.errstate(over="ignore"):
+        x = raw.astype(want, copy=False)
+    if want.kind == "f" and raw.size and not np.array_equal(np.isfinite(x), np.isfinite(raw)):
+        raise SignatureError(
+            f"{batcher.name}: input {spec.path} holds numbers beyond {want}'s range (largest "
+            f"{float(np.finfo(want).max):.4g}); the model takes {spec.type}. Send values in "
+            "range."
+        )
+    return x
+
+
+def _short(text: str, limit: int = 300) -> str:
+    """``text``, cut to ``limit`` characters: an error quotes the client's input only so far."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more)"
+
+
+class _Json:
+    """A JSON response that writes a non-finite float as ``NaN``/``Infinity``, as Python's json
+    and TF Serving do (strict JSON has no such numbers; starlette's JSONResponse refuses)."""
+
+    media_type = "application/json"
+
+    @staticmethod
+    def render(content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
 
 
 def _to_json(out: Any) -> Any:
@@ -206,7 +249,7 @@ def create_app(
     """
     _require()
     from starlette.applications import Starlette
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -222,17 +265,24 @@ def create_app(
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
             return error(413, BadRequest(413, _too_large(int(size), max_body_bytes)))
         chunks, received = [], 0
-        async for chunk in request.stream():
-            chunks.append(chunk)
-            received += len(chunk)
-            if received > max_body_bytes:
-                return error(413, BadRequest(413, _too_large(received, max_body_bytes)))
+        try:
+            async for chunk in request.stream():
+                chunks.append(chunk)
+                received += len(chunk)
+                if received > max_body_bytes:
+                    return error(413, BadRequest(413, _too_large(received, max_body_bytes)))
+        except ClientDisconnect:  # nobody to answer: counted, as nginx counts it, as 499
+            http.count(499)
+            return Response(status_code=499)
         body = b"".join(chunks)
         try:
             inputs, as_npy = _decode(batcher, body, request.headers.get("content-type", ""))
-            request = batcher.asubmit(*inputs)
         except BadRequest as e:
             return error(e.status, e)
+        except SignatureError as e:
+            return error(422, e)
+        try:
+            request = batcher.asubmit(*inputs)
         except SignatureError as e:
             return error(422, e)
         except OverloadError as e:
@@ -258,11 +308,12 @@ def create_app(
             headers["X-Batch"] = (
                 f"rows={t.batch_rows}; requests={t.batch_requests}; bucket={t.bucket}"
             )
-        http.count(200)
         if as_npy:
             data, kind = _to_npy(out)
-            return Response(data, media_type=kind, headers=headers)
-        return JSONResponse({"outputs": _to_json(out)}, headers=headers)
+        else:
+            data, kind = _Json.render({"outputs": _to_json(out)}), _Json.media_type
+        http.count(200)  # once the answer is made: what /metrics counts is what was sent
+        return Response(data, media_type=kind, headers=headers)
 
     async def health(request: Request) -> Response:
         s = batcher.stats

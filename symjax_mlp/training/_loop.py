@@ -14,7 +14,7 @@ import hashlib
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,8 @@ from symjax_mlp.training._checkpoint import (
     save_checkpoint,
 )
 from symjax_mlp.training._data import Dataset, check_dataset, load_digits
-from symjax_mlp.training._step import ModelVars, apply_model, init_params, model_spec, train_step
+from symjax_mlp.training._spec import inference_shape, model_spec
+from symjax_mlp.training._step import ModelVars, apply_model, init_params, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +246,8 @@ def train(
     epochs: int = 20,
     batch_size: int = 64,
     seed: int = 0,
+    train_flags: Mapping[str, Any] | None = None,
+    eval_flags: Mapping[str, Any] | None = None,
     compiled: bool = True,
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = 1,
@@ -268,6 +271,12 @@ def train(
       epochs: total epochs to reach, counting those done before a resumed checkpoint.
       batch_size: examples per step.
       seed: seeds the initialisation and the shuffle.
+      train_flags, eval_flags: the keyword settings of a training and of an inference call
+        of ``model``, e.g. ``{"is_training": True}`` and ``{"is_training": False}`` (given
+        one, the other defaults to ``{}``, the call's defaults). Default: found by name,
+        ``train=True``/``False``, ``training=True``/``False`` or
+        ``deterministic=False``/``True``, whichever ``__call__`` takes. ``{}`` and ``{}``
+        say that the model has no mode to switch.
       compiled: ``True`` runs the step jit-compiled with params and optimizer state donated;
         ``False`` runs the same step eagerly, op by op.
       checkpoint: a directory for checkpoints (``None``: none are written).
@@ -286,7 +295,10 @@ def train(
         checkpoint.
       CheckpointError: ``checkpoint`` already holds checkpoints and ``resume`` is false, or the
         checkpoint does not fit this model, optimizer, data, seed or batch size.
-      ValueError: a hyperparameter is out of range.
+      ConfigError: a hyperparameter is out of range, or the model's flags do not switch it
+        between training and inference: none found or given while a call with its defaults
+        would train BatchNorm or Dropout in inference mode, or an inference call that still
+        draws an rng or updates state (a mode set as an attribute).
 
     Example:
       >>> import symjax_mlp as sm
@@ -322,7 +334,9 @@ def train(
         classes = data.num_classes or int(max(data.y_train.max(), data.y_test.max())) + 1
         model = mlp((128, 64, classes))
     example = data.x_train[:1]
-    out = jax.eval_shape(lambda: model.apply(model.init(jax.random.key(0), example), example))
+    caller = f"symjax_mlp.training.train({type(model).__name__})"
+    spec = model_spec(model, example, train_flags, eval_flags, caller=caller)
+    out = inference_shape(model, example, spec, caller=caller)
     if out.ndim != 2:
         raise ConfigError(
             f"train() needs a model whose output is (batch, classes) logits; {type(model).__name__}"
@@ -331,7 +345,7 @@ def train(
     data = check_dataset(data, num_outputs=out.shape[-1])
 
     rng, init_key = jax.random.split(jax.random.key(seed))
-    params = init_params(model, init_key, example)
+    params = init_params(model, init_key, example, train_flags=spec.train_flags)
     trainable = params.params if isinstance(params, ModelVars) else params
     state = TrainState(params, _unaliased(params, optimizer.init(trainable)), rng)
     config = {
@@ -364,7 +378,7 @@ def train(
         history = _history(found, meta, state)
         resumed_from = newest = found
 
-    step = train_step(model, optimizer)
+    step = train_step(model, optimizer, train_flags=spec.train_flags)
     traces: list[tuple[Any, ...]] = []
 
     def counted(params, opt_state, x, y, w):
@@ -377,7 +391,7 @@ def train(
         return step(params, opt_state, x, y, w)
 
     def predict(params, x):
-        return jnp.argmax(apply_model(model, params, x, train=False)[0], axis=-1)
+        return jnp.argmax(apply_model(model, spec, params, x, train=False)[0], axis=-1)
 
     if compiled:
         step_fn = jax.jit(counted, donate_argnums=(0, 1))
@@ -459,6 +473,6 @@ def train(
         checkpoint=newest,
         num_features=data.num_features,
         model_state=params.state if stateful else None,
-        eval_flags=model_spec(model, example).eval_flags,
+        eval_flags=spec.eval_flags,
         standardize=None if data.mean is None else (data.mean, data.std),
     )

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+from symjax_mlp.training._spec import STEP_FORM, ModelSpec, model_spec
 
 #: ``step(params, opt_state, x, y, w) -> (params, opt_state, {"loss", "correct"})``.
 Step = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
@@ -39,83 +39,58 @@ class ModelVars:
     state: Any
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """How to call a flax.linen classifier in training and in inference.
-
-    Attributes:
-      train_flags, eval_flags: the keyword settings for each (``train=True`` /
-        ``deterministic=False`` ...), from the model's ``__call__`` signature.
-      mutable: the collections a training call updates (``("batch_stats",)``).
-      rng: whether a training call draws from a ``dropout`` rng stream.
-    """
-
-    train_flags: dict[str, bool]
-    eval_flags: dict[str, bool]
-    mutable: tuple[str, ...]
-    rng: bool
-
-    @property
-    def stateful(self) -> bool:
-        return bool(self.mutable) or self.rng
-
-
-_FLAGS = (("train", True), ("training", True), ("deterministic", False))
-
-
-def model_spec(model: nn.Module, example: Any) -> ModelSpec:
-    """Reads the flags a model takes, and whether training needs mutable collections or rngs."""
-    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
-    params = inspect.signature(type(model).__call__).parameters
-    train, evals = {}, {}
-    for name, training in _FLAGS:
-        if name in params:
-            train[name], evals[name] = training, not training
-    variables = jax.eval_shape(model.init, jax.random.key(0), example)
-    mutable = tuple(c for c in variables if c != "params")
-
-    def run(v: Any, x: Any, rngs: Any = None) -> Any:
-        return model.apply(v, x, rngs=rngs, mutable=list(mutable), **train)
-
-    try:
-        jax.eval_shape(run, variables, example)
-        rng = False
-    except flax.errors.InvalidRngError:
-        jax.eval_shape(run, variables, example, {"dropout": jax.random.key(0)})
-        rng = True
-    return ModelSpec(train, evals, mutable, rng)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def init_params(model: nn.Module, key: jax.Array, example: jax.Array) -> Any:
+def init_params(
+    model: nn.Module,
+    key: jax.Array,
+    example: jax.Array,
+    *,
+    train_flags: Mapping[str, Any] | None = None,
+) -> Any:
     """``model.init(key, example)["params"]``, compiled once per model and input signature.
 
     A model with state (BatchNorm's ``batch_stats``, a ``dropout`` rng) gets a
     :class:`ModelVars` of its params and that state instead. Compiled because eagerly each
     initializer op compiles on its own (seconds on a CPU), and cached on the (hashable) module,
     so repeated runs of one model pay it once.
+
+    Args:
+      model: a ``flax.linen`` classifier.
+      key: the initialisation key.
+      example: one batch of inputs (its shape and dtype).
+      train_flags: the keyword settings of a training call, as for :func:`train_step`
+        (default: found by name).
+
+    Raises:
+      ConfigError: without ``train_flags``, training with the model's defaults would silently
+        be inference (its flag has another name).
     """
-    spec = model_spec(model, example)
+    name = type(model).__name__
+    caller = f"symjax_mlp.training.init_params({name}, ...)"
+    spec = model_spec(model, example, train_flags, caller=caller, form=STEP_FORM)
+    return _init(model, spec.mutable, spec.rng, key, example)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _init(model: nn.Module, mutable: tuple[str, ...], rng: bool, key: jax.Array, example: Any):
     variables = model.init(key, example)
-    if not spec.stateful:
+    if not mutable and not rng:
         return variables["params"]
-    state = {c: variables[c] for c in spec.mutable}
-    if spec.rng:
+    state = {c: variables[c] for c in mutable}
+    if rng:
         state["rng"] = jax.random.key_data(jax.random.fold_in(key, 1))
     return ModelVars(variables["params"], state)
 
 
-def apply_model(model: nn.Module, params: Any, x: jax.Array, *, train: bool) -> Any:
+def apply_model(model: nn.Module, spec: ModelSpec, params: Any, x: jax.Array, *, train: bool):
     """Logits of ``model`` for ``x``, and the new params (a :class:`ModelVars` moves its state).
 
     Returns:
       ``(logits, params)``; ``params`` is unchanged unless it is a :class:`ModelVars` and
       ``train`` (then its collections and rng move on, exactly as eager Flax would).
     """
-    if not isinstance(params, ModelVars):
-        return model.apply({"params": params}, x), params
-    spec = model_spec(model, x[:1])  # read at trace time: shapes only
     flags = spec.train_flags if train else spec.eval_flags
+    if not isinstance(params, ModelVars):
+        return model.apply({"params": params}, x, **flags), params
     collections = {c: params.state[c] for c in spec.mutable}
     variables = {"params": params.params, **collections}
     if not train:
@@ -129,7 +104,12 @@ def apply_model(model: nn.Module, params: Any, x: jax.Array, *, train: bool) -> 
     return logits, ModelVars(params.params, {**state, **updates})
 
 
-def train_step(model: nn.Module, optimizer: optax.GradientTransformation) -> Step:
+def train_step(
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    *,
+    train_flags: Mapping[str, Any] | None = None,
+) -> Step:
     """The pure training step ``step(params, opt_state, x, y, w) -> (params, opt_state, metrics)``.
 
     ``params`` is the ``"params"`` collection, or a :class:`ModelVars` for a model with
@@ -140,6 +120,17 @@ def train_step(model: nn.Module, optimizer: optax.GradientTransformation) -> Ste
     with per-example weights ``w`` (0 marks padding); ``metrics`` holds the batch ``"loss"``
     and the weighted count of ``"correct"`` predictions (before the update). The step is not
     jitted: wrap it in ``jax.jit(step, donate_argnums=(0, 1))`` to compile it.
+
+    Args:
+      model: a ``flax.linen`` classifier.
+      optimizer: any ``optax.GradientTransformation``.
+      train_flags: the keyword settings of a training call, e.g. ``{"is_training": True}``
+        (default: ``train=True``, ``training=True`` or ``deterministic=False``, whichever
+        ``__call__`` takes); pass the same to :func:`init_params`.
+
+    Returns:
+      The step; its first call (its trace) raises :class:`~symjax_mlp.ConfigError` for a
+      model with state or a ``dropout`` rng whose flag was neither found nor given.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -153,18 +144,21 @@ def train_step(model: nn.Module, optimizer: optax.GradientTransformation) -> Ste
       ['correct', 'loss']
     """
 
-    def loss_fn(trainable: Any, rest: Any, x: jax.Array, y: jax.Array, w: jax.Array):
+    caller = f"symjax_mlp.training.train_step({type(model).__name__}, ...)"
+
+    def loss_fn(spec, trainable: Any, rest: Any, x: jax.Array, y: jax.Array, w: jax.Array):
         params = trainable if rest is None else ModelVars(trainable, rest)
-        logits, params = apply_model(model, params, x, train=True)
+        logits, params = apply_model(model, spec, params, x, train=True)
         losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
         loss = jnp.sum(w * losses) / jnp.maximum(jnp.sum(w), 1.0)
         correct = jnp.sum(w * (jnp.argmax(logits, axis=-1) == y))
         return loss, (correct, params)
 
     def step(params: Any, opt_state: Any, x: jax.Array, y: jax.Array, w: jax.Array):
+        spec = model_spec(model, x[:1], train_flags, caller=caller, form=STEP_FORM)
         stateful = isinstance(params, ModelVars)
         trainable, rest = (params.params, params.state) if stateful else (params, None)
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        grad_fn = jax.value_and_grad(functools.partial(loss_fn, spec), has_aux=True)
         (loss, (correct, moved)), grads = grad_fn(trainable, rest, x, y, w)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)

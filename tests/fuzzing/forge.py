@@ -229,27 +229,86 @@ def infeed(text: str) -> str:
     ))  # fmt: skip
 
 
-def dynamic_huge(text: str) -> str:
-    """For the symbolic base: a tensor whose dynamic shape is the constant (100000, 100000),
-    which only shape refinement at the call makes static (so no load-time bound sees it)."""
-    head, sep, tail = text.partition("func.func private @relu(")
-    m = re.search(r"    %(\d+) = stablehlo\.maximum %arg1, %(\d+) : tensor<\?x4xf32>\n", tail)
-    shape = re.search(r"%(\d+) = stablehlo\.concatenate [^\n]*-> tensor<2xi32>", tail)
-    assert sep and m and shape, "not the symbolic base MLP module"
-    out, dims = f"%{m.group(1)}", f"%{shape.group(1)}"
-    body = (
-        "    %hs = stablehlo.constant dense<[100000, 100000]> : tensor<2xi32>\n"
+HUGE_CONSTANT = "    %hs = stablehlo.constant dense<[100000, 100000]> : tensor<2xi32>\n"
+HUGE_PAST_BATCH_2 = (  # (100000 * (b - 2)**2, 100000): nothing at b = 2, 10**10 at b = 3
+    "    %two = stablehlo.constant dense<2> : tensor<i32>\n"
+    "    %k = stablehlo.constant dense<100000> : tensor<i32>\n"
+    "    %k1 = stablehlo.constant dense<100000> : tensor<1xi32>\n"
+    "    %d = stablehlo.subtract %arg0, %two : tensor<i32>\n"
+    "    %d2 = stablehlo.multiply %d, %d : tensor<i32>\n"
+    "    %rows = stablehlo.multiply %d2, %k : tensor<i32>\n"
+    "    %rows1 = stablehlo.reshape %rows : (tensor<i32>) -> tensor<1xi32>\n"
+    "    %hs = stablehlo.concatenate %rows1, %k1, dim = 0 "
+    ": (tensor<1xi32>, tensor<1xi32>) -> tensor<2xi32>\n"
+)
+
+
+def _summed(shape: str, out: str, dims: str, kind: str) -> str:
+    """Lines that sum an iota of the dynamic shape ``%hs`` (made by ``shape``) into ``%s``
+    and add it to ``out`` (of ``kind``, whose dynamic shape is ``dims``) as ``%hostile``."""
+    return shape + (
         "    %big = stablehlo.dynamic_iota %hs, dim = 0 : (tensor<2xi32>) -> tensor<?x?xf32>\n"
         "    %z = stablehlo.constant dense<0.0> : tensor<f32>\n"
         "    %s = stablehlo.reduce(%big init: %z) applies stablehlo.add across dimensions = [0, 1] "
         ": (tensor<?x?xf32>, tensor<f32>) -> tensor<f32>\n"
         f"    %sb = stablehlo.dynamic_broadcast_in_dim %s, {dims}, dims = [] "
-        ": (tensor<f32>, tensor<2xi32>) -> tensor<?x4xf32>\n"
-        f"    %hostile = stablehlo.add {out}, %sb : tensor<?x4xf32>\n"
+        f": (tensor<f32>, tensor<2xi32>) -> {kind}\n"
+        f"    %hostile = stablehlo.add {out}, %sb : {kind}\n"
     )
+
+
+def dynamic_huge(text: str, shape: str = HUGE_CONSTANT) -> str:
+    """For the symbolic base: a tensor whose dynamic shape is the constant (100000, 100000),
+    which only shape refinement at the call makes static (so no load-time bound sees it).
+    ``shape``: lines that make that shape ``%hs`` (``tensor<2xi32>``; ``%arg0`` is ``b``)."""
+    head, sep, tail = text.partition("func.func private @relu(")
+    m = re.search(r"    %(\d+) = stablehlo\.maximum %arg1, %(\d+) : tensor<\?x4xf32>\n", tail)
+    dims = re.search(r"%(\d+) = stablehlo\.concatenate [^\n]*-> tensor<2xi32>", tail)
+    assert sep and m and dims, "not the symbolic base MLP module"
+    out = f"%{m.group(1)}"
+    body = _summed(shape, out, f"%{dims.group(1)}", "tensor<?x4xf32>")
     tail = tail.replace(m.group(0), m.group(0) + body, 1)
     tail = tail.replace(f"return {out} :", "return %hostile :", 1)
     return head + sep + tail
+
+
+def huge_past_batch_2(text: str) -> str:
+    """:func:`dynamic_huge` of shape (100000 * (b - 2)**2, 100000): empty for the self-test's
+    batch of 2, 10**10 elements for a batch of 3 (a shape that grows with the batch)."""
+    return dynamic_huge(text, HUGE_PAST_BATCH_2)
+
+
+def vjp_dynamic_huge(text: str) -> str:
+    """For the VJP module of the symbolic base (``vjp_order=1``): :func:`dynamic_huge`'s
+    tensor added to the cotangent of the input, the last result of its wrapped main."""
+    head, sep, tail = text.partition("func.func private @_wrapped_jax_export_main(")
+    m = re.search(r"\n    return ([^\n]*), (%\w+) : [^\n]*, tensor<\?x(\d+)xf32>\n", tail)
+    assert sep and m, "not the VJP module of the symbolic base MLP"
+    kind = f"tensor<?x{m.group(3)}xf32>"
+    dims = (
+        f"    %cw = stablehlo.constant dense<{m.group(3)}> : tensor<1xi32>\n"
+        "    %bw = stablehlo.reshape %arg0 : (tensor<i32>) -> tensor<1xi32>\n"
+        "    %dims = stablehlo.concatenate %bw, %cw, dim = 0 "
+        ": (tensor<1xi32>, tensor<1xi32>) -> tensor<2xi32>\n"
+    )
+    body = dims + _summed(HUGE_CONSTANT, m.group(2), "%dims", kind)
+    ret = m.group(0).replace(f", {m.group(2)} :", ", %hostile :")
+    tail = tail.replace(m.group(0), "\n" + body + ret.removeprefix("\n"), 1)
+    return head + sep + tail
+
+
+def forge_vjp(src: Path, dst: Path, edit: Callable[[str], str]) -> Path:
+    """``src`` (exported with ``vjp_order=1``) with the text of its VJP module edited by
+    ``edit``, consistent and re-signed: the module that runs forward (``model.mlirbc``) is
+    unchanged; ``model.jaxexport`` carries the edited VJP, which ``jax.grad`` runs."""
+    import jax
+
+    exported = jax.export.deserialize(bytearray((src / JAXEXPORT).read_bytes()))
+    vjp = exported.vjp()
+    text = edit(_strip_locations(vjp.mlir_module()))
+    forged_vjp = dataclasses.replace(vjp, mlir_module_serialized=serialize_module(text))
+    forged = dataclasses.replace(exported, _get_vjp=lambda _: forged_vjp)
+    return resign(src, dst, files={JAXEXPORT: bytes(forged.serialize(vjp_order=1))})
 
 
 def harmless(text: str) -> str:
@@ -281,9 +340,10 @@ REFUSED_AS = {  # the allow= key each one is refused by
 }
 
 
-def base(out: Path, *, batch: str | None = None):
+def base(out: Path, *, batch: str | None = None, vjp_order: int = 0):
     """The MLP every program edits (static shapes; ``batch="b"``: the symbolic one for
-    :func:`dynamic_huge`), and its input: ``(path, x)``."""
+    :func:`dynamic_huge`; ``vjp_order=1``: with the VJP module :func:`forge_vjp` edits), and
+    its input: ``(path, x)``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -293,7 +353,8 @@ def base(out: Path, *, batch: str | None = None):
     net = sm.mlp((4, 2))
     x = jnp.asarray(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3))
     h = sm.hybridize(net, net.init(jax.random.key(0), x))
-    return sm.export(h, out, example=x, batch=batch, overwrite=True).path, np.asarray(x)
+    art = sm.export(h, out, example=x, batch=batch, vjp_order=vjp_order, overwrite=True)
+    return art.path, np.asarray(x)
 
 
 def hostile_exports(out: Path) -> dict[str, Path]:

@@ -1,0 +1,265 @@
+"""How a classifier is called in training and in inference: its flags, state and rng.
+
+:func:`model_spec` finds the keyword settings that switch a flax.linen model between training
+and inference (``train=True``, ``training=True``, ``deterministic=False``, or the
+``train_flags`` / ``eval_flags`` given), the collections a training call updates and whether
+it draws a ``dropout`` rng. Everything is read with ``jax.eval_shape``: shapes only, nothing
+runs. A model that would silently train in inference mode (a flag of another name, a mode set
+as an attribute) is refused with a :class:`~symjax_mlp.ConfigError` that names the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+
+from symjax_mlp._errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """How to call a flax.linen classifier in training and in inference.
+
+    Attributes:
+      train_flags, eval_flags: the keyword settings for each (``train=True`` /
+        ``deterministic=False`` ...), from the model's ``__call__`` signature or as given.
+      mutable: the collections a training call updates (``("batch_stats",)``).
+      rng: whether a training call draws from a ``dropout`` rng stream.
+    """
+
+    train_flags: dict[str, Any]
+    eval_flags: dict[str, Any]
+    mutable: tuple[str, ...]
+    rng: bool
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.mutable) or self.rng
+
+
+_FLAGS = (("train", True), ("training", True), ("deterministic", False))
+_KNOWN = ", ".join(name for name, _ in _FLAGS)
+#: How a fix is spelt for train() and for the pieces (``{on}``/``{off}``: the flags).
+TRAIN_FORM = "train(..., train_flags={on}, eval_flags={off})"
+STEP_FORM = "train_step(..., train_flags={on}) and init_params(..., train_flags={on})"
+
+_NO_FLAG = (
+    "{caller}: {model}'s __call__ takes none of the flags that training finds by name "
+    "({known}), and a call with its defaults draws no rng and updates {state}: every step "
+    "would run it in inference mode, {lost}. {fix}"
+)
+_NOT_INFERENCE = (
+    "{caller}: {model}'s inference call, {call}, {does}, so it is not in inference mode: "
+    "train() evaluates the model, and export() ships it, without rngs or mutable collections. "
+    "{fix}"
+)
+_OTHER_STREAM = (
+    "{caller}: a training call of {model} draws from the rng stream {stream!r}, but training "
+    "provides only 'dropout' (split from the seed on every step). Draw from 'dropout' "
+    "(nn.Dropout's default rng_collection), or write your own loop around "
+    "model.apply(..., rngs={{{stream!r}: key}})."
+)
+_BAD_FLAGS = (
+    "{caller}: {arg} must be a dict of keyword settings of {model}.__call__, such as "
+    "{{'is_training': True}}; got {flags!r}."
+)
+_UNKNOWN_FLAG = (
+    "{caller}: {arg} names {flag!r}, which {model}.__call__ does not take (its parameters: "
+    "{names}). {fix}"
+)
+_GIVE_A_FLAG = (
+    "Give __call__ a flag, def __call__(self, x, train: bool = False), and pass it on: "
+    "nn.Dropout(rate, deterministic=not train), nn.BatchNorm(use_running_average=not train)."
+)
+
+
+def _parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
+    """``__call__``'s parameters after ``self``."""
+    return dict(list(inspect.signature(type(model).__call__).parameters.items())[1:])
+
+
+def _checked(model: nn.Module, flags: Any, arg: str, caller: str, form: str) -> dict[str, Any]:
+    name = type(model).__name__
+    if not isinstance(flags, Mapping) or not all(isinstance(k, str) for k in flags):
+        raise ConfigError(_BAD_FLAGS.format(caller=caller, arg=arg, model=name, flags=flags))
+    params = _parameters(model)
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        for flag in flags:
+            if flag not in params:
+                raise ConfigError(
+                    _UNKNOWN_FLAG.format(
+                        caller=caller,
+                        arg=arg,
+                        flag=flag,
+                        model=name,
+                        names=", ".join(params),
+                        fix=_fix(model, form),
+                    )
+                )
+    return dict(flags)
+
+
+def _bool_keyword(model: nn.Module) -> tuple[str, bool] | None:
+    """The first parameter of ``__call__`` with a bool default: the likeliest mode flag."""
+    for flag, p in _parameters(model).items():
+        if isinstance(p.default, bool):
+            return flag, p.default
+    return None
+
+
+def _fix(model: nn.Module, form: str = TRAIN_FORM) -> str:
+    """The likeliest fix for a model whose mode train() cannot switch: its flag, or why not."""
+    name = type(model).__name__
+    if (found := _bool_keyword(model)) is not None:
+        flag, default = found
+        on, off = {flag: not default}, {flag: default}
+        return f"If {flag} is its mode, name it: {form.format(on=on, off=off)}."
+    for field in dataclasses.fields(model):
+        value = getattr(model, field.name, None)
+        if field.name not in ("parent", "name") and isinstance(value, bool):
+            return (
+                f"Its mode looks like the attribute {name}({field.name}={value}), fixed for "
+                f"every call, while training switches the mode per call. {_GIVE_A_FLAG}"
+            )
+    return _GIVE_A_FLAG
+
+
+def _training_part(model: nn.Module, variables: Any, example: Any, flags: dict) -> str | None:
+    """What a call with ``flags`` does that an inference call must not, or ``None``: it draws
+    from an rng stream, or it updates a collection (it runs with neither)."""
+    try:
+        jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)
+    except flax.errors.InvalidRngError as e:
+        found = re.search(r'needs PRNG for "([^"]+)"', str(e))
+        return f"draws from the rng stream {found.group(1) if found else '?'!r}"
+    except flax.errors.ModifyScopeVariableError as e:
+        found = re.search(r'collection "([^"]+)"', str(e))
+        return f"updates the collection {found.group(1) if found else '?'!r}"
+    return None
+
+
+def model_spec(
+    model: nn.Module,
+    example: Any,
+    train_flags: Mapping[str, Any] | None = None,
+    eval_flags: Mapping[str, Any] | None = None,
+    *,
+    caller: str | None = None,
+    form: str = TRAIN_FORM,
+) -> ModelSpec:
+    """Reads the flags a model takes, and whether training needs mutable collections or rngs.
+
+    Without ``train_flags`` and ``eval_flags`` the flags are found by name (``train``,
+    ``training``, ``deterministic``); given one, the other defaults to ``{}`` (the call's
+    defaults). With neither found nor given, a model whose calls with its defaults are
+    inference calls (no rng drawn, no state updated) while it has state, or while flipping a
+    bool keyword of ``__call__`` makes a training call, is a :class:`~symjax_mlp.ConfigError`:
+    it would silently train in inference mode.
+    """
+    name = type(model).__name__
+    caller = caller or f"symjax_mlp.training.train({name})"
+    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
+    train, evals = {}, {}
+    if train_flags is None and eval_flags is None:
+        params = _parameters(model)
+        for flag, training in _FLAGS:
+            if flag in params:
+                train[flag], evals[flag] = training, not training
+    else:
+        if train_flags is not None:
+            train = _checked(model, train_flags, "train_flags", caller, form)
+        if eval_flags is not None:
+            evals = _checked(model, eval_flags, "eval_flags", caller, form)
+    variables = jax.eval_shape(model.init, jax.random.key(0), example)
+    mutable = tuple(c for c in variables if c != "params")
+    if train_flags is None and not train:
+        _refuse_inference_mode(model, variables, example, mutable, caller, form)
+
+    def run(v: Any, x: Any, rngs: Any = None) -> Any:
+        return model.apply(v, x, rngs=rngs, mutable=list(mutable), **train)
+
+    try:
+        jax.eval_shape(run, variables, example)
+        rng = False
+    except flax.errors.InvalidRngError:
+        try:
+            jax.eval_shape(run, variables, example, {"dropout": jax.random.key(0)})
+        except flax.errors.InvalidRngError as e:
+            found = re.search(r'needs PRNG for "([^"]+)"', str(e))
+            stream = found.group(1) if found else "?"
+            raise ConfigError(
+                _OTHER_STREAM.format(caller=caller, model=name, stream=stream)
+            ) from None
+        rng = True
+    return ModelSpec(train, evals, mutable, rng)
+
+
+def _refuse_inference_mode(
+    model: nn.Module, variables: Any, example: Any, mutable: tuple[str, ...], caller: str, form: str
+) -> None:
+    """Raises if training with the model's defaults would silently be inference."""
+    if _training_part(model, variables, example, {}) is not None:
+        return  # its defaults train (a mode set as an attribute): an inference call will tell
+    found = _bool_keyword(model)
+    flipped = None
+    if found is not None:
+        flag, default = found
+        try:
+            flipped = _training_part(model, variables, example, {flag: not default})
+        except Exception:  # not a mode switch: the model cannot even run with it flipped
+            flipped = None
+    if not mutable and flipped is None:
+        return  # stateless, and no keyword makes it train: nothing is lost
+    fix = _fix(model, form) if flipped is not None else _GIVE_A_FLAG
+    if flipped is not None:
+        fix = f"A call with {flag}={not default} {flipped}. {fix}"
+    else:
+        none = "train_flags={}, eval_flags={}" if form == TRAIN_FORM else "train_flags={}"
+        fix += f" For a model with no mode to switch, pass {none}."
+    state = f"none of its state ({', '.join(map(repr, mutable))})" if mutable else "no state"
+    raise ConfigError(
+        _NO_FLAG.format(
+            caller=caller,
+            model=type(model).__name__,
+            known=_KNOWN,
+            state=state,
+            lost=f"its {' and '.join(mutable)} never moving and no dropout"
+            if mutable
+            else "no dropout",
+            fix=fix,
+        )
+    )
+
+
+def inference_shape(model: nn.Module, example: Any, spec: ModelSpec, *, caller: str) -> Any:
+    """The shape of an inference call's output; the call must need no rng and no mutable state.
+
+    Raises:
+      ConfigError: the inference call draws from an rng stream or updates a collection.
+    """
+    flags = spec.eval_flags
+    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
+    variables = jax.eval_shape(model.init, jax.random.key(0), example)
+    does = _training_part(model, variables, example, flags)
+    if does is None:
+        return jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)
+    fix = _fix(model)
+    if _bool_keyword(model) is not None:
+        fix = f"Pass eval_flags that turn training off. {fix}"
+    shown = "".join(f", {k}={v!r}" for k, v in flags.items())
+    raise ConfigError(
+        _NOT_INFERENCE.format(
+            caller=caller,
+            model=type(model).__name__,
+            call=f"model.apply(variables, x{shown})",
+            does=does,
+            fix=fix,
+        )
+    )
