@@ -3,6 +3,7 @@ checkpoints without pickle, named errors, divergence, export of the trained mode
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
@@ -175,6 +176,55 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         sm.training.save_checkpoint(tmp_path, dataclasses.replace(state, step=2))
     assert [p.name for p in tmp_path.iterdir()] == [good.name]  # no half checkpoint, no temp
     assert sm.training.latest_checkpoint(tmp_path) == good
+
+
+def _tiny_state(step: int, epoch: int = 0):
+    params = {"w": jnp.arange(3.0)}
+    opt = optax.adam(1e-3)
+    return sm.training.TrainState(params, opt.init(params), jax.random.key(0), step, epoch)
+
+
+def test_checkpoint_names_steps_past_eight_digits_and_refuses_going_back(tmp_path):
+    """Step 10**8 wrote step_100000000, which latest_checkpoint never found (a resume went
+    back in time, and keep= left old ones); a step older than the newest was written and then
+    pruned at once, its path returned though deleted."""
+    for step in (99_999_999, 10**8, 10**8 + 1):
+        newest = sm.training.save_checkpoint(tmp_path, _tiny_state(step))
+    assert newest.exists() and sm.training.latest_checkpoint(tmp_path) == newest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_100000000", "step_100000001"]
+    assert sm.training.restore_checkpoint(tmp_path, _tiny_state(0))[0].step == 10**8 + 1
+    with pytest.raises(sm.CheckpointError, match=r"already holds step_100000001, newer than"):
+        sm.training.save_checkpoint(tmp_path, _tiny_state(5))
+    assert not (tmp_path / "step_00000005").exists()
+    with pytest.raises(sm.ConfigError, match=r"step and epoch are counts"):
+        sm.training.save_checkpoint(tmp_path / "other", _tiny_state(-1))
+    with pytest.raises(sm.ConfigError, match=r"metadata is JSON: strings, finite numbers"):
+        sm.training.save_checkpoint(tmp_path / "nan", _tiny_state(1), metadata={"x": np.nan})
+    assert not (tmp_path / "nan").exists() or not any((tmp_path / "nan").iterdir())
+
+
+def test_an_edited_or_planted_checkpoint_is_refused(tmp_path):
+    """The manifest is not hashed: its step must match its directory, its history be finite
+    numbers (a NaN once resumed, trained an epoch, then crashed the save); a step_* that is
+    a symlink to elsewhere is not one of this directory's checkpoints."""
+    good = sm.training.save_checkpoint(tmp_path / "a", _tiny_state(3, 1))
+    record = {"epoch": 1, "step": 3, "loss": 0.5, "train_accuracy": 0.9, "test_accuracy": 0.9,
+              "seconds": 1.0}  # fmt: skip
+    for edit, message in (
+        ({"step": 10**30}, r"its step is 10+, but the directory is step_00000003"),
+        ({"metadata": {"history": [{**record, "loss": float("nan")}]}}, r"metadata.history"),
+    ):
+        bad = tmp_path / "edited" / good.name
+        shutil.rmtree(bad.parent, ignore_errors=True)
+        shutil.copytree(good, bad)
+        manifest = json.loads((bad / "manifest.json").read_text())
+        (bad / "manifest.json").write_text(json.dumps({**manifest, **edit}))
+        with pytest.raises(sm.CheckpointError, match=message):
+            sm.training.restore_checkpoint(bad, _tiny_state(0))
+    planted = tmp_path / "b"
+    sm.training.save_checkpoint(planted, _tiny_state(1))
+    (planted / "step_00000050").symlink_to(good, target_is_directory=True)
+    assert sm.training.latest_checkpoint(planted).name == "step_00000001"
 
 
 def test_checkpoint_mismatches_are_named(digits, four_epochs):

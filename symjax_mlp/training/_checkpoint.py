@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 import re
 import shutil
@@ -37,7 +39,7 @@ FORMAT_VERSION = 1
 _STATE_FILE = "state.safetensors"
 _MANIFEST = "manifest.json"
 _MAX_MANIFEST_BYTES = 64 << 20
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more past step 99,999,999
 _MAX_TENSORS = 8 * MAX_TENSORS  # params and the optimizer's state of them
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _RECORD = {"epoch": int, "step": int, "loss": float, "train_accuracy": float,
@@ -99,7 +101,9 @@ def save_checkpoint(
       The path of the new checkpoint.
 
     Raises:
-      CheckpointError: a checkpoint for this step already exists, or a leaf name is ambiguous.
+      CheckpointError: a checkpoint for this step, or a newer one, already exists (a resume
+        would pick the newest); or a leaf name is ambiguous.
+      ConfigError: ``keep`` below 1, a negative step, or ``metadata`` that is not JSON.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -111,16 +115,28 @@ def save_checkpoint(
     """
     if keep < 1:
         raise ConfigError(f"keep must be at least 1; got {keep!r}.")
+    if not all(isinstance(n, numbers.Integral) and n >= 0 for n in (state.step, state.epoch)):
+        raise ConfigError(
+            f"save_checkpoint: step and epoch are counts (ints >= 0); got step {state.step!r}, "
+            f"epoch {state.epoch!r}."
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step_{state.step:08d}"
+    newest = latest_checkpoint(directory)
+    if newest is not None and _step_of(newest) > state.step:
+        raise CheckpointError(
+            f"{directory} already holds {newest.name}, newer than step {state.step}: a resume "
+            "picks the newest, so this one would be pruned or passed over. Save to another "
+            "directory, or remove the newer checkpoints first."
+        )
     tensors = _tensors(state)
     state_bytes = save(tensors)
     manifest = {
         "format": "symjax_mlp.checkpoint",
         "format_version": FORMAT_VERSION,
-        "step": state.step,
-        "epoch": state.epoch,
+        "step": int(state.step),
+        "epoch": int(state.epoch),
         "files": {_STATE_FILE: sha256(state_bytes)},
         "tensors": {
             name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in tensors.items()
@@ -128,13 +144,18 @@ def save_checkpoint(
         "jax_version": jax.__version__,
         "metadata": metadata or {},
     }
-    files = {
-        _STATE_FILE: state_bytes,
-        _MANIFEST: (json.dumps(manifest, indent=1, allow_nan=False) + "\n").encode(),
-    }
+    try:
+        text = json.dumps(manifest, indent=1, allow_nan=False)
+    except (TypeError, ValueError) as e:  # NaN, a NumPy scalar, an object
+        raise ConfigError(
+            f"save_checkpoint(metadata=...): {e}. The metadata is JSON: strings, finite "
+            "numbers, lists and dicts (convert NumPy values with .item() or .tolist())."
+        ) from None
+    files = {_STATE_FILE: state_bytes, _MANIFEST: (text + "\n").encode()}
     write_dir(final, files, overwrite=False, check=_check_new, error=CheckpointError)
     for old in _checkpoints(directory)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != final:  # a writer racing ours saved a newer step: ours stays, for it
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -150,8 +171,16 @@ def _checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints in ``directory``, oldest first."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    found = [
+        p
+        for p in directory.iterdir()
+        if _STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink()  # ours, written here
+    ]
+    return sorted(found, key=_step_of)
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -197,6 +226,12 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             f"{file}: the field(s) {', '.join(bad)} are missing or of the wrong type; the "
             "checkpoint is corrupted or was edited. Resume from an older step_* directory."
         )
+    named = _STEP_DIR.match(path.name)
+    if named and int(named.group(1)) != manifest["step"]:
+        raise CheckpointError(
+            f"{file}: its step is {manifest['step']}, but the directory is {path.name}; the "
+            "checkpoint was edited or renamed. Resume from a step_* directory train() wrote."
+        )
     return manifest
 
 
@@ -210,7 +245,9 @@ def _history_ok(history: Any) -> bool:
     def number(v: Any, kind: type) -> bool:
         if isinstance(v, bool):
             return False
-        return isinstance(v, int) if kind is int else isinstance(v, int | float)
+        if kind is int:
+            return isinstance(v, int)
+        return isinstance(v, int | float) and math.isfinite(v)  # json reads NaN, Infinity
 
     return isinstance(history, list) and all(
         isinstance(r, dict)
