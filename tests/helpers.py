@@ -12,6 +12,10 @@ import pytest
 import symjax_mlp as sm
 
 N_DEVICES = 8  # conftest.py starts JAX with this many virtual CPU devices
+# A subprocess's warnings are errors, as the suite's are (pyproject.toml), but one: JAX writes
+# a persistent-cache entry in place, and a process reading one that another is still writing
+# warns and compiles anew (the suite's processes share one cache: conftest.py).
+STRICT_WARNINGS = ("-W", "error", "-W", "ignore:Error reading persistent compilation cache entry")
 
 
 @pytest.fixture

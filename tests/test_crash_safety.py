@@ -22,6 +22,7 @@ import textwrap
 import threading
 
 import numpy as np
+from helpers import STRICT_WARNINGS
 
 import symjax_mlp as sm
 
@@ -94,7 +95,7 @@ def _lane(path, runs, rng, outputs, x, report):
 
 def _kill_one_export(path, aim, rng, outputs, x):
     proc = subprocess.Popen(
-        [sys.executable, "-W", "error", "-c", f"PATH, AIM = {str(path)!r}, {aim!r}\n{LOOP}"],
+        [sys.executable, *STRICT_WARNINGS, "-c", f"PATH, AIM = {str(path)!r}, {aim!r}\n{LOOP}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

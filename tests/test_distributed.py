@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import N_DEVICES
+from helpers import N_DEVICES, STRICT_WARNINGS
 
 import symjax_mlp as sm
 
@@ -270,7 +270,7 @@ sm.export(sm.shard(h, sm.data_mesh(16)), sys.argv[1], example=x)
 def test_an_artifact_for_more_devices_than_visible_is_refused(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="16")
     proc = subprocess.run(
-        [sys.executable, "-W", "error", "-c", _EXPORT_16, str(tmp_path / "art16")],
+        [sys.executable, *STRICT_WARNINGS, "-c", _EXPORT_16, str(tmp_path / "art16")],
         env=env,
         capture_output=True,
         text=True,
@@ -315,7 +315,7 @@ def test_two_processes_agree_with_one(tmp_path):
 
     procs = [
         subprocess.Popen(
-            [sys.executable, "-W", "error", str(WORKER), str(i), port, *files(i)],
+            [sys.executable, *STRICT_WARNINGS, str(WORKER), str(i), port, *files(i)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

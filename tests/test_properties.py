@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import STRICT_WARNINGS
 from workers.properties_worker import EXAMPLES, PARTS, run
 
 import symjax_mlp as sm
@@ -32,7 +33,7 @@ def test_eager_hybridized_and_loaded_agree(tmp_path):
     and one process keeps one core busy."""
     others = [
         subprocess.Popen(
-            [sys.executable, "-W", "error", str(WORKER), str(part), str(tmp_path / str(part))],
+            [sys.executable, *STRICT_WARNINGS, str(WORKER), str(part), str(tmp_path / str(part))],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+from helpers import STRICT_WARNINGS
+
 from fuzzing.worker import OK, TAG, target
 
 TESTS = Path(__file__).resolve().parent.parent  # on the workers' PYTHONPATH: fuzzing is there
@@ -43,7 +45,7 @@ def _drive(
     todo = collections.deque(cases)
     while todo:
         first, stop = todo[0], todo[-1] + 1
-        cmd = [sys.executable, "-W", "error", "-m", "fuzzing.worker", str(out), str(seed)]
+        cmd = [sys.executable, *STRICT_WARNINGS, "-m", "fuzzing.worker", str(out), str(seed)]
         proc = subprocess.Popen(
             [*cmd, str(first), str(stop), name],
             stdout=subprocess.PIPE,
