@@ -756,7 +756,13 @@ def test_the_constructor_checks_its_arguments(chapter, tmp_path):
 
 
 # -- a loaded artifact ------------------------------------------------------------------------
-def test_a_loaded_artifact_with_a_symbolic_batch(chapter, tmp_path):
+def test_a_loaded_artifact_with_a_symbolic_batch(chapter, tmp_path, monkeypatch):
+    import symjax_mlp._runtimes.jax as jax_runtime
+
+    # The JAX runtime reuses the compilations of a module loaded before (by sha256): every
+    # chapter MLP exports the same module, so another test in this process may have compiled
+    # these buckets already. Start from none, to see the batcher compile them.
+    monkeypatch.setattr(jax_runtime, "_CALLS", {})
     art = sm.chapter.export_mlp(tmp_path / "m")
     m = sm.load(art.path)
     with no_compiles() as compiled_here:
