@@ -258,6 +258,28 @@ def test_2_device_export_runs_on_2_of_the_8_devices(tmp_path):
         sm.load(art.path, params_as_constants=True)
 
 
+def test_jax_grad_through_a_sharded_hybrid_and_a_sharded_artifact(tmp_path):
+    """jax.grad of a sharded Hybrid placed its traced inputs with device_put (a raw
+    AttributeError); of a loaded sharded artifact, it asked for the concrete mesh inside the
+    trace (a raw ValueError). The first is constrained to the mesh; the second runs under the
+    mesh set around it, or says to set one."""
+    h, x = _hybrid()
+    rows = x[:13]  # 13 rows on 2 shards: one padding row under the gradient too
+
+    def loss(f):
+        return jax.grad(lambda v: f(v).sum())(rows)
+
+    want = loss(h)
+    hs = sm.shard(h, sm.data_mesh(2))
+    np.testing.assert_allclose(loss(hs), want, rtol=1e-5, atol=1e-6)
+    art = sm.export(hs, tmp_path / "art2", example=x[:1], vjp_order=1)
+    m = sm.load(art.path)
+    with pytest.raises(sm.ConfigError, match=r"needs the mesh set around it: with jax.set_mesh"):
+        loss(m)
+    with jax.set_mesh(sm.data_mesh(2)):
+        np.testing.assert_allclose(loss(m), want, rtol=1e-5, atol=1e-6)
+
+
 _EXPORT_16 = """
 import sys, jax, numpy as np, symjax_mlp as sm
 assert jax.device_count() == 16, jax.devices()

@@ -75,7 +75,10 @@ def shardings(mesh: Mesh | None, axis: str) -> tuple[Mesh, NamedSharding, NamedS
 
 
 def place(x: Any, sharding: NamedSharding) -> jax.Array:
-    """Puts ``x`` (the global value) on ``sharding``; each process places only its shards."""
+    """Puts ``x`` (the global value) on ``sharding``; each process places only its shards.
+    A traced ``x`` (under ``jax.grad``, ``jax.jit``) is constrained to it instead."""
+    if isinstance(x, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(x, sharding)
     if isinstance(x, jax.Array):
         if x.sharding == sharding:  # not just equivalent: the mesh is part of the jit key
             return x

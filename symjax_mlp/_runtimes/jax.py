@@ -225,7 +225,16 @@ def runner(
     )
 
     def run_sharded(inputs: list[Any]) -> list[Any]:
-        current = jax.sharding.get_mesh()
+        try:
+            current = jax.sharding.get_mesh()
+        except ValueError:  # under a trace (jax.grad's): only the mesh set around it counts
+            if jax.sharding.get_abstract_mesh().size == n:
+                return call_checked(inputs)
+            raise ConfigError(
+                f"load({str(path)!r}): the artifact runs sharded over {n} devices, and under a "
+                "transformation (jax.grad, jax.vmap) it needs the mesh set around it: "
+                f"with jax.set_mesh(jax.make_mesh(({n},), ('data',))): jax.grad(...)(x)."
+            ) from None
         if not current.empty and current.size == n:
             return call_checked(inputs)
         with jax.set_mesh(mesh):
