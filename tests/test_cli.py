@@ -368,3 +368,23 @@ def test_an_embedding_artifact_runs_from_the_cli_with_allow(tmp_path, capsys, mo
     assert main(["serve", str(art.path), "--dispatch", "async", "--allow", "gather"]) == 0
     assert seen["allow"] == ["gather"] and seen["trust"] is False
     assert seen["verify_signature"] is None
+
+
+def test_json_paths_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """`--json` to a missing directory, a directory, or a place no file can be made (/proc):
+    one line and exit 2 before the work, where bench once ran the whole benchmark and then
+    printed a traceback."""
+    import symjax_mlp as sm
+    import symjax_mlp.cli._bench as bench_cli
+
+    monkeypatch.setattr(bench_cli, "main", lambda args: pytest.fail("the benchmark ran"))
+    art = sm.chapter.export_mlp(tmp_path / "mlp").path
+    for bad, says in (
+        (tmp_path / "nope" / "x.json", "does not exist"),
+        (tmp_path, "is a directory"),
+        ("/proc/x.json", "cannot write in /proc"),
+    ):
+        for argv in (["inspect", str(art)], ["bench", "--quick"], ["verify", str(art)]):
+            assert main([*argv, "--json", str(bad)]) == 2, argv
+            err = capsys.readouterr().err
+            assert says in err and "Traceback" not in err, err

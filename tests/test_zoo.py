@@ -124,6 +124,37 @@ def test_positional_int_and_str_settings_are_static():
     assert "args[2] (static) changed from 'mul' to 'add'" in h.trace_log[1].reason
 
 
+def test_settings_python_calls_equal_but_of_other_types_are_traced_apart():
+    """4 == 4.0 == True in Python (and they hash alike), so h(x, 4.0) once ran the program
+    traced for h(x, 4): integer division where eager divides, an int where eager gives a
+    bool, and no retrace logged."""
+    k = sm.hybridize(lambda p, x, d: jnp.arange(6) // d if isinstance(d, int) else x / d, {})
+    x = jnp.arange(6.0)
+    assert k(x, 4).tolist() == [0, 0, 0, 0, 1, 1]
+    np.testing.assert_array_equal(k(x, 4.0), k.eager(x, 4.0))
+    assert k(x, 4.0).tolist() == [0.0, 0.25, 0.5, 0.75, 1.0, 1.25]
+    assert k.trace_count == 2 and "changed from 4 to 4.0" in k.trace_log[1].reason
+    g = sm.hybridize(lambda p, x, n: jnp.full((2,), n), {})
+    assert g(x, 1).dtype == jnp.int32 and g(x, True).dtype == jnp.bool_
+    t = sm.hybridize(lambda p, x, pair: jnp.asarray(pair), {})  # types inside a tuple, too
+    assert t(x, (1, 2.0)).dtype == jnp.float32 and t(x, (1, 2)).dtype == jnp.int32
+    assert k(x, 4).tolist() == [0, 0, 0, 0, 1, 1] and k.trace_count == 2  # cached, both
+
+
+def test_the_trace_log_names_each_input_at_its_place_in_the_call():
+    """Traced inputs were numbered among the traced ones only: in h(x, 3, y), y showed as
+    args[1] (the static setting's place) and a change of y as "args[1].shape changed"."""
+    h = sm.hybridize(lambda p, x, n, y: x * n + y.sum(), {})
+    h(jnp.ones(2), 3, jnp.ones(4))
+    h(jnp.ones(2), 3, jnp.ones(5))
+    first, second = h.trace_log
+    assert [s.path for s in first.signature] == ["args[0]", "args[2]"]
+    assert second.reason == "args[2].shape changed from (4,) to (5,)"
+    forced = sm.hybridize(lambda p, x, y: x + y, {}, static_argnums=0)
+    forced(jnp.ones(2), jnp.ones(2))
+    assert [s.path for s in forced.trace_log[0].signature] == ["args[1]"]
+
+
 def test_static_argnums_force_an_array_static():
     def f(p, x, table):
         return x * int(table[0])  # needs the concrete value of `table`

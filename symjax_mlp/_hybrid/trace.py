@@ -168,7 +168,39 @@ def partition(
             if isinstance(v, list):
                 raise _list_error(caller, f"kwargs[{k!r}]", v)
             dyn_kwargs[k] = v
-    return tuple(static), tuple(dyn_args), dyn_kwargs
+    return (StaticKey(static) if static else ()), tuple(dyn_args), dyn_kwargs
+
+
+class StaticKey(tuple):
+    """A call's static settings, ``((position or name, value), ...)``, as the jit cache key.
+
+    Python equates ``4 == 4.0 == True`` (and hashes them alike), but a program traced for one
+    is not the program for another (``jnp.asarray(n)`` takes its dtype from the setting's
+    type, ``x // d`` differs from ``x / d``): the key compares the values' types too.
+    """
+
+    __slots__ = ()
+
+    def _kinds(self) -> tuple[Any, ...]:
+        return tuple(_kind(v) for _, v in self)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, StaticKey)
+            and tuple.__eq__(self, other)
+            and self._kinds() == other._kinds()
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((tuple.__hash__(self), self._kinds()))
+
+
+def _kind(v: Any) -> Any:
+    """``type(v)``, and of each element of a tuple setting."""
+    return (tuple, tuple(map(_kind, v))) if type(v) is tuple else type(v)
 
 
 def _list_error(caller: str, path: str, value: list) -> Exception:
@@ -206,8 +238,10 @@ def _path(key: Any) -> str:
 def signature(
     args: Sequence[Any], kwargs: dict[str, Any] | None = None, static: tuple[Any, ...] = ()
 ) -> tuple[tuple[TensorSpec, ...], str, tuple[tuple[str, str], ...]]:
-    """The specs of the traced leaves (``args[0]``, ``kwargs['mask']``...), their tree, and
-    the static values."""
+    """The specs of the traced leaves (``args[0]``, ``kwargs['mask']``...: each at its place
+    in the call, the static ones in between counted), their tree, and the static values."""
+    fixed = {k for k, _ in static if isinstance(k, int)}
+    places = [i for i in range(len(args) + len(fixed)) if i not in fixed]
     specs = []
     trees = []
     for prefix, tree in (("args", tuple(args)), ("kwargs", dict(kwargs or {}))):
@@ -215,9 +249,13 @@ def signature(
         trees.append(str(treedef))
         for path, leaf in leaves:
             aval = jax.typeof(leaf)
+            if prefix == "args":  # the first key is the place among the traced args
+                at = f"args[{places[path[0].idx]}]" + jax.tree_util.keystr(path[1:])
+            else:
+                at = prefix + jax.tree_util.keystr(path)
             specs.append(
                 TensorSpec(
-                    path=prefix + jax.tree_util.keystr(path),
+                    path=at,
                     shape=tuple(aval.shape),
                     dtype=str(aval.dtype),
                     weak_type=bool(getattr(aval, "weak_type", False)),

@@ -397,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     where = f"{PROG} {args.command}"
     try:
+        if getattr(args, "json", None) not in (None, "-") and args.command != "train":
+            _args.writable(args.json, "--json", overwrite=True)  # refused before any work
         return args.handler(args)
     except (SymjaxError, argparse.ArgumentTypeError) as e:
         print(f"{where}: error: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ takes, so argparse prints one line and exits 2.
 from __future__ import annotations
 
 import argparse
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -107,6 +108,13 @@ def writable(path: str, option: str, *, overwrite: bool) -> None:
         raise argparse.ArgumentTypeError(
             f"{option} {path}: already exists; pass --overwrite to replace it"
         )
+    try:  # a file can be made there (a read-only or special directory says no only now)
+        with tempfile.TemporaryFile(dir=p.parent):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"{option} {path}: cannot write in {p.parent} ({e.strerror}); pass another path"
+        ) from None
 
 
 def add_trust_options(p: argparse.ArgumentParser, key: bool = True) -> None:
