@@ -7,11 +7,14 @@ HLO of these models carry layer names (``layers_0``, ``branches_1``, ...), which
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from symjax_mlp._errors import ConfigError
 
@@ -74,6 +77,11 @@ class Dense(nn.Dense):
 
     def __post_init__(self) -> None:
         activation(self.activation)  # validate at construction, not at first call
+        if not _width(self.features):
+            raise ConfigError(
+                f"Dense(features={self.features!r}): the output width is a positive int, e.g. "
+                "Dense(256)."
+            )
         super().__post_init__()
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -140,8 +148,13 @@ def mlp(
       >>> net.apply(variables, jnp.ones((1, 512))).shape
       (1, 2)
     """
-    sizes = tuple(sizes)
-    if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
+    if not isinstance(sizes, Sequence | np.ndarray) or isinstance(sizes, str):
+        raise ConfigError(
+            f"mlp(sizes={sizes!r}): pass the layers' widths as a sequence, e.g. mlp((256, 128, "
+            "2)) (one layer: mlp((2,)))."
+        )
+    sizes = tuple(int(s) if _width(s) else s for s in sizes)
+    if not sizes or not all(map(_width, sizes)):
         raise ConfigError(
             f"mlp sizes must be a non-empty sequence of positive ints; got {sizes!r}."
         )
@@ -152,3 +165,8 @@ def mlp(
             for i, s in enumerate(sizes)
         )
     )
+
+
+def _width(n: Any) -> bool:
+    """A layer width: a positive int (a NumPy int too), not a bool."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool | np.bool_) and n > 0

@@ -561,11 +561,17 @@ def test_diff_refuses_what_it_cannot_read(tmp_path, capsys):
     future.write_text(json.dumps({"schema": 2, "rows": []}))
     (tmp_path / "broken.json").write_text("{not json")
     (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    edited = json.loads(Path(good).read_text())
+    edited["rows"][0]["per_1000_inputs_min_s"] = None  # JSON that parses, not a run's rows
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    (tmp_path / "rows.json").write_text(json.dumps({"schema": 1, "rows": "x"}))
     for bad, says in (
         (future, "schema 2; this symjax_mlp reads schema 1"),
         (tmp_path / "missing.json", "no such file"),
         (tmp_path / "broken.json", "not a readable JSON file"),
         (tmp_path / "other.json", "not a benchmark run"),
+        (tmp_path / "edited.json", "a row, stage or sweep point is not what"),
+        (tmp_path / "rows.json", "a row, stage or sweep point is not what"),
     ):
         assert cli_main(["bench", "--diff", good, str(bad)]) == 2
         (line,) = capsys.readouterr().err.splitlines()

@@ -48,10 +48,23 @@ def test_unknown_activation_lists_the_valid_ones():
         sm.mlp((3, 2), activation="nope")
 
 
-@pytest.mark.parametrize("sizes", [(), (3, 0), (3, -1), (2.5,)])
+@pytest.mark.parametrize("sizes", [(), (3, 0), (3, -1), (2.5,), (True, 2)])
 def test_bad_sizes_are_named(sizes):
-    with pytest.raises(ValueError, match="positive ints"):
+    with pytest.raises(sm.ConfigError, match="positive ints"):
         sm.mlp(sizes)
+
+
+def test_widths_are_checked_where_they_are_given():
+    """Dense(0) failed at init with a ZeroDivisionError, mlp(4) with "'int' object is not
+    iterable"; a NumPy int is a width like any other."""
+    for bad in (0, -3, True, 2.0):
+        with pytest.raises(sm.ConfigError, match=r"Dense\(features=.*positive int"):
+            sm.Dense(bad)
+    for bad in (4, None, "256,2"):
+        with pytest.raises(sm.ConfigError, match=r"pass the layers' widths as a sequence"):
+            sm.mlp(bad)
+    net = sm.mlp((np.int64(4), 2))
+    assert [type(d.features) for d in net.layers] == [int, int]
 
 
 def test_empty_containers_are_errors():

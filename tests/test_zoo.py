@@ -155,6 +155,20 @@ def test_the_trace_log_names_each_input_at_its_place_in_the_call():
     assert [s.path for s in forced.trace_log[0].signature] == ["args[1]"]
 
 
+def test_static_options_of_the_wrong_kind_are_config_errors():
+    """static_argnums=-1 (or "x") once selected nothing, in silence; 1.5 or None raised
+    "'float' object is not iterable"."""
+    fn = lambda p, x, m: x * m  # noqa: E731
+    for bad in (-1, "x", 1.5, None, (0, True)):
+        with pytest.raises(sm.ConfigError, match=r"static_argnums=.*ints from 0"):
+            sm.hybridize(fn, {}, static_argnums=bad)
+    for bad in (1, ("mode", 2), "not a name"):
+        with pytest.raises(sm.ConfigError, match=r"static_argnames=.*keyword's name"):
+            sm.hybridize(fn, {}, static_argnames=bad)
+    h = sm.hybridize(fn, {}, static_argnums=[1], static_argnames="m")  # a list, a name: fine
+    assert h.static_argnums == frozenset({1}) and h.static_argnames == frozenset({"m"})
+
+
 def test_static_argnums_force_an_array_static():
     def f(p, x, table):
         return x * int(table[0])  # needs the concrete value of `table`

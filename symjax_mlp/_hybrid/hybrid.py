@@ -576,11 +576,25 @@ def _copies(leaves: list[Any]) -> list[Any]:
 
 
 def _ints(x: int | Sequence[int]) -> tuple[int, ...]:
-    return (x,) if isinstance(x, int) else tuple(x)
+    """``static_argnums`` as a tuple: ints >= 0, each an input's place (0: the first input)."""
+    got = (x,) if isinstance(x, int) else tuple(x) if isinstance(x, tuple | list) else None
+    if got is None or not all(type(i) is int and i >= 0 for i in got):
+        raise ConfigError(
+            f"static_argnums={x!r}: pass an input's place or a tuple of them, ints from 0 (the "
+            "first input after the params), e.g. static_argnums=(1,)."
+        )
+    return got
 
 
 def _strs(x: str | Sequence[str]) -> tuple[str, ...]:
-    return (x,) if isinstance(x, str) else tuple(x)
+    """``static_argnames`` as a tuple of keyword names."""
+    got = (x,) if isinstance(x, str) else tuple(x) if isinstance(x, tuple | list) else None
+    if got is None or not all(isinstance(n, str) and n.isidentifier() for n in got):
+        raise ConfigError(
+            f"static_argnames={x!r}: pass a keyword's name or a tuple of them, e.g. "
+            "static_argnames=('mode',); a keyword named there is static when passed by name."
+        )
+    return got
 
 
 def hybridize(

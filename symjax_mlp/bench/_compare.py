@@ -132,6 +132,16 @@ def _figures(name: str, d: Mapping[str, Any], notes: list[str]) -> dict[str, tup
             f"{name}: benchmark JSON schema {schema!r}; this symjax_mlp reads schema {SCHEMA}. "
             "Compare it with the version that wrote it, or run the benchmark again"
         )
+    try:
+        return _entries(d)
+    except (KeyError, TypeError, AttributeError, ValueError, ZeroDivisionError) as e:
+        raise ConfigError(
+            f"{name}: a row, stage or sweep point is not what `symjax-mlp bench --json` writes "
+            f"({type(e).__name__}: {str(e)[:120]}); pass an unedited run's JSON"
+        ) from None
+
+
+def _entries(d: Mapping[str, Any]) -> dict[str, tuple]:
     out: dict[str, tuple] = {}
     for r in d.get("rows", ()):
         lo, med = r["per_1000_inputs_min_s"] / 1000, r["per_1000_inputs_median_s"] / 1000
