@@ -44,12 +44,12 @@ from symjax_mlp._artifact.reading import Artifact, freeze
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import encode_params, param_specs
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
+from symjax_mlp._export_options import PER_ENTRY, check_options
 from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, partition, rebuild
 from symjax_mlp._specs import TensorSpec, shape_dims
 
-PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 COMPATIBILITY_WINDOW = datetime.timedelta(days=180)  # what jax.export lowers for
 
 
@@ -84,16 +84,17 @@ def export(
         Python settings in it (``(x, 2)`` for a depth) are static: baked into the export.
       batch: the name of a symbolic leading dimension shared by every input (one artifact
         serves any batch size >= 1), or ``None`` to export the example's static shapes.
+        With ``shapes`` leave it at its default (the specs name the batch themselves).
       platforms: the JAX platforms to lower for, e.g. ``("cpu", "cuda")``; no device of
         those platforms is needed to export.
       overwrite: replace an existing artifact at ``path``.
       kwargs: keyword settings baked into the export, e.g. ``{"train": False}``; Python
         values only (the artifact's inputs are positional arrays).
-      shapes: a ``jax.export`` shape spec per input instead of ``batch``: ``"b, 512"``,
-        ``"b, t"``, ``"512"`` (``None``: the example's static shape). Names are shared across
-        inputs; the manifest records them and a call checks them.
-      constraints: ``jax.export`` constraints on those names, e.g. ``("t <= 1024",)``
-        (every symbolic dimension is also ``>= 1``).
+      shapes: a tuple of ``jax.export`` shape specs, one per input, instead of ``batch``:
+        ``("b, 512",)``, ``("b, t", "512")`` (``None``: the example's static shape). Names are
+        shared across inputs; the manifest records them and a call checks them.
+      constraints: a tuple of ``jax.export`` constraints on those names, e.g.
+        ``("t <= 1024",)`` (every symbolic dimension is also ``>= 1``).
       metadata: a model card, JSON data (labels, preprocessing, metrics, license, author):
         recorded in the manifest, shown by ``inspect`` and mirrored into
         ``params.safetensors``'s ``__metadata__`` for other safetensors readers.
@@ -104,8 +105,12 @@ def export(
       The :class:`~symjax_mlp.Artifact`.
 
     Raises:
+      ConfigError: an option is invalid (one string where a tuple is due, ``batch`` beside
+        ``shapes``, a keyword the model does not take, a constraint on a name no spec uses,
+        an unknown platform, a non-bool ``overwrite``), refused before anything is written.
       ArtifactError: ``path`` exists (without ``overwrite``) or cannot be written.
-      SignatureError: ``example`` is not an array or a tuple of arrays, or the output is not.
+      SignatureError: ``example`` is missing, not an array or a tuple of arrays, or the
+        output is not.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -120,23 +125,13 @@ def export(
     path = Path(path)
     points = _entry_points(h)
     names = list(points)
+    per_entry = (example, kwargs, shapes, constraints)
+    settings = {k: _per_entry(v, names, k) for k, v in zip(PER_ENTRY, per_entry, strict=True)}
+    platforms = check_options(
+        points, settings, batch, platforms, overwrite=overwrite, metadata=metadata,
+        vjp_order=vjp_order,
+    )  # fmt: skip
     meta = _metadata(metadata, names[0])
-    if not isinstance(vjp_order, int) or isinstance(vjp_order, bool) or vjp_order < 0:
-        raise ConfigError(f"export(vjp_order={vjp_order!r}): pass an int >= 0 (1 for jax.grad).")
-    platforms = tuple(platforms)
-    unknown = [p for p in platforms if p not in PLATFORMS]
-    if unknown or not platforms or len(set(platforms)) != len(platforms):
-        raise ConfigError(
-            f"export(platforms={platforms!r}): name each platform once, from {PLATFORMS} "
-            "(a GPU is 'cuda' or 'rocm')."
-        )
-    settings = {
-        key: _per_entry(value, names, key)
-        for key, value in (
-            ("example", example), ("kwargs", kwargs), ("shapes", shapes),
-            ("constraints", constraints),
-        )
-    }  # fmt: skip
     staged = [
         _stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
         for i, n in enumerate(names)
@@ -170,7 +165,7 @@ def export(
                 "mlir_arguments": (["platform_index"] if len(platforms) > 1 else [])
                 + [inputs[k] for k in exported.module_kept_var_idx],
                 "static": {
-                    (f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v in stage.static
+                    (f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v, _ in stage.static
                 },
                 "program_files": roles,
                 "nr_devices": exported.nr_devices,
@@ -512,13 +507,6 @@ def _input_structs(
             )
     if shapes is not None:
         return _spec_structs(examples, shapes, constraints, name)
-    if constraints:
-        raise ConfigError(
-            f"export({name}, constraints=...): constraints name the dimensions of shapes=; "
-            "pass shapes too, e.g. shapes=('b, t',), constraints=('t <= 1024',)."
-        )
-    if batch is not None and (not isinstance(batch, str) or not batch.isidentifier()):
-        raise ConfigError(f"export(batch={batch!r}): pass a name such as 'b', or None.")
     dim = jax.export.symbolic_shape(batch)[0] if batch else None
     structs = []
     for i, x in enumerate(examples):
@@ -575,11 +563,6 @@ def _metadata(metadata: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
     """The model card as plain JSON data, refused early if it is not JSON."""
     if metadata is None:
         return {}
-    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
-        raise ConfigError(
-            f"export({name}, metadata=...): pass a dict with str keys; got "
-            f"{type(metadata).__name__}."
-        )
     try:
         card = json.loads(json.dumps(dict(metadata), allow_nan=False))
     except (TypeError, ValueError, RecursionError) as e:

@@ -120,10 +120,23 @@ class HybridConcurrent(nn.Module):
     def __post_init__(self) -> None:
         if not self.branches:
             raise ConfigError("HybridConcurrent needs at least one branch; got an empty sequence.")
+        if not isinstance(self.axis, numbers.Integral) or isinstance(self.axis, bool | np.bool_):
+            raise ConfigError(
+                f"HybridConcurrent(axis={self.axis!r}): axis is the int the branches' outputs "
+                "are concatenated along, e.g. axis=-1 (the features)."
+            )
         super().__post_init__()
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.concatenate([branch(x) for branch in self.branches], axis=self.axis)
+        outs = [branch(x) for branch in self.branches]
+        rank = outs[0].ndim
+        if not -rank <= self.axis < rank:
+            raise ConfigError(
+                f"HybridConcurrent(axis={self.axis}): the branches' outputs have rank {rank} "
+                f"(shapes {[tuple(o.shape) for o in outs]}), so axis must be in "
+                f"[{-rank}, {rank - 1}]; e.g. axis=-1 (the features)."
+            )
+        return jnp.concatenate(outs, axis=self.axis)
 
 
 def mlp(

@@ -388,3 +388,17 @@ def test_stage_names_a_partial_after_its_function():
     assert g.name == "fancy_func" and g.to_dot().startswith('digraph "fancy_func"')
     nested = functools.partial(functools.partial(fancy_func, one), one)
     assert sm.stage(nested)(one, one).name == "fancy_func"
+
+
+def test_arg_reductions_and_cumulative_ops_count_their_flops():
+    """argmax and cumsum once counted 0 flops while flops_exact said the count was whole."""
+    x = jnp.ones((4, 8))
+    for fn in (
+        lambda x: jnp.argmax(x, axis=1),
+        lambda x: jnp.argmin(x, axis=0),
+        lambda x: jnp.cumsum(x, axis=1),
+        lambda x: jax.lax.cummax(x, axis=0),
+    ):
+        g = sm.stage(fn)(x)
+        assert g.flops == 4 * 8 and g.flops_exact
+        assert g.flops <= _xla_flops(fn, x)  # XLA's reducers and reduce-windows count more

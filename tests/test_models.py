@@ -91,6 +91,18 @@ def test_concurrent_axis():
     assert cat.apply(cat.init(jax.random.key(0), x), x).shape == (4, 3)
 
 
+def test_a_bad_concurrent_axis_is_a_config_error():
+    """axis=5 raised NumPy's "axis 5 is out of bounds", axis="x" a TypeError from inside."""
+    x = jnp.ones((2, 4))
+    with pytest.raises(sm.ConfigError, match=r"axis=5\): .*rank 2 .*\[-2, 1\]"):
+        sm.HybridConcurrent((sm.Dense(3), sm.Dense(2)), axis=5).init(jax.random.key(0), x)
+    for bad in ("x", 1.0, True):
+        with pytest.raises(sm.ConfigError, match="axis is the int"):
+            sm.HybridConcurrent((sm.Dense(3),), axis=bad)
+    cat = sm.HybridConcurrent((sm.Dense(3), sm.Dense(2)), axis=-2 + 1)  # -1: in range
+    assert cat.apply(cat.init(jax.random.key(0), x), x).shape == (2, 5)
+
+
 def test_models_nest_and_are_linen_modules():
     net = sm.HybridSequential((sm.HybridConcurrent((sm.Dense(4), sm.Dense(4))), sm.Dense(1)))
     assert isinstance(net, nn.Module)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import chex
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,6 +178,39 @@ def test_static_argnums_force_an_array_static():
     assert np.array_equal(h(jnp.ones(2), np.array([4])), [4.0, 4.0])
     with pytest.raises(sm.ControlFlowError):
         sm.hybridize(f, {})(jnp.ones(2), np.array([4]))
+
+
+def test_static_argnames_hold_for_an_input_passed_by_place_too():
+    """static_argnames=("table",) was honoured only for table=...: h(x, table) traced the
+    array, and int(table[0]) raised ControlFlowError. As in jax.jit, the model's signature now
+    maps names to places and back, for a function, a linen and an nnx module."""
+
+    def f(p, x, table):
+        return x * int(table[0])
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x, table):
+            return x * int(table[0])
+
+    class Nnx(nnx.Module):
+        def __call__(self, x, table):
+            return x * int(table[0])
+
+    x = jnp.ones((1, 2))
+    for h in (
+        sm.hybridize(f, {}, static_argnames="table"),
+        sm.hybridize(Linen(), {"params": {}}, static_argnames="table"),
+        sm.hybridize(Nnx(), static_argnames="table"),
+        sm.hybridize(f, {}, static_argnums=1),  # and a place is static when passed by name
+    ):
+        assert h.static_argnums == {1} and h.static_argnames == {"table"}
+        assert np.array_equal(h(x, np.array([4])), [[4.0, 4.0]])
+        assert np.array_equal(h(x, table=np.array([3])), [[3.0, 3.0]])
+    with pytest.raises(sm.ConfigError, match=r"names \['tabel'\].*inputs are \(x, table\)"):
+        sm.hybridize(f, {}, static_argnames="tabel")
+    loose = sm.hybridize(lambda p, x, **kw: x * int(kw["t"][0]), {}, static_argnames="t")
+    assert np.array_equal(loose(x, t=np.array([2])), [[2.0, 2.0]])  # **kwargs: any name
 
 
 def test_kwargs_arrays_are_traced():
@@ -485,3 +519,22 @@ def test_params_as_constants_cannot_be_sharded(chapter):
     with pytest.raises(sm.ConfigError, match=r"h.replace\(params_as_constants=False\).shard"):
         baked.shard()
     np.testing.assert_array_equal(baked(x), h(x))  # and unsharded, the same numbers
+
+
+def test_settings_of_the_wrong_type_are_config_errors():
+    """h.hybridize("no") compiled (a truthy string), replace(pad="x") and donate="x" passed,
+    name=3 raised "__name__ must be set to a string object" deep inside."""
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    for call, setting in (
+        (lambda: h.hybridize("no"), "compiled"),
+        (lambda: h.replace(compiled=1), "compiled"),
+        (lambda: h.replace(pad="x"), "pad"),
+        (lambda: h.replace(donate="x"), "donate"),
+        (lambda: h.replace(params_as_constants=0), "params_as_constants"),
+        (lambda: h.replace(name=3), "name"),
+        (lambda: h.shard(axis=3), "axis"),
+        (lambda: sm.hybridize(lambda p, x: x, {}, donate="yes"), "donate"),
+    ):
+        with pytest.raises(sm.ConfigError, match=rf"^{setting} must be a (bool|str); got "):
+            call()
+    assert h.hybridize(False).compiled is False and h.replace(name="m").name == "m"

@@ -66,9 +66,10 @@ class Graph:
 
         A ``dot_general`` costs ``2 * K`` per output element, a convolution ``2 * in_channels
         / feature_group_count`` per output element and kernel position that lands on the input
-        (not on padding), an elementwise op one per output element, a reduction one per input
-        element; transcendentals (``exp``, ``tanh``, ...) and layout ops (reshape, broadcast)
-        cost none. Equations are counted at the innermost level: a ``scan`` body times its
+        (not on padding), an elementwise op one per output element, a reduction (``argmax``
+        and the cumulative ``cumsum``, ``cummax``... too) one per input element;
+        transcendentals (``exp``, ``tanh``, ...) and layout ops (reshape, broadcast) cost
+        none. Equations are counted at the innermost level: a ``scan`` body times its
         ``length`` (a ``fori_loop`` with static bounds is a ``scan``), a ``cond`` as its
         costliest branch. A ``while_loop``'s trip count is unknown: its body is not counted
         and :attr:`flops_exact` is false, so this is a lower bound.

@@ -138,6 +138,11 @@ class Hybrid:
             not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
         ):
             raise ConfigError(f"max_traces must be a positive int or None; got {max_traces!r}.")
+        _check_settings(
+            name=(name, str, None), axis=(axis, str, None), compiled=(compiled, bool, True),
+            pad=(pad, bool, True), donate=(donate, bool, False),
+            params_as_constants=(params_as_constants, bool, False),
+        )  # fmt: skip
         model = plain(fn) if _model is None else _model
         name = name or getattr(fn, "__name__", type(fn).__name__)
         leaves, treedef = jax.tree.flatten(params)
@@ -147,6 +152,7 @@ class Hybrid:
         # A donating call consumes the held state: hold buffers of our own, never the caller's
         # (their variables, an nnx module's BatchStat) nor another Hybrid's. Copied once, here.
         owned = bool(donate) and model.stateful and mesh is None
+        nums, names = _static_args(model, name, _ints(static_argnums), _strs(static_argnames))
         settings = {
             "fn": fn if _model is None else model.inference(name),
             "name": name,
@@ -154,8 +160,8 @@ class Hybrid:
             "compiled": compiled,
             "axis": axis,
             "pad": pad,
-            "static_argnums": frozenset(_ints(static_argnums)),
-            "static_argnames": frozenset(_strs(static_argnames)),
+            "static_argnums": nums,
+            "static_argnames": names,
             "donate": bool(donate),
             "params_as_constants": bool(params_as_constants),
             "stateful": model.stateful,
@@ -575,6 +581,21 @@ def _copies(leaves: list[Any]) -> list[Any]:
     return [jnp.array(leaf, copy=True) for leaf in leaves]
 
 
+def _check_settings(**given: tuple[Any, type, Any]) -> None:
+    """Each ``setting=(value, type, example)``: a value of another type is a ConfigError
+    (``compiled="no"`` is truthy; ``name=3`` broke deep inside). ``None`` passes for names."""
+    for key, (value, kind, example) in given.items():
+        if (value is None and kind is str) or type(value) is kind:
+            continue
+        hint = f"{key}={example!r}" if example is not None else f"{key}='mlp'"
+        if key == "axis":
+            hint = "axis='data' (a mesh axis name)"
+        raise ConfigError(
+            f"{key} must be a {kind.__name__}; got {value!r} ({type(value).__name__}). "
+            f"Pass e.g. {hint}."
+        )
+
+
 def _ints(x: int | Sequence[int]) -> tuple[int, ...]:
     """``static_argnums`` as a tuple: ints >= 0, each an input's place (0: the first input)."""
     got = (x,) if isinstance(x, int) else tuple(x) if isinstance(x, tuple | list) else None
@@ -592,9 +613,32 @@ def _strs(x: str | Sequence[str]) -> tuple[str, ...]:
     if got is None or not all(isinstance(n, str) and n.isidentifier() for n in got):
         raise ConfigError(
             f"static_argnames={x!r}: pass a keyword's name or a tuple of them, e.g. "
-            "static_argnames=('mode',); a keyword named there is static when passed by name."
+            "static_argnames=('mode',)."
         )
     return got
+
+
+def _static_args(
+    model: PureModel, name: str, nums: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[frozenset[int], frozenset[str]]:
+    """``static_argnums`` and ``static_argnames`` completed from the model's signature, as
+    ``jax.jit`` does: a name static when passed by place too, a place when passed by name."""
+    params = model.parameters() if (nums or names) else None
+    if params is None:
+        return frozenset(nums), frozenset(names)
+    places = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    known = {p.name for p in params if p.kind != p.POSITIONAL_ONLY}
+    loose = not any(p.kind == p.VAR_KEYWORD for p in params)
+    unknown = sorted(n for n in names if n not in known) if loose else []
+    if unknown:
+        raise ConfigError(
+            f"{name}: static_argnames={names!r} names {unknown}, but the model's inputs are "
+            f"({', '.join(p.name for p in params)}). Name one of those, or drop it."
+        )
+    by_name = {p.name: i for i, p in enumerate(places) if p.kind == p.POSITIONAL_OR_KEYWORD}
+    nums += tuple(by_name[n] for n in names if n in by_name)
+    names += tuple(places[i].name for i in nums if i < len(places) and places[i].name in by_name)
+    return frozenset(nums), frozenset(names)
 
 
 def hybridize(
@@ -620,7 +664,9 @@ def hybridize(
       name: shown in trace logs and errors (default: the function or module class name).
       max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.
       static_argnums, static_argnames: arguments to treat as static even when they are
-        arrays (spelled as in ``jax.jit``). Python settings are static anyway.
+        arrays (spelled as in ``jax.jit``, and, as there, completed from the model's
+        signature: a name is static when passed by place too). Python settings are static
+        anyway.
       mutable: a linen model's collections that a call updates (default: every collection
         but ``"params"``, e.g. ``batch_stats``); held across calls.
       rngs: a linen model's rng streams: a key (the ``"dropout"`` stream), an int seed, or

@@ -37,7 +37,14 @@ _TRANSCENDENTALS = frozenset(
         "erf", "sin", "cos", "tan", "atan2",
     }
 )  # fmt: skip
-_REDUCTION_FLOPS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+# One flop per input element: reductions, arg-reductions (a compare each), cumulative ops (an
+# add or compare each, the scan's work; XLA's CPU lowering as a reduce-window counts more).
+_REDUCTION_FLOPS = frozenset(
+    {
+        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
+        "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+    }
+)  # fmt: skip
 # Primitives whose sub-jaxprs run exactly once per run of the equation.
 _CALLS = frozenset(
     {

@@ -10,6 +10,7 @@ params, every other variable the state). The state is held flat, typed rng keys 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,15 @@ class PureModel:
     stateful: bool
     kind: str = "plain"
     module: Any = None
+    #: what the user's inputs go to, its params (or ``self``) first: for its signature
+    target: Any = None
+
+    def parameters(self) -> list[inspect.Parameter] | None:
+        """The inputs' parameters (params or ``self`` dropped); ``None``: not inspectable."""
+        try:
+            return list(inspect.signature(self.target).parameters.values())[1:]
+        except (TypeError, ValueError):  # a builtin, a C callable: no signature to read
+            return None
 
     def inference(self, name: str) -> Callable[..., Any]:
         """``f(variables, *args, **kwargs) -> out``, the state update dropped; ``variables``
@@ -51,7 +61,7 @@ def plain(fn: Callable[..., Any]) -> PureModel:
     def call(params, state, args, kwargs):
         return fn(params, *args, **kwargs), state
 
-    return PureModel(call, stateful=False)
+    return PureModel(call, stateful=False, target=fn)
 
 
 def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
@@ -92,7 +102,9 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
         out, updates = model.apply(variables, *args, rngs=keys, mutable=list(mutable), **kwargs)
         return out, {**state, **updates}
 
-    m = PureModel(call, stateful=bool(state), kind="linen", module=model)
+    m = PureModel(
+        call, stateful=bool(state), kind="linen", module=model, target=type(model).__call__
+    )
     return m, params, state
 
 
@@ -119,7 +131,8 @@ def nnx_module(module: Any) -> tuple:
             out = m(*args, **kwargs)
         return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]) if state else state
 
-    return PureModel(call, stateful=bool(state), kind="nnx", module=merge), params, state
+    target = type(module).__call__
+    return PureModel(call, bool(state), "nnx", merge, target), params, state
 
 
 def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:

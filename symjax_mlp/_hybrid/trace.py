@@ -142,18 +142,20 @@ def partition(
     """Splits a call into ``(static key, traced args, traced kwargs)``.
 
     Python settings (see :func:`is_static`) and the arguments named in ``static_argnums`` /
-    ``static_argnames`` are static: part of the jit cache key. Everything else is traced.
+    ``static_argnames`` are static: part of the jit cache key, a plain tuple of
+    ``(position or name, value, kind)`` (see :func:`_kind`). Everything else is traced.
 
     Raises:
       SignatureError: an argument is a list (ambiguous: a pytree of scalars or an array).
     """
-    static: list[tuple[Any, Any]] = []
+    static: list[tuple[Any, Any, Any]] = []
     dyn_args: list[Any] = []
     for i, a in enumerate(args):
         if i in static_argnums:
-            static.append((i, _static_value(f"{caller}: args[{i}]", a)))
+            v = _static_value(f"{caller}: args[{i}]", a)
+            static.append((i, v, _kind(v)))
         elif is_static(a):
-            static.append((i, a))
+            static.append((i, a, _kind(a)))
         else:
             if isinstance(a, list):
                 raise _list_error(caller, f"args[{i}]", a)
@@ -161,45 +163,22 @@ def partition(
     dyn_kwargs: dict[str, Any] = {}
     for k, v in kwargs.items():
         if k in static_argnames:
-            static.append((k, _static_value(f"{caller}: kwargs[{k!r}]", v)))
+            v = _static_value(f"{caller}: kwargs[{k!r}]", v)
+            static.append((k, v, _kind(v)))
         elif is_static(v):
-            static.append((k, v))
+            static.append((k, v, _kind(v)))
         else:
             if isinstance(v, list):
                 raise _list_error(caller, f"kwargs[{k!r}]", v)
             dyn_kwargs[k] = v
-    return (StaticKey(static) if static else ()), tuple(dyn_args), dyn_kwargs
-
-
-class StaticKey(tuple):
-    """A call's static settings, ``((position or name, value), ...)``, as the jit cache key.
-
-    Python equates ``4 == 4.0 == True`` (and hashes them alike), but a program traced for one
-    is not the program for another (``jnp.asarray(n)`` takes its dtype from the setting's
-    type, ``x // d`` differs from ``x / d``): the key compares the values' types too.
-    """
-
-    __slots__ = ()
-
-    def _kinds(self) -> tuple[Any, ...]:
-        return tuple(_kind(v) for _, v in self)
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, StaticKey)
-            and tuple.__eq__(self, other)
-            and self._kinds() == other._kinds()
-        )
-
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
-    def __hash__(self) -> int:
-        return hash((tuple.__hash__(self), self._kinds()))
+    return tuple(static), tuple(dyn_args), dyn_kwargs
 
 
 def _kind(v: Any) -> Any:
-    """``type(v)``, and of each element of a tuple setting."""
+    """``type(v)``, and of each element of a tuple setting: part of the jit cache key, since
+    Python equates ``4 == 4.0 == True`` (and hashes them alike) but a program traced for one
+    is not the program for another (``jnp.asarray(n)`` takes its dtype from the setting's
+    type, ``x // d`` differs from ``x / d``)."""
     return (tuple, tuple(map(_kind, v))) if type(v) is tuple else type(v)
 
 
@@ -218,9 +197,9 @@ def rebuild(
     static: tuple[Any, ...], dyn_args: Sequence[Any], dyn_kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's ``(args, kwargs)`` from :func:`partition`'s pieces."""
-    positional = {k: v for k, v in static if isinstance(k, int)}
+    positional = {k: v for k, v, _ in static if isinstance(k, int)}
     kwargs = dict(dyn_kwargs)
-    kwargs.update((k, _unfreeze(v)) for k, v in static if isinstance(k, str))
+    kwargs.update((k, _unfreeze(v)) for k, v, _ in static if isinstance(k, str))
     dyn = iter(dyn_args)
     n = len(dyn_args) + len(positional)
     args = tuple(_unfreeze(positional[i]) if i in positional else next(dyn) for i in range(n))
@@ -240,7 +219,7 @@ def signature(
 ) -> tuple[tuple[TensorSpec, ...], str, tuple[tuple[str, str], ...]]:
     """The specs of the traced leaves (``args[0]``, ``kwargs['mask']``...: each at its place
     in the call, the static ones in between counted), their tree, and the static values."""
-    fixed = {k for k, _ in static if isinstance(k, int)}
+    fixed = {k for k, *_ in static if isinstance(k, int)}
     places = [i for i in range(len(args) + len(fixed)) if i not in fixed]
     specs = []
     trees = []
@@ -262,7 +241,7 @@ def signature(
                 )
             )
     tree = trees[0] if trees[1] == str(jax.tree.structure({})) else " ".join(trees)
-    return tuple(specs), tree, tuple((_path(k), repr(v)) for k, v in static)
+    return tuple(specs), tree, tuple((_path(k), repr(v)) for k, v, _ in static)
 
 
 def explain(

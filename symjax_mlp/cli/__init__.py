@@ -118,18 +118,22 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    from symjax_mlp import ArtifactError
     from symjax_mlp.chapter import export_mlp
 
-    art = export_mlp(
-        args.path,
-        sizes=args.sizes,
-        in_features=args.in_features,
-        activation=args.activation,
-        seed=args.seed,
-        batch=args.batch,
-        platforms=tuple(p for p in args.platforms.split(",") if p),
-        overwrite=args.overwrite,
-    )
+    try:
+        art = export_mlp(
+            args.path,
+            sizes=args.sizes,
+            in_features=args.in_features,
+            activation=args.activation,
+            seed=args.seed,
+            batch=args.batch,
+            platforms=tuple(p for p in args.platforms.split(",") if p),
+            overwrite=args.overwrite,
+        )
+    except ArtifactError as e:  # the library names its keyword; the shell has the flag
+        raise ArtifactError(str(e).replace("overwrite=True", "--overwrite")) from None
     print(f"exported {art.path}: {art.signature}; platforms {', '.join(art.platforms)}")
     return 0
 

@@ -1,0 +1,122 @@
+"""export()'s options are checked before any work: a bad one is a clear error, nothing is
+written, and the good spellings round-trip."""
+
+import numpy as np
+import pytest
+from helpers import ZOO, rand, small
+
+import symjax_mlp as sm
+from symjax_mlp.cli import main
+
+SHAPES = ("b, 8",)  # small()'s input
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        pytest.param({"batch": "n", "shapes": SHAPES}, sm.ConfigError,
+                     r"batch='n', shapes=\('b, 8',\)\): pass one of them.*Keep shapes=",
+                     id="batch-beside-shapes"),
+        pytest.param({"batch": None, "shapes": SHAPES}, sm.ConfigError,
+                     r"batch=None, .*drop shapes= for static shapes", id="none-beside-shapes"),
+        pytest.param({"overwrite": "no"}, sm.ConfigError, r"overwrite='no'\): pass True",
+                     id="overwrite-str"),
+        pytest.param({"overwrite": 1}, sm.ConfigError, r"overwrite=1\): pass True .* or False",
+                     id="overwrite-int"),
+        pytest.param({"platforms": "cpu"}, sm.ConfigError,
+                     r"platforms='cpu'\): pass a tuple .*its characters.*platforms=\('cpu',\)",
+                     id="platforms-str"),
+        pytest.param({"shapes": "b, 8"}, sm.ConfigError,
+                     r"shapes='b, 8'\): pass a tuple of shape specs.*shapes=\('b, 512',\)",
+                     id="shapes-str"),
+        pytest.param({"shapes": SHAPES, "constraints": "b <= 8"}, sm.ConfigError,
+                     r"constraints='b <= 8'\): pass a tuple of constraints.*\('t <= 1024',\)",
+                     id="constraints-str"),
+        pytest.param({"shapes": (8,)}, sm.ConfigError, r"shapes=\(8,\)\): pass a tuple of shape",
+                     id="shapes-int"),
+        pytest.param({"shapes": SHAPES, "constraints": ("t <= 8",)}, sm.ConfigError,
+                     r"'t <= 8' names 't', which no spec .* uses \(they name b\)",
+                     id="constraint-unknown-dim"),
+        pytest.param({"constraints": ("b <= 8",)}, sm.ConfigError,
+                     r"constraints name the dimensions of shapes=", id="constraints-no-shapes"),
+        pytest.param({"example": None}, sm.SignatureError,
+                     r"example=None\): .*pass an array.*jnp.zeros", id="example-none"),
+        pytest.param({"platforms": None}, sm.ConfigError,
+                     r"platforms=None\): pass a tuple of platform names", id="platforms-none"),
+        pytest.param({"platforms": ("gpu",)}, sm.ConfigError,
+                     r"platforms=\('gpu',\)\): name each platform once.*'cuda' or 'rocm'",
+                     id="platform-unknown"),
+        pytest.param({"platforms": ("cpu", "cpu")}, sm.ConfigError, r"name each platform once",
+                     id="platform-twice"),
+        pytest.param({"kwargs": {"bogus": 1}}, sm.ConfigError,
+                     r"kwargs=\{'bogus': \.\.\.\}\): the model takes no keyword 'bogus'; its "
+                     r"inputs are \(x\)", id="kwargs-unknown"),
+        pytest.param({"kwargs": [("train", False)]}, sm.ConfigError,
+                     r"pass a dict of keyword settings", id="kwargs-not-dict"),
+        pytest.param({"vjp_order": -1}, sm.ConfigError, r"vjp_order=-1\): pass an int >= 0",
+                     id="vjp-negative"),
+        pytest.param({"vjp_order": True}, sm.ConfigError, r"vjp_order=True\): pass an int",
+                     id="vjp-bool"),
+        pytest.param({"vjp_order": "1"}, sm.ConfigError, r"vjp_order='1'\): pass an int",
+                     id="vjp-str"),
+        pytest.param({"metadata": ["cat", "dog"]}, sm.ConfigError,
+                     r"metadata=\.\.\.\): pass a dict with str keys.*got list", id="metadata-list"),
+        pytest.param({"metadata": "card"}, sm.ConfigError, r"pass a dict with str keys.*got str",
+                     id="metadata-str"),
+    ],
+)  # fmt: skip
+def test_bad_option_is_refused_and_writes_nothing(tmp_path, options, error, message):
+    h, x = small()
+    with pytest.raises(error, match=message):
+        sm.export(h, tmp_path / "m", **{"example": x, **options})
+    assert list(tmp_path.iterdir()) == []  # neither the artifact nor a temporary sibling
+
+
+def test_bad_option_leaves_an_existing_artifact_untouched(tmp_path):
+    h, x = small(seed=1)
+    sm.export(h, tmp_path / "m", example=x)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()}
+    other, _ = small(seed=2)
+    with pytest.raises(sm.ConfigError, match=r"platforms='cpu'"):
+        sm.export(other, tmp_path / "m", example=x, overwrite=True, platforms="cpu")
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == before
+
+
+def test_unknown_keyword_guesses_the_one_meant(tmp_path):
+    h = next(c for c in ZOO if c.name == "fn_kwargs").hybridize()
+    x = rand(3, 5)
+    with pytest.raises(sm.ConfigError, match=r"no keyword 'scael'.*Did you mean 'scale'\?"):
+        sm.export(h, tmp_path / "m", example=x, kwargs={"scael": 2.0})
+    assert list(tmp_path.iterdir()) == []
+    art = sm.export(h, tmp_path / "m", example=x, kwargs={"scale": 2.0})
+    np.testing.assert_allclose(sm.load(art.path)(x), h(x, scale=2.0), rtol=1e-6)
+
+
+def test_good_spellings_round_trip(tmp_path):
+    """Lists for tuples, and the default batch named beside shapes= (what a caller that
+    always passes batch="b", such as TrainResult.export, sends) are accepted."""
+    h, x = small()
+    art = sm.export(h, tmp_path / "m", example=x, batch="b", shapes=["b, 8"],
+                    constraints=["b <= 64"], platforms=["cpu"], overwrite=False,
+                    metadata={"labels": ["a", "b", "c"]}, vjp_order=0)  # fmt: skip
+    assert art.signature.constraints == ("b <= 64",) and art.platforms == ("cpu",)
+    m = sm.load(art.path)
+    for batch in (1, 5):
+        xb = rand(batch, seed=batch)
+        np.testing.assert_allclose(m(xb), h(xb), rtol=1e-6)
+
+
+def test_cli_export_names_its_flag(tmp_path, capsys):
+    path = str(tmp_path / "cli")
+    args = ["export", path, "--sizes", "3", "--in-features", "4"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 2  # the shell's fix is a flag, the library's a keyword
+    err = capsys.readouterr().err
+    assert "already exists" in err and "Pass --overwrite" in err and "overwrite=True" not in err
+    assert main([*args, "--overwrite"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "gpu"), "--platforms", "gpu"]) == 2
+    assert "a GPU is 'cuda' or 'rocm'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli"]
