@@ -183,6 +183,15 @@ def test_results_are_the_requests_own_arrays(chapter):
     assert a.flags.writeable and c.flags.writeable
     assert not np.shares_memory(a, c)  # no view into the padded batch
     assert a.base is None and c.base is None
+    with sm.serving.Batcher(gate, example=x, max_batch=4) as b:  # one row each: 3, padded to 4
+        f0, futures = busy_then_queue(b, gate, rows(1), [rows(1, seed=s) for s in (2, 3, 4)])
+        ones = [f.result(30) for f in futures]
+        f0.result(30)
+    for i, y in enumerate(ones):  # views of one copy of the real rows: disjoint, writable
+        assert y.shape == (1, 2) and y.flags.writeable and len(y.base) == 3
+        assert not any(np.shares_memory(y, z) for z in ones[i + 1 :])
+    ones[0][...] = 7
+    assert (ones[1] != 7).all()
 
 
 def test_nothing_compiles_while_serving(chapter):

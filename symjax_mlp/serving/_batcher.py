@@ -206,7 +206,7 @@ class _Lane:
             out = self.to_host(self.call(*inputs))
             t3 = _clock()
             if self.single and rows == len(batch):  # one row each: the common case
-                results = [out[i : i + 1].copy() for i in range(rows)]
+                results = list(out[:rows, None].copy())  # one copy; a view per row
             else:
                 results, start, split = [], 0, self.split
                 for r in batch:
