@@ -538,3 +538,18 @@ def test_settings_of_the_wrong_type_are_config_errors():
         with pytest.raises(sm.ConfigError, match=rf"^{setting} must be a (bool|str); got "):
             call()
     assert h.hybridize(False).compiled is False and h.replace(name="m").name == "m"
+
+
+def test_a_retrace_on_a_large_static_array_says_which_array_changed():
+    """Two static arrays that NumPy prints alike (``[0., 0., 0., ..., 0.]``) read as "same
+    signature traced again": the reason compared printed forms."""
+    h = sm.hybridize(lambda p, x, table: x * float(table[-1]), {}, static_argnums=1)
+    a, b = np.zeros(2000, np.float32), np.zeros(2000, np.float32)
+    b[1000] = 1.0  # a different array, printed alike
+    h(jnp.ones(2), a)
+    h(jnp.ones(2), b)
+    h(jnp.ones(2), np.array([3.0]))
+    reason = h.trace_log[1].reason
+    assert reason.startswith("args[1] (static) changed from array(shape=(2000,), dtype=float32")
+    assert reason.count("sha256=") == 2 and len(set(reason.split("sha256=")[1:])) == 2
+    assert "changed from" in h.trace_log[2].reason and "array([3.]" in h.trace_log[2].reason

@@ -10,6 +10,7 @@ whose message says how to stay symbolic.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,7 +110,14 @@ class _Frozen:
         return isinstance(other, _Frozen) and self._key == other._key
 
     def __repr__(self) -> str:
-        return repr(self.array)
+        """The array itself when small; else its shape, dtype and a digest of its bytes, so
+        that two arrays NumPy would print alike (``[0, 0, 0, ..., 0]``) read apart in the
+        trace log's reasons."""
+        a = self.array
+        if a.size <= 16:
+            return repr(a)
+        digest = hashlib.sha256(self._key[2]).hexdigest()[:12]
+        return f"array(shape={a.shape}, dtype={a.dtype}, sha256={digest})"
 
 
 def _static_value(path: str, value: Any) -> Any:
