@@ -304,7 +304,9 @@ def write_dir(
             write_file(tmp / name, data)
         _fsync_dir(tmp)
         check(path, overwrite)  # it may have appeared while we were writing
-        if path.exists() or path.is_symlink():
+        # Replace only when asked: a path that appeared after that check (another writer's
+        # artifact) must make the no-replace rename below fail, not be swapped out.
+        if overwrite and (path.exists() or path.is_symlink()):
             _replace(tmp, path)  # tmp now holds the previous directory
             shutil.rmtree(tmp)
         elif not _rename(tmp, path, _RENAME_NOREPLACE):

@@ -27,7 +27,7 @@ import safetensors.numpy
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from fuzzing import forge
-from helpers import ZOO, rand
+from helpers import ZOO, rand, small
 
 import symjax_mlp as sm
 from symjax_mlp.cli import main
@@ -472,6 +472,32 @@ def test_two_processes_exporting_to_one_new_path_never_lose_the_winner(tmp_path)
         assert kernel.tobytes().hex() == lines[1].split()[1]  # and it is the winner's
         assert m(np.ones((2, 3), np.float32)).shape == (2, 2)
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".art{round_}.")]
+
+
+def test_an_artifact_that_appears_after_the_last_check_is_never_replaced(tmp_path, monkeypatch):
+    """The race above, made certain: another writer's artifact lands between export's last
+    check and its rename. Without overwrite=True it was swapped out (both writers "won")."""
+    import symjax_mlp._artifact.format as format_seam
+    import symjax_mlp._export as export_seam
+
+    h, x = small(seed=10)
+    other, _ = small(seed=11)
+    target = tmp_path / "m"
+    real, calls = format_seam.check_target, []
+
+    def check_then_lose_the_race(path, overwrite):
+        real(path, overwrite)
+        calls.append(path)
+        if len(calls) == 3:  # export's, write_dir's, its last (before the rename): the other
+            # writer's artifact lands now
+            sm.export(other, path, example=x)
+
+    monkeypatch.setattr(export_seam, "check_target", check_then_lose_the_race)
+    with pytest.raises(sm.ArtifactError, match=r"already exists|created it meanwhile"):
+        sm.export(h, target, example=x)
+    kernel = sm.load(target).params["params/layers_0/kernel"]
+    assert np.array_equal(kernel, other.params["params"]["layers_0"]["kernel"])  # the winner's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary left
 
 
 # -- 5. foreign exceptions and memory ---------------------------------------------------------
