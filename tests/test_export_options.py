@@ -120,3 +120,15 @@ def test_cli_export_names_its_flag(tmp_path, capsys):
     assert main(["export", str(tmp_path / "gpu"), "--platforms", "gpu"]) == 2
     assert "a GPU is 'cuda' or 'rocm'" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cli"]
+
+
+def test_cli_train_export_names_its_flag(tmp_path, capsys):
+    """symjax-mlp train --export onto an existing artifact said "overwrite=True"; it is
+    refused before training, with the shell's flag."""
+    path = str(tmp_path / "cli")
+    assert main(["export", path, "--sizes", "3", "--in-features", "4"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--epochs", "1", "--export", path, "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    assert "already exists" in err and "Pass --overwrite" in err and "overwrite=True" not in err
+    assert "test accuracy" not in out  # refused before training

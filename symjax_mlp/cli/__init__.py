@@ -117,6 +117,11 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_export)
 
 
+def _flag_worded(e: Exception) -> Exception:
+    """The library's error as the shell reads it: it names a keyword, the shell has a flag."""
+    return type(e)(str(e).replace("overwrite=True", "--overwrite"))
+
+
 def _run_export(args: argparse.Namespace) -> int:
     from symjax_mlp import ArtifactError
     from symjax_mlp.chapter import export_mlp
@@ -132,8 +137,8 @@ def _run_export(args: argparse.Namespace) -> int:
             platforms=tuple(p for p in args.platforms.split(",") if p),
             overwrite=args.overwrite,
         )
-    except ArtifactError as e:  # the library names its keyword; the shell has the flag
-        raise ArtifactError(str(e).replace("overwrite=True", "--overwrite")) from None
+    except ArtifactError as e:
+        raise _flag_worded(e) from None
     print(f"exported {art.path}: {art.signature}; platforms {', '.join(art.platforms)}")
     return 0
 
@@ -318,7 +323,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from symjax_mlp import mlp
+    from symjax_mlp import ArtifactError, mlp
     from symjax_mlp._artifact.format import check_target
     from symjax_mlp.cli._progress import epochs_progress
     from symjax_mlp.training import train
@@ -326,7 +331,10 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.json:  # refused before training, never after
         _args.writable(args.json, "--json", overwrite=args.overwrite)
     if args.export:
-        check_target(Path(args.export), args.overwrite)
+        try:
+            check_target(Path(args.export), args.overwrite)
+        except ArtifactError as e:
+            raise _flag_worded(e) from None
     if args.resume and not args.checkpoint:
         raise argparse.ArgumentTypeError("--resume needs --checkpoint DIR, the directory to use")
     with epochs_progress(args.epochs, quiet=args.quiet) as on_epoch:
@@ -345,7 +353,10 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json(result.to_dict(), args.json)
     if args.export:
-        result.export(args.export, overwrite=args.overwrite)
+        try:
+            result.export(args.export, overwrite=args.overwrite)
+        except ArtifactError as e:  # it appeared while training
+            raise _flag_worded(e) from None
         print(f"exported the trained model to {args.export} (it takes raw pixels)")
     print(
         f"test accuracy {result.test_accuracy:.2%} after {result.epoch} epochs "
