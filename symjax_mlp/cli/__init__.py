@@ -117,28 +117,19 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_export)
 
 
-def _flag_worded(e: Exception) -> Exception:
-    """The library's error as the shell reads it: it names a keyword, the shell has a flag."""
-    return type(e)(str(e).replace("overwrite=True", "--overwrite"))
-
-
 def _run_export(args: argparse.Namespace) -> int:
-    from symjax_mlp import ArtifactError
     from symjax_mlp.chapter import export_mlp
 
-    try:
-        art = export_mlp(
-            args.path,
-            sizes=args.sizes,
-            in_features=args.in_features,
-            activation=args.activation,
-            seed=args.seed,
-            batch=args.batch,
-            platforms=tuple(p for p in args.platforms.split(",") if p),
-            overwrite=args.overwrite,
-        )
-    except ArtifactError as e:
-        raise _flag_worded(e) from None
+    art = export_mlp(
+        args.path,
+        sizes=args.sizes,
+        in_features=args.in_features,
+        activation=args.activation,
+        seed=args.seed,
+        batch=args.batch,
+        platforms=tuple(p for p in args.platforms.split(",") if p),
+        overwrite=args.overwrite,
+    )
     print(f"exported {art.path}: {art.signature}; platforms {', '.join(art.platforms)}")
     return 0
 
@@ -323,7 +314,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from symjax_mlp import ArtifactError, mlp
+    from symjax_mlp import mlp
     from symjax_mlp._artifact.format import check_target
     from symjax_mlp.cli._progress import epochs_progress
     from symjax_mlp.training import train
@@ -331,10 +322,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.json:  # refused before training, never after
         _args.writable(args.json, "--json", overwrite=args.overwrite)
     if args.export:
-        try:
-            check_target(Path(args.export), args.overwrite)
-        except ArtifactError as e:
-            raise _flag_worded(e) from None
+        check_target(Path(args.export), args.overwrite)
     if args.resume and not args.checkpoint:
         raise argparse.ArgumentTypeError("--resume needs --checkpoint DIR, the directory to use")
     with epochs_progress(args.epochs, quiet=args.quiet) as on_epoch:
@@ -353,10 +341,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json(result.to_dict(), args.json)
     if args.export:
-        try:
-            result.export(args.export, overwrite=args.overwrite)
-        except ArtifactError as e:  # it appeared while training
-            raise _flag_worded(e) from None
+        result.export(args.export, overwrite=args.overwrite)
         print(f"exported the trained model to {args.export} (it takes raw pixels)")
     print(
         f"test accuracy {result.test_accuracy:.2%} after {result.epoch} epochs "
@@ -416,7 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _args.writable(args.json, "--json", overwrite=True)  # refused before any work
         return args.handler(args)
     except (SymjaxError, argparse.ArgumentTypeError) as e:
-        print(f"{where}: error: {e}", file=sys.stderr)
+        # the library names its keyword; the shell has the flag
+        print(f"{where}: error: {str(e).replace('overwrite=True', '--overwrite')}", file=sys.stderr)
         return 2
     except ImportError as e:
         hint = _missing_extra(e)
