@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from symjax_mlp import _selftest as selftest
-from symjax_mlp._artifact import ops
+from symjax_mlp._artifact import checker, ops, walk
 from symjax_mlp._artifact.format import (
     JAXEXPORT,
     MLIRBC,
@@ -372,7 +372,7 @@ def _program(path: Path, manifest: Any, exported: Any) -> tuple[ops.ModuleReport
     key = manifest["files"][file.name]["sha256"]
     found = _REPORTS.pop(key, None)
     if found is None:
-        report = ops.analyze(exported.mlir_module_serialized, file=file)
+        report = checker.analyze(exported.mlir_module_serialized, file=file)
         problems, calls = list(report.problems), collections.Counter(report.custom_calls)
         module, order, works = exported, 0, []
         while module.has_vjp():  # jax.grad of the loaded model runs these modules
@@ -386,7 +386,7 @@ def _program(path: Path, manifest: Any, exported: Any) -> tuple[ops.ModuleReport
                 raise ArtifactError(
                     f"{file}: its VJP module of order {order} cannot be read ({e})."
                 ) from e
-            vjp = ops.analyze(module.mlir_module_serialized, file=file)
+            vjp = checker.analyze(module.mlir_module_serialized, file=file)
             calls.update(vjp.custom_calls)
             works.append(vjp.work)
             problems += [ops.Problem(p.key, f"{p.what} (in its VJP of order {order})")
@@ -443,15 +443,15 @@ class Guard:
     ) -> None:
         of = f" VJP {order}" if order else ""  # a VJP's verdict is its own
         verdict = f"{self.digest}{of} fits {shapes!r}"
-        if ops.remembered(verdict):
+        if checker.remembered(verdict):
             return
         refined, context = refine()
         with context:
-            work = ops.analyze_module(refined).work
+            work = walk.analyze_module(refined).work
         static = max(self.works[min(order, len(self.works) - 1)], 1)
         budget = ops.MAX_WORK + static * max(n_inputs, 1)
         if work <= budget:
-            ops.remember(verdict)
+            checker.remember(verdict)
             return
         module = "the program"
         if order:

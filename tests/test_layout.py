@@ -35,6 +35,8 @@ STAGES = (
     "symjax_mlp._artifact.signature",
     "symjax_mlp._artifact.weights",
     "symjax_mlp._artifact.ops",
+    "symjax_mlp._artifact.walk",
+    "symjax_mlp._artifact.checker",
     "symjax_mlp._artifact.reading",
     "symjax_mlp._artifact",
     "symjax_mlp._signing",

@@ -4,7 +4,7 @@ Hypothesis draws the model (depth 1-6, widths 1-300 with small widths most likel
 activation of ``sm.ACTIVATIONS`` or none per layer, sometimes a ``HybridConcurrent`` block of
 2-3 branches), the batch (1-64) and the dtype (float32 or bfloat16, params included). The
 examples are split over two processes, each with a fixed seed and no example database, so CI
-sees the same examples every time (80 in CI; SYMJAX_PROPERTY_EXAMPLES sets the count). The
+sees the same examples every time (48 in CI; SYMJAX_PROPERTY_EXAMPLES sets the count). The
 strategies, the model builder and the check live in
 ``tests/workers/properties_worker.py``, which the other processes run.
 

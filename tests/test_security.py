@@ -847,6 +847,23 @@ def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_p
     assert json.loads(entry.read_text()) == report
 
 
+@pytest.mark.parametrize("changed", ["ops.py", "walk.py", "checker.py"])
+def test_a_cached_report_is_keyed_by_the_rules_that_made_it(tmp_path, monkeypatch, changed):
+    """A newer allow-list (ops.py), walk or reader reads every module afresh: a report cached
+    by the old rules is never taken for the new ones'."""
+    from symjax_mlp._artifact import checker
+
+    here = Path(checker.__file__)
+    for name in ("ops.py", "walk.py", "checker.py"):
+        shutil.copy(here.with_name(name), tmp_path / name)
+    monkeypatch.setattr(checker, "__file__", str(tmp_path / "checker.py"))
+    before = checker._cache_key("0" * 64)
+    assert checker._cache_key("0" * 64) == before != checker._cache_key("1" * 64)
+    with (tmp_path / changed).open("a") as f:
+        f.write("\n# a rule changed\n")
+    assert checker._cache_key("0" * 64) != before
+
+
 def test_a_checker_that_cannot_start_says_so_not_that_the_module_is_crafted(tmp_path):
     """The checker child imports symjax_mlp and jax from the caller's sys.path; when it
     cannot, the error says that (it used to blame the module)."""

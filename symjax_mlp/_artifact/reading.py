@@ -16,6 +16,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from symjax_mlp._artifact.checker import analyze
 from symjax_mlp._artifact.format import (
     CORE_FILES,
     JAXEXPORT,
@@ -28,7 +29,7 @@ from symjax_mlp._artifact.format import (
     program_file,
     read_manifest,
 )
-from symjax_mlp._artifact.ops import ModuleReport, analyze, show_keys
+from symjax_mlp._artifact.ops import ModuleReport, show_keys
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import read_safetensors_file
 from symjax_mlp._errors import ArtifactError
