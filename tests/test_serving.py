@@ -683,9 +683,9 @@ def test_lone_calls_submits_asubmits_cancels_and_overloads_under_load_add_up(cha
 
 
 def test_counters_folded_in_small_chunks_add_up(chapter, monkeypatch):
-    from symjax_mlp.serving import _batcher
+    from symjax_mlp.serving import _lane
 
-    monkeypatch.setattr(_batcher, "_FOLD_EVERY", 2)  # fold every few batches, not 4096
+    monkeypatch.setattr(_lane, "_FOLD_EVERY", 2)  # fold every few batches, not 4096
     _, _, h, x = chapter
     with sm.serving.Batcher(h, example=x, max_batch=4) as b:
         timings = []

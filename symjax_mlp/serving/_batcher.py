@@ -34,22 +34,10 @@ What a request costs besides the model (measured by ``symjax-mlp bench --serving
 from __future__ import annotations
 
 import asyncio
-import bisect
-import collections
-import concurrent.futures
-import contextlib
 import itertools
 import threading
-import time
 import weakref
-from collections.abc import Callable, Sequence
-from concurrent.futures._base import (  # Future's states, set inline per request
-    CANCELLED,
-    CANCELLED_AND_NOTIFIED,
-    FINISHED,
-    PENDING,
-    RUNNING,
-)
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -58,311 +46,10 @@ import numpy as np
 from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
 from symjax_mlp._load import LoadedModel
 from symjax_mlp._specs import TensorSpec
-from symjax_mlp.serving._futures import GIL, AsyncRequest, RequestFuture
-from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats, Counters
-
-_CANCELLED = "the batcher was closed with cancel=True"
-_FOLD_EVERY = 4096  # batches counted before they are folded into the stats
-_clock = time.perf_counter
-
-
-class _Request:
-    """A blocking ``b(x)`` in the queue: its inputs, and the held lock its caller waits on."""
-
-    __slots__ = ("arrays", "error", "result", "rows", "t0", "waiter")
-
-    def __init__(self, arrays: Sequence[Any], rows: int, t0: float, waiter: Any) -> None:
-        self.arrays, self.rows, self.t0, self.waiter = arrays, rows, t0, waiter
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-
-def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
-    """On an event loop: hands a batch's results to that loop's awaiting tasks."""
-    for r, result in items:
-        f = r.future
-        if f.done():  # cancelled by its awaiter meanwhile
-            continue
-        if error is None:
-            f.set_result(result)
-        elif isinstance(error, concurrent.futures.CancelledError):
-            f.cancel(str(error))
-        else:
-            f.set_exception(error)
-
-
-def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
-    """One wake-up per event loop for a whole batch (not one per request)."""
-    by_loop: dict[Any, list[tuple[AsyncRequest, Any]]] = {}
-    for item in items:
-        by_loop.setdefault(item[0].future.get_loop(), []).append(item)
-    for loop, mine in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits these now
-            loop.call_soon_threadsafe(_resolve, mine, error)
-
-
-class _Lane:
-    """The executor state, shared by the batcher and its thread (which holds no Batcher)."""
-
-    def __init__(self, call: Callable[..., Any], row_specs, buckets, max_queue) -> None:
-        self.call = call
-        self.row_shapes = [tuple(s.shape[1:]) for s in row_specs]
-        self.dtypes = [np.dtype(s.dtype) for s in row_specs]
-        self.buckets = tuple(buckets)
-        self.max_batch = self.buckets[-1]
-        self.bucket_of = [0] + [self.buckets[bisect.bisect_left(self.buckets, n)]
-                                for n in range(1, self.max_batch + 1)]  # fmt: skip
-        self.max_queue = max_queue
-        self.lock = threading.Lock()
-        self.wake = threading.Condition(self.lock)
-        self.sleeping = False  # the thread waits on `wake` and nobody notified it yet
-        self.futures = threading.Condition()  # the one lock (an RLock) of all our futures
-        self.queue: collections.deque[_Request | RequestFuture] = collections.deque()
-        # The lane's token: whoever pops it (a lone call, or the thread for a batch) runs the
-        # model until it appends it back; empty while the lane is busy.
-        self.idle = [True]
-        self.closing = False
-        self.n = Counters(self.buckets)
-        self.to_host: Callable[[Any], Any] = _tree_to_host
-        self.split: Callable[[Any, int, int], Any] = _tree_rows
-        self.single = False  # one array out: the split is a list of row copies
-        self.thread: int | None = None  # the batcher's thread (its ident)
-
-    # -- the executor thread -----------------------------------------------------------------
-    def work(self) -> None:
-        lock, idle = self.lock, self.idle
-        lock.acquire()
-        try:
-            while True:
-                if not self.queue:
-                    if self.closing and idle:
-                        return
-                    self.sleep()
-                    continue
-                if not _claim(idle):  # a lone call runs: it wakes us when it is done
-                    self.sleep()
-                    continue
-                try:
-                    while self.queue:  # the lane stays ours while there is work
-                        batch, starts, rows = self.take()
-                        if batch:
-                            lock.release()
-                            try:
-                                self.run(batch, starts, rows)
-                            finally:
-                                lock.acquire()
-                        if len(self.n.pending) > _FOLD_EVERY:
-                            self.n.fold()
-                finally:
-                    idle.append(True)
-        finally:
-            lock.release()
-
-    def sleep(self) -> None:
-        self.sleeping = True
-        self.wake.wait()
-        self.sleeping = False
-
-    def nudge(self) -> None:
-        """Wakes the thread if it sleeps (the lock is held): one notify per wake-up."""
-        if self.sleeping:
-            self.sleeping = False
-            self.wake.notify()
-
-    def take(self) -> tuple[list[Any], list[float], int]:
-        """Pops the next batch (FIFO, at most max_batch rows); drops cancelled futures."""
-        batch: list[Any] = []
-        starts: list[float] = []
-        rows, q, limit = 0, self.queue, self.max_batch
-        with self.futures:  # a future turns running here, or was cancelled while queued
-            while q and rows + q[0].rows <= limit:
-                r = q.popleft()
-                kind = type(r)
-                if kind is AsyncRequest:
-                    if r.future.cancelled():  # its task was cancelled while queued
-                        self.n.cancelled += 1
-                        continue
-                elif kind is not _Request:
-                    if r._state != PENDING:  # cancelled while queued
-                        if r._state == CANCELLED:  # as set_running_or_notify_cancel()
-                            r._state = CANCELLED_AND_NOTIFIED
-                            for w in r._waiters:
-                                w.add_cancelled(r)
-                        self.n.cancelled += 1
-                        continue
-                    r._state = RUNNING
-                batch.append(r)
-                starts.append(r.t0)
-                rows += r.rows
-        return batch, starts, rows
-
-    def run(self, batch: list[Any], starts: list[float], rows: int) -> None:
-        """Runs one batch on the executor thread and hands each request its result."""
-        t1 = _clock()
-        bucket = self.bucket_of[rows]
-        try:
-            inputs = self.assemble(batch, rows, bucket)
-            t2 = _clock()
-            out = self.to_host(self.call(*inputs))
-            t3 = _clock()
-            if self.single and rows == len(batch):  # one row each: the common case
-                results = list(out[:rows, None].copy())  # one copy; a view per row
-            else:
-                results, start, split = [], 0, self.split
-                for r in batch:
-                    results.append(split(out, start, start + r.rows))
-                    start += r.rows
-            t4 = _clock()
-        except BaseException as e:  # every request of the batch gets it; the lane carries on
-            with self.lock:
-                self.n.failed += len(batch)
-            self.settle(batch, None, e)
-            if not isinstance(e, Exception):
-                raise
-            return
-        self.n.pending.append((starts, t1, t2, t3, t4, rows, bucket))  # before any result
-        self.settle(batch, results, None, (t1, t2 - t1, t3 - t2, t4 - t3, rows, len(batch), bucket))
-
-    def settle(self, batch, results, error, timing=None) -> None:
-        """Hands out a batch's results (or ``error``): one lock for its futures, one release
-        per blocked caller, then the futures' done callbacks."""
-        futures, awaited = False, []
-        with self.futures:
-            for i, r in enumerate(batch):
-                kind = type(r)
-                if kind is _Request:
-                    if error is None:
-                        r.result = results[i]
-                    else:
-                        r.error = error
-                    r.waiter.release()
-                elif kind is AsyncRequest:
-                    r._batch = timing
-                    awaited.append((r, None if error is not None else results[i]))
-                else:  # as _finish(r, ...), inlined: this runs per request
-                    futures = True
-                    r._batch = timing
-                    if error is None:
-                        r._result = results[i]
-                    else:
-                        r._exception = error
-                    r._state = FINISHED
-                    for w in r._waiters:  # concurrent.futures.wait()'s
-                        if error is None:
-                            w.add_result(r)
-                        else:
-                            w.add_exception(r)
-                    if r._wake is not None:
-                        r._wake.notify_all()
-        if awaited:
-            _wake_loops(awaited, error)
-        if futures:
-            for r in batch:
-                if type(r) is RequestFuture and r._done_callbacks:
-                    r._invoke_callbacks()
-
-    # -- a lone request, on its caller's thread ----------------------------------------------
-    def run_alone(self, arrays: Sequence[Any], rows: int, t0: float) -> tuple[Any, tuple]:
-        """Runs one request on the calling thread, which holds the lane's token (and gives it
-        back itself): its result, and its timing record."""
-        n = self.n
-        n.alone += 1  # only the token's holder writes it
-        bucket = self.bucket_of[rows]
-        try:
-            t1 = _clock()
-            inputs = self.assemble_one(arrays, rows, bucket) if rows < bucket else arrays
-            t2 = _clock()
-            out = self.to_host(self.call(*inputs))
-            t3 = _clock()
-            result = self.split(out, 0, rows)
-            t4 = _clock()
-        except BaseException:
-            with self.lock:
-                n.failed += 1
-            raise
-        record = (t0, t1, t2, t3, t4, rows, bucket)
-        n.pending.append(record)  # counted later, in bulk
-        return result, record
-
-    def release(self) -> None:
-        """Gives the token back, and wakes the thread if requests came meanwhile."""
-        if GIL and len(self.n.pending) <= _FOLD_EVERY:
-            # No lock: an enqueuer looks for the token under the lock after appending, so it
-            # either sees it (and wakes the thread) or appended before we look at the queue.
-            self.idle.append(True)
-            if self.queue or self.closing:
-                with self.lock:
-                    self.nudge()
-            return
-        with self.lock:
-            if len(self.n.pending) > _FOLD_EVERY:
-                self.n.fold()
-            self.idle.append(True)
-            if self.queue or self.closing:
-                self.nudge()
-
-    def assemble_one(self, arrays: Sequence[Any], rows: int, bucket: int) -> list[Any]:
-        return [
-            np.concatenate([a, np.zeros((bucket - rows, *shape), a.dtype)])
-            for a, shape in zip(arrays, self.row_shapes, strict=True)
-        ]
-
-    def assemble(self, batch: Sequence[Any], rows: int, bucket: int) -> Sequence[Any]:
-        """The model's inputs: the requests' rows stacked, zero rows up to the bucket."""
-        if len(batch) == 1 and rows == bucket:
-            return batch[0].arrays
-        inputs = []
-        for i, dtype in enumerate(self.dtypes):
-            parts = [r.arrays[i] for r in batch]
-            if bucket > rows:
-                parts.append(np.zeros((bucket - rows, *self.row_shapes[i]), dtype))
-            inputs.append(np.concatenate(parts))
-        return inputs
-
-    def close(self, cancel: bool) -> None:
-        with self.lock:
-            self.closing = True
-            dropped = []
-            if cancel:
-                while self.queue:
-                    dropped.append(self.queue.popleft())
-                self.n.cancelled += len(dropped)
-            self.wake.notify_all()
-        awaited = [(r, None) for r in dropped if type(r) is AsyncRequest]
-        if awaited:
-            _wake_loops(awaited, concurrent.futures.CancelledError(_CANCELLED))
-        for r in dropped:
-            if type(r) is RequestFuture:
-                r.cancel()
-                r.set_running_or_notify_cancel()  # tells concurrent.futures.wait(), too
-            elif type(r) is _Request:
-                r.error = concurrent.futures.CancelledError(_CANCELLED)
-                r.waiter.release()
-
-
-def _claim(idle: list[bool]) -> bool:
-    """Takes the lane's token if it is there (``list.pop`` is atomic)."""
-    try:
-        return idle.pop()
-    except IndexError:
-        return False
-
-
-def _tree_to_host(out: Any) -> Any:
-    return jax.tree.map(np.asarray, out)
-
-
-def _tree_rows(out: Any, start: int, stop: int) -> Any:
-    return jax.tree.map(lambda y: y[start:stop].copy(), out)
-
-
-def _array_rows(out: np.ndarray, start: int, stop: int) -> np.ndarray:
-    return out[start:stop].copy()
-
-
-def _power_buckets(max_batch: int) -> tuple[int, ...]:
-    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
-    return tuple(sorted({*sizes, max_batch}))
+from symjax_mlp.serving._futures import AsyncRequest, RequestFuture
+from symjax_mlp.serving._lane import Blocking, Lane, array_rows, claim, clock, tree_to_host
+from symjax_mlp.serving._shapes import artifact_specs, bucket_sizes, example_specs
+from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats
 
 
 class Batcher:
@@ -434,7 +121,7 @@ class Batcher:
                     "Batcher(LoadedModel, example=...): a loaded artifact carries its signature "
                     f"({model.signature}); drop example=."
                 )
-            specs, static = _artifact_specs(model)
+            specs, static = artifact_specs(model)
             name = name or str(model.path)
         elif callable(model):
             if example is None:
@@ -443,7 +130,7 @@ class Batcher:
                     "or a tuple of arrays for several inputs) that gives each input's row shape "
                     "and dtype, e.g. Batcher(h, example=x) with x of shape (1, features)."
                 )
-            specs, static = _example_specs(example), None
+            specs, static = example_specs(example), None
             name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
         else:
             raise ConfigError(
@@ -451,7 +138,7 @@ class Batcher:
                 f"(sm.hybridize(...)) or a callable; got {type(model).__name__}."
             )
         self.name = f"Batcher({name})"
-        self.buckets = _buckets(self.name, max_batch, buckets, static)
+        self.buckets = bucket_sizes(self.name, max_batch, buckets, static)
         self.max_batch = self.buckets[-1]
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
             raise ConfigError(f"{self.name}: max_queue must be an int >= 1; got {max_queue!r}.")
@@ -459,7 +146,7 @@ class Batcher:
         #: What one request takes: one spec per input, the batch dimension named ``b``.
         self.specs: tuple[TensorSpec, ...] = specs
         self.model = model
-        lane = _Lane(model, specs, self.buckets, max_queue)
+        lane = Lane(model, specs, self.buckets, max_queue)
         self._ranks = [len(shape) + 1 for shape in lane.row_shapes]
         # The NumPy shapes (a tuple of them for several inputs) that passed the check, with
         # their rows; a request's dtypes must be these very objects to be looked up.
@@ -474,7 +161,7 @@ class Batcher:
         lane.thread = self._thread.ident
         self._finalizer = weakref.finalize(self, lane.close, False)
 
-    def _warm_up(self, lane: _Lane) -> None:
+    def _warm_up(self, lane: Lane) -> None:
         """Compiles every bucket (one call each) and checks the outputs are per row."""
         single = True
         for bucket in self.buckets:
@@ -483,7 +170,7 @@ class Batcher:
             ]
             out = lane.call(*zeros)
             single = isinstance(out, jax.Array | np.ndarray)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(_tree_to_host(out)):
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree_to_host(out)):
                 if leaf.ndim == 0 or leaf.shape[0] != bucket:
                     raise ConfigError(
                         f"{self.name}: output out{jax.tree_util.keystr(path)} has shape "
@@ -492,7 +179,7 @@ class Batcher:
                         "that returns one result per input row (reduce over rows afterwards)."
                     )
         if single:
-            lane.to_host, lane.split = np.asarray, _array_rows
+            lane.to_host, lane.split = np.asarray, array_rows
             lane.single = True
 
     # -- requests ----------------------------------------------------------------------------
@@ -614,7 +301,7 @@ class Batcher:
           OverloadError: ``max_queue`` requests are already waiting.
           RuntimeError: the batcher is closed.
         """
-        t0 = _clock()
+        t0 = clock()
         arrays, rows = self._check(inputs)
         lane = self._lane
         future = RequestFuture(lane.futures)
@@ -633,7 +320,7 @@ class Batcher:
           TimeoutError: no result after ``timeout`` seconds (the request still runs).
           Exception: what the model raised for the request's batch.
         """
-        t0 = _clock()
+        t0 = clock()
         arrays, rows = self._check(inputs)
         lane = self._lane
         idle = lane.idle
@@ -649,7 +336,7 @@ class Batcher:
                         n.alone += 1  # only the token's holder writes it
                         try:  # one copy to the caller's array; the check counts as compute
                             result = np.asarray(lane.call(*arrays)).copy()
-                            t1 = _clock()
+                            t1 = clock()
                             n.pending.append((t0, t0, t0, t1, t1, rows, rows))
                             return result
                         except BaseException:
@@ -669,7 +356,7 @@ class Batcher:
             return lane.run_alone(arrays, rows, t0)[0]
         waiter = threading.Lock()
         waiter.acquire()
-        request = _Request(arrays, rows, t0, waiter)
+        request = Blocking(arrays, rows, t0, waiter)
         self._enqueue(request)
         if not waiter.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError(
@@ -700,7 +387,7 @@ class Batcher:
           RuntimeError: the batcher is closed, or no event loop runs on this thread (from
             plain threads, call ``b.submit(x)`` or ``b(x)``).
         """
-        t0 = _clock()
+        t0 = clock()
         arrays, rows = self._check(inputs)
         try:
             loop = asyncio.get_running_loop()
@@ -734,7 +421,7 @@ class Batcher:
                 q.popleft()
                 lane.n.cancelled += 1
                 return
-            if not _claim(lane.idle):  # a batch runs: its runner takes the queue next
+            if not claim(lane.idle):  # a batch runs: its runner takes the queue next
                 return
             q.popleft()
             lane.n.requests -= 1  # run_alone counts it among the lone ones
@@ -809,72 +496,3 @@ class Batcher:
         state = "closed" if self.closed else f"queue={len(self._lane.queue)}"
         ins = ", ".join(s.type for s in self.specs)
         return f"{self.name}: ({ins}), buckets={list(self.buckets)}, {state}"
-
-
-# -- what a request takes --------------------------------------------------------------------
-def _example_specs(example: Any) -> tuple[TensorSpec, ...]:
-    arrays = example if isinstance(example, tuple) else (example,)
-    specs = []
-    for i, x in enumerate(arrays):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            raise ConfigError(
-                f"Batcher(example=...): input {i} is a {type(x).__name__}; pass arrays (a "
-                "tuple of arrays for several inputs), each with the batch as leading dimension."
-            )
-        if len(x.shape) == 0:
-            raise ConfigError(
-                f"Batcher(example=...): input {i} is a scalar; batching needs a leading batch "
-                "dimension, e.g. x[None]."
-            )
-        specs.append(TensorSpec(f"args[{i}]", ("b", *map(int, x.shape[1:])), str(x.dtype)))
-    return tuple(specs)
-
-
-def _artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None]:
-    """The per-request specs of an artifact, and its static batch (``None``: symbolic)."""
-    sig = model.signature
-    specs, static = [], set()
-    for spec in sig.inputs:
-        lead = spec.shape[0] if spec.shape else None
-        rest = spec.shape[1:]
-        if lead is None or any(isinstance(d, str) for d in rest):
-            raise ConfigError(
-                f"Batcher({model.path}): input {spec.path} is {spec.type}, but batching needs "
-                "the batch as leading dimension and static sizes elsewhere. Export the model "
-                "with a symbolic batch: export(..., batch='b')."
-            )
-        if isinstance(lead, int):
-            static.add(lead)
-        specs.append(TensorSpec(spec.path, ("b", *rest), spec.dtype))
-    if len(static) > 1 or (static and sig.batch is not None):
-        raise ConfigError(
-            f"Batcher({model.path}): the inputs' leading dimensions {sig} disagree; batching "
-            "needs one batch dimension shared by every input."
-        )
-    return tuple(specs), (static.pop() if static else None)
-
-
-def _buckets(
-    name: str, max_batch: int | None, buckets: Sequence[int] | None, static: int | None
-) -> tuple[int, ...]:
-    if static is not None:
-        if (max_batch not in (None, static)) or (buckets is not None and list(buckets) != [static]):
-            raise ConfigError(
-                f"{name}: the artifact was exported for a static batch of {static}, so every "
-                f"model call runs {static} rows; drop max_batch/buckets (or pass {static}), or "
-                "export it with a symbolic batch (batch='b') to batch freely."
-            )
-        return (static,)
-    if max_batch is None:
-        max_batch = max(buckets) if buckets else 64
-    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-        raise ConfigError(f"{name}: max_batch must be an int >= 1; got {max_batch!r}.")
-    if buckets is None:
-        return _power_buckets(max_batch)
-    sizes = sorted(set(buckets))
-    if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes) or sizes[-1] != max_batch:
-        raise ConfigError(
-            f"{name}: buckets must be ints >= 1 whose largest is max_batch={max_batch}; got "
-            f"{list(buckets)!r}."
-        )
-    return tuple(sizes)

@@ -1,0 +1,331 @@
+"""A batcher's executor lane: the queue, the thread that runs batches, and how results go out.
+
+:class:`Lane` is the state a :class:`~symjax_mlp.serving.Batcher` shares with its thread
+(which holds no Batcher, so that dropping the Batcher ends the thread): the bounded queue,
+the lane's token (whoever holds it runs the model), the thread's loop (:meth:`Lane.work`:
+take a batch, pad it to its bucket, run it, split it, settle its requests), and the counters.
+A lone call that finds the lane idle runs on its caller's thread through
+:meth:`Lane.run_alone`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures._base import (  # Future's states, set inline per request
+    CANCELLED,
+    CANCELLED_AND_NOTIFIED,
+    FINISHED,
+    PENDING,
+    RUNNING,
+)
+from typing import Any
+
+import jax
+import numpy as np
+
+from symjax_mlp.serving._futures import GIL, AsyncRequest, RequestFuture
+from symjax_mlp.serving._stats import Counters
+
+_CANCELLED = "the batcher was closed with cancel=True"
+_FOLD_EVERY = 4096  # batches counted before they are folded into the stats
+clock = time.perf_counter
+
+
+class Blocking:
+    """A blocking ``b(x)`` in the queue: its inputs, and the held lock its caller waits on."""
+
+    __slots__ = ("arrays", "error", "result", "rows", "t0", "waiter")
+
+    def __init__(self, arrays: Sequence[Any], rows: int, t0: float, waiter: Any) -> None:
+        self.arrays, self.rows, self.t0, self.waiter = arrays, rows, t0, waiter
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
+    """On an event loop: hands a batch's results to that loop's awaiting tasks."""
+    for r, result in items:
+        f = r.future
+        if f.done():  # cancelled by its awaiter meanwhile
+            continue
+        if error is None:
+            f.set_result(result)
+        elif isinstance(error, concurrent.futures.CancelledError):
+            f.cancel(str(error))
+        else:
+            f.set_exception(error)
+
+
+def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
+    """One wake-up per event loop for a whole batch (not one per request)."""
+    by_loop: dict[Any, list[tuple[AsyncRequest, Any]]] = {}
+    for item in items:
+        by_loop.setdefault(item[0].future.get_loop(), []).append(item)
+    for loop, mine in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits these now
+            loop.call_soon_threadsafe(_resolve, mine, error)
+
+
+class Lane:
+    """The executor state, shared by the batcher and its thread (which holds no Batcher)."""
+
+    def __init__(self, call: Callable[..., Any], row_specs, buckets, max_queue) -> None:
+        self.call = call
+        self.row_shapes = [tuple(s.shape[1:]) for s in row_specs]
+        self.dtypes = [np.dtype(s.dtype) for s in row_specs]
+        self.buckets = tuple(buckets)
+        self.max_batch = self.buckets[-1]
+        self.bucket_of = [0] + [self.buckets[bisect.bisect_left(self.buckets, n)]
+                                for n in range(1, self.max_batch + 1)]  # fmt: skip
+        self.max_queue = max_queue
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.sleeping = False  # the thread waits on `wake` and nobody notified it yet
+        self.futures = threading.Condition()  # the one lock (an RLock) of all our futures
+        self.queue: collections.deque[Blocking | RequestFuture] = collections.deque()
+        # The lane's token: whoever pops it (a lone call, or the thread for a batch) runs the
+        # model until it appends it back; empty while the lane is busy.
+        self.idle = [True]
+        self.closing = False
+        self.n = Counters(self.buckets)
+        self.to_host: Callable[[Any], Any] = tree_to_host
+        self.split: Callable[[Any, int, int], Any] = tree_rows
+        self.single = False  # one array out: the split is a list of row copies
+        self.thread: int | None = None  # the batcher's thread (its ident)
+
+    # -- the executor thread -----------------------------------------------------------------
+    def work(self) -> None:
+        lock, idle = self.lock, self.idle
+        lock.acquire()
+        try:
+            while True:
+                if not self.queue:
+                    if self.closing and idle:
+                        return
+                    self.sleep()
+                    continue
+                if not claim(idle):  # a lone call runs: it wakes us when it is done
+                    self.sleep()
+                    continue
+                try:
+                    while self.queue:  # the lane stays ours while there is work
+                        batch, starts, rows = self.take()
+                        if batch:
+                            lock.release()
+                            try:
+                                self.run(batch, starts, rows)
+                            finally:
+                                lock.acquire()
+                        if len(self.n.pending) > _FOLD_EVERY:
+                            self.n.fold()
+                finally:
+                    idle.append(True)
+        finally:
+            lock.release()
+
+    def sleep(self) -> None:
+        self.sleeping = True
+        self.wake.wait()
+        self.sleeping = False
+
+    def nudge(self) -> None:
+        """Wakes the thread if it sleeps (the lock is held): one notify per wake-up."""
+        if self.sleeping:
+            self.sleeping = False
+            self.wake.notify()
+
+    def take(self) -> tuple[list[Any], list[float], int]:
+        """Pops the next batch (FIFO, at most max_batch rows); drops cancelled futures."""
+        batch: list[Any] = []
+        starts: list[float] = []
+        rows, q, limit = 0, self.queue, self.max_batch
+        with self.futures:  # a future turns running here, or was cancelled while queued
+            while q and rows + q[0].rows <= limit:
+                r = q.popleft()
+                kind = type(r)
+                if kind is AsyncRequest:
+                    if r.future.cancelled():  # its task was cancelled while queued
+                        self.n.cancelled += 1
+                        continue
+                elif kind is not Blocking:
+                    if r._state != PENDING:  # cancelled while queued
+                        if r._state == CANCELLED:  # as set_running_or_notify_cancel()
+                            r._state = CANCELLED_AND_NOTIFIED
+                            for w in r._waiters:
+                                w.add_cancelled(r)
+                        self.n.cancelled += 1
+                        continue
+                    r._state = RUNNING
+                batch.append(r)
+                starts.append(r.t0)
+                rows += r.rows
+        return batch, starts, rows
+
+    def run(self, batch: list[Any], starts: list[float], rows: int) -> None:
+        """Runs one batch on the executor thread and hands each request its result."""
+        t1 = clock()
+        bucket = self.bucket_of[rows]
+        try:
+            inputs = self.assemble(batch, rows, bucket)
+            t2 = clock()
+            out = self.to_host(self.call(*inputs))
+            t3 = clock()
+            if self.single and rows == len(batch):  # one row each: the common case
+                results = list(out[:rows, None].copy())  # one copy; a view per row
+            else:
+                results, start, split = [], 0, self.split
+                for r in batch:
+                    results.append(split(out, start, start + r.rows))
+                    start += r.rows
+            t4 = clock()
+        except BaseException as e:  # every request of the batch gets it; the lane carries on
+            with self.lock:
+                self.n.failed += len(batch)
+            self.settle(batch, None, e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        self.n.pending.append((starts, t1, t2, t3, t4, rows, bucket))  # before any result
+        self.settle(batch, results, None, (t1, t2 - t1, t3 - t2, t4 - t3, rows, len(batch), bucket))
+
+    def settle(self, batch, results, error, timing=None) -> None:
+        """Hands out a batch's results (or ``error``): one lock for its futures, one release
+        per blocked caller, then the futures' done callbacks."""
+        futures, awaited = False, []
+        with self.futures:
+            for i, r in enumerate(batch):
+                kind = type(r)
+                if kind is Blocking:
+                    if error is None:
+                        r.result = results[i]
+                    else:
+                        r.error = error
+                    r.waiter.release()
+                elif kind is AsyncRequest:
+                    r._batch = timing
+                    awaited.append((r, None if error is not None else results[i]))
+                else:  # as _finish(r, ...), inlined: this runs per request
+                    futures = True
+                    r._batch = timing
+                    if error is None:
+                        r._result = results[i]
+                    else:
+                        r._exception = error
+                    r._state = FINISHED
+                    for w in r._waiters:  # concurrent.futures.wait()'s
+                        if error is None:
+                            w.add_result(r)
+                        else:
+                            w.add_exception(r)
+                    if r._wake is not None:
+                        r._wake.notify_all()
+        if awaited:
+            _wake_loops(awaited, error)
+        if futures:
+            for r in batch:
+                if type(r) is RequestFuture and r._done_callbacks:
+                    r._invoke_callbacks()
+
+    # -- a lone request, on its caller's thread ----------------------------------------------
+    def run_alone(self, arrays: Sequence[Any], rows: int, t0: float) -> tuple[Any, tuple]:
+        """Runs one request on the calling thread, which holds the lane's token (and gives it
+        back itself): its result, and its timing record."""
+        n = self.n
+        n.alone += 1  # only the token's holder writes it
+        bucket = self.bucket_of[rows]
+        try:
+            t1 = clock()
+            inputs = self.assemble_one(arrays, rows, bucket) if rows < bucket else arrays
+            t2 = clock()
+            out = self.to_host(self.call(*inputs))
+            t3 = clock()
+            result = self.split(out, 0, rows)
+            t4 = clock()
+        except BaseException:
+            with self.lock:
+                n.failed += 1
+            raise
+        record = (t0, t1, t2, t3, t4, rows, bucket)
+        n.pending.append(record)  # counted later, in bulk
+        return result, record
+
+    def release(self) -> None:
+        """Gives the token back, and wakes the thread if requests came meanwhile."""
+        if GIL and len(self.n.pending) <= _FOLD_EVERY:
+            # No lock: an enqueuer looks for the token under the lock after appending, so it
+            # either sees it (and wakes the thread) or appended before we look at the queue.
+            self.idle.append(True)
+            if self.queue or self.closing:
+                with self.lock:
+                    self.nudge()
+            return
+        with self.lock:
+            if len(self.n.pending) > _FOLD_EVERY:
+                self.n.fold()
+            self.idle.append(True)
+            if self.queue or self.closing:
+                self.nudge()
+
+    def assemble_one(self, arrays: Sequence[Any], rows: int, bucket: int) -> list[Any]:
+        return [
+            np.concatenate([a, np.zeros((bucket - rows, *shape), a.dtype)])
+            for a, shape in zip(arrays, self.row_shapes, strict=True)
+        ]
+
+    def assemble(self, batch: Sequence[Any], rows: int, bucket: int) -> Sequence[Any]:
+        """The model's inputs: the requests' rows stacked, zero rows up to the bucket."""
+        if len(batch) == 1 and rows == bucket:
+            return batch[0].arrays
+        inputs = []
+        for i, dtype in enumerate(self.dtypes):
+            parts = [r.arrays[i] for r in batch]
+            if bucket > rows:
+                parts.append(np.zeros((bucket - rows, *self.row_shapes[i]), dtype))
+            inputs.append(np.concatenate(parts))
+        return inputs
+
+    def close(self, cancel: bool) -> None:
+        with self.lock:
+            self.closing = True
+            dropped = []
+            if cancel:
+                while self.queue:
+                    dropped.append(self.queue.popleft())
+                self.n.cancelled += len(dropped)
+            self.wake.notify_all()
+        awaited = [(r, None) for r in dropped if type(r) is AsyncRequest]
+        if awaited:
+            _wake_loops(awaited, concurrent.futures.CancelledError(_CANCELLED))
+        for r in dropped:
+            if type(r) is RequestFuture:
+                r.cancel()
+                r.set_running_or_notify_cancel()  # tells concurrent.futures.wait(), too
+            elif type(r) is Blocking:
+                r.error = concurrent.futures.CancelledError(_CANCELLED)
+                r.waiter.release()
+
+
+def claim(idle: list[bool]) -> bool:
+    """Takes the lane's token if it is there (``list.pop`` is atomic)."""
+    try:
+        return idle.pop()
+    except IndexError:
+        return False
+
+
+def tree_to_host(out: Any) -> Any:
+    return jax.tree.map(np.asarray, out)
+
+
+def tree_rows(out: Any, start: int, stop: int) -> Any:
+    return jax.tree.map(lambda y: y[start:stop].copy(), out)
+
+
+def array_rows(out: np.ndarray, start: int, stop: int) -> np.ndarray:
+    return out[start:stop].copy()
