@@ -631,13 +631,13 @@ def test_every_bench_option_shows_its_default(capsys):
 
 
 def test_the_serving_latency_twins_compute_the_jax_model():
-    from symjax_mlp.bench import _serving
+    from symjax_mlp.bench import _latency
 
     net = {"sizes": (16, 2), "in_features": 8, "activation": "relu", "seed": 3}
-    _, jax_forms = _serving._jax_latency(dispatch="async", constants=True, **net)
+    _, jax_forms = _latency._jax_latency(dispatch="async", constants=True, **net)
     want = jax_forms["numpy"]()
     for mode in ("torch_eager", "torch_script", "torch_freeze"):
-        meta, forms = _serving._torch_latency(mode=mode, threads=1, **net)
+        meta, forms = _latency._torch_latency(mode=mode, threads=1, **net)
         assert meta()["mode"] == mode
         np.testing.assert_allclose(forms["numpy"](), want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(forms["device"]().numpy(), want, rtol=1e-5, atol=1e-6)

@@ -7,11 +7,8 @@ CPU devices: those share the host's cores, so they show correctness (every count
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +23,7 @@ from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.hybrid import hybridize
 from symjax_mlp._hybrid.mesh import data_mesh
 from symjax_mlp._models import mlp
+from symjax_mlp.bench._children import run_json
 from symjax_mlp.training import shard_step, train_step
 
 CPU_NOTE = (
@@ -162,17 +160,5 @@ def bench_devices(
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n_devices))
     flags = env.get("XLA_FLAGS", "").split()
     env["XLA_FLAGS"] = " ".join(f for f in flags if "force_host_platform_device_count" not in f)
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(kwargs)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"bench_devices({n_devices}): the {n_devices}-device subprocess failed "
-            f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-        )
-    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "in_subprocess": True}
+    what = f"bench_devices({n_devices}): the {n_devices}-device subprocess"
+    return {**run_json(_CHILD, kwargs, env, timeout, what), "in_subprocess": True}

@@ -1,0 +1,171 @@
+"""Serving's HTTP rows: ``symjax-mlp serve`` in a subprocess, driven over loopback.
+
+:func:`_http_rows` exports the chapter's net, starts the server on a free port
+(:func:`_server`), and drives it with keep-alive clients (``.npy`` and JSON bodies) at each
+bounded concurrency (:func:`_http_load`), reading rows per batch from its ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import io
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from symjax_mlp.bench._calls import _gated, _percentiles
+from symjax_mlp.bench._children import _child_env
+
+
+# -- the HTTP section ------------------------------------------------------------------------
+@contextlib.contextmanager
+def _server(artifact: str, max_batch: int, env: Mapping[str, str] | None, timeout: float):
+    """``symjax-mlp serve`` on a free loopback port; yields ``(host, port, proc)``."""
+    cmd = [sys.executable, "-m", "symjax_mlp", "serve", artifact, "--host", "127.0.0.1"]
+    cmd += ["--port", "0", "--max-batch", str(max_batch)]
+    errors = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a file, not a pipe: never fills up)
+    proc = subprocess.Popen(
+        cmd, env=_child_env(env), stdout=subprocess.PIPE, stderr=errors, text=True
+    )
+    try:
+        url = _wait_for_url(proc, errors, timeout)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        yield host, int(port), proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+        errors.close()
+
+
+def _wait_for_url(proc: subprocess.Popen, errors: Any, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=0.5):
+                if proc.poll() is not None:
+                    break
+                continue
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            found = re.search(r"(http://\S+:\d+)", line)
+            if found:
+                return found.group(1)
+    proc.kill()
+    proc.wait()
+    errors.seek(0)
+    raise RuntimeError(
+        f"bench_serving: the server did not start within {timeout} s:\n{errors.read()[-3000:]}"
+    )
+
+
+def _http_load(host: str, port: int, body: bytes, kind: str, c: int, requests: int) -> dict:
+    per = max(1, requests // c)
+    lats: list[list[float]] = [[] for _ in range(c)]
+    errors = [0] * c
+    gate = threading.Barrier(c + 1)
+    headers = {"Content-Type": kind}
+
+    def client(j: int) -> None:
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        conn.connect()
+        # No Nagle delay, as urllib3 and httpx set: http.client writes the headers and the
+        # body apart, and Nagle may hold the body back until the headers are acknowledged
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            gate.wait()
+            clock = time.perf_counter
+            for _ in range(per):
+                t0 = clock()
+                conn.request("POST", "/predict", body=body, headers=headers)
+                resp = conn.getresponse()
+                resp.read()
+                lats[j].append(clock() - t0)
+                errors[j] += resp.status != 200
+        finally:
+            conn.close()
+
+    wall = _gated(client, c, gate)
+    lat = [x for mine in lats for x in mine]
+    return {"throughput_rps": len(lat) / wall, "errors": sum(errors), **_percentiles(lat)}
+
+
+def _scrape(host: str, port: int) -> dict[str, float]:
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    found = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            found[name] = float(value)
+    return found
+
+
+def _http_rows(
+    *, sizes, in_features, activation, seed, clients, requests, max_batch, env, timeout, say
+) -> dict:
+    import jax
+
+    from symjax_mlp._export import export
+    from symjax_mlp._hybrid.hybrid import hybridize
+    from symjax_mlp._models import mlp
+
+    net = mlp(tuple(sizes), activation=activation)
+    xn = np.random.default_rng(seed).standard_normal((1, in_features), dtype=np.float32)
+    h = hybridize(net, jax.jit(net.init)(jax.random.key(seed), xn), name="mlp")
+    npy = io.BytesIO()
+    np.save(npy, xn, allow_pickle=False)
+    bodies = {
+        "npy": (npy.getvalue(), "application/x-npy"),
+        "json": (json.dumps({"inputs": xn.tolist()}).encode(), "application/json"),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="symjax_mlp_serve_") as tmp:
+        art = os.path.join(tmp, "mlp")
+        export(h, art, example=xn, batch="b")
+        say("starting symjax-mlp serve")
+        with _server(art, max_batch, env, timeout) as (host, port, proc):
+            for c in clients:
+                for name, (body, kind) in bodies.items():
+                    say(f"HTTP: {c} client(s), {name} bodies")
+                    before = _scrape(host, port)
+                    row = _http_load(host, port, body, kind, c, requests)
+                    after = _scrape(host, port)
+                    key_b, key_r = (
+                        "symjax_mlp_batcher_batches_total",
+                        "symjax_mlp_batcher_rows_total",
+                    )
+                    batches = after.get(key_b, 0) - before.get(key_b, 0)
+                    row["rows_per_batch"] = (after.get(key_r, 0) - before.get(key_r, 0)) / max(
+                        1, batches
+                    )
+                    rows.append({"clients": c, "body": name, **row})
+            metrics = _scrape(host, port)
+        exit_code = proc.returncode
+    return {"rows": rows, "server_exit_code": exit_code, "metrics": metrics}
