@@ -1,11 +1,12 @@
 """What a StableHLO module does: every op of every function walked, in an MLIR context.
 
 :func:`analyze_module` counts the ops and custom-call targets, bounds each ``while`` loop's
-trip count, finds recursion, and adds up the element operations with every call inlined and
-every loop unrolled (dynamic dimensions counted as 1): the :class:`~symjax_mlp._artifact.ops.
-ModuleReport` that :func:`~symjax_mlp._artifact.ops.check` judges. It runs only in the
-checker's child process (:mod:`~symjax_mlp._artifact.checker`), or on a module this process
-made itself.
+trip count, finds recursion, and adds up the element operations, multiplied by loop trip
+counts and call counts (dynamic dimensions counted as 1): the
+:class:`~symjax_mlp._artifact.ops.ModuleReport` that :func:`~symjax_mlp._artifact.ops.check`
+judges. A stranger's bytes are walked only in the checker's child process
+(:mod:`~symjax_mlp._artifact.checker`); this process walks only modules it made itself (the
+module refined for a call's shapes, from one the child has read).
 """
 
 from __future__ import annotations
