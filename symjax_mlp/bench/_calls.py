@@ -2,7 +2,8 @@
 
 Every section of :func:`~symjax_mlp.bench.bench_serving` times requests one by one (a
 request's latency is the figure, not a mean over a loop) and summarises them the same way
-(:func:`_percentiles`, :func:`_summary`); :func:`_chapter` builds the net they serve, in the
+(:func:`_percentiles`, :func:`_summary`); concurrent clients start together behind a
+barrier (:func:`_gated`); :func:`_chapter` builds the net they serve, in the
 subprocess that times it.
 """
 
@@ -54,19 +55,6 @@ def _summary(rounds: Sequence[Sequence[float]]) -> dict:
     return {**_percentiles([x for r in rounds for x in r]), "best_repeat_mean_s": min(means)}
 
 
-def _chapter(sizes: Sequence[int], in_features: int, activation: str | None, seed: int):
-    import jax
-
-    from symjax_mlp._hybrid.hybrid import hybridize
-    from symjax_mlp._models import mlp
-
-    net = mlp(tuple(sizes), activation=activation)
-    rng = np.random.default_rng(seed)
-    xn = rng.standard_normal((1, in_features), dtype=np.float32)
-    variables = jax.jit(net.init)(jax.random.key(seed), xn)
-    return hybridize(net, variables, name="mlp"), variables, xn
-
-
 def _gated(client: Callable[[int], None], c: int, gate: threading.Barrier) -> float:
     """Runs ``client(j)`` on ``c`` threads that all wait at ``gate`` (a barrier of ``c + 1``,
     this thread included) before they start: the seconds from the gate to the last's end."""
@@ -78,3 +66,16 @@ def _gated(client: Callable[[int], None], c: int, gate: threading.Barrier) -> fl
     for t in threads:
         t.join()
     return time.perf_counter() - start
+
+
+def _chapter(sizes: Sequence[int], in_features: int, activation: str | None, seed: int):
+    import jax
+
+    from symjax_mlp._hybrid.hybrid import hybridize
+    from symjax_mlp._models import mlp
+
+    net = mlp(tuple(sizes), activation=activation)
+    rng = np.random.default_rng(seed)
+    xn = rng.standard_normal((1, in_features), dtype=np.float32)
+    variables = jax.jit(net.init)(jax.random.key(seed), xn)
+    return hybridize(net, variables, name="mlp"), variables, xn

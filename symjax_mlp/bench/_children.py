@@ -2,9 +2,10 @@
 
 JAX's dispatch mode is fixed when its CPU backend starts, so every section of
 :func:`~symjax_mlp.bench.bench_serving` runs in a fresh ``python -c`` process: one run to its
-end (:func:`_run_child`), or one kept alive and asked for a round at a time over stdin and
-stdout (:func:`_answer`, :func:`_stop`). The child's entry, ``_child``, lives in
-:mod:`symjax_mlp.bench._serving`, which dispatches to every section.
+end (:func:`_run_child`, on :func:`run_json`, which ``bench_devices`` uses too), or one kept
+alive and asked for a round at a time over stdin and stdout (:func:`_answer`, :func:`_stop`).
+The child's entry, ``_child``, lives in :mod:`symjax_mlp.bench._serving`, which dispatches
+to every section.
 """
 
 from __future__ import annotations
