@@ -119,6 +119,20 @@ class NnxDropout(nnx.Module):
         return self.out(self.drop(nnx.relu(self.dense(x)), deterministic=deterministic))
 
 
+class NnxModes(nnx.Module):
+    """BatchNorm and Dropout switched as nnx has it: ``module.train()`` / ``module.eval()``
+    (their ``use_running_average`` and ``deterministic`` attributes), not a call flag."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(5, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.norm(self.dense(x)))))
+
+
 class NnxTwoInputs(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.a = nnx.Linear(5, 4, rngs=rngs)
@@ -171,7 +185,9 @@ class Case:
 
     @property
     def stateful(self) -> bool:
-        return self.name in {"linen_batchnorm", "linen_dropout", "nnx_batchnorm", "nnx_dropout"}
+        return self.name in {
+            "linen_batchnorm", "linen_dropout", "nnx_batchnorm", "nnx_dropout", "nnx_modes_eval"
+        }  # fmt: skip
 
     def hybridize(self, **kw) -> sm.Hybrid:
         model, params = self.build()
@@ -197,6 +213,15 @@ def _nnx(cls) -> Callable[[], tuple[Any, None]]:
     return lambda: (cls(nnx.Rngs(0, dropout=7)), None)
 
 
+def _nnx_eval(cls) -> Callable[[], tuple[Any, None]]:
+    def build():
+        module = cls(nnx.Rngs(0, dropout=7))
+        module.eval()
+        return module, None
+
+    return build
+
+
 X, Y = _x(0), _x(1, (4, 2))
 ZOO = (
     Case("linen_batchnorm", "linen", _linen(LinenBatchNorm(), X), lambda s: (_x(s),),
@@ -212,6 +237,7 @@ ZOO = (
          train={"train": True}, eval={"train": False}),
     Case("nnx_dropout", "nnx", _nnx(NnxDropout), lambda s: (_x(s),),
          train={"deterministic": False}, eval={"deterministic": True}),
+    Case("nnx_modes_eval", "nnx", _nnx_eval(NnxModes), lambda s: (_x(s),)),
     Case("nnx_two_inputs", "nnx", _nnx(NnxTwoInputs), lambda s: (_x(s), _x(s + 100, (4, 2))),
          train={"scale": 2.0}),
     Case("nnx_depth", "nnx", _nnx(NnxDepth), lambda s: (_x(s), 11)),

@@ -312,6 +312,7 @@ def test_nested_named_scopes_are_layers():
 NNX_LAYERS = {
     "nnx_batchnorm": {"dense", "norm", "out"},
     "nnx_dropout": {"dense", "drop", "out"},
+    "nnx_modes_eval": {"dense", "norm", "out"},  # an eval-mode Dropout stages no op
     "nnx_two_inputs": {"a", "b"},
     "nnx_depth": {"stem", *(f"hidden/{i}" for i in range(11)), "head"},  # hidden/11 is not called
 }

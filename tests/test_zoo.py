@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ZOO, Case, reference_calls
+from helpers import ZOO, Case, NnxModes, reference_calls
 
 import symjax_mlp as sm
 
@@ -60,7 +60,7 @@ def test_compiled_equals_eager_equals_plain_flax(case: Case, mode: str):
     assert compiled.stateful == case.stateful
 
 
-@pytest.mark.parametrize("case", [c for c in ZOO if c.stateful], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in ZOO if c.stateful and c.train], ids=lambda c: c.name)
 def test_state_moves_in_train_mode(case: Case):
     h = case.hybridize()
     before = jax.tree.map(np.asarray, jax.tree.leaves(_keyless(h.state)))
@@ -101,6 +101,57 @@ def test_the_nnx_module_reads_back_with_its_state():
     # the module read back computes what h computes
     x = case.inputs(9)[0]
     chex.assert_trees_all_close(module(x, train=False), h(x, train=False), **TOL)
+
+
+def _switch(module, mode: str) -> None:
+    module.train() if mode == "train" else module.eval()
+
+
+def test_nnx_train_and_eval_switch_the_hybrid_as_they_switch_the_module():
+    """nnx's own switch, ``module.train()`` / ``module.eval()`` after hybridize: each call
+    runs in the module's mode as the plain module does, one trace per mode (flipping back
+    reuses it), and the retrace names the attributes that changed."""
+    model, ref = NnxModes(nnx.Rngs(0, dropout=7)), NnxModes(nnx.Rngs(0, dropout=7))
+    h = sm.hybridize(model)
+    modes = ["train", "train", "eval", "train", "eval", "eval"]
+    for i, mode in enumerate(modes):
+        _switch(model, mode), _switch(ref, mode)
+        x = jax.random.normal(jax.random.key(i), (4, 5))
+        _assert_trees_close(h(x), ref(x))
+    _assert_trees_close(h.state, nnx.state(ref, nnx.Not(nnx.Param)))  # stats moved 3 times
+    assert h.trace_count == 2
+    reason = h.trace_log[1].reason
+    assert "module.norm/use_running_average (static) changed from False to True" in reason
+    assert "module.drop/deterministic (static) changed from False to True" in reason
+    assert "deterministic=True" in str(h.trace_log[1]) and "use_bias" not in str(h.trace_log[1])
+    # the other paths follow the module too: eager, apply, and a module read back
+    x = jax.random.normal(jax.random.key(9), (4, 5))
+    model.train(), ref.train()
+    _assert_trees_close(h.eager(x), ref(x))
+    model.eval(), ref.eval()
+    out, _ = h.apply(h.params, x)
+    _assert_trees_close(out, ref(x))
+    _assert_trees_close(h.module(x), ref(x))
+    assert h.trace_count == 3  # apply traced once, in eval mode
+    # one module's attribute, as set_attributes sets it
+    model.set_attributes(nnx.Dropout, deterministic=False)
+    h(x)
+    assert h.trace_log[-1].reason == (
+        "module.drop/deterministic (static) changed from True to False"
+    )
+
+
+def test_an_nnx_module_exports_in_the_mode_it_is_in(tmp_path):
+    model, ref = NnxModes(nnx.Rngs(0, dropout=7)), NnxModes(nnx.Rngs(0, dropout=7))
+    h = sm.hybridize(model)
+    x = jax.random.normal(jax.random.key(1), (4, 5))
+    h(x)  # a training call first: its trace must not be what export reuses
+    ref(x)
+    model.eval(), ref.eval()
+    sm.export(h, tmp_path / "m", example=x, batch="b")
+    loaded = sm.load(tmp_path / "m")
+    _assert_trees_close(loaded(x), ref(x))
+    _assert_trees_close(loaded(x), loaded(x))  # no dropout: the same answer twice
 
 
 def test_a_static_setting_retraces_with_its_name_and_values():

@@ -50,11 +50,13 @@ from symjax_mlp._hybrid.pure import (
 )
 from symjax_mlp._hybrid.trace import (
     TRACER_ERRORS,
+    ModuleSetting,
     TraceEvent,
     control_flow_error,
     explain,
     partition,
     rebuild,
+    settings_key,
     signature,
 )
 from symjax_mlp._specs import array_types
@@ -177,6 +179,10 @@ class Hybrid:
             "_events": [],
             "_callbacks": [],
             "_apply": None,
+            # an nnx module's settings (module.eval() flips them): read at every call
+            "_settings_of": model.settings,
+            "_setting_keys": tuple(map(ModuleSetting, model.setting_names)),
+            "_keyed": {},  # settings -> their static entries, made once per mode
         }
         for k, v in settings.items():
             object.__setattr__(self, k, v)
@@ -316,20 +322,19 @@ class Hybrid:
                 if type(a) not in _ARRAYS:
                     break
             else:
+                key = () if self._settings_of is None else self._with_settings(())
                 try:
                     if not self.stateful:
-                        return self._jitted((), self._leaves, *args)
+                        return self._jitted(key, self._leaves, *args)
                     with self._lock:
-                        out, held = self._jitted((), self._leaves, self._held, args, {})
+                        out, held = self._jitted(key, self._leaves, self._held, args, {})
                         self._hold(held)
                     return out
                 except TRACER_ERRORS as e:
                     raise control_flow_error(self.name, e) from e
         if not self.compiled:
             return self.eager(*args, **kwargs)
-        static, dyn, dyn_kw = partition(
-            args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
-        )
+        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
         try:
             if self.mesh is not None:
                 return self._call_sharded(static, dyn, dyn_kw)
@@ -370,9 +375,7 @@ class Hybrid:
           >>> jax.grad(lambda p: h.apply(p, jnp.ones(3)).sum())(h.params)
           {'w': Array(3., dtype=float32)}
         """
-        static, dyn, dyn_kw = partition(
-            args, kwargs, self.static_argnums, self.static_argnames, caller=f"{self.name}.apply"
-        )
+        static, dyn, dyn_kw = self._partition(args, kwargs, f"{self.name}.apply")
         if self._apply is None:  # never donating: params and state are the caller's
             jitted = self._jit(self._trace_apply, static_argnums=0)
             object.__setattr__(self, "_apply", jitted)
@@ -407,9 +410,7 @@ class Hybrid:
 
         A sharded Hybrid lowers for the padded batch: one SPMD module for every device.
         """
-        static, dyn, dyn_kw = partition(
-            args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
-        )
+        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
         try:
             if self.mesh is not None:
                 _, placed, placed_kw = self._prepare(dyn, dyn_kw)
@@ -469,6 +470,23 @@ class Hybrid:
         self._callbacks.append(callback)
         return callback
 
+    def _partition(self, args: Any, kwargs: Any, caller: str) -> tuple[Any, Any, Any]:
+        """The call's static key (with the module's settings), traced args and kwargs."""
+        static, dyn, dyn_kw = partition(
+            args, kwargs, self.static_argnums, self.static_argnames, caller=caller
+        )
+        return (static if self._settings_of is None else self._with_settings(static)), dyn, dyn_kw
+
+    def _with_settings(self, static: tuple) -> tuple:
+        """``static`` and an nnx module's settings as they are now: a trace is keyed on them,
+        so ``module.eval()`` after ``hybridize`` retraces once (the reason names what
+        changed) and every later call in that mode reuses its program."""
+        values = self._settings_of()
+        entries = self._keyed.get(values)
+        if entries is None:
+            entries = self._keyed[values] = settings_key(self._setting_keys, values)
+        return static + entries
+
     def _begin(self, static: Any, dyn: Any, dyn_kw: Any, entry: str) -> TraceEvent:
         """The event this trace will log; raises RetraceError past the budget."""
         sig, tree, shown = signature(dyn, dyn_kw, static)
@@ -501,7 +519,9 @@ class Hybrid:
         else:  # a baked call closes over the params: JAX stages them as constants
             baked = self._constants is not None
             params = jax.tree.unflatten(self._treedef, self._constants if baked else leaves)
-        result = self._model.call(params, state, args, kwargs)
+        settings = tuple(v for k, v, _ in static if type(k) is ModuleSetting)
+        with self._model.pinned(settings):  # the settings this trace is keyed on
+            result = self._model.call(params, state, args, kwargs)
         self._commit(event)
         return result
 
@@ -659,7 +679,9 @@ def hybridize(
     Args:
       model: a ``flax.linen.Module`` (with ``params`` its variables, as returned by
         ``init``), a ``flax.nnx.Module`` (no ``params``: its state is split off once and
-        carried across calls), or any pure function ``fn(params, *args, **kwargs)``.
+        carried across calls; its mode follows the module, so ``module.eval()`` and
+        ``module.train()`` switch the Hybrid too, one trace per mode), or any pure function
+        ``fn(params, *args, **kwargs)``.
       params: the variables or params; must be omitted for an nnx module.
       name: shown in trace logs and errors (default: the function or module class name).
       max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.

@@ -9,6 +9,8 @@ params, every other variable the state). The state is held flat, typed rng keys 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -17,8 +19,14 @@ from typing import Any
 import jax
 
 from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
+#: ``(module's watch list, settings)``: what a trace of that nnx module runs with (else the
+#: module's settings as they are now)
+_PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "symjax_mlp_nnx_settings", default=None
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +44,18 @@ class PureModel:
     module: Any = None
     #: what the user's inputs go to, its params (or ``self``) first: for its signature
     target: Any = None
+    #: an nnx module's settings (its submodules' bool attributes, ``deterministic``...) as they
+    #: are now, and their dotted names; ``None`` and ``()`` for other models
+    settings: Callable[[], tuple] | None = None
+    setting_names: tuple[str, ...] = ()
+    _watch: Any = None  # what pins this model's settings (its own, not another model's)
+
+    def pinned(self, values: tuple) -> contextlib.AbstractContextManager:
+        """Within the block, :attr:`call` runs with these settings (what a trace was keyed
+        on), not the module's current ones."""
+        if self.settings is None:
+            return contextlib.nullcontext()
+        return _pin((self._watch, values))
 
     def parameters(self) -> list[inspect.Parameter] | None:
         """The inputs' parameters (params or ``self`` dropped); ``None``: not inspectable."""
@@ -111,6 +131,12 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 def nnx_module(module: Any) -> tuple:
     """``(PureModel, params, state)`` for an nnx module: its Params, and everything else.
 
+    The module's settings follow it: its submodules' bool attributes (and ``deterministic``,
+    ``use_running_average`` whatever their value), which ``module.train()``, ``eval()`` and
+    ``set_attributes`` change, are read from ``module`` itself by :attr:`PureModel.settings`;
+    a Hybrid keys its traces on them, and a call runs with them. Its state, once split, is
+    the Hybrid's.
+
     A call runs each submodule under ``jax.named_scope`` of its attribute path (``"dense"``,
     ``"hidden/0"``), as linen does with its module names, so that :attr:`Graph.by_layer` and
     the HLO's op names show the layers; the module is a fresh merge, private to the call.
@@ -121,9 +147,27 @@ def nnx_module(module: Any) -> tuple:
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+    watched = [
+        (path, sub, attr)
+        for path, sub in nnx.iter_modules(module)
+        for attr, value in vars(sub).items()
+        if not attr.startswith("_") and (type(value) is bool or attr in MODE_ATTRIBUTES)
+    ]
+    owners = tuple((sub, attr) for _, sub, attr in watched)
+    names = tuple("/".join(map(str, (*path, attr))) for path, _, attr in watched)
+
+    def settings() -> tuple:
+        return tuple([getattr(sub, attr) for sub, attr in owners])
 
     def merge(params, state):
-        return nnx.merge(graphdef, params, state) if state else nnx.merge(graphdef, params)
+        m = nnx.merge(graphdef, params, state) if state else nnx.merge(graphdef, params)
+        if watched:
+            pin = _PINNED.get()
+            values = pin[1] if pin is not None and pin[0] is owners else settings()
+            subs = dict(nnx.iter_modules(m))
+            for (path, _, attr), v in zip(watched, values, strict=True):
+                setattr(subs[path], attr, v)  # as set_attributes() does
+        return m
 
     def call(params, state, args, kwargs):
         m = merge(params, state)
@@ -132,7 +176,19 @@ def nnx_module(module: Any) -> tuple:
         return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]) if state else state
 
     target = type(module).__call__
-    return PureModel(call, bool(state), "nnx", merge, target), params, state
+    model = PureModel(
+        call, bool(state), "nnx", merge, target, settings if watched else None, names, owners
+    )
+    return model, params, state
+
+
+@contextlib.contextmanager
+def _pin(pin: tuple) -> Any:
+    token = _PINNED.set(pin)
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
 
 
 def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:

@@ -76,9 +76,21 @@ class TraceEvent:
     entry: str = "call"
 
     def __str__(self) -> str:
-        sig = ", ".join([*map(str, self.signature), *(f"{k}={v}" for k, v in self.static)])
+        static = [f"{k}={v}" for k, v in self.static if _shown(k)]
+        sig = ", ".join([*map(str, self.signature), *static])
         where = "" if self.entry == "call" else f" ({self.entry})"
         return f"trace #{self.index}{where} [{sig}]: {self.reason}"
+
+
+#: nnx's mode attributes (what ``Module.train()`` and ``eval()`` set): of an nnx module's
+#: settings, the ones a trace's line shows (the others show in a reason when they change)
+MODE_ATTRIBUTES = ("deterministic", "use_running_average")
+
+
+def _shown(path: str) -> bool:
+    if not path.startswith("module."):
+        return True
+    return path.removeprefix("module.").rpartition("/")[2] in MODE_ATTRIBUTES
 
 
 # -- static and traced arguments ----------------------------------------------------------------
@@ -218,7 +230,22 @@ def _unfreeze(v: Any) -> Any:
     return v.array if isinstance(v, _Frozen) else v
 
 
+@dataclasses.dataclass(frozen=True)
+class ModuleSetting:
+    """The key of an nnx module's setting in a static key (``"drop/deterministic"``): neither
+    a place nor a keyword, so :func:`rebuild` leaves it out of the call."""
+
+    path: str
+
+
+def settings_key(names: tuple[ModuleSetting, ...], values: tuple) -> tuple:
+    """A module's settings as static entries, as :func:`partition` makes them."""
+    return tuple((k, v, type(v)) for k, v in zip(names, values, strict=True))
+
+
 def _path(key: Any) -> str:
+    if isinstance(key, ModuleSetting):
+        return f"module.{key.path}"
     return f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
 
 
