@@ -45,8 +45,8 @@ if _TYPE_CHECKING:  # imported on first use, below: loading an artifact needs no
     from symjax_mlp._hybrid.graph import Graph as Graph
     from symjax_mlp._hybrid.graph import stage as stage
     from symjax_mlp._hybrid.hybrid import Hybrid as Hybrid
-    from symjax_mlp._hybrid.hybrid import hybridize as hybridize
-    from symjax_mlp._hybrid.hybrid import shard as shard
+    from symjax_mlp._hybrid.make import hybridize as hybridize
+    from symjax_mlp._hybrid.make import shard as shard
     from symjax_mlp._hybrid.trace import TraceEvent as TraceEvent
     from symjax_mlp._models import ACTIVATIONS as ACTIVATIONS
     from symjax_mlp._models import Dense as Dense
@@ -59,8 +59,8 @@ _LAZY = {
     "Graph": "symjax_mlp._hybrid.graph",
     "stage": "symjax_mlp._hybrid.graph",
     "Hybrid": "symjax_mlp._hybrid.hybrid",
-    "hybridize": "symjax_mlp._hybrid.hybrid",
-    "shard": "symjax_mlp._hybrid.hybrid",
+    "hybridize": "symjax_mlp._hybrid.make",
+    "shard": "symjax_mlp._hybrid.make",
     "TraceEvent": "symjax_mlp._hybrid.trace",
     "ACTIVATIONS": "symjax_mlp._models",
     "Dense": "symjax_mlp._models",

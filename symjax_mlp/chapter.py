@@ -27,7 +27,8 @@ from symjax_mlp._artifact.reading import Artifact
 from symjax_mlp._errors import ConfigError, ControlFlowError
 from symjax_mlp._export import export
 from symjax_mlp._hybrid.graph import stage
-from symjax_mlp._hybrid.hybrid import Hybrid, hybridize
+from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp._models import Dense, mlp
 from symjax_mlp.bench import time_calls
 

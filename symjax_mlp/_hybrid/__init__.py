@@ -1,1 +1,2 @@
-"""Stage 1 of the flow: trace log -> mesh -> jaxpr reading -> DOT -> Graph -> Hybrid."""
+"""Stage 1 of the flow: trace log -> mesh -> jaxpr reading -> DOT -> Graph -> rng -> pure models
+-> settings -> Hybrid -> hybridize."""

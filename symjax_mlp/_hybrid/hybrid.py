@@ -1,6 +1,7 @@
 """The Hybrid object: a model plus its params (and state), eager or XLA-compiled at one switch.
 
-``hybridize`` is the one place where ``jax.jit`` is applied. The compiled path is a single
+:func:`~symjax_mlp.hybridize` (in :mod:`~symjax_mlp._hybrid.make`) makes one; the Hybrid
+is the one place where ``jax.jit`` is applied. The compiled path is a single
 ``jax.jit`` object created once per ``Hybrid``: JAX's C++ dispatch keeps one executable per
 input signature, and the params are flattened once, at construction. Every trace goes through
 :meth:`Hybrid._trace`, which records a :class:`~symjax_mlp.TraceEvent`, explains retraces,
@@ -39,10 +40,9 @@ from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError, Sign
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import rng as _rng
 from symjax_mlp._hybrid.graph import Graph
+from symjax_mlp._hybrid.options import argnames, argnums, check_settings, static_args
 from symjax_mlp._hybrid.pure import (
     PureModel,
-    linen,
-    nnx_module,
     plain,
     state_structure,
     unwrap_keys,
@@ -140,7 +140,7 @@ class Hybrid:
             not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
         ):
             raise ConfigError(f"max_traces must be a positive int or None; got {max_traces!r}.")
-        _check_settings(
+        check_settings(
             name=(name, str, None), axis=(axis, str, None), compiled=(compiled, bool, True),
             pad=(pad, bool, True), donate=(donate, bool, False),
             params_as_constants=(params_as_constants, bool, False),
@@ -154,7 +154,7 @@ class Hybrid:
         # A donating call consumes the held state: hold buffers of our own, never the caller's
         # (their variables, an nnx module's BatchStat) nor another Hybrid's. Copied once, here.
         owned = bool(donate) and model.stateful and mesh is None
-        nums, names = _static_args(model, name, _ints(static_argnums), _strs(static_argnames))
+        nums, names = static_args(model, name, argnums(static_argnums), argnames(static_argnames))
         settings = {
             "fn": fn if _model is None else model.inference(name),
             "name": name,
@@ -599,216 +599,3 @@ _ARRAYS = array_types()
 def _copies(leaves: list[Any]) -> list[Any]:
     """New buffers with the values of ``leaves``, for a Hybrid to hold and donate."""
     return [jnp.array(leaf, copy=True) for leaf in leaves]
-
-
-def _check_settings(**given: tuple[Any, type, Any]) -> None:
-    """Each ``setting=(value, type, example)``: a value of another type is a ConfigError
-    (``compiled="no"`` is truthy; ``name=3`` broke deep inside). ``None`` passes for names."""
-    for key, (value, kind, example) in given.items():
-        if (value is None and kind is str) or type(value) is kind:
-            continue
-        hint = f"{key}={example!r}" if example is not None else f"{key}='mlp'"
-        if key == "axis":
-            hint = "axis='data' (a mesh axis name)"
-        raise ConfigError(
-            f"{key} must be a {kind.__name__}; got {value!r} ({type(value).__name__}). "
-            f"Pass e.g. {hint}."
-        )
-
-
-def _ints(x: int | Sequence[int]) -> tuple[int, ...]:
-    """``static_argnums`` as a tuple: ints >= 0, each an input's place (0: the first input)."""
-    got = (x,) if isinstance(x, int) else tuple(x) if isinstance(x, tuple | list) else None
-    if got is None or not all(type(i) is int and i >= 0 for i in got):
-        raise ConfigError(
-            f"static_argnums={x!r}: pass an input's place or a tuple of them, ints from 0 (the "
-            "first input after the params), e.g. static_argnums=(1,)."
-        )
-    return got
-
-
-def _strs(x: str | Sequence[str]) -> tuple[str, ...]:
-    """``static_argnames`` as a tuple of keyword names."""
-    got = (x,) if isinstance(x, str) else tuple(x) if isinstance(x, tuple | list) else None
-    if got is None or not all(isinstance(n, str) and n.isidentifier() for n in got):
-        raise ConfigError(
-            f"static_argnames={x!r}: pass a keyword's name or a tuple of them, e.g. "
-            "static_argnames=('mode',)."
-        )
-    return got
-
-
-def _static_args(
-    model: PureModel, name: str, nums: tuple[int, ...], names: tuple[str, ...]
-) -> tuple[frozenset[int], frozenset[str]]:
-    """``static_argnums`` and ``static_argnames`` completed from the model's signature, as
-    ``jax.jit`` does: a name static when passed by place too, a place when passed by name."""
-    params = model.parameters() if (nums or names) else None
-    if params is None:
-        return frozenset(nums), frozenset(names)
-    places = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    known = {p.name for p in params if p.kind != p.POSITIONAL_ONLY}
-    loose = not any(p.kind == p.VAR_KEYWORD for p in params)
-    unknown = sorted(n for n in names if n not in known) if loose else []
-    if unknown:
-        raise ConfigError(
-            f"{name}: static_argnames={names!r} names {unknown}, but the model's inputs are "
-            f"({', '.join(p.name for p in params)}). Name one of those, or drop it."
-        )
-    by_name = {p.name: i for i, p in enumerate(places) if p.kind == p.POSITIONAL_OR_KEYWORD}
-    nums += tuple(by_name[n] for n in names if n in by_name)
-    names += tuple(places[i].name for i in nums if i < len(places) and places[i].name in by_name)
-    return frozenset(nums), frozenset(names)
-
-
-def hybridize(
-    model: Any,
-    params: Any = None,
-    *,
-    name: str | None = None,
-    max_traces: int | None = None,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
-    mutable: Sequence[str] | None = None,
-    rngs: Any = None,
-    donate: bool = False,
-    params_as_constants: bool = False,
-) -> Hybrid:
-    """Binds a model to its params as a :class:`Hybrid`: one switch from eager to compiled.
-
-    Args:
-      model: a ``flax.linen.Module`` (with ``params`` its variables, as returned by
-        ``init``), a ``flax.nnx.Module`` (no ``params``: its state is split off once and
-        carried across calls; its mode follows the module, so ``module.eval()`` and
-        ``module.train()`` switch the Hybrid too, one trace per mode), or any pure function
-        ``fn(params, *args, **kwargs)``.
-      params: the variables or params; must be omitted for an nnx module.
-      name: shown in trace logs and errors (default: the function or module class name).
-      max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.
-      static_argnums, static_argnames: arguments to treat as static even when they are
-        arrays (spelled as in ``jax.jit``, and, as there, completed from the model's
-        signature: a name is static when passed by place too). Python settings are static
-        anyway.
-      mutable: a linen model's collections that a call updates (default: every collection
-        but ``"params"``, e.g. ``batch_stats``); held across calls.
-      rngs: a linen model's rng streams: a key (the ``"dropout"`` stream), an int seed, or
-        ``{"dropout": key, ...}``; split anew on every call.
-      donate: donate the held state to each ``h(x)`` call, so XLA writes the new state into
-        its buffers (no effect on a stateless model). The Hybrid holds its own copy of the
-        state, made once, here: your variables (or nnx module) are never consumed. Arrays read
-        from :attr:`Hybrid.state` are valid until the next call; copy them to keep them.
-        :meth:`Hybrid.apply` never donates: its params and state are yours (and ``h.params``).
-      params_as_constants: compile the params into ``h(x)``'s program as constants (as
-        ``torch.jit.freeze`` does), instead of passing them to every call: for serving, where
-        a call's latency counts. A batch-1 call of the chapter MLP passes one array instead of
-        seven, about 5 µs (20%) less on a 2-core CPU. The price: each compilation embeds a
-        copy of the params (slower to lower and compile, and held by the executable), which
-        suits models of megabytes, not gigabytes. ``h.apply(params, x)`` (for ``jax.grad``),
-        :meth:`Hybrid.graph`, ``h.eager`` and :func:`~symjax_mlp.export` are unchanged: they
-        take the params as inputs. Not with :meth:`Hybrid.shard`.
-
-    Returns:
-      A :class:`Hybrid`; ``h(x)`` is XLA-compiled, ``h.eager(x)`` imperative.
-
-    Raises:
-      TypeError: ``model`` is none of the above, or params are missing or superfluous.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import symjax_mlp as sm
-      >>> h = sm.hybridize(lambda p, x, scale=1.0: x * p["w"] * scale, {"w": jnp.float32(2)})
-      >>> h(jnp.ones(2), scale=3.0)
-      Array([6., 6.], dtype=float32)
-    """
-    settings = dict(
-        max_traces=max_traces,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        donate=donate,
-        params_as_constants=params_as_constants,
-    )
-    if isinstance(model, Hybrid):
-        raise ConfigError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
-    kind = _flax_kind(model)
-    if kind == "nnx":
-        if params is not None or mutable is not None or rngs is not None:
-            raise ConfigError(
-                "hybridize(nnx_module) takes no params, mutable or rngs: the module carries its "
-                "own state (nnx.Rngs, nnx.BatchStat, ...). Write hybridize(module)."
-            )
-        m, params, state = nnx_module(model)
-    elif kind == "linen":
-        if params is None:
-            raise ConfigError(
-                f"hybridize({type(model).__name__}) needs its variables: write "
-                "hybridize(module, module.init(jax.random.key(0), x))."
-            )
-        m, linen_params, state = linen(model, params, mutable, rngs)
-        params = params if not state else linen_params  # stateless: the very dict given
-    elif mutable is not None or rngs is not None:
-        raise ConfigError(
-            "hybridize(fn, params, mutable=/rngs=): those are settings of a flax.linen module. "
-            "A pure function carries no state: return what changes and pass it back in."
-        )
-    elif callable(model):
-        if params is None:
-            raise ConfigError(
-                "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
-                "For a function without params write hybridize(lambda _, x: f(x), {})."
-            )
-        return Hybrid(model, params, name=name, **settings)
-    else:
-        raise ConfigError(
-            "hybridize() expects a flax.linen.Module with its variables, a flax.nnx.Module, or "
-            f"a pure function fn(params, *inputs); got {type(model).__name__}."
-        )
-    name = name or type(model).__name__
-    return Hybrid(m.call, params, name=name, _model=m, _state=state, **settings)
-
-
-def _flax_kind(model: Any) -> str | None:
-    """``"nnx"``, ``"linen"`` or ``None``, without importing flax when the caller has not."""
-    import sys
-
-    flax_nnx, flax_linen = sys.modules.get("flax.nnx"), sys.modules.get("flax.linen")
-    if flax_nnx is not None and isinstance(model, flax_nnx.Module):
-        return "nnx"
-    if flax_linen is not None and isinstance(model, flax_linen.Module):
-        return "linen"
-    return None
-
-
-def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool = True) -> Hybrid:
-    """Runs ``h`` data-parallel over ``mesh``: batch split over ``axis``, params replicated.
-
-    Args:
-      h: the :class:`Hybrid`; its function must treat examples independently (true of an
-        MLP) for padding to be exact.
-      mesh: a ``jax.sharding.Mesh`` (default: :func:`~symjax_mlp.data_mesh` over every
-        device).
-      axis: the mesh axis the batch is split over.
-      pad: pad an indivisible batch and trim the result (``False``: raise
-        :class:`~symjax_mlp.SignatureError`).
-
-    Returns:
-      A sharded :class:`Hybrid` (``h.shard(mesh)``); its result equals ``h``'s up to float
-      rounding.
-
-    Raises:
-      TypeError: ``h`` is not a Hybrid.
-      ValueError: ``axis`` is not an axis of ``mesh``, or ``h`` is stateful.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import symjax_mlp as sm
-      >>> h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
-      >>> s = sm.shard(h, sm.data_mesh(1))
-      >>> s(jnp.ones((3, 2))).shape, s.n_shards
-      ((3, 2), 1)
-    """
-    if not isinstance(h, Hybrid):
-        raise ConfigError(
-            f"shard() expects a Hybrid; got {type(h).__name__}. Write "
-            "shard(sm.hybridize(model, variables), mesh)."
-        )
-    return h.shard(mesh, axis=axis, pad=pad)

@@ -71,7 +71,7 @@ def _gated(client: Callable[[int], None], c: int, gate: threading.Barrier) -> fl
 def _chapter(sizes: Sequence[int], in_features: int, activation: str | None, seed: int):
     import jax
 
-    from symjax_mlp._hybrid.hybrid import hybridize
+    from symjax_mlp._hybrid.make import hybridize
     from symjax_mlp._models import mlp
 
     net = mlp(tuple(sizes), activation=activation)

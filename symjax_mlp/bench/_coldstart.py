@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from symjax_mlp._export import export
-from symjax_mlp._hybrid.hybrid import hybridize
+from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp._models import mlp
 
 _CHILD = r"""

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp._hybrid.hybrid import hybridize
+from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp._hybrid.mesh import data_mesh
 from symjax_mlp._models import mlp
 from symjax_mlp.bench._children import run_json

@@ -133,7 +133,7 @@ def _http_rows(
     import jax
 
     from symjax_mlp._export import export
-    from symjax_mlp._hybrid.hybrid import hybridize
+    from symjax_mlp._hybrid.make import hybridize
     from symjax_mlp._models import mlp
 
     net = mlp(tuple(sizes), activation=activation)

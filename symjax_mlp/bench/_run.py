@@ -26,7 +26,8 @@ import numpy as np
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._export import export
-from symjax_mlp._hybrid.hybrid import Hybrid, hybridize
+from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp._load import load
 from symjax_mlp._models import mlp
 from symjax_mlp.bench._report import PIPELINED, BenchReport, make_rows, targets

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp._hybrid.hybrid import hybridize
+from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp._models import mlp
 from symjax_mlp.bench._report import SCHEMA
 from symjax_mlp.bench._timing import Progress, Timing, environment, time_autoranged

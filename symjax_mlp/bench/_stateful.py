@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from symjax_mlp._hybrid.hybrid import hybridize
+from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp._hybrid.rng import as_program
 from symjax_mlp.bench._timing import Progress, Timing, format_seconds, time_interleaved
 

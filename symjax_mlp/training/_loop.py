@@ -27,7 +27,8 @@ import optax
 from symjax_mlp._artifact.reading import Artifact
 from symjax_mlp._errors import CheckpointError, ConfigError, DivergenceError, RetraceError
 from symjax_mlp._export import export
-from symjax_mlp._hybrid.hybrid import Hybrid, hybridize
+from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp._models import mlp
 from symjax_mlp.training._checkpoint import (
     TrainState,
