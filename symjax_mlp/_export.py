@@ -51,6 +51,12 @@ from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, partitio
 from symjax_mlp._specs import TensorSpec, shape_dims
 
 COMPATIBILITY_WINDOW = datetime.timedelta(days=180)  # what jax.export lowers for
+_TRAINING = (
+    "export({name}): the nnx module is in training mode ({settings}: the mode a module is "
+    "built in), and that changes its program: the artifact would drop units with one fixed "
+    "key on every call and normalise each batch by its own statistics. Call module.eval() "
+    "before export(), and module.train() to go on training afterwards."
+)
 
 
 def export(
@@ -288,6 +294,9 @@ def _stage(
     constraints: Sequence[str],
 ) -> _Stage:
     examples = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    training = h.training_mode(*examples, **dict(kwargs or {}))
+    if training:
+        raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
     static, examples, array_kwargs = partition(
         examples,
         dict(kwargs or {}),

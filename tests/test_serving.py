@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ZOO, NnxModes
 
 import symjax_mlp as sm
 
@@ -1228,3 +1229,32 @@ def test_serve_refuses_what_cannot_be_batched_in_one_line(tmp_path, capsys):
         assert main(["serve", str(art.path), "--port", "0", "--dispatch", "async"]) == 2
         err = capsys.readouterr().err
         assert f"is {what}, but batching needs" in err and "Traceback" not in err
+
+
+def test_a_stateful_hybrid_is_served_in_inference_and_its_state_never_moves():
+    """A linen Dropout model with its rng stream, in eval mode: each ``h(x)`` splits the
+    stream; serving it (every bucket warmed, a batch of requests) leaves ``h.state`` as it
+    was, and each request gets what ``h`` gives its rows."""
+    case = next(c for c in ZOO if c.name == "linen_dropout")
+    h = case.hybridize()
+    x = np.asarray(case.inputs(0)[0])
+    before = jax.random.key_data(h.state["rngs"]["dropout"])
+    with sm.serving.Batcher(h, example=x, max_batch=4) as b:
+        futures = [b.submit(x[i : i + 1]) for i in range(4)]
+        got = np.concatenate([f.result(30) for f in futures])
+    np.testing.assert_array_equal(jax.random.key_data(h.state["rngs"]["dropout"]), before)
+    np.testing.assert_allclose(got, h(x, deterministic=True), rtol=2e-5, atol=2e-5)
+    assert not np.array_equal(jax.random.key_data(h.state["rngs"]["dropout"]), before)  # h moves
+
+
+def test_an_nnx_module_in_training_mode_is_refused_by_the_batcher():
+    from flax import nnx
+
+    module = NnxModes(nnx.Rngs(0, dropout=1))
+    h, x = sm.hybridize(module), np.ones((2, 5), np.float32)
+    with pytest.raises(sm.ConfigError, match=r"Batcher\(NnxModes\): .*training mode.*eval\(\)"):
+        sm.serving.Batcher(h, example=x, max_batch=4)
+    assert h.trace_count == 0 and h.state  # nothing ran, nothing moved
+    module.eval()
+    with sm.serving.Batcher(h, example=x, max_batch=4) as b:
+        np.testing.assert_allclose(b(x), h(x), rtol=2e-5, atol=2e-5)

@@ -147,11 +147,34 @@ def test_an_nnx_module_exports_in_the_mode_it_is_in(tmp_path):
     x = jax.random.normal(jax.random.key(1), (4, 5))
     h(x)  # a training call first: its trace must not be what export reuses
     ref(x)
+    assert h.training_mode(x) == ("drop/deterministic=False", "norm/use_running_average=False")
+    with pytest.raises(sm.ConfigError, match=r"training mode \(drop/deterministic=False, norm/"):
+        sm.export(h, tmp_path / "m", example=x, batch="b")  # as built: nnx's training mode
+    assert not (tmp_path / "m").exists()
     model.eval(), ref.eval()
+    assert h.training_mode(x) == ()
     sm.export(h, tmp_path / "m", example=x, batch="b")
     loaded = sm.load(tmp_path / "m")
     _assert_trees_close(loaded(x), ref(x))
     _assert_trees_close(loaded(x), loaded(x))  # no dropout: the same answer twice
+
+
+@pytest.mark.parametrize("case", ZOO, ids=IDS)
+def test_only_a_module_held_in_training_mode_is_in_training_mode(case: Case):
+    """The zoo's models are switched by call flags (or are in eval mode): whatever their
+    Dropout's and BatchNorm's attributes say, the flag decides, so none is held."""
+    h = case.hybridize()
+    assert h.training_mode(*case.inputs(0), **case.eval) == ()
+    assert h.training_mode(*case.inputs(0), **case.train) == ()
+
+
+def test_a_linen_dropout_without_rng_streams_says_how_to_give_them():
+    case = next(c for c in ZOO if c.name == "linen_dropout")
+    model, variables = case.build()
+    h = sm.hybridize(model, variables)  # no rngs=
+    with pytest.raises(sm.ConfigError, match=r'LinenDropout: .*"dropout".*rngs=jax.random.key'):
+        h(*case.inputs(0), **case.train)
+    assert h.trace_count == 0
 
 
 def test_a_static_setting_retraces_with_its_name_and_values():

@@ -43,6 +43,7 @@ from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.options import argnames, argnums, check_settings, static_args
 from symjax_mlp._hybrid.pure import (
     PureModel,
+    eval_settings,
     plain,
     state_structure,
     unwrap_keys,
@@ -447,6 +448,41 @@ class Hybrid:
             return Graph.of(staged, self.name, self.params, dyn, dyn_kw)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
+
+    def training_mode(self, *args: Any, **kwargs: Any) -> tuple[str, ...]:
+        """An nnx module's settings that hold it in training mode on these inputs.
+
+        The module's ``deterministic`` and ``use_running_average`` attributes that
+        ``module.eval()`` would flip, where flipping them changes the staged program (a call
+        that passes ``deterministic=`` itself is not held by them), as ``"path=value"``;
+        ``()`` in eval mode and for other models. An artifact or a batcher of such a model
+        would drop units with a fixed key and normalise each batch by its own statistics.
+        """
+        if self._settings_of is None:
+            return ()
+        now = self._settings_of()
+        evaluating = eval_settings(self._model, now)
+        if now == evaluating:
+            return ()
+        static, dyn, dyn_kw = partition(
+            args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
+        )
+        call, params, state = self._model.call, self.params, self.state
+
+        def program(values: tuple) -> str:
+            def staged(dyn: Any, dyn_kw: Any) -> Any:
+                with self._model.pinned(values):
+                    return call(params, state, *rebuild(static, dyn, dyn_kw))[0]
+
+            return str(jax.make_jaxpr(staged)(dyn, dyn_kw))
+
+        try:
+            if program(now) == program(evaluating):
+                return ()
+        except TRACER_ERRORS as e:
+            raise control_flow_error(self.name, e) from e
+        pairs = zip(self._model.setting_names, now, evaluating, strict=True)
+        return tuple(f"{n}={v}" for n, v, e in pairs if v != e)
 
     # -- tracing you can see ---------------------------------------------------------------
     @property

@@ -22,6 +22,12 @@ from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
+_NO_RNG = (
+    "{name}: {error}, and the Hybrid holds the rng streams {streams}. A Hybrid draws a linen "
+    "model's randomness from the streams given once: sm.hybridize(model, variables, "
+    "rngs=jax.random.key(0)) for 'dropout', or rngs={{'name': key, ...}} for others; each "
+    "call splits them anew."
+)
 #: ``(module's watch list, settings)``: what a trace of that nnx module runs with (else the
 #: module's settings as they are now)
 _PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -86,6 +92,8 @@ def plain(fn: Callable[..., Any]) -> PureModel:
 
 def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
     """``(PureModel, params, state)`` for a linen module and its variables."""
+    from flax.errors import InvalidRngError
+
     if not isinstance(variables, Mapping):
         raise ConfigError(
             f"hybridize({type(model).__name__}, variables): variables must be the dict that "
@@ -117,9 +125,17 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             state[_RNGS] = {n: k[0] for n, k in pairs.items()}
             keys = {n: k[1] for n, k in pairs.items()}
         variables = {**params, **{c: state[c] for c in mutable}}
-        if not mutable:
-            return model.apply(variables, *args, rngs=keys, **kwargs), state
-        out, updates = model.apply(variables, *args, rngs=keys, mutable=list(mutable), **kwargs)
+        try:
+            if not mutable:
+                return model.apply(variables, *args, rngs=keys, **kwargs), state
+            out, updates = model.apply(variables, *args, rngs=keys, mutable=list(mutable), **kwargs)
+        except InvalidRngError as e:
+            streams = sorted(keys or ())
+            raise ConfigError(
+                _NO_RNG.format(
+                    name=type(model).__name__, error=str(e).split(" (")[0], streams=streams
+                )
+            ) from None
         return out, {**state, **updates}
 
     m = PureModel(
@@ -180,6 +196,15 @@ def nnx_module(module: Any) -> tuple:
         call, bool(state), "nnx", merge, target, settings if watched else None, names, owners
     )
     return model, params, state
+
+
+def eval_settings(model: PureModel, values: tuple) -> tuple:
+    """``values`` (an nnx module's settings) as ``module.eval()`` would set them."""
+    names = model.setting_names
+    return tuple(
+        True if n.rpartition("/")[2] in MODE_ATTRIBUTES else v
+        for n, v in zip(names, values, strict=True)
+    )
 
 
 @contextlib.contextmanager

@@ -44,12 +44,38 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
+from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._load import LoadedModel
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._futures import AsyncRequest, RequestFuture
 from symjax_mlp.serving._lane import Blocking, Lane, array_rows, claim, clock, tree_to_host
 from symjax_mlp.serving._shapes import artifact_specs, bucket_sizes, example_specs
 from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats
+
+_TRAINING = (
+    "Batcher({name}): the nnx module is in training mode ({settings}: the mode a module is "
+    "built in), where a batch's rows are normalised together and dropped at random, so a "
+    "request's answer would depend on the others. Call module.eval() before serving it."
+)
+
+
+def _inference(h: Hybrid, example: Any) -> Any:
+    """What a batcher calls for ``h``: ``h`` itself, or for a stateful Hybrid its inference
+    with the state it holds now (``h.apply``: serving never moves ``h``'s state, and a
+    batch's result does not depend on the batches before it)."""
+    arrays = example if isinstance(example, tuple) else (example,)
+    training = h.training_mode(*arrays)
+    if training:
+        raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
+    if not h.stateful:
+        return h
+    params, state = h.params, (h._state_copy() if h.donate else h.state)  # h's next call
+
+    def inference(*xs: Any) -> Any:
+        return h.apply(params, *xs, state=state)[0]
+
+    inference.__name__ = h.name
+    return inference
 
 
 class Batcher:
@@ -77,8 +103,10 @@ class Batcher:
 
     Args:
       model: a :class:`~symjax_mlp.LoadedModel` (``sm.load(path)``; its signature says what
-        a request takes), a :class:`~symjax_mlp.Hybrid` (with ``example``), or any callable
-        ``f(*batched_inputs) -> array or pytree of arrays`` treating rows independently.
+        a request takes), a :class:`~symjax_mlp.Hybrid` (with ``example``; a stateful one
+        serves its inference with the state it holds now, which serving never moves), or any
+        callable ``f(*batched_inputs) -> array or pytree of arrays`` treating rows
+        independently.
       example: for a Hybrid or a callable: an input batch (an array, or a tuple of arrays
         for several inputs) giving each input's row shape and dtype. Not for a LoadedModel.
       max_batch: most rows in one model call (default 64, or a static artifact batch).
@@ -89,7 +117,8 @@ class Batcher:
 
     Raises:
       ConfigError: (also a ``TypeError`` and a ``ValueError``) a Hybrid or callable without
-        ``example``, or a LoadedModel with one; bad ``max_batch``/``buckets``/``max_queue``;
+        ``example``, or a LoadedModel with one; a Hybrid of an nnx module in training mode
+        (see :meth:`~symjax_mlp.Hybrid.training_mode`); bad ``max_batch``/``buckets``/``max_queue``;
         an artifact whose batch is not its inputs' leading dimension (an rng key input, a
         symbolic size elsewhere); outputs without the batch as leading dimension.
 
@@ -124,6 +153,8 @@ class Batcher:
             specs, static = artifact_specs(model)
             name = name or str(model.path)
         elif callable(model):
+            if isinstance(model, Hybrid) and example is not None:
+                model = _inference(model, example)
             if example is None:
                 raise ConfigError(
                     f"Batcher({type(model).__name__}): pass example=, an input batch (an array, "
