@@ -17,12 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import N_DEVICES, STRICT_WARNINGS
+from helpers import N_DEVICES, STRICT_WARNINGS, ZOO
 
 import symjax_mlp as sm
 
@@ -365,3 +366,40 @@ def test_two_processes_agree_with_one(tmp_path):
             np.testing.assert_allclose(r["losses"], want_losses, **TOL)
             assert r["infer_13"].shape == (13, 4)
             np.testing.assert_allclose(r["infer_13"], rows, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [c for c in ZOO if c.stateful], ids=lambda c: c.name)
+def test_a_stateful_hybrid_shards_with_its_state_replicated(case):
+    """BatchNorm and Dropout models, linen and nnx: sharded over 8 devices, training calls
+    give what one device gives (BatchNorm's statistics over the whole batch, not per shard)
+    and move the state alike; an eval call of 13 rows is padded and trimmed."""
+    one, eight = case.hybridize(), case.hybridize().shard(sm.data_mesh(8))
+    for i in range(3):
+        x = jax.random.normal(jax.random.key(i), (16, 5))
+        chex.assert_trees_all_close(eight(x, **case.train), one(x, **case.train), **TOL)
+    chex.assert_trees_all_close(_raw(eight.state), _raw(one.state), **TOL)
+    x = jax.random.normal(jax.random.key(9), (13, 5))
+    chex.assert_trees_all_close(eight(x, **case.eval), one(x, **case.eval), **TOL)
+    chex.assert_trees_all_close(_raw(eight.state), _raw(one.state), **TOL)
+    assert eight.lower(x, **case.eval).as_text()  # the stateful sharded program lowers
+
+
+def test_padding_rows_that_would_reach_the_state_are_refused():
+    case = next(c for c in ZOO if c.name == "linen_batchnorm")
+    eight = case.hybridize().shard(sm.data_mesh(8))
+    before = _raw(eight.state)
+    with pytest.raises(sm.SignatureError, match=r"13 rows does not divide over 8 .*multiple of 8"):
+        eight(jax.random.normal(jax.random.key(0), (13, 5)), train=True)
+    chex.assert_trees_all_equal(_raw(eight.state), before)  # nothing moved
+    eight(jax.random.normal(jax.random.key(0), (16, 5)), train=True)  # a whole batch: fine
+
+
+def _raw(state):
+    """A state tree with typed rng keys as their key data (nnx State as a plain dict)."""
+    from flax import nnx
+
+    state = nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state
+    keyed = jax.dtypes.prng_key
+    return jax.tree.map(
+        lambda v: jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, keyed) else v, state
+    )

@@ -40,6 +40,7 @@ from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError, Sign
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import rng as _rng
 from symjax_mlp._hybrid.graph import Graph
+from symjax_mlp._hybrid.jaxpr import input_dependent
 from symjax_mlp._hybrid.options import argnames, argnums, check_settings, static_args
 from symjax_mlp._hybrid.pure import (
     PureModel,
@@ -72,6 +73,12 @@ _STATE_UNDER_TRANSFORM = (
     "jax.vmap, ...), where its new state would be a tracer. Use the pure form inside "
     "transformations: out, state = h.apply(h.params, x) returns the new state instead of "
     "holding it."
+)
+_PADDED_STATE = (
+    "{name}.shard(...): a batch of {batch} rows does not divide over {n} shards, and the "
+    "model's new state depends on its rows (BatchNorm's batch statistics, in training): the "
+    "padding rows would change it. Pass a batch that is a multiple of {n} (or call it in "
+    "eval mode, where the state does not see the rows)."
 )
 _STATE_STRUCTURE = (
     "{name}: a call changed the structure of the model's state, from {before} to {after}. A "
@@ -184,6 +191,7 @@ class Hybrid:
             "_settings_of": model.settings,
             "_setting_keys": tuple(map(ModuleSetting, model.setting_names)),
             "_keyed": {},  # settings -> their static entries, made once per mode
+            "_sees": {},  # a sharded call's signature -> whether its new state sees its rows
         }
         for k, v in settings.items():
             object.__setattr__(self, k, v)
@@ -206,13 +214,12 @@ class Hybrid:
                 "device's program; a sharded Hybrid places them on every device of the mesh. "
                 "Shard the Hybrid without it: h.replace(params_as_constants=False).shard(mesh)."
             )
-        if self.stateful:
-            raise ConfigError(
-                f"{name}.shard(...): a stateful Hybrid cannot be sharded yet (its state would "
-                "need a sharding too). Shard the stateless inference model: hybridize the model "
-                "without mutable collections or rngs, and call it in eval mode."
-            )
         m, rep, dat, n = _mesh.shardings(mesh, axis)
+        if self.stateful:  # the state replicated, as the params are; a call's new state too
+            trace, ins, outs = self._trace_sharded_stateful, (rep, rep, dat, dat), (dat, rep)
+            self._set(_held=[_mesh.place(leaf, rep) for leaf in self._held], _state_tree=None)
+        else:
+            trace, ins, outs = self._trace_sharded, (rep, dat, dat), dat
         self._set(
             _fast=False,
             _constants=None,
@@ -220,12 +227,7 @@ class Hybrid:
             n_shards=n,
             _batch_sharding=dat,
             _leaves=[_mesh.place(leaf, rep) for leaf in leaves],
-            _jitted=self._jit(
-                self._trace_sharded,
-                static_argnums=0,
-                in_shardings=(rep, dat, dat),
-                out_shardings=dat,
-            ),
+            _jitted=self._jit(trace, static_argnums=0, in_shardings=ins, out_shardings=outs),
         )
 
     def _jit(self, trace: Callable[..., Any], **options: Any) -> Any:
@@ -415,7 +417,8 @@ class Hybrid:
         try:
             if self.mesh is not None:
                 _, placed, placed_kw = self._prepare(dyn, dyn_kw)
-                return self._jitted.lower(static, self._leaves, placed, placed_kw)
+                held = (self._held,) if self.stateful else ()
+                return self._jitted.lower(static, self._leaves, *held, placed, placed_kw)
             if not self.stateful:
                 return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
             return self._jitted.lower(static, self._leaves, self._held, dyn, dyn_kw)
@@ -591,7 +594,16 @@ class Hybrid:
 
     # -- sharded -----------------------------------------------------------------------------
     def _trace_sharded(self, static: Any, leaves: list[Any], dyn: Any, dyn_kw: Any) -> Any:
-        out = self._trace(static, leaves, *dyn, **dyn_kw)
+        return self._per_example(self._trace(static, leaves, *dyn, **dyn_kw), dyn)
+
+    def _trace_sharded_stateful(
+        self, static: Any, leaves: list[Any], held: list[Any], dyn: Any, dyn_kw: Any
+    ) -> Any:
+        out, new_held = self._trace_stateful(static, leaves, held, dyn, dyn_kw)
+        return self._per_example(out, dyn), new_held
+
+    def _per_example(self, out: Any, dyn: Any) -> Any:
+        """``out``, checked to have the batch as every leaf's leading dimension."""
         batch = dyn[0].shape[0]
         for path, leaf in jax.tree_util.tree_leaves_with_path(out):
             if leaf.ndim == 0 or leaf.shape[0] != batch:
@@ -604,10 +616,35 @@ class Hybrid:
 
     def _call_sharded(self, static: Any, dyn: Any, dyn_kw: Any) -> Any:
         batch, placed, placed_kw = self._prepare(dyn, dyn_kw)
-        out = self._jitted(static, self._leaves, placed, placed_kw)
-        if placed[0].shape[0] == batch:
-            return out
-        return jax.tree.map(lambda y: y[:batch], out)
+        padded = placed[0].shape[0] != batch
+        if not self.stateful:
+            out = self._jitted(static, self._leaves, placed, placed_kw)
+        else:
+            if padded and self._state_sees_rows(static, placed, placed_kw):
+                raise SignatureError(
+                    _PADDED_STATE.format(name=self.name, batch=batch, n=self.n_shards)
+                )
+            with self._lock:
+                out, held = self._jitted(static, self._leaves, self._held, placed, placed_kw)
+                self._hold(held)
+        return jax.tree.map(lambda y: y[:batch], out) if padded else out
+
+    def _state_sees_rows(self, static: Any, dyn: Any, dyn_kw: Any) -> bool:
+        """Whether a call's new state depends on its inputs (BatchNorm's statistics, in
+        training), so that padding rows would change it; staged once per signature."""
+        key = (static, *((x.shape, x.dtype) for x in jax.tree.leaves((dyn, dyn_kw))))
+        seen = self._sees.get(key)
+        if seen is None:
+            settings = tuple(v for k, v, _ in static if type(k) is ModuleSetting)
+            call, params, state = self._model.call, self.params, self.state
+
+            def new_state(dyn: Any, dyn_kw: Any) -> Any:
+                with self._model.pinned(settings):
+                    return call(params, state, *rebuild(static, dyn, dyn_kw))[1]
+
+            jaxpr = jax.make_jaxpr(new_state)(dyn, dyn_kw).jaxpr
+            seen = self._sees[key] = any(input_dependent(jaxpr))
+        return seen
 
     def _prepare(self, dyn: tuple[Any, ...], dyn_kw: dict[str, Any]) -> tuple[int, Any, Any]:
         caller = f"{self.name}.shard(...)"

@@ -139,6 +139,17 @@ def walk(jaxpr: jex_core.Jaxpr, layer: str = "") -> Iterator[tuple[Any, str]]:
             yield from walk(sub, own)
 
 
+def input_dependent(jaxpr: jex_core.Jaxpr) -> list[bool]:
+    """Per output of ``jaxpr``: whether it depends on an input (an ``invar``; constants do
+    not count). An equation with a dependent operand makes all its outputs dependent, which
+    is exact for primitives and errs towards "dependent" for calls and loops."""
+    seen = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jex_core.Var) and v in seen for v in eqn.invars):
+            seen.update(eqn.outvars)
+    return [isinstance(v, jex_core.Var) and v in seen for v in jaxpr.outvars]
+
+
 def count_flops(jaxpr: jex_core.Jaxpr) -> tuple[int, tuple[str, ...]]:
     """``(flops, unknown)``: the flops of one run of ``jaxpr`` and the primitives whose
     bodies run an unknown number of times (e.g. ``("while",)``), in which case the flops are

@@ -148,7 +148,7 @@ def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool 
 
     Raises:
       TypeError: ``h`` is not a Hybrid.
-      ValueError: ``axis`` is not an axis of ``mesh``, or ``h`` is stateful.
+      ValueError: ``axis`` is not an axis of ``mesh``.
 
     Example:
       >>> import jax.numpy as jnp
