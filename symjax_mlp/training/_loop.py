@@ -146,6 +146,14 @@ class TrainResult:
         }
 
 
+_NOT_LINEN = (
+    "train() trains a flax.linen module (its init and apply); got a {kind}. For an nnx module, "
+    "write the loop with optax over the Hybrid's pure form: h = sm.hybridize(module); "
+    "loss(params) on out, state = h.apply(params, x, state=state), jax.grad of it, and "
+    "h.replace(params=..., state=...) for the trained model."
+)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _shuffle(rng: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     rng, key = jax.random.split(rng)
@@ -328,6 +336,8 @@ def train(
         )
     if resume and checkpoint is None:
         raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ConfigError(_NOT_LINEN.format(kind=type(model).__name__))
 
     start = time.perf_counter()
     data = check_dataset(load_digits() if data is None else data)
