@@ -384,6 +384,16 @@ def test_a_stateful_hybrid_shards_with_its_state_replicated(case):
     assert eight.lower(x, **case.eval).as_text()  # the stateful sharded program lowers
 
 
+@pytest.mark.parametrize("name", ["linen_batchnorm", "nnx_modes_eval"])
+def test_a_sharded_stateful_hybrid_exports_and_loads_on_a_mesh(name, tmp_path):
+    case = next(c for c in ZOO if c.name == name)
+    x = jax.random.normal(jax.random.key(3), (4, 5))
+    art = sm.export(case.hybridize().shard(sm.data_mesh(2)), tmp_path / name, example=x,
+                    kwargs=case.eval)  # fmt: skip
+    loaded = sm.load(art.path, mesh=sm.data_mesh(2))
+    chex.assert_trees_all_close(loaded(x), case.hybridize()(x, **case.eval), **TOL)
+
+
 def test_padding_rows_that_would_reach_the_state_are_refused():
     case = next(c for c in ZOO if c.name == "linen_batchnorm")
     eight = case.hybridize().shard(sm.data_mesh(8))
