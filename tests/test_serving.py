@@ -1256,5 +1256,10 @@ def test_an_nnx_module_in_training_mode_is_refused_by_the_batcher():
         sm.serving.Batcher(h, example=x, max_batch=4)
     assert h.trace_count == 0 and h.state  # nothing ran, nothing moved
     module.eval()
+    want = h(x)
     with sm.serving.Batcher(h, example=x, max_batch=4) as b:
-        np.testing.assert_allclose(b(x), h(x), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(b(x), want, rtol=2e-5, atol=2e-5)
+        module.train()  # training h while it serves: the batcher stays in eval mode
+        h(x)
+        np.testing.assert_allclose(b(x), want, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(b.submit(x).result(30), want, rtol=2e-5, atol=2e-5)

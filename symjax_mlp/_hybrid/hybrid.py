@@ -452,6 +452,14 @@ class Hybrid:
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
 
+    def _settings_fixed(self) -> Hybrid:
+        """A twin whose nnx module settings stay as they are now: what a batcher serves, so
+        that ``module.train()`` later (training ``h`` while it serves) does not switch it."""
+        values = self._settings_of()
+        twin = self.replace()
+        object.__setattr__(twin, "_settings_of", lambda: values)
+        return twin
+
     def training_mode(self, *args: Any, **kwargs: Any) -> tuple[str, ...]:
         """An nnx module's settings that hold it in training mode on these inputs.
 

@@ -62,11 +62,14 @@ _TRAINING = (
 def _inference(h: Hybrid, example: Any) -> Any:
     """What a batcher calls for ``h``: ``h`` itself, or for a stateful Hybrid its inference
     with the state it holds now (``h.apply``: serving never moves ``h``'s state, and a
-    batch's result does not depend on the batches before it)."""
+    batch's result does not depend on the batches before it); an nnx module's mode is the
+    one it has now, whatever the module is switched to later."""
     arrays = example if isinstance(example, tuple) else (example,)
     training = h.training_mode(*arrays)
     if training:
         raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
+    if h._settings_of is not None:  # the module's mode as of now, whatever it is switched to
+        h = h._settings_fixed()
     if not h.stateful:
         return h
     params, state = h.params, (h._state_copy() if h.donate else h.state)  # h's next call
