@@ -478,12 +478,11 @@ class Hybrid:
         static, dyn, dyn_kw = partition(
             args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
         )
-        call, params, state = self._model.call, self.params, self.state
+        params, state = self.params, self.state
 
         def program(values: tuple) -> str:
             def staged(dyn: Any, dyn_kw: Any) -> Any:
-                with self._model.pinned(values):
-                    return call(params, state, *rebuild(static, dyn, dyn_kw))[0]
+                return self._call_model(static, params, state, dyn, dyn_kw, values)[0]
 
             return str(jax.make_jaxpr(staged)(dyn, dyn_kw))
 
@@ -560,17 +559,24 @@ class Hybrid:
 
     def _run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
         event = self._begin(static, dyn, dyn_kw, entry)
-        args, kwargs = rebuild(static, dyn, dyn_kw)
         if entry == "apply":
             params = leaves
         else:  # a baked call closes over the params: JAX stages them as constants
             baked = self._constants is not None
             params = jax.tree.unflatten(self._treedef, self._constants if baked else leaves)
-        settings = tuple(v for k, v, _ in static if type(k) is ModuleSetting)
-        with self._model.pinned(settings):  # the settings this trace is keyed on
-            result = self._model.call(params, state, args, kwargs)
+        result = self._call_model(static, params, state, dyn, dyn_kw)
         self._commit(event)
         return result
+
+    def _call_model(
+        self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any, settings=None
+    ) -> tuple[Any, Any]:
+        """``(out, new_state)`` of the model on a partitioned call, run with the module
+        settings its static key holds (what the trace is keyed on), or with ``settings``."""
+        if settings is None:
+            settings = tuple(v for k, v, _ in static if type(k) is ModuleSetting)
+        with self._model.pinned(settings):
+            return self._model.call(params, state, *rebuild(static, dyn, dyn_kw))
 
     def _trace(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:
         return self._run(static, leaves, self.state, dyn, dyn_kw, "call")[0]
@@ -643,12 +649,10 @@ class Hybrid:
         key = (static, *((x.shape, x.dtype) for x in jax.tree.leaves((dyn, dyn_kw))))
         seen = self._sees.get(key)
         if seen is None:
-            settings = tuple(v for k, v, _ in static if type(k) is ModuleSetting)
-            call, params, state = self._model.call, self.params, self.state
+            params, state = self.params, self.state
 
             def new_state(dyn: Any, dyn_kw: Any) -> Any:
-                with self._model.pinned(settings):
-                    return call(params, state, *rebuild(static, dyn, dyn_kw))[1]
+                return self._call_model(static, params, state, dyn, dyn_kw)[1]
 
             jaxpr = jax.make_jaxpr(new_state)(dyn, dyn_kw).jaxpr
             seen = self._sees[key] = any(input_dependent(jaxpr))
