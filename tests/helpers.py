@@ -280,3 +280,19 @@ def reference_calls(case: Case, n: int, settings: dict) -> tuple[list[Any], Any]
     if key is not None:
         state["rngs"] = {"dropout": key}
     return outs, state
+
+
+def pure_state(state):
+    """An nnx State as a plain dict; any other tree as it is."""
+    if isinstance(state, nnx.State):
+        return nnx.to_pure_dict(state)
+    return state
+
+
+def keyless(tree):
+    """``tree`` (an nnx State or pytree) with typed rng keys as their raw key data."""
+
+    def data(v):
+        return jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+
+    return jax.tree.map(data, pure_state(tree))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import N_DEVICES, STRICT_WARNINGS, ZOO
+from helpers import N_DEVICES, STRICT_WARNINGS, ZOO, keyless
 
 import symjax_mlp as sm
 
@@ -377,10 +377,10 @@ def test_a_stateful_hybrid_shards_with_its_state_replicated(case):
     for i in range(3):
         x = jax.random.normal(jax.random.key(i), (16, 5))
         chex.assert_trees_all_close(eight(x, **case.train), one(x, **case.train), **TOL)
-    chex.assert_trees_all_close(_raw(eight.state), _raw(one.state), **TOL)
+    chex.assert_trees_all_close(keyless(eight.state), keyless(one.state), **TOL)
     x = jax.random.normal(jax.random.key(9), (13, 5))
     chex.assert_trees_all_close(eight(x, **case.eval), one(x, **case.eval), **TOL)
-    chex.assert_trees_all_close(_raw(eight.state), _raw(one.state), **TOL)
+    chex.assert_trees_all_close(keyless(eight.state), keyless(one.state), **TOL)
     assert eight.lower(x, **case.eval).as_text()  # the stateful sharded program lowers
 
 
@@ -397,19 +397,8 @@ def test_a_sharded_stateful_hybrid_exports_and_loads_on_a_mesh(name, tmp_path):
 def test_padding_rows_that_would_reach_the_state_are_refused():
     case = next(c for c in ZOO if c.name == "linen_batchnorm")
     eight = case.hybridize().shard(sm.data_mesh(8))
-    before = _raw(eight.state)
+    before = keyless(eight.state)
     with pytest.raises(sm.SignatureError, match=r"13 rows does not divide over 8 .*multiple of 8"):
         eight(jax.random.normal(jax.random.key(0), (13, 5)), train=True)
-    chex.assert_trees_all_equal(_raw(eight.state), before)  # nothing moved
+    chex.assert_trees_all_equal(keyless(eight.state), before)  # nothing moved
     eight(jax.random.normal(jax.random.key(0), (16, 5)), train=True)  # a whole batch: fine
-
-
-def _raw(state):
-    """A state tree with typed rng keys as their key data (nnx State as a plain dict)."""
-    from flax import nnx
-
-    state = nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state
-    keyed = jax.dtypes.prng_key
-    return jax.tree.map(
-        lambda v: jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, keyed) else v, state
-    )

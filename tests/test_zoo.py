@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ZOO, Case, NnxModes, reference_calls
+from helpers import ZOO, Case, NnxModes, keyless, pure_state, reference_calls
 
 import symjax_mlp as sm
 
@@ -24,23 +24,8 @@ TOL = {"rtol": 2e-5, "atol": 2e-5}
 IDS = [c.name for c in ZOO]
 
 
-def _pure(state):
-    if isinstance(state, nnx.State):
-        return nnx.to_pure_dict(state)
-    return state
-
-
-def _keyless(tree):
-    """``tree`` (an nnx State or pytree) with typed rng keys as their raw key data."""
-
-    def data(v):
-        return jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
-
-    return jax.tree.map(data, _pure(tree))
-
-
 def _assert_trees_close(a, b):
-    chex.assert_trees_all_close(_keyless(a), _keyless(b), **TOL)
+    chex.assert_trees_all_close(keyless(a), keyless(b), **TOL)
 
 
 @pytest.mark.parametrize("case", ZOO, ids=IDS)
@@ -53,7 +38,7 @@ def test_compiled_equals_eager_equals_plain_flax(case: Case, mode: str):
     got_eager = [eager.eager(*case.inputs(i), **settings) for i in range(N)]
     _assert_trees_close(got, want)
     _assert_trees_close(got_eager, want)
-    if want_state is not None and jax.tree.leaves(_pure(want_state)):
+    if want_state is not None and jax.tree.leaves(pure_state(want_state)):
         _assert_trees_close(compiled.state, want_state)
         _assert_trees_close(eager.state, want_state)
     assert compiled.trace_count == 1  # one signature, one setting: one trace for N calls
@@ -63,10 +48,10 @@ def test_compiled_equals_eager_equals_plain_flax(case: Case, mode: str):
 @pytest.mark.parametrize("case", [c for c in ZOO if c.stateful and c.train], ids=lambda c: c.name)
 def test_state_moves_in_train_mode(case: Case):
     h = case.hybridize()
-    before = jax.tree.map(np.asarray, jax.tree.leaves(_keyless(h.state)))
+    before = jax.tree.map(np.asarray, jax.tree.leaves(keyless(h.state)))
     first = h(*case.inputs(0), **case.train)
     second = h(*case.inputs(0), **case.train)  # same input: only the state differs
-    after = jax.tree.map(np.asarray, jax.tree.leaves(_keyless(h.state)))
+    after = jax.tree.map(np.asarray, jax.tree.leaves(keyless(h.state)))
     assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     if "dropout" in case.name:  # a new mask on every call, as eager Flax draws one
         assert not np.allclose(np.asarray(first), np.asarray(second))
@@ -402,7 +387,7 @@ def test_donate_reuses_the_state_buffers():
 
 
 def _deleted(tree) -> list[str]:
-    leaves = jax.tree_util.tree_leaves_with_path(_pure(tree))
+    leaves = jax.tree_util.tree_leaves_with_path(pure_state(tree))
     return [jax.tree_util.keystr(path) for path, leaf in leaves if leaf.is_deleted()]
 
 
@@ -414,7 +399,7 @@ def test_donate_consumes_only_buffers_the_hybrid_made(case: Case):
     else:
         given = {"variables": variables, "rngs": case.rng}
         h = sm.hybridize(model, variables, rngs=case.rng, donate=True)
-    held = jax.tree.leaves(_pure(h.state))
+    held = jax.tree.leaves(pure_state(h.state))
     module = h.module  # an nnx module built from the state: it outlives the next call
     for i in range(N):
         h(*case.inputs(i), **case.train)
@@ -579,7 +564,7 @@ def test_params_as_constants_calls_equal_plain_flax_and_pass_no_params(case: Cas
     baked, plain = case.hybridize(params_as_constants=True), case.hybridize()
     got = [baked(*case.inputs(i), **case.train) for i in range(N)]
     _assert_trees_close(got, want)
-    if want_state is not None and jax.tree.leaves(_pure(want_state)):
+    if want_state is not None and jax.tree.leaves(pure_state(want_state)):
         _assert_trees_close(baked.state, want_state)  # the state still moves, as an input
     passed = len(jax.tree.leaves(baked.lower(*case.inputs(0), **case.train).args_info))
     unbaked = len(jax.tree.leaves(plain.lower(*case.inputs(0), **case.train).args_info))
