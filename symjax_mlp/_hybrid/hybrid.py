@@ -478,19 +478,12 @@ class Hybrid:
         static, dyn, dyn_kw = partition(
             args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
         )
-        params, state = self.params, self.state
-
-        def program(values: tuple) -> str:
-            def staged(dyn: Any, dyn_kw: Any) -> Any:
-                return self._call_model(static, params, state, dyn, dyn_kw, values)[0]
-
-            return str(jax.make_jaxpr(staged)(dyn, dyn_kw))
-
         try:
-            if program(now) == program(evaluating):
-                return ()
+            programs = {str(self._staged(static, dyn, dyn_kw, 0, v)) for v in (now, evaluating)}
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
+        if len(programs) == 1:  # the mode attributes do not change what it computes
+            return ()
         pairs = zip(self._model.setting_names, now, evaluating, strict=True)
         return tuple(f"{n}={v}" for n, v, e in pairs if v != e)
 
@@ -578,6 +571,18 @@ class Hybrid:
         with self._model.pinned(settings):
             return self._model.call(params, state, *rebuild(static, dyn, dyn_kw))
 
+    def _staged(
+        self, static: Any, dyn: Any, dyn_kw: Any, part: int, settings: tuple | None = None
+    ) -> Any:
+        """The jaxpr of the model's output (``part`` 0) or new state (1) on a partitioned
+        call, its params and state as constants (the inputs are its only ``invars``)."""
+        params, state = self.params, self.state
+
+        def staged(dyn: Any, dyn_kw: Any) -> Any:
+            return self._call_model(static, params, state, dyn, dyn_kw, settings)[part]
+
+        return jax.make_jaxpr(staged)(dyn, dyn_kw).jaxpr
+
     def _trace(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:
         return self._run(static, leaves, self.state, dyn, dyn_kw, "call")[0]
 
@@ -649,13 +654,8 @@ class Hybrid:
         key = (static, *((x.shape, x.dtype) for x in jax.tree.leaves((dyn, dyn_kw))))
         seen = self._sees.get(key)
         if seen is None:
-            params, state = self.params, self.state
-
-            def new_state(dyn: Any, dyn_kw: Any) -> Any:
-                return self._call_model(static, params, state, dyn, dyn_kw)[1]
-
-            jaxpr = jax.make_jaxpr(new_state)(dyn, dyn_kw).jaxpr
-            seen = self._sees[key] = any(input_dependent(jaxpr))
+            seen = any(input_dependent(self._staged(static, dyn, dyn_kw, 1)))
+            self._sees[key] = seen
         return seen
 
     def _prepare(self, dyn: tuple[Any, ...], dyn_kw: dict[str, Any]) -> tuple[int, Any, Any]:

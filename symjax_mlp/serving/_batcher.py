@@ -147,6 +147,7 @@ class Batcher:
         max_queue: int = 1024,
         name: str | None = None,
     ) -> None:
+        served = model  # what the lane calls: for a Hybrid, its inference (_inference)
         if isinstance(model, LoadedModel):
             if example is not None:
                 raise ConfigError(
@@ -156,8 +157,6 @@ class Batcher:
             specs, static = artifact_specs(model)
             name = name or str(model.path)
         elif callable(model):
-            if isinstance(model, Hybrid) and example is not None:
-                model = _inference(model, example)
             if example is None:
                 raise ConfigError(
                     f"Batcher({type(model).__name__}): pass example=, an input batch (an array, "
@@ -165,6 +164,8 @@ class Batcher:
                     "and dtype, e.g. Batcher(h, example=x) with x of shape (1, features)."
                 )
             specs, static = example_specs(example), None
+            if isinstance(model, Hybrid):
+                served = _inference(model, example)
             name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
         else:
             raise ConfigError(
@@ -180,7 +181,7 @@ class Batcher:
         #: What one request takes: one spec per input, the batch dimension named ``b``.
         self.specs: tuple[TensorSpec, ...] = specs
         self.model = model
-        lane = Lane(model, specs, self.buckets, max_queue)
+        lane = Lane(served, specs, self.buckets, max_queue)
         self._ranks = [len(shape) + 1 for shape in lane.row_shapes]
         # The NumPy shapes (a tuple of them for several inputs) that passed the check, with
         # their rows; a request's dtypes must be these very objects to be looked up.
