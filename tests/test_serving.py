@@ -21,11 +21,12 @@ import time
 import urllib.error
 import urllib.request
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ZOO, NnxModes
+from helpers import ZOO, NnxModes, keyless
 
 import symjax_mlp as sm
 
@@ -1231,20 +1232,31 @@ def test_serve_refuses_what_cannot_be_batched_in_one_line(tmp_path, capsys):
         assert f"is {what}, but batching needs" in err and "Traceback" not in err
 
 
-def test_a_stateful_hybrid_is_served_in_inference_and_its_state_never_moves():
-    """A linen Dropout model with its rng stream, in eval mode: each ``h(x)`` splits the
-    stream; serving it (every bucket warmed, a batch of requests) leaves ``h.state`` as it
-    was, and each request gets what ``h`` gives its rows."""
-    case = next(c for c in ZOO if c.name == "linen_dropout")
+@pytest.mark.parametrize("case", [c for c in ZOO if c.stateful], ids=lambda c: c.name)
+def test_a_stateful_hybrid_is_served_in_inference_and_its_state_never_moves(case):
+    """Each stateful zoo model (BatchNorm, Dropout; linen and nnx), called with its defaults
+    (inference): serving it (every bucket warmed, a batch of requests) leaves ``h.state`` as
+    it was, and each request gets what ``h`` gives its rows."""
     h = case.hybridize()
     x = np.asarray(case.inputs(0)[0])
-    before = jax.random.key_data(h.state["rngs"]["dropout"])
+    before = keyless(h.state)
     with sm.serving.Batcher(h, example=x, max_batch=4) as b:
         futures = [b.submit(x[i : i + 1]) for i in range(4)]
         got = np.concatenate([f.result(30) for f in futures])
-    np.testing.assert_array_equal(jax.random.key_data(h.state["rngs"]["dropout"]), before)
-    np.testing.assert_allclose(got, h(x, deterministic=True), rtol=2e-5, atol=2e-5)
-    assert not np.array_equal(jax.random.key_data(h.state["rngs"]["dropout"]), before)  # h moves
+    chex.assert_trees_all_equal(keyless(h.state), before)
+    np.testing.assert_allclose(got, h(x, **case.eval), rtol=2e-5, atol=2e-5)
+
+
+def test_serving_a_hybrid_whose_calls_move_its_rng_leaves_the_stream_alone():
+    """linen Dropout with its rng stream: each ``h(x)`` splits the stream, serving does not."""
+    h = next(c for c in ZOO if c.name == "linen_dropout").hybridize()
+    x = np.ones((2, 5), np.float32)
+    before = keyless(h.state)
+    with sm.serving.Batcher(h, example=x, max_batch=4) as b:
+        b(x), b.submit(x).result(30)
+    chex.assert_trees_all_equal(keyless(h.state), before)
+    h(x)
+    assert not np.array_equal(keyless(h.state)["rngs"]["dropout"], before["rngs"]["dropout"])
 
 
 def test_an_nnx_module_in_training_mode_is_refused_by_the_batcher():
