@@ -555,13 +555,3 @@ def test_a_mode_set_as_an_attribute_is_named_with_its_rng_stream(digits):
     x, y = digits.x_train[:8], digits.y_train[:8]
     _, _, metrics = step(params, sgd.init(params.params), x, y, np.ones(8, np.float32))
     assert np.isfinite(metrics["loss"])
-
-
-def test_train_refuses_what_is_not_a_linen_module_and_says_what_to_write():
-    from flax import nnx
-    from helpers import NnxModes
-
-    with pytest.raises(sm.ConfigError, match=r"got a NnxModes\. For an nnx module.*h\.apply"):
-        sm.training.train(NnxModes(nnx.Rngs(0)), epochs=1)
-    with pytest.raises(sm.ConfigError, match=r"flax\.linen module.*got a function"):
-        sm.training.train(lambda x: x, epochs=1)

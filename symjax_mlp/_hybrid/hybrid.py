@@ -44,7 +44,7 @@ from symjax_mlp._hybrid.jaxpr import input_dependent
 from symjax_mlp._hybrid.options import argnames, argnums, check_settings, static_args
 from symjax_mlp._hybrid.pure import (
     PureModel,
-    eval_settings,
+    mode_settings,
     plain,
     state_structure,
     unwrap_keys,
@@ -472,7 +472,7 @@ class Hybrid:
         if self._settings_of is None:
             return ()
         now = self._settings_of()
-        evaluating = eval_settings(self._model, now)
+        evaluating = mode_settings(self._model, now, train=False)
         if now == evaluating:
             return ()
         static, dyn, dyn_kw = partition(

@@ -198,11 +198,12 @@ def nnx_module(module: Any) -> tuple:
     return model, params, state
 
 
-def eval_settings(model: PureModel, values: tuple) -> tuple:
-    """``values`` (an nnx module's settings) as ``module.eval()`` would set them."""
+def mode_settings(model: PureModel, values: tuple, *, train: bool) -> tuple:
+    """``values`` (an nnx module's settings) as ``module.train()`` or ``module.eval()`` would
+    set them: every ``deterministic`` and ``use_running_average`` off or on."""
     names = model.setting_names
     return tuple(
-        True if n.rpartition("/")[2] in MODE_ATTRIBUTES else v
+        (not train) if n.rpartition("/")[2] in MODE_ATTRIBUTES else v
         for n, v in zip(names, values, strict=True)
     )
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from symjax_mlp._artifact.reading import Artifact
 from symjax_mlp._errors import CheckpointError, ConfigError, DivergenceError, RetraceError
@@ -37,7 +38,8 @@ from symjax_mlp.training._checkpoint import (
     save_checkpoint,
 )
 from symjax_mlp.training._data import Dataset, check_dataset, load_digits
-from symjax_mlp.training._spec import inference_shape, model_spec
+from symjax_mlp.training._nnx import NnxSpec, fingerprint, spec_of
+from symjax_mlp.training._spec import TRAIN_FORM, inference_shape
 from symjax_mlp.training._step import ModelVars, apply_model, init_params, train_step
 
 
@@ -58,8 +60,9 @@ class TrainResult:
     """What :func:`train` returns: the trained params, their history, and how it ran.
 
     Attributes:
-      model: the ``flax.linen`` module that was trained.
-      params: its trained ``"params"`` collection.
+      model: the ``flax.linen`` module that was trained, or for an nnx module the trained
+        module: a new one, in eval mode (the module given is left as it was).
+      params: its trained ``"params"`` collection (an nnx module's ``Param`` values).
       opt_state: the final optimizer state.
       step, epoch: optimizer steps and epochs completed (including resumed ones).
       history: one :class:`EpochRecord` per completed epoch, oldest first.
@@ -71,13 +74,13 @@ class TrainResult:
       checkpoint: the newest checkpoint written or resumed from, or ``None``.
       num_features: the model's input width.
       model_state: a BatchNorm/Dropout model's trained state (its ``batch_stats`` and the
-        raw key of its ``dropout`` stream), or ``None``.
+        raw key of its ``dropout`` stream; an nnx module's other variables), or ``None``.
       eval_flags: the keyword settings of an inference call, e.g. ``{"train": False}``.
       standardize: the data's per-feature ``(mean, std)`` the model was trained on (raw
         features ``x`` enter it as ``(x - mean) / std``), or ``None``.
     """
 
-    model: nn.Module
+    model: Any
     params: Any
     opt_state: Any
     step: int
@@ -96,7 +99,10 @@ class TrainResult:
 
     @property
     def variables(self) -> dict[str, Any]:
-        """The trained model's flax variables: ``{"params": ..., "batch_stats": ...}``."""
+        """The trained model's flax variables: ``{"params": ..., "batch_stats": ...}``, or
+        an nnx module's ``nnx.state``."""
+        if isinstance(self.model, nnx.Module):
+            return nnx.state(self.model)
         collections = {c: v for c, v in (self.model_state or {}).items() if c != "rng"}
         return {"params": self.params, **collections}
 
@@ -105,6 +111,8 @@ class TrainResult:
 
         Call it in inference mode with :attr:`eval_flags` (``h(x, train=False)``).
         """
+        if isinstance(self.model, nnx.Module):
+            return hybridize(self.model, **kwargs)
         return hybridize(self.model, self.variables, **kwargs)
 
     def export(
@@ -122,13 +130,16 @@ class TrainResult:
         if not raw_inputs or self.standardize is None:
             kwargs.setdefault("kwargs", self.eval_flags)
             return export(self.hybridize(), path, example=example, **kwargs)
-        model, flags = self.model, self.eval_flags
         mean, std = (np.asarray(a, np.float32) for a in self.standardize)
+        trained = self.hybridize()
+        if trained.training_mode(example, **self.eval_flags):  # export() would refuse it
+            return export(trained, path, example=example, kwargs=self.eval_flags, **kwargs)
+        fn, flags = trained.fn, self.eval_flags
 
         def raw_model(variables: Any, x: jax.Array) -> jax.Array:
-            return model.apply(variables, (x - mean) / std, **flags)
+            return fn(variables, (x - mean) / std, **flags)
 
-        h = hybridize(raw_model, self.variables, name=type(model).__name__)
+        h = hybridize(raw_model, trained.variables, name=type(self.model).__name__)
         return export(h, path, example=example, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,9 +157,9 @@ class TrainResult:
         }
 
 
-_NOT_LINEN = (
-    "train() trains a flax.linen module (its init and apply); got a {kind}. For an nnx module, "
-    "write the loop with optax over the Hybrid's pure form: h = sm.hybridize(module); "
+_NOT_FLAX = (
+    "train() trains a flax.linen or nnx module; got a {kind}. For another model, write the "
+    "loop with optax over the Hybrid's pure form: h = sm.hybridize(fn, params); "
     "loss(params) on out, state = h.apply(params, x, state=state), jax.grad of it, and "
     "h.replace(params=..., state=...) for the trained model."
 )
@@ -201,10 +212,11 @@ def _nonfinite_leaf(tree: Any) -> str | None:
     return None
 
 
-def _model_fingerprint(model: nn.Module, params: Any) -> str:
+def _model_fingerprint(model: Any, spec: Any, params: Any) -> str:
     """The model's configuration (its repr: layers, widths, activations) and param tree."""
     tree = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params)
-    return hashlib.sha256(f"{model!r}|{tree}".encode()).hexdigest()
+    config = fingerprint(spec) if isinstance(spec, NnxSpec) else repr(model)
+    return hashlib.sha256(f"{config}|{tree}".encode()).hexdigest()
 
 
 def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
@@ -272,7 +284,10 @@ def train(
 
     Args:
       model: a ``flax.linen`` module mapping ``(batch, features)`` to ``(batch, classes)``
-        logits (default: ``mlp((128, 64, num_classes))``).
+        logits (default: ``mlp((128, 64, num_classes))``), or an ``nnx.Module`` one: it is
+        trained from the values it was built with (``seed`` then seeds the shuffle only), its
+        steps run as ``module.train()`` sets it and its evaluations as ``module.eval()`` does,
+        and ``result.model`` is the trained module (the one given is left as it was).
       data: a :class:`~symjax_mlp.training.Dataset` (default:
         :func:`~symjax_mlp.training.load_digits`).
       optimizer: any ``optax.GradientTransformation`` (default: ``optax.adam``).
@@ -336,8 +351,8 @@ def train(
         )
     if resume and checkpoint is None:
         raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
-    if model is not None and not isinstance(model, nn.Module):
-        raise ConfigError(_NOT_LINEN.format(kind=type(model).__name__))
+    if model is not None and not isinstance(model, nn.Module | nnx.Module):
+        raise ConfigError(_NOT_FLAX.format(kind=type(model).__name__))
 
     start = time.perf_counter()
     data = check_dataset(load_digits() if data is None else data)
@@ -346,8 +361,11 @@ def train(
         model = mlp((128, 64, classes))
     example = data.x_train[:1]
     caller = f"symjax_mlp.training.train({type(model).__name__})"
-    spec = model_spec(model, example, train_flags, eval_flags, caller=caller)
-    out = inference_shape(model, example, spec, caller=caller)
+    spec = spec_of(model, example, train_flags, eval_flags, caller=caller, form=TRAIN_FORM)
+    if isinstance(spec, NnxSpec):
+        out = spec.out
+    else:
+        out = inference_shape(model, example, spec, caller=caller)
     if out.ndim != 2:
         raise ConfigError(
             f"train() needs a model whose output is (batch, classes) logits; {type(model).__name__}"
@@ -366,7 +384,7 @@ def train(
         "data_sha256": _fingerprint(data),
         "num_features": data.num_features,
         "num_outputs": int(out.shape[-1]),
-        "model_sha256": _model_fingerprint(model, params),
+        "model_sha256": _model_fingerprint(model, spec, params),
         "optimizer_sha256": _optimizer_fingerprint(optimizer),
     }
     history: list[EpochRecord] = []
@@ -469,6 +487,10 @@ def train(
             on_epoch(record)
 
     stateful = isinstance(params, ModelVars)
+    model_state = params.state if stateful else None
+    if isinstance(spec, NnxSpec):
+        model_state = spec.typed(model_state) if stateful else None
+        model = spec.module(params.params if stateful else params, model_state or {})
     return TrainResult(
         model=model,
         params=params.params if stateful else params,
@@ -483,7 +505,7 @@ def train(
         resumed_from=resumed_from,
         checkpoint=newest,
         num_features=data.num_features,
-        model_state=params.state if stateful else None,
+        model_state=model_state,
         eval_flags=spec.eval_flags,
         standardize=None if data.mean is None else (data.mean, data.std),
     )

@@ -121,7 +121,7 @@ def _fix(model: nn.Module, form: str = TRAIN_FORM) -> str:
         flag, default = found
         on, off = {flag: not default}, {flag: default}
         return f"If {flag} is its mode, name it: {form.format(on=on, off=off)}."
-    for field in dataclasses.fields(model):
+    for field in dataclasses.fields(model) if dataclasses.is_dataclass(model) else ():
         value = getattr(model, field.name, None)
         if field.name not in ("parent", "name") and isinstance(value, bool):
             return (
@@ -145,6 +145,23 @@ def _training_part(model: nn.Module, variables: Any, example: Any, flags: dict) 
     return None
 
 
+def find_flags(
+    model: Any, train_flags: Any, eval_flags: Any, caller: str, form: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The keyword settings of a training and an inference call: as given (checked against
+    ``__call__``'s parameters), else found by name (``train=True`` / ``False``...)."""
+    if train_flags is None and eval_flags is None:
+        train, evals = {}, {}
+        params = _parameters(model)
+        for flag, training in _FLAGS:
+            if flag in params:
+                train[flag], evals[flag] = training, not training
+        return train, evals
+    train = {} if train_flags is None else _checked(model, train_flags, "train_flags", caller, form)
+    evals = {} if eval_flags is None else _checked(model, eval_flags, "eval_flags", caller, form)
+    return train, evals
+
+
 def model_spec(
     model: nn.Module,
     example: Any,
@@ -166,17 +183,7 @@ def model_spec(
     name = type(model).__name__
     caller = caller or f"symjax_mlp.training.train({name})"
     example = jax.ShapeDtypeStruct(example.shape, example.dtype)
-    train, evals = {}, {}
-    if train_flags is None and eval_flags is None:
-        params = _parameters(model)
-        for flag, training in _FLAGS:
-            if flag in params:
-                train[flag], evals[flag] = training, not training
-    else:
-        if train_flags is not None:
-            train = _checked(model, train_flags, "train_flags", caller, form)
-        if eval_flags is not None:
-            evals = _checked(model, eval_flags, "eval_flags", caller, form)
+    train, evals = find_flags(model, train_flags, eval_flags, caller, form)
     variables = jax.eval_shape(model.init, jax.random.key(0), example)
     mutable = tuple(c for c in variables if c != "params")
     if train_flags is None and not train:

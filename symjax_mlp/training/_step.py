@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from symjax_mlp.training._spec import STEP_FORM, ModelSpec, model_spec
+from symjax_mlp.training._nnx import NnxSpec, spec_of
+from symjax_mlp.training._spec import STEP_FORM, ModelSpec
 
 #: ``step(params, opt_state, x, y, w) -> (params, opt_state, {"loss", "correct"})``.
 Step = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
@@ -40,7 +41,7 @@ class ModelVars:
 
 
 def init_params(
-    model: nn.Module,
+    model: Any,
     key: jax.Array,
     example: jax.Array,
     *,
@@ -53,8 +54,12 @@ def init_params(
     initializer op compiles on its own (seconds on a CPU), and cached on the (hashable) module,
     so repeated runs of one model pay it once.
 
+    An nnx module is initialised when it is built: its ``Param`` values (and a
+    :class:`ModelVars` of them and its other variables, rng keys as raw key data), copied so
+    that a donating step leaves the module alone; ``key`` is not used.
+
     Args:
-      model: a ``flax.linen`` classifier.
+      model: a ``flax.linen`` classifier, or an ``nnx.Module`` one.
       key: the initialisation key.
       example: one batch of inputs (its shape and dtype).
       train_flags: the keyword settings of a training call, as for :func:`train_step`
@@ -66,8 +71,15 @@ def init_params(
     """
     name = type(model).__name__
     caller = f"symjax_mlp.training.init_params({name}, ...)"
-    spec = model_spec(model, example, train_flags, caller=caller, form=STEP_FORM)
+    spec = spec_of(model, example, train_flags, caller=caller, form=STEP_FORM)
+    if isinstance(spec, NnxSpec):  # built initialised: its values, in buffers of its own
+        params = _copy(spec.params)
+        return ModelVars(params, _copy(spec.raw(spec.state))) if spec.stateful else params
     return _init(model, spec.mutable, spec.rng, key, example)
+
+
+def _copy(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -81,13 +93,18 @@ def _init(model: nn.Module, mutable: tuple[str, ...], rng: bool, key: jax.Array,
     return ModelVars(variables["params"], state)
 
 
-def apply_model(model: nn.Module, spec: ModelSpec, params: Any, x: jax.Array, *, train: bool):
+def apply_model(model: Any, spec: ModelSpec | NnxSpec, params: Any, x: jax.Array, *, train: bool):
     """Logits of ``model`` for ``x``, and the new params (a :class:`ModelVars` moves its state).
 
     Returns:
       ``(logits, params)``; ``params`` is unchanged unless it is a :class:`ModelVars` and
       ``train`` (then its collections and rng move on, exactly as eager Flax would).
     """
+    if isinstance(spec, NnxSpec):
+        if not isinstance(params, ModelVars):
+            return spec.call(params, {}, x, train=train)[0], params
+        logits, state = spec.call(params.params, spec.typed(params.state), x, train=train)
+        return logits, ModelVars(params.params, spec.raw(state)) if train else params
     flags = spec.train_flags if train else spec.eval_flags
     if not isinstance(params, ModelVars):
         return model.apply({"params": params}, x, **flags), params
@@ -105,7 +122,7 @@ def apply_model(model: nn.Module, spec: ModelSpec, params: Any, x: jax.Array, *,
 
 
 def train_step(
-    model: nn.Module,
+    model: Any,
     optimizer: optax.GradientTransformation,
     *,
     train_flags: Mapping[str, Any] | None = None,
@@ -121,8 +138,11 @@ def train_step(
     and the weighted count of ``"correct"`` predictions (before the update). The step is not
     jitted: wrap it in ``jax.jit(step, donate_argnums=(0, 1))`` to compile it.
 
+    An nnx module's steps run with its attributes as ``module.train()`` sets them, whatever
+    mode it is in, and its flags (found by name or given) as a linen model's.
+
     Args:
-      model: a ``flax.linen`` classifier.
+      model: a ``flax.linen`` classifier, or an ``nnx.Module`` one.
       optimizer: any ``optax.GradientTransformation``.
       train_flags: the keyword settings of a training call, e.g. ``{"is_training": True}``
         (default: ``train=True``, ``training=True`` or ``deterministic=False``, whichever
@@ -155,7 +175,7 @@ def train_step(
         return loss, (correct, params)
 
     def step(params: Any, opt_state: Any, x: jax.Array, y: jax.Array, w: jax.Array):
-        spec = model_spec(model, x[:1], train_flags, caller=caller, form=STEP_FORM)
+        spec = spec_of(model, x[:1], train_flags, caller=caller, form=STEP_FORM)
         stateful = isinstance(params, ModelVars)
         trainable, rest = (params.params, params.state) if stateful else (params, None)
         grad_fn = jax.value_and_grad(functools.partial(loss_fn, spec), has_aux=True)

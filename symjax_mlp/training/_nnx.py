@@ -1,0 +1,190 @@
+"""How training calls an nnx module: its ``Param`` values are trained, all else is its state.
+
+An nnx module carries its mode in attributes (``module.train()`` / ``module.eval()`` set every
+submodule's ``deterministic`` and ``use_running_average``) and may take keyword flags as a linen
+model does (``__call__(x, train=False)``). Training runs each step with the attributes as
+``train()`` sets them and the training flags, and evaluates with them as ``eval()`` sets them
+and the inference flags, whatever mode the module was given in. Which state a call moves is
+read from its staged program (a state output that is not its input moved), so a model that
+would silently train in inference mode is refused before any step runs, as for linen.
+
+The module given is never changed (its arrays are copied before the step donates them); the
+trained module is a new one, in eval mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid.pure import (
+    PureModel,
+    mode_settings,
+    nnx_module,
+    state_structure,
+    unwrap_keys,
+    wrap_keys,
+)
+from symjax_mlp.training._spec import ModelSpec, _bool_keyword, find_flags, model_spec
+
+_NNX_FLAG = (
+    "Give __call__ a flag and pass it on, def __call__(self, x, train: bool = False): "
+    "self.drop(x, deterministic=not train), self.norm(x, use_running_average=not train); or "
+    "leave the mode to the attributes that module.train() sets (deterministic, "
+    "use_running_average), which training sets for its steps."
+)
+_NNX_STILL = (
+    "{caller}: a training call of {model} (its attributes as module.train() sets them{flags}) "
+    "updates none of its state ({state}): every step would run it in inference mode. {fix} "
+    "For a model whose state never moves, pass train_flags={{}}."
+)
+_NNX_MOVES = (
+    "{caller}: an inference call of {model} (its attributes as module.eval() sets them{flags}) "
+    "updates {moved}, so it is not in inference mode: train() evaluates the model, and export() "
+    "ships it, with its state fixed. Pass eval_flags that turn training off, e.g. "
+    "eval_flags={{'train': False}}."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxSpec:
+    """How to call an nnx classifier in training and in inference (see the module docs).
+
+    Attributes:
+      train_flags, eval_flags: the keyword settings of each call, found or given.
+      pure: the module as a pure function of its params and state.
+      train_mode, eval_mode: its settings (bool attributes) in each mode.
+      params, state: its ``Param`` values and other variables as given (nnx pure dicts).
+      out: the shape of an inference call's output for the example.
+    """
+
+    train_flags: dict[str, Any]
+    eval_flags: dict[str, Any]
+    pure: PureModel
+    train_mode: tuple
+    eval_mode: tuple
+    params: Any
+    state: Any
+    out: jax.ShapeDtypeStruct
+
+    @property
+    def stateful(self) -> bool:
+        return self.pure.stateful
+
+    def raw(self, state: Any) -> Any:
+        """``state`` with its rng keys as raw key data: what a checkpoint and donation hold."""
+        treedef, impls = state_structure(state)
+        return jax.tree.unflatten(treedef, unwrap_keys(jax.tree.leaves(state), impls))
+
+    def typed(self, raw: Any) -> Any:
+        """The inverse of :meth:`raw`."""
+        treedef, impls = state_structure(self.state)
+        return jax.tree.unflatten(treedef, wrap_keys(jax.tree.leaves(raw), impls))
+
+    def call(self, params: Any, state: Any, x: Any, *, train: bool) -> tuple[Any, Any]:
+        """``(logits, new state)`` of a call in the training or the inference mode."""
+        flags = self.train_flags if train else self.eval_flags
+        with self.pure.pinned(self.train_mode if train else self.eval_mode):
+            return self.pure.call(params, state, (x,), flags)
+
+    def module(self, params: Any, state: Any) -> nnx.Module:
+        """A new module holding ``params`` and ``state``, in eval mode."""
+        with self.pure.pinned(self.eval_mode):
+            return self.pure.module(params, state)
+
+
+def nnx_spec(
+    module: nnx.Module,
+    example: Any,
+    train_flags: Mapping[str, Any] | None,
+    eval_flags: Mapping[str, Any] | None,
+    *,
+    caller: str,
+    form: str,
+) -> NnxSpec:
+    """The :class:`NnxSpec` of ``module``, checked: a training call must move its state (when
+    it has any and no flags were given), an inference call must not."""
+    train, evals = find_flags(module, train_flags, eval_flags, caller, form)
+    pure, params, state = nnx_module(module)
+    now = pure.settings() if pure.settings is not None else ()
+    modes = mode_settings(pure, now, train=True), mode_settings(pure, now, train=False)
+    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
+    spec = NnxSpec(train, evals, pure, *modes, params, state, out=None)  # type: ignore[arg-type]
+    name = type(module).__name__
+    moved, _ = _moves(spec, example, train=True)
+    if pure.stateful and train_flags is None and not moved:
+        found = _bool_keyword(module)
+        fix = _NNX_FLAG
+        if found is not None:
+            flag, default = found
+            fix = f"If {flag} is its mode, name it: " + form.format(
+                on={flag: not default}, off={flag: default}
+            )
+            fix += "."
+        raise ConfigError(
+            _NNX_STILL.format(
+                caller=caller, model=name, flags=_shown(train), state=_names(state), fix=fix
+            )
+        )
+    moved, out = _moves(spec, example, train=False)
+    if moved:
+        raise ConfigError(
+            _NNX_MOVES.format(caller=caller, model=name, flags=_shown(evals), moved=moved)
+        )
+    return dataclasses.replace(spec, out=out)
+
+
+def _moves(spec: NnxSpec, example: Any, *, train: bool) -> tuple[str, Any]:
+    """The state a call updates (its leaves' names, ``""`` for none) and its output's shape."""
+
+    def run(params: Any, state: Any, x: Any) -> Any:
+        return spec.call(params, state, x, train=train)
+
+    closed, shapes = jax.make_jaxpr(run, return_shape=True)(spec.params, spec.state, example)
+    jaxpr = closed.jaxpr
+    n_params, n_state = len(jax.tree.leaves(spec.params)), len(jax.tree.leaves(spec.state))
+    ins = jaxpr.invars[n_params : n_params + n_state]
+    outs = jaxpr.outvars[len(jaxpr.outvars) - n_state :]
+    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(spec.state)]
+    moved = [_path(p) for p, i, o in zip(paths, ins, outs, strict=True) if o is not i]
+    return ", ".join(moved), shapes[0]
+
+
+def _path(path: Any) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _names(state: Any) -> str:
+    return ", ".join(_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(state))
+
+
+def _shown(flags: dict[str, Any]) -> str:
+    return "".join(f", {k}={v!r}" for k, v in flags.items())
+
+
+def fingerprint(spec: NnxSpec) -> str:
+    """The module's configuration as its eval-mode repr shows it (layers, widths, settings),
+    without the memory addresses that differ between processes."""
+    text = repr(spec.module(spec.params, spec.state))
+    return re.sub(r" at 0x[0-9a-f]+", "", text)
+
+
+def spec_of(
+    model: Any,
+    example: Any,
+    train_flags: Mapping[str, Any] | None,
+    eval_flags: Mapping[str, Any] | None = None,
+    *,
+    caller: str,
+    form: str,
+) -> ModelSpec | NnxSpec:
+    """:func:`model_spec` of a linen model, :func:`nnx_spec` of an nnx module."""
+    if isinstance(model, nnx.Module):
+        return nnx_spec(model, example, train_flags, eval_flags, caller=caller, form=form)
+    return model_spec(model, example, train_flags, eval_flags, caller=caller, form=form)
