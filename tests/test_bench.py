@@ -27,7 +27,8 @@ TINY = {"sizes": (8, 2), "in_features": 16}
 def tiny_benchmark(**kw):
     """The benchmark on a tiny net with the fewest calls; ``kw`` overrides."""
     fewest = {"calls": 2, "repeats": 1, "eager_chunks": 1, "stage_repeats": 1}
-    return bench.benchmark(**(fewest | {"peak": False, "train_step": False} | TINY | kw))
+    off = {"peak": False, "train_step": False, "latency": False}  # the slow or spawning parts
+    return bench.benchmark(**(fewest | off | TINY | kw))
 
 
 def test_timing_fields_and_stats():
@@ -93,7 +94,7 @@ def test_environment_says_where_it_ran():
 @pytest.fixture(scope="module")
 def report():
     """One run with every row that needs no extra framework: the artifact in JAX and IREE."""
-    return tiny_benchmark(calls=4, repeats=2, eager_chunks=2, peak=True, peak_size=32)
+    return tiny_benchmark(calls=4, repeats=2, eager_chunks=2, peak=True, peak_size=32, latency=True)
 
 
 def test_report_rows_and_headline(report):
@@ -123,6 +124,69 @@ def test_report_rows_and_headline(report):
     assert not report.row("hybridized").timing.pipelined
     for t in report.targets.values():
         assert set(t) == {"value", "target", "met", "what"} and isinstance(t["met"], bool)
+
+
+def test_the_latency_mode_row_runs_h_with_synchronous_dispatch_in_its_own_process(report):
+    row = report.row("hybridized_latency")
+    assert row.label == "h, latency mode (own process)"
+    assert row.timing.calls == 4 and len(row.timing.times) == 2 and not row.timing.pipelined
+    assert report.extra["latency_mode"] == {"dispatch": "sync", "traces": 1}  # never retraced
+    assert sm.serving.dispatch_mode() == "async"  # this process was left as it was
+    text = bench.format_report(report)
+    per = row.timing.per_call_min
+    hyb = report.row("hybridized").timing.per_call_min
+    assert "latency mode (sm.serving.latency_mode(): synchronous dispatch" in text
+    assert f"{hyb / per:.2f}x faster than h here." in text  # no torch rows in this run
+    assert "torch_fastest_over_latency_mode" not in report.targets
+
+
+def test_a_latency_row_that_fails_or_differs_is_skipped_with_a_note(monkeypatch):
+    from symjax_mlp.bench import _run
+
+    class Broken:
+        def __init__(self, **kw):
+            raise RuntimeError("the process died")
+
+    monkeypatch.setattr(_run, "LatencyRow", Broken)
+    r = tiny_benchmark(artifact=False, latency=True)
+    assert r.row("hybridized_latency") is None and "latency_mode" not in r.extra
+    assert "latency-mode row skipped: the process died" in r.notes
+
+    closed = []
+
+    class Wrong:  # a child whose model is not the parent's
+        dispatch, traces, x, out = "sync", 1, np.zeros((1, 16), np.float32), np.ones((1, 2))
+
+        def __init__(self, **kw):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(_run, "LatencyRow", Wrong)
+    r = tiny_benchmark(artifact=False, latency=True)
+    assert r.row("hybridized_latency") is None and closed == [True]
+    (note,) = [n for n in r.notes if "latency-mode" in n]
+    assert note.startswith("latency-mode row skipped: its output [[1.0, 1.0]] differs from h's")
+
+
+def test_remote_rows_are_interleaved_with_the_others():
+    order = []
+
+    def local():
+        order.append("local")
+        return jnp.ones(2)
+
+    def remote(calls):
+        order.append(("remote", calls))
+        return 0.5
+
+    t = bench.time_interleaved(
+        {"local": local}, calls=3, repeats=2, warmup=1, remote={"far": remote}
+    )
+    assert list(t) == ["local", "far"] and t["far"].times == (0.5, 0.5)
+    # the remote row is never warmed up here (it warms itself), and each repeat asks it once
+    assert order == ["local"] + ["local"] * 3 + [("remote", 3), ("remote", 3)] + ["local"] * 3
 
 
 def test_report_text_starts_with_the_chapter_lines(report):
@@ -181,10 +245,17 @@ def test_bad_compare_is_a_user_error():
 
 
 def test_torch_rows_share_the_table():
-    r = tiny_benchmark(artifact=False, compare=("torch",))
+    r = tiny_benchmark(artifact=False, compare=("torch",), latency=True)
     keys = {row.key for row in r.rows}
     assert {"torch_eager", "torch_script", "torch_compile"} <= keys
-    assert "torch_fastest_over_hybridized" in r.targets
+    assert {"torch_fastest_over_hybridized", "torch_fastest_over_latency_mode"} <= set(r.targets)
+    latency = r.targets["torch_fastest_over_latency_mode"]
+    keys = ("torch_eager", "torch_script", "torch_compile")
+    fastest = min(keys, key=lambda k: r.row(k).timing.per_input_min)
+    assert latency["value"] == pytest.approx(
+        r.row(fastest).timing.per_input_min / r.row("hybridized_latency").timing.per_input_min
+    )
+    assert f"than {r.row(fastest).label} (PyTorch's fastest here)" in bench.format_report(r)
     assert {"torch_script", "torch_compile"} <= set(r.stages)  # their compile times
     assert not any("differs" in n for n in r.notes)  # same weights, same outputs
     assert any(n.startswith(f"torch: {torch.__version__}, ") for n in r.notes)

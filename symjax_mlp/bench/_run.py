@@ -30,6 +30,7 @@ from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp._load import load
 from symjax_mlp._models import mlp
+from symjax_mlp.bench._remote import LatencyRow
 from symjax_mlp.bench._report import PIPELINED, BenchReport, make_rows, targets
 from symjax_mlp.bench._scaling import measure_peak
 from symjax_mlp.bench._timing import Progress, Timing, environment, time_interleaved, time_stages
@@ -73,6 +74,7 @@ def benchmark(
     stage_repeats: int | None = None,
     peak: bool | None = None,
     peak_size: int | None = None,
+    latency: bool = True,
     seed: int = 0,
     quick: bool = False,
     progress: Progress | None = None,
@@ -83,8 +85,10 @@ def benchmark(
     the same math in plain ``jax.numpy``, un-jitted; ``h(x)``; the floor, a
     ``jax.jit(f).lower(...).compile()`` executable called on pre-flattened params; the
     exported artifact loaded in JAX and in IREE (when IREE is installed); PyTorch
-    (``compare=("torch",)``); and all ``calls`` inputs in one compiled call, via ``vmap`` and
-    as one batch.
+    (``compare=("torch",)``); ``h(x)`` in :func:`~symjax_mlp.serving.latency_mode`, timed in
+    a fresh process (this one keeps JAX's default, asynchronous dispatch, where a synced call
+    waits for a hand-off to JAX's dispatch thread); and all ``calls`` inputs in one compiled
+    call, via ``vmap`` and as one batch.
 
     Eager rows run the ``calls`` calls once, in ``eager_chunks`` timed chunks (eager Flax
     costs milliseconds a call); the compiled rows run ``repeats`` repeats of ``calls``
@@ -105,6 +109,7 @@ def benchmark(
       peak, peak_size: also time an ``n x n`` ``jnp.dot`` (see
         :func:`~symjax_mlp.bench.measure_peak`), to say how close the batched call gets to
         this machine's matmul rate.
+      latency: include the latency-mode row (a subprocess; skipped with a note if it fails).
       seed: for the params and the input.
       quick: a first look: the :data:`QUICK` settings; the report says it is a quick run.
       progress: called with a status line as the run goes.
@@ -185,6 +190,7 @@ def benchmark(
     }
     syncs: dict[str, Callable[[Any], Any]] = {}
     restore_torch: Callable[[], None] = lambda: None  # noqa: E731
+    remote = _latency_row(h, sizes, in_features, activation, seed, notes, say) if latency else None
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_bench_") as tmp:
         if artifact:
             fast |= _artifact_rows(h, x, os.path.join(tmp, "mlp"), iree, notes, stages, say)
@@ -198,8 +204,9 @@ def benchmark(
                 fast |= tfns
                 syncs |= tsyncs
         try:
+            rows = {"hybridized_latency": remote} if remote else None
             compiled = time_interleaved(
-                fast, calls=calls, repeats=repeats, syncs=syncs, progress=say
+                fast, calls=calls, repeats=repeats, syncs=syncs, progress=say, remote=rows
             )
             # The same JAX calls pipelined, as the chapter's loop runs them: one sync a repeat.
             piped = {k: fast[k] for k in PIPELINED if k in fast}
@@ -208,7 +215,11 @@ def benchmark(
             )
         finally:
             restore_torch()
+            if remote:
+                remote.close()
     extra["pipelined"] = {k: t.to_dict() for k, t in pipelined.items()}
+    if remote:
+        extra["latency_mode"] = {"dispatch": remote.dispatch, "traces": remote.traces}
 
     # All `calls` inputs in one compiled call: vmap over single inputs, and one plain batch.
     vfn = jax.jit(jax.vmap(h.fn, in_axes=(None, 0))).lower(h.params, xs).compile()
@@ -252,6 +263,7 @@ def benchmark(
         "iree": iree,
         "train_step": train_step,
         "peak": peak,
+        "latency": latency,
         "stage_repeats": stage_repeats,
     }
     return BenchReport(
@@ -266,6 +278,34 @@ def benchmark(
         config=config,
         env=env,
     )
+
+
+def _latency_row(
+    h: Hybrid,
+    sizes: Sequence[int],
+    in_features: int,
+    activation: str | None,
+    seed: int,
+    notes: list[str],
+    say: Progress,
+) -> LatencyRow | None:
+    """The latency-mode row's process, its output checked against ``h``'s (``None``, with a
+    note, when it fails or differs: an optional row never sinks the run)."""
+    say("starting h(x) in latency mode, in a fresh process")
+    try:
+        row = LatencyRow(sizes=sizes, in_features=in_features, activation=activation, seed=seed)
+    except (RuntimeError, OSError) as e:
+        notes.append(f"latency-mode row skipped: {str(e)[-300:]}")
+        return None
+    want = np.asarray(h(jnp.asarray(row.x)))
+    if row.out.shape != want.shape or not np.allclose(row.out, want, rtol=1e-5, atol=1e-6):
+        row.close()
+        notes.append(
+            f"latency-mode row skipped: its output {row.out.tolist()} differs from h's "
+            f"{want.tolist()} on the same input"
+        )
+        return None
+    return row
 
 
 def _artifact_rows(

@@ -59,6 +59,10 @@ def _child(kind: str, **kw: Any) -> dict[str, Any] | None:
         return _latency_child(kind, **kw)
     if kind == "batcher":
         return _batcher_rows(**kw)
+    if kind == "row":  # the main table's latency-mode row (bench._remote)
+        from symjax_mlp.bench._remote import _row_child
+
+        return _row_child(**kw)
     raise ConfigError(f"unknown child kind {kind!r}")
 
 

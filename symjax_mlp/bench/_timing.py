@@ -131,6 +131,7 @@ def time_interleaved(
     inputs_per_call: Mapping[str, int] | None = None,
     pipelined: bool = False,
     progress: Progress | None = None,
+    remote: Mapping[str, Callable[[int], float]] | None = None,
 ) -> dict[str, Timing]:
     """Times several zero-argument callables, their repeats interleaved.
 
@@ -151,9 +152,12 @@ def time_interleaved(
       inputs_per_call: name -> samples per call (default 1).
       pipelined: sync once per repeat, not after every call.
       progress: called with a short status line before each callable's warm-up.
+      remote: name -> ``run(calls)``, rows timed elsewhere (another process: it warms
+        itself up, times ``calls`` calls on its own clock and returns the seconds), their
+        repeats interleaved with the others'.
 
     Returns:
-      name -> :class:`Timing`, in the order of ``fns``.
+      name -> :class:`Timing`, in the order of ``fns``, then of ``remote``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -172,17 +176,21 @@ def time_interleaved(
         sync_of[name] = (syncs or {}).get(name) or _sync_for(out)
         sync_of[name](out)
         _loop(fn, sync_of[name], max(0, warmup - 1), pipelined)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
+    remote = remote or {}
+    names = [*fns, *remote]
+    times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         if progress:
-            progress(f"timing {', '.join(fns)}: repeat {r + 1}/{repeats}")
+            progress(f"timing {', '.join(names)}: repeat {r + 1}/{repeats}")
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            times[name].append(_loop(fns[name], sync_of[name], calls, pipelined))
+            if name in remote:
+                times[name].append(remote[name](calls))
+            else:
+                times[name].append(_loop(fns[name], sync_of[name], calls, pipelined))
     per = inputs_per_call or {}
     return {
-        name: Timing(name, calls, tuple(times[name]), per.get(name, 1), pipelined) for name in fns
+        name: Timing(name, calls, tuple(times[name]), per.get(name, 1), pipelined) for name in names
     }
 
 

@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--iree", action=on_off, default=_preset("iree"), help="the artifact's IREE row")
     a("--train", action=on_off, default=_preset("train_step"), help="the training-step section")
     a("--peak", action=on_off, default=_preset("peak"), help="the matmul-peak measurement")
+    a("--latency", action=on_off, default=True,
+      help="the latency-mode row: h(x) with synchronous dispatch (sm.serving.latency_mode()), "
+      "timed in a fresh process, interleaved with the others")  # fmt: skip
     a("--devices", type=_count, metavar="N",
       help="also time sharded inference and training on 1, 2, 4, ... N devices (virtual CPU "
       "devices in a subprocess when fewer are visible: correctness only); writes a figure to "
@@ -230,6 +233,7 @@ def _main(args: argparse.Namespace) -> int:
         train_step=args.train,
         stage_repeats=args.stage_repeats,
         peak=args.peak,
+        latency=args.latency,
         quick=args.quick,
         progress=progress,
     )
