@@ -170,6 +170,13 @@ def test_a_latency_row_that_fails_or_differs_is_skipped_with_a_note(monkeypatch)
     assert note.startswith("latency-mode row skipped: its output [[1.0, 1.0]] differs from h's")
 
 
+def test_a_latency_row_process_that_fails_says_why():
+    from symjax_mlp.bench._remote import LatencyRow
+
+    with pytest.raises(RuntimeError, match=r"(?s)its process failed \(exit 1\):.*'no_such'"):
+        LatencyRow(sizes=(4, 2), in_features=8, activation="no_such", seed=0, timeout=60)
+
+
 def test_remote_rows_are_interleaved_with_the_others():
     order = []
 

@@ -42,21 +42,20 @@ def _stop(proc: subprocess.Popen, errors: Any) -> None:
 
 
 def _answer(proc: subprocess.Popen, errors: Any, timeout: float, who: str) -> dict[str, Any]:
-    """The next JSON line a subprocess prints (at most ``timeout`` s away)."""
+    """The next JSON line a subprocess prints (at most ``timeout`` s away); ``who`` names
+    it in the error."""
     ready = selectors.DefaultSelector()
     ready.register(proc.stdout, selectors.EVENT_READ)
     try:
         if not ready.select(timeout):
-            raise RuntimeError(f"bench_serving: {who} gave no answer within {timeout} s")
+            raise RuntimeError(f"{who} gave no answer within {timeout} s")
         line = proc.stdout.readline()
     finally:
         ready.close()
     if not line:
         proc.wait()
         errors.seek(0)
-        raise RuntimeError(
-            f"bench_serving: {who} failed (exit {proc.returncode}):\n{errors.read()[-3000:]}"
-        )
+        raise RuntimeError(f"{who} failed (exit {proc.returncode}):\n{errors.read()[-3000:]}")
     return json.loads(line)
 
 

@@ -183,7 +183,7 @@ def _latency_rows(
             )
             children.append((kind, kw, proc, errors))
             try:
-                _answer(proc, errors, timeout, f"the {label} subprocess")
+                _answer(proc, errors, timeout, f"bench_serving: the {label} subprocess")
             except RuntimeError as e:
                 if kind == "jax":
                     raise
@@ -197,7 +197,8 @@ def _latency_rows(
                 _, kw, proc, errors = children[i]
                 proc.stdin.write(json.dumps({"calls": calls}) + "\n")
                 proc.stdin.flush()
-                got = _answer(proc, errors, timeout, f"the latency subprocess ({kw})")
+                who = f"bench_serving: the latency subprocess ({kw})"
+                got = _answer(proc, errors, timeout, who)
                 metas[i] = got["meta"]
                 for form, xs in got["rounds"].items():
                     samples[i].setdefault(form, []).append(xs)

@@ -106,7 +106,7 @@ class LatencyRow:
         self.traces = 0
 
     def _answer(self) -> dict[str, Any]:
-        return _answer(self._proc, self._errors, self._timeout, "the latency-mode row")
+        return _answer(self._proc, self._errors, self._timeout, "its process")
 
     def __call__(self, calls: int) -> float:
         """Seconds of ``calls`` synced calls of ``h(x)`` in the child (after a short re-warm)."""
