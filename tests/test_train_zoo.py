@@ -162,3 +162,27 @@ def test_an_nnx_module_that_would_train_in_inference_mode_is_refused(data):
 def test_train_refuses_what_is_not_a_flax_module_and_says_what_to_write():
     with pytest.raises(sm.ConfigError, match=r"flax\.linen or nnx module; got a function.*apply"):
         sm.training.train(lambda x: x, epochs=1)
+
+
+@pytest.mark.parametrize("case", [c for c in CLASSIFIERS if c.kind == "nnx"], ids=lambda c: c.name)
+def test_an_nnx_step_shards_over_8_devices_as_it_runs_on_one(case):
+    """sm.training.shard_step of an nnx module's step: BatchNorm's statistics over the whole
+    batch and the same Dropout mask, so params and state equal one device's."""
+    module, opt = _module(case), optax.sgd(0.1)
+    x = jax.random.normal(jax.random.key(1), (16, 5))
+    y, w = jnp.arange(16) % 3, jnp.ones(16)
+    steps = {
+        "one": jax.jit(sm.training.train_step(module, opt)),
+        "eight": sm.training.shard_step(sm.training.train_step(module, opt), sm.data_mesh(8)),
+    }
+    runs = {}
+    for name, step in steps.items():
+        params = sm.training.init_params(module, jax.random.key(0), x[:1])
+        opt_state = opt.init(getattr(params, "params", params))  # a ModelVars' trainable part
+        for _ in range(3):
+            params, opt_state, metrics = step(params, opt_state, x, y, w)
+        runs[name] = (_leaves(params), float(metrics["loss"]))
+    (one, loss_one), (eight, loss_eight) = runs["one"], runs["eight"]
+    assert loss_eight == pytest.approx(loss_one, rel=1e-5)
+    for a, b in zip(one, eight, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
