@@ -11,9 +11,9 @@ from symjax_mlp.training._checkpoint import restore_checkpoint as restore_checkp
 from symjax_mlp.training._checkpoint import save_checkpoint as save_checkpoint
 from symjax_mlp.training._data import Dataset as Dataset
 from symjax_mlp.training._data import load_digits as load_digits
-from symjax_mlp.training._loop import EpochRecord as EpochRecord
-from symjax_mlp.training._loop import TrainResult as TrainResult
 from symjax_mlp.training._loop import train as train
+from symjax_mlp.training._result import EpochRecord as EpochRecord
+from symjax_mlp.training._result import TrainResult as TrainResult
 from symjax_mlp.training._sharded import ShardedStep as ShardedStep
 from symjax_mlp.training._sharded import shard_step as shard_step
 from symjax_mlp.training._step import Step as Step

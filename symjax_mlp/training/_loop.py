@@ -25,11 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from symjax_mlp._artifact.reading import Artifact
 from symjax_mlp._errors import CheckpointError, ConfigError, DivergenceError, RetraceError
-from symjax_mlp._export import export
-from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp._models import mlp
 from symjax_mlp.training._checkpoint import (
     TrainState,
@@ -39,123 +35,9 @@ from symjax_mlp.training._checkpoint import (
 )
 from symjax_mlp.training._data import Dataset, check_dataset, load_digits
 from symjax_mlp.training._nnx import NnxSpec, fingerprint, spec_of
+from symjax_mlp.training._result import EpochRecord, TrainResult
 from symjax_mlp.training._spec import TRAIN_FORM, inference_shape
 from symjax_mlp.training._step import ModelVars, apply_model, init_params, train_step
-
-
-@dataclasses.dataclass(frozen=True)
-class EpochRecord:
-    """One epoch of the history: mean training loss and accuracies after it."""
-
-    epoch: int
-    step: int
-    loss: float
-    train_accuracy: float
-    test_accuracy: float
-    seconds: float
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class TrainResult:
-    """What :func:`train` returns: the trained params, their history, and how it ran.
-
-    Attributes:
-      model: the ``flax.linen`` module that was trained, or for an nnx module the trained
-        module: a new one, in eval mode (the module given is left as it was).
-      params: its trained ``"params"`` collection (an nnx module's ``Param`` values).
-      opt_state: the final optimizer state.
-      step, epoch: optimizer steps and epochs completed (including resumed ones).
-      history: one :class:`EpochRecord` per completed epoch, oldest first.
-      test_accuracy: accuracy on the test split of the final params.
-      train_seconds: wall time of this call (init, compile, epochs, evaluation).
-      compiled: whether the step was jit-compiled.
-      trace_count: how often this call traced the step (1 when compiled, 0 eagerly).
-      resumed_from: the checkpoint this call continued from, or ``None``.
-      checkpoint: the newest checkpoint written or resumed from, or ``None``.
-      num_features: the model's input width.
-      model_state: a BatchNorm/Dropout model's trained state (its ``batch_stats`` and the
-        raw key of its ``dropout`` stream; an nnx module's other variables), or ``None``.
-      eval_flags: the keyword settings of an inference call, e.g. ``{"train": False}``.
-      standardize: the data's per-feature ``(mean, std)`` the model was trained on (raw
-        features ``x`` enter it as ``(x - mean) / std``), or ``None``.
-    """
-
-    model: Any
-    params: Any
-    opt_state: Any
-    step: int
-    epoch: int
-    history: tuple[EpochRecord, ...]
-    test_accuracy: float
-    train_seconds: float
-    compiled: bool
-    trace_count: int
-    resumed_from: Path | None
-    checkpoint: Path | None
-    num_features: int
-    model_state: Any = None
-    eval_flags: dict[str, bool] = dataclasses.field(default_factory=dict)
-    standardize: tuple[np.ndarray, np.ndarray] | None = None
-
-    @property
-    def variables(self) -> dict[str, Any]:
-        """The trained model's flax variables: ``{"params": ..., "batch_stats": ...}``, or
-        an nnx module's ``nnx.state``."""
-        if isinstance(self.model, nnx.Module):
-            return nnx.state(self.model)
-        collections = {c: v for c, v in (self.model_state or {}).items() if c != "rng"}
-        return {"params": self.params, **collections}
-
-    def hybridize(self, **kwargs: Any) -> Hybrid:
-        """The trained model as a :class:`~symjax_mlp.Hybrid` (``kwargs`` go to ``hybridize``).
-
-        Call it in inference mode with :attr:`eval_flags` (``h(x, train=False)``).
-        """
-        if isinstance(self.model, nnx.Module):
-            return hybridize(self.model, **kwargs)
-        return hybridize(self.model, self.variables, **kwargs)
-
-    def export(
-        self, path: str | os.PathLike, *, raw_inputs: bool = True, **kwargs: Any
-    ) -> Artifact:
-        """Exports the trained model in inference mode, with a symbolic batch.
-
-        With ``raw_inputs`` (the default) the data's standardisation (:attr:`standardize`)
-        is baked into the exported function: the artifact takes raw features, as they come,
-        and gives the logits the training run evaluated. ``kwargs`` go to
-        :func:`~symjax_mlp.export`.
-        """
-        example = np.zeros((1, self.num_features), np.float32)
-        kwargs.setdefault("batch", "b")
-        if not raw_inputs or self.standardize is None:
-            kwargs.setdefault("kwargs", self.eval_flags)
-            return export(self.hybridize(), path, example=example, **kwargs)
-        mean, std = (np.asarray(a, np.float32) for a in self.standardize)
-        trained = self.hybridize()
-        if trained.training_mode(example, **self.eval_flags):  # export() would refuse it
-            return export(trained, path, example=example, kwargs=self.eval_flags, **kwargs)
-        fn, flags = trained.fn, self.eval_flags
-
-        def raw_model(variables: Any, x: jax.Array) -> jax.Array:
-            return fn(variables, (x - mean) / std, **flags)
-
-        h = hybridize(raw_model, trained.variables, name=type(self.model).__name__)
-        return export(h, path, example=example, **kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON-able summary: accuracy, timing, steps and the per-epoch history."""
-        return {
-            "test_accuracy": self.test_accuracy,
-            "train_seconds": self.train_seconds,
-            "step": self.step,
-            "epoch": self.epoch,
-            "compiled": self.compiled,
-            "trace_count": self.trace_count,
-            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
-            "checkpoint": None if self.checkpoint is None else str(self.checkpoint),
-            "history": [dataclasses.asdict(r) for r in self.history],
-        }
-
 
 _NOT_FLAX = (
     "train() trains a flax.linen or nnx module; got a {kind}. For another model, write the "
