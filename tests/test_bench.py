@@ -137,7 +137,25 @@ def test_the_latency_mode_row_runs_h_with_synchronous_dispatch_in_its_own_proces
     hyb = report.row("hybridized").timing.per_call_min
     assert "latency mode (sm.serving.latency_mode(): synchronous dispatch" in text
     assert f"{hyb / per:.2f}x faster than h here." in text  # no torch rows in this run
+    assert report.env["dispatch"] == "async" and ", JAX async dispatch" in text
     assert "torch_fastest_over_latency_mode" not in report.targets
+
+
+def test_a_benchmark_run_in_latency_mode_says_so():
+    """Run from a process already in latency mode, the table's own rows are synchronous: the
+    report says which dispatch it ran in, and does not claim a hand-off it did not pay."""
+    code = (
+        "import symjax_mlp as sm; sm.serving.latency_mode(); from symjax_mlp import bench; "
+        "r = bench.benchmark(calls=2, repeats=1, eager_chunks=1, stage_repeats=1, sizes=(8, 2), "
+        "in_features=16, peak=False, train_step=False, artifact=False); "
+        "print(r.env['dispatch']); print(bench.format_report(r))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    ).stdout
+    assert out.startswith("sync\n")
+    assert "This process runs in latency mode too (synchronous dispatch)" in out
+    assert "waits for JAX's dispatch thread" not in out and ", JAX sync dispatch" in out
 
 
 def test_a_latency_row_that_fails_or_differs_is_skipped_with_a_note(monkeypatch):

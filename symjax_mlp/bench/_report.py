@@ -218,7 +218,12 @@ def _meaning(report: BenchReport) -> list[str]:
             f"{_fmt_s(pf)}: {cost}."
         )
     lat = per.get("hybridized_latency")
-    if lat:
+    if lat and report.env.get("dispatch") == "sync":
+        out.append(
+            f"This process runs in latency mode too (synchronous dispatch); h timed in a fresh "
+            f"process in that mode: {_fmt_s(lat)} a call" + _against_torch(per, lat) + "."
+        )
+    elif lat:
         out.append(
             f"Answered one request at a time, a synced call waits for JAX's dispatch thread to "
             f"hand the result back; in latency mode (sm.serving.latency_mode(): synchronous "
@@ -338,6 +343,7 @@ def format_report(report: BenchReport) -> str:
     where = f"ran on: {e['backend']} / {e['device_kind']} ({e['device']})"
     where += f", {e['cpu_model']}" if e.get("cpu_model") else ""
     where += f", {e['cpu_usable']} of {e['cpu_count']} cores usable"
+    where += f", JAX {e['dispatch']} dispatch" if e.get("dispatch") else ""
     if "loadavg" in e:
         where += f", load average {e['loadavg'][0]:.2f} at start"
     lines += [

@@ -36,6 +36,7 @@ from symjax_mlp.bench._scaling import measure_peak
 from symjax_mlp.bench._timing import Progress, Timing, environment, time_interleaved, time_stages
 from symjax_mlp.bench._train_step import time_train_step
 from symjax_mlp.bench._twins import mlp_jnp, torch_rows
+from symjax_mlp.serving._latency import dispatch_mode
 
 #: The settings of a full run, for every argument of :func:`benchmark` left at ``None``.
 FULL: dict[str, Any] = {
@@ -146,6 +147,7 @@ def benchmark(
         raise ConfigError("calls, repeats, eager_chunks and stage_repeats must all be >= 1.")
     say = progress or (lambda _: None)
     env = environment()
+    env["dispatch"] = dispatch_mode()  # JAX's CPU dispatch in this process: async by default
     notes: list[str] = []
     extra: dict[str, Any] = {}
     net = mlp(tuple(sizes), activation=activation)
