@@ -127,6 +127,29 @@ def test_the_nnx_step_is_nnx_own_optax_step():
         np.testing.assert_allclose(a, b, rtol=1e-6)  # compiled vs eager: an ulp apart
 
 
+def test_an_nnx_module_resumes_whatever_its_values_and_not_another_configuration(data, tmp_path):
+    """Resuming takes the module's configuration, not its values: one built from another seed
+    and run eagerly (its rng count and statistics moved) resumes the checkpoint exactly; one
+    with another Dropout rate is refused."""
+    opt, ckpt = optax.adam(3e-2), tmp_path / "ckpt"
+    whole = sm.training.train(NnxModes(nnx.Rngs(0, dropout=7)), data, optimizer=opt, epochs=2)
+    sm.training.train(
+        NnxModes(nnx.Rngs(0, dropout=7)), data, optimizer=opt, epochs=1, checkpoint=ckpt
+    )
+    other = NnxModes(nnx.Rngs(5, dropout=9))
+    other(jnp.ones((4, 5)))  # eager, in training mode: its count and batch stats move
+    resumed = sm.training.train(other, data, optimizer=opt, epochs=2, checkpoint=ckpt, resume=True)
+    assert resumed.resumed_from is not None
+    assert all(map(np.array_equal, _leaves(resumed.params), _leaves(whole.params)))
+    assert all(map(np.array_equal, _leaves(resumed.model_state), _leaves(whole.model_state)))
+    rate = NnxModes(nnx.Rngs(0, dropout=7))
+    rate.drop.rate = 0.25
+    with pytest.raises(
+        sm.CheckpointError, match=r"was written with \{.model_sha256.*resume with the same settings"
+    ):
+        sm.training.train(rate, data, optimizer=opt, epochs=2, checkpoint=ckpt, resume=True)
+
+
 class _IsTrainingNnx(nnx.Module):
     """BatchNorm behind a flag of a name that training does not find."""
 

@@ -169,10 +169,11 @@ def _shown(flags: dict[str, Any]) -> str:
 
 
 def fingerprint(spec: NnxSpec) -> str:
-    """The module's configuration as its eval-mode repr shows it (layers, widths, settings),
-    without the memory addresses that differ between processes."""
-    text = repr(spec.module(spec.params, spec.state))
-    return re.sub(r" at 0x[0-9a-f]+", "", text)
+    """The module's configuration: its eval-mode graph as ``nnx.graphdef`` shows it (layers,
+    widths, static settings such as a Dropout rate), never its values (an rng key, a count
+    moved by an eager call), nor the memory addresses that differ between processes."""
+    text = repr(nnx.graphdef(spec.module(spec.params, spec.state)))
+    return re.sub(r"0x[0-9a-f]+", "0x", text)
 
 
 def spec_of(
