@@ -3,26 +3,24 @@
 ``export`` runs ``jax.export`` on the Hybrid's pure function with the params as *inputs* (not
 constants), so the weights live in a separate, cross-language ``params.safetensors`` and can be
 swapped at load. A sharded Hybrid exports its sharded program (the manifest records the
-device count). The directory is written atomically, manifest last.
+device count). Each entry point is staged and exported by :mod:`symjax_mlp._export_entry`;
+this module checks the options, joins the entry points' params into one weight file, and
+writes the directory atomically, manifest last.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import datetime
 import importlib.metadata
 import json
 import os
 import platform as _platform
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from symjax_mlp import _selftest as selftest
 from symjax_mlp._artifact.format import (
@@ -42,21 +40,15 @@ from symjax_mlp._artifact.format import (
 )
 from symjax_mlp._artifact.reading import Artifact, freeze
 from symjax_mlp._artifact.signature import Signature
-from symjax_mlp._artifact.weights import encode_params, param_specs
-from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
+from symjax_mlp._artifact.weights import encode_params
+from symjax_mlp._errors import ArtifactError, ConfigError
+from symjax_mlp._export_entry import Stage, export_program, stage
 from symjax_mlp._export_options import PER_ENTRY, check_options
 from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, partition, rebuild
-from symjax_mlp._specs import TensorSpec, shape_dims
+from symjax_mlp._specs import TensorSpec
 
 COMPATIBILITY_WINDOW = datetime.timedelta(days=180)  # what jax.export lowers for
-_TRAINING = (
-    "export({name}): the nnx module is in training mode ({settings}: the mode a module is "
-    "built in), and that changes its program: the artifact would drop units with one fixed "
-    "key on every call and normalise each batch by its own statistics. Call module.eval() "
-    "before export(), and module.train() to go on training afterwards."
-)
 
 
 def export(
@@ -139,18 +131,18 @@ def export(
     )  # fmt: skip
     meta = _metadata(metadata, names[0])
     staged = [
-        _stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
+        stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
         for i, n in enumerate(names)
     ]
     shared = _shared_params(names, staged)
     check_target(path, overwrite)  # fail before the work, not after it
     files: dict[str, bytes] = {}
     programs = []
-    for i, (name, stage) in enumerate(zip(names, staged, strict=True)):
+    for i, (name, entry) in enumerate(zip(names, staged, strict=True)):
         # The default entry point takes every weight (the manifest's params); the others
         # take their own, by path, from the same params.safetensors.
-        own = shared if i == 0 else {s.path: shared[s.path] for s in stage.specs}
-        exported, signature = _export_program(stage, own, platforms)
+        own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
+        exported, signature = export_program(entry, own, platforms)
         roles = {JAXEXPORT: JAXEXPORT, MLIRBC: MLIRBC, MLIR: MLIR, SELFTEST: SELFTEST}
         if i:
             roles = entry_files(name)
@@ -165,13 +157,13 @@ def export(
         inputs = [*own, *(s.path for s in signature.inputs)]
         programs.append(
             {
-                "name": stage.h.name,
+                "name": entry.h.name,
                 "signature": signature.to_json(),
                 "params": sorted(own),
                 "mlir_arguments": (["platform_index"] if len(platforms) > 1 else [])
                 + [inputs[k] for k in exported.module_kept_var_idx],
                 "static": {
-                    (f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v, _ in stage.static
+                    (f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v, _ in entry.static
                 },
                 "program_files": roles,
                 "nr_devices": exported.nr_devices,
@@ -227,23 +219,6 @@ def export(
 ENTRY_FIELDS = ("name", "signature", "params", "mlir_arguments", "static", "program_files")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Stage:
-    """One entry point, ready to export: its Hybrid, settings, inputs and stored params."""
-
-    h: Hybrid
-    static: Any
-    in_specs: list[jax.ShapeDtypeStruct]
-    specs: list[TensorSpec]  # its params, sorted by path
-    host_params: list[np.ndarray]
-    fn: Callable[..., Any]  # fn(params tree, *inputs)
-    treedef: Any
-    leaf_paths: tuple[str, ...]  # the params' paths in treedef's (flatten) order
-    batch: str | None
-    per_input_shapes: bool
-    constraints: tuple[str, ...]
-
-
 def _entry_points(h: Any) -> dict[str, Hybrid]:
     """``h`` as named entry points: one Hybrid is the entry point ``main``."""
     points = {"main": h} if isinstance(h, Hybrid) else h
@@ -284,70 +259,12 @@ def _per_entry(value: Any, names: list[str], what: str) -> list[Any]:
     return [value] * len(names)
 
 
-def _stage(
-    h: Hybrid,
-    batch: str | None,
-    *,
-    example: Any,
-    kwargs: Mapping[str, Any] | None,
-    shapes: Sequence[str | None] | None,
-    constraints: Sequence[str],
-) -> _Stage:
-    examples = tuple(example) if isinstance(example, (tuple, list)) else (example,)
-    training = h.training_mode(*examples, **dict(kwargs or {}))
-    if training:
-        raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
-    static, examples, array_kwargs = partition(
-        examples,
-        dict(kwargs or {}),
-        h.static_argnums,
-        h.static_argnames,
-        caller=f"export({h.name})",
-    )
-    if array_kwargs:
-        raise SignatureError(
-            f"export({h.name}, kwargs=...): {', '.join(array_kwargs)} are arrays; an artifact's "
-            "inputs are positional. Pass them in example=(x, ...) and call the artifact with "
-            "them positionally, or bake a Python setting (True, 3, 'relu') instead."
-        )
-    in_specs = _input_structs(examples, batch, shapes, tuple(constraints), h.name)
-    stored, fn = _exportable(h)
-    specs, host_params = param_specs(stored)
-    treedef = jax.tree.structure(stored)
-    fn = _sharded_fn(h, fn) if h.mesh is not None else fn
-    leaf_paths = tuple(s.path for s in specs)
-    if len(set(leaf_paths)) < len(leaf_paths):
-        twice = sorted({p for p in leaf_paths if leaf_paths.count(p) > 1})
-        raise ConfigError(
-            f"export({h.name}): two params share the path {twice[0]!r} (keys that print alike, "
-            "such as 1 and '1'); params.safetensors names each tensor by its path. Rename one."
-        )
-    # The weight file and the module's params dict are sorted by path (a dict flattens
-    # sorted); the model rebuilds its own tree from them in its flatten order (leaf_paths),
-    # which differs from sorted order for lists of 11+ layers ('10' < '2') and for keys with
-    # characters below '/' ('proj-out' < 'proj/...').
-    order = sorted(range(len(specs)), key=lambda i: specs[i].path)
-    return _Stage(
-        h,
-        static,
-        in_specs,
-        [specs[i] for i in order],
-        [host_params[i] for i in order],
-        fn,
-        treedef,
-        leaf_paths,
-        batch,
-        shapes is not None,
-        tuple(constraints),
-    )
-
-
-def _shared_params(names: list[str], staged: list[_Stage]) -> dict[str, tuple[TensorSpec, Any]]:
+def _shared_params(names: list[str], staged: list[Stage]) -> dict[str, tuple[TensorSpec, Any]]:
     """Every entry point's params by path, one tensor per path: the one weight file."""
     shared: dict[str, tuple[TensorSpec, Any]] = {}
     owner: dict[str, str] = {}
-    for name, stage in zip(names, staged, strict=True):
-        for spec, array in zip(stage.specs, stage.host_params, strict=True):
+    for name, entry in zip(names, staged, strict=True):
+        for spec, array in zip(entry.specs, entry.host_params, strict=True):
             if spec.path in shared:
                 (other, known) = shared[spec.path]
                 if other != spec or not np.array_equal(known, array):
@@ -363,64 +280,6 @@ def _shared_params(names: list[str], staged: list[_Stage]) -> dict[str, tuple[Te
     return shared
 
 
-def _export_program(
-    stage: _Stage, own: Mapping[str, tuple[TensorSpec, Any]], platforms: tuple[str, ...]
-) -> tuple[Any, Signature]:
-    """``jax.export`` of one entry point, its params a dict keyed by path (so the module's
-    own input tree names every param and load binds weights by name)."""
-    h, static, treedef, fn = stage.h, stage.static, stage.treedef, stage.fn
-    paths = stage.leaf_paths
-
-    def model(params: dict[str, jax.Array], *inputs: jax.Array) -> Any:
-        args, kw = rebuild(static, inputs, {})
-        return fn(jax.tree.unflatten(treedef, [params[p] for p in paths]), *args, **kw)
-
-    model.__name__ = "model"
-    p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in sorted(own.items())}
-    in_specs = stage.in_specs
-    try:
-        with _no_source_locations():  # reproducible bytes: no path of this machine inside
-            exported = jax.export.export(jax.jit(model), platforms=platforms)(p_structs, *in_specs)
-    except TRACER_ERRORS as e:
-        raise control_flow_error(h.name, e) from e
-    except RuntimeError:  # e.g. std::bad_cast from a host callback's lowering
-        callbacks = _callbacks(model, p_structs, in_specs)
-        if not callbacks:
-            raise
-        raise ConfigError(
-            f"export({h.name}): the function calls back into Python ({', '.join(callbacks)}), "
-            "and an artifact carries no Python: it runs where your code is not. Compute it "
-            "with jnp/lax operations, or keep that step outside the exported function."
-        ) from None
-    except jax.errors.InconclusiveDimensionOperation as e:
-        raise SignatureError(
-            f"export({h.name}, batch={stage.batch!r}): the function needs a concrete value of "
-            f"the symbolic batch {stage.batch!r} ({str(e).splitlines()[0]}). Keep the batch "
-            "symbolic (use x.shape[0] only inside jnp operations, reshape with -1), or export "
-            "static shapes with batch=None."
-        ) from e
-    out_kind = _output_kind(exported, h)
-    signature = Signature(
-        tuple(
-            TensorSpec(f"args[{i}]", shape_dims(a.shape), str(a.dtype))
-            for i, a in enumerate(exported.in_avals[len(p_structs) :])
-        ),
-        tuple(
-            TensorSpec(
-                "out" if out_kind == "array" else f"out[{i}]", shape_dims(a.shape), str(a.dtype)
-            )
-            for i, a in enumerate(jax.tree.leaves(exported.out_avals))
-        ),
-        out_kind,
-        None if stage.per_input_shapes else stage.batch,
-        stage.constraints,
-    )
-    names = [*p_structs, *(s.path for s in signature.inputs)]
-    if len(set(names)) != len(names) or "platform_index" in names:
-        raise ArtifactError(f"export({h.name}): param paths collide with input names: {names}")
-    return exported, signature
-
-
 def _same_program_settings(names: list[str], programs: list[dict[str, Any]]) -> None:
     """Entry points share the artifact's devices, calling convention and effects."""
     for key in ("nr_devices", "calling_convention_version", "ordered_effects"):
@@ -430,39 +289,6 @@ def _same_program_settings(names: list[str], programs: list[dict[str, Any]]) -> 
                 f"export(): the entry points differ in {key} ({values}); an artifact's entry "
                 "points run on one set of devices. Shard them alike (or not at all)."
             )
-
-
-def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:
-    """What an export stores (params, and a flax model's state) and the function of it.
-
-    Typed rng keys (a linen model's streams, an nnx module's ``Rngs``) cannot be stored as
-    tensors; they are baked into the function as constants (the values ``h`` holds now).
-    """
-    tree, fn = h.variables, h.fn
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = {i: x for i, x in enumerate(leaves) if _is_key(x)}
-    if not keys:
-        return tree, fn
-    stored = jax.tree.unflatten(treedef, [None if i in keys else x for i, x in enumerate(leaves)])
-
-    def with_keys(stored: Any, *args: Any, **kwargs: Any) -> Any:
-        slots = jax.tree.leaves(stored, is_leaf=lambda x: x is None)
-        full = [keys.get(i, x) for i, x in enumerate(slots)]
-        return fn(jax.tree.unflatten(treedef, full), *args, **kwargs)
-
-    return stored, with_keys
-
-
-def _callbacks(fn: Callable[..., Any], *args: Any) -> list[str]:
-    """The host-callback primitives (``pure_callback``, ``io_callback``, ...) ``fn`` stages."""
-    from symjax_mlp._hybrid.jaxpr import walk
-
-    try:
-        jaxpr = jax.make_jaxpr(fn)(args[0], *args[1])
-    except Exception:  # cannot stage it again: no better message to give
-        return []
-    names = {eqn.primitive.name for eqn, _ in walk(jaxpr.jaxpr)}
-    return sorted(n for n in names if "callback" in n)
 
 
 def _self_test_vectors(
@@ -476,96 +302,6 @@ def _self_test_vectors(
     params = {p: a for p, (_, a) in own.items()}
     outs = jax.tree.leaves(jax.jit(exported.call)(params, *xs))
     return selftest.encode(xs, [np.asarray(y) for y in outs])
-
-
-def _is_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with the sharding of ``h``'s mesh as constraints: batch split, params
-    replicated, so ``jax.export`` records ``nr_devices = mesh.size``."""
-    mesh = h.mesh
-    rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P(h.axis))
-
-    def sharded(params: Any, *inputs: Any, **kw: Any) -> Any:
-        params = jax.lax.with_sharding_constraint(params, rep)
-        arrays = [i for i, x in enumerate(inputs) if hasattr(x, "shape")]
-        placed = jax.lax.with_sharding_constraint([inputs[i] for i in arrays], dat)
-        inputs = list(inputs)
-        for i, x in zip(arrays, placed, strict=True):
-            inputs[i] = x
-        return jax.lax.with_sharding_constraint(fn(params, *inputs, **kw), dat)
-
-    return sharded
-
-
-def _input_structs(
-    examples: tuple[Any, ...],
-    batch: str | None,
-    shapes: Sequence[str | None] | None,
-    constraints: tuple[str, ...],
-    name: str,
-) -> list[jax.ShapeDtypeStruct]:
-    for i, x in enumerate(examples):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            raise SignatureError(
-                f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
-                "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."
-            )
-    if shapes is not None:
-        return _spec_structs(examples, shapes, constraints, name)
-    dim = jax.export.symbolic_shape(batch)[0] if batch else None
-    structs = []
-    for i, x in enumerate(examples):
-        shape = tuple(x.shape)
-        if dim is not None:
-            if not shape:
-                raise SignatureError(
-                    f"export(example=...): args[{i}] is a scalar, so it has no batch dimension "
-                    f"for batch={batch!r}. Pass batch=None for static shapes, or shapes=."
-                )
-            shape = (dim, *shape[1:])
-        structs.append(jax.ShapeDtypeStruct(shape, x.dtype))
-    return structs
-
-
-def _spec_structs(
-    examples: tuple[Any, ...], shapes: Sequence[str | None], constraints: tuple[str, ...], name: str
-) -> list[jax.ShapeDtypeStruct]:
-    """Inputs with ``jax.export`` shape specs, all in one scope (names shared, constrained)."""
-    shapes = tuple(shapes)
-    if len(shapes) != len(examples):
-        raise ConfigError(
-            f"export({name}, shapes={shapes!r}): one spec per input; the example has "
-            f"{len(examples)} input(s)."
-        )
-    try:
-        scope = jax.export.SymbolicScope(constraints)
-        specs = [
-            None if spec is None else jax.export.symbolic_shape(spec, scope=scope)
-            for spec in shapes
-        ]
-    except (ValueError, TypeError) as e:
-        raise ConfigError(
-            f"export({name}, shapes={shapes!r}, constraints={constraints!r}): {e}. Write specs "
-            "as jax.export does, e.g. 'b, 512', and constraints such as 't <= 1024'."
-        ) from None
-    structs = []
-    for i, (x, dims) in enumerate(zip(examples, specs, strict=True)):
-        if dims is None:
-            structs.append(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype))
-            continue
-        fixed = [(j, d) for j, d in enumerate(dims) if isinstance(d, int)]
-        if len(dims) != len(x.shape) or any(x.shape[j] != d for j, d in fixed):
-            raise SignatureError(
-                f"export({name}, shapes=...): args[{i}] has shape {tuple(x.shape)}, which the "
-                f"spec {shapes[i]!r} does not describe. Give a spec of rank {len(x.shape)} "
-                "whose numbers match the example."
-            )
-        structs.append(jax.ShapeDtypeStruct(dims, x.dtype))
-    return structs
 
 
 def _metadata(metadata: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
@@ -590,32 +326,6 @@ def _metadata(metadata: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
 def _mirror(meta: Mapping[str, Any]) -> dict[str, str]:
     """The model card as safetensors ``__metadata__`` (string -> string)."""
     return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
-
-
-@contextlib.contextmanager
-def _no_source_locations() -> Iterator[None]:
-    """Exports without the Python source locations (file paths of this machine) in the
-    module, so the same model exports to the same bytes anywhere. Scoped to the export."""
-    from jax._src import config  # the scoped form of jax_traceback_in_locations_limit
-
-    limit = getattr(config, "traceback_in_locations_limit", None)
-    with limit(0) if limit is not None else contextlib.nullcontext():
-        yield
-
-
-def _output_kind(exported: Any, h: Hybrid) -> str:
-    out_tree = exported.out_tree
-    if out_tree.num_leaves == 1 and out_tree == jax.tree.structure(0):
-        return "array"
-    if out_tree.num_nodes == out_tree.num_leaves + 1 and (
-        out_tree == jax.tree.structure((0,) * out_tree.num_leaves)
-    ):
-        return "tuple"
-    raise SignatureError(
-        f"export({h.name}): the function returns {out_tree}; an artifact returns an array or a "
-        "flat tuple of arrays (what every runtime, IREE included, can hand back). Return "
-        "tuple(jax.tree.leaves(out)) from the function you export."
-    )
 
 
 def _versions() -> dict[str, str]:
