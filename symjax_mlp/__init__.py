@@ -29,8 +29,8 @@ from symjax_mlp._errors import RetraceError as RetraceError
 from symjax_mlp._errors import SignatureError as SignatureError
 from symjax_mlp._errors import SymjaxError as SymjaxError
 from symjax_mlp._hybrid.mesh import data_mesh as data_mesh
-from symjax_mlp._load import LoadedModel as LoadedModel
 from symjax_mlp._load import load as load
+from symjax_mlp._loaded import LoadedModel as LoadedModel
 from symjax_mlp._signing import sign as sign
 from symjax_mlp._signing import verify_signature as verify_signature
 from symjax_mlp._specs import TensorSpec as TensorSpec

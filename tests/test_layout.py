@@ -47,6 +47,7 @@ STAGES = (
     "symjax_mlp._export_entry",
     "symjax_mlp._export",
     "symjax_mlp._runtimes",
+    "symjax_mlp._loaded",
     "symjax_mlp._load",
     "symjax_mlp._verify",
     "symjax_mlp.serving",

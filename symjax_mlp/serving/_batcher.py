@@ -45,7 +45,7 @@ import numpy as np
 
 from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
 from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._load import LoadedModel
+from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._futures import AsyncRequest, RequestFuture
 from symjax_mlp.serving._lane import Blocking, Lane, array_rows, claim, clock, tree_to_host

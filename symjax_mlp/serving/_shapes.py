@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp._load import LoadedModel
+from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 
 

@@ -1,0 +1,183 @@
+"""A loaded artifact: :class:`LoadedModel`, the callable :func:`~symjax_mlp.load` returns.
+
+A call checks its inputs against the artifact's signature once per (shape, dtype) and runs
+the program a runtime prepared (:mod:`symjax_mlp._runtimes`); a failure of that program is an
+``ArtifactError`` naming the artifact, an error of the caller's own tracing passes through,
+and ``jax.vmap`` over it is a clear error. Another entry point of the same artifact opens on
+first use, through the opener :mod:`symjax_mlp._load` hands it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from symjax_mlp._artifact.format import JAXEXPORT, entry_names, entry_point, printable, program_file
+from symjax_mlp._artifact.signature import Signature, _is_array
+from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
+from symjax_mlp._specs import array_types
+
+_ARRAYS = array_types()
+
+
+class _NoEntryPoint(ConfigError, KeyError):
+    """``m[name]`` for a name the artifact has no entry point of (a ``KeyError`` too)."""
+
+    def __str__(self) -> str:  # a KeyError would show its message quoted
+        return str(self.args[0])
+
+
+class Opener(Protocol):
+    """What opens another entry point of the same artifact (``symjax_mlp._load``'s)."""
+
+    def open(self, entry: str | None) -> LoadedModel: ...
+
+
+class LoadedModel:
+    """An artifact ready to call: checked, deserialized (JAX) or compiled (IREE).
+
+    ``m(x)`` checks every input against :attr:`signature` (raising
+    :class:`~symjax_mlp.SignatureError`) and runs the exported program with the artifact's
+    params. The JAX runtime returns ``jax.Array``; the IREE runtime returns NumPy arrays.
+
+    An artifact exported with several entry points (``export({"predict": h, "embed": e},
+    ...)``) loads as its default (first) one; ``m["embed"]`` is another, over the same
+    weights, loaded and checked the same way on first use.
+
+    Attributes:
+      path: the artifact directory.
+      manifest: the manifest as this entry point sees it (its signature, params, program
+        files), read-only.
+      signature: what the model takes and returns, symbolic dims by name.
+      runtime: ``"jax"`` or ``"iree"``.
+      entry: the name of this entry point.
+      params_as_constants: whether its programs hold the weights as constants (``load``).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        manifest: Any,
+        runtime: str,
+        params: dict[str, Any],
+        run: Callable[[list[Any]], list[Any]],
+        opener: Opener | None = None,
+    ) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.signature = Signature.from_json(manifest["signature"])
+        self.runtime = runtime
+        self.entry = entry_point(manifest)
+        self._params = params
+        self._run = run
+        self._opener = opener
+        self._file = printable(str(path / program_file(manifest, JAXEXPORT)))
+        self._caller = f'symjax_mlp.load("{printable(str(path))}")' + (
+            f"[{self.entry!r}]" if len(self.entries) > 1 else ""
+        )
+        self._single_output = self.signature.output_kind == "array"
+        self._checked: set[tuple[Any, ...]] = set()
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The artifact's model card (``export(..., metadata=...)``), as JSON data."""
+        from symjax_mlp._artifact.reading import thaw
+
+        return thaw(self.manifest.get("metadata", {}))
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The artifact's entry points, the default first."""
+        return entry_names(self.manifest)
+
+    def __getitem__(self, name: str) -> LoadedModel:
+        """The entry point ``name`` of the same artifact, over the same weights."""
+        if name == self.entry:
+            return self
+        if name not in self.entries or self._opener is None:
+            raise _NoEntryPoint(
+                f'symjax_mlp.load("{printable(str(self.path))}") has no entry point '
+                f"{printable(repr(name))}; it has {', '.join(self.entries)}."
+            )
+        return self._opener.open(name)
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        """The weights in use, ``{"params/layers_0/kernel": array, ...}`` (read-only arrays)."""
+        return {k: _read_only(v) for k, v in self._params.items()}
+
+    def __call__(self, *inputs: jax.typing.ArrayLike) -> Any:
+        outs = self._outputs(inputs)
+        return outs[0] if self._single_output else tuple(outs)
+
+    def _outputs(self, inputs: Any) -> list[Any]:
+        # Hot path: a (shape, dtype) signature that passed the check once needs no second
+        # check; only NumPy and JAX arrays are remembered, at most 256 signatures.
+        key = None
+        for x in inputs:
+            if type(x) not in _ARRAYS and not _is_array(x):
+                break
+        else:
+            key = tuple([(x.shape, x.dtype) for x in inputs])
+        if key is None or key not in self._checked:
+            if _is_batching(inputs):
+                raise self._no_vmap()
+            inputs = self.signature.check(inputs, caller=self._caller)
+            if key is not None and len(self._checked) < 256:
+                self._checked.add(key)
+        try:
+            return self._run(list(inputs))
+        except SymjaxError:
+            raise
+        except Exception as e:  # the program failed: XLA, IREE or jax.export raised
+            if _is_tracer_error(e):
+                raise  # the caller's own jax.jit code, not the artifact
+            if isinstance(e, NotImplementedError) and _is_batching(inputs):
+                raise self._no_vmap() from None
+            raise ArtifactError(
+                f"{self._caller}: running the program of {self._file} "
+                f"failed ({type(e).__name__}: {printable(str(e)[:600])}). The artifact's "
+                "files agree with each other but its program does not run here; it is "
+                "corrupted, was edited, or was made for another JAX. Export it again."
+            ) from e
+
+    def _no_vmap(self) -> ConfigError:
+        batch = self.signature.batch or "its leading dimension"
+        return ConfigError(
+            f"{self._caller}: jax.vmap cannot map over a loaded model (a jax.export program "
+            f"has no batching rule). It takes a whole batch along {batch}: call m(xs) on "
+            "the stacked inputs instead of jax.vmap(m)(xs) (one example: m(x[None])[0]), "
+            "or apply jax.vmap inside the function before you export it."
+        )
+
+    def __repr__(self) -> str:
+        return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
+
+
+def _read_only(a: Any) -> np.ndarray:
+    out = np.asarray(a)
+    if out.flags.writeable:
+        out = out.view()
+        out.flags.writeable = False
+    return out
+
+
+def _is_tracer_error(e: Exception) -> bool:
+    """An error of the caller's own tracing (``jax.jit`` of code around the model)."""
+    tracer_errors = (
+        jax.errors.ConcretizationTypeError,
+        jax.errors.UnexpectedTracerError,
+        jax.errors.TracerArrayConversionError,
+        jax.errors.TracerBoolConversionError,
+        jax.errors.TracerIntegerConversionError,
+    )
+    return isinstance(e, tracer_errors)
+
+
+def _is_batching(inputs: Any) -> bool:
+    """Whether the call runs under ``jax.vmap`` (its inputs are batch tracers)."""
+    return any(type(x).__name__ == "BatchTracer" for x in inputs)
