@@ -988,18 +988,18 @@ def test_http_non_finite_answers_big_endian_npy_and_what_metrics_count(server):
 
 def test_json_integers_outside_the_inputs_dtype_are_refused_not_wrapped():
     """[[1, 2**31]] for an int32 input was cast to -2**31 and answered 200."""
-    from symjax_mlp.serving._app import _decode
+    from symjax_mlp.serving._bodies import decode
 
     h = sm.hybridize(lambda p, x: x * p, jnp.int32(2))
     with sm.serving.Batcher(h, example=np.ones((1, 2), np.int32), max_batch=2) as b:
         for big in (2**31, -(2**31) - 1, 2**40, 2**63, 2**70):
             body = json.dumps({"inputs": [[1, big]]}).encode()
             with pytest.raises(sm.SignatureError, match=r"outside int32's range"):
-                _decode(b, body, "application/json")
-        xs, _ = _decode(b, json.dumps({"inputs": [[1, 2**31 - 1]]}).encode(), "application/json")
+                decode(b, body, "application/json")
+        xs, _ = decode(b, json.dumps({"inputs": [[1, 2**31 - 1]]}).encode(), "application/json")
         assert xs[0].dtype == np.int32 and xs[0].tolist() == [[1, 2**31 - 1]]
         with pytest.raises(sm.SignatureError, match=r"send integers"):
-            _decode(b, json.dumps({"inputs": [[1.5, 2]]}).encode(), "application/json")
+            decode(b, json.dumps({"inputs": [[1.5, 2]]}).encode(), "application/json")
 
 
 def test_http_health_signature_and_metrics(server):

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import json
 import os
 import signal
 import socket
@@ -35,16 +33,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import jax
-import numpy as np
-
 from symjax_mlp._errors import OverloadError, SignatureError
 from symjax_mlp._load import load
 from symjax_mlp.serving._batcher import Batcher
-
-NPY = "application/x-npy"
-NPZ = "application/x-npz"
-_NPY_TYPES = (NPY, "application/octet-stream", "application/npy")
+from symjax_mlp.serving._bodies import BadRequest, Json, decode, to_json, to_npy
 
 
 def _require() -> Any:
@@ -57,146 +49,6 @@ def _require() -> Any:
             "Install them with: pip install 'symjax_mlp[serve]'",
             name=e.name,
         ) from e
-
-
-class BadRequest(Exception):
-    """A body that cannot be read as a request (answered with ``status``)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any], bool]:
-    """The request's inputs, and whether it came as .npy (answer in kind)."""
-    specs = batcher.specs
-    kind = content_type.split(";")[0].strip().lower()
-    if kind in _NPY_TYPES:
-        if len(specs) != 1:
-            raise BadRequest(
-                415,
-                f"a .npy body holds one array, but this model takes {len(specs)} inputs "
-                f"({', '.join(map(str, specs))}); send JSON "
-                '{"inputs": {"args[0]": [...], ...}} instead.',
-            )
-        try:
-            x = np.load(io.BytesIO(body), allow_pickle=False)
-        except Exception as e:
-            raise BadRequest(400, f"the body is not a readable .npy array ({e}).") from None
-        if not isinstance(x, np.ndarray):
-            raise BadRequest(400, "the body is an .npz archive; send one .npy array.")
-        if x.dtype.byteorder == (">" if sys.byteorder == "little" else "<"):
-            x = x.astype(x.dtype.newbyteorder("="))  # the same numbers, in this CPU's order
-        return [x], True
-    if kind not in ("application/json", ""):
-        raise BadRequest(
-            415,
-            f"unsupported Content-Type {content_type!r}; send application/json "
-            f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).',
-        )
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
-        raise BadRequest(400, f"the body is not valid JSON ({_short(str(e))}).") from None
-    if not isinstance(data, dict) or "inputs" not in data:
-        raise BadRequest(
-            400,
-            'the JSON body must be an object with "inputs": {"inputs": [[...], ...]} (rows '
-            'first), or {"inputs": {"args[0]": [...], ...}} naming each input; got '
-            f"{type(data).__name__}{' without inputs' if isinstance(data, dict) else ''}.",
-        )
-    inputs = data["inputs"]
-    names = [s.path for s in specs]
-    if isinstance(inputs, dict):
-        if sorted(inputs) != sorted(names):
-            raise SignatureError(
-                f"{batcher.name}: the request names the inputs {_short(str(sorted(inputs)))}, "
-                f"but the model takes {names} ({', '.join(map(str, specs))}). Send one entry "
-                "per input."
-            )
-        values = [inputs[n] for n in names]
-    elif len(specs) == 1:
-        values = [inputs]
-    else:
-        raise SignatureError(
-            f"{batcher.name}: the model takes {len(specs)} inputs ({', '.join(map(str, specs))})"
-            '; name them: {"inputs": {"args[0]": [...], "args[1]": [...]}}.'
-        )
-    return [_from_json(batcher, spec, v) for spec, v in zip(specs, values, strict=True)], False
-
-
-def _from_json(batcher: Batcher, spec: Any, value: Any) -> np.ndarray:
-    """JSON numbers as the input's dtype; refuses what the cast would change (1.5 -> int,
-    2**31 -> int32, 1e39 -> float32). ``NaN``, ``Infinity`` and ``-Infinity`` (what Python's
-    json, and TF Serving, read and write) are floats like any other."""
-    try:
-        raw = np.asarray(value)
-    except (ValueError, OverflowError) as e:  # ragged lists
-        raise SignatureError(
-            f"{batcher.name}: input {spec.path} is not a rectangular array ({_short(str(e))}); "
-            f"send nested lists of one shape, {spec.type}."
-        ) from None
-    want = np.dtype(spec.dtype)
-    integral = raw.dtype.kind in "biu" or (
-        raw.dtype.kind == "O" and all(type(v) is int for v in raw.flat)  # past int64
-    )
-    if raw.dtype.kind == "f" and want.kind in "iu" and np.array_equal(raw, np.trunc(raw)):
-        integral, raw = True, raw.astype(object)  # whole numbers (2**63: NumPy made floats)
-    if not (integral or raw.dtype.kind == "f") or (raw.dtype.kind == "f" and want.kind in "biu"):
-        what = "integers" if want.kind in "biu" else "numbers"
-        raise SignatureError(
-            f"{batcher.name}: input {spec.path} holds {raw.dtype} values, but the model takes "
-            f"{spec.type}; send {what} (JSON has no dtypes: they are cast to {want})."
-        )
-    if want.kind in "iu" and raw.size and integral:
-        info = np.iinfo(want)
-        low, high = min(raw.flat), max(raw.flat)
-        if low < info.min or high > info.max:
-            raise SignatureError(
-                f"{batcher.name}: input {spec.path} holds integers from {low} to {high}, "
-                f"outside {want}'s range [{info.min}, {info.max}]; the model takes "
-                f"{spec.type}. Send values in range."
-            )
-    with np.errstate(over="ignore"):
-        x = raw.astype(want, copy=False)
-    if want.kind == "f" and raw.size and not np.array_equal(np.isfinite(x), np.isfinite(raw)):
-        raise SignatureError(
-            f"{batcher.name}: input {spec.path} holds numbers beyond {want}'s range (largest "
-            f"{float(np.finfo(want).max):.4g}); the model takes {spec.type}. Send values in "
-            "range."
-        )
-    return x
-
-
-def _short(text: str, limit: int = 300) -> str:
-    """``text``, cut to ``limit`` characters: an error quotes the client's input only so far."""
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more)"
-
-
-class _Json:
-    """A JSON response that writes a non-finite float as ``NaN``/``Infinity``, as Python's json
-    and TF Serving do (strict JSON has no such numbers; starlette's JSONResponse refuses)."""
-
-    media_type = "application/json"
-
-    @staticmethod
-    def render(content: Any) -> bytes:
-        return json.dumps(content, separators=(",", ":")).encode()
-
-
-def _to_json(out: Any) -> Any:
-    if isinstance(out, np.ndarray):
-        return out.tolist()
-    return [np.asarray(y).tolist() for y in jax.tree.leaves(out)]
-
-
-def _to_npy(out: Any) -> tuple[bytes, str]:
-    buf = io.BytesIO()
-    if isinstance(out, np.ndarray):
-        np.save(buf, out, allow_pickle=False)
-        return buf.getvalue(), NPY
-    np.savez(buf, **{f"out{i}": np.asarray(y) for i, y in enumerate(jax.tree.leaves(out))})
-    return buf.getvalue(), NPZ
 
 
 class _HttpCounters:
@@ -276,7 +128,7 @@ def create_app(
             return Response(status_code=499)
         body = b"".join(chunks)
         try:
-            inputs, as_npy = _decode(batcher, body, request.headers.get("content-type", ""))
+            inputs, as_npy = decode(batcher, body, request.headers.get("content-type", ""))
         except BadRequest as e:
             return error(e.status, e)
         except SignatureError as e:
@@ -309,9 +161,9 @@ def create_app(
                 f"rows={t.batch_rows}; requests={t.batch_requests}; bucket={t.bucket}"
             )
         if as_npy:
-            data, kind = _to_npy(out)
+            data, kind = to_npy(out)
         else:
-            data, kind = _Json.render({"outputs": _to_json(out)}), _Json.media_type
+            data, kind = Json.render({"outputs": to_json(out)}), Json.media_type
         http.count(200)  # once the answer is made: what /metrics counts is what was sent
         return Response(data, media_type=kind, headers=headers)
 
