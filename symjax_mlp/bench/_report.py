@@ -13,9 +13,11 @@ The JSON (``BenchReport.to_dict()``, ``symjax-mlp bench --json``) carries ``"sch
 ``median_s``, ``spread``, ...); ``stages`` (name -> timing); ``targets`` (name -> ``value``,
 ``target``, ``met``, ``what``); ``pipelined`` (key -> the timing of the JAX rows of
 :data:`PIPELINED` timed again with one sync per repeat); the optional sections ``peak``,
-``traces``, ``train_step`` (and, from the command line, ``devices`` and ``sweep``);
+``traces``, ``train_step``, ``latency_mode`` (the latency-mode row's process: its
+``dispatch`` and ``traces``) and, from the command line, ``devices`` and ``sweep``;
 ``notes``; ``config`` (the run's arguments, ``quick`` among them) and ``env``
-(:func:`~symjax_mlp.bench.environment`). New keys may be added under the same schema; a key
+(:func:`~symjax_mlp.bench.environment`, and ``dispatch``: JAX's CPU dispatch in the
+benchmark's process). New keys may be added under the same schema; a key
 renamed, removed or changed in meaning bumps it.
 :func:`~symjax_mlp.bench.compare_runs` reads schema 1 (and files from before the schema).
 """
