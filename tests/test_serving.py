@@ -1275,3 +1275,28 @@ def test_an_nnx_module_in_training_mode_is_refused_by_the_batcher():
         h(x)
         np.testing.assert_allclose(b(x), want, rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(b.submit(x).result(30), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in ZOO if c.name != "linen_dict"], ids=lambda c: c.name
+)  # a dict input has no artifact form: an artifact's inputs are positional arrays
+def test_every_zoo_model_is_served_from_its_artifact_as_its_hybrid_answers(case, tmp_path):
+    """Each zoo model (flags, state, several inputs, static settings; linen, nnx, a function)
+    exported in inference mode, loaded and batched: every request gets what ``h`` gives its
+    rows, whether its inputs come as arrays or as a JSON body naming each one."""
+    from symjax_mlp.serving._bodies import decode
+
+    h = case.hybridize()
+    inputs = case.inputs(0)
+    arrays = [np.asarray(a) for a in inputs if hasattr(a, "shape")]  # static settings baked
+    want = np.asarray(h(*inputs, **case.eval))
+    art = sm.export(h, tmp_path / case.name, example=inputs, kwargs=case.eval)
+    with sm.serving.Batcher(sm.load(art.path), max_batch=4) as b:
+        futures = [b.submit(*(a[i : i + 1] for a in arrays)) for i in range(4)]
+        got = np.concatenate([f.result(30) for f in futures])
+        body = {"inputs": {f"args[{i}]": a[:2].tolist() for i, a in enumerate(arrays)}}
+        decoded, npy = decode(b, json.dumps(body).encode(), "application/json")
+        from_json = b(*decoded)
+        assert not npy and b.stats.completed == 5
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(from_json, want[:2], rtol=2e-5, atol=2e-5)
