@@ -1114,7 +1114,7 @@ def test_bench_serving_latency_and_batcher_sections():
         clients=(1, 4),
         requests=40,
         max_batch=8,
-        batcher_dispatch=("sync", "async"),
+        batcher_dispatch=("sync", "async", "pinned"),
     )
     modes = [(r["mode"], r["dispatch"], r["constants"]) for r in result["latency"]["rows"]]
     # each set in its own fresh process; the last with the params compiled in
@@ -1124,7 +1124,9 @@ def test_bench_serving_latency_and_batcher_sections():
         for form in ("device", "numpy"):
             t = r["forms"][form]
             assert 0 < t["p50_s"] <= t["p99_s"] and t["n"] == 40
-    for key, dispatch in (("batcher", "sync"), ("batcher_async", "async")):
+    many = len(os.sched_getaffinity(0)) > 1  # else there is nothing to pin: a note says so
+    runs = (("batcher", "sync"), ("batcher_async", "async"), ("batcher_pinned", "sync"))
+    for key, dispatch in runs[: 3 if many else 2]:
         b = result[key]
         assert b["dispatch"] == dispatch and b["traces_while_serving"] == 0
         assert b["buckets"] == [1, 2, 4, 8]
@@ -1143,6 +1145,14 @@ def test_bench_serving_latency_and_batcher_sections():
     assert "batcher_overhead_c1_async" in names and "batcher_throughput_4_futures_async" in names
     assert "batcher_throughput_4_asyncio" in names
     text = sm.bench.format_serving(result)
+    assert result["batcher"]["cpus"] == sorted(os.sched_getaffinity(0))
+    if many:  # the pinned run's process ran on one CPU, the others on all of this one's
+        first = min(os.sched_getaffinity(0))
+        assert result["batcher_pinned"]["cpus"] == result["batcher_pinned"]["pinned"] == [first]
+        assert "batcher_throughput_4_futures_pinned" in names
+        assert f"sync dispatch, pinned to CPU {first}, in-process clients" in text
+    else:
+        assert "batcher_pinned" not in result and "pinned batcher rows skipped" in text
     assert "Per-request latency" in text and "Micro-batcher" in text and "Targets" in text
     json.dumps(result)  # the --json output
 
@@ -1150,7 +1160,7 @@ def test_bench_serving_latency_and_batcher_sections():
 def test_bench_serving_refuses_unknown_sections():
     with pytest.raises(sm.ConfigError, match="unknown section"):
         sm.bench.bench_serving(sections=("grpc",))
-    with pytest.raises(sm.ConfigError, match="'sync' and/or 'async'"):
+    with pytest.raises(sm.ConfigError, match="'sync', 'async' and/or 'pinned'; got \\['gpu'\\]"):
         sm.bench.bench_serving(sections=("batcher",), batcher_dispatch=("gpu",))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -72,6 +73,7 @@ def _batcher_rows(
         retraced = h.trace_count - compiled
     return {
         "dispatch": dispatch_mode(),
+        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "max_batch": max_batch,
         "direct": one,
         "c1": c1,

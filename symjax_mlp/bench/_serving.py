@@ -34,6 +34,7 @@ holds the entry, the subprocesses' entry (:func:`_child`), the targets and the t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,12 +46,18 @@ from symjax_mlp.bench._latency import _latency_child, _latency_rows, _mode_label
 from symjax_mlp.bench._timing import Progress, environment, format_seconds, usable_cores
 
 SECTIONS = ("latency", "batcher", "http")
+#: The batcher section's runs, each in a fresh process, and their keys in the result.
+BATCHER_RUNS = {"sync": "batcher", "async": "batcher_async", "pinned": "batcher_pinned"}
 TORCH_MODES = ("torch_eager", "torch_script", "torch_freeze", "torch_compile")
 
 
 # -- the subprocesses' entry (``_children._CHILD`` imports it from here) -------------------
 def _child(kind: str, **kw: Any) -> dict[str, Any] | None:
-    """Runs one measurement in this (fresh) process; JAX's dispatch is set first."""
+    """Runs one measurement in this (fresh) process; its CPUs (``cpus``) and JAX's dispatch
+    are set first."""
+    cpus = kw.pop("cpus", None)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if kw.get("dispatch") == "sync":
         from symjax_mlp.serving import latency_mode
 
@@ -80,7 +87,7 @@ def bench_serving(
     clients: Sequence[int] = (1, 8, 64),
     requests: int = 4000,
     max_batch: int = 64,
-    batcher_dispatch: Sequence[str] = ("sync", "async"),
+    batcher_dispatch: Sequence[str] = ("sync", "async", "pinned"),
     http_clients: Sequence[int] = (1, 16),
     http_requests: int = 600,
     env: Mapping[str, str] | None = None,
@@ -111,8 +118,13 @@ def bench_serving(
       max_batch: the batcher's (and server's) largest batch.
       batcher_dispatch: the dispatch modes the batcher section runs in, each in its own
         fresh process: ``"sync"`` (:func:`~symjax_mlp.serving.latency_mode`, as
-        ``symjax-mlp serve``; ``result["batcher"]``) and/or ``"async"`` (JAX's default;
-        ``result["batcher_async"]``).
+        ``symjax-mlp serve``; ``result["batcher"]``), ``"async"`` (JAX's default;
+        ``result["batcher_async"]``) and ``"pinned"``: sync, the process pinned to one CPU,
+        as ``taskset -c 0 symjax-mlp serve`` runs (``result["batcher_pinned"]``, its
+        ``pinned`` the CPUs; skipped with a note where there is one usable CPU or no
+        ``os.sched_setaffinity``). In latency mode a call runs on its caller's thread, so
+        the process uses one core at a time anyway; on one core a thread's wake-up is a
+        context switch, not a cross-core interrupt (on a VM, an exit to the hypervisor).
       http_clients, http_requests: concurrent HTTP clients, requests per level.
       env: extra environment for the subprocesses (e.g. ``{"XLA_FLAGS": ...}``).
       seed: for the params and the inputs.
@@ -139,9 +151,9 @@ def bench_serving(
             f"bench_serving: unknown section or torch mode {bad}; sections are {SECTIONS}, "
             f"torch modes {TORCH_MODES}."
         )
-    if not batcher_dispatch or set(batcher_dispatch) - {"sync", "async"}:
+    if not batcher_dispatch or set(batcher_dispatch) - set(BATCHER_RUNS):
         raise ConfigError(
-            f"bench_serving: batcher_dispatch must name 'sync' and/or 'async'; got "
+            f"bench_serving: batcher_dispatch names 'sync', 'async' and/or 'pinned'; got "
             f"{list(batcher_dispatch)!r}."
         )
     if min(calls, repeats, requests, max_batch, http_requests, *clients, *http_clients) < 1:
@@ -187,11 +199,20 @@ def bench_serving(
             notes=notes,
         )  # fmt: skip
     if "batcher" in sections:
-        for dispatch in batcher_dispatch:
-            say(f"batcher, {dispatch} dispatch: 1 client, then {', '.join(map(str, clients))}")
+        for run in batcher_dispatch:
+            dispatch = "async" if run == "async" else "sync"
             kw = {"dispatch": dispatch, **net, "clients": list(clients), "requests": requests}
-            key = "batcher" if dispatch == "sync" else "batcher_async"
-            result[key] = _run_child("batcher", {**kw, "max_batch": max_batch}, env, timeout)
+            cpus = _one_cpu() if run == "pinned" else None
+            if run == "pinned" and cpus is None:
+                notes.append("pinned batcher rows skipped: one usable CPU, or no sched_setaffinity")
+                continue
+            where = f", pinned to CPU {cpus[0]}" if cpus else ""
+            levels = ", ".join(map(str, clients))
+            say(f"batcher, {dispatch} dispatch{where}: 1 client, then {levels}")
+            kw = {**kw, "max_batch": max_batch, **({"cpus": cpus} if cpus else {})}
+            result[BATCHER_RUNS[run]] = _run_child("batcher", kw, env, timeout)
+            if cpus:
+                result[BATCHER_RUNS[run]]["pinned"] = cpus
     if "http" in sections:
         result["http"] = _http_rows(
             **net,
@@ -204,6 +225,15 @@ def bench_serving(
         )
     result["targets"] = _targets(result)
     return result
+
+
+def _one_cpu() -> list[int] | None:
+    """The first CPU this process may use, to pin a child to; ``None`` where pinning would
+    change nothing (one usable CPU) or is not offered (no ``os.sched_setaffinity``)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:1] if len(cpus) > 1 else None
 
 
 def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -225,13 +255,13 @@ def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "met": ratio >= 2,
             }
         )
-    for key in ("batcher", "batcher_async"):
+    for run, key in BATCHER_RUNS.items():
         b = result.get(key)
         if not b:
             continue
-        mode = "" if key == "batcher" else ", async dispatch"
-        base = "" if key == "batcher" else " in async dispatch"  # what its ratio is against
-        suffix = "" if key == "batcher" else "_async"
+        mode = {"sync": "", "async": ", async dispatch", "pinned": ", pinned to one CPU"}[run]
+        base = {"sync": "", "async": " in async dispatch", "pinned": " pinned alike"}[run]
+        suffix = "" if run == "sync" else f"_{run}"
         for kind in KINDS:
             top = max((r for r in b["rows"] if r["kind"] == kind), key=lambda r: r["clients"])
             ratio = top["vs_direct"]
@@ -272,8 +302,9 @@ def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _format_batcher(b: Mapping[str, Any]) -> str:
     us, d, c1 = format_seconds, b["direct"], b["c1"]
+    pinned = f", pinned to CPU {b['pinned'][0]}" if b.get("pinned") else ""
     lines = [
-        f"Micro-batcher: max_batch {b['max_batch']}, {b['dispatch']} dispatch, in-process "
+        f"Micro-batcher: max_batch {b['max_batch']}, {b['dispatch']} dispatch{pinned}, in-process "
         f"clients (buckets {b['buckets']} compiled ahead, "
         f"{b['traces_while_serving']} traces while serving)",
         f"  at 1 client, calls interleaved with direct ones: b(x) adds "
@@ -320,7 +351,7 @@ def format_serving(result: Mapping[str, Any]) -> str:
                 f"{us(n['p50_s']):>16} {us(n['p99_s']):>9}"
             )
         parts.append("\n".join(lines))
-    for key in ("batcher", "batcher_async"):
+    for key in BATCHER_RUNS.values():
         b = result.get(key)
         if b:
             parts.append(_format_batcher(b))
