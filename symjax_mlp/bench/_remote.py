@@ -44,7 +44,8 @@ def _row_child(*, sizes, in_features, activation, seed, warmup, **_: Any) -> Non
         return y.block_until_ready()
 
     _loop(call, sync, warmup, False)
-    ready = {"ready": True, "dispatch": dispatch_mode(), "out": np.asarray(h(xn)).tolist()}
+    out = np.asarray(h(xn)).tolist()
+    ready = {"ready": True, "dispatch": dispatch_mode(), "x": xn.tolist(), "out": out}
     print(json.dumps(ready), flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
@@ -56,7 +57,7 @@ def _row_child(*, sizes, in_features, activation, seed, warmup, **_: Any) -> Non
 
 
 class LatencyRow:
-    """A fresh process holding ``h(x)`` in latency mode; ``row(calls)`` times one repeat.
+    """A fresh process holding ``h(x)`` in latency mode; calling it times one repeat.
 
     Args:
       sizes, in_features, activation, seed: the net, as :func:`~symjax_mlp.bench.benchmark`
@@ -65,8 +66,8 @@ class LatencyRow:
 
     Attributes:
       dispatch: the child's dispatch mode (``"sync"``).
+      x: the child's input (NumPy, ``(1, in_features)``), as it drew it from ``seed``.
       out: the child's output for :attr:`x`, to check against the parent's model.
-      x: that input (NumPy, ``(1, in_features)``).
 
     Raises:
       RuntimeError: the process failed to start or to answer (with the end of its stderr).
@@ -100,9 +101,8 @@ class LatencyRow:
             self.close()
             raise
         self.dispatch: str = ready["dispatch"]
+        self.x = np.asarray(ready["x"], np.float32)
         self.out = np.asarray(ready["out"], np.float32)
-        rng = np.random.default_rng(seed)  # as bench._calls._chapter draws it
-        self.x = rng.standard_normal((1, in_features), dtype=np.float32)
         self.traces = 0
 
     def _answer(self) -> dict[str, Any]:

@@ -174,8 +174,14 @@ def train_step(
         correct = jnp.sum(w * (jnp.argmax(logits, axis=-1) == y))
         return loss, (correct, params)
 
+    specs: dict[tuple[Any, ...], Any] = {}  # per input row signature, derived once (eagerly
+    # run, every step would split an nnx module and stage it twice again)
+
     def step(params: Any, opt_state: Any, x: jax.Array, y: jax.Array, w: jax.Array):
-        spec = spec_of(model, x[:1], train_flags, caller=caller, form=STEP_FORM)
+        row = (tuple(x.shape[1:]), x.dtype)
+        spec = specs.get(row)
+        if spec is None:
+            spec = specs[row] = spec_of(model, x[:1], train_flags, caller=caller, form=STEP_FORM)
         stateful = isinstance(params, ModelVars)
         trainable, rest = (params.params, params.state) if stateful else (params, None)
         grad_fn = jax.value_and_grad(functools.partial(loss_fn, spec), has_aux=True)
