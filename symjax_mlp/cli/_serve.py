@@ -5,8 +5,8 @@ starts JAX's CPU backend; ``--dispatch async`` keeps JAX's default), then runs
 :func:`~symjax_mlp.serving.serve` until SIGINT or SIGTERM, and exits 0 after a clean shutdown.
 Once the model is loaded and compiled it calls ``gc.freeze()``: what exists then (JAX, the
 model, its executables) stays for the life of the process, and Python's full collections
-need not walk it again. Without it, one full collection took 84-89 ms on a 2-core CPU and
-stalled every request in flight: with 16 HTTP clients, one request in 40 waited about 90 ms.
+need not walk it again. Without it, every full collection walks all of it, and every request in
+flight waits until it is done: a tail in the latency that the benchmark's serving rows show.
 """
 
 from __future__ import annotations

@@ -238,8 +238,8 @@ def serve(
     ``serving PATH on URL``) and runs uvicorn. On a signal it stops accepting connections,
     finishes the requests in flight and the queued ones, and returns. For per-request latency
     on the CPU, call :func:`~symjax_mlp.serving.latency_mode` first, and ``gc.freeze()`` in
-    ``ready`` (so that Python's full collections, 84-89 ms each on a 2-core CPU, need not walk
-    JAX and the model again); ``symjax-mlp serve`` does both.
+    ``ready`` (so that Python's full collections need not walk JAX and the model again while
+    requests wait); ``symjax-mlp serve`` does both.
 
     Args:
       artifact: the artifact directory.
@@ -251,7 +251,7 @@ def serve(
       ready: called with the URL once the socket is bound.
       entry: the entry point to serve (default: the artifact's default one).
       params_as_constants: compile the weights into each bucket's program (see
-        :func:`~symjax_mlp.load`): a call passes only its inputs, a few µs less per batch.
+        :func:`~symjax_mlp.load`): a call passes only its inputs, not the weights.
       trust, allow, verify_signature: passed to :func:`~symjax_mlp.load` (the program's
         checks, and the signature every file must carry).
 

@@ -51,7 +51,7 @@ def init_params(
 
     A model with state (BatchNorm's ``batch_stats``, a ``dropout`` rng) gets a
     :class:`ModelVars` of its params and that state instead. Compiled because eagerly each
-    initializer op compiles on its own (seconds on a CPU), and cached on the (hashable) module,
+    initializer op is compiled on its own, and cached on the (hashable) module,
     so repeated runs of one model pay it once.
 
     An nnx module is initialised when it is built: its ``Param`` values (and a
