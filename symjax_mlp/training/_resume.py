@@ -1,0 +1,160 @@
+"""What a training checkpoint records of its run, so that resuming continues that run only.
+
+A run's config (seed, batch size, and sha256 fingerprints of its data, model and optimizer)
+and its history are stored beside each checkpoint's state. Resuming compares the config with
+this run's, and the history with the checkpoint's step and epoch, and refuses any difference:
+a resumed run either continues exactly where the interrupted one stopped, or does not start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from symjax_mlp._errors import CheckpointError
+from symjax_mlp.training._checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from symjax_mlp.training._data import Dataset
+from symjax_mlp.training._nnx import NnxSpec, fingerprint
+from symjax_mlp.training._result import EpochRecord
+
+
+def run_config(
+    model: Any,
+    spec: Any,
+    params: Any,
+    data: Dataset,
+    optimizer: optax.GradientTransformation,
+    *,
+    seed: int,
+    batch_size: int,
+    num_outputs: int,
+) -> dict[str, Any]:
+    """What a checkpoint of this run must match to be resumed by it (JSON-able)."""
+    return {
+        "seed": seed,
+        "batch_size": batch_size,
+        "data": data.name,
+        "data_sha256": _data_fingerprint(data),
+        "num_features": data.num_features,
+        "num_outputs": num_outputs,
+        "model_sha256": _model_fingerprint(model, spec, params),
+        "optimizer_sha256": _optimizer_fingerprint(optimizer),
+    }
+
+
+def resume_run(
+    checkpoint: str | os.PathLike | None,
+    state: TrainState,
+    config: dict[str, Any],
+    *,
+    resume: bool,
+) -> tuple[TrainState, list[EpochRecord], Path | None]:
+    """``(state, history, found)``: the newest checkpoint's, or ``state`` unchanged if none.
+
+    Args:
+      checkpoint: the checkpoint directory (``None``: a fresh start).
+      state: the freshly initialised state; a checkpoint is read into its structure.
+      config: this run's :func:`run_config`; the checkpoint's must be the same.
+      resume: whether a checkpoint found there may be resumed (else it is an error).
+
+    Raises:
+      CheckpointError: a checkpoint is there and ``resume`` is false, or it was written by a
+        run with another config, or its history does not match its step and epoch.
+    """
+    found = None if checkpoint is None else latest_checkpoint(checkpoint)
+    if found is None:
+        return state, [], None
+    if not resume:
+        raise CheckpointError(
+            f"{checkpoint} already holds checkpoints (newest: {found.name}). Pass "
+            "resume=True to continue from it, or use an empty directory."
+        )
+    state, meta = restore_checkpoint(found, state)
+    recorded = meta.get("config", {})
+    changed = [k for k, v in config.items() if recorded.get(k) != v]
+    if changed:
+        was = {k: recorded.get(k) for k in changed}
+        raise CheckpointError(
+            f"{found} was written with {was}, but this run has "
+            f"{ {k: config[k] for k in changed} }. Resuming would not continue that run; "
+            "resume with the same settings, or start over in an empty directory."
+        )
+    return state, _history(found, meta, state), found
+
+
+def save_run(
+    checkpoint: str | os.PathLike,
+    state: TrainState,
+    config: dict[str, Any],
+    history: list[EpochRecord],
+) -> Path:
+    """Writes ``state`` with the run's config and history beside it; returns its path."""
+    meta = {"config": config, "history": [dataclasses.asdict(r) for r in history]}
+    return save_checkpoint(checkpoint, state, metadata=meta)
+
+
+def _history(found: Path, meta: dict[str, Any], state: TrainState) -> list[EpochRecord]:
+    """The history a checkpoint records, checked against its step and epoch."""
+    try:
+        history = [EpochRecord(**r) for r in meta["history"]]
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{found}: its history is missing or malformed ({e}); the checkpoint was edited or "
+            "is corrupted. Resume from an older step_* directory, or start over."
+        ) from None
+    last = history[-1] if history else None
+    if len(history) != state.epoch or (last is not None and last.step != state.step):
+        raise CheckpointError(
+            f"{found}: it records epoch {state.epoch} and step {state.step}, but its history "
+            f"has {len(history)} epoch(s) ending at step {last.step if last else 0}. The "
+            "manifest was edited; resuming would skip or repeat epochs. Resume from an older "
+            "step_* directory, or start over."
+        )
+    return history
+
+
+def _data_fingerprint(data: Dataset) -> str:
+    digest = hashlib.sha256()
+    for a in (data.x_train, data.y_train):
+        digest.update(str(a.shape).encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
+
+
+def _model_fingerprint(model: Any, spec: Any, params: Any) -> str:
+    """The model's configuration (its repr: layers, widths, activations) and param tree."""
+    tree = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params)
+    config = fingerprint(spec) if isinstance(spec, NnxSpec) else repr(model)
+    return hashlib.sha256(f"{config}|{tree}".encode()).hexdigest()
+
+
+def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
+    """What the optimizer does, measured: its first two updates of a fixed small problem.
+
+    An optax transformation is a pair of closures, so its hyperparameters cannot be read;
+    two steps on fixed gradients tell adam(1e-3) from adam(3e-2) or sgd, deterministically.
+    """
+    w = {"w": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)}
+    g = {"w": jnp.cos(jnp.arange(8, dtype=jnp.float32))}
+    digest = hashlib.sha256(type(optimizer).__name__.encode())
+    try:
+        opt_state = optimizer.init(w)
+        for _ in range(2):
+            updates, opt_state = optimizer.update(g, opt_state, w)
+            digest.update(np.asarray(updates["w"], np.float32).tobytes())
+    except Exception:  # an optimizer that cannot run on a toy tree: its type only
+        pass
+    return digest.hexdigest()
