@@ -3,8 +3,9 @@
 The fresh process proves the artifact runs without the caller's state (its model source, its
 imports, its jit caches); a crash there is reported instead of taking the caller down. Arrays
 cross to it, and back, as .npy files with their dtype names beside them: NumPy stores an
-ml_dtypes array (bfloat16 first of all) as raw bytes, ``|V2``, and :func:`npy_array` gives such
-bytes their dtype back; ``symjax-mlp run`` reads its ``--input`` files the same way.
+ml_dtypes array (bfloat16 first of all) as raw bytes, ``|V2``, and
+:func:`~symjax_mlp._npy.npy_array` gives such bytes their dtype back, as ``symjax-mlp run``
+does for its inputs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from symjax_mlp._artifact.format import printable
 from symjax_mlp._artifact.reading import inspect
 from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._load import RUNTIMES, load
+from symjax_mlp._npy import npy_array
 from symjax_mlp._signing import verify_signature as check_signature
 from symjax_mlp._specs import TensorSpec
 
@@ -219,37 +221,6 @@ def verify(
                 checks.append(_compare(rt, b, outs, want, rtol, atol))
     loads = {rt: result[rt]["load_seconds"] for rt in runtimes if "load_seconds" in result[rt]}
     return VerifyReport(art.path, ref_name, rtol, atol, tuple(checks), loads, tuple(errors))
-
-
-def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
-    """``x``, as read from a .npy file, given back the ``dtype`` that .npy cannot name.
-
-    NumPy writes an ml_dtypes array (bfloat16, the float8 and int4 types, as JAX uses them) to
-    .npy as raw bytes of its itemsize, a plain void dtype (``|V2`` for bfloat16), and reads it
-    back as that: ``np.load(f).view(ml_dtypes.bfloat16)`` is the way back. This does that view
-    when ``x`` is such a void array and ``dtype`` names an ml_dtypes type of the same itemsize;
-    the bytes are unchanged. Any other array comes back as it is, uncast, for the caller's
-    dtype check to accept or refuse (a float32 file stays float32).
-
-    Example:
-      >>> import io, ml_dtypes, numpy as np
-      >>> f = io.BytesIO()
-      >>> np.save(f, np.array([1.5, -2.0], ml_dtypes.bfloat16))
-      >>> _ = f.seek(0)
-      >>> x = np.load(f)
-      >>> str(x.dtype), npy_array(x, "bfloat16").tolist()
-      ('|V2', [1.5, -2.0])
-    """
-    if x.dtype.kind != "V" or x.dtype.names is not None or x.dtype.subdtype is not None:
-        return x
-    import ml_dtypes
-
-    kind = getattr(ml_dtypes, dtype, None)
-    if not (isinstance(kind, type) and issubclass(kind, np.generic)):
-        return x
-    if np.dtype(kind).itemsize != x.dtype.itemsize:
-        return x
-    return x.view(kind)
 
 
 def _read(work: Path, name: str, dtypes: Mapping[str, str]) -> Any:

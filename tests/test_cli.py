@@ -289,11 +289,77 @@ def test_run_refuses_a_float32_file_for_a_bfloat16_input(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert f"--input {tmp_path / 'x.npy'} (args[0]) holds float32[2, 8]" in err
+    assert f"{tmp_path / 'x.npy'} (args[0]) holds float32[2, 8]" in err
     assert "expects bfloat16[b, 8]; nothing is cast" in err
     assert "x.astype(jnp.bfloat16)" in err
     assert "np.bfloat16" not in err.replace("jnp.bfloat16", "")  # no cast that does not exist
     assert not y.exists()
+
+
+def test_run_refuses_what_is_not_one_npy_array_and_reads_big_endian(tmp_path, capsys):
+    """An .npz input, a text file, or two outputs for one .npy: one line, exit 2, nothing
+    written; a big-endian file is read as the same numbers."""
+    import numpy as np
+
+    import symjax_mlp as sm
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    x = np.ones((4, 2), np.float32)
+    np.savez(tmp_path / "x.npz", x=x)
+    (tmp_path / "x.txt").write_text("1 2\n3 4\n")
+    np.save(tmp_path / "big.npy", x.astype(">f4"))
+    y = tmp_path / "y.npy"
+    capsys.readouterr()
+    for bad, says in (("x.npz", "is an .npz archive"), ("x.txt", "is not a readable .npy")):
+        argv = ["run", str(art), "--input", str(tmp_path / bad), "--output", str(y)]
+        assert main(argv) == 2, bad
+        err = capsys.readouterr().err
+        assert f"{tmp_path / bad} {says}" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1 and not y.exists()
+    argv = ["run", str(art), "--input", str(tmp_path / "big.npy"), "--output", str(y)]
+    assert main(argv) == 0
+    np.testing.assert_array_equal(np.load(y), np.asarray(sm.load(art)(x)))
+
+
+def test_run_refuses_several_outputs_for_one_npy(tmp_path, capsys):
+    import jax.numpy as jnp
+    import numpy as np
+
+    import symjax_mlp as sm
+
+    x = jnp.ones((2, 4), jnp.float32)
+    h = sm.hybridize(lambda p, x: (x * p, x + p), jnp.float32(2))
+    art = sm.export(h, tmp_path / "m", example=x).path
+    np.save(tmp_path / "x.npy", np.asarray(x))
+    run = ["run", str(art), "--input", str(tmp_path / "x.npy"), "--output"]
+    assert main([*run, str(tmp_path / "y.npy")]) == 2
+    err = capsys.readouterr().err
+    assert f"the model returns 2 arrays, but {tmp_path / 'y.npy'} is one .npy array" in err
+    assert not (tmp_path / "y.npy").exists() and "Traceback" not in err
+    assert main([*run, str(tmp_path / "y.npz")]) == 0
+    got = np.load(tmp_path / "y.npz")
+    np.testing.assert_array_equal(got["out1"], np.full((2, 4), 3.0))
+
+
+def test_library_messages_are_printed_as_written_and_the_option_added(tmp_path, capsys):
+    """The library names its keyword (overwrite=True); the CLI prints that message unedited
+    and adds a line with the option that sets it here (--overwrite)."""
+    import symjax_mlp as sm
+
+    art = tmp_path / "m"
+    argv = ["export", str(art), "--sizes", "3", "--in-features", "2"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    with pytest.raises(sm.ArtifactError) as e:
+        sm.chapter.export_mlp(art, sizes=(3,), in_features=2)
+    assert err == [
+        f"symjax-mlp export: error: {e.value}",
+        "symjax-mlp export: on the command line, overwrite=True is --overwrite",
+    ]
+    assert main([*argv, "--overwrite"]) == 0
 
 
 def test_verify_a_bfloat16_artifact_passes(tmp_path, capsys):

@@ -21,6 +21,7 @@ STAGES = (
     "symjax_mlp._errors",
     "symjax_mlp._specs",
     "symjax_mlp._files",
+    "symjax_mlp._npy",
     "symjax_mlp._models",
     "symjax_mlp._hybrid.trace",
     "symjax_mlp._hybrid.mesh",

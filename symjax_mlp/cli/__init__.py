@@ -184,60 +184,21 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 def _run_run(args: argparse.Namespace) -> int:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``_RUN_DTYPES`` says)."""
-    import numpy as np
-
-    from symjax_mlp import SignatureError, load
-    from symjax_mlp._verify import npy_array
+    from symjax_mlp import load
+    from symjax_mlp._npy import raw_dtype_notes, read_inputs, write_outputs
 
     _args.writable(args.output, "--output", overwrite=True)
-    xs = []
-    for file in args.input:
-        try:
-            xs.append(np.load(file, allow_pickle=False))
-        except (ValueError, OSError) as e:
-            raise SignatureError(f"--input {file}: not a readable .npy array ({e}).") from None
     model = load(args.path, runtime=args.runtime, **_args.load_options(args))
     if args.entry is not None:
         model = model[args.entry]
-    specs = model.signature.inputs  # a |V2 file where bfloat16 is expected: bfloat16
-    xs = [npy_array(x, specs[i].dtype) if i < len(specs) else x for i, x in enumerate(xs)]
-    for file, x, spec in zip(args.input, xs, specs, strict=False):
-        if str(x.dtype) != spec.dtype:  # the library refuses it too; this names the file
-            cast = f"{'np' if hasattr(np, spec.dtype) else 'jnp'}.{spec.dtype}"
-            raise SignatureError(
-                f"--input {file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact "
-                f"expects {spec.type}; nothing is cast. Save it as {spec.dtype}: "
-                f'np.save("{file}", x.astype({cast})).'
-            )
-    out = model(*xs)
-    outs = [np.asarray(y) for y in (out if isinstance(out, tuple) else (out,))]
-    if args.output.endswith(".npz"):
-        with open(args.output, "wb") as f:
-            np.savez(f, **{f"out{i}": y for i, y in enumerate(outs)})
-    elif len(outs) != 1:
-        raise SignatureError(
-            f"the artifact returns {len(outs)} arrays; --output {args.output} holds one. Pass "
-            "a .npz path to write them all (out0, out1, ...)."
-        )
-    elif args.output == "-":
-        np.save(sys.stdout.buffer, outs[0])
-        sys.stdout.buffer.flush()
-    else:
-        with open(args.output, "wb") as f:
-            np.save(f, outs[0])
+    xs = read_inputs(args.input, model.signature.inputs)
+    to_stdout = args.output == "-"
+    outs = write_outputs(model(*xs), sys.stdout.buffer if to_stdout else args.output)
+    stream = sys.stderr if to_stdout else sys.stdout
     shapes = ", ".join(f"{y.dtype}{list(y.shape)}" for y in outs)
-    where = "stdout" if args.output == "-" else args.output
-    stream = sys.stderr if args.output == "-" else sys.stdout
-    print(f"wrote {where}: {shapes}", file=stream)
-    raw = {
-        str(y.dtype): y.dtype.itemsize for y in outs if y.dtype.kind == "V" and not y.dtype.names
-    }
-    for name, size in sorted(raw.items()):  # no .npy type: raw bytes; say how to read them
-        print(
-            f"note: .npy has no {name} type, so it is stored as |V{size} (the same bytes); "
-            f"read it back with np.load(...).view(ml_dtypes.{name})",
-            file=stream,
-        )
+    print(f"wrote {'stdout' if to_stdout else args.output}: {shapes}", file=stream)
+    for note in raw_dtype_notes(outs):
+        print(f"note: {note}", file=stream)
     return 0
 
 
@@ -378,6 +339,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A keyword a library message names, the subcommand's option for it (its dest), as typed.
+_OPTIONS = (
+    ("overwrite=True", "overwrite", "--overwrite"),
+    ("resume=True", "resume", "--resume"),
+    ("checkpoint=DIR", "checkpoint", "--checkpoint DIR"),
+    ("allow=", "allow", "--allow OP (once per op)"),
+    ("trust=True", "trust", "--trust"),
+    ("verify_signature=", "key", "--key PEM"),
+)
+
+
+def _options_named(message: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``(keyword, option)`` for each library keyword ``message`` names that this subcommand
+    sets with an option, unless the message names the option already: the CLI prints the
+    library's message as it is and adds these after it, never editing its text."""
+    return [
+        (keyword, option)
+        for keyword, dest, option in _OPTIONS
+        if keyword in message and hasattr(args, dest) and option.split()[0] not in message
+    ]
+
+
 def _missing_extra(e: ImportError) -> str | None:
     name = (e.name or "").split(".")[0]
     extra = _EXTRAS.get(name)
@@ -401,8 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _args.writable(args.json, "--json", overwrite=True)  # refused before any work
         return args.handler(args)
     except (SymjaxError, argparse.ArgumentTypeError) as e:
-        # the library names its keyword; the shell has the flag
-        print(f"{where}: error: {str(e).replace('overwrite=True', '--overwrite')}", file=sys.stderr)
+        print(f"{where}: error: {e}", file=sys.stderr)
+        for keyword, option in _options_named(str(e), args):  # the library's words, then ours
+            print(f"{where}: on the command line, {keyword} is {option}", file=sys.stderr)
         return 2
     except ImportError as e:
         hint = _missing_extra(e)

@@ -2,7 +2,8 @@
 
 A JSON body ``{"inputs": X}`` (or ``{"inputs": {"args[0]": X0, ...}}`` by input name) becomes
 arrays of the inputs' dtypes, refusing what a cast would change (1.5 to an int, 2**31 to
-int32, 1e39 to float32); a ``.npy`` body is read without pickle, in this CPU's byte order.
+int32, 1e39 to float32); a ``.npy`` body is read as ``symjax-mlp run`` reads a file
+(:mod:`symjax_mlp._npy`: without pickle, in this CPU's byte order, bfloat16 from its bytes).
 Outputs go back as JSON (``NaN`` and ``Infinity`` as Python's json writes them) or as
 ``.npy`` (``.npz`` for a tuple). What cannot be read is a :class:`BadRequest` with its HTTP
 status; what does not fit the model is a :class:`~symjax_mlp.SignatureError`.
@@ -10,15 +11,16 @@ status; what does not fit the model is a :class:`~symjax_mlp.SignatureError`.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
-import sys
 from typing import Any
 
 import jax
 import numpy as np
 
 from symjax_mlp._errors import SignatureError
+from symjax_mlp._npy import npy_array, read_npy
 from symjax_mlp.serving._batcher import Batcher
 
 NPY = "application/x-npy"
@@ -46,15 +48,8 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
                 f"({', '.join(map(str, specs))}); send JSON "
                 '{"inputs": {"args[0]": [...], ...}} instead.',
             )
-        try:
-            x = np.load(io.BytesIO(body), allow_pickle=False)
-        except Exception as e:
-            raise BadRequest(400, f"the body is not a readable .npy array ({e}).") from None
-        if not isinstance(x, np.ndarray):
-            raise BadRequest(400, "the body is an .npz archive; send one .npy array.")
-        if x.dtype.byteorder == (">" if sys.byteorder == "little" else "<"):
-            x = x.astype(x.dtype.newbyteorder("="))  # the same numbers, in this CPU's order
-        return [x], True
+        x = read_npy(bytes(body), what="the body", error=functools.partial(BadRequest, 400))
+        return [npy_array(x, specs[0].dtype)], True  # bfloat16 arrives as |V2: its bytes
     if kind not in ("application/json", ""):
         raise BadRequest(
             415,

@@ -1,0 +1,198 @@
+"""Arrays as ``.npy`` files: a model's inputs read from them, its outputs written to them.
+
+A ``.npy`` file is read without pickle, as one array (not an ``.npz`` archive), in this CPU's
+byte order. NumPy's format cannot name the ml_dtypes types JAX uses (bfloat16, the float8 and
+int4 types): it stores such an array as raw bytes of its itemsize, a plain void dtype (``|V2``
+for bfloat16), and reads it back as that. Reading for a model gives such bytes the dtype the
+model expects, bit for bit (:func:`npy_array`); nothing else is cast: a float32 file where
+bfloat16 is expected is refused, as a loaded model refuses a float32 array. Writing stores
+them the same way, and :func:`raw_dtype_notes` says how to read them back.
+
+``symjax-mlp run`` reads its inputs and writes its outputs here, :func:`~symjax_mlp.verify`'s
+fresh process reads its arrays with :func:`npy_array`, and the server reads a ``.npy`` request
+body with :func:`read_npy`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from symjax_mlp._errors import SignatureError
+from symjax_mlp._specs import TensorSpec
+
+
+def read_npy(
+    source: str | os.PathLike[str] | bytes,
+    *,
+    what: str,
+    error: Callable[[str], Exception] = SignatureError,
+) -> np.ndarray:
+    """The one array of a ``.npy`` file (or its bytes), in this CPU's byte order.
+
+    Args:
+      source: a path, or the file's bytes.
+      what: how a message names ``source`` (a path, ``"the body"``).
+      error: the exception raised, made from the message.
+
+    Raises:
+      ``error``: ``source`` is not a ``.npy`` array (an ``.npz`` archive, a pickle, other bytes).
+
+    Example:
+      >>> import io, numpy as np
+      >>> f = io.BytesIO()
+      >>> np.save(f, np.arange(3, dtype=">i4"))  # big-endian
+      >>> x = read_npy(f.getvalue(), what="the body")
+      >>> x.tolist(), x.dtype.isnative
+      ([0, 1, 2], True)
+    """
+    try:
+        with open(source, "rb") if not isinstance(source, bytes) else io.BytesIO(source) as f:
+            x = np.load(f, allow_pickle=False)
+            if not isinstance(x, np.ndarray):  # an .npz archive
+                x.close()
+                x = None
+    except Exception as e:  # a bad header, a pickle, a broken zip, a missing file
+        raise error(
+            f"{what} is not a readable .npy array ({e}); write one with np.save(file, x)."
+        ) from None
+    if x is None:
+        raise error(f"{what} is an .npz archive; a .npy file holds one array.")
+    if x.dtype.byteorder == (">" if sys.byteorder == "little" else "<"):
+        x = x.astype(x.dtype.newbyteorder("="))  # the same numbers, in this CPU's order
+    return x
+
+
+def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x``, as read from a .npy file, given back the ``dtype`` that .npy cannot name.
+
+    NumPy writes an ml_dtypes array (bfloat16, the float8 and int4 types, as JAX uses them) to
+    .npy as raw bytes of its itemsize, a plain void dtype (``|V2`` for bfloat16), and reads it
+    back as that: ``np.load(f).view(ml_dtypes.bfloat16)`` is the way back. This does that view
+    when ``x`` is such a void array and ``dtype`` names an ml_dtypes type of the same itemsize;
+    the bytes are unchanged. Any other array comes back as it is, uncast, for the caller's
+    dtype check to accept or refuse (a float32 file stays float32).
+
+    Example:
+      >>> import io, ml_dtypes, numpy as np
+      >>> f = io.BytesIO()
+      >>> np.save(f, np.array([1.5, -2.0], ml_dtypes.bfloat16))
+      >>> _ = f.seek(0)
+      >>> x = np.load(f)
+      >>> str(x.dtype), npy_array(x, "bfloat16").tolist()
+      ('|V2', [1.5, -2.0])
+    """
+    if x.dtype.kind != "V" or x.dtype.names is not None or x.dtype.subdtype is not None:
+        return x
+    import ml_dtypes
+
+    kind = getattr(ml_dtypes, dtype, None)
+    if not (isinstance(kind, type) and issubclass(kind, np.generic)):
+        return x
+    if np.dtype(kind).itemsize != x.dtype.itemsize:
+        return x
+    return x.view(kind)
+
+
+def read_inputs(
+    files: Sequence[str | os.PathLike[str]], specs: Sequence[TensorSpec]
+) -> list[np.ndarray]:
+    """The ``.npy`` files as a model's inputs, one per spec, in the dtypes the specs name.
+
+    Args:
+      files: one ``.npy`` file per input, in order.
+      specs: the model's inputs (``model.signature.inputs``).
+
+    Returns:
+      The arrays; a file past the last spec is read as it is, for the model to refuse.
+
+    Raises:
+      SignatureError: a file is not a ``.npy`` array, or holds another dtype than its input
+        (nothing is cast; the message gives the ``np.save`` that writes the right one).
+
+    Example:
+      >>> import os, tempfile, ml_dtypes, numpy as np
+      >>> from symjax_mlp import TensorSpec
+      >>> file = os.path.join(tempfile.mkdtemp(), "x.npy")
+      >>> np.save(file, np.ones((2, 3), ml_dtypes.bfloat16))  # stored as |V2
+      >>> [x] = read_inputs([file], [TensorSpec("args[0]", ("b", 3), "bfloat16")])
+      >>> str(x.dtype), x.shape
+      ('bfloat16', (2, 3))
+    """
+    xs = [read_npy(file, what=str(file)) for file in files]
+    xs = [npy_array(x, specs[i].dtype) if i < len(specs) else x for i, x in enumerate(xs)]
+    for file, x, spec in zip(files, xs, specs, strict=False):
+        if str(x.dtype) != spec.dtype:
+            cast = f"{'np' if hasattr(np, spec.dtype) else 'jnp'}.{spec.dtype}"
+            raise SignatureError(
+                f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the model expects "
+                f"{spec.type}; nothing is cast. Save it as {spec.dtype}: "
+                f'np.save("{file}", x.astype({cast})).'
+            )
+    return xs
+
+
+def write_outputs(out: Any, target: str | os.PathLike[str] | BinaryIO) -> list[np.ndarray]:
+    """Writes a model's outputs: one array as ``.npy``, or several into an ``.npz`` path.
+
+    Args:
+      out: what the model returned: an array, or a tuple of arrays.
+      target: a path (exactly this name; a ``.npz`` one holds every output as ``out0``,
+        ``out1``, ...), or an open binary stream (one array as ``.npy``).
+
+    Returns:
+      The arrays written, as NumPy arrays.
+
+    Raises:
+      SignatureError: several outputs for one ``.npy`` file or stream (nothing is written).
+
+    Example:
+      >>> import os, tempfile, numpy as np
+      >>> file = os.path.join(tempfile.mkdtemp(), "y.npz")
+      >>> [y.shape for y in write_outputs((np.ones(2), np.zeros(3)), file)]
+      [(2,), (3,)]
+      >>> sorted(np.load(file))
+      ['out0', 'out1']
+    """
+    outs = [np.asarray(y) for y in (out if isinstance(out, tuple) else (out,))]
+    is_path = isinstance(target, str | os.PathLike)
+    if is_path and os.fspath(target).endswith(".npz"):
+        with open(target, "wb") as f:
+            np.savez(f, **{f"out{i}": y for i, y in enumerate(outs)})
+        return outs
+    if len(outs) != 1:
+        name = os.fspath(target) if is_path else getattr(target, "name", "the stream")
+        raise SignatureError(
+            f"the model returns {len(outs)} arrays, but {name} is one .npy array. Write to a "
+            ".npz path to keep them all (out0, out1, ...)."
+        )
+    if is_path:
+        with open(target, "wb") as f:
+            np.save(f, outs[0])
+    else:
+        np.save(target, outs[0])
+        target.flush()
+    return outs
+
+
+def raw_dtype_notes(arrays: Sequence[np.ndarray]) -> list[str]:
+    """How to read back each ml_dtypes type that ``.npy`` stored as raw bytes, one line each.
+
+    Example:
+      >>> import ml_dtypes, numpy as np
+      >>> raw_dtype_notes([np.zeros(2, ml_dtypes.bfloat16), np.zeros(2, np.float32)])
+      ['.npy has no bfloat16 type, so it is stored as |V2 (the same bytes); read it back with np.load(...).view(ml_dtypes.bfloat16)']
+    """  # noqa: E501
+    raw = {
+        str(y.dtype): y.dtype.itemsize for y in arrays if y.dtype.kind == "V" and not y.dtype.names
+    }
+    return [
+        f".npy has no {name} type, so it is stored as |V{size} (the same bytes); read it back "
+        f"with np.load(...).view(ml_dtypes.{name})"
+        for name, size in sorted(raw.items())
+    ]

@@ -1,0 +1,120 @@
+"""Arrays as .npy files for a model: one reader for ``symjax-mlp run``, verify and the server.
+
+NumPy stores bfloat16 as raw bytes (``|V2``); reading for a model gives them their dtype back,
+bit for bit, and casts nothing else. Writing puts one array in a .npy file or stream, several
+in a .npz path, and refuses several for one .npy before writing anything.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import symjax_mlp as sm
+from symjax_mlp._npy import raw_dtype_notes, read_inputs, read_npy, write_outputs
+
+
+def _npy(x: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, x)
+    return buf.getvalue()
+
+
+def test_read_npy_from_a_file_and_bytes_in_native_byte_order(tmp_path):
+    x = np.arange(6, dtype=">f4").reshape(2, 3)
+    np.save(tmp_path / "x.npy", x)
+    for source in (tmp_path / "x.npy", str(tmp_path / "x.npy"), _npy(x)):
+        got = read_npy(source, what="x")
+        assert got.dtype == np.float32 and got.dtype.isnative
+        np.testing.assert_array_equal(got, x)
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda p: np.savez(p / "f", x=np.ones(2)) or p / "f.npz", "is an .npz archive"),
+        (lambda p: p.joinpath("f").write_text("1 2 3") and p / "f", "is not a readable .npy"),
+        (lambda p: np.save(p / "f", np.array([{}], object)) or p / "f.npy", "is not a readable"),
+        (lambda p: p / "missing.npy", "is not a readable .npy"),
+    ],
+    ids=["npz", "text", "pickle", "missing"],
+)
+def test_read_npy_refuses_anything_but_one_array_with_the_given_error(tmp_path, make, says):
+    source = make(tmp_path)
+
+    class Refused(Exception):
+        pass
+
+    with pytest.raises(sm.SignatureError, match=f"^{re.escape(str(source))} {re.escape(says)}"):
+        read_npy(source, what=str(source))
+    with pytest.raises(Refused, match=re.escape(says)):
+        read_npy(source, what=str(source), error=Refused)
+
+
+def test_read_inputs_gives_bfloat16_its_dtype_and_casts_nothing(tmp_path):
+    x = np.asarray(jax.random.normal(jax.random.key(0), (2, 3)), ml_dtypes.bfloat16)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "f.npy", x.astype(np.float32))
+    assert np.load(tmp_path / "x.npy").dtype == np.dtype("V2")
+    spec = sm.TensorSpec("args[0]", ("b", 3), "bfloat16")
+    [got] = read_inputs([tmp_path / "x.npy"], [spec])
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got.view(np.uint16), x.view(np.uint16))  # bit for bit
+    with pytest.raises(sm.SignatureError) as e:
+        read_inputs([tmp_path / "f.npy"], [spec])
+    assert str(e.value) == (
+        f"{tmp_path / 'f.npy'} (args[0]) holds float32[2, 3] but the model expects "
+        f'bfloat16[b, 3]; nothing is cast. Save it as bfloat16: np.save("{tmp_path / "f.npy"}", '
+        "x.astype(jnp.bfloat16))."
+    )
+    # a file past the last input is read as it is: the model refuses the count
+    assert len(read_inputs([tmp_path / "x.npy"] * 2, [spec])) == 2
+
+
+def test_write_outputs_npy_npz_stream_and_refusal(tmp_path):
+    y, z = np.arange(3, dtype=np.float32), np.ones((2, 2), ml_dtypes.bfloat16)
+    out = tmp_path / "y.out"  # exactly this name: no .npy appended
+    assert [a.shape for a in write_outputs(y, out)] == [(3,)]
+    np.testing.assert_array_equal(np.load(out), y)
+    write_outputs((y, z), tmp_path / "yz.npz")
+    got = np.load(tmp_path / "yz.npz")
+    np.testing.assert_array_equal(got["out0"], y)
+    np.testing.assert_array_equal(got["out1"].view(ml_dtypes.bfloat16), z)
+    stream = io.BytesIO()
+    write_outputs(jnp.asarray(y), stream)
+    np.testing.assert_array_equal(np.load(io.BytesIO(stream.getvalue())), y)
+    with pytest.raises(sm.SignatureError, match=r"returns 2 arrays, but .*one\.npy is one \.npy"):
+        write_outputs((y, z), tmp_path / "one.npy")
+    assert not (tmp_path / "one.npy").exists()
+    assert raw_dtype_notes([y, z]) == [
+        ".npy has no bfloat16 type, so it is stored as |V2 (the same bytes); read it back "
+        "with np.load(...).view(ml_dtypes.bfloat16)"
+    ]
+    assert raw_dtype_notes([y]) == []
+
+
+def test_a_served_npy_body_is_read_as_run_reads_a_file(tmp_path):
+    """The server's .npy body goes through the same reader: bfloat16 from its |V2 bytes, a
+    big-endian body as the same numbers, an .npz refused with 400."""
+    from symjax_mlp.serving._bodies import BadRequest, decode
+
+    x = jax.random.normal(jax.random.key(1), (2, 8)).astype(jnp.bfloat16)
+    net = sm.mlp((8,))
+    variables = jax.tree.map(lambda a: a.astype(jnp.bfloat16), net.init(jax.random.key(0), x))
+    h = sm.hybridize(net, variables)
+    art = sm.export(h, tmp_path / "m", example=x)
+    with sm.serving.Batcher(sm.load(art.path), max_batch=4) as b:
+        [got], as_npy = decode(b, _npy(np.asarray(x)), "application/x-npy")
+        assert as_npy and got.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(np.asarray(b(got)), np.asarray(h(x)))
+        buf = io.BytesIO()
+        np.savez(buf, x=np.asarray(x))
+        with pytest.raises(BadRequest, match=r"the body is an \.npz archive") as e:
+            decode(b, buf.getvalue(), "application/x-npy")
+        assert e.value.status == 400
