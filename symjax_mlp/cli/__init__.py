@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from symjax_mlp.cli import _args, _serve
-from symjax_mlp.cli._args import add_json, batch, input_file, positive, sizes
+from symjax_mlp.cli import _args, _run, _serve, _train
+from symjax_mlp.cli._args import add_json, batch, positive, sizes
+from symjax_mlp.cli._args import emit_json as _emit_json
+from symjax_mlp.cli._args import subcommand as _parser
 
 PROG = "symjax-mlp"
 _EXTRAS = {  # a missing module -> the optional extra that installs it
@@ -32,10 +33,6 @@ _EXTRAS = {  # a missing module -> the optional extra that installs it
 }
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every option's help shows its default; descriptions keep their line breaks."""
-
-
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose usage errors are one line (and a pointer to ``--help``)."""
 
@@ -46,19 +43,6 @@ class _Parser(argparse.ArgumentParser):
         if args and args[0].startswith("-") and kwargs.get("help") is None:
             kwargs["help"] = "(default: %(default)s)"
         return super().add_argument(*args, **kwargs)
-
-
-def _parser(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=help, description=help, formatter_class=_Formatter)
-
-
-def _emit_json(data: Any, target: str) -> None:
-    text = json.dumps(data, indent=2, default=str) + "\n"
-    if target == "-":
-        sys.stdout.write(text)
-    else:
-        with open(target, "w") as f:
-            f.write(text)
 
 
 # -- tour ------------------------------------------------------------------------------------
@@ -152,56 +136,6 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-_RUN_DTYPES = """\
-bfloat16 (and the other ml_dtypes types JAX uses, float8, int4) has no .npy type: NumPy
-stores such an array as its raw bytes, a void dtype of its itemsize (|V2 for bfloat16), and
-reads it back as that. So:
-  inputs   a |V2 file is read as bfloat16 where the artifact expects bfloat16 (write it with
-           np.save("x.npy", x.astype(jnp.bfloat16))); a float32 file is refused there, as
-           a loaded model refuses a float32 array: nothing is cast behind your back.
-  outputs  a bfloat16 output is written the same way, bit for bit (|V2): read it back with
-           np.load("y.npy").view(ml_dtypes.bfloat16), or pass it to run as an --input."""
-
-
-def _add_run(sub: argparse._SubParsersAction) -> None:
-    p = _parser(sub, "run", "run an artifact on .npy inputs and write its outputs")
-    p.epilog = _RUN_DTYPES
-    p.add_argument("path", help="an artifact directory")
-    p.add_argument(
-        "--input", action="append", required=True, type=input_file, help=".npy, once per input"
-    )
-    p.add_argument(
-        "--output",
-        required=True,
-        help="where to write: a .npy file (exactly this path), '-' for stdout (.npy bytes), or "
-        "a .npz file for several outputs (out0, out1, ...)",
-    )
-    p.add_argument("--runtime", choices=("jax", "iree"), default="jax")
-    p.add_argument("--entry", help="the entry point to run (default: the artifact's default)")
-    _args.add_trust_options(p)
-    p.set_defaults(handler=_run_run)
-
-
-def _run_run(args: argparse.Namespace) -> int:
-    """``run``: .npy files in, the artifact's outputs out (dtypes as ``_RUN_DTYPES`` says)."""
-    from symjax_mlp import load
-    from symjax_mlp._npy import raw_dtype_notes, read_inputs, write_outputs
-
-    _args.writable(args.output, "--output", overwrite=True)
-    model = load(args.path, runtime=args.runtime, **_args.load_options(args))
-    if args.entry is not None:
-        model = model[args.entry]
-    xs = read_inputs(args.input, model.signature.inputs)
-    to_stdout = args.output == "-"
-    outs = write_outputs(model(*xs), sys.stdout.buffer if to_stdout else args.output)
-    stream = sys.stderr if to_stdout else sys.stdout
-    shapes = ", ".join(f"{y.dtype}{list(y.shape)}" for y in outs)
-    print(f"wrote {'stdout' if to_stdout else args.output}: {shapes}", file=stream)
-    for note in raw_dtype_notes(outs):
-        print(f"note: {note}", file=stream)
-    return 0
-
-
 def _add_verify(sub: argparse._SubParsersAction) -> None:
     p = _parser(sub, "verify", "reload an artifact in a fresh process and check it")
     p.add_argument("path", help="an artifact directory")
@@ -249,79 +183,15 @@ def _run_bench(args: argparse.Namespace) -> int:
     return main(args)
 
 
-# -- train -----------------------------------------------------------------------------------
-def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = _parser(sub, "train", "train an MLP on the bundled digits data with optax")
-    p.add_argument("--sizes", type=sizes, default=(128, 64, 10), help="layer widths")
-    p.add_argument("--epochs", type=positive("--epochs"), default=20)
-    p.add_argument("--batch-size", type=positive("--batch-size"), default=64)
-    p.add_argument(
-        "--learning-rate", type=positive("--learning-rate", float), default=1e-3, help="adam's"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eager", action="store_true", help="run the step eagerly, not compiled")
-    p.add_argument("--checkpoint", metavar="DIR", help="write a checkpoint every epoch here")
-    p.add_argument(
-        "--checkpoint-every", type=positive("--checkpoint-every"), default=1, metavar="EPOCHS"
-    )
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint DIR")
-    add_json(p, "the history")
-    p.add_argument("--export", metavar="PATH", help="export the trained model as an artifact")
-    p.add_argument("--overwrite", action="store_true", help="replace --export/--json targets")
-    p.add_argument("--quiet", action="store_true", help="no progress")
-    p.set_defaults(handler=_run_train)
-
-
-def _run_train(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from symjax_mlp import mlp
-    from symjax_mlp._artifact.format import check_target
-    from symjax_mlp.cli._progress import epochs_progress
-    from symjax_mlp.training import train
-
-    if args.json:  # refused before training, never after
-        _args.writable(args.json, "--json", overwrite=args.overwrite)
-    if args.export:
-        check_target(Path(args.export), args.overwrite)
-    if args.resume and not args.checkpoint:
-        raise argparse.ArgumentTypeError("--resume needs --checkpoint DIR, the directory to use")
-    with epochs_progress(args.epochs, quiet=args.quiet) as on_epoch:
-        result = train(
-            mlp(args.sizes),
-            learning_rate=args.learning_rate,
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            compiled=not args.eager,
-            checkpoint=args.checkpoint,
-            checkpoint_every=args.checkpoint_every,
-            resume=args.resume,
-            on_epoch=on_epoch,
-        )
-    if args.json:
-        _emit_json(result.to_dict(), args.json)
-    if args.export:
-        result.export(args.export, overwrite=args.overwrite)
-        print(f"exported the trained model to {args.export} (it takes raw pixels)")
-    print(
-        f"test accuracy {result.test_accuracy:.2%} after {result.epoch} epochs "
-        f"({result.step} steps, {'compiled' if result.compiled else 'eager'}) "
-        f"in {result.train_seconds:.1f} s",
-        file=sys.stderr if args.json == "-" else sys.stdout,
-    )
-    return 0
-
-
 _COMMANDS = (
     _add_tour,
     _add_graph,
     _add_export,
     _add_inspect,
-    _add_run,
+    _run.add_parser,
     _add_verify,
     _add_bench,
-    _add_train,
+    _train.add_parser,
     _serve.add_parser,
 )
 
@@ -329,7 +199,7 @@ _COMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     from symjax_mlp import __version__
 
-    parser = _Parser(prog=PROG, description=__doc__, formatter_class=_Formatter)
+    parser = _Parser(prog=PROG, description=__doc__, formatter_class=_args.Formatter)
     parser.add_argument(
         "--version", action="version", version=f"{PROG} {__version__}", help="print the version"
     )

@@ -7,9 +7,31 @@ takes, so argparse prints one line and exits 2.
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's help shows its default; descriptions keep their line breaks."""
+
+
+def subcommand(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
+    """Declares the subcommand ``name``: ``help`` is its one-line help and its description."""
+    return sub.add_parser(name, help=help, description=help, formatter_class=Formatter)
+
+
+def emit_json(data: Any, target: str) -> None:
+    """Writes ``data`` as indented JSON to the file ``target``, or stdout for ``"-"``."""
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    if target == "-":
+        sys.stdout.write(text)
+    else:
+        with open(target, "w") as f:
+            f.write(text)
 
 
 def int_list(option: str) -> Callable[[str], tuple[int, ...]]:

@@ -1,0 +1,62 @@
+"""``symjax-mlp run ARTIFACT --input x.npy --output y.npy``: an artifact on .npy files.
+
+The reading, the dtypes and the writing are :mod:`symjax_mlp._npy`'s; this parses the options
+and prints what was written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from symjax_mlp.cli._args import add_trust_options, input_file, load_options, subcommand, writable
+
+DTYPES = """\
+bfloat16 (and the other ml_dtypes types JAX uses, float8, int4) has no .npy type: NumPy
+stores such an array as its raw bytes, a void dtype of its itemsize (|V2 for bfloat16), and
+reads it back as that. So:
+  inputs   a |V2 file is read as bfloat16 where the artifact expects bfloat16 (write it with
+           np.save("x.npy", x.astype(jnp.bfloat16))); a float32 file is refused there, as
+           a loaded model refuses a float32 array: nothing is cast behind your back.
+  outputs  a bfloat16 output is written the same way, bit for bit (|V2): read it back with
+           np.load("y.npy").view(ml_dtypes.bfloat16), or pass it to run as an --input."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Declares ``run`` and its options on the CLI's subcommands."""
+    p = subcommand(sub, "run", "run an artifact on .npy inputs and write its outputs")
+    p.epilog = DTYPES
+    p.add_argument("path", help="an artifact directory")
+    p.add_argument(
+        "--input", action="append", required=True, type=input_file, help=".npy, once per input"
+    )
+    p.add_argument(
+        "--output",
+        required=True,
+        help="where to write: a .npy file (exactly this path), '-' for stdout (.npy bytes), or "
+        "a .npz file for several outputs (out0, out1, ...)",
+    )
+    p.add_argument("--runtime", choices=("jax", "iree"), default="jax")
+    p.add_argument("--entry", help="the entry point to run (default: the artifact's default)")
+    add_trust_options(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
+    from symjax_mlp import load
+    from symjax_mlp._npy import raw_dtype_notes, read_inputs, write_outputs
+
+    writable(args.output, "--output", overwrite=True)
+    model = load(args.path, runtime=args.runtime, **load_options(args))
+    if args.entry is not None:
+        model = model[args.entry]
+    xs = read_inputs(args.input, model.signature.inputs)
+    to_stdout = args.output == "-"
+    outs = write_outputs(model(*xs), sys.stdout.buffer if to_stdout else args.output)
+    stream = sys.stderr if to_stdout else sys.stdout
+    shapes = ", ".join(f"{y.dtype}{list(y.shape)}" for y in outs)
+    print(f"wrote {'stdout' if to_stdout else args.output}: {shapes}", file=stream)
+    for note in raw_dtype_notes(outs):
+        print(f"note: {note}", file=stream)
+    return 0
