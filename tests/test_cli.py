@@ -422,7 +422,11 @@ def test_an_embedding_artifact_runs_from_the_cli_with_allow(tmp_path, capsys, mo
     run = ["run", str(art.path), "--input", str(tmp_path / "ids.npy"), "--output"]
     assert main([*run, str(tmp_path / "y.npy")]) == 2
     err = capsys.readouterr().err
-    assert "the op stablehlo.gather" in err and "--allow gather, or --trust" in err
+    assert "the op stablehlo.gather" in err and "pass allow={'gather'}" in err
+    assert err.strip().splitlines()[-1] == (  # the library's keywords, then the CLI's options
+        "symjax-mlp run: on the command line, allow= is --allow OP (once per op), trust=True is "
+        "--trust"
+    )
     assert "Traceback" not in err
     for opts in (["--allow", "gather"], ["--trust"]):
         assert main([*run, str(tmp_path / "y.npy"), *opts]) == 0

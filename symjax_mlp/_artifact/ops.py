@@ -125,8 +125,7 @@ def check(report: ModuleReport, *, file: Path, allow: frozenset[str], caller: st
         f"{file}: {caller} refuses to compile this module; it does what an MLP artifact "
         f"never needs:\n{lines}{more}\nIf you trust whoever made the artifact as you trust "
         f"code you run, pass allow={show_keys(keys)} (just these) or trust=True (anything) to "
-        f"{caller} (symjax-mlp run/verify/serve: {' '.join(f'--allow {k}' for k in keys)}, or "
-        "--trust). An untrusted artifact is untrusted code: run it in a sandbox."
+        f"{caller}. An untrusted artifact is untrusted code: run it in a sandbox."
     )
 
 

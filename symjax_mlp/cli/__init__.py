@@ -255,8 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except (SymjaxError, argparse.ArgumentTypeError) as e:
         print(f"{where}: error: {e}", file=sys.stderr)
-        for keyword, option in _options_named(str(e), args):  # the library's words, then ours
-            print(f"{where}: on the command line, {keyword} is {option}", file=sys.stderr)
+        if named := _options_named(str(e), args):  # the library's words, then the options
+            said = ", ".join(f"{keyword} is {option}" for keyword, option in named)
+            print(f"{where}: on the command line, {said}", file=sys.stderr)
         return 2
     except ImportError as e:
         hint = _missing_extra(e)
