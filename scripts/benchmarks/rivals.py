@@ -12,7 +12,8 @@ torch_script   ``torch.jit.script`` of it
 torch_freeze   ``torch.jit.freeze`` of the scripted module in eval mode
 torch_compile  ``torch.compile`` of it (inductor; needs a C++ compiler)
 torch_aoti     ``torch.export.export`` + ``torch._inductor.aoti_compile_and_package`` (a .pt2),
-               then ``aoti_load_package``
+               then ``aoti_load_package``, called as documented (``model(x)``, whose Python
+               wrapper parses the call's pytree specs again on every call)
 onnxruntime    ``torch.onnx.export`` (the dynamo exporter: needs onnx and onnxscript) to an
                .onnx file, run by an ``onnxruntime.InferenceSession`` (intra-op threads as
                torch's), numpy in and out
