@@ -24,8 +24,9 @@ from jax.sharding import PartitionSpec as P
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import param_specs
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
+from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, partition, rebuild
+from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
 from symjax_mlp._specs import TensorSpec, shape_dims
 
 _TRAINING = (

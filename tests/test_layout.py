@@ -14,15 +14,17 @@ import pytest
 import symjax_mlp as sm
 
 ROOT = Path(sm.__file__).parent
+SCRIPTS = ROOT.parent / "scripts"
 
 # The flow, first stage first. A module belongs to the longest prefix that names it; inside a
-# stage that is a package (training, bench, ...), imports must only be acyclic.
+# stage that is a package (training, serving, ...), imports must only be acyclic.
 STAGES = (
     "symjax_mlp._errors",
     "symjax_mlp._specs",
     "symjax_mlp._files",
     "symjax_mlp._npy",
     "symjax_mlp._models",
+    "symjax_mlp._hybrid.args",
     "symjax_mlp._hybrid.trace",
     "symjax_mlp._hybrid.mesh",
     "symjax_mlp._hybrid.jaxpr",
@@ -30,6 +32,9 @@ STAGES = (
     "symjax_mlp._hybrid.graph",
     "symjax_mlp._hybrid.rng",
     "symjax_mlp._hybrid.pure",
+    "symjax_mlp._hybrid.held",
+    "symjax_mlp._hybrid.modes",
+    "symjax_mlp._hybrid.traced",
     "symjax_mlp._hybrid.options",
     "symjax_mlp._hybrid.hybrid",
     "symjax_mlp._hybrid.make",
@@ -52,8 +57,8 @@ STAGES = (
     "symjax_mlp._load",
     "symjax_mlp._verify",
     "symjax_mlp.serving",
+    "symjax_mlp._timeit",
     "symjax_mlp.training",
-    "symjax_mlp.bench",
     "symjax_mlp.chapter",
     "symjax_mlp",
     "symjax_mlp.cli",
@@ -62,8 +67,8 @@ STAGES = (
 PUBLIC_NAMESPACES = (
     "symjax_mlp",
     "symjax_mlp.serving",
+    "symjax_mlp._timeit",
     "symjax_mlp.training",
-    "symjax_mlp.bench",
     "symjax_mlp.chapter",
 )
 
@@ -155,3 +160,75 @@ def test_the_checker_sees_a_backward_edge():
     assert "symjax_mlp._hybrid.graph" in GRAPH["symjax_mlp._hybrid.hybrid"]
     assert _stage("symjax_mlp._hybrid.graph") < _stage("symjax_mlp._hybrid.hybrid")
     assert _stage("symjax_mlp._load") > _stage("symjax_mlp._export")
+
+
+# -- the laboratory: scripts/ is a consumer of the public API, and not part of the package --
+def _symjax_imports(file: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every symjax_mlp import in ``file``, lazy ones included; a
+    ``from symjax_mlp import _x`` counts as ``symjax_mlp._x``."""
+    found = []
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return [(n, m) for n, m in found if m == "symjax_mlp" or m.startswith("symjax_mlp.")]
+
+
+def _private(module: str) -> bool:
+    return any(p.startswith("_") for p in module.split(".")[1:])
+
+
+def test_the_laboratory_uses_only_the_public_api():
+    files = sorted(SCRIPTS.rglob("*.py"))
+    assert len(files) >= 10, "scripts/benchmarks is the laboratory"
+    private = [
+        f"{f.relative_to(SCRIPTS)}:{line}: {m}"
+        for f in files
+        for line, m in _symjax_imports(f)
+        if _private(m)
+    ]
+    assert not private, "the laboratory imports library internals:\n" + "\n".join(private)
+
+
+def test_the_public_api_check_sees_a_private_import(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import symjax_mlp as sm\nfrom symjax_mlp.serving import Batcher\n"
+        "def f():\n    from symjax_mlp._hybrid.make import hybridize\n"
+        "    import symjax_mlp._models\n    from symjax_mlp import _errors\n"
+    )
+    assert [m for _, m in _symjax_imports(probe) if _private(m)] == [
+        "symjax_mlp._hybrid.make",
+        "symjax_mlp._hybrid.make.hybridize",
+        "symjax_mlp._models",
+        "symjax_mlp._errors",
+    ]
+
+
+def test_laboratory_modules_reach_into_no_other_modules_privates():
+    """One concept a module: what another module of the lab uses has a public name."""
+    reaches = []
+    for f in sorted((SCRIPTS / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks"):
+                reaches += [f"{f.name}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not reaches, reaches
+
+
+def test_the_package_is_the_library():
+    assert not (ROOT / "bench").exists(), "the benchmark lives in scripts/benchmarks"
+    with pytest.raises(ModuleNotFoundError):
+        __import__("symjax_mlp.bench")
+    heavy = {"torch", "matplotlib"}
+    users = []
+    for file in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            users += [f"{file.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in heavy]
+    assert not users, f"the library never imports torch or matplotlib: {users}"

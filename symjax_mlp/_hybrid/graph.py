@@ -18,9 +18,10 @@ import jax
 from jax.extend import core as jex_core
 
 from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.dot import to_dot
 from symjax_mlp._hybrid.jaxpr import count_flops, walk
-from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, partition, rebuild
+from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
 
 
 @dataclasses.dataclass(frozen=True)

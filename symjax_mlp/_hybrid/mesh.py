@@ -11,11 +11,14 @@ A batch that does not divide by the number of shards is padded and the result tr
 inference pads by repeating the last row (outputs must be per-example, with the batch as
 leading dimension, which is checked), training pads with weight ``0`` (a weighted loss ignores
 those rows exactly). ``pad=False`` raises :class:`~symjax_mlp.SignatureError` instead.
+:class:`DataParallel` is a sharded Hybrid's call: its shardings, its traced function's output
+check, and the placing, padding and trimming of each call's batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -129,3 +132,138 @@ def padding(batch: int, n: int, pad: bool, caller: str) -> int:
             f"multiple of {n} (e.g. {batch + extra}), or shard with pad=True to pad and trim."
         )
     return extra
+
+
+_BAKED = (
+    "{name}.shard(...): params_as_constants=True compiles the params into one device's "
+    "program; a sharded Hybrid places them on every device of the mesh. Shard the Hybrid "
+    "without it: h.replace(params_as_constants=False).shard(mesh)."
+)
+_PADDED_STATE = (
+    "{name}.shard(...): a batch of {batch} rows does not divide over {n} shards, and the "
+    "model's new state depends on its rows (BatchNorm's batch statistics, in training): the "
+    "padding rows would change it. Pass a batch that is a multiple of {n} (or call it in "
+    "eval mode, where the state does not see the rows)."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """A sharded Hybrid's call: the batch split over ``axis`` of ``mesh``, the rest replicated.
+
+    Attributes:
+      name: the Hybrid's name, for messages.
+      mesh: the mesh, its axes Auto (:func:`auto_mesh`).
+      axis: the mesh axis the batch is split over.
+      pad: pad a batch that does not divide over the shards, and trim the result.
+      n_shards: the size of ``axis``.
+      replicated: the params' (and state's) sharding, ``P()``.
+      batch: the inputs' and outputs' sharding, ``P(axis)``.
+    """
+
+    name: str
+    mesh: Mesh
+    axis: str
+    pad: bool
+    n_shards: int
+    replicated: NamedSharding
+    batch: NamedSharding
+    # a call's signature -> whether its new state sees its rows (see state_sees_rows)
+    _sees: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def over(
+        cls, name: str, mesh: Mesh | None, axis: str, pad: bool, baked: bool = False
+    ) -> DataParallel:
+        """Checks ``mesh`` and ``axis`` (default mesh: :func:`data_mesh`); ``baked``: the
+        Hybrid would hold its params as constants, which a sharded one cannot."""
+        if baked:
+            raise ConfigError(_BAKED.format(name=name))
+        mesh, rep, dat, n = shardings(mesh, axis)
+        return cls(name, mesh, axis, pad, n, rep, dat)
+
+    def jit(self, trace: Callable[..., Any], stateful: bool) -> dict[str, Any]:
+        """``jax.jit``'s arguments for a Hybrid's traced function ``trace``: it, wrapped to
+        take the batch as one tuple and to check that every output is per example, and its
+        in/out shardings (a stateful call's state replicated, as the params are)."""
+        per_example = self.per_example
+        if stateful:
+
+            def sharded(static, leaves, held, dyn, dyn_kw):
+                out, new_held = trace(static, leaves, held, dyn, dyn_kw)
+                return per_example(out, dyn), new_held
+
+            rep, dat = self.replicated, self.batch
+            ins, outs = (rep, rep, dat, dat), (dat, rep)
+        else:
+
+            def sharded(static, leaves, dyn, dyn_kw):
+                return per_example(trace(static, leaves, *dyn, **dyn_kw), dyn)
+
+            ins, outs = (self.replicated, self.batch, self.batch), self.batch
+        return {"fun": sharded, "in_shardings": ins, "out_shardings": outs}
+
+    def per_example(self, out: Any, dyn: Any) -> Any:
+        """``out``, checked to have the batch as every leaf's leading dimension."""
+        batch = dyn[0].shape[0]
+        for path, leaf in jax.tree_util.tree_leaves_with_path(out):
+            if leaf.ndim == 0 or leaf.shape[0] != batch:
+                raise SignatureError(
+                    f"{self.name}: output out{jax.tree_util.keystr(path)} has shape "
+                    f"{leaf.shape}, but a sharded call needs per-example outputs with the batch "
+                    f"({batch}) as leading dimension. Reduce over the batch after the call."
+                )
+        return out
+
+    def prepare(self, dyn: tuple[Any, ...], dyn_kw: dict[str, Any]) -> tuple[int, Any, Any]:
+        """The call's batch size and its inputs padded and placed on :attr:`batch`."""
+        caller = f"{self.name}.shard(...)"
+        if not dyn:
+            raise SignatureError(f"{caller}: needs at least one batched input.")
+        size = batch_size([*dyn, *dyn_kw.values()], caller)
+        extra = padding(size, self.n_shards, self.pad, caller)
+
+        def put(x: Any) -> jax.Array:
+            return place(pad_rows(x, extra), self.batch)
+
+        return size, tuple(map(put, dyn)), {k: put(v) for k, v in dyn_kw.items()}
+
+    def replicate(self, leaves: Sequence[Any]) -> list[Any]:
+        """``leaves`` (params, state) placed on every device."""
+        return [place(leaf, self.replicated) for leaf in leaves]
+
+    def call(
+        self, jitted: Any, static: Any, leaves: Any, held: Any, dyn: Any, dyn_kw: Any,
+        sees_rows: Callable[[Any, Any, Any], bool],
+    ) -> Any:  # fmt: skip
+        """A sharded Hybrid's call of ``jitted``: its batch padded and placed, the result
+        trimmed. ``held``: a stateful Hybrid's held state (``None``: stateless), passed and
+        taken back under its lock. A padded call whose new state depends on its rows
+        (``sees_rows(static, dyn, dyn_kw)``, asked once per signature) is refused: the
+        padding rows would change it."""
+        batch, placed, placed_kw = self.prepare(dyn, dyn_kw)
+        padded = placed[0].shape[0] != batch
+        if held is None:
+            out = jitted(static, leaves, placed, placed_kw)
+        else:
+            if padded:
+                key = (static, *((x.shape, x.dtype) for x in jax.tree.leaves((placed, placed_kw))))
+                seen = self._sees.get(key)
+                if seen is None:
+                    seen = self._sees[key] = sees_rows(static, placed, placed_kw)
+                if seen:
+                    raise SignatureError(
+                        _PADDED_STATE.format(name=self.name, batch=batch, n=self.n_shards)
+                    )
+            with held.lock:
+                out, new_held = jitted(static, leaves, held.leaves, placed, placed_kw)
+                held.hold(new_held)
+        return jax.tree.map(lambda y: y[:batch], out) if padded else out
+
+    def lower(
+        self, jitted: Any, static: Any, leaves: Any, held: Any, dyn: Any, dyn_kw: Any
+    ) -> jax.stages.Lowered:
+        """``jitted`` lowered for the padded batch: one SPMD module for every device."""
+        _, placed, placed_kw = self.prepare(dyn, dyn_kw)
+        state = () if held is None else (held.leaves,)
+        return jitted.lower(static, leaves, *state, placed, placed_kw)

@@ -10,9 +10,14 @@ from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.pure import PureModel
 
 
-def check_settings(**given: tuple[Any, type, Any]) -> None:
+def check_settings(max_traces: Any = None, **given: tuple[Any, type, Any]) -> None:
     """Each ``setting=(value, type, example)``: a value of another type is a ConfigError
-    (``compiled="no"`` is truthy; ``name=3`` broke deep inside). ``None`` passes for names."""
+    (``compiled="no"`` is truthy; ``name=3`` broke deep inside). ``None`` passes for names.
+    ``max_traces``: a positive int or ``None``."""
+    if max_traces is not None and (
+        not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
+    ):
+        raise ConfigError(f"max_traces must be a positive int or None; got {max_traces!r}.")
     for key, (value, kind, example) in given.items():
         if (value is None and kind is str) or type(value) is kind:
             continue

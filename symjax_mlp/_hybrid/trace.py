@@ -2,21 +2,23 @@
 
 JAX traces a function once per input signature (shapes, dtypes, weak types, tree structure)
 and silently traces again when any of it changes. A :class:`TraceEvent` makes each trace
-visible, and its ``reason`` names what changed against the nearest earlier trace. This module
-also turns JAX's "concrete value needed" errors into :class:`~symjax_mlp.ControlFlowError`,
-whose message says how to stay symbolic.
+visible, and its ``reason`` names what changed against the nearest earlier trace; a
+:class:`TraceLog` keeps a Hybrid's events, enforces its ``max_traces`` budget and runs its
+``on_trace`` callbacks. This module also turns JAX's "concrete value needed" errors into
+:class:`~symjax_mlp.ControlFlowError`, whose message says how to stay symbolic.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from symjax_mlp._errors import ConfigError, ControlFlowError
+from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError
+from symjax_mlp._hybrid.args import path_of, rebuild
 from symjax_mlp._specs import TensorSpec
 
 # The errors JAX raises when Python needs a concrete value from a tracer.
@@ -93,162 +95,6 @@ def _shown(path: str) -> bool:
     return path.removeprefix("module.").rpartition("/")[2] in MODE_ATTRIBUTES
 
 
-# -- static and traced arguments ----------------------------------------------------------------
-_SCALARS = (type(None), bool, int, float, complex, str, bytes)
-
-
-def is_static(value: Any) -> bool:
-    """A Python setting, not data: None, bool, int, float, complex, str, or a tuple of them."""
-    if isinstance(value, _SCALARS):
-        return True
-    return isinstance(value, tuple) and all(map(is_static, value))
-
-
-class _Frozen:
-    """A concrete array forced static (``static_argnums``): hashed and compared by value."""
-
-    __slots__ = ("_key", "array")
-
-    def __init__(self, array: Any) -> None:
-        import numpy as np
-
-        self.array = np.asarray(array)
-        self._key = (self.array.shape, str(self.array.dtype), self.array.tobytes())
-
-    def __hash__(self) -> int:
-        return hash(self._key)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Frozen) and self._key == other._key
-
-    def __repr__(self) -> str:
-        """The array itself when small; else its shape, dtype and a digest of its bytes, so
-        that two arrays NumPy would print alike (``[0, 0, 0, ..., 0]``) read apart in the
-        trace log's reasons."""
-        a = self.array
-        if a.size <= 16:
-            return repr(a)
-        digest = hashlib.sha256(self._key[2]).hexdigest()[:12]
-        return f"array(shape={a.shape}, dtype={a.dtype}, sha256={digest})"
-
-
-def _static_value(path: str, value: Any) -> Any:
-    if is_static(value):
-        return value
-    if (
-        hasattr(value, "shape")
-        and hasattr(value, "dtype")
-        and not isinstance(value, jax.core.Tracer)
-    ):
-        return _Frozen(value)
-    try:
-        hash(value)
-    except TypeError:
-        raise ConfigError(
-            f"{path} is marked static but is a {type(value).__name__}, which cannot be hashed "
-            "(a jit cache key). Pass a tuple instead of a list, or do not mark it static."
-        ) from None
-    return value
-
-
-def partition(
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    static_argnums: frozenset[int] = frozenset(),
-    static_argnames: frozenset[str] = frozenset(),
-    *,
-    caller: str,
-) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
-    """Splits a call into ``(static key, traced args, traced kwargs)``.
-
-    Python settings (see :func:`is_static`) and the arguments named in ``static_argnums`` /
-    ``static_argnames`` are static: part of the jit cache key, a plain tuple of
-    ``(position or name, value, kind)`` (see :func:`_kind`). Everything else is traced.
-
-    Raises:
-      SignatureError: an argument is a list (ambiguous: a pytree of scalars or an array).
-    """
-    static: list[tuple[Any, Any, Any]] = []
-    dyn_args: list[Any] = []
-    for i, a in enumerate(args):
-        if i in static_argnums:
-            v = _static_value(f"{caller}: args[{i}]", a)
-            static.append((i, v, _kind(v)))
-        elif is_static(a):
-            static.append((i, a, _kind(a)))
-        else:
-            if isinstance(a, list):
-                raise _list_error(caller, f"args[{i}]", a)
-            dyn_args.append(a)
-    dyn_kwargs: dict[str, Any] = {}
-    for k, v in kwargs.items():
-        if k in static_argnames:
-            v = _static_value(f"{caller}: kwargs[{k!r}]", v)
-            static.append((k, v, _kind(v)))
-        elif is_static(v):
-            static.append((k, v, _kind(v)))
-        else:
-            if isinstance(v, list):
-                raise _list_error(caller, f"kwargs[{k!r}]", v)
-            dyn_kwargs[k] = v
-    return tuple(static), tuple(dyn_args), dyn_kwargs
-
-
-def _kind(v: Any) -> Any:
-    """``type(v)``, and of each element of a tuple setting: part of the jit cache key, since
-    Python equates ``4 == 4.0 == True`` (and hashes them alike) but a program traced for one
-    is not the program for another (``jnp.asarray(n)`` takes its dtype from the setting's
-    type, ``x // d`` differs from ``x / d``)."""
-    return (tuple, tuple(map(_kind, v))) if type(v) is tuple else type(v)
-
-
-def _list_error(caller: str, path: str, value: list) -> Exception:
-    from symjax_mlp._errors import SignatureError
-
-    return SignatureError(
-        f"{caller}: {path} is a Python list of {len(value)} element(s), but an input must be an "
-        "array (or a tuple/dict of arrays). A list would be traced element by element as "
-        f"separate scalars. Pass jnp.asarray({path.split('[')[0]}) instead, or a tuple if it "
-        "is a setting."
-    )
-
-
-def rebuild(
-    static: tuple[Any, ...], dyn_args: Sequence[Any], dyn_kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call's ``(args, kwargs)`` from :func:`partition`'s pieces."""
-    positional = {k: v for k, v, _ in static if isinstance(k, int)}
-    kwargs = dict(dyn_kwargs)
-    kwargs.update((k, _unfreeze(v)) for k, v, _ in static if isinstance(k, str))
-    dyn = iter(dyn_args)
-    n = len(dyn_args) + len(positional)
-    args = tuple(_unfreeze(positional[i]) if i in positional else next(dyn) for i in range(n))
-    return args, kwargs
-
-
-def _unfreeze(v: Any) -> Any:
-    return v.array if isinstance(v, _Frozen) else v
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleSetting:
-    """The key of an nnx module's setting in a static key (``"drop/deterministic"``): neither
-    a place nor a keyword, so :func:`rebuild` leaves it out of the call."""
-
-    path: str
-
-
-def settings_key(names: tuple[ModuleSetting, ...], values: tuple) -> tuple:
-    """A module's settings as static entries, as :func:`partition` makes them."""
-    return tuple((k, v, type(v)) for k, v in zip(names, values, strict=True))
-
-
-def _path(key: Any) -> str:
-    if isinstance(key, ModuleSetting):
-        return f"module.{key.path}"
-    return f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
-
-
 def signature(
     args: Sequence[Any], kwargs: dict[str, Any] | None = None, static: tuple[Any, ...] = ()
 ) -> tuple[tuple[TensorSpec, ...], str, tuple[tuple[str, str], ...]]:
@@ -276,7 +122,7 @@ def signature(
                 )
             )
     tree = trees[0] if trees[1] == str(jax.tree.structure({})) else " ".join(trees)
-    return tuple(specs), tree, tuple((_path(k), repr(v)) for k, v, _ in static)
+    return tuple(specs), tree, tuple((path_of(k), repr(v)) for k, v, _ in static)
 
 
 def explain(
@@ -314,3 +160,79 @@ def explain(
                 f"{now.get(path, '(absent)')}"
             )
     return "; ".join(changes) or "same signature traced again (a new jax.jit cache entry)"
+
+
+_RETRACE = (
+    "{name}: trace #{index} would exceed max_traces={budget}. Why it retraced: {reason}.\n"
+    "  Earlier traces:\n  {history}\nCall it with inputs of one shape and dtype (pad the "
+    "batch, or cast once) and fixed settings, or raise max_traces if each is intended."
+)
+
+
+class TraceLog:
+    """The traces of one Hybrid's compiled paths: their events, the budget, the callbacks.
+
+    Every trace goes through :meth:`begin` (which explains it, enforces ``max_traces`` and
+    runs the callbacks with the traced inputs) and, once the model traced without error,
+    :meth:`commit`; a failed trace is neither logged nor counted.
+
+    Attributes:
+      name: the Hybrid's name, for messages.
+      max_traces: the budget, or ``None``.
+      callbacks: the ``on_trace`` callbacks, shared by the Hybrids ``replace`` makes.
+    """
+
+    def __init__(
+        self, name: str, max_traces: int | None, callbacks: list[Callable[..., Any]] | None = None
+    ) -> None:
+        self.name, self.max_traces = name, max_traces
+        self.callbacks = [] if callbacks is None else callbacks
+        self._events: list[TraceEvent] = []
+        self._lock = threading.Lock()
+
+    @property
+    def events(self) -> tuple[TraceEvent, ...]:
+        """One :class:`TraceEvent` per trace that succeeded, oldest first."""
+        return tuple(self._events)
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def add(self, callback: Callable[..., Any]) -> None:
+        """Registers an ``on_trace`` callback."""
+        if not callable(callback):
+            raise ConfigError(f"on_trace expects a callable; got {type(callback).__name__}.")
+        self.callbacks.append(callback)
+
+    def run_callbacks(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Runs the callbacks with the call's arguments (traced, or concrete in eager mode)."""
+        for callback in self.callbacks:
+            callback(*args, **kwargs)
+
+    def begin(self, static: Any, dyn: Any, dyn_kw: Any, entry: str) -> TraceEvent:
+        """The event a trace of this partitioned call will log, its callbacks run.
+
+        Raises:
+          RetraceError: the trace would exceed ``max_traces``.
+        """
+        sig, tree, shown = signature(dyn, dyn_kw, static)
+        with self._lock:
+            reason = explain(sig, tree, self._events, shown)
+            event = TraceEvent(len(self._events), sig, tree, reason, shown, entry)
+            if self.max_traces is not None and len(self._events) >= self.max_traces:
+                raise RetraceError(
+                    _RETRACE.format(
+                        name=self.name,
+                        index=event.index,
+                        budget=self.max_traces,
+                        reason=reason,
+                        history="\n  ".join(map(str, self._events)),
+                    )
+                )
+        self.run_callbacks(*rebuild(static, dyn, dyn_kw))
+        return event
+
+    def commit(self, event: TraceEvent) -> None:
+        """Logs a trace that succeeded."""
+        with self._lock:
+            self._events.append(dataclasses.replace(event, index=len(self._events)))

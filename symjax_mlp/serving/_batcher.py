@@ -9,7 +9,7 @@ order, into the next batch, up to ``max_batch`` rows. A batch is padded with zer
 smallest bucket (powers of two by default) that holds it; every bucket was compiled when the
 batcher was made, so nothing compiles while serving, and padding rows are never returned.
 
-What a request costs besides the model (measured by ``symjax-mlp bench --serving``):
+What a request costs besides the model (measured by ``python scripts/bench.py --serving``):
 
 - the check: a NumPy request whose ``(shape, dtype)`` passed once is looked up in a dict,
   not checked again;
@@ -68,11 +68,10 @@ def _inference(h: Hybrid, example: Any) -> Any:
     training = h.training_mode(*arrays)
     if training:
         raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
-    if h._settings_of is not None:  # the module's mode as of now, whatever it is switched to
-        h = h._settings_fixed()
+    h = h.snapshot()  # its module's mode and state as of now, whatever h does later
     if not h.stateful:
         return h
-    params, state = h.params, (h._state_copy() if h.donate else h.state)  # h's next call
+    params, state = h.params, h.state
 
     def inference(*xs: Any) -> Any:
         return h.apply(params, *xs, state=state)[0]

@@ -1,0 +1,175 @@
+"""A call's arguments, split: static Python settings (the jit cache key) and traced arrays.
+
+What a call takes, as MXNet's ``hybridize`` and equinox's ``filter_jit`` see it: arrays (JAX or
+NumPy, and tuples/dicts of them) are traced; Python settings (bool, int, float, str, None,
+tuples of them) and the arguments named in ``static_argnums``/``static_argnames`` are static,
+part of the cache key. :func:`partition` splits a call into the two, :func:`rebuild` puts it
+back together; an nnx module's settings join the static key as :class:`ModuleSetting` entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from symjax_mlp._errors import ConfigError
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def is_static(value: Any) -> bool:
+    """A Python setting, not data: None, bool, int, float, complex, str, or a tuple of them."""
+    if isinstance(value, _SCALARS):
+        return True
+    return isinstance(value, tuple) and all(map(is_static, value))
+
+
+class _Frozen:
+    """A concrete array forced static (``static_argnums``): hashed and compared by value."""
+
+    __slots__ = ("_key", "array")
+
+    def __init__(self, array: Any) -> None:
+        import numpy as np
+
+        self.array = np.asarray(array)
+        self._key = (self.array.shape, str(self.array.dtype), self.array.tobytes())
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Frozen) and self._key == other._key
+
+    def __repr__(self) -> str:
+        """The array itself when small; else its shape, dtype and a digest of its bytes, so
+        that two arrays NumPy would print alike (``[0, 0, 0, ..., 0]``) read apart in the
+        trace log's reasons."""
+        a = self.array
+        if a.size <= 16:
+            return repr(a)
+        digest = hashlib.sha256(self._key[2]).hexdigest()[:12]
+        return f"array(shape={a.shape}, dtype={a.dtype}, sha256={digest})"
+
+
+def _static_value(path: str, value: Any) -> Any:
+    if is_static(value):
+        return value
+    if (
+        hasattr(value, "shape")
+        and hasattr(value, "dtype")
+        and not isinstance(value, jax.core.Tracer)
+    ):
+        return _Frozen(value)
+    try:
+        hash(value)
+    except TypeError:
+        raise ConfigError(
+            f"{path} is marked static but is a {type(value).__name__}, which cannot be hashed "
+            "(a jit cache key). Pass a tuple instead of a list, or do not mark it static."
+        ) from None
+    return value
+
+
+def partition(
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    static_argnums: frozenset[int] = frozenset(),
+    static_argnames: frozenset[str] = frozenset(),
+    *,
+    caller: str,
+) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
+    """Splits a call into ``(static key, traced args, traced kwargs)``.
+
+    Python settings (see :func:`is_static`) and the arguments named in ``static_argnums`` /
+    ``static_argnames`` are static: part of the jit cache key, a plain tuple of
+    ``(position or name, value, kind)`` (see :func:`_kind`). Everything else is traced.
+
+    Raises:
+      SignatureError: an argument is a list (ambiguous: a pytree of scalars or an array).
+    """
+    static: list[tuple[Any, Any, Any]] = []
+    dyn_args: list[Any] = []
+    for i, a in enumerate(args):
+        if i in static_argnums:
+            v = _static_value(f"{caller}: args[{i}]", a)
+            static.append((i, v, _kind(v)))
+        elif is_static(a):
+            static.append((i, a, _kind(a)))
+        else:
+            if isinstance(a, list):
+                raise _list_error(caller, f"args[{i}]", a)
+            dyn_args.append(a)
+    dyn_kwargs: dict[str, Any] = {}
+    for k, v in kwargs.items():
+        if k in static_argnames:
+            v = _static_value(f"{caller}: kwargs[{k!r}]", v)
+            static.append((k, v, _kind(v)))
+        elif is_static(v):
+            static.append((k, v, _kind(v)))
+        else:
+            if isinstance(v, list):
+                raise _list_error(caller, f"kwargs[{k!r}]", v)
+            dyn_kwargs[k] = v
+    return tuple(static), tuple(dyn_args), dyn_kwargs
+
+
+def _kind(v: Any) -> Any:
+    """``type(v)``, and of each element of a tuple setting: part of the jit cache key, since
+    Python equates ``4 == 4.0 == True`` (and hashes them alike) but a program traced for one
+    is not the program for another (``jnp.asarray(n)`` takes its dtype from the setting's
+    type, ``x // d`` differs from ``x / d``)."""
+    return (tuple, tuple(map(_kind, v))) if type(v) is tuple else type(v)
+
+
+def _list_error(caller: str, path: str, value: list) -> Exception:
+    from symjax_mlp._errors import SignatureError
+
+    return SignatureError(
+        f"{caller}: {path} is a Python list of {len(value)} element(s), but an input must be an "
+        "array (or a tuple/dict of arrays). A list would be traced element by element as "
+        f"separate scalars. Pass jnp.asarray({path.split('[')[0]}) instead, or a tuple if it "
+        "is a setting."
+    )
+
+
+def rebuild(
+    static: tuple[Any, ...], dyn_args: Sequence[Any], dyn_kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's ``(args, kwargs)`` from :func:`partition`'s pieces."""
+    positional = {k: v for k, v, _ in static if isinstance(k, int)}
+    kwargs = dict(dyn_kwargs)
+    kwargs.update((k, _unfreeze(v)) for k, v, _ in static if isinstance(k, str))
+    dyn = iter(dyn_args)
+    n = len(dyn_args) + len(positional)
+    args = tuple(_unfreeze(positional[i]) if i in positional else next(dyn) for i in range(n))
+    return args, kwargs
+
+
+def _unfreeze(v: Any) -> Any:
+    return v.array if isinstance(v, _Frozen) else v
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleSetting:
+    """The key of an nnx module's setting in a static key (``"drop/deterministic"``): neither
+    a place nor a keyword, so :func:`rebuild` leaves it out of the call."""
+
+    path: str
+
+
+def settings_key(names: tuple[ModuleSetting, ...], values: tuple) -> tuple:
+    """A module's settings as static entries, as :func:`partition` makes them."""
+    return tuple((k, v, type(v)) for k, v in zip(names, values, strict=True))
+
+
+def path_of(key: Any) -> str:
+    """Where a static key's entry sits in the call: ``args[0]``, ``kwargs['train']``,
+    ``module.drop/deterministic``."""
+    if isinstance(key, ModuleSetting):
+        return f"module.{key.path}"
+    return f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"

@@ -1,0 +1,102 @@
+"""The state a Hybrid holds between calls: flat, as the compiled program takes and returns it.
+
+A model with state carries it across calls exactly as eager calls would: linen's mutable
+collections (``batch_stats``) and rng streams (``dropout``), and every non-``Param`` variable of
+an nnx module (batch statistics, rng counts). :class:`HeldState` holds it flattened once: a
+list of arrays, typed rng keys as their raw ``key_data`` (the compiled function wraps and
+unwraps them), so a call passes and takes back a flat list, and the tree is rebuilt only when
+read. A call may change the state's values but not its structure.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from symjax_mlp._errors import ConfigError, ControlFlowError
+from symjax_mlp._hybrid.pure import state_structure, unwrap_keys, wrap_keys
+
+_STATE_UNDER_TRANSFORM = (
+    "{name}: a stateful Hybrid was called inside a JAX transformation (jax.jit, jax.grad, "
+    "jax.vmap, ...), where its new state would be a tracer. Use the pure form inside "
+    "transformations: out, state = h.apply(h.params, x) returns the new state instead of "
+    "holding it."
+)
+_STATE_STRUCTURE = (
+    "{name}: a call changed the structure of the model's state, from {before} to {after}. A "
+    "Hybrid holds its state as the arrays it started with; a call may change their values, not "
+    "add, remove or retype them (a variable created inside __call__, a sow into a mutable "
+    "collection). Create every variable when the model is built, or use the pure form, "
+    "out, state = h.apply(h.params, x), which returns whatever state the call makes."
+)
+
+
+class HeldState:
+    """A Hybrid's state as the arrays it passes to its compiled calls and takes back.
+
+    Attributes:
+      name: the Hybrid's name, for messages.
+      leaves: the flat state (rng keys as raw key data), as of the last call.
+      lock: held around a call that moves the state, and while the tree is rebuilt.
+    """
+
+    def __init__(self, name: str, state: Any, *, own: bool = False) -> None:
+        """Holds ``state`` (a tree; ``{}`` when stateless); ``own``: in buffers of its own
+        (copied once, here), as a donating Hybrid must, never the caller's."""
+        self.name = name
+        self._structure, self._key_impls = state_structure(state)
+        leaves = unwrap_keys(jax.tree.leaves(state), self._key_impls)
+        self.leaves = _copies(leaves) if own else leaves
+        self._tree = None if own else state  # rebuilt on the first read after a call
+        self.lock = threading.RLock()
+
+    @property
+    def tree(self) -> Any:
+        """The state as a tree, as of the last call."""
+        tree = self._tree
+        if tree is None:
+            with self.lock:  # not between a call and its hold()
+                tree = self._tree = self.unflatten(self.leaves)
+        return tree
+
+    def unflatten(self, leaves: list[Any]) -> Any:
+        """A tree of the held structure from flat ``leaves`` (raw key data wrapped)."""
+        return jax.tree.unflatten(self._structure, wrap_keys(leaves, self._key_impls))
+
+    def flatten(self, state: Any) -> list[Any]:
+        """A call's new state as held: its leaves, keys as raw data; the same structure.
+
+        Raises:
+          ConfigError: the call changed the state's structure.
+        """
+        structure, key_impls = state_structure(state)
+        if structure != self._structure or key_impls != self._key_impls:
+            raise ConfigError(
+                _STATE_STRUCTURE.format(name=self.name, before=self._structure, after=structure)
+            )
+        return unwrap_keys(jax.tree.leaves(state), key_impls)
+
+    def copy(self) -> Any:
+        """:attr:`tree` in new buffers, which no donating call consumes."""
+        with self.lock:
+            raw = _copies(self.leaves)
+        return self.unflatten(raw)
+
+    def hold(self, leaves: list[Any]) -> None:
+        """Holds a call's new flat state (the caller holds :attr:`lock`).
+
+        Raises:
+          ControlFlowError: the new state is traced: the call ran under a transformation.
+        """
+        if leaves and isinstance(leaves[0], jax.core.Tracer):
+            raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
+        self.leaves = leaves
+        self._tree = None
+
+
+def _copies(leaves: list[Any]) -> list[Any]:
+    """New buffers with the values of ``leaves``, for a Hybrid to hold and donate."""
+    return [jnp.array(leaf, copy=True) for leaf in leaves]
