@@ -11,13 +11,16 @@
     python scripts/bench.py --json bench.json  # every figure (schema 1), versions, device
     python scripts/bench.py --diff old.json new.json  # per-row ratios with noise bands
 
-All the logic lives in :mod:`symjax_mlp.bench`; this script is ``symjax-mlp bench``, with the
-same options and exit codes (0 ok, 2 a usage error, 1 a bug).
+The laboratory lives in ``scripts/benchmarks/`` (not installed with the library, written on
+its public API only); this script is its entry. Exit codes: 0 ok, 2 a usage error, 1 a bug.
+To time your own artifact against its AOT floor, the library has ``symjax-mlp bench DIR``.
 """
 
 import sys
-
-from symjax_mlp.cli import run
+from pathlib import Path
 
 if __name__ == "__main__":
-    run(["bench", *sys.argv[1:]])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import benchmarks`
+    from benchmarks.cli import run
+
+    run(sys.argv[1:])

@@ -27,6 +27,8 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${1:-gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python}"
+# the laboratory, scripts/benchmarks, is imported from scripts/ (it is not installed)
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 STEP_TIMEOUT="${STEP_TIMEOUT:-200}"  # seconds per step; three steps stay under 5 minutes
 
 echo "== device"
@@ -48,7 +50,7 @@ run_bench() {
   NAME="$name" SECTIONS="$sections" TORCH="$torch" FLAGS="$flags" OUT="$OUT" \
     timeout "$STEP_TIMEOUT" "$PY" - <<'EOF'
 import json, os
-from symjax_mlp.bench import bench_serving, format_serving
+from benchmarks.serving import bench_serving, format_serving
 
 flags = os.environ["FLAGS"]
 env = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()} if flags else None

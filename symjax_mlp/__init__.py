@@ -2,14 +2,15 @@
 
 Write the model imperatively, flip one switch (:func:`hybridize`) and get the symbolic program
 as a jaxpr (:class:`Graph`), an XLA-compiled call, and a portable StableHLO artifact
-(:func:`export`, :func:`load`). Training lives in :mod:`symjax_mlp.training`, the benchmark in
-:mod:`symjax_mlp.bench`, serving (a micro-batcher, an HTTP server) in :mod:`symjax_mlp.serving`,
-the chapter's examples in :mod:`symjax_mlp.chapter`.
+(:func:`export`, :func:`load`); :func:`timeit` times a model against its AOT-compiled floor.
+Training lives in :mod:`symjax_mlp.training`, serving (a micro-batcher, an HTTP server) in
+:mod:`symjax_mlp.serving`, the chapter's examples in :mod:`symjax_mlp.chapter`. The project's
+benchmark is not part of the package: ``python scripts/bench.py``, on this public API.
 
 The flow, one stage per private module, each importing only from the stages before it::
 
     _errors, _specs, _files -> _models -> _hybrid -> _artifact -> _export -> _runtimes
-      -> _load -> _verify -> serving -> training, bench, chapter -> cli
+      -> _load -> _verify -> serving -> _timeit -> training, chapter -> cli
 """
 
 import importlib as _importlib
@@ -34,6 +35,8 @@ from symjax_mlp._loaded import LoadedModel as LoadedModel
 from symjax_mlp._signing import sign as sign
 from symjax_mlp._signing import verify_signature as verify_signature
 from symjax_mlp._specs import TensorSpec as TensorSpec
+from symjax_mlp._timeit import CallTiming as CallTiming
+from symjax_mlp._timeit import timeit as timeit
 from symjax_mlp._verify import VerifyCheck as VerifyCheck
 from symjax_mlp._verify import VerifyReport as VerifyReport
 from symjax_mlp._verify import verify as verify
@@ -67,7 +70,6 @@ _LAZY = {
     "HybridConcurrent": "symjax_mlp._models",
     "HybridSequential": "symjax_mlp._models",
     "mlp": "symjax_mlp._models",
-    "bench": None,
     "chapter": None,
     "serving": None,
     "training": None,
@@ -96,6 +98,7 @@ __all__ = [
     "ACTIVATIONS",
     "Artifact",
     "ArtifactError",
+    "CallTiming",
     "CheckpointError",
     "ConfigError",
     "ControlFlowError",
@@ -115,7 +118,6 @@ __all__ = [
     "TraceEvent",
     "VerifyCheck",
     "VerifyReport",
-    "bench",
     "chapter",
     "data_mesh",
     "export",
@@ -127,6 +129,7 @@ __all__ = [
     "shard",
     "sign",
     "stage",
+    "timeit",
     "training",
     "verify",
     "verify_signature",

@@ -6,13 +6,18 @@ here, at import, before any test touches a device. The suite compiles the same s
 in many tests and in the processes it starts (CLI, workers, servers); a compilation cache in a
 fresh directory per run, inherited by those processes through the environment, compiles each
 once (about a fifth of the suite's time). It starts empty, so no run sees another's entries.
-Fixtures live in ``helpers.py``.
+Fixtures live in ``helpers.py``. ``scripts/`` goes on ``sys.path``, so that the laboratory's
+tests import it (``import benchmarks``) as ``python scripts/bench.py`` does.
 """
 
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 _CACHE = tempfile.mkdtemp(prefix="symjax-test-xla-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
@@ -30,3 +35,8 @@ if jax.config.jax_compilation_cache_dir is None:  # JAX was imported before this
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from helpers import chapter  # noqa: E402, F401  (a fixture, shared by every test module)
+
+
+def pytest_configure(config):
+    # the lead's CI installs torch and runs `-m torch`; without torch these tests skip
+    config.addinivalue_line("markers", "torch: needs PyTorch (skipped, saying so, without it)")

@@ -1,6 +1,9 @@
-"""The benchmark library: fields, structure, JSON and the CLI; never speeds.
+"""The laboratory (``scripts/benchmarks``, run by ``scripts/bench.py``): fields, structure, JSON
+and its command line; never speeds.
 
 Every run here uses tiny call counts and a tiny net so the file stays well under a minute.
+``scripts/`` is on ``sys.path`` (conftest.py). Tests that need PyTorch are marked ``torch``
+and skipped, saying so, where it is not installed; the figures' tests need matplotlib.
 """
 
 import dataclasses
@@ -12,14 +15,26 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
-import matplotlib.image
 import numpy as np
 import pytest
-import torch
+from benchmarks import compare, devices, figures, run, scaling, stateful, timing, train_step
+from benchmarks import report as reports
+from benchmarks.cli import main as lab_main
 
 import symjax_mlp as sm
-from symjax_mlp import bench
-from symjax_mlp.cli import main as cli_main
+
+SCRIPTS = Path(__file__).parent.parent / "scripts"
+
+
+def needs_torch():
+    """torch, or a skip that says why (the lab's PyTorch rows need the ``torch`` extra)."""
+    return pytest.importorskip("torch", reason="the PyTorch rows need torch: pip install torch")
+
+
+def needs_matplotlib():
+    """matplotlib's image reader, or a skip that says why (the figures need the plot extra)."""
+    return pytest.importorskip("matplotlib.image", reason="figures need matplotlib: [plot]")
+
 
 TINY = {"sizes": (8, 2), "in_features": 16}
 
@@ -28,11 +43,11 @@ def tiny_benchmark(**kw):
     """The benchmark on a tiny net with the fewest calls; ``kw`` overrides."""
     fewest = {"calls": 2, "repeats": 1, "eager_chunks": 1, "stage_repeats": 1}
     off = {"peak": False, "train_step": False, "latency": False}  # the slow or spawning parts
-    return bench.benchmark(**(fewest | off | TINY | kw))
+    return run.benchmark(**(fewest | off | TINY | kw))
 
 
 def test_timing_fields_and_stats():
-    t = bench.time_calls(lambda: jnp.ones(3) + 1, name="add", calls=4, repeats=5, warmup=2)
+    t = timing.time_calls(lambda: jnp.ones(3) + 1, name="add", calls=4, repeats=5, warmup=2)
     assert (t.name, t.calls, t.inputs_per_call, len(t.times)) == ("add", 4, 1, 5)
     assert all(s > 0 for s in t.times)
     assert t.min <= t.median <= max(t.times)
@@ -55,11 +70,11 @@ def test_every_timed_call_is_synced():
             synced.append(1)
             return self
 
-    bench.time_calls(Out, calls=3, repeats=5, warmup=2)
+    timing.time_calls(Out, calls=3, repeats=5, warmup=2)
     assert len(synced) == 2 + 3 * 5  # warm-up calls and every timed call
     synced.clear()
     made = []
-    t = bench.time_calls(lambda: made.append(1) or Out(), calls=3, repeats=5, pipelined=True)
+    t = timing.time_calls(lambda: made.append(1) or Out(), calls=3, repeats=5, pipelined=True)
     assert len(made) == 10 + 3 * 5 and len(synced) == 2 + 5  # one sync per loop: the last call
     assert t.pipelined and t.to_dict()["pipelined"]
 
@@ -67,7 +82,7 @@ def test_every_timed_call_is_synced():
 def test_interleaved_order_and_inputs_per_call():
     order = []
     fns = {k: (lambda k=k: order.append(k)) for k in "abc"}
-    t = bench.time_interleaved(fns, calls=1, repeats=4, warmup=1, inputs_per_call={"b": 10})
+    t = timing.time_interleaved(fns, calls=1, repeats=4, warmup=1, inputs_per_call={"b": 10})
     # the warm-ups, then repeat r of each in turn, the turn rotating: each follows each other
     assert order == [*"abc", *"abc", *"bca", *"cab", *"abc"]
     assert list(t) == ["a", "b", "c"] and t["b"].inputs_per_call == 10
@@ -75,17 +90,17 @@ def test_interleaved_order_and_inputs_per_call():
 
 def test_bad_counts_are_refused():
     with pytest.raises(ValueError, match="calls and repeats must be >= 1"):
-        bench.time_calls(lambda: 0, calls=0)
+        timing.time_calls(lambda: 0, calls=0)
 
 
 def test_stages_are_timed_separately():
-    s = bench.time_stages(lambda x: x * 2 + 1, jnp.ones(3), repeats=2)
+    s = timing.time_stages(lambda x: x * 2 + 1, jnp.ones(3), repeats=2)
     assert list(s) == ["trace", "lower", "compile"]
     assert all(len(t.times) == 2 and t.min > 0 for t in s.values())
 
 
 def test_environment_says_where_it_ran():
-    env = bench.environment()
+    env = timing.environment()
     for key in ("jax", "jaxlib", "flax", "python", "backend", "device", "device_kind", "cpu_model"):
         assert isinstance(env[key], str) and env[key]
     assert env["cpu_count"] >= 1 and env["cpu_usable"] >= 1
@@ -132,7 +147,7 @@ def test_the_latency_mode_row_runs_h_with_synchronous_dispatch_in_its_own_proces
     assert row.timing.calls == 4 and len(row.timing.times) == 2 and not row.timing.pipelined
     assert report.extra["latency_mode"] == {"dispatch": "sync", "traces": 1}  # never retraced
     assert sm.serving.dispatch_mode() == "async"  # this process was left as it was
-    text = bench.format_report(report)
+    text = reports.format_report(report)
     per = row.timing.per_call_min
     hyb = report.row("hybridized").timing.per_call_min
     assert "latency mode (sm.serving.latency_mode(): synchronous dispatch" in text
@@ -145,13 +160,19 @@ def test_a_benchmark_run_in_latency_mode_says_so():
     """Run from a process already in latency mode, the table's own rows are synchronous: the
     report says which dispatch it ran in, and does not claim a hand-off it did not pay."""
     code = (
-        "import symjax_mlp as sm; sm.serving.latency_mode(); from symjax_mlp import bench; "
-        "r = bench.benchmark(calls=2, repeats=1, eager_chunks=1, stage_repeats=1, sizes=(8, 2), "
+        "import symjax_mlp as sm; sm.serving.latency_mode(); from benchmarks import report, run; "
+        "r = run.benchmark(calls=2, repeats=1, eager_chunks=1, stage_repeats=1, sizes=(8, 2), "
         "in_features=16, peak=False, train_step=False, artifact=False); "
-        "print(r.env['dispatch']); print(bench.format_report(r))"
+        "print(r.env['dispatch']); print(report.format_report(r))"
     )
+    env = dict(os.environ, PYTHONPATH=str(SCRIPTS))
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=env,
     ).stdout
     assert out.startswith("sync\n")
     assert "This process runs in latency mode too (synchronous dispatch)" in out
@@ -159,13 +180,11 @@ def test_a_benchmark_run_in_latency_mode_says_so():
 
 
 def test_a_latency_row_that_fails_or_differs_is_skipped_with_a_note(monkeypatch):
-    from symjax_mlp.bench import _run
-
     class Broken:
         def __init__(self, **kw):
             raise RuntimeError("the process died")
 
-    monkeypatch.setattr(_run, "LatencyRow", Broken)
+    monkeypatch.setattr(run, "LatencyRow", Broken)
     r = tiny_benchmark(artifact=False, latency=True)
     assert r.row("hybridized_latency") is None and "latency_mode" not in r.extra
     assert "latency-mode row skipped: the process died" in r.notes
@@ -181,7 +200,7 @@ def test_a_latency_row_that_fails_or_differs_is_skipped_with_a_note(monkeypatch)
         def close(self):
             closed.append(True)
 
-    monkeypatch.setattr(_run, "LatencyRow", Wrong)
+    monkeypatch.setattr(run, "LatencyRow", Wrong)
     r = tiny_benchmark(artifact=False, latency=True)
     assert r.row("hybridized_latency") is None and closed == [True]
     (note,) = [n for n in r.notes if "latency-mode" in n]
@@ -189,7 +208,7 @@ def test_a_latency_row_that_fails_or_differs_is_skipped_with_a_note(monkeypatch)
 
 
 def test_a_latency_row_process_that_fails_says_why():
-    from symjax_mlp.bench._remote import LatencyRow
+    from benchmarks.remote import LatencyRow
 
     with pytest.raises(RuntimeError, match=r"(?s)its process failed \(exit 1\):.*'no_such'"):
         LatencyRow(sizes=(4, 2), in_features=8, activation="no_such", seed=0, timeout=60)
@@ -206,7 +225,7 @@ def test_remote_rows_are_interleaved_with_the_others():
         order.append(("remote", calls))
         return 0.5
 
-    t = bench.time_interleaved(
+    t = timing.time_interleaved(
         {"local": local}, calls=3, repeats=2, warmup=1, remote={"far": remote}
     )
     assert list(t) == ["local", "far"] and t["far"].times == (0.5, 0.5)
@@ -215,7 +234,7 @@ def test_remote_rows_are_interleaved_with_the_others():
 
 
 def test_report_text_starts_with_the_chapter_lines(report):
-    lines = bench.format_report(report).splitlines()
+    lines = reports.format_report(report).splitlines()
     assert lines[0].startswith("Without hybridization: ") and lines[0].endswith(" sec")
     assert lines[1].startswith("With hybridization: ") and lines[1].endswith(" sec")
     text = "\n".join(lines)
@@ -231,7 +250,7 @@ def test_report_text_starts_with_the_chapter_lines(report):
 
 def test_report_json_round_trips(report):
     d = json.loads(json.dumps(report.to_dict()))
-    assert d["schema"] == 1  # documented in the module docstring of symjax_mlp.bench._report
+    assert d["schema"] == 1  # documented in the module docstring of benchmarks.report
     assert d["chapter"]["calls"] == 4
     assert {r["key"] for r in d["rows"]} >= {"eager", "hybridized", "floor", "vmap"}
     assert d["env"]["backend"] and d["env"]["cpu_count"] >= 1
@@ -257,7 +276,7 @@ def test_missing_iree_drops_its_row_with_a_note(monkeypatch):
     (note,) = [n for n in r.notes if "IREE" in n]
     assert note.startswith("artifact (IREE) row skipped: ArtifactError: ")
     assert "pip install 'symjax_mlp[iree]'" in note  # the note says what to do
-    assert "note: " + note in bench.format_report(r)
+    assert "note: " + note in reports.format_report(r)
 
 
 def test_bad_compare_is_a_user_error():
@@ -266,10 +285,12 @@ def test_bad_compare_is_a_user_error():
         match=r"benchmark\(compare=\('tensorflow',\)\): the frameworks to compare with are "
         r"\('torch',\); drop the others",
     ):
-        bench.benchmark(compare=("tensorflow",))
+        run.benchmark(compare=("tensorflow",))
 
 
+@pytest.mark.torch
 def test_torch_rows_share_the_table():
+    torch = needs_torch()
     r = tiny_benchmark(artifact=False, compare=("torch",), latency=True)
     keys = {row.key for row in r.rows}
     assert {"torch_eager", "torch_script", "torch_compile"} <= keys
@@ -280,7 +301,7 @@ def test_torch_rows_share_the_table():
     assert latency["value"] == pytest.approx(
         r.row(fastest).timing.per_input_min / r.row("hybridized_latency").timing.per_input_min
     )
-    assert f"than {r.row(fastest).label} (PyTorch's fastest here)" in bench.format_report(r)
+    assert f"than {r.row(fastest).label} (PyTorch's fastest here)" in reports.format_report(r)
     assert {"torch_script", "torch_compile"} <= set(r.stages)  # their compile times
     assert not any("differs" in n for n in r.notes)  # same weights, same outputs
     assert any(n.startswith(f"torch: {torch.__version__}, ") for n in r.notes)
@@ -288,7 +309,7 @@ def test_torch_rows_share_the_table():
 
 @pytest.fixture(scope="module")
 def tiny_sweep():
-    return bench.sweep(
+    return scaling.sweep(
         batch_sizes=(1, 4), eager_max_batch=1, repeats=2, min_seconds=0, peak_size=32, **TINY
     )
 
@@ -313,7 +334,7 @@ def test_sweep_points_peak_and_json(tiny_sweep):
     assert {"seconds_per_example_min", "seconds_per_example_median", "median_s"} <= set(
         d["points"][0]
     )
-    text = bench.format_sweep(s)
+    text = scaling.format_sweep(s)
     assert "matmul peak" in text and "compute floor" in text and "median" in text
 
 
@@ -323,11 +344,11 @@ def svg_text(path):
 
 
 def test_sweep_figure_reads_like_a_paper_figure(tiny_sweep, tmp_path):
-    written = bench.plot_sweep(tiny_sweep, tmp_path / "sweep")
+    written = figures.plot_sweep(tiny_sweep, tmp_path / "sweep")
     png, svg = map(Path, written)
     assert (png.name, svg.name) == ("sweep.png", "sweep.svg")  # PNG and SVG, one drawing
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert matplotlib.image.imread(png).shape[:2] == (720, 1440)  # 12 x 6 in at 120 dpi
+    assert needs_matplotlib().imread(png).shape[:2] == (720, 1440)  # 12 x 6 in at 120 dpi
     text = svg_text(svg)
     assert text.lstrip().startswith("<?xml") and "<svg" in text
     for shown in (
@@ -348,17 +369,17 @@ def test_sweep_figure_reads_like_a_paper_figure(tiny_sweep, tmp_path):
         assert shown in text, shown
     assert " µs" in text  # the time ticks carry their unit
     # a path with an image suffix names the same pair; formats pick the files
-    (pdf,) = bench.plot_sweep(tiny_sweep, tmp_path / "again.png", formats=("pdf",))
+    (pdf,) = figures.plot_sweep(tiny_sweep, tmp_path / "again.png", formats=("pdf",))
     assert pdf == str(tmp_path / "again.pdf") and Path(pdf).read_bytes()[:4] == b"%PDF"
 
 
 def test_degenerate_sweeps_are_refused(tiny_sweep, tmp_path):
     for batch_sizes in ((), (0, 4), (2, 2)):
         with pytest.raises(sm.ConfigError, match="pass distinct batch sizes >= 1"):
-            bench.sweep(batch_sizes=batch_sizes)
+            scaling.sweep(batch_sizes=batch_sizes)
     one = dataclasses.replace(tiny_sweep, points=tiny_sweep.points[:2])  # batch 1 only
     with pytest.raises(sm.ConfigError, match="a curve needs at least 2"):
-        bench.plot_sweep(one, tmp_path / "one")
+        figures.plot_sweep(one, tmp_path / "one")
     assert not list(tmp_path.iterdir())  # no empty plot written
 
 
@@ -366,11 +387,13 @@ def test_degenerate_sweeps_are_refused(tiny_sweep, tmp_path):
 FEWEST_ARGV = ["--repeats", "1", "--eager-chunks", "1", "--stage-repeats", "1", "--no-peak"]
 
 
+@pytest.mark.torch
 def test_cli_bench_writes_json(tmp_path, capsys):
+    needs_torch()
     out = tmp_path / "bench.json"
-    argv = ["bench", "--calls", "4", "--sizes", "8,2", "--in-features", "16", *FEWEST_ARGV]
+    argv = ["--calls", "4", "--sizes", "8,2", "--in-features", "16", *FEWEST_ARGV]
     argv += ["--no-train", "--compare", "torch", "--no-iree"]
-    assert cli_main([*argv, "--quiet", "--json", str(out)]) == 0
+    assert lab_main([*argv, "--quiet", "--json", str(out)]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("Without hybridization: ")
     assert captured.err == ""  # --quiet: no progress display
@@ -388,10 +411,11 @@ def test_cli_bench_writes_json(tmp_path, capsys):
 
 
 def test_cli_bench_devices_table_and_json(tmp_path, capsys):
+    needs_matplotlib()
     out = tmp_path / "bench.json"
-    argv = ["bench", "--calls", "2", "--sizes", "8,2", "--in-features", "16", *FEWEST_ARGV]
+    argv = ["--calls", "2", "--sizes", "8,2", "--in-features", "16", *FEWEST_ARGV]
     argv += ["--no-artifact", "--no-train", "--devices", "1", "--devices-out", str(tmp_path / "d")]
-    assert cli_main([*argv, "--quiet", "--json", str(out)]) == 0  # one device: in-process
+    assert lab_main([*argv, "--quiet", "--json", str(out)]) == 0  # one device: in-process
     d = json.loads(out.read_text())["devices"]
     assert d["n_devices"] == 1 and not d["in_subprocess"]
     assert d["sizes"] == [8, 2] and d["in_features"] == 16 and d["note"]
@@ -411,21 +435,22 @@ def test_cli_bench_devices_table_and_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "throughput against device count (global batch 4096, mlp(8, 2) on 16" in text
     assert f"note: {d['note']}" in text
-    assert bench.format_devices(d) in text
+    assert scaling.format_devices(d) in text
     assert f"wrote {tmp_path / 'd.png'}, {tmp_path / 'd.svg'}" in text  # the figure, both formats
     assert "examples per second (log scale)" in svg_text(tmp_path / "d.svg")
 
 
 def test_cli_bench_user_errors_exit_2(capsys):
-    assert cli_main(["bench", "--sizes", "4,x"]) == 2
-    assert cli_main(["bench", "--devices", "0"]) == 2
+    assert lab_main(["--sizes", "4,x"]) == 2
+    assert lab_main(["--devices", "0"]) == 2
     assert "--devices must be an int >= 1; got '0'" in capsys.readouterr().err
-    assert cli_main(["bench", "--calls", "0", "--quiet"]) == 2
+    assert lab_main(["--calls", "0", "--quiet"]) == 2
     assert "--calls must be an int >= 1; got '0'" in capsys.readouterr().err
 
 
 def test_script_is_thin_and_runs_on_two_devices(tmp_path):
-    script = Path(__file__).parent.parent / "scripts" / "bench.py"
+    needs_matplotlib()
+    script = SCRIPTS / "bench.py"
     argv = ["--calls", "2", "--repeats", "1", "--eager-chunks", "1", "--sizes", "4,2"]
     argv += ["--in-features", "8", "--no-artifact", "--no-train", "--no-peak", "--devices", "2"]
     argv += ["--devices-out", str(tmp_path / "devices")]
@@ -442,21 +467,21 @@ def test_script_is_thin_and_runs_on_two_devices(tmp_path):
     assert lines[1].startswith("With hybridization: ")
     assert "[bench" in proc.stderr  # the progress display
     d = json.loads((tmp_path / "b.json").read_text())["devices"]
-    assert [r["devices"] for r in d["rows"]] == [1, 2] and d["note"] == bench.CPU_NOTE
+    assert [r["devices"] for r in d["rows"]] == [1, 2] and d["note"] == devices.CPU_NOTE
     assert all(r["matches_1_device"] for r in d["rows"])
     table = lines[lines.index(next(t for t in lines if t.startswith("throughput against"))) :]
     assert "2 virtual CPU devices" in table[0]
     assert [t.split()[0] for t in table[2:4]] == ["1", "2"] and table[
         4
-    ] == f"note: {bench.CPU_NOTE}"
+    ] == f"note: {devices.CPU_NOTE}"
     assert (tmp_path / "devices.png").is_file() and (tmp_path / "devices.svg").is_file()
 
 
 # -- a newcomer's first hour: --quick, usage errors, figures, --diff, digits, --help ----------
 def test_quick_run_is_a_first_look_and_says_so(tmp_path, capsys):
     out = tmp_path / "quick.json"
-    argv = ["bench", "--quick", "--sizes", "8,2", "--in-features", "16", "--quiet"]
-    assert cli_main([*argv, "--json", str(out)]) == 0
+    argv = ["--quick", "--sizes", "8,2", "--in-features", "16", "--quiet"]
+    assert lab_main([*argv, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     lines = text.splitlines()
     assert lines[0].startswith("Without hybridization: ") and lines[2] == ""
@@ -482,7 +507,7 @@ def test_quick_settings_yield_to_the_callers():
     r = tiny_benchmark(quick=True, calls=4, repeats=None, peak=True, peak_size=32, artifact=False)
     assert (r.config["calls"], r.config["repeats"], r.config["quick"]) == (4, 5, True)
     assert "peak" in r.extra  # asked for, so measured
-    banner = bench.format_report(r).splitlines()[3]
+    banner = reports.format_report(r).splitlines()[3]
     assert "skipped IREE, the training step (ask with --iree, --train)." in banner
     assert "peak" not in banner
 
@@ -493,14 +518,14 @@ def test_degenerate_sweep_is_a_usage_error_before_any_work(capsys):
         (["--sweep-min", "64", "--sweep-max", "100"], "gives 1 batch size(s) [64]"),
         (["--sweep-min", "100", "--sweep-max", "10"], "gives 0 batch size(s) []"),
     ):
-        assert cli_main(["bench", "--sweep", *argv, "--quiet"]) == 2, argv
+        assert lab_main(["--sweep", *argv, "--quiet"]) == 2, argv
         captured = capsys.readouterr()
         assert captured.out == ""  # refused before the benchmark ran
         (line,) = captured.err.splitlines()  # one line
-        assert line.startswith("symjax-mlp bench: error: ") and says in line
+        assert line.startswith("bench: error: ") and says in line
         assert "a sweep needs at least 2 powers of two in the range" in line
     for bad in ("0", "-4", "x"):
-        assert cli_main(["bench", "--sweep", "--sweep-max", bad]) == 2
+        assert lab_main(["--sweep", "--sweep-max", bad]) == 2
         assert f"--sweep-max must be an int >= 1; got '{bad}'" in capsys.readouterr().err
 
 
@@ -510,7 +535,7 @@ def devices_result(virtual):
         | {"matches_1_device": True}
         for k in (1, 2, 4)
     ]
-    note = bench.CPU_NOTE if virtual else "real devices: rows show data-parallel scaling"
+    note = devices.CPU_NOTE if virtual else "real devices: rows show data-parallel scaling"
     return {"backend": "cpu" if virtual else "gpu", "device_kind": "cpu", "n_devices": 4}, {
         "virtual_cpu_devices": virtual,
         "note": note,
@@ -524,9 +549,10 @@ def devices_result(virtual):
 
 
 def test_devices_figure_says_virtual_devices_show_correctness(tmp_path):
-    env = bench.environment()
+    needs_matplotlib()
+    env = timing.environment()
     head, body = devices_result(virtual=True)
-    png, svg = bench.plot_devices(head | body, tmp_path / "devices", env=env)
+    png, svg = figures.plot_devices(head | body, tmp_path / "devices", env=env)
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = svg_text(svg)
     for shown in (
@@ -541,13 +567,14 @@ def test_devices_figure_says_virtual_devices_show_correctness(tmp_path):
     ):
         assert shown in text, shown
     head, body = devices_result(virtual=False)
-    (svg,) = bench.plot_devices(head | body, tmp_path / "real", env=env, formats=("svg",))
+    (svg,) = figures.plot_devices(head | body, tmp_path / "real", env=env, formats=("svg",))
     assert "not scaling" not in svg_text(svg)
 
 
 def test_training_figure_from_a_result_its_dict_or_its_history(tmp_path):
+    needs_matplotlib()
     result = sm.training.train(sm.mlp((16, 10)), epochs=2)
-    png, svg = bench.plot_training(result, tmp_path / "train.png")
+    png, svg = figures.plot_training(result, tmp_path / "train.png")
     assert (Path(png).name, Path(svg).name) == ("train.png", "train.svg")
     text = svg_text(svg)
     for shown in (
@@ -558,16 +585,16 @@ def test_training_figure_from_a_result_its_dict_or_its_history(tmp_path):
         "test split",
         f"training: 2 epochs, final test accuracy {result.test_accuracy:.2%}",
         f"{result.step} steps, compiled step (jit)",
-        bench.environment()["cpu_model"],
+        timing.environment()["cpu_model"],
     ):
         assert shown in text, shown
     for i, source in enumerate((result.to_dict(), result.history, json.loads(json.dumps(
         result.to_dict()["history"]
     )))):  # fmt: skip
-        (out,) = bench.plot_training(source, tmp_path / f"again{i}", formats=("svg",))
+        (out,) = figures.plot_training(source, tmp_path / f"again{i}", formats=("svg",))
         assert "final test accuracy" in svg_text(out)
     with pytest.raises(sm.ConfigError, match="nothing to plot"):
-        bench.plot_training([], tmp_path / "empty")
+        figures.plot_training([], tmp_path / "empty")
 
 
 def run_json(path, rows, stages=(), **config):
@@ -620,7 +647,7 @@ def test_diff_tells_a_regression_from_noise(tmp_path, capsys):
         quick=True,
     )
     out = tmp_path / "diff.json"
-    assert cli_main(["bench", "--diff", old, new, "--json", str(out)]) == 0
+    assert lab_main(["--diff", old, new, "--json", str(out)]) == 0
     text, wrote = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
     assert wrote == f"wrote {out}"
     assert "Without hybridization" not in text  # compares, does not benchmark
@@ -645,10 +672,10 @@ def test_diff_tells_a_regression_from_noise(tmp_path, capsys):
         "artifact_jax": "noise",
         "compile": "unknown",
     }
-    c = bench.compare_runs(old, new)
+    c = compare.compare_runs(old, new)
     assert [ch.key for ch in c.regressions] == ["hybridized"]
     assert c.changes[0].ratio == pytest.approx(1.2) and c.changes[0].noise == pytest.approx(0.02)
-    assert bench.format_comparison(c) == text
+    assert compare.format_comparison(c) == text
 
 
 def test_diff_refuses_what_it_cannot_read(tmp_path, capsys):
@@ -669,17 +696,17 @@ def test_diff_refuses_what_it_cannot_read(tmp_path, capsys):
         (tmp_path / "edited.json", "a row, stage or sweep point is not what"),
         (tmp_path / "rows.json", "a row, stage or sweep point is not what"),
     ):
-        assert cli_main(["bench", "--diff", good, str(bad)]) == 2
+        assert lab_main(["--diff", good, str(bad)]) == 2
         (line,) = capsys.readouterr().err.splitlines()
-        assert line.startswith("symjax-mlp bench: error: ") and says in line, line
+        assert line.startswith("bench: error: ") and says in line, line
     legacy = json.loads(Path(good).read_text())
     del legacy["schema"]  # a file from before the schema reads, with a note
-    c = bench.compare_runs(good, legacy)
+    c = compare.compare_runs(good, legacy)
     assert c.changes[0].verdict == "noise" and "has no schema field" in c.notes[0]
 
 
 def test_a_run_compared_with_itself_is_noise(report):
-    c = bench.compare_runs(report.to_dict(), json.loads(json.dumps(report.to_dict())))
+    c = compare.compare_runs(report.to_dict(), json.loads(json.dumps(report.to_dict())))
     assert {ch.section for ch in c.changes} == {"row", "stage"}
     assert {ch.key for ch in c.changes if ch.section == "row"} == {r.key for r in report.rows}
     assert all(ch.ratio == 1.0 for ch in c.changes)
@@ -690,7 +717,7 @@ TARGET_LINE = re.compile(r"^  (\w+) +(\d+\.\d{3})  \(target (>=|<=) ([\d.]+)\) (
 
 
 def target_lines(report):
-    lines = bench.format_report(report).splitlines()
+    lines = reports.format_report(report).splitlines()
     start = lines.index("targets (measured in this run):") + 1
     return [TARGET_LINE.match(line) for line in lines[start : start + len(report.targets)]]
 
@@ -708,7 +735,7 @@ def test_target_lines_never_contradict_their_digits(report):
 
 
 def test_every_bench_option_shows_its_default(capsys):
-    assert cli_main(["bench", "--help"]) == 0
+    assert lab_main(["--help"]) == 0
     text = capsys.readouterr().out
     entries: list[str] = []
     for line in text[text.index("options:") :].splitlines()[1:]:
@@ -726,8 +753,10 @@ def test_every_bench_option_shows_its_default(capsys):
     assert "--compare" in by_option["--diff"] and "--diff" in by_option["--compare"]
 
 
+@pytest.mark.torch
 def test_the_serving_latency_twins_compute_the_jax_model():
-    from symjax_mlp.bench import _latency
+    needs_torch()
+    from benchmarks import latency as _latency
 
     net = {"sizes": (16, 2), "in_features": 8, "activation": "relu", "seed": 3}
     _, jax_forms = _latency._jax_latency(dispatch="async", constants=True, **net)
@@ -737,3 +766,50 @@ def test_the_serving_latency_twins_compute_the_jax_model():
         assert meta()["mode"] == mode
         np.testing.assert_allclose(forms["numpy"](), want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(forms["device"]().numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+# -- moved from the library's tests with the laboratory: the training step, devices, state ----
+def test_time_train_step_reports_both_rates():
+    r = train_step.time_train_step(steps=3, eager_steps=2)
+    assert set(r) == {
+        "compiled_steps_per_s",
+        "eager_steps_per_s",
+        "speedup",
+        "compile_seconds",
+        "steps",
+        "eager_steps",
+        "batch_size",
+        "in_features",
+        "sizes",
+        "backend",
+        "device",
+    }
+    assert r["compiled_steps_per_s"] > 0 and r["eager_steps_per_s"] > 0
+    assert r["speedup"] == pytest.approx(r["compiled_steps_per_s"] / r["eager_steps_per_s"])
+    assert (r["steps"], r["eager_steps"], r["sizes"]) == (3, 2, [128, 64, 10])
+
+
+def test_bench_devices_reports_rows_and_says_cpu_is_correctness_only():
+    small = {"sizes": (16, 4), "in_features": 12, "batch": 64, "repeats": 2, "train_steps": 2}
+    note = devices.CPU_NOTE
+    assert "correctness" in note and "not how it scales" in note
+    here = devices.bench_devices(8, **small)  # 8 devices are visible: runs in this process
+    assert not here["in_subprocess"] and [r["devices"] for r in here["rows"]] == [1, 2, 4, 8]
+    more = devices.bench_devices(16, **small)  # more than visible: 16 CPU devices, a subprocess
+    assert more["in_subprocess"] and [r["devices"] for r in more["rows"]] == [1, 2, 4, 8, 16]
+    for res in (here, more):
+        assert res["virtual_cpu_devices"] and res["note"] == note
+    for row in here["rows"] + more["rows"]:
+        assert row["matches_1_device"], row
+        assert row["inference_examples_per_s"] > 0 and row["train_examples_per_s"] > 0
+
+
+def test_stateful_rows_carry_state_the_same_way():
+    rows = stateful.bench_stateful(calls=3, repeats=2, in_features=8)
+    assert list(rows) == ["linen BatchNorm (train)", "nnx Dropout", "nnx Dropout (unsafe_rbg)"]
+    assert list(rows["linen BatchNorm (train)"]) == ["hybrid", "h.apply", "by hand", "compiled"]
+    assert sorted(rows["nnx Dropout"]) == ["by hand", "compiled", "h.apply", "hybrid", "nnx.jit"]
+    for model in rows.values():
+        assert all(t.calls == 3 and len(t.times) == 2 for t in model.values())
+    lines = stateful.format_stateful(rows).splitlines()
+    assert "vs h.apply" in lines[1] and len(lines) == 2 + sum(len(m) for m in rows.values())

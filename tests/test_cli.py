@@ -445,16 +445,15 @@ def test_json_paths_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
     one line and exit 2 before the work, where bench once ran the whole benchmark and then
     printed a traceback."""
     import symjax_mlp as sm
-    import symjax_mlp.cli._bench as bench_cli
 
-    monkeypatch.setattr(bench_cli, "main", lambda args: pytest.fail("the benchmark ran"))
+    monkeypatch.setattr(sm, "timeit", lambda *a, **kw: pytest.fail("the benchmark ran"))
     art = sm.chapter.export_mlp(tmp_path / "mlp").path
     for bad, says in (
         (tmp_path / "nope" / "x.json", "does not exist"),
         (tmp_path, "is a directory"),
         ("/proc/x.json", "cannot write in /proc"),
     ):
-        for argv in (["inspect", str(art)], ["bench", "--quick"], ["verify", str(art)]):
+        for argv in (["inspect", str(art)], ["bench", str(art)], ["verify", str(art)]):
             assert main([*argv, "--json", str(bad)]) == 2, argv
             err = capsys.readouterr().err
             assert says in err and "Traceback" not in err, err

@@ -154,8 +154,6 @@ def test_public_names():
         assert name in sm.__all__ and hasattr(sm, name)
     for name in ("ShardedStep", "shard_step"):
         assert name in sm.training.__all__ and hasattr(sm.training, name)
-    for name in ("bench_devices", "CPU_NOTE"):
-        assert name in sm.bench.__all__ and hasattr(sm.bench, name)
     for gone in ("Sharded", "load_sharded", "ShardedStep", "shard_step", "bench_devices"):
         assert gone not in sm.__all__ and not hasattr(sm, gone)  # one home for each name
 
@@ -305,21 +303,6 @@ def test_an_artifact_for_more_devices_than_visible_is_refused(tmp_path):
     for mesh in (None, sm.data_mesh(8)):
         with pytest.raises(sm.ArtifactError, match=r"sharded over 16 devices.*sees 8"):
             sm.load(tmp_path / "art16", mesh=mesh)  # here JAX sees 8
-
-
-def test_bench_devices_reports_rows_and_says_cpu_is_correctness_only():
-    small = {"sizes": (16, 4), "in_features": 12, "batch": 64, "repeats": 2, "train_steps": 2}
-    note = sm.bench.CPU_NOTE
-    assert "correctness" in note and "not how it scales" in note
-    here = sm.bench.bench_devices(8, **small)  # 8 devices are visible: runs in this process
-    assert not here["in_subprocess"] and [r["devices"] for r in here["rows"]] == [1, 2, 4, 8]
-    more = sm.bench.bench_devices(16, **small)  # more than visible: 16 CPU devices, a subprocess
-    assert more["in_subprocess"] and [r["devices"] for r in more["rows"]] == [1, 2, 4, 8, 16]
-    for res in (here, more):
-        assert res["virtual_cpu_devices"] and res["note"] == note
-    for row in here["rows"] + more["rows"]:
-        assert row["matches_1_device"], row
-        assert row["inference_examples_per_s"] > 0 and row["train_examples_per_s"] > 0
 
 
 # -- two processes (jax.distributed), one CPU device each ----------------------------------

@@ -67,7 +67,6 @@ STAGES = (
 PUBLIC_NAMESPACES = (
     "symjax_mlp",
     "symjax_mlp.serving",
-    "symjax_mlp._timeit",
     "symjax_mlp.training",
     "symjax_mlp.chapter",
 )

@@ -1104,7 +1104,9 @@ def test_serve_freezes_the_gc_once_the_model_is_ready(monkeypatch, capsys):
 
 # -- the serving benchmark --------------------------------------------------------------------
 def test_bench_serving_latency_and_batcher_sections():
-    result = sm.bench.bench_serving(
+    from benchmarks import serving as lab  # the laboratory, scripts/benchmarks
+
+    result = lab.bench_serving(
         sections=("latency", "batcher"),
         sizes=(16, 2),
         in_features=8,
@@ -1144,7 +1146,7 @@ def test_bench_serving_latency_and_batcher_sections():
     assert "batcher_overhead_c1" in names and "batcher_throughput_4_threads" in names
     assert "batcher_overhead_c1_async" in names and "batcher_throughput_4_futures_async" in names
     assert "batcher_throughput_4_asyncio" in names
-    text = sm.bench.format_serving(result)
+    text = lab.format_serving(result)
     assert result["batcher"]["cpus"] == sorted(os.sched_getaffinity(0))
     if many:  # the pinned run's process ran on one CPU, the others on all of this one's
         first = min(os.sched_getaffinity(0))
@@ -1158,10 +1160,12 @@ def test_bench_serving_latency_and_batcher_sections():
 
 
 def test_bench_serving_refuses_unknown_sections():
+    from benchmarks import serving as lab
+
     with pytest.raises(sm.ConfigError, match="unknown section"):
-        sm.bench.bench_serving(sections=("grpc",))
+        lab.bench_serving(sections=("grpc",))
     with pytest.raises(sm.ConfigError, match="'sync', 'async' and/or 'pinned'; got \\['gpu'\\]"):
-        sm.bench.bench_serving(sections=("batcher",), batcher_dispatch=("gpu",))
+        lab.bench_serving(sections=("batcher",), batcher_dispatch=("gpu",))
 
 
 def test_the_gpu_check_script_exists_and_is_bash():

@@ -327,26 +327,6 @@ def test_eager_step_matches_compiled(digits, four_epochs):
     assert abs(eager.history[0].test_accuracy - full.history[0].test_accuracy) <= 2 / 359
 
 
-def test_time_train_step_reports_both_rates():
-    r = sm.bench.time_train_step(steps=3, eager_steps=2)
-    assert set(r) == {
-        "compiled_steps_per_s",
-        "eager_steps_per_s",
-        "speedup",
-        "compile_seconds",
-        "steps",
-        "eager_steps",
-        "batch_size",
-        "in_features",
-        "sizes",
-        "backend",
-        "device",
-    }
-    assert r["compiled_steps_per_s"] > 0 and r["eager_steps_per_s"] > 0
-    assert r["speedup"] == pytest.approx(r["compiled_steps_per_s"] / r["eager_steps_per_s"])
-    assert (r["steps"], r["eager_steps"], r["sizes"]) == (3, 2, [128, 64, 10])
-
-
 def test_exported_model_reproduces_the_test_accuracy_in_a_fresh_process(trained, digits, tmp_path):
     trained.export(tmp_path / "digits_mlp")  # the standardisation travels with the model
     raw = digits.x_test * digits.std + digits.mean  # the pixels as they come

@@ -170,17 +170,44 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 # -- bench -----------------------------------------------------------------------------------
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from symjax_mlp.cli._bench import add_arguments
-
-    p = _parser(sub, "bench", "the chapter's benchmark: eager vs hybridized and beyond")
-    add_arguments(p)
+    p = _parser(
+        sub,
+        "bench",
+        "time an artifact's calls against its AOT-compiled floor (sm.timeit): min and median "
+        "per call, synced and pipelined. The project's benchmark is python scripts/bench.py",
+    )
+    p.add_argument("path", help="an exported artifact directory")
+    p.add_argument("--runtime", choices=("jax", "iree"), default="jax", help="the runtime to time")
+    p.add_argument(
+        "--batch", type=positive("--batch"), default=1, help="the size of the symbolic batch"
+    )
+    p.add_argument("--calls", type=positive("--calls"), default=1000, help="calls per repeat")
+    p.add_argument("--repeats", type=positive("--repeats"), default=7, help="repeats of each row")
+    p.add_argument(
+        "--dispatch",
+        choices=("async", "sync"),
+        default="async",
+        help="JAX's CPU dispatch: async is JAX's default, sync the latency mode "
+        "(sm.serving.latency_mode(): calls run on the calling thread)",
+    )
+    _args.add_trust_options(p)
+    add_json(p, "the timings")
     p.set_defaults(handler=_run_bench)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from symjax_mlp.cli._bench import main
+    from symjax_mlp import load, timeit
+    from symjax_mlp.serving import latency_mode
 
-    return main(args)
+    if args.dispatch == "sync":
+        latency_mode()  # before anything starts JAX's CPU backend
+    model = load(args.path, runtime=args.runtime, **_args.load_options(args))
+    timing = timeit(model, batch=args.batch, calls=args.calls, repeats=args.repeats)
+    if args.json:
+        _emit_json(timing.to_dict(), args.json)
+    else:
+        print(timing)
+    return 0
 
 
 _COMMANDS = (
@@ -286,7 +313,7 @@ def _bug(where: str) -> int:
 
 
 def run(argv: Sequence[str] | None = None) -> NoReturn:
-    """The ``symjax-mlp`` command (and ``scripts/bench.py``): exits with :func:`main`'s code.
+    """The ``symjax-mlp`` command: exits with :func:`main`'s code.
 
     After an interrupt (130) it leaves at once (``os._exit``), without tearing the
     interpreter down: XLA may still be compiling on its own threads for the interrupted call,

@@ -12,10 +12,10 @@ handing a batch-1 matvec to Eigen's thread pool and waiting for it costs more th
 core gains, and a call then runs on its caller's thread from start to finish, as PyTorch's
 fastest per-request mode (one thread) does. Measured on the chapter MLP, 2-core CPU, synced
 batch-1 calls: p50 about 15% lower, p10 about 25% lower; batch 64 no slower. The library
-never sets either by itself: only you, or the ``symjax-mlp serve`` and ``symjax-mlp bench
+never sets either by itself: only you, or the ``symjax-mlp serve`` and ``python scripts/bench.py
 --serving`` entry points, do.
 
-What else sits on a batch-1 call's path (measured by ``symjax-mlp bench --serving``):
+What else sits on a batch-1 call's path (measured by ``python scripts/bench.py --serving``):
 the Python wrapper (a :class:`~symjax_mlp.Hybrid` sorts static from traced arguments, a
 :class:`~symjax_mlp.LoadedModel` checks its signature once per shape), the copy of a NumPy
 input to the device and of the result back (pass device arrays to skip them; a

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError
+from symjax_mlp import ConfigError
 
 #: Called with a short status line as a run goes (``None`` where a function takes one: quiet).
 Progress = Callable[[str], None]
@@ -106,7 +106,7 @@ def _sync_for(out: Any) -> Callable[[Any], Any]:
     return jax.block_until_ready  # pytrees; numpy and CPU tensors pass through
 
 
-def _loop(fn: Callable[[], Any], sync: Callable[[Any], Any], calls: int, pipelined: bool) -> float:
+def loop(fn: Callable[[], Any], sync: Callable[[Any], Any], calls: int, pipelined: bool) -> float:
     clock = time.perf_counter
     t0 = clock()
     if pipelined:
@@ -161,7 +161,7 @@ def time_interleaved(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from symjax_mlp.bench import time_interleaved
+      >>> from benchmarks.timing import time_interleaved
       >>> t = time_interleaved({"add": lambda: jnp.ones(3) + 1}, calls=10, repeats=5)
       >>> t["add"].calls, len(t["add"].times)
       (10, 5)
@@ -175,7 +175,7 @@ def time_interleaved(
         out = fn()
         sync_of[name] = (syncs or {}).get(name) or _sync_for(out)
         sync_of[name](out)
-        _loop(fn, sync_of[name], max(0, warmup - 1), pipelined)
+        loop(fn, sync_of[name], max(0, warmup - 1), pipelined)
     remote = remote or {}
     names = [*fns, *remote]
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -187,7 +187,7 @@ def time_interleaved(
             if name in remote:
                 times[name].append(remote[name](calls))
             else:
-                times[name].append(_loop(fns[name], sync_of[name], calls, pipelined))
+                times[name].append(loop(fns[name], sync_of[name], calls, pipelined))
     per = inputs_per_call or {}
     return {
         name: Timing(name, calls, tuple(times[name]), per.get(name, 1), pipelined) for name in names
@@ -201,7 +201,7 @@ def time_calls(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from symjax_mlp.bench import time_calls
+      >>> from benchmarks.timing import time_calls
       >>> t = time_calls(lambda: jnp.ones(3) * 2, calls=20, repeats=5)
       >>> t.min <= t.median
       True
@@ -218,7 +218,7 @@ def time_autoranged(
     sync = _sync_for(out)
     sync(out)
     calls = 1
-    while calls < max_calls and _loop(fn, sync, calls, False) < min_seconds:
+    while calls < max_calls and loop(fn, sync, calls, False) < min_seconds:
         calls *= 2
     return time_calls(fn, name=name, calls=min(calls, max_calls), repeats=repeats, warmup=1)
 
@@ -233,7 +233,7 @@ def time_stages(fn: Callable[..., Any], *args: Any, repeats: int = 5) -> dict[st
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from symjax_mlp.bench import time_stages
+      >>> from benchmarks.timing import time_stages
       >>> s = time_stages(lambda x: x * 2, jnp.ones(3), repeats=2)
       >>> sorted(s)
       ['compile', 'lower', 'trace']

@@ -5,8 +5,8 @@ as a band, and a caption that says what was measured, on which machine, with whi
 Each function draws its figure once and writes it in every format asked (PNG and SVG by
 default) next to ``path``, and returns the paths written.
 
-:func:`plot_sweep` draws a :func:`~symjax_mlp.bench.sweep`, :func:`plot_devices` the result
-of :func:`~symjax_mlp.bench.bench_devices`, :func:`plot_training` the history of
+:func:`plot_sweep` draws a :func:`sweep`, :func:`plot_devices` the result
+of :func:`bench_devices`, :func:`plot_training` the history of
 :func:`symjax_mlp.training.train`. matplotlib (``pip install 'symjax_mlp[plot]'``) is imported
 only when a figure is drawn, and without pyplot: no global state, no display needed.
 """
@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from symjax_mlp._errors import ConfigError
-from symjax_mlp.bench._devices import CPU_NOTE
-from symjax_mlp.bench._scaling import SweepReport
-from symjax_mlp.bench._timing import environment
+from benchmarks.devices import CPU_NOTE
+from benchmarks.scaling import SweepReport
+from benchmarks.timing import environment
+from symjax_mlp import ConfigError
 
 #: The formats every figure is written in, by default.
 FORMATS = ("png", "svg")
@@ -142,7 +142,7 @@ def _count(v: float) -> str:
 def plot_sweep(
     report: SweepReport, path: str | os.PathLike[str], *, formats: Sequence[str] = FORMATS
 ) -> tuple[str, ...]:
-    """Draws a :func:`~symjax_mlp.bench.sweep` as two panels; returns the files written.
+    """Draws a :func:`sweep` as two panels; returns the files written.
 
     Left: seconds per example against batch size, log-log, with the compute floor (one
     example's FLOPs at the measured matmul rate) as a dashed line. Right: the achieved
@@ -253,16 +253,16 @@ def plot_devices(
     env: Mapping[str, Any] | None = None,
     formats: Sequence[str] = FORMATS,
 ) -> tuple[str, ...]:
-    """Draws :func:`~symjax_mlp.bench.bench_devices`: examples/s against device count.
+    """Draws :func:`bench_devices`: examples/s against device count.
 
     Inference and training throughput, log-log, with each one's ideal linear scaling from the
     1-device point as a dashed line. On virtual CPU devices the figure says, on the axes and
     in the caption, that it shows correctness, not scaling (:data:`CPU_NOTE`).
 
     Args:
-      result: what :func:`~symjax_mlp.bench.bench_devices` returned (or its JSON).
+      result: what :func:`bench_devices` returned (or its JSON).
       path, formats: as :func:`plot_sweep`.
-      env: :func:`~symjax_mlp.bench.environment` of the run (default: this process's).
+      env: :func:`environment` of the run (default: this process's).
 
     Returns:
       The paths written, one per format.
@@ -367,7 +367,7 @@ def plot_training(
         (the JSON of ``symjax-mlp train --json``), or its ``history`` (a sequence of
         :class:`~symjax_mlp.training.EpochRecord` or their dicts).
       path, formats: as :func:`plot_sweep`.
-      env: :func:`~symjax_mlp.bench.environment` of the run (default: this process's).
+      env: :func:`environment` of the run (default: this process's).
 
     Returns:
       The paths written, one per format.

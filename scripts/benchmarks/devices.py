@@ -19,11 +19,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from symjax_mlp._errors import ConfigError
-from symjax_mlp._hybrid.make import hybridize
-from symjax_mlp._hybrid.mesh import data_mesh
-from symjax_mlp._models import mlp
-from symjax_mlp.bench._children import run_json
+from benchmarks.children import run_json
+from symjax_mlp import ConfigError, data_mesh, hybridize, mlp
 from symjax_mlp.training import shard_step, train_step
 
 CPU_NOTE = (
@@ -36,7 +33,8 @@ def _counts(n: int) -> list[int]:
     return sorted({2**i for i in range(int(math.log2(n)) + 1)} | {n})
 
 
-def _bench_here(n_devices, sizes, in_features, batch, repeats, train_steps, seed) -> dict:
+def bench_here(n_devices, sizes, in_features, batch, repeats, train_steps, seed) -> dict:
+    """:func:`bench_devices` on the devices this process sees (the subprocess's side)."""
     net, optimizer = mlp(tuple(sizes)), optax.sgd(1e-2)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, in_features), np.float32)
@@ -103,8 +101,8 @@ def _bench_here(n_devices, sizes, in_features, batch, repeats, train_steps, seed
 
 
 _CHILD = (
-    "import json, sys; from symjax_mlp.bench._devices import _bench_here; "
-    "print(json.dumps(_bench_here(**json.loads(sys.argv[1]))))"
+    "import json, sys; from benchmarks.devices import bench_here; "
+    "print(json.dumps(bench_here(**json.loads(sys.argv[1]))))"
 )
 
 
@@ -151,7 +149,7 @@ def bench_devices(
         "seed": seed,
     }
     if n_devices <= jax.device_count():
-        return {**_bench_here(**kwargs), "in_subprocess": False}
+        return {**bench_here(**kwargs), "in_subprocess": False}
     if jax.default_backend() != "cpu":
         raise ConfigError(
             f"bench_devices({n_devices}): only {jax.device_count()} {jax.default_backend()} "

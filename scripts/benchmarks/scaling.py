@@ -1,10 +1,10 @@
 """Throughput as the work grows: against batch size (:func:`sweep`), against the machine's
 matmul rate (:func:`measure_peak`), and against device count (:func:`format_devices`, the
-table of :func:`symjax_mlp.bench_devices`).
+table of :func:`bench_devices`).
 
 Each point takes enough calls (a power of two) that a repeat lasts a set time, then the min
 over repeats (and the median, for the noise band). The figures are drawn by
-:mod:`symjax_mlp.bench._figures` (:func:`~symjax_mlp.bench.plot_sweep`).
+:mod:`benchmarks.figures` (:func:`plot_sweep`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from symjax_mlp._errors import ConfigError
-from symjax_mlp._hybrid.make import hybridize
-from symjax_mlp._models import mlp
-from symjax_mlp.bench._report import SCHEMA
-from symjax_mlp.bench._timing import Progress, Timing, environment, time_autoranged
-from symjax_mlp.bench._timing import format_seconds as _fmt_s
+from benchmarks.report import SCHEMA
+from benchmarks.timing import Progress, Timing, environment, time_autoranged
+from benchmarks.timing import format_seconds as _fmt_s
+from symjax_mlp import ConfigError, hybridize, mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,11 +252,12 @@ def format_sweep(report: SweepReport) -> str:
 
 
 def format_devices(result: Mapping[str, Any]) -> str:
-    """The result of :func:`symjax_mlp.bench_devices` as a table, throughput against device
+    """The result of :func:`bench_devices` as a table, throughput against device
     count, followed by its note (on virtual CPU devices: correctness only, not scaling).
 
     Example:
-      >>> from symjax_mlp.bench import bench_devices, format_devices
+      >>> from benchmarks.devices import bench_devices
+      >>> from benchmarks.scaling import format_devices
       >>> result = bench_devices(1, sizes=(8, 2), in_features=4, batch=8, repeats=1, train_steps=1)
       >>> print(format_devices(result).splitlines()[0])  # doctest: +ELLIPSIS
       throughput against device count (global batch 8, mlp(8, 2) on 4 features; ...

@@ -1,6 +1,6 @@
 """Serving's HTTP rows: ``symjax-mlp serve`` in a subprocess, driven over loopback.
 
-:func:`_http_rows` exports the chapter's net, starts the server on a free port
+:func:`http_rows` exports the chapter's net, starts the server on a free port
 (:func:`_server`), and drives it with keep-alive clients (``.npy`` and JSON bodies) at each
 bounded concurrency (:func:`_http_load`), reading rows per batch from its ``/metrics``.
 """
@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from symjax_mlp.bench._calls import _gated, _percentiles
-from symjax_mlp.bench._children import _child_env
+import symjax_mlp as sm
+from benchmarks.calls import gated, percentiles
+from benchmarks.children import child_env
 
 
 # -- the HTTP section ------------------------------------------------------------------------
@@ -38,7 +39,7 @@ def _server(artifact: str, max_batch: int, env: Mapping[str, str] | None, timeou
     cmd += ["--port", "0", "--max-batch", str(max_batch)]
     errors = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a file, not a pipe: never fills up)
     proc = subprocess.Popen(
-        cmd, env=_child_env(env), stdout=subprocess.PIPE, stderr=errors, text=True
+        cmd, env=child_env(env), stdout=subprocess.PIPE, stderr=errors, text=True
     )
     try:
         url = _wait_for_url(proc, errors, timeout)
@@ -107,9 +108,9 @@ def _http_load(host: str, port: int, body: bytes, kind: str, c: int, requests: i
         finally:
             conn.close()
 
-    wall = _gated(client, c, gate)
+    wall = gated(client, c, gate)
     lat = [x for mine in lats for x in mine]
-    return {"throughput_rps": len(lat) / wall, "errors": sum(errors), **_percentiles(lat)}
+    return {"throughput_rps": len(lat) / wall, "errors": sum(errors), **percentiles(lat)}
 
 
 def _scrape(host: str, port: int) -> dict[str, float]:
@@ -127,18 +128,15 @@ def _scrape(host: str, port: int) -> dict[str, float]:
     return found
 
 
-def _http_rows(
+def http_rows(
     *, sizes, in_features, activation, seed, clients, requests, max_batch, env, timeout, say
 ) -> dict:
+    """The HTTP section: what :func:`benchmarks.serving.bench_serving` reports under ``http``."""
     import jax
 
-    from symjax_mlp._export import export
-    from symjax_mlp._hybrid.make import hybridize
-    from symjax_mlp._models import mlp
-
-    net = mlp(tuple(sizes), activation=activation)
+    net = sm.mlp(tuple(sizes), activation=activation)
     xn = np.random.default_rng(seed).standard_normal((1, in_features), dtype=np.float32)
-    h = hybridize(net, jax.jit(net.init)(jax.random.key(seed), xn), name="mlp")
+    h = sm.hybridize(net, jax.jit(net.init)(jax.random.key(seed), xn), name="mlp")
     npy = io.BytesIO()
     np.save(npy, xn, allow_pickle=False)
     bodies = {
@@ -148,7 +146,7 @@ def _http_rows(
     rows = []
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_serve_") as tmp:
         art = os.path.join(tmp, "mlp")
-        export(h, art, example=xn, batch="b")
+        sm.export(h, art, example=xn, batch="b")
         say("starting symjax-mlp serve")
         with _server(art, max_batch, env, timeout) as (host, port, proc):
             for c in clients:

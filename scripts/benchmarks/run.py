@@ -2,7 +2,7 @@
 
 :func:`benchmark` times the rows (eager, Flax and jax.numpy eager, hybridized, the AOT floor,
 the exported artifact in JAX and IREE, PyTorch, one batched call) with the timer of
-:mod:`symjax_mlp.bench.timing` and returns a :class:`~symjax_mlp.bench.BenchReport`. Optional
+:mod:`benchmarks.timing` and returns a :class:`BenchReport`. Optional
 rows (the artifact, IREE, PyTorch, the training step) are skipped with a note when they fail,
 for example when their package is missing: an optional row never sinks the run.
 
@@ -24,19 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from symjax_mlp._errors import ConfigError
-from symjax_mlp._export import export
-from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._hybrid.make import hybridize
-from symjax_mlp._load import load
-from symjax_mlp._models import mlp
-from symjax_mlp.bench._remote import LatencyRow
-from symjax_mlp.bench._report import PIPELINED, BenchReport, make_rows, targets
-from symjax_mlp.bench._scaling import measure_peak
-from symjax_mlp.bench._timing import Progress, Timing, environment, time_interleaved, time_stages
-from symjax_mlp.bench._train_step import time_train_step
-from symjax_mlp.bench._twins import mlp_jnp, torch_rows
-from symjax_mlp.serving._latency import dispatch_mode
+from benchmarks.remote import LatencyRow
+from benchmarks.report import PIPELINED, BenchReport, make_rows, targets
+from benchmarks.scaling import measure_peak
+from benchmarks.timing import Progress, Timing, environment, time_interleaved, time_stages
+from benchmarks.train_step import time_train_step
+from benchmarks.twins import mlp_jnp, torch_rows
+from symjax_mlp import ConfigError, Hybrid, export, hybridize, load, mlp
+from symjax_mlp.serving import dispatch_mode
 
 #: The settings of a full run, for every argument of :func:`benchmark` left at ``None``.
 FULL: dict[str, Any] = {
@@ -108,7 +103,7 @@ def benchmark(
       artifact, iree, train_step: include those optional rows/sections when available.
       stage_repeats: repeats of the trace/lower/compile timing.
       peak, peak_size: also time an ``n x n`` ``jnp.dot`` (see
-        :func:`~symjax_mlp.bench.measure_peak`), to say how close the batched call gets to
+        :func:`measure_peak`), to say how close the batched call gets to
         this machine's matmul rate.
       latency: include the latency-mode row (a subprocess; skipped with a note if it fails).
       seed: for the params and the input.
@@ -116,7 +111,7 @@ def benchmark(
       progress: called with a status line as the run goes.
 
     Returns:
-      A :class:`~symjax_mlp.bench.BenchReport`.
+      A :class:`BenchReport`.
 
     Example:
       >>> r = benchmark(calls=10, repeats=2, eager_chunks=2, artifact=False, train_step=False)

@@ -4,7 +4,7 @@ JAX fixes its CPU dispatch when its backend starts, so the benchmark's own proce
 default, asynchronous dispatch) cannot time ``h(x)`` in
 :func:`~symjax_mlp.serving.latency_mode` too. :class:`LatencyRow` keeps a fresh process that
 can: it builds the same net from the same seed (its output is checked against the parent's),
-and :func:`~symjax_mlp.bench.time_interleaved` asks it for one repeat at a time, so that its
+and :func:`benchmarks.timing.time_interleaved` asks it for one repeat at a time, so that its
 repeats interleave with the in-process rows'. The child times ``calls`` synced calls on its
 own clock while the parent waits, idle, on the pipe.
 """
@@ -12,29 +12,27 @@ own clock while the parent waits, idle, on the pipe.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from symjax_mlp.bench._children import _CHILD, _answer, _child_env, _stop
-from symjax_mlp.bench._timing import _loop
+from benchmarks.calls import chapter_net
+from benchmarks.children import Child
+from benchmarks.timing import loop
 
 _REWARM = 20  # untimed calls before each repeat: the child's caches went cold while it idled
 
 
-def _row_child(*, sizes, in_features, activation, seed, warmup, **_: Any) -> None:
+def row_child(*, sizes, in_features, activation, seed, warmup, **_: Any) -> None:
     """The child's side: announce the net's output and dispatch, then time a repeat of
     ``calls`` synced calls per request on stdin, until ``{"quit": true}``."""
     import jax
 
-    from symjax_mlp.bench._calls import _chapter
     from symjax_mlp.serving import dispatch_mode
 
-    h, _, xn = _chapter(sizes, in_features, activation, seed)
+    h, _, xn = chapter_net(sizes, in_features, activation, seed)
     x = jax.device_put(xn)
 
     def call() -> Any:
@@ -43,7 +41,7 @@ def _row_child(*, sizes, in_features, activation, seed, warmup, **_: Any) -> Non
     def sync(y: Any) -> Any:
         return y.block_until_ready()
 
-    _loop(call, sync, warmup, False)
+    loop(call, sync, warmup, False)
     out = np.asarray(h(xn)).tolist()
     ready = {"ready": True, "dispatch": dispatch_mode(), "x": xn.tolist(), "out": out}
     print(json.dumps(ready), flush=True)
@@ -51,8 +49,8 @@ def _row_child(*, sizes, in_features, activation, seed, warmup, **_: Any) -> Non
         ask = json.loads(line)
         if ask.get("quit"):
             return
-        _loop(call, sync, _REWARM, False)
-        seconds = _loop(call, sync, ask["calls"], False)
+        loop(call, sync, _REWARM, False)
+        seconds = loop(call, sync, ask["calls"], False)
         print(json.dumps({"seconds": seconds, "traces": h.trace_count}), flush=True)
 
 
@@ -60,7 +58,7 @@ class LatencyRow:
     """A fresh process holding ``h(x)`` in latency mode; calling it times one repeat.
 
     Args:
-      sizes, in_features, activation, seed: the net, as :func:`~symjax_mlp.bench.benchmark`
+      sizes, in_features, activation, seed: the net, as :func:`benchmarks.run.benchmark`
         builds it (the same params; the input is the seed's first row).
       timeout: seconds to wait for the process to start or to answer a repeat.
 
@@ -85,39 +83,21 @@ class LatencyRow:
     ) -> None:
         net = {"sizes": list(sizes), "in_features": in_features, "activation": activation}
         args = {"kind": "row", "dispatch": "sync", "warmup": 200, "seed": seed, **net}
-        self._timeout = timeout
-        self._errors = tempfile.TemporaryFile("w+")  # noqa: SIM115  (closed by close())
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, json.dumps(args)],
-            env=_child_env(env),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._errors,
-            text=True,
-        )
-        try:
-            ready = self._answer()
-        except BaseException:
-            self.close()
-            raise
+        self._child = Child(args, env=env, timeout=timeout, who="its process")
+        ready = self._child.ready
         self.dispatch: str = ready["dispatch"]
         self.x = np.asarray(ready["x"], np.float32)
         self.out = np.asarray(ready["out"], np.float32)
         self.traces = 0
 
-    def _answer(self) -> dict[str, Any]:
-        return _answer(self._proc, self._errors, self._timeout, "its process")
-
     def __call__(self, calls: int) -> float:
         """Seconds of ``calls`` synced calls of ``h(x)`` in the child (after a short re-warm)."""
-        self._proc.stdin.write(json.dumps({"calls": calls}) + "\n")
-        self._proc.stdin.flush()
-        got = self._answer()
+        got = self._child.ask({"calls": calls})
         self.traces = got["traces"]
         return got["seconds"]
 
     def close(self) -> None:
-        _stop(self._proc, self._errors)
+        self._child.close()
 
     def __enter__(self) -> LatencyRow:
         return self

@@ -1,6 +1,6 @@
 """Serving's batcher rows: a micro-batcher against direct calls, under three kinds of client.
 
-:func:`_batcher_rows` (run in one fresh subprocess per dispatch mode) times the
+:func:`batcher_rows` (run in one fresh subprocess per dispatch mode) times the
 :class:`~symjax_mlp.serving.Batcher` at 1 client against direct calls, interleaved pair by
 pair (:func:`_paired_c1`), then under each concurrency and each kind of client in
 :data:`KINDS`: threads blocking in ``b(x)``, callers keeping futures in flight, coroutines
@@ -19,15 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from symjax_mlp.bench._calls import _chapter, _gated, _per_call, _percentiles
+from benchmarks.calls import chapter_net, gated, per_call, percentiles
 
 
-def _batcher_rows(
+def batcher_rows(
     *, dispatch, sizes, in_features, activation, seed, clients, requests, max_batch
 ) -> dict:
+    """The batcher section, in this (fresh) process: what :func:`benchmarks.serving.bench_serving`
+    reports under ``batcher`` (see there)."""
     from symjax_mlp.serving import Batcher, dispatch_mode
 
-    h, _, xn = _chapter(sizes, in_features, activation, seed)
+    h, _, xn = chapter_net(sizes, in_features, activation, seed)
     pool = np.random.default_rng(seed + 1).standard_normal((256, 1, in_features), np.float32)
     rows = [pool[i] for i in range(len(pool))]
     following = itertools.cycle(rows).__next__
@@ -37,7 +39,7 @@ def _batcher_rows(
 
     n_direct = max(200, requests // 4)
     t0 = time.perf_counter()
-    timing = _per_call(lambda: direct(following()), n_direct, 1)
+    timing = per_call(lambda: direct(following()), n_direct, 1)
     one = {**timing, "throughput_rps": 1.0 / timing["mean_s"], "wall_s": time.perf_counter() - t0}
     out = []
     with Batcher(h, example=xn, max_batch=max_batch) as b:
@@ -66,7 +68,7 @@ def _batcher_rows(
                         "rows_per_batch": (after.rows - before.rows) / max(1, batches),
                         "padded_rows": after.padded_rows - before.padded_rows,
                         "batches": batches,
-                        **_percentiles(lat),
+                        **percentiles(lat),
                     }
                 )
         stats = b.stats.to_dict()
@@ -110,7 +112,7 @@ def _paired_c1(b: Any, direct: Callable, rows: list[np.ndarray], calls: int) -> 
             direct(x)
             t2 = clock()
             w[i], d[i] = t1 - t0, t2 - t1
-    direct_p, batcher_p = _percentiles(d), _percentiles(w)
+    direct_p, batcher_p = percentiles(d), percentiles(w)
     return {
         "direct": direct_p,
         "batcher": batcher_p,
@@ -142,7 +144,7 @@ def _threads(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[lis
             b(rows[(i * c + j) % k])
             mine.append(clock() - t0)
 
-    wall = _gated(client, c, gate)
+    wall = gated(client, c, gate)
     return [x for mine in lats for x in mine], wall
 
 

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from symjax_mlp._errors import ConfigError
-from symjax_mlp.bench._report import SCHEMA
-from symjax_mlp.bench._timing import format_seconds as _fmt_s
+from benchmarks.report import SCHEMA
+from benchmarks.timing import format_seconds as _fmt_s
+from symjax_mlp import ConfigError
 
 #: The smallest noise band: two runs of one binary rarely agree better than this.
 MIN_NOISE = 0.02

@@ -1,9 +1,11 @@
 """The same MLP outside Flax, on Flax's params: plain ``jax.numpy``, and PyTorch.
 
 :func:`mlp_jnp` is the benchmark's ``jnp_eager`` row (op-by-op dispatch without Flax's module
-machinery). :func:`torch_rows` builds the PyTorch twins (eager, ``torch.jit.script``,
-``torch.compile``) with the same weights, threads and device; torch is imported only there,
-so the rest of the benchmark runs without it (``symjax_mlp[torch]``).
+machinery). :func:`torch_mlp` is the PyTorch twin (an ``nn.Sequential`` with the same
+weights), which :func:`torch_rows` runs eager, ``torch.jit.script``'ed and ``torch.compile``'d
+with the same threads and device, and the serving benchmark's latency rows in their own
+processes; torch is imported only there, so the rest of the benchmark runs without it
+(``symjax_mlp[torch]``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError
-from symjax_mlp._models import activation as act
-from symjax_mlp.bench._timing import Timing, usable_cores
+import symjax_mlp as sm
+from benchmarks.timing import Timing, usable_cores
+
+
+def act(name: str | None) -> Callable[[jax.Array], jax.Array]:
+    """The :mod:`jax.nn` activation ``name`` (``None``: the identity), as ``sm.mlp`` takes it."""
+    if name is None:
+        return lambda x: x
+    if name not in sm.ACTIVATIONS:
+        raise sm.ConfigError(f"unknown activation {name!r}; expected one of {sm.ACTIVATIONS}")
+    return getattr(jax.nn, name)
 
 
 def dense_layers(variables: Any) -> list[tuple[Any, Any]]:
@@ -39,6 +49,36 @@ def mlp_jnp(variables: Any, x: jax.Array, activation: str | None) -> jax.Array:
     return x
 
 
+def torch_mlp(variables: Any, activation: str | None) -> Any:
+    """The PyTorch twin of ``sm.mlp(...)`` with ``variables``: an ``nn.Sequential`` of
+    ``nn.Linear`` and the activation, in eval mode on the CPU.
+
+    Raises:
+      ImportError: torch is not installed.
+      ConfigError: no PyTorch twin for ``activation``.
+    """
+    import torch  # optional extra: symjax_mlp[torch]
+
+    acts = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "sigmoid": torch.nn.Sigmoid}
+    acts |= {"gelu": functools.partial(torch.nn.GELU, approximate="tanh"), "silu": torch.nn.SiLU}
+    if activation not in acts:
+        raise sm.ConfigError(
+            f"no PyTorch twin for activation {activation!r}; the twins have {sorted(acts)}"
+        )
+    layers = dense_layers(variables)
+    modules: list[Any] = []
+    for i, (kernel, bias) in enumerate(layers):
+        kernel = np.array(kernel)  # writable copies: torch shares memory
+        lin = torch.nn.Linear(*kernel.shape)
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(kernel.T.copy()))
+            lin.bias.copy_(torch.from_numpy(np.array(bias)))
+        modules.append(lin)
+        if i < len(layers) - 1:
+            modules.append(acts[activation]())
+    return torch.nn.Sequential(*modules).eval()
+
+
 def torch_rows(
     variables: Any, x: jax.Array, activation: str | None, notes: list[str], stages: dict
 ) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[Any], Any]], Callable[[], None]]:
@@ -53,16 +93,13 @@ def torch_rows(
 
     Raises:
       ImportError: torch is not installed.
-      ValueError: no PyTorch twin for ``activation``.
+      ConfigError: no PyTorch twin for ``activation`` (a ValueError).
     """
     import torch  # optional extra: symjax_mlp[torch]
 
-    acts = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "sigmoid": torch.nn.Sigmoid}
-    acts |= {"gelu": functools.partial(torch.nn.GELU, approximate="tanh"), "silu": torch.nn.SiLU}
-    if activation not in acts:
-        raise ConfigError(f"no PyTorch twin for activation {activation!r}")
     gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
+    net = torch_mlp(variables, activation).to(device)
     old_threads = torch.get_num_threads()
     if not gpu:
         threads = usable_cores()
@@ -70,18 +107,6 @@ def torch_rows(
         notes.append(f"torch: {torch.__version__}, {threads} threads, device cpu")
     else:
         notes.append(f"torch: {torch.__version__}, device {torch.cuda.get_device_name()}")
-    layers = dense_layers(variables)
-    modules: list[Any] = []
-    for i, (kernel, bias) in enumerate(layers):
-        kernel = np.array(kernel)  # writable copies: torch shares memory
-        lin = torch.nn.Linear(*kernel.shape)
-        with torch.no_grad():
-            lin.weight.copy_(torch.from_numpy(kernel.T.copy()))
-            lin.bias.copy_(torch.from_numpy(np.array(bias)))
-        modules.append(lin)
-        if i < len(layers) - 1:
-            modules.append(acts[activation]())
-    net = torch.nn.Sequential(*modules).eval().to(device)
     tx = torch.from_numpy(np.array(x)).to(device)
     sync = (lambda _: torch.cuda.synchronize()) if gpu else (lambda _: None)
     modes = {"torch_eager": net}

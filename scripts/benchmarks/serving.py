@@ -26,10 +26,10 @@ something:
 batcher adding <= 10 µs at concurrency 1, JAX in latency mode >= 2x faster than the fastest
 PyTorch mode).
 
-The sections live apart: :mod:`~symjax_mlp.bench._latency`, :mod:`~symjax_mlp.bench._clients`
-(the batcher) and :mod:`~symjax_mlp.bench._http`, on :mod:`~symjax_mlp.bench._calls` (timing
-one call at a time) and :mod:`~symjax_mlp.bench._children` (the subprocesses); this module
-holds the entry, the subprocesses' entry (:func:`_child`), the targets and the text.
+The sections live apart: :mod:`benchmarks.latency`, :mod:`benchmarks.batcher` and
+:mod:`benchmarks.http_rows`, on :mod:`benchmarks.calls` (timing one call at a time) and
+:mod:`benchmarks.children` (the subprocesses); this module holds the entry, the
+subprocesses' entry (:func:`run_child`), the targets and the text.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from symjax_mlp._errors import ConfigError
-from symjax_mlp.bench._children import _run_child
-from symjax_mlp.bench._clients import KINDS, _batcher_rows
-from symjax_mlp.bench._http import _http_rows
-from symjax_mlp.bench._latency import _latency_child, _latency_rows, _mode_label
-from symjax_mlp.bench._timing import Progress, environment, format_seconds, usable_cores
+from benchmarks.batcher import KINDS, batcher_rows
+from benchmarks.children import run_once
+from benchmarks.http_rows import http_rows
+from benchmarks.latency import latency_child, latency_rows, mode_label
+from benchmarks.timing import Progress, environment, format_seconds, usable_cores
+from symjax_mlp import ConfigError
 
 SECTIONS = ("latency", "batcher", "http")
 #: The batcher section's runs, each in a fresh process, and their keys in the result.
@@ -51,8 +51,8 @@ BATCHER_RUNS = {"sync": "batcher", "async": "batcher_async", "pinned": "batcher_
 TORCH_MODES = ("torch_eager", "torch_script", "torch_freeze", "torch_compile")
 
 
-# -- the subprocesses' entry (``_children._CHILD`` imports it from here) -------------------
-def _child(kind: str, **kw: Any) -> dict[str, Any] | None:
+# -- the subprocesses' entry (``benchmarks.children.ENTRY`` imports it from here) ------------
+def run_child(kind: str, **kw: Any) -> dict[str, Any] | None:
     """Runs one measurement in this (fresh) process; its CPUs (``cpus``) and JAX's dispatch
     are set first."""
     cpus = kw.pop("cpus", None)
@@ -63,13 +63,13 @@ def _child(kind: str, **kw: Any) -> dict[str, Any] | None:
 
         latency_mode()  # before anything starts JAX's backend
     if kind in ("jax", "torch"):
-        return _latency_child(kind, **kw)
+        return latency_child(kind, **kw)
     if kind == "batcher":
-        return _batcher_rows(**kw)
-    if kind == "row":  # the main table's latency-mode row (bench._remote)
-        from symjax_mlp.bench._remote import _row_child
+        return batcher_rows(**kw)
+    if kind == "row":  # the main table's latency-mode row (benchmarks.remote)
+        from benchmarks.remote import row_child
 
-        return _row_child(**kw)
+        return row_child(**kw)
     raise ConfigError(f"unknown child kind {kind!r}")
 
 
@@ -194,7 +194,7 @@ def bench_serving(
                 for mode in torch_modes:
                     for n in threads if mode != "torch_compile" else threads[:1]:
                         modes.append(("torch", {"mode": mode, "threads": n}))
-        result["latency"] = _latency_rows(
+        result["latency"] = latency_rows(
             modes, net, calls=calls, rounds=repeats, env=env, timeout=timeout, say=say,
             notes=notes,
         )  # fmt: skip
@@ -210,11 +210,11 @@ def bench_serving(
             levels = ", ".join(map(str, clients))
             say(f"batcher, {dispatch} dispatch{where}: 1 client, then {levels}")
             kw = {**kw, "max_batch": max_batch, **({"cpus": cpus} if cpus else {})}
-            result[BATCHER_RUNS[run]] = _run_child("batcher", kw, env, timeout)
+            result[BATCHER_RUNS[run]] = run_once("batcher", kw, env, timeout)
             if cpus:
                 result[BATCHER_RUNS[run]]["pinned"] = cpus
     if "http" in sections:
-        result["http"] = _http_rows(
+        result["http"] = http_rows(
             **net,
             clients=list(http_clients),
             requests=http_requests,
@@ -248,8 +248,8 @@ def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
         out.append(
             {
                 "name": "latency_vs_fastest_torch",
-                "what": f"fastest PyTorch p50 ({_mode_label(best)}) / fastest JAX latency-mode "
-                f"p50 ({_mode_label(ours)})",
+                "what": f"fastest PyTorch p50 ({mode_label(best)}) / fastest JAX latency-mode "
+                f"p50 ({mode_label(ours)})",
                 "value": ratio,
                 "target": ">= 2",
                 "met": ratio >= 2,
@@ -329,7 +329,7 @@ def format_serving(result: Mapping[str, Any]) -> str:
     """The serving benchmark as text: the latency table, the batcher, HTTP, the targets.
 
     Example:
-      >>> from symjax_mlp.bench import format_serving
+      >>> from benchmarks.serving import format_serving
       >>> print(format_serving({"notes": [], "targets": []}))
       Serving benchmark: no sections were run.
     """
@@ -347,7 +347,7 @@ def format_serving(result: Mapping[str, Any]) -> str:
         for r in lat["rows"]:
             d, n = r["forms"]["device"], r["forms"]["numpy"]
             lines.append(
-                f"  {_mode_label(r):<46} {us(d['p50_s']):>13} {us(d['p99_s']):>9}   "
+                f"  {mode_label(r):<46} {us(d['p50_s']):>13} {us(d['p99_s']):>9}   "
                 f"{us(n['p50_s']):>16} {us(n['p99_s']):>9}"
             )
         parts.append("\n".join(lines))

@@ -21,9 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from symjax_mlp._export import export
-from symjax_mlp._hybrid.make import hybridize
-from symjax_mlp._models import mlp
+from symjax_mlp import export, hybridize, mlp
 
 _CHILD = r"""
 import json, sys, time
@@ -76,7 +74,7 @@ def bench_coldstart(*, repeats: int = 3, sizes: tuple[int, ...] = (256, 128, 2))
       ``ratio`` is the median second-run total of symjax_mlp over plain JAX's.
 
     Example:
-      >>> from symjax_mlp.bench import bench_coldstart
+      >>> from benchmarks.coldstart import bench_coldstart
       >>> r = bench_coldstart(repeats=1, sizes=(4, 2))
       >>> sorted(r["rows"]), r["ratio"] > 0
       (['import jax + one jit call', 'symjax_mlp: import, load, first call'], True)

@@ -1,10 +1,12 @@
-"""The benchmark's command line, shared by ``scripts/bench.py`` and ``symjax-mlp bench``.
+"""The benchmark's command line: ``python scripts/bench.py [options]``.
 
-:func:`add_arguments` declares the options on any parser; :func:`main` runs
-:func:`~symjax_mlp.bench.benchmark`, then ``--devices`` (:func:`~symjax_mlp.bench.bench_devices`)
-and ``--sweep`` when asked, prints each report, and writes ``--json`` and the figures (PNG and
-SVG); ``--quick`` is a first look in seconds, ``--diff OLD NEW`` compares two runs' JSON.
-Progress: stderr.
+:func:`add_arguments` declares the options; :func:`main` runs :func:`benchmarks.run.benchmark`,
+then ``--devices`` (:func:`benchmarks.devices.bench_devices`), ``--sweep``, ``--serving``,
+``--stateful`` and ``--coldstart`` when asked, prints each report, and writes ``--json`` and
+the figures (PNG and SVG); ``--quick`` is a first look in seconds, ``--diff OLD NEW``
+compares two runs' JSON. Progress: stderr. Exit codes: 0 ok, 2 a usage error (a bad option,
+a ``symjax_mlp.SymjaxError``, a missing optional package: one line, no traceback), 1 a bug
+(with the traceback), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -12,34 +14,63 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from symjax_mlp._errors import ConfigError
-from symjax_mlp.bench import (
-    bench_devices,
-    bench_serving,
-    benchmark,
-    compare_runs,
-    format_comparison,
-    format_devices,
-    format_report,
-    format_serving,
-    format_sweep,
-    plot_devices,
-    plot_sweep,
-    sweep,
-)
-from symjax_mlp.bench._run import FULL, QUICK
-from symjax_mlp.cli._args import positive, sizes
+import symjax_mlp as sm
+from benchmarks.compare import compare_runs, format_comparison
+from benchmarks.devices import bench_devices
+from benchmarks.figures import plot_devices, plot_sweep
+from benchmarks.report import format_report
+from benchmarks.run import FULL, QUICK, benchmark
+from benchmarks.scaling import format_devices, format_sweep, sweep
+from benchmarks.serving import bench_serving, format_serving
+
+PROG = "bench"
+#: A missing module -> what installs it (the project's extras).
+EXTRAS = {"torch": "torch", "matplotlib": "plot", "iree": "iree", "sklearn": "data",
+          "starlette": "serve", "uvicorn": "serve"}  # fmt: skip
 
 
-def _count(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"--devices must be an int >= 1; got {text!r}")
-    return int(text)
+def _positive(option: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{option} must be an int >= 1; got {text!r}")
+        return int(text)
+
+    return parse
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """``"256,128,2"`` -> ``(256, 128, 2)``."""
+    parts = text.split(",")
+    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"--sizes must be comma-separated ints >= 1 such as 256,128,2; got {text!r}"
+        )
+    return tuple(int(p) for p in parts)
+
+
+def _writable(path: str) -> None:
+    """Refuses a ``--json`` path no file can be written to, before any work."""
+    p = Path(path)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"--json {path}: is a directory; pass a file path")
+    if not p.parent.exists():
+        raise argparse.ArgumentTypeError(f"--json {path}: the directory {p.parent} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=p.parent):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"--json {path}: cannot write in {p.parent} ({e.strerror}); pass another path"
+        ) from None
 
 
 class _Preset:
@@ -60,7 +91,7 @@ def _preset(key: str) -> _Preset:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds the benchmark's options to ``parser`` (shared by the script and the CLI).
+    """Adds the benchmark's options to ``parser``.
 
     Every option's help shows its default; where ``--quick`` changes it, both values.
     """
@@ -73,19 +104,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       "slow sections (IREE, the training step, the matmul peak) off unless asked (--iree, "
       "--train, --peak); smaller --sweep and --devices runs; the report says it is "
       "quick")  # fmt: skip
-    a("--calls", type=positive("--calls"), default=_preset("calls"),
+    a("--calls", type=_positive("--calls"), default=_preset("calls"),
       help="batch-1 calls per repeat")  # fmt: skip
-    a("--repeats", type=positive("--repeats"), default=_preset("repeats"),
+    a("--repeats", type=_positive("--repeats"), default=_preset("repeats"),
       help="repeats of the compiled rows")  # fmt: skip
-    a("--eager-chunks", type=positive("--eager-chunks"), default=_preset("eager_chunks"),
+    a("--eager-chunks", type=_positive("--eager-chunks"), default=_preset("eager_chunks"),
       help="chunks the eager calls are timed in (their repeats)")  # fmt: skip
-    a("--sizes", type=sizes, default=(256, 128, 2), help="layer widths")
-    a("--in-features", type=positive("--in-features"), default=512, help="input width")
+    a("--sizes", type=_sizes, default=(256, 128, 2), help="layer widths")
+    a("--in-features", type=_positive("--in-features"), default=512, help="input width")
     a("--activation", default="relu", help="a jax.nn activation name")
     a("--compare", action="append", default=[], choices=("torch",),
       help="add another framework's rows (torch: eager, jit.script, compile); to compare two "
       "runs' JSON, see --diff")  # fmt: skip
-    a("--stage-repeats", type=positive("--stage-repeats"), default=_preset("stage_repeats"),
+    a("--stage-repeats", type=_positive("--stage-repeats"), default=_preset("stage_repeats"),
       help="repeats of trace/lower/compile")  # fmt: skip
     a("--artifact", action=on_off, default=True, help="the exported-artifact rows")
     a("--iree", action=on_off, default=_preset("iree"), help="the artifact's IREE row")
@@ -94,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--latency", action=on_off, default=True,
       help="the latency-mode row: h(x) with synchronous dispatch (sm.serving.latency_mode()), "
       "timed in a fresh process, interleaved with the others")  # fmt: skip
-    a("--devices", type=_count, metavar="N",
+    a("--devices", type=_positive("--devices"), metavar="N",
       help="also time sharded inference and training on 1, 2, 4, ... N devices (virtual CPU "
       "devices in a subprocess when fewer are visible: correctness only); writes a figure to "
       "--devices-out")  # fmt: skip
@@ -102,15 +133,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="--devices writes PREFIX.png and PREFIX.svg")  # fmt: skip
     a("--sweep", action="store_true",
       help="also sweep batch sizes, the powers of two from --sweep-min to --sweep-max")  # fmt: skip
-    a("--sweep-min", type=positive("--sweep-min"), default=1, help="smallest batch of the sweep")
-    a("--sweep-max", type=positive("--sweep-max"), default=_Preset(65536, 4096),
+    a("--sweep-min", type=_positive("--sweep-min"), default=1, help="smallest batch of the sweep")
+    a("--sweep-max", type=_positive("--sweep-max"), default=_Preset(65536, 4096),
       help="largest batch of the sweep (the range must hold at least 2 powers of two)")  # fmt: skip
-    a("--sweep-eager-max", type=positive("--sweep-eager-max"), default=_Preset(4096, 256),
+    a("--sweep-eager-max", type=_positive("--sweep-eager-max"), default=_Preset(4096, 256),
       help="largest eager batch of the sweep")  # fmt: skip
     a("--sweep-out", metavar="PREFIX", default="bench_sweep",
       help="the sweep writes PREFIX.json, PREFIX.png and PREFIX.svg")  # fmt: skip
     a("--serving", action="store_true",
-      help="also the serving benchmark (bench_serving): batch-1 latency per dispatch mode and "
+      help="also the serving benchmark: batch-1 latency per dispatch mode and "
       "PyTorch mode, each in a fresh process; the micro-batcher under 1, 8, 64 clients; "
       "symjax-mlp serve over loopback")  # fmt: skip
     a("--diff", nargs=2, metavar=("OLD.json", "NEW.json"),
@@ -164,7 +195,7 @@ def _sweep_batches(args: argparse.Namespace) -> tuple[int, ...]:
     lo, hi = args.sweep_min, args.sweep_max
     batches = tuple(b for b in (2**i for i in range(41)) if lo <= b <= hi)
     if len(batches) < 2:
-        raise ConfigError(
+        raise sm.ConfigError(
             f"--sweep-min {lo} --sweep-max {hi} gives {len(batches)} batch size(s) "
             f"{list(batches)}; a sweep needs at least 2 powers of two in the range, e.g. "
             f"--sweep-max {max(4, 4 * lo)}"
@@ -172,8 +203,18 @@ def _sweep_batches(args: argparse.Namespace) -> tuple[int, ...]:
     return batches
 
 
-def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    """Runs the benchmark from the command line (``scripts/bench.py``, ``symjax-mlp bench``).
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``scripts/bench.py``: every option's help shows its default."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="The chapter's benchmark: eager vs hybridized and beyond.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    return add_arguments(parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark from the command line (``python scripts/bench.py``).
 
     Prints the chapter's two lines first, then the table, the stages, the device and the
     targets; ``--devices N`` adds throughput against device count, ``--sweep`` the batch-size
@@ -181,30 +222,58 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     seconds; ``--diff OLD NEW`` compares two runs' JSON instead of running.
 
     Args:
-      args: parsed options (from :func:`add_arguments`), or argv to parse (``None``: sys.argv).
+      argv: the options (``None``: ``sys.argv[1:]``).
 
     Returns:
-      The exit code, 0.
-
-    Raises:
-      ConfigError: a usage error found after parsing (a sweep range of fewer than 2 batch
-        sizes, an unreadable --diff file), before any work; the CLI prints it and exits 2.
+      The exit code: 0 ok, 2 a usage error (found before any work where it can be: a sweep
+      range of fewer than 2 batch sizes, an unwritable ``--json``, an unreadable ``--diff``
+      file), 1 a bug, 130 interrupted.
     """
-    if not isinstance(args, argparse.Namespace):
-        parser = argparse.ArgumentParser(
-            prog="bench",
-            description="The chapter's benchmark: eager vs hybridized and beyond.",
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        )
-        args = add_arguments(parser).parse_args(args)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
+        return int(e.code or 0)
     args = _resolve(args)
-    if args.json == "-":  # stdout is the JSON: everything else goes to stderr
-        stdout = sys.stdout
-        with contextlib.redirect_stdout(sys.stderr):
-            code = _main(args)
-        stdout.write(_JSON_OUT.pop())
-        return code
-    return _main(args)
+    try:
+        if args.json not in (None, "-"):
+            _writable(args.json)
+        if args.json == "-":  # stdout is the JSON: everything else goes to stderr
+            stdout = sys.stdout
+            with contextlib.redirect_stdout(sys.stderr):
+                code = _main(args)
+            stdout.write(_JSON_OUT.pop())
+            return code
+        return _main(args)
+    except (sm.SymjaxError, argparse.ArgumentTypeError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        name = (e.name or "").split(".")[0]
+        if name not in EXTRAS:
+            raise
+        print(f"{PROG}: error: this needs {name!r}: pip install 'symjax_mlp[{EXTRAS[name]}]'",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print(f"{PROG}: this is a bug (the traceback above); please report it.", file=sys.stderr)
+        return 1
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    """``scripts/bench.py``: exits with :func:`main`'s code (at once after an interrupt: XLA
+    may still be compiling on its own threads, and tearing the interpreter down under them
+    can crash or hang it)."""
+    code = main(argv)
+    if code == 130:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(130)
+    sys.exit(code)
 
 
 _JSON_OUT: list[str] = []
@@ -279,7 +348,7 @@ def _main(args: argparse.Namespace) -> int:
             progress.done()
         print("\n" + format_serving(serving), flush=True)
     if args.stateful:
-        from symjax_mlp.bench import bench_stateful, format_stateful
+        from benchmarks.stateful import bench_stateful, format_stateful
 
         out["stateful"] = stateful = bench_stateful(progress=progress)
         if progress:
@@ -289,7 +358,7 @@ def _main(args: argparse.Namespace) -> int:
             m: {r: t.to_dict() for r, t in rows.items()} for m, rows in stateful.items()
         }
     if args.coldstart:
-        from symjax_mlp.bench import bench_coldstart, format_coldstart
+        from benchmarks.coldstart import bench_coldstart, format_coldstart
 
         if progress:
             progress("cold starts in fresh processes")

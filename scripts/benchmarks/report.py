@@ -1,6 +1,6 @@
 """The benchmark's result: its rows, the issue's targets, and the report in words and JSON.
 
-:func:`~symjax_mlp.bench.benchmark` measures; this module holds what it returns
+:func:`benchmark` measures; this module holds what it returns
 (:class:`BenchReport`, a :class:`Row` per way of running the net) and how that reads:
 :func:`format_report` prints the chapter's two lines first, then the table, the stages, what
 the figures mean, the targets and where it ran.
@@ -9,17 +9,17 @@ The JSON (``BenchReport.to_dict()``, ``symjax-mlp bench --json``) carries ``"sch
 (:data:`SCHEMA`). Schema 1 is: ``schema``; ``chapter`` (``calls``, ``without_s``,
 ``with_s``); ``rows``, a list of :meth:`Row.to_dict` (``key``, ``label``, ``speedup``,
 ``per_1000_inputs_min_s``, ``per_1000_inputs_median_s`` and the row's
-:meth:`~symjax_mlp.bench.Timing.to_dict`: ``calls``, ``repeats``, ``times_s``, ``min_s``,
+:meth:`Timing.to_dict`: ``calls``, ``repeats``, ``times_s``, ``min_s``,
 ``median_s``, ``spread``, ...); ``stages`` (name -> timing); ``targets`` (name -> ``value``,
 ``target``, ``met``, ``what``); ``pipelined`` (key -> the timing of the JAX rows of
 :data:`PIPELINED` timed again with one sync per repeat); the optional sections ``peak``,
 ``traces``, ``train_step``, ``latency_mode`` (the latency-mode row's process: its
 ``dispatch`` and ``traces``) and, from the command line, ``devices`` and ``sweep``;
 ``notes``; ``config`` (the run's arguments, ``quick`` among them) and ``env``
-(:func:`~symjax_mlp.bench.environment`, and ``dispatch``: JAX's CPU dispatch in the
+(:func:`environment`, and ``dispatch``: JAX's CPU dispatch in the
 benchmark's process). New keys may be added under the same schema; a key
 renamed, removed or changed in meaning bumps it.
-:func:`~symjax_mlp.bench.compare_runs` reads schema 1 (and files from before the schema).
+:func:`compare_runs` reads schema 1 (and files from before the schema).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from symjax_mlp.bench._timing import Timing
-from symjax_mlp.bench._timing import format_seconds as _fmt_s
+from benchmarks.timing import Timing
+from benchmarks.timing import format_seconds as _fmt_s
 
 #: The version of the benchmark's JSON layout (see the module docstring); readers check it.
 SCHEMA = 1
@@ -86,7 +86,7 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class BenchReport:
-    """Everything one :func:`~symjax_mlp.bench.benchmark` run measured; ``to_dict()`` is its JSON.
+    """Everything one :func:`benchmark` run measured; ``to_dict()`` is its JSON.
 
     Attributes:
       without_s, with_s: the chapter's two lines: ``calls`` calls of ``h.eager`` (the whole
@@ -98,7 +98,7 @@ class BenchReport:
         ``met`` is decided on ``value`` rounded to :data:`TARGET_DECIMALS` decimals, as printed.
       extra: optional sections (``peak``, ``traces``, ``train_step``), when they ran.
       notes: why an optional row was skipped, warnings worth reading.
-      config: the arguments of the run; env: :func:`~symjax_mlp.bench.environment`.
+      config: the arguments of the run; env: :func:`environment`.
     """
 
     without_s: float

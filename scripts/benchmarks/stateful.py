@@ -1,20 +1,20 @@
-"""What carrying state costs: a stateful Hybrid against the same function jitted by hand.
+"""What carrying state costs: a stateful Hybrid against the same function carried by hand.
 
 Two models researchers write: a linen MLP with BatchNorm called in train mode (its
 ``batch_stats`` move on every call) and an nnx MLP with Dropout (its rng count moves). Each is
 timed, interleaved and synced per call, as
 
 - ``hybrid``: ``h(x, train=True)``, the state held by the Hybrid;
-- ``by hand``: one ``jax.jit`` of the same pure function, the state passed in and returned
-  by the caller: the floor a Hybrid's bookkeeping is measured against. It is lowered as a
-  Hybrid's program is (threefry unrolled on CPU, see :mod:`symjax_mlp._hybrid.rng`), so the two
-  rows run the same executable;
+- ``h.apply``: the Hybrid's compiled pure function, the state passed in and returned by the
+  caller (``h.apply(params, x, state=state)``): the same program as ``hybrid`` (on CPU a
+  Hybrid lowers threefry unrolled), so the two rows differ only by holding the state; the
+  ratio column is against it;
+- ``by hand``: one ``jax.jit`` of the same pure function, the state carried by the caller, as
+  a user writes it without the library (lowered as JAX lowers it by default: on CPU, threefry
+  as a rolled ``while`` loop, each step of which costs XLA's CPU runtime tens of µs);
 - ``compiled``: that function lowered and compiled once (``jax.jit(f).lower(...).compile()``)
   and the ``jax.stages.Compiled`` called directly, the state carried as by hand: what one call
   of the executable costs from Python, with no wrapper at all;
-- ``plain jit`` (models that draw with threefry): the same ``jax.jit`` as by hand, lowered as
-  JAX lowers it by default: on CPU, threefry as a rolled ``while`` loop, each step of which
-  costs XLA's CPU runtime tens of µs. What the unrolled lowering is worth;
 - ``nnx.jit`` (nnx only): flax's own transform of the stateful module.
 
 Every row of a model runs the very same model, rng implementation included. The nnx Dropout
@@ -32,9 +32,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from symjax_mlp._hybrid.make import hybridize
-from symjax_mlp._hybrid.rng import as_program
-from symjax_mlp.bench._timing import Progress, Timing, format_seconds, time_interleaved
+from benchmarks.timing import Progress, Timing, format_seconds, time_interleaved
+from symjax_mlp import Hybrid, hybridize
 
 
 def _carried(step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: jax.Array):
@@ -48,17 +47,25 @@ def _carried(step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: ja
     return call
 
 
+def _carried_apply(h: Hybrid, x: jax.Array, **kw: Any) -> Callable[[], Any]:
+    """``() -> out`` of ``h.apply(h.params, x, state=state)``, the state carried by the caller."""
+    cell = [h.state]
+
+    def call() -> Any:
+        out, cell[0] = h.apply(h.params, x, state=cell[0], **kw)
+        return out
+
+    return call
+
+
 def _by_hand_rows(
-    step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: jax.Array, threefry: bool
+    step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: jax.Array
 ) -> dict[str, Callable[[], Any]]:
-    jitted = jax.jit(as_program(step, step.__name__))  # lowered as a Hybrid's program is
-    rows = {
+    jitted = jax.jit(step)
+    return {
         "by hand": _carried(jitted, fixed, state, x),
         "compiled": _carried(jitted.lower(fixed, state, x).compile(), fixed, state, x),
     }
-    if threefry:
-        rows["plain jit"] = _carried(jax.jit(step), fixed, state, x)
-    return rows
 
 
 def _linen_rows(x: jax.Array) -> dict[str, Any]:
@@ -82,8 +89,9 @@ def _linen_rows(x: jax.Array) -> dict[str, Any]:
         )
         return out, updates["batch_stats"]
 
-    hand = _by_hand_rows(step, params, variables["batch_stats"], x, threefry=False)
-    return {"hybrid": lambda: h(x, train=True), **hand}
+    hand = _by_hand_rows(step, params, variables["batch_stats"], x)
+    applied = _carried_apply(h, x, train=True)
+    return {"hybrid": lambda: h(x, train=True), "h.apply": applied, **hand}
 
 
 def _nnx_rows(x: jax.Array, key_impl: str | None = None) -> dict[str, Any]:
@@ -110,10 +118,16 @@ def _nnx_rows(x: jax.Array, key_impl: str | None = None) -> dict[str, Any]:
         out = m(x)
         return out, nnx.split(m, nnx.Param, ...)[2]
 
-    hand = _by_hand_rows(step, params, rest, x, threefry=key_impl is None)
+    hand = _by_hand_rows(step, params, rest, x)
     module = model()
     stepped = nnx.jit(lambda m, x: m(x))
-    return {"hybrid": lambda: h(x), **hand, "nnx.jit": lambda: stepped(module, x)}
+    applied = _carried_apply(h, x)
+    return {
+        "hybrid": lambda: h(x),
+        "h.apply": applied,
+        **hand,
+        "nnx.jit": lambda: stepped(module, x),
+    }
 
 
 _MODELS: dict[str, Callable[[jax.Array], dict[str, Any]]] = {
@@ -133,10 +147,10 @@ def bench_stateful(
       "nnx Dropout (unsafe_rbg)": {row: Timing}}``.
 
     Example:
-      >>> from symjax_mlp.bench import bench_stateful
+      >>> from benchmarks.stateful import bench_stateful
       >>> rows = bench_stateful(calls=5, repeats=2, in_features=8)
       >>> sorted(rows["nnx Dropout"])
-      ['by hand', 'compiled', 'hybrid', 'nnx.jit', 'plain jit']
+      ['by hand', 'compiled', 'h.apply', 'hybrid', 'nnx.jit']
     """
     x = jax.random.normal(jax.random.key(0), (1, in_features), jnp.float32)
     out = {}
@@ -148,15 +162,16 @@ def bench_stateful(
 
 
 def format_stateful(result: dict[str, dict[str, Timing]]) -> str:
-    """The rows as a table: per call (min, median), the ratio to the by-hand floor and, where
-    the model has an ``nnx.jit`` row, how many times faster than it each row is."""
+    """The rows as a table: per call (min, median), the ratio to ``h.apply`` (the same program,
+    the state carried by the caller) and, where the model has an ``nnx.jit`` row, how many
+    times faster than it each row is."""
     lines = [
         "stateful models at batch 1, every call synced (state carried across calls)",
-        f"{'model':<26}{'row':<10}{'min/call':>11}{'median/call':>13}{'vs by hand':>12}"
+        f"{'model':<26}{'row':<10}{'min/call':>11}{'median/call':>13}{'vs h.apply':>12}"
         f"{'nnx.jit / row':>15}",
     ]
     for model, rows in result.items():
-        floor = rows["by hand"].per_call_min
+        floor = rows["h.apply"].per_call_min
         flax_jit = rows.get("nnx.jit")
         for row, t in rows.items():
             ratio = t.per_call_min / floor

@@ -1,10 +1,10 @@
 """Serving's timer and subject: synced calls timed one at a time, and the chapter's net.
 
-Every section of :func:`~symjax_mlp.bench.bench_serving` times requests one by one (a
+Every section of :func:`benchmarks.serving.bench_serving` times requests one by one (a
 request's latency is the figure, not a mean over a loop) and summarises them the same way
-(:func:`_percentiles`, :func:`_summary`); concurrent clients start together behind a
-barrier (:func:`_gated`); :func:`_chapter` builds the net they serve, in the
-subprocess that times it.
+(:func:`percentiles`, :func:`summary`); concurrent clients start together behind a barrier
+(:func:`gated`); :func:`chapter_net` builds the net they serve, in the subprocess that times
+it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 
 # -- timing one call at a time ---------------------------------------------------------------
-def _percentiles(samples: Sequence[float]) -> dict[str, float]:
+def percentiles(samples: Sequence[float]) -> dict[str, float]:
     a = np.asarray(samples, np.float64)
     return {
         "p50_s": float(np.percentile(a, 50)),
@@ -29,16 +29,16 @@ def _percentiles(samples: Sequence[float]) -> dict[str, float]:
     }
 
 
-def _per_call(fn: Callable[[], Any], calls: int, repeats: int, warmup: int = 200) -> dict:
+def per_call(fn: Callable[[], Any], calls: int, repeats: int, warmup: int = 200) -> dict:
     """Times ``calls * repeats`` synced calls one by one: percentiles, and the fastest
     repeat's mean."""
     for _ in range(warmup):
         fn()
-    samples = [_one_round(fn, calls) for _ in range(repeats)]
-    return _summary(samples)
+    samples = [one_round(fn, calls) for _ in range(repeats)]
+    return summary(samples)
 
 
-def _one_round(fn: Callable[[], Any], calls: int) -> list[float]:
+def one_round(fn: Callable[[], Any], calls: int) -> list[float]:
     """``calls`` synced calls, each timed on its own (seconds)."""
     clock = time.perf_counter
     samples = np.empty(calls)
@@ -49,13 +49,13 @@ def _one_round(fn: Callable[[], Any], calls: int) -> list[float]:
     return samples.tolist()
 
 
-def _summary(rounds: Sequence[Sequence[float]]) -> dict:
+def summary(rounds: Sequence[Sequence[float]]) -> dict:
     """Percentiles over every round's calls, and the fastest round's mean."""
     means = [float(np.mean(r)) for r in rounds]
-    return {**_percentiles([x for r in rounds for x in r]), "best_repeat_mean_s": min(means)}
+    return {**percentiles([x for r in rounds for x in r]), "best_repeat_mean_s": min(means)}
 
 
-def _gated(client: Callable[[int], None], c: int, gate: threading.Barrier) -> float:
+def gated(client: Callable[[int], None], c: int, gate: threading.Barrier) -> float:
     """Runs ``client(j)`` on ``c`` threads that all wait at ``gate`` (a barrier of ``c + 1``,
     this thread included) before they start: the seconds from the gate to the last's end."""
     threads = [threading.Thread(target=client, args=(j,)) for j in range(c)]
@@ -68,14 +68,17 @@ def _gated(client: Callable[[int], None], c: int, gate: threading.Barrier) -> fl
     return time.perf_counter() - start
 
 
-def _chapter(sizes: Sequence[int], in_features: int, activation: str | None, seed: int):
+def chapter_net(
+    sizes: Sequence[int], in_features: int, activation: str | None, seed: int
+) -> tuple[Any, Any, np.ndarray]:
+    """``(h, variables, x)``: the chapter's MLP hybridized, its variables, and a batch-1 input,
+    all from ``seed`` (the same in every process)."""
     import jax
 
-    from symjax_mlp._hybrid.make import hybridize
-    from symjax_mlp._models import mlp
+    import symjax_mlp as sm
 
-    net = mlp(tuple(sizes), activation=activation)
+    net = sm.mlp(tuple(sizes), activation=activation)
     rng = np.random.default_rng(seed)
     xn = rng.standard_normal((1, in_features), dtype=np.float32)
     variables = jax.jit(net.init)(jax.random.key(seed), xn)
-    return hybridize(net, variables, name="mlp"), variables, xn
+    return sm.hybridize(net, variables, name="mlp"), variables, xn

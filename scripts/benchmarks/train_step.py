@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from symjax_mlp._errors import ConfigError
-from symjax_mlp._models import mlp
+from symjax_mlp import ConfigError, mlp
 from symjax_mlp.training import Step, init_params, train_step
 
 
@@ -37,8 +36,8 @@ def time_train_step(
       ``sizes``, ``backend`` and ``device``.
 
     Example:
-      >>> import symjax_mlp as sm
-      >>> r = sm.bench.time_train_step(steps=5, eager_steps=2)
+      >>> from benchmarks.train_step import time_train_step
+      >>> r = time_train_step(steps=5, eager_steps=2)
       >>> r["speedup"] > 0
       True
     """

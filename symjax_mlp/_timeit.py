@@ -1,0 +1,275 @@
+"""Timing your own model against its floor: the same program, AOT-compiled and called bare.
+
+:func:`timeit` times a :class:`~symjax_mlp.Hybrid` or a :class:`~symjax_mlp.LoadedModel` on
+your inputs, and beside it the floor: the same function lowered and compiled ahead of time
+(``jax.jit(f).lower(...).compile()``) and the ``jax.stages.Compiled`` called directly, with
+no wrapper at all. What lies between the two is what the wrapper costs a call.
+
+Each is timed two ways: *synced*, every call waited for (``jax.block_until_ready``), which is
+what a request answered on its own costs; and *pipelined*, one wait per repeat, after its
+last call, where the next call is dispatched while one runs. Everything is warmed up first;
+the four rows take turns, repeat after repeat (the order rotating), so that noise from other
+processes lands on all of them alike; each figure is per call, one per repeat (read the min
+for the cost, the median for the noise). ``symjax-mlp bench DIR`` runs it on an artifact.
+The project's own benchmark, with its tables and targets, is ``scripts/bench.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from symjax_mlp._errors import ConfigError
+
+_ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
+_BAD_ROW = "CallTiming.{what}({row!r}): the rows are {rows}."
+
+
+@dataclasses.dataclass(frozen=True)
+class CallTiming:
+    """Seconds per call of a model and of its AOT-compiled floor, one figure per repeat.
+
+    Attributes:
+      name: what was timed (the Hybrid's name, or the artifact's path).
+      calls: calls per repeat.
+      dispatch: JAX's CPU dispatch in this process, ``"async"`` (JAX's default) or ``"sync"``
+        (:func:`symjax_mlp.serving.latency_mode`): it decides what a synced call costs.
+      synced: the model, every call waited for.
+      pipelined: the model, one wait per repeat.
+      compiled_synced, compiled_pipelined: the same for the floor, the ``jax.stages.Compiled``
+        of the same function called directly.
+
+    Example:
+      >>> t = CallTiming("h", 10, "async", (2e-6,), (1e-6,), (1e-6,), (1e-6,))
+      >>> t.min("synced"), t.over_compiled("synced")
+      (2e-06, 2.0)
+    """
+
+    name: str
+    calls: int
+    dispatch: str
+    synced: tuple[float, ...]
+    pipelined: tuple[float, ...]
+    compiled_synced: tuple[float, ...]
+    compiled_pipelined: tuple[float, ...]
+
+    def _row(self, row: str, what: str) -> tuple[float, ...]:
+        if row not in _ROWS:
+            raise ConfigError(_BAD_ROW.format(what=what, row=row, rows=", ".join(_ROWS)))
+        return getattr(self, row)
+
+    def min(self, row: str = "synced") -> float:
+        """The fastest repeat's seconds per call of ``row``: the best estimate under noise."""
+        return min(self._row(row, "min"))
+
+    def median(self, row: str = "synced") -> float:
+        """The median repeat's seconds per call of ``row``."""
+        return statistics.median(self._row(row, "median"))
+
+    def over_compiled(self, mode: str = "synced") -> float:
+        """The model's min over the floor's, ``"synced"`` or ``"pipelined"``: 1.0 is no cost."""
+        if mode not in ("synced", "pipelined"):
+            raise ConfigError(
+                f"CallTiming.over_compiled({mode!r}): the modes are 'synced' and 'pipelined'."
+            )
+        return self.min(mode) / self.min(f"compiled_{mode}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every figure as JSON data: per row, its times, min and median (seconds per call)."""
+        rows = {
+            row: {"times_s": list(getattr(self, row)), "min_s": self.min(row),
+                  "median_s": self.median(row)}
+            for row in _ROWS
+        }  # fmt: skip
+        return {
+            "name": self.name,
+            "calls": self.calls,
+            "repeats": len(self.synced),
+            "dispatch": self.dispatch,
+            **rows,
+            "over_compiled": {m: self.over_compiled(m) for m in ("synced", "pipelined")},
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.name}: {self.calls} calls x {len(self.synced)} repeats, per call, "
+            f"JAX {self.dispatch} dispatch",
+            f"{'':<22}{'min':>10}{'median':>10}{'min / compiled':>16}",
+        ]
+        for mode in ("synced", "pipelined"):
+            for row, label in ((mode, f"model, {mode}"), (f"compiled_{mode}", f"compiled, {mode}")):
+                ratio = f"{self.over_compiled(mode):>15.3f}x" if row == mode else ""
+                lines.append(
+                    f"{label:<22}{_seconds(self.min(row)):>10}{_seconds(self.median(row)):>10}"
+                    f"{ratio}"
+                )
+        lines.append("(compiled: the same function, jax.jit(f).lower(...).compile(), called bare)")
+        return "\n".join(lines)
+
+
+def _seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
+
+
+def _floor_of_hybrid(h: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
+    if h.mesh is not None:
+        raise ConfigError(
+            f"timeit({h.name}): the Hybrid runs sharded over a mesh; time it unsharded "
+            "(h.replace(mesh=None)), whose floor is one device's program."
+        )
+    variables = h.variables
+    if h.params_as_constants:  # the floor holds them as constants too
+        compiled = jax.jit(lambda *a: h.fn(variables, *a)).lower(*args).compile()
+        return lambda: compiled(*args)
+    leaves, treedef = jax.tree.flatten(variables)
+
+    def flat(leaves: Any, *a: Any) -> Any:
+        return h.fn(jax.tree.unflatten(treedef, leaves), *a)
+
+    compiled = jax.jit(flat).lower(leaves, *args).compile()
+    return lambda: compiled(leaves, *args)
+
+
+def _floor_of_loaded(m: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
+    from symjax_mlp._artifact.format import JAXEXPORT, program_file
+
+    if m.manifest.get("nr_devices", 1) != 1:
+        raise ConfigError(
+            f'timeit(symjax_mlp.load("{m.path}")): the artifact runs sharded over '
+            f"{m.manifest['nr_devices']} devices; time an artifact exported for one device."
+        )
+    exported = jax.export.deserialize((m.path / program_file(m.manifest, JAXEXPORT)).read_bytes())
+    weights = {name: jax.device_put(a) for name, a in m.params.items()}
+    inputs = [jax.device_put(x) for x in m.signature.check(args, caller="timeit()")]
+    compiled = jax.jit(exported.call).lower(weights, *inputs).compile()
+    return lambda: compiled(weights, *inputs)
+
+
+def _example_inputs(m: Any, batch: int) -> tuple[Any, ...]:
+    """Inputs drawn for the artifact's signature, every symbolic dimension ``batch``."""
+    rng, inputs = np.random.default_rng(0), []
+    for spec in m.signature.inputs:
+        shape = tuple(batch if isinstance(d, str) else d for d in spec.shape)
+        try:
+            dtype = jax.numpy.dtype(spec.dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or not np.issubdtype(dtype, np.number):
+            raise ConfigError(
+                f'timeit(symjax_mlp.load("{m.path}")): its input {spec.path} is a {spec.dtype}, '
+                "for which no input is drawn; pass the inputs: timeit(model, x, ...)."
+            )
+        inputs.append(rng.standard_normal(shape, np.float32).astype(dtype))
+    return tuple(inputs)
+
+
+def _loop(fn: Callable[[], Any], calls: int, pipelined: bool) -> float:
+    clock, sync = time.perf_counter, jax.block_until_ready
+    t0 = clock()
+    if pipelined:
+        out = None
+        for _ in range(calls):
+            out = fn()
+        sync(out)
+    else:
+        for _ in range(calls):
+            sync(fn())
+    return (clock() - t0) / calls
+
+
+def timeit(
+    model: Any,
+    *args: Any,
+    batch: int = 1,
+    calls: int = 1000,
+    repeats: int = 7,
+    warmup: int = 50,
+) -> CallTiming:
+    """Times ``model(*args)`` against its floor: the same function, AOT-compiled, called bare.
+
+    For a :class:`~symjax_mlp.Hybrid` the floor is ``jax.jit`` of its :attr:`fn` on its
+    variables (held as constants too when the Hybrid holds its params as constants); for a
+    :class:`~symjax_mlp.LoadedModel` it is the artifact's exported program, compiled for
+    ``args`` and called on the weights the artifact holds (the floor runs in JAX, whichever
+    runtime ``model`` uses). A stateful Hybrid carries its state across the timed calls; its
+    floor reads the same state every call. The inputs are placed on the device first: what
+    is timed is the call, not the copy.
+
+    Args:
+      model: a Hybrid (unsharded) or a LoadedModel (of one device).
+      *args: the inputs (positional arrays), as you would call ``model``; for a LoadedModel
+        they may be left out, and are drawn for its signature (normal floats).
+      batch: the size of every symbolic dimension of the drawn inputs.
+      calls: calls per repeat.
+      repeats: repeats of each row (5 or more give a min and a median worth reading).
+      warmup: untimed calls of each row first (at least one: the first call compiles).
+
+    Returns:
+      A :class:`CallTiming`; ``print()`` it for a table.
+
+    Raises:
+      ConfigError: ``calls``, ``repeats``, ``warmup`` or ``batch`` below 1, a sharded model,
+        not a Hybrid or LoadedModel, or no inputs for a Hybrid (or for an artifact whose
+        inputs are not numbers).
+      SignatureError: ``args`` do not fit the artifact's signature.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import symjax_mlp as sm
+      >>> net = sm.mlp((8, 2))
+      >>> x = jnp.ones((1, 4))
+      >>> h = sm.hybridize(net, net.init(jax.random.key(0), x))
+      >>> t = sm.timeit(h, x, calls=10, repeats=3)
+      >>> len(t.synced), t.calls, t.over_compiled() > 0
+      (3, 10, True)
+    """
+    from symjax_mlp._hybrid.hybrid import Hybrid
+    from symjax_mlp._loaded import LoadedModel
+    from symjax_mlp.serving import dispatch_mode
+
+    if min(calls, repeats, warmup, batch) < 1:
+        raise ConfigError(
+            f"timeit: calls, repeats, warmup and batch must be >= 1; got calls={calls}, "
+            f"repeats={repeats}, warmup={warmup}, batch={batch}."
+        )
+    if isinstance(model, Hybrid):
+        name, floor_of = model.name, _floor_of_hybrid
+    elif isinstance(model, LoadedModel):
+        name, floor_of = str(model.path), _floor_of_loaded
+    else:
+        raise ConfigError(
+            f"timeit: got a {type(model).__name__}; it times a Hybrid (sm.hybridize(...)) or a "
+            "LoadedModel (sm.load(path)). For any other function, wrap it: "
+            "sm.hybridize(lambda params, x: f(x), {})."
+        )
+    if not args and isinstance(model, LoadedModel):
+        args = _example_inputs(model, batch)
+    elif not args:
+        raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
+    placed = tuple(jax.device_put(a) for a in args)
+    fns = {"synced": lambda: model(*placed), "compiled": floor_of(model, placed)}
+    for fn in fns.values():
+        _loop(fn, warmup, pipelined=False)
+    order = [(key, piped) for piped in (False, True) for key in fns]
+    seconds: dict[tuple[str, bool], list[float]] = {k: [] for k in order}
+    for r in range(repeats):
+        k = r % len(order)
+        for key, piped in order[k:] + order[:k]:
+            seconds[key, piped].append(_loop(fns[key], calls, piped))
+    return CallTiming(
+        name=name,
+        calls=calls,
+        dispatch=dispatch_mode(),
+        synced=tuple(seconds["synced", False]),
+        pipelined=tuple(seconds["synced", True]),
+        compiled_synced=tuple(seconds["compiled", False]),
+        compiled_pipelined=tuple(seconds["compiled", True]),
+    )
