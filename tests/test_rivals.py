@@ -9,14 +9,11 @@ import importlib.util
 import os
 import shutil
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # not installed
-from benchmarks import rivals as rv
+from benchmarks import rivals as rv  # scripts/, on sys.path from conftest.py
 
 
 # One test makes every row, once: torch.compile and AOTInductor compile for seconds each, and a
