@@ -49,7 +49,7 @@ def _batches(
     return x[order].reshape(*shape, -1), y[order].reshape(shape), w.reshape(shape)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Programs:
     """The training step and the prediction, jit-compiled (or eager), and the step's traces.
 
@@ -66,6 +66,8 @@ class Programs:
     def of(
         cls, model: Any, spec: Any, optimizer: optax.GradientTransformation, *, compiled: bool
     ) -> Programs:
+        """The programs of ``model`` under ``optimizer``: ``jax.jit`` with the params and the
+        optimizer state donated when ``compiled``, else the same functions run eagerly."""
         step = train_step(model, optimizer, train_flags=spec.train_flags)
         traces: list[tuple[Any, ...]] = []
 
@@ -92,7 +94,7 @@ class Programs:
         return int(right) / len(data.y_test)
 
     def epoch(
-        self, state: TrainState, data: Dataset, batch_size: int, epoch: int, *, newest: Any
+        self, state: TrainState, data: Dataset, batch_size: int, epoch: int, *, newest: Path | None
     ) -> tuple[TrainState, EpochRecord]:
         """One shuffled pass over the training split, then the test split's accuracy.
 
