@@ -17,7 +17,17 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from benchmarks import compare, devices, figures, run, scaling, stateful, timing, train_step
+from benchmarks import (
+    compare,
+    devices,
+    figures,
+    per_request,
+    run,
+    scaling,
+    stateful,
+    timing,
+    train_step,
+)
 from benchmarks import report as reports
 from benchmarks.cli import main as lab_main
 
@@ -385,6 +395,7 @@ def test_degenerate_sweeps_are_refused(tiny_sweep, tmp_path):
 
 # The CLI runs the real benchmark, with the fewest calls: its options reach the run.
 FEWEST_ARGV = ["--repeats", "1", "--eager-chunks", "1", "--stage-repeats", "1", "--no-peak"]
+FEWEST_ARGV += ["--no-per-request"]  # its own test below
 
 
 @pytest.mark.torch
@@ -453,6 +464,7 @@ def test_script_is_thin_and_runs_on_two_devices(tmp_path):
     script = SCRIPTS / "bench.py"
     argv = ["--calls", "2", "--repeats", "1", "--eager-chunks", "1", "--sizes", "4,2"]
     argv += ["--in-features", "8", "--no-artifact", "--no-train", "--no-peak", "--devices", "2"]
+    argv += ["--no-per-request"]
     argv += ["--devices-out", str(tmp_path / "devices")]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2")  # 2 virtual devices
     proc = subprocess.run(
@@ -501,6 +513,9 @@ def test_quick_run_is_a_first_look_and_says_so(tmp_path, capsys):
     assert "artifact_jax" in keys and "artifact_iree" not in keys
     assert "train_step" not in d and "peak" not in d
     assert not any("skipped" in n for n in d["notes"])  # not tried, so nothing failed
+    per = d["per_request"]  # on by default, in quick runs too
+    assert per["config"]["calls"] == 50 and not per["config"]["rivals"]
+    assert "Per request, against floors measured in the same run" in text
 
 
 def test_quick_settings_yield_to_the_callers():
@@ -813,3 +828,61 @@ def test_stateful_rows_carry_state_the_same_way():
         assert all(t.calls == 3 and len(t.times) == 2 for t in model.values())
     lines = stateful.format_stateful(rows).splitlines()
     assert "vs h.apply" in lines[1] and len(lines) == 2 + sum(len(m) for m in rows.values())
+
+
+# -- per request, against floors measured in the same run -------------------------------------
+def test_per_request_rows_floors_and_targets():
+    r = per_request.bench_per_request(sizes=(8, 2), in_features=16, calls=5, repeats=2)
+    keys = ["dispatch_floor", "aot_constants", "aot_arguments", "h", "h_constants", "artifact_jax"]
+    assert list(r["rows"]) == keys and r["skipped"] == {} and r["notes"] == []
+    assert r["dispatch"] == "sync"  # its own fresh process, in latency mode
+    assert r["traces"] == {"h": 1, "h_constants": 1}  # compiled once each, never retraced
+    for row in r["rows"].values():
+        assert len(row["per_call_s"]) == 2 and 0 < row["min_s"] <= row["median_s"]
+        assert row["spread"] == pytest.approx(row["median_s"] / row["min_s"] - 1)
+    rows, f = r["rows"], r["floors"]
+    assert f["dispatch_s"] == rows["dispatch_floor"]["min_s"]
+    assert f["compute_s"] == pytest.approx(rows["aot_constants"]["min_s"] - f["dispatch_s"])
+    assert f["left_s"] == pytest.approx(rows["h"]["min_s"] - rows["aot_constants"]["min_s"])
+    names = [t["name"] for t in r["targets"]]
+    assert names == ["h_over_aot_constants", "h_constants_over_aot_constants"]
+    t = r["targets"][0]
+    assert t["value"] == round(rows["h"]["min_s"] / rows["aot_constants"]["min_s"], 3)
+    assert t["target"] == "<= 1.15" and t["met"] == (t["value"] <= 1.15)
+    text = per_request.format_per_request(r)
+    assert text.startswith("Per request, against floors measured in the same run")
+    assert "JAX sync dispatch" in text and "dispatch floor " in text
+    assert "(target <= 1.05)" in text
+    json.dumps(r)
+
+
+def test_per_request_targets_name_pytorchs_fastest_and_the_others():
+    def row(label, lo, med):
+        return {"label": label, "min_s": lo, "median_s": med, "spread": med / lo - 1}
+
+    rows = {
+        "dispatch_floor": row("x + 1", 5e-6, 5e-6),
+        "aot_constants": row("AOT", 10e-6, 10.5e-6),
+        "h": row("h(x)", 12e-6, 12.2e-6),
+        "h_constants": row("h(x), constants", 10.4e-6, 10.4e-6),
+        "torch_freeze": row("torch.jit.freeze", 20e-6, 22e-6),
+        "torch_eager": row("PyTorch eager", 30e-6, 30e-6),
+        "onnxruntime": row("ONNX Runtime", 9e-6, 9e-6),
+    }
+    targets = {t["name"]: t for t in per_request.per_request_targets(rows)}
+    assert targets["h_over_aot_constants"]["value"] == 1.2
+    assert targets["h_over_aot_constants"]["met"] is False
+    assert targets["h_constants_over_aot_constants"]["met"] is True  # 1.04
+    fastest = targets["fastest_torch_over_h"]
+    assert fastest["value"] == round(20 / 10.4, 3) and fastest["met"] is True
+    assert fastest["band"] == pytest.approx(0.1)  # torch_freeze's spread, the larger
+    assert fastest["what"].startswith("torch.jit.freeze (PyTorch's fastest) / h(x), constants")
+    other = targets["fastest_other_over_h"]
+    assert other["target"] == "reported" and other["met"] is None
+
+
+def test_interleaved_rows_can_pause_between_repeats(monkeypatch):
+    slept = []
+    monkeypatch.setattr(timing.time, "sleep", slept.append)
+    timing.time_interleaved({"a": lambda: 1, "b": lambda: 2}, calls=1, repeats=3, pause=0.01)
+    assert slept == [0.01] * 6

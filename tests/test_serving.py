@@ -1139,6 +1139,9 @@ def test_bench_serving_latency_and_batcher_sections():
         for r in b["rows"]:
             assert r["requests"] == 40 and r["throughput_rps"] > 0 and r["direct_rps"] > 0
             assert r["vs_direct"] == pytest.approx(r["throughput_rps"] / r["direct_rps"])
+        bare = b["bare_at_formed_batch"]  # the bare model's cost a row at the batch formed
+        assert set(bare) == set(kinds) and all(v["clients"] == 4 for v in bare.values())
+        assert all(v["batch"] >= 1 and v["per_row_s"] > 0 for v in bare.values())
         c1 = b["c1"]  # direct calls and b(x) interleaved: the same number of each
         assert c1["direct"]["n"] == c1["batcher"]["n"] >= 200
         assert c1["added_p50_s"] == pytest.approx(c1["batcher"]["p50_s"] - c1["direct"]["p50_s"])

@@ -22,6 +22,9 @@ module:
   :mod:`~benchmarks.latency`, :mod:`~benchmarks.batcher` and :mod:`~benchmarks.http_rows`,
   on :mod:`~benchmarks.calls` (one call at a time) and :mod:`~benchmarks.children` (fresh
   processes);
+- per request: :mod:`~benchmarks.per_request` (h(x) in latency mode against floors measured
+  in the same process, its targets) over :mod:`~benchmarks.rivals` (what a user would pick
+  instead: PyTorch's modes, AOTInductor, ONNX Runtime);
 - :mod:`~benchmarks.stateful`, :mod:`~benchmarks.coldstart`, :mod:`~benchmarks.compare`
   (``--diff``), and :mod:`~benchmarks.cli` (the options).
 """

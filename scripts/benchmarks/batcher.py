@@ -73,6 +73,8 @@ def batcher_rows(
                 )
         stats = b.stats.to_dict()
         retraced = h.trace_count - compiled
+    top = max(clients)
+    bare = {r["kind"]: _bare_at_formed_batch(direct, rows, r) for r in out if r["clients"] == top}
     return {
         "dispatch": dispatch_mode(),
         "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -82,7 +84,22 @@ def batcher_rows(
         "rows": out,
         "buckets": list(b.buckets),
         "traces_while_serving": retraced,
+        "bare_at_formed_batch": bare,
         "stats": stats,
+    }
+
+
+def _bare_at_formed_batch(direct: Callable, rows: list[np.ndarray], row: dict) -> dict:
+    """What the bare model costs a row at the batch size the batcher formed (its mean rows per
+    batch, rounded), numpy in and out as a batch is: against the batcher's cost a request."""
+    batch = max(1, round(row["rows_per_batch"]))
+    xb = np.concatenate([rows[i % len(rows)] for i in range(batch)])
+    best = per_call(lambda: direct(xb), 100, 5, warmup=20)["best_repeat_mean_s"]
+    return {
+        "clients": row["clients"],
+        "batch": batch,
+        "per_row_s": best / batch,
+        "per_request_s": 1.0 / row["throughput_rps"],
     }
 
 

@@ -27,6 +27,7 @@ import symjax_mlp as sm
 from benchmarks.compare import compare_runs, format_comparison
 from benchmarks.devices import bench_devices
 from benchmarks.figures import plot_devices, plot_sweep
+from benchmarks.per_request import bench_per_request, format_per_request
 from benchmarks.report import format_report
 from benchmarks.run import FULL, QUICK, benchmark
 from benchmarks.scaling import format_devices, format_sweep, sweep
@@ -125,6 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--latency", action=on_off, default=True,
       help="the latency-mode row: h(x) with synchronous dispatch (sm.serving.latency_mode()), "
       "timed in a fresh process, interleaved with the others")  # fmt: skip
+    a("--per-request", action=on_off, default=True,
+      help="the per-request section: h(x) in latency mode against floors measured in the same "
+      "fresh process (a jitted x + 1, the AOT executable with params as constants), the "
+      "artifact, and with --compare torch the PyTorch/ONNX rows; with --coldstart their cold "
+      "starts")  # fmt: skip
     a("--devices", type=_positive("--devices"), metavar="N",
       help="also time sharded inference and training on 1, 2, 4, ... N devices (virtual CPU "
       "devices in a subprocess when fewer are visible: correctness only); writes a figure to "
@@ -310,6 +316,15 @@ def _main(args: argparse.Namespace) -> int:
         progress.done()
     print(format_report(report), flush=True)
     out = report.to_dict()
+    if args.per_request:
+        out["per_request"] = per = bench_per_request(
+            sizes=args.sizes, in_features=args.in_features, activation=args.activation,
+            calls=args.calls, repeats=args.repeats, iree=args.iree,
+            rivals="torch" in args.compare, coldstart=args.coldstart, progress=progress,
+        )  # fmt: skip
+        if progress:
+            progress.done()
+        print("\n" + format_per_request(per), flush=True)
     if args.devices:
         if progress:
             progress(f"sharded inference and training on 1..{args.devices} devices")

@@ -132,6 +132,7 @@ def time_interleaved(
     pipelined: bool = False,
     progress: Progress | None = None,
     remote: Mapping[str, Callable[[int], float]] | None = None,
+    pause: float = 0.0,
 ) -> dict[str, Timing]:
     """Times several zero-argument callables, their repeats interleaved.
 
@@ -155,6 +156,8 @@ def time_interleaved(
       remote: name -> ``run(calls)``, rows timed elsewhere (another process: it warms
         itself up, times ``calls`` calls on its own clock and returns the seconds), their
         repeats interleaved with the others'.
+      pause: seconds to sleep before each row's repeat (a thread pool's spin-wait after one
+        row's calls would otherwise land on the next row).
 
     Returns:
       name -> :class:`Timing`, in the order of ``fns``, then of ``remote``.
@@ -184,6 +187,8 @@ def time_interleaved(
             progress(f"timing {', '.join(names)}: repeat {r + 1}/{repeats}")
         k = r % len(names)
         for name in names[k:] + names[:k]:
+            if pause:
+                time.sleep(pause)
             if name in remote:
                 times[name].append(remote[name](calls))
             else:
