@@ -49,6 +49,34 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--max-queue", type=positive("--max-queue"), default=1024, help="waiting requests"
     )
     p.add_argument(
+        "--max-body-bytes",
+        type=positive("--max-body-bytes"),
+        default=64 * 2**20,
+        metavar="BYTES",
+        help="larger request bodies are refused (413)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=positive("--body-timeout", float),
+        default=60.0,
+        metavar="SECONDS",
+        help="a client that sends nothing of its body for this long is answered 408 and dropped",
+    )
+    p.add_argument(
+        "--max-inflight-bytes",
+        type=positive("--max-inflight-bytes"),
+        default=None,
+        metavar="BYTES",
+        help="the most bytes all request bodies in flight may hold (503 past it; None: 4 times "
+        "--max-body-bytes)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive("--max-connections"),
+        default=1000,
+        help="the most connections at once (503 past it)",
+    )
+    p.add_argument(
         "--dispatch",
         choices=("sync", "async"),
         default="sync",
@@ -87,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
         runtime=args.runtime,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
+        max_inflight_bytes=args.max_inflight_bytes,
+        max_connections=args.max_connections,
         log_level=args.log_level,
         ready=ready,
         entry=args.entry,

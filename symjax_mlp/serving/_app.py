@@ -12,10 +12,13 @@ Endpoints:
 - ``GET /metrics``: the batcher's and the server's counters, Prometheus text format.
 - ``GET /signature``: what a request takes.
 
-Errors are JSON ``{"error": class name, "message": ...}``: 400 an unreadable body, 413 too
-large, 415 an unknown content type, 422 a :class:`~symjax_mlp.SignatureError` (the message
-says what was received and what is expected), 503 a full queue
-(:class:`~symjax_mlp.serving.OverloadError`, with ``Retry-After``), 500 the model raised.
+Errors are JSON ``{"error": class name, "message": ...}``, counted on ``/metrics``: 400 an
+unreadable body, 408 a body that stopped arriving, 413 too large, 415 an unknown content
+type, 422 a :class:`~symjax_mlp.SignatureError` (the message says what was received and what
+is expected), 503 a full queue (:class:`~symjax_mlp.serving.OverloadError`) or too many bytes
+of bodies in flight (both with ``Retry-After``), 500 the model raised. A message names the
+model by its name, never by its path on the server. How bodies are read is
+:mod:`symjax_mlp.serving._intake`.
 
 starlette and uvicorn are the optional extra ``symjax_mlp[serve]``, imported only here, when
 an app is made.
@@ -33,10 +36,11 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from symjax_mlp._errors import OverloadError, SignatureError
+from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
 from symjax_mlp._load import load
 from symjax_mlp.serving._batcher import Batcher
-from symjax_mlp.serving._bodies import BadRequest, Json, decode, to_json, to_npy
+from symjax_mlp.serving._bodies import BadRequest, Json, Public, decode, model_name, to_json, to_npy
+from symjax_mlp.serving._intake import CLOSE, Intake
 
 
 def _require() -> Any:
@@ -75,6 +79,8 @@ def create_app(
     batcher: Batcher,
     *,
     max_body_bytes: int = 64 * 2**20,
+    body_timeout: float = 60.0,
+    max_inflight_bytes: int | None = None,
     close_batcher: bool = True,
     prefix: str = "symjax_mlp",
 ) -> Any:
@@ -83,10 +89,16 @@ def create_app(
     Args:
       batcher: the :class:`~symjax_mlp.serving.Batcher` that runs the requests.
       max_body_bytes: larger request bodies are refused with 413.
+      body_timeout: a client that sends nothing of its body for this many seconds is
+        answered 408 and its connection closed (nginx's ``client_body_timeout``).
+      max_inflight_bytes: the most bytes all request bodies being received and decoded may
+        hold together (default: ``4 * max_body_bytes``); past it a request is answered 503
+        with ``Retry-After``, so that slow clients cannot pin the server's memory.
       close_batcher: close the batcher when the app shuts down (it finishes queued work).
       prefix: the metric names' prefix on ``/metrics``.
 
     Raises:
+      ConfigError: a limit is not a number > 0.
       ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
 
     Example:
@@ -106,33 +118,55 @@ def create_app(
     from starlette.routing import Route
 
     http = _HttpCounters()
+    if max_inflight_bytes is None:
+        max_inflight_bytes = 4 * max_body_bytes
+    for option, value in (
+        ("max_body_bytes", max_body_bytes),
+        ("max_inflight_bytes", max_inflight_bytes),
+        ("body_timeout", body_timeout),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ConfigError(f"create_app: {option} must be a number > 0; got {value!r}.")
+    intake = Intake(
+        max_body_bytes=max_body_bytes,
+        body_timeout=body_timeout,
+        max_inflight_bytes=max_inflight_bytes,
+    )
+    public = Public(batcher)
 
     def error(status: int, e: Exception, headers: dict[str, str] | None = None) -> Response:
         http.count(status)
-        body = {"error": type(e).__name__, "message": str(e)}
+        body = {"error": type(e).__name__, "message": public.scrub(str(e))}
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def predict(request: Request) -> Response:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return error(413, BadRequest(413, _too_large(int(size), max_body_bytes)))
-        chunks, received = [], 0
+        hold = [0]  # the bytes this request's body holds of the shared budget
         try:
-            async for chunk in request.stream():
-                chunks.append(chunk)
-                received += len(chunk)
-                if received > max_body_bytes:
-                    return error(413, BadRequest(413, _too_large(received, max_body_bytes)))
+            return await answer(request, hold)
+        except Exception as e:  # a bug of ours: still the documented JSON body, counted
+            return error(500, e)
+        finally:
+            intake.release(hold)
+
+    async def answer(request: Request, hold: list[int]) -> Response:
+        try:
+            body = await intake.read(request, hold)
+        except BadRequest as e:  # too large, too slow, too many: the rest is not read
+            retry = {"Retry-After": "1"} if e.status == 503 else {}
+            return error(e.status, e, {**CLOSE, **retry})
         except ClientDisconnect:  # nobody to answer: counted, as nginx counts it, as 499
             http.count(499)
             return Response(status_code=499)
-        body = b"".join(chunks)
         try:
             inputs, as_npy = decode(batcher, body, request.headers.get("content-type", ""))
         except BadRequest as e:
             return error(e.status, e)
         except SignatureError as e:
             return error(422, e)
+        except Exception as e:  # whatever else the client's bytes provoke is still theirs
+            return error(400, BadRequest(400, f"the body could not be read ({e!r:.300})."))
+        del body
+        intake.release(hold)  # decoded: the arrays are the queue's to bound (max_queue)
         try:
             request = batcher.asubmit(*inputs)
         except SignatureError as e:
@@ -171,7 +205,7 @@ def create_app(
         s = batcher.stats
         body = {
             "status": "closing" if batcher.closed else "ok",
-            "model": batcher.name,
+            "model": public.name,
             "queue_depth": s.queue_depth,
             "completed": s.completed,
         }
@@ -187,7 +221,7 @@ def create_app(
                 "inputs": [s.to_json() for s in batcher.specs],
                 "max_batch": batcher.max_batch,
                 "buckets": list(batcher.buckets),
-                "model": batcher.name,
+                "model": public.name,
                 "params_as_constants": bool(getattr(batcher.model, "params_as_constants", False)),
             }
         )
@@ -207,13 +241,6 @@ def create_app(
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-def _too_large(size: int, limit: int) -> str:
-    return (
-        f"the body has {size} bytes, more than max_body_bytes={limit}; split the request into "
-        "smaller ones."
-    )
-
-
 def serve(
     artifact: str | os.PathLike[str],
     *,
@@ -223,6 +250,9 @@ def serve(
     max_batch: int | None = None,
     max_queue: int = 1024,
     max_body_bytes: int = 64 * 2**20,
+    body_timeout: float = 60.0,
+    max_inflight_bytes: int | None = None,
+    max_connections: int = 1000,
     log_level: str = "warning",
     ready: Callable[[str], None] | None = None,
     entry: str | None = None,
@@ -246,7 +276,12 @@ def serve(
       host, port: where to listen.
       runtime: ``"jax"`` or ``"iree"``.
       max_batch, max_queue: see :class:`~symjax_mlp.serving.Batcher`.
-      max_body_bytes: larger request bodies are refused (413).
+      max_body_bytes, body_timeout, max_inflight_bytes: how request bodies are read, see
+        :func:`create_app`: one body's most bytes (413 past it), the most seconds between two
+        of its reads (408), the most bytes all bodies in flight may hold (503).
+      max_connections: the most connections (and requests) at once; past it a request is
+        answered 503 (uvicorn's ``limit_concurrency``). Below the usual limit of 1024 open
+        files. Idle keep-alive connections close after 5 s (uvicorn's default).
       log_level: uvicorn's log level.
       ready: called with the URL once the socket is bound.
       entry: the entry point to serve (default: the artifact's default one).
@@ -263,6 +298,12 @@ def serve(
     _require()
     import uvicorn
 
+    if (
+        not isinstance(max_connections, int)
+        or isinstance(max_connections, bool)
+        or (max_connections < 1)
+    ):
+        raise ConfigError(f"serve: max_connections must be an int >= 1; got {max_connections!r}.")
     model = load(
         artifact,
         runtime=runtime,
@@ -273,9 +314,14 @@ def serve(
     )
     if entry is not None:
         model = model[entry]
-    batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue)
+    batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue, name=model_name(model))
     try:
-        app = create_app(batcher, max_body_bytes=max_body_bytes)
+        app = create_app(
+            batcher,
+            max_body_bytes=max_body_bytes,
+            body_timeout=body_timeout,
+            max_inflight_bytes=max_inflight_bytes,
+        )
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         with sock:
@@ -291,6 +337,7 @@ def serve(
                 access_log=False,
                 lifespan="on",
                 timeout_graceful_shutdown=30,
+                limit_concurrency=max_connections,
             )
             server = uvicorn.Server(config)
             (ready or _print_ready(artifact))(url)

@@ -6,7 +6,8 @@ int32, 1e39 to float32); a ``.npy`` body is read as ``symjax-mlp run`` reads a f
 (:mod:`symjax_mlp._npy`: without pickle, in this CPU's byte order, bfloat16 from its bytes).
 Outputs go back as JSON (``NaN`` and ``Infinity`` as Python's json writes them) or as
 ``.npy`` (``.npz`` for a tuple). What cannot be read is a :class:`BadRequest` with its HTTP
-status; what does not fit the model is a :class:`~symjax_mlp.SignatureError`.
+status; what does not fit the model is a :class:`~symjax_mlp.SignatureError`. A client sees
+the model by its name, never by the artifact's path on the server (:class:`Public`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 from typing import Any
 
 import jax
 import numpy as np
 
+from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError
+from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._npy import npy_array, read_npy
 from symjax_mlp.serving._batcher import Batcher
 
@@ -84,21 +88,47 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f"{batcher.name}: the model takes {len(specs)} inputs ({', '.join(map(str, specs))})"
             '; name them: {"inputs": {"args[0]": [...], "args[1]": [...]}}.'
         )
-    return [from_json(batcher, spec, v) for spec, v in zip(specs, values, strict=True)], False
+    # true/false anywhere in the text: look for JSON booleans among the numbers (NumPy would
+    # make [true, 1.5] the floats [1.0, 1.5]); a C-speed test spares the walk otherwise
+    bools = b"true" in body or b"false" in body
+    return [
+        from_json(batcher, spec, v, bools=bools) for spec, v in zip(specs, values, strict=True)
+    ], False
 
 
-def from_json(batcher: Batcher, spec: Any, value: Any) -> np.ndarray:
+def from_json(batcher: Batcher, spec: Any, value: Any, *, bools: bool = True) -> np.ndarray:
     """JSON numbers as the input's dtype; refuses what the cast would change (1.5 -> int,
-    2**31 -> int32, 1e39 -> float32). ``NaN``, ``Infinity`` and ``-Infinity`` (what Python's
-    json, and TF Serving, read and write) are floats like any other."""
+    2**31 -> int32, 1e39 -> float32, 10**400 -> any). ``NaN``, ``Infinity`` and ``-Infinity``
+    (what Python's json, and TF Serving, read and write) are floats like any other. JSON's
+    ``true`` and ``false`` are a bool input's values (``0`` and ``1`` too), never numbers.
+    ``bools=False`` says that ``value`` holds no booleans (skips looking for them)."""
+    want = np.dtype(spec.dtype)
+    if want.kind != "b" and bools and _holds_bool(value):
+        raise SignatureError(
+            f"{batcher.name}: input {spec.path} holds JSON booleans (true/false), but the model "
+            f"takes {spec.type}; send {'integers' if want.kind in 'iu' else 'numbers'}."
+        )
     try:
         raw = np.asarray(value)
-    except (ValueError, OverflowError) as e:  # ragged lists
+    except OverflowError:  # 10**400 among floats
+        if want.kind in "iub":
+            raise SignatureError(
+                f"{batcher.name}: input {spec.path} holds numbers that are neither {want} "
+                f"nor in its range; the model takes {spec.type}. Send integers in range."
+            ) from None
+        raise SignatureError(
+            _BEYOND.format(batcher.name, spec.path, _largest(want), spec.type)
+        ) from None
+    except ValueError as e:  # ragged lists
         raise SignatureError(
             f"{batcher.name}: input {spec.path} is not a rectangular array ({short(str(e))}); "
             f"send nested lists of one shape, {spec.type}."
         ) from None
-    want = np.dtype(spec.dtype)
+    if want.kind == "b":
+        return _as_bool(batcher, spec, raw)
+    mixed = raw.dtype.kind == "O" and {type(v) for v in raw.flat} == {int, float}
+    if mixed and want.kind == "f":  # NumPy made [1.5, 10**400] objects: past float64
+        raise SignatureError(_BEYOND.format(batcher.name, spec.path, _largest(want), spec.type))
     integral = raw.dtype.kind in "biu" or (
         raw.dtype.kind == "O" and all(type(v) is int for v in raw.flat)  # past int64
     )
@@ -115,19 +145,57 @@ def from_json(batcher: Batcher, spec: Any, value: Any) -> np.ndarray:
         low, high = min(raw.flat), max(raw.flat)
         if low < info.min or high > info.max:
             raise SignatureError(
-                f"{batcher.name}: input {spec.path} holds integers from {low} to {high}, "
+                f"{batcher.name}: input {spec.path} holds integers from {short(str(low), 40)} "
+                f"to {short(str(high), 40)}, "
                 f"outside {want}'s range [{info.min}, {info.max}]; the model takes "
                 f"{spec.type}. Send values in range."
             )
-    with np.errstate(over="ignore"):
-        x = raw.astype(want, copy=False)
-    if want.kind == "f" and raw.size and not np.array_equal(np.isfinite(x), np.isfinite(raw)):
+    try:
+        with np.errstate(over="ignore"):
+            x = raw.astype(want, copy=False)
+    except OverflowError:  # a Python int past float64 (10**400): no float holds it
         raise SignatureError(
-            f"{batcher.name}: input {spec.path} holds numbers beyond {want}'s range (largest "
-            f"{float(np.finfo(want).max):.4g}); the model takes {spec.type}. Send values in "
-            "range."
-        )
+            _BEYOND.format(batcher.name, spec.path, _largest(want), spec.type)
+        ) from None
+    finite = np.isfinite(raw) if raw.dtype.kind == "f" else np.ones(raw.shape, bool)  # ints
+    if want.kind == "f" and raw.size and not np.array_equal(np.isfinite(x), finite):
+        raise SignatureError(_BEYOND.format(batcher.name, spec.path, _largest(want), spec.type))
     return x
+
+
+_BEYOND = "{}: input {} holds numbers beyond {}; the model takes {}. Send values in range."
+
+
+def _largest(want: np.dtype) -> str:
+    return f"{want}'s range (largest {float(np.finfo(want).max):.4g})"
+
+
+def _holds_bool(value: Any) -> bool:
+    """Whether nested lists ``value`` hold a bool anywhere (iteratively: no recursion limit)."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if type(v) is bool:
+            return True
+        if type(v) is list:
+            todo.extend(v)
+    return False
+
+
+def _as_bool(batcher: Batcher, spec: Any, raw: np.ndarray) -> np.ndarray:
+    """A bool input from JSON ``true``/``false`` (or ``0``/``1``); anything else is refused."""
+    if raw.dtype.kind == "b":
+        return raw
+    ok = raw.dtype.kind in "iuf" or (raw.dtype.kind == "O" and raw.size == 0)
+    if ok and raw.size:
+        ok = bool(np.isin(raw, (0, 1)).all())
+    if not ok:
+        raise SignatureError(
+            f"{batcher.name}: input {spec.path} holds values other than true and false "
+            f"({short(str(raw.flat[:8].tolist()))}), but the model takes {spec.type}; send "
+            "JSON booleans."
+        )
+    return raw.astype(np.bool_)
 
 
 def short(text: str, limit: int = 300) -> str:
@@ -159,3 +227,36 @@ def to_npy(out: Any) -> tuple[bytes, str]:
         return buf.getvalue(), NPY
     np.savez(buf, **{f"out{i}": np.asarray(y) for i, y in enumerate(jax.tree.leaves(out))})
     return buf.getvalue(), NPZ
+
+
+def model_name(model: LoadedModel) -> str:
+    """A loaded artifact's name for clients: its manifest's, and the entry point's if several."""
+    name = printable(str(model.manifest.get("name") or "model"))
+    return name + (f"[{model.entry!r}]" if len(model.entries) > 1 else "")
+
+
+class Public:
+    """What a client may see of the model: its name, never where it lies on the server.
+
+    A loaded artifact is named by its manifest (the model's name, and the entry point if it
+    has several); the server's path to it (as given, absolute, and as messages print it) is
+    replaced by that name in every message a client receives.
+    """
+
+    def __init__(self, batcher: Batcher) -> None:
+        model = batcher.model
+        self.name = batcher.name
+        self._paths: list[str] = []
+        if isinstance(model, LoadedModel):
+            given = str(model.path)
+            forms = {given, os.path.abspath(given), os.path.realpath(given)}
+            forms |= {printable(f) for f in forms}
+            self._paths = sorted((f for f in forms if f), key=len, reverse=True)
+            self._name = model_name(model)
+            self.name = self.scrub(batcher.name)
+
+    def scrub(self, text: str) -> str:
+        """``text`` with every form of the artifact's server path replaced by the name."""
+        for path in self._paths:
+            text = text.replace(path, self._name)
+        return text

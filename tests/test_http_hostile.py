@@ -1,0 +1,250 @@
+"""The HTTP server against clients that are slow, greedy or odd (issue 32, items 5, 7 and 8).
+
+One ``symjax-mlp serve`` process with small limits, talked to over raw sockets on 127.0.0.1:
+slow clients are answered 408 or 503 and dropped within the body timeout, a crowd of them holds
+at most ``--max-inflight-bytes``, connections past ``--max-connections`` are refused at once,
+JSON a cast cannot hold (10**400, booleans) is a 422 with the JSON error body, and no answer
+names the artifact's path on the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import symjax_mlp as sm
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+
+BODY_TIMEOUT = 2.0
+MAX_BODY = 2**20
+MAX_INFLIGHT = 3 * 2**20
+MAX_CONNECTIONS = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    art = sm.chapter.export_mlp(tmp_path_factory.mktemp("hostile") / "secret_dir" / "mlp")
+    cmd = [sys.executable, "-m", "symjax_mlp", "serve", str(art.path), "--host", "127.0.0.1"]
+    cmd += ["--port", "0", "--max-batch", "4", "--body-timeout", str(BODY_TIMEOUT)]
+    cmd += ["--max-body-bytes", str(MAX_BODY), "--max-inflight-bytes", str(MAX_INFLIGHT)]
+    cmd += ["--max-connections", str(MAX_CONNECTIONS)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = None
+    deadline = time.monotonic() + 120
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            if sel.select(timeout=0.5):
+                found = re.search(r"(http://127\.0\.0\.1:\d+)", proc.stdout.readline())
+                url = found and found.group(1)
+    try:
+        assert url, "the server did not start"
+        yield url, art.path, proc.pid
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+def _port(url):
+    return int(url.rsplit(":", 1)[1])
+
+
+def _post(url, body, kind="application/json"):
+    req = urllib.request.Request(
+        url + "/predict", data=body, headers={"Content-Type": kind}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read()
+
+
+def _get(url, path):
+    with urllib.request.urlopen(url + path, timeout=30) as r:
+        return r.read()
+
+
+def _count(url, code):
+    found = re.search(
+        rf'http_requests_total\{{code="{code}"\}} (\d+)', _get(url, "/metrics").decode()
+    )
+    return int(found.group(1)) if found else 0
+
+
+def _slow_client(url, promised, sent):
+    """A socket that promised ``promised`` bytes of body, sent ``sent`` and went quiet."""
+    s = socket.create_connection(("127.0.0.1", _port(url)), timeout=30)
+    head = (
+        f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {promised}\r\n\r\n"
+    )
+    s.sendall(head.encode() + b"[" * sent)
+    return s
+
+
+def _answer(s, limit):
+    """``(status, seconds until the server closed the connection)``."""
+    start = time.monotonic()
+    s.settimeout(limit)
+    data = b""
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        while chunk := s.recv(65536):
+            data += chunk
+    closed = time.monotonic() - start
+    found = re.match(rb"HTTP/1\.1 (\d+)", data)
+    return (int(found.group(1)) if found else None), closed
+
+
+def _rss(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def test_slow_clients_are_dropped_and_hold_at_most_the_inflight_bound(server):
+    """Item 5: 8 clients promise 1 MiB and send 600 kB: they held ~100 MB for ever before."""
+    url, _, pid = server
+    before = {c: _count(url, c) for c in (408, 503)}
+    rss = _rss(pid)
+    start = time.monotonic()
+    clients = [_slow_client(url, MAX_BODY, 600_000) for _ in range(8)]
+    try:
+        time.sleep(0.5)  # all of it has arrived
+        held = _rss(pid) - rss
+        assert held < MAX_INFLIGHT + 16 * 2**20, held  # 4.8 MB sent; what is kept is bounded
+        x = np.zeros((1, 512), np.float32)  # the server still answers the others
+        assert _post(url, json.dumps({"inputs": x.tolist()}).encode())[0] == 200
+        answers = [_answer(s, BODY_TIMEOUT + 20) for s in clients]
+    finally:
+        for s in clients:
+            s.close()
+    codes = sorted(code for code, _ in answers)
+    assert set(codes) <= {408, 503} and 408 in codes and 503 in codes, codes
+    # over the bound at once (503), the rest once they were quiet for body_timeout (408)
+    assert max(t for _, t in answers) < BODY_TIMEOUT + 10
+    assert time.monotonic() - start < BODY_TIMEOUT + 15
+    assert _count(url, 408) - before[408] == codes.count(408)
+    assert _count(url, 503) - before[503] == codes.count(503)
+    # the budget was given back: a body as large as the bound allows is read again
+    x = np.zeros((2, 512), np.float32)
+    assert _post(url, json.dumps({"inputs": x.tolist()}).encode())[0] == 200
+
+
+def test_a_timed_out_body_is_the_json_error_body(server):
+    url, _, _ = server
+    s = _slow_client(url, 1000, 10)
+    try:
+        s.settimeout(BODY_TIMEOUT + 20)
+        data = b""
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            while chunk := s.recv(65536):
+                data += chunk
+    finally:
+        s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    answer = json.loads(body)
+    assert answer["error"] == "BadRequest" and "body_timeout=2" in answer["message"]
+
+
+def test_connections_past_the_limit_are_refused_at_once(server):
+    """Item 5: idle connections cannot queue requests for ever; once they go, it serves."""
+    url, _, _ = server
+    x = json.dumps({"inputs": np.zeros((1, 512), np.float32).tolist()}).encode()
+    idle = [socket.create_connection(("127.0.0.1", _port(url))) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert _post(url, x)[0] == 503
+        assert time.monotonic() - start < 10
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while _post(url, x)[0] != 200:
+        assert time.monotonic() < deadline, "the closed connections were never released"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "says"),
+    [
+        ([[10**400] + [0.0] * 511], "beyond float32's range"),  # an OverflowError: a text 500
+        ([[1.5] * 511 + [10**400]], "beyond float32's range"),
+        ([[True] + [0.0] * 511], "JSON booleans"),  # was taken as 1.0
+        ([[False] * 512], "JSON booleans"),  # was taken as 0.0
+    ],
+)
+def test_json_numbers_no_float_holds_and_booleans_are_422_and_counted(server, inputs, says):
+    """Item 7."""
+    url, _, _ = server
+    before = _count(url, 422)
+    code, raw = _post(url, json.dumps({"inputs": inputs}).encode())
+    assert code == 422, raw
+    answer = json.loads(raw)
+    assert answer["error"] == "SignatureError" and says in answer["message"], answer
+    assert _count(url, 422) == before + 1
+
+
+def test_no_answer_names_the_artifacts_path_on_the_server(server):
+    """Item 8: a client sees the model's name, never where it lies on the server."""
+    url, path, _ = server
+    answers = [
+        _post(url, json.dumps({"inputs": [[1.0, 2.0]]}).encode())[1],  # 422, names the model
+        _post(url, json.dumps({"inputs": {"x": [[0.0] * 512]}}).encode())[1],
+        _post(url, b"[", "application/x-npy")[1],
+        _get(url, "/health"),
+        _get(url, "/signature"),
+    ]
+    for raw in answers:
+        text = raw.decode()
+        assert "secret_dir" not in text and str(path) not in text, text
+    assert json.loads(answers[0])["message"].startswith("Batcher(")
+    name = sm.load(path).manifest["name"]
+    assert json.loads(answers[3])["model"] == f"Batcher({name})"
+
+
+def test_public_hides_every_form_of_the_path_of_a_users_batcher(tmp_path, monkeypatch):
+    """Item 8, for an app over a Batcher the user made (named by its path by default)."""
+    from symjax_mlp.serving._bodies import Public
+
+    art = sm.chapter.export_mlp(tmp_path / "deep" / "mlp")
+    monkeypatch.chdir(tmp_path)
+    with sm.serving.Batcher(sm.load("deep/mlp"), max_batch=2) as b:
+        public = Public(b)
+        assert "deep" in b.name and "deep" not in public.name
+        for text in (f'symjax_mlp.load("{art.path}"): x', 'symjax_mlp.load("deep/mlp"): x'):
+            assert "deep" not in public.scrub(text)
+        with pytest.raises(sm.SignatureError) as e:
+            b.submit(np.zeros((1, 3), np.float32))
+        assert "deep" not in public.scrub(str(e.value))
+
+
+def test_create_app_refuses_limits_that_are_not_positive():
+    import jax.numpy as jnp
+
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    with sm.serving.Batcher(h, example=np.ones((1, 3), np.float32), max_batch=2) as b:
+        for bad in ({"body_timeout": 0}, {"max_inflight_bytes": -1}, {"max_body_bytes": True}):
+            with pytest.raises(sm.ConfigError, match=next(iter(bad))):
+                sm.serving.create_app(b, close_batcher=False, **bad)
