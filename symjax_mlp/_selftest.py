@@ -108,17 +108,41 @@ def run(
     except SymjaxError as e:  # the vectors fit the signature, yet the program refuses them
         raise ArtifactError(f"{path / name}: its vectors do not run: {e}") from None
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        g64, w64 = (np.asarray(a, np.float64) for a in (g, w))
-        tol = tolerance(w.dtype)
-        if g.shape != w.shape or not np.allclose(g64, w64, **tol):
-            err = float(np.max(np.abs(g64 - w64))) if g.shape == w.shape else float("nan")
+        differs = difference(g, w)
+        if differs is not None:
+            tol = tolerance(w.dtype)
             raise ArtifactError(
                 f'symjax_mlp.load("{path}"): the model no longer reproduces its self-test: '
-                f"out[{i}] differs from what it gave at export by up to {err:.3g} (tolerance "
-                f"rtol {tol['rtol']:g}, atol {tol['atol']:g}). The weights, the "
-                "module or this platform's numerics changed; do not trust its answers. Export "
-                "it again, or load with self_test=False to inspect it anyway."
+                f"out[{i}] {differs} (tolerance rtol {tol['rtol']:g}, atol {tol['atol']:g}). "
+                "The weights, the module or this platform's numerics changed; do not trust its "
+                "answers. Export it again, or load with self_test=False to inspect it anyway."
             )
+
+
+def difference(got: np.ndarray, want: np.ndarray) -> str | None:
+    """How ``got`` differs from the vector ``want``, or ``None`` if it reproduces it.
+
+    NaN equals NaN (an honest ``jnp.log`` of a negative input gives NaN at export and at load),
+    and an infinity equals the same infinity; every other value must be within
+    :func:`tolerance` of the one recorded.
+    """
+    if got.shape != want.shape:
+        return f"has shape {got.shape}, but gave {want.shape} at export"
+    g64, w64 = (np.asarray(a, np.float64) for a in (got, want))
+    tol = tolerance(want.dtype)
+    if np.allclose(g64, w64, equal_nan=True, **tol):
+        return None
+    nan_g, nan_w = np.isnan(g64), np.isnan(w64)
+    if (nan_g != nan_w).any():
+        at = tuple(int(k) for k in np.argwhere(nan_g != nan_w)[0])
+        return (
+            f"is {g64[at]} at index {at}, where it gave {w64[at]} at export "
+            f"({int((nan_g != nan_w).sum())} value(s) NaN in one and not the other)"
+        )
+    both = ~nan_w
+    with np.errstate(invalid="ignore"):
+        err = np.where(both & (g64 != w64), np.abs(g64 - w64), 0.0)
+    return f"differs from what it gave at export by up to {float(np.max(err)):.3g}"
 
 
 def _fits(file: Path, vector: str, a: np.ndarray, dtype: str, shape: tuple, what: str) -> None:
