@@ -1,12 +1,12 @@
 """Two benchmark runs, row by row: a regression told apart from noise.
 
-:func:`compare_runs` reads two JSON files written by ``symjax-mlp bench --json`` (or a sweep's
-``PREFIX.json``, or their dicts) and, for every row, stage and sweep point both hold, gives
+:func:`compare_runs` reads two JSON files written by ``python scripts/bench.py --json`` (or a
+sweep's ``PREFIX.json``, or their dicts) and, for every row, stage and sweep point both hold, gives
 the ratio new / old of the time per input at the fastest repeat, and the noise band of the
 two runs: each figure's spread (median repeat / fastest repeat - 1), the larger of the two,
 at least ``min_noise``. A ratio beyond the band is flagged ``slower`` or ``faster``; inside
 it, ``noise``; a figure of one repeat has no spread, so its change is ``unknown``.
-``symjax-mlp bench --diff OLD.json NEW.json`` prints :func:`format_comparison`.
+``python scripts/bench.py --diff OLD.json NEW.json`` prints :func:`format_comparison`.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _figures(name: str, d: Mapping[str, Any], notes: list[str]) -> dict[str, tup
     if not any(k in d for k in ("rows", "points", "sweep")):
         raise ConfigError(
             f"{name}: not a benchmark run (no rows, no sweep points); pass files written by "
-            "`symjax-mlp bench --json PATH` or a sweep's PREFIX.json"
+            "`python scripts/bench.py --json PATH` or a sweep's PREFIX.json"
         )
     if schema is None:
         notes.append(f"{name} has no schema field (written before schema {SCHEMA}); read as it")
@@ -136,8 +136,8 @@ def _figures(name: str, d: Mapping[str, Any], notes: list[str]) -> dict[str, tup
         return _entries(d)
     except (KeyError, TypeError, AttributeError, ValueError, ZeroDivisionError) as e:
         raise ConfigError(
-            f"{name}: a row, stage or sweep point is not what `symjax-mlp bench --json` writes "
-            f"({type(e).__name__}: {str(e)[:120]}); pass an unedited run's JSON"
+            f"{name}: a row, stage or sweep point is not what `python scripts/bench.py --json` "
+            f"writes ({type(e).__name__}: {str(e)[:120]}); pass an unedited run's JSON"
         ) from None
 
 
@@ -181,7 +181,7 @@ def compare_runs(
     """Compares two benchmark runs figure by figure: ratio, noise band and verdict.
 
     Args:
-      old, new: paths of JSON files written by ``symjax-mlp bench --json`` (schema 1, or from
+      old, new: paths of JSON files written by ``python scripts/bench.py --json`` (schema 1, or from
         before the schema) or a sweep's ``PREFIX.json``, or those dicts.
       min_noise: the smallest noise band, as a fraction (default 2%).
 

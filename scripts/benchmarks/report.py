@@ -5,7 +5,7 @@
 :func:`format_report` prints the chapter's two lines first, then the table, the stages, what
 the figures mean, the targets and where it ran.
 
-The JSON (``BenchReport.to_dict()``, ``symjax-mlp bench --json``) carries ``"schema": 1``
+The JSON (``BenchReport.to_dict()``, ``python scripts/bench.py --json``) carries ``"schema": 1``
 (:data:`SCHEMA`). Schema 1 is: ``schema``; ``chapter`` (``calls``, ``without_s``,
 ``with_s``); ``rows``, a list of :meth:`Row.to_dict` (``key``, ``label``, ``speedup``,
 ``per_1000_inputs_min_s``, ``per_1000_inputs_median_s`` and the row's
