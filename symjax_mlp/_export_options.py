@@ -5,6 +5,7 @@ the model does not take, a constraint on a name no shape spec uses, an unknown p
 from __future__ import annotations
 
 import difflib
+import inspect
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -120,7 +121,10 @@ def _check_kwargs(h: Hybrid, kwargs: Any) -> None:
             f"export({h.name}, kwargs={kwargs!r}): pass a dict of keyword settings, e.g. "
             "kwargs={'train': False}."
         )
-    params = h._model.parameters()
+    try:
+        params = list(inspect.signature(h).parameters.values())  # the model's inputs
+    except (TypeError, ValueError):
+        params = None
     if params is None or any(p.kind == p.VAR_KEYWORD for p in params):
         return
     known = [p.name for p in params if p.kind != p.POSITIONAL_ONLY]

@@ -222,7 +222,7 @@ class _Opener:
         model = LoadedModel(path, freeze(view), self.runtime, weights, run, self)
         model.params_as_constants = options["constants"]
         if options["self_test"]:
-            selftest.run(path, view, blobs, model._outputs)
+            selftest.run(path, view, blobs, _as_list(model))
         return model
 
 
@@ -372,3 +372,14 @@ def _warn_if_expiring(path: Path, manifest: Any, *, days: int = 30) -> None:
             FutureWarning,
             stacklevel=3,
         )
+
+
+def _as_list(model: LoadedModel) -> Callable[[list[Any]], list[Any]]:
+    """``model`` as a call from a list of inputs to a list of outputs."""
+    single = model.signature.output_kind == "array"
+
+    def call(inputs: list[Any]) -> list[Any]:
+        out = model(*inputs)
+        return [out] if single else list(out)
+
+    return call

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._artifact.format import JAXEXPORT, entry_names, entry_point, printable, program_file
-from symjax_mlp._artifact.signature import Signature, _is_array
+from symjax_mlp._artifact.signature import Signature, is_array
 from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._specs import array_types
 
@@ -119,7 +119,7 @@ class LoadedModel:
         # check; only NumPy and JAX arrays are remembered, at most 256 signatures.
         key = None
         for x in inputs:
-            if type(x) not in _ARRAYS and not _is_array(x):
+            if type(x) not in _ARRAYS and not is_array(x):
                 break
         else:
             key = tuple([(x.shape, x.dtype) for x in inputs])

@@ -159,7 +159,7 @@ def _holds(constraint: str, sizes: Mapping[str, int]) -> bool:
     return a is None or b is None or _OPS[op](a, b)
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
     """A NumPy array or scalar, or a JAX array (a tracer under the caller's ``jax.jit`` too)."""
     if isinstance(x, (np.ndarray, np.generic)):
         return True
@@ -170,7 +170,7 @@ def _is_array(x: Any) -> bool:
 def _as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
     """``x`` as an array: arrays pass; Python numbers and (nested) lists are converted; any
     other object (a torch tensor, an object with a ``shape``) is refused, by its type."""
-    if _is_array(x):
+    if is_array(x):
         return x
     kind = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
     if isinstance(x, (bool, int, float, complex, list, tuple)):

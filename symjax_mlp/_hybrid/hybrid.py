@@ -20,6 +20,7 @@ carries the data-parallel in/out shardings (:class:`~symjax_mlp._hybrid.mesh.Dat
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from jax.sharding import Mesh
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import rng as _rng
-from symjax_mlp._hybrid.args import partition, rebuild
+from symjax_mlp._hybrid.args import partition
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.held import HeldState
 from symjax_mlp._hybrid.jaxpr import input_dependent
@@ -78,6 +79,8 @@ class Hybrid:
       mesh: the ``jax.sharding.Mesh`` the batch is split over, or ``None`` (one device).
       axis: the mesh axis the batch is split over; ``n_shards`` is its size.
       pad: pad a batch that does not divide over the shards, and trim the result.
+      __signature__: the model's inputs, its params dropped, so that ``inspect.signature(h)``
+        reads what ``h(...)`` takes (``None`` where the model has no readable signature).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -119,31 +122,18 @@ class Hybrid:
         # A donating call consumes the held state: hold buffers of our own, never the caller's
         # (their variables, an nnx module's BatchStat) nor another Hybrid's. Copied once, here.
         owned = bool(donate) and model.stateful and mesh is None
-        self._set(
-            fn=fn if _model is None else model.inference(name),
-            name=name,
-            max_traces=max_traces,
-            compiled=compiled,
-            axis=axis,
-            pad=pad,
-            static_argnums=nums,
-            static_argnames=names,
-            donate=bool(donate),
-            params_as_constants=bool(params_as_constants),
-            stateful=model.stateful,
-            _model=model,
-            _given=params,
-            _treedef=treedef,
-            _held=HeldState(name, {} if _state is None else _state, own=owned),
-            _log=TraceLog(name, max_traces),
-            _modes=ModuleModes.of(model),
-            _apply=None,
-        )
+        held = HeldState(name, {} if _state is None else _state, own=owned)
+        log = TraceLog(name, max_traces)
         # Baked: the compiled calls close over the params (XLA constants), pass none.
         baked = params_as_constants and mesh is None
         self._set(
-            _traced=TracedModel(model, treedef, leaves if baked else None, self._held, self._log)
-        )
+            fn=fn if _model is None else model.inference(name), name=name, max_traces=max_traces,
+            compiled=compiled, axis=axis, pad=pad, static_argnums=nums, static_argnames=names,
+            donate=bool(donate), params_as_constants=bool(params_as_constants),
+            stateful=model.stateful, _model=model, _given=params, _treedef=treedef, _held=held,
+            _log=log, _modes=ModuleModes.of(model), _apply=None, __signature__=_inputs(model),
+            _traced=TracedModel(model, treedef, leaves if baked else None, held, log),
+        )  # fmt: skip
         trace = self._traced.stateful if self.stateful else self._traced.stateless
         if mesh is None:
             donated = (2,) if (self.stateful and donate) else ()
@@ -274,10 +264,7 @@ class Hybrid:
                 try:
                     if not self.stateful:
                         return self._jitted(key, self._leaves, *args)
-                    with self._held.lock:
-                        out, held = self._jitted(key, self._leaves, self._held.leaves, args, {})
-                        self._held.hold(held)
-                    return out
+                    return self._call_held(key, args, {})
                 except TRACER_ERRORS as e:
                     raise control_flow_error(self.name, e) from e
         if not self.compiled:
@@ -291,12 +278,16 @@ class Hybrid:
                 )
             if not self.stateful:
                 return self._jitted(static, self._leaves, *dyn, **dyn_kw)
-            with self._held.lock:
-                out, held = self._jitted(static, self._leaves, self._held.leaves, dyn, dyn_kw)
-                self._held.hold(held)
-            return out
+            return self._call_held(static, dyn, dyn_kw)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
+
+    def _call_held(self, static: Any, dyn: Any, dyn_kw: Any) -> Any:
+        """A stateful call: the held state passed, and the new state held, under its lock."""
+        with self._held.lock:
+            out, held = self._jitted(static, self._leaves, self._held.leaves, dyn, dyn_kw)
+            self._held.hold(held)
+        return out
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model imperatively: op by op, Python (and its ``print``) on every call.
@@ -380,15 +371,8 @@ class Hybrid:
         static, dyn, dyn_kw = partition(
             args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
         )
-        call, state = self._model.call, self.state
-
-        def staged(params: Any, dyn: Any, dyn_kw: Any) -> Any:
-            args, kwargs = rebuild(static, dyn, dyn_kw)
-            return call(params, state, args, kwargs)[0]
-
-        staged.__name__ = self.name
         try:
-            return Graph.of(staged, self.name, self.params, dyn, dyn_kw)
+            return self._traced.graph(self.name, static, self.params, self.state, dyn, dyn_kw)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
 
@@ -456,3 +440,8 @@ class Hybrid:
 
 
 _ARRAYS = array_types()
+
+
+def _inputs(model: PureModel) -> inspect.Signature | None:
+    parameters = model.parameters()
+    return None if parameters is None else inspect.Signature(parameters)

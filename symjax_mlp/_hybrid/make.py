@@ -52,8 +52,8 @@ def hybridize(
         :meth:`Hybrid.apply` never donates: its params and state are yours (and ``h.params``).
       params_as_constants: compile the params into ``h(x)``'s program as constants (as
         ``torch.jit.freeze`` does), instead of passing them to every call: for serving, where
-        a call's latency counts. A batch-1 call of the chapter MLP passes one array instead of
-        seven, about 5 µs (20%) less on a 2-core CPU. The price: each compilation embeds a
+        a call's latency counts: a batch-1 call of the chapter MLP passes one array instead of
+        seven (the benchmark reports what that saves). The price: each compilation embeds a
         copy of the params (slower to lower and compile, and held by the executable), which
         suits models of megabytes, not gigabytes. ``h.apply(params, x)`` (for ``jax.grad``),
         :meth:`Hybrid.graph`, ``h.eager`` and :func:`~symjax_mlp.export` are unchanged: they

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from symjax_mlp._hybrid.args import rebuild
+from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.held import HeldState
 from symjax_mlp._hybrid.modes import settings_in
 from symjax_mlp._hybrid.pure import PureModel
@@ -91,3 +92,17 @@ class TracedModel:
     def apply(self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any) -> Any:
         """``h.apply(params, x)``: the output and the new state, as trees."""
         return self.run(static, params, state, dyn, dyn_kw, "apply")
+
+    def graph(
+        self, name: str, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any
+    ) -> Graph:
+        """The un-jitted model staged on a partitioned call, as a :class:`~symjax_mlp.Graph`
+        (every layer shows; not a trace of the compiled paths, so not logged)."""
+        call = self.model.call
+
+        def staged(params: Any, dyn: Any, dyn_kw: Any) -> Any:
+            args, kwargs = rebuild(static, dyn, dyn_kw)
+            return call(params, state, args, kwargs)[0]
+
+        staged.__name__ = name
+        return Graph.of(staged, name, params, dyn, dyn_kw)
