@@ -329,7 +329,7 @@ def _mirror(meta: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _versions() -> dict[str, str]:
-    import jaxlib
+    from jaxlib import __version__ as jaxlib_version
 
     def dist(name: str) -> str:
         try:
@@ -340,7 +340,7 @@ def _versions() -> dict[str, str]:
     return {
         "symjax_mlp": dist("symjax_mlp"),
         "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
+        "jaxlib": jaxlib_version,
         "flax": dist("flax"),
         "numpy": np.__version__,
         "python": _platform.python_version(),

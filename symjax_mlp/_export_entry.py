@@ -11,9 +11,8 @@ artifact around them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import param_specs
+from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
 from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
@@ -128,7 +128,7 @@ def export_program(
     p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in sorted(own.items())}
     in_specs = stage.in_specs
     try:
-        with _no_source_locations():  # reproducible bytes: no path of this machine inside
+        with without_source_locations():  # reproducible bytes: no path of this machine inside
             exported = jax.export.export(jax.jit(model), platforms=platforms)(p_structs, *in_specs)
     except TRACER_ERRORS as e:
         raise control_flow_error(h.name, e) from e
@@ -291,17 +291,6 @@ def _spec_structs(
             )
         structs.append(jax.ShapeDtypeStruct(dims, x.dtype))
     return structs
-
-
-@contextlib.contextmanager
-def _no_source_locations() -> Iterator[None]:
-    """Exports without the Python source locations (file paths of this machine) in the
-    module, so the same model exports to the same bytes anywhere. Scoped to the export."""
-    from jax._src import config  # the scoped form of jax_traceback_in_locations_limit
-
-    limit = getattr(config, "traceback_in_locations_limit", None)
-    with limit(0) if limit is not None else contextlib.nullcontext():
-        yield
 
 
 def _output_kind(exported: Any, h: Hybrid) -> str:

@@ -51,12 +51,17 @@ def shape_dims(shape: Sequence[Any]) -> tuple[int | str, ...]:
 
 def array_types() -> frozenset[type]:
     """The concrete array types (NumPy's, JAX's) a hot path may take as they are, with no
-    check beyond a remembered ``(shape, dtype)``; found without creating an array, which
-    would start JAX's backend (imports JAX: call it where JAX is imported anyway)."""
+    check beyond a remembered ``(shape, dtype)``: ``np.ndarray`` and every class below
+    ``jax.Array`` (a tracer is not one; its type is registered, not derived). Found without
+    creating an array, which would start JAX's backend (imports JAX: call it where JAX is
+    imported anyway)."""
+    import jax
     import numpy as np
 
-    try:
-        from jax._src.array import ArrayImpl
-    except ImportError:  # another JAX layout: every call takes the general path
-        return frozenset({np.ndarray})
-    return frozenset({ArrayImpl, np.ndarray})
+    types, todo = {np.ndarray}, [jax.Array]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in types:
+                types.add(sub)
+                todo.append(sub)
+    return frozenset(types)

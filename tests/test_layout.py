@@ -19,6 +19,7 @@ SCRIPTS = ROOT.parent / "scripts"
 # The flow, first stage first. A module belongs to the longest prefix that names it; inside a
 # stage that is a package (training, serving, ...), imports must only be acyclic.
 STAGES = (
+    "symjax_mlp._compat",
     "symjax_mlp._errors",
     "symjax_mlp._specs",
     "symjax_mlp._files",

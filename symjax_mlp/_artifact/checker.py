@@ -33,7 +33,7 @@ def parse(mlirbc: bytes, *, file: Path) -> Any:
     In this process: only for bytes :func:`analyze` has read safely in its child process.
     """
     import jax.extend.mlir as jex
-    from jax._src.interpreters import mlir as jax_mlir
+    from jax.interpreters import mlir as jax_mlir
 
     context = jax_mlir.make_ir_context()
     try:
@@ -56,8 +56,8 @@ def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
 
     A module read before, in any process of this user, is not read again: its report is
     cached in ``~/.cache/symjax_mlp/ops`` under the sha256 of its bytes and of this checker
-    (so a new symjax_mlp or jaxlib reads every module afresh), which takes a second off
-    every later cold start.
+    (so a new symjax_mlp or jaxlib reads every module afresh): a later cold start starts no
+    checker process for it.
     """
     data = bytes(mlirbc)
     cache = cache_dir("ops") / _cache_key(sha256(data))
@@ -85,12 +85,12 @@ def remember(verdict: str) -> None:
 
 
 def _cache_key(module_sha256: str) -> str:
-    import jaxlib
+    from jaxlib import __version__ as jaxlib_version
 
     # the rules (ops.py), the walk and this reader: a changed one reads every module anew
     here = Path(__file__)
     checker = b"".join(here.with_name(n).read_bytes() for n in ("ops.py", "walk.py", here.name))
-    return sha256(b"%s %s %s" % (module_sha256.encode(), jaxlib.__version__.encode(), checker))
+    return sha256(b"%s %s %s" % (module_sha256.encode(), jaxlib_version.encode(), checker))
 
 
 def _to_json(r: ModuleReport) -> dict[str, Any]:

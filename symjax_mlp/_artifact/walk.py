@@ -142,7 +142,7 @@ class _Walk:
     def _attributes(self, op: Any, name: str) -> None:
         """Dialect-prefixed attributes (``jax.*``, ``mhlo.*``: nothing verifies those) must
         be ones jax.export writes, of the type it writes: JAX and XLA read them unchecked."""
-        from jaxlib.mlir import ir
+        from jax.extend.mlir import ir
 
         for attr_name in op.attributes:
             a = op.attributes[attr_name]
@@ -172,7 +172,7 @@ class _Walk:
         """A custom call jax.export emits must look exactly like what it emits: JAX's shape
         refinement read a forged ``shape_assertion`` (an error_message that was no string)
         and crashed (SIGSEGV)."""
-        from jaxlib.mlir import ir
+        from jax.extend.mlir import ir
 
         attrs = {n: op.attributes[n] for n in op.attributes}
         if target == "shape_assertion":
@@ -274,7 +274,7 @@ class _Walk:
 
 # -- attribute and type helpers ----------------------------------------------------------------
 def _attribute_kinds() -> dict[str, tuple[type, ...]]:
-    from jaxlib.mlir import ir
+    from jax.extend.mlir import ir
 
     string, integer, boolean = (ir.StringAttr,), (ir.IntegerAttr,), (ir.BoolAttr,)
     return {
@@ -294,7 +294,7 @@ def _attribute_kinds() -> dict[str, tuple[type, ...]]:
     }
 
 
-class _Kinds(dict):  # built on first use: jaxlib.mlir imports only in the checker
+class _Kinds(dict):  # built on first use: MLIR's bindings import only in the checker
     def get(self, key: str, default: Any = None) -> Any:
         if not self:
             self.update(_attribute_kinds())
@@ -305,7 +305,7 @@ _ATTRIBUTES = _Kinds()
 
 
 def _scalar_type(t: Any, widths: set[int]) -> bool:
-    from jaxlib.mlir import ir
+    from jax.extend.mlir import ir
 
     return (
         isinstance(t, ir.RankedTensorType)
@@ -323,14 +323,14 @@ def _attr(op: Any, name: str) -> Any:
 
 
 def _str_attr(op: Any, name: str) -> str | None:
-    from jaxlib.mlir import ir
+    from jax.extend.mlir import ir
 
     a = _attr(op, name)  # value_bytes: a forged name need not be UTF-8
     return a.value_bytes.decode("utf-8", "replace") if isinstance(a, ir.StringAttr) else None
 
 
 def _symbol_attr(op: Any, name: str) -> str:
-    from jaxlib.mlir import ir
+    from jax.extend.mlir import ir
 
     a = _attr(op, name)
     if not isinstance(a, ir.FlatSymbolRefAttr):
@@ -342,7 +342,7 @@ def _symbol_attr(op: Any, name: str) -> str:
 
 
 def _elements(t: Any) -> int:
-    from jaxlib.mlir import ir
+    from jax.extend.mlir import ir
 
     if not isinstance(t, ir.RankedTensorType):
         return 1
@@ -355,8 +355,8 @@ def _elements(t: Any) -> int:
 
 
 def _contracting(op: Any) -> int:
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import stablehlo as hlo
+    from jax.extend.mlir import ir
+    from jax.extend.mlir.dialects import stablehlo as hlo
 
     try:
         dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
@@ -374,7 +374,7 @@ def _contracting(op: Any) -> int:
 
 def _scalar_int(value: Any) -> int | None:
     """The value of a scalar integer ``stablehlo.constant``, else None."""
-    from jaxlib.mlir import ir
+    from jax.extend.mlir import ir
 
     if not isinstance(value, ir.OpResult):
         return None
@@ -394,7 +394,7 @@ def _scalar_int(value: Any) -> int | None:
 
 
 def _block_arg(value: Any, block: Any) -> int | None:
-    from jaxlib.mlir import ir
+    from jax.extend.mlir import ir
 
     if not isinstance(value, ir.BlockArgument):
         return None
@@ -413,8 +413,8 @@ def _trip_count(op: Any) -> int | None:
         pred = list(cond.operations)[-1].operands
         if len(pred) != 1:
             return None
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import stablehlo as hlo
+        from jax.extend.mlir import ir
+        from jax.extend.mlir.dialects import stablehlo as hlo
 
         if not isinstance(pred[0], ir.OpResult):
             return None

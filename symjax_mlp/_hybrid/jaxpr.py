@@ -4,22 +4,18 @@ Counting works on the jaxpr's equations, recursing into sub-jaxprs such as
 ``custom_jvp_call``, ``jit``, ``cond`` branches and ``scan``/``while`` bodies, never on its
 text, which changes across JAX versions. :func:`bodies` says how often each sub-jaxpr runs.
 
-:func:`layer_scopes` names the layers of an nnx module: it runs each submodule's call under a
-``jax.named_scope`` of its attribute path, which is what :func:`layer_of` reads back.
+The layers are the ``jax.named_scope`` names the ops were staged under: a linen module's, or
+an nnx module's attribute paths (:func:`symjax_mlp._compat.layer_scopes`), which
+:func:`layer_of` reads back.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import functools
 import math
-import threading
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 from jax.extend import core as jex_core
 
 # Elementwise primitives that XLA's cost model counts as one flop per output element.
@@ -241,76 +237,3 @@ def _valid_positions(
             if index % base_dilation == 0 and 0 <= index // base_dilation < size:
                 count += 1
     return count
-
-
-# -- naming an nnx module's layers ---------------------------------------------------------------
-_SCOPES: contextvars.ContextVar[dict[int, tuple[Any, ...]] | None] = contextvars.ContextVar(
-    "symjax_mlp_nnx_scopes", default=None
-)
-_CALLER: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
-    "symjax_mlp_nnx_caller", default=()
-)
-_SCOPED: dict[type, type] = {}
-_SCOPED_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def layer_scopes(module: Any) -> Iterator[None]:
-    """For the duration of the block, each submodule of the nnx ``module`` runs its
-    ``__call__`` under ``jax.named_scope`` of its attribute path (``"dense"``,
-    ``"hidden/0"``), relative to the submodule whose call it is in.
-
-    ``module`` must be private to the caller (a fresh ``nnx.merge``): its submodules are
-    given, for the block only, a subclass of their class whose ``__call__`` opens the scope.
-    The user's classes and objects are never changed, and concurrent blocks on other modules
-    (other threads, other Hybrids) do not see each other's scopes.
-    """
-    from flax import nnx
-
-    paths: dict[int, tuple[Any, ...]] = {}
-    swapped: list[tuple[Any, type]] = []
-    for path, sub in nnx.iter_modules(module):
-        cls = type(sub)
-        if not path or id(sub) in paths or not callable(sub):
-            continue
-        paths[id(sub)] = tuple(path)
-        swapped.append((sub, cls))
-    token = _SCOPES.set(paths)
-    try:
-        for sub, cls in swapped:
-            object.__setattr__(sub, "__class__", _scoped(cls))
-        yield
-    finally:
-        for sub, cls in swapped:
-            object.__setattr__(sub, "__class__", cls)
-        _SCOPES.reset(token)
-
-
-def _scoped(cls: type) -> type:
-    """The subclass of ``cls`` whose ``__call__`` runs under its instance's named scope: one
-    per class, created once (nnx registers every Module class as a graph node and pytree)."""
-    with _SCOPED_LOCK:
-        if cls not in _SCOPED:
-            base_call = cls.__call__
-
-            @functools.wraps(base_call)
-            def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-                path = (_SCOPES.get() or {}).get(id(self))
-                if path is None:  # a copy made inside the call (e.g. by an nnx transform)
-                    return base_call(self, *args, **kwargs)
-                caller = _CALLER.get()
-                inner = path[len(caller) :] if path[: len(caller)] == caller else path
-                token = _CALLER.set(path)
-                try:
-                    with jax.named_scope("/".join(map(str, inner))):
-                        return base_call(self, *args, **kwargs)
-                finally:
-                    _CALLER.reset(token)
-
-            namespace = {"__call__": __call__, "__module__": cls.__module__}
-            kwargs = {}
-            if hasattr(cls, "_pytree__is_pytree"):
-                kwargs["pytree"] = cls._pytree__is_pytree
-            _SCOPED[cls] = type(cls)(cls.__name__, (cls,), namespace, **kwargs)
-            _SCOPED[cls].__qualname__ = cls.__qualname__
-        return _SCOPED[cls]

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES
 
@@ -158,8 +159,6 @@ def nnx_module(module: Any) -> tuple:
     the HLO's op names show the layers; the module is a fresh merge, private to the call.
     """
     from flax import nnx
-
-    from symjax_mlp._hybrid.jaxpr import layer_scopes
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)

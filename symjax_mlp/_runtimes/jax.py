@@ -9,17 +9,16 @@ again in the same process (same sha256) reuses the compilations. An artifact exp
 N > 1 devices runs under the caller's mesh of N devices, else a mesh of the first N.
 
 Before JAX lowers an exported CPU module it sets up its LAPACK kernels, which imports
-``scipy.linalg``: 0.25-0.4 s of a cold start, paid even by a module that calls none of them.
-When the op check shows that a module calls no LAPACK kernel, the set-up is skipped while this
-thread compiles it (:func:`_no_lapack`); every other lowering gets it as before.
+``scipy.linalg``, a part of a cold start paid even by a module that calls none of them. When
+the op check shows that a module calls no LAPACK kernel, the set-up is skipped while this
+thread compiles it (:func:`symjax_mlp._compat.skipping_lapack`); every other lowering gets it
+as before.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from symjax_mlp._artifact.format import (
     compatibility_note,
     program_file,
 )
+from symjax_mlp._compat import skipping_lapack
 from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._specs import shape_dims
 
@@ -56,56 +56,6 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
             f"here sees {have} {here} device(s). Run it where {need} devices are visible, or "
             "re-export it unsharded."
         )
-
-
-# -- JAX's LAPACK kernels, set up only for a module that calls them ---------------------------
-_LOCAL = threading.local()  # .no_lapack: this thread compiles a module that calls no LAPACK
-
-
-def _install_lapack_skip() -> frozenset[str] | None:
-    """Wraps JAX's LAPACK set-up so that it can be skipped; the kernels' custom-call targets.
-
-    ``None`` (nothing wrapped) where this JAX lacks the pieces: then every module gets the
-    set-up, as JAX does by default.
-    """
-    try:  # jax 0.10: _ensure_backends_initialized calls linalg.initialize_lapack by name
-        from jax._src.lax import linalg
-        from jax._src.lib import lapack
-
-        targets = frozenset(lapack._lapack.registrations())
-        set_up = linalg.initialize_lapack
-    except (ImportError, AttributeError):
-        return None
-    if getattr(set_up, "_symjax_mlp", False):
-        return targets
-
-    def initialize_lapack() -> None:
-        if not getattr(_LOCAL, "no_lapack", False):
-            set_up()
-
-    initialize_lapack._symjax_mlp = True  # type: ignore[attr-defined]
-    linalg.initialize_lapack = initialize_lapack
-    return targets
-
-
-_LAPACK_TARGETS = _install_lapack_skip()
-
-
-@contextlib.contextmanager
-def _no_lapack(custom_calls: Any):
-    """Skips JAX's LAPACK set-up in this thread if ``custom_calls`` (the module's custom-call
-    targets; ``None``: unknown) include none of its kernels."""
-    skip = (
-        custom_calls is not None
-        and _LAPACK_TARGETS is not None
-        and _LAPACK_TARGETS.isdisjoint(custom_calls)
-    )
-    before = getattr(_LOCAL, "no_lapack", False)
-    _LOCAL.no_lapack = skip
-    try:
-        yield
-    finally:
-        _LOCAL.no_lapack = before
 
 
 # sha256 of model.jaxexport -> (Exported, its jitted call, the guard its VJPs are checked
@@ -208,7 +158,7 @@ def runner(
         if guard is not None:
             key = tuple([(x.shape, x.dtype) for x in inputs])  # str(dtype) costs microseconds
             if key not in checked:  # the first call of this signature: it compiles
-                with _no_lapack(custom_calls):
+                with skipping_lapack(custom_calls):
                     check_new(inputs, key)
                     out = run(*inputs)
                 return [out] if single else list(out)
@@ -250,17 +200,16 @@ def refined(
     """The StableHLO XLA would compile for ``jax.jit(fn)(*args)`` (``args``: arrays or
     ``jax.ShapeDtypeStruct``): lowered, every shape refined to ``args``', with its MLIR
     context. ``module`` names what ``fn`` calls, for messages; ``custom_calls``, where
-    known, the targets it calls (:func:`_no_lapack`)."""
+    known, the targets it calls (:func:`~symjax_mlp._compat.skipping_lapack`)."""
     import io
 
     import jax.extend.mlir as jex
-    from jax._src.interpreters import mlir as jax_mlir
+    from jax.interpreters import mlir as jax_mlir
 
     lowered = fn if hasattr(fn, "lower") else jax.jit(fn)
     shapes = [tuple(a.shape) for a in args if not isinstance(a, Mapping)]  # not the params
-    skip = _no_lapack(custom_calls) if custom_calls is not None else contextlib.nullcontext()
     try:
-        with skip:
+        with skipping_lapack(custom_calls):
             ir_module = lowered.lower(*args).compiler_ir("stablehlo")
         buffer = io.BytesIO()
         ir_module.operation.write_bytecode(buffer)

@@ -10,22 +10,11 @@ and its own queue entry too.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import sys
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures._base import (  # Future's states, which wait()/as_completed() read
-    CANCELLED,
-    CANCELLED_AND_NOTIFIED,
-    FINISHED,
-    PENDING,
-    RUNNING,
-)
+from collections.abc import Sequence
 from typing import Any
 
-DONE = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
-GIL = getattr(sys, "_is_gil_enabled", lambda: True)()  # False on a free-threaded build
+from symjax_mlp._compat import SharedLockFuture
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,7 +85,7 @@ class AsyncRequest:
         return self.future.cancel()
 
 
-class RequestFuture(concurrent.futures.Future):
+class RequestFuture(SharedLockFuture):
     """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.
 
     It works wherever a ``concurrent.futures.Future`` does (done callbacks,
@@ -109,95 +98,19 @@ class RequestFuture(concurrent.futures.Future):
         then, and for a request cancelled or failed before it ran).
     """
 
-    # The fields concurrent.futures.Future's methods read, as class defaults: a request sets
-    # only what changes. The request itself (inputs, rows, start time) rides on the future.
-    _state = PENDING
-    _result: Any = None
-    _exception: BaseException | None = None
-    _wake: threading.Condition | None = None  # made when a caller first blocks on it
+    # The request itself (inputs, rows, start time) rides on the future, as class defaults.
     _batch: tuple | None = None  # (t1, padded, compute, split, batch_rows, requests, bucket)
     arrays: Sequence[Any] = ()
     rows = 0
     t0 = 0.0
-
-    def __init__(self, condition: threading.Condition | None = None) -> None:
-        # no super().__init__(): it would make a Condition (an RLock) per request
-        self._condition = threading.Condition() if condition is None else condition
-        self._waiters: list[Any] = []  # concurrent.futures.wait()'s
-        self._done_callbacks: list[Callable[[Any], Any]] = []
 
     @property
     def timing(self) -> RequestTiming | None:
         """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
         return request_timing(self.t0, self.rows, self._batch)
 
-    def _wait(self, timeout: float | None) -> str:
-        """Waits (at most ``timeout`` s) for a final state; returns the state."""
-        state = self._state
-        if GIL and state in DONE:  # settled: _result and _exception were set first
-            return state
-        with self._condition:
-            if self._state not in DONE:
-                if self._wake is None:
-                    self._wake = threading.Condition(self._condition)
-                self._wake.wait_for(lambda: self._state in DONE, timeout)
-            return self._state
 
-    def result(self, timeout: float | None = None) -> Any:
-        state = self._wait(timeout)
-        if state == FINISHED:
-            if self._exception is not None:
-                try:
-                    raise self._exception
-                finally:
-                    self = None  # as concurrent.futures does: no reference cycle
-            return self._result
-        if state in DONE:
-            raise concurrent.futures.CancelledError()
-        raise TimeoutError()
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        state = self._wait(timeout)
-        if state == FINISHED:
-            return self._exception
-        if state in DONE:
-            raise concurrent.futures.CancelledError()
-        raise TimeoutError()
-
-    def cancel(self) -> bool:
-        with self._condition:
-            if self._state in (RUNNING, FINISHED):
-                return False
-            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED):
-                return True
-            self._state = CANCELLED
-            if self._wake is not None:
-                self._wake.notify_all()
-        self._invoke_callbacks()
-        return True
-
-    def set_result(self, result: Any) -> None:
-        self._settle(result, None)
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        self._settle(None, exception)
-
-    def _settle(self, result: Any, exception: BaseException | None) -> None:
-        with self._condition:
-            if self._state in DONE:
-                raise concurrent.futures.InvalidStateError(f"{self._state}: {self!r}")
-            _finish(self, result, exception)
-        self._invoke_callbacks()
-
-
-def _finish(f: RequestFuture, result: Any, exception: BaseException | None) -> None:
-    """Settles ``f`` (its lock is held); the caller then runs its done callbacks."""
-    f._result, f._exception, f._state = result, exception, FINISHED
-    if f._waiters:
-        for w in f._waiters:
-            if exception is None:
-                w.add_result(f)
-            else:
-                w.add_exception(f)
-    if f._wake is not None:
-        f._wake.notify_all()
+def record_batch(request: RequestFuture | AsyncRequest, batch: tuple) -> None:
+    """Records the timings of a request's batch, ``(t1, padded, compute, split, batch_rows,
+    requests, bucket)``, before its result is set (see :attr:`RequestFuture.timing`)."""
+    request._batch = batch

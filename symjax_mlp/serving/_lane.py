@@ -17,19 +17,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures._base import (  # Future's states, set inline per request
-    CANCELLED,
-    CANCELLED_AND_NOTIFIED,
-    FINISHED,
-    PENDING,
-    RUNNING,
-)
 from typing import Any
 
 import jax
 import numpy as np
 
-from symjax_mlp.serving._futures import GIL, AsyncRequest, RequestFuture
+from symjax_mlp import _compat as compat
+from symjax_mlp._compat import after_finish, finish_futures, start_future
+from symjax_mlp.serving._futures import AsyncRequest, RequestFuture, record_batch
 from symjax_mlp.serving._stats import Counters
 
 _CANCELLED = "the batcher was closed with cancel=True"
@@ -153,15 +148,9 @@ class Lane:
                     if r.future.cancelled():  # its task was cancelled while queued
                         self.n.cancelled += 1
                         continue
-                elif kind is not Blocking:
-                    if r._state != PENDING:  # cancelled while queued
-                        if r._state == CANCELLED:  # as set_running_or_notify_cancel()
-                            r._state = CANCELLED_AND_NOTIFIED
-                            for w in r._waiters:
-                                w.add_cancelled(r)
-                        self.n.cancelled += 1
-                        continue
-                    r._state = RUNNING
+                elif kind is not Blocking and not start_future(r):  # cancelled while queued
+                    self.n.cancelled += 1
+                    continue
                 batch.append(r)
                 starts.append(r.t0)
                 rows += r.rows
@@ -197,7 +186,7 @@ class Lane:
     def settle(self, batch, results, error, timing=None) -> None:
         """Hands out a batch's results (or ``error``): one lock for its futures, one release
         per blocked caller, then the futures' done callbacks."""
-        futures, awaited = False, []
+        futures, settled, awaited = [], [], []
         with self.futures:
             for i, r in enumerate(batch):
                 kind = type(r)
@@ -208,29 +197,17 @@ class Lane:
                         r.error = error
                     r.waiter.release()
                 elif kind is AsyncRequest:
-                    r._batch = timing
+                    record_batch(r, timing)
                     awaited.append((r, None if error is not None else results[i]))
-                else:  # as _finish(r, ...), inlined: this runs per request
-                    futures = True
-                    r._batch = timing
-                    if error is None:
-                        r._result = results[i]
-                    else:
-                        r._exception = error
-                    r._state = FINISHED
-                    for w in r._waiters:  # concurrent.futures.wait()'s
-                        if error is None:
-                            w.add_result(r)
-                        else:
-                            w.add_exception(r)
-                    if r._wake is not None:
-                        r._wake.notify_all()
+                else:
+                    record_batch(r, timing)
+                    futures.append(r)
+                    settled.append(None if error is not None else results[i])
+            finish_futures(futures, settled, error)
         if awaited:
             _wake_loops(awaited, error)
         if futures:
-            for r in batch:
-                if type(r) is RequestFuture and r._done_callbacks:
-                    r._invoke_callbacks()
+            after_finish(futures, settled, error)
 
     # -- a lone request, on its caller's thread ----------------------------------------------
     def run_alone(self, arrays: Sequence[Any], rows: int, t0: float) -> tuple[Any, tuple]:
@@ -257,7 +234,7 @@ class Lane:
 
     def release(self) -> None:
         """Gives the token back, and wakes the thread if requests came meanwhile."""
-        if GIL and len(self.n.pending) <= _FOLD_EVERY:
+        if compat.GIL and len(self.n.pending) <= _FOLD_EVERY:
             # No lock: an enqueuer looks for the token under the lock after appending, so it
             # either sees it (and wakes the thread) or appended before we look at the queue.
             self.idle.append(True)

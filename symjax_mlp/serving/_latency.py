@@ -29,18 +29,10 @@ import os
 
 import jax
 
+from symjax_mlp._compat import backend_started
+
 _FLAG = "jax_cpu_enable_async_dispatch"
 _EIGEN = "--xla_cpu_multi_thread_eigen"  # XLA_FLAGS; a value the user set there is kept
-
-
-def _backend_started() -> bool | None:
-    """Whether JAX has started a backend (``None``: this JAX does not say)."""
-    try:
-        from jax._src import xla_bridge  # no public equivalent in jax 0.10
-
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):
-        return None
 
 
 def dispatch_mode() -> str:
@@ -87,7 +79,7 @@ def latency_mode() -> None:
       ...     print("too late:", "before any JAX computation" in str(e))
       too late: True
     """
-    if _backend_started():
+    if backend_started():
         if not jax.config.read(_FLAG):
             return  # already synchronous: set before the backend started
         raise RuntimeError(

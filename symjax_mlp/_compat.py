@@ -1,0 +1,441 @@
+"""Every private JAX, Flax and CPython internal the library uses, each with its public fallback.
+
+A private name is a debt with a due date: it may change in any release. So each one lives
+here, and only here, behind a function whose public fallback gives the same results; the
+internal is kept only where it buys something the fallback does not (what, beside each).
+Each section says what the internal is for, what it buys, and what the fallback does; a
+test forces each fallback and checks the results agree (``tests/test_compat.py``), and
+``tests/test_layout.py`` fails on a private JAX import (or one of the internals below)
+anywhere else in the package.
+
+:data:`INTERNALS` turns each internal off (``False``: the fallback), read at each use. A JAX,
+Flax or Python without the internal gets the fallback on its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+#: Whether each internal is used (``False``: its public fallback). For tests and for a JAX
+#: whose internals moved; read at each use.
+INTERNALS: dict[str, bool] = {
+    "threefry": True,
+    "lapack": True,
+    "source_locations": True,
+    "backend_started": True,
+    "layer_scopes": True,
+    "futures": True,
+    "gil": True,
+}
+
+
+# -- 1. threefry, unrolled on CPU in a Hybrid's programs ------------------------------------
+# For: JAX lowers threefry2x32 (its default PRNG's hash: jax.random.key, nnx.Rngs, linen's
+# make_rng) on CPU as a rolled `while` loop of five steps, which XLA's CPU runtime runs step by
+# step; on GPU and TPU it lowers the 20 rounds unrolled. A Dropout model draws twice per call.
+# Buys: a Hybrid's program with dropout draws runs several times faster per call at batch 1,
+# and compiles faster (the stateful rows of the benchmark show it); the bits are the same hash.
+# Internal: jax._src.random's two lowering rules (there is no public way to choose one).
+# Fallback: nothing installed; threefry lowers as JAX does by default.
+def install_unrolled_threefry(suffix: str) -> bool:
+    """Registers a CPU lowering of ``threefry2x32`` that unrolls it in modules named
+    ``*<suffix>`` (a Hybrid's programs) and lowers every other module as JAX does. Returns
+    whether it was installed."""
+    try:
+        from jax._src.random import threefry2x32 as threefry
+        from jax.extend.random import threefry2x32_p
+        from jax.interpreters import mlir
+
+        unrolled = threefry._threefry2x32_lowering_rule
+        default = threefry._threefry2x32_cpu_lowering_rule
+    except (ImportError, AttributeError):
+        return False
+
+    def rule(ctx: Any, *args: Any, **params: Any) -> Any:
+        module = ctx.module_context.module.operation
+        name = module.attributes["sym_name"].value if "sym_name" in module.attributes else ""
+        mine = INTERNALS["threefry"] and name.endswith(suffix)
+        return (unrolled if mine else default)(ctx, *args, **params)
+
+    mlir.register_lowering(threefry2x32_p, rule, platform="cpu")
+    return True
+
+
+# -- 2. JAX's LAPACK set-up, skipped for a module that calls no LAPACK kernel ---------------
+# For: before JAX lowers an exported CPU module it sets up its LAPACK kernels, which imports
+# scipy.linalg, paid even by a module that calls none of them.
+# Buys: a fresh process that loads and runs such an artifact never imports scipy.linalg: a
+# shorter cold start (the benchmark's cold-start rows; a test checks scipy stays unimported).
+# Internal: jax._src.lax.linalg.initialize_lapack, wrapped (JAX calls it by name), and the
+# kernels' names from jax._src.lib.lapack.
+# Fallback: the set-up runs for every module, as JAX does by default.
+_LAPACK = threading.local()  # .skip: this thread compiles a module that calls no LAPACK
+
+
+@functools.cache
+def lapack_kernels() -> frozenset[str] | None:
+    """The custom-call targets of JAX's LAPACK kernels, with the set-up made skippable
+    (:func:`skipping_lapack`); ``None`` where this JAX lacks the pieces."""
+    try:  # jax 0.10: _ensure_backends_initialized calls linalg.initialize_lapack by name
+        from jax._src.lax import linalg
+        from jax._src.lib import lapack
+
+        targets = frozenset(lapack._lapack.registrations())
+        set_up = linalg.initialize_lapack
+    except (ImportError, AttributeError):
+        return None
+
+    def initialize_lapack() -> None:
+        if not getattr(_LAPACK, "skip", False):
+            set_up()
+
+    linalg.initialize_lapack = initialize_lapack
+    return targets
+
+
+@contextlib.contextmanager
+def skipping_lapack(custom_calls: Any) -> Iterator[None]:
+    """Within the block, this thread skips JAX's LAPACK set-up if ``custom_calls`` (a
+    module's custom-call targets) include none of its kernels; ``None`` (unknown): as the
+    enclosing block has it."""
+    if custom_calls is None:
+        yield
+        return
+    kernels = lapack_kernels() if INTERNALS["lapack"] else None
+    before = getattr(_LAPACK, "skip", False)
+    _LAPACK.skip = kernels is not None and kernels.isdisjoint(custom_calls)
+    try:
+        yield
+    finally:
+        _LAPACK.skip = before
+
+
+# -- 3. an export without this machine's source locations ----------------------------------
+# For: jax.export writes the Python source location of every op (file paths of this machine)
+# into the module.
+# Buys: the same model exports to the same bytes anywhere (reproducible artifacts, equal
+# checksums), and no local paths leak into a shipped file.
+# Internal: jax._src.config.traceback_in_locations_limit, the scoped (thread-local) form of the
+# jax_traceback_in_locations_limit flag; jax.config.update would change it for every thread.
+# Fallback: the locations stay in the module; it computes the same.
+def without_source_locations() -> contextlib.AbstractContextManager:
+    """A block whose exports carry no Python source locations (where this JAX allows)."""
+    limit = None
+    if INTERNALS["source_locations"]:
+        try:
+            from jax._src import config
+
+            limit = getattr(config, "traceback_in_locations_limit", None)
+        except ImportError:
+            pass
+    return limit(0) if limit is not None else contextlib.nullcontext()
+
+
+# -- 4. whether JAX's backend has started ---------------------------------------------------
+# For: latency_mode() sets a flag JAX reads only when its CPU backend starts.
+# Buys: a call made too late is an error that says so, instead of a setting silently ignored.
+# Internal: jax._src.xla_bridge.backends_are_initialized (no public equivalent in jax 0.10).
+# Fallback: ``None`` (unknown): the flag is set, as before any JAX computation.
+def backend_started() -> bool | None:
+    """Whether JAX has started a backend (``None``: this JAX does not say)."""
+    if not INTERNALS["backend_started"]:
+        return None
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return None
+
+
+# -- 5. an nnx module's layers, named in its programs ---------------------------------------
+# For: linen runs each submodule under its name, so jaxprs and HLO op names show the layers;
+# nnx does not. Running each submodule's __call__ under jax.named_scope of its attribute path
+# takes a subclass whose __call__ opens the scope, swapped into the module's objects (their
+# __class__) for the block only, on a module private to the call (a fresh nnx.merge).
+# Buys: Graph.by_layer and the HLO op names show an nnx model's layers, as a linen model's.
+# Internal: assigning __class__ (CPython), and nnx's Module class keyword ``pytree`` read from
+# the private ``_pytree__is_pytree`` (the subclass must register as its base does).
+# Fallback: no scopes: the same program, its ops not grouped by layer.
+_SCOPES: Any = None  # made on first use: contextvars, per call
+_SCOPED: dict[type, type] = {}
+_SCOPED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def layer_scopes(module: Any) -> Iterator[None]:
+    """For the duration of the block, each submodule of the nnx ``module`` runs its
+    ``__call__`` under ``jax.named_scope`` of its attribute path (``"dense"``,
+    ``"hidden/0"``), relative to the submodule whose call it is in.
+
+    ``module`` must be private to the caller (a fresh ``nnx.merge``). The user's classes and
+    objects are never changed, and concurrent blocks on other modules (other threads, other
+    Hybrids) do not see each other's scopes.
+    """
+    if not INTERNALS["layer_scopes"]:
+        yield
+        return
+    from flax import nnx
+
+    scopes, _ = _scope_vars()
+    paths: dict[int, tuple[Any, ...]] = {}
+    swapped: list[tuple[Any, type]] = []
+    for path, sub in nnx.iter_modules(module):
+        if not path or id(sub) in paths or not callable(sub):
+            continue
+        paths[id(sub)] = tuple(path)
+        swapped.append((sub, type(sub)))
+    token = scopes.set(paths)
+    try:
+        for sub, cls in swapped:
+            object.__setattr__(sub, "__class__", _scoped(cls))
+        yield
+    finally:
+        for sub, cls in swapped:
+            object.__setattr__(sub, "__class__", cls)
+        scopes.reset(token)
+
+
+def _scope_vars() -> tuple[Any, Any]:
+    """``(paths of this block's submodules by id, the path of the call we are in)``."""
+    global _SCOPES
+    if _SCOPES is None:
+        import contextvars
+
+        _SCOPES = (
+            contextvars.ContextVar("symjax_mlp_layer_scopes", default=None),
+            contextvars.ContextVar("symjax_mlp_layer_caller", default=()),
+        )
+    return _SCOPES
+
+
+def _scoped(cls: type) -> type:
+    """The subclass of ``cls`` whose ``__call__`` runs under its instance's named scope: one
+    per class, created once (nnx registers every Module class as a graph node and pytree)."""
+    import jax
+
+    scopes, caller_var = _scope_vars()
+    with _SCOPED_LOCK:
+        if cls not in _SCOPED:
+            base_call = cls.__call__
+
+            @functools.wraps(base_call)
+            def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+                path = (scopes.get() or {}).get(id(self))
+                if path is None:  # a copy made inside the call (e.g. by an nnx transform)
+                    return base_call(self, *args, **kwargs)
+                caller = caller_var.get()
+                inner = path[len(caller) :] if path[: len(caller)] == caller else path
+                token = caller_var.set(path)
+                try:
+                    with jax.named_scope("/".join(map(str, inner))):
+                        return base_call(self, *args, **kwargs)
+                finally:
+                    caller_var.reset(token)
+
+            namespace = {"__call__": __call__, "__module__": cls.__module__}
+            kwargs = {}
+            if hasattr(cls, "_pytree__is_pytree"):
+                kwargs["pytree"] = cls._pytree__is_pytree
+            _SCOPED[cls] = type(cls)(cls.__name__, (cls,), namespace, **kwargs)
+            _SCOPED[cls].__qualname__ = cls.__qualname__
+        return _SCOPED[cls]
+
+
+# -- 6. whether the GIL is on ----------------------------------------------------------------
+# For: the batcher reads a future's state, and hands back its lane's token, without a lock
+# where the GIL makes those reads and appends atomic.
+# Buys: one lock acquire fewer per request on a GIL build.
+# Internal: sys._is_gil_enabled (CPython 3.13+; absent before, where the GIL is always on).
+# Fallback: ``False``: every such read takes the lock (right on any build).
+def gil_enabled() -> bool:
+    """Whether the GIL is on (``False`` when unknown: take the locks)."""
+    if not INTERNALS["gil"]:
+        return False
+    check = getattr(sys, "_is_gil_enabled", None)
+    return True if check is None else bool(check())
+
+
+#: :func:`gil_enabled` at import (read on hot paths: set it ``False`` to take the locks)
+GIL = gil_enabled()
+
+
+# -- 7. futures settled a batch at a time ----------------------------------------------------
+# For: a batcher makes a concurrent.futures.Future per request and settles a whole batch at
+# once. CPython's Future makes a Condition (and an RLock) per future and takes it per change.
+# Buys: a batcher's futures share one lock: Future.__init__ is skipped (no Condition per
+# request), a batch is started and settled under one acquire, and only the callers blocked on
+# a future are woken for it: less of the Batcher's cost per request at many in flight (the
+# benchmark's batcher rows).
+# Internal: Future's fields (_state, _result, _exception, _condition, _waiters,
+# _done_callbacks, _invoke_callbacks) and its states from concurrent.futures._base.
+# Fallback: each a plain Future (its own Condition), started with
+# set_running_or_notify_cancel() and settled with set_result()/set_exception(), one at a time.
+try:
+    from concurrent.futures._base import (
+        CANCELLED,
+        CANCELLED_AND_NOTIFIED,
+        FINISHED,
+        PENDING,
+        RUNNING,
+    )
+
+    _FUTURE_STATES = True
+except ImportError:  # pragma: no cover - another Python's layout: the fallback
+    CANCELLED = CANCELLED_AND_NOTIFIED = FINISHED = PENDING = RUNNING = ""
+    _FUTURE_STATES = False
+_DONE = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
+
+
+class SharedLockFuture(concurrent.futures.Future):
+    """A ``concurrent.futures.Future`` whose lock is shared by a batch's futures.
+
+    It works wherever a ``concurrent.futures.Future`` does (done callbacks,
+    ``concurrent.futures.wait`` and ``as_completed``, ``asyncio.wrap_future``). Start and
+    settle a batch of them with :func:`start_future`, :func:`finish_futures` and
+    :func:`after_finish`. With the
+    internals off (:data:`INTERNALS` ``["futures"]``) it is a plain Future.
+    """
+
+    # The fields Future's methods read, as class defaults: a request sets only what changes.
+    _state = PENDING
+    _result: Any = None
+    _exception: BaseException | None = None
+    _wake: threading.Condition | None = None  # made when a caller first blocks on it
+    _shared = False  # settled under the shared lock, by the internals
+
+    def __init__(self, condition: threading.Condition | None = None) -> None:
+        if not (_FUTURE_STATES and INTERNALS["futures"]):
+            super().__init__()
+            return
+        # no super().__init__(): it would make a Condition (an RLock) per request
+        self._shared = True
+        self._condition = threading.Condition() if condition is None else condition
+        self._waiters: list[Any] = []  # concurrent.futures.wait()'s
+        self._done_callbacks: list[Callable[[Any], Any]] = []
+
+    def _wait(self, timeout: float | None) -> str:
+        """Waits (at most ``timeout`` s) for a final state; returns the state."""
+        state = self._state
+        if GIL and state in _DONE:  # settled: _result and _exception were set first
+            return state
+        with self._condition:
+            if self._state not in _DONE:
+                if self._wake is None:
+                    self._wake = threading.Condition(self._condition)
+                self._wake.wait_for(lambda: self._state in _DONE, timeout)
+            return self._state
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._shared:
+            return super().result(timeout)
+        state = self._wait(timeout)
+        if state == FINISHED:
+            if self._exception is not None:
+                try:
+                    raise self._exception
+                finally:
+                    self = None  # as concurrent.futures does: no reference cycle
+            return self._result
+        if state in _DONE:
+            raise concurrent.futures.CancelledError()
+        raise TimeoutError()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._shared:
+            return super().exception(timeout)
+        state = self._wait(timeout)
+        if state == FINISHED:
+            return self._exception
+        if state in _DONE:
+            raise concurrent.futures.CancelledError()
+        raise TimeoutError()
+
+    def cancel(self) -> bool:
+        if not self._shared:
+            return super().cancel()
+        with self._condition:
+            if self._state in (RUNNING, FINISHED):
+                return False
+            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED):
+                return True
+            self._state = CANCELLED
+            if self._wake is not None:
+                self._wake.notify_all()
+        self._invoke_callbacks()
+        return True
+
+    def set_result(self, result: Any) -> None:
+        if not self._shared:
+            return super().set_result(result)
+        self._settle(result, None)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        if not self._shared:
+            return super().set_exception(exception)
+        self._settle(None, exception)
+
+    def _settle(self, result: Any, exception: BaseException | None) -> None:
+        with self._condition:
+            if self._state in _DONE:
+                raise concurrent.futures.InvalidStateError(f"{self._state}: {self!r}")
+            _finish(self, result, exception)
+        self._invoke_callbacks()
+
+
+def start_future(f: SharedLockFuture) -> bool:
+    """Marks a queued future running, as ``set_running_or_notify_cancel()`` does; ``False``
+    (and ``wait()`` told) if it was cancelled. A shared future's lock must be held."""
+    if not f._shared:
+        return f.set_running_or_notify_cancel()
+    if f._state != PENDING:  # cancelled while queued
+        if f._state == CANCELLED:
+            f._state = CANCELLED_AND_NOTIFIED
+            for w in f._waiters:
+                w.add_cancelled(f)
+        return False
+    f._state = RUNNING
+    return True
+
+
+def finish_futures(
+    futures: list[SharedLockFuture], results: list[Any] | None, error: BaseException | None
+) -> None:
+    """Settles the shared ones of started ``futures`` (their lock held): each with its
+    result (``results[i]``), or all with ``error``. Call :func:`after_finish` after the lock."""
+    for i, f in enumerate(futures):
+        if f._shared:
+            _finish(f, None if error is not None else results[i], error)
+
+
+def after_finish(
+    futures: list[SharedLockFuture], results: list[Any] | None, error: BaseException | None
+) -> None:
+    """Outside the lock: the shared futures' done callbacks; the others settled here, with
+    ``set_result``/``set_exception``, one by one."""
+    for i, f in enumerate(futures):
+        if f._shared:
+            if f._done_callbacks:
+                f._invoke_callbacks()
+        elif error is None:
+            f.set_result(results[i])
+        else:
+            f.set_exception(error)
+
+
+def _finish(f: SharedLockFuture, result: Any, exception: BaseException | None) -> None:
+    """Settles a shared ``f`` (its lock is held); the caller then runs its done callbacks."""
+    f._result, f._exception, f._state = result, exception, FINISHED
+    for w in f._waiters:
+        if exception is None:
+            w.add_result(f)
+        else:
+            w.add_exception(f)
+    if f._wake is not None:
+        f._wake.notify_all()

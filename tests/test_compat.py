@@ -1,0 +1,183 @@
+"""Every private internal lives in ``symjax_mlp._compat``, and each public fallback computes the
+same: each test runs the library with one internal on and then forced off
+(``_compat.INTERNALS[name] = False``) and compares the results."""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import NnxDropout
+
+import symjax_mlp as sm
+from symjax_mlp import _compat
+
+ROOT = Path(sm.__file__).parent
+
+# What only _compat may name: private JAX/jaxlib modules, jaxlib's own modules (public:
+# jax.extend.mlir), nnx's privates, and the CPython internals it wraps.
+_PRIVATE = re.compile(
+    r"jax\._src|jaxlib\.|_pytree__|backends_are_initialized|traceback_in_locations_limit"
+    r"|futures\._base|_is_gil_enabled|_threefry2x32"
+)
+_FUTURE_FIELDS = {"_state", "_waiters", "_condition", "_done_callbacks", "_invoke_callbacks"}
+
+
+def _code(file: Path) -> list[tuple[int, str]]:
+    """The file's lines without its docstrings and comments (what runs)."""
+    tree = ast.parse(file.read_text())
+    docs = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docs.update(range(value.lineno, value.end_lineno + 1))
+    lines = file.read_text().splitlines()
+    return [(i, line.split("#")[0]) for i, line in enumerate(lines, 1) if i not in docs]
+
+
+def test_private_internals_are_named_only_in_compat():
+    found = []
+    for file in sorted(ROOT.rglob("*.py")):
+        if file.name == "_compat.py" and file.parent == ROOT:
+            continue
+        for i, line in _code(file):
+            names = set(re.findall(r"\.(_\w+)", line)) & _FUTURE_FIELDS
+            if _PRIVATE.search(line) or names or '__class__"' in line:
+                found.append(f"{file.relative_to(ROOT.parent)}:{i}: {line.strip()}")
+    assert found == [], "\n".join(found)
+
+
+def test_the_check_sees_a_private_import(tmp_path):
+    file = tmp_path / "m.py"
+    file.write_text('"""jax._src in a docstring is fine."""\nfrom jax._src import config\n')
+    assert [i for i, line in _code(file) if _PRIVATE.search(line)] == [2]
+
+
+@pytest.fixture
+def internals(monkeypatch):
+    """``off(name)``: the public fallback of that internal, for the rest of the test."""
+    return lambda name: monkeypatch.setitem(_compat.INTERNALS, name, False)
+
+
+def _drop(p, key, x):
+    return jax.random.bernoulli(key, 0.5, x.shape) * x * p
+
+
+def test_threefry_unrolled_or_as_jax_lowers_it_draws_the_same_bits(internals):
+    key, x = jax.random.key(3), jnp.arange(1.0, 65.0).reshape(8, 8)
+    h = sm.hybridize(_drop, jnp.float32(2))
+    want = h(key, x)
+    if jax.default_backend() == "cpu":
+        assert "stablehlo.while" not in h.lower(key, x).as_text()
+    internals("threefry")
+    fallback = sm.hybridize(_drop, jnp.float32(2))  # a new program, lowered now
+    if jax.default_backend() == "cpu":
+        assert "stablehlo.while" in fallback.lower(key, x).as_text()  # JAX's rolled loop
+    np.testing.assert_array_equal(fallback(key, x), want)
+
+
+def test_the_lapack_skip_and_its_fallback_load_the_same_model(tmp_path, internals):
+    kernels = _compat.lapack_kernels()
+    assert kernels and "lapack_sgetrf_ffi" in kernels
+    h = sm.hybridize(lambda p, x: jnp.tanh(x @ p), jnp.ones((3, 2)) / 3)
+    x = jnp.arange(6.0).reshape(2, 3)
+    art = sm.export(h, tmp_path / "m", example=x)
+    with _compat.skipping_lapack({"stablehlo.dot_general"}):
+        assert _compat._LAPACK.skip  # this thread skips the set-up
+        with _compat.skipping_lapack({next(iter(kernels))}):
+            assert not _compat._LAPACK.skip  # a module that calls a kernel gets it
+    want = np.asarray(sm.load(art.path)(x))
+    internals("lapack")
+    with _compat.skipping_lapack({"stablehlo.dot_general"}):
+        assert not _compat._LAPACK.skip  # the fallback: the set-up always runs
+    np.testing.assert_array_equal(np.asarray(sm.load(art.path)(x)), want)
+    np.testing.assert_allclose(want, h(x), rtol=1e-6)
+
+
+def test_an_export_without_source_locations_computes_what_one_with_them_does(tmp_path, internals):
+    h = sm.hybridize(lambda p, x: jnp.tanh(x @ p), jnp.ones((3, 2)) / 3)
+    x = jnp.arange(6.0).reshape(2, 3)
+    clean = sm.export(h, tmp_path / "clean", example=x)
+    internals("source_locations")
+    located = sm.export(h, tmp_path / "located", example=x)
+    here = Path(__file__).name
+    assert here not in (clean.path / "model.mlir").read_text()  # reproducible anywhere
+    assert here in (located.path / "model.mlir").read_text()  # the fallback keeps them
+    np.testing.assert_array_equal(sm.load(clean.path)(x), sm.load(located.path)(x))
+
+
+def test_latency_mode_without_knowing_whether_jax_started_sets_the_same_mode(internals):
+    jnp.ones(1)  # the backend has started in this process
+    assert _compat.backend_started() is True
+    internals("backend_started")
+    assert _compat.backend_started() is None
+    code = (
+        "from symjax_mlp import _compat\n"
+        "_compat.INTERNALS['backend_started'] = False\n"
+        "import symjax_mlp as sm\n"
+        "from symjax_mlp.chapter import chapter_mlp\n"
+        "sm.serving.latency_mode()\n"
+        "h, x = chapter_mlp()\n"
+        "print(sm.serving.dispatch_mode(), float(abs(h(x) - h.eager(x)).max()) < 1e-5)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["sync", "True"]
+
+
+def test_nnx_layers_named_or_not_the_model_computes_the_same(internals):
+    x = jnp.arange(10.0).reshape(2, 5)
+    h = sm.hybridize(NnxDropout(nnx.Rngs(0, dropout=1)))
+    assert {"dense", "out"} <= set(h.graph(x).by_layer)
+    want = h(x, deterministic=False), h(x)
+    internals("layer_scopes")
+    fallback = sm.hybridize(NnxDropout(nnx.Rngs(0, dropout=1)))
+    assert "dense" not in fallback.graph(x).by_layer  # the ops, not grouped by layer
+    np.testing.assert_array_equal(fallback(x, deterministic=False), want[0])
+    np.testing.assert_array_equal(fallback(x), want[1])
+
+
+def test_gil_check_and_its_fallback(internals):
+    assert _compat.gil_enabled() == getattr(sys, "_is_gil_enabled", lambda: True)()
+    internals("gil")
+    assert _compat.gil_enabled() is False
+
+
+def _served(n: int) -> tuple[list[np.ndarray], list[sm.serving.RequestFuture]]:
+    """``n`` requests submitted at once to a Batcher: their results, and their futures."""
+    h = sm.hybridize(lambda p, x: jnp.tanh(x * p), jnp.float32(0.5))
+    xs = [np.full((1 + i % 3, 3), i, np.float32) for i in range(n)]
+    seen = []
+    with sm.serving.Batcher(h, example=xs[0], max_batch=8) as b:
+        futures = [b.submit(x) for x in xs]
+        for f in futures:
+            f.add_done_callback(seen.append)
+        done, _ = concurrent.futures.wait(futures, timeout=30)
+        assert len(done) == n
+        results = [f.result() for f in futures]
+    assert len(seen) == n and all(f.timing is not None for f in futures)
+    return results, futures
+
+
+@pytest.mark.parametrize("internal", ["futures", "gil"])
+def test_a_batcher_with_plain_futures_serves_the_same_results(internals, monkeypatch, internal):
+    want, futures = _served(24)
+    assert all(f._shared for f in futures)  # one lock for all, settled a batch at a time
+    internals(internal)
+    if internal == "gil":
+        monkeypatch.setattr(_compat, "GIL", False)  # every read takes the lock
+    got, futures = _served(24)
+    assert all(f._shared == (internal == "gil") for f in futures)  # else plain Futures
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
