@@ -35,8 +35,3 @@ if jax.config.jax_compilation_cache_dir is None:  # JAX was imported before this
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 from helpers import chapter  # noqa: E402, F401  (a fixture, shared by every test module)
-
-
-def pytest_configure(config):
-    # the lead's CI installs torch and runs `-m torch`; without torch these tests skip
-    config.addinivalue_line("markers", "torch: needs PyTorch (skipped, saying so, without it)")
