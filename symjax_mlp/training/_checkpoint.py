@@ -101,8 +101,9 @@ def save_checkpoint(
       The path of the new checkpoint.
 
     Raises:
-      CheckpointError: a checkpoint for this step, or a newer one, already exists (a resume
-        would pick the newest); or a leaf name is ambiguous.
+      CheckpointError: ``directory`` cannot hold checkpoints (a file, a dangling symlink, a
+        path below a file, not writable); a checkpoint for this step, or a newer one, already
+        exists (a resume would pick the newest); or a leaf name is ambiguous.
       ConfigError: ``keep`` below 1, a negative step, or ``metadata`` that is not JSON.
 
     Example:
@@ -121,7 +122,14 @@ def save_checkpoint(
             f"epoch {state.epoch!r}."
         )
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    check_directory(directory, "save_checkpoint")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # raced, or a file system that refuses: still the user's to fix
+        raise CheckpointError(
+            f"save_checkpoint: cannot make the checkpoint directory {directory} ({e}). Pass a "
+            "directory path that can be created and written."
+        ) from None
     final = directory / f"step_{state.step:08d}"
     newest = latest_checkpoint(directory)
     if newest is not None and _step_of(newest) > state.step:
@@ -157,6 +165,45 @@ def save_checkpoint(
         if old != final:  # a writer racing ours saved a newer step: ours stays, for it
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def check_directory(directory: str | os.PathLike, caller: str) -> None:
+    """Refuses a path that cannot hold checkpoints, before anything runs: a regular file, a
+    dangling symlink, a path below a file, or a directory this user cannot write.
+
+    A path that does not exist yet is fine if its nearest existing parent is a directory this
+    user can write (it is created at the first checkpoint).
+
+    Raises:
+      CheckpointError: what the path is, and what to pass instead.
+    """
+    path = Path(directory)
+    fix = (
+        "Checkpoints are step_* directories inside a checkpoint directory: pass a directory, "
+        "or a path where one can be made."
+    )
+    probe = path
+    while True:
+        if probe.is_symlink() and not probe.exists():
+            raise CheckpointError(
+                f"{caller}: the checkpoint directory {directory} cannot be made: {probe} is a "
+                f"symlink to {os.readlink(probe)}, which does not exist. {fix}"
+            )
+        if probe.exists():
+            break
+        if probe.parent == probe:  # nothing exists up to the root: mkdir will say
+            return
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "is" if probe == path else f"is below {probe}, which is"
+        raise CheckpointError(
+            f"{caller}: the checkpoint directory {directory} {what} a file, not a directory. {fix}"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise CheckpointError(
+            f"{caller}: the checkpoint directory {directory} cannot be written: this user may "
+            f"not write to {probe}. {fix}"
+        )
 
 
 def _check_new(final: Path, overwrite: bool) -> None:

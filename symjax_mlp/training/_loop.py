@@ -28,7 +28,7 @@ from flax import nnx
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._models import mlp
-from symjax_mlp.training._checkpoint import TrainState
+from symjax_mlp.training._checkpoint import TrainState, check_directory
 from symjax_mlp.training._data import Dataset, check_dataset, load_digits
 from symjax_mlp.training._epoch import Programs
 from symjax_mlp.training._nnx import NnxSpec, spec_of
@@ -104,8 +104,10 @@ def train(
         step runs.
       DivergenceError: the loss became NaN or infinite; names the step and keeps the last good
         checkpoint.
-      CheckpointError: ``checkpoint`` already holds checkpoints and ``resume`` is false, or the
-        checkpoint does not fit this model, optimizer, data, seed or batch size.
+      CheckpointError: ``checkpoint`` cannot hold checkpoints (a file, a dangling symlink, a
+        path below a file, a directory this user cannot write), before any step runs; it
+        already holds checkpoints and ``resume`` is false; or the checkpoint does not fit this
+        model (what it computes), optimizer, data, seed or batch size.
       ConfigError: a hyperparameter is out of range, or the model's flags do not switch it
         between training and inference: none found or given while a call with its defaults
         would train BatchNorm or Dropout in inference mode, or an inference call that still
@@ -186,6 +188,8 @@ def _checked_settings(
         )
     if resume and checkpoint is None:
         raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
+    if checkpoint is not None:  # refused now, not after the first epoch
+        check_directory(checkpoint, "symjax_mlp.training.train")
     if model is not None and not isinstance(model, nn.Module | nnx.Module):
         raise ConfigError(_NOT_FLAX.format(kind=type(model).__name__))
     return optimizer

@@ -1,7 +1,8 @@
 """What a training checkpoint records of its run, so that resuming continues that run only.
 
-A run's config (seed, batch size, and sha256 fingerprints of its data, model and optimizer)
-and its history are stored beside each checkpoint's state. Resuming compares the config with
+A run's config (seed, batch size, sha256 fingerprints of its data, model and optimizer, and
+what the model computes on a fixed probe, :mod:`~symjax_mlp.training._probe`) and its history
+are stored beside each checkpoint's state. Resuming compares the config with
 this run's, and the history with the checkpoint's step and epoch, and refuses any difference:
 a resumed run either continues exactly where the interrupted one stopped, or does not start.
 """
@@ -28,6 +29,7 @@ from symjax_mlp.training._checkpoint import (
 )
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._nnx import NnxSpec, fingerprint
+from symjax_mlp.training._probe import model_probe, probe_difference
 from symjax_mlp.training._result import EpochRecord
 
 
@@ -52,7 +54,11 @@ def run_config(
         "num_outputs": num_outputs,
         "model_sha256": _model_fingerprint(model, spec, params),
         "optimizer_sha256": _optimizer_fingerprint(optimizer),
+        PROBE: model_probe(model, spec, params, data.x_train[:1]),
     }
+
+
+PROBE = "model_probe"  # compared within a tolerance, not for equality
 
 
 def resume_run(
@@ -84,13 +90,23 @@ def resume_run(
         )
     state, meta = restore_checkpoint(found, state)
     recorded = meta.get("config", {})
-    changed = [k for k, v in config.items() if recorded.get(k) != v]
+    changed = [k for k, v in config.items() if k != PROBE and recorded.get(k) != v]
     if changed:
         was = {k: recorded.get(k) for k in changed}
         raise CheckpointError(
             f"{found} was written with {was}, but this run has "
             f"{ {k: config[k] for k in changed} }. Resuming would not continue that run; "
             "resume with the same settings, or start over in an empty directory."
+        )
+    # a checkpoint written before the probe was recorded has none: its config still matched
+    differs = PROBE in recorded and probe_difference(recorded[PROBE], config[PROBE])
+    if differs:
+        raise CheckpointError(
+            f"{found} was written by a model that computes something else: with fixed weights "
+            f"on a fixed input, {differs} from this model's. Its class, name and parameter "
+            "shapes are the same, but its __call__ is not (another activation, scale or order "
+            "of layers). Resuming would not continue that run; resume with the model that "
+            "wrote it, or start over in an empty directory."
         )
     return state, _history(found, meta, state), found
 

@@ -1,0 +1,140 @@
+"""Training checkpoints against paths and models that cannot continue a run (issue 32, items 4
+and 10).
+
+A checkpoint path that cannot hold checkpoints is refused before the first epoch (it was a
+``FileExistsError`` after it); resuming with a model that computes something else (another
+``__call__``, same class, name and param shapes) is refused, linen and nnx alike.
+"""
+
+from __future__ import annotations
+
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import symjax_mlp as sm
+from symjax_mlp.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A small slice of digits: training it takes milliseconds."""
+    d = sm.training.load_digits()
+    return sm.training.Dataset(
+        d.x_train[:64], d.y_train[:64], d.x_test[:32], d.y_test[:32], name="tiny",
+        num_classes=10,
+    )  # fmt: skip
+
+
+def _unusable(tmp_path):
+    file = tmp_path / "file"
+    file.write_text("not a directory")
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    return {
+        "a regular file": (file, "is a file, not a directory"),
+        "a dangling symlink": (dangling, "which does not exist"),
+        "a path below a file": (file / "sub", "is below"),
+        "a path below a dangling symlink": (dangling / "sub" / "deeper", "which does not exist"),
+    }
+
+
+def test_a_checkpoint_path_that_cannot_hold_checkpoints_is_refused_before_training(tiny, tmp_path):
+    epochs = []
+    for what, (path, says) in _unusable(tmp_path).items():
+        with pytest.raises(sm.CheckpointError, match=says) as e:
+            sm.training.train(
+                sm.mlp((8, 10)), tiny, epochs=2, checkpoint=path, on_epoch=epochs.append
+            )
+        assert str(path) in str(e.value) and "pass a directory" in str(e.value), what
+        with pytest.raises(sm.CheckpointError, match=says):  # and when saving directly
+            sm.training.save_checkpoint(path, _state())
+    assert epochs == []  # refused before the first epoch, not after it
+    assert (tmp_path / "file").read_text() == "not a directory"
+    assert not (tmp_path / "nowhere").exists()
+    # a directory to be made, a symlink to a directory: fine
+    ok = tmp_path / "real"
+    ok.mkdir()
+    (tmp_path / "link").symlink_to(ok)
+    for path in (tmp_path / "new" / "deeper", tmp_path / "link"):
+        r = sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, checkpoint=path)
+        assert r.checkpoint is not None and r.checkpoint.parent == path
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_a_checkpoint_directory_this_user_cannot_write_is_refused(tiny, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(sm.CheckpointError, match="cannot be written"):
+            sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, checkpoint=locked / "ckpt")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_cli_train_checkpoint_file_is_exit_2_with_one_line(tmp_path, capsys):
+    for path, says in _unusable(tmp_path).values():
+        argv = ["train", "--epochs", "1", "--quiet", "--checkpoint", str(path)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def _state():
+    import optax
+
+    p = {"w": jnp.zeros(2)}
+    return sm.training.TrainState(p, optax.adam(1e-3).init(p), jax.random.key(0))
+
+
+# -- item 4: resuming with a model that computes something else ------------------------------
+def _linen(activation):
+    class Net(nn.Module):  # same class name, same params: only __call__ differs
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(activation(nn.Dense(16)(x)))
+
+    return Net()
+
+
+def _nnx(activation):
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(64, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(activation(self.a(x)))
+
+    return Net(nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("make", [_linen, _nnx], ids=["linen", "nnx"])
+def test_resuming_with_a_model_that_computes_something_else_is_refused(tiny, tmp_path, make):
+    ckpt = tmp_path / "ckpt"
+    sm.training.train(make(nn.relu), tiny, epochs=1, checkpoint=ckpt)
+    for other in (jnp.tanh, lambda x: nn.relu(x) * 2.0):
+        with pytest.raises(sm.CheckpointError, match="computes something else"):
+            sm.training.train(make(other), tiny, epochs=2, checkpoint=ckpt, resume=True)
+    # the same computation resumes, and continues exactly
+    r = sm.training.train(make(nn.relu), tiny, epochs=2, checkpoint=ckpt, resume=True)
+    assert r.epoch == 2 and r.resumed_from is not None
+    whole = sm.training.train(make(nn.relu), tiny, epochs=2, checkpoint=tmp_path / "whole")
+    chex_equal = jax.tree.map(np.array_equal, r.params, whole.params)
+    assert all(jax.tree.leaves(chex_equal))
+
+
+def test_resuming_an_nnx_module_built_from_other_values_is_accepted(tiny, tmp_path):
+    """What the probe compares is the computation, not the initial values (the checkpoint's
+    replace them): a module built with another seed resumes the run."""
+    ckpt = tmp_path / "ckpt"
+    sm.training.train(_nnx(nn.relu), tiny, epochs=1, checkpoint=ckpt)
+    other = _nnx(nn.relu)
+    nnx.update(other, jax.tree.map(lambda a: a + 1.0, nnx.state(other, nnx.Param)))
+    r = sm.training.train(other, tiny, epochs=2, checkpoint=ckpt, resume=True)
+    assert r.epoch == 2
