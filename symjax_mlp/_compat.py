@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import sys
 import threading
@@ -163,7 +164,9 @@ def backend_started() -> bool | None:
 # Internal: assigning __class__ (CPython), and nnx's Module class keyword ``pytree`` read from
 # the private ``_pytree__is_pytree`` (the subclass must register as its base does).
 # Fallback: no scopes: the same program, its ops not grouped by layer.
-_SCOPES: Any = None  # made on first use: contextvars, per call
+#: the paths of the block's submodules by id, and the path of the call we are in
+_SCOPES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("symjax_scopes", default=None)
+_CALLER: contextvars.ContextVar[tuple] = contextvars.ContextVar("symjax_caller", default=())
 _SCOPED: dict[type, type] = {}
 _SCOPED_LOCK = threading.Lock()
 
@@ -183,7 +186,6 @@ def layer_scopes(module: Any) -> Iterator[None]:
         return
     from flax import nnx
 
-    scopes, _ = _scope_vars()
     paths: dict[int, tuple[Any, ...]] = {}
     swapped: list[tuple[Any, type]] = []
     for path, sub in nnx.iter_modules(module):
@@ -191,7 +193,7 @@ def layer_scopes(module: Any) -> Iterator[None]:
             continue
         paths[id(sub)] = tuple(path)
         swapped.append((sub, type(sub)))
-    token = scopes.set(paths)
+    token = _SCOPES.set(paths)
     try:
         for sub, cls in swapped:
             object.__setattr__(sub, "__class__", _scoped(cls))
@@ -199,20 +201,7 @@ def layer_scopes(module: Any) -> Iterator[None]:
     finally:
         for sub, cls in swapped:
             object.__setattr__(sub, "__class__", cls)
-        scopes.reset(token)
-
-
-def _scope_vars() -> tuple[Any, Any]:
-    """``(paths of this block's submodules by id, the path of the call we are in)``."""
-    global _SCOPES
-    if _SCOPES is None:
-        import contextvars
-
-        _SCOPES = (
-            contextvars.ContextVar("symjax_mlp_layer_scopes", default=None),
-            contextvars.ContextVar("symjax_mlp_layer_caller", default=()),
-        )
-    return _SCOPES
+        _SCOPES.reset(token)
 
 
 def _scoped(cls: type) -> type:
@@ -220,24 +209,23 @@ def _scoped(cls: type) -> type:
     per class, created once (nnx registers every Module class as a graph node and pytree)."""
     import jax
 
-    scopes, caller_var = _scope_vars()
     with _SCOPED_LOCK:
         if cls not in _SCOPED:
             base_call = cls.__call__
 
             @functools.wraps(base_call)
             def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-                path = (scopes.get() or {}).get(id(self))
+                path = (_SCOPES.get() or {}).get(id(self))
                 if path is None:  # a copy made inside the call (e.g. by an nnx transform)
                     return base_call(self, *args, **kwargs)
-                caller = caller_var.get()
+                caller = _CALLER.get()
                 inner = path[len(caller) :] if path[: len(caller)] == caller else path
-                token = caller_var.set(path)
+                token = _CALLER.set(path)
                 try:
                     with jax.named_scope("/".join(map(str, inner))):
                         return base_call(self, *args, **kwargs)
                 finally:
-                    caller_var.reset(token)
+                    _CALLER.reset(token)
 
             namespace = {"__call__": __call__, "__module__": cls.__module__}
             kwargs = {}

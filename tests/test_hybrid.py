@@ -252,3 +252,36 @@ def test_stages_are_exposed(chapter):
     assert "HloModule" in compiled.as_text()
     assert compiled.cost_analysis()["flops"] > 0
     assert compiled.memory_analysis().argument_size_in_bytes >= 4 * 164_482
+
+
+# -- what other modules read of a Hybrid: its public names -------------------------------------
+def test_inspect_signature_reads_what_a_call_takes(chapter):
+    import inspect
+
+    _, _, h, _ = chapter
+    assert list(inspect.signature(h).parameters) == ["x"]  # the variables are not an input
+    f = sm.hybridize(lambda p, x, *, scale=1.0: x * p, jnp.float32(2))
+    assert str(inspect.signature(f)) == "(x, *, scale=1.0)"
+    assert str(inspect.signature(f.replace(name="g"))) == "(x, *, scale=1.0)"
+    assert "params" in inspect.signature(sm.Hybrid).parameters  # the class: its constructor
+
+
+def test_a_snapshot_keeps_the_mode_and_state_a_later_switch_or_call_would_change():
+    from flax import nnx
+    from helpers import NnxModes, keyless
+
+    plain = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    assert plain.snapshot() is plain  # nothing could change under it
+    model = NnxModes(nnx.Rngs(0, dropout=7))
+    model.eval()
+    h = sm.hybridize(model, donate=True)
+    x = jnp.arange(10.0).reshape(2, 5)
+    snap = h.snapshot()
+    assert snap is not h and snap.training_mode(x) == ()
+    before = jax.tree.map(np.asarray, keyless(snap.state))
+    model.train()  # h follows the module; the snapshot stays in eval mode
+    assert h.training_mode(x) != () and snap.training_mode(x) == ()
+    h(x)  # donates what h holds: the snapshot's state is its own
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, keyless(snap.state)), before)
+    model.eval()  # the module itself, untouched by h's calls, in the snapshot's mode
+    np.testing.assert_allclose(snap(x), model(x), rtol=1e-6)

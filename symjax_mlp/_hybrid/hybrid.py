@@ -1,21 +1,13 @@
 """The Hybrid object: a model plus its params (and state), eager or XLA-compiled at one switch.
 
-:func:`~symjax_mlp.hybridize` (in :mod:`~symjax_mlp._hybrid.make`) makes one; the Hybrid
-is the one place where ``jax.jit`` is applied. The compiled path is a single
-``jax.jit`` object created once per ``Hybrid``: JAX's C++ dispatch keeps one executable per
-input signature, and the params are flattened once, at construction. Every trace goes through
-the Hybrid's :class:`~symjax_mlp._hybrid.trace.TraceLog`, which records a
-:class:`~symjax_mlp.TraceEvent`, explains retraces, enforces the ``max_traces`` budget and
-runs the ``on_trace`` callbacks, so tracing is visible, never silent.
-
-What a call takes (:mod:`~symjax_mlp._hybrid.args`): arrays are traced, Python settings are
-static, part of the cache key, so ``h(x, train=True)`` just works. A model with state carries
-it across calls exactly as eager calls would (:mod:`~symjax_mlp._hybrid.held`); the pure form,
-for ``jax.grad`` and optax, is :meth:`Hybrid.apply`, which returns the new state instead of
-holding it. An nnx module's modes are read at every call (:mod:`~symjax_mlp._hybrid.modes`).
-
-Sharding is a setting of the same object: ``h.shard(mesh)`` is a Hybrid whose one ``jax.jit``
-carries the data-parallel in/out shardings (:class:`~symjax_mlp._hybrid.mesh.DataParallel`).
+:func:`~symjax_mlp.hybridize` (in :mod:`~symjax_mlp._hybrid.make`) makes one; the Hybrid is the
+one place where ``jax.jit`` is applied: a single ``jax.jit`` object per Hybrid (JAX's C++
+dispatch keeps one executable per input signature), its params flattened once. Its parts, one
+concept a module: what a call takes (:mod:`~symjax_mlp._hybrid.args`), the trace log
+(:class:`~symjax_mlp._hybrid.trace.TraceLog`: events, budget, callbacks), what its jit traces
+(:mod:`~symjax_mlp._hybrid.traced`), the state it holds (:mod:`~symjax_mlp._hybrid.held`), an
+nnx module's modes (:mod:`~symjax_mlp._hybrid.modes`), and the sharded call
+(:class:`~symjax_mlp._hybrid.mesh.DataParallel`: sharding is a setting of the one jit).
 """
 
 from __future__ import annotations
