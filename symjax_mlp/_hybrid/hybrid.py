@@ -86,9 +86,10 @@ class Hybrid:
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., Any] | PureModel,
         params: Any,
         *,
+        state: Any = None,
         name: str | None = None,
         max_traces: int | None = None,
         compiled: bool = True,
@@ -99,27 +100,26 @@ class Hybrid:
         static_argnames: str | Sequence[str] = (),
         donate: bool = False,
         params_as_constants: bool = False,
-        _model: PureModel | None = None,
-        _state: Any = None,
     ) -> None:
         check_settings(
             name=(name, str, None), axis=(axis, str, None), compiled=(compiled, bool, True),
             pad=(pad, bool, True), donate=(donate, bool, False),
             params_as_constants=(params_as_constants, bool, False), max_traces=max_traces,
         )  # fmt: skip
-        model = plain(fn) if _model is None else _model
-        name = name or getattr(fn, "__name__", type(fn).__name__)
+        model = fn if isinstance(fn, PureModel) else plain(fn)
+        name = name or getattr(model.target, "__name__", type(model.target).__name__)
         leaves, treedef = jax.tree.flatten(params)
         nums, names = static_args(model, name, argnums(static_argnums), argnames(static_argnames))
         # A donating call consumes the held state: hold buffers of our own, never the caller's
         # (their variables, an nnx module's BatchStat) nor another Hybrid's. Copied once, here.
         owned = bool(donate) and model.stateful and mesh is None
-        held = HeldState(name, {} if _state is None else _state, own=owned)
+        held = HeldState(name, {} if state is None else state, own=owned)
         log = TraceLog(name, max_traces)
         # Baked: the compiled calls close over the params (XLA constants), pass none.
         baked = params_as_constants and mesh is None
         self._set(
-            fn=fn if _model is None else model.inference(name), name=name, max_traces=max_traces,
+            fn=model.target if model.kind == "plain" else model.inference(name), name=name,
+            max_traces=max_traces,
             compiled=compiled, axis=axis, pad=pad, static_argnums=nums, static_argnames=names,
             donate=bool(donate), params_as_constants=bool(params_as_constants),
             stateful=model.stateful, _model=model, _given=params, _treedef=treedef, _held=held,
@@ -216,8 +216,7 @@ class Hybrid:
         params, state = settings.pop("params"), settings.pop("state")
         if self.donate and not settings["donate"] and "state" not in changes:
             state = self._held.copy()  # self's next call consumes what it holds
-        fn = self.fn if self._model.kind == "plain" else self._model.call
-        twin = Hybrid(fn, params, _model=self._model, _state=state, **settings)
+        twin = Hybrid(self._model, params, state=state, **settings)
         twin._log.callbacks = self._log.callbacks
         return twin
 

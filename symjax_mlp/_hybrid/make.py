@@ -115,7 +115,7 @@ def hybridize(
             f"a pure function fn(params, *inputs); got {type(model).__name__}."
         )
     name = name or type(model).__name__
-    return Hybrid(m.call, params, name=name, _model=m, _state=state, **settings)
+    return Hybrid(m, params, state=state, name=name, **settings)
 
 
 def _flax_kind(model: Any) -> str | None:
