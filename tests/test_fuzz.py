@@ -35,6 +35,7 @@ CASES = int(os.environ.get("SYMJAX_FUZZ_CASES", "1000"))
 ENTRY_CASES = int(os.environ.get("SYMJAX_FUZZ_ENTRY_CASES", "1000"))
 HOSTILE_CASES = int(os.environ.get("SYMJAX_FUZZ_HOSTILE_CASES", "300"))
 CHECKPOINT_CASES = int(os.environ.get("SYMJAX_FUZZ_CHECKPOINT_CASES", "200"))
+BODY_CASES = int(os.environ.get("SYMJAX_FUZZ_BODY_CASES", "2000"))  # ~1 ms each
 SEED = int(os.environ.get("SYMJAX_FUZZ_SEED", "0"))
 WORKERS = int(os.environ.get("SYMJAX_FUZZ_WORKERS", "2"))
 
@@ -86,6 +87,14 @@ def test_fuzzed_checkpoints_are_refused_or_restore_what_they_hold(tmp_path):
     summary = _fuzzed(tmp_path, CHECKPOINT_CASES, "checkpoint")
     kinds = {f"checkpoint-{k}" for k in ("raw", "resigned", "crafted", "manifest", "text")}
     assert _kinds(summary) == kinds
+
+
+def test_fuzzed_http_bodies_are_refused_or_read_as_sent(tmp_path):
+    """Request bodies as POST /predict reads them: a 4xx's error, or the values sent (10**400
+    and JSON booleans were a plain-text 500 and 1.0/0.0)."""
+    summary = _fuzzed(tmp_path, BODY_CASES, "bodies")
+    families = ("valid", "value", "structure", "bytes", "type")
+    assert _kinds(summary) == {f"body-{k}" for k in families}
 
 
 def test_the_fuzz_driver_sees_crashes_hangs_and_wrong_outputs(tmp_path, monkeypatch):

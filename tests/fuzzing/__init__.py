@@ -12,7 +12,7 @@ one or a few mutations, runs ``sm.load(path)(x)`` and reports one JSON line. The
 - ``crash`` / ``hang``: the worker process died on a signal / a case ran past its timeout
   (set by the driver, which restarts the worker at the next case).
 
-Plain modules, never collected by pytest (``tests/test_fuzz.py`` drives them). Four targets,
+Plain modules, never collected by pytest (``tests/test_fuzz.py`` drives them). Five targets,
 each a ``make``, a ``Context`` and a ``run_case`` (:func:`fuzzing.worker.target`):
 
 - ``loader``: :mod:`fuzzing.cases` (the artifacts a run is built on, and what a worker knows
@@ -23,6 +23,8 @@ each a ``make``, a ``Context`` and a ``run_case`` (:func:`fuzzing.worker.target`
   :mod:`fuzzing.forge`: forged programs, re-signed so that every checksum matches), mutated
   cheaply; ``regressions/`` holds modules it found that crashed or hung StableHLO's reader;
 - ``checkpoint``: :mod:`fuzzing.checkpoints`, training checkpoints mutated and restored;
+- ``bodies``: :mod:`fuzzing.bodies`, HTTP request bodies broken and read as ``POST /predict``
+  reads them;
 
 and :mod:`fuzzing.worker` (the worker process: runs cases, classifies them, one JSON line
 each), :mod:`fuzzing.driver` (starts the workers, restarts them after a crash or a hang, and

@@ -2,7 +2,7 @@
 
 ``python -m fuzzing.worker OUT SEED FIRST STOP [TARGET]`` (``tests`` on ``PYTHONPATH``; the
 driver, :mod:`fuzzing.driver`, starts it) runs cases ``FIRST`` to ``STOP - 1`` of ``TARGET``
-(:data:`TARGETS`: ``loader``, the default, ``entries``, ``hostile`` or ``checkpoint``)
+(:data:`TARGETS`: ``loader``, the default, ``entries``, ``hostile``, ``checkpoint``, ``bodies``)
 against what ``make`` wrote in ``OUT``. Before loading each case it prints a ``start`` line,
 so that a case that kills or hangs the interpreter is still attributed; after it, the result:
 the outcome (see :mod:`fuzzing`), what was mutated, the time and the peak memory. Result lines
@@ -132,7 +132,7 @@ def peak_rss_mb() -> int:
 
 
 # -- the worker process ------------------------------------------------------------------------
-TARGETS = ("loader", "entries", "hostile", "checkpoint")  # what a run fuzzes (see fuzzing.driver)
+TARGETS = ("loader", "entries", "hostile", "checkpoint", "bodies")  # see fuzzing.driver
 
 
 def target(name: str):
@@ -153,6 +153,10 @@ def target(name: str):
         from fuzzing import checkpoints
 
         return checkpoints.make, checkpoints.Context, checkpoints.run_case
+    if name == "bodies":
+        from fuzzing import bodies
+
+        return bodies.make, bodies.Context, bodies.run_case
     raise ValueError(f"unknown fuzz target {name!r}; choose from {TARGETS}")
 
 
