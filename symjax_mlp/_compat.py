@@ -3,13 +3,16 @@
 A private name is a debt with a due date: it may change in any release. So each one lives
 here, and only here, behind a function whose public fallback gives the same results; the
 internal is kept only where it buys something the fallback does not (what, beside each).
-Each section says what the internal is for, what it buys, and what the fallback does; a
-test forces each fallback and checks the results agree (``tests/test_compat.py``), and
-``tests/test_layout.py`` fails on a private JAX import (or one of the internals below)
-anywhere else in the package.
+Each section says what the internal is for, what it buys, and what the fallback does;
+``tests/test_compat.py`` forces each fallback and checks the results agree, and fails on a
+private JAX import (or one of the internals below) anywhere else in the package. Where a
+public API does the job the rest of the package uses it: ``jax.interpreters.mlir`` for an
+MLIR context, ``jax.extend.mlir`` for jaxlib's MLIR bindings, ``jax.Array``'s subclasses for
+the concrete array types.
 
-:data:`INTERNALS` turns each internal off (``False``: the fallback), read at each use. A JAX,
-Flax or Python without the internal gets the fallback on its own.
+:data:`INTERNALS` turns each internal off (``False``: the fallback), read at each use (the
+GIL check is read once, into :data:`GIL`). A JAX, Flax or Python without the internal gets
+the fallback on its own.
 """
 
 from __future__ import annotations
