@@ -130,7 +130,7 @@ def read_inputs(
         if str(x.dtype) != spec.dtype:
             cast = f"{'np' if hasattr(np, spec.dtype) else 'jnp'}.{spec.dtype}"
             raise SignatureError(
-                f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the model expects "
+                f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact expects "
                 f"{spec.type}; nothing is cast. Save it as {spec.dtype}: "
                 f'np.save("{file}", x.astype({cast})).'
             )
