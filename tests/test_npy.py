@@ -69,7 +69,7 @@ def test_read_inputs_gives_bfloat16_its_dtype_and_casts_nothing(tmp_path):
     with pytest.raises(sm.SignatureError) as e:
         read_inputs([tmp_path / "f.npy"], [spec])
     assert str(e.value) == (
-        f"{tmp_path / 'f.npy'} (args[0]) holds float32[2, 3] but the model expects "
+        f"{tmp_path / 'f.npy'} (args[0]) holds float32[2, 3] but the artifact expects "
         f'bfloat16[b, 3]; nothing is cast. Save it as bfloat16: np.save("{tmp_path / "f.npy"}", '
         "x.astype(jnp.bfloat16))."
     )
