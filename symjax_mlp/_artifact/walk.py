@@ -12,6 +12,7 @@ module refined for a call's shapes, from one the child has read).
 from __future__ import annotations
 
 import collections
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,7 @@ class _Walk:
     def _attribute(self, where: str, attr_name: str, a: Any) -> None:
         if attr_name.startswith("sdy."):
             return  # Shardy verifies its own attributes
-        kinds = _ATTRIBUTES.get(attr_name)
+        kinds = _attribute_kinds().get(attr_name)
         if kinds is None or not isinstance(a, kinds):
             self._problem(
                 "attribute",
@@ -175,19 +176,17 @@ class _Walk:
         from jax.extend.mlir import ir
 
         attrs = {n: op.attributes[n] for n in op.attributes}
+        operands, results = list(op.operands), list(op.results)
+        want = {
+            "call_target_name": ir.StringAttr,
+            "api_version": ir.IntegerAttr,
+            "has_side_effect": ir.BoolAttr,
+        }
         if target == "shape_assertion":
-            want = {
-                "call_target_name": ir.StringAttr,
-                "api_version": ir.IntegerAttr,
-                "error_message": ir.StringAttr,
-                "has_side_effect": ir.BoolAttr,
-            }
-            operands = list(op.operands)
-            ok = (
-                set(attrs) <= set(want)
-                and {"error_message", "has_side_effect"} <= set(attrs)
-                and all(isinstance(attrs[k], want[k]) for k in attrs)
-                and not list(op.results)
+            want["error_message"] = ir.StringAttr
+            shaped = (
+                {"error_message", "has_side_effect"} <= set(attrs)
+                and not results
                 and operands
                 and all(
                     _scalar_type(v.type, {1} if i == 0 else {32, 64})
@@ -195,21 +194,12 @@ class _Walk:
                 )
             )
         else:  # sharding annotations: one array in, the same array out
-            want = {
-                "call_target_name": ir.StringAttr,
-                "api_version": ir.IntegerAttr,
-                "backend_config": ir.StringAttr,
-                "has_side_effect": ir.BoolAttr,
-                "mhlo.sharding": ir.StringAttr,
-                "mhlo.frontend_attributes": ir.DictAttr,
-            }
-            ok = (
-                set(attrs) <= set(want)
-                and all(isinstance(attrs[k], want[k]) for k in attrs)
-                and len(list(op.operands)) == 1
-                and len(list(op.results)) == 1
-            )
-        if not ok:
+            want["backend_config"] = ir.StringAttr
+            want["mhlo.sharding"] = ir.StringAttr
+            want["mhlo.frontend_attributes"] = ir.DictAttr
+            shaped = len(operands) == 1 and len(results) == 1
+        typed = set(attrs) <= set(want) and all(isinstance(attrs[k], want[k]) for k in attrs)
+        if not (shaped and typed):
             self._problem(
                 f"custom_call:{target}",
                 f"custom_call @{target} with operands, results or attributes other than those "
@@ -273,6 +263,7 @@ class _Walk:
 
 
 # -- attribute and type helpers ----------------------------------------------------------------
+@functools.cache  # built on first use: MLIR's bindings import only in the checker
 def _attribute_kinds() -> dict[str, tuple[type, ...]]:
     from jax.extend.mlir import ir
 
@@ -292,16 +283,6 @@ def _attribute_kinds() -> dict[str, tuple[type, ...]]:
         "tf.aliasing_output": integer,
         "stablehlo.mesh": (ir.DictAttr,),  # on sdy.mesh, as Shardy writes it
     }
-
-
-class _Kinds(dict):  # built on first use: MLIR's bindings import only in the checker
-    def get(self, key: str, default: Any = None) -> Any:
-        if not self:
-            self.update(_attribute_kinds())
-        return super().get(key, default)
-
-
-_ATTRIBUTES = _Kinds()
 
 
 def _scalar_type(t: Any, widths: set[int]) -> bool:
@@ -344,13 +325,15 @@ def _symbol_attr(op: Any, name: str) -> str:
 def _elements(t: Any) -> int:
     from jax.extend.mlir import ir
 
-    if not isinstance(t, ir.RankedTensorType):
-        return 1
-    rt = t
+    return _static_size(t, range(t.rank)) if isinstance(t, ir.RankedTensorType) else 1
+
+
+def _static_size(t: Any, dims: Any) -> int:
+    """The product of ``t``'s static dimensions among ``dims`` (dynamic ones count as 1)."""
     n = 1
-    for i in range(rt.rank):
-        if not rt.is_dynamic_dim(i):
-            n *= max(rt.get_dim_size(i), 0)
+    for i in dims:
+        if not t.is_dynamic_dim(i):
+            n *= max(t.get_dim_size(i), 0)
     return n
 
 
@@ -363,11 +346,7 @@ def _contracting(op: Any) -> int:
         lhs = op.operands[0].type
         if not isinstance(lhs, ir.RankedTensorType):
             return 1
-        n = 1
-        for d in dims.lhs_contracting_dimensions:
-            if not lhs.is_dynamic_dim(d):
-                n *= max(lhs.get_dim_size(d), 0)
-        return max(n, 1)
+        return max(_static_size(lhs, dims.lhs_contracting_dimensions), 1)
     except (ValueError, KeyError, IndexError, TypeError):
         return max((_elements(v.type) for v in op.operands), default=1)
 
@@ -396,9 +375,9 @@ def _scalar_int(value: Any) -> int | None:
 def _block_arg(value: Any, block: Any) -> int | None:
     from jax.extend.mlir import ir
 
-    if not isinstance(value, ir.BlockArgument):
-        return None
-    return value.arg_number if value.owner == block else None
+    if isinstance(value, ir.BlockArgument) and value.owner == block:
+        return value.arg_number
+    return None
 
 
 def _trip_count(op: Any) -> int | None:
