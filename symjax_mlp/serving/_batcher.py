@@ -1,33 +1,22 @@
 """A micro-batcher: a stream of requests merged into a few pre-compiled batch shapes.
 
 One executor lane runs one batch at a time. A request that finds it idle (and nothing
-queued) is dispatched at once: :meth:`Batcher.__call__` runs it on the calling thread (no
-thread hand-off), :meth:`Batcher.submit` hands it to the batcher's thread, and
-:meth:`Batcher.asubmit` runs it on the event loop when the loop's current pass ends.
-Requests that arrive while a batch runs wait in a bounded queue and are merged, in arrival
-order, into the next batch, up to ``max_batch`` rows. A batch is padded with zero rows to the
-smallest bucket (powers of two by default) that holds it; every bucket was compiled when the
-batcher was made, so nothing compiles while serving, and padding rows are never returned.
+queued) is dispatched at once: :meth:`Batcher.__call__` on the calling thread,
+:meth:`Batcher.submit` on the batcher's thread, :meth:`Batcher.asubmit` on the event loop
+when the loop's current pass ends. Requests that arrive while a batch runs wait in a bounded
+queue and are merged, in arrival order, into the next batch, up to ``max_batch`` rows. A
+batch is zero-padded to the smallest bucket that holds it; every bucket is compiled when the
+batcher is made, so nothing compiles while serving, and padding rows are never returned.
 
-What a request costs besides the model (measured by ``python scripts/bench.py --serving``):
+The per-request overhead is kept small:
 
-- the check: a NumPy request whose ``(shape, dtype)`` passed once is looked up in a dict,
-  not checked again;
-- a lone ``b(x)``: no lock and no future: it pops the lane's token (``list.pop`` is atomic),
-  calls the model, copies the result once, and appends the token back (with the GIL
-  disabled, under the lock); the lock is taken only when requests queued up meanwhile;
-- a queued request: one slot in a deque; its batch is stacked by one ``np.concatenate``
-  (zero rows appended for the bucket) and its rows copied out of the batch's result;
-- the counters: each batch appends one tuple of timestamps to a deque, folded into
-  :class:`BatcherStats` (a vectorized histogram) only when the stats are read, or every
-  4096 batches;
-- a future (:class:`RequestFuture`): a batcher's futures share one lock, so a whole batch is
-  settled under one acquire, and only callers blocked in ``result()`` on a future are woken
-  for it; the future is its own queue entry;
-- an asyncio request (:meth:`Batcher.asubmit`): its own queue entry too, and one
-  ``call_soon_threadsafe`` per batch and event loop, not one per request; a loop's requests
-  wake the batcher's thread once per pass of the loop, and a lone one that finds the batcher
-  idle runs on the loop instead (two thread hand-offs saved).
+- a NumPy request whose ``(shape, dtype)`` passed once is looked up in a dict, not checked;
+- a lone ``b(x)`` takes no lock and no future: it pops the lane's token (``list.pop`` is
+  atomic), calls the model and appends the token back;
+- a batch is stacked by one ``np.concatenate`` and its counters are one tuple appended to a
+  deque, folded into :class:`BatcherStats` only when the stats are read;
+- a batch's futures are settled under one shared lock, and an event loop's requests cost one
+  ``call_soon_threadsafe`` per batch, not one per request.
 """
 
 from __future__ import annotations
@@ -83,24 +72,15 @@ class Batcher:
     """Serves a model to many callers: concurrent requests become a few pre-compiled batches.
 
     A request is what the model takes, with a leading batch dimension of 1..``max_batch``
-    rows: ``b(x)`` returns what ``model(x)`` would, as NumPy arrays. A lone request never
-    waits: when nothing runs and nothing is queued it is dispatched at once (``b(x)`` on the
-    calling thread, ``b.submit(x)`` on the batcher's thread, ``await b.asubmit(x)`` on the
-    event loop, once the coroutines ready with it have run). Requests that arrive while a
-    batch runs are queued (at most ``max_queue``) and merged, in arrival order, into the next
-    batch. A batch is zero-padded to the smallest of :attr:`buckets` that holds it; each
-    bucket is compiled here, at construction, so nothing compiles while serving, and padding
-    rows are never returned. Batched rows equal the same rows run alone up to float rounding
-    (XLA may pick another kernel for another batch size; at one bucket, bit for bit).
+    rows: ``b(x)`` returns what ``model(x)`` would, as NumPy arrays (batched rows equal the
+    same rows run alone up to float rounding; at one bucket, bit for bit). How requests are
+    dispatched, queued and padded: see the module docstring.
 
-    A bad request (wrong shape, dtype, number of inputs or rows) is refused by ``submit``
-    itself with :class:`~symjax_mlp.SignatureError`; a full queue refuses with
-    :class:`OverloadError`; either leaves the other requests alone. If the model raises,
-    every request of that batch gets the exception, and the batcher carries on.
-
-    Use it as a context manager, or call :meth:`close`: it stops taking requests and
-    finishes (or, ``cancel=True``, cancels) what is queued. Inputs are read when their batch
-    runs: do not change a NumPy input in place before its result is back.
+    A bad request is refused with :class:`~symjax_mlp.SignatureError`, a full queue with
+    :class:`OverloadError`; neither disturbs other requests. If the model raises, every
+    request of that batch gets the exception, and the batcher carries on. Use it as a
+    context manager, or call :meth:`close`. Inputs are read when their batch runs: do not
+    change a NumPy input in place before its result is back.
 
     Args:
       model: a :class:`~symjax_mlp.LoadedModel` (``sm.load(path)``; its signature says what
@@ -345,14 +325,9 @@ class Batcher:
     def run(self, *inputs: Any, timeout: float | None = None) -> Any:
         """Runs one request and waits for its result: ``b(x)`` is ``b.run(x)``.
 
-        When the batcher is idle (nothing running, nothing queued) the request runs on the
-        calling thread at once, with no thread hand-off; otherwise it joins the next batch.
-
-        Many threads blocked in ``b(x)`` at once batch, but each one's wake-up is a hand-off
-        of the GIL, one per request and one after another (on a 2-core VM, 64 such threads
-        served the chapter MLP at 0.6x the rate of one-at-a-time calls, where 64 requests in
-        flight through :meth:`submit` ran at 2.7x): keep requests in flight with ``submit``
-        or ``asubmit`` instead of a thread per request.
+        An idle batcher runs it on the calling thread; otherwise it joins the next batch.
+        Each blocked thread's wake-up is one GIL hand-off, so many threads in ``b(x)`` serve
+        slower than the same requests kept in flight with ``submit`` or ``asubmit``.
 
         Raises:
           SignatureError, OverloadError, RuntimeError: as :meth:`submit`.
@@ -411,15 +386,10 @@ class Batcher:
     def asubmit(self, *inputs: Any) -> AsyncRequest:
         """Queues one request from asyncio code: ``y = await b.asubmit(x)``.
 
-        It checks and queues the request at once, like :meth:`submit`, and returns an
-        :class:`AsyncRequest` to await. The requests a loop makes in one pass of its ready
-        callbacks (the coroutines that ran meanwhile) go to the batcher together, at the end
-        of that pass. A lone one that finds the batcher idle runs then, on the loop, like
-        ``b(x)`` on its caller's thread: no thread hand-off there and back. Otherwise the
-        batcher's thread runs them, and their results come back on the loop with one wake-up
-        per batch and loop, not one per request as ``await asyncio.wrap_future(b.submit(x))``
-        would cost. Cancelling it (or the task awaiting it) drops the request if its batch
-        has not started.
+        It checks and queues the request at once, like :meth:`submit`. The requests a loop
+        makes in one pass go to the batcher together when the pass ends; a lone one that finds
+        the batcher idle runs then, on the loop. Results come back with one wake-up per batch
+        and loop. Cancelling it drops the request if its batch has not started.
 
         Raises:
           SignatureError, OverloadError: as :meth:`submit`; nothing is queued.
