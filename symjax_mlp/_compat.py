@@ -1,18 +1,12 @@
 """Every private JAX, Flax and CPython internal the library uses, each with its public fallback.
 
-A private name is a debt with a due date: it may change in any release. So each one lives
-here, and only here, behind a function whose public fallback gives the same results; the
-internal is kept only where it buys something the fallback does not (what, beside each).
-Each section says what the internal is for, what it buys, and what the fallback does;
-``tests/test_compat.py`` forces each fallback and checks the results agree, and fails on a
-private JAX import (or one of the internals below) anywhere else in the package. Where a
-public API does the job the rest of the package uses it: ``jax.interpreters.mlir`` for an
-MLIR context, ``jax.extend.mlir`` for jaxlib's MLIR bindings, ``jax.Array``'s subclasses for
-the concrete array types.
+A private name may change in any release, so each one lives here, and only here, behind a
+function whose public fallback gives the same results. Each section says what the internal
+is for, what it buys, and what the fallback does. ``tests/test_compat.py`` forces each
+fallback, checks the results agree, and fails on a private internal named anywhere else.
 
-:data:`INTERNALS` turns each internal off (``False``: the fallback), read at each use (the
-GIL check is read once, into :data:`GIL`). A JAX, Flax or Python without the internal gets
-the fallback on its own.
+:data:`INTERNALS` turns each internal off (``False``: the fallback); a JAX, Flax or Python
+without the internal gets the fallback on its own.
 """
 
 from __future__ import annotations
@@ -26,8 +20,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-#: Whether each internal is used (``False``: its public fallback). For tests and for a JAX
-#: whose internals moved; read at each use.
+#: Whether each internal is used (``False``: its public fallback); read at each use, except
+#: the GIL check, read once into :data:`GIL`.
 INTERNALS: dict[str, bool] = {
     "threefry": True,
     "lapack": True,
@@ -40,11 +34,9 @@ INTERNALS: dict[str, bool] = {
 
 
 # -- 1. threefry, unrolled on CPU in a Hybrid's programs ------------------------------------
-# For: JAX lowers threefry2x32 (its default PRNG's hash: jax.random.key, nnx.Rngs, linen's
-# make_rng) on CPU as a rolled `while` loop of five steps, which XLA's CPU runtime runs step by
-# step; on GPU and TPU it lowers the 20 rounds unrolled. A Dropout model draws twice per call.
-# Buys: a Hybrid's program with dropout draws runs several times faster per call at batch 1,
-# and compiles faster (the stateful rows of the benchmark show it); the bits are the same hash.
+# For: on CPU JAX lowers threefry2x32 (its default PRNG's hash) as a rolled `while` loop,
+# which XLA's CPU runtime runs step by step; on GPU and TPU it lowers the rounds unrolled.
+# Buys: a Hybrid's program with dropout draws runs and compiles faster; the bits are the same.
 # Internal: jax._src.random's two lowering rules (there is no public way to choose one).
 # Fallback: nothing installed; threefry lowers as JAX does by default.
 def install_unrolled_threefry(suffix: str) -> bool:
@@ -74,8 +66,7 @@ def install_unrolled_threefry(suffix: str) -> bool:
 # -- 2. JAX's LAPACK set-up, skipped for a module that calls no LAPACK kernel ---------------
 # For: before JAX lowers an exported CPU module it sets up its LAPACK kernels, which imports
 # scipy.linalg, paid even by a module that calls none of them.
-# Buys: a fresh process that loads and runs such an artifact never imports scipy.linalg: a
-# shorter cold start (the benchmark's cold-start rows; a test checks scipy stays unimported).
+# Buys: loading and running such an artifact never imports scipy.linalg: a shorter cold start.
 # Internal: jax._src.lax.linalg.initialize_lapack, wrapped (JAX calls it by name), and the
 # kernels' names from jax._src.lib.lapack.
 # Fallback: the set-up runs for every module, as JAX does by default.
@@ -160,9 +151,8 @@ def backend_started() -> bool | None:
 
 # -- 5. an nnx module's layers, named in its programs ---------------------------------------
 # For: linen runs each submodule under its name, so jaxprs and HLO op names show the layers;
-# nnx does not. Running each submodule's __call__ under jax.named_scope of its attribute path
-# takes a subclass whose __call__ opens the scope, swapped into the module's objects (their
-# __class__) for the block only, on a module private to the call (a fresh nnx.merge).
+# nnx does not. A subclass whose __call__ opens jax.named_scope of the attribute path is
+# swapped into the objects (their __class__) for the block only, on a module private to it.
 # Buys: Graph.by_layer and the HLO op names show an nnx model's layers, as a linen model's.
 # Internal: assigning __class__ (CPython), and nnx's Module class keyword ``pytree`` read from
 # the private ``_pytree__is_pytree`` (the subclass must register as its base does).
@@ -176,13 +166,11 @@ _SCOPED_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def layer_scopes(module: Any) -> Iterator[None]:
-    """For the duration of the block, each submodule of the nnx ``module`` runs its
-    ``__call__`` under ``jax.named_scope`` of its attribute path (``"dense"``,
-    ``"hidden/0"``), relative to the submodule whose call it is in.
+    """Within the block, each submodule of the nnx ``module`` runs its ``__call__`` under
+    ``jax.named_scope`` of its attribute path (``"hidden/0"``), relative to its caller's.
 
-    ``module`` must be private to the caller (a fresh ``nnx.merge``). The user's classes and
-    objects are never changed, and concurrent blocks on other modules (other threads, other
-    Hybrids) do not see each other's scopes.
+    ``module`` must be private to the caller (a fresh ``nnx.merge``). The user's classes are
+    never changed, and concurrent blocks on other modules do not see each other's scopes.
     """
     if not INTERNALS["layer_scopes"]:
         yield
@@ -258,12 +246,10 @@ GIL = gil_enabled()
 
 
 # -- 7. futures settled a batch at a time ----------------------------------------------------
-# For: a batcher makes a concurrent.futures.Future per request and settles a whole batch at
-# once. CPython's Future makes a Condition (and an RLock) per future and takes it per change.
-# Buys: a batcher's futures share one lock: Future.__init__ is skipped (no Condition per
-# request), a batch is started and settled under one acquire, and only the callers blocked on
-# a future are woken for it: less of the Batcher's cost per request at many in flight (the
-# benchmark's batcher rows).
+# For: a batcher makes a Future per request and settles a whole batch at once; CPython's
+# Future makes a Condition (and an RLock) per future and takes it per change.
+# Buys: a batch's futures share one lock (no Condition per request), a batch is settled under
+# one acquire, and only the callers blocked on a future are woken for it.
 # Internal: Future's fields (_state, _result, _exception, _condition, _waiters,
 # _done_callbacks, _invoke_callbacks) and its states from concurrent.futures._base.
 # Fallback: each a plain Future (its own Condition), started with
@@ -287,11 +273,10 @@ _DONE = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
 class SharedLockFuture(concurrent.futures.Future):
     """A ``concurrent.futures.Future`` whose lock is shared by a batch's futures.
 
-    It works wherever a ``concurrent.futures.Future`` does (done callbacks,
-    ``concurrent.futures.wait`` and ``as_completed``, ``asyncio.wrap_future``). Start and
-    settle a batch of them with :func:`start_future`, :func:`finish_futures` and
-    :func:`after_finish`. With the
-    internals off (:data:`INTERNALS` ``["futures"]``) it is a plain Future.
+    It works wherever a ``concurrent.futures.Future`` does (``wait``, ``as_completed``,
+    ``asyncio.wrap_future``). Start and settle a batch of them with :func:`start_future`,
+    :func:`finish_futures` and :func:`after_finish`. With :data:`INTERNALS` ``["futures"]``
+    off it is a plain Future.
     """
 
     # The fields Future's methods read, as class defaults: a request sets only what changes.

@@ -1,13 +1,9 @@
 """The Hybrid object: a model plus its params (and state), eager or XLA-compiled at one switch.
 
-:func:`~symjax_mlp.hybridize` (in :mod:`~symjax_mlp._hybrid.make`) makes one; the Hybrid is the
-one place where ``jax.jit`` is applied: a single ``jax.jit`` object per Hybrid (JAX's C++
-dispatch keeps one executable per input signature), its params flattened once. Its parts, one
-concept a module: what a call takes (:mod:`~symjax_mlp._hybrid.args`), the trace log
-(:class:`~symjax_mlp._hybrid.trace.TraceLog`: events, budget, callbacks), what its jit traces
-(:mod:`~symjax_mlp._hybrid.traced`), the state it holds (:mod:`~symjax_mlp._hybrid.held`), an
-nnx module's modes (:mod:`~symjax_mlp._hybrid.modes`), and the sharded call
-(:class:`~symjax_mlp._hybrid.mesh.DataParallel`: sharding is a setting of the one jit).
+:func:`~symjax_mlp.hybridize` makes one. The Hybrid is the one place where ``jax.jit`` is
+applied: one ``jax.jit`` object per Hybrid, its params flattened once. Its parts live in their
+own modules: call arguments (``args``), the trace log (``trace``), what the jit traces
+(``traced``), held state (``held``), nnx modes (``modes``) and the sharded call (``mesh``).
 """
 
 from __future__ import annotations
@@ -356,12 +352,9 @@ class Hybrid:
         """Stages the model on the inputs into a :class:`~symjax_mlp.Graph` (jaxpr, per layer).
 
         This stages the un-jitted function, so every layer shows; it is not counted in
-        :attr:`trace_count`, which counts the traces of the compiled path. Static settings
-        (``train=True``) are taken as in a call.
+        :attr:`trace_count`. Static settings (``train=True``) are taken as in a call.
         """
-        static, dyn, dyn_kw = partition(
-            args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
-        )
+        static, dyn, dyn_kw = self._split(args, kwargs, self.name)
         try:
             return self._traced.graph(self.name, static, self.params, self.state, dyn, dyn_kw)
         except TRACER_ERRORS as e:
@@ -370,17 +363,13 @@ class Hybrid:
     def training_mode(self, *args: Any, **kwargs: Any) -> tuple[str, ...]:
         """An nnx module's settings that hold it in training mode on these inputs.
 
-        The module's ``deterministic`` and ``use_running_average`` attributes that
-        ``module.eval()`` would flip, where flipping them changes the staged program (a call
-        that passes ``deterministic=`` itself is not held by them), as ``"path=value"``;
-        ``()`` in eval mode and for other models. An artifact or a batcher of such a model
-        would drop units with a fixed key and normalise each batch by its own statistics.
+        The ``deterministic`` and ``use_running_average`` attributes that ``module.eval()``
+        would flip, where flipping them changes the staged program, as ``"path=value"``;
+        ``()`` in eval mode and for other models.
         """
         if self._modes is None:
             return ()
-        static, dyn, dyn_kw = partition(
-            args, kwargs, self.static_argnums, self.static_argnames, caller=self.name
-        )
+        static, dyn, dyn_kw = self._split(args, kwargs, self.name)
         try:
             return self._modes.training(
                 lambda values: str(self._staged(static, dyn, dyn_kw, 0, values))
@@ -408,11 +397,13 @@ class Hybrid:
         self._log.add(callback)
         return callback
 
+    def _split(self, args: Any, kwargs: Any, caller: str) -> tuple[Any, Any, Any]:
+        """The call's static args, traced args and traced kwargs."""
+        return partition(args, kwargs, self.static_argnums, self.static_argnames, caller=caller)
+
     def _partition(self, args: Any, kwargs: Any, caller: str) -> tuple[Any, Any, Any]:
-        """The call's static key (with the module's settings), traced args and kwargs."""
-        static, dyn, dyn_kw = partition(
-            args, kwargs, self.static_argnums, self.static_argnames, caller=caller
-        )
+        """As :meth:`_split`, the static key with the module's settings added."""
+        static, dyn, dyn_kw = self._split(args, kwargs, caller)
         return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw
 
     def _staged(self, static: Any, dyn: Any, dyn_kw: Any, part: int, settings=None) -> Any:
