@@ -114,7 +114,7 @@ def test_cli_export_names_its_flag(tmp_path, capsys):
     capsys.readouterr()
     assert main(args) == 2  # the shell's fix is a flag, the library's a keyword
     err = capsys.readouterr().err
-    assert "already exists" in err and "Pass --overwrite" in err and "overwrite=True" not in err
+    assert "already exists" in err and "overwrite=True is --overwrite" in err  # message as written
     assert main([*args, "--overwrite"]) == 0
     capsys.readouterr()
     assert main(["export", str(tmp_path / "gpu"), "--platforms", "gpu"]) == 2
@@ -123,12 +123,12 @@ def test_cli_export_names_its_flag(tmp_path, capsys):
 
 
 def test_cli_train_export_names_its_flag(tmp_path, capsys):
-    """symjax-mlp train --export onto an existing artifact said "overwrite=True"; it is
-    refused before training, with the shell's flag."""
+    """symjax-mlp train --export onto an existing artifact is refused before training, the
+    library's message followed by the shell's flag."""
     path = str(tmp_path / "cli")
     assert main(["export", path, "--sizes", "3", "--in-features", "4"]) == 0
     capsys.readouterr()
     assert main(["train", "--epochs", "1", "--export", path, "--quiet"]) == 2
     out, err = capsys.readouterr()
-    assert "already exists" in err and "Pass --overwrite" in err and "overwrite=True" not in err
+    assert "already exists" in err and "overwrite=True is --overwrite" in err  # message as written
     assert "test accuracy" not in out  # refused before training
