@@ -1,16 +1,9 @@
 """Stage 5 of the flow: an artifact directory to a callable model, no model source needed.
 
-``load`` checks, in this order: the signature of every file (with ``verify_signature=``),
-then, before any bytes reach a deserializer, the manifest, the sha256 of every file, the
-format version, the platform, the device count, and the params against the manifest's param
-tree. Then it deserializes ``model.jaxexport`` (both runtimes: its module must be
-``model.mlirbc``'s) and checks the ops of that module (:mod:`symjax_mlp._artifact.ops`)
-before anything compiles it; a runtime (:mod:`symjax_mlp._runtimes`) then runs it through
-XLA (JAX) or compiles it with IREE, and :class:`Guard` bounds the module refined for each
-new input signature before it compiles (JAX: each VJP module too, when ``jax.grad`` first
-calls it; IREE: also the module refined for the self-test's shapes, before IREE compiles).
-Nothing here uses pickle or eval, and a failure of the program at a call is an
-``ArtifactError`` naming the artifact.
+Every check runs before the bytes it guards reach a parser or a compiler; :func:`load`'s
+docstring gives their order. A runtime (:mod:`symjax_mlp._runtimes`) then runs the module
+through XLA (JAX) or IREE, and :class:`Guard` bounds the module refined for each new input
+signature before it compiles. Nothing here uses pickle or eval.
 """
 
 from __future__ import annotations
@@ -64,14 +57,11 @@ def load(
     Checks, in this order: the signature of every file (with ``verify_signature``); then,
     before any bytes reach a deserializer, the manifest, the sha256 of every file, the format
     version, the platform, the device count, and the params against the manifest's param
-    tree; then that ``model.jaxexport`` agrees with the manifest and holds ``model.mlirbc``'s
-    module, and that module's ops (read in a child process), against an allow-list of what
-    MLPs export to: no custom calls but ``jax.export``'s own, no host callbacks, no loop of
-    more than a small constant trip count, bounded work. Only then does a runtime compile it,
-    checking the work of the module refined for each call's shapes first (JAX: also of each
-    VJP module, when ``jax.grad`` first calls it; IREE: also for the self-test's shapes,
-    before IREE compiles its one module for every batch). Nothing here uses pickle or eval.
-    An artifact from a stranger is a program from a stranger: see RELIABILITY.md.
+    tree; then that ``model.jaxexport`` holds ``model.mlirbc``'s module, and that module's
+    ops (read in a child process) against an allow-list of what MLPs export to. Only then
+    does a runtime compile it, bounding the work of the module refined for each call's
+    shapes first. An artifact from a stranger is a program from a stranger: see
+    RELIABILITY.md.
 
     Args:
       path: the artifact directory.
@@ -97,9 +87,7 @@ def load(
         (checked before any file is parsed; needs ``symjax_mlp[sign]``).
       params_as_constants: compile the weights into each program XLA builds for a call, as
         constants, instead of passing them to every call (JAX runtime, one device): for
-        serving, where a call's latency counts; see :func:`~symjax_mlp.hybridize`. The
-        weights of a loaded model never change, so nothing goes stale. The checks above are
-        the same: they read the artifact's module, which takes the weights as inputs.
+        serving, where a call's latency counts; see :func:`~symjax_mlp.hybridize`.
 
     Returns:
       A callable :class:`LoadedModel` with ``.signature`` and ``.manifest``.
@@ -277,16 +265,13 @@ _TOO_MUCH_WORK = (
 @dataclasses.dataclass(frozen=True)
 class Guard:
     """Checks a call's refined module before it compiles: at most ``MAX_WORK`` plus the
-    module's static work per input element (shapes computed from constants cannot hide a huge
-    tensor). The module is the program (``order=0``) or, when ``jax.grad`` first calls it for
-    some shapes, its VJP module of that order. A verdict that a module (by sha256) fits for
-    some input shapes is remembered per user.
+    module's static work per input element. The module is the program (``order=0``) or its
+    VJP module of that order. A verdict (by sha256 and input shapes) is remembered per user.
 
-    A runtime calls ``guard(refine, n_inputs, shapes)``: ``refine()`` gives the StableHLO
-    (and its MLIR context) with every shape refined to the call's, ``n_inputs`` the call's
-    input element count, ``shapes`` the ``(shape, dtype)`` of each input of the module.
-    Guards compare equal when they check the same file alike, so a runtime may share what it
-    compiled with one among loads of the same artifact.
+    A runtime calls ``guard(refine, n_inputs, shapes)``: ``refine()`` gives the refined
+    StableHLO and its MLIR context, ``n_inputs`` the call's input element count, ``shapes``
+    the ``(shape, dtype)`` of each input. Guards that check the same file alike compare
+    equal, so runtimes may share what they compiled among loads of the same artifact.
 
     Attributes:
       file: ``model.jaxexport``, for messages.

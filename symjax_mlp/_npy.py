@@ -2,15 +2,10 @@
 
 A ``.npy`` file is read without pickle, as one array (not an ``.npz`` archive), in this CPU's
 byte order. NumPy's format cannot name the ml_dtypes types JAX uses (bfloat16, the float8 and
-int4 types): it stores such an array as raw bytes of its itemsize, a plain void dtype (``|V2``
-for bfloat16), and reads it back as that. Reading for a model gives such bytes the dtype the
-model expects, bit for bit (:func:`npy_array`); nothing else is cast: a float32 file where
-bfloat16 is expected is refused, as a loaded model refuses a float32 array. Writing stores
-them the same way, and :func:`raw_dtype_notes` says how to read them back.
-
-``symjax-mlp run`` reads its inputs and writes its outputs here, :func:`~symjax_mlp.verify`'s
-fresh process reads its arrays with :func:`npy_array`, and the server reads a ``.npy`` request
-body with :func:`read_npy`.
+int4 types): it stores such an array as raw bytes of its itemsize (``|V2`` for bfloat16) and
+reads it back as that. Reading for a model gives such bytes the dtype the model expects, bit
+for bit (:func:`npy_array`); nothing else is cast, so a float32 file where bfloat16 is
+expected is refused. :func:`raw_dtype_notes` says how to read such outputs back.
 """
 
 from __future__ import annotations
@@ -71,12 +66,8 @@ def read_npy(
 def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
     """``x``, as read from a .npy file, given back the ``dtype`` that .npy cannot name.
 
-    NumPy writes an ml_dtypes array (bfloat16, the float8 and int4 types, as JAX uses them) to
-    .npy as raw bytes of its itemsize, a plain void dtype (``|V2`` for bfloat16), and reads it
-    back as that: ``np.load(f).view(ml_dtypes.bfloat16)`` is the way back. This does that view
-    when ``x`` is such a void array and ``dtype`` names an ml_dtypes type of the same itemsize;
-    the bytes are unchanged. Any other array comes back as it is, uncast, for the caller's
-    dtype check to accept or refuse (a float32 file stays float32).
+    A void array whose itemsize matches the ml_dtypes type ``dtype`` is viewed as it (the
+    bytes unchanged); any other array comes back as it is, uncast, for the caller to check.
 
     Example:
       >>> import io, ml_dtypes, numpy as np
@@ -92,11 +83,10 @@ def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
     import ml_dtypes
 
     kind = getattr(ml_dtypes, dtype, None)
-    if not (isinstance(kind, type) and issubclass(kind, np.generic)):
-        return x
-    if np.dtype(kind).itemsize != x.dtype.itemsize:
-        return x
-    return x.view(kind)
+    same_size = isinstance(kind, type) and issubclass(kind, np.generic)
+    if same_size and np.dtype(kind).itemsize == x.dtype.itemsize:
+        return x.view(kind)
+    return x
 
 
 def read_inputs(
