@@ -5,11 +5,9 @@ fsynced, then renamed into place (``renameat2`` on Linux: ``RENAME_NOREPLACE`` f
 directory, ``RENAME_EXCHANGE`` to replace one), so a reader sees the old version or the new
 one, never half of one, and a writer killed mid-way leaves the old version intact.
 
-Reading never follows a symbolic link, never blocks on a FIFO, and checks a file's size before
-reading a byte of it.
-
-:func:`write_file` is the documented test seam: the crash-safety tests replace it to kill a
-writer half-way through a file.
+Reading (one :class:`Reader` pass) never follows a symbolic link, never blocks on a FIFO, and
+checks a file's size before reading a byte of it. :func:`write_file` is the documented test
+seam: the crash-safety tests replace it to kill a writer half-way through a file.
 """
 
 from __future__ import annotations
@@ -69,85 +67,6 @@ def _open_regular(file: Path, error: type[SymjaxError]) -> int:
     return fd
 
 
-def read_regular(
-    file: Path,
-    *,
-    size: int | None = None,
-    limit: int | None = None,
-    sha256: str | None = None,
-    error: type[SymjaxError],
-) -> bytearray:
-    """Reads one regular file: never a link, FIFO or device, its size checked first.
-
-    The bytes go into one buffer of the file's size, read (and hashed) in chunks of
-    :data:`CHUNK`: reading a file takes its size in memory plus a chunk, never more.
-
-    Args:
-      file: the file.
-      size: the size it must have (a manifest's record), or ``None``.
-      limit: the most bytes it may have, or ``None``.
-      sha256: the hex sha256 it must have, or ``None``; compared before returning.
-      error: the :class:`~symjax_mlp.SymjaxError` subclass to raise.
-
-    Raises:
-      FileNotFoundError: ``file`` does not exist (callers say what that means).
-      SymjaxError: of type ``error``, for anything else that makes it unreadable.
-    """
-    fd = _open_regular(file, error)
-    try:
-        actual = _check_size(file, os.fstat(fd).st_size, size, limit, error)
-        try:
-            data = bytearray(actual)
-        except MemoryError:
-            raise error(
-                f"{file} has {actual:,} bytes, more than this process can hold in memory."
-            ) from None
-        view, digest, done = memoryview(data), hashlib.sha256(), 0
-        while done < actual:
-            n = os.readv(fd, [view[done : done + CHUNK]])
-            if n == 0:
-                break
-            digest.update(view[done : done + n])
-            done += n
-        extra = os.read(fd, 1)  # one read more than the size, to see it ends there
-        view.release()
-    except OSError as e:
-        raise error(f"{file} cannot be read: {e}") from e
-    finally:
-        os.close(fd)
-    if done != actual or extra:
-        raise error(f"{file} changed while it was read; read it again.")
-    if sha256 is not None:
-        _check_digest(file, digest.hexdigest(), sha256, actual, error)
-    return data
-
-
-def hash_regular(
-    file: Path, *, size: int | None = None, sha256: str | None = None, error: type[SymjaxError]
-) -> str:
-    """The sha256 of a regular file, read in chunks and never held: a chunk of memory.
-
-    Same checks as :func:`read_regular` (no link, FIFO or device; ``size`` and ``sha256``
-    compared), for files that are checked but not used.
-    """
-    fd = _open_regular(file, error)
-    digest, done = hashlib.sha256(), 0
-    try:
-        actual = _check_size(file, os.fstat(fd).st_size, size, None, error)
-        while chunk := os.read(fd, CHUNK):
-            digest.update(chunk)
-            done += len(chunk)
-    except OSError as e:
-        raise error(f"{file} cannot be read: {e}") from e
-    finally:
-        os.close(fd)
-    if done != actual:
-        raise error(f"{file} changed while it was read; read it again.")
-    if sha256 is not None:
-        _check_digest(file, digest.hexdigest(), sha256, actual, error)
-    return digest.hexdigest()
-
-
 class Reader:
     """One checked pass over a regular file: its bytes in order, hashed as they are read.
 
@@ -157,11 +76,13 @@ class Reader:
     that the file ended there and had the expected sha256.
     """
 
-    def __init__(self, file: Path, *, size: int | None, error: type[SymjaxError]) -> None:
+    def __init__(
+        self, file: Path, *, size: int | None, limit: int | None = None, error: type[SymjaxError]
+    ) -> None:
         self.file, self.error = file, error
         self.fd = _open_regular(file, error)
         try:
-            self.size = _check_size(file, os.fstat(self.fd).st_size, size, None, error)
+            self.size = _check_size(file, os.fstat(self.fd).st_size, size, limit, error)
         except BaseException:
             os.close(self.fd)
             raise
@@ -210,9 +131,51 @@ class Reader:
         return digest
 
 
-def sha256_file(file: Path, *, error: type[SymjaxError]) -> str:
-    """The sha256 of a regular file, read in bounded chunks (never a link or FIFO)."""
-    return hash_regular(file, error=error)
+def read_regular(
+    file: Path,
+    *,
+    size: int | None = None,
+    limit: int | None = None,
+    sha256: str | None = None,
+    error: type[SymjaxError],
+) -> bytearray:
+    """Reads one regular file: never a link, FIFO or device, its size checked first.
+
+    Reading takes the file's size in memory, in one buffer, and no more.
+
+    Args:
+      file: the file.
+      size: the size it must have (a manifest's record), or ``None``.
+      limit: the most bytes it may have, or ``None``.
+      sha256: the hex sha256 it must have, or ``None``; compared before returning.
+      error: the :class:`~symjax_mlp.SymjaxError` subclass to raise.
+
+    Raises:
+      FileNotFoundError: ``file`` does not exist (callers say what that means).
+      SymjaxError: of type ``error``, for anything else that makes it unreadable.
+    """
+    with Reader(file, size=size, limit=limit, error=error) as r:
+        try:
+            data = bytearray(r.size)
+        except MemoryError:
+            raise error(
+                f"{file} has {r.size:,} bytes, more than this process can hold in memory."
+            ) from None
+        r.readinto(memoryview(data))
+        r.finish(sha256)
+    return data
+
+
+def hash_regular(
+    file: Path, *, size: int | None = None, sha256: str | None = None, error: type[SymjaxError]
+) -> str:
+    """The sha256 of a regular file, checked as :func:`read_regular` checks it but read
+    through one chunk of memory: for files that are checked but not used."""
+    with Reader(file, size=size, error=error) as r:
+        chunk = memoryview(bytearray(min(CHUNK, r.size)))
+        while r.done < r.size:
+            r.readinto(chunk[: r.size - r.done])
+        return r.finish(sha256)
 
 
 def _check_size(
