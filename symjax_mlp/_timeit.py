@@ -1,17 +1,15 @@
 """Timing your own model against its floor: the same program, AOT-compiled and called bare.
 
 :func:`timeit` times a :class:`~symjax_mlp.Hybrid` or a :class:`~symjax_mlp.LoadedModel` on
-your inputs, and beside it the floor: the same function lowered and compiled ahead of time
-(``jax.jit(f).lower(...).compile()``) and the ``jax.stages.Compiled`` called directly, with
-no wrapper at all. What lies between the two is what the wrapper costs a call.
+your inputs, and beside it the floor: the same function compiled ahead of time
+(``jax.jit(f).lower(...).compile()``) and called directly. What lies between the two is what
+the wrapper costs a call.
 
-Each is timed two ways: *synced*, every call waited for (``jax.block_until_ready``), which is
-what a request answered on its own costs; and *pipelined*, one wait per repeat, after its
-last call, where the next call is dispatched while one runs. Everything is warmed up first;
-the four rows take turns, repeat after repeat (the order rotating), so that noise from other
-processes lands on all of them alike; each figure is per call, one per repeat (read the min
-for the cost, the median for the noise). ``symjax-mlp bench DIR`` runs it on an artifact.
-The project's own benchmark, with its tables and targets, is ``scripts/bench.py``.
+Each is timed *synced* (every call waited for: what a lone request costs) and *pipelined*
+(one wait per repeat, the next call dispatched while one runs). After a warm-up the four rows
+take turns, the order rotating each repeat, so that noise lands on all of them alike; each
+figure is seconds per call, one per repeat (read the min for the cost, the median for the
+noise). ``symjax-mlp bench DIR`` runs it on an artifact.
 """
 
 from __future__ import annotations
@@ -196,12 +194,10 @@ def timeit(
     """Times ``model(*args)`` against its floor: the same function, AOT-compiled, called bare.
 
     For a :class:`~symjax_mlp.Hybrid` the floor is ``jax.jit`` of its :attr:`fn` on its
-    variables (held as constants too when the Hybrid holds its params as constants); for a
-    :class:`~symjax_mlp.LoadedModel` it is the artifact's exported program, compiled for
-    ``args`` and called on the weights the artifact holds (the floor runs in JAX, whichever
-    runtime ``model`` uses). A stateful Hybrid carries its state across the timed calls; its
-    floor reads the same state every call. The inputs are placed on the device first: what
-    is timed is the call, not the copy.
+    variables (as constants when the Hybrid holds its params as constants); for a
+    :class:`~symjax_mlp.LoadedModel` it is the artifact's exported program run in JAX,
+    whichever runtime ``model`` uses. The inputs are placed on the device first: what is
+    timed is the call, not the copy.
 
     Args:
       model: a Hybrid (unsharded) or a LoadedModel (of one device).

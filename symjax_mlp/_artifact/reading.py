@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -100,11 +101,8 @@ class Artifact:
         """How often each op occurs in the program that runs, most frequent first.
 
         Counted in the StableHLO module of ``model.jaxexport`` (which must be the bytes of
-        ``model.mlirbc``, the module IREE runs), parsed with jaxlib's MLIR bindings, every op
-        of every region; not in ``model.mlir``, the text kept for people to read, which no
-        runtime uses.
-
-        ``entry`` names an entry point (default: the default one).
+        ``model.mlirbc``), every op of every region; not in ``model.mlir``, the text kept for
+        people to read. ``entry`` names an entry point (default: the default one).
 
         Raises:
           ArtifactError: a file changed since :func:`inspect`, or the two modules differ.
@@ -155,7 +153,7 @@ class Artifact:
     def __str__(self) -> str:
         m = self.manifest
         v = m["versions"]
-        n_values = sum(_numel(p.shape) for p in self.params)
+        n_values = sum(math.prod(map(int, p.shape)) for p in self.params)
         lines = [
             f"artifact   {self.path}  ({len(m['files']) + 1} files, {_kb(self.size_bytes)}; "
             f"format {m['format']} v{m['format_version']})",
@@ -217,13 +215,6 @@ def inspect(path: str | os.PathLike[str]) -> Artifact:
     path = Path(path)
     manifest, _ = read_artifact(path, keep=())
     return Artifact(path, freeze(manifest))
-
-
-def _numel(shape: tuple[int | str, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _kb(n: int) -> str:
@@ -290,9 +281,8 @@ def read_artifact(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Reads the manifest, then every file, checked; retried if ``path`` was replaced meanwhile.
 
-    An export swaps a whole new directory into ``path``. A reader that read the old manifest
-    and then a new file would see a checksum mismatch that is no corruption; the directory's
-    identity (its inode) tells the two apart, and the read starts over on the new artifact.
+    A reader that read the old manifest and then a new export's file would see a checksum
+    mismatch that is no corruption; the directory's inode tells the two apart.
     """
     for attempt in range(attempts):
         before = _identity(path)

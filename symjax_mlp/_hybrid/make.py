@@ -38,26 +38,22 @@ def hybridize(
       name: shown in trace logs and errors (default: the function or module class name).
       max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.
       static_argnums, static_argnames: arguments to treat as static even when they are
-        arrays (spelled as in ``jax.jit``, and, as there, completed from the model's
-        signature: a name is static when passed by place too). Python settings are static
-        anyway.
+        arrays, as in ``jax.jit`` (completed from the model's signature). Python settings
+        are static anyway.
       mutable: a linen model's collections that a call updates (default: every collection
         but ``"params"``, e.g. ``batch_stats``); held across calls.
       rngs: a linen model's rng streams: a key (the ``"dropout"`` stream), an int seed, or
         ``{"dropout": key, ...}``; split anew on every call.
       donate: donate the held state to each ``h(x)`` call, so XLA writes the new state into
-        its buffers (no effect on a stateless model). The Hybrid holds its own copy of the
-        state, made once, here: your variables (or nnx module) are never consumed. Arrays read
-        from :attr:`Hybrid.state` are valid until the next call; copy them to keep them.
-        :meth:`Hybrid.apply` never donates: its params and state are yours (and ``h.params``).
+        its buffers. The Hybrid holds its own copy of the state, so your variables are never
+        consumed; arrays read from :attr:`Hybrid.state` are valid until the next call.
+        :meth:`Hybrid.apply` never donates.
       params_as_constants: compile the params into ``h(x)``'s program as constants (as
         ``torch.jit.freeze`` does), instead of passing them to every call: for serving, where
-        a call's latency counts: a batch-1 call of the chapter MLP passes one array instead of
-        seven (the benchmark reports what that saves). The price: each compilation embeds a
-        copy of the params (slower to lower and compile, and held by the executable), which
-        suits models of megabytes, not gigabytes. ``h.apply(params, x)`` (for ``jax.grad``),
-        :meth:`Hybrid.graph`, ``h.eager`` and :func:`~symjax_mlp.export` are unchanged: they
-        take the params as inputs. Not with :meth:`Hybrid.shard`.
+        a call's latency counts. Each compilation then embeds a copy of the params, which
+        suits models of megabytes, not gigabytes. ``h.apply``, ``h.eager``,
+        :meth:`Hybrid.graph` and :func:`~symjax_mlp.export` still take the params as inputs.
+        Not with :meth:`Hybrid.shard`.
 
     Returns:
       A :class:`Hybrid`; ``h(x)`` is XLA-compiled, ``h.eager(x)`` imperative.
