@@ -22,7 +22,6 @@ The per-request overhead is kept small:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -31,14 +30,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
+from symjax_mlp._errors import ConfigError, OverloadError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._futures import AsyncRequest, RequestFuture, record_batch
 from symjax_mlp.serving._lane import Blocking, Lane, array_rows, claim, clock, tree_to_host
+from symjax_mlp.serving._requests import RequestCheck
 from symjax_mlp.serving._shapes import artifact_specs, bucket_sizes, example_specs
-from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats
+from symjax_mlp.serving._stats import BatcherStats
 
 _TRAINING = (
     "Batcher({name}): the nnx module is in training mode ({settings}: the mode a module is "
@@ -160,11 +160,7 @@ class Batcher:
         self.specs: tuple[TensorSpec, ...] = specs
         self.model = model
         lane = Lane(served, specs, self.buckets, max_queue)
-        self._ranks = [len(shape) + 1 for shape in lane.row_shapes]
-        # The NumPy shapes (a tuple of them for several inputs) that passed the check, with
-        # their rows; a request's dtypes must be these very objects to be looked up.
-        self._accepted: dict[Any, int] = {}
-        self._dtypes = tuple(lane.dtypes)
+        self._check = RequestCheck(self.name, specs, lane, self.max_batch).check
         # Per event loop, this pass's asubmit (None: several): see _end_of_pass.
         self._passes: dict[Any, AsyncRequest | None] = {}
         self._warm_up(lane)
@@ -196,105 +192,22 @@ class Batcher:
             lane.single = True
 
     # -- requests ----------------------------------------------------------------------------
-    def _check(self, inputs: tuple[Any, ...]) -> tuple[Sequence[Any], int]:
-        """The request's arrays and rows; NumPy inputs of a shape seen before are looked up."""
-        if len(inputs) == 1:
-            x = inputs[0]
-            if type(x) is np.ndarray and x.dtype is self._dtypes[0]:
-                rows = self._accepted.get(x.shape)
-                if rows is not None:
-                    return inputs, rows
-        elif all(type(x) is np.ndarray for x in inputs) and [x.dtype for x in inputs] == list(
-            self._dtypes
-        ):
-            rows = self._accepted.get(tuple([x.shape for x in inputs]))
-            if rows is not None:
-                return inputs, rows
-        return self._check_slow(inputs)
-
-    def _check_slow(self, inputs: tuple[Any, ...]) -> tuple[Sequence[Any], int]:
-        lane = self._lane
-        if len(inputs) != len(lane.dtypes):
-            self._reject("signature")
-            want = ", ".join(map(str, self.specs))
-            raise SignatureError(
-                f"{self.name}: a request takes {len(lane.dtypes)} input(s) ({want}); got "
-                f"{len(inputs)}. Call it as b({', '.join(s.path for s in self.specs)})."
-            )
-        arrays, rows, numpy = [], None, True
-        for x, shape, dtype, rank in zip(
-            inputs, lane.row_shapes, lane.dtypes, self._ranks, strict=True
-        ):
-            numpy = numpy and type(x) is np.ndarray
-            a = x if type(x) is np.ndarray else np.asarray(x)  # read on the host anyway
-            if (
-                a.ndim != rank
-                or a.shape[1:] != shape
-                or a.dtype != dtype
-                or not 0 < a.shape[0] <= self.max_batch
-                or (rows is not None and a.shape[0] != rows)
-            ):
-                self._reject("signature")
-                raise SignatureError(self._explain(len(arrays), a, rows))
-            rows = a.shape[0]
-            arrays.append(a)
-        if numpy:  # at most max_batch keys: only the rows may differ
-            shapes = tuple(a.shape for a in arrays)
-            self._accepted[shapes[0] if len(shapes) == 1 else shapes] = rows
-        return arrays, rows  # type: ignore[return-value]
-
-    def _explain(self, i: int, a: np.ndarray, rows: int | None) -> str:
-        spec, lane = self.specs[i], self._lane
-        want = f"{spec.type} with 1 <= b <= {self.max_batch} rows"
-        head = f"{self.name}: input {spec.path} has shape {a.shape} and dtype {a.dtype}, but a "
-        head += f"request takes {want}"
-        shape = lane.row_shapes[i]
-        if a.ndim != len(shape) + 1:
-            hint = (
-                "Add the batch dimension: x[None] (one row)."
-                if a.shape == shape
-                else f"Pass an array of rank {len(shape) + 1}."
-            )
-            return f"{head}: rank {a.ndim}, not {len(shape) + 1}. {hint}"
-        if a.shape[1:] != shape:
-            return f"{head}: each row is {a.shape[1:]}, not {shape}. Pass rows of shape {shape}."
-        if a.dtype != lane.dtypes[i]:
-            return f"{head}. Cast it: x.astype(np.{lane.dtypes[i]})."
-        if a.shape[0] < 1:
-            return f"{head}: it has no rows. Pass at least one row."
-        if a.shape[0] > self.max_batch:
-            return (
-                f"{head}: it has {a.shape[0]} rows. Split it into requests of at most "
-                f"{self.max_batch} rows, or make a Batcher with max_batch >= {a.shape[0]}."
-            )
-        return (
-            f"{head}: it has {a.shape[0]} rows but {self.specs[0].path} has {rows}; the inputs "
-            "of one request must have the same number of rows."
-        )
-
-    def _reject(self, reason: str) -> None:
-        with self._lane.lock:
-            self._lane.n.rejected[reason] += 1
-
-    def _closed_error(self) -> RuntimeError:
-        return RuntimeError(f"{self.name} is closed: it takes no more requests; make a new one.")
-
-    def _overload_error(self) -> OverloadError:
-        return OverloadError(
-            f"{self.name}: the queue is full ({self.max_queue} requests waiting, max_queue="
-            f"{self.max_queue}), so the request was refused, not queued. Retry it later, "
-            "send fewer requests at once, or make a Batcher with a larger max_queue."
-        )
-
     def _enqueue(self, request: Any, wake: bool = True) -> None:
         lane = self._lane
         with lane.lock:
             if lane.closing:
                 lane.n.rejected["closed"] += 1
-                raise self._closed_error()
+                raise RuntimeError(
+                    f"{self.name} is closed: it takes no more requests; make a new one."
+                )
             if len(lane.queue) >= lane.max_queue:
                 lane.n.rejected["overload"] += 1
-                raise self._overload_error()
+                raise OverloadError(
+                    f"{self.name}: the queue is full ({self.max_queue} requests waiting, "
+                    f"max_queue={self.max_queue}), so the request was refused, not queued. Retry "
+                    "it later, send fewer requests at once, or make a Batcher with a larger "
+                    "max_queue."
+                )
             lane.n.requests += 1
             lane.queue.append(request)
             if wake and lane.idle:  # nobody runs the lane: wake its thread (a runner checks)
@@ -450,27 +363,7 @@ class Batcher:
     @property
     def stats(self) -> BatcherStats:
         """A snapshot of the counters and timings (see :class:`BatcherStats`)."""
-        lane = self._lane
-        with lane.lock:
-            n = lane.n
-            n.fold()
-            return BatcherStats(
-                requests=n.requests + n.alone,
-                completed=n.completed,
-                failed=n.failed,
-                cancelled=n.cancelled,
-                rejected=sum(n.rejected.values()),
-                rejected_by=dict(n.rejected),
-                batches=n.batches,
-                batches_by_bucket=dict(n.by_bucket),
-                rows=n.rows,
-                padded_rows=n.padded_rows,
-                queue_depth=len(lane.queue),
-                busy=not lane.idle,
-                seconds=dict(n.seconds),
-                latency=tuple(zip(LATENCY_BUCKETS, itertools.accumulate(n.latency), strict=False)),
-                latency_sum=n.latency_sum,
-            )
+        return self._lane.stats()
 
     @property
     def closed(self) -> bool:

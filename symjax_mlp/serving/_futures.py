@@ -88,10 +88,7 @@ class AsyncRequest:
 class RequestFuture(SharedLockFuture):
     """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.
 
-    It works wherever a ``concurrent.futures.Future`` does (done callbacks,
-    ``concurrent.futures.wait`` and ``as_completed``, ``asyncio.wrap_future``). The futures
-    of one batcher share one lock: the batcher settles a whole batch under one acquire, and
-    wakes only the callers blocked in ``result()`` or ``exception()`` on this future.
+    It works wherever a ``concurrent.futures.Future`` does; see the module docstring.
 
     Attributes:
       timing: the request's :class:`RequestTiming`, set before the result (``None`` until

@@ -14,6 +14,7 @@ import bisect
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ import numpy as np
 from symjax_mlp import _compat as compat
 from symjax_mlp._compat import after_finish, finish_futures, start_future
 from symjax_mlp.serving._futures import AsyncRequest, RequestFuture, record_batch
-from symjax_mlp.serving._stats import Counters
+from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats, Counters
 
 _CANCELLED = "the batcher was closed with cancel=True"
 _FOLD_EVERY = 4096  # batches counted before they are folded into the stats
@@ -266,6 +267,29 @@ class Lane:
                 parts.append(np.zeros((bucket - rows, *self.row_shapes[i]), dtype))
             inputs.append(np.concatenate(parts))
         return inputs
+
+    def stats(self) -> BatcherStats:
+        """A snapshot of the counters and timings."""
+        with self.lock:
+            n = self.n
+            n.fold()
+            return BatcherStats(
+                requests=n.requests + n.alone,
+                completed=n.completed,
+                failed=n.failed,
+                cancelled=n.cancelled,
+                rejected=sum(n.rejected.values()),
+                rejected_by=dict(n.rejected),
+                batches=n.batches,
+                batches_by_bucket=dict(n.by_bucket),
+                rows=n.rows,
+                padded_rows=n.padded_rows,
+                queue_depth=len(self.queue),
+                busy=not self.idle,
+                seconds=dict(n.seconds),
+                latency=tuple(zip(LATENCY_BUCKETS, itertools.accumulate(n.latency), strict=False)),
+                latency_sum=n.latency_sum,
+            )
 
     def close(self, cancel: bool) -> None:
         with self.lock:

@@ -1,26 +1,14 @@
 """Latency mode: JAX's CPU calls run on the calling thread, not handed to a dispatch thread.
 
 By default JAX's CPU client dispatches every call asynchronously: the call returns a future
-array at once and a runtime thread runs the program; ``block_until_ready`` then waits for
-that thread. For throughput that overlaps Python with compute. For one request at a time it
-is a thread hand-off per call, often more than the small program itself. The switch
-(``jax_cpu_enable_async_dispatch``) is read once, when JAX starts its CPU backend, so it must
-be set before the first computation; :func:`latency_mode` sets it, and refuses when it is too
-late rather than silently doing nothing. It also makes XLA's CPU matmuls single-threaded
-(``--xla_cpu_multi_thread_eigen=false`` in ``XLA_FLAGS``, also read when the backend starts):
-handing a batch-1 matvec to Eigen's thread pool and waiting for it costs more than the second
-core gains, and a call then runs on its caller's thread from start to finish, as PyTorch's
-fastest per-request mode (one thread) does. Measured on the chapter MLP, 2-core CPU, synced
-batch-1 calls: p50 about 15% lower, p10 about 25% lower; batch 64 no slower. The library
-never sets either by itself: only you, or the ``symjax-mlp serve`` and ``python scripts/bench.py
---serving`` entry points, do.
-
-What else sits on a batch-1 call's path (measured by ``python scripts/bench.py --serving``):
-the Python wrapper (a :class:`~symjax_mlp.Hybrid` sorts static from traced arguments, a
-:class:`~symjax_mlp.LoadedModel` checks its signature once per shape), the copy of a NumPy
-input to the device and of the result back (pass device arrays to skip them; a
-:class:`~symjax_mlp.serving.Batcher` pays them once per batch), and the program itself.
-On a GPU the flag changes nothing: kernels are always queued on a stream.
+array at once and a runtime thread runs the program. That overlaps Python with compute, but
+for one request at a time it is a thread hand-off per call, often more than the small program
+itself. :func:`latency_mode` turns it off and also makes XLA's CPU matmuls single-threaded
+(handing a batch-1 matvec to Eigen's thread pool costs more than the second core gains), so a
+call runs on its caller's thread from start to finish. Both settings are read once, when JAX
+starts its CPU backend, so the switch refuses when it comes too late rather than silently
+doing nothing. The library never sets them by itself; ``symjax-mlp serve`` does. On a GPU
+the setting changes nothing: kernels are always queued on a stream.
 """
 
 from __future__ import annotations
@@ -37,9 +25,6 @@ _EIGEN = "--xla_cpu_multi_thread_eigen"  # XLA_FLAGS; a value the user set there
 
 def dispatch_mode() -> str:
     """``"sync"`` when JAX's CPU calls run on the calling thread, else ``"async"``.
-
-    It reads the setting; after :func:`latency_mode` succeeded, that is what the CPU backend
-    does.
 
     Example:
       >>> import symjax_mlp as sm
@@ -60,10 +45,8 @@ def latency_mode() -> None:
         import symjax_mlp as sm
         sm.serving.latency_mode()   # before the first jnp.ones, sm.load, h(x), ...
 
-    Equivalently: ``jax.config.update("jax_cpu_enable_async_dispatch", False)`` and
-    ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`` at the same point. ``symjax-mlp serve``
-    does this for you (``--dispatch async`` opts out). A call that finds the mode already in
-    force is a no-op.
+    ``symjax-mlp serve`` does this for you. A call that finds the mode already in force is a
+    no-op.
 
     Raises:
       RuntimeError: JAX's backend already started with asynchronous dispatch; the setting
