@@ -19,12 +19,10 @@ from symjax_mlp._files import MANIFEST, read_regular
 
 FORMAT = "symjax_mlp.artifact"
 FORMAT_VERSION = 1
-JAXEXPORT, MLIRBC, MLIR, PARAMS = (
-    "model.jaxexport",
-    "model.mlirbc",
-    "model.mlir",
-    "params.safetensors",
-)
+JAXEXPORT = "model.jaxexport"
+MLIRBC = "model.mlirbc"
+MLIR = "model.mlir"
+PARAMS = "params.safetensors"
 SELFTEST = "selftest.safetensors"
 CORE_FILES = (JAXEXPORT, MLIRBC, MLIR, PARAMS)
 PROGRAM_FILES = (JAXEXPORT, MLIRBC, MLIR)  # what each entry point has of its own
@@ -37,19 +35,9 @@ MAX_CONSTRAINT_CHARS = 256
 MAX_DEPTH = 32  # JSON nesting of a manifest; json.loads reads deeper than Python recursion
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _REQUIRED = (
-    "format",
-    "format_version",
-    "name",
-    "created",
-    "versions",
-    "platforms",
-    "nr_devices",
-    "calling_convention_version",
-    "signature",
-    "params",
-    "mlir_arguments",
-    "files",
-)
+    "format", "format_version", "name", "created", "versions", "platforms", "nr_devices",
+    "calling_convention_version", "signature", "params", "mlir_arguments", "files",
+)  # fmt: skip
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -296,12 +284,8 @@ def _show(value: Any) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` with every character a terminal could act on escaped (``\\x1b``, ``\\u202e``).
-
-    Control characters (escape sequences, carriage returns, backspaces), and the other
-    characters Python's ``repr`` escapes (bidirectional overrides, ...), are shown as their
-    escapes: a manifest from a stranger can print nothing but text.
-    """
+    """``text`` with every character a terminal could act on (``\\x1b``, ``\\u202e``) shown as
+    its ``repr`` escape: a manifest from a stranger can print nothing but text."""
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
@@ -347,10 +331,9 @@ def entry_view(manifest: Mapping[str, Any], name: str | None = None) -> dict[str
 
 
 def program_file(view: Mapping[str, Any], role: str) -> str | None:
-    """The file an entry point keeps as ``role`` (``model.jaxexport``, ``selftest.safetensors``
-    ...): the default entry point's are those names themselves, and so is a file every entry
-    point shares (``params.safetensors``). ``None``: the entry point has no such file (only
-    its self-test is optional)."""
+    """The file an entry point keeps as ``role`` (``model.jaxexport``, ...): for the default
+    entry point, and for a shared file (``params.safetensors``), the role's name itself;
+    ``None`` where the entry point has no such file (only its self-test is optional)."""
     files = view.get("program_files")
     if files is None or role not in _ENTRY_ROLES:
         return role

@@ -1,24 +1,20 @@
 """What an artifact's program may do: the ops, custom calls, loops and work a loader allows.
 
-``jax.export`` checks custom-call targets and host callbacks when a model is *exported*; a
-loader that takes an artifact from someone else must check the module itself, before anything
-compiles it. :mod:`~symjax_mlp._artifact.walk` reads what the module does (a
+A loader that takes an artifact from someone else must check the module itself, before
+anything compiles it. :mod:`~symjax_mlp._artifact.walk` reads what the module does (a
 :class:`ModuleReport`), in the child process of :mod:`~symjax_mlp._artifact.checker`;
 :func:`check` then refuses, unless the caller allows it by name:
 
 - an op outside :data:`ALLOWED_OPS` (what MLPs, the model zoo, sharded and multi-platform
-  exports use: derived by exporting each of them and collecting their ops);
+  exports use);
 - a ``custom_call`` other than those ``jax.export`` itself emits (:data:`JAX_CUSTOM_CALLS`):
-  LAPACK and GPU kernels read and write buffers the module sizes, and a host callback refers
-  to a Python function of the process that exported it (``allow={"custom_call:NAME"}``);
-- a ``while`` loop unless its trip count is a constant of at most :data:`MAX_LOOP_TRIPS` (a
-  counter from a constant, compared ``<`` a constant, incremented by a constant: what
-  ``fori_loop`` and JAX's own PRNG emit); others may never end (``allow={"while"}``);
-- recursion between functions (the inliner would never finish, or overflow its stack);
+  native kernels and host callbacks (``allow={"custom_call:NAME"}``);
+- a ``while`` loop unless its trip count is a constant of at most :data:`MAX_LOOP_TRIPS`
+  (``allow={"while"}``);
+- recursion between functions;
 - more than :data:`MAX_WORK` element operations, or a tensor of more than
-  :data:`MAX_ELEMENTS` elements, counting dynamic (batch) dimensions as 1 and multiplying by
-  loop trip counts and call counts: a few kB of module can ask for hours of compute
-  (``allow={"compute"}``).
+  :data:`MAX_ELEMENTS` elements, counting dynamic dimensions as 1 and multiplying by trip
+  and call counts (``allow={"compute"}``).
 
 ``trust=True`` skips all of it (for artifacts you made, or trust as you trust code).
 """

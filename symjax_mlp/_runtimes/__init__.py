@@ -7,11 +7,6 @@ A runtime is a module with these functions, called by :func:`~symjax_mlp.load`:
 - ``check_program(path, report)`` (optional) refuses a program whose ops it cannot run,
   from the :class:`~symjax_mlp._artifact.ops.ModuleReport` of the module that runs;
 - ``runner(path, manifest, blobs, params, *, exported, guard) -> (run, weights)`` returns
-  ``run(inputs) -> [array, ...]`` and the weights it runs with. ``exported`` is the
-  deserialized ``model.jaxexport``, checked (:func:`symjax_mlp._runtimes.jax.deserialize`)
-  to hold the very module of ``model.mlirbc``; ``guard`` (``None`` when trusted) checks each
-  call's refined module before it compiles.
-
-``jax`` runs the ``jax.export`` module through XLA; ``iree`` compiles ``model.mlirbc`` with
-IREE (JAX only refines a new input signature's shapes, once, for the loader's check).
+  ``run(inputs) -> [array, ...]`` and the weights it runs with; ``guard`` (``None`` when
+  trusted) checks each call's refined module before it compiles.
 """

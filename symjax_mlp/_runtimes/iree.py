@@ -1,17 +1,13 @@
 """Run an artifact with IREE instead of JAX: ``load(path, runtime="iree")``.
 
-``model.mlirbc`` (the ``jax.export`` StableHLO module, unchanged) is compiled by
-``iree.compiler`` for ``llvm-cpu`` with ``--iree-llvmcpu-target-cpu=host`` and run by
-``iree.runtime``. Before it compiles, the loader deserializes ``model.jaxexport`` and checks
-that ``model.mlirbc`` is its module (as for the JAX runtime), and checks that module's ops
-(:mod:`symjax_mlp._artifact.ops`). What running it takes, found by reading the module and
-IREE's input conversion:
+``model.mlirbc`` (the ``jax.export`` StableHLO module, unchanged, checked by the loader as for
+the JAX runtime) is compiled by ``iree.compiler`` for ``llvm-cpu`` with
+``--iree-llvmcpu-target-cpu=host`` and run by ``iree.runtime``. What running it takes:
 
 - The symbolic batch dimension stays dynamic (``tensor<?x512xf32>``); IREE compiles it as is.
-- ``jax.export`` guards symbolic dimensions with ``stablehlo.custom_call @shape_assertion``;
-  IREE's StableHLO input pipeline erases those calls, so IREE does not check shapes. This
-  module checks them itself, with the artifact's :class:`~symjax_mlp.Signature`,
-  before every call (a batch of 0 is rejected here, not by IREE).
+- IREE's StableHLO input pipeline erases ``jax.export``'s ``@shape_assertion`` calls, so this
+  module checks shapes itself, with the artifact's :class:`~symjax_mlp.Signature`, before
+  every call.
 - A multi-platform export takes a leading ``i32`` platform index (``main(%platform_index,
   ...)``) and ``stablehlo.case``-switches on it; we pass the index of ``"cpu"``. An export
   without ``"cpu"`` may hold accelerator-only lowerings and is refused.
@@ -20,19 +16,16 @@ IREE's input conversion:
 - JAX's CPU custom calls (LAPACK ``lapack_*_ffi`` for ``jnp.linalg``) and sharded or
   effectful exports have no IREE lowering: they raise :class:`~symjax_mlp.ArtifactError`,
   never a silent fallback to JAX.
-- IREE's compiler folds shapes computed from constants and evaluates constant tensors while
-  it compiles: a dynamic shape that only becomes static there (a ``dynamic_iota`` of a
-  constant shape) would be built in the compiler's memory, unseen by the static op check.
-  So the loader's per-call bound (:class:`symjax_mlp._load.Guard`) is applied to the module
-  JAX refines for the self-test's input shapes before IREE compiles it (a shape IREE can
-  fold is the same for every batch), and, as for the JAX runtime, for each new input
-  signature before IREE runs it (a shape that grows with the batch).
+- IREE's compiler folds shapes computed from constants while it compiles, so a huge tensor
+  could be built in the compiler's memory, unseen by the static op check. The loader's
+  per-call bound (:class:`symjax_mlp._load.Guard`) is therefore applied to the module refined
+  for the self-test's shapes before IREE compiles it, and to each new input signature
+  before IREE runs it.
 
-The compiled ``.vmfb`` is cached in a per-user cache directory (:func:`cache_dir`), under a
-name keyed by the sha256 of ``model.mlirbc``, the IREE version, the target and this host's
-CPU, written atomically with its own sha256 (a damaged entry is compiled again, never run).
-Compiled code is never read from the artifact directory: a file planted there is never
-executed.
+The compiled ``.vmfb`` is cached in a per-user directory (:func:`cache_dir`), keyed by the
+sha256 of ``model.mlirbc``, the IREE version, the target and this host's CPU, and stored
+with its own sha256 (a damaged entry is compiled again, never run). Compiled code is never
+read from the artifact directory.
 """
 
 from __future__ import annotations
@@ -112,11 +105,8 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
 
 
 def cache_dir() -> Path:
-    """Where compiled ``.vmfb`` files are cached: a per-user directory, never the artifact.
-
-    ``$XDG_CACHE_HOME/symjax_mlp/iree`` (default ``~/.cache/symjax_mlp/iree``), the same
-    convention JAX, pip and IREE's own tools follow.
-    """
+    """Where compiled ``.vmfb`` files are cached: ``$XDG_CACHE_HOME/symjax_mlp/iree``
+    (default ``~/.cache/symjax_mlp/iree``), never the artifact."""
     return cache_dir_of("iree")
 
 
@@ -154,8 +144,7 @@ def check_program(file: Path, report: Any) -> None:
 def _compile(file: Path, mlirbc: bytes, *, cached: bool = True) -> bytes:
     """Returns the ``.vmfb`` for ``mlirbc``: from the user's cache, else compiled and cached."""
     ic, _ = _modules()
-    # The cache is keyed by the module's own sha256 (computed here, not read from the
-    # manifest) and lives in a per-user directory: compiled code never comes from the artifact.
+    # keyed by the module's own sha256, computed here, not read from the manifest
     cache = cache_dir() / vmfb_cache_key(sha256(mlirbc))
     if cached:
         with contextlib.suppress(OSError):  # an entry is "<sha256 hex>\n<vmfb>"
@@ -187,11 +176,9 @@ def runner(
     custom_calls: Any = None,
 ) -> tuple[Callable[[list[Any]], list[np.ndarray]], dict[str, np.ndarray]]:
     """Compiles (or reuses) the ``.vmfb`` and returns ``run(inputs) -> [np.ndarray, ...]``
-    and the weights. ``exported`` (checked to hold ``model.mlirbc``) is not run, only
-    refined by JAX for ``guard`` (``None`` when trusted): IREE compiles the dynamic module
-    once, after ``guard`` passed it refined for the self-test's input shapes; each new input
-    signature is checked by ``guard`` before IREE runs it. ``custom_calls``: the targets the
-    module calls (``check_program`` allowed none that matters), for JAX's lowering."""
+    and the weights. ``exported`` is not run, only refined by JAX for ``guard`` (``None``
+    when trusted), as the module docstring says; ``custom_calls``: the targets the module
+    calls, for JAX's lowering."""
     _, ir = _modules()
     config = ir.Config(DRIVER)
     name = program_file(manifest, MLIRBC)

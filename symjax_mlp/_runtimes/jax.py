@@ -1,18 +1,13 @@
 """Run an artifact with JAX: ``load(path)`` (the default runtime).
 
 ``model.jaxexport`` is deserialized with ``jax.export.deserialize`` (flatbuffers, no pickle),
-checked against the manifest and ``model.mlirbc`` (names, shapes, dtypes, trees, platforms,
-devices, the StableHLO bytes), and called through one ``jax.jit`` of ``Exported.call``, with
-the params as a dict of device arrays keyed by param path (the module's own input tree names
-them, so weights are bound by name). XLA compiles once per input shape, and a module loaded
-again in the same process (same sha256) reuses the compilations. An artifact exported for
-N > 1 devices runs under the caller's mesh of N devices, else a mesh of the first N.
-
-Before JAX lowers an exported CPU module it sets up its LAPACK kernels, which imports
-``scipy.linalg``, a part of a cold start paid even by a module that calls none of them. When
-the op check shows that a module calls no LAPACK kernel, the set-up is skipped while this
-thread compiles it (:func:`symjax_mlp._compat.skipping_lapack`); every other lowering gets it
-as before.
+checked against the manifest and ``model.mlirbc``, and called through one ``jax.jit`` of
+``Exported.call``, with the params as a dict of device arrays keyed by param path (weights
+are bound by name). XLA compiles once per input shape, and a module loaded again in the same
+process (same sha256) reuses the compilations. An artifact exported for N > 1 devices runs
+under the caller's mesh of N devices, else a mesh of the first N. A module that the op check
+shows calls no LAPACK kernel compiles without JAX's LAPACK set-up
+(:func:`symjax_mlp._compat.skipping_lapack`).
 """
 
 from __future__ import annotations
@@ -100,17 +95,12 @@ def runner(
 ) -> tuple[Callable[[list[Any]], list[Any]], dict[str, Any]]:
     """Returns ``run(inputs) -> [jax.Array, ...]`` and the weights it runs with (on device).
 
-    ``guard(refine, n, shapes)``, unless None, is called once per new input signature
-    (``shapes``; ``n``: the inputs' element count) before XLA compiles it, and may refuse it;
-    ``refine()`` gives the StableHLO with every shape refined to the call's. ``jax.grad`` of
-    the call runs the VJP modules ``exported`` carries: each is checked the same way, by
-    ``guard(refine, n, shapes, order=k)``, when a gradient first calls it for some shapes
-    (:func:`_vjp_checked`), before JAX lowers it. ``guard`` must be hashable: loads of one
-    module share the compilations of one jitted call where their guards are equal.
-    ``custom_calls``: the targets the module (and its VJPs) call, as the op check found them,
-    or ``None``; a module known to call no LAPACK kernel compiles without JAX's LAPACK set-up.
-    ``constants``: run a jit that closes over the weights (XLA constants), not one taking them;
-    the guard still refines the module that takes them.
+    ``guard`` (a :class:`symjax_mlp._load.Guard`, or ``None``) checks each new input
+    signature before XLA compiles it, and each VJP module when ``jax.grad`` first calls it
+    (:func:`_vjp_checked`); loads whose guards are equal share one jitted call.
+    ``custom_calls``: the targets the module calls, or ``None``. ``constants``: run a jit
+    that closes over the weights (XLA constants); the guard still checks the module that
+    takes them.
     """
     key = manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"]
     vjp_guard = guard if guard is not None and exported.has_vjp() else None
@@ -237,10 +227,9 @@ def _vjp_checked(
     ``guard`` for the shapes ``jax.grad`` calls it with, before JAX lowers it; and so on for
     each higher order.
 
-    ``jax.export`` differentiates ``Exported.call`` with a ``custom_vjp`` whose backward pass
-    calls ``module.vjp()`` on the primal inputs and output cotangents; this is the same rule,
-    with the check first. ``n_inputs``: the element count of the loaded model's own inputs
-    (default: those of ``module``'s inputs after the first, its params).
+    This is ``jax.export``'s own ``custom_vjp`` rule, with the check first. ``n_inputs``: the
+    element count of the loaded model's own inputs (default: ``module``'s inputs but its
+    params).
     """
     if not module.has_vjp():
         return module.call
@@ -292,10 +281,8 @@ def _check_agrees(
 ) -> None:
     """Checks the deserialized module against the manifest and ``model.mlirbc``.
 
-    Each file's checksum only proves that file is what the manifest recorded; this proves the
-    files belong together: the module takes the listed params (by name), inputs and outputs
-    (shapes and dtypes), on the listed platforms and devices, and is the very StableHLO of
-    ``model.mlirbc`` (so both runtimes run one program).
+    Checksums prove each file is what the manifest recorded; this proves the files belong
+    together, and that both runtimes run one program.
     """
     sig = manifest["signature"]
     n_dev = manifest["nr_devices"]
