@@ -1,12 +1,10 @@
 """One entry point of an export: a :class:`~symjax_mlp.Hybrid` staged for ``jax.export``.
 
 :func:`stage` checks what is exported (inference mode, positional array inputs, one path per
-param), turns the example into ``jax.export`` input structs (a symbolic batch, or shape specs
-in one scope) and picks what is stored (params and state; typed rng keys baked in as
-constants). :func:`export_program` runs ``jax.export`` on it, the params a dict keyed by path,
-with no source location of this machine in the module, and reads back its
-:class:`~symjax_mlp._artifact.signature.Signature`. :mod:`symjax_mlp._export` writes the
-artifact around them.
+param), turns the example into ``jax.export`` input structs and picks what is stored (params
+and state; typed rng keys baked in as constants). :func:`export_program` runs ``jax.export``
+on it, the params a dict keyed by path, and reads back its
+:class:`~symjax_mlp._artifact.signature.Signature`.
 """
 
 from __future__ import annotations
@@ -216,11 +214,9 @@ def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def sharded(params: Any, *inputs: Any, **kw: Any) -> Any:
         params = jax.lax.with_sharding_constraint(params, rep)
-        arrays = [i for i, x in enumerate(inputs) if hasattr(x, "shape")]
-        placed = jax.lax.with_sharding_constraint([inputs[i] for i in arrays], dat)
-        inputs = list(inputs)
-        for i, x in zip(arrays, placed, strict=True):
-            inputs[i] = x
+        arrays = [x for x in inputs if hasattr(x, "shape")]
+        placed = iter(jax.lax.with_sharding_constraint(arrays, dat))
+        inputs = [next(placed) if hasattr(x, "shape") else x for x in inputs]
         return jax.lax.with_sharding_constraint(fn(params, *inputs, **kw), dat)
 
     return sharded

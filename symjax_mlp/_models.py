@@ -20,28 +20,10 @@ from symjax_mlp._errors import ConfigError
 
 #: Elementwise activations from :mod:`jax.nn` that a :class:`Dense` layer accepts by name.
 ACTIVATIONS: tuple[str, ...] = (
-    "celu",
-    "elu",
-    "gelu",
-    "hard_sigmoid",
-    "hard_silu",
-    "hard_swish",
-    "hard_tanh",
-    "leaky_relu",
-    "log_sigmoid",
-    "mish",
-    "relu",
-    "relu6",
-    "selu",
-    "sigmoid",
-    "silu",
-    "soft_sign",
-    "softplus",
-    "sparse_plus",
-    "squareplus",
-    "swish",
-    "tanh",
-)
+    "celu", "elu", "gelu", "hard_sigmoid", "hard_silu", "hard_swish", "hard_tanh", "leaky_relu",
+    "log_sigmoid", "mish", "relu", "relu6", "selu", "sigmoid", "silu", "soft_sign", "softplus",
+    "sparse_plus", "squareplus", "swish", "tanh",
+)  # fmt: skip
 
 
 def activation(name: str | None) -> Callable[[jax.Array], jax.Array]:

@@ -49,15 +49,10 @@ def parse(mlirbc: bytes, *, file: Path) -> Any:
 def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
     """Walks every op of the module in ``mlirbc``; see :mod:`symjax_mlp._artifact.ops`.
 
-    The bytes are read by StableHLO's bytecode reader, native code that a crafted module
-    can crash (a single flipped bit did, with SIGSEGV): so they are read, and walked, in a
-    child process (:class:`Checker`), and only a module that reads there is ever read here.
-    A crash or a hang of the child is an :class:`ArtifactError`.
-
-    A module read before, in any process of this user, is not read again: its report is
-    cached in ``~/.cache/symjax_mlp/ops`` under the sha256 of its bytes and of this checker
-    (so a new symjax_mlp or jaxlib reads every module afresh): a later cold start starts no
-    checker process for it.
+    The bytes are read and walked in the child process (see the module docstring); a crash
+    or a hang of the child is an :class:`ArtifactError`. A report is cached in
+    ``~/.cache/symjax_mlp/ops`` under the sha256 of the module and of this checker, so a
+    module read once by this user is not read again.
     """
     data = bytes(mlirbc)
     cache = cache_dir("ops") / _cache_key(sha256(data))

@@ -11,8 +11,6 @@ A batch that does not divide by the number of shards is padded and the result tr
 inference pads by repeating the last row (outputs must be per-example, with the batch as
 leading dimension, which is checked), training pads with weight ``0`` (a weighted loss ignores
 those rows exactly). ``pad=False`` raises :class:`~symjax_mlp.SignatureError` instead.
-:class:`DataParallel` is a sharded Hybrid's call: its shardings, its traced function's output
-check, and the placing, padding and trimming of each call's batch.
 """
 
 from __future__ import annotations

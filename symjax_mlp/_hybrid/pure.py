@@ -152,11 +152,8 @@ def nnx_module(module: Any) -> tuple:
     ``use_running_average`` whatever their value), which ``module.train()``, ``eval()`` and
     ``set_attributes`` change, are read from ``module`` itself by :attr:`PureModel.settings`;
     a Hybrid keys its traces on them, and a call runs with them. Its state, once split, is
-    the Hybrid's.
-
-    A call runs each submodule under ``jax.named_scope`` of its attribute path (``"dense"``,
-    ``"hidden/0"``), as linen does with its module names, so that :attr:`Graph.by_layer` and
-    the HLO's op names show the layers; the module is a fresh merge, private to the call.
+    the Hybrid's. A call names each submodule's ops by its attribute path, as linen does
+    (:func:`symjax_mlp._compat.layer_scopes`).
     """
     from flax import nnx
 
