@@ -2,7 +2,7 @@
 
 Paths join the param tree's keys with ``/`` (``params/layers_0/kernel``). Tensors are written
 with safetensors' raw serializer, so the common dtypes, bfloat16 included, round-trip, and read
-back by a strict reader of the format (:func:`read_safetensors`): views of the file's bytes,
+back by a strict reader of the format (:func:`decode_params`): views of the file's bytes,
 never a copy, never pickle.
 """
 
@@ -110,35 +110,22 @@ def decode_params(
     Raises:
       SymjaxError: of type ``error`` (:class:`ArtifactError` by default), naming ``file``.
     """
-    tensors, _ = read_safetensors(data, file=file, error=error)
-    return tensors
-
-
-MAX_TENSORS = MAX_PARAMS
-MAX_HEADER_BYTES = 100_000_000  # the safetensors package's own limit
-_ST_ITEMSIZE = {k: v.itemsize for k, v in _ST_DTYPES.items()}
-
-
-def read_safetensors(
-    data: bytes | bytearray,
-    *,
-    file: Path | str,
-    error: type[SymjaxError] = ArtifactError,
-    max_tensors: int = MAX_TENSORS,
-) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """``(tensors, metadata)`` of safetensors bytes (views of ``data``); see
-    :func:`decode_params`."""
     n = len(data)
     if n < 8:
         raise _bad(file, error, f"it has {n} bytes, fewer than the 8 of its header length")
     size = int.from_bytes(data[:8], "little")
     _check_header_size(file, error, size, n)
-    entries, metadata = _parse_header(bytes(data[8 : 8 + size]), n, file, error, max_tensors)
+    entries, _ = _parse_header(bytes(data[8 : 8 + size]), n, file, error, MAX_TENSORS)
     out = {}
     for begin, _, name, dtype, shape, count in entries:
         a = np.frombuffer(data, _ST_DTYPES[dtype], count=count, offset=8 + size + begin)
         out[name] = _frozen(a.reshape(shape))
-    return out, metadata
+    return out
+
+
+MAX_TENSORS = MAX_PARAMS
+MAX_HEADER_BYTES = 100_000_000  # the safetensors package's own limit
+_ST_ITEMSIZE = {k: v.itemsize for k, v in _ST_DTYPES.items()}
 
 
 def read_safetensors_file(

@@ -52,13 +52,11 @@ class Hybrid:
 
     Attributes:
       fn: the pure inference function ``fn(variables, *args, **kwargs) -> out`` (see
-        :attr:`variables`), or the function given to :func:`~symjax_mlp.hybridize`; what
-        :func:`~symjax_mlp.export` exports.
+        :attr:`variables`); what :func:`~symjax_mlp.export` exports.
       params: what gradients are taken of: a linen model's variables without its mutable
         collections, an nnx module's ``Param`` values, or the params given.
       state: what calls carry forward (read-only; ``{}`` when stateless): a linen model's
-        mutable collections and rng streams (``state["rngs"]``), or an nnx module's other
-        variables (batch statistics, rng keys and counts).
+        mutable collections and rng streams, or an nnx module's other variables.
       name: shown in trace logs and errors.
       stateful: whether calls carry state.
       max_traces: the trace budget, or ``None``.
@@ -67,8 +65,7 @@ class Hybrid:
       mesh: the ``jax.sharding.Mesh`` the batch is split over, or ``None`` (one device).
       axis: the mesh axis the batch is split over; ``n_shards`` is its size.
       pad: pad a batch that does not divide over the shards, and trim the result.
-      __signature__: the model's inputs, its params dropped, so that ``inspect.signature(h)``
-        reads what ``h(...)`` takes (``None`` where the model has no readable signature).
+      __signature__: the model's inputs, its params dropped (``inspect.signature(h)``).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -190,8 +187,7 @@ class Hybrid:
         ``compiled``, ``mesh``, ``axis``, ``pad``, ``static_argnums``, ``static_argnames``,
         ``donate``, ``params_as_constants``).
 
-        The new Hybrid has its own trace log (a new compiled program) and shares the
-        ``on_trace`` callbacks.
+        The new Hybrid has its own trace log and shares the ``on_trace`` callbacks.
 
         Example:
           >>> import jax.numpy as jnp
@@ -219,10 +215,9 @@ class Hybrid:
     def snapshot(self) -> Hybrid:
         """This Hybrid as it runs now, whatever happens to its model later.
 
-        An nnx module's settings are fixed as they are now (``module.train()`` later does not
-        switch the result), and a donating Hybrid's state is copied into buffers that no call
-        of ``self`` consumes. Returns ``self`` when neither applies. What a
-        :class:`~symjax_mlp.serving.Batcher` serves.
+        An nnx module's settings are fixed as they are now, and a donating Hybrid's state is
+        copied into buffers that no call of ``self`` consumes. Returns ``self`` when neither
+        applies. What a :class:`~symjax_mlp.serving.Batcher` serves.
 
         Example:
           >>> import jax.numpy as jnp
