@@ -296,42 +296,35 @@ class SharedLockFuture(concurrent.futures.Future):
         self._waiters: list[Any] = []  # concurrent.futures.wait()'s
         self._done_callbacks: list[Callable[[Any], Any]] = []
 
-    def _wait(self, timeout: float | None) -> str:
-        """Waits (at most ``timeout`` s) for a final state; returns the state."""
+    def _wait(self, timeout: float | None) -> None:
+        """Waits (at most ``timeout`` s) until it finished; raises if cancelled or timed out."""
         state = self._state
-        if GIL and state in _DONE:  # settled: _result and _exception were set first
-            return state
-        with self._condition:
-            if self._state not in _DONE:
-                if self._wake is None:
-                    self._wake = threading.Condition(self._condition)
-                self._wake.wait_for(lambda: self._state in _DONE, timeout)
-            return self._state
+        if not (GIL and state in _DONE):  # else settled: _result and _exception were set first
+            with self._condition:
+                if self._state not in _DONE:
+                    if self._wake is None:
+                        self._wake = threading.Condition(self._condition)
+                    self._wake.wait_for(lambda: self._state in _DONE, timeout)
+                state = self._state
+        if state != FINISHED:
+            raise concurrent.futures.CancelledError() if state in _DONE else TimeoutError()
 
     def result(self, timeout: float | None = None) -> Any:
         if not self._shared:
             return super().result(timeout)
-        state = self._wait(timeout)
-        if state == FINISHED:
-            if self._exception is not None:
-                try:
-                    raise self._exception
-                finally:
-                    self = None  # as concurrent.futures does: no reference cycle
-            return self._result
-        if state in _DONE:
-            raise concurrent.futures.CancelledError()
-        raise TimeoutError()
+        self._wait(timeout)
+        if self._exception is not None:
+            try:
+                raise self._exception
+            finally:
+                self = None  # as concurrent.futures does: no reference cycle
+        return self._result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._shared:
             return super().exception(timeout)
-        state = self._wait(timeout)
-        if state == FINISHED:
-            return self._exception
-        if state in _DONE:
-            raise concurrent.futures.CancelledError()
-        raise TimeoutError()
+        self._wait(timeout)
+        return self._exception
 
     def cancel(self) -> bool:
         if not self._shared:

@@ -78,10 +78,8 @@ def load(
         trust as you trust code you run (an artifact is a program; see RELIABILITY.md).
       allow: what the program may do beyond an MLP's ops, by name, e.g.
         ``{"custom_call:lapack_spotrf_ffi"}`` (``jnp.linalg``), ``{"while"}`` (a loop whose
-        trip count is not a small constant), ``{"compute"}`` (more than ~4e9 element
-        operations per call beyond the batch). By default every op is checked against an
-        allow-list of what MLPs export to, before anything compiles; a refusal names what
-        to allow.
+        trip count is not a small constant), ``{"compute"}`` (more work than a model's);
+        a refusal names what to allow.
       verify_signature: the PEM file of a public key: refuse the artifact unless every file
         in its directory is what that key's owner signed with :func:`~symjax_mlp.sign`
         (checked before any file is parsed; needs ``symjax_mlp[sign]``).

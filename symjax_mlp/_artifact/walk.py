@@ -16,24 +16,13 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from symjax_mlp._artifact.ops import (
-    ALLOWED_DIALECTS,
-    ALLOWED_OPS,
-    HOST_CALLBACKS,
-    JAX_CUSTOM_CALLS,
-    MAX_ELEMENTS,
-    MAX_LOOP_TRIPS,
-    MAX_OPS,
-    MAX_WORK,
-    ModuleReport,
-    Problem,
-)
+from symjax_mlp._artifact import ops
 from symjax_mlp._errors import ArtifactError
 
 _INT_MAX = (1 << 31) - 1
 
 
-def analyze_module(module: Any, *, file: Path | str = "the module") -> ModuleReport:
+def analyze_module(module: Any, *, file: Path | str = "the module") -> ops.ModuleReport:
     """:func:`analyze` of an ``ir.Module`` already parsed (in its context)."""
     try:
         return _Walk(module).report()
@@ -56,22 +45,22 @@ class _Walk:
         self.module = module
         self.counts: collections.Counter[str] = collections.Counter()
         self.custom: collections.Counter[str] = collections.Counter()
-        self.problems: dict[tuple[str, str], Problem] = {}
+        self.problems: dict[tuple[str, str], ops.Problem] = {}
         self.funcs: dict[str, dict[str, Any]] = {}  # name -> {"work", "ops", "calls"}
         self.n_modules = 0
 
-    def report(self) -> ModuleReport:
+    def report(self) -> ops.ModuleReport:
         self._op(self.module.operation, None, 1)
         if self.n_modules != 1:
             self._problem("module", f"{self.n_modules} nested modules")
         work = self._inline()
-        if work > MAX_WORK:
+        if work > ops.MAX_WORK:
             self._problem(
                 "compute",
                 f"about {work:.3g} element operations per call beyond the batch (at most "
-                f"{MAX_WORK:.3g}): compiling or running it could take hours",
+                f"{ops.MAX_WORK:.3g}): compiling or running it could take hours",
             )
-        return ModuleReport(
+        return ops.ModuleReport(
             dict(self.counts.most_common()),
             dict(self.custom.most_common()),
             work,
@@ -79,7 +68,7 @@ class _Walk:
         )
 
     def _problem(self, key: str, what: str) -> None:
-        self.problems.setdefault((key, what), Problem(key, what))
+        self.problems.setdefault((key, what), ops.Problem(key, what))
 
     def _op(self, op: Any, func: dict[str, Any] | None, mult: int) -> None:
         name = op.name
@@ -96,7 +85,7 @@ class _Walk:
             if func["ops"]:
                 self._problem("module", f"two functions named @{fname}")
             mult = 1
-        elif name not in ALLOWED_OPS and not name.startswith(ALLOWED_DIALECTS):
+        elif name not in ops.ALLOWED_OPS and not name.startswith(ops.ALLOWED_DIALECTS):
             self._problem(_short(name), f"the op {name}")
         if func is not None:
             func["ops"] += 1  # inlining copies a loop body once, not once per iteration
@@ -104,13 +93,13 @@ class _Walk:
         if name == "stablehlo.custom_call":
             target = _str_attr(op, "call_target_name") or "?"
             self.custom[target] += 1
-            if target in HOST_CALLBACKS:
+            if target in ops.HOST_CALLBACKS:
                 self._problem(
                     f"custom_call:{target}",
                     f"a host callback ({target}): it calls a Python function of the process "
                     "that exported the model, which here is no function or another one",
                 )
-            elif target not in JAX_CUSTOM_CALLS:
+            elif target not in ops.JAX_CUSTOM_CALLS:
                 self._problem(
                     f"custom_call:{target}",
                     f"custom_call @{target}: a native kernel that reads and writes buffers of "
@@ -129,10 +118,11 @@ class _Walk:
             trips = _trip_count(op)
             if trips is None:
                 self._problem("while", "a while loop whose trip count is not a constant")
-                trips = MAX_LOOP_TRIPS
-            elif trips > MAX_LOOP_TRIPS:
+                trips = ops.MAX_LOOP_TRIPS
+            elif trips > ops.MAX_LOOP_TRIPS:
                 self._problem(
-                    "while", f"a while loop of {trips:,} iterations (at most {MAX_LOOP_TRIPS:,})"
+                    "while",
+                    f"a while loop of {trips:,} iterations (at most {ops.MAX_LOOP_TRIPS:,})",
                 )
             inner = mult * max(trips, 1)
         for region in op.regions:
@@ -209,9 +199,10 @@ class _Walk:
     def _cost(self, op: Any) -> int:
         sizes = [_elements(v.type) for v in (*op.operands, *op.results)]
         for n in sizes:
-            if n > MAX_ELEMENTS:
+            if n > ops.MAX_ELEMENTS:
                 self._problem(
-                    "compute", f"a tensor of {n:,} elements in {op.name} (at most {MAX_ELEMENTS:,})"
+                    "compute",
+                    f"a tensor of {n:,} elements in {op.name} (at most {ops.MAX_ELEMENTS:,})",
                 )
         cost = max(sizes, default=1)
         if op.name == "stablehlo.dot_general" and op.results:
@@ -254,10 +245,10 @@ class _Walk:
             )
         roots = [n for n in self.funcs if not any(n == c for f in self.funcs.values()
                                                   for c, _ in f["calls"])]  # fmt: skip
-        ops = sum(total_ops[n] for n in roots)
-        if ops > MAX_OPS:
+        n_ops = sum(total_ops[n] for n in roots)
+        if n_ops > ops.MAX_OPS:
             self._problem(
-                "compute", f"{ops:,} ops once every call is inlined (at most {MAX_OPS:,})"
+                "compute", f"{n_ops:,} ops once every call is inlined (at most {ops.MAX_OPS:,})"
             )
         return sum(total_work[n] for n in roots)
 
