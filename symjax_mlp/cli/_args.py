@@ -139,7 +139,7 @@ def writable(path: str, option: str, *, overwrite: bool) -> None:
         ) from None
 
 
-def add_trust_options(p: argparse.ArgumentParser, key: bool = True) -> None:
+def add_trust_options(p: argparse.ArgumentParser) -> None:
     """``--allow OP`` (repeatable), ``--trust`` and ``--key PEM``: what ``load()`` takes as
     ``allow=``, ``trust=True`` and ``verify_signature=``."""
     p.add_argument(
@@ -155,8 +155,7 @@ def add_trust_options(p: argparse.ArgumentParser, key: bool = True) -> None:
         action="store_true",
         help="skip the program checks, as load(trust=True): only for artifacts you made",
     )
-    if key:
-        p.add_argument("--key", help="a PEM public key: refuse unless every file is signed by it")
+    p.add_argument("--key", help="a PEM public key: refuse unless every file is signed by it")
 
 
 def load_options(args: argparse.Namespace) -> dict:

@@ -61,19 +61,3 @@ def epochs_progress(epochs: int, *, quiet: bool) -> Iterator[Callable[[Any], Non
             bar.update(task, completed=r.epoch, description=line(r))
 
         yield update
-
-
-@contextlib.contextmanager
-def status(message: str, *, quiet: bool = False) -> Iterator[None]:
-    """A spinner with ``message`` on a terminal while a long call runs (a line otherwise)."""
-    if quiet:
-        yield
-        return
-    if not sys.stderr.isatty():
-        print(f"{message} ...", file=sys.stderr, flush=True)
-        yield
-        return
-    from rich.console import Console
-
-    with Console(stderr=True).status(message):
-        yield

@@ -2,20 +2,16 @@
 
 Three bounds, as nginx sets them:
 
-- ``max_body_bytes``: one body larger than this is refused (413) as soon as its
-  ``Content-Length``, or the bytes received, pass it.
+- ``max_body_bytes``: a larger body is refused (413) as soon as its ``Content-Length``, or
+  the bytes received, pass it.
 - ``body_timeout``: the most seconds between two reads of one body (nginx's
-  ``client_body_timeout``, 60 s). A client that promises a body and goes quiet is answered
-  408 and its connection closed; what it had sent is freed.
-- ``max_inflight_bytes``: the most bytes all bodies being received, decoded and run may hold
-  together. A chunk that would pass it is refused (503, ``Retry-After``): a crowd of slow
-  clients holds at most this much, and the server stays up for the others.
+  ``client_body_timeout``); a client that goes quiet is answered 408 and its connection closed.
+- ``max_inflight_bytes``: the most bytes all bodies in flight may hold together; a chunk that
+  would pass it is refused (503, ``Retry-After``), so a crowd of slow clients cannot take the
+  server down.
 
-How many connections may be open at once is uvicorn's ``limit_concurrency`` (see
-:func:`~symjax_mlp.serving.serve`); idle keep-alive connections close after uvicorn's
-``timeout_keep_alive``.
-
-All of it runs on the server's one event loop, so the shared count needs no lock.
+Connection limits are uvicorn's (``limit_concurrency``, ``timeout_keep_alive``). All of it
+runs on the server's one event loop, so the shared count needs no lock.
 """
 
 from __future__ import annotations
