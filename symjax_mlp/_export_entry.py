@@ -24,6 +24,7 @@ from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
 from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
 from symjax_mlp._specs import TensorSpec, shape_dims
 
@@ -176,7 +177,7 @@ def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:
     """
     tree, fn = h.variables, h.fn
     leaves, treedef = jax.tree.flatten(tree)
-    keys = {i: x for i, x in enumerate(leaves) if _is_key(x)}
+    keys = {i: x for i, x in enumerate(leaves) if is_key(x)}
     if not keys:
         return tree, fn
     stored = jax.tree.unflatten(treedef, [None if i in keys else x for i, x in enumerate(leaves)])
@@ -199,11 +200,6 @@ def _callbacks(fn: Callable[..., Any], *args: Any) -> list[str]:
         return []
     names = {eqn.primitive.name for eqn, _ in walk(jaxpr.jaxpr)}
     return sorted(n for n in names if "callback" in n)
-
-
-def _is_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:

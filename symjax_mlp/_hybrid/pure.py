@@ -220,7 +220,7 @@ def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:
     for name, key in streams.items():
         if isinstance(key, int) and not isinstance(key, bool):
             streams[name] = jax.random.key(key)
-        elif not (hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
+        elif not is_key(key):
             raise ConfigError(
                 f"hybridize(rngs=...): stream {name!r} is a {type(key).__name__}; pass a typed "
                 "key (jax.random.key(0)) or an int seed, or a dict {'dropout': key, ...}."
@@ -228,7 +228,8 @@ def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:
     return streams
 
 
-def _is_key(leaf: Any) -> bool:
+def is_key(leaf: Any) -> bool:
+    """Whether ``leaf`` is a typed rng key (``jax.random.key``)."""
     dtype = getattr(leaf, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
@@ -236,7 +237,7 @@ def _is_key(leaf: Any) -> bool:
 def state_structure(state: Any) -> tuple[Any, tuple[str | None, ...]]:
     """The state's treedef and, per leaf, its rng key impl (``None``: not a key)."""
     leaves, treedef = jax.tree.flatten(state)
-    return treedef, tuple(jax.random.key_impl(leaf) if _is_key(leaf) else None for leaf in leaves)
+    return treedef, tuple(jax.random.key_impl(leaf) if is_key(leaf) else None for leaf in leaves)
 
 
 def unwrap_keys(leaves: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
