@@ -332,7 +332,7 @@ def test_apply_returns_the_new_state_of_a_stateful_model_and_holds_nothing():
     chex.assert_trees_all_close(out, ref_out, **TOL)
     chex.assert_trees_all_close(new["batch_stats"], ref_updates["batch_stats"], **TOL)
     # the pure form chains: feeding the new state back gives the second step
-    out2, _ = h.apply(h.params, x, train=True, state=new)
+    out2, _ = h.apply_with_state(h.params, new, x, train=True)
     ref2, _ = model.apply({**variables, **ref_updates}, x, train=True, mutable=["batch_stats"])
     chex.assert_trees_all_close(out2, ref2, **TOL)
 
@@ -422,7 +422,7 @@ def test_apply_of_a_donating_hybrid_consumes_nothing_it_is_given():
     h, plain = case.hybridize(donate=True), case.hybridize()
     x = case.inputs(0)[0]
     out, state = h.apply(h.params, x, train=True)  # the README's pure form
-    h.apply(h.params, x, train=True, state=state)  # consumes neither
+    h.apply_with_state(h.params, state, x, train=True)  # consumes neither
     assert _deleted(h.params) == [] and _deleted(state) == [] and _deleted(h.state) == []
     want, want_state = plain.apply(plain.params, x, train=True)
     chex.assert_trees_all_close((out, state), (want, want_state), **TOL)

@@ -6,7 +6,7 @@ timed, interleaved and synced per call, as
 
 - ``hybrid``: ``h(x, train=True)``, the state held by the Hybrid;
 - ``h.apply``: the Hybrid's compiled pure function, the state passed in and returned by the
-  caller (``h.apply(params, x, state=state)``): the same program as ``hybrid`` (on CPU a
+  caller (``h.apply_with_state(params, state, x)``): the same program as ``hybrid`` (on CPU a
   Hybrid lowers threefry unrolled), so the two rows differ only by holding the state; the
   ratio column is against it;
 - ``by hand``: one ``jax.jit`` of the same pure function, the state carried by the caller, as
@@ -48,11 +48,12 @@ def _carried(step: Callable[..., tuple[Any, Any]], fixed: Any, state: Any, x: ja
 
 
 def _carried_apply(h: Hybrid, x: jax.Array, **kw: Any) -> Callable[[], Any]:
-    """``() -> out`` of ``h.apply(h.params, x, state=state)``, the state carried by the caller."""
+    """``() -> out`` of ``h.apply_with_state(h.params, state, x)``, the state carried by the
+    caller."""
     cell = [h.state]
 
     def call() -> Any:
-        out, cell[0] = h.apply(h.params, x, state=cell[0], **kw)
+        out, cell[0] = h.apply_with_state(h.params, cell[0], x, **kw)
         return out
 
     return call

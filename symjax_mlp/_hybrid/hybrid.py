@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid import mesh as _mesh
+from symjax_mlp._hybrid import objects
 from symjax_mlp._hybrid import rng as _rng
 from symjax_mlp._hybrid.args import partition
 from symjax_mlp._hybrid.graph import Graph
@@ -33,6 +34,11 @@ _FROZEN = (
     "{name}: a Hybrid is a frozen result (like jax.stages.Compiled): its {field!r} cannot be "
     "assigned, because the compiled program and the eager path would then disagree. Write "
     "h = h.replace({field}=...) for a new Hybrid with the new value."
+)
+_STATELESS = (
+    "{caller}(params, state, ...): the model is stateless (it carries nothing between calls), "
+    "so there is no state to pass. Call {name}.apply(params, *args, **kwargs); a keyword of "
+    "your own (state=...) reaches the model as any keyword does."
 )
 #: what replace() takes besides params and state, as the Hybrid's attributes
 _SETTINGS = (
@@ -252,6 +258,7 @@ class Hybrid:
         if not self.compiled:
             return self.eager(*args, **kwargs)
         static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
+        given = objects.given(dyn, dyn_kw, self.name, sharded=self._parallel is not None)
         try:
             if self._parallel is not None:
                 held = self._held if self.stateful else None
@@ -259,16 +266,24 @@ class Hybrid:
                     self._jitted, static, self._leaves, held, dyn, dyn_kw, self._sees_rows
                 )
             if not self.stateful:
-                return self._jitted(static, self._leaves, *dyn, **dyn_kw)
-            return self._call_held(static, dyn, dyn_kw)
+                out = self._jitted(static, self._leaves, *dyn, **dyn_kw)
+                if not given:
+                    return out
+                out, new = out
+                objects.write_back(given, new)
+                return out
+            return self._call_held(static, dyn, dyn_kw, given)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
 
-    def _call_held(self, static: Any, dyn: Any, dyn_kw: Any) -> Any:
-        """A stateful call: the held state passed, and the new state held, under its lock."""
+    def _call_held(self, static: Any, dyn: Any, dyn_kw: Any, given: Any = ()) -> Any:
+        """A stateful call: the held state passed, and the new state held, under its lock;
+        the nnx Variables ``given`` in the inputs set as the call left them."""
         with self._held.lock:
-            out, held = self._jitted(static, self._leaves, self._held.leaves, dyn, dyn_kw)
+            out, held, *new = self._jitted(static, self._leaves, self._held.leaves, dyn, dyn_kw)
             self._held.hold(held)
+        if given:
+            objects.write_back(given, new[0])
         return out
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
@@ -284,12 +299,14 @@ class Hybrid:
                 self._held.hold(self._held.flatten(state))
         return out
 
-    def apply(self, params: Any, *args: Any, state: Any = None, **kwargs: Any) -> Any:
+    def apply(self, params: Any, /, *args: Any, **kwargs: Any) -> Any:
         """The compiled pure function, for ``jax.grad`` and optax: ``h.apply(h.params, x)``.
 
         Traced visibly (``entry="apply"`` in :attr:`trace_log`, counted against
         ``max_traces``). A stateless model returns ``out``. A stateful one returns
-        ``(out, new_state)``, from ``state`` (default: :attr:`state`), and holds nothing.
+        ``(out, new_state)``, from :attr:`state`, and holds nothing; to carry the state
+        yourself, see :meth:`apply_with_state`. Every keyword goes to the model (an equinox
+        style ``state=`` too). nnx objects given (an ``Rngs``) come back mutated, as eagerly.
 
         Example:
           >>> import jax, jax.numpy as jnp
@@ -298,16 +315,45 @@ class Hybrid:
           >>> jax.grad(lambda p: h.apply(p, jnp.ones(3)).sum())(h.params)
           {'w': Array(3., dtype=float32)}
         """
-        static, dyn, dyn_kw = self._partition(args, kwargs, f"{self.name}.apply")
+        out, new_state = self._apply_pure(f"{self.name}.apply", params, self.state, args, kwargs)
+        return (out, new_state) if self.stateful else out
+
+    def apply_with_state(self, params: Any, state: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`apply` of a stateful model from ``state``: ``(out, new_state)``, for a loop
+        that carries the state itself (as Haiku's ``apply(params, state, ...)``).
+
+        Raises:
+          ConfigError: the model is stateless (use :meth:`apply`).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import symjax_mlp as sm
+          >>> from flax import nnx
+          >>> h = sm.hybridize(nnx.BatchNorm(2, rngs=nnx.Rngs(0)))
+          >>> out, state = h.apply_with_state(h.params, h.state, jnp.ones((3, 2)))
+          >>> out, state = h.apply_with_state(h.params, state, jnp.ones((3, 2)))
+          >>> sorted(state)
+          ['mean', 'var']
+        """
+        caller = f"{self.name}.apply_with_state"
+        if not self.stateful:
+            raise ConfigError(_STATELESS.format(caller=caller, name=self.name))
+        return self._apply_pure(caller, params, state, args, kwargs)
+
+    def _apply_pure(self, caller: str, params: Any, state: Any, args: Any, kwargs: Any) -> Any:
+        """``(out, new_state)`` of the compiled pure function; given nnx objects written back."""
+        static, dyn, dyn_kw = self._partition(args, kwargs, caller)
+        given = objects.given(dyn, dyn_kw, caller)
         if self._apply is None:  # never donating: params and state are the caller's
             jitted = self._jit(self._traced.apply, static_argnums=0)
             object.__setattr__(self, "_apply", jitted)
-        state = self.state if state is None else state
         try:
-            out, new_state = self._apply(static, params, state, dyn, dyn_kw)
+            out, new_state, *new = self._apply(static, params, state, dyn, dyn_kw)
         except TRACER_ERRORS as e:
             raise control_flow_error(self.name, e) from e
-        return (out, new_state) if self.stateful else out
+        if given:
+            objects.write_back(given, new[0])
+        return out, new_state
 
     def hybridize(self, active: bool = True) -> Hybrid:
         """Returns a twin whose ``__call__`` is compiled (``True``) or eager (``False``).

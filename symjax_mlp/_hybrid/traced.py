@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from symjax_mlp._hybrid import objects
 from symjax_mlp._hybrid.args import rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.held import HeldState
@@ -73,24 +74,29 @@ class TracedModel:
         else:  # a baked call closes over the params: JAX stages them as constants
             baked = self.constants is not None
             params = jax.tree.unflatten(self.treedef, self.constants if baked else leaves)
+        given = objects.variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
         result = self.call(static, params, state, dyn, dyn_kw)
         self.log.commit(event)
-        return result
+        return (*result, objects.values(given)) if given else result
 
     def stateless(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:
-        """``h(x)`` of a stateless model: the output."""
-        return self.run(static, leaves, self.held.tree, dyn, dyn_kw, "call")[0]
+        """``h(x)`` of a stateless model: the output (and the values of the nnx Variables it
+        was given, if any: ``(out, values)``)."""
+        out, _, *given = self.run(static, leaves, self.held.tree, dyn, dyn_kw, "call")
+        return (out, *given) if given else out
 
     def stateful(
         self, static: Any, leaves: list[Any], held: list[Any], dyn: Any, dyn_kw: Any
     ) -> Any:
-        """``h(x)`` of a stateful model: the output and the new state, flat."""
+        """``h(x)`` of a stateful model: the output and the new state, flat (and the values
+        of the nnx Variables it was given, if any)."""
         state = self.held.unflatten(held)
-        out, new_state = self.run(static, leaves, state, dyn, dyn_kw, "call")
-        return out, self.held.flatten(new_state)
+        out, new_state, *given = self.run(static, leaves, state, dyn, dyn_kw, "call")
+        return out, self.held.flatten(new_state), *given
 
     def apply(self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any) -> Any:
-        """``h.apply(params, x)``: the output and the new state, as trees."""
+        """``h.apply(params, x)``: the output and the new state, as trees (and the values of
+        the nnx Variables it was given, if any)."""
         return self.run(static, params, state, dyn, dyn_kw, "apply")
 
     def graph(

@@ -49,9 +49,9 @@ _TRAINING = (
 
 def _inference(h: Hybrid, example: Any) -> Any:
     """What a batcher calls for ``h``: ``h`` itself, or for a stateful Hybrid its inference
-    with the state it holds now (``h.apply``: serving never moves ``h``'s state, and a
-    batch's result does not depend on the batches before it); an nnx module's mode is the
-    one it has now, whatever the module is switched to later."""
+    with the state it holds now (``h.apply_with_state``: serving never moves ``h``'s state,
+    and a batch's result does not depend on the batches before it); an nnx module's mode is
+    the one it has now, whatever the module is switched to later."""
     arrays = example if isinstance(example, tuple) else (example,)
     training = h.training_mode(*arrays)
     if training:
@@ -62,7 +62,7 @@ def _inference(h: Hybrid, example: Any) -> Any:
     params, state = h.params, h.state
 
     def inference(*xs: Any) -> Any:
-        return h.apply(params, *xs, state=state)[0]
+        return h.apply_with_state(params, state, *xs)[0]
 
     inference.__name__ = h.name
     return inference

@@ -1,0 +1,255 @@
+"""What the user passes in is theirs: nnx objects mutated by a call, and their own keywords.
+
+Models written as Flax's guides and MNIST tutorial write them (an ``nnx.Rngs`` passed to
+``__call__``, a ``Variable`` or a sub-module mutated inside), and an equinox-style function
+whose state is its own ``state=`` keyword. Each compiled path must leave the outputs and the
+passed objects exactly as eager nnx (or the plain function) does.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import symjax_mlp as sm
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+CALLS = 3
+
+
+class DropoutGuide(nnx.Module):
+    """Flax's dropout guide / MNIST tutorial: the rngs passed to ``__call__``."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(5, 16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs: nnx.Rngs):
+        x = self.dropout(nnx.relu(self.linear(x)), rngs=rngs)
+        return nnx.Dropout(0.25)(x, rngs=rngs)  # one made in the call, drawing from rngs too
+
+
+class NormedDropout(nnx.Module):
+    """As the dropout guide, with BatchNorm: a stateful model (the Hybrid holds its
+    statistics) given the caller's rngs."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(5, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs: nnx.Rngs):
+        return self.dropout(nnx.relu(self.norm(self.linear(x))), rngs=rngs)
+
+
+class Count(nnx.Variable):
+    pass
+
+
+class Counted(nnx.Module):
+    """A counter the caller owns, mutated in ``__call__``."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(5, 3, rngs=rngs)
+
+    def __call__(self, x, counter: Count):
+        counter[...] += 1
+        return self.linear(x) * counter[...]
+
+
+class Headed(nnx.Module):
+    """A sub-module passed in: its BatchNorm statistics move on every call in train mode."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(5, 4, rngs=rngs)
+
+    def __call__(self, x, head: nnx.Module):
+        return head(self.linear(x))
+
+
+def _x(seed=0):
+    return jax.random.normal(jax.random.key(seed), (4, 5), jnp.float32)
+
+
+def _runs(make_model, make_objects, call):
+    """Runs ``call(fn, x, objects)`` CALLS times with a compiled Hybrid, its eager path, its
+    apply, and the plain module, each on its own model and objects; returns each run's
+    outputs and objects after."""
+    runs = {}
+    for how in ("compiled", "eager", "apply", "flax"):
+        model, objects = make_model(), make_objects()
+        if how == "flax":
+            fn = model
+        else:
+            h = sm.hybridize(model)
+            fn = {"compiled": h, "eager": h.eager}.get(how)
+            if how == "apply":
+
+                def fn(*args, h=h, **kwargs):
+                    out = h.apply(h.params, *args, **kwargs)
+                    return out[0] if h.stateful else out
+
+        outs = [call(fn, _x(i), objects) for i in range(CALLS)]
+        runs[how] = (outs, objects)
+    return runs
+
+
+def _assert_same(runs, state_of):
+    want_outs, want_objects = runs["flax"]
+    for how in ("compiled", "eager", "apply"):
+        outs, objects = runs[how]
+        chex.assert_trees_all_close(outs, want_outs, **TOL, custom_message=how)
+        chex.assert_trees_all_close(
+            state_of(objects), state_of(want_objects), **TOL, custom_message=how
+        )
+
+
+def _rng_state(rngs):
+    return {"count": rngs.default.count[...], "key": jax.random.key_data(rngs.default.key[...])}
+
+
+@pytest.mark.parametrize("by", ["place", "keyword"])
+def test_rngs_passed_to_call_advances_as_in_eager_nnx(by):
+    def call(fn, x, rngs):
+        return fn(x, rngs) if by == "place" else fn(x, rngs=rngs)
+
+    runs = _runs(lambda: DropoutGuide(nnx.Rngs(0)), lambda: nnx.Rngs(7), call)
+    _assert_same(runs, _rng_state)
+    outs, rngs = runs["compiled"]
+    assert int(rngs.default.count[...]) == 2 * CALLS  # two dropouts per call
+    masks = [np.asarray(o != 0) for o in outs]
+    assert not all((m == masks[0]).all() for m in masks[1:])  # a new mask every call
+
+
+def test_rngs_passed_to_a_stateful_models_call_advances_as_in_eager_nnx():
+    runs = _runs(lambda: NormedDropout(nnx.Rngs(0)), lambda: nnx.Rngs(7), lambda f, x, r: f(x, r))
+    _assert_same(runs, _rng_state)
+    assert int(runs["compiled"][1].default.count[...]) == CALLS
+
+
+def test_rngs_with_several_streams_advance_as_in_eager_nnx():
+    def call(fn, x, rngs):
+        return fn(x, rngs)
+
+    runs = _runs(lambda: DropoutGuide(nnx.Rngs(0)), lambda: nnx.Rngs(default=3, dropout=4), call)
+
+    def state(r):
+        return {n: s.count[...] for n, s in vars(r).items() if isinstance(s, nnx.RngStream)}
+
+    _assert_same(runs, state)
+    assert int(runs["compiled"][1].dropout.count[...]) == 2 * CALLS
+
+
+def test_a_variable_passed_to_call_comes_back_mutated():
+    runs = _runs(
+        lambda: Counted(nnx.Rngs(0)),
+        lambda: Count(jnp.zeros((), jnp.float32)),
+        lambda fn, x, c: fn(x, c),
+    )
+    _assert_same(runs, lambda c: c[...])
+    assert float(runs["compiled"][1][...]) == CALLS
+
+
+def test_a_module_passed_to_call_comes_back_with_its_new_statistics():
+    runs = _runs(
+        lambda: Headed(nnx.Rngs(0)),
+        lambda: nnx.BatchNorm(4, momentum=0.9, rngs=nnx.Rngs(1)),
+        lambda fn, x, head: fn(x, head),
+    )
+
+    def stats(head):
+        return {"mean": head.mean[...], "var": head.var[...]}
+
+    _assert_same(runs, stats)
+    assert not np.allclose(runs["compiled"][1].mean[...], 0.0)
+
+
+def test_objects_passed_to_call_are_not_retraced_for():
+    h, rngs = sm.hybridize(DropoutGuide(nnx.Rngs(0))), nnx.Rngs(7)
+    for i in range(CALLS):
+        h(_x(i), rngs)
+    assert h.trace_count == 1
+
+
+def test_a_variable_passed_twice_is_refused():
+    c = Count(jnp.zeros(()))
+
+    def twice(params, x, a, b):
+        a[...] += 1
+        b[...] += 1
+        return x
+
+    with pytest.raises(sm.SymjaxError, match="more than once"):
+        sm.hybridize(twice, {})(_x(), c, c)
+    assert float(c[...]) == 0.0
+
+
+# -- the user's own state= keyword ------------------------------------------------------------
+def _step(params, x, state=None):
+    """An equinox-style step: its state is its own keyword, with a default."""
+    shift = 0.0 if state is None else state["shift"]
+    return x * params["w"] + shift
+
+
+def _step_kwonly(params, x, *, state):
+    """As equinox's stateful layers: ``(out, new state)``, the state a required keyword."""
+    return x * params["w"] + state["shift"], {"shift": state["shift"] + 1.0}
+
+
+def _step_positional(params, x, state):
+    return _step_kwonly(params, x, state=state)
+
+
+@pytest.mark.parametrize("fn", [_step, _step_kwonly], ids=["default", "kwonly"])
+def test_apply_passes_the_users_state_keyword_to_the_model(fn):
+    params, x = {"w": jnp.float32(2.0)}, jnp.arange(3.0)
+    state = {"shift": jnp.float32(10.0)}
+    h = sm.hybridize(fn, params)
+    want = fn(params, x, state=state)
+    chex.assert_trees_all_close(h.apply(h.params, x, state=state), want)
+    chex.assert_trees_all_close(h(x, state=state), want)
+    chex.assert_trees_all_close(h.eager(x, state=state), want)
+    grads = jax.grad(lambda p: jax.tree.leaves(h.apply(p, x, state=state))[0].sum())(params)
+    chex.assert_trees_all_close(grads, {"w": x.sum()})
+
+
+def test_an_equinox_style_state_carried_through_apply():
+    params, x = {"w": jnp.float32(2.0)}, jnp.arange(3.0)
+    h = sm.hybridize(_step_positional, params)
+    state = want_state = {"shift": jnp.float32(0.0)}
+    for _ in range(CALLS):
+        out, state = h.apply(h.params, x, state)
+        want, want_state = _step_positional(params, x, want_state)
+        chex.assert_trees_all_close((out, state), (want, want_state))
+
+
+class _Stateful(nnx.Module):
+    """A stateful nnx module whose call takes a ``state`` keyword of its own."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(5, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, momentum=0.9, rngs=rngs)
+
+    def __call__(self, x, state=None):
+        y = self.norm(self.linear(x))
+        return y if state is None else y + state
+
+
+def test_apply_with_state_carries_a_stateful_models_state_and_leaves_the_keyword_alone():
+    h = sm.hybridize(_Stateful(nnx.Rngs(0)))
+    plain = _Stateful(nnx.Rngs(0))
+    x, shift = _x(), jnp.full((4,), 3.0)
+    state = h.state
+    for _ in range(CALLS):
+        out, state = h.apply_with_state(h.params, state, x, state=shift)
+        chex.assert_trees_all_close(out, plain(x, state=shift), **TOL)
+    want = nnx.to_pure_dict(nnx.split(plain, nnx.Param, ...)[2])
+    chex.assert_trees_all_close(state, want, **TOL)
+    out, _ = h.apply(h.params, x, state=shift)  # the held state, and the user's keyword
+    chex.assert_trees_all_close(out, _Stateful(nnx.Rngs(0))(x, state=shift), **TOL)
+    with pytest.raises(sm.SymjaxError, match="apply"):
+        sm.hybridize(_step, {"w": 1.0}).apply_with_state({"w": 1.0}, {}, x)
