@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._specs import array_types
 
 _TWICE = (
     "{caller}: the same nnx Variable ({kind}) is reached more than once among the inputs "
@@ -50,6 +51,8 @@ def given(dyn: Any, dyn_kw: Any, caller: str, sharded: bool = False) -> list[Any
       SignatureError: a Variable is reached twice.
       ConfigError: there are Variables and the Hybrid is sharded.
     """
+    if all(type(a) in _ARRAYS for a in (*dyn, *dyn_kw.values())):  # the usual call: no walk
+        return []
     found = variables_in((dyn, dyn_kw))
     if found and sharded:
         raise ConfigError(_SHARDED.format(caller=caller))
@@ -57,6 +60,9 @@ def given(dyn: Any, dyn_kw: Any, caller: str, sharded: bool = False) -> list[Any
         twice = next(v for i, v in enumerate(found) if any(v is w for w in found[:i]))
         raise SignatureError(_TWICE.format(caller=caller, kind=type(twice).__name__))
     return found
+
+
+_ARRAYS = array_types()
 
 
 def values(variables: list[Any]) -> list[Any]:
