@@ -35,6 +35,7 @@ STAGES = (
     "symjax_mlp._hybrid.pure",
     "symjax_mlp._hybrid.held",
     "symjax_mlp._hybrid.modes",
+    "symjax_mlp._hybrid.objects",
     "symjax_mlp._hybrid.traced",
     "symjax_mlp._hybrid.options",
     "symjax_mlp._hybrid.hybrid",
