@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -383,19 +384,35 @@ def finish_futures(
             _finish(f, None if error is not None else results[i], error)
 
 
+_FUTURES_LOG = logging.getLogger("concurrent.futures")  # where Future logs its callbacks'
+
+
 def after_finish(
     futures: list[SharedLockFuture], results: list[Any] | None, error: BaseException | None
 ) -> None:
     """Outside the lock: the shared futures' done callbacks; the others settled here, with
-    ``set_result``/``set_exception``, one by one."""
+    ``set_result``/``set_exception``, one by one. A callback that raises is logged, as
+    ``Future`` logs an ``Exception``, and so is a ``BaseException`` (which ``Future`` lets
+    out): the other callbacks and futures of the batch still run and settle."""
     for i, f in enumerate(futures):
-        if f._shared:
-            if f._done_callbacks:
-                f._invoke_callbacks()
-        elif error is None:
-            f.set_result(results[i])
-        else:
-            f.set_exception(error)
+        try:
+            if f._shared:
+                if f._done_callbacks:
+                    _invoke_callbacks(f)
+            elif error is None:
+                f.set_result(results[i])
+            else:
+                f.set_exception(error)
+        except BaseException:
+            _FUTURES_LOG.exception("exception calling callback for %r", f)
+
+
+def _invoke_callbacks(f: SharedLockFuture) -> None:
+    for callback in f._done_callbacks:
+        try:
+            callback(f)
+        except BaseException:
+            _FUTURES_LOG.exception("exception calling callback for %r", f)
 
 
 def _finish(f: SharedLockFuture, result: Any, exception: BaseException | None) -> None:

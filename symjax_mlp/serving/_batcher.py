@@ -78,7 +78,8 @@ class Batcher:
 
     A bad request is refused with :class:`~symjax_mlp.SignatureError`, a full queue with
     :class:`OverloadError`; neither disturbs other requests. If the model raises, every
-    request of that batch gets the exception, and the batcher carries on. Use it as a
+    request of that batch gets the exception (a ``BaseException`` such as ``SystemExit`` too,
+    as with a ``ThreadPoolExecutor``), and the batcher carries on. Use it as a
     context manager, or call :meth:`close`. Inputs are read when their batch runs: do not
     change a NumPy input in place before its result is back.
 
@@ -159,7 +160,7 @@ class Batcher:
         #: What one request takes: one spec per input, the batch dimension named ``b``.
         self.specs: tuple[TensorSpec, ...] = specs
         self.model = model
-        lane = Lane(served, specs, self.buckets, max_queue)
+        lane = Lane(served, specs, self.buckets, max_queue, self.name)
         self._check = RequestCheck(self.name, specs, lane, self.max_batch).check
         # Per event loop, this pass's asubmit (None: several): see _end_of_pass.
         self._passes: dict[Any, AsyncRequest | None] = {}
@@ -350,8 +351,8 @@ class Batcher:
         try:
             try:
                 result, record = lane.run_alone(lone.arrays, lone.rows, lone.t0)
-            except Exception as e:  # counted as failed by run_alone
-                lone.future.set_exception(e)
+            except BaseException as e:  # counted as failed by run_alone; SystemExit too, which
+                lone.future.set_exception(e)  # reaches the loop through its awaiter, if any
                 return
             _, t1, t2, t3, t4, rows, bucket = record
             record_batch(lone, (t1, t2 - t1, t3 - t2, t4 - t3, rows, 1, bucket))

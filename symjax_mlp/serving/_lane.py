@@ -6,6 +6,13 @@ the lane's token (whoever holds it runs the model), the thread's loop (:meth:`La
 take a batch, pad it to its bucket, run it, split it, settle its requests), and the counters.
 A lone call that finds the lane idle runs on its caller's thread through
 :meth:`Lane.run_alone`.
+
+Like ``concurrent.futures.ThreadPoolExecutor``'s workers, the thread outlives what it runs:
+whatever the model raises, ``BaseException`` included (``SystemExit``, ``KeyboardInterrupt``,
+a user's own), goes to the batch's requests and the thread takes the next batch; a done
+callback that raises is logged (:func:`~symjax_mlp._compat.after_finish`), and anything that
+escapes a batch even so is logged and the loop goes on: no queued request waits for ever for
+a thread that is gone.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +39,7 @@ from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats, Counters
 _CANCELLED = "the batcher was closed with cancel=True"
 _FOLD_EVERY = 4096  # batches counted before they are folded into the stats
 clock = time.perf_counter
+_LOG = logging.getLogger("symjax_mlp.serving")
 
 
 class Blocking:
@@ -71,8 +80,9 @@ def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: BaseException | No
 class Lane:
     """The executor state, shared by the batcher and its thread (which holds no Batcher)."""
 
-    def __init__(self, call: Callable[..., Any], row_specs, buckets, max_queue) -> None:
-        self.call = call
+    def __init__(self, call: Callable[..., Any], row_specs, buckets, max_queue,
+                 name: str = "Batcher") -> None:  # fmt: skip
+        self.call, self.name = call, name
         self.row_shapes = [tuple(s.shape[1:]) for s in row_specs]
         self.dtypes = [np.dtype(s.dtype) for s in row_specs]
         self.buckets = tuple(buckets)
@@ -97,6 +107,17 @@ class Lane:
 
     # -- the executor thread -----------------------------------------------------------------
     def work(self) -> None:
+        """The thread's loop, until the lane is closed and its queue done. Whatever escapes a
+        batch (nothing should: the model's errors go to its requests, callbacks' are logged)
+        is logged, and the loop goes on."""
+        while True:
+            try:
+                self.serve()
+                return
+            except BaseException:  # the token and the lock were given back on the way out
+                _LOG.exception("%s: handing out a batch failed; serving goes on", self.name)
+
+    def serve(self) -> None:
         lock, idle = self.lock, self.idle
         lock.acquire()
         try:
@@ -175,11 +196,9 @@ class Lane:
                     start += r.rows
             t4 = clock()
         except BaseException as e:  # every request of the batch gets it; the lane carries on
-            with self.lock:
+            with self.lock:  # (SystemExit too, as a ThreadPoolExecutor's future would)
                 self.n.failed += len(batch)
             self.settle(batch, None, e)
-            if not isinstance(e, Exception):
-                raise
             return
         self.n.pending.append((starts, t1, t2, t3, t4, rows, bucket))  # before any result
         self.settle(batch, results, None, (t1, t2 - t1, t3 - t2, t4 - t3, rows, len(batch), bucket))

@@ -1,0 +1,169 @@
+"""Faults: a model that raises a ``BaseException`` under the Batcher, and a program that fails
+at run time (RESOURCE_EXHAUSTED) at load's self-test or at a call.
+
+Every wait has a timeout: a regression fails by timeout, it never hangs the suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+import symjax_mlp as sm
+
+WAIT = 10  # seconds: a request that takes longer than this hangs
+
+
+class Fatal(BaseException):
+    """A BaseException of the user's own (not an Exception)."""
+
+
+def rows(n: int, value: float = 1.0) -> np.ndarray:
+    return np.full((n, 3), value, np.float32)
+
+
+def raising(exc: BaseException):
+    """A model that raises ``exc`` for a batch holding a row of 13s, else doubles its input."""
+
+    def model(x):
+        if (np.asarray(x) == 13).all(axis=1).any():
+            raise exc
+        return np.asarray(x) * 2
+
+    return model
+
+
+BASE_EXCEPTIONS = [SystemExit(3), KeyboardInterrupt(), Fatal("the model gave up")]
+
+
+@pytest.mark.parametrize("exc", BASE_EXCEPTIONS, ids=lambda e: type(e).__name__)
+def test_a_base_exception_of_the_model_fails_its_batch_and_the_batcher_keeps_serving(exc):
+    b = sm.serving.Batcher(raising(exc), example=rows(1), max_batch=4)
+    try:
+        bad = b.submit(rows(1, 13.0))  # run by the batcher's thread
+        assert bad.exception(timeout=WAIT) is exc
+        later = [b.submit(rows(2)) for _ in range(3)]
+        for f in later:
+            np.testing.assert_array_equal(f.result(timeout=WAIT), rows(2, 2.0))
+        again = b.submit(rows(1, 13.0))
+        assert again.exception(timeout=WAIT) is exc
+        np.testing.assert_array_equal(b.submit(rows(1)).result(timeout=WAIT), rows(1, 2.0))
+        np.testing.assert_array_equal(b(rows(1)), rows(1, 2.0))
+    finally:
+        b.close(cancel=True, timeout=WAIT)
+    assert not b._thread.is_alive()
+    stats = b.stats
+    assert stats.failed == 2 and stats.completed >= 4
+
+
+def test_close_after_a_base_exception_leaves_no_future_pending():
+    gate = concurrent.futures.Future()
+
+    def model(x):
+        if (np.asarray(x) == 13).all(axis=1).any():
+            gate.result(timeout=WAIT)  # the queue fills behind this batch
+            raise SystemExit(1)
+        return np.asarray(x) * 2
+
+    b = sm.serving.Batcher(model, example=rows(1), max_batch=1)
+    bad = b.submit(rows(1, 13.0))
+    queued = [b.submit(rows(1)) for _ in range(5)]
+    gate.set_result(None)
+    b.close(timeout=WAIT)  # finishes the queue, then the thread ends
+    assert isinstance(bad.exception(timeout=0), SystemExit)
+    assert all(f.done() for f in queued), "close() returned with futures pending"
+    for f in queued:
+        np.testing.assert_array_equal(f.result(timeout=0), rows(1, 2.0))
+
+
+def test_blocking_calls_queued_behind_a_base_exception_get_it_or_their_result():
+    gate = concurrent.futures.Future()
+
+    def model(x):
+        x = np.asarray(x)
+        if (x == 7).all(axis=1).any():
+            gate.result(timeout=WAIT)  # holds the lane: the next calls queue up
+        if (x == 13).all(axis=1).any():
+            raise Fatal("no")
+        return x * 2
+
+    b = sm.serving.Batcher(model, example=rows(1), max_batch=1)
+    pool = concurrent.futures.ThreadPoolExecutor(6)
+    try:
+        with pytest.raises(Fatal):  # a lone call: it runs on this thread
+            b(rows(1, 13.0))
+        held = b.submit(rows(1, 7.0))
+        values = [13.0, 1.0, 13.0, 1.0, 1.0]
+        calls = [pool.submit(_outcome, b, v) for v in values]
+        gate.set_result(None)
+        held.result(timeout=WAIT)
+        for value, call in zip(values, calls, strict=True):
+            kind, _ = call.result(timeout=2 * WAIT)
+            assert kind == ("raised" if value == 13.0 else "ok")
+        np.testing.assert_array_equal(b(rows(1)), rows(1, 2.0))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        b.close(cancel=True, timeout=WAIT)
+
+
+def _outcome(b, value):
+    try:
+        return "ok", b.run(rows(1, value), timeout=WAIT)
+    except Fatal as e:
+        return "raised", e
+    except TimeoutError as e:
+        return "timed out", e
+
+
+def test_asubmit_gets_a_base_exception_of_the_model_lone_and_batched():
+    exc = Fatal("the model gave up")
+    b = sm.serving.Batcher(raising(exc), example=rows(1), max_batch=4)
+
+    async def one(value):
+        try:
+            return await asyncio.wait_for(b.asubmit(rows(1, value)), WAIT)
+        except Fatal as e:
+            return e
+
+    async def clients():
+        lone = await one(13.0)  # alone in its pass: it runs on the loop
+        batched = await asyncio.gather(*(one(v) for v in [13.0, 1.0, 13.0]))
+        after = await one(1.0)
+        return lone, batched, after
+
+    try:
+        lone, batched, after = asyncio.run(clients())
+        assert lone is exc
+        assert batched[0] is exc and batched[2] is exc
+        np.testing.assert_array_equal(after, rows(1, 2.0))
+    finally:
+        b.close(cancel=True, timeout=WAIT)
+
+
+def test_a_done_callback_raising_a_base_exception_does_not_end_the_batcher():
+    gate = concurrent.futures.Future()
+
+    def model(x):
+        if (np.asarray(x) == 7).all(axis=1).any():
+            gate.result(timeout=WAIT)  # holds the lane: the next requests queue up
+        return np.asarray(x) * 2
+
+    def callback(f):
+        raise Fatal("a callback gave up")
+
+    b = sm.serving.Batcher(model, example=rows(1), max_batch=1)
+    try:
+        held = b.submit(rows(1, 7.0))
+        queued = [b.submit(rows(1)) for _ in range(3)]
+        for f in queued:
+            f.add_done_callback(callback)  # not done yet: runs on the batcher's thread
+        gate.set_result(None)
+        held.result(timeout=WAIT)
+        for f in [*queued, b.submit(rows(1))]:
+            np.testing.assert_array_equal(f.result(timeout=WAIT), rows(1, 2.0))
+    finally:
+        b.close(cancel=True, timeout=WAIT)
+    assert not b._thread.is_alive()
