@@ -1,10 +1,13 @@
-"""JAX code as its authors write it: NumPy float64 params (issue 33, item 4)."""
+"""JAX code as its authors write it: NumPy float64 params, lists of ``(W, b)`` pairs (issue 33,
+items 4 and 5)."""
 
+import itertools
 import json
 
 import jax.numpy as jnp
 import numpy as np
 import numpy.random as npr
+import pytest
 import safetensors.numpy
 from jax.scipy.special import logsumexp
 
@@ -28,6 +31,19 @@ def mnist_predict(params, inputs):
     final_w, final_b = params[-1]
     logits = jnp.dot(activations, final_w) + final_b
     return logits - logsumexp(logits, axis=1, keepdims=True)
+
+
+# -- JAX's README ------------------------------------------------------------------------------
+def predict(params, inputs):
+    for W, b in params:
+        outputs = jnp.dot(inputs, W) + b
+        inputs = jnp.tanh(outputs)  # inputs to the next layer
+    return outputs  # no activation on last layer
+
+
+def readme_params(sizes=(3, 4, 2), seed=0):
+    rng = np.random.RandomState(seed)
+    return [(rng.randn(m, n), rng.randn(n)) for m, n in itertools.pairwise(sizes)]
 
 
 # -- 4. float64 params export an artifact that loads ---------------------------------------------
@@ -62,3 +78,40 @@ def test_int64_numpy_params_are_stored_as_traced(tmp_path):
     m = sm.load(art.path)
     np.testing.assert_array_equal(m(x), h(x))
     assert {k: str(a.dtype) for k, a in m.params.items()} == {"scale": "int32", "shift": "int32"}
+
+
+# -- 5. params that are a list of (W, b) pairs ---------------------------------------------------
+def test_readme_predict_stages_with_a_list_of_pairs_as_params():
+    params, x = readme_params(), np.random.RandomState(1).randn(5, 3)
+    g = sm.stage(predict)(params, x)
+    assert g.primitive_counts["dot_general"] == 2 and g.primitive_counts["tanh"] == 2
+    h = sm.hybridize(predict, params)
+    np.testing.assert_allclose(h(x), predict(params, x), rtol=1e-5, atol=1e-5)
+    hg = h.graph(x)
+    assert hg.primitive_counts["dot_general"] == 2 and hg.primitive_counts["tanh"] == 2
+
+
+def test_stage_takes_lists_of_arrays_anywhere_as_make_jaxpr_does():
+    def f(xs, scales):
+        return sum(x * s for x, s in zip(xs, scales, strict=True))
+
+    xs = [jnp.ones(3), jnp.ones(3)]
+    g = sm.stage(f)(xs, [np.float32(2), np.float32(3)])
+    assert g.primitive_counts["mul"] == 2
+    assert len(g.jaxpr.jaxpr.invars) == 4  # every array traced, none baked in
+
+
+def test_hybridize_params_that_are_a_tuple_of_python_floats_stay_traced_in_graph():
+    h = sm.hybridize(lambda p, x: x * p[0] + p[1], (2.0, 1.0))
+    g = h.graph(jnp.ones(3))
+    assert len(g.jaxpr.jaxpr.invars) == 3  # the two params and x: as h(x) traces them
+
+
+def test_a_list_input_to_a_call_names_the_fix_for_what_it_holds():
+    params, x = readme_params(), np.ones((2, 3), np.float32)
+    h = sm.hybridize(lambda p, layers, x: predict(layers, x), {})
+    with pytest.raises(sm.SignatureError, match=r"tuple\(args\)") as e:
+        h(params, x)
+    assert "jnp.asarray" not in str(e.value)
+    with pytest.raises(sm.SignatureError, match=r"jnp\.asarray\(args\)"):
+        sm.stage(lambda v: jnp.sum(jnp.asarray(v)))([1.0, 2.0])

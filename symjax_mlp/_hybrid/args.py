@@ -82,15 +82,19 @@ def partition(
     static_argnames: frozenset[str] = frozenset(),
     *,
     caller: str,
+    lists: bool = False,
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
     """Splits a call into ``(static key, traced args, traced kwargs)``.
 
     Python settings (see :func:`is_static`) and the arguments named in ``static_argnums`` /
     ``static_argnames`` are static: part of the jit cache key, a plain tuple of
     ``(position or name, value, kind)`` (see :func:`_kind`). Everything else is traced.
+    With ``lists`` (``stage``'s arguments, pytrees as ``jax.make_jaxpr`` takes them), a list
+    that holds arrays, such as JAX's ``[(W, b), ...]`` params, is traced as a pytree too.
 
     Raises:
-      SignatureError: an argument is a list (ambiguous: a pytree of scalars or an array).
+      SignatureError: an argument is a list (ambiguous: a pytree of scalars or an array);
+        with ``lists``, a list that holds no array.
     """
     static: list[tuple[Any, Any, Any]] = []
     dyn_args: list[Any] = []
@@ -101,7 +105,7 @@ def partition(
         elif is_static(a):
             static.append((i, a, _kind(a)))
         else:
-            if isinstance(a, list):
+            if isinstance(a, list) and not (lists and _holds_arrays(a)):
                 raise _list_error(caller, f"args[{i}]", a)
             dyn_args.append(a)
     dyn_kwargs: dict[str, Any] = {}
@@ -112,7 +116,7 @@ def partition(
         elif is_static(v):
             static.append((k, v, _kind(v)))
         else:
-            if isinstance(v, list):
+            if isinstance(v, list) and not (lists and _holds_arrays(v)):
                 raise _list_error(caller, f"kwargs[{k!r}]", v)
             dyn_kwargs[k] = v
     return tuple(static), tuple(dyn_args), dyn_kwargs
@@ -126,14 +130,26 @@ def _kind(v: Any) -> Any:
     return (tuple, tuple(map(_kind, v))) if type(v) is tuple else type(v)
 
 
+def _holds_arrays(value: Any) -> bool:
+    """Whether a pytree holds anything but Python numbers and strings (arrays)."""
+    return any(not isinstance(leaf, _SCALARS) for leaf in jax.tree.leaves(value))
+
+
 def _list_error(caller: str, path: str, value: list) -> Exception:
     from symjax_mlp._errors import SignatureError
 
+    name = path.split("[")[0]
+    if _holds_arrays(value):
+        return SignatureError(
+            f"{caller}: {path} is a Python list of {len(value)} element(s) holding arrays, but "
+            "an input must be an array or a tuple/dict of arrays. Pass it as a tuple, "
+            f"tuple({name}), to trace it as one pytree of arrays (a list of (W, b) pairs "
+            "included), or pass it as the params: sm.hybridize(fn, params)."
+        )
     return SignatureError(
         f"{caller}: {path} is a Python list of {len(value)} element(s), but an input must be an "
         "array (or a tuple/dict of arrays). A list would be traced element by element as "
-        f"separate scalars. Pass jnp.asarray({path.split('[')[0]}) instead, or a tuple if it "
-        "is a setting."
+        f"separate scalars. Pass jnp.asarray({name}) instead, or a tuple if it is a setting."
     )
 
 

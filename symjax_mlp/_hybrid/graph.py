@@ -92,22 +92,33 @@ class Graph:
     @classmethod
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
         """Stages ``fn(*args, **kwargs)`` with :func:`jax.make_jaxpr`; Python settings among
-        the arguments (bool, int, str, ...) are static, as in a Hybrid's call.
+        the arguments (bool, int, str, ...) are static, as in a Hybrid's call; the others are
+        pytrees of arrays (lists of them included), as :func:`jax.make_jaxpr` takes them.
 
         Raises:
           ControlFlowError: Python needed a concrete value from a traced array.
         """
-        static, dyn, dyn_kw = partition(args, kwargs, caller=f"stage({name})")
+        static, dyn, dyn_kw = partition(args, kwargs, caller=f"stage({name})", lists=True)
 
         def staged(*dyn: Any, **dyn_kw: Any) -> Any:
             a, k = rebuild(static, dyn, dyn_kw)
             return fn(*a, **k)
 
+        return cls.traced(staged, name, *dyn, **dyn_kw)
+
+    @classmethod
+    def traced(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
+        """Stages ``fn(*args, **kwargs)`` with every argument traced (pytrees of arrays, none
+        static): a Hybrid's call, already split, on its params.
+
+        Raises:
+          ControlFlowError: Python needed a concrete value from a traced array.
+        """
         try:
-            jaxpr = jax.make_jaxpr(staged)(*dyn, **dyn_kw)
+            jaxpr = jax.make_jaxpr(fn)(*args, **kwargs)
         except TRACER_ERRORS as e:
             raise control_flow_error(name, e) from e
-        return cls(jaxpr, name, lambda: jax.jit(staged).lower(*dyn, **dyn_kw))
+        return cls(jaxpr, name, lambda: jax.jit(fn).lower(*args, **kwargs))
 
     def lower(self) -> jax.stages.Lowered:
         """Lowers the staged function with ``jax.jit``: ``.as_text()`` is StableHLO."""

@@ -111,4 +111,4 @@ class TracedModel:
             return call(params, state, args, kwargs)[0]
 
         staged.__name__ = name
-        return Graph.of(staged, name, params, dyn, dyn_kw)
+        return Graph.traced(staged, name, params, dyn, dyn_kw)  # params: any pytree, a list too
