@@ -65,3 +65,13 @@ def array_types() -> frozenset[type]:
                 types.add(sub)
                 todo.append(sub)
     return frozenset(types)
+
+
+#: A NumPy masked array given as an input, refused by a Hybrid's call and a loaded model's
+#: (neither JAX nor an artifact has a mask: it would be dropped without a word).
+MASKED_INPUT = (
+    "{caller}: input {path} is a NumPy masked array, and a compiled program has no mask: it "
+    "would compute on the masked entries' hidden values as if they were data. Fill them with "
+    "the value that means 'missing' to your model, x.filled(value) (e.g. x.filled(0.0)), or "
+    "pass np.asarray(x) to use the data under the mask as it is."
+)

@@ -1,5 +1,5 @@
-"""JAX code as its authors write it: NumPy float64 params, lists of ``(W, b)`` pairs (issue 33,
-items 4 and 5)."""
+"""JAX code as its authors write it: NumPy float64 params, lists of ``(W, b)`` pairs, masked
+arrays (issue 33, items 4 and 5, and a smaller one)."""
 
 import itertools
 import json
@@ -115,3 +115,33 @@ def test_a_list_input_to_a_call_names_the_fix_for_what_it_holds():
     assert "jnp.asarray" not in str(e.value)
     with pytest.raises(sm.SignatureError, match=r"jnp\.asarray\(args\)"):
         sm.stage(lambda v: jnp.sum(jnp.asarray(v)))([1.0, 2.0])
+
+
+# -- masked arrays are refused, not silently unmasked --------------------------------------------
+def masked(x):
+    return np.ma.masked_array(x, mask=np.arange(x.size).reshape(x.shape) % 2 == 0)
+
+
+def float32_params():
+    return [(W.astype(np.float32), b.astype(np.float32)) for W, b in readme_params()]
+
+
+def test_a_masked_input_to_a_hybrid_is_refused():
+    h = sm.hybridize(predict, float32_params())
+    x = np.ones((2, 3), np.float32)
+    h(x)
+    with pytest.raises(sm.SignatureError, match=r"masked") as e:
+        h(masked(x))
+    assert "x.filled(" in str(e.value) and "np.asarray(x)" in str(e.value)
+    with pytest.raises(sm.SignatureError, match=r"args\[0\]\[1\] is a NumPy masked array"):
+        h.graph((x, masked(x)))
+
+
+def test_a_masked_input_to_a_loaded_model_is_refused(tmp_path):
+    h = sm.hybridize(predict, float32_params())
+    x = np.ones((2, 3), np.float32)
+    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    m(x)  # the same shape and dtype, seen once: the check must still run
+    with pytest.raises(sm.SignatureError, match=r"masked") as e:
+        m(masked(x))
+    assert "x.filled(" in str(e.value) and "np.asarray(x)" in str(e.value)

@@ -16,7 +16,7 @@ import numpy as np
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError
-from symjax_mlp._specs import TensorSpec
+from symjax_mlp._specs import MASKED_INPUT, TensorSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,16 +160,20 @@ def _holds(constraint: str, sizes: Mapping[str, int]) -> bool:
 
 
 def is_array(x: Any) -> bool:
-    """A NumPy array or scalar, or a JAX array (a tracer under the caller's ``jax.jit`` too)."""
+    """A NumPy array or scalar, or a JAX array (a tracer under the caller's ``jax.jit`` too);
+    not a masked array, which :meth:`Signature.check` refuses on every call."""
     if isinstance(x, (np.ndarray, np.generic)):
-        return True
+        return not isinstance(x, np.ma.MaskedArray)
     jax = sys.modules.get("jax")  # no JAX imported: no JAX array can exist
     return jax is not None and isinstance(x, jax.Array)
 
 
 def _as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
     """``x`` as an array: arrays pass; Python numbers and (nested) lists are converted; any
-    other object (a torch tensor, an object with a ``shape``) is refused, by its type."""
+    other object (a torch tensor, an object with a ``shape``, a masked array) is refused, by
+    its type."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise SignatureError(MASKED_INPUT.format(caller=caller, path=spec.path))
     if is_array(x):
         return x
     kind = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")

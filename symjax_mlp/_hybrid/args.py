@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from symjax_mlp._errors import ConfigError
+from symjax_mlp._specs import MASKED_INPUT
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
@@ -94,8 +95,10 @@ def partition(
 
     Raises:
       SignatureError: an argument is a list (ambiguous: a pytree of scalars or an array);
-        with ``lists``, a list that holds no array.
+        with ``lists``, a list that holds no array; an argument is or holds a NumPy masked
+        array (its mask would be dropped).
     """
+    _refuse_masked(caller, args, kwargs)
     static: list[tuple[Any, Any, Any]] = []
     dyn_args: list[Any] = []
     for i, a in enumerate(args):
@@ -128,6 +131,24 @@ def _kind(v: Any) -> Any:
     is not the program for another (``jnp.asarray(n)`` takes its dtype from the setting's
     type, ``x // d`` differs from ``x / d``)."""
     return (tuple, tuple(map(_kind, v))) if type(v) is tuple else type(v)
+
+
+def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Refuses a NumPy masked array among the arguments (in tuples, lists and dicts too)."""
+    import numpy as np
+
+    from symjax_mlp._errors import SignatureError
+
+    todo = [(f"args[{i}]", a) for i, a in enumerate(args)]
+    todo += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, np.ma.MaskedArray):
+            raise SignatureError(MASKED_INPUT.format(caller=caller, path=path))
+        if isinstance(value, (tuple, list)):
+            todo += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, dict):
+            todo += [(f"{path}[{k!r}]", v) for k, v in value.items()]
 
 
 def _holds_arrays(value: Any) -> bool:
