@@ -1,5 +1,6 @@
 """JAX code as its authors write it: NumPy float64 params, lists of ``(W, b)`` pairs, masked
-arrays (issue 33, items 4 and 5, and a smaller one)."""
+arrays, and the CLI run on a model's every output (issue 33, items 4 and 5, and the smaller
+ones)."""
 
 import itertools
 import json
@@ -12,6 +13,7 @@ import safetensors.numpy
 from jax.scipy.special import logsumexp
 
 import symjax_mlp as sm
+from symjax_mlp.cli import main
 
 
 # -- JAX's examples/mnist_classifier_fromscratch.py, as written there ---------------------------
@@ -145,3 +147,48 @@ def test_a_masked_input_to_a_loaded_model_is_refused(tmp_path):
     with pytest.raises(sm.SignatureError, match=r"masked") as e:
         m(masked(x))
     assert "x.filled(" in str(e.value) and "np.asarray(x)" in str(e.value)
+
+
+# -- symjax-mlp run: one --output path per output ------------------------------------------------
+def outputs_of(tmp_path, n):
+    """``run ART --input x.npy`` for an artifact returning ``n`` arrays (x * p, x + p, ...)."""
+    x = np.ones((2, 4), np.float32)
+    fn = (lambda p, x: x * p) if n == 1 else (lambda p, x: tuple(x * p + i for i in range(n)))
+    art = sm.export(sm.hybridize(fn, jnp.float32(2)), tmp_path / "m", example=x).path
+    np.save(tmp_path / "x.npy", x)
+    return ["run", str(art), "--input", str(tmp_path / "x.npy")]
+
+
+def test_run_with_more_output_paths_than_outputs_exits_2_writing_nothing(tmp_path, capsys):
+    a, b = tmp_path / "a.npy", tmp_path / "b.npy"
+    assert main([*outputs_of(tmp_path, 1), "--output", str(a), "--output", str(b)]) == 2
+    err = capsys.readouterr().err
+    assert "2 --output paths" in err and "returns 1 array," in err and "Traceback" not in err
+    assert not a.exists() and not b.exists()
+
+
+def test_run_with_fewer_output_paths_than_outputs_exits_2_writing_nothing(tmp_path, capsys):
+    a, b = tmp_path / "a.npy", tmp_path / "b.npy"
+    assert main([*outputs_of(tmp_path, 3), "--output", str(a), "--output", str(b)]) == 2
+    err = capsys.readouterr().err
+    assert "2 --output paths" in err and "returns 3 arrays" in err and "Traceback" not in err
+    assert not a.exists() and not b.exists()
+
+
+def test_run_writes_one_npy_per_output_path(tmp_path, capsys):
+    a, b = tmp_path / "a.npy", tmp_path / "b.npy"
+    assert main([*outputs_of(tmp_path, 2), "--output", str(a), "--output", str(b)]) == 0
+    np.testing.assert_array_equal(np.load(a), np.full((2, 4), 2.0))
+    np.testing.assert_array_equal(np.load(b), np.full((2, 4), 3.0))
+    out = capsys.readouterr().out
+    assert f"wrote {a}: float32[2, 4]" in out and f"wrote {b}: float32[2, 4]" in out
+
+
+def test_run_refuses_a_path_twice_and_stdout_beside_files(tmp_path, capsys):
+    a = tmp_path / "a.npy"
+    run = outputs_of(tmp_path, 2)
+    assert main([*run, "--output", str(a), "--output", str(a)]) == 2
+    assert "given 2 times" in capsys.readouterr().err
+    assert main([*run, "--output", "-", "--output", str(a)]) == 2
+    assert "stdout takes one array" in capsys.readouterr().err
+    assert not a.exists()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from symjax_mlp.cli._args import add_trust_options, input_file, load_options, subcommand, writable
 
@@ -32,9 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--output",
+        action="append",
         required=True,
         help="where to write: a .npy file (exactly this path), '-' for stdout (.npy bytes), or "
-        "a .npz file for several outputs (out0, out1, ...)",
+        "a .npz file for several outputs (out0, out1, ...); or once per output, in order",
     )
     p.add_argument("--runtime", choices=("jax", "iree"), default="jax")
     p.add_argument("--entry", help="the entry point to run (default: the artifact's default)")
@@ -45,18 +48,63 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
     from symjax_mlp import load
-    from symjax_mlp._npy import raw_dtype_notes, read_inputs, write_outputs
+    from symjax_mlp._npy import read_inputs
 
-    writable(args.output, "--output", overwrite=True)
+    paths = args.output
+    for path in paths:
+        writable(path, "--output", overwrite=True)
+    _distinct(paths)
     model = load(args.path, runtime=args.runtime, **load_options(args))
     if args.entry is not None:
         model = model[args.entry]
+    if len(paths) > 1:
+        _one_per_output(paths, model.signature.outputs)
     xs = read_inputs(args.input, model.signature.inputs)
-    to_stdout = args.output == "-"
-    outs = write_outputs(model(*xs), sys.stdout.buffer if to_stdout else args.output)
+    out = model(*xs)
+    if len(paths) > 1:  # checked above: one path per output, in order
+        for path, y in zip(paths, out, strict=True):
+            _write(y, path)
+    else:
+        _write(out, paths[0])
+    return 0
+
+
+def _write(out: Any, path: str) -> None:
+    """Writes ``out`` (an array or a tuple of them) to ``path`` and says what was written."""
+    from symjax_mlp._npy import raw_dtype_notes, write_outputs
+
+    to_stdout = path == "-"
+    outs = write_outputs(out, sys.stdout.buffer if to_stdout else path)
     stream = sys.stderr if to_stdout else sys.stdout
     shapes = ", ".join(f"{y.dtype}{list(y.shape)}" for y in outs)
-    print(f"wrote {'stdout' if to_stdout else args.output}: {shapes}", file=stream)
+    print(f"wrote {'stdout' if to_stdout else path}: {shapes}", file=stream)
     for note in raw_dtype_notes(outs):
         print(f"note: {note}", file=stream)
-    return 0
+
+
+def _distinct(paths: list[str]) -> None:
+    """Refuses a path given twice, and stdout beside files, before any work."""
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(
+            f"--output {twice[0]}: given {paths.count(twice[0])} times; each output is written "
+            "to a path of its own. Pass each path once."
+        )
+    if "-" in paths and len(paths) > 1:
+        raise argparse.ArgumentTypeError(
+            f"--output -: stdout takes one array, and {len(paths)} --output paths were given. "
+            "Name a file for each output, or pass one .npz path (out0, out1, ...)."
+        )
+
+
+def _one_per_output(paths: list[str], outputs: Sequence[Any]) -> None:
+    """Refuses several ``--output`` paths that are not one per output, before any work."""
+    if len(paths) == len(outputs):
+        return
+    n = len(outputs)
+    types = ", ".join(o.type for o in outputs)
+    raise argparse.ArgumentTypeError(
+        f"{len(paths)} --output paths, but the model returns {n} array{'s' if n != 1 else ''}, "
+        f"{types}. Pass one --output per output, in order, or one .npz path for them all "
+        "(out0, out1, ...); nothing was written."
+    )
