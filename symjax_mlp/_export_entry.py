@@ -81,7 +81,7 @@ def stage(
         )
     in_specs = _input_structs(examples, batch, shapes, tuple(constraints), h.name)
     stored, fn = _exportable(h)
-    specs, host_params = param_specs(stored, traced=True)  # as jax.export traces them
+    specs, host_params = param_specs(stored)  # as jax.export traces them
     treedef = jax.tree.structure(stored)
     fn = _sharded_fn(h, fn) if h.mesh is not None else fn
     leaf_paths = tuple(s.path for s in specs)

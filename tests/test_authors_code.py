@@ -71,6 +71,8 @@ def test_mnist_from_scratch_params_export_load_and_run_as_jax_does(tmp_path):
     np.testing.assert_allclose(m(images), mnist_predict(params, images), rtol=1e-5, atol=1e-5)
     assert {str(a.dtype) for a in m.params.values()} == {"float32"}
     assert sorted(m.params) == ["0/0", "0/1", "1/0", "1/1"]
+    again = sm.load(art.path, params=params)  # the same float64 params, swapped in at load
+    np.testing.assert_array_equal(again(images), m(images))
 
 
 def test_int64_numpy_params_are_stored_as_traced(tmp_path):

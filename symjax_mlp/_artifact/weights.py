@@ -42,13 +42,13 @@ _ST_DTYPES = {
 _NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
 
 
-def param_specs(tree: Any, *, traced: bool = False) -> tuple[list[TensorSpec], list[np.ndarray]]:
+def param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
     """Flattens a params pytree into (specs, host arrays), paths joined with ``/``.
 
-    With ``traced``, each array is stored in the dtype JAX traces it with, what
-    ``jnp.asarray`` gives: with x64 off (JAX's default) NumPy's float64 and int64 params,
-    and Python numbers, are float32 and int32 in the exported module, so the manifest and
-    the weight file say so too.
+    Each array is in the dtype JAX traces it with, what ``jnp.asarray`` gives: with x64 off
+    (JAX's default) NumPy's float64 and int64 params, and Python numbers, are float32 and
+    int32 in an exported module, so its manifest and weight file say so too, and the same
+    params passed to ``load(params=...)`` match it.
     """
     import jax
 
@@ -62,8 +62,7 @@ def param_specs(tree: Any, *, traced: bool = False) -> tuple[list[TensorSpec], l
                 "params.safetensors. Rename it."
             )
         arr = np.asarray(leaf)
-        if traced:
-            arr = arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
+        arr = arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
         if arr.dtype not in _NP_TO_ST:
             raise ArtifactError(
                 f"param {'/'.join(parts) or 'params'} has dtype {arr.dtype}, which "
