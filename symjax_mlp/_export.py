@@ -70,7 +70,9 @@ def export(
     Args:
       h: the :class:`~symjax_mlp.Hybrid` to export; its params become inputs of the exported
         function and are written to ``params.safetensors``. A sharded Hybrid
-        (``h.shard(mesh)``) exports its sharded program, for ``mesh.size`` devices. A stateful
+        (``h.shard(mesh)``) exports its sharded program, for ``mesh.size`` devices. Params
+        are stored in the dtype JAX traces them with: NumPy float64 ones as float32 while
+        ``jax_enable_x64`` is off, as ``jnp.asarray`` gives them. A stateful
         one exports one call with its current state; the state update is dropped (inference).
         Or a dict of them, ``{"predict": h, "embed": h_embed}``: several entry points over one
         ``params.safetensors`` (a param path shared by two must hold the same tensor), the

@@ -155,7 +155,9 @@ def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
     """Returns a function that stages ``fn`` on its arguments into a :class:`Graph`.
 
     Pass the plain (un-jitted) function: staging shows each operation it performs, and
-    :meth:`Graph.optimized` shows what XLA makes of them.
+    :meth:`Graph.optimized` shows what XLA makes of them. Its arguments are pytrees of arrays,
+    as :func:`jax.make_jaxpr` takes them (a list of ``(W, b)`` pairs too); Python settings
+    among them (``True``, ``3``, ``"relu"``) are static, as in a Hybrid's call.
 
     Raises:
       TypeError: ``fn`` is already ``jax.jit``-wrapped (its jaxpr would be one opaque
