@@ -44,6 +44,17 @@ class LoadedModel:
     :class:`~symjax_mlp.SignatureError`) and runs the exported program with the artifact's
     params. The JAX runtime returns ``jax.Array``; the IREE runtime returns NumPy arrays.
 
+    A program that fails while it runs (``RESOURCE_EXHAUSTED``: out of memory, or another
+    XLA run-time failure) raises :class:`~symjax_mlp.ArtifactError` naming the cause (the
+    ``jax.errors.JaxRuntimeError`` is its ``__cause__``), when the failure comes at the
+    call. JAX dispatches asynchronously, though: a call returns its ``jax.Array`` before the
+    program ran, and a failure while it runs is raised by JAX, as ``JaxRuntimeError``, where
+    the result is read (``np.asarray(y)``, ``y.block_until_ready()``). A call does not wait
+    for its result (that would slow every call): where a failure must be handled, read the
+    result there (``jax.block_until_ready(m(x))``) and catch ``jax.errors.JaxRuntimeError``
+    as well as ``ArtifactError``. ``load`` waits for its self-test's results, so a failure
+    there is always an ``ArtifactError``.
+
     An artifact exported with several entry points (``export({"predict": h, "embed": e},
     ...)``) loads as its default (first) one; ``m["embed"]`` is another, over the same
     weights, loaded and checked the same way on first use.
@@ -138,12 +149,7 @@ class LoadedModel:
                 raise  # the caller's own jax.jit code, not the artifact
             if isinstance(e, NotImplementedError) and _is_batching(inputs):
                 raise self._no_vmap() from None
-            raise ArtifactError(
-                f"{self._caller}: running the program of {self._file} "
-                f"failed ({type(e).__name__}: {printable(str(e)[:600])}). The artifact's "
-                "files agree with each other but its program does not run here; it is "
-                "corrupted, was edited, or was made for another JAX. Export it again."
-            ) from e
+            raise run_failed(self._caller, self._file, e, inputs) from e
 
     def _no_vmap(self) -> ConfigError:
         batch = self.signature.batch or "its leading dimension"
@@ -156,6 +162,36 @@ class LoadedModel:
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
+
+
+_OUT_OF_MEMORY = (
+    "{caller}: its program ran out of memory{where} ({error}). The device could not allocate "
+    "what it needs{shapes}: call it on fewer rows at a time, free memory (other models, other "
+    "processes), or run it where more memory is available."
+)
+_RUN_FAILED = (
+    "{caller}: running the program of {file}{where} failed ({error}). The artifact's files "
+    "agree with each other but its program does not run here; it is corrupted, was edited, "
+    "or was made for another JAX. Export it again."
+)
+
+
+def run_failed(
+    caller: str, file: Any, error: Exception, inputs: Any = None, where: str = ""
+) -> ArtifactError:
+    """The :class:`~symjax_mlp.ArtifactError` for a program of ``file`` that failed as it ran
+    (XLA, IREE or ``jax.export`` raised), naming the cause: RESOURCE_EXHAUSTED says the
+    device ran out of memory, at which ``inputs``. The caller raises it ``from error``;
+    ``where`` says what ran it (the self-test)."""
+    text = printable(str(error)[:600])
+    fields = {"caller": caller, "where": where, "error": f"{type(error).__name__}: {text}"}
+    if "RESOURCE_EXHAUSTED" not in text:
+        return ArtifactError(_RUN_FAILED.format(file=file, **fields))
+    shapes = ""
+    if inputs is not None:
+        listed = [f"{getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}" for x in inputs]
+        shapes = f" for inputs {', '.join(listed)}"
+    return ArtifactError(_OUT_OF_MEMORY.format(shapes=shapes, **fields))
 
 
 def _read_only(a: Any) -> np.ndarray:

@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 import safetensors
+from jax.errors import JaxRuntimeError
 
-from symjax_mlp._artifact.format import SELFTEST, program_file
+from symjax_mlp._artifact.format import JAXEXPORT, SELFTEST, printable, program_file
 from symjax_mlp._artifact.weights import decode_params
 from symjax_mlp._errors import ArtifactError, SymjaxError
+from symjax_mlp._loaded import run_failed
 
 BATCH = 2  # rows per symbolic batch dimension in the vectors
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # XLA may fuse differently across CPUs and versions
@@ -103,9 +105,14 @@ def run(
         _fits(path / name, f"args[{i}]", x, spec["dtype"], shape, f"input {i}")
     for i, (y, spec) in enumerate(zip(want, sig["outputs"], strict=True)):
         _fits(path / name, f"out[{i}]", y, spec["dtype"], y.shape, f"output {i}")
-    try:
+    try:  # np.asarray waits for the results: a failure while the program runs comes here
         got = [np.asarray(y) for y in call(list(xs))]
+    except JaxRuntimeError as e:  # it failed while it ran (JAX dispatches asynchronously)
+        raise run_failed(_caller(path), _program(path, manifest), e, xs, _WHERE) from e
     except SymjaxError as e:  # the vectors fit the signature, yet the program refuses them
+        if isinstance(e.__cause__, JaxRuntimeError):  # it failed as it was called
+            cause = e.__cause__
+            raise run_failed(_caller(path), _program(path, manifest), cause, xs, _WHERE) from cause
         raise ArtifactError(f"{path / name}: its vectors do not run: {e}") from None
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         differs = difference(g, w)
@@ -117,6 +124,17 @@ def run(
                 "The weights, the module or this platform's numerics changed; do not trust its "
                 "answers. Export it again, or load with self_test=False to inspect it anyway."
             )
+
+
+_WHERE = " on its self-test vectors, at load"
+
+
+def _caller(path: Path) -> str:
+    return f'symjax_mlp.load("{printable(str(path))}")'
+
+
+def _program(path: Path, manifest: Mapping[str, Any]) -> str:
+    return printable(str(path / program_file(manifest, JAXEXPORT)))
 
 
 def difference(got: np.ndarray, want: np.ndarray) -> str | None:

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import symjax_mlp as sm
+import symjax_mlp._runtimes.jax as jax_runtime
 
 WAIT = 10  # seconds: a request that takes longer than this hangs
 
@@ -167,3 +171,78 @@ def test_a_done_callback_raising_a_base_exception_does_not_end_the_batcher():
     finally:
         b.close(cancel=True, timeout=WAIT)
     assert not b._thread.is_alive()
+
+
+# -- a program that fails at run time (item 3) -------------------------------------------------
+OOM = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4096 bytes."
+
+
+class Deferred:
+    """A result whose program failed after the call returned: reading it raises, as a
+    ``jax.Array`` of an asynchronously dispatched program does."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __array__(self, dtype=None, copy=None):
+        raise self.error
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    net, x = sm.mlp((4, 2)), jnp.ones((1, 3))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    return sm.export(h, tmp_path_factory.mktemp("faults") / "m", example=x).path
+
+
+def failing_runner(monkeypatch, deferred: bool):
+    """Makes the JAX runtime's programs fail at run time: at the call, or when read."""
+    real = jax_runtime.runner
+    error = jax.errors.JaxRuntimeError(OOM)
+
+    @functools.wraps(real)
+    def runner(*args, **kwargs):
+        _, weights = real(*args, **kwargs)
+
+        def run(inputs):
+            if deferred:
+                return [Deferred(error)]
+            raise error
+
+        return run, weights
+
+    monkeypatch.setattr(jax_runtime, "runner", runner)
+    return error
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["at-the-call", "when-read"])
+def test_a_run_time_failure_at_the_self_test_is_an_artifact_error_naming_it(
+    artifact, monkeypatch, deferred
+):
+    error = failing_runner(monkeypatch, deferred)
+    with pytest.raises(sm.ArtifactError) as info:
+        sm.load(artifact)
+    text = str(info.value)
+    assert text.startswith(f'symjax_mlp.load("{artifact}"): its program ran out of memory')
+    assert "self-test" in text and "RESOURCE_EXHAUSTED" in text and "fewer rows" in text
+    assert "corrupted" not in text  # the files are fine: the device is not
+    assert info.value.__cause__ is error
+
+
+def test_a_run_time_failure_at_a_call_is_a_symjax_error_naming_it(artifact):
+    m = sm.load(artifact)
+    error = jax.errors.JaxRuntimeError(OOM)
+
+    def run(inputs):
+        raise error
+
+    m._run = run  # the program, as the runtime prepared it, fails as it is called
+    x = np.ones((5, 3), np.float32)
+    with pytest.raises(sm.SymjaxError) as info:
+        m(x)
+    assert isinstance(info.value, sm.ArtifactError)
+    text = str(info.value)
+    assert text.startswith(f'symjax_mlp.load("{artifact}"): its program ran out of memory')
+    assert "RESOURCE_EXHAUSTED" in text and "float32[5, 3]" in text and "fewer rows" in text
+    assert "corrupted" not in text
+    assert info.value.__cause__ is error
