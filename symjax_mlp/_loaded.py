@@ -18,7 +18,8 @@ import numpy as np
 
 from symjax_mlp._artifact.format import JAXEXPORT, entry_names, entry_point, printable, program_file
 from symjax_mlp._artifact.signature import Signature, is_array
-from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
+from symjax_mlp._errors import ConfigError, SymjaxError
+from symjax_mlp._selftest import run_failed
 from symjax_mlp._specs import array_types
 
 _ARRAYS = array_types()
@@ -162,36 +163,6 @@ class LoadedModel:
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
-
-
-_OUT_OF_MEMORY = (
-    "{caller}: its program ran out of memory{where} ({error}). The device could not allocate "
-    "what it needs{shapes}: call it on fewer rows at a time, free memory (other models, other "
-    "processes), or run it where more memory is available."
-)
-_RUN_FAILED = (
-    "{caller}: running the program of {file}{where} failed ({error}). The artifact's files "
-    "agree with each other but its program does not run here; it is corrupted, was edited, "
-    "or was made for another JAX. Export it again."
-)
-
-
-def run_failed(
-    caller: str, file: Any, error: Exception, inputs: Any = None, where: str = ""
-) -> ArtifactError:
-    """The :class:`~symjax_mlp.ArtifactError` for a program of ``file`` that failed as it ran
-    (XLA, IREE or ``jax.export`` raised), naming the cause: RESOURCE_EXHAUSTED says the
-    device ran out of memory, at which ``inputs``. The caller raises it ``from error``;
-    ``where`` says what ran it (the self-test)."""
-    text = printable(str(error)[:600])
-    fields = {"caller": caller, "where": where, "error": f"{type(error).__name__}: {text}"}
-    if "RESOURCE_EXHAUSTED" not in text:
-        return ArtifactError(_RUN_FAILED.format(file=file, **fields))
-    shapes = ""
-    if inputs is not None:
-        listed = [f"{getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}" for x in inputs]
-        shapes = f" for inputs {', '.join(listed)}"
-    return ArtifactError(_OUT_OF_MEMORY.format(shapes=shapes, **fields))
 
 
 def _read_only(a: Any) -> np.ndarray:

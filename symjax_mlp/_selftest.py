@@ -20,7 +20,6 @@ from jax.errors import JaxRuntimeError
 from symjax_mlp._artifact.format import JAXEXPORT, SELFTEST, printable, program_file
 from symjax_mlp._artifact.weights import decode_params
 from symjax_mlp._errors import ArtifactError, SymjaxError
-from symjax_mlp._loaded import run_failed
 
 BATCH = 2  # rows per symbolic batch dimension in the vectors
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # XLA may fuse differently across CPUs and versions
@@ -170,3 +169,33 @@ def _fits(file: Path, vector: str, a: np.ndarray, dtype: str, shape: tuple, what
             f"{what} is {dtype}{list(shape)}; the artifact is corrupted or was edited. Export "
             "it again."
         )
+
+
+_OUT_OF_MEMORY = (
+    "{caller}: its program ran out of memory{where} ({error}). The device could not allocate "
+    "what it needs{shapes}: call it on fewer rows at a time, free memory (other models, other "
+    "processes), or run it where more memory is available."
+)
+_RUN_FAILED = (
+    "{caller}: running the program of {file}{where} failed ({error}). The artifact's files "
+    "agree with each other but its program does not run here; it is corrupted, was edited, "
+    "or was made for another JAX. Export it again."
+)
+
+
+def run_failed(
+    caller: str, file: Any, error: Exception, inputs: Any = None, where: str = ""
+) -> ArtifactError:
+    """The :class:`~symjax_mlp.ArtifactError` for a program of ``file`` that failed as it ran
+    (XLA, IREE or ``jax.export`` raised), naming the cause: RESOURCE_EXHAUSTED says the
+    device ran out of memory, at which ``inputs``. The caller raises it ``from error``;
+    ``where`` says what ran it (the self-test)."""
+    text = printable(str(error)[:600])
+    fields = {"caller": caller, "where": where, "error": f"{type(error).__name__}: {text}"}
+    if "RESOURCE_EXHAUSTED" not in text:
+        return ArtifactError(_RUN_FAILED.format(file=file, **fields))
+    shapes = ""
+    if inputs is not None:
+        listed = [f"{getattr(x, 'dtype', '?')}{list(getattr(x, 'shape', ()))}" for x in inputs]
+        shapes = f" for inputs {', '.join(listed)}"
+    return ArtifactError(_OUT_OF_MEMORY.format(shapes=shapes, **fields))
