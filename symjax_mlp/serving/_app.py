@@ -14,19 +14,16 @@ Endpoints:
 
 Errors are JSON ``{"error": class name, "message": ...}``, counted on ``/metrics``: 400 an
 unreadable body, 408 a body that stopped arriving, 413 too large, 415 an unknown content
-type, 422 a :class:`~symjax_mlp.SignatureError` (the message says what was received and what
-is expected), 503 a full queue (:class:`~symjax_mlp.serving.OverloadError`) or too many bytes
-of bodies in flight (both with ``Retry-After``), 500 the model raised. A message names the
-model by its name, never by its path on the server. How bodies are read is
-:mod:`symjax_mlp.serving._intake`.
-
-starlette and uvicorn are the optional extra ``symjax_mlp[serve]``, imported only here, when
-an app is made.
+type, 422 a :class:`~symjax_mlp.SignatureError`, 503 a full queue or too many bytes of bodies
+in flight (both with ``Retry-After``), 500 the model raised. A message names the model, never
+its path on the server. starlette and uvicorn (the ``symjax_mlp[serve]`` extra) are imported
+only when an app is made.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import signal
@@ -39,8 +36,16 @@ from typing import Any
 from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
 from symjax_mlp._load import load
 from symjax_mlp.serving._batcher import Batcher
-from symjax_mlp.serving._bodies import BadRequest, Json, Public, decode, model_name, to_json, to_npy
-from symjax_mlp.serving._intake import CLOSE, Intake
+from symjax_mlp.serving._bodies import (
+    CLOSE,
+    BadRequest,
+    Intake,
+    Public,
+    decode,
+    model_name,
+    to_json,
+    to_npy,
+)
 
 
 def _require() -> Any:
@@ -53,26 +58,6 @@ def _require() -> Any:
             "Install them with: pip install 'symjax_mlp[serve]'",
             name=e.name,
         ) from e
-
-
-class _HttpCounters:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.by_code: dict[int, int] = {}
-
-    def count(self, code: int) -> None:
-        with self.lock:
-            self.by_code[code] = self.by_code.get(code, 0) + 1
-
-    def prometheus(self, prefix: str) -> str:
-        with self.lock:
-            codes = sorted(self.by_code.items())
-        lines = [
-            f"# HELP {prefix}_http_requests_total Answered /predict requests, by status code.",
-            f"# TYPE {prefix}_http_requests_total counter",
-        ]
-        lines += [f'{prefix}_http_requests_total{{code="{c}"}} {n}' for c, n in codes]
-        return "\n".join(lines) + "\n"
 
 
 def create_app(
@@ -92,8 +77,7 @@ def create_app(
       body_timeout: a client that sends nothing of its body for this many seconds is
         answered 408 and its connection closed (nginx's ``client_body_timeout``).
       max_inflight_bytes: the most bytes all request bodies being received and decoded may
-        hold together (default: ``4 * max_body_bytes``); past it a request is answered 503
-        with ``Retry-After``, so that slow clients cannot pin the server's memory.
+        hold together (default: ``4 * max_body_bytes``); past it: 503 with ``Retry-After``.
       close_batcher: close the batcher when the app shuts down (it finishes queued work).
       prefix: the metric names' prefix on ``/metrics``.
 
@@ -117,7 +101,7 @@ def create_app(
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    http = _HttpCounters()
+    by_code: collections.Counter[int] = collections.Counter()  # answers, on the one loop
     if max_inflight_bytes is None:
         max_inflight_bytes = 4 * max_body_bytes
     for option, value in (
@@ -135,7 +119,7 @@ def create_app(
     public = Public(batcher)
 
     def error(status: int, e: Exception, headers: dict[str, str] | None = None) -> Response:
-        http.count(status)
+        by_code[status] += 1
         body = {"error": type(e).__name__, "message": public.scrub(str(e))}
         return JSONResponse(body, status_code=status, headers=headers)
 
@@ -155,7 +139,7 @@ def create_app(
             retry = {"Retry-After": "1"} if e.status == 503 else {}
             return error(e.status, e, {**CLOSE, **retry})
         except ClientDisconnect:  # nobody to answer: counted, as nginx counts it, as 499
-            http.count(499)
+            by_code[499] += 1
             return Response(status_code=499)
         try:
             inputs, as_npy = decode(batcher, body, request.headers.get("content-type", ""))
@@ -179,26 +163,17 @@ def create_app(
             out = await request
         except Exception as e:  # the model raised
             return error(500, e)
-        t = request.timing
-        headers = {}
+        t, headers = request.timing, {}
         if t is not None:
+            stages = ("queued", "padded", "compute", "split")
             headers["Server-Timing"] = ", ".join(
-                f"{k};dur={v * 1e3:.3f}"
-                for k, v in (
-                    ("queued", t.queued),
-                    ("padded", t.padded),
-                    ("compute", t.compute),
-                    ("split", t.split),
-                )
+                f"{k};dur={getattr(t, k) * 1e3:.3f}" for k in stages
             )
             headers["X-Batch"] = (
                 f"rows={t.batch_rows}; requests={t.batch_requests}; bucket={t.bucket}"
             )
-        if as_npy:
-            data, kind = to_npy(out)
-        else:
-            data, kind = Json.render({"outputs": to_json(out)}), Json.media_type
-        http.count(200)  # once the answer is made: what /metrics counts is what was sent
+        data, kind = to_npy(out) if as_npy else to_json(out)
+        by_code[200] += 1  # once the answer is made: what /metrics counts is what was sent
         return Response(data, media_type=kind, headers=headers)
 
     async def health(request: Request) -> Response:
@@ -212,7 +187,11 @@ def create_app(
         return JSONResponse(body, status_code=503 if batcher.closed else 200)
 
     async def metrics(request: Request) -> Response:
-        text = batcher.stats.to_prometheus(f"{prefix}_batcher") + http.prometheus(prefix)
+        name = f"{prefix}_http_requests_total"
+        text = batcher.stats.to_prometheus(f"{prefix}_batcher")
+        text += f"# HELP {name} Answered /predict requests, by status code.\n"
+        text += f"# TYPE {name} counter\n"
+        text += "".join(f'{name}{{code="{c}"}} {n}\n' for c, n in sorted(by_code.items()))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def signature(request: Request) -> Response:
@@ -263,32 +242,25 @@ def serve(
 ) -> None:
     """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
 
-    Loads the artifact (:func:`~symjax_mlp.load`), compiles the batcher's buckets, binds
-    ``host:port`` (``port=0``: a free port), calls ``ready(url)`` (default: prints
-    ``serving PATH on URL``) and runs uvicorn. On a signal it stops accepting connections,
-    finishes the requests in flight and the queued ones, and returns. For per-request latency
-    on the CPU, call :func:`~symjax_mlp.serving.latency_mode` first, and ``gc.freeze()`` in
-    ``ready`` (so that Python's full collections need not walk JAX and the model again while
-    requests wait); ``symjax-mlp serve`` does both.
+    Loads the artifact, compiles the batcher's buckets, binds ``host:port`` (``port=0``: a
+    free port), calls ``ready(url)`` and runs uvicorn. On a signal it stops accepting
+    connections, finishes the requests in flight and queued, and returns. For per-request
+    latency on the CPU, call :func:`~symjax_mlp.serving.latency_mode` first, and
+    ``gc.freeze()`` in ``ready``; ``symjax-mlp serve`` does both.
 
     Args:
       artifact: the artifact directory.
       host, port: where to listen.
       runtime: ``"jax"`` or ``"iree"``.
       max_batch, max_queue: see :class:`~symjax_mlp.serving.Batcher`.
-      max_body_bytes, body_timeout, max_inflight_bytes: how request bodies are read, see
-        :func:`create_app`: one body's most bytes (413 past it), the most seconds between two
-        of its reads (408), the most bytes all bodies in flight may hold (503).
+      max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`.
       max_connections: the most connections (and requests) at once; past it a request is
-        answered 503 (uvicorn's ``limit_concurrency``). Below the usual limit of 1024 open
-        files. Idle keep-alive connections close after 5 s (uvicorn's default).
+        answered 503 (uvicorn's ``limit_concurrency``).
       log_level: uvicorn's log level.
-      ready: called with the URL once the socket is bound.
+      ready: called with the URL once the socket is bound (default: prints it).
       entry: the entry point to serve (default: the artifact's default one).
-      params_as_constants: compile the weights into each bucket's program (see
-        :func:`~symjax_mlp.load`): a call passes only its inputs, not the weights.
-      trust, allow, verify_signature: passed to :func:`~symjax_mlp.load` (the program's
-        checks, and the signature every file must carry).
+      params_as_constants, trust, allow, verify_signature: passed to
+        :func:`~symjax_mlp.load`.
 
     Raises:
       ConfigError: ``params_as_constants`` with ``runtime="iree"`` or a sharded artifact.

@@ -1,22 +1,16 @@
 """A micro-batcher: a stream of requests merged into a few pre-compiled batch shapes.
 
 One executor lane runs one batch at a time. A request that finds it idle (and nothing
-queued) is dispatched at once: :meth:`Batcher.__call__` on the calling thread,
-:meth:`Batcher.submit` on the batcher's thread, :meth:`Batcher.asubmit` on the event loop
-when the loop's current pass ends. Requests that arrive while a batch runs wait in a bounded
-queue and are merged, in arrival order, into the next batch, up to ``max_batch`` rows. A
-batch is zero-padded to the smallest bucket that holds it; every bucket is compiled when the
-batcher is made, so nothing compiles while serving, and padding rows are never returned.
+queued) runs at once: ``b(x)`` on the calling thread, ``submit`` on the batcher's thread,
+``asubmit`` on the event loop when the loop's current pass ends. Requests that arrive while a
+batch runs wait in a bounded queue and are merged, in arrival order, into the next batch, up
+to ``max_batch`` rows, zero-padded to the smallest bucket that holds it. Every bucket is
+compiled when the batcher is made; padding rows are never returned.
 
-The per-request overhead is kept small:
-
-- a NumPy request whose ``(shape, dtype)`` passed once is looked up in a dict, not checked;
-- a lone ``b(x)`` takes no lock and no future: it pops the lane's token (``list.pop`` is
-  atomic), calls the model and appends the token back;
-- a batch is stacked by one ``np.concatenate`` and its counters are one tuple appended to a
-  deque, folded into :class:`BatcherStats` only when the stats are read;
-- a batch's futures are settled under one shared lock, and an event loop's requests cost one
-  ``call_soon_threadsafe`` per batch, not one per request.
+Per request, little is done: a NumPy input of a known ``(shape, dtype)`` is looked up, not
+checked; a lone ``b(x)`` takes no lock and no future (it pops the lane's token); a batch is
+one ``np.concatenate``, its counters one tuple on a deque (folded when the stats are read);
+its futures are settled under one lock, with one ``call_soon_threadsafe`` per event loop.
 """
 
 from __future__ import annotations
@@ -34,10 +28,9 @@ from symjax_mlp._errors import ConfigError, OverloadError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
-from symjax_mlp.serving._futures import AsyncRequest, RequestFuture, record_batch
+from symjax_mlp.serving._futures import AsyncRequest, RequestFuture
 from symjax_mlp.serving._lane import Blocking, Lane, array_rows, claim, clock, tree_to_host
-from symjax_mlp.serving._requests import RequestCheck
-from symjax_mlp.serving._shapes import artifact_specs, bucket_sizes, example_specs
+from symjax_mlp.serving._requests import RequestCheck, artifact_specs, bucket_sizes, example_specs
 from symjax_mlp.serving._stats import BatcherStats
 
 _TRAINING = (
@@ -48,10 +41,8 @@ _TRAINING = (
 
 
 def _inference(h: Hybrid, example: Any) -> Any:
-    """What a batcher calls for ``h``: ``h`` itself, or for a stateful Hybrid its inference
-    with the state it holds now (``h.apply_with_state``: serving never moves ``h``'s state,
-    and a batch's result does not depend on the batches before it); an nnx module's mode is
-    the one it has now, whatever the module is switched to later."""
+    """What a batcher calls for ``h``: ``h`` as of now (its nnx module's mode too), or for a
+    stateful one its inference with the state it holds now, which serving never moves."""
     arrays = example if isinstance(example, tuple) else (example,)
     training = h.training_mode(*arrays)
     if training:
@@ -73,15 +64,14 @@ class Batcher:
 
     A request is what the model takes, with a leading batch dimension of 1..``max_batch``
     rows: ``b(x)`` returns what ``model(x)`` would, as NumPy arrays (batched rows equal the
-    same rows run alone up to float rounding; at one bucket, bit for bit). How requests are
-    dispatched, queued and padded: see the module docstring.
+    same rows run alone up to float rounding; at one bucket, bit for bit).
 
     A bad request is refused with :class:`~symjax_mlp.SignatureError`, a full queue with
     :class:`OverloadError`; neither disturbs other requests. If the model raises, every
-    request of that batch gets the exception (a ``BaseException`` such as ``SystemExit`` too,
-    as with a ``ThreadPoolExecutor``), and the batcher carries on. Use it as a
-    context manager, or call :meth:`close`. Inputs are read when their batch runs: do not
-    change a NumPy input in place before its result is back.
+    request of that batch gets the exception (``SystemExit`` too, as with a
+    ``ThreadPoolExecutor``), and the batcher carries on. Use it as a context manager, or call
+    :meth:`close`. Inputs are read when their batch runs: do not change one in place before
+    its result is back.
 
     Args:
       model: a :class:`~symjax_mlp.LoadedModel` (``sm.load(path)``; its signature says what
@@ -98,11 +88,9 @@ class Batcher:
       name: shown in errors (default: the model's name or artifact path).
 
     Raises:
-      ConfigError: (also a ``TypeError`` and a ``ValueError``) a Hybrid or callable without
-        ``example``, or a LoadedModel with one; a Hybrid of an nnx module in training mode
-        (see :meth:`~symjax_mlp.Hybrid.training_mode`); bad ``max_batch``/``buckets``/``max_queue``;
-        an artifact whose batch is not its inputs' leading dimension (an rng key input, a
-        symbolic size elsewhere); outputs without the batch as leading dimension.
+      ConfigError: a Hybrid or callable without ``example``, or a LoadedModel with one; an
+        nnx module in training mode; bad ``max_batch``/``buckets``/``max_queue``; an artifact
+        whose batch is not its inputs' leading dimension; outputs not per row.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -126,7 +114,7 @@ class Batcher:
         max_queue: int = 1024,
         name: str | None = None,
     ) -> None:
-        served = model  # what the lane calls: for a Hybrid, its inference (_inference)
+        served = model  # what the lane calls: for a Hybrid, _inference
         if isinstance(model, LoadedModel):
             if example is not None:
                 raise ConfigError(
@@ -217,10 +205,9 @@ class Batcher:
     def submit(self, *inputs: Any) -> RequestFuture:
         """Queues one request; returns at once with a ``concurrent.futures.Future``.
 
-        The future's result is what ``model(*inputs)`` returns, as NumPy arrays; its
-        ``timing`` (a :class:`RequestTiming`) is set before the result. Its done callbacks
-        run on the batcher's thread, between two batches: keep them short (``b(x)`` in one
-        runs there at once; waiting there for another queued request would stall it).
+        Its result is what ``model(*inputs)`` returns, as NumPy arrays; its ``timing`` is set
+        before it. Done callbacks run on the batcher's thread between two batches: keep them
+        short (``b(x)`` in one runs at once; waiting there for a queued request stalls it).
 
         Raises:
           SignatureError: the inputs do not fit :attr:`specs` (or have more than
@@ -239,9 +226,8 @@ class Batcher:
     def run(self, *inputs: Any, timeout: float | None = None) -> Any:
         """Runs one request and waits for its result: ``b(x)`` is ``b.run(x)``.
 
-        An idle batcher runs it on the calling thread; otherwise it joins the next batch.
-        Each blocked thread's wake-up is one GIL hand-off, so many threads in ``b(x)`` serve
-        slower than the same requests kept in flight with ``submit`` or ``asubmit``.
+        An idle batcher runs it on the calling thread; otherwise it joins the next batch (each
+        blocked thread's wake-up is a GIL hand-off: many threads serve faster with ``submit``).
 
         Raises:
           SignatureError, OverloadError, RuntimeError: as :meth:`submit`.
@@ -300,10 +286,9 @@ class Batcher:
     def asubmit(self, *inputs: Any) -> AsyncRequest:
         """Queues one request from asyncio code: ``y = await b.asubmit(x)``.
 
-        It checks and queues the request at once, like :meth:`submit`. The requests a loop
-        makes in one pass go to the batcher together when the pass ends; a lone one that finds
-        the batcher idle runs then, on the loop. Results come back with one wake-up per batch
-        and loop. Cancelling it drops the request if its batch has not started.
+        It checks and queues the request at once, like :meth:`submit`; the requests of one
+        pass of the loop go to the batcher when the pass ends (a lone one on an idle batcher
+        runs then, on the loop). Cancelling it drops the request if its batch has not started.
 
         Raises:
           SignatureError, OverloadError: as :meth:`submit`; nothing is queued.
@@ -331,8 +316,7 @@ class Batcher:
         return request
 
     def _end_of_pass(self, loop: Any) -> None:
-        """On the loop, after its coroutines ran: runs a lone request here if the lane is
-        idle with nothing else queued; otherwise wakes the batcher's thread."""
+        """Runs a lone request here if the lane is idle, else wakes the batcher's thread."""
         lone, lane = self._passes.pop(loop), self._lane
         with lane.lock:
             q = lane.queue
@@ -355,7 +339,7 @@ class Batcher:
                 lone.future.set_exception(e)  # reaches the loop through its awaiter, if any
                 return
             _, t1, t2, t3, t4, rows, bucket = record
-            record_batch(lone, (t1, t2 - t1, t3 - t2, t4 - t3, rows, 1, bucket))
+            lone._batch = (t1, t2 - t1, t3 - t2, t4 - t3, rows, 1, bucket)
             lone.future.set_result(result)
         finally:
             lane.release()
@@ -374,8 +358,7 @@ class Batcher:
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Stops taking requests, then finishes what is queued (``cancel=True``: cancels it).
 
-        Waits (at most ``timeout`` seconds) for the running batch and, unless cancelled, the
-        queued ones; the batcher's thread then ends. Calling it again does no harm.
+        Waits at most ``timeout`` seconds for that work; the thread then ends. Idempotent.
 
         Raises:
           TimeoutError: the work did not finish within ``timeout`` (the thread keeps going).

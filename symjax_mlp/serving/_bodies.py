@@ -1,4 +1,12 @@
-"""What crosses the wire: a request body to the model's inputs, and its outputs back.
+"""What crosses the wire: a request body read within bounds, to the model's inputs, and back.
+
+:class:`Intake` reads a body within three bounds, as nginx sets them: ``max_body_bytes`` (a
+larger body is refused, 413, as soon as its ``Content-Length`` or the bytes received pass it),
+``body_timeout`` (the most seconds between two reads, nginx's ``client_body_timeout``: 408 and
+the connection closed) and ``max_inflight_bytes`` (the most bytes all bodies in flight may
+hold together: 503 with ``Retry-After``, so a crowd of slow clients cannot pin the server's
+memory). It all runs on the server's one event loop, so the shared count needs no lock;
+connection limits are uvicorn's.
 
 A JSON body ``{"inputs": X}`` (or ``{"inputs": {"args[0]": X0, ...}}`` by input name) becomes
 arrays of the inputs' dtypes, refusing what a cast would change (1.5 to an int, 2**31 to
@@ -12,6 +20,7 @@ the model by its name, never by the artifact's path on the server (:class:`Publi
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import io
 import json
@@ -30,6 +39,9 @@ from symjax_mlp.serving._batcher import Batcher
 NPY = "application/x-npy"
 NPZ = "application/x-npz"
 _NPY_TYPES = (NPY, "application/octet-stream", "application/npy")
+#: Headers of an answer given before the body was read to its end: the rest of it is not read.
+CLOSE = {"Connection": "close"}
+_BEYOND = "{}: input {} holds numbers beyond {}; the model takes {}. Send values in range."
 
 
 class BadRequest(Exception):
@@ -38,6 +50,69 @@ class BadRequest(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+class Intake:
+    """Reads bodies within ``max_body_bytes``, ``body_timeout`` and ``max_inflight_bytes``."""
+
+    def __init__(self, *, max_body_bytes: int, body_timeout: float, max_inflight_bytes: int):
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+        self.max_inflight_bytes = max_inflight_bytes
+        self.held = 0  # bytes of bodies in flight, all requests together
+
+    async def read(self, request: Any, hold: list[int]) -> bytes:
+        """The body of ``request``; adds the bytes it holds to ``hold[0]`` as they arrive
+        (give them back with :meth:`release`, even when this raises).
+
+        Raises:
+          BadRequest: 413 too large, 408 a client quiet for ``body_timeout`` seconds, 503 the
+            bodies in flight would pass ``max_inflight_bytes``.
+          starlette.requests.ClientDisconnect: the client went away.
+        """
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
+            raise BadRequest(413, _too_large(int(size), self.max_body_bytes))
+        chunks, received = [], 0
+        stream = request.stream().__aiter__()
+        while True:
+            try:
+                async with asyncio.timeout(self.body_timeout):
+                    chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise BadRequest(
+                    408,
+                    f"the body stopped arriving: nothing came for {self.body_timeout:g} s after "
+                    f"{received} bytes (body_timeout={self.body_timeout:g}). Send the whole "
+                    "body at once.",
+                ) from None
+            received += len(chunk)
+            if received > self.max_body_bytes:
+                raise BadRequest(413, _too_large(received, self.max_body_bytes))
+            if self.held + len(chunk) > self.max_inflight_bytes:
+                raise BadRequest(
+                    503,
+                    f"the server is receiving too many bodies at once ({self.held} bytes held, "
+                    f"max_inflight_bytes={self.max_inflight_bytes}); retry shortly.",
+                )
+            self.held += len(chunk)
+            hold[0] += len(chunk)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def release(self, hold: list[int]) -> None:
+        """Gives back what :meth:`read` counted in ``hold``."""
+        self.held -= hold[0]
+        hold[0] = 0
+
+
+def _too_large(size: int, limit: int) -> str:
+    return (
+        f"the body has {size} bytes, more than max_body_bytes={limit}; split the request into "
+        "smaller ones."
+    )
 
 
 def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any], bool]:
@@ -103,6 +178,11 @@ def from_json(batcher: Batcher, spec: Any, value: Any, *, bools: bool = True) ->
     ``true`` and ``false`` are a bool input's values (``0`` and ``1`` too), never numbers.
     ``bools=False`` says that ``value`` holds no booleans (skips looking for them)."""
     want = np.dtype(spec.dtype)
+
+    def beyond() -> SignatureError:
+        largest = f"{want}'s range (largest {float(np.finfo(want).max):.4g})"
+        return SignatureError(_BEYOND.format(batcher.name, spec.path, largest, spec.type))
+
     if want.kind != "b" and bools and _holds_bool(value):
         raise SignatureError(
             f"{batcher.name}: input {spec.path} holds JSON booleans (true/false), but the model "
@@ -116,9 +196,7 @@ def from_json(batcher: Batcher, spec: Any, value: Any, *, bools: bool = True) ->
                 f"{batcher.name}: input {spec.path} holds numbers that are neither {want} "
                 f"nor in its range; the model takes {spec.type}. Send integers in range."
             ) from None
-        raise SignatureError(
-            _BEYOND.format(batcher.name, spec.path, _largest(want), spec.type)
-        ) from None
+        raise beyond() from None
     except ValueError as e:  # ragged lists
         raise SignatureError(
             f"{batcher.name}: input {spec.path} is not a rectangular array ({short(str(e))}); "
@@ -128,7 +206,7 @@ def from_json(batcher: Batcher, spec: Any, value: Any, *, bools: bool = True) ->
         return _as_bool(batcher, spec, raw)
     mixed = raw.dtype.kind == "O" and {type(v) for v in raw.flat} == {int, float}
     if mixed and want.kind == "f":  # NumPy made [1.5, 10**400] objects: past float64
-        raise SignatureError(_BEYOND.format(batcher.name, spec.path, _largest(want), spec.type))
+        raise beyond()
     integral = raw.dtype.kind in "biu" or (
         raw.dtype.kind == "O" and all(type(v) is int for v in raw.flat)  # past int64
     )
@@ -154,20 +232,11 @@ def from_json(batcher: Batcher, spec: Any, value: Any, *, bools: bool = True) ->
         with np.errstate(over="ignore"):
             x = raw.astype(want, copy=False)
     except OverflowError:  # a Python int past float64 (10**400): no float holds it
-        raise SignatureError(
-            _BEYOND.format(batcher.name, spec.path, _largest(want), spec.type)
-        ) from None
+        raise beyond() from None
     finite = np.isfinite(raw) if raw.dtype.kind == "f" else np.ones(raw.shape, bool)  # ints
     if want.kind == "f" and raw.size and not np.array_equal(np.isfinite(x), finite):
-        raise SignatureError(_BEYOND.format(batcher.name, spec.path, _largest(want), spec.type))
+        raise beyond()
     return x
-
-
-_BEYOND = "{}: input {} holds numbers beyond {}; the model takes {}. Send values in range."
-
-
-def _largest(want: np.dtype) -> str:
-    return f"{want}'s range (largest {float(np.finfo(want).max):.4g})"
 
 
 def _holds_bool(value: Any) -> bool:
@@ -203,21 +272,14 @@ def short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more)"
 
 
-class Json:
-    """A JSON response that writes a non-finite float as ``NaN``/``Infinity``, as Python's json
-    and TF Serving do (strict JSON has no such numbers; starlette's JSONResponse refuses)."""
-
-    media_type = "application/json"
-
-    @staticmethod
-    def render(content: Any) -> bytes:
-        return json.dumps(content, separators=(",", ":")).encode()
-
-
-def to_json(out: Any) -> Any:
+def to_json(out: Any) -> tuple[bytes, str]:
+    """``{"outputs": ...}`` with non-finite floats as ``NaN``/``Infinity``, as Python's json and
+    TF Serving write them (strict JSON has none; starlette's JSONResponse refuses them)."""
     if isinstance(out, np.ndarray):
-        return out.tolist()
-    return [np.asarray(y).tolist() for y in jax.tree.leaves(out)]
+        outputs = out.tolist()
+    else:
+        outputs = [np.asarray(y).tolist() for y in jax.tree.leaves(out)]
+    return json.dumps({"outputs": outputs}, separators=(",", ":")).encode(), "application/json"
 
 
 def to_npy(out: Any) -> tuple[bytes, str]:

@@ -48,8 +48,7 @@ class RequestTiming:
 
 
 def request_timing(t0: float, rows: int, batch: tuple | None) -> RequestTiming | None:
-    """A request's timing from its start, its rows and its batch's timings (``None``: it
-    never ran)."""
+    """A request's timing from its start, rows and batch's timings (``None``: it never ran)."""
     if batch is None:
         return None
     t1, padded, compute, split, batch_rows, requests, bucket = batch
@@ -70,7 +69,7 @@ class AsyncRequest:
 
     def __init__(self, arrays: Sequence[Any], rows: int, t0: float, future: Any) -> None:
         self.arrays, self.rows, self.t0, self.future = arrays, rows, t0, future
-        self._batch: tuple | None = None  # as RequestFuture's
+        self._batch: tuple | None = None  # as RequestFuture's, set by the lane
 
     def __await__(self) -> Any:
         return self.future.__await__()
@@ -88,15 +87,14 @@ class AsyncRequest:
 class RequestFuture(SharedLockFuture):
     """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.
 
-    It works wherever a ``concurrent.futures.Future`` does; see the module docstring.
-
     Attributes:
       timing: the request's :class:`RequestTiming`, set before the result (``None`` until
         then, and for a request cancelled or failed before it ran).
     """
 
-    # The request itself (inputs, rows, start time) rides on the future, as class defaults.
-    _batch: tuple | None = None  # (t1, padded, compute, split, batch_rows, requests, bucket)
+    # The request (inputs, rows, start time) rides on the future, as class defaults; the lane
+    # sets _batch, (t1, padded, compute, split, batch_rows, requests, bucket), before the result.
+    _batch: tuple | None = None
     arrays: Sequence[Any] = ()
     rows = 0
     t0 = 0.0
@@ -105,9 +103,3 @@ class RequestFuture(SharedLockFuture):
     def timing(self) -> RequestTiming | None:
         """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
         return request_timing(self.t0, self.rows, self._batch)
-
-
-def record_batch(request: RequestFuture | AsyncRequest, batch: tuple) -> None:
-    """Records the timings of a request's batch, ``(t1, padded, compute, split, batch_rows,
-    requests, bucket)``, before its result is set (see :attr:`RequestFuture.timing`)."""
-    request._batch = batch

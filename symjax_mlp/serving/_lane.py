@@ -1,18 +1,14 @@
 """A batcher's executor lane: the queue, the thread that runs batches, and how results go out.
 
 :class:`Lane` is the state a :class:`~symjax_mlp.serving.Batcher` shares with its thread
-(which holds no Batcher, so that dropping the Batcher ends the thread): the bounded queue,
-the lane's token (whoever holds it runs the model), the thread's loop (:meth:`Lane.work`:
-take a batch, pad it to its bucket, run it, split it, settle its requests), and the counters.
-A lone call that finds the lane idle runs on its caller's thread through
-:meth:`Lane.run_alone`.
+(which holds no Batcher, so that dropping the Batcher ends the thread): the bounded queue, the
+lane's token (whoever holds it runs the model), the thread's loop (:meth:`Lane.work`: take a
+batch, pad it to its bucket, run it, split it, settle its requests) and the counters.
 
-Like ``concurrent.futures.ThreadPoolExecutor``'s workers, the thread outlives what it runs:
-whatever the model raises, ``BaseException`` included (``SystemExit``, ``KeyboardInterrupt``,
-a user's own), goes to the batch's requests and the thread takes the next batch; a done
-callback that raises is logged (:func:`~symjax_mlp._compat.after_finish`), and anything that
-escapes a batch even so is logged and the loop goes on: no queued request waits for ever for
-a thread that is gone.
+Like a ``ThreadPoolExecutor``'s workers, the thread outlives what it runs: whatever the model
+raises, ``BaseException`` included, goes to the batch's requests; a done callback that raises
+is logged (:func:`~symjax_mlp._compat.after_finish`), and anything that escapes a batch even
+so is logged and the loop goes on: no queued request waits for ever for a thread that is gone.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import numpy as np
 
 from symjax_mlp import _compat as compat
 from symjax_mlp._compat import after_finish, finish_futures, start_future
-from symjax_mlp.serving._futures import AsyncRequest, RequestFuture, record_batch
+from symjax_mlp.serving._futures import AsyncRequest, RequestFuture
 from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats, Counters
 
 _CANCELLED = "the batcher was closed with cancel=True"
@@ -107,9 +103,7 @@ class Lane:
 
     # -- the executor thread -----------------------------------------------------------------
     def work(self) -> None:
-        """The thread's loop, until the lane is closed and its queue done. Whatever escapes a
-        batch (nothing should: the model's errors go to its requests, callbacks' are logged)
-        is logged, and the loop goes on."""
+        """The thread's loop, until the lane is closed and its queue done."""
         while True:
             try:
                 self.serve()
@@ -209,20 +203,18 @@ class Lane:
         futures, settled, awaited = [], [], []
         with self.futures:
             for i, r in enumerate(batch):
+                result = None if error is not None else results[i]
                 kind = type(r)
                 if kind is Blocking:
-                    if error is None:
-                        r.result = results[i]
-                    else:
-                        r.error = error
+                    r.result, r.error = result, error
                     r.waiter.release()
-                elif kind is AsyncRequest:
-                    record_batch(r, timing)
-                    awaited.append((r, None if error is not None else results[i]))
+                    continue
+                r._batch = timing
+                if kind is AsyncRequest:
+                    awaited.append((r, result))
                 else:
-                    record_batch(r, timing)
                     futures.append(r)
-                    settled.append(None if error is not None else results[i])
+                    settled.append(result)
             finish_futures(futures, settled, error)
         if awaited:
             _wake_loops(awaited, error)

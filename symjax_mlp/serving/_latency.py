@@ -1,14 +1,10 @@
 """Latency mode: JAX's CPU calls run on the calling thread, not handed to a dispatch thread.
 
-By default JAX's CPU client dispatches every call asynchronously: the call returns a future
-array at once and a runtime thread runs the program. That overlaps Python with compute, but
-for one request at a time it is a thread hand-off per call, often more than the small program
-itself. :func:`latency_mode` turns it off and also makes XLA's CPU matmuls single-threaded
-(handing a batch-1 matvec to Eigen's thread pool costs more than the second core gains), so a
-call runs on its caller's thread from start to finish. Both settings are read once, when JAX
-starts its CPU backend, so the switch refuses when it comes too late rather than silently
-doing nothing. The library never sets them by itself; ``symjax-mlp serve`` does. On a GPU
-the setting changes nothing: kernels are always queued on a stream.
+JAX's CPU client dispatches each call asynchronously, which overlaps Python with compute but
+costs a thread hand-off per call, often more than a small program; XLA's matmuls hand a
+batch-1 matvec to Eigen's pool too. :func:`latency_mode` turns both off. Both settings are read
+once, when JAX starts its CPU backend, so it refuses when it comes too late. On a GPU the
+setting changes nothing: kernels are always queued on a stream.
 """
 
 from __future__ import annotations
@@ -37,16 +33,10 @@ def dispatch_mode() -> str:
 def latency_mode() -> None:
     """Runs JAX's CPU calls inline, on the calling thread: per-request latency, not throughput.
 
-    Sets ``jax_cpu_enable_async_dispatch=False``, which JAX reads once, when its CPU backend
-    starts, and adds ``--xla_cpu_multi_thread_eigen=false`` to ``XLA_FLAGS`` (read then too;
-    subprocesses inherit it) unless ``XLA_FLAGS`` already sets it. Call it first thing,
-    before any JAX computation (creating an array counts)::
-
-        import symjax_mlp as sm
-        sm.serving.latency_mode()   # before the first jnp.ones, sm.load, h(x), ...
-
-    ``symjax-mlp serve`` does this for you. A call that finds the mode already in force is a
-    no-op.
+    Sets ``jax_cpu_enable_async_dispatch=False`` and adds ``--xla_cpu_multi_thread_eigen=false``
+    to ``XLA_FLAGS`` (subprocesses inherit it) unless ``XLA_FLAGS`` already sets it. Call it
+    first thing, before any JAX computation (creating an array counts); ``symjax-mlp serve``
+    does. A call that finds the mode already in force is a no-op.
 
     Raises:
       RuntimeError: JAX's backend already started with asynchronous dispatch; the setting

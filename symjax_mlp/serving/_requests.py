@@ -1,10 +1,11 @@
-"""A batcher's request check: each input's rank, row shape, dtype and rows, and why not.
+"""What a batcher's request takes, and its check.
 
-A NumPy request whose ``(shape, dtype)`` passed once is looked up in a dict instead of being
-checked again: at most ``max_batch`` keys per input signature, since only the rows may differ.
+The per-input specs come from an example batch or an artifact's signature; the batch sizes
+compiled ahead of time from ``max_batch``/``buckets``. :class:`RequestCheck` checks each
+input's rank, row shape, dtype and rows: a NumPy request whose ``(shape, dtype)`` passed once
+is looked up in a dict (at most ``max_batch`` keys per signature, since only the rows differ).
 A refused request is counted (``rejected_by["signature"]``) and raises a
-:class:`~symjax_mlp.SignatureError` that says which input, what it has, what a request takes
-and how to fix it.
+:class:`~symjax_mlp.SignatureError` that says which input, what it has and how to fix it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,78 @@ from typing import Any
 
 import numpy as np
 
-from symjax_mlp._errors import SignatureError
+from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._lane import Lane
+
+
+def example_specs(example: Any) -> tuple[TensorSpec, ...]:
+    arrays = example if isinstance(example, tuple) else (example,)
+    specs = []
+    for i, x in enumerate(arrays):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise ConfigError(
+                f"Batcher(example=...): input {i} is a {type(x).__name__}; pass arrays (a "
+                "tuple of arrays for several inputs), each with the batch as leading dimension."
+            )
+        if len(x.shape) == 0:
+            raise ConfigError(
+                f"Batcher(example=...): input {i} is a scalar; batching needs a leading batch "
+                "dimension, e.g. x[None]."
+            )
+        specs.append(TensorSpec(f"args[{i}]", ("b", *map(int, x.shape[1:])), str(x.dtype)))
+    return tuple(specs)
+
+
+def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None]:
+    """The per-request specs of an artifact, and its static batch (``None``: symbolic)."""
+    sig = model.signature
+    specs, static = [], set()
+    for spec in sig.inputs:
+        lead = spec.shape[0] if spec.shape else None
+        rest = spec.shape[1:]
+        if lead is None or any(isinstance(d, str) for d in rest):
+            raise ConfigError(
+                f"Batcher({model.path}): input {spec.path} is {spec.type}, but batching needs "
+                "the batch as leading dimension and static sizes elsewhere. Export the model "
+                "with a symbolic batch: export(..., batch='b')."
+            )
+        if isinstance(lead, int):
+            static.add(lead)
+        specs.append(TensorSpec(spec.path, ("b", *rest), spec.dtype))
+    if len(static) > 1 or (static and sig.batch is not None):
+        raise ConfigError(
+            f"Batcher({model.path}): the inputs' leading dimensions {sig} disagree; batching "
+            "needs one batch dimension shared by every input."
+        )
+    return tuple(specs), (static.pop() if static else None)
+
+
+def bucket_sizes(
+    name: str, max_batch: int | None, buckets: Sequence[int] | None, static: int | None
+) -> tuple[int, ...]:
+    if static is not None:
+        if (max_batch not in (None, static)) or (buckets is not None and list(buckets) != [static]):
+            raise ConfigError(
+                f"{name}: the artifact was exported for a static batch of {static}, so every "
+                f"model call runs {static} rows; drop max_batch/buckets (or pass {static}), or "
+                "export it with a symbolic batch (batch='b') to batch freely."
+            )
+        return (static,)
+    if max_batch is None:
+        max_batch = max(buckets) if buckets else 64
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise ConfigError(f"{name}: max_batch must be an int >= 1; got {max_batch!r}.")
+    if buckets is None:  # powers of two, and max_batch
+        return tuple(sorted({*(1 << i for i in range(max_batch.bit_length())), max_batch}))
+    sizes = sorted(set(buckets))
+    if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes) or sizes[-1] != max_batch:
+        raise ConfigError(
+            f"{name}: buckets must be ints >= 1 whose largest is max_batch={max_batch}; got "
+            f"{list(buckets)!r}."
+        )
+    return tuple(sizes)
 
 
 class RequestCheck:
@@ -25,8 +95,8 @@ class RequestCheck:
     def __init__(self, name: str, specs: Sequence[TensorSpec], lane: Lane, max_batch: int) -> None:
         self.name, self.specs, self.lane, self.max_batch = name, specs, lane, max_batch
         self.ranks = [len(shape) + 1 for shape in lane.row_shapes]
-        # The NumPy shapes (a tuple of them for several inputs) that passed the check, with
-        # their rows; a request's dtypes must be these very objects to be looked up.
+        # The NumPy shapes (a tuple of them for several inputs) that passed, with their rows;
+        # a request's dtypes must be these very objects to be looked up.
         self.accepted: dict[Any, int] = {}
         self.dtypes = tuple(lane.dtypes)
 
@@ -72,7 +142,7 @@ class RequestCheck:
                 raise SignatureError(self._explain(len(arrays), a, rows))
             rows = a.shape[0]
             arrays.append(a)
-        if numpy:  # at most max_batch keys: only the rows may differ
+        if numpy:
             shapes = tuple(a.shape for a in arrays)
             self.accepted[shapes[0] if len(shapes) == 1 else shapes] = rows
         return arrays, rows  # type: ignore[return-value]
