@@ -5,18 +5,21 @@ NumPy, and tuples/dicts of them) are traced; Python settings (bool, int, float, 
 tuples of them) and the arguments named in ``static_argnums``/``static_argnames`` are static,
 part of the cache key. :func:`partition` splits a call into the two, :func:`rebuild` puts it
 back together; an nnx module's settings join the static key as :class:`ModuleSetting` entries.
+A Hybrid's own settings are checked here too (:func:`check_settings`, :func:`static_args`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._specs import MASKED_INPUT
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -35,8 +38,6 @@ class _Frozen:
     __slots__ = ("_key", "array")
 
     def __init__(self, array: Any) -> None:
-        import numpy as np
-
         self.array = np.asarray(array)
         self._key = (self.array.shape, str(self.array.dtype), self.array.tobytes())
 
@@ -47,9 +48,8 @@ class _Frozen:
         return isinstance(other, _Frozen) and self._key == other._key
 
     def __repr__(self) -> str:
-        """The array itself when small; else its shape, dtype and a digest of its bytes, so
-        that two arrays NumPy would print alike (``[0, 0, 0, ..., 0]``) read apart in the
-        trace log's reasons."""
+        """The array when small; else its shape, dtype and a digest of its bytes, so that two
+        arrays NumPy would print alike read apart in the trace log's reasons."""
         a = self.array
         if a.size <= 16:
             return repr(a)
@@ -87,9 +87,7 @@ def partition(
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
     """Splits a call into ``(static key, traced args, traced kwargs)``.
 
-    Python settings (see :func:`is_static`) and the arguments named in ``static_argnums`` /
-    ``static_argnames`` are static: part of the jit cache key, a plain tuple of
-    ``(position or name, value, kind)`` (see :func:`_kind`). Everything else is traced.
+    The static key is a tuple of ``(position or name, value, kind)`` (see :func:`_kind`).
     With ``lists`` (``stage``'s arguments, pytrees as ``jax.make_jaxpr`` takes them), a list
     that holds arrays, such as JAX's ``[(W, b), ...]`` params, is traced as a pytree too.
 
@@ -101,27 +99,19 @@ def partition(
     _refuse_masked(caller, args, kwargs)
     static: list[tuple[Any, Any, Any]] = []
     dyn_args: list[Any] = []
-    for i, a in enumerate(args):
-        if i in static_argnums:
-            v = _static_value(f"{caller}: args[{i}]", a)
-            static.append((i, v, _kind(v)))
-        elif is_static(a):
-            static.append((i, a, _kind(a)))
-        else:
-            if isinstance(a, list) and not (lists and _holds_arrays(a)):
-                raise _list_error(caller, f"args[{i}]", a)
-            dyn_args.append(a)
     dyn_kwargs: dict[str, Any] = {}
-    for k, v in kwargs.items():
-        if k in static_argnames:
-            v = _static_value(f"{caller}: kwargs[{k!r}]", v)
-            static.append((k, v, _kind(v)))
-        elif is_static(v):
-            static.append((k, v, _kind(v)))
-        else:
-            if isinstance(v, list) and not (lists and _holds_arrays(v)):
-                raise _list_error(caller, f"kwargs[{k!r}]", v)
-            dyn_kwargs[k] = v
+    for key, value in (*enumerate(args), *kwargs.items()):
+        if key in static_argnums or key in static_argnames:
+            value = _static_value(f"{caller}: {path_of(key)}", value)
+        elif not is_static(value):
+            if isinstance(value, list) and not (lists and _holds_arrays(value)):
+                raise _list_error(caller, path_of(key), value)
+            if isinstance(key, int):
+                dyn_args.append(value)
+            else:
+                dyn_kwargs[key] = value
+            continue
+        static.append((key, value, _kind(value)))
     return tuple(static), tuple(dyn_args), dyn_kwargs
 
 
@@ -135,10 +125,6 @@ def _kind(v: Any) -> Any:
 
 def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
     """Refuses a NumPy masked array among the arguments (in tuples, lists and dicts too)."""
-    import numpy as np
-
-    from symjax_mlp._errors import SignatureError
-
     todo = [(f"args[{i}]", a) for i, a in enumerate(args)]
     todo += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
     while todo:
@@ -157,8 +143,6 @@ def _holds_arrays(value: Any) -> bool:
 
 
 def _list_error(caller: str, path: str, value: list) -> Exception:
-    from symjax_mlp._errors import SignatureError
-
     name = path.split("[")[0]
     if _holds_arrays(value):
         return SignatureError(
@@ -210,3 +194,66 @@ def path_of(key: Any) -> str:
     if isinstance(key, ModuleSetting):
         return f"module.{key.path}"
     return f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
+
+
+# -- a Hybrid's settings ---------------------------------------------------------------------
+def check_settings(max_traces: Any = None, **given: tuple[Any, type, Any]) -> None:
+    """Each ``setting=(value, type, example)``: a value of another type is a ConfigError
+    (``compiled="no"`` is truthy; ``name=3`` broke deep inside). ``None`` passes for names.
+    ``max_traces``: a positive int or ``None``."""
+    if max_traces is not None and (
+        not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
+    ):
+        raise ConfigError(f"max_traces must be a positive int or None; got {max_traces!r}.")
+    for key, (value, kind, example) in given.items():
+        if (value is None and kind is str) or type(value) is kind:
+            continue
+        hint = f"{key}={example!r}" if example is not None else f"{key}='mlp'"
+        if key == "axis":
+            hint = "axis='data' (a mesh axis name)"
+        raise ConfigError(
+            f"{key} must be a {kind.__name__}; got {value!r} ({type(value).__name__}). "
+            f"Pass e.g. {hint}."
+        )
+
+
+def static_args(
+    parameters: Callable[[], list[inspect.Parameter] | None], name: str, nums: Any, names: Any
+) -> tuple[frozenset[int], frozenset[str]]:
+    """``static_argnums`` and ``static_argnames`` checked and completed from the model's
+    inputs (``parameters()``) as ``jax.jit`` does: a name static when passed by place too, a
+    place when passed by name."""
+    got = _as_tuple(nums, int)
+    if got is None or not all(type(i) is int and i >= 0 for i in got):
+        raise ConfigError(
+            f"static_argnums={nums!r}: pass an input's place or a tuple of them, ints from 0 (the "
+            "first input after the params), e.g. static_argnums=(1,)."
+        )
+    nums = got
+    got = _as_tuple(names, str)
+    if got is None or not all(isinstance(n, str) and n.isidentifier() for n in got):
+        raise ConfigError(
+            f"static_argnames={names!r}: pass a keyword's name or a tuple of them, e.g. "
+            "static_argnames=('mode',)."
+        )
+    names = got
+    params = parameters() if (nums or names) else None
+    if params is None:
+        return frozenset(nums), frozenset(names)
+    places = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    known = {p.name for p in params if p.kind != p.POSITIONAL_ONLY}
+    loose = not any(p.kind == p.VAR_KEYWORD for p in params)
+    unknown = sorted(n for n in names if n not in known) if loose else []
+    if unknown:
+        raise ConfigError(
+            f"{name}: static_argnames={names!r} names {unknown}, but the model's inputs are "
+            f"({', '.join(p.name for p in params)}). Name one of those, or drop it."
+        )
+    by_name = {p.name: i for i, p in enumerate(places) if p.kind == p.POSITIONAL_OR_KEYWORD}
+    nums += tuple(by_name[n] for n in names if n in by_name)
+    names += tuple(places[i].name for i in nums if i < len(places) and places[i].name in by_name)
+    return frozenset(nums), frozenset(names)
+
+
+def _as_tuple(x: Any, single: type) -> tuple | None:
+    return (x,) if isinstance(x, single) else tuple(x) if isinstance(x, tuple | list) else None

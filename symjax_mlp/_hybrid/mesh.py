@@ -232,12 +232,12 @@ class DataParallel:
 
     def call(
         self, jitted: Any, static: Any, leaves: Any, held: Any, dyn: Any, dyn_kw: Any,
-        sees_rows: Callable[[Any, Any, Any], bool],
+        sees_rows: Callable[[Any, Any, Any, Any], bool],
     ) -> Any:  # fmt: skip
         """A sharded Hybrid's call of ``jitted``: its batch padded and placed, the result
         trimmed. ``held``: a stateful Hybrid's held state (``None``: stateless), passed and
         taken back under its lock. A padded call whose new state depends on its rows
-        (``sees_rows(static, dyn, dyn_kw)``, asked once per signature) is refused: the
+        (``sees_rows(static, leaves, dyn, dyn_kw)``, asked once per signature) is refused: the
         padding rows would change it."""
         batch, placed, placed_kw = self.prepare(dyn, dyn_kw)
         padded = placed[0].shape[0] != batch
@@ -248,7 +248,7 @@ class DataParallel:
                 key = (static, *((x.shape, x.dtype) for x in jax.tree.leaves((placed, placed_kw))))
                 seen = self._sees.get(key)
                 if seen is None:
-                    seen = self._sees[key] = sees_rows(static, placed, placed_kw)
+                    seen = self._sees[key] = sees_rows(static, leaves, placed, placed_kw)
                 if seen:
                     raise SignatureError(
                         _PADDED_STATE.format(name=self.name, batch=batch, n=self.n_shards)

@@ -5,6 +5,13 @@ A :class:`~symjax_mlp.Hybrid` holds one :class:`PureModel`: a plain function of 
 rng streams are the state) or an nnx module (:func:`nnx_module`: its ``Param`` values are the
 params, every other variable the state). The state is held flat, typed rng keys as their raw
 ``key_data`` (:func:`state_structure`, :func:`unwrap_keys`, :func:`wrap_keys`).
+
+An nnx module carries its mode in its submodules' attributes (``deterministic``,
+``use_running_average``, other bools), and the user flips them after ``hybridize``. A Hybrid
+reads them at every call and keys its traces on them (:meth:`ModuleModes.key`): so
+``module.eval()`` retraces once, its reason naming what changed, and every later call in that
+mode reuses its program. A trace runs with the settings it was keyed on (:func:`settings_in`,
+:meth:`PureModel.pinned`), whatever the module says meanwhile.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import jax
 
 from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid.args import ModuleSetting, settings_key
 from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
@@ -58,8 +66,7 @@ class PureModel:
     _watch: Any = None  # what pins this model's settings (its own, not another model's)
 
     def pinned(self, values: tuple) -> contextlib.AbstractContextManager:
-        """Within the block, :attr:`call` runs with these settings (what a trace was keyed
-        on), not the module's current ones."""
+        """Within the block, :attr:`call` runs with these settings, not the module's now."""
         if self.settings is None:
             return contextlib.nullcontext()
         return _pin((self._watch, values))
@@ -148,12 +155,10 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 def nnx_module(module: Any) -> tuple:
     """``(PureModel, params, state)`` for an nnx module: its Params, and everything else.
 
-    The module's settings follow it: its submodules' bool attributes (and ``deterministic``,
-    ``use_running_average`` whatever their value), which ``module.train()``, ``eval()`` and
-    ``set_attributes`` change, are read from ``module`` itself by :attr:`PureModel.settings`;
-    a Hybrid keys its traces on them, and a call runs with them. Its state, once split, is
-    the Hybrid's. A call names each submodule's ops by its attribute path, as linen does
-    (:func:`symjax_mlp._compat.layer_scopes`).
+    Its settings (its submodules' bool attributes, and ``deterministic`` and
+    ``use_running_average`` whatever their value) are read from ``module`` itself by
+    :attr:`PureModel.settings`; its state, once split, is the Hybrid's. A call names each
+    submodule's ops by its attribute path, as linen does (:func:`~symjax_mlp._compat.layer_scopes`).
     """
     from flax import nnx
 
@@ -248,3 +253,53 @@ def unwrap_keys(leaves: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
 def wrap_keys(raw: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
     pairs = zip(raw, impls, strict=True)
     return [r if i is None else jax.random.wrap_key_data(r, impl=i) for r, i in pairs]
+
+
+class ModuleModes:
+    """The settings of a Hybrid's nnx module, read when it is called.
+
+    Attributes:
+      model: the module as a :class:`PureModel`.
+      now: returns the settings as they are now, in the order of ``model.setting_names``.
+    """
+
+    def __init__(self, model: PureModel, now: Callable[[], tuple] | None = None) -> None:
+        self.model = model
+        self.now = model.settings if now is None else now
+        self._names = tuple(map(ModuleSetting, model.setting_names))
+        self._keyed: dict[tuple, tuple] = {}  # settings -> their static entries, once per mode
+
+    @classmethod
+    def of(cls, model: PureModel) -> ModuleModes | None:
+        """The modes of ``model``; ``None`` when it has none (not an nnx module, or one
+        without settings)."""
+        return None if model.settings is None else cls(model)
+
+    def fixed(self) -> ModuleModes:
+        """These modes, fixed as they are now: ``module.train()`` later does not switch them."""
+        values = self.now()
+        return ModuleModes(self.model, lambda: values)
+
+    def key(self, static: tuple) -> tuple:
+        """``static`` and the settings as they are now, the entries a trace is keyed on."""
+        values = self.now()
+        entries = self._keyed.get(values)
+        if entries is None:
+            entries = self._keyed[values] = settings_key(self._names, values)
+        return static + entries
+
+    def training(self, program: Callable[[tuple], str]) -> tuple[str, ...]:
+        """The settings that hold the module in training mode, as ``"path=value"``, where
+        flipping them changes ``program(settings)`` (the staged program's text); ``()`` in
+        eval mode."""
+        now = self.now()
+        evaluating = mode_settings(self.model, now, train=False)
+        if now == evaluating or program(now) == program(evaluating):
+            return ()
+        pairs = zip(self.model.setting_names, now, evaluating, strict=True)
+        return tuple(f"{n}={v}" for n, v, e in pairs if v != e)
+
+
+def settings_in(static: tuple) -> tuple:
+    """The module settings a static key holds (``()``: none)."""
+    return tuple(v for k, v, _ in static if type(k) is ModuleSetting)

@@ -10,9 +10,10 @@ visible, and its ``reason`` names what changed against the nearest earlier trace
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -51,6 +52,15 @@ def control_flow_error(name: str, e: Exception) -> ControlFlowError:
         f"{name}: Python needed a concrete value from a traced (symbolic) array while "
         f"compiling: {type(e).__name__}: {first_line}\n{_CONTROL_FLOW_HELP}"
     )
+
+
+@contextlib.contextmanager
+def symbolic(name: str) -> Iterator[None]:
+    """Within the block, JAX's tracer errors are raised as :func:`control_flow_error`."""
+    try:
+        yield
+    except TRACER_ERRORS as e:
+        raise control_flow_error(name, e) from e
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,21 +7,60 @@ and records the trace in the Hybrid's :class:`~symjax_mlp._hybrid.trace.TraceLog
 traced without error. Its methods are the functions a Hybrid jits: :meth:`stateless`,
 :meth:`stateful` (the held state passed flat and taken back flat) and :meth:`apply` (the pure
 form, which takes the params and state as trees).
+
+The nnx objects a call is given (an ``nnx.Rngs`` passed to ``__call__``, a ``Variable`` the
+caller owns) come back mutated, as eager nnx leaves them: ``jax.jit`` traces copies of them,
+so the compiled paths return the values of the ``Variable`` s they were given
+(:func:`variables_in`) and the Hybrid writes them back (:func:`write_back`).
+
+A Hybrid names its programs ``jit_<name>_hybrid`` (:func:`as_program`): on CPU their
+``threefry2x32`` lowers unrolled (the same bits, several times faster than JAX's rolled loop,
+which a Dropout model at batch 1 pays more for than for its arithmetic); every other module
+lowers as JAX registered it (:func:`symjax_mlp._compat.install_unrolled_threefry`).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from symjax_mlp._hybrid import objects
+from symjax_mlp._compat import install_unrolled_threefry
+from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.args import rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.held import HeldState
-from symjax_mlp._hybrid.modes import settings_in
-from symjax_mlp._hybrid.pure import PureModel
+from symjax_mlp._hybrid.jaxpr import input_dependent
+from symjax_mlp._hybrid.pure import PureModel, settings_in
 from symjax_mlp._hybrid.trace import TraceLog
+from symjax_mlp._specs import array_types
+
+_SUFFIX = "_hybrid"
+_TWICE = (
+    "{caller}: the same nnx Variable ({kind}) is reached more than once among the inputs "
+    "(the same object passed twice, or inside two objects passed). A compiled call traces a "
+    "copy of each input, so the copies would be mutated apart and only one kept. Pass it once."
+)
+_SHARDED = (
+    "{caller}: an nnx object (an Rngs, a Variable or a module) among the inputs of a sharded "
+    "Hybrid, which splits every input over the mesh by rows. Call the Hybrid without the mesh "
+    "(h.replace(mesh=None)), or keep the object in the model."
+)
+
+
+def as_program(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` named so that ``jax.jit`` of it lowers a module ``jit_<name>_hybrid``."""
+
+    def program(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    program.__name__ = program.__qualname__ = f"{name}{_SUFFIX}"
+    return program
+
+
+install_unrolled_threefry(_SUFFIX)
 
 
 class TracedModel:
@@ -66,6 +105,11 @@ class TracedModel:
 
         return jax.make_jaxpr(staged)(dyn, dyn_kw).jaxpr
 
+    def sees_rows(self, static: Any, leaves: Any, dyn: Any, dyn_kw: Any) -> bool:
+        """Whether a call's new state depends on its inputs (BatchNorm's statistics)."""
+        params = jax.tree.unflatten(self.treedef, leaves)
+        return any(input_dependent(self.staged(static, params, self.held.tree, dyn, dyn_kw, 1)))
+
     def run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
         """One trace: logged (and its budget enforced) before, committed after."""
         event = self.log.begin(static, dyn, dyn_kw, entry)
@@ -74,14 +118,14 @@ class TracedModel:
         else:  # a baked call closes over the params: JAX stages them as constants
             baked = self.constants is not None
             params = jax.tree.unflatten(self.treedef, self.constants if baked else leaves)
-        given = objects.variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
+        given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
         result = self.call(static, params, state, dyn, dyn_kw)
         self.log.commit(event)
-        return (*result, objects.values(given)) if given else result
+        return (*result, [v.get_value() for v in given]) if given else result
 
     def stateless(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:
-        """``h(x)`` of a stateless model: the output (and the values of the nnx Variables it
-        was given, if any: ``(out, values)``)."""
+        """``h(x)`` of a stateless model: the output, or ``(out, values)`` of the nnx
+        Variables it was given."""
         out, _, *given = self.run(static, leaves, self.held.tree, dyn, dyn_kw, "call")
         return (out, *given) if given else out
 
@@ -112,3 +156,41 @@ class TracedModel:
 
         staged.__name__ = name
         return Graph.traced(staged, name, params, dyn, dyn_kw)  # params: any pytree, a list too
+
+
+def variables_in(tree: Any) -> list[Any]:
+    """The nnx ``Variable`` s in ``tree``, in flattening order: the caller's own, or a
+    trace's copies of them (same order)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:  # no nnx object can exist
+        return []
+    kind = nnx.Variable
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind))
+    return [v for v in leaves if isinstance(v, kind)]
+
+
+def given(dyn: Any, dyn_kw: Any, caller: str, sharded: bool = False) -> list[Any]:
+    """The caller's Variables among a call's traced inputs, each once.
+
+    Raises:
+      SignatureError: a Variable is reached twice.
+      ConfigError: there are Variables and the Hybrid is sharded.
+    """
+    if all(type(a) in _ARRAYS for a in (*dyn, *dyn_kw.values())):  # the usual call: no walk
+        return []
+    found = variables_in((dyn, dyn_kw))
+    if found and sharded:
+        raise ConfigError(_SHARDED.format(caller=caller))
+    if len({id(v) for v in found}) != len(found):
+        twice = next(v for i, v in enumerate(found) if any(v is w for w in found[:i]))
+        raise SignatureError(_TWICE.format(caller=caller, kind=type(twice).__name__))
+    return found
+
+
+_ARRAYS = array_types()
+
+
+def write_back(variables: list[Any], new: list[Any]) -> None:
+    """Sets the caller's ``variables`` to a compiled call's ``new`` values."""
+    for v, value in zip(variables, new, strict=True):
+        v.set_value(value)
