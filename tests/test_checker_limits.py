@@ -6,11 +6,14 @@ and exponential once inlined; the checker must count it as XLA will run it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from jax.extend.mlir import ir
 from jax.interpreters import mlir as jax_mlir
 
 from symjax_mlp._artifact import ops, walk
+from symjax_mlp._errors import ArtifactError
 
 T = "tensor<2xf32>"
 
@@ -55,3 +58,194 @@ def test_a_call_graph_that_inlines_past_the_op_bound_is_refused():
     levels = ops.MAX_OPS.bit_length()  # 2**levels adds, past the bound, in 22 small functions
     [detail] = inlined_ops_problems(report(fanout(levels)))
     assert f"at most {ops.MAX_OPS:,}" in detail
+
+
+# -- regions: every one charged by how often XLA runs it ----------------------------------------
+# Each construct runs a call of @big (about 3 * k element operations) ``runs`` times; k is
+# chosen so that the work is ``factor`` times the bound once the multiplier is applied, and
+# far below it if the multiplier were dropped.
+S = "tensor<f32>"
+
+
+def big(k: int) -> str:
+    return (
+        f"  func.func private @big(%s: {S}) -> {S} {{\n"
+        f"    %v = stablehlo.broadcast_in_dim %s, dims = [] : ({S}) -> tensor<{k}xf32>\n"
+        f"    %w = stablehlo.add %v, %v : tensor<{k}xf32>\n"
+        f"    %o = stablehlo.slice %w [0:1] : (tensor<{k}xf32>) -> tensor<1xf32>\n"
+        f"    %r = stablehlo.reshape %o : (tensor<1xf32>) -> {S}\n"
+        f"    return %r : {S}\n  }}"
+    )
+
+
+CALL = f"      %c = func.call @big(%a) : ({S}) -> {S}\n"
+
+
+def _region(args: str, result: str = "%c", ret: str = S) -> str:
+    return f'    ^bb0({args}):\n{CALL}      "stablehlo.return"({result}) : ({ret}) -> ()\n'
+
+
+PAIR = f"%a: {S}, %b: {S}"
+
+
+def _while(trips: int, inner: str) -> str:
+    return (
+        "    %c0 = stablehlo.constant dense<0> : tensor<i32>\n"
+        f'    %w:2 = "stablehlo.while"(%c0, %x) ({{\n'
+        f"    ^bb0(%i: tensor<i32>, %a: {S}):\n"
+        f"      %lim = stablehlo.constant dense<{trips}> : tensor<i32>\n"
+        "      %p = stablehlo.compare LT, %i, %lim, SIGNED : (tensor<i32>, tensor<i32>) -> "
+        "tensor<i1>\n"
+        '      "stablehlo.return"(%p) : (tensor<i1>) -> ()\n'
+        "    }, {\n"
+        f"    ^bb0(%i: tensor<i32>, %a: {S}):\n"
+        "      %one = stablehlo.constant dense<1> : tensor<i32>\n"
+        "      %n = stablehlo.add %i, %one : tensor<i32>\n"
+        f"{inner}"
+        f'      "stablehlo.return"(%n, %c) : (tensor<i32>, {S}) -> ()\n'
+        f"    }}) : (tensor<i32>, {S}) -> (tensor<i32>, {S})\n"
+        f"    %y = stablehlo.add %w#1, %x : {S}\n"
+    )
+
+
+def construct(kind: str, n: int) -> tuple[str, int]:
+    """``(main's body, runs)``: a construct that runs @big ``runs`` times, ``n`` its size."""
+    v, f = f"tensor<{n}xf32>", f"tensor<{n - 1}xf32>"
+    zero = f"    %z = stablehlo.constant dense<0.0> : {S}\n    %t = stablehlo.iota dim = 0 : {v}\n"
+    bit = "      %c = stablehlo.compare LT, %a, %b : (tensor<f32>, tensor<f32>) -> tensor<i1>\n"
+    if kind == "while":
+        return _while(n, CALL), n
+    if kind == "case_in_while":
+        case = (
+            f"      %k = stablehlo.constant dense<1> : tensor<i32>\n"
+            f'      %c = "stablehlo.case"(%k) ({{\n        "stablehlo.return"(%a) : ({S}) -> ()\n'
+            f"      }}, {{\n  {CALL}"
+            f'        "stablehlo.return"(%c) : ({S}) -> ()\n      }}) : (tensor<i32>) -> {S}\n'
+        )
+        return _while(n, case), n
+    if kind == "call_in_while":
+        return _while(n, f"      %c = func.call @mid(%a) : ({S}) -> {S}\n"), n
+    sel = f'    ^bb0({PAIR}):\n{bit}      "stablehlo.return"(%c) : (tensor<i1>) -> ()\n'
+    ind = f"tensor<{n}x1xi32>"
+    reducers = {  # kind: (operands, regions, attributes, types, runs)
+        "reduce": ("%t, %z", [_region(PAIR)], "dimensions = array<i64: 0>", f"{v}, {S}) -> {S}", n),
+        "map": ("%t", [_region(f"%a: {S}")], "dimensions = array<i64: 0>", f"{v}) -> {v}", n),
+        "reduce_window": (
+            "%t, %z", [_region(PAIR)], "window_dimensions = array<i64: 2>",
+            f"{v}, {S}) -> {f}", 2 * (n - 1),
+        ),
+        "select_and_scatter": (
+            "%t, %s, %z", [sel, _region(PAIR)],
+            "window_dimensions = array<i64: 2>, window_strides = array<i64: 1>",
+            f"{v}, {f}, {S}) -> {v}", 2 * (n - 1),
+        ),
+        "scatter": (
+            "%t, %i, %t", [_region(PAIR)],
+            "scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], "
+            "scatter_dims_to_operand_dims = [0], index_vector_dim = 1>",
+            f"{v}, {ind}, {v}) -> {v}", n,
+        ),
+        "sort": (
+            "%t", [f"    ^bb0({PAIR}):\n{CALL}" + bit.replace("%a,", "%c,").replace("%c =", "%d =")
+                   + '      "stablehlo.return"(%d) : (tensor<i1>) -> ()\n'],
+            "dimension = 0 : i64", f"{v}) -> {v}", n * n.bit_length(),
+        ),
+    }  # fmt: skip
+    operands, regions, attributes, types, runs = reducers[kind]
+    zero += f"    %s = stablehlo.iota dim = 0 : {f}\n    %i = stablehlo.constant dense<0> : {ind}\n"
+    op = f'    %r = "stablehlo.{kind}"({operands}) ({{\n' + "    }, {\n".join(regions)
+    op += f"    }}) {{{attributes}}} : ({types}\n"
+    return zero + op + f"    %y = stablehlo.add %z, %x : {S}\n", runs
+
+
+def module(kind: str, n: int, k: int) -> str:
+    body, _ = construct(kind, n)
+    mid = f"  func.func private @mid(%a: {S}) -> {S} {{\n{CALL}    return %c : {S}\n  }}"
+    main = f"  func.func public @main(%x: {S}) -> {S} {{\n{body}    return %y : {S}\n  }}"
+    return f"module @m {{\n{big(k)}\n{mid}\n{main}\n}}\n"
+
+
+def over_work(r: ops.ModuleReport) -> bool:
+    return any("element operations" in p.what for p in r.problems)
+
+
+KINDS = ["while", "case_in_while", "call_in_while", "reduce", "map", "reduce_window",
+         "select_and_scatter", "scatter", "sort"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_region_is_charged_as_often_as_xla_runs_it(kind):
+    n = 1 << 12
+    _, runs = construct(kind, n)
+    for factor, refused in ((2.0, True), (0.5, False)):
+        k = int(factor * ops.MAX_WORK / (3 * runs))
+        r = report(module(kind, n, k))
+        assert over_work(r) == refused, (kind, factor, r.work, r.problems)
+        assert 3 * k * runs <= r.work <= 3 * k * (runs + 1) + 16 * runs + 8 * n, (r.work, k)
+
+
+def test_calls_are_charged_per_call_site():
+    levels = 12  # 4,096 inlined copies of one add of k elements, each ~5k with its calls
+    for factor, refused in ((2.0, True), (0.25, False)):
+        k = int(factor * ops.MAX_WORK / (5 * 2**levels))
+        text = fanout(levels).replace(T, f"tensor<{k}xf32>")
+        assert over_work(report(text)) == refused, factor
+
+
+def test_the_reduce_whose_body_calls_a_function_is_charged_per_element():
+    """The 3 kB artifact of the report: a reduce of 2**24 elements whose body calls a
+    function of 2**16 elements; it was charged 3.4e7 (0.8% of the bound) and ran ~4e12."""
+    body = (
+        f"    %z = stablehlo.constant dense<0.0> : {S}\n"
+        f"    %t = stablehlo.iota dim = 0 : tensor<{1 << 24}xf32>\n"
+        f'    %r = "stablehlo.reduce"(%t, %z) ({{\n{_region(PAIR)}    }}) '
+        f"{{dimensions = array<i64: 0>}} : (tensor<{1 << 24}xf32>, {S}) -> {S}\n"
+        f"    %y = stablehlo.add %r, %x : {S}\n"
+    )
+    main = f"  func.func public @main(%x: {S}) -> {S} {{\n{body}    return %y : {S}\n  }}"
+    r = report(f"module @m {{\n{big(1 << 16)}\n{main}\n}}\n")
+    assert r.work > 3 * 2**40 and over_work(r)
+    assert {p.key for p in r.problems} == {"compute", "control_in_reducer"}
+
+
+@pytest.mark.parametrize("kind", ["while", "call_in_while", "case_in_while"])
+def test_control_flow_inside_a_reducer_body_is_refused_by_name(kind):
+    inner, _ = construct(kind, 4)
+    inner = inner.replace("%x", "%e").replace("%y = ", "%q = ").replace("    ", "      ")
+    body = f"    ^bb0(%e: {S}, %b: {S}):\n{inner}" + f'      "stablehlo.return"(%q) : ({S}) -> ()\n'
+    op = (
+        f"    %z = stablehlo.constant dense<0.0> : {S}\n    %t = stablehlo.iota dim = 0 : "
+        f'tensor<8xf32>\n    %y = "stablehlo.reduce"(%t, %z) ({{\n{body}    }}) '
+        f"{{dimensions = array<i64: 0>}} : (tensor<8xf32>, {S}) -> {S}\n"
+    )
+    plain = op.replace(inner, f"      %q = stablehlo.add %e, %b : {S}\n")
+    for text, refused in ((op, True), (plain, False)):
+        main = f"  func.func public @main(%x: {S}) -> {S} {{\n{text}    return %y : {S}\n  }}"
+        mid = f"  func.func private @mid(%a: {S}) -> {S} {{\n{CALL}    return %c : {S}\n  }}"
+        r = report(f"module @m {{\n{big(4)}\n{mid}\n{main}\n}}\n")
+        keys = {p.key for p in r.problems}
+        assert keys == ({"control_in_reducer"} if refused else set()), r.problems
+    with pytest.raises(ArtifactError, match="allow=\\{'control_in_reducer'\\}"):
+        ops.check(report_of(op), file=Path("m"), allow=frozenset(), caller="load()")
+
+
+def report_of(body: str) -> ops.ModuleReport:
+    main = f"  func.func public @main(%x: {S}) -> {S} {{\n{body}    return %y : {S}\n  }}"
+    mid = f"  func.func private @mid(%a: {S}) -> {S} {{\n{CALL}    return %c : {S}\n  }}"
+    return report(f"module @m {{\n{big(4)}\n{mid}\n{main}\n}}\n")
+
+
+@pytest.mark.parametrize("dtype, refused", [("f32", False), ("f64", True), ("i8", False)])
+def test_the_bytes_of_the_tensors_made_are_bounded_not_just_their_elements(dtype, refused):
+    n = 1 << 28  # 2**28 elements: 1 GiB as f32, 2 GiB as f64 (twice, and 16 bytes: over)
+    body = (
+        f"    %v = stablehlo.iota dim = 0 : tensor<{n}x{dtype}>\n"
+        f"    %w = stablehlo.add %v, %v : tensor<{n}x{dtype}>\n"
+        f"    %o = stablehlo.slice %w [0:1] : (tensor<{n}x{dtype}>) -> tensor<1x{dtype}>\n"
+        f"    %y = stablehlo.reshape %o : (tensor<1x{dtype}>) -> tensor<{dtype}>\n"
+    )
+    t = f"tensor<{dtype}>"
+    main = f"  func.func public @main() -> {t} {{\n{body}    return %y : {t}\n  }}"
+    r = report(f"module @m {{\n{main}\n}}\n")
+    assert not over_work(r)
+    assert any("bytes" in p.what for p in r.problems) == refused, r.problems

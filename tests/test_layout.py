@@ -41,6 +41,7 @@ STAGES = (
     "symjax_mlp._artifact.signature",
     "symjax_mlp._artifact.weights",
     "symjax_mlp._artifact.ops",
+    "symjax_mlp._artifact.cost",
     "symjax_mlp._artifact.walk",
     "symjax_mlp._artifact.checker",
     "symjax_mlp._artifact.reading",

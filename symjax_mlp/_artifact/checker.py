@@ -84,7 +84,9 @@ def _cache_key(module_sha256: str) -> str:
 
     # the rules (ops.py), the walk and this reader: a changed one reads every module anew
     here = Path(__file__)
-    checker = b"".join(here.with_name(n).read_bytes() for n in ("ops.py", "walk.py", here.name))
+    checker = b"".join(
+        here.with_name(n).read_bytes() for n in ("ops.py", "cost.py", "walk.py", here.name)
+    )
     return sha256(b"%s %s %s" % (module_sha256.encode(), jaxlib_version.encode(), checker))
 
 

@@ -12,9 +12,12 @@ anything compiles it. :mod:`~symjax_mlp._artifact.walk` reads what the module do
 - a ``while`` loop unless its trip count is a constant of at most :data:`MAX_LOOP_TRIPS`
   (``allow={"while"}``);
 - recursion between functions;
-- more than :data:`MAX_WORK` element operations, or a tensor of more than
-  :data:`MAX_ELEMENTS` elements, counting dynamic dimensions as 1 and multiplying by trip
-  and call counts (``allow={"compute"}``).
+- control flow or a call inside a reducer's body (``allow={"control_in_reducer"}``): no
+  exporter writes one, and XLA's CPU compiler aborted on a loop there;
+- more than :data:`MAX_WORK` element operations (each op's times how often its regions run:
+  loop trips, reduced elements, calls), a tensor of more than :data:`MAX_ELEMENTS`
+  elements, or more than :data:`MAX_BYTES` bytes of tensors made, counting dynamic
+  dimensions as 1 (``allow={"compute"}``).
 
 ``trust=True`` skips all of it (for artifacts you made, or trust as you trust code).
 """
@@ -71,6 +74,7 @@ MAX_LOOP_TRIPS = 1 << 16
 MAX_ELEMENTS = 1 << 32
 MAX_WORK = 1 << 32  # element operations: ~10-30 s of the slowest ops on one core
 MAX_OPS = 1 << 20  # ops after inlining every call
+MAX_BYTES = 1 << 32  # bytes of all tensors the ops make, every call inlined, none reused
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """What a StableHLO module does: every op of every function walked, in an MLIR context.
 
 :func:`analyze_module` counts the ops and custom-call targets, bounds each ``while`` loop's
-trip count, finds recursion, and adds up the element operations, multiplied by loop trip
-counts and call counts (dynamic dimensions counted as 1): the
-:class:`~symjax_mlp._artifact.ops.ModuleReport` that :func:`~symjax_mlp._artifact.ops.check`
-judges. A stranger's bytes are walked only in the checker's child process
-(:mod:`~symjax_mlp._artifact.checker`); this process walks only modules it made itself (the
-module refined for a call's shapes, from one the child has read).
+trip count, finds recursion and control flow inside reducer bodies, and adds up the element
+operations (each op's, times how often XLA runs the regions around it: see
+:mod:`~symjax_mlp._artifact.cost`) and the bytes of every tensor made, with every call
+inlined: the :class:`~symjax_mlp._artifact.ops.ModuleReport` that
+:func:`~symjax_mlp._artifact.ops.check` judges. A stranger's bytes are walked only in the
+checker's child process (:mod:`~symjax_mlp._artifact.checker`); this process walks only
+modules it made itself (the module refined for a call's shapes, from one the child read).
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from symjax_mlp._artifact import ops
+from symjax_mlp._artifact import cost, ops
 from symjax_mlp._errors import ArtifactError
-
-_INT_MAX = (1 << 31) - 1
 
 
 def analyze_module(module: Any, *, file: Path | str = "the module") -> ops.ModuleReport:
@@ -46,7 +45,7 @@ class _Walk:
         self.counts: collections.Counter[str] = collections.Counter()
         self.custom: collections.Counter[str] = collections.Counter()
         self.problems: dict[tuple[str, str], ops.Problem] = {}
-        self.funcs: dict[str, dict[str, Any]] = {}  # name -> {"work", "ops", "calls"}
+        self.funcs: dict[str, dict[str, Any]] = {}  # name -> work, ops, bytes, calls
         self.n_modules = 0
 
     def report(self) -> ops.ModuleReport:
@@ -70,14 +69,14 @@ class _Walk:
     def _problem(self, key: str, what: str) -> None:
         self.problems.setdefault((key, what), ops.Problem(key, what))
 
-    def _op(self, op: Any, func: dict[str, Any] | None, mult: int) -> None:
+    def _op(self, op: Any, func: dict[str, Any] | None, mult: int, reducer: str = "") -> None:
         name = op.name
         self.counts[name] += 1
         if name == "builtin.module":
             self.n_modules += 1
         elif name == "func.func":
             fname = _str_attr(op, "sym_name") or f"#{len(self.funcs)}"
-            func = self.funcs.setdefault(fname, {"work": 0, "ops": 0, "calls": []})
+            func = self.funcs.setdefault(fname, {"work": 0, "ops": 0, "bytes": 0, "calls": []})
             if not op.regions or not len(op.regions[0].blocks):
                 self._problem(  # jax.export writes none; lowering one crashed JAX (SIGSEGV)
                     "call", f"the function @{fname} is declared without a body (an external symbol)"
@@ -87,9 +86,16 @@ class _Walk:
             mult = 1
         elif name not in ops.ALLOWED_OPS and not name.startswith(ops.ALLOWED_DIALECTS):
             self._problem(_short(name), f"the op {name}")
+        if reducer and (op.regions or name == "func.call"):
+            self._problem(
+                "control_in_reducer",
+                f"{name} inside the body of {reducer}, which XLA runs per element (no exporter "
+                "writes one; XLA's CPU compiler aborted on a loop there)",
+            )
         if func is not None:
             func["ops"] += 1  # inlining copies a loop body once, not once per iteration
             func["work"] += mult * self._cost(op)
+            func["bytes"] += sum(cost.nbytes(v.type) for v in op.results)
         if name == "stablehlo.custom_call":
             target = _str_attr(op, "call_target_name") or "?"
             self.custom[target] += 1
@@ -115,7 +121,7 @@ class _Walk:
             self._attributes(op, name)
         inner = mult
         if name == "stablehlo.while":
-            trips = _trip_count(op)
+            trips = cost.trip_count(op)
             if trips is None:
                 self._problem("while", "a while loop whose trip count is not a constant")
                 trips = ops.MAX_LOOP_TRIPS
@@ -125,10 +131,12 @@ class _Walk:
                     f"a while loop of {trips:,} iterations (at most {ops.MAX_LOOP_TRIPS:,})",
                 )
             inner = mult * max(trips, 1)
+        elif name in cost.REDUCERS:
+            inner, reducer = mult * cost.region_runs(op), name
         for region in op.regions:
             for block in region.blocks:
                 for child in block.operations:
-                    self._op(child.operation, func, inner)
+                    self._op(child.operation, func, inner, reducer)
 
     def _attributes(self, op: Any, name: str) -> None:
         """Dialect-prefixed attributes (``jax.*``, ``mhlo.*``: nothing verifies those) must
@@ -197,17 +205,16 @@ class _Walk:
             )
 
     def _cost(self, op: Any) -> int:
-        sizes = [_elements(v.type) for v in (*op.operands, *op.results)]
+        sizes = [cost.elements(v.type) for v in (*op.operands, *op.results)]
         for n in sizes:
             if n > ops.MAX_ELEMENTS:
                 self._problem(
                     "compute",
                     f"a tensor of {n:,} elements in {op.name} (at most {ops.MAX_ELEMENTS:,})",
                 )
-        cost = max(sizes, default=1)
         if op.name == "stablehlo.dot_general" and op.results:
-            cost = _elements(op.results[0].type) * _contracting(op)
-        return cost
+            return cost.elements(op.results[0].type) * cost.contracting(op)
+        return max(sizes, default=1)
 
     def _inline(self) -> int:
         """Work of ``main`` with every call inlined; flags recursion and call explosions."""
@@ -233,24 +240,28 @@ class _Walk:
             visit(name, [])
         if any(p.key == "recursion" for p in self.problems.values()):
             return sum(f["work"] for f in self.funcs.values())
-        total_work: dict[str, int] = {}
-        total_ops: dict[str, int] = {}
-        for name in order:  # callees first
+        total: dict[str, dict[str, int]] = {}
+        for name in order:  # callees first; a call inlines one copy, run m times
             f = self.funcs[name]
-            total_work[name] = f["work"] + sum(
-                m * total_work.get(c, 0) for c, m in f["calls"] if c in self.funcs
-            )
-            total_ops[name] = f["ops"] + sum(
-                total_ops.get(c, 0) for c, _ in f["calls"] if c in self.funcs
-            )
+            calls = [(c, m) for c, m in f["calls"] if c in self.funcs]
+            total[name] = {
+                k: f[k] + sum((m if k == "work" else 1) * total[c][k] for c, m in calls)
+                for k in ("work", "ops", "bytes")
+            }
         roots = [n for n in self.funcs if not any(n == c for f in self.funcs.values()
                                                   for c, _ in f["calls"])]  # fmt: skip
-        n_ops = sum(total_ops[n] for n in roots)
+        n_ops, n_bytes = (sum(total[n][k] for n in roots) for k in ("ops", "bytes"))
         if n_ops > ops.MAX_OPS:
             self._problem(
                 "compute", f"{n_ops:,} ops once every call is inlined (at most {ops.MAX_OPS:,})"
             )
-        return sum(total_work[n] for n in roots)
+        if n_bytes > ops.MAX_BYTES:
+            self._problem(
+                "compute",
+                f"tensors of {n_bytes:,} bytes in all, beyond the batch, once every call is "
+                f"inlined (at most {ops.MAX_BYTES:,}): XLA may allocate that much",
+            )
+        return sum(total[n]["work"] for n in roots)
 
 
 # -- attribute and type helpers ----------------------------------------------------------------
@@ -287,135 +298,20 @@ def _scalar_type(t: Any, widths: set[int]) -> bool:
     )
 
 
-def _attr(op: Any, name: str) -> Any:
-    try:
-        return op.attributes[name]
-    except (KeyError, IndexError, ValueError):
-        return None
-
-
 def _str_attr(op: Any, name: str) -> str | None:
     from jax.extend.mlir import ir
 
-    a = _attr(op, name)  # value_bytes: a forged name need not be UTF-8
+    a = cost.attr(op, name)  # value_bytes: a forged name need not be UTF-8
     return a.value_bytes.decode("utf-8", "replace") if isinstance(a, ir.StringAttr) else None
 
 
 def _symbol_attr(op: Any, name: str) -> str:
     from jax.extend.mlir import ir
 
-    a = _attr(op, name)
+    a = cost.attr(op, name)
     if not isinstance(a, ir.FlatSymbolRefAttr):
         return "?"
     try:
         return a.value
     except (RuntimeError, UnicodeDecodeError):  # a forged name need not be UTF-8
         return str(a).removeprefix("@")
-
-
-def _elements(t: Any) -> int:
-    from jax.extend.mlir import ir
-
-    return _static_size(t, range(t.rank)) if isinstance(t, ir.RankedTensorType) else 1
-
-
-def _static_size(t: Any, dims: Any) -> int:
-    """The product of ``t``'s static dimensions among ``dims`` (dynamic ones count as 1)."""
-    n = 1
-    for i in dims:
-        if not t.is_dynamic_dim(i):
-            n *= max(t.get_dim_size(i), 0)
-    return n
-
-
-def _contracting(op: Any) -> int:
-    from jax.extend.mlir import ir
-    from jax.extend.mlir.dialects import stablehlo as hlo
-
-    try:
-        dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
-        lhs = op.operands[0].type
-        if not isinstance(lhs, ir.RankedTensorType):
-            return 1
-        return max(_static_size(lhs, dims.lhs_contracting_dimensions), 1)
-    except (ValueError, KeyError, IndexError, TypeError):
-        return max((_elements(v.type) for v in op.operands), default=1)
-
-
-def _scalar_int(value: Any) -> int | None:
-    """The value of a scalar integer ``stablehlo.constant``, else None."""
-    from jax.extend.mlir import ir
-
-    if not isinstance(value, ir.OpResult):
-        return None
-    op = value.owner.operation
-    if op.name != "stablehlo.constant":
-        return None
-    dense = _attr(op, "value")
-    if not isinstance(dense, ir.DenseIntElementsAttr) or not dense.is_splat:
-        return None
-    t = dense.type
-    if not isinstance(t, ir.RankedTensorType) or t.rank != 0:
-        return None
-    et = t.element_type
-    if not isinstance(et, ir.IntegerType) or et.width not in (32, 64) or et.is_unsigned:
-        return None
-    return int(dense.get_splat_value().value)
-
-
-def _block_arg(value: Any, block: Any) -> int | None:
-    from jax.extend.mlir import ir
-
-    if isinstance(value, ir.BlockArgument) and value.owner == block:
-        return value.arg_number
-    return None
-
-
-def _trip_count(op: Any) -> int | None:
-    """The trip count of a counted ``stablehlo.while``, or None if it is not one.
-
-    Counted: the condition is ``counter < limit`` (signed) of a loop-carried ``counter``
-    that starts at a constant and that the body increments by a constant ``step >= 1``, with
-    ``limit`` a constant and ``limit + step`` within int32 (no wrap-around).
-    """
-    try:
-        cond, body = op.regions[0].blocks[0], op.regions[1].blocks[0]
-        pred = list(cond.operations)[-1].operands
-        if len(pred) != 1:
-            return None
-        from jax.extend.mlir import ir
-        from jax.extend.mlir.dialects import stablehlo as hlo
-
-        if not isinstance(pred[0], ir.OpResult):
-            return None
-        cmp = pred[0].owner.operation
-        if cmp.name != "stablehlo.compare" or cmp.block != cond:
-            return None
-        if hlo.ComparisonDirectionAttr(cmp.attributes["comparison_direction"]).value != "LT":
-            return None
-        kind = _attr(cmp, "compare_type")
-        if kind is not None and hlo.ComparisonTypeAttr(kind).value != "SIGNED":
-            return None
-        k = _block_arg(cmp.operands[0], cond)
-        limit = _scalar_int(cmp.operands[1])
-        if k is None or limit is None:
-            return None
-        start = _scalar_int(op.operands[k])
-        returned = list(body.operations)[-1].operands
-        if start is None or k >= len(returned) or not isinstance(returned[k], ir.OpResult):
-            return None
-        add = returned[k].owner.operation
-        if add.name != "stablehlo.add" or add.block != body:
-            return None
-        a, b = add.operands[0], add.operands[1]
-        if _block_arg(a, body) == k:
-            step = _scalar_int(b)
-        elif _block_arg(b, body) == k:
-            step = _scalar_int(a)
-        else:
-            return None
-        if step is None or step < 1 or limit + step > _INT_MAX:
-            return None
-        return max(0, -(-(limit - start) // step))
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        return None

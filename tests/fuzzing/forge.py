@@ -219,6 +219,62 @@ def call_explosion(text: str) -> str:
     return text[: text.rindex("}")] + "".join(funcs) + "}\n"
 
 
+def _reduced(n: int, body: str) -> str:
+    """@relu's result plus the sum of ``iota(n)`` by a reducer whose body is ``body`` (its
+    arguments ``%a``, ``%b``; its result ``%r``)."""
+    return (
+        f"    %big = stablehlo.iota dim = 0 : tensor<{n}xf32>\n"
+        "    %z = stablehlo.constant dense<0.0> : tensor<f32>\n"
+        '    %s = "stablehlo.reduce"(%big, %z) ({\n'
+        "    ^bb0(%a: tensor<f32>, %b: tensor<f32>):\n"
+        f"{body}"
+        '      "stablehlo.return"(%r) : (tensor<f32>) -> ()\n'
+        f"    }}) {{dimensions = array<i64: 0>}} : (tensor<{n}xf32>, tensor<f32>) -> tensor<f32>\n"
+        "    %sb = stablehlo.broadcast_in_dim %s, dims = [] : (tensor<f32>) -> tensor<2x4xf32>\n"
+        "    %hostile = stablehlo.add %IN, %sb : tensor<2x4xf32>\n"
+    )
+
+
+def reduce_call_bomb(text: str) -> str:
+    """A 2**24-element reduce whose body calls a 2**16-element function: charged once, it
+    was 3.4e7 element operations; XLA runs it per element (~4e12)."""
+    text = in_relu(text, _reduced(1 << 24, (
+        "      %c = func.call @bomb(%a) : (tensor<f32>) -> tensor<f32>\n"
+        "      %r = stablehlo.add %c, %b : tensor<f32>\n"
+    )))  # fmt: skip
+    bomb = (
+        "  func.func private @bomb(%x: tensor<f32>) -> tensor<f32> {\n"
+        "    %v = stablehlo.broadcast_in_dim %x, dims = [] : (tensor<f32>) -> tensor<65536xf32>\n"
+        "    %z = stablehlo.constant dense<0.0> : tensor<f32>\n"
+        "    %s = stablehlo.reduce(%v init: %z) applies stablehlo.add across dimensions = [0] "
+        ": (tensor<65536xf32>, tensor<f32>) -> tensor<f32>\n"
+        "    return %s : tensor<f32>\n  }\n"
+    )
+    return text[: text.rindex("}")] + bomb + "}\n"
+
+
+def loop_in_reducer(text: str) -> str:
+    """A counted loop of 4 steps inside a reduce's body: XLA's CPU compiler aborted
+    (SIGABRT) at the self-test."""
+    return in_relu(text, _reduced(8, (
+        "      %c0 = stablehlo.constant dense<0> : tensor<i32>\n"
+        '      %w:2 = "stablehlo.while"(%c0, %a) ({\n'
+        "      ^bb0(%i: tensor<i32>, %v: tensor<f32>):\n"
+        "        %lim = stablehlo.constant dense<4> : tensor<i32>\n"
+        "        %p = stablehlo.compare LT, %i, %lim, SIGNED : "
+        "(tensor<i32>, tensor<i32>) -> tensor<i1>\n"
+        '        "stablehlo.return"(%p) : (tensor<i1>) -> ()\n'
+        "      }, {\n"
+        "      ^bb0(%i: tensor<i32>, %v: tensor<f32>):\n"
+        "        %one = stablehlo.constant dense<1> : tensor<i32>\n"
+        "        %n = stablehlo.add %i, %one : tensor<i32>\n"
+        "        %v2 = stablehlo.add %v, %b : tensor<f32>\n"
+        '        "stablehlo.return"(%n, %v2) : (tensor<i32>, tensor<f32>) -> ()\n'
+        "      }) : (tensor<i32>, tensor<f32>) -> (tensor<i32>, tensor<f32>)\n"
+        "      %r = stablehlo.add %w#1, %b : tensor<f32>\n"
+    )))  # fmt: skip
+
+
 def infeed(text: str) -> str:
     """An op outside the allow-list that talks to the host."""
     return in_relu(text, (
@@ -326,6 +382,8 @@ PROGRAMS: dict[str, Callable[[str], str]] = {
     "huge_compute": huge_compute,
     "call_explosion": call_explosion,
     "outfeed": infeed,
+    "reduce_call_bomb": reduce_call_bomb,
+    "loop_in_reducer": loop_in_reducer,
 }
 REFUSED_AS = {  # the allow= key each one is refused by
     "callback": "custom_call:xla_ffi_python_cpu_callback",
@@ -337,6 +395,8 @@ REFUSED_AS = {  # the allow= key each one is refused by
     "huge_compute": "compute",
     "call_explosion": "compute",
     "outfeed": "outfeed",
+    "reduce_call_bomb": "compute",
+    "loop_in_reducer": "control_in_reducer",
 }
 
 

@@ -1,0 +1,184 @@
+"""What one StableHLO op costs, and how often XLA runs its regions.
+
+:mod:`~symjax_mlp._artifact.walk` charges an op the elements of its largest tensor (a
+``dot_general`` its result times its contracted size) times how often the regions around it
+run: a counted ``while`` body its trip count, a reducer's body (:data:`REDUCERS`) once per
+element it combines (:func:`region_runs`), nested regions the product. Every branch of a
+``case`` is charged as if it ran. Dynamic dimensions count as 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+_INT_MAX = (1 << 31) - 1
+#: ops whose regions XLA runs once per element (or pair of elements) they combine
+REDUCERS = frozenset(
+    {
+        "stablehlo.reduce", "stablehlo.reduce_window", "stablehlo.scatter", "stablehlo.sort",
+        "stablehlo.select_and_scatter", "stablehlo.map", "stablehlo.all_reduce",
+        "stablehlo.reduce_scatter",
+    }
+)  # fmt: skip
+
+
+def region_runs(op: Any) -> int:
+    """How often XLA runs each region of the reducer ``op``, per run of ``op``: ``reduce``
+    and ``map`` once per element, ``scatter`` per update, ``reduce_window`` and
+    ``select_and_scatter`` per window element, ``sort`` ``n * log2(d)`` comparisons."""
+    name = op.name
+    ins = [elements(v.type) for v in op.operands]
+    outs = [elements(v.type) for v in op.results]
+    most = max([*ins, *outs, 1])
+    if name == "stablehlo.scatter":
+        return ins[-1] if ins else most
+    if name in ("stablehlo.reduce_window", "stablehlo.select_and_scatter"):
+        window = _ints(attr(op, "window_dimensions"))
+        if name == "stablehlo.reduce_window":
+            base = outs[0] if outs else most
+        else:  # (operand, source, init): one window per source element
+            base = ins[1] if len(ins) > 1 else most
+        return base * (most if window is None else max(math.prod(window), 1))
+    if name == "stablehlo.sort":
+        try:
+            t = op.operands[0].type
+            d = t.get_dim_size(attr(op, "dimension").value % max(t.rank, 1))
+        except (AttributeError, IndexError, TypeError, ValueError):
+            d = most
+        return most * max(int(d).bit_length(), 1)
+    return most
+
+
+def nbytes(t: Any) -> int:
+    """The bytes of a tensor of type ``t`` (dynamic dimensions as 1)."""
+    from jax.extend.mlir import ir
+
+    if not isinstance(t, ir.RankedTensorType):
+        return 8
+    et, k = t.element_type, 1
+    if isinstance(et, ir.ComplexType):
+        et, k = et.element_type, 2
+    return elements(t) * k * max(-(-getattr(et, "width", 64) // 8), 1)
+
+
+def elements(t: Any) -> int:
+    from jax.extend.mlir import ir
+
+    return _static_size(t, range(t.rank)) if isinstance(t, ir.RankedTensorType) else 1
+
+
+def _static_size(t: Any, dims: Any) -> int:
+    """The product of ``t``'s static dimensions among ``dims`` (dynamic ones count as 1)."""
+    n = 1
+    for i in dims:
+        if not t.is_dynamic_dim(i):
+            n *= max(t.get_dim_size(i), 0)
+    return n
+
+
+def _ints(a: Any) -> list[int] | None:
+    from jax.extend.mlir import ir
+
+    return [int(x) for x in a] if isinstance(a, ir.DenseI64ArrayAttr) else None
+
+
+def contracting(op: Any) -> int:
+    """The contracted size of a ``dot_general`` (its operands' largest, if unreadable)."""
+    from jax.extend.mlir import ir
+    from jax.extend.mlir.dialects import stablehlo as hlo
+
+    try:
+        dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+        lhs = op.operands[0].type
+        if not isinstance(lhs, ir.RankedTensorType):
+            return 1
+        return max(_static_size(lhs, dims.lhs_contracting_dimensions), 1)
+    except (ValueError, KeyError, IndexError, TypeError):
+        return max((elements(v.type) for v in op.operands), default=1)
+
+
+def attr(op: Any, name: str) -> Any:
+    try:
+        return op.attributes[name]
+    except (KeyError, IndexError, ValueError):
+        return None
+
+
+def _scalar_int(value: Any) -> int | None:
+    """The value of a scalar integer ``stablehlo.constant``, else None."""
+    from jax.extend.mlir import ir
+
+    if not isinstance(value, ir.OpResult):
+        return None
+    op = value.owner.operation
+    if op.name != "stablehlo.constant":
+        return None
+    dense = attr(op, "value")
+    if not isinstance(dense, ir.DenseIntElementsAttr) or not dense.is_splat:
+        return None
+    t = dense.type
+    if not isinstance(t, ir.RankedTensorType) or t.rank != 0:
+        return None
+    et = t.element_type
+    if not isinstance(et, ir.IntegerType) or et.width not in (32, 64) or et.is_unsigned:
+        return None
+    return int(dense.get_splat_value().value)
+
+
+def _block_arg(value: Any, block: Any) -> int | None:
+    from jax.extend.mlir import ir
+
+    if isinstance(value, ir.BlockArgument) and value.owner == block:
+        return value.arg_number
+    return None
+
+
+def trip_count(op: Any) -> int | None:
+    """The trip count of a counted ``stablehlo.while``, or None if it is not one.
+
+    Counted: the condition is ``counter < limit`` (signed) of a loop-carried ``counter``
+    that starts at a constant and that the body increments by a constant ``step >= 1``, with
+    ``limit`` a constant and ``limit + step`` within int32 (no wrap-around).
+    """
+    try:
+        cond, body = op.regions[0].blocks[0], op.regions[1].blocks[0]
+        pred = list(cond.operations)[-1].operands
+        if len(pred) != 1:
+            return None
+        from jax.extend.mlir import ir
+        from jax.extend.mlir.dialects import stablehlo as hlo
+
+        if not isinstance(pred[0], ir.OpResult):
+            return None
+        cmp = pred[0].owner.operation
+        if cmp.name != "stablehlo.compare" or cmp.block != cond:
+            return None
+        if hlo.ComparisonDirectionAttr(cmp.attributes["comparison_direction"]).value != "LT":
+            return None
+        kind = attr(cmp, "compare_type")
+        if kind is not None and hlo.ComparisonTypeAttr(kind).value != "SIGNED":
+            return None
+        k = _block_arg(cmp.operands[0], cond)
+        limit = _scalar_int(cmp.operands[1])
+        if k is None or limit is None:
+            return None
+        start = _scalar_int(op.operands[k])
+        returned = list(body.operations)[-1].operands
+        if start is None or k >= len(returned) or not isinstance(returned[k], ir.OpResult):
+            return None
+        add = returned[k].owner.operation
+        if add.name != "stablehlo.add" or add.block != body:
+            return None
+        a, b = add.operands[0], add.operands[1]
+        if _block_arg(a, body) == k:
+            step = _scalar_int(b)
+        elif _block_arg(b, body) == k:
+            step = _scalar_int(a)
+        else:
+            return None
+        if step is None or step < 1 or limit + step > _INT_MAX:
+            return None
+        return max(0, -(-(limit - start) // step))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
