@@ -14,10 +14,10 @@ from symjax_mlp.training._data import load_digits as load_digits
 from symjax_mlp.training._loop import train as train
 from symjax_mlp.training._result import EpochRecord as EpochRecord
 from symjax_mlp.training._result import TrainResult as TrainResult
-from symjax_mlp.training._sharded import ShardedStep as ShardedStep
-from symjax_mlp.training._sharded import shard_step as shard_step
+from symjax_mlp.training._step import ShardedStep as ShardedStep
 from symjax_mlp.training._step import Step as Step
 from symjax_mlp.training._step import init_params as init_params
+from symjax_mlp.training._step import shard_step as shard_step
 from symjax_mlp.training._step import train_step as train_step
 
 __all__ = [

@@ -1,17 +1,12 @@
 """Training checkpoints without pickle: safetensors for the arrays, JSON for the rest.
 
-A checkpoint is a directory ``step_<8 digits>`` inside a checkpoint directory:
-
-* ``state.safetensors``: one tensor per leaf of the params and the optimizer state, named by
-  its key path (``params/layers_0/kernel``, ``opt_state/0/mu/layers_0/kernel``), plus the
-  PRNG key data as ``rng``;
-* ``manifest.json`` (written last): format version, step, epoch, the sha256 and the name,
-  shape and dtype of every tensor, and any JSON-able ``metadata`` (the history, the config).
-
-Each checkpoint is written into a temporary directory beside it and renamed into place, so a
-crash never leaves a half-written ``step_*``; older ones are pruned only after the new one is
-in place. Restoring reads the tensors back into the tree structure of a freshly initialised
-state, checking every name, shape and dtype, so no code object is ever deserialized.
+A checkpoint is a directory ``step_<8 digits>`` holding ``state.safetensors`` (one tensor per
+leaf of the params and the optimizer state, named by its key path, ``opt_state/0/mu/...``,
+and the PRNG key data as ``rng``) and ``manifest.json`` (format version, step, epoch, the
+file's sha256, every tensor's shape and dtype, and JSON ``metadata``). It is written into a
+temporary directory and renamed into place, so a crash never leaves a half-written
+``step_*``; older ones are pruned after. Restoring reads the tensors into the tree structure
+of a freshly initialised state, checking every name, shape and dtype: no code is deserialized.
 """
 
 from __future__ import annotations
@@ -49,14 +44,13 @@ _RECORD = {"epoch": int, "step": int, "loss": float, "train_accuracy": float,
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Everything a training run needs to continue exactly: a pytree.
+    """Everything a training run needs to continue exactly, as a pytree.
 
     Attributes:
       params: the model parameters (the ``"params"`` collection).
       opt_state: the optax optimizer state.
       rng: a typed PRNG key; split once per epoch for the shuffle.
-      step: optimizer updates applied so far.
-      epoch: epochs completed so far.
+      step, epoch: optimizer updates applied and epochs completed so far.
     """
 
     params: Any
@@ -66,12 +60,16 @@ class TrainState:
     epoch: int = dataclasses.field(default=0, metadata={"static": True})
 
 
+def _name(prefix: str, path: Any) -> str:
+    return prefix + "/" + jax.tree_util.keystr(path, simple=True, separator="/")
+
+
 def _tensors(state: TrainState) -> dict[str, np.ndarray]:
     """Flattens ``state`` into ``{key path: array}``; names must be unique."""
     tensors: dict[str, np.ndarray] = {}
     for prefix in ("params", "opt_state"):
         for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(state, prefix)):
-            name = prefix + "/" + jax.tree_util.keystr(path, simple=True, separator="/")
+            name = _name(prefix, path)
             if name in tensors:
                 raise CheckpointError(
                     f"two leaves of the training state are both named {name!r}; rename the "
@@ -101,9 +99,8 @@ def save_checkpoint(
       The path of the new checkpoint.
 
     Raises:
-      CheckpointError: ``directory`` cannot hold checkpoints (a file, a dangling symlink, a
-        path below a file, not writable); a checkpoint for this step, or a newer one, already
-        exists (a resume would pick the newest); or a leaf name is ambiguous.
+      CheckpointError: ``directory`` cannot hold checkpoints; a checkpoint for this step, or a
+        newer one, already exists; or a leaf name is ambiguous.
       ConfigError: ``keep`` below 1, a negative step, or ``metadata`` that is not JSON.
 
     Example:
@@ -168,15 +165,8 @@ def save_checkpoint(
 
 
 def check_directory(directory: str | os.PathLike, caller: str) -> None:
-    """Refuses a path that cannot hold checkpoints, before anything runs: a regular file, a
-    dangling symlink, a path below a file, or a directory this user cannot write.
-
-    A path that does not exist yet is fine if its nearest existing parent is a directory this
-    user can write (it is created at the first checkpoint).
-
-    Raises:
-      CheckpointError: what the path is, and what to pass instead.
-    """
+    """Refuses a file, a dangling symlink, a path below a file, or a directory this user cannot
+    write; a path that does not exist yet is fine below a directory this user can write."""
     path = Path(directory)
     fix = (
         "Checkpoints are step_* directories inside a checkpoint directory: pass a directory, "
@@ -311,16 +301,14 @@ def restore_checkpoint(
 
     Args:
       path: a ``step_*`` checkpoint, or a checkpoint directory (its newest checkpoint).
-      like: a state of the same model and optimizer; only its structure, shapes and dtypes
-        are used.
+      like: a state of the same model and optimizer (only its structure, shapes and dtypes).
 
     Returns:
       ``(state, metadata)``: the restored state and the manifest's ``metadata``.
 
     Raises:
       CheckpointError: no checkpoint, a corrupted or foreign one, or one whose tensors do not
-        match ``like`` (another model, feature width or optimizer); the message names the
-        tensor, what the checkpoint holds and what was expected.
+        match ``like``.
     """
     path = Path(path)
     if not (path / _MANIFEST).exists() and not (path / _MANIFEST).is_symlink():
@@ -361,10 +349,8 @@ def restore_checkpoint(
 
     def leaves(prefix: str, tree: Any) -> Any:
         paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        names = [
-            prefix + "/" + jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in paths
-        ]
-        return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(stored[n]) for n in names])
+        arrays = [jnp.asarray(stored[_name(prefix, p)]) for p, _ in paths]
+        return jax.tree_util.tree_unflatten(treedef, arrays)
 
     rng = jax.random.wrap_key_data(stored["rng"], impl=jax.random.key_impl(like.rng))
     state = TrainState(

@@ -1,10 +1,7 @@
 """Classification data for :func:`~symjax_mlp.training.train`: a fixed split, checked first.
 
-:func:`load_digits` is real data that ships inside an installed package (scikit-learn's bundled
-8x8 digits, the optional ``data`` extra), so training needs no download. :class:`Dataset`
-holds any train/test split of 2-D float features and integer labels; :func:`check_dataset`
-names every problem (an empty split, a wrong feature width, NaN, labels out of range) before
-a single step runs.
+:func:`load_digits` ships inside scikit-learn (the ``data`` extra), so training needs no
+download; :func:`check_dataset` names every problem of a :class:`Dataset` before a step runs.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ class Dataset:
       x_test, y_test: held out; accuracy is reported on these.
       num_classes: how many classes the labels index (``None``: ``max(label) + 1``).
       name: shown in messages and the training history.
-      mean, std: the per-feature statistics the features were standardised with
-        (``None`` when they were not); apply them to new raw inputs with :meth:`standardize`.
+      mean, std: the per-feature statistics the features were standardised with, or ``None``.
 
     Example:
       >>> import numpy as np
@@ -63,7 +59,6 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
 
     The split is stratified and depends only on ``seed``; features are standardised with the
     training split's per-pixel mean and standard deviation (constant pixels get std 1).
-    With the defaults: 1438 training and 359 test examples, 64 features.
 
     Args:
       test_fraction: share of each class held out for testing, in (0, 1).
@@ -122,11 +117,8 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
       num_outputs: the model's output width; labels must lie in ``0 .. num_outputs - 1``.
 
     Raises:
-      DataError: a split is empty or not 2-D, the features of the splits differ in width,
-        features or labels are NaN or infinite, labels are not integers, the row counts of
-        features and labels differ, or a label is outside ``0 .. num_outputs - 1`` (or
-        ``0 .. num_classes - 1``). The message names the array, what it holds and what was
-        expected.
+      DataError: a split is empty or not 2-D, the splits' widths differ, a value is not
+        finite, a label is not an integer in range, or rows of features and labels differ.
     """
     if not isinstance(data, Dataset):
         raise ConfigError(

@@ -1,18 +1,19 @@
 """Training with optax: one jit-compiled step, the same step eagerly, checkpoints, exact resume.
 
-:func:`train` applies ``jax.jit`` to :func:`~symjax_mlp.training.train_step` at one boundary,
-with the params and the optimizer state donated, and runs it over shuffled, padded batches, so every
-step has one signature and the step traces exactly once per run (a second trace raises
-:class:`~symjax_mlp.RetraceError`). ``compiled=False`` runs the very same step op by op.
-
-:func:`train` reads as its pieces: the settings are checked, the model is fitted to the data
-and its state initialised, or resumed from a checkpoint (``_resume.py``), and
-:class:`~symjax_mlp.training._epoch.Programs` runs one epoch at a time (``_epoch.py``), until
-the result gathers the trained model.
+:func:`train` checks its settings, fits the model to the data, initialises its state or
+resumes it from a checkpoint (``_resume.py``), and runs one epoch at a time
+(:meth:`Programs.epoch`): it shuffles the training split with a key split from the state's,
+pads the last batch cyclically with weight-0 rows (each example counts once), runs one step
+per batch and evaluates the test split. Every step has one signature, so the step traces once
+per run. A non-finite loss or param stops it with a :class:`~symjax_mlp.DivergenceError` that
+names the step and the checkpoint kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -26,16 +27,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, DivergenceError, RetraceError
 from symjax_mlp._models import mlp
 from symjax_mlp.training._checkpoint import TrainState, check_directory
 from symjax_mlp.training._data import Dataset, check_dataset, load_digits
-from symjax_mlp.training._epoch import Programs
 from symjax_mlp.training._nnx import NnxSpec, spec_of
 from symjax_mlp.training._result import EpochRecord, TrainResult
 from symjax_mlp.training._resume import resume_run, run_config, save_run
 from symjax_mlp.training._spec import TRAIN_FORM, inference_shape
-from symjax_mlp.training._step import ModelVars, init_params
+from symjax_mlp.training._step import ModelVars, apply_model, init_params, train_step
 
 _NOT_FLAX = (
     "train() trains a flax.linen or nnx module; got a {kind}. For another model, write the "
@@ -65,10 +65,9 @@ def train(
 ) -> TrainResult:
     """Trains a classifier with optax; the step is jit-compiled (or eager, for comparison).
 
-    Every epoch shuffles the training split with a key split from ``seed``, pads the last
-    batch (padding has weight 0, so each example counts once), runs one step per batch and
-    evaluates the test split. The same ``seed`` gives bitwise-identical params on the CPU, and
-    resuming from a checkpoint continues exactly as the uninterrupted run would have.
+    Every epoch shuffles the training split, pads the last batch with weight-0 rows, runs one
+    step per batch and evaluates the test split. The same ``seed`` gives bitwise-identical
+    params on the CPU; resuming continues exactly as the uninterrupted run would have.
 
     Args:
       model: a ``flax.linen`` module mapping ``(batch, features)`` to ``(batch, classes)``
@@ -85,10 +84,8 @@ def train(
       seed: seeds the initialisation and the shuffle.
       train_flags, eval_flags: the keyword settings of a training and of an inference call
         of ``model``, e.g. ``{"is_training": True}`` and ``{"is_training": False}`` (given
-        one, the other defaults to ``{}``, the call's defaults). Default: found by name,
-        ``train=True``/``False``, ``training=True``/``False`` or
-        ``deterministic=False``/``True``, whichever ``__call__`` takes. ``{}`` and ``{}``
-        say that the model has no mode to switch.
+        one, the other defaults to ``{}``). Default: ``train``, ``training`` or
+        ``deterministic``, whichever ``__call__`` takes. ``{}`` and ``{}``: no mode to switch.
       compiled: ``True`` runs the step jit-compiled with params and optimizer state donated;
         ``False`` runs the same step eagerly, op by op.
       checkpoint: a directory for checkpoints (``None``: none are written).
@@ -103,16 +100,12 @@ def train(
     Raises:
       DataError: bad data (empty, wrong feature width, NaN, labels out of range), before any
         step runs.
-      DivergenceError: the loss became NaN or infinite; names the step and keeps the last good
-        checkpoint.
-      CheckpointError: ``checkpoint`` cannot hold checkpoints (a file, a dangling symlink, a
-        path below a file, a directory this user cannot write), before any step runs; it
-        already holds checkpoints and ``resume`` is false; or the checkpoint does not fit this
-        model (what it computes), optimizer, data, seed or batch size.
+      DivergenceError: the loss became NaN or infinite; the last good checkpoint is kept.
+      CheckpointError: ``checkpoint`` cannot hold checkpoints (checked before any step); it
+        already holds some and ``resume`` is false; or the one found does not fit this model,
+        optimizer, data, seed or batch size.
       ConfigError: a hyperparameter is out of range, or the model's flags do not switch it
-        between training and inference: none found or given while a call with its defaults
-        would train BatchNorm or Dropout in inference mode, or an inference call that still
-        draws an rng or updates state (a mode set as an attribute).
+        between training and inference.
 
     Example:
       >>> import symjax_mlp as sm
@@ -120,16 +113,18 @@ def train(
       >>> result.step, len(result.history), result.trace_count
       (46, 2, 1)
     """
-    optimizer = _checked_settings(
-        model,
-        optimizer,
-        learning_rate,
-        epochs=epochs,
-        batch_size=batch_size,
-        checkpoint_every=checkpoint_every,
-        checkpoint=checkpoint,
-        resume=resume,
-    )
+    counts = {"epochs": (epochs, 0), "batch_size": (batch_size, 1)}
+    counts["checkpoint_every"] = (checkpoint_every, 1)
+    for name, (value, low) in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"{name} must be an int >= {low}; got {value!r}.")
+    optimizer = _checked_optimizer(optimizer, learning_rate)
+    if resume and checkpoint is None:
+        raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
+    if checkpoint is not None:  # refused now, not after the first epoch
+        check_directory(checkpoint, "symjax_mlp.training.train")
+    if model is not None and not isinstance(model, nn.Module | nnx.Module):
+        raise ConfigError(_NOT_FLAX.format(kind=type(model).__name__))
     start = time.perf_counter()
     data = check_dataset(load_digits() if data is None else data)
     model, spec, num_outputs = _classifier(model, data, train_flags, eval_flags)
@@ -149,32 +144,36 @@ def train(
             newest = save_run(checkpoint, state, config, history)
         if on_epoch is not None:
             on_epoch(record)
-    return _result(
-        model, spec, state, history, programs, data,
-        start=start, resumed_from=resumed_from, checkpoint=newest,
-    )  # fmt: skip
+    stateful = isinstance(state.params, ModelVars)
+    params = state.params.params if stateful else state.params
+    model_state = state.params.state if stateful else None
+    if isinstance(spec, NnxSpec):  # the trained module, rebuilt from its trained values
+        model_state = spec.typed(model_state) if stateful else None
+        model = spec.module(params, model_state or {})
+    return TrainResult(
+        model=model,
+        params=params,
+        opt_state=state.opt_state,
+        step=state.step,
+        epoch=state.epoch,
+        history=tuple(history),
+        test_accuracy=programs.accuracy(state.params, data),
+        train_seconds=time.perf_counter() - start,
+        compiled=programs.compiled,
+        trace_count=len(programs.traces),
+        resumed_from=resumed_from,
+        checkpoint=newest,
+        num_features=data.num_features,
+        model_state=model_state,
+        eval_flags=spec.eval_flags,
+        standardize=None if data.mean is None else (data.mean, data.std),
+    )
 
 
-# -- the settings, the model and its initial state -------------------------------------------
-def _checked_settings(
-    model: Any,
-    optimizer: optax.GradientTransformation | None,
-    learning_rate: float | None,
-    *,
-    epochs: int,
-    batch_size: int,
-    checkpoint_every: int,
-    checkpoint: str | os.PathLike | None,
-    resume: bool,
+def _checked_optimizer(
+    optimizer: optax.GradientTransformation | None, learning_rate: float | None
 ) -> optax.GradientTransformation:
-    """The optimizer to use (``optax.adam`` by default), once every setting is in range."""
-    for name, value, low in (
-        ("epochs", epochs, 0),
-        ("batch_size", batch_size, 1),
-        ("checkpoint_every", checkpoint_every, 1),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ConfigError(f"{name} must be an int >= {low}; got {value!r}.")
+    """The optimizer to use: ``optax.adam`` by default."""
     if optimizer is None:
         optimizer = optax.adam(1e-3 if learning_rate is None else learning_rate)
     elif learning_rate is not None:
@@ -187,12 +186,6 @@ def _checked_settings(
             f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3); "
             f"got {type(optimizer).__name__}."
         )
-    if resume and checkpoint is None:
-        raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
-    if checkpoint is not None:  # refused now, not after the first epoch
-        check_directory(checkpoint, "symjax_mlp.training.train")
-    if model is not None and not isinstance(model, nn.Module | nnx.Module):
-        raise ConfigError(_NOT_FLAX.format(kind=type(model).__name__))
     return optimizer
 
 
@@ -245,42 +238,127 @@ def _unaliased(params: Any, opt_state: Any) -> Any:
     return jax.tree.map(own, opt_state)
 
 
-# -- the result --------------------------------------------------------------------------------
-def _result(
-    model: Any,
-    spec: Any,
-    state: TrainState,
-    history: list[EpochRecord],
-    programs: Programs,
-    data: Dataset,
-    *,
-    start: float,
-    resumed_from: Path | None,
-    checkpoint: Path | None,
-) -> TrainResult:
-    """The trained model (an nnx module rebuilt from its trained values), its history and how
-    it ran."""
-    stateful = isinstance(state.params, ModelVars)
-    params = state.params.params if stateful else state.params
-    model_state = state.params.state if stateful else None
-    if isinstance(spec, NnxSpec):
-        model_state = spec.typed(model_state) if stateful else None
-        model = spec.module(params, model_state or {})
-    return TrainResult(
-        model=model,
-        params=params,
-        opt_state=state.opt_state,
-        step=state.step,
-        epoch=state.epoch,
-        history=tuple(history),
-        test_accuracy=programs.accuracy(state.params, data),
-        train_seconds=time.perf_counter() - start,
-        compiled=programs.compiled,
-        trace_count=len(programs.traces),
-        resumed_from=resumed_from,
-        checkpoint=checkpoint,
-        num_features=data.num_features,
-        model_state=model_state,
-        eval_flags=spec.eval_flags,
-        standardize=None if data.mean is None else (data.mean, data.std),
+# -- one epoch ---------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=1)
+def _shuffle(rng: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    rng, key = jax.random.split(rng)
+    return rng, jax.random.permutation(key, n)
+
+
+def _batches(
+    order: np.ndarray, x: np.ndarray, y: np.ndarray, batch_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One epoch in ``order``, padded cyclically to whole batches (padding has weight 0)."""
+    n = len(x)
+    steps = math.ceil(n / batch_size)
+    order = np.resize(order, steps * batch_size)
+    w = np.zeros(steps * batch_size, np.float32)
+    w[:n] = 1.0
+    shape = (steps, batch_size)
+    return x[order].reshape(*shape, -1), y[order].reshape(shape), w.reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The training step and the prediction, jit-compiled (or eager), and the step's traces:
+    a second trace raises :class:`~symjax_mlp.RetraceError` instead of compiling again."""
+
+    step: Callable[..., Any]
+    predict: Callable[..., Any]
+    traces: list[tuple[Any, ...]]
+    compiled: bool
+
+    @classmethod
+    def of(
+        cls, model: Any, spec: Any, optimizer: optax.GradientTransformation, *, compiled: bool
+    ) -> Programs:
+        """The programs of ``model`` under ``optimizer``: ``jax.jit`` with the params and the
+        optimizer state donated when ``compiled``, else the same functions run eagerly."""
+        step = train_step(model, optimizer, train_flags=spec.train_flags)
+        traces: list[tuple[Any, ...]] = []
+
+        def counted(params, opt_state, x, y, w):
+            traces.append(tuple(jax.typeof(a) for a in (x, y, w)))
+            if len(traces) > 1:
+                raise RetraceError(
+                    f"train step traced again (trace #{len(traces) - 1}) with inputs "
+                    f"{traces[-1]}; the first trace had {traces[0]}. Every step should see one "
+                    "signature."
+                )
+            return step(params, opt_state, x, y, w)
+
+        def predict(params, x):
+            return jnp.argmax(apply_model(model, spec, params, x, train=False)[0], axis=-1)
+
+        if compiled:
+            return cls(jax.jit(counted, donate_argnums=(0, 1)), jax.jit(predict), traces, True)
+        return cls(step, predict, traces, False)
+
+    def accuracy(self, params: Any, data: Dataset) -> float:
+        """The share of the test split predicted right."""
+        right = np.sum(np.asarray(self.predict(params, data.x_test)) == data.y_test)
+        return int(right) / len(data.y_test)
+
+    def epoch(
+        self, state: TrainState, data: Dataset, batch_size: int, epoch: int, *, newest: Path | None
+    ) -> tuple[TrainState, EpochRecord]:
+        """One shuffled pass over the training split (``state`` is donated when compiled),
+        then the test split's accuracy: the new state and the epoch's record."""
+        t0 = time.perf_counter()
+        rng, order = _shuffle(state.rng, len(data.y_train))
+        xb, yb, wb = _batches(np.asarray(order), data.x_train, data.y_train, batch_size)
+        params, opt_state, metrics = state.params, state.opt_state, []
+        for i in range(len(xb)):
+            params, opt_state, m = self.step(params, opt_state, xb[i], yb[i], wb[i])
+            metrics.append(m)
+        metrics = jax.device_get(metrics)
+        losses = np.array([m["loss"] for m in metrics])
+        _check_finite(losses, params, first_step=state.step, epoch=epoch, newest=newest)
+        n_train = len(data.y_train)
+        record = EpochRecord(
+            epoch=epoch,
+            step=state.step + len(xb),
+            loss=float(np.sum(losses * wb.sum(axis=1)) / n_train),
+            train_accuracy=float(sum(float(m["correct"]) for m in metrics) / n_train),
+            test_accuracy=self.accuracy(params, data),
+            seconds=time.perf_counter() - t0,
+        )
+        return TrainState(params, opt_state, rng, step=record.step, epoch=epoch), record
+
+
+def _check_finite(
+    losses: np.ndarray, params: Any, *, first_step: int, epoch: int, newest: Path | None
+) -> None:
+    """Raises at the epoch's first non-finite loss, or if it left a non-finite param."""
+    bad = np.flatnonzero(~np.isfinite(losses))
+    bad_leaf = None if bad.size else _nonfinite_leaf(params)
+    if not bad.size and bad_leaf is None:
+        return
+    n = len(losses)
+    i = int(bad[0]) if bad.size else n - 1
+    what = (
+        f"the loss is {losses[i]} at step {first_step + i}"
+        if bad.size
+        else f"the update at step {first_step + i} made params{bad_leaf} non-finite"
     )
+    kept = (
+        f"the last good checkpoint is kept: {newest}"
+        if newest
+        else "no checkpoint was written (pass checkpoint=DIR to keep one)"
+    )
+    raise DivergenceError(
+        f"training diverged: {what} (epoch {epoch}, batch {i + 1} of {n}; "
+        f"{first_step + i} updates applied before it). Training stopped; {kept}. "
+        "Lower the learning rate, clip the gradients (optax.clip_by_global_norm) or "
+        "check the data.",
+        step=first_step + i,
+        epoch=epoch,
+        checkpoint=newest,
+    )
+
+
+def _nonfinite_leaf(tree: Any) -> str | None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(tree)):
+        if not np.all(np.isfinite(leaf)):
+            return jax.tree_util.keystr(path)
+    return None

@@ -1,14 +1,11 @@
 """How training calls an nnx module: its ``Param`` values are trained, all else is its state.
 
-An nnx module carries its mode in attributes (``module.train()`` / ``module.eval()`` set every
-submodule's ``deterministic`` and ``use_running_average``) and may take keyword flags as a linen
-model does (``__call__(x, train=False)``). Training runs each step with the attributes as
-``train()`` sets them and the training flags, and evaluates with them as ``eval()`` sets them
-and the inference flags, whatever mode the module was given in. Which state a call moves is
-read from its staged program (a state output that is not its input moved), so a model that
-would silently train in inference mode is refused before any step runs, as for linen.
-
-The module given is never changed (its arrays are copied before the step donates them); the
+An nnx module carries its mode in attributes (``module.train()``/``eval()``) and may take
+keyword flags as a linen model does. Training steps run with the attributes as ``train()``
+sets them and the training flags, evaluations as ``eval()`` sets them and the inference flags,
+whatever mode the module was given in. Which state a call moves is read from its staged
+program (a state output that is not its input moved), so a model that would silently train in
+inference mode is refused before any step runs. The module given is never changed; the
 trained module is a new one, in eval mode.
 """
 
@@ -31,7 +28,14 @@ from symjax_mlp._hybrid.pure import (
     unwrap_keys,
     wrap_keys,
 )
-from symjax_mlp.training._spec import ModelSpec, _bool_keyword, find_flags, model_spec
+from symjax_mlp.training._spec import (
+    ModelSpec,
+    _bool_keyword,
+    _fix,
+    find_flags,
+    model_spec,
+    shown_flags,
+)
 
 _NNX_FLAG = (
     "Give __call__ a flag and pass it on, def __call__(self, x, train: bool = False): "
@@ -54,15 +58,9 @@ _NNX_MOVES = (
 
 @dataclasses.dataclass(frozen=True)
 class NnxSpec:
-    """How to call an nnx classifier in training and in inference (see the module docs).
-
-    Attributes:
-      train_flags, eval_flags: the keyword settings of each call, found or given.
-      pure: the module as a pure function of its params and state.
-      train_mode, eval_mode: its settings (bool attributes) in each mode.
-      params, state: its ``Param`` values and other variables as given (nnx pure dicts).
-      out: the shape of an inference call's output for the example.
-    """
+    """How to call an nnx classifier in training and in inference: each call's flags, the
+    module as a pure function (``pure``), its bool attributes in each mode, its ``Param``
+    values and other variables as given, and the shape of an inference call's output."""
 
     train_flags: dict[str, Any]
     eval_flags: dict[str, Any]
@@ -119,23 +117,16 @@ def nnx_spec(
     name = type(module).__name__
     moved, _ = _moves(spec, example, train=True)
     if pure.stateful and train_flags is None and not moved:
-        found = _bool_keyword(module)
-        fix = _NNX_FLAG
-        if found is not None:
-            flag, default = found
-            fix = f"If {flag} is its mode, name it: " + form.format(
-                on={flag: not default}, off={flag: default}
-            )
-            fix += "."
+        fix = _fix(module, form) if _bool_keyword(module) is not None else _NNX_FLAG
         raise ConfigError(
             _NNX_STILL.format(
-                caller=caller, model=name, flags=_shown(train), state=_names(state), fix=fix
+                caller=caller, model=name, flags=shown_flags(train), state=_names(state), fix=fix
             )
         )
     moved, out = _moves(spec, example, train=False)
     if moved:
         raise ConfigError(
-            _NNX_MOVES.format(caller=caller, model=name, flags=_shown(evals), moved=moved)
+            _NNX_MOVES.format(caller=caller, model=name, flags=shown_flags(evals), moved=moved)
         )
     return dataclasses.replace(spec, out=out)
 
@@ -164,14 +155,9 @@ def _names(state: Any) -> str:
     return ", ".join(_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(state))
 
 
-def _shown(flags: dict[str, Any]) -> str:
-    return "".join(f", {k}={v!r}" for k, v in flags.items())
-
-
 def fingerprint(spec: NnxSpec) -> str:
-    """The module's configuration: its eval-mode graph as ``nnx.graphdef`` shows it (layers,
-    widths, static settings such as a Dropout rate), never its values (an rng key, a count
-    moved by an eager call), nor the memory addresses that differ between processes."""
+    """The module's configuration: its eval-mode ``nnx.graphdef`` (layers, widths, a Dropout
+    rate), never its values, nor the memory addresses that differ between processes."""
     text = repr(nnx.graphdef(spec.module(spec.params, spec.state)))
     return re.sub(r"0x[0-9a-f]+", "0x", text)
 

@@ -1,7 +1,4 @@
-"""What training returns: a :class:`TrainResult` (the trained model, its history, how it ran)
-and its :class:`EpochRecord` per epoch; the result hybridizes and exports the trained model,
-in inference mode, with the data's standardisation baked in.
-"""
+"""What training returns: the trained model, its history of :class:`EpochRecord`, how it ran."""
 
 from __future__ import annotations
 
@@ -37,8 +34,8 @@ class TrainResult:
     """What :func:`train` returns: the trained params, their history, and how it ran.
 
     Attributes:
-      model: the ``flax.linen`` module that was trained, or for an nnx module the trained
-        module: a new one, in eval mode (the module given is left as it was).
+      model: the ``flax.linen`` module that was trained, or a new nnx module, trained, in
+        eval mode.
       params: its trained ``"params"`` collection (an nnx module's ``Param`` values).
       opt_state: the final optimizer state.
       step, epoch: optimizer steps and epochs completed (including resumed ones).
@@ -50,11 +47,11 @@ class TrainResult:
       resumed_from: the checkpoint this call continued from, or ``None``.
       checkpoint: the newest checkpoint written or resumed from, or ``None``.
       num_features: the model's input width.
-      model_state: a BatchNorm/Dropout model's trained state (its ``batch_stats`` and the
-        raw key of its ``dropout`` stream; an nnx module's other variables), or ``None``.
+      model_state: a BatchNorm/Dropout model's trained state (``batch_stats``, the raw key of
+        its ``dropout`` stream; an nnx module's other variables), or ``None``.
       eval_flags: the keyword settings of an inference call, e.g. ``{"train": False}``.
-      standardize: the data's per-feature ``(mean, std)`` the model was trained on (raw
-        features ``x`` enter it as ``(x - mean) / std``), or ``None``.
+      standardize: the data's per-feature ``(mean, std)``: raw features ``x`` enter the model
+        as ``(x - mean) / std``; or ``None``.
     """
 
     model: Any
@@ -84,10 +81,8 @@ class TrainResult:
         return {"params": self.params, **collections}
 
     def hybridize(self, **kwargs: Any) -> Hybrid:
-        """The trained model as a :class:`~symjax_mlp.Hybrid` (``kwargs`` go to ``hybridize``).
-
-        Call it in inference mode with :attr:`eval_flags` (``h(x, train=False)``).
-        """
+        """The trained model as a :class:`~symjax_mlp.Hybrid` (``kwargs`` go to ``hybridize``);
+        call it in inference mode with :attr:`eval_flags` (``h(x, train=False)``)."""
         if isinstance(self.model, nnx.Module):
             return hybridize(self.model, **kwargs)
         return hybridize(self.model, self.variables, **kwargs)
@@ -97,10 +92,8 @@ class TrainResult:
     ) -> Artifact:
         """Exports the trained model in inference mode, with a symbolic batch.
 
-        With ``raw_inputs`` (the default) the data's standardisation (:attr:`standardize`)
-        is baked into the exported function: the artifact takes raw features, as they come,
-        and gives the logits the training run evaluated. ``kwargs`` go to
-        :func:`~symjax_mlp.export`.
+        With ``raw_inputs`` the data's :attr:`standardize` is baked in: the artifact takes raw
+        features. ``kwargs`` go to :func:`~symjax_mlp.export`.
         """
         example = np.zeros((1, self.num_features), np.float32)
         kwargs.setdefault("batch", "b")

@@ -1,16 +1,25 @@
 """What a training checkpoint records of its run, so that resuming continues that run only.
 
-A run's config (seed, batch size, sha256 fingerprints of its data, model and optimizer, and
-what the model computes on a fixed probe, :mod:`~symjax_mlp.training._probe`) and its history
-are stored beside each checkpoint's state. Resuming compares the config with
-this run's, and the history with the checkpoint's step and epoch, and refuses any difference:
-a resumed run either continues exactly where the interrupted one stopped, or does not start.
+A run's config (seed, batch size, sha256 fingerprints of its data, model and optimizer, and a
+probe of what the model computes) and its history are stored beside each checkpoint's state.
+Resuming compares the config with this run's, and the history with the checkpoint's step and
+epoch, and refuses any difference: a resumed run continues exactly where the interrupted one
+stopped, or does not start.
+
+The model's fingerprint (the linen module's repr, the nnx graph, param shapes) never sees its
+code: two classes named alike, with the same layers but another ``__call__`` (relu or tanh, a
+scale, another order), look the same. So the run also records the probe: the inference call
+with every floating-point param and statistic replaced by a fixed pattern of its shape (the
+run's initial values do not matter: the checkpoint's replace them), on a fixed input, compared
+within a tolerance that XLA's fusion choices across CPUs and versions stay inside. A
+checkpoint written before the probe was recorded has none, and resumes on its other fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -29,8 +38,13 @@ from symjax_mlp.training._checkpoint import (
 )
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._nnx import NnxSpec, fingerprint
-from symjax_mlp.training._probe import model_probe, probe_difference
 from symjax_mlp.training._result import EpochRecord
+from symjax_mlp.training._step import ModelVars, apply_model
+
+PROBE = "model_probe"  # compared within a tolerance, not for equality
+PROBE_ROWS = 2  # rows of the probe input
+PROBE_VALUES = 256  # the most logits recorded
+TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 
 
 def run_config(
@@ -58,9 +72,6 @@ def run_config(
     }
 
 
-PROBE = "model_probe"  # compared within a tolerance, not for equality
-
-
 def resume_run(
     checkpoint: str | os.PathLike | None,
     state: TrainState,
@@ -68,17 +79,12 @@ def resume_run(
     *,
     resume: bool,
 ) -> tuple[TrainState, list[EpochRecord], Path | None]:
-    """``(state, history, found)``: the newest checkpoint's, or ``state`` unchanged if none.
-
-    Args:
-      checkpoint: the checkpoint directory (``None``: a fresh start).
-      state: the freshly initialised state; a checkpoint is read into its structure.
-      config: this run's :func:`run_config`; the checkpoint's must be the same.
-      resume: whether a checkpoint found there may be resumed (else it is an error).
+    """``(state, history, found)``: the newest checkpoint's (read into the structure of the
+    freshly initialised ``state``), or ``state`` unchanged if none.
 
     Raises:
       CheckpointError: a checkpoint is there and ``resume`` is false, or it was written by a
-        run with another config, or its history does not match its step and epoch.
+        run with another ``config``, or its history does not match its step and epoch.
     """
     found = None if checkpoint is None else latest_checkpoint(checkpoint)
     if found is None:
@@ -158,11 +164,8 @@ def _model_fingerprint(model: Any, spec: Any, params: Any) -> str:
 
 
 def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
-    """What the optimizer does, measured: its first two updates of a fixed small problem.
-
-    An optax transformation is a pair of closures, so its hyperparameters cannot be read;
-    two steps on fixed gradients tell adam(1e-3) from adam(3e-2) or sgd, deterministically.
-    """
+    """What the optimizer does, measured: its first two updates of a fixed small problem (an
+    optax transformation is closures: its hyperparameters cannot be read)."""
     w = {"w": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)}
     g = {"w": jnp.cos(jnp.arange(8, dtype=jnp.float32))}
     digest = hashlib.sha256(type(optimizer).__name__.encode())
@@ -174,3 +177,56 @@ def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
     except Exception:  # an optimizer that cannot run on a toy tree: its type only
         pass
     return digest.hexdigest()
+
+
+def model_probe(model: Any, spec: Any, params: Any, example: np.ndarray) -> list[Any]:
+    """The model's logits on the probe, as JSON (floats; ``"nan"``/``"inf"``/``"-inf"``)."""
+    stateful = isinstance(params, ModelVars)
+    fixed = _fixed(params.params if stateful else params)
+    probe_params = ModelVars(fixed, _fixed(params.state, state=True)) if stateful else fixed
+    x = _probe_input(example)
+    logits = jax.jit(lambda p, x: apply_model(model, spec, p, x, train=False)[0])(probe_params, x)
+    flat = np.asarray(logits, np.float64).ravel()[:PROBE_VALUES]
+    return [float(f"{v:.7g}") if math.isfinite(v) else str(v) for v in flat.tolist()]
+
+
+def probe_difference(recorded: Any, probe: list[Any]) -> str | None:
+    """How ``probe`` differs from the ``recorded`` one, or ``None`` if within tolerance."""
+    try:
+        want = np.array([float(v) for v in recorded], np.float64)
+    except (TypeError, ValueError):
+        return "the checkpoint's probe is malformed"
+    got = np.array([float(v) for v in probe], np.float64)
+    if want.shape != got.shape:
+        return f"it gave {want.size} logits, this model gives {got.size}"
+    if np.allclose(got, want, equal_nan=True, **TOLERANCE):
+        return None
+    with np.errstate(invalid="ignore"):
+        err = np.nanmax(np.where(got == want, 0.0, np.abs(got - want)))
+    return f"its logits differ by up to {err:.3g}"
+
+
+def _fixed(params: Any, *, state: bool = False) -> Any:
+    """Every floating-point leaf as a fixed pattern of its shape, as large as an initialiser
+    would make it (1/sqrt(fan-in); a ``state`` leaf, a variance maybe, in [0.5, 1.5])."""
+    leaves, treedef = jax.tree.flatten(params)
+    out = []
+    for i, leaf in enumerate(leaves):
+        a = jnp.asarray(leaf)
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            out.append(a)
+            continue
+        fan_in = math.prod(a.shape[:-1]) if a.ndim >= 2 else 1
+        pattern = np.cos(np.arange(a.size, dtype=np.float64) * 0.7 + i)
+        pattern = pattern / 2 + 1 if state else pattern / math.sqrt(fan_in)
+        out.append(jnp.asarray(pattern.reshape(a.shape), a.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _probe_input(example: np.ndarray) -> np.ndarray:
+    shape = (PROBE_ROWS, *np.shape(example)[1:])
+    n = math.prod(shape)
+    dtype = np.asarray(example).dtype
+    if jnp.issubdtype(dtype, jnp.floating):
+        return np.cos(np.arange(n) * 1.3).reshape(shape).astype(dtype)
+    return (np.arange(n) % 3).reshape(shape).astype(dtype)

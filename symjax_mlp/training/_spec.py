@@ -1,11 +1,10 @@
 """How a classifier is called in training and in inference: its flags, state and rng.
 
 :func:`model_spec` finds the keyword settings that switch a flax.linen model between training
-and inference (``train=True``, ``training=True``, ``deterministic=False``, or the
-``train_flags`` / ``eval_flags`` given), the collections a training call updates and whether
-it draws a ``dropout`` rng. Everything is read with ``jax.eval_shape``: shapes only, nothing
-runs. A model that would silently train in inference mode (a flag of another name, a mode set
-as an attribute) is refused with a :class:`~symjax_mlp.ConfigError` that names the fix.
+and inference (``train``, ``training``, ``deterministic``, or the flags given), the
+collections a training call updates and whether it draws a ``dropout`` rng, with
+``jax.eval_shape`` (nothing runs). A model that would silently train in inference mode (a flag
+of another name, a mode set as an attribute) is refused with a message that names the fix.
 """
 
 from __future__ import annotations
@@ -25,14 +24,9 @@ from symjax_mlp._errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """How to call a flax.linen classifier in training and in inference.
-
-    Attributes:
-      train_flags, eval_flags: the keyword settings for each (``train=True`` /
-        ``deterministic=False`` ...), from the model's ``__call__`` signature or as given.
-      mutable: the collections a training call updates (``("batch_stats",)``).
-      rng: whether a training call draws from a ``dropout`` rng stream.
-    """
+    """How to call a flax.linen classifier in training and in inference: each call's keyword
+    settings, the collections a training call updates (``mutable``) and whether it draws from
+    a ``dropout`` rng stream (``rng``)."""
 
     train_flags: dict[str, Any]
     eval_flags: dict[str, Any]
@@ -78,6 +72,10 @@ _GIVE_A_FLAG = (
     "Give __call__ a flag, def __call__(self, x, train: bool = False), and pass it on: "
     "nn.Dropout(rate, deterministic=not train), nn.BatchNorm(use_running_average=not train)."
 )
+
+
+def shown_flags(flags: dict[str, Any]) -> str:
+    return "".join(f", {k}={v!r}" for k, v in flags.items())
 
 
 def _parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
@@ -132,8 +130,8 @@ def _fix(model: nn.Module, form: str = TRAIN_FORM) -> str:
 
 
 def _training_part(model: nn.Module, variables: Any, example: Any, flags: dict) -> str | None:
-    """What a call with ``flags`` does that an inference call must not, or ``None``: it draws
-    from an rng stream, or it updates a collection (it runs with neither)."""
+    """What a call with ``flags`` does that an inference call must not (draw an rng, update a
+    collection), or ``None``."""
     try:
         jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)
     except flax.errors.InvalidRngError as e:
@@ -149,7 +147,7 @@ def find_flags(
     model: Any, train_flags: Any, eval_flags: Any, caller: str, form: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The keyword settings of a training and an inference call: as given (checked against
-    ``__call__``'s parameters), else found by name (``train=True`` / ``False``...)."""
+    ``__call__``'s parameters), else found by name."""
     if train_flags is None and eval_flags is None:
         train, evals = {}, {}
         params = _parameters(model)
@@ -173,12 +171,9 @@ def model_spec(
 ) -> ModelSpec:
     """Reads the flags a model takes, and whether training needs mutable collections or rngs.
 
-    Without ``train_flags`` and ``eval_flags`` the flags are found by name (``train``,
-    ``training``, ``deterministic``); given one, the other defaults to ``{}`` (the call's
-    defaults). With neither found nor given, a model whose calls with its defaults are
-    inference calls (no rng drawn, no state updated) while it has state, or while flipping a
-    bool keyword of ``__call__`` makes a training call, is a :class:`~symjax_mlp.ConfigError`:
-    it would silently train in inference mode.
+    With no flags found or given, a model whose default calls are inference calls while it has
+    state, or while flipping a bool keyword of ``__call__`` trains it, is refused: it would
+    silently train in inference mode.
     """
     name = type(model).__name__
     caller = caller or f"symjax_mlp.training.train({name})"
@@ -246,11 +241,8 @@ def _refuse_inference_mode(
 
 
 def inference_shape(model: nn.Module, example: Any, spec: ModelSpec, *, caller: str) -> Any:
-    """The shape of an inference call's output; the call must need no rng and no mutable state.
-
-    Raises:
-      ConfigError: the inference call draws from an rng stream or updates a collection.
-    """
+    """The shape of an inference call's output; ConfigError if the call draws from an rng
+    stream or updates a collection."""
     flags = spec.eval_flags
     example = jax.ShapeDtypeStruct(example.shape, example.dtype)
     variables = jax.eval_shape(model.init, jax.random.key(0), example)
@@ -260,12 +252,11 @@ def inference_shape(model: nn.Module, example: Any, spec: ModelSpec, *, caller: 
     fix = _fix(model)
     if _bool_keyword(model) is not None:
         fix = f"Pass eval_flags that turn training off. {fix}"
-    shown = "".join(f", {k}={v!r}" for k, v in flags.items())
     raise ConfigError(
         _NOT_INFERENCE.format(
             caller=caller,
             model=type(model).__name__,
-            call=f"model.apply(variables, x{shown})",
+            call=f"model.apply(variables, x{shown_flags(flags)})",
             does=does,
             fix=fix,
         )

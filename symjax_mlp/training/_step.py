@@ -1,9 +1,10 @@
-"""The training step: pure and un-jitted.
+"""The training step, pure and un-jitted, and the same step run data-parallel.
 
-:func:`train_step` is ``jax.value_and_grad`` of the softmax cross-entropy followed by the optax
-update, as a pure function of ``(params, opt_state, batch)``; callers apply ``jax.jit`` (with
-the params and optimizer state donated) at their own boundary, as
-:func:`~symjax_mlp.training.train` does.
+:func:`train_step` is ``jax.value_and_grad`` of the softmax cross-entropy, then the optax
+update; callers apply ``jax.jit`` at their own boundary, as ``train`` does. :func:`shard_step`
+splits the batch over a mesh axis: the loss is a ``w``-weighted mean, so XLA inserts the
+all-reduce of the gradients itself, and weight-0 rows that pad a batch to the shards are
+ignored exactly.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import Mesh
 
+from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
 from symjax_mlp.training._nnx import NnxSpec, spec_of
 from symjax_mlp.training._spec import STEP_FORM, ModelSpec
 
@@ -28,13 +32,8 @@ Step = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelVars:
-    """The trainable params of a model with state, and that state, as one pytree.
-
-    Attributes:
-      params: the ``"params"`` collection: what the optimizer updates.
-      state: what the forward pass carries: the model's other collections (``batch_stats``)
-        and, under ``"rng"``, the raw key data of its ``dropout`` stream (split every step).
-    """
+    """The ``params`` a model's optimizer updates, and its ``state``, as one pytree: its other
+    collections (``batch_stats``) and, under ``"rng"``, its ``dropout`` stream's raw key data."""
 
     params: Any
     state: Any
@@ -50,20 +49,14 @@ def init_params(
     """``model.init(key, example)["params"]``, compiled once per model and input signature.
 
     A model with state (BatchNorm's ``batch_stats``, a ``dropout`` rng) gets a
-    :class:`ModelVars` of its params and that state instead. Compiled because eagerly each
-    initializer op is compiled on its own, and cached on the (hashable) module,
-    so repeated runs of one model pay it once.
-
-    An nnx module is initialised when it is built: its ``Param`` values (and a
-    :class:`ModelVars` of them and its other variables, rng keys as raw key data), copied so
-    that a donating step leaves the module alone; ``key`` is not used.
+    :class:`ModelVars` of its params and that state. An nnx module, initialised when built,
+    gives copies of its values (rng keys as raw key data); ``key`` is not used.
 
     Args:
       model: a ``flax.linen`` classifier, or an ``nnx.Module`` one.
       key: the initialisation key.
       example: one batch of inputs (its shape and dtype).
-      train_flags: the keyword settings of a training call, as for :func:`train_step`
-        (default: found by name).
+      train_flags: as for :func:`train_step`.
 
     Raises:
       ConfigError: without ``train_flags``, training with the model's defaults would silently
@@ -82,6 +75,7 @@ def _copy(tree: Any) -> Any:
     return jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
 
 
+# jitted: eagerly each initializer op compiles on its own; cached per (hashable) module
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _init(model: nn.Module, mutable: tuple[str, ...], rng: bool, key: jax.Array, example: Any):
     variables = model.init(key, example)
@@ -94,12 +88,7 @@ def _init(model: nn.Module, mutable: tuple[str, ...], rng: bool, key: jax.Array,
 
 
 def apply_model(model: Any, spec: ModelSpec | NnxSpec, params: Any, x: jax.Array, *, train: bool):
-    """Logits of ``model`` for ``x``, and the new params (a :class:`ModelVars` moves its state).
-
-    Returns:
-      ``(logits, params)``; ``params`` is unchanged unless it is a :class:`ModelVars` and
-      ``train`` (then its collections and rng move on, exactly as eager Flax would).
-    """
+    """``(logits, params)``: a :class:`ModelVars`' state moves on when ``train``, as in Flax."""
     if isinstance(spec, NnxSpec):
         if not isinstance(params, ModelVars):
             return spec.call(params, {}, x, train=train)[0], params
@@ -129,24 +118,18 @@ def train_step(
 ) -> Step:
     """The pure training step ``step(params, opt_state, x, y, w) -> (params, opt_state, metrics)``.
 
-    ``params`` is the ``"params"`` collection, or a :class:`ModelVars` for a model with
-    BatchNorm or Dropout (its state moves on every step; the optimizer state is of
-    ``params.params``); :func:`init_params` gives the right one.
-
-    The loss is the softmax cross-entropy of ``model`` against integer labels ``y``, averaged
-    with per-example weights ``w`` (0 marks padding); ``metrics`` holds the batch ``"loss"``
-    and the weighted count of ``"correct"`` predictions (before the update). The step is not
-    jitted: wrap it in ``jax.jit(step, donate_argnums=(0, 1))`` to compile it.
-
-    An nnx module's steps run with its attributes as ``module.train()`` sets them, whatever
-    mode it is in, and its flags (found by name or given) as a linen model's.
+    ``params`` is what :func:`init_params` gives: the ``"params"`` collection, or a
+    :class:`ModelVars` whose state moves on every step. The loss is the softmax cross-entropy
+    against integer labels ``y``, averaged with per-example weights ``w`` (0 marks padding);
+    ``metrics`` holds the ``"loss"`` and the weighted count of ``"correct"`` predictions. Not
+    jitted: compile it with ``jax.jit(step, donate_argnums=(0, 1))``. An nnx module's steps
+    run with its attributes as ``module.train()`` sets them.
 
     Args:
       model: a ``flax.linen`` classifier, or an ``nnx.Module`` one.
       optimizer: any ``optax.GradientTransformation``.
       train_flags: the keyword settings of a training call, e.g. ``{"is_training": True}``
-        (default: ``train=True``, ``training=True`` or ``deterministic=False``, whichever
-        ``__call__`` takes); pass the same to :func:`init_params`.
+        (default: ``train``, ``training`` or ``deterministic``, whichever ``__call__`` takes).
 
     Returns:
       The step; its first call (its trace) raises :class:`~symjax_mlp.ConfigError` for a
@@ -174,8 +157,7 @@ def train_step(
         correct = jnp.sum(w * (jnp.argmax(logits, axis=-1) == y))
         return loss, (correct, params)
 
-    specs: dict[tuple[Any, ...], Any] = {}  # per input row signature, derived once (eagerly
-    # run, every step would split an nnx module and stage it twice again)
+    specs: dict[tuple[Any, ...], Any] = {}  # per input row signature, derived once
 
     def step(params: Any, opt_state: Any, x: jax.Array, y: jax.Array, w: jax.Array):
         row = (tuple(x.shape[1:]), x.dtype)
@@ -192,3 +174,82 @@ def train_step(
         return params, opt_state, {"loss": loss, "correct": correct}
 
     return step
+
+
+class ShardedStep:
+    """A training step run data-parallel (see :func:`shard_step`): ``s(params, opt_state, x,
+    y, w=None)`` replicates the state, pads and splits the batch, and runs one ``jax.jit``."""
+
+    def __init__(
+        self, step: Callable[..., Any], mesh: Mesh | None, axis: str, donate: bool, pad: bool
+    ):
+        self.step = step
+        self.mesh, self.replicated, self.batch_sharding, self.n_shards = shardings(mesh, axis)
+        self.axis, self.pad = axis, pad
+        rep, dat = self.replicated, self.batch_sharding
+        self._jitted = jax.jit(
+            step,
+            in_shardings=(rep, rep, dat, dat, dat),
+            out_shardings=(rep, rep, rep),
+            donate_argnums=(0, 1) if donate else (),
+        )
+
+    def replicate(self, tree: Any) -> Any:
+        """``tree`` placed on every device of the mesh (params, optimizer state)."""
+        return jax.tree.map(lambda a: place(a, self.replicated), tree)
+
+    def shard_batch(self, x: Any, y: Any, w: Any = None) -> tuple[jax.Array, ...]:
+        """``(x, y, w)`` padded with weight-0 rows to a multiple of ``n_shards``, then split."""
+        batch = batch_size((x, y) if w is None else (x, y, w), "shard_step(...)")
+        w = np.ones(batch, np.float32) if w is None else w
+        extra = padding(batch, self.n_shards, self.pad, "shard_step(...)")
+        arrays = (pad_rows(x, extra), pad_rows(y, extra), pad_rows(w, extra, fill=0))
+        return tuple(place(a, self.batch_sharding) for a in arrays)
+
+    def __call__(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any = None) -> Any:
+        """One step: ``(params, opt_state, metrics)``, all replicated."""
+        return self._jitted(*self._placed(params, opt_state, x, y, w))
+
+    def lower(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any = None):
+        """The lowered step; ``.compile().as_text()`` shows XLA's all-reduce of the gradients."""
+        return self._jitted.lower(*self._placed(params, opt_state, x, y, w))
+
+    def _placed(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any) -> tuple[Any, ...]:
+        return self.replicate(params), self.replicate(opt_state), *self.shard_batch(x, y, w)
+
+
+def shard_step(
+    step: Callable[..., Any],
+    mesh: Mesh | None = None,
+    *,
+    axis: str = "data",
+    donate: bool = True,
+    pad: bool = True,
+) -> ShardedStep:
+    """Runs a training step data-parallel: batch split over ``axis``, state replicated.
+
+    Args:
+      step: ``step(params, opt_state, x, y, w) -> (params, opt_state, metrics)`` whose loss is
+        a ``w``-weighted mean over the batch, e.g. :func:`symjax_mlp.training.train_step`.
+      mesh: a ``jax.sharding.Mesh`` (default: :func:`~symjax_mlp.data_mesh` over every device, all
+        processes included after ``jax.distributed.initialize``).
+      axis: the mesh axis the batch is split over.
+      donate: donate params and optimizer state to the step (their old buffers are reused).
+      pad: pad an indivisible batch with weight-0 rows, exact for a ``w``-weighted loss
+        (``False``: raise :class:`~symjax_mlp.SignatureError`).
+
+    Returns:
+      A :class:`ShardedStep`; its params after N steps equal single-device training up to
+      float rounding.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import symjax_mlp as sm
+      >>> net, x, y = sm.mlp((8, 3)), jnp.ones((4, 5)), jnp.array([0, 1, 2, 0])
+      >>> params = net.init(jax.random.key(0), x)["params"]
+      >>> step = sm.training.shard_step(sm.training.train_step(net, optax.sgd(0.1)))
+      >>> params, opt_state, metrics = step(params, optax.sgd(0.1).init(params), x, y)
+      >>> sorted(metrics)
+      ['correct', 'loss']
+    """
+    return ShardedStep(step, mesh, axis, donate, pad)
