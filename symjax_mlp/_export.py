@@ -144,7 +144,7 @@ def export(
         # The default entry point takes every weight (the manifest's params); the others
         # take their own, by path, from the same params.safetensors.
         own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
-        exported, signature = export_program(entry, own, platforms)
+        exported, signature, rows = export_program(entry, own, platforms)
         roles = {JAXEXPORT: JAXEXPORT, MLIRBC: MLIRBC, MLIR: MLIR, SELFTEST: SELFTEST}
         if i:
             roles = entry_files(name)
@@ -161,6 +161,7 @@ def export(
             {
                 "name": entry.h.name,
                 "signature": signature.to_json(),
+                "rows": rows,
                 "params": sorted(own),
                 "mlir_arguments": (["platform_index"] if len(platforms) > 1 else [])
                 + [inputs[k] for k in exported.module_kept_var_idx],
@@ -195,6 +196,7 @@ def export(
         "calling_convention_version": main["calling_convention_version"],
         "ordered_effects": main["ordered_effects"],
         "signature": main["signature"],
+        "rows": main["rows"],
         "params": [s.to_json() for s in specs],
         "mlir_arguments": main["mlir_arguments"],
         "static": main["static"],
@@ -218,7 +220,7 @@ def export(
     return Artifact(path, freeze(manifest))
 
 
-ENTRY_FIELDS = ("name", "signature", "params", "mlir_arguments", "static", "program_files")
+ENTRY_FIELDS = ("name", "signature", "rows", "params", "mlir_arguments", "static", "program_files")
 
 
 def _entry_points(h: Any) -> dict[str, Hybrid]:

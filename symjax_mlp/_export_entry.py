@@ -26,6 +26,7 @@ from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
+from symjax_mlp._rows import verdict
 from symjax_mlp._specs import TensorSpec, shape_dims
 
 _TRAINING = (
@@ -113,9 +114,10 @@ def stage(
 
 def export_program(
     stage: Stage, own: Mapping[str, tuple[TensorSpec, Any]], platforms: tuple[str, ...]
-) -> tuple[Any, Signature]:
+) -> tuple[Any, Signature, dict[str, Any]]:
     """``jax.export`` of one entry point, its params a dict keyed by path (so the module's
-    own input tree names every param and load binds weights by name)."""
+    own input tree names every param and load binds weights by name); its signature, and
+    whether it keeps rows apart (:func:`symjax_mlp._rows.verdict`)."""
     h, static, treedef, fn = stage.h, stage.static, stage.treedef, stage.fn
     paths = stage.leaf_paths
 
@@ -126,9 +128,11 @@ def export_program(
     model.__name__ = "model"
     p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in sorted(own.items())}
     in_specs = stage.in_specs
+    jitted = jax.jit(model)
     try:
         with without_source_locations():  # reproducible bytes: no path of this machine inside
-            exported = jax.export.export(jax.jit(model), platforms=platforms)(p_structs, *in_specs)
+            jaxpr = jitted.trace(p_structs, *in_specs).jaxpr.jaxpr  # traced once: export reuses it
+            exported = jax.export.export(jitted, platforms=platforms)(p_structs, *in_specs)
     except TRACER_ERRORS as e:
         raise control_flow_error(h.name, e) from e
     except RuntimeError:  # e.g. std::bad_cast from a host callback's lowering
@@ -166,7 +170,9 @@ def export_program(
     names = [*p_structs, *(s.path for s in signature.inputs)]
     if len(set(names)) != len(names) or "platform_index" in names:
         raise ArtifactError(f"export({h.name}): param paths collide with input names: {names}")
-    return exported, signature
+    lead = signature.inputs[0].shape[:1] if signature.inputs else ()
+    dim = signature.batch or next((d for d in lead if isinstance(d, str)), None)
+    return exported, signature, verdict(jaxpr, dim)
 
 
 def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:

@@ -2,9 +2,11 @@
 
 A call checks its inputs against the artifact's signature once per (shape, dtype) and runs
 the program a runtime prepared (:mod:`symjax_mlp._runtimes`); a failure of that program is an
-``ArtifactError`` naming the artifact, an error of the caller's own tracing passes through,
-and ``jax.vmap`` over it is a clear error. Another entry point of the same artifact opens on
-first use, through the opener :mod:`symjax_mlp._load` hands it.
+``ArtifactError`` naming the artifact, and an error of the caller's own tracing passes through.
+JAX transforms (``jax.jit``, ``jax.vmap``, ``jax.grad``, ``jax.lax.map``/``scan``) reach the
+JAX runtime's program, which has rules for each (``symjax_mlp._runtimes.jax._Program``).
+Another entry point of the same artifact opens on first use, through the opener
+:mod:`symjax_mlp._load` hands it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from symjax_mlp._artifact.format import JAXEXPORT, entry_names, entry_point, printable, program_file
+from symjax_mlp._artifact.format import (
+    JAXEXPORT,
+    caller,
+    entry_names,
+    entry_point,
+    printable,
+    program_file,
+)  # fmt: skip
 from symjax_mlp._artifact.signature import Signature, is_array
 from symjax_mlp._errors import ConfigError, SymjaxError
 from symjax_mlp._selftest import run_failed
@@ -56,6 +65,19 @@ class LoadedModel:
     as well as ``ArtifactError``. ``load`` waits for its self-test's results, so a failure
     there is always an ``ArtifactError``.
 
+    It is a JAX function (JAX runtime): ``jax.jit``, ``jax.lax.map``, ``jax.lax.scan`` and a
+    Hybrid's function may call it. ``jax.grad`` needs an export with ``vjp_order=1`` (a
+    :class:`~symjax_mlp.SymjaxError` says so otherwise). ``jax.vmap(m)(xs)`` treats each
+    mapped element as a whole batch (``xs``: ``(n, b, ...)`` for inputs ``(b, ...)``; any
+    ``in_axes``/``out_axes``, nested too): the mapped axis joins the batch and the program
+    runs once, compiling once per merged shape. That is only right for a program whose rows
+    do not see each other, which export decides from its jaxpr and records (``rows`` in the
+    manifest, :mod:`symjax_mlp._rows`); vmap over another one (batch statistics, a sort
+    along the batch), over an input without the batch dimension, or over an artifact from
+    before that record, is a ``SymjaxError`` saying why (``jax.lax.map(m, xs)`` maps the
+    calls one by one). A per-example ``jax.vmap`` (``xs``: ``(n, ...)``) is the batch
+    itself: call ``m(xs)``.
+
     An artifact exported with several entry points (``export({"predict": h, "embed": e},
     ...)``) loads as its default (first) one; ``m["embed"]`` is another, over the same
     weights, loaded and checked the same way on first use.
@@ -88,9 +110,7 @@ class LoadedModel:
         self._run = run
         self._opener = opener
         self._file = printable(str(path / program_file(manifest, JAXEXPORT)))
-        self._caller = f'symjax_mlp.load("{printable(str(path))}")' + (
-            f"[{self.entry!r}]" if len(self.entries) > 1 else ""
-        )
+        self._caller = caller(path, manifest)
         self._single_output = self.signature.output_kind == "array"
         self._checked: set[tuple[Any, ...]] = set()
 
@@ -136,8 +156,6 @@ class LoadedModel:
         else:
             key = tuple([(x.shape, x.dtype) for x in inputs])
         if key is None or key not in self._checked:
-            if _is_batching(inputs):
-                raise self._no_vmap()
             inputs = self.signature.check(inputs, caller=self._caller)
             if key is not None and len(self._checked) < 256:
                 self._checked.add(key)
@@ -148,18 +166,7 @@ class LoadedModel:
         except Exception as e:  # the program failed: XLA, IREE or jax.export raised
             if _is_tracer_error(e):
                 raise  # the caller's own jax.jit code, not the artifact
-            if isinstance(e, NotImplementedError) and _is_batching(inputs):
-                raise self._no_vmap() from None
             raise run_failed(self._caller, self._file, e, inputs) from e
-
-    def _no_vmap(self) -> ConfigError:
-        batch = self.signature.batch or "its leading dimension"
-        return ConfigError(
-            f"{self._caller}: jax.vmap cannot map over a loaded model (a jax.export program "
-            f"has no batching rule). It takes a whole batch along {batch}: call m(xs) on "
-            "the stacked inputs instead of jax.vmap(m)(xs) (one example: m(x[None])[0]), "
-            "or apply jax.vmap inside the function before you export it."
-        )
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
@@ -183,8 +190,3 @@ def _is_tracer_error(e: Exception) -> bool:
         jax.errors.TracerIntegerConversionError,
     )
     return isinstance(e, tracer_errors)
-
-
-def _is_batching(inputs: Any) -> bool:
-    """Whether the call runs under ``jax.vmap`` (its inputs are batch tracers)."""
-    return any(type(x).__name__ == "BatchTracer" for x in inputs)

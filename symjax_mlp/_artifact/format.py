@@ -187,7 +187,17 @@ def _program_rules(
         (f"{prefix}mlir_arguments", lambda: m.get("mlir_arguments", _MISSING), _str_list,
          "a list of names"),
         (f"{prefix}static", lambda: m.get("static", {}), _str_dict, "an object of strings"),
+        (f"{prefix}rows", lambda: m.get("rows"), _rows,
+         '{"dim": a name or null, "independent": true or false, "why": a reason} (or none)'),
     ]  # fmt: skip
+
+
+def _rows(x: Any) -> bool:
+    return x is None or (
+        isinstance(x, dict) and set(x) == {"dim", "independent", "why"}
+        and (x["dim"] is None or _is_str(x["dim"])) and isinstance(x["independent"], bool)
+        and _is_str(x["why"]) and len(x["why"]) <= 1000 and x["independent"] == (x["why"] == "")
+    )  # fmt: skip
 
 
 def _entry_name(x: Any) -> bool:
@@ -295,7 +305,7 @@ def printable(text: str) -> str:
 # An artifact holds one or more entry points over one params.safetensors. The default entry
 # point is described by the manifest's top-level fields and has the model.* files; each other
 # one (manifest["entries"][name]) has its own program files, signature and param subset.
-_PROGRAM_FIELDS = ("name", "signature", "mlir_arguments", "static")
+_PROGRAM_FIELDS = ("name", "signature", "rows", "mlir_arguments", "static")
 
 
 def entry_point(view: Mapping[str, Any]) -> str:
@@ -323,11 +333,19 @@ def entry_view(manifest: Mapping[str, Any], name: str | None = None) -> dict[str
         view
         | {k: entry[k] for k in _PROGRAM_FIELDS if k in entry}
         | {
+            "rows": entry.get("rows"),  # its own verdict, never the default's
             "entry_point": name,
             "params": [p for p in manifest["params"] if p["path"] in used],
             "program_files": dict(entry["program_files"]),
         }
     )
+
+
+def caller(path: Path, view: Mapping[str, Any]) -> str:
+    """``symjax_mlp.load("path")``, with ``["entry"]`` where the artifact has several: the
+    prefix of the messages about calls of one entry point."""
+    many = len(entry_names(view)) > 1
+    return f'symjax_mlp.load("{printable(str(path))}")' + (f"[{entry_point(view)!r}]" * many)
 
 
 def program_file(view: Mapping[str, Any], role: str) -> str | None:

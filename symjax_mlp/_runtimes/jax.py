@@ -19,17 +19,20 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.custom_batching import custom_vmap
 
 from symjax_mlp._artifact.format import (
     JAXEXPORT,
     MLIRBC,
+    caller,
     check_calling_convention,
     compatibility_note,
     program_file,
 )
 from symjax_mlp._compat import skipping_lapack
-from symjax_mlp._errors import ArtifactError, ConfigError
+from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._specs import shape_dims
 
 
@@ -53,8 +56,8 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
         )
 
 
-# sha256 of model.jaxexport -> (Exported, its jitted call, the guard its VJPs are checked
-# by), most recently loaded last.
+# sha256 of model.jaxexport -> (Exported, its _Program, the guard and rows it was made with),
+# most recently loaded last.
 _CALLS: dict[str, tuple[Any, Callable[..., Any], Any]] = {}
 _MAX_CALLS = 8
 
@@ -96,23 +99,26 @@ def runner(
     """Returns ``run(inputs) -> [jax.Array, ...]`` and the weights it runs with (on device).
 
     ``guard`` (a :class:`symjax_mlp._load.Guard`, or ``None``) checks each new input
-    signature before XLA compiles it, and each VJP module when ``jax.grad`` first calls it
-    (:func:`_vjp_checked`); loads whose guards are equal share one jitted call.
+    signature before XLA compiles it, and each VJP module when ``jax.grad`` first calls it;
+    loads whose guards and ``rows`` are equal share one :class:`_Program`.
     ``custom_calls``: the targets the module calls, or ``None``. ``constants``: run a jit
     that closes over the weights (XLA constants); the guard still checks the module that
     takes them.
     """
+    if constants and manifest["nr_devices"] != 1:
+        raise ConfigError(
+            f"load({str(path)!r}, params_as_constants=True): the artifact runs sharded over "
+            f"{manifest['nr_devices']} devices, and its weights are placed on each; load it "
+            "without params_as_constants."
+        )
     key = manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"]
-    vjp_guard = guard if guard is not None and exported.has_vjp() else None
-    fn = exported.call
-    if vjp_guard is not None:  # jax.grad of fn runs the VJP modules: checked first
-        fn = _vjp_checked(path, manifest, exported, vjp_guard)
     cached = _CALLS.pop(key, None)  # the same module loaded again: reuse its compilations
-    reuse = cached and cached[0] is exported and cached[2] == vjp_guard
-    call = cached[1] if reuse else jax.jit(fn)
-    _CALLS[key] = exported, call, vjp_guard
+    if not (cached and cached[0] is exported and cached[2] == (guard, manifest.get("rows"))):
+        cached = exported, _Program(path, manifest, exported, guard), (guard, manifest.get("rows"))
+    _CALLS[key] = cached
     while len(_CALLS) > _MAX_CALLS:
         _CALLS.pop(next(iter(_CALLS)))  # least recently loaded
+    program = cached[1]
     names = [p["path"] for p in manifest["params"]]
     # device_put, not jnp.asarray (which makes two copies): the arrays read from the file are
     # 64-byte aligned, so on CPU the device buffer is the host buffer, no copy at all
@@ -120,36 +126,18 @@ def runner(
     checked: set[Any] = set()  # (shape, dtype) of the inputs of each call the guard passed
     tree = exported.out_tree
     single = tree.num_leaves == 1 and tree.num_nodes == 1  # one array, not a tuple of one
-    if constants and manifest["nr_devices"] != 1:
-        raise ConfigError(
-            f"load({str(path)!r}, params_as_constants=True): the artifact runs sharded over "
-            f"{manifest['nr_devices']} devices, and its weights are placed on each; load it "
-            "without params_as_constants."
-        )
     if constants:  # the weights closed over: XLA constants
-        run = jax.jit(lambda *inputs: fn(weights, *inputs))
+        run = jax.jit(lambda *inputs: program.fn(weights, *inputs))
     else:
-        run = functools.partial(call, weights)
-
-    def check_new(inputs: list[Any], key: Any) -> None:
-        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in inputs)
-        if not all(isinstance(d, int) for s, _ in shapes for d in s):
-            return  # traced under the caller's jit: checked when it is compiled for real shapes
-        structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
-        guard(
-            lambda: refined(path, manifest, call, (weights, *structs)),
-            sum(math.prod(s) for s, _ in shapes),
-            shapes,
-        )
-        if len(checked) < 256:
-            checked.add(key)
+        run = functools.partial(program.call, weights)
 
     def call_checked(inputs: list[Any]) -> list[Any]:
         if guard is not None:
             key = tuple([(x.shape, x.dtype) for x in inputs])  # str(dtype) costs microseconds
             if key not in checked:  # the first call of this signature: it compiles
                 with skipping_lapack(custom_calls):
-                    check_new(inputs, key)
+                    if program.check(program.call, (weights, *inputs)) and len(checked) < 256:
+                        checked.add(key)
                     out = run(*inputs)
                 return [out] if single else list(out)
         out = run(*inputs)
@@ -219,61 +207,150 @@ def refined(
         return jax_mlir.ir.Module.parse(refined_bytes), context
 
 
-def _vjp_checked(
-    path: Path, manifest: Mapping[str, Any], module: Any, guard: Any, order: int = 1,
-    n_inputs: int | None = None,
-) -> Callable[..., Any]:  # fmt: skip
-    """``module.call`` whose VJP module (``module.vjp()``, of ``order``) is checked by
-    ``guard`` for the shapes ``jax.grad`` calls it with, before JAX lowers it; and so on for
-    each higher order.
+_NO_VJP = (
+    "{caller}: jax.grad of the loaded model runs the artifact's VJP module of order {order}, "
+    "and it was exported without one (vjp_order={have}). Export it again with "
+    "vjp_order={order}: sm.export(h, path, example=x, vjp_order={order})."
+)
+_NO_VMAP = (
+    "{caller}: jax.vmap over the loaded model merges the mapped axis into the artifact's batch "
+    "and runs the program once, which is right only for a program that keeps rows apart; "
+    "{why}. Map the calls one by one instead: jax.lax.map(m, xs)."
+)
+_UNBATCHED = (
+    "{caller}: jax.vmap maps over {path}, which has no batch dimension {dim} in the artifact "
+    "({spec}), so its rows cannot join the batch. Pass it unmapped (in_axes=None for it), or "
+    "map the calls one by one: jax.lax.map."
+)
 
-    This is ``jax.export``'s own ``custom_vjp`` rule, with the check first. ``n_inputs``: the
-    element count of the loaded model's own inputs (default: ``module``'s inputs but its
-    params).
+
+class _Program:
+    """The exported program under every JAX transform, with its one ``jax.jit`` (``call``).
+
+    ``fn(weights, *inputs)`` is a ``custom_vjp`` over a ``custom_vmap`` of ``Exported.call``:
+
+    - ``jax.grad`` runs the VJP module (``Exported.vjp()``), which the guard checks for the
+      shapes it is called with before JAX lowers it, and so on for each higher order; an
+      artifact exported without it is a :class:`~symjax_mlp.SymjaxError` naming
+      ``vjp_order``, not JAX's bare ``ValueError``.
+    - ``jax.vmap`` (``jax.custom_batching.custom_vmap``; ``Exported.call`` has no batching
+      rule) moves each mapped input's axis next to its batch dimension, merges the two into
+      one batch, runs ``call`` once (so a merged shape compiles once) and splits the outputs
+      back (:meth:`merge`); nested vmaps merge in turn. Only for a program whose export
+      recorded that it keeps rows apart (the manifest's ``rows``, :mod:`symjax_mlp._rows`),
+      else refused with the reason. A VJP module under ``jax.vmap`` (``jax.vmap`` of
+      ``jax.grad``) runs once per mapped element (``jax.lax.map``).
     """
-    if not module.has_vjp():
-        return module.call
 
-    @jax.custom_vjp
-    def call(*args: Any) -> Any:
-        return module.call(*args)
+    def __init__(self, path: Path, manifest: Mapping[str, Any], exported: Any, guard: Any):
+        self.path, self.manifest, self.guard = path, manifest, guard
+        self.caller = caller(path, manifest)
+        self.fn = self.wrap(exported)
+        self.call = jax.jit(self.fn)
 
-    def forward(*args: Any) -> tuple[Any, Any]:
-        return module.call(*args), args
+    def check(self, fn: Any, args: Sequence[Any], n: int | None = None, order: int = 0) -> bool:
+        """Has the guard check ``fn``'s module refined for ``args`` (the weights a dict);
+        ``n``: the call's input element count (default: ``args``' but the weights).
+        Whether it checked: not when trusted, nor under a symbolic trace (checked when
+        compiled for real shapes)."""
+        inputs = [x for x in args if not isinstance(x, Mapping)]
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in inputs)
+        if self.guard is None or not all(isinstance(d, int) for s, _ in shapes for d in s):
+            return False
+        structs = [
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+            if not isinstance(x, Mapping) or any(map(_traced, x.values())) else x
+            for x in args
+        ]  # fmt: skip
+        what = f"its VJP module of order {order}" if order else "the module"
+        n = sum(math.prod(s) for s, _ in shapes) if n is None else n
+        refine = functools.partial(refined, self.path, self.manifest, fn, structs, module=what)
+        self.guard(refine, n, shapes, order=order)
+        return True
 
-    def backward(args: Any, cts: Any) -> Any:
-        vjp = module.vjp()
-        primals, cts = jax.tree.leaves(args), jax.tree.leaves(cts)
-        expected = vjp.in_avals[len(primals) :]
-        if len(expected) != len(cts):
-            raise ArtifactError(
-                f"{path / program_file(manifest, JAXEXPORT)}: its VJP module of order {order} "
-                f"takes {len(vjp.in_avals)} inputs, not the {len(primals)} primals and "
-                f"{len(cts)} cotangents jax.grad passes it. It was edited; export it again."
+    def wrap(self, module: Any, order: int = 0, n: int | None = None) -> Callable[..., Any]:
+        """``module.call`` (the program, or its VJP module of ``order``) as the class says."""
+        batched = custom_vmap(module.call)
+        batched.def_vmap(self.merge if order == 0 else functools.partial(_one_by_one, module.call))
+
+        @jax.custom_vjp
+        def call(*args: Any) -> Any:
+            return batched(*args)
+
+        def forward(*args: Any) -> tuple[Any, Any]:  # call, not batched: jax.grad of jax.grad
+            return call(*args), args
+
+        def backward(args: Any, cts: Any) -> Any:
+            if not module.has_vjp():
+                have = self.manifest.get("vjp_order", 0)
+                raise SymjaxError(_NO_VJP.format(caller=self.caller, order=order + 1, have=have))
+            vjp = module.vjp()
+            primals, cts = jax.tree.leaves(args), jax.tree.leaves(cts)
+            expected = vjp.in_avals[len(primals) :]
+            if len(expected) != len(cts):
+                raise ArtifactError(
+                    f"{self.path / program_file(self.manifest, JAXEXPORT)}: its VJP module of "
+                    f"order {order + 1} takes {len(vjp.in_avals)} inputs, not the "
+                    f"{len(primals)} primals and {len(cts)} cotangents jax.grad passes it. It "
+                    "was edited; export it again."
+                )
+            cts = [  # float0 where the module expects it (integer outputs), as jax.export does
+                np.zeros(c.shape, jax.dtypes.float0) if a.dtype == jax.dtypes.float0 else c
+                for c, a in zip(cts, expected, strict=True)
+            ]
+            vjp_args = [*primals, *cts]
+            m = sum(math.prod(x.shape) for x in jax.tree.leaves(args[1:])) if n is None else n
+            self.check(vjp.call, vjp_args, m, order + 1)
+            out = self.wrap(vjp, order + 1, m)(*vjp_args)
+            return tuple(jax.tree.unflatten(jax.tree.structure(args), jax.tree.leaves(out)))
+
+        call.defvjp(forward, backward)
+        return call
+
+    def merge(self, size: int, mapped: list[Any], weights: Any, *inputs: Any) -> Any:
+        """The program's ``jax.vmap`` rule: ``size`` rows of each input joined to its batch."""
+        rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
+        if not rows.get("independent"):
+            why = rows.get("why") or (
+                "this artifact records no verdict on that (it was exported by an older "
+                "symjax_mlp); export it again to enable jax.vmap"
             )
-        cts = [  # float0 where the module expects it (integer outputs), as jax.export does
-            np.zeros(c.shape, jax.dtypes.float0) if a.dtype == jax.dtypes.float0 else c
-            for c, a in zip(cts, expected, strict=True)
-        ]
-        vjp_args = [*primals, *cts]
-        n = n_inputs
-        if n is None:
-            n = sum(math.prod(x.shape) for x in jax.tree.leaves(args[1:]))
-        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in vjp_args)
-        if all(isinstance(d, int) for s, _ in shapes for d in s):  # else: traced symbolically
-            structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in vjp_args]
-            what = f"its VJP module of order {order}"
-            guard(
-                lambda: refined(path, manifest, vjp.call, structs, module=what),
-                n,
-                shapes,
-                order=order,
-            )
-        out = _vjp_checked(path, manifest, vjp, guard, order + 1, n)(*vjp_args)
-        return tuple(jax.tree.unflatten(jax.tree.structure(args), jax.tree.leaves(out)))
+            raise SymjaxError(_NO_VMAP.format(caller=self.caller, why=why))
+        dim, merged = rows["dim"], []
+        for spec, x, on in zip(sig["inputs"], inputs, mapped[1:], strict=True):
+            if dim not in spec["shape"]:
+                if on:
+                    what = {"path": spec["path"], "spec": spec["shape"], "dim": dim}
+                    raise SymjaxError(_UNBATCHED.format(caller=self.caller, **what))
+                merged.append(x)
+                continue
+            k = spec["shape"].index(dim)
+            x = jnp.moveaxis(x if on else jnp.broadcast_to(x, (size, *x.shape)), 0, k)
+            merged.append(x.reshape(*x.shape[:k], -1, *x.shape[k + 2 :]))
+        self.check(self.call, (weights, *merged))
+        out, split = self.call(weights, *merged), []
+        single = sig["output_kind"] == "array"
+        for spec, y in zip(sig["outputs"], [out] if single else out, strict=True):
+            k = spec["shape"].index(dim) if dim in spec["shape"] else None
+            y = y if k is None else y.reshape(*y.shape[:k], size, -1, *y.shape[k + 1 :])
+            split.append(y if k is None else jnp.moveaxis(y, k, 0))
+        batched = [dim in spec["shape"] for spec in sig["outputs"]]
+        return (split[0], batched[0]) if single else (tuple(split), tuple(batched))
 
-    call.defvjp(forward, backward)
-    return call
+
+def _one_by_one(fn: Callable[..., Any], size: int, mapped: list[bool], *args: Any) -> Any:
+    """A ``jax.vmap`` rule that runs ``fn`` once per mapped element (``jax.lax.map``)."""
+
+    def one(xs: list[Any]) -> Any:
+        it = iter(xs)
+        return fn(*[next(it) if on else a for a, on in zip(args, mapped, strict=True)])
+
+    out = jax.lax.map(one, [a for a, on in zip(args, mapped, strict=True) if on])
+    return out, jax.tree.map(lambda _: True, out)
+
+
+def _traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
 
 
 def _check_agrees(

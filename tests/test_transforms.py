@@ -1,0 +1,266 @@
+"""JAX transforms over a loaded model: jax.vmap, jax.grad, jax.jit, jax.lax.map/scan, a Hybrid.
+
+``jax.vmap`` is checked against ``jax.vmap`` of the source function; every refusal by its
+message (what was found, what to do).
+"""
+
+import json
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import ZOO
+
+import symjax_mlp as sm
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    """(h, m): an MLP on (b, 5) inputs and its artifact, loaded (vjp_order=1)."""
+    net, x = sm.mlp((8, 3)), jnp.ones((2, 5))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    path = tmp_path_factory.mktemp("t") / "mlp"
+    return h, sm.load(sm.export(h, path, example=x, vjp_order=1).path)
+
+
+def _xs(*shape, seed=1):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "vmap, xs",
+    [
+        pytest.param(jax.vmap, _xs(3, 4, 5), id="in_axes=0"),
+        pytest.param(lambda f: jax.vmap(f, in_axes=1), _xs(4, 3, 5), id="in_axes=1"),
+        pytest.param(lambda f: jax.vmap(f, in_axes=2), _xs(4, 5, 3), id="in_axes=2"),
+        pytest.param(lambda f: jax.vmap(f, out_axes=1), _xs(3, 4, 5), id="out_axes=1"),
+        pytest.param(lambda f: jax.vmap(jax.vmap(f)), _xs(2, 3, 4, 5), id="nested"),
+        pytest.param(lambda f: jax.vmap(jax.vmap(f, in_axes=1)), _xs(2, 4, 3, 5), id="nested-1"),
+        pytest.param(lambda f: jax.jit(jax.vmap(f)), _xs(3, 4, 5), id="jit-of-vmap"),
+        pytest.param(lambda f: jax.vmap(jax.jit(f)), _xs(3, 4, 5), id="vmap-of-jit"),
+    ],
+)
+def test_vmap_equals_vmap_of_the_source(mlp, vmap, xs):
+    h, m = mlp
+    chex.assert_trees_all_close(vmap(m)(xs), vmap(h)(xs), **TOL)
+
+
+def test_vmap_with_an_unmapped_input_and_tuple_outputs(tmp_path):
+    def fn(p, x, y):
+        return jnp.tanh(x @ p["w"] + y @ p["v"]), jnp.sum(x, axis=1)
+
+    p = {"w": _xs(5, 3, seed=2), "v": _xs(2, 3, seed=3)}
+    h = sm.hybridize(fn, p)
+    art = sm.export(h, tmp_path / "m", example=(jnp.ones((4, 5)), jnp.ones((4, 2))))
+    m = sm.load(art.path)
+    xs, y = _xs(3, 4, 5), _xs(4, 2, seed=4)
+    for in_axes, args in (((0, None), (xs, y)), ((None, 0), (xs[0], jnp.stack([y] * 3)))):
+        want = jax.vmap(lambda x, y: fn(p, x, y), in_axes=in_axes)(*args)
+        chex.assert_trees_all_close(jax.vmap(m, in_axes=in_axes)(*args), want, **TOL)
+
+
+def test_vmap_compiles_once_per_shape(mlp):
+    h, m = mlp
+    lowered = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _, **kw: lowered.append(event) if "jaxpr_to_mlir" in event else None
+    )
+    f = jax.vmap(m)
+    xs = _xs(3, 6, 5)
+    f(xs).block_until_ready()
+    before = len(lowered)
+    for seed in range(3):
+        f(_xs(3, 6, 5, seed=seed + 2)).block_until_ready()
+    assert len(lowered) == before  # the same shape: neither lowered nor compiled again
+    chex.assert_trees_all_close(f(xs), jax.vmap(h)(xs), **TOL)
+
+
+def _mean_norm(p, x):
+    return (x - x.mean(0)) / (x.std(0) + 1) @ p
+
+
+def _softmax_over_batch(p, x):
+    return jax.nn.softmax(x @ p, axis=0)
+
+
+@pytest.mark.parametrize(
+    "fn, why",
+    [
+        (_mean_norm, "(reduces over|reads) the batch"),
+        (_softmax_over_batch, "reduce_max.* reduces over the batch dimension b"),
+        (lambda p, x: jnp.cumsum(x, axis=0) @ p, "cumsum.* mixes rows along the batch"),
+        (lambda p, x: jnp.sort(x, axis=0) @ p, "sort.* mixes rows"),
+        (lambda p, x: jax.lax.rev(x, (0,)) @ p, "rev.* mixes rows"),
+        (lambda p, x: (x + jnp.arange(x.shape[0])[:, None]) @ p, "iota.* mixes rows"),
+        (lambda p, x: jnp.roll(x, 1, axis=0) @ p, "mixing rows|mixes rows"),
+        (lambda p, x: x.reshape(5, -1).T @ p, "reshape.* mixes rows"),
+    ],
+    ids=["batch-norm", "softmax", "cumsum", "sort", "reverse", "row-index", "roll", "reshape"],
+)
+def test_vmap_is_refused_where_rows_see_each_other(tmp_path, fn, why):
+    h = sm.hybridize(fn, _xs(5, 3))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((4, 5)))
+    m = sm.load(art.path, trust=True)  # a cumsum or sort lowers to ops load() asks to allow
+    assert m.manifest["rows"]["independent"] is False
+    with pytest.raises(sm.SymjaxError, match=why) as e:
+        jax.vmap(m)(_xs(2, 4, 5))
+    assert "keeps rows apart" in str(e.value) and "jax.lax.map(m, xs)" in str(e.value)
+    chex.assert_trees_all_close(jax.lax.map(m, _xs(2, 4, 5)), jax.lax.map(h, _xs(2, 4, 5)), **TOL)
+
+
+class _Conv(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm()(nn.Conv(4, (3,))(x))
+        return jax.nn.softmax(nn.Dense(2)(x.reshape(x.shape[0], -1)), axis=-1)
+
+
+def test_rows_kept_apart_through_conv_layernorm_reshape_and_softmax(tmp_path):
+    net, x = _Conv(), jnp.ones((2, 8, 3))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    m = sm.load(sm.export(h, tmp_path / "m", example=x).path, allow={"convolution"})
+    assert m.manifest["rows"] == {"dim": "b", "independent": True, "why": ""}
+    xs = _xs(3, 2, 8, 3)
+    chex.assert_trees_all_close(jax.vmap(m)(xs), jax.vmap(h)(xs), **TOL)
+
+
+def _edit_manifest(path, edit):
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_an_artifact_without_a_rows_verdict_refuses_vmap(tmp_path, mlp):
+    h, _ = mlp
+    art = sm.export(h, tmp_path / "old", example=jnp.ones((2, 5)))
+    _edit_manifest(art.path, lambda m: m.pop("rows"))  # as exported before the field existed
+    m = sm.load(art.path)
+    chex.assert_trees_all_close(m(jnp.ones((2, 5))), h(jnp.ones((2, 5))), **TOL)
+    with pytest.raises(sm.SymjaxError, match=r"records no verdict.*export it again"):
+        jax.vmap(m)(_xs(3, 2, 5))
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        "yes",
+        {"dim": "b", "independent": "true", "why": ""},
+        {"dim": "b", "independent": True, "why": "a reason"},
+        {"dim": "b", "independent": True},
+        {"dim": 3, "independent": False, "why": "x"},
+    ],
+)
+def test_the_rows_field_is_type_checked(tmp_path, mlp, rows):
+    h, _ = mlp
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 5)))
+    _edit_manifest(art.path, lambda m: m.update(rows=rows))
+    with pytest.raises(sm.ArtifactError, match=r"rows is .*corrupted or was edited"):
+        sm.load(art.path)
+
+
+def test_vmap_over_an_input_without_the_batch_dimension_is_refused(tmp_path):
+    h = sm.hybridize(lambda p, x, s: (x * s) @ p, _xs(5, 3))
+    art = sm.export(h, tmp_path / "m", example=(jnp.ones((2, 5)), jnp.ones(5)),
+                    shapes=("n, 5", None))  # fmt: skip
+    m = sm.load(art.path)
+    assert m.manifest["rows"]["dim"] == "n"
+    xs, s = _xs(3, 2, 5), _xs(5, seed=2)
+    want = jax.vmap(h, in_axes=(0, None))(xs, s)
+    chex.assert_trees_all_close(jax.vmap(m, in_axes=(0, None))(xs, s), want, **TOL)
+    with pytest.raises(sm.SymjaxError, match=r"over args\[1\], which has no batch.*in_axes=None"):
+        jax.vmap(m)(xs, jnp.stack([s] * 3))
+
+
+def test_static_shapes_refuse_vmap(tmp_path, mlp):
+    h, _ = mlp
+    m = sm.load(sm.export(h, tmp_path / "m", example=jnp.ones((2, 5)), batch=None).path)
+    with pytest.raises(sm.SymjaxError, match="static shapes"):
+        jax.vmap(m)(_xs(3, 2, 5))
+
+
+def test_jit_lax_map_lax_scan_and_a_hybrid_over_a_loaded_model(mlp):
+    h, m = mlp
+    x, xs = _xs(4, 5), _xs(3, 4, 5)
+    chex.assert_trees_all_close(jax.jit(lambda x: m(x) + 1)(x), h(x) + 1, **TOL)
+    chex.assert_trees_all_close(jax.lax.map(m, xs), jax.vmap(h)(xs), **TOL)
+    chex.assert_trees_all_close(jax.lax.map(m, xs, batch_size=2), jax.vmap(h)(xs), **TOL)
+
+    def step(carry, x):
+        y = m(x)
+        return carry + y.sum(), y
+
+    total, ys = jax.lax.scan(step, jnp.float32(0), xs)
+    chex.assert_trees_all_close(ys, jax.vmap(h)(xs), **TOL)
+    chex.assert_trees_all_close(total, jax.vmap(h)(xs).sum(), **TOL)
+    outer = sm.hybridize(lambda p, x: m(x) * p, jnp.float32(2))
+    chex.assert_trees_all_close(outer(x), 2 * h(x), **TOL)
+    chex.assert_trees_all_close(outer.eager(x), 2 * h(x), **TOL)
+
+
+def test_grad_of_a_model_exported_without_a_vjp_names_the_fix(tmp_path, mlp):
+    h, _ = mlp
+    m = sm.load(sm.export(h, tmp_path / "m", example=jnp.ones((2, 5))).path)
+    with pytest.raises(sm.SymjaxError, match=r"exported without one \(vjp_order=0\).*vjp_order=1"):
+        jax.grad(lambda x: m(x).sum())(jnp.ones((2, 5)))
+
+
+def test_grad_vmap_of_grad_and_grad_of_vmap(mlp):
+    h, m = mlp
+    x, xs = _xs(4, 5), _xs(3, 4, 5)
+
+    def loss(f):
+        return lambda x: (f(x) ** 2).sum()
+
+    chex.assert_trees_all_close(jax.grad(loss(m))(x), jax.grad(loss(h))(x), **TOL)
+    want = jax.vmap(jax.grad(loss(h)))(xs)
+    chex.assert_trees_all_close(jax.vmap(jax.grad(loss(m)))(xs), want, **TOL)
+    chex.assert_trees_all_close(jax.grad(loss(jax.vmap(m)))(xs), want, **TOL)
+    with pytest.raises(sm.SymjaxError, match=r"order 2.*\(vjp_order=1\).*vjp_order=2"):
+        jax.grad(lambda x: jax.grad(loss(m))(x).sum())(x)
+
+
+def test_each_entry_point_under_vmap_and_grad(tmp_path):
+    net, x = sm.mlp((8, 3)), jnp.ones((2, 5))
+    variables = net.init(jax.random.key(0), x)
+    h = sm.hybridize(net, variables)
+    embed = sm.hybridize(lambda v, x: jnp.tanh(net.apply(v, x)), variables)
+    norm = sm.hybridize(lambda v, x: net.apply(v, x) - net.apply(v, x).mean(0), variables)
+    points = {"predict": h, "embed": embed, "norm": norm}
+    m = sm.load(sm.export(points, tmp_path / "m", example=x, vjp_order=1).path)
+    xs = _xs(3, 2, 5)
+    for name in ("predict", "embed"):
+        assert m[name].manifest["rows"]["independent"]
+        chex.assert_trees_all_close(jax.vmap(m[name])(xs), jax.vmap(points[name])(xs), **TOL)
+        got = jax.grad(lambda x, f=m[name]: f(x).sum())(xs[0])
+        want = jax.grad(lambda x, f=points[name]: f(x).sum())(xs[0])
+        chex.assert_trees_all_close(got, want, **TOL)
+    with pytest.raises(sm.SymjaxError, match=r"\[.norm.\]: jax.vmap.*(reduces over|reads) the b"):
+        jax.vmap(m["norm"])(xs)
+
+
+@pytest.mark.parametrize("case", ZOO, ids=lambda c: c.name)
+def test_vmap_over_the_zoo(tmp_path, case):
+    inputs = case.inputs(0)
+    arrays = [i for i, x in enumerate(inputs) if hasattr(x, "shape")]
+    if any(isinstance(x, dict) for x in inputs):
+        pytest.skip("a dict input: an artifact takes arrays")
+    m = sm.load(sm.export(case.hybridize(), tmp_path / "m", example=inputs, kwargs=case.eval).path)
+    model, params = case.build()
+
+    def source(*xs):  # the plain Flax model, in the mode export bakes in
+        args = list(inputs)
+        for i, x in zip(arrays, xs, strict=True):
+            args[i] = x
+        if case.kind == "nnx":
+            return model(*args, **case.eval)
+        if case.kind == "fn":
+            return model(params, *args, **case.eval)
+        return model.apply(params, *args, **case.eval)
+
+    stacked = [jnp.stack([case.inputs(s)[i] for s in range(3)]) for i in arrays]
+    assert m.manifest["rows"] == {"dim": "b", "independent": True, "why": ""}
+    chex.assert_trees_all_close(jax.vmap(m)(*stacked), jax.vmap(source)(*stacked), **TOL)
