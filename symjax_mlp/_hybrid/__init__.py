@@ -1,2 +1,2 @@
-"""Stage 1 of the flow: trace log -> mesh -> jaxpr reading -> DOT -> Graph -> rng -> pure models
--> settings -> Hybrid -> hybridize."""
+"""Stage 1 of the flow: arguments -> trace log -> mesh -> jaxpr reading -> DOT -> Graph -> pure
+models -> held state -> traced model -> Hybrid -> hybridize."""

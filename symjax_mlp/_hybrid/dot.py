@@ -1,10 +1,8 @@
 """Drawing a jaxpr as Graphviz DOT: one node per equation, clustered by layer and call.
 
-An equation with sub-jaxprs (a ``jit`` or ``custom_jvp_call``, ``cond`` branches, a ``scan``
-or ``while`` body) is a labelled cluster (``subgraph cluster_N``) holding the equations of its
-sub-jaxprs, so every layer's operations show; data flows into and out of it along the edges
-of the sub-jaxprs' inputs and outputs. Literals (the ``0.0`` of a relu) are small constant
-nodes next to the equation that reads them.
+An equation with sub-jaxprs (a ``jit``, ``cond`` branches, a ``scan`` or ``while`` body) is a
+labelled cluster holding their equations, so every layer's operations show; data flows in and
+out along the sub-jaxprs' inputs and outputs. Literals (a relu's ``0.0``) are small nodes.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from jax.extend import core as jex_core
 
 from symjax_mlp._hybrid.jaxpr import Body, bodies, call_name, layer_of
 
-# What a variable stands for in the drawing: the nodes that produce it, or a literal that is
-# drawn where it is used.
+# What a variable stands for in the drawing: the nodes that produce it, or a literal
 _Source = list[str] | jex_core.Literal
 
 
@@ -125,8 +122,7 @@ class _Drawing:
 
 
 def _inputs(eqn: Any, k: int, body: Body) -> list[int | None]:
-    """For each input of ``eqn``'s ``k``-th sub-jaxpr, the index of the equation's input it
-    is bound to (``None``: not known)."""
+    """Per input of ``eqn``'s ``k``-th sub-jaxpr, the equation's input bound to it, or ``None``."""
     n, params = len(body.jaxpr.invars), eqn.params
     if eqn.primitive.name == "while":
         nc, nb = params["cond_nconsts"], params["body_nconsts"]

@@ -21,16 +21,15 @@ from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.dot import to_dot
 from symjax_mlp._hybrid.jaxpr import count_flops, walk
-from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
+from symjax_mlp._hybrid.trace import symbolic
 
 
 @dataclasses.dataclass(frozen=True)
 class Graph:
     """A staged program: the jaxpr of a function on given inputs, and ways to look at it.
 
-    ``str(g)`` is the jaxpr. Counts include the equations inside sub-jaxprs (the body of a
-    ``custom_jvp_call`` or nested ``jit``, ``cond`` branches, ``scan`` and ``while`` bodies) as
-    well as the wrapping equation itself; each is counted once, wherever it runs.
+    ``str(g)`` is the jaxpr. Counts include the equations inside sub-jaxprs (a nested ``jit``,
+    ``cond`` branches, ``scan`` and ``while`` bodies) and the wrapping equation, each once.
 
     Attributes:
       jaxpr: the ``ClosedJaxpr`` from :func:`jax.make_jaxpr`.
@@ -66,22 +65,17 @@ class Graph:
         """Floating-point operations, counted from the jaxpr with XLA's conventions.
 
         A ``dot_general`` costs ``2 * K`` per output element, a convolution ``2 * in_channels
-        / feature_group_count`` per output element and kernel position that lands on the input
-        (not on padding), an elementwise op one per output element, a reduction (``argmax``
-        and the cumulative ``cumsum``, ``cummax``... too) one per input element;
-        transcendentals (``exp``, ``tanh``, ...) and layout ops (reshape, broadcast) cost
-        none. Equations are counted at the innermost level: a ``scan`` body times its
-        ``length`` (a ``fori_loop`` with static bounds is a ``scan``), a ``cond`` as its
-        costliest branch. A ``while_loop``'s trip count is unknown: its body is not counted
-        and :attr:`flops_exact` is false, so this is a lower bound.
+        / feature_group_count`` per output element and kernel position on the input, an
+        elementwise op one per output element, a reduction (``cumsum`` too) one per input
+        element; transcendentals and layout ops none. A ``scan`` body counts ``length`` times,
+        a ``cond`` as its costliest branch; a ``while_loop``'s body is not counted (its trip
+        count is unknown: :attr:`flops_exact` is false and this is a lower bound).
         """
         return self._flops[0]
 
     @property
     def flops_exact(self) -> bool:
-        """Whether :attr:`flops` is the whole count: false when a body runs an unknown number
-        of times (a ``while_loop``; see :attr:`flops_unknown`), and :attr:`flops` is then a
-        lower bound."""
+        """Whether :attr:`flops` is the whole count (false: a lower bound; see below)."""
         return not self._flops[1]
 
     @property
@@ -91,13 +85,7 @@ class Graph:
 
     @classmethod
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
-        """Stages ``fn(*args, **kwargs)`` with :func:`jax.make_jaxpr`; Python settings among
-        the arguments (bool, int, str, ...) are static, as in a Hybrid's call; the others are
-        pytrees of arrays (lists of them included), as :func:`jax.make_jaxpr` takes them.
-
-        Raises:
-          ControlFlowError: Python needed a concrete value from a traced array.
-        """
+        """Stages ``fn(*args, **kwargs)`` as :func:`stage` describes."""
         static, dyn, dyn_kw = partition(args, kwargs, caller=f"stage({name})", lists=True)
 
         def staged(*dyn: Any, **dyn_kw: Any) -> Any:
@@ -108,16 +96,13 @@ class Graph:
 
     @classmethod
     def traced(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
-        """Stages ``fn(*args, **kwargs)`` with every argument traced (pytrees of arrays, none
-        static): a Hybrid's call, already split, on its params.
+        """Stages ``fn(*args, **kwargs)``, every argument traced: a Hybrid's split call.
 
         Raises:
           ControlFlowError: Python needed a concrete value from a traced array.
         """
-        try:
+        with symbolic(name):
             jaxpr = jax.make_jaxpr(fn)(*args, **kwargs)
-        except TRACER_ERRORS as e:
-            raise control_flow_error(name, e) from e
         return cls(jaxpr, name, lambda: jax.jit(fn).lower(*args, **kwargs))
 
     def lower(self) -> jax.stages.Lowered:
@@ -129,12 +114,8 @@ class Graph:
         return self._lower().compile().as_text()
 
     def to_dot(self) -> str:
-        """Graphviz DOT: one node per equation, clustered by layer, edges along data flow.
-
-        Nested jaxprs (``jit``, ``custom_jvp_call``, ``cond`` branches, ``scan``/``while``
-        bodies) are labelled clusters holding their own equations; literals are small
-        constant nodes.
-        """
+        """Graphviz DOT: one node per equation, clustered by layer and nested call (see
+        :mod:`~symjax_mlp._hybrid.dot`), edges along data flow."""
         return to_dot(self.jaxpr, self.name)
 
     def to_svg(self) -> str:
@@ -162,6 +143,7 @@ def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
     Raises:
       TypeError: ``fn`` is already ``jax.jit``-wrapped (its jaxpr would be one opaque
         ``jit`` equation) or a :class:`~symjax_mlp.Hybrid`.
+      ControlFlowError: (when called) Python needed a concrete value from a traced array.
 
     Example:
       >>> import jax.numpy as jnp

@@ -1,11 +1,9 @@
 """The state a Hybrid holds between calls: flat, as the compiled program takes and returns it.
 
-A model with state carries it across calls exactly as eager calls would: linen's mutable
-collections (``batch_stats``) and rng streams (``dropout``), and every non-``Param`` variable of
-an nnx module (batch statistics, rng counts). :class:`HeldState` holds it flattened once: a
-list of arrays, typed rng keys as their raw ``key_data`` (the compiled function wraps and
-unwraps them), so a call passes and takes back a flat list, and the tree is rebuilt only when
-read. A call may change the state's values but not its structure.
+A model with state (linen's mutable collections and rng streams, an nnx module's non-``Param``
+variables) carries it across calls exactly as eager calls would. :class:`HeldState` holds it
+flattened once, typed rng keys as their raw ``key_data``: a call passes and takes back a flat
+list, and the tree is rebuilt only when read. A call may change its values, not its structure.
 """
 
 from __future__ import annotations
@@ -44,8 +42,8 @@ class HeldState:
     """
 
     def __init__(self, name: str, state: Any, *, own: bool = False) -> None:
-        """Holds ``state`` (a tree; ``{}`` when stateless); ``own``: in buffers of its own
-        (copied once, here), as a donating Hybrid must, never the caller's."""
+        """Holds ``state``; ``own``: in buffers of its own (copied here), as a donating Hybrid
+        must."""
         self.name = name
         self._structure, self._key_impls = state_structure(state)
         leaves = unwrap_keys(jax.tree.leaves(state), self._key_impls)
@@ -67,11 +65,7 @@ class HeldState:
         return jax.tree.unflatten(self._structure, wrap_keys(leaves, self._key_impls))
 
     def flatten(self, state: Any) -> list[Any]:
-        """A call's new state as held: its leaves, keys as raw data; the same structure.
-
-        Raises:
-          ConfigError: the call changed the state's structure.
-        """
+        """A call's new state as held (keys as raw data), checked to keep the structure."""
         structure, key_impls = state_structure(state)
         if structure != self._structure or key_impls != self._key_impls:
             raise ConfigError(
@@ -86,11 +80,8 @@ class HeldState:
         return self.unflatten(raw)
 
     def hold(self, leaves: list[Any]) -> None:
-        """Holds a call's new flat state (the caller holds :attr:`lock`).
-
-        Raises:
-          ControlFlowError: the new state is traced: the call ran under a transformation.
-        """
+        """Holds a call's new flat state (the caller holds :attr:`lock`); a traced one (a call
+        under a transformation) is a ControlFlowError."""
         if leaves and isinstance(leaves[0], jax.core.Tracer):
             raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
         self.leaves = leaves
@@ -98,5 +89,4 @@ class HeldState:
 
 
 def _copies(leaves: list[Any]) -> list[Any]:
-    """New buffers with the values of ``leaves``, for a Hybrid to hold and donate."""
     return [jnp.array(leaf, copy=True) for leaf in leaves]

@@ -55,9 +55,8 @@ class Body:
     """A sub-jaxpr of an equation, and how often it runs per run of the equation.
 
     Attributes:
-      role: what it is to the equation: ``""`` for a call (``jit``, ``custom_jvp_call``),
-        ``"body"`` (``scan``, ``while``), ``"cond"`` (``while``), ``"branch 0"`` (``cond``),
-        or the parameter's name for a primitive this module does not know.
+      role: ``""`` for a call (``jit``), ``"body"`` (``scan``, ``while``), ``"cond"``
+        (``while``), ``"branch 0"`` (``cond``), or the parameter's name for another primitive.
       jaxpr: the sub-jaxpr.
       trips: how many times it runs; a lower bound when ``exact`` is false.
       exact: whether ``trips`` is known (false for a ``while`` loop's body and condition).
@@ -123,11 +122,8 @@ def layer_of(name_stack: str) -> str:
 
 
 def walk(jaxpr: jex_core.Jaxpr, layer: str = "") -> Iterator[tuple[Any, str]]:
-    """Every equation, sub-jaxprs included, with the layer it belongs to.
-
-    A sub-jaxpr's name stack is relative to its equation's, so an equation's layer is its
-    enclosing equation's layer followed by its own named scopes.
-    """
+    """Every equation, sub-jaxprs included, with its layer: its enclosing equation's layer
+    followed by its own named scopes (a sub-jaxpr's name stack is relative)."""
     for eqn in jaxpr.eqns:
         own = layer_of("/".join(filter(None, (layer, str(eqn.source_info.name_stack)))))
         yield eqn, own
@@ -147,14 +143,8 @@ def input_dependent(jaxpr: jex_core.Jaxpr) -> list[bool]:
 
 
 def count_flops(jaxpr: jex_core.Jaxpr) -> tuple[int, tuple[str, ...]]:
-    """``(flops, unknown)``: the flops of one run of ``jaxpr`` and the primitives whose
-    bodies run an unknown number of times (e.g. ``("while",)``), in which case the flops are
-    what is known: a lower bound.
-
-    A body runs as often as :func:`bodies` says (a ``scan`` body ``length`` times, a
-    ``while`` body at least zero times, its condition at least once); a ``cond`` costs its
-    costliest branch, as in XLA's cost analysis.
-    """
+    """``(flops, unknown)``: the flops of one run of ``jaxpr`` (see ``Graph.flops``), each
+    body run as :func:`bodies` says, and the primitives whose trip counts are unknown."""
     total, unknown = 0, []
     for eqn in jaxpr.eqns:
         subs = bodies(eqn)
@@ -193,47 +183,21 @@ def eqn_flops(eqn: Any) -> int:
 
 
 def conv_flops(eqn: Any) -> int:
-    """A convolution's flops as XLA counts them (``HloCostAnalysis::GetConvolutionFlops``).
-
+    """A convolution's flops as XLA counts them (``HloCostAnalysis::GetConvolutionFlops``):
     ``2 * batch/batch_groups * out_channels * in_channels/feature_groups * positions``, where
     ``positions`` is, per spatial dimension, the number of (output, kernel) index pairs that
-    land on an input element rather than on padding or a dilation hole. Without padding
-    this is ``2 * output elements * kernel spatial size * in_channels/feature_group_count``.
-    """
+    land on an input element rather than on padding or a dilation hole."""
     p = eqn.params
     lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
     out = eqn.outvars[0].aval.shape
     lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
     positions = 1
     for i in range(len(lhs_spec) - 2):
-        positions *= _valid_positions(
-            lhs[lhs_spec[2 + i]],
-            rhs[rhs_spec[2 + i]],
-            out[out_spec[2 + i]],
-            stride=p["window_strides"][i],
-            pad_low=p["padding"][i][0],
-            base_dilation=p["lhs_dilation"][i],
-            window_dilation=p["rhs_dilation"][i],
-        )
+        size, kernel, n = lhs[lhs_spec[2 + i]], rhs[rhs_spec[2 + i]], out[out_spec[2 + i]]
+        stride, low = p["window_strides"][i], p["padding"][i][0]
+        base, window = p["lhs_dilation"][i], p["rhs_dilation"][i]
+        at = [o * stride - low + k * window for k in range(kernel) for o in range(n)]
+        positions *= sum(j % base == 0 and 0 <= j // base < size for j in at)
     batch = lhs[lhs_spec[0]] // p["batch_group_count"]
     in_features = lhs[lhs_spec[1]] // p["feature_group_count"]
     return 2 * batch * in_features * out[out_spec[1]] * positions
-
-
-def _valid_positions(
-    size: int,
-    kernel: int,
-    out: int,
-    *,
-    stride: int,
-    pad_low: int,
-    base_dilation: int,
-    window_dilation: int,
-) -> int:
-    count = 0
-    for k in range(kernel):
-        for o in range(out):
-            index = o * stride - pad_low + k * window_dilation
-            if index % base_dilation == 0 and 0 <= index // base_dilation < size:
-                count += 1
-    return count

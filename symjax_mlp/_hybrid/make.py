@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,31 +30,28 @@ def hybridize(
     """Binds a model to its params as a :class:`Hybrid`: one switch from eager to compiled.
 
     Args:
-      model: a ``flax.linen.Module`` (with ``params`` its variables, as returned by
-        ``init``), a ``flax.nnx.Module`` (no ``params``: its state is split off once and
-        carried across calls; its mode follows the module, so ``module.eval()`` and
-        ``module.train()`` switch the Hybrid too, one trace per mode), or any pure function
-        ``fn(params, *args, **kwargs)``.
+      model: a ``flax.linen.Module`` (``params``: its variables, as ``init`` returns them), a
+        ``flax.nnx.Module`` (no ``params``: its state is split off once and carried across
+        calls; ``module.eval()`` and ``module.train()`` switch the Hybrid too, one trace per
+        mode), or any pure function ``fn(params, *args, **kwargs)``.
       params: the variables or params; must be omitted for an nnx module.
       name: shown in trace logs and errors (default: the function or module class name).
       max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.
-      static_argnums, static_argnames: arguments to treat as static even when they are
-        arrays, as in ``jax.jit`` (completed from the model's signature). Python settings
-        are static anyway.
-      mutable: a linen model's collections that a call updates (default: every collection
-        but ``"params"``, e.g. ``batch_stats``); held across calls.
-      rngs: a linen model's rng streams: a key (the ``"dropout"`` stream), an int seed, or
-        ``{"dropout": key, ...}``; split anew on every call.
+      static_argnums, static_argnames: arguments static even when they are arrays, as in
+        ``jax.jit`` (completed from the model's signature); Python settings are static anyway.
+      mutable: a linen model's collections that a call updates, held across calls (default:
+        every collection but ``"params"``, e.g. ``batch_stats``).
+      rngs: a linen model's rng streams, split anew on every call: a key (the ``"dropout"``
+        stream), an int seed, or ``{"dropout": key, ...}``.
       donate: donate the held state to each ``h(x)`` call, so XLA writes the new state into
-        its buffers. The Hybrid holds its own copy of the state, so your variables are never
-        consumed; arrays read from :attr:`Hybrid.state` are valid until the next call.
-        :meth:`Hybrid.apply` never donates.
+        its buffers. The Hybrid holds its own copy, so your variables are never consumed;
+        arrays read from :attr:`Hybrid.state` are valid until the next call. ``h.apply``
+        never donates.
       params_as_constants: compile the params into ``h(x)``'s program as constants (as
-        ``torch.jit.freeze`` does), instead of passing them to every call: for serving, where
-        a call's latency counts. Each compilation then embeds a copy of the params, which
-        suits models of megabytes, not gigabytes. ``h.apply``, ``h.eager``,
-        :meth:`Hybrid.graph` and :func:`~symjax_mlp.export` still take the params as inputs.
-        Not with :meth:`Hybrid.shard`.
+        ``torch.jit.freeze`` does), for serving, where a call's latency counts; each
+        compilation embeds a copy (for models of megabytes, not gigabytes). ``h.apply``,
+        ``h.eager``, ``h.graph`` and :func:`~symjax_mlp.export` still take the params as
+        inputs. Not with :meth:`Hybrid.shard`.
 
     Returns:
       A :class:`Hybrid`; ``h(x)`` is XLA-compiled, ``h.eager(x)`` imperative.
@@ -116,8 +114,6 @@ def hybridize(
 
 def _flax_kind(model: Any) -> str | None:
     """``"nnx"``, ``"linen"`` or ``None``, without importing flax when the caller has not."""
-    import sys
-
     flax_nnx, flax_linen = sys.modules.get("flax.nnx"), sys.modules.get("flax.linen")
     if flax_nnx is not None and isinstance(model, flax_nnx.Module):
         return "nnx"
@@ -130,17 +126,15 @@ def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool 
     """Runs ``h`` data-parallel over ``mesh``: batch split over ``axis``, params replicated.
 
     Args:
-      h: the :class:`Hybrid`; its function must treat examples independently (true of an
-        MLP) for padding to be exact.
-      mesh: a ``jax.sharding.Mesh`` (default: :func:`~symjax_mlp.data_mesh` over every
-        device).
+      h: the :class:`Hybrid`; its function must treat examples independently (as an MLP
+        does) for padding to be exact.
+      mesh: a ``jax.sharding.Mesh`` (default: :func:`~symjax_mlp.data_mesh`, every device).
       axis: the mesh axis the batch is split over.
       pad: pad an indivisible batch and trim the result (``False``: raise
         :class:`~symjax_mlp.SignatureError`).
 
     Returns:
-      A sharded :class:`Hybrid` (``h.shard(mesh)``); its result equals ``h``'s up to float
-      rounding.
+      ``h.shard(mesh)``: its result equals ``h``'s up to float rounding.
 
     Raises:
       TypeError: ``h`` is not a Hybrid.

@@ -31,10 +31,8 @@ from symjax_mlp._errors import ConfigError, SignatureError
 def data_mesh(
     n_devices: int | None = None, *, axis: str = "data", devices: Sequence[Any] | None = None
 ) -> Mesh:
-    """A 1-D mesh ``{axis: n_devices}`` over the first ``n_devices`` devices (default: all).
-
-    Built with ``jax.make_mesh`` in ``Auto`` (GSPMD) mode, so any function runs on it
-    unchanged. After ``jax.distributed.initialize`` it spans every process's devices.
+    """A 1-D mesh ``{axis: n_devices}`` over the first ``n_devices`` devices (default: all),
+    in ``Auto`` (GSPMD) mode; after ``jax.distributed.initialize``, every process's devices.
 
     Raises:
       ValueError: fewer than ``n_devices`` devices are visible.
@@ -57,8 +55,8 @@ def data_mesh(
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:
-    """``mesh`` with Auto axes: GSPMD partitions any function, where Explicit axes would
-    reject some (e.g. trimming a padded batch)."""
+    """``mesh`` with Auto axes, where GSPMD partitions any function (Explicit axes reject
+    some, e.g. trimming a padded batch)."""
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
 
 
@@ -76,8 +74,8 @@ def shardings(mesh: Mesh | None, axis: str) -> tuple[Mesh, NamedSharding, NamedS
 
 
 def place(x: Any, sharding: NamedSharding) -> jax.Array:
-    """Puts ``x`` (the global value) on ``sharding``; each process places only its shards.
-    A traced ``x`` (under ``jax.grad``, ``jax.jit``) is constrained to it instead."""
+    """Puts ``x`` (the global value) on ``sharding``, each process only its shards; a traced
+    ``x`` is constrained to it instead."""
     if isinstance(x, jax.core.Tracer):
         return jax.lax.with_sharding_constraint(x, sharding)
     if isinstance(x, jax.Array):
@@ -150,11 +148,8 @@ class DataParallel:
     """A sharded Hybrid's call: the batch split over ``axis`` of ``mesh``, the rest replicated.
 
     Attributes:
-      name: the Hybrid's name, for messages.
-      mesh: the mesh, its axes Auto (:func:`auto_mesh`).
-      axis: the mesh axis the batch is split over.
-      pad: pad a batch that does not divide over the shards, and trim the result.
-      n_shards: the size of ``axis``.
+      name, axis, pad: the Hybrid's.
+      mesh: the mesh, its axes Auto (:func:`auto_mesh`); ``n_shards``: the size of ``axis``.
       replicated: the params' (and state's) sharding, ``P()``.
       batch: the inputs' and outputs' sharding, ``P(axis)``.
     """
@@ -166,24 +161,23 @@ class DataParallel:
     n_shards: int
     replicated: NamedSharding
     batch: NamedSharding
-    # a call's signature -> whether its new state sees its rows (see state_sees_rows)
+    # a call's signature -> whether its new state sees its rows
     _sees: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def over(
         cls, name: str, mesh: Mesh | None, axis: str, pad: bool, baked: bool = False
     ) -> DataParallel:
-        """Checks ``mesh`` and ``axis`` (default mesh: :func:`data_mesh`); ``baked``: the
-        Hybrid would hold its params as constants, which a sharded one cannot."""
+        """Checks ``mesh`` (default: :func:`data_mesh`), ``axis``, and that the params are not
+        ``baked`` as constants."""
         if baked:
             raise ConfigError(_BAKED.format(name=name))
         mesh, rep, dat, n = shardings(mesh, axis)
         return cls(name, mesh, axis, pad, n, rep, dat)
 
     def jit(self, trace: Callable[..., Any], stateful: bool) -> dict[str, Any]:
-        """``jax.jit``'s arguments for a Hybrid's traced function ``trace``: it, wrapped to
-        take the batch as one tuple and to check that every output is per example, and its
-        in/out shardings (a stateful call's state replicated, as the params are)."""
+        """``jax.jit``'s arguments for ``trace``: it, taking the batch as one tuple and checking
+        that every output is per example, and the in/out shardings (state replicated)."""
         per_example = self.per_example
         if stateful:
 
@@ -234,11 +228,10 @@ class DataParallel:
         self, jitted: Any, static: Any, leaves: Any, held: Any, dyn: Any, dyn_kw: Any,
         sees_rows: Callable[[Any, Any, Any, Any], bool],
     ) -> Any:  # fmt: skip
-        """A sharded Hybrid's call of ``jitted``: its batch padded and placed, the result
-        trimmed. ``held``: a stateful Hybrid's held state (``None``: stateless), passed and
-        taken back under its lock. A padded call whose new state depends on its rows
-        (``sees_rows(static, leaves, dyn, dyn_kw)``, asked once per signature) is refused: the
-        padding rows would change it."""
+        """A call of ``jitted``: its batch padded and placed, the result trimmed; ``held`` (a
+        stateful Hybrid's, else ``None``) passed and taken back under its lock. A padded call
+        whose new state depends on its rows (``sees_rows``, asked once per signature) is
+        refused: the padding rows would change it."""
         batch, placed, placed_kw = self.prepare(dyn, dyn_kw)
         padded = placed[0].shape[0] != batch
         if held is None:

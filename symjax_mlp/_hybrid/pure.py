@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -46,12 +46,8 @@ _PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
 
 @dataclasses.dataclass(frozen=True)
 class PureModel:
-    """A model as a pure function ``call(params, state, args, kwargs) -> (out, new_state)``.
-
-    ``params`` is what gradients are taken of and a call never changes; ``state`` is what a
-    call carries forward (a linen model's mutable collections and rng streams, an nnx
-    module's non-``Param`` variables); ``{}`` for a stateless model.
-    """
+    """A model as a pure function ``call(params, state, args, kwargs) -> (out, new_state)``:
+    ``params`` what gradients are taken of, ``state`` what a call carries forward (``{}``)."""
 
     call: Callable[..., tuple[Any, Any]]
     stateful: bool
@@ -65,11 +61,15 @@ class PureModel:
     setting_names: tuple[str, ...] = ()
     _watch: Any = None  # what pins this model's settings (its own, not another model's)
 
-    def pinned(self, values: tuple) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def pinned(self, values: tuple) -> Iterator[None]:
         """Within the block, :attr:`call` runs with these settings, not the module's now."""
-        if self.settings is None:
-            return contextlib.nullcontext()
-        return _pin((self._watch, values))
+        token = None if self.settings is None else _PINNED.set((self._watch, values))
+        try:
+            yield
+        finally:
+            if token is not None:
+                _PINNED.reset(token)
 
     def parameters(self) -> list[inspect.Parameter] | None:
         """The inputs' parameters (params or ``self`` dropped); ``None``: not inspectable."""
@@ -209,15 +209,6 @@ def mode_settings(model: PureModel, values: tuple, *, train: bool) -> tuple:
     )
 
 
-@contextlib.contextmanager
-def _pin(pin: tuple) -> Any:
-    token = _PINNED.set(pin)
-    try:
-        yield
-    finally:
-        _PINNED.reset(token)
-
-
 def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:
     if rngs is None:
         return None
@@ -256,12 +247,8 @@ def wrap_keys(raw: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
 
 
 class ModuleModes:
-    """The settings of a Hybrid's nnx module, read when it is called.
-
-    Attributes:
-      model: the module as a :class:`PureModel`.
-      now: returns the settings as they are now, in the order of ``model.setting_names``.
-    """
+    """The settings of a Hybrid's nnx ``model``, read when it is called; ``now()`` returns
+    them as they are now, in the order of ``model.setting_names``."""
 
     def __init__(self, model: PureModel, now: Callable[[], tuple] | None = None) -> None:
         self.model = model
@@ -271,8 +258,7 @@ class ModuleModes:
 
     @classmethod
     def of(cls, model: PureModel) -> ModuleModes | None:
-        """The modes of ``model``; ``None`` when it has none (not an nnx module, or one
-        without settings)."""
+        """The modes of ``model``; ``None`` when it has no settings (not an nnx module)."""
         return None if model.settings is None else cls(model)
 
     def fixed(self) -> ModuleModes:
@@ -290,8 +276,7 @@ class ModuleModes:
 
     def training(self, program: Callable[[tuple], str]) -> tuple[str, ...]:
         """The settings that hold the module in training mode, as ``"path=value"``, where
-        flipping them changes ``program(settings)`` (the staged program's text); ``()`` in
-        eval mode."""
+        flipping them changes ``program(settings)`` (the staged program's text)."""
         now = self.now()
         evaluating = mode_settings(self.model, now, train=False)
         if now == evaluating or program(now) == program(evaluating):

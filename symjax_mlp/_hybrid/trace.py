@@ -2,10 +2,9 @@
 
 JAX traces a function once per input signature (shapes, dtypes, weak types, tree structure)
 and silently traces again when any of it changes. A :class:`TraceEvent` makes each trace
-visible, and its ``reason`` names what changed against the nearest earlier trace; a
-:class:`TraceLog` keeps a Hybrid's events, enforces its ``max_traces`` budget and runs its
-``on_trace`` callbacks. This module also turns JAX's "concrete value needed" errors into
-:class:`~symjax_mlp.ControlFlowError`, whose message says how to stay symbolic.
+visible, its ``reason`` naming what changed against the nearest earlier trace; a
+:class:`TraceLog` keeps a Hybrid's events, its ``max_traces`` budget and ``on_trace``
+callbacks. JAX's "concrete value needed" errors become :class:`~symjax_mlp.ControlFlowError`.
 """
 
 from __future__ import annotations
@@ -69,14 +68,11 @@ class TraceEvent:
 
     Attributes:
       index: 0 for the first trace, 1 for the first retrace, ...
-      signature: one :class:`~symjax_mlp.TensorSpec` per traced input leaf (params not
-        included).
+      signature: one :class:`~symjax_mlp.TensorSpec` per traced input leaf (not the params).
       tree: the traced inputs' tree structure, as text.
       reason: ``"first call"`` or what changed against the nearest earlier trace, e.g.
-        ``"args[0].shape changed from (1, 512) to (7, 512)"`` or
-        ``"kwargs['train'] changed from True to False"``.
-      static: the static (Python) arguments the trace was specialised on, as
-        ``(path, repr(value))`` pairs.
+        ``"args[0].shape changed from (1, 512) to (7, 512)"``.
+      static: the static (Python) arguments it was specialised on, ``(path, repr(value))``.
       entry: ``"call"`` (``h(x)``) or ``"apply"`` (``h.apply(params, x)``).
     """
 
@@ -94,8 +90,8 @@ class TraceEvent:
         return f"trace #{self.index}{where} [{sig}]: {self.reason}"
 
 
-#: nnx's mode attributes (what ``Module.train()`` and ``eval()`` set): of an nnx module's
-#: settings, the ones a trace's line shows (the others show in a reason when they change)
+#: nnx's mode attributes (what ``Module.train()`` and ``eval()`` set): the module settings a
+#: trace's line shows (the others show in a reason when they change)
 MODE_ATTRIBUTES = ("deterministic", "use_running_average")
 
 
@@ -123,14 +119,8 @@ def signature(
                 at = f"args[{places[path[0].idx]}]" + jax.tree_util.keystr(path[1:])
             else:
                 at = prefix + jax.tree_util.keystr(path)
-            specs.append(
-                TensorSpec(
-                    path=at,
-                    shape=tuple(aval.shape),
-                    dtype=str(aval.dtype),
-                    weak_type=bool(getattr(aval, "weak_type", False)),
-                )
-            )
+            weak = bool(getattr(aval, "weak_type", False))
+            specs.append(TensorSpec(at, tuple(aval.shape), str(aval.dtype), weak))
     tree = trees[0] if trees[1] == str(jax.tree.structure({})) else " ".join(trees)
     return tuple(specs), tree, tuple((path_of(k), repr(v)) for k, v, _ in static)
 
@@ -148,9 +138,8 @@ def explain(
     def distance(e: TraceEvent) -> int:
         if e.tree != tree:
             return 1 << 30
-        return sum(a != b for a, b in zip(e.signature, sig, strict=True)) + len(
-            set(e.static) ^ set(static)
-        )
+        changed = sum(a != b for a, b in zip(e.signature, sig, strict=True))
+        return changed + len(set(e.static) ^ set(static))
 
     old = min(reversed(events), key=distance)
     changes = []
@@ -182,13 +171,11 @@ _RETRACE = (
 class TraceLog:
     """The traces of one Hybrid's compiled paths: their events, the budget, the callbacks.
 
-    Every trace goes through :meth:`begin` (which explains it, enforces ``max_traces`` and
-    runs the callbacks with the traced inputs) and, once the model traced without error,
+    Every trace goes through :meth:`begin` and, once the model traced without error,
     :meth:`commit`; a failed trace is neither logged nor counted.
 
     Attributes:
-      name: the Hybrid's name, for messages.
-      max_traces: the budget, or ``None``.
+      name, max_traces: the Hybrid's.
       callbacks: the ``on_trace`` callbacks, shared by the Hybrids ``replace`` makes.
     """
 

@@ -1,12 +1,10 @@
 """What a Hybrid's ``jax.jit`` traces: the model on a partitioned call, every trace logged.
 
 A call reaches the model as ``(static, leaves, ...)``: the static key (Python settings and an
-nnx module's modes, :mod:`~symjax_mlp._hybrid.args`), the flat params, and the traced inputs.
-:class:`TracedModel` rebuilds the call, runs the model with the module settings its key holds,
-and records the trace in the Hybrid's :class:`~symjax_mlp._hybrid.trace.TraceLog` once the model
+nnx module's modes), the flat params, and the traced inputs. :class:`TracedModel` rebuilds the
+call, runs the model with the module settings its key holds, and logs the trace once the model
 traced without error. Its methods are the functions a Hybrid jits: :meth:`stateless`,
-:meth:`stateful` (the held state passed flat and taken back flat) and :meth:`apply` (the pure
-form, which takes the params and state as trees).
+:meth:`stateful` (the held state passed and taken back flat) and :meth:`apply` (trees).
 
 The nnx objects a call is given (an ``nnx.Rngs`` passed to ``__call__``, a ``Variable`` the
 caller owns) come back mutated, as eager nnx leaves them: ``jax.jit`` traces copies of them,
@@ -70,8 +68,7 @@ class TracedModel:
       model: the model, called purely.
       treedef: the params' tree structure (the compiled calls pass them flat).
       constants: the flat params a baked program closes over (XLA constants), or ``None``.
-      held: the Hybrid's held state.
-      log: the Hybrid's trace log.
+      held, log: the Hybrid's held state and trace log.
     """
 
     def __init__(
@@ -132,22 +129,21 @@ class TracedModel:
     def stateful(
         self, static: Any, leaves: list[Any], held: list[Any], dyn: Any, dyn_kw: Any
     ) -> Any:
-        """``h(x)`` of a stateful model: the output and the new state, flat (and the values
-        of the nnx Variables it was given, if any)."""
+        """``h(x)`` of a stateful model: the output, the new state, flat (and the values of
+        given nnx Variables)."""
         state = self.held.unflatten(held)
         out, new_state, *given = self.run(static, leaves, state, dyn, dyn_kw, "call")
         return out, self.held.flatten(new_state), *given
 
     def apply(self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any) -> Any:
-        """``h.apply(params, x)``: the output and the new state, as trees (and the values of
-        the nnx Variables it was given, if any)."""
+        """``h.apply(params, x)``: the output, the new state, as trees (and given values)."""
         return self.run(static, params, state, dyn, dyn_kw, "apply")
 
     def graph(
         self, name: str, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any
     ) -> Graph:
         """The un-jitted model staged on a partitioned call, as a :class:`~symjax_mlp.Graph`
-        (every layer shows; not a trace of the compiled paths, so not logged)."""
+        (not a trace of the compiled paths: not logged)."""
         call = self.model.call
 
         def staged(params: Any, dyn: Any, dyn_kw: Any) -> Any:
