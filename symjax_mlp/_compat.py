@@ -1,12 +1,10 @@
 """Every private JAX, Flax and CPython internal the library uses, each with its public fallback.
 
 A private name may change in any release, so each one lives here, and only here, behind a
-function whose public fallback gives the same results. Each section says what the internal
-is for, what it buys, and what the fallback does. ``tests/test_compat.py`` forces each
+function whose public fallback gives the same results; each section says what the internal is
+for, what it buys, and what the fallback does. :data:`INTERNALS` turns each off (a JAX, Flax
+or Python without it gets the fallback on its own); ``tests/test_compat.py`` forces each
 fallback, checks the results agree, and fails on a private internal named anywhere else.
-
-:data:`INTERNALS` turns each internal off (``False``: the fallback); a JAX, Flax or Python
-without the internal gets the fallback on its own.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-#: Whether each internal is used (``False``: its public fallback); read at each use, except
-#: the GIL check, read once into :data:`GIL`.
+#: Whether each internal is used (``False``: its fallback); read at each use (the GIL's: once).
 INTERNALS: dict[str, bool] = {
     "threefry": True,
     "lapack": True,
@@ -36,14 +33,13 @@ INTERNALS: dict[str, bool] = {
 
 # -- 1. threefry, unrolled on CPU in a Hybrid's programs ------------------------------------
 # For: on CPU JAX lowers threefry2x32 (its default PRNG's hash) as a rolled `while` loop,
-# which XLA's CPU runtime runs step by step; on GPU and TPU it lowers the rounds unrolled.
-# Buys: a Hybrid's program with dropout draws runs and compiles faster; the bits are the same.
-# Internal: jax._src.random's two lowering rules (there is no public way to choose one).
-# Fallback: nothing installed; threefry lowers as JAX does by default.
+# run step by step; on GPU and TPU unrolled. Buys: dropout draws run and compile faster in a
+# Hybrid's program; the bits are the same.
+# Internal: jax._src.random's two lowering rules (no public way to choose one). Fallback:
+# nothing installed; threefry lowers as JAX does by default.
 def install_unrolled_threefry(suffix: str) -> bool:
-    """Registers a CPU lowering of ``threefry2x32`` that unrolls it in modules named
-    ``*<suffix>`` (a Hybrid's programs) and lowers every other module as JAX does. Returns
-    whether it was installed."""
+    """Registers a CPU lowering of ``threefry2x32``, unrolled in modules named ``*<suffix>``
+    (a Hybrid's programs), as JAX has it elsewhere; returns whether it was installed."""
     try:
         from jax._src.random import threefry2x32 as threefry
         from jax.extend.random import threefry2x32_p
@@ -65,19 +61,17 @@ def install_unrolled_threefry(suffix: str) -> bool:
 
 
 # -- 2. JAX's LAPACK set-up, skipped for a module that calls no LAPACK kernel ---------------
-# For: before JAX lowers an exported CPU module it sets up its LAPACK kernels, which imports
-# scipy.linalg, paid even by a module that calls none of them.
-# Buys: loading and running such an artifact never imports scipy.linalg: a shorter cold start.
-# Internal: jax._src.lax.linalg.initialize_lapack, wrapped (JAX calls it by name), and the
-# kernels' names from jax._src.lib.lapack.
-# Fallback: the set-up runs for every module, as JAX does by default.
+# For: before JAX lowers an exported CPU module it sets up its LAPACK kernels (importing
+# scipy.linalg), paid even by a module that calls none. Buys: a shorter cold start for those.
+# Internal: jax._src.lax.linalg.initialize_lapack, wrapped (JAX calls it by name), and
+# jax._src.lib.lapack's kernel names. Fallback: the set-up runs for every module, as in JAX.
 _LAPACK = threading.local()  # .skip: this thread compiles a module that calls no LAPACK
 
 
 @functools.cache
 def lapack_kernels() -> frozenset[str] | None:
-    """The custom-call targets of JAX's LAPACK kernels, with the set-up made skippable
-    (:func:`skipping_lapack`); ``None`` where this JAX lacks the pieces."""
+    """The custom-call targets of JAX's LAPACK kernels, its set-up made skippable; ``None``
+    where this JAX lacks the pieces."""
     try:  # jax 0.10: _ensure_backends_initialized calls linalg.initialize_lapack by name
         from jax._src.lax import linalg
         from jax._src.lib import lapack
@@ -97,9 +91,8 @@ def lapack_kernels() -> frozenset[str] | None:
 
 @contextlib.contextmanager
 def skipping_lapack(custom_calls: Any) -> Iterator[None]:
-    """Within the block, this thread skips JAX's LAPACK set-up if ``custom_calls`` (a
-    module's custom-call targets) include none of its kernels; ``None`` (unknown): as the
-    enclosing block has it."""
+    """Within the block, this thread skips JAX's LAPACK set-up if ``custom_calls`` (a module's
+    targets) include none of its kernels; ``None`` (unknown): as the enclosing block has it."""
     if custom_calls is None:
         yield
         return
@@ -113,29 +106,25 @@ def skipping_lapack(custom_calls: Any) -> Iterator[None]:
 
 
 # -- 3. an export without this machine's source locations ----------------------------------
-# For: jax.export writes the Python source location of every op (file paths of this machine)
-# into the module.
-# Buys: the same model exports to the same bytes anywhere (reproducible artifacts, equal
-# checksums), and no local paths leak into a shipped file.
-# Internal: jax._src.config.traceback_in_locations_limit, the scoped (thread-local) form of the
-# jax_traceback_in_locations_limit flag; jax.config.update would change it for every thread.
+# For: jax.export writes the Python source location (this machine's paths) of every op into
+# the module. Buys: the same model exports to the same bytes anywhere, leaking no local paths.
+# Internal: jax._src.config.traceback_in_locations_limit, the flag's scoped (thread-local)
+# form (jax.config.update would change it for every thread).
 # Fallback: the locations stay in the module; it computes the same.
 def without_source_locations() -> contextlib.AbstractContextManager:
     """A block whose exports carry no Python source locations (where this JAX allows)."""
     limit = None
     if INTERNALS["source_locations"]:
-        try:
+        with contextlib.suppress(ImportError):
             from jax._src import config
 
             limit = getattr(config, "traceback_in_locations_limit", None)
-        except ImportError:
-            pass
     return limit(0) if limit is not None else contextlib.nullcontext()
 
 
 # -- 4. whether JAX's backend has started ---------------------------------------------------
-# For: latency_mode() sets a flag JAX reads only when its CPU backend starts.
-# Buys: a call made too late is an error that says so, instead of a setting silently ignored.
+# For: latency_mode() sets a flag JAX reads only when its CPU backend starts. Buys: a call
+# made too late is an error that says so, not a setting silently ignored.
 # Internal: jax._src.xla_bridge.backends_are_initialized (no public equivalent in jax 0.10).
 # Fallback: ``None`` (unknown): the flag is set, as before any JAX computation.
 def backend_started() -> bool | None:
@@ -152,9 +141,8 @@ def backend_started() -> bool | None:
 
 # -- 5. an nnx module's layers, named in its programs ---------------------------------------
 # For: linen runs each submodule under its name, so jaxprs and HLO op names show the layers;
-# nnx does not. A subclass whose __call__ opens jax.named_scope of the attribute path is
-# swapped into the objects (their __class__) for the block only, on a module private to it.
-# Buys: Graph.by_layer and the HLO op names show an nnx model's layers, as a linen model's.
+# nnx does not. Buys: the same for nnx: a subclass whose __call__ opens jax.named_scope of the
+# attribute path is swapped into the objects (their __class__) for the block only.
 # Internal: assigning __class__ (CPython), and nnx's Module class keyword ``pytree`` read from
 # the private ``_pytree__is_pytree`` (the subclass must register as its base does).
 # Fallback: no scopes: the same program, its ops not grouped by layer.
@@ -167,12 +155,10 @@ _SCOPED_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def layer_scopes(module: Any) -> Iterator[None]:
-    """Within the block, each submodule of the nnx ``module`` runs its ``__call__`` under
-    ``jax.named_scope`` of its attribute path (``"hidden/0"``), relative to its caller's.
-
-    ``module`` must be private to the caller (a fresh ``nnx.merge``). The user's classes are
-    never changed, and concurrent blocks on other modules do not see each other's scopes.
-    """
+    """Within the block, each submodule of the nnx ``module`` (a fresh ``nnx.merge``, private
+    to the caller) runs its ``__call__`` under ``jax.named_scope`` of its attribute path
+    (``"hidden/0"``) relative to its caller's; the user's classes are never changed, and
+    concurrent blocks on other modules do not see each other's scopes."""
     if not INTERNALS["layer_scopes"]:
         yield
         return
@@ -197,8 +183,8 @@ def layer_scopes(module: Any) -> Iterator[None]:
 
 
 def _scoped(cls: type) -> type:
-    """The subclass of ``cls`` whose ``__call__`` runs under its instance's named scope: one
-    per class, created once (nnx registers every Module class as a graph node and pytree)."""
+    """The subclass of ``cls`` whose ``__call__`` runs under its instance's named scope, one
+    per class (nnx registers every Module class as a graph node and pytree)."""
     import jax
 
     with _SCOPED_LOCK:
@@ -220,9 +206,8 @@ def _scoped(cls: type) -> type:
                     _CALLER.reset(token)
 
             namespace = {"__call__": __call__, "__module__": cls.__module__}
-            kwargs = {}
-            if hasattr(cls, "_pytree__is_pytree"):
-                kwargs["pytree"] = cls._pytree__is_pytree
+            pytree = getattr(cls, "_pytree__is_pytree", None)
+            kwargs = {} if pytree is None else {"pytree": pytree}
             _SCOPED[cls] = type(cls)(cls.__name__, (cls,), namespace, **kwargs)
             _SCOPED[cls].__qualname__ = cls.__qualname__
         return _SCOPED[cls]
@@ -230,8 +215,7 @@ def _scoped(cls: type) -> type:
 
 # -- 6. whether the GIL is on ----------------------------------------------------------------
 # For: the batcher reads a future's state, and hands back its lane's token, without a lock
-# where the GIL makes those reads and appends atomic.
-# Buys: one lock acquire fewer per request on a GIL build.
+# where the GIL makes those atomic. Buys: one lock acquire fewer per request on a GIL build.
 # Internal: sys._is_gil_enabled (CPython 3.13+; absent before, where the GIL is always on).
 # Fallback: ``False``: every such read takes the lock (right on any build).
 def gil_enabled() -> bool:
@@ -242,43 +226,33 @@ def gil_enabled() -> bool:
     return True if check is None else bool(check())
 
 
-#: :func:`gil_enabled` at import (read on hot paths: set it ``False`` to take the locks)
+#: :func:`gil_enabled` at import, read on hot paths
 GIL = gil_enabled()
 
 
 # -- 7. futures settled a batch at a time ----------------------------------------------------
-# For: a batcher makes a Future per request and settles a whole batch at once; CPython's
-# Future makes a Condition (and an RLock) per future and takes it per change.
-# Buys: a batch's futures share one lock (no Condition per request), a batch is settled under
-# one acquire, and only the callers blocked on a future are woken for it.
+# For: a batcher makes a Future per request and settles a batch at once; CPython's Future
+# makes a Condition (and an RLock) per future. Buys: a batch's futures share one lock, are
+# settled under one acquire, and only the callers blocked on a future are woken for it.
 # Internal: Future's fields (_state, _result, _exception, _condition, _waiters,
 # _done_callbacks, _invoke_callbacks) and its states from concurrent.futures._base.
-# Fallback: each a plain Future (its own Condition), started with
-# set_running_or_notify_cancel() and settled with set_result()/set_exception(), one at a time.
+# Fallback: each a plain Future, started and settled one at a time by its public methods.
 try:
-    from concurrent.futures._base import (
-        CANCELLED,
-        CANCELLED_AND_NOTIFIED,
-        FINISHED,
-        PENDING,
-        RUNNING,
-    )
+    from concurrent.futures import _base
 
+    PENDING, RUNNING, FINISHED = _base.PENDING, _base.RUNNING, _base.FINISHED
+    CANCELLED, CANCELLED_AND_NOTIFIED = _base.CANCELLED, _base.CANCELLED_AND_NOTIFIED
     _FUTURE_STATES = True
-except ImportError:  # pragma: no cover - another Python's layout: the fallback
+except (ImportError, AttributeError):  # pragma: no cover - another Python's layout
     CANCELLED = CANCELLED_AND_NOTIFIED = FINISHED = PENDING = RUNNING = ""
     _FUTURE_STATES = False
 _DONE = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
 
 
 class SharedLockFuture(concurrent.futures.Future):
-    """A ``concurrent.futures.Future`` whose lock is shared by a batch's futures.
-
-    It works wherever a ``concurrent.futures.Future`` does (``wait``, ``as_completed``,
-    ``asyncio.wrap_future``). Start and settle a batch of them with :func:`start_future`,
-    :func:`finish_futures` and :func:`after_finish`. With :data:`INTERNALS` ``["futures"]``
-    off it is a plain Future.
-    """
+    """A ``concurrent.futures.Future`` (for ``wait``, ``as_completed``, ``asyncio``) whose lock
+    is shared by a batch's futures, started and settled with :func:`start_future`,
+    :func:`finish_futures` and :func:`after_finish`; a plain Future with the internal off."""
 
     # The fields Future's methods read, as class defaults: a request sets only what changes.
     _state = PENDING
@@ -360,8 +334,8 @@ class SharedLockFuture(concurrent.futures.Future):
 
 
 def start_future(f: SharedLockFuture) -> bool:
-    """Marks a queued future running, as ``set_running_or_notify_cancel()`` does; ``False``
-    (and ``wait()`` told) if it was cancelled. A shared future's lock must be held."""
+    """``set_running_or_notify_cancel()`` (a shared future's lock held): ``False`` if it was
+    cancelled."""
     if not f._shared:
         return f.set_running_or_notify_cancel()
     if f._state != PENDING:  # cancelled while queued
@@ -377,8 +351,8 @@ def start_future(f: SharedLockFuture) -> bool:
 def finish_futures(
     futures: list[SharedLockFuture], results: list[Any] | None, error: BaseException | None
 ) -> None:
-    """Settles the shared ones of started ``futures`` (their lock held): each with its
-    result (``results[i]``), or all with ``error``. Call :func:`after_finish` after the lock."""
+    """Settles the shared ones of started ``futures`` (their lock held), each with its result
+    or all with ``error``; then call :func:`after_finish`, outside the lock."""
     for i, f in enumerate(futures):
         if f._shared:
             _finish(f, None if error is not None else results[i], error)
@@ -390,10 +364,9 @@ _FUTURES_LOG = logging.getLogger("concurrent.futures")  # where Future logs its 
 def after_finish(
     futures: list[SharedLockFuture], results: list[Any] | None, error: BaseException | None
 ) -> None:
-    """Outside the lock: the shared futures' done callbacks; the others settled here, with
-    ``set_result``/``set_exception``, one by one. A callback that raises is logged, as
-    ``Future`` logs an ``Exception``, and so is a ``BaseException`` (which ``Future`` lets
-    out): the other callbacks and futures of the batch still run and settle."""
+    """Outside the lock: the shared futures' done callbacks, the others settled one by one. A
+    callback that raises (a ``BaseException`` too, which ``Future`` lets out) is logged: the
+    batch's other callbacks and futures still run and settle."""
     for i, f in enumerate(futures):
         try:
             if f._shared:
