@@ -124,10 +124,9 @@ class HybridConcurrent(nn.Module):
 def mlp(
     sizes: Sequence[int], *, activation: str | None = "relu", dtype: jnp.dtype | None = None
 ) -> HybridSequential:
-    """Builds a multilayer perceptron: ``Dense`` layers of ``sizes``, ``activation`` between.
-
-    The last layer has no activation. ``mlp((256, 128, 2))`` is the chapter's network
-    (512 → 256 → 128 → 2 with ReLU; the input width comes from the data at ``init``).
+    """Builds a multilayer perceptron: ``Dense`` layers of ``sizes``, ``activation`` between
+    (none after the last). ``mlp((256, 128, 2))`` is the chapter's network (512 → 256 → 128 →
+    2 with ReLU; the input width comes from the data at ``init``).
 
     Args:
       sizes: output width of each layer, at least one positive int.
@@ -163,5 +162,5 @@ def mlp(
 
 
 def _width(n: Any) -> bool:
-    """A layer width: a positive int (a NumPy int too), not a bool."""
+    """A positive int (a NumPy int too), not a bool."""
     return isinstance(n, numbers.Integral) and not isinstance(n, bool | np.bool_) and n > 0

@@ -50,11 +50,9 @@ def shape_dims(shape: Sequence[Any]) -> tuple[int | str, ...]:
 
 
 def array_types() -> frozenset[type]:
-    """The concrete array types (NumPy's, JAX's) a hot path may take as they are, with no
-    check beyond a remembered ``(shape, dtype)``: ``np.ndarray`` and every class below
-    ``jax.Array`` (a tracer is not one; its type is registered, not derived). Found without
-    creating an array, which would start JAX's backend (imports JAX: call it where JAX is
-    imported anyway)."""
+    """The concrete array types a hot path may take as they are: ``np.ndarray`` and every class
+    below ``jax.Array`` (a tracer is not one), found without creating an array (which would
+    start JAX's backend). Imports JAX: call it where JAX is imported anyway."""
     import jax
     import numpy as np
 

@@ -2,14 +2,10 @@
 
 :func:`timeit` times a :class:`~symjax_mlp.Hybrid` or a :class:`~symjax_mlp.LoadedModel` on
 your inputs, and beside it the floor: the same function compiled ahead of time
-(``jax.jit(f).lower(...).compile()``) and called directly. What lies between the two is what
-the wrapper costs a call.
-
-Each is timed *synced* (every call waited for: what a lone request costs) and *pipelined*
-(one wait per repeat, the next call dispatched while one runs). After a warm-up the four rows
-take turns, the order rotating each repeat, so that noise lands on all of them alike; each
-figure is seconds per call, one per repeat (read the min for the cost, the median for the
-noise). ``symjax-mlp bench DIR`` runs it on an artifact.
+(``jax.jit(f).lower(...).compile()``) and called directly; between the two is what the wrapper
+costs a call. Each is timed *synced* (every call waited for: what a lone request costs) and
+*pipelined* (one wait per repeat). After a warm-up the four rows take turns, the order rotating
+each repeat, so that noise lands on all alike. ``symjax-mlp bench DIR`` runs it on an artifact.
 """
 
 from __future__ import annotations
@@ -31,17 +27,16 @@ _BAD_ROW = "CallTiming.{what}({row!r}): the rows are {rows}."
 
 @dataclasses.dataclass(frozen=True)
 class CallTiming:
-    """Seconds per call of a model and of its AOT-compiled floor, one figure per repeat.
+    """Seconds per call of a model and of its AOT-compiled floor, one figure per repeat (read
+    the min for the cost, the median for the noise).
 
     Attributes:
       name: what was timed (the Hybrid's name, or the artifact's path).
       calls: calls per repeat.
-      dispatch: JAX's CPU dispatch in this process, ``"async"`` (JAX's default) or ``"sync"``
+      dispatch: JAX's CPU dispatch, ``"async"`` (JAX's default) or ``"sync"``
         (:func:`symjax_mlp.serving.latency_mode`): it decides what a synced call costs.
-      synced: the model, every call waited for.
-      pipelined: the model, one wait per repeat.
-      compiled_synced, compiled_pipelined: the same for the floor, the ``jax.stages.Compiled``
-        of the same function called directly.
+      synced, pipelined: the model, every call waited for, or one wait per repeat.
+      compiled_synced, compiled_pipelined: the same for the floor.
 
     Example:
       >>> t = CallTiming("h", 10, "async", (2e-6,), (1e-6,), (1e-6,), (1e-6,))
@@ -194,15 +189,14 @@ def timeit(
     """Times ``model(*args)`` against its floor: the same function, AOT-compiled, called bare.
 
     For a :class:`~symjax_mlp.Hybrid` the floor is ``jax.jit`` of its :attr:`fn` on its
-    variables (as constants when the Hybrid holds its params as constants); for a
-    :class:`~symjax_mlp.LoadedModel` it is the artifact's exported program run in JAX,
-    whichever runtime ``model`` uses. The inputs are placed on the device first: what is
-    timed is the call, not the copy.
+    variables (as constants if the Hybrid holds its params so); for a
+    :class:`~symjax_mlp.LoadedModel`, the artifact's exported program run in JAX. The inputs
+    are placed on the device first: what is timed is the call, not the copy.
 
     Args:
       model: a Hybrid (unsharded) or a LoadedModel (of one device).
-      *args: the inputs (positional arrays), as you would call ``model``; for a LoadedModel
-        they may be left out, and are drawn for its signature (normal floats).
+      *args: the inputs, as you would call ``model``; for a LoadedModel they may be left out,
+        and are drawn for its signature (normal floats).
       batch: the size of every symbolic dimension of the drawn inputs.
       calls: calls per repeat.
       repeats: repeats of each row (5 or more give a min and a median worth reading).
@@ -212,9 +206,8 @@ def timeit(
       A :class:`CallTiming`; ``print()`` it for a table.
 
     Raises:
-      ConfigError: ``calls``, ``repeats``, ``warmup`` or ``batch`` below 1, a sharded model,
-        not a Hybrid or LoadedModel, or no inputs for a Hybrid (or for an artifact whose
-        inputs are not numbers).
+      ConfigError: a count below 1, a sharded model, neither a Hybrid nor a LoadedModel, or
+        no inputs for a Hybrid (or for an artifact whose inputs are not numbers).
       SignatureError: ``args`` do not fit the artifact's signature.
 
     Example:

@@ -126,24 +126,14 @@ def export_mlp(
     overwrite: bool = False,
 ) -> Artifact:
     """Exports the chapter's MLP (``mlp(sizes)`` on ``in_features`` inputs, initialised from
-    ``seed``): what ``symjax-mlp export`` runs.
-
-    Args:
-      batch: a name for a symbolic batch dimension, or an int for a static batch size.
-      Others: as in :func:`~symjax_mlp.mlp` and :func:`~symjax_mlp.export`.
-    """
+    ``seed``), what ``symjax-mlp export`` runs; ``batch``: a name for a symbolic batch dimension,
+    or an int for a static one; the others as :func:`~symjax_mlp.export` takes them."""
     static = isinstance(batch, int) and not isinstance(batch, bool)
     x = jax.numpy.zeros((batch if static else 1, in_features), jax.numpy.float32)
     net = mlp(tuple(sizes), activation=activation)
     h = hybridize(net, net.init(jax.random.key(seed), x))
-    return export(
-        h,
-        path,
-        example=x,
-        batch=None if static else batch,
-        platforms=platforms,
-        overwrite=overwrite,
-    )
+    batch = None if static else batch
+    return export(h, path, example=x, batch=batch, platforms=platforms, overwrite=overwrite)
 
 
 def tour(*, calls: int = 1000, print: Callable[..., None] = print) -> None:

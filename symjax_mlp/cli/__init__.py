@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from symjax_mlp.cli import _args, _run, _serve, _train
-from symjax_mlp.cli._args import add_json, batch, positive, sizes
+from symjax_mlp.cli._args import add_json, batch, keywords, positive, sizes
 from symjax_mlp.cli._args import emit_json as _emit_json
 from symjax_mlp.cli._args import subcommand as _parser
 
@@ -75,15 +75,7 @@ def _add_graph(sub: argparse._SubParsersAction) -> None:
 def _run_graph(args: argparse.Namespace) -> int:
     from symjax_mlp.chapter import describe_mlp
 
-    print(
-        describe_mlp(
-            args.sizes,
-            in_features=args.in_features,
-            batch=args.batch,
-            activation=args.activation,
-            format=args.format,
-        )
-    )
+    print(describe_mlp(args.sizes, **keywords(args, "in_features batch activation format")))
     return 0
 
 
@@ -104,16 +96,9 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     from symjax_mlp.chapter import export_mlp
 
-    art = export_mlp(
-        args.path,
-        sizes=args.sizes,
-        in_features=args.in_features,
-        activation=args.activation,
-        seed=args.seed,
-        batch=args.batch,
-        platforms=tuple(p for p in args.platforms.split(",") if p),
-        overwrite=args.overwrite,
-    )
+    platforms = tuple(p for p in args.platforms.split(",") if p)
+    options = keywords(args, "sizes in_features activation seed batch overwrite")
+    art = export_mlp(args.path, platforms=platforms, **options)
     print(f"exported {art.path}: {art.signature}; platforms {', '.join(art.platforms)}")
     return 0
 
@@ -143,8 +128,8 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--batches", type=_args.int_list("--batches"), default=(1, 7, 128), help="e.g. 1,7,128"
     )
-    p.add_argument("--rtol", type=_args.non_negative_float("--rtol"), default=1e-5)
-    p.add_argument("--atol", type=_args.non_negative_float("--atol"), default=1e-5)
+    p.add_argument("--rtol", type=positive("--rtol", float, zero=True), default=1e-5)
+    p.add_argument("--atol", type=positive("--atol", float, zero=True), default=1e-5)
     _args.add_trust_options(p)
     add_json(p, "the report")
     p.set_defaults(handler=_run_verify)

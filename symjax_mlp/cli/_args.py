@@ -54,30 +54,17 @@ def int_list(option: str) -> Callable[[str], tuple[int, ...]]:
 sizes = int_list("--sizes")
 
 
-def positive(option: str, kind: type = int) -> Callable[[str], int | float]:
-    """An int (or float) > 0 for ``option``."""
+def positive(option: str, kind: type = int, *, zero: bool = False) -> Callable[[str], Any]:
+    """An int (or float) > 0 for ``option``; ``zero``: a float >= 0 (not NaN)."""
 
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or value <= 0:
-            what = "an int >= 1" if kind is int else "a number > 0"
+        if value is None or (not value >= 0 if zero else value <= 0):
+            what = "an int >= 1" if kind is int else f"a number {'>=' if zero else '>'} 0"
             raise argparse.ArgumentTypeError(f"{option} must be {what}; got {text!r}")
-        return value
-
-    return parse
-
-
-def non_negative_float(option: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not value >= 0:
-            raise argparse.ArgumentTypeError(f"{option} must be a number >= 0; got {text!r}")
         return value
 
     return parse
@@ -156,6 +143,11 @@ def add_trust_options(p: argparse.ArgumentParser) -> None:
         help="skip the program checks, as load(trust=True): only for artifacts you made",
     )
     p.add_argument("--key", help="a PEM public key: refuse unless every file is signed by it")
+
+
+def keywords(args: argparse.Namespace, names: str) -> dict[str, Any]:
+    """The options ``names`` (space-separated) as the library keywords they are named after."""
+    return {name: getattr(args, name) for name in names.split()}
 
 
 def load_options(args: argparse.Namespace) -> dict:

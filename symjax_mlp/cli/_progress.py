@@ -35,26 +35,19 @@ def epochs_progress(epochs: int, *, quiet: bool) -> Iterator[Callable[[Any], Non
 
         yield plain
         return
+    from rich import progress as rp
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     columns = (
-        TextColumn("epoch"),
-        MofNCompleteColumn(),
-        BarColumn(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        TextColumn("{task.description}"),
+        rp.TextColumn("epoch"),
+        rp.MofNCompleteColumn(),
+        rp.BarColumn(),
+        rp.TimeElapsedColumn(),
+        rp.TextColumn("ETA"),
+        rp.TimeRemainingColumn(),
+        rp.TextColumn("{task.description}"),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+    with rp.Progress(*columns, console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task("", total=epochs)
 
         def update(r: Any) -> None:

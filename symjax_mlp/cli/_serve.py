@@ -14,7 +14,13 @@ from __future__ import annotations
 import argparse
 import gc
 
-from symjax_mlp.cli._args import add_trust_options, load_options, positive
+from symjax_mlp.cli._args import add_trust_options, keywords, load_options, positive
+
+#: the options passed to :func:`~symjax_mlp.serving.serve` under their own names
+_SERVE = (
+    "host port runtime max_batch max_queue max_body_bytes body_timeout max_inflight_bytes "
+    "max_connections log_level entry params_as_constants"
+)
 
 
 def _port(text: str) -> int:
@@ -108,22 +114,6 @@ def run(args: argparse.Namespace) -> int:
         gc.freeze()  # loaded and compiled: see the module's docstring
         say(url)
 
-    serve(
-        args.path,
-        host=args.host,
-        port=args.port,
-        runtime=args.runtime,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes,
-        body_timeout=args.body_timeout,
-        max_inflight_bytes=args.max_inflight_bytes,
-        max_connections=args.max_connections,
-        log_level=args.log_level,
-        ready=ready,
-        entry=args.entry,
-        params_as_constants=args.params_as_constants,
-        **load_options(args),
-    )
+    serve(args.path, ready=ready, **keywords(args, _SERVE), **load_options(args))
     print("symjax-mlp serve: shut down cleanly", flush=True)
     return 0

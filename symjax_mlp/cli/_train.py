@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from symjax_mlp.cli import _args
 from symjax_mlp.cli._args import add_json, emit_json, positive, sizes, subcommand, writable
 
 
@@ -50,18 +51,9 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not args.checkpoint:
         raise argparse.ArgumentTypeError("--resume needs --checkpoint DIR, the directory to use")
     with epochs_progress(args.epochs, quiet=args.quiet) as on_epoch:
-        result = train(
-            mlp(args.sizes),
-            learning_rate=args.learning_rate,
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            compiled=not args.eager,
-            checkpoint=args.checkpoint,
-            checkpoint_every=args.checkpoint_every,
-            resume=args.resume,
-            on_epoch=on_epoch,
-        )
+        options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume"
+        keyed = _args.keywords(args, options)
+        result = train(mlp(args.sizes), compiled=not args.eager, on_epoch=on_epoch, **keyed)
     if args.json:
         emit_json(result.to_dict(), args.json)
     if args.export:
