@@ -3,8 +3,7 @@
 A call checks its inputs against the artifact's signature once per (shape, dtype) and runs
 the program a runtime prepared (:mod:`symjax_mlp._runtimes`); a failure of that program is an
 ``ArtifactError`` naming the artifact, and an error of the caller's own tracing passes through.
-JAX transforms (``jax.jit``, ``jax.vmap``, ``jax.grad``, ``jax.lax.map``/``scan``) reach the
-JAX runtime's program, which has rules for each (``symjax_mlp._runtimes.jax._Program``).
+JAX's transforms reach the JAX runtime's program (:mod:`symjax_mlp._runtimes.transforms`).
 Another entry point of the same artifact opens on first use, through the opener
 :mod:`symjax_mlp._load` hands it.
 """
@@ -28,6 +27,7 @@ from symjax_mlp._artifact.format import (
 )  # fmt: skip
 from symjax_mlp._artifact.signature import Signature, is_array
 from symjax_mlp._errors import ConfigError, SymjaxError
+from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._selftest import run_failed
 from symjax_mlp._specs import array_types
 
@@ -65,18 +65,13 @@ class LoadedModel:
     as well as ``ArtifactError``. ``load`` waits for its self-test's results, so a failure
     there is always an ``ArtifactError``.
 
-    It is a JAX function (JAX runtime): ``jax.jit``, ``jax.lax.map``, ``jax.lax.scan`` and a
-    Hybrid's function may call it. ``jax.grad`` needs an export with ``vjp_order=1`` (a
-    :class:`~symjax_mlp.SymjaxError` says so otherwise). ``jax.vmap(m)(xs)`` treats each
-    mapped element as a whole batch (``xs``: ``(n, b, ...)`` for inputs ``(b, ...)``; any
-    ``in_axes``/``out_axes``, nested too): the mapped axis joins the batch and the program
-    runs once, compiling once per merged shape. That is only right for a program whose rows
-    do not see each other, which export decides from its jaxpr and records (``rows`` in the
-    manifest, :mod:`symjax_mlp._rows`); vmap over another one (batch statistics, a sort
-    along the batch), over an input without the batch dimension, or over an artifact from
-    before that record, is a ``SymjaxError`` saying why (``jax.lax.map(m, xs)`` maps the
-    calls one by one). A per-example ``jax.vmap`` (``xs``: ``(n, ...)``) is the batch
-    itself: call ``m(xs)``.
+    A JAX function (JAX runtime): ``jax.jit``, ``jax.lax.map``/``scan`` and a Hybrid call it;
+    ``jax.grad`` needs ``export(..., vjp_order=1)``. ``jax.vmap(m)(xs)`` maps whole batches
+    (``xs``: ``(n, b, ...)`` for inputs ``(b, ...)``; any axes, nested too) by merging the
+    mapped axis into the batch: one program run, one compile per merged shape. Export
+    records whether rows stay apart (``manifest["rows"]``, :mod:`symjax_mlp._rows`); where
+    not (batch statistics), or where unrecorded (an older export), vmap is a ``SymjaxError``
+    with the reason (``jax.lax.map(m, xs)`` maps one batch at a time).
 
     An artifact exported with several entry points (``export({"predict": h, "embed": e},
     ...)``) loads as its default (first) one; ``m["embed"]`` is another, over the same
@@ -164,7 +159,7 @@ class LoadedModel:
         except SymjaxError:
             raise
         except Exception as e:  # the program failed: XLA, IREE or jax.export raised
-            if _is_tracer_error(e):
+            if isinstance(e, (*TRACER_ERRORS, jax.errors.UnexpectedTracerError)):
                 raise  # the caller's own jax.jit code, not the artifact
             raise run_failed(self._caller, self._file, e, inputs) from e
 
@@ -178,15 +173,3 @@ def _read_only(a: Any) -> np.ndarray:
         out = out.view()
         out.flags.writeable = False
     return out
-
-
-def _is_tracer_error(e: Exception) -> bool:
-    """An error of the caller's own tracing (``jax.jit`` of code around the model)."""
-    tracer_errors = (
-        jax.errors.ConcretizationTypeError,
-        jax.errors.UnexpectedTracerError,
-        jax.errors.TracerArrayConversionError,
-        jax.errors.TracerBoolConversionError,
-        jax.errors.TracerIntegerConversionError,
-    )
-    return isinstance(e, tracer_errors)

@@ -1,20 +1,19 @@
 """Row independence: whether an exported function keeps the rows of its batch apart.
 
-``jax.vmap`` over a loaded model merges the mapped axis into the artifact's symbolic batch
-dimension and runs the program once (:mod:`symjax_mlp._runtimes.jax`). That is right only if
-row i of each output depends on row i of the inputs alone: not for a model that normalises
-over its batch, sorts or accumulates along it, or reads its size.
+``jax.vmap`` over a loaded model merges the mapped axis into the batch dimension and runs the
+program once (:mod:`symjax_mlp._runtimes.transforms`): right only if row i of each output
+depends on row i of the inputs alone, not for a model that normalises over its batch, sorts
+or accumulates along it, or reads its size.
 
-:func:`verdict` decides it at export, from the function's jaxpr, and never guesses: each
-value's symbolic shape says which axis holds the batch dimension (by name). An equation that
-keeps that axis whole passes (elementwise ops, ``dot_general``, reductions over other axes,
-``reshape``/``transpose``/``broadcast_in_dim`` that move it whole, a convolution with it as its
-batch, calls such as ``jit`` and ``custom_jvp_call``, whose equations are checked in turn).
-One that drops, reorders or mixes it, or that makes it from nothing (``iota`` along it, the
-batch size as a value), decides "not independent", as does any primitive this module does
-not know, with the primitive and its layer as the reason. The manifest records the verdict
-per entry point (``rows``); load reads it, and an artifact without one (an older export)
-refuses ``jax.vmap`` until it is exported again.
+:func:`verdict` decides it at export from the jaxpr, conservatively: each value's symbolic
+shape says which axis holds the batch dimension (by name). An equation that keeps that axis
+whole passes (elementwise ops, ``dot_general``, reductions over other axes, ``reshape`` and
+``transpose`` that move it whole, a convolution over it as its batch, calls such as ``jit``,
+whose equations are checked in turn); one that drops, reorders or mixes it, makes it from
+nothing (``iota`` along it, the batch size as a value), or that this module does not know,
+decides "not independent", naming the primitive and its layer. The manifest records the
+verdict per entry point (``rows``); load only reads it, and an artifact without one refuses
+``jax.vmap`` until exported again.
 """
 
 from __future__ import annotations

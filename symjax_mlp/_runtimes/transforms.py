@@ -1,0 +1,205 @@
+"""The exported program under JAX's transforms: what ``jax.grad`` and ``jax.vmap`` of a
+loaded model run (:class:`Program`), and the module the guard checks for each call
+(:func:`refined`).
+
+``Exported.call`` has no batching rule (an open request in JAX), so ``jax.vmap`` of it fails.
+Here ``jax.custom_batching.custom_vmap`` gives it one: each mapped input's axis moves next to
+its batch dimension and the two merge into one batch (``(n, b, ...)`` to ``(n * b, ...)``;
+an unmapped input with a batch dimension is broadcast first), the program runs once on it
+through the same ``jax.jit`` as every call (one compile per merged shape) and the outputs
+split back. Nested vmaps merge in turn. It is right only where rows stay apart, which export
+recorded (``rows``, :mod:`symjax_mlp._rows`); the rule reads it and refuses otherwise. A
+``custom_vjp`` around it runs the VJP module for ``jax.grad``, checked first (each order),
+and mapped one element at a time under ``jax.vmap`` (its parameter cotangents sum over rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_batching import custom_vmap
+
+from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
+from symjax_mlp._compat import skipping_lapack
+from symjax_mlp._errors import ArtifactError, SymjaxError
+
+
+def refined(
+    path: Path, manifest: Mapping[str, Any], fn: Any, args: Sequence[Any], *,
+    module: str = "the module", custom_calls: Any = None,
+) -> Any:  # fmt: skip
+    """The StableHLO XLA would compile for ``jax.jit(fn)(*args)`` (``args``: arrays or
+    ``jax.ShapeDtypeStruct``): lowered, every shape refined to ``args``', with its MLIR
+    context. ``module`` names what ``fn`` calls, for messages; ``custom_calls``, where
+    known, the targets it calls (:func:`~symjax_mlp._compat.skipping_lapack`)."""
+    import io
+
+    import jax.extend.mlir as jex
+    from jax.interpreters import mlir as jax_mlir
+
+    lowered = fn if hasattr(fn, "lower") else jax.jit(fn)
+    shapes = [tuple(a.shape) for a in args if not isinstance(a, Mapping)]  # not the params
+    try:
+        with skipping_lapack(custom_calls):
+            ir_module = lowered.lower(*args).compiler_ir("stablehlo")
+        buffer = io.BytesIO()
+        ir_module.operation.write_bytecode(buffer)
+        refined_bytes = jex.refine_polymorphic_shapes(
+            buffer.getvalue(),
+            enable_shape_assertions=True,
+            validate_static_shapes=True,
+            enable_shardy=jax.config.jax_use_shardy_partitioner,
+        )
+    except Exception as e:  # MLIR raises plain exceptions; jax.export ValueErrors
+        raise ArtifactError(
+            f"{path / program_file(manifest, JAXEXPORT)}: the shapes of {module} cannot be "
+            f"resolved for inputs {shapes} ({type(e).__name__}: {str(e)[:300]})."
+        ) from e
+    context = jax_mlir.make_ir_context()
+    with context:
+        return jax_mlir.ir.Module.parse(refined_bytes), context
+
+
+_NO_VJP = (
+    "{caller}: jax.grad of the loaded model runs the artifact's VJP module of order {order}, "
+    "and it was exported without one (vjp_order={have}). Export it again with "
+    "vjp_order={order}: sm.export(h, path, example=x, vjp_order={order})."
+)
+_NO_VMAP = (
+    "{caller}: jax.vmap over the loaded model merges the mapped axis into the artifact's batch "
+    "and runs the program once, which is right only for a program that keeps rows apart; "
+    "{why}. Map the calls one by one instead: jax.lax.map(m, xs)."
+)
+_UNBATCHED = (
+    "{caller}: jax.vmap maps over {path}, which has no batch dimension {dim} in the artifact "
+    "({spec}), so its rows cannot join the batch. Pass it unmapped (in_axes=None for it), or "
+    "map the calls one by one: jax.lax.map."
+)
+
+
+class Program:
+    """The exported program under JAX's transforms, and its one ``jax.jit`` (``call``).
+
+    ``fn(weights, *inputs)`` is a ``custom_vjp`` over a ``custom_vmap`` of ``Exported.call``
+    (which has no batching rule). ``jax.grad`` runs the VJP module, checked by the guard for
+    the shapes it gets first (each order alike), or is a ``SymjaxError`` naming
+    ``vjp_order``. ``jax.vmap`` merges each mapped axis into the batch dimension, runs
+    ``call`` once and splits the outputs back (:meth:`merge`), where export recorded that
+    rows stay apart (``rows``, :mod:`symjax_mlp._rows`); a VJP module maps one by one.
+    """
+
+    def __init__(self, path: Path, manifest: Mapping[str, Any], exported: Any, guard: Any):
+        self.path, self.manifest, self.guard = path, manifest, guard
+        self.caller = caller(path, manifest)
+        self.fn = self.wrap(exported)
+        self.call = jax.jit(self.fn)
+
+    def check(self, fn: Any, args: Sequence[Any], n: int | None = None, order: int = 0) -> bool:
+        """Has the guard check ``fn``'s module refined for ``args`` (weights: a dict; ``n``:
+        the input element count, default ``args``' but the weights); ``False`` when trusted
+        or under a symbolic trace (checked when compiled for real shapes)."""
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in args if not isinstance(x, Mapping))
+        if self.guard is None or not all(isinstance(d, int) for s, _ in shapes for d in s):
+            return False
+        concrete = lambda x: isinstance(x, Mapping) and not any(map(_traced, x.values()))  # noqa: E731
+        structs = [x if concrete(x) else jax.tree.map(_struct, x) for x in args]
+        what = f"its VJP module of order {order}" if order else "the module"
+        n = sum(math.prod(s) for s, _ in shapes) if n is None else n
+        refine = functools.partial(refined, self.path, self.manifest, fn, structs, module=what)
+        self.guard(refine, n, shapes, order=order)
+        return True
+
+    def wrap(self, module: Any, order: int = 0, n: int | None = None) -> Callable[..., Any]:
+        """``module.call`` (the program, or its VJP module of ``order``) as the class says."""
+        batched = custom_vmap(module.call)
+        batched.def_vmap(self.merge if order == 0 else functools.partial(_one_by_one, module.call))
+
+        @jax.custom_vjp
+        def call(*args: Any) -> Any:
+            return batched(*args)
+
+        def forward(*args: Any) -> tuple[Any, Any]:  # call, not batched: jax.grad of jax.grad
+            return call(*args), args
+
+        def backward(args: Any, cts: Any) -> Any:
+            if not module.has_vjp():
+                have = self.manifest.get("vjp_order", 0)
+                raise SymjaxError(_NO_VJP.format(caller=self.caller, order=order + 1, have=have))
+            vjp = module.vjp()
+            primals, cts = jax.tree.leaves(args), jax.tree.leaves(cts)
+            expected = vjp.in_avals[len(primals) :]
+            if len(expected) != len(cts):
+                raise ArtifactError(
+                    f"{self.path / program_file(self.manifest, JAXEXPORT)}: its VJP module of "
+                    f"order {order + 1} takes {len(vjp.in_avals)} inputs, not the "
+                    f"{len(primals)} primals and {len(cts)} cotangents jax.grad passes it. It "
+                    "was edited; export it again."
+                )
+            cts = [  # float0 where the module expects it (integer outputs), as jax.export does
+                np.zeros(c.shape, jax.dtypes.float0) if a.dtype == jax.dtypes.float0 else c
+                for c, a in zip(cts, expected, strict=True)
+            ]
+            vjp_args = [*primals, *cts]
+            m = sum(math.prod(x.shape) for x in jax.tree.leaves(args[1:])) if n is None else n
+            self.check(vjp.call, vjp_args, m, order + 1)
+            out = self.wrap(vjp, order + 1, m)(*vjp_args)
+            return tuple(jax.tree.unflatten(jax.tree.structure(args), jax.tree.leaves(out)))
+
+        call.defvjp(forward, backward)
+        return call
+
+    def merge(self, size: int, mapped: list[Any], weights: Any, *inputs: Any) -> Any:
+        """The program's ``jax.vmap`` rule: ``size`` rows of each input joined to its batch."""
+        rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
+        if not rows.get("independent"):
+            why = rows.get("why") or (
+                "this artifact records no verdict on that (it was exported by an older "
+                "symjax_mlp); export it again to enable jax.vmap"
+            )
+            raise SymjaxError(_NO_VMAP.format(caller=self.caller, why=why))
+        dim, merged = rows["dim"], []
+        for spec, x, on in zip(sig["inputs"], inputs, mapped[1:], strict=True):
+            if dim not in spec["shape"]:
+                if on:
+                    what = {"path": spec["path"], "spec": spec["shape"], "dim": dim}
+                    raise SymjaxError(_UNBATCHED.format(caller=self.caller, **what))
+                merged.append(x)
+                continue
+            k = spec["shape"].index(dim)
+            x = jnp.moveaxis(x if on else jnp.broadcast_to(x, (size, *x.shape)), 0, k)
+            merged.append(x.reshape(*x.shape[:k], -1, *x.shape[k + 2 :]))
+        self.check(self.call, (weights, *merged))
+        out, split = self.call(weights, *merged), []
+        single = sig["output_kind"] == "array"
+        for spec, y in zip(sig["outputs"], [out] if single else out, strict=True):
+            k = spec["shape"].index(dim) if dim in spec["shape"] else None
+            y = y if k is None else y.reshape(*y.shape[:k], size, -1, *y.shape[k + 1 :])
+            split.append(y if k is None else jnp.moveaxis(y, k, 0))
+        batched = [dim in spec["shape"] for spec in sig["outputs"]]
+        return (split[0], batched[0]) if single else (tuple(split), tuple(batched))
+
+
+def _one_by_one(fn: Callable[..., Any], size: int, mapped: list[bool], *args: Any) -> Any:
+    """A ``jax.vmap`` rule that runs ``fn`` once per mapped element (``jax.lax.map``)."""
+
+    def one(xs: list[Any]) -> Any:
+        it = iter(xs)
+        return fn(*[next(it) if on else a for a, on in zip(args, mapped, strict=True)])
+
+    out = jax.lax.map(one, [a for a, on in zip(args, mapped, strict=True) if on])
+    return out, jax.tree.map(lambda _: True, out)
+
+
+def _traced(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
