@@ -271,9 +271,9 @@ def serve(
     import uvicorn
 
     if (
-        not isinstance(max_connections, int)
-        or isinstance(max_connections, bool)
-        or (max_connections < 1)
+        isinstance(max_connections, bool)
+        or not isinstance(max_connections, int)
+        or max_connections < 1
     ):
         raise ConfigError(f"serve: max_connections must be an int >= 1; got {max_connections!r}.")
     model = load(

@@ -28,9 +28,15 @@ from symjax_mlp._errors import ConfigError, OverloadError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
-from symjax_mlp.serving._futures import AsyncRequest, RequestFuture
 from symjax_mlp.serving._lane import Blocking, Lane, array_rows, claim, clock, tree_to_host
-from symjax_mlp.serving._requests import RequestCheck, artifact_specs, bucket_sizes, example_specs
+from symjax_mlp.serving._requests import (
+    AsyncRequest,
+    RequestCheck,
+    RequestFuture,
+    artifact_specs,
+    bucket_sizes,
+    example_specs,
+)
 from symjax_mlp.serving._stats import BatcherStats
 
 _TRAINING = (

@@ -1,21 +1,15 @@
 """What crosses the wire: a request body read within bounds, to the model's inputs, and back.
 
-:class:`Intake` reads a body within three bounds, as nginx sets them: ``max_body_bytes`` (a
-larger body is refused, 413, as soon as its ``Content-Length`` or the bytes received pass it),
-``body_timeout`` (the most seconds between two reads, nginx's ``client_body_timeout``: 408 and
-the connection closed) and ``max_inflight_bytes`` (the most bytes all bodies in flight may
-hold together: 503 with ``Retry-After``, so a crowd of slow clients cannot pin the server's
-memory). It all runs on the server's one event loop, so the shared count needs no lock;
-connection limits are uvicorn's.
+:class:`Intake` bounds bodies as nginx does: ``max_body_bytes`` (413 once ``Content-Length``
+or the bytes received pass it), ``body_timeout`` between two reads (408, connection closed)
+and ``max_inflight_bytes`` held by all bodies at once (503), so slow clients cannot pin the
+server's memory. It runs on the server's one event loop: the shared count needs no lock.
 
-A JSON body ``{"inputs": X}`` (or ``{"inputs": {"args[0]": X0, ...}}`` by input name) becomes
-arrays of the inputs' dtypes, refusing what a cast would change (1.5 to an int, 2**31 to
-int32, 1e39 to float32); a ``.npy`` body is read as ``symjax-mlp run`` reads a file
-(:mod:`symjax_mlp._npy`: without pickle, in this CPU's byte order, bfloat16 from its bytes).
-Outputs go back as JSON (``NaN`` and ``Infinity`` as Python's json writes them) or as
-``.npy`` (``.npz`` for a tuple). What cannot be read is a :class:`BadRequest` with its HTTP
-status; what does not fit the model is a :class:`~symjax_mlp.SignatureError`. A client sees
-the model by its name, never by the artifact's path on the server (:class:`Public`).
+A JSON body becomes arrays of the inputs' dtypes, refusing what a cast would change (1.5 to
+an int, 2**31 to int32, 1e39 to float32); a ``.npy`` body is read as ``symjax-mlp run`` reads
+a file. What cannot be read is a :class:`BadRequest` with its HTTP status; what does not fit
+the model, a :class:`~symjax_mlp.SignatureError`. Clients see the model's name, never its
+path on the server (:class:`Public`).
 """
 
 from __future__ import annotations
@@ -172,11 +166,9 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
 
 
 def from_json(batcher: Batcher, spec: Any, value: Any, *, bools: bool = True) -> np.ndarray:
-    """JSON numbers as the input's dtype; refuses what the cast would change (1.5 -> int,
-    2**31 -> int32, 1e39 -> float32, 10**400 -> any). ``NaN``, ``Infinity`` and ``-Infinity``
-    (what Python's json, and TF Serving, read and write) are floats like any other. JSON's
-    ``true`` and ``false`` are a bool input's values (``0`` and ``1`` too), never numbers.
-    ``bools=False`` says that ``value`` holds no booleans (skips looking for them)."""
+    """JSON numbers as the input's dtype, refusing what the cast would change; ``NaN`` and
+    ``Infinity`` are floats, ``true``/``false`` only a bool input's values (``bools=False``:
+    ``value`` holds none)."""
     want = np.dtype(spec.dtype)
 
     def beyond() -> SignatureError:
@@ -298,12 +290,8 @@ def model_name(model: LoadedModel) -> str:
 
 
 class Public:
-    """What a client may see of the model: its name, never where it lies on the server.
-
-    A loaded artifact is named by its manifest (the model's name, and the entry point if it
-    has several); the server's path to it (as given, absolute, and as messages print it) is
-    replaced by that name in every message a client receives.
-    """
+    """What a client may see of the model: its name (a loaded artifact's manifest's), which
+    replaces every form of the server's path to it in a message."""
 
     def __init__(self, batcher: Batcher) -> None:
         model = batcher.model

@@ -29,7 +29,7 @@ import numpy as np
 
 from symjax_mlp import _compat as compat
 from symjax_mlp._compat import after_finish, finish_futures, start_future
-from symjax_mlp.serving._futures import AsyncRequest, RequestFuture
+from symjax_mlp.serving._requests import AsyncRequest, RequestFuture
 from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats, Counters
 
 _CANCELLED = "the batcher was closed with cancel=True"
@@ -177,7 +177,7 @@ class Lane:
         t1 = clock()
         bucket = self.bucket_of[rows]
         try:
-            inputs = self.assemble(batch, rows, bucket)
+            inputs = self.assemble([r.arrays for r in batch], rows, bucket)
             t2 = clock()
             out = self.to_host(self.call(*inputs))
             t3 = clock()
@@ -230,7 +230,7 @@ class Lane:
         bucket = self.bucket_of[rows]
         try:
             t1 = clock()
-            inputs = self.assemble_one(arrays, rows, bucket) if rows < bucket else arrays
+            inputs = self.assemble([arrays], rows, bucket)
             t2 = clock()
             out = self.to_host(self.call(*inputs))
             t3 = clock()
@@ -261,19 +261,13 @@ class Lane:
             if self.queue or self.closing:
                 self.nudge()
 
-    def assemble_one(self, arrays: Sequence[Any], rows: int, bucket: int) -> list[Any]:
-        return [
-            np.concatenate([a, np.zeros((bucket - rows, *shape), a.dtype)])
-            for a, shape in zip(arrays, self.row_shapes, strict=True)
-        ]
-
-    def assemble(self, batch: Sequence[Any], rows: int, bucket: int) -> Sequence[Any]:
-        """The model's inputs: the requests' rows stacked, zero rows up to the bucket."""
-        if len(batch) == 1 and rows == bucket:
-            return batch[0].arrays
+    def assemble(self, requests: Sequence[Any], rows: int, bucket: int) -> Sequence[Any]:
+        """The model's inputs: the requests' arrays stacked, zero rows up to the bucket."""
+        if len(requests) == 1 and rows == bucket:
+            return requests[0]
         inputs = []
         for i, dtype in enumerate(self.dtypes):
-            parts = [r.arrays[i] for r in batch]
+            parts = [arrays[i] for arrays in requests]
             if bucket > rows:
                 parts.append(np.zeros((bucket - rows, *self.row_shapes[i]), dtype))
             inputs.append(np.concatenate(parts))

@@ -1,4 +1,4 @@
-"""What a batcher's request takes, and its check.
+"""A batcher's requests: what one takes, its check, and what the caller holds while it runs.
 
 The per-input specs come from an example batch or an artifact's signature; the batch sizes
 compiled ahead of time from ``max_batch``/``buckets``. :class:`RequestCheck` checks each
@@ -6,19 +6,113 @@ input's rank, row shape, dtype and rows: a NumPy request whose ``(shape, dtype)`
 is looked up in a dict (at most ``max_batch`` keys per signature, since only the rows differ).
 A refused request is counted (``rejected_by["signature"]``) and raises a
 :class:`~symjax_mlp.SignatureError` that says which input, what it has and how to fix it.
+
+A :class:`RequestFuture` is a ``concurrent.futures.Future`` (``wait``, ``as_completed`` and
+``add_done_callback`` work on it) built to be settled a whole batch at a time: the futures of
+one batcher share one lock, and only the callers blocked in ``result()`` on a future are woken
+for it. An :class:`AsyncRequest`, what ``asubmit`` returns, is its asyncio counterpart. Each is
+its own entry in the batcher's queue.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from symjax_mlp._compat import SharedLockFuture
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
-from symjax_mlp.serving._lane import Lane
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestTiming:
+    """Where one request's time went, in seconds; the last three are its batch's.
+
+    Attributes:
+      queued: from the call (or ``submit``) to its batch starting.
+      padded: assembling the batch: stacking the requests, zero-filling the padding rows.
+      compute: the model call, results on the host (synced).
+      split: cutting the results into one per request.
+      rows: the request's rows.
+      batch_rows: the real rows of its batch (all its requests).
+      batch_requests: the requests merged into its batch.
+      bucket: the compiled batch size it ran at (``bucket - batch_rows`` padding rows).
+    """
+
+    queued: float
+    padded: float
+    compute: float
+    split: float
+    rows: int
+    batch_rows: int
+    batch_requests: int
+    bucket: int
+
+    @property
+    def total(self) -> float:
+        """Seconds from the call to the result."""
+        return self.queued + self.padded + self.compute + self.split
+
+
+class _Timed:
+    """A request's ``timing``: set by the lane, ``_batch``, before its result is."""
+
+    __slots__ = ()
+    _batch: tuple | None  # (t1, padded, compute, split, batch_rows, requests, bucket)
+    rows: int
+    t0: float
+
+    @property
+    def timing(self) -> RequestTiming | None:
+        """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
+        if self._batch is None:
+            return None
+        t1, padded, compute, split, batch_rows, requests, bucket = self._batch
+        return RequestTiming(
+            t1 - self.t0, padded, compute, split, self.rows, batch_rows, requests, bucket
+        )
+
+
+class AsyncRequest(_Timed):
+    """What :meth:`Batcher.asubmit` returns: await it for the result.
+
+    Attributes:
+      future: the ``asyncio.Future`` of the result, on the loop that called ``asubmit``
+        (for ``asyncio.wait``, ``asyncio.shield``, ...).
+      timing: the request's :class:`RequestTiming`, set before the result (``None`` until
+        then, and for a request cancelled or failed before it ran).
+    """
+
+    __slots__ = ("_batch", "arrays", "future", "rows", "t0")
+
+    def __init__(self, arrays: Sequence[Any], rows: int, t0: float, future: Any) -> None:
+        self.arrays, self.rows, self.t0, self.future = arrays, rows, t0, future
+        self._batch = None
+
+    def __await__(self) -> Any:
+        return self.future.__await__()
+
+    def cancel(self) -> bool:
+        """Drops the request if its batch has not started; ``False`` once it has a result."""
+        return self.future.cancel()
+
+
+class RequestFuture(SharedLockFuture, _Timed):
+    """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.
+
+    Attributes:
+      timing: as :attr:`AsyncRequest.timing`.
+    """
+
+    # The request (inputs, rows, start time) rides on the future, as class defaults.
+    _batch = None
+    arrays: Sequence[Any] = ()
+    rows = 0
+    t0 = 0.0
 
 
 def example_specs(example: Any) -> tuple[TensorSpec, ...]:
@@ -92,7 +186,7 @@ def bucket_sizes(
 class RequestCheck:
     """Checks requests against a batcher's specs: :meth:`check` gives their arrays and rows."""
 
-    def __init__(self, name: str, specs: Sequence[TensorSpec], lane: Lane, max_batch: int) -> None:
+    def __init__(self, name: str, specs: Sequence[TensorSpec], lane: Any, max_batch: int) -> None:
         self.name, self.specs, self.lane, self.max_batch = name, specs, lane, max_batch
         self.ranks = [len(shape) + 1 for shape in lane.row_shapes]
         # The NumPy shapes (a tuple of them for several inputs) that passed, with their rows;

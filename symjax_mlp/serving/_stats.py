@@ -80,49 +80,44 @@ class BatcherStats:
           >>> [line for line in text.splitlines() if line.startswith("symjax_mlp_batcher_rows")]
           ['symjax_mlp_batcher_rows_total 1']
         """
-        p = prefix
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP {p}_{name} {help}", f"# TYPE {p}_{name} {kind}"])
-            lines.extend(f"{p}_{name}{labels} {_number(v)}" for labels, v in samples)
-
-        def counter(name: str, help: str, value: float) -> None:
-            metric(f"{name}_total", "counter", help, [("", value)])
-
-        counter("requests", "Requests accepted.", self.requests)
-        counter("completed", "Requests that got their result.", self.completed)
-        counter("failed", "Requests whose batch raised.", self.failed)
-        counter("cancelled", "Requests cancelled before they ran.", self.cancelled)
-        metric(
-            "rejected_total",
-            "counter",
-            "Requests refused at submit, by reason.",
-            [(f'{{reason="{k}"}}', v) for k, v in sorted(self.rejected_by.items())],
-        )
-        counter("batches", "Model calls.", self.batches)
-        metric(
-            "bucket_batches_total",
-            "counter",
-            "Model calls per compiled batch size.",
-            [(f'{{bucket="{k}"}}', v) for k, v in sorted(self.batches_by_bucket.items())],
-        )
-        counter("rows", "Real rows computed.", self.rows)
-        counter("padded_rows", "Zero rows added to reach a compiled batch size.", self.padded_rows)
-        metric("queue_depth", "gauge", "Requests waiting now.", [("", self.queue_depth)])
-        metric("busy", "gauge", "1 while a batch runs.", [("", int(self.busy))])
-        stage = [(f'_sum{{stage="{k}"}}', v) for k, v in self.seconds.items()]
-        stage += [(f'_count{{stage="{k}"}}', self.completed) for k in self.seconds]
-        metric(
-            "stage_seconds",
-            "summary",
-            "Seconds per stage of completed requests (batch stages counted per request).",
-            stage,
-        )
+        c, g = "counter", "gauge"
+        rejected = [(f'{{reason="{k}"}}', v) for k, v in sorted(self.rejected_by.items())]
+        buckets = [(f'{{bucket="{k}"}}', v) for k, v in sorted(self.batches_by_bucket.items())]
+        stages = [(f'_sum{{stage="{k}"}}', v) for k, v in self.seconds.items()]
+        stages += [(f'_count{{stage="{k}"}}', self.completed) for k in self.seconds]
         hist = [(f'_bucket{{le="{_number(le)}"}}', n) for le, n in self.latency]
         hist += [('_bucket{le="+Inf"}', self.completed), ("_sum", self.latency_sum)]
         hist += [("_count", self.completed)]
-        metric("request_seconds", "histogram", "Seconds from call to result.", hist)
+        metrics = [  # name, type, help, value or [(labels, value)]
+            ("requests_total", c, "Requests accepted.", self.requests),
+            ("completed_total", c, "Requests that got their result.", self.completed),
+            ("failed_total", c, "Requests whose batch raised.", self.failed),
+            ("cancelled_total", c, "Requests cancelled before they ran.", self.cancelled),
+            ("rejected_total", c, "Requests refused at submit, by reason.", rejected),
+            ("batches_total", c, "Model calls.", self.batches),
+            ("bucket_batches_total", c, "Model calls per compiled batch size.", buckets),
+            ("rows_total", c, "Real rows computed.", self.rows),
+            (
+                "padded_rows_total",
+                c,
+                "Zero rows added to reach a compiled batch size.",
+                self.padded_rows,
+            ),
+            ("queue_depth", g, "Requests waiting now.", self.queue_depth),
+            ("busy", g, "1 while a batch runs.", int(self.busy)),
+            (
+                "stage_seconds",
+                "summary",
+                "Seconds per stage of completed requests (batch stages counted per request).",
+                stages,
+            ),
+            ("request_seconds", "histogram", "Seconds from call to result.", hist),
+        ]
+        lines: list[str] = []
+        for name, kind, help, samples in metrics:
+            samples = samples if isinstance(samples, list) else [("", samples)]
+            lines += [f"# HELP {prefix}_{name} {help}", f"# TYPE {prefix}_{name} {kind}"]
+            lines += [f"{prefix}_{name}{labels} {_number(v)}" for labels, v in samples]
         return "\n".join(lines) + "\n"
 
 
