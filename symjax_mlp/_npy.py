@@ -1,11 +1,9 @@
 """Arrays as ``.npy`` files: a model's inputs read from them, its outputs written to them.
 
-A ``.npy`` file is read without pickle, as one array (not an ``.npz`` archive), in this CPU's
-byte order. NumPy's format cannot name the ml_dtypes types JAX uses (bfloat16, the float8 and
-int4 types): it stores such an array as raw bytes of its itemsize (``|V2`` for bfloat16) and
-reads it back as that. Reading for a model gives such bytes the dtype the model expects, bit
-for bit (:func:`npy_array`); nothing else is cast, so a float32 file where bfloat16 is
-expected is refused. :func:`raw_dtype_notes` says how to read such outputs back.
+A ``.npy`` file is read without pickle, as one array, in this CPU's byte order. NumPy's format
+cannot name the ml_dtypes types JAX uses (bfloat16, float8, int4): it stores them as raw bytes
+(``|V2`` for bfloat16), which reading for a model views as the dtype it expects, bit for bit
+(:func:`npy_array`). Nothing else is cast: a float32 file where bfloat16 is expected is refused.
 """
 
 from __future__ import annotations
@@ -28,15 +26,10 @@ def read_npy(
     what: str,
     error: Callable[[str], Exception] = SignatureError,
 ) -> np.ndarray:
-    """The one array of a ``.npy`` file (or its bytes), in this CPU's byte order.
+    """The one array of a ``.npy`` file (a path, or its bytes), in this CPU's byte order.
 
-    Args:
-      source: a path, or the file's bytes.
-      what: how a message names ``source`` (a path, ``"the body"``).
-      error: the exception raised, made from the message.
-
-    Raises:
-      ``error``: ``source`` is not a ``.npy`` array (an ``.npz`` archive, a pickle, other bytes).
+    Raises ``error`` (made from a message that names ``source`` as ``what``) for anything but
+    a ``.npy`` array: an ``.npz`` archive, a pickle, other bytes.
 
     Example:
       >>> import io, numpy as np
@@ -64,10 +57,8 @@ def read_npy(
 
 
 def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
-    """``x``, as read from a .npy file, given back the ``dtype`` that .npy cannot name.
-
-    A void array whose itemsize matches the ml_dtypes type ``dtype`` is viewed as it (the
-    bytes unchanged); any other array comes back as it is, uncast, for the caller to check.
+    """``x``, a void array from a .npy file, viewed as the ml_dtypes type ``dtype`` of its
+    itemsize (the bytes unchanged); any other array as it is, uncast, for the caller to check.
 
     Example:
       >>> import io, ml_dtypes, numpy as np
@@ -92,18 +83,11 @@ def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
 def read_inputs(
     files: Sequence[str | os.PathLike[str]], specs: Sequence[TensorSpec]
 ) -> list[np.ndarray]:
-    """The ``.npy`` files as a model's inputs, one per spec, in the dtypes the specs name.
-
-    Args:
-      files: one ``.npy`` file per input, in order.
-      specs: the model's inputs (``model.signature.inputs``).
-
-    Returns:
-      The arrays; a file past the last spec is read as it is, for the model to refuse.
+    """The ``.npy`` files as a model's inputs, one per spec (a file past the last spec is read
+    as it is, for the model to refuse).
 
     Raises:
-      SignatureError: a file is not a ``.npy`` array, or holds another dtype than its input
-        (nothing is cast; the message gives the ``np.save`` that writes the right one).
+      SignatureError: a file is not a ``.npy`` array, or holds another dtype than its input.
 
     Example:
       >>> import os, tempfile, ml_dtypes, numpy as np
@@ -128,15 +112,9 @@ def read_inputs(
 
 
 def write_outputs(out: Any, target: str | os.PathLike[str] | BinaryIO) -> list[np.ndarray]:
-    """Writes a model's outputs: one array as ``.npy``, or several into an ``.npz`` path.
-
-    Args:
-      out: what the model returned: an array, or a tuple of arrays.
-      target: a path (exactly this name; a ``.npz`` one holds every output as ``out0``,
-        ``out1``, ...), or an open binary stream (one array as ``.npy``).
-
-    Returns:
-      The arrays written, as NumPy arrays.
+    """Writes a model's outputs (an array or a tuple): one array as ``.npy`` to a path or a
+    binary stream, or every output into a ``.npz`` path as ``out0``, ``out1``, ...; returns
+    them as NumPy arrays.
 
     Raises:
       SignatureError: several outputs for one ``.npy`` file or stream (nothing is written).

@@ -1,18 +1,14 @@
 """Who made an artifact: signing with the OpenSSF ``model-signing`` package, offline, by key.
 
-Checksums in the manifest prove that the files are the ones the manifest lists, not who wrote
-them: anyone can export a model and list its files. A signature can: :func:`sign` hashes
-*every* file of the artifact directory (listed or not, ``.git`` included: only the signature
-itself is left out) with ``model_signing`` and signs that manifest with an elliptic-curve
-private key into ``model.sig`` (a Sigstore bundle, no network, no transparency log).
-:func:`verify_signature`, and ``load(path, verify_signature=PUBLIC_KEY)``, check it before any
-parser of symjax_mlp reads a byte: an unsigned artifact, a file added, removed or changed, or
-another key is an :class:`~symjax_mlp.ArtifactError`.
+Checksums in the manifest prove that the files are the ones it lists, not who wrote them. A
+signature does: :func:`sign` hashes *every* file of the artifact directory (``.git``
+included; only ``model.sig`` is left out) with ``model_signing`` and signs that with an
+elliptic-curve private key into ``model.sig`` (a Sigstore bundle, offline).
+:func:`verify_signature` checks it before any parser of symjax_mlp reads a byte.
 
-Before ``model_signing`` reads the directory it is checked to hold only regular files and
-directories (no symlink, FIFO or device, at most :data:`MAX_ENTRIES` entries), so verifying
-cannot hang or be redirected; and the files' identities (inode, size, change time) are
-recorded, so that a loader can check that what it read is what was verified.
+The directory is first checked to hold only regular files and directories (at most
+:data:`MAX_ENTRIES`), so verifying cannot hang or be redirected, and the files' identities
+are recorded, so that a loader can check that what it read is what was verified.
 """
 
 from __future__ import annotations
@@ -48,25 +44,24 @@ def _hashing(hashing: Any) -> Any:
     return hashing.Config().set_ignored_paths(paths=[SIGNATURE], ignore_git_paths=False)
 
 
-def _key_file(key: Any, what: str) -> Path:
+def _checked(path: Any, key: Any, what: str, verb: str) -> tuple[Path, Path]:
+    """The artifact directory and the key file, once both are what they should be."""
     if not isinstance(key, (str, os.PathLike)):
         raise ConfigError(
             f"{what}: pass the path of a PEM key file; got {type(key).__name__}. Write a key "
             "with cryptography's private_bytes/public_bytes (PEM)."
         )
-    file = Path(key)
+    path, file = Path(path), Path(key)
     if not file.is_file():
         raise ConfigError(f"{what}: {file} is not a key file.")
-    return file
+    if not path.is_dir() or path.is_symlink():
+        raise ArtifactError(f"{path} is not an artifact directory; there is nothing to {verb}.")
+    return path, file
 
 
 def snapshot(path: Path) -> dict[str, tuple[int, int, int, int]]:
-    """``{relative path: (device, inode, size, ctime_ns)}`` of every entry under ``path``.
-
-    Raises:
-      ArtifactError: a symlink, FIFO, socket or device inside, or more than
-        :data:`MAX_ENTRIES` entries.
-    """
+    """``{relative path: (device, inode, size, ctime_ns)}`` of every entry under ``path``;
+    ArtifactError for a symlink, FIFO or device inside, or past :data:`MAX_ENTRIES`."""
     out: dict[str, tuple[int, int, int, int]] = {}
     todo = [path]
     while todo:
@@ -96,10 +91,9 @@ def snapshot(path: Path) -> dict[str, tuple[int, int, int, int]]:
 def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> Path:
     """Signs every file of an artifact directory with an elliptic-curve private key.
 
-    Writes ``path/model.sig``, a Sigstore bundle made by the OpenSSF ``model-signing``
-    package (``pip install 'symjax_mlp[sign]'``), offline: no network, no transparency log.
-    Sign after the export is final: any later change to any file in the directory (a new
-    export, a file added) makes :func:`verify_signature` refuse it.
+    Writes ``path/model.sig`` with the OpenSSF ``model-signing`` package
+    (``pip install 'symjax_mlp[sign]'``), offline. Sign after the export is final: any later
+    change to the directory makes :func:`verify_signature` refuse it.
 
     Args:
       path: the artifact directory.
@@ -114,10 +108,7 @@ def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> P
       ConfigError: ``model-signing`` is missing, or ``private_key`` is not a key file.
     """
     hashing, signing, _ = _model_signing()
-    path = Path(path)
-    key = _key_file(private_key, "sign(private_key=...)")
-    if not path.is_dir() or path.is_symlink():
-        raise ArtifactError(f"{path} is not an artifact directory; there is nothing to sign.")
+    path, key = _checked(path, private_key, "sign(private_key=...)", "sign")
     snapshot(path)
     (path / SIGNATURE).unlink(missing_ok=True)
     try:
@@ -132,8 +123,7 @@ def verify_signature(path: str | os.PathLike[str], public_key: str | os.PathLike
     """Checks that every file of ``path`` is what the holder of ``public_key``'s private key
     signed with :func:`sign`, and nothing more: no file added, removed or changed.
 
-    ``load(path, verify_signature=public_key)`` does this before reading any file, and
-    checks afterwards that no file changed in between.
+    ``load(path, verify_signature=public_key)`` does this before reading any file.
 
     Args:
       path: the artifact directory.
@@ -148,14 +138,10 @@ def verify_signature(path: str | os.PathLike[str], public_key: str | os.PathLike
 
 
 def check(path: str | os.PathLike[str], public_key: str | os.PathLike[str]) -> Callable[[], None]:
-    """:func:`verify_signature`; returns ``unchanged()``, which raises
-    :class:`ArtifactError` if any file of ``path`` was replaced or modified since (a loader
-    calls it after reading the files, so what it read is what was verified)."""
+    """:func:`verify_signature`; returns ``unchanged()``, which raises if any file of ``path``
+    changed since (a loader calls it after reading the files)."""
     hashing, _, verifying = _model_signing()
-    path = Path(path)
-    key = _key_file(public_key, "verify_signature=")
-    if not path.is_dir() or path.is_symlink():
-        raise ArtifactError(f"{path} is not an artifact directory; there is nothing to verify.")
+    path, key = _checked(path, public_key, "verify_signature=", "verify")
     before = snapshot(path)
     sig = path / SIGNATURE
     if SIGNATURE not in before:

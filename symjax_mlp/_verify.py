@@ -1,11 +1,9 @@
 """Verify an artifact end to end: reload it in a fresh process and compare with a reference.
 
-The fresh process proves the artifact runs without the caller's state (its model source, its
-imports, its jit caches); a crash there is reported instead of taking the caller down. Arrays
-cross to it, and back, as .npy files with their dtype names beside them: NumPy stores an
-ml_dtypes array (bfloat16 first of all) as raw bytes, ``|V2``, and
-:func:`~symjax_mlp._npy.npy_array` gives such bytes their dtype back, as ``symjax-mlp run``
-does for its inputs.
+The fresh process proves the artifact runs without the caller's state (its model source,
+imports, jit caches); a crash there is reported instead of taking the caller down. Arrays
+cross as .npy files with their dtype names beside them (:func:`~symjax_mlp._npy.npy_array`
+gives bfloat16's raw bytes their dtype back), an rng key as its key data.
 """
 
 from __future__ import annotations
@@ -123,16 +121,14 @@ def verify(
 
     Args:
       path: the artifact directory.
-      reference: what to compare with, usually the exported :class:`~symjax_mlp.Hybrid`
-        (any callable on the same inputs). ``None`` compares with the artifact's own JAX
-        run in this process: use it to compare runtimes, e.g. ``runtimes=("jax", "iree")``.
+      reference: what to compare with, usually the exported :class:`~symjax_mlp.Hybrid`.
+        ``None``: the artifact's own JAX run in this process (to compare runtimes).
       runtimes: the runtimes to load in the fresh process.
       batches: batch sizes to try (ignored for a static-shape artifact: its own batch).
       rtol, atol: tolerances, as in ``numpy.allclose``.
       seed: seeds the random inputs.
       timeout: seconds the fresh process may take.
-      trust, allow, verify_signature: passed to every :func:`~symjax_mlp.load` (the
-        program's ops, and the signature of every file, are checked as ``load`` checks them).
+      trust, allow, verify_signature: passed to every :func:`~symjax_mlp.load`.
 
     Returns:
       A :class:`VerifyReport`; ``report.ok`` says whether every check passed.
@@ -175,19 +171,10 @@ def verify(
     }
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_verify_") as tmp:
         work = Path(tmp)
-        job = {
-            "path": str(art.path.resolve()),
-            "runtimes": list(runtimes),
-            "batches": {},
-            "options": options,
-        }
         dtypes: dict[str, str] = {}
-        for b, xs in inputs.items():
-            job["batches"][str(b)] = names = [f"x{b}_{i}.npy" for i in range(len(xs))]
-            for name, x in zip(names, xs, strict=True):
-                np.save(work / name, _key_data(x))  # an rng key crosses as its key data
-                dtypes[name] = str(x.dtype)
-        job["dtypes"] = dtypes
+        files = {str(b): _write(work, f"x{b}", xs, dtypes) for b, xs in inputs.items()}
+        job = {"path": str(art.path.resolve()), "runtimes": list(runtimes), "options": options}
+        job.update(batches=files, dtypes=dtypes)
         (work / "job.json").write_text(json.dumps(job))
         code = "import sys; from symjax_mlp._verify import _worker; sys.exit(_worker(sys.argv[1]))"
         try:
@@ -223,6 +210,9 @@ def verify(
     return VerifyReport(art.path, ref_name, rtol, atol, tuple(checks), loads, tuple(errors))
 
 
+MAX_INPUT_BYTES = 64 * 2**20  # of random inputs verify draws, over every batch size
+
+
 def _read(work: Path, name: str, dtypes: Mapping[str, str]) -> Any:
     x = np.load(work / name, allow_pickle=False)
     dtype = dtypes.get(name, "")
@@ -231,9 +221,6 @@ def _read(work: Path, name: str, dtypes: Mapping[str, str]) -> Any:
 
         return jax.random.wrap_key_data(x, impl=_key_impls()[dtype])
     return npy_array(x, dtype)
-
-
-MAX_INPUT_BYTES = 64 * 2**20  # of random inputs verify draws, over every batch size
 
 
 @functools.cache
@@ -263,8 +250,7 @@ def _input_kind(path: Path, spec: TensorSpec) -> np.dtype | str:
 
 
 def _check_size(path: Path, sig: Any, kinds: list[Any], batches: Sequence[int]) -> None:
-    """Refuses random inputs past ``MAX_INPUT_BYTES`` before drawing any: the shapes are
-    the manifest's, so a stranger's artifact would choose what verify allocates."""
+    """Refuses random inputs past ``MAX_INPUT_BYTES``: a stranger's manifest chooses them."""
 
     def nbytes(b: int) -> int:
         total = 0
@@ -304,13 +290,19 @@ def _random(spec: TensorSpec, kind: Any, batch: int, rng: np.random.Generator) -
     return rng.standard_normal(shape, np.float32).astype(kind)  # floats, bfloat16 too
 
 
-def _key_data(x: Any) -> np.ndarray:
-    """An input as .npy can hold it: an rng key as its raw ``key_data``."""
-    if str(getattr(x, "dtype", "")) in _key_impls():
-        import jax
+def _write(work: Path, prefix: str, arrays: Sequence[Any], dtypes: dict[str, str]) -> list[str]:
+    """Saves ``arrays`` as ``prefix_<i>.npy`` (an rng key as its key data), their dtype names
+    in ``dtypes``; returns the file names."""
+    names = [f"{prefix}_{i}.npy" for i in range(len(arrays))]
+    for name, x in zip(names, arrays, strict=True):
+        if str(getattr(x, "dtype", "")) in _key_impls():
+            import jax
 
-        return np.asarray(jax.random.key_data(x))
-    return x
+            np.save(work / name, np.asarray(jax.random.key_data(x)))
+        else:
+            np.save(work / name, x)
+        dtypes[name] = str(x.dtype)
+    return names
 
 
 def _as_list(out: Any) -> list[Any]:
@@ -354,11 +346,8 @@ def _worker(job_file: str) -> int:
             }
             for b, names in job["batches"].items():
                 outs = _as_list(model(*[_read(work, n, job["dtypes"]) for n in names]))
-                entry["outputs"][b] = files = [f"y_{rt}_{b}_{i}.npy" for i in range(len(outs))]
-                for name, out in zip(files, outs, strict=True):
-                    y = np.asarray(out)
-                    np.save(work / name, y)
-                    entry["dtypes"][name] = str(y.dtype)
+                outs = [np.asarray(y) for y in outs]
+                entry["outputs"][b] = _write(work, f"y_{rt}_{b}", outs, entry["dtypes"])
         except SymjaxError as e:
             entry = {"error": f"{type(e).__name__}: {e}"}
         result[rt] = entry

@@ -1,9 +1,9 @@
 """Reading an artifact directory back: every listed file checked, then an :class:`Artifact`.
 
-A reader checks the manifest, then reads each file the manifest lists in bounded chunks and
-compares its sha256 before any parser sees a byte: the files a loader uses go into one buffer
-of their size, the others are only hashed (a chunk of memory, whatever their size). An export
-swaps whole directories, so a read that raced one starts over on the new artifact.
+The manifest is checked, then each file it lists is read in bounded chunks and its sha256
+compared before any parser sees a byte: the files a loader uses go into one buffer of their
+size, the others are only hashed. A read that raced an export (which swaps whole directories)
+starts over on the new artifact.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ USED = (JAXEXPORT, MLIRBC, PARAMS)  # the files a loader reads into memory; othe
 class Artifact:
     """An exported model on disk: its directory and its (checked) manifest.
 
-    Returned by :func:`~symjax_mlp.export` and :func:`inspect`; ``str(artifact)`` is the
-    summary ``symjax-mlp inspect`` prints. Run it with :func:`~symjax_mlp.load`.
+    ``str(artifact)`` is the summary ``symjax-mlp inspect`` prints; run it with
+    :func:`~symjax_mlp.load`.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -98,11 +98,8 @@ class Artifact:
         return thaw(self.manifest)
 
     def op_counts(self, entry: str | None = None) -> dict[str, int]:
-        """How often each op occurs in the program that runs, most frequent first.
-
-        Counted in the StableHLO module of ``model.jaxexport`` (which must be the bytes of
-        ``model.mlirbc``), every op of every region; not in ``model.mlir``, the text kept for
-        people to read. ``entry`` names an entry point (default: the default one).
+        """How often each op occurs in the program that runs (``model.jaxexport``'s StableHLO
+        module, every region; not ``model.mlir``, the text for people), most frequent first.
 
         Raises:
           ArtifactError: a file changed since :func:`inspect`, or the two modules differ.
@@ -206,8 +203,7 @@ def inspect(path: str | os.PathLike[str]) -> Artifact:
       path: an artifact directory written by :func:`~symjax_mlp.export`.
 
     Returns:
-      The :class:`Artifact`; ``print(inspect(path))`` shows manifest, signature, platforms,
-      versions and StableHLO op counts.
+      The :class:`Artifact`; ``print(inspect(path))`` shows its summary.
 
     Raises:
       ArtifactError: the directory is missing, incomplete or corrupted.
@@ -241,12 +237,8 @@ def thaw(x: Any) -> Any:
 def read_files(
     path: Path, manifest: Mapping[str, Any], *, keep: tuple[str, ...] = USED
 ) -> dict[str, Any]:
-    """Checks the size and sha256 of every file the manifest lists before anyone parses it.
-
-    Returns the bytes of the files in ``keep`` (one buffer each, of the file's size; for
-    ``params.safetensors`` its tensors, ``{path: array}``, read straight into place); the
-    others are hashed in chunks and not kept.
-    """
+    """Checks the size and sha256 of every file the manifest lists before anyone parses it;
+    returns the bytes of the files in ``keep`` (``params.safetensors``: its tensors)."""
     listed = manifest["files"]
     views = [entry_view(manifest, e) for e in entry_names(manifest)]
     kept = {program_file(v, role) for v in views for role in keep}  # each entry point's
@@ -279,11 +271,8 @@ def read_files(
 def read_artifact(
     path: Path, *, attempts: int = 3, keep: tuple[str, ...] = USED
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Reads the manifest, then every file, checked; retried if ``path`` was replaced meanwhile.
-
-    A reader that read the old manifest and then a new export's file would see a checksum
-    mismatch that is no corruption; the directory's inode tells the two apart.
-    """
+    """Reads the manifest, then every file, checked; retried if ``path`` was replaced meanwhile
+    (the directory's inode tells that from a corruption)."""
     for attempt in range(attempts):
         before = _identity(path)
         try:

@@ -1,16 +1,17 @@
 """``params.safetensors``: the weights, one tensor per param path, readable from any language.
 
 Paths join the param tree's keys with ``/`` (``params/layers_0/kernel``). Tensors are written
-with safetensors' raw serializer, so the common dtypes, bfloat16 included, round-trip, and read
-back by a strict reader of the format (:func:`decode_params`): views of the file's bytes,
-never a copy, never pickle.
+with safetensors' raw serializer (bfloat16 included) and read back by a strict reader of the
+format, at least as strict as the ``safetensors`` package and stricter where it is lenient: a
+name given twice, unknown fields, shapes NumPy cannot hold and more than :data:`MAX_TENSORS`
+tensors are refused, and the tensors' bytes must tile the file exactly. Never pickle.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,9 @@ _NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
-    """Flattens a params pytree into (specs, host arrays), paths joined with ``/``.
-
-    Each array is in the dtype JAX traces it with, what ``jnp.asarray`` gives: with x64 off
-    (JAX's default) NumPy's float64 and int64 params, and Python numbers, are float32 and
-    int32 in an exported module, so its manifest and weight file say so too, and the same
-    params passed to ``load(params=...)`` match it.
-    """
+    """Flattens a params pytree into (specs, host arrays), paths joined with ``/``, each array
+    in the dtype JAX traces it with (with x64 off, float64 params are float32), so that the
+    same params passed to ``load(params=...)`` match the manifest."""
     import jax
 
     specs, arrays = [], []
@@ -106,26 +103,12 @@ def encode_params(
 def decode_params(
     data: bytes | bytearray, *, file: Path | str, error: type[SymjaxError] = ArtifactError
 ) -> dict[str, np.ndarray]:
-    """Parses safetensors bytes into ``{path: array}``: read-only views of ``data``, no copy.
-
-    A strict reader of the safetensors format (no pickle, no code), at least as strict as the
-    ``safetensors`` package and stricter where it is lenient: a tensor name given twice
-    (safetensors keeps the last one silently), unknown fields, shapes NumPy cannot hold, and
-    more than :data:`MAX_TENSORS` tensors are refused. Every tensor's bytes lie inside the
-    file, back to back in order, and cover it exactly.
-
-    Raises:
-      SymjaxError: of type ``error`` (:class:`ArtifactError` by default), naming ``file``.
-    """
-    n = len(data)
-    if n < 8:
-        raise _bad(file, error, f"it has {n} bytes, fewer than the 8 of its header length")
-    size = int.from_bytes(data[:8], "little")
-    _check_header_size(file, error, size, n)
-    entries, _ = _parse_header(bytes(data[8 : 8 + size]), n, file, error, MAX_TENSORS)
+    """Parses safetensors bytes into ``{path: array}``: read-only views of ``data``, no copy;
+    anything but a valid file raises ``error`` naming ``file``."""
+    entries, _, start = _parse_header(lambda a, b: data[a:b], len(data), file, error, MAX_TENSORS)
     out = {}
     for begin, _, name, dtype, shape, count in entries:
-        a = np.frombuffer(data, _ST_DTYPES[dtype], count=count, offset=8 + size + begin)
+        a = np.frombuffer(data, _ST_DTYPES[dtype], count=count, offset=start + begin)
         out[name] = _frozen(a.reshape(shape))
     return out
 
@@ -143,20 +126,15 @@ def read_safetensors_file(
     error: type[SymjaxError] = ArtifactError,
     max_tensors: int = MAX_TENSORS,
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """``(tensors, metadata)`` of a safetensors file, read in one checked pass straight into
-    one 64-byte-aligned buffer per tensor (hashed as it is read, ``size`` and ``sha256``
-    compared): the file's size in memory, no copy, and arrays JAX can use in place.
-
-    Raises:
-      FileNotFoundError: no such file.
-      SymjaxError: of type ``error``, for anything else (:func:`decode_params`).
-    """
+    """``(tensors, metadata)`` of a safetensors file, read in one checked pass (hashed, ``size``
+    and ``sha256`` compared) into one 64-byte-aligned buffer per tensor that JAX can use in
+    place; FileNotFoundError for no file, ``error`` for anything else."""
     with Reader(file, size=size, error=error) as r:
-        if r.size < 8:
-            raise _bad(file, error, f"it has {r.size} bytes, fewer than the 8 of its header length")
-        n = int.from_bytes(r.read(8), "little")
-        _check_header_size(file, error, n, r.size)
-        entries, metadata = _parse_header(bytes(r.read(n)), r.size, file, error, max_tensors)
+
+        def read(start: int, stop: int) -> bytes:  # called in file order
+            return r.read(stop - start)
+
+        entries, metadata, _ = _parse_header(read, r.size, file, error, max_tensors)
         out = {}
         for _, _, name, dtype, shape, count in entries:  # in file order, back to back
             nbytes = count * _ST_ITEMSIZE[dtype]
@@ -174,24 +152,25 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _bad(file: Path | str, error: type[SymjaxError], why: str) -> SymjaxError:
-    return error(f"{file} is not a valid safetensors file: {why}.")
-
-
-def _check_header_size(file: Path | str, error: type[SymjaxError], size: int, n: int) -> None:
-    if size > MAX_HEADER_BYTES or 8 + size > n:
-        raise _bad(file, error, f"its header claims {size:,} bytes, but the file has {n:,}")
-
-
 def _parse_header(
-    text_bytes: bytes, n: int, file: Path | str, error: type[SymjaxError], max_tensors: int
-) -> tuple[list[tuple[int, int, str, str, list[int], int]], dict[str, str]]:
-    """The tensors of a safetensors header, in file order, checked to tile the ``n`` bytes
-    of the file exactly; and its ``__metadata__``."""
+    read: Callable[[int, int], Any],
+    n: int,
+    file: Path | str,
+    error: type[SymjaxError],
+    max_tensors: int,
+) -> tuple[list[tuple[int, int, str, str, list[int], int]], dict[str, str], int]:
+    """The header's tensors, in file order, checked to tile the file's ``n`` bytes exactly; its
+    ``__metadata__``; and where the data starts. ``read(start, stop)`` gives the file's bytes."""
 
     def bad(why: str) -> SymjaxError:
-        return _bad(file, error, why)
+        return error(f"{file} is not a valid safetensors file: {why}.")
 
+    if n < 8:
+        raise bad(f"it has {n} bytes, fewer than the 8 of its header length")
+    size = int.from_bytes(read(0, 8), "little")
+    if size > MAX_HEADER_BYTES or 8 + size > n:
+        raise bad(f"its header claims {size:,} bytes, but the file has {n:,}")
+    text_bytes = bytes(read(8, 8 + size))
     try:
         text = text_bytes.decode("utf-8")
         if not text.startswith("{"):
@@ -238,10 +217,9 @@ def _parse_header(
                 f"but has {stop - begin}"
             )
         end = stop
-    data_start = 8 + len(text_bytes)
-    if data_start + end != n:
-        raise bad(f"its tensors end at byte {data_start + end:,}, but the file has {n:,}")
-    return entries, metadata
+    if 8 + size + end != n:
+        raise bad(f"its tensors end at byte {8 + size + end:,}, but the file has {n:,}")
+    return entries, metadata, 8 + size
 
 
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -254,15 +232,8 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _show(value: Any) -> str:
-    return printable(_short(repr(value)))
-
-
-def _short(text: str) -> str:
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _spec_of(name: str, a: np.ndarray) -> TensorSpec:
-    return TensorSpec(name, tuple(a.shape), str(a.dtype))
+    text = repr(value)
+    return printable(text if len(text) <= 80 else text[:77] + "...")
 
 
 MAX_LISTED = 20  # mismatches an error message lists
@@ -273,11 +244,9 @@ def check_params(
 ) -> list[np.ndarray]:
     """Matches params against the manifest's param tree; returns them in call order.
 
-    Linear in the number of params (at most :data:`MAX_PARAMS`); a message lists the first
-    :data:`MAX_LISTED` mismatches.
-
     Raises:
-      ArtifactError: naming missing, extra (and likely renamed) keys, or shape/dtype mismatches.
+      ArtifactError: listing (up to :data:`MAX_LISTED`) missing, extra (and likely renamed)
+        params, or a shape/dtype mismatch.
     """
     if len(found) > MAX_PARAMS:
         raise ArtifactError(
@@ -299,7 +268,10 @@ def check_params(
             lines.append(f"  missing: {s}{hint}")
         if len(missing) > MAX_LISTED:
             lines.append(f"  ... and {len(missing) - MAX_LISTED:,} more missing")
-        lines += [f"  extra:   {_spec_of(e, found[e])}" for e in extra[:MAX_LISTED]]
+        lines += [
+            f"  extra:   {TensorSpec(e, tuple(found[e].shape), str(found[e].dtype))}"
+            for e in extra[:MAX_LISTED]
+        ]
         if len(extra) > MAX_LISTED:
             lines.append(f"  ... and {len(extra) - MAX_LISTED:,} more extra")
         raise ArtifactError(
