@@ -151,13 +151,10 @@ def verify(
         raise ConfigError(f"verify(runtimes={tuple(runtimes)!r}): choose from {RUNTIMES}.")
     if not batches or min(batches) < 1:
         raise ConfigError(f"verify(batches={tuple(batches)!r}): pass batch sizes >= 1.")
-    options = {"trust": bool(trust), "allow": sorted(allow or ())}
+    options = {"trust": bool(trust), "allow": sorted(allow or ())}  # load's, as JSON
     if verify_signature is not None:
         options["verify_signature"] = str(Path(verify_signature).resolve())
-        load_options = dict(options, verify_signature=Path(options["verify_signature"]))
-        check_signature(path, load_options["verify_signature"])  # before reading a byte
-    else:
-        load_options = dict(options)
+        check_signature(path, options["verify_signature"])  # before reading a byte
     art = inspect(path)
     sig = art.signature
     rng = np.random.default_rng(seed)
@@ -192,7 +189,7 @@ def verify(
             return _failed(art.path, f"the fresh process exited {proc.returncode}:\n{tail}")
         result = json.loads((work / "result.json").read_text())
         if reference is None:
-            reference = load(art.path, **load_options)
+            reference = load(art.path, **options)
             ref_name = "the artifact's JAX run in this process"
         else:
             ref_name = getattr(reference, "name", None) or type(reference).__name__
@@ -252,12 +249,12 @@ def _input_kind(path: Path, spec: TensorSpec) -> np.dtype | str:
 def _check_size(path: Path, sig: Any, kinds: list[Any], batches: Sequence[int]) -> None:
     """Refuses random inputs past ``MAX_INPUT_BYTES``: a stranger's manifest chooses them."""
 
-    def nbytes(b: int) -> int:
-        total = 0
-        for spec, kind in zip(sig.inputs, kinds, strict=True):
-            size = kind.itemsize if isinstance(kind, np.dtype) else 16  # a key: its data
-            total += size * math.prod(b if isinstance(d, str) else d for d in spec.shape)
-        return total
+    def nbytes(b: int) -> int:  # a key's data: 16 bytes
+        return sum(
+            (kind.itemsize if isinstance(kind, np.dtype) else 16)
+            * math.prod(b if isinstance(d, str) else d for d in spec.shape)
+            for spec, kind in zip(sig.inputs, kinds, strict=True)
+        )
 
     total = sum(nbytes(b) for b in batches)
     if total <= MAX_INPUT_BYTES:
