@@ -85,16 +85,13 @@ def partition(
     caller: str,
     lists: bool = False,
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
-    """Splits a call into ``(static key, traced args, traced kwargs)``.
-
-    The static key is a tuple of ``(position or name, value, kind)`` (see :func:`_kind`).
-    With ``lists`` (``stage``'s arguments, pytrees as ``jax.make_jaxpr`` takes them), a list
+    """Splits a call into ``(static key, traced args, traced kwargs)``, the static key a tuple
+    of ``(position or name, value, kind)``. With ``lists`` (``stage``'s arguments), a list
     that holds arrays, such as JAX's ``[(W, b), ...]`` params, is traced as a pytree too.
 
     Raises:
-      SignatureError: an argument is a list (ambiguous: a pytree of scalars or an array);
-        with ``lists``, a list that holds no array; an argument is or holds a NumPy masked
-        array (its mask would be dropped).
+      SignatureError: a list (ambiguous: a pytree of scalars or an array), with ``lists`` one
+        that holds no array; a NumPy masked array (its mask would be dropped).
     """
     _refuse_masked(caller, args, kwargs)
     static: list[tuple[Any, Any, Any]] = []
@@ -198,9 +195,8 @@ def path_of(key: Any) -> str:
 
 # -- a Hybrid's settings ---------------------------------------------------------------------
 def check_settings(max_traces: Any = None, **given: tuple[Any, type, Any]) -> None:
-    """Each ``setting=(value, type, example)``: a value of another type is a ConfigError
-    (``compiled="no"`` is truthy; ``name=3`` broke deep inside). ``None`` passes for names.
-    ``max_traces``: a positive int or ``None``."""
+    """Each ``setting=(value, type, example)`` of that type (``None`` passes for a str), else a
+    ConfigError (``compiled="no"`` is truthy); ``max_traces``: a positive int or ``None``."""
     if max_traces is not None and (
         not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
     ):

@@ -137,8 +137,7 @@ def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool 
       ``h.shard(mesh)``: its result equals ``h``'s up to float rounding.
 
     Raises:
-      TypeError: ``h`` is not a Hybrid.
-      ValueError: ``axis`` is not an axis of ``mesh``.
+      ConfigError: ``h`` is not a Hybrid, or ``axis`` is not an axis of ``mesh``.
 
     Example:
       >>> import jax.numpy as jnp

@@ -147,10 +147,9 @@ def explain(
         changes.append(f"input tree structure changed from {old.tree} to {tree}")
     for n, o in zip(sig, old.signature, strict=True) if old.tree == tree else ():
         for field in ("shape", "dtype", "weak_type"):
-            if getattr(n, field) != getattr(o, field):
-                changes.append(
-                    f"{n.path}.{field} changed from {getattr(o, field)} to {getattr(n, field)}"
-                )
+            before, after = getattr(o, field), getattr(n, field)
+            if before != after:
+                changes.append(f"{n.path}.{field} changed from {before} to {after}")
     was, now = dict(old.static), dict(static)
     for path in sorted(set(was) | set(now)):
         if was.get(path) != now.get(path):
