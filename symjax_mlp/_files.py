@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import os
 import re
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -132,28 +134,12 @@ class Reader:
 
 
 def read_regular(
-    file: Path,
-    *,
-    size: int | None = None,
-    limit: int | None = None,
-    sha256: str | None = None,
-    error: type[SymjaxError],
-) -> bytearray:
-    """Reads one regular file: never a link, FIFO or device, its size checked first.
-
-    Reading takes the file's size in memory, in one buffer, and no more.
-
-    Args:
-      file: the file.
-      size: the size it must have (a manifest's record), or ``None``.
-      limit: the most bytes it may have, or ``None``.
-      sha256: the hex sha256 it must have, or ``None``; compared before returning.
-      error: the :class:`~symjax_mlp.SymjaxError` subclass to raise.
-
-    Raises:
-      FileNotFoundError: ``file`` does not exist (callers say what that means).
-      SymjaxError: of type ``error``, for anything else that makes it unreadable.
-    """
+    file: Path, *, size: int | None = None, limit: int | None = None,
+    sha256: str | None = None, error: type[SymjaxError],
+) -> bytearray:  # fmt: skip
+    """Reads one regular file (never a link, FIFO or device) into one buffer: its ``size``
+    (a manifest's record), at most ``limit`` bytes and its ``sha256`` checked, ``None``:
+    unchecked. Raises ``FileNotFoundError`` (callers say what that means), else ``error``."""
     with Reader(file, size=size, limit=limit, error=error) as r:
         try:
             data = bytearray(r.size)
@@ -214,10 +200,42 @@ def write_file(file: Path, data: bytes) -> None:
 
 def cache_dir(*parts: str) -> Path:
     """A per-user cache directory of symjax_mlp: ``$XDG_CACHE_HOME/symjax_mlp/...`` (default
-    ``~/.cache/symjax_mlp/...``), the convention JAX, pip and IREE's own tools follow. What is
-    cached there is derived on this machine; nothing in it ever comes from an artifact."""
+    ``~/.cache/symjax_mlp/...``), as JAX, pip and IREE's tools do, made 0700. As pip does, it
+    is used only if this user owns it and its symjax_mlp parents and nobody else can write
+    them; else it is a path below ``os.devnull``, where nothing is read or written."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root, "symjax_mlp", *parts)
+    path = Path(root, "symjax_mlp")
+    for part in ("", *parts):
+        path = path / part if part else path
+        with contextlib.suppress(OSError):
+            path.mkdir(mode=0o700, parents=not part, exist_ok=True)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode) and _mine(st, 0o022):
+                continue
+        return Path(os.devnull, "symjax_mlp", *parts)
+    return path
+
+
+def cache_secret() -> bytes | None:
+    """This user's key, with which cache entries are signed (``key`` in :func:`cache_dir`,
+    0600, made on first use): an entry planted without it is not trusted. ``None`` without
+    a private cache directory."""
+    key = cache_dir() / "key"
+    with contextlib.suppress(OSError):
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    try:
+        with Reader(key, size=32, error=SymjaxError) as r:
+            return bytes(r.read(32)) if _mine(os.fstat(r.fd), 0o077) else None
+    except (OSError, SymjaxError):
+        return None
+
+
+def _mine(st: os.stat_result, others: int) -> bool:
+    """Owned by this user, none of the ``others`` mode bits set (no owners on Windows)."""
+    return st.st_uid == getattr(os, "getuid", lambda: st.st_uid)() and not st.st_mode & others
 
 
 def write_file_atomic(file: Path, data: bytes) -> None:
@@ -232,34 +250,18 @@ def write_file_atomic(file: Path, data: bytes) -> None:
 
 
 def write_dir(
-    path: Path,
-    files: Mapping[str, bytes],
-    *,
-    overwrite: bool,
-    check: Callable[[Path, bool], None],
-    error: type[SymjaxError],
-    what: str = "",
-) -> None:
-    """Writes ``files`` (in order: put the manifest last) into a new directory at ``path``.
-
-    Args:
-      path: the directory to create, or replace when ``overwrite``.
-      files: file name -> bytes, written in this order, each fsynced.
-      overwrite: replace an existing ``path``.
-      check: ``check(path, overwrite)`` raises if ``path`` may not be written; called before
-        and again just before the rename.
-      error: the :class:`~symjax_mlp.SymjaxError` subclass to raise.
-      what: what ``path`` is, for messages (``"the artifact"``); default: just the path.
-
-    Raises:
-      SymjaxError: of type ``error``; any previous directory at ``path`` is then unchanged.
-    """
+    path: Path, files: Mapping[str, bytes], *, overwrite: bool,
+    check: Callable[[Path, bool], None], error: type[SymjaxError], what: str = "",
+) -> None:  # fmt: skip
+    """Writes ``files`` (name -> bytes, each fsynced, in order: the manifest last) into a new
+    directory at ``path``, replacing one only when ``overwrite``. ``check(path, overwrite)``
+    raises if ``path`` may not be written (called first and just before the rename); any
+    other failure raises ``error`` (about ``what``: "the artifact"), ``path`` unchanged."""
     target = f"{what} {path}" if what else str(path)
     check(path, overwrite)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+        lock = _locked_dir(path, tmp)
     except OSError as e:
         raise error(f"cannot write {target}: {e}") from e
     try:
@@ -271,7 +273,7 @@ def write_dir(
         # artifact) must make the no-replace rename below fail, not be swapped out.
         if overwrite and (path.exists() or path.is_symlink()):
             _replace(tmp, path)  # tmp now holds the previous directory
-            shutil.rmtree(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)  # unlocked: another's cleanup may race us
         elif not _rename(tmp, path, _RENAME_NOREPLACE):
             os.rename(tmp, path)  # not Linux: fails on a non-empty directory that appeared
         _fsync_dir(path.parent)
@@ -285,6 +287,8 @@ def write_dir(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)
     remove_stale(path)
 
 
@@ -327,13 +331,53 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _locked_dir(path: Path, tmp: Path) -> int:
+    """Creates the directory ``tmp`` holding an exclusive ``flock`` (the fd, to close when
+    done): made under another name and renamed, so a cleanup never finds it unlocked."""
+    new = tmp.with_name(tmp.name.replace(".tmp-", ".new-", 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new.mkdir()
+    fd = os.open(new, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):  # a filesystem without locks: age decides
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(new, tmp)
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    return fd
+
+
+STALE_AGE = 24 * 3600.0  # seconds: an unlockable temporary sibling this old is abandoned
+
+
 def remove_stale(path: Path) -> None:
-    """Removes temporary siblings left by writers of ``path`` whose process has died."""
-    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?:tmp|old)-(\d+)-[0-9a-f]+$")
+    """Removes temporary siblings left by writers of ``path`` that are provably gone: its
+    pid is no live process here and no process holds the lock each writer holds while
+    writing (a pid alone says nothing across PID namespaces: two containers sharing a
+    volume), or, where the filesystem has no locks, a day old."""
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(tmp|old|new)-(\d+)-[0-9a-f]+$")
     for sibling in path.parent.iterdir():
         m = pattern.match(sibling.name)
-        if m and not _alive(int(m.group(1))):
+        if m and not _alive(int(m.group(2))) and _abandoned(sibling, m.group(1) == "tmp"):
             shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _abandoned(sibling: Path, locked: bool) -> bool:
+    age = 0.0
+    with contextlib.suppress(OSError):  # where locks fail, age decides
+        fd = os.open(sibling, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            age = time.time() - os.fstat(fd).st_mtime
+            if locked:  # a writer holds it until it is done: nobody does, so it is gone
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+    return age > STALE_AGE
 
 
 def _alive(pid: int) -> bool:
@@ -341,6 +385,6 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's
+        pass
     return True

@@ -10,10 +10,12 @@ temporary sibling the dead export left either fails to load or is a complete art
 of them (it is never partial). The next export clears the dead export's siblings.
 
 ``tests/test_export.py`` kills one export at a chosen point (half of params written); this
-kills many at random ones.
+kills many at random ones. Last, what other users and other containers leave: a cache
+directory others can write, an op report planted there, another container's live export.
 """
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -21,10 +23,13 @@ import sys
 import textwrap
 import threading
 
+import jax.extend.mlir as jex
 import numpy as np
 from helpers import STRICT_WARNINGS
 
 import symjax_mlp as sm
+from symjax_mlp import _files
+from symjax_mlp._artifact import checker
 
 RUNS = 14  # sized for CI (2 cores, the suite under 10 minutes); each run starts a process
 LANES = 2  # runs in parallel, each lane on its own artifact path
@@ -162,3 +167,82 @@ def test_sigkill_during_export_never_leaves_a_partial_artifact(tmp_path):
         sm.export(model(2), path, example=x, overwrite=True)
         assert _siblings(path) == []
         assert np.asarray(sm.load(path)(x)).tobytes() == outputs[1]
+
+
+# -- what other users and other containers left: caches and temporary siblings ---------------
+def test_a_cache_directory_others_can_write_or_own_is_not_used(tmp_path, monkeypatch):
+    """As pip: a cache directory (or a symjax_mlp one above it) that another user owns or
+    anyone else can write is not used; the caller sees no cache, not an error."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ops = _files.cache_dir("ops")
+    assert ops == tmp_path / "xdg" / "symjax_mlp" / "ops" and ops.stat().st_mode & 0o777 == 0o700
+    assert len(_files.cache_secret()) == 32
+    assert (ops.parent / "key").stat().st_mode & 0o777 == 0o600
+    for d in (ops.parent, ops):
+        d.chmod(0o777)  # planted by anyone: not ours
+        assert _files.cache_dir("ops").is_relative_to(os.devnull)
+        assert not _files.cache_dir("ops").parent.is_dir()
+        d.chmod(0o700)
+    assert _files.cache_dir("ops") == ops
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(ops).st_uid + 1)  # another user's
+    assert _files.cache_dir("ops").is_relative_to(os.devnull) and _files.cache_secret() is None
+
+
+def test_an_op_report_planted_in_the_cache_is_not_trusted(tmp_path, monkeypatch):
+    """A well-formed report for a module with a host callback, planted under the public key
+    (the module's sha256, jaxlib's version, the checker's source) by this very user: without
+    this user's secret key it is not trusted, and the module is checked again."""
+    from jax.extend.mlir import ir
+    from jax.interpreters import mlir as jax_mlir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    text = (
+        "module @m {\n  func.func public @main(%x: tensor<2xf32>) -> tensor<2xf32> {\n"
+        "    %y = stablehlo.custom_call @xla_python_cpu_callback(%x) : (tensor<2xf32>) -> "
+        "tensor<2xf32>\n    return %y : tensor<2xf32>\n  }\n}\n"
+    )
+    with jax_mlir.make_ir_context():
+        data = bytes(jex.serialize_portable_artifact(ir.Module.parse(text), "1.0.0"))
+    clean = {"counts": {"func.func": 1}, "custom_calls": {}, "work": 1, "problems": []}
+    entry = _files.cache_dir("ops") / checker._cache_key(_files.sha256(data))
+    for planted in (json.dumps(clean).encode(), b"0" * 64 + b"\n" + json.dumps(clean).encode()):
+        entry.write_bytes(planted)
+        report = checker.analyze(data, file=tmp_path / "m")
+        assert [p.key for p in report.problems] == ["custom_call:xla_python_cpu_callback"]
+    checker.remember("verdict")  # and what this user wrote is trusted, not a planted copy
+    assert checker.remembered("verdict")
+    (_files.cache_dir("ops") / checker._cache_key("forged")).write_bytes(b"forged")
+    assert not checker.remembered("forged")
+    monkeypatch.setattr(checker.CHECKER, "report", None)  # cached now: never called
+    assert checker.analyze(data, file=tmp_path / "m") == report
+
+
+HOLD = (
+    "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(120)\n"
+)
+
+
+def test_a_temporary_sibling_whose_pid_looks_dead_but_is_locked_is_left_alone(tmp_path):
+    """Two containers exporting to one volume: the other's pid is dead in this PID namespace,
+    but it holds its temporary directory's lock while it writes, so it is left alone; once
+    it is gone (the lock released), the next export removes what it left."""
+    path = tmp_path / "art"
+    theirs = tmp_path / f".art.tmp-{(1 << 22) + 1}-0123abcd"  # a pid above any pid_max
+    theirs.mkdir()
+    (theirs / "params.safetensors").write_bytes(b"half")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(theirs)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        _files.write_dir(path, {"a": b"1"}, overwrite=False, check=lambda *_: None, error=Exception)
+        _files.remove_stale(path)
+        assert (theirs / "params.safetensors").read_bytes() == b"half"
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    _files.write_dir(path, {"a": b"2"}, overwrite=True, check=lambda *_: None, error=Exception)
+    assert not theirs.exists() and _siblings(path) == []
+    assert (path / "a").read_bytes() == b"2"

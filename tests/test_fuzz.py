@@ -2,15 +2,18 @@
 manifest declares, run code, or return a different answer.
 
 The fuzz cases run in worker processes (the ``tests/fuzzing`` package: its driver starts
-``python -m fuzzing.worker``), so a crash is a counted signal, not a dead test run. Four
+``python -m fuzzing.worker``), so a crash is a counted signal, not a dead test run. Six
 targets: ``loader`` (a real artifact mutated every way), ``entries`` (the same, on an artifact
 of two entry points, every entry point called), ``hostile`` (consistent artifacts a stranger
-made: forged programs, crafted weights, planted files) and ``checkpoint``. CI runs
+made: forged programs, crafted weights, planted files), ``checkpoint``, ``bodies`` and
+``regions`` (the checker's accounting of nested regions). CI runs
 ``SYMJAX_FUZZ_CASES`` loader cases (default 1000), ``SYMJAX_FUZZ_ENTRY_CASES`` (1000),
-``SYMJAX_FUZZ_HOSTILE_CASES`` (300) and ``SYMJAX_FUZZ_CHECKPOINT_CASES`` (200), about a minute
+``SYMJAX_FUZZ_HOSTILE_CASES`` (300), ``SYMJAX_FUZZ_CHECKPOINT_CASES`` (200),
+``SYMJAX_FUZZ_BODY_CASES`` (2000) and ``SYMJAX_FUZZ_REGION_CASES`` (500), about a minute
 on two cores; the release run, documented in RELIABILITY.md, is::
 
     SYMJAX_FUZZ_CASES=20000 SYMJAX_FUZZ_HOSTILE_CASES=12000 SYMJAX_FUZZ_CHECKPOINT_CASES=8000 \
+        SYMJAX_FUZZ_BODY_CASES=20000 SYMJAX_FUZZ_REGION_CASES=20000 \
         SYMJAX_FUZZ_ENTRY_CASES=20000 pytest tests/test_fuzz.py -k fuzzed -s
 """
 
@@ -36,6 +39,7 @@ ENTRY_CASES = int(os.environ.get("SYMJAX_FUZZ_ENTRY_CASES", "1000"))
 HOSTILE_CASES = int(os.environ.get("SYMJAX_FUZZ_HOSTILE_CASES", "300"))
 CHECKPOINT_CASES = int(os.environ.get("SYMJAX_FUZZ_CHECKPOINT_CASES", "200"))
 BODY_CASES = int(os.environ.get("SYMJAX_FUZZ_BODY_CASES", "2000"))  # ~1 ms each
+REGION_CASES = int(os.environ.get("SYMJAX_FUZZ_REGION_CASES", "500"))  # ~40 ms each
 SEED = int(os.environ.get("SYMJAX_FUZZ_SEED", "0"))
 WORKERS = int(os.environ.get("SYMJAX_FUZZ_WORKERS", "2"))
 
@@ -95,6 +99,14 @@ def test_fuzzed_http_bodies_are_refused_or_read_as_sent(tmp_path):
     summary = _fuzzed(tmp_path, BODY_CASES, "bodies")
     families = ("valid", "value", "structure", "bytes", "type")
     assert _kinds(summary) == {f"body-{k}" for k in families}
+
+
+def test_fuzzed_region_nestings_are_refused_exactly_when_over_the_bound(tmp_path):
+    """Random nestings of reduce, while, call and case just under or over the work bound: the
+    checker charges each region as often as XLA runs it (a reduce's body was charged once)."""
+    summary = _fuzzed(tmp_path, REGION_CASES, "regions")
+    edges = ("under", "over", "near", "edge", "edge+1")
+    assert _kinds(summary) == {f"regions-{k}" for k in edges}
 
 
 def test_the_fuzz_driver_sees_crashes_hangs_and_wrong_outputs(tmp_path, monkeypatch):

@@ -3,14 +3,16 @@
 jaxlib's MLIR bindings parse and walk a module in C++, and a crafted or corrupted module can
 crash them; so :func:`analyze` hands the bytes to a long-lived child process (:class:`Checker`,
 running :func:`serve`) and takes back a :class:`~symjax_mlp._artifact.ops.ModuleReport` as
-JSON. Verdicts are remembered per module digest and jaxlib version in the cache directory,
-so a module checked once is not walked again.
+JSON. Verdicts are remembered per module digest and jaxlib version in this user's private
+cache directory, signed with this user's key, so a module checked once is not walked again.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import hmac
 import json
 import os
 import select
@@ -24,14 +26,12 @@ from typing import Any
 from symjax_mlp._artifact.ops import ModuleReport, Problem
 from symjax_mlp._artifact.walk import analyze_module
 from symjax_mlp._errors import ArtifactError
-from symjax_mlp._files import cache_dir, sha256, write_file_atomic
+from symjax_mlp._files import cache_dir, cache_secret, sha256, write_file_atomic
 
 
 def parse(mlirbc: bytes, *, file: Path) -> Any:
-    """The StableHLO module of portable-artifact bytecode, as a jaxlib ``ir.Module``.
-
-    In this process: only for bytes :func:`analyze` has read safely in its child process.
-    """
+    """The StableHLO module of portable-artifact bytecode, as a jaxlib ``ir.Module`` (in
+    this process: only for bytes :func:`analyze` has read safely in its child process)."""
     import jax.extend.mlir as jex
     from jax.interpreters import mlir as jax_mlir
 
@@ -47,36 +47,51 @@ def parse(mlirbc: bytes, *, file: Path) -> Any:
 
 
 def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
-    """Walks every op of the module in ``mlirbc``; see :mod:`symjax_mlp._artifact.ops`.
-
-    The bytes are read and walked in the child process (see the module docstring); a crash
-    or a hang of the child is an :class:`ArtifactError`. A report is cached in
-    ``~/.cache/symjax_mlp/ops`` under the sha256 of the module and of this checker, so a
-    module read once by this user is not read again.
-    """
+    """Walks every op of the module in ``mlirbc`` in the child process (a crash or a hang
+    of it is an :class:`ArtifactError`); see :mod:`symjax_mlp._artifact.ops`. The report is
+    cached under the sha256 of the module and of this checker, signed with this user's key
+    (:func:`~symjax_mlp._files.cache_secret`): an entry planted without it is read again."""
     data = bytes(mlirbc)
-    cache = cache_dir("ops") / _cache_key(sha256(data))
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        return _from_json(json.loads(cache.read_bytes()))  # else damaged or absent: read it
+    name = _cache_key(sha256(data))
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        entry = _read_entry(name)
+        if entry is not None:
+            return _from_json(json.loads(entry))  # else damaged or absent: read it
     report = CHECKER.report(data, file=file)
-    with contextlib.suppress(OSError):  # an unwritable cache directory: just not cached
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(cache, json.dumps(_to_json(report)).encode())
+    _write_entry(name, json.dumps(_to_json(report)).encode())
     return report
 
 
 def remembered(verdict: str) -> bool:
     """Whether the checker found ``verdict`` (a statement about a module by its sha256) true
     before, in any process of this user (see :func:`remember`)."""
-    return (cache_dir("ops") / _cache_key(verdict)).is_file()
+    return _read_entry(_cache_key(verdict)) == verdict.encode()
 
 
 def remember(verdict: str) -> None:
     """Records that ``verdict`` holds, keyed like a report (the checker's source included)."""
+    _write_entry(_cache_key(verdict), verdict.encode())
+
+
+def _read_entry(name: str) -> bytes | None:
+    """The body of the cache entry ``name`` if this user's key signed it, else ``None``."""
+    key = cache_secret()
     with contextlib.suppress(OSError):
-        file = cache_dir("ops") / _cache_key(verdict)
-        file.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(file, verdict.encode())
+        tag, _, body = (cache_dir("ops") / name).read_bytes().partition(b"\n")
+        if key is not None and hmac.compare_digest(tag, _tag(key, name, body)):
+            return body
+    return None
+
+
+def _write_entry(name: str, body: bytes) -> None:
+    key = cache_secret()
+    with contextlib.suppress(OSError):  # no private cache directory: just not cached
+        if key is not None:
+            write_file_atomic(cache_dir("ops") / name, _tag(key, name, body) + b"\n" + body)
+
+
+def _tag(key: bytes, name: str, body: bytes) -> bytes:
+    return hmac.new(key, name.encode() + b"\n" + body, "sha256").hexdigest().encode()
 
 
 def _cache_key(module_sha256: str) -> str:
@@ -84,32 +99,21 @@ def _cache_key(module_sha256: str) -> str:
 
     # the rules (ops.py), the walk and this reader: a changed one reads every module anew
     here = Path(__file__)
-    checker = b"".join(
-        here.with_name(n).read_bytes() for n in ("ops.py", "cost.py", "walk.py", here.name)
-    )
+    names = ("ops.py", "cost.py", "walk.py", here.name)
+    checker = b"".join(here.with_name(n).read_bytes() for n in names)
     return sha256(b"%s %s %s" % (module_sha256.encode(), jaxlib_version.encode(), checker))
 
 
 def _to_json(r: ModuleReport) -> dict[str, Any]:
-    return {
-        "counts": r.counts,
-        "custom_calls": r.custom_calls,
-        "work": r.work,
-        "problems": [[p.key, p.what] for p in r.problems],
-    }
+    return dataclasses.asdict(r)
 
 
 def _from_json(r: dict[str, Any]) -> ModuleReport:
-    report = ModuleReport(
-        dict(r["counts"]),
-        dict(r["custom_calls"]),
-        int(r["work"]),
-        tuple(Problem(str(k), str(w)) for k, w in r["problems"]),
-    )
-    counts = (*report.counts.values(), *report.custom_calls.values())
-    if not all(isinstance(n, int) for n in counts):
+    counts, custom = dict(r["counts"]), dict(r["custom_calls"])
+    if not all(isinstance(n, int) for n in (*counts.values(), *custom.values())):
         raise ValueError("not a report")
-    return report
+    problems = tuple(Problem(str(p["key"]), str(p["what"])) for p in r["problems"])
+    return ModuleReport(counts, custom, int(r["work"]), problems)
 
 
 class Checker:
@@ -138,12 +142,9 @@ class Checker:
         )
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the child)
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", code],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            cwd=tempfile.gettempdir(),
-        )
+            [sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, cwd=tempfile.gettempdir(),
+        )  # fmt: skip
         ready, _, _ = select.select([self.proc.stdout], [], [], self.START_TIMEOUT)
         if ready and self.proc.stdout.readline() == b"ready\n":
             return self.proc

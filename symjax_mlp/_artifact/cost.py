@@ -1,10 +1,7 @@
-"""What one StableHLO op costs, and how often XLA runs its regions.
-
-:mod:`~symjax_mlp._artifact.walk` charges an op the elements of its largest tensor (a
-``dot_general`` its result times its contracted size) times how often the regions around it
-run: a counted ``while`` body its trip count, a reducer's body (:data:`REDUCERS`) once per
-element it combines (:func:`region_runs`), nested regions the product. Every branch of a
-``case`` is charged as if it ran. Dynamic dimensions count as 1.
+"""What one StableHLO op costs: the elements of its largest tensor (a ``dot_general``: its
+result's times its contracted size; dynamic dimensions as 1), times how often XLA runs the
+regions around it: a counted ``while`` body per trip, a reducer's body (:data:`REDUCERS`) per
+element it combines (:func:`region_runs`), every ``case`` branch once, nested ones multiplied.
 """
 
 from __future__ import annotations
@@ -13,14 +10,11 @@ import math
 from typing import Any
 
 _INT_MAX = (1 << 31) - 1
-#: ops whose regions XLA runs once per element (or pair of elements) they combine
-REDUCERS = frozenset(
-    {
-        "stablehlo.reduce", "stablehlo.reduce_window", "stablehlo.scatter", "stablehlo.sort",
-        "stablehlo.select_and_scatter", "stablehlo.map", "stablehlo.all_reduce",
-        "stablehlo.reduce_scatter",
-    }
-)  # fmt: skip
+# ops whose regions XLA runs per element (or pair of elements) they combine
+REDUCERS = frozenset(f"stablehlo.{n}" for n in (
+    "reduce", "reduce_window", "scatter", "sort", "select_and_scatter", "map", "all_reduce",
+    "reduce_scatter",
+))  # fmt: skip
 
 
 def region_runs(op: Any) -> int:
@@ -34,12 +28,9 @@ def region_runs(op: Any) -> int:
     if name == "stablehlo.scatter":
         return ins[-1] if ins else most
     if name in ("stablehlo.reduce_window", "stablehlo.select_and_scatter"):
-        window = _ints(attr(op, "window_dimensions"))
-        if name == "stablehlo.reduce_window":
-            base = outs[0] if outs else most
-        else:  # (operand, source, init): one window per source element
-            base = ins[1] if len(ins) > 1 else most
-        return base * (most if window is None else max(math.prod(window), 1))
+        window = _ints(attr(op, "window_dimensions"))  # select_and_scatter: per source element
+        base = (outs if name == "stablehlo.reduce_window" else ins[1:]) or [most]
+        return base[0] * (most if window is None else max(math.prod(window), 1))
     if name == "stablehlo.sort":
         try:
             t = op.operands[0].type
@@ -80,7 +71,7 @@ def _static_size(t: Any, dims: Any) -> int:
 def _ints(a: Any) -> list[int] | None:
     from jax.extend.mlir import ir
 
-    return [int(x) for x in a] if isinstance(a, ir.DenseI64ArrayAttr) else None
+    return list(a) if isinstance(a, ir.DenseI64ArrayAttr) else None
 
 
 def contracting(op: Any) -> int:
@@ -109,18 +100,13 @@ def _scalar_int(value: Any) -> int | None:
     """The value of a scalar integer ``stablehlo.constant``, else None."""
     from jax.extend.mlir import ir
 
-    if not isinstance(value, ir.OpResult):
+    if not isinstance(value, ir.OpResult) or value.owner.operation.name != "stablehlo.constant":
         return None
-    op = value.owner.operation
-    if op.name != "stablehlo.constant":
-        return None
-    dense = attr(op, "value")
+    dense = attr(value.owner.operation, "value")
     if not isinstance(dense, ir.DenseIntElementsAttr) or not dense.is_splat:
         return None
     t = dense.type
-    if not isinstance(t, ir.RankedTensorType) or t.rank != 0:
-        return None
-    et = t.element_type
+    et = t.element_type if isinstance(t, ir.RankedTensorType) and t.rank == 0 else None
     if not isinstance(et, ir.IntegerType) or et.width not in (32, 64) or et.is_unsigned:
         return None
     return int(dense.get_splat_value().value)

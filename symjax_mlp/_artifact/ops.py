@@ -99,18 +99,14 @@ def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
     """``allow=`` as keys: ``"while"``, ``"stablehlo.while"`` and ``"op:while"`` are one key."""
     if allow is None:
         return frozenset()
-    if isinstance(allow, str):
-        allow = (allow,)
-    keys = set()
+    allow = (allow,) if isinstance(allow, str) else tuple(allow)
     for item in allow:
         if not isinstance(item, str) or not item:
             raise ArtifactError(
                 f"load(allow=...): expected names such as 'while' or 'custom_call:NAME'; "
                 f"got {item!r}."
             )
-        item = item.removeprefix("op:").removeprefix("stablehlo.")
-        keys.add(item)
-    return frozenset(keys)
+    return frozenset(item.removeprefix("op:").removeprefix("stablehlo.") for item in allow)
 
 
 def check(report: ModuleReport, *, file: Path, allow: frozenset[str], caller: str) -> None:

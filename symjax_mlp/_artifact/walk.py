@@ -1,10 +1,8 @@
 """What a StableHLO module does: every op of every function walked, in an MLIR context.
 
-:func:`analyze_module` counts the ops and custom-call targets, bounds each ``while`` loop's
-trip count, finds recursion and control flow inside reducer bodies, and adds up the element
-operations (each op's, times how often XLA runs the regions around it: see
-:mod:`~symjax_mlp._artifact.cost`) and the bytes of every tensor made, with every call
-inlined: the :class:`~symjax_mlp._artifact.ops.ModuleReport` that
+:func:`analyze_module` counts ops and custom calls, bounds loops' trip counts, finds recursion
+and control flow in reducer bodies, and adds up the work (:mod:`~symjax_mlp._artifact.cost`)
+and the bytes of tensors made, every call inlined: the :class:`ops.ModuleReport` that
 :func:`~symjax_mlp._artifact.ops.check` judges. A stranger's bytes are walked only in the
 checker's child process (:mod:`~symjax_mlp._artifact.checker`); this process walks only
 modules it made itself (the module refined for a call's shapes, from one the child read).
@@ -14,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import graphlib
 from pathlib import Path
 from typing import Any
 
@@ -100,17 +99,17 @@ class _Walk:
             target = _str_attr(op, "call_target_name") or "?"
             self.custom[target] += 1
             if target in ops.HOST_CALLBACKS:
-                self._problem(
-                    f"custom_call:{target}",
+                what = (
                     f"a host callback ({target}): it calls a Python function of the process "
-                    "that exported the model, which here is no function or another one",
+                    "that exported the model, which here is no function or another one"
                 )
-            elif target not in ops.JAX_CUSTOM_CALLS:
-                self._problem(
-                    f"custom_call:{target}",
+            else:
+                what = (
                     f"custom_call @{target}: a native kernel that reads and writes buffers of "
-                    "the sizes the module declares, unchecked",
+                    "the sizes the module declares, unchecked"
                 )
+            if target not in ops.JAX_CUSTOM_CALLS:
+                self._problem(f"custom_call:{target}", what)
             else:
                 self._jax_custom_call(op, target)
                 self._attributes(op, name)
@@ -122,15 +121,10 @@ class _Walk:
         inner = mult
         if name == "stablehlo.while":
             trips = cost.trip_count(op)
-            if trips is None:
-                self._problem("while", "a while loop whose trip count is not a constant")
-                trips = ops.MAX_LOOP_TRIPS
-            elif trips > ops.MAX_LOOP_TRIPS:
-                self._problem(
-                    "while",
-                    f"a while loop of {trips:,} iterations (at most {ops.MAX_LOOP_TRIPS:,})",
-                )
-            inner = mult * max(trips, 1)
+            if trips is None or trips > ops.MAX_LOOP_TRIPS:
+                of = f"of {trips:,} iterations (at most {ops.MAX_LOOP_TRIPS:,})" if trips else ""
+                self._problem("while", f"a while loop {of or 'whose trip count is not a constant'}")
+            inner = mult * max(ops.MAX_LOOP_TRIPS if trips is None else trips, 1)
         elif name in cost.REDUCERS:
             inner, reducer = mult * cost.region_runs(op), name
         for region in op.regions:
@@ -175,11 +169,8 @@ class _Walk:
 
         attrs = {n: op.attributes[n] for n in op.attributes}
         operands, results = list(op.operands), list(op.results)
-        want = {
-            "call_target_name": ir.StringAttr,
-            "api_version": ir.IntegerAttr,
-            "has_side_effect": ir.BoolAttr,
-        }
+        want = {"call_target_name": ir.StringAttr, "api_version": ir.IntegerAttr,
+                "has_side_effect": ir.BoolAttr}  # fmt: skip
         if target == "shape_assertion":
             want["error_message"] = ir.StringAttr
             shaped = (
@@ -192,8 +183,7 @@ class _Walk:
                 )
             )
         else:  # sharding annotations: one array in, the same array out
-            want["backend_config"] = ir.StringAttr
-            want["mhlo.sharding"] = ir.StringAttr
+            want |= dict.fromkeys(("backend_config", "mhlo.sharding"), ir.StringAttr)
             want["mhlo.frontend_attributes"] = ir.DictAttr
             shaped = len(operands) == 1 and len(results) == 1
         typed = set(attrs) <= set(want) and all(isinstance(attrs[k], want[k]) for k in attrs)
@@ -218,38 +208,25 @@ class _Walk:
 
     def _inline(self) -> int:
         """Work of ``main`` with every call inlined; flags recursion and call explosions."""
-        order, state = [], {}
-
-        def visit(name: str, path: list[str]) -> None:
-            if state.get(name) == 2:
-                return
-            if state.get(name) == 1:
-                cycle = " -> ".join([*path[path.index(name) :], name])
-                self._problem("recursion", f"recursive calls ({cycle}), which never finish")
-                return
-            state[name] = 1
-            for callee, _ in self.funcs.get(name, {}).get("calls", []):
-                if callee not in self.funcs:
-                    self._problem("call", f"a call of @{callee}, which the module does not define")
-                else:
-                    visit(callee, [*path, name])
-            state[name] = 2
-            order.append(name)
-
-        for name in self.funcs:
-            visit(name, [])
-        if any(p.key == "recursion" for p in self.problems.values()):
+        graph = {n: {c for c, _ in f["calls"]} for n, f in self.funcs.items()}
+        for c in set().union(*graph.values()) - set(graph):
+            self._problem("call", f"a call of @{c}, which the module does not define")
+            graph[c] = set()
+        try:
+            order = list(graphlib.TopologicalSorter(graph).static_order())  # callees first
+        except graphlib.CycleError as e:
+            cycle = " -> ".join(reversed(e.args[1]))
+            self._problem("recursion", f"recursive calls ({cycle}), which never finish")
             return sum(f["work"] for f in self.funcs.values())
         total: dict[str, dict[str, int]] = {}
-        for name in order:  # callees first; a call inlines one copy, run m times
-            f = self.funcs[name]
-            calls = [(c, m) for c, m in f["calls"] if c in self.funcs]
+        for name in order:  # a call inlines one copy, run m times
+            f = self.funcs.get(name, {"work": 0, "ops": 0, "bytes": 0, "calls": []})
+            calls = f["calls"]
             total[name] = {
                 k: f[k] + sum((m if k == "work" else 1) * total[c][k] for c, m in calls)
                 for k in ("work", "ops", "bytes")
             }
-        roots = [n for n in self.funcs if not any(n == c for f in self.funcs.values()
-                                                  for c, _ in f["calls"])]  # fmt: skip
+        roots = [n for n in self.funcs if not any(n in cs for cs in graph.values())]
         n_ops, n_bytes = (sum(total[n][k] for n in roots) for k in ("ops", "bytes"))
         if n_ops > ops.MAX_OPS:
             self._problem(
@@ -271,31 +248,21 @@ def _attribute_kinds() -> dict[str, tuple[type, ...]]:
 
     string, integer, boolean = (ir.StringAttr,), (ir.IntegerAttr,), (ir.BoolAttr,)
     return {
-        "jax.uses_shape_polymorphism": boolean,
-        "jax.global_constant": string,
-        "jax.result_info": string,
-        "jax.buffer_donor": boolean,
-        "mhlo.num_partitions": integer,
-        "mhlo.num_replicas": integer,
-        "mhlo.sharding": string,
-        "mhlo.layout_mode": string,
-        "mhlo.memory_kind": string,
-        "mhlo.frontend_attributes": (ir.DictAttr,),
+        **dict.fromkeys(("jax.uses_shape_polymorphism", "jax.buffer_donor"), boolean),
+        **dict.fromkeys(("jax.global_constant", "jax.result_info", "mhlo.sharding"), string),
+        **dict.fromkeys(("mhlo.layout_mode", "mhlo.memory_kind"), string),
+        **dict.fromkeys(("mhlo.num_partitions", "mhlo.num_replicas"), integer),
+        **dict.fromkeys(("mhlo.frontend_attributes", "stablehlo.mesh"), (ir.DictAttr,)),
         "mhlo.backend_config": (ir.DictAttr, ir.StringAttr),
         "tf.aliasing_output": integer,
-        "stablehlo.mesh": (ir.DictAttr,),  # on sdy.mesh, as Shardy writes it
-    }
+    }  # stablehlo.mesh: on sdy.mesh, as Shardy writes it
 
 
 def _scalar_type(t: Any, widths: set[int]) -> bool:
     from jax.extend.mlir import ir
 
-    return (
-        isinstance(t, ir.RankedTensorType)
-        and t.rank == 0
-        and isinstance(t.element_type, ir.IntegerType)
-        and t.element_type.width in widths
-    )
+    et = t.element_type if isinstance(t, ir.RankedTensorType) and t.rank == 0 else None
+    return isinstance(et, ir.IntegerType) and et.width in widths
 
 
 def _str_attr(op: Any, name: str) -> str | None:

@@ -12,7 +12,7 @@ one or a few mutations, runs ``sm.load(path)(x)`` and reports one JSON line. The
 - ``crash`` / ``hang``: the worker process died on a signal / a case ran past its timeout
   (set by the driver, which restarts the worker at the next case).
 
-Plain modules, never collected by pytest (``tests/test_fuzz.py`` drives them). Five targets,
+Plain modules, never collected by pytest (``tests/test_fuzz.py`` drives them). Six targets,
 each a ``make``, a ``Context`` and a ``run_case`` (:func:`fuzzing.worker.target`):
 
 - ``loader``: :mod:`fuzzing.cases` (the artifacts a run is built on, and what a worker knows
@@ -25,6 +25,8 @@ each a ``make``, a ``Context`` and a ``run_case`` (:func:`fuzzing.worker.target`
 - ``checkpoint``: :mod:`fuzzing.checkpoints`, training checkpoints mutated and restored;
 - ``bodies``: :mod:`fuzzing.bodies`, HTTP request bodies broken and read as ``POST /predict``
   reads them;
+- ``regions``: :mod:`fuzzing.regions`, random nestings of reduce, while, call and case whose
+  work is just under or over the checker's bound: refused exactly when over;
 
 and :mod:`fuzzing.worker` (the worker process: runs cases, classifies them, one JSON line
 each), :mod:`fuzzing.driver` (starts the workers, restarts them after a crash or a hang, and

@@ -2,7 +2,8 @@
 
 ``python -m fuzzing.worker OUT SEED FIRST STOP [TARGET]`` (``tests`` on ``PYTHONPATH``; the
 driver, :mod:`fuzzing.driver`, starts it) runs cases ``FIRST`` to ``STOP - 1`` of ``TARGET``
-(:data:`TARGETS`: ``loader``, the default, ``entries``, ``hostile``, ``checkpoint``, ``bodies``)
+(:data:`TARGETS`: ``loader``, the default, ``entries``, ``hostile``, ``checkpoint``, ``bodies``,
+``regions``)
 against what ``make`` wrote in ``OUT``. Before loading each case it prints a ``start`` line,
 so that a case that kills or hangs the interpreter is still attributed; after it, the result:
 the outcome (see :mod:`fuzzing`), what was mutated, the time and the peak memory. Result lines
@@ -132,7 +133,7 @@ def peak_rss_mb() -> int:
 
 
 # -- the worker process ------------------------------------------------------------------------
-TARGETS = ("loader", "entries", "hostile", "checkpoint", "bodies")  # see fuzzing.driver
+TARGETS = ("loader", "entries", "hostile", "checkpoint", "bodies", "regions")  # fuzzing.driver
 
 
 def target(name: str):
@@ -157,6 +158,10 @@ def target(name: str):
         from fuzzing import bodies
 
         return bodies.make, bodies.Context, bodies.run_case
+    if name == "regions":
+        from fuzzing import regions
+
+        return regions.make, regions.Context, regions.run_case
     raise ValueError(f"unknown fuzz target {name!r}; choose from {TARGETS}")
 
 
