@@ -1,11 +1,10 @@
 """Stage 3 of the flow: a :class:`~symjax_mlp.Hybrid` to a portable StableHLO artifact.
 
 ``export`` runs ``jax.export`` on the Hybrid's pure function with the params as *inputs* (not
-constants), so the weights live in a separate, cross-language ``params.safetensors`` and can be
-swapped at load. A sharded Hybrid exports its sharded program (the manifest records the
-device count). Each entry point is staged and exported by :mod:`symjax_mlp._export_entry`;
-this module checks the options, joins the entry points' params into one weight file, and
-writes the directory atomically, manifest last.
+constants): the weights live in a cross-language ``params.safetensors``, swappable at load.
+Each entry point is staged and exported by :mod:`symjax_mlp._export_entry`; this module checks
+the options, joins the params into one weight file, and writes the directory atomically,
+manifest last.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from symjax_mlp._artifact.format import (
     check_target,
     depth,
     entry_files,
+    is_entry_name,
 )
 from symjax_mlp._artifact.reading import Artifact, freeze
 from symjax_mlp._artifact.signature import Signature
@@ -69,22 +69,20 @@ def export(
 
     Args:
       h: the :class:`~symjax_mlp.Hybrid` to export; its params become inputs of the exported
-        function and are written to ``params.safetensors``. A sharded Hybrid
-        (``h.shard(mesh)``) exports its sharded program, for ``mesh.size`` devices. Params
-        are stored in the dtype JAX traces them with: NumPy float64 ones as float32 while
-        ``jax_enable_x64`` is off, as ``jnp.asarray`` gives them. A stateful
-        one exports one call with its current state; the state update is dropped (inference).
-        Or a dict of them, ``{"predict": h, "embed": h_embed}``: several entry points over one
-        ``params.safetensors`` (a param path shared by two must hold the same tensor), the
-        first the default; ``example``, ``kwargs``, ``shapes`` and ``constraints`` may then
-        be dicts keyed by every entry point's name, one value each.
+        function, written to ``params.safetensors`` in the dtype JAX traces them with (NumPy
+        float64 as float32 while ``jax_enable_x64`` is off). A sharded Hybrid
+        (``h.shard(mesh)``) exports its sharded program; a stateful one, one call with its
+        current state (the update is dropped). Or a dict of them, ``{"predict": h, "embed":
+        h_embed}``: entry points over one ``params.safetensors`` (a shared param path holds
+        one tensor), the first the default; ``example``, ``kwargs``, ``shapes`` and
+        ``constraints`` may then be dicts keyed by every entry point's name.
       path: the artifact directory. Written atomically: a temporary sibling, manifest last,
         then renamed into place.
       example: an input array, or a tuple of input arrays; only shapes and dtypes are used.
         Python settings in it (``(x, 2)`` for a depth) are static: baked into the export.
       batch: the name of a symbolic leading dimension shared by every input (one artifact
-        serves any batch size >= 1), or ``None`` to export the example's static shapes.
-        With ``shapes`` leave it at its default (the specs name the batch themselves).
+        serves any batch size >= 1, and ``jax.vmap`` merges into it where rows stay apart),
+        or ``None`` for the example's static shapes. Leave it at its default with ``shapes``.
       platforms: the JAX platforms to lower for, e.g. ``("cpu", "cuda")``; no device of
         those platforms is needed to export.
       overwrite: replace an existing artifact at ``path``.
@@ -95,9 +93,8 @@ def export(
         shared across inputs; the manifest records them and a call checks them.
       constraints: a tuple of ``jax.export`` constraints on those names, e.g.
         ``("t <= 1024",)`` (every symbolic dimension is also ``>= 1``).
-      metadata: a model card, JSON data (labels, preprocessing, metrics, license, author):
-        recorded in the manifest, shown by ``inspect`` and mirrored into
-        ``params.safetensors``'s ``__metadata__`` for other safetensors readers.
+      metadata: a model card, JSON data (labels, metrics, license): recorded in the manifest,
+        shown by ``inspect``, mirrored into ``params.safetensors``'s ``__metadata__``.
       vjp_order: how many orders of gradients the artifact carries (``1``: ``jax.grad`` of
         the loaded model works).
 
@@ -145,17 +142,14 @@ def export(
         # take their own, by path, from the same params.safetensors.
         own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
         exported, signature, rows = export_program(entry, own, platforms)
-        roles = {JAXEXPORT: JAXEXPORT, MLIRBC: MLIRBC, MLIR: MLIR, SELFTEST: SELFTEST}
-        if i:
-            roles = entry_files(name)
+        roles = entry_files(name) if i else {r: r for r in (JAXEXPORT, MLIRBC, MLIR, SELFTEST)}
         files[roles[JAXEXPORT]] = bytes(exported.serialize(vjp_order=vjp_order))
         files[roles[MLIRBC]] = bytes(exported.mlir_module_serialized)
         files[roles[MLIR]] = exported.mlir_module().encode()
-        vectors = _self_test_vectors(exported, signature, own)
-        if vectors is not None:
-            files[roles[SELFTEST]] = vectors
-        else:
+        if (vectors := _self_test_vectors(exported, signature, own)) is None:
             del roles[SELFTEST]
+        else:
+            files[roles[SELFTEST]] = vectors
         inputs = [*own, *(s.path for s in signature.inputs)]
         programs.append(
             {
@@ -176,9 +170,8 @@ def export(
         )
     _same_program_settings(names, programs)
     specs = [shared[p][0] for p in sorted(shared)]
-    files[PARAMS] = encode_params(
-        specs, [shared[p][1] for p in sorted(shared)], metadata=_mirror(meta)
-    )
+    mirror = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+    files[PARAMS] = encode_params(specs, [shared[p][1] for p in sorted(shared)], metadata=mirror)
     created = datetime.datetime.now(datetime.UTC)
     main = programs[0]
     manifest = {
@@ -209,14 +202,8 @@ def export(
             for name, p in zip(names[1:], programs[1:], strict=True)
         }
     files[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode()
-    write_dir(
-        path,
-        files,
-        overwrite=overwrite,
-        check=check_target,
-        error=ArtifactError,
-        what="the artifact",
-    )
+    write_dir(path, files, overwrite=overwrite, check=check_target, error=ArtifactError,
+              what="the artifact")  # fmt: skip
     return Artifact(path, freeze(manifest))
 
 
@@ -239,9 +226,7 @@ def _entry_points(h: Any) -> dict[str, Hybrid]:
                 f"export({{{name!r}: ...}}): each entry point is a Hybrid; got "
                 f"{type(value).__name__}. Wrap it: sm.hybridize(fn, params)."
             )
-        if not (isinstance(name, str) and name.isidentifier() and name.isascii()) or (
-            len(name) > 64 or name in RESERVED_ENTRY_NAMES or name.startswith("_")
-        ):
+        if not is_entry_name(name) or name.startswith("_"):
             raise ConfigError(
                 f"export({{{name!r}: ...}}): an entry point's name is a Python identifier of "
                 f"at most 64 ASCII characters, not starting with '_' and not one of "
@@ -327,25 +312,13 @@ def _metadata(metadata: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
     return card
 
 
-def _mirror(meta: Mapping[str, Any]) -> dict[str, str]:
-    """The model card as safetensors ``__metadata__`` (string -> string)."""
-    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
-
-
 def _versions() -> dict[str, str]:
-    from jaxlib import __version__ as jaxlib_version
-
     def dist(name: str) -> str:
         try:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             return "unknown"
 
-    return {
-        "symjax_mlp": dist("symjax_mlp"),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib_version,
-        "flax": dist("flax"),
-        "numpy": np.__version__,
-        "python": _platform.python_version(),
-    }
+    return {"symjax_mlp": dist("symjax_mlp"), "jax": jax.__version__, "jaxlib": dist("jaxlib"),
+            "flax": dist("flax"), "numpy": np.__version__,
+            "python": _platform.python_version()}  # fmt: skip

@@ -1,10 +1,8 @@
 """One entry point of an export: a :class:`~symjax_mlp.Hybrid` staged for ``jax.export``.
 
-:func:`stage` checks what is exported (inference mode, positional array inputs, one path per
-param), turns the example into ``jax.export`` input structs and picks what is stored (params
-and state; typed rng keys baked in as constants). :func:`export_program` runs ``jax.export``
-on it, the params a dict keyed by path, and reads back its
-:class:`~symjax_mlp._artifact.signature.Signature`.
+:func:`stage` checks what is exported (inference mode, array inputs, one path per param) and
+picks what is stored (params and state; typed rng keys baked in). :func:`export_program` runs
+``jax.export`` on it, the params a dict keyed by path: its signature, and its rows verdict.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
 from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._hybrid.jaxpr import walk
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
 from symjax_mlp._rows import verdict
@@ -55,24 +54,17 @@ class Stage:
 
 
 def stage(
-    h: Hybrid,
-    batch: str | None,
-    *,
-    example: Any,
-    kwargs: Mapping[str, Any] | None,
-    shapes: Sequence[str | None] | None,
-    constraints: Sequence[str],
-) -> Stage:
+    h: Hybrid, batch: str | None, *, example: Any, kwargs: Mapping[str, Any] | None,
+    shapes: Sequence[str | None] | None, constraints: Sequence[str],
+) -> Stage:  # fmt: skip
+    """``h`` ready for ``jax.export``: checked, its inputs as structs, its params as stored."""
     examples = tuple(example) if isinstance(example, (tuple, list)) else (example,)
-    training = h.training_mode(*examples, **dict(kwargs or {}))
+    kw = dict(kwargs or {})
+    training = h.training_mode(*examples, **kw)
     if training:
         raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
     static, examples, array_kwargs = partition(
-        examples,
-        dict(kwargs or {}),
-        h.static_argnums,
-        h.static_argnames,
-        caller=f"export({h.name})",
+        examples, kw, h.static_argnums, h.static_argnames, caller=f"export({h.name})"
     )
     if array_kwargs:
         raise SignatureError(
@@ -97,19 +89,8 @@ def stage(
     # which differs from sorted order for lists of 11+ layers ('10' < '2') and for keys with
     # characters below '/' ('proj-out' < 'proj/...').
     order = sorted(range(len(specs)), key=lambda i: specs[i].path)
-    return Stage(
-        h,
-        static,
-        in_specs,
-        [specs[i] for i in order],
-        [host_params[i] for i in order],
-        fn,
-        treedef,
-        leaf_paths,
-        batch,
-        shapes is not None,
-        tuple(constraints),
-    )
+    return Stage(h, static, in_specs, [specs[i] for i in order], [host_params[i] for i in order],
+                 fn, treedef, leaf_paths, batch, shapes is not None, (*constraints,))  # fmt: skip
 
 
 def export_program(
@@ -128,7 +109,7 @@ def export_program(
     model.__name__ = "model"
     p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in sorted(own.items())}
     in_specs = stage.in_specs
-    jitted = jax.jit(model)
+    jitted, jaxpr = jax.jit(model), None
     try:
         with without_source_locations():  # reproducible bytes: no path of this machine inside
             jaxpr = jitted.trace(p_structs, *in_specs).jaxpr.jaxpr  # traced once: export reuses it
@@ -136,7 +117,8 @@ def export_program(
     except TRACER_ERRORS as e:
         raise control_flow_error(h.name, e) from e
     except RuntimeError:  # e.g. std::bad_cast from a host callback's lowering
-        callbacks = _callbacks(model, p_structs, in_specs)
+        names = {eqn.primitive.name for eqn, _ in walk(jaxpr)} if jaxpr is not None else ()
+        callbacks = sorted(n for n in names if "callback" in n)  # pure_callback, io_callback
         if not callbacks:
             raise
         raise ConfigError(
@@ -151,22 +133,13 @@ def export_program(
             "symbolic (use x.shape[0] only inside jnp operations, reshape with -1), or export "
             "static shapes with batch=None."
         ) from e
-    out_kind = _output_kind(exported, h)
-    signature = Signature(
-        tuple(
-            TensorSpec(f"args[{i}]", shape_dims(a.shape), str(a.dtype))
-            for i, a in enumerate(exported.in_avals[len(p_structs) :])
-        ),
-        tuple(
-            TensorSpec(
-                "out" if out_kind == "array" else f"out[{i}]", shape_dims(a.shape), str(a.dtype)
-            )
-            for i, a in enumerate(jax.tree.leaves(exported.out_avals))
-        ),
-        out_kind,
-        None if stage.per_input_shapes else stage.batch,
-        stage.constraints,
-    )
+    out_kind, ins, outs = _output_kind(exported, h), exported.in_avals[len(p_structs) :], []
+    for i, a in enumerate(exported.out_avals):
+        outs.append(TensorSpec("out" if out_kind == "array" else f"out[{i}]", shape_dims(a.shape),
+                               str(a.dtype)))  # fmt: skip
+    args = [TensorSpec(f"args[{i}]", shape_dims(a.shape), str(a.dtype)) for i, a in enumerate(ins)]
+    batch = None if stage.per_input_shapes else stage.batch
+    signature = Signature(tuple(args), tuple(outs), out_kind, batch, stage.constraints)
     names = [*p_structs, *(s.path for s in signature.inputs)]
     if len(set(names)) != len(names) or "platform_index" in names:
         raise ArtifactError(f"export({h.name}): param paths collide with input names: {names}")
@@ -176,11 +149,8 @@ def export_program(
 
 
 def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:
-    """What an export stores (params, and a flax model's state) and the function of it.
-
-    Typed rng keys (a linen model's streams, an nnx module's ``Rngs``) cannot be stored as
-    tensors; they are baked into the function as constants (the values ``h`` holds now).
-    """
+    """What an export stores (params, a flax model's state) and the function of it. Typed rng
+    keys (linen streams, nnx ``Rngs``) are no tensors: baked in as constants (``h``'s now)."""
     tree, fn = h.variables, h.fn
     leaves, treedef = jax.tree.flatten(tree)
     keys = {i: x for i, x in enumerate(leaves) if is_key(x)}
@@ -194,18 +164,6 @@ def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:
         return fn(jax.tree.unflatten(treedef, full), *args, **kwargs)
 
     return stored, with_keys
-
-
-def _callbacks(fn: Callable[..., Any], *args: Any) -> list[str]:
-    """The host-callback primitives (``pure_callback``, ``io_callback``, ...) ``fn`` stages."""
-    from symjax_mlp._hybrid.jaxpr import walk
-
-    try:
-        jaxpr = jax.make_jaxpr(fn)(args[0], *args[1])
-    except Exception:  # cannot stage it again: no better message to give
-        return []
-    names = {eqn.primitive.name for eqn, _ in walk(jaxpr.jaxpr)}
-    return sorted(n for n in names if "callback" in n)
 
 
 def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -225,12 +183,9 @@ def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _input_structs(
-    examples: tuple[Any, ...],
-    batch: str | None,
-    shapes: Sequence[str | None] | None,
-    constraints: tuple[str, ...],
-    name: str,
-) -> list[jax.ShapeDtypeStruct]:
+    examples: tuple[Any, ...], batch: str | None, shapes: Sequence[str | None] | None,
+    constraints: tuple[str, ...], name: str,
+) -> list[jax.ShapeDtypeStruct]:  # fmt: skip
     for i, x in enumerate(examples):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise SignatureError(

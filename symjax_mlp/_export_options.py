@@ -28,24 +28,16 @@ _BATCH_AND_SHAPES = (
 )
 _NO_EXAMPLE = (
     "export({name}, example=None): export traces the model on an example input; pass an array "
-    "(or a tuple of arrays) of the shape and dtype it takes, e.g. "
-    "example=jnp.zeros((1, 512), jnp.float32)."
+    "(or a tuple of arrays) of its shape and dtype, e.g. example=jnp.zeros((1, 512), jnp.float32)."
 )
 
 
 def check_options(
-    points: Mapping[str, Hybrid],
-    settings: Mapping[str, list[Any]],
-    batch: Any,
-    platforms: Any,
-    *,
-    overwrite: Any,
-    metadata: Any,
-    vjp_order: Any,
-) -> tuple[str, ...]:
-    """Refuses a bad option before any work (nothing traced, nothing written); returns the
-    platforms as a tuple. ``settings`` holds each entry point's example, kwargs, shapes and
-    constraints."""
+    points: Mapping[str, Hybrid], settings: Mapping[str, list[Any]], batch: Any, platforms: Any,
+    *, overwrite: Any, metadata: Any, vjp_order: Any,
+) -> tuple[str, ...]:  # fmt: skip
+    """Refuses a bad option before any work; returns the platforms as a tuple. ``settings``:
+    each entry point's example, kwargs, shapes and constraints."""
     if not isinstance(overwrite, bool):
         raise ConfigError(
             f"export(overwrite={overwrite!r}): pass True (replace an existing artifact) or "

@@ -54,14 +54,13 @@ def load(
 ) -> LoadedModel:
     """Loads an artifact written by :func:`export`; no model source code is needed.
 
-    Checks, in this order: the signature of every file (with ``verify_signature``); then,
-    before any bytes reach a deserializer, the manifest, the sha256 of every file, the format
-    version, the platform, the device count, and the params against the manifest's param
-    tree; then that ``model.jaxexport`` holds ``model.mlirbc``'s module, and that module's
-    ops (read in a child process) against an allow-list of what MLPs export to. Only then
-    does a runtime compile it, bounding the work of the module refined for each call's
-    shapes first. An artifact from a stranger is a program from a stranger: see
-    RELIABILITY.md.
+    Checks, in order: the signature of every file (``verify_signature``); before any byte
+    reaches a deserializer, the manifest, every sha256, the format version, platform, device
+    count and the params against the param tree; then that ``model.jaxexport`` holds
+    ``model.mlirbc``'s module, and its ops (read in a child process) against an allow-list.
+    Only then does a runtime compile it, bounding the work of the module refined for each
+    call's shapes first. An artifact from a stranger is a program: see RELIABILITY.md. The
+    model works under ``jax.jit``, ``jax.vmap`` and ``jax.grad``: see :class:`LoadedModel`.
 
     Args:
       path: the artifact directory.
@@ -69,8 +68,8 @@ def load(
         another export's ``params.safetensors``) or a params pytree; default: the artifact's.
       runtime: ``"jax"`` (XLA via ``jax.export``) or ``"iree"`` (IREE's llvm-cpu, needs the
         ``symjax_mlp[iree]`` extra).
-      self_test: run the artifact's self-test vectors (the inputs it was exported with and
-        the outputs they gave) and refuse a model that no longer reproduces them.
+      self_test: refuse a model that no longer reproduces its self-test vectors (inputs and
+        the outputs they gave at export).
       mesh: for an artifact exported from a sharded Hybrid: a mesh of exactly its
         ``nr_devices`` devices to run on (default: the caller's mesh of that size, else the
         first ``nr_devices`` devices).
@@ -83,9 +82,8 @@ def load(
       verify_signature: the PEM file of a public key: refuse the artifact unless every file
         in its directory is what that key's owner signed with :func:`~symjax_mlp.sign`
         (checked before any file is parsed; needs ``symjax_mlp[sign]``).
-      params_as_constants: compile the weights into each program XLA builds for a call, as
-        constants, instead of passing them to every call (JAX runtime, one device): for
-        serving, where a call's latency counts; see :func:`~symjax_mlp.hybridize`.
+      params_as_constants: compile the weights into each program as constants instead of
+        passing them to every call (JAX runtime, one device): for serving latency.
 
     Returns:
       A callable :class:`LoadedModel` with ``.signature`` and ``.manifest``.
@@ -141,17 +139,9 @@ def load(
         specs, arrays = param_specs(params)
         found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="
     ordered = check_params(found, expected, file=source)
-    opener = _Opener(
-        path,
-        manifest,
-        runtime,
-        blobs,
-        mesh=mesh,
-        trust=trust,
-        allowed=allowed,
-        self_test=self_test and params is None,  # other weights give other outputs, by design
-        constants=params_as_constants,
-    )
+    self_test = self_test and params is None  # other weights give other outputs, by design
+    opener = _Opener(path, manifest, runtime, blobs, mesh=mesh, trust=trust, allowed=allowed,
+                     self_test=self_test, constants=params_as_constants)  # fmt: skip
     return opener.open(None, ordered)
 
 
@@ -176,8 +166,7 @@ class _Opener:
                 return self.opened[name]
             if arrays is None:  # another entry point: its params among the placed weights
                 arrays = [self.weights[p["path"]] for p in view["params"]]
-            model = self._open(view, arrays)
-            self.opened[name] = model
+            self.opened[name] = model = self._open(view, arrays)
             return model
 
     def _open(self, view: dict[str, Any], arrays: list[Any]) -> LoadedModel:
@@ -208,12 +197,11 @@ class _Opener:
         model = LoadedModel(path, freeze(view), self.runtime, weights, run, self)
         model.params_as_constants = options["constants"]
         if options["self_test"]:
-            selftest.run(path, view, blobs, _as_list(model))
+            selftest.run(path, view, blobs, model._outputs)  # list -> list
         return model
 
 
-# sha256 of model.jaxexport -> what its program (and its VJPs) do, and the static work of each
-# VJP module, most recent last
+# sha256 of model.jaxexport -> the ops report of it and its VJPs, each VJP's work; recent last
 _REPORTS: dict[str, tuple[ops.ModuleReport, tuple[int, ...]]] = {}
 
 
@@ -264,32 +252,21 @@ _TOO_MUCH_WORK = (
 class Guard:
     """Checks a call's refined module before it compiles: at most ``MAX_WORK`` plus the
     module's static work per input element. The module is the program (``order=0``) or its
-    VJP module of that order. A verdict (by sha256 and input shapes) is remembered per user.
+    VJP module of that order; a verdict (by sha256 and shapes) is remembered per user.
+    ``guard(refine, n_inputs, shapes)``: ``refine()`` gives the refined StableHLO and its
+    MLIR context, ``n_inputs`` the input element count, ``shapes`` each input's (shape,
+    dtype). Equal guards check alike, so loads of one artifact may share compilations.
 
-    A runtime calls ``guard(refine, n_inputs, shapes)``: ``refine()`` gives the refined
-    StableHLO and its MLIR context, ``n_inputs`` the call's input element count, ``shapes``
-    the ``(shape, dtype)`` of each input. Guards that check the same file alike compare
-    equal, so runtimes may share what they compiled among loads of the same artifact.
-
-    Attributes:
-      file: ``model.jaxexport``, for messages.
-      digest: its sha256.
-      works: the static work of the program, then of its VJP modules by order.
+    Attributes: ``file`` (``model.jaxexport``, for messages), ``digest`` (its sha256),
+    ``works`` (the static work of the program, then of its VJP modules by order).
     """
 
     file: Path
     digest: str
     works: tuple[int, ...]
 
-    def __call__(
-        self,
-        refine: Callable[[], Any],
-        n_inputs: int,
-        shapes: Any,
-        *,
-        order: int = 0,
-        inputs: str | None = None,
-    ) -> None:
+    def __call__(self, refine: Callable[[], Any], n_inputs: int, shapes: Any, *,
+                 order: int = 0, inputs: str | None = None) -> None:  # fmt: skip
         of = f" VJP {order}" if order else ""  # a VJP's verdict is its own
         verdict = f"{self.digest}{of} fits {shapes!r}"
         if checker.remembered(verdict):
@@ -302,9 +279,8 @@ class Guard:
         if work <= budget:
             checker.remember(verdict)
             return
-        module = "the program"
-        if order:
-            module = f"its VJP module of order {order} (what jax.grad of the loaded model runs)"
+        vjp = f"its VJP module of order {order} (what jax.grad of the loaded model runs)"
+        module = vjp if order else "the program"
         inputs = inputs or f"for these inputs ({n_inputs:,} elements)"
         what = {"file": self.file, "inputs": inputs, "module": module, "static": static}
         raise ArtifactError(
@@ -355,14 +331,3 @@ def _warn_if_expiring(path: Path, manifest: Any, *, days: int = 30) -> None:
             FutureWarning,
             stacklevel=3,
         )
-
-
-def _as_list(model: LoadedModel) -> Callable[[list[Any]], list[Any]]:
-    """``model`` as a call from a list of inputs to a list of outputs."""
-    single = model.signature.output_kind == "array"
-
-    def call(inputs: list[Any]) -> list[Any]:
-        out = model(*inputs)
-        return [out] if single else list(out)
-
-    return call

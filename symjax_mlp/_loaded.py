@@ -1,18 +1,16 @@
 """A loaded artifact: :class:`LoadedModel`, the callable :func:`~symjax_mlp.load` returns.
 
-A call checks its inputs against the artifact's signature once per (shape, dtype) and runs
-the program a runtime prepared (:mod:`symjax_mlp._runtimes`); a failure of that program is an
-``ArtifactError`` naming the artifact, and an error of the caller's own tracing passes through.
-JAX's transforms reach the JAX runtime's program (:mod:`symjax_mlp._runtimes.transforms`).
-Another entry point of the same artifact opens on first use, through the opener
-:mod:`symjax_mlp._load` hands it.
+A call checks its inputs against the signature once per (shape, dtype) and runs the program
+a runtime prepared (:mod:`symjax_mlp._runtimes`, JAX's transforms included); its failure is an
+``ArtifactError`` naming the artifact, an error of the caller's own tracing passes through.
+Another entry point opens on first use, through the opener :mod:`symjax_mlp._load` hands it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,7 +22,8 @@ from symjax_mlp._artifact.format import (
     entry_point,
     printable,
     program_file,
-)  # fmt: skip
+)
+from symjax_mlp._artifact.reading import thaw
 from symjax_mlp._artifact.signature import Signature, is_array
 from symjax_mlp._errors import ConfigError, SymjaxError
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
@@ -39,12 +38,6 @@ class _NoEntryPoint(ConfigError, KeyError):
 
     def __str__(self) -> str:  # a KeyError would show its message quoted
         return str(self.args[0])
-
-
-class Opener(Protocol):
-    """What opens another entry point of the same artifact (``symjax_mlp._load``'s)."""
-
-    def open(self, entry: str | None) -> LoadedModel: ...
 
 
 class LoadedModel:
@@ -88,22 +81,13 @@ class LoadedModel:
     """
 
     def __init__(
-        self,
-        path: Path,
-        manifest: Any,
-        runtime: str,
-        params: dict[str, Any],
-        run: Callable[[list[Any]], list[Any]],
-        opener: Opener | None = None,
-    ) -> None:
-        self.path = path
-        self.manifest = manifest
+        self, path: Path, manifest: Any, runtime: str, params: dict[str, Any],
+        run: Callable[[list[Any]], list[Any]], opener: Any = None,  # _load's _Opener
+    ) -> None:  # fmt: skip
+        self.path, self.manifest = path, manifest
         self.signature = Signature.from_json(manifest["signature"])
-        self.runtime = runtime
-        self.entry = entry_point(manifest)
-        self._params = params
-        self._run = run
-        self._opener = opener
+        self.runtime, self.entry = runtime, entry_point(manifest)
+        self._params, self._run, self._opener = params, run, opener
         self._file = printable(str(path / program_file(manifest, JAXEXPORT)))
         self._caller = caller(path, manifest)
         self._single_output = self.signature.output_kind == "array"
@@ -112,8 +96,6 @@ class LoadedModel:
     @property
     def metadata(self) -> dict[str, Any]:
         """The artifact's model card (``export(..., metadata=...)``), as JSON data."""
-        from symjax_mlp._artifact.reading import thaw
-
         return thaw(self.manifest.get("metadata", {}))
 
     @property

@@ -1,19 +1,14 @@
-"""Row independence: whether an exported function keeps the rows of its batch apart.
+"""Row independence: whether an exported function keeps the rows of its batch apart, as
+``jax.vmap`` over a loaded model needs (:mod:`symjax_mlp._runtimes.transforms`).
 
-``jax.vmap`` over a loaded model merges the mapped axis into the batch dimension and runs the
-program once (:mod:`symjax_mlp._runtimes.transforms`): right only if row i of each output
-depends on row i of the inputs alone, not for a model that normalises over its batch, sorts
-or accumulates along it, or reads its size.
-
-:func:`verdict` decides it at export from the jaxpr, conservatively: each value's symbolic
-shape says which axis holds the batch dimension (by name). An equation that keeps that axis
-whole passes (elementwise ops, ``dot_general``, reductions over other axes, ``reshape`` and
-``transpose`` that move it whole, a convolution over it as its batch, calls such as ``jit``,
-whose equations are checked in turn); one that drops, reorders or mixes it, makes it from
-nothing (``iota`` along it, the batch size as a value), or that this module does not know,
-decides "not independent", naming the primitive and its layer. The manifest records the
-verdict per entry point (``rows``); load only reads it, and an artifact without one refuses
-``jax.vmap`` until exported again.
+:func:`verdict` decides it at export, conservatively, from the jaxpr: each value's symbolic
+shape says which axis holds the batch dimension. An equation that keeps that axis whole
+passes (elementwise ops, ``dot_general``, reductions over other axes, ``reshape`` or
+``transpose`` that move it whole, a convolution with it as batch, calls such as ``jit``,
+checked inside); one that drops, reorders or mixes it (batch statistics, a sort or cumsum
+along it, ``iota`` along it, its size as a value), or that this module does not know, makes
+the verdict "not independent", naming the primitive and its layer. The manifest records it
+per entry point (``rows``); load only reads it (none, from an older export: vmap refused).
 """
 
 from __future__ import annotations
@@ -24,19 +19,17 @@ from typing import Any
 
 from symjax_mlp._hybrid.jaxpr import bodies, layer_of, sub_jaxprs
 
-_KEEP = frozenset({  # primitives whose output keeps the batch axis where its shape says
-    "abs", "acos", "acosh", "add", "and", "argmax", "argmin", "asin", "asinh", "atan", "atan2",
-    "atanh", "bitcast_convert_type", "broadcast_in_dim", "cbrt", "ceil", "clamp", "concatenate",
-    "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh", "digamma", "div",
-    "dot_general", "dynamic_slice", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1",
-    "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le", "lgamma", "log", "log1p",
-    "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow", "real",
-    "reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_precision", "reduce_prod",
-    "reduce_sum", "reduce_xor", "rem", "round", "rsqrt", "select_n", "sharding_constraint",
-    "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "slice",
-    "stop_gradient",
-    "split", "sqrt", "square", "squeeze", "sub", "tan", "tanh", "transpose", "xor",
-})  # fmt: skip
+# primitives that keep the batch axis where their output's shape says
+_KEEP = frozenset(str.split("""
+    abs acos acosh add and argmax argmin asin asinh atan atan2 atanh bitcast_convert_type
+    broadcast_in_dim cbrt ceil clamp concatenate conj convert_element_type copy copy_p cos cosh
+    digamma div dot_general dynamic_slice eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
+    integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
+    pow real reduce_and reduce_max reduce_min reduce_or reduce_precision reduce_prod reduce_sum
+    reduce_xor rem round rsqrt select_n sharding_constraint shift_left shift_right_arithmetic
+    shift_right_logical sign sin sinh slice stop_gradient split sqrt square squeeze sub tan
+    tanh transpose xor
+"""))  # fmt: skip
 _ALONG = {  # primitives that mix along one axis: the parameter that names it
     "cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
     "cumlogsumexp": "axis", "sort": "dimension", "top_k": "axis", "iota": "dimension",
@@ -44,17 +37,12 @@ _ALONG = {  # primitives that mix along one axis: the parameter that names it
 _NAME = re.compile(r"[A-Za-z_]\w*")
 
 
-def _names(d: Any) -> list[str]:
-    return _NAME.findall(str(d))
-
-
-class _Mixed(Exception):
-    """Why rows are not independent."""
+class _Mixed(Exception):  # why rows are not independent
+    pass
 
 
 def verdict(jaxpr: Any, dim: str | None) -> dict[str, Any]:
-    """The manifest's ``rows`` of a function traced with the symbolic batch ``dim``:
-    ``{"dim": dim, "independent": bool, "why": reason or ""}``."""
+    """``{"dim": dim, "independent": bool, "why": reason or ""}`` for ``jaxpr`` (batch: dim)."""
     why = "it was exported with static shapes, so it has no batch dimension to map over"
     if dim is not None:
         try:
@@ -70,7 +58,7 @@ def verdict(jaxpr: Any, dim: str | None) -> dict[str, Any]:
 def _axis(v: Any, dim: str, what: str) -> int | None:
     """The axis of ``v`` that holds ``dim`` (``None``: none)."""
     shape = getattr(getattr(v, "aval", None), "shape", ())
-    hits = [i for i, d in enumerate(shape) if not isinstance(d, int) and dim in _names(d)]
+    hits = [i for i, d in enumerate(shape) if dim in _NAME.findall(str(d))]  # ints: no names
     if not hits:
         return None
     if len(hits) > 1 or str(shape[hits[0]]) != dim:
@@ -80,8 +68,7 @@ def _axis(v: Any, dim: str, what: str) -> int | None:
 
 def _walk(jaxpr: Any, dim: str, layer: str) -> None:
     for eqn in jaxpr.eqns:
-        own = layer_of("/".join(filter(None, (layer, str(eqn.source_info.name_stack)))))
-        _check(eqn, dim, own)
+        _check(eqn, dim, layer_of("/".join(filter(None, (layer, str(eqn.source_info.name_stack))))))
 
 
 def _check(eqn: Any, dim: str, layer: str) -> None:
@@ -91,7 +78,7 @@ def _check(eqn: Any, dim: str, layer: str) -> None:
     outs = [_axis(v, dim, what) for v in eqn.outvars]
     call = bool(bodies(eqn)) and all(b.role == "" for b in bodies(eqn))
     if call or all(a is None for a in ins + outs):  # a call, or no batch in sight
-        if name == "dim_as_value" and dim in _names(params.get("dim")):
+        if name == "dim_as_value" and dim in _NAME.findall(str(params.get("dim"))):
             raise _Mixed(f"{what} reads the batch size {dim} as a value")
         for sub in sub_jaxprs(eqn):
             _walk(sub, dim, layer)

@@ -98,11 +98,8 @@ def depth(x: Any) -> int:
 
 # -- the manifest's schema: checked before any field is used -----------------------------------
 def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
-    """Checks the type (and range, where one matters) of every field a loader reads.
-
-    Raises:
-      ArtifactError: naming the field, what it holds and what a manifest has there.
-    """
+    """Checks the type (and range, where one matters) of every field a loader reads; an
+    :class:`ArtifactError` names the field, what it holds and what a manifest has there."""
     m = manifest
     rules: list[tuple[str, Callable[[], Any], Callable[[Any], bool], str]] = [
         ("name", lambda: m["name"], _is_str, "a string"),
@@ -122,10 +119,10 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
         ("vjp_order", lambda: m.get("vjp_order", 0), lambda v: _size(v) and v <= 8,
          "an int from 0 to 8"),
         ("compatible_until", lambda: m.get("compatible_until", ""), _is_str, "a date"),
-        ("entry", lambda: m.get("entry", "main"), _entry_name, "an entry point name"),
+        ("entry", lambda: m.get("entry", "main"), is_entry_name, "an entry point name"),
         ("entries", lambda: m.get("entries", {}),
          lambda v: isinstance(v, dict) and len(v) < MAX_ENTRIES
-         and all(_entry_name(k) and isinstance(e, dict) for k, e in v.items())
+         and all(is_entry_name(k) and isinstance(e, dict) for k, e in v.items())
          and m.get("entry", "main") not in v,
          f"an object of at most {MAX_ENTRIES - 1} named entry points, the default not among them"),
     ]  # fmt: skip
@@ -193,21 +190,16 @@ def _program_rules(
 
 
 def _rows(x: Any) -> bool:
-    return x is None or (
-        isinstance(x, dict) and set(x) == {"dim", "independent", "why"}
-        and (x["dim"] is None or _is_str(x["dim"])) and isinstance(x["independent"], bool)
-        and _is_str(x["why"]) and len(x["why"]) <= 1000 and x["independent"] == (x["why"] == "")
-    )  # fmt: skip
+    return x is None or (isinstance(x, dict) and set(x) == {"dim", "independent", "why"}
+                         and (x["dim"] is None or _is_str(x["dim"])) and _is_str(x["why"])
+                         and len(x["why"]) <= 1000 and isinstance(x["independent"], bool)
+                         and x["independent"] == (x["why"] == ""))  # fmt: skip
 
 
-def _entry_name(x: Any) -> bool:
-    return (
-        _is_str(x)
-        and x.isidentifier()
-        and x.isascii()
-        and len(x) <= 64
-        and x not in RESERVED_ENTRY_NAMES
-    )
+def is_entry_name(x: Any) -> bool:
+    """A name an entry point may have (its files are named by it)."""
+    ok = _is_str(x) and x.isidentifier() and x.isascii() and len(x) <= 64
+    return ok and x not in RESERVED_ENTRY_NAMES
 
 
 def _is_str(x: Any) -> bool:
@@ -247,35 +239,21 @@ def _tensors(symbolic: bool) -> Callable[[Any], bool]:
         return _size(d) or (symbolic and _is_str(d) and d != "")
 
     def ok(x: Any) -> bool:
-        return (
-            isinstance(x, list)
-            and len(x) <= MAX_PARAMS
-            and all(
-                isinstance(d, dict)
-                and all(_is_str(d.get(k)) and d[k] != "" for k in ("path", "dtype"))
-                and isinstance(d.get("shape"), list)
-                and all(map(dim_ok, d["shape"]))
-                for d in x
-            )
-            and len({d["path"] for d in x}) == len(x)
-        )
+        return isinstance(x, list) and len(x) <= MAX_PARAMS and all(
+            isinstance(d, dict) and isinstance(d.get("shape"), list)
+            and all(_is_str(d.get(k)) and d[k] != "" for k in ("path", "dtype"))
+            and all(map(dim_ok, d["shape"])) for d in x
+        ) and len({d["path"] for d in x}) == len(x)  # fmt: skip
 
     return ok
 
 
 def _files(x: Any) -> bool:
-    return (
-        isinstance(x, dict)
-        and len(x) <= MAX_FILES
-        and all(
-            is_file_name(name)
-            and isinstance(e, dict)
-            and _is_str(e.get("sha256"))
-            and _SHA256.fullmatch(e["sha256"]) is not None
-            and _size(e.get("bytes"))
-            for name, e in x.items()
-        )
-    )
+    return isinstance(x, dict) and len(x) <= MAX_FILES and all(
+        is_file_name(name) and isinstance(e, dict) and _is_str(e.get("sha256"))
+        and _SHA256.fullmatch(e["sha256"]) is not None and _size(e.get("bytes"))
+        for name, e in x.items()
+    )  # fmt: skip
 
 
 def is_file_name(name: str) -> bool:
@@ -294,8 +272,7 @@ def _show(value: Any) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` with every character a terminal could act on (``\\x1b``, ``\\u202e``) shown as
-    its ``repr`` escape: a manifest from a stranger can print nothing but text."""
+    """``text`` with what a terminal could act on (``\\x1b``, ``\\u202e``) as ``repr`` escapes."""
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
@@ -305,7 +282,7 @@ def printable(text: str) -> str:
 # An artifact holds one or more entry points over one params.safetensors. The default entry
 # point is described by the manifest's top-level fields and has the model.* files; each other
 # one (manifest["entries"][name]) has its own program files, signature and param subset.
-_PROGRAM_FIELDS = ("name", "signature", "rows", "mlir_arguments", "static")
+_PROGRAM_FIELDS = ("name", "signature", "mlir_arguments", "static")
 
 
 def entry_point(view: Mapping[str, Any]) -> str:
@@ -342,8 +319,7 @@ def entry_view(manifest: Mapping[str, Any], name: str | None = None) -> dict[str
 
 
 def caller(path: Path, view: Mapping[str, Any]) -> str:
-    """``symjax_mlp.load("path")``, with ``["entry"]`` where the artifact has several: the
-    prefix of the messages about calls of one entry point."""
+    """``symjax_mlp.load("path")["entry"]``, messages' prefix for calls of an entry point."""
     many = len(entry_names(view)) > 1
     return f'symjax_mlp.load("{printable(str(path))}")' + (f"[{entry_point(view)!r}]" * many)
 

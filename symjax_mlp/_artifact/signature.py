@@ -7,6 +7,7 @@ array reaches a compiled program.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -61,13 +62,9 @@ class Signature:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Signature:
-        return cls(
-            tuple(TensorSpec.from_json(s) for s in d["inputs"]),
-            tuple(TensorSpec.from_json(s) for s in d["outputs"]),
-            str(d["output_kind"]),
-            d.get("batch"),
-            tuple(str(c) for c in d.get("constraints", ())),
-        )
+        specs = [tuple(TensorSpec.from_json(s) for s in d[k]) for k in ("inputs", "outputs")]
+        constraints = tuple(str(c) for c in d.get("constraints", ()))
+        return cls(*specs, str(d["output_kind"]), d.get("batch"), constraints)
 
     def check(self, inputs: Sequence[Any], *, caller: str) -> list[Any]:
         """Checks a call's inputs; returns them as arrays (JAX arrays are passed through).
@@ -133,18 +130,12 @@ class Signature:
         return _shape_text(spec.shape) + where
 
 
-_OPS = {
-    "<=": lambda a, b: a <= b,
-    ">=": lambda a, b: a >= b,
-    "==": lambda a, b: a == b,
-    "<": lambda a, b: a < b,
-    ">": lambda a, b: a > b,
-}
+_OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "<": operator.lt, ">": operator.gt}
 
 
 def _holds(constraint: str, sizes: Mapping[str, int]) -> bool:
     """Evaluates ``"t <= 1024"`` or ``"b >= t"`` on the call's sizes (unknown names: True)."""
-    for op in ("<=", ">=", "==", "<", ">"):
+    for op in _OPS:  # "<=" before "<"
         left, sep, right = constraint.partition(op)
         if sep:
             break

@@ -54,18 +54,14 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
         )
 
 
-# sha256 of model.jaxexport -> (Exported, its _Program, the guard and rows it was made with),
-# most recently loaded last.
-_CALLS: dict[str, tuple[Any, Callable[..., Any], Any]] = {}
+# sha256 of model.jaxexport -> (Exported, its Program, (guard, rows)), the most recent last
+_CALLS: dict[str, tuple[Any, Program, Any]] = {}
 _MAX_CALLS = 8
 
 
 def deserialize(path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, Any]) -> Any:
-    """``model.jaxexport`` deserialized and checked against the manifest and ``model.mlirbc``.
-
-    Both runtimes call it: the module IREE compiles (``model.mlirbc``) is then the very module
-    ``jax.export`` runs, and the one whose ops the loader checks.
-    """
+    """``model.jaxexport`` deserialized and checked against the manifest and ``model.mlirbc``
+    (both runtimes: what IREE compiles is what ``jax.export`` runs and the loader checked)."""
     file = program_file(manifest, JAXEXPORT)
     key = manifest["files"][file]["sha256"]
     cached = _CALLS.get(key)
@@ -84,26 +80,15 @@ def deserialize(path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, Any
 
 
 def runner(
-    path: Path,
-    manifest: Mapping[str, Any],
-    blobs: Mapping[str, Any],
-    params: Sequence[np.ndarray],
-    *,
-    exported: Any,
-    guard: Callable[..., None] | None = None,
-    custom_calls: Any = None,
-    constants: bool = False,
-) -> tuple[Callable[[list[Any]], list[Any]], dict[str, Any]]:
+    path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, Any],
+    params: Sequence[np.ndarray], *, exported: Any, guard: Callable[..., None] | None = None,
+    custom_calls: Any = None, constants: bool = False,
+) -> tuple[Callable[[list[Any]], list[Any]], dict[str, Any]]:  # fmt: skip
     """Returns ``run(inputs) -> [jax.Array, ...]`` and the weights it runs with (on device).
-
-    ``guard`` (a :class:`symjax_mlp._load.Guard`, or ``None``) checks each new input
-    signature before XLA compiles it, and each VJP module when ``jax.grad`` first calls it;
-    loads whose guards and ``rows`` are equal share one
-    :class:`~symjax_mlp._runtimes.transforms.Program`.
-    ``custom_calls``: the targets the module calls, or ``None``. ``constants``: run a jit
-    that closes over the weights (XLA constants); the guard still checks the module that
-    takes them.
-    """
+    ``guard`` (``symjax_mlp._load.Guard`` or ``None``) checks each new input signature, and
+    each VJP module, before XLA compiles it; loads with equal guards and ``rows`` share one
+    ``Program``. ``custom_calls``: the targets the module calls, or ``None``. ``constants``:
+    a jit closing over the weights (XLA constants); the guard still checks the module."""
     if constants and manifest["nr_devices"] != 1:
         raise ConfigError(
             f"load({str(path)!r}, params_as_constants=True): the artifact runs sharded over "
@@ -111,13 +96,13 @@ def runner(
             "without params_as_constants."
         )
     key = manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"]
+    made = guard, manifest.get("rows")
     cached = _CALLS.pop(key, None)  # the same module loaded again: reuse its compilations
-    if not (cached and cached[0] is exported and cached[2] == (guard, manifest.get("rows"))):
-        cached = exported, Program(path, manifest, exported, guard), (guard, manifest.get("rows"))
-    _CALLS[key] = cached
+    if not (cached and cached[0] is exported and cached[2] == made):
+        cached = exported, Program(path, manifest, exported, guard), made
+    _CALLS[key], program = cached, cached[1]
     while len(_CALLS) > _MAX_CALLS:
         _CALLS.pop(next(iter(_CALLS)))  # least recently loaded
-    program = cached[1]
     names = [p["path"] for p in manifest["params"]]
     # device_put, not jnp.asarray (which makes two copies): the arrays read from the file are
     # 64-byte aligned, so on CPU the device buffer is the host buffer, no copy at all
@@ -125,21 +110,19 @@ def runner(
     checked: set[Any] = set()  # (shape, dtype) of the inputs of each call the guard passed
     tree = exported.out_tree
     single = tree.num_leaves == 1 and tree.num_nodes == 1  # one array, not a tuple of one
+    run = functools.partial(program.call, weights)
     if constants:  # the weights closed over: XLA constants
         run = jax.jit(lambda *inputs: program.fn(weights, *inputs))
-    else:
-        run = functools.partial(program.call, weights)
 
     def call_checked(inputs: list[Any]) -> list[Any]:
-        if guard is not None:
-            key = tuple([(x.shape, x.dtype) for x in inputs])  # str(dtype) costs microseconds
-            if key not in checked:  # the first call of this signature: it compiles
-                with skipping_lapack(custom_calls):
-                    if program.check(program.call, (weights, *inputs)) and len(checked) < 256:
-                        checked.add(key)
-                    out = run(*inputs)
-                return [out] if single else list(out)
-        out = run(*inputs)
+        key = tuple([(x.shape, x.dtype) for x in inputs]) if guard else None  # not str(dtype)
+        if key is None or key in checked:
+            out = run(*inputs)
+        else:  # the first call of this signature: it compiles
+            with skipping_lapack(custom_calls):
+                if program.check(program.call, (weights, *inputs)) and len(checked) < 256:
+                    checked.add(key)
+                out = run(*inputs)
         return [out] if single else list(out)
 
     n = manifest["nr_devices"]

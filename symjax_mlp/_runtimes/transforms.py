@@ -1,16 +1,13 @@
-"""The exported program under JAX's transforms: what ``jax.grad`` and ``jax.vmap`` of a
-loaded model run (:class:`Program`), and the module the guard checks for each call
-(:func:`refined`).
+"""The exported program under JAX's transforms (:class:`Program`), and the module the guard
+checks for a call (:func:`refined`).
 
-``Exported.call`` has no batching rule (an open request in JAX), so ``jax.vmap`` of it fails.
-Here ``jax.custom_batching.custom_vmap`` gives it one: each mapped input's axis moves next to
-its batch dimension and the two merge into one batch (``(n, b, ...)`` to ``(n * b, ...)``;
-an unmapped input with a batch dimension is broadcast first), the program runs once on it
-through the same ``jax.jit`` as every call (one compile per merged shape) and the outputs
-split back. Nested vmaps merge in turn. It is right only where rows stay apart, which export
-recorded (``rows``, :mod:`symjax_mlp._rows`); the rule reads it and refuses otherwise. A
-``custom_vjp`` around it runs the VJP module for ``jax.grad``, checked first (each order),
-and mapped one element at a time under ``jax.vmap`` (its parameter cotangents sum over rows).
+``Exported.call`` has no batching rule (an open request in JAX); ``custom_vmap`` gives it one:
+each mapped axis merges into its input's batch dimension (``(n, b, ...)`` to ``(n * b, ...)``,
+an unmapped input broadcast first), the program runs once through the same ``jax.jit`` as any
+call (one compile per merged shape) and the outputs split back; nested vmaps merge in turn.
+Only where export recorded that rows stay apart (``rows``, :mod:`symjax_mlp._rows`), else
+refused with the reason. A ``custom_vjp`` around it runs the VJP module for ``jax.grad``,
+checked first (each order), one element at a time under vmap.
 """
 
 from __future__ import annotations
@@ -52,11 +49,9 @@ def refined(
         buffer = io.BytesIO()
         ir_module.operation.write_bytecode(buffer)
         refined_bytes = jex.refine_polymorphic_shapes(
-            buffer.getvalue(),
-            enable_shape_assertions=True,
-            validate_static_shapes=True,
+            buffer.getvalue(), enable_shape_assertions=True, validate_static_shapes=True,
             enable_shardy=jax.config.jax_use_shardy_partitioner,
-        )
+        )  # fmt: skip
     except Exception as e:  # MLIR raises plain exceptions; jax.export ValueErrors
         raise ArtifactError(
             f"{path / program_file(manifest, JAXEXPORT)}: the shapes of {module} cannot be "
@@ -77,6 +72,10 @@ _NO_VMAP = (
     "and runs the program once, which is right only for a program that keeps rows apart; "
     "{why}. Map the calls one by one instead: jax.lax.map(m, xs)."
 )
+_UNRECORDED = (
+    "this artifact records no verdict on that (it was exported by an older symjax_mlp); "
+    "export it again to enable jax.vmap"
+)
 _UNBATCHED = (
     "{caller}: jax.vmap maps over {path}, which has no batch dimension {dim} in the artifact "
     "({spec}), so its rows cannot join the batch. Pass it unmapped (in_axes=None for it), or "
@@ -85,15 +84,7 @@ _UNBATCHED = (
 
 
 class Program:
-    """The exported program under JAX's transforms, and its one ``jax.jit`` (``call``).
-
-    ``fn(weights, *inputs)`` is a ``custom_vjp`` over a ``custom_vmap`` of ``Exported.call``
-    (which has no batching rule). ``jax.grad`` runs the VJP module, checked by the guard for
-    the shapes it gets first (each order alike), or is a ``SymjaxError`` naming
-    ``vjp_order``. ``jax.vmap`` merges each mapped axis into the batch dimension, runs
-    ``call`` once and splits the outputs back (:meth:`merge`), where export recorded that
-    rows stay apart (``rows``, :mod:`symjax_mlp._rows`); a VJP module maps one by one.
-    """
+    """``fn(weights, *inputs)``, the program as the module says, and ``call``, its one jit."""
 
     def __init__(self, path: Path, manifest: Mapping[str, Any], exported: Any, guard: Any):
         self.path, self.manifest, self.guard = path, manifest, guard
@@ -103,13 +94,16 @@ class Program:
 
     def check(self, fn: Any, args: Sequence[Any], n: int | None = None, order: int = 0) -> bool:
         """Has the guard check ``fn``'s module refined for ``args`` (weights: a dict; ``n``:
-        the input element count, default ``args``' but the weights); ``False`` when trusted
-        or under a symbolic trace (checked when compiled for real shapes)."""
+        the input element count); ``False`` if trusted or traced symbolically (checked later)."""
         shapes = tuple((tuple(x.shape), str(x.dtype)) for x in args if not isinstance(x, Mapping))
         if self.guard is None or not all(isinstance(d, int) for s, _ in shapes for d in s):
             return False
-        concrete = lambda x: isinstance(x, Mapping) and not any(map(_traced, x.values()))  # noqa: E731
-        structs = [x if concrete(x) else jax.tree.map(_struct, x) for x in args]
+        traced = [isinstance(x, Mapping) and any(map(_traced, x.values())) for x in args]
+        structs = [
+            x if isinstance(x, Mapping) and not t
+            else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+            for x, t in zip(args, traced, strict=True)
+        ]  # fmt: skip
         what = f"its VJP module of order {order}" if order else "the module"
         n = sum(math.prod(s) for s, _ in shapes) if n is None else n
         refine = functools.partial(refined, self.path, self.manifest, fn, structs, module=what)
@@ -159,22 +153,18 @@ class Program:
         """The program's ``jax.vmap`` rule: ``size`` rows of each input joined to its batch."""
         rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
         if not rows.get("independent"):
-            why = rows.get("why") or (
-                "this artifact records no verdict on that (it was exported by an older "
-                "symjax_mlp); export it again to enable jax.vmap"
-            )
+            why = rows.get("why") or _UNRECORDED
             raise SymjaxError(_NO_VMAP.format(caller=self.caller, why=why))
         dim, merged = rows["dim"], []
         for spec, x, on in zip(sig["inputs"], inputs, mapped[1:], strict=True):
-            if dim not in spec["shape"]:
-                if on:
-                    what = {"path": spec["path"], "spec": spec["shape"], "dim": dim}
-                    raise SymjaxError(_UNBATCHED.format(caller=self.caller, **what))
-                merged.append(x)
-                continue
-            k = spec["shape"].index(dim)
-            x = jnp.moveaxis(x if on else jnp.broadcast_to(x, (size, *x.shape)), 0, k)
-            merged.append(x.reshape(*x.shape[:k], -1, *x.shape[k + 2 :]))
+            k = spec["shape"].index(dim) if dim in spec["shape"] else None
+            if k is None and on:
+                what = {"path": spec["path"], "spec": spec["shape"], "dim": dim}
+                raise SymjaxError(_UNBATCHED.format(caller=self.caller, **what))
+            if k is not None:  # (size, ..., b, ...) -> (..., size * b, ...)
+                x = jnp.moveaxis(x if on else jnp.broadcast_to(x, (size, *x.shape)), 0, k)
+                x = x.reshape(*x.shape[:k], -1, *x.shape[k + 2 :])
+            merged.append(x)
         self.check(self.call, (weights, *merged))
         out, split = self.call(weights, *merged), []
         single = sig["output_kind"] == "array"
@@ -199,7 +189,3 @@ def _one_by_one(fn: Callable[..., Any], size: int, mapped: list[bool], *args: An
 
 def _traced(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
-
-
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
