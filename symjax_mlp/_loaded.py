@@ -117,7 +117,10 @@ class LoadedModel:
     @property
     def params(self) -> dict[str, np.ndarray]:
         """The weights in use, ``{"params/layers_0/kernel": array, ...}`` (read-only arrays)."""
-        return {k: _read_only(v) for k, v in self._params.items()}
+        views = {k: np.asarray(v).view() for k, v in self._params.items()}
+        for view in views.values():
+            view.flags.writeable = False
+        return views
 
     def __call__(self, *inputs: jax.typing.ArrayLike) -> Any:
         outs = self._outputs(inputs)
@@ -142,16 +145,13 @@ class LoadedModel:
             raise
         except Exception as e:  # the program failed: XLA, IREE or jax.export raised
             if isinstance(e, (*TRACER_ERRORS, jax.errors.UnexpectedTracerError)):
-                raise  # the caller's own jax.jit code, not the artifact
+                if self.runtime == "jax":
+                    raise  # the caller's own jax.jit code, not the artifact
+                raise ConfigError(
+                    f"{self._caller}: the {self.runtime} runtime runs outside JAX, so jax.jit, "
+                    "jax.vmap and jax.grad cannot trace it. Load it with runtime='jax'."
+                ) from e
             raise run_failed(self._caller, self._file, e, inputs) from e
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
-
-
-def _read_only(a: Any) -> np.ndarray:
-    out = np.asarray(a)
-    if out.flags.writeable:
-        out = out.view()
-        out.flags.writeable = False
-    return out

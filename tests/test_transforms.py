@@ -264,3 +264,12 @@ def test_vmap_over_the_zoo(tmp_path, case):
     stacked = [jnp.stack([case.inputs(s)[i] for s in range(3)]) for i in arrays]
     assert m.manifest["rows"] == {"dim": "b", "independent": True, "why": ""}
     chex.assert_trees_all_close(jax.vmap(m)(*stacked), jax.vmap(source)(*stacked), **TOL)
+
+
+def test_the_iree_runtime_under_a_transform_says_to_load_with_jax(tmp_path, mlp):
+    pytest.importorskip("iree.runtime")
+    h, _ = mlp
+    m = sm.load(sm.export(h, tmp_path / "m", example=jnp.ones((2, 5))).path, runtime="iree")
+    for transform, x in ((jax.vmap, _xs(3, 2, 5)), (jax.jit, _xs(2, 5))):
+        with pytest.raises(sm.ConfigError, match=r"iree runtime runs outside JAX.*runtime='jax'"):
+            transform(m)(x)
