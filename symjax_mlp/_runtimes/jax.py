@@ -23,6 +23,7 @@ import numpy as np
 from symjax_mlp._artifact.format import (
     JAXEXPORT,
     MLIRBC,
+    caller,
     check_calling_convention,
     compatibility_note,
     program_file,
@@ -54,7 +55,7 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
         )
 
 
-# sha256 of model.jaxexport -> (Exported, its Program, (guard, rows)), the most recent last
+# sha256 of model.jaxexport -> (Exported, its Program, what made it), the most recent last
 _CALLS: dict[str, tuple[Any, Program, Any]] = {}
 _MAX_CALLS = 8
 
@@ -96,7 +97,7 @@ def runner(
             "without params_as_constants."
         )
     key = manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"]
-    made = guard, manifest.get("rows")
+    made = guard, manifest.get("rows"), caller(path, manifest)  # messages name this load
     cached = _CALLS.pop(key, None)  # the same module loaded again: reuse its compilations
     if not (cached and cached[0] is exported and cached[2] == made):
         cached = exported, Program(path, manifest, exported, guard), made
