@@ -818,7 +818,7 @@ def test_a_signed_artifact_loads_with_its_key_and_nothing_else_does(
 
 def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_path):
     """Later cold starts skip reading the module again (the report is cached under the
-    module's sha256 in the user's cache); the cache is what load uses, and a damaged
+    module's sha256 in the user's cache, signed with the user's key); a damaged or planted
     entry is never trusted: the module is read again and the entry rewritten."""
     net = sm.mlp((4, 2))
     x = jnp.ones((2, 3))
@@ -832,29 +832,27 @@ def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_p
 
     assert load_fresh().stdout.strip() == "loaded"
     cached = sorted((tmp_path / "cache" / "symjax_mlp" / "ops").iterdir())
-    (entry,) = [f for f in cached if f.read_bytes().startswith(b"{")]  # the report; verdicts
-    assert [f.read_text() for f in cached if f != entry] == [  # (the call's shapes fit)
+    bodies = {f: f.read_bytes().partition(b"\n")[2] for f in cached}  # after the signature
+    (entry,) = [f for f in cached if bodies[f].startswith(b"{")]  # the report; verdicts
+    assert [bodies[f].decode() for f in cached if f != entry] == [  # (the call's shapes fit)
         f"{art.manifest['files']['model.jaxexport']['sha256']} fits (((2, 3), 'float32'),)"
     ]
-    report = json.loads(entry.read_text())
+    report = json.loads(bodies[entry])
     assert report["counts"]["stablehlo.dot_general"] == 2 and report["problems"] == []
-    planted = dict(report, problems=[["while", "a problem planted in the cache"]])
-    entry.write_text(json.dumps(planted))
-    done = load_fresh()
-    assert "a problem planted in the cache" in done.stderr, done.stderr[-500:]
-    entry.write_bytes(b"\x00 not json")
-    assert load_fresh().stdout.strip() == "loaded"
-    assert json.loads(entry.read_text()) == report
+    for planted in (dict(report, problems=[["while", "planted"]]), "\x00 not json"):
+        entry.write_text(planted if isinstance(planted, str) else json.dumps(planted))
+        assert load_fresh().stdout.strip() == "loaded"  # read again, not trusted
+        assert json.loads(entry.read_bytes().partition(b"\n")[2]) == report
 
 
-@pytest.mark.parametrize("changed", ["ops.py", "walk.py", "checker.py"])
+@pytest.mark.parametrize("changed", ["ops.py", "cost.py", "walk.py", "checker.py"])
 def test_a_cached_report_is_keyed_by_the_rules_that_made_it(tmp_path, monkeypatch, changed):
     """A newer allow-list (ops.py), walk or reader reads every module afresh: a report cached
     by the old rules is never taken for the new ones'."""
     from symjax_mlp._artifact import checker
 
     here = Path(checker.__file__)
-    for name in ("ops.py", "walk.py", "checker.py"):
+    for name in ("ops.py", "cost.py", "walk.py", "checker.py"):
         shutil.copy(here.with_name(name), tmp_path / name)
     monkeypatch.setattr(checker, "__file__", str(tmp_path / "checker.py"))
     before = checker._cache_key("0" * 64)
