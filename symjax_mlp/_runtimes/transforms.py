@@ -159,15 +159,15 @@ class Program:
         for spec, x, on in zip(sig["inputs"], inputs, mapped[1:], strict=True):
             k = spec["shape"].index(dim) if dim in spec["shape"] else None
             if k is None and on:
-                what = {"path": spec["path"], "spec": spec["shape"], "dim": dim}
+                shape = ", ".join(map(str, spec["shape"]))
+                what = {"path": spec["path"], "spec": f"{spec['dtype']}[{shape}]", "dim": dim}
                 raise SymjaxError(_UNBATCHED.format(caller=self.caller, **what))
             if k is not None:  # (size, ..., b, ...) -> (..., size * b, ...)
                 x = jnp.moveaxis(x if on else jnp.broadcast_to(x, (size, *x.shape)), 0, k)
                 x = x.reshape(*x.shape[:k], -1, *x.shape[k + 2 :])
             merged.append(x)
         self.check(self.call, (weights, *merged))
-        out, split = self.call(weights, *merged), []
-        single = sig["output_kind"] == "array"
+        out, split, single = self.call(weights, *merged), [], sig["output_kind"] == "array"
         for spec, y in zip(sig["outputs"], [out] if single else out, strict=True):
             k = spec["shape"].index(dim) if dim in spec["shape"] else None
             y = y if k is None else y.reshape(*y.shape[:k], size, -1, *y.shape[k + 1 :])
