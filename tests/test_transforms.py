@@ -66,16 +66,22 @@ def test_vmap_with_an_unmapped_input_and_tuple_outputs(tmp_path):
 def test_vmap_compiles_once_per_shape(mlp):
     h, m = mlp
     lowered = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _, **kw: lowered.append(event) if "jaxpr_to_mlir" in event else None
-    )
-    f = jax.vmap(m)
-    xs = _xs(3, 6, 5)
+
+    def listen(event, _, **kw):
+        if "jaxpr_to_mlir" in event:
+            lowered.append(event)
+
+    f, xs = jax.vmap(m), _xs(3, 6, 5)
     f(xs).block_until_ready()
-    before = len(lowered)
-    for seed in range(3):
-        f(_xs(3, 6, 5, seed=seed + 2)).block_until_ready()
-    assert len(lowered) == before  # the same shape: neither lowered nor compiled again
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for seed in range(3):
+            f(_xs(3, 6, 5, seed=seed + 2)).block_until_ready()
+        assert lowered == []  # the same shape: neither lowered nor compiled again
+        f(_xs(3, 7, 5)).block_until_ready()
+        assert lowered  # a new shape is (the count counts)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
     chex.assert_trees_all_close(f(xs), jax.vmap(h)(xs), **TOL)
 
 
