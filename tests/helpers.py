@@ -296,3 +296,135 @@ def keyless(tree):
         return jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
 
     return jax.tree.map(data, pure_state(tree))
+
+
+# -- the authors' own models, as written in their guides (issue 33) ------------------------------
+# Kept apart from ZOO: their flags have no defaults, so the ZOO-wide tests cannot call them bare.
+from functools import partial  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+
+class DropoutGuideModel(nn.Module):
+    """flax docs/guides/dropout.rst: the mode flag has no default."""
+
+    num_neurons: int
+
+    @nn.compact
+    def __call__(self, x, training: bool):
+        x = nn.Dense(self.num_neurons)(x)
+        x = nn.Dropout(rate=0.5, deterministic=not training)(x)
+        return x
+
+
+class BatchNormGuideMLP(nn.Module):
+    """flax docs/guides/batch_norm.rst: ``MLP(x, train)``, the flag without a default."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(features=4)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = nn.relu(x)
+        x = nn.Dense(features=1)(x)
+        return x
+
+
+class SowCNN(nn.Module):
+    """flax docs/guides/model_inspection/extracting_intermediates.rst: ``self.sow`` (smaller)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(features=4, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))  # flatten
+        self.sow("intermediates", "features", x)
+        x = nn.Dense(features=10)(x)
+        x = nn.log_softmax(x)
+        return x
+
+
+class MixerMlpBlock(nn.Module):
+    """google-research/vision_transformer vit_jax/models_mixer.py: ``MlpBlock``."""
+
+    mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(self.mlp_dim)(x)
+        y = nn.gelu(y)
+        return nn.Dense(x.shape[-1])(y)
+
+
+class MixerBlock(nn.Module):
+    """vit_jax/models_mixer.py: ``MixerBlock``."""
+
+    tokens_mlp_dim: int
+    channels_mlp_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.LayerNorm()(x)
+        y = jnp.swapaxes(y, 1, 2)
+        y = MixerMlpBlock(self.tokens_mlp_dim, name="token_mixing")(y)
+        y = jnp.swapaxes(y, 1, 2)
+        x = x + y
+        y = nn.LayerNorm()(x)
+        return x + MixerMlpBlock(self.channels_mlp_dim, name="channel_mixing")(y)
+
+
+class MlpMixer(nn.Module):
+    """vit_jax/models_mixer.py: ``MlpMixer``, its flag keyword-only, ``*, train`` (einops'
+    rearrange written as a reshape)."""
+
+    patches: Any
+    num_classes: int
+    num_blocks: int
+    hidden_dim: int
+    tokens_mlp_dim: int
+    channels_mlp_dim: int
+    model_name: str | None = None
+
+    @nn.compact
+    def __call__(self, inputs, *, train):
+        del train
+        x = nn.Conv(self.hidden_dim, self.patches.size, strides=self.patches.size, name="stem")(
+            inputs
+        )
+        x = x.reshape(x.shape[0], -1, x.shape[-1])  # 'n h w c -> n (h w) c'
+        for _ in range(self.num_blocks):
+            x = MixerBlock(self.tokens_mlp_dim, self.channels_mlp_dim)(x)
+        x = nn.LayerNorm(name="pre_head_layer_norm")(x)
+        x = jnp.mean(x, axis=1)
+        if self.num_classes:
+            x = nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(x)
+        return x
+
+
+def mixer() -> MlpMixer:
+    """A tiny MlpMixer for (n, 8, 8, 1) images."""
+    patches = SimpleNamespace(size=(4, 4))
+    return MlpMixer(patches, num_classes=10, num_blocks=1, hidden_dim=8, tokens_mlp_dim=4,
+                    channels_mlp_dim=8)  # fmt: skip
+
+
+class TutorialCNN(nnx.Module):
+    """flax docs_nnx/mnist_tutorial: the CNN, its dropout drawing from ``rngs`` passed in."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm1 = nnx.BatchNorm(32, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate=0.025)
+        self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm2 = nnx.BatchNorm(64, rngs=rngs)
+        self.avg_pool = partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+        self.linear1 = nnx.Linear(3136, 256, rngs=rngs)
+        self.dropout2 = nnx.Dropout(rate=0.025)
+        self.linear2 = nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x), rngs=rngs))))
+        x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+        x = x.reshape(x.shape[0], -1)  # flatten
+        x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
+        x = self.linear2(x)
+        return x

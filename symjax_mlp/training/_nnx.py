@@ -7,6 +7,10 @@ whatever mode the module was given in. Which state a call moves is read from its
 program (a state output that is not its input moved), so a model that would silently train in
 inference mode is refused before any step runs. The module given is never changed; the
 trained module is a new one, in eval mode.
+
+A module whose ``__call__`` takes ``rngs`` (the nnx tutorial's CNN: its Dropouts hold none)
+gets a fresh ``nnx.Rngs`` on every training step, split from a key carried in the state as
+linen's ``dropout`` stream is (an ``nnx.Rngs`` given in ``train_flags`` names the keyword).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from symjax_mlp.training._spec import (
     ModelSpec,
     _bool_keyword,
     _fix,
+    _parameters,
     find_flags,
     model_spec,
     shown_flags,
@@ -56,6 +61,10 @@ _NNX_MOVES = (
 )
 
 
+#: where the state carries the key of :attr:`NnxSpec.call_rngs` (no attribute's name)
+CALL_RNG = "__call_rngs__"
+
+
 @dataclasses.dataclass(frozen=True)
 class NnxSpec:
     """How to call an nnx classifier in training and in inference: each call's flags, the
@@ -70,26 +79,47 @@ class NnxSpec:
     params: Any
     state: Any
     out: jax.ShapeDtypeStruct
+    #: the keyword a training call passes a fresh ``nnx.Rngs`` to, or ``None``
+    call_rngs: str | None = None
 
     @property
     def stateful(self) -> bool:
-        return self.pure.stateful
+        return self.pure.stateful or self.call_rngs is not None
 
-    def raw(self, state: Any) -> Any:
-        """``state`` with its rng keys as raw key data: what a checkpoint and donation hold."""
+    def raw(self, state: Any, key: Any = None) -> Any:
+        """``state`` with its rng keys as raw key data: what a checkpoint and donation hold
+        (and, for :attr:`call_rngs`, the key its ``nnx.Rngs`` are split from)."""
         treedef, impls = state_structure(state)
-        return jax.tree.unflatten(treedef, unwrap_keys(jax.tree.leaves(state), impls))
+        raw = jax.tree.unflatten(treedef, unwrap_keys(jax.tree.leaves(state), impls))
+        if self.call_rngs is None:
+            return raw
+        return {**raw, CALL_RNG: jax.random.key_data(key)}
 
     def typed(self, raw: Any) -> Any:
-        """The inverse of :meth:`raw`."""
+        """The inverse of :meth:`raw` (the :attr:`call_rngs` key dropped)."""
+        if self.call_rngs is not None:
+            raw = {k: v for k, v in raw.items() if k != CALL_RNG}
         treedef, impls = state_structure(self.state)
         return jax.tree.unflatten(treedef, wrap_keys(jax.tree.leaves(raw), impls))
 
-    def call(self, params: Any, state: Any, x: Any, *, train: bool) -> tuple[Any, Any]:
-        """``(logits, new state)`` of a call in the training or the inference mode."""
+    def call(
+        self, params: Any, state: Any, x: Any, *, train: bool, key: Any = None
+    ) -> tuple[Any, Any]:
+        """``(logits, new state)`` of a call in the training or the inference mode (``key``:
+        what a training call's :attr:`call_rngs` draw from)."""
         flags = self.train_flags if train else self.eval_flags
+        if train and self.call_rngs is not None:
+            flags = {**flags, self.call_rngs: nnx.Rngs(jax.random.key(0) if key is None else key)}
         with self.pure.pinned(self.train_mode if train else self.eval_mode):
             return self.pure.call(params, state, (x,), flags)
+
+    def step(self, params: Any, raw: Any, x: Any, *, train: bool) -> tuple[Any, Any]:
+        """``(logits, new raw state)`` of a call from :meth:`raw` state."""
+        key = sub = None
+        if train and self.call_rngs is not None:
+            key, sub = jax.random.split(jax.random.wrap_key_data(raw[CALL_RNG]))
+        logits, state = self.call(params, self.typed(raw), x, train=train, key=sub)
+        return logits, self.raw(state, key) if train else raw
 
     def module(self, params: Any, state: Any) -> nnx.Module:
         """A new module holding ``params`` and ``state``, in eval mode."""
@@ -109,11 +139,14 @@ def nnx_spec(
     """The :class:`NnxSpec` of ``module``, checked: a training call must move its state (when
     it has any and no flags were given), an inference call must not."""
     train, evals = find_flags(module, train_flags, eval_flags, caller, form)
+    given = [k for k, v in train.items() if isinstance(v, nnx.Rngs)]
+    rngs = given[0] if given else "rngs" if "rngs" in _parameters(module) else None
+    train = {k: v for k, v in train.items() if k != rngs}
     pure, params, state = nnx_module(module)
     now = pure.settings() if pure.settings is not None else ()
     modes = mode_settings(pure, now, train=True), mode_settings(pure, now, train=False)
     example = jax.ShapeDtypeStruct(example.shape, example.dtype)
-    spec = NnxSpec(train, evals, pure, *modes, params, state, out=None)  # type: ignore[arg-type]
+    spec = NnxSpec(train, evals, pure, *modes, params, state, None, rngs)  # type: ignore[arg-type]
     name = type(module).__name__
     moved, _ = _moves(spec, example, train=True)
     if pure.stateful and train_flags is None and not moved:

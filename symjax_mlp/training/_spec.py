@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import re
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import flax
@@ -32,6 +33,8 @@ class ModelSpec:
     eval_flags: dict[str, Any]
     mutable: tuple[str, ...]
     rng: bool
+    #: what ``init`` is called with: the flags ``__call__`` requires (no default)
+    init_flags: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def stateful(self) -> bool:
@@ -68,6 +71,10 @@ _UNKNOWN_FLAG = (
     "{caller}: {arg} names {flag!r}, which {model}.__call__ does not take (its parameters: "
     "{names}). {fix}"
 )
+_REQUIRED = (
+    "{caller}: {model}.__call__ requires {names} (no default), and training cannot tell how to "
+    "set {them}. Pass {them} for each call: {fix}."
+)
 _GIVE_A_FLAG = (
     "Give __call__ a flag, def __call__(self, x, train: bool = False), and pass it on: "
     "nn.Dropout(rate, deterministic=not train), nn.BatchNorm(use_running_average=not train)."
@@ -102,6 +109,43 @@ def _checked(model: nn.Module, flags: Any, arg: str, caller: str, form: str) -> 
                     )
                 )
     return dict(flags)
+
+
+def init_flags(
+    model: Any, train: dict[str, Any], evals: dict[str, Any], caller: str, form: str
+) -> dict[str, Any]:
+    """The flags ``model.init`` is called with: those ``__call__`` requires (no default), as an
+    inference call sets them (else as a training call does).
+
+    Raises:
+      ConfigError: a required flag is in neither (``train(..., training: bool)`` given no flags).
+    """
+    params = list(_parameters(model).values())[1:]  # the input first
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    required = [p.name for p in params if p.default is p.empty and p.kind in kinds]
+    flags = {**train, **evals}
+    missing = [n for n in required if n not in flags]
+    if missing:
+        on = {n: True for n in missing}
+        off = {n: False for n in missing}
+        names = ", ".join(map(repr, missing))
+        raise ConfigError(
+            _REQUIRED.format(
+                caller=caller, model=type(model).__name__, names=names,
+                them="it" if len(missing) == 1 else "them", fix=form.format(on=on, off=off),
+            )
+        )  # fmt: skip
+    return {n: flags[n] for n in required}
+
+
+def init_variables(model: nn.Module, key: jax.Array, example: Any, flags: dict[str, Any]) -> Any:
+    """``model.init(key, example, **flags)``, a ``dropout`` stream given when ``flags`` train."""
+    rngs = {"params": key, "dropout": jax.random.fold_in(key, 2)} if flags else key
+    return model.init(rngs, example, **flags)
+
+
+def key0() -> jax.Array:
+    return jax.random.key(0)
 
 
 def _bool_keyword(model: nn.Module) -> tuple[str, bool] | None:
@@ -179,7 +223,8 @@ def model_spec(
     caller = caller or f"symjax_mlp.training.train({name})"
     example = jax.ShapeDtypeStruct(example.shape, example.dtype)
     train, evals = find_flags(model, train_flags, eval_flags, caller, form)
-    variables = jax.eval_shape(model.init, jax.random.key(0), example)
+    init = init_flags(model, train, evals, caller, form)
+    variables = jax.eval_shape(partial(init_variables, model, flags=init), key0(), example)
     mutable = tuple(c for c in variables if c != "params")
     if train_flags is None and not train:
         _refuse_inference_mode(model, variables, example, mutable, caller, form)
@@ -200,7 +245,7 @@ def model_spec(
                 _OTHER_STREAM.format(caller=caller, model=name, stream=stream)
             ) from None
         rng = True
-    return ModelSpec(train, evals, mutable, rng)
+    return ModelSpec(train, evals, mutable, rng, init)
 
 
 def _refuse_inference_mode(
@@ -245,7 +290,8 @@ def inference_shape(model: nn.Module, example: Any, spec: ModelSpec, *, caller: 
     stream or updates a collection."""
     flags = spec.eval_flags
     example = jax.ShapeDtypeStruct(example.shape, example.dtype)
-    variables = jax.eval_shape(model.init, jax.random.key(0), example)
+    init = partial(init_variables, model, flags=spec.init_flags)
+    variables = jax.eval_shape(init, key0(), example)
     does = _training_part(model, variables, example, flags)
     if does is None:
         return jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)

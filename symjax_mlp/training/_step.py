@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
 from symjax_mlp.training._nnx import NnxSpec, spec_of
-from symjax_mlp.training._spec import STEP_FORM, ModelSpec
+from symjax_mlp.training._spec import STEP_FORM, ModelSpec, init_variables
 
 #: ``step(params, opt_state, x, y, w) -> (params, opt_state, {"loss", "correct"})``.
 Step = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
@@ -67,8 +67,14 @@ def init_params(
     spec = spec_of(model, example, train_flags, caller=caller, form=STEP_FORM)
     if isinstance(spec, NnxSpec):  # built initialised: its values, in buffers of its own
         params = _copy(spec.params)
-        return ModelVars(params, _copy(spec.raw(spec.state))) if spec.stateful else params
-    return _init(model, spec.mutable, spec.rng, key, example)
+        state = spec.raw(spec.state, jax.random.fold_in(key, 1))
+        return ModelVars(params, _copy(state)) if spec.stateful else params
+    settings = (model, spec.mutable, spec.rng, tuple(spec.init_flags.items()))
+    try:
+        hash(settings)
+    except TypeError:  # a module holding a dict or a namespace (a ConfigDict): not a jit key
+        return _init.__wrapped__(*settings, key, example)
+    return _init(*settings, key, example)
 
 
 def _copy(tree: Any) -> Any:
@@ -76,9 +82,9 @@ def _copy(tree: Any) -> Any:
 
 
 # jitted: eagerly each initializer op compiles on its own; cached per (hashable) module
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _init(model: nn.Module, mutable: tuple[str, ...], rng: bool, key: jax.Array, example: Any):
-    variables = model.init(key, example)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _init(model: nn.Module, mutable: tuple, rng: bool, flags: tuple, key: jax.Array, example: Any):
+    variables = init_variables(model, key, example, dict(flags))
     if not mutable and not rng:
         return variables["params"]
     state = {c: variables[c] for c in mutable}
@@ -92,8 +98,8 @@ def apply_model(model: Any, spec: ModelSpec | NnxSpec, params: Any, x: jax.Array
     if isinstance(spec, NnxSpec):
         if not isinstance(params, ModelVars):
             return spec.call(params, {}, x, train=train)[0], params
-        logits, state = spec.call(params.params, spec.typed(params.state), x, train=train)
-        return logits, ModelVars(params.params, spec.raw(state)) if train else params
+        logits, state = spec.step(params.params, params.state, x, train=train)
+        return logits, ModelVars(params.params, state)
     flags = spec.train_flags if train else spec.eval_flags
     if not isinstance(params, ModelVars):
         return model.apply({"params": params}, x, **flags), params

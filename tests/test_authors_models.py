@@ -1,0 +1,85 @@
+"""The Flax and Equinox authors' own models (tests/helpers.py, as their guides write them)
+through training, a Hybrid, a Batcher and export: issue 33."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import BatchNormGuideMLP, DropoutGuideModel, TutorialCNN, mixer
+
+import symjax_mlp as sm
+
+
+def _data(classes, n=64, features=5, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, features)).astype(np.float32)
+    y = (rng.integers(0, classes, n)).astype(np.int32)
+    return sm.training.Dataset(x[:48], y[:48], x[48:], y[48:], classes)
+
+
+def _steps(model, x, n=3, **flags):
+    """``n`` jitted training steps of the pieces; the params and metrics after each."""
+    opt = optax.adam(1e-2)
+    params = sm.training.init_params(model, jax.random.key(0), x, **flags)
+    step = jax.jit(sm.training.train_step(model, opt, **flags))
+    opt_state = opt.init(params.params if hasattr(params, "params") else params)
+    y, w = jnp.arange(len(x)) % 10, jnp.ones(len(x))
+    runs = []
+    for _ in range(n):
+        params, opt_state, metrics = step(params, opt_state, x, y, w)
+        runs.append((params, metrics))
+    return runs
+
+
+# -- item 2: a mode flag without a default ------------------------------------------------------
+@pytest.mark.parametrize(
+    ("model", "flag"),
+    [(DropoutGuideModel(10), "training"), (BatchNormGuideMLP(), "train")],
+    ids=["dropout_guide", "batch_norm_guide"],
+)
+@pytest.mark.parametrize("given", [False, True], ids=["found", "given"])
+def test_a_flag_without_a_default_trains(model, flag, given):
+    classes = 10 if isinstance(model, DropoutGuideModel) else 1
+    flags = dict(train_flags={flag: True}, eval_flags={flag: False}) if given else {}
+    run = sm.training.train(model, _data(classes), epochs=2, batch_size=16, **flags)
+    assert np.isfinite(run.history[-1].loss) and run.eval_flags == {flag: False}
+    # initialised as the author does, model.init(key, x, flag=False)
+    x = jnp.ones((1, 5))
+    params = sm.training.init_params(model, jax.random.key(3), x, train_flags={flag: True})
+    params = getattr(params, "params", params)
+    want = model.init({"params": jax.random.key(3)}, x, **{flag: False})["params"]
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, want))
+    if classes == 1:  # BatchNorm's statistics moved
+        assert not np.allclose(run.model_state["batch_stats"]["BatchNorm_0"]["mean"], 0)
+
+
+def test_a_keyword_only_flag_trains():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 8, 8, 1)), jnp.float32)
+    model = mixer()  # *, train; its patches a namespace (not hashable, as a ConfigDict)
+    runs = _steps(model, x, train_flags={"train": True})
+    assert all(np.isfinite(m["loss"]) for _, m in runs)
+    assert runs[-1][1]["loss"] < runs[0][1]["loss"]
+
+
+def test_the_nnx_tutorial_cnn_trains_with_rngs_passed_to_its_call():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 28, 28, 1)), jnp.float32)
+    for flags in ({}, {"train_flags": {"rngs": nnx.Rngs(1)}}):
+        runs = _steps(TutorialCNN(rngs=nnx.Rngs(0)), x, **flags)
+        keys = [p.state["__call_rngs__"] for p, _ in runs]
+        assert all(np.isfinite(m["loss"]) for _, m in runs)
+        assert not np.array_equal(keys[0], keys[1])  # a new nnx.Rngs every step
+        assert not np.array_equal(runs[0][0].state["batch_norm1"]["mean"], 0)
+
+
+def test_a_required_flag_training_cannot_name_is_refused_with_the_fix():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, is_training: bool):
+            return nn.Dropout(0.5, deterministic=not is_training)(nn.Dense(3)(x))
+
+    with pytest.raises(sm.ConfigError, match=r"train_flags=\{'is_training': True\}"):
+        sm.training.train(Net(), _data(3), epochs=1)
+
