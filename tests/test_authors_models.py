@@ -1,6 +1,7 @@
 """The Flax and Equinox authors' own models (tests/helpers.py, as their guides write them)
 through training, a Hybrid, a Batcher and export: issue 33."""
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import BatchNormGuideMLP, DropoutGuideModel, TutorialCNN, mixer
+from helpers import BatchNormGuideMLP, DropoutGuideModel, SowCNN, TutorialCNN, mixer
 
 import symjax_mlp as sm
 
@@ -82,4 +83,22 @@ def test_a_required_flag_training_cannot_name_is_refused_with_the_fix():
 
     with pytest.raises(sm.ConfigError, match=r"train_flags=\{'is_training': True\}"):
         sm.training.train(Net(), _data(3), epochs=1)
+
+
+# -- item 3: a Batcher serving a model whose call needs a flag ----------------------------------
+@pytest.mark.parametrize(
+    ("model", "flag"),
+    [(BatchNormGuideMLP(), "train"), (DropoutGuideModel(4), "training")],
+    ids=["batch_norm_guide", "dropout_guide"],
+)
+def test_a_batcher_serves_a_model_whose_call_needs_a_flag(model, flag):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5)), jnp.float32)
+    variables = model.init(jax.random.key(0), x[:1], **{flag: False})
+    h = sm.hybridize(model, variables)
+    with pytest.raises(sm.ConfigError, match=r"kwargs=\{'train': False\}"):
+        sm.serving.Batcher(h, example=x[:1])
+    with sm.serving.Batcher(h, example=x[:1], max_batch=4, kwargs={flag: False}) as b:
+        got = b(np.asarray(x))
+    np.testing.assert_allclose(got, model.apply(variables, x, **{flag: False}), rtol=1e-6)
+    np.testing.assert_allclose(got, h(x, **{flag: False}), rtol=1e-6)
 

@@ -16,6 +16,7 @@ its futures are settled under one lock, with one ``call_soon_threadsafe`` per ev
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -46,20 +47,28 @@ _TRAINING = (
 )
 
 
-def _inference(h: Hybrid, example: Any) -> Any:
-    """What a batcher calls for ``h``: ``h`` as of now (its nnx module's mode too), or for a
-    stateful one its inference with the state it holds now, which serving never moves."""
+def _inference(h: Hybrid, example: Any, kwargs: dict[str, Any]) -> Any:
+    """What a batcher calls for ``h`` (``kwargs`` fixed): ``h`` as of now (its nnx module's
+    mode too), or a stateful one's inference with the state it holds now, never moved."""
     arrays = example if isinstance(example, tuple) else (example,)
-    training = h.training_mode(*arrays)
+    try:
+        h.__signature__ is None or h.__signature__.bind(*arrays, **kwargs)
+    except TypeError as e:  # a flag with no default: name the fix, not the model's TypeError
+        raise ConfigError(
+            f"Batcher({h.name}): a request calls the model with the example's inputs"
+            f"{kwargs or ''}, but {e}. Fix its other arguments for every request, e.g. "
+            "Batcher(h, example=x, kwargs={'train': False})."
+        ) from None
+    training = h.training_mode(*arrays, **kwargs)
     if training:
         raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
     h = h.snapshot()  # its module's mode and state as of now, whatever h does later
     if not h.stateful:
-        return h
+        return functools.partial(h, **kwargs) if kwargs else h
     params, state = h.params, h.state
 
     def inference(*xs: Any) -> Any:
-        return h.apply_with_state(params, state, *xs)[0]
+        return h.apply_with_state(params, state, *xs, **kwargs)[0]
 
     inference.__name__ = h.name
     return inference
@@ -92,6 +101,8 @@ class Batcher:
         ``max_batch``, and ``max_batch``); the largest must be ``max_batch``.
       max_queue: most requests waiting; one more is refused with :class:`OverloadError`.
       name: shown in errors (default: the model's name or artifact path).
+      kwargs: keyword settings passed to every call of a Hybrid or callable, e.g.
+        ``{"train": False}`` for the batch-norm guide's ``MLP(x, train)``.
 
     Raises:
       ConfigError: a Hybrid or callable without ``example``, or a LoadedModel with one; an
@@ -119,13 +130,14 @@ class Batcher:
         buckets: Sequence[int] | None = None,
         max_queue: int = 1024,
         name: str | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> None:
-        served = model  # what the lane calls: for a Hybrid, _inference
+        served, kwargs = model, dict(kwargs or {})  # what the lane calls (for a Hybrid, _inference)
         if isinstance(model, LoadedModel):
-            if example is not None:
+            if example is not None or kwargs:
                 raise ConfigError(
-                    "Batcher(LoadedModel, example=...): a loaded artifact carries its signature "
-                    f"({model.signature}); drop example=."
+                    "Batcher(LoadedModel, example=/kwargs=): a loaded artifact carries its "
+                    f"signature ({model.signature}) and settings; drop them."
                 )
             specs, static = artifact_specs(model)
             name = name or str(model.path)
@@ -138,7 +150,9 @@ class Batcher:
                 )
             specs, static = example_specs(example), None
             if isinstance(model, Hybrid):
-                served = _inference(model, example)
+                served = _inference(model, example, kwargs)
+            elif kwargs:
+                served = functools.partial(model, **kwargs)
             name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
         else:
             raise ConfigError(
@@ -167,12 +181,9 @@ class Batcher:
 
     def _warm_up(self, lane: Lane) -> None:
         """Compiles every bucket (one call each) and checks the outputs are per row."""
-        single = True
+        single, rows = True, list(zip(lane.row_shapes, lane.dtypes, strict=True))
         for bucket in self.buckets:
-            zeros = [
-                np.zeros((bucket, *s), d) for s, d in zip(lane.row_shapes, lane.dtypes, strict=True)
-            ]
-            out = lane.call(*zeros)
+            out = lane.call(*[np.zeros((bucket, *s), d) for s, d in rows])
             single = isinstance(out, jax.Array | np.ndarray)
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree_to_host(out)):
                 if leaf.ndim == 0 or leaf.shape[0] != bucket:
@@ -223,8 +234,7 @@ class Batcher:
         """
         t0 = clock()
         arrays, rows = self._check(inputs)
-        lane = self._lane
-        future = RequestFuture(lane.futures)
+        future = RequestFuture(self._lane.futures)
         future.arrays, future.rows, future.t0 = arrays, rows, t0
         self._enqueue(future)
         return future
