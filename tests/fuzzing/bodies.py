@@ -33,7 +33,8 @@ NASTY = [10**400, -(10**400), 10**20, 2**31, -(2**31) - 1, 2**63, 2**64, 1e39, -
 
 
 def make(out: Path) -> None:
-    """Nothing to write: the models are made in each worker."""
+    """Nothing to write but the directory: the models are made in each worker."""
+    out.mkdir(parents=True, exist_ok=True)
 
 
 class Context:
