@@ -1,7 +1,10 @@
-"""The op checker's accounting of calls: a module is charged for every call once inlined.
+"""The op checker's accounting: a module is charged for every op as often as XLA runs it.
 
 A call graph that fans out (each function calling the one below it twice) is small on disk
-and exponential once inlined; the checker must count it as XLA will run it.
+and exponential once inlined; a reducer's body runs once per element it combines, a loop's
+body once per trip, nested ones multiplied. Each multiplier has a test that fails without it
+(a module just over the bound with it, far under without), and the bytes of the tensors made
+are bounded, not just their elements. Control flow inside a reducer's body is refused by name.
 """
 
 from __future__ import annotations
