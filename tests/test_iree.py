@@ -6,6 +6,8 @@ import json
 import shutil
 import subprocess
 
+import chex
+import flax.linen as nn
 import iree.compiler
 import iree.runtime
 import jax
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from fuzzing import forge
+from helpers import ZOO
 from iree.compiler.tools.binaries import find_tool
 
 import symjax_mlp as sm
@@ -45,13 +48,14 @@ def user_cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def compiles(monkeypatch):
-    """Counts calls of iree.compiler.compile_str (the only place IREE compiles)."""
+    """Records ``(module, flags)`` of each call of iree.compiler.compile_str (the only place
+    IREE compiles)."""
     calls = []
     real = iree.compiler.compile_str
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("extra_args"))
-        return real(*args, **kwargs)
+    def counting(module, **kwargs):
+        calls.append((bytes(module), kwargs.get("extra_args")))
+        return real(module, **kwargs)
 
     monkeypatch.setattr(iree.compiler, "compile_str", counting)
     return calls
@@ -71,43 +75,61 @@ def executed(monkeypatch):
     return modules
 
 
-def cache_entry(art):
-    """Where the .vmfb compiled from this artifact's model.mlirbc is cached for this user."""
-    module_sha = hashlib.sha256((art.path / "model.mlirbc").read_bytes()).hexdigest()
-    return iree_rt.cache_dir() / iree_rt.vmfb_cache_key(module_sha)
+def cache_names(compiles):
+    """The user's cache entry of each module compiled: keyed by the module's own sha256."""
+    return [iree_rt.vmfb_cache_key(hashlib.sha256(m).hexdigest()) for m, _ in compiles]
+
+
+def declarations(executed):
+    """``main``'s declaration in each compiled module IREE ran: its shapes, static or not."""
+    instance, found, ran = iree.runtime.VmInstance(), [], list(executed)
+    for vmfb in ran:
+        module = iree.runtime.VmModule.copy_buffer(instance, vmfb)
+        main = module.lookup_function("main")  # (the module must outlive it)
+        found.append(main.reflection["iree.abi.declaration"])
+    del executed[len(ran) :]  # read here, not run
+    return found
 
 
 def listing(directory):
     return {p.name: p.read_bytes() for p in directory.iterdir()}
 
 
-def test_iree_matches_jax_and_caches_the_vmfb_per_user(chapter, compiles, user_cache):
+def test_iree_matches_jax_with_a_static_module_per_input_shape_cached_per_user(
+    chapter, compiles, executed, user_cache
+):
     art, h = chapter
     before = listing(art.path)
-    m = sm.load(art.path, runtime="iree")
-    assert len(compiles) == 1 and "--iree-llvmcpu-target-cpu=host" in compiles[0]
+    m = sm.load(art.path, runtime="iree")  # compiles the self-test's shapes (batch 2) at once
+    assert len(compiles) == 1 and "--iree-llvmcpu-target-cpu=host" in compiles[0][1]
     jax_model = sm.load(art.path)
-    for batch in (1, 7, 1000):
+    for batch in (1, 7, 1000, 7, 1):
         x = rand(batch, seed=batch)
         y = m(x)
         assert isinstance(y, np.ndarray) and y.shape == (batch, 2) and y.dtype == np.float32
         np.testing.assert_allclose(y, np.asarray(jax_model(x)), **TOL)
         np.testing.assert_allclose(y, np.asarray(h(x)), **TOL)
-    # the cache is one file in the user's cache directory, none in the artifact
-    cache = cache_entry(art)
-    assert [p.name for p in user_cache.iterdir()] == [cache.name]  # no temporary litter
-    assert cache.name.endswith(".vmfb") and cache.stat().st_size > 0
+    assert len(compiles) == 4  # one static module per batch size: 2, 1, 7, 1000
+    shapes = [d.split("%input6: ")[1].split(")")[0] for d in declarations(executed)]
+    assert shapes == [f"tensor<{b}x512xf32>" for b in (2, 1, 7, 1000)]
+    assert not [d for d in declarations(executed) if "?" in d]
+    # the cache: one file per module, in the user's cache directory, none in the artifact
+    names = cache_names(compiles)
+    assert sorted(p.name for p in user_cache.iterdir()) == sorted(names)  # no temporary litter
+    assert len(set(names)) == 4 and all(n.endswith(".vmfb") for n in names)
     assert listing(art.path) == before
-    # cached: no second compile; the artifact is as exported
-    np.testing.assert_allclose(sm.load(art.path, runtime="iree")(rand(3)), h(rand(3)), **TOL)
-    assert len(compiles) == 1
+    # cached: a fresh load compiles none of them again; the artifact is as exported
+    again = sm.load(art.path, runtime="iree")
+    for batch in (1, 7, 1000):
+        np.testing.assert_allclose(again(rand(batch)), h(rand(batch)), **TOL)
+    assert len(compiles) == 4
     assert sm.inspect(art.path).op_counts()["stablehlo.dot_general"] == 3
     np.testing.assert_allclose(sm.load(art.path)(rand(3)), h(rand(3)), rtol=1e-6)
     # a cache entry for another module, IREE version or CPU has another name: left alone
     other = user_cache / f"{'0' * 64}.vmfb"
     other.write_bytes(b"stale")
     sm.load(art.path, runtime="iree")
-    assert len(compiles) == 1 and other.read_bytes() == b"stale"
+    assert len(compiles) == 4 and other.read_bytes() == b"stale"
     assert listing(art.path) == before
 
 
@@ -120,22 +142,24 @@ def _damage(data: bytes, how: str) -> bytes:
         return data[: len(data) // 2]
     if how == "empty":
         return b""
+    if how == "stamped":  # another module, stamped with its sha256 but not this user's key
+        body = _damage(data, "flipped").partition(b"\n")[2]
+        return hashlib.sha256(body).hexdigest().encode() + b"\n" + body
     return b"\x7fELF not a vmfb" * 64  # "junk"
 
 
-@pytest.mark.parametrize("how", ["flipped", "truncated", "empty", "junk"])
+@pytest.mark.parametrize("how", ["flipped", "truncated", "empty", "junk", "stamped"])
 def test_a_damaged_cache_entry_is_compiled_again_never_trusted(chapter, compiles, how):
     art, h = chapter
     sm.load(art.path, runtime="iree")
-    cache = cache_entry(art)
+    cache = iree_rt.cache_dir() / cache_names(compiles)[0]  # the self-test's module (batch 2)
     good = cache.read_bytes()
     assert len(compiles) == 1
     cache.write_bytes(_damage(good, how))
     m = sm.load(art.path, runtime="iree")
     assert len(compiles) == 2  # the damaged entry was not run: it was compiled again
-    for batch in (1, 7):
-        x = rand(batch, seed=batch)
-        np.testing.assert_allclose(m(x), np.asarray(h(x)), **TOL)
+    x = rand(2, seed=2)
+    np.testing.assert_allclose(m(x), np.asarray(h(x)), **TOL)
     assert cache.read_bytes() != _damage(good, how)  # and the cache holds the new build
     np.testing.assert_allclose(sm.load(art.path, runtime="iree")(rand(2)), h(rand(2)), **TOL)
     assert len(compiles) == 2
@@ -154,13 +178,16 @@ def test_compiled_code_planted_in_the_artifact_is_never_run(
     assert not np.allclose(evil(rand(2)), h(rand(2)), **TOL)
     other = sm.export(evil, tmp_path / "evil", example=rand(1))
     assert other.manifest["mlir_arguments"] == art.manifest["mlir_arguments"]
-    mlirbc = (other.path / "model.mlirbc").read_bytes()
-    planted_vmfb = iree.compiler.compile_str(
-        mlirbc, input_type="stablehlo", extra_args=iree_rt.compile_flags()[1:]
-    )
+    sm.load(other.path, runtime="iree")
+    planted_vmfb = executed[-1]  # its static module at the self-test's batch
+    sm.load(copy, runtime="iree")
+    real = cache_names(compiles)[-1]  # the very name the user's cache gives the real one
+    for entry in user_cache.iterdir():
+        entry.unlink()
     module_sha = hashlib.sha256((copy / "model.mlirbc").read_bytes()).hexdigest()
     names = [
-        iree_rt.vmfb_cache_key(module_sha),  # the very name the user's cache would use
+        real,
+        iree_rt.vmfb_cache_key(module_sha),
         f"model.iree-{iree_rt.iree_version()}.llvm-cpu-x86_64-0000000000.vmfb",
         "model.vmfb",
     ]
@@ -174,14 +201,15 @@ def test_compiled_code_planted_in_the_artifact_is_never_run(
     for name, data in planted.items():
         (copy / name).write_bytes(data)
     compiles.clear()
+    executed.clear()
     for attempt in range(2):  # compiled into an empty cache, then from the cache
         m = sm.load(copy, runtime="iree")
         for batch in (1, 7):
             x = rand(batch, seed=batch)
             np.testing.assert_allclose(m(x), np.asarray(h(x)), **TOL)
-        assert len(compiles) == 1, attempt
-        assert [p.name for p in user_cache.iterdir()] == [names[0]]
-        assert user_cache.joinpath(names[0]).read_bytes() != planted_vmfb
+        assert len(compiles) == 3, attempt  # batches 2 (the self-test's), 1 and 7
+        assert sorted(p.name for p in user_cache.iterdir()) == sorted(cache_names(compiles))
+        assert user_cache.joinpath(real).read_bytes() != planted_vmfb
     assert executed and not [b for b in executed if b in planted.values()]
     for name, data in planted.items():  # untouched
         assert (copy / name).read_bytes() == data, name
@@ -209,6 +237,78 @@ def test_iree_runs_a_multi_platform_export(tmp_path):
     assert art.manifest["mlir_arguments"][0] == "platform_index"
     m = sm.load(art.path, runtime="iree")  # passes the index of "cpu" (1 here)
     np.testing.assert_allclose(m(x), np.asarray(h(x)), **TOL)
+
+
+@pytest.mark.parametrize("case", [c for c in ZOO if c.name != "linen_dict"], ids=lambda c: c.name)
+def test_every_zoo_model_runs_under_iree_as_under_jax(case, tmp_path):
+    """Each zoo model's artifact (eval mode), at the export's batch and at two others."""
+    h = case.hybridize()
+    xs = case.inputs(0)
+    art = sm.export(h, tmp_path / case.name, example=xs, kwargs=case.eval)
+    m, want = sm.load(art.path, runtime="iree"), sm.load(art.path)
+    for seed, rows in ((1, 4), (2, 1), (3, 3)):
+        arrays = [x[:rows] for x in case.inputs(seed) if hasattr(x, "shape")]
+        chex.assert_trees_all_close(m(*arrays), want(*arrays), rtol=2e-5, atol=2e-5)
+
+
+class Flatten(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(x.reshape((x.shape[0], -1)))
+
+
+class Tokens(nn.Module):
+    """A Dense on (b, t, d), then self-attention over t."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(8)(x))
+        return nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(x).mean(axis=1)
+
+
+class PaddedPool(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.max_pool(nn.Conv(4, (3, 3))(x), (2, 2), strides=(2, 2), padding="SAME")
+        return nn.Dense(3)(x.reshape((x.shape[0], -1)))
+
+
+@pytest.mark.parametrize(
+    ("model", "shape", "allow"),
+    [
+        (Flatten(), (2, 3, 4), None),
+        (Tokens(), (2, 5, 6), None),
+        (PaddedPool(), (2, 7, 7, 3), {"convolution", "reduce_window"}),
+    ],
+    ids=["flatten", "dense_and_attention_on_b_t_d", "padded_max_pool"],
+)
+def test_inputs_of_rank_above_2_run_under_iree_with_a_symbolic_batch(
+    model, shape, allow, tmp_path, executed
+):
+    """IREE cannot compile the dynamic reshape of a symbolic batch: every module it runs is
+    static, one per batch size, and matches JAX."""
+    x = jax.random.normal(jax.random.key(0), shape)
+    h = sm.hybridize(model, model.init(jax.random.key(1), x))
+    art = sm.export(h, tmp_path / "m", example=x)
+    assert art.signature.batch == "b"
+    m, want = sm.load(art.path, runtime="iree", allow=allow), sm.load(art.path, allow=allow)
+    for batch in (1, 3):
+        xb = jax.random.normal(jax.random.key(batch), (batch, *shape[1:]))
+        np.testing.assert_allclose(m(xb), want(xb), rtol=1e-5, atol=3e-6)
+    assert len(executed) == 3 and not [d for d in declarations(executed) if "?" in d]
+
+
+def test_threads_share_a_loaded_model_under_iree(chapter):
+    """Calls from several threads, of several batch sizes at once, each get their own rows."""
+    import concurrent.futures
+
+    art, h = chapter
+    m = sm.load(art.path, runtime="iree")
+    xs = [rand(1 + i % 3, seed=i) for i in range(24)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        ys = list(pool.map(m, xs))
+    for x, y in zip(xs, ys, strict=True):
+        np.testing.assert_allclose(y, np.asarray(h(x)), **TOL)
 
 
 def test_a_float16_model_passes_its_self_test_under_iree(tmp_path):
@@ -260,6 +360,11 @@ def test_iree_refuses_what_it_cannot_run(tmp_path, compiles):
     (tmp_path / "cuda" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(sm.ArtifactError, match=r"sharded over 2 devices; IREE runs single"):
         sm.load(tmp_path / "cuda", runtime="iree")
+    manifest["nr_devices"], manifest["ordered_effects"] = 1, 1
+    (tmp_path / "cuda" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(sm.ArtifactError, match=r"ordered effects.*IREE cannot run"):
+        sm.load(tmp_path / "cuda", runtime="iree")
+    assert compiles == []
 
 
 def test_iree_compile_failure_is_an_artifact_error(tmp_path, compiles):
@@ -291,14 +396,16 @@ def native(path):
 
 
 def test_no_python_iree_compile_and_iree_run_module(chapter, tmp_path):
-    """The README recipe: IREE's native tools only; .npy files in, .npy out."""
-    art, h = chapter
+    """The README recipe: IREE's native tools only; .npy files in, .npy out; a static export
+    (the batch it runs), on the local-sync driver."""
+    _, h = chapter
+    x = np.asarray(rand(7, seed=3))
+    art = sm.export(h, tmp_path / "static", example=x, batch=None)
     iree_compile = native(find_tool("iree-compile"))
     runtime_dir = importlib.import_module("iree._runtime_libs").__path__[0]
     iree_run = native(f"{runtime_dir}/iree-run-module")
     # packaging step (any safetensors reader will do): one .npy per argument of main
     weights = safetensors.numpy.load_file(art.path / "params.safetensors")
-    x = np.asarray(rand(7, seed=3))
     inputs = []
     for i, name in enumerate(art.manifest["mlir_arguments"]):
         np.save(tmp_path / f"arg{i}.npy", x if name == "args[0]" else weights[name])
@@ -313,7 +420,7 @@ def test_no_python_iree_compile_and_iree_run_module(chapter, tmp_path):
     run = subprocess.run(
         [
             iree_run,
-            "--device=local-task",
+            "--device=local-sync",
             f"--module={vmfb}",
             "--function=main",
             *inputs,

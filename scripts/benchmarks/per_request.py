@@ -10,7 +10,8 @@ ratios compare like with like:
   (``jax.jit(lambda x: net.apply(variables, x)).lower(x).compile()``), and with its params as
   arguments; the compute part is the constants executable less the dispatch floor;
 - ``h(x)`` and ``h(x)`` with ``params_as_constants=True``;
-- the exported artifact loaded in JAX (and IREE, when asked and installed);
+- the exported artifact loaded in JAX (and IREE, when asked and installed: from Python, and
+  the same ``.vmfb`` in IREE's native ``iree-benchmark-module``, :mod:`benchmarks.iree_native`);
 - with ``rivals=True``, what a user would pick instead for one request on a CPU
   (:mod:`benchmarks.rivals`: PyTorch eager, ``jit.script``, ``jit.freeze``,
   ``torch.compile``, ``torch.export`` + AOTInductor, ONNX Runtime), at one intra-op thread,
@@ -43,6 +44,7 @@ LABELS = {
     "h_constants": "h(x), params_as_constants=True",
     "artifact_jax": "loaded artifact (JAX)",
     "artifact_iree": "loaded artifact (IREE)",
+    "artifact_iree_native": "the same .vmfb, iree-benchmark-module",
 }
 #: The targets: (name, numerator row, denominator row, bound).
 RATIO_TARGETS = (
@@ -50,6 +52,13 @@ RATIO_TARGETS = (
     # The floor for a call that takes its params (as h does): the same calling convention.
     ("h_over_aot_arguments", "h", "aot_arguments", "<= 1.05"),
     ("h_constants_over_aot_constants", "h_constants", "aot_constants", "<= 1.05"),
+)
+#: With ``iree=True``: IREE from Python against h(x), and IREE with no Python at all (the
+#: native tool on the same .vmfb) against XLA's floor for the same program (params as
+#: arguments, the same calling convention).
+IREE_TARGETS = (
+    ("iree_over_h", "artifact_iree", "h", "<= 1.5"),
+    ("iree_native_over_aot_arguments", "artifact_iree_native", "aot_arguments", "<= 1.2"),
 )
 _ENTRY = (
     "import json, sys; from benchmarks.per_request import measure; "
@@ -73,6 +82,7 @@ def measure(
     import jax
 
     import symjax_mlp as sm
+    from benchmarks import iree_native
     from benchmarks import rivals as rv
     from benchmarks.calls import chapter_net
     from benchmarks.timing import time_interleaved
@@ -111,13 +121,21 @@ def measure(
         script = _JAX_SCRIPT.format(x=str(Path(tmp) / "x.npy"), path=str(path))
         starters.append(rv.Rival("artifact_jax", LABELS["artifact_jax"], None, None, None,
                                  script, want))  # fmt: skip
+        remote: dict[str, Any] = {}
         if iree:
             try:
-                mi = sm.load(path, runtime="iree")
-                mi(xn)
+                with iree_native.recording() as vmfbs:
+                    mi = sm.load(path, runtime="iree")
+                    mi(xn)  # compiles (or reads from the user's cache) its batch's module
                 fns["artifact_iree"] = lambda: mi(xn)
+                made = iree_native.native_row(vmfbs[-1], path, xn, Path(tmp) / "native")
+                if isinstance(made, str):
+                    skipped["artifact_iree_native"] = made
+                else:
+                    remote["artifact_iree_native"] = made
             except Exception as e:  # e.g. IREE not installed: the error says what to install
-                skipped["artifact_iree"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                key = "artifact_iree_native" if "artifact_iree" in fns else "artifact_iree"
+                skipped[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         syncs = {}
         if rivals:
             made = rv.build_rivals(variables["params"], xn, threads=1, workdir=Path(tmp))
@@ -134,7 +152,7 @@ def measure(
             if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=1e-4):
                 notes.append(f"{key}: its answer differs from h's by {np.abs(got - want).max()}")
         timed = time_interleaved(fns, calls=calls, repeats=repeats, warmup=200, syncs=syncs,
-                                 pause=0.02)  # fmt: skip
+                                 pause=0.02, remote=remote)  # fmt: skip
         cold: dict[str, float] = {}
         for r in starters if coldstart else ():
             try:
@@ -212,8 +230,9 @@ def per_request_targets(rows: Mapping[str, Mapping[str, Any]]) -> list[dict[str,
         out.append({"name": name, "what": what, "value": value, "band": band, "target": target,
                     "met": met})  # fmt: skip
 
-    for name, num, den, target in RATIO_TARGETS:
-        ratio(name, num, den, target, f"{rows[num]['label']} / {rows[den]['label']}")
+    for name, num, den, target in RATIO_TARGETS + IREE_TARGETS:
+        if num in rows:  # an IREE row: when asked, and made here
+            ratio(name, num, den, target, f"{rows[num]['label']} / {rows[den]['label']}")
     ours = min(("h", "h_constants"), key=lambda k: rows[k]["min_s"])
     torch = [k for k in rows if k.startswith("torch_")]
     if torch:

@@ -1,39 +1,47 @@
 """Run an artifact with IREE instead of JAX: ``load(path, runtime="iree")``.
 
-``model.mlirbc`` (the ``jax.export`` StableHLO module, unchanged, checked by the loader as for
-the JAX runtime) is compiled by ``iree.compiler`` for ``llvm-cpu`` with
-``--iree-llvmcpu-target-cpu=host`` and run by ``iree.runtime``. What running it takes:
+IREE runs a static module per input shape, as XLA compiles one: for each new (shape, dtype)
+of the inputs, the artifact's module (``model.jaxexport``, the one ``model.mlirbc`` holds,
+checked by the loader as for the JAX runtime) is lowered by JAX for the ``cpu`` platform at
+those shapes, every symbolic dimension refined (what the JAX runtime compiles), then compiled
+by ``iree.compiler`` for ``llvm-cpu`` with ``--iree-llvmcpu-target-cpu=host``. What that buys:
 
-- The symbolic batch dimension stays dynamic (``tensor<?x512xf32>``); IREE compiles it as is.
-- IREE's StableHLO input pipeline erases ``jax.export``'s ``@shape_assertion`` calls, so this
-  module checks shapes itself, with the artifact's :class:`~symjax_mlp.Signature`, before
-  every call.
-- A multi-platform export takes a leading ``i32`` platform index (``main(%platform_index,
-  ...)``) and ``stablehlo.case``-switches on it; we pass the index of ``"cpu"``. An export
-  without ``"cpu"`` may hold accelerator-only lowerings and is refused.
-- Unused params are dropped from the module (``module_kept_var_idx``): the manifest's
-  ``mlir_arguments`` lists what ``main`` takes, in order.
+- IREE compiles a static module, never the symbolic one: it cannot compile the dynamic
+  reshape of an input of rank > 2 (a flatten, a Dense on ``(b, t, d)``, attention), and its
+  code for a dynamic batch is slower. Loading reads the artifact with JAX in any case; with
+  no Python at all, IREE's own tools compile a static export (``export(..., batch=None)``).
+- A multi-platform export is lowered for its ``"cpu"`` entry; an export without ``"cpu"``
+  may hold accelerator-only lowerings and is refused. Unused params are kept as arguments.
+- Calls run on IREE's ``local-sync`` driver on the calling thread (one request at a time: no
+  thread pool to wake), one at a time; the weights are placed once; a call copies its
+  inputs in and its outputs out, with no Python wrapper between.
+- IREE erases ``jax.export``'s ``@shape_assertion`` calls; the loader checks every call's
+  inputs with the artifact's :class:`~symjax_mlp.Signature`.
 - JAX's CPU custom calls (LAPACK ``lapack_*_ffi`` for ``jnp.linalg``) and sharded or
-  effectful exports have no IREE lowering: they raise :class:`~symjax_mlp.ArtifactError`,
-  never a silent fallback to JAX.
-- IREE's compiler folds shapes computed from constants while it compiles, so a huge tensor
-  could be built in the compiler's memory, unseen by the static op check. The loader's
-  per-call bound (:class:`symjax_mlp._load.Guard`) is therefore applied to the module refined
-  for the self-test's shapes before IREE compiles it, and to each new input signature
-  before IREE runs it.
+  effectful exports have no IREE lowering: refused before anything compiles, never a silent
+  fallback to JAX.
+- IREE folds shapes computed from constants while it compiles, so each static module is
+  checked by the loader's per-call bound (:class:`symjax_mlp._load.Guard`) before IREE
+  compiles it.
 
-The compiled ``.vmfb`` is cached in a per-user directory (:func:`cache_dir`), keyed by the
-sha256 of ``model.mlirbc``, the IREE version, the target and this host's CPU, and stored
-with its own sha256 (a damaged entry is compiled again, never run). Compiled code is never
-read from the artifact directory.
+Each compiled ``.vmfb`` is cached in a per-user directory (:func:`cache_dir`), keyed by the
+sha256 of the static module IREE compiles (lowered with no source locations, so the same
+model at the same shapes gives the same bytes), the IREE version, the flags and this host's
+CPU, and signed with this user's key (:func:`~symjax_mlp._files.cache_secret`: a damaged or
+planted entry is compiled again, never run). Compiled code is never read from the artifact.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
+import io
+import math
 import platform
 import re
+import threading
+import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,11 +52,12 @@ from symjax_mlp._artifact.format import MLIRBC, program_file
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import cache_dir as cache_dir_of
-from symjax_mlp._files import sha256, write_file_atomic
+from symjax_mlp._files import cache_secret, sha256, write_file_atomic
 from symjax_mlp._selftest import BATCH
 
 TARGET = "llvm-cpu"
-DRIVER = "local-task"
+DRIVER = "local-sync"
+MAX_MODULES = 64  # static modules kept per loaded model, the oldest dropped first
 _KNOWN_CUSTOM_CALLS = {"shape_assertion"}  # IREE erases these; everything else it rejects
 
 
@@ -141,28 +150,32 @@ def check_program(file: Path, report: Any) -> None:
         )
 
 
-def _compile(file: Path, mlirbc: bytes, *, cached: bool = True) -> bytes:
-    """Returns the ``.vmfb`` for ``mlirbc``: from the user's cache, else compiled and cached."""
+def _compile(file: Path, mlir: bytes, shapes: Any, *, cached: bool = True) -> bytes:
+    """Returns the ``.vmfb`` for ``mlir``: from the user's cache, else compiled and cached."""
     ic, _ = _modules()
-    # keyed by the module's own sha256, computed here, not read from the manifest
-    cache = cache_dir() / vmfb_cache_key(sha256(mlirbc))
-    if cached:
-        with contextlib.suppress(OSError):  # an entry is "<sha256 hex>\n<vmfb>"
-            digest, _, data = cache.read_bytes().partition(b"\n")
-            if digest == sha256(data).encode():
-                return data  # else damaged: compiled again, never run
+    key, name = cache_secret(), vmfb_cache_key(sha256(mlir))  # the very module compiled
+    cache = cache_dir() / name
+    if cached and key is not None:
+        with contextlib.suppress(OSError):  # an entry is "<tag>\n<vmfb>", signed with the key
+            tag, _, data = cache.read_bytes().partition(b"\n")
+            if hmac.compare_digest(tag, _tag(key, name, data)):
+                return data  # else damaged or planted: compiled again, never run
     try:
-        data = ic.compile_str(bytes(mlirbc), input_type="stablehlo", extra_args=compile_flags()[1:])
+        data = ic.compile_str(mlir, input_type="stablehlo", extra_args=compile_flags()[1:])
     except ic.CompilerToolError as e:
         tail = "\n".join(str(e).strip().splitlines()[-12:])
         raise ArtifactError(
-            f"{file}: IREE {iree_version()} could not compile it for {TARGET}. "
-            f"Use runtime='jax'. IREE said:\n{tail}"
+            f"{file}: IREE {iree_version()} could not compile it for {TARGET} (its static "
+            f"module for inputs {shapes}). Use runtime='jax'. IREE said:\n{tail}"
         ) from e
-    with contextlib.suppress(OSError):  # an unwritable cache directory: just not cached
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(cache, sha256(data).encode() + b"\n" + data)
+    with contextlib.suppress(OSError):  # no private cache directory: just not cached
+        if key is not None:
+            write_file_atomic(cache, _tag(key, name, data) + b"\n" + data)
     return data
+
+
+def _tag(key: bytes, name: str, data: bytes) -> bytes:
+    return hmac.new(key, name.encode() + b"\n" + data, "sha256").hexdigest().encode()
 
 
 def runner(
@@ -175,118 +188,114 @@ def runner(
     guard: Callable[..., None] | None = None,
     custom_calls: Any = None,
 ) -> tuple[Callable[[list[Any]], list[np.ndarray]], dict[str, np.ndarray]]:
-    """Compiles (or reuses) the ``.vmfb`` and returns ``run(inputs) -> [np.ndarray, ...]``
-    and the weights. ``exported`` is not run, only refined by JAX for ``guard`` (``None``
-    when trusted), as the module docstring says; ``custom_calls``: the targets the module
-    calls, for JAX's lowering."""
+    """Returns ``run(inputs) -> [np.ndarray, ...]`` and the weights; ``run`` compiles (or
+    reuses) a static module for each new input shape, the self-test's at once. ``exported``
+    is lowered by JAX, never run by it; ``guard`` (``None`` when trusted) bounds each static
+    module; ``custom_calls``: the targets the module calls, for JAX's lowering."""
+    import jax
+    import jax.extend.mlir as jex
+    from iree.runtime.dtypes import map_dtype_to_hal_element_type
+    from jax.extend.mlir.dialects import stablehlo as hlo
+
+    from symjax_mlp._compat import without_source_locations
+    from symjax_mlp._runtimes.transforms import refined
+
     _, ir = _modules()
-    config = ir.Config(DRIVER)
-    name = program_file(manifest, MLIRBC)
+    config, file = ir.Config(DRIVER), path / program_file(manifest, MLIRBC)
+    device, usage = config.device, (ir.MemoryType.DEVICE_LOCAL, ir.BufferUsage.DEFAULT)
     signature = Signature.from_json(manifest["signature"])
-    check = None
-    checked: set[Any] = set()  # (shape, dtype) of the inputs of each call the guard passed
-    if guard is not None:
-        check = _checker(path, manifest, exported, params, guard, custom_calls)
-        structs = _compiled_for(signature, exported)
-        shapes = ", ".join(str(s.shape) for s in structs)
-        check(
-            structs,
-            inputs=(
-                f"for inputs of shapes {shapes} ({{n:,}} elements; IREE compiles one module for "
-                f"every batch, checked here at the self-test's batch of {BATCH})"
-            ),
-        )
-        checked.add(tuple((s.shape, s.dtype) for s in structs))
+    names = [p["path"] for p in manifest["params"]]
+    weights = dict(zip(names, params, strict=True))
+    dtypes = [np.dtype(a.dtype) for a in exported.in_avals[-len(signature.inputs) :]]
+    kinds = [map_dtype_to_hal_element_type(d) for d in dtypes]
+    out_dtypes = [np.dtype(a.dtype) for a in exported.out_avals]
+
+    def place(a: np.ndarray, kind: Any) -> Any:
+        return device.allocator.allocate_buffer_copy(*usage, device, a, kind)
+
+    # main's arguments, as jax flattens (weights, *inputs): the weights by sorted name
+    placed = [place(np.asarray(a, order="C"), map_dtype_to_hal_element_type(np.dtype(a.dtype)))
+              for a in jax.tree.leaves(weights)]  # fmt: skip
+    specs = {n: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for n, a in weights.items()}
+    call = jax.jit(exported.call, keep_unused=True)  # lowered for cpu, whatever JAX's default
+    lowering = types.SimpleNamespace(
+        lower=lambda *a: call.trace(*a).lower(lowering_platforms=("cpu",))
+    )
+    version = hlo.get_version_from_compatibility_requirement(
+        hlo.StablehloCompatibilityRequirement.WEEK_4
+    )
+    calls: dict[tuple[Any, ...], Callable[[list[np.ndarray]], list[np.ndarray]]] = {}
+    compiling, calling = threading.Lock(), threading.Lock()
+
+    def static(shapes: tuple[Any, ...], inputs: str | None = None) -> Callable[..., Any]:
+        structs = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+        with without_source_locations():
+            module, context = refined(path, manifest, lowering, (specs, *structs),
+                                      custom_calls=custom_calls)  # fmt: skip
+        described = tuple((s, str(d)) for s, d in zip(shapes, dtypes, strict=True))
+        if guard is not None:
+            n = sum(map(math.prod, shapes))
+            guard(lambda: (module, context), n, described, inputs=inputs and inputs.format(n=n))
+        with context:
+            buffer = io.BytesIO()
+            module.operation.write_bytecode(buffer)
+        # as jax.export writes it: StableHLO's portable form, which IREE's MLIR reads
+        portable = jex.serialize_portable_artifact(buffer.getvalue(), version)
+        system, module, main = _vm_function(ir, config, file, portable, shapes)
+        vm, refs = system.vm_context, [w.ref for w in placed]
+
+        def invoke(host: list[np.ndarray]) -> list[np.ndarray]:
+            args = ir.VmVariantList(len(refs) + len(host))
+            for ref in refs:
+                args.push_ref(ref)
+            for a, kind in zip(host, kinds, strict=True):
+                args.push_ref(place(a, kind).ref)
+            results = ir.VmVariantList(len(out_dtypes))
+            with calling:
+                vm.invoke(main, args, results)
+            outs = []
+            for i, dtype in enumerate(out_dtypes):  # copied out: the buffers die with the list
+                view = results.get_as_object(i, ir.HalBufferView)
+                shape = view.shape
+                flat = np.frombuffer(view.map(), dtype, math.prod(shape))
+                outs.append(flat.reshape(shape).copy())
+            return outs
+
+        invoke.holds = (system, module)  # type: ignore[attr-defined]  # alive while it is
+        return invoke
+
+    def run(args: list[Any]) -> list[np.ndarray]:
+        host = [np.asarray(a, order="C") for a in args]
+        shapes = tuple([a.shape for a in host])
+        invoke = calls.get(shapes)
+        if invoke is None:
+            with compiling:
+                invoke = calls.get(shapes) or static(shapes)
+                while len(calls) >= MAX_MODULES:
+                    calls.pop(next(iter(calls)))
+                calls[shapes] = invoke
+        return invoke(host)
+
+    first = tuple(tuple(BATCH if isinstance(d, str) else d for d in s.shape)
+                  for s in signature.inputs)  # fmt: skip
+    calls[first] = static(  # at load: a module that cannot compile fails here
+        first,
+        f"for inputs of shapes {', '.join(map(str, first))} ({{n:,}} elements; IREE compiles "
+        f"one module per input shape, the self-test's, at a batch of {BATCH}, at load)",
+    )
+    return run, weights
+
+
+def _vm_function(ir: Any, config: Any, file: Path, mlir: bytes, shapes: Any) -> tuple[Any, ...]:
+    """The context holding the compiled ``mlir`` (cached), the module, and its ``main``."""
     for cached in (True, False):  # a damaged cache entry is compiled again, never trusted
-        vmfb = _compile(path / name, blobs[name], cached=cached)
+        vmfb = _compile(file, mlir, shapes, cached=cached)
         try:
             context = ir.SystemContext(config=config)
             module = ir.VmModule.copy_buffer(context.instance, vmfb)
             context.add_vm_module(module)
-            main = context.modules[module.name]["main"]
-            break
+            return context, module, module.lookup_function("main")
         except (RuntimeError, ValueError, KeyError) as e:
             if not cached:
-                raise ArtifactError(
-                    f"{path / name}: IREE could not load the compiled module: {e}"
-                ) from e
-    names = [p["path"] for p in manifest["params"]]
-    on_device = {
-        n: ir.asdevicearray(config.device, np.asarray(p))
-        for n, p in zip(names, params, strict=True)
-    }
-    slots: list[Any] = []  # per mlir argument: a device array, or the index of a call input
-    inputs = {s.path: i for i, s in enumerate(signature.inputs)}
-    for arg in manifest["mlir_arguments"]:
-        if arg == "platform_index":
-            slots.append(np.asarray(list(manifest["platforms"]).index("cpu"), np.int32))
-        elif arg in inputs:
-            slots.append(inputs[arg])
-        elif arg in on_device:
-            slots.append(on_device[arg])
-        else:
-            raise ArtifactError(
-                f"{path / 'manifest.json'}: mlir_arguments names {arg!r}, which is neither a "
-                "param nor an input of the artifact. The manifest was edited; export it again."
-            )
-    n_out = len(signature.outputs)
-
-    def run(args: list[Any]) -> list[np.ndarray]:
-        host = [np.asarray(a) for a in args]
-        if check is not None:
-            key = tuple([(a.shape, a.dtype) for a in host])
-            if key not in checked:  # a new input signature: its refined shapes first
-                check(host)
-                if len(checked) < 256:
-                    checked.add(key)
-        result = main(*[host[s] if isinstance(s, int) else s for s in slots])
-        outs = list(result) if isinstance(result, (tuple, list)) else [result]
-        if len(outs) != n_out:
-            raise ArtifactError(f"{path / name}: IREE returned {len(outs)} outputs, not {n_out}.")
-        return [np.asarray(o) for o in outs]
-
-    return run, dict(zip(names, params, strict=True))
-
-
-def _compiled_for(signature: Signature, exported: Any) -> list[Any]:
-    """The input shapes IREE's module is checked at before it compiles: the self-test's
-    (each symbolic dimension ``BATCH``, as ``export`` ran them), the dtypes the module takes."""
-    import jax
-
-    avals = exported.in_avals[len(exported.in_avals) - len(signature.inputs) :]
-    return [
-        jax.ShapeDtypeStruct(tuple(BATCH if isinstance(d, str) else d for d in s.shape), a.dtype)
-        for s, a in zip(signature.inputs, avals, strict=True)
-    ]
-
-
-def _checker(
-    path: Path, manifest: Mapping[str, Any], exported: Any, params: Sequence[np.ndarray],
-    guard: Callable[..., None], custom_calls: Any,
-) -> Callable[..., None]:  # fmt: skip
-    """``check(xs, inputs=...)``: ``guard`` applied to ``exported`` refined by JAX for the
-    shapes of ``xs`` (arrays or ``jax.ShapeDtypeStruct``), as the JAX runtime applies it;
-    ``inputs``: how a refusal names them (``{n}``: their element count)."""
-    import math
-
-    import jax
-
-    from symjax_mlp._runtimes.jax import refined
-
-    call = jax.jit(exported.call)
-    names = [p["path"] for p in manifest["params"]]
-    weights = {n: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)
-               for n, a in zip(names, params, strict=True)}  # fmt: skip
-
-    def check(xs: Sequence[Any], *, inputs: str | None = None) -> None:
-        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in xs)
-        n = sum(math.prod(s) for s, _ in shapes)
-        structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
-        guard(
-            lambda: refined(path, manifest, call, (weights, *structs), custom_calls=custom_calls),
-            n,
-            shapes,
-            inputs=None if inputs is None else inputs.format(n=n),
-        )
-
-    return check
+                raise ArtifactError(f"{file}: IREE could not load the compiled module: {e}") from e
+    raise AssertionError("unreachable")
