@@ -102,3 +102,45 @@ def test_a_batcher_serves_a_model_whose_call_needs_a_flag(model, flag):
     np.testing.assert_allclose(got, model.apply(variables, x, **{flag: False}), rtol=1e-6)
     np.testing.assert_allclose(got, h(x, **{flag: False}), rtol=1e-6)
 
+
+# -- item 6: self.sow's intermediates -----------------------------------------------------------
+def test_sown_intermediates_are_returned_as_apply_returns_them():
+    model = SowCNN()
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 8, 1)), jnp.float32)
+    variables = model.init(jax.random.key(0), x)  # as the guide: no "intermediates" yet
+    h = sm.hybridize(model, variables, mutable=["intermediates"])
+    for i in range(3):  # fresh every call, as model.apply's
+        xi = x + i
+        want = model.apply(variables, xi, mutable=["intermediates"])
+        chex.assert_trees_all_close(h(xi), want, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(h.eager(xi), want, rtol=1e-5, atol=1e-6)
+    assert h.trace_count == 1 and h.state == {}
+    grads = jax.grad(lambda p: h.apply(p, x)[0].sum())(h.params)
+    want = jax.grad(lambda p: model.apply({"params": p}, x).sum())(variables["params"])
+    chex.assert_trees_all_close(grads["params"], want, rtol=1e-5, atol=1e-6)
+
+
+# -- smaller bullets: a retrace's reason; a shape from a traced array ---------------------------
+def test_a_retrace_is_explained_against_the_nearest_trace_not_the_latest():
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    for x in (jnp.ones((2, 3)), jnp.ones((2, 3), jnp.int32), jnp.ones((5, 3))):
+        h(x)
+    assert h.trace_log[2].reason == "args[0].shape changed from (2, 3) to (5, 3)"
+
+
+@pytest.mark.parametrize(
+    "fn", [lambda p, x, n: x[:n] * p, lambda p, x, n: jnp.zeros(n) + p], ids=["slice", "zeros"]
+)
+def test_a_shape_taken_from_an_array_argument_names_static_argnames(fn, tmp_path):
+    h, x, n = sm.hybridize(fn, jnp.float32(1)), jnp.ones(4), jnp.int32(2)
+    calls = {
+        "call": lambda: h(x, n),
+        "graph": lambda: h.graph(x, n),
+        "apply": lambda: h.apply(h.params, x, n),
+        "export": lambda: sm.export(h, tmp_path / "m", example=(x, n), batch=None),
+    }
+    for call in calls.values():
+        with pytest.raises(sm.ControlFlowError, match=r"static_argnames=\('n',\)"):
+            call()
+    assert sm.hybridize(fn, jnp.float32(1), static_argnames="n")(x, 2).shape == (2,)
+

@@ -119,7 +119,7 @@ class Hybrid:
             if model.stateful:
                 held.hold(parallel.replicate(held.leaves))
         self._set(
-            fn=model.target if model.kind == "plain" else model.inference(name), name=name,
+            fn=model.inference(name), name=name,
             max_traces=max_traces, compiled=compiled, axis=axis, pad=pad,
             static_argnums=nums, static_argnames=names, donate=bool(donate),
             params_as_constants=bool(params_as_constants), stateful=model.stateful,

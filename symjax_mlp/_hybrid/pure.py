@@ -28,7 +28,7 @@ import jax
 from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import ModuleSetting, settings_key
-from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES
+from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES, symbolic
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
 _NO_RNG = (
@@ -83,9 +83,10 @@ class PureModel:
         is ``{"params": p, "state": s}`` for a stateful model, else the params."""
 
         def model(variables: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self.stateful:
-                return self.call(variables, {}, args, kwargs)[0]
-            return self.call(variables["params"], variables["state"], args, kwargs)[0]
+            with symbolic(name):  # a shape from a traced array named, in export too
+                if not self.stateful:
+                    return self.call(variables, {}, args, kwargs)[0]
+                return self.call(variables["params"], variables["state"], args, kwargs)[0]
 
         model.__name__ = name
         return model
@@ -111,17 +112,18 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
     collections = list(variables)
     if mutable is None:  # every collection but the params is state, as model.apply has it
         mutable = tuple(c for c in collections if c != "params")
-    unknown = [c for c in mutable if c not in collections]
-    if unknown or _RNGS in collections:
+    if isinstance(mutable, str) or _RNGS in collections or _RNGS in mutable:
         raise ConfigError(
-            f"hybridize({type(model).__name__}, mutable={tuple(mutable)!r}): the variables "
-            f"hold the collections {collections}; name the mutable ones among them "
-            f"(and none may be called {_RNGS!r})."
+            f"hybridize({type(model).__name__}, mutable={mutable!r}): name the mutable "
+            f"collections in a list, as in mutable=['batch_stats'] (none called {_RNGS!r})."
         )
     mutable = tuple(mutable)
+    # a collection the variables lack is written by the call (self.sow's "intermediates"):
+    # each call returns it fresh, (out, {name: values}), as model.apply(mutable=...) does
+    sown = tuple(c for c in mutable if c not in collections)
     streams = _rng_streams(rngs)
     params = {c: variables[c] for c in collections if c not in mutable}
-    state = {c: variables[c] for c in mutable}
+    state = {c: variables[c] for c in mutable if c not in sown}
     if streams is not None:
         state[_RNGS] = streams
 
@@ -132,11 +134,14 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             pairs = {n: jax.random.split(k) for n, k in state[_RNGS].items()}
             state[_RNGS] = {n: k[0] for n, k in pairs.items()}
             keys = {n: k[1] for n, k in pairs.items()}
-        variables = {**params, **{c: state[c] for c in mutable}}
+        variables = {**params, **{c: state[c] for c in mutable if c not in sown}}
         try:
             if not mutable:
                 return model.apply(variables, *args, rngs=keys, **kwargs), state
             out, updates = model.apply(variables, *args, rngs=keys, mutable=list(mutable), **kwargs)
+            if sown:
+                updates = dict(updates)
+                out = out, {c: updates.pop(c, {}) for c in sown}
         except InvalidRngError as e:
             streams = sorted(keys or ())
             raise ConfigError(

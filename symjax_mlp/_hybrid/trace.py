@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError
+from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError, SymjaxError
 from symjax_mlp._hybrid.args import path_of, rebuild
 from symjax_mlp._specs import TensorSpec
 
@@ -38,8 +38,9 @@ _CONTROL_FLOW_HELP = (
     "  - np.asarray(x) / float(x)   ->  keep using jnp operations on x\n"
     "  - a value that is really a setting -> pass it as a Python constant (static), not as an "
     "array input.\n"
-    "  - a data-dependent shape (x[: int(n)], jnp.nonzero(x)) -> give it a static size "
-    "(jnp.nonzero(x, size=k)), mask with jnp.where, or pad to a fixed length.\n"
+    "  - a data-dependent shape (x[:n], jnp.zeros(n), jnp.nonzero(x)) -> pass n as a Python "
+    "int or name it in sm.hybridize(..., static_argnames=('n',)) (one trace per value), give "
+    "it a static size (jnp.nonzero(x, size=k)), mask with jnp.where, or pad to a fixed length.\n"
     "A Python `for` over a fixed range is fine: it unrolls into the graph."
 )
 
@@ -55,10 +56,16 @@ def control_flow_error(name: str, e: Exception) -> ControlFlowError:
 
 @contextlib.contextmanager
 def symbolic(name: str) -> Iterator[None]:
-    """Within the block, JAX's tracer errors are raised as :func:`control_flow_error`."""
+    """Within the block, JAX's tracer errors are raised as :func:`control_flow_error`, and so
+    are the ``IndexError``/``TypeError`` of a shape taken from a traced array (``x[:n]``,
+    ``jnp.zeros(n)``)."""
     try:
         yield
     except TRACER_ERRORS as e:
+        raise control_flow_error(name, e) from e
+    except (IndexError, TypeError) as e:
+        if isinstance(e, SymjaxError) or not any(t in str(e) for t in ("Tracer(", "Traced<")):
+            raise
         raise control_flow_error(name, e) from e
 
 
@@ -125,6 +132,9 @@ def signature(
     return tuple(specs), tree, tuple((path_of(k), repr(v)) for k, v, _ in static)
 
 
+_FIELDS = ("shape", "dtype", "weak_type")
+
+
 def explain(
     sig: tuple[TensorSpec, ...],
     tree: str,
@@ -138,7 +148,11 @@ def explain(
     def distance(e: TraceEvent) -> int:
         if e.tree != tree:
             return 1 << 30
-        changed = sum(a != b for a, b in zip(e.signature, sig, strict=True))
+        changed = sum(
+            getattr(a, f) != getattr(b, f)
+            for a, b in zip(e.signature, sig, strict=True)
+            for f in _FIELDS
+        )  # fields, not specs: (5, 3) float32 is nearer (2, 3) float32 than (2, 3) int32
         return changed + len(set(e.static) ^ set(static))
 
     old = min(reversed(events), key=distance)
@@ -146,7 +160,7 @@ def explain(
     if old.tree != tree:
         changes.append(f"input tree structure changed from {old.tree} to {tree}")
     for n, o in zip(sig, old.signature, strict=True) if old.tree == tree else ():
-        for field in ("shape", "dtype", "weak_type"):
+        for field in _FIELDS:
             before, after = getattr(o, field), getattr(n, field)
             if before != after:
                 changes.append(f"{n.path}.{field} changed from {before} to {after}")

@@ -32,7 +32,7 @@ from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.held import HeldState
 from symjax_mlp._hybrid.jaxpr import input_dependent
 from symjax_mlp._hybrid.pure import PureModel, settings_in
-from symjax_mlp._hybrid.trace import TraceLog
+from symjax_mlp._hybrid.trace import TraceLog, symbolic
 from symjax_mlp._specs import array_types
 
 _SUFFIX = "_hybrid"
@@ -87,7 +87,8 @@ class TracedModel:
     ) -> tuple[Any, Any]:
         """``(out, new_state)`` of the model on a partitioned call, run with the module
         settings its static key holds (what the trace is keyed on), or with ``settings``."""
-        with self.model.pinned(settings_in(static) if settings is None else settings):
+        pinned = self.model.pinned(settings_in(static) if settings is None else settings)
+        with pinned, symbolic(self.log.name):
             return self.model.call(params, state, *rebuild(static, dyn, dyn_kw))
 
     def staged(
@@ -147,8 +148,8 @@ class TracedModel:
         call = self.model.call
 
         def staged(params: Any, dyn: Any, dyn_kw: Any) -> Any:
-            args, kwargs = rebuild(static, dyn, dyn_kw)
-            return call(params, state, args, kwargs)[0]
+            with symbolic(name):
+                return call(params, state, *rebuild(static, dyn, dyn_kw))[0]
 
         staged.__name__ = name
         return Graph.traced(staged, name, params, dyn, dyn_kw)  # params: any pytree, a list too
