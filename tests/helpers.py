@@ -428,3 +428,82 @@ class TutorialCNN(nnx.Module):
         x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
         x = self.linear2(x)
         return x
+
+
+# -- equinox's examples (an optional dependency: without it these are None and the tests skip) --
+try:
+    import equinox as eqx
+except ImportError:  # pragma: no cover - the test extra installs it
+    eqx = None
+
+if eqx is not None:
+
+    class EqxCNN(eqx.Module):
+        """equinox examples/mnist.ipynb: the CNN, one (1, 28, 28) image per call."""
+
+        layers: list
+
+        def __init__(self, key):
+            key1, key2, key3, key4 = jax.random.split(key, 4)
+            self.layers = [
+                eqx.nn.Conv2d(1, 3, kernel_size=4, key=key1),
+                eqx.nn.MaxPool2d(kernel_size=2),
+                jax.nn.relu,
+                jnp.ravel,
+                eqx.nn.Linear(1728, 512, key=key2),
+                jax.nn.sigmoid,
+                eqx.nn.Linear(512, 64, key=key3),
+                jax.nn.relu,
+                eqx.nn.Linear(64, 10, key=key4),
+                jax.nn.log_softmax,
+            ]
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class EqxStateful(eqx.Module):
+        """equinox examples/stateful.ipynb: BatchNorm and SpectralNorm with ``eqx.nn.State``
+        (``mode="batch"``, as equinox now asks)."""
+
+        norm1: eqx.nn.BatchNorm
+        spectral_linear: eqx.nn.SpectralNorm
+        norm2: eqx.nn.BatchNorm
+        linear1: eqx.nn.Linear
+        linear2: eqx.nn.Linear
+
+        def __init__(self, key):
+            key1, key2, key3, key4 = jax.random.split(key, 4)
+            self.norm1 = eqx.nn.BatchNorm(input_size=3, axis_name="batch", mode="batch")
+            self.spectral_linear = eqx.nn.SpectralNorm(
+                layer=eqx.nn.Linear(in_features=3, out_features=32, key=key1),
+                weight_name="weight",
+                key=key2,
+            )
+            self.norm2 = eqx.nn.BatchNorm(input_size=32, axis_name="batch", mode="batch")
+            self.linear1 = eqx.nn.Linear(in_features=32, out_features=32, key=key3)
+            self.linear2 = eqx.nn.Linear(in_features=32, out_features=3, key=key4)
+
+        def __call__(self, x, state):
+            x, state = self.norm1(x, state)
+            x, state = self.spectral_linear(x, state)
+            x = jax.nn.relu(x)
+            x, state = self.norm2(x, state)
+            x = self.linear1(x)
+            x = jax.nn.relu(x)
+            x = self.linear2(x)
+            return x, state
+
+    class EqxDropout(eqx.Module):
+        """equinox's eqx.nn.Dropout docs: a ``key=`` per call, ``inference`` a field."""
+
+        linear: eqx.nn.Linear
+        dropout: eqx.nn.Dropout
+
+        def __init__(self, key):
+            self.linear = eqx.nn.Linear(5, 8, key=key)
+            self.dropout = eqx.nn.Dropout(p=0.5)
+
+        def __call__(self, x, *, key=None):
+            return self.dropout(self.linear(x), key=key)

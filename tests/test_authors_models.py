@@ -144,3 +144,92 @@ def test_a_shape_taken_from_an_array_argument_names_static_argnames(fn, tmp_path
             call()
     assert sm.hybridize(fn, jnp.float32(1), static_argnames="n")(x, 2).shape == (2,)
 
+
+# -- items 9-10: equinox ------------------------------------------------------------------------
+def _eqx():
+    return pytest.importorskip("equinox")
+
+
+def _close(a, b):
+    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["mlp", "cnn"])
+def test_an_equinox_module_is_a_model_its_arrays_the_params(which, tmp_path):
+    eqx = _eqx()
+    from helpers import EqxCNN
+
+    key = jax.random.key(0)
+    if which == "mlp":
+        model, shape = eqx.nn.MLP(5, 3, width_size=8, depth=2, key=key), (5,)
+    else:
+        model, shape = EqxCNN(key), (1, 28, 28)
+    x = jax.random.normal(jax.random.key(1), shape)
+    h = sm.hybridize(model)
+    assert jax.tree.leaves(h.params) and h.name == type(model).__name__
+    for i in range(3):
+        _close(h(x + i), model(x + i))
+        _close(h.eager(x + i), model(x + i))
+    grads = jax.grad(lambda p: h.apply(p, x).sum())(h.params)
+    want = eqx.filter_grad(lambda m: m(x).sum())(model)
+    assert jax.tree.leaves(grads)
+    _close(jax.tree.leaves(grads), jax.tree.leaves(eqx.filter(want, eqx.is_array)))
+    sm.export(h, tmp_path / "m", example=x, batch=None)
+    loaded = sm.load(tmp_path / "m", trust=True)  # the CNN: convolution, reduce_window
+    _close(np.asarray(loaded(np.asarray(x))), model(x))
+    assert len(loaded.params) == len(jax.tree.leaves(h.params))
+
+
+def test_an_equinox_module_as_the_params_carries_its_state_as_equinox_does():
+    eqx = _eqx()
+    from helpers import EqxStateful
+
+    model, state = eqx.nn.make_with_state(EqxStateful)(jax.random.key(0))
+
+    def batched(model, x, state):  # as the example: vmap with the batch axis named
+        run = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+        return run(x, state)
+
+    h = sm.hybridize(batched, model)
+    assert jax.tree.leaves(h.params)
+    ours, theirs = state, state
+    for i in range(3):
+        x = jax.random.normal(jax.random.key(i), (4, 3))
+        (out, ours), (want, theirs) = h(x, ours), batched(model, x, theirs)
+        _close(out, want)
+        _close(jax.tree.leaves(ours), jax.tree.leaves(theirs))
+    assert h.trace_count == 1
+    grads = jax.grad(lambda p: h.apply(p, x, state)[0].sum())(h.params)
+    want = eqx.filter_grad(lambda m: batched(m, x, state)[0].sum())(model)
+    _close(jax.tree.leaves(grads), jax.tree.leaves(eqx.filter(want, eqx.is_array)))
+
+
+def test_equinox_dropout_takes_its_key_per_call_and_inference_stays_static():
+    eqx = _eqx()
+    from helpers import EqxDropout
+
+    model, x = EqxDropout(jax.random.key(0)), jnp.ones(5)
+    h = sm.hybridize(model)
+    for i in range(2):
+        k = jax.random.key(i)
+        _close(h(x, key=k), model(x, key=k))
+    frozen = eqx.nn.inference_mode(model)
+    _close(sm.hybridize(frozen)(x), frozen(x))
+
+
+def test_an_equinox_module_among_the_inputs_is_refused_naming_eqx_partition():
+    eqx = _eqx()
+    mlp = eqx.nn.MLP(5, 3, width_size=8, depth=1, key=jax.random.key(0))
+    h = sm.hybridize(lambda p, m, x: m(x) * p, jnp.float32(1))
+    with pytest.raises(sm.ConfigError, match=r"eqx\.partition\(model, eqx\.is_array\)"):
+        h(mlp, jnp.ones(5))
+    with pytest.raises(sm.ConfigError, match="takes no params"):
+        sm.hybridize(mlp, {})
+
+
+def test_the_library_never_imports_equinox_itself():
+    import subprocess
+    import sys
+
+    code = "import sys, symjax_mlp; assert 'equinox' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

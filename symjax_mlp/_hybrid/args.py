@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -103,6 +104,7 @@ def partition(
         elif not is_static(value):
             if isinstance(value, list) and not (lists and _holds_arrays(value)):
                 raise _list_error(caller, path_of(key), value)
+            _refuse_equinox(caller, key, value)
             if isinstance(key, int):
                 dyn_args.append(value)
             else:
@@ -110,6 +112,26 @@ def partition(
             continue
         static.append((key, value, _kind(value)))
     return tuple(static), tuple(dyn_args), dyn_kwargs
+
+
+_EQX_INPUT = (
+    "{caller}: {path} is an equinox module holding non-array leaves ({kind}: functions, "
+    "sizes), which a compiled call cannot trace. Pass its arrays and keep the rest: "
+    "params, static = eqx.partition(model, eqx.is_array), then call with params and rebuild "
+    "it inside with eqx.combine(params, static); or pass the module as the Hybrid's params, "
+    "sm.hybridize(fn, model), which splits it so."
+)
+
+
+def _refuse_equinox(caller: str, key: Any, value: Any) -> None:
+    """Refuses an equinox module among a call's inputs whose leaves are not all arrays."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None or hasattr(value, "dtype"):
+        return
+    for leaf in jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module)):
+        if isinstance(leaf, eqx.Module) and not all(map(eqx.is_array, jax.tree.leaves(leaf))):
+            kind = type(leaf).__name__
+            raise ConfigError(_EQX_INPUT.format(caller=caller, path=path_of(key), kind=kind))
 
 
 def _kind(v: Any) -> Any:

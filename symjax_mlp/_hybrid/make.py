@@ -1,12 +1,21 @@
-"""``hybridize`` and ``shard``: a model (a linen or nnx module, or a pure function) made a
-:class:`~symjax_mlp.Hybrid`, and a Hybrid run data-parallel."""
+"""``hybridize`` and ``shard``: a model (a linen, nnx or equinox module, or a pure function)
+made a :class:`~symjax_mlp.Hybrid`, and a Hybrid run data-parallel.
+
+An equinox module is split as ``eqx.filter_jit`` splits it, with
+``eqx.partition(module, eqx.is_array)``: its arrays are the params, the rest (activation
+functions, sizes, ``inference`` flags) is held static; so are a pure function's params that hold
+an equinox module. equinox is never imported here: a module is recognised only once the caller
+has imported it.
+"""
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 
 from symjax_mlp._errors import ConfigError
@@ -33,14 +42,17 @@ def hybridize(
       model: a ``flax.linen.Module`` (``params``: its variables, as ``init`` returns them), a
         ``flax.nnx.Module`` (no ``params``: its state is split off once and carried across
         calls; ``module.eval()`` and ``module.train()`` switch the Hybrid too, one trace per
-        mode), or any pure function ``fn(params, *args, **kwargs)``.
-      params: the variables or params; must be omitted for an nnx module.
+        mode), an ``equinox.Module`` (no ``params``: its arrays are), or any pure function
+        ``fn(params, *args, **kwargs)``.
+      params: the variables or params; must be omitted for an nnx or equinox module.
       name: shown in trace logs and errors (default: the function or module class name).
       max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.
       static_argnums, static_argnames: arguments static even when they are arrays, as in
         ``jax.jit`` (completed from the model's signature); Python settings are static anyway.
       mutable: a linen model's collections that a call updates, held across calls (default:
-        every collection but ``"params"``, e.g. ``batch_stats``).
+        every collection but ``"params"``, e.g. ``batch_stats``); one the variables lack
+        (``self.sow``'s ``"intermediates"``) is returned fresh by each call, ``(out, {name:
+        values})``, as ``model.apply(..., mutable=[name])`` returns it.
       rngs: a linen model's rng streams, split anew on every call: a key (the ``"dropout"``
         stream), an int seed, or ``{"dropout": key, ...}``.
       donate: donate the held state to each ``h(x)`` call, so XLA writes the new state into
@@ -91,6 +103,15 @@ def hybridize(
             )
         m, linen_params, state = linen(model, params, mutable, rngs)
         params = params if not state else linen_params  # stateless: the very dict given
+    elif kind == "eqx":
+        if params is not None or mutable is not None or rngs is not None:
+            raise ConfigError(
+                f"hybridize({type(model).__name__}) takes no params, mutable or rngs: an "
+                "equinox module's arrays are its params, the rest is held static. Write "
+                "hybridize(module); pass a key or an eqx.nn.State to each call."
+            )
+        fn, params = _equinox(type(model).__call__, model)
+        return Hybrid(fn, params, name=name or type(model).__name__, **settings)
     elif mutable is not None or rngs is not None:
         raise ConfigError(
             "hybridize(fn, params, mutable=/rngs=): those are settings of a flax.linen module. "
@@ -102,6 +123,8 @@ def hybridize(
                 "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
                 "For a function without params write hybridize(lambda _, x: f(x), {})."
             )
+        if _holds_equinox(params):
+            model, params = _equinox(model, params)
         return Hybrid(model, params, name=name, **settings)
     else:
         raise ConfigError(
@@ -113,13 +136,35 @@ def hybridize(
 
 
 def _flax_kind(model: Any) -> str | None:
-    """``"nnx"``, ``"linen"`` or ``None``, without importing flax when the caller has not."""
+    """``"nnx"``, ``"linen"``, ``"eqx"`` or ``None``, importing neither flax nor equinox."""
     flax_nnx, flax_linen = sys.modules.get("flax.nnx"), sys.modules.get("flax.linen")
     if flax_nnx is not None and isinstance(model, flax_nnx.Module):
         return "nnx"
     if flax_linen is not None and isinstance(model, flax_linen.Module):
         return "linen"
-    return None
+    eqx = sys.modules.get("equinox")
+    return "eqx" if eqx is not None and isinstance(model, eqx.Module) else None
+
+
+def _holds_equinox(tree: Any) -> bool:
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return False
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, eqx.Module))
+    return any(isinstance(leaf, eqx.Module) for leaf in leaves)
+
+
+def _equinox(fn: Any, tree: Any) -> tuple[Any, Any]:
+    """``(fn', arrays)``: ``tree``'s arrays, and ``fn`` called on them combined with the rest
+    of ``tree`` (held static, as ``eqx.filter_jit`` holds it); ``fn'`` has ``fn``'s signature."""
+    eqx = sys.modules["equinox"]
+    arrays, static = eqx.partition(tree, eqx.is_array)
+
+    @functools.wraps(fn)
+    def combined(params: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(eqx.combine(params, static), *args, **kwargs)
+
+    return combined, arrays
 
 
 def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool = True) -> Hybrid:
