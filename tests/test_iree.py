@@ -452,3 +452,33 @@ def test_iree_refuses_an_unknown_mlir_argument(chapter, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(sm.ArtifactError, match="not_there"):
         sm.load(copy, runtime="iree")
+
+
+def test_the_benchmark_times_the_same_vmfb_natively_and_holds_the_iree_targets(chapter, tmp_path):
+    """The benchmark's native row runs the .vmfb the loaded model runs at batch 1, in
+    iree-benchmark-module; the IREE targets apply where their rows were made."""
+    from benchmarks import iree_native, per_request
+
+    art, h = chapter
+    x = np.asarray(rand(1, seed=5))
+    with iree_native.recording() as vmfbs:
+        m = sm.load(art.path, runtime="iree")
+        np.testing.assert_allclose(m(x), h(x), **TOL)
+    assert "tensor<1x512xf32>" in iree_native.declaration(vmfbs[-1])
+    run = iree_native.native_row(vmfbs[-1], art.path, x, tmp_path / "native")
+    assert callable(run) and run(20) > 0  # seconds for 20 calls, on the tool's own clock
+    refused = iree_native.native_row(vmfbs[0], art.path, x, tmp_path / "other")  # batch 2
+    assert refused.startswith("main's arguments are not the weights then the input")
+
+    def row(lo):
+        return {"label": "row", "min_s": lo, "median_s": lo, "spread": 0.0}
+
+    rows = {k: row(10e-6) for k in ("dispatch_floor", "aot_constants", "aot_arguments", "h")}
+    rows["h_constants"] = row(10e-6)
+    names = [t["name"] for t in per_request.per_request_targets(rows)]
+    assert not [n for n in names if "iree" in n]  # not asked: no IREE targets
+    rows |= {"artifact_iree": row(16e-6), "artifact_iree_native": row(13e-6)}
+    targets = {t["name"]: t for t in per_request.per_request_targets(rows)}
+    assert targets["iree_over_h"]["value"] == 1.6 and targets["iree_over_h"]["met"] is False
+    native = targets["iree_native_over_aot_arguments"]
+    assert native["value"] == 1.3 and native["target"] == "<= 1.2" and native["met"] is False
