@@ -1,34 +1,27 @@
 """Run an artifact with IREE instead of JAX: ``load(path, runtime="iree")``.
 
-IREE runs a static module per input shape, as XLA compiles one: for each new (shape, dtype)
-of the inputs, the artifact's module (``model.jaxexport``, the one ``model.mlirbc`` holds,
-checked by the loader as for the JAX runtime) is lowered by JAX for the ``cpu`` platform at
-those shapes, every symbolic dimension refined (what the JAX runtime compiles), then compiled
-by ``iree.compiler`` for ``llvm-cpu`` with ``--iree-llvmcpu-target-cpu=host``. What that buys:
+IREE runs a static module per input shape, as XLA compiles one: for each new input shape,
+JAX lowers the artifact's checked module (``model.jaxexport``'s, the one ``model.mlirbc``
+holds) for ``cpu`` at those shapes, every symbolic dimension refined, and ``iree.compiler``
+compiles it for ``llvm-cpu`` with ``--iree-llvmcpu-target-cpu=host``. Hence:
 
-- IREE compiles a static module, never the symbolic one: it cannot compile the dynamic
-  reshape of an input of rank > 2 (a flatten, a Dense on ``(b, t, d)``, attention), and its
-  code for a dynamic batch is slower. Loading reads the artifact with JAX in any case; with
-  no Python at all, IREE's own tools compile a static export (``export(..., batch=None)``).
-- A multi-platform export is lowered for its ``"cpu"`` entry; an export without ``"cpu"``
-  may hold accelerator-only lowerings and is refused. Unused params are kept as arguments.
-- Calls run on IREE's ``local-sync`` driver on the calling thread (one request at a time: no
-  thread pool to wake), one at a time; the weights are placed once; a call copies its
-  inputs in and its outputs out, with no Python wrapper between.
-- IREE erases ``jax.export``'s ``@shape_assertion`` calls; the loader checks every call's
-  inputs with the artifact's :class:`~symjax_mlp.Signature`.
-- JAX's CPU custom calls (LAPACK ``lapack_*_ffi`` for ``jnp.linalg``) and sharded or
-  effectful exports have no IREE lowering: refused before anything compiles, never a silent
-  fallback to JAX.
-- IREE folds shapes computed from constants while it compiles, so each static module is
-  checked by the loader's per-call bound (:class:`symjax_mlp._load.Guard`) before IREE
-  compiles it.
+- IREE never compiles the symbolic module: it cannot compile the dynamic reshape of an input
+  of rank > 2 (a flatten, a Dense on ``(b, t, d)``, attention), and its dynamic code is
+  slower. With no Python, IREE's tools compile a static export (``batch=None``).
+- A multi-platform export is lowered for ``"cpu"``; one without it is refused.
+- Calls run on the ``local-sync`` driver, on the calling thread, one at a time: the weights
+  and ``main``'s argument list are made once; a call copies its inputs in, its outputs out.
+- IREE erases ``@shape_assertion`` calls; the loader checks every call's inputs.
+- JAX's CPU custom calls (LAPACK for ``jnp.linalg``), sharded and effectful exports have no
+  IREE lowering: refused before anything compiles, never a silent fallback to JAX.
+- IREE folds shapes computed from constants as it compiles: the loader's bound
+  (:class:`symjax_mlp._load.Guard`) checks each static module before IREE compiles it.
 
-Each compiled ``.vmfb`` is cached in a per-user directory (:func:`cache_dir`), keyed by the
-sha256 of the static module IREE compiles (lowered with no source locations, so the same
-model at the same shapes gives the same bytes), the IREE version, the flags and this host's
-CPU, and signed with this user's key (:func:`~symjax_mlp._files.cache_secret`: a damaged or
-planted entry is compiled again, never run). Compiled code is never read from the artifact.
+Each ``.vmfb`` is cached per user (:func:`cache_dir`), keyed by the sha256 of the module
+compiled (lowered with no source locations: the same bytes for the same model and shapes),
+the IREE version, the flags and this CPU, and signed with this user's key
+(:func:`~symjax_mlp._files.cache_secret`): a damaged or planted entry is compiled again,
+never run. Compiled code is never read from the artifact.
 """
 
 from __future__ import annotations
@@ -206,7 +199,8 @@ def runner(
     signature = Signature.from_json(manifest["signature"])
     names = [p["path"] for p in manifest["params"]]
     weights = dict(zip(names, params, strict=True))
-    dtypes = [np.dtype(a.dtype) for a in exported.in_avals[-len(signature.inputs) :]]
+    avals = exported.in_avals[len(exported.in_avals) - len(signature.inputs) :]  # the inputs'
+    dtypes = [np.dtype(a.dtype) for a in avals]
     kinds = [map_dtype_to_hal_element_type(d) for d in dtypes]
     out_dtypes = [np.dtype(a.dtype) for a in exported.out_avals]
 
