@@ -507,3 +507,16 @@ if eqx is not None:
 
         def __call__(self, x, *, key=None):
             return self.dropout(self.linear(x), key=key)
+
+
+IMAGES = _x(0, (2, 8, 8, 1))
+#: the authors' linen models as a zoo (apart from ZOO: their flags have no defaults)
+AUTHORS = (
+    Case("dropout_guide", "linen", _linen(DropoutGuideModel(8), X, training=False),
+         lambda s: (_x(s),), train={"training": True}, eval={"training": False},
+         rng=jax.random.key(3)),
+    Case("batch_norm_guide", "linen", _linen(BatchNormGuideMLP(), X, train=False),
+         lambda s: (_x(s),), train={"train": True}, eval={"train": False}),
+    Case("mixer", "linen", _linen(mixer(), IMAGES, train=False),
+         lambda s: (_x(s, (2, 8, 8, 1)),), train={"train": True}, eval={"train": False}),
+)  # fmt: skip

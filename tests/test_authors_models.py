@@ -9,7 +9,16 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import BatchNormGuideMLP, DropoutGuideModel, SowCNN, TutorialCNN, mixer
+from helpers import (
+    AUTHORS,
+    BatchNormGuideMLP,
+    DropoutGuideModel,
+    SowCNN,
+    TutorialCNN,
+    keyless,
+    mixer,
+    reference_calls,
+)
 
 import symjax_mlp as sm
 
@@ -33,6 +42,46 @@ def _steps(model, x, n=3, **flags):
         params, opt_state, metrics = step(params, opt_state, x, y, w)
         runs.append((params, metrics))
     return runs
+
+
+# -- the authors' models through a Hybrid: compiled == eager == plain Flax ----------------------
+def _close(a, b):
+    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("case", AUTHORS, ids=lambda c: c.name)
+def test_an_authors_model_compiled_equals_eager_equals_flax(case, mode):
+    settings = getattr(case, mode)
+    want, want_state = reference_calls(case, 3, settings)
+    for h in (case.hybridize(), case.hybridize().hybridize(False)):
+        _close([h(*case.inputs(i), **settings) for i in range(3)], want)
+        if h.stateful:  # state after several calls: batch statistics, the rng stream
+            _close(keyless(h.state), keyless(want_state))
+    model, variables = case.build()
+    h, x = case.hybridize(), case.inputs(0)
+
+    def out(y):
+        return y[0] if h.stateful else y
+
+    grads = jax.grad(lambda p: out(h.apply(p, *x, **case.eval)).sum())(h.params)
+    want = jax.grad(lambda p: model.apply({**variables, **p}, *x, **case.eval).sum())(h.params)
+    _close(grads, want)
+
+
+def test_the_nnx_tutorial_cnn_compiled_equals_eager_equals_nnx():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 28, 28, 1)), jnp.float32)
+    want_model = TutorialCNN(rngs=nnx.Rngs(0))
+    rngs = nnx.Rngs(5)
+    want = [want_model(x + i, rngs=rngs) for i in range(3)]  # train mode, as built
+    for compiled in (True, False):
+        h = sm.hybridize(TutorialCNN(rngs=nnx.Rngs(0))).hybridize(compiled)
+        rngs = nnx.Rngs(5)
+        _close([h(x + i, rngs=rngs) for i in range(3)], want)
+        _close(keyless(h.state), keyless(nnx.state(want_model, nnx.Not(nnx.Param))))
+    trained = h.module  # rebuilt with the state the calls moved
+    trained.eval(), want_model.eval()
+    _close(sm.hybridize(trained)(x), want_model(x))
 
 
 # -- item 2: a mode flag without a default ------------------------------------------------------
@@ -148,10 +197,6 @@ def test_a_shape_taken_from_an_array_argument_names_static_argnames(fn, tmp_path
 # -- items 9-10: equinox ------------------------------------------------------------------------
 def _eqx():
     return pytest.importorskip("equinox")
-
-
-def _close(a, b):
-    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("which", ["mlp", "cnn"])
