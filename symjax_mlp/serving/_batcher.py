@@ -7,10 +7,9 @@ batch runs wait in a bounded queue and are merged, in arrival order, into the ne
 to ``max_batch`` rows, zero-padded to the smallest bucket that holds it. Every bucket is
 compiled when the batcher is made; padding rows are never returned.
 
-Per request, little is done: a NumPy input of a known ``(shape, dtype)`` is looked up, not
-checked; a lone ``b(x)`` takes no lock and no future (it pops the lane's token); a batch is
-one ``np.concatenate``, its counters one tuple on a deque (folded when the stats are read);
-its futures are settled under one lock, with one ``call_soon_threadsafe`` per event loop.
+Per request, little is done: a known ``(shape, dtype)`` is looked up, not checked; a lone
+``b(x)`` takes no lock and no future; a batch is one ``np.concatenate``, its counters one
+tuple on a deque; its futures are settled under one lock, one ``call_soon_threadsafe`` a loop.
 """
 
 from __future__ import annotations
@@ -135,9 +134,10 @@ class Batcher:
         served, kwargs = model, dict(kwargs or {})  # what the lane calls (for a Hybrid, _inference)
         if isinstance(model, LoadedModel):
             if example is not None or kwargs:
+                given = "example=" if example is not None else "kwargs="
                 raise ConfigError(
-                    "Batcher(LoadedModel, example=/kwargs=): a loaded artifact carries its "
-                    f"signature ({model.signature}) and settings; drop them."
+                    f"Batcher(LoadedModel, {given}): a loaded artifact carries its signature "
+                    f"({model.signature}) and settings; drop {given}."
                 )
             specs, static = artifact_specs(model)
             name = name or str(model.path)
