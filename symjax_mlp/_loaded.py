@@ -25,7 +25,7 @@ from symjax_mlp._artifact.format import (
 )
 from symjax_mlp._artifact.reading import thaw
 from symjax_mlp._artifact.signature import Signature, is_array
-from symjax_mlp._errors import ConfigError, SymjaxError
+from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._selftest import run_failed
 from symjax_mlp._specs import array_types
@@ -64,7 +64,9 @@ class LoadedModel:
     mapped axis into the batch: one program run, one compile per merged shape. Export
     records whether rows stay apart (``manifest["rows"]``, :mod:`symjax_mlp._rows`); where
     not (batch statistics), or where unrecorded (an older export), vmap is a ``SymjaxError``
-    with the reason (``jax.lax.map(m, xs)`` maps one batch at a time).
+    with the reason (``jax.lax.map(m, xs)`` maps one batch at a time). Where rows stay apart,
+    ``m`` also takes one example as its source function does (each batched input without its
+    batch dimension: ``m(x[0])``), so ``jax.vmap(m)(xs)`` maps examples too.
 
     An artifact exported with several entry points (``export({"predict": h, "embed": e},
     ...)``) loads as its default (first) one; ``m["embed"]`` is another, over the same
@@ -123,8 +125,40 @@ class LoadedModel:
         return views
 
     def __call__(self, *inputs: jax.typing.ArrayLike) -> Any:
-        outs = self._outputs(inputs)
+        try:
+            outs = self._outputs(inputs)
+        except SignatureError as wrong:  # one example (jax.vmap(m) per example) or wrong
+            axes = self._example_axes(inputs)
+            if axes is None:
+                raise
+            inputs = [x if hasattr(x, "shape") else np.asarray(x) for x in inputs]
+            at = [(slice(None),) * k + (None,) if k is not None else () for k in axes[0]]
+            try:
+                outs = self._outputs([x[i] if i else x for x, i in zip(inputs, at, strict=True)])
+            except SignatureError:
+                raise wrong from None
+            at = [(slice(None),) * k + (0,) if k is not None else () for k in axes[1]]
+            outs = [y[i] if i else y for y, i in zip(outs, at, strict=True)]
         return outs[0] if self._single_output else tuple(outs)
+
+    def _example_axes(self, inputs: Any) -> tuple[list[Any], list[Any]] | None:
+        """Where the batch dimension goes in, and comes out, when ``inputs`` are one example
+        (each batched input one rank short: ``jax.vmap(m)(xs)`` per example); ``None`` if
+        they are not, or rows may see each other."""
+        rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
+        if not rows.get("independent") or len(inputs) != len(sig["inputs"]):
+            return None
+        dim = rows["dim"]
+        index = [s["shape"].index(dim) if dim in s["shape"] else None for s in sig["inputs"]]
+        short = [
+            k is not None and np.ndim(x) == len(s["shape"]) - 1
+            for x, s, k in zip(inputs, sig["inputs"], index, strict=True)
+        ]
+        if not any(short) or any(
+            k is not None and not o for k, o in zip(index, short, strict=True)
+        ):
+            return None
+        return index, [s["shape"].index(dim) if dim in s["shape"] else None for s in sig["outputs"]]
 
     def _outputs(self, inputs: Any) -> list[Any]:
         # Hot path: a (shape, dtype) signature that passed the check once needs no second

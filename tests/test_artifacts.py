@@ -414,7 +414,8 @@ def test_a_tampered_entry_point_is_refused(tmp_path):
 def test_vmap_over_a_loaded_model_is_refused_with_the_fix(tmp_path):
     h, x = _mlp()
     m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
-    # per example (5,): no batch dimension; whole batches vmap (tests/test_transforms.py)
-    with pytest.raises(sm.SignatureError, match=r"rank 1.*Add the batch dimension: x\[None\]"):
-        jax.vmap(m)(jnp.ones((4, 5)))
+    # per example (5,): one example, as the source function takes it
+    chex.assert_trees_all_close(jax.vmap(m)(jnp.ones((4, 5))), h(jnp.ones((4, 5))), **TOL)
+    with pytest.raises(sm.SignatureError, match=r"shape \(\), rank 0.*Pass an array of rank 2"):
+        jax.vmap(m)(jnp.ones((4,)))  # per scalar: not an example
     chex.assert_trees_all_close(m(jnp.ones((4, 5))), h(jnp.ones((4, 5))), **TOL)

@@ -49,6 +49,28 @@ def test_vmap_equals_vmap_of_the_source(mlp, vmap, xs):
     chex.assert_trees_all_close(vmap(m)(xs), vmap(h)(xs), **TOL)
 
 
+def test_one_example_and_vmap_per_example_as_the_source_takes_them(mlp, tmp_path):
+    h, m = mlp
+    xs = _xs(4, 5)
+    chex.assert_trees_all_close(m(xs[0]), h(xs[0]), **TOL)  # (5,) -> (3,): one example
+    chex.assert_trees_all_close(jax.vmap(m)(xs), jax.vmap(h)(xs), **TOL)
+    chex.assert_trees_all_close(jax.jit(jax.vmap(m))(xs), h(xs), **TOL)
+    with pytest.raises(sm.SignatureError, match=r"shape \(4,\), rank 1"):
+        m(xs[0, :4])  # one example of the wrong width: the error names what was passed
+    # an input without the batch dimension stays as it is; the batched one is the example
+    g = sm.hybridize(lambda p, x, s: (x * s) @ p, _xs(5, 3))
+    art = sm.export(g, tmp_path / "s", example=(jnp.ones((2, 5)), jnp.ones(5)),
+                    shapes=("n, 5", None))  # fmt: skip
+    s = _xs(5, seed=2)
+    want = jax.vmap(g, in_axes=(0, None))(xs, s)
+    chex.assert_trees_all_close(jax.vmap(sm.load(art.path), in_axes=(0, None))(xs, s), want, **TOL)
+    # where rows see each other, one example is not the model's to guess: refused as before
+    b = sm.hybridize(_mean_norm, _xs(5, 3))
+    mb = sm.load(sm.export(b, tmp_path / "b", example=jnp.ones((4, 5))).path, trust=True)
+    with pytest.raises(sm.SignatureError, match="rank 1"):
+        mb(xs[0])
+
+
 def test_vmap_with_an_unmapped_input_and_tuple_outputs(tmp_path):
     def fn(p, x, y):
         return jnp.tanh(x @ p["w"] + y @ p["v"]), jnp.sum(x, axis=1)
