@@ -3,6 +3,12 @@
 :func:`stage` checks what is exported (inference mode, array inputs, one path per param) and
 picks what is stored (params and state; typed rng keys baked in). :func:`export_program` runs
 ``jax.export`` on it, the params a dict keyed by path: its signature, and its rows verdict.
+
+With ``batch="b"`` every input's leading dimension is the batch. Where that breaks a shape,
+an input whose leading dimension differs from ``args[0]``'s is taken as shared by every row
+(an attention mask, a weight vector: stored static) and the trace is tried again; where that
+fails too while the example's own shapes trace, the model takes one example (every
+``eqx.nn`` layer does): a :class:`SignatureError` names the fixes.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import param_specs
 from symjax_mlp._compat import without_source_locations
-from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
+from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, SymjaxError
 from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import walk
@@ -33,6 +39,16 @@ _TRAINING = (
     "built in), and that changes its program: the artifact would drop units with one fixed "
     "key on every call and normalise each batch by its own statistics. Call module.eval() "
     "before export(), and module.train() to go on training afterwards."
+)
+_ONE_EXAMPLE = (
+    "export({name}, batch={batch!r}): with every input's leading dimension as the symbolic "
+    "batch {batch!r} ({types}) the trace fails ({error}), while {traced}. If the model takes "
+    "one example, as every eqx.nn layer does, export a batched model, e.g. "
+    "sm.hybridize(eqx.filter_vmap(model)) (jax.vmap for a function){static}{shared}."
+)
+_SHARED = (
+    "; if an input has no batch dimension (a mask or weights shared by every row), give it "
+    "None in shapes=, e.g. shapes=({specs})"
 )
 
 
@@ -51,6 +67,7 @@ class Stage:
     batch: str | None
     per_input_shapes: bool
     constraints: tuple[str, ...]
+    examples: tuple[jax.ShapeDtypeStruct, ...] = ()  # the example's own (static) shapes
 
 
 def stage(
@@ -90,7 +107,8 @@ def stage(
     # characters below '/' ('proj-out' < 'proj/...').
     order = sorted(range(len(specs)), key=lambda i: specs[i].path)
     return Stage(h, static, in_specs, [specs[i] for i in order], [host_params[i] for i in order],
-                 fn, treedef, leaf_paths, batch, shapes is not None, (*constraints,))  # fmt: skip
+                 fn, treedef, leaf_paths, batch, shapes is not None, (*constraints,),
+                 tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in examples))  # fmt: skip
 
 
 def export_program(
@@ -108,23 +126,24 @@ def export_program(
 
     model.__name__ = "model"
     p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in sorted(own.items())}
-    in_specs = stage.in_specs
     jitted, jaxpr = jax.jit(model), None
     try:
         with without_source_locations():  # reproducible bytes: no path of this machine inside
-            jaxpr = jitted.trace(p_structs, *in_specs).jaxpr.jaxpr  # traced once: export reuses it
+            jaxpr, in_specs = _trace(jitted, p_structs, stage)  # traced once: export reuses it
             exported = jax.export.export(jitted, platforms=platforms)(p_structs, *in_specs)
     except TRACER_ERRORS as e:
         raise control_flow_error(h.name, e) from e
     except RuntimeError:  # e.g. std::bad_cast from a host callback's lowering
         names = {eqn.primitive.name for eqn, _ in walk(jaxpr)} if jaxpr is not None else ()
-        callbacks = sorted(n for n in names if "callback" in n)  # pure_callback, io_callback
+        # pure_callback, io_callback, debug_callback; jax.debug.print is debug_print
+        callbacks = sorted(n for n in names if "callback" in n or n.startswith("debug_"))
         if not callbacks:
             raise
         raise ConfigError(
             f"export({h.name}): the function calls back into Python ({', '.join(callbacks)}), "
             "and an artifact carries no Python: it runs where your code is not. Compute it "
-            "with jnp/lax operations, or keep that step outside the exported function."
+            "with jnp/lax operations, or keep that step (a jax.debug.print too) outside the "
+            "exported function."
         ) from None
     except jax.errors.InconclusiveDimensionOperation as e:
         raise SignatureError(
@@ -146,6 +165,54 @@ def export_program(
     lead = signature.inputs[0].shape[:1] if signature.inputs else ()
     dim = signature.batch or next((d for d in lead if isinstance(d, str)), None)
     return exported, signature, verdict(jaxpr, dim)
+
+
+def _trace(jitted: Any, p_structs: Any, stage: Stage) -> tuple[Any, list[Any]]:
+    """The jaxpr of ``stage``'s program and its inputs' structs: an input that breaks the
+    symbolic batch is taken as shared, or the refusal names the fixes (the module docstring)."""
+    try:
+        return jitted.trace(p_structs, *stage.in_specs).jaxpr.jaxpr, stage.in_specs
+    except (TypeError, ValueError) as e:
+        if (
+            isinstance(e, (SymjaxError, *TRACER_ERRORS))
+            or not stage.batch
+            or stage.per_input_shapes
+        ):
+            raise
+        error = e
+    examples, lead = stage.examples, stage.examples[0].shape[:1]
+    shared = [x.shape[:1] != lead for x in examples]
+    if any(shared):  # e.g. x (4, 3) and w (3,): w is no batch of 4 rows
+        specs = [x if s else b for x, b, s in zip(examples, stage.in_specs, shared, strict=True)]
+        try:
+            return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
+        except (TypeError, ValueError):
+            pass
+    rows = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in examples]  # one example
+    static = _traces(jitted, p_structs, examples)
+    if not (static or _traces(jitted, p_structs, rows)):
+        raise error  # not the batch's doing: the model's own error
+    specs = [f"{stage.batch}, {', '.join(map(str, examples[0].shape[1:]))}".strip(", ")]
+    specs = ", ".join([repr(specs[0])] + ["None"] * (len(examples) - 1))
+    types = [TensorSpec(f"args[{i}]", shape_dims(x.shape), str(x.dtype)).type
+             for i, x in enumerate(stage.in_specs)]  # fmt: skip
+    raise SignatureError(
+        _ONE_EXAMPLE.format(
+            name=stage.h.name, batch=stage.batch, types=", ".join(types),
+            error=str(error).splitlines()[0].rstrip("."),
+            traced="the example's own shapes trace" if static else "one row of it traces",
+            static=", or pass batch=None for the example's static shapes" if static else "",
+            shared="" if len(examples) < 2 else _SHARED.format(specs=specs),
+        )
+    ) from None  # fmt: skip
+
+
+def _traces(jitted: Any, p_structs: Any, inputs: Sequence[Any]) -> bool:
+    try:
+        jitted.trace(p_structs, *inputs)
+    except Exception:
+        return False
+    return True
 
 
 def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:

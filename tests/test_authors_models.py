@@ -278,3 +278,54 @@ def test_the_library_never_imports_equinox_itself():
 
     code = "import sys, symjax_mlp; assert 'equinox' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- issue 33, remaining: export's batch, a shared input, eqx.filter_jit, jax.debug.print ------
+def test_a_per_example_equinox_model_under_the_default_batch_is_refused_with_the_fixes(tmp_path):
+    eqx = _eqx()
+    mlp = eqx.nn.MLP(5, 3, width_size=8, depth=2, key=jax.random.key(0))
+    for x in (jnp.ones(5), jnp.ones((4, 5))):  # one example, or a batch it cannot take
+        with pytest.raises(sm.SignatureError, match=r"float32\[b.*eqx\.filter_vmap\(model\)"):
+            sm.export(sm.hybridize(mlp), tmp_path / "m", example=x)
+    sm.export(sm.hybridize(eqx.filter_vmap(mlp)), tmp_path / "m", example=jnp.ones((4, 5)))
+    loaded, xs = sm.load(tmp_path / "m", trust=True), jnp.ones((7, 5))
+    _close(np.asarray(loaded(np.asarray(xs))), jax.vmap(mlp)(xs))
+
+
+@pytest.mark.parametrize("shared", [(3,), (3, 3)], ids=["weights", "mask"])
+def test_an_input_without_the_batch_is_taken_as_shared_by_every_row(shared, tmp_path):
+    def fn(p, x, w):
+        return (x * w if w.ndim == 1 else x @ w) + p
+
+    w = jnp.asarray(np.random.default_rng(0).standard_normal(shared), jnp.float32)
+    sm.export(sm.hybridize(fn, jnp.float32(1)), tmp_path / "m", example=(jnp.ones((4, 3)), w))
+    loaded = sm.load(tmp_path / "m", trust=True)
+    assert [s.shape for s in loaded.signature.inputs] == [("b", 3), shared]
+    for n in (1, 7):
+        x = jnp.ones((n, 3))
+        _close(np.asarray(loaded(np.asarray(x), np.asarray(w))), fn(1.0, x, w))
+    with pytest.raises(sm.ConfigError, match=r"args\[1\] is float32\[3.*without the batch 'b'"):
+        sm.serving.Batcher(loaded)
+
+
+def test_a_batcher_refuses_an_artifact_with_a_shared_input_naming_it(tmp_path):
+    h, x, mask = (
+        sm.hybridize(lambda p, x, m: x @ m + p, jnp.float32(1)),
+        jnp.ones((4, 5)),
+        jnp.eye(5),
+    )
+    sm.export(h, tmp_path / "m", example=(x, mask), shapes=("b, 5", None))
+    with pytest.raises(sm.ConfigError, match=r"args\[1\] is float32\[5, 5\], without") as e:
+        sm.serving.Batcher(sm.load(tmp_path / "m", trust=True))
+    assert "static batch" not in str(e.value)
+
+
+@pytest.mark.parametrize("batch", ["b", None])
+def test_a_function_with_jax_debug_print_is_refused_at_export(batch, tmp_path):
+    def fn(p, x):
+        jax.debug.print("x = {}", x)
+        return x * p
+
+    with pytest.raises(sm.ConfigError, match=r"calls back into Python \(debug_print\)"):
+        sm.export(sm.hybridize(fn, jnp.float32(1)), tmp_path / "m", example=jnp.ones((2, 3)),
+                  batch=batch)  # fmt: skip

@@ -133,12 +133,23 @@ def example_specs(example: Any) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
+_SHARED = (
+    "Batcher({path}): input {spec.path} is {spec.type}, without the batch {batch!r}: one value "
+    "shared by every row (a mask, weights), while a batcher merges the rows of every input of "
+    "many requests. Serve a model with it fixed: export a function that closes over it (or "
+    "takes it among the params), or call the loaded model directly."
+)
+
+
 def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None]:
     """The per-request specs of an artifact, and its static batch (``None``: symbolic)."""
     sig = model.signature
     specs, static = [], set()
-    for spec in sig.inputs:
-        lead = spec.shape[0] if spec.shape else None
+    leads = [spec.shape[0] if spec.shape else None for spec in sig.inputs]
+    batch = sig.batch or next((d for d in leads if isinstance(d, str)), None)
+    for spec, lead in zip(sig.inputs, leads, strict=True):
+        if batch is not None and not isinstance(lead, str):
+            raise ConfigError(_SHARED.format(path=model.path, spec=spec, batch=batch))
         rest = spec.shape[1:]
         if lead is None or any(isinstance(d, str) for d in rest):
             raise ConfigError(
@@ -149,7 +160,7 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
         if isinstance(lead, int):
             static.add(lead)
         specs.append(TensorSpec(spec.path, ("b", *rest), spec.dtype))
-    if len(static) > 1 or (static and sig.batch is not None):
+    if len(static) > 1:
         raise ConfigError(
             f"Batcher({model.path}): the inputs' leading dimensions {sig} disagree; batching "
             "needs one batch dimension shared by every input."
