@@ -320,6 +320,14 @@ def test_a_batcher_refuses_an_artifact_with_a_shared_input_naming_it(tmp_path):
     assert "static batch" not in str(e.value)
 
 
+def test_stage_of_an_eqx_filter_jit_module_is_refused_naming_the_module():
+    eqx = _eqx()
+    mlp = eqx.nn.MLP(5, 3, width_size=8, depth=1, key=jax.random.key(0))
+    with pytest.raises(sm.ConfigError, match=r"got jit\(MLP\).*stage\(MLP\)"):
+        sm.stage(eqx.filter_jit(mlp))
+    assert sm.stage(mlp)(jnp.ones(5)).primitive_counts["dot_general"] == 2
+
+
 @pytest.mark.parametrize("batch", ["b", None])
 def test_a_function_with_jax_debug_print_is_refused_at_export(batch, tmp_path):
     def fn(p, x):
@@ -329,3 +337,19 @@ def test_a_function_with_jax_debug_print_is_refused_at_export(batch, tmp_path):
     with pytest.raises(sm.ConfigError, match=r"calls back into Python \(debug_print\)"):
         sm.export(sm.hybridize(fn, jnp.float32(1)), tmp_path / "m", example=jnp.ones((2, 3)),
                   batch=batch)  # fmt: skip
+
+
+@pytest.mark.parametrize("which", ["mlp", "cnn"])
+def test_equinox_layers_of_one_class_are_told_apart_in_by_layer(which):
+    eqx = _eqx()
+    from helpers import EqxCNN
+
+    key = jax.random.key(0)
+    if which == "mlp":  # equinox's scopes name the class: all three Linear layers share one
+        model, x, at = eqx.nn.MLP(5, 3, width_size=8, depth=2, key=key), jnp.ones(5), "eqx.nn.MLP/"
+    else:
+        model, x, at = EqxCNN(key), jnp.ones((1, 28, 28)), ""
+    layers = sm.hybridize(model).graph(x).by_layer
+    for i in range(3):
+        assert layers[f"{at}eqx.nn.Linear[{i}]"]["dot_general"] == 1
+    assert f"{at}eqx.nn.Linear" not in layers

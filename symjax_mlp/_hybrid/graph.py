@@ -20,7 +20,7 @@ from jax.extend import core as jex_core
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.dot import to_dot
-from symjax_mlp._hybrid.jaxpr import count_flops, walk
+from symjax_mlp._hybrid.jaxpr import count_flops, numbered, walk
 from symjax_mlp._hybrid.trace import symbolic
 
 
@@ -50,9 +50,10 @@ class Graph:
 
     @functools.cached_property
     def by_layer(self) -> dict[str, collections.Counter[str]]:
-        """Primitive counts per named layer (the ``jax.named_scope`` path; ``""``: unnamed)."""
+        """Primitive counts per named layer (the ``jax.named_scope`` path; ``""``: unnamed;
+        equinox layers of one class by call order, ``"eqx.nn.MLP/eqx.nn.Linear[1]"``)."""
         layers: dict[str, collections.Counter[str]] = {}
-        for eqn, layer in walk(self.jaxpr.jaxpr):
+        for eqn, layer in numbered(walk(self.jaxpr.jaxpr)):
             layers.setdefault(layer, collections.Counter())[eqn.primitive.name] += 1
         return layers
 
@@ -160,9 +161,10 @@ def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
         )
     if isinstance(fn, jax.stages.Wrapped) or hasattr(fn, "lower"):
         inner = getattr(fn, "__wrapped__", None)
-        hint = f" (here: stage({inner.__name__}))" if inner is not None else ""
+        hint = f" (here: stage({_name(inner)}))" if inner is not None else ""
+        got = f"jit({_name(inner)})" if inner is not None else repr(_name(fn))
         raise ConfigError(
-            f"stage() got {getattr(fn, '__name__', fn)!r}, which is already jax.jit-compiled: "
+            f"stage() got {got}, which is already jax.jit-compiled: "
             "its jaxpr would be a single opaque `jit` equation hiding every layer. Pass the "
             f"undecorated Python function{hint}, e.g. stage(f.__wrapped__)."
         )

@@ -6,14 +6,16 @@ text, which changes across JAX versions. :func:`bodies` says how often each sub-
 
 The layers are the ``jax.named_scope`` names the ops were staged under: a linen module's, or
 an nnx module's attribute paths (:func:`symjax_mlp._compat.layer_scopes`), which
-:func:`layer_of` reads back.
+:func:`layer_of` reads back. Equinox names its layers' scopes by class (``"eqx.nn.Linear"``),
+so an MLP's three Linear layers share one: :func:`numbered` tells them apart by call order.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from jax.extend import core as jex_core
@@ -129,6 +131,35 @@ def walk(jaxpr: jex_core.Jaxpr, layer: str = "") -> Iterator[tuple[Any, str]]:
         yield eqn, own
         for sub in sub_jaxprs(eqn):
             yield from walk(sub, own)
+
+
+def numbered(pairs: Iterable[tuple[Any, str]]) -> list[tuple[Any, str]]:
+    """:func:`walk`'s pairs, each equinox scope entered more than once under one parent
+    numbered in call order: ``"eqx.nn.MLP/eqx.nn.Linear[1]"``. A scope is entered again
+    when another of its siblings' equations came between (its activation, say); two layers
+    of one class called back to back with nothing between stay one."""
+    seen: collections.Counter[tuple[Any, ...]] = collections.Counter()
+    prev: list[str] = []
+    ids: list[tuple[str, int]] = []
+    runs = []
+    for eqn, layer in pairs:
+        parts, k = layer.split("/") if layer else [], 0
+        while k < min(len(parts), len(prev)) and parts[k] == prev[k]:
+            k += 1
+        del ids[k:]
+        for part in parts[k:]:
+            eqx = part.startswith("eqx.")
+            ids.append((part, seen[(*ids, part)] if eqx else 0))
+            seen[(*ids[:-1], part)] += eqx
+        prev = parts
+        runs.append((eqn, tuple(ids)))
+    return [
+        (
+            eqn,
+            "/".join(p if seen[(*ids[:i], p)] < 2 else f"{p}[{n}]" for i, (p, n) in enumerate(ids)),
+        )
+        for eqn, ids in runs
+    ]
 
 
 def input_dependent(jaxpr: jex_core.Jaxpr) -> list[bool]:
