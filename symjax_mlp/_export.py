@@ -136,7 +136,7 @@ def export(
     shared = _shared_params(names, staged)
     check_target(path, overwrite)  # fail before the work, not after it
     files: dict[str, bytes] = {}
-    programs = []
+    programs, needs = [], set()
     for i, (name, entry) in enumerate(zip(names, staged, strict=True)):
         # The default entry point takes every weight (the manifest's params); the others
         # take their own, by path, from the same params.safetensors.
@@ -144,6 +144,7 @@ def export(
         exported, signature, rows = export_program(entry, own, platforms)
         roles = entry_files(name) if i else {r: r for r in (JAXEXPORT, MLIRBC, MLIR, SELFTEST)}
         files[roles[JAXEXPORT]] = bytes(exported.serialize(vjp_order=vjp_order))
+        needs.update(_needs(files[roles[JAXEXPORT]], path / roles[JAXEXPORT]))
         files[roles[MLIRBC]] = bytes(exported.mlir_module_serialized)
         files[roles[MLIR]] = exported.mlir_module().encode()
         if (vectors := _self_test_vectors(exported, signature, own)) is None:
@@ -193,6 +194,7 @@ def export(
         "params": [s.to_json() for s in specs],
         "mlir_arguments": main["mlir_arguments"],
         "static": main["static"],
+        **({"needs": sorted(needs)} if needs else {}),  # what a signed artifact loads with
         "files": {k: {"sha256": sha256(v), "bytes": len(v)} for k, v in files.items()},
     }
     if len(names) > 1:
@@ -205,6 +207,18 @@ def export(
     write_dir(path, files, overwrite=overwrite, check=check_target, error=ArtifactError,
               what="the artifact")  # fmt: skip
     return Artifact(path, freeze(manifest))
+
+
+def _needs(data: bytes, file: Path) -> list[str]:
+    """What the program and its VJP modules do beyond what a loader allows by default, by the
+    loader's own checker (:data:`~symjax_mlp._artifact.format.NEEDS`; see RELIABILITY.md)."""
+    from symjax_mlp._artifact import checker, ops
+
+    try:
+        exported = jax.export.deserialize(bytearray(data))
+        return ops.needs(checker.program(file, sha256(data), exported)[0])
+    except ArtifactError:  # the checker refuses to read it: it declares nothing
+        return []
 
 
 ENTRY_FIELDS = ("name", "signature", "rows", "params", "mlir_arguments", "static", "program_files")

@@ -8,7 +8,6 @@ signature before it compiles. Nothing here uses pickle or eval.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import importlib
 import os
@@ -81,7 +80,9 @@ def load(
         a refusal names what to allow.
       verify_signature: the PEM file of a public key: refuse the artifact unless every file
         in its directory is what that key's owner signed with :func:`~symjax_mlp.sign`
-        (checked before any file is parsed; needs ``symjax_mlp[sign]``).
+        (checked before any file is parsed; needs ``symjax_mlp[sign]``). A signed artifact
+        loads with the op groups its manifest declares it needs (``"convolution"``,
+        ``"while"``, ...: what its export found), and only those; all else is checked.
       params_as_constants: compile the weights into each program as constants instead of
         passing them to every call (JAX runtime, one device): for serving latency.
 
@@ -140,8 +141,12 @@ def load(
         found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="
     ordered = check_params(found, expected, file=source)
     self_test = self_test and params is None  # other weights give other outputs, by design
+    needs, signed = manifest.get("needs"), unchanged is not None  # the signer's word, if signed
+    if signed:
+        allowed |= frozenset(needs or ())
     opener = _Opener(path, manifest, runtime, blobs, mesh=mesh, trust=trust, allowed=allowed,
-                     self_test=self_test, constants=params_as_constants)  # fmt: skip
+                     self_test=self_test, constants=params_as_constants, needs=needs,
+                     signed=signed)  # fmt: skip
     return opener.open(None, ordered)
 
 
@@ -176,13 +181,14 @@ class _Opener:
         exported = deserialize(path, view, blobs)  # both runtimes: the module that runs
         guard = report = None
         if not options["trust"]:
-            report, vjp_work = _program(path, view, exported)
+            file = path / program_file(view, JAXEXPORT)
+            digest = self.manifest["files"][file.name]["sha256"]
+            report, vjp_work = checker.program(file, digest, exported)
             if hasattr(self.backend, "check_program"):
                 self.backend.check_program(path / program_file(view, MLIRBC), report)
-            file = path / program_file(view, JAXEXPORT)
-            ops.check(report, file=file, allow=options["allowed"], caller="load()")
+            ops.check(report, file=file, allow=options["allowed"], caller="load()",
+                      needs=options["needs"], signed=options["signed"])  # fmt: skip
             if "compute" not in options["allowed"]:
-                digest = self.manifest["files"][file.name]["sha256"]
                 guard = Guard(file, digest, (report.work, *vjp_work))
         baked = {"constants": True} if options["constants"] else {}  # (the JAX runtime's)
         run, weights = self.backend.runner(
@@ -199,44 +205,6 @@ class _Opener:
         if options["self_test"]:
             selftest.run(path, view, blobs, model._outputs)  # list -> list
         return model
-
-
-# sha256 of model.jaxexport -> the ops report of it and its VJPs, each VJP's work; recent last
-_REPORTS: dict[str, tuple[ops.ModuleReport, tuple[int, ...]]] = {}
-
-
-def _program(path: Path, manifest: Any, exported: Any) -> tuple[ops.ModuleReport, tuple[int, ...]]:
-    """The ops report of the module that runs, and of each VJP module it carries; and the
-    static work of each VJP module, by order (what :class:`Guard` bounds their calls by)."""
-    file = path / program_file(manifest, JAXEXPORT)
-    key = manifest["files"][file.name]["sha256"]
-    found = _REPORTS.pop(key, None)
-    if found is None:
-        report = checker.analyze(exported.mlir_module_serialized, file=file)
-        problems, calls = list(report.problems), collections.Counter(report.custom_calls)
-        module, order, works = exported, 0, []
-        while module.has_vjp():  # jax.grad of the loaded model runs these modules
-            order += 1
-            if order > 8:
-                problems.append(ops.Problem("vjp", "more than 8 orders of VJP modules"))
-                break
-            try:
-                module = module.vjp()
-            except Exception as e:
-                raise ArtifactError(
-                    f"{file}: its VJP module of order {order} cannot be read ({e})."
-                ) from e
-            vjp = checker.analyze(module.mlir_module_serialized, file=file)
-            calls.update(vjp.custom_calls)
-            works.append(vjp.work)
-            problems += [ops.Problem(p.key, f"{p.what} (in its VJP of order {order})")
-                         for p in vjp.problems]  # fmt: skip
-        report = ops.ModuleReport(report.counts, dict(calls), report.work, tuple(problems))
-        found = report, tuple(works)
-    _REPORTS[key] = found
-    while len(_REPORTS) > 32:
-        _REPORTS.pop(next(iter(_REPORTS)))
-    return found
 
 
 _TOO_MUCH_WORK = (

@@ -887,3 +887,84 @@ def test_a_checker_that_cannot_start_says_so_not_that_the_module_is_crafted(tmp_
     said = done.stdout
     assert "the module checker" in said and "did not start" in said, done.stderr[-2000:]
     assert "ImportError: no jax here" in said and "crafted" not in said
+
+
+# -- 7. a signed artifact loads with the op groups it declares, and only those ------------------
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory):
+    """A CNN (convolution, max pooling) exported: what the default allow-list refuses."""
+    import flax.linen as nn
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.max_pool(nn.Conv(4, (3, 3))(x), (2, 2), strides=(2, 2))
+            return nn.Dense(2)(x.reshape(x.shape[0], -1))
+
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 1))
+    h = sm.hybridize(CNN(), CNN().init(jax.random.key(0), x))
+    return sm.export(h, tmp_path_factory.mktemp("cnn") / "cnn", example=x).path, x
+
+
+def _signed(src, dst, private, edit=None):
+    shutil.copytree(src, dst)
+    if edit is not None:
+        _edit(dst, edit)
+    sm.sign(dst, private)
+    return dst
+
+
+def test_a_signed_cnn_loads_with_the_ops_it_declares_and_an_unsigned_one_says_how(
+    cnn, keys, tmp_path
+):
+    src, x = cnn
+    assert json.loads((src / "manifest.json").read_text())["needs"] == [
+        "convolution", "reduce_window"
+    ]  # fmt: skip
+    private, public = keys["ours"]
+    art = _signed(src, tmp_path / "signed", private)
+    y = sm.load(art, verify_signature=public)(x)
+    np.testing.assert_array_equal(y, sm.load(src, trust=True)(x))
+    with pytest.raises(sm.ArtifactError) as info:
+        sm.load(src)  # unsigned: its needs are shown, never honoured
+    said = str(info.value)
+    assert "declares that it needs {'convolution', 'reduce_window'}" in said
+    assert "verify_signature=" in said and "allow={'convolution', 'reduce_window'}" in said
+    sm.load(src, allow={"convolution", "reduce_window"})
+
+
+def test_a_signed_manifest_that_understates_its_program_is_refused(cnn, keys, tmp_path):
+    src, _ = cnn
+    private, public = keys["ours"]
+    for needs in (["convolution"], []):
+        art = _signed(src, tmp_path / f"less{len(needs)}", private,
+                      lambda m, n=needs: m.update(needs=n))  # fmt: skip
+        with pytest.raises(sm.ArtifactError, match=r"(?s)less than its program does.*inconsistent"
+                           r".*allow=\{[^}]*'reduce_window'\}"):  # fmt: skip
+            sm.load(art, verify_signature=public)
+
+
+@pytest.mark.parametrize(
+    "needs",
+    [["custom_call:xla_ffi_python_cpu_callback"], ["compute"], ["outfeed"], ["recursion"],
+     ["no_such_op"], ["while", "while"], "while", [1], None],
+)  # fmt: skip
+def test_a_manifest_declares_only_known_op_groups_once(base, tmp_path, needs):
+    art = tmp_path / "bad"
+    shutil.copytree(base[0], art)
+    _edit(art, lambda m: m.update(needs=needs))
+    with pytest.raises(sm.ArtifactError, match=r"needs is .*but a symjax_mlp manifest has a list"):
+        sm.load(art)
+
+
+def test_a_signature_never_lets_an_artifact_declare_a_callback_or_more_work(base, keys, tmp_path):
+    src, _ = base
+    private, public = keys["ours"]
+    callback = forge.forge(src, tmp_path / "cb", forge.callback)
+    art = _signed(callback, tmp_path / "cb_signed", private, lambda m: m.update(needs=["while"]))
+    with pytest.raises(sm.ArtifactError, match=r"allow=\{'custom_call:xla_ffi_python_cpu"):
+        sm.load(art, verify_signature=public)
+    bomb = forge.forge(src, tmp_path / "bomb", forge.huge_compute)
+    art = _signed(bomb, tmp_path / "bomb_signed", private, lambda m: m.update(needs=["while"]))
+    with pytest.raises(sm.ArtifactError, match=r"allow=\{'compute'\}"):
+        sm.load(art, verify_signature=public)

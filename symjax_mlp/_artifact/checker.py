@@ -10,6 +10,7 @@ cache directory, signed with this user's key, so a module checked once is not wa
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import hmac
@@ -60,6 +61,43 @@ def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
     report = CHECKER.report(data, file=file)
     _write_entry(name, json.dumps(_to_json(report)).encode())
     return report
+
+
+# sha256 of model.jaxexport -> the ops report of it and its VJPs, each VJP's work; recent last
+_REPORTS: dict[str, tuple[ModuleReport, tuple[int, ...]]] = {}
+
+
+def program(file: Path, key: str, exported: Any) -> tuple[ModuleReport, tuple[int, ...]]:
+    """The ops report of the module that runs (``file``, of sha256 ``key``), and of each VJP
+    module it carries; and the static work of each VJP module, by order (what the loader's
+    ``Guard`` bounds their calls by). Export runs it too, to record what a program needs."""
+    found = _REPORTS.pop(key, None)
+    if found is None:
+        report = analyze(exported.mlir_module_serialized, file=file)
+        problems, calls = list(report.problems), collections.Counter(report.custom_calls)
+        module, order, works = exported, 0, []
+        while module.has_vjp():  # jax.grad of the loaded model runs these modules
+            order += 1
+            if order > 8:
+                problems.append(Problem("vjp", "more than 8 orders of VJP modules"))
+                break
+            try:
+                module = module.vjp()
+            except Exception as e:
+                raise ArtifactError(
+                    f"{file}: its VJP module of order {order} cannot be read ({e})."
+                ) from e
+            vjp = analyze(module.mlir_module_serialized, file=file)
+            calls.update(vjp.custom_calls)
+            works.append(vjp.work)
+            problems += [Problem(p.key, f"{p.what} (in its VJP of order {order})")
+                         for p in vjp.problems]  # fmt: skip
+        report = ModuleReport(report.counts, dict(calls), report.work, tuple(problems))
+        found = report, tuple(works)
+    _REPORTS[key] = found
+    while len(_REPORTS) > 32:
+        _REPORTS.pop(next(iter(_REPORTS)))
+    return found
 
 
 def remembered(verdict: str) -> bool:

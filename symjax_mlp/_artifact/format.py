@@ -34,6 +34,11 @@ MAX_FILES = 1_024  # files a manifest may list
 MAX_CONSTRAINT_CHARS = 256
 MAX_DEPTH = 32  # JSON nesting of a manifest; json.loads reads deeper than Python recursion
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+NEEDS = frozenset({  # what "needs" may name: ops computing tensors from tensors, and loops
+    "while", "convolution", "reduce_window", "select_and_scatter", "gather", "scatter", "sort",
+    "dynamic_slice", "dynamic_update_slice", "real_dynamic_slice", "dynamic_pad", "map", "fft",
+    "reduce_precision", "real", "imag", "complex", "popcnt", "count_leading_zeros", "cholesky",
+    "triangular_solve", "rng_bit_generator"})  # fmt: skip
 _REQUIRED = (
     "format", "format_version", "name", "created", "versions", "platforms", "nr_devices",
     "calling_convention_version", "signature", "params", "mlir_arguments", "files",
@@ -115,6 +120,9 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
         ("files", lambda: m["files"], _files, "an object {file name: {sha256, bytes}} naming "
          f"at most {MAX_FILES:,} plain files inside the artifact, each with 64 lowercase hex "
          "digits and a size"),
+        ("needs", lambda: m.get("needs", []),
+         lambda v: v == [] or (_platforms(v) and set(v) <= NEEDS),
+         'a list of distinct op groups such as "convolution" or "while" (format.NEEDS)'),
         ("metadata", lambda: m.get("metadata", {}), lambda v: isinstance(v, dict), "an object"),
         ("vjp_order", lambda: m.get("vjp_order", 0), lambda v: _size(v) and v <= 8,
          "an int from 0 to 8"),
@@ -267,8 +275,7 @@ def is_file_name(name: str) -> bool:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text := repr(value)) <= 80 else text[:77] + "..."
 
 
 def printable(text: str) -> str:

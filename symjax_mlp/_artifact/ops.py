@@ -19,7 +19,9 @@ anything compiles it. :mod:`~symjax_mlp._artifact.walk` reads what the module do
   elements, or more than :data:`MAX_BYTES` bytes of tensors made, counting dynamic
   dimensions as 1 (``allow={"compute"}``).
 
-``trust=True`` skips all of it (for artifacts you made, or trust as you trust code).
+``trust=True`` skips all of it (for artifacts you made, or trust as you trust code). An
+export records which of :data:`NEEDS` its program needs (the manifest's ``needs``); a loader
+allows just those when a key the user trusts signed the artifact, and checks the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
+from symjax_mlp._artifact.format import NEEDS
 from symjax_mlp._errors import ArtifactError
 
 ALLOWED_OPS = frozenset(
@@ -109,17 +112,36 @@ def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
     return frozenset(item.removeprefix("op:").removeprefix("stablehlo.") for item in allow)
 
 
-def check(report: ModuleReport, *, file: Path, allow: frozenset[str], caller: str) -> None:
-    """Raises :class:`ArtifactError` for each problem of ``report`` not in ``allow``."""
+def needs(report: ModuleReport) -> list[str]:
+    """What of :data:`NEEDS` the program of ``report`` does: what its export declares."""
+    return sorted({p.key for p in report.problems} & NEEDS)
+
+
+def check(report: ModuleReport, *, file: Path, allow: frozenset[str], caller: str,
+          needs: list[str] | None = None, signed: bool = False) -> None:  # fmt: skip
+    """Raises :class:`ArtifactError` for each problem of ``report`` not in ``allow``;
+    ``needs``: what the manifest declares (``None``: it has no such field)."""
     refused = [p for p in report.problems if p.key not in allow]
     if not refused:
         return
     keys = sorted({p.key for p in refused})
+    declared = show_keys(needs or ())
+    if signed and needs is not None and NEEDS.intersection(keys):
+        note = (f"It is signed, and its manifest declares that it needs {declared}, less than "
+                "its program does: refused as inconsistent (an export records exactly what "
+                "it needs; the manifest was edited before signing, or written by another "
+                "symjax_mlp version).\n")  # fmt: skip
+    elif needs and not signed:
+        note = (f"Its manifest declares that it needs {declared}: if you trust its source, "
+                "have it signed (symjax_mlp.sign) and pass verify_signature=<its public key>, "
+                "which allows just those.\n")  # fmt: skip
+    else:
+        note = ""
     lines = "\n".join(f"  - {p.what}" for p in refused[:12])
     more = f"\n  ... and {len(refused) - 12} more" if len(refused) > 12 else ""
     raise ArtifactError(
         f"{file}: {caller} refuses to compile this module; it does what an MLP artifact "
-        f"never needs:\n{lines}{more}\nIf you trust whoever made the artifact as you trust "
+        f"never needs:\n{lines}{more}\n{note}If you trust whoever made the artifact as you trust "
         f"code you run, pass allow={show_keys(keys)} (just these) or trust=True (anything) to "
         f"{caller}. An untrusted artifact is untrusted code: run it in a sandbox."
     )
