@@ -252,3 +252,13 @@ def test_the_bytes_of_the_tensors_made_are_bounded_not_just_their_elements(dtype
     r = report(f"module @m {{\n{main}\n}}\n")
     assert not over_work(r)
     assert any("bytes" in p.what for p in r.problems) == refused, r.problems
+
+
+def test_a_convolution_is_charged_for_its_window():
+    """Each output element reads a kernel window of every input feature (3 * 3 * 8 here)."""
+    import jax
+    import jax.numpy as jnp
+
+    conv = jax.jit(lambda x, k: jax.lax.conv(x, k, (1, 1), "VALID"))
+    text = conv.lower(jnp.ones((1, 8, 16, 16)), jnp.ones((4, 8, 3, 3))).as_text()
+    assert report(text).work >= (4 * 14 * 14) * (8 * 3 * 3)

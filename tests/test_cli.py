@@ -425,7 +425,7 @@ def test_an_embedding_artifact_runs_from_the_cli_with_allow(tmp_path, capsys, mo
     assert "the op stablehlo.gather" in err and "pass allow={'gather'}" in err
     assert err.strip().splitlines()[-1] == (  # the library's keywords, then the CLI's options
         "symjax-mlp run: on the command line, allow= is --allow OP (once per op), trust=True is "
-        "--trust"
+        "--trust, verify_signature= is --key PEM"
     )
     assert "Traceback" not in err
     for opts in (["--allow", "gather"], ["--trust"]):

@@ -89,6 +89,20 @@ def contracting(op: Any) -> int:
         return max((elements(v.type) for v in op.operands), default=1)
 
 
+def window(op: Any) -> int:
+    """What a ``convolution`` reads per output element: its kernel less the output features
+    (the whole kernel, if unreadable)."""
+    from jax.extend.mlir.dialects import stablehlo as hlo
+
+    kernel = op.operands[1].type
+    try:
+        dims = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+        out = kernel.shape[dims.kernel_output_feature_dimension]
+        return max(elements(kernel) // max(out, 1), 1)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return max(elements(kernel), 1)
+
+
 def attr(op: Any, name: str) -> Any:
     try:
         return op.attributes[name]

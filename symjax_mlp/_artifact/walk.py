@@ -204,6 +204,8 @@ class _Walk:
                 )
         if op.name == "stablehlo.dot_general" and op.results:
             return cost.elements(op.results[0].type) * cost.contracting(op)
+        if op.name == "stablehlo.convolution" and op.results:
+            return cost.elements(op.results[0].type) * cost.window(op)
         return max(sizes, default=1)
 
     def _inline(self) -> int:
