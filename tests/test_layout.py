@@ -231,3 +231,10 @@ def test_the_package_is_the_library():
                 names = [node.module or ""]
             users += [f"{file.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in heavy]
     assert not users, f"the library never imports torch or matplotlib: {users}"
+
+
+def test_no_module_is_two_concepts():
+    """A module past ~400 lines is two concepts (STYLE.md): split it by concept."""
+    long = {name: n for name, file in _modules().items()
+            if (n := len(file.read_text().splitlines())) > 400}  # fmt: skip
+    assert not long, long
