@@ -2,7 +2,10 @@
 
 :func:`http_rows` exports the chapter's net, starts the server on a free port
 (:func:`_server`), and drives it with keep-alive clients (``.npy`` and JSON bodies) at each
-bounded concurrency (:func:`_http_load`), reading rows per batch from its ``/metrics``.
+bounded concurrency (:func:`_http_load`), reading rows per batch from its ``/metrics``. The
+yardstick runs beside it: a bare starlette endpoint under the same uvicorn settings
+(:data:`_BARE`) that parses the JSON body into a NumPy array and answers a constant of the
+output's shape, driven by the same clients, interleaved with the server's JSON rows.
 """
 
 from __future__ import annotations
@@ -30,13 +33,33 @@ import symjax_mlp as sm
 from benchmarks.calls import gated, percentiles
 from benchmarks.children import child_env
 
-
 # -- the HTTP section ------------------------------------------------------------------------
+#: The bare endpoint: ``python -c _BARE OUT_WIDTH``; uvicorn as ``serve`` configures it.
+_BARE = """
+import json, socket, sys, numpy as np, uvicorn
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+reply = json.dumps({"outputs": [[0.0] * int(sys.argv[1])]}).encode()
+async def predict(request):
+    np.asarray(json.loads(await request.body())["inputs"], np.float32)
+    return Response(reply, media_type="application/json")
+async def health(request):
+    return Response(b"{}", media_type="application/json")
+app = Starlette(routes=[Route("/predict", predict, methods=["POST"]), Route("/health", health)])
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen(2048)
+config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                        timeout_graceful_shutdown=30, limit_concurrency=1000)
+print(f"bare on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+uvicorn.Server(config).run(sockets=[sock])
+"""
+
+
 @contextlib.contextmanager
-def _server(artifact: str, max_batch: int, env: Mapping[str, str] | None, timeout: float):
-    """``symjax-mlp serve`` on a free loopback port; yields ``(host, port, proc)``."""
-    cmd = [sys.executable, "-m", "symjax_mlp", "serve", artifact, "--host", "127.0.0.1"]
-    cmd += ["--port", "0", "--max-batch", str(max_batch)]
+def _server(cmd: list[str], env: Mapping[str, str] | None, timeout: float):
+    """The server ``cmd`` starts, once it printed its URL; yields ``(host, port, proc)``."""
     errors = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a file, not a pipe: never fills up)
     proc = subprocess.Popen(
         cmd, env=child_env(env), stdout=subprocess.PIPE, stderr=errors, text=True
@@ -143,13 +166,23 @@ def http_rows(
         "npy": (npy.getvalue(), "application/x-npy"),
         "json": (json.dumps({"inputs": xn.tolist()}).encode(), "application/json"),
     }
-    rows = []
+    rows, bare = [], {}
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_serve_") as tmp:
         art = os.path.join(tmp, "mlp")
         sm.export(h, art, example=xn, batch="b")
-        say("starting symjax-mlp serve")
-        with _server(art, max_batch, env, timeout) as (host, port, proc):
+        say("starting symjax-mlp serve and the bare starlette endpoint")
+        serve = [sys.executable, "-m", "symjax_mlp", "serve", art, "--host", "127.0.0.1"]
+        serve += ["--port", "0", "--max-batch", str(max_batch)]
+        yardstick = [sys.executable, "-c", _BARE, str(sizes[-1])]
+        with (
+            _server(serve, env, timeout) as (host, port, proc),
+            _server(yardstick, env, timeout) as (bare_host, bare_port, _),
+        ):
             for c in clients:
+                say(f"HTTP: {c} client(s), bare starlette endpoint, JSON bodies")
+                body, kind = bodies["json"]
+                row = _http_load(bare_host, bare_port, body, kind, c, requests)
+                bare[c] = {"clients": c, "body": "json", **row}
                 for name, (body, kind) in bodies.items():
                     say(f"HTTP: {c} client(s), {name} bodies")
                     before = _scrape(host, port)
@@ -166,4 +199,30 @@ def http_rows(
                     rows.append({"clients": c, "body": name, **row})
             metrics = _scrape(host, port)
         exit_code = proc.returncode
-    return {"rows": rows, "server_exit_code": exit_code, "metrics": metrics}
+    for row in rows:
+        if row["body"] == "json":
+            row["vs_bare"] = row["throughput_rps"] / bare[row["clients"]]["throughput_rps"]
+    return {
+        "rows": rows,
+        "bare": list(bare.values()),
+        "server_exit_code": exit_code,
+        "metrics": metrics,
+    }
+
+
+def http_targets(h: Mapping[str, Any] | None) -> list[dict]:
+    """Issue 31's bar: serve's JSON req/s against the bare endpoint's, in the same run."""
+    out = []
+    for r in (h or {}).get("rows", []):
+        if "vs_bare" in r:
+            want = 0.85 if r["clients"] == 1 else 0.90
+            out.append(
+                {
+                    "name": f"http_vs_bare_c{r['clients']}",
+                    "what": f"serve/bare starlette req/s, {r['clients']} client(s), JSON bodies",
+                    "value": r["vs_bare"],
+                    "target": f">= {want}",
+                    "met": r["vs_bare"] >= want,
+                }
+            )
+    return out

@@ -42,7 +42,7 @@ from typing import Any
 
 from benchmarks.batcher import KINDS, batcher_rows
 from benchmarks.children import run_once
-from benchmarks.http_rows import http_rows
+from benchmarks.http_rows import http_rows, http_targets
 from benchmarks.latency import latency_child, latency_rows, mode_label
 from benchmarks.timing import Progress, environment, format_seconds, usable_cores
 from symjax_mlp import ConfigError
@@ -288,7 +288,7 @@ def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "met": added <= 10e-6,
             }
         )
-    h = result.get("http")
+    out += http_targets(h := result.get("http"))
     if h and h["rows"]:
         worst = max(h["rows"], key=lambda r: r["p99_s"])
         out.append(
@@ -376,6 +376,11 @@ def format_serving(result: Mapping[str, Any]) -> str:
                 f"  {r['clients']:>7} {r['body']:<5} {r['throughput_rps']:>9.0f} "
                 f"{us(r['p50_s']):>10} {us(r['p99_s']):>10} {r['rows_per_batch']:>10.1f} "
                 f"{r['errors']:>6}"
+            )
+        for r in h.get("bare", []):
+            lines.append(
+                f"  {r['clients']:>7} {'bare':<5} {r['throughput_rps']:>9.0f} "
+                f"{us(r['p50_s']):>10} {us(r['p99_s']):>10}  (starlette, JSON parsed, constant)"
             )
         lines.append(f"  server exit code after SIGINT: {h['server_exit_code']}")
         parts.append("\n".join(lines))

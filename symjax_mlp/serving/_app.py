@@ -165,9 +165,9 @@ def create_app(
             return error(500, e)
         t, headers = request.timing, {}
         if t is not None:
-            stages = ("queued", "padded", "compute", "split")
-            headers["Server-Timing"] = ", ".join(
-                f"{k};dur={getattr(t, k) * 1e3:.3f}" for k in stages
+            headers["Server-Timing"] = (
+                f"queued;dur={t.queued * 1e3:.3f}, padded;dur={t.padded * 1e3:.3f}, "
+                f"compute;dur={t.compute * 1e3:.3f}, split;dur={t.split * 1e3:.3f}"
             )
             headers["X-Batch"] = (
                 f"rows={t.batch_rows}; requests={t.batch_requests}; bucket={t.bucket}"
