@@ -162,9 +162,10 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f"{batcher.name}: the model takes {len(specs)} inputs ({', '.join(map(str, specs))})"
             '; name them: {"inputs": {"args[0]": [...], "args[1]": [...]}}.'
         )
-    # true/false anywhere in the text: look for JSON booleans among the numbers (NumPy would
-    # make [true, 1.5] the floats [1.0, 1.5]); a C-speed test spares the walk otherwise
-    bools = b"true" in body or b"false" in body
+    # an "r" (true) or an "a" (false) anywhere in the text: look for JSON booleans among the
+    # numbers (NumPy would make [true, 1.5] the floats [1.0, 1.5]). Numbers and "inputs" have
+    # neither, and a one-byte search is a memchr: ~10x faster than looking for b"true"
+    bools = b"r" in body or b"a" in body
     return [
         from_json(batcher, spec, v, bools=bools) for spec, v in zip(specs, values, strict=True)
     ], False
