@@ -1,9 +1,9 @@
 """The Hybrid object: a model plus its params (and state), eager or XLA-compiled at one switch.
 
-:func:`~symjax_mlp.hybridize` makes one; it is the one place ``jax.jit`` is applied (one
-``jax.jit`` object per Hybrid, its params flattened once). Its parts: call arguments and
-settings (``args``), the trace log (``trace``), what the jit traces (``traced``), held state
-(``held``), the model and its nnx modes (``pure``), the sharded call (``mesh``).
+:func:`~symjax_mlp.hybridize` makes one, the one place ``jax.jit`` is applied (once per
+Hybrid, its params flattened once). Its parts: call arguments and settings (``args``), the
+trace log (``trace``), what the jit traces (``traced``), held state (``held``), the model and
+its nnx modes (``pure``), the sharded call (``mesh``).
 """
 
 from __future__ import annotations
@@ -218,18 +218,21 @@ class Hybrid:
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""
-        if not self.compiled:
-            return self.eager(*args, **kwargs)
-        try:
-            if self._fast and not kwargs:  # the hot path: arrays in, one dispatch
-                for a in args:
-                    if type(a) not in _ARRAYS:
-                        break
-                else:
-                    key = () if self._modes is None else self._modes.key(())
+        if self._fast and not kwargs:  # the hot path (compiled only): arrays in, one dispatch
+            for a in args:
+                if type(a) not in _ARRAYS:
+                    break
+            else:
+                key = () if self._modes is None else self._modes.key(())
+                try:
                     if not self.stateful:
                         return self._jitted(key, self._leaves, *args)
                     return self._call_held(key, args, {})
+                except _trace.TRACER_ERRORS as e:
+                    raise _trace.control_flow_error(self.name, e) from e
+        if not self.compiled:
+            return self.eager(*args, **kwargs)
+        with symbolic(self.name):  # the slow path: settings, nnx objects, a mesh
             static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
             variables = given(dyn, dyn_kw, self.name, sharded=self._parallel is not None)
             if self._parallel is not None:
@@ -244,8 +247,6 @@ class Hybrid:
                 return out
             write_back(variables, out[1])
             return out[0]
-        except _trace.TRACER_ERRORS as e:
-            raise _trace.control_flow_error(self.name, e) from e
 
     def _call_held(self, static: Any, dyn: Any, dyn_kw: Any, variables: Any = ()) -> Any:
         """A stateful call: the held state passed and the new one held, under its lock."""
@@ -318,8 +319,7 @@ class Hybrid:
         return out, new_state
 
     def hybridize(self, active: bool = True) -> Hybrid:
-        """A twin whose ``__call__`` is compiled (``True``) or eager (``False``); it shares the
-        params and callbacks, not the traces."""
+        """A twin, compiled (``True``) or eager; it shares params and callbacks, not traces."""
         return self.replace(compiled=active)
 
     def shard(self, mesh: Mesh | None = None, *, axis: str = "data", pad: bool = True) -> Hybrid:
