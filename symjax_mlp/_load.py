@@ -183,13 +183,13 @@ class _Opener:
         if not options["trust"]:
             file = path / program_file(view, JAXEXPORT)
             digest = self.manifest["files"][file.name]["sha256"]
-            report, vjp_work = checker.program(file, digest, exported)
+            report, vjp_sizes = checker.program(file, digest, exported)
             if hasattr(self.backend, "check_program"):
                 self.backend.check_program(path / program_file(view, MLIRBC), report)
             ops.check(report, file=file, allow=options["allowed"], caller="load()",
                       needs=options["needs"], signed=options["signed"])  # fmt: skip
             if "compute" not in options["allowed"]:
-                guard = Guard(file, digest, (report.work, *vjp_work))
+                guard = Guard(file, digest, ((report.work, report.bytes_made), *vjp_sizes))
         baked = {"constants": True} if options["constants"] else {}  # (the JAX runtime's)
         run, weights = self.backend.runner(
             path, view, blobs, arrays, exported=exported, guard=guard,
@@ -207,31 +207,32 @@ class _Opener:
         return model
 
 
-_TOO_MUCH_WORK = (
-    "{file}: {inputs} {module} asks for about {work:.3g} element "
-    "operations, more than {budget:.3g} (its own static work, {static:,}, per input element, "
-    "plus {max_work:.3g}): its shapes grow with no relation to its inputs. Refused before "
-    "anything compiles or runs it; pass allow={{'compute'}} (or trust=True) to load() if you "
-    "trust it."
+_TOO_MUCH = (
+    "{file}: {inputs} {module} asks for about {amount:.3g} {unit}, more than {budget:.3g} (its "
+    "own static {unit}, {static:,}, per input element, plus {bound:.3g}): its shapes grow with "
+    "no relation to its inputs. Refused before anything compiles or runs it; pass "
+    "allow={{'compute'}} (or trust=True) to load() if you trust it."
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class Guard:
-    """Checks a call's refined module before it compiles: at most ``MAX_WORK`` plus the
-    module's static work per input element. The module is the program (``order=0``) or its
-    VJP module of that order; a verdict (by sha256 and shapes) is remembered per user.
-    ``guard(refine, n_inputs, shapes)``: ``refine()`` gives the refined StableHLO and its
-    MLIR context, ``n_inputs`` the input element count, ``shapes`` each input's (shape,
-    dtype). Equal guards check alike, so loads of one artifact may share compilations.
+    """Checks a call's refined module before it compiles: at most ``MAX_WORK`` element
+    operations plus the module's static work per input element, and at most ``MAX_BYTES``
+    of tensors made plus its static bytes per input element. The module is the program
+    (``order=0``) or its VJP module of that order; a verdict (by sha256 and shapes) is
+    remembered per user. ``guard(refine, n_inputs, shapes)``: ``refine()`` gives the refined
+    StableHLO and its MLIR context, ``n_inputs`` the input element count, ``shapes`` each
+    input's (shape, dtype). Equal guards check alike, so loads of one artifact may share
+    compilations.
 
     Attributes: ``file`` (``model.jaxexport``, for messages), ``digest`` (its sha256),
-    ``works`` (the static work of the program, then of its VJP modules by order).
+    ``sizes`` (the static (work, bytes made) of the program, then of its VJP modules by order).
     """
 
     file: Path
     digest: str
-    works: tuple[int, ...]
+    sizes: tuple[tuple[int, int], ...]
 
     def __call__(self, refine: Callable[[], Any], n_inputs: int, shapes: Any, *,
                  order: int = 0, inputs: str | None = None) -> None:  # fmt: skip
@@ -241,19 +242,22 @@ class Guard:
             return
         refined, context = refine()
         with context:
-            work = walk.analyze_module(refined).work
-        static = max(self.works[min(order, len(self.works) - 1)], 1)
-        budget = ops.MAX_WORK + static * max(n_inputs, 1)
-        if work <= budget:
-            checker.remember(verdict)
-            return
-        vjp = f"its VJP module of order {order} (what jax.grad of the loaded model runs)"
-        module = vjp if order else "the program"
-        inputs = inputs or f"for these inputs ({n_inputs:,} elements)"
-        what = {"file": self.file, "inputs": inputs, "module": module, "static": static}
-        raise ArtifactError(
-            _TOO_MUCH_WORK.format(work=work, budget=budget, max_work=ops.MAX_WORK, **what)
-        )
+            report = walk.analyze_module(refined)
+        n = max(n_inputs, 1)
+        sizes = self.sizes[min(order, len(self.sizes) - 1)]
+        for amount, static, bound, unit in zip(
+            (report.work, report.bytes_made), sizes, (ops.MAX_WORK, ops.MAX_BYTES),
+            ("element operations", "bytes of tensors made"), strict=True,
+        ):  # fmt: skip
+            budget = bound + max(static, 1) * n
+            if amount > budget:
+                vjp = f"its VJP module of order {order} (what jax.grad of the loaded model runs)"
+                raise ArtifactError(_TOO_MUCH.format(
+                    file=self.file, inputs=inputs or f"for these inputs ({n_inputs:,} elements)",
+                    module=vjp if order else "the program", amount=amount, unit=unit,
+                    budget=budget, static=max(static, 1), bound=bound,
+                ))  # fmt: skip
+        checker.remember(verdict)
 
 
 def _check_mesh(path: Path, manifest: Any, mesh: Mesh | None) -> Mesh | None:

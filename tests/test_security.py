@@ -191,6 +191,28 @@ def test_shapes_computed_at_the_call_are_bounded_too(symbolic, tmp_path):
     assert time.perf_counter() - t0 < 10
 
 
+def test_the_bytes_a_call_makes_are_bounded_before_it_compiles(tmp_path):
+    """A program whose tensors grow as the square of the batch: at a batch of 40,000 it
+    makes a 6.4 GB (b, b) tensor, within the work bound (3.2e9 element operations) but not
+    the bytes one. Refused per call before XLA compiles it; the
+    small batch runs."""
+
+    def outer(_, x):
+        return jnp.broadcast_to(x, (x.shape[0], x.shape[0])) @ x
+
+    small = np.ones((2, 1), np.float32)
+    art = sm.export(sm.hybridize(outer, {}), tmp_path / "outer", example=small, batch="b").path
+    m = sm.load(art)
+    np.testing.assert_allclose(m(small), outer({}, small))
+    big = np.ones((40_000, 1), np.float32)
+    with pytest.raises(
+        sm.ArtifactError,
+        match=r"for these inputs \(40,000 elements\) the program asks for about 6\.4e\+09 "
+        r"bytes of tensors made, more than 4\.3e\+09",
+    ):
+        m(big)
+
+
 def test_shapes_computed_in_a_vjp_module_are_bounded_when_jax_grad_calls_it(tmp_path):
     """jax.grad of a loaded model runs the VJP module it carries: the same hidden
     (10**5, 10**5) tensor there (unchecked, XLA compiles it and the gradient comes out 5e14

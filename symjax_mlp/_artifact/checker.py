@@ -63,14 +63,17 @@ def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
     return report
 
 
-# sha256 of model.jaxexport -> the ops report of it and its VJPs, each VJP's work; recent last
-_REPORTS: dict[str, tuple[ModuleReport, tuple[int, ...]]] = {}
+# sha256 of model.jaxexport -> the ops report of it and its VJPs, each VJP's sizes; recent last
+_REPORTS: dict[str, tuple[ModuleReport, tuple[tuple[int, int], ...]]] = {}
 
 
-def program(file: Path, key: str, exported: Any) -> tuple[ModuleReport, tuple[int, ...]]:
+def program(
+    file: Path, key: str, exported: Any
+) -> tuple[ModuleReport, tuple[tuple[int, int], ...]]:
     """The ops report of the module that runs (``file``, of sha256 ``key``), and of each VJP
-    module it carries; and the static work of each VJP module, by order (what the loader's
-    ``Guard`` bounds their calls by). Export runs it too, to record what a program needs."""
+    module it carries; and each VJP module's static (work, bytes made), by order (what the
+    loader's ``Guard`` bounds their calls by). Export runs it too, to record what a program
+    needs."""
     found = _REPORTS.pop(key, None)
     if found is None:
         report = analyze(exported.mlir_module_serialized, file=file)
@@ -89,10 +92,10 @@ def program(file: Path, key: str, exported: Any) -> tuple[ModuleReport, tuple[in
                 ) from e
             vjp = analyze(module.mlir_module_serialized, file=file)
             calls.update(vjp.custom_calls)
-            works.append(vjp.work)
+            works.append((vjp.work, vjp.bytes_made))
             problems += [Problem(p.key, f"{p.what} (in its VJP of order {order})")
                          for p in vjp.problems]  # fmt: skip
-        report = ModuleReport(report.counts, dict(calls), report.work, tuple(problems))
+        report = dataclasses.replace(report, custom_calls=dict(calls), problems=tuple(problems))
         found = report, tuple(works)
     _REPORTS[key] = found
     while len(_REPORTS) > 32:
@@ -151,7 +154,7 @@ def _from_json(r: dict[str, Any]) -> ModuleReport:
     if not all(isinstance(n, int) for n in (*counts.values(), *custom.values())):
         raise ValueError("not a report")
     problems = tuple(Problem(str(p["key"]), str(p["what"])) for p in r["problems"])
-    return ModuleReport(counts, custom, int(r["work"]), problems)
+    return ModuleReport(counts, custom, int(r["work"]), int(r["bytes_made"]), problems)
 
 
 class Checker:

@@ -95,6 +95,7 @@ class ModuleReport:
     counts: dict[str, int]
     custom_calls: dict[str, int]
     work: int  # element operations, dynamic dimensions counted as 1
+    bytes_made: int  # bytes of all tensors the ops make, every call inlined, dynamic dims as 1
     problems: tuple[Problem, ...]
 
 

@@ -51,7 +51,7 @@ class _Walk:
         self._op(self.module.operation, None, 1)
         if self.n_modules != 1:
             self._problem("module", f"{self.n_modules} nested modules")
-        work = self._inline()
+        work, bytes_made = self._inline()
         if work > ops.MAX_WORK:
             self._problem(
                 "compute",
@@ -62,6 +62,7 @@ class _Walk:
             dict(self.counts.most_common()),
             dict(self.custom.most_common()),
             work,
+            bytes_made,
             tuple(self.problems.values()),
         )
 
@@ -208,8 +209,9 @@ class _Walk:
             return cost.elements(op.results[0].type) * cost.window(op)
         return max(sizes, default=1)
 
-    def _inline(self) -> int:
-        """Work of ``main`` with every call inlined; flags recursion and call explosions."""
+    def _inline(self) -> tuple[int, int]:
+        """Work and bytes made of the module with every call inlined; flags recursion and call
+        explosions."""
         graph = {n: {c for c, _ in f["calls"]} for n, f in self.funcs.items()}
         for c in set().union(*graph.values()) - set(graph):
             self._problem("call", f"a call of @{c}, which the module does not define")
@@ -219,7 +221,7 @@ class _Walk:
         except graphlib.CycleError as e:
             cycle = " -> ".join(reversed(e.args[1]))
             self._problem("recursion", f"recursive calls ({cycle}), which never finish")
-            return sum(f["work"] for f in self.funcs.values())
+            return tuple(sum(f[k] for f in self.funcs.values()) for k in ("work", "bytes"))
         total: dict[str, dict[str, int]] = {}
         for name in order:  # a call inlines one copy, run m times
             f = self.funcs.get(name, {"work": 0, "ops": 0, "bytes": 0, "calls": []})
@@ -240,7 +242,7 @@ class _Walk:
                 f"tensors of {n_bytes:,} bytes in all, beyond the batch, once every call is "
                 f"inlined (at most {ops.MAX_BYTES:,}): XLA may allocate that much",
             )
-        return sum(total[n]["work"] for n in roots)
+        return sum(total[n]["work"] for n in roots), n_bytes
 
 
 # -- attribute and type helpers ----------------------------------------------------------------
