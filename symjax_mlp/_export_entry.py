@@ -249,12 +249,24 @@ def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
     return sharded
 
 
+_EQX_STATE = (
+    "export(example=...): args[{i}] is an equinox eqx.nn.State, which an artifact's inputs "
+    "(arrays) cannot carry. Export the model as equinox runs inference, its state held in it: "
+    "inference_model = eqx.Partial(eqx.nn.inference_mode(model), state=state), and a "
+    "function that calls it on the batch, e.g. def evaluate(model, x): return "
+    "jax.vmap(model)(x)[0]; then export(sm.hybridize(evaluate, inference_model), path, "
+    "example=x)."
+)
+
+
 def _input_structs(
     examples: tuple[Any, ...], batch: str | None, shapes: Sequence[str | None] | None,
     constraints: tuple[str, ...], name: str,
 ) -> list[jax.ShapeDtypeStruct]:  # fmt: skip
     for i, x in enumerate(examples):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":
+                raise SignatureError(_EQX_STATE.format(i=i))
             raise SignatureError(
                 f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
                 "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."

@@ -173,6 +173,15 @@ class Case:
       train: keyword settings of a training call (state moves, rng drawn).
       eval: keyword settings of an inference call (what export bakes in).
       rng: the linen ``rngs=`` stream keys, or ``None``.
+      classes: a classifier's number of classes (what ``sm.training.train`` fits); 0 if the
+        model is not one.
+      allow: the ops its artifact holds that a default ``sm.load`` refuses (``allow=``).
+      carry: ``carry() -> state``, an equinox state the caller threads through its calls,
+        ``out, state = model(*inputs, state)``; ``None`` if it holds none.
+      served: ``served() -> (model, params)``, the model as its authors run inference (nnx's
+        ``module.eval()``, equinox's ``inference_mode``): what eval mode calls and exports;
+        ``None`` if it is ``build()``'s. A setting that is callable is made anew for each run
+        of calls (an ``nnx.Rngs`` the calls advance).
     """
 
     name: str
@@ -182,6 +191,10 @@ class Case:
     train: dict = dataclasses.field(default_factory=dict)
     eval: dict = dataclasses.field(default_factory=dict)
     rng: Any = None
+    classes: int = 0
+    allow: frozenset = frozenset()
+    carry: Callable[[], Any] | None = None
+    served: Callable[[], tuple[Any, Any]] | None = None
 
     @property
     def stateful(self) -> bool:
@@ -189,9 +202,21 @@ class Case:
             "linen_batchnorm", "linen_dropout", "nnx_batchnorm", "nnx_dropout", "nnx_modes_eval"
         }  # fmt: skip
 
-    def hybridize(self, **kw) -> sm.Hybrid:
-        model, params = self.build()
-        if self.kind == "nnx":
+    def model(self, mode: str = "train") -> tuple[Any, Any]:
+        """``(model, params)`` as ``mode`` calls it: ``served()``'s in eval mode, if any."""
+        return self.served() if mode == "eval" and self.served else self.build()
+
+    def carries(self, mode: str) -> bool:
+        """Whether ``mode``'s calls thread an equinox state (``served()`` holds its own)."""
+        return self.carry is not None and not (mode == "eval" and self.served)
+
+    def settings(self, mode: str) -> dict:
+        """``mode``'s keyword settings, each callable one made anew."""
+        return {k: v() if callable(v) else v for k, v in getattr(self, mode).items()}
+
+    def hybridize(self, mode: str = "train", **kw) -> sm.Hybrid:
+        model, params = self.model(mode)
+        if self.kind == "nnx" or params is None:
             return sm.hybridize(model, **kw)
         if self.rng is not None:
             kw.setdefault("rngs", self.rng)
@@ -508,15 +533,244 @@ if eqx is not None:
         def __call__(self, x, *, key=None):
             return self.dropout(self.linear(x), key=key)
 
+    class EqxRNN(eqx.Module):
+        """equinox examples/train_rnn.ipynb: a GRU over a sequence, one sequence per call."""
+
+        hidden_size: int
+        cell: eqx.Module
+        linear: eqx.nn.Linear
+        bias: jax.Array
+
+        def __init__(self, in_size, out_size, hidden_size, *, key):
+            ckey, lkey = jax.random.split(key)
+            self.hidden_size = hidden_size
+            self.cell = eqx.nn.GRUCell(in_size, hidden_size, key=ckey)
+            self.linear = eqx.nn.Linear(hidden_size, out_size, use_bias=False, key=lkey)
+            self.bias = jnp.zeros(out_size)
+
+        def __call__(self, input):
+            hidden = jnp.zeros((self.hidden_size,))
+
+            def f(carry, inp):
+                return self.cell(inp, carry), None
+
+            out, _ = jax.lax.scan(f, hidden, input)
+            # sigmoid because we're performing binary classification
+            return jax.nn.sigmoid(self.linear(out) + self.bias)
+
+    class AttentionBlock(eqx.Module):
+        """equinox examples/bert.ipynb: ``AttentionBlock`` (eqx.nn.MultiheadAttention, a
+        sequence-level mask made a (heads, seq, seq) one)."""
+
+        attention: eqx.nn.MultiheadAttention
+        layernorm: eqx.nn.LayerNorm
+        dropout: eqx.nn.Dropout
+        num_heads: int = eqx.field(static=True)
+
+        def __init__(self, hidden_size, num_heads, dropout_rate, attention_dropout_rate, key):
+            self.num_heads = num_heads
+            self.attention = eqx.nn.MultiheadAttention(
+                num_heads=num_heads, query_size=hidden_size, use_query_bias=True,
+                use_key_bias=True, use_value_bias=True, use_output_bias=True,
+                dropout_p=attention_dropout_rate, key=key,
+            )  # fmt: skip
+            self.layernorm = eqx.nn.LayerNorm(shape=hidden_size)
+            self.dropout = eqx.nn.Dropout(dropout_rate)
+
+        def __call__(self, inputs, mask, enable_dropout: bool = False, key=None):
+            if mask is not None:
+                mask = self.make_self_attention_mask(mask)
+            attention_key, dropout_key = (None, None) if key is None else jax.random.split(key)
+            attention_output = self.attention(
+                query=inputs, key_=inputs, value=inputs, mask=mask,
+                inference=not enable_dropout, key=attention_key,
+            )  # fmt: skip
+            result = self.dropout(attention_output, inference=not enable_dropout, key=dropout_key)
+            result = result + inputs
+            return jax.vmap(self.layernorm)(result)
+
+        def make_self_attention_mask(self, mask):
+            mask = jnp.multiply(jnp.expand_dims(mask, axis=-1), jnp.expand_dims(mask, axis=-2))
+            mask = jnp.expand_dims(mask, axis=-3)
+            mask = jnp.repeat(mask, repeats=self.num_heads, axis=-3)
+            return mask.astype(jnp.float32)
+
+    class FeedForwardBlock(eqx.Module):
+        """examples/bert.ipynb: ``FeedForwardBlock``, one token per call."""
+
+        mlp: eqx.nn.Linear
+        output: eqx.nn.Linear
+        layernorm: eqx.nn.LayerNorm
+        dropout: eqx.nn.Dropout
+
+        def __init__(self, hidden_size, intermediate_size, dropout_rate, key):
+            mlp_key, output_key = jax.random.split(key)
+            self.mlp = eqx.nn.Linear(hidden_size, intermediate_size, key=mlp_key)
+            self.output = eqx.nn.Linear(intermediate_size, hidden_size, key=output_key)
+            self.layernorm = eqx.nn.LayerNorm(shape=hidden_size)
+            self.dropout = eqx.nn.Dropout(dropout_rate)
+
+        def __call__(self, inputs, enable_dropout: bool = True, key=None):
+            hidden = jax.nn.gelu(self.mlp(inputs))
+            output = self.dropout(self.output(hidden), inference=not enable_dropout, key=key)
+            output += inputs
+            return self.layernorm(output)
+
+    class TransformerLayer(eqx.Module):
+        """examples/bert.ipynb: ``TransformerLayer``, one (seq_len, hidden) sequence per
+        call, its dropout switched by the keyword-only ``enable_dropout``."""
+
+        attention_block: AttentionBlock
+        ff_block: FeedForwardBlock
+
+        def __init__(self, hidden_size, intermediate_size, num_heads, dropout_rate,
+                     attention_dropout_rate, key):  # fmt: skip
+            attention_key, ff_key = jax.random.split(key)
+            self.attention_block = AttentionBlock(
+                hidden_size, num_heads, dropout_rate, attention_dropout_rate, attention_key
+            )
+            self.ff_block = FeedForwardBlock(hidden_size, intermediate_size, dropout_rate, ff_key)
+
+        def __call__(self, inputs, mask=None, *, enable_dropout: bool = False, key=None):
+            attn_key, ff_key = (None, None) if key is None else jax.random.split(key)
+            attention_output = self.attention_block(
+                inputs, mask, enable_dropout=enable_dropout, key=attn_key
+            )
+            seq_len = inputs.shape[0]
+            ff_keys = None if ff_key is None else jax.random.split(ff_key, num=seq_len)
+            return jax.vmap(self.ff_block, in_axes=(0, None, 0))(
+                attention_output, enable_dropout, ff_keys
+            )
+
 
 IMAGES = _x(0, (2, 8, 8, 1))
 #: the authors' linen models as a zoo (apart from ZOO: their flags have no defaults)
 AUTHORS = (
     Case("dropout_guide", "linen", _linen(DropoutGuideModel(8), X, training=False),
          lambda s: (_x(s),), train={"training": True}, eval={"training": False},
-         rng=jax.random.key(3)),
+         rng=jax.random.key(3), classes=8),
     Case("batch_norm_guide", "linen", _linen(BatchNormGuideMLP(), X, train=False),
          lambda s: (_x(s),), train={"train": True}, eval={"train": False}),
     Case("mixer", "linen", _linen(mixer(), IMAGES, train=False),
-         lambda s: (_x(s, (2, 8, 8, 1)),), train={"train": True}, eval={"train": False}),
+         lambda s: (_x(s, (2, 8, 8, 1)),), train={"train": True}, eval={"train": False},
+         classes=10, allow=frozenset({"convolution"})),
 )  # fmt: skip
+
+
+# -- every family of issue 33, as its authors write it and run it: the matrix's cases -----------
+def _tutorial_cnn(mode: str) -> Callable[[], tuple[Any, None]]:
+    def build():
+        module = TutorialCNN(rngs=nnx.Rngs(0))
+        if mode == "eval":
+            module.eval()  # the tutorial's evaluation mode: dropout off, running statistics
+        return module, None
+
+    return build
+
+
+def _ints(seed: int, shape: tuple[int, ...], high: int) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), shape, 0, high, jnp.int32)
+
+
+if eqx is not None:
+
+    def state_batch(model, x, state):
+        """equinox examples/stateful.ipynb: a batch through the model, the batch axis named
+        for BatchNorm, one state shared by the batch."""
+        run = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+        return run(x, state)
+
+    def evaluate(model, xs):
+        """examples/stateful.ipynb: inference with the state held in the model (discarded)."""
+        out, _ = jax.vmap(model)(xs)
+        return out
+
+    def keyed_batch(model, x, *, key=None):
+        """A batch through a per-example model drawing dropout: a key per example, as
+        examples/bert.ipynb splits them."""
+        keys = None if key is None else jax.random.split(key, x.shape[0])
+        return jax.vmap(model)(x, key=keys)
+
+    def bert_batch(layer, inputs, mask, *, enable_dropout=False, key=None):
+        """examples/bert.ipynb's training step: ``jax.vmap(functools.partial(model,
+        enable_dropout=True))(inputs, key=keys)``."""
+        keys = None if key is None else jax.random.split(key, inputs.shape[0])
+        return jax.vmap(partial(layer, enable_dropout=enable_dropout))(inputs, mask, key=keys)
+
+    def _stateful():
+        return eqx.nn.make_with_state(EqxStateful)(jax.random.key(0))
+
+    def _stateful_served():
+        model, state = _stateful()
+        for i in range(2):  # a state that moved, as after training
+            _, state = state_batch(model, _x(50 + i, (4, 3)), state)
+        return evaluate, eqx.Partial(eqx.nn.inference_mode(model), state=state)
+
+    def _bert():
+        return TransformerLayer(8, 16, 2, 0.1, 0.1, key=jax.random.key(0))
+
+    def _bert_inputs(seed: int) -> tuple[jax.Array, jax.Array]:
+        mask = (jnp.arange(6) < 6 - seed % 3).astype(jnp.int32)  # padding at the end
+        return _x(seed, (4, 6, 8)), jnp.broadcast_to(mask, (4, 6))
+
+    _EQX = (
+        Case("eqx_mlp", "eqx",
+             lambda: (eqx.filter_vmap(eqx.nn.MLP(5, 3, 8, 2, key=jax.random.key(0))), None),
+             lambda s: (_x(s),), classes=3),
+        Case("eqx_cnn", "eqx", lambda: (eqx.filter_vmap(EqxCNN(jax.random.key(0))), None),
+             lambda s: (_x(s, (2, 1, 28, 28)),), classes=10,
+             allow=frozenset({"convolution", "reduce_window"})),
+        Case("eqx_dropout", "eqx", lambda: (keyed_batch, EqxDropout(jax.random.key(0))),
+             lambda s: (_x(s),), train={"key": jax.random.key(1)},
+             served=lambda: (keyed_batch, eqx.nn.inference_mode(EqxDropout(jax.random.key(0))))),
+        Case("eqx_stateful", "eqx", lambda: (state_batch, _stateful()[0]),
+             lambda s: (_x(s, (4, 3)),), carry=lambda: _stateful()[1], served=_stateful_served),
+        Case("eqx_rnn", "eqx",
+             lambda: (eqx.filter_vmap(EqxRNN(2, 1, 16, key=jax.random.key(0))), None),
+             lambda s: (_x(s, (4, 16, 2)),), allow=frozenset({"real_dynamic_slice"})),
+        Case("eqx_bert", "eqx", lambda: (bert_batch, _bert()), _bert_inputs,
+             train={"enable_dropout": True, "key": jax.random.key(1)}),
+    )  # fmt: skip
+else:  # pragma: no cover - the test extra installs equinox
+    _EQX = ()
+
+#: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
+#: (an nnx.Rngs passed to each call), equinox's examples (a module, or a function of one)
+MATRIX = (
+    *AUTHORS,
+    Case("tutorial_cnn", "nnx", _tutorial_cnn("train"), lambda s: (_x(s, (2, 28, 28, 1)),),
+         train={"rngs": lambda: nnx.Rngs(5)}, served=_tutorial_cnn("eval"), classes=10,
+         allow=frozenset({"convolution", "reduce_window"})),
+    *_EQX,
+)  # fmt: skip
+
+
+def calls(case: Case, fn: Callable[..., Any], mode: str, n: int) -> tuple[list[Any], Any, dict]:
+    """``n`` calls of ``fn`` (a Hybrid, or the plain model) on ``case``'s inputs in ``mode``:
+    the outputs, the equinox state threaded through them (or ``None``), and the settings
+    (an ``nnx.Rngs`` among them as the calls left it)."""
+    settings, state = case.settings(mode), case.carry() if case.carries(mode) else None
+    outs = []
+    for i in range(n):
+        if state is None:
+            outs.append(fn(*case.inputs(i), **settings))
+        else:
+            out, state = fn(*case.inputs(i), state, **settings)
+            outs.append(out)
+    return outs, state, settings
+
+
+def plain_calls(case: Case, mode: str, n: int) -> tuple[list[Any], Any, dict]:
+    """:func:`calls` of the plain Flax, nnx or equinox model (no symjax_mlp); the state is
+    what :func:`reference_calls` gives for linen, the nnx module's non-Param state for nnx,
+    the threaded state for equinox."""
+    if case.kind == "linen":
+        settings = case.settings(mode)
+        outs, state = reference_calls(case, n, settings)
+        return outs, state, settings
+    model, params = case.model(mode)
+    fn = model if params is None else partial(model, params)
+    outs, state, settings = calls(case, fn, mode, n)
+    if case.kind == "nnx":
+        state = nnx.state(model, nnx.Not(nnx.Param))
+    return outs, state, settings

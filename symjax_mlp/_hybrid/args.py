@@ -134,6 +134,36 @@ def _refuse_equinox(caller: str, key: Any, value: Any) -> None:
             raise ConfigError(_EQX_INPUT.format(caller=caller, path=path_of(key), kind=kind))
 
 
+def split_equinox(
+    args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], Callable[[tuple, dict], tuple[tuple, dict]]]:
+    """``stage``'s arguments with each one holding an equinox module split as
+    ``eqx.filter_make_jaxpr`` splits it: its arrays stay arguments (traced), the rest (functions,
+    sizes, flags) is held aside. Returns the arrays' ``(args, kwargs)`` and ``join``, which puts
+    a call's ``(args, kwargs)`` back together with what was held (``eqx.combine``)."""
+    eqx = sys.modules.get("equinox")
+    held: dict[Any, Any] = {}
+    if eqx is not None:
+        for key, value in (*enumerate(args), *kwargs.items()):
+            if not hasattr(value, "dtype") and _holds_module(eqx, value):
+                held[key] = eqx.partition(value, eqx.is_array)
+    if not held:
+        return tuple(args), dict(kwargs), lambda a, k: (a, k)
+    args = tuple(held[i][0] if i in held else a for i, a in enumerate(args))
+    kwargs = {k: held[k][0] if k in held else v for k, v in kwargs.items()}
+
+    def join(a: tuple, k: dict) -> tuple[tuple, dict]:
+        a = tuple(eqx.combine(v, held[i][1]) if i in held else v for i, v in enumerate(a))
+        return a, {n: eqx.combine(v, held[n][1]) if n in held else v for n, v in k.items()}
+
+    return args, kwargs, join
+
+
+def _holds_module(eqx: Any, value: Any) -> bool:
+    leaves = jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module))
+    return any(isinstance(leaf, eqx.Module) for leaf in leaves)
+
+
 def _kind(v: Any) -> Any:
     """``type(v)``, and of each element of a tuple setting: part of the jit cache key, since
     Python equates ``4 == 4.0 == True`` (and hashes them alike) but a program traced for one

@@ -18,7 +18,7 @@ import jax
 from jax.extend import core as jex_core
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp._hybrid.args import partition, rebuild
+from symjax_mlp._hybrid.args import partition, rebuild, split_equinox
 from symjax_mlp._hybrid.dot import to_dot
 from symjax_mlp._hybrid.jaxpr import count_flops, numbered, walk
 from symjax_mlp._hybrid.trace import symbolic
@@ -87,10 +87,11 @@ class Graph:
     @classmethod
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
         """Stages ``fn(*args, **kwargs)`` as :func:`stage` describes."""
+        args, kwargs, join = split_equinox(args, kwargs)
         static, dyn, dyn_kw = partition(args, kwargs, caller=f"stage({name})", lists=True)
 
         def staged(*dyn: Any, **dyn_kw: Any) -> Any:
-            a, k = rebuild(static, dyn, dyn_kw)
+            a, k = join(*rebuild(static, dyn, dyn_kw))
             return fn(*a, **k)
 
         return cls.traced(staged, name, *dyn, **dyn_kw)
@@ -139,7 +140,9 @@ def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
     Pass the plain (un-jitted) function: staging shows each operation it performs, and
     :meth:`Graph.optimized` shows what XLA makes of them. Its arguments are pytrees of arrays,
     as :func:`jax.make_jaxpr` takes them (a list of ``(W, b)`` pairs too); Python settings
-    among them (``True``, ``3``, ``"relu"``) are static, as in a Hybrid's call.
+    among them (``True``, ``3``, ``"relu"``) are static, as in a Hybrid's call. An equinox
+    module among them is split as ``eqx.filter_make_jaxpr`` splits it: its arrays traced, the
+    rest (functions, sizes, flags) held static.
 
     Raises:
       TypeError: ``fn`` is already ``jax.jit``-wrapped (its jaxpr would be one opaque

@@ -245,7 +245,7 @@ class Hybrid:
             out = self._jitted(static, self._leaves, *dyn, **dyn_kw)
             if not variables:
                 return out
-            write_back(variables, out[1])
+            write_back(variables, out[1], self.name)
             return out[0]
 
     def _call_held(self, static: Any, dyn: Any, dyn_kw: Any, variables: Any = ()) -> Any:
@@ -254,7 +254,7 @@ class Hybrid:
             out, held, *new = self._jitted(static, self._leaves, self._held.leaves, dyn, dyn_kw)
             self._held.hold(held)
         if variables:
-            write_back(variables, new[0])
+            write_back(variables, new[0], self.name)
         return out
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
@@ -315,7 +315,7 @@ class Hybrid:
         with symbolic(self.name):
             out, new_state, *new = self._apply(static, params, state, dyn, dyn_kw)
         if variables:
-            write_back(variables, new[0])
+            write_back(variables, new[0], caller)
         return out, new_state
 
     def hybridize(self, active: bool = True) -> Hybrid:

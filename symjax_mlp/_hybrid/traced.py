@@ -187,7 +187,27 @@ def given(dyn: Any, dyn_kw: Any, caller: str, sharded: bool = False) -> list[Any
 _ARRAYS = array_types()
 
 
-def write_back(variables: list[Any], new: list[Any]) -> None:
-    """Sets the caller's ``variables`` to a compiled call's ``new`` values."""
+_OUTER = (
+    "{caller}: the nnx {kind} given to this call (an nnx.Rngs advances one per draw) was made "
+    "outside the JAX transform the call runs under (jax.grad, jax.vmap, ...), so nnx cannot "
+    "take the call's new value into it (flax.errors.TraceContextError). Make it inside the "
+    "function you transform, from a key you split each step: jax.grad(lambda p: "
+    "loss(h.apply(p, x, rngs=nnx.Rngs(key))))(h.params); or transform the module with nnx's "
+    "own nnx.grad."
+)
+
+
+def write_back(variables: list[Any], new: list[Any], caller: str = "Hybrid") -> None:
+    """Sets the caller's ``variables`` to a compiled call's ``new`` values.
+
+    Raises:
+      ConfigError: a Variable was made outside the transform the call runs under.
+    """
+    errors = sys.modules.get("flax.errors")
+    outer = getattr(errors, "TraceContextError", ())
     for v, value in zip(variables, new, strict=True):
-        v.set_value(value)
+        try:
+            v.set_value(value)
+        except outer:
+            kind = type(v).__name__
+            raise ConfigError(_OUTER.format(caller=caller, kind=kind)) from None

@@ -109,6 +109,17 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     )
 
 
+_NOT_ROWS = (
+    "{name} has shape {shape}: examples of shape {example}, but train() fits rows of "
+    "features, (examples, features). For a model of rows, reshape them: x.reshape(len(x), -1). "
+    "For one that takes them as they are (a CNN's images), run its steps with the pieces: "
+    "params = sm.training.init_params(model, key, x[:1]); step = jax.jit("
+    "sm.training.train_step(model, optimizer)); params, opt_state, metrics = step(params, "
+    "opt_state, x, y, w), with opt_state = optimizer.init(params) (of params.params for a "
+    "model with state)."
+)
+
+
 def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
     """Checks ``data`` and returns it as float32 features and int32 labels.
 
@@ -128,6 +139,9 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
     xs = {}
     for name in ("x_train", "x_test"):
         x = np.asarray(getattr(data, name))
+        if x.ndim > 2:
+            where = f"{data.name}.{name}"
+            raise DataError(_NOT_ROWS.format(name=where, shape=x.shape, example=x.shape[1:]))
         if x.ndim != 2:
             raise DataError(
                 f"{data.name}.{name} has shape {x.shape}; expected 2-D features "

@@ -1,0 +1,281 @@
+"""Every feature over every family of issue 33, each model as its authors write and run it.
+
+The families (``MATRIX`` in tests/helpers.py): Flax's dropout and batch-norm guides and the
+MLP-Mixer (linen, their mode flags without defaults), the nnx MNIST tutorial's CNN (an
+``nnx.Rngs`` passed to each call), and equinox's examples: ``eqx.nn.MLP``, the MNIST CNN,
+Dropout with a key per call, stateful BatchNorm (an ``eqx.nn.State`` the caller threads), the
+GRU of train_rnn and BERT's transformer layer (``eqx.nn.MultiheadAttention`` with a mask).
+For each: compiled == eager == the plain framework (outputs, and state after several calls),
+grads through ``h.apply``, ``sm.stage`` / ``h.graph``, export -> load (JAX and IREE), training
+where it is a classifier, and a Batcher on the artifact and on the Hybrid.
+"""
+
+import chex
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import MATRIX, calls, keyless, plain_calls
+
+import symjax_mlp as sm
+
+N = 3
+TOL = {"rtol": 2e-5, "atol": 2e-5}
+IDS = [c.name for c in MATRIX]
+LAYERS = ("dot_general", "conv_general_dilated", "scan", "reduce_window_sum",
+          "reduce_window_max")  # fmt: skip
+
+
+def _close(a, b):
+    chex.assert_trees_all_close(keyless(a), keyless(b), **TOL)
+
+
+def _moved(rngs, fresh):
+    """Whether an nnx.Rngs has drawn since it was made as ``fresh`` was."""
+    now, then = (jax.tree.leaves(keyless(nnx.state(r))) for r in (rngs, fresh))
+    return not all(np.array_equal(a, b) for a, b in zip(now, then, strict=True))
+
+
+def _arrays(xs):
+    return tuple(np.asarray(x) for x in xs)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``exported(case) -> (Hybrid, path)``: the case's eval-mode model, exported once."""
+    done = {}
+
+    def export(case):
+        if case.name not in done:
+            h = case.hybridize("eval")
+            path = tmp_path_factory.mktemp("matrix") / case.name
+            sm.export(h, path, example=case.inputs(0), kwargs=case.settings("eval"))
+            done[case.name] = h, path
+        return done[case.name]
+
+    return export
+
+
+# -- 1. compiled == eager == the plain framework, outputs and state after N calls ---------------
+MODES = [(c, m) for c in MATRIX for m in ("train", "eval") if m == "train" or c.eval or c.served]
+
+
+@pytest.mark.parametrize(("case", "mode"), MODES, ids=[f"{c.name}-{m}" for c, m in MODES])
+def test_compiled_equals_eager_equals_the_plain_framework(case, mode):
+    want, want_state, want_settings = plain_calls(case, mode, N)
+    for compiled in (True, False):
+        h = case.hybridize(mode).hybridize(compiled)
+        got, state, settings = calls(case, h, mode, N)
+        _close(got, want)
+        if case.carries(mode):  # equinox: the state the caller threads
+            _close(jax.tree.leaves(state), jax.tree.leaves(want_state))
+        elif h.stateful:  # linen's collections and rng streams, the nnx module's state
+            _close(h.state, want_state)
+        else:
+            assert want_state is None or not jax.tree.leaves(keyless(want_state))
+        for name, value in settings.items():  # an nnx.Rngs passed in: advanced as eager nnx
+            if isinstance(value, nnx.Rngs):
+                _close(nnx.state(value), nnx.state(want_settings[name]))
+                assert _moved(value, case.settings(mode)[name])
+        assert h.trace_count == (1 if compiled else 0)
+
+
+# -- 2. grads through h.apply equal the framework's own --------------------------------------
+def _loss(out):
+    return sum(jnp.sum(o**2) for o in jax.tree.leaves(out))
+
+
+def _want_grads(case, mode, xs, state):
+    model, params = case.model(mode)
+    extra, settings = () if state is None else (state,), case.settings(mode)
+    if case.kind == "linen":
+        rest = {c: v for c, v in params.items() if c != "params"}
+        grad = jax.grad(lambda p: _loss(model.apply({**rest, **p}, *xs, **settings)))
+        return jax.jit(grad)({"params": params["params"]})
+    if case.kind == "nnx":  # the settings (an nnx.Rngs) made inside, as nnx.grad needs them
+        grad = nnx.grad(lambda m: _loss(m(*xs, **case.settings(mode))))
+        return nnx.to_pure_dict(nnx.jit(grad)(model))
+    if params is None:  # an equinox module
+        grad = eqx.filter_grad(lambda m: _loss(m(*xs, **settings)))
+        grads = eqx.filter_jit(grad)(model)
+    else:  # an equinox module as a function's params
+        first = (lambda o: o[0]) if state is not None else (lambda o: o)
+        grad = eqx.filter_grad(lambda m: _loss(first(model(m, *xs, *extra, **settings))))
+        grads = eqx.filter_jit(grad)(params)
+    return eqx.filter(grads, eqx.is_array)
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+def test_grads_through_apply_equal_the_frameworks(case):
+    # in training mode where its rng is the caller's (an equinox key, an nnx.Rngs made in the
+    # loss); linen's rng streams are the Hybrid's own, so its models in eval mode
+    mode = "eval" if case.kind == "linen" else "train"
+    h, xs = case.hybridize(mode), case.inputs(0)
+    state = case.carry() if case.carries(mode) else None
+    extra = () if state is None else (state,)
+
+    def loss(p):
+        out = h.apply(p, *xs, *extra, **case.settings(mode))
+        return _loss(out[0] if h.stateful or state is not None else out)
+
+    got = jax.grad(loss)(h.params)
+    want = _want_grads(case, mode, xs, state)
+    assert jax.tree.leaves(got)
+    if case.kind == "eqx":
+        _close(jax.tree.leaves(got), jax.tree.leaves(want))
+    else:
+        _close(got, want)
+
+
+def test_an_nnx_rngs_made_outside_jax_grad_is_refused_naming_one_made_inside():
+    case = next(c for c in MATRIX if c.name == "tutorial_cnn")
+    h, x, rngs = case.hybridize(), case.inputs(0)[0], nnx.Rngs(5)
+    with pytest.raises(sm.ConfigError, match=r"rngs=nnx\.Rngs\(key\)"):
+        jax.grad(lambda p: h.apply(p, x, rngs=rngs)[0].sum())(h.params)
+    h.apply(h.params, x, rngs=rngs)  # outside a transform: advanced, as nnx advances it
+    assert _moved(rngs, nnx.Rngs(5))
+    key = jax.random.key(5)  # the fix, as the matrix's grads take it
+    grads = jax.grad(lambda p: h.apply(p, x, rngs=nnx.Rngs(key))[0].sum())(h.params)
+    assert jax.tree.leaves(grads)
+
+
+# -- 3. sm.stage and h.graph -----------------------------------------------------------------
+@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+def test_stage_and_graph_count_the_same_layers(case):
+    h, xs, settings = case.hybridize("eval"), case.inputs(0), case.settings("eval")
+    graph = h.graph(*xs, **settings).primitive_counts
+    model, params = case.model("eval")
+    if case.kind == "linen":
+        staged = sm.stage(model.apply)(params, *xs, **settings)
+    elif params is None:  # an nnx or equinox module, staged as it is
+        staged = sm.stage(model)(*xs, **settings)
+    else:  # a function of an equinox module: stage splits it as eqx.filter_make_jaxpr does
+        staged = sm.stage(model)(params, *xs, **settings)
+    layers = {p: n for p, n in graph.items() if p in LAYERS}
+    assert layers and layers == {p: n for p, n in staged.primitive_counts.items() if p in LAYERS}
+    assert h.trace_count == 0
+
+
+def test_stage_splits_an_equinox_module_among_its_arguments_as_filter_make_jaxpr():
+    mlp = eqx.nn.MLP(5, 3, 8, 2, key=jax.random.key(0))  # activation functions, sizes
+    graph = sm.stage(lambda m, x: m(x))(mlp, jnp.ones(5))
+    want = eqx.filter_make_jaxpr(lambda m, x: m(x))(mlp, jnp.ones(5))[0]
+    assert graph.primitive_counts["dot_general"] == 3
+    assert len(graph.jaxpr.jaxpr.invars) == len(want.jaxpr.invars) == 7  # 6 arrays and x
+
+
+# -- 4. export -> load, in JAX and under IREE ------------------------------------------------
+@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+def test_export_loads_in_jax_and_iree_as_the_source(case, exported):
+    h, path = exported(case)
+    want, _, _ = plain_calls(case, "eval", 2)
+    if case.allow:  # the ops a stranger's artifact never needs: named, and allowed by name
+        with pytest.raises(sm.ArtifactError, match=r"allow=") as e:
+            sm.load(path)
+        assert all(f"stablehlo.{op}" in str(e.value) for op in case.allow)
+    allow = set(case.allow) or None
+    for runtime in ("jax", "iree"):
+        m = sm.load(path, runtime=runtime, allow=allow)
+        for i in range(2):
+            xs = _arrays(case.inputs(i))
+            _close(m(*xs), want[i])
+            rows = tuple(x[:1] for x in xs)  # another batch size than the export's
+            _close(m(*rows), h(*rows, **case.settings("eval")))
+
+
+def test_exporting_an_equinox_state_input_names_the_inference_model_that_exports():
+    from helpers import EqxStateful, evaluate, state_batch
+
+    model, state = eqx.nn.make_with_state(EqxStateful)(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    with pytest.raises(sm.SignatureError, match=r"args\[1\] is an equinox eqx\.nn\.State") as e:
+        sm.export(sm.hybridize(state_batch, model), "unused", example=(x, state))
+    assert "eqx.Partial(eqx.nn.inference_mode(model), state=state)" in str(e.value)
+    inference_model = eqx.Partial(eqx.nn.inference_mode(model), state=state)  # as it says
+    h = sm.hybridize(evaluate, inference_model)
+    _close(h(x), evaluate(inference_model, x))
+
+
+# -- 5. training, where the model is a classifier ---------------------------------------------
+def _dataset(case, n=8):
+    x = np.concatenate([np.asarray(case.inputs(i)[0]) for i in range(3)])[:n]
+    y = (np.arange(len(x)) % case.classes).astype(np.int32)
+    return sm.training.Dataset(x, y, x[:2], y[:2], case.classes)
+
+
+def _optax_steps(case, h, data, n=3):
+    """The loop train()'s refusal names: optax over h.apply, and h.replace for the model."""
+    opt, x, y = optax.adam(1e-2), jnp.asarray(data.x_train), jnp.asarray(data.y_train)
+
+    def loss(p):
+        logits = h.apply(p, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @jax.jit
+    def step(p, s):
+        value, grads = jax.value_and_grad(loss)(p)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, value
+
+    params, opt_state, losses = h.params, opt.init(h.params), []
+    for _ in range(n):
+        params, opt_state, value = step(params, opt_state)
+        losses.append(float(value))
+    trained = h.replace(params=params)
+    _close(trained(x), h.apply(params, x))
+    return losses
+
+
+def _piece_steps(case, data, n=3):
+    """The steps train()'s refusal of images names: init_params and train_step."""
+    model, _ = case.build()
+    opt, x = optax.adam(1e-3), jnp.asarray(data.x_train)
+    y, w = jnp.asarray(data.y_train), jnp.ones(len(x))
+    params = sm.training.init_params(model, jax.random.key(0), x[:1])
+    step = jax.jit(sm.training.train_step(model, opt))
+    opt_state, losses = opt.init(getattr(params, "params", params)), []
+    for _ in range(n):
+        params, opt_state, metrics = step(params, opt_state, x, y, w)
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+@pytest.mark.parametrize("case", [c for c in MATRIX if c.classes], ids=lambda c: c.name)
+def test_a_classifier_trains_or_is_refused_naming_a_fix_that_trains(case):
+    data = _dataset(case)
+    model, _ = case.build()
+    if case.kind == "eqx":
+        with pytest.raises(sm.ConfigError, match=r"h\.apply\(params, x\).*h\.replace\(params="):
+            sm.training.train(model, data, epochs=1)
+        losses = _optax_steps(case, case.hybridize(), data)
+    elif data.x_train.ndim > 2:  # images: train() fits rows; the pieces take them as they are
+        with pytest.raises(sm.DataError, match=r"sm\.training\.init_params.*train_step"):
+            sm.training.train(model, data, epochs=1)
+        losses = _piece_steps(case, data)
+    else:
+        run = sm.training.train(model, data, epochs=2, batch_size=4)
+        losses = [r.loss for r in run.history]
+        assert run.eval_flags == case.eval
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+# -- 6. a Batcher on the artifact and on the Hybrid ------------------------------------------
+@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case, exported):
+    h, path = exported(case)
+    m, settings = sm.load(path, allow=set(case.allow) or None), case.settings("eval")
+    xs = _arrays(case.inputs(1))
+    requests = [tuple(x[i:j] for x in xs) for i, j in ((0, 1), (1, 2), (0, 2))]
+    example = requests[0] if len(xs) > 1 else requests[0][0]
+    for served, direct in (
+        (sm.serving.Batcher(m, max_batch=4), m),
+        (sm.serving.Batcher(h, example=example, max_batch=4, kwargs=settings),
+         lambda *r: h(*r, **settings)),
+    ):  # fmt: skip
+        with served as b:
+            got = [f.result(30) for f in [b.submit(*r) for r in requests]]
+        for r, y in zip(requests, got, strict=True):
+            _close(y, direct(*r))
