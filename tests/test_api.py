@@ -31,7 +31,8 @@ PUBLIC = {
     },
     "symjax_mlp.serving": {
         "LATENCY_BUCKETS", "AsyncRequest", "Batcher", "BatcherStats", "OverloadError",
-        "RequestFuture", "RequestTiming", "create_app", "dispatch_mode", "latency_mode", "serve",
+        "RequestFuture", "RequestTiming", "create_app", "dispatch_mode", "latency_mode", "ray_app",
+        "serve",
     },
     "symjax_mlp.chapter": {
         "HybridNet", "chapter_mlp", "describe_mlp", "export_mlp", "fancy_func", "tour",

@@ -110,6 +110,14 @@ def test_a_missing_extra_names_it(monkeypatch, capsys):
     assert "pip install 'symjax_mlp[data]'" in err and "Traceback" not in err
 
 
+def test_serve_ray_without_ray_names_the_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    assert main(["serve", str(tmp_path), "--ray", "--dispatch", "async"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'symjax_mlp[ray]'" in err and "Traceback" not in err
+
+
 def test_a_bug_exits_1_with_the_traceback(monkeypatch, capsys):
     import symjax_mlp.chapter
 

@@ -2,11 +2,11 @@
 
 :func:`add_arguments` declares the options; :func:`main` runs :func:`benchmarks.run.benchmark`,
 then ``--devices`` (:func:`benchmarks.devices.bench_devices`), ``--sweep``, ``--serving``,
-``--stateful`` and ``--coldstart`` when asked, prints each report, and writes ``--json`` and
-the figures (PNG and SVG); ``--quick`` is a first look in seconds, ``--diff OLD NEW``
-compares two runs' JSON. Progress: stderr. Exit codes: 0 ok, 2 a usage error (a bad option,
-a ``symjax_mlp.SymjaxError``, a missing optional package: one line, no traceback), 1 a bug
-(with the traceback), 130 interrupted.
+``--ray``, ``--stateful`` and ``--coldstart`` when asked, prints each report, and writes
+``--json`` and the figures (PNG and SVG); ``--quick`` is a first look in seconds,
+``--diff OLD NEW`` compares two runs' JSON. Progress: stderr. Exit codes: 0 ok, 2 a usage
+error (a bad option, a ``symjax_mlp.SymjaxError``, a missing optional package: one line, no
+traceback), 1 a bug (with the traceback), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from benchmarks.serving import bench_serving, format_serving
 PROG = "bench"
 #: A missing module -> what installs it (the project's extras).
 EXTRAS = {"torch": "torch", "matplotlib": "plot", "iree": "iree", "sklearn": "data",
-          "starlette": "serve", "uvicorn": "serve"}  # fmt: skip
+          "starlette": "serve", "uvicorn": "serve", "ray": "ray"}  # fmt: skip
 
 
 def _positive(option: str) -> Callable[[str], int]:
@@ -150,6 +150,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
       help="also the serving benchmark: batch-1 latency per dispatch mode and "
       "PyTorch mode, each in a fresh process; the micro-batcher under 1, 8, 64 clients; "
       "symjax-mlp serve over loopback")  # fmt: skip
+    a("--ray", action="store_true",
+      help="also Ray Serve's rows (the symjax_mlp[ray] extra): a lone request through a "
+      "DeploymentHandle against a no-op deployment; 64 in flight, one replica against two, "
+      "and where the CPU time goes")  # fmt: skip
     a("--diff", nargs=2, metavar=("OLD.json", "NEW.json"),
       help="instead of benchmarking, compare two runs' --json files: the ratio per row, its "
       "noise band (from each row's min/median spread) and the rows changed beyond the noise "
@@ -362,6 +366,16 @@ def _main(args: argparse.Namespace) -> int:
         if progress:
             progress.done()
         print("\n" + format_serving(serving), flush=True)
+    if args.ray:
+        from benchmarks.ray_rows import bench_ray, format_ray
+
+        out["ray"] = ray_rows = bench_ray(
+            sizes=args.sizes, in_features=args.in_features, activation=args.activation,
+            progress=progress,
+        )  # fmt: skip
+        if progress:
+            progress.done()
+        print("\n" + format_ray(ray_rows), flush=True)
     if args.stateful:
         from benchmarks.stateful import bench_stateful, format_stateful
 

@@ -30,6 +30,7 @@ _EXTRAS = {  # a missing module -> the optional extra that installs it
     "starlette": "serve",
     "uvicorn": "serve",
     "model_signing": "sign",
+    "ray": "ray",
 }
 
 

@@ -1,5 +1,8 @@
 """``symjax-mlp serve ARTIFACT --port N``: an artifact over HTTP, a micro-batcher underneath.
 
+With ``--ray``, the same app on Ray Serve replicas (``--replicas N``), each a batcher, behind
+Ray's HTTP proxy on ``--host``/``--port``, until SIGINT or SIGTERM.
+
 The handler switches JAX to :func:`~symjax_mlp.serving.latency_mode` first (before anything
 starts JAX's CPU backend; ``--dispatch async`` keeps JAX's default), then runs
 :func:`~symjax_mlp.serving.serve` until SIGINT or SIGTERM, and exits 0 after a clean shutdown.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import socket
 
 from symjax_mlp.cli._args import add_trust_options, keywords, load_options, positive
 
@@ -20,6 +24,13 @@ from symjax_mlp.cli._args import add_trust_options, keywords, load_options, posi
 _SERVE = (
     "host port runtime max_batch max_queue max_body_bytes body_timeout max_inflight_bytes "
     "max_connections log_level entry params_as_constants"
+)
+
+
+#: the options passed to ``ray_app`` (``--ray``) under their own names
+_RAY = (
+    "host port runtime max_batch max_queue max_body_bytes body_timeout max_inflight_bytes "
+    "entry params_as_constants replicas dispatch"
 )
 
 
@@ -97,6 +108,23 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--entry", help="the entry point to serve (default: the artifact's default)")
     add_trust_options(p)
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve it as Ray Serve replicas, each a batcher, behind Ray's HTTP proxy on "
+        "--host/--port (the symjax_mlp[ray] extra); --max-connections and --log-level are "
+        "uvicorn's and do not apply",
+    )
+    p.add_argument(
+        "--replicas", type=positive("--replicas"), default=2, help="with --ray: replicas"
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="with --ray: the Ray cluster to join (ray.init's address: auto, local, "
+        "HOST:PORT; None: Ray's own rule, RAY_ADDRESS or a cluster running here, else a new one)",
+    )
     p.set_defaults(handler=run)
     return p
 
@@ -114,6 +142,18 @@ def run(args: argparse.Namespace) -> int:
         gc.freeze()  # loaded and compiled: see the module's docstring
         say(url)
 
-    serve(args.path, ready=ready, **keywords(args, _SERVE), **load_options(args))
+    if args.ray:
+        from symjax_mlp.serving._ray import serve_on_ray
+
+        if args.port == 0:  # Ray's proxy takes a port number: a free one, found here
+            with socket.socket() as s:
+                s.bind((args.host, 0))
+                args.port = s.getsockname()[1]
+        options = keywords(args, _RAY)
+        serve_on_ray(
+            args.path, ready=say, address=args.ray_address, **options, **load_options(args)
+        )
+    else:
+        serve(args.path, ready=ready, **keywords(args, _SERVE), **load_options(args))
     print("symjax-mlp serve: shut down cleanly", flush=True)
     return 0

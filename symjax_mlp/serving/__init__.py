@@ -6,6 +6,9 @@
   sizes compiled ahead of time.
 - :func:`create_app` / :func:`serve`: the batcher over HTTP (starlette + uvicorn, the
   ``symjax_mlp[serve]`` extra, imported only when used); ``symjax-mlp serve ARTIFACT``.
+- :func:`ray_app`: the artifact as a Ray Serve application, each replica a batcher behind
+  the same ASGI app (the ``symjax_mlp[ray]`` extra, imported only when used);
+  ``symjax-mlp serve ARTIFACT --ray``.
 - :func:`latency_mode`: JAX's CPU calls on the calling thread, for per-request latency; the
   library never switches it by itself.
 
@@ -24,6 +27,7 @@ from symjax_mlp.serving._app import serve as serve
 from symjax_mlp.serving._batcher import Batcher as Batcher
 from symjax_mlp.serving._latency import dispatch_mode as dispatch_mode
 from symjax_mlp.serving._latency import latency_mode as latency_mode
+from symjax_mlp.serving._ray import ray_app as ray_app
 from symjax_mlp.serving._requests import AsyncRequest as AsyncRequest
 from symjax_mlp.serving._requests import RequestFuture as RequestFuture
 from symjax_mlp.serving._requests import RequestTiming as RequestTiming
@@ -41,5 +45,6 @@ __all__ = [
     "create_app",
     "dispatch_mode",
     "latency_mode",
+    "ray_app",
     "serve",
 ]

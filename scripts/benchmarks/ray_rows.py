@@ -1,0 +1,212 @@
+"""Ray Serve's rows: the artifact as :func:`symjax_mlp.serving.ray_app` replicas, through handles.
+
+:func:`bench_ray` starts a local Ray cluster (the machine's CPUs, loopback), exports the
+chapter's net and deploys it three times: one replica, two replicas, and a no-op deployment
+(Ray's own floor: a replica answering a constant of the output's shape, no model, no batcher).
+
+- A lone request: ``handle.predict.remote(x).result()`` one at a time, to our one-replica
+  deployment and to the no-op one, interleaved; the target: ours adds <= 50 µs at the median.
+- 64 in flight: 64 asyncio clients in this process, each awaiting one
+  ``handle.predict.remote(x)`` after another, against one replica and then two: requests per
+  second, p50/p99; the target: two replicas >= 1.5x one. Where the time goes is measured
+  beside it: CPU seconds per request in this process (the clients and Ray's router, which runs
+  in the caller), in the replicas' processes, and in everything else on the machine (Ray's
+  controller and daemons), against the CPU seconds the machine had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import symjax_mlp as sm
+from benchmarks.calls import percentiles
+
+
+def bench_ray(
+    *,
+    sizes: Sequence[int] = (256, 128, 2),
+    in_features: int = 512,
+    activation: str = "relu",
+    lone_calls: int = 500,
+    rounds: int = 5,
+    inflight: int = 64,
+    seconds: float = 3.0,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """The Ray Serve rows (see the module docstring); needs the ``symjax_mlp[ray]`` extra."""
+    import psutil
+    import ray
+    from ray import serve
+
+    say = progress or (lambda text: None)
+    result: dict[str, Any] = {"config": {"sizes": list(sizes), "inflight": inflight}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "mlp"
+        sm.chapter.export_mlp(path, sizes=sizes, in_features=in_features, activation=activation)
+        say("Ray: starting a local cluster")
+        with warnings.catch_warnings():  # Ray forks its daemons and execs them at once
+            warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        try:
+            result["env"] = {"ray": ray.__version__, "cpus": psutil.cpu_count()}
+            x = np.random.default_rng(0).standard_normal((1, in_features), np.float32)
+            width = sizes[-1]
+
+            @serve.deployment(max_ongoing_requests=128)
+            class Noop:
+                async def predict(self, x: np.ndarray) -> np.ndarray:
+                    return np.zeros((x.shape[0], width), np.float32)
+
+            options = {"max_batch": 64, "dispatch": "sync"}
+            one = serve.run(sm.serving.ray_app(path, replicas=1, name="one", **options),
+                            name="one", route_prefix="/one")  # fmt: skip
+            noop = serve.run(Noop.bind(), name="noop", route_prefix="/noop")
+            say("Ray: a lone request, ours against a no-op deployment")
+            result["lone"] = _lone(one, noop, x, lone_calls, rounds)
+            say(f"Ray: {inflight} in flight, one replica")
+            result["inflight_1"] = _load(one, x, inflight, seconds, psutil)
+            serve.delete("one")
+            serve.delete("noop")
+            two = serve.run(sm.serving.ray_app(path, replicas=2, name="two", **options),
+                            name="two", route_prefix="/two")  # fmt: skip
+            say(f"Ray: {inflight} in flight, two replicas")
+            result["inflight_2"] = _load(two, x, inflight, seconds, psutil)
+            serve.delete("two")
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    result["targets"] = _targets(result)
+    return result
+
+
+def _lone(ours: Any, noop: Any, x: np.ndarray, calls: int, rounds: int) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {"ours": [], "noop": []}
+    for handle in (ours, noop):
+        for _ in range(100):
+            handle.predict.remote(x).result()
+    before = ours.stats.remote().result()["batcher"]
+    for _ in range(rounds):  # interleaved, so that drift hits both
+        for name, handle in (("ours", ours), ("noop", noop)):
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                handle.predict.remote(x).result()
+                samples[name].append(time.perf_counter() - t0)
+    after = ours.stats.remote().result()["batcher"]
+    out: dict[str, Any] = {name: percentiles(s) for name, s in samples.items()}
+    for name, s in samples.items():
+        out[name]["min_s"] = float(np.min(s))
+    out["added_s"] = out["ours"]["p50_s"] - out["noop"]["p50_s"]
+    out["added_min_s"] = out["ours"]["min_s"] - out["noop"]["min_s"]
+    n = after["completed"] - before["completed"]
+    out["in_replica_s"] = {  # where our replica's share goes, per request, in its batcher
+        stage: (after["seconds"][stage] - before["seconds"][stage]) / n
+        for stage in after["seconds"]
+    }
+    return out
+
+
+def _load(handle: Any, x: np.ndarray, inflight: int, seconds: float, psutil: Any) -> dict:
+    pids = {s["pid"] for s in handle.broadcast("stats").results(timeout_s=60)}
+    before = {s["replica"]: s["batcher"] for s in handle.broadcast("stats").results()}
+    me, replicas = psutil.Process(), [psutil.Process(p) for p in pids]
+    latencies: list[float] = []
+
+    async def client(stop: float, record: bool) -> None:
+        while (t0 := time.perf_counter()) < stop:
+            await handle.predict.remote(x)
+            if record:
+                latencies.append(time.perf_counter() - t0)
+
+    async def run(duration: float, record: bool) -> None:
+        stop = time.perf_counter() + duration
+        await asyncio.gather(*(client(stop, record) for _ in range(inflight)))
+
+    asyncio.run(run(0.5, False))  # warm-up
+    cpu0 = _cpu(me), sum(_cpu(p) for p in replicas), _machine(psutil)
+    t0 = time.perf_counter()
+    asyncio.run(run(seconds, True))
+    wall = time.perf_counter() - t0
+    cpu1 = _cpu(me), sum(_cpu(p) for p in replicas), _machine(psutil)
+    after = {s["replica"]: s["batcher"] for s in handle.broadcast("stats").results()}
+    n = len(latencies)
+    caller, served, machine = (b - a for a, b in zip(cpu0, cpu1, strict=True))
+    rows = sum(after[r]["rows"] - before.get(r, {}).get("rows", 0) for r in after)
+    batches = sum(after[r]["batches"] - before.get(r, {}).get("batches", 0) for r in after)
+    return {
+        "replicas": len(pids),
+        "requests_per_s": n / wall,
+        **percentiles(latencies),
+        "cpu_s_per_request": {
+            "caller (clients + Ray's router)": caller / n,
+            "replicas": served / n,
+            "everything else": max(machine - caller - served, 0.0) / n,
+        },
+        "machine_busy": machine / (wall * psutil.cpu_count()),
+        "mean_batch_rows": rows / batches if batches else 0.0,
+    }
+
+
+def _cpu(p: Any) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+def _machine(psutil: Any) -> float:
+    t = psutil.cpu_times()
+    return t.user + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    if lone := result.get("lone"):
+        added = lone["added_s"] * 1e6
+        out.append({"what": "Ray: a lone request, ours over a no-op deployment (µs added, p50)",
+                    "value": added, "target": "<= 50", "met": added <= 50})  # fmt: skip
+    if (a := result.get("inflight_1")) and (b := result.get("inflight_2")):
+        ratio = b["requests_per_s"] / a["requests_per_s"]
+        out.append({"what": "Ray: 64 in flight, two replicas over one (req/s)",
+                    "value": ratio, "target": ">= 1.5", "met": ratio >= 1.5})  # fmt: skip
+    return out
+
+
+def format_ray(result: Mapping[str, Any]) -> str:
+    """The Ray rows as text.
+
+    Example:
+      >>> print(format_ray({"targets": []}))
+      Ray Serve (sm.serving.ray_app), through DeploymentHandles
+    """
+    lines = ["Ray Serve (sm.serving.ray_app), through DeploymentHandles"]
+    if lone := result.get("lone"):
+        lines.append("  a lone request        min µs    p50 µs    p99 µs")
+        for name, label in (("ours", "ours (1 replica)"), ("noop", "no-op deployment")):
+            r = lone[name]
+            times = (r["min_s"], r["p50_s"], r["p99_s"])
+            lines.append(f"  {label:<20}" + "".join(f"{t * 1e6:8.0f}  " for t in times).rstrip())
+        lines.append(
+            f"  added by ours: {lone['added_s'] * 1e6:.0f} µs at the median, "
+            f"{lone['added_min_s'] * 1e6:.0f} µs at the fastest"
+        )
+        stages = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in lone["in_replica_s"].items())
+        lines.append(f"  in our replica's batcher, µs per request: {stages}")
+    for key in ("inflight_1", "inflight_2"):
+        if r := result.get(key):
+            cpu = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in r["cpu_s_per_request"].items())
+            lines.append(
+                f"  {result['config']['inflight']} in flight, {r['replicas']} replica(s): "
+                f"{r['requests_per_s']:.0f} req/s, p50 {r['p50_s'] * 1e3:.2f} ms, "
+                f"p99 {r['p99_s'] * 1e3:.2f} ms, {r['mean_batch_rows']:.1f} rows/batch; "
+                f"machine {r['machine_busy']:.0%} busy; CPU µs per request: {cpu}"
+            )
+    for t in result.get("targets", []):
+        verdict = "met" if t["met"] else "NOT met"
+        lines.append(f"  {t['what']}: {t['value']:.2f} (target {t['target']}): {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,281 @@
+"""An artifact as a Ray Serve application: replicas, each a :class:`Batcher` behind our ASGI app.
+
+:func:`ray_app` returns a Ray Serve ``Application`` (``serve.run(app)`` deploys it). Each
+replica is a :class:`Replica`: it loads the artifact with :func:`~symjax_mlp.load`'s checks
+(``verify_signature=`` included), compiles its batcher's buckets in its constructor (before
+Ray routes it a request), and serves the same ASGI app as ``symjax-mlp serve``
+(:func:`~symjax_mlp.serving.create_app`, mounted with ``serve.ingress``): the same bodies,
+answers and status codes, through Ray's HTTP proxy. A ``DeploymentHandle`` calls
+``handle.predict.remote(x)`` with NumPy arrays, no HTTP.
+
+Health is Ray's: ``check_health`` fails once the batcher is closed, and Ray replaces the
+replica. Metrics are Ray's: each health check (every ``health_check_period_s``) copies the
+batcher's counters and the replica's trace and compile counts into ``ray.serve.metrics``
+gauges (``symjax_mlp_replica_*``, with Ray's deployment and replica tags); per request, Ray's
+own request counters and latencies. Nothing is added per request.
+Ray is imported only here, when an application is made or a replica starts (the
+``symjax_mlp[ray]`` extra).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+from symjax_mlp._errors import ConfigError
+from symjax_mlp._load import load
+from symjax_mlp.serving._app import create_app
+from symjax_mlp.serving._batcher import Batcher
+from symjax_mlp.serving._bodies import model_name
+from symjax_mlp.serving._latency import latency_mode
+from symjax_mlp.serving._requests import artifact_specs, bucket_sizes
+
+_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "traces",
+    "/jax/core/compile/backend_compile_duration": "compiles",
+}
+_GAUGES = ("requests", "completed", "failed", "rejected", "batches", "rows", "padded_rows")
+_GAUGES += ("queue_depth", "traces", "compiles")
+
+
+def _require() -> None:
+    try:
+        import ray.serve  # noqa: F401
+        import starlette  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"serving on Ray needs the optional packages ray[serve] and starlette ({e}). "
+            "Install them with: pip install 'symjax_mlp[ray]'",
+            name=e.name,
+        ) from e
+
+
+class _Compiles:
+    """Counts this process's JAX traces and XLA compilations (``jax.monitoring`` events)."""
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(_EVENTS.values(), 0)
+        jax.monitoring.register_event_duration_secs_listener(self._heard)
+
+    def _heard(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event in _EVENTS:
+            self.counts[_EVENTS[event]] += 1
+
+
+class Replica:
+    """One Ray Serve replica: the artifact loaded and compiled, a batcher, our ASGI app.
+
+    Made by Ray from :func:`ray_app`'s arguments, never by hand. ``predict(*inputs)`` is the
+    handle method (NumPy arrays in and out, as ``Batcher.run``); ``stats()`` what it has done.
+    """
+
+    def __init__(self, artifact: str, load_options: dict, batcher_options: dict, app_options: dict):
+        app_options, batcher_options = dict(app_options), dict(batcher_options)
+        if app_options.pop("dispatch") == "sync":
+            latency_mode()  # a fresh process: before its JAX backend starts
+        self._compiles = _Compiles()
+        model = load(artifact, **load_options)
+        if (entry := batcher_options.pop("entry")) is not None:
+            model = model[entry]
+        self.batcher = Batcher(model, name=model_name(model), **batcher_options)
+        self._app_options = app_options
+        self._at_start = dict(self._compiles.counts)  # compiled: from here on, nothing more
+        from ray import serve
+        from ray.serve.metrics import Gauge
+
+        self.replica = str(serve.get_replica_context().replica_id.unique_id)
+        self._gauges = {
+            g: Gauge(f"symjax_mlp_replica_{g}", description=f"the replica's batcher's {g}")
+            for g in _GAUGES
+        }
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.batcher, **self._app_options)
+
+    async def predict(self, *inputs: Any) -> Any:
+        """What the model answers for ``inputs`` (rows first), as NumPy arrays, batched with
+        the replica's other requests.
+
+        Raises:
+          SignatureError, OverloadError: as :meth:`Batcher.submit`.
+        """
+        return await self.batcher.asubmit(*inputs)
+
+    def stats(self) -> dict[str, Any]:
+        """The batcher's counters, the traces and compiles of the replica's process since it
+        started (``compiled_at_start`` before its first request), its Ray replica id and its
+        process id."""
+        s = self.batcher.stats
+        self._record(s)
+        return {
+            "replica": self.replica,
+            "pid": os.getpid(),
+            "batcher": s.to_dict(),
+            "compiled_at_start": dict(self._at_start),
+            "compiled": dict(self._compiles.counts),
+            "buckets": list(self.batcher.buckets),
+        }
+
+    def check_health(self) -> None:
+        """Ray's health check: fails once the batcher is closed (Ray then replaces it)."""
+        if self.batcher.closed:
+            raise RuntimeError(f"{self.batcher.name} is closed; it answers no more requests.")
+        self._record(self.batcher.stats)
+
+    def _record(self, s: Any) -> None:
+        values = {**s.to_dict(), **self._compiles.counts}
+        for name, gauge in self._gauges.items():
+            gauge.set(float(values[name]))
+
+
+def ray_app(
+    artifact: str | os.PathLike[str],
+    *,
+    replicas: int = 2,
+    max_batch: int | None = None,
+    max_queue: int = 1024,
+    runtime: str = "jax",
+    entry: str | None = None,
+    params_as_constants: bool = False,
+    trust: bool = False,
+    allow: Iterable[str] | None = None,
+    verify_signature: str | os.PathLike[str] | None = None,
+    max_body_bytes: int = 64 * 2**20,
+    body_timeout: float = 60.0,
+    max_inflight_bytes: int | None = None,
+    dispatch: str = "async",
+    name: str = "symjax_mlp",
+    max_ongoing_requests: int | None = None,
+    ray_actor_options: dict[str, Any] | None = None,
+    deployment_options: dict[str, Any] | None = None,
+) -> Any:
+    """An artifact as a Ray Serve application of ``replicas`` replicas, each a batcher.
+
+    The artifact is loaded here first, with every check of :func:`~symjax_mlp.load`, so a bad
+    one is refused before any replica starts; then by each replica, the same way (its path,
+    and the key's, must exist where the replicas run). A replica compiles its batch sizes in
+    its constructor, so Ray routes it nothing before it is compiled, and compiles nothing
+    after. Over HTTP (Ray's proxy) it serves :func:`~symjax_mlp.serving.serve`'s endpoints,
+    bodies and status codes; through a handle, ``await handle.predict.remote(x)``.
+
+    Args:
+      artifact: the artifact directory.
+      replicas: Ray Serve's ``num_replicas``.
+      max_batch, max_queue: each replica's :class:`~symjax_mlp.serving.Batcher`'s.
+      runtime, entry, params_as_constants, trust, allow, verify_signature: as for
+        :func:`~symjax_mlp.serving.serve` (passed to :func:`~symjax_mlp.load`).
+      max_body_bytes, body_timeout, max_inflight_bytes: see
+        :func:`~symjax_mlp.serving.create_app`.
+      dispatch: ``"sync"``: each replica calls :func:`~symjax_mlp.serving.latency_mode`
+        first thing (its process is fresh); ``"async"``: JAX's default.
+      name: the deployment's name.
+      max_ongoing_requests: requests Ray sends one replica at once (default: twice the
+        largest batch, so a replica's batches fill up).
+      ray_actor_options: Ray's, e.g. ``{"num_cpus": 1}``.
+      deployment_options: any other ``Deployment.options`` keyword (``autoscaling_config``,
+        ``graceful_shutdown_timeout_s``, ...).
+
+    Returns:
+      A ``ray.serve.Application``: ``ray.serve.run(app)`` deploys it and returns a
+      ``DeploymentHandle``.
+
+    Raises:
+      ConfigError: bad ``replicas``, ``dispatch``, ``max_batch`` or ``max_ongoing_requests``.
+      ArtifactError, SignatureError: the artifact cannot be loaded.
+      ImportError: Ray Serve is missing (``pip install 'symjax_mlp[ray]'``).
+
+    Example:
+      >>> import symjax_mlp as sm
+      >>> app = sm.serving.ray_app("my_mlp", replicas=2)  # doctest: +SKIP
+      >>> handle = ray.serve.run(app, route_prefix="/")  # doctest: +SKIP
+      >>> y = handle.predict.remote(x).result()  # doctest: +SKIP
+    """
+    _require()
+    from ray import serve
+
+    where = f"ray_app({str(artifact)!r})"
+    for option, value in (("replicas", replicas), ("max_ongoing_requests", max_ongoing_requests)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ConfigError(f"{where}: {option} must be an int >= 1; got {value!r}.")
+    if dispatch not in ("sync", "async"):
+        raise ConfigError(f"{where}: dispatch must be 'sync' or 'async'; got {dispatch!r}.")
+    artifact = os.path.abspath(artifact)  # a replica's working directory is Ray's
+    if verify_signature is not None:
+        verify_signature = os.path.abspath(verify_signature)
+    load_options = {
+        "runtime": runtime,
+        "params_as_constants": params_as_constants,
+        "trust": trust,
+        "allow": None if allow is None else tuple(allow),
+        "verify_signature": verify_signature,
+    }
+    model = load(artifact, **load_options)  # refused here, not in a replica's log
+    if entry is not None:
+        model = model[entry]
+    buckets = bucket_sizes(f"{where}", max_batch, None, artifact_specs(model)[1])
+    batcher_options = {"max_batch": max_batch, "max_queue": max_queue, "entry": entry}
+    app_options = {
+        "max_body_bytes": max_body_bytes,
+        "body_timeout": body_timeout,
+        "max_inflight_bytes": max_inflight_bytes,
+        "dispatch": dispatch,
+    }
+    options: dict[str, Any] = {
+        "name": name,
+        "num_replicas": replicas,
+        "max_ongoing_requests": max_ongoing_requests or 2 * buckets[-1],
+        "graceful_shutdown_timeout_s": 30.0,  # as serve()'s uvicorn
+        **({"ray_actor_options": ray_actor_options} if ray_actor_options else {}),
+        **(deployment_options or {}),
+    }
+    deployment = serve.deployment(serve.ingress()(Replica)).options(**options)
+    return deployment.bind(artifact, load_options, batcher_options, app_options)
+
+
+def serve_on_ray(
+    artifact: str | os.PathLike[str],
+    *,
+    address: str | None,
+    host: str,
+    port: int,
+    ready: Callable[[str], None],
+    name: str = "symjax_mlp",
+    **options: Any,
+) -> None:
+    """``symjax-mlp serve --ray``: :func:`ray_app` on the Ray cluster at ``address``
+    (``None``: Ray's own rule, ``ray.init()``), behind Ray's HTTP proxy on ``host:port``,
+    until SIGINT or SIGTERM; then deletes the application (its replicas finish the requests
+    they hold) and shuts Serve and this process's Ray connection down."""
+    _require()
+    import ray
+    from ray import serve
+
+    app = ray_app(artifact, name=name, **options)  # a bad artifact: refused before Ray starts
+    with warnings.catch_warnings():  # Ray forks its daemons and execs them at once: harmless
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        ray.init(address=address)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(app, name=name, route_prefix="/")
+        stop = threading.Event()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in sigs}
+        try:
+            ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
+            while not stop.wait(0.5):
+                pass
+            serve.delete(name)  # waits for the replicas to drain and stop
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
