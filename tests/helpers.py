@@ -734,13 +734,37 @@ if eqx is not None:
 else:  # pragma: no cover - the test extra installs equinox
     _EQX = ()
 
+
+def init_random_params(scale, layer_sizes, rng=None):
+    """JAX's examples/mnist_classifier_fromscratch.py: a list of ``(W, b)`` pairs, NumPy
+    float64 (``rng`` a fixed ``npr.RandomState(0)`` there)."""
+    rng = np.random.RandomState(0) if rng is None else rng
+    pairs = zip(layer_sizes[:-1], layer_sizes[1:], strict=True)  # noqa: RUF007 (JAX's code)
+    return [(scale * rng.randn(m, n), scale * rng.randn(n)) for m, n in pairs]
+
+
+def predict(params, inputs):
+    """examples/mnist_classifier_fromscratch.py: ``predict``, log-probabilities out."""
+    activations = inputs
+    for w, b in params[:-1]:
+        outputs = jnp.dot(activations, w) + b
+        activations = jnp.tanh(outputs)
+
+    final_w, final_b = params[-1]
+    logits = jnp.dot(activations, final_w) + final_b
+    return logits - jax.scipy.special.logsumexp(logits, axis=1, keepdims=True)
+
+
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
-#: (an nnx.Rngs passed to each call), equinox's examples (a module, or a function of one)
+#: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
+#: params, a list of pairs), equinox's examples (a module, or a function of one)
 MATRIX = (
     *AUTHORS,
     Case("tutorial_cnn", "nnx", _tutorial_cnn("train"), lambda s: (_x(s, (2, 28, 28, 1)),),
          train={"rngs": lambda: nnx.Rngs(5)}, served=_tutorial_cnn("eval"), classes=10,
          allow=frozenset({"convolution", "reduce_window"})),
+    Case("jax_fromscratch", "fn", lambda: (predict, init_random_params(0.1, (5, 8, 3))),
+         lambda s: (_x(s),), classes=3),
     *_EQX,
 )  # fmt: skip
 
