@@ -279,6 +279,18 @@ def test_a_bad_artifact_or_option_is_refused_before_any_replica_starts(cluster, 
         sm.serving.ray_app(path, max_batch=0)
 
 
+def test_the_cli_refuses_more_replicas_than_the_cluster_has_cpus(cluster):
+    path, _, _ = cluster
+    address = ray.get_runtime_context().gcs_address  # the module's cluster: 2 CPUs
+    cmd = [sys.executable, "-m", "symjax_mlp", "serve", str(path), "--ray", "--replicas", "8"]
+    out = subprocess.run(
+        [*cmd, "--ray-address", address], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2, out.stderr
+    assert "8 replicas of 1.0 CPU each need 8 CPUs, but the Ray cluster has 2" in out.stderr
+    assert "ray_actor_options= is --replica-cpus N" in out.stderr
+
+
 def test_importing_the_library_imports_no_ray():
     code = "import sys, symjax_mlp, symjax_mlp.serving; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

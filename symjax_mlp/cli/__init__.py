@@ -230,6 +230,7 @@ _OPTIONS = (
     ("allow=", "allow", "--allow OP (once per op)"),
     ("trust=True", "trust", "--trust"),
     ("verify_signature=", "key", "--key PEM"),
+    ("ray_actor_options=", "replica_cpus", "--replica-cpus N"),
 )
 
 

@@ -119,6 +119,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--replicas", type=positive("--replicas"), default=2, help="with --ray: replicas"
     )
     p.add_argument(
+        "--replica-cpus",
+        type=positive("--replica-cpus", float),
+        default=1.0,
+        help="with --ray: the CPUs Ray reserves for each replica (Ray's num_cpus)",
+    )
+    p.add_argument(
         "--ray-address",
         default=None,
         metavar="ADDRESS",
@@ -150,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
                 s.bind((args.host, 0))
                 args.port = s.getsockname()[1]
         options = keywords(args, _RAY)
+        options["ray_actor_options"] = {"num_cpus": args.replica_cpus}
         serve_on_ray(
             args.path, ready=say, address=args.ray_address, **options, **load_options(args)
         )

@@ -44,6 +44,13 @@ _GAUGES = ("requests", "completed", "failed", "rejected", "batches", "rows", "pa
 _GAUGES += ("queue_depth", "traces", "compiles")
 
 
+_CPUS = (
+    "ray_app({artifact!r}): {n} replicas of {each} CPU each need {need} CPUs, but the Ray "
+    "cluster has {cpus:g}, so Ray would wait for them forever. Ask for fewer replicas, or "
+    "fewer CPUs each (ray_actor_options={{'num_cpus': 0.5}}), or join a larger cluster."
+)
+
+
 def _require() -> None:
     try:
         import ray.serve  # noqa: F401
@@ -177,7 +184,9 @@ def ray_app(
       name: the deployment's name.
       max_ongoing_requests: requests Ray sends one replica at once (default: twice the
         largest batch, so a replica's batches fill up).
-      ray_actor_options: Ray's, e.g. ``{"num_cpus": 1}``.
+      ray_actor_options: Ray's, e.g. ``{"num_cpus": 0.5}``. Ray reserves one CPU per replica
+        by default, and ``serve.run`` waits, silently and for ever, for replicas the cluster
+        has no CPUs for.
       deployment_options: any other ``Deployment.options`` keyword (``autoscaling_config``,
         ``graceful_shutdown_timeout_s``, ...).
 
@@ -191,10 +200,12 @@ def ray_app(
       ImportError: Ray Serve is missing (``pip install 'symjax_mlp[ray]'``).
 
     Example:
+      >>> import numpy as np, ray.serve  # doctest: +SKIP
       >>> import symjax_mlp as sm
-      >>> app = sm.serving.ray_app("my_mlp", replicas=2)  # doctest: +SKIP
-      >>> handle = ray.serve.run(app, route_prefix="/")  # doctest: +SKIP
-      >>> y = handle.predict.remote(x).result()  # doctest: +SKIP
+      >>> app = sm.serving.ray_app("my_mlp", replicas=2, max_batch=64)  # doctest: +SKIP
+      >>> handle = ray.serve.run(app, route_prefix="/")  # HTTP: POST /predict  # doctest: +SKIP
+      >>> handle.predict.remote(np.ones((1, 512), np.float32)).result()  # doctest: +SKIP
+      array([[...]], dtype=float32)
     """
     _require()
     from ray import serve
@@ -253,7 +264,14 @@ def serve_on_ray(
     """``symjax-mlp serve --ray``: :func:`ray_app` on the Ray cluster at ``address``
     (``None``: Ray's own rule, ``ray.init()``), behind Ray's HTTP proxy on ``host:port``,
     until SIGINT or SIGTERM; then deletes the application (its replicas finish the requests
-    they hold) and shuts Serve and this process's Ray connection down."""
+    they hold), shuts Serve down unless other applications use it, and disconnects (a cluster
+    that ``ray.init`` started here stops). On a cluster whose Serve already runs, its HTTP
+    host and port stay as they are.
+
+    Raises:
+      ConfigError: the cluster has fewer CPUs than the replicas ask for (``serve.run`` would
+        wait for them forever, saying nothing).
+    """
     _require()
     import ray
     from ray import serve
@@ -263,6 +281,14 @@ def serve_on_ray(
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
         ray.init(address=address)
     try:
+        replicas = options.get("replicas", 2)
+        each = (options.get("ray_actor_options") or {}).get("num_cpus", 1)  # Ray's default: 1
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if replicas * each > cpus:
+            need = f"{replicas * each:g}"
+            raise ConfigError(
+                _CPUS.format(artifact=str(artifact), n=replicas, each=each, need=need, cpus=cpus)
+            )
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name=name, route_prefix="/")
         stop = threading.Event()
@@ -276,6 +302,7 @@ def serve_on_ray(
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        serve.shutdown()
+        if not serve.status().applications:  # others' applications on a shared cluster stay
+            serve.shutdown()
     finally:
         ray.shutdown()
