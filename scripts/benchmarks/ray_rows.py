@@ -10,8 +10,10 @@ chapter's net and deploys it three times: one replica, two replicas, and a no-op
   ``handle.predict.remote(x)`` after another, against one replica and then two: requests per
   second, p50/p99; the target: two replicas >= 1.5x one. Where the time goes is measured
   beside it: CPU seconds per request in this process (the clients and Ray's router, which runs
-  in the caller), in the replicas' processes, and in everything else on the machine (Ray's
-  controller and daemons), against the CPU seconds the machine had.
+  in the caller), in the replicas' processes, and in Ray's other processes (GCS, raylet,
+  controller, proxy: this process's descendants), against the CPU seconds the machine had.
+- The model alone, called in this process hot and after 3 ms asleep: what a lone request's
+  model call costs in a replica whose caches the other processes took meanwhile.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def bench_ray(
             noop = serve.run(Noop.bind(), name="noop", route_prefix="/noop")
             say("Ray: a lone request, ours against a no-op deployment")
             result["lone"] = _lone(one, noop, x, lone_calls, rounds)
+            result["model_alone"] = _model_alone(sm.load(path), x)
             say(f"Ray: {inflight} in flight, one replica")
             result["inflight_1"] = _load(one, x, inflight, seconds, psutil)
             serve.delete("one")
@@ -113,6 +116,23 @@ def _lone(ours: Any, noop: Any, x: np.ndarray, calls: int, rounds: int) -> dict[
     return out
 
 
+def _model_alone(model: Any, x: np.ndarray, calls: int = 500) -> dict[str, float]:
+    """The model called here, hot (one call after another) and after 3 ms asleep (as each
+    lone request finds it in a replica: its caches gone to the other processes)."""
+    for _ in range(100):
+        np.asarray(model(x))
+    hot, idle = [], []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        np.asarray(model(x))
+        hot.append(time.perf_counter() - t0)
+        time.sleep(0.003)
+        t0 = time.perf_counter()
+        np.asarray(model(x))
+        idle.append(time.perf_counter() - t0)
+    return {"hot_p50_s": float(np.median(hot)), "after_3ms_idle_p50_s": float(np.median(idle))}
+
+
 def _load(handle: Any, x: np.ndarray, inflight: int, seconds: float, psutil: Any) -> dict:
     pids = {s["pid"] for s in handle.broadcast("stats").results(timeout_s=60)}
     before = {s["replica"]: s["batcher"] for s in handle.broadcast("stats").results()}
@@ -130,16 +150,19 @@ def _load(handle: Any, x: np.ndarray, inflight: int, seconds: float, psutil: Any
         await asyncio.gather(*(client(stop, record) for _ in range(inflight)))
 
     asyncio.run(run(0.5, False))  # warm-up
-    cpu0 = _cpu(me), sum(_cpu(p) for p in replicas), _machine(psutil)
+    ray_pids = {p.pid for p in me.children(recursive=True)} - pids  # daemons, other actors
+    others = [psutil.Process(p) for p in ray_pids if psutil.pid_exists(p)]
+    cpu0 = _cpu([me]), _cpu(replicas), _cpu(others)
     t0 = time.perf_counter()
     asyncio.run(run(seconds, True))
     wall = time.perf_counter() - t0
-    cpu1 = _cpu(me), sum(_cpu(p) for p in replicas), _machine(psutil)
+    cpu1 = _cpu([me]), _cpu(replicas), _cpu(others)
     after = {s["replica"]: s["batcher"] for s in handle.broadcast("stats").results()}
     n = len(latencies)
-    caller, served, machine = (b - a for a, b in zip(cpu0, cpu1, strict=True))
+    caller, served, daemons = (b - a for a, b in zip(cpu0, cpu1, strict=True))
     rows = sum(after[r]["rows"] - before.get(r, {}).get("rows", 0) for r in after)
     batches = sum(after[r]["batches"] - before.get(r, {}).get("batches", 0) for r in after)
+    cpus = psutil.cpu_count()
     return {
         "replicas": len(pids),
         "requests_per_s": n / wall,
@@ -147,21 +170,19 @@ def _load(handle: Any, x: np.ndarray, inflight: int, seconds: float, psutil: Any
         "cpu_s_per_request": {
             "caller (clients + Ray's router)": caller / n,
             "replicas": served / n,
-            "everything else": max(machine - caller - served, 0.0) / n,
+            "Ray's daemons and actors": daemons / n,
         },
-        "machine_busy": machine / (wall * psutil.cpu_count()),
+        "ray_busy": (caller + served + daemons) / (wall * cpus),
         "mean_batch_rows": rows / batches if batches else 0.0,
     }
 
 
-def _cpu(p: Any) -> float:
-    t = p.cpu_times()
-    return t.user + t.system
-
-
-def _machine(psutil: Any) -> float:
-    t = psutil.cpu_times()
-    return t.user + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+def _cpu(processes: Sequence[Any]) -> float:
+    total = 0.0
+    for p in processes:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
 
 
 def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -197,6 +218,11 @@ def format_ray(result: Mapping[str, Any]) -> str:
         )
         stages = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in lone["in_replica_s"].items())
         lines.append(f"  in our replica's batcher, µs per request: {stages}")
+    if alone := result.get("model_alone"):
+        lines.append(
+            f"  the model called here: {alone['hot_p50_s'] * 1e6:.0f} µs p50 hot, "
+            f"{alone['after_3ms_idle_p50_s'] * 1e6:.0f} µs after 3 ms asleep"
+        )
     for key in ("inflight_1", "inflight_2"):
         if r := result.get(key):
             cpu = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in r["cpu_s_per_request"].items())
@@ -204,7 +230,7 @@ def format_ray(result: Mapping[str, Any]) -> str:
                 f"  {result['config']['inflight']} in flight, {r['replicas']} replica(s): "
                 f"{r['requests_per_s']:.0f} req/s, p50 {r['p50_s'] * 1e3:.2f} ms, "
                 f"p99 {r['p99_s'] * 1e3:.2f} ms, {r['mean_batch_rows']:.1f} rows/batch; "
-                f"machine {r['machine_busy']:.0%} busy; CPU µs per request: {cpu}"
+                f"the CPUs {r['ray_busy']:.0%} busy with Ray and us; CPU µs per request: {cpu}"
             )
     for t in result.get("targets", []):
         verdict = "met" if t["met"] else "NOT met"
