@@ -162,6 +162,21 @@ def test_stage_and_graph_count_the_same_layers(case):
     assert h.trace_count == 0
 
 
+@pytest.mark.parametrize(
+    ("name", "layer", "n"),
+    [("eqx_cnn", "vmap(eqx.nn.Linear)", 3), ("eqx_stateful", "vmap(eqx.nn.BatchNorm)", 2)],
+)
+def test_equinox_layers_run_under_vmap_are_told_apart_in_by_layer(name, layer, n):
+    """As equinox's examples run them, jax.vmap(model)(x): scopes "vmap(eqx.nn.Linear)"."""
+    case = next(c for c in MATRIX if c.name == name)
+    h, mode = case.hybridize("train"), "train"
+    extra = (case.carry(),) if case.carries(mode) else ()
+    layers = h.graph(*case.inputs(0), *extra, **case.settings(mode)).by_layer
+    tops = {k.split("/")[0] for k in layers if k.startswith(f"{layer}[")}
+    assert tops == {f"{layer}[{i}]" for i in range(n)}
+    assert not [k for k in layers if k.split("/")[0] == layer]
+
+
 def test_stage_splits_an_equinox_module_among_its_arguments_as_filter_make_jaxpr():
     mlp = eqx.nn.MLP(5, 3, 8, 2, key=jax.random.key(0))  # activation functions, sizes
     graph = sm.stage(lambda m, x: m(x))(mlp, jnp.ones(5))

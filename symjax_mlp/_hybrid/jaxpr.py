@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -133,9 +134,14 @@ def walk(jaxpr: jex_core.Jaxpr, layer: str = "") -> Iterator[tuple[Any, str]]:
             yield from walk(sub, own)
 
 
+# An equinox layer's scope, bare or under transforms as jax.vmap names it: "vmap(eqx.nn.Linear)".
+_EQX_SCOPE = re.compile(r"(?:\w+\()*eqx\.")
+
+
 def numbered(pairs: Iterable[tuple[Any, str]]) -> list[tuple[Any, str]]:
     """:func:`walk`'s pairs, each equinox scope entered more than once under one parent
-    numbered in call order: ``"eqx.nn.MLP/eqx.nn.Linear[1]"``. A scope is entered again
+    numbered in call order: ``"eqx.nn.MLP/eqx.nn.Linear[1]"`` (``"vmap(eqx.nn.Linear)[1]"``
+    for a layer run under ``jax.vmap``, as equinox's examples run theirs). A scope is entered again
     when another of its siblings' equations came between (its activation, say); two layers
     of one class called back to back with nothing between stay one."""
     seen: collections.Counter[tuple[Any, ...]] = collections.Counter()
@@ -148,7 +154,7 @@ def numbered(pairs: Iterable[tuple[Any, str]]) -> list[tuple[Any, str]]:
             k += 1
         del ids[k:]
         for part in parts[k:]:
-            eqx = part.startswith("eqx.")
+            eqx = _EQX_SCOPE.match(part) is not None
             ids.append((part, seen[(*ids, part)] if eqx else 0))
             seen[(*ids[:-1], part)] += eqx
         prev = parts
