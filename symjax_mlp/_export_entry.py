@@ -84,11 +84,7 @@ def stage(
         examples, kw, h.static_argnums, h.static_argnames, caller=f"export({h.name})"
     )
     if array_kwargs:
-        raise SignatureError(
-            f"export({h.name}, kwargs=...): {', '.join(array_kwargs)} are arrays; an artifact's "
-            "inputs are positional. Pass them in example=(x, ...) and call the artifact with "
-            "them positionally, or bake a Python setting (True, 3, 'relu') instead."
-        )
+        raise SignatureError(_array_kwargs(h.name, list(array_kwargs)))
     in_specs = _input_structs(examples, batch, shapes, tuple(constraints), h.name)
     stored, fn = _exportable(h)
     specs, host_params = param_specs(stored)  # as jax.export traces them
@@ -247,6 +243,20 @@ def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
         return jax.lax.with_sharding_constraint(fn(params, *inputs, **kw), dat)
 
     return sharded
+
+
+def _array_kwargs(name: str, names: list[str]) -> str:
+    """export's refusal of arrays given as keywords, with the wrapper that gives them places
+    (a keyword-only one, equinox's ``key=``, has no place of its own)."""
+    got = ", ".join(f"kwargs[{n!r}]" for n in names)
+    verb, them = ("is an array", "it") if len(names) == 1 else ("are arrays", "them")
+    places, passed = ", ".join(names), ", ".join(f"{n}={n}" for n in names)
+    return (
+        f"export({name}, kwargs=...): {got} {verb}, but an artifact's inputs are positional. "
+        f"Give {them} a place: export sm.hybridize(lambda params, x, {places}: {name}(params, "
+        f"x, {passed}), params) with example=(x, {places}), and call the artifact with {them} "
+        "by place; or bake a Python setting (True, 3, 'relu') instead."
+    )
 
 
 _EQX_STATE = (

@@ -221,6 +221,25 @@ def test_exporting_an_equinox_state_input_names_the_inference_model_that_exports
     _close(h(x), evaluate(inference_model, x))
 
 
+def test_exporting_a_dropout_key_keyword_names_the_wrapper_that_gives_it_a_place(tmp_path):
+    case = next(c for c in MATRIX if c.name == "eqx_dropout")  # keyed_batch(model, x, *, key)
+    h, (x,), settings = case.hybridize("train"), case.inputs(0), case.settings("train")
+    with pytest.raises(sm.SignatureError, match=r"kwargs\['key'\] is an array") as e:
+        sm.export(h, tmp_path / "m", example=x, kwargs=settings)
+    assert "sm.hybridize(lambda params, x, key: keyed_batch(params, x, key=key), params)" in str(
+        e.value
+    )
+    model, params = case.model("train")
+    placed = sm.hybridize(lambda params, x, key: model(params, x, key=key), params)  # as it says
+    key = settings["key"]
+    with pytest.raises(sm.SignatureError, match=r"args\[1\] is a scalar.*shapes="):
+        sm.export(placed, tmp_path / "m", example=(x, key))  # a key has no batch: the next fix
+    sm.export(placed, tmp_path / "m", example=(x, key), shapes=("b, 5", None))
+    loaded = sm.load(tmp_path / "m", allow={"real_dynamic_slice"})  # the batch's keys, split
+    for rows in (4, 1):
+        _close(loaded(x[:rows], key), h(x[:rows], **settings))
+
+
 # -- 5. training, where the model is a classifier ---------------------------------------------
 def _dataset(case, n=8):
     x = np.concatenate([np.asarray(case.inputs(i)[0]) for i in range(3)])[:n]
