@@ -240,6 +240,31 @@ def test_exporting_a_dropout_key_keyword_names_the_wrapper_that_gives_it_a_place
         _close(loaded(x[:rows], key), h(x[:rows], **settings))
 
 
+def test_sown_intermediates_export_once_flattened_as_the_refusal_says(tmp_path):
+    """Flax's model-inspection guide (``self.sow``): the Hybrid returns ``(out,
+    {"intermediates": ...})`` as ``apply`` does; an artifact returns a flat tuple."""
+    from helpers import SowCNN
+
+    model, x = SowCNN(), jax.random.normal(jax.random.key(0), (2, 8, 8, 1))
+    variables = model.init(jax.random.key(1), x)
+    h = sm.hybridize(model, variables, mutable=["intermediates"])
+    with pytest.raises(sm.SignatureError, match=r"Return tuple\(jax\.tree\.leaves\(out\)\)"):
+        sm.export(h, tmp_path / "m", example=x)
+
+    def sown(v, x):  # as it says
+        return tuple(jax.tree.leaves(model.apply(v, x, mutable=["intermediates"])))
+
+    sm.export(sm.hybridize(sown, variables), tmp_path / "m", example=x)
+    want = jax.tree.leaves(model.apply(variables, x, mutable=["intermediates"]))
+    allow = {"convolution", "reduce_window"}
+    loaded = sm.load(tmp_path / "m", allow=allow)
+    _close(list(loaded(np.asarray(x))), want)
+    with sm.serving.Batcher(loaded, max_batch=2) as b:
+        _close(list(b(np.asarray(x[:1]))), [w[:1] for w in want])
+    with sm.serving.Batcher(h, example=x[:1], max_batch=2) as b:  # the Hybrid: apply's tree
+        _close(b(np.asarray(x[1:])), jax.tree.map(lambda y: y[1:], h(x)))
+
+
 # -- 5. training, where the model is a classifier ---------------------------------------------
 def _dataset(case, n=8):
     x = np.concatenate([np.asarray(case.inputs(i)[0]) for i in range(3)])[:n]
