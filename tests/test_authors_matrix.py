@@ -2,7 +2,8 @@
 
 The families (``MATRIX`` in tests/helpers.py): Flax's dropout and batch-norm guides and the
 MLP-Mixer (linen, their mode flags without defaults), the nnx MNIST tutorial's CNN (an
-``nnx.Rngs`` passed to each call), and equinox's examples: ``eqx.nn.MLP``, the MNIST CNN,
+``nnx.Rngs`` passed to each call), JAX's from-scratch MNIST classifier (NumPy float64 params,
+a list of ``(W, b)`` pairs), and equinox's examples: ``eqx.nn.MLP``, the MNIST CNN,
 Dropout with a key per call, stateful BatchNorm (an ``eqx.nn.State`` the caller threads), the
 GRU of train_rnn and BERT's transformer layer (``eqx.nn.MultiheadAttention`` with a mask).
 For each: compiled == eager == the plain framework (outputs, and state after several calls),
