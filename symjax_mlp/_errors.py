@@ -58,3 +58,8 @@ class DivergenceError(SymjaxError, FloatingPointError):
 
 class OverloadError(SymjaxError, RuntimeError):
     """A serving queue is full: the request was refused, not queued; retry it later."""
+
+
+class DistributedError(SymjaxError, RuntimeError):
+    """Another process of a multi-process run did not arrive, stalled or died; the message
+    names it. Relaunch every process (``resume=True`` continues from the last checkpoint)."""

@@ -28,6 +28,8 @@ PUBLIC = {
         "Dataset", "EpochRecord", "ShardedStep", "Step", "TrainResult", "TrainState",
         "init_params", "latest_checkpoint", "load_digits", "restore_checkpoint",
         "save_checkpoint", "shard_step", "train", "train_step",
+        # multi-process runs
+        "DistributedError", "EXIT_STATUS", "initialize",
     },
     "symjax_mlp.serving": {
         "LATENCY_BUCKETS", "AsyncRequest", "Batcher", "BatcherStats", "OverloadError",

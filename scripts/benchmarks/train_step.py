@@ -82,3 +82,89 @@ def time_train_step(
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0]),
     }
+
+
+def _train_processes(processes: int, epochs: int, every: int, workdir: str) -> dict[str, Any]:
+    """``symjax-mlp train`` in ``processes`` processes on loopback; process 0's ``--json``."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = os.path.join(workdir, "run.json")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "symjax_mlp",
+                "train",
+                "--quiet",
+                "--epochs",
+                str(epochs),
+                "--checkpoint",
+                os.path.join(workdir, f"ck{epochs}"),
+                "--checkpoint-every",
+                str(every),
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                str(processes),
+                "--process-id",
+                str(i),
+                "--json",
+                out,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("a training process failed:\n" + "\n---\n".join(errors))
+    with open(out) as f:
+        return json.load(f)
+
+
+def time_checkpoint_wait(
+    *, processes: int = 2, epochs: int = 10, checkpoint_every: int = 2
+) -> dict[str, Any]:
+    """How long a multi-process run's asynchronous Orbax saves hold up its steps.
+
+    Runs ``symjax-mlp train`` (the digits MLP) in ``processes`` processes, saving every
+    ``checkpoint_every`` epochs, and reads each save's wait (``TrainResult.checkpoint_waits``:
+    what the training thread spends in it, i.e. device copies, the hand-off to the writer
+    thread, and any wait for the save before it); the write itself runs beside the steps.
+
+    Returns:
+      A dict: ``first_save_ms`` (Orbax's start-up and the copy's compile included),
+      ``save_ms`` (the median of the later saves), ``step_ms`` (the median epoch after the
+      first, per step, its evaluation included), ``save_over_step`` (target <= 0.10),
+      ``saves``, ``processes``, ``epochs``, ``checkpoint_every``.
+    """
+    import statistics
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as workdir:
+        run = _train_processes(processes, epochs, checkpoint_every, workdir)
+    waits, history = run["checkpoint_waits"], run["history"]
+    step_ms = 1e3 * statistics.median(r["seconds"] for r in history[1:]) / history[0]["step"]
+    save_ms = 1e3 * statistics.median(waits[1:])
+    return {
+        "first_save_ms": 1e3 * waits[0],
+        "save_ms": save_ms,
+        "step_ms": step_ms,
+        "save_over_step": save_ms / step_ms,
+        "saves": len(waits),
+        "processes": processes,
+        "epochs": epochs,
+        "checkpoint_every": checkpoint_every,
+    }

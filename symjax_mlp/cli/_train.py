@@ -1,6 +1,9 @@
 """``symjax-mlp train``: :func:`symjax_mlp.training.train` on the bundled digits data.
 
 The targets of ``--json`` and ``--export`` are refused before the first epoch, never after.
+With ``--coordinator HOST:PORT --num-processes N --process-id I`` it is one of N processes of a
+data-parallel run (:func:`symjax_mlp.training.initialize` first); process 0 writes the
+``--json`` and ``--export`` targets.
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--export", metavar="PATH", help="export the trained model as an artifact")
     p.add_argument("--overwrite", action="store_true", help="replace --export/--json targets")
     p.add_argument("--quiet", action="store_true", help="no progress")
+    p.add_argument("--blocks", type=positive("--blocks"), help="gradient blocks (default: 1, or "
+                   "the number of processes): bitwise the same for any process count")  # fmt: skip
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address: one of "
+                   "--num-processes processes")  # fmt: skip
+    p.add_argument("--num-processes", type=positive("--num-processes"), default=1)
+    p.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--timeout", type=positive("--timeout"), default=60, metavar="SECONDS",
+                   help="how long a process waits for another before the run fails")  # fmt: skip
     p.set_defaults(handler=run)
 
 
@@ -42,8 +53,14 @@ def run(args: argparse.Namespace) -> int:
     from symjax_mlp import mlp
     from symjax_mlp._artifact.format import check_target
     from symjax_mlp.cli._progress import epochs_progress
-    from symjax_mlp.training import train
+    from symjax_mlp.training import initialize, train
 
+    if args.num_processes > 1 or args.coordinator:
+        if not args.coordinator:
+            raise argparse.ArgumentTypeError("--num-processes needs --coordinator HOST:PORT")
+        initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
+    if args.process_id:  # one writer of the results: process 0
+        args.json = args.export = None
     if args.json:  # refused before training, never after
         writable(args.json, "--json", overwrite=args.overwrite)
     if args.export:
@@ -51,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not args.checkpoint:
         raise argparse.ArgumentTypeError("--resume needs --checkpoint DIR, the directory to use")
     with epochs_progress(args.epochs, quiet=args.quiet) as on_epoch:
-        options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume"
+        options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume blocks"
         keyed = _args.keywords(args, options)
         result = train(mlp(args.sizes), compiled=not args.eager, on_epoch=on_epoch, **keyed)
     if args.json:

@@ -2,9 +2,12 @@
 
 ``sm.training.train`` jit-compiles one step at one boundary (params and optimizer state
 donated), runs it over shuffled, padded batches, checkpoints without pickle and resumes
-exactly. The pieces are public for research code that writes its own loop.
+exactly. The pieces are public for research code that writes its own loop. After
+``initialize``, the same ``train`` runs data-parallel over several processes, checkpointing
+through Orbax.
 """
 
+from symjax_mlp._errors import DistributedError as DistributedError
 from symjax_mlp.training._checkpoint import TrainState as TrainState
 from symjax_mlp.training._checkpoint import latest_checkpoint as latest_checkpoint
 from symjax_mlp.training._checkpoint import restore_checkpoint as restore_checkpoint
@@ -12,6 +15,8 @@ from symjax_mlp.training._checkpoint import save_checkpoint as save_checkpoint
 from symjax_mlp.training._data import Dataset as Dataset
 from symjax_mlp.training._data import load_digits as load_digits
 from symjax_mlp.training._loop import train as train
+from symjax_mlp.training._processes import EXIT_STATUS as EXIT_STATUS
+from symjax_mlp.training._processes import initialize as initialize
 from symjax_mlp.training._result import EpochRecord as EpochRecord
 from symjax_mlp.training._result import TrainResult as TrainResult
 from symjax_mlp.training._step import ShardedStep as ShardedStep
@@ -21,13 +26,16 @@ from symjax_mlp.training._step import shard_step as shard_step
 from symjax_mlp.training._step import train_step as train_step
 
 __all__ = [
+    "EXIT_STATUS",
     "Dataset",
+    "DistributedError",
     "EpochRecord",
     "ShardedStep",
     "Step",
     "TrainResult",
     "TrainState",
     "init_params",
+    "initialize",
     "latest_checkpoint",
     "load_digits",
     "restore_checkpoint",

@@ -64,9 +64,10 @@ def _name(prefix: str, path: Any) -> str:
     return prefix + "/" + jax.tree_util.keystr(path, simple=True, separator="/")
 
 
-def _tensors(state: TrainState) -> dict[str, np.ndarray]:
-    """Flattens ``state`` into ``{key path: array}``; names must be unique."""
-    tensors: dict[str, np.ndarray] = {}
+def named_leaves(state: TrainState) -> dict[str, Any]:
+    """``{key path: leaf}`` of the params and optimizer state, and the rng's key data as
+    ``rng``: a checkpoint's tensor names. Names must be unique."""
+    tensors: dict[str, Any] = {}
     for prefix in ("params", "opt_state"):
         for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(state, prefix)):
             name = _name(prefix, path)
@@ -75,9 +76,36 @@ def _tensors(state: TrainState) -> dict[str, np.ndarray]:
                     f"two leaves of the training state are both named {name!r}; rename the "
                     "dict keys that contain '/' so every leaf has its own checkpoint name."
                 )
-            tensors[name] = np.asarray(leaf)
-    tensors["rng"] = np.asarray(jax.random.key_data(state.rng))
+            tensors[name] = leaf
+    tensors["rng"] = jax.random.key_data(state.rng)
     return tensors
+
+
+def _tensors(state: TrainState) -> dict[str, np.ndarray]:
+    return {name: np.asarray(leaf) for name, leaf in named_leaves(state).items()}
+
+
+def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> None:
+    """Refuses a checkpoint whose tensors (``{name: (shape, dtype)}``) are not ``wanted``'s."""
+    missing = sorted(set(wanted) - set(stored))
+    extra = sorted(set(stored) - set(wanted))
+    if missing or extra:
+        raise CheckpointError(
+            f"{path} does not fit this model and optimizer: missing tensors {missing[:5]}, "
+            f"unexpected tensors {extra[:5]}. Resume with the model and optimizer that wrote it."
+        )
+    for name, (shape, dtype) in wanted.items():
+        got_shape, got_dtype = stored[name]
+        if tuple(got_shape) != tuple(shape) or str(got_dtype) != str(dtype):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(got_shape)} and dtype {got_dtype}, but "
+                f"this model expects shape {tuple(shape)} and dtype {dtype}. The checkpoint was "
+                "written for another model or feature width; resume with the same ones."
+            )
+
+
+def specs(tensors: dict[str, Any]) -> dict[str, tuple]:
+    return {name: (tuple(a.shape), str(a.dtype)) for name, a in tensors.items()}
 
 
 def save_checkpoint(
@@ -330,22 +358,7 @@ def restore_checkpoint(
             f"{state_file} is missing; the checkpoint is incomplete. Restore from an older "
             "step_* directory."
         ) from None
-    wanted = _tensors(like)
-    missing = sorted(set(wanted) - set(stored))
-    extra = sorted(set(stored) - set(wanted))
-    if missing or extra:
-        raise CheckpointError(
-            f"{path} does not fit this model and optimizer: missing tensors {missing[:5]}, "
-            f"unexpected tensors {extra[:5]}. Resume with the model and optimizer that wrote it."
-        )
-    for name, want in wanted.items():
-        got = stored[name]
-        if got.shape != want.shape or got.dtype != want.dtype:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {got.shape} and dtype {got.dtype}, but this "
-                f"model expects shape {want.shape} and dtype {want.dtype}. The checkpoint was "
-                "written for another model or feature width; resume with the same ones."
-            )
+    check_fit(path, specs(stored), specs(_tensors(like)))
 
     def leaves(prefix: str, tree: Any) -> Any:
         paths, treedef = jax.tree_util.tree_flatten_with_path(tree)

@@ -12,8 +12,6 @@ names the step and the checkpoint kept.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -27,15 +25,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from symjax_mlp._errors import ConfigError, DivergenceError, RetraceError
+from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._models import mlp
-from symjax_mlp.training._checkpoint import TrainState, check_directory
+from symjax_mlp.training._checkpoint import TrainState, check_directory, latest_checkpoint
 from symjax_mlp.training._data import Dataset, check_dataset, load_digits
+from symjax_mlp.training._epoch import Programs
 from symjax_mlp.training._nnx import NnxSpec, spec_of
+from symjax_mlp.training._orbax import OrbaxCheckpoints, orbax_steps
+from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._result import EpochRecord, TrainResult
 from symjax_mlp.training._resume import resume_run, run_config, save_run
 from symjax_mlp.training._spec import TRAIN_FORM, inference_shape
-from symjax_mlp.training._step import ModelVars, apply_model, init_params, train_step
+from symjax_mlp.training._step import ModelVars, init_params
 
 _NOT_FLAX = (
     "train() trains a flax.linen or nnx module; got a {kind}. For another model, write the "
@@ -62,6 +63,8 @@ def train(
     checkpoint_every: int = 1,
     resume: bool = False,
     on_epoch: Callable[[EpochRecord], None] | None = None,
+    blocks: int | None = None,
+    timeout: int | None = None,
 ) -> TrainResult:
     """Trains a classifier with optax; the step is jit-compiled (or eager, for comparison).
 
@@ -93,6 +96,17 @@ def train(
       resume: continue from the newest checkpoint in ``checkpoint`` (a fresh start if it
         holds none).
       on_epoch: called with each :class:`EpochRecord` as soon as the epoch ends.
+      blocks: each batch's gradient is the sum of this many equal blocks' gradients, added in
+        block order (see :func:`train_step`): runs with the same ``blocks`` give bitwise the
+        same params in one process and in several. Default: 1 in one process, the number of
+        devices after :func:`~symjax_mlp.training.initialize`.
+      timeout: in a multi-process run, the seconds a process waits for another (default:
+        :func:`~symjax_mlp.training.initialize`'s) before the run fails naming it.
+
+    After :func:`~symjax_mlp.training.initialize`, every process calls ``train`` with the same
+    arguments: the processes compare their settings before the first step (a difference is a
+    ``ConfigError`` in each), each step runs data-parallel over every process's devices, and
+    checkpoints go through Orbax, saved asynchronously.
 
     Returns:
       A :class:`TrainResult`; ``result.hybridize()`` is the trained model.
@@ -105,7 +119,8 @@ def train(
         already holds some and ``resume`` is false; or the one found does not fit this model,
         optimizer, data, seed or batch size.
       ConfigError: a hyperparameter is out of range, or the model's flags do not switch it
-        between training and inference.
+        between training and inference; another process was started with other settings.
+      DistributedError: another process did not post its settings within ``timeout``.
 
     Example:
       >>> import symjax_mlp as sm
@@ -134,16 +149,32 @@ def train(
         model, spec, state.params, data, optimizer,
         seed=seed, batch_size=batch_size, num_outputs=num_outputs,
     )  # fmt: skip
-    state, history, resumed_from = resume_run(checkpoint, state, config, resume=resume)
-    newest = resumed_from
-    programs = Programs.of(model, spec, optimizer, compiled=compiled)
-    for epoch in range(state.epoch + 1, epochs + 1):
-        state, record = programs.epoch(state, data, batch_size, epoch, newest=newest)
-        history.append(record)
-        if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
-            newest = save_run(checkpoint, state, config, history)
-        if on_epoch is not None:
-            on_epoch(record)
+    multi = jax.process_count() > 1
+    blocks = _checked_blocks(blocks, batch_size, jax.device_count() if multi else 1)
+    if blocks != 1:  # recorded only when set: older checkpoints resume as they are
+        config["blocks"] = blocks
+    programs, store, watch = _processes(
+        model, spec, optimizer, config, compiled=compiled, blocks=blocks, timeout=timeout,
+        checkpoint=checkpoint, run={"epochs": epochs, "every": checkpoint_every, "resume": resume},
+    )  # fmt: skip
+    try:
+        state, history, resumed_from = resume_run(
+            checkpoint, state, config, resume=resume, store=store
+        )
+        newest = resumed_from
+        for epoch in range(state.epoch + 1, epochs + 1):
+            state, record = programs.epoch(state, data, batch_size, epoch, newest=newest)
+            history.append(record)
+            if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
+                newest = save_run(checkpoint, state, config, history, store)
+            if on_epoch is not None:
+                on_epoch(record)
+    finally:
+        for done in (store, watch):
+            if done is not None:
+                done.close()
+    local = programs.local
+    state = dataclasses.replace(state, params=local(state.params), opt_state=local(state.opt_state))
     stateful = isinstance(state.params, ModelVars)
     params = state.params.params if stateful else state.params
     model_state = state.params.state if stateful else None
@@ -167,7 +198,58 @@ def train(
         model_state=model_state,
         eval_flags=spec.eval_flags,
         standardize=None if data.mean is None else (data.mean, data.std),
+        checkpoint_waits=() if store is None else tuple(store.waits),
     )
+
+
+def _checked_blocks(blocks: int | None, batch_size: int, devices: int) -> int:
+    blocks = devices if blocks is None else blocks
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+        raise ConfigError(f"blocks must be an int >= 1; got {blocks!r}.")
+    if batch_size % blocks or blocks % devices:
+        raise ConfigError(
+            f"blocks={blocks} must divide batch_size={batch_size} and be a multiple of the "
+            f"run's {devices} device(s) (each device computes whole blocks). Pass e.g. "
+            f"blocks={devices} with a batch_size that is a multiple of it."
+        )
+    return blocks
+
+
+def _processes(
+    model: Any, spec: Any, optimizer: optax.GradientTransformation, config: dict[str, Any], *,
+    compiled: bool, blocks: int, timeout: int | None, checkpoint: Any, run: dict[str, Any],
+) -> tuple[Programs, OrbaxCheckpoints | None, Watchdog | None]:  # fmt: skip
+    """The run's programs, and in a multi-process run its Orbax checkpoints and watchdog,
+    once every process has posted the same settings."""
+    caller = "symjax_mlp.training.train"
+    if jax.process_count() == 1:
+        if checkpoint is not None and orbax_steps(Path(checkpoint)):
+            raise CheckpointError(_ORBAX_IN_ONE.format(caller=caller, path=checkpoint))
+        return Programs.of(model, spec, optimizer, compiled=compiled, blocks=blocks), None, None
+    if not compiled:
+        raise ConfigError(f"{caller}: a multi-process run is compiled; got compiled=False.")
+    timeout = run_timeout(timeout)
+    key = agree({**config, **run, "checkpoint": checkpoint is not None}, timeout=timeout,
+                caller=caller)  # fmt: skip
+    if checkpoint is not None and latest_checkpoint(checkpoint) is not None:
+        raise CheckpointError(_ONE_IN_MANY.format(caller=caller, path=checkpoint))
+    watch = Watchdog(key, timeout, caller)
+    programs = Programs.of(model, spec, optimizer, compiled=True, blocks=blocks, watch=watch)
+    if checkpoint is None:
+        return programs, None, watch
+    store = OrbaxCheckpoints(checkpoint, timeout=timeout, sharding=programs.step.replicated)
+    return programs, store, watch
+
+
+_ORBAX_IN_ONE = (
+    "{caller}: {path} holds checkpoints of a multi-process run (Orbax). Resume it with as many "
+    "processes, each after symjax_mlp.training.initialize(...), or use another directory."
+)
+_ONE_IN_MANY = (
+    "{caller}: {path} holds checkpoints of a single-process run (step_* safetensors); a "
+    "multi-process run writes Orbax checkpoints. Resume it in one process, or use another "
+    "directory."
+)
 
 
 def _checked_optimizer(
@@ -236,129 +318,3 @@ def _unaliased(params: Any, opt_state: Any) -> Any:
         return leaf
 
     return jax.tree.map(own, opt_state)
-
-
-# -- one epoch ---------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnums=1)
-def _shuffle(rng: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-    rng, key = jax.random.split(rng)
-    return rng, jax.random.permutation(key, n)
-
-
-def _batches(
-    order: np.ndarray, x: np.ndarray, y: np.ndarray, batch_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One epoch in ``order``, padded cyclically to whole batches (padding has weight 0)."""
-    n = len(x)
-    steps = math.ceil(n / batch_size)
-    order = np.resize(order, steps * batch_size)
-    w = np.zeros(steps * batch_size, np.float32)
-    w[:n] = 1.0
-    shape = (steps, batch_size)
-    return x[order].reshape(*shape, -1), y[order].reshape(shape), w.reshape(shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class Programs:
-    """The training step and the prediction, jit-compiled (or eager), and the step's traces:
-    a second trace raises :class:`~symjax_mlp.RetraceError` instead of compiling again."""
-
-    step: Callable[..., Any]
-    predict: Callable[..., Any]
-    traces: list[tuple[Any, ...]]
-    compiled: bool
-
-    @classmethod
-    def of(
-        cls, model: Any, spec: Any, optimizer: optax.GradientTransformation, *, compiled: bool
-    ) -> Programs:
-        """The programs of ``model`` under ``optimizer``: ``jax.jit`` with the params and the
-        optimizer state donated when ``compiled``, else the same functions run eagerly."""
-        step = train_step(model, optimizer, train_flags=spec.train_flags)
-        traces: list[tuple[Any, ...]] = []
-
-        def counted(params, opt_state, x, y, w):
-            traces.append(tuple(jax.typeof(a) for a in (x, y, w)))
-            if len(traces) > 1:
-                raise RetraceError(
-                    f"train step traced again (trace #{len(traces) - 1}) with inputs "
-                    f"{traces[-1]}; the first trace had {traces[0]}. Every step should see one "
-                    "signature."
-                )
-            return step(params, opt_state, x, y, w)
-
-        def predict(params, x):
-            return jnp.argmax(apply_model(model, spec, params, x, train=False)[0], axis=-1)
-
-        if compiled:
-            return cls(jax.jit(counted, donate_argnums=(0, 1)), jax.jit(predict), traces, True)
-        return cls(step, predict, traces, False)
-
-    def accuracy(self, params: Any, data: Dataset) -> float:
-        """The share of the test split predicted right."""
-        right = np.sum(np.asarray(self.predict(params, data.x_test)) == data.y_test)
-        return int(right) / len(data.y_test)
-
-    def epoch(
-        self, state: TrainState, data: Dataset, batch_size: int, epoch: int, *, newest: Path | None
-    ) -> tuple[TrainState, EpochRecord]:
-        """One shuffled pass over the training split (``state`` is donated when compiled),
-        then the test split's accuracy: the new state and the epoch's record."""
-        t0 = time.perf_counter()
-        rng, order = _shuffle(state.rng, len(data.y_train))
-        xb, yb, wb = _batches(np.asarray(order), data.x_train, data.y_train, batch_size)
-        params, opt_state, metrics = state.params, state.opt_state, []
-        for i in range(len(xb)):
-            params, opt_state, m = self.step(params, opt_state, xb[i], yb[i], wb[i])
-            metrics.append(m)
-        metrics = jax.device_get(metrics)
-        losses = np.array([m["loss"] for m in metrics])
-        _check_finite(losses, params, first_step=state.step, epoch=epoch, newest=newest)
-        n_train = len(data.y_train)
-        record = EpochRecord(
-            epoch=epoch,
-            step=state.step + len(xb),
-            loss=float(np.sum(losses * wb.sum(axis=1)) / n_train),
-            train_accuracy=float(sum(float(m["correct"]) for m in metrics) / n_train),
-            test_accuracy=self.accuracy(params, data),
-            seconds=time.perf_counter() - t0,
-        )
-        return TrainState(params, opt_state, rng, step=record.step, epoch=epoch), record
-
-
-def _check_finite(
-    losses: np.ndarray, params: Any, *, first_step: int, epoch: int, newest: Path | None
-) -> None:
-    """Raises at the epoch's first non-finite loss, or if it left a non-finite param."""
-    bad = np.flatnonzero(~np.isfinite(losses))
-    bad_leaf = None if bad.size else _nonfinite_leaf(params)
-    if not bad.size and bad_leaf is None:
-        return
-    n = len(losses)
-    i = int(bad[0]) if bad.size else n - 1
-    what = (
-        f"the loss is {losses[i]} at step {first_step + i}"
-        if bad.size
-        else f"the update at step {first_step + i} made params{bad_leaf} non-finite"
-    )
-    kept = (
-        f"the last good checkpoint is kept: {newest}"
-        if newest
-        else "no checkpoint was written (pass checkpoint=DIR to keep one)"
-    )
-    raise DivergenceError(
-        f"training diverged: {what} (epoch {epoch}, batch {i + 1} of {n}; "
-        f"{first_step + i} updates applied before it). Training stopped; {kept}. "
-        "Lower the learning rate, clip the gradients (optax.clip_by_global_norm) or "
-        "check the data.",
-        step=first_step + i,
-        epoch=epoch,
-        checkpoint=newest,
-    )
-
-
-def _nonfinite_leaf(tree: Any) -> str | None:
-    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(tree)):
-        if not np.all(np.isfinite(leaf)):
-            return jax.tree_util.keystr(path)
-    return None

@@ -52,6 +52,9 @@ class TrainResult:
       eval_flags: the keyword settings of an inference call, e.g. ``{"train": False}``.
       standardize: the data's per-feature ``(mean, std)``: raw features ``x`` enter the model
         as ``(x - mean) / std``; or ``None``.
+      checkpoint_waits: the seconds each of a multi-process run's asynchronous checkpoint saves
+        held up its steps (copying the arrays, handing them to the writer); ``()`` in one
+        process, whose saves are synchronous.
     """
 
     model: Any
@@ -70,6 +73,7 @@ class TrainResult:
     model_state: Any = None
     eval_flags: dict[str, bool] = dataclasses.field(default_factory=dict)
     standardize: tuple[np.ndarray, np.ndarray] | None = None
+    checkpoint_waits: tuple[float, ...] = ()
 
     @property
     def variables(self) -> dict[str, Any]:
@@ -123,5 +127,6 @@ class TrainResult:
             "trace_count": self.trace_count,
             "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
             "checkpoint": None if self.checkpoint is None else str(self.checkpoint),
+            "checkpoint_waits": list(self.checkpoint_waits),
             "history": [dataclasses.asdict(r) for r in self.history],
         }

@@ -78,15 +78,20 @@ def resume_run(
     config: dict[str, Any],
     *,
     resume: bool,
+    store: Any = None,
 ) -> tuple[TrainState, list[EpochRecord], Path | None]:
     """``(state, history, found)``: the newest checkpoint's (read into the structure of the
-    freshly initialised ``state``), or ``state`` unchanged if none.
+    freshly initialised ``state``), or ``state`` unchanged if none. ``store``: a multi-process
+    run's :class:`~symjax_mlp.training._orbax.OrbaxCheckpoints` (default: safetensors).
 
     Raises:
       CheckpointError: a checkpoint is there and ``resume`` is false, or it was written by a
         run with another ``config``, or its history does not match its step and epoch.
     """
-    found = None if checkpoint is None else latest_checkpoint(checkpoint)
+    if store is not None:
+        found = store.latest()
+    else:
+        found = None if checkpoint is None else latest_checkpoint(checkpoint)
     if found is None:
         return state, [], None
     if not resume:
@@ -94,14 +99,15 @@ def resume_run(
             f"{checkpoint} already holds checkpoints (newest: {found.name}). Pass "
             "resume=True to continue from it, or use an empty directory."
         )
-    state, meta = restore_checkpoint(found, state)
+    state, meta = (restore_checkpoint if store is None else store.restore)(found, state)
     recorded = meta.get("config", {})
-    changed = [k for k, v in config.items() if k != PROBE and recorded.get(k) != v]
+    keys = sorted(set(config) | set(recorded))  # a setting only one of them records differs
+    changed = [k for k in keys if k != PROBE and recorded.get(k) != config.get(k)]
     if changed:
         was = {k: recorded.get(k) for k in changed}
         raise CheckpointError(
             f"{found} was written with {was}, but this run has "
-            f"{ {k: config[k] for k in changed} }. Resuming would not continue that run; "
+            f"{ {k: config.get(k) for k in changed} }. Resuming would not continue that run; "
             "resume with the same settings, or start over in an empty directory."
         )
     # a checkpoint written before the probe was recorded has none: its config still matched
@@ -122,9 +128,13 @@ def save_run(
     state: TrainState,
     config: dict[str, Any],
     history: list[EpochRecord],
+    store: Any = None,
 ) -> Path:
-    """Writes ``state`` with the run's config and history beside it; returns its path."""
+    """Writes ``state`` with the run's config and history beside it (through ``store``, if
+    given); returns its path."""
     meta = {"config": config, "history": [dataclasses.asdict(r) for r in history]}
+    if store is not None:
+        return store.save(state, meta)
     return save_checkpoint(checkpoint, state, metadata=meta)
 
 

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
 from symjax_mlp.training._nnx import NnxSpec, spec_of
 from symjax_mlp.training._spec import STEP_FORM, ModelSpec, init_variables
@@ -121,6 +123,7 @@ def train_step(
     optimizer: optax.GradientTransformation,
     *,
     train_flags: Mapping[str, Any] | None = None,
+    blocks: int = 1,
 ) -> Step:
     """The pure training step ``step(params, opt_state, x, y, w) -> (params, opt_state, metrics)``.
 
@@ -136,6 +139,10 @@ def train_step(
       optimizer: any ``optax.GradientTransformation``.
       train_flags: the keyword settings of a training call, e.g. ``{"is_training": True}``
         (default: ``train``, ``training`` or ``deterministic``, whichever ``__call__`` takes).
+      blocks: split the batch into this many equal blocks and add their gradients in block
+        order: the params are then bitwise the same on one device and, under
+        :func:`shard_step`, on any number of shards that divides ``blocks`` (a model without
+        state; the batch a multiple of ``blocks``). ``1``: one gradient of the whole batch.
 
     Returns:
       The step; its first call (its trace) raises :class:`~symjax_mlp.ConfigError` for a
@@ -163,23 +170,75 @@ def train_step(
         correct = jnp.sum(w * (jnp.argmax(logits, axis=-1) == y))
         return loss, (correct, params)
 
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+        raise ConfigError(f"{caller}: blocks must be an int >= 1; got {blocks!r}.")
     specs: dict[tuple[Any, ...], Any] = {}  # per input row signature, derived once
 
-    def step(params: Any, opt_state: Any, x: jax.Array, y: jax.Array, w: jax.Array):
+    def step(
+        params: Any, opt_state: Any, x: jax.Array, y: jax.Array, w: jax.Array, *,
+        axis_name: str | None = None,
+    ):  # fmt: skip
         row = (tuple(x.shape[1:]), x.dtype)
         spec = specs.get(row)
         if spec is None:
             spec = specs[row] = spec_of(model, x[:1], train_flags, caller=caller, form=STEP_FORM)
         stateful = isinstance(params, ModelVars)
         trainable, rest = (params.params, params.state) if stateful else (params, None)
-        grad_fn = jax.value_and_grad(functools.partial(loss_fn, spec), has_aux=True)
-        (loss, (correct, moved)), grads = grad_fn(trainable, rest, x, y, w)
+        if blocks == 1:
+            grad_fn = jax.value_and_grad(functools.partial(loss_fn, spec), has_aux=True)
+            (loss, (correct, moved)), grads = grad_fn(trainable, rest, x, y, w)
+        elif stateful:
+            raise ConfigError(_BLOCKS_STATE.format(caller=caller, blocks=blocks))
+        else:
+            loss, correct, grads = _blocked(model, spec, trainable, (x, y, w), blocks, axis_name)
+            moved = None
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         params = ModelVars(trainable, moved.state) if stateful else trainable
         return params, opt_state, {"loss": loss, "correct": correct}
 
+    step.blocks = blocks
     return step
+
+
+_BLOCKS_STATE = (
+    "{caller}: blocks={blocks} computes each block's gradient alone, but this model has state "
+    "(BatchNorm statistics, a dropout rng) that would then move per block, not per batch. "
+    "Train it with blocks=1."
+)
+
+
+def _blocked(model: Any, spec: Any, params: Any, batch: tuple, blocks: int, axis: str | None):
+    """``(loss, correct, grads)`` of ``batch`` as ``blocks`` blocks, added in block order; under
+    ``shard_map`` (``axis``) each device computes its blocks and all are gathered first."""
+    n = 1 if axis is None else jax.lax.axis_size(axis)
+    rows = batch[0].shape[0]
+    if rows % (blocks // n):
+        raise SignatureError(
+            f"train_step(..., blocks={blocks}): a batch of {rows * n} rows does not split into "
+            f"{blocks} equal blocks. Pass a batch that is a multiple of {blocks}."
+        )
+
+    def part(p: Any, x: jax.Array, y: jax.Array, w: jax.Array):
+        logits = apply_model(model, spec, p, x, train=True)[0]
+        losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
+        correct = jnp.sum(w * (jnp.argmax(logits, axis=-1) == y))
+        return jnp.sum(w * losses), (correct, jnp.sum(w))
+
+    split = [a.reshape(blocks // n, -1, *a.shape[1:]) for a in batch]
+    per = jax.lax.map(lambda b: jax.value_and_grad(part, has_aux=True)(params, *b), split)
+    if axis is not None:
+        per = jax.lax.all_gather(per, axis, tiled=True)
+
+    def ordered(a: jax.Array) -> jax.Array:
+        total = a[0]
+        for i in range(1, blocks):
+            total = total + a[i]
+        return total
+
+    (loss, (correct, weight)), grads = jax.tree.map(ordered, per)
+    weight = jnp.maximum(weight, 1.0)
+    return loss / weight, correct, jax.tree.map(lambda g: g / weight, grads)
 
 
 class ShardedStep:
@@ -193,6 +252,21 @@ class ShardedStep:
         self.mesh, self.replicated, self.batch_sharding, self.n_shards = shardings(mesh, axis)
         self.axis, self.pad = axis, pad
         rep, dat = self.replicated, self.batch_sharding
+        self.blocks = getattr(step, "blocks", 1)
+        if self.blocks > 1:  # each device its blocks, gathered in the step: a fixed order
+            if self.blocks % self.n_shards:
+                raise ConfigError(
+                    f"shard_step(...): a step of blocks={self.blocks} over {self.n_shards} "
+                    f"shards; the shards must divide the blocks. Use blocks={self.n_shards} "
+                    "(or a multiple), or a mesh whose axis size divides it."
+                )
+            step = jax.shard_map(
+                functools.partial(step, axis_name=axis),
+                mesh=self.mesh,
+                in_specs=(P(), P(), P(axis), P(axis), P(axis)),
+                out_specs=P(),
+                check_vma=False,
+            )
         self._jitted = jax.jit(
             step,
             in_shardings=(rep, rep, dat, dat, dat),
@@ -209,6 +283,12 @@ class ShardedStep:
         batch = batch_size((x, y) if w is None else (x, y, w), "shard_step(...)")
         w = np.ones(batch, np.float32) if w is None else w
         extra = padding(batch, self.n_shards, self.pad, "shard_step(...)")
+        if self.blocks > 1 and batch % self.blocks:
+            raise SignatureError(
+                f"shard_step(...): a batch of {batch} rows does not split into the step's "
+                f"{self.blocks} equal blocks (padding would change them). Pass a batch that is "
+                f"a multiple of {self.blocks}."
+            )
         arrays = (pad_rows(x, extra), pad_rows(y, extra), pad_rows(w, extra, fill=0))
         return tuple(place(a, self.batch_sharding) for a in arrays)
 

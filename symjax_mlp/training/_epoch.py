@@ -1,0 +1,176 @@
+"""One epoch of training: the shuffle, the padded batches, the step's programs, the checks.
+
+:class:`Programs` holds the jit-compiled step (or the same step eager) and the prediction; in a
+multi-process run the step is :func:`~symjax_mlp.training.shard_step`'s over every process's
+devices, each step waited for under the run's watchdog (``watch``), and the checks read this
+process's copy of the replicated params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from symjax_mlp._errors import DivergenceError, RetraceError
+from symjax_mlp.training._checkpoint import TrainState
+from symjax_mlp.training._data import Dataset
+from symjax_mlp.training._result import EpochRecord
+from symjax_mlp.training._step import ShardedStep, apply_model, train_step
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _shuffle(rng: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    rng, key = jax.random.split(rng)
+    return rng, jax.random.permutation(key, n)
+
+
+def _batches(
+    order: np.ndarray, x: np.ndarray, y: np.ndarray, batch_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One epoch in ``order``, padded cyclically to whole batches (padding has weight 0)."""
+    n = len(x)
+    steps = math.ceil(n / batch_size)
+    order = np.resize(order, steps * batch_size)
+    w = np.zeros(steps * batch_size, np.float32)
+    w[:n] = 1.0
+    shape = (steps, batch_size)
+    return x[order].reshape(*shape, -1), y[order].reshape(shape), w.reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The training step and the prediction, jit-compiled (or eager), and the step's traces:
+    a second trace raises :class:`~symjax_mlp.RetraceError` instead of compiling again."""
+
+    step: Callable[..., Any]
+    predict: Callable[..., Any]
+    traces: list[tuple[Any, ...]]
+    compiled: bool
+    #: called around each step of a multi-process run (its watchdog); ``None`` in one process
+    watch: Callable[[int], Any] | None = None
+
+    @classmethod
+    def of(
+        cls, model: Any, spec: Any, optimizer: optax.GradientTransformation, *, compiled: bool,
+        blocks: int = 1, watch: Callable[[int], Any] | None = None,
+    ) -> Programs:  # fmt: skip
+        """The programs of ``model`` under ``optimizer``: ``jax.jit`` with the params and the
+        optimizer state donated when ``compiled``, else the same functions run eagerly; with
+        ``watch`` (several processes), the step sharded over every process's devices."""
+        step = train_step(model, optimizer, train_flags=spec.train_flags, blocks=blocks)
+        traces: list[tuple[Any, ...]] = []
+
+        def counted(params, opt_state, x, y, w, **kw):
+            traces.append(tuple(jax.typeof(a) for a in (x, y, w)))
+            if len(traces) > 1:
+                raise RetraceError(
+                    f"train step traced again (trace #{len(traces) - 1}) with inputs "
+                    f"{traces[-1]}; the first trace had {traces[0]}. Every step should see one "
+                    "signature."
+                )
+            return step(params, opt_state, x, y, w, **kw)
+
+        counted.blocks = blocks
+
+        def predict(params, x):
+            return jnp.argmax(apply_model(model, spec, params, x, train=False)[0], axis=-1)
+
+        if watch is not None:
+            return cls(ShardedStep(counted, None, "data", True, False), jax.jit(predict), traces,
+                       True, watch)  # fmt: skip
+        if compiled:
+            return cls(jax.jit(counted, donate_argnums=(0, 1)), jax.jit(predict), traces, True)
+        return cls(step, predict, traces, False)
+
+    def local(self, tree: Any) -> Any:
+        """``tree`` as this process holds it: a multi-process run's replicated arrays are read
+        from this process's copy."""
+        if self.watch is None:
+            return tree
+        return jax.tree.map(lambda a: a.addressable_data(0), tree)
+
+    def accuracy(self, params: Any, data: Dataset) -> float:
+        """The share of the test split predicted right."""
+        predicted = self.predict(self.local(params), data.x_test)
+        right = np.sum(np.asarray(predicted) == data.y_test)
+        return int(right) / len(data.y_test)
+
+    def epoch(
+        self, state: TrainState, data: Dataset, batch_size: int, epoch: int, *, newest: Path | None
+    ) -> tuple[TrainState, EpochRecord]:
+        """One shuffled pass over the training split (``state`` is donated when compiled),
+        then the test split's accuracy: the new state and the epoch's record."""
+        t0 = time.perf_counter()
+        rng, order = _shuffle(state.rng, len(data.y_train))
+        xb, yb, wb = _batches(np.asarray(order), data.x_train, data.y_train, batch_size)
+        params, opt_state, metrics = state.params, state.opt_state, []
+        for i in range(len(xb)):
+            if self.watch is None:
+                params, opt_state, m = self.step(params, opt_state, xb[i], yb[i], wb[i])
+            else:  # each step waited for, under the watchdog: a stalled peer cannot hang it
+                with self.watch(state.step + i):
+                    params, opt_state, m = self.step(params, opt_state, xb[i], yb[i], wb[i])
+                    m = jax.block_until_ready(self.local(m))
+            metrics.append(m)
+        metrics = jax.device_get(metrics)
+        losses = np.array([m["loss"] for m in metrics])
+        local = self.local(params)
+        _check_finite(losses, local, first_step=state.step, epoch=epoch, newest=newest)
+        n_train = len(data.y_train)
+        record = EpochRecord(
+            epoch=epoch,
+            step=state.step + len(xb),
+            loss=float(np.sum(losses * wb.sum(axis=1)) / n_train),
+            train_accuracy=float(sum(float(m["correct"]) for m in metrics) / n_train),
+            test_accuracy=self.accuracy(params, data),
+            seconds=time.perf_counter() - t0,
+        )
+        return TrainState(params, opt_state, rng, step=record.step, epoch=epoch), record
+
+
+def _check_finite(
+    losses: np.ndarray, params: Any, *, first_step: int, epoch: int, newest: Path | None
+) -> None:
+    """Raises at the epoch's first non-finite loss, or if it left a non-finite param."""
+    bad = np.flatnonzero(~np.isfinite(losses))
+    bad_leaf = None if bad.size else _nonfinite_leaf(params)
+    if not bad.size and bad_leaf is None:
+        return
+    n = len(losses)
+    i = int(bad[0]) if bad.size else n - 1
+    what = (
+        f"the loss is {losses[i]} at step {first_step + i}"
+        if bad.size
+        else f"the update at step {first_step + i} made params{bad_leaf} non-finite"
+    )
+    kept = (
+        f"the last good checkpoint is kept: {newest}"
+        if newest
+        else "no checkpoint was written (pass checkpoint=DIR to keep one)"
+    )
+    raise DivergenceError(
+        f"training diverged: {what} (epoch {epoch}, batch {i + 1} of {n}; "
+        f"{first_step + i} updates applied before it). Training stopped; {kept}. "
+        "Lower the learning rate, clip the gradients (optax.clip_by_global_norm) or "
+        "check the data.",
+        step=first_step + i,
+        epoch=epoch,
+        checkpoint=newest,
+    )
+
+
+def _nonfinite_leaf(tree: Any) -> str | None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(tree)):
+        if not np.all(np.isfinite(leaf)):
+            return jax.tree_util.keystr(path)
+    return None

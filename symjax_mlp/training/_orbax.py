@@ -1,0 +1,193 @@
+"""Checkpoints of a multi-process run: Orbax, asynchronous, with our manifest on top.
+
+Every process calls :meth:`OrbaxCheckpoints.save` with the run's global (replicated) arrays;
+it copies them on their devices and returns; a thread of ours hands the copies to Orbax, which
+copies them to host memory and writes them in its own thread (process 0 writes a replicated
+array once), into a temporary directory renamed to ``<dir>/<step>`` when every process has
+finished: a killed process leaves no half-written step. Orbax's barriers go through the
+coordinator's store (every process named in ``active_processes``), with the run's timeout, so
+a save starts no collective beside the steps'. Beside the arrays,
+the item ``meta`` (JSON) holds what the safetensors manifest holds: the format, step, epoch,
+every tensor's name, shape and dtype, a sha256 of the tensors' bytes, and the run's config and
+history. Restoring checks the names, shapes and dtypes against a fresh state before Orbax
+reads a byte, and the sha256 after: another model, optimizer or run, a truncated file or an
+edited array is a :class:`~symjax_mlp.CheckpointError`. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from symjax_mlp._errors import CheckpointError
+from symjax_mlp.training._checkpoint import TrainState, check_fit, named_leaves, specs
+
+FORMAT = "symjax_mlp.orbax_checkpoint"
+_KEEP = 2
+
+
+def orbax_steps(directory: Path) -> list[int]:
+    """The committed Orbax steps in ``directory`` (``<step>`` directories Orbax finalized)."""
+    if not directory.is_dir():
+        return []
+    found = (p for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+    return sorted(int(p.name) for p in found if (p / "_CHECKPOINT_METADATA").exists())
+
+
+def _digest(tensors: dict[str, Any]) -> str:
+    digest = hashlib.sha256()
+    for name, a in tensors.items():
+        host = np.ascontiguousarray(np.asarray(a))
+        digest.update(f"{name}|{host.shape}|{host.dtype}|".encode())
+        digest.update(host.tobytes())
+    return digest.hexdigest()
+
+
+def _local(a: Any) -> Any:
+    """This process's copy of a replicated array (a NumPy value as it is)."""
+    return a.addressable_data(0) if isinstance(a, jax.Array) else a
+
+
+@jax.jit
+def _copy(tree: Any) -> Any:
+    """New buffers of ``tree``'s arrays, one dispatch for all (their own are donated next)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
+class OrbaxCheckpoints:
+    """An Orbax ``CheckpointManager`` of ``directory``: async saves, the newest two kept."""
+
+    def __init__(self, directory: str | Path, *, timeout: int, sharding: Any):
+        import orbax.checkpoint as ocp
+
+        self.ocp, self.directory = ocp, Path(directory).absolute()
+        self.sharding = sharding  # where restored arrays go: replicated over the run's mesh
+        self.directory.mkdir(parents=True, exist_ok=True)  # each process: Orbax will not
+        options = ocp.CheckpointManagerOptions(
+            create=False,
+            max_to_keep=_KEEP,
+            enable_async_checkpointing=True,
+            cleanup_tmp_directories=True,  # a save a killed process left unfinished
+            async_options=ocp.AsyncOptions(timeout_secs=timeout),
+            # every process named: Orbax's barriers are then the coordinator's (with the
+            # timeout), not a collective each (8 per save, half of a save's blocking time)
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                active_processes=set(range(jax.process_count()))
+            ),
+        )
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "meta")
+        )
+        self.waits: list[float] = []  # how long each save held up the steps
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, "symjax_mlp-save")
+        self._pending: concurrent.futures.Future | None = None
+
+    def latest(self) -> Path | None:
+        step = self.manager.latest_step()
+        return None if step is None else self.directory / str(step)
+
+    def save(self, state: TrainState, metadata: dict[str, Any]) -> Path:
+        """Starts writing ``state`` as ``<dir>/<state.step>`` and returns: the arrays are
+        copied on their devices (the next step may donate them) and a thread hands the copies
+        to Orbax, whose own thread writes them. A save first waits for the one before it."""
+        t0 = time.perf_counter()
+        self._finish()
+        copied = TrainState(*_copy((state.params, state.opt_state)), state.rng)  # not donated
+        step, epoch = int(state.step), int(state.epoch)
+        self._pending = self._thread.submit(self._write, step, epoch, copied, metadata)
+        self.waits.append(time.perf_counter() - t0)
+        return self.directory / str(step)
+
+    def _write(self, step: int, epoch: int, state: TrainState, metadata: dict) -> None:
+        tensors = named_leaves(state)
+        tensors["rng"] = np.asarray(_local(tensors["rng"]))  # this process's: not on the mesh
+        names = list(tensors)
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "epoch": epoch,
+            "tensors": [[n, list(a.shape), str(a.dtype)] for n, a in tensors.items()],
+            "sha256": _digest({n: _local(a) for n, a in tensors.items()}),
+            "metadata": metadata,
+        }
+        items = {f"{i:05d}": tensors[n] for i, n in enumerate(names)}
+        items["rng"] = items.pop(f"{names.index('rng'):05d}")
+        args = self.ocp.args
+        self.manager.save(
+            step, args=args.Composite(state=args.StandardSave(items), meta=args.JsonSave(meta))
+        )
+
+    def _finish(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()  # a failed save raises here, in the training thread
+
+    def restore(self, path: Path, like: TrainState) -> tuple[TrainState, dict]:
+        """Reads ``path`` into the structure of ``like``, each array replicated."""
+        args, step = self.ocp.args, int(path.name)
+        try:
+            meta = self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))["meta"]
+            stored = {n: (tuple(s), d) for n, s, d in meta["tensors"]}
+            if meta.get("format") != FORMAT or meta.get("step") != step:
+                raise TypeError(f"format {meta.get('format')!r}, step {meta.get('step')!r}")
+            if not isinstance(meta.get("metadata"), dict) or not isinstance(meta["epoch"], int):
+                raise TypeError("metadata or epoch")
+        except CheckpointError:
+            raise
+        except Exception as e:  # missing, truncated or edited JSON: the reader's own error
+            raise CheckpointError(
+                f"{path}: its meta item is missing or malformed ({type(e).__name__}: "
+                f"{str(e)[:200]}); the checkpoint is corrupted or was edited. Resume from an "
+                "older step, or start over in an empty directory."
+            ) from None
+        wanted = named_leaves(like)
+        check_fit(path, stored, specs({n: np.asarray(a) for n, a in wanted.items()}))
+        names = list(wanted)
+        target: dict[str, Any] = {}
+        for i, n in enumerate(names):
+            a = np.asarray(wanted[n])
+            if n != "rng":
+                target[f"{i:05d}"] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding)
+        target["rng"] = np.asarray(wanted["rng"])
+        try:
+            items = self.manager.restore(
+                step, args=args.Composite(state=args.StandardRestore(target))
+            )["state"]
+        except Exception as e:  # a truncated or missing array file: tensorstore's error
+            raise CheckpointError(
+                f"{path}: its arrays cannot be read ({type(e).__name__}: {str(e)[:300]}); the "
+                "checkpoint is truncated or corrupted. Resume from an older step."
+            ) from None
+        arrays = {n: items["rng"] if n == "rng" else items[f"{i:05d}"] for i, n in enumerate(names)}
+        if _digest({n: _local(a) for n, a in arrays.items()}) != meta["sha256"]:
+            raise CheckpointError(
+                f"{path}: its arrays are not the ones saved (their sha256 differs from the one "
+                "recorded beside them); the checkpoint was edited or corrupted. Resume from an "
+                "older step, or start over in an empty directory."
+            )
+        leaves = iter(arrays[n] for n in names)
+
+        def rebuild(tree: Any) -> Any:
+            treedef = jax.tree.structure(tree)
+            return jax.tree.unflatten(treedef, [next(leaves) for _ in range(treedef.num_leaves)])
+
+        params, opt_state = rebuild(like.params), rebuild(like.opt_state)
+        rng = jax.random.wrap_key_data(np.asarray(next(leaves)), impl=jax.random.key_impl(like.rng))
+        state = TrainState(params, opt_state, rng, step=meta["step"], epoch=meta["epoch"])
+        return state, meta["metadata"]
+
+    def close(self) -> None:
+        """Waits for the last save to commit, then releases the manager."""
+        try:
+            self._finish()
+        finally:
+            self._thread.shutdown()
+        self.manager.wait_until_finished()
+        self.manager.close()

@@ -1,0 +1,239 @@
+"""Several processes, one run: joining them, agreeing on the run, never waiting in silence.
+
+:func:`initialize` is ``jax.distributed.initialize`` with one ``timeout`` for everything JAX
+waits on (connecting, heartbeats, shutdown). JAX's own failure when a process never connects
+is an abort that names no one, so an alarm runs beside it and ends the process first, naming
+the processes that did not arrive (exit status :data:`EXIT_STATUS`).
+
+A run then goes through the coordinator's key-value store (the client Orbax exposes as
+``orbax.checkpoint.multihost.get_jax_distributed_client``): :func:`agree` posts this process's
+config and reads every other one's before the first collective, and refuses a difference with
+a :class:`~symjax_mlp.ConfigError` naming the process and the fields. :class:`Watchdog` posts
+where this process is (in which step, or done with which) and, when a step waits longer than
+the timeout for a peer, names the peers that are not in that step and ends the process: a
+collective that waits for a stalled peer cannot be interrupted from Python, and gloo never
+times out on its own (measured: a collective waited 13 minutes for a sleeping peer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from symjax_mlp._errors import ConfigError, DistributedError
+
+#: The exit status of a process ended because another did not arrive or stalled (EX_TEMPFAIL:
+#: relaunch every process; ``resume=True`` continues from the last committed checkpoint).
+EXIT_STATUS = 75
+DEFAULT_TIMEOUT = 60
+_PREFIX = "symjax_mlp"
+_runs = itertools.count()  # every process starts its runs in the same order
+_settings = {"timeout": DEFAULT_TIMEOUT}
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout: int = 60) -> None:
+    """Joins this process to a run of ``num_processes`` (``jax.distributed.initialize``).
+
+    Call it first, in every process, with the same ``coordinator`` and ``num_processes``;
+    then :func:`~symjax_mlp.training.train` trains data-parallel over every process's
+    devices and checkpoints through Orbax. On one machine the collectives run over loopback
+    (gloo); across machines, give every process the address of process 0's machine.
+
+    Args:
+      coordinator: ``"host:port"`` where process 0 serves the coordinator.
+      num_processes: how many processes the run has.
+      process_id: this process's id, ``0 .. num_processes - 1``.
+      timeout: seconds any process waits for another (to connect, to reach a step, to post
+        its config, to finish a save) before the run fails, naming the missing process.
+
+    Raises:
+      ConfigError: an argument is out of range, or JAX's distributed runtime already started.
+
+    If not every process connects within ``timeout`` s, this process ends (exit status
+    :data:`EXIT_STATUS`) after naming the processes that did not arrive on stderr.
+    """
+    caller = "symjax_mlp.training.initialize"
+    given = f"{caller}({coordinator!r}, {num_processes!r}, {process_id!r}, timeout={timeout!r})"
+    host, _, port = str(coordinator).rpartition(":")
+    checks = {
+        "coordinator must be 'host:port'": isinstance(coordinator, str) and host and port.isdigit(),
+        "num_processes must be an int >= 1": _count(num_processes, 1),
+        "process_id must be an int in 0 .. num_processes - 1": _count(process_id, 0)
+        and _count(num_processes, 1)
+        and process_id < num_processes,
+        "timeout must be an int >= 1 (seconds)": _count(timeout, 1),
+    }
+    bad = [what for what, ok in checks.items() if not ok]
+    if bad:
+        raise ConfigError(f"{given}: {'; '.join(bad)}.")
+    if jax.distributed.is_initialized():
+        raise ConfigError(f"{given}: jax.distributed is already initialized in this process.")
+    others = [i for i in range(num_processes) if i != process_id]
+
+    def missing() -> str:
+        if process_id and not _reachable(host, int(port)):
+            who = f"process 0 (the coordinator, serving {coordinator}) is not running"
+        elif len(others) == 1:
+            who = f"process {others[0]} never connected"
+        else:  # JAX tells no one who has connected until all have
+            who = f"one or more of processes {others} never connected"
+        return (
+            f"{caller}: process {process_id} of {num_processes} waited {timeout} s at the "
+            f"coordinator {coordinator}: {who}. Start every process, ids 0..{num_processes - 1}, "
+            "with the same coordinator and number of processes."
+        )
+
+    timer = threading.Timer(timeout, lambda: end(missing()))
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(
+            coordinator, num_processes=num_processes, process_id=process_id,
+            initialization_timeout=timeout + 5,  # after the alarm, which names the missing
+            heartbeat_timeout_seconds=timeout, shutdown_timeout_seconds=timeout,
+        )  # fmt: skip
+    finally:
+        timer.cancel()
+    _settings["timeout"] = timeout
+
+
+def run_timeout(timeout: int | None) -> int:
+    """The run's timeout: ``timeout``, else :func:`initialize`'s."""
+    if timeout is None:
+        return _settings["timeout"]
+    if not _count(timeout, 1):
+        raise ConfigError(f"timeout must be an int >= 1 (seconds); got {timeout!r}.")
+    return timeout
+
+
+def end(message: str) -> None:
+    """Writes ``message`` to stderr and ends this process with :data:`EXIT_STATUS`: the main
+    thread may be inside a collective, which Python cannot interrupt."""
+    sys.stderr.write(message + " Ending this process (exit status 75) rather than hang.\n")
+    sys.stderr.flush()
+    os._exit(EXIT_STATUS)
+
+
+def _count(x: Any, low: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _client() -> Any:
+    import orbax.checkpoint as ocp  # the coordinator's client, as Orbax reaches it
+
+    return ocp.multihost.get_jax_distributed_client()
+
+
+def agree(config: dict[str, Any], *, timeout: int, caller: str) -> str:
+    """Posts ``config`` (JSON) and compares it with every other process's; returns the run's
+    key prefix in the store.
+
+    Raises:
+      ConfigError: another process was started with other settings.
+      DistributedError: another process posted nothing within ``timeout`` s.
+    """
+    client, me, n = _client(), jax.process_index(), jax.process_count()
+    run = f"{_PREFIX}/run{next(_runs)}"
+    client.key_value_set(f"{run}/config/{me}", json.dumps(config, sort_keys=True))
+    for other in (i for i in range(n) if i != me):
+        try:
+            posted = client.blocking_key_value_get(f"{run}/config/{other}", timeout * 1000)
+        except Exception:  # the store's deadline: JAX raises its runtime error
+            raise DistributedError(
+                f"{caller}: process {me} of {n} waited {timeout} s for process {other} to start "
+                f"the run (it posts its settings first): process {other} stalled, died or was "
+                "started with another coordinator. Relaunch every process."
+            ) from None
+        theirs = json.loads(posted)
+        changed = sorted(k for k in set(config) | set(theirs) if config.get(k) != theirs.get(k))
+        if changed:
+            mine = {k: _short(config.get(k)) for k in changed}
+            them = {k: _short(theirs.get(k)) for k in changed}
+            raise ConfigError(
+                f"{caller}: process {other} was started with {them}, but process {me} with "
+                f"{mine}. Every process of a run trains the same model on the same data with "
+                "the same settings; refused before the first step. Start them all alike."
+            )
+    return run
+
+
+def _short(v: Any) -> Any:
+    text = json.dumps(v)
+    return v if len(text) <= 80 else text[:77] + "..."
+
+
+class Watchdog:
+    """Ends this process, naming the peers behind, when one step waits over ``timeout`` s.
+
+    ``with watchdog(step):`` wraps each step; a thread posts this process's place (in which
+    step, or done with which) to the store every ``min(1, timeout / 4)`` s and checks the
+    step's age. A peer that is not in that step, and not past it, is the one missing.
+    """
+
+    def __init__(self, run: str, timeout: int, caller: str):
+        self.client, self.me, self.n = _client(), jax.process_index(), jax.process_count()
+        self.run, self.timeout, self.caller = run, timeout, caller
+        self.busy: tuple[int, float] | None = None
+        self.done = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="symjax_mlp-watch")
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def __call__(self, step: int) -> Iterator[None]:
+        self.busy = (step, time.monotonic())
+        try:
+            yield
+        finally:
+            self.busy, self.done = None, step
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            busy = self.busy
+            place = {"in": busy and busy[0], "done": self.done}
+            with contextlib.suppress(Exception):  # the coordinator gone: JAX's own error comes
+                self.client.key_value_set(
+                    f"{self.run}/place/{self.me}", json.dumps(place), allow_overwrite=True
+                )
+            if busy is not None and time.monotonic() - busy[1] > self.timeout:
+                end(self._message(busy[0]))
+
+    def _message(self, step: int) -> str:
+        behind = []
+        for other in (i for i in range(self.n) if i != self.me):
+            try:
+                place = json.loads(self.client.key_value_try_get(f"{self.run}/place/{other}"))
+            except Exception:
+                place = None
+            if place is None:
+                behind.append(f"process {other} (posted nothing)")
+            elif place["in"] != step and place["done"] < step:
+                behind.append(f"process {other} (done with step {place['done']})")
+        who = ", ".join(behind) or "another process"
+        return (
+            f"{self.caller}: process {self.me} of {self.n} waited {self.timeout} s in step "
+            f"{step} for {who}: it stalled or died. Relaunch every process with resume=True "
+            "to continue from the last committed checkpoint."
+        )

@@ -1,0 +1,254 @@
+"""Multi-process training: bitwise like one process, Orbax checkpoints, faults with real processes.
+
+The processes run ``tests/workers/multiprocess_worker.py`` (``sm.training.initialize``, then
+``sm.training.train``) on localhost, one CPU device each, gloo collectives over loopback. The
+reference runs here, in one process, with the same ``blocks``. Faults: a SIGKILL while a save
+is being written, a process that never arrives, one that stalls, one started differently.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import STRICT_WARNINGS
+
+import symjax_mlp as sm
+from symjax_mlp.training._orbax import OrbaxCheckpoints
+
+WORKER = Path(__file__).parent / "workers" / "multiprocess_worker.py"
+sys.path.insert(0, str(WORKER.parent))
+from multiprocess_worker import BATCH, LR, SIZES, problem  # noqa: E402
+
+TIMEOUT = 6  # the runs' timeout (s): a missing or stalled process fails the others after it
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+
+
+def _port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def _launch(n: int, out: Path, *args: str, ids=None, extra=None) -> list[subprocess.Popen]:
+    """Starts processes ``ids`` (default: all) of an ``n``-process run; ``extra[i]``: more
+    arguments for process ``i``."""
+    port = _port()
+    procs = []
+    for i in range(n) if ids is None else ids:
+        more = (extra or {}).get(i, ())
+        cmd = [sys.executable, *STRICT_WARNINGS, str(WORKER), str(i), str(n), port,
+               str(out / f"{i}.npz"), "--timeout", str(TIMEOUT), *args, *more]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], limit: float = 120) -> tuple[list[int], list[str], float]:
+    """``(return codes, logs, seconds until the last one ended)``; kills what outlives ``limit``."""
+    t0 = time.monotonic()
+    try:
+        logs = [p.communicate(timeout=limit)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], logs, time.monotonic() - t0
+
+
+def _reference(epochs: int, blocks: int) -> list[np.ndarray]:
+    """The same run in this one process."""
+    result = sm.training.train(sm.mlp(SIZES), problem(), optimizer=optax.adam(LR), epochs=epochs,
+                               batch_size=BATCH, blocks=blocks)  # fmt: skip
+    return [np.asarray(a) for a in jax.tree.leaves(result.params)]
+
+
+def _params(path: Path) -> list[np.ndarray]:
+    with np.load(path) as f:
+        return [f[f"param_{i}"] for i in range(len([k for k in f.files if k.startswith("param_")]))]
+
+
+def _assert_bitwise(got: list[np.ndarray], want: list[np.ndarray], where: str) -> None:
+    assert len(got) == len(want), where
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and np.array_equal(g, w), (
+            f"{where}: leaf {i} differs by up to {np.max(np.abs(g - w))}"
+        )
+
+
+# -- in this process: the blocked step, the Orbax checkpoint's checks ------------------------
+def test_a_blocked_step_is_bitwise_the_same_on_1_2_4_and_8_devices():
+    """The fixed reduction order: each block's gradient alone, gathered, added in block order."""
+    net, opt = sm.mlp(SIZES), optax.adam(LR)
+    data = problem()
+    x, y = data.x_train[:64], data.y_train[:64]
+    p0 = net.init(jax.random.key(0), x[:1])["params"]
+
+    def run(step) -> list[np.ndarray]:
+        params, opt_state = p0, opt.init(p0)
+        for _ in range(5):
+            params, opt_state, _ = step(params, opt_state, x, y, np.ones(64, np.float32))
+        return [np.asarray(a) for a in jax.tree.leaves(params)]
+
+    want = run(jax.jit(sm.training.train_step(net, opt, blocks=8)))
+    for n in (1, 2, 4, 8):
+        step = sm.training.shard_step(
+            sm.training.train_step(net, opt, blocks=8), sm.data_mesh(n), donate=False
+        )
+        _assert_bitwise(run(step), want, f"{n} devices")
+    whole = run(
+        sm.training.shard_step(sm.training.train_step(net, opt), sm.data_mesh(8), donate=False)
+    )
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(whole, want, strict=True)) < 1e-5
+    with pytest.raises(sm.ConfigError, match=r"blocks=3 over 2 shards.*divide the blocks"):
+        sm.training.shard_step(sm.training.train_step(net, opt, blocks=3), sm.data_mesh(2))
+    with pytest.raises(sm.ConfigError, match=r"blocks=3 must divide batch_size=32"):
+        sm.training.train(net, data, batch_size=32, blocks=3)
+
+
+def test_initialize_refuses_bad_arguments_before_starting_anything():
+    cases = {
+        ("localhost", 2, 0): "coordinator must be 'host:port'",
+        ("127.0.0.1:1234", 2, 2): "process_id must be an int in 0 .. num_processes - 1",
+        ("127.0.0.1:1234", 0, 0): "num_processes must be an int >= 1",
+    }
+    for args, message in cases.items():
+        with pytest.raises(sm.ConfigError, match=message):
+            sm.training.initialize(*args)
+    with pytest.raises(
+        sm.ConfigError, match=r"timeout=0\): timeout must be an int >= 1 \(seconds\)"
+    ):
+        sm.training.initialize("127.0.0.1:1234", 2, 0, timeout=0)
+    assert not jax.distributed.is_initialized()
+
+
+def _saved(tmp_path: Path) -> tuple[OrbaxCheckpoints, sm.training.TrainState, Path]:
+    net, opt = sm.mlp(SIZES), optax.adam(LR)
+    params = net.init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
+    state = sm.training.TrainState(params, opt.init(params), jax.random.key(3), step=8, epoch=1)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
+    path = store.save(state, {"config": {}, "history": []})
+    store.close()
+    return OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding), state, path
+
+
+def test_an_orbax_checkpoint_restores_exactly_and_refuses_foreign_edited_or_truncated(tmp_path):
+    store, state, path = _saved(tmp_path)
+    assert store.latest() == path and path.name == "8"
+    restored, meta = store.restore(path, state)
+    _assert_bitwise(*(
+        [np.asarray(a) for a in jax.tree.leaves((s.params, s.opt_state))] for s in (restored, state)
+    ), "restored")  # fmt: skip
+    assert (restored.step, restored.epoch, meta) == (8, 1, {"config": {}, "history": []})
+    assert np.array_equal(jax.random.key_data(restored.rng), jax.random.key_data(state.rng))
+
+    wider = sm.mlp((32, 4)).init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
+    foreign = sm.training.TrainState(wider, optax.adam(LR).init(wider), jax.random.key(0))
+    with pytest.raises(
+        sm.CheckpointError, match=r"layers_0/bias. has shape \(16,\).*expects shape \(32,\)"
+    ):
+        store.restore(path, foreign)
+    sgd = sm.training.TrainState(state.params, optax.sgd(LR).init(state.params), state.rng)
+    with pytest.raises(sm.CheckpointError, match="does not fit this model and optimizer"):
+        store.restore(path, sgd)
+
+    data = {f: f.read_bytes() for f in (path / "state").rglob("*") if f.parent.name == "d"}
+    assert data, list((path / "state").rglob("*"))  # the arrays' files, as tensorstore has them
+    for f, blob in data.items():
+        f.write_bytes(blob[: len(blob) // 2])  # truncated
+    with pytest.raises(sm.CheckpointError, match=r"8: its arrays (cannot be read|are not the)"):
+        store.restore(path, state)
+    for f, blob in data.items():
+        f.write_bytes(blob[:-9] + bytes([blob[-9] ^ 1]) + blob[-8:])  # one bit flipped
+    with pytest.raises(sm.CheckpointError, match=r"8: its arrays (cannot be read|are not the)"):
+        store.restore(path, state)
+    (path / "meta" / "metadata").write_text('{"format": "something else"}')
+    with pytest.raises(sm.CheckpointError, match="meta item is missing or malformed"):
+        store.restore(path, state)
+
+
+def test_one_process_refuses_a_directory_of_orbax_checkpoints(tmp_path):
+    _saved(tmp_path)
+    with pytest.raises(sm.CheckpointError, match="checkpoints of a multi-process run"):
+        sm.training.train(sm.mlp(SIZES), problem(), checkpoint=tmp_path / "ck", resume=True)
+
+
+# -- real processes --------------------------------------------------------------------------
+@pytest.mark.slow
+def test_2_and_4_processes_train_bitwise_like_one_process(tmp_path):
+    want = _reference(epochs=2, blocks=4)
+    for n in (2, 4):
+        out = tmp_path / str(n)
+        out.mkdir()
+        codes, logs, _ = _wait(_launch(n, out, "--blocks", "4", "--checkpoint", str(out / "ck")))
+        assert codes == [0] * n, "\n---\n".join(logs)
+        for i in range(n):
+            _assert_bitwise(_params(out / f"{i}.npz"), want, f"{n} processes, process {i}")
+        assert sorted(p.name for p in (out / "ck").iterdir()) == ["16", "8"]  # Orbax's steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [0, 1])
+def test_sigkill_during_a_save_then_relaunching_resumes_bitwise(tmp_path, killed):
+    ck = str(tmp_path / "ck")
+    procs = _launch(2, tmp_path, "--checkpoint", ck, "--epochs", "3",
+                    extra={killed: ("--kill-after-save", "2")})  # fmt: skip
+    codes, logs, seconds = _wait(procs)
+    assert codes[killed] == -signal.SIGKILL, logs[killed]
+    assert codes[1 - killed] != 0, logs[1 - killed]  # the other failed too, in bounded time
+    assert seconds < 3 * TIMEOUT + 30, seconds
+    codes, logs, _ = _wait(_launch(2, tmp_path, "--checkpoint", ck, "--epochs", "3", "--resume"))
+    assert codes == [0, 0], "\n---\n".join(logs)
+    want = _reference(epochs=3, blocks=2)
+    for i in range(2):
+        with np.load(tmp_path / f"{i}.npz") as f:
+            assert int(f["resumed_step"]) in (8, 16) and int(f["step"]) == 24
+        _assert_bitwise(_params(tmp_path / f"{i}.npz"), want, f"resumed, process {i}")
+
+
+@pytest.mark.slow
+def test_a_process_that_never_arrives_fails_the_others_within_the_timeout_naming_it(tmp_path):
+    alone = _launch(2, tmp_path, ids=[0]) + _launch(2, tmp_path, ids=[1])  # two runs, one each
+    codes, logs, seconds = _wait(alone)
+    assert codes == [sm.training.EXIT_STATUS] * 2, logs
+    assert f"process 0 of 2 waited {TIMEOUT} s at the coordinator" in logs[0]
+    assert "process 1 never connected" in logs[0]
+    assert "process 0 (the coordinator, serving 127.0.0.1:" in logs[1]
+    assert seconds < TIMEOUT + 20, seconds
+
+
+@pytest.mark.slow
+def test_a_stalled_process_fails_the_others_within_the_timeout_naming_it(tmp_path):
+    procs = _launch(2, tmp_path, "--epochs", "2", extra={1: ("--stall-after", "1")})
+    t0 = time.monotonic()
+    log0 = procs[0].communicate(timeout=120)[0]
+    seconds = time.monotonic() - t0
+    _wait(procs[1:], limit=3 * TIMEOUT)
+    assert procs[0].returncode == sm.training.EXIT_STATUS, log0
+    assert f"process 0 of 2 waited {TIMEOUT} s in step 8 for process 1 (done with step 7)" in log0
+    assert seconds < TIMEOUT + 40, seconds
+
+
+@pytest.mark.slow
+def test_processes_started_differently_are_refused_before_the_first_collective(tmp_path):
+    codes, logs, _ = _wait(_launch(2, tmp_path, extra={1: ("--seed", "1")}))
+    assert codes == [1, 1], logs
+    assert "process 1 was started with {'seed': 1}, but process 0 with {'seed': 0}" in logs[0]
+    assert "process 0 was started with {'seed': 0}, but process 1 with {'seed': 1}" in logs[1]
+    for log in logs:
+        assert "ConfigError" in log and "refused before the first step" in log
+        assert "Gloo" not in log  # gloo connects at the first collective: none ran
