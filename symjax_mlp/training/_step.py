@@ -326,7 +326,8 @@ def shard_step(
 
     Returns:
       A :class:`ShardedStep`; its params after N steps equal single-device training up to
-      float rounding.
+      float rounding, and bit for bit for a ``train_step(..., blocks=B)`` step (run under
+      ``shard_map``; the shards must divide B).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
