@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import shutil
 import signal
@@ -270,3 +271,32 @@ def test_processes_started_differently_are_refused_before_the_first_collective(t
     for log in logs:
         assert "ConfigError" in log and "refused before the first step" in log
         assert "Gloo" not in log  # gloo connects at the first collective: none ran
+
+
+def test_the_cli_refuses_processes_without_a_coordinator(capsys):
+    from symjax_mlp.cli import main
+
+    assert main(["train", "--num-processes", "2", "--epochs", "1"]) == 2
+    assert "--num-processes needs --coordinator HOST:PORT" in capsys.readouterr().err
+    assert main(["train", "--coordinator", "localhost", "--num-processes", "2"]) == 2
+    assert "coordinator must be 'host:port'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_cli_starts_a_2_process_run_as_the_readme_shows(tmp_path):
+    port = _port()
+
+    def command(i: int) -> list[str]:
+        return [sys.executable, "-m", "symjax_mlp", "train", "--epochs", "1", "--quiet",
+                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                str(i), "--checkpoint", str(tmp_path / "ck"), "--json",
+                str(tmp_path / f"run{i}.json")]  # fmt: skip
+
+    procs = [subprocess.Popen(command(i), env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]  # fmt: skip
+    codes, logs, _ = _wait(procs)
+    assert codes == [0, 0], "\n---\n".join(logs)
+    run = json.loads((tmp_path / "run0.json").read_text())
+    assert run["step"] == 23 and len(run["checkpoint_waits"]) == 1
+    assert not (tmp_path / "run1.json").exists()  # process 0 writes the results
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["23"]  # Orbax's step
