@@ -28,7 +28,7 @@ from benchmarks.remote import LatencyRow
 from benchmarks.report import PIPELINED, BenchReport, make_rows, targets
 from benchmarks.scaling import measure_peak
 from benchmarks.timing import Progress, Timing, environment, time_interleaved, time_stages
-from benchmarks.train_step import time_train_step
+from benchmarks.train_step import time_checkpoint_wait, time_train_step
 from benchmarks.twins import mlp_jnp, torch_rows
 from symjax_mlp import ConfigError, Hybrid, export, hybridize, load, mlp
 from symjax_mlp.serving import dispatch_mode
@@ -269,7 +269,7 @@ def benchmark(
         calls=calls,
         rows=make_rows(timings, calls),
         stages=stages,
-        targets=targets(timings, pipelined),
+        targets=targets(timings, pipelined, extra.get("train_step")),
         extra=extra,
         notes=tuple(notes),
         config=config,
@@ -340,7 +340,13 @@ def _artifact_rows(
 def _train_step_section(notes: list[str], say: Progress) -> dict[str, Any] | None:
     say("timing the training step, compiled and eager")
     try:
-        return time_train_step()
+        section = time_train_step()
     except Exception as e:
         notes.append(f"train step section skipped: {type(e).__name__}: {e}")
         return None
+    say("timing a 2-process run's asynchronous checkpoint saves")
+    try:
+        section["checkpoint_wait"] = time_checkpoint_wait()
+    except Exception as e:
+        notes.append(f"checkpoint-wait row skipped: {type(e).__name__}: {str(e)[:300]}")
+    return section

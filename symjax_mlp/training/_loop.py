@@ -40,7 +40,8 @@ from symjax_mlp.training._step import ModelVars, init_params
 
 _NOT_FLAX = (
     "train() trains a flax.linen or nnx module; got a {kind}. For another model, write the "
-    "loop with optax over the Hybrid's pure form: h = sm.hybridize(fn, params); "
+    "loop with optax over the Hybrid's pure form: h = sm.hybridize(fn, params) (an equinox "
+    "module: h = sm.hybridize(model), h.params its arrays); "
     "loss(params) on h.apply(params, x) (every keyword is your function's: an equinox-style "
     "out, state = h.apply(params, x, state=state) passes your state), jax.grad of it, and "
     "h.replace(params=...) for the trained model."
