@@ -40,6 +40,14 @@ _TRAINING = (
     "key on every call and normalise each batch by its own statistics. Call module.eval() "
     "before export(), and module.train() to go on training afterwards."
 )
+_FIXED_KEY = (
+    "export({name}): the program draws random numbers (dropout, in training) from the rng "
+    "key the Hybrid holds, which an artifact can only bake in: every call would drop the same "
+    "units. Export the inference mode (e.g. kwargs={{'training': False}}), or make the key an "
+    "input: export sm.hybridize(lambda params, x, key: model.apply(params, x, training=True, "
+    "rngs={{'dropout': jax.random.wrap_key_data(key)}}), variables) with example=(x, "
+    "jax.random.key_data(key)) and shapes=('b, ...', None) (the key is shared by every row)."
+)
 _ONE_EXAMPLE = (
     "export({name}, batch={batch!r}): with every input's leading dimension as the symbolic "
     "batch {batch!r} ({types}) the trace fails ({error}), while {traced}. If the model takes "
@@ -68,6 +76,7 @@ class Stage:
     per_input_shapes: bool
     constraints: tuple[str, ...]
     examples: tuple[jax.ShapeDtypeStruct, ...] = ()  # the example's own (static) shapes
+    baked_keys: bool = False  # rng keys h holds, baked in as constants
 
 
 def stage(
@@ -86,7 +95,7 @@ def stage(
     if array_kwargs:
         raise SignatureError(_array_kwargs(h.name, list(array_kwargs)))
     in_specs = _input_structs(examples, batch, shapes, tuple(constraints), h.name)
-    stored, fn = _exportable(h)
+    stored, fn, baked = _exportable(h)
     specs, host_params = param_specs(stored)  # as jax.export traces them
     treedef = jax.tree.structure(stored)
     fn = _sharded_fn(h, fn) if h.mesh is not None else fn
@@ -104,7 +113,8 @@ def stage(
     order = sorted(range(len(specs)), key=lambda i: specs[i].path)
     return Stage(h, static, in_specs, [specs[i] for i in order], [host_params[i] for i in order],
                  fn, treedef, leaf_paths, batch, shapes is not None, (*constraints,),
-                 tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in examples))  # fmt: skip
+                 tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in examples),
+                 baked)  # fmt: skip
 
 
 def export_program(
@@ -148,6 +158,8 @@ def export_program(
             "symbolic (use x.shape[0] only inside jnp operations, reshape with -1), or export "
             "static shapes with batch=None."
         ) from e
+    if stage.baked_keys and any(e.primitive.name == "random_bits" for e, _ in walk(jaxpr)):
+        raise ConfigError(_FIXED_KEY.format(name=h.name))
     out_kind, ins, outs = _output_kind(exported, h), exported.in_avals[len(p_structs) :], []
     for i, a in enumerate(exported.out_avals):
         outs.append(TensorSpec("out" if out_kind == "array" else f"out[{i}]", shape_dims(a.shape),
@@ -211,14 +223,14 @@ def _traces(jitted: Any, p_structs: Any, inputs: Sequence[Any]) -> bool:
     return True
 
 
-def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:
-    """What an export stores (params, a flax model's state) and the function of it. Typed rng
-    keys (linen streams, nnx ``Rngs``) are no tensors: baked in as constants (``h``'s now)."""
+def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:
+    """What an export stores (params, a flax model's state), the function of it, and whether
+    typed rng keys (linen streams, nnx ``Rngs``), no tensors, are baked in as constants."""
     tree, fn = h.variables, h.fn
     leaves, treedef = jax.tree.flatten(tree)
     keys = {i: x for i, x in enumerate(leaves) if is_key(x)}
     if not keys:
-        return tree, fn
+        return tree, fn, False
     stored = jax.tree.unflatten(treedef, [None if i in keys else x for i, x in enumerate(leaves)])
 
     def with_keys(stored: Any, *args: Any, **kwargs: Any) -> Any:
@@ -226,7 +238,7 @@ def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any]]:
         full = [keys.get(i, x) for i, x in enumerate(slots)]
         return fn(jax.tree.unflatten(treedef, full), *args, **kwargs)
 
-    return stored, with_keys
+    return stored, with_keys, True
 
 
 def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -353,3 +353,33 @@ def test_equinox_layers_of_one_class_are_told_apart_in_by_layer(which):
     for i in range(3):
         assert layers[f"{at}eqx.nn.Linear[{i}]"]["dot_general"] == 1
     assert f"{at}eqx.nn.Linear" not in layers
+
+
+def test_a_linen_dropout_exported_in_training_is_refused_and_the_named_fix_draws_per_call(
+    tmp_path,
+):
+    """flax's dropout guide in training mode: an artifact could only bake the Hybrid's key in
+    (the same mask on every call); refused, naming the key as an input, which then draws a
+    mask per key as the source does."""
+    model = DropoutGuideModel(8)
+    x = np.linspace(-1, 1, 20, dtype=np.float32).reshape(4, 5)
+    variables = model.init(jax.random.key(0), x, training=False)
+    h = sm.hybridize(model, variables, rngs={"dropout": jax.random.key(1)})
+    with pytest.raises(sm.ConfigError, match=r"every call would drop the same units") as e:
+        sm.export(h, tmp_path / "fixed", example=x, kwargs={"training": True})
+    assert "jax.random.wrap_key_data(key)" in str(e.value)
+    assert not (tmp_path / "fixed").exists()
+    sm.export(h, tmp_path / "eval", example=x, kwargs={"training": False})  # no draw: exports
+
+    def fix(params, x, key):
+        rngs = {"dropout": jax.random.wrap_key_data(key)}
+        return model.apply(params, x, training=True, rngs=rngs)
+
+    k1, k2 = (jax.random.key_data(jax.random.key(i)) for i in (1, 2))
+    shapes = (f"b, {x.shape[1]}", None)
+    art = sm.export(sm.hybridize(fix, variables), tmp_path / "key", example=(x, k1),
+                    shapes=shapes).path  # fmt: skip
+    m = sm.load(art)
+    for k in (k1, k2):
+        np.testing.assert_allclose(m(x, k), fix(variables, x, k), rtol=1e-6)
+    assert not np.allclose(m(x, k1), m(x, k2))  # a mask per key, not one baked in
