@@ -10,29 +10,11 @@ import numpy as np
 import numpy.random as npr
 import pytest
 import safetensors.numpy
-from jax.scipy.special import logsumexp
+from helpers import init_random_params
+from helpers import predict as mnist_predict
 
 import symjax_mlp as sm
 from symjax_mlp.cli import main
-
-
-# -- JAX's examples/mnist_classifier_fromscratch.py, as written there ---------------------------
-def init_random_params(scale, layer_sizes, rng=npr.RandomState(0)):  # noqa: B008 (JAX's code)
-    return [
-        (scale * rng.randn(m, n), scale * rng.randn(n))
-        for m, n in zip(layer_sizes[:-1], layer_sizes[1:])  # noqa: B905, RUF007
-    ]
-
-
-def mnist_predict(params, inputs):
-    activations = inputs
-    for w, b in params[:-1]:
-        outputs = jnp.dot(activations, w) + b
-        activations = jnp.tanh(outputs)
-
-    final_w, final_b = params[-1]
-    logits = jnp.dot(activations, final_w) + final_b
-    return logits - logsumexp(logits, axis=1, keepdims=True)
 
 
 # -- JAX's README ------------------------------------------------------------------------------
