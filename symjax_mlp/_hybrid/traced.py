@@ -203,11 +203,11 @@ def write_back(variables: list[Any], new: list[Any], caller: str = "Hybrid") -> 
     Raises:
       ConfigError: a Variable was made outside the transform the call runs under.
     """
-    errors = sys.modules.get("flax.errors")
-    outer = getattr(errors, "TraceContextError", ())
     for v, value in zip(variables, new, strict=True):
         try:
             v.set_value(value)
-        except outer:
-            kind = type(v).__name__
-            raise ConfigError(_OUTER.format(caller=caller, kind=kind)) from None
+        except Exception as e:  # looked up only here: this runs on every stateful call
+            outer = getattr(sys.modules.get("flax.errors"), "TraceContextError", ())
+            if not isinstance(e, outer):
+                raise
+            raise ConfigError(_OUTER.format(caller=caller, kind=type(v).__name__)) from None

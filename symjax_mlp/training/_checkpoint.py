@@ -358,7 +358,7 @@ def restore_checkpoint(
             f"{state_file} is missing; the checkpoint is incomplete. Restore from an older "
             "step_* directory."
         ) from None
-    check_fit(path, specs(stored), specs(_tensors(like)))
+    check_fit(path, specs(stored), specs(named_leaves(like)))
 
     def leaves(prefix: str, tree: Any) -> Any:
         paths, treedef = jax.tree_util.tree_flatten_with_path(tree)

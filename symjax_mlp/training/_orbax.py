@@ -148,13 +148,13 @@ class OrbaxCheckpoints:
                 "older step, or start over in an empty directory."
             ) from None
         wanted = named_leaves(like)
-        check_fit(path, stored, specs({n: np.asarray(a) for n, a in wanted.items()}))
+        check_fit(path, stored, specs(wanted))
         names = list(wanted)
-        target: dict[str, Any] = {}
-        for i, n in enumerate(names):
-            a = np.asarray(wanted[n])
-            if n != "rng":
-                target[f"{i:05d}"] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding)
+        target: dict[str, Any] = {
+            f"{i:05d}": jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding)
+            for i, (n, a) in enumerate(wanted.items())
+            if n != "rng"
+        }
         target["rng"] = np.asarray(wanted["rng"])
         try:
             items = self.manager.restore(
