@@ -237,7 +237,9 @@ class Guard:
     def __call__(self, refine: Callable[[], Any], n_inputs: int, shapes: Any, *,
                  order: int = 0, inputs: str | None = None) -> None:  # fmt: skip
         of = f" VJP {order}" if order else ""  # a VJP's verdict is its own
-        verdict = f"{self.digest}{of} fits {shapes!r}"
+        # the bounds are part of the verdict: one remembered under other bounds (or before
+        # bytes were bounded) is not taken for this one
+        verdict = f"{self.digest}{of} fits {shapes!r} in {ops.MAX_WORK} ops, {ops.MAX_BYTES} B"
         if checker.remembered(verdict):
             return
         refined, context = refine()
