@@ -857,7 +857,8 @@ def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_p
     bodies = {f: f.read_bytes().partition(b"\n")[2] for f in cached}  # after the signature
     (entry,) = [f for f in cached if bodies[f].startswith(b"{")]  # the report; verdicts
     assert [bodies[f].decode() for f in cached if f != entry] == [  # (the call's shapes fit)
-        f"{art.manifest['files']['model.jaxexport']['sha256']} fits (((2, 3), 'float32'),)"
+        f"{art.manifest['files']['model.jaxexport']['sha256']} fits (((2, 3), 'float32'),) "
+        f"in {2**32} ops, {2**32} B"  # the bounds it was checked under
     ]
     report = json.loads(bodies[entry])
     assert report["counts"]["stablehlo.dot_general"] == 2 and report["problems"] == []
