@@ -206,6 +206,38 @@ def test_json_numbers_no_float_holds_and_booleans_are_422_and_counted(server, in
     assert _count(url, 422) == before + 1
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
+def test_json_bodies_read_the_same_by_either_parser(monkeypatch, fast):
+    """A float input's body is parsed by orjson, and whatever orjson refuses (NaN, Infinity,
+    10**400) by the standard library; an int input's always by the latter (orjson reads an
+    integer past 64 bits as a float). Both read the same values: 2**64 among floats is a
+    float32 number (it was refused as past float64), 10**400 and strings are refused, and an
+    int input takes -2**63 but not -2**63 - 1 (which orjson would round to -2**63)."""
+    import json as stdlib
+
+    from symjax_mlp.serving import _bodies
+
+    if not fast:
+        monkeypatch.setattr(_bodies, "_fast_loads", stdlib.loads)
+    h = sm.hybridize(lambda p, x: x, np.float32(0))
+    with sm.serving.Batcher(h, example=np.zeros((1, 4), np.float32), max_batch=2) as b:
+        for row in ([1.5, 2**64, 1e-50, -0.0], [1.5, 2**64, float("nan"), -0.0]):
+            [x], _ = _bodies.decode(b, stdlib.dumps({"inputs": [row]}).encode(), "")
+            np.testing.assert_array_equal(x, np.array([row], np.float32))
+            assert x.dtype == np.float32 and np.signbit(x[0, 3])
+        with pytest.raises(sm.SignatureError, match="beyond float32's range"):
+            _bodies.decode(b, b'{"inputs": [[1.5, 1' + b"0" * 400 + b", 0, 0]]}", "")
+        for text in (b'[["1.5", 2, 0, 0]]', b'{"args[0]": [["1.5", 2, 0, 0]]}'):
+            with pytest.raises(sm.SignatureError, match="holds <U"):  # not 1.5
+                _bodies.decode(b, b'{"inputs": ' + text + b"}", "")
+    h = sm.hybridize(lambda p, x: x, np.int64(0))
+    with sm.serving.Batcher(h, example=np.zeros((1, 1), np.int64), max_batch=2) as b:
+        [x], _ = _bodies.decode(b, b'{"inputs": [[-9223372036854775808]]}', "")
+        assert x.dtype == np.int64 and x[0, 0] == -(2**63)
+        with pytest.raises(sm.SignatureError, match="outside int64's range"):
+            _bodies.decode(b, b'{"inputs": [[-9223372036854775809]]}', "")
+
+
 def test_no_answer_names_the_artifacts_path_on_the_server(server):
     """Item 8: a client sees the model's name, never where it lies on the server."""
     url, path, _ = server

@@ -4,8 +4,9 @@
 (:func:`_server`), and drives it with keep-alive clients (``.npy`` and JSON bodies) at each
 bounded concurrency (:func:`_http_load`), reading rows per batch from its ``/metrics``. The
 yardstick runs beside it: a bare starlette endpoint under the same uvicorn settings
-(:data:`_BARE`) that parses the JSON body into a NumPy array and answers a constant of the
-output's shape, driven by the same clients, interleaved with the server's JSON rows.
+(:data:`_BARE`) that parses the JSON body into a NumPy array (with orjson, as ``serve``
+does) and answers a constant of the output's shape, driven by the same clients, interleaved
+with the server's JSON rows.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ from benchmarks.children import child_env
 #: The bare endpoint: ``python -c _BARE OUT_WIDTH``; uvicorn as ``serve`` configures it.
 _BARE = """
 import json, socket, sys, numpy as np, uvicorn
+from orjson import loads  # serve's parser (the serve extra's), so the rows compare the rest
 from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
 reply = json.dumps({"outputs": [[0.0] * int(sys.argv[1])]}).encode()
 async def predict(request):
-    np.asarray(json.loads(await request.body())["inputs"], np.float32)
+    np.asarray(loads(await request.body())["inputs"], np.float32)
     return Response(reply, media_type="application/json")
 async def health(request):
     return Response(b"{}", media_type="application/json")
