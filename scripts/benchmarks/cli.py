@@ -36,7 +36,7 @@ from benchmarks.serving import bench_serving, format_serving
 PROG = "bench"
 #: A missing module -> what installs it (the project's extras).
 EXTRAS = {"torch": "torch", "matplotlib": "plot", "iree": "iree", "sklearn": "data",
-          "starlette": "serve", "uvicorn": "serve", "ray": "ray"}  # fmt: skip
+          "starlette": "serve", "uvicorn": "serve", "orjson": "serve", "ray": "ray"}  # fmt: skip
 
 
 def _positive(option: str) -> Callable[[str], int]:

@@ -380,7 +380,7 @@ def format_serving(result: Mapping[str, Any]) -> str:
         for r in h.get("bare", []):
             lines.append(
                 f"  {r['clients']:>7} {'bare':<5} {r['throughput_rps']:>9.0f} "
-                f"{us(r['p50_s']):>10} {us(r['p99_s']):>10}  (starlette, JSON parsed, constant)"
+                f"{us(r['p50_s']):>10} {us(r['p99_s']):>10}  (starlette, orjson-parsed, constant)"
             )
         lines.append(f"  server exit code after SIGINT: {h['server_exit_code']}")
         parts.append("\n".join(lines))
