@@ -5,6 +5,7 @@ import importlib
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import chex
 import flax.linen as nn
@@ -311,6 +312,32 @@ def test_threads_share_a_loaded_model_under_iree(chapter):
         np.testing.assert_allclose(y, np.asarray(h(x)), **TOL)
 
 
+def test_iree_results_are_the_callers_own_arrays(tmp_path):
+    """Several inputs and results, of several shapes and dtypes, some of them an input or a
+    weight passed through: each call's results are fresh writable arrays, never IREE's
+    buffers (which the next call reuses or the weights live in)."""
+
+    def fn(p, x, y):
+        return x, p["w"], jnp.tanh(x @ p["w"]) + y, jnp.argmax(x, axis=1)
+
+    p = {"w": rand(5, 3, seed=1)}
+    h = sm.hybridize(fn, p)
+    art = sm.export(h, tmp_path / "m", example=(rand(4, 5), rand(4, 3, seed=2)))
+    m = sm.load(art.path, runtime="iree")
+    first = m(rand(2, 5, seed=3), rand(2, 3, seed=4))
+    kept = [np.array(y) for y in first]
+    for batch in (2, 1, 2):  # the same static module again, and another one
+        x, y = rand(batch, 5, seed=5 + batch), rand(batch, 3, seed=6 + batch)
+        got = m(x, y)
+        assert [np.asarray(g).dtype for g in got] == [np.float32] * 3 + [np.int32]
+        chex.assert_trees_all_close(got, tuple(np.asarray(w) for w in h(x, y)), **TOL)
+    for y, k in zip(first, kept, strict=True):  # untouched by the calls since
+        assert isinstance(y, np.ndarray) and y.flags.writeable
+        np.testing.assert_array_equal(y, k)
+    first[1][...] = 0  # a result written to: the model's weights are not
+    np.testing.assert_allclose(m(rand(2, 5), rand(2, 3))[1], p["w"], **TOL)
+
+
 def test_a_float16_model_passes_its_self_test_under_iree(tmp_path):
     """IREE rounds a float16 model's outputs a float16 ulp away from XLA's; the self-test's
     tolerance is in the output's own epsilons (a float32 tolerance refused it)."""
@@ -434,6 +461,18 @@ def test_no_python_iree_compile_and_iree_run_module(chapter, tmp_path):
     y = np.load(tmp_path / "y.npy")
     assert y.shape == (7, 2)
     np.testing.assert_allclose(y, np.asarray(h(jnp.asarray(x))), **TOL)
+
+
+def test_the_readme_recipe_uses_the_loaders_flags_and_driver():
+    """The README's "Run it outside Python" recipe compiles with the flags the loader uses
+    and runs on its driver (``local-sync``): the speed the benchmark's IREE rows show."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("### Run it outside Python") :]
+    recipe = section[section.index("```bash") : section.index("\n```\n")]
+    command = recipe[recipe.index("iree-compile") :].replace("\\\n", " ")
+    command = command[: command.index("\n")].split()
+    assert command[1:-3] == iree_rt.compile_flags()
+    assert iree_rt.DRIVER == "local-sync" and f"--device={iree_rt.DRIVER}" in recipe
 
 
 def test_cli_verify_compares_runtimes(chapter, capsys):
