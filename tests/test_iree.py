@@ -521,3 +521,25 @@ def test_the_benchmark_times_the_same_vmfb_natively_and_holds_the_iree_targets(c
     assert targets["iree_over_h"]["value"] == 1.6 and targets["iree_over_h"]["met"] is False
     native = targets["iree_native_over_aot_arguments"]
     assert native["value"] == 1.3 and native["target"] == "<= 1.2" and native["met"] is False
+
+
+def test_the_per_request_table_has_both_iree_rows_and_their_targets():
+    """``bench_per_request(iree=True)``: the IREE rows (from Python, and the same .vmfb in
+    iree-benchmark-module) are timed in the same process as h(x), interleaved with it, and the
+    table shows them with their targets."""
+    from benchmarks import per_request
+
+    r = per_request.bench_per_request(sizes=(8, 2), in_features=16, calls=5, repeats=2, iree=True)
+    assert r["skipped"] == {} and r["notes"] == []  # made here, and IREE answers as h does
+    rows = r["rows"]
+    assert list(rows)[-2:] == ["artifact_iree", "artifact_iree_native"]
+    assert all(len(rows[k]["per_call_s"]) == 2 for k in ("h", "artifact_iree"))
+    targets = {t["name"]: t for t in r["targets"]}
+    iree = targets["iree_over_h"]
+    assert iree["target"] == "<= 1.5"
+    assert iree["value"] == round(rows["artifact_iree"]["min_s"] / rows["h"]["min_s"], 3)
+    assert targets["iree_native_over_aot_arguments"]["target"] == "<= 1.2"
+    text = per_request.format_per_request(r)
+    for label in ("loaded artifact (IREE)", "the same .vmfb, iree-benchmark-module"):
+        assert label in text
+    assert "iree_over_h" in text and "iree_native_over_aot_arguments" in text
