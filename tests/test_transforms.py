@@ -251,7 +251,7 @@ def test_grad_vmap_of_grad_and_grad_of_vmap(mlp):
         jax.grad(lambda x: jax.grad(loss(m))(x).sum())(x)
 
 
-def test_each_entry_point_under_vmap_and_grad(tmp_path):
+def test_each_entry_point_under_vmap_grad_jit_map_scan_and_in_a_hybrid(tmp_path):
     net, x = sm.mlp((8, 3)), jnp.ones((2, 5))
     variables = net.init(jax.random.key(0), x)
     h = sm.hybridize(net, variables)
@@ -261,11 +261,22 @@ def test_each_entry_point_under_vmap_and_grad(tmp_path):
     m = sm.load(sm.export(points, tmp_path / "m", example=x, vjp_order=1).path)
     xs = _xs(3, 2, 5)
     for name in ("predict", "embed"):
-        assert m[name].manifest["rows"]["independent"]
-        chex.assert_trees_all_close(jax.vmap(m[name])(xs), jax.vmap(points[name])(xs), **TOL)
-        got = jax.grad(lambda x, f=m[name]: f(x).sum())(xs[0])
-        want = jax.grad(lambda x, f=points[name]: f(x).sum())(xs[0])
+        f, source = m[name], points[name]
+        assert f.manifest["rows"]["independent"]
+        chex.assert_trees_all_close(jax.vmap(f)(xs), jax.vmap(source)(xs), **TOL)
+        got = jax.grad(lambda x, f=f: f(x).sum())(xs[0])
+        want = jax.grad(lambda x, f=source: f(x).sum())(xs[0])
         chex.assert_trees_all_close(got, want, **TOL)
+        want = jax.vmap(source)(xs)
+        chex.assert_trees_all_close(jax.jit(lambda x, f=f: f(x) + 1)(xs[0]), want[0] + 1, **TOL)
+        chex.assert_trees_all_close(jax.lax.map(f, xs), want, **TOL)
+        _, ys = jax.lax.scan(lambda c, x, f=f: (c, f(x)), 0, xs)
+        chex.assert_trees_all_close(ys, want, **TOL)
+        outer = sm.hybridize(lambda p, x, f=f: f(x) * p, jnp.float32(2))
+        chex.assert_trees_all_close(outer(xs[0]), 2 * want[0], **TOL)
+    # an entry point whose rows see each other: jit and lax.map take whole batches
+    chex.assert_trees_all_close(jax.jit(m["norm"])(xs[0]), norm(xs[0]), **TOL)
+    chex.assert_trees_all_close(jax.lax.map(m["norm"], xs), jax.vmap(norm)(xs), **TOL)
     with pytest.raises(sm.SymjaxError, match=r"\[.norm.\]: jax.vmap.*(reduces over|reads) the b"):
         jax.vmap(m["norm"])(xs)
 
