@@ -213,6 +213,44 @@ def test_the_bytes_a_call_makes_are_bounded_before_it_compiles(tmp_path):
         m(big)
 
 
+def test_a_verdict_remembered_under_other_bounds_never_lets_a_call_through(tmp_path, monkeypatch):
+    """A call's verdict ("this module fits these shapes") is remembered per user, and the
+    bounds it was checked under are part of it: one remembered under other bounds, or as an
+    older version wrote it (no bounds in it, or the work's only, before bytes were bounded),
+    is never taken for today's, so the (b, b) call it would let through is checked again and
+    refused. Each bound in turn is lowered to 2**20 here (a (2000, 2000) float32 tensor, 16
+    MB, 8e6 element operations, is over it), not a 6.4 GB call run over the real ones."""
+    from symjax_mlp._artifact import checker, ops
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # a private cache root
+
+    def outer(_, x):
+        return jnp.broadcast_to(x, (x.shape[0], x.shape[0])) @ x
+
+    small, big = np.ones((2, 1), np.float32), np.ones((2_000, 1), np.float32)
+    art = sm.export(sm.hybridize(outer, {}), tmp_path / "outer", example=small, batch="b")
+    np.testing.assert_allclose(sm.load(art.path)(big), outer({}, big))  # fits: remembered
+    old = f"{art.manifest['files']['model.jaxexport']['sha256']} fits (((2000, 1), 'float32'),)"
+    for planted in (old, f"{old} in {ops.MAX_WORK} ops"):  # as older versions wrote them
+        checker.remember(planted)
+        assert checker.remembered(planted)  # planted where, and as, this user's cache keeps it
+    remembered, asked = checker.remembered, []
+    monkeypatch.setattr(checker, "remembered", lambda v: asked.append(v) or remembered(v))
+    for bound, unit in (("MAX_BYTES", "bytes of tensors made"), ("MAX_WORK", "element operations")):
+        with monkeypatch.context() as patch:
+            patch.setattr(ops, bound, 1 << 20)
+            asked.clear()
+            with pytest.raises(
+                sm.ArtifactError,
+                match=rf"\(2,000 elements\) the program asks for about \S+ {unit}, more than "
+                r".* plus 1\.05e\+06\)",
+            ):
+                sm.load(art.path)(big)  # a fresh load: its first call of these shapes asks
+            (verdict,) = [v for v in asked if v.startswith(f"{old} ")]  # checked again
+            checker.remember(verdict)  # today's verdict, under today's bounds, is taken
+            np.testing.assert_allclose(sm.load(art.path)(big), outer({}, big))
+
+
 def test_shapes_computed_in_a_vjp_module_are_bounded_when_jax_grad_calls_it(tmp_path):
     """jax.grad of a loaded model runs the VJP module it carries: the same hidden
     (10**5, 10**5) tensor there (unchecked, XLA compiles it and the gradient comes out 5e14
