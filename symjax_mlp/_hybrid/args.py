@@ -1,10 +1,7 @@
 """A call's arguments, split: static Python settings (the jit cache key) and traced arrays.
 
-What a call takes, as MXNet's ``hybridize`` and equinox's ``filter_jit`` see it: arrays (JAX or
-NumPy, and tuples/dicts of them) are traced; Python settings (bool, int, float, str, None,
-tuples of them) and the arguments named in ``static_argnums``/``static_argnames`` are static,
-part of the cache key. :func:`partition` splits a call into the two, :func:`rebuild` puts it
-back together; an nnx module's settings join the static key as :class:`ModuleSetting` entries.
+As MXNet's ``hybridize`` and equinox's ``filter_jit`` see a call: arrays (and tuples/dicts of
+them) are traced; Python settings and the ``static_argnums``/``static_argnames`` are static.
 A Hybrid's own settings are checked here too (:func:`check_settings`, :func:`static_args`).
 """
 
@@ -143,10 +140,9 @@ def split_equinox(
     a call's ``(args, kwargs)`` back together with what was held (``eqx.combine``)."""
     eqx = sys.modules.get("equinox")
     held: dict[Any, Any] = {}
-    if eqx is not None:
-        for key, value in (*enumerate(args), *kwargs.items()):
-            if not hasattr(value, "dtype") and _holds_module(eqx, value):
-                held[key] = eqx.partition(value, eqx.is_array)
+    for key, value in (*enumerate(args), *kwargs.items()):
+        if not hasattr(value, "dtype") and holds_equinox(value):
+            held[key] = eqx.partition(value, eqx.is_array)
     if not held:
         return tuple(args), dict(kwargs), lambda a, k: (a, k)
     args = tuple(held[i][0] if i in held else a for i, a in enumerate(args))
@@ -159,7 +155,11 @@ def split_equinox(
     return args, kwargs, join
 
 
-def _holds_module(eqx: Any, value: Any) -> bool:
+def holds_equinox(value: Any) -> bool:
+    """Whether ``value`` holds an equinox module (never importing equinox)."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return False
     leaves = jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module))
     return any(isinstance(leaf, eqx.Module) for leaf in leaves)
 

@@ -1,8 +1,7 @@
 """Drawing a jaxpr as Graphviz DOT: one node per equation, clustered by layer and call.
 
-An equation with sub-jaxprs (a ``jit``, ``cond`` branches, a ``scan`` or ``while`` body) is a
-labelled cluster holding their equations, so every layer's operations show; data flows in and
-out along the sub-jaxprs' inputs and outputs. Literals (a relu's ``0.0``) are small nodes.
+An equation with sub-jaxprs (``jit``, ``cond``, ``scan``, ``while``) is a labelled cluster of
+their equations; literals (a relu's ``0.0``) are small nodes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The state a Hybrid holds between calls: flat, as the compiled program takes and returns it.
 
-A model with state (linen's mutable collections and rng streams, an nnx module's non-``Param``
-variables) carries it across calls exactly as eager calls would. :class:`HeldState` holds it
-flattened once, typed rng keys as their raw ``key_data``: a call passes and takes back a flat
-list, and the tree is rebuilt only when read. A call may change its values, not its structure.
+Typed rng keys are held as their raw ``key_data``; the tree is rebuilt only when read. A call
+may change the state's values, not its structure.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The Hybrid object: a model plus its params (and state), eager or XLA-compiled at one switch.
 
-:func:`~symjax_mlp.hybridize` makes one, the one place ``jax.jit`` is applied (once per
-Hybrid, its params flattened once). Its parts: call arguments and settings (``args``), the
-trace log (``trace``), what the jit traces (``traced``), held state (``held``), the model and
-its nnx modes (``pure``), the sharded call (``mesh``).
+:func:`~symjax_mlp.hybridize` makes one; this is the one place ``jax.jit`` is applied.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Reading a jaxpr: its equations (nested ones included), their layers and their flops.
 
-Counting works on the jaxpr's equations, recursing into sub-jaxprs such as
-``custom_jvp_call``, ``jit``, ``cond`` branches and ``scan``/``while`` bodies, never on its
-text, which changes across JAX versions. :func:`bodies` says how often each sub-jaxpr runs.
-
-The layers are the ``jax.named_scope`` names the ops were staged under: a linen module's, or
-an nnx module's attribute paths (:func:`symjax_mlp._compat.layer_scopes`), which
-:func:`layer_of` reads back. Equinox names its layers' scopes by class (``"eqx.nn.Linear"``),
-so an MLP's three Linear layers share one: :func:`numbered` tells them apart by call order.
+Counting walks the equations, recursing into sub-jaxprs, never the text, which changes across
+JAX versions. The layers are the ``jax.named_scope`` names the ops were staged under;
+equinox names its scopes by class, so :func:`numbered` tells same-class layers apart by order.
 """
 
 from __future__ import annotations

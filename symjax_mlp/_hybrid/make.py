@@ -1,11 +1,7 @@
 """``hybridize`` and ``shard``: a model (a linen, nnx or equinox module, or a pure function)
 made a :class:`~symjax_mlp.Hybrid`, and a Hybrid run data-parallel.
 
-An equinox module is split as ``eqx.filter_jit`` splits it, with
-``eqx.partition(module, eqx.is_array)``: its arrays are the params, the rest (activation
-functions, sizes, ``inference`` flags) is held static; so are a pure function's params that hold
-an equinox module. equinox is never imported here: a module is recognised only once the caller
-has imported it.
+equinox is never imported here: a module is recognised only once the caller has imported it.
 """
 
 from __future__ import annotations
@@ -15,10 +11,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 from jax.sharding import Mesh
 
 from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid.args import holds_equinox
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.pure import linen, nnx_module
 
@@ -123,7 +119,7 @@ def hybridize(
                 "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
                 "For a function without params write hybridize(lambda _, x: f(x), {})."
             )
-        if _holds_equinox(params):
+        if holds_equinox(params):
             model, params = _equinox(model, params)
         return Hybrid(model, params, name=name, **settings)
     else:
@@ -144,14 +140,6 @@ def _flax_kind(model: Any) -> str | None:
         return "linen"
     eqx = sys.modules.get("equinox")
     return "eqx" if eqx is not None and isinstance(model, eqx.Module) else None
-
-
-def _holds_equinox(tree: Any) -> bool:
-    eqx = sys.modules.get("equinox")
-    if eqx is None:
-        return False
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, eqx.Module))
-    return any(isinstance(leaf, eqx.Module) for leaf in leaves)
 
 
 def _equinox(fn: Any, tree: Any) -> tuple[Any, Any]:

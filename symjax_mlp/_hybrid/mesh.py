@@ -1,16 +1,10 @@
 """Meshes and placement for data parallelism: one XLA program drives every device.
 
-A sharded :class:`~symjax_mlp.Hybrid` (``h.shard(mesh)``) splits the batch over the mesh's
-data axis (``NamedSharding(mesh, P(axis))``) and replicates the params (``P()``); its one
-``jax.jit`` carries those in/out shardings, so the XLA SPMD partitioner writes the per-device
-program and there is no Python loop over devices. Across hosts, call
-``jax.distributed.initialize`` first and pass ``data_mesh()``: the same code runs as one
-program over every process's devices.
-
-A batch that does not divide by the number of shards is padded and the result trimmed:
-inference pads by repeating the last row (outputs must be per-example, with the batch as
-leading dimension, which is checked), training pads with weight ``0`` (a weighted loss ignores
-those rows exactly). ``pad=False`` raises :class:`~symjax_mlp.SignatureError` instead.
+A sharded :class:`~symjax_mlp.Hybrid` splits the batch over the mesh's data axis and replicates
+the params; its one ``jax.jit`` carries those shardings, so XLA's SPMD partitioner writes the
+per-device program. A batch that does not divide by the number of shards is padded and the
+result trimmed: inference repeats the last row (outputs must be per-example), training pads
+with weight ``0``; ``pad=False`` raises :class:`~symjax_mlp.SignatureError` instead.
 """
 
 from __future__ import annotations

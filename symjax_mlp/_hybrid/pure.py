@@ -1,17 +1,13 @@
 """How to call each kind of model purely: ``call(params, state, args, kwargs) -> (out, state)``.
 
-A :class:`~symjax_mlp.Hybrid` holds one :class:`PureModel`: a plain function of its params
-(:func:`plain`), a linen module and its variables (:func:`linen`: the mutable collections and
-rng streams are the state) or an nnx module (:func:`nnx_module`: its ``Param`` values are the
-params, every other variable the state). The state is held flat, typed rng keys as their raw
-``key_data`` (:func:`state_structure`, :func:`unwrap_keys`, :func:`wrap_keys`).
+A :class:`~symjax_mlp.Hybrid` holds one :class:`PureModel`: a plain function (:func:`plain`),
+a linen module (:func:`linen`: mutable collections and rng streams are the state) or an nnx
+module (:func:`nnx_module`: ``Param`` values are the params, other variables the state).
 
-An nnx module carries its mode in its submodules' attributes (``deterministic``,
-``use_running_average``, other bools), and the user flips them after ``hybridize``. A Hybrid
-reads them at every call and keys its traces on them (:meth:`ModuleModes.key`): so
-``module.eval()`` retraces once, its reason naming what changed, and every later call in that
-mode reuses its program. A trace runs with the settings it was keyed on (:func:`settings_in`,
-:meth:`PureModel.pinned`), whatever the module says meanwhile.
+An nnx module's mode lives in its submodules' attributes, which the user flips after
+``hybridize``: a Hybrid reads them at every call and keys its traces on them
+(:meth:`ModuleModes.key`), so ``module.eval()`` retraces once and a trace runs with the
+settings it was keyed on (:meth:`PureModel.pinned`).
 """
 
 from __future__ import annotations

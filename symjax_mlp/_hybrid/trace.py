@@ -1,10 +1,7 @@
 """The trace log: what each trace of a Hybrid was specialised on, and why it traced again.
 
-JAX traces a function once per input signature (shapes, dtypes, weak types, tree structure)
-and silently traces again when any of it changes. A :class:`TraceEvent` makes each trace
-visible, its ``reason`` naming what changed against the nearest earlier trace; a
-:class:`TraceLog` keeps a Hybrid's events, its ``max_traces`` budget and ``on_trace``
-callbacks. JAX's "concrete value needed" errors become :class:`~symjax_mlp.ControlFlowError`.
+A :class:`TraceEvent`'s ``reason`` names what changed against the nearest earlier trace; a
+:class:`TraceLog` keeps a Hybrid's events, its ``max_traces`` budget and ``on_trace`` callbacks.
 """
 
 from __future__ import annotations

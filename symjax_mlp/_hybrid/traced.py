@@ -1,20 +1,11 @@
 """What a Hybrid's ``jax.jit`` traces: the model on a partitioned call, every trace logged.
 
-A call reaches the model as ``(static, leaves, ...)``: the static key (Python settings and an
-nnx module's modes), the flat params, and the traced inputs. :class:`TracedModel` rebuilds the
-call, runs the model with the module settings its key holds, and logs the trace once the model
-traced without error. Its methods are the functions a Hybrid jits: :meth:`stateless`,
-:meth:`stateful` (the held state passed and taken back flat) and :meth:`apply` (trees).
-
-The nnx objects a call is given (an ``nnx.Rngs`` passed to ``__call__``, a ``Variable`` the
-caller owns) come back mutated, as eager nnx leaves them: ``jax.jit`` traces copies of them,
-so the compiled paths return the values of the ``Variable`` s they were given
-(:func:`variables_in`) and the Hybrid writes them back (:func:`write_back`).
-
-A Hybrid names its programs ``jit_<name>_hybrid`` (:func:`as_program`): on CPU their
-``threefry2x32`` lowers unrolled (the same bits, several times faster than JAX's rolled loop,
-which a Dropout model at batch 1 pays more for than for its arithmetic); every other module
-lowers as JAX registered it (:func:`symjax_mlp._compat.install_unrolled_threefry`).
+A call reaches the model as ``(static, leaves, ...)``: the static key, the flat params and the
+traced inputs. :class:`TracedModel` rebuilds the call, runs the model with the module
+settings its key holds, and logs the trace. nnx objects a call is given come back mutated, as
+eager nnx leaves them (:func:`variables_in`, :func:`write_back`). A Hybrid names its programs
+``jit_<name>_hybrid`` (:func:`as_program`), so that their CPU ``threefry2x32`` lowers unrolled
+(:func:`symjax_mlp._compat.install_unrolled_threefry`).
 """
 
 from __future__ import annotations
