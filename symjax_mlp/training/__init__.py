@@ -1,10 +1,6 @@
 """Training with optax: the pure step, data-parallel steps, checkpoints, the loop.
 
-``sm.training.train`` jit-compiles one step at one boundary (params and optimizer state
-donated), runs it over shuffled, padded batches, checkpoints without pickle and resumes
-exactly. The pieces are public for research code that writes its own loop. After
-``initialize``, the same ``train`` runs data-parallel over several processes, checkpointing
-through Orbax.
+The pieces of :func:`train` are public for research code that writes its own loop.
 """
 
 from symjax_mlp._errors import DistributedError as DistributedError

@@ -1,12 +1,9 @@
 """Training checkpoints without pickle: safetensors for the arrays, JSON for the rest.
 
 A checkpoint is a directory ``step_<8 digits>`` holding ``state.safetensors`` (one tensor per
-leaf of the params and the optimizer state, named by its key path, ``opt_state/0/mu/...``,
-and the PRNG key data as ``rng``) and ``manifest.json`` (format version, step, epoch, the
-file's sha256, every tensor's shape and dtype, and JSON ``metadata``). It is written into a
-temporary directory and renamed into place, so a crash never leaves a half-written
-``step_*``; older ones are pruned after. Restoring reads the tensors into the tree structure
-of a freshly initialised state, checking every name, shape and dtype: no code is deserialized.
+leaf, named by its key path, and the PRNG key data as ``rng``) and ``manifest.json``. It is
+written atomically and older ones pruned after. Restoring reads the tensors into the structure
+of a freshly initialised state, checking every name, shape and dtype.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""One epoch of training: the shuffle, the padded batches, the step's programs, the checks.
-
-:class:`Programs` holds the jit-compiled step (or the same step eager) and the prediction; in a
-multi-process run the step is :func:`~symjax_mlp.training.shard_step`'s over every process's
-devices, each step waited for under the run's watchdog (``watch``), and the checks read this
-process's copy of the replicated params.
-"""
+"""One epoch of training: the shuffle, the padded batches, the step's programs, the checks."""
 
 from __future__ import annotations
 

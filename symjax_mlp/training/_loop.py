@@ -1,12 +1,8 @@
 """Training with optax: one jit-compiled step, the same step eagerly, checkpoints, exact resume.
 
-:func:`train` checks its settings, fits the model to the data, initialises its state or
-resumes it from a checkpoint (``_resume.py``), and runs one epoch at a time
-(:meth:`Programs.epoch`): it shuffles the training split with a key split from the state's,
-pads the last batch cyclically with weight-0 rows (each example counts once), runs one step
-per batch and evaluates the test split. Every step has one signature, so the step traces once
-per run. A non-finite loss or param stops it with a :class:`~symjax_mlp.DivergenceError` that
-names the step and the checkpoint kept.
+Each epoch shuffles the training split, pads the last batch cyclically with weight-0 rows, runs
+one step per batch (every step one signature: one trace per run) and evaluates the test split.
+A non-finite loss or param stops it with a :class:`~symjax_mlp.DivergenceError`.
 """
 
 from __future__ import annotations

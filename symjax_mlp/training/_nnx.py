@@ -1,16 +1,10 @@
 """How training calls an nnx module: its ``Param`` values are trained, all else is its state.
 
-An nnx module carries its mode in attributes (``module.train()``/``eval()``) and may take
-keyword flags as a linen model does. Training steps run with the attributes as ``train()``
-sets them and the training flags, evaluations as ``eval()`` sets them and the inference flags,
-whatever mode the module was given in. Which state a call moves is read from its staged
-program (a state output that is not its input moved), so a model that would silently train in
-inference mode is refused before any step runs. The module given is never changed; the
-trained module is a new one, in eval mode.
-
-A module whose ``__call__`` takes ``rngs`` (the nnx tutorial's CNN: its Dropouts hold none)
-gets a fresh ``nnx.Rngs`` on every training step, split from a key carried in the state as
-linen's ``dropout`` stream is (an ``nnx.Rngs`` given in ``train_flags`` names the keyword).
+Training steps run with the attributes as ``module.train()`` sets them, evaluations as
+``eval()`` sets them, whatever mode the module was given in. Which state a call moves is read
+from its staged program, so a model that would silently train in inference mode is refused
+before any step runs. The module given is never changed. A module whose ``__call__`` takes
+``rngs`` gets a fresh ``nnx.Rngs`` every step, split from a key carried in the state.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Checkpoints of a multi-process run: Orbax, asynchronous, with our manifest on top.
 
-Every process calls :meth:`OrbaxCheckpoints.save` with the run's global (replicated) arrays;
-it copies them on their devices and returns; a thread of ours hands the copies to Orbax, which
-copies them to host memory and writes them in its own thread (process 0 writes a replicated
-array once), into a temporary directory renamed to ``<dir>/<step>`` when every process has
-finished: a killed process leaves no half-written step. Orbax's barriers go through the
-coordinator's store (every process named in ``active_processes``), with the run's timeout, so
-a save starts no collective beside the steps'. Beside the arrays,
-the item ``meta`` (JSON) holds what the safetensors manifest holds: the format, step, epoch,
-every tensor's name, shape and dtype, a sha256 of the tensors' bytes, and the run's config and
-history. Restoring checks the names, shapes and dtypes against a fresh state before Orbax
-reads a byte, and the sha256 after: another model, optimizer or run, a truncated file or an
-edited array is a :class:`~symjax_mlp.CheckpointError`. Nothing is unpickled.
+:meth:`OrbaxCheckpoints.save` copies the replicated arrays on their devices and returns; Orbax
+writes them in its own thread into a temporary directory renamed to ``<dir>/<step>`` when every
+process has finished. The item ``meta`` (JSON) holds what the safetensors manifest holds.
+Restoring checks names, shapes and dtypes against a fresh state before Orbax reads a byte, and
+the sha256 after; nothing is unpickled.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Several processes, one run: joining them, agreeing on the run, never waiting in silence.
 
-:func:`initialize` is ``jax.distributed.initialize`` with one ``timeout`` for everything JAX
-waits on (connecting, heartbeats, shutdown). JAX's own failure when a process never connects
-is an abort that names no one, so an alarm runs beside it and ends the process first, naming
-the processes that did not arrive (exit status :data:`EXIT_STATUS`).
-
-A run then goes through the coordinator's key-value store (the client Orbax exposes as
-``orbax.checkpoint.multihost.get_jax_distributed_client``): :func:`agree` posts this process's
-config and reads every other one's before the first collective, and refuses a difference with
-a :class:`~symjax_mlp.ConfigError` naming the process and the fields. :class:`Watchdog` posts
-where this process is (in which step, or done with which) and, when a step waits longer than
-the timeout for a peer, names the peers that are not in that step and ends the process: a
-collective that waits for a stalled peer cannot be interrupted from Python, and gloo never
-times out on its own (measured: a collective waited 13 minutes for a sleeping peer).
+:func:`initialize` is ``jax.distributed.initialize`` with one ``timeout``, and an alarm that
+names the processes that never connected. :func:`agree` compares every process's config through
+the coordinator's key-value store before the first collective. :class:`Watchdog` ends a process
+whose step waits past the timeout for a peer, naming the peers not in that step: such a
+collective cannot be interrupted from Python, and gloo never times out on its own.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """What a training checkpoint records of its run, so that resuming continues that run only.
 
-A run's config (seed, batch size, sha256 fingerprints of its data, model and optimizer, and a
-probe of what the model computes) and its history are stored beside each checkpoint's state.
-Resuming compares the config with this run's, and the history with the checkpoint's step and
-epoch, and refuses any difference: a resumed run continues exactly where the interrupted one
-stopped, or does not start.
-
-The model's fingerprint (the linen module's repr, the nnx graph, param shapes) never sees its
-code: two classes named alike, with the same layers but another ``__call__`` (relu or tanh, a
-scale, another order), look the same. So the run also records the probe: the inference call
-with every floating-point param and statistic replaced by a fixed pattern of its shape (the
-run's initial values do not matter: the checkpoint's replace them), on a fixed input, compared
-within a tolerance that XLA's fusion choices across CPUs and versions stay inside. A
-checkpoint written before the probe was recorded has none, and resumes on its other fields.
+A run's config (seed, batch size, sha256 fingerprints of its data, model and optimizer) and its
+history are stored beside each checkpoint; resuming refuses any difference. The fingerprints
+never see the model's code, so the run also records a probe: the inference call with every
+float param replaced by a fixed pattern, on a fixed input, compared within a tolerance. A
+checkpoint written before probes were recorded resumes on its other fields.
 """
 
 from __future__ import annotations

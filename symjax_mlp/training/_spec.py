@@ -1,10 +1,8 @@
 """How a classifier is called in training and in inference: its flags, state and rng.
 
-:func:`model_spec` finds the keyword settings that switch a flax.linen model between training
-and inference (``train``, ``training``, ``deterministic``, or the flags given), the
-collections a training call updates and whether it draws a ``dropout`` rng, with
-``jax.eval_shape`` (nothing runs). A model that would silently train in inference mode (a flag
-of another name, a mode set as an attribute) is refused with a message that names the fix.
+:func:`model_spec` finds, with ``jax.eval_shape``, a flax.linen model's train/inference flags,
+the collections a training call updates and whether it draws a ``dropout`` rng. A model that
+would silently train in inference mode is refused with a message that names the fix.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The training step, pure and un-jitted, and the same step run data-parallel.
 
-:func:`train_step` is ``jax.value_and_grad`` of the softmax cross-entropy, then the optax
-update; callers apply ``jax.jit`` at their own boundary, as ``train`` does. :func:`shard_step`
-splits the batch over a mesh axis: the loss is a ``w``-weighted mean, so XLA inserts the
-all-reduce of the gradients itself, and weight-0 rows that pad a batch to the shards are
-ignored exactly.
+:func:`shard_step` splits the batch over a mesh axis: the loss is a ``w``-weighted mean, so XLA
+inserts the all-reduce of the gradients, and weight-0 padding rows are ignored exactly.
 """
 
 from __future__ import annotations
