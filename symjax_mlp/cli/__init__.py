@@ -1,8 +1,6 @@
 """symjax-mlp (also python -m symjax_mlp): the chapter's hybrid programming from the shell.
 
-Each subcommand parses its arguments (refusing bad ones before any work), calls one library
-function and prints the result. Exit codes: 0 ok, 2 a user error (a bad argument, a
-SymjaxError, a missing optional extra: one line, no traceback), 1 a bug (with the traceback),
+Exit codes: 0 ok, 2 a user error (one line, no traceback), 1 a bug (with the traceback),
 130 interrupted.
 """
 

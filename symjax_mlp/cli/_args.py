@@ -1,8 +1,4 @@
-"""Argument types and checks shared by the subcommands: a bad value is refused before any work.
-
-Each type raises ``argparse.ArgumentTypeError`` naming the option, what it got and what it
-takes, so argparse prints one line and exits 2.
-"""
+"""Argument types and checks shared by the subcommands: a bad value is refused before any work."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Progress for the long commands: a rich progress bar on a terminal, plain lines otherwise.
-
-Plain lines (one per step of work, on stderr) are what logs and pipes want; on a terminal,
-``rich`` draws one bar with the time elapsed and an ETA. ``--quiet`` shows neither.
-"""
+"""Progress for the long commands: a rich bar on a terminal, plain lines on stderr otherwise."""
 
 from __future__ import annotations
 

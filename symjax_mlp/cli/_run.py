@@ -1,8 +1,4 @@
-"""``symjax-mlp run ARTIFACT --input x.npy --output y.npy``: an artifact on .npy files.
-
-The reading, the dtypes and the writing are :mod:`symjax_mlp._npy`'s; this parses the options
-and prints what was written.
-"""
+"""``symjax-mlp run ARTIFACT --input x.npy --output y.npy``: an artifact on .npy files."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """``symjax-mlp serve ARTIFACT --port N``: an artifact over HTTP, a micro-batcher underneath.
 
-With ``--ray``, the same app on Ray Serve replicas (``--replicas N``), each a batcher, behind
-Ray's HTTP proxy on ``--host``/``--port``, until SIGINT or SIGTERM.
-
-The handler switches JAX to :func:`~symjax_mlp.serving.latency_mode` first (before anything
-starts JAX's CPU backend; ``--dispatch async`` keeps JAX's default), then runs
-:func:`~symjax_mlp.serving.serve` until SIGINT or SIGTERM, and exits 0 after a clean shutdown.
-Once the model is loaded and compiled it calls ``gc.freeze()``: what exists then (JAX, the
-model, its executables) stays for the life of the process, and Python's full collections
-need not walk it again. Without it, every full collection walks all of it, and every request in
-flight waits until it is done: a tail in the latency that the benchmark's serving rows show.
+With ``--ray``, the same app on Ray Serve replicas behind Ray's HTTP proxy. The handler
+switches JAX to :func:`~symjax_mlp.serving.latency_mode` first (``--dispatch async`` keeps
+JAX's default), serves until SIGINT or SIGTERM and exits 0 after a clean shutdown. Once the
+model is compiled it calls ``gc.freeze()``, so that Python's full collections, which pause
+every request in flight, need not walk JAX and the model again.
 """
 
 from __future__ import annotations

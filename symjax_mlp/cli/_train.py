@@ -1,9 +1,7 @@
 """``symjax-mlp train``: :func:`symjax_mlp.training.train` on the bundled digits data.
 
-The targets of ``--json`` and ``--export`` are refused before the first epoch, never after.
-With ``--coordinator HOST:PORT --num-processes N --process-id I`` it is one of N processes of a
-data-parallel run (:func:`symjax_mlp.training.initialize` first); process 0 writes the
-``--json`` and ``--export`` targets.
+The ``--json`` and ``--export`` targets are refused before the first epoch; in a
+multi-process run (``--coordinator``) process 0 writes them.
 """
 
 from __future__ import annotations
