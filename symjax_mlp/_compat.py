@@ -1,10 +1,7 @@
 """Every private JAX, Flax and CPython internal the library uses, each with its public fallback.
 
-A private name may change in any release, so each one lives here, and only here, behind a
-function whose public fallback gives the same results; each section says what the internal is
-for, what it buys, and what the fallback does. :data:`INTERNALS` turns each off (a JAX, Flax
-or Python without it gets the fallback on its own); ``tests/test_compat.py`` forces each
-fallback, checks the results agree, and fails on a private internal named anywhere else.
+Each lives here only, in a section saying what it is for, what it buys, and its fallback.
+:data:`INTERNALS` turns each off; ``tests/test_compat.py`` checks the fallbacks agree.
 """
 
 from __future__ import annotations

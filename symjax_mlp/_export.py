@@ -1,10 +1,7 @@
 """Stage 3 of the flow: a :class:`~symjax_mlp.Hybrid` to a portable StableHLO artifact.
 
-``export`` runs ``jax.export`` on the Hybrid's pure function with the params as *inputs* (not
-constants): the weights live in a cross-language ``params.safetensors``, swappable at load.
 Each entry point is staged and exported by :mod:`symjax_mlp._export_entry`; this module checks
-the options, joins the params into one weight file, and writes the directory atomically,
-manifest last.
+the options, joins the params into one weight file, and writes the directory atomically.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """One entry point of an export: a :class:`~symjax_mlp.Hybrid` staged for ``jax.export``.
 
-:func:`stage` checks what is exported (inference mode, array inputs, one path per param) and
-picks what is stored (params and state; typed rng keys baked in). :func:`export_program` runs
-``jax.export`` on it, the params a dict keyed by path: its signature, and its rows verdict.
-
-With ``batch="b"`` every input's leading dimension is the batch. Where that breaks a shape,
-an input whose leading dimension differs from ``args[0]``'s is taken as shared by every row
-(an attention mask, a weight vector: stored static) and the trace is tried again; where that
-fails too while the example's own shapes trace, the model takes one example (every
-``eqx.nn`` layer does): a :class:`SignatureError` names the fixes.
+:func:`stage` checks what is exported and picks what is stored; :func:`export_program` runs
+``jax.export`` on it. With ``batch="b"``, an input whose leading dimension differs from
+``args[0]``'s is taken as shared by every row (stored static) and the trace tried again.
 """
 
 from __future__ import annotations

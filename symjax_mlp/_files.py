@@ -1,13 +1,9 @@
 """Files on disk: the one atomic writer, bounded safe reads, and sha256 in chunks.
 
-Artifacts, checkpoints and caches are all written the same way: into a temporary sibling,
-fsynced, then renamed into place (``renameat2`` on Linux: ``RENAME_NOREPLACE`` for a new
-directory, ``RENAME_EXCHANGE`` to replace one), so a reader sees the old version or the new
-one, never half of one, and a writer killed mid-way leaves the old version intact.
-
-Reading (one :class:`Reader` pass) never follows a symbolic link, never blocks on a FIFO, and
-checks a file's size before reading a byte of it. :func:`write_file` is the documented test
-seam: the crash-safety tests replace it to kill a writer half-way through a file.
+Everything is written into a temporary sibling, fsynced, then renamed into place
+(``renameat2`` on Linux), so a reader sees the old version or the new one, never half of one.
+Reading never follows a symbolic link, never blocks on a FIFO, and checks a file's size before
+reading it. :func:`write_file` is the test seam the crash-safety tests replace.
 """
 
 from __future__ import annotations

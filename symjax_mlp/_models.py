@@ -1,9 +1,4 @@
-"""Hybridizable MLP building blocks: pure ``flax.linen`` modules with plain-dict params.
-
-Flax runs every submodule call under ``jax.named_scope(<module name>)``, so the jaxpr and the
-HLO of these models carry layer names (``layers_0``, ``branches_1``, ...), which
-:attr:`symjax_mlp.Graph.by_layer` reads back.
-"""
+"""Hybridizable MLP building blocks: pure ``flax.linen`` modules with plain-dict params."""
 
 from __future__ import annotations
 

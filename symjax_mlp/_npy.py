@@ -1,9 +1,8 @@
 """Arrays as ``.npy`` files: a model's inputs read from them, its outputs written to them.
 
-A ``.npy`` file is read without pickle, as one array, in this CPU's byte order. NumPy's format
-cannot name the ml_dtypes types JAX uses (bfloat16, float8, int4): it stores them as raw bytes
-(``|V2`` for bfloat16), which reading for a model views as the dtype it expects, bit for bit
-(:func:`npy_array`). Nothing else is cast: a float32 file where bfloat16 is expected is refused.
+Read without pickle. ml_dtypes types (bfloat16, float8, int4) are stored as raw bytes
+(``|V2`` for bfloat16) and read back as the dtype the model expects (:func:`npy_array`);
+nothing else is cast.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Row independence: whether an exported function keeps the rows of its batch apart, as
-``jax.vmap`` over a loaded model needs (:mod:`symjax_mlp._runtimes.transforms`).
+``jax.vmap`` over a loaded model needs.
 
-:func:`verdict` decides it at export, conservatively, from the jaxpr: each value's symbolic
-shape says which axis holds the batch dimension. An equation that keeps that axis whole
-passes (elementwise ops, ``dot_general``, reductions over other axes, ``reshape`` or
-``transpose`` that move it whole, a convolution with it as batch, calls such as ``jit``,
-checked inside); one that drops, reorders or mixes it (batch statistics, a sort or cumsum
-along it, ``iota`` along it, its size as a value), or that this module does not know, makes
-the verdict "not independent", naming the primitive and its layer. The manifest records it
-per entry point (``rows``); load only reads it (none, from an older export: vmap refused).
+:func:`verdict` decides it conservatively from the jaxpr: each value's symbolic shape says which
+axis holds the batch. An equation that drops, reorders or mixes that axis, or that this module
+does not know, makes the verdict "not independent", naming the primitive and its layer.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Who made an artifact: signing with the OpenSSF ``model-signing`` package, offline, by key.
 
-Checksums in the manifest prove that the files are the ones it lists, not who wrote them. A
-signature does: :func:`sign` hashes *every* file of the artifact directory (``.git``
-included; only ``model.sig`` is left out) with ``model_signing`` and signs that with an
-elliptic-curve private key into ``model.sig`` (a Sigstore bundle, offline).
-:func:`verify_signature` checks it before any parser of symjax_mlp reads a byte.
-
-The directory is first checked to hold only regular files and directories (at most
-:data:`MAX_ENTRIES`), so verifying cannot hang or be redirected, and the files' identities
-are recorded, so that a loader can check that what it read is what was verified.
+:func:`sign` hashes every file of the artifact directory (only ``model.sig`` left out) and
+signs it into ``model.sig`` (a Sigstore bundle); :func:`verify_signature` checks it before any
+parser reads a byte. The directory must hold only regular files and directories (at most
+:data:`MAX_ENTRIES`), and the files' identities are recorded for the loader to check.
 """
 
 from __future__ import annotations

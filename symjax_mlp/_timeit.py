@@ -1,11 +1,7 @@
 """Timing your own model against its floor: the same program, AOT-compiled and called bare.
 
-:func:`timeit` times a :class:`~symjax_mlp.Hybrid` or a :class:`~symjax_mlp.LoadedModel` on
-your inputs, and beside it the floor: the same function compiled ahead of time
-(``jax.jit(f).lower(...).compile()``) and called directly; between the two is what the wrapper
-costs a call. Each is timed *synced* (every call waited for: what a lone request costs) and
-*pipelined* (one wait per repeat). After a warm-up the four rows take turns, the order rotating
-each repeat, so that noise lands on all alike. ``symjax-mlp bench DIR`` runs it on an artifact.
+Each of the model and its floor is timed *synced* (every call waited for) and *pipelined* (one
+wait per repeat); after a warm-up the four rows take turns, the order rotating each repeat.
 """
 
 from __future__ import annotations

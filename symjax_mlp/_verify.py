@@ -1,9 +1,7 @@
 """Verify an artifact end to end: reload it in a fresh process and compare with a reference.
 
-The fresh process proves the artifact runs without the caller's state (its model source,
-imports, jit caches); a crash there is reported instead of taking the caller down. Arrays
-cross as .npy files with their dtype names beside them (:func:`~symjax_mlp._npy.npy_array`
-gives bfloat16's raw bytes their dtype back), an rng key as its key data.
+The fresh process proves the artifact runs without the caller's state; a crash there is
+reported instead of taking the caller down. Arrays cross as .npy files, dtype names beside.
 """
 
 from __future__ import annotations
