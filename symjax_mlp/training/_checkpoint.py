@@ -78,10 +78,6 @@ def named_leaves(state: TrainState) -> dict[str, Any]:
     return tensors
 
 
-def _tensors(state: TrainState) -> dict[str, np.ndarray]:
-    return {name: np.asarray(leaf) for name, leaf in named_leaves(state).items()}
-
-
 def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> None:
     """Refuses a checkpoint whose tensors (``{name: (shape, dtype)}``) are not ``wanted``'s."""
     missing = sorted(set(wanted) - set(stored))
@@ -160,7 +156,7 @@ def save_checkpoint(
             "picks the newest, so this one would be pruned or passed over. Save to another "
             "directory, or remove the newer checkpoints first."
         )
-    tensors = _tensors(state)
+    tensors = {name: np.asarray(leaf) for name, leaf in named_leaves(state).items()}
     state_bytes = save(tensors)
     manifest = {
         "format": "symjax_mlp.checkpoint",

@@ -161,11 +161,8 @@ def train_step(
 
     def loss_fn(spec, trainable: Any, rest: Any, x: jax.Array, y: jax.Array, w: jax.Array):
         params = trainable if rest is None else ModelVars(trainable, rest)
-        logits, params = apply_model(model, spec, params, x, train=True)
-        losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
-        loss = jnp.sum(w * losses) / jnp.maximum(jnp.sum(w), 1.0)
-        correct = jnp.sum(w * (jnp.argmax(logits, axis=-1) == y))
-        return loss, (correct, params)
+        total, correct, params = _weighted_loss(model, spec, params, x, y, w)
+        return total / jnp.maximum(jnp.sum(w), 1.0), (correct, params)
 
     if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
         raise ConfigError(f"{caller}: blocks must be an int >= 1; got {blocks!r}.")
@@ -198,6 +195,13 @@ def train_step(
     return step
 
 
+def _weighted_loss(model: Any, spec: Any, params: Any, x: Any, y: Any, w: Any) -> tuple:
+    """``(sum of w * cross-entropy, weighted count correct, params moved)`` of a training call."""
+    logits, params = apply_model(model, spec, params, x, train=True)
+    losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
+    return jnp.sum(w * losses), jnp.sum(w * (jnp.argmax(logits, axis=-1) == y)), params
+
+
 _BLOCKS_STATE = (
     "{caller}: blocks={blocks} computes each block's gradient alone, but this model has state "
     "(BatchNorm statistics, a dropout rng) that would then move per block, not per batch. "
@@ -217,10 +221,8 @@ def _blocked(model: Any, spec: Any, params: Any, batch: tuple, blocks: int, axis
         )
 
     def part(p: Any, x: jax.Array, y: jax.Array, w: jax.Array):
-        logits = apply_model(model, spec, p, x, train=True)[0]
-        losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
-        correct = jnp.sum(w * (jnp.argmax(logits, axis=-1) == y))
-        return jnp.sum(w * losses), (correct, jnp.sum(w))
+        total, correct, _ = _weighted_loss(model, spec, p, x, y, w)
+        return total, (correct, jnp.sum(w))
 
     split = [a.reshape(blocks // n, -1, *a.shape[1:]) for a in batch]
     per = jax.lax.map(lambda b: jax.value_and_grad(part, has_aux=True)(params, *b), split)
