@@ -124,8 +124,12 @@ class Reader:
         if extra or self.done != self.size:
             raise self.error(f"{self.file} changed while it was read; read it again.")
         digest = self.digest.hexdigest()
-        if sha256 is not None:
-            _check_digest(self.file, digest, sha256, self.size, self.error)
+        if sha256 is not None and digest != sha256:
+            raise self.error(
+                f"{self.file} is corrupted: its sha256 is {digest[:16]}... but the manifest "
+                f"records {str(sha256)[:16]}... ({self.size} bytes). Nothing was deserialized. "
+                "Restore the file, or write it again (export the artifact again)."
+            )
         return digest
 
 
@@ -174,15 +178,6 @@ def _check_size(
             "not one written by symjax_mlp. Write it again."
         )
     return actual
-
-
-def _check_digest(file: Path, digest: str, want: str, n: int, error: type[SymjaxError]) -> None:
-    if digest != want:
-        raise error(
-            f"{file} is corrupted: its sha256 is {digest[:16]}... but the manifest records "
-            f"{str(want)[:16]}... ({n} bytes). Nothing was deserialized. Restore the file, or "
-            "write it again (export the artifact again)."
-        )
 
 
 # -- writing ----------------------------------------------------------------------------------
