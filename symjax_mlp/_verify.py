@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import ml_dtypes
 import numpy as np
 
 from symjax_mlp._artifact.format import printable
@@ -212,8 +214,6 @@ def _read(work: Path, name: str, dtypes: Mapping[str, str]) -> Any:
     x = np.load(work / name, allow_pickle=False)
     dtype = dtypes.get(name, "")
     if dtype in _key_impls():  # an rng key crosses as its key data
-        import jax
-
         return jax.random.wrap_key_data(x, impl=_key_impls()[dtype])
     return npy_array(x, dtype)
 
@@ -221,8 +221,6 @@ def _read(work: Path, name: str, dtypes: Mapping[str, str]) -> Any:
 @functools.cache
 def _key_impls() -> dict[str, str]:
     """JAX's rng-key dtype names (``key<fry>``) and the impl of each (``threefry2x32``)."""
-    import jax
-
     names = ("threefry2x32", "rbg", "unsafe_rbg")
     return {str(jax.random.key(0, impl=n).dtype): n for n in names}
 
@@ -231,8 +229,6 @@ def _input_kind(path: Path, spec: TensorSpec) -> np.dtype | str:
     """The NumPy dtype of an input (an rng key: its impl's name), or ArtifactError."""
     if spec.dtype in _key_impls():
         return _key_impls()[spec.dtype]
-    import ml_dtypes
-
     kind = spec.dtype if hasattr(np, spec.dtype) else getattr(ml_dtypes, spec.dtype, None)
     try:
         return np.dtype(kind) if kind is not None else np.dtype(spec.dtype)
@@ -274,8 +270,6 @@ def _check_size(path: Path, sig: Any, kinds: list[Any], batches: Sequence[int]) 
 def _random(spec: TensorSpec, kind: Any, batch: int, rng: np.random.Generator) -> Any:
     shape = tuple(batch if isinstance(d, str) else d for d in spec.shape)
     if isinstance(kind, str):  # an rng key of that impl, one per element
-        import jax
-
         key = jax.random.key(int(rng.integers(2**31)), impl=kind)
         return jax.random.split(key, shape) if shape else key
     if kind == np.bool_:
@@ -291,8 +285,6 @@ def _write(work: Path, prefix: str, arrays: Sequence[Any], dtypes: dict[str, str
     names = [f"{prefix}_{i}.npy" for i in range(len(arrays))]
     for name, x in zip(names, arrays, strict=True):
         if str(getattr(x, "dtype", "")) in _key_impls():
-            import jax
-
             np.save(work / name, np.asarray(jax.random.key_data(x)))
         else:
             np.save(work / name, x)
