@@ -189,11 +189,9 @@ class TraceLog:
       callbacks: the ``on_trace`` callbacks, shared by the Hybrids ``replace`` makes.
     """
 
-    def __init__(
-        self, name: str, max_traces: int | None, callbacks: list[Callable[..., Any]] | None = None
-    ) -> None:
+    def __init__(self, name: str, max_traces: int | None) -> None:
         self.name, self.max_traces = name, max_traces
-        self.callbacks = [] if callbacks is None else callbacks
+        self.callbacks: list[Callable[..., Any]] = []
         self._events: list[TraceEvent] = []
         self._lock = threading.Lock()
 

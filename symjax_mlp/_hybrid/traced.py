@@ -10,6 +10,7 @@ eager nnx leaves them (:func:`variables_in`, :func:`write_back`). A Hybrid names
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +53,7 @@ def as_program(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 install_unrolled_threefry(_SUFFIX)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class TracedModel:
     """A Hybrid's model as its compiled paths trace it.
 
@@ -62,16 +64,11 @@ class TracedModel:
       held, log: the Hybrid's held state and trace log.
     """
 
-    def __init__(
-        self,
-        model: PureModel,
-        treedef: Any,
-        constants: list[Any] | None,
-        held: HeldState,
-        log: TraceLog,
-    ) -> None:
-        self.model, self.treedef, self.constants = model, treedef, constants
-        self.held, self.log = held, log
+    model: PureModel
+    treedef: Any
+    constants: list[Any] | None
+    held: HeldState
+    log: TraceLog
 
     def call(
         self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any, settings=None
