@@ -69,9 +69,7 @@ class Reader:
     """One checked pass over a regular file: its bytes in order, hashed as they are read.
 
     ``with Reader(file, size=n, error=E) as r: r.read(8); r.readinto(buffer); r.finish(sha)``
-    reads a file straight into buffers the caller owns (one per tensor, aligned for zero-copy
-    use), so that reading takes the file's size in memory and no more; :meth:`finish` checks
-    that the file ended there and had the expected sha256.
+    reads straight into buffers the caller owns; :meth:`finish` checks the end and the sha256.
     """
 
     def __init__(

@@ -184,8 +184,7 @@ def timeit(
 ) -> CallTiming:
     """Times ``model(*args)`` against its floor: the same function, AOT-compiled, called bare.
 
-    For a :class:`~symjax_mlp.Hybrid` the floor is ``jax.jit`` of its :attr:`fn` on its
-    variables (as constants if the Hybrid holds its params so); for a
+    For a :class:`~symjax_mlp.Hybrid` the floor is ``jax.jit`` of its :attr:`fn`; for a
     :class:`~symjax_mlp.LoadedModel`, the artifact's exported program run in JAX. The inputs
     are placed on the device first: what is timed is the call, not the copy.
 

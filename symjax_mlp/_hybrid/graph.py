@@ -137,12 +137,9 @@ class Graph:
 def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
     """Returns a function that stages ``fn`` on its arguments into a :class:`Graph`.
 
-    Pass the plain (un-jitted) function: staging shows each operation it performs, and
-    :meth:`Graph.optimized` shows what XLA makes of them. Its arguments are pytrees of arrays,
-    as :func:`jax.make_jaxpr` takes them (a list of ``(W, b)`` pairs too); Python settings
-    among them (``True``, ``3``, ``"relu"``) are static, as in a Hybrid's call. An equinox
-    module among them is split as ``eqx.filter_make_jaxpr`` splits it: its arrays traced, the
-    rest (functions, sizes, flags) held static.
+    Pass the plain (un-jitted) function. Its arguments are pytrees of arrays (a list of
+    ``(W, b)`` pairs too); Python settings among them are static, as in a Hybrid's call, and an
+    equinox module is split as ``eqx.filter_make_jaxpr`` splits it.
 
     Raises:
       TypeError: ``fn`` is already ``jax.jit``-wrapped (its jaxpr would be one opaque

@@ -156,10 +156,8 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 def nnx_module(module: Any) -> tuple:
     """``(PureModel, params, state)`` for an nnx module: its Params, and everything else.
 
-    Its settings (its submodules' bool attributes, and ``deterministic`` and
-    ``use_running_average`` whatever their value) are read from ``module`` itself by
-    :attr:`PureModel.settings`; its state, once split, is the Hybrid's. A call names each
-    submodule's ops by its attribute path, as linen does (:func:`~symjax_mlp._compat.layer_scopes`).
+    Its settings (submodules' bool attributes, ``deterministic``, ``use_running_average``) are
+    read from ``module`` itself at each call; its state, once split, is the Hybrid's.
     """
     from flax import nnx
 

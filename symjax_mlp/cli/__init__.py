@@ -300,10 +300,8 @@ def _bug(where: str) -> int:
 def run(argv: Sequence[str] | None = None) -> NoReturn:
     """The ``symjax-mlp`` command: exits with :func:`main`'s code.
 
-    After an interrupt (130) it leaves at once (``os._exit``), without tearing the
-    interpreter down: XLA may still be compiling on its own threads for the interrupted call,
-    and freeing its client under them crashes the process (a segfault) or hangs it. Files are
-    safe: every artifact and checkpoint is written to a temporary name and renamed.
+    After an interrupt (130) it leaves at once (``os._exit``): XLA may still be compiling on
+    its own threads, and tearing the interpreter down under them can crash or hang.
     """
     code = main(argv)
     if code == 130:

@@ -70,7 +70,7 @@ class OrbaxCheckpoints:
             cleanup_tmp_directories=True,  # a save a killed process left unfinished
             async_options=ocp.AsyncOptions(timeout_secs=timeout),
             # every process named: Orbax's barriers are then the coordinator's (with the
-            # timeout), not a collective each (8 per save, half of a save's blocking time)
+            # timeout), not a collective each
             multiprocessing_options=ocp.options.MultiprocessingOptions(
                 active_processes=set(range(jax.process_count()))
             ),

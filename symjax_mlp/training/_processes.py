@@ -37,9 +37,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
     """Joins this process to a run of ``num_processes`` (``jax.distributed.initialize``).
 
     Call it first, in every process, with the same ``coordinator`` and ``num_processes``;
-    then :func:`~symjax_mlp.training.train` trains data-parallel over every process's
-    devices and checkpoints through Orbax. On one machine the collectives run over loopback
-    (gloo); across machines, give every process the address of process 0's machine.
+    then :func:`~symjax_mlp.training.train` trains data-parallel over every process's devices.
 
     Args:
       coordinator: ``"host:port"`` where process 0 serves the coordinator.
@@ -50,9 +48,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
 
     Raises:
       ConfigError: an argument is out of range, or JAX's distributed runtime already started.
-
-    If not every process connects within ``timeout`` s, this process ends (exit status
-    :data:`EXIT_STATUS`) after naming the processes that did not arrive on stderr.
+      (A process that waits past ``timeout`` for the others ends with :data:`EXIT_STATUS`.)
     """
     caller = "symjax_mlp.training.initialize"
     given = f"{caller}({coordinator!r}, {num_processes!r}, {process_id!r}, timeout={timeout!r})"
