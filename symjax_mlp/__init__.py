@@ -1,11 +1,7 @@
 """symjax_mlp: hybrid programming for Flax MLPs.
 
 Write the model imperatively, flip one switch (:func:`hybridize`) and get the symbolic program
-as a jaxpr (:class:`Graph`), an XLA-compiled call, and a portable StableHLO artifact
-(:func:`export`, :func:`load`); :func:`timeit` times a model against its AOT-compiled floor.
-Training lives in :mod:`symjax_mlp.training`, serving (a micro-batcher, an HTTP server) in
-:mod:`symjax_mlp.serving`, the chapter's examples in :mod:`symjax_mlp.chapter`. The project's
-benchmark is not part of the package: ``python scripts/bench.py``, on this public API.
+(:class:`Graph`), an XLA-compiled call, and a portable StableHLO artifact (:func:`export`).
 
 The flow, one stage per private module, each importing only from the stages before it::
 
