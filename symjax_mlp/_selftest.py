@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import safetensors
 from jax.errors import JaxRuntimeError
@@ -102,13 +103,15 @@ def run(
         _fits(path / name, f"args[{i}]", x, spec["dtype"], shape, f"input {i}")
     for i, (y, spec) in enumerate(zip(want, sig["outputs"], strict=True)):
         _fits(path / name, f"out[{i}]", y, spec["dtype"], y.shape, f"output {i}")
-    try:  # np.asarray waits for the results: a failure while the program runs comes here
-        got = [np.asarray(y) for y in call(list(xs))]
+    try:  # waits for the results: a failure while the program runs comes here
+        # block_until_ready first: jaxlib's np.asarray of a result whose program failed
+        # (out of memory for it, on CPU) aborts the process instead of raising
+        got = [np.asarray(y) for y in jax.block_until_ready(call(list(xs)))]
     except JaxRuntimeError as e:  # it failed while it ran (JAX dispatches asynchronously)
         raise run_failed(_caller(path), _program(path, manifest), e, xs, _WHERE) from e
     except SymjaxError as e:  # the vectors fit the signature, yet the program refuses them
-        if isinstance(e.__cause__, JaxRuntimeError):  # it failed as it was called
-            cause = e.__cause__
+        cause = e.__cause__  # it failed as it was called: jaxlib's C++ dispatch raises a
+        if isinstance(cause, JaxRuntimeError) or _exhausted(cause):  # ValueError for that
             raise run_failed(_caller(path), _program(path, manifest), cause, xs, _WHERE) from cause
         raise ArtifactError(f"{path / name}: its vectors do not run: {e}") from None
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -179,6 +182,12 @@ _RUN_FAILED = (
     "agree with each other but its program does not run here; it is corrupted, was edited, "
     "or was made for another JAX. Export it again."
 )
+
+
+def _exhausted(error: BaseException | None) -> bool:
+    """Whether ``error`` is XLA's out of memory as jaxlib's C++ dispatch raises it (a
+    ``ValueError``, where the first call of a jit raises it as a ``JaxRuntimeError``)."""
+    return isinstance(error, ValueError) and str(error).startswith("RESOURCE_EXHAUSTED")
 
 
 def run_failed(

@@ -9,6 +9,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -246,3 +251,93 @@ def test_a_run_time_failure_at_a_call_is_a_symjax_error_naming_it(artifact):
     assert "RESOURCE_EXHAUSTED" in text and "float32[5, 3]" in text and "fewer rows" in text
     assert "corrupted" not in text
     assert info.value.__cause__ is error
+
+
+# The real thing: XLA out of memory under RLIMIT_AS, in a child process. On CPU the program
+# fails at the call when XLA runs it inline (a cheap one: broadcasts, copies), else when its
+# result is read; and jaxlib's (0.10.2) np.asarray of a result it could not allocate aborts the
+# process (SIGABRT, "Check failed: buffer_.IsConcrete()"): only block_until_ready raises. The
+# limit is on address space, and glibc's arenas reserve 64 MiB each: the results are larger.
+_UNDER_A_LIMIT = """
+import json, resource, sys
+import jax, numpy as np
+import symjax_mlp as sm
+
+def limited(headroom_mib):  # what is mapped now, and this much more
+    vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (headroom_mib << 20), HARD))
+
+def caught(f):
+    try:
+        f()
+        return {"raised": None}
+    except Exception as e:
+        cause = e.__cause__
+        return {"raised": type(e).__name__, "symjax": isinstance(e, sm.SymjaxError), "text": str(e),
+                "cause": None if cause is None else type(cause).__name__}
+
+HARD, said = resource.getrlimit(resource.RLIMIT_AS)[1], {}
+costly_static, cheap_static, cheap, costly = sys.argv[1:5]
+x = np.ones((N, 1), np.float32)
+for name, art in (("self-test", costly_static), ("cheap self-test", cheap_static),
+                  ("cheap call", cheap), ("costly call", costly)):
+    m = sm.load(art, self_test="self-test" not in name)
+    kept = m(x).block_until_ready()  # compiled and checked, its (N, N) result held
+    limited(200 if "self-test" in name else 30)  # room for the self-test's vectors (in and
+    # out, 137 MiB), not for another (N, N) result
+    if "self-test" in name:
+        said[name] = caught(lambda: sm.load(art))
+    elif name == "cheap call":
+        said[name] = caught(lambda: m(x))
+    else:
+        y = m(x)  # returns: the program runs after
+        said[name] = caught(lambda: jax.block_until_ready(y))
+    resource.setrlimit(resource.RLIMIT_AS, (HARD, HARD))
+    del kept, m
+print(json.dumps(said))
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or jax.default_backend() != "cpu",
+    reason="XLA's CPU client under RLIMIT_AS, read from /proc/self/status (Linux)",
+)
+def test_out_of_memory_for_real_at_the_self_test_at_a_call_and_when_read(tmp_path):
+    """Under RLIMIT_AS, XLA's RESOURCE_EXHAUSTED: at load's self-test (its results not yet
+    allocated when the call returns) an ArtifactError naming it, never the process aborted
+    by np.asarray of the failed results; at a call XLA runs inline an ArtifactError naming
+    it (jaxlib raises a ValueError there); where the program runs after the call returns, a
+    JaxRuntimeError from jax.block_until_ready, as LoadedModel documents."""
+    n = 6_000  # a (6000, 6000) float32 result: 137 MiB
+    x = np.ones((n, 1), np.float32)
+
+    def export(f, name, **kw):
+        return str(sm.export(sm.hybridize(f, {}), tmp_path / name, example=x, **kw).path)
+
+    costly_static = export(lambda _, x: jnp.broadcast_to(x, (n, n)) * x.T, "s1", batch=None)
+    cheap_static = export(lambda _, x: jnp.broadcast_to(x, (n, n)), "s2", batch=None)
+    cheap = export(lambda _, x: jnp.broadcast_to(x, (x.shape[0], x.shape[0])), "cheap")
+    costly = export(lambda _, x: jnp.broadcast_to(x, (x.shape[0], x.shape[0])) * x.T, "costly")
+    code = f"N = {n}\n" + textwrap.dedent(_UNDER_A_LIMIT)
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    arts = [costly_static, cheap_static, cheap, costly]
+    done = subprocess.run([sys.executable, "-c", code, *arts], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]  # -6: SIGABRT
+    said = json.loads(done.stdout.splitlines()[-1])
+    oom = "RESOURCE_EXHAUSTED: Out of memory allocating 144000000 bytes"
+    for name, art, cause in (("self-test", costly_static, "JaxRuntimeError"),
+                             ("cheap self-test", cheap_static, "ValueError")):  # fmt: skip
+        at_load = said[name]
+        assert at_load["raised"] == "ArtifactError" and at_load["cause"] == cause, said
+        assert at_load["text"].startswith(
+            f'symjax_mlp.load("{art}"): its program ran out of memory on its self-test vectors, '
+            "at load"
+        )
+        assert oom in at_load["text"] and "float32[6000, 1]: call it on fewer" in at_load["text"]
+    at_call = said["cheap call"]
+    assert at_call["raised"] == "ArtifactError" and at_call["symjax"], at_call
+    assert at_call["text"].startswith(f'symjax_mlp.load("{cheap}"): its program ran out of memory')
+    assert oom in at_call["text"] and "float32[6000, 1]: call it on fewer rows" in at_call["text"]
+    assert said["costly call"] == {"raised": "JaxRuntimeError", "symjax": False, "cause": None,
+                                   "text": f"{oom}."}  # fmt: skip
