@@ -59,6 +59,10 @@ uvicorn.Server(config).run(sockets=[sock])
 """
 
 
+#: The same endpoint parsing with the standard library's json (the issue's first yardstick).
+_BARE_STDLIB = _BARE.replace("from orjson import loads", "from json import loads")
+
+
 @contextlib.contextmanager
 def _server(cmd: list[str], env: Mapping[str, str] | None, timeout: float):
     """The server ``cmd`` starts, once it printed its URL; yields ``(host, port, proc)``."""
@@ -168,7 +172,7 @@ def http_rows(
         "npy": (npy.getvalue(), "application/x-npy"),
         "json": (json.dumps({"inputs": xn.tolist()}).encode(), "application/json"),
     }
-    rows, bare = [], {}
+    rows, bare, stdlib = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_serve_") as tmp:
         art = os.path.join(tmp, "mlp")
         sm.export(h, art, example=xn, batch="b")
@@ -179,12 +183,15 @@ def http_rows(
         with (
             _server(serve, env, timeout) as (host, port, proc),
             _server(yardstick, env, timeout) as (bare_host, bare_port, _),
+            _server([*yardstick[:2], _BARE_STDLIB, *yardstick[3:]], env, timeout) as std,
         ):
             for c in clients:
-                say(f"HTTP: {c} client(s), bare starlette endpoint, JSON bodies")
+                say(f"HTTP: {c} client(s), bare starlette endpoints, JSON bodies")
                 body, kind = bodies["json"]
                 row = _http_load(bare_host, bare_port, body, kind, c, requests)
                 bare[c] = {"clients": c, "body": "json", **row}
+                row = _http_load(std[0], std[1], body, kind, c, requests)
+                stdlib[c] = {"clients": c, "body": "json", "parser": "json", **row}
                 for name, (body, kind) in bodies.items():
                     say(f"HTTP: {c} client(s), {name} bodies")
                     before = _scrape(host, port)
@@ -204,9 +211,11 @@ def http_rows(
     for row in rows:
         if row["body"] == "json":
             row["vs_bare"] = row["throughput_rps"] / bare[row["clients"]]["throughput_rps"]
+            row["vs_bare_stdlib"] = row["throughput_rps"] / stdlib[row["clients"]]["throughput_rps"]
     return {
         "rows": rows,
         "bare": list(bare.values()),
+        "bare_stdlib": list(stdlib.values()),
         "server_exit_code": exit_code,
         "metrics": metrics,
     }

@@ -377,11 +377,18 @@ def format_serving(result: Mapping[str, Any]) -> str:
                 f"{us(r['p50_s']):>10} {us(r['p99_s']):>10} {r['rows_per_batch']:>10.1f} "
                 f"{r['errors']:>6}"
             )
-        for r in h.get("bare", []):
-            lines.append(
-                f"  {r['clients']:>7} {'bare':<5} {r['throughput_rps']:>9.0f} "
-                f"{us(r['p50_s']):>10} {us(r['p99_s']):>10}  (starlette, orjson-parsed, constant)"
-            )
+        for key, parser in (("bare", "orjson"), ("bare_stdlib", "stdlib json")):
+            for r in h.get(key, []):
+                lines.append(
+                    f"  {r['clients']:>7} {'bare':<5} {r['throughput_rps']:>9.0f} "
+                    f"{us(r['p50_s']):>10} {us(r['p99_s']):>10}  (starlette, {parser}, constant)"
+                )
+        for r in h["rows"]:
+            if "vs_bare_stdlib" in r:
+                lines.append(
+                    f"  serve/bare at {r['clients']} client(s): {r['vs_bare']:.2f} (both orjson, "
+                    f"the target's); against the stdlib-json endpoint {r['vs_bare_stdlib']:.2f}"
+                )
         lines.append(f"  server exit code after SIGINT: {h['server_exit_code']}")
         parts.append("\n".join(lines))
     if not parts:
