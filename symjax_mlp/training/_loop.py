@@ -65,9 +65,8 @@ def train(
 ) -> TrainResult:
     """Trains a classifier with optax; the step is jit-compiled (or eager, for comparison).
 
-    Every epoch shuffles the training split, pads the last batch with weight-0 rows, runs one
-    step per batch and evaluates the test split. The same ``seed`` gives bitwise-identical
-    params on the CPU; resuming continues exactly as the uninterrupted run would have.
+    The same ``seed`` gives bitwise-identical params on the CPU; resuming continues exactly as
+    the uninterrupted run would have.
 
     Args:
       model: a ``flax.linen`` module mapping ``(batch, features)`` to ``(batch, classes)``
@@ -101,9 +100,7 @@ def train(
         :func:`~symjax_mlp.training.initialize`'s) before the run fails naming it.
 
     After :func:`~symjax_mlp.training.initialize`, every process calls ``train`` with the same
-    arguments: the processes compare their settings before the first step (a difference is a
-    ``ConfigError`` in each), each step runs data-parallel over every process's devices, and
-    checkpoints go through Orbax, saved asynchronously.
+    arguments; each step runs data-parallel over every process's devices, checkpoints via Orbax.
 
     Returns:
       A :class:`TrainResult`; ``result.hybridize()`` is the trained model.
