@@ -66,15 +66,12 @@ def export(
 
     Args:
       h: the :class:`~symjax_mlp.Hybrid` to export; its params become inputs of the exported
-        function, written to ``params.safetensors`` in the dtype JAX traces them with (NumPy
-        float64 as float32 while ``jax_enable_x64`` is off). A sharded Hybrid
-        (``h.shard(mesh)``) exports its sharded program; a stateful one, one call with its
-        current state (the update is dropped). Or a dict of them, ``{"predict": h, "embed":
-        h_embed}``: entry points over one ``params.safetensors`` (a shared param path holds
-        one tensor), the first the default; ``example``, ``kwargs``, ``shapes`` and
+        function, written to ``params.safetensors`` in the dtype JAX traces them with. A
+        sharded Hybrid exports its sharded program; a stateful one, one call with its current
+        state. Or a dict of them, ``{"predict": h, "embed": h_embed}``: entry points over one
+        ``params.safetensors``, the first the default; ``example``, ``kwargs``, ``shapes`` and
         ``constraints`` may then be dicts keyed by every entry point's name.
-      path: the artifact directory. Written atomically: a temporary sibling, manifest last,
-        then renamed into place.
+      path: the artifact directory, written atomically.
       example: an input array, or a tuple of input arrays; only shapes and dtypes are used.
         Python settings in it (``(x, 2)`` for a depth) are static: baked into the export.
       batch: the name of a symbolic leading dimension shared by every input (one artifact

@@ -46,20 +46,17 @@ def hybridize(
       static_argnums, static_argnames: arguments static even when they are arrays, as in
         ``jax.jit`` (completed from the model's signature); Python settings are static anyway.
       mutable: a linen model's collections that a call updates, held across calls (default:
-        every collection but ``"params"``, e.g. ``batch_stats``); one the variables lack
-        (``self.sow``'s ``"intermediates"``) is returned fresh by each call, ``(out, {name:
-        values})``, as ``model.apply(..., mutable=[name])`` returns it.
+        every collection but ``"params"``); one the variables lack (``self.sow``'s) is returned
+        fresh by each call, ``(out, {name: values})``, as ``model.apply`` returns it.
       rngs: a linen model's rng streams, split anew on every call: a key (the ``"dropout"``
         stream), an int seed, or ``{"dropout": key, ...}``.
-      donate: donate the held state to each ``h(x)`` call, so XLA writes the new state into
-        its buffers. The Hybrid holds its own copy, so your variables are never consumed;
-        arrays read from :attr:`Hybrid.state` are valid until the next call. ``h.apply``
-        never donates.
+      donate: donate the held state to each ``h(x)`` call (never ``h.apply``), so XLA writes
+        the new state into its buffers; your variables are never consumed, and arrays read
+        from :attr:`Hybrid.state` are valid until the next call.
       params_as_constants: compile the params into ``h(x)``'s program as constants (as
-        ``torch.jit.freeze`` does), for serving, where a call's latency counts; each
-        compilation embeds a copy (for models of megabytes, not gigabytes). ``h.apply``,
-        ``h.eager``, ``h.graph`` and :func:`~symjax_mlp.export` still take the params as
-        inputs. Not with :meth:`Hybrid.shard`.
+        ``torch.jit.freeze`` does), each compilation embedding a copy; ``h.apply``,
+        ``h.eager``, ``h.graph`` and :func:`~symjax_mlp.export` still take them as inputs.
+        Not with :meth:`Hybrid.shard`.
 
     Returns:
       A :class:`Hybrid`; ``h(x)`` is XLA-compiled, ``h.eager(x)`` imperative.
