@@ -150,6 +150,48 @@ def _saved(tmp_path: Path) -> tuple[OrbaxCheckpoints, sm.training.TrainState, Pa
     return OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding), state, path
 
 
+def test_saves_queue_two_deep_then_wait_and_a_failed_one_raises_at_the_next(tmp_path, monkeypatch):
+    """Orbax's own save can take longer than the steps between two saves: the training thread
+    queues up to two (each a device copy), waits past that, and a save that failed raises in
+    the training thread at the next save; every queued one is written, in order."""
+    import threading
+
+    from symjax_mlp.training import _orbax
+
+    net, opt = sm.mlp(SIZES), optax.adam(LR)
+    params = net.init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
+    gate, written, write = threading.Event(), [], OrbaxCheckpoints._write
+
+    def slow(self, step, *rest):
+        gate.wait(30)
+        written.append(step)
+        if step == 3:
+            raise OSError("disk full")
+        write(self, step, *rest)
+
+    monkeypatch.setattr(OrbaxCheckpoints, "_write", slow)
+
+    def state(step):
+        return sm.training.TrainState(params, opt.init(params), jax.random.key(0), step=step)
+
+    store.save(state(1), {})  # being written
+    store.save(state(2), {})  # queued: two in all, neither waited for
+    third = threading.Thread(target=store.save, args=(state(3), {}))
+    third.start()
+    third.join(1.0)
+    assert third.is_alive() and written == []  # a third waits for the first
+    gate.set()
+    third.join(30)
+    assert not third.is_alive()
+    with pytest.raises(OSError, match="disk full"):  # 3 failed: said at the next save
+        for step in (4, 5, 6):
+            store.save(state(step), {})
+    store.close()
+    assert written[:3] == [1, 2, 3] and _orbax.orbax_steps(tmp_path / "ck")[-1] >= 2
+
+
 # a failed read leaves futures of Orbax's event loop unretrieved (asyncio logs them when they
 # are collected, at the end of the test): Orbax's, not an error of ours
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

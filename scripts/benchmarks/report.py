@@ -350,8 +350,9 @@ def format_report(report: BenchReport) -> str:
         if w := tr.get("checkpoint_wait"):
             lines.append(
                 f"checkpoint saves ({w['processes']} processes, async Orbax, {w['saves']} saves): "
-                f"a step waits {w['save_ms']:.2f} ms per save (median; the first "
-                f"{w['first_save_ms']:.0f} ms) against a {w['step_ms']:.2f} ms step"
+                f"a step waits {w['save_ms']:.2f} ms per save (median; "
+                f"{w.get('save_min_ms', w['save_ms']):.2f}-{w.get('save_max_ms', w['save_ms']):.2f}"
+                f" ms; the first {w['first_save_ms']:.0f} ms) against a {w['step_ms']:.2f} ms step"
             )
     lines += ["", *_meaning(report)]
     lines += ["", "targets (measured in this run):"]

@@ -9,6 +9,7 @@ the sha256 after; nothing is unpickled.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import time
@@ -24,6 +25,9 @@ from symjax_mlp.training._checkpoint import TrainState, check_fit, named_leaves,
 
 FORMAT = "symjax_mlp.orbax_checkpoint"
 _KEEP = 2
+#: Saves handed to the writer thread and not yet to Orbax, each a device copy of the state:
+#: past it, a save waits (Orbax's own save of a small model can take longer than two epochs).
+_QUEUED = 2
 
 
 def orbax_steps(directory: Path) -> list[int]:
@@ -80,7 +84,7 @@ class OrbaxCheckpoints:
         )
         self.waits: list[float] = []  # how long each save held up the steps
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "symjax_mlp-save")
-        self._pending: concurrent.futures.Future | None = None
+        self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
 
     def latest(self) -> Path | None:
         step = self.manager.latest_step()
@@ -89,12 +93,13 @@ class OrbaxCheckpoints:
     def save(self, state: TrainState, metadata: dict[str, Any]) -> Path:
         """Starts writing ``state`` as ``<dir>/<state.step>`` and returns: the arrays are
         copied on their devices (the next step may donate them) and a thread hands the copies
-        to Orbax, whose own thread writes them. A save first waits for the one before it."""
+        to Orbax, in order, whose own thread writes them. A save waits only while ``_QUEUED``
+        earlier ones are still queued; a failed one raises at the next save (or ``close``)."""
         t0 = time.perf_counter()
-        self._finish()
+        self._finish(keep=_QUEUED - 1)
         copied = TrainState(*_copy((state.params, state.opt_state)), state.rng)  # not donated
         step, epoch = int(state.step), int(state.epoch)
-        self._pending = self._thread.submit(self._write, step, epoch, copied, metadata)
+        self._pending.append(self._thread.submit(self._write, step, epoch, copied, metadata))
         self.waits.append(time.perf_counter() - t0)
         return self.directory / str(step)
 
@@ -117,10 +122,12 @@ class OrbaxCheckpoints:
             step, args=args.Composite(state=args.StandardSave(items), meta=args.JsonSave(meta))
         )
 
-    def _finish(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()  # a failed save raises here, in the training thread
+    def _finish(self, keep: int = 0) -> None:
+        """Waits until at most ``keep`` saves are queued; a failed save raises here, in the
+        training thread."""
+        pending = self._pending
+        while pending and (pending[0].done() or len(pending) > keep):
+            pending.popleft().result()
 
     def restore(self, path: Path, like: TrainState) -> tuple[TrainState, dict]:
         """Reads ``path`` into the structure of ``like``, each array replicated."""
