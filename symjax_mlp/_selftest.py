@@ -114,8 +114,13 @@ def run(
         if isinstance(cause, JaxRuntimeError) or _exhausted(cause):  # ValueError for that
             raise run_failed(_caller(path), _program(path, manifest), cause, xs, _WHERE) from cause
         raise ArtifactError(f"{path / name}: its vectors do not run: {e}") from None
+    except MemoryError as e:  # NumPy's, reading the results
+        raise _no_memory(path, e) from e
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        differs = difference(g, w)
+        try:  # in float64: twice the output's bytes
+            differs = difference(g, w)
+        except MemoryError as e:
+            raise _no_memory(path, e) from e
         if differs is not None:
             tol = tolerance(w.dtype)
             raise ArtifactError(
@@ -127,6 +132,14 @@ def run(
 
 
 _WHERE = " on its self-test vectors, at load"
+
+
+def _no_memory(path: Path, error: MemoryError) -> ArtifactError:
+    return ArtifactError(
+        f"{_caller(path)}: this process ran out of memory reading or comparing the outputs of "
+        f"its self-test ({error!r}). Load it where there is more memory, or with "
+        "self_test=False to inspect it anyway."
+    )
 
 
 def _caller(path: Path) -> str:

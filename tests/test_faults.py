@@ -341,3 +341,21 @@ def test_out_of_memory_for_real_at_the_self_test_at_a_call_and_when_read(tmp_pat
     assert oom in at_call["text"] and "float32[6000, 1]: call it on fewer rows" in at_call["text"]
     assert said["costly call"] == {"raised": "JaxRuntimeError", "symjax": False, "cause": None,
                                    "text": f"{oom}."}  # fmt: skip
+
+
+def test_numpy_out_of_memory_comparing_the_self_test_is_an_artifact_error(tmp_path, monkeypatch):
+    """The self-test compares the outputs in float64 (twice their bytes): NumPy's MemoryError
+    there is an ArtifactError saying so, not a MemoryError out of load."""
+    from symjax_mlp import _selftest
+
+    art = sm.chapter.export_mlp(tmp_path / "mlp")
+
+    def no_memory(got, want):
+        raise MemoryError("Unable to allocate 1.07 GiB for an array")
+
+    monkeypatch.setattr(_selftest, "difference", no_memory)
+    with pytest.raises(sm.ArtifactError, match="ran out of memory reading or comparing") as e:
+        sm.load(art.path)
+    assert "1.07 GiB" in str(e.value) and "self_test=False" in str(e.value)
+    assert isinstance(e.value.__cause__, MemoryError)
+    sm.load(art.path, self_test=False)  # the fix it names
