@@ -50,16 +50,16 @@ class LoadedModel:
     A program that fails while it runs (``RESOURCE_EXHAUSTED``: out of memory, or another
     XLA run-time failure) raises :class:`~symjax_mlp.ArtifactError` naming the cause (JAX's
     error is its ``__cause__``: a ``JaxRuntimeError``, or from jaxlib's C++ dispatch a
-    ``ValueError``), when the failure comes at the call (on CPU: a program XLA runs inline,
-    such as a cheap one). JAX dispatches
-    asynchronously, though: a call returns its ``jax.Array`` before the program ran, and a
-    failure while it runs is raised by JAX, as ``JaxRuntimeError``, where the result is
-    waited for (``y.block_until_ready()``). A call does not wait for its result (that would
-    slow every call): where a failure must be handled, wait there
-    (``jax.block_until_ready(m(x))``) and catch ``jax.errors.JaxRuntimeError`` as well as
-    ``ArtifactError``; wait before ``np.asarray(y)``, which (jaxlib 0.10, CPU) aborts the
-    process when XLA could not allocate the result. ``load`` waits for its self-test's
-    results, so a failure there is always an ``ArtifactError``.
+    ``ValueError``) when the failure comes at the call: on CPU, in latency mode, or for a
+    program XLA runs inline. JAX dispatches asynchronously, though: a call returns its
+    ``jax.Array`` before the program ran, and a failure while it runs is raised by JAX, as
+    ``JaxRuntimeError``, where the result is waited for (``y.block_until_ready()``). A call
+    does not wait for its result (that would slow every call): where a failure must be
+    handled, wait there (``jax.block_until_ready(m(x))``) and catch
+    ``jax.errors.JaxRuntimeError`` as well as ``ArtifactError``; wait before
+    ``np.asarray(y)``, which (jaxlib 0.10, CPU) aborts the process when XLA could not
+    allocate the result. ``load`` waits for its self-test's results, so a failure there is
+    always an ``ArtifactError``.
 
     A JAX function (JAX runtime): ``jax.jit``, ``jax.lax.map``/``scan`` and a Hybrid call it;
     ``jax.grad`` needs ``export(..., vjp_order=1)``. ``jax.vmap(m)(xs)`` maps whole batches
