@@ -141,7 +141,7 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).',
         )
     try:
-        data = _parse(body, fast=all(np.dtype(s.dtype).kind == "f" for s in specs))
+        data = _parse(body, fast=_floats_only(specs))
     except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
         raise BadRequest(400, f"the body is not valid JSON ({short(str(e))}).") from None
     if not isinstance(data, dict) or "inputs" not in data:
@@ -179,6 +179,12 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
         from_json(batcher, spec, v, bools=bools, texts=texts)
         for spec, v in zip(specs, values, strict=True)
     ], False
+
+
+@functools.lru_cache(maxsize=64)
+def _floats_only(specs: tuple[Any, ...]) -> bool:
+    """Whether every input is a float (so orjson may parse the body): once per signature."""
+    return all(np.dtype(s.dtype).kind == "f" for s in specs)
 
 
 def _parse(body: bytes, fast: bool) -> Any:
