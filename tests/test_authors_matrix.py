@@ -11,6 +11,8 @@ grads through ``h.apply``, ``sm.stage`` / ``h.graph``, export -> load (JAX and I
 where it is a classifier, and a Batcher on the artifact and on the Hybrid.
 """
 
+import json
+
 import chex
 import equinox as eqx
 import jax
@@ -346,3 +348,9 @@ def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case,
             got = [f.result(30) for f in [b.submit(*r) for r in requests]]
         for r, y in zip(requests, got, strict=True):
             _close(y, direct(*r))
+    from symjax_mlp.serving._bodies import decode  # the same rows as a JSON body, as served
+
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        body = {"inputs": {s.path: x.tolist() for s, x in zip(b.specs, requests[2], strict=True)}}
+        inputs, _ = decode(b, json.dumps(body).encode(), "application/json")
+        _close(b(*inputs), m(*requests[2]))
