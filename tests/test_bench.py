@@ -897,3 +897,36 @@ def test_interleaved_rows_can_pause_between_repeats(monkeypatch):
     monkeypatch.setattr(timing.time, "sleep", slept.append)
     timing.time_interleaved({"a": lambda: 1, "b": lambda: 2}, calls=1, repeats=3, pause=0.01)
     assert slept == [0.01] * 6
+
+
+@pytest.mark.ray
+@pytest.mark.xdist_group("ray")
+def test_the_ray_rows_reach_both_apps_by_handle_and_through_rays_http_proxy():
+    """``--ray``'s section, tiny, in its own process (its own local cluster): every row is
+    there, every HTTP request through Ray's proxy was answered 200 by our app and by the bare
+    endpoint in a replica, and each target names its bar."""
+    pytest.importorskip("ray.serve", reason="needs the ray extra: pip install 'symjax_mlp[ray]'")
+    code = (
+        "import json; from benchmarks.ray_rows import bench_ray, format_ray; "
+        "r = bench_ray(sizes=(16, 2), in_features=8, lone_calls=5, rounds=1, http_requests=16, "
+        "inflight=4, seconds=0.3); print(format_ray(r)); print(json.dumps(r))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(SCRIPTS))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *text, last = proc.stdout.strip().splitlines()
+    r = json.loads(last)
+    assert r["lone"]["ours"]["p50_s"] > 0 and r["lone"]["noop"]["p50_s"] > 0
+    for c in ("1", "16"):
+        for app in ("ours", "bare"):
+            row = r["http"][c][app]
+            assert row["errors"] == 0 and row["requests_per_s"] > 0, (c, app, row)
+    assert {r["inflight_1"]["replicas"], r["inflight_2"]["replicas"]} == {1, 2}
+    bars = {t["what"]: t["target"] for t in r["targets"]}
+    assert bars["Ray HTTP, 1 client(s): ours over the bare endpoint (req/s)"] == ">= 0.85"
+    assert bars["Ray HTTP, 16 client(s): ours over the bare endpoint (req/s)"] == ">= 0.9"
+    assert len(bars) == 4
+    shown = "\n".join(text)
+    assert "HTTP through Ray's proxy" in shown and "16 client(s), bare endpoint" in shown

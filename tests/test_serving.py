@@ -1162,6 +1162,35 @@ def test_bench_serving_latency_and_batcher_sections():
     json.dumps(result)  # the --json output
 
 
+def test_bench_serving_http_section_drives_serve_and_both_bare_endpoints():
+    """The HTTP rows: ``symjax-mlp serve`` and the bare endpoints (orjson, stdlib json), each a
+    server process, every request answered 200, the ratios those of the rows, the server
+    ending cleanly on SIGINT, the targets named."""
+    from benchmarks import serving as lab
+
+    result = lab.bench_serving(
+        sections=("http",), sizes=(16, 2), in_features=8, torch=False, http_clients=(1, 4),
+        http_requests=40, max_batch=8,
+    )  # fmt: skip
+    h = result["http"]
+    assert [(r["clients"], r["body"]) for r in h["rows"]] == [
+        (c, body) for c in (1, 4) for body in ("npy", "json")
+    ]
+    assert all(r["errors"] == 0 and r["throughput_rps"] > 0 for r in h["rows"])
+    for key in ("bare", "bare_stdlib"):
+        assert [(r["clients"], r["errors"]) for r in h[key]] == [(1, 0), (4, 0)]
+    for r in h["rows"]:
+        if r["body"] == "json":
+            (bare,) = (b for b in h["bare"] if b["clients"] == r["clients"])
+            assert r["vs_bare"] == pytest.approx(r["throughput_rps"] / bare["throughput_rps"])
+            assert r["rows_per_batch"] >= 1
+    assert h["server_exit_code"] == 0
+    names = {t["name"]: t["target"] for t in result["targets"]}
+    assert names["http_vs_bare_c1"] == ">= 0.85" and names["http_vs_bare_c4"] == ">= 0.9"
+    text = lab.format_serving(result)
+    assert "serve/bare at 4 client(s)" in text and "(starlette, stdlib json, constant)" in text
+
+
 def test_bench_serving_refuses_unknown_sections():
     from benchmarks import serving as lab
 

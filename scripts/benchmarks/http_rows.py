@@ -35,29 +35,20 @@ from benchmarks.calls import gated, percentiles
 from benchmarks.children import child_env
 
 # -- the HTTP section ------------------------------------------------------------------------
-#: The bare endpoint: ``python -c _BARE OUT_WIDTH``; uvicorn as ``serve`` configures it.
+#: The bare endpoint (:mod:`benchmarks.bare`): ``python -c _BARE OUT_WIDTH``; uvicorn as
+#: ``serve`` configures it.
 _BARE = """
-import json, socket, sys, numpy as np, uvicorn
+import socket, sys, uvicorn
 from orjson import loads  # serve's parser (the serve extra's), so the rows compare the rest
-from starlette.applications import Starlette
-from starlette.responses import Response
-from starlette.routing import Route
-reply = json.dumps({"outputs": [[0.0] * int(sys.argv[1])]}).encode()
-async def predict(request):
-    np.asarray(loads(await request.body())["inputs"], np.float32)
-    return Response(reply, media_type="application/json")
-async def health(request):
-    return Response(b"{}", media_type="application/json")
-app = Starlette(routes=[Route("/predict", predict, methods=["POST"]), Route("/health", health)])
+from benchmarks.bare import app
 sock = socket.socket()
 sock.bind(("127.0.0.1", 0))
 sock.listen(2048)
-config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                        timeout_graceful_shutdown=30, limit_concurrency=1000)
+config = uvicorn.Config(app(int(sys.argv[1]), loads), log_level="warning", access_log=False,
+                        lifespan="on", timeout_graceful_shutdown=30, limit_concurrency=1000)
 print(f"bare on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
 uvicorn.Server(config).run(sockets=[sock])
 """
-
 
 #: The same endpoint parsing with the standard library's json (the issue's first yardstick).
 _BARE_STDLIB = _BARE.replace("from orjson import loads", "from json import loads")
@@ -109,7 +100,10 @@ def _wait_for_url(proc: subprocess.Popen, errors: Any, timeout: float) -> str:
     )
 
 
-def _http_load(host: str, port: int, body: bytes, kind: str, c: int, requests: int) -> dict:
+def _http_load(
+    host: str, port: int, body: bytes, kind: str, c: int, requests: int, path: str = "/predict"
+) -> dict:
+    """``requests`` POSTs of ``body`` to ``path`` from ``c`` keep-alive clients at once."""
     per = max(1, requests // c)
     lats: list[list[float]] = [[] for _ in range(c)]
     errors = [0] * c
@@ -123,13 +117,13 @@ def _http_load(host: str, port: int, body: bytes, kind: str, c: int, requests: i
         # body apart, and Nagle may hold the body back until the headers are acknowledged
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            conn.request("GET", "/health")
+            conn.request("GET", path.rsplit("/", 1)[0] + "/health")  # the app's, under a prefix
             conn.getresponse().read()
             gate.wait()
             clock = time.perf_counter
             for _ in range(per):
                 t0 = clock()
-                conn.request("POST", "/predict", body=body, headers=headers)
+                conn.request("POST", path, body=body, headers=headers)
                 resp = conn.getresponse()
                 resp.read()
                 lats[j].append(clock() - t0)

@@ -6,6 +6,10 @@ chapter's net and deploys it three times: one replica, two replicas, and a no-op
 
 - A lone request: ``handle.predict.remote(x).result()`` one at a time, to our one-replica
   deployment and to the no-op one, interleaved; the target: ours adds <= 50 µs at the median.
+- HTTP through Ray's proxy: the no-op replica also serves the HTTP rows' bare endpoint
+  (:mod:`benchmarks.bare`: the JSON body parsed into a NumPy array, a constant answered), and
+  the same keep-alive clients POST one JSON row to each, interleaved, at 1 and 16 clients; the
+  targets (the HTTP section's, inside a replica): ours >= 85% of its req/s at 1, >= 90% at 16.
 - 64 in flight: 64 asyncio clients in this process, each awaiting one
   ``handle.predict.remote(x)`` after another, against one replica and then two: requests per
   second, p50/p99; the target: two replicas >= 1.5x one. Where the time goes is measured
@@ -30,6 +34,7 @@ import numpy as np
 
 import symjax_mlp as sm
 from benchmarks.calls import percentiles
+from benchmarks.children import SCRIPTS
 
 
 def bench_ray(
@@ -39,6 +44,7 @@ def bench_ray(
     activation: str = "relu",
     lone_calls: int = 500,
     rounds: int = 5,
+    http_requests: int = 1000,
     inflight: int = 64,
     seconds: float = 3.0,
     progress: Any = None,
@@ -62,17 +68,32 @@ def bench_ray(
             x = np.random.default_rng(0).standard_normal((1, in_features), np.float32)
             width = sizes[-1]
 
-            @serve.deployment(max_ongoing_requests=128)
             class Noop:
                 async def predict(self, x: np.ndarray) -> np.ndarray:
                     return np.zeros((x.shape[0], width), np.float32)
 
+                def __serve_build_asgi_app__(self) -> Any:  # as sm.serving.ray_app's replicas
+                    from orjson import loads
+
+                    from benchmarks import bare
+
+                    return bare.app(width, loads)
+
+            port = _free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            noop_app = serve.deployment(
+                serve.ingress()(Noop),
+                max_ongoing_requests=128,  # its replica imports benchmarks.bare from scripts/
+                ray_actor_options={"runtime_env": {"env_vars": {"PYTHONPATH": SCRIPTS}}},
+            )
             options = {"max_batch": 64, "dispatch": "sync"}
             one = serve.run(sm.serving.ray_app(path, replicas=1, name="one", **options),
                             name="one", route_prefix="/one")  # fmt: skip
-            noop = serve.run(Noop.bind(), name="noop", route_prefix="/noop")
+            noop = serve.run(noop_app.bind(), name="noop", route_prefix="/noop")
             say("Ray: a lone request, ours against a no-op deployment")
             result["lone"] = _lone(one, noop, x, lone_calls, rounds)
+            say("Ray: HTTP through Ray's proxy, ours against the bare endpoint in a replica")
+            result["http"] = _http(port, x, http_requests, rounds)
             result["model_alone"] = _model_alone(sm.load(path), x)
             say(f"Ray: {inflight} in flight, one replica")
             result["inflight_1"] = _load(one, x, inflight, seconds, psutil)
@@ -114,6 +135,44 @@ def _lone(ours: Any, noop: Any, x: np.ndarray, calls: int, rounds: int) -> dict[
         for stage in after["seconds"]
     }
     return out
+
+
+def _http(port: int, x: np.ndarray, requests: int, rounds: int) -> dict[str, Any]:
+    """req/s and p50/p99 through Ray's proxy, ours and the bare endpoint, each round's rows
+    interleaved; the median round's req/s, the p99 of the rounds' p99s."""
+    import json
+
+    from benchmarks.http_rows import _http_load
+
+    body = json.dumps({"inputs": x.tolist()}).encode()
+    out: dict[str, Any] = {}
+    for c in (1, 16):
+        runs: dict[str, list[dict]] = {"ours": [], "bare": []}
+        for r in range(rounds + 1):  # the first round warms up Ray's proxy and both apps
+            for name, path in (("ours", "/one/predict"), ("bare", "/noop/predict")):
+                row = _http_load("127.0.0.1", port, body, "application/json", c, requests, path)
+                if r:
+                    runs[name].append(row)
+        out[str(c)] = {  # str: the keys JSON keeps
+            name: {
+                "requests_per_s": float(np.median([row["throughput_rps"] for row in rows])),
+                "p50_s": float(np.median([row["p50_s"] for row in rows])),
+                "p99_s": float(np.max([row["p99_s"] for row in rows])),
+                "errors": sum(row["errors"] for row in rows),
+            }
+            for name, rows in runs.items()
+        }
+        ours, bare = (out[str(c)][k]["requests_per_s"] for k in ("ours", "bare"))
+        out[str(c)]["ratio"] = ours / bare
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _model_alone(model: Any, x: np.ndarray, calls: int = 500) -> dict[str, float]:
@@ -191,6 +250,11 @@ def _targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
         added = lone["added_s"] * 1e6
         out.append({"what": "Ray: a lone request, ours over a no-op deployment (µs added, p50)",
                     "value": added, "target": "<= 50", "met": added <= 50})  # fmt: skip
+    for c, want in ((1, 0.85), (16, 0.90)):
+        if r := result.get("http", {}).get(str(c)):
+            out.append({"what": f"Ray HTTP, {c} client(s): ours over the bare endpoint (req/s)",
+                        "value": r["ratio"], "target": f">= {want}",
+                        "met": r["ratio"] >= want})  # fmt: skip
     if (a := result.get("inflight_1")) and (b := result.get("inflight_2")):
         ratio = b["requests_per_s"] / a["requests_per_s"]
         out.append({"what": "Ray: 64 in flight, two replicas over one (req/s)",
@@ -218,6 +282,15 @@ def format_ray(result: Mapping[str, Any]) -> str:
         )
         stages = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in lone["in_replica_s"].items())
         lines.append(f"  in our replica's batcher, µs per request: {stages}")
+    if http := result.get("http"):
+        lines.append("  HTTP through Ray's proxy  req/s   p50 µs   p99 µs  errors")
+        for c, r in http.items():
+            for name, label in (("ours", "ours"), ("bare", "bare endpoint")):
+                row = r[name]
+                lines.append(
+                    f"  {c:>2} client(s), {label:<13}{row['requests_per_s']:6.0f} "
+                    f"{row['p50_s'] * 1e6:8.0f} {row['p99_s'] * 1e6:8.0f}  {row['errors']:6d}"
+                )
     if alone := result.get("model_alone"):
         lines.append(
             f"  the model called here: {alone['hot_p50_s'] * 1e6:.0f} µs p50 hot, "
