@@ -1179,6 +1179,10 @@ def test_bench_serving_http_section_drives_serve_and_both_bare_endpoints():
     assert all(r["errors"] == 0 and r["throughput_rps"] > 0 for r in h["rows"])
     for key in ("bare", "bare_stdlib"):
         assert [(r["clients"], r["errors"]) for r in h[key]] == [(1, 0), (4, 0)]
+    for r in [*h["rows"], *h["bare"], *h["bare_stdlib"]]:  # each row: 3 interleaved runs
+        assert len(r["runs_rps"]) == h["rounds"] == 3
+        assert r["throughput_rps"] == sorted(r["runs_rps"])[1]  # the median run's
+        assert r["server_cpu_s"] > 0  # its server's CPU a request (Linux: /proc)
     for r in h["rows"]:
         if r["body"] == "json":
             (bare,) = (b for b in h["bare"] if b["clients"] == r["clients"])

@@ -5,8 +5,9 @@
 bounded concurrency (:func:`_http_load`), reading rows per batch from its ``/metrics``. The
 yardstick runs beside it: a bare starlette endpoint under the same uvicorn settings
 (:data:`_BARE`) that parses the JSON body into a NumPy array (with orjson, as ``serve``
-does) and answers a constant of the output's shape, driven by the same clients, interleaved
-with the server's JSON rows.
+does) and answers a constant of the output's shape, driven by the same clients. Every row is
+run ``rounds`` times, interleaved with the others, and reported by its run of median req/s,
+with the CPU time its server process spent a request (``/proc``): where the time goes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -152,8 +154,9 @@ def _scrape(host: str, port: int) -> dict[str, float]:
 
 
 def http_rows(
-    *, sizes, in_features, activation, seed, clients, requests, max_batch, env, timeout, say
-) -> dict:
+    *, sizes, in_features, activation, seed, clients, requests, max_batch, env, timeout, say,
+    rounds: int = 3,
+) -> dict:  # fmt: skip
     """The HTTP section: what :func:`benchmarks.serving.bench_serving` reports under ``http``."""
     import jax
 
@@ -166,7 +169,9 @@ def http_rows(
         "npy": (npy.getvalue(), "application/x-npy"),
         "json": (json.dumps({"inputs": xn.tolist()}).encode(), "application/json"),
     }
-    rows, bare, stdlib = [], {}, {}
+    rows: list[dict] = []
+    bare: dict[int, dict] = {}
+    stdlib: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_serve_") as tmp:
         art = os.path.join(tmp, "mlp")
         sm.export(h, art, example=xn, batch="b")
@@ -176,30 +181,32 @@ def http_rows(
         yardstick = [sys.executable, "-c", _BARE, str(sizes[-1])]
         with (
             _server(serve, env, timeout) as (host, port, proc),
-            _server(yardstick, env, timeout) as (bare_host, bare_port, _),
+            _server(yardstick, env, timeout) as bare_server,
             _server([*yardstick[:2], _BARE_STDLIB, *yardstick[3:]], env, timeout) as std,
         ):
+            body, kind = bodies["json"]
             for c in clients:
-                say(f"HTTP: {c} client(s), bare starlette endpoints, JSON bodies")
-                body, kind = bodies["json"]
-                row = _http_load(bare_host, bare_port, body, kind, c, requests)
-                bare[c] = {"clients": c, "body": "json", **row}
-                row = _http_load(std[0], std[1], body, kind, c, requests)
-                stdlib[c] = {"clients": c, "body": "json", "parser": "json", **row}
-                for name, (body, kind) in bodies.items():
-                    say(f"HTTP: {c} client(s), {name} bodies")
-                    before = _scrape(host, port)
-                    row = _http_load(host, port, body, kind, c, requests)
-                    after = _scrape(host, port)
-                    key_b, key_r = (
-                        "symjax_mlp_batcher_batches_total",
-                        "symjax_mlp_batcher_rows_total",
-                    )
-                    batches = after.get(key_b, 0) - before.get(key_b, 0)
-                    row["rows_per_batch"] = (after.get(key_r, 0) - before.get(key_r, 0)) / max(
-                        1, batches
-                    )
-                    rows.append({"clients": c, "body": name, **row})
+                say(f"HTTP: {c} client(s), serve and the bare endpoints, {rounds} rounds")
+                runs: dict[str, list[dict]] = {k: [] for k in ("bare", "stdlib", *bodies)}
+                for _ in range(rounds):  # interleaved: drift hits every row alike
+                    runs["bare"].append(_measure(*bare_server, body, kind, c, requests))
+                    runs["stdlib"].append(_measure(*std, body, kind, c, requests))
+                    for name, (b, k) in bodies.items():
+                        before = _scrape(host, port)
+                        row = _measure(host, port, proc, b, k, c, requests)
+                        after = _scrape(host, port)
+                        key_b, key_r = (
+                            "symjax_mlp_batcher_batches_total",
+                            "symjax_mlp_batcher_rows_total",
+                        )
+                        batches = after.get(key_b, 0) - before.get(key_b, 0)
+                        rows_ = after.get(key_r, 0) - before.get(key_r, 0)
+                        row["rows_per_batch"] = rows_ / max(1, batches)
+                        runs[name].append(row)
+                bare[c] = {"clients": c, "body": "json", **_median_run(runs["bare"])}
+                stdlib[c] = {"clients": c, "body": "json", "parser": "json",
+                             **_median_run(runs["stdlib"])}  # fmt: skip
+                rows += [{"clients": c, "body": n, **_median_run(runs[n])} for n in bodies]
             metrics = _scrape(host, port)
         exit_code = proc.returncode
     for row in rows:
@@ -212,6 +219,36 @@ def http_rows(
         "bare_stdlib": list(stdlib.values()),
         "server_exit_code": exit_code,
         "metrics": metrics,
+        "rounds": rounds,
+    }
+
+
+def _measure(host: str, port: int, proc: Any, body: bytes, kind: str, c: int, n: int) -> dict:
+    """One run of :func:`_http_load`, with the server process's CPU seconds a request."""
+    cpu = _cpu_s(proc.pid)
+    row = _http_load(host, port, body, kind, c, n)
+    after = _cpu_s(proc.pid)
+    row["server_cpu_s"] = None if cpu is None or after is None else (after - cpu) / row["n"]
+    return row
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds the threads of process ``pid`` ran so far (the scheduler's nanoseconds,
+    ``/proc/<pid>/task/*/schedstat``); None off Linux."""
+    try:
+        tasks = Path(f"/proc/{pid}/task")
+        return sum(int((t / "schedstat").read_text().split()[0]) for t in tasks.iterdir()) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median req/s (its latencies and CPU with it); every run's req/s beside."""
+    ordered = sorted(runs, key=lambda r: r["throughput_rps"])
+    return {
+        **ordered[len(ordered) // 2],
+        "errors": sum(r["errors"] for r in runs),
+        "runs_rps": [r["throughput_rps"] for r in runs],
     }
 
 

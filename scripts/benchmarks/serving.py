@@ -366,22 +366,29 @@ def format_serving(result: Mapping[str, Any]) -> str:
             parts.append(_format_batcher(b))
     h = result.get("http")
     if h:
+        rounds = h.get("rounds", 1)
         lines = [
-            "HTTP: symjax-mlp serve on loopback (uvicorn, keep-alive clients, bounded load)",
-            f"  {'clients':>7} {'body':<5} {'req/s':>9} {'p50':>10} {'p99':>10} "
+            "HTTP: symjax-mlp serve on loopback (uvicorn, keep-alive clients, bounded load); "
+            f"each row the median of {rounds} interleaved runs; CPU: its server's, a request",
+            f"  {'clients':>7} {'body':<5} {'req/s':>9} {'p50':>10} {'p99':>10} {'CPU':>10} "
             f"{'rows/batch':>10} {'errors':>6}",
         ]
+
+        def cpu(r: dict) -> str:
+            return "" if r.get("server_cpu_s") is None else us(r["server_cpu_s"])
+
         for r in h["rows"]:
             lines.append(
                 f"  {r['clients']:>7} {r['body']:<5} {r['throughput_rps']:>9.0f} "
-                f"{us(r['p50_s']):>10} {us(r['p99_s']):>10} {r['rows_per_batch']:>10.1f} "
-                f"{r['errors']:>6}"
+                f"{us(r['p50_s']):>10} {us(r['p99_s']):>10} {cpu(r):>10} "
+                f"{r['rows_per_batch']:>10.1f} {r['errors']:>6}"
             )
         for key, parser in (("bare", "orjson"), ("bare_stdlib", "stdlib json")):
             for r in h.get(key, []):
                 lines.append(
                     f"  {r['clients']:>7} {'bare':<5} {r['throughput_rps']:>9.0f} "
-                    f"{us(r['p50_s']):>10} {us(r['p99_s']):>10}  (starlette, {parser}, constant)"
+                    f"{us(r['p50_s']):>10} {us(r['p99_s']):>10} {cpu(r):>10}  "
+                    f"(starlette, {parser}, constant)"
                 )
         for r in h["rows"]:
             if "vs_bare_stdlib" in r:
