@@ -2,7 +2,8 @@
 
 :func:`stage` checks what is exported and picks what is stored; :func:`export_program` runs
 ``jax.export`` on it. With ``batch="b"``, an input whose leading dimension differs from
-``args[0]``'s is taken as shared by every row (stored static) and the trace tried again.
+``args[0]``'s in the example is taken as shared by every row (stored static), never as the
+batch (the artifact would refuse its own example).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ _ONE_EXAMPLE = (
     "batch {batch!r} ({types}) the trace fails ({error}), while {traced}. If the model takes "
     "one example, as every eqx.nn layer does, export a batched model, e.g. "
     "sm.hybridize(eqx.filter_vmap(model)) (jax.vmap for a function){static}{shared}."
+)
+_MIXED_BATCH = (
+    "export({name}, batch={batch!r}): the example's inputs have leading dimensions {rows}; "
+    "those unlike args[0]'s {lead} rows are taken as shared by every row (not batched), and "
+    "then the trace fails ({error}). Give every batched input the same number of rows in "
+    "example=, or pass shapes= to say which dimensions are the batch."
 )
 _SHARED = (
     "; if an input has no batch dimension (a mask or weights shared by every row), give it "
@@ -172,6 +179,10 @@ def export_program(
 def _trace(jitted: Any, p_structs: Any, stage: Stage) -> tuple[Any, list[Any]]:
     """The jaxpr of ``stage``'s program and its inputs' structs: an input that breaks the
     symbolic batch is taken as shared, or the refusal names the fixes (the module docstring)."""
+    examples = stage.examples
+    lead = examples[0].shape[:1] if examples else ()
+    if stage.batch and not stage.per_input_shapes and any(x.shape[:1] != lead for x in examples):
+        return _trace_shared(jitted, p_structs, stage)  # never a batch the example lacks
     try:
         return jitted.trace(p_structs, *stage.in_specs).jaxpr.jaxpr, stage.in_specs
     except (TypeError, ValueError) as e:
@@ -273,6 +284,28 @@ _EQX_STATE = (
     "jax.vmap(model)(x)[0]; then export(sm.hybridize(evaluate, inference_model), path, "
     "example=x)."
 )
+
+
+def _trace_shared(jitted: Any, p_structs: Any, stage: Stage) -> tuple[Any, list[Any]]:
+    """An example whose inputs' leading dimensions differ: those unlike ``args[0]``'s are
+    shared by every row (static), as the example shows them, never batched, where the
+    artifact would refuse the very example it was exported with."""
+    examples, lead = stage.examples, stage.examples[0].shape[:1]
+    shared = [x.shape[:1] != lead for x in examples]
+    specs = [x if s else b for x, b, s in zip(examples, stage.in_specs, shared, strict=True)]
+    try:
+        return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
+    except (TypeError, ValueError) as e:
+        if isinstance(e, (SymjaxError, *TRACER_ERRORS)):
+            raise
+        error = e
+    rows = {f"args[{i}]": x.shape[0] if x.shape else None for i, x in enumerate(examples)}
+    raise SignatureError(
+        _MIXED_BATCH.format(
+            name=stage.h.name, batch=stage.batch, rows=rows, lead=lead[0],
+            error=str(error).splitlines()[0].rstrip("."),
+        )
+    ) from None  # fmt: skip
 
 
 def _input_structs(

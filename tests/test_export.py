@@ -423,6 +423,24 @@ def test_static_batch_and_several_inputs(tmp_path):
         m(rand(6), rand(5, 5))
 
 
+def test_an_input_whose_example_rows_differ_is_never_made_the_batch(tmp_path):
+    # x + y.mean(0) also traces with y as (b, 3): the artifact then refused its own example
+    h = sm.hybridize(lambda p, x, y: x * p + y.mean(0), jnp.float32(2))
+    x, y = rand(2, 3), rand(5, 3)
+    art = sm.export(h, tmp_path / "m", example=(x, y))
+    assert [s.shape for s in art.signature.inputs] == [("b", 3), (5, 3)]
+    m = sm.load(art.path)
+    np.testing.assert_allclose(m(x, y), h(x, y), rtol=1e-6)
+    np.testing.assert_allclose(m(rand(7, 3), y), h(rand(7, 3), y), rtol=1e-6)
+    add = sm.hybridize(lambda p, x, y: x * p + y.sum(-1, keepdims=True), jnp.float32(2))
+    with pytest.raises(
+        sm.SignatureError,
+        match=r"leading dimensions \{'args\[0\]': 2, 'args\[1\]': 3\}.*same number of rows",
+    ):
+        sm.export(add, tmp_path / "m2", example=(x, rand(3, 4)))
+    assert not (tmp_path / "m2").exists()
+
+
 # -- safety -------------------------------------------------------------------------------------
 def test_no_pickle_or_eval_on_the_load_path(tmp_path, monkeypatch):
     h, x = small(seed=3, sizes=(12, 5))
