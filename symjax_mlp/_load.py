@@ -92,6 +92,8 @@ def load(
     Raises:
       ArtifactError: anything wrong with the artifact, naming the file and what to do: also
         at a call, if its program fails there.
+      ConfigError: an unknown ``runtime``, or ``trust``, ``self_test`` or
+        ``params_as_constants`` not True or False.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -105,10 +107,10 @@ def load(
     """
     if runtime not in RUNTIMES:
         raise ConfigError(f"load(runtime={runtime!r}): expected one of {RUNTIMES}.")
-    if params_as_constants not in (False, True):
-        raise ConfigError(
-            f"load(params_as_constants={params_as_constants!r}): expected True or False."
-        )
+    for option, value in (("params_as_constants", params_as_constants), ("trust", trust),
+                          ("self_test", self_test)):  # fmt: skip
+        if value not in (False, True):  # trust="no" would skip every check
+            raise ConfigError(f"load({option}={value!r}): expected True or False.")
     if params_as_constants and runtime != "jax":
         raise ConfigError(
             f"load(runtime={runtime!r}, params_as_constants=True): only the JAX runtime compiles "

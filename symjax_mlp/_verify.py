@@ -10,12 +10,13 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from symjax_mlp._artifact.format import printable
 from symjax_mlp._artifact.reading import inspect
 from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._load import RUNTIMES, load
+from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._npy import npy_array
 from symjax_mlp._signing import verify_signature as check_signature
 from symjax_mlp._specs import TensorSpec
@@ -135,6 +137,8 @@ def verify(
 
     Raises:
       ArtifactError: the artifact is missing or corrupted (checked here first).
+      ConfigError: an option is invalid (``batches`` not sizes >= 1, a negative or NaN
+        tolerance, a ``reference`` that is not callable, a LoadedModel for ``path``).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -149,8 +153,31 @@ def verify(
     unknown = [rt for rt in runtimes if rt not in RUNTIMES]
     if unknown or not runtimes:
         raise ConfigError(f"verify(runtimes={tuple(runtimes)!r}): choose from {RUNTIMES}.")
-    if not batches or min(batches) < 1:
-        raise ConfigError(f"verify(batches={tuple(batches)!r}): pass batch sizes >= 1.")
+    if isinstance(path, LoadedModel):
+        raise ConfigError(
+            f"verify({path!r}): pass the artifact's directory, verify(m.path), not the loaded "
+            "model: verify loads it afresh in another process."
+        )
+    if reference is not None and not callable(reference):
+        raise ConfigError(
+            f"verify(reference={reference!r}): pass what to compare with, a callable such as "
+            "the exported Hybrid, or None (the artifact's own JAX run in this process)."
+        )
+    if (
+        isinstance(batches, str)
+        or not isinstance(batches, Iterable)
+        or not (batches := tuple(batches))
+        or any(not isinstance(b, numbers.Integral) or isinstance(b, bool) or b < 1 for b in batches)
+    ):
+        raise ConfigError(f"verify(batches={batches!r}): pass a tuple of batch sizes >= 1.")
+    batches = tuple(int(b) for b in batches)
+    for option, value in (("rtol", rtol), ("atol", atol)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+            raise ConfigError(
+                f"verify({option}={value!r}): pass a number >= 0, as numpy.allclose takes."
+            )
+    if trust not in (False, True):
+        raise ConfigError(f"verify(trust={trust!r}): expected True or False.")
     options = {"trust": bool(trust), "allow": sorted(allow or ())}  # load's, as JSON
     if verify_signature is not None:
         options["verify_signature"] = str(Path(verify_signature).resolve())

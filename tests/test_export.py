@@ -71,6 +71,15 @@ def test_load_params_as_constants_compiles_the_weights_into_the_program(art):
         sm.load(art.path, params_as_constants="yes")
 
 
+@pytest.mark.parametrize("option", ["trust", "self_test"])
+def test_load_refuses_a_switch_that_is_not_a_bool(art, option):
+    art, _ = art  # trust="no" is truthy: it skipped every check of the program
+    with pytest.raises(sm.ConfigError, match=rf"load\({option}='no'\): expected True or False"):
+        sm.load(art.path, **{option: "no"})
+    with pytest.raises(sm.ArtifactError, match=r"load\(allow=3\): expected names"):
+        sm.load(art.path, allow=3)
+
+
 def test_manifest_records_the_contract(art):
     art, h = art
     m = sm.load(art.path)
@@ -548,6 +557,27 @@ def test_two_params_with_one_path_are_refused(tmp_path):
 
 
 # -- verify and the CLI -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"batches": 3}, r"verify\(batches=3\): pass a tuple of batch sizes >= 1"),
+        ({"batches": ["a"]}, r"verify\(batches=\('a',\)\)"),
+        ({"batches": [True]}, r"verify\(batches=\(True,\)\)"),
+        ({"atol": -1}, r"verify\(atol=-1\): pass a number >= 0"),
+        ({"rtol": float("nan")}, r"verify\(rtol=nan\)"),
+        ({"rtol": "x"}, r"verify\(rtol='x'\)"),
+        ({"reference": "x"}, r"verify\(reference='x'\): pass what to compare with"),
+        ({"trust": "no"}, r"verify\(trust='no'\): expected True or False"),
+    ],
+)
+def test_verify_refuses_bad_options_before_it_runs(art, options, message):
+    art, _ = art
+    with pytest.raises(sm.ConfigError, match=message):
+        sm.verify(art.path, **options)
+    with pytest.raises(sm.ConfigError, match=r"verify\(m.path\), not the loaded model"):
+        sm.verify(sm.load(art.path))
+
+
 def test_verify_fails_against_a_different_model(art):
     art, _ = art
     wrong, _ = small(seed=5)

@@ -103,6 +103,11 @@ def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
     """``allow=`` as keys: ``"while"``, ``"stablehlo.while"`` and ``"op:while"`` are one key."""
     if allow is None:
         return frozenset()
+    if not isinstance(allow, str) and not isinstance(allow, Iterable):
+        raise ArtifactError(
+            f"load(allow={allow!r}): expected names such as 'while' or 'custom_call:NAME', "
+            "in a set or list, e.g. allow={'while'}."
+        )
     allow = (allow,) if isinstance(allow, str) else tuple(allow)
     for item in allow:
         if not isinstance(item, str) or not item:
