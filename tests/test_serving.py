@@ -353,6 +353,24 @@ def test_run_times_out(chapter):
         f0.result(30)
 
 
+def test_a_bad_timeout_or_cancel_is_refused_before_a_request_is_queued(chapter):
+    _, _, h, x = chapter
+    gate = Gated(h)
+    with sm.serving.Batcher(gate, example=x, max_batch=4) as b:
+        f0 = gate.busy(b, rows(1))
+        for bad in ("a", -1, float("nan"), True):  # was a TypeError/ValueError once queued
+            with pytest.raises(sm.ConfigError, match=r"run\(timeout=.*\): pass seconds >= 0"):
+                b.run(rows(1), timeout=bad)
+        assert b.stats.requests == 1  # only f0's: none of them was queued
+        with pytest.raises(sm.ConfigError, match=r"close\(cancel='yes'\): expected True or"):
+            b.close(cancel="yes")  # truthy: it would have cancelled the queue
+        with pytest.raises(sm.ConfigError, match=r"close\(timeout=-1\)"):
+            b.close(timeout=-1)
+        assert not b.closed
+        gate.open.set()
+        f0.result(30)
+
+
 def test_a_model_error_reaches_every_request_of_its_batch_and_the_batcher_carries_on(chapter):
     _, _, h, x = chapter
 
@@ -764,6 +782,25 @@ def test_the_constructor_checks_its_arguments(chapter, tmp_path):
     m = sm.load(sm.chapter.export_mlp(tmp_path / "m").path)
     with pytest.raises(TypeError, match="drop example="):
         sm.serving.Batcher(m, example=x)
+    for bad in (4, "14"):  # an int was a TypeError from iterating it
+        with pytest.raises(sm.ConfigError, match=rf"buckets must be a tuple.*got {bad!r}"):
+            sm.serving.Batcher(m, buckets=bad)
+    for bad in ([True, 4], ["a", 4]):  # True passed as 1, then failed deep in the warm-up
+        with pytest.raises(sm.ConfigError, match=r"buckets must be ints >= 1"):
+            sm.serving.Batcher(m, buckets=bad, max_batch=4)
+    with pytest.raises(sm.ConfigError, match=r"Batcher\(kwargs=\[1\]\): pass a dict"):
+        sm.serving.Batcher(h, example=x, kwargs=[1])
+
+
+def test_create_app_takes_an_open_batcher_only(chapter, tmp_path):
+    m = sm.load(sm.chapter.export_mlp(tmp_path / "m").path)
+    for model in (m, str(tmp_path / "m")):  # an AttributeError from deep in the app, before
+        with pytest.raises(sm.ConfigError, match=r"create_app: expected a .*Batcher; got"):
+            sm.serving.create_app(model)
+    b = sm.serving.Batcher(m, max_batch=2)
+    b.close()
+    with pytest.raises(sm.ConfigError, match=r"the batcher is closed"):
+        sm.serving.create_app(b)
 
 
 # -- a loaded artifact ------------------------------------------------------------------------

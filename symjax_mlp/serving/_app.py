@@ -82,7 +82,7 @@ def create_app(
       prefix: the metric names' prefix on ``/metrics``.
 
     Raises:
-      ConfigError: a limit is not a number > 0.
+      ConfigError: ``batcher`` is not an open Batcher, or a limit is not a number > 0.
       ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
 
     Example:
@@ -95,6 +95,17 @@ def create_app(
       ['/health', '/metrics', '/predict', '/signature']
       >>> b.close()
     """
+    if not isinstance(batcher, Batcher):
+        hint = "Batcher(model)" if callable(batcher) else "Batcher(sm.load(path))"
+        raise ConfigError(
+            f"create_app: expected a symjax_mlp.serving.Batcher; got {type(batcher).__name__}. "
+            f"Wrap the model first: create_app({hint})."
+        )
+    if batcher.closed:
+        raise ConfigError(
+            f"create_app({batcher.name}): the batcher is closed, so every request would fail; "
+            "make a new one."
+        )
     _require()
     from starlette.applications import Starlette
     from starlette.requests import ClientDisconnect, Request

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import numbers
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -71,6 +72,14 @@ def _inference(h: Hybrid, example: Any, kwargs: dict[str, Any]) -> Any:
 
     inference.__name__ = h.name
     return inference
+
+
+def _check_timeout(caller: str, timeout: Any) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+        raise ConfigError(
+            f"{caller}(timeout={timeout!r}): pass seconds >= 0, or None to wait as long as it "
+            "takes."
+        )
 
 
 class Batcher:
@@ -131,6 +140,11 @@ class Batcher:
         name: str | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> None:
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise ConfigError(
+                f"Batcher(kwargs={kwargs!r}): pass a dict of keyword settings for every call, "
+                "e.g. kwargs={'train': False}."
+            )
         served, kwargs = model, dict(kwargs or {})  # what the lane calls (for a Hybrid, _inference)
         if isinstance(model, LoadedModel):
             if example is not None or kwargs:
@@ -248,9 +262,12 @@ class Batcher:
         Raises:
           SignatureError, OverloadError, RuntimeError: as :meth:`submit`.
           TimeoutError: no result after ``timeout`` seconds (the request still runs).
+          ConfigError: ``timeout`` is not None or seconds >= 0 (checked before it is queued).
           Exception: what the model raised for the request's batch.
         """
         t0 = clock()
+        if timeout is not None:
+            _check_timeout(f"{self.name}.run", timeout)
         arrays, rows = self._check(inputs)
         lane = self._lane
         idle = lane.idle
@@ -378,7 +395,12 @@ class Batcher:
 
         Raises:
           TimeoutError: the work did not finish within ``timeout`` (the thread keeps going).
+          ConfigError: ``cancel`` is not True or False, or ``timeout`` not None or >= 0.
         """
+        if cancel not in (False, True):
+            raise ConfigError(f"{self.name}.close(cancel={cancel!r}): expected True or False.")
+        if timeout is not None:
+            _check_timeout(f"{self.name}.close", timeout)
         self._lane.close(cancel)
         self._finalizer.detach()
         self._thread.join(timeout)

@@ -17,7 +17,7 @@ its own entry in the batcher's queue.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -179,6 +179,15 @@ def bucket_sizes(
                 "export it with a symbolic batch (batch='b') to batch freely."
             )
         return (static,)
+    if buckets is not None:
+        if isinstance(buckets, str) or not isinstance(buckets, Iterable):
+            raise ConfigError(
+                f"{name}: buckets must be a tuple of batch sizes, e.g. buckets=(1, 8, 64); got "
+                f"{buckets!r}."
+            )
+        buckets = list(buckets)
+        if any(not isinstance(b, int) or isinstance(b, bool) for b in buckets):
+            raise ConfigError(f"{name}: buckets must be ints >= 1; got {buckets!r}.")
     if max_batch is None:
         max_batch = max(buckets) if buckets else 64
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
