@@ -285,6 +285,33 @@ def test_bad_input_is_named_before_training(digits, change, sizes, message):
         sm.training.train(sm.mlp(sizes), dataclasses.replace(digits, **fields), optimizer=untouched)
 
 
+@pytest.mark.parametrize("classes", ["10", 0, True, 10.0])
+def test_a_num_classes_that_is_not_a_count_is_named(digits, classes):
+    # '10' was a NumPy UFuncTypeError, 0 asked for labels in 0..-1, True and 10.0 passed
+    with pytest.raises(sm.DataError, match=rf"digits.num_classes is {classes!r}; expected an int"):
+        sm.training.train(sm.mlp((32, 10)), dataclasses.replace(digits, num_classes=classes))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"learning_rate": -1}, r"learning_rate must be a number > 0 .*got -1"),  # ascent
+        ({"learning_rate": "0.1"}, r"learning_rate must be a number > 0 .*got '0.1'"),
+        ({"learning_rate": float("inf")}, r"learning_rate must be a number > 0 .*got inf"),
+        ({"seed": "a"}, r"seed must be an int; got 'a'"),
+        ({"compiled": "no"}, r"compiled must be True or False; got 'no'"),  # was truthy
+        ({"resume": "no", "checkpoint": "ck"}, r"resume must be True or False; got 'no'"),
+        ({"on_epoch": 3}, r"on_epoch must be a function .*got 3"),  # was after the 1st epoch
+    ],
+)
+def test_a_bad_setting_is_refused_before_training(digits, tmp_path, options, message):
+    if "checkpoint" in options:
+        options = {**options, "checkpoint": tmp_path / options["checkpoint"]}
+    with pytest.raises(sm.ConfigError, match=message):
+        sm.training.train(sm.mlp((32, 10)), digits, epochs=1, **options)
+    assert not (tmp_path / "ck").exists()
+
+
 def _nan_at(count: int) -> optax.GradientTransformation:
     """Makes the ``count``-th update (0-based) NaN: the loss after it is NaN."""
 

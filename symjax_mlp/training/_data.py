@@ -7,6 +7,7 @@ download; :func:`check_dataset` names every problem of a :class:`Dataset` before
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 
@@ -161,6 +162,14 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
         raise DataError(
             f"{data.name}.x_test has {test_width} features per example but x_train has {width}; "
             "both splits must have the same feature width. Preprocess them the same way."
+        )
+    classes = data.num_classes
+    if classes is not None and (
+        not isinstance(classes, numbers.Integral) or isinstance(classes, bool) or classes < 1
+    ):
+        raise DataError(
+            f"{data.name}.num_classes is {classes!r}; expected an int >= 1, the number of "
+            "classes the labels index (or None: the largest label + 1)."
         )
     limits = []
     if num_outputs is not None:

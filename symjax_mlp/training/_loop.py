@@ -8,6 +8,8 @@ A non-finite loss or param stops it with a :class:`~symjax_mlp.DivergenceError`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -127,6 +129,15 @@ def train(
     for name, (value, low) in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ConfigError(f"{name} must be an int >= {low}; got {value!r}.")
+    for name, value in (("compiled", compiled), ("resume", resume)):
+        if value not in (False, True):
+            raise ConfigError(f"{name} must be True or False; got {value!r}.")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise ConfigError(f"seed must be an int; got {seed!r}.")
+    if on_epoch is not None and not callable(on_epoch):  # refused now, not after an epoch
+        raise ConfigError(
+            f"on_epoch must be a function called with each EpochRecord; got {on_epoch!r}."
+        )
     optimizer = _checked_optimizer(optimizer, learning_rate)
     if resume and checkpoint is None:
         raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
@@ -250,6 +261,19 @@ def _checked_optimizer(
     optimizer: optax.GradientTransformation | None, learning_rate: float | None
 ) -> optax.GradientTransformation:
     """The optimizer to use: ``optax.adam`` by default."""
+    if (
+        learning_rate is not None
+        and not callable(learning_rate)  # optax takes a schedule too
+        and (
+            isinstance(learning_rate, bool)
+            or not isinstance(learning_rate, numbers.Real)
+            or not 0 < learning_rate < math.inf
+        )
+    ):
+        raise ConfigError(
+            f"learning_rate must be a number > 0 (or an optax schedule), e.g. 1e-3; got "
+            f"{learning_rate!r}."
+        )
     if optimizer is None:
         optimizer = optax.adam(1e-3 if learning_rate is None else learning_rate)
     elif learning_rate is not None:
