@@ -65,6 +65,20 @@ class Dense(nn.Dense):
         return activation(self.activation)(super().__call__(inputs))
 
 
+def _check_callables(cls: str, field: str, items: Any) -> None:
+    """Refuses what is no sequence of layers now, not as a TypeError deep in ``init``."""
+    if isinstance(items, str | bytes) or not isinstance(items, Sequence):
+        bad = [items]
+    else:
+        bad = [item for item in items if not callable(item)]
+    if bad:
+        raise ConfigError(
+            f"{cls}({field}=...): expected a sequence of modules (or callables such as "
+            f"nn.relu); got {bad[0]!r} ({type(bad[0]).__name__}). Write e.g. "
+            f"{cls}((Dense(4), Dense(2)))."
+        )
+
+
 class HybridSequential(nn.Module):
     """Runs ``layers`` one after the other, each on the previous one's output."""
 
@@ -73,6 +87,7 @@ class HybridSequential(nn.Module):
     def __post_init__(self) -> None:
         if not self.layers:
             raise ConfigError("HybridSequential needs at least one layer; got an empty sequence.")
+        _check_callables("HybridSequential", "layers", self.layers)
         super().__post_init__()
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -97,6 +112,7 @@ class HybridConcurrent(nn.Module):
     def __post_init__(self) -> None:
         if not self.branches:
             raise ConfigError("HybridConcurrent needs at least one branch; got an empty sequence.")
+        _check_callables("HybridConcurrent", "branches", self.branches)
         if not isinstance(self.axis, numbers.Integral) or isinstance(self.axis, bool | np.bool_):
             raise ConfigError(
                 f"HybridConcurrent(axis={self.axis!r}): axis is the int the branches' outputs "

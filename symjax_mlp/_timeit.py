@@ -219,10 +219,11 @@ def timeit(
     from symjax_mlp._loaded import LoadedModel
     from symjax_mlp.serving import dispatch_mode
 
-    if min(calls, repeats, warmup, batch) < 1:
+    counts = (calls, repeats, warmup, batch)
+    if any(not isinstance(n, int) or isinstance(n, bool) for n in counts) or min(counts) < 1:
         raise ConfigError(
-            f"timeit: calls, repeats, warmup and batch must be >= 1; got calls={calls}, "
-            f"repeats={repeats}, warmup={warmup}, batch={batch}."
+            f"timeit: calls, repeats, warmup and batch must be >= 1; got calls={calls!r}, "
+            f"repeats={repeats!r}, warmup={warmup!r}, batch={batch!r}; each is an int."
         )
     if isinstance(model, Hybrid):
         name, floor_of = model.name, _floor_of_hybrid

@@ -74,6 +74,18 @@ def test_empty_containers_are_errors():
         sm.HybridConcurrent(())
 
 
+@pytest.mark.parametrize("items", [(1, 2), "ab", 5, (sm.Dense(2), None)])
+def test_containers_of_what_is_no_layer_are_refused_when_built(items):
+    # they were built, then init failed deep in __call__: "'int' object is not callable"
+    with pytest.raises(sm.ConfigError, match=r"HybridSequential\(layers=...\): expected a seq"):
+        sm.HybridSequential(items)
+    with pytest.raises(sm.ConfigError, match=r"HybridConcurrent\(branches=...\): expected"):
+        sm.HybridConcurrent(items)
+    x = jnp.ones((1, 3))  # a plain function is a layer, as in nn.Sequential
+    net = sm.HybridSequential([sm.Dense(4), nn.relu, sm.Dense(2)])
+    assert net.apply(net.init(jax.random.key(0), x), x).shape == (1, 2)
+
+
 def test_concurrent_feeds_every_branch_and_concatenates():
     a, b = sm.Dense(3), sm.mlp((4, 5))
     cat = sm.HybridConcurrent((a, b))

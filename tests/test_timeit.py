@@ -93,6 +93,9 @@ def test_what_it_cannot_time_is_refused_with_the_fix(hybrid):
     for kw, says in (
         ({"calls": 0}, "calls, repeats, warmup and batch must be >= 1; got calls=0"),
         ({"repeats": 0}, "repeats=0"),
+        ({"calls": True}, r"got calls=True, .*each is an int"),  # timed one call
+        ({"calls": 2.5}, r"got calls=2\.5, .*each is an int"),  # a TypeError from range()
+        ({"warmup": "3"}, r"warmup='3'"),
     ):
         with pytest.raises(sm.ConfigError, match=says):
             sm.timeit(h, x, **kw)
