@@ -66,6 +66,20 @@ def test_hybridize_accepts_linen_nnx_and_functions(chapter):
     np.testing.assert_allclose(hf(jnp.ones(2)), [3.0, 3.0])
 
 
+def test_a_linen_model_given_variables_params_or_no_dict_says_what_to_pass(chapter):
+    net, variables, h, x = chapter  # flax's ScopeCollectionNotFound / a TypeError, before
+    no_params = r"no 'params' collection \(their keys: \['layers_0'.*not variables\['params'\]"
+    with pytest.raises(sm.ConfigError, match=no_params):
+        sm.hybridize(net, variables["params"])(x)
+    with pytest.raises(sm.ConfigError, match=no_params):
+        sm.hybridize(net, variables["params"]).eager(x)
+    with pytest.raises(sm.ConfigError, match=no_params):
+        h.apply(variables["params"], x)
+    with pytest.raises(sm.ConfigError, match=r"the variables given are a NoneType, not the dict"):
+        h.apply(None, x)
+    np.testing.assert_array_equal(h.apply(variables, x), h(x))
+
+
 def test_hybridize_rejects_bad_arguments(chapter):
     net, variables, h, _ = chapter
     with pytest.raises(TypeError, match="needs its variables"):

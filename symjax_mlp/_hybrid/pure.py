@@ -27,6 +27,16 @@ from symjax_mlp._hybrid.args import ModuleSetting, settings_key
 from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES, symbolic
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
+_NOT_VARIABLES = (
+    "{name}: the variables given are a {got}, not the dict that {name}.init returns "
+    "({{'params': ...}}). Pass that dict: hybridize(model, model.init(key, x)), "
+    "h.apply(variables, x)."
+)
+_NO_PARAMS = (
+    "{name}: the variables given have no 'params' collection (their keys: {keys}), so flax "
+    "finds no weights ({error}). Pass the whole dict that {name}.init returns, "
+    "{{'params': ...}}, not variables['params']."
+)
 _NO_RNG = (
     "{name}: {error}, and the Hybrid holds the rng streams {streams}. A Hybrid draws a linen "
     "model's randomness from the streams given once: sm.hybridize(model, variables, "
@@ -97,7 +107,7 @@ def plain(fn: Callable[..., Any]) -> PureModel:
 
 def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
     """``(PureModel, params, state)`` for a linen module and its variables."""
-    from flax.errors import InvalidRngError
+    from flax.errors import InvalidRngError, ScopeCollectionNotFound
 
     if not isinstance(variables, Mapping):
         raise ConfigError(
@@ -124,6 +134,10 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
         state[_RNGS] = streams
 
     def call(params, state, args, kwargs):
+        if not isinstance(params, Mapping):  # h.apply(None, x), h.replace(params=[...])
+            raise ConfigError(
+                _NOT_VARIABLES.format(name=type(model).__name__, got=type(params).__name__)
+            )
         state = dict(state)
         keys = None
         if _RNGS in state:
@@ -138,6 +152,15 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             if sown:
                 updates = dict(updates)
                 out = out, {c: updates.pop(c, {}) for c in sown}
+        except ScopeCollectionNotFound as e:
+            if "params" in variables or "params" in mutable:
+                raise
+            raise ConfigError(  # variables["params"] given for the variables
+                _NO_PARAMS.format(
+                    name=type(model).__name__, error=str(e).split(" (")[0].rstrip("."),
+                    keys=sorted(map(str, variables)),
+                )
+            ) from None  # fmt: skip
         except InvalidRngError as e:
             streams = sorted(keys or ())
             raise ConfigError(
