@@ -790,6 +790,9 @@ def test_the_constructor_checks_its_arguments(chapter, tmp_path):
             sm.serving.Batcher(m, buckets=bad, max_batch=4)
     with pytest.raises(sm.ConfigError, match=r"Batcher\(kwargs=\[1\]\): pass a dict"):
         sm.serving.Batcher(h, example=x, kwargs=[1])
+    net = sm.mlp((4, 2))  # unbound: flax's CallCompactUnboundModuleError at the warm-up
+    with pytest.raises(sm.ConfigError, match=r"Batcher\(HybridSequential\): a flax.linen module"):
+        sm.serving.Batcher(net, example=x)
 
 
 def test_create_app_takes_an_open_batcher_only(chapter, tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import numbers
+import sys
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -156,6 +157,13 @@ class Batcher:
             specs, static = artifact_specs(model)
             name = name or str(model.path)
         elif callable(model):
+            linen = sys.modules.get("flax.linen")  # never imported here
+            if linen is not None and isinstance(model, linen.Module) and model.scope is None:
+                raise ConfigError(  # else flax's CallCompactUnboundModuleError at warm-up
+                    f"Batcher({type(model).__name__}): a flax.linen module has no params of its "
+                    "own; hybridize it with its variables first: "
+                    "Batcher(sm.hybridize(model, variables), example=x)."
+                )
             if example is None:
                 raise ConfigError(
                     f"Batcher({type(model).__name__}): pass example=, an input batch (an array, "
