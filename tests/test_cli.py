@@ -465,3 +465,25 @@ def test_json_paths_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
             assert main([*argv, "--json", str(bad)]) == 2, argv
             err = capsys.readouterr().err
             assert says in err and "Traceback" not in err, err
+
+
+def test_serve_on_a_busy_port_or_a_foreign_host_is_one_line_before_the_load(tmp_path, capsys):
+    """A port in use, a host that is not this machine's, an unknown log level: exit 2, one
+    line, and before the artifact is loaded (here there is none), where serve once compiled
+    the model and then printed bind()'s traceback."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for argv, says in (
+            (["--port", port], "Address already in use"),
+            (["--host", "nope.invalid"], "cannot listen on nope.invalid:8000"),
+            (["--log-level", "nope"], "log_level must be one of critical, error"),
+        ):
+            missing = str(tmp_path / "nope")
+            assert main(["serve", missing, "--dispatch", "async", *argv]) == 2, argv
+            err = capsys.readouterr().err
+            assert says in err and "Traceback" not in err, err
+            assert len(err.strip().splitlines()) == 1, err

@@ -287,32 +287,35 @@ def serve(
         or max_connections < 1
     ):
         raise ConfigError(f"serve: max_connections must be an int >= 1; got {max_connections!r}.")
-    model = load(
-        artifact,
-        runtime=runtime,
-        params_as_constants=params_as_constants,
-        trust=trust,
-        allow=allow,
-        verify_signature=verify_signature,
-    )
-    if entry is not None:
-        model = model[entry]
-    batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue, name=model_name(model))
-    try:
-        app = create_app(
-            batcher,
-            max_body_bytes=max_body_bytes,
-            body_timeout=body_timeout,
-            max_inflight_bytes=max_inflight_bytes,
+    levels = uvicorn.config.LOG_LEVELS
+    if not isinstance(log_level, int) and str(log_level).lower() not in levels:
+        raise ConfigError(
+            f"serve: log_level must be one of {', '.join(levels)}; "
+            f"got {log_level!r}."
         )
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        with sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
+    sock = _bind(host, port)  # before the load: a busy port is said at once, not after it
+    with sock:
+        model = load(
+            artifact,
+            runtime=runtime,
+            params_as_constants=params_as_constants,
+            trust=trust,
+            allow=allow,
+            verify_signature=verify_signature,
+        )
+        if entry is not None:
+            model = model[entry]
+        batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue, name=model_name(model))
+        try:
+            app = create_app(
+                batcher,
+                max_body_bytes=max_body_bytes,
+                body_timeout=body_timeout,
+                max_inflight_bytes=max_inflight_bytes,
+            )
             sock.listen(2048)  # connections queue from here on: "ready" means ready
             bound = sock.getsockname()[1]
-            shown = f"[{host}]" if family == socket.AF_INET6 else host
+            shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
             url = f"http://{shown}:{bound}"
             config = uvicorn.Config(
                 app,
@@ -326,8 +329,26 @@ def serve(
             (ready or _print_ready(artifact))(url)
             with _quiet_signals():
                 server.run(sockets=[sock])
-    finally:
-        batcher.close()
+        finally:
+            batcher.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening); raises :class:`ConfigError`
+    where that address cannot be had (a port in use, a host that is not this machine's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError, UnicodeError) as e:
+        sock.close()
+        why = getattr(e, "strerror", None) or str(e)
+        raise ConfigError(
+            f"serve: cannot listen on {host}:{port} ({why}). Pass a free port (0: any free "
+            "one) and a host address of this machine (127.0.0.1, 0.0.0.0)."
+        ) from None
+    return sock
 
 
 def _print_ready(artifact: Any) -> Callable[[str], None]:
