@@ -290,8 +290,7 @@ def serve(
     levels = uvicorn.config.LOG_LEVELS
     if not isinstance(log_level, int) and str(log_level).lower() not in levels:
         raise ConfigError(
-            f"serve: log_level must be one of {', '.join(levels)}; "
-            f"got {log_level!r}."
+            f"serve: log_level must be one of {', '.join(levels)}; got {log_level!r}."
         )
     sock = _bind(host, port)  # before the load: a busy port is said at once, not after it
     with sock:
