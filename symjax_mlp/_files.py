@@ -238,6 +238,27 @@ def write_file_atomic(file: Path, data: bytes) -> None:
             tmp.unlink()
 
 
+def write_output(file: str | os.PathLike[str], data: bytes) -> None:
+    """Writes ``data`` where a user asked for an output: a regular (or new) file through
+    :func:`write_file_atomic`, so a failure leaves what the path held; a device or FIFO
+    (``/dev/stdout``) directly. A link is followed, as ``open`` does. Raises
+    :class:`SymjaxError` naming the path and the system's reason (a full disk, no right)."""
+    path = Path(os.path.realpath(file))
+    special = path.exists() and not path.is_file()
+    try:
+        if special:
+            with open(path, "wb") as f:
+                f.write(data)
+        else:
+            write_file_atomic(path, data)
+    except OSError as e:
+        kept = "" if special else "; what it held is unchanged"
+        raise SymjaxError(
+            f"cannot write {os.fspath(file)} ({e.strerror or e}){kept}. Free space there, or "
+            "pass another path."
+        ) from None
+
+
 def write_dir(
     path: Path, files: Mapping[str, bytes], *, overwrite: bool,
     check: Callable[[Path, bool], None], error: type[SymjaxError], what: str = "",

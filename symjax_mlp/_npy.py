@@ -16,6 +16,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from symjax_mlp._errors import SignatureError
+from symjax_mlp._files import write_output
 from symjax_mlp._specs import TensorSpec
 
 
@@ -117,6 +118,7 @@ def write_outputs(out: Any, target: str | os.PathLike[str] | BinaryIO) -> list[n
 
     Raises:
       SignatureError: several outputs for one ``.npy`` file or stream (nothing is written).
+      SymjaxError: the path cannot be written (a full disk): what it held is unchanged.
 
     Example:
       >>> import os, tempfile, numpy as np
@@ -129,8 +131,9 @@ def write_outputs(out: Any, target: str | os.PathLike[str] | BinaryIO) -> list[n
     outs = [np.asarray(y) for y in (out if isinstance(out, tuple) else (out,))]
     is_path = isinstance(target, str | os.PathLike)
     if is_path and os.fspath(target).endswith(".npz"):
-        with open(target, "wb") as f:
-            np.savez(f, **{f"out{i}": y for i, y in enumerate(outs)})
+        buffer = io.BytesIO()
+        np.savez(buffer, **{f"out{i}": y for i, y in enumerate(outs)})
+        write_output(target, buffer.getvalue())  # whole or not at all
         return outs
     if len(outs) != 1:
         name = os.fspath(target) if is_path else getattr(target, "name", "the stream")
@@ -139,8 +142,9 @@ def write_outputs(out: Any, target: str | os.PathLike[str] | BinaryIO) -> list[n
             ".npz path to keep them all (out0, out1, ...)."
         )
     if is_path:
-        with open(target, "wb") as f:
-            np.save(f, outs[0])
+        buffer = io.BytesIO()
+        np.save(buffer, outs[0])
+        write_output(target, buffer.getvalue())
     else:
         np.save(target, outs[0])
         target.flush()

@@ -487,3 +487,47 @@ def test_serve_on_a_busy_port_or_a_foreign_host_is_one_line_before_the_load(tmp_
             err = capsys.readouterr().err
             assert says in err and "Traceback" not in err, err
             assert len(err.strip().splitlines()) == 1, err
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_leaves_the_old_file(
+    tmp_path, capsys, monkeypatch
+):
+    """A full disk while writing run's --output or a --json file: exit 2 in one line, and the
+    path keeps what it held (no half-written file, no temporary sibling), where the write
+    once truncated the file in place and escaped as an OSError traceback."""
+    import errno
+    import os
+
+    import numpy as np
+
+    import symjax_mlp._files
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    np.save(tmp_path / "x.npy", np.ones((4, 2), np.float32))
+    capsys.readouterr()
+
+    def full(file, data):  # half of it, then the disk is full
+        with open(file, "wb") as f:
+            f.write(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(symjax_mlp._files, "write_file", full)
+    x = str(tmp_path / "x.npy")
+    for name, argv in (
+        ("y.npy", ["run", str(art), "--input", x, "--output"]),
+        ("y.npz", ["run", str(art), "--input", x, "--output"]),
+        ("m.json", ["inspect", str(art), "--json"]),
+    ):
+        target = tmp_path / name
+        target.write_bytes(b"what was there")
+        assert main([*argv, str(target)]) == 2, name
+        err = capsys.readouterr().err
+        assert "No space left on device" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+        assert target.read_bytes() == b"what was there"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "m.json", "x.npy", "y.npy", "y.npz"]
+    if os.path.exists("/dev/full"):  # a device is written as it is, and its refusal said
+        monkeypatch.undo()
+        assert main(["run", str(art), "--input", x, "--output", "/dev/full"]) == 2
+        assert "cannot write /dev/full (No space left" in capsys.readouterr().err

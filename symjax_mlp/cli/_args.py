@@ -21,13 +21,15 @@ def subcommand(sub: argparse._SubParsersAction, name: str, help: str) -> argpars
 
 
 def emit_json(data: Any, target: str) -> None:
-    """Writes ``data`` as indented JSON to the file ``target``, or stdout for ``"-"``."""
+    """Writes ``data`` as indented JSON to the file ``target`` (whole or not at all), or stdout
+    for ``"-"``."""
+    from symjax_mlp._files import write_output
+
     text = json.dumps(data, indent=2, default=str) + "\n"
     if target == "-":
         sys.stdout.write(text)
     else:
-        with open(target, "w") as f:
-            f.write(text)
+        write_output(target, text.encode())  # whole or not at all
 
 
 def int_list(option: str) -> Callable[[str], tuple[int, ...]]:
