@@ -531,3 +531,34 @@ def test_an_output_that_cannot_be_written_is_one_line_and_leaves_the_old_file(
         monkeypatch.undo()
         assert main(["run", str(art), "--input", x, "--output", "/dev/full"]) == 2
         assert "cannot write /dev/full (No space left" in capsys.readouterr().err
+
+
+def test_a_path_the_system_will_not_look_up_is_one_line(tmp_path, capsys):
+    """A name longer than the filesystem allows (ENAMETOOLONG), as the artifact, an --input,
+    an --output, a --json or an --export path: exit 2 in one line, where os.stat's OSError
+    once escaped as a traceback; and an --input that is a device is not said not to exist."""
+    import numpy as np
+
+    long = str(tmp_path / ("a" * 300))
+    x = tmp_path / "x.npy"
+    np.save(x, np.ones((1, 2), np.float32))
+    art = str(tmp_path / "m")
+    assert main(["export", art, "--sizes", "3", "--in-features", "2"]) == 0
+    capsys.readouterr()
+    for argv in (
+        ["inspect", long],
+        ["verify", long],
+        ["bench", long],
+        ["export", long],
+        ["run", long, "--input", str(x), "--output", str(tmp_path / "y.npy")],
+        ["run", art, "--input", long, "--output", str(tmp_path / "y.npy")],
+        ["run", art, "--input", str(x), "--output", long],
+        ["inspect", art, "--json", long],
+        ["train", "--export", long, "--quiet"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "File name too long" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert main(["run", art, "--input", "/dev/null", "--output", str(tmp_path / "y.npy")]) == 2
+    assert "/dev/null: is not a regular file" in capsys.readouterr().err

@@ -45,8 +45,20 @@ _REQUIRED = (
 )  # fmt: skip
 
 
+def looked_up(path: Path) -> None:
+    """Raises :class:`ArtifactError` where the system refuses to look ``path`` up at all (a
+    name too long, a directory it may not search); a missing path is for the caller to say."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as e:
+        raise ArtifactError(f"{path}: {e.strerror or e}; pass another path.") from None
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
     """Reads and schema-checks ``path/manifest.json``. Raises :class:`ArtifactError`."""
+    looked_up(path)
     if not path.is_dir():
         what = "is a file, not an artifact directory" if path.exists() else "does not exist"
         raise ArtifactError(f"{path} {what}. Pass the directory written by symjax_mlp.export.")
@@ -384,6 +396,7 @@ def check_calling_convention(manifest: Mapping[str, Any], *, file: Path) -> None
 
 def check_target(path: Path, overwrite: bool) -> None:
     """Raises unless an export may write ``path``: absent, or an artifact and ``overwrite``."""
+    looked_up(path)
     if not path.exists() and not path.is_symlink():
         return
     if not overwrite:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable
@@ -82,9 +84,19 @@ def batch(text: str) -> str | int:
 def input_file(text: str) -> Path:
     """An existing regular file to read (``--input``)."""
     path = Path(text)
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise argparse.ArgumentTypeError(f"--input {text}: {what}; pass a .npy file")
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise argparse.ArgumentTypeError(
+            f"--input {text}: does not exist; pass a .npy file"
+        ) from None
+    except OSError as e:  # a name too long, a directory that may not be searched
+        raise argparse.ArgumentTypeError(
+            f"--input {text}: {e.strerror}; pass a .npy file"
+        ) from None
+    if not stat.S_ISREG(mode):
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device or FIFO)"
+        raise argparse.ArgumentTypeError(f"--input {text}: is {what}; pass a .npy file")
     return path
 
 
@@ -105,6 +117,14 @@ def writable(path: str, option: str, *, overwrite: bool) -> None:
     if path == "-":
         return
     p = Path(path)
+    try:
+        os.lstat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as e:  # a name too long, a directory that may not be searched
+        raise argparse.ArgumentTypeError(
+            f"{option} {path}: {e.strerror}; pass another path"
+        ) from None
     if p.is_dir():
         raise argparse.ArgumentTypeError(f"{option} {path}: is a directory; pass a file path")
     if not p.parent.exists():
