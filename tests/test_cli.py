@@ -562,3 +562,14 @@ def test_a_path_the_system_will_not_look_up_is_one_line(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1, err
     assert main(["run", art, "--input", "/dev/null", "--output", str(tmp_path / "y.npy")]) == 2
     assert "/dev/null: is not a regular file" in capsys.readouterr().err
+
+
+def test_train_process_id_without_a_coordinator_is_refused(tmp_path, capsys):
+    """--process-id 1 (or -1) alone once trained and exited 0 without writing --json or
+    --export (only process 0 writes them): it needs --coordinator, as --num-processes does."""
+    for pid in ("1", "-1"):
+        argv = ["train", "--process-id", pid, "--json", str(tmp_path / "h.json"), "--quiet"]
+        assert main([*argv, "--epochs", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "--process-id needs --coordinator HOST:PORT" in err and "Traceback" not in err
+    assert not (tmp_path / "h.json").exists()

@@ -53,9 +53,10 @@ def run(args: argparse.Namespace) -> int:
     from symjax_mlp.cli._progress import epochs_progress
     from symjax_mlp.training import initialize, train
 
-    if args.num_processes > 1 or args.coordinator:
-        if not args.coordinator:
-            raise argparse.ArgumentTypeError("--num-processes needs --coordinator HOST:PORT")
+    if args.num_processes > 1 or args.coordinator or args.process_id:
+        if not args.coordinator:  # else --process-id N alone would skip --json and --export
+            given = "--num-processes" if args.num_processes > 1 else "--process-id"
+            raise argparse.ArgumentTypeError(f"{given} needs --coordinator HOST:PORT")
         initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
     if args.process_id:  # one writer of the results: process 0
         args.json = args.export = None
