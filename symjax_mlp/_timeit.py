@@ -156,7 +156,14 @@ def _example_inputs(m: Any, batch: int) -> tuple[Any, ...]:
                 f'timeit(symjax_mlp.load("{m.path}")): its input {spec.path} is a {spec.dtype}, '
                 "for which no input is drawn; pass the inputs: timeit(model, x, ...)."
             )
-        inputs.append(rng.standard_normal(shape, np.float32).astype(dtype))
+        try:
+            inputs.append(rng.standard_normal(shape, np.float32).astype(dtype))
+        except (MemoryError, ValueError):  # ValueError: more bytes than an array may have
+            raise ConfigError(
+                f'timeit(symjax_mlp.load("{m.path}"), batch={batch}): its input {spec.path} '
+                f"at that batch, {spec.dtype}{list(shape)}, is more than this process can hold "
+                "in memory; pass a smaller batch."
+            ) from None
     return tuple(inputs)
 
 

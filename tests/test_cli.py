@@ -573,3 +573,16 @@ def test_train_process_id_without_a_coordinator_is_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "--process-id needs --coordinator HOST:PORT" in err and "Traceback" not in err
     assert not (tmp_path / "h.json").exists()
+
+
+def test_bench_at_a_batch_no_memory_holds_is_one_line(tmp_path, capsys, monkeypatch):
+    """bench --batch past what memory (or an array) can hold: exit 2 in one line, where
+    drawing the inputs escaped as NumPy's MemoryError (ValueError) traceback."""
+    import symjax_mlp as sm
+
+    art = str(sm.chapter.export_mlp(tmp_path / "mlp", sizes=(3,), in_features=512).path)
+    for batch in ("99999999999", str(2**60)):  # 186 TiB (past the address space); 2 ZiB
+        assert main(["bench", art, "--batch", batch, "--calls", "1", "--repeats", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "more than this process can hold in memory; pass a smaller batch" in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
