@@ -586,3 +586,23 @@ def test_bench_at_a_batch_no_memory_holds_is_one_line(tmp_path, capsys, monkeypa
         err = capsys.readouterr().err
         assert "more than this process can hold in memory; pass a smaller batch" in err, err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["export", "{tmp}/a", "--seed", str(2**70)], "seed must be an int from -2**63"),
+        (["train", "--seed", str(2**70), "--epochs", "1"], "seed must be an int from -2**63"),
+        (["graph", "--sizes", str(10**20)], "more elements than any array can have"),
+        (["export", "{tmp}/a", "--in-features", str(10**20)], "more elements than any array"),
+        (["graph", "--batch", str(10**20)], "or a smaller batch"),
+        (["export", "{tmp}/a", "--sizes", str(10**13)], "more than this process can hold"),
+    ],
+)
+def test_numbers_no_array_or_key_holds_are_one_line(tmp_path, capsys, argv, says):
+    """Widths, batches and seeds past int64 (or past memory): exit 2 in one line, where JAX's
+    TypeError, OverflowError or RESOURCE_EXHAUSTED escaped as a traceback; nothing written."""
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []

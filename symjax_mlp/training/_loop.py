@@ -132,8 +132,8 @@ def train(
     for name, value in (("compiled", compiled), ("resume", resume)):
         if value not in (False, True):
             raise ConfigError(f"{name} must be True or False; got {value!r}.")
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
-        raise ConfigError(f"seed must be an int; got {seed!r}.")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed.bit_length() > 63:
+        raise ConfigError(f"seed must be an int from -2**63 + 1 to 2**63 - 1; got {seed!r}.")
     if on_epoch is not None and not callable(on_epoch):  # refused now, not after an epoch
         raise ConfigError(
             f"on_epoch must be a function called with each EpochRecord; got {on_epoch!r}."
