@@ -172,9 +172,13 @@ def verify(
         raise ConfigError(f"verify(batches={batches!r}): pass a tuple of batch sizes >= 1.")
     batches = tuple(int(b) for b in batches)
     for option, value in (("rtol", rtol), ("atol", atol)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
-            raise ConfigError(
-                f"verify({option}={value!r}): pass a number >= 0, as numpy.allclose takes."
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not 0 <= value < math.inf
+        ):
+            raise ConfigError(  # inf would pass every output (and numpy.allclose warns)
+                f"verify({option}={value!r}): pass a finite number >= 0, as numpy.allclose takes."
             )
     if trust not in (False, True):
         raise ConfigError(f"verify(trust={trust!r}): expected True or False.")

@@ -606,3 +606,13 @@ def test_numbers_no_array_or_key_holds_are_one_line(tmp_path, capsys, argv, says
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_refuses_an_infinite_tolerance(tmp_path, capsys):
+    """--rtol 1e999 (inf) passed every output, with NumPy's RuntimeWarning on stderr, and
+    reported OK: now exit 2 in one line, before the artifact is read."""
+    for option in ("--rtol", "--atol"):
+        for value in ("1e999", "inf"):
+            assert main(["verify", str(tmp_path / "none"), option, value]) == 2
+            err = capsys.readouterr().err
+            assert "pass a finite number >= 0" in err and "Traceback" not in err, err
