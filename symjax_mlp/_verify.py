@@ -178,7 +178,7 @@ def verify(
             or not 0 <= value < math.inf
         ):
             raise ConfigError(  # inf would pass every output (and numpy.allclose warns)
-                f"verify({option}={value!r}): pass a finite number >= 0, as numpy.allclose takes."
+                f"verify({option}={value!r}): pass a number >= 0, finite, as numpy.allclose takes."
             )
     if trust not in (False, True):
         raise ConfigError(f"verify(trust={trust!r}): expected True or False.")
