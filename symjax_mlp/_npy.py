@@ -39,15 +39,23 @@ def read_npy(
       >>> x.tolist(), x.dtype.isnative
       ([0, 1, 2], True)
     """
+    head = None
     try:
         with open(source, "rb") if not isinstance(source, bytes) else io.BytesIO(source) as f:
+            head = f.read(6)
+            f.seek(0)
             x = np.load(f, allow_pickle=False)
             if not isinstance(x, np.ndarray):  # an .npz archive
                 x.close()
                 x = None
     except Exception as e:  # a bad header, a pickle, a broken zip, a missing file
+        why = str(e)
+        if head is not None and not head.startswith((b"\x93NUMPY", b"PK", b"\x80")):
+            # NumPy reads any other bytes as a pickle, and says so: not a pickle, not an array
+            why = f"it does not begin with .npy's magic string \\x93NUMPY but {head!r}"
+            why = "it is empty" if not head else why
         raise error(
-            f"{what} is not a readable .npy array ({e}); write one with np.save(file, x)."
+            f"{what} is not a readable .npy array ({why}); write one with np.save(file, x)."
         ) from None
     if x is None:
         raise error(f"{what} is an .npz archive; a .npy file holds one array.")

@@ -616,3 +616,22 @@ def test_verify_refuses_an_infinite_tolerance(tmp_path, capsys):
             assert main(["verify", str(tmp_path / "none"), option, value]) == 2
             err = capsys.readouterr().err
             assert "pass a number >= 0, finite" in err and "Traceback" not in err, err
+
+
+def test_run_says_a_text_or_empty_input_is_no_npy_file_not_a_pickle(tmp_path, capsys):
+    """NumPy reads any bytes but a .npy or .npz as a pickle, and its refusal told a user with a
+    text (or empty) --input to use allow_pickle=: now the file is said not to be a .npy."""
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    (tmp_path / "x.txt").write_text("1 2\n3 4\n")
+    (tmp_path / "empty.npy").write_bytes(b"")
+    capsys.readouterr()
+    for name, says in (
+        ("x.txt", "(it does not begin with .npy's magic string \\x93NUMPY but b'1 2\\n3 ')"),
+        ("empty.npy", "(it is empty)"),
+    ):
+        argv = ["run", str(art), "--input", str(tmp_path / name), "--output", "-"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / name} is not a readable .npy array {says}" in err, err
+        assert "allow_pickle" not in err and "pickled" not in err, err
