@@ -635,3 +635,26 @@ def test_run_says_a_text_or_empty_input_is_no_npy_file_not_a_pickle(tmp_path, ca
         err = capsys.readouterr().err
         assert f"{tmp_path / name} is not a readable .npy array {says}" in err, err
         assert "allow_pickle" not in err and "pickled" not in err, err
+
+
+def test_run_refuses_an_output_that_is_its_input_or_a_file_of_the_artifact(tmp_path, capsys):
+    """--output x.npy with --input x.npy replaced the input with the output, and --output
+    ART/manifest.json broke the artifact, both exit 0: refused now, before any work."""
+    import numpy as np
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    x = tmp_path / "x.npy"
+    np.save(x, np.ones((4, 2), np.float32))
+    before, manifest = x.read_bytes(), (art / "manifest.json").read_bytes()
+    capsys.readouterr()
+    for out, says in (
+        (str(x), f"is the --input {x}"),
+        (f"{tmp_path}/../{tmp_path.name}/x.npy", f"is the --input {x}"),
+        (str(art / "manifest.json"), f"is a file of the artifact {art}"),
+    ):
+        assert main(["run", str(art), "--input", str(x), "--output", out]) == 2, out
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert x.read_bytes() == before and (art / "manifest.json").read_bytes() == manifest
+    assert main(["run", str(art), "--input", str(x), "--output", str(art / "y.npy")]) == 0

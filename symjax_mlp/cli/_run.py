@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     for path in paths:
         writable(path, "--output", overwrite=True)
     _distinct(paths)
+    _not_read(paths, args.input, args.path)
     model = load(args.path, runtime=args.runtime, **load_options(args))
     if args.entry is not None:
         model = model[args.entry]
@@ -90,6 +91,25 @@ def _distinct(paths: list[str]) -> None:
         raise argparse.ArgumentTypeError(
             f"--output -: stdout takes one array, and {len(paths)} --output paths were given. "
             "Name a file for each output, or pass one .npz path (out0, out1, ...)."
+        )
+
+
+def _not_read(paths: list[str], inputs: list[Any], artifact: str) -> None:
+    """Refuses an output path that is an --input, or a file in the artifact, before any work:
+    the write would replace what this run reads with its output."""
+    import os
+
+    for path in (p for p in paths if p != "-" and os.path.exists(p)):
+        same = [str(x) for x in inputs if os.path.samefile(path, x)]
+        if same:
+            what = f"the --input {same[0]}"
+        elif os.path.dirname(os.path.realpath(path)) == os.path.realpath(artifact):
+            what = f"a file of the artifact {artifact}"
+        else:
+            continue
+        raise argparse.ArgumentTypeError(
+            f"--output {path}: is {what}; writing there would replace it with the output. "
+            "Pass another path."
         )
 
 
