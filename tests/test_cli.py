@@ -658,3 +658,26 @@ def test_run_refuses_an_output_that_is_its_input_or_a_file_of_the_artifact(tmp_p
         assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert x.read_bytes() == before and (art / "manifest.json").read_bytes() == manifest
     assert main(["run", str(art), "--input", str(x), "--output", str(art / "y.npy")]) == 0
+
+
+def test_an_empty_output_path_is_refused_not_taken_for_the_working_directory(capsys):
+    """--output '' and --json '' were 'is a directory' (Path('') is '.'); train --json ''
+    trained and wrote nothing. Each is now refused as empty, before any work."""
+    for argv in (
+        ["run", "nope", "--input", __file__, "--output", ""],
+        ["inspect", "nope", "--json", ""],
+        ["train", "--json", "", "--quiet"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "'': is empty; pass a file path" in err and "Traceback" not in err, err
+
+
+def test_serve_ray_on_a_host_not_this_machines_is_one_line(capsys, tmp_path):
+    """serve --ray --port 0 looks for a free port on --host: a host that does not resolve
+    was socket.gaierror's traceback."""
+    pytest.importorskip("ray")
+    argv = ["serve", str(tmp_path), "--ray", "--port", "0", "--host", "nope.invalid"]
+    assert main([*argv, "--dispatch", "async"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot listen on nope.invalid:0" in err and "Traceback" not in err, err

@@ -116,6 +116,8 @@ def writable(path: str, option: str, *, overwrite: bool) -> None:
     file without ``overwrite``."""
     if path == "-":
         return
+    if not path:  # Path("") is the working directory
+        raise argparse.ArgumentTypeError(f"{option} '': is empty; pass a file path")
     p = Path(path)
     try:
         os.lstat(p)

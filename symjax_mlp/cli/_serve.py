@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import socket
 
 from symjax_mlp.cli._args import add_trust_options, keywords, load_options, positive
 
@@ -133,7 +132,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Serves ``args.path`` until interrupted; returns 0 after a clean shutdown."""
     from symjax_mlp.serving import latency_mode, serve
-    from symjax_mlp.serving._app import _print_ready
+    from symjax_mlp.serving._app import _bind, _print_ready
 
     if args.dispatch == "sync":
         latency_mode()  # before anything starts JAX's CPU backend
@@ -147,8 +146,7 @@ def run(args: argparse.Namespace) -> int:
         from symjax_mlp.serving._ray import serve_on_ray
 
         if args.port == 0:  # Ray's proxy takes a port number: a free one, found here
-            with socket.socket() as s:
-                s.bind((args.host, 0))
+            with _bind(args.host, 0) as s:  # a host not this machine's: a ConfigError
                 args.port = s.getsockname()[1]
         options = keywords(args, _RAY)
         options["ray_actor_options"] = {"num_cpus": args.replica_cpus}

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
     if args.process_id:  # one writer of the results: process 0
         args.json = args.export = None
-    if args.json:  # refused before training, never after
+    if args.json is not None:  # refused before training, never after ("" too)
         writable(args.json, "--json", overwrite=args.overwrite)
     if args.export:
         check_target(Path(args.export), args.overwrite)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume blocks"
         keyed = _args.keywords(args, options)
         result = train(mlp(args.sizes), compiled=not args.eager, on_epoch=on_epoch, **keyed)
-    if args.json:
+    if args.json is not None:
         emit_json(result.to_dict(), args.json)
     if args.export:
         result.export(args.export, overwrite=args.overwrite)
