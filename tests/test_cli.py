@@ -681,3 +681,14 @@ def test_serve_ray_on_a_host_not_this_machines_is_one_line(capsys, tmp_path):
     assert main([*argv, "--dispatch", "async"]) == 2
     err = capsys.readouterr().err
     assert "cannot listen on nope.invalid:0" in err and "Traceback" not in err, err
+
+
+def test_train_checkpoint_empty_or_too_long_is_one_line(tmp_path, capsys, monkeypatch):
+    """--checkpoint '' trained and wrote step_* into the working directory; a name too long
+    was os.stat's traceback. Both are refused before the first epoch."""
+    monkeypatch.chdir(tmp_path)
+    for path, says in (("", "the checkpoint directory is ''"), ("a" * 300, "File name too long")):
+        assert main(["train", "--checkpoint", path, "--epochs", "1", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

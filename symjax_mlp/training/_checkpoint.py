@@ -193,6 +193,16 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
         "Checkpoints are step_* directories inside a checkpoint directory: pass a directory, "
         "or a path where one can be made."
     )
+    if not os.fspath(directory):  # Path("") is the working directory
+        raise CheckpointError(f"{caller}: the checkpoint directory is ''. {fix}")
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as e:  # a name too long, a directory that may not be searched
+        raise CheckpointError(
+            f"{caller}: the checkpoint directory {directory} cannot be used: {e.strerror}. {fix}"
+        ) from None
     probe = path
     while True:
         if probe.is_symlink() and not probe.exists():
