@@ -113,6 +113,8 @@ def export(
       >>> sm.load(art.path)(x).shape
       (1, 2)
     """
+    if not os.fspath(path):  # Path("") is the working directory
+        raise ArtifactError("export: the path is ''; pass the artifact directory to write.")
     path = Path(path)
     points = _entry_points(h)
     names = list(points)

@@ -692,3 +692,17 @@ def test_train_checkpoint_empty_or_too_long_is_one_line(tmp_path, capsys, monkey
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_export_path_is_refused(tmp_path, capsys, monkeypatch):
+    """export '' said '. already exists' (Path('') is '.'); train --export '' trained and
+    exported nothing, exit 0. Both are refused as empty, before any work."""
+    monkeypatch.chdir(tmp_path)
+    for argv, says in (
+        (["export", ""], "export: the path is ''"),
+        (["train", "--export", "", "--quiet"], "--export '': is empty"),
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         args.json = args.export = None
     if args.json is not None:  # refused before training, never after ("" too)
         writable(args.json, "--json", overwrite=args.overwrite)
-    if args.export:
+    if args.export is not None:
+        if not args.export:  # Path("") is the working directory
+            raise argparse.ArgumentTypeError("--export '': is empty; pass a directory path")
         check_target(Path(args.export), args.overwrite)
     if args.resume and not args.checkpoint:
         raise argparse.ArgumentTypeError("--resume needs --checkpoint DIR, the directory to use")
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         result = train(mlp(args.sizes), compiled=not args.eager, on_epoch=on_epoch, **keyed)
     if args.json is not None:
         emit_json(result.to_dict(), args.json)
-    if args.export:
+    if args.export is not None:
         result.export(args.export, overwrite=args.overwrite)
         print(f"exported the trained model to {args.export} (it takes raw pixels)")
     print(
