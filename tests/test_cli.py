@@ -706,3 +706,29 @@ def test_an_empty_export_path_is_refused(tmp_path, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stdout_closed_by_the_shell_is_one_line(tmp_path):
+    """`--output -` or `--json -` with stdout closed (>&-: sys.stdout is None) was an
+    AttributeError traceback after the work; now exit 2 in one line."""
+    import numpy as np
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    np.save(tmp_path / "x.npy", np.ones((1, 2), np.float32))
+    for argv, says in (
+        (["run", str(art), "--input", str(tmp_path / "x.npy"), "--output", "-"], "--output -"),
+        (["inspect", str(art), "--json", "-"], "--json -"),
+    ):
+        done = subprocess.run(
+            f"{sys.executable} -m symjax_mlp {' '.join(argv)} >&-",
+            shell=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2, done.stderr
+        assert (
+            done.stderr.strip()
+            == f"symjax-mlp {argv[0]}: error: {says}: stdout is closed; pass a file path"
+        )

@@ -29,9 +29,16 @@ def emit_json(data: Any, target: str) -> None:
 
     text = json.dumps(data, indent=2, default=str) + "\n"
     if target == "-":
-        sys.stdout.write(text)
+        stdout("--json -").write(text)
     else:
         write_output(target, text.encode())  # whole or not at all
+
+
+def stdout(option: str) -> Any:
+    """``sys.stdout``, refused where the shell closed it (``>&-``: Python's ``None``)."""
+    if sys.stdout is None:
+        raise argparse.ArgumentTypeError(f"{option}: stdout is closed; pass a file path")
+    return sys.stdout
 
 
 def int_list(option: str) -> Callable[[str], tuple[int, ...]]:
@@ -115,6 +122,7 @@ def writable(path: str, option: str, *, overwrite: bool) -> None:
     """Refuses an output path before any work: a directory, a missing parent, or an existing
     file without ``overwrite``."""
     if path == "-":
+        stdout(f"{option} -")  # open, before any work
         return
     if not path:  # Path("") is the working directory
         raise argparse.ArgumentTypeError(f"{option} '': is empty; pass a file path")

@@ -7,7 +7,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from symjax_mlp.cli._args import add_trust_options, input_file, load_options, subcommand, writable
+from symjax_mlp.cli._args import (
+    add_trust_options,
+    input_file,
+    load_options,
+    stdout,
+    subcommand,
+    writable,
+)
 
 DTYPES = """\
 bfloat16 (and the other ml_dtypes types JAX uses, float8, int4) has no .npy type: NumPy
@@ -71,7 +78,7 @@ def _write(out: Any, path: str) -> None:
     from symjax_mlp._npy import raw_dtype_notes, write_outputs
 
     to_stdout = path == "-"
-    outs = write_outputs(out, sys.stdout.buffer if to_stdout else path)
+    outs = write_outputs(out, stdout("--output -").buffer if to_stdout else path)
     stream = sys.stderr if to_stdout else sys.stdout
     shapes = ", ".join(f"{y.dtype}{list(y.shape)}" for y in outs)
     print(f"wrote {'stdout' if to_stdout else path}: {shapes}", file=stream)
