@@ -2,7 +2,7 @@
 
 :func:`http_rows` exports the chapter's net, starts the server on a free port
 (:func:`_server`), and drives it with keep-alive clients (``.npy`` and JSON bodies) at each
-bounded concurrency (:func:`_http_load`), reading rows per batch from its ``/metrics``. The
+bounded concurrency (:func:`http_load`), reading rows per batch from its ``/metrics``. The
 yardstick runs beside it: a bare starlette endpoint under the same uvicorn settings
 (:data:`_BARE`) that parses the JSON body into a NumPy array (with orjson, as ``serve``
 does) and answers a constant of the output's shape, driven by the same clients. Every row is
@@ -102,7 +102,7 @@ def _wait_for_url(proc: subprocess.Popen, errors: Any, timeout: float) -> str:
     )
 
 
-def _http_load(
+def http_load(
     host: str, port: int, body: bytes, kind: str, c: int, requests: int, path: str = "/predict"
 ) -> dict:
     """``requests`` POSTs of ``body`` to ``path`` from ``c`` keep-alive clients at once."""
@@ -224,9 +224,9 @@ def http_rows(
 
 
 def _measure(host: str, port: int, proc: Any, body: bytes, kind: str, c: int, n: int) -> dict:
-    """One run of :func:`_http_load`, with the server process's CPU seconds a request."""
+    """One run of :func:`http_load`, with the server process's CPU seconds a request."""
     cpu = _cpu_s(proc.pid)
-    row = _http_load(host, port, body, kind, c, n)
+    row = http_load(host, port, body, kind, c, n)
     after = _cpu_s(proc.pid)
     row["server_cpu_s"] = None if cpu is None or after is None else (after - cpu) / row["n"]
     return row

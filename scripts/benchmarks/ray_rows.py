@@ -142,7 +142,7 @@ def _http(port: int, x: np.ndarray, requests: int, rounds: int) -> dict[str, Any
     interleaved; the median round's req/s, the p99 of the rounds' p99s."""
     import json
 
-    from benchmarks.http_rows import _http_load
+    from benchmarks.http_rows import http_load
 
     body = json.dumps({"inputs": x.tolist()}).encode()
     out: dict[str, Any] = {}
@@ -150,7 +150,7 @@ def _http(port: int, x: np.ndarray, requests: int, rounds: int) -> dict[str, Any
         runs: dict[str, list[dict]] = {"ours": [], "bare": []}
         for r in range(rounds + 1):  # the first round warms up Ray's proxy and both apps
             for name, path in (("ours", "/one/predict"), ("bare", "/noop/predict")):
-                row = _http_load("127.0.0.1", port, body, "application/json", c, requests, path)
+                row = http_load("127.0.0.1", port, body, "application/json", c, requests, path)
                 if r:
                     runs[name].append(row)
         out[str(c)] = {  # str: the keys JSON keeps

@@ -1,8 +1,8 @@
 """The artifact's on-disk contract: its file names, ``manifest.json`` and its schema.
 
 Everything here is plain data (JSON) and runs before any bytes reach a deserializer: reading
-and schema-checking the manifest, the format version, JAX's compatibility window, and what
-counts as an artifact directory that an export may replace.
+and schema-checking the manifest, the format version, and what counts as an artifact
+directory that an export may replace.
 """
 
 from __future__ import annotations
@@ -359,39 +359,6 @@ _ENTRY_ROLES = (*PROGRAM_FILES, SELFTEST)  # the files each entry point has of i
 def entry_files(name: str) -> dict[str, str]:
     """The files an export writes for a (non-default) entry point named ``name``."""
     return {role: f"{name}.{role.removeprefix('model.')}" for role in _ENTRY_ROLES}
-
-
-# -- compatibility ----------------------------------------------------------------------------
-def compatibility_note(manifest: Mapping[str, Any]) -> str:
-    """The compatibility window, and how to re-export, for error messages."""
-    import jax
-
-    made = manifest.get("versions", {}).get("jax", "?")
-    return (
-        f"The artifact was exported on {manifest.get('created', '?')} with jax {made}; this "
-        f"is jax {jax.__version__}. jax.export guarantees that an artifact loads in JAX "
-        "releases up to about 6 months newer than the one that exported it, not older ones "
-        "and not beyond that window. To fix it, re-export: rebuild the model from its source, "
-        "load its weights (params.safetensors is plain safetensors and still readable), and "
-        f"call symjax_mlp.export(h, path, example=x, overwrite=True) under jax "
-        f"{jax.__version__}; or load it with the exporting version "
-        f"(pip install jax=={made} jaxlib=={made})."
-    )
-
-
-def check_calling_convention(manifest: Mapping[str, Any], *, file: Path) -> None:
-    """Rejects calling-convention versions this JAX cannot load, before deserializing."""
-    import jax
-
-    version = manifest["calling_convention_version"]
-    lo = jax.export.minimum_supported_calling_convention_version
-    hi = jax.export.maximum_supported_calling_convention_version
-    if not isinstance(version, int) or not lo <= version <= hi:
-        raise ArtifactError(
-            f"{file}: the artifact uses jax.export calling convention version {version}, but "
-            f"jax {jax.__version__} loads versions {lo} to {hi} only: it is outside JAX's "
-            f"compatibility window. {compatibility_note(manifest)}"
-        )
 
 
 def check_target(path: Path, overwrite: bool) -> None:

@@ -24,8 +24,6 @@ from symjax_mlp._artifact.format import (
     JAXEXPORT,
     MLIRBC,
     caller,
-    check_calling_convention,
-    compatibility_note,
     program_file,
 )
 from symjax_mlp._compat import skipping_lapack
@@ -52,6 +50,37 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
             f"{path / 'manifest.json'}: the artifact is sharded over {need} devices, but JAX "
             f"here sees {have} {here} device(s). Run it where {need} devices are visible, or "
             "re-export it unsharded."
+        )
+
+
+# -- JAX's compatibility window --------------------------------------------------------------------
+def compatibility_note(manifest: Mapping[str, Any]) -> str:
+    """The compatibility window, and how to re-export, for error messages."""
+
+    made = manifest.get("versions", {}).get("jax", "?")
+    return (
+        f"The artifact was exported on {manifest.get('created', '?')} with jax {made}; this "
+        f"is jax {jax.__version__}. jax.export guarantees that an artifact loads in JAX "
+        "releases up to about 6 months newer than the one that exported it, not older ones "
+        "and not beyond that window. To fix it, re-export: rebuild the model from its source, "
+        "load its weights (params.safetensors is plain safetensors and still readable), and "
+        f"call symjax_mlp.export(h, path, example=x, overwrite=True) under jax "
+        f"{jax.__version__}; or load it with the exporting version "
+        f"(pip install jax=={made} jaxlib=={made})."
+    )
+
+
+def check_calling_convention(manifest: Mapping[str, Any], *, file: Path) -> None:
+    """Rejects calling-convention versions this JAX cannot load, before deserializing."""
+
+    version = manifest["calling_convention_version"]
+    lo = jax.export.minimum_supported_calling_convention_version
+    hi = jax.export.maximum_supported_calling_convention_version
+    if not isinstance(version, int) or not lo <= version <= hi:
+        raise ArtifactError(
+            f"{file}: the artifact uses jax.export calling convention version {version}, but "
+            f"jax {jax.__version__} loads versions {lo} to {hi} only: it is outside JAX's "
+            f"compatibility window. {compatibility_note(manifest)}"
         )
 
 

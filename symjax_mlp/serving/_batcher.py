@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import numbers
 import sys
 import threading
 import weakref
@@ -37,50 +36,11 @@ from symjax_mlp.serving._requests import (
     RequestFuture,
     artifact_specs,
     bucket_sizes,
+    check_timeout,
     example_specs,
+    inference_of,
 )
 from symjax_mlp.serving._stats import BatcherStats
-
-_TRAINING = (
-    "Batcher({name}): the nnx module is in training mode ({settings}: the mode a module is "
-    "built in), where a batch's rows are normalised together and dropped at random, so a "
-    "request's answer would depend on the others. Call module.eval() before serving it."
-)
-
-
-def _inference(h: Hybrid, example: Any, kwargs: dict[str, Any]) -> Any:
-    """What a batcher calls for ``h`` (``kwargs`` fixed): ``h`` as of now (its nnx module's
-    mode too), or a stateful one's inference with the state it holds now, never moved."""
-    arrays = example if isinstance(example, tuple) else (example,)
-    try:
-        h.__signature__ is None or h.__signature__.bind(*arrays, **kwargs)
-    except TypeError as e:  # a flag with no default: name the fix, not the model's TypeError
-        raise ConfigError(
-            f"Batcher({h.name}): a request calls the model with the example's inputs"
-            f"{kwargs or ''}, but {e}. Fix its other arguments for every request, e.g. "
-            "Batcher(h, example=x, kwargs={'train': False})."
-        ) from None
-    training = h.training_mode(*arrays, **kwargs)
-    if training:
-        raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
-    h = h.snapshot()  # its module's mode and state as of now, whatever h does later
-    if not h.stateful:
-        return functools.partial(h, **kwargs) if kwargs else h
-    params, state = h.params, h.state
-
-    def inference(*xs: Any) -> Any:
-        return h.apply_with_state(params, state, *xs, **kwargs)[0]
-
-    inference.__name__ = h.name
-    return inference
-
-
-def _check_timeout(caller: str, timeout: Any) -> None:
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
-        raise ConfigError(
-            f"{caller}(timeout={timeout!r}): pass seconds >= 0, or None to wait as long as it "
-            "takes."
-        )
 
 
 class Batcher:
@@ -172,7 +132,7 @@ class Batcher:
                 )
             specs, static = example_specs(example), None
             if isinstance(model, Hybrid):
-                served = _inference(model, example, kwargs)
+                served = inference_of(model, example, kwargs)
             elif kwargs:
                 served = functools.partial(model, **kwargs)
             name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
@@ -275,7 +235,7 @@ class Batcher:
         """
         t0 = clock()
         if timeout is not None:
-            _check_timeout(f"{self.name}.run", timeout)
+            check_timeout(f"{self.name}.run", timeout)
         arrays, rows = self._check(inputs)
         lane = self._lane
         idle = lane.idle
@@ -408,7 +368,7 @@ class Batcher:
         if cancel not in (False, True):
             raise ConfigError(f"{self.name}.close(cancel={cancel!r}): expected True or False.")
         if timeout is not None:
-            _check_timeout(f"{self.name}.close", timeout)
+            check_timeout(f"{self.name}.close", timeout)
         self._lane.close(cancel)
         self._finalizer.detach()
         self._thread.join(timeout)

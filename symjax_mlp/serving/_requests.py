@@ -6,6 +6,7 @@ input's rank, row shape, dtype and rows: a NumPy request whose ``(shape, dtype)`
 is looked up in a dict (at most ``max_batch`` keys per signature, since only the rows differ).
 A refused request is counted (``rejected_by["signature"]``) and raises a
 :class:`~symjax_mlp.SignatureError` that says which input, what it has and how to fix it.
+What a batcher calls for a Hybrid is fixed once, when it is made (:func:`inference_of`).
 
 A :class:`RequestFuture` is a ``concurrent.futures.Future`` (``wait``, ``as_completed`` and
 ``add_done_callback`` work on it) built to be settled a whole batch at a time: the futures of
@@ -17,6 +18,8 @@ its own entry in the batcher's queue.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -24,6 +27,7 @@ import numpy as np
 
 from symjax_mlp._compat import SharedLockFuture
 from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 
@@ -293,3 +297,45 @@ class RequestCheck:
     def _reject(self) -> None:
         with self.lane.lock:
             self.lane.n.rejected["signature"] += 1
+
+
+_TRAINING = (
+    "Batcher({name}): the nnx module is in training mode ({settings}: the mode a module is "
+    "built in), where a batch's rows are normalised together and dropped at random, so a "
+    "request's answer would depend on the others. Call module.eval() before serving it."
+)
+
+
+def inference_of(h: Hybrid, example: Any, kwargs: dict[str, Any]) -> Any:
+    """What a batcher calls for ``h`` (``kwargs`` fixed): ``h`` as of now (its nnx module's
+    mode too), or a stateful one's inference with the state it holds now, never moved."""
+    arrays = example if isinstance(example, tuple) else (example,)
+    try:
+        h.__signature__ is None or h.__signature__.bind(*arrays, **kwargs)
+    except TypeError as e:  # a flag with no default: name the fix, not the model's TypeError
+        raise ConfigError(
+            f"Batcher({h.name}): a request calls the model with the example's inputs"
+            f"{kwargs or ''}, but {e}. Fix its other arguments for every request, e.g. "
+            "Batcher(h, example=x, kwargs={'train': False})."
+        ) from None
+    training = h.training_mode(*arrays, **kwargs)
+    if training:
+        raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
+    h = h.snapshot()  # its module's mode and state as of now, whatever h does later
+    if not h.stateful:
+        return functools.partial(h, **kwargs) if kwargs else h
+    params, state = h.params, h.state
+
+    def inference(*xs: Any) -> Any:
+        return h.apply_with_state(params, state, *xs, **kwargs)[0]
+
+    inference.__name__ = h.name
+    return inference
+
+
+def check_timeout(caller: str, timeout: Any) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+        raise ConfigError(
+            f"{caller}(timeout={timeout!r}): pass seconds >= 0, or None to wait as long as it "
+            "takes."
+        )
