@@ -790,6 +790,8 @@ def test_the_constructor_checks_its_arguments(chapter, tmp_path):
             sm.serving.Batcher(m, buckets=bad, max_batch=4)
     with pytest.raises(sm.ConfigError, match=r"Batcher\(kwargs=\[1\]\): pass a dict"):
         sm.serving.Batcher(h, example=x, kwargs=[1])
+    with pytest.raises(sm.ConfigError, match=r"max_batch=65,537 rows is more than .* 65,536"):
+        sm.serving.Batcher(m, max_batch=2**16 + 1)  # a list of max_batch entries hung before
     net = sm.mlp((4, 2))  # unbound: flax's CallCompactUnboundModuleError at the warm-up
     with pytest.raises(sm.ConfigError, match=r"Batcher\(HybridSequential\): a flax.linen module"):
         sm.serving.Batcher(net, example=x)

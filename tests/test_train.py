@@ -302,6 +302,8 @@ def test_a_num_classes_that_is_not_a_count_is_named(digits, classes):
         ({"compiled": "no"}, r"compiled must be True or False; got 'no'"),  # was truthy
         ({"resume": "no", "checkpoint": "ck"}, r"resume must be True or False; got 'no'"),
         ({"on_epoch": 3}, r"on_epoch must be a function .*got 3"),  # was after the 1st epoch
+        # each epoch is padded to whole batches: a MemoryError traceback before
+        ({"batch_size": 10**8}, r"batch_size=100000000 is more than the \d+ training examples"),
     ],
 )
 def test_a_bad_setting_is_refused_before_training(digits, tmp_path, options, message):

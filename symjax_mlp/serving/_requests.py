@@ -172,6 +172,10 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
     return tuple(specs), (static.pop() if static else None)
 
 
+#: The most rows a batcher's model call may take (its largest bucket).
+MAX_BATCH = 1 << 16
+
+
 def bucket_sizes(
     name: str, max_batch: int | None, buckets: Sequence[int] | None, static: int | None
 ) -> tuple[int, ...]:
@@ -196,6 +200,12 @@ def bucket_sizes(
         max_batch = max(buckets) if buckets else 64
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
         raise ConfigError(f"{name}: max_batch must be an int >= 1; got {max_batch!r}.")
+    if max_batch > MAX_BATCH:  # every bucket is compiled and run once when the batcher is made
+        raise ConfigError(
+            f"{name}: max_batch={max_batch:,} rows is more than one model call may take here "
+            f"({MAX_BATCH:,}); its buckets are compiled and run when the batcher is made. Pass "
+            f"a max_batch <= {MAX_BATCH:,} (a few times the requests you expect at once)."
+        )
     if buckets is None:  # powers of two, and max_batch
         return tuple(sorted({*(1 << i for i in range(max_batch.bit_length())), max_batch}))
     sizes = sorted(set(buckets))

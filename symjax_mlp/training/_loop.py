@@ -149,6 +149,11 @@ def train(
     data = check_dataset(load_digits() if data is None else data)
     model, spec, num_outputs = _classifier(model, data, train_flags, eval_flags)
     data = check_dataset(data, num_outputs=num_outputs)
+    if batch_size > len(data.x_train):  # each epoch is padded to whole batches of it
+        raise ConfigError(
+            f"batch_size={batch_size} is more than the {len(data.x_train)} training examples: "
+            f"every step would be mostly padding. Pass batch_size <= {len(data.x_train)}."
+        )
     state = _initial_state(model, spec, data.x_train[:1], optimizer, seed)
     config = run_config(
         model, spec, state.params, data, optimizer,
