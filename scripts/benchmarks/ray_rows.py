@@ -267,9 +267,9 @@ def format_ray(result: Mapping[str, Any]) -> str:
 
     Example:
       >>> print(format_ray({"targets": []}))
-      Ray Serve (sm.serving.ray_app), through DeploymentHandles
+      Ray Serve (sm.serving.ray_app), through DeploymentHandles and its HTTP proxy
     """
-    lines = ["Ray Serve (sm.serving.ray_app), through DeploymentHandles"]
+    lines = ["Ray Serve (sm.serving.ray_app), through DeploymentHandles and its HTTP proxy"]
     if lone := result.get("lone"):
         lines.append("  a lone request        min µs    p50 µs    p99 µs")
         for name, label in (("ours", "ours (1 replica)"), ("noop", "no-op deployment")):
@@ -283,13 +283,14 @@ def format_ray(result: Mapping[str, Any]) -> str:
         stages = ", ".join(f"{k} {v * 1e6:.0f}" for k, v in lone["in_replica_s"].items())
         lines.append(f"  in our replica's batcher, µs per request: {stages}")
     if http := result.get("http"):
-        lines.append("  HTTP through Ray's proxy  req/s   p50 µs   p99 µs  errors")
+        head = "HTTP through Ray's proxy"
+        lines.append(f"  {head:<27}{'req/s':>6} {'p50 µs':>8} {'p99 µs':>8} {'errors':>7}")
         for c, r in http.items():
             for name, label in (("ours", "ours"), ("bare", "bare endpoint")):
                 row = r[name]
                 lines.append(
                     f"  {c:>2} client(s), {label:<13}{row['requests_per_s']:6.0f} "
-                    f"{row['p50_s'] * 1e6:8.0f} {row['p99_s'] * 1e6:8.0f}  {row['errors']:6d}"
+                    f"{row['p50_s'] * 1e6:8.0f} {row['p99_s'] * 1e6:8.0f} {row['errors']:7d}"
                 )
     if alone := result.get("model_alone"):
         lines.append(
