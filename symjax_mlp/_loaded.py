@@ -33,6 +33,14 @@ from symjax_mlp._specs import array_types
 _ARRAYS = array_types()
 
 
+_FORWARD = (
+    "{caller}: jax.jvp, jax.jacfwd, jax.hessian and jax.linearize differentiate forward, and "
+    "a loaded model differentiates in reverse mode only (jax.export records VJP modules, "
+    "export(..., vjp_order=n)). Use jax.grad, jax.vjp or jax.jacrev; a Hessian is "
+    "jax.jacrev(jax.jacrev(f)), with vjp_order=2."
+)
+
+
 class _NoEntryPoint(ConfigError, KeyError):
     """``m[name]`` for a name the artifact has no entry point of (a ``KeyError`` too)."""
 
@@ -62,7 +70,9 @@ class LoadedModel:
     always an ``ArtifactError``.
 
     A JAX function (JAX runtime): ``jax.jit``, ``jax.lax.map``/``scan`` and a Hybrid call it;
-    ``jax.grad`` needs ``export(..., vjp_order=1)``. ``jax.vmap(m)(xs)`` maps whole batches
+    ``jax.grad`` needs ``export(..., vjp_order=1)``; reverse mode only (``jax.jvp`` and
+    ``jax.jacfwd`` are a ``ConfigError``; ``jax.jacrev(jax.jacrev(f))`` is a Hessian, with
+    ``vjp_order=2``). ``jax.vmap(m)(xs)`` maps whole batches
     (``xs``: ``(n, b, ...)`` for inputs ``(b, ...)``; any axes, nested too) by merging the
     mapped axis into the batch: one program run, one compile per merged shape. Export
     records whether rows stay apart (``manifest["rows"]``, :mod:`symjax_mlp._rows`); where
@@ -188,6 +198,8 @@ class LoadedModel:
                     f"{self._caller}: the {self.runtime} runtime runs outside JAX, so jax.jit, "
                     "jax.vmap and jax.grad cannot trace it. Load it with runtime='jax'."
                 ) from e
+            if isinstance(e, TypeError) and "forward-mode autodiff" in str(e):
+                raise ConfigError(_FORWARD.format(caller=self._caller)) from e
             raise run_failed(self._caller, self._file, e, inputs) from e
 
     def __repr__(self) -> str:

@@ -314,3 +314,27 @@ def test_the_iree_runtime_under_a_transform_says_to_load_with_jax(tmp_path, mlp)
     for transform, x in ((jax.vmap, _xs(3, 2, 5)), (jax.jit, _xs(2, 5))):
         with pytest.raises(sm.ConfigError, match=r"iree runtime runs outside JAX.*runtime='jax'"):
             transform(m)(x)
+
+
+def test_a_hessian_by_jacrev_of_jacrev_equals_the_source(tmp_path, mlp):
+    # the VJP module under two vmaps (jacrev of jacrev) runs one element at a time at each
+    h, _ = mlp
+    m = sm.load(sm.export(h, tmp_path / "m", example=jnp.ones((2, 5)), vjp_order=2).path)
+    x = _xs(2, 5)
+
+    def loss(f):
+        return lambda x: jnp.tanh(f(x)).sum()
+
+    want = jax.hessian(loss(h))(x)
+    chex.assert_trees_all_close(jax.jacrev(jax.jacrev(loss(m)))(x), want, **TOL)
+    chex.assert_trees_all_close(jax.jacrev(jax.jacrev(m))(x), jax.jacrev(jax.jacrev(h))(x), **TOL)
+    chex.assert_trees_all_close(jax.jit(jax.jacrev(jax.jacrev(loss(m))))(x), want, **TOL)
+
+
+@pytest.mark.parametrize(
+    "transform", [jax.jacfwd, jax.hessian, lambda f: lambda x: jax.jvp(f, (x,), (x,))]
+)
+def test_forward_mode_names_reverse_mode_not_a_corrupted_artifact(mlp, transform):
+    _, m = mlp
+    with pytest.raises(sm.ConfigError, match=r"reverse mode only.*jax.jacrev\(jax.jacrev\(f\)\)"):
+        transform(lambda x: m(x).sum())(_xs(2, 5))

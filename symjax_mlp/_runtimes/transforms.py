@@ -113,7 +113,7 @@ class Program:
     def wrap(self, module: Any, order: int = 0, n: int | None = None) -> Callable[..., Any]:
         """``module.call`` (the program, or its VJP module of ``order``) as the class says."""
         batched = custom_vmap(module.call)
-        batched.def_vmap(self.merge if order == 0 else functools.partial(_one_by_one, module.call))
+        batched.def_vmap(self.merge if order == 0 else functools.partial(_one_by_one, batched))
 
         @jax.custom_vjp
         def call(*args: Any) -> Any:
