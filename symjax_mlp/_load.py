@@ -128,6 +128,7 @@ def load(
         unchanged()  # what was read is what was verified
     _warn_if_expiring(path, manifest)
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
+    _check_x64(path, manifest)
     importlib.import_module(f"symjax_mlp._runtimes.{runtime}").check_supported(path, manifest)
     mesh = _check_mesh(path, manifest, mesh)
     if params is None:
@@ -278,6 +279,26 @@ def _check_mesh(path: Path, manifest: Any, mesh: Mesh | None) -> Mesh | None:
             f"sm.data_mesh({need}), or export again on a mesh of {mesh.size}."
         )
     return auto_mesh(mesh)
+
+
+def _check_x64(path: Path, manifest: Any) -> None:
+    """Refuses an artifact of 64-bit tensors where JAX runs without x64, which would make
+    its weights 32-bit (and its program fail as "corrupted") instead of saying so."""
+    if jax.config.jax_enable_x64:
+        return
+    views = [manifest, *(manifest.get("entries") or {}).values()]
+    specs = [*manifest["params"]]
+    for view in views:
+        signature = view.get("signature") or {}
+        specs += [*signature.get("inputs", ()), *signature.get("outputs", ())]
+    wide = sorted({s["dtype"] for s in specs} & {"float64", "int64", "uint64", "complex128"})
+    if wide:
+        raise ArtifactError(
+            f'symjax_mlp.load("{path}"): the artifact holds {", ".join(wide)} tensors, and JAX '
+            "here runs without 64-bit types (it would make them 32-bit). Enable them before "
+            "JAX starts (JAX_ENABLE_X64=1, or jax.config.update('jax_enable_x64', True)), or "
+            "export the model in 32-bit types."
+        )
 
 
 def _under(mesh: Mesh, run: Callable[[list[Any]], list[Any]]) -> Callable[..., list[Any]]:

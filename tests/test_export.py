@@ -659,3 +659,15 @@ def test_cli_export_inspect_run(tmp_path, capsys):
 def test_public_names():
     for name in ("export", "load", "verify", "inspect", "Artifact", "LoadedModel"):
         assert name in sm.__all__ and hasattr(sm, name)
+
+
+def test_a_64_bit_artifact_where_jax_runs_without_x64_says_to_enable_it(tmp_path):
+    # its float64 weights would be made float32 and its program fail as "corrupted"
+    net, x = sm.mlp((4, 2)), np.ones((2, 3))
+    with jax.enable_x64(True):
+        variables = jax.tree.map(lambda a: a.astype(np.float64), net.init(jax.random.key(0), x))
+        h = sm.hybridize(net, variables)
+        sm.export(h, tmp_path / "m", example=jnp.asarray(x, jnp.float64))
+        assert sm.load(tmp_path / "m")(x).dtype == np.float64
+    with pytest.raises(sm.ArtifactError, match=r"holds float64 tensors.*JAX_ENABLE_X64=1"):
+        sm.load(tmp_path / "m")
