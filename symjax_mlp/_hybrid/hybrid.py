@@ -278,7 +278,8 @@ class Hybrid:
           >>> jax.grad(lambda p: h.apply(p, jnp.ones(3)).sum())(h.params)
           {'w': Array(3., dtype=float32)}
         """
-        out, new_state = self._apply_pure(f"{self.name}.apply", params, self.state, args, kwargs)
+        state = self._held.copy() if self.donate else self.state  # a call may consume it
+        out, new_state = self._apply_pure(f"{self.name}.apply", params, state, args, kwargs)
         return (out, new_state) if self.stateful else out
 
     def apply_with_state(self, params: Any, state: Any, /, *args: Any, **kwargs: Any) -> Any:
