@@ -388,6 +388,30 @@ def test_a_model_error_reaches_every_request_of_its_batch_and_the_batcher_carrie
         assert b.stats.failed == 3
 
 
+def test_a_model_that_stops_returning_one_row_per_input_row_is_an_error_not_a_hang():
+    """A callable passed the warm-up, then returned a row fewer: a batch of 1-row requests
+    raised an IndexError on the batcher's thread and its futures were never settled (a hang)."""
+    short = {"on": False}
+
+    def model(x):
+        return x[:-1] if short["on"] else x
+
+    gate = Gated(model)
+    with sm.serving.Batcher(gate, example=np.ones((1, 3), np.float32), max_batch=4) as b:
+        short["on"] = True
+        f0, queued = busy_then_queue(
+            b, gate, np.ones((2, 3), np.float32), [np.ones((1, 3), np.float32)] * 3
+        )
+        for f in (f0, *queued):
+            with pytest.raises(RuntimeError, match="one row per input row"):
+                f.result(30)
+        with pytest.raises(RuntimeError, match=r"shape \(1, 3\) for a batch of 2 rows"):
+            b(np.ones((2, 3), np.float32))
+        short["on"] = False
+        assert b(np.ones((2, 3), np.float32)).shape == (2, 3)  # and the batcher carries on
+        assert b.stats.failed == 5
+
+
 def test_concurrent_clients_each_get_their_own_rows(chapter):
     _, _, h, x = chapter
     want = {i: np.asarray(h(rows(1, seed=i))) for i in range(64)}
