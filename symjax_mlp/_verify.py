@@ -209,6 +209,8 @@ def verify(
             proc = subprocess.run(
                 [sys.executable, "-c", code, str(work / "job.json")],
                 cwd=work,
+                # with 64-bit types if this process has them (a float64 artifact needs them)
+                env={**os.environ, "JAX_ENABLE_X64": str(int(jax.config.jax_enable_x64))},
                 capture_output=True,
                 text=True,
                 timeout=timeout,

@@ -669,5 +669,7 @@ def test_a_64_bit_artifact_where_jax_runs_without_x64_says_to_enable_it(tmp_path
         h = sm.hybridize(net, variables)
         sm.export(h, tmp_path / "m", example=jnp.asarray(x, jnp.float64))
         assert sm.load(tmp_path / "m")(x).dtype == np.float64
+        # the fresh process of verify has 64-bit types as this one has them
+        assert sm.verify(tmp_path / "m", reference=h, batches=(2,)).ok
     with pytest.raises(sm.ArtifactError, match=r"holds float64 tensors.*JAX_ENABLE_X64=1"):
         sm.load(tmp_path / "m")
