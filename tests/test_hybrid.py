@@ -299,3 +299,28 @@ def test_a_snapshot_keeps_the_mode_and_state_a_later_switch_or_call_would_change
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, keyless(snap.state)), before)
     model.eval()  # the module itself, untouched by h's calls, in the snapshot's mode
     np.testing.assert_allclose(snap(x), model(x), rtol=1e-6)
+
+
+def test_a_stateful_call_under_grad_holds_no_tracer_of_any_leaf():
+    # under jax.grad a leaf with no tangent (a counter) comes back concrete and the others
+    # traced: the call is refused as a whole, not held with a tracer that breaks every later call
+    import flax.linen as nn
+
+    class Counted(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            count = self.variable("stats", "a_count", lambda: jnp.zeros((), jnp.int32))
+            mean = self.variable("stats", "b_mean", lambda: jnp.zeros(x.shape[-1]))
+            count.value = count.value + 1
+            mean.value = 0.9 * mean.value + 0.1 * x.mean(0)
+            return nn.Dense(2)(x)
+
+    model, x = Counted(), jnp.ones((3, 4))
+    variables = model.init(jax.random.key(0), x)
+    h = sm.hybridize(model, variables)
+    with pytest.raises(sm.ControlFlowError, match=r"inside a JAX transformation.*h\.apply"):
+        jax.grad(lambda x: h(x).sum())(x)
+    chex.assert_trees_all_close(h.state, {"stats": variables["stats"]})  # not moved
+    out, state = model.apply(variables, x, mutable=["stats"])
+    chex.assert_trees_all_close(h(x), out, rtol=1e-6, atol=1e-6)  # the next call runs
+    chex.assert_trees_all_close(h.state, state, rtol=1e-6, atol=1e-6)

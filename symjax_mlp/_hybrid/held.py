@@ -80,7 +80,8 @@ class HeldState:
     def hold(self, leaves: list[Any]) -> None:
         """Holds a call's new flat state (the caller holds :attr:`lock`); a traced one (a call
         under a transformation) is a ControlFlowError."""
-        if leaves and isinstance(leaves[0], jax.core.Tracer):
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):  # any: under jax.grad
+            # a leaf with no tangent (a counter, stop_gradient) comes back concrete
             raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
         self.leaves = leaves
         self._tree = None
