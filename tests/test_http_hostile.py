@@ -186,6 +186,61 @@ def test_connections_past_the_limit_are_refused_at_once(server):
         time.sleep(0.1)
 
 
+def test_a_head_that_never_comes_or_never_ends_is_closed_within_the_body_timeout(server):
+    """Connections that sent nothing, or a header line now and then, were kept for ever (and
+    max_connections of them shut everyone out): nginx's client_header_timeout."""
+    url, _, _ = server
+    quiet = socket.create_connection(("127.0.0.1", _port(url)))
+    dribbling = socket.create_connection(("127.0.0.1", _port(url)))
+    try:
+        dribbling.sendall(b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        start = time.monotonic()
+        dribbling.settimeout(0.5)
+        data = b""
+        while not data and time.monotonic() - start < BODY_TIMEOUT + 10:
+            with contextlib.suppress(TimeoutError):
+                dribbling.sendall(b"X-More: 1\r\n")
+                data = dribbling.recv(65536)
+        assert data.startswith(b"HTTP/1.1 408"), data
+        answer = json.loads(data.partition(b"\r\n\r\n")[2])
+        assert answer["error"] == "BadRequest" and "headers did not arrive" in answer["message"]
+        code, closed = _answer(quiet, BODY_TIMEOUT + 10)
+        assert code is None and closed < BODY_TIMEOUT + 5  # closed, with nothing to say
+    finally:
+        quiet.close()
+        dribbling.close()
+
+
+def test_a_head_past_64_kib_is_431_and_not_held(server):
+    """A 100 MB header was read into memory whole (uvicorn over httptools has no limit)."""
+    url, _, pid = server
+    rss = _rss(pid)
+    s = socket.create_connection(("127.0.0.1", _port(url)), timeout=30)
+    try:
+        s.sendall(b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(100):
+                s.sendall(b"a" * 2**20)
+        _, closed = _answer(s, 30)  # the 431 may be lost to the reset of what is unread
+    finally:
+        s.close()
+    assert closed < 10 and _rss(pid) - rss < 32 * 2**20
+    s = socket.create_connection(("127.0.0.1", _port(url)), timeout=30)
+    try:
+        s.sendall(b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 80_000)
+        code, _ = _answer(s, 30)
+    finally:
+        s.close()
+    assert code == 431
+    x = json.dumps({"inputs": np.zeros((1, 512), np.float32).tolist()}).encode()
+    req = urllib.request.Request(
+        url + "/predict", data=x, method="POST",
+        headers={"Content-Type": "application/json", "X-Pad": "a" * 60_000},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as r:  # a long head under the bound is read
+        assert r.status == 200
+
+
 @pytest.mark.parametrize(
     ("inputs", "says"),
     [

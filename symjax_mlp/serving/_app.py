@@ -46,6 +46,7 @@ from symjax_mlp.serving._bodies import (
     to_json,
     to_npy,
 )
+from symjax_mlp.serving._heads import bounded_heads
 
 
 def _require() -> Any:
@@ -264,7 +265,8 @@ def serve(
       host, port: where to listen.
       runtime: ``"jax"`` or ``"iree"``.
       max_batch, max_queue: see :class:`~symjax_mlp.serving.Batcher`.
-      max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`.
+      max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a request's
+        line and headers too must come within ``body_timeout`` (and 64 KiB; else 408, 431).
       max_connections: the most connections (and requests) at once; past it a request is
         answered 503 (uvicorn's ``limit_concurrency``).
       log_level: uvicorn's log level.
@@ -323,6 +325,7 @@ def serve(
                 lifespan="on",
                 timeout_graceful_shutdown=30,
                 limit_concurrency=max_connections,
+                http=bounded_heads(body_timeout),  # a head, too, within time and 64 KiB
             )
             server = uvicorn.Server(config)
             (ready or _print_ready(artifact))(url)

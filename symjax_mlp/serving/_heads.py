@@ -1,0 +1,85 @@
+"""Request heads within bounds: what uvicorn leaves open before the app sees a request.
+
+uvicorn (over httptools) reads a request line and headers of any size, for as long as the
+client takes, and keeps a connection that sends nothing open for ever: ``max_connections``
+such clients shut everyone else out, and a header of a few hundred MB is held in memory
+(:class:`~symjax_mlp.serving._bodies.Intake` bounds bodies only). As nginx's
+``client_header_timeout`` and ``large_client_header_buffers``: a head (or, on a new
+connection, its first byte) must arrive within ``head_timeout`` seconds (else 408, and the
+connection is closed) and within :data:`MAX_HEAD_BYTES` (else 431).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: The most bytes of one request's line and headers (nginx allows 4 x 8 KiB by default).
+MAX_HEAD_BYTES = 64 * 2**10
+
+
+def _refusal(status: int, reason: str, message: str) -> bytes:
+    body = json.dumps({"error": "BadRequest", "message": message}).encode()
+    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+    head += f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    return head.encode() + body
+
+
+def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
+    """uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``), with heads bounded."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._head_bytes, self._head_timer = 0, None
+            self._arm()
+
+        def _waiting(self) -> bool:  # for a head: none yet, or the last one answered
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(head_timeout, self._late, self.cycle)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _late(self, cycle: Any) -> None:
+            self._head_timer = None
+            if self._waiting() and self.cycle is cycle and not self.transport.is_closing():
+                if self._head_bytes:  # a head begun and not finished: say why
+                    self.transport.write(_refusal(408, "Request Timeout", (
+                        f"the request's headers did not arrive within {head_timeout:g} s "
+                        f"({self._head_bytes} bytes came). Send the whole request at once."
+                    )))  # fmt: skip
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            super().data_received(data)
+            if self.transport.is_closing():
+                return
+            if not self._waiting():  # a head arrived: the app bounds the rest
+                self._head_bytes = 0
+                self._disarm()
+                return
+            if self.cycle is cycle:  # no head ended in this chunk: all of it is head
+                self._head_bytes += len(data)
+            if self._head_bytes > max_head_bytes:
+                self._disarm()
+                self.transport.write(_refusal(431, "Request Header Fields Too Large", (
+                    f"the request's line and headers passed {max_head_bytes} bytes; send "
+                    "shorter ones."
+                )))  # fmt: skip
+                self.transport.close()
+                return
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return BoundedHeads
