@@ -261,6 +261,20 @@ def test_json_numbers_no_float_holds_and_booleans_are_422_and_counted(server, in
     assert _count(url, 422) == before + 1
 
 
+def test_a_number_literal_past_float64_is_422_not_infinity(server):
+    """1e400 (a number, not the Infinity literal) was read as inf and answered 200 with NaN
+    outputs, where 1e39 is refused as past float32."""
+    url, _, _ = server
+    zeros = b", 0" * 511
+    for number in (b"1e400", b"-1e400", b"1" + b"0" * 400 + b".5"):
+        code, raw = _post(url, b'{"inputs": [[' + number + zeros + b"]]}")
+        assert code == 422, raw
+        answer = json.loads(raw)
+        assert answer["error"] == "SignatureError" and "beyond float64" in answer["message"]
+    code, raw = _post(url, b'{"inputs": [[-Infinity' + zeros + b"]]}")  # the literal: a float
+    assert code == 200, raw
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
 def test_json_bodies_read_the_same_by_either_parser(monkeypatch, fast):
     """A float input's body is parsed by orjson, and whatever orjson refuses (NaN, Infinity,

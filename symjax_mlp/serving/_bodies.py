@@ -18,6 +18,7 @@ import asyncio
 import functools
 import io
 import json
+import math
 import os
 from typing import Any
 
@@ -144,6 +145,11 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
         data = _parse(body, fast=_floats_only(specs))
     except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
         raise BadRequest(400, f"the body is not valid JSON ({short(str(e))}).") from None
+    except OverflowError as e:  # was read as inf, where 1e39 is refused for float32
+        raise SignatureError(
+            f"{batcher.name}: the request holds {short(str(e), 40)}, beyond float64's range; the "
+            f"model takes {', '.join(s.type for s in specs)}. Send values in range."
+        ) from None
     if not isinstance(data, dict) or "inputs" not in data:
         raise BadRequest(
             400,
@@ -197,7 +203,15 @@ def _parse(body: bytes, fast: bool) -> Any:
             return _fast_loads(body)
         except _FastError:
             pass
-    return json.loads(body)
+    return json.loads(body, parse_float=_finite)
+
+
+def _finite(text: str) -> float:
+    """A JSON number as a float; past float64 (``1e400``, not ``Infinity``), OverflowError."""
+    x = float(text)
+    if x in (math.inf, -math.inf):
+        raise OverflowError(text)
+    return x
 
 
 def from_json(
