@@ -338,3 +338,24 @@ def test_forward_mode_names_reverse_mode_not_a_corrupted_artifact(mlp, transform
     _, m = mlp
     with pytest.raises(sm.ConfigError, match=r"reverse mode only.*jax.jacrev\(jax.jacrev\(f\)\)"):
         transform(lambda x: m(x).sum())(_xs(2, 5))
+
+
+def test_lax_cond_and_switch_with_a_batched_predicate_under_vmap(mlp):
+    # vmap batches every operand of a cond whose predicate is batched, the closed-over
+    # weights too: the program ran with (n, ...) weights (a rank mismatch)
+    h, m = mlp
+    xs, on = _xs(3, 4, 5), jnp.array([True, False, True])
+
+    def cond(f):
+        return jax.vmap(lambda x, c: jax.lax.cond(c, f, lambda x: -h(x), x))
+
+    def switch(f):
+        return jax.vmap(lambda x, i: jax.lax.switch(i, [f, lambda x: -h(x)], x))
+
+    chex.assert_trees_all_close(cond(m)(xs, on), cond(h)(xs, on), **TOL)
+    chex.assert_trees_all_close(switch(m)(xs, on.astype(int)), switch(h)(xs, on.astype(int)), **TOL)
+
+    def loss(f):
+        return lambda xs: cond(f)(xs, on).sum()
+
+    chex.assert_trees_all_close(jax.grad(loss(m))(xs), jax.grad(loss(h))(xs), **TOL)

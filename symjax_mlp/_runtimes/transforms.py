@@ -156,6 +156,8 @@ class Program:
             why = rows.get("why") or _UNRECORDED
             raise SymjaxError(_NO_VMAP.format(caller=self.caller, why=why))
         dim, merged = rows["dim"], []
+        # weights come batched only as JAX's copies of one (lax.cond under vmap batches them)
+        weights = jax.tree.map(lambda w, on: w[0] if on else w, weights, mapped[0])
         for spec, x, on in zip(sig["inputs"], inputs, mapped[1:], strict=True):
             k = spec["shape"].index(dim) if dim in spec["shape"] else None
             if k is None and on:
