@@ -349,3 +349,38 @@ def test_create_app_refuses_limits_that_are_not_positive():
         for bad in ({"body_timeout": 0}, {"max_inflight_bytes": -1}, {"max_body_bytes": True}):
             with pytest.raises(sm.ConfigError, match=next(iter(bad))):
                 sm.serving.create_app(b, close_batcher=False, **bad)
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+def test_a_model_raising_a_base_exception_is_the_json_500_and_counted(kind):
+    """The batcher hands SystemExit and KeyboardInterrupt to the request, as any error; the
+    app let them through to uvicorn: a text/plain 500, a traceback, no count on /metrics."""
+    import threading
+
+    import uvicorn
+
+    def model(x):
+        if (x[:, 0] == 7).any():
+            raise kind("boom")
+        return x * 2
+
+    with sm.serving.Batcher(model, example=np.zeros((1, 4), np.float32), max_batch=4) as b:
+        app = sm.serving.create_app(b, close_batcher=False)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        try:
+            while not server.started:
+                time.sleep(0.01)
+            code, raw = _post(url, json.dumps({"inputs": [[7.0, 0.0, 0.0, 0.0]]}).encode())
+            assert code == 500 and json.loads(raw) == {"error": kind.__name__, "message": "boom"}
+            code, raw = _post(url, json.dumps({"inputs": [[1.0, 0.0, 0.0, 0.0]]}).encode())
+            assert code == 200 and json.loads(raw) == {"outputs": [[2.0, 0.0, 0.0, 0.0]]}
+            assert _count(url, 500) == 1
+        finally:
+            server.should_exit = True
+            thread.join(30)
+            sock.close()

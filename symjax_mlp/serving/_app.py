@@ -173,7 +173,9 @@ def create_app(
             return error(503, e)
         try:
             out = await request
-        except Exception as e:  # the model raised
+        except asyncio.CancelledError:  # the client went, or the server stops: not an answer
+            raise
+        except BaseException as e:  # the model raised (SystemExit too: its batch's error)
             return error(500, e)
         t, headers = request.timing, {}
         if t is not None:
