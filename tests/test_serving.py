@@ -655,6 +655,34 @@ def test_a_done_callback_may_call_the_batcher(chapter):
     assert b.stats.completed == 5
 
 
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_done_callback_may_close_the_batcher(chapter, cancel):
+    """close() in a done callback raised RuntimeError('cannot join current thread')."""
+    _, _, h, x = chapter
+    gate = Gated(h)
+    b = sm.serving.Batcher(gate, example=x, max_batch=4)
+    errors, done = [], threading.Event()
+
+    def close(f):
+        try:
+            b.close(cancel=cancel)
+        except BaseException as e:
+            errors.append(e)
+        done.set()
+
+    f0 = gate.busy(b, rows(1))  # in the model: its callback runs on the batcher's thread
+    f0.add_done_callback(close)
+    f1 = b.submit(rows(1))
+    gate.open.set()
+    assert done.wait(30) and errors == [] and b.closed
+    b._thread.join(30)
+    assert not b._thread.is_alive()  # it finished (or cancelled) what was queued, and ended
+    assert f1.cancelled() if cancel else f1.result(30).shape == (1, 2)
+    with pytest.raises(RuntimeError, match="closed"):
+        b.submit(rows(1))
+    b.close()  # and again, from here
+
+
 def test_a_cancelled_future_reaches_wait_and_its_callbacks(chapter):
     _, _, h, x = chapter
     gate = Gated(h)

@@ -371,6 +371,8 @@ class Batcher:
             check_timeout(f"{self.name}.close", timeout)
         self._lane.close(cancel)
         self._finalizer.detach()
+        if threading.get_ident() == self._lane.thread:  # in a done callback: it ends after it
+            return
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(
