@@ -673,3 +673,16 @@ def test_a_64_bit_artifact_where_jax_runs_without_x64_says_to_enable_it(tmp_path
         assert sm.verify(tmp_path / "m", reference=h, batches=(2,)).ok
     with pytest.raises(sm.ArtifactError, match=r"holds float64 tensors.*JAX_ENABLE_X64=1"):
         sm.load(tmp_path / "m")
+
+
+def test_python_numbers_take_the_artifact_dtype_as_jax_weak_types_do(tmp_path):
+    # np.asarray made them float64/int64, which a float32 artifact refused ("has dtype float64")
+    h = sm.hybridize(lambda p, x, s: x * p * s, jnp.float32(2))
+    x = jnp.ones((2, 3))
+    m = sm.load(sm.export(h, tmp_path / "m", example=(x, jnp.float32(3)), batch=None).path)
+    for s in (3.0, 3):
+        np.testing.assert_array_equal(m(x, s), h(x, jnp.float32(3)))
+    np.testing.assert_array_equal(m([[1.0, 1, 1]] * 2, 3), h(x, jnp.float32(3)))
+    for s, dtype in ((True, "bool"), (1e40, "float64"), (np.float64(3), "float64")):
+        with pytest.raises(sm.SignatureError, match=rf"args\[1\] has dtype {dtype} .*float32\[\]"):
+            m(x, s)  # a bool, an overflow, a NumPy float64: as before

@@ -160,7 +160,8 @@ def is_array(x: Any) -> bool:
 
 
 def _as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
-    """``x`` as an array: arrays pass; Python numbers and (nested) lists are converted; any
+    """``x`` as an array: arrays pass; Python numbers and (nested) lists are converted (to the
+    artifact's dtype where JAX's weak types would take it: :func:`_weak`); any
     other object (a torch tensor, an object with a ``shape``, a masked array) is refused, by
     its type."""
     if isinstance(x, np.ma.MaskedArray):
@@ -170,7 +171,7 @@ def _as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
     kind = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
     if isinstance(x, (bool, int, float, complex, list, tuple)):
         try:
-            return np.asarray(x)
+            return _weak(np.asarray(x), spec)
         except (ValueError, TypeError, OverflowError) as e:
             why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise SignatureError(
@@ -186,6 +187,23 @@ def _as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
         f"{caller}: input {spec.path} is a {printable(kind)}, not a NumPy or JAX array; the "
         f"artifact expects {spec.type}. Pass a np.ndarray or jax.Array.{hint}"
     )
+
+
+def _weak(a: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """Python numbers (a scalar, a list of them) in the artifact's dtype, as JAX's weakly typed
+    scalars take one: a bool only bool, an int any number type it fits, a float a float or
+    complex one; else ``a`` as NumPy made it (64-bit), for the dtype check to refuse."""
+    import ml_dtypes
+
+    want = getattr(np, spec.dtype, None) if spec.dtype != "bool" else np.bool_
+    want = np.dtype(getattr(ml_dtypes, spec.dtype, want) or "V")
+    kind = want.kind if want.kind != "V" else "f" if "float" in want.name else want.name[:1]
+    if kind not in {"b": "b", "i": "iufc", "f": "fc", "c": "c"}.get(a.dtype.kind, ""):
+        return a
+    with np.errstate(over="ignore", invalid="ignore"):
+        b = a.astype(want)
+    fits = np.array_equal(np.isfinite(b), np.isfinite(a)) if kind in "fc" else np.array_equal(b, a)
+    return b if fits else a  # 1e40 in float32, 300 in int8: refused as NumPy made them
 
 
 def _shape_text(shape: Sequence[int | str]) -> str:
