@@ -349,6 +349,10 @@ def test_create_app_refuses_limits_that_are_not_positive():
         for bad in ({"body_timeout": 0}, {"max_inflight_bytes": -1}, {"max_body_bytes": True}):
             with pytest.raises(sm.ConfigError, match=next(iter(bad))):
                 sm.serving.create_app(b, close_batcher=False, **bad)
+        # a body past max_inflight_bytes was a 503 with Retry-After, whenever it was retried
+        with pytest.raises(sm.ConfigError, match="max_inflight_bytes=1000 is less than"):
+            sm.serving.create_app(b, max_body_bytes=2000, max_inflight_bytes=1000)
+        sm.serving.create_app(b, close_batcher=False, max_body_bytes=10, max_inflight_bytes=10)
 
 
 @pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])

@@ -83,7 +83,8 @@ def create_app(
       prefix: the metric names' prefix on ``/metrics``.
 
     Raises:
-      ConfigError: ``batcher`` is not an open Batcher, or a limit is not a number > 0.
+      ConfigError: ``batcher`` is not an open Batcher, a limit is not a number > 0, or
+        ``max_inflight_bytes < max_body_bytes``.
       ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
 
     Example:
@@ -123,6 +124,12 @@ def create_app(
     ):
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ConfigError(f"create_app: {option} must be a number > 0; got {value!r}.")
+    if max_inflight_bytes < max_body_bytes:  # a body between the two: 503, retry, for ever
+        raise ConfigError(
+            f"create_app: max_inflight_bytes={max_inflight_bytes} is less than max_body_bytes="
+            f"{max_body_bytes}, so a body between the two could never be read; pass "
+            "max_inflight_bytes >= max_body_bytes."
+        )
     intake = Intake(
         max_body_bytes=max_body_bytes,
         body_timeout=body_timeout,
