@@ -388,3 +388,29 @@ def test_a_model_raising_a_base_exception_is_the_json_500_and_counted(kind):
             server.should_exit = True
             thread.join(30)
             sock.close()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bad", "says"),
+    [
+        ("bfloat16", "1e39", "beyond bfloat16's range"),  # was cast to inf in silence
+        ("float8_e4m3fn", "1000", "beyond float8_e4m3fn's range"),  # to NaN
+        ("float8_e5m2", "1e39", "beyond float8_e5m2's range"),  # np.finfo's ValueError: a 400
+        ("int4", "20", "outside int4's range"),  # wrapped to 4
+        ("uint4", "-1", "outside uint4's range"),  # wrapped to 15
+    ],
+)
+def test_json_numbers_an_ml_dtypes_input_cannot_hold_are_refused(dtype, bad, says):
+    """bfloat16, float8 and int4 are "V" to NumPy: the range checks of JSON numbers skipped
+    them, and np.finfo refuses them."""
+    import ml_dtypes
+
+    from symjax_mlp.serving import _bodies
+
+    kind = getattr(ml_dtypes, dtype)
+    h = sm.hybridize(lambda p, x: x, np.float32(0))
+    with sm.serving.Batcher(h, example=np.zeros((1, 2), kind), max_batch=2) as b:
+        [x], _ = _bodies.decode(b, b'{"inputs": [[1, 2], [3, 0]]}', "")  # in range: read
+        assert x.dtype == kind and x.tolist() == [[1, 2], [3, 0]]
+        with pytest.raises(sm.SignatureError, match=says):
+            _bodies.decode(b, b'{"inputs": [[' + bad.encode() + b", 0]]}", "")

@@ -15,6 +15,7 @@ path on the server (:class:`Public`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import io
 import json
@@ -23,6 +24,7 @@ import os
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from symjax_mlp._artifact.format import printable
@@ -221,17 +223,18 @@ def from_json(
     ``Infinity`` are floats, ``true``/``false`` only a bool input's values (``bools=False``,
     ``texts=False``: ``value`` holds no booleans, no strings)."""
     want = np.dtype(spec.dtype)
+    kind = _kind(want)  # bfloat16 is "f", int4 "i"
 
     def beyond() -> SignatureError:
-        largest = f"{want}'s range (largest {float(np.finfo(want).max):.4g})"
+        largest = f"{want}'s range (largest {float(ml_dtypes.finfo(want).max):.4g})"
         return SignatureError(_BEYOND.format(batcher.name, spec.path, largest, spec.type))
 
-    if want.kind != "b" and bools and _holds_bool(value):
+    if kind != "b" and bools and _holds_bool(value):
         raise SignatureError(
             f"{batcher.name}: input {spec.path} holds JSON booleans (true/false), but the model "
-            f"takes {spec.type}; send {'integers' if want.kind in 'iu' else 'numbers'}."
+            f"takes {spec.type}; send {'integers' if kind in 'iu' else 'numbers'}."
         )
-    if want.kind == "f" and not texts:  # the usual body: numbers for a float input
+    if kind == "f" and not texts:  # the usual body: numbers for a float input
         try:
             with np.errstate(over="ignore"):  # past want's range: inf, refused below
                 x = np.asarray(value, want)
@@ -243,7 +246,7 @@ def from_json(
     try:
         raw = np.asarray(value)
     except OverflowError:  # 10**400 among floats
-        if want.kind in "iub":
+        if kind in "iub":
             raise SignatureError(
                 f"{batcher.name}: input {spec.path} holds numbers that are neither {want} "
                 f"nor in its range; the model takes {spec.type}. Send integers in range."
@@ -254,13 +257,13 @@ def from_json(
             f"{batcher.name}: input {spec.path} is not a rectangular array ({short(str(e))}); "
             f"send nested lists of one shape, {spec.type}."
         ) from None
-    if want.kind == "b":
+    if kind == "b":
         return _as_bool(batcher, spec, raw)
-    usual = raw.dtype.kind == want.kind == "f" and want.char in "fd" and raw.size
+    usual = raw.dtype.kind == kind == "f" and want.char in "fd" and raw.size
     if usual and not np.abs(raw).max() > np.finfo(want).max:  # past it: refused below
         return raw.astype(want, copy=False)
     mixed = raw.dtype.kind == "O" and {type(v) for v in raw.flat} == {int, float}
-    if mixed and want.kind == "f":  # NumPy made [1.5, 2**64] objects: an int past int64
+    if mixed and kind == "f":  # NumPy made [1.5, 2**64] objects: an int past int64
         try:
             raw = raw.astype(np.float64)
         except OverflowError:  # [1.5, 10**400]: past float64 too
@@ -268,16 +271,16 @@ def from_json(
     integral = raw.dtype.kind in "biu" or (
         raw.dtype.kind == "O" and all(type(v) is int for v in raw.flat)  # past int64
     )
-    if raw.dtype.kind == "f" and want.kind in "iu" and np.array_equal(raw, np.trunc(raw)):
+    if raw.dtype.kind == "f" and kind in "iu" and np.array_equal(raw, np.trunc(raw)):
         integral, raw = True, raw.astype(object)  # whole numbers (2**63: NumPy made floats)
-    if not (integral or raw.dtype.kind == "f") or (raw.dtype.kind == "f" and want.kind in "biu"):
-        what = "integers" if want.kind in "biu" else "numbers"
+    if not (integral or raw.dtype.kind == "f") or (raw.dtype.kind == "f" and kind in "biu"):
+        what = "integers" if kind in "biu" else "numbers"
         raise SignatureError(
             f"{batcher.name}: input {spec.path} holds {raw.dtype} values, but the model takes "
             f"{spec.type}; send {what} (JSON has no dtypes: they are cast to {want})."
         )
-    if want.kind in "iu" and raw.size and integral:
-        info = np.iinfo(want)
+    if kind in "iu" and raw.size and integral:
+        info = ml_dtypes.iinfo(want)
         low, high = min(raw.flat), max(raw.flat)
         if low < info.min or high > info.max:
             raise SignatureError(
@@ -292,9 +295,22 @@ def from_json(
     except OverflowError:  # a Python int past float64 (10**400): no float holds it
         raise beyond() from None
     finite = np.isfinite(raw) if raw.dtype.kind == "f" else np.ones(raw.shape, bool)  # ints
-    if want.kind == "f" and raw.size and not np.array_equal(np.isfinite(x), finite):
+    if kind == "f" and raw.size and not np.array_equal(np.isfinite(x), finite):
         raise beyond()
     return x
+
+
+@functools.lru_cache(maxsize=64)
+def _kind(want: np.dtype) -> str:
+    """``want``'s kind by what it holds: ml_dtypes' floats and ints (bfloat16, int4) are "V"
+    to NumPy, and their ranges are ml_dtypes.finfo's and iinfo's (np.finfo refuses them)."""
+    if want.kind != "V" or want.names is not None:
+        return want.kind
+    for info, kind in ((ml_dtypes.finfo, "f"), (ml_dtypes.iinfo, "i")):
+        with contextlib.suppress(ValueError, TypeError):
+            info(want)
+            return kind
+    return want.kind
 
 
 def _holds_bool(value: Any) -> bool:
