@@ -186,6 +186,17 @@ def test_connections_past_the_limit_are_refused_at_once(server):
         time.sleep(0.1)
 
 
+def test_a_body_past_the_limit_sent_whole_reads_its_413_not_a_reset(server):
+    """The 413 was sent and the connection closed with the body unread: the client (urllib,
+    which sends the whole body first) got a connection reset instead. Now the close lingers."""
+    url, _, _ = server
+    for size in (8 * MAX_BODY, 32 * MAX_BODY):
+        code, raw = _post(url, b"[" * size)
+        assert code == 413 and "max_body_bytes" in json.loads(raw)["message"], raw
+    x = json.dumps({"inputs": np.zeros((1, 512), np.float32).tolist()}).encode()
+    assert _post(url, x)[0] == 200
+
+
 def test_a_head_that_never_comes_or_never_ends_is_closed_within_the_body_timeout(server):
     """Connections that sent nothing, or a header line now and then, were kept for ever (and
     max_connections of them shut everyone out): nginx's client_header_timeout."""

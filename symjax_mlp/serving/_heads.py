@@ -6,7 +6,8 @@ such clients shut everyone else out, and a header of a few hundred MB is held in
 (:class:`~symjax_mlp.serving._bodies.Intake` bounds bodies only). As nginx's
 ``client_header_timeout`` and ``large_client_header_buffers``: a head (or, on a new
 connection, its first byte) must arrive within ``head_timeout`` seconds (else 408, and the
-connection is closed) and within :data:`MAX_HEAD_BYTES` (else 431).
+connection is closed) and within :data:`MAX_HEAD_BYTES` (else 431). An answer given before
+the body ended (413, 408, 503) closes the connection lingering, so the client reads it.
 """
 
 from __future__ import annotations
@@ -25,13 +26,57 @@ def _refusal(status: int, reason: str, message: str) -> bytes:
     return head.encode() + body
 
 
+class _Lingering:
+    """A connection's transport whose close, after an answer given before the request's body
+    ended (413, 408, 503), lingers: it sends FIN, then drops what the client still sends until
+    it stops for :data:`LINGER` seconds (at most ``limit``), so that the client reads the
+    answer rather than a reset (a close with unread bytes is one): nginx's lingering_close."""
+
+    def __init__(self, transport: Any, protocol: Any, limit: float) -> None:
+        self._t, self._protocol, self._limit = transport, protocol, limit
+        self.lingering, self._last = False, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._t.is_closing()
+
+    def close(self) -> None:
+        cycle = self._protocol.cycle
+        unread = cycle is not None and cycle.more_body
+        if not unread or self.is_closing() or not self._t.can_write_eof():
+            self._t.close()
+            return
+        self.lingering = True
+        self._t.write_eof()
+        self._t.resume_reading()
+        loop = self._protocol.loop
+        self._end, self._last = loop.time() + self._limit, loop.time()
+        loop.call_later(LINGER, self._check)
+
+    def dropped(self) -> None:  # bytes came, and were dropped
+        self._last = self._protocol.loop.time()
+
+    def _check(self) -> None:
+        now = self._protocol.loop.time()
+        if now >= self._end or now - self._last >= LINGER:
+            self._t.close()
+        else:
+            self._protocol.loop.call_later(LINGER, self._check)
+
+
+#: Seconds a lingering close waits for the client to send more.
+LINGER = 2.0
+
+
 def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
     """uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``), with heads bounded."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
+            super().connection_made(_Lingering(transport, self, head_timeout))
             self._head_bytes, self._head_timer = 0, None
             self._arm()
 
@@ -58,6 +103,9 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
+            if self.transport.lingering:  # answered: the rest of the body is not read
+                self.transport.dropped()
+                return
             cycle = self.cycle
             super().data_received(data)
             if self.transport.is_closing():
