@@ -197,6 +197,34 @@ def test_a_body_past_the_limit_sent_whole_reads_its_413_not_a_reset(server):
     assert _post(url, x)[0] == 200
 
 
+def test_a_client_that_half_closes_after_its_request_is_answered(server):
+    """shutdown(SHUT_WR) after the whole request (nc -N): the answer was lost, as uvicorn
+    closed the connection on the client's FIN. One whose body is cut short is still dropped."""
+    url, path, _ = server
+    x = np.random.default_rng(5).standard_normal((2, 512)).astype(np.float32)
+    body = json.dumps({"inputs": x.tolist()}).encode()
+    head = f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n"
+    for cut in (0, 10):
+        s = socket.create_connection(("127.0.0.1", _port(url)), timeout=30)
+        try:
+            s.sendall(head.encode() + body[: len(body) - cut])
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(BODY_TIMEOUT + 10)
+            data = b""
+            with contextlib.suppress(ConnectionError):
+                while chunk := s.recv(65536):
+                    data += chunk
+        finally:
+            s.close()
+        if cut:
+            assert data == b"", data
+            continue
+        status, _, answer = data.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 200"), data
+        want = np.asarray(sm.load(path)(x))
+        np.testing.assert_allclose(json.loads(answer)["outputs"], want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_head_that_never_comes_or_never_ends_is_closed_within_the_body_timeout(server):
     """Connections that sent nothing, or a header line now and then, were kept for ever (and
     max_connections of them shut everyone out): nginx's client_header_timeout."""

@@ -7,7 +7,8 @@ such clients shut everyone else out, and a header of a few hundred MB is held in
 ``client_header_timeout`` and ``large_client_header_buffers``: a head (or, on a new
 connection, its first byte) must arrive within ``head_timeout`` seconds (else 408, and the
 connection is closed) and within :data:`MAX_HEAD_BYTES` (else 431). An answer given before
-the body ended (413, 408, 503) closes the connection lingering, so the client reads it.
+the body ended (413, 408, 503) closes the connection lingering, so the client reads it; a
+client that half-closes after its request is answered.
 """
 
 from __future__ import annotations
@@ -125,6 +126,15 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
                 self.transport.close()
                 return
             self._arm()
+
+        def eof_received(self) -> bool | None:
+            # A client that half-closed after its whole request (printf ... | nc -N) got no
+            # answer: uvicorn closed at once. It is answered, then the connection closed.
+            cycle = self.cycle
+            if cycle is not None and not cycle.more_body and not cycle.response_complete:
+                cycle.keep_alive = False
+                return True
+            return super().eof_received()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
