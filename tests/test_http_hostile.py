@@ -380,6 +380,31 @@ def test_public_hides_every_form_of_the_path_of_a_users_batcher(tmp_path, monkey
         assert "deep" not in public.scrub(str(e.value))
 
 
+@pytest.mark.parametrize("given", ["a", "."])
+def test_public_hides_a_bare_relative_path_without_garbling_the_messages(tmp_path, given):
+    """serve a (or serve . in the artifact's directory): every "a" (or ".") of every message
+    was replaced by the model's name ("the body is not HybridSequential reHybridSequential...")."""
+    from symjax_mlp.serving._bodies import Public
+
+    art = sm.chapter.export_mlp(tmp_path / "a")
+    with (
+        contextlib.chdir(tmp_path if given == "a" else art.path),
+        sm.serving.Batcher(sm.load(given), max_batch=2) as b,
+    ):
+        public = Public(b)
+        name = sm.load(given).manifest["name"]
+        assert public.name == f"Batcher({name})"
+        text = "the body is not a readable .npy array; write one with np.save(file, x)."
+        assert public.scrub(text) == text
+        with pytest.raises(sm.SignatureError) as e:
+            b.submit(np.zeros((1, 3), np.float32))
+        said = public.scrub(str(e.value))
+        assert said.startswith(f"Batcher({name}): input args[0] has shape (1, 3)"), said
+        assert public.scrub(f'load("{given}"): no; {art.path}/manifest.json') == (
+            f'load("{name}"): no; {name}/manifest.json'
+        )
+
+
 def test_create_app_refuses_limits_that_are_not_positive():
     import jax.numpy as jnp
 

@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import re
 from typing import Any
 
 import jax
@@ -381,17 +382,19 @@ class Public:
     def __init__(self, batcher: Batcher) -> None:
         model = batcher.model
         self.name = batcher.name
-        self._paths: list[str] = []
+        self._paths: re.Pattern[str] | None = None
         if isinstance(model, LoadedModel):
             given = str(model.path)
             forms = {given, os.path.abspath(given), os.path.realpath(given)}
             forms |= {printable(f) for f in forms}
-            self._paths = sorted((f for f in forms if f), key=len, reverse=True)
+            # a bare name (serve a, serve .) only where quoted, as Batcher(a): not "a readable"
+            self._paths = re.compile("|".join(
+                re.escape(f) if os.sep in f else rf"(?<=[(\"']){re.escape(f)}(?=[)\"'/])"
+                for f in sorted((f for f in forms if f), key=len, reverse=True)
+            ))  # fmt: skip
             self._name = model_name(model)
             self.name = self.scrub(batcher.name)
 
     def scrub(self, text: str) -> str:
         """``text`` with every form of the artifact's server path replaced by the name."""
-        for path in self._paths:
-            text = text.replace(path, self._name)
-        return text
+        return text if self._paths is None else self._paths.sub(lambda _: self._name, text)
