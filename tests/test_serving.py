@@ -1444,3 +1444,36 @@ def test_every_zoo_model_is_served_from_its_artifact_as_its_hybrid_answers(case,
         assert not npy and b.stats.completed == 5
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(from_json, want[:2], rtol=2e-5, atol=2e-5)
+
+
+def test_serves_connections_accepted_without_nagles_delay_on_plain_asyncio():
+    """serve's socket says it is TCP, so asyncio's own loop (uvicorn's without uvloop, as a
+    fresh ``.[serve]`` install has it) sets TCP_NODELAY on each connection: from a bare
+    ``socket.socket()`` it did not, and every answer waited ~40 ms on Nagle and delayed ACKs."""
+    import socket
+
+    from symjax_mlp.serving._app import _bind
+
+    seen: list[int] = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            s = transport.get_extra_info("socket")
+            seen.append(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def accept_one() -> None:
+        sock = _bind("127.0.0.1", 0)
+        sock.listen(1)
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        async with server:
+            port = sock.getsockname()[1]
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(100):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    asyncio.run(accept_one())  # asyncio's own event loop, not uvloop
+    assert seen and seen[0] != 0

@@ -43,7 +43,7 @@ _BARE = """
 import socket, sys, uvicorn
 from orjson import loads  # serve's parser (the serve extra's), so the rows compare the rest
 from benchmarks.bare import app
-sock = socket.socket()
+sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # as serve's
 sock.bind(("127.0.0.1", 0))
 sock.listen(2048)
 config = uvicorn.Config(app(int(sys.argv[1]), loads), log_level="warning", access_log=False,
