@@ -250,7 +250,10 @@ class Batcher:
                         n = lane.n
                         n.alone += 1  # only the token's holder writes it
                         try:  # one copy to the caller's array; the check counts as compute
-                            result = lane.rows_of(np.asarray(lane.call(*arrays)), rows).copy()
+                            result = np.asarray(lane.call(*arrays))
+                            if not result.ndim or result.shape[0] != rows:
+                                lane.rows_of(result, rows)  # raises: not one row per row
+                            result = result.copy()
                             t1 = clock()
                             n.pending.append((t0, t0, t0, t1, t1, rows, rows))
                             return result

@@ -37,8 +37,10 @@ class _Lingering:
         self._t, self._protocol, self._limit = transport, protocol, limit
         self.lingering, self._last = False, 0.0
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._t, name)
+    def __getattr__(self, name: str) -> Any:  # once a name: then found on the instance
+        value = getattr(self._t, name)
+        setattr(self, name, value)
+        return value
 
     def is_closing(self) -> bool:
         return self.lingering or self._t.is_closing()
