@@ -478,3 +478,30 @@ def test_json_numbers_an_ml_dtypes_input_cannot_hold_are_refused(dtype, bad, say
         assert x.dtype == kind and x.tolist() == [[1, 2], [3, 0]]
         with pytest.raises(sm.SignatureError, match=says):
             _bodies.decode(b, b'{"inputs": [[' + bad.encode() + b", 0]]}", "")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "code", "allow"),
+    [
+        ("GET", "/predict", 405, "POST"),
+        ("POST", "/health", 405, "GET, HEAD"),
+        ("GET", "/x", 404, None),
+    ],
+)
+def test_a_wrong_path_or_method_is_the_json_error_body(server, method, path, code, allow):
+    """Starlette answered these itself, in text/plain: the one error body a client did not
+    get as documented (JSON with "error" and "message")."""
+    url, _, _ = server
+    req = urllib.request.Request(
+        url + path, data=b"{}" if method == "POST" else None, method=method
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught, urllib.request.urlopen(req, timeout=30):
+        pass
+    e = caught.value
+    with e:
+        body = json.loads(e.read())
+    assert e.code == code and e.headers["Content-Type"] == "application/json"
+    assert e.headers.get("Allow") == allow
+    assert body["error"] == ("NotFound" if code == 404 else "MethodNotAllowed")
+    assert f"no endpoint takes {method} {path}" in body["message"]
+    assert "POST /predict" in body["message"]

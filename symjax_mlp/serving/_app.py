@@ -48,6 +48,8 @@ from symjax_mlp.serving._bodies import (
 )
 from symjax_mlp.serving._heads import MAX_HEAD_BYTES, bounded_heads
 
+_ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
+
 
 def _require() -> Any:
     try:
@@ -110,6 +112,7 @@ def create_app(
         )
     _require()
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
@@ -226,6 +229,20 @@ def create_app(
             }
         )
 
+    async def unrouted(request: Request, e: HTTPException) -> Response:
+        """Starlette's own 404 and 405, in the documented JSON error body."""
+        allowed = {"Allow": e.headers["Allow"]} if e.headers and "Allow" in e.headers else {}
+        what = "method" if e.status_code == 405 else "path"
+        return JSONResponse(
+            {
+                "error": "NotFound" if e.status_code == 404 else "MethodNotAllowed",
+                "message": f"no endpoint takes {request.method} {public.scrub(request.url.path)}"
+                f" (a wrong {what}); the endpoints: {_ENDPOINTS}.",
+            },
+            status_code=e.status_code,
+            headers=allowed,
+        )
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Any):
         yield
@@ -238,7 +255,7 @@ def create_app(
         Route("/metrics", metrics, methods=["GET"]),
         Route("/signature", signature, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
 
 
 def serve(
@@ -368,7 +385,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _print_ready(artifact: Any) -> Callable[[str], None]:
     def say(url: str) -> None:
-        print(f"serving {artifact} on {url} (POST /predict, GET /health, GET /metrics)", flush=True)
+        print(f"serving {artifact} on {url} ({_ENDPOINTS})", flush=True)
 
     return say
 
