@@ -1,9 +1,8 @@
 """Training checkpoints without pickle: safetensors for the arrays, JSON for the rest.
 
-A checkpoint is a directory ``step_<8 digits>`` holding ``state.safetensors`` (one tensor per
-leaf, named by its key path, and the PRNG key data as ``rng``) and ``manifest.json``. It is
-written atomically and older ones pruned after. Restoring reads the tensors into the structure
-of a freshly initialised state, checking every name, shape and dtype.
+A checkpoint is a directory ``step_<8 digits>``: ``state.safetensors`` (a tensor per leaf, named
+by its key path; the PRNG key data as ``rng``) and ``manifest.json``, written atomically. The
+checks of a restore (names, shapes, dtypes, the manifest's fields) serve Orbax's too.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import numbers
 import os
 import re
 import shutil
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from safetensors.numpy import save
 from symjax_mlp._artifact.weights import MAX_TENSORS, read_safetensors_file
 from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._files import read_regular, sha256, write_dir
+from symjax_mlp.training._result import EpochRecord
 
 FORMAT_VERSION = 1
 _STATE_FILE = "state.safetensors"
@@ -34,8 +35,8 @@ _MAX_MANIFEST_BYTES = 64 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more past step 99,999,999
 _MAX_TENSORS = 8 * MAX_TENSORS  # params and the optimizer's state of them
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_RECORD = {"epoch": int, "step": int, "loss": float, "train_accuracy": float,
-           "test_accuracy": float, "seconds": float}  # fmt: skip
+_RECORD = typing.get_type_hints(EpochRecord)
+_HEADER = {"format": "symjax_mlp.checkpoint", "format_version": FORMAT_VERSION}
 
 
 @jax.tree_util.register_dataclass
@@ -55,6 +56,11 @@ class TrainState:
     rng: jax.Array
     step: int = dataclasses.field(default=0, metadata={"static": True})
     epoch: int = dataclasses.field(default=0, metadata={"static": True})
+
+
+def is_count(x: Any, low: int = 0) -> bool:
+    """Whether ``x`` is an int (not a bool) ``>= low``."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
 def _name(prefix: str, path: Any) -> str:
@@ -78,6 +84,19 @@ def named_leaves(state: TrainState) -> dict[str, Any]:
     return tensors
 
 
+def state_of(arrays: dict[str, Any], like: TrainState, manifest: dict[str, Any]) -> TrainState:
+    """The state of ``arrays`` (named as :func:`named_leaves` names them) in the structure of
+    ``like``, at the manifest's step and epoch."""
+
+    def tree(prefix: str, like_tree: Any) -> Any:
+        paths, treedef = jax.tree_util.tree_flatten_with_path(like_tree)
+        return jax.tree_util.tree_unflatten(treedef, [arrays[_name(prefix, p)] for p, _ in paths])
+
+    rng = jax.random.wrap_key_data(np.asarray(arrays["rng"]), impl=jax.random.key_impl(like.rng))
+    params, opt_state = tree("params", like.params), tree("opt_state", like.opt_state)
+    return TrainState(params, opt_state, rng, step=manifest["step"], epoch=manifest["epoch"])
+
+
 def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> None:
     """Refuses a checkpoint whose tensors (``{name: (shape, dtype)}``) are not ``wanted``'s."""
     missing = sorted(set(wanted) - set(stored))
@@ -99,6 +118,59 @@ def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> 
 
 def specs(tensors: dict[str, Any]) -> dict[str, tuple]:
     return {name: (tuple(a.shape), str(a.dtype)) for name, a in tensors.items()}
+
+
+def check_manifest(
+    file: Path, manifest: Any, header: dict[str, Any], step: int | None, **fields: bool
+) -> dict[str, Any]:
+    """Refuses a manifest without ``header``, with a field (``fields``: the format's own) missing
+    or of the wrong type, or whose step is not ``step`` (its directory's)."""
+    if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in header.items()):
+        got = {k: manifest.get(k) for k in header} if isinstance(manifest, dict) else manifest
+        raise CheckpointError(
+            f"{file.parent} is not a symjax_mlp checkpoint of {header} (its manifest holds "
+            f"{str(got)[:80]}). Resume from a checkpoint train() wrote."
+        )
+    meta = manifest.get("metadata", {})
+    records = meta if isinstance(meta, dict) else {}
+    ok = {
+        "step": is_count(manifest.get("step")),
+        "epoch": is_count(manifest.get("epoch")),
+        **fields,
+        "metadata": isinstance(meta, dict),
+        "metadata.config": isinstance(records.get("config", {}), dict),
+        "metadata.history": _history_ok(records.get("history", [])),
+    }
+    bad = [k for k, good in ok.items() if not good]
+    if bad:
+        raise CheckpointError(
+            f"{file}: the field(s) {', '.join(bad)} are missing or of the wrong type; the "
+            "checkpoint is corrupted or was edited. Resume from an older checkpoint."
+        )
+    if step is not None and step != manifest["step"]:
+        raise CheckpointError(
+            f"{file}: its step is {manifest['step']}, but the directory is {file.parent.name}; "
+            "the checkpoint was edited or renamed. Resume from a checkpoint train() wrote."
+        )
+    return manifest
+
+
+def _history_ok(history: Any) -> bool:
+    """A list of epoch records: each exactly the fields of ``EpochRecord``, as numbers."""
+
+    def number(v: Any, kind: type) -> bool:
+        if isinstance(v, bool):
+            return False
+        if kind is int:
+            return isinstance(v, int)
+        return isinstance(v, int | float) and math.isfinite(v)  # json reads NaN, Infinity
+
+    return isinstance(history, list) and all(
+        isinstance(r, dict)
+        and set(r) == set(_RECORD)
+        and all(number(r[k], kind) for k, kind in _RECORD.items())
+        for r in history
+    )
 
 
 def save_checkpoint(
@@ -159,8 +231,7 @@ def save_checkpoint(
     tensors = {name: np.asarray(leaf) for name, leaf in named_leaves(state).items()}
     state_bytes = save(tensors)
     manifest = {
-        "format": "symjax_mlp.checkpoint",
-        "format_version": FORMAT_VERSION,
+        **_HEADER,
         "step": int(state.step),
         "epoch": int(state.epoch),
         "files": {_STATE_FILE: sha256(state_bytes)},
@@ -204,14 +275,12 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
             f"{caller}: the checkpoint directory {directory} cannot be used: {e.strerror}. {fix}"
         ) from None
     probe = path
-    while True:
-        if probe.is_symlink() and not probe.exists():
+    while not probe.exists():
+        if probe.is_symlink():
             raise CheckpointError(
                 f"{caller}: the checkpoint directory {directory} cannot be made: {probe} is a "
                 f"symlink to {os.readlink(probe)}, which does not exist. {fix}"
             )
-        if probe.exists():
-            break
         if probe.parent == probe:  # nothing exists up to the root: mkdir will say
             return
         probe = probe.parent
@@ -257,74 +326,6 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
-    file = path / _MANIFEST
-    try:
-        manifest = json.loads(read_regular(file, limit=_MAX_MANIFEST_BYTES, error=CheckpointError))
-    except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint.") from None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(
-            f"{file} is not valid JSON ({e}); the checkpoint is corrupted."
-        ) from (e)
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != "symjax_mlp.checkpoint"
-        or manifest.get("format_version") != FORMAT_VERSION
-    ):
-        got = manifest if not isinstance(manifest, dict) else manifest.get("format")
-        raise CheckpointError(
-            f"{path} is not a symjax_mlp checkpoint of format version {FORMAT_VERSION} "
-            f"(its manifest holds {str(got)[:60]!r}). Resume from a checkpoint train() wrote."
-        )
-    meta = manifest.get("metadata", {})
-    ok = {
-        "step": _count(manifest.get("step")),
-        "epoch": _count(manifest.get("epoch")),
-        "files": isinstance(manifest.get("files"), dict)
-        and isinstance(manifest["files"].get(_STATE_FILE), str)
-        and _SHA256.fullmatch(manifest["files"][_STATE_FILE]) is not None,
-        "metadata": isinstance(meta, dict),
-        "metadata.config": not isinstance(meta, dict) or isinstance(meta.get("config", {}), dict),
-        "metadata.history": not isinstance(meta, dict) or _history_ok(meta.get("history", [])),
-    }
-    bad = [k for k, good in ok.items() if not good]
-    if bad:
-        raise CheckpointError(
-            f"{file}: the field(s) {', '.join(bad)} are missing or of the wrong type; the "
-            "checkpoint is corrupted or was edited. Resume from an older step_* directory."
-        )
-    named = _STEP_DIR.match(path.name)
-    if named and int(named.group(1)) != manifest["step"]:
-        raise CheckpointError(
-            f"{file}: its step is {manifest['step']}, but the directory is {path.name}; the "
-            "checkpoint was edited or renamed. Resume from a step_* directory train() wrote."
-        )
-    return manifest
-
-
-def _count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _history_ok(history: Any) -> bool:
-    """A list of epoch records: each exactly the fields of ``EpochRecord``, as numbers."""
-
-    def number(v: Any, kind: type) -> bool:
-        if isinstance(v, bool):
-            return False
-        if kind is int:
-            return isinstance(v, int)
-        return isinstance(v, int | float) and math.isfinite(v)  # json reads NaN, Infinity
-
-    return isinstance(history, list) and all(
-        isinstance(r, dict)
-        and set(r) == set(_RECORD)
-        and all(number(r[k], kind) for k, kind in _RECORD.items())
-        for r in history
-    )
-
-
 def restore_checkpoint(
     path: str | os.PathLike, like: TrainState
 ) -> tuple[TrainState, dict[str, Any]]:
@@ -342,38 +343,34 @@ def restore_checkpoint(
         match ``like``.
     """
     path = Path(path)
-    if not (path / _MANIFEST).exists() and not (path / _MANIFEST).is_symlink():
-        newest = latest_checkpoint(path)
-        if newest is None:
-            raise CheckpointError(f"no checkpoint in {path}: expected step_* directories in it.")
-        path = newest
-    manifest = _read_manifest(path)
-    state_file = path / _STATE_FILE
+    file = path / _MANIFEST
+    if not file.exists() and not file.is_symlink():
+        path = latest_checkpoint(path)
+        if path is None:
+            raise CheckpointError(f"no checkpoint in {file.parent}: expected step_* directories.")
+        file = path / _MANIFEST
+    try:
+        manifest = json.loads(read_regular(file, limit=_MAX_MANIFEST_BYTES, error=CheckpointError))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint.") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(
+            f"{file} is not valid JSON ({e}); the checkpoint is corrupted."
+        ) from e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    digest = files.get(_STATE_FILE) if isinstance(files, dict) else None
+    step = _step_of(path) if _STEP_DIR.match(path.name) else None
+    sha_ok = isinstance(digest, str) and _SHA256.fullmatch(digest) is not None
+    check_manifest(file, manifest, _HEADER, step, files=sha_ok)
     try:  # the artifact reader's own checks: no link or FIFO, strict, hashed as it is read
         stored, _ = read_safetensors_file(
-            state_file,
-            sha256=manifest["files"][_STATE_FILE],
-            error=CheckpointError,
-            max_tensors=_MAX_TENSORS,
+            path / _STATE_FILE, sha256=digest, error=CheckpointError, max_tensors=_MAX_TENSORS
         )
     except FileNotFoundError:
         raise CheckpointError(
-            f"{state_file} is missing; the checkpoint is incomplete. Restore from an older "
-            "step_* directory."
+            f"{path / _STATE_FILE} is missing; the checkpoint is incomplete. Restore from an "
+            "older step_* directory."
         ) from None
     check_fit(path, specs(stored), specs(named_leaves(like)))
-
-    def leaves(prefix: str, tree: Any) -> Any:
-        paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        arrays = [jnp.asarray(stored[_name(prefix, p)]) for p, _ in paths]
-        return jax.tree_util.tree_unflatten(treedef, arrays)
-
-    rng = jax.random.wrap_key_data(stored["rng"], impl=jax.random.key_impl(like.rng))
-    state = TrainState(
-        params=leaves("params", like.params),
-        opt_state=leaves("opt_state", like.opt_state),
-        rng=rng,
-        step=int(manifest["step"]),
-        epoch=int(manifest["epoch"]),
-    )
-    return state, manifest.get("metadata", {})
+    arrays = {name: jnp.asarray(a) for name, a in stored.items()}
+    return state_of(arrays, like, manifest), manifest.get("metadata", {})

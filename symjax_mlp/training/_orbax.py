@@ -1,10 +1,8 @@
 """Checkpoints of a multi-process run: Orbax, asynchronous, with our manifest on top.
 
-:meth:`OrbaxCheckpoints.save` copies the replicated arrays on their devices and returns; Orbax
-writes them in its own thread into a temporary directory renamed to ``<dir>/<step>`` when every
-process has finished. The item ``meta`` (JSON) holds what the safetensors manifest holds.
-Restoring checks names, shapes and dtypes against a fresh state before Orbax reads a byte, and
-the sha256 after; nothing is unpickled.
+:meth:`OrbaxCheckpoints.save` copies the arrays on their devices and returns; Orbax commits
+``<dir>/<step>`` when every process has written. The item ``meta`` (JSON) is checked as the
+safetensors manifest is, before Orbax reads a byte, and the arrays' sha256 after.
 """
 
 from __future__ import annotations
@@ -21,9 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from symjax_mlp._errors import CheckpointError
-from symjax_mlp.training._checkpoint import TrainState, check_fit, named_leaves, specs
+from symjax_mlp.training._checkpoint import (
+    TrainState,
+    check_fit,
+    check_manifest,
+    named_leaves,
+    specs,
+    state_of,
+)
 
-FORMAT = "symjax_mlp.orbax_checkpoint"
+_HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
 _KEEP = 2
 #: Saves handed to the writer thread and not yet to Orbax, each a device copy of the state:
 #: past it, a save waits (Orbax's own save of a small model can take longer than two epochs).
@@ -50,6 +55,11 @@ def _digest(tensors: dict[str, Any]) -> str:
 def _local(a: Any) -> Any:
     """This process's copy of a replicated array (a NumPy value as it is)."""
     return a.addressable_data(0) if isinstance(a, jax.Array) else a
+
+
+def _key(i: int, name: str) -> str:
+    """The Orbax item of tensor ``i`` (names hold '/'), the rng outside the mesh."""
+    return "rng" if name == "rng" else f"{i:05d}"
 
 
 @jax.jit
@@ -106,17 +116,15 @@ class OrbaxCheckpoints:
     def _write(self, step: int, epoch: int, state: TrainState, metadata: dict) -> None:
         tensors = named_leaves(state)
         tensors["rng"] = np.asarray(_local(tensors["rng"]))  # this process's: not on the mesh
-        names = list(tensors)
         meta = {
-            "format": FORMAT,
+            **_HEADER,
             "step": step,
             "epoch": epoch,
             "tensors": [[n, list(a.shape), str(a.dtype)] for n, a in tensors.items()],
             "sha256": _digest({n: _local(a) for n, a in tensors.items()}),
             "metadata": metadata,
         }
-        items = {f"{i:05d}": tensors[n] for i, n in enumerate(names)}
-        items["rng"] = items.pop(f"{names.index('rng'):05d}")
+        items = {_key(i, n): a for i, (n, a) in enumerate(tensors.items())}
         args = self.ocp.args
         self.manager.save(
             step, args=args.Composite(state=args.StandardSave(items), meta=args.JsonSave(meta))
@@ -135,27 +143,22 @@ class OrbaxCheckpoints:
         try:
             meta = self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))["meta"]
             stored = {n: (tuple(s), d) for n, s, d in meta["tensors"]}
-            if meta.get("format") != FORMAT or meta.get("step") != step:
-                raise TypeError(f"format {meta.get('format')!r}, step {meta.get('step')!r}")
-            if not isinstance(meta.get("metadata"), dict) or not isinstance(meta["epoch"], int):
-                raise TypeError("metadata or epoch")
-        except CheckpointError:
-            raise
+            digest = meta["sha256"]
         except Exception as e:  # missing, truncated or edited JSON: the reader's own error
             raise CheckpointError(
                 f"{path}: its meta item is missing or malformed ({type(e).__name__}: "
                 f"{str(e)[:200]}); the checkpoint is corrupted or was edited. Resume from an "
                 "older step, or start over in an empty directory."
             ) from None
+        check_manifest(path / "meta", meta, _HEADER, step)
         wanted = named_leaves(like)
         check_fit(path, stored, specs(wanted))
-        names = list(wanted)
-        target: dict[str, Any] = {
-            f"{i:05d}": jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding)
+        target = {
+            _key(i, n): np.asarray(a)
+            if n == "rng"
+            else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding)
             for i, (n, a) in enumerate(wanted.items())
-            if n != "rng"
         }
-        target["rng"] = np.asarray(wanted["rng"])
         try:
             items = self.manager.restore(
                 step, args=args.Composite(state=args.StandardRestore(target))
@@ -165,23 +168,14 @@ class OrbaxCheckpoints:
                 f"{path}: its arrays cannot be read ({type(e).__name__}: {str(e)[:300]}); the "
                 "checkpoint is truncated or corrupted. Resume from an older step."
             ) from None
-        arrays = {n: items["rng"] if n == "rng" else items[f"{i:05d}"] for i, n in enumerate(names)}
-        if _digest({n: _local(a) for n, a in arrays.items()}) != meta["sha256"]:
+        arrays = {n: items[_key(i, n)] for i, n in enumerate(wanted)}
+        if _digest({n: _local(a) for n, a in arrays.items()}) != digest:
             raise CheckpointError(
                 f"{path}: its arrays are not the ones saved (their sha256 differs from the one "
                 "recorded beside them); the checkpoint was edited or corrupted. Resume from an "
                 "older step, or start over in an empty directory."
             )
-        leaves = iter(arrays[n] for n in names)
-
-        def rebuild(tree: Any) -> Any:
-            treedef = jax.tree.structure(tree)
-            return jax.tree.unflatten(treedef, [next(leaves) for _ in range(treedef.num_leaves)])
-
-        params, opt_state = rebuild(like.params), rebuild(like.opt_state)
-        rng = jax.random.wrap_key_data(np.asarray(next(leaves)), impl=jax.random.key_impl(like.rng))
-        state = TrainState(params, opt_state, rng, step=meta["step"], epoch=meta["epoch"])
-        return state, meta["metadata"]
+        return state_of(arrays, like, meta), meta.get("metadata", {})
 
     def close(self) -> None:
         """Waits for the last save to commit, then releases the manager."""

@@ -2,9 +2,8 @@
 
 A run's config (seed, batch size, sha256 fingerprints of its data, model and optimizer) and its
 history are stored beside each checkpoint; resuming refuses any difference. The fingerprints
-never see the model's code, so the run also records a probe: the inference call with every
-float param replaced by a fixed pattern, on a fixed input, compared within a tolerance. A
-checkpoint written before probes were recorded resumes on its other fields.
+never see the model's code, so the config also holds a probe: the inference call with fixed
+float params on a fixed input, compared within a tolerance (and only when recorded).
 """
 
 from __future__ import annotations
@@ -80,11 +79,8 @@ def resume_run(
       CheckpointError: a checkpoint is there and ``resume`` is false, or it was written by a
         run with another ``config``, or its history does not match its step and epoch.
     """
-    if store is not None:
-        found = store.latest()
-    else:
-        found = None if checkpoint is None else latest_checkpoint(checkpoint)
-    if found is None:
+    found = store.latest() if store is not None else checkpoint and latest_checkpoint(checkpoint)
+    if not found:
         return state, [], None
     if not resume:
         raise CheckpointError(
@@ -112,7 +108,15 @@ def resume_run(
             "of layers). Resuming would not continue that run; resume with the model that "
             "wrote it, or start over in an empty directory."
         )
-    return state, _history(found, meta, state), found
+    history = [EpochRecord(**r) for r in meta.get("history", [])]  # checked as it was read
+    ends = history[-1].step if history else 0
+    if len(history) != state.epoch or (history and ends != state.step):
+        raise CheckpointError(
+            f"{found}: it records epoch {state.epoch} and step {state.step}, but its history "
+            f"has {len(history)} epoch(s) ending at step {ends}. The manifest was edited; "
+            "resuming would skip or repeat epochs. Resume from an older checkpoint, or start over."
+        )
+    return state, history, found
 
 
 def save_run(
@@ -128,26 +132,6 @@ def save_run(
     if store is not None:
         return store.save(state, meta)
     return save_checkpoint(checkpoint, state, metadata=meta)
-
-
-def _history(found: Path, meta: dict[str, Any], state: TrainState) -> list[EpochRecord]:
-    """The history a checkpoint records, checked against its step and epoch."""
-    try:
-        history = [EpochRecord(**r) for r in meta["history"]]
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"{found}: its history is missing or malformed ({e}); the checkpoint was edited or "
-            "is corrupted. Resume from an older step_* directory, or start over."
-        ) from None
-    last = history[-1] if history else None
-    if len(history) != state.epoch or (last is not None and last.step != state.step):
-        raise CheckpointError(
-            f"{found}: it records epoch {state.epoch} and step {state.step}, but its history "
-            f"has {len(history)} epoch(s) ending at step {last.step if last else 0}. The "
-            "manifest was edited; resuming would skip or repeat epochs. Resume from an older "
-            "step_* directory, or start over."
-        )
-    return history
 
 
 def _data_fingerprint(data: Dataset) -> str:
