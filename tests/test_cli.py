@@ -31,7 +31,7 @@ def test_graph_formats(capsys, fmt, marker):
 
 def test_bad_arguments_exit_2(capsys):
     assert main(["graph", "--sizes", "4,x"]) == 2
-    assert "--sizes must be comma-separated ints" in capsys.readouterr().err
+    assert "--sizes: must be comma-separated ints" in capsys.readouterr().err
     assert main(["graph", "--activation", "nope"]) == 2
     assert "unknown activation 'nope'" in capsys.readouterr().err
     assert main([]) == 2
@@ -83,12 +83,12 @@ def test_version_and_help_show_defaults(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["graph", "--in-features", "0"], "--in-features must be an int >= 1; got '0'"),
-        (["graph", "--batch", "-3"], "--batch must be an int >= 1; got '-3'"),
-        (["export", "x", "--in-features", "0"], "--in-features must be an int >= 1"),
-        (["export", "x", "--batch", "-3"], "--batch must be a name for a symbolic batch"),
-        (["verify", "x", "--batches", "0"], "--batches must be positive ints"),
-        (["train", "--epochs", "0"], "--epochs must be an int >= 1"),
+        (["graph", "--in-features", "0"], "--in-features: must be an int >= 1; got '0'"),
+        (["graph", "--batch", "-3"], "--batch: must be an int >= 1; got '-3'"),
+        (["export", "x", "--in-features", "0"], "--in-features: must be an int >= 1"),
+        (["export", "x", "--batch", "-3"], "--batch: must be a name for a symbolic batch"),
+        (["verify", "x", "--batches", "0"], "--batches: must be positive ints"),
+        (["train", "--epochs", "0"], "--epochs: must be an int >= 1"),
     ],
 )
 def test_bad_values_are_one_line_exit_2(capsys, argv, message):

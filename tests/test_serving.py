@@ -1172,7 +1172,7 @@ def test_serve_refuses_a_bad_port(capsys):
     from symjax_mlp.cli import main
 
     assert main(["serve", "somewhere", "--port", "70000"]) == 2
-    assert "--port must be an int from 0 to 65535" in capsys.readouterr().err
+    assert "--port: must be an int from 0 to 65535" in capsys.readouterr().err
 
 
 def test_serve_freezes_the_gc_once_the_model_is_ready(monkeypatch, capsys):

@@ -127,7 +127,7 @@ def test_cli_bench_times_an_artifact(hybrid, tmp_path, capsys):
     assert main(["bench", str(tmp_path / "nope")]) == 2
     assert "symjax-mlp bench: error: " in capsys.readouterr().err
     assert main(["bench", str(art), "--calls", "0"]) == 2
-    assert "--calls must be an int >= 1" in capsys.readouterr().err
+    assert "--calls: must be an int >= 1" in capsys.readouterr().err
 
 
 def test_cli_bench_in_latency_mode_runs_in_its_own_process(hybrid, tmp_path):

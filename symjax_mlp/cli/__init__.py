@@ -15,9 +15,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from symjax_mlp.cli import _args, _run, _serve, _train
-from symjax_mlp.cli._args import add_json, batch, keywords, positive, sizes
-from symjax_mlp.cli._args import emit_json as _emit_json
-from symjax_mlp.cli._args import subcommand as _parser
+from symjax_mlp.cli._args import count, int_list, keywords, show, subcommand
 
 PROG = "symjax-mlp"
 _EXTRAS = {  # a missing module -> the optional extra that installs it
@@ -44,11 +42,15 @@ class _Parser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
 
-# -- tour ------------------------------------------------------------------------------------
+def _mlp_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=int_list, default=(256, 128, 2), help="layer widths")
+    p.add_argument("--in-features", type=count, default=512)
+    p.add_argument("--activation", default="relu", help="a jax.nn activation name")
+
+
 def _add_tour(sub: argparse._SubParsersAction) -> None:
-    p = _parser(sub, "tour", "the chapter, step by step, on real objects")
-    p.add_argument("--calls", type=positive("--calls"), default=1000, help="calls in the timing")
-    p.set_defaults(handler=_run_tour)
+    p = subcommand(sub, "tour", "the chapter, step by step, on real objects", _run_tour)
+    p.add_argument("--calls", type=count, default=1000, help="calls in the timing")
 
 
 def _run_tour(args: argparse.Namespace) -> int:
@@ -58,17 +60,12 @@ def _run_tour(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- graph -----------------------------------------------------------------------------------
 def _add_graph(sub: argparse._SubParsersAction) -> None:
-    p = _parser(sub, "graph", "print the MLP's symbolic program")
-    p.add_argument("--sizes", type=sizes, default=(256, 128, 2), help="layer widths")
-    p.add_argument("--in-features", type=positive("--in-features"), default=512)
-    p.add_argument("--batch", type=positive("--batch"), default=1)
-    p.add_argument("--activation", default="relu", help="a jax.nn activation name")
-    p.add_argument(
-        "--format", choices=("jaxpr", "stablehlo", "hlo", "dot", "summary"), default="summary"
-    )
-    p.set_defaults(handler=_run_graph)
+    p = subcommand(sub, "graph", "print the MLP's symbolic program", _run_graph)
+    _mlp_options(p)
+    p.add_argument("--batch", type=count, default=1)
+    formats = ("jaxpr", "stablehlo", "hlo", "dot", "summary")
+    p.add_argument("--format", choices=formats, default="summary")
 
 
 def _run_graph(args: argparse.Namespace) -> int:
@@ -78,18 +75,14 @@ def _run_graph(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- export / inspect / run / verify ---------------------------------------------------------
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = _parser(sub, "export", "export the chapter's MLP as a portable artifact")
+    p = subcommand(sub, "export", "export the chapter's MLP as a portable artifact", _run_export)
     p.add_argument("path", help="the artifact directory to write")
-    p.add_argument("--sizes", type=sizes, default=(256, 128, 2), help="layer widths")
-    p.add_argument("--in-features", type=positive("--in-features"), default=512)
-    p.add_argument("--activation", default="relu", help="a jax.nn activation name")
+    _mlp_options(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights")
-    p.add_argument("--batch", type=batch, default="b", help="a symbolic name (b) or a size")
+    p.add_argument("--batch", type=_args.batch, default="b", help="a symbolic name (b) or a size")
     p.add_argument("--platforms", default="cpu", help="comma-separated, e.g. cpu,cuda")
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
-    p.set_defaults(handler=_run_export)
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -103,70 +96,52 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = _parser(sub, "inspect", "an artifact's manifest, signature and StableHLO ops")
+    help = "an artifact's manifest, signature and StableHLO ops"
+    p = subcommand(sub, "inspect", help, _run_inspect)
     p.add_argument("path", help="an artifact directory")
-    add_json(p, "the manifest")
-    p.set_defaults(handler=_run_inspect)
+    _args.add_json(p, "the manifest")
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
     from symjax_mlp import inspect
 
     art = inspect(args.path)
-    if args.json:
-        _emit_json(art.to_json(), args.json)
-    else:
-        print(art)
+    show(art, art.to_json(), args.json)
     return 0
 
 
 def _add_verify(sub: argparse._SubParsersAction) -> None:
-    p = _parser(sub, "verify", "reload an artifact in a fresh process and check it")
+    p = subcommand(sub, "verify", "reload an artifact in a fresh process and check it", _run_verify)
     p.add_argument("path", help="an artifact directory")
     p.add_argument("--runtime", action="append", choices=("jax", "iree"), help="repeatable")
-    p.add_argument(
-        "--batches", type=_args.int_list("--batches"), default=(1, 7, 128), help="e.g. 1,7,128"
-    )
-    p.add_argument("--rtol", type=positive("--rtol", float, zero=True), default=1e-5)
-    p.add_argument("--atol", type=positive("--atol", float, zero=True), default=1e-5)
+    p.add_argument("--batches", type=int_list, default=(1, 7, 128), help="e.g. 1,7,128")
+    p.add_argument("--rtol", type=_args.nonnegative, default=1e-5)
+    p.add_argument("--atol", type=_args.nonnegative, default=1e-5)
     _args.add_trust_options(p)
-    add_json(p, "the report")
-    p.set_defaults(handler=_run_verify)
+    _args.add_json(p, "the report")
 
 
 def _run_verify(args: argparse.Namespace) -> int:
     from symjax_mlp import verify
 
-    report = verify(
-        args.path,
-        runtimes=tuple(args.runtime or ("jax",)),
-        batches=args.batches,
-        rtol=args.rtol,
-        atol=args.atol,
-        **_args.load_options(args),
-    )
-    if args.json:
-        _emit_json(report.to_dict(), args.json)
-    else:
-        print(report)
+    runtimes = tuple(args.runtime or ("jax",))
+    options = keywords(args, "batches rtol atol")
+    report = verify(args.path, runtimes=runtimes, **options, **_args.load_options(args))
+    show(report, report.to_dict(), args.json)
     return 0 if report.ok else 1
 
 
-# -- bench -----------------------------------------------------------------------------------
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = _parser(
-        sub,
-        "bench",
+    help = (
         "time an artifact's calls against its AOT-compiled floor (sm.timeit): min and median "
-        "per call, synced and pipelined. The project's benchmark is python scripts/bench.py",
+        "per call, synced and pipelined. The project's benchmark is python scripts/bench.py"
     )
+    p = subcommand(sub, "bench", help, _run_bench)
     p.add_argument("path", help="an exported artifact directory")
     p.add_argument("--runtime", choices=("jax", "iree"), default="jax", help="the runtime to time")
-    p.add_argument(
-        "--batch", type=positive("--batch"), default=1, help="the size of the symbolic batch"
-    )
-    p.add_argument("--calls", type=positive("--calls"), default=1000, help="calls per repeat")
-    p.add_argument("--repeats", type=positive("--repeats"), default=7, help="repeats of each row")
+    p.add_argument("--batch", type=count, default=1, help="the size of the symbolic batch")
+    p.add_argument("--calls", type=count, default=1000, help="calls per repeat")
+    p.add_argument("--repeats", type=count, default=7, help="repeats of each row")
     p.add_argument(
         "--dispatch",
         choices=("async", "sync"),
@@ -175,8 +150,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "(sm.serving.latency_mode(): calls run on the calling thread)",
     )
     _args.add_trust_options(p)
-    add_json(p, "the timings")
-    p.set_defaults(handler=_run_bench)
+    _args.add_json(p, "the timings")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -186,25 +160,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     if args.dispatch == "sync":
         latency_mode()  # before anything starts JAX's CPU backend
     model = load(args.path, runtime=args.runtime, **_args.load_options(args))
-    timing = timeit(model, batch=args.batch, calls=args.calls, repeats=args.repeats)
-    if args.json:
-        _emit_json(timing.to_dict(), args.json)
-    else:
-        print(timing)
+    timing = timeit(model, **keywords(args, "batch calls repeats"))
+    show(timing, timing.to_dict(), args.json)
     return 0
-
-
-_COMMANDS = (
-    _add_tour,
-    _add_graph,
-    _add_export,
-    _add_inspect,
-    _run.add_parser,
-    _add_verify,
-    _add_bench,
-    _train.add_parser,
-    _serve.add_parser,
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"{PROG} {__version__}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in _COMMANDS:
+    for add in (_add_tour, _add_graph, _add_export, _add_inspect, _run.add_parser, _add_verify):
+        add(sub)
+    for add in (_add_bench, _train.add_parser, _serve.add_parser):  # as --help lists them
         add(sub)
     return parser
 
@@ -243,14 +203,6 @@ def _options_named(message: str, args: argparse.Namespace) -> list[tuple[str, st
     ]
 
 
-def _missing_extra(e: ImportError) -> str | None:
-    name = (e.name or "").split(".")[0]
-    extra = _EXTRAS.get(name)
-    if extra is None:
-        return None
-    return f"this needs the optional package {name!r}: pip install 'symjax_mlp[{extra}]'"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit code (0 ok, 2 user error, 1 bug, 130 interrupted)."""
     from symjax_mlp import SymjaxError
@@ -272,11 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{where}: on the command line, {said}", file=sys.stderr)
         return 2
     except ImportError as e:
-        hint = _missing_extra(e)
-        if hint is not None:
-            print(f"{where}: error: {hint}", file=sys.stderr)
-            return 2
-        return _bug(where)
+        name = (e.name or "").split(".")[0]
+        if name not in _EXTRAS:
+            return _bug(where)
+        extra = f"pip install 'symjax_mlp[{_EXTRAS[name]}]'"
+        print(f"{where}: error: this needs the optional package {name!r}: {extra}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"\n{where}: interrupted", file=sys.stderr)
         return 130

@@ -1,4 +1,7 @@
-"""Argument types and checks shared by the subcommands: a bad value is refused before any work."""
+"""Argument types and checks shared by the subcommands: a bad value is refused before any work.
+
+A type's message names no option: argparse prefixes ``argument --calls:`` to it.
+"""
 
 from __future__ import annotations
 
@@ -17,64 +20,50 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
     """Every option's help shows its default; descriptions keep their line breaks."""
 
 
-def subcommand(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
-    """Declares the subcommand ``name``: ``help`` is its one-line help and its description."""
-    return sub.add_parser(name, help=help, description=help, formatter_class=Formatter)
+def subcommand(
+    sub: argparse._SubParsersAction,
+    name: str,
+    help: str,
+    handler: Callable[..., int],
+    more: str = "",
+) -> argparse.ArgumentParser:
+    """Declares the subcommand ``name``, run by ``handler(args)``: ``help`` is its one-line help
+    and, with ``more``, its description."""
+    p = sub.add_parser(name, help=help, description=help + more, formatter_class=Formatter)
+    p.set_defaults(handler=handler)
+    return p
 
 
-def emit_json(data: Any, target: str) -> None:
-    """Writes ``data`` as indented JSON to the file ``target`` (whole or not at all), or stdout
-    for ``"-"``."""
-    from symjax_mlp._files import write_output
-
-    text = json.dumps(data, indent=2, default=str) + "\n"
-    if target == "-":
-        stdout("--json -").write(text)
-    else:
-        write_output(target, text.encode())  # whole or not at all
-
-
-def stdout(option: str) -> Any:
-    """``sys.stdout``, refused where the shell closed it (``>&-``: Python's ``None``)."""
-    if sys.stdout is None:
-        raise argparse.ArgumentTypeError(f"{option}: stdout is closed; pass a file path")
-    return sys.stdout
-
-
-def int_list(option: str) -> Callable[[str], tuple[int, ...]]:
-    """``"256,128,2"`` -> ``(256, 128, 2)``: comma-separated ints >= 1, for ``option``."""
-
-    def parse(text: str) -> tuple[int, ...]:
-        try:
-            values = tuple(int(s) for s in text.split(","))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{option} must be comma-separated ints such as 256,128,2; got {text!r}"
-            ) from None
-        if not values or min(values) < 1:
-            raise argparse.ArgumentTypeError(f"{option} must be positive ints; got {text!r}")
-        return values
-
-    return parse
-
-
-sizes = int_list("--sizes")
-
-
-def positive(option: str, kind: type = int, *, zero: bool = False) -> Callable[[str], Any]:
-    """An int (or float) > 0 for ``option``; ``zero``: a float >= 0 (not NaN)."""
-
-    def parse(text: str) -> int | float:
+def _checked(kind: type, ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or (not value >= 0 if zero else value <= 0):
-            what = "an int >= 1" if kind is int else f"a number {'>=' if zero else '>'} 0"
-            raise argparse.ArgumentTypeError(f"{option} must be {what}; got {text!r}")
+        if value is None or not ok(value):  # NaN is no number >= 0
+            raise argparse.ArgumentTypeError(f"must be {what}; got {text!r}")
         return value
 
     return parse
+
+
+count = _checked(int, lambda v: v >= 1, "an int >= 1")
+positive = _checked(float, lambda v: v > 0, "a number > 0")
+nonnegative = _checked(float, lambda v: v >= 0, "a number >= 0")
+port = _checked(int, lambda v: 0 <= v <= 65535, "an int from 0 to 65535 (0: any free port)")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"256,128,2"`` -> ``(256, 128, 2)``: comma-separated ints >= 1."""
+    try:
+        values = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated ints such as 256,128,2; got {text!r}"
+        ) from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive ints; got {text!r}")
+    return values
 
 
 def batch(text: str) -> str | int:
@@ -84,7 +73,7 @@ def batch(text: str) -> str | int:
     if text.isidentifier():
         return text
     raise argparse.ArgumentTypeError(
-        f"--batch must be a name for a symbolic batch (b) or a static size >= 1; got {text!r}"
+        f"must be a name for a symbolic batch (b) or a static size >= 1; got {text!r}"
     )
 
 
@@ -94,16 +83,12 @@ def input_file(text: str) -> Path:
     try:
         mode = path.stat().st_mode
     except (FileNotFoundError, NotADirectoryError):
-        raise argparse.ArgumentTypeError(
-            f"--input {text}: does not exist; pass a .npy file"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{text}: does not exist; pass a .npy file") from None
     except OSError as e:  # a name too long, a directory that may not be searched
-        raise argparse.ArgumentTypeError(
-            f"--input {text}: {e.strerror}; pass a .npy file"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{text}: {e.strerror}; pass a .npy file") from None
     if not stat.S_ISREG(mode):
         what = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device or FIFO)"
-        raise argparse.ArgumentTypeError(f"--input {text}: is {what}; pass a .npy file")
+        raise argparse.ArgumentTypeError(f"{text}: is {what}; pass a .npy file")
     return path
 
 
@@ -118,39 +103,60 @@ def add_json(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def emit_json(data: Any, target: str) -> None:
+    """Writes ``data`` as indented JSON to the file ``target`` (whole or not at all), or stdout
+    for ``"-"``."""
+    from symjax_mlp._files import write_output
+
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    if target == "-":
+        stdout("--json -").write(text)
+    else:
+        write_output(target, text.encode())
+
+
+def show(result: Any, data: Any, target: str | None) -> None:
+    """Prints ``result``, or writes ``data`` as JSON where ``--json`` says."""
+    if target:
+        emit_json(data, target)
+    else:
+        print(result)
+
+
+def stdout(option: str) -> Any:
+    """``sys.stdout``, refused where the shell closed it (``>&-``: Python's ``None``)."""
+    if sys.stdout is None:
+        raise argparse.ArgumentTypeError(f"{option}: stdout is closed; pass a file path")
+    return sys.stdout
+
+
 def writable(path: str, option: str, *, overwrite: bool) -> None:
     """Refuses an output path before any work: a directory, a missing parent, or an existing
     file without ``overwrite``."""
     if path == "-":
-        stdout(f"{option} -")  # open, before any work
+        stdout(f"{option} -")
         return
     if not path:  # Path("") is the working directory
         raise argparse.ArgumentTypeError(f"{option} '': is empty; pass a file path")
-    p = Path(path)
+    p, refuse = Path(path), f"{option} {path}:"
     try:
         os.lstat(p)
     except (FileNotFoundError, NotADirectoryError):
         pass
     except OSError as e:  # a name too long, a directory that may not be searched
-        raise argparse.ArgumentTypeError(
-            f"{option} {path}: {e.strerror}; pass another path"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{refuse} {e.strerror}; pass another path") from None
     if p.is_dir():
-        raise argparse.ArgumentTypeError(f"{option} {path}: is a directory; pass a file path")
+        raise argparse.ArgumentTypeError(f"{refuse} is a directory; pass a file path")
     if not p.parent.exists():
-        raise argparse.ArgumentTypeError(
-            f"{option} {path}: the directory {p.parent} does not exist"
-        )
+        raise argparse.ArgumentTypeError(f"{refuse} the directory {p.parent} does not exist")
     if p.exists() and not overwrite:
-        raise argparse.ArgumentTypeError(
-            f"{option} {path}: already exists; pass --overwrite to replace it"
-        )
+        raise argparse.ArgumentTypeError(f"{refuse} already exists; pass --overwrite to replace it")
     try:  # a file can be made there (a read-only or special directory says no only now)
         with tempfile.TemporaryFile(dir=p.parent):
             pass
     except OSError as e:
         raise argparse.ArgumentTypeError(
-            f"{option} {path}: cannot write in {p.parent} ({e.strerror}); pass another path"
+            f"{refuse} cannot write in {p.parent} ({e.strerror}); pass another path"
         ) from None
 
 
@@ -160,7 +166,6 @@ def add_trust_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow",
         action="append",
-        default=None,
         metavar="OP",
         help="let the artifact's program use OP, as load(allow=...) does (e.g. gather, while, "
         "custom_call:NAME); repeatable. Only for artifacts you trust as code",

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from typing import Any
 
-from symjax_mlp.cli._args import (
-    add_trust_options,
-    input_file,
-    load_options,
-    stdout,
-    subcommand,
-    writable,
-)
+from symjax_mlp.cli import _args
 
 DTYPES = """\
 bfloat16 (and the other ml_dtypes types JAX uses, float8, int4) has no .npy type: NumPy
@@ -29,11 +21,11 @@ reads it back as that. So:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Declares ``run`` and its options on the CLI's subcommands."""
-    p = subcommand(sub, "run", "run an artifact on .npy inputs and write its outputs")
+    p = _args.subcommand(sub, "run", "run an artifact on .npy inputs and write its outputs", run)
     p.epilog = DTYPES
     p.add_argument("path", help="an artifact directory")
     p.add_argument(
-        "--input", action="append", required=True, type=input_file, help=".npy, once per input"
+        "--input", action="append", required=True, type=_args.input_file, help=".npy, each input"
     )
     p.add_argument(
         "--output",
@@ -44,8 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--runtime", choices=("jax", "iree"), default="jax")
     p.add_argument("--entry", help="the entry point to run (default: the artifact's default)")
-    add_trust_options(p)
-    p.set_defaults(handler=run)
+    _args.add_trust_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,21 +46,23 @@ def run(args: argparse.Namespace) -> int:
 
     paths = args.output
     for path in paths:
-        writable(path, "--output", overwrite=True)
+        _args.writable(path, "--output", overwrite=True)
     _distinct(paths)
     _not_read(paths, args.input, args.path)
-    model = load(args.path, runtime=args.runtime, **load_options(args))
+    model = load(args.path, runtime=args.runtime, **_args.load_options(args))
     if args.entry is not None:
         model = model[args.entry]
-    if len(paths) > 1:
-        _one_per_output(paths, model.signature.outputs)
-    xs = read_inputs(args.input, model.signature.inputs)
-    out = model(*xs)
-    if len(paths) > 1:  # checked above: one path per output, in order
-        for path, y in zip(paths, out, strict=True):
-            _write(y, path)
-    else:
-        _write(out, paths[0])
+    outputs = model.signature.outputs
+    if len(paths) > 1 and len(paths) != len(outputs):
+        n, types = len(outputs), ", ".join(o.type for o in outputs)
+        raise argparse.ArgumentTypeError(
+            f"{len(paths)} --output paths, but the model returns {n} array{'s' if n != 1 else ''}"
+            f", {types}. Pass one --output per output, in order, or one .npz path for them all "
+            "(out0, out1, ...); nothing was written."
+        )
+    out = model(*read_inputs(args.input, model.signature.inputs))
+    for path, y in zip(paths, out if len(paths) > 1 else [out], strict=True):
+        _write(y, path)
     return 0
 
 
@@ -78,7 +71,7 @@ def _write(out: Any, path: str) -> None:
     from symjax_mlp._npy import raw_dtype_notes, write_outputs
 
     to_stdout = path == "-"
-    outs = write_outputs(out, stdout("--output -").buffer if to_stdout else path)
+    outs = write_outputs(out, _args.stdout("--output -").buffer if to_stdout else path)
     stream = sys.stderr if to_stdout else sys.stdout
     shapes = ", ".join(f"{y.dtype}{list(y.shape)}" for y in outs)
     print(f"wrote {'stdout' if to_stdout else path}: {shapes}", file=stream)
@@ -118,16 +111,3 @@ def _not_read(paths: list[str], inputs: list[Any], artifact: str) -> None:
             f"--output {path}: is {what}; writing there would replace it with the output. "
             "Pass another path."
         )
-
-
-def _one_per_output(paths: list[str], outputs: Sequence[Any]) -> None:
-    """Refuses several ``--output`` paths that are not one per output, before any work."""
-    if len(paths) == len(outputs):
-        return
-    n = len(outputs)
-    types = ", ".join(o.type for o in outputs)
-    raise argparse.ArgumentTypeError(
-        f"{len(paths)} --output paths, but the model returns {n} array{'s' if n != 1 else ''}, "
-        f"{types}. Pass one --output per output, in order, or one .npz path for them all "
-        "(out0, out1, ...); nothing was written."
-    )

@@ -1,47 +1,58 @@
 """``symjax-mlp train``: :func:`symjax_mlp.training.train` on the bundled digits data.
 
 The ``--json`` and ``--export`` targets are refused before the first epoch; in a
-multi-process run (``--coordinator``) process 0 writes them.
+multi-process run (``--coordinator``) process 0 writes them. Progress: a rich bar on a
+terminal, plain lines on stderr otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from symjax_mlp.cli import _args
-from symjax_mlp.cli._args import add_json, emit_json, positive, sizes, subcommand, writable
+from symjax_mlp.cli._args import count, positive
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Declares ``train`` and its options on the CLI's subcommands."""
-    p = subcommand(sub, "train", "train an MLP on the bundled digits data with optax")
-    p.add_argument("--sizes", type=sizes, default=(128, 64, 10), help="layer widths")
-    p.add_argument("--epochs", type=positive("--epochs"), default=20)
-    p.add_argument("--batch-size", type=positive("--batch-size"), default=64)
-    p.add_argument(
-        "--learning-rate", type=positive("--learning-rate", float), default=1e-3, help="adam's"
-    )
+    p = _args.subcommand(sub, "train", "train an MLP on the bundled digits data with optax", run)
+    p.add_argument("--sizes", type=_args.int_list, default=(128, 64, 10), help="layer widths")
+    p.add_argument("--epochs", type=count, default=20)
+    p.add_argument("--batch-size", type=count, default=64)
+    p.add_argument("--learning-rate", type=positive, default=1e-3, help="adam's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eager", action="store_true", help="run the step eagerly, not compiled")
     p.add_argument("--checkpoint", metavar="DIR", help="write a checkpoint every epoch here")
-    p.add_argument(
-        "--checkpoint-every", type=positive("--checkpoint-every"), default=1, metavar="EPOCHS"
-    )
+    p.add_argument("--checkpoint-every", type=count, default=1, metavar="EPOCHS")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint DIR")
-    add_json(p, "the history")
+    _args.add_json(p, "the history")
     p.add_argument("--export", metavar="PATH", help="export the trained model as an artifact")
     p.add_argument("--overwrite", action="store_true", help="replace --export/--json targets")
     p.add_argument("--quiet", action="store_true", help="no progress")
-    p.add_argument("--blocks", type=positive("--blocks"), help="gradient blocks (default: 1, or "
-                   "the number of processes): bitwise the same for any process count")  # fmt: skip
-    p.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address: one of "
-                   "--num-processes processes")  # fmt: skip
-    p.add_argument("--num-processes", type=positive("--num-processes"), default=1)
+    p.add_argument(
+        "--blocks",
+        type=count,
+        help="gradient blocks (default: 1, or the number of processes): bitwise the same for "
+        "any process count",
+    )
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="process 0's address: one of --num-processes processes",
+    )
+    p.add_argument("--num-processes", type=count, default=1)
     p.add_argument("--process-id", type=int, default=0)
-    p.add_argument("--timeout", type=positive("--timeout"), default=60, metavar="SECONDS",
-                   help="how long a process waits for another before the run fails")  # fmt: skip
-    p.set_defaults(handler=run)
+    p.add_argument(
+        "--timeout",
+        type=count,
+        default=60,
+        metavar="SECONDS",
+        help="how long a process waits for another before the run fails",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
 
     from symjax_mlp import mlp
     from symjax_mlp._artifact.format import check_target
-    from symjax_mlp.cli._progress import epochs_progress
     from symjax_mlp.training import initialize, train
 
     if args.num_processes > 1 or args.coordinator or args.process_id:
@@ -61,19 +71,19 @@ def run(args: argparse.Namespace) -> int:
     if args.process_id:  # one writer of the results: process 0
         args.json = args.export = None
     if args.json is not None:  # refused before training, never after ("" too)
-        writable(args.json, "--json", overwrite=args.overwrite)
+        _args.writable(args.json, "--json", overwrite=args.overwrite)
     if args.export is not None:
         if not args.export:  # Path("") is the working directory
             raise argparse.ArgumentTypeError("--export '': is empty; pass a directory path")
         check_target(Path(args.export), args.overwrite)
     if args.resume and not args.checkpoint:
         raise argparse.ArgumentTypeError("--resume needs --checkpoint DIR, the directory to use")
-    with epochs_progress(args.epochs, quiet=args.quiet) as on_epoch:
+    with _progress(args.epochs, quiet=args.quiet) as on_epoch:
         options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume blocks"
         keyed = _args.keywords(args, options)
         result = train(mlp(args.sizes), compiled=not args.eager, on_epoch=on_epoch, **keyed)
     if args.json is not None:
-        emit_json(result.to_dict(), args.json)
+        _args.emit_json(result.to_dict(), args.json)
     if args.export is not None:
         result.export(args.export, overwrite=args.overwrite)
         print(f"exported the trained model to {args.export} (it takes raw pixels)")
@@ -84,3 +94,44 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr if args.json == "-" else sys.stdout,
     )
     return 0
+
+
+@contextlib.contextmanager
+def _progress(epochs: int, *, quiet: bool) -> Iterator[Callable[[Any], None] | None]:
+    """``on_epoch`` for :func:`symjax_mlp.training.train`: a bar over ``epochs``, or lines."""
+    if quiet:
+        yield None
+        return
+
+    def line(r: Any) -> str:
+        return (
+            f"loss {r.loss:.4f}  train {r.train_accuracy:.2%}  test {r.test_accuracy:.2%}  "
+            f"{r.seconds:.2f} s"
+        )
+
+    if not sys.stderr.isatty():
+
+        def plain(r: Any) -> None:
+            done = round(20 * r.epoch / epochs)
+            bar = "#" * done + "." * (20 - done)
+            print(
+                f"epoch {r.epoch:>{len(str(epochs))}}/{epochs} [{bar}] {line(r)}", file=sys.stderr
+            )
+
+        yield plain
+        return
+    from rich import progress as rp
+    from rich.console import Console
+
+    columns = (
+        rp.TextColumn("epoch"),
+        rp.MofNCompleteColumn(),
+        rp.BarColumn(),
+        rp.TimeElapsedColumn(),
+        rp.TextColumn("ETA"),
+        rp.TimeRemainingColumn(),
+        rp.TextColumn("{task.description}"),
+    )
+    with rp.Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task("", total=epochs)
+        yield lambda r: bar.update(task, completed=r.epoch, description=line(r))
