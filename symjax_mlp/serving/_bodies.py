@@ -242,7 +242,7 @@ def from_json(
         except (TypeError, ValueError, OverflowError):
             pass  # the checks below say what it holds
         else:
-            if np.isfinite(x).all():  # else NaN, Infinity, null or past want's range: below
+            if np.isfinite(x).all() and not _saturates(want):  # else checked below
                 return x
     try:
         raw = np.asarray(value)
@@ -260,6 +260,14 @@ def from_json(
         ) from None
     if kind == "b":
         return _as_bool(batcher, spec, raw)
+    if kind == "f" and _saturates(want) and raw.dtype.kind in "fiu" and raw.size:
+        if not np.isfinite(raw).all():  # float4 would read NaN as -0 and inf as its largest
+            raise SignatureError(
+                f"{batcher.name}: input {spec.path} holds NaN or Infinity, which {want} cannot "
+                f"hold; the model takes {spec.type}. Send finite numbers."
+            )
+        if np.abs(raw).max() > ml_dtypes.finfo(want).max:  # a cast saturates, in silence
+            raise beyond()
     usual = raw.dtype.kind == kind == "f" and want.char in "fd" and raw.size
     if usual and not np.abs(raw).max() > np.finfo(want).max:  # past it: refused below
         return raw.astype(want, copy=False)
@@ -312,6 +320,13 @@ def _kind(want: np.dtype) -> str:
             info(want)
             return kind
     return want.kind
+
+
+@functools.lru_cache(maxsize=64)
+def _saturates(want: np.dtype) -> bool:
+    """Whether a float dtype has neither NaN nor Infinity (float4, float6): a cast clamps."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return bool(np.isfinite(np.array([np.nan, np.inf]).astype(want)).any())
 
 
 def _holds_bool(value: Any) -> bool:
