@@ -1,9 +1,8 @@
 """Stage 5 of the flow: an artifact directory to a callable model, no model source needed.
 
-Every check runs before the bytes it guards reach a parser or a compiler; :func:`load`'s
-docstring gives their order. A runtime (:mod:`symjax_mlp._runtimes`) then runs the module
-through XLA (JAX) or IREE, and :class:`Guard` bounds the module refined for each new input
-signature before it compiles. Nothing here uses pickle or eval.
+Every check runs before the bytes it guards reach a parser or a compiler (:func:`load` lists
+them); :class:`Guard` bounds the module refined for each new input signature before it
+compiles. Nothing here uses pickle or eval.
 """
 
 from __future__ import annotations
@@ -53,13 +52,10 @@ def load(
 ) -> LoadedModel:
     """Loads an artifact written by :func:`export`; no model source code is needed.
 
-    Checks, in order: the signature of every file (``verify_signature``); before any byte
-    reaches a deserializer, the manifest, every sha256, the format version, platform, device
-    count and the params against the param tree; then that ``model.jaxexport`` holds
-    ``model.mlirbc``'s module, and its ops (read in a child process) against an allow-list.
-    Only then does a runtime compile it, bounding the work of the module refined for each
-    call's shapes first. An artifact from a stranger is a program: see RELIABILITY.md. The
-    model works under ``jax.jit``, ``jax.vmap`` and ``jax.grad``: see :class:`LoadedModel`.
+    Checks, in order: every file's signature (``verify_signature``); the manifest, every
+    sha256, the format version, platform, device count and the params against the param
+    tree; then the program's ops (read in a child process) against an allow-list. Only then
+    does a runtime compile it. An artifact from a stranger is a program: see RELIABILITY.md.
 
     Args:
       path: the artifact directory.
@@ -220,17 +216,10 @@ _TOO_MUCH = (
 
 @dataclasses.dataclass(frozen=True)
 class Guard:
-    """Checks a call's refined module before it compiles: at most ``MAX_WORK`` element
-    operations plus the module's static work per input element, and at most ``MAX_BYTES``
-    of tensors made plus its static bytes per input element. The module is the program
-    (``order=0``) or its VJP module of that order; a verdict (by sha256 and shapes) is
-    remembered per user. ``guard(refine, n_inputs, shapes)``: ``refine()`` gives the refined
-    StableHLO and its MLIR context, ``n_inputs`` the input element count, ``shapes`` each
-    input's (shape, dtype). Equal guards check alike, so loads of one artifact may share
-    compilations.
-
-    Attributes: ``file`` (``model.jaxexport``, for messages), ``digest`` (its sha256),
-    ``sizes`` (the static (work, bytes made) of the program, then of its VJP modules by order).
+    """Bounds a call's refined module (the program, or its VJP of ``order``) before it
+    compiles: ``MAX_WORK`` element operations and ``MAX_BYTES`` of tensors made, plus its
+    static ``sizes`` (work, bytes; then each VJP's) per input element. ``refine()`` gives the
+    refined StableHLO and its context; a verdict is remembered per user by sha256 and shapes.
     """
 
     file: Path
@@ -239,9 +228,7 @@ class Guard:
 
     def __call__(self, refine: Callable[[], Any], n_inputs: int, shapes: Any, *,
                  order: int = 0, inputs: str | None = None) -> None:  # fmt: skip
-        of = f" VJP {order}" if order else ""  # a VJP's verdict is its own
-        # the bounds are part of the verdict: one remembered under other bounds (or before
-        # bytes were bounded) is not taken for this one
+        of = f" VJP {order}" if order else ""
         verdict = f"{self.digest}{of} fits {shapes!r} in {ops.MAX_WORK} ops, {ops.MAX_BYTES} B"
         if checker.remembered(verdict):
             return
@@ -282,8 +269,7 @@ def _check_mesh(path: Path, manifest: Any, mesh: Mesh | None) -> Mesh | None:
 
 
 def _check_x64(path: Path, manifest: Any) -> None:
-    """Refuses an artifact of 64-bit tensors where JAX runs without x64, which would make
-    its weights 32-bit (and its program fail as "corrupted") instead of saying so."""
+    """Refuses 64-bit tensors where JAX runs without x64 (it would make them 32-bit)."""
     if jax.config.jax_enable_x64:
         return
     views = [manifest, *(manifest.get("entries") or {}).values()]
@@ -318,7 +304,7 @@ def _warn_if_expiring(path: Path, manifest: Any, *, days: int = 30) -> None:
     try:
         end = datetime.date.fromisoformat(str(until))
     except ValueError:
-        return  # older artifacts record no window; the calling convention check still runs
+        return  # no window recorded
     left = (end - datetime.date.today()).days
     if left <= days:
         warnings.warn(

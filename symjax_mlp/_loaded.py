@@ -1,9 +1,8 @@
 """A loaded artifact: :class:`LoadedModel`, the callable :func:`~symjax_mlp.load` returns.
 
-A call checks its inputs against the signature once per (shape, dtype) and runs the program
-a runtime prepared (:mod:`symjax_mlp._runtimes`, JAX's transforms included); its failure is an
-``ArtifactError`` naming the artifact, an error of the caller's own tracing passes through.
-Another entry point opens on first use, through the opener :mod:`symjax_mlp._load` hands it.
+A call checks its inputs once per (shape, dtype) and runs the program a runtime prepared
+(:mod:`symjax_mlp._runtimes`); another entry point opens on first use, through ``_load``'s
+opener.
 """
 
 from __future__ import annotations
@@ -53,36 +52,20 @@ class LoadedModel:
 
     ``m(x)`` checks every input against :attr:`signature` (raising
     :class:`~symjax_mlp.SignatureError`) and runs the exported program with the artifact's
-    params. The JAX runtime returns ``jax.Array``; the IREE runtime returns NumPy arrays.
+    params; the JAX runtime returns ``jax.Array``, IREE NumPy arrays. A program failing at the
+    call (out of memory, another XLA failure) raises :class:`~symjax_mlp.ArtifactError` with
+    JAX's error as ``__cause__``. JAX dispatches asynchronously: a failure while the program
+    runs surfaces where the result is waited for, as ``jax.errors.JaxRuntimeError``; where it
+    must be handled, wait there (``jax.block_until_ready(m(x))``), and before
+    ``np.asarray(y)``, which aborts the process when XLA could not allocate the result.
 
-    A program that fails while it runs (``RESOURCE_EXHAUSTED``: out of memory, or another
-    XLA run-time failure) raises :class:`~symjax_mlp.ArtifactError` naming the cause (JAX's
-    error is its ``__cause__``: a ``JaxRuntimeError``, or from jaxlib's C++ dispatch a
-    ``ValueError``) when the failure comes at the call: on CPU, in latency mode, or for a
-    program XLA runs inline. JAX dispatches asynchronously, though: a call returns its
-    ``jax.Array`` before the program ran, and a failure while it runs is raised by JAX, as
-    ``JaxRuntimeError``, where the result is waited for (``y.block_until_ready()``). A call
-    does not wait for its result (that would slow every call): where a failure must be
-    handled, wait there (``jax.block_until_ready(m(x))``) and catch
-    ``jax.errors.JaxRuntimeError`` as well as ``ArtifactError``; wait before
-    ``np.asarray(y)``, which (jaxlib 0.10, CPU) aborts the process when XLA could not
-    allocate the result. ``load`` waits for its self-test's results, so a failure there is
-    always an ``ArtifactError``.
-
-    A JAX function (JAX runtime): ``jax.jit``, ``jax.lax.map``/``scan`` and a Hybrid call it;
-    ``jax.grad`` needs ``export(..., vjp_order=1)``; reverse mode only (``jax.jvp`` and
-    ``jax.jacfwd`` are a ``ConfigError``; ``jax.jacrev(jax.jacrev(f))`` is a Hessian, with
-    ``vjp_order=2``). ``jax.vmap(m)(xs)`` maps whole batches
-    (``xs``: ``(n, b, ...)`` for inputs ``(b, ...)``; any axes, nested too) by merging the
-    mapped axis into the batch: one program run, one compile per merged shape. Export
-    records whether rows stay apart (``manifest["rows"]``, :mod:`symjax_mlp._rows`); where
-    not (batch statistics), or where unrecorded (an older export), vmap is a ``SymjaxError``
-    with the reason (``jax.lax.map(m, xs)`` maps one batch at a time). Where rows stay apart,
-    ``m`` also takes one example as its source function does (each batched input without its
-    batch dimension: ``m(x[0])``), so ``jax.vmap(m)(xs)`` maps examples too.
-
-    An artifact exported with several entry points (``export({"predict": h, "embed": e},
-    ...)``) loads as its default (first) one; ``m["embed"]`` is another, over the same
+    Under the JAX runtime ``m`` is a JAX function: ``jax.jit``, ``jax.lax.map``/``scan`` and
+    a Hybrid call it; ``jax.grad`` needs ``export(..., vjp_order=1)``; reverse mode only
+    (``jax.jvp``, ``jax.jacfwd``: ``ConfigError``; a Hessian is ``jax.jacrev(jax.jacrev(f))``
+    with ``vjp_order=2``). ``jax.vmap(m)(xs)`` merges the mapped axis into the batch (one run)
+    where export recorded that rows stay apart (``manifest["rows"]``); else it is a
+    ``SymjaxError`` with the reason. Where rows stay apart, ``m`` also takes one example
+    (``m(x[0])``). ``m["embed"]`` is another entry point of the artifact, over the same
     weights, loaded and checked the same way on first use.
 
     Attributes:
@@ -145,13 +128,11 @@ class LoadedModel:
             if axes is None:
                 raise
             inputs = [x if hasattr(x, "shape") else np.asarray(x) for x in inputs]
-            at = [(slice(None),) * k + (None,) if k is not None else () for k in axes[0]]
             try:
-                outs = self._outputs([x[i] if i else x for x, i in zip(inputs, at, strict=True)])
+                outs = self._outputs(_at(inputs, axes[0], None))
             except SignatureError:
                 raise wrong from None
-            at = [(slice(None),) * k + (0,) if k is not None else () for k in axes[1]]
-            outs = [y[i] if i else y for y, i in zip(outs, at, strict=True)]
+            outs = _at(outs, axes[1], 0)
         return outs[0] if self._single_output else tuple(outs)
 
     def _example_axes(self, inputs: Any) -> tuple[list[Any], list[Any]] | None:
@@ -161,21 +142,16 @@ class LoadedModel:
         rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
         if not rows.get("independent") or len(inputs) != len(sig["inputs"]):
             return None
-        dim = rows["dim"]
-        index = [s["shape"].index(dim) if dim in s["shape"] else None for s in sig["inputs"]]
-        short = [
-            k is not None and np.ndim(x) == len(s["shape"]) - 1
-            for x, s, k in zip(inputs, sig["inputs"], index, strict=True)
+        index = _axes(sig["inputs"], rows["dim"])
+        batched = [
+            (x, s) for x, s, k in zip(inputs, sig["inputs"], index, strict=True) if k is not None
         ]
-        if not any(short) or any(
-            k is not None and not o for k, o in zip(index, short, strict=True)
-        ):
+        if not batched or any(np.ndim(x) != len(s["shape"]) - 1 for x, s in batched):
             return None
-        return index, [s["shape"].index(dim) if dim in s["shape"] else None for s in sig["outputs"]]
+        return index, _axes(sig["outputs"], rows["dim"])
 
     def _outputs(self, inputs: Any) -> list[Any]:
-        # Hot path: a (shape, dtype) signature that passed the check once needs no second
-        # check; only NumPy and JAX arrays are remembered, at most 256 signatures.
+        # hot path: NumPy and JAX arrays of a (shape, dtype) checked before (at most 256)
         key = None
         for x in inputs:
             if type(x) not in _ARRAYS and not is_array(x):
@@ -204,3 +180,14 @@ class LoadedModel:
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
+
+
+def _axes(specs: Any, dim: str) -> list[int | None]:
+    return [s["shape"].index(dim) if dim in s["shape"] else None for s in specs]
+
+
+def _at(xs: list[Any], axes: list[int | None], index: int | None) -> list[Any]:
+    """Each ``x`` indexed by ``index`` at its axis (``None``: a new axis); as is where none."""
+    return [
+        x if k is None else x[(slice(None),) * k + (index,)] for x, k in zip(xs, axes, strict=True)
+    ]

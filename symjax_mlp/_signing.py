@@ -1,9 +1,7 @@
 """Who made an artifact: signing with the OpenSSF ``model-signing`` package, offline, by key.
 
-:func:`sign` hashes every file of the artifact directory (only ``model.sig`` left out) and
-signs it into ``model.sig`` (a Sigstore bundle); :func:`verify_signature` checks it before any
-parser reads a byte. The directory must hold only regular files and directories (at most
-:data:`MAX_ENTRIES`), and the files' identities are recorded for the loader to check.
+Every file of the directory but ``model.sig`` (a Sigstore bundle) is signed, and verified
+before any parser reads a byte; only regular files and directories are allowed.
 """
 
 from __future__ import annotations

@@ -77,19 +77,10 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON data (``symjax-mlp verify --json``)."""
-        checks = [dataclasses.asdict(c) for c in self.checks]
-        for c in checks:  # JSON has no NaN
+        d = {"path": str(self.path), "ok": self.ok} | dataclasses.asdict(self)
+        for c in d["checks"]:  # JSON has no NaN
             c["max_abs_err"] = None if math.isnan(c["max_abs_err"]) else c["max_abs_err"]
-        return {
-            "path": str(self.path),
-            "ok": self.ok,
-            "reference": self.reference,
-            "rtol": self.rtol,
-            "atol": self.atol,
-            "checks": checks,
-            "load_seconds": dict(self.load_seconds),
-            "errors": list(self.errors),
-        }
+        return d | {"path": str(self.path), "errors": list(self.errors)}
 
     def __str__(self) -> str:
         loads = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.load_seconds.items())
@@ -150,8 +141,7 @@ def verify(
       >>> report.ok
       True
     """
-    unknown = [rt for rt in runtimes if rt not in RUNTIMES]
-    if unknown or not runtimes:
+    if not runtimes or not set(runtimes) <= set(RUNTIMES):
         raise ConfigError(f"verify(runtimes={tuple(runtimes)!r}): choose from {RUNTIMES}.")
     if isinstance(path, LoadedModel):
         raise ConfigError(
@@ -177,7 +167,7 @@ def verify(
             or not isinstance(value, numbers.Real)
             or not 0 <= value < math.inf
         ):
-            raise ConfigError(  # inf would pass every output (and numpy.allclose warns)
+            raise ConfigError(  # inf would pass every output
                 f"verify({option}={value!r}): pass a number >= 0, finite, as numpy.allclose takes."
             )
     if trust not in (False, True):
@@ -187,11 +177,9 @@ def verify(
         options["verify_signature"] = str(Path(verify_signature).resolve())
         check_signature(path, options["verify_signature"])  # before reading a byte
     art = inspect(path)
-    sig = art.signature
-    rng = np.random.default_rng(seed)
+    sig, rng = art.signature, np.random.default_rng(seed)
     if not any(isinstance(d, str) for s in sig.inputs for d in s.shape):  # static: one size
-        first = sig.inputs[0].shape if sig.inputs else ()
-        batches = (first[0] if first else 1,)
+        batches = ((sig.inputs[0].shape or (1,))[0] if sig.inputs else 1,)
     kinds = [_input_kind(art.path, s) for s in sig.inputs]
     _check_size(art.path, sig, kinds, batches)
     inputs = {
@@ -199,17 +187,15 @@ def verify(
     }
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_verify_") as tmp:
         work = Path(tmp)
-        dtypes: dict[str, str] = {}
-        files = {str(b): _write(work, f"x{b}", xs, dtypes) for b, xs in inputs.items()}
         job = {"path": str(art.path.resolve()), "runtimes": list(runtimes), "options": options}
-        job.update(batches=files, dtypes=dtypes)
+        job["dtypes"] = dtypes = {}
+        job["batches"] = {str(b): _write(work, f"x{b}", xs, dtypes) for b, xs in inputs.items()}
         (work / "job.json").write_text(json.dumps(job))
         code = "import sys; from symjax_mlp._verify import _worker; sys.exit(_worker(sys.argv[1]))"
         try:
             proc = subprocess.run(
                 [sys.executable, "-c", code, str(work / "job.json")],
                 cwd=work,
-                # with 64-bit types if this process has them (a float64 artifact needs them)
                 env={**os.environ, "JAX_ENABLE_X64": str(int(jax.config.jax_enable_x64))},
                 capture_output=True,
                 text=True,
@@ -221,9 +207,9 @@ def verify(
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
             return _failed(art.path, f"the fresh process exited {proc.returncode}:\n{tail}")
         result = json.loads((work / "result.json").read_text())
+        ref_name = "the artifact's JAX run in this process"
         if reference is None:
             reference = load(art.path, **options)
-            ref_name = "the artifact's JAX run in this process"
         else:
             ref_name = getattr(reference, "name", None) or type(reference).__name__
         checks, errors = [], []

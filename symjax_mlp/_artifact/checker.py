@@ -1,10 +1,9 @@
 """The checker: a stranger's StableHLO module is read and walked in a child process.
 
-jaxlib's MLIR bindings parse and walk a module in C++, and a crafted or corrupted module can
-crash them; so :func:`analyze` hands the bytes to a long-lived child process (:class:`Checker`,
-running :func:`serve`) and takes back a :class:`~symjax_mlp._artifact.ops.ModuleReport` as
-JSON. Verdicts are remembered per module digest and jaxlib version in this user's private
-cache directory, signed with this user's key, so a module checked once is not walked again.
+A crafted module can crash jaxlib's MLIR bindings, so :func:`analyze` hands the bytes to a
+long-lived child (:class:`Checker`, running :func:`serve`) and takes back a
+:class:`~symjax_mlp._artifact.ops.ModuleReport` as JSON, cached per module digest and jaxlib
+version in this user's private cache, signed with this user's key.
 """
 
 from __future__ import annotations
@@ -30,23 +29,6 @@ from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import cache_dir, cache_secret, sha256, write_file_atomic
 
 
-def parse(mlirbc: bytes, *, file: Path) -> Any:
-    """The StableHLO module of portable-artifact bytecode, as a jaxlib ``ir.Module`` (in
-    this process: only for bytes :func:`analyze` has read safely in its child process)."""
-    import jax.extend.mlir as jex
-    from jax.interpreters import mlir as jax_mlir
-
-    context = jax_mlir.make_ir_context()
-    try:
-        with context:
-            return jex.deserialize_portable_artifact(bytes(mlirbc)), context
-    except Exception as e:  # MLIR reports an unreadable module as a plain Exception
-        raise ArtifactError(
-            f"{file}: the StableHLO module cannot be read ({type(e).__name__}: "
-            f"{str(e)[:300]}); the artifact is corrupted or was made by an incompatible JAX."
-        ) from e
-
-
 def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
     """Walks every op of the module in ``mlirbc`` in the child process (a crash or a hang
     of it is an :class:`ArtifactError`); see :mod:`symjax_mlp._artifact.ops`. The report is
@@ -59,7 +41,7 @@ def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
         if entry is not None:
             return _from_json(json.loads(entry))  # else damaged or absent: read it
     report = CHECKER.report(data, file=file)
-    _write_entry(name, json.dumps(_to_json(report)).encode())
+    _write_entry(name, json.dumps(dataclasses.asdict(report)).encode())
     return report
 
 
@@ -145,10 +127,6 @@ def _cache_key(module_sha256: str) -> str:
     return sha256(b"%s %s %s" % (module_sha256.encode(), jaxlib_version.encode(), checker))
 
 
-def _to_json(r: ModuleReport) -> dict[str, Any]:
-    return dataclasses.asdict(r)
-
-
 def _from_json(r: dict[str, Any]) -> ModuleReport:
     counts, custom = dict(r["counts"]), dict(r["custom_calls"])
     if not all(isinstance(n, int) for n in (*counts.values(), *custom.values())):
@@ -173,9 +151,7 @@ class Checker:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
         self.close()
-        # -I: nothing from the caller's cwd or environment; the modules this process imports
-        # are found where this process found them (absolute entries of its sys.path only:
-        # never a cwd, which may be the artifact's directory or a shared /tmp)
+        # -I, and only the absolute entries of sys.path: never a cwd (maybe the artifact's)
         paths = [p for p in sys.path if os.path.isabs(p)]
         code = (
             f"import sys; sys.path[:] = {paths!r}; "
@@ -265,7 +241,8 @@ def serve(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         return  # the parent died before the line above
-    import jax.extend.mlir  # noqa: F401  (what parse needs, imported before "ready")
+    import jax.extend.mlir as jex
+    from jax.interpreters import mlir as jax_mlir
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     stdout.write(b"ready\n")
@@ -276,10 +253,17 @@ def serve(parent: int) -> None:
             return
         data = stdin.read(int.from_bytes(head, "little"))
         try:
-            module, context = parse(data, file=Path("module"))
-            with context:
-                answer: dict[str, Any] = {"report": _to_json(analyze_module(module))}
+            with jax_mlir.make_ir_context():
+                try:
+                    module = jex.deserialize_portable_artifact(data)
+                except Exception as e:  # MLIR reports an unreadable module as a plain Exception
+                    raise ArtifactError(
+                        f"the StableHLO module cannot be read ({type(e).__name__}: "
+                        f"{str(e)[:300]}); the artifact is corrupted or was made by an "
+                        "incompatible JAX."
+                    ) from e
+                answer: dict[str, Any] = {"report": dataclasses.asdict(analyze_module(module))}
         except ArtifactError as e:
-            answer = {"error": str(e).removeprefix("module: ")}
+            answer = {"error": str(e).removeprefix("the module: ")}
         stdout.write(json.dumps(answer).encode() + b"\n")
         stdout.flush()

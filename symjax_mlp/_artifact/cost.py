@@ -1,8 +1,6 @@
 """What one StableHLO op costs: the elements of its largest tensor (a ``dot_general``: its
 result's times its contracted size; dynamic dimensions as 1), times how often XLA runs the
-regions around it: a counted ``while`` body per trip, a reducer's body (:data:`REDUCERS`) per
-element it combines (:func:`region_runs`), every ``case`` branch once, nested ones multiplied.
-"""
+regions around it (a ``while`` body per trip, a reducer's per element it combines)."""
 
 from __future__ import annotations
 
@@ -28,9 +26,12 @@ def region_runs(op: Any) -> int:
     if name == "stablehlo.scatter":
         return ins[-1] if ins else most
     if name in ("stablehlo.reduce_window", "stablehlo.select_and_scatter"):
-        window = _ints(attr(op, "window_dimensions"))  # select_and_scatter: per source element
+        from jax.extend.mlir import ir
+
+        window = attr(op, "window_dimensions")  # select_and_scatter: per source element
         base = (outs if name == "stablehlo.reduce_window" else ins[1:]) or [most]
-        return base[0] * (most if window is None else max(math.prod(window), 1))
+        known = isinstance(window, ir.DenseI64ArrayAttr)
+        return base[0] * (max(math.prod(window), 1) if known else most)
     if name == "stablehlo.sort":
         try:
             t = op.operands[0].type
@@ -66,12 +67,6 @@ def _static_size(t: Any, dims: Any) -> int:
         if not t.is_dynamic_dim(i):
             n *= max(t.get_dim_size(i), 0)
     return n
-
-
-def _ints(a: Any) -> list[int] | None:
-    from jax.extend.mlir import ir
-
-    return list(a) if isinstance(a, ir.DenseI64ArrayAttr) else None
 
 
 def contracting(op: Any) -> int:
@@ -119,11 +114,17 @@ def _scalar_int(value: Any) -> int | None:
     dense = attr(value.owner.operation, "value")
     if not isinstance(dense, ir.DenseIntElementsAttr) or not dense.is_splat:
         return None
-    t = dense.type
-    et = t.element_type if isinstance(t, ir.RankedTensorType) and t.rank == 0 else None
-    if not isinstance(et, ir.IntegerType) or et.width not in (32, 64) or et.is_unsigned:
+    if not scalar_type(dense.type, {32, 64}) or dense.type.element_type.is_unsigned:
         return None
     return int(dense.get_splat_value().value)
+
+
+def scalar_type(t: Any, widths: set[int]) -> bool:
+    """Whether ``t`` is a 0-d tensor of integers of one of ``widths`` bits."""
+    from jax.extend.mlir import ir
+
+    et = t.element_type if isinstance(t, ir.RankedTensorType) and t.rank == 0 else None
+    return isinstance(et, ir.IntegerType) and et.width in widths
 
 
 def _block_arg(value: Any, block: Any) -> int | None:

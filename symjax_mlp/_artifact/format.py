@@ -1,8 +1,6 @@
 """The artifact's on-disk contract: its file names, ``manifest.json`` and its schema.
 
-Everything here is plain data (JSON) and runs before any bytes reach a deserializer: reading
-and schema-checking the manifest, the format version, and what counts as an artifact
-directory that an export may replace.
+Plain JSON data, checked before any bytes reach a deserializer.
 """
 
 from __future__ import annotations
@@ -81,13 +79,13 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     if manifest.get("format") != FORMAT:
         raise ArtifactError(
-            f"{file}: format is {_show(manifest.get('format'))}, not {FORMAT!r}: this directory "
+            f"{file}: format is {show(manifest.get('format'))}, not {FORMAT!r}: this directory "
             "was not written by symjax_mlp.export."
         )
     version = manifest.get("format_version")
     if not _is_int(version) or version > FORMAT_VERSION or version < 1:
         raise ArtifactError(
-            f"{file}: format version {_show(version)}; this symjax_mlp reads format version "
+            f"{file}: format version {show(version)}; this symjax_mlp reads format version "
             f"{FORMAT_VERSION}. An artifact from a newer symjax_mlp needs that version: "
             "pip install -U symjax_mlp."
         )
@@ -115,8 +113,8 @@ def depth(x: Any) -> int:
 
 # -- the manifest's schema: checked before any field is used -----------------------------------
 def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
-    """Checks the type (and range, where one matters) of every field a loader reads; an
-    :class:`ArtifactError` names the field, what it holds and what a manifest has there."""
+    """Checks the type (and range) of every field a loader reads; an :class:`ArtifactError`
+    names the field, what it holds and what a manifest has there."""
     m = manifest
     rules: list[tuple[str, Callable[[], Any], Callable[[Any], bool], str]] = [
         ("name", lambda: m["name"], _is_str, "a string"),
@@ -170,7 +168,7 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
         value = get()
         if not ok(value):
             raise ArtifactError(
-                f"{file}: {field} is {_show(value)}, but a symjax_mlp manifest has {want} "
+                f"{file}: {field} is {show(value)}, but a symjax_mlp manifest has {want} "
                 "there; the artifact is corrupted or was edited. Export it again."
             )
 
@@ -286,8 +284,9 @@ def is_file_name(name: str) -> bool:
     )
 
 
-def _show(value: Any) -> str:
-    return text if len(text := repr(value)) <= 80 else text[:77] + "..."
+def show(value: Any) -> str:
+    """``repr(value)``, cut at 80 characters, without terminal escapes."""
+    return printable(text if len(text := repr(value)) <= 80 else text[:77] + "...")
 
 
 def printable(text: str) -> str:
@@ -297,10 +296,8 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-# -- entry points -----------------------------------------------------------------------------
-# An artifact holds one or more entry points over one params.safetensors. The default entry
-# point is described by the manifest's top-level fields and has the model.* files; each other
-# one (manifest["entries"][name]) has its own program files, signature and param subset.
+# -- entry points: the default one is the manifest's top level, with the model.* files; each other
+# one (manifest["entries"][name]) has its own program files, signature and param subset
 _PROGRAM_FIELDS = ("name", "signature", "mlir_arguments", "static")
 
 
@@ -344,9 +341,8 @@ def caller(path: Path, view: Mapping[str, Any]) -> str:
 
 
 def program_file(view: Mapping[str, Any], role: str) -> str | None:
-    """The file an entry point keeps as ``role`` (``model.jaxexport``, ...): for the default
-    entry point, and for a shared file (``params.safetensors``), the role's name itself;
-    ``None`` where the entry point has no such file (only its self-test is optional)."""
+    """The file an entry point keeps as ``role`` (``model.jaxexport``, ...): the role itself
+    for the default entry point and shared files; ``None`` where it has none (a self-test)."""
     files = view.get("program_files")
     if files is None or role not in _ENTRY_ROLES:
         return role

@@ -1,27 +1,14 @@
 """What an artifact's program may do: the ops, custom calls, loops and work a loader allows.
 
-A loader that takes an artifact from someone else must check the module itself, before
-anything compiles it. :mod:`~symjax_mlp._artifact.walk` reads what the module does (a
-:class:`ModuleReport`), in the child process of :mod:`~symjax_mlp._artifact.checker`;
-:func:`check` then refuses, unless the caller allows it by name:
-
-- an op outside :data:`ALLOWED_OPS` (what MLPs, the model zoo, sharded and multi-platform
-  exports use);
-- a ``custom_call`` other than those ``jax.export`` itself emits (:data:`JAX_CUSTOM_CALLS`):
-  native kernels and host callbacks (``allow={"custom_call:NAME"}``);
-- a ``while`` loop unless its trip count is a constant of at most :data:`MAX_LOOP_TRIPS`
-  (``allow={"while"}``);
-- recursion between functions;
-- control flow or a call inside a reducer's body (``allow={"control_in_reducer"}``): no
-  exporter writes one, and XLA's CPU compiler aborted on a loop there;
-- more than :data:`MAX_WORK` element operations (each op's times how often its regions run:
-  loop trips, reduced elements, calls), a tensor of more than :data:`MAX_ELEMENTS`
-  elements, or more than :data:`MAX_BYTES` bytes of tensors made, counting dynamic
-  dimensions as 1 (``allow={"compute"}``).
-
-``trust=True`` skips all of it (for artifacts you made, or trust as you trust code). An
-export records which of :data:`NEEDS` its program needs (the manifest's ``needs``); a loader
-allows just those when a key the user trusts signed the artifact, and checks the rest.
+:func:`check` refuses, before anything compiles it, unless the caller allows it by name
+(``allow={"while"}``, ``{"custom_call:NAME"}``, ...): an op outside :data:`ALLOWED_OPS`; a
+``custom_call`` that ``jax.export`` does not itself emit (:data:`JAX_CUSTOM_CALLS`); a
+``while`` loop of more than :data:`MAX_LOOP_TRIPS` trips or no constant count; recursion;
+control flow or a call inside a reducer's body (XLA's CPU compiler aborted on a loop there);
+more than :data:`MAX_WORK` element operations, :data:`MAX_ELEMENTS` elements in a tensor or
+:data:`MAX_BYTES` bytes of tensors made, dynamic dimensions as 1 (``"compute"``).
+``trust=True`` skips it all; a signed artifact is allowed the :data:`NEEDS` its manifest
+declares.
 """
 
 from __future__ import annotations
@@ -101,20 +88,15 @@ class ModuleReport:
 
 def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
     """``allow=`` as keys: ``"while"``, ``"stablehlo.while"`` and ``"op:while"`` are one key."""
-    if allow is None:
-        return frozenset()
-    if not isinstance(allow, str) and not isinstance(allow, Iterable):
+    if isinstance(allow, str) or allow is None:
+        allow = () if allow is None else (allow,)
+    elif isinstance(allow, Iterable):
+        allow = tuple(allow)
+    if not isinstance(allow, tuple) or not all(isinstance(i, str) and i for i in allow):
         raise ArtifactError(
             f"load(allow={allow!r}): expected names such as 'while' or 'custom_call:NAME', "
             "in a set or list, e.g. allow={'while'}."
         )
-    allow = (allow,) if isinstance(allow, str) else tuple(allow)
-    for item in allow:
-        if not isinstance(item, str) or not item:
-            raise ArtifactError(
-                f"load(allow=...): expected names such as 'while' or 'custom_call:NAME'; "
-                f"got {item!r}."
-            )
     return frozenset(item.removeprefix("op:").removeprefix("stablehlo.") for item in allow)
 
 

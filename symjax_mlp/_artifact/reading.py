@@ -1,9 +1,7 @@
 """Reading an artifact directory back: every listed file checked, then an :class:`Artifact`.
 
-The manifest is checked, then each file it lists is read in bounded chunks and its sha256
-compared before any parser sees a byte: the files a loader uses go into one buffer of their
-size, the others are only hashed. A read that raced an export (which swaps whole directories)
-starts over on the new artifact.
+Each file the manifest lists is read in bounded chunks and its sha256 compared before any
+parser sees a byte; a read that raced an export (which swaps whole directories) starts over.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from symjax_mlp._artifact.format import (
     PARAMS,
     entry_names,
     entry_view,
-    is_file_name,
     printable,
     program_file,
     read_manifest,
@@ -151,8 +148,10 @@ class Artifact:
         m = self.manifest
         v = m["versions"]
         n_values = sum(math.prod(map(int, p.shape)) for p in self.params)
+        size = self.size_bytes
+        kb = f"{size / 1e3:.1f} kB" if size < 1e6 else f"{size / 1e6:.2f} MB"
         lines = [
-            f"artifact   {self.path}  ({len(m['files']) + 1} files, {_kb(self.size_bytes)}; "
+            f"artifact   {self.path}  ({len(m['files']) + 1} files, {kb}; "
             f"format {m['format']} v{m['format_version']})",
             f"function   {m['name']}  exported {m['created']}",
             f"signature  {self.signature}",
@@ -213,10 +212,6 @@ def inspect(path: str | os.PathLike[str]) -> Artifact:
     return Artifact(path, freeze(manifest))
 
 
-def _kb(n: int) -> str:
-    return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.2f} MB"
-
-
 def freeze(x: Any) -> Any:
     if isinstance(x, dict):
         return MappingProxyType({k: freeze(v) for k, v in x.items()})
@@ -239,19 +234,15 @@ def read_files(
 ) -> dict[str, Any]:
     """Checks the size and sha256 of every file the manifest lists before anyone parses it;
     returns the bytes of the files in ``keep`` (``params.safetensors``: its tensors)."""
-    listed = manifest["files"]
+    listed = manifest["files"]  # plain file names: check_schema
     views = [entry_view(manifest, e) for e in entry_names(manifest)]
-    kept = {program_file(v, role) for v in views for role in keep}  # each entry point's
-    keep = tuple(kept - {None})
-    if set(CORE_FILES) - set(listed):
-        lacking = ", ".join(sorted(set(CORE_FILES) - set(listed)))
-        raise ArtifactError(f"{path / MANIFEST} does not list {lacking}; it is corrupted.")
+    keep = tuple({program_file(v, role) for v in views for role in keep} - {None})
+    if lacking := sorted(set(CORE_FILES) - set(listed)):
+        raise ArtifactError(
+            f"{path / MANIFEST} does not list {', '.join(lacking)}; it is corrupted."
+        )
     blobs = {}
     for name, entry in listed.items():
-        if not is_file_name(name):
-            raise ArtifactError(
-                f"{path / MANIFEST} lists {printable(repr(name))}, which is not a file name."
-            )
         file, size, digest = path / name, entry["bytes"], entry["sha256"]
         try:
             if name == PARAMS and name in keep:  # tensors straight from the file, hashed

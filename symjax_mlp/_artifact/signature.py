@@ -1,7 +1,6 @@
 """The call signature of an artifact: what it takes and returns, checked on every new shape.
 
-Plain data, no JAX: the loader and both runtimes check a call's inputs against it before any
-array reaches a compiled program.
+Plain data, no JAX: checked before any array reaches a compiled program.
 """
 
 from __future__ import annotations
@@ -82,26 +81,28 @@ class Signature:
         sizes: dict[str, tuple[str, int]] = {}
         for spec, x in zip(self.inputs, arrays, strict=True):
             shape = tuple(x.shape)
+            head = f"{caller}: input {spec.path} has shape {shape}"
             if len(shape) != len(spec.shape):
+                want = len(spec.shape)
+                hint = f"Pass an array of rank {want}."
+                if want == len(shape) + 1 and tuple(spec.shape[1:]) == shape:
+                    hint = "Add the batch dimension: x[None] (one row) or x.reshape(1, -1)."
                 raise SignatureError(
-                    f"{caller}: input {spec.path} has shape {shape}, rank {len(shape)}, but the "
-                    f"artifact expects rank {len(spec.shape)}: {self._expects(spec)}. "
-                    + _rank_hint(spec.shape, shape)
+                    f"{head}, rank {len(shape)}, but the artifact expects rank {want}: "
+                    f"{self._expects(spec)}. {hint}"
                 )
             for i, (got, dim) in enumerate(zip(shape, spec.shape, strict=True)):
                 if got == dim:
                     continue
+                at = f"{head} but the artifact expects {self._expects(spec)}: "
+                at += f"{spec.path}.shape[{i}] is {got}"
                 if isinstance(dim, int):
                     raise SignatureError(
-                        f"{caller}: input {spec.path} has shape {shape} but the artifact expects "
-                        f"{self._expects(spec)}: {spec.path}.shape[{i}] is {got}, not {dim}. "
-                        f"Pass an array whose dimension {i} is {dim}."
+                        f"{at}, not {dim}. Pass an array whose dimension {i} is {dim}."
                     )
                 if got < 1:
                     raise SignatureError(
-                        f"{caller}: input {spec.path} has shape {shape} but the artifact expects "
-                        f"{self._expects(spec)}: {spec.path}.shape[{i}] is {got}, and a batch of "
-                        f"{got} is rejected. Pass at least one row."
+                        f"{at}, and a batch of {got} is rejected. Pass at least one row."
                     )
                 seen = sizes.setdefault(dim, (f"{spec.path}.shape[{i}]", got))
                 if seen[1] != got:
@@ -209,9 +210,3 @@ def _weak(a: np.ndarray, spec: TensorSpec) -> np.ndarray:
 def _shape_text(shape: Sequence[int | str]) -> str:
     inner = ", ".join(map(str, shape))
     return f"({inner},)" if len(shape) == 1 else f"({inner})"
-
-
-def _rank_hint(want: Sequence[int | str], got: tuple[int, ...]) -> str:
-    if len(want) == len(got) + 1 and tuple(want[1:]) == got:
-        return "Add the batch dimension: x[None] (one row) or x.reshape(1, -1)."
-    return f"Pass an array of rank {len(want)}."

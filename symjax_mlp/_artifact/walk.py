@@ -1,11 +1,9 @@
 """What a StableHLO module does: every op of every function walked, in an MLIR context.
 
-:func:`analyze_module` counts ops and custom calls, bounds loops' trip counts, finds recursion
-and control flow in reducer bodies, and adds up the work (:mod:`~symjax_mlp._artifact.cost`)
-and the bytes of tensors made, every call inlined: the :class:`ops.ModuleReport` that
-:func:`~symjax_mlp._artifact.ops.check` judges. A stranger's bytes are walked only in the
-checker's child process (:mod:`~symjax_mlp._artifact.checker`); this process walks only
-modules it made itself (the module refined for a call's shapes, from one the child read).
+:func:`analyze_module` counts ops and custom calls, loops' trips, recursion, control flow in
+reducers, work (:mod:`~symjax_mlp._artifact.cost`) and bytes made, every call inlined: the
+:class:`ops.ModuleReport` that :func:`ops.check` judges. A stranger's bytes are walked only in
+the checker's child process; this process walks only modules it refined itself.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from symjax_mlp._errors import ArtifactError
 
 
 def analyze_module(module: Any, *, file: Path | str = "the module") -> ops.ModuleReport:
-    """:func:`analyze` of an ``ir.Module`` already parsed (in its context)."""
+    """The report of an ``ir.Module`` already parsed (in its context)."""
     try:
         return _Walk(module).report()
     except RecursionError:
@@ -100,25 +98,24 @@ class _Walk:
             target = _str_attr(op, "call_target_name") or "?"
             self.custom[target] += 1
             if target in ops.HOST_CALLBACKS:
-                what = (
+                self._problem(
+                    f"custom_call:{target}",
                     f"a host callback ({target}): it calls a Python function of the process "
-                    "that exported the model, which here is no function or another one"
+                    "that exported the model, which here is no function or another one",
                 )
-            else:
-                what = (
+            elif target not in ops.JAX_CUSTOM_CALLS:
+                self._problem(
+                    f"custom_call:{target}",
                     f"custom_call @{target}: a native kernel that reads and writes buffers of "
-                    "the sizes the module declares, unchecked"
+                    "the sizes the module declares, unchecked",
                 )
-            if target not in ops.JAX_CUSTOM_CALLS:
-                self._problem(f"custom_call:{target}", what)
             else:
                 self._jax_custom_call(op, target)
                 self._attributes(op, name)
-        elif name == "func.call" and func is not None:
-            callee = _symbol_attr(op, "callee")
-            func["calls"].append((callee, mult))
-        if name != "stablehlo.custom_call":  # a kernel allowed by name: its attributes too
+        else:
             self._attributes(op, name)
+        if name == "func.call" and func is not None:
+            func["calls"].append((_symbol_attr(op, "callee"), mult))
         inner = mult
         if name == "stablehlo.while":
             trips = cost.trip_count(op)
@@ -179,7 +176,7 @@ class _Walk:
                 and not results
                 and operands
                 and all(
-                    _scalar_type(v.type, {1} if i == 0 else {32, 64})
+                    cost.scalar_type(v.type, {1} if i == 0 else {32, 64})
                     for i, v in enumerate(operands)
                 )
             )
@@ -260,13 +257,6 @@ def _attribute_kinds() -> dict[str, tuple[type, ...]]:
         "mhlo.backend_config": (ir.DictAttr, ir.StringAttr),
         "tf.aliasing_output": integer,
     }  # stablehlo.mesh: on sdy.mesh, as Shardy writes it
-
-
-def _scalar_type(t: Any, widths: set[int]) -> bool:
-    from jax.extend.mlir import ir
-
-    et = t.element_type if isinstance(t, ir.RankedTensorType) and t.rank == 0 else None
-    return isinstance(et, ir.IntegerType) and et.width in widths
 
 
 def _str_attr(op: Any, name: str) -> str | None:

@@ -1,10 +1,7 @@
-"""``params.safetensors``: the weights, one tensor per param path, readable from any language.
+"""``params.safetensors``: the weights, one tensor per param path (``params/layers_0/kernel``).
 
-Paths join the param tree's keys with ``/`` (``params/layers_0/kernel``). Tensors are written
-with safetensors' raw serializer (bfloat16 included) and read back by a strict reader of the
-format, at least as strict as the ``safetensors`` package and stricter where it is lenient: a
-name given twice, unknown fields, shapes NumPy cannot hold and more than :data:`MAX_TENSORS`
-tensors are refused, and the tensors' bytes must tile the file exactly. Never pickle.
+Written with safetensors' serializer; read back by a reader stricter than the ``safetensors``
+package (no name twice, no unknown field, the tensors' bytes tiling the file exactly).
 """
 
 from __future__ import annotations
@@ -19,25 +16,16 @@ import ml_dtypes
 import numpy as np
 import safetensors
 
-from symjax_mlp._artifact.format import MAX_PARAMS, printable
+from symjax_mlp._artifact.format import MAX_PARAMS, printable, show
 from symjax_mlp._errors import ArtifactError, SymjaxError
 from symjax_mlp._files import Reader
 from symjax_mlp._specs import TensorSpec
 
-# safetensors dtype codes <-> NumPy dtypes (bfloat16 comes from ml_dtypes, as in JAX).
-_ST_DTYPES = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
+_ST_DTYPES = {  # safetensors dtype codes -> NumPy dtypes (bfloat16 from ml_dtypes, as in JAX)
+    **{f"F{n}": np.dtype(f"float{n}") for n in (16, 32, 64)},
+    **{f"I{n}": np.dtype(f"int{n}") for n in (8, 16, 32, 64)},
+    **{f"U{n}": np.dtype(f"uint{n}") for n in (8, 16, 32, 64)},
     "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U64": np.dtype(np.uint64),
-    "U32": np.dtype(np.uint32),
-    "U16": np.dtype(np.uint16),
-    "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
 }
 _NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
@@ -186,34 +174,34 @@ def _parse_header(
     entries = []
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise bad(f"tensor {_show(name)} is not {{dtype, shape, data_offsets}}")
+            raise bad(f"tensor {show(name)} is not {{dtype, shape, data_offsets}}")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
-            raise bad(f"tensor {_show(name)} has the unsupported dtype {_show(dtype)}")
+            raise bad(f"tensor {show(name)} has the unsupported dtype {show(dtype)}")
         if (
             not isinstance(shape, list)
             or len(shape) > 32
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
         ):
-            raise bad(f"tensor {_show(name)} has the shape {_show(shape)}")
+            raise bad(f"tensor {show(name)} has the shape {show(shape)}")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         ):
-            raise bad(f"tensor {_show(name)} has the data_offsets {_show(offsets)}")
+            raise bad(f"tensor {show(name)} has the data_offsets {show(offsets)}")
         if math.prod(max(d, 1) for d in shape) * _ST_ITEMSIZE[dtype] >= 1 << 62:
-            raise bad(f"tensor {_show(name)} has the shape {_show(shape)}, too large for NumPy")
+            raise bad(f"tensor {show(name)} has the shape {show(shape)}, too large for NumPy")
         entries.append((offsets[0], offsets[1], name, dtype, shape, math.prod(shape)))
     entries.sort(key=lambda e: (e[0], e[1]))
     end = 0
     for begin, stop, name, dtype, shape, count in entries:
         if begin != end or stop < begin:
-            raise bad(f"tensor {_show(name)}'s bytes [{begin}, {stop}) do not follow the last "
+            raise bad(f"tensor {show(name)}'s bytes [{begin}, {stop}) do not follow the last "
                       f"tensor's, which end at {end}")  # fmt: skip
         if stop - begin != count * _ST_ITEMSIZE[dtype]:
             raise bad(
-                f"tensor {_show(name)} is {dtype}{shape} ({count * _ST_ITEMSIZE[dtype]} bytes) "
+                f"tensor {show(name)} is {dtype}{shape} ({count * _ST_ITEMSIZE[dtype]} bytes) "
                 f"but has {stop - begin}"
             )
         end = stop
@@ -229,11 +217,6 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         twice = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise ValueError(f"the name {twice!r} is given twice (safetensors forbids it)")
     return out
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return printable(text if len(text) <= 80 else text[:77] + "...")
 
 
 MAX_LISTED = 20  # mismatches an error message lists
