@@ -1,7 +1,7 @@
 """Stage 3 of the flow: a :class:`~symjax_mlp.Hybrid` to a portable StableHLO artifact.
 
-Each entry point is staged and exported by :mod:`symjax_mlp._export_entry`; this module checks
-the options, joins the params into one weight file, and writes the directory atomically.
+Each entry point is staged by :mod:`symjax_mlp._export_entry`; here the options are checked,
+the params joined into one weight file, and the directory written atomically.
 """
 
 from __future__ import annotations
@@ -182,14 +182,9 @@ def export(
         "metadata": meta,
         "versions": _versions(),
         "platforms": list(platforms),
-        "nr_devices": main["nr_devices"],
-        "calling_convention_version": main["calling_convention_version"],
-        "ordered_effects": main["ordered_effects"],
-        "signature": main["signature"],
-        "rows": main["rows"],
+        **{k: main[k] for k in (*_DEVICES, "signature", "rows")},
         "params": [s.to_json() for s in specs],
-        "mlir_arguments": main["mlir_arguments"],
-        "static": main["static"],
+        **{k: main[k] for k in ("mlir_arguments", "static")},
         **({"needs": sorted(needs)} if needs else {}),  # what a signed artifact loads with
         "files": {k: {"sha256": sha256(v), "bytes": len(v)} for k, v in files.items()},
     }
@@ -217,6 +212,7 @@ def _needs(data: bytes, file: Path) -> list[str]:
         return []
 
 
+_DEVICES = ("nr_devices", "calling_convention_version", "ordered_effects")
 ENTRY_FIELDS = ("name", "signature", "rows", "params", "mlir_arguments", "static", "program_files")
 
 
@@ -281,7 +277,7 @@ def _shared_params(names: list[str], staged: list[Stage]) -> dict[str, tuple[Ten
 
 def _same_program_settings(names: list[str], programs: list[dict[str, Any]]) -> None:
     """Entry points share the artifact's devices, calling convention and effects."""
-    for key in ("nr_devices", "calling_convention_version", "ordered_effects"):
+    for key in _DEVICES:
         values = {n: p[key] for n, p in zip(names, programs, strict=True)}
         if len(set(values.values())) > 1:
             raise ConfigError(

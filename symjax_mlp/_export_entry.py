@@ -1,9 +1,7 @@
 """One entry point of an export: a :class:`~symjax_mlp.Hybrid` staged for ``jax.export``.
 
-:func:`stage` checks what is exported and picks what is stored; :func:`export_program` runs
-``jax.export`` on it. With ``batch="b"``, an input whose leading dimension differs from
-``args[0]``'s in the example is taken as shared by every row (stored static), never as the
-batch (the artifact would refuse its own example).
+With ``batch="b"``, an input whose leading dimension differs from ``args[0]``'s in the example
+is shared by every row (stored static), never the batch (the artifact would refuse its example).
 """
 
 from __future__ import annotations
@@ -107,10 +105,8 @@ def stage(
             f"export({h.name}): two params share the path {twice[0]!r} (keys that print alike, "
             "such as 1 and '1'); params.safetensors names each tensor by its path. Rename one."
         )
-    # The weight file and the module's params dict are sorted by path (a dict flattens
-    # sorted); the model rebuilds its own tree from them in its flatten order (leaf_paths),
-    # which differs from sorted order for lists of 11+ layers ('10' < '2') and for keys with
-    # characters below '/' ('proj-out' < 'proj/...').
+    # Stored sorted by path; the model rebuilds its tree in flatten order (leaf_paths), which
+    # differs for lists of 11+ layers ('10' < '2') and keys below '/' ('proj-out' < 'proj/.').
     order = sorted(range(len(specs)), key=lambda i: specs[i].path)
     return Stage(h, static, in_specs, [specs[i] for i in order], [host_params[i] for i in order],
                  fn, treedef, leaf_paths, batch, shapes is not None, (*constraints,),
@@ -161,11 +157,10 @@ def export_program(
         ) from e
     if stage.baked_keys and any(e.primitive.name == "random_bits" for e, _ in walk(jaxpr)):
         raise ConfigError(_FIXED_KEY.format(name=h.name))
-    out_kind, ins, outs = _output_kind(exported, h), exported.in_avals[len(p_structs) :], []
-    for i, a in enumerate(exported.out_avals):
-        outs.append(TensorSpec("out" if out_kind == "array" else f"out[{i}]", shape_dims(a.shape),
-                               str(a.dtype)))  # fmt: skip
-    args = [TensorSpec(f"args[{i}]", shape_dims(a.shape), str(a.dtype)) for i, a in enumerate(ins)]
+    out_kind, ins = _output_kind(exported, h), exported.in_avals[len(p_structs) :]
+    outs = [_spec("out" if out_kind == "array" else f"out[{i}]", a)
+            for i, a in enumerate(exported.out_avals)]  # fmt: skip
+    args = [_spec(f"args[{i}]", a) for i, a in enumerate(ins)]
     batch = None if stage.per_input_shapes else stage.batch
     signature = Signature(tuple(args), tuple(outs), out_kind, batch, stage.constraints)
     names = [*p_structs, *(s.path for s in signature.inputs)]
@@ -176,43 +171,41 @@ def export_program(
     return exported, signature, verdict(jaxpr, dim)
 
 
+def _spec(path: str, x: Any) -> TensorSpec:
+    return TensorSpec(path, shape_dims(x.shape), str(x.dtype))
+
+
 def _trace(jitted: Any, p_structs: Any, stage: Stage) -> tuple[Any, list[Any]]:
-    """The jaxpr of ``stage``'s program and its inputs' structs: an input that breaks the
-    symbolic batch is taken as shared, or the refusal names the fixes (the module docstring)."""
-    examples = stage.examples
+    """The jaxpr of ``stage``'s program and its inputs' structs, an input unlike ``args[0]``
+    in leading dimension shared by every row; a refusal names the fixes."""
+    examples, batch = stage.examples, stage.batch
+    symbolic = bool(batch) and not stage.per_input_shapes
     lead = examples[0].shape[:1] if examples else ()
-    if stage.batch and not stage.per_input_shapes and any(x.shape[:1] != lead for x in examples):
-        return _trace_shared(jitted, p_structs, stage)  # never a batch the example lacks
+    shared = [symbolic and x.shape[:1] != lead for x in examples]
+    specs = [x if s else b for x, b, s in zip(examples, stage.in_specs, shared, strict=True)]
     try:
-        return jitted.trace(p_structs, *stage.in_specs).jaxpr.jaxpr, stage.in_specs
+        return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
     except (TypeError, ValueError) as e:
-        if (
-            isinstance(e, (SymjaxError, *TRACER_ERRORS))
-            or not stage.batch
-            or stage.per_input_shapes
-        ):
+        if isinstance(e, (SymjaxError, *TRACER_ERRORS)) or not symbolic:
             raise
         error = e
-    examples, lead = stage.examples, stage.examples[0].shape[:1]
-    shared = [x.shape[:1] != lead for x in examples]
+    first = str(error).splitlines()[0].rstrip(".")
     if any(shared):  # e.g. x (4, 3) and w (3,): w is no batch of 4 rows
-        specs = [x if s else b for x, b, s in zip(examples, stage.in_specs, shared, strict=True)]
-        try:
-            return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
-        except (TypeError, ValueError):
-            pass
+        rows = {f"args[{i}]": x.shape[0] if x.shape else None for i, x in enumerate(examples)}
+        raise SignatureError(
+            _MIXED_BATCH.format(name=stage.h.name, batch=batch, rows=rows, lead=lead[0],
+                                error=first)
+        ) from None  # fmt: skip
     rows = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in examples]  # one example
     static = _traces(jitted, p_structs, examples)
     if not (static or _traces(jitted, p_structs, rows)):
         raise error  # not the batch's doing: the model's own error
-    specs = [f"{stage.batch}, {', '.join(map(str, examples[0].shape[1:]))}".strip(", ")]
-    specs = ", ".join([repr(specs[0])] + ["None"] * (len(examples) - 1))
-    types = [TensorSpec(f"args[{i}]", shape_dims(x.shape), str(x.dtype)).type
-             for i, x in enumerate(stage.in_specs)]  # fmt: skip
+    spec = f"{batch}, {', '.join(map(str, examples[0].shape[1:]))}".strip(", ")
+    specs = ", ".join([repr(spec)] + ["None"] * (len(examples) - 1))
+    types = [_spec(f"args[{i}]", x).type for i, x in enumerate(stage.in_specs)]
     raise SignatureError(
         _ONE_EXAMPLE.format(
-            name=stage.h.name, batch=stage.batch, types=", ".join(types),
-            error=str(error).splitlines()[0].rstrip("."),
+            name=stage.h.name, batch=batch, types=", ".join(types), error=first,
             traced="the example's own shapes trace" if static else "one row of it traces",
             static=", or pass batch=None for the example's static shapes" if static else "",
             shared="" if len(examples) < 2 else _SHARED.format(specs=specs),
@@ -286,32 +279,12 @@ _EQX_STATE = (
 )
 
 
-def _trace_shared(jitted: Any, p_structs: Any, stage: Stage) -> tuple[Any, list[Any]]:
-    """An example whose inputs' leading dimensions differ: those unlike ``args[0]``'s are
-    shared by every row (static), as the example shows them, never batched, where the
-    artifact would refuse the very example it was exported with."""
-    examples, lead = stage.examples, stage.examples[0].shape[:1]
-    shared = [x.shape[:1] != lead for x in examples]
-    specs = [x if s else b for x, b, s in zip(examples, stage.in_specs, shared, strict=True)]
-    try:
-        return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
-    except (TypeError, ValueError) as e:
-        if isinstance(e, (SymjaxError, *TRACER_ERRORS)):
-            raise
-        error = e
-    rows = {f"args[{i}]": x.shape[0] if x.shape else None for i, x in enumerate(examples)}
-    raise SignatureError(
-        _MIXED_BATCH.format(
-            name=stage.h.name, batch=stage.batch, rows=rows, lead=lead[0],
-            error=str(error).splitlines()[0].rstrip("."),
-        )
-    ) from None  # fmt: skip
-
-
 def _input_structs(
     examples: tuple[Any, ...], batch: str | None, shapes: Sequence[str | None] | None,
     constraints: tuple[str, ...], name: str,
 ) -> list[jax.ShapeDtypeStruct]:  # fmt: skip
+    """The inputs' structs: the leading dimension ``batch``, or ``jax.export`` shape specs all
+    in one scope (names shared, constrained)."""
     for i, x in enumerate(examples):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":
@@ -320,28 +293,23 @@ def _input_structs(
                 f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
                 "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."
             )
-    if shapes is not None:
-        return _spec_structs(examples, shapes, constraints, name)
-    dim = jax.export.symbolic_shape(batch)[0] if batch else None
-    structs = []
-    for i, x in enumerate(examples):
-        shape = tuple(x.shape)
-        if dim is not None:
-            if not shape:
+    if shapes is None:
+        dim = jax.export.symbolic_shape(batch)[0] if batch else None
+        for i, x in enumerate(examples):
+            if dim is not None and not x.shape:
                 raise SignatureError(
                     f"export(example=...): args[{i}] is a scalar, so it has no batch dimension "
                     f"for batch={batch!r}. Pass batch=None for static shapes, or shapes=."
                 )
-            shape = (dim, *shape[1:])
-        structs.append(jax.ShapeDtypeStruct(shape, x.dtype))
-    return structs
+        specs = [None if dim is None else (dim, *x.shape[1:]) for x in examples]
+    else:
+        specs = _specs(examples, tuple(shapes), constraints, name)
+    pairs = zip(examples, specs, strict=True)
+    return [jax.ShapeDtypeStruct(tuple(x.shape) if d is None else d, x.dtype) for x, d in pairs]
 
 
-def _spec_structs(
-    examples: tuple[Any, ...], shapes: Sequence[str | None], constraints: tuple[str, ...], name: str
-) -> list[jax.ShapeDtypeStruct]:
-    """Inputs with ``jax.export`` shape specs, all in one scope (names shared, constrained)."""
-    shapes = tuple(shapes)
+def _specs(examples: tuple[Any, ...], shapes: tuple, constraints: tuple, name: str) -> list:
+    """Each input's ``jax.export`` shape spec (``None``: static), all in one scope."""
     if len(shapes) != len(examples):
         raise ConfigError(
             f"export({name}, shapes={shapes!r}): one spec per input; the example has "
@@ -349,29 +317,23 @@ def _spec_structs(
         )
     try:
         scope = jax.export.SymbolicScope(constraints)
-        specs = [
-            None if spec is None else jax.export.symbolic_shape(spec, scope=scope)
-            for spec in shapes
-        ]
+        specs = [s if s is None else jax.export.symbolic_shape(s, scope=scope) for s in shapes]
     except (ValueError, TypeError) as e:
         raise ConfigError(
             f"export({name}, shapes={shapes!r}, constraints={constraints!r}): {e}. Write specs "
             "as jax.export does, e.g. 'b, 512', and constraints such as 't <= 1024'."
         ) from None
-    structs = []
     for i, (x, dims) in enumerate(zip(examples, specs, strict=True)):
-        if dims is None:
-            structs.append(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype))
-            continue
-        fixed = [(j, d) for j, d in enumerate(dims) if isinstance(d, int)]
-        if len(dims) != len(x.shape) or any(x.shape[j] != d for j, d in fixed):
+        if dims is not None and (
+            len(dims) != len(x.shape)
+            or any(isinstance(d, int) and d != n for d, n in zip(dims, x.shape, strict=True))
+        ):
             raise SignatureError(
                 f"export({name}, shapes=...): args[{i}] has shape {tuple(x.shape)}, which the "
                 f"spec {shapes[i]!r} does not describe. Give a spec of rank {len(x.shape)} "
                 "whose numbers match the example."
             )
-        structs.append(jax.ShapeDtypeStruct(dims, x.dtype))
-    return structs
+    return specs
 
 
 def _output_kind(exported: Any, h: Hybrid) -> str:

@@ -1,8 +1,7 @@
 """A call's arguments, split: static Python settings (the jit cache key) and traced arrays.
 
-As MXNet's ``hybridize`` and equinox's ``filter_jit`` see a call: arrays (and tuples/dicts of
-them) are traced; Python settings and the ``static_argnums``/``static_argnames`` are static.
-A Hybrid's own settings are checked here too (:func:`check_settings`, :func:`static_args`).
+As equinox's ``filter_jit`` sees a call: arrays (and tuples/dicts of them) are traced; Python
+settings and the ``static_argnums``/``static_argnames`` are static.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ class _Frozen:
         return isinstance(other, _Frozen) and self._key == other._key
 
     def __repr__(self) -> str:
-        """The array when small; else its shape, dtype and a digest of its bytes, so that two
-        arrays NumPy would print alike read apart in the trace log's reasons."""
+        """The array when small; else shape, dtype and a digest (what NumPy elides differs)."""
         a = self.array
         if a.size <= 16:
             return repr(a)
@@ -83,13 +81,11 @@ def partition(
     caller: str,
     lists: bool = False,
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
-    """Splits a call into ``(static key, traced args, traced kwargs)``, the static key a tuple
-    of ``(position or name, value, kind)``. With ``lists`` (``stage``'s arguments), a list
-    that holds arrays, such as JAX's ``[(W, b), ...]`` params, is traced as a pytree too.
+    """``(static key, traced args, traced kwargs)``, the key's entries ``(place or name,
+    value, kind)``; with ``lists``, a list holding arrays (``[(W, b), ...]``) is traced too.
 
     Raises:
-      SignatureError: a list (ambiguous: a pytree of scalars or an array), with ``lists`` one
-        that holds no array; a NumPy masked array (its mask would be dropped).
+      SignatureError: a list (with ``lists``: one holding no array); a NumPy masked array.
     """
     _refuse_masked(caller, args, kwargs)
     static: list[tuple[Any, Any, Any]] = []
@@ -122,27 +118,20 @@ _EQX_INPUT = (
 
 def _refuse_equinox(caller: str, key: Any, value: Any) -> None:
     """Refuses an equinox module among a call's inputs whose leaves are not all arrays."""
-    eqx = sys.modules.get("equinox")
-    if eqx is None or hasattr(value, "dtype"):
-        return
-    for leaf in jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module)):
-        if isinstance(leaf, eqx.Module) and not all(map(eqx.is_array, jax.tree.leaves(leaf))):
-            kind = type(leaf).__name__
+    for m in _equinox_modules(value):
+        if not all(map(sys.modules["equinox"].is_array, jax.tree.leaves(m))):
+            kind = type(m).__name__
             raise ConfigError(_EQX_INPUT.format(caller=caller, path=path_of(key), kind=kind))
 
 
 def split_equinox(
     args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any], Callable[[tuple, dict], tuple[tuple, dict]]]:
-    """``stage``'s arguments with each one holding an equinox module split as
-    ``eqx.filter_make_jaxpr`` splits it: its arrays stay arguments (traced), the rest (functions,
-    sizes, flags) is held aside. Returns the arrays' ``(args, kwargs)`` and ``join``, which puts
-    a call's ``(args, kwargs)`` back together with what was held (``eqx.combine``)."""
+    """``(args, kwargs, join)``: each argument holding an equinox module split as
+    ``eqx.filter_make_jaxpr`` splits it, its arrays kept; ``join`` combines them back."""
     eqx = sys.modules.get("equinox")
-    held: dict[Any, Any] = {}
-    for key, value in (*enumerate(args), *kwargs.items()):
-        if not hasattr(value, "dtype") and holds_equinox(value):
-            held[key] = eqx.partition(value, eqx.is_array)
+    pairs = (*enumerate(args), *kwargs.items())
+    held = {k: eqx.partition(v, eqx.is_array) for k, v in pairs if holds_equinox(v)}
     if not held:
         return tuple(args), dict(kwargs), lambda a, k: (a, k)
     args = tuple(held[i][0] if i in held else a for i, a in enumerate(args))
@@ -155,25 +144,28 @@ def split_equinox(
     return args, kwargs, join
 
 
-def holds_equinox(value: Any) -> bool:
-    """Whether ``value`` holds an equinox module (never importing equinox)."""
+def _equinox_modules(value: Any) -> list[Any]:
+    """The equinox modules in ``value`` (never importing equinox)."""
     eqx = sys.modules.get("equinox")
-    if eqx is None:
-        return False
+    if eqx is None or hasattr(value, "dtype"):
+        return []
     leaves = jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module))
-    return any(isinstance(leaf, eqx.Module) for leaf in leaves)
+    return [m for m in leaves if isinstance(m, eqx.Module)]
+
+
+def holds_equinox(value: Any) -> bool:
+    """Whether ``value`` holds an equinox module."""
+    return bool(_equinox_modules(value))
 
 
 def _kind(v: Any) -> Any:
-    """``type(v)``, and of each element of a tuple setting: part of the jit cache key, since
-    Python equates ``4 == 4.0 == True`` (and hashes them alike) but a program traced for one
-    is not the program for another (``jnp.asarray(n)`` takes its dtype from the setting's
-    type, ``x // d`` differs from ``x / d``)."""
+    """``type(v)`` (of each element of a tuple too), in the jit cache key: Python equates
+    ``4 == 4.0 == True``, but ``jnp.asarray(n)`` and ``x // d`` trace differently for each."""
     return (tuple, tuple(map(_kind, v))) if type(v) is tuple else type(v)
 
 
 def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Refuses a NumPy masked array among the arguments (in tuples, lists and dicts too)."""
+    """Refuses a NumPy masked array among the arguments (in tuples, lists, dicts too)."""
     todo = [(f"args[{i}]", a) for i, a in enumerate(args)]
     todo += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
     while todo:
@@ -226,29 +218,22 @@ def _unfreeze(v: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class ModuleSetting:
-    """The key of an nnx module's setting in a static key (``"drop/deterministic"``): neither
-    a place nor a keyword, so :func:`rebuild` leaves it out of the call."""
+    """An nnx module's setting in a static key (``"drop/deterministic"``), not in the call."""
 
     path: str
 
 
-def settings_key(names: tuple[ModuleSetting, ...], values: tuple) -> tuple:
-    """A module's settings as static entries, as :func:`partition` makes them."""
-    return tuple((k, v, type(v)) for k, v in zip(names, values, strict=True))
-
-
 def path_of(key: Any) -> str:
-    """Where a static key's entry sits in the call: ``args[0]``, ``kwargs['train']``,
-    ``module.drop/deterministic``."""
+    """``args[0]``, ``kwargs['train']`` or ``module.drop/deterministic``."""
     if isinstance(key, ModuleSetting):
         return f"module.{key.path}"
     return f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
 
 
 # -- a Hybrid's settings ---------------------------------------------------------------------
-def check_settings(max_traces: Any = None, **given: tuple[Any, type, Any]) -> None:
-    """Each ``setting=(value, type, example)`` of that type (``None`` passes for a str), else a
-    ConfigError (``compiled="no"`` is truthy); ``max_traces``: a positive int or ``None``."""
+def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> None:
+    """Each ``setting=(value, type, example)`` of that type (``None`` passes for a str);
+    ``max_traces`` a positive int or ``None``."""
     if max_traces is not None and (
         not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
     ):
@@ -256,21 +241,17 @@ def check_settings(max_traces: Any = None, **given: tuple[Any, type, Any]) -> No
     for key, (value, kind, example) in given.items():
         if (value is None and kind is str) or type(value) is kind:
             continue
-        hint = f"{key}={example!r}" if example is not None else f"{key}='mlp'"
-        if key == "axis":
-            hint = "axis='data' (a mesh axis name)"
         raise ConfigError(
             f"{key} must be a {kind.__name__}; got {value!r} ({type(value).__name__}). "
-            f"Pass e.g. {hint}."
+            f"Pass e.g. {key}={example}."
         )
 
 
 def static_args(
     parameters: Callable[[], list[inspect.Parameter] | None], name: str, nums: Any, names: Any
 ) -> tuple[frozenset[int], frozenset[str]]:
-    """``static_argnums`` and ``static_argnames`` checked and completed from the model's
-    inputs (``parameters()``) as ``jax.jit`` does: a name static when passed by place too, a
-    place when passed by name."""
+    """``static_argnums`` and ``static_argnames`` checked, and completed from the model's
+    inputs as ``jax.jit`` does (a name static by place too, a place by name)."""
     got = _as_tuple(nums, int)
     if got is None or not all(type(i) is int and i >= 0 for i in got):
         raise ConfigError(

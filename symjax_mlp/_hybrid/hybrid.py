@@ -86,9 +86,10 @@ class Hybrid:
         params_as_constants: bool = False,
     ) -> None:
         check_settings(
-            name=(name, str, None), axis=(axis, str, None), compiled=(compiled, bool, True),
-            pad=(pad, bool, True), donate=(donate, bool, False),
-            params_as_constants=(params_as_constants, bool, False), max_traces=max_traces,
+            name=(name, str, "'mlp'"), axis=(axis, str, "'data' (a mesh axis name)"),
+            compiled=(compiled, bool, "True"), pad=(pad, bool, "True"), max_traces=max_traces,
+            donate=(donate, bool, "False"),
+            params_as_constants=(params_as_constants, bool, "False"),
         )  # fmt: skip
         model = fn if isinstance(fn, PureModel) else plain(fn)
         name = name or getattr(model.target, "__name__", type(model.target).__name__)

@@ -23,7 +23,7 @@ import jax
 
 from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError
-from symjax_mlp._hybrid.args import ModuleSetting, settings_key
+from symjax_mlp._hybrid.args import ModuleSetting
 from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES, symbolic
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
@@ -293,7 +293,8 @@ class ModuleModes:
         values = self.now()
         entries = self._keyed.get(values)
         if entries is None:
-            entries = self._keyed[values] = settings_key(self._names, values)
+            pairs = zip(self._names, values, strict=True)
+            entries = self._keyed[values] = tuple((k, v, type(v)) for k, v in pairs)
         return static + entries
 
     def training(self, program: Callable[[tuple], str]) -> tuple[str, ...]:
