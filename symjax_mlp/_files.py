@@ -24,24 +24,20 @@ from pathlib import Path
 from symjax_mlp._errors import SymjaxError
 
 MANIFEST = "manifest.json"
-CHUNK = 1 << 20  # hash and read in bounded chunks
+CHUNK = 1 << 20  # read in bounded chunks
 
 _AT_FDCWD, _RENAME_NOREPLACE, _RENAME_EXCHANGE = -100, 1, 2
 _UNSUPPORTED = (22, 38, 95)  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot do it
 
 
-# -- hashing ----------------------------------------------------------------------------------
 def sha256(data: bytes) -> str:
-    """The hex sha256 of ``data``, hashed in bounded chunks."""
-    digest = hashlib.sha256()
-    view = memoryview(data)
-    for i in range(0, len(view), CHUNK):
-        digest.update(view[i : i + CHUNK])
-    return digest.hexdigest()
+    """The hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
 
 
 # -- reading ----------------------------------------------------------------------------------
 def _open_regular(file: Path, error: type[SymjaxError]) -> int:
+    """An fd of ``file``, a regular file; never follows a link, never blocks on a FIFO."""
     flags = os.O_RDONLY
     for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "O_BINARY"):
         flags |= getattr(os, name, 0)
@@ -65,11 +61,12 @@ def _open_regular(file: Path, error: type[SymjaxError]) -> int:
     return fd
 
 
-class Reader:
+class Reader(contextlib.AbstractContextManager):
     """One checked pass over a regular file: its bytes in order, hashed as they are read.
 
     ``with Reader(file, size=n, error=E) as r: r.read(8); r.readinto(buffer); r.finish(sha)``
     reads straight into buffers the caller owns; :meth:`finish` checks the end and the sha256.
+    ``size``: what the manifest records; ``limit``: the most bytes such a file may have.
     """
 
     def __init__(
@@ -77,15 +74,21 @@ class Reader:
     ) -> None:
         self.file, self.error = file, error
         self.fd = _open_regular(file, error)
-        try:
-            self.size = _check_size(file, os.fstat(self.fd).st_size, size, limit, error)
-        except BaseException:
+        self.size, problem = os.fstat(self.fd).st_size, None
+        if size is not None and self.size != size:
+            problem = (
+                f"{file} is corrupted: it has {self.size} bytes but the manifest records {size}. "
+                "Nothing was deserialized. Restore the file, or write it again."
+            )
+        elif limit is not None and self.size > limit:
+            problem = (
+                f"{file} has {self.size} bytes, more than the {limit} such a file can have; it "
+                "is not one written by symjax_mlp. Write it again."
+            )
+        if problem:
             os.close(self.fd)
-            raise
+            raise error(problem)
         self.done, self.digest = 0, hashlib.sha256()
-
-    def __enter__(self) -> Reader:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)
@@ -160,22 +163,6 @@ def hash_regular(
         while r.done < r.size:
             r.readinto(chunk[: r.size - r.done])
         return r.finish(sha256)
-
-
-def _check_size(
-    file: Path, actual: int, size: int | None, limit: int | None, error: type[SymjaxError]
-) -> int:
-    if size is not None and actual != size:
-        raise error(
-            f"{file} is corrupted: it has {actual} bytes but the manifest records {size}. "
-            "Nothing was deserialized. Restore the file, or write it again."
-        )
-    if limit is not None and actual > limit:
-        raise error(
-            f"{file} has {actual} bytes, more than the {limit} such a file can have; it is "
-            "not one written by symjax_mlp. Write it again."
-        )
-    return actual
 
 
 # -- writing ----------------------------------------------------------------------------------
