@@ -1,7 +1,7 @@
 """Every private JAX, Flax and CPython internal the library uses, each with its public fallback.
 
-Each lives here only, in a section saying what it is for, what it buys, and its fallback.
-:data:`INTERNALS` turns each off; ``tests/test_compat.py`` checks the fallbacks agree.
+Each section says why, the internal and its fallback; :data:`INTERNALS` turns each off, and
+``tests/test_compat.py`` checks that the fallbacks agree.
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ INTERNALS: dict[str, bool] = {
 
 
 # -- 1. threefry, unrolled on CPU in a Hybrid's programs ------------------------------------
-# For: on CPU JAX lowers threefry2x32 (its default PRNG's hash) as a rolled `while` loop,
-# run step by step; on GPU and TPU unrolled. Buys: dropout draws run and compile faster in a
-# Hybrid's program; the bits are the same.
-# Internal: jax._src.random's two lowering rules (no public way to choose one). Fallback:
-# nothing installed; threefry lowers as JAX does by default.
+# Why: on CPU JAX lowers threefry2x32 as a rolled `while` loop (on GPU and TPU unrolled);
+# unrolled, dropout draws run and compile faster, the bits the same. Internal: jax._src.random's
+# two lowering rules. Fallback: threefry lowers as JAX does by default.
 def install_unrolled_threefry(suffix: str) -> bool:
     """Registers a CPU lowering of ``threefry2x32``, unrolled in modules named ``*<suffix>``
     (a Hybrid's programs), as JAX has it elsewhere; returns whether it was installed."""
@@ -58,17 +56,16 @@ def install_unrolled_threefry(suffix: str) -> bool:
 
 
 # -- 2. JAX's LAPACK set-up, skipped for a module that calls no LAPACK kernel ---------------
-# For: before JAX lowers an exported CPU module it sets up its LAPACK kernels (importing
-# scipy.linalg), paid even by a module that calls none. Buys: a shorter cold start for those.
-# Internal: jax._src.lax.linalg.initialize_lapack, wrapped (JAX calls it by name), and
+# Why: JAX sets up LAPACK (importing scipy.linalg) before lowering any exported CPU module; a
+# shorter cold start without it. Internal: jax._src.lax.linalg.initialize_lapack, wrapped, and
 # jax._src.lib.lapack's kernel names. Fallback: the set-up runs for every module, as in JAX.
 _LAPACK = threading.local()  # .skip: this thread compiles a module that calls no LAPACK
 
 
 @functools.cache
 def lapack_kernels() -> frozenset[str] | None:
-    """The custom-call targets of JAX's LAPACK kernels, its set-up made skippable; ``None``
-    where this JAX lacks the pieces."""
+    """The custom-call targets of JAX's LAPACK kernels, its set-up made skippable (``None``:
+    this JAX lacks the pieces)."""
     try:  # jax 0.10: _ensure_backends_initialized calls linalg.initialize_lapack by name
         from jax._src.lax import linalg
         from jax._src.lib import lapack
@@ -103,11 +100,9 @@ def skipping_lapack(custom_calls: Any) -> Iterator[None]:
 
 
 # -- 3. an export without this machine's source locations ----------------------------------
-# For: jax.export writes the Python source location (this machine's paths) of every op into
-# the module. Buys: the same model exports to the same bytes anywhere, leaking no local paths.
-# Internal: jax._src.config.traceback_in_locations_limit, the flag's scoped (thread-local)
-# form (jax.config.update would change it for every thread).
-# Fallback: the locations stay in the module; it computes the same.
+# Why: jax.export writes each op's Python source location (local paths); without them a model
+# exports to the same bytes anywhere. Internal: jax._src.config.traceback_in_locations_limit,
+# scoped to this thread (jax.config.update is global). Fallback: the locations stay.
 def without_source_locations() -> contextlib.AbstractContextManager:
     """A block whose exports carry no Python source locations (where this JAX allows)."""
     limit = None
@@ -120,10 +115,9 @@ def without_source_locations() -> contextlib.AbstractContextManager:
 
 
 # -- 4. whether JAX's backend has started ---------------------------------------------------
-# For: latency_mode() sets a flag JAX reads only when its CPU backend starts. Buys: a call
-# made too late is an error that says so, not a setting silently ignored.
-# Internal: jax._src.xla_bridge.backends_are_initialized (no public equivalent in jax 0.10).
-# Fallback: ``None`` (unknown): the flag is set, as before any JAX computation.
+# Why: latency_mode() sets a flag JAX reads only as its CPU backend starts; set too late, an
+# error says so. Internal: jax._src.xla_bridge.backends_are_initialized (no public one in jax
+# 0.10). Fallback: ``None`` (unknown): the flag is set, as before any JAX computation.
 def backend_started() -> bool | None:
     """Whether JAX has started a backend (``None``: this JAX does not say)."""
     if not INTERNALS["backend_started"]:
@@ -137,12 +131,10 @@ def backend_started() -> bool | None:
 
 
 # -- 5. an nnx module's layers, named in its programs ---------------------------------------
-# For: linen runs each submodule under its name, so jaxprs and HLO op names show the layers;
-# nnx does not. Buys: the same for nnx: a subclass whose __call__ opens jax.named_scope of the
-# attribute path is swapped into the objects (their __class__) for the block only.
-# Internal: assigning __class__ (CPython), and nnx's Module class keyword ``pytree`` read from
-# the private ``_pytree__is_pytree`` (the subclass must register as its base does).
-# Fallback: no scopes: the same program, its ops not grouped by layer.
+# Why: linen names each submodule's ops by layer, nnx does not; a subclass whose __call__ opens
+# jax.named_scope of its attribute path is swapped in (__class__) for the block only. Internal:
+# assigning __class__, and nnx's private ``_pytree__is_pytree`` (the subclass registers as its
+# base does). Fallback: no scopes: the same program, its ops not grouped by layer.
 #: the paths of the block's submodules by id, and the path of the call we are in
 _SCOPES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("symjax_scopes", default=None)
 _CALLER: contextvars.ContextVar[tuple] = contextvars.ContextVar("symjax_caller", default=())
@@ -211,10 +203,9 @@ def _scoped(cls: type) -> type:
 
 
 # -- 6. whether the GIL is on ----------------------------------------------------------------
-# For: the batcher reads a future's state, and hands back its lane's token, without a lock
-# where the GIL makes those atomic. Buys: one lock acquire fewer per request on a GIL build.
-# Internal: sys._is_gil_enabled (CPython 3.13+; absent before, where the GIL is always on).
-# Fallback: ``False``: every such read takes the lock (right on any build).
+# Why: the batcher reads a future's state without a lock where the GIL makes it atomic, one
+# acquire fewer per request. Internal: sys._is_gil_enabled (CPython 3.13+; before, the GIL is
+# always on). Fallback: ``False``: every such read takes the lock (right on any build).
 def gil_enabled() -> bool:
     """Whether the GIL is on (``False`` when unknown: take the locks)."""
     if not INTERNALS["gil"]:
@@ -228,12 +219,10 @@ GIL = gil_enabled()
 
 
 # -- 7. futures settled a batch at a time ----------------------------------------------------
-# For: a batcher makes a Future per request and settles a batch at once; CPython's Future
-# makes a Condition (and an RLock) per future. Buys: a batch's futures share one lock, are
-# settled under one acquire, and only the callers blocked on a future are woken for it.
-# Internal: Future's fields (_state, _result, _exception, _condition, _waiters,
-# _done_callbacks, _invoke_callbacks) and its states from concurrent.futures._base.
-# Fallback: each a plain Future, started and settled one at a time by its public methods.
+# Why: CPython's Future makes a Condition (an RLock) each; a batch's futures share one lock, are
+# settled under one acquire, and wake only the callers blocked on them. Internal: Future's
+# fields (_state, _result, _exception, _condition, _waiters, _done_callbacks,
+# _invoke_callbacks) and concurrent.futures._base's states. Fallback: plain Futures.
 try:
     from concurrent.futures import _base
 
