@@ -7,7 +7,6 @@ A non-finite loss or param stops it with a :class:`~symjax_mlp.DivergenceError`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import os
@@ -25,7 +24,12 @@ from flax import nnx
 
 from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._models import mlp
-from symjax_mlp.training._checkpoint import TrainState, check_directory, latest_checkpoint
+from symjax_mlp.training._checkpoint import (
+    TrainState,
+    check_directory,
+    is_count,
+    latest_checkpoint,
+)
 from symjax_mlp.training._data import Dataset, check_dataset, load_digits
 from symjax_mlp.training._epoch import Programs
 from symjax_mlp.training._nnx import NnxSpec, spec_of
@@ -125,9 +129,8 @@ def train(
       (46, 2, 1)
     """
     counts = {"epochs": (epochs, 0), "batch_size": (batch_size, 1)}
-    counts["checkpoint_every"] = (checkpoint_every, 1)
-    for name, (value, low) in counts.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    for name, (value, low) in {**counts, "checkpoint_every": (checkpoint_every, 1)}.items():
+        if not is_count(value, low):
             raise ConfigError(f"{name} must be an int >= {low}; got {value!r}.")
     for name, value in (("compiled", compiled), ("resume", resume)):
         if value not in (False, True):
@@ -159,8 +162,16 @@ def train(
         model, spec, state.params, data, optimizer,
         seed=seed, batch_size=batch_size, num_outputs=num_outputs,
     )  # fmt: skip
-    multi = jax.process_count() > 1
-    blocks = _checked_blocks(blocks, batch_size, jax.device_count() if multi else 1)
+    devices = jax.device_count() if jax.process_count() > 1 else 1
+    blocks = devices if blocks is None else blocks
+    if not is_count(blocks, 1):
+        raise ConfigError(f"blocks must be an int >= 1; got {blocks!r}.")
+    if batch_size % blocks or blocks % devices:
+        raise ConfigError(
+            f"blocks={blocks} must divide batch_size={batch_size} and be a multiple of the "
+            f"run's {devices} device(s) (each device computes whole blocks). Pass e.g. "
+            f"blocks={devices} with a batch_size that is a multiple of it."
+        )
     if blocks != 1:  # recorded only when set: older checkpoints resume as they are
         config["blocks"] = blocks
     programs, store, watch = _processes(
@@ -183,18 +194,16 @@ def train(
         for done in (store, watch):
             if done is not None:
                 done.close()
-    local = programs.local
-    state = dataclasses.replace(state, params=local(state.params), opt_state=local(state.opt_state))
-    stateful = isinstance(state.params, ModelVars)
-    params = state.params.params if stateful else state.params
-    model_state = state.params.state if stateful else None
+    params, opt_state = programs.local((state.params, state.opt_state))
+    stateful = isinstance(params, ModelVars)
+    params, model_state = (params.params, params.state) if stateful else (params, None)
     if isinstance(spec, NnxSpec):  # the trained module, rebuilt from its trained values
         model_state = spec.typed(model_state) if stateful else None
         model = spec.module(params, model_state or {})
     return TrainResult(
         model=model,
         params=params,
-        opt_state=state.opt_state,
+        opt_state=opt_state,
         step=state.step,
         epoch=state.epoch,
         history=tuple(history),
@@ -212,19 +221,6 @@ def train(
     )
 
 
-def _checked_blocks(blocks: int | None, batch_size: int, devices: int) -> int:
-    blocks = devices if blocks is None else blocks
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
-        raise ConfigError(f"blocks must be an int >= 1; got {blocks!r}.")
-    if batch_size % blocks or blocks % devices:
-        raise ConfigError(
-            f"blocks={blocks} must divide batch_size={batch_size} and be a multiple of the "
-            f"run's {devices} device(s) (each device computes whole blocks). Pass e.g. "
-            f"blocks={devices} with a batch_size that is a multiple of it."
-        )
-    return blocks
-
-
 def _processes(
     model: Any, spec: Any, optimizer: optax.GradientTransformation, config: dict[str, Any], *,
     compiled: bool, blocks: int, timeout: int | None, checkpoint: Any, run: dict[str, Any],
@@ -232,9 +228,17 @@ def _processes(
     """The run's programs, and in a multi-process run its Orbax checkpoints and watchdog,
     once every process has posted the same settings."""
     caller = "symjax_mlp.training.train"
+
+    def other_run(them: str, form: str) -> CheckpointError:
+        return CheckpointError(
+            f"{caller}: {checkpoint} holds checkpoints of a {them} run ({form}), which this run "
+            "cannot resume. Resume it as it was written (several processes: each after "
+            "symjax_mlp.training.initialize(...)), or use another directory."
+        )
+
     if jax.process_count() == 1:
         if checkpoint is not None and orbax_steps(Path(checkpoint)):
-            raise CheckpointError(_ORBAX_IN_ONE.format(caller=caller, path=checkpoint))
+            raise other_run("multi-process", "Orbax")
         return Programs.of(model, spec, optimizer, compiled=compiled, blocks=blocks), None, None
     if not compiled:
         raise ConfigError(f"{caller}: a multi-process run is compiled; got compiled=False.")
@@ -242,7 +246,7 @@ def _processes(
     key = agree({**config, **run, "checkpoint": checkpoint is not None}, timeout=timeout,
                 caller=caller)  # fmt: skip
     if checkpoint is not None and latest_checkpoint(checkpoint) is not None:
-        raise CheckpointError(_ONE_IN_MANY.format(caller=caller, path=checkpoint))
+        raise other_run("single-process", "step_* safetensors")
     watch = Watchdog(key, timeout, caller)
     programs = Programs.of(model, spec, optimizer, compiled=True, blocks=blocks, watch=watch)
     if checkpoint is None:
@@ -251,30 +255,13 @@ def _processes(
     return programs, store, watch
 
 
-_ORBAX_IN_ONE = (
-    "{caller}: {path} holds checkpoints of a multi-process run (Orbax). Resume it with as many "
-    "processes, each after symjax_mlp.training.initialize(...), or use another directory."
-)
-_ONE_IN_MANY = (
-    "{caller}: {path} holds checkpoints of a single-process run (step_* safetensors); a "
-    "multi-process run writes Orbax checkpoints. Resume it in one process, or use another "
-    "directory."
-)
-
-
 def _checked_optimizer(
     optimizer: optax.GradientTransformation | None, learning_rate: float | None
 ) -> optax.GradientTransformation:
     """The optimizer to use: ``optax.adam`` by default."""
-    if (
-        learning_rate is not None
-        and not callable(learning_rate)  # optax takes a schedule too
-        and (
-            isinstance(learning_rate, bool)
-            or not isinstance(learning_rate, numbers.Real)
-            or not 0 < learning_rate < math.inf
-        )
-    ):
+    lr = learning_rate
+    number = isinstance(lr, numbers.Real) and not isinstance(lr, bool) and 0 < lr < math.inf
+    if not (lr is None or number or callable(lr)):  # optax takes a schedule too
         raise ConfigError(
             f"learning_rate must be a number > 0 (or an optax schedule), e.g. 1e-3; got "
             f"{learning_rate!r}."
