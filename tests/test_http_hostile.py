@@ -366,7 +366,7 @@ def test_no_answer_names_the_artifacts_path_on_the_server(server):
 
 def test_public_hides_every_form_of_the_path_of_a_users_batcher(tmp_path, monkeypatch):
     """Item 8, for an app over a Batcher the user made (named by its path by default)."""
-    from symjax_mlp.serving._bodies import Public
+    from symjax_mlp.serving._app import Public
 
     art = sm.chapter.export_mlp(tmp_path / "deep" / "mlp")
     monkeypatch.chdir(tmp_path)
@@ -384,7 +384,7 @@ def test_public_hides_every_form_of_the_path_of_a_users_batcher(tmp_path, monkey
 def test_public_hides_a_bare_relative_path_without_garbling_the_messages(tmp_path, given):
     """serve a (or serve . in the artifact's directory): every "a" (or ".") of every message
     was replaced by the model's name ("the body is not HybridSequential reHybridSequential...")."""
-    from symjax_mlp.serving._bodies import Public
+    from symjax_mlp.serving._app import Public
 
     art = sm.chapter.export_mlp(tmp_path / "a")
     with (

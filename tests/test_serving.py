@@ -1452,7 +1452,7 @@ def test_serves_connections_accepted_without_nagles_delay_on_plain_asyncio():
     ``socket.socket()`` it did not, and every answer waited ~40 ms on Nagle and delayed ACKs."""
     import socket
 
-    from symjax_mlp.serving._app import _bind
+    from symjax_mlp.serving._server import bind
 
     seen: list[int] = []
 
@@ -1463,7 +1463,7 @@ def test_serves_connections_accepted_without_nagles_delay_on_plain_asyncio():
             transport.close()
 
     async def accept_one() -> None:
-        sock = _bind("127.0.0.1", 0)
+        sock = bind("127.0.0.1", 0)
         sock.listen(1)
         server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
         async with server:

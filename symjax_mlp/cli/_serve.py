@@ -111,18 +111,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serves ``args.path`` until interrupted; returns 0 after a clean shutdown."""
     from symjax_mlp.serving import latency_mode, serve
-    from symjax_mlp.serving._app import _bind, _print_ready
+    from symjax_mlp.serving._server import bind, print_ready
 
     if args.dispatch == "sync":
         latency_mode()  # before anything starts JAX's CPU backend
-    say = _print_ready(args.path)
+    say = print_ready(args.path)
 
     def ready(url: str) -> None:
         gc.freeze()  # loaded and compiled: see the module's docstring
         say(url)
 
     if args.ray and args.port == 0:  # Ray's proxy takes a port number: a free one, found here
-        with _bind(args.host, 0) as s:  # a host not this machine's: a ConfigError
+        with bind(args.host, 0) as s:  # a host not this machine's: a ConfigError
             args.port = s.getsockname()[1]
     options = _args.keywords(args, _RAY if args.ray else _SERVE) | _args.load_options(args)
     if args.ray:

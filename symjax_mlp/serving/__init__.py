@@ -23,7 +23,6 @@ Example:
 
 from symjax_mlp._errors import OverloadError as OverloadError
 from symjax_mlp.serving._app import create_app as create_app
-from symjax_mlp.serving._app import serve as serve
 from symjax_mlp.serving._batcher import Batcher as Batcher
 from symjax_mlp.serving._latency import dispatch_mode as dispatch_mode
 from symjax_mlp.serving._latency import latency_mode as latency_mode
@@ -31,6 +30,7 @@ from symjax_mlp.serving._ray import ray_app as ray_app
 from symjax_mlp.serving._requests import AsyncRequest as AsyncRequest
 from symjax_mlp.serving._requests import RequestFuture as RequestFuture
 from symjax_mlp.serving._requests import RequestTiming as RequestTiming
+from symjax_mlp.serving._server import serve as serve
 from symjax_mlp.serving._stats import LATENCY_BUCKETS as LATENCY_BUCKETS
 from symjax_mlp.serving._stats import BatcherStats as BatcherStats
 

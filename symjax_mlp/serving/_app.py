@@ -26,32 +26,26 @@ import asyncio
 import collections
 import contextlib
 import os
-import signal
-import socket
-import sys
-import threading
-from collections.abc import Callable, Iterable
+import re
 from typing import Any
 
+from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
-from symjax_mlp._load import load
+from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._bodies import (
     CLOSE,
     BadRequest,
     Intake,
-    Public,
     decode,
-    model_name,
     to_json,
     to_npy,
 )
-from symjax_mlp.serving._heads import MAX_HEAD_BYTES, bounded_heads
 
-_ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
+ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
 
 
-def _require() -> Any:
+def require() -> None:
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -110,7 +104,7 @@ def create_app(
             f"create_app({batcher.name}): the batcher is closed, so every request would fail; "
             "make a new one."
         )
-    _require()
+    require()
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
@@ -237,7 +231,7 @@ def create_app(
             {
                 "error": "NotFound" if e.status_code == 404 else "MethodNotAllowed",
                 "message": f"no endpoint takes {request.method} {public.scrub(request.url.path)}"
-                f" (a wrong {what}); the endpoints: {_ENDPOINTS}.",
+                f" (a wrong {what}); the endpoints: {ENDPOINTS}.",
             },
             status_code=e.status_code,
             headers=allowed,
@@ -258,149 +252,31 @@ def create_app(
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
 
 
-def serve(
-    artifact: str | os.PathLike[str],
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    runtime: str = "jax",
-    max_batch: int | None = None,
-    max_queue: int = 1024,
-    max_body_bytes: int = 64 * 2**20,
-    body_timeout: float = 60.0,
-    max_inflight_bytes: int | None = None,
-    max_connections: int = 1000,
-    log_level: str = "warning",
-    ready: Callable[[str], None] | None = None,
-    entry: str | None = None,
-    params_as_constants: bool = False,
-    trust: bool = False,
-    allow: Iterable[str] | None = None,
-    verify_signature: str | os.PathLike[str] | None = None,
-) -> None:
-    """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
-
-    Loads the artifact, compiles the batcher's buckets, binds ``host:port`` (``port=0``: a
-    free port), calls ``ready(url)`` and runs uvicorn. On a signal it stops accepting
-    connections, finishes the requests in flight and queued, and returns. For per-request
-    latency on the CPU, call :func:`~symjax_mlp.serving.latency_mode` first, and
-    ``gc.freeze()`` in ``ready``; ``symjax-mlp serve`` does both.
-
-    Args:
-      artifact: the artifact directory.
-      host, port: where to listen.
-      runtime: ``"jax"`` or ``"iree"``.
-      max_batch, max_queue: see :class:`~symjax_mlp.serving.Batcher`.
-      max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a request's
-        line and headers too must come within ``body_timeout`` (and 64 KiB; else 408, 431).
-      max_connections: the most connections (and requests) at once; past it a request is
-        answered 503 (uvicorn's ``limit_concurrency``).
-      log_level: uvicorn's log level.
-      ready: called with the URL once the socket is bound (default: prints it).
-      entry: the entry point to serve (default: the artifact's default one).
-      params_as_constants, trust, allow, verify_signature: passed to
-        :func:`~symjax_mlp.load`.
-
-    Raises:
-      ConfigError: ``params_as_constants`` with ``runtime="iree"`` or a sharded artifact.
-      ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
-      ArtifactError: the artifact cannot be loaded.
-    """
-    _require()
-    import uvicorn
-
-    if (
-        isinstance(max_connections, bool)
-        or not isinstance(max_connections, int)
-        or max_connections < 1
-    ):
-        raise ConfigError(f"serve: max_connections must be an int >= 1; got {max_connections!r}.")
-    levels = uvicorn.config.LOG_LEVELS
-    if not isinstance(log_level, int) and str(log_level).lower() not in levels:
-        raise ConfigError(
-            f"serve: log_level must be one of {', '.join(levels)}; got {log_level!r}."
-        )
-    sock = _bind(host, port)  # before the load: a busy port is said at once, not after it
-    with sock:
-        model = load(
-            artifact,
-            runtime=runtime,
-            params_as_constants=params_as_constants,
-            trust=trust,
-            allow=allow,
-            verify_signature=verify_signature,
-        )
-        if entry is not None:
-            model = model[entry]
-        batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue, name=model_name(model))
-        try:
-            app = create_app(
-                batcher,
-                max_body_bytes=max_body_bytes,
-                body_timeout=body_timeout,
-                max_inflight_bytes=max_inflight_bytes,
-            )
-            sock.listen(2048)  # connections queue from here on: "ready" means ready
-            bound = sock.getsockname()[1]
-            shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
-            url = f"http://{shown}:{bound}"
-            config = uvicorn.Config(
-                app,
-                log_level=log_level,
-                access_log=False,
-                lifespan="on",
-                timeout_graceful_shutdown=30,
-                limit_concurrency=max_connections,
-                http=bounded_heads(body_timeout),  # a head, too, within time and 64 KiB
-                # h11 (uvicorn without httptools) stops a head at 16 KiB with a 400: past ours
-                h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
-            )
-            server = uvicorn.Server(config)
-            (ready or _print_ready(artifact))(url)
-            with _quiet_signals():
-                server.run(sockets=[sock])
-        finally:
-            batcher.close()
+def model_name(model: LoadedModel) -> str:
+    """A loaded artifact's name for clients: its manifest's, and the entry point's if several."""
+    name = printable(str(model.manifest.get("name") or "model"))
+    return name + (f"[{model.entry!r}]" if len(model.entries) > 1 else "")
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (not yet listening); raises :class:`ConfigError`
-    where that address cannot be had (a port in use, a host that is not this machine's)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP (a
-    # connection accepted from socket.socket() was left to Nagle: 40 ms a request without uvloop)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except (OSError, OverflowError, UnicodeError) as e:
-        sock.close()
-        why = getattr(e, "strerror", None) or str(e)
-        raise ConfigError(
-            f"serve: cannot listen on {host}:{port} ({why}). Pass a free port (0: any free "
-            "one) and a host address of this machine (127.0.0.1, 0.0.0.0)."
-        ) from None
-    return sock
+class Public:
+    """What a client may see of the model: its name, never the server's path to it."""
 
+    def __init__(self, batcher: Batcher) -> None:
+        model = batcher.model
+        self.name = batcher.name
+        self._paths: re.Pattern[str] | None = None
+        if isinstance(model, LoadedModel):
+            given = str(model.path)
+            forms = {given, os.path.abspath(given), os.path.realpath(given)}
+            forms |= {printable(f) for f in forms}
+            # a bare name (serve a, serve .) only where quoted, as Batcher(a): not "a readable"
+            self._paths = re.compile("|".join(
+                re.escape(f) if os.sep in f else rf"(?<=[(\"']){re.escape(f)}(?=[)\"'/])"
+                for f in sorted((f for f in forms if f), key=len, reverse=True)
+            ))  # fmt: skip
+            self._name = model_name(model)
+            self.name = self.scrub(batcher.name)
 
-def _print_ready(artifact: Any) -> Callable[[str], None]:
-    def say(url: str) -> None:
-        print(f"serving {artifact} on {url} ({_ENDPOINTS})", flush=True)
-
-    return say
-
-
-@contextlib.contextmanager
-def _quiet_signals():
-    """uvicorn re-raises the signal it shut down on; here that ends serve() normally."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    sigs = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, lambda *_: None) for s in sigs}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        sys.stdout.flush()
+    def scrub(self, text: str) -> str:
+        """``text`` with every form of the artifact's server path replaced by the name."""
+        return text if self._paths is None else self._paths.sub(lambda _: self._name, text)

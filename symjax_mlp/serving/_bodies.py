@@ -6,10 +6,9 @@ and ``max_inflight_bytes`` held by all bodies at once (503), so slow clients can
 server's memory. It runs on the server's one event loop: the shared count needs no lock.
 
 A JSON body becomes arrays of the inputs' dtypes, refusing what a cast would change (1.5 to
-an int, 2**31 to int32, 1e39 to float32); a ``.npy`` body is read as ``symjax-mlp run`` reads
-a file. What cannot be read is a :class:`BadRequest` with its HTTP status; what does not fit
-the model, a :class:`~symjax_mlp.SignatureError`. Clients see the model's name, never its
-path on the server (:class:`Public`).
+an int, 2**31 to int32, 1e39 to float32, 7 to float4); a ``.npy`` body is read as
+``symjax-mlp run`` reads a file. What cannot be read is a :class:`BadRequest` with its HTTP
+status; what does not fit the model, a :class:`~symjax_mlp.SignatureError`.
 """
 
 from __future__ import annotations
@@ -20,17 +19,13 @@ import functools
 import io
 import json
 import math
-import os
-import re
 from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError
-from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._npy import npy_array, read_npy
 from symjax_mlp.serving._batcher import Batcher
 
@@ -66,8 +61,8 @@ class Intake:
         self.held = 0  # bytes of bodies in flight, all requests together
 
     async def read(self, request: Any, hold: list[int]) -> bytes:
-        """The body of ``request``; adds the bytes it holds to ``hold[0]`` as they arrive
-        (give them back with :meth:`release`, even when this raises).
+        """The body of ``request``, its bytes counted in ``hold[0]`` as they arrive (give them
+        back with :meth:`release`, even when this raises).
 
         Raises:
           BadRequest: 413 too large, 408 a client quiet for ``body_timeout`` seconds, 503 the
@@ -177,12 +172,9 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f"{batcher.name}: the model takes {len(specs)} inputs ({', '.join(map(str, specs))})"
             '; name them: {"inputs": {"args[0]": [...], "args[1]": [...]}}.'
         )
-    # an "r" (true) or an "a" (false) anywhere in the text: look for JSON booleans among the
-    # numbers (NumPy would make [true, 1.5] the floats [1.0, 1.5]). Numbers and "inputs" have
-    # neither, and a one-byte search is a memchr: ~10x faster than looking for b"true"
+    # JSON booleans among the numbers ([true, 1.5] would be [1.0, 1.5]): an "r" or an "a"
+    # (one memchr each), which numbers and "inputs" lack; strings ("1.5"): quotes beyond the keys'
     bools = b"r" in body or b"a" in body
-    # quotes beyond the keys' (another memchr): a string among the numbers, which NumPy would
-    # read as one ("1.5" as 1.5)
     texts = body.count(b'"') != 2 + (2 * len(inputs) if isinstance(inputs, dict) else 0)
     return [
         from_json(batcher, spec, v, bools=bools, texts=texts)
@@ -197,10 +189,8 @@ def _floats_only(specs: tuple[Any, ...]) -> bool:
 
 
 def _parse(body: bytes, fast: bool) -> Any:
-    """``json.loads(body)``, by orjson if ``fast``; what orjson refuses (``NaN``, ``Infinity``,
-    numbers past float64, nesting past 1024) the standard library reads (or refuses, saying
-    why). orjson reads an integer past 64 bits as a float, as a float input's cast would
-    (``fast`` only when every input is a float): an int input gets the exact integer."""
+    """``json.loads(body)``, by orjson if ``fast`` (every input a float: orjson reads an int past
+    64 bits as a float); what orjson refuses (``NaN``, 1e400, deep nesting) by the stdlib's."""
     if fast:
         try:
             return _fast_loads(body)
@@ -311,8 +301,7 @@ def from_json(
 
 @functools.lru_cache(maxsize=64)
 def _kind(want: np.dtype) -> str:
-    """``want``'s kind by what it holds: ml_dtypes' floats and ints (bfloat16, int4) are "V"
-    to NumPy, and their ranges are ml_dtypes.finfo's and iinfo's (np.finfo refuses them)."""
+    """``want``'s kind by what it holds (ml_dtypes' bfloat16 and int4 are "V" to NumPy)."""
     if want.kind != "V" or want.names is not None:
         return want.kind
     for info, kind in ((ml_dtypes.finfo, "f"), (ml_dtypes.iinfo, "i")):
@@ -366,8 +355,7 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps makes one per c
 
 
 def to_json(out: Any) -> tuple[bytes, str]:
-    """``{"outputs": ...}`` with non-finite floats as ``NaN``/``Infinity``, as Python's json and
-    TF Serving write them (strict JSON has none; starlette's JSONResponse refuses them)."""
+    """``{"outputs": ...}``, non-finite floats as ``NaN``/``Infinity`` (as TF Serving writes)."""
     if isinstance(out, np.ndarray):
         outputs = out.tolist()
     else:
@@ -382,34 +370,3 @@ def to_npy(out: Any) -> tuple[bytes, str]:
         return buf.getvalue(), NPY
     np.savez(buf, **{f"out{i}": np.asarray(y) for i, y in enumerate(jax.tree.leaves(out))})
     return buf.getvalue(), NPZ
-
-
-def model_name(model: LoadedModel) -> str:
-    """A loaded artifact's name for clients: its manifest's, and the entry point's if several."""
-    name = printable(str(model.manifest.get("name") or "model"))
-    return name + (f"[{model.entry!r}]" if len(model.entries) > 1 else "")
-
-
-class Public:
-    """What a client may see of the model: its name (a loaded artifact's manifest's), which
-    replaces every form of the server's path to it in a message."""
-
-    def __init__(self, batcher: Batcher) -> None:
-        model = batcher.model
-        self.name = batcher.name
-        self._paths: re.Pattern[str] | None = None
-        if isinstance(model, LoadedModel):
-            given = str(model.path)
-            forms = {given, os.path.abspath(given), os.path.realpath(given)}
-            forms |= {printable(f) for f in forms}
-            # a bare name (serve a, serve .) only where quoted, as Batcher(a): not "a readable"
-            self._paths = re.compile("|".join(
-                re.escape(f) if os.sep in f else rf"(?<=[(\"']){re.escape(f)}(?=[)\"'/])"
-                for f in sorted((f for f in forms if f), key=len, reverse=True)
-            ))  # fmt: skip
-            self._name = model_name(model)
-            self.name = self.scrub(batcher.name)
-
-    def scrub(self, text: str) -> str:
-        """``text`` with every form of the artifact's server path replaced by the name."""
-        return text if self._paths is None else self._paths.sub(lambda _: self._name, text)

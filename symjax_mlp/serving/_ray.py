@@ -30,9 +30,8 @@ import jax
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._load import load
-from symjax_mlp.serving._app import create_app
+from symjax_mlp.serving._app import create_app, model_name
 from symjax_mlp.serving._batcher import Batcher
-from symjax_mlp.serving._bodies import model_name
 from symjax_mlp.serving._latency import latency_mode
 from symjax_mlp.serving._requests import artifact_specs, bucket_sizes
 

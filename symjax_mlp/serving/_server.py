@@ -1,0 +1,303 @@
+"""The server around the app: ``serve()`` binds a socket, runs uvicorn, stops on a signal.
+
+Request heads come within bounds: uvicorn (over httptools) reads a request line and headers of
+any size, for as long as the client takes, and keeps a connection that sends nothing open for
+ever. As nginx's ``client_header_timeout`` and ``large_client_header_buffers``: a head (or, on
+a new connection, its first byte) must arrive within ``head_timeout`` seconds (else 408, and
+the connection is closed) and within :data:`MAX_HEAD_BYTES` (else 431). An answer given before
+the body ended (413, 408, 503) closes the connection lingering, so the client reads it; a
+client that half-closes after its request is answered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from symjax_mlp._errors import ConfigError
+from symjax_mlp._load import load
+from symjax_mlp.serving._app import ENDPOINTS, create_app, model_name, require
+from symjax_mlp.serving._batcher import Batcher
+
+#: The most bytes of one request's line and headers (nginx allows 4 x 8 KiB by default).
+MAX_HEAD_BYTES = 64 * 2**10
+
+
+def _refusal(status: int, reason: str, message: str) -> bytes:
+    body = json.dumps({"error": "BadRequest", "message": message}).encode()
+    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+    head += f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    return head.encode() + body
+
+
+class _Lingering:
+    """A connection's transport whose close, after an answer given before the request's body
+    ended (413, 408, 503), lingers: it sends FIN, then drops what the client still sends until
+    it stops for :data:`LINGER` seconds (at most ``limit``), so that the client reads the
+    answer rather than a reset (a close with unread bytes is one): nginx's lingering_close."""
+
+    def __init__(self, transport: Any, protocol: Any, limit: float) -> None:
+        self._t, self._protocol, self._limit = transport, protocol, limit
+        self.lingering, self._last = False, 0.0
+
+    def __getattr__(self, name: str) -> Any:  # once a name: then found on the instance
+        value = getattr(self._t, name)
+        setattr(self, name, value)
+        return value
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._t.is_closing()
+
+    def close(self) -> None:
+        cycle = self._protocol.cycle
+        unread = cycle is not None and cycle.more_body
+        if not unread or self.is_closing() or not self._t.can_write_eof():
+            self._t.close()
+            return
+        self.lingering = True
+        self._t.write_eof()
+        self._t.resume_reading()
+        loop = self._protocol.loop
+        self._end, self._last = loop.time() + self._limit, loop.time()
+        loop.call_later(LINGER, self._check)
+
+    def dropped(self) -> None:  # bytes came, and were dropped
+        self._last = self._protocol.loop.time()
+
+    def _check(self) -> None:
+        now = self._protocol.loop.time()
+        if now >= self._end or now - self._last >= LINGER:
+            self._t.close()
+        else:
+            self._protocol.loop.call_later(LINGER, self._check)
+
+
+#: Seconds a lingering close waits for the client to send more.
+LINGER = 2.0
+
+
+def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
+    """uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``), with heads bounded."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(_Lingering(transport, self, head_timeout))
+            self._head_bytes, self._head_timer = 0, None
+            self._arm()
+
+        def _waiting(self) -> bool:  # for a head: none yet, or the last one answered
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(head_timeout, self._late, self.cycle)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _late(self, cycle: Any) -> None:
+            self._head_timer = None
+            if self._waiting() and self.cycle is cycle and not self.transport.is_closing():
+                if self._head_bytes:  # a head begun and not finished: say why
+                    self.transport.write(_refusal(408, "Request Timeout", (
+                        f"the request's headers did not arrive within {head_timeout:g} s "
+                        f"({self._head_bytes} bytes came). Send the whole request at once."
+                    )))  # fmt: skip
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self.transport.lingering:  # answered: the rest of the body is not read
+                self.transport.dropped()
+                return
+            cycle = self.cycle
+            super().data_received(data)
+            if self.transport.is_closing():
+                return
+            if not self._waiting():  # a head arrived: the app bounds the rest
+                self._head_bytes = 0
+                self._disarm()
+                return
+            if self.cycle is cycle:  # no head ended in this chunk: all of it is head
+                self._head_bytes += len(data)
+            if self._head_bytes > max_head_bytes:
+                self._disarm()
+                self.transport.write(_refusal(431, "Request Header Fields Too Large", (
+                    f"the request's line and headers passed {max_head_bytes} bytes; send "
+                    "shorter ones."
+                )))  # fmt: skip
+                self.transport.close()
+                return
+            self._arm()
+
+        def eof_received(self) -> bool | None:
+            # A client that half-closed after its whole request (printf ... | nc -N) got no
+            # answer: uvicorn closed at once. It is answered, then the connection closed.
+            cycle = self.cycle
+            if cycle is not None and not cycle.more_body and not cycle.response_complete:
+                cycle.keep_alive = False
+                return True
+            return super().eof_received()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return BoundedHeads
+
+
+def serve(
+    artifact: str | os.PathLike[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    runtime: str = "jax",
+    max_batch: int | None = None,
+    max_queue: int = 1024,
+    max_body_bytes: int = 64 * 2**20,
+    body_timeout: float = 60.0,
+    max_inflight_bytes: int | None = None,
+    max_connections: int = 1000,
+    log_level: str = "warning",
+    ready: Callable[[str], None] | None = None,
+    entry: str | None = None,
+    params_as_constants: bool = False,
+    trust: bool = False,
+    allow: Iterable[str] | None = None,
+    verify_signature: str | os.PathLike[str] | None = None,
+) -> None:
+    """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
+
+    Loads the artifact, compiles the batcher's buckets, binds ``host:port`` (``port=0``: a
+    free port), calls ``ready(url)`` and runs uvicorn. On a signal it stops accepting
+    connections, finishes the requests in flight and queued, and returns. For per-request
+    latency on the CPU, call :func:`~symjax_mlp.serving.latency_mode` first, and
+    ``gc.freeze()`` in ``ready``; ``symjax-mlp serve`` does both.
+
+    Args:
+      artifact: the artifact directory.
+      host, port: where to listen.
+      runtime: ``"jax"`` or ``"iree"``.
+      max_batch, max_queue: see :class:`~symjax_mlp.serving.Batcher`.
+      max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a request's
+        line and headers too must come within ``body_timeout`` (and 64 KiB; else 408, 431).
+      max_connections: the most connections (and requests) at once; past it a request is
+        answered 503 (uvicorn's ``limit_concurrency``).
+      log_level: uvicorn's log level.
+      ready: called with the URL once the socket is bound (default: prints it).
+      entry: the entry point to serve (default: the artifact's default one).
+      params_as_constants, trust, allow, verify_signature: passed to
+        :func:`~symjax_mlp.load`.
+
+    Raises:
+      ConfigError: ``params_as_constants`` with ``runtime="iree"`` or a sharded artifact.
+      ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
+      ArtifactError: the artifact cannot be loaded.
+    """
+    require()
+    import uvicorn
+
+    if (
+        isinstance(max_connections, bool)
+        or not isinstance(max_connections, int)
+        or max_connections < 1
+    ):
+        raise ConfigError(f"serve: max_connections must be an int >= 1; got {max_connections!r}.")
+    levels = uvicorn.config.LOG_LEVELS
+    if not isinstance(log_level, int) and str(log_level).lower() not in levels:
+        raise ConfigError(
+            f"serve: log_level must be one of {', '.join(levels)}; got {log_level!r}."
+        )
+    sock = bind(host, port)  # before the load: a busy port is said at once, not after it
+    with sock:
+        model = load(
+            artifact,
+            runtime=runtime,
+            params_as_constants=params_as_constants,
+            trust=trust,
+            allow=allow,
+            verify_signature=verify_signature,
+        )
+        if entry is not None:
+            model = model[entry]
+        batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue, name=model_name(model))
+        try:
+            app = create_app(
+                batcher,
+                max_body_bytes=max_body_bytes,
+                body_timeout=body_timeout,
+                max_inflight_bytes=max_inflight_bytes,
+            )
+            sock.listen(2048)  # connections queue from here on: "ready" means ready
+            bound = sock.getsockname()[1]
+            shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
+            url = f"http://{shown}:{bound}"
+            config = uvicorn.Config(
+                app,
+                log_level=log_level,
+                access_log=False,
+                lifespan="on",
+                timeout_graceful_shutdown=30,
+                limit_concurrency=max_connections,
+                http=bounded_heads(body_timeout),  # a head, too, within time and 64 KiB
+                # h11 (uvicorn without httptools) stops a head at 16 KiB with a 400: past ours
+                h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
+            )
+            server = uvicorn.Server(config)
+            (ready or print_ready(artifact))(url)
+            with _quiet_signals():
+                server.run(sockets=[sock])
+        finally:
+            batcher.close()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening); raises :class:`ConfigError`
+    where that address cannot be had (a port in use, a host that is not this machine's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP (a
+    # connection accepted from socket.socket() was left to Nagle: 40 ms a request without uvloop)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError, UnicodeError) as e:
+        sock.close()
+        why = getattr(e, "strerror", None) or str(e)
+        raise ConfigError(
+            f"serve: cannot listen on {host}:{port} ({why}). Pass a free port (0: any free "
+            "one) and a host address of this machine (127.0.0.1, 0.0.0.0)."
+        ) from None
+    return sock
+
+
+def print_ready(artifact: Any) -> Callable[[str], None]:
+    def say(url: str) -> None:
+        print(f"serving {artifact} on {url} ({ENDPOINTS})", flush=True)
+
+    return say
+
+
+@contextlib.contextmanager
+def _quiet_signals():
+    """uvicorn re-raises the signal it shut down on; here that ends serve() normally."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda *_: None) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        sys.stdout.flush()
