@@ -1,20 +1,12 @@
 """An artifact as a Ray Serve application: replicas, each a :class:`Batcher` behind our ASGI app.
 
-:func:`ray_app` returns a Ray Serve ``Application`` (``serve.run(app)`` deploys it). Each
-replica is a :class:`Replica`: it loads the artifact with :func:`~symjax_mlp.load`'s checks
-(``verify_signature=`` included), compiles its batcher's buckets in its constructor (before
-Ray routes it a request), and serves the same ASGI app as ``symjax-mlp serve``
-(:func:`~symjax_mlp.serving.create_app`, mounted with ``serve.ingress``): the same bodies,
-answers and status codes, through Ray's HTTP proxy. A ``DeploymentHandle`` calls
-``handle.predict.remote(x)`` with NumPy arrays, no HTTP.
-
-Health is Ray's: ``check_health`` fails once the batcher is closed, and Ray replaces the
-replica. Metrics are Ray's: each health check (every ``health_check_period_s``) copies the
-batcher's counters and the replica's trace and compile counts into ``ray.serve.metrics``
-gauges (``symjax_mlp_replica_*``, with Ray's deployment and replica tags); per request, Ray's
-own request counters and latencies. Nothing is added per request.
-Ray is imported only here, when an application is made or a replica starts (the
-``symjax_mlp[ray]`` extra).
+Each replica (:class:`Replica`) loads the artifact with :func:`~symjax_mlp.load`'s checks,
+compiles its batcher's buckets in its constructor (before Ray routes it a request) and serves
+:func:`~symjax_mlp.serving.create_app` through Ray's HTTP proxy (``serve.ingress``), or
+``handle.predict.remote(x)`` through a ``DeploymentHandle``. Health and metrics are Ray's: each
+health check copies the batcher's counters and the replica's trace and compile counts into
+``ray.serve.metrics`` gauges; nothing is added per request. Ray is imported only here, when
+used (the ``symjax_mlp[ray]`` extra).
 """
 
 from __future__ import annotations
