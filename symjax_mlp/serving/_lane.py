@@ -1,14 +1,10 @@
 """A batcher's executor lane: the queue, the thread that runs batches, and how results go out.
 
-:class:`Lane` is the state a :class:`~symjax_mlp.serving.Batcher` shares with its thread
-(which holds no Batcher, so that dropping the Batcher ends the thread): the bounded queue, the
-lane's token (whoever holds it runs the model), the thread's loop (:meth:`Lane.work`: take a
-batch, pad it to its bucket, run it, split it, settle its requests) and the counters.
-
-Like a ``ThreadPoolExecutor``'s workers, the thread outlives what it runs: whatever the model
-raises, ``BaseException`` included, goes to the batch's requests; a done callback that raises
-is logged (:func:`~symjax_mlp._compat.after_finish`), and anything that escapes a batch even
-so is logged and the loop goes on: no queued request waits for ever for a thread that is gone.
+:class:`Lane` is the state a :class:`~symjax_mlp.serving.Batcher` shares with its thread (which
+holds no Batcher, so dropping the Batcher ends the thread): the bounded queue, the lane's token
+(whoever holds it runs the model), the thread's loop and the counters. Like a
+``ThreadPoolExecutor``'s workers, the thread outlives what it runs: whatever the model raises,
+``BaseException`` included, goes to the batch's requests, and the loop goes on.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """A batcher's requests: what one takes, its check, and what the caller holds while it runs.
 
-The per-input specs come from an example batch or an artifact's signature; the batch sizes
-compiled ahead of time from ``max_batch``/``buckets``. :class:`RequestCheck` checks each
-input's rank, row shape, dtype and rows: a NumPy request whose ``(shape, dtype)`` passed once
-is looked up in a dict (at most ``max_batch`` keys per signature, since only the rows differ).
-A refused request is counted (``rejected_by["signature"]``) and raises a
-:class:`~symjax_mlp.SignatureError` that says which input, what it has and how to fix it.
-What a batcher calls for a Hybrid is fixed once, when it is made (:func:`inference_of`).
-
-A :class:`RequestFuture` is a ``concurrent.futures.Future`` (``wait``, ``as_completed`` and
-``add_done_callback`` work on it) built to be settled a whole batch at a time: the futures of
-one batcher share one lock, and only the callers blocked in ``result()`` on a future are woken
-for it. An :class:`AsyncRequest`, what ``asubmit`` returns, is its asyncio counterpart. Each is
-its own entry in the batcher's queue.
+The per-input specs come from an example batch or an artifact's signature; the buckets from
+``max_batch``/``buckets``. :class:`RequestCheck` checks each input's rank, row shape, dtype and
+rows, and looks up a NumPy ``(shape, dtype)`` that passed once. A :class:`RequestFuture` is a
+``concurrent.futures.Future`` settled a whole batch at a time (one lock per batcher, only its
+waiters woken); an :class:`AsyncRequest` its asyncio counterpart.
 """
 
 from __future__ import annotations
