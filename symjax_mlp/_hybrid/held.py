@@ -1,8 +1,5 @@
-"""The state a Hybrid holds between calls: flat, as the compiled program takes and returns it.
-
-Typed rng keys are held as their raw ``key_data``; the tree is rebuilt only when read. A call
-may change the state's values, not its structure.
-"""
+"""The state a Hybrid holds between calls: flat, as its compiled program takes and returns it
+(rng keys as raw ``key_data``), the tree rebuilt only when read."""
 
 from __future__ import annotations
 
@@ -31,17 +28,10 @@ _STATE_STRUCTURE = (
 
 
 class HeldState:
-    """A Hybrid's state as the arrays it passes to its compiled calls and takes back.
-
-    Attributes:
-      name: the Hybrid's name, for messages.
-      leaves: the flat state (rng keys as raw key data), as of the last call.
-      lock: held around a call that moves the state, and while the tree is rebuilt.
-    """
+    """A Hybrid's flat state as of the last call (``leaves``), and the ``lock`` held around a
+    call that moves it; ``own``: held in buffers of its own (a donating Hybrid's)."""
 
     def __init__(self, name: str, state: Any, *, own: bool = False) -> None:
-        """Holds ``state``; ``own``: in buffers of its own (copied here), as a donating Hybrid
-        must."""
         self.name = name
         self._structure, self._key_impls = state_structure(state)
         leaves = unwrap_keys(jax.tree.leaves(state), self._key_impls)
@@ -78,10 +68,9 @@ class HeldState:
         return self.unflatten(raw)
 
     def hold(self, leaves: list[Any]) -> None:
-        """Holds a call's new flat state (the caller holds :attr:`lock`); a traced one (a call
-        under a transformation) is a ControlFlowError."""
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):  # any: under jax.grad
-            # a leaf with no tangent (a counter, stop_gradient) comes back concrete
+        """Holds a call's new flat state (under :attr:`lock`); a traced one is refused."""
+        # any: under jax.grad a leaf with no tangent (a counter) comes back concrete
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
             raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
         self.leaves = leaves
         self._tree = None

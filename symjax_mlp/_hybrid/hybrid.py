@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.held import HeldState
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain
 from symjax_mlp._hybrid.trace import TraceEvent, TraceLog, symbolic
-from symjax_mlp._hybrid.traced import TracedModel, as_program, given, write_back
+from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, TracedModel, given, write_back
 from symjax_mlp._specs import array_types
 
 _FROZEN = (
@@ -101,12 +102,10 @@ class Hybrid:
             else _mesh.DataParallel.over(name, mesh, axis, pad, params_as_constants)
         )
         leaves, treedef = jax.tree.flatten(params)
-        # A donating call consumes the held state: hold buffers of our own, never the caller's
-        # (their variables, an nnx module's BatchStat) nor another Hybrid's. Copied once, here.
+        # a donating call consumes the held state: never the caller's buffers nor another's
         owned = bool(donate) and model.stateful and mesh is None
         held = HeldState(name, {} if state is None else state, own=owned)
         log = TraceLog(name, max_traces)
-        # Baked: the compiled calls close over the params (XLA constants), pass none.
         baked = params_as_constants and mesh is None
         traced = TracedModel(model, treedef, leaves if baked else None, held, log)
         trace = traced.stateful if model.stateful else traced.stateless
@@ -132,7 +131,12 @@ class Hybrid:
 
     def _jit(self, trace: Callable[..., Any], **options: Any) -> Any:
         """``jax.jit`` of ``trace``, its module named ``jit_<name>_hybrid`` (see ``traced``)."""
-        return jax.jit(as_program(trace, self.name), **options)
+
+        def program(*args: Any, **kwargs: Any) -> Any:
+            return trace(*args, **kwargs)
+
+        program.__name__ = program.__qualname__ = f"{self.name}{PROGRAM_SUFFIX}"
+        return jax.jit(program, **options)
 
     def _set(self, **fields: Any) -> None:
         for k, v in fields.items():
@@ -310,7 +314,8 @@ class Hybrid:
         static, dyn, dyn_kw = self._partition(args, kwargs, caller)
         variables = given(dyn, dyn_kw, caller)
         if self._apply is None:  # never donating: params and state are the caller's
-            self._set(_apply=self._jit(self._traced.apply, static_argnums=0))
+            apply = functools.partial(self._traced.run, entry="apply")
+            self._set(_apply=self._jit(apply, static_argnums=0))
         with symbolic(self.name):
             out, new_state, *new = self._apply(static, params, state, dyn, dyn_kw)
         if variables:

@@ -1,10 +1,7 @@
-"""Meshes and placement for data parallelism: one XLA program drives every device.
-
-A sharded :class:`~symjax_mlp.Hybrid` splits the batch over the mesh's data axis and replicates
-the params; its one ``jax.jit`` carries those shardings, so XLA's SPMD partitioner writes the
-per-device program. A batch that does not divide by the number of shards is padded and the
-result trimmed: inference repeats the last row (outputs must be per-example), training pads
-with weight ``0``; ``pad=False`` raises :class:`~symjax_mlp.SignatureError` instead.
+"""Meshes and placement for data parallelism: one ``jax.jit`` with the batch split over the
+mesh's data axis and the params replicated, partitioned by XLA's SPMD partitioner. A batch
+that does not divide by the number of shards is padded (inference repeats the last row,
+training pads with weight ``0``) and the result trimmed.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ def data_mesh(
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:
-    """``mesh`` with Auto axes, where GSPMD partitions any function (Explicit axes reject
-    some, e.g. trimming a padded batch)."""
+    """``mesh`` with Auto axes (Explicit ones reject some functions, e.g. trimming a batch)."""
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
 
 
@@ -72,12 +68,10 @@ def place(x: Any, sharding: NamedSharding) -> jax.Array:
     ``x`` is constrained to it instead."""
     if isinstance(x, jax.core.Tracer):
         return jax.lax.with_sharding_constraint(x, sharding)
-    if isinstance(x, jax.Array):
-        if x.sharding == sharding:  # not just equivalent: the mesh is part of the jit key
-            return x
-        if jax.process_count() == 1 or not x.is_fully_addressable:
-            return jax.device_put(x, sharding)
-    if jax.process_count() == 1:
+    array = isinstance(x, jax.Array)
+    if array and x.sharding == sharding:  # not just equivalent: the mesh is in the jit key
+        return x
+    if jax.process_count() == 1 or (array and not x.is_fully_addressable):
         return jax.device_put(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
@@ -139,14 +133,8 @@ _PADDED_STATE = (
 
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
-    """A sharded Hybrid's call: the batch split over ``axis`` of ``mesh``, the rest replicated.
-
-    Attributes:
-      name, axis, pad: the Hybrid's.
-      mesh: the mesh, its axes Auto (:func:`auto_mesh`); ``n_shards``: the size of ``axis``.
-      replicated: the params' (and state's) sharding, ``P()``.
-      batch: the inputs' and outputs' sharding, ``P(axis)``.
-    """
+    """A sharded Hybrid's call: the ``batch`` split over ``axis`` of ``mesh`` (Auto axes), the
+    params and state ``replicated``."""
 
     name: str
     mesh: Mesh
@@ -162,16 +150,15 @@ class DataParallel:
     def over(
         cls, name: str, mesh: Mesh | None, axis: str, pad: bool, baked: bool = False
     ) -> DataParallel:
-        """Checks ``mesh`` (default: :func:`data_mesh`), ``axis``, and that the params are not
-        ``baked`` as constants."""
+        """Checks ``mesh`` (default: :func:`data_mesh`), ``axis``, and that nothing is baked."""
         if baked:
             raise ConfigError(_BAKED.format(name=name))
         mesh, rep, dat, n = shardings(mesh, axis)
         return cls(name, mesh, axis, pad, n, rep, dat)
 
     def jit(self, trace: Callable[..., Any], stateful: bool) -> dict[str, Any]:
-        """``jax.jit``'s arguments for ``trace``: it, taking the batch as one tuple and checking
-        that every output is per example, and the in/out shardings (state replicated)."""
+        """``jax.jit``'s arguments: ``trace`` taking the batch as one tuple, its outputs checked
+        per example, and the in/out shardings."""
         per_example = self.per_example
         if stateful:
 
@@ -190,7 +177,7 @@ class DataParallel:
         return {"fun": sharded, "in_shardings": ins, "out_shardings": outs}
 
     def per_example(self, out: Any, dyn: Any) -> Any:
-        """``out``, checked to have the batch as every leaf's leading dimension."""
+        """``out``, checked to lead every leaf with the batch."""
         batch = dyn[0].shape[0]
         for path, leaf in jax.tree_util.tree_leaves_with_path(out):
             if leaf.ndim == 0 or leaf.shape[0] != batch:
@@ -215,17 +202,15 @@ class DataParallel:
         return size, tuple(map(put, dyn)), {k: put(v) for k, v in dyn_kw.items()}
 
     def replicate(self, leaves: Sequence[Any]) -> list[Any]:
-        """``leaves`` (params, state) placed on every device."""
         return [place(leaf, self.replicated) for leaf in leaves]
 
     def call(
         self, jitted: Any, static: Any, leaves: Any, held: Any, dyn: Any, dyn_kw: Any,
         sees_rows: Callable[[Any, Any, Any, Any], bool],
     ) -> Any:  # fmt: skip
-        """A call of ``jitted``: its batch padded and placed, the result trimmed; ``held`` (a
-        stateful Hybrid's, else ``None``) passed and taken back under its lock. A padded call
-        whose new state depends on its rows (``sees_rows``, asked once per signature) is
-        refused: the padding rows would change it."""
+        """A call of ``jitted``, its batch padded and placed, the result trimmed; ``held`` (or
+        ``None``) passed and taken back. A padded call whose new state ``sees_rows`` (asked
+        once per signature) is refused."""
         batch, placed, placed_kw = self.prepare(dyn, dyn_kw)
         padded = placed[0].shape[0] != batch
         if held is None:
@@ -248,7 +233,7 @@ class DataParallel:
     def lower(
         self, jitted: Any, static: Any, leaves: Any, held: Any, dyn: Any, dyn_kw: Any
     ) -> jax.stages.Lowered:
-        """``jitted`` lowered for the padded batch: one SPMD module for every device."""
+        """``jitted`` lowered for the padded batch."""
         _, placed, placed_kw = self.prepare(dyn, dyn_kw)
         state = () if held is None else (held.leaves,)
         return jitted.lower(static, leaves, *state, placed, placed_kw)

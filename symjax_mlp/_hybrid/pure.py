@@ -1,13 +1,8 @@
 """How to call each kind of model purely: ``call(params, state, args, kwargs) -> (out, state)``.
 
-A :class:`~symjax_mlp.Hybrid` holds one :class:`PureModel`: a plain function (:func:`plain`),
-a linen module (:func:`linen`: mutable collections and rng streams are the state) or an nnx
-module (:func:`nnx_module`: ``Param`` values are the params, other variables the state).
-
-An nnx module's mode lives in its submodules' attributes, which the user flips after
-``hybridize``: a Hybrid reads them at every call and keys its traces on them
-(:meth:`ModuleModes.key`), so ``module.eval()`` retraces once and a trace runs with the
-settings it was keyed on (:meth:`PureModel.pinned`).
+A linen module's state is its mutable collections and rng streams; an nnx module's, every
+variable but its ``Param`` s. An nnx module's mode lives in its submodules' attributes, which
+a Hybrid reads at every call and keys its traces on (:class:`ModuleModes`).
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES, symbolic
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
 _NOT_VARIABLES = (
-    "{name}: the variables given are a {got}, not the dict that {name}.init returns "
+    "{caller}: the variables given are a {got}, not the dict that {name}.init returns "
     "({{'params': ...}}). Pass that dict: hybridize(model, model.init(key, x)), "
     "h.apply(variables, x)."
 )
@@ -43,8 +38,7 @@ _NO_RNG = (
     "rngs=jax.random.key(0)) for 'dropout', or rngs={{'name': key, ...}} for others; each "
     "call splits them anew."
 )
-#: ``(module's watch list, settings)``: what a trace of that nnx module runs with (else the
-#: module's settings as they are now)
+#: ``(module's watch list, settings)``: what a trace of that nnx module runs with
 _PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "symjax_mlp_nnx_settings", default=None
 )
@@ -52,24 +46,21 @@ _PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
 
 @dataclasses.dataclass(frozen=True)
 class PureModel:
-    """A model as a pure function ``call(params, state, args, kwargs) -> (out, new_state)``:
-    ``params`` what gradients are taken of, ``state`` what a call carries forward (``{}``)."""
+    """A model as a pure function ``call(params, state, args, kwargs) -> (out, new_state)``."""
 
     call: Callable[..., tuple[Any, Any]]
     stateful: bool
     kind: str = "plain"
     module: Any = None
-    #: what the user's inputs go to, its params (or ``self``) first: for its signature
-    target: Any = None
-    #: an nnx module's settings (its submodules' bool attributes, ``deterministic``...) as they
-    #: are now, and their dotted names; ``None`` and ``()`` for other models
+    target: Any = None  # what the inputs go to, params (or self) first: for its signature
+    #: an nnx module's settings (its submodules' bool attributes) as they are now, and names
     settings: Callable[[], tuple] | None = None
     setting_names: tuple[str, ...] = ()
     _watch: Any = None  # what pins this model's settings (its own, not another model's)
 
     @contextlib.contextmanager
     def pinned(self, values: tuple) -> Iterator[None]:
-        """Within the block, :attr:`call` runs with these settings, not the module's now."""
+        """Within the block, :attr:`call` runs with these settings."""
         token = None if self.settings is None else _PINNED.set((self._watch, values))
         try:
             yield
@@ -78,15 +69,15 @@ class PureModel:
                 _PINNED.reset(token)
 
     def parameters(self) -> list[inspect.Parameter] | None:
-        """The inputs' parameters (params or ``self`` dropped); ``None``: not inspectable."""
+        """The inputs' parameters (params or ``self`` dropped), or ``None``."""
         try:
             return list(inspect.signature(self.target).parameters.values())[1:]
         except (TypeError, ValueError):  # a builtin, a C callable: no signature to read
             return None
 
     def inference(self, name: str) -> Callable[..., Any]:
-        """``f(variables, *args, **kwargs) -> out``, the state update dropped; ``variables``
-        is ``{"params": p, "state": s}`` for a stateful model, else the params."""
+        """``f(variables, *args, **kwargs) -> out``; ``variables`` is ``{"params": p,
+        "state": s}`` for a stateful model, else the params."""
 
         def model(variables: Any, *args: Any, **kwargs: Any) -> Any:
             with symbolic(name):  # a shape from a traced array named, in export too
@@ -109,23 +100,21 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
     """``(PureModel, params, state)`` for a linen module and its variables."""
     from flax.errors import InvalidRngError, ScopeCollectionNotFound
 
+    name = type(model).__name__
     if not isinstance(variables, Mapping):
-        raise ConfigError(
-            f"hybridize({type(model).__name__}, variables): variables must be the dict that "
-            f"{type(model).__name__}.init returns ({{'params': ...}}); got "
-            f"{type(variables).__name__}."
-        )
+        got = type(variables).__name__
+        caller = f"hybridize({name}, variables)"
+        raise ConfigError(_NOT_VARIABLES.format(caller=caller, name=name, got=got))
     collections = list(variables)
-    if mutable is None:  # every collection but the params is state, as model.apply has it
+    if mutable is None:  # every collection but the params, as model.apply has it
         mutable = tuple(c for c in collections if c != "params")
     if isinstance(mutable, str) or _RNGS in collections or _RNGS in mutable:
         raise ConfigError(
-            f"hybridize({type(model).__name__}, mutable={mutable!r}): name the mutable "
+            f"hybridize({name}, mutable={mutable!r}): name the mutable "
             f"collections in a list, as in mutable=['batch_stats'] (none called {_RNGS!r})."
         )
     mutable = tuple(mutable)
-    # a collection the variables lack is written by the call (self.sow's "intermediates"):
-    # each call returns it fresh, (out, {name: values}), as model.apply(mutable=...) does
+    # one the variables lack is sown: each call returns it fresh, as model.apply does
     sown = tuple(c for c in mutable if c not in collections)
     streams = _rng_streams(rngs)
     params = {c: variables[c] for c in collections if c not in mutable}
@@ -135,9 +124,8 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 
     def call(params, state, args, kwargs):
         if not isinstance(params, Mapping):  # h.apply(None, x), h.replace(params=[...])
-            raise ConfigError(
-                _NOT_VARIABLES.format(name=type(model).__name__, got=type(params).__name__)
-            )
+            got = type(params).__name__
+            raise ConfigError(_NOT_VARIABLES.format(caller=name, name=name, got=got))
         state = dict(state)
         keys = None
         if _RNGS in state:
@@ -157,17 +145,13 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
                 raise
             raise ConfigError(  # variables["params"] given for the variables
                 _NO_PARAMS.format(
-                    name=type(model).__name__, error=str(e).split(" (")[0].rstrip("."),
+                    name=name, error=str(e).split(" (")[0].rstrip("."),
                     keys=sorted(map(str, variables)),
                 )
             ) from None  # fmt: skip
         except InvalidRngError as e:
-            streams = sorted(keys or ())
-            raise ConfigError(
-                _NO_RNG.format(
-                    name=type(model).__name__, error=str(e).split(" (")[0], streams=streams
-                )
-            ) from None
+            error, streams = str(e).split(" (")[0], sorted(keys or ())
+            raise ConfigError(_NO_RNG.format(name=name, error=error, streams=streams)) from None
         return out, {**state, **updates}
 
     m = PureModel(
@@ -177,11 +161,8 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 
 
 def nnx_module(module: Any) -> tuple:
-    """``(PureModel, params, state)`` for an nnx module: its Params, and everything else.
-
-    Its settings (submodules' bool attributes, ``deterministic``, ``use_running_average``) are
-    read from ``module`` itself at each call; its state, once split, is the Hybrid's.
-    """
+    """``(PureModel, params, state)`` for an nnx module: its Params, and everything else; its
+    settings (submodules' bool attributes) read from ``module`` at each call."""
     from flax import nnx
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
@@ -222,8 +203,7 @@ def nnx_module(module: Any) -> tuple:
 
 
 def mode_settings(model: PureModel, values: tuple, *, train: bool) -> tuple:
-    """``values`` (an nnx module's settings) as ``module.train()`` or ``module.eval()`` would
-    set them: every ``deterministic`` and ``use_running_average`` off or on."""
+    """An nnx module's settings ``values`` as ``module.train()`` or ``eval()`` would set them."""
     names = model.setting_names
     return tuple(
         (not train) if n.rpartition("/")[2] in MODE_ATTRIBUTES else v
@@ -269,8 +249,7 @@ def wrap_keys(raw: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
 
 
 class ModuleModes:
-    """The settings of a Hybrid's nnx ``model``, read when it is called; ``now()`` returns
-    them as they are now, in the order of ``model.setting_names``."""
+    """The settings of a Hybrid's nnx ``model`` as they are ``now()``, read at each call."""
 
     def __init__(self, model: PureModel, now: Callable[[], tuple] | None = None) -> None:
         self.model = model
@@ -280,16 +259,16 @@ class ModuleModes:
 
     @classmethod
     def of(cls, model: PureModel) -> ModuleModes | None:
-        """The modes of ``model``; ``None`` when it has no settings (not an nnx module)."""
+        """The modes of ``model``; ``None`` when it has none (not an nnx module)."""
         return None if model.settings is None else cls(model)
 
     def fixed(self) -> ModuleModes:
-        """These modes, fixed as they are now: ``module.train()`` later does not switch them."""
+        """These modes, fixed as they are now (``module.train()`` later does not switch them)."""
         values = self.now()
         return ModuleModes(self.model, lambda: values)
 
     def key(self, static: tuple) -> tuple:
-        """``static`` and the settings as they are now, the entries a trace is keyed on."""
+        """``static`` and the settings as they are now: what a trace is keyed on."""
         values = self.now()
         entries = self._keyed.get(values)
         if entries is None:
@@ -298,8 +277,8 @@ class ModuleModes:
         return static + entries
 
     def training(self, program: Callable[[tuple], str]) -> tuple[str, ...]:
-        """The settings that hold the module in training mode, as ``"path=value"``, where
-        flipping them changes ``program(settings)`` (the staged program's text)."""
+        """The settings holding the module in training mode, ``"path=value"``, where flipping
+        them changes ``program(settings)``."""
         now = self.now()
         evaluating = mode_settings(self.model, now, train=False)
         if now == evaluating or program(now) == program(evaluating):

@@ -1,8 +1,5 @@
-"""The trace log: what each trace of a Hybrid was specialised on, and why it traced again.
-
-A :class:`TraceEvent`'s ``reason`` names what changed against the nearest earlier trace; a
-:class:`TraceLog` keeps a Hybrid's events, its ``max_traces`` budget and ``on_trace`` callbacks.
-"""
+"""The trace log: what each trace of a Hybrid was specialised on, and why it traced again
+(what changed against the nearest earlier trace); its budget and ``on_trace`` callbacks."""
 
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError, Symj
 from symjax_mlp._hybrid.args import path_of, rebuild
 from symjax_mlp._specs import TensorSpec
 
-# The errors JAX raises when Python needs a concrete value from a tracer.
 TRACER_ERRORS = (
     jax.errors.ConcretizationTypeError,  # includes TracerBoolConversionError
     jax.errors.TracerArrayConversionError,
@@ -53,9 +49,8 @@ def control_flow_error(name: str, e: Exception) -> ControlFlowError:
 
 @contextlib.contextmanager
 def symbolic(name: str) -> Iterator[None]:
-    """Within the block, JAX's tracer errors are raised as :func:`control_flow_error`, and so
-    are the ``IndexError``/``TypeError`` of a shape taken from a traced array (``x[:n]``,
-    ``jnp.zeros(n)``)."""
+    """Raises JAX's tracer errors in the block as :func:`control_flow_error`, and the
+    ``IndexError``/``TypeError`` of a shape taken from a traced array (``x[:n]``)."""
     try:
         yield
     except TRACER_ERRORS as e:
@@ -94,27 +89,23 @@ class TraceEvent:
         return f"trace #{self.index}{where} [{sig}]: {self.reason}"
 
 
-#: nnx's mode attributes (what ``Module.train()`` and ``eval()`` set): the module settings a
-#: trace's line shows (the others show in a reason when they change)
+#: what nnx's ``Module.train()`` and ``eval()`` set: the module settings a trace's line shows
 MODE_ATTRIBUTES = ("deterministic", "use_running_average")
 
 
 def _shown(path: str) -> bool:
-    if not path.startswith("module."):
-        return True
-    return path.removeprefix("module.").rpartition("/")[2] in MODE_ATTRIBUTES
+    attr = path.removeprefix("module.").split("/")[-1]
+    return not path.startswith("module.") or attr in MODE_ATTRIBUTES
 
 
 def signature(
-    args: Sequence[Any], kwargs: dict[str, Any] | None = None, static: tuple[Any, ...] = ()
+    args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, ...]
 ) -> tuple[tuple[TensorSpec, ...], str, tuple[tuple[str, str], ...]]:
-    """The specs of the traced leaves (``args[0]``, ``kwargs['mask']``...: each at its place
-    in the call, the static ones in between counted), their tree, and the static values."""
+    """The traced leaves' specs (each at its place in the call), their tree, the static values."""
     fixed = {k for k, *_ in static if isinstance(k, int)}
     places = [i for i in range(len(args) + len(fixed)) if i not in fixed]
-    specs = []
-    trees = []
-    for prefix, tree in (("args", tuple(args)), ("kwargs", dict(kwargs or {}))):
+    specs, trees = [], []
+    for prefix, tree in (("args", tuple(args)), ("kwargs", dict(kwargs))):
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         trees.append(str(treedef))
         for path, leaf in leaves:
@@ -179,15 +170,8 @@ _RETRACE = (
 
 
 class TraceLog:
-    """The traces of one Hybrid's compiled paths: their events, the budget, the callbacks.
-
-    Every trace goes through :meth:`begin` and, once the model traced without error,
-    :meth:`commit`; a failed trace is neither logged nor counted.
-
-    Attributes:
-      name, max_traces: the Hybrid's.
-      callbacks: the ``on_trace`` callbacks, shared by the Hybrids ``replace`` makes.
-    """
+    """The traces of one Hybrid's compiled paths: each :meth:`begin` s, and :meth:`commit` s
+    once it succeeded; ``callbacks`` are shared by the Hybrids ``replace`` makes."""
 
     def __init__(self, name: str, max_traces: int | None) -> None:
         self.name, self.max_traces = name, max_traces
@@ -197,47 +181,35 @@ class TraceLog:
 
     @property
     def events(self) -> tuple[TraceEvent, ...]:
-        """One :class:`TraceEvent` per trace that succeeded, oldest first."""
         return tuple(self._events)
 
     def __len__(self) -> int:
         return len(self._events)
 
     def add(self, callback: Callable[..., Any]) -> None:
-        """Registers an ``on_trace`` callback."""
         if not callable(callback):
             raise ConfigError(f"on_trace expects a callable; got {type(callback).__name__}.")
         self.callbacks.append(callback)
 
     def run_callbacks(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Runs the callbacks with the call's arguments (traced, or concrete in eager mode)."""
         for callback in self.callbacks:
             callback(*args, **kwargs)
 
     def begin(self, static: Any, dyn: Any, dyn_kw: Any, entry: str) -> TraceEvent:
-        """The event a trace of this partitioned call will log, its callbacks run.
-
-        Raises:
-          RetraceError: the trace would exceed ``max_traces``.
-        """
+        """The event this trace will log, its callbacks run; a RetraceError past the budget."""
         sig, tree, shown = signature(dyn, dyn_kw, static)
         with self._lock:
             reason = explain(sig, tree, self._events, shown)
             event = TraceEvent(len(self._events), sig, tree, reason, shown, entry)
             if self.max_traces is not None and len(self._events) >= self.max_traces:
+                history = "\n  ".join(map(str, self._events))
                 raise RetraceError(
-                    _RETRACE.format(
-                        name=self.name,
-                        index=event.index,
-                        budget=self.max_traces,
-                        reason=reason,
-                        history="\n  ".join(map(str, self._events)),
-                    )
-                )
+                    _RETRACE.format(name=self.name, index=event.index, budget=self.max_traces,
+                                    reason=reason, history=history)
+                )  # fmt: skip
         self.run_callbacks(*rebuild(static, dyn, dyn_kw))
         return event
 
     def commit(self, event: TraceEvent) -> None:
-        """Logs a trace that succeeded."""
         with self._lock:
             self._events.append(dataclasses.replace(event, index=len(self._events)))

@@ -1,18 +1,15 @@
 """What a Hybrid's ``jax.jit`` traces: the model on a partitioned call, every trace logged.
 
-A call reaches the model as ``(static, leaves, ...)``: the static key, the flat params and the
-traced inputs. :class:`TracedModel` rebuilds the call, runs the model with the module
-settings its key holds, and logs the trace. nnx objects a call is given come back mutated, as
-eager nnx leaves them (:func:`variables_in`, :func:`write_back`). A Hybrid names its programs
-``jit_<name>_hybrid`` (:func:`as_program`), so that their CPU ``threefry2x32`` lowers unrolled
-(:func:`symjax_mlp._compat.install_unrolled_threefry`).
+A call reaches the model as ``(static, leaves, ...)``; :class:`TracedModel` rebuilds it, runs
+the model with the module settings its key holds, and logs the trace. nnx objects a call is
+given come back mutated, as eager nnx leaves them. Programs are named ``jit_<name>_hybrid``,
+so that their CPU ``threefry2x32`` lowers unrolled (``_compat.install_unrolled_threefry``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,7 +24,7 @@ from symjax_mlp._hybrid.pure import PureModel, settings_in
 from symjax_mlp._hybrid.trace import TraceLog, symbolic
 from symjax_mlp._specs import array_types
 
-_SUFFIX = "_hybrid"
+PROGRAM_SUFFIX = "_hybrid"
 _TWICE = (
     "{caller}: the same nnx Variable ({kind}) is reached more than once among the inputs "
     "(the same object passed twice, or inside two objects passed). A compiled call traces a "
@@ -40,29 +37,13 @@ _SHARDED = (
 )
 
 
-def as_program(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``fn`` named so that ``jax.jit`` of it lowers a module ``jit_<name>_hybrid``."""
-
-    def program(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    program.__name__ = program.__qualname__ = f"{name}{_SUFFIX}"
-    return program
-
-
-install_unrolled_threefry(_SUFFIX)
+install_unrolled_threefry(PROGRAM_SUFFIX)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TracedModel:
-    """A Hybrid's model as its compiled paths trace it.
-
-    Attributes:
-      model: the model, called purely.
-      treedef: the params' tree structure (the compiled calls pass them flat).
-      constants: the flat params a baked program closes over (XLA constants), or ``None``.
-      held, log: the Hybrid's held state and trace log.
-    """
+    """A Hybrid's model as its compiled paths trace it; ``constants``: the flat params a
+    baked program closes over (XLA constants), or ``None``."""
 
     model: PureModel
     treedef: Any
@@ -73,8 +54,8 @@ class TracedModel:
     def call(
         self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any, settings=None
     ) -> tuple[Any, Any]:
-        """``(out, new_state)`` of the model on a partitioned call, run with the module
-        settings its static key holds (what the trace is keyed on), or with ``settings``."""
+        """``(out, new_state)`` on a partitioned call, with the module settings its static key
+        holds (or ``settings``)."""
         pinned = self.model.pinned(settings_in(static) if settings is None else settings)
         with pinned, symbolic(self.log.name):
             return self.model.call(params, state, *rebuild(static, dyn, dyn_kw))
@@ -83,8 +64,7 @@ class TracedModel:
         self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any, part: int,
         settings: tuple | None = None,
     ) -> Any:  # fmt: skip
-        """The jaxpr of the model's output (``part`` 0) or new state (1) on a partitioned
-        call, ``params`` and ``state`` as constants (the inputs are its only ``invars``)."""
+        """The jaxpr of the output (``part`` 0) or new state (1), the inputs its only invars."""
 
         def staged(dyn: Any, dyn_kw: Any) -> Any:
             return self.call(static, params, state, dyn, dyn_kw, settings)[part]
@@ -97,7 +77,8 @@ class TracedModel:
         return any(input_dependent(self.staged(static, params, self.held.tree, dyn, dyn_kw, 1)))
 
     def run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
-        """One trace: logged (and its budget enforced) before, committed after."""
+        """One trace: logged (its budget enforced) before, committed after; ``h.apply``'s
+        (``entry="apply"``) returns ``out``, the new state (and given values)."""
         event = self.log.begin(static, dyn, dyn_kw, entry)
         if entry == "apply":
             params = leaves
@@ -110,29 +91,22 @@ class TracedModel:
         return (*result, [v.get_value() for v in given]) if given else result
 
     def stateless(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:
-        """``h(x)`` of a stateless model: the output, or ``(out, values)`` of the nnx
-        Variables it was given."""
+        """``h(x)`` of a stateless model: ``out`` (and the given nnx Variables' values)."""
         out, _, *given = self.run(static, leaves, self.held.tree, dyn, dyn_kw, "call")
         return (out, *given) if given else out
 
     def stateful(
         self, static: Any, leaves: list[Any], held: list[Any], dyn: Any, dyn_kw: Any
     ) -> Any:
-        """``h(x)`` of a stateful model: the output, the new state, flat (and the values of
-        given nnx Variables)."""
+        """``h(x)`` of a stateful model: ``out``, the new flat state (and given values)."""
         state = self.held.unflatten(held)
         out, new_state, *given = self.run(static, leaves, state, dyn, dyn_kw, "call")
         return out, self.held.flatten(new_state), *given
 
-    def apply(self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any) -> Any:
-        """``h.apply(params, x)``: the output, the new state, as trees (and given values)."""
-        return self.run(static, params, state, dyn, dyn_kw, "apply")
-
     def graph(
         self, name: str, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any
     ) -> Graph:
-        """The un-jitted model staged on a partitioned call, as a :class:`~symjax_mlp.Graph`
-        (not a trace of the compiled paths: not logged)."""
+        """The un-jitted model staged on a partitioned call (not logged)."""
         call = self.model.call
 
         def staged(params: Any, dyn: Any, dyn_kw: Any) -> Any:
@@ -144,8 +118,7 @@ class TracedModel:
 
 
 def variables_in(tree: Any) -> list[Any]:
-    """The nnx ``Variable`` s in ``tree``, in flattening order: the caller's own, or a
-    trace's copies of them (same order)."""
+    """The nnx ``Variable`` s in ``tree``, in flattening order."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:  # no nnx object can exist
         return []
