@@ -1,27 +1,18 @@
 """Run an artifact with IREE instead of JAX: ``load(path, runtime="iree")``.
 
-IREE runs a static module per input shape, as XLA compiles one: for each new input shape,
-JAX lowers the artifact's checked module (``model.jaxexport``'s, the one ``model.mlirbc``
-holds) for ``cpu`` at those shapes, every symbolic dimension refined, and ``iree.compiler``
-compiles it for ``llvm-cpu`` with ``--iree-llvmcpu-target-cpu=host``. Hence:
+For each new input shape JAX lowers the artifact's checked module (the one ``model.mlirbc``
+holds) for ``cpu``, every symbolic dimension refined, and ``iree.compiler`` compiles that static
+module for ``llvm-cpu`` (``--iree-llvmcpu-target-cpu=host``): IREE cannot compile a dynamic
+reshape of rank > 2, and its dynamic code is slower. The loader's bound
+(:class:`symjax_mlp._load.Guard`) checks each static module before IREE compiles it, and every
+call's inputs (IREE erases ``@shape_assertion``). Calls run on the ``local-sync`` driver, one
+at a time. A module without a ``cpu`` lowering, JAX's CPU custom calls (LAPACK), sharded and
+effectful exports are refused before anything compiles, never run by JAX instead.
 
-- IREE never compiles the symbolic module: it cannot compile the dynamic reshape of an input
-  of rank > 2 (a flatten, a Dense on ``(b, t, d)``, attention), and its dynamic code is
-  slower. With no Python, IREE's tools compile a static export (``batch=None``).
-- A multi-platform export is lowered for ``"cpu"``; one without it is refused.
-- Calls run on the ``local-sync`` driver, on the calling thread, one at a time: the weights
-  and ``main``'s argument list are made once; a call copies its inputs in, its outputs out.
-- IREE erases ``@shape_assertion`` calls; the loader checks every call's inputs.
-- JAX's CPU custom calls (LAPACK for ``jnp.linalg``), sharded and effectful exports have no
-  IREE lowering: refused before anything compiles, never a silent fallback to JAX.
-- IREE folds shapes computed from constants as it compiles: the loader's bound
-  (:class:`symjax_mlp._load.Guard`) checks each static module before IREE compiles it.
-
-Each ``.vmfb`` is cached per user (:func:`cache_dir`), keyed by the sha256 of the module
-compiled (lowered with no source locations: the same bytes for the same model and shapes),
-the IREE version, the flags and this CPU, and signed with this user's key
-(:func:`~symjax_mlp._files.cache_secret`): a damaged or planted entry is compiled again,
-never run. Compiled code is never read from the artifact.
+Each ``.vmfb`` is cached per user (:func:`cache_dir`), keyed by the sha256 of the module (lowered
+without source locations), the IREE version, the flags and this CPU, and signed with this
+user's key (:func:`~symjax_mlp._files.cache_secret`): a damaged or planted entry is compiled
+again, never run. Compiled code is never read from the artifact.
 """
 
 from __future__ import annotations

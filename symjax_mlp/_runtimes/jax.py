@@ -1,13 +1,10 @@
 """Run an artifact with JAX: ``load(path)`` (the default runtime).
 
-``model.jaxexport`` is deserialized with ``jax.export.deserialize`` (flatbuffers, no pickle),
-checked against the manifest and ``model.mlirbc``, and called through one ``jax.jit`` of
-``Exported.call`` (with rules for ``jax.grad`` and ``jax.vmap``: :mod:`.transforms`), the
-params a dict of device arrays keyed by path. XLA compiles once per input shape; a module
-loaded again in the process (same sha256) reuses the compilations. An artifact exported for
-N > 1 devices runs under the caller's mesh of N devices, else a mesh of the first N. A
-module that calls no LAPACK kernel compiles without JAX's LAPACK set-up
-(:func:`symjax_mlp._compat.skipping_lapack`).
+``model.jaxexport`` is deserialized (flatbuffers, no pickle), checked against the manifest and
+``model.mlirbc``, and called through one ``jax.jit`` of ``Exported.call`` (``jax.grad`` and
+``jax.vmap`` rules: :mod:`.transforms`), the params a dict of device arrays keyed by path. A
+module loaded again in the process (same sha256) reuses its compilations. An export for N > 1
+devices runs under the caller's mesh of N devices, else a mesh of the first N.
 """
 
 from __future__ import annotations
@@ -20,22 +17,24 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._artifact.format import (
-    JAXEXPORT,
-    MLIRBC,
-    caller,
-    program_file,
-)
+from symjax_mlp._artifact.format import JAXEXPORT, MLIRBC, caller, program_file
 from symjax_mlp._compat import skipping_lapack
 from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._runtimes.transforms import Program
-from symjax_mlp._runtimes.transforms import refined as refined  # iree.py's
 from symjax_mlp._specs import shape_dims
 
 
 def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
     """Refuses artifacts this JAX cannot run: calling convention, platform, device count."""
-    check_calling_convention(manifest, file=path / JAXEXPORT)
+    version = manifest["calling_convention_version"]
+    lo = jax.export.minimum_supported_calling_convention_version
+    hi = jax.export.maximum_supported_calling_convention_version
+    if not isinstance(version, int) or not lo <= version <= hi:
+        raise ArtifactError(
+            f"{path / JAXEXPORT}: the artifact uses jax.export calling convention version "
+            f"{version}, but jax {jax.__version__} loads versions {lo} to {hi} only: it is outside "
+            f"JAX's compatibility window. {compatibility_note(manifest)}"
+        )
     here = jax.export.default_export_platform()
     listed = tuple(manifest["platforms"])
     if here not in listed:
@@ -53,10 +52,8 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
         )
 
 
-# -- JAX's compatibility window --------------------------------------------------------------------
 def compatibility_note(manifest: Mapping[str, Any]) -> str:
     """The compatibility window, and how to re-export, for error messages."""
-
     made = manifest.get("versions", {}).get("jax", "?")
     return (
         f"The artifact was exported on {manifest.get('created', '?')} with jax {made}; this "
@@ -68,20 +65,6 @@ def compatibility_note(manifest: Mapping[str, Any]) -> str:
         f"{jax.__version__}; or load it with the exporting version "
         f"(pip install jax=={made} jaxlib=={made})."
     )
-
-
-def check_calling_convention(manifest: Mapping[str, Any], *, file: Path) -> None:
-    """Rejects calling-convention versions this JAX cannot load, before deserializing."""
-
-    version = manifest["calling_convention_version"]
-    lo = jax.export.minimum_supported_calling_convention_version
-    hi = jax.export.maximum_supported_calling_convention_version
-    if not isinstance(version, int) or not lo <= version <= hi:
-        raise ArtifactError(
-            f"{file}: the artifact uses jax.export calling convention version {version}, but "
-            f"jax {jax.__version__} loads versions {lo} to {hi} only: it is outside JAX's "
-            f"compatibility window. {compatibility_note(manifest)}"
-        )
 
 
 # sha256 of model.jaxexport -> (Exported, its Program, what made it), the most recent last
@@ -186,11 +169,8 @@ def runner(
 def _check_agrees(
     path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes], exported: Any
 ) -> None:
-    """Checks the deserialized module against the manifest and ``model.mlirbc``.
-
-    Checksums prove each file is what the manifest recorded; this proves the files belong
-    together, and that both runtimes run one program.
-    """
+    """Checks that the deserialized module, the manifest and ``model.mlirbc`` belong together
+    (checksums prove only that each file is what the manifest recorded): one program."""
     sig = manifest["signature"]
     n_dev = manifest["nr_devices"]
     jaxexport, mlirbc = program_file(manifest, JAXEXPORT), program_file(manifest, MLIRBC)
