@@ -53,41 +53,33 @@ if _TYPE_CHECKING:  # imported on first use, below: loading an artifact needs no
     from symjax_mlp._models import HybridSequential as HybridSequential
     from symjax_mlp._models import mlp as mlp
 
-_LAZY = {
-    "export": "symjax_mlp._export",
-    "Graph": "symjax_mlp._hybrid.graph",
-    "stage": "symjax_mlp._hybrid.graph",
-    "Hybrid": "symjax_mlp._hybrid.hybrid",
-    "hybridize": "symjax_mlp._hybrid.make",
-    "shard": "symjax_mlp._hybrid.make",
-    "TraceEvent": "symjax_mlp._hybrid.trace",
-    "ACTIVATIONS": "symjax_mlp._models",
-    "Dense": "symjax_mlp._models",
-    "HybridConcurrent": "symjax_mlp._models",
-    "HybridSequential": "symjax_mlp._models",
-    "mlp": "symjax_mlp._models",
-    "chapter": None,
-    "serving": None,
-    "training": None,
+_LAZY = {  # imported on first use, from these modules
+    "symjax_mlp._export": ("export",),
+    "symjax_mlp._hybrid.graph": ("Graph", "stage"),
+    "symjax_mlp._hybrid.hybrid": ("Hybrid",),
+    "symjax_mlp._hybrid.make": ("hybridize", "shard"),
+    "symjax_mlp._hybrid.trace": ("TraceEvent",),
+    "symjax_mlp._models": ("ACTIVATIONS", "Dense", "HybridConcurrent", "HybridSequential", "mlp"),
 }
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+_PACKAGES = ("chapter", "serving", "training")
 
 
 def __getattr__(name: str):
     """Hybrid, export, the models (flax) and the sub-packages (optax, ...) load on first
     use, so that ``import symjax_mlp; symjax_mlp.load(path)`` imports none of them (a
     fresh process that only loads starts faster)."""
-    if name not in _LAZY:
-        raise AttributeError(f"module 'symjax_mlp' has no attribute {name!r}")
-    where = _LAZY[name]
-    if where is None:
+    if name in _PACKAGES:
         return _importlib.import_module(f"symjax_mlp.{name}")
-    value = getattr(_importlib.import_module(where), name)
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'symjax_mlp' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_MODULE_OF[name]), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted({*globals(), *_MODULE_OF, *_PACKAGES})
 
 
 __all__ = [

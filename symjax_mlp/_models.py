@@ -53,7 +53,7 @@ class Dense(nn.Dense):
     activation: str | None = None
 
     def __post_init__(self) -> None:
-        activation(self.activation)  # validate at construction, not at first call
+        activation(self.activation)  # refused at construction, not at the first call
         if not _width(self.features):
             raise ConfigError(
                 f"Dense(features={self.features!r}): the output width is a positive int, e.g. "
@@ -65,8 +65,10 @@ class Dense(nn.Dense):
         return activation(self.activation)(super().__call__(inputs))
 
 
-def _check_callables(cls: str, field: str, items: Any) -> None:
+def _check_layers(cls: str, field: str, items: Any) -> None:
     """Refuses what is no sequence of layers now, not as a TypeError deep in ``init``."""
+    if not items:
+        raise ConfigError(f"{cls} needs at least one {field[:-1]}; got an empty sequence.")
     if isinstance(items, str | bytes) or not isinstance(items, Sequence):
         bad = [items]
     else:
@@ -85,9 +87,7 @@ class HybridSequential(nn.Module):
     layers: Sequence[nn.Module]
 
     def __post_init__(self) -> None:
-        if not self.layers:
-            raise ConfigError("HybridSequential needs at least one layer; got an empty sequence.")
-        _check_callables("HybridSequential", "layers", self.layers)
+        _check_layers("HybridSequential", "layers", self.layers)
         super().__post_init__()
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -110,9 +110,7 @@ class HybridConcurrent(nn.Module):
     axis: int = -1
 
     def __post_init__(self) -> None:
-        if not self.branches:
-            raise ConfigError("HybridConcurrent needs at least one branch; got an empty sequence.")
-        _check_callables("HybridConcurrent", "branches", self.branches)
+        _check_layers("HybridConcurrent", "branches", self.branches)
         if not isinstance(self.axis, numbers.Integral) or isinstance(self.axis, bool | np.bool_):
             raise ConfigError(
                 f"HybridConcurrent(axis={self.axis!r}): axis is the int the branches' outputs "
