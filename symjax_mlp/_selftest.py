@@ -4,7 +4,7 @@
 stores both in ``selftest.safetensors`` (listed in the manifest, so checksummed like every
 file). ``load`` runs them before handing the model over and refuses one that no longer
 reproduces them within the platform's tolerance: a wrong answer caught at load, not in
-production. Only ExecuTorch's BundledProgram does this, and opt-in; here it is the default.
+production.
 """
 
 from __future__ import annotations
@@ -88,16 +88,14 @@ def run(
     if name is None or name not in blobs:
         return
     vectors = decode_params(blobs[name], file=path / name)
-    n_in = len(manifest["signature"]["inputs"])
-    n_out = len(manifest["signature"]["outputs"])
+    sig = manifest["signature"]
     try:
-        xs = [vectors[f"args[{i}]"] for i in range(n_in)]
-        want = [vectors[f"out[{i}]"] for i in range(n_out)]
+        xs = [vectors[f"args[{i}]"] for i in range(len(sig["inputs"]))]
+        want = [vectors[f"out[{i}]"] for i in range(len(sig["outputs"]))]
     except KeyError as e:
         raise ArtifactError(
             f"{path / name} lacks the vector {e}; the artifact is corrupted. Export it again."
         ) from None
-    sig = manifest["signature"]
     for i, (x, spec) in enumerate(zip(xs, sig["inputs"], strict=True)):
         shape = tuple(BATCH if isinstance(d, str) else d for d in spec["shape"])
         _fits(path / name, f"args[{i}]", x, spec["dtype"], shape, f"input {i}")
@@ -107,13 +105,15 @@ def run(
         # block_until_ready first: jaxlib's np.asarray of a result whose program failed
         # (out of memory for it, on CPU) aborts the process instead of raising
         got = [np.asarray(y) for y in jax.block_until_ready(call(list(xs)))]
-    except JaxRuntimeError as e:  # it failed while it ran (JAX dispatches asynchronously)
-        raise run_failed(_caller(path), _program(path, manifest), e, xs, _WHERE) from e
-    except SymjaxError as e:  # the vectors fit the signature, yet the program refuses them
-        cause = e.__cause__  # it failed as it was called: jaxlib's C++ dispatch raises a
-        if isinstance(cause, JaxRuntimeError) or _exhausted(cause):  # ValueError for that
-            raise run_failed(_caller(path), _program(path, manifest), cause, xs, _WHERE) from cause
-        raise ArtifactError(f"{path / name}: its vectors do not run: {e}") from None
+    except (JaxRuntimeError, SymjaxError) as e:
+        # it failed as it ran (JAX dispatches asynchronously) or as it was called (jaxlib's
+        # C++ dispatch raises a ValueError for that); else the vectors do not run
+        cause = e if isinstance(e, JaxRuntimeError) else e.__cause__
+        if not (isinstance(cause, JaxRuntimeError) or _exhausted(cause)):
+            raise ArtifactError(f"{path / name}: its vectors do not run: {e}") from None
+        program = printable(str(path / program_file(manifest, JAXEXPORT)))
+        where = " on its self-test vectors, at load"
+        raise run_failed(_caller(path), program, cause, xs, where) from cause
     except MemoryError as e:  # NumPy's, reading the results
         raise _no_memory(path, e) from e
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -131,9 +131,6 @@ def run(
             )
 
 
-_WHERE = " on its self-test vectors, at load"
-
-
 def _no_memory(path: Path, error: MemoryError) -> ArtifactError:
     return ArtifactError(
         f"{_caller(path)}: this process ran out of memory reading or comparing the outputs of "
@@ -144,10 +141,6 @@ def _no_memory(path: Path, error: MemoryError) -> ArtifactError:
 
 def _caller(path: Path) -> str:
     return f'symjax_mlp.load("{printable(str(path))}")'
-
-
-def _program(path: Path, manifest: Mapping[str, Any]) -> str:
-    return printable(str(path / program_file(manifest, JAXEXPORT)))
 
 
 def difference(got: np.ndarray, want: np.ndarray) -> str | None:
