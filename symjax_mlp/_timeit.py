@@ -18,7 +18,6 @@ import numpy as np
 from symjax_mlp._errors import ConfigError
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
-_BAD_ROW = "CallTiming.{what}({row!r}): the rows are {rows}."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +49,7 @@ class CallTiming:
 
     def _row(self, row: str, what: str) -> tuple[float, ...]:
         if row not in _ROWS:
-            raise ConfigError(_BAD_ROW.format(what=what, row=row, rows=", ".join(_ROWS)))
+            raise ConfigError(f"CallTiming.{what}({row!r}): the rows are {', '.join(_ROWS)}.")
         return getattr(self, row)
 
     def min(self, row: str = "synced") -> float:
@@ -256,12 +255,5 @@ def timeit(
         k = r % len(order)
         for key, piped in order[k:] + order[:k]:
             seconds[key, piped].append(_loop(fns[key], calls, piped))
-    return CallTiming(
-        name=name,
-        calls=calls,
-        dispatch=dispatch_mode(),
-        synced=tuple(seconds["synced", False]),
-        pipelined=tuple(seconds["synced", True]),
-        compiled_synced=tuple(seconds["compiled", False]),
-        compiled_pipelined=tuple(seconds["compiled", True]),
-    )
+    rows = [(key, piped) for key in fns for piped in (False, True)]  # CallTiming's order
+    return CallTiming(name, calls, dispatch_mode(), *(tuple(seconds[row]) for row in rows))
