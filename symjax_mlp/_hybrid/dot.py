@@ -1,8 +1,5 @@
-"""Drawing a jaxpr as Graphviz DOT: one node per equation, clustered by layer and call.
-
-An equation with sub-jaxprs (``jit``, ``cond``, ``scan``, ``while``) is a labelled cluster of
-their equations; literals (a relu's ``0.0``) are small nodes.
-"""
+"""Drawing a jaxpr as Graphviz DOT: one node per equation, clustered by layer; an equation with
+sub-jaxprs (``jit``, ``cond``, ``scan``, ``while``) is a labelled cluster of their equations."""
 
 from __future__ import annotations
 
@@ -22,22 +19,24 @@ def to_dot(closed: Any, name: str) -> str:
     """Graphviz DOT: one node per equation, clustered by layer, edges along data flow."""
     jaxpr = closed.jaxpr
     drawing = _Drawing()
-    lines = [f'digraph "{_quote(name)}" {{', "  rankdir=TB;", "  node [fontsize=10];"]
     env: dict[Any, _Source] = {}
+    head: list[str] = []
     for i, v in enumerate(jaxpr.invars):
-        lines.append(f'  in{i} [shape=ellipse, label="{_quote(_aval(v))}"];')
-        env[v] = [f"in{i}"]
+        _var(f"in{i}", v, env, head)
     for i, v in enumerate(jaxpr.constvars):
-        lines.append(f'  const{i} [shape=ellipse, style=dashed, label="{_quote(_aval(v))}"];')
-        env[v] = [f"const{i}"]
-    body = drawing.jaxpr(jaxpr, env)
-    outs = []
+        _var(f"const{i}", v, env, head, ", style=dashed")
+    head += drawing.jaxpr(jaxpr, env)
     for i, v in enumerate(jaxpr.outvars):
-        outs.append(f'out{i} [shape=ellipse, label="{_quote(_aval(v))}"];')
-        drawing.edges += [f"{s} -> out{i};" for s in drawing.sources(v, env, outs)]
-    lines += [f"  {line}" for line in (*body, *outs, *drawing.edges)]
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+        head.append(f'out{i} [shape=ellipse, label="{_quote(_aval(v))}"];')
+        drawing.edges += [f"{s} -> out{i};" for s in drawing.sources(v, env, head)]
+    lines = [f"  {line}" for line in ("rankdir=TB;", "node [fontsize=10];", *head, *drawing.edges)]
+    return "\n".join([f'digraph "{_quote(name)}" {{', *lines, "}"]) + "\n"
+
+
+def _var(node: str, v: Any, env: dict[Any, _Source], out: list[str], style: str = "") -> None:
+    """Draws variable ``v`` as ``node`` (into ``out``) and binds it in ``env``."""
+    out.append(f'{node} [shape=ellipse{style}, label="{_quote(_aval(v))}"];')
+    env[v] = [node]
 
 
 class _Drawing:
@@ -92,14 +91,10 @@ class _Drawing:
             benv: dict[Any, _Source] = {}
             lines: list[str] = []
             for v in body.jaxpr.constvars:
-                node = self.new("const")
-                lines.append(f'{node} [shape=ellipse, style=dashed, label="{_quote(_aval(v))}"];')
-                benv[v] = [node]
+                _var(self.new("const"), v, benv, lines, ", style=dashed")
             for v, index in zip(body.jaxpr.invars, _inputs(eqn, k, body), strict=True):
                 if index is None:
-                    node = self.new("arg")
-                    lines.append(f'{node} [shape=ellipse, label="{_quote(_aval(v))}"];')
-                    benv[v] = [node]
+                    _var(self.new("arg"), v, benv, lines)
                     continue
                 bound.add(index)
                 atom = eqn.invars[index]

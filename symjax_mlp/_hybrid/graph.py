@@ -1,8 +1,5 @@
-"""The symbolic program: a staged jaxpr you can print, count, attribute to layers and draw.
-
-:func:`stage` turns any function into a :class:`Graph` with :func:`jax.make_jaxpr`; a
-:class:`~symjax_mlp.Hybrid` stages its function the same way (``h.graph(x)``).
-"""
+"""The symbolic program: a staged jaxpr (:func:`stage`, ``h.graph(x)``) you can print, count,
+attribute to layers and draw."""
 
 from __future__ import annotations
 
@@ -59,7 +56,7 @@ class Graph:
 
     @functools.cached_property
     def _flops(self) -> tuple[int, tuple[str, ...]]:
-        return count_flops(self.jaxpr.jaxpr)
+        return count_flops(self.jaxpr.jaxpr)  # (flops, primitives run an unknown number of times)
 
     @property
     def flops(self) -> int:
@@ -86,7 +83,7 @@ class Graph:
 
     @classmethod
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
-        """Stages ``fn(*args, **kwargs)`` as :func:`stage` describes."""
+        """Stages ``fn(*args, **kwargs)`` as :func:`stage` does."""
         args, kwargs, join = split_equinox(args, kwargs)
         static, dyn, dyn_kw = partition(args, kwargs, caller=f"stage({name})", lists=True)
 
@@ -98,11 +95,7 @@ class Graph:
 
     @classmethod
     def traced(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
-        """Stages ``fn(*args, **kwargs)``, every argument traced: a Hybrid's split call.
-
-        Raises:
-          ControlFlowError: Python needed a concrete value from a traced array.
-        """
+        """Stages ``fn(*args, **kwargs)``, every argument traced (a Hybrid's split call)."""
         with symbolic(name):
             jaxpr = jax.make_jaxpr(fn)(*args, **kwargs)
         return cls(jaxpr, name, lambda: jax.jit(fn).lower(*args, **kwargs))
@@ -116,8 +109,8 @@ class Graph:
         return self._lower().compile().as_text()
 
     def to_dot(self) -> str:
-        """Graphviz DOT: one node per equation, clustered by layer and nested call (see
-        :mod:`~symjax_mlp._hybrid.dot`), edges along data flow."""
+        """Graphviz DOT: one node per equation, clustered by layer and nested call, edges along
+        data flow."""
         return to_dot(self.jaxpr, self.name)
 
     def to_svg(self) -> str:

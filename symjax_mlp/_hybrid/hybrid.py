@@ -1,7 +1,5 @@
-"""The Hybrid object: a model plus its params (and state), eager or XLA-compiled at one switch.
-
-:func:`~symjax_mlp.hybridize` makes one; this is the one place ``jax.jit`` is applied.
-"""
+"""The Hybrid: a model plus its params (and state), eager or XLA-compiled at one switch; the
+one place ``jax.jit`` is applied."""
 
 from __future__ import annotations
 
@@ -96,14 +94,12 @@ class Hybrid:
         name = name or getattr(model.target, "__name__", type(model.target).__name__)
         nums, names = static_args(model.parameters, name, static_argnums, static_argnames)
         inputs = model.parameters()
-        parallel = (
-            None
-            if mesh is None
-            else _mesh.DataParallel.over(name, mesh, axis, pad, params_as_constants)
-        )
+        parallel = None
+        if mesh is not None:
+            parallel = _mesh.DataParallel.over(name, mesh, axis, pad, params_as_constants)
         leaves, treedef = jax.tree.flatten(params)
         # a donating call consumes the held state: never the caller's buffers nor another's
-        owned = bool(donate) and model.stateful and mesh is None
+        owned = donate and model.stateful and mesh is None
         held = HeldState(name, {} if state is None else state, own=owned)
         log = TraceLog(name, max_traces)
         baked = params_as_constants and mesh is None
@@ -118,8 +114,8 @@ class Hybrid:
         self._set(
             fn=model.inference(name), name=name,
             max_traces=max_traces, compiled=compiled, axis=axis, pad=pad,
-            static_argnums=nums, static_argnames=names, donate=bool(donate),
-            params_as_constants=bool(params_as_constants), stateful=model.stateful,
+            static_argnums=nums, static_argnames=names, donate=donate,
+            params_as_constants=params_as_constants, stateful=model.stateful,
             mesh=None if parallel is None else parallel.mesh,
             n_shards=1 if parallel is None else parallel.n_shards,
             __signature__=None if inputs is None else inspect.Signature(inputs),
@@ -198,9 +194,8 @@ class Hybrid:
         return twin
 
     def snapshot(self) -> Hybrid:
-        """This Hybrid as it runs now, whatever happens to its model later (what a
-        :class:`~symjax_mlp.serving.Batcher` serves): an nnx module's settings fixed, a
-        donating Hybrid's state copied into buffers no call of ``self`` consumes; else ``self``.
+        """This Hybrid as it runs now, whatever happens to its model later (what a Batcher
+        serves): an nnx module's settings fixed, a donating one's state copied; else ``self``.
 
         Example:
           >>> import jax.numpy as jnp
@@ -272,9 +267,8 @@ class Hybrid:
     def apply(self, params: Any, /, *args: Any, **kwargs: Any) -> Any:
         """The compiled pure function, for ``jax.grad`` and optax: ``h.apply(h.params, x)``.
 
-        Traced visibly (``entry="apply"``, counted against ``max_traces``). Returns ``out``,
-        or ``(out, new_state)`` from :attr:`state` if stateful (see :meth:`apply_with_state`).
-        Every keyword goes to the model (``state=`` too); nnx objects given come back mutated.
+        Traced as ``entry="apply"`` (counted against ``max_traces``). Returns ``out``, or
+        ``(out, new_state)`` from :attr:`state` if stateful; every keyword goes to the model.
 
         Example:
           >>> import jax, jax.numpy as jnp
@@ -336,13 +330,13 @@ class Hybrid:
         """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
         one SPMD module for every device, for the padded batch)."""
         static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
+        held = (self._held.leaves,) if self.stateful else ()
         with symbolic(self.name):
             if self._parallel is not None:
-                held = self._held if self.stateful else None
-                return self._parallel.lower(self._jitted, static, self._leaves, held, dyn, dyn_kw)
-            if not self.stateful:
+                _, dyn, dyn_kw = self._parallel.prepare(dyn, dyn_kw)
+            elif not self.stateful:
                 return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
-            return self._jitted.lower(static, self._leaves, self._held.leaves, dyn, dyn_kw)
+            return self._jitted.lower(static, self._leaves, *held, dyn, dyn_kw)
 
     def compile(self, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
         """Lowers and compiles: ``.as_text()`` is XLA's optimized HLO (``.cost_analysis()``...)."""
@@ -350,16 +344,14 @@ class Hybrid:
 
     def graph(self, *args: Any, **kwargs: Any) -> Graph:
         """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
-        layer shown; not counted in :attr:`trace_count`. Static settings are taken as in a call.
-        """
+        layer shown (not counted in :attr:`trace_count`)."""
         static, dyn, dyn_kw = self._partition(args, kwargs, self.name, keyed=False)
         with symbolic(self.name):
             return self._traced.graph(self.name, static, self.params, self.state, dyn, dyn_kw)
 
     def training_mode(self, *args: Any, **kwargs: Any) -> tuple[str, ...]:
-        """An nnx module's settings that hold it in training mode on these inputs, as
-        ``"path=value"``: the attributes ``module.eval()`` would flip where that changes the
-        staged program; ``()`` in eval mode and for other models."""
+        """An nnx module's settings that ``module.eval()`` would flip and that change the
+        program on these inputs, as ``"path=value"``; ``()`` in eval mode or for other models."""
         if self._modes is None:
             return ()
         static, dyn, dyn_kw = self._partition(args, kwargs, self.name, keyed=False)
@@ -388,9 +380,8 @@ class Hybrid:
 
     def _partition(self, args: Any, kwargs: Any, caller: str, keyed: bool = True) -> tuple:
         """The call's static key (``keyed``: with the module's settings), traced args, kwargs."""
-        static, dyn, dyn_kw = partition(
-            args, kwargs, self.static_argnums, self.static_argnames, caller=caller
-        )
+        nums, names = self.static_argnums, self.static_argnames
+        static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller)
         keyed = keyed and self._modes is not None
         return (self._modes.key(static) if keyed else static), dyn, dyn_kw
 

@@ -1,9 +1,5 @@
-"""Reading a jaxpr: its equations (nested ones included), their layers and their flops.
-
-Counting walks the equations, recursing into sub-jaxprs, never the text, which changes across
-JAX versions. The layers are the ``jax.named_scope`` names the ops were staged under;
-equinox names its scopes by class, so :func:`numbered` tells same-class layers apart by order.
-"""
+"""Reading a jaxpr: its equations (sub-jaxprs included, never the text), their layers (the
+``jax.named_scope`` names, equinox's numbered by call order) and their flops."""
 
 from __future__ import annotations
 
@@ -24,15 +20,8 @@ _ELEMENTWISE_FLOPS = frozenset(
         "gt", "ge", "convert_element_type", "floor", "ceil", "round", "reduce_precision",
     }
 )  # fmt: skip
-# XLA counts these as "transcendentals", not flops (HloCostAnalysis::HandleElementwiseOp).
-_TRANSCENDENTALS = frozenset(
-    {
-        "exp", "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "pow",
-        "erf", "sin", "cos", "tan", "atan2",
-    }
-)  # fmt: skip
-# One flop per input element: reductions, arg-reductions (a compare each), cumulative ops (an
-# add or compare each, the scan's work; XLA's CPU lowering as a reduce-window counts more).
+# One flop per input element: reductions, arg-reductions, cumulative ops (the scan's work);
+# transcendentals (exp, tanh, ...) count none, as XLA's cost analysis has it.
 _REDUCTION_FLOPS = frozenset(
     {
         "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
@@ -50,15 +39,8 @@ _CALLS = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class Body:
-    """A sub-jaxpr of an equation, and how often it runs per run of the equation.
-
-    Attributes:
-      role: ``""`` for a call (``jit``), ``"body"`` (``scan``, ``while``), ``"cond"``
-        (``while``), ``"branch 0"`` (``cond``), or the parameter's name for another primitive.
-      jaxpr: the sub-jaxpr.
-      trips: how many times it runs; a lower bound when ``exact`` is false.
-      exact: whether ``trips`` is known (false for a ``while`` loop's body and condition).
-    """
+    """A sub-jaxpr of an equation and how often it runs per run of it (a lower bound unless
+    ``exact``); ``role``: ``""`` (a call), ``"body"``, ``"cond"``, ``"branch 0"``, or a param."""
 
     role: str
     jaxpr: jex_core.Jaxpr
@@ -129,16 +111,14 @@ def walk(jaxpr: jex_core.Jaxpr, layer: str = "") -> Iterator[tuple[Any, str]]:
             yield from walk(sub, own)
 
 
-# An equinox layer's scope, bare or under transforms as jax.vmap names it: "vmap(eqx.nn.Linear)".
+# An equinox layer's scope, bare or under a transform: "vmap(eqx.nn.Linear)".
 _EQX_SCOPE = re.compile(r"(?:\w+\()*eqx\.")
 
 
 def numbered(pairs: Iterable[tuple[Any, str]]) -> list[tuple[Any, str]]:
-    """:func:`walk`'s pairs, each equinox scope entered more than once under one parent
-    numbered in call order: ``"eqx.nn.MLP/eqx.nn.Linear[1]"`` (``"vmap(eqx.nn.Linear)[1]"``
-    for a layer run under ``jax.vmap``, as equinox's examples run theirs). A scope is entered again
-    when another of its siblings' equations came between (its activation, say); two layers
-    of one class called back to back with nothing between stay one."""
+    """:func:`walk`'s pairs, an equinox scope entered more than once under one parent numbered
+    in call order (``"eqx.nn.MLP/eqx.nn.Linear[1]"``); entered again when a sibling's equation
+    came between (two layers called back to back with nothing between stay one)."""
     seen: collections.Counter[tuple[Any, ...]] = collections.Counter()
     prev: list[str] = []
     ids: list[tuple[str, int]] = []
@@ -164,9 +144,8 @@ def numbered(pairs: Iterable[tuple[Any, str]]) -> list[tuple[Any, str]]:
 
 
 def input_dependent(jaxpr: jex_core.Jaxpr) -> list[bool]:
-    """Per output of ``jaxpr``: whether it depends on an input (an ``invar``; constants do
-    not count). An equation with a dependent operand makes all its outputs dependent, which
-    is exact for primitives and errs towards "dependent" for calls and loops."""
+    """Per output of ``jaxpr``: whether it depends on an ``invar`` (an equation with a dependent
+    operand makes all its outputs dependent: exact for primitives, cautious for calls)."""
     seen = set(jaxpr.invars)
     for eqn in jaxpr.eqns:
         if any(isinstance(v, jex_core.Var) and v in seen for v in eqn.invars):
@@ -175,8 +154,8 @@ def input_dependent(jaxpr: jex_core.Jaxpr) -> list[bool]:
 
 
 def count_flops(jaxpr: jex_core.Jaxpr) -> tuple[int, tuple[str, ...]]:
-    """``(flops, unknown)``: the flops of one run of ``jaxpr`` (see ``Graph.flops``), each
-    body run as :func:`bodies` says, and the primitives whose trip counts are unknown."""
+    """``(flops, unknown)``: one run's flops (see ``Graph.flops``), and the primitives whose
+    trip counts are unknown."""
     total, unknown = 0, []
     for eqn in jaxpr.eqns:
         subs = bodies(eqn)
@@ -215,10 +194,9 @@ def eqn_flops(eqn: Any) -> int:
 
 
 def conv_flops(eqn: Any) -> int:
-    """A convolution's flops as XLA counts them (``HloCostAnalysis::GetConvolutionFlops``):
-    ``2 * batch/batch_groups * out_channels * in_channels/feature_groups * positions``, where
-    ``positions`` is, per spatial dimension, the number of (output, kernel) index pairs that
-    land on an input element rather than on padding or a dilation hole."""
+    """A convolution's flops as ``HloCostAnalysis::GetConvolutionFlops`` counts them: ``2 *
+    batch * out_channels * in_channels/groups * positions``, ``positions`` the (output, kernel)
+    index pairs that land on an input element (not padding or a dilation hole)."""
     p = eqn.params
     lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
     out = eqn.outvars[0].aval.shape

@@ -1,8 +1,5 @@
 """``hybridize`` and ``shard``: a model (a linen, nnx or equinox module, or a pure function)
-made a :class:`~symjax_mlp.Hybrid`, and a Hybrid run data-parallel.
-
-equinox is never imported here: a module is recognised only once the caller has imported it.
-"""
+made a :class:`~symjax_mlp.Hybrid` (equinox never imported here), and run data-parallel."""
 
 from __future__ import annotations
 
@@ -17,6 +14,12 @@ from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import holds_equinox
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.pure import linen, nnx_module
+
+_TAKES_NO = {  # why, and the fix
+    "nnx": "the module carries its own state (nnx.Rngs, nnx.BatchStat). Write hybridize(module).",
+    "eqx": "an equinox module's arrays are its params, the rest is held static. Write "
+    "hybridize(module); pass a key or an eqx.nn.State to each call.",
+}
 
 
 def hybridize(
@@ -80,52 +83,41 @@ def hybridize(
     )
     if isinstance(model, Hybrid):
         raise ConfigError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
-    kind = _flax_kind(model)
+    kind, state = _flax_kind(model), None
+    if kind is not None:
+        name = name or type(model).__name__
+    if kind in _TAKES_NO and any(v is not None for v in (params, mutable, rngs)):
+        raise ConfigError(f"hybridize({name}) takes no params, mutable or rngs: {_TAKES_NO[kind]}")
     if kind == "nnx":
-        if params is not None or mutable is not None or rngs is not None:
-            raise ConfigError(
-                "hybridize(nnx_module) takes no params, mutable or rngs: the module carries its "
-                "own state (nnx.Rngs, nnx.BatchStat, ...). Write hybridize(module)."
-            )
-        m, params, state = nnx_module(model)
+        model, params, state = nnx_module(model)
     elif kind == "linen":
         if params is None:
             raise ConfigError(
-                f"hybridize({type(model).__name__}) needs its variables: write "
+                f"hybridize({name}) needs its variables: write "
                 "hybridize(module, module.init(jax.random.key(0), x))."
             )
-        m, linen_params, state = linen(model, params, mutable, rngs)
+        model, linen_params, state = linen(model, params, mutable, rngs)
         params = params if not state else linen_params  # stateless: the very dict given
     elif kind == "eqx":
-        if params is not None or mutable is not None or rngs is not None:
-            raise ConfigError(
-                f"hybridize({type(model).__name__}) takes no params, mutable or rngs: an "
-                "equinox module's arrays are its params, the rest is held static. Write "
-                "hybridize(module); pass a key or an eqx.nn.State to each call."
-            )
-        fn, params = _equinox(type(model).__call__, model)
-        return Hybrid(fn, params, name=name or type(model).__name__, **settings)
+        model, params = _equinox(type(model).__call__, model)
     elif mutable is not None or rngs is not None:
         raise ConfigError(
             "hybridize(fn, params, mutable=/rngs=): those are settings of a flax.linen module. "
             "A pure function carries no state: return what changes and pass it back in."
         )
-    elif callable(model):
-        if params is None:
-            raise ConfigError(
-                "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
-                "For a function without params write hybridize(lambda _, x: f(x), {})."
-            )
-        if holds_equinox(params):
-            model, params = _equinox(model, params)
-        return Hybrid(model, params, name=name, **settings)
-    else:
+    elif not callable(model):
         raise ConfigError(
             "hybridize() expects a flax.linen.Module with its variables, a flax.nnx.Module, or "
             f"a pure function fn(params, *inputs); got {type(model).__name__}."
         )
-    name = name or type(model).__name__
-    return Hybrid(m, params, state=state, name=name, **settings)
+    elif params is None:
+        raise ConfigError(
+            "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
+            "For a function without params write hybridize(lambda _, x: f(x), {})."
+        )
+    elif holds_equinox(params):
+        model, params = _equinox(model, params)
+    return Hybrid(model, params, state=state, name=name, **settings)
 
 
 def _flax_kind(model: Any) -> str | None:
@@ -140,8 +132,8 @@ def _flax_kind(model: Any) -> str | None:
 
 
 def _equinox(fn: Any, tree: Any) -> tuple[Any, Any]:
-    """``(fn', arrays)``: ``tree``'s arrays, and ``fn`` called on them combined with the rest
-    of ``tree`` (held static, as ``eqx.filter_jit`` holds it); ``fn'`` has ``fn``'s signature."""
+    """``(fn', arrays)``: ``tree``'s arrays, and ``fn`` on them combined with the rest of
+    ``tree`` (held static, as ``eqx.filter_jit`` holds it)."""
     eqx = sys.modules["equinox"]
     arrays, static = eqx.partition(tree, eqx.is_array)
 

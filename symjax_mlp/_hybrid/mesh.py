@@ -229,11 +229,3 @@ class DataParallel:
                 out, new_held = jitted(static, leaves, held.leaves, placed, placed_kw)
                 held.hold(new_held)
         return jax.tree.map(lambda y: y[:batch], out) if padded else out
-
-    def lower(
-        self, jitted: Any, static: Any, leaves: Any, held: Any, dyn: Any, dyn_kw: Any
-    ) -> jax.stages.Lowered:
-        """``jitted`` lowered for the padded batch."""
-        _, placed, placed_kw = self.prepare(dyn, dyn_kw)
-        state = () if held is None else (held.leaves,)
-        return jitted.lower(static, leaves, *state, placed, placed_kw)
