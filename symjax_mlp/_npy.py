@@ -83,9 +83,7 @@ def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
 
     kind = getattr(ml_dtypes, dtype, None)
     same_size = isinstance(kind, type) and issubclass(kind, np.generic)
-    if same_size and np.dtype(kind).itemsize == x.dtype.itemsize:
-        return x.view(kind)
-    return x
+    return x.view(kind) if same_size and np.dtype(kind).itemsize == x.dtype.itemsize else x
 
 
 def read_inputs(
@@ -138,23 +136,20 @@ def write_outputs(out: Any, target: str | os.PathLike[str] | BinaryIO) -> list[n
     """
     outs = [np.asarray(y) for y in (out if isinstance(out, tuple) else (out,))]
     is_path = isinstance(target, str | os.PathLike)
+    buffer = io.BytesIO()
     if is_path and os.fspath(target).endswith(".npz"):
-        buffer = io.BytesIO()
         np.savez(buffer, **{f"out{i}": y for i, y in enumerate(outs)})
-        write_output(target, buffer.getvalue())  # whole or not at all
-        return outs
-    if len(outs) != 1:
+    elif len(outs) != 1:
         name = os.fspath(target) if is_path else getattr(target, "name", "the stream")
         raise SignatureError(
             f"the model returns {len(outs)} arrays, but {name} is one .npy array. Write to a "
             ".npz path to keep them all (out0, out1, ...)."
         )
-    if is_path:
-        buffer = io.BytesIO()
-        np.save(buffer, outs[0])
-        write_output(target, buffer.getvalue())
     else:
-        np.save(target, outs[0])
+        np.save(buffer if is_path else target, outs[0])
+    if is_path:
+        write_output(target, buffer.getvalue())  # whole or not at all
+    else:
         target.flush()
     return outs
 
