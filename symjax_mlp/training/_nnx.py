@@ -1,15 +1,15 @@
 """How training calls an nnx module: its ``Param`` values are trained, all else is its state.
 
-Training steps run with the attributes as ``module.train()`` sets them, evaluations as
-``eval()`` sets them, whatever mode the module was given in. Which state a call moves is read
-from its staged program, so a model that would silently train in inference mode is refused
-before any step runs. The module given is never changed. A module whose ``__call__`` takes
-``rngs`` gets a fresh ``nnx.Rngs`` every step, split from a key carried in the state.
+Steps run with the attributes as ``module.train()`` sets them, evaluations as ``eval()`` does;
+the module given is never changed. Which state a call moves is read from its staged program,
+so a model that would train in inference mode is refused before any step runs. A ``__call__``
+taking ``rngs`` gets a fresh ``nnx.Rngs`` every step, split from a key carried in the state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -61,9 +61,8 @@ CALL_RNG = "__call_rngs__"
 
 @dataclasses.dataclass(frozen=True)
 class NnxSpec:
-    """How to call an nnx classifier in training and in inference: each call's flags, the
-    module as a pure function (``pure``), its bool attributes in each mode, its ``Param``
-    values and other variables as given, and the shape of an inference call's output."""
+    """How to call an nnx classifier in each mode: its flags, the module as a pure function,
+    its bool attributes, ``Param`` values and other variables, an inference call's output."""
 
     train_flags: dict[str, Any]
     eval_flags: dict[str, Any]
@@ -81,8 +80,7 @@ class NnxSpec:
         return self.pure.stateful or self.call_rngs is not None
 
     def raw(self, state: Any, key: Any = None) -> Any:
-        """``state`` with its rng keys as raw key data: what a checkpoint and donation hold
-        (and, for :attr:`call_rngs`, the key its ``nnx.Rngs`` are split from)."""
+        """``state`` with its rng keys as raw key data (and :attr:`call_rngs`' ``key``)."""
         treedef, impls = state_structure(state)
         raw = jax.tree.unflatten(treedef, unwrap_keys(jax.tree.leaves(state), impls))
         if self.call_rngs is None:
@@ -99,8 +97,7 @@ class NnxSpec:
     def call(
         self, params: Any, state: Any, x: Any, *, train: bool, key: Any = None
     ) -> tuple[Any, Any]:
-        """``(logits, new state)`` of a call in the training or the inference mode (``key``:
-        what a training call's :attr:`call_rngs` draw from)."""
+        """``(logits, new state)`` of a call in either mode (``key``: :attr:`call_rngs`')."""
         flags = self.train_flags if train else self.eval_flags
         if train and self.call_rngs is not None:
             flags = {**flags, self.call_rngs: nnx.Rngs(jax.random.key(0) if key is None else key)}
@@ -133,8 +130,8 @@ def nnx_spec(
     """The :class:`NnxSpec` of ``module``, checked: a training call must move its state (when
     it has any and no flags were given), an inference call must not."""
     train, evals = find_flags(module, train_flags, eval_flags, caller, form)
-    given = [k for k, v in train.items() if isinstance(v, nnx.Rngs)]
-    rngs = given[0] if given else "rngs" if "rngs" in _parameters(module) else None
+    named = "rngs" if "rngs" in _parameters(module) else None
+    rngs = next((k for k, v in train.items() if isinstance(v, nnx.Rngs)), named)
     train = {k: v for k, v in train.items() if k != rngs}
     pure, params, state = nnx_module(module)
     now = pure.settings() if pure.settings is not None else ()
@@ -145,10 +142,9 @@ def nnx_spec(
     moved, _ = _moves(spec, example, train=True)
     if pure.stateful and train_flags is None and not moved:
         fix = _fix(module, form) if _bool_keyword(module) is not None else _NNX_FLAG
+        flags, names = shown_flags(train), ", ".join(_paths(state))
         raise ConfigError(
-            _NNX_STILL.format(
-                caller=caller, model=name, flags=shown_flags(train), state=_names(state), fix=fix
-            )
+            _NNX_STILL.format(caller=caller, model=name, flags=flags, state=names, fix=fix)
         )
     moved, out = _moves(spec, example, train=False)
     if moved:
@@ -160,26 +156,19 @@ def nnx_spec(
 
 def _moves(spec: NnxSpec, example: Any, *, train: bool) -> tuple[str, Any]:
     """The state a call updates (its leaves' names, ``""`` for none) and its output's shape."""
-
-    def run(params: Any, state: Any, x: Any) -> Any:
-        return spec.call(params, state, x, train=train)
-
+    run = functools.partial(spec.call, train=train)
     closed, shapes = jax.make_jaxpr(run, return_shape=True)(spec.params, spec.state, example)
     jaxpr = closed.jaxpr
     n_params, n_state = len(jax.tree.leaves(spec.params)), len(jax.tree.leaves(spec.state))
     ins = jaxpr.invars[n_params : n_params + n_state]
     outs = jaxpr.outvars[len(jaxpr.outvars) - n_state :]
-    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(spec.state)]
-    moved = [_path(p) for p, i, o in zip(paths, ins, outs, strict=True) if o is not i]
+    moved = [p for p, i, o in zip(_paths(spec.state), ins, outs, strict=True) if o is not i]
     return ", ".join(moved), shapes[0]
 
 
-def _path(path: Any) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
-def _names(state: Any) -> str:
-    return ", ".join(_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(state))
+def _paths(state: Any) -> list[str]:
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    return [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves]
 
 
 def fingerprint(spec: NnxSpec) -> str:

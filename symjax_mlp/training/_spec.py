@@ -7,6 +7,7 @@ would silently train in inference mode is refused with a message that names the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import re
@@ -24,31 +25,25 @@ from symjax_mlp._errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """How to call a flax.linen classifier in training and in inference: each call's keyword
-    settings, the collections a training call updates (``mutable``) and whether it draws from
-    a ``dropout`` rng stream (``rng``)."""
+    settings, the collections a training call updates (``mutable``), whether it draws from a
+    ``dropout`` rng stream (``rng``) and the flags ``init`` needs (``__call__``'s required)."""
 
     train_flags: dict[str, Any]
     eval_flags: dict[str, Any]
     mutable: tuple[str, ...]
     rng: bool
-    #: what ``init`` is called with: the flags ``__call__`` requires (no default)
     init_flags: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def stateful(self) -> bool:
-        return bool(self.mutable) or self.rng
 
 
 _FLAGS = (("train", True), ("training", True), ("deterministic", False))
-_KNOWN = ", ".join(name for name, _ in _FLAGS)
 #: How a fix is spelt for train() and for the pieces (``{on}``/``{off}``: the flags).
 TRAIN_FORM = "train(..., train_flags={on}, eval_flags={off})"
 STEP_FORM = "train_step(..., train_flags={on}) and init_params(..., train_flags={on})"
 
 _NO_FLAG = (
     "{caller}: {model}'s __call__ takes none of the flags that training finds by name "
-    "({known}), and a call with its defaults draws no rng and updates {state}: every step "
-    "would run it in inference mode, {lost}. {fix}"
+    "(train, training, deterministic), and a call with its defaults draws no rng and updates "
+    "{state}: every step would run it in inference mode, {lost}. {fix}"
 )
 _NOT_INFERENCE = (
     "{caller}: {model}'s inference call, {call}, {does}, so it is not in inference mode: "
@@ -77,6 +72,7 @@ _GIVE_A_FLAG = (
     "Give __call__ a flag, def __call__(self, x, train: bool = False), and pass it on: "
     "nn.Dropout(rate, deterministic=not train), nn.BatchNorm(use_running_average=not train)."
 )
+_STREAM, _COLLECTION = r'needs PRNG for "([^"]+)"', r'collection "([^"]+)"'
 
 
 def shown_flags(flags: dict[str, Any]) -> str:
@@ -88,24 +84,25 @@ def _parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
     return dict(list(inspect.signature(type(model).__call__).parameters.items())[1:])
 
 
+def _quoted(pattern: str, error: Exception) -> str:
+    found = re.search(pattern, str(error))
+    return found.group(1) if found else "?"
+
+
 def _checked(model: nn.Module, flags: Any, arg: str, caller: str, form: str) -> dict[str, Any]:
     name = type(model).__name__
     if not isinstance(flags, Mapping) or not all(isinstance(k, str) for k in flags):
         raise ConfigError(_BAD_FLAGS.format(caller=caller, arg=arg, model=name, flags=flags))
     params = _parameters(model)
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        for flag in flags:
-            if flag not in params:
-                raise ConfigError(
-                    _UNKNOWN_FLAG.format(
-                        caller=caller,
-                        arg=arg,
-                        flag=flag,
-                        model=name,
-                        names=", ".join(params),
-                        fix=_fix(model, form),
-                    )
-                )
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(flags)
+    for flag in (f for f in flags if f not in params):
+        names, fix = ", ".join(params), _fix(model, form)
+        raise ConfigError(
+            _UNKNOWN_FLAG.format(
+                caller=caller, arg=arg, flag=flag, model=name, names=names, fix=fix
+            )
+        )
     return dict(flags)
 
 
@@ -124,15 +121,12 @@ def init_flags(
     flags = {**train, **evals}
     missing = [n for n in required if n not in flags]
     if missing:
-        on = {n: True for n in missing}
-        off = {n: False for n in missing}
-        names = ", ".join(map(repr, missing))
+        fix = form.format(on=dict.fromkeys(missing, True), off=dict.fromkeys(missing, False))
+        names, them = ", ".join(map(repr, missing)), "it" if len(missing) == 1 else "them"
+        name = type(model).__name__
         raise ConfigError(
-            _REQUIRED.format(
-                caller=caller, model=type(model).__name__, names=names,
-                them="it" if len(missing) == 1 else "them", fix=form.format(on=on, off=off),
-            )
-        )  # fmt: skip
+            _REQUIRED.format(caller=caller, model=name, names=names, them=them, fix=fix)
+        )
     return {n: flags[n] for n in required}
 
 
@@ -142,8 +136,11 @@ def init_variables(model: nn.Module, key: jax.Array, example: Any, flags: dict[s
     return model.init(rngs, example, **flags)
 
 
-def key0() -> jax.Array:
-    return jax.random.key(0)
+def _abstract(model: nn.Module, example: Any, flags: dict[str, Any]) -> tuple[Any, Any]:
+    """``example``'s shape and dtype, and the shapes of ``model``'s variables."""
+    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
+    init = partial(init_variables, model, flags=flags)
+    return example, jax.eval_shape(init, jax.random.key(0), example)
 
 
 def _bool_keyword(model: nn.Module) -> tuple[str, bool] | None:
@@ -156,17 +153,16 @@ def _bool_keyword(model: nn.Module) -> tuple[str, bool] | None:
 
 def _fix(model: nn.Module, form: str = TRAIN_FORM) -> str:
     """The likeliest fix for a model whose mode train() cannot switch: its flag, or why not."""
-    name = type(model).__name__
     if (found := _bool_keyword(model)) is not None:
         flag, default = found
-        on, off = {flag: not default}, {flag: default}
-        return f"If {flag} is its mode, name it: {form.format(on=on, off=off)}."
+        spelt = form.format(on={flag: not default}, off={flag: default})
+        return f"If {flag} is its mode, name it: {spelt}."
     for field in dataclasses.fields(model) if dataclasses.is_dataclass(model) else ():
         value = getattr(model, field.name, None)
         if field.name not in ("parent", "name") and isinstance(value, bool):
             return (
-                f"Its mode looks like the attribute {name}({field.name}={value}), fixed for "
-                f"every call, while training switches the mode per call. {_GIVE_A_FLAG}"
+                f"Its mode looks like the attribute {type(model).__name__}({field.name}={value}), "
+                f"fixed for every call, while training switches the mode per call. {_GIVE_A_FLAG}"
             )
     return _GIVE_A_FLAG
 
@@ -177,11 +173,9 @@ def _training_part(model: nn.Module, variables: Any, example: Any, flags: dict) 
     try:
         jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)
     except flax.errors.InvalidRngError as e:
-        found = re.search(r'needs PRNG for "([^"]+)"', str(e))
-        return f"draws from the rng stream {found.group(1) if found else '?'!r}"
+        return f"draws from the rng stream {_quoted(_STREAM, e)!r}"
     except flax.errors.ModifyScopeVariableError as e:
-        found = re.search(r'collection "([^"]+)"', str(e))
-        return f"updates the collection {found.group(1) if found else '?'!r}"
+        return f"updates the collection {_quoted(_COLLECTION, e)!r}"
     return None
 
 
@@ -191,12 +185,8 @@ def find_flags(
     """The keyword settings of a training and an inference call: as given (checked against
     ``__call__``'s parameters), else found by name."""
     if train_flags is None and eval_flags is None:
-        train, evals = {}, {}
-        params = _parameters(model)
-        for flag, training in _FLAGS:
-            if flag in params:
-                train[flag], evals[flag] = training, not training
-        return train, evals
+        found = [(flag, on) for flag, on in _FLAGS if flag in _parameters(model)]
+        return {f: on for f, on in found}, {f: not on for f, on in found}
     train = {} if train_flags is None else _checked(model, train_flags, "train_flags", caller, form)
     evals = {} if eval_flags is None else _checked(model, eval_flags, "eval_flags", caller, form)
     return train, evals
@@ -219,10 +209,9 @@ def model_spec(
     """
     name = type(model).__name__
     caller = caller or f"symjax_mlp.training.train({name})"
-    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
     train, evals = find_flags(model, train_flags, eval_flags, caller, form)
     init = init_flags(model, train, evals, caller, form)
-    variables = jax.eval_shape(partial(init_variables, model, flags=init), key0(), example)
+    example, variables = _abstract(model, example, init)
     mutable = tuple(c for c in variables if c != "params")
     if train_flags is None and not train:
         _refuse_inference_mode(model, variables, example, mutable, caller, form)
@@ -237,8 +226,7 @@ def model_spec(
         try:
             jax.eval_shape(run, variables, example, {"dropout": jax.random.key(0)})
         except flax.errors.InvalidRngError as e:
-            found = re.search(r'needs PRNG for "([^"]+)"', str(e))
-            stream = found.group(1) if found else "?"
+            stream = _quoted(_STREAM, e)
             raise ConfigError(
                 _OTHER_STREAM.format(caller=caller, model=name, stream=stream)
             ) from None
@@ -252,56 +240,37 @@ def _refuse_inference_mode(
     """Raises if training with the model's defaults would silently be inference."""
     if _training_part(model, variables, example, {}) is not None:
         return  # its defaults train (a mode set as an attribute): an inference call will tell
-    found = _bool_keyword(model)
     flipped = None
-    if found is not None:
+    if (found := _bool_keyword(model)) is not None:
         flag, default = found
-        try:
+        with contextlib.suppress(Exception):  # not a mode switch: it cannot run flipped
             flipped = _training_part(model, variables, example, {flag: not default})
-        except Exception:  # not a mode switch: the model cannot even run with it flipped
-            flipped = None
-    if not mutable and flipped is None:
-        return  # stateless, and no keyword makes it train: nothing is lost
-    fix = _fix(model, form) if flipped is not None else _GIVE_A_FLAG
     if flipped is not None:
-        fix = f"A call with {flag}={not default} {flipped}. {fix}"
-    else:
+        fix = f"A call with {flag}={not default} {flipped}. {_fix(model, form)}"
+    elif mutable:
         none = "train_flags={}, eval_flags={}" if form == TRAIN_FORM else "train_flags={}"
-        fix += f" For a model with no mode to switch, pass {none}."
+        fix = f"{_GIVE_A_FLAG} For a model with no mode to switch, pass {none}."
+    else:
+        return  # stateless, and no keyword makes it train: nothing is lost
     state = f"none of its state ({', '.join(map(repr, mutable))})" if mutable else "no state"
-    raise ConfigError(
-        _NO_FLAG.format(
-            caller=caller,
-            model=type(model).__name__,
-            known=_KNOWN,
-            state=state,
-            lost=f"its {' and '.join(mutable)} never moving and no dropout"
-            if mutable
-            else "no dropout",
-            fix=fix,
-        )
-    )
+    lost = f"its {' and '.join(mutable)} never moving and no dropout" if mutable else "no dropout"
+    name = type(model).__name__
+    raise ConfigError(_NO_FLAG.format(caller=caller, model=name, state=state, lost=lost, fix=fix))
 
 
 def inference_shape(model: nn.Module, example: Any, spec: ModelSpec, *, caller: str) -> Any:
     """The shape of an inference call's output; ConfigError if the call draws from an rng
     stream or updates a collection."""
     flags = spec.eval_flags
-    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
-    init = partial(init_variables, model, flags=spec.init_flags)
-    variables = jax.eval_shape(init, key0(), example)
+    example, variables = _abstract(model, example, spec.init_flags)
     does = _training_part(model, variables, example, flags)
     if does is None:
         return jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)
     fix = _fix(model)
     if _bool_keyword(model) is not None:
         fix = f"Pass eval_flags that turn training off. {fix}"
+    call = f"model.apply(variables, x{shown_flags(flags)})"
+    name = type(model).__name__
     raise ConfigError(
-        _NOT_INFERENCE.format(
-            caller=caller,
-            model=type(model).__name__,
-            call=f"model.apply(variables, x{shown_flags(flags)})",
-            does=does,
-            fix=fix,
-        )
+        _NOT_INFERENCE.format(caller=caller, model=name, call=call, does=does, fix=fix)
     )
