@@ -10,10 +10,8 @@ class SymjaxError(Exception):
 
 
 class ConfigError(SymjaxError, ValueError, TypeError):
-    """An argument or setting is invalid (a size of 0, an unknown name, a wrong type).
-
-    It is also a ``ValueError`` and a ``TypeError``, what Python itself would raise for it.
-    """
+    """An argument or setting is invalid (a size of 0, an unknown name, a wrong type); also a
+    ``ValueError`` and a ``TypeError``, what Python itself would raise for it."""
 
 
 class ArtifactError(SymjaxError):
