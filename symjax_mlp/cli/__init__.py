@@ -53,11 +53,10 @@ def _add_tour(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calls", type=count, default=1000, help="calls in the timing")
 
 
-def _run_tour(args: argparse.Namespace) -> int:
+def _run_tour(args: argparse.Namespace) -> None:
     from symjax_mlp.chapter import tour
 
     tour(calls=args.calls)
-    return 0
 
 
 def _add_graph(sub: argparse._SubParsersAction) -> None:
@@ -68,11 +67,10 @@ def _add_graph(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=formats, default="summary")
 
 
-def _run_graph(args: argparse.Namespace) -> int:
+def _run_graph(args: argparse.Namespace) -> None:
     from symjax_mlp.chapter import describe_mlp
 
     print(describe_mlp(args.sizes, **keywords(args, "in_features batch activation format")))
-    return 0
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
@@ -85,14 +83,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
 
 
-def _run_export(args: argparse.Namespace) -> int:
+def _run_export(args: argparse.Namespace) -> None:
     from symjax_mlp.chapter import export_mlp
 
     platforms = tuple(p for p in args.platforms.split(",") if p)
     options = keywords(args, "sizes in_features activation seed batch overwrite")
     art = export_mlp(args.path, platforms=platforms, **options)
     print(f"exported {art.path}: {art.signature}; platforms {', '.join(art.platforms)}")
-    return 0
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
@@ -102,12 +99,11 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     _args.add_json(p, "the manifest")
 
 
-def _run_inspect(args: argparse.Namespace) -> int:
+def _run_inspect(args: argparse.Namespace) -> None:
     from symjax_mlp import inspect
 
     art = inspect(args.path)
     show(art, art.to_json(), args.json)
-    return 0
 
 
 def _add_verify(sub: argparse._SubParsersAction) -> None:
@@ -153,7 +149,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _args.add_json(p, "the timings")
 
 
-def _run_bench(args: argparse.Namespace) -> int:
+def _run_bench(args: argparse.Namespace) -> None:
     from symjax_mlp import load, timeit
     from symjax_mlp.serving import latency_mode
 
@@ -162,7 +158,6 @@ def _run_bench(args: argparse.Namespace) -> int:
     model = load(args.path, runtime=args.runtime, **_args.load_options(args))
     timing = timeit(model, **keywords(args, "batch calls repeats"))
     show(timing, timing.to_dict(), args.json)
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "json", None) not in (None, "-") and args.command != "train":
             _args.writable(args.json, "--json", overwrite=True)  # refused before any work
-        return args.handler(args)
+        return args.handler(args) or 0  # verify's 1: a check failed
     except (SymjaxError, argparse.ArgumentTypeError) as e:
         print(f"{where}: error: {e}", file=sys.stderr)
         if named := _options_named(str(e), args):  # the library's words, then the options

@@ -24,11 +24,11 @@ def subcommand(
     sub: argparse._SubParsersAction,
     name: str,
     help: str,
-    handler: Callable[..., int],
+    handler: Callable[..., int | None],
     more: str = "",
 ) -> argparse.ArgumentParser:
-    """Declares the subcommand ``name``, run by ``handler(args)``: ``help`` is its one-line help
-    and, with ``more``, its description."""
+    """Declares the subcommand ``name``, run by ``handler(args)`` (its exit code, ``None``: 0):
+    ``help`` is its one-line help and, with ``more``, its description."""
     p = sub.add_parser(name, help=help, description=help + more, formatter_class=Formatter)
     p.set_defaults(handler=handler)
     return p

@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _args.add_trust_options(p)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> None:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
     from symjax_mlp import load
     from symjax_mlp._npy import read_inputs
@@ -63,7 +63,6 @@ def run(args: argparse.Namespace) -> int:
     out = model(*read_inputs(args.input, model.signature.inputs))
     for path, y in zip(paths, out if len(paths) > 1 else [out], strict=True):
         _write(y, path)
-    return 0
 
 
 def _write(out: Any, path: str) -> None:

@@ -108,8 +108,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serves ``args.path`` until interrupted; returns 0 after a clean shutdown."""
+def run(args: argparse.Namespace) -> None:
+    """Serves ``args.path`` until interrupted (exit 0 after a clean shutdown)."""
     from symjax_mlp.serving import latency_mode, serve
     from symjax_mlp.serving._server import bind, print_ready
 
@@ -133,4 +133,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         serve(args.path, ready=ready, **options)
     print("symjax-mlp serve: shut down cleanly", flush=True)
-    return 0

@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> None:
     """Trains, shows each epoch, then writes what ``--json`` and ``--export`` ask for."""
     from pathlib import Path
 
@@ -93,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
         f"in {result.train_seconds:.1f} s",
         file=sys.stderr if args.json == "-" else sys.stdout,
     )
-    return 0
 
 
 @contextlib.contextmanager
