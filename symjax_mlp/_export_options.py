@@ -1,6 +1,5 @@
 """What :func:`~symjax_mlp.export` checks of its options before any work: nothing traced, nothing
-written when one is wrong (a string where a tuple is due, ``batch`` beside ``shapes``, a keyword
-the model does not take, a constraint on a name no shape spec uses, an unknown platform)."""
+written when one is wrong."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def check_options(
     points: Mapping[str, Hybrid], settings: Mapping[str, list[Any]], batch: Any, platforms: Any,
     *, overwrite: Any, metadata: Any, vjp_order: Any,
 ) -> tuple[str, ...]:  # fmt: skip
-    """Refuses a bad option before any work; returns the platforms as a tuple. ``settings``:
-    each entry point's example, kwargs, shapes and constraints."""
+    """Refuses a bad option; returns the platforms as a tuple. ``settings``: per entry point."""
     if not isinstance(overwrite, bool):
         raise ConfigError(
             f"export(overwrite={overwrite!r}): pass True (replace an existing artifact) or "
@@ -93,7 +91,7 @@ def check_options(
 
 
 def _check_tuple(name: str, option: str, value: Any) -> None:
-    """``value`` is a tuple (or list) of the items ``option`` takes: not one string."""
+    """``value`` is a tuple (or list) of the items ``option`` takes, not one string."""
     kinds, what, one = _TUPLES[option]
     if isinstance(value, tuple | list) and all(isinstance(v, kinds) for v in value):
         return
@@ -113,11 +111,8 @@ def _check_kwargs(h: Hybrid, kwargs: Any) -> None:
             f"export({h.name}, kwargs={kwargs!r}): pass a dict of keyword settings, e.g. "
             "kwargs={'train': False}."
         )
-    try:
-        params = list(inspect.signature(h).parameters.values())  # the model's inputs
-    except (TypeError, ValueError):
-        params = None
-    if params is None or any(p.kind == p.VAR_KEYWORD for p in params):
+    params = list(inspect.signature(h).parameters.values())  # the model's inputs
+    if any(p.kind == p.VAR_KEYWORD for p in params):  # (or not inspectable)
         return
     known = [p.name for p in params if p.kind != p.POSITIONAL_ONLY]
     for key in kwargs:

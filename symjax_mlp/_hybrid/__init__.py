@@ -1,2 +1,1 @@
-"""Stage 1 of the flow: arguments -> trace log -> mesh -> jaxpr reading -> DOT -> Graph -> pure
-models -> held state -> traced model -> Hybrid -> hybridize."""
+"""Stage 1 of the flow: a model and its arguments to a Hybrid, its Graph and trace log."""

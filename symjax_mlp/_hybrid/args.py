@@ -56,11 +56,8 @@ class _Frozen:
 def _static_value(path: str, value: Any) -> Any:
     if is_static(value):
         return value
-    if (
-        hasattr(value, "shape")
-        and hasattr(value, "dtype")
-        and not isinstance(value, jax.core.Tracer)
-    ):
+    array = hasattr(value, "shape") and hasattr(value, "dtype")
+    if array and not isinstance(value, jax.core.Tracer):
         return _Frozen(value)
     try:
         hash(value)
@@ -109,10 +106,9 @@ def partition(
 
 _EQX_INPUT = (
     "{caller}: {path} is an equinox module holding non-array leaves ({kind}: functions, "
-    "sizes), which a compiled call cannot trace. Pass its arrays and keep the rest: "
-    "params, static = eqx.partition(model, eqx.is_array), then call with params and rebuild "
-    "it inside with eqx.combine(params, static); or pass the module as the Hybrid's params, "
-    "sm.hybridize(fn, model), which splits it so."
+    "sizes), which a compiled call cannot trace. Pass its arrays, params, static = "
+    "eqx.partition(model, eqx.is_array), and rebuild it inside with eqx.combine(params, "
+    "static); or pass the module as the params, sm.hybridize(fn, model), which splits it so."
 )
 
 
@@ -185,17 +181,16 @@ def _holds_arrays(value: Any) -> bool:
 
 def _list_error(caller: str, path: str, value: list) -> Exception:
     name = path.split("[")[0]
+    holding, fix = "", f"Pass jnp.asarray({name}), or a tuple if it is a setting."
     if _holds_arrays(value):
-        return SignatureError(
-            f"{caller}: {path} is a Python list of {len(value)} element(s) holding arrays, but "
-            "an input must be an array or a tuple/dict of arrays. Pass it as a tuple, "
-            f"tuple({name}), to trace it as one pytree of arrays (a list of (W, b) pairs "
-            "included), or pass it as the params: sm.hybridize(fn, params)."
+        holding = " holding arrays"
+        fix = (
+            f"Pass tuple({name}) to trace it as one pytree of arrays (a list of (W, b) pairs "
+            "too), or pass it as the params: sm.hybridize(fn, params)."
         )
     return SignatureError(
-        f"{caller}: {path} is a Python list of {len(value)} element(s), but an input must be an "
-        "array (or a tuple/dict of arrays). A list would be traced element by element as "
-        f"separate scalars. Pass jnp.asarray({name}) instead, or a tuple if it is a setting."
+        f"{caller}: {path} is a Python list of {len(value)} element(s){holding}, but an input "
+        f"must be an array or a tuple/dict of arrays (a list is traced as separate scalars). {fix}"
     )
 
 

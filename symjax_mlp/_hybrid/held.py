@@ -14,15 +14,13 @@ from symjax_mlp._hybrid.pure import state_structure, unwrap_keys, wrap_keys
 
 _STATE_UNDER_TRANSFORM = (
     "{name}: a stateful Hybrid was called inside a JAX transformation (jax.jit, jax.grad, "
-    "jax.vmap, ...), where its new state would be a tracer. Use the pure form inside "
-    "transformations: out, state = h.apply(h.params, x) returns the new state instead of "
-    "holding it."
+    "jax.vmap, ...), where its new state would be a tracer. Use the pure form there: "
+    "out, state = h.apply(h.params, x) returns the new state instead of holding it."
 )
 _STATE_STRUCTURE = (
-    "{name}: a call changed the structure of the model's state, from {before} to {after}. A "
-    "Hybrid holds its state as the arrays it started with; a call may change their values, not "
-    "add, remove or retype them (a variable created inside __call__, a sow into a mutable "
-    "collection). Create every variable when the model is built, or use the pure form, "
+    "{name}: a call changed the structure of the model's state, from {before} to {after}; a "
+    "call may change the held arrays' values, not add, remove or retype them (a variable made "
+    "in __call__, a sow). Create every variable when the model is built, or use the pure form, "
     "out, state = h.apply(h.params, x), which returns whatever state the call makes."
 )
 

@@ -24,13 +24,11 @@ from symjax_mlp._specs import array_types
 
 _FROZEN = (
     "{name}: a Hybrid is a frozen result (like jax.stages.Compiled): its {field!r} cannot be "
-    "assigned, because the compiled program and the eager path would then disagree. Write "
-    "h = h.replace({field}=...) for a new Hybrid with the new value."
+    "assigned (the compiled and eager paths would disagree). Write h = h.replace({field}=...)."
 )
 _STATELESS = (
-    "{caller}(params, state, ...): the model is stateless (it carries nothing between calls), "
-    "so there is no state to pass. Call {name}.apply(params, *args, **kwargs); a keyword of "
-    "your own (state=...) reaches the model as any keyword does."
+    "{caller}(params, state, ...): the model is stateless, so there is no state to pass. Call "
+    "{name}.apply(params, *args, **kwargs); a keyword state=... reaches the model as any does."
 )
 #: what replace() takes besides params and state, as the Hybrid's attributes
 _SETTINGS = (

@@ -120,14 +120,13 @@ def padding(batch: int, n: int, pad: bool, caller: str) -> int:
 
 _BAKED = (
     "{name}.shard(...): params_as_constants=True compiles the params into one device's "
-    "program; a sharded Hybrid places them on every device of the mesh. Shard the Hybrid "
-    "without it: h.replace(params_as_constants=False).shard(mesh)."
+    "program, but a sharded Hybrid places them on every device. Shard it without: "
+    "h.replace(params_as_constants=False).shard(mesh)."
 )
 _PADDED_STATE = (
-    "{name}.shard(...): a batch of {batch} rows does not divide over {n} shards, and the "
-    "model's new state depends on its rows (BatchNorm's batch statistics, in training): the "
-    "padding rows would change it. Pass a batch that is a multiple of {n} (or call it in "
-    "eval mode, where the state does not see the rows)."
+    "{name}.shard(...): a batch of {batch} rows does not divide over {n} shards, and the new "
+    "state depends on the rows (BatchNorm's statistics, in training): padding would change it. "
+    "Pass a batch that is a multiple of {n}, or call it in eval mode."
 )
 
 

@@ -24,19 +24,16 @@ from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES, symbolic
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
 _NOT_VARIABLES = (
     "{caller}: the variables given are a {got}, not the dict that {name}.init returns "
-    "({{'params': ...}}). Pass that dict: hybridize(model, model.init(key, x)), "
-    "h.apply(variables, x)."
+    "({{'params': ...}}). Pass it: hybridize(model, model.init(key, x)), h.apply(variables, x)."
 )
 _NO_PARAMS = (
     "{name}: the variables given have no 'params' collection (their keys: {keys}), so flax "
-    "finds no weights ({error}). Pass the whole dict that {name}.init returns, "
-    "{{'params': ...}}, not variables['params']."
+    "finds no weights ({error}). Pass the whole dict {name}.init returns, not variables['params']."
 )
 _NO_RNG = (
-    "{name}: {error}, and the Hybrid holds the rng streams {streams}. A Hybrid draws a linen "
-    "model's randomness from the streams given once: sm.hybridize(model, variables, "
-    "rngs=jax.random.key(0)) for 'dropout', or rngs={{'name': key, ...}} for others; each "
-    "call splits them anew."
+    "{name}: {error}, and the Hybrid holds the rng streams {streams}. Give a linen model's "
+    "streams once, split anew by each call: sm.hybridize(model, variables, "
+    "rngs=jax.random.key(0)) for 'dropout', or rngs={{'name': key, ...}}."
 )
 #: ``(module's watch list, settings)``: what a trace of that nnx module runs with
 _PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(

@@ -22,18 +22,16 @@ TRACER_ERRORS = (
 )
 
 _CONTROL_FLOW_HELP = (
-    "The same code runs fine eagerly (h.eager(x), or h.hybridize(False)(x)), because there "
-    "every array has a value. Under compilation only shapes and dtypes are known, so a Python "
-    "`if`/`while` on an array, float(x), int(x) or np.asarray(x) cannot be decided. Fix it by "
-    "staying symbolic:\n"
+    "It runs eagerly (h.eager(x)), where every array has a value; compiled, only shapes and "
+    "dtypes are known, so a Python `if`/`while` on an array, float(x), int(x) or np.asarray(x) "
+    "cannot be decided. Stay symbolic:\n"
     "  - `if x > 0: a else b`       ->  jnp.where(x > 0, a, b) or jax.lax.cond\n"
     "  - `while cond(x): ...`       ->  jax.lax.while_loop / jax.lax.fori_loop\n"
     "  - np.asarray(x) / float(x)   ->  keep using jnp operations on x\n"
-    "  - a value that is really a setting -> pass it as a Python constant (static), not as an "
-    "array input.\n"
-    "  - a data-dependent shape (x[:n], jnp.zeros(n), jnp.nonzero(x)) -> pass n as a Python "
-    "int or name it in sm.hybridize(..., static_argnames=('n',)) (one trace per value), give "
-    "it a static size (jnp.nonzero(x, size=k)), mask with jnp.where, or pad to a fixed length.\n"
+    "  - a setting passed as an array ->  pass it as a Python constant (static)\n"
+    "  - a data-dependent shape (x[:n], jnp.zeros(n), jnp.nonzero(x)) -> pass n as a Python int "
+    "or in sm.hybridize(..., static_argnames=('n',)) (one trace per value), give it a static "
+    "size (jnp.nonzero(x, size=k)), mask with jnp.where, or pad to a fixed length.\n"
     "A Python `for` over a fixed range is fine: it unrolls into the graph."
 )
 
@@ -164,8 +162,8 @@ def explain(
 
 _RETRACE = (
     "{name}: trace #{index} would exceed max_traces={budget}. Why it retraced: {reason}.\n"
-    "  Earlier traces:\n  {history}\nCall it with inputs of one shape and dtype (pad the "
-    "batch, or cast once) and fixed settings, or raise max_traces if each is intended."
+    "  Earlier traces:\n  {history}\nCall it with one shape and dtype (pad the batch, cast "
+    "once) and fixed settings, or raise max_traces if each is intended."
 )
 
 

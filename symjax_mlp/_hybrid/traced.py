@@ -1,9 +1,7 @@
-"""What a Hybrid's ``jax.jit`` traces: the model on a partitioned call, every trace logged.
-
-A call reaches the model as ``(static, leaves, ...)``; :class:`TracedModel` rebuilds it, runs
-the model with the module settings its key holds, and logs the trace. nnx objects a call is
-given come back mutated, as eager nnx leaves them. Programs are named ``jit_<name>_hybrid``,
-so that their CPU ``threefry2x32`` lowers unrolled (``_compat.install_unrolled_threefry``).
+"""What a Hybrid's ``jax.jit`` traces: the model on a partitioned call ``(static, leaves,
+...)``, with the module settings its key holds, every trace logged; nnx objects given come back
+mutated, as eager nnx leaves them. Programs named ``jit_<name>_hybrid`` lower their CPU
+``threefry2x32`` unrolled (``_compat.install_unrolled_threefry``).
 """
 
 from __future__ import annotations
@@ -26,17 +24,14 @@ from symjax_mlp._specs import array_types
 
 PROGRAM_SUFFIX = "_hybrid"
 _TWICE = (
-    "{caller}: the same nnx Variable ({kind}) is reached more than once among the inputs "
-    "(the same object passed twice, or inside two objects passed). A compiled call traces a "
-    "copy of each input, so the copies would be mutated apart and only one kept. Pass it once."
+    "{caller}: the same nnx Variable ({kind}) is reached twice among the inputs (passed twice, "
+    "or inside two objects); a compiled call would mutate two copies and keep one. Pass it once."
 )
 _SHARDED = (
     "{caller}: an nnx object (an Rngs, a Variable or a module) among the inputs of a sharded "
-    "Hybrid, which splits every input over the mesh by rows. Call the Hybrid without the mesh "
+    "Hybrid, which splits every input by rows. Call it without the mesh "
     "(h.replace(mesh=None)), or keep the object in the model."
 )
-
-
 install_unrolled_threefry(PROGRAM_SUFFIX)
 
 
@@ -122,18 +117,12 @@ def variables_in(tree: Any) -> list[Any]:
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:  # no nnx object can exist
         return []
-    kind = nnx.Variable
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind))
-    return [v for v in leaves if isinstance(v, kind)]
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [v for v in leaves if isinstance(v, nnx.Variable)]
 
 
 def given(dyn: Any, dyn_kw: Any, caller: str, sharded: bool = False) -> list[Any]:
-    """The caller's Variables among a call's traced inputs, each once.
-
-    Raises:
-      SignatureError: a Variable is reached twice.
-      ConfigError: there are Variables and the Hybrid is sharded.
-    """
+    """The caller's Variables among a call's traced inputs; refused twice, or if sharded."""
     if all(type(a) in _ARRAYS for a in (*dyn, *dyn_kw.values())):  # the usual call: no walk
         return []
     found = variables_in((dyn, dyn_kw))
@@ -146,24 +135,17 @@ def given(dyn: Any, dyn_kw: Any, caller: str, sharded: bool = False) -> list[Any
 
 
 _ARRAYS = array_types()
-
-
 _OUTER = (
-    "{caller}: the nnx {kind} given to this call (an nnx.Rngs advances one per draw) was made "
-    "outside the JAX transform the call runs under (jax.grad, jax.vmap, ...), so nnx cannot "
-    "take the call's new value into it (flax.errors.TraceContextError). Make it inside the "
-    "function you transform, from a key you split each step: jax.grad(lambda p: "
-    "loss(h.apply(p, x, rngs=nnx.Rngs(key))))(h.params); or transform the module with nnx's "
-    "own nnx.grad."
+    "{caller}: the nnx {kind} given (an nnx.Rngs advances per draw) was made outside the JAX "
+    "transform the call runs under (jax.grad, jax.vmap, ...), so nnx cannot write the new "
+    "value into it (TraceContextError). Make it inside the transformed function from a key "
+    "split each step, jax.grad(lambda p: loss(h.apply(p, x, rngs=nnx.Rngs(key))))(h.params), "
+    "or use nnx.grad."
 )
 
 
 def write_back(variables: list[Any], new: list[Any], caller: str = "Hybrid") -> None:
-    """Sets the caller's ``variables`` to a compiled call's ``new`` values.
-
-    Raises:
-      ConfigError: a Variable was made outside the transform the call runs under.
-    """
+    """Sets the caller's ``variables`` to a compiled call's ``new`` values."""
     for v, value in zip(variables, new, strict=True):
         try:
             v.set_value(value)
