@@ -32,12 +32,9 @@ def _batches(
     order: np.ndarray, x: np.ndarray, y: np.ndarray, batch_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One epoch in ``order``, padded cyclically to whole batches (padding has weight 0)."""
-    n = len(x)
-    steps = math.ceil(n / batch_size)
-    order = np.resize(order, steps * batch_size)
-    w = np.zeros(steps * batch_size, np.float32)
-    w[:n] = 1.0
-    shape = (steps, batch_size)
+    shape = (math.ceil(len(x) / batch_size), batch_size)
+    order = np.resize(order, math.prod(shape))
+    w = (np.arange(math.prod(shape)) < len(x)).astype(np.float32)
     return x[order].reshape(*shape, -1), y[order].reshape(shape), w.reshape(shape)
 
 
@@ -137,21 +134,19 @@ def _check_finite(
 ) -> None:
     """Raises at the epoch's first non-finite loss, or if it left a non-finite param."""
     bad = np.flatnonzero(~np.isfinite(losses))
-    bad_leaf = None if bad.size else _nonfinite_leaf(params)
-    if not bad.size and bad_leaf is None:
-        return
     n = len(losses)
     i = int(bad[0]) if bad.size else n - 1
-    what = (
-        f"the loss is {losses[i]} at step {first_step + i}"
-        if bad.size
-        else f"the update at step {first_step + i} made params{bad_leaf} non-finite"
-    )
-    kept = (
-        f"the last good checkpoint is kept: {newest}"
-        if newest
-        else "no checkpoint was written (pass checkpoint=DIR to keep one)"
-    )
+    what = f"the loss is {losses[i]} at step {first_step + i}"
+    if not bad.size:
+        leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(params))
+        leaf = next((p for p, a in leaves if not np.all(np.isfinite(a))), None)
+        if leaf is None:
+            return
+        where = jax.tree_util.keystr(leaf)
+        what = f"the update at step {first_step + i} made params{where} non-finite"
+    kept = f"the last good checkpoint is kept: {newest}"
+    if not newest:
+        kept = "no checkpoint was written (pass checkpoint=DIR to keep one)"
     raise DivergenceError(
         f"training diverged: {what} (epoch {epoch}, batch {i + 1} of {n}; "
         f"{first_step + i} updates applied before it). Training stopped; {kept}. "
@@ -161,10 +156,3 @@ def _check_finite(
         epoch=epoch,
         checkpoint=newest,
     )
-
-
-def _nonfinite_leaf(tree: Any) -> str | None:
-    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(tree)):
-        if not np.all(np.isfinite(leaf)):
-            return jax.tree_util.keystr(path)
-    return None

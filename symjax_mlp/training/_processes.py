@@ -1,10 +1,9 @@
 """Several processes, one run: joining them, agreeing on the run, never waiting in silence.
 
-:func:`initialize` is ``jax.distributed.initialize`` with one ``timeout``, and an alarm that
-names the processes that never connected. :func:`agree` compares every process's config through
-the coordinator's key-value store before the first collective. :class:`Watchdog` ends a process
-whose step waits past the timeout for a peer, naming the peers not in that step: such a
-collective cannot be interrupted from Python, and gloo never times out on its own.
+:func:`initialize` is ``jax.distributed.initialize`` with one ``timeout`` and an alarm naming
+who never connected; :func:`agree` compares every process's config before the first collective;
+:class:`Watchdog` ends a process whose step waits past the timeout (gloo never times out, and
+Python cannot interrupt a collective), naming the peers not in that step.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from typing import Any
 import jax
 
 from symjax_mlp._errors import ConfigError, DistributedError
+from symjax_mlp.training._checkpoint import is_count
 
 #: The exit status of a process ended because another did not arrive or stalled (EX_TEMPFAIL:
 #: relaunch every process; ``resume=True`` continues from the last committed checkpoint).
@@ -55,11 +55,11 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
     host, _, port = str(coordinator).rpartition(":")
     checks = {
         "coordinator must be 'host:port'": isinstance(coordinator, str) and host and port.isdigit(),
-        "num_processes must be an int >= 1": _count(num_processes, 1),
-        "process_id must be an int in 0 .. num_processes - 1": _count(process_id, 0)
-        and _count(num_processes, 1)
+        "num_processes must be an int >= 1": is_count(num_processes, 1),
+        "process_id must be an int in 0 .. num_processes - 1": is_count(process_id)
+        and is_count(num_processes, 1)
         and process_id < num_processes,
-        "timeout must be an int >= 1 (seconds)": _count(timeout, 1),
+        "timeout must be an int >= 1 (seconds)": is_count(timeout, 1),
     }
     bad = [what for what, ok in checks.items() if not ok]
     if bad:
@@ -99,7 +99,7 @@ def run_timeout(timeout: int | None) -> int:
     """The run's timeout: ``timeout``, else :func:`initialize`'s."""
     if timeout is None:
         return _settings["timeout"]
-    if not _count(timeout, 1):
+    if not is_count(timeout, 1):
         raise ConfigError(f"timeout must be an int >= 1 (seconds); got {timeout!r}.")
     return timeout
 
@@ -110,10 +110,6 @@ def end(message: str) -> None:
     sys.stderr.write(message + " Ending this process (exit status 75) rather than hang.\n")
     sys.stderr.flush()
     os._exit(EXIT_STATUS)
-
-
-def _count(x: Any, low: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
 def _reachable(host: str, port: int) -> bool:
@@ -171,9 +167,8 @@ def _short(v: Any) -> Any:
 class Watchdog:
     """Ends this process, naming the peers behind, when one step waits over ``timeout`` s.
 
-    ``with watchdog(step):`` wraps each step; a thread posts this process's place (in which
-    step, or done with which) to the store every ``min(1, timeout / 4)`` s and checks the
-    step's age. A peer that is not in that step, and not past it, is the one missing.
+    ``with watchdog(step):`` wraps each step; a thread posts this process's place (in or done
+    with which step) to the store and checks the step's age.
     """
 
     def __init__(self, run: str, timeout: int, caller: str):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
+from symjax_mlp.training._checkpoint import is_count
 from symjax_mlp.training._nnx import NnxSpec, spec_of
 from symjax_mlp.training._spec import STEP_FORM, ModelSpec, init_variables
 
@@ -102,12 +104,10 @@ def apply_model(model: Any, spec: ModelSpec | NnxSpec, params: Any, x: jax.Array
     flags = spec.train_flags if train else spec.eval_flags
     if not isinstance(params, ModelVars):
         return model.apply({"params": params}, x, **flags), params
-    collections = {c: params.state[c] for c in spec.mutable}
-    variables = {"params": params.params, **collections}
+    variables = {"params": params.params, **{c: params.state[c] for c in spec.mutable}}
     if not train:
         return model.apply(variables, x, **flags), params
-    state = dict(params.state)
-    rngs = None
+    state, rngs = dict(params.state), None
     if spec.rng:
         key, sub = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         state["rng"], rngs = jax.random.key_data(key), {"dropout": sub}
@@ -156,15 +156,8 @@ def train_step(
       >>> sorted(metrics)
       ['correct', 'loss']
     """
-
     caller = f"symjax_mlp.training.train_step({type(model).__name__}, ...)"
-
-    def loss_fn(spec, trainable: Any, rest: Any, x: jax.Array, y: jax.Array, w: jax.Array):
-        params = trainable if rest is None else ModelVars(trainable, rest)
-        total, correct, params = _weighted_loss(model, spec, params, x, y, w)
-        return total / jnp.maximum(jnp.sum(w), 1.0), (correct, params)
-
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+    if not is_count(blocks, 1):
         raise ConfigError(f"{caller}: blocks must be an int >= 1; got {blocks!r}.")
     specs: dict[tuple[Any, ...], Any] = {}  # per input row signature, derived once
 
@@ -177,15 +170,19 @@ def train_step(
         if spec is None:
             spec = specs[row] = spec_of(model, x[:1], train_flags, caller=caller, form=STEP_FORM)
         stateful = isinstance(params, ModelVars)
-        trainable, rest = (params.params, params.state) if stateful else (params, None)
+        trainable = params.params if stateful else params
+
+        def loss_fn(trainable: Any) -> tuple:
+            moved = ModelVars(trainable, params.state) if stateful else trainable
+            total, correct, moved = _weighted_loss(model, spec, moved, x, y, w)
+            return total / jnp.maximum(jnp.sum(w), 1.0), (correct, moved)
+
         if blocks == 1:
-            grad_fn = jax.value_and_grad(functools.partial(loss_fn, spec), has_aux=True)
-            (loss, (correct, moved)), grads = grad_fn(trainable, rest, x, y, w)
+            (loss, (correct, moved)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
         elif stateful:
             raise ConfigError(_BLOCKS_STATE.format(caller=caller, blocks=blocks))
         else:
             loss, correct, grads = _blocked(model, spec, trainable, (x, y, w), blocks, axis_name)
-            moved = None
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         params = ModelVars(trainable, moved.state) if stateful else trainable
@@ -228,14 +225,8 @@ def _blocked(model: Any, spec: Any, params: Any, batch: tuple, blocks: int, axis
     per = jax.lax.map(lambda b: jax.value_and_grad(part, has_aux=True)(params, *b), split)
     if axis is not None:
         per = jax.lax.all_gather(per, axis, tiled=True)
-
-    def ordered(a: jax.Array) -> jax.Array:
-        total = a[0]
-        for i in range(1, blocks):
-            total = total + a[i]
-        return total
-
-    (loss, (correct, weight)), grads = jax.tree.map(ordered, per)
+    in_order = functools.partial(functools.reduce, operator.add)  # block 0 + block 1 + ...
+    (loss, (correct, weight)), grads = jax.tree.map(in_order, per)
     weight = jnp.maximum(weight, 1.0)
     return loss / weight, correct, jax.tree.map(lambda g: g / weight, grads)
 
