@@ -296,6 +296,5 @@ def _vm_function(ir: Any, config: Any, file: Path, mlir: bytes, shapes: Any) -> 
             context.add_vm_module(module)
             return context, module, module.lookup_function("main")
         except (RuntimeError, ValueError, KeyError) as e:
-            if not cached:
-                raise ArtifactError(f"{file}: IREE could not load the compiled module: {e}") from e
-    raise AssertionError("unreachable")
+            error = e
+    raise ArtifactError(f"{file}: IREE could not load the compiled module: {error}") from error
