@@ -123,7 +123,6 @@ def load(
     if unchanged is not None:
         unchanged()  # what was read is what was verified
     _warn_if_expiring(path, manifest)
-    expected = [TensorSpec.from_json(p) for p in manifest["params"]]
     _check_x64(path, manifest)
     importlib.import_module(f"symjax_mlp._runtimes.{runtime}").check_supported(path, manifest)
     mesh = _check_mesh(path, manifest, mesh)
@@ -138,6 +137,7 @@ def load(
     else:
         specs, arrays = param_specs(params)
         found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="
+    expected = [TensorSpec.from_json(p) for p in manifest["params"]]
     ordered = check_params(found, expected, file=source)
     self_test = self_test and params is None  # other weights give other outputs, by design
     needs, signed = manifest.get("needs"), unchanged is not None  # the signer's word, if signed
@@ -272,11 +272,9 @@ def _check_x64(path: Path, manifest: Any) -> None:
     """Refuses 64-bit tensors where JAX runs without x64 (it would make them 32-bit)."""
     if jax.config.jax_enable_x64:
         return
-    views = [manifest, *(manifest.get("entries") or {}).values()]
     specs = [*manifest["params"]]
-    for view in views:
-        signature = view.get("signature") or {}
-        specs += [*signature.get("inputs", ()), *signature.get("outputs", ())]
+    for view in (manifest, *manifest.get("entries", {}).values()):  # all checked by the schema
+        specs += [*view["signature"]["inputs"], *view["signature"]["outputs"]]
     wide = sorted({s["dtype"] for s in specs} & {"float64", "int64", "uint64", "complex128"})
     if wide:
         raise ArtifactError(
@@ -295,8 +293,8 @@ def _under(mesh: Mesh, run: Callable[[list[Any]], list[Any]]) -> Callable[..., l
     return run_on_mesh
 
 
-def _warn_if_expiring(path: Path, manifest: Any, *, days: int = 30) -> None:
-    """Warns when the artifact leaves ``jax.export``'s compatibility window within ``days``."""
+def _warn_if_expiring(path: Path, manifest: Any) -> None:
+    """Warns when the artifact leaves ``jax.export``'s compatibility window within 30 days."""
     import datetime
     import warnings
 
@@ -306,7 +304,7 @@ def _warn_if_expiring(path: Path, manifest: Any, *, days: int = 30) -> None:
     except ValueError:
         return  # no window recorded
     left = (end - datetime.date.today()).days
-    if left <= days:
+    if left <= 30:
         warnings.warn(
             f'symjax_mlp.load("{path}"): the artifact leaves jax.export\'s compatibility window '
             f"on {end} ({'in ' + str(left) + ' days' if left >= 0 else 'already'}): newer JAX "

@@ -136,9 +136,8 @@ class LoadedModel:
         return outs[0] if self._single_output else tuple(outs)
 
     def _example_axes(self, inputs: Any) -> tuple[list[Any], list[Any]] | None:
-        """Where the batch dimension goes in, and comes out, when ``inputs`` are one example
-        (each batched input one rank short: ``jax.vmap(m)(xs)`` per example); ``None`` if
-        they are not, or rows may see each other."""
+        """The batch axes in and out if ``inputs`` are one example (each batched input one
+        rank short) and rows stay apart; else ``None``."""
         rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
         if not rows.get("independent") or len(inputs) != len(sig["inputs"]):
             return None

@@ -30,10 +30,8 @@ from symjax_mlp._files import cache_dir, cache_secret, sha256, write_file_atomic
 
 
 def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
-    """Walks every op of the module in ``mlirbc`` in the child process (a crash or a hang
-    of it is an :class:`ArtifactError`); see :mod:`symjax_mlp._artifact.ops`. The report is
-    cached under the sha256 of the module and of this checker, signed with this user's key
-    (:func:`~symjax_mlp._files.cache_secret`): an entry planted without it is read again."""
+    """Walks every op of the module in ``mlirbc`` in the child process (its crash or hang is
+    an :class:`ArtifactError`); cached, signed, per module and checker (see above)."""
     data = bytes(mlirbc)
     name = _cache_key(sha256(data))
     with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -52,10 +50,8 @@ _REPORTS: dict[str, tuple[ModuleReport, tuple[tuple[int, int], ...]]] = {}
 def program(
     file: Path, key: str, exported: Any
 ) -> tuple[ModuleReport, tuple[tuple[int, int], ...]]:
-    """The ops report of the module that runs (``file``, of sha256 ``key``), and of each VJP
-    module it carries; and each VJP module's static (work, bytes made), by order (what the
-    loader's ``Guard`` bounds their calls by). Export runs it too, to record what a program
-    needs."""
+    """The ops report of the program (``file``, of sha256 ``key``) and its VJP modules, and
+    each VJP module's static (work, bytes made) by order, which ``Guard`` bounds calls by."""
     found = _REPORTS.pop(key, None)
     if found is None:
         report = analyze(exported.mlir_module_serialized, file=file)
@@ -178,18 +174,17 @@ class Checker:
 
     def report(self, data: bytes, *, file: Path) -> ModuleReport:
         with self.lock:
-            for attempt in (0, 1):
+            for _ in (0, 1):
                 proc = self._start(file)
                 try:
                     proc.stdin.write(len(data).to_bytes(8, "little") + data)
                     proc.stdin.flush()
-                except (BrokenPipeError, OSError):
+                    break
+                except OSError:  # it had exited (idle, killed): a new one
                     self.close()
-                    if attempt:
-                        raise ArtifactError(f"{file}: the module checker does not start.") from None
-                    continue  # it had exited (idle, killed): a new one
-                line = self._answer(proc, file)
-                break
+            else:
+                raise ArtifactError(f"{file}: the module checker does not start.")
+            line = self._answer(proc, file)
         answer = json.loads(line)
         if "error" in answer:
             raise ArtifactError(f"{file}: {answer['error']}")

@@ -37,10 +37,6 @@ NEEDS = frozenset({  # what "needs" may name: ops computing tensors from tensors
     "dynamic_slice", "dynamic_update_slice", "real_dynamic_slice", "dynamic_pad", "map", "fft",
     "reduce_precision", "real", "imag", "complex", "popcnt", "count_leading_zeros", "cholesky",
     "triangular_solve", "rng_bit_generator"})  # fmt: skip
-_REQUIRED = (
-    "format", "format_version", "name", "created", "versions", "platforms", "nr_devices",
-    "calling_convention_version", "signature", "params", "mlir_arguments", "files",
-)  # fmt: skip
 
 
 def looked_up(path: Path) -> None:
@@ -83,15 +79,12 @@ def read_manifest(path: Path) -> dict[str, Any]:
             "was not written by symjax_mlp.export."
         )
     version = manifest.get("format_version")
-    if not _is_int(version) or version > FORMAT_VERSION or version < 1:
+    if not is_int(version) or version > FORMAT_VERSION or version < 1:
         raise ArtifactError(
             f"{file}: format version {show(version)}; this symjax_mlp reads format version "
             f"{FORMAT_VERSION}. An artifact from a newer symjax_mlp needs that version: "
             "pip install -U symjax_mlp."
         )
-    missing = [k for k in _REQUIRED if k not in manifest]
-    if missing:
-        raise ArtifactError(f"{file} lacks the field(s) {', '.join(missing)}; it is corrupted.")
     check_schema(manifest, file=file)
     return manifest
 
@@ -115,30 +108,28 @@ def depth(x: Any) -> int:
 def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
     """Checks the type (and range) of every field a loader reads; an :class:`ArtifactError`
     names the field, what it holds and what a manifest has there."""
-    m = manifest
-    rules: list[tuple[str, Callable[[], Any], Callable[[Any], bool], str]] = [
-        ("name", lambda: m["name"], _is_str, "a string"),
-        ("created", lambda: m["created"], _is_str, "a string"),
-        ("versions", lambda: m["versions"], _str_dict, "an object of version strings"),
-        ("platforms", lambda: m["platforms"], _platforms, "a list of distinct platform names"),
-        ("nr_devices", lambda: m["nr_devices"], _count, "an int >= 1"),
-        ("calling_convention_version", lambda: m["calling_convention_version"], _is_int, "an int"),
-        ("ordered_effects", lambda: m.get("ordered_effects", 0), _size, "an int >= 0"),
+    m, M = manifest, _MISSING
+    rules: list[tuple[str, Any, Callable[[Any], bool], str]] = [
+        ("name", m.get("name", M), _is_str, "a string"),
+        ("created", m.get("created", M), _is_str, "a string"),
+        ("versions", m.get("versions", M), _str_dict, "an object of version strings"),
+        ("platforms", m.get("platforms", M), _platforms, "a list of distinct platform names"),
+        ("nr_devices", m.get("nr_devices", M), _count, "an int >= 1"),
+        ("calling_convention_version", m.get("calling_convention_version", M), is_int, "an int"),
+        ("ordered_effects", m.get("ordered_effects", 0), is_size, "an int >= 0"),
         *_program_rules(m, ""),
-        ("params", lambda: m["params"], _tensors(False),
+        ("params", m.get("params", M), _tensors(False),
          _TENSORS + f" with distinct paths, at most {MAX_PARAMS:,} of them"),
-        ("files", lambda: m["files"], _files, "an object {file name: {sha256, bytes}} naming "
+        ("files", m.get("files", M), _files, "an object {file name: {sha256, bytes}} naming "
          f"at most {MAX_FILES:,} plain files inside the artifact, each with 64 lowercase hex "
          "digits and a size"),
-        ("needs", lambda: m.get("needs", []),
-         lambda v: v == [] or (_platforms(v) and set(v) <= NEEDS),
+        ("needs", m.get("needs", []), lambda v: v == [] or (_platforms(v) and set(v) <= NEEDS),
          'a list of distinct op groups such as "convolution" or "while" (format.NEEDS)'),
-        ("metadata", lambda: m.get("metadata", {}), lambda v: isinstance(v, dict), "an object"),
-        ("vjp_order", lambda: m.get("vjp_order", 0), lambda v: _size(v) and v <= 8,
-         "an int from 0 to 8"),
-        ("compatible_until", lambda: m.get("compatible_until", ""), _is_str, "a date"),
-        ("entry", lambda: m.get("entry", "main"), is_entry_name, "an entry point name"),
-        ("entries", lambda: m.get("entries", {}),
+        ("metadata", m.get("metadata", {}), lambda v: isinstance(v, dict), "an object"),
+        ("vjp_order", m.get("vjp_order", 0), lambda v: is_size(v) and v <= 8, "an int from 0 to 8"),
+        ("compatible_until", m.get("compatible_until", ""), _is_str, "a date"),
+        ("entry", m.get("entry", "main"), is_entry_name, "an entry point name"),
+        ("entries", m.get("entries", {}),
          lambda v: isinstance(v, dict) and len(v) < MAX_ENTRIES
          and all(is_entry_name(k) and isinstance(e, dict) for k, e in v.items())
          and m.get("entry", "main") not in v,
@@ -149,14 +140,13 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
         if not isinstance(entry, dict):
             break  # the rule on "entries" reports it first
         rules += [
-            (f"entries.{name}.name", lambda e=entry: e.get("name", _MISSING), _is_str,
-             "a string"),
+            (f"entries.{name}.name", entry.get("name", M), _is_str, "a string"),
             *_program_rules(entry, f"entries.{name}."),
-            (f"entries.{name}.params", lambda e=entry: e.get("params", _MISSING),
+            (f"entries.{name}.params", entry.get("params", M),
              lambda v: _str_list(v) and len(set(v)) == len(v)
              and set(v) <= {p["path"] for p in m["params"]},  # checked above: a list of dicts
              "a list of distinct param paths, each in params"),
-            (f"entries.{name}.program_files", lambda e=entry: e.get("program_files", _MISSING),
+            (f"entries.{name}.program_files", entry.get("program_files", M),
              lambda v: isinstance(v, dict) and set(PROGRAM_FILES) <= set(v)
              and set(v) <= {*PROGRAM_FILES, SELFTEST}
              and all(_is_str(f) and f in m["files"] for f in v.values())
@@ -164,9 +154,8 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
              f"an object naming the entry's own {', '.join(PROGRAM_FILES)} (and "
              f"{SELFTEST}), each a distinct file listed in files"),
         ]  # fmt: skip
-    for field, get, ok, want in rules:
-        value = get()
-        if not ok(value):
+    for field, value, ok, want in rules:
+        if value is _MISSING or not ok(value):
             raise ArtifactError(
                 f"{file}: {field} is {show(value)}, but a symjax_mlp manifest has {want} "
                 "there; the artifact is corrupted or was edited. Export it again."
@@ -174,35 +163,36 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
 
 
 _TENSORS = "a list of {path, shape, dtype} (each dimension a size >= 0 or a name)"
-_MISSING = "(missing)"
 
 
-def _program_rules(
-    m: Mapping[str, Any], prefix: str
-) -> list[tuple[str, Callable[[], Any], Callable[[Any], bool], str]]:
+class _Missing:
+    def __repr__(self) -> str:
+        return "(missing)"
+
+
+_MISSING = _Missing()
+
+
+def _program_rules(m: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, Any, str]]:
     """The rules on what one entry point's program takes and returns."""
-
-    def sig() -> Any:
-        value = m.get("signature", _MISSING)
-        return value if isinstance(value, dict) else {}
-
+    sig = m.get("signature", _MISSING)
+    s = sig if isinstance(sig, dict) else {}
     return [
-        (f"{prefix}signature", lambda: m.get("signature", _MISSING),
-         lambda v: isinstance(v, dict), "an object"),
-        (f"{prefix}signature.inputs", lambda: sig().get("inputs"), _tensors(True), _TENSORS),
-        (f"{prefix}signature.outputs", lambda: sig().get("outputs"), _tensors(True), _TENSORS),
-        (f"{prefix}signature.output_kind", lambda: sig().get("output_kind"),
-         lambda v: v == "tuple" or (v == "array" and len(sig()["outputs"]) == 1),
+        (f"{prefix}signature", sig, lambda v: isinstance(v, dict), "an object"),
+        (f"{prefix}signature.inputs", s.get("inputs"), _tensors(True), _TENSORS),
+        (f"{prefix}signature.outputs", s.get("outputs"), _tensors(True), _TENSORS),
+        (f"{prefix}signature.output_kind", s.get("output_kind"),
+         lambda v: v == "tuple" or (v == "array" and len(s["outputs"]) == 1),
          '"tuple", or "array" with one output'),
-        (f"{prefix}signature.batch", lambda: sig().get("batch"),
-         lambda v: v is None or _is_str(v), "a name or null"),
-        (f"{prefix}signature.constraints", lambda: sig().get("constraints", []), _constraints,
+        (f"{prefix}signature.batch", s.get("batch"), lambda v: v is None or _is_str(v),
+         "a name or null"),
+        (f"{prefix}signature.constraints", s.get("constraints", []), _constraints,
          f"a list of at most 64 constraints such as \"t <= 1024\" ({MAX_CONSTRAINT_CHARS} "
          "characters at most)"),
-        (f"{prefix}mlir_arguments", lambda: m.get("mlir_arguments", _MISSING), _str_list,
+        (f"{prefix}mlir_arguments", m.get("mlir_arguments", _MISSING), _str_list,
          "a list of names"),
-        (f"{prefix}static", lambda: m.get("static", {}), _str_dict, "an object of strings"),
-        (f"{prefix}rows", lambda: m.get("rows"), _rows,
+        (f"{prefix}static", m.get("static", {}), _str_dict, "an object of strings"),
+        (f"{prefix}rows", m.get("rows"), _rows,
          '{"dim": a name or null, "independent": true or false, "why": a reason} (or none)'),
     ]  # fmt: skip
 
@@ -224,16 +214,16 @@ def _is_str(x: Any) -> bool:
     return isinstance(x, str)
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _size(x: Any) -> bool:
-    return _is_int(x) and x >= 0
+def is_size(x: Any) -> bool:
+    return is_int(x) and x >= 0
 
 
 def _count(x: Any) -> bool:
-    return _is_int(x) and x >= 1
+    return is_int(x) and x >= 1
 
 
 def _str_list(x: Any) -> bool:
@@ -254,7 +244,7 @@ def _platforms(x: Any) -> bool:
 
 def _tensors(symbolic: bool) -> Callable[[Any], bool]:
     def dim_ok(d: Any) -> bool:
-        return _size(d) or (symbolic and _is_str(d) and d != "")
+        return is_size(d) or (symbolic and _is_str(d) and d != "")
 
     def ok(x: Any) -> bool:
         return isinstance(x, list) and len(x) <= MAX_PARAMS and all(
@@ -269,7 +259,7 @@ def _tensors(symbolic: bool) -> Callable[[Any], bool]:
 def _files(x: Any) -> bool:
     return isinstance(x, dict) and len(x) <= MAX_FILES and all(
         is_file_name(name) and isinstance(e, dict) and _is_str(e.get("sha256"))
-        and _SHA256.fullmatch(e["sha256"]) is not None and _size(e.get("bytes"))
+        and _SHA256.fullmatch(e["sha256"]) is not None and is_size(e.get("bytes"))
         for name, e in x.items()
     )  # fmt: skip
 

@@ -88,16 +88,16 @@ class ModuleReport:
 
 def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
     """``allow=`` as keys: ``"while"``, ``"stablehlo.while"`` and ``"op:while"`` are one key."""
-    if isinstance(allow, str) or allow is None:
-        allow = () if allow is None else (allow,)
-    elif isinstance(allow, Iterable):
-        allow = tuple(allow)
-    if not isinstance(allow, tuple) or not all(isinstance(i, str) and i for i in allow):
+    if allow is None:
+        return frozenset()
+    items = (allow,) if isinstance(allow, str) else allow
+    items = tuple(items) if isinstance(items, Iterable) else (None,)
+    if not all(isinstance(i, str) and i for i in items):
         raise ArtifactError(
             f"load(allow={allow!r}): expected names such as 'while' or 'custom_call:NAME', "
             "in a set or list, e.g. allow={'while'}."
         )
-    return frozenset(item.removeprefix("op:").removeprefix("stablehlo.") for item in allow)
+    return frozenset(item.removeprefix("op:").removeprefix("stablehlo.") for item in items)
 
 
 def needs(report: ModuleReport) -> list[str]:

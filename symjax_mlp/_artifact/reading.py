@@ -260,17 +260,17 @@ def read_files(
 
 
 def read_artifact(
-    path: Path, *, attempts: int = 3, keep: tuple[str, ...] = USED
+    path: Path, *, keep: tuple[str, ...] = USED
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Reads the manifest, then every file, checked; retried if ``path`` was replaced meanwhile
     (the directory's inode tells that from a corruption)."""
-    for attempt in range(attempts):
+    for attempt in range(3):
         before = _identity(path)
         try:
             manifest = read_manifest(path)
             return manifest, read_files(path, manifest, keep=keep)
         except ArtifactError:
-            if attempt + 1 == attempts or _identity(path) == before:
+            if attempt == 2 or _identity(path) == before:
                 raise
 
 

@@ -161,10 +161,8 @@ def is_array(x: Any) -> bool:
 
 
 def _as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
-    """``x`` as an array: arrays pass; Python numbers and (nested) lists are converted (to the
-    artifact's dtype where JAX's weak types would take it: :func:`_weak`); any
-    other object (a torch tensor, an object with a ``shape``, a masked array) is refused, by
-    its type."""
+    """``x`` as an array: arrays pass, Python numbers and lists convert (:func:`_weak`), any
+    other object (a torch tensor, a masked array) is refused by its type."""
     if isinstance(x, np.ma.MaskedArray):
         raise SignatureError(MASKED_INPUT.format(caller=caller, path=spec.path))
     if is_array(x):

@@ -11,22 +11,21 @@ from __future__ import annotations
 import collections
 import functools
 import graphlib
-from pathlib import Path
 from typing import Any
 
 from symjax_mlp._artifact import cost, ops
 from symjax_mlp._errors import ArtifactError
 
 
-def analyze_module(module: Any, *, file: Path | str = "the module") -> ops.ModuleReport:
+def analyze_module(module: Any) -> ops.ModuleReport:
     """The report of an ``ir.Module`` already parsed (in its context)."""
     try:
         return _Walk(module).report()
     except RecursionError:
-        raise ArtifactError(f"{file}: its regions nest too deeply to check; refused.") from None
+        raise ArtifactError("the module: its regions nest too deeply to check; refused.") from None
     except (RuntimeError, ValueError, TypeError, UnicodeDecodeError) as e:  # MLIR bindings
         raise ArtifactError(
-            f"{file}: the StableHLO module cannot be checked ({type(e).__name__}: "
+            f"the module: the StableHLO module cannot be checked ({type(e).__name__}: "
             f"{str(e)[:200]}); refused."
         ) from e
 

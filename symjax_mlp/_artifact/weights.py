@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import safetensors
 
-from symjax_mlp._artifact.format import MAX_PARAMS, printable, show
+from symjax_mlp._artifact.format import MAX_PARAMS, is_int, is_size, printable, show
 from symjax_mlp._errors import ArtifactError, SymjaxError
 from symjax_mlp._files import Reader
 from symjax_mlp._specs import TensorSpec
@@ -88,12 +88,10 @@ def encode_params(
     return bytes(safetensors.serialize(tensors, metadata=header))
 
 
-def decode_params(
-    data: bytes | bytearray, *, file: Path | str, error: type[SymjaxError] = ArtifactError
-) -> dict[str, np.ndarray]:
+def decode_params(data: bytes | bytearray, *, file: Path | str) -> dict[str, np.ndarray]:
     """Parses safetensors bytes into ``{path: array}``: read-only views of ``data``, no copy;
-    anything but a valid file raises ``error`` naming ``file``."""
-    entries, _, start = _parse_header(lambda a, b: data[a:b], len(data), file, error, MAX_TENSORS)
+    anything but a valid file is an ``ArtifactError`` naming ``file``."""
+    entries, _, start = _parse_header(data.__getitem__, len(data), file, ArtifactError, MAX_TENSORS)
     out = {}
     for begin, _, name, dtype, shape, count in entries:
         a = np.frombuffer(data, _ST_DTYPES[dtype], count=count, offset=start + begin)
@@ -114,13 +112,12 @@ def read_safetensors_file(
     error: type[SymjaxError] = ArtifactError,
     max_tensors: int = MAX_TENSORS,
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """``(tensors, metadata)`` of a safetensors file, read in one checked pass (hashed, ``size``
-    and ``sha256`` compared) into one 64-byte-aligned buffer per tensor that JAX can use in
-    place; FileNotFoundError for no file, ``error`` for anything else."""
+    """``(tensors, metadata)`` of a safetensors file read in one hashed pass, each tensor in a
+    64-byte-aligned buffer; FileNotFoundError for no file, ``error`` for anything else."""
     with Reader(file, size=size, error=error) as r:
 
-        def read(start: int, stop: int) -> bytes:  # called in file order
-            return r.read(stop - start)
+        def read(at: slice) -> bytes:  # called in file order
+            return r.read(at.stop - at.start)
 
         entries, metadata, _ = _parse_header(read, r.size, file, error, max_tensors)
         out = {}
@@ -141,24 +138,24 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 def _parse_header(
-    read: Callable[[int, int], Any],
+    read: Callable[[slice], Any],
     n: int,
     file: Path | str,
     error: type[SymjaxError],
     max_tensors: int,
 ) -> tuple[list[tuple[int, int, str, str, list[int], int]], dict[str, str], int]:
     """The header's tensors, in file order, checked to tile the file's ``n`` bytes exactly; its
-    ``__metadata__``; and where the data starts. ``read(start, stop)`` gives the file's bytes."""
+    ``__metadata__``; and where the data starts. ``read(slice(start, stop))`` gives its bytes."""
 
     def bad(why: str) -> SymjaxError:
         return error(f"{file} is not a valid safetensors file: {why}.")
 
     if n < 8:
         raise bad(f"it has {n} bytes, fewer than the 8 of its header length")
-    size = int.from_bytes(read(0, 8), "little")
+    size = int.from_bytes(read(slice(0, 8)), "little")
     if size > MAX_HEADER_BYTES or 8 + size > n:
         raise bad(f"its header claims {size:,} bytes, but the file has {n:,}")
-    text_bytes = bytes(read(8, 8 + size))
+    text_bytes = bytes(read(slice(8, 8 + size)))
     try:
         text = text_bytes.decode("utf-8")
         if not text.startswith("{"):
@@ -178,17 +175,9 @@ def _parse_header(
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
             raise bad(f"tensor {show(name)} has the unsupported dtype {show(dtype)}")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > 32
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        ):
+        if not isinstance(shape, list) or len(shape) > 32 or not all(map(is_size, shape)):
             raise bad(f"tensor {show(name)} has the shape {show(shape)}")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        ):
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(is_int, offsets)):
             raise bad(f"tensor {show(name)} has the data_offsets {show(offsets)}")
         if math.prod(max(d, 1) for d in shape) * _ST_ITEMSIZE[dtype] >= 1 << 62:
             raise bad(f"tensor {show(name)} has the shape {show(shape)}, too large for NumPy")
@@ -240,23 +229,19 @@ def check_params(
     missing = [k for k in want if k not in found]
     extra = [k for k in found if k not in want]
     if missing or extra:
-        by_type: dict[tuple[tuple[int, ...], str], list[str]] = {}
-        for e in extra:
-            by_type.setdefault((tuple(found[e].shape), str(found[e].dtype)), []).append(e)
+        extras = [TensorSpec(e, tuple(found[e].shape), str(found[e].dtype)) for e in extra]
+        twins: dict[str, list[str]] = {}  # by type: a missing param's likely new name
+        for s in extras:
+            twins.setdefault(s.type, []).append(s.path)
         lines = []
-        for m in missing[:MAX_LISTED]:
-            s = want[m]
-            twin = by_type.get((tuple(s.shape), s.dtype), [])
-            hint = f" (renamed to {twin[0]}?)" if len(twin) == 1 else ""
-            lines.append(f"  missing: {s}{hint}")
-        if len(missing) > MAX_LISTED:
-            lines.append(f"  ... and {len(missing) - MAX_LISTED:,} more missing")
-        lines += [
-            f"  extra:   {TensorSpec(e, tuple(found[e].shape), str(found[e].dtype))}"
-            for e in extra[:MAX_LISTED]
-        ]
-        if len(extra) > MAX_LISTED:
-            lines.append(f"  ... and {len(extra) - MAX_LISTED:,} more extra")
+        for label, specs in (("missing:", [want[m] for m in missing]), ("extra:  ", extras)):
+            for s in specs[:MAX_LISTED]:
+                twin = twins.get(s.type, []) if label == "missing:" else []
+                lines.append(
+                    f"  {label} {s}" + (f" (renamed to {twin[0]}?)" if len(twin) == 1 else "")
+                )
+            if len(specs) > MAX_LISTED:
+                lines.append(f"  ... and {len(specs) - MAX_LISTED:,} more {label.strip(' :')}")
         raise ArtifactError(
             f"{file} does not match the artifact's param tree ({len(missing)} missing, "
             f"{len(extra)} extra):\n"
