@@ -65,20 +65,18 @@ def export(
     """Exports ``h`` as a portable artifact directory (StableHLO + safetensors + manifest).
 
     Args:
-      h: the :class:`~symjax_mlp.Hybrid` to export; its params become inputs of the exported
-        function, written to ``params.safetensors`` in the dtype JAX traces them with. A
-        sharded Hybrid exports its sharded program; a stateful one, one call with its current
-        state. Or a dict of them, ``{"predict": h, "embed": h_embed}``: entry points over one
-        ``params.safetensors``, the first the default; ``example``, ``kwargs``, ``shapes`` and
-        ``constraints`` may then be dicts keyed by every entry point's name.
+      h: the :class:`~symjax_mlp.Hybrid` to export (sharded: its sharded program; stateful: one
+        call with its current state); its params, inputs of the program, go to
+        ``params.safetensors`` in the dtype JAX traces them with. Or a dict of entry points
+        over that one file, ``{"predict": h, "embed": h_embed}``, the first the default;
+        ``example``, ``kwargs``, ``shapes`` and ``constraints`` may then be dicts by name.
       path: the artifact directory, written atomically.
       example: an input array, or a tuple of input arrays; only shapes and dtypes are used.
         Python settings in it (``(x, 2)`` for a depth) are static: baked into the export.
       batch: the name of a symbolic leading dimension shared by every input (one artifact
         serves any batch size >= 1, and ``jax.vmap`` merges into it where rows stay apart),
         or ``None`` for the example's static shapes. Leave it at its default with ``shapes``.
-      platforms: the JAX platforms to lower for, e.g. ``("cpu", "cuda")``; no device of
-        those platforms is needed to export.
+      platforms: the JAX platforms to lower for, e.g. ``("cpu", "cuda")`` (no device needed).
       overwrite: replace an existing artifact at ``path``.
       kwargs: keyword settings baked into the export, e.g. ``{"train": False}``; Python
         values only (the artifact's inputs are positional arrays).
@@ -89,19 +87,16 @@ def export(
         ``("t <= 1024",)`` (every symbolic dimension is also ``>= 1``).
       metadata: a model card, JSON data (labels, metrics, license): recorded in the manifest,
         shown by ``inspect``, mirrored into ``params.safetensors``'s ``__metadata__``.
-      vjp_order: how many orders of gradients the artifact carries (``1``: ``jax.grad`` of
-        the loaded model works).
+      vjp_order: the orders of gradients the artifact carries (``1``: ``jax.grad`` works).
 
     Returns:
       The :class:`~symjax_mlp.Artifact`.
 
     Raises:
-      ConfigError: an option is invalid (one string where a tuple is due, ``batch`` beside
-        ``shapes``, a keyword the model does not take, a constraint on a name no spec uses,
-        an unknown platform, a non-bool ``overwrite``), refused before anything is written.
+      ConfigError: an option is invalid (a string where a tuple is due, ``batch`` beside
+        ``shapes``, an unknown keyword, platform or constraint name), before any work.
       ArtifactError: ``path`` exists (without ``overwrite``) or cannot be written.
-      SignatureError: ``example`` is missing, not an array or a tuple of arrays, or the
-        output is not.
+      SignatureError: ``example`` (or the output) is not an array or a tuple of arrays.
 
     Example:
       >>> import jax, jax.numpy as jnp

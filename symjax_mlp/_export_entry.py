@@ -12,8 +12,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import param_specs
@@ -22,6 +20,7 @@ from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, Symja
 from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import walk
+from symjax_mlp._hybrid.mesh import shardings
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
 from symjax_mlp._rows import verdict
@@ -242,8 +241,7 @@ def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:
 def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with the sharding of ``h``'s mesh as constraints: batch split, params
     replicated, so ``jax.export`` records ``nr_devices = mesh.size``."""
-    mesh = h.mesh
-    rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P(h.axis))
+    _, rep, dat, _ = shardings(h.mesh, h.axis)
 
     def sharded(params: Any, *inputs: Any, **kw: Any) -> Any:
         params = jax.lax.with_sharding_constraint(params, rep)

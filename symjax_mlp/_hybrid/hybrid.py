@@ -40,9 +40,9 @@ _SETTINGS = (
 class Hybrid:
     """A model bound to its params, compiled by XLA on call, or run eagerly; a frozen result.
 
-    Create one with :func:`~symjax_mlp.hybridize`. ``h(x)`` runs the compiled program (one
-    trace and compile per input signature and static setting), ``h.eager(x)`` the same function
-    op by op, every time. Settings never change in place: ``h.replace(...)`` returns a new one.
+    Made by :func:`~symjax_mlp.hybridize`. ``h(x)`` runs the compiled program (one trace per
+    input signature and static setting), ``h.eager(x)`` the function op by op;
+    ``h.replace(...)`` returns a new one with other settings.
 
     Attributes:
       fn: the pure inference function ``fn(variables, *args, **kwargs) -> out`` (see

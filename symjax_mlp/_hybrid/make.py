@@ -53,9 +53,9 @@ def hybridize(
         fresh by each call, ``(out, {name: values})``, as ``model.apply`` returns it.
       rngs: a linen model's rng streams, split anew on every call: a key (the ``"dropout"``
         stream), an int seed, or ``{"dropout": key, ...}``.
-      donate: donate the held state to each ``h(x)`` call (never ``h.apply``), so XLA writes
-        the new state into its buffers; your variables are never consumed, and arrays read
-        from :attr:`Hybrid.state` are valid until the next call.
+      donate: donate the held state to each ``h(x)`` call (never ``h.apply``; never your
+        variables), XLA writing the new state into its buffers: arrays read from
+        :attr:`Hybrid.state` are valid until the next call.
       params_as_constants: compile the params into ``h(x)``'s program as constants (as
         ``torch.jit.freeze`` does), each compilation embedding a copy; ``h.apply``,
         ``h.eager``, ``h.graph`` and :func:`~symjax_mlp.export` still take them as inputs.
@@ -148,8 +148,7 @@ def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool 
     """Runs ``h`` data-parallel over ``mesh``: batch split over ``axis``, params replicated.
 
     Args:
-      h: the :class:`Hybrid`; its function must treat examples independently (as an MLP
-        does) for padding to be exact.
+      h: the :class:`Hybrid`; padding is exact if it treats examples independently.
       mesh: a ``jax.sharding.Mesh`` (default: :func:`~symjax_mlp.data_mesh`, every device).
       axis: the mesh axis the batch is split over.
       pad: pad an indivisible batch and trim the result (``False``: raise
