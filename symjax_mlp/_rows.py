@@ -32,8 +32,8 @@ _ALONG = {  # primitives that mix along one axis: the parameter that names it
 _NAME = re.compile(r"[A-Za-z_]\w*")
 
 
-class _Mixed(Exception):  # why rows are not independent
-    pass
+class _Mixed(Exception):
+    """Why rows are not independent."""
 
 
 def verdict(jaxpr: Any, dim: str | None) -> dict[str, Any]:

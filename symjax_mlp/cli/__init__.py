@@ -168,9 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"{PROG} {__version__}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_tour, _add_graph, _add_export, _add_inspect, _run.add_parser, _add_verify):
-        add(sub)
-    for add in (_add_bench, _train.add_parser, _serve.add_parser):  # as --help lists them
+    commands = (_add_tour, _add_graph, _add_export, _add_inspect, _run.add_parser, _add_verify)
+    for add in (*commands, _add_bench, _train.add_parser, _serve.add_parser):  # --help's order
         add(sub)
     return parser
 
