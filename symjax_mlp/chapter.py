@@ -78,8 +78,7 @@ _INT64 = 2**63
 
 
 def _check_fits(sizes: Sequence[int], *, in_features: int, batch: int, seed: int) -> None:
-    """Refuses numbers no array or key holds: a seed past int64, a layer of more elements
-    than an array may have (JAX failed on them with a TypeError or an OverflowError)."""
+    """Refuses a seed past int64, and a layer of more elements than an array may have."""
     if not -_INT64 <= seed < _INT64 - 1:
         raise ConfigError(f"seed must be an int from -2**63 to 2**63 - 2; got {seed}.")
     widths = (in_features, *sizes)
