@@ -26,19 +26,8 @@ def read_npy(
     what: str,
     error: Callable[[str], Exception] = SignatureError,
 ) -> np.ndarray:
-    """The one array of a ``.npy`` file (a path, or its bytes), in this CPU's byte order.
-
-    Raises ``error`` (made from a message that names ``source`` as ``what``) for anything but
-    a ``.npy`` array: an ``.npz`` archive, a pickle, other bytes.
-
-    Example:
-      >>> import io, numpy as np
-      >>> f = io.BytesIO()
-      >>> np.save(f, np.arange(3, dtype=">i4"))  # big-endian
-      >>> x = read_npy(f.getvalue(), what="the body")
-      >>> x.tolist(), x.dtype.isnative
-      ([0, 1, 2], True)
-    """
+    """The one array of a ``.npy`` file (a path, or its bytes), in this CPU's byte order;
+    ``error`` (its message naming ``source`` as ``what``) for an ``.npz``, a pickle, other bytes."""
     head = None
     try:
         with open(source, "rb") if not isinstance(source, bytes) else io.BytesIO(source) as f:
@@ -66,17 +55,7 @@ def read_npy(
 
 def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
     """``x``, a void array from a .npy file, viewed as the ml_dtypes type ``dtype`` of its
-    itemsize (the bytes unchanged); any other array as it is, uncast, for the caller to check.
-
-    Example:
-      >>> import io, ml_dtypes, numpy as np
-      >>> f = io.BytesIO()
-      >>> np.save(f, np.array([1.5, -2.0], ml_dtypes.bfloat16))
-      >>> _ = f.seek(0)
-      >>> x = np.load(f)
-      >>> str(x.dtype), npy_array(x, "bfloat16").tolist()
-      ('|V2', [1.5, -2.0])
-    """
+    itemsize (the bytes unchanged); any other array as it is, uncast, for the caller to check."""
     if x.dtype.kind != "V" or x.dtype.names is not None or x.dtype.subdtype is not None:
         return x
     import ml_dtypes
@@ -90,20 +69,8 @@ def read_inputs(
     files: Sequence[str | os.PathLike[str]], specs: Sequence[TensorSpec]
 ) -> list[np.ndarray]:
     """The ``.npy`` files as a model's inputs, one per spec (a file past the last spec is read
-    as it is, for the model to refuse).
-
-    Raises:
-      SignatureError: a file is not a ``.npy`` array, or holds another dtype than its input.
-
-    Example:
-      >>> import os, tempfile, ml_dtypes, numpy as np
-      >>> from symjax_mlp import TensorSpec
-      >>> file = os.path.join(tempfile.mkdtemp(), "x.npy")
-      >>> np.save(file, np.ones((2, 3), ml_dtypes.bfloat16))  # stored as |V2
-      >>> [x] = read_inputs([file], [TensorSpec("args[0]", ("b", 3), "bfloat16")])
-      >>> str(x.dtype), x.shape
-      ('bfloat16', (2, 3))
-    """
+    as it is, for the model to refuse); a ``SignatureError`` for a file that is no ``.npy``
+    array or holds another dtype than its input."""
     xs = [read_npy(file, what=str(file)) for file in files]
     xs = [npy_array(x, specs[i].dtype) if i < len(specs) else x for i, x in enumerate(xs)]
     for file, x, spec in zip(files, xs, specs, strict=False):
@@ -119,21 +86,9 @@ def read_inputs(
 
 def write_outputs(out: Any, target: str | os.PathLike[str] | BinaryIO) -> list[np.ndarray]:
     """Writes a model's outputs (an array or a tuple): one array as ``.npy`` to a path or a
-    binary stream, or every output into a ``.npz`` path as ``out0``, ``out1``, ...; returns
-    them as NumPy arrays.
-
-    Raises:
-      SignatureError: several outputs for one ``.npy`` file or stream (nothing is written).
-      SymjaxError: the path cannot be written (a full disk): what it held is unchanged.
-
-    Example:
-      >>> import os, tempfile, numpy as np
-      >>> file = os.path.join(tempfile.mkdtemp(), "y.npz")
-      >>> [y.shape for y in write_outputs((np.ones(2), np.zeros(3)), file)]
-      [(2,), (3,)]
-      >>> sorted(np.load(file))
-      ['out0', 'out1']
-    """
+    binary stream, or all into a ``.npz`` path as ``out0``, ``out1``, ...; returns them as NumPy
+    arrays. A ``SignatureError`` for several outputs and one ``.npy`` (nothing is written); a
+    ``SymjaxError`` for a path that cannot be written (what it held is unchanged)."""
     outs = [np.asarray(y) for y in (out if isinstance(out, tuple) else (out,))]
     is_path = isinstance(target, str | os.PathLike)
     buffer = io.BytesIO()
@@ -155,13 +110,7 @@ def write_outputs(out: Any, target: str | os.PathLike[str] | BinaryIO) -> list[n
 
 
 def raw_dtype_notes(arrays: Sequence[np.ndarray]) -> list[str]:
-    """How to read back each ml_dtypes type that ``.npy`` stored as raw bytes, one line each.
-
-    Example:
-      >>> import ml_dtypes, numpy as np
-      >>> raw_dtype_notes([np.zeros(2, ml_dtypes.bfloat16), np.zeros(2, np.float32)])
-      ['.npy has no bfloat16 type, so it is stored as |V2 (the same bytes); read it back with np.load(...).view(ml_dtypes.bfloat16)']
-    """  # noqa: E501
+    """How to read back each ml_dtypes type that ``.npy`` stored as raw bytes, one line each."""
     raw = {
         str(y.dtype): y.dtype.itemsize for y in arrays if y.dtype.kind == "V" and not y.dtype.names
     }
