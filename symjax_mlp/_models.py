@@ -22,15 +22,8 @@ ACTIVATIONS: tuple[str, ...] = (
 
 
 def activation(name: str | None) -> Callable[[jax.Array], jax.Array]:
-    """Returns the :mod:`jax.nn` activation called ``name`` (``None`` is the identity).
-
-    Raises:
-      ValueError: ``name`` is not one of :data:`ACTIVATIONS`.
-
-    Example:
-      >>> activation("relu")(jnp.array([-1.0, 2.0]))
-      Array([0., 2.], dtype=float32)
-    """
+    """The :mod:`jax.nn` activation called ``name`` (``None``: the identity); a ``ConfigError``
+    (a ``ValueError``) unless ``name`` is one of :data:`ACTIVATIONS`."""
     if name is None:
         return lambda x: x
     if not isinstance(name, str) or name not in ACTIVATIONS:

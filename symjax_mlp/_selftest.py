@@ -144,12 +144,9 @@ def _caller(path: Path) -> str:
 
 
 def difference(got: np.ndarray, want: np.ndarray) -> str | None:
-    """How ``got`` differs from the vector ``want``, or ``None`` if it reproduces it.
-
-    NaN equals NaN (an honest ``jnp.log`` of a negative input gives NaN at export and at load),
-    and an infinity equals the same infinity; every other value must be within
-    :func:`tolerance` of the one recorded.
-    """
+    """How ``got`` differs from the vector ``want``, or ``None`` if it reproduces it: NaN equals
+    NaN (``jnp.log`` of a negative input), an infinity the same infinity, and every other value
+    is within :func:`tolerance` of the one recorded."""
     if got.shape != want.shape:
         return f"has shape {got.shape}, but gave {want.shape} at export"
     g64, w64 = (np.asarray(a, np.float64) for a in (got, want))
