@@ -6,6 +6,7 @@ before any parser reads a byte; only regular files and directories are allowed.
 
 from __future__ import annotations
 
+import importlib
 import os
 import stat
 from collections.abc import Callable
@@ -19,22 +20,21 @@ MAX_ENTRIES = 4096
 MAX_SIGNATURE_BYTES = 1 << 20
 
 
-def _model_signing() -> tuple[Any, Any, Any]:
+def _config(kind: str) -> Any:
+    """``model_signing.{kind}.Config()`` hashing every file but the signature, git files
+    included (the default would skip ``.git``)."""
     try:
         import model_signing.hashing
-        import model_signing.signing
-        import model_signing.verifying
+
+        module = importlib.import_module(f"model_signing.{kind}")
     except ImportError as e:
         raise ConfigError(
             "signing artifacts needs the optional package model-signing: "
             f"pip install 'symjax_mlp[sign]' ({e})"
         ) from e
-    return model_signing.hashing, model_signing.signing, model_signing.verifying
-
-
-def _hashing(hashing: Any) -> Any:
-    """Every file but the signature, git files included (the default would skip ``.git``)."""
-    return hashing.Config().set_ignored_paths(paths=[SIGNATURE], ignore_git_paths=False)
+    hashing = model_signing.hashing.Config()
+    hashing.set_ignored_paths(paths=[SIGNATURE], ignore_git_paths=False)
+    return module.Config().set_hashing_config(hashing)
 
 
 def _checked(path: Any, key: Any, what: str, verb: str) -> tuple[Path, Path]:
@@ -100,12 +100,11 @@ def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> P
       ArtifactError: ``path`` is not a directory of plain files.
       ConfigError: ``model-signing`` is missing, or ``private_key`` is not a key file.
     """
-    hashing, signing, _ = _model_signing()
+    config = _config("signing")
     path, key = _checked(path, private_key, "sign(private_key=...)", "sign")
     snapshot(path)
     (path / SIGNATURE).unlink(missing_ok=True)
     try:
-        config = signing.Config().set_hashing_config(_hashing(hashing))
         config.use_elliptic_key_signer(private_key=key).sign(path, path / SIGNATURE)
     except (ValueError, TypeError, OSError) as e:
         raise ConfigError(f"sign({str(path)!r}): model-signing failed: {e}") from e
@@ -133,7 +132,7 @@ def verify_signature(path: str | os.PathLike[str], public_key: str | os.PathLike
 def check(path: str | os.PathLike[str], public_key: str | os.PathLike[str]) -> Callable[[], None]:
     """:func:`verify_signature`; returns ``unchanged()``, which raises if any file of ``path``
     changed since (a loader calls it after reading the files)."""
-    hashing, _, verifying = _model_signing()
+    config = _config("verifying")
     path, key = _checked(path, public_key, "verify_signature=", "verify")
     before = snapshot(path)
     sig = path / SIGNATURE
@@ -146,7 +145,6 @@ def check(path: str | os.PathLike[str], public_key: str | os.PathLike[str]) -> C
     if before[SIGNATURE][2] > MAX_SIGNATURE_BYTES:
         raise ArtifactError(f"{sig} has more than {MAX_SIGNATURE_BYTES} bytes; it is no signature.")
     try:
-        config = verifying.Config().set_hashing_config(_hashing(hashing))
         config.use_elliptic_key_verifier(public_key=key).verify(path, sig)
     except Exception as e:  # model_signing, sigstore and cryptography raise their own types
         raise ArtifactError(

@@ -121,23 +121,19 @@ class Artifact:
 
         def read(name: str) -> bytearray:
             try:
-                entry = files[name]
-                file = self.path / name
-                return read_regular(
-                    file, size=entry["bytes"], sha256=entry["sha256"], error=ArtifactError
-                )
+                size, digest = files[name]["bytes"], files[name]["sha256"]
+                return read_regular(self.path / name, size=size, sha256=digest, error=ArtifactError)
             except (FileNotFoundError, KeyError):
                 raise ArtifactError(f"{self.path / name} is missing; inspect it again.") from None
 
-        module = read(mlirbc)
+        module, data = read(mlirbc), read(jaxexport)
         try:
-            exported = jax.export.deserialize(read(jaxexport))
-            same = bytes(exported.mlir_module_serialized) == module
+            exported = jax.export.deserialize(data)
         except Exception as e:  # flatbuffers and JAX raise what they raise
             raise ArtifactError(
                 f"{self.path / jaxexport}: jax.export could not deserialize it ({e})."
             ) from e
-        if not same:
+        if bytes(exported.mlir_module_serialized) != module:
             raise ArtifactError(
                 f"{self.path / jaxexport} holds a StableHLO module other than {mlirbc}'s: the "
                 "files come from different exports, or one was edited. Export it again."

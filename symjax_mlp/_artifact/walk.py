@@ -30,11 +30,6 @@ def analyze_module(module: Any) -> ops.ModuleReport:
         ) from e
 
 
-# -- the walk ---------------------------------------------------------------------------------
-def _short(name: str) -> str:
-    return name.removeprefix("stablehlo.")
-
-
 class _Walk:
     def __init__(self, module: Any) -> None:
         self.module = module
@@ -82,7 +77,7 @@ class _Walk:
                 self._problem("module", f"two functions named @{fname}")
             mult = 1
         elif name not in ops.ALLOWED_OPS and not name.startswith(ops.ALLOWED_DIALECTS):
-            self._problem(_short(name), f"the op {name}")
+            self._problem(name.removeprefix("stablehlo."), f"the op {name}")
         if reducer and (op.regions or name == "func.call"):
             self._problem(
                 "control_in_reducer",
