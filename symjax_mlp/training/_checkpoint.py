@@ -158,12 +158,9 @@ def check_manifest(
 def _history_ok(history: Any) -> bool:
     """A list of epoch records: each exactly the fields of ``EpochRecord``, as numbers."""
 
-    def number(v: Any, kind: type) -> bool:
-        if isinstance(v, bool):
-            return False
-        if kind is int:
-            return isinstance(v, int)
-        return isinstance(v, int | float) and math.isfinite(v)  # json reads NaN, Infinity
+    def number(v: Any, kind: type) -> bool:  # json reads NaN and Infinity
+        ok = isinstance(v, int) if kind is int else isinstance(v, int | float) and math.isfinite(v)
+        return ok and not isinstance(v, bool)
 
     return isinstance(history, list) and all(
         isinstance(r, dict)

@@ -85,8 +85,7 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
             name="sklearn",
         ) from e
     x, y = _sklearn_digits(return_X_y=True)
-    x = x.astype(np.float32)
-    y = y.astype(np.int32)
+    x, y = x.astype(np.float32), y.astype(np.int32)
     rng = np.random.default_rng(seed)
     test_rows = []
     for c in np.unique(y):  # stratified: the same share of every class is held out
@@ -94,20 +93,10 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
         test_rows.append(rows[: round(len(rows) * test_fraction)])
     is_test = np.zeros(len(y), bool)
     is_test[np.concatenate(test_rows)] = True
-    x_train, x_test = x[~is_test], x[is_test]
-    mean = x_train.mean(axis=0)
-    std = x_train.std(axis=0)
+    mean, std = x[~is_test].mean(axis=0), x[~is_test].std(axis=0)
     std = np.where(std > 0, std, np.float32(1)).astype(np.float32)
-    return Dataset(
-        x_train=(x_train - mean) / std,
-        y_train=y[~is_test],
-        x_test=(x_test - mean) / std,
-        y_test=y[is_test],
-        num_classes=10,
-        name="digits",
-        mean=mean,
-        std=std,
-    )
+    x_train, x_test = (x[~is_test] - mean) / std, (x[is_test] - mean) / std
+    return Dataset(x_train, y[~is_test], x_test, y[is_test], 10, "digits", mean=mean, std=std)
 
 
 _NOT_ROWS = (
@@ -137,25 +126,24 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
             f"train() expects a symjax_mlp.Dataset; got {type(data).__name__}. Wrap arrays as "
             "Dataset(x_train, y_train, x_test, y_test)."
         )
-    xs = {}
+    xs, ys = {}, {}
     for name in ("x_train", "x_test"):
-        x = np.asarray(getattr(data, name))
+        where, x = f"{data.name}.{name}", np.asarray(getattr(data, name))
         if x.ndim > 2:
-            where = f"{data.name}.{name}"
             raise DataError(_NOT_ROWS.format(name=where, shape=x.shape, example=x.shape[1:]))
         if x.ndim != 2:
             raise DataError(
-                f"{data.name}.{name} has shape {x.shape}; expected 2-D features "
-                "(examples, features). Reshape it, e.g. x.reshape(len(x), -1)."
+                f"{where} has shape {x.shape}; expected 2-D features (examples, features). "
+                "Reshape it, e.g. x.reshape(len(x), -1)."
             )
         if x.shape[0] == 0:
             raise DataError(
-                f"{data.name}.{name} is empty (shape {x.shape}); expected at least one example. "
-                "Check the loading and splitting of the data."
+                f"{where} is empty (shape {x.shape}); expected at least one example. Check the "
+                "loading and splitting of the data."
             )
         if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
-            raise DataError(f"{data.name}.{name} has dtype {x.dtype}; expected real numbers.")
-        _check_finite(f"{data.name}.{name}", x)
+            raise DataError(f"{where} has dtype {x.dtype}; expected real numbers.")
+        _check_finite(where, x)
         xs[name] = x.astype(np.float32)
     width, test_width = xs["x_train"].shape[1], xs["x_test"].shape[1]
     if test_width != width:
@@ -163,41 +151,36 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
             f"{data.name}.x_test has {test_width} features per example but x_train has {width}; "
             "both splits must have the same feature width. Preprocess them the same way."
         )
-    classes = data.num_classes
-    if classes is not None and (
-        not isinstance(classes, numbers.Integral) or isinstance(classes, bool) or classes < 1
-    ):
+    classes, limits = data.num_classes, []
+    count = isinstance(classes, numbers.Integral) and not isinstance(classes, bool)
+    if classes is not None and not (count and classes >= 1):
         raise DataError(
             f"{data.name}.num_classes is {classes!r}; expected an int >= 1, the number of "
             "classes the labels index (or None: the largest label + 1)."
         )
-    limits = []
     if num_outputs is not None:
         limits.append((num_outputs, f"the model has {num_outputs} outputs"))
-    if data.num_classes is not None:
-        limits.append((data.num_classes, f"{data.name}.num_classes is {data.num_classes}"))
-    ys = {}
-    for name, x_name in (("y_train", "x_train"), ("y_test", "x_test")):
-        y = np.asarray(getattr(data, name))
-        if y.ndim != 1 or len(y) != len(xs[x_name]):
+    if classes is not None:
+        limits.append((classes, f"{data.name}.num_classes is {classes}"))
+    for name, x in (("y_train", xs["x_train"]), ("y_test", xs["x_test"])):
+        where, y = f"{data.name}.{name}", np.asarray(getattr(data, name))
+        if y.ndim != 1 or len(y) != len(x):
             raise DataError(
-                f"{data.name}.{name} has shape {y.shape}; expected one integer label per row of "
-                f"{x_name}, shape ({len(xs[x_name])},)."
+                f"{where} has shape {y.shape}; expected one integer label per row of "
+                f"x{name[1:]}, shape ({len(x)},)."
             )
         if not np.issubdtype(y.dtype, np.integer):
             if not np.issubdtype(y.dtype, np.floating):
-                raise DataError(f"{data.name}.{name} has dtype {y.dtype}; expected int labels.")
-            _check_finite(f"{data.name}.{name}", y)
+                raise DataError(f"{where} has dtype {y.dtype}; expected int labels.")
+            _check_finite(where, y)
             if np.any(y != np.round(y)):
                 bad = int(np.flatnonzero(y != np.round(y))[0])
-                raise DataError(
-                    f"{data.name}.{name}[{bad}] is {y[bad]!r}; expected integer class labels."
-                )
+                raise DataError(f"{where}[{bad}] is {y[bad]!r}; expected integer class labels.")
         for limit, what in limits:
             out = np.flatnonzero((y < 0) | (y >= limit))
             if out.size:
                 raise DataError(
-                    f"labels out of range: {data.name}.{name} holds values from {y.min():g} to "
+                    f"labels out of range: {where} holds values from {y.min():g} to "
                     f"{y.max():g} ({out.size} out of range, first {name}[{out[0]}] = "
                     f"{y[out[0]]:g}), but {what}, so labels must be integers in 0..{limit - 1}. "
                     "Remap the labels to 0..K-1 or give the model K outputs."

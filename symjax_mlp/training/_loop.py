@@ -76,12 +76,10 @@ def train(
 
     Args:
       model: a ``flax.linen`` module mapping ``(batch, features)`` to ``(batch, classes)``
-        logits (default: ``mlp((128, 64, num_classes))``), or an ``nnx.Module`` one: it is
-        trained from the values it was built with (``seed`` then seeds the shuffle only), its
-        steps run as ``module.train()`` sets it and its evaluations as ``module.eval()`` does,
-        and ``result.model`` is the trained module (the one given is left as it was).
-      data: a :class:`~symjax_mlp.training.Dataset` (default:
-        :func:`~symjax_mlp.training.load_digits`).
+        logits (default: ``mlp((128, 64, num_classes))``), or an ``nnx.Module`` one, trained
+        from the values it was built with (``seed`` then seeds the shuffle only) in the modes
+        ``train()`` and ``eval()`` set; ``result.model`` is a new module, trained.
+      data: a :class:`Dataset` (default: :func:`load_digits`).
       optimizer: any ``optax.GradientTransformation`` (default: ``optax.adam``).
       learning_rate: the default adam's learning rate (default 1e-3); not used otherwise.
       epochs: total epochs to reach, counting those done before a resumed checkpoint.
@@ -95,8 +93,7 @@ def train(
         ``False`` runs the same step eagerly, op by op.
       checkpoint: a directory for checkpoints (``None``: none are written).
       checkpoint_every: write a checkpoint every this many epochs (and after the last one).
-      resume: continue from the newest checkpoint in ``checkpoint`` (a fresh start if it
-        holds none).
+      resume: continue from the newest checkpoint in ``checkpoint``, if it holds one.
       on_epoch: called with each :class:`EpochRecord` as soon as the epoch ends.
       blocks: each batch's gradient is the sum of this many equal blocks' gradients, added in
         block order (see :func:`train_step`): runs with the same ``blocks`` give bitwise the

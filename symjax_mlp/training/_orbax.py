@@ -29,7 +29,6 @@ from symjax_mlp.training._checkpoint import (
 )
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
-_KEEP = 2
 #: Saves handed to the writer thread and not yet to Orbax, each a device copy of the state:
 #: past it, a save waits (Orbax's own save of a small model can take longer than two epochs).
 _QUEUED = 2
@@ -79,7 +78,7 @@ class OrbaxCheckpoints:
         self.directory.mkdir(parents=True, exist_ok=True)  # each process: Orbax will not
         options = ocp.CheckpointManagerOptions(
             create=False,
-            max_to_keep=_KEEP,
+            max_to_keep=2,
             enable_async_checkpointing=True,
             cleanup_tmp_directories=True,  # a save a killed process left unfinished
             async_options=ocp.AsyncOptions(timeout_secs=timeout),
@@ -101,10 +100,9 @@ class OrbaxCheckpoints:
         return None if step is None else self.directory / str(step)
 
     def save(self, state: TrainState, metadata: dict[str, Any]) -> Path:
-        """Starts writing ``state`` as ``<dir>/<state.step>`` and returns: the arrays are
-        copied on their devices (the next step may donate them) and a thread hands the copies
-        to Orbax, in order, whose own thread writes them. A save waits only while ``_QUEUED``
-        earlier ones are still queued; a failed one raises at the next save (or ``close``)."""
+        """Starts writing ``state`` as ``<dir>/<state.step>``: its arrays are copied on their
+        devices (the next step may donate them) for a thread that hands them to Orbax, in
+        order. Waits while ``_QUEUED`` saves are queued; a failed one raises at the next."""
         t0 = time.perf_counter()
         self._finish(keep=_QUEUED - 1)
         copied = TrainState(*_copy((state.params, state.opt_state)), state.rng)  # not donated
@@ -131,8 +129,7 @@ class OrbaxCheckpoints:
         )
 
     def _finish(self, keep: int = 0) -> None:
-        """Waits until at most ``keep`` saves are queued; a failed save raises here, in the
-        training thread."""
+        """Waits until at most ``keep`` saves are queued; a failed one raises here."""
         pending = self._pending
         while pending and (pending[0].done() or len(pending) > keep):
             pending.popleft().result()

@@ -101,14 +101,12 @@ class TrainResult:
         """
         example = np.zeros((1, self.num_features), np.float32)
         kwargs.setdefault("batch", "b")
-        if not raw_inputs or self.standardize is None:
-            kwargs.setdefault("kwargs", self.eval_flags)
-            return export(self.hybridize(), path, example=example, **kwargs)
+        trained, flags = self.hybridize(), self.eval_flags
+        # a model in training mode is exported as it is: export() refuses it, naming why
+        if not raw_inputs or self.standardize is None or trained.training_mode(example, **flags):
+            return export(trained, path, example=example, **{"kwargs": flags, **kwargs})
         mean, std = (np.asarray(a, np.float32) for a in self.standardize)
-        trained = self.hybridize()
-        if trained.training_mode(example, **self.eval_flags):  # export() would refuse it
-            return export(trained, path, example=example, kwargs=self.eval_flags, **kwargs)
-        fn, flags = trained.fn, self.eval_flags
+        fn = trained.fn
 
         def raw_model(variables: Any, x: jax.Array) -> jax.Array:
             return fn(variables, (x - mean) / std, **flags)
@@ -118,15 +116,9 @@ class TrainResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able summary: accuracy, timing, steps and the per-epoch history."""
-        return {
-            "test_accuracy": self.test_accuracy,
-            "train_seconds": self.train_seconds,
-            "step": self.step,
-            "epoch": self.epoch,
-            "compiled": self.compiled,
-            "trace_count": self.trace_count,
-            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
-            "checkpoint": None if self.checkpoint is None else str(self.checkpoint),
-            "checkpoint_waits": list(self.checkpoint_waits),
-            "history": [dataclasses.asdict(r) for r in self.history],
-        }
+        names = ("test_accuracy", "train_seconds", "step", "epoch", "compiled", "trace_count")
+        summary = {n: getattr(self, n) for n in names}
+        for n in ("resumed_from", "checkpoint"):
+            summary[n] = None if getattr(self, n) is None else str(getattr(self, n))
+        summary["checkpoint_waits"] = list(self.checkpoint_waits)
+        return {**summary, "history": [dataclasses.asdict(r) for r in self.history]}

@@ -170,7 +170,10 @@ def model_probe(model: Any, spec: Any, params: Any, example: np.ndarray) -> list
     stateful = isinstance(params, ModelVars)
     fixed = _fixed(params.params if stateful else params)
     probe_params = ModelVars(fixed, _fixed(params.state, state=True)) if stateful else fixed
-    x = _probe_input(example)
+    shape, dtype = (PROBE_ROWS, *np.shape(example)[1:]), np.asarray(example).dtype
+    n = np.arange(math.prod(shape))
+    x = (np.cos(n * 1.3) if jnp.issubdtype(dtype, jnp.floating) else n % 3).reshape(shape)
+    x = x.astype(dtype)
     logits = jax.jit(lambda p, x: apply_model(model, spec, p, x, train=False)[0])(probe_params, x)
     flat = np.asarray(logits, np.float64).ravel()[:PROBE_VALUES]
     return [float(f"{v:.7g}") if math.isfinite(v) else str(v) for v in flat.tolist()]
@@ -197,22 +200,11 @@ def _fixed(params: Any, *, state: bool = False) -> Any:
     would make it (1/sqrt(fan-in); a ``state`` leaf, a variance maybe, in [0.5, 1.5])."""
     leaves, treedef = jax.tree.flatten(params)
     out = []
-    for i, leaf in enumerate(leaves):
-        a = jnp.asarray(leaf)
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            out.append(a)
-            continue
-        fan_in = math.prod(a.shape[:-1]) if a.ndim >= 2 else 1
-        pattern = np.cos(np.arange(a.size, dtype=np.float64) * 0.7 + i)
-        pattern = pattern / 2 + 1 if state else pattern / math.sqrt(fan_in)
-        out.append(jnp.asarray(pattern.reshape(a.shape), a.dtype))
+    for i, a in enumerate(map(jnp.asarray, leaves)):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            fan_in = math.prod(a.shape[:-1]) if a.ndim >= 2 else 1
+            pattern = np.cos(np.arange(a.size, dtype=np.float64) * 0.7 + i)
+            pattern = pattern / 2 + 1 if state else pattern / math.sqrt(fan_in)
+            a = jnp.asarray(pattern.reshape(a.shape), a.dtype)
+        out.append(a)
     return jax.tree.unflatten(treedef, out)
-
-
-def _probe_input(example: np.ndarray) -> np.ndarray:
-    shape = (PROBE_ROWS, *np.shape(example)[1:])
-    n = math.prod(shape)
-    dtype = np.asarray(example).dtype
-    if jnp.issubdtype(dtype, jnp.floating):
-        return np.cos(np.arange(n) * 1.3).reshape(shape).astype(dtype)
-    return (np.arange(n) % 3).reshape(shape).astype(dtype)
