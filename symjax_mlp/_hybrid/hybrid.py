@@ -110,16 +110,16 @@ class Hybrid:
             if model.stateful:
                 held.hold(parallel.replicate(held.leaves))
         self._set(
-            fn=model.inference(name), name=name,
-            max_traces=max_traces, compiled=compiled, axis=axis, pad=pad,
-            static_argnums=nums, static_argnames=names, donate=donate,
+            fn=model.inference(name), name=name, max_traces=max_traces, compiled=compiled,
+            axis=axis, pad=pad, static_argnums=nums, static_argnames=names, donate=donate,
             params_as_constants=params_as_constants, stateful=model.stateful,
             mesh=None if parallel is None else parallel.mesh,
             n_shards=1 if parallel is None else parallel.n_shards,
             __signature__=None if inputs is None else inspect.Signature(inputs),
             _model=model, _given=params, _treedef=treedef, _held=held, _log=log, _apply=None,
-            _modes=ModuleModes.of(model), _traced=traced, _parallel=parallel,
-            _leaves=() if baked else leaves, _fast=compiled and not nums and parallel is None,
+            _modes=None if model.settings is None else ModuleModes(model), _traced=traced,
+            _parallel=parallel, _leaves=() if baked else leaves,
+            _fast=compiled and not nums and parallel is None,
         )  # fmt: skip
         self._set(_jitted=self._jit(options.pop("fun"), static_argnums=0, **options))
 

@@ -151,10 +151,7 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             raise ConfigError(_NO_RNG.format(name=name, error=error, streams=streams)) from None
         return out, {**state, **updates}
 
-    m = PureModel(
-        call, stateful=bool(state), kind="linen", module=model, target=type(model).__call__
-    )
-    return m, params, state
+    return PureModel(call, bool(state), "linen", model, type(model).__call__), params, state
 
 
 def nnx_module(module: Any) -> tuple:
@@ -253,11 +250,6 @@ class ModuleModes:
         self.now = model.settings if now is None else now
         self._names = tuple(map(ModuleSetting, model.setting_names))
         self._keyed: dict[tuple, tuple] = {}  # settings -> their static entries, once per mode
-
-    @classmethod
-    def of(cls, model: PureModel) -> ModuleModes | None:
-        """The modes of ``model``; ``None`` when it has none (not an nnx module)."""
-        return None if model.settings is None else cls(model)
 
     def fixed(self) -> ModuleModes:
         """These modes, fixed as they are now (``module.train()`` later does not switch them)."""

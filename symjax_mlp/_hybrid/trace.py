@@ -118,7 +118,14 @@ def signature(
     return tuple(specs), tree, tuple((path_of(k), repr(v)) for k, v, _ in static)
 
 
-_FIELDS = ("shape", "dtype", "weak_type")
+def _changed(old: Sequence[TensorSpec], new: Sequence[TensorSpec]) -> list[str]:
+    """Each field that changed: ``args[0].shape changed from (1, 512) to (7, 512)``."""
+    return [
+        f"{n.path}.{f} changed from {getattr(o, f)} to {getattr(n, f)}"
+        for o, n in zip(old, new, strict=True)
+        for f in ("shape", "dtype", "weak_type")
+        if getattr(o, f) != getattr(n, f)
+    ]
 
 
 def explain(
@@ -131,32 +138,21 @@ def explain(
     if not events:
         return "first call"
 
-    def distance(e: TraceEvent) -> int:
+    def distance(e: TraceEvent) -> int:  # by field: (5, 3) float32 is nearer (2, 3) float32
         if e.tree != tree:
             return 1 << 30
-        changed = sum(
-            getattr(a, f) != getattr(b, f)
-            for a, b in zip(e.signature, sig, strict=True)
-            for f in _FIELDS
-        )  # fields, not specs: (5, 3) float32 is nearer (2, 3) float32 than (2, 3) int32
-        return changed + len(set(e.static) ^ set(static))
+        return len(_changed(e.signature, sig)) + len(set(e.static) ^ set(static))
 
     old = min(reversed(events), key=distance)
-    changes = []
-    if old.tree != tree:
-        changes.append(f"input tree structure changed from {old.tree} to {tree}")
-    for n, o in zip(sig, old.signature, strict=True) if old.tree == tree else ():
-        for field in _FIELDS:
-            before, after = getattr(o, field), getattr(n, field)
-            if before != after:
-                changes.append(f"{n.path}.{field} changed from {before} to {after}")
+    changes = [f"input tree structure changed from {old.tree} to {tree}"]
+    if old.tree == tree:
+        changes = _changed(old.signature, sig)
     was, now = dict(old.static), dict(static)
-    for path in sorted(set(was) | set(now)):
-        if was.get(path) != now.get(path):
-            changes.append(
-                f"{path} (static) changed from {was.get(path, '(absent)')} to "
-                f"{now.get(path, '(absent)')}"
-            )
+    changes += [
+        f"{p} (static) changed from {was.get(p, '(absent)')} to {now.get(p, '(absent)')}"
+        for p in sorted(set(was) | set(now))
+        if was.get(p) != now.get(p)
+    ]
     return "; ".join(changes) or "same signature traced again (a new jax.jit cache entry)"
 
 
