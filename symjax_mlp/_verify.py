@@ -77,10 +77,19 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON data (``symjax-mlp verify --json``)."""
-        d = {"path": str(self.path), "ok": self.ok} | dataclasses.asdict(self)
-        for c in d["checks"]:  # JSON has no NaN
+        checks = [dataclasses.asdict(c) for c in self.checks]
+        for c in checks:  # JSON has no NaN
             c["max_abs_err"] = None if math.isnan(c["max_abs_err"]) else c["max_abs_err"]
-        return d | {"path": str(self.path), "errors": list(self.errors)}
+        return {
+            "path": str(self.path),
+            "ok": self.ok,
+            "reference": self.reference,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "checks": checks,
+            "load_seconds": dict(self.load_seconds),
+            "errors": list(self.errors),
+        }
 
     def __str__(self) -> str:
         loads = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.load_seconds.items())
@@ -248,9 +257,9 @@ def _input_kind(path: Path, spec: TensorSpec) -> np.dtype | str:
     """The NumPy dtype of an input (an rng key: its impl's name), or ArtifactError."""
     if spec.dtype in _key_impls():
         return _key_impls()[spec.dtype]
-    kind = spec.dtype if hasattr(np, spec.dtype) else getattr(ml_dtypes, spec.dtype, None)
+    kind = spec.dtype if hasattr(np, spec.dtype) else getattr(ml_dtypes, spec.dtype, spec.dtype)
     try:
-        return np.dtype(kind) if kind is not None else np.dtype(spec.dtype)
+        return np.dtype(kind)
     except TypeError:
         raise ArtifactError(
             f"{path}: the signature's input {spec.path} has dtype {spec.dtype!r}, which names "
@@ -345,11 +354,7 @@ def _worker(job_file: str) -> int:
         try:
             t0 = time.perf_counter()
             model = load(job["path"], runtime=rt, **job.get("options", {}))
-            entry: dict[str, Any] = {
-                "load_seconds": time.perf_counter() - t0,
-                "outputs": {},
-                "dtypes": {},
-            }
+            entry = {"load_seconds": time.perf_counter() - t0, "outputs": {}, "dtypes": {}}
             for b, names in job["batches"].items():
                 outs = _as_list(model(*[_read(work, n, job["dtypes"]) for n in names]))
                 outs = [np.asarray(y) for y in outs]
