@@ -62,12 +62,9 @@ def _open_regular(file: Path, error: type[SymjaxError]) -> int:
 
 
 class Reader(contextlib.AbstractContextManager):
-    """One checked pass over a regular file: its bytes in order, hashed as they are read.
-
-    ``with Reader(file, size=n, error=E) as r: r.read(8); r.readinto(buffer); r.finish(sha)``
-    reads straight into buffers the caller owns; :meth:`finish` checks the end and the sha256.
-    ``size``: what the manifest records; ``limit``: the most bytes such a file may have.
-    """
+    """One checked pass over a regular file (its ``size`` as recorded, at most ``limit`` bytes),
+    hashed as it is read straight into buffers the caller owns: ``with Reader(file, size=n,
+    error=E) as r: r.read(8); r.readinto(buffer); r.finish(sha)`` checks the end and sha256."""
 
     def __init__(
         self, file: Path, *, size: int | None, limit: int | None = None, error: type[SymjaxError]
@@ -226,10 +223,9 @@ def write_file_atomic(file: Path, data: bytes) -> None:
 
 
 def write_output(file: str | os.PathLike[str], data: bytes) -> None:
-    """Writes ``data`` where a user asked for an output: a regular (or new) file through
-    :func:`write_file_atomic`, so a failure leaves what the path held; a device or FIFO
-    (``/dev/stdout``) directly. A link is followed, as ``open`` does. Raises
-    :class:`SymjaxError` naming the path and the system's reason (a full disk, no right)."""
+    """Writes ``data`` where a user asked for an output (a link followed, as ``open`` does): a
+    regular or new file atomically, so a failure leaves what it held; a device or FIFO directly.
+    Raises :class:`SymjaxError` naming the path and the system's reason (a full disk, no right)."""
     path = Path(os.path.realpath(file))
     special = path.exists() and not path.is_file()
     try:
