@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "serve",
         "serve an artifact over HTTP (JSON and .npy), with a micro-batcher underneath",
         run,
-        ". Endpoints: POST /predict, GET /health, GET /metrics, GET /signature. Needs the "
+        ".\nEndpoints: POST /predict, GET /health, GET /metrics, GET /signature. Needs the "
         "symjax_mlp[serve] extra.",
     )
     p.add_argument("path", help="the artifact directory (symjax-mlp export)")
