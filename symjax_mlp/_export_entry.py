@@ -27,18 +27,17 @@ from symjax_mlp._rows import verdict
 from symjax_mlp._specs import TensorSpec, shape_dims
 
 _TRAINING = (
-    "export({name}): the nnx module is in training mode ({settings}: the mode a module is "
-    "built in), and that changes its program: the artifact would drop units with one fixed "
-    "key on every call and normalise each batch by its own statistics. Call module.eval() "
-    "before export(), and module.train() to go on training afterwards."
+    "export({name}): the nnx module is in training mode ({settings}, as built), which changes "
+    "its program: the artifact would drop units with one fixed key and normalise each batch by "
+    "its own statistics. Call module.eval() before export() (module.train() to train on)."
 )
 _FIXED_KEY = (
-    "export({name}): the program draws random numbers (dropout, in training) from the rng "
-    "key the Hybrid holds, which an artifact can only bake in: every call would drop the same "
-    "units. Export the inference mode (e.g. kwargs={{'training': False}}), or make the key an "
-    "input: export sm.hybridize(lambda params, x, key: model.apply(params, x, training=True, "
-    "rngs={{'dropout': jax.random.wrap_key_data(key)}}), variables) with example=(x, "
-    "jax.random.key_data(key)) and shapes=('b, ...', None) (the key is shared by every row)."
+    "export({name}): the program draws random numbers (dropout) from the Hybrid's rng key, "
+    "which an artifact can only bake in: every call would drop the same units. Export the "
+    "inference mode (e.g. kwargs={{'training': False}}), or make the key an input: export "
+    "sm.hybridize(lambda params, x, key: model.apply(params, x, training=True, rngs={{'dropout': "
+    "jax.random.wrap_key_data(key)}}), variables) with example=(x, jax.random.key_data(key)) "
+    "and shapes=('b, ...', None) (the key is shared by every row)."
 )
 _ONE_EXAMPLE = (
     "export({name}, batch={batch!r}): with every input's leading dimension as the symbolic "
@@ -116,9 +115,8 @@ def stage(
 def export_program(
     stage: Stage, own: Mapping[str, tuple[TensorSpec, Any]], platforms: tuple[str, ...]
 ) -> tuple[Any, Signature, dict[str, Any]]:
-    """``jax.export`` of one entry point, its params a dict keyed by path (so the module's
-    own input tree names every param and load binds weights by name); its signature, and
-    whether it keeps rows apart (:func:`symjax_mlp._rows.verdict`)."""
+    """``jax.export`` of one entry point (its params a dict keyed by path, which load binds by
+    name), its signature, and whether it keeps rows apart (``_rows.verdict``)."""
     h, static, treedef, fn = stage.h, stage.static, stage.treedef, stage.fn
     paths = stage.leaf_paths
 
@@ -222,7 +220,7 @@ def _traces(jitted: Any, p_structs: Any, inputs: Sequence[Any]) -> bool:
 
 def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:
     """What an export stores (params, a flax model's state), the function of it, and whether
-    typed rng keys (linen streams, nnx ``Rngs``), no tensors, are baked in as constants."""
+    typed rng keys (not tensors) are baked in as constants."""
     tree, fn = h.variables, h.fn
     leaves, treedef = jax.tree.flatten(tree)
     keys = {i: x for i, x in enumerate(leaves) if is_key(x)}
@@ -239,8 +237,7 @@ def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:
 
 
 def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with the sharding of ``h``'s mesh as constraints: batch split, params
-    replicated, so ``jax.export`` records ``nr_devices = mesh.size``."""
+    """``fn`` with ``h``'s shardings as constraints (``jax.export`` records the mesh size)."""
     _, rep, dat, _ = shardings(h.mesh, h.axis)
 
     def sharded(params: Any, *inputs: Any, **kw: Any) -> Any:
@@ -254,8 +251,7 @@ def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _array_kwargs(name: str, names: list[str]) -> str:
-    """export's refusal of arrays given as keywords, with the wrapper that gives them places
-    (a keyword-only one, equinox's ``key=``, has no place of its own)."""
+    """The refusal of arrays given as keywords, naming the wrapper that gives them places."""
     got = ", ".join(f"kwargs[{n!r}]" for n in names)
     verb, them = ("is an array", "it") if len(names) == 1 else ("are arrays", "them")
     places, passed = ", ".join(names), ", ".join(f"{n}={n}" for n in names)
@@ -269,11 +265,9 @@ def _array_kwargs(name: str, names: list[str]) -> str:
 
 _EQX_STATE = (
     "export(example=...): args[{i}] is an equinox eqx.nn.State, which an artifact's inputs "
-    "(arrays) cannot carry. Export the model as equinox runs inference, its state held in it: "
-    "inference_model = eqx.Partial(eqx.nn.inference_mode(model), state=state), and a "
-    "function that calls it on the batch, e.g. def evaluate(model, x): return "
-    "jax.vmap(model)(x)[0]; then export(sm.hybridize(evaluate, inference_model), path, "
-    "example=x)."
+    "(arrays) cannot carry. Export the model with its state held in it, as equinox runs "
+    "inference: inference_model = eqx.Partial(eqx.nn.inference_mode(model), state=state); "
+    "export(sm.hybridize(lambda m, x: jax.vmap(m)(x)[0], inference_model), path, example=x)."
 )
 
 

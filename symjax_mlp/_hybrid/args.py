@@ -79,11 +79,7 @@ def partition(
     lists: bool = False,
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
     """``(static key, traced args, traced kwargs)``, the key's entries ``(place or name,
-    value, kind)``; with ``lists``, a list holding arrays (``[(W, b), ...]``) is traced too.
-
-    Raises:
-      SignatureError: a list (with ``lists``: one holding no array); a NumPy masked array.
-    """
+    value, kind)``; a list is refused, but with ``lists`` one holding arrays is traced."""
     _refuse_masked(caller, args, kwargs)
     static: list[tuple[Any, Any, Any]] = []
     dyn_args: list[Any] = []
@@ -243,7 +239,7 @@ def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> No
 
 
 def static_args(
-    parameters: Callable[[], list[inspect.Parameter] | None], name: str, nums: Any, names: Any
+    params: list[inspect.Parameter] | None, name: str, nums: Any, names: Any
 ) -> tuple[frozenset[int], frozenset[str]]:
     """``static_argnums`` and ``static_argnames`` checked, and completed from the model's
     inputs as ``jax.jit`` does (a name static by place too, a place by name)."""
@@ -261,8 +257,7 @@ def static_args(
             "static_argnames=('mode',)."
         )
     names = got
-    params = parameters() if (nums or names) else None
-    if params is None:
+    if params is None or not (nums or names):
         return frozenset(nums), frozenset(names)
     places = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     known = {p.name for p in params if p.kind != p.POSITIONAL_ONLY}

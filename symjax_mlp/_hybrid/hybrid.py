@@ -90,8 +90,8 @@ class Hybrid:
         )  # fmt: skip
         model = fn if isinstance(fn, PureModel) else plain(fn)
         name = name or getattr(model.target, "__name__", type(model.target).__name__)
-        nums, names = static_args(model.parameters, name, static_argnums, static_argnames)
         inputs = model.parameters()
+        nums, names = static_args(inputs, name, static_argnums, static_argnames)
         parallel = None
         if mesh is not None:
             parallel = _mesh.DataParallel.over(name, mesh, axis, pad, params_as_constants)

@@ -207,9 +207,8 @@ class DataParallel:
         self, jitted: Any, static: Any, leaves: Any, held: Any, dyn: Any, dyn_kw: Any,
         sees_rows: Callable[[Any, Any, Any, Any], bool],
     ) -> Any:  # fmt: skip
-        """A call of ``jitted``, its batch padded and placed, the result trimmed; ``held`` (or
-        ``None``) passed and taken back. A padded call whose new state ``sees_rows`` (asked
-        once per signature) is refused."""
+        """A call of ``jitted``, its batch padded and placed, the result trimmed, ``held`` (or
+        ``None``) passed and taken back; refused padded if the new state ``sees_rows``."""
         batch, placed, placed_kw = self.prepare(dyn, dyn_kw)
         padded = placed[0].shape[0] != batch
         if held is None:
