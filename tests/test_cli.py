@@ -732,3 +732,21 @@ def test_stdout_closed_by_the_shell_is_one_line(tmp_path):
             done.stderr.strip()
             == f"symjax-mlp {argv[0]}: error: {says}: stdout is closed; pass a file path"
         )
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--replicas", "4"], "--replicas: only with --ray; add --ray, or drop it"),
+        (["--replica-cpus", "0.5", "--ray-address", "auto"], "--replica-cpus, --ray-address: only"),
+        (["--ray", "--max-connections", "9"], "--max-connections: not with --ray; drop it"),
+        (["--ray", "--log-level", "info"], "--log-level: not with --ray"),
+    ],
+)
+def test_serve_refuses_an_option_of_the_other_server(tmp_path, capsys, argv, says):
+    """`serve --replicas 4` (no --ray) served one uvicorn process and said nothing of the
+    replicas asked for; with --ray, uvicorn's options were dropped as quietly. Refused at
+    once, in one line, before anything is loaded (here there is no artifact)."""
+    assert main(["serve", str(tmp_path / "nope"), "--dispatch", "async", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -22,6 +22,8 @@ _BOTH = (
     "entry params_as_constants "
 )
 _SERVE, _RAY = _BOTH + "max_connections log_level", _BOTH + "replicas dispatch"
+#: the options only one of the two servers has (by --ray): refused with the other
+_ONLY = {False: ("replicas", "replica_cpus", "ray_address"), True: ("max_connections", "log_level")}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,8 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-connections",
         type=count,
-        default=1000,
-        help="the most connections at once (503 past it)",
+        help="the most connections at once (503 past it; default: 1000)",
     )
     p.add_argument(
         "--dispatch",
@@ -85,20 +86,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--entry", help="the entry point to serve (default: the artifact's default)")
     _args.add_trust_options(p)
-    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.add_argument("--log-level", help="uvicorn's log level (default: warning)")
     p.add_argument(
         "--ray",
         action="store_true",
         help="serve it as Ray Serve replicas, each a batcher, behind Ray's HTTP proxy on "
         "--host/--port (the symjax_mlp[ray] extra); --max-connections and --log-level are "
-        "uvicorn's and do not apply",
+        "uvicorn's: refused with it",
     )
-    p.add_argument("--replicas", type=count, default=2, help="with --ray: replicas")
+    p.add_argument("--replicas", type=count, help="with --ray: replicas (default: 2)")
     p.add_argument(
         "--replica-cpus",
         type=positive,
-        default=1.0,
-        help="with --ray: the CPUs Ray reserves for each replica (Ray's num_cpus)",
+        help="with --ray: the CPUs Ray reserves for each replica (Ray's num_cpus; default: 1)",
     )
     p.add_argument(
         "--ray-address",
@@ -113,6 +113,14 @@ def run(args: argparse.Namespace) -> None:
     from symjax_mlp.serving import latency_mode, serve
     from symjax_mlp.serving._server import bind, print_ready
 
+    given = [f"--{o.replace('_', '-')}" for o in _ONLY[args.ray] if getattr(args, o) is not None]
+    if given:  # an option the other server has: it would be ignored, in silence
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(given)}: {'not' if args.ray else 'only'} with --ray; "
+            f"{'drop it' if args.ray else 'add --ray, or drop it'}"
+        )
+    args.log_level, args.max_connections = args.log_level or "warning", args.max_connections or 1000
+    args.replicas, args.replica_cpus = args.replicas or 2, args.replica_cpus or 1.0
     if args.dispatch == "sync":
         latency_mode()  # before anything starts JAX's CPU backend
     say = print_ready(args.path)
