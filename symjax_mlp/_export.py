@@ -45,7 +45,7 @@ from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._specs import TensorSpec
 
-COMPATIBILITY_WINDOW = datetime.timedelta(days=180)  # what jax.export lowers for
+COMPATIBILITY_WINDOW = datetime.timedelta(days=180)  # jax.export: JAX loads it for 6 months
 
 
 def export(
@@ -129,8 +129,7 @@ def export(
     files: dict[str, bytes] = {}
     programs, needs = [], set()
     for i, (name, entry) in enumerate(zip(names, staged, strict=True)):
-        # The default entry point takes every weight (the manifest's params); the others
-        # take their own, by path, from the same params.safetensors.
+        # the default entry point takes every weight; the others their own, by path
         own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
         exported, signature, rows = export_program(entry, own, platforms)
         roles = entry_files(name) if i else {r: r for r in (JAXEXPORT, MLIRBC, MLIR, SELFTEST)}
@@ -171,7 +170,6 @@ def export(
         "format_version": FORMAT_VERSION,
         "name": main["name"],
         "created": created.isoformat(timespec="seconds"),
-        # jax.export promises that JAX loads an artifact for 6 months after it was made.
         "compatible_until": (created + COMPATIBILITY_WINDOW).date().isoformat(),
         "vjp_order": vjp_order,
         "metadata": meta,

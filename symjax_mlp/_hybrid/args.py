@@ -221,7 +221,6 @@ def path_of(key: Any) -> str:
     return f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
 
 
-# -- a Hybrid's settings ---------------------------------------------------------------------
 def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> None:
     """Each ``setting=(value, type, example)`` of that type (``None`` passes for a str);
     ``max_traces`` a positive int or ``None``."""

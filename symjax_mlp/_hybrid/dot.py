@@ -131,10 +131,8 @@ def _inputs(eqn: Any, k: int, body: Body) -> list[int | None]:
 
 def _outputs(eqn: Any, body: Body) -> list[tuple[int, Any]]:
     """``(i, v)``: the sub-jaxpr's output ``v`` becomes the equation's ``i``-th output."""
-    if eqn.primitive.name == "while" and body.role == "cond":
-        return []
     outs = body.jaxpr.outvars
-    if len(outs) != len(eqn.outvars):
+    if (eqn.primitive.name == "while" and body.role == "cond") or len(outs) != len(eqn.outvars):
         return []
     return list(enumerate(outs))
 

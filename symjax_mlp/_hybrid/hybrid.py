@@ -139,7 +139,6 @@ class Hybrid:
     def __setattr__(self, field: str, value: Any) -> None:
         raise AttributeError(_FROZEN.format(name=self.name, field=field))
 
-    # -- what it holds ---------------------------------------------------------------------
     @property
     def params(self) -> Any:
         """What gradients are taken of (read-only): a linen model's variables without its
@@ -210,7 +209,6 @@ class Hybrid:
             twin._set(_modes=self._modes.fixed())
         return twin
 
-    # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""
         if self._fast and not kwargs:  # the hot path (compiled only): arrays in, one dispatch
@@ -323,7 +321,6 @@ class Hybrid:
         mesh = _mesh.data_mesh(axis=axis) if mesh is None else mesh
         return self.replace(mesh=mesh, axis=axis, pad=pad)
 
-    # -- the stages ------------------------------------------------------------------------
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
         one SPMD module for every device, for the padded batch)."""
@@ -359,7 +356,6 @@ class Hybrid:
                 lambda v: str(self._traced.staged(static, params, state, dyn, dyn_kw, 0, v))
             )
 
-    # -- tracing you can see ---------------------------------------------------------------
     @property
     def trace_count(self) -> int:
         """How many times the compiled paths (``h(x)``, ``h.apply``) have traced the model."""

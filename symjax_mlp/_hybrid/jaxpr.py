@@ -85,8 +85,7 @@ def call_name(eqn: Any) -> str:
     if isinstance(name, str):
         return name
     for j in sub_jaxprs(eqn):
-        info = getattr(j, "debug_info", None)
-        func = getattr(info, "func_name", "") if info is not None else ""
+        func = getattr(getattr(j, "debug_info", None), "func_name", "")
         if func and not func.startswith("<"):
             return func
     return ""
