@@ -115,8 +115,6 @@ def verify_signature(path: str | os.PathLike[str], public_key: str | os.PathLike
     """Checks that every file of ``path`` is what the holder of ``public_key``'s private key
     signed with :func:`sign`, and nothing more: no file added, removed or changed.
 
-    ``load(path, verify_signature=public_key)`` does this before reading any file.
-
     Args:
       path: the artifact directory.
       public_key: a PEM file of the elliptic-curve public key.
