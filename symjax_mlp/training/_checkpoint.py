@@ -68,8 +68,7 @@ def _name(prefix: str, path: Any) -> str:
 
 
 def named_leaves(state: TrainState) -> dict[str, Any]:
-    """``{key path: leaf}`` of the params and optimizer state, and the rng's key data as
-    ``rng``: a checkpoint's tensor names. Names must be unique."""
+    """A checkpoint's tensors: ``{key path: leaf}`` of params and optimizer state, and ``rng``."""
     tensors: dict[str, Any] = {}
     for prefix in ("params", "opt_state"):
         for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(state, prefix)):
@@ -85,8 +84,7 @@ def named_leaves(state: TrainState) -> dict[str, Any]:
 
 
 def state_of(arrays: dict[str, Any], like: TrainState, manifest: dict[str, Any]) -> TrainState:
-    """The state of ``arrays`` (named as :func:`named_leaves` names them) in the structure of
-    ``like``, at the manifest's step and epoch."""
+    """The state of ``arrays`` (as :func:`named_leaves` names them) in ``like``'s structure."""
 
     def tree(prefix: str, like_tree: Any) -> Any:
         paths, treedef = jax.tree_util.tree_flatten_with_path(like_tree)
@@ -120,6 +118,14 @@ def specs(tensors: dict[str, Any]) -> dict[str, tuple]:
     return {name: (tuple(a.shape), str(a.dtype)) for name, a in tensors.items()}
 
 
+def broken(path: Any, what: str) -> CheckpointError:
+    """The error for a checkpoint that is incomplete, corrupted or was edited."""
+    return CheckpointError(
+        f"{path}: {what}; the checkpoint is incomplete, corrupted or was edited. Resume from an "
+        "older checkpoint, or start over in an empty directory."
+    )
+
+
 def check_manifest(
     file: Path, manifest: Any, header: dict[str, Any], step: int | None, **fields: bool
 ) -> dict[str, Any]:
@@ -143,15 +149,10 @@ def check_manifest(
     }
     bad = [k for k, good in ok.items() if not good]
     if bad:
-        raise CheckpointError(
-            f"{file}: the field(s) {', '.join(bad)} are missing or of the wrong type; the "
-            "checkpoint is corrupted or was edited. Resume from an older checkpoint."
-        )
+        raise broken(file, f"the field(s) {', '.join(bad)} are missing or of the wrong type")
     if step is not None and step != manifest["step"]:
-        raise CheckpointError(
-            f"{file}: its step is {manifest['step']}, but the directory is {file.parent.name}; "
-            "the checkpoint was edited or renamed. Resume from a checkpoint train() wrote."
-        )
+        where = file.parent.name
+        raise broken(file, f"its step is {manifest['step']}, but the directory is {where}")
     return manifest
 
 
@@ -232,9 +233,7 @@ def save_checkpoint(
         "step": int(state.step),
         "epoch": int(state.epoch),
         "files": {_STATE_FILE: sha256(state_bytes)},
-        "tensors": {
-            name: {"shape": list(a.shape), "dtype": str(a.dtype)} for name, a in tensors.items()
-        },
+        "tensors": {n: {"shape": list(a.shape), "dtype": str(a.dtype)} for n, a in tensors.items()},
         "jax_version": jax.__version__,
         "metadata": metadata or {},
     }
@@ -305,12 +304,8 @@ def _checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints in ``directory``, oldest first."""
     if not directory.is_dir():
         return []
-    found = [
-        p
-        for p in directory.iterdir()
-        if _STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink()  # ours, written here
-    ]
-    return sorted(found, key=_step_of)
+    found = (p for p in directory.iterdir() if _STEP_DIR.match(p.name))
+    return sorted((p for p in found if p.is_dir() and not p.is_symlink()), key=_step_of)
 
 
 def _step_of(path: Path) -> int:
@@ -349,11 +344,9 @@ def restore_checkpoint(
     try:
         manifest = json.loads(read_regular(file, limit=_MAX_MANIFEST_BYTES, error=CheckpointError))
     except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint.") from None
+        raise broken(file, "the file is missing") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(
-            f"{file} is not valid JSON ({e}); the checkpoint is corrupted."
-        ) from e
+        raise broken(file, f"not valid JSON ({e})") from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
     digest = files.get(_STATE_FILE) if isinstance(files, dict) else None
     step = _step_of(path) if _STEP_DIR.match(path.name) else None
@@ -364,10 +357,7 @@ def restore_checkpoint(
             path / _STATE_FILE, sha256=digest, error=CheckpointError, max_tensors=_MAX_TENSORS
         )
     except FileNotFoundError:
-        raise CheckpointError(
-            f"{path / _STATE_FILE} is missing; the checkpoint is incomplete. Restore from an "
-            "older step_* directory."
-        ) from None
+        raise broken(path / _STATE_FILE, "the file is missing") from None
     check_fit(path, specs(stored), specs(named_leaves(like)))
     arrays = {name: jnp.asarray(a) for name, a in stored.items()}
     return state_of(arrays, like, manifest), manifest.get("metadata", {})

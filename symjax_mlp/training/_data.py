@@ -111,16 +111,7 @@ _NOT_ROWS = (
 
 
 def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
-    """Checks ``data`` and returns it as float32 features and int32 labels.
-
-    Args:
-      data: the split to check.
-      num_outputs: the model's output width; labels must lie in ``0 .. num_outputs - 1``.
-
-    Raises:
-      DataError: a split is empty or not 2-D, the splits' widths differ, a value is not
-        finite, a label is not an integer in range, or rows of features and labels differ.
-    """
+    """``data`` as float32 features and int32 labels (in ``0 .. num_outputs - 1``), checked."""
     if not isinstance(data, Dataset):
         raise ConfigError(
             f"train() expects a symjax_mlp.Dataset; got {type(data).__name__}. Wrap arrays as "

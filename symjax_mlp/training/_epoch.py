@@ -55,9 +55,8 @@ class Programs:
         cls, model: Any, spec: Any, optimizer: optax.GradientTransformation, *, compiled: bool,
         blocks: int = 1, watch: Callable[[int], Any] | None = None,
     ) -> Programs:  # fmt: skip
-        """The programs of ``model`` under ``optimizer``: ``jax.jit`` with the params and the
-        optimizer state donated when ``compiled``, else the same functions run eagerly; with
-        ``watch`` (several processes), the step sharded over every process's devices."""
+        """Jitted (state donated) when ``compiled``, else eager; sharded over every process's
+        devices with ``watch``."""
         step = train_step(model, optimizer, train_flags=spec.train_flags, blocks=blocks)
         traces: list[tuple[Any, ...]] = []
 
@@ -84,17 +83,13 @@ class Programs:
         return cls(step, predict, traces, False)
 
     def local(self, tree: Any) -> Any:
-        """``tree`` as this process holds it: a multi-process run's replicated arrays are read
-        from this process's copy."""
-        if self.watch is None:
-            return tree
-        return jax.tree.map(lambda a: a.addressable_data(0), tree)
+        """``tree`` as this process holds it (a multi-process run's arrays: its copy)."""
+        return tree if self.watch is None else jax.tree.map(lambda a: a.addressable_data(0), tree)
 
     def accuracy(self, params: Any, data: Dataset) -> float:
         """The share of the test split predicted right."""
-        predicted = self.predict(self.local(params), data.x_test)
-        right = np.sum(np.asarray(predicted) == data.y_test)
-        return int(right) / len(data.y_test)
+        predicted = np.asarray(self.predict(self.local(params), data.x_test))
+        return int(np.sum(predicted == data.y_test)) / len(data.y_test)
 
     def epoch(
         self, state: TrainState, data: Dataset, batch_size: int, epoch: int, *, newest: Path | None
@@ -115,8 +110,7 @@ class Programs:
             metrics.append(m)
         metrics = jax.device_get(metrics)
         losses = np.array([m["loss"] for m in metrics])
-        local = self.local(params)
-        _check_finite(losses, local, first_step=state.step, epoch=epoch, newest=newest)
+        _check_finite(losses, self.local(params), first_step=state.step, epoch=epoch, newest=newest)
         n_train = len(data.y_train)
         record = EpochRecord(
             epoch=epoch,

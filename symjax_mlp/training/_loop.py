@@ -1,8 +1,7 @@
 """Training with optax: one jit-compiled step, the same step eagerly, checkpoints, exact resume.
 
-Each epoch shuffles the training split, pads the last batch cyclically with weight-0 rows, runs
-one step per batch (every step one signature: one trace per run) and evaluates the test split.
-A non-finite loss or param stops it with a :class:`~symjax_mlp.DivergenceError`.
+Each epoch (:mod:`._epoch`) shuffles, pads the last batch with weight-0 rows, runs one step
+per batch (one trace per run) and evaluates; a non-finite loss raises ``DivergenceError``.
 """
 
 from __future__ import annotations
@@ -292,10 +291,8 @@ def _classifier(
     example = data.x_train[:1]
     caller = f"symjax_mlp.training.train({type(model).__name__})"
     spec = spec_of(model, example, train_flags, eval_flags, caller=caller, form=TRAIN_FORM)
-    if isinstance(spec, NnxSpec):
-        out = spec.out
-    else:
-        out = inference_shape(model, example, spec, caller=caller)
+    nnx_module = isinstance(spec, NnxSpec)
+    out = spec.out if nnx_module else inference_shape(model, example, spec, caller=caller)
     if out.ndim != 2:
         raise ConfigError(
             f"train() needs a model whose output is (batch, classes) logits; {type(model).__name__}"
@@ -307,15 +304,11 @@ def _classifier(
 def _initial_state(
     model: Any, spec: Any, example: np.ndarray, optimizer: optax.GradientTransformation, seed: int
 ) -> TrainState:
-    """Params initialised from ``seed`` (an nnx module's own values), the optimizer's state."""
+    """Params initialised from ``seed`` (an nnx module's own values) and the optimizer's state,
+    whose leaves that are params (or repeat) are copied: both trees are donated."""
     rng, init_key = jax.random.split(jax.random.key(seed))
     params = init_params(model, init_key, example, train_flags=spec.train_flags)
-    trainable = params.params if isinstance(params, ModelVars) else params
-    return TrainState(params, _unaliased(params, optimizer.init(trainable)), rng)
-
-
-def _unaliased(params: Any, opt_state: Any) -> Any:
-    """Copies optimizer-state leaves that are params (or repeat): both trees are donated."""
+    opt_state = optimizer.init(params.params if isinstance(params, ModelVars) else params)
     seen = {id(leaf) for leaf in jax.tree.leaves(params)}
 
     def own(leaf: Any) -> Any:
@@ -324,4 +317,4 @@ def _unaliased(params: Any, opt_state: Any) -> Any:
         seen.add(id(leaf))
         return leaf
 
-    return jax.tree.map(own, opt_state)
+    return TrainState(params, jax.tree.map(own, opt_state), rng)

@@ -83,9 +83,7 @@ class NnxSpec:
         """``state`` with its rng keys as raw key data (and :attr:`call_rngs`' ``key``)."""
         treedef, impls = state_structure(state)
         raw = jax.tree.unflatten(treedef, unwrap_keys(jax.tree.leaves(state), impls))
-        if self.call_rngs is None:
-            return raw
-        return {**raw, CALL_RNG: jax.random.key_data(key)}
+        return raw if self.call_rngs is None else {**raw, CALL_RNG: jax.random.key_data(key)}
 
     def typed(self, raw: Any) -> Any:
         """The inverse of :meth:`raw` (the :attr:`call_rngs` key dropped)."""

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from symjax_mlp._errors import CheckpointError
 from symjax_mlp.training._checkpoint import (
     TrainState,
+    broken,
     check_fit,
     check_manifest,
     named_leaves,
@@ -142,11 +142,8 @@ class OrbaxCheckpoints:
             stored = {n: (tuple(s), d) for n, s, d in meta["tensors"]}
             digest = meta["sha256"]
         except Exception as e:  # missing, truncated or edited JSON: the reader's own error
-            raise CheckpointError(
-                f"{path}: its meta item is missing or malformed ({type(e).__name__}: "
-                f"{str(e)[:200]}); the checkpoint is corrupted or was edited. Resume from an "
-                "older step, or start over in an empty directory."
-            ) from None
+            what = f"its meta item is missing or malformed ({type(e).__name__}: {str(e)[:200]})"
+            raise broken(path, what) from None
         check_manifest(path / "meta", meta, _HEADER, step)
         wanted = named_leaves(like)
         check_fit(path, stored, specs(wanted))
@@ -161,17 +158,11 @@ class OrbaxCheckpoints:
                 step, args=args.Composite(state=args.StandardRestore(target))
             )["state"]
         except Exception as e:  # a truncated or missing array file: tensorstore's error
-            raise CheckpointError(
-                f"{path}: its arrays cannot be read ({type(e).__name__}: {str(e)[:300]}); the "
-                "checkpoint is truncated or corrupted. Resume from an older step."
-            ) from None
+            what = f"its arrays cannot be read ({type(e).__name__}: {str(e)[:300]})"
+            raise broken(path, what) from None
         arrays = {n: items[_key(i, n)] for i, n in enumerate(wanted)}
         if _digest({n: _local(a) for n, a in arrays.items()}) != digest:
-            raise CheckpointError(
-                f"{path}: its arrays are not the ones saved (their sha256 differs from the one "
-                "recorded beside them); the checkpoint was edited or corrupted. Resume from an "
-                "older step, or start over in an empty directory."
-            )
+            raise broken(path, "its arrays are not the ones saved (their sha256 differs)")
         return state_of(arrays, like, meta), meta.get("metadata", {})
 
     def close(self) -> None:

@@ -105,8 +105,7 @@ def run_timeout(timeout: int | None) -> int:
 
 
 def end(message: str) -> None:
-    """Writes ``message`` to stderr and ends this process with :data:`EXIT_STATUS`: the main
-    thread may be inside a collective, which Python cannot interrupt."""
+    """Ends this process with ``message``: the main thread may be stuck in a collective."""
     sys.stderr.write(message + " Ending this process (exit status 75) rather than hang.\n")
     sys.stderr.flush()
     os._exit(EXIT_STATUS)
@@ -127,13 +126,8 @@ def _client() -> Any:
 
 
 def agree(config: dict[str, Any], *, timeout: int, caller: str) -> str:
-    """Posts ``config`` (JSON) and compares it with every other process's; returns the run's
-    key prefix in the store.
-
-    Raises:
-      ConfigError: another process was started with other settings.
-      DistributedError: another process posted nothing within ``timeout`` s.
-    """
+    """Posts ``config`` and compares it with every other process's (ConfigError if they differ,
+    DistributedError if one posts nothing in ``timeout`` s); returns the run's key prefix."""
     client, me, n = _client(), jax.process_index(), jax.process_count()
     run = f"{_PREFIX}/run{next(_runs)}"
     client.key_value_set(f"{run}/config/{me}", json.dumps(config, sort_keys=True))
@@ -165,11 +159,8 @@ def _short(v: Any) -> Any:
 
 
 class Watchdog:
-    """Ends this process, naming the peers behind, when one step waits over ``timeout`` s.
-
-    ``with watchdog(step):`` wraps each step; a thread posts this process's place (in or done
-    with which step) to the store and checks the step's age.
-    """
+    """Ends this process, naming the peers behind, when one step waits over ``timeout`` s:
+    ``with watchdog(step):`` wraps each step; a thread posts where it is and checks its age."""
 
     def __init__(self, run: str, timeout: int, caller: str):
         self.client, self.me, self.n = _client(), jax.process_index(), jax.process_count()

@@ -23,6 +23,7 @@ import optax
 from symjax_mlp._errors import CheckpointError
 from symjax_mlp.training._checkpoint import (
     TrainState,
+    broken,
     latest_checkpoint,
     restore_checkpoint,
     save_checkpoint,
@@ -71,14 +72,8 @@ def resume_run(
     resume: bool,
     store: Any = None,
 ) -> tuple[TrainState, list[EpochRecord], Path | None]:
-    """``(state, history, found)``: the newest checkpoint's (read into the structure of the
-    freshly initialised ``state``), or ``state`` unchanged if none. ``store``: a multi-process
-    run's :class:`~symjax_mlp.training._orbax.OrbaxCheckpoints` (default: safetensors).
-
-    Raises:
-      CheckpointError: a checkpoint is there and ``resume`` is false, or it was written by a
-        run with another ``config``, or its history does not match its step and epoch.
-    """
+    """``(state, history, found)`` of the newest checkpoint (in ``store``, if given), read into
+    the structure of ``state``, if it continues the run of ``config``; else ``state``."""
     found = store.latest() if store is not None else checkpoint and latest_checkpoint(checkpoint)
     if not found:
         return state, [], None
@@ -111,10 +106,10 @@ def resume_run(
     history = [EpochRecord(**r) for r in meta.get("history", [])]  # checked as it was read
     ends = history[-1].step if history else 0
     if len(history) != state.epoch or (history and ends != state.step):
-        raise CheckpointError(
-            f"{found}: it records epoch {state.epoch} and step {state.step}, but its history "
-            f"has {len(history)} epoch(s) ending at step {ends}. The manifest was edited; "
-            "resuming would skip or repeat epochs. Resume from an older checkpoint, or start over."
+        raise broken(
+            found,
+            f"it records epoch {state.epoch} and step {state.step}, but its history has "
+            f"{len(history)} epoch(s) ending at step {ends}: resuming would skip or repeat epochs",
         )
     return state, history, found
 
@@ -126,8 +121,7 @@ def save_run(
     history: list[EpochRecord],
     store: Any = None,
 ) -> Path:
-    """Writes ``state`` with the run's config and history beside it (through ``store``, if
-    given); returns its path."""
+    """Writes ``state`` with the run's config and history (through ``store``, if given)."""
     meta = {"config": config, "history": [dataclasses.asdict(r) for r in history]}
     if store is not None:
         return store.save(state, meta)

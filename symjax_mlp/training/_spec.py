@@ -109,12 +109,8 @@ def _checked(model: nn.Module, flags: Any, arg: str, caller: str, form: str) -> 
 def init_flags(
     model: Any, train: dict[str, Any], evals: dict[str, Any], caller: str, form: str
 ) -> dict[str, Any]:
-    """The flags ``model.init`` is called with: those ``__call__`` requires (no default), as an
-    inference call sets them (else as a training call does).
-
-    Raises:
-      ConfigError: a required flag is in neither (``train(..., training: bool)`` given no flags).
-    """
+    """The flags ``model.init`` is called with: those ``__call__`` requires, as an inference
+    call (else a training call) sets them; ConfigError if neither does."""
     params = list(_parameters(model).values())[1:]  # the input first
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     required = [p.name for p in params if p.default is p.empty and p.kind in kinds]
@@ -168,8 +164,7 @@ def _fix(model: nn.Module, form: str = TRAIN_FORM) -> str:
 
 
 def _training_part(model: nn.Module, variables: Any, example: Any, flags: dict) -> str | None:
-    """What a call with ``flags`` does that an inference call must not (draw an rng, update a
-    collection), or ``None``."""
+    """What a call with ``flags`` does that an inference call must not, or ``None``."""
     try:
         jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)
     except flax.errors.InvalidRngError as e:
@@ -201,12 +196,8 @@ def model_spec(
     caller: str | None = None,
     form: str = TRAIN_FORM,
 ) -> ModelSpec:
-    """Reads the flags a model takes, and whether training needs mutable collections or rngs.
-
-    With no flags found or given, a model whose default calls are inference calls while it has
-    state, or while flipping a bool keyword of ``__call__`` trains it, is refused: it would
-    silently train in inference mode.
-    """
+    """The :class:`ModelSpec` of a linen model; with no flags found or given, refuses one that
+    would silently train in inference mode."""
     name = type(model).__name__
     caller = caller or f"symjax_mlp.training.train({name})"
     train, evals = find_flags(model, train_flags, eval_flags, caller, form)
@@ -259,8 +250,7 @@ def _refuse_inference_mode(
 
 
 def inference_shape(model: nn.Module, example: Any, spec: ModelSpec, *, caller: str) -> Any:
-    """The shape of an inference call's output; ConfigError if the call draws from an rng
-    stream or updates a collection."""
+    """The shape of an inference call's output; ConfigError if the call is not inference."""
     flags = spec.eval_flags
     example, variables = _abstract(model, example, spec.init_flags)
     does = _training_part(model, variables, example, flags)

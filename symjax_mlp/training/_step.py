@@ -63,23 +63,18 @@ def init_params(
       ConfigError: without ``train_flags``, training with the model's defaults would silently
         be inference (its flag has another name).
     """
-    name = type(model).__name__
-    caller = f"symjax_mlp.training.init_params({name}, ...)"
+    caller = f"symjax_mlp.training.init_params({type(model).__name__}, ...)"
     spec = spec_of(model, example, train_flags, caller=caller, form=STEP_FORM)
     if isinstance(spec, NnxSpec):  # built initialised: its values, in buffers of its own
-        params = _copy(spec.params)
-        state = spec.raw(spec.state, jax.random.fold_in(key, 1))
-        return ModelVars(params, _copy(state)) if spec.stateful else params
+        values = (spec.params, spec.raw(spec.state, jax.random.fold_in(key, 1)))
+        params, state = jax.tree.map(lambda a: jnp.array(a, copy=True), values)
+        return ModelVars(params, state) if spec.stateful else params
     settings = (model, spec.mutable, spec.rng, tuple(spec.init_flags.items()))
     try:
         hash(settings)
     except TypeError:  # a module holding a dict or a namespace (a ConfigDict): not a jit key
         return _init.__wrapped__(*settings, key, example)
     return _init(*settings, key, example)
-
-
-def _copy(tree: Any) -> Any:
-    return jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
 
 
 # jitted: eagerly each initializer op compiles on its own; cached per (hashable) module
