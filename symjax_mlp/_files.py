@@ -222,24 +222,36 @@ def write_file_atomic(file: Path, data: bytes) -> None:
             tmp.unlink()
 
 
-def write_output(file: str | os.PathLike[str], data: bytes) -> None:
-    """Writes ``data`` where a user asked for an output (a link followed, as ``open`` does): a
-    regular or new file atomically, so a failure leaves what it held; a device or FIFO directly.
+def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
+    """Writes each ``(file, data)`` where a user asked for an output (a link followed, as
+    ``open`` does): regular or new files through temporary siblings, all replaced only once
+    every one is written, so a failure leaves what each held; devices and FIFOs directly, last.
     Raises :class:`SymjaxError` naming the path and the system's reason (a full disk, no right)."""
-    path = Path(os.path.realpath(file))
-    special = path.exists() and not path.is_file()
+    staged, special, file = [], [], None
     try:
-        if special:
+        for file, data in items:
+            path = Path(os.path.realpath(file))
+            if path.exists() and not path.is_file():
+                special.append((file, path, data))
+                continue
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+            staged.append((tmp, path))
+            write_file(tmp, data)
+        for tmp, path in staged:
+            os.replace(tmp, path)
+        for file, path, data in special:  # noqa: B007 (file: named if the write fails)
             with open(path, "wb") as f:
                 f.write(data)
-        else:
-            write_file_atomic(path, data)
     except OSError as e:
-        kept = "" if special else "; what it held is unchanged"
+        kept = "" if special else "; what each path held is unchanged"
         raise SymjaxError(
             f"cannot write {os.fspath(file)} ({e.strerror or e}){kept}. Free space there, or "
             "pass another path."
         ) from None
+    finally:
+        for tmp, _ in staged:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
 
 
 def write_dir(

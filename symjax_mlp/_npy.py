@@ -84,29 +84,36 @@ def read_inputs(
     return xs
 
 
-def write_outputs(out: Any, target: str | os.PathLike[str] | BinaryIO) -> list[np.ndarray]:
+def write_outputs(
+    out: Any, target: str | os.PathLike[str] | BinaryIO, *more: tuple[Any, Any]
+) -> list[np.ndarray]:
     """Writes a model's outputs (an array or a tuple): one array as ``.npy`` to a path or a
-    binary stream, or all into a ``.npz`` path as ``out0``, ``out1``, ...; returns them as NumPy
-    arrays. A ``SignatureError`` for several outputs and one ``.npy`` (nothing is written); a
-    ``SymjaxError`` for a path that cannot be written (what it held is unchanged)."""
-    outs = [np.asarray(y) for y in (out if isinstance(out, tuple) else (out,))]
-    is_path = isinstance(target, str | os.PathLike)
-    buffer = io.BytesIO()
-    if is_path and os.fspath(target).endswith(".npz"):
-        np.savez(buffer, **{f"out{i}": y for i, y in enumerate(outs)})
-    elif len(outs) != 1:
-        name = os.fspath(target) if is_path else getattr(target, "name", "the stream")
-        raise SignatureError(
-            f"the model returns {len(outs)} arrays, but {name} is one .npy array. Write to a "
-            ".npz path to keep them all (out0, out1, ...)."
-        )
-    else:
-        np.save(buffer if is_path else target, outs[0])
-    if is_path:
-        write_output(target, buffer.getvalue())  # whole or not at all
-    else:
-        target.flush()
-    return outs
+    binary stream, or all into a ``.npz`` path as ``out0``, ``out1``, ...; ``more``: further
+    ``(out, target)`` pairs, written together (every path or none). Returns the first's arrays
+    as NumPy arrays. A ``SignatureError`` for several outputs and one ``.npy`` (nothing is
+    written); a ``SymjaxError`` for a path that cannot be written (what each held is unchanged)."""
+    files, streams, first = [], [], None
+    for y, to in ((out, target), *more):
+        outs = [np.asarray(a) for a in (y if isinstance(y, tuple) else (y,))]
+        is_path = isinstance(to, str | os.PathLike)
+        buffer = io.BytesIO()
+        if is_path and os.fspath(to).endswith(".npz"):
+            np.savez(buffer, **{f"out{i}": a for i, a in enumerate(outs)})
+        elif len(outs) != 1:
+            name = os.fspath(to) if is_path else getattr(to, "name", "the stream")
+            raise SignatureError(
+                f"the model returns {len(outs)} arrays, but {name} is one .npy array. Write to "
+                "a .npz path to keep them all (out0, out1, ...)."
+            )
+        else:
+            np.save(buffer, outs[0])
+        (files if is_path else streams).append((to, buffer.getvalue()))
+        first = outs if first is None else first
+    write_output(*files)  # whole or not at all
+    for stream, data in streams:
+        stream.write(data)
+        stream.flush()
+    return first
 
 
 def raw_dtype_notes(arrays: Sequence[np.ndarray]) -> list[str]:

@@ -350,6 +350,46 @@ def test_run_refuses_several_outputs_for_one_npy(tmp_path, capsys):
     np.testing.assert_array_equal(got["out1"], np.full((2, 4), 3.0))
 
 
+def test_run_writes_every_output_path_or_none(tmp_path, capsys, monkeypatch):
+    """Two --output paths, and the second write fails (a full disk): the first path keeps
+    what it held, where it was replaced before the second failed; then both are written."""
+    import errno
+    import os
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import symjax_mlp as sm
+    import symjax_mlp._files
+
+    x = jnp.ones((2, 4), jnp.float32)
+    h = sm.hybridize(lambda p, x: (x * p, x + p), jnp.float32(2))
+    art = sm.export(h, tmp_path / "m", example=x).path
+    np.save(tmp_path / "x.npy", np.asarray(x))
+    y0, y1 = tmp_path / "y0.npy", tmp_path / "y1.npy"
+    for y in (y0, y1):
+        y.write_bytes(b"what was there")
+    write_file, calls = symjax_mlp._files.write_file, []
+
+    def second_fails(file, data):
+        calls.append(file)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write_file(file, data)
+
+    monkeypatch.setattr(symjax_mlp._files, "write_file", second_fails)
+    run = ["run", str(art), "--input", str(tmp_path / "x.npy")]
+    assert main([*run, "--output", str(y0), "--output", str(y1)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {y1} (No space left on device)" in err and "Traceback" not in err
+    assert y0.read_bytes() == y1.read_bytes() == b"what was there"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "x.npy", "y0.npy", "y1.npy"]
+    monkeypatch.undo()
+    assert main([*run, "--output", str(y0), "--output", str(y1)]) == 0
+    np.testing.assert_array_equal(np.load(y0), np.full((2, 4), 2.0))
+    np.testing.assert_array_equal(np.load(y1), np.full((2, 4), 3.0))
+
+
 def test_library_messages_are_printed_as_written_and_the_option_added(tmp_path, capsys):
     """The library names its keyword (overwrite=True); the CLI prints that message unedited
     and adds a line with the option that sets it here (--overwrite)."""

@@ -112,7 +112,7 @@ def emit_json(data: Any, target: str) -> None:
     if target == "-":
         stdout("--json -").write(text)
     else:
-        write_output(target, text.encode())
+        write_output((target, text.encode()))
 
 
 def show(result: Any, data: Any, target: str | None) -> None:

@@ -41,8 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
+    import numpy as np
+
     from symjax_mlp import load
-    from symjax_mlp._npy import read_inputs
+    from symjax_mlp._npy import raw_dtype_notes, read_inputs, write_outputs
 
     paths = args.output
     for path in paths:
@@ -61,21 +63,18 @@ def run(args: argparse.Namespace) -> None:
             "(out0, out1, ...); nothing was written."
         )
     out = model(*read_inputs(args.input, model.signature.inputs))
-    for path, y in zip(paths, out if len(paths) > 1 else [out], strict=True):
-        _write(y, path)
-
-
-def _write(out: Any, path: str) -> None:
-    """Writes ``out`` (an array or a tuple of them) to ``path`` and says what was written."""
-    from symjax_mlp._npy import raw_dtype_notes, write_outputs
-
-    to_stdout = path == "-"
-    outs = write_outputs(out, _args.stdout("--output -").buffer if to_stdout else path)
+    pairs = list(zip(out if len(paths) > 1 else [out], paths, strict=True))
+    to_stdout = paths == ["-"]
+    if to_stdout:
+        pairs = [(out, _args.stdout("--output -").buffer)]
+    write_outputs(*pairs[0], *pairs[1:])  # every path, or none of them
     stream = sys.stderr if to_stdout else sys.stdout
-    shapes = ", ".join(f"{y.dtype}{list(y.shape)}" for y in outs)
-    print(f"wrote {'stdout' if to_stdout else path}: {shapes}", file=stream)
-    for note in raw_dtype_notes(outs):
-        print(f"note: {note}", file=stream)
+    for (y, _), path in zip(pairs, paths, strict=True):
+        outs = [np.asarray(a) for a in (y if isinstance(y, tuple) else (y,))]
+        shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in outs)
+        print(f"wrote {'stdout' if to_stdout else path}: {shapes}", file=stream)
+        for note in raw_dtype_notes(outs):
+            print(f"note: {note}", file=stream)
 
 
 def _distinct(paths: list[str]) -> None:
