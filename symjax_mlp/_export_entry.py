@@ -66,9 +66,7 @@ class Stage:
     in_specs: list[jax.ShapeDtypeStruct]
     specs: list[TensorSpec]  # its params, sorted by path
     host_params: list[np.ndarray]
-    fn: Callable[..., Any]  # fn(params tree, *inputs)
-    treedef: Any
-    leaf_paths: tuple[str, ...]  # the params' paths in treedef's (flatten) order
+    fn: Callable[..., Any]  # fn(params by path, *inputs)
     batch: str | None
     per_input_shapes: bool
     constraints: tuple[str, ...]
@@ -94,20 +92,24 @@ def stage(
     in_specs = _input_structs(examples, batch, shapes, tuple(constraints), h.name)
     stored, fn, baked = _exportable(h)
     specs, host_params = param_specs(stored)  # as jax.export traces them
-    treedef = jax.tree.structure(stored)
+    treedef, paths = jax.tree.structure(stored), tuple(s.path for s in specs)
     fn = _sharded_fn(h, fn) if h.mesh is not None else fn
-    leaf_paths = tuple(s.path for s in specs)
-    if len(set(leaf_paths)) < len(leaf_paths):
-        twice = sorted({p for p in leaf_paths if leaf_paths.count(p) > 1})
+    if len(set(paths)) < len(paths):
+        twice = sorted({p for p in paths if paths.count(p) > 1})
         raise ConfigError(
             f"export({h.name}): two params share the path {twice[0]!r} (keys that print alike, "
             "such as 1 and '1'); params.safetensors names each tensor by its path. Rename one."
         )
-    # Stored sorted by path; the model rebuilds its tree in flatten order (leaf_paths), which
+
+    def model(params: dict[str, jax.Array], *inputs: jax.Array) -> Any:
+        args, kw = rebuild(static, inputs, {})
+        return fn(jax.tree.unflatten(treedef, [params[p] for p in paths]), *args, **kw)
+
+    # Stored sorted by path; the model rebuilds its tree in flatten order (paths), which
     # differs for lists of 11+ layers ('10' < '2') and keys below '/' ('proj-out' < 'proj/.').
     order = sorted(range(len(specs)), key=lambda i: specs[i].path)
     return Stage(h, static, in_specs, [specs[i] for i in order], [host_params[i] for i in order],
-                 fn, treedef, leaf_paths, batch, shapes is not None, (*constraints,),
+                 model, batch, shapes is not None, (*constraints,),
                  tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in examples),
                  baked)  # fmt: skip
 
@@ -117,16 +119,9 @@ def export_program(
 ) -> tuple[Any, Signature, dict[str, Any]]:
     """``jax.export`` of one entry point (its params a dict keyed by path, which load binds by
     name), its signature, and whether it keeps rows apart (``_rows.verdict``)."""
-    h, static, treedef, fn = stage.h, stage.static, stage.treedef, stage.fn
-    paths = stage.leaf_paths
-
-    def model(params: dict[str, jax.Array], *inputs: jax.Array) -> Any:
-        args, kw = rebuild(static, inputs, {})
-        return fn(jax.tree.unflatten(treedef, [params[p] for p in paths]), *args, **kw)
-
-    model.__name__ = "model"
+    h = stage.h
     p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in sorted(own.items())}
-    jitted, jaxpr = jax.jit(model), None
+    jitted, jaxpr = jax.jit(stage.fn), None
     try:
         with without_source_locations():  # reproducible bytes: no path of this machine inside
             jaxpr, in_specs = _trace(jitted, p_structs, stage)  # traced once: export reuses it

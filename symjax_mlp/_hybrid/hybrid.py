@@ -359,7 +359,7 @@ class Hybrid:
     @property
     def trace_count(self) -> int:
         """How many times the compiled paths (``h(x)``, ``h.apply``) have traced the model."""
-        return len(self._log)
+        return len(self._log.events)
 
     @property
     def trace_log(self) -> tuple[TraceEvent, ...]:

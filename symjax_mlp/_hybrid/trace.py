@@ -177,9 +177,6 @@ class TraceLog:
     def events(self) -> tuple[TraceEvent, ...]:
         return tuple(self._events)
 
-    def __len__(self) -> int:
-        return len(self._events)
-
     def add(self, callback: Callable[..., Any]) -> None:
         if not callable(callback):
             raise ConfigError(f"on_trace expects a callable; got {type(callback).__name__}.")
