@@ -159,7 +159,13 @@ def export(
                 "ordered_effects": len(exported.ordered_effects),
             }
         )
-    _same_program_settings(names, programs)
+    for key in _DEVICES:  # an artifact's entry points share its devices
+        values = {n: p[key] for n, p in zip(names, programs, strict=True)}
+        if len(set(values.values())) > 1:
+            raise ConfigError(
+                f"export(): the entry points differ in {key} ({values}); an artifact's entry "
+                "points run on one set of devices. Shard them alike (or not at all)."
+            )
     specs = [shared[p][0] for p in sorted(shared)]
     mirror = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
     files[PARAMS] = encode_params(specs, [shared[p][1] for p in sorted(shared)], metadata=mirror)
@@ -266,17 +272,6 @@ def _shared_params(names: list[str], staged: list[Stage]) -> dict[str, tuple[Ten
                 continue
             shared[spec.path], owner[spec.path] = (spec, array), name
     return shared
-
-
-def _same_program_settings(names: list[str], programs: list[dict[str, Any]]) -> None:
-    """Entry points share the artifact's devices, calling convention and effects."""
-    for key in _DEVICES:
-        values = {n: p[key] for n, p in zip(names, programs, strict=True)}
-        if len(set(values.values())) > 1:
-            raise ConfigError(
-                f"export(): the entry points differ in {key} ({values}); an artifact's entry "
-                "points run on one set of devices. Shard them alike (or not at all)."
-            )
 
 
 def _self_test_vectors(

@@ -274,8 +274,3 @@ class ModuleModes:
             return ()
         pairs = zip(self.model.setting_names, now, evaluating, strict=True)
         return tuple(f"{n}={v}" for n, v, e in pairs if v != e)
-
-
-def settings_in(static: tuple) -> tuple:
-    """The module settings a static key holds (``()``: none)."""
-    return tuple(v for k, v, _ in static if type(k) is ModuleSetting)

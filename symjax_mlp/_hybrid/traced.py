@@ -14,11 +14,11 @@ import jax
 
 from symjax_mlp._compat import install_unrolled_threefry
 from symjax_mlp._errors import ConfigError, SignatureError
-from symjax_mlp._hybrid.args import rebuild
+from symjax_mlp._hybrid.args import ModuleSetting, rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.held import HeldState
 from symjax_mlp._hybrid.jaxpr import input_dependent
-from symjax_mlp._hybrid.pure import PureModel, settings_in
+from symjax_mlp._hybrid.pure import PureModel
 from symjax_mlp._hybrid.trace import TraceLog, symbolic
 from symjax_mlp._specs import array_types
 
@@ -51,8 +51,9 @@ class TracedModel:
     ) -> tuple[Any, Any]:
         """``(out, new_state)`` on a partitioned call, with the module settings its static key
         holds (or ``settings``)."""
-        pinned = self.model.pinned(settings_in(static) if settings is None else settings)
-        with pinned, symbolic(self.log.name):
+        if settings is None:  # the module settings the static key holds
+            settings = tuple(v for k, v, _ in static if type(k) is ModuleSetting)
+        with self.model.pinned(settings), symbolic(self.log.name):
             return self.model.call(params, state, *rebuild(static, dyn, dyn_kw))
 
     def staged(
