@@ -200,8 +200,7 @@ def export(
 
 
 def _needs(data: bytes, file: Path) -> list[str]:
-    """What the program and its VJP modules do beyond what a loader allows by default, by the
-    loader's own checker (:data:`~symjax_mlp._artifact.format.NEEDS`; see RELIABILITY.md)."""
+    """What the program needs beyond a loader's defaults, by the loader's own checker."""
     from symjax_mlp._artifact import checker, ops
 
     try:
@@ -221,9 +220,8 @@ def _entry_points(h: Any) -> dict[str, Hybrid]:
     if not isinstance(points, Mapping) or not points:
         raise ConfigError(
             f"export() expects a Hybrid or a dict of them; got {type(h).__name__}. Write "
-            "sm.export(sm.hybridize(model, variables), path, example=x), or "
-            'sm.export({"predict": h, "embed": h_embed}, path, example=x) for several entry '
-            "points over one weight file."
+            "sm.export(sm.hybridize(model, variables), path, example=x), or for several entry "
+            'points over one weight file sm.export({"predict": h, "embed": h_embed}, ...).'
         )
     for name, value in points.items():
         if not isinstance(value, Hybrid):
@@ -241,8 +239,7 @@ def _entry_points(h: Any) -> dict[str, Hybrid]:
 
 
 def _per_entry(value: Any, names: list[str], what: str) -> list[Any]:
-    """``value`` for each entry point: a dict keyed by every entry point's name gives each
-    its own; anything else is shared."""
+    """``value`` for each entry point: its own from a dict keyed by their names, else shared."""
     if len(names) > 1 and isinstance(value, Mapping) and set(value) & set(names):
         if set(value) != set(names):
             raise ConfigError(
@@ -264,10 +261,9 @@ def _shared_params(names: list[str], staged: list[Stage]) -> dict[str, tuple[Ten
                 if other != spec or not np.array_equal(known, array):
                     raise ConfigError(
                         f"export(): entry points {owner[spec.path]!r} and {name!r} both have a "
-                        f"param {spec.path}, with different values ({other} and {spec}); one "
-                        "weight file holds one tensor per path. Build both Hybrids from the "
-                        "same variables (e.g. linen's method=, or a function of the same "
-                        "params)."
+                        f"param {spec.path}, with different values ({other} and {spec}), but "
+                        "one weight file holds one tensor per path. Build both Hybrids from the "
+                        "same variables (linen's method=, or functions of the same params)."
                     )
                 continue
             shared[spec.path], owner[spec.path] = (spec, array), name
