@@ -683,6 +683,33 @@ def test_a_done_callback_may_close_the_batcher(chapter, cancel):
     b.close()  # and again, from here
 
 
+@pytest.mark.parametrize("queued", [False, True])
+def test_the_model_itself_may_close_its_batcher(queued):
+    """close() called by the model, on the thread of a lone b(x) holding the lane, waited for
+    the batcher's thread, which waited for the lane: both hung for ever. Now close() returns;
+    the request in flight, and one queued behind it, still get their answers."""
+    box = {}
+
+    def model(x):
+        if box.pop("b", None) is not None:  # once: the first request closes its batcher
+            box["queued"] = b.submit(np.ones((1, 2), np.float32)) if queued else None
+            b.close()
+        return x * 2
+
+    b = sm.serving.Batcher(model, example=np.ones((1, 2), np.float32), max_batch=4)
+    box["b"] = b
+    got = []
+    caller = threading.Thread(target=lambda: got.append(b(np.ones((4, 2), np.float32))))
+    caller.start()
+    caller.join(30)
+    assert not caller.is_alive(), "b(x) hung in close()"
+    np.testing.assert_array_equal(got[0], np.full((4, 2), 2.0))
+    if queued:
+        np.testing.assert_array_equal(box["queued"].result(30), np.full((1, 2), 2.0))
+    b._thread.join(30)
+    assert b.closed and not b._thread.is_alive()
+
+
 def test_a_cancelled_future_reaches_wait_and_its_callbacks(chapter):
     _, _, h, x = chapter
     gate = Gated(h)

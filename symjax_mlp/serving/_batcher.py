@@ -245,6 +245,7 @@ class Batcher:
             except IndexError:
                 pass  # taken meanwhile: join the queue
             else:
+                lane.holder = threading.get_ident()  # until release(): see close()
                 if not lane.queue:  # run it here, with no lock held
                     if lane.single and lane.bucket_of[rows] == rows:  # the hot path, inlined
                         n = lane.n
@@ -334,6 +335,7 @@ class Batcher:
                 return
             if not claim(lane.idle):  # a batch runs: its runner takes the queue next
                 return
+            lane.holder = threading.get_ident()
             q.popleft()
             lane.n.requests -= 1  # run_alone counts it among the lone ones
         try:
@@ -362,7 +364,8 @@ class Batcher:
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Stops taking requests, then finishes what is queued (``cancel=True``: cancels it).
 
-        Waits at most ``timeout`` seconds for that work; the thread then ends. Idempotent.
+        Waits at most ``timeout`` seconds for that work; the thread then ends. Called by the
+        model or a done callback, it does not wait (the work ends after them). Idempotent.
 
         Raises:
           TimeoutError: the work did not finish within ``timeout`` (the thread keeps going).
@@ -374,8 +377,8 @@ class Batcher:
             check_timeout(f"{self.name}.close", timeout)
         self._lane.close(cancel)
         self._finalizer.detach()
-        if threading.get_ident() == self._lane.thread:  # in a done callback: it ends after it
-            return
+        if threading.get_ident() in (self._lane.thread, self._lane.holder):
+            return  # in a done callback, or in the model itself: the work ends after it
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(

@@ -96,6 +96,7 @@ class Lane:
         self.split: Callable[[Any, int, int], Any] = tree_rows
         self.single = False  # one array out: the split is a list of row copies
         self.thread: int | None = None  # the batcher's thread (its ident)
+        self.holder: int | None = None  # the thread running a lone request (its ident)
 
     # -- the executor thread -----------------------------------------------------------------
     def work(self) -> None:
@@ -242,6 +243,7 @@ class Lane:
 
     def release(self) -> None:
         """Gives the token back, and wakes the thread if requests came meanwhile."""
+        self.holder = None
         if compat.GIL and len(self.n.pending) <= _FOLD_EVERY:
             # No lock: an enqueuer looks for the token under the lock after appending, so it
             # either sees it (and wakes the thread) or appended before we look at the queue.
