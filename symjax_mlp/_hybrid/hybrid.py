@@ -341,8 +341,7 @@ class Hybrid:
         """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
         layer shown (not counted in :attr:`trace_count`)."""
         static, dyn, dyn_kw = self._partition(args, kwargs, self.name, keyed=False)
-        with symbolic(self.name):
-            return self._traced.graph(self.name, static, self.params, self.state, dyn, dyn_kw)
+        return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
 
     def training_mode(self, *args: Any, **kwargs: Any) -> tuple[str, ...]:
         """An nnx module's settings that ``module.eval()`` would flip and that change the

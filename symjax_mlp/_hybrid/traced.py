@@ -99,11 +99,9 @@ class TracedModel:
         out, new_state, *given = self.run(static, leaves, state, dyn, dyn_kw, "call")
         return out, self.held.flatten(new_state), *given
 
-    def graph(
-        self, name: str, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any
-    ) -> Graph:
+    def graph(self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any) -> Graph:
         """The un-jitted model staged on a partitioned call (not logged)."""
-        call = self.model.call
+        call, name = self.model.call, self.log.name
 
         def staged(params: Any, dyn: Any, dyn_kw: Any) -> Any:
             with symbolic(name):
