@@ -63,6 +63,13 @@ def test_a_call_graph_that_inlines_past_the_op_bound_is_refused():
     assert f"at most {ops.MAX_OPS:,}" in detail
 
 
+def test_a_call_graph_that_takes_xla_a_minute_to_compile_is_refused():
+    """A few kB of functions inlining to 2**17 adds took XLA 73 s and 3.7 GB to compile (one
+    load, 2 cores); the op bound keeps a compile to seconds: 2**16 adds are refused."""
+    [detail] = inlined_ops_problems(report(fanout(16)))
+    assert f"at most {ops.MAX_OPS:,}" in detail
+
+
 # -- regions: every one charged by how often XLA runs it ----------------------------------------
 # Each construct runs a call of @big (about 3 * k element operations) ``runs`` times; k is
 # chosen so that the work is ``factor`` times the bound once the multiplier is applied, and
