@@ -101,10 +101,8 @@ def pad_rows(x: Any, pad: int, *, fill: float | None = None) -> Any:
         return x
     xp = jnp if isinstance(x, jax.Array) else np
     x = xp.asarray(x)
-    if fill is None:
-        rows = xp.repeat(x[-1:], pad, axis=0)
-    else:
-        rows = xp.full((pad, *x.shape[1:]), fill, x.dtype)
+    shape = (pad, *x.shape[1:])
+    rows = xp.repeat(x[-1:], pad, axis=0) if fill is None else xp.full(shape, fill, x.dtype)
     return xp.concatenate([x, rows])
 
 
