@@ -100,8 +100,11 @@ class _Drawing:
                 atom = eqn.invars[index]
                 benv[v] = atom if isinstance(atom, jex_core.Literal) else env.get(atom, [])
             lines += self.jaxpr(body.jaxpr, benv)
-            for i, v in _outputs(eqn, body):
-                produced[i] += self.sources(v, benv, lines)
+            outs = body.jaxpr.outvars  # the equation's, but for a while loop's condition
+            loop_cond = eqn.primitive.name == "while" and body.role == "cond"
+            if len(outs) == len(eqn.outvars) and not loop_cond:
+                for i, v in enumerate(outs):
+                    produced[i] += self.sources(v, benv, lines)
             inner += self.cluster(body.role, lines, " style=dashed;") if body.role else lines
         free = [a for i, a in enumerate(eqn.invars) if i not in bound]
         if free or not all(produced):  # e.g. a cond's branch index
@@ -127,14 +130,6 @@ def _inputs(eqn: Any, k: int, body: Body) -> list[int | None]:
     if n <= m:  # a call or scan: all of them; a cond's branches: all but the index
         return list(range(m - n, m))
     return [None] * (n - m) + list(range(m))
-
-
-def _outputs(eqn: Any, body: Body) -> list[tuple[int, Any]]:
-    """``(i, v)``: the sub-jaxpr's output ``v`` becomes the equation's ``i``-th output."""
-    outs = body.jaxpr.outvars
-    if (eqn.primitive.name == "while" and body.role == "cond") or len(outs) != len(eqn.outvars):
-        return []
-    return list(enumerate(outs))
 
 
 def _title(eqn: Any) -> str:
