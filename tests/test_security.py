@@ -812,6 +812,34 @@ def test_inspect_prints_no_terminal_escapes(base, tmp_path):
     assert main(["inspect", str(art)]) == 0
 
 
+@pytest.mark.parametrize("where", ["file name", "input path", "platform", "created", "key twice"])
+def test_no_manifest_string_reaches_a_message_with_terminal_escapes(base, tmp_path, capsys, where):
+    """A message names files, inputs and versions of the manifest: the CLI prints it as is.
+    A key given twice is refused too (Python's json keeps the last, other parsers the first)."""
+    src, _ = base
+    evil = "\x1b]0;pwned\x07\x1b[2J"
+
+    def edit(m):
+        if where == "file name":
+            m["files"][evil] = {"sha256": "0" * 64, "bytes": 1}  # listed, missing
+        elif where == "input path":
+            m["signature"]["inputs"][0]["path"] = m["mlir_arguments"][-1] = evil
+        elif where == "platform":
+            m["platforms"] = [evil]
+        elif where == "created":
+            m["created"], m["calling_convention_version"] = evil, 99
+
+    art = forge.resign(src, tmp_path / "esc", manifest=edit)
+    if where == "key twice":  # nr_devices 5, then 1
+        text = (art / "manifest.json").read_text().replace("{", '{"nr_devices": 5,', 1)
+        (art / "manifest.json").write_text(text)
+    with pytest.raises(sm.ArtifactError) as info:
+        sm.load(art)(np.ones((2, 3), np.float32), np.ones(1))
+    assert "\x1b" not in str(info.value)
+    assert main(["inspect", str(art)]) == 2 or where == "created"
+    assert "\x1b" not in capsys.readouterr().err
+
+
 # -- 6. authenticity: signed by a key, checked before any parser ---------------------------------
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):

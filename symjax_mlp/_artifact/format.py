@@ -58,7 +58,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path} {what}. Pass the directory written by symjax_mlp.export.")
     file = path / MANIFEST
     try:
-        manifest = json.loads(read_regular(file, limit=MAX_MANIFEST_BYTES, error=ArtifactError))
+        data = read_regular(file, limit=MAX_MANIFEST_BYTES, error=ArtifactError)
+        manifest = json.loads(data, object_pairs_hook=unique_pairs)
     except FileNotFoundError:
         raise ArtifactError(
             f"{file} is missing: {path} is not a complete symjax_mlp artifact (the manifest is "
@@ -87,6 +88,17 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     check_schema(manifest, file=file)
     return manifest
+
+
+def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; ``ValueError`` for a key given twice (which
+    parsers read differently: Python keeps the last, others the first)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {show(twice)} is given twice")
+    return out
 
 
 def depth(x: Any) -> int:
@@ -226,8 +238,13 @@ def _count(x: Any) -> bool:
     return is_int(x) and x >= 1
 
 
+def _name(x: Any) -> bool:
+    """A string a message may show as is: none of what a terminal acts on (``\\x1b``)."""
+    return isinstance(x, str) and x.isprintable()
+
+
 def _str_list(x: Any) -> bool:
-    return isinstance(x, list) and all(map(_is_str, x))
+    return isinstance(x, list) and all(map(_name, x))
 
 
 def _str_dict(x: Any) -> bool:
@@ -244,12 +261,12 @@ def _platforms(x: Any) -> bool:
 
 def _tensors(symbolic: bool) -> Callable[[Any], bool]:
     def dim_ok(d: Any) -> bool:
-        return is_size(d) or (symbolic and _is_str(d) and d != "")
+        return is_size(d) or (symbolic and _name(d) and d != "")
 
     def ok(x: Any) -> bool:
         return isinstance(x, list) and len(x) <= MAX_PARAMS and all(
             isinstance(d, dict) and isinstance(d.get("shape"), list)
-            and all(_is_str(d.get(k)) and d[k] != "" for k in ("path", "dtype"))
+            and all(_name(d.get(k)) and d[k] != "" for k in ("path", "dtype"))
             and all(map(dim_ok, d["shape"])) for d in x
         ) and len({d["path"] for d in x}) == len(x)  # fmt: skip
 
@@ -268,7 +285,8 @@ def is_file_name(name: str) -> bool:
     """A plain name of a file directly inside the artifact directory: no path, no escape."""
     return (
         name not in ("", ".", "..", MANIFEST)
-        and not any(c in name for c in ("/", "\\", "\x00"))
+        and name.isprintable()  # no NUL, no terminal escape in messages naming it
+        and not any(c in name for c in ("/", "\\"))
         and os.path.basename(name) == name
         and len(name.encode("utf-8", "surrogatepass")) <= 255
     )

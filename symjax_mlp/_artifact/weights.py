@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import safetensors
 
-from symjax_mlp._artifact.format import MAX_PARAMS, is_int, is_size, printable, show
+from symjax_mlp._artifact.format import MAX_PARAMS, is_int, is_size, printable, show, unique_pairs
 from symjax_mlp._errors import ArtifactError, SymjaxError
 from symjax_mlp._files import Reader
 from symjax_mlp._specs import TensorSpec
@@ -160,7 +160,7 @@ def _parse_header(
         text = text_bytes.decode("utf-8")
         if not text.startswith("{"):
             raise ValueError("the header is not a JSON object")
-        header = json.loads(text, object_pairs_hook=_unique_pairs)
+        header = json.loads(text, object_pairs_hook=unique_pairs)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
         raise bad(f"its header is not valid JSON ({str(e)[:200]})") from None
     metadata = header.pop("__metadata__", {})
@@ -197,15 +197,6 @@ def _parse_header(
     if 8 + size + end != n:
         raise bad(f"its tensors end at byte {8 + size + end:,}, but the file has {n:,}")
     return entries, metadata, 8 + size
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"the name {twice!r} is given twice (safetensors forbids it)")
-    return out
 
 
 MAX_LISTED = 20  # mismatches an error message lists

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._artifact.format import JAXEXPORT, MLIRBC, caller, program_file
+from symjax_mlp._artifact.format import JAXEXPORT, MLIRBC, caller, program_file, show
 from symjax_mlp._compat import skipping_lapack
 from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._runtimes.transforms import Program
@@ -54,9 +54,11 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
 
 def compatibility_note(manifest: Mapping[str, Any]) -> str:
     """The compatibility window, and how to re-export, for error messages."""
-    made = manifest.get("versions", {}).get("jax", "?")
+    made, created = (
+        show(v)[1:-1] for v in (manifest["versions"].get("jax", "?"), manifest["created"])
+    )
     return (
-        f"The artifact was exported on {manifest.get('created', '?')} with jax {made}; this "
+        f"The artifact was exported on {created} with jax {made}; this "
         f"is jax {jax.__version__}. jax.export guarantees that an artifact loads in JAX "
         "releases up to about 6 months newer than the one that exported it, not older ones "
         "and not beyond that window. To fix it, re-export: rebuild the model from its source, "
