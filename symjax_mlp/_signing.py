@@ -52,6 +52,26 @@ def _checked(path: Any, key: Any, what: str, verb: str) -> tuple[Path, Path]:
     return path, file
 
 
+def _elliptic(file: Path) -> None:
+    """Refuses a key file that holds no elliptic-curve public key, which model-signing
+    reports as a signature that does not verify (as if the artifact had been changed)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    try:
+        with open(file, "rb") as f:  # the user's own file (a link followed): a PEM is < 64 kB
+            key = load_pem_public_key(f.read(1 << 16))
+        got = None if isinstance(key, ec.EllipticCurvePublicKey) else f"an {type(key).__name__}"
+    except ValueError as e:
+        got = f"no PEM public key ({str(e).split('. ')[0][:120]})"
+    if got:
+        raise ConfigError(
+            f"verify_signature={str(file)!r}: the file holds {got}; expected the PEM file of the "
+            "elliptic-curve public key whose private key signed the artifact (symjax_mlp.sign "
+            "signs with such keys only). Pass that public key."
+        )
+
+
 def snapshot(path: Path) -> dict[str, tuple[int, int, int, int]]:
     """``{relative path: (device, inode, size, ctime_ns)}`` of every entry under ``path``;
     ArtifactError for a symlink, FIFO or device inside, or past :data:`MAX_ENTRIES`."""
@@ -132,6 +152,7 @@ def check(path: str | os.PathLike[str], public_key: str | os.PathLike[str]) -> C
     changed since (a loader calls it after reading the files)."""
     config = _config("verifying")
     path, key = _checked(path, public_key, "verify_signature=", "verify")
+    _elliptic(key)
     before = snapshot(path)
     sig = path / SIGNATURE
     if SIGNATURE not in before:

@@ -978,6 +978,25 @@ def test_a_checker_that_cannot_start_says_so_not_that_the_module_is_crafted(tmp_
     assert "ImportError: no jax here" in said and "crafted" not in said
 
 
+def test_a_key_of_another_type_is_named_as_such_not_as_a_changed_artifact(base, keys, tmp_path):
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    src, _ = base
+    art = tmp_path / "signed"
+    shutil.copytree(src, art)
+    sm.sign(art, keys["ours"][0])
+    other = tmp_path / "ed25519.pub"
+    other.write_bytes(
+        ed25519.Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    for key, got in ((other, "an Ed25519PublicKey"), (keys["ours"][0], "no PEM public key")):
+        with pytest.raises(sm.ConfigError, match=rf"holds {got}.*elliptic-curve public key") as e:
+            sm.load(art, verify_signature=key)
+        assert "changed after it was signed" not in str(e.value)
+
+
 # -- 7. a signed artifact loads with the op groups it declares, and only those ------------------
 @pytest.fixture(scope="module")
 def cnn(tmp_path_factory):
