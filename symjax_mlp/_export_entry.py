@@ -325,11 +325,9 @@ def _specs(examples: tuple[Any, ...], shapes: tuple, constraints: tuple, name: s
 
 def _output_kind(exported: Any, h: Hybrid) -> str:
     out_tree = exported.out_tree
-    if out_tree.num_leaves == 1 and out_tree == jax.tree.structure(0):
+    if out_tree == jax.tree.structure(0):
         return "array"
-    if out_tree.num_nodes == out_tree.num_leaves + 1 and (
-        out_tree == jax.tree.structure((0,) * out_tree.num_leaves)
-    ):
+    if out_tree == jax.tree.structure((0,) * out_tree.num_leaves):
         return "tuple"
     raise SignatureError(
         f"export({h.name}): the function returns {out_tree}; an artifact returns an array or a "
