@@ -28,7 +28,6 @@ from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._files import read_regular, sha256, write_dir
 from symjax_mlp.training._result import EpochRecord
 
-FORMAT_VERSION = 1
 _STATE_FILE = "state.safetensors"
 _MANIFEST = "manifest.json"
 _MAX_MANIFEST_BYTES = 64 << 20
@@ -36,7 +35,7 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more past step 99,999,99
 _MAX_TENSORS = 8 * MAX_TENSORS  # params and the optimizer's state of them
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _RECORD = typing.get_type_hints(EpochRecord)
-_HEADER = {"format": "symjax_mlp.checkpoint", "format_version": FORMAT_VERSION}
+_HEADER = {"format": "symjax_mlp.checkpoint", "format_version": 1}
 
 
 @jax.tree_util.register_dataclass
@@ -256,40 +255,34 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
     """Refuses a file, a dangling symlink, a path below a file, or a directory this user cannot
     write; a path that does not exist yet is fine below a directory this user can write."""
     path = Path(directory)
-    fix = (
-        "Checkpoints are step_* directories inside a checkpoint directory: pass a directory, "
-        "or a path where one can be made."
-    )
+
+    def refuse(why: str) -> CheckpointError:
+        return CheckpointError(
+            f"{caller}: the checkpoint directory {why}. Checkpoints are step_* directories inside "
+            "a checkpoint directory: pass a directory, or a path where one can be made."
+        )
+
     if not os.fspath(directory):  # Path("") is the working directory
-        raise CheckpointError(f"{caller}: the checkpoint directory is ''. {fix}")
+        raise refuse("is ''")
     try:
         os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
         pass
     except OSError as e:  # a name too long, a directory that may not be searched
-        raise CheckpointError(
-            f"{caller}: the checkpoint directory {directory} cannot be used: {e.strerror}. {fix}"
-        ) from None
+        raise refuse(f"{directory} cannot be used: {e.strerror}") from None
     probe = path
     while not probe.exists():
         if probe.is_symlink():
-            raise CheckpointError(
-                f"{caller}: the checkpoint directory {directory} cannot be made: {probe} is a "
-                f"symlink to {os.readlink(probe)}, which does not exist. {fix}"
-            )
+            to = f"{probe} is a symlink to {os.readlink(probe)}, which does not exist"
+            raise refuse(f"{directory} cannot be made: {to}")
         if probe.parent == probe:  # nothing exists up to the root: mkdir will say
             return
         probe = probe.parent
     if not probe.is_dir():
         what = "is" if probe == path else f"is below {probe}, which is"
-        raise CheckpointError(
-            f"{caller}: the checkpoint directory {directory} {what} a file, not a directory. {fix}"
-        )
+        raise refuse(f"{directory} {what} a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise CheckpointError(
-            f"{caller}: the checkpoint directory {directory} cannot be written: this user may "
-            f"not write to {probe}. {fix}"
-        )
+        raise refuse(f"{directory} cannot be written: this user may not write to {probe}")
 
 
 def _check_new(final: Path, overwrite: bool) -> None:

@@ -28,16 +28,6 @@ def _shuffle(rng: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     return rng, jax.random.permutation(key, n)
 
 
-def _batches(
-    order: np.ndarray, x: np.ndarray, y: np.ndarray, batch_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One epoch in ``order``, padded cyclically to whole batches (padding has weight 0)."""
-    shape = (math.ceil(len(x) / batch_size), batch_size)
-    order = np.resize(order, math.prod(shape))
-    w = (np.arange(math.prod(shape)) < len(x)).astype(np.float32)
-    return x[order].reshape(*shape, -1), y[order].reshape(shape), w.reshape(shape)
-
-
 @dataclasses.dataclass(frozen=True)
 class Programs:
     """The training step and the prediction, jit-compiled (or eager), and the step's traces:
@@ -97,8 +87,12 @@ class Programs:
         """One shuffled pass over the training split (``state`` is donated when compiled),
         then the test split's accuracy: the new state and the epoch's record."""
         t0 = time.perf_counter()
-        rng, order = _shuffle(state.rng, len(data.y_train))
-        xb, yb, wb = _batches(np.asarray(order), data.x_train, data.y_train, batch_size)
+        n_train = len(data.y_train)
+        rng, order = _shuffle(state.rng, n_train)
+        shape = (math.ceil(n_train / batch_size), batch_size)  # the last padded cyclically
+        order = np.resize(np.asarray(order), math.prod(shape))
+        xb, yb = data.x_train[order].reshape(*shape, -1), data.y_train[order].reshape(shape)
+        wb = (np.arange(math.prod(shape)) < n_train).astype(np.float32).reshape(shape)  # pads: 0
         params, opt_state, metrics = state.params, state.opt_state, []
         for i in range(len(xb)):
             if self.watch is None:
@@ -111,7 +105,6 @@ class Programs:
         metrics = jax.device_get(metrics)
         losses = np.array([m["loss"] for m in metrics])
         _check_finite(losses, self.local(params), first_step=state.step, epoch=epoch, newest=newest)
-        n_train = len(data.y_train)
         record = EpochRecord(
             epoch=epoch,
             step=state.step + len(xb),

@@ -6,6 +6,7 @@ per batch (one trace per run) and evaluates; a non-finite loss raises ``Divergen
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -28,6 +29,7 @@ from symjax_mlp.training._checkpoint import (
     check_directory,
     is_count,
     latest_checkpoint,
+    save_checkpoint,
 )
 from symjax_mlp.training._data import Dataset, check_dataset, load_digits
 from symjax_mlp.training._epoch import Programs
@@ -35,7 +37,7 @@ from symjax_mlp.training._nnx import NnxSpec, spec_of
 from symjax_mlp.training._orbax import OrbaxCheckpoints, orbax_steps
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._result import EpochRecord, TrainResult
-from symjax_mlp.training._resume import resume_run, run_config, save_run
+from symjax_mlp.training._resume import resume_run, run_config
 from symjax_mlp.training._spec import TRAIN_FORM, inference_shape
 from symjax_mlp.training._step import ModelVars, init_params
 
@@ -183,7 +185,11 @@ def train(
             state, record = programs.epoch(state, data, batch_size, epoch, newest=newest)
             history.append(record)
             if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
-                newest = save_run(checkpoint, state, config, history, store)
+                meta = {"config": config, "history": [dataclasses.asdict(r) for r in history]}
+                if store is None:
+                    newest = save_checkpoint(checkpoint, state, metadata=meta)
+                else:
+                    newest = store.save(state, meta)
             if on_epoch is not None:
                 on_epoch(record)
     finally:

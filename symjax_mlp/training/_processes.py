@@ -27,10 +27,8 @@ from symjax_mlp.training._checkpoint import is_count
 #: The exit status of a process ended because another did not arrive or stalled (EX_TEMPFAIL:
 #: relaunch every process; ``resume=True`` continues from the last committed checkpoint).
 EXIT_STATUS = 75
-DEFAULT_TIMEOUT = 60
-_PREFIX = "symjax_mlp"
 _runs = itertools.count()  # every process starts its runs in the same order
-_settings = {"timeout": DEFAULT_TIMEOUT}
+_settings = {"timeout": 60}  # initialize's
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout: int = 60) -> None:
@@ -129,7 +127,7 @@ def agree(config: dict[str, Any], *, timeout: int, caller: str) -> str:
     """Posts ``config`` and compares it with every other process's (ConfigError if they differ,
     DistributedError if one posts nothing in ``timeout`` s); returns the run's key prefix."""
     client, me, n = _client(), jax.process_index(), jax.process_count()
-    run = f"{_PREFIX}/run{next(_runs)}"
+    run = f"symjax_mlp/run{next(_runs)}"
     client.key_value_set(f"{run}/config/{me}", json.dumps(config, sort_keys=True))
     for other in (i for i in range(n) if i != me):
         try:

@@ -34,8 +34,7 @@ class TrainResult:
     """What :func:`train` returns: the trained params, their history, and how it ran.
 
     Attributes:
-      model: the ``flax.linen`` module that was trained, or a new nnx module, trained, in
-        eval mode.
+      model: the ``flax.linen`` module trained, or a new nnx module, trained, in eval mode.
       params: its trained ``"params"`` collection (an nnx module's ``Param`` values).
       opt_state: the final optimizer state.
       step, epoch: optimizer steps and epochs completed (including resumed ones).
@@ -52,9 +51,8 @@ class TrainResult:
       eval_flags: the keyword settings of an inference call, e.g. ``{"train": False}``.
       standardize: the data's per-feature ``(mean, std)``: raw features ``x`` enter the model
         as ``(x - mean) / std``; or ``None``.
-      checkpoint_waits: the seconds each of a multi-process run's asynchronous checkpoint saves
-        held up its steps (copying the arrays, handing them to the writer); ``()`` in one
-        process, whose saves are synchronous.
+      checkpoint_waits: the seconds each asynchronous save of a multi-process run held up its
+        steps; ``()`` in one process, whose saves are synchronous.
     """
 
     model: Any

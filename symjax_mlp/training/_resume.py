@@ -8,7 +8,6 @@ float params on a fixed input, compared within a tolerance (and only when record
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import os
@@ -26,7 +25,6 @@ from symjax_mlp.training._checkpoint import (
     broken,
     latest_checkpoint,
     restore_checkpoint,
-    save_checkpoint,
 )
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._nnx import NnxSpec, fingerprint
@@ -112,20 +110,6 @@ def resume_run(
             f"{len(history)} epoch(s) ending at step {ends}: resuming would skip or repeat epochs",
         )
     return state, history, found
-
-
-def save_run(
-    checkpoint: str | os.PathLike,
-    state: TrainState,
-    config: dict[str, Any],
-    history: list[EpochRecord],
-    store: Any = None,
-) -> Path:
-    """Writes ``state`` with the run's config and history (through ``store``, if given)."""
-    meta = {"config": config, "history": [dataclasses.asdict(r) for r in history]}
-    if store is not None:
-        return store.save(state, meta)
-    return save_checkpoint(checkpoint, state, metadata=meta)
 
 
 def _data_fingerprint(data: Dataset) -> str:

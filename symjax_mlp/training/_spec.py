@@ -190,16 +190,15 @@ def find_flags(
 def model_spec(
     model: nn.Module,
     example: Any,
-    train_flags: Mapping[str, Any] | None = None,
-    eval_flags: Mapping[str, Any] | None = None,
+    train_flags: Mapping[str, Any] | None,
+    eval_flags: Mapping[str, Any] | None,
     *,
-    caller: str | None = None,
-    form: str = TRAIN_FORM,
+    caller: str,
+    form: str,
 ) -> ModelSpec:
     """The :class:`ModelSpec` of a linen model; with no flags found or given, refuses one that
     would silently train in inference mode."""
     name = type(model).__name__
-    caller = caller or f"symjax_mlp.training.train({name})"
     train, evals = find_flags(model, train_flags, eval_flags, caller, form)
     init = init_flags(model, train, evals, caller, form)
     example, variables = _abstract(model, example, init)

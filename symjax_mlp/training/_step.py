@@ -194,6 +194,10 @@ def _weighted_loss(model: Any, spec: Any, params: Any, x: Any, y: Any, w: Any) -
     return jnp.sum(w * losses), jnp.sum(w * (jnp.argmax(logits, axis=-1) == y)), params
 
 
+_UNEVEN = (
+    "{caller}: a batch of {rows} rows does not split into the step's {blocks} equal blocks. "
+    "Pass a batch that is a multiple of {blocks}."
+)
 _BLOCKS_STATE = (
     "{caller}: blocks={blocks} computes each block's gradient alone, but this model has state "
     "(BatchNorm statistics, a dropout rng) that would then move per block, not per batch. "
@@ -208,8 +212,7 @@ def _blocked(model: Any, spec: Any, params: Any, batch: tuple, blocks: int, axis
     rows = batch[0].shape[0]
     if rows % (blocks // n):
         raise SignatureError(
-            f"train_step(..., blocks={blocks}): a batch of {rows * n} rows does not split into "
-            f"{blocks} equal blocks. Pass a batch that is a multiple of {blocks}."
+            _UNEVEN.format(caller=f"train_step(..., blocks={blocks})", rows=rows * n, blocks=blocks)
         )
 
     def part(p: Any, x: jax.Array, y: jax.Array, w: jax.Array):
@@ -268,11 +271,9 @@ class ShardedStep:
         batch = batch_size((x, y) if w is None else (x, y, w), "shard_step(...)")
         w = np.ones(batch, np.float32) if w is None else w
         extra = padding(batch, self.n_shards, self.pad, "shard_step(...)")
-        if self.blocks > 1 and batch % self.blocks:
+        if self.blocks > 1 and batch % self.blocks:  # padding would change the blocks
             raise SignatureError(
-                f"shard_step(...): a batch of {batch} rows does not split into the step's "
-                f"{self.blocks} equal blocks (padding would change them). Pass a batch that is "
-                f"a multiple of {self.blocks}."
+                _UNEVEN.format(caller="shard_step(...)", rows=batch, blocks=self.blocks)
             )
         arrays = (pad_rows(x, extra), pad_rows(y, extra), pad_rows(w, extra, fill=0))
         return tuple(place(a, self.batch_sharding) for a in arrays)
