@@ -24,8 +24,9 @@ from symjax_mlp._specs import array_types
 
 PROGRAM_SUFFIX = "_hybrid"
 _TWICE = (
-    "{caller}: the same nnx Variable ({kind}) is reached twice among the inputs (passed twice, "
-    "or inside two objects); a compiled call would mutate two copies and keep one. Pass it once."
+    "{caller}: the same nnx Variable ({kind}) is reached more than once among the inputs "
+    "(passed twice, or inside two objects); a compiled call would mutate copies apart and keep "
+    "one. Pass it once."
 )
 _SHARDED = (
     "{caller}: an nnx object (an Rngs, a Variable or a module) among the inputs of a sharded "
