@@ -31,6 +31,9 @@ MAX_PARAMS = 65_536  # param tensors (and inputs, outputs) an artifact may have
 MAX_FILES = 1_024  # files a manifest may list
 MAX_CONSTRAINT_CHARS = 256
 MAX_DEPTH = 32  # JSON nesting of a manifest; json.loads reads deeper than Python recursion
+VALUES_PER_TENSOR = (
+    64  # JSON values a manifest or safetensors header may have per tensor it may list
+)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 NEEDS = frozenset({  # what "needs" may name: ops computing tensors from tensors, and loops
     "while", "convolution", "reduce_window", "select_and_scatter", "gather", "scatter", "sort",
@@ -59,6 +62,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
     file = path / MANIFEST
     try:
         data = read_regular(file, limit=MAX_MANIFEST_BYTES, error=ArtifactError)
+        if message := too_many_values(data, VALUES_PER_TENSOR * MAX_PARAMS):
+            raise ArtifactError(f"{file} {message}; it is corrupted or crafted.")
         manifest = json.loads(data, object_pairs_hook=unique_pairs)
     except FileNotFoundError:
         raise ArtifactError(
@@ -99,6 +104,13 @@ def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         twice = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise ValueError(f"the key {show(twice)} is given twice")
     return out
+
+
+def too_many_values(data: bytes | bytearray, limit: int) -> str | None:
+    """Why JSON ``data`` may hold more than ``limit`` values (each ``,`` ``[`` ``{`` counted),
+    or ``None``: ``[]`` is 2 bytes of text and 150 of Python's memory once parsed."""
+    n = data.count(b",") + data.count(b"[") + data.count(b"{")
+    return f"holds up to {n:,} JSON values, more than the {limit:,} allowed" if n > limit else None
 
 
 def depth(x: Any) -> int:

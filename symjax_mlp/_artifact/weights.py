@@ -16,7 +16,16 @@ import ml_dtypes
 import numpy as np
 import safetensors
 
-from symjax_mlp._artifact.format import MAX_PARAMS, is_int, is_size, printable, show, unique_pairs
+from symjax_mlp._artifact.format import (
+    MAX_PARAMS,
+    VALUES_PER_TENSOR,
+    is_int,
+    is_size,
+    printable,
+    show,
+    too_many_values,
+    unique_pairs,
+)
 from symjax_mlp._errors import ArtifactError, SymjaxError
 from symjax_mlp._files import Reader
 from symjax_mlp._specs import TensorSpec
@@ -156,6 +165,8 @@ def _parse_header(
     if size > MAX_HEADER_BYTES or 8 + size > n:
         raise bad(f"its header claims {size:,} bytes, but the file has {n:,}")
     text_bytes = bytes(read(slice(8, 8 + size)))
+    if message := too_many_values(text_bytes, VALUES_PER_TENSOR * max_tensors):
+        raise bad(f"its header {message}")
     try:
         text = text_bytes.decode("utf-8")
         if not text.startswith("{"):
