@@ -116,17 +116,20 @@ class NnxSpec:
             return self.pure.module(params, state)
 
 
-def nnx_spec(
-    module: nnx.Module,
+def spec_of(
+    module: Any,
     example: Any,
     train_flags: Mapping[str, Any] | None,
-    eval_flags: Mapping[str, Any] | None,
+    eval_flags: Mapping[str, Any] | None = None,
     *,
     caller: str,
     form: str,
-) -> NnxSpec:
-    """The :class:`NnxSpec` of ``module``, checked: a training call must move its state (when
-    it has any and no flags were given), an inference call must not."""
+) -> ModelSpec | NnxSpec:
+    """:func:`model_spec` of a linen model; the :class:`NnxSpec` of an nnx module, checked: a
+    training call must move its state (when it has any and no flags were given), an inference
+    call must not."""
+    if not isinstance(module, nnx.Module):
+        return model_spec(module, example, train_flags, eval_flags, caller=caller, form=form)
     train, evals = find_flags(module, train_flags, eval_flags, caller, form)
     named = "rngs" if "rngs" in _parameters(module) else None
     rngs = next((k for k, v in train.items() if isinstance(v, nnx.Rngs)), named)
@@ -174,18 +177,3 @@ def fingerprint(spec: NnxSpec) -> str:
     rate), never its values, nor the memory addresses that differ between processes."""
     text = repr(nnx.graphdef(spec.module(spec.params, spec.state)))
     return re.sub(r"0x[0-9a-f]+", "0x", text)
-
-
-def spec_of(
-    model: Any,
-    example: Any,
-    train_flags: Mapping[str, Any] | None,
-    eval_flags: Mapping[str, Any] | None = None,
-    *,
-    caller: str,
-    form: str,
-) -> ModelSpec | NnxSpec:
-    """:func:`model_spec` of a linen model, :func:`nnx_spec` of an nnx module."""
-    if isinstance(model, nnx.Module):
-        return nnx_spec(model, example, train_flags, eval_flags, caller=caller, form=form)
-    return model_spec(model, example, train_flags, eval_flags, caller=caller, form=form)

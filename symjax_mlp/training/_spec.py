@@ -106,26 +106,6 @@ def _checked(model: nn.Module, flags: Any, arg: str, caller: str, form: str) -> 
     return dict(flags)
 
 
-def init_flags(
-    model: Any, train: dict[str, Any], evals: dict[str, Any], caller: str, form: str
-) -> dict[str, Any]:
-    """The flags ``model.init`` is called with: those ``__call__`` requires, as an inference
-    call (else a training call) sets them; ConfigError if neither does."""
-    params = list(_parameters(model).values())[1:]  # the input first
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    required = [p.name for p in params if p.default is p.empty and p.kind in kinds]
-    flags = {**train, **evals}
-    missing = [n for n in required if n not in flags]
-    if missing:
-        fix = form.format(on=dict.fromkeys(missing, True), off=dict.fromkeys(missing, False))
-        names, them = ", ".join(map(repr, missing)), "it" if len(missing) == 1 else "them"
-        name = type(model).__name__
-        raise ConfigError(
-            _REQUIRED.format(caller=caller, model=name, names=names, them=them, fix=fix)
-        )
-    return {n: flags[n] for n in required}
-
-
 def init_variables(model: nn.Module, key: jax.Array, example: Any, flags: dict[str, Any]) -> Any:
     """``model.init(key, example, **flags)``, a ``dropout`` stream given when ``flags`` train."""
     rngs = {"params": key, "dropout": jax.random.fold_in(key, 2)} if flags else key
@@ -200,7 +180,18 @@ def model_spec(
     would silently train in inference mode."""
     name = type(model).__name__
     train, evals = find_flags(model, train_flags, eval_flags, caller, form)
-    init = init_flags(model, train, evals, caller, form)
+    # init is called with the flags __call__ requires, as an inference (else training) call does
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = list(_parameters(model).values())[1:]  # the input first
+    required = [p.name for p in params if p.default is p.empty and p.kind in kinds]
+    flags = {**train, **evals}
+    if missing := [n for n in required if n not in flags]:
+        fix = form.format(on=dict.fromkeys(missing, True), off=dict.fromkeys(missing, False))
+        names, them = ", ".join(map(repr, missing)), "it" if len(missing) == 1 else "them"
+        raise ConfigError(
+            _REQUIRED.format(caller=caller, model=name, names=names, them=them, fix=fix)
+        )
+    init = {n: flags[n] for n in required}
     example, variables = _abstract(model, example, init)
     mutable = tuple(c for c in variables if c != "params")
     if train_flags is None and not train:
