@@ -861,6 +861,26 @@ def test_no_manifest_string_reaches_a_message_with_terminal_escapes(base, tmp_pa
     assert "\x1b" not in capsys.readouterr().err
 
 
+def test_a_name_of_megabytes_never_makes_a_message_of_megabytes(base, tmp_path):
+    """A param renamed to 50 MB of "A" made 'symjax-mlp run' print 100 MB (its name twice)."""
+    src, _ = base
+    long = "A" * 5_000_000
+    tensors = safetensors.numpy.load_file(src / "params.safetensors")
+    tensors[long] = tensors.pop("params/layers_0/bias")
+    art = forge.resign(src, tmp_path / "w", files={"params.safetensors": _safetensors(tensors)})
+    with pytest.raises(sm.ArtifactError, match=r"1 missing, 1 extra") as info:
+        sm.load(art)
+    assert len(str(info.value)) < 2000
+
+    def edit(m):
+        m["signature"]["inputs"][0]["path"] = m["mlir_arguments"][-1] = long
+
+    art = forge.resign(src, tmp_path / "m", manifest=edit)
+    with pytest.raises(sm.ArtifactError, match=r"signature.inputs is") as info:
+        sm.load(art)
+    assert len(str(info.value)) < 2000
+
+
 # -- 6. authenticity: signed by a key, checked before any parser ---------------------------------
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):

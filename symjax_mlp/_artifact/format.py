@@ -251,8 +251,9 @@ def _count(x: Any) -> bool:
 
 
 def _name(x: Any) -> bool:
-    """A string a message may show as is: none of what a terminal acts on (``\\x1b``)."""
-    return isinstance(x, str) and x.isprintable()
+    """A string a message may show as is: 4096 characters at most, none of what a terminal
+    acts on (``\\x1b``)."""
+    return isinstance(x, str) and len(x) <= 4096 and x.isprintable()
 
 
 def _str_list(x: Any) -> bool:

@@ -247,7 +247,7 @@ def check_params(
         raise ArtifactError(
             f"{file} does not match the artifact's param tree ({len(missing)} missing, "
             f"{len(extra)} extra):\n"
-            + "\n".join(map(printable, lines))
+            + "\n".join(printable(t if len(t) < 200 else t[:196] + "...") for t in lines)
             + "\nUse weights of the same model (same layer names and sizes), e.g. the "
             "params.safetensors of another export of it."
         )
