@@ -201,6 +201,10 @@ def test_checkpoint_names_steps_past_eight_digits_and_refuses_going_back(tmp_pat
     with pytest.raises(sm.ConfigError, match=r"metadata is JSON: strings, finite numbers"):
         sm.training.save_checkpoint(tmp_path / "nan", _tiny_state(1), metadata={"x": np.nan})
     assert not (tmp_path / "nan").exists() or not any((tmp_path / "nan").iterdir())
+    for keep in ("2", True, 0, 1.5):  # "2" was a bare TypeError, True kept one
+        with pytest.raises(sm.ConfigError, match=rf"keep={keep!r}\): pass how many checkpoints"):
+            sm.training.save_checkpoint(tmp_path / "keep", _tiny_state(1), keep=keep)
+    assert not (tmp_path / "keep").exists()
 
 
 def test_an_edited_or_planted_checkpoint_is_refused(tmp_path):

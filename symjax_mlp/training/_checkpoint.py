@@ -201,8 +201,10 @@ def save_checkpoint(
       >>> save_checkpoint(getfixture("tmp_path"), s).name
       'step_00000003'
     """
-    if keep < 1:
-        raise ConfigError(f"keep must be at least 1; got {keep!r}.")
+    if not is_count(keep, 1):
+        raise ConfigError(
+            f"save_checkpoint(keep={keep!r}): pass how many checkpoints to keep, an int >= 1."
+        )
     if not all(isinstance(n, numbers.Integral) and n >= 0 for n in (state.step, state.epoch)):
         raise ConfigError(
             f"save_checkpoint: step and epoch are counts (ints >= 0); got step {state.step!r}, "
