@@ -80,6 +80,32 @@ def test_hostile_programs_are_refused_before_compiling(base, tmp_path, nothing_r
     assert any(p.key == key for p in sm.inspect(art).program().problems)
 
 
+def test_a_module_iree_would_compile_for_minutes_is_refused_before_it_compiles(base, tmp_path):
+    """IREE's compile time grows with the square of the ops: 16,000 took 105 s, 60,000 (a
+    1 MB artifact within the checker's bounds) over 10 minutes."""
+    src, _ = base
+    t = "tensor<2x4xf32>"
+    funcs = [f"func.func private @g0(%x: {t}) -> {t} {{\n%y = stablehlo.add %x, %x : {t}\n"
+             f"return %y : {t}\n}}"]  # fmt: skip
+    for k in range(1, 12):  # 2**11 adds, 5 * 2**11 ops inlined
+        funcs.append(
+            f"func.func private @g{k}(%x: {t}) -> {t} {{\n"
+            f"%a = func.call @g{k - 1}(%x) : ({t}) -> {t}\n"
+            f"%b = func.call @g{k - 1}(%a) : ({t}) -> {t}\nreturn %b : {t}\n}}"
+        )
+
+    def fanout(text):
+        text = forge.in_relu(text, f"    %hostile = func.call @g11(%IN) : ({t}) -> {t}\n")
+        return text[: text.rindex("}")] + "\n".join(funcs) + "\n}\n"
+
+    art = forge.forge(src, tmp_path / "fanout", fanout)
+    t0 = time.perf_counter()
+    with pytest.raises(sm.ArtifactError, match=r"once every call is inlined, more than the 8,192"):
+        sm.load(art, runtime="iree")
+    assert time.perf_counter() - t0 < 10
+    assert sm.inspect(art).program().problems == ()  # within the bounds of the JAX runtime
+
+
 def test_what_sm_export_writes_unchecked_is_refused(tmp_path, request):
     """jax.export checks custom calls and callbacks at export only: these export fine."""
     made = forge.hostile_exports(tmp_path)

@@ -128,7 +128,9 @@ def _from_json(r: dict[str, Any]) -> ModuleReport:
     if not all(isinstance(n, int) for n in (*counts.values(), *custom.values())):
         raise ValueError("not a report")
     problems = tuple(Problem(str(p["key"]), str(p["what"])) for p in r["problems"])
-    return ModuleReport(counts, custom, int(r["work"]), int(r["bytes_made"]), problems)
+    return ModuleReport(
+        counts, custom, int(r["work"]), int(r["bytes_made"]), problems, int(r["ops"])
+    )
 
 
 class Checker:

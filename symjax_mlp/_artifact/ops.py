@@ -84,6 +84,7 @@ class ModuleReport:
     work: int  # element operations, dynamic dimensions counted as 1
     bytes_made: int  # bytes of all tensors the ops make, every call inlined, dynamic dims as 1
     problems: tuple[Problem, ...]
+    ops: int = 0  # ops once every call is inlined (what a compiler compiles)
 
 
 def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:

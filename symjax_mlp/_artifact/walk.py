@@ -43,7 +43,7 @@ class _Walk:
         self._op(self.module.operation, None, 1)
         if self.n_modules != 1:
             self._problem("module", f"{self.n_modules} nested modules")
-        work, bytes_made = self._inline()
+        work, bytes_made, n_ops = self._inline()
         if work > ops.MAX_WORK:
             self._problem(
                 "compute",
@@ -56,6 +56,7 @@ class _Walk:
             work,
             bytes_made,
             tuple(self.problems.values()),
+            n_ops,
         )
 
     def _problem(self, key: str, what: str) -> None:
@@ -200,7 +201,7 @@ class _Walk:
             return cost.elements(op.results[0].type) * cost.window(op)
         return max(sizes, default=1)
 
-    def _inline(self) -> tuple[int, int]:
+    def _inline(self) -> tuple[int, int, int]:
         """Work and bytes made of the module with every call inlined; flags recursion and call
         explosions."""
         graph = {n: {c for c, _ in f["calls"]} for n, f in self.funcs.items()}
@@ -212,7 +213,7 @@ class _Walk:
         except graphlib.CycleError as e:
             cycle = " -> ".join(reversed(e.args[1]))
             self._problem("recursion", f"recursive calls ({cycle}), which never finish")
-            return tuple(sum(f[k] for f in self.funcs.values()) for k in ("work", "bytes"))
+            return tuple(sum(f[k] for f in self.funcs.values()) for k in ("work", "bytes", "ops"))
         total: dict[str, dict[str, int]] = {}
         for name in order:  # a call inlines one copy, run m times
             f = self.funcs.get(name, {"work": 0, "ops": 0, "bytes": 0, "calls": []})
@@ -233,7 +234,7 @@ class _Walk:
                 f"tensors of {n_bytes:,} bytes in all, beyond the batch, once every call is "
                 f"inlined (at most {ops.MAX_BYTES:,}): XLA may allocate that much",
             )
-        return sum(total[n]["work"] for n in roots), n_bytes
+        return sum(total[n]["work"] for n in roots), n_bytes, n_ops
 
 
 # -- attribute and type helpers ----------------------------------------------------------------

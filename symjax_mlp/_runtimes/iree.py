@@ -43,6 +43,7 @@ TARGET = "llvm-cpu"
 DRIVER = "local-sync"
 MAX_MODULES = 64  # static modules kept per loaded model, the oldest dropped first
 _KNOWN_CUSTOM_CALLS = {"shape_assertion"}  # IREE erases these; everything else it rejects
+MAX_OPS = 8192  # once inlined; IREE compiled a chain of 8,000 adds in 23 s, 16,000 in 105 s
 
 
 def _modules() -> tuple[Any, Any]:
@@ -123,7 +124,15 @@ def _host_key() -> str:
 
 def check_program(file: Path, report: Any) -> None:
     """Refuses modules IREE cannot compile (custom calls), read from the module that runs
-    (``file``: its ``.mlirbc``)."""
+    (``file``: its ``.mlirbc``), and modules too large to compile in seconds."""
+    compute = any(p.key == "compute" for p in report.problems)  # load refuses it, naming allow=
+    if report.ops > MAX_OPS and not compute:
+        raise ArtifactError(
+            f"{file}: IREE cannot run this model in bounded time: its module has {report.ops:,} "
+            f"ops once every call is inlined, more than the {MAX_OPS:,} IREE compiles in seconds "
+            "(its compile time grows with their square: 60,000 took over 10 minutes). Refused "
+            "before compiling; use runtime='jax', or trust=True if you trust it and can wait."
+        )
     calls = sorted(set(report.custom_calls) - _KNOWN_CUSTOM_CALLS)
     if calls:
         raise ArtifactError(
