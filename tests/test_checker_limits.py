@@ -269,3 +269,29 @@ def test_a_convolution_is_charged_for_its_window():
     conv = jax.jit(lambda x, k: jax.lax.conv(x, k, (1, 1), "VALID"))
     text = conv.lower(jnp.ones((1, 8, 16, 16)), jnp.ones((4, 8, 3, 3))).as_text()
     assert report(text).work >= (4 * 14 * 14) * (8 * 3 * 3)
+
+
+def nested_ifs(levels: int, per_function: int) -> str:
+    """``levels`` functions, each ``per_function`` ``stablehlo.if`` deep, the innermost region
+    of each calling the next: ``levels * per_function`` deep once inlined."""
+    p, funcs = "tensor<i1>", []
+    for k in range(levels):
+        inner = f"func.call @f{k + 1}(%x)" if k + 1 < levels else "stablehlo.add %x, %x"
+        text = f"%y = {inner} : {'(' + T + ') -> ' if k + 1 < levels else ''}{T}\n"
+        for _ in range(per_function):
+            text = (
+                f'%y = "stablehlo.if"(%p) ({{\n{text}"stablehlo.return"(%y) : ({T}) -> ()\n'
+                f'}}, {{\n"stablehlo.return"(%x) : ({T}) -> ()\n}}) : ({p}) -> {T}\n'
+            )
+        funcs.append(
+            f"func.func {'public' if k == 0 else 'private'} @f{k}(%x: {T}) -> {T} {{\n"
+            f"%p = stablehlo.constant dense<true> : {p}\n{text}return %y : {T}\n}}"
+        )
+    return "module @m {\n" + "\n".join(funcs) + "\n}\n"
+
+
+@pytest.mark.parametrize("levels, per_function", [(1, 100), (10, 10), (1, 60)])
+def test_regions_nested_deeper_than_xla_compiles_are_refused(levels, per_function):
+    """XLA crashed (SIGSEGV) compiling 300 nested ifs, ran 200; calls nest as they inline."""
+    deep = [p.what for p in report(nested_ifs(levels, per_function)).problems]
+    assert any("nested" in w for w in deep) == (levels * per_function > ops.MAX_NESTING), deep

@@ -106,6 +106,27 @@ def test_a_module_iree_would_compile_for_minutes_is_refused_before_it_compiles(b
     assert sm.inspect(art).program().problems == ()  # within the bounds of the JAX runtime
 
 
+def test_regions_nested_300_deep_are_refused_not_a_crash_of_the_loader(base, tmp_path):
+    """The checker read them; XLA crashed (SIGSEGV) compiling them at the first call."""
+    src, _ = base
+    t, text = "tensor<2x4xf32>", "%z = stablehlo.add %IN, %IN : tensor<2x4xf32>\n"
+    for k in range(300):
+        out = "%hostile" if k == 299 else "%z"
+        text = (
+            f'{out} = "stablehlo.if"(%p) ({{\n{text}"stablehlo.return"(%z) : ({t}) -> ()\n}}, '
+            f'{{\n"stablehlo.return"(%IN) : ({t}) -> ()\n}}) : (tensor<i1>) -> {t}\n'
+        )
+    text = "%p = stablehlo.constant dense<true> : tensor<i1>\n" + text
+    art = forge.forge(src, tmp_path / "nested", lambda module: forge.in_relu(module, text))
+    code = "import sys, symjax_mlp as sm\ntry: sm.load(sys.argv[1])\n"
+    code += "except sm.ArtifactError as e: print(e)"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(art)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-500:]  # -11 without the bound: SIGSEGV
+    assert "regions nested 300 deep" in done.stdout and "allow={'nesting'}" in done.stdout
+
+
 def test_what_sm_export_writes_unchecked_is_refused(tmp_path, request):
     """jax.export checks custom calls and callbacks at export only: these export fine."""
     made = forge.hostile_exports(tmp_path)

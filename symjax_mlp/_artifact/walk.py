@@ -62,14 +62,15 @@ class _Walk:
     def _problem(self, key: str, what: str) -> None:
         self.problems.setdefault((key, what), ops.Problem(key, what))
 
-    def _op(self, op: Any, func: dict[str, Any] | None, mult: int, reducer: str = "") -> None:
+    def _op(self, op: Any, func: dict[str, Any] | None, mult: int, reducer: str = "",
+            depth: int = 0) -> None:  # fmt: skip
         name = op.name
         self.counts[name] += 1
         if name == "builtin.module":
             self.n_modules += 1
         elif name == "func.func":
             fname = _str_attr(op, "sym_name") or f"#{len(self.funcs)}"
-            func = self.funcs.setdefault(fname, {"work": 0, "ops": 0, "bytes": 0, "calls": []})
+            func = self.funcs.setdefault(fname, {**_EMPTY, "calls": []})
             if not op.regions or not len(op.regions[0].blocks):
                 self._problem(  # jax.export writes none; lowering one crashed JAX (SIGSEGV)
                     "call", f"the function @{fname} is declared without a body (an external symbol)"
@@ -86,6 +87,7 @@ class _Walk:
                 "writes one; XLA's CPU compiler aborted on a loop there)",
             )
         if func is not None:
+            func["depth"] = max(func["depth"], depth)  # regions around it, in its function
             func["ops"] += 1  # inlining copies a loop body once, not once per iteration
             func["work"] += mult * self._cost(op)
             func["bytes"] += sum(cost.nbytes(v.type) for v in op.results)
@@ -110,7 +112,7 @@ class _Walk:
         else:
             self._attributes(op, name)
         if name == "func.call" and func is not None:
-            func["calls"].append((_symbol_attr(op, "callee"), mult))
+            func["calls"].append((_symbol_attr(op, "callee"), mult, depth))
         inner = mult
         if name == "stablehlo.while":
             trips = cost.trip_count(op)
@@ -123,7 +125,8 @@ class _Walk:
         for region in op.regions:
             for block in region.blocks:
                 for child in block.operations:
-                    self._op(child.operation, func, inner, reducer)
+                    below = 0 if name in ("builtin.module", "func.func") else depth + 1
+                    self._op(child.operation, func, inner, reducer, below)
 
     def _attributes(self, op: Any, name: str) -> None:
         """Dialect-prefixed attributes (``jax.*``, ``mhlo.*``: nothing verifies those) must
@@ -204,7 +207,7 @@ class _Walk:
     def _inline(self) -> tuple[int, int, int]:
         """Work and bytes made of the module with every call inlined; flags recursion and call
         explosions."""
-        graph = {n: {c for c, _ in f["calls"]} for n, f in self.funcs.items()}
+        graph = {n: {c for c, *_ in f["calls"]} for n, f in self.funcs.items()}
         for c in set().union(*graph.values()) - set(graph):
             self._problem("call", f"a call of @{c}, which the module does not define")
             graph[c] = set()
@@ -216,13 +219,20 @@ class _Walk:
             return tuple(sum(f[k] for f in self.funcs.values()) for k in ("work", "bytes", "ops"))
         total: dict[str, dict[str, int]] = {}
         for name in order:  # a call inlines one copy, run m times
-            f = self.funcs.get(name, {"work": 0, "ops": 0, "bytes": 0, "calls": []})
+            f = self.funcs.get(name, {**_EMPTY, "calls": []})
             calls = f["calls"]
             total[name] = {
-                k: f[k] + sum((m if k == "work" else 1) * total[c][k] for c, m in calls)
+                k: f[k] + sum((m if k == "work" else 1) * total[c][k] for c, m, _ in calls)
                 for k in ("work", "ops", "bytes")
             }
+            total[name]["depth"] = max([f["depth"], *(d + total[c]["depth"] for c, _, d in calls)])
         roots = [n for n in self.funcs if not any(n in cs for cs in graph.values())]
+        if (deepest := max((total[n]["depth"] for n in roots), default=0)) > ops.MAX_NESTING:
+            self._problem(
+                "nesting",
+                f"regions nested {deepest} deep once every call is inlined (at most "
+                f"{ops.MAX_NESTING}): XLA crashed (SIGSEGV) compiling 300 nested ifs",
+            )
         n_ops, n_bytes = (sum(total[n][k] for n in roots) for k in ("ops", "bytes"))
         if n_ops > ops.MAX_OPS:
             self._problem(
@@ -235,6 +245,9 @@ class _Walk:
                 f"inlined (at most {ops.MAX_BYTES:,}): XLA may allocate that much",
             )
         return sum(total[n]["work"] for n in roots), n_bytes, n_ops
+
+
+_EMPTY = {"work": 0, "ops": 0, "bytes": 0, "depth": 0}  # a function's totals before its ops
 
 
 # -- attribute and type helpers ----------------------------------------------------------------
