@@ -928,6 +928,20 @@ def test_a_name_of_megabytes_never_makes_a_message_of_megabytes(base, tmp_path):
     assert len(str(info.value)) < 2000
 
 
+def test_a_dimension_past_int64_is_refused_not_a_bug_of_inspect(base, tmp_path, capsys):
+    """Two dimensions of 4,000 digits: their product had too many digits to print."""
+    src, _ = base
+    art = forge.resign(src, tmp_path / "dims")
+    text = (art / "manifest.json").read_text()
+    big = "9" * 4000
+    text = re.sub(r'"shape": \[\s*4\s*\]', f'"shape": [{big}, {big}]', text, count=1)
+    (art / "manifest.json").write_text(text)
+    with pytest.raises(sm.ArtifactError, match=r"params is .* size below 2\*\*63"):
+        sm.inspect(art)
+    assert main(["inspect", str(art)]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
 # -- 6. authenticity: signed by a key, checked before any parser ---------------------------------
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):

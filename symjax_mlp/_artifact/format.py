@@ -186,7 +186,7 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
             )
 
 
-_TENSORS = "a list of {path, shape, dtype} (each dimension a size >= 0 or a name)"
+_TENSORS = "a list of {path, shape, dtype} (each dimension a size below 2**63, or a name)"
 
 
 class _Missing:
@@ -274,7 +274,7 @@ def _platforms(x: Any) -> bool:
 
 def _tensors(symbolic: bool) -> Callable[[Any], bool]:
     def dim_ok(d: Any) -> bool:
-        return is_size(d) or (symbolic and _name(d) and d != "")
+        return (is_size(d) and d < 1 << 63) or (symbolic and _name(d) and d != "")
 
     def ok(x: Any) -> bool:
         return isinstance(x, list) and len(x) <= MAX_PARAMS and all(
