@@ -942,6 +942,24 @@ def test_a_dimension_past_int64_is_refused_not_a_bug_of_inspect(base, tmp_path, 
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_a_manifest_of_thousands_of_params_the_module_lacks_says_so_in_a_few_lines(base, tmp_path):
+    """Weights and manifest agree on 20,000 params, the module takes 4: the mismatch listed
+    every one, twice (a megabyte of message)."""
+    src, _ = base
+    tensors = {f"p/{i}": np.zeros(1, np.float32) for i in range(20_000)}
+
+    def edit(m):
+        m["params"] = [{"path": k, "shape": [1], "dtype": "float32"} for k in sorted(tensors)]
+        m["mlir_arguments"] = [*sorted(tensors), "args[0]"]
+
+    art = forge.resign(
+        src, tmp_path / "many", files={"params.safetensors": _safetensors(tensors)}, manifest=edit
+    )
+    with pytest.raises(sm.ArtifactError, match=r"does not match .* the module passes") as info:
+        sm.load(art)
+    assert len(str(info.value)) < 3000
+
+
 # -- 6. authenticity: signed by a key, checked before any parser ---------------------------------
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):

@@ -224,6 +224,6 @@ def _check_agrees(
     if problems:
         raise ArtifactError(
             f"{path / jaxexport} does not match {path / 'manifest.json'} and {mlirbc}: the module "
-            + "; ".join(problems)
+            + "; ".join(p if len(p) < 400 else p[:396] + "..." for p in problems)
             + ". The files come from different exports, or one was edited; export it again."
         )
