@@ -880,7 +880,9 @@ def test_inspect_prints_no_terminal_escapes(base, tmp_path):
     assert main(["inspect", str(art)]) == 0
 
 
-@pytest.mark.parametrize("where", ["file name", "input path", "platform", "created", "key twice"])
+@pytest.mark.parametrize(
+    "where", ["file name", "input path", "platform", "created", "rows", "key twice"]
+)
 def test_no_manifest_string_reaches_a_message_with_terminal_escapes(base, tmp_path, capsys, where):
     """A message names files, inputs and versions of the manifest: the CLI prints it as is.
     A key given twice is refused too (Python's json keeps the last, other parsers the first)."""
@@ -896,6 +898,8 @@ def test_no_manifest_string_reaches_a_message_with_terminal_escapes(base, tmp_pa
             m["platforms"] = [evil]
         elif where == "created":
             m["created"], m["calling_convention_version"] = evil, 99
+        elif where == "rows":  # the reason jax.vmap(m) gives for a refusal
+            m["rows"]["why"] = evil
 
     art = forge.resign(src, tmp_path / "esc", manifest=edit)
     if where == "key twice":  # nr_devices 5, then 1

@@ -223,7 +223,7 @@ def _program_rules(m: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, An
 
 def _rows(x: Any) -> bool:
     return x is None or (isinstance(x, dict) and set(x) == {"dim", "independent", "why"}
-                         and (x["dim"] is None or _is_str(x["dim"])) and _is_str(x["why"])
+                         and (x["dim"] is None or _name(x["dim"])) and _name(x["why"])
                          and len(x["why"]) <= 1000 and isinstance(x["independent"], bool)
                          and x["independent"] == (x["why"] == ""))  # fmt: skip
 
