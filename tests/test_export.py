@@ -5,6 +5,7 @@ import hashlib
 import json
 import marshal
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -686,3 +687,16 @@ def test_python_numbers_take_the_artifact_dtype_as_jax_weak_types_do(tmp_path):
     for s, dtype in ((True, "bool"), (1e40, "float64"), (np.float64(3), "float64")):
         with pytest.raises(sm.SignatureError, match=rf"args\[1\] has dtype {dtype} .*float32\[\]"):
             m(x, s)  # a bool, an overflow, a NumPy float64: as before
+
+
+@pytest.mark.parametrize("out_complex", [False, True])
+def test_a_complex_input_or_output_is_refused_at_export_not_at_load(tmp_path, out_complex):
+    # before: export wrote the artifact, and load refused its self-test file ('C64')
+    x = jnp.ones((2, 3), jnp.float32 if out_complex else jnp.complex64)
+    h = sm.hybridize(lambda p, x: (x * p).astype(jnp.complex64), jnp.float32(2))
+    path = "out" if out_complex else "args[0]"
+    with pytest.raises(
+        sm.SignatureError, match=rf"{re.escape(path)} is complex64.*jax.lax.complex"
+    ):
+        sm.export(h, tmp_path / "c", example=x)
+    assert not (tmp_path / "c").exists()
