@@ -138,3 +138,32 @@ def test_resuming_an_nnx_module_built_from_other_values_is_accepted(tiny, tmp_pa
     nnx.update(other, jax.tree.map(lambda a: a + 1.0, nnx.state(other, nnx.Param)))
     r = sm.training.train(other, tiny, epochs=2, checkpoint=ckpt, resume=True)
     assert r.epoch == 2
+
+
+# -- data a researcher has at hand: bfloat16 features, int64 ids, float64 physics -------------
+def _rows(x, y):
+    return sm.training.Dataset(x, y, x, y % 10)
+
+
+def test_bfloat16_features_train_as_their_float32_values(tiny):
+    x16 = jnp.asarray(tiny.x_train, jnp.bfloat16)
+    kw = {"epochs": 1, "batch_size": 16}
+    got = sm.training.train(sm.mlp((8, 10)), _rows(x16, tiny.y_train), **kw)
+    want = sm.training.train(
+        sm.mlp((8, 10)), _rows(np.asarray(x16, np.float32), tiny.y_train), **kw
+    )
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))
+
+
+def test_labels_past_int32_are_refused_not_wrapped(tiny):
+    """2**32 + 1 was cast to int32 as 1: a wrong label, silently."""
+    for y in (tiny.y_train.astype(np.int64) + 2**32, np.full(64, 2**63, np.uint64)):
+        with pytest.raises(sm.DataError, match=r"labels are int32 class indices, so .* 0\.\."):
+            sm.training.train(sm.mlp((8, 10)), _rows(tiny.x_train, y), epochs=1)
+
+
+def test_float64_features_past_float32_range_are_refused_with_their_size(tiny):
+    """They became inf in float32, refused as 'non-finite values ... drop or impute them'."""
+    x = tiny.x_train.astype(np.float64) * 1e300
+    with pytest.raises(sm.DataError, match=r"values up to .*e\+300 .* past float32's range"):
+        sm.training.train(sm.mlp((8, 10)), _rows(x, tiny.y_train), epochs=1)

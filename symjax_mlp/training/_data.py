@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+import jax.numpy as jnp
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, DataError
@@ -132,10 +133,17 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
                 f"{where} is empty (shape {x.shape}); expected at least one example. Check the "
                 "loading and splitting of the data."
             )
-        if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
+        real = np.issubdtype(x.dtype, np.integer) or jnp.issubdtype(x.dtype, jnp.floating)
+        if not real:  # jnp's floating includes bfloat16
             raise DataError(f"{where} has dtype {x.dtype}; expected real numbers.")
         _check_finite(where, x)
-        xs[name] = x.astype(np.float32)
+        with np.errstate(over="ignore"):
+            xs[name] = x.astype(np.float32)
+        if not np.isfinite(xs[name]).all():  # finite in float64, past float32's range
+            raise DataError(
+                f"{where} holds values up to {np.abs(x).max():g} in magnitude, past float32's "
+                "range; train() computes in float32. Rescale the features, e.g. standardise them."
+            )
     width, test_width = xs["x_train"].shape[1], xs["x_test"].shape[1]
     if test_width != width:
         raise DataError(
@@ -153,6 +161,7 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
         limits.append((num_outputs, f"the model has {num_outputs} outputs"))
     if classes is not None:
         limits.append((classes, f"{data.name}.num_classes is {classes}"))
+    limits.append((2**31 - 1, "labels are int32 class indices"))  # checked before the cast
     for name, x in (("y_train", xs["x_train"]), ("y_test", xs["x_test"])):
         where, y = f"{data.name}.{name}", np.asarray(getattr(data, name))
         if y.ndim != 1 or len(y) != len(x):
