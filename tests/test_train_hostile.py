@@ -167,3 +167,28 @@ def test_float64_features_past_float32_range_are_refused_with_their_size(tiny):
     x = tiny.x_train.astype(np.float64) * 1e300
     with pytest.raises(sm.DataError, match=r"values up to .*e\+300 .* past float32's range"):
         sm.training.train(sm.mlp((8, 10)), _rows(x, tiny.y_train), epochs=1)
+
+
+# -- save_checkpoint and restore_checkpoint called by hand ------------------------------------
+@pytest.mark.parametrize(
+    "metadata", [[1, 2], {"config": 3}, {"history": [{"epoch": 1}]}, {"history": "none"}]
+)
+def test_metadata_a_restore_would_refuse_is_refused_when_saving(tmp_path, metadata):
+    """It was written, then every restore called the checkpoint 'corrupted or edited'."""
+    with pytest.raises(sm.ConfigError, match=r"save_checkpoint\(metadata=...\): .*got "):
+        sm.training.save_checkpoint(tmp_path, _state(), metadata=metadata)
+    assert sm.training.latest_checkpoint(tmp_path) is None
+    fine = {"config": {"lr": 0.1}, "history": [], "mine": [1, 2]}
+    saved = sm.training.save_checkpoint(tmp_path, _state(), metadata=fine)
+    assert sm.training.restore_checkpoint(saved, _state())[1] == fine
+
+
+def test_a_state_that_is_not_a_train_state_is_a_config_error(tmp_path):
+    """A params dict, None, or an rng of None was an AttributeError or TypeError."""
+    saved = sm.training.save_checkpoint(tmp_path, _state())
+    no_rng = sm.training.TrainState({"w": jnp.zeros(2)}, (), None)
+    for state in ({"w": jnp.zeros(2)}, None, no_rng):
+        with pytest.raises(sm.ConfigError, match=r"must be a TrainState.* got .* Wrap yours"):
+            sm.training.save_checkpoint(tmp_path / "other", state)
+        with pytest.raises(sm.ConfigError, match=r"restore_checkpoint\(like=...\): the state"):
+            sm.training.restore_checkpoint(saved, state)

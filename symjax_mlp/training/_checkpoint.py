@@ -38,6 +38,14 @@ _RECORD = typing.get_type_hints(EpochRecord)
 _HEADER = {"format": "symjax_mlp.checkpoint", "format_version": 1}
 
 
+_METADATA = (
+    "save_checkpoint(metadata=...): the metadata is a dict whose 'config' (if given) is a dict "
+    "and whose 'history' (if given) is a list of EpochRecord fields, as train() writes them; "
+    "got {got}. restore_checkpoint would refuse that checkpoint: put your own values under "
+    "other keys."
+)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
@@ -191,7 +199,8 @@ def save_checkpoint(
     Raises:
       CheckpointError: ``directory`` cannot hold checkpoints; a checkpoint for this step, or a
         newer one, already exists; or a leaf name is ambiguous.
-      ConfigError: ``keep`` below 1, a negative step, or ``metadata`` that is not JSON.
+      ConfigError: ``state`` is not a :class:`TrainState`; ``keep`` below 1, a negative step,
+        or ``metadata`` that is not JSON or whose ``config``/``history`` a restore refuses.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -205,6 +214,7 @@ def save_checkpoint(
         raise ConfigError(
             f"save_checkpoint(keep={keep!r}): pass how many checkpoints to keep, an int >= 1."
         )
+    check_state(state, "save_checkpoint")
     if not all(isinstance(n, numbers.Integral) and n >= 0 for n in (state.step, state.epoch)):
         raise ConfigError(
             f"save_checkpoint: step and epoch are counts (ints >= 0); got step {state.step!r}, "
@@ -245,12 +255,32 @@ def save_checkpoint(
             f"save_checkpoint(metadata=...): {e}. The metadata is JSON: strings, finite "
             "numbers, lists and dicts (convert NumPy values with .item() or .tolist())."
         ) from None
+    try:  # what restore_checkpoint checks of the metadata: refused now, not found unreadable
+        check_manifest(final / _MANIFEST, json.loads(text), _HEADER, None, files=True)
+    except CheckpointError:
+        raise ConfigError(_METADATA.format(got=str(metadata)[:200])) from None
     files = {_STATE_FILE: state_bytes, _MANIFEST: (text + "\n").encode()}
     write_dir(final, files, overwrite=False, check=_check_new, error=CheckpointError)
     for old in _checkpoints(directory)[:-keep]:
         if old != final:  # a writer racing ours saved a newer step: ours stays, for it
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def check_state(state: Any, caller: str) -> None:
+    """Refuses anything but a :class:`TrainState` whose ``rng`` is a PRNG key."""
+    try:
+        ok = isinstance(state, TrainState) and jax.random.key_data(state.rng) is not None
+    except TypeError:
+        ok = False
+    if not ok:
+        got = type(state).__name__
+        got = f"a TrainState whose rng is {state.rng!r}" if got == "TrainState" else f"a {got}"
+        raise ConfigError(
+            f"{caller}: the state must be a TrainState(params, opt_state, rng, step=, epoch=) "
+            f"with rng a PRNG key; got {got}. Wrap yours: TrainState(params, opt_state, "
+            "jax.random.key(seed), step=step)."
+        )
 
 
 def check_directory(directory: str | os.PathLike, caller: str) -> None:
@@ -328,7 +358,9 @@ def restore_checkpoint(
     Raises:
       CheckpointError: no checkpoint, a corrupted or foreign one, or one whose tensors do not
         match ``like``.
+      ConfigError: ``like`` is not a :class:`TrainState`.
     """
+    check_state(like, "restore_checkpoint(like=...)")
     path = Path(path)
     file = path / _MANIFEST
     if not file.exists() and not file.is_symlink():
