@@ -192,3 +192,16 @@ def test_a_state_that_is_not_a_train_state_is_a_config_error(tmp_path):
             sm.training.save_checkpoint(tmp_path / "other", state)
         with pytest.raises(sm.ConfigError, match=r"restore_checkpoint\(like=...\): the state"):
             sm.training.restore_checkpoint(saved, state)
+
+
+def test_optax_multisteps_trains_as_its_gradient_transformation(tiny, tmp_path):
+    """optax.MultiSteps(opt, k) was refused: 'must be an optax.GradientTransformation'."""
+    import optax
+
+    kw = {"epochs": 2, "batch_size": 16}
+    multi = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3)
+    got = sm.training.train(sm.mlp((8, 10)), tiny, optimizer=multi, **kw)
+    want = sm.training.train(sm.mlp((8, 10)), tiny, optimizer=multi.gradient_transformation(), **kw)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))
+    once = sm.training.train(sm.mlp((8, 10)), tiny, optimizer=optax.adam(1e-2), **kw)
+    assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, once.params)))

@@ -81,7 +81,8 @@ def train(
         from the values it was built with (``seed`` then seeds the shuffle only) in the modes
         ``train()`` and ``eval()`` set; ``result.model`` is a new module, trained.
       data: a :class:`Dataset` (default: :func:`load_digits`).
-      optimizer: any ``optax.GradientTransformation`` (default: ``optax.adam``).
+      optimizer: any ``optax.GradientTransformation`` or ``optax.MultiSteps`` (default:
+        ``optax.adam``).
       learning_rate: the default adam's learning rate (default 1e-3); not used otherwise.
       epochs: total epochs to reach, counting those done before a resumed checkpoint.
       batch_size: examples per step.
@@ -275,6 +276,8 @@ def _checked_optimizer(
             "learning_rate sets the default adam only; with an explicit optimizer, give it the "
             f"learning rate instead, e.g. optax.sgd({learning_rate!r})."
         )
+    if isinstance(optimizer, optax.MultiSteps):  # a wrapper whose transformation is a method
+        optimizer = optimizer.gradient_transformation()
     if not isinstance(optimizer, optax.GradientTransformation):
         raise ConfigError(
             f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3); "
