@@ -324,3 +324,23 @@ def test_a_stateful_call_under_grad_holds_no_tracer_of_any_leaf():
     out, state = model.apply(variables, x, mutable=["stats"])
     chex.assert_trees_all_close(h(x), out, rtol=1e-6, atol=1e-6)  # the next call runs
     chex.assert_trees_all_close(h.state, state, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("call", ["call", "apply", "graph"])
+def test_a_python_value_returned_is_refused_with_its_path_not_jaxs_internal_name(call):
+    # before: JAX's TypeError naming the library's '<lambda>_hybrid at hybrid.py:129'
+    h = sm.hybridize(lambda p, x: {"y": x * p, "label": "cat"}, jnp.float32(2))
+    x = jnp.ones(3)
+    assert h.eager(x)["label"] == "cat"  # eagerly, as the model does
+    run = {"call": h, "apply": lambda x: h.apply(h.params, x), "graph": h.graph}[call]
+    with pytest.raises(sm.ConfigError, match=r"type str at out\['label'\].*outside the model"):
+        run(x)
+
+
+@pytest.mark.parametrize("bad", [{1, 2}, object()], ids=type)
+def test_an_input_neither_array_nor_setting_is_refused_naming_its_type(bad):
+    # before: JAX's TypeError giving the program's path (args[3]), not the caller's
+    h = sm.hybridize(lambda p, x, extra: x * p, jnp.float32(2))
+    for run in (h, lambda *a: h.apply(h.params, *a), h.lower):
+        with pytest.raises(sm.ConfigError, match=f"of type {type(bad).__name__}, which a comp"):
+            run(jnp.ones(3), (bad,))

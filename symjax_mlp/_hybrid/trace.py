@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -45,6 +46,20 @@ def control_flow_error(name: str, e: Exception) -> ControlFlowError:
     )
 
 
+#: jax.jit's refusal of an input of a Hybrid's program (its path is the program's, not yours)
+_UNTRACEABLE = re.compile(
+    r"_hybrid at 0x[0-9a-f]+> as an abstract array\. "
+    r"The problematic value is of type <class '([^']+)'>"
+)
+_UNTRACEABLE_INPUT = (
+    "{name}: an input (or a leaf of a tuple/dict input) is of type {kind}, which a compiled "
+    "call can neither trace (it is not an array) nor key on (it is not a Python setting: None, "
+    "bool, int, float, complex, str or a tuple of them). Pass an array (jnp.asarray(list(...)) "
+    "for a generator or a set) or a Python setting, or mark a hashable one static "
+    "(static_argnames=)."
+)
+
+
 @contextlib.contextmanager
 def symbolic(name: str) -> Iterator[None]:
     """Raises JAX's tracer errors in the block as :func:`control_flow_error`, and the
@@ -54,6 +69,8 @@ def symbolic(name: str) -> Iterator[None]:
     except TRACER_ERRORS as e:
         raise control_flow_error(name, e) from e
     except (IndexError, TypeError) as e:
+        if not isinstance(e, SymjaxError) and (kind := _UNTRACEABLE.search(str(e))):
+            raise ConfigError(_UNTRACEABLE_INPUT.format(name=name, kind=kind[1])) from None
         if isinstance(e, SymjaxError) or not any(t in str(e) for t in ("Tracer(", "Traced<")):
             raise
         raise control_flow_error(name, e) from e

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import jax
+import numpy as np
 
 from symjax_mlp._compat import install_unrolled_threefry
 from symjax_mlp._errors import ConfigError, SignatureError
@@ -55,7 +56,9 @@ class TracedModel:
         if settings is None:  # the module settings the static key holds
             settings = tuple(v for k, v, _ in static if type(k) is ModuleSetting)
         with self.model.pinned(settings), symbolic(self.log.name):
-            return self.model.call(params, state, *rebuild(static, dyn, dyn_kw))
+            result = self.model.call(params, state, *rebuild(static, dyn, dyn_kw))
+        returned(result[0], self.log.name)
+        return result
 
     def staged(
         self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any, part: int,
@@ -106,10 +109,29 @@ class TracedModel:
 
         def staged(params: Any, dyn: Any, dyn_kw: Any) -> Any:
             with symbolic(name):
-                return call(params, state, *rebuild(static, dyn, dyn_kw))[0]
+                out = call(params, state, *rebuild(static, dyn, dyn_kw))[0]
+            return returned(out, name)
 
         staged.__name__ = name
         return Graph.traced(staged, name, params, dyn, dyn_kw)  # params: any pytree, a list too
+
+
+_RETURNED = (
+    "{name}: the model returned a value of type {kind} at out{path}, which a compiled call "
+    "cannot return (XLA gives back arrays; Python numbers come back as arrays). Return arrays "
+    "(in tuples, dicts or registered pytrees: jax.tree_util.register_dataclass), and keep a "
+    "Python value (a label, a str) outside the model."
+)
+_OUT_LEAVES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def returned(out: Any, name: str) -> Any:
+    """``out``, once each leaf is one a compiled call returns (checked per trace)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, _OUT_LEAVES):
+            path = jax.tree_util.keystr(path)
+            raise ConfigError(_RETURNED.format(name=name, kind=type(leaf).__name__, path=path))
+    return out
 
 
 def variables_in(tree: Any) -> list[Any]:
