@@ -205,3 +205,36 @@ def test_optax_multisteps_trains_as_its_gradient_transformation(tiny, tmp_path):
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))
     once = sm.training.train(sm.mlp((8, 10)), tiny, optimizer=optax.adam(1e-2), **kw)
     assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, once.params)))
+
+
+# -- models whose output is not one row of float logits per example ---------------------------
+def _returning(f):
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return f(nn.Dense(10)(x))
+
+    return Net()
+
+
+def test_logits_not_one_row_per_example_are_refused_at_the_first_trace(tiny):
+    """(1, classes) for any batch passed the one-row shape check, and optax broadcast it
+    against the labels: a run that trained on a wrong loss, silently."""
+    for f in (lambda z: z[:1], lambda z: z.mean(axis=0, keepdims=True)):
+        with pytest.raises(sm.ConfigError, match=r"logits of shape \(1, 10\) for a batch of "):
+            sm.training.train(_returning(f), tiny, epochs=1, batch_size=16)
+
+
+@pytest.mark.parametrize(
+    ("f", "got"),
+    [
+        (lambda z: (z, z), "returns a tuple"),
+        (lambda z: {"logits": z}, "returns a dict"),
+        (lambda z: z.astype(jnp.int32), "dtype int32"),
+    ],
+    ids=["tuple", "dict", "int"],
+)
+def test_an_output_that_is_not_float_logits_is_a_config_error(tiny, f, got):
+    """A tuple or dict was an AttributeError ('no attribute ndim'), int logits a TypeError."""
+    with pytest.raises(sm.ConfigError, match=rf"{got} for input shape \(1, 64\)\. Return"):
+        sm.training.train(_returning(f), tiny, epochs=1, batch_size=16)

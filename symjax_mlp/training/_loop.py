@@ -302,10 +302,14 @@ def _classifier(
     spec = spec_of(model, example, train_flags, eval_flags, caller=caller, form=TRAIN_FORM)
     nnx_module = isinstance(spec, NnxSpec)
     out = spec.out if nnx_module else inference_shape(model, example, spec, caller=caller)
-    if out.ndim != 2:
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape is None or len(shape) != 2 or not jnp.issubdtype(dtype, jnp.floating):
+        got = f"a {type(out).__name__}" if shape is None else f"shape {shape}, dtype {dtype}"
         raise ConfigError(
-            f"train() needs a model whose output is (batch, classes) logits; {type(model).__name__}"
-            f" returns shape {out.shape} for input shape {example.shape}."
+            f"train() needs a model whose output is (batch, classes) float logits; "
+            f"{type(model).__name__} returns {got} for input shape {example.shape}. Return "
+            "the logits alone, as floats (a tuple's or dict's: compute a loss by hand with "
+            "sm.training.train_step's pieces)."
         )
     return model, spec, int(out.shape[-1])
 

@@ -190,10 +190,17 @@ def train_step(
 def _weighted_loss(model: Any, spec: Any, params: Any, x: Any, y: Any, w: Any) -> tuple:
     """``(sum of w * cross-entropy, weighted count correct, params moved)`` of a training call."""
     logits, params = apply_model(model, spec, params, x, train=True)
+    if jnp.shape(logits)[:1] != jnp.shape(x)[:1]:  # optax would broadcast them: a wrong loss
+        raise ConfigError(_NOT_PER_ROW.format(got=jnp.shape(logits), x=jnp.shape(x)))
     losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
     return jnp.sum(w * losses), jnp.sum(w * (jnp.argmax(logits, axis=-1) == y)), params
 
 
+_NOT_PER_ROW = (
+    "symjax_mlp.training.train_step: the model's training call returns logits of shape {got} "
+    "for a batch of shape {x}; expected one row of logits per example, ({x[0]}, classes). "
+    "Return logits computed row by row (no reduction or slicing over the batch axis)."
+)
 _UNEVEN = (
     "{caller}: a batch of {rows} rows does not split into the step's {blocks} equal blocks. "
     "Pass a batch that is a multiple of {blocks}."
