@@ -238,3 +238,11 @@ def test_an_output_that_is_not_float_logits_is_a_config_error(tiny, f, got):
     """A tuple or dict was an AttributeError ('no attribute ndim'), int logits a TypeError."""
     with pytest.raises(sm.ConfigError, match=rf"{got} for input shape \(1, 64\)\. Return"):
         sm.training.train(_returning(f), tiny, epochs=1, batch_size=16)
+
+
+def test_a_state_with_python_number_leaves_round_trips(tmp_path):
+    """save_checkpoint wrote {"w": 1.0}; restoring into it was an AttributeError ('shape')."""
+    state = sm.training.TrainState({"w": 1.0, "n": 3}, (), jax.random.key(0), step=2)
+    saved = sm.training.save_checkpoint(tmp_path, state)
+    got, _ = sm.training.restore_checkpoint(saved, state)
+    assert jax.tree.map(float, got.params) == {"w": 1.0, "n": 3.0} and got.step == 2

@@ -122,7 +122,9 @@ def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> 
 
 
 def specs(tensors: dict[str, Any]) -> dict[str, tuple]:
-    return {name: (tuple(a.shape), str(a.dtype)) for name, a in tensors.items()}
+    """``{name: (shape, dtype)}``; a Python number's as save_checkpoint stores it."""
+    arrays = {n: a if hasattr(a, "dtype") else np.asarray(a) for n, a in tensors.items()}
+    return {name: (tuple(a.shape), str(a.dtype)) for name, a in arrays.items()}
 
 
 def broken(path: Any, what: str) -> CheckpointError:
