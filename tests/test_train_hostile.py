@@ -246,3 +246,26 @@ def test_a_state_with_python_number_leaves_round_trips(tmp_path):
     saved = sm.training.save_checkpoint(tmp_path, state)
     got, _ = sm.training.restore_checkpoint(saved, state)
     assert jax.tree.map(float, got.params) == {"w": 1.0, "n": 3.0} and got.step == 2
+
+
+@pytest.mark.parametrize(
+    ("mean", "std"),
+    [(np.zeros(7), np.ones(7)), (np.zeros(64), np.zeros(64)), (np.zeros(64), None), ("0", "1")],
+    ids=["other-width", "std-zero", "mean-alone", "strings"],
+)
+def test_standardisation_the_export_cannot_apply_is_refused_before_training(tiny, mean, std):
+    """The wrong width was a ValueError inside export after training; std 0 exported a
+    model of inf and NaN outputs, silently."""
+    bad = sm.training.Dataset(tiny.x_train, tiny.y_train, tiny.x_test, tiny.y_test, mean=mean,
+                              std=std)  # fmt: skip
+    with pytest.raises(sm.DataError, match=r"dataset\.(mean|std) |has a mean but no std"):
+        sm.training.train(sm.mlp((8, 10)), bad, epochs=1)
+
+
+def test_standardisation_of_any_shape_of_the_right_size_is_taken(tiny, tmp_path):
+    x = tiny.x_train
+    m, s = x.mean(axis=0, keepdims=True), np.where(x.std(axis=0) > 0, x.std(axis=0), 1.0)
+    ok = sm.training.Dataset(x, tiny.y_train, tiny.x_test, tiny.y_test, mean=m, std=list(s))
+    r = sm.training.train(sm.mlp((8, 10)), ok, epochs=1)
+    assert [a.shape for a in r.standardize] == [(64,), (64,)]
+    r.export(tmp_path / "model")

@@ -150,6 +150,23 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
             f"{data.name}.x_test has {test_width} features per example but x_train has {width}; "
             "both splits must have the same feature width. Preprocess them the same way."
         )
+    stats = {k: getattr(data, k) for k in ("mean", "std") if getattr(data, k) is not None}
+    for k, v in stats.items():  # the exported model computes (x - mean) / std with them
+        a = np.asarray(v, np.float32) if np.issubdtype(np.asarray(v).dtype, np.number) else None
+        bad = a is None or a.size != width or not np.isfinite(a).all()
+        if bad or (k == "std" and a.min() <= 0):
+            got = f"{np.shape(v)} values {str(v)[:80]}" if a is not None else repr(v)[:80]
+            raise DataError(
+                f"{data.name}.{k} is {got}; expected the {width} per-feature finite values the "
+                "features were standardised with (std > 0), or None. Pass x.mean(axis=0) and "
+                "x.std(axis=0) with constant features' std set to 1."
+            )
+        stats[k] = a.reshape(width)
+    if len(stats) == 1:
+        raise DataError(
+            f"{data.name} has a {next(iter(stats))} but no {({'mean', 'std'} - set(stats)).pop()}; "
+            "expected both (the features were standardised with them) or neither."
+        )
     classes, limits = data.num_classes, []
     count = isinstance(classes, numbers.Integral) and not isinstance(classes, bool)
     if classes is not None and not (count and classes >= 1):
@@ -186,7 +203,7 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
                     "Remap the labels to 0..K-1 or give the model K outputs."
                 )
         ys[name] = y.astype(np.int32)
-    return dataclasses.replace(data, **xs, **ys)
+    return dataclasses.replace(data, **xs, **ys, **stats)
 
 
 def _check_finite(name: str, a: np.ndarray) -> None:
