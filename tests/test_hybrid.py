@@ -344,3 +344,15 @@ def test_an_input_neither_array_nor_setting_is_refused_naming_its_type(bad):
     for run in (h, lambda *a: h.apply(h.params, *a), h.lower):
         with pytest.raises(sm.ConfigError, match=f"of type {type(bad).__name__}, which a comp"):
             run(jnp.ones(3), (bad,))
+
+
+def test_nnx_params_of_other_names_are_refused_not_matched_by_place():
+    # before: nnx.merge matched the leaves by place: {'bias2', 'scale'} set the bias silently
+    h = sm.hybridize(nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+    x, renamed = jnp.ones((4, 3)), {"bias2": jnp.ones(3), "scale": jnp.ones(3)}
+    with pytest.raises(sm.ConfigError, match=r"missing \[\"params\['bias'\]\"\], unexpected"):
+        h.replace(params=renamed)(x)
+    with pytest.raises(sm.ConfigError, match=r"missing \[\"state\['var'\]\"\]"):
+        h.apply_with_state(h.params, {"mean": jnp.zeros(3)}, x)
+    as_state = nnx.state(nnx.BatchNorm(3, rngs=nnx.Rngs(0)), nnx.Param)  # an nnx.State fits
+    np.testing.assert_allclose(h.apply(as_state, x)[0], h(x))

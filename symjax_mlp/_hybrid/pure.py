@@ -173,7 +173,11 @@ def nnx_module(module: Any) -> tuple:
     def settings() -> tuple:
         return tuple([getattr(sub, attr) for sub, attr in owners])
 
-    def merge(params, state):
+    expected = _paths((params, state))
+
+    def merge(params, state):  # nnx would match the leaves by place, whatever their names
+        if (got := _paths((params, state))) != expected:
+            raise _unfit(type(module).__name__, expected, got)
         m = nnx.merge(graphdef, params, state) if state else nnx.merge(graphdef, params)
         if watched:
             pin = _PINNED.get()
@@ -194,6 +198,31 @@ def nnx_module(module: Any) -> tuple:
         call, bool(state), "nnx", merge, target, settings if watched else None, names, owners
     )
     return model, params, state
+
+
+_UNFIT = (
+    "{name}: the params and state given do not fit the nnx module: {diff}. Pass "
+    "trees shaped as h.params (its Param values) and h.state (its other Variables' values), "
+    "as nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[1:]) gives them."
+)
+
+
+def _paths(trees: tuple[Any, Any]) -> list[str]:
+    """Each leaf's path: ``params['bias']``, ``state['mean']`` (an nnx.State's too)."""
+    named = zip(("params", "state"), trees, strict=True)
+    flat = [(n, jax.tree_util.tree_flatten_with_path(t)[0]) for n, t in named]
+    paths = (n + jax.tree_util.keystr(k) for n, leaves in flat for k, _ in leaves)
+    return [p.removesuffix(".value") for p in paths]
+
+
+def _unfit(name: str, expected: list[str], got: list[str]) -> ConfigError:
+    """What the module's variables and those given differ in: a few paths each way."""
+    lacking = [p for p in expected if p not in set(got)][:5]
+    extra = [p for p in got if p not in set(expected)][:5]
+    diff = f"missing {lacking or 'none'}, unexpected {extra or 'none'}"
+    if not (lacking or extra):
+        diff = f"the same paths in another order: {got[:5]}, expected {expected[:5]}"
+    return ConfigError(_UNFIT.format(name=name, diff=diff))
 
 
 def mode_settings(model: PureModel, values: tuple, *, train: bool) -> tuple:
