@@ -269,3 +269,19 @@ def test_standardisation_of_any_shape_of_the_right_size_is_taken(tiny, tmp_path)
     r = sm.training.train(sm.mlp((8, 10)), ok, epochs=1)
     assert [a.shape for a in r.standardize] == [(64,), (64,)]
     r.export(tmp_path / "model")
+
+
+def test_a_checkpoint_path_that_is_not_a_str_path_is_a_checkpoint_error(tiny, tmp_path):
+    """bytes and ints were a TypeError from pathlib."""
+    for path in (os.fsencode(tmp_path / "c"), 3):
+        with pytest.raises(sm.CheckpointError, match=r"not a path: pass a str or pathlib\.Path"):
+            sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, checkpoint=path)
+        with pytest.raises(sm.CheckpointError, match="not a path"):
+            sm.training.save_checkpoint(path, _state())
+
+
+def test_a_bad_timeout_is_refused_in_one_process_too(tiny):
+    """timeout='60' or -1 was accepted in one process, refused only once scaled out."""
+    for timeout in ("60", -1, 0, 1.5):
+        with pytest.raises(sm.ConfigError, match=r"timeout must be an int >= 1 \(seconds\)"):
+            sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, timeout=timeout)

@@ -222,8 +222,8 @@ def save_checkpoint(
             f"save_checkpoint: step and epoch are counts (ints >= 0); got step {state.step!r}, "
             f"epoch {state.epoch!r}."
         )
-    directory = Path(directory)
     check_directory(directory, "save_checkpoint")
+    directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # raced, or a file system that refuses: still the user's to fix
@@ -288,7 +288,6 @@ def check_state(state: Any, caller: str) -> None:
 def check_directory(directory: str | os.PathLike, caller: str) -> None:
     """Refuses a file, a dangling symlink, a path below a file, or a directory this user cannot
     write; a path that does not exist yet is fine below a directory this user can write."""
-    path = Path(directory)
 
     def refuse(why: str) -> CheckpointError:
         return CheckpointError(
@@ -296,8 +295,11 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
             "a checkpoint directory: pass a directory, or a path where one can be made."
         )
 
+    if not isinstance(directory, str | os.PathLike) or not isinstance(os.fspath(directory), str):
+        raise refuse(f"is {directory!r}, not a path: pass a str or pathlib.Path")
     if not os.fspath(directory):  # Path("") is the working directory
         raise refuse("is ''")
+    path = Path(directory)
     try:
         os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):

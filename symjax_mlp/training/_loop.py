@@ -141,6 +141,8 @@ def train(
             f"on_epoch must be a function called with each EpochRecord; got {on_epoch!r}."
         )
     optimizer = _checked_optimizer(optimizer, learning_rate)
+    if timeout is not None:  # checked in one process too: refused now, not when scaled out
+        run_timeout(timeout)
     if resume and checkpoint is None:
         raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
     if checkpoint is not None:  # refused now, not after the first epoch
