@@ -253,3 +253,15 @@ def test_apply_with_state_carries_a_stateful_models_state_and_leaves_the_keyword
     chex.assert_trees_all_close(out, _Stateful(nnx.Rngs(0))(x, state=shift), **TOL)
     with pytest.raises(sm.SymjaxError, match="apply"):
         sm.hybridize(_step, {"w": 1.0}).apply_with_state({"w": 1.0}, {}, x)
+
+
+def test_equinox_params_of_another_module_are_refused_naming_the_module():
+    # before: JAX's bare "pytree structure error: different types at key path" from combine
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+    h, x = sm.hybridize(mlp), jnp.ones(3)
+    wider = eqx.filter(eqx.nn.MLP(3, 2, 5, 1, key=jax.random.key(0)), eqx.is_array)
+    for run in (lambda: h.replace(params=wider)(x), lambda: h.apply({"w": x}, x)):
+        with pytest.raises(sm.ConfigError, match=r"MLP: the params given \(a (MLP|dict)\) do not"):
+            run()
+    np.testing.assert_allclose(h.apply(h.params, x), mlp(x), **TOL)

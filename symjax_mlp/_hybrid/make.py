@@ -22,6 +22,14 @@ _TAKES_NO = {  # why, and the fix
 }
 
 
+_EQX_PARAMS = (
+    "{kind}: the params given (a {got}) do not fit the equinox {kind} the Hybrid was made of (its "
+    "arrays, combined with the rest held static): a module of another class or size. Pass its "
+    "arrays, shaped as h.params: eqx.filter(model, eqx.is_array) of a {kind} built alike, "
+    "or hybridize the other model."
+)
+
+
 def hybridize(
     model: Any,
     params: Any = None,
@@ -139,7 +147,12 @@ def _equinox(fn: Any, tree: Any) -> tuple[Any, Any]:
 
     @functools.wraps(fn)
     def combined(params: Any, *args: Any, **kwargs: Any) -> Any:
-        return fn(eqx.combine(params, static), *args, **kwargs)
+        try:
+            model = eqx.combine(params, static)
+        except ValueError as e:  # JAX's "pytree structure error: different types at key path"
+            kind = type(tree).__name__
+            raise ConfigError(_EQX_PARAMS.format(kind=kind, got=type(params).__name__)) from e
+        return fn(model, *args, **kwargs)
 
     return combined, arrays
 
