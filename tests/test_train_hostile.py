@@ -285,3 +285,17 @@ def test_a_bad_timeout_is_refused_in_one_process_too(tiny):
     for timeout in ("60", -1, 0, 1.5):
         with pytest.raises(sm.ConfigError, match=r"timeout must be an int >= 1 \(seconds\)"):
             sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, timeout=timeout)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_an_optimizer_whose_state_changes_structure_is_named(tiny, compiled):
+    """Compiled: a RetraceError whose two signatures were identical; eager: a run whose
+    checkpoints no resume could restore."""
+    import optax
+
+    def update(g, state, params=None):
+        return jax.tree.map(lambda a: -0.01 * a, g), {"n": jnp.zeros(())}
+
+    changes = optax.GradientTransformation(lambda p: (), update)
+    with pytest.raises(sm.ConfigError, match=r"update returned a state unlike .*\(\) -> \{'n'"):
+        sm.training.train(sm.mlp((8, 10)), tiny, optimizer=changes, compiled=compiled, epochs=1)

@@ -178,13 +178,23 @@ def train_step(
             raise ConfigError(_BLOCKS_STATE.format(caller=caller, blocks=blocks))
         else:
             loss, correct, grads = _blocked(model, spec, trainable, (x, y, w), blocks, axis_name)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        updates, moved_state = optimizer.update(grads, opt_state, trainable)
+        was, got = _like(opt_state), _like(moved_state)
+        if was != got:  # jit would trace again at the next step; a resume would not fit
+            raise ConfigError(_STATE_MOVED.format(caller=caller, was=str(was)[:300],
+                                                  got=str(got)[:300]))  # fmt: skip
+        opt_state = moved_state
         trainable = optax.apply_updates(trainable, updates)
         params = ModelVars(trainable, moved.state) if stateful else trainable
         return params, opt_state, {"loss": loss, "correct": correct}
 
     step.blocks = blocks
     return step
+
+
+def _like(tree: Any) -> Any:
+    """``tree`` as its structure, with each leaf's dtype and shape."""
+    return jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}", tree)
 
 
 def _weighted_loss(model: Any, spec: Any, params: Any, x: Any, y: Any, w: Any) -> tuple:
@@ -200,6 +210,11 @@ _NOT_PER_ROW = (
     "symjax_mlp.training.train_step: the model's training call returns logits of shape {got} "
     "for a batch of shape {x}; expected one row of logits per example, ({x[0]}, classes). "
     "Return logits computed row by row (no reduction or slicing over the batch axis)."
+)
+_STATE_MOVED = (
+    "{caller}: the optimizer's update returned a state unlike the one it was given ({was} -> "
+    "{got}). A compiled step needs the same structure, shapes and dtypes at every step, and a "
+    "checkpoint restores init's. Make update return a state like init's (cast with .astype)."
 )
 _UNEVEN = (
     "{caller}: a batch of {rows} rows does not split into the step's {blocks} equal blocks. "
