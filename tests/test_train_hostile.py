@@ -299,3 +299,15 @@ def test_an_optimizer_whose_state_changes_structure_is_named(tiny, compiled):
     changes = optax.GradientTransformation(lambda p: (), update)
     with pytest.raises(sm.ConfigError, match=r"update returned a state unlike .*\(\) -> \{'n'"):
         sm.training.train(sm.mlp((8, 10)), tiny, optimizer=changes, compiled=compiled, epochs=1)
+
+
+def test_an_optimizer_that_cannot_init_the_params_is_a_config_error(tiny):
+    """optax.lookahead wants LookaheadParams: its init was an AttributeError ('fast')."""
+    import optax
+
+    def init(params):
+        raise AttributeError("'dict' object has no attribute 'fast'")
+
+    odd = optax.GradientTransformation(init, optax.adam(1e-3).update)
+    with pytest.raises(sm.ConfigError, match=r"optimizer.init\(params\) raised AttributeError: "):
+        sm.training.train(sm.mlp((8, 10)), tiny, optimizer=odd, epochs=1)

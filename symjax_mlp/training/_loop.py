@@ -323,7 +323,16 @@ def _initial_state(
     whose leaves that are params (or repeat) are copied: both trees are donated."""
     rng, init_key = jax.random.split(jax.random.key(seed))
     params = init_params(model, init_key, example, train_flags=spec.train_flags)
-    opt_state = optimizer.init(params.params if isinstance(params, ModelVars) else params)
+    trainable = params.params if isinstance(params, ModelVars) else params
+    try:
+        opt_state = optimizer.init(trainable)
+    except Exception as e:  # an optimizer of another params form (optax.lookahead's)
+        tree = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", trainable)
+        raise ConfigError(
+            f"symjax_mlp.training.train: optimizer.init(params) raised {type(e).__name__}: "
+            f"{str(e)[:200]}. train() passes the model's params as they are, {str(tree)[:200]};"
+            " use an optimizer that takes them, or write the loop with train_step."
+        ) from e
     seen = {id(leaf) for leaf in jax.tree.leaves(params)}
 
     def own(leaf: Any) -> Any:
