@@ -356,3 +356,17 @@ def test_nnx_params_of_other_names_are_refused_not_matched_by_place():
         h.apply_with_state(h.params, {"mean": jnp.zeros(3)}, x)
     as_state = nnx.state(nnx.BatchNorm(3, rngs=nnx.Rngs(0)), nnx.Param)  # an nnx.State fits
     np.testing.assert_allclose(h.apply(as_state, x)[0], h(x))
+
+
+def test_a_static_nan_or_negative_zero_keys_its_own_trace_as_eagerly():
+    # before: -0.0 == 0.0 reused 0.0's program (x / -0.0 gave inf, eagerly -inf), and each
+    # new float('nan') (nan != nan) missed the cache: a trace per call
+    h = sm.hybridize(lambda p, x, d=1.0, t=(1.0,): x / d * t[0], {})
+    x = jnp.ones(2)
+    for d, t in ((0.0, (1.0,)), (-0.0, (1.0,)), (1.0, (-0.0,))):
+        np.testing.assert_array_equal(h(x, d=d, t=t), h.eager(x, d=d, t=t))
+    assert "kwargs['d'] (static) changed from 0.0 to -0.0" in h.trace_log[1].reason
+    count = h.trace_count
+    for _ in range(3):
+        assert np.isnan(h(x, d=float("nan"), t=(float("nan"),))).all()
+    assert h.trace_count == count + 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -96,7 +97,7 @@ def partition(
             else:
                 dyn_kwargs[key] = value
             continue
-        static.append((key, value, _kind(value)))
+        static.append((key, _settled(value), _kind(value)))
     return tuple(static), tuple(dyn_args), dyn_kwargs
 
 
@@ -152,8 +153,26 @@ def holds_equinox(value: Any) -> bool:
 
 def _kind(v: Any) -> Any:
     """``type(v)`` (of each element of a tuple too), in the jit cache key: Python equates
-    ``4 == 4.0 == True``, but ``jnp.asarray(n)`` and ``x // d`` trace differently for each."""
+    ``4 == 4.0 == True``, but ``jnp.asarray(n)`` and ``x // d`` trace differently for each;
+    and a float's sign: ``-0.0 == 0.0``, but ``x / d`` gives ``-inf`` for one."""
+    if type(v) is float:
+        return float, math.copysign(1.0, v)
+    if type(v) is complex:
+        return complex, math.copysign(1.0, v.real), math.copysign(1.0, v.imag)
     return (tuple, tuple(map(_kind, v))) if type(v) is tuple else type(v)
+
+
+_NANS: dict[Any, Any] = {}
+
+
+def _settled(v: Any) -> Any:
+    """``v``, each NaN in it the first one seen alike: ``nan != nan``, so a key holding a new
+    one would never equal the last (a trace per call)."""
+    if type(v) is tuple:
+        return tuple(map(_settled, v))
+    if type(v) in (float, complex) and v != v:
+        return _NANS.setdefault((repr(v), _kind(v)), v)
+    return v
 
 
 def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
