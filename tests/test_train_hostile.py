@@ -311,3 +311,18 @@ def test_an_optimizer_that_cannot_init_the_params_is_a_config_error(tiny):
     odd = optax.GradientTransformation(init, optax.adam(1e-3).update)
     with pytest.raises(sm.ConfigError, match=r"optimizer.init\(params\) raised AttributeError: "):
         sm.training.train(sm.mlp((8, 10)), tiny, optimizer=odd, epochs=1)
+
+
+def test_train_step_labels_and_weights_not_one_per_row_are_a_signature_error():
+    """w of shape (batch, 1) broadcast against the per-row losses: a wrong loss, silently;
+    float or (batch, 1) labels were optax's TypeError or ValueError."""
+    import optax
+
+    net, x, y = sm.mlp((8, 3)), jnp.ones((4, 5)), jnp.array([0, 1, 2, 0])
+    params = net.init(jax.random.key(0), x)["params"]
+    step = jax.jit(sm.training.train_step(net, optax.sgd(0.1)))
+    opt_state = optax.sgd(0.1).init(params)
+    for yy, w in ((y, jnp.ones((4, 1))), (y[:, None], jnp.ones(4)), (y * 1.0, jnp.ones(4))):
+        with pytest.raises(sm.SignatureError, match=r"expected one integer label y and one "):
+            step(params, opt_state, x, yy, w)
+    assert step(params, opt_state, x, y, jnp.ones(4))[2]["loss"].shape == ()

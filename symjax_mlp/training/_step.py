@@ -160,6 +160,10 @@ def train_step(
         params: Any, opt_state: Any, x: jax.Array, y: jax.Array, w: jax.Array, *,
         axis_name: str | None = None,
     ):  # fmt: skip
+        rows, y_dtype = jnp.shape(x)[:1], jnp.result_type(y)
+        if jnp.shape(y) != rows or jnp.shape(w) != rows or not jnp.issubdtype(y_dtype, jnp.integer):
+            got = f"x {jnp.shape(x)}, y {y_dtype}{list(jnp.shape(y))}, w {list(jnp.shape(w))}"
+            raise SignatureError(_LABELS.format(caller=caller, got=got, n=rows[0] if rows else 1))
         row = (tuple(x.shape[1:]), x.dtype)
         spec = specs.get(row)
         if spec is None:
@@ -210,6 +214,11 @@ _NOT_PER_ROW = (
     "symjax_mlp.training.train_step: the model's training call returns logits of shape {got} "
     "for a batch of shape {x}; expected one row of logits per example, ({x[0]}, classes). "
     "Return logits computed row by row (no reduction or slicing over the batch axis)."
+)
+_LABELS = (
+    "{caller}: the step got {got}; expected one integer label y and one weight w per row of "
+    "x, y int32[{n}] and w float32[{n}] (its shape (batch,) too, not (batch, 1)). Pass "
+    "y.astype(jnp.int32).reshape(-1) and w.reshape(-1)."
 )
 _STATE_MOVED = (
     "{caller}: the optimizer's update returned a state unlike the one it was given ({was} -> "
