@@ -326,3 +326,23 @@ def test_train_step_labels_and_weights_not_one_per_row_are_a_signature_error():
         with pytest.raises(sm.SignatureError, match=r"expected one integer label y and one "):
             step(params, opt_state, x, yy, w)
     assert step(params, opt_state, x, y, jnp.ones(4))[2]["loss"].shape == ()
+
+
+def test_shard_step_takes_lists_and_names_what_is_not_a_step():
+    """Lists were a ValueError of device_put; shard_step(None) a TypeError of jax.jit, and
+    donate='no' was taken as True."""
+    import optax
+
+    net, x = sm.mlp((8, 3)), np.ones((4, 5), np.float32)
+    params = net.init(jax.random.key(0), x)["params"]
+    step = sm.training.shard_step(sm.training.train_step(net, optax.sgd(0.1)), donate=False)
+    opt_state = optax.sgd(0.1).init(params)
+    from_lists = step(params, opt_state, x.tolist(), [0, 1, 2, 0])
+    from_arrays = step(params, opt_state, x, np.array([0, 1, 2, 0]))
+    assert jax.tree.map(np.array_equal, from_lists[0], from_arrays[0]) == jax.tree.map(
+        lambda a: True, params
+    )
+    for bad in ({"step": None}, {"donate": "no"}, {"pad": 1}):
+        kw = {"step": sm.training.train_step(net, optax.sgd(0.1)), **bad}
+        with pytest.raises(sm.ConfigError, match=r"shard_step\(step, donate=, pad=\): got "):
+            sm.training.shard_step(kw.pop("step"), **kw)

@@ -299,6 +299,7 @@ class ShardedStep:
 
     def shard_batch(self, x: Any, y: Any, w: Any = None) -> tuple[jax.Array, ...]:
         """``(x, y, w)`` padded with weight-0 rows to a multiple of ``n_shards``, then split."""
+        x, y, w = (a if a is None or hasattr(a, "shape") else np.asarray(a) for a in (x, y, w))
         batch = batch_size((x, y) if w is None else (x, y, w), "shard_step(...)")
         w = np.ones(batch, np.float32) if w is None else w
         extra = padding(batch, self.n_shards, self.pad, "shard_step(...)")
@@ -356,4 +357,10 @@ def shard_step(
       >>> sorted(metrics)
       ['correct', 'loss']
     """
+    if not (callable(step) and isinstance(donate, bool) and isinstance(pad, bool)):
+        raise ConfigError(
+            f"shard_step(step, donate=, pad=): got step {type(step).__name__}, donate "
+            f"{donate!r}, pad {pad!r}; expected a step function such as "
+            "sm.training.train_step(model, optimizer) and donate, pad True or False."
+        )
     return ShardedStep(step, mesh, axis, donate, pad)
