@@ -265,3 +265,23 @@ def test_equinox_params_of_another_module_are_refused_naming_the_module():
         with pytest.raises(sm.ConfigError, match=r"MLP: the params given \(a (MLP|dict)\) do not"):
             run()
     np.testing.assert_allclose(h.apply(h.params, x), mlp(x), **TOL)
+
+
+def test_keywords_named_self_or_params_are_the_models():
+    # before: h(x, self=...) hit Hybrid.__call__'s own self; an equinox model's params=...
+    # hit the params of the function that combines its arrays (TypeError: multiple values)
+    eqx = pytest.importorskip("equinox")
+
+    class Scaled(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, params=1.0, **kw):
+            return x * self.w * params + sum(kw.values())
+
+    model, x = Scaled(jnp.float32(2)), jnp.ones(3)
+    plain = sm.hybridize(lambda p, x, **kw: x * p + kw["self"], 2.0)
+    for h, kw, want in ((sm.hybridize(model), {"params": 3.0}, x * 6), (plain, {"self": x}, x * 3)):
+        np.testing.assert_allclose(h(x, **kw), want)
+        np.testing.assert_allclose(h.eager(x, **kw), want)
+        np.testing.assert_allclose(h.apply(h.params, x, **kw), want)
+        assert h.graph(x, **kw).primitive_counts

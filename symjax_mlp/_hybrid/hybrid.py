@@ -209,7 +209,7 @@ class Hybrid:
             twin._set(_modes=self._modes.fixed())
         return twin
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""
         if self._fast and not kwargs:  # the hot path (compiled only): arrays in, one dispatch
             for a in args:
@@ -250,7 +250,7 @@ class Hybrid:
             write_back(variables, new[0], self.name)
         return out
 
-    def eager(self, *args: Any, **kwargs: Any) -> Any:
+    def eager(self, /, *args: Any, **kwargs: Any) -> Any:
         """Runs the model op by op, Python (and its ``print``) and the ``on_trace`` callbacks
         on every call; a stateful model's state is carried as in compiled calls."""
         self._log.run_callbacks(args, kwargs)
@@ -321,7 +321,7 @@ class Hybrid:
         mesh = _mesh.data_mesh(axis=axis) if mesh is None else mesh
         return self.replace(mesh=mesh, axis=axis, pad=pad)
 
-    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
         one SPMD module for every device, for the padded batch)."""
         static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
@@ -333,17 +333,17 @@ class Hybrid:
                 return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
             return self._jitted.lower(static, self._leaves, *held, dyn, dyn_kw)
 
-    def compile(self, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
+    def compile(self, /, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
         """Lowers and compiles: ``.as_text()`` is XLA's optimized HLO (``.cost_analysis()``...)."""
         return self.lower(*args, **kwargs).compile()
 
-    def graph(self, *args: Any, **kwargs: Any) -> Graph:
+    def graph(self, /, *args: Any, **kwargs: Any) -> Graph:
         """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
         layer shown (not counted in :attr:`trace_count`)."""
         static, dyn, dyn_kw = self._partition(args, kwargs, self.name, keyed=False)
         return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
 
-    def training_mode(self, *args: Any, **kwargs: Any) -> tuple[str, ...]:
+    def training_mode(self, /, *args: Any, **kwargs: Any) -> tuple[str, ...]:
         """An nnx module's settings that ``module.eval()`` would flip and that change the
         program on these inputs, as ``"path=value"``; ``()`` in eval mode or for other models."""
         if self._modes is None:

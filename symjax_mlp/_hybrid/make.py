@@ -146,7 +146,7 @@ def _equinox(fn: Any, tree: Any) -> tuple[Any, Any]:
     arrays, static = eqx.partition(tree, eqx.is_array)
 
     @functools.wraps(fn)
-    def combined(params: Any, *args: Any, **kwargs: Any) -> Any:
+    def combined(params: Any, /, *args: Any, **kwargs: Any) -> Any:
         try:
             model = eqx.combine(params, static)
         except ValueError as e:  # JAX's "pytree structure error: different types at key path"
