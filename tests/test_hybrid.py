@@ -370,3 +370,16 @@ def test_a_static_nan_or_negative_zero_keys_its_own_trace_as_eagerly():
     for _ in range(3):
         assert np.isnan(h(x, d=float("nan"), t=(float("nan"),))).all()
     assert h.trace_count == count + 1
+
+
+def test_static_argnames_naming_a_positional_only_input_says_to_mark_it_by_place():
+    # before: "names ['x'], but the model's inputs are (x, y). Name one of those"
+    def model(p, x, /, y):
+        return x * y
+
+    with pytest.raises(
+        sm.ConfigError, match=r"'x', which is positional-only.*static_argnums=\(0,\)"
+    ):
+        sm.hybridize(model, {}, static_argnames="x")
+    h = sm.hybridize(model, {}, static_argnums=0)
+    assert h(2.0, y=jnp.ones(2)).tolist() == [2.0, 2.0]

@@ -281,6 +281,12 @@ def static_args(
     known = {p.name for p in params if p.kind != p.POSITIONAL_ONLY}
     loose = not any(p.kind == p.VAR_KEYWORD for p in params)
     unknown = sorted(n for n in names if n not in known) if loose else []
+    if only := [i for i, p in enumerate(places) if p.name in unknown]:  # before a "/"
+        raise ConfigError(
+            f"{name}: static_argnames={names!r} names {places[only[0]].name!r}, which is "
+            f"positional-only (before '/'), so it has no name to pass by. Mark it by place: "
+            f"static_argnums={tuple(only)}."
+        )
     if unknown:
         raise ConfigError(
             f"{name}: static_argnames={names!r} names {unknown}, but the model's inputs are "
