@@ -341,7 +341,7 @@ def test_a_python_value_returned_is_refused_with_its_path_not_jaxs_internal_name
 def test_an_input_neither_array_nor_setting_is_refused_naming_its_type(bad):
     # before: JAX's TypeError giving the program's path (args[3]), not the caller's
     h = sm.hybridize(lambda p, x, extra: x * p, jnp.float32(2))
-    for run in (h, lambda *a: h.apply(h.params, *a), h.lower):
+    for run in (h, lambda *a: h.apply(h.params, *a), h.lower, h.graph):
         with pytest.raises(sm.ConfigError, match=f"of type {type(bad).__name__}, which a comp"):
             run(jnp.ones(3), (bad,))
 

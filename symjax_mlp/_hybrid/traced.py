@@ -112,7 +112,7 @@ class TracedModel:
                 out = call(params, state, *rebuild(static, dyn, dyn_kw))[0]
             return returned(out, name)
 
-        staged.__name__ = name
+        staged.__name__, staged.__qualname__ = name, f"{name}{PROGRAM_SUFFIX}"  # errors: ours
         return Graph.traced(staged, name, params, dyn, dyn_kw)  # params: any pytree, a list too
 
 
