@@ -346,3 +346,31 @@ def test_shard_step_takes_lists_and_names_what_is_not_a_step():
         kw = {"step": sm.training.train_step(net, optax.sgd(0.1)), **bad}
         with pytest.raises(sm.ConfigError, match=r"shard_step\(step, donate=, pad=\): got "):
             sm.training.shard_step(kw.pop("step"), **kw)
+
+
+def _dropout(rate):
+    class Net(nn.Module):  # same class, name and params: only the dropout rate differs
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            return nn.Dense(10)(nn.Dropout(rate, deterministic=not train)(nn.Dense(16)(x)))
+
+    return Net()
+
+
+def test_resuming_with_another_dropout_rate_is_refused(tiny, tmp_path):
+    """The probe ran the inference call only, where dropout is off: a run written with rate
+    0.5 resumed with 0.1, silently."""
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    sm.training.train(_dropout(0.5), tiny, epochs=1, checkpoint=ckpt)
+    with pytest.raises(sm.CheckpointError, match="computes something else"):
+        sm.training.train(_dropout(0.1), tiny, epochs=2, checkpoint=ckpt, resume=True)
+    # a checkpoint written before the training call's probe was recorded still resumes
+    manifest = sm.training.latest_checkpoint(ckpt) / "manifest.json"
+    text = json.loads(manifest.read_text())
+    del text["metadata"]["config"]["model_probe_train"]
+    manifest.write_text(json.dumps(text))
+    r = sm.training.train(_dropout(0.5), tiny, epochs=2, checkpoint=ckpt, resume=True)
+    whole = sm.training.train(_dropout(0.5), tiny, epochs=2)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, r.params, whole.params)))

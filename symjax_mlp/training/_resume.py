@@ -32,6 +32,7 @@ from symjax_mlp.training._result import EpochRecord
 from symjax_mlp.training._step import ModelVars, apply_model
 
 PROBE = "model_probe"  # compared within a tolerance, not for equality
+PROBE_TRAIN = "model_probe_train"  # the training call's (dropout with a fixed rng): the same
 PROBE_ROWS = 2  # rows of the probe input
 PROBE_VALUES = 256  # the most logits recorded
 TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
@@ -59,6 +60,7 @@ def run_config(
         "model_sha256": _model_fingerprint(model, spec, params),
         "optimizer_sha256": _optimizer_fingerprint(optimizer),
         PROBE: model_probe(model, spec, params, data.x_train[:1]),
+        PROBE_TRAIN: model_probe(model, spec, params, data.x_train[:1], train=True),
     }
 
 
@@ -83,7 +85,8 @@ def resume_run(
     state, meta = (restore_checkpoint if store is None else store.restore)(found, state)
     recorded = meta.get("config", {})
     keys = sorted(set(config) | set(recorded))  # a setting only one of them records differs
-    changed = [k for k in keys if k != PROBE and recorded.get(k) != config.get(k)]
+    probes = (PROBE, PROBE_TRAIN)
+    changed = [k for k in keys if k not in probes and recorded.get(k) != config.get(k)]
     if changed:
         was = {k: recorded.get(k) for k in changed}
         raise CheckpointError(
@@ -92,14 +95,17 @@ def resume_run(
             "resume with the same settings, or start over in an empty directory."
         )
     # a checkpoint written before the probe was recorded has none: its config still matched
-    differs = PROBE in recorded and probe_difference(recorded[PROBE], config[PROBE])
+    differs = next(
+        (d for k in probes if k in recorded and (d := probe_difference(recorded[k], config[k]))),
+        None,
+    )
     if differs:
         raise CheckpointError(
             f"{found} was written by a model that computes something else: with fixed weights "
             f"on a fixed input, {differs} from this model's. Its class, name and parameter "
-            "shapes are the same, but its __call__ is not (another activation, scale or order "
-            "of layers). Resuming would not continue that run; resume with the model that "
-            "wrote it, or start over in an empty directory."
+            "shapes are the same, but its __call__ is not (another activation, scale, dropout "
+            "rate or order of layers). Resuming would not continue that run; resume with the "
+            "model that wrote it, or start over in an empty directory."
         )
     history = [EpochRecord(**r) for r in meta.get("history", [])]  # checked as it was read
     ends = history[-1].step if history else 0
@@ -143,16 +149,20 @@ def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
     return digest.hexdigest()
 
 
-def model_probe(model: Any, spec: Any, params: Any, example: np.ndarray) -> list[Any]:
-    """The model's logits on the probe, as JSON (floats; ``"nan"``/``"inf"``/``"-inf"``)."""
+def model_probe(
+    model: Any, spec: Any, params: Any, example: np.ndarray, *, train: bool = False
+) -> list[Any]:
+    """The model's logits on the probe (of a training call when ``train``: its dropout rng is
+    the fixed one ``params`` holds), as JSON (floats; ``"nan"``/``"inf"``/``"-inf"``)."""
     stateful = isinstance(params, ModelVars)
     fixed = _fixed(params.params if stateful else params)
-    probe_params = ModelVars(fixed, _fixed(params.state, state=True)) if stateful else fixed
+    state = _fixed(params.state, state=True, rng=train) if stateful else None
+    probe_params = ModelVars(fixed, state) if stateful else fixed
     shape, dtype = (PROBE_ROWS, *np.shape(example)[1:]), np.asarray(example).dtype
     n = np.arange(math.prod(shape))
     x = (np.cos(n * 1.3) if jnp.issubdtype(dtype, jnp.floating) else n % 3).reshape(shape)
     x = x.astype(dtype)
-    logits = jax.jit(lambda p, x: apply_model(model, spec, p, x, train=False)[0])(probe_params, x)
+    logits = jax.jit(lambda p, x: apply_model(model, spec, p, x, train=train)[0])(probe_params, x)
     flat = np.asarray(logits, np.float64).ravel()[:PROBE_VALUES]
     return [float(f"{v:.7g}") if math.isfinite(v) else str(v) for v in flat.tolist()]
 
@@ -173,9 +183,10 @@ def probe_difference(recorded: Any, probe: list[Any]) -> str | None:
     return f"its logits differ by up to {err:.3g}"
 
 
-def _fixed(params: Any, *, state: bool = False) -> Any:
+def _fixed(params: Any, *, state: bool = False, rng: bool = False) -> Any:
     """Every floating-point leaf as a fixed pattern of its shape, as large as an initialiser
-    would make it (1/sqrt(fan-in); a ``state`` leaf, a variance maybe, in [0.5, 1.5])."""
+    would make it (1/sqrt(fan-in); a ``state`` leaf, a variance maybe, in [0.5, 1.5]); with
+    ``rng``, every other leaf zeros (a dropout key, its count: the module's own seed's)."""
     leaves, treedef = jax.tree.flatten(params)
     out = []
     for i, a in enumerate(map(jnp.asarray, leaves)):
@@ -184,5 +195,10 @@ def _fixed(params: Any, *, state: bool = False) -> Any:
             pattern = np.cos(np.arange(a.size, dtype=np.float64) * 0.7 + i)
             pattern = pattern / 2 + 1 if state else pattern / math.sqrt(fan_in)
             a = jnp.asarray(pattern.reshape(a.shape), a.dtype)
+        elif rng and jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            zeros = jnp.zeros_like(jax.random.key_data(a))
+            a = jax.random.wrap_key_data(zeros, impl=jax.random.key_impl(a))
+        elif rng:
+            a = jnp.zeros_like(a)
         out.append(a)
     return jax.tree.unflatten(treedef, out)
