@@ -310,8 +310,8 @@ def _classifier(
         raise ConfigError(
             f"train() needs a model whose output is (batch, classes) float logits; "
             f"{type(model).__name__} returns {got} for input shape {example.shape}. Return "
-            "the logits alone, as floats (a tuple's or dict's: compute a loss by hand with "
-            "sm.training.train_step's pieces)."
+            "the logits alone, as floats; a model of several outputs trains in a loop of your "
+            "own (jax.grad of your loss, an optax update)."
         )
     return model, spec, int(out.shape[-1])
 
