@@ -374,3 +374,13 @@ def test_resuming_with_another_dropout_rate_is_refused(tiny, tmp_path):
     r = sm.training.train(_dropout(0.5), tiny, epochs=2, checkpoint=ckpt, resume=True)
     whole = sm.training.train(_dropout(0.5), tiny, epochs=2)
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, r.params, whole.params)))
+
+
+def test_a_resume_with_another_optimizer_says_what_differs_not_only_hashes(tiny, tmp_path):
+    """The message named optimizer_sha256 and two hashes, nothing a reader could act on."""
+    ckpt = tmp_path / "ckpt"
+    sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, checkpoint=ckpt)
+    with pytest.raises(sm.CheckpointError, match=r"what differs: the optimizer: its kind, hyper"):
+        sm.training.train(
+            sm.mlp((8, 10)), tiny, epochs=2, learning_rate=1e-2, checkpoint=ckpt, resume=True
+        )

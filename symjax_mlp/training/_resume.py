@@ -36,6 +36,12 @@ PROBE_TRAIN = "model_probe_train"  # the training call's (dropout with a fixed r
 PROBE_ROWS = 2  # rows of the probe input
 PROBE_VALUES = 256  # the most logits recorded
 TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
+_FINGERPRINTED = {  # what a differing sha256 of the config stands for
+    "data_sha256": "the training data, x_train and y_train",
+    "model_sha256": "the model's configuration: its layers, widths or param shapes",
+    "optimizer_sha256": "the optimizer: its kind, hyperparameters or schedule (or the "
+    "jax_enable_x64 setting it computes in)",
+}
 
 
 def run_config(
@@ -89,10 +95,12 @@ def resume_run(
     changed = [k for k in keys if k not in probes and recorded.get(k) != config.get(k)]
     if changed:
         was = {k: recorded.get(k) for k in changed}
+        what = "; ".join(_FINGERPRINTED.get(k, k) for k in changed)
         raise CheckpointError(
             f"{found} was written with {was}, but this run has "
-            f"{ {k: config.get(k) for k in changed} }. Resuming would not continue that run; "
-            "resume with the same settings, or start over in an empty directory."
+            f"{ {k: config.get(k) for k in changed} } (what differs: {what}). Resuming would "
+            "not continue that run; resume with the same settings, or start over in an empty "
+            "directory."
         )
     # a checkpoint written before the probe was recorded has none: its config still matched
     differs = next(
