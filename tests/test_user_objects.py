@@ -267,7 +267,7 @@ def test_equinox_params_of_another_module_are_refused_naming_the_module():
     np.testing.assert_allclose(h.apply(h.params, x), mlp(x), **TOL)
 
 
-def test_keywords_named_self_or_params_are_the_models():
+def test_keywords_named_self_params_or_args_are_the_models():
     # before: h(x, self=...) hit Hybrid.__call__'s own self; an equinox model's params=...
     # hit the params of the function that combines its arrays (TypeError: multiple values)
     eqx = pytest.importorskip("equinox")
@@ -279,8 +279,9 @@ def test_keywords_named_self_or_params_are_the_models():
             return x * self.w * params + sum(kw.values())
 
     model, x = Scaled(jnp.float32(2)), jnp.ones(3)
-    plain = sm.hybridize(lambda p, x, **kw: x * p + kw["self"], 2.0)
-    for h, kw, want in ((sm.hybridize(model), {"params": 3.0}, x * 6), (plain, {"self": x}, x * 3)):
+    plain = sm.hybridize(lambda p, x, **kw: x * p + kw["self"] + kw["args"], 2.0)
+    both = {"self": x, "args": x}  # args: jax.jit's AssertionError, a name of its (*args) too
+    for h, kw, want in ((sm.hybridize(model), {"params": 3.0}, x * 6), (plain, both, x * 4)):
         np.testing.assert_allclose(h(x, **kw), want)
         np.testing.assert_allclose(h.eager(x, **kw), want)
         np.testing.assert_allclose(h.apply(h.params, x, **kw), want)

@@ -130,6 +130,9 @@ class Hybrid:
             return trace(*args, **kwargs)
 
         program.__name__ = program.__qualname__ = f"{self.name}{PROGRAM_SUFFIX}"
+        # no inspect.signature: jax.jit then names inputs args[i], kwargs['k'] as it would from
+        # (*args, **kwargs), without tripping on a model's keyword named 'args' (AssertionError)
+        program.__signature__ = "no signature"
         return jax.jit(program, **options)
 
     def _set(self, **fields: Any) -> None:
