@@ -384,3 +384,14 @@ def test_a_resume_with_another_optimizer_says_what_differs_not_only_hashes(tiny,
         sm.training.train(
             sm.mlp((8, 10)), tiny, epochs=2, learning_rate=1e-2, checkpoint=ckpt, resume=True
         )
+
+
+def test_a_learning_rate_from_a_jax_or_numpy_sweep_is_a_number(tiny):
+    """for lr in jnp.logspace(-4, -2, 3): a 0-d array was refused as 'not a number > 0'."""
+    kw = {"epochs": 1, "batch_size": 16}
+    want = sm.training.train(sm.mlp((8, 10)), tiny, learning_rate=1e-2, **kw)
+    for lr in (jnp.float32(1e-2), np.array(1e-2, np.float32), jnp.logspace(-3, -2, 2)[1]):
+        got = sm.training.train(sm.mlp((8, 10)), tiny, learning_rate=lr, **kw)
+        assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))
+    with pytest.raises(sm.ConfigError, match="learning_rate must be a number > 0"):
+        sm.training.train(sm.mlp((8, 10)), tiny, learning_rate=jnp.array([1e-2]), **kw)

@@ -264,6 +264,10 @@ def _checked_optimizer(
     optimizer: optax.GradientTransformation | None, learning_rate: float | None
 ) -> optax.GradientTransformation:
     """The optimizer to use: ``optax.adam`` by default."""
+    if np.ndim(learning_rate) == 0 and jnp.issubdtype(
+        getattr(learning_rate, "dtype", int), jnp.floating
+    ):
+        learning_rate = float(learning_rate)  # a sweep's jnp.logspace(...)[i]: a 0-d array
     lr = learning_rate
     number = isinstance(lr, numbers.Real) and not isinstance(lr, bool) and 0 < lr < math.inf
     if not (lr is None or number or callable(lr)):  # optax takes a schedule too
