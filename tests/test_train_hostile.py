@@ -395,3 +395,15 @@ def test_a_learning_rate_from_a_jax_or_numpy_sweep_is_a_number(tiny):
         assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))
     with pytest.raises(sm.ConfigError, match="learning_rate must be a number > 0"):
         sm.training.train(sm.mlp((8, 10)), tiny, learning_rate=jnp.array([1e-2]), **kw)
+
+
+def test_numpy_integer_settings_are_their_ints(tiny, tmp_path):
+    """seed=np.int64(3) was an AttributeError ('bit_length'); batch_size=np.int64(16) was
+    refused as 'must be an int'."""
+    ints = {"seed": 3, "batch_size": 16, "epochs": 1, "checkpoint_every": 1}
+    want = sm.training.train(sm.mlp((8, 10)), tiny, **ints)
+    got = sm.training.train(
+        sm.mlp((8, 10)), tiny, checkpoint=tmp_path, **{k: np.int64(v) for k, v in ints.items()}
+    )
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))
+    assert got.checkpoint is not None
