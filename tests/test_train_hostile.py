@@ -407,3 +407,16 @@ def test_numpy_integer_settings_are_their_ints(tiny, tmp_path):
     )
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))
     assert got.checkpoint is not None
+
+
+def test_a_dataset_named_by_a_path_checkpoints(tiny, tmp_path):
+    """name=Path(...) trained an epoch, then failed to save: 'save_checkpoint(metadata=...):
+    Object of type PosixPath is not JSON serializable', metadata the caller never passed."""
+    from pathlib import Path
+
+    named = sm.training.Dataset(tiny.x_train, tiny.y_train, tiny.x_test, tiny.y_test,
+                                name=Path("data") / "tiny")  # fmt: skip
+    r = sm.training.train(sm.mlp((8, 10)), named, epochs=1, checkpoint=tmp_path / "c")
+    again = sm.training.train(sm.mlp((8, 10)), named, epochs=2, checkpoint=tmp_path / "c",
+                              resume=True)  # fmt: skip
+    assert r.checkpoint is not None and again.resumed_from == r.checkpoint

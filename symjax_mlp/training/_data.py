@@ -203,7 +203,8 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
                     "Remap the labels to 0..K-1 or give the model K outputs."
                 )
         ys[name] = y.astype(np.int32)
-    return dataclasses.replace(data, **xs, **ys, **stats)
+    name = data.name if isinstance(data.name, str | int | None) else str(data.name)  # JSON
+    return dataclasses.replace(data, **xs, **ys, **stats, name=name)
 
 
 def _check_finite(name: str, a: np.ndarray) -> None:
