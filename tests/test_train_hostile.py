@@ -4,6 +4,10 @@ and 10).
 A checkpoint path that cannot hold checkpoints is refused before the first epoch (it was a
 ``FileExistsError`` after it); resuming with a model that computes something else (another
 ``__call__``, same class, name and param shapes) is refused, linen and nnx alike.
+
+Then a stranger's attacks (each test's docstring says what happened before): data of odd
+dtypes and ranges, outputs that are not one row of float logits, optimizers that change their
+state or cannot init, checkpoint calls by hand, NumPy and JAX scalars for settings.
 """
 
 from __future__ import annotations
