@@ -94,7 +94,7 @@ def write_outputs(
     written); a ``SymjaxError`` for a path that cannot be written (what each held is unchanged)."""
     files, streams, first = [], [], None
     for y, to in ((out, target), *more):
-        outs = [np.asarray(a) for a in (y if isinstance(y, tuple) else (y,))]
+        outs = arrays(y)
         is_path = isinstance(to, str | os.PathLike)
         buffer = io.BytesIO()
         if is_path and os.fspath(to).endswith(".npz"):
@@ -114,6 +114,11 @@ def write_outputs(
         stream.write(data)
         stream.flush()
     return first
+
+
+def arrays(out: Any) -> list[np.ndarray]:
+    """A model's output (an array or a tuple of them) as a list of NumPy arrays."""
+    return [np.asarray(y) for y in (out if isinstance(out, tuple) else (out,))]
 
 
 def raw_dtype_notes(arrays: Sequence[np.ndarray]) -> list[str]:

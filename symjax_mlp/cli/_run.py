@@ -41,10 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
-    import numpy as np
-
     from symjax_mlp import load
-    from symjax_mlp._npy import raw_dtype_notes, read_inputs, write_outputs
+    from symjax_mlp._npy import arrays, raw_dtype_notes, read_inputs, write_outputs
 
     paths = args.output
     for path in paths:
@@ -70,7 +68,7 @@ def run(args: argparse.Namespace) -> None:
     write_outputs(*pairs[0], *pairs[1:])  # every path, or none of them
     stream = sys.stderr if to_stdout else sys.stdout
     for (y, _), path in zip(pairs, paths, strict=True):
-        outs = [np.asarray(a) for a in (y if isinstance(y, tuple) else (y,))]
+        outs = arrays(y)
         shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in outs)
         print(f"wrote {'stdout' if to_stdout else path}: {shapes}", file=stream)
         for note in raw_dtype_notes(outs):

@@ -24,6 +24,7 @@ _BOTH = (
 _SERVE, _RAY = _BOTH + "max_connections log_level", _BOTH + "replicas dispatch"
 #: the options only one of the two servers has (by --ray): refused with the other
 _ONLY = {False: ("replicas", "replica_cpus", "ray_address"), True: ("max_connections", "log_level")}
+_DEFAULTS = {"log_level": "warning", "max_connections": 1000, "replicas": 2, "replica_cpus": 1.0}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -119,8 +120,9 @@ def run(args: argparse.Namespace) -> None:
             f"{', '.join(given)}: {'not' if args.ray else 'only'} with --ray; "
             f"{'drop it' if args.ray else 'add --ray, or drop it'}"
         )
-    args.log_level, args.max_connections = args.log_level or "warning", args.max_connections or 1000
-    args.replicas, args.replica_cpus = args.replicas or 2, args.replica_cpus or 1.0
+    for option, default in _DEFAULTS.items():  # None until here: given, or not
+        if getattr(args, option) is None:
+            setattr(args, option, default)
     if args.dispatch == "sync":
         latency_mode()  # before anything starts JAX's CPU backend
     say = print_ready(args.path)
