@@ -50,6 +50,13 @@ _NOT_FLAX = (
     "h.replace(params=...) for the trained model."
 )
 
+_PAST = (
+    "symjax_mlp.training.train(epochs={epochs}, resume=True): the newest checkpoint, {found}, "
+    "is at epoch {s.epoch} (step {s.step}), past the {epochs} epoch(s) asked for; epochs counts "
+    "the epochs done before the checkpoint too. Pass epochs >= {s.epoch} to continue that run, "
+    "or resume=False with an empty checkpoint directory to train {epochs} epoch(s) afresh."
+)
+
 
 def train(
     model: nn.Module | None = None,
@@ -116,7 +123,7 @@ def train(
       DivergenceError: the loss became NaN or infinite; the last good checkpoint is kept.
       CheckpointError: ``checkpoint`` cannot hold checkpoints (checked before any step); it
         already holds some and ``resume`` is false; or the one found does not fit this model,
-        optimizer, data, seed or batch size.
+        optimizer, data, seed or batch size, or is past ``epochs``.
       ConfigError: a hyperparameter is out of range, or the model's flags do not switch it
         between training and inference; another process was started with other settings.
       DistributedError: another process did not post its settings within ``timeout``.
@@ -187,6 +194,8 @@ def train(
         state, history, resumed_from = resume_run(
             checkpoint, state, config, resume=resume, store=store
         )
+        if state.epoch > epochs:  # the run asked for is shorter than the one found
+            raise CheckpointError(_PAST.format(epochs=epochs, found=resumed_from, s=state))
         newest = resumed_from
         for epoch in range(state.epoch + 1, epochs + 1):
             state, record = programs.epoch(state, data, batch_size, epoch, newest=newest)

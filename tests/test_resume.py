@@ -1,0 +1,33 @@
+"""Resuming a run: what a checkpoint must match of the run that continues it."""
+
+from __future__ import annotations
+
+import pytest
+
+import symjax_mlp as sm
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A small slice of digits: training it takes milliseconds."""
+    d = sm.training.load_digits()
+    return sm.training.Dataset(
+        d.x_train[:64], d.y_train[:64], d.x_test[:32], d.y_test[:32], name="tiny",
+        num_classes=10,
+    )  # fmt: skip
+
+
+def test_resuming_a_checkpoint_past_the_epochs_asked_for_is_refused(tiny, tmp_path):
+    """epochs=1 on a checkpoint of epoch 2 returned the epoch-2 params, silently."""
+    sm.training.train(sm.mlp((8, 10)), tiny, epochs=2, batch_size=16, checkpoint=tmp_path)
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.train(
+            sm.mlp((8, 10)), tiny, epochs=1, batch_size=16, checkpoint=tmp_path, resume=True
+        )
+    message = str(e.value)
+    assert "train(epochs=1, resume=True)" in message and "step_00000008" in message
+    assert "at epoch 2 (step 8)" in message and "Pass epochs >= 2" in message
+    done = sm.training.train(  # as many epochs as done: the run as it is
+        sm.mlp((8, 10)), tiny, epochs=2, batch_size=16, checkpoint=tmp_path, resume=True
+    )
+    assert (done.epoch, done.step, done.resumed_from.name) == (2, 8, "step_00000008")
