@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import optax
 import pytest
 
 import symjax_mlp as sm
@@ -31,3 +32,19 @@ def test_resuming_a_checkpoint_past_the_epochs_asked_for_is_refused(tiny, tmp_pa
         sm.mlp((8, 10)), tiny, epochs=2, batch_size=16, checkpoint=tmp_path, resume=True
     )
     assert (done.epoch, done.step, done.resumed_from.name) == (2, 8, "step_00000008")
+
+
+def test_resuming_with_a_schedule_that_differs_later_is_refused(tiny, tmp_path):
+    """Two schedules that agree on the first steps passed the optimizer's fingerprint."""
+
+    def adam(boundary):
+        return optax.adam(optax.piecewise_constant_schedule(1e-3, {boundary: 0.1}))
+
+    run = {"epochs": 1, "batch_size": 16, "checkpoint": tmp_path}
+    sm.training.train(sm.mlp((8, 10)), tiny, optimizer=adam(100), **run)
+    run.update(epochs=2, resume=True)
+    refused = r"step_00000004 was written by an optimizer that updates otherwise at its step 4"
+    with pytest.raises(sm.CheckpointError, match=refused + r": .* its updates differ by up to"):
+        sm.training.train(sm.mlp((8, 10)), tiny, optimizer=adam(4), **run)
+    resumed = sm.training.train(sm.mlp((8, 10)), tiny, optimizer=adam(100), **run)
+    assert resumed.resumed_from.name == "step_00000004" and resumed.step == 8

@@ -37,7 +37,7 @@ from symjax_mlp.training._nnx import NnxSpec, spec_of
 from symjax_mlp.training._orbax import OrbaxCheckpoints, orbax_steps
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._result import EpochRecord, TrainResult
-from symjax_mlp.training._resume import resume_run, run_config
+from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
 from symjax_mlp.training._spec import TRAIN_FORM, inference_shape
 from symjax_mlp.training._step import ModelVars, init_params
 
@@ -190,9 +190,13 @@ def train(
         model, spec, optimizer, config, compiled=compiled, blocks=blocks, timeout=timeout,
         checkpoint=checkpoint, run={"epochs": epochs, "every": checkpoint_every, "resume": resume},
     )  # fmt: skip
+
+    def update(s: TrainState) -> list[Any]:  # the optimizer's next update, measured
+        return optimizer_probe(optimizer, *programs.local((s.params, s.opt_state)))
+
     try:
         state, history, resumed_from = resume_run(
-            checkpoint, state, config, resume=resume, store=store
+            checkpoint, state, config, resume=resume, store=store, update=update
         )
         if state.epoch > epochs:  # the run asked for is shorter than the one found
             raise CheckpointError(_PAST.format(epochs=epochs, found=resumed_from, s=state))
@@ -201,7 +205,8 @@ def train(
             state, record = programs.epoch(state, data, batch_size, epoch, newest=newest)
             history.append(record)
             if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
-                meta = {"config": config, "history": [dataclasses.asdict(r) for r in history]}
+                meta = {"config": config, "history": [dataclasses.asdict(r) for r in history],
+                        OPTIMIZER_PROBE: update(state)}  # fmt: skip
                 if store is None:
                     newest = save_checkpoint(checkpoint, state, metadata=meta)
                 else:

@@ -3,7 +3,9 @@
 A run's config (seed, batch size, sha256 fingerprints of its data, model and optimizer) and its
 history are stored beside each checkpoint; resuming refuses any difference. The fingerprints
 never see the model's code, so the config also holds a probe: the inference call with fixed
-float params on a fixed input, compared within a tolerance (and only when recorded).
+float params on a fixed input, compared within a tolerance (and only when recorded). Each
+checkpoint's metadata holds the update its optimizer makes next for a fixed gradient: a resume
+with another schedule (or hyperparameter) is refused even where they agreed at the start.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,9 @@ PROBE_TRAIN = "model_probe_train"  # the training call's (dropout with a fixed r
 PROBE_ROWS = 2  # rows of the probe input
 PROBE_VALUES = 256  # the most logits recorded
 TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
+OPTIMIZER_PROBE = "optimizer_probe"  # in each checkpoint's metadata, not the run's config
+_UPDATE_TOLERANCE = {"rtol": 1e-5, "atol": 1e-12}  # the same state and ops: bitwise, but for
+# another machine's last bits
 _FINGERPRINTED = {  # what a differing sha256 of the config stands for
     "data_sha256": "the training data, x_train and y_train",
     "model_sha256": "the model's configuration: its layers, widths or param shapes",
@@ -77,9 +83,11 @@ def resume_run(
     *,
     resume: bool,
     store: Any = None,
+    update: Callable[[TrainState], list[Any]] | None = None,
 ) -> tuple[TrainState, list[EpochRecord], Path | None]:
     """``(state, history, found)`` of the newest checkpoint (in ``store``, if given), read into
-    the structure of ``state``, if it continues the run of ``config``; else ``state``."""
+    the structure of ``state``, if it continues the run of ``config``; else ``state``. ``update``
+    is :func:`optimizer_probe` of a state for this run's optimizer."""
     found = store.latest() if store is not None else checkpoint and latest_checkpoint(checkpoint)
     if not found:
         return state, [], None
@@ -114,6 +122,19 @@ def resume_run(
             "shapes are the same, but its __call__ is not (another activation, scale, dropout "
             "rate or order of layers). Resuming would not continue that run; resume with the "
             "model that wrote it, or start over in an empty directory."
+        )
+    differs = (
+        update
+        and OPTIMIZER_PROBE in meta
+        and probe_difference(meta[OPTIMIZER_PROBE], update(state), "updates", _UPDATE_TOLERANCE)
+    )
+    if differs:
+        raise CheckpointError(
+            f"{found} was written by an optimizer that updates otherwise at its step "
+            f"{state.step}: from its saved state, for a fixed gradient, {differs} from this "
+            "optimizer's. Its kind and state are the same, but a learning-rate schedule or a "
+            "hyperparameter is not. Resuming would not continue that run; resume with the "
+            "optimizer that wrote it, or start over in an empty directory."
         )
     history = [EpochRecord(**r) for r in meta.get("history", [])]  # checked as it was read
     ends = history[-1].step if history else 0
@@ -157,6 +178,21 @@ def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
     return digest.hexdigest()
 
 
+def optimizer_probe(optimizer: optax.GradientTransformation, params: Any, opt_state: Any) -> list:
+    """The update ``optimizer`` makes from ``opt_state`` for a fixed gradient of ``params``'
+    shape (its schedule's value at this step, measured), sampled per leaf, as JSON (``[]``: an
+    optimizer that cannot update without more than a gradient)."""
+    trainable = params.params if isinstance(params, ModelVars) else params
+    try:
+        updates, _ = optimizer.update(_fixed(trainable), opt_state, trainable)
+    except Exception:  # e.g. one that needs a value= (optax.contrib.reduce_on_plateau)
+        return []
+    leaves = [np.asarray(u, np.float64).ravel() for u in jax.tree.leaves(updates)]
+    k = max(1, PROBE_VALUES // max(1, len(leaves)))
+    flat = [u[np.linspace(0, u.size - 1, min(k, u.size)).astype(int)] for u in leaves if u.size]
+    return [float(v) if math.isfinite(v) else str(v) for v in np.concatenate([[], *flat])]
+
+
 def model_probe(
     model: Any, spec: Any, params: Any, example: np.ndarray, *, train: bool = False
 ) -> list[Any]:
@@ -175,20 +211,23 @@ def model_probe(
     return [float(f"{v:.7g}") if math.isfinite(v) else str(v) for v in flat.tolist()]
 
 
-def probe_difference(recorded: Any, probe: list[Any]) -> str | None:
-    """How ``probe`` differs from the ``recorded`` one, or ``None`` if within tolerance."""
+def probe_difference(
+    recorded: Any, probe: list[Any], what: str = "logits", tolerance: dict = TOLERANCE
+) -> str | None:
+    """How ``probe`` (of ``what``) differs from the ``recorded`` one, or ``None`` if within
+    ``tolerance``."""
     try:
         want = np.array([float(v) for v in recorded], np.float64)
     except (TypeError, ValueError):
         return "the checkpoint's probe is malformed"
     got = np.array([float(v) for v in probe], np.float64)
     if want.shape != got.shape:
-        return f"it gave {want.size} logits, this model gives {got.size}"
-    if np.allclose(got, want, equal_nan=True, **TOLERANCE):
+        return f"it gave {want.size} {what}, this one gives {got.size}"
+    if np.allclose(got, want, equal_nan=True, **tolerance):
         return None
     with np.errstate(invalid="ignore"):
         err = np.nanmax(np.where(got == want, 0.0, np.abs(got - want)))
-    return f"its logits differ by up to {err:.3g}"
+    return f"its {what} differ by up to {err:.3g}"
 
 
 def _fixed(params: Any, *, state: bool = False, rng: bool = False) -> Any:
