@@ -100,6 +100,8 @@ def stage(
             f"export({h.name}): two params share the path {twice[0]!r} (keys that print alike, "
             "such as 1 and '1'); params.safetensors names each tensor by its path. Rename one."
         )
+    if odd := next((p for p in paths if not _storable_path(p)), None):
+        raise ConfigError(_ODD_PATH.format(name=h.name, path=odd))
 
     def model(params: dict[str, jax.Array], *inputs: jax.Array) -> Any:
         args, kw = rebuild(static, inputs, {})
@@ -112,6 +114,18 @@ def stage(
                  model, batch, shapes is not None, (*constraints,),
                  tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in examples),
                  baked)  # fmt: skip
+
+
+_ODD_PATH = (
+    "export({name}): a param has the path {path!r}, which an artifact cannot name: a path is "
+    "at most 4096 printable characters (no newline, tab or control character) and not "
+    "safetensors' reserved '__metadata__'; load would refuse the artifact. Rename that key."
+)
+
+
+def _storable_path(path: str) -> bool:
+    """A param path that ``params.safetensors`` and the manifest name as load reads them."""
+    return path.isprintable() and len(path) <= 4096 and path != "__metadata__"
 
 
 _COMPLEX = (

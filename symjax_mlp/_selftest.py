@@ -61,18 +61,24 @@ def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
     return out
 
 
-def encode(xs: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> bytes:
-    """The vectors as safetensors: ``args[i]`` and ``out[i]``."""
+def encode(xs: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> bytes | None:
+    """The vectors as safetensors: ``args[i]`` and ``out[i]``; ``None`` if load could not read
+    them back (a float8 or int4 tensor, which safetensors or its reader lacks)."""
     # np.asarray(order="C"), not np.ascontiguousarray: that one makes a scalar 1-d
     tensors = {f"args[{i}]": np.asarray(x, order="C") for i, x in enumerate(xs)}
     tensors |= {f"out[{i}]": np.asarray(y, order="C") for i, y in enumerate(outs)}
-    specs = {
-        name: safetensors.TensorSpec(
-            dtype=str(a.dtype), shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
-        )
-        for name, a in tensors.items()
-    }
-    return bytes(safetensors.serialize(specs, metadata={"format": "symjax_mlp.selftest"}))
+    try:
+        specs = {
+            name: safetensors.TensorSpec(
+                dtype=str(a.dtype), shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
+            )
+            for name, a in tensors.items()
+        }
+        data = bytes(safetensors.serialize(specs, metadata={"format": "symjax_mlp.selftest"}))
+        decode_params(data, file=SELFTEST)
+    except (safetensors.SafetensorError, ArtifactError):
+        return None
+    return data
 
 
 def run(
