@@ -171,12 +171,21 @@ def test_connections_past_the_limit_are_refused_at_once(server):
     """Item 5: idle connections cannot queue requests for ever; once they go, it serves."""
     url, _, _ = server
     x = json.dumps({"inputs": np.zeros((1, 512), np.float32).tolist()}).encode()
+    before = _count(url, 503)
     idle = [socket.create_connection(("127.0.0.1", _port(url))) for _ in range(MAX_CONNECTIONS)]
     try:
         time.sleep(0.3)
         start = time.monotonic()
-        assert _post(url, x)[0] == 503
+        req = urllib.request.Request(url + "/predict", data=x, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(req, timeout=30)
         assert time.monotonic() - start < 10
+        with caught.value as e:  # uvicorn's own 503 was text/plain "Service Unavailable"
+            assert e.code == 503 and e.headers["Content-Type"] == "application/json"
+            assert e.headers["Retry-After"] == "1"
+            answer = json.loads(e.read())
+        assert answer["error"] == "OverloadError", answer
+        assert f"max_connections={MAX_CONNECTIONS}" in answer["message"], answer
     finally:
         for s in idle:
             s.close()
@@ -184,6 +193,50 @@ def test_connections_past_the_limit_are_refused_at_once(server):
     while _post(url, x)[0] != 200:
         assert time.monotonic() < deadline, "the closed connections were never released"
         time.sleep(0.1)
+    assert _count(url, 503) > before
+
+
+def test_max_connections_of_one_serves_a_lone_client():
+    """uvicorn's limit_concurrency counts the asking connection: limit_concurrency=1 (serve's
+    max_connections=1) answered every request 503, even the only one."""
+    from symjax_mlp.serving._server import bounded_heads, limited
+
+    with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b:
+        heads = bounded_heads(5.0)
+        app = limited(sm.serving.create_app(b, close_batcher=False), heads, 1)
+        with _in_thread(app, http=heads) as url:
+            body = json.dumps({"inputs": [[1.0, 2.0]]}).encode()
+            for _ in range(2):  # the connection of the first has gone
+                code, raw = _post(url, body)
+                assert code == 200 and json.loads(raw) == {"outputs": [[1.0, 2.0]]}, raw
+            with socket.create_connection(("127.0.0.1", _port(url))):  # a second one: 503
+                time.sleep(0.3)
+                code, raw = _post(url, body)
+            assert code == 503 and json.loads(raw)["error"] == "OverloadError", raw
+
+
+@contextlib.contextmanager
+def _in_thread(app, **config):
+    """``app`` served by uvicorn on a thread of this process: its URL, until the block ends."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", **config))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 def test_a_body_past_the_limit_sent_whole_reads_its_413_not_a_reset(server):
@@ -423,9 +476,6 @@ def test_create_app_refuses_limits_that_are_not_positive():
 def test_a_model_raising_a_base_exception_is_the_json_500_and_counted(kind):
     """The batcher hands SystemExit and KeyboardInterrupt to the request, as any error; the
     app let them through to uvicorn: a text/plain 500, a traceback, no count on /metrics."""
-    import threading
-
-    import uvicorn
 
     def model(x):
         if (x[:, 0] == 7).any():
@@ -434,24 +484,12 @@ def test_a_model_raising_a_base_exception_is_the_json_500_and_counted(kind):
 
     with sm.serving.Batcher(model, example=np.zeros((1, 4), np.float32), max_batch=4) as b:
         app = sm.serving.create_app(b, close_batcher=False)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        try:
-            while not server.started:
-                time.sleep(0.01)
+        with _in_thread(app, lifespan="off") as url:
             code, raw = _post(url, json.dumps({"inputs": [[7.0, 0.0, 0.0, 0.0]]}).encode())
             assert code == 500 and json.loads(raw) == {"error": kind.__name__, "message": "boom"}
             code, raw = _post(url, json.dumps({"inputs": [[1.0, 0.0, 0.0, 0.0]]}).encode())
             assert code == 200 and json.loads(raw) == {"outputs": [[2.0, 0.0, 0.0, 0.0]]}
             assert _count(url, 500) == 1
-        finally:
-            server.should_exit = True
-            thread.join(30)
-            sock.close()
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,14 @@ def create_app(
 ) -> Any:
     """The ASGI app serving ``batcher`` (a ``starlette.applications.Starlette``).
 
+    The app bounds request bodies (size, pace, bytes in flight). A request's head and the
+    connections are bounded only by :func:`serve` (its uvicorn protocol): under your own
+    ``uvicorn.run(app)``, uvicorn (over httptools) reads a head of any size at any pace, keeps
+    a connection that sends nothing open for ever, and answers ``limit_concurrency`` in
+    text/plain. There, pass at least ``http="h11", h11_max_incomplete_event_size=65536`` (a
+    head past 64 KiB: 400) and ``limit_concurrency=N``, and put a proxy with a header timeout
+    (nginx's ``client_header_timeout``) in front; or call :func:`serve`.
+
     Args:
       batcher: the :class:`~symjax_mlp.serving.Batcher` that runs the requests.
       max_body_bytes: larger request bodies are refused with 413.
@@ -249,7 +257,9 @@ def create_app(
         Route("/metrics", metrics, methods=["GET"]),
         Route("/signature", signature, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
+    app.state.answered = by_code  # what /metrics counts, for a refusal before the app's
+    return app
 
 
 def model_name(model: LoadedModel) -> str:

@@ -88,7 +88,10 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        open = 0  # connections now, all of this server's (see limited())
+
         def connection_made(self, transport: Any) -> None:
+            BoundedHeads.open += 1
             super().connection_made(_Lingering(transport, self, head_timeout))
             self._head_bytes, self._head_timer = 0, None
             self._arm()
@@ -149,10 +152,41 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
             return super().eof_received()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            BoundedHeads.open -= 1
             self._disarm()
             super().connection_lost(exc)
 
     return BoundedHeads
+
+
+def limited(app: Any, heads: type, limit: int) -> Any:
+    """``app``, answering a request 503 (the JSON error body, with ``Retry-After``) while more
+    than ``limit`` connections of ``heads`` are open or ``limit`` requests run. uvicorn's
+    ``limit_concurrency`` answered in text/plain, and counted the asking connection among the
+    ``limit``: ``limit_concurrency=1`` refused every request."""
+    running = [0]
+
+    async def limited_app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        if heads.open > limit or running[0] >= limit:
+            if scope["path"] == "/predict":
+                app.state.answered[503] += 1
+            body = json.dumps({"error": "OverloadError", "message": (
+                f"the server has {heads.open} connections open and {running[0]} requests "
+                f"running, past max_connections={limit}; retry shortly."
+            )}).encode()  # fmt: skip
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            headers += [(b"retry-after", b"1"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            return await send({"type": "http.response.body", "body": body})
+        running[0] += 1
+        try:
+            return await app(scope, receive, send)
+        finally:
+            running[0] -= 1
+
+    return limited_app
 
 
 def serve(
@@ -191,7 +225,7 @@ def serve(
       max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a request's
         line and headers too must come within ``body_timeout`` (and 64 KiB; else 408, 431).
       max_connections: the most connections (and requests) at once; past it a request is
-        answered 503 (uvicorn's ``limit_concurrency``).
+        answered 503, the JSON error body with ``Retry-After``.
       log_level: uvicorn's log level.
       ready: called with the URL once the socket is bound (default: prints it).
       entry: the entry point to serve (default: the artifact's default one).
@@ -241,14 +275,14 @@ def serve(
             bound = sock.getsockname()[1]
             shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
             url = f"http://{shown}:{bound}"
+            heads = bounded_heads(body_timeout)  # a head, too, within time and 64 KiB
             config = uvicorn.Config(
-                app,
+                limited(app, heads, max_connections),  # not limit_concurrency: a text 503
                 log_level=log_level,
                 access_log=False,
                 lifespan="on",
                 timeout_graceful_shutdown=30,
-                limit_concurrency=max_connections,
-                http=bounded_heads(body_timeout),  # a head, too, within time and 64 KiB
+                http=heads,
                 # h11 (uvicorn without httptools) stops a head at 16 KiB with a 400: past ours
                 h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
             )
