@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
 
@@ -48,3 +50,36 @@ def test_resuming_with_a_schedule_that_differs_later_is_refused(tiny, tmp_path):
         sm.training.train(sm.mlp((8, 10)), tiny, optimizer=adam(4), **run)
     resumed = sm.training.train(sm.mlp((8, 10)), tiny, optimizer=adam(100), **run)
     assert resumed.resumed_from.name == "step_00000004" and resumed.step == 8
+
+
+def test_a_failed_save_does_not_hide_the_error_of_the_step(tiny, tmp_path, monkeypatch):
+    """A step's error, raised while an asynchronous (Orbax) save failed, was replaced by the
+    save's error when the checkpoints were closed: both are told, the step's raised."""
+    from symjax_mlp.training import _loop
+    from symjax_mlp.training._orbax import OrbaxCheckpoints
+
+    def disk_full(self, step, *rest):
+        raise OSError("disk full")
+
+    def orbax(*args, **kwargs):  # a one-process run with a multi-process run's checkpoints
+        programs, _, watch = processes(*args, **kwargs)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return programs, OrbaxCheckpoints(tmp_path, timeout=30, sharding=device), watch
+
+    processes = _loop._processes
+    monkeypatch.setattr(_loop, "_processes", orbax)
+    monkeypatch.setattr(OrbaxCheckpoints, "_write", disk_full)
+
+    def nan_at(count):  # the count-th update NaN: the loss after it is NaN
+        def update(updates, seen, params=None):
+            scale = jnp.where(seen == count, jnp.nan, 1.0)
+            return jax.tree.map(lambda u: u * scale, updates), seen + 1
+
+        return optax.GradientTransformation(lambda p: jnp.zeros([], jnp.int32), update)
+
+    opt = optax.chain(optax.sgd(0.1), nan_at(5))
+    with pytest.raises(sm.DivergenceError, match="at step 6") as e:
+        sm.training.train(sm.mlp((8, 10)), tiny, optimizer=opt, epochs=2, batch_size=16,
+                          checkpoint=tmp_path)  # fmt: skip
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "OSError: disk full" in notes

@@ -213,10 +213,10 @@ def train(
                     newest = store.save(state, meta)
             if on_epoch is not None:
                 on_epoch(record)
-    finally:
-        for done in (store, watch):
-            if done is not None:
-                done.close()
+    except BaseException as e:  # its own error is raised, a failed save's a note on it
+        _close({"its checkpoints": store, "its watchdog": watch}, e)
+        raise
+    _close({"its checkpoints": store, "its watchdog": watch})
     params, opt_state = programs.local((state.params, state.opt_state))
     stateful = isinstance(params, ModelVars)
     params, model_state = (params.params, params.state) if stateful else (params, None)
@@ -242,6 +242,25 @@ def train(
         standardize=None if data.mean is None else (data.mean, data.std),
         checkpoint_waits=() if store is None else tuple(store.waits),
     )
+
+
+def _close(parts: dict[str, Any], error: BaseException | None = None) -> None:
+    """Closes each of ``parts``. One that fails is a note on the run's ``error`` (still the one
+    raised), if it raised one; else the first failure is raised once all are closed."""
+    first = None
+    for what, part in parts.items():
+        try:
+            if part is not None:
+                part.close()
+        except Exception as e:
+            if error is None and first is None:
+                first = e
+            else:
+                (error or first).add_note(
+                    f"symjax_mlp.training.train: closing {what} failed too: {type(e).__name__}: {e}"
+                )
+    if first is not None:
+        raise first
 
 
 def _processes(

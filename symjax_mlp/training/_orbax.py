@@ -166,10 +166,10 @@ class OrbaxCheckpoints:
         return state_of(arrays, like, meta), meta.get("metadata", {})
 
     def close(self) -> None:
-        """Waits for the last save to commit, then releases the manager."""
+        """Waits for the last save to commit, then releases the manager (after a failed save
+        too: its error is raised then)."""
         try:
             self._finish()
         finally:
             self._thread.shutdown()
-        self.manager.wait_until_finished()
-        self.manager.close()
+            self.manager.close()  # waits for Orbax's last commit
