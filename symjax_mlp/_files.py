@@ -213,7 +213,7 @@ def _mine(st: os.stat_result, others: int) -> bool:
 
 def write_file_atomic(file: Path, data: bytes) -> None:
     """Writes ``file`` through a temporary sibling and one ``os.replace``."""
-    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = _sibling(file)
     try:
         write_file(tmp, data)
         os.replace(tmp, file)
@@ -234,7 +234,7 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
             if path.exists() and not path.is_file():
                 special.append((file, path, data))
                 continue
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+            tmp = _sibling(path)
             staged.append((tmp, path))
             write_file(tmp, data)
         for tmp, path in staged:
@@ -264,7 +264,7 @@ def write_dir(
     other failure raises ``error`` (about ``what``: "the artifact"), ``path`` unchanged."""
     target = f"{what} {path}" if what else str(path)
     check(path, overwrite)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = _sibling(path)
     try:
         lock = _locked_dir(path, tmp)
     except OSError as e:
@@ -297,11 +297,18 @@ def write_dir(
     remove_stale(path)
 
 
+def _sibling(path: Path, kind: str = "tmp") -> Path:
+    """``.{name}.{kind}-{pid}-{random}`` beside ``path``; a name too long for that suffix (a
+    name has 255 bytes at most) by its hash."""
+    name = path.name if len(os.fsencode(path.name)) <= 200 else sha256(os.fsencode(path.name))
+    return path.parent / f".{name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
 def _replace(tmp: Path, path: Path) -> None:
     """Swaps ``tmp`` into ``path``; afterwards ``tmp`` holds what ``path`` held."""
     if _rename(tmp, path, _RENAME_EXCHANGE):
         return
-    old = path.parent / f".{path.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    old = _sibling(path, "old")
     os.rename(path, old)  # not Linux: two renames, a tiny window without path
     try:
         os.rename(tmp, path)
@@ -339,7 +346,7 @@ def _fsync_dir(path: Path) -> None:
 def _locked_dir(path: Path, tmp: Path) -> int:
     """Creates the directory ``tmp`` holding an exclusive ``flock`` (the fd, to close when
     done): made under another name and renamed, so a cleanup never finds it unlocked."""
-    new = tmp.with_name(tmp.name.replace(".tmp-", ".new-", 1))
+    new = _sibling(path, "new")
     path.parent.mkdir(parents=True, exist_ok=True)
     new.mkdir()
     fd = os.open(new, os.O_RDONLY)
@@ -362,7 +369,8 @@ def remove_stale(path: Path) -> None:
     pid is no live process here and no process holds the lock each writer holds while
     writing (a pid alone says nothing across PID namespaces: two containers sharing a
     volume), or, where the filesystem has no locks, a day old."""
-    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(tmp|old|new)-(\d+)-[0-9a-f]+$")
+    stem = _sibling(path).name[1:].rsplit(".tmp-", 1)[0]
+    pattern = re.compile(rf"^\.{re.escape(stem)}\.(tmp|old|new)-(\d+)-[0-9a-f]+$")
     for sibling in path.parent.iterdir():
         m = pattern.match(sibling.name)
         if m and not _alive(int(m.group(2))) and _abandoned(sibling, m.group(1) == "tmp"):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import symjax_mlp as sm
+from symjax_mlp._npy import write_outputs
 
 
 @pytest.mark.parametrize("key", ["a\nb", "tab\there", "nul\x00", "rtl\u202e", "__metadata__"])
@@ -28,3 +29,15 @@ def test_float8_and_int4_inputs_or_outputs_export_and_load(tmp_path, dtype_in, d
     y = sm.load(tmp_path / "a")(x)
     assert y.dtype == dtype_out
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(h(x), np.float32))
+
+
+def test_a_name_of_250_bytes_exports_and_writes_outputs(tmp_path):
+    """A file name may have 255 bytes; the temporary sibling's suffix must not push it over."""
+    h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
+    x = jnp.ones((2, 3))
+    art = sm.export(h, tmp_path / ("a" * 250), example=x)
+    np.testing.assert_array_equal(sm.load(art.path)(x), h(x))
+    sm.export(h, art.path, example=x, overwrite=True)  # the old one swapped out beside it
+    write_outputs(h(x), tmp_path / ("y" * 246 + ".npy"))
+    assert np.load(tmp_path / ("y" * 246 + ".npy")).shape == (2, 3)
+    assert sorted(p.name[0] for p in tmp_path.iterdir()) == ["a", "y"]  # no litter
