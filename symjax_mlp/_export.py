@@ -108,7 +108,13 @@ def export(
       >>> sm.load(art.path)(x).shape
       (1, 2)
     """
-    if not os.fspath(path):  # Path("") is the working directory
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    if not isinstance(text, str) or "\x00" in text:
+        raise ConfigError(
+            f"symjax_mlp.export(..., path={path!r}): the artifact directory is a str or a "
+            "pathlib.Path without a NUL character; pass one, e.g. 'my_mlp'."
+        )
+    if not text:  # Path("") is the working directory
         raise ArtifactError("export: the path is ''; pass the artifact directory to write.")
     path = Path(path)
     points = _entry_points(h)

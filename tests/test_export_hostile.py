@@ -41,3 +41,10 @@ def test_a_name_of_250_bytes_exports_and_writes_outputs(tmp_path):
     write_outputs(h(x), tmp_path / ("y" * 246 + ".npy"))
     assert np.load(tmp_path / ("y" * 246 + ".npy")).shape == (2, 3)
     assert sorted(p.name[0] for p in tmp_path.iterdir()) == ["a", "y"]  # no litter
+
+
+@pytest.mark.parametrize("path", [b"my_mlp", "a\x00b", 3, None])
+def test_a_path_that_is_no_str_or_has_a_nul_is_a_config_error(path):
+    h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
+    with pytest.raises(sm.ConfigError, match=r"symjax_mlp\.export\(\.\.\., path=.*a str or a"):
+        sm.export(h, path, example=jnp.ones((2, 3)))
