@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,8 +15,10 @@ from symjax_mlp._hybrid.pure import state_structure, unwrap_keys, wrap_keys
 
 _STATE_UNDER_TRANSFORM = (
     "{name}: a stateful Hybrid was called inside a JAX transformation (jax.jit, jax.grad, "
-    "jax.vmap, ...), where its new state would be a tracer. Use the pure form there: "
-    "out, state = h.apply(h.params, x) returns the new state instead of holding it."
+    "jax.vmap, ...) in a way that changes its state (training mode: batch statistics, an rng "
+    "stream drawn or split), where the new state would be a tracer. Call it in eval mode "
+    "there, which keeps the state, or use the pure form: out, state = h.apply(h.params, x) "
+    "returns the new state instead of holding it."
 )
 _STATE_STRUCTURE = (
     "{name}: a call changed the structure of the model's state, from {before} to {after}; a "
@@ -23,6 +26,10 @@ _STATE_STRUCTURE = (
     "in __call__, a sow). Create every variable when the model is built, or use the pure form, "
     "out, state = h.apply(h.params, x), which returns whatever state the call makes."
 )
+
+
+class TraceFirst(Exception):
+    """Raised by a trace begun under the lock (:meth:`HeldState.call` then traces unlocked)."""
 
 
 class HeldState:
@@ -36,13 +43,15 @@ class HeldState:
         self.leaves = _copies(leaves) if own else leaves
         self._tree = None if own else state  # rebuilt on the first read after a call
         self.lock = threading.RLock()
+        self._locked = threading.local()  # .call: this thread's call holds the lock
 
     @property
     def tree(self) -> Any:
         """The state as a tree, as of the last call."""
         tree = self._tree
         if tree is None:
-            with self.lock:  # not between a call and its hold()
+            # not between a call and its hold(); arrays, even when read while tracing
+            with self.lock, jax.ensure_compile_time_eval():
                 tree = self._tree = self.unflatten(self.leaves)
         return tree
 
@@ -61,9 +70,38 @@ class HeldState:
 
     def copy(self) -> Any:
         """:attr:`tree` in new buffers, which no donating call consumes."""
+        with self.lock, jax.ensure_compile_time_eval():
+            return self.unflatten(_copies(self.leaves))
+
+    def call(self, jitted: Any, args: tuple, keeps: Callable[..., bool] | None = None) -> list[Any]:
+        """``jitted(static, leaves, held, dyn, dyn_kw)`` (``args`` lacking ``held``) from the
+        held state, its new one held (``[out, *rest]``), calls one at a time. A call that traces
+        is traced first unlocked (``jitted.trace``, which the call then reuses): ``on_trace``
+        callbacks may read or call the Hybrid, from any thread. Under a JAX transform, a call
+        whose new state is a tracer is refused, unless ``keeps(*args)`` (it keeps the state)."""
+        try:
+            return self._step(jitted, args, keeps, first=True)
+        except TraceFirst:
+            jitted.trace(*args[:2], self.leaves, *args[2:])
+        return self._step(jitted, args, keeps, first=False)
+
+    def _step(self, jitted: Any, args: tuple, keeps: Any, first: bool) -> list[Any]:
+        """One locked call; ``first``: a trace it begins raises :class:`TraceFirst`."""
         with self.lock:
-            raw = _copies(self.leaves)
-        return self.unflatten(raw)
+            was, self._locked.on = getattr(self._locked, "on", False), first
+            try:
+                out, held, *rest = jitted(*args[:2], self.leaves, *args[2:])
+            finally:
+                self._locked.on = was
+            traced = any(isinstance(leaf, jax.core.Tracer) for leaf in held)
+            if not (traced and keeps is not None and keeps(*args)):
+                self.hold(held)
+        return [out, *rest]
+
+    def tracing(self) -> None:
+        """Called as a trace begins: :class:`TraceFirst` if under :meth:`call`'s lock."""
+        if getattr(self._locked, "on", False):
+            raise TraceFirst
 
     def hold(self, leaves: list[Any]) -> None:
         """Holds a call's new flat state (under :attr:`lock`); a traced one is refused."""

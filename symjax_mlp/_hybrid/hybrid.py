@@ -245,10 +245,9 @@ class Hybrid:
             return out[0]
 
     def _call_held(self, static: Any, dyn: Any, dyn_kw: Any, variables: Any = ()) -> Any:
-        """A stateful call: the held state passed and the new one held, under its lock."""
-        with self._held.lock:
-            out, held, *new = self._jitted(static, self._leaves, self._held.leaves, dyn, dyn_kw)
-            self._held.hold(held)
+        """A stateful call: the held state passed and the new one held (:meth:`HeldState.call`)."""
+        args, keeps = (static, self._leaves, dyn, dyn_kw), self._traced.keeps_state
+        out, *new = self._held.call(self._jitted, args, keeps)
         if variables:
             write_back(variables, new[0], self.name)
         return out

@@ -221,7 +221,5 @@ class DataParallel:
                     raise SignatureError(
                         _PADDED_STATE.format(name=self.name, batch=batch, n=self.n_shards)
                     )
-            with held.lock:
-                out, new_held = jitted(static, leaves, held.leaves, placed, placed_kw)
-                held.hold(new_held)
+            out = held.call(jitted, (static, leaves, placed, placed_kw))[0]
         return jax.tree.map(lambda y: y[:batch], out) if padded else out

@@ -180,6 +180,14 @@ _RETRACE = (
 )
 
 
+_REENTERED = (
+    "{name}: an on_trace callback called the Hybrid on inputs that trace it again (or ran it "
+    "eagerly), which runs the callback again, without end. A callback may read the Hybrid "
+    "(h.state, h.trace_log) and call it on inputs already traced; make other calls after the "
+    "call that traced returns."
+)
+
+
 class TraceLog:
     """The traces of one Hybrid's compiled paths: each :meth:`begin` s, and :meth:`commit` s
     once it succeeded; ``callbacks`` are shared by the Hybrids ``replace`` makes."""
@@ -189,6 +197,7 @@ class TraceLog:
         self.callbacks: list[Callable[..., Any]] = []
         self._events: list[TraceEvent] = []
         self._lock = threading.Lock()
+        self._running = threading.local()  # this thread runs the callbacks
 
     @property
     def events(self) -> tuple[TraceEvent, ...]:
@@ -200,8 +209,17 @@ class TraceLog:
         self.callbacks.append(callback)
 
     def run_callbacks(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        for callback in self.callbacks:
-            callback(*args, **kwargs)
+        """Runs each callback; one that traces (or eagerly runs) this Hybrid again is refused."""
+        if getattr(self._running, "on", False):
+            raise ConfigError(_REENTERED.format(name=self.name))
+        self._running.on = True
+        try:
+            for callback in self.callbacks:
+                callback(*args, **kwargs)
+        except RecursionError as e:  # jax.jit's, for a call on the very inputs being traced
+            raise ConfigError(_REENTERED.format(name=self.name)) from e
+        finally:
+            self._running.on = False
 
     def begin(self, static: Any, dyn: Any, dyn_kw: Any, entry: str) -> TraceEvent:
         """The event this trace will log, its callbacks run; a RetraceError past the budget."""

@@ -76,15 +76,29 @@ class TracedModel:
         params = jax.tree.unflatten(self.treedef, leaves)
         return any(input_dependent(self.staged(static, params, self.held.tree, dyn, dyn_kw, 1)))
 
+    def params(self, leaves: list[Any]) -> Any:
+        """A call's params: ``leaves``, or the constants a baked program closes over (JAX
+        stages them as XLA constants)."""
+        return jax.tree.unflatten(
+            self.treedef, leaves if self.constants is None else self.constants
+        )
+
+    def keeps_state(self, static: Any, leaves: Any, dyn: Any, dyn_kw: Any) -> bool:
+        """Whether a call returns the held state as given (an eval-mode call): one a JAX
+        transform may run, with no new state to hold."""
+        params = self.params(leaves)
+
+        def new_state(state: Any, dyn: Any, dyn_kw: Any) -> Any:
+            return self.call(static, params, state, dyn, dyn_kw)[1]
+
+        jaxpr = jax.make_jaxpr(new_state)(self.held.tree, dyn, dyn_kw).jaxpr
+        return jaxpr.outvars == jaxpr.invars[: len(jaxpr.outvars)]
+
     def run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
         """One trace: logged (its budget enforced) before, committed after; ``h.apply``'s
         (``entry="apply"``) returns ``out``, the new state (and given values)."""
         event = self.log.begin(static, dyn, dyn_kw, entry)
-        if entry == "apply":
-            params = leaves
-        else:  # a baked call closes over the params: JAX stages them as constants
-            baked = self.constants is not None
-            params = jax.tree.unflatten(self.treedef, self.constants if baked else leaves)
+        params = leaves if entry == "apply" else self.params(leaves)
         given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
         result = self.call(static, params, state, dyn, dyn_kw)
         self.log.commit(event)
@@ -99,6 +113,7 @@ class TracedModel:
         self, static: Any, leaves: list[Any], held: list[Any], dyn: Any, dyn_kw: Any
     ) -> Any:
         """``h(x)`` of a stateful model: ``out``, the new flat state (and given values)."""
+        self.held.tracing()  # traced unlocked, callbacks run unlocked
         state = self.held.unflatten(held)
         out, new_state, *given = self.run(static, leaves, state, dyn, dyn_kw, "call")
         return out, self.held.flatten(new_state), *given

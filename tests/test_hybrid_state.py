@@ -1,0 +1,120 @@
+"""A stateful Hybrid against its own callbacks and JAX's transforms: an ``on_trace`` callback
+may read or call the Hybrid from any thread (the trace runs outside the state's lock), and an
+eval-mode call, which keeps the state, runs under ``jax.jit``.
+
+Each call that could hang runs in a thread joined with a timeout, so a regression fails.
+"""
+
+import threading
+
+import chex
+import jax
+import pytest
+from flax import nnx
+from helpers import LinenBatchNorm, NnxBatchNorm, NnxModes, keyless, rand
+
+import symjax_mlp as sm
+
+X = rand(4, 5)  # (batch, features)
+
+
+def bounded(fn, seconds=120):
+    """``fn()``, or a failure if it has not returned within ``seconds`` (a deadlock)."""
+    result = {}
+
+    def run():
+        try:
+            result["out"] = fn()
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} did not return within {seconds}s (a deadlock)"
+    if "error" in result:
+        raise result["error"]
+    return result["out"]
+
+
+def _linen():
+    model = LinenBatchNorm()
+    return sm.hybridize(model, model.init(jax.random.key(0), X))
+
+
+def _nnx():
+    return sm.hybridize(NnxBatchNorm(nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("make", [_linen, _nnx], ids=["linen", "nnx"])
+@pytest.mark.parametrize("touch", ["state", "call", "replace", "module"])
+def test_an_on_trace_callback_may_use_its_stateful_hybrid_from_another_thread(make, touch):
+    h, fresh = make(), make()
+    h(X, train=True)
+    seen = []
+
+    @h.on_trace
+    def callback(*args, **kwargs):  # as a logger handing work to another thread does
+        use = {
+            "state": lambda: h.state,
+            "call": lambda: h(X, train=True),  # a traced signature: no trace
+            "replace": lambda: h.replace(name="twin"),
+            "module": lambda: h.module,
+        }[touch]
+        seen.append(bounded(use, 60))
+
+    out = bounded(lambda: h(X[:3], train=True))
+    assert len(seen) == 1
+    # as if called one after the other: the callback's call first, then the call that traced
+    calls = [X, X, X[:3]] if touch == "call" else [X, X[:3]]
+    want = [fresh(x, train=True) for x in calls][-1]
+    chex.assert_trees_all_close(out, want)
+    chex.assert_trees_all_close(keyless(h.state), keyless(fresh.state))
+
+
+@pytest.mark.parametrize("make", [_linen, _nnx], ids=["linen", "nnx"])
+def test_an_on_trace_callback_calling_its_hybrid_again_is_refused_not_recursed(make):
+    h = make()
+    h.on_trace(lambda x, **kw: h(x, **kw))  # the very inputs being traced
+    with pytest.raises(sm.ConfigError, match=r"on_trace callback called the Hybrid"):
+        bounded(lambda: h(X, train=True))
+    with pytest.raises(sm.ConfigError, match=r"on_trace callback called the Hybrid"):
+        bounded(lambda: h.eager(X))
+    assert h.trace_count == 0
+
+
+def _linen_eval():
+    return _linen(), {"train": False}
+
+
+def _nnx_eval():
+    module = NnxModes(nnx.Rngs(0, dropout=1))
+    module.eval()
+    return sm.hybridize(module), {}
+
+
+def _nnx_flag():
+    return _nnx(), {"train": False}
+
+
+@pytest.mark.parametrize("make", [_linen_eval, _nnx_eval, _nnx_flag], ids=["linen", "nnx", "flag"])
+def test_an_eval_mode_stateful_call_runs_under_jit(make):
+    h, settings = make()
+    state = keyless(h.state)
+    want = h(X, **settings)
+    got = jax.jit(lambda x: h(x, **settings))(X)
+    chex.assert_trees_all_close(got, want)
+    chex.assert_trees_all_close(keyless(h.state), state)
+    chex.assert_trees_all_close(jax.jit(lambda x: h(x, **settings))(X + 1), h(X + 1, **settings))
+
+
+def test_a_training_mode_stateful_call_under_jit_is_still_refused():
+    h = _linen()
+    state = keyless(h.state)
+    with pytest.raises(sm.ControlFlowError, match=r"changes its state.*eval mode.*h\.apply"):
+        jax.jit(lambda x: h(x, train=True))(X)
+    chex.assert_trees_all_close(keyless(h.state), state)
+    module = NnxModes(nnx.Rngs(0, dropout=1))
+    h = sm.hybridize(module)
+    with pytest.raises(sm.ControlFlowError, match=r"changes its state"):
+        jax.jit(h)(X)
