@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -12,26 +13,24 @@ import symjax_mlp as sm
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A small slice of digits: training it takes milliseconds."""
-    d = sm.training.load_digits()
-    return sm.training.Dataset(
-        d.x_train[:64], d.y_train[:64], d.x_test[:32], d.y_test[:32], name="tiny",
-        num_classes=10,
-    )  # fmt: skip
+    """Two classes of 12 features, 4 steps of 16 per epoch: training it takes milliseconds."""
+    x = np.random.default_rng(0).normal(size=(96, 12)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int32)
+    return sm.training.Dataset(x[:64], y[:64], x[64:], y[64:], name="tiny")
 
 
 def test_resuming_a_checkpoint_past_the_epochs_asked_for_is_refused(tiny, tmp_path):
     """epochs=1 on a checkpoint of epoch 2 returned the epoch-2 params, silently."""
-    sm.training.train(sm.mlp((8, 10)), tiny, epochs=2, batch_size=16, checkpoint=tmp_path)
+    sm.training.train(sm.mlp((8, 2)), tiny, epochs=2, batch_size=16, checkpoint=tmp_path)
     with pytest.raises(sm.CheckpointError) as e:
         sm.training.train(
-            sm.mlp((8, 10)), tiny, epochs=1, batch_size=16, checkpoint=tmp_path, resume=True
+            sm.mlp((8, 2)), tiny, epochs=1, batch_size=16, checkpoint=tmp_path, resume=True
         )
     message = str(e.value)
     assert "train(epochs=1, resume=True)" in message and "step_00000008" in message
     assert "at epoch 2 (step 8)" in message and "Pass epochs >= 2" in message
     done = sm.training.train(  # as many epochs as done: the run as it is
-        sm.mlp((8, 10)), tiny, epochs=2, batch_size=16, checkpoint=tmp_path, resume=True
+        sm.mlp((8, 2)), tiny, epochs=2, batch_size=16, checkpoint=tmp_path, resume=True
     )
     assert (done.epoch, done.step, done.resumed_from.name) == (2, 8, "step_00000008")
 
@@ -43,12 +42,12 @@ def test_resuming_with_a_schedule_that_differs_later_is_refused(tiny, tmp_path):
         return optax.adam(optax.piecewise_constant_schedule(1e-3, {boundary: 0.1}))
 
     run = {"epochs": 1, "batch_size": 16, "checkpoint": tmp_path}
-    sm.training.train(sm.mlp((8, 10)), tiny, optimizer=adam(100), **run)
+    sm.training.train(sm.mlp((8, 2)), tiny, optimizer=adam(100), **run)
     run.update(epochs=2, resume=True)
     refused = r"step_00000004 was written by an optimizer that updates otherwise at its step 4"
     with pytest.raises(sm.CheckpointError, match=refused + r": .* its updates differ by up to"):
-        sm.training.train(sm.mlp((8, 10)), tiny, optimizer=adam(4), **run)
-    resumed = sm.training.train(sm.mlp((8, 10)), tiny, optimizer=adam(100), **run)
+        sm.training.train(sm.mlp((8, 2)), tiny, optimizer=adam(4), **run)
+    resumed = sm.training.train(sm.mlp((8, 2)), tiny, optimizer=adam(100), **run)
     assert resumed.resumed_from.name == "step_00000004" and resumed.step == 8
 
 
@@ -79,7 +78,7 @@ def test_a_failed_save_does_not_hide_the_error_of_the_step(tiny, tmp_path, monke
 
     opt = optax.chain(optax.sgd(0.1), nan_at(5))
     with pytest.raises(sm.DivergenceError, match="at step 6") as e:
-        sm.training.train(sm.mlp((8, 10)), tiny, optimizer=opt, epochs=2, batch_size=16,
+        sm.training.train(sm.mlp((8, 2)), tiny, optimizer=opt, epochs=2, batch_size=16,
                           checkpoint=tmp_path)  # fmt: skip
     notes = "\n".join(getattr(e.value, "__notes__", []))
     assert "OSError: disk full" in notes
