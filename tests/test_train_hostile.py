@@ -275,13 +275,20 @@ def test_standardisation_of_any_shape_of_the_right_size_is_taken(tiny, tmp_path)
     r.export(tmp_path / "model")
 
 
-def test_a_checkpoint_path_that_is_not_a_str_path_is_a_checkpoint_error(tiny, tmp_path):
-    """bytes and ints were a TypeError from pathlib."""
-    for path in (os.fsencode(tmp_path / "c"), 3):
-        with pytest.raises(sm.CheckpointError, match=r"not a path: pass a str or pathlib\.Path"):
-            sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, checkpoint=path)
-        with pytest.raises(sm.CheckpointError, match="not a path"):
-            sm.training.save_checkpoint(path, _state())
+def test_a_checkpoint_path_that_is_not_a_str_path_is_a_config_error(tiny, tmp_path):
+    """bytes and ints were a TypeError from pathlib (restore_checkpoint, latest_checkpoint)."""
+    calls = {
+        "train": lambda p: sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, checkpoint=p),
+        "save_checkpoint": lambda p: sm.training.save_checkpoint(p, _state()),
+        "restore_checkpoint": lambda p: sm.training.restore_checkpoint(p, _state()),
+        "latest_checkpoint": sm.training.latest_checkpoint,
+    }
+    for path, got in ((os.fsencode(tmp_path / "c"), "got bytes b'"), (3, "got int 3")):
+        for name, call in calls.items():
+            with pytest.raises(sm.ConfigError) as e:
+                call(path)
+            assert f"{name}: the checkpoint path must be a str or os.PathLike" in str(e.value)
+            assert got in str(e.value)
 
 
 def test_a_bad_timeout_is_refused_in_one_process_too(tiny):

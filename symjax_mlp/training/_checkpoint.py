@@ -26,6 +26,7 @@ from safetensors.numpy import save
 from symjax_mlp._artifact.weights import MAX_TENSORS, read_safetensors_file
 from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._files import read_regular, sha256, write_dir
+from symjax_mlp.training._paths import check_directory, check_path
 from symjax_mlp.training._result import EpochRecord
 
 _STATE_FILE = "state.safetensors"
@@ -285,42 +286,6 @@ def check_state(state: Any, caller: str) -> None:
         )
 
 
-def check_directory(directory: str | os.PathLike, caller: str) -> None:
-    """Refuses a file, a dangling symlink, a path below a file, or a directory this user cannot
-    write; a path that does not exist yet is fine below a directory this user can write."""
-
-    def refuse(why: str) -> CheckpointError:
-        return CheckpointError(
-            f"{caller}: the checkpoint directory {why}. Checkpoints are step_* directories inside "
-            "a checkpoint directory: pass a directory, or a path where one can be made."
-        )
-
-    if not isinstance(directory, str | os.PathLike) or not isinstance(os.fspath(directory), str):
-        raise refuse(f"is {directory!r}, not a path: pass a str or pathlib.Path")
-    if not os.fspath(directory):  # Path("") is the working directory
-        raise refuse("is ''")
-    path = Path(directory)
-    try:
-        os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    except OSError as e:  # a name too long, a directory that may not be searched
-        raise refuse(f"{directory} cannot be used: {e.strerror}") from None
-    probe = path
-    while not probe.exists():
-        if probe.is_symlink():
-            to = f"{probe} is a symlink to {os.readlink(probe)}, which does not exist"
-            raise refuse(f"{directory} cannot be made: {to}")
-        if probe.parent == probe:  # nothing exists up to the root: mkdir will say
-            return
-        probe = probe.parent
-    if not probe.is_dir():
-        what = "is" if probe == path else f"is below {probe}, which is"
-        raise refuse(f"{directory} {what} a file, not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise refuse(f"{directory} cannot be written: this user may not write to {probe}")
-
-
 def _check_new(final: Path, overwrite: bool) -> None:
     if final.exists() or final.is_symlink():
         raise CheckpointError(
@@ -342,7 +307,12 @@ def _step_of(path: Path) -> int:
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest checkpoint in ``directory``, or ``None`` if it holds none."""
+    """The newest checkpoint in ``directory``, or ``None`` if it holds none.
+
+    Raises:
+      ConfigError: ``directory`` is not a str or ``os.PathLike``.
+    """
+    check_path(directory, "symjax_mlp.training.latest_checkpoint")
     found = _checkpoints(Path(directory))
     return found[-1] if found else None
 
@@ -362,8 +332,10 @@ def restore_checkpoint(
     Raises:
       CheckpointError: no checkpoint, a corrupted or foreign one, or one whose tensors do not
         match ``like``.
-      ConfigError: ``like`` is not a :class:`TrainState`.
+      ConfigError: ``path`` is not a str or ``os.PathLike``; ``like`` is not a
+        :class:`TrainState`.
     """
+    check_path(path, "symjax_mlp.training.restore_checkpoint")
     check_state(like, "restore_checkpoint(like=...)")
     path = Path(path)
     file = path / _MANIFEST
