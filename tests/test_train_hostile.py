@@ -431,3 +431,22 @@ def test_a_dataset_named_by_a_path_checkpoints(tiny, tmp_path):
     again = sm.training.train(sm.mlp((8, 10)), named, epochs=2, checkpoint=tmp_path / "c",
                               resume=True)  # fmt: skip
     assert r.checkpoint is not None and again.resumed_from == r.checkpoint
+
+
+@pytest.mark.parametrize("largest", [10**9, 2**31 - 2, 2**16 + 1])
+def test_id_like_labels_are_refused_before_the_default_model_is_built(tiny, largest):
+    """Labels such as 10**9 built an MLP of 10**9 outputs, which died of out-of-memory."""
+    y = np.where(tiny.y_train % 2, largest, 7)
+    ids = sm.training.Dataset(tiny.x_train, y, tiny.x_train, y)
+    with pytest.raises(sm.DataError) as e:
+        sm.training.train(data=ids, epochs=1)
+    message = str(e.value)
+    assert f"the labels go up to {largest} but take only 2 distinct values" in message
+    assert "np.unique(" in message and "return_inverse=True" in message
+
+
+def test_many_classes_that_all_occur_are_not_refused():
+    x = np.random.default_rng(0).normal(size=(2**16 + 2, 2)).astype(np.float32)
+    y = np.arange(len(x))  # past 2**16 classes, each a label: class indices, not IDs
+    result = sm.training.train(data=sm.training.Dataset(x, y, x[:4], y[:4]), epochs=0)
+    assert result.params["layers_2"]["bias"].shape == (2**16 + 2,)

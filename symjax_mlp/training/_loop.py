@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from symjax_mlp._errors import CheckpointError, ConfigError
+from symjax_mlp._errors import CheckpointError, ConfigError, DataError
 from symjax_mlp._models import mlp
 from symjax_mlp.training._checkpoint import (
     TrainState,
@@ -55,6 +55,16 @@ _PAST = (
     "is at epoch {s.epoch} (step {s.step}), past the {epochs} epoch(s) asked for; epochs counts "
     "the epochs done before the checkpoint too. Pass epochs >= {s.epoch} to continue that run, "
     "or resume=False with an empty checkpoint directory to train {epochs} epoch(s) afresh."
+)
+
+_MAX_SPARSE_CLASSES = 2**16  # more outputs than this, most never a label: IDs, not classes
+_ID_LABELS = (
+    "symjax_mlp.training.train: the labels go up to {largest} but take only {distinct} distinct "
+    "values: they look like IDs, not class indices. The default model would have {classes} "
+    "outputs, a class per index, a layer that may not fit in memory: train() refuses "
+    "over 65536 classes when most of them never occur. Remap the labels of both splits to "
+    "0..K-1: _, y = np.unique(np.concatenate([y_train, y_test]), return_inverse=True), then "
+    "split y; or pass a model."
 )
 
 
@@ -118,7 +128,8 @@ def train(
       A :class:`TrainResult`; ``result.hybridize()`` is the trained model.
 
     Raises:
-      DataError: bad data (empty, wrong feature width, NaN, labels out of range), before any
+      DataError: bad data (empty, wrong feature width, NaN, labels out of range; for the
+        default model, labels like IDs: over 65536 classes, most never a label), before any
         step runs.
       DivergenceError: the loss became NaN or infinite; the last good checkpoint is kept.
       CheckpointError: ``checkpoint`` cannot hold checkpoints (checked before any step); it
@@ -338,7 +349,11 @@ def _classifier(
     """``(model, spec, classes)``: the model (default: an MLP as wide as the labels), how it
     is called in training and in inference, and its number of output logits."""
     if model is None:
-        classes = data.num_classes or int(max(data.y_train.max(), data.y_test.max())) + 1
+        largest = int(max(data.y_train.max(), data.y_test.max()))
+        classes = data.num_classes or largest + 1
+        distinct = len(np.unique(np.concatenate([data.y_train, data.y_test])))
+        if classes > _MAX_SPARSE_CLASSES and classes > 2 * distinct:
+            raise DataError(_ID_LABELS.format(largest=largest, distinct=distinct, classes=classes))
         model = mlp((128, 64, classes))
     example = data.x_train[:1]
     caller = f"symjax_mlp.training.train({type(model).__name__})"
