@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib
 import os
 import stat
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from symjax_mlp._errors import ArtifactError, ConfigError
+from symjax_mlp._files import write_file_atomic
 
 SIGNATURE = "model.sig"
 MAX_ENTRIES = 4096
@@ -52,24 +54,35 @@ def _checked(path: Any, key: Any, what: str, verb: str) -> tuple[Path, Path]:
     return path, file
 
 
-def _elliptic(file: Path) -> None:
-    """Refuses a key file that holds no elliptic-curve public key, which model-signing
-    reports as a signature that does not verify (as if the artifact had been changed)."""
+def _elliptic(file: Path, private: bool = False) -> None:
+    """Refuses a key file that holds no elliptic-curve key (public, or ``private``), which
+    model-signing reports as a signature that does not verify (as if the artifact had been
+    changed), or as an AttributeError when it signs."""
+    from cryptography.hazmat.primitives import serialization as pem
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
+    kind = "private" if private else "public"
+    what = f"sign(private_key={str(file)!r})" if private else f"verify_signature={str(file)!r}"
     try:
         with open(file, "rb") as f:  # the user's own file (a link followed): a PEM is < 64 kB
-            key = load_pem_public_key(f.read(1 << 16))
-        got = None if isinstance(key, ec.EllipticCurvePublicKey) else f"an {type(key).__name__}"
-    except ValueError as e:
-        got = f"no PEM public key ({str(e).split('. ')[0][:120]})"
+            data = f.read(1 << 16)
+        key = pem.load_pem_private_key(data, None) if private else pem.load_pem_public_key(data)
+        ok = isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey)
+        got = None if ok else f"an {type(key).__name__}"
+    except (ValueError, TypeError) as e:  # TypeError: an encrypted private key
+        got = f"no PEM {kind} key ({str(e).split('. ')[0][:120]})"
     if got:
         raise ConfigError(
-            f"verify_signature={str(file)!r}: the file holds {got}; expected the PEM file of the "
-            "elliptic-curve public key whose private key signed the artifact (symjax_mlp.sign "
-            "signs with such keys only). Pass that public key."
+            f"{what}: the file holds {got}; expected the PEM file of the " + _WHICH_KEY[private]
         )
+
+
+_WHICH_KEY = {
+    False: "elliptic-curve public key whose private key signed the artifact (symjax_mlp.sign "
+    "signs with such keys only). Pass that public key.",
+    True: "elliptic-curve private key to sign with, unencrypted (e.g. cryptography's "
+    "ec.generate_private_key(ec.SECP256R1())). Pass such a key.",
+}
 
 
 def snapshot(path: Path) -> dict[str, tuple[int, int, int, int]]:
@@ -122,12 +135,14 @@ def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> P
     """
     config = _config("signing")
     path, key = _checked(path, private_key, "sign(private_key=...)", "sign")
+    _elliptic(key, private=True)
     snapshot(path)
-    (path / SIGNATURE).unlink(missing_ok=True)
-    try:
-        config.use_elliptic_key_signer(private_key=key).sign(path, path / SIGNATURE)
-    except (ValueError, TypeError, OSError) as e:
-        raise ConfigError(f"sign({str(path)!r}): model-signing failed: {e}") from e
+    with tempfile.TemporaryDirectory() as scratch:  # a signature there before stays till done
+        try:
+            config.use_elliptic_key_signer(private_key=key).sign(path, Path(scratch, SIGNATURE))
+        except (ValueError, TypeError, OSError) as e:
+            raise ConfigError(f"sign({str(path)!r}): model-signing failed: {e}") from e
+        write_file_atomic(path / SIGNATURE, Path(scratch, SIGNATURE).read_bytes())
     return path / SIGNATURE
 
 

@@ -1,6 +1,8 @@
 """Export as a stranger uses it: odd paths, odd param names, odd dtypes. Whatever exports loads
 and gives the source model's answers; whatever cannot is refused at export, by name."""
 
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -48,3 +50,63 @@ def test_a_path_that_is_no_str_or_has_a_nul_is_a_config_error(path):
     h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
     with pytest.raises(sm.ConfigError, match=r"symjax_mlp\.export\(\.\.\., path=.*a str or a"):
         sm.export(h, path, example=jnp.ones((2, 3)))
+
+
+def _pem(key, tmp_path, name, password=None):
+    from cryptography.hazmat.primitives import serialization as pem
+
+    crypt = pem.BestAvailableEncryption(password) if password else pem.NoEncryption()
+    file = tmp_path / name
+    file.write_bytes(key.private_bytes(pem.Encoding.PEM, pem.PrivateFormat.PKCS8, crypt))
+    public = tmp_path / f"{name}.pub"
+    public.write_bytes(
+        key.public_key().public_bytes(pem.Encoding.PEM, pem.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return file, public
+
+
+def test_signing_again_with_a_wrong_key_keeps_the_signature_and_names_the_key(tmp_path):
+    """An RSA, Ed25519, encrypted or public key is a ConfigError naming what the file holds
+    (an AttributeError from model-signing before), and the artifact's signature stays."""
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+    h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3))).path
+    ours, public = _pem(ec.generate_private_key(ec.SECP256R1()), tmp_path, "ours")
+    sm.sign(art, ours)
+    signature = (art / "model.sig").read_bytes()
+    wrong = {
+        "an RSAPrivateKey": _pem(rsa.generate_private_key(65537, 2048), tmp_path, "rsa")[0],
+        "an Ed25519PrivateKey": _pem(ed25519.Ed25519PrivateKey.generate(), tmp_path, "ed")[0],
+        "no PEM private key": public,
+        "no PEM private key .*encrypted": _pem(
+            ec.generate_private_key(ec.SECP256R1()), tmp_path, "locked", b"pw"
+        )[0],
+    }
+    for got, key in wrong.items():
+        with pytest.raises(sm.ConfigError, match=rf"sign\(private_key=.*holds {got}.*private key"):
+            sm.sign(art, key)
+        assert (art / "model.sig").read_bytes() == signature
+    sm.verify_signature(art, public)
+    assert sorted(p.name for p in art.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_signing_interrupted_as_it_writes_keeps_the_signature_there_before(tmp_path, monkeypatch):
+    import model_signing.signing
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3))).path
+    ours, public = _pem(ec.generate_private_key(ec.SECP256R1()), tmp_path, "ours")
+    sm.sign(art, ours)
+    signature = (art / "model.sig").read_bytes()
+
+    def half_written(self, model_path, signature_path):
+        Path(signature_path).write_bytes(b'{"half')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_signing.signing.Config, "sign", half_written)
+    with pytest.raises(KeyboardInterrupt):
+        sm.sign(art, ours)
+    assert (art / "model.sig").read_bytes() == signature
+    sm.verify_signature(art, public)
