@@ -111,6 +111,17 @@ _NOT_ROWS = (
 )
 
 
+_MAX_SPARSE_CLASSES = 2**16  # more outputs than this, most never a label: IDs, not classes
+_ID_LABELS = (
+    "symjax_mlp.training.train: the labels go up to {largest} but take only {distinct} distinct "
+    "values: they look like IDs, not class indices. The default model would have {classes} "
+    "outputs, a class per index, a layer that may not fit in memory: train() refuses "
+    "over 65536 classes when most of them never occur. Remap the labels of both splits to "
+    "0..K-1: _, y = np.unique(np.concatenate([y_train, y_test]), return_inverse=True), then "
+    "split y; or pass a model."
+)
+
+
 def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
     """``data`` as float32 features and int32 labels (in ``0 .. num_outputs - 1``), checked."""
     if not isinstance(data, Dataset):
@@ -205,6 +216,17 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
         ys[name] = y.astype(np.int32)
     name = data.name if isinstance(data.name, str | int | None) else str(data.name)  # JSON
     return dataclasses.replace(data, **xs, **ys, **stats, name=name)
+
+
+def default_classes(data: Dataset) -> int:
+    """The default model's outputs: ``num_classes``, else the largest label + 1; labels like
+    IDs (past ``_MAX_SPARSE_CLASSES``, most never a label) refused: a layer that wide."""
+    largest = int(max(data.y_train.max(), data.y_test.max()))
+    classes = data.num_classes or largest + 1
+    distinct = len(np.unique(np.concatenate([data.y_train, data.y_test])))
+    if classes > _MAX_SPARSE_CLASSES and classes > 2 * distinct:
+        raise DataError(_ID_LABELS.format(largest=largest, distinct=distinct, classes=classes))
+    return classes
 
 
 def _check_finite(name: str, a: np.ndarray) -> None:

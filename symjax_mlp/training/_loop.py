@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from symjax_mlp._errors import CheckpointError, ConfigError, DataError
+from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._models import mlp
 from symjax_mlp.training._checkpoint import (
     TrainState,
@@ -30,7 +30,7 @@ from symjax_mlp.training._checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
-from symjax_mlp.training._data import Dataset, check_dataset, load_digits
+from symjax_mlp.training._data import Dataset, check_dataset, default_classes, load_digits
 from symjax_mlp.training._epoch import Programs
 from symjax_mlp.training._nnx import NnxSpec, spec_of
 from symjax_mlp.training._orbax import OrbaxCheckpoints, orbax_steps
@@ -55,16 +55,6 @@ _PAST = (
     "is at epoch {s.epoch} (step {s.step}), past the {epochs} epoch(s) asked for; epochs counts "
     "the epochs done before the checkpoint too. Pass epochs >= {s.epoch} to continue that run, "
     "or resume=False with an empty checkpoint directory to train {epochs} epoch(s) afresh."
-)
-
-_MAX_SPARSE_CLASSES = 2**16  # more outputs than this, most never a label: IDs, not classes
-_ID_LABELS = (
-    "symjax_mlp.training.train: the labels go up to {largest} but take only {distinct} distinct "
-    "values: they look like IDs, not class indices. The default model would have {classes} "
-    "outputs, a class per index, a layer that may not fit in memory: train() refuses "
-    "over 65536 classes when most of them never occur. Remap the labels of both splits to "
-    "0..K-1: _, y = np.unique(np.concatenate([y_train, y_test]), return_inverse=True), then "
-    "split y; or pass a model."
 )
 
 
@@ -349,12 +339,7 @@ def _classifier(
     """``(model, spec, classes)``: the model (default: an MLP as wide as the labels), how it
     is called in training and in inference, and its number of output logits."""
     if model is None:
-        largest = int(max(data.y_train.max(), data.y_test.max()))
-        classes = data.num_classes or largest + 1
-        distinct = len(np.unique(np.concatenate([data.y_train, data.y_test])))
-        if classes > _MAX_SPARSE_CLASSES and classes > 2 * distinct:
-            raise DataError(_ID_LABELS.format(largest=largest, distinct=distinct, classes=classes))
-        model = mlp((128, 64, classes))
+        model = mlp((128, 64, default_classes(data)))
     example = data.x_train[:1]
     caller = f"symjax_mlp.training.train({type(model).__name__})"
     spec = spec_of(model, example, train_flags, eval_flags, caller=caller, form=TRAIN_FORM)
