@@ -19,7 +19,7 @@ import jax
 from jax.sharding import Mesh
 
 from symjax_mlp import _selftest as selftest
-from symjax_mlp._artifact import checker, ops, walk
+from symjax_mlp._artifact import checker, ops, rows, walk
 from symjax_mlp._artifact.format import (
     JAXEXPORT,
     MLIRBC,
@@ -189,6 +189,7 @@ class _Opener:
                       needs=options["needs"], signed=options["signed"])  # fmt: skip
             if "compute" not in options["allowed"]:
                 guard = Guard(file, digest, ((report.work, report.bytes_made), *vjp_sizes))
+        view = rows.checked(view, report, exported)  # the program's word, not the manifest's
         baked = {"constants": True} if options["constants"] else {}  # (the JAX runtime's)
         run, weights = self.backend.runner(
             path, view, blobs, arrays, exported=exported, guard=guard,

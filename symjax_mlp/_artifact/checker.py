@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from symjax_mlp._artifact import rows
 from symjax_mlp._artifact.ops import ModuleReport, Problem
 from symjax_mlp._artifact.walk import analyze_module
 from symjax_mlp._errors import ArtifactError
@@ -118,7 +119,7 @@ def _cache_key(module_sha256: str) -> str:
 
     # the rules (ops.py), the walk and this reader: a changed one reads every module anew
     here = Path(__file__)
-    names = ("ops.py", "cost.py", "walk.py", here.name)
+    names = ("ops.py", "cost.py", "walk.py", "rows.py", here.name)
     checker = b"".join(here.with_name(n).read_bytes() for n in names)
     return sha256(b"%s %s %s" % (module_sha256.encode(), jaxlib_version.encode(), checker))
 
@@ -129,7 +130,7 @@ def _from_json(r: dict[str, Any]) -> ModuleReport:
         raise ValueError("not a report")
     problems = tuple(Problem(str(p["key"]), str(p["what"])) for p in r["problems"])
     return ModuleReport(
-        counts, custom, int(r["work"]), int(r["bytes_made"]), problems, int(r["ops"])
+        counts, custom, int(r["work"]), int(r["bytes_made"]), problems, int(r["ops"]), r["rows"]
     )
 
 
@@ -259,7 +260,8 @@ def serve(parent: int) -> None:
                         f"{str(e)[:300]}); the artifact is corrupted or was made by an "
                         "incompatible JAX."
                     ) from e
-                answer: dict[str, Any] = {"report": dataclasses.asdict(analyze_module(module))}
+                report = dataclasses.replace(analyze_module(module), rows=rows.analyze(module))
+                answer: dict[str, Any] = {"report": dataclasses.asdict(report)}
         except ArtifactError as e:
             answer = {"error": str(e).removeprefix("the module: ")}
         stdout.write(json.dumps(answer).encode() + b"\n")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from symjax_mlp._artifact.format import NEEDS
 from symjax_mlp._errors import ArtifactError
@@ -86,6 +87,7 @@ class ModuleReport:
     bytes_made: int  # bytes of all tensors the ops make, every call inlined, dynamic dims as 1
     problems: tuple[Problem, ...]
     ops: int = 0  # ops once every call is inlined (what a compiler compiles)
+    rows: dict[str, Any] | None = None  # main's rows kept apart? (rows.analyze: the child's)
 
 
 def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:

@@ -5,8 +5,8 @@ checks for a call (:func:`refined`).
 each mapped axis merges into its input's batch dimension (``(n, b, ...)`` to ``(n * b, ...)``,
 an unmapped input broadcast first), the program runs once through the same ``jax.jit`` as any
 call (one compile per merged shape) and the outputs split back; nested vmaps merge in turn.
-Only where export recorded that rows stay apart (``rows``, :mod:`symjax_mlp._rows`), else
-refused with the reason. A ``custom_vjp`` around it runs the VJP module for ``jax.grad``,
+Only where export recorded that rows stay apart (``rows``, :mod:`symjax_mlp._rows`) and the
+module shows it (load: :mod:`symjax_mlp._artifact.rows`), else refused with the reason. A ``custom_vjp`` around it runs the VJP module for ``jax.grad``,
 checked first (each order), one element at a time under vmap.
 """
 

@@ -1,0 +1,79 @@
+"""A stranger's artifact under JAX's transforms: a manifest that lies about its rows.
+
+``jax.vmap`` over a loaded model merges the mapped axis into the batch and runs the program
+once, right only where the program keeps rows apart. The manifest says so (``rows``), and a
+stranger can say it of a program that mixes rows, every checksum made to match
+(``fuzzing.forge.resign``): load believes the claim only where the StableHLO module shows it.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from fuzzing import forge
+
+import symjax_mlp as sm
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+_FORGED = "its manifest says that it does, but its StableHLO module does not show it"
+
+
+def _xs(*shape, seed=1):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _claims_independent(m):
+    m["rows"].update(independent=True, why="")
+
+
+MIXING = {  # programs that mix rows, each of ops load() allows; what the module shows
+    "mean": (lambda p, x: (x - x.mean(0)) @ p, "reduce reduces over the batch axis"),
+    "softmax-over-batch": (lambda p, x: jax.nn.softmax(x @ p, axis=0), "reduce reduces over"),
+    "reverse": (lambda p, x: jax.lax.rev(x, (0,)) @ p, "reverse moves rows"),
+    "row-index": (lambda p, x: (x + jnp.arange(x.shape[0])[:, None]) @ p, "a row index"),
+    "reshape": (lambda p, x: x.reshape(5, -1).T @ p, "reshapes across the batch axis"),
+    "batch-size": (lambda p, x: (x * x.shape[0]) @ p, "function of the batch size"),
+    "gram": (lambda p, x: (x @ x.T) @ x @ p, "two batch axes"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXING))
+def test_a_forged_rows_claim_never_merges_rows(tmp_path, name):
+    fn, shown = MIXING[name]
+    h = sm.hybridize(fn, _xs(5, 3))
+    src = sm.export(h, tmp_path / "src", example=jnp.ones((4, 5))).path
+    art = forge.resign(src, tmp_path / "forged", manifest=_claims_independent)
+    xs = _xs(3, 4, 5)
+    for m in (sm.load(art), sm.load(art, trust=True)):  # trusted: read in this process
+        assert m.manifest["rows"]["independent"] is False
+        with pytest.raises(sm.SymjaxError, match=f"{_FORGED}: .*{shown}") as e:
+            jax.vmap(m)(xs)  # merged, it gave another answer than per example
+        assert "jax.lax.map(m, xs)" in str(e.value)
+        chex.assert_trees_all_close(jax.lax.map(m, xs), jax.vmap(h)(xs), **TOL)
+        with pytest.raises(sm.SignatureError, match="rank 1"):
+            m(xs[0, 0])  # one example: the model's rows are not its to guess
+
+
+def test_a_claim_over_two_symbolic_dimensions_is_not_shown_so_refused(tmp_path):
+    # the module's dynamic dimensions are all taken for the batch: one more is not shown
+    h = sm.hybridize(lambda p, x: x.sum(1) @ p, _xs(5, 3))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 4, 5)), shapes=("b, t, 5",))
+    m = sm.load(art.path)
+    assert m.manifest["rows"]["independent"] is False
+    with pytest.raises(sm.SymjaxError, match=f"{_FORGED}: main takes .* more than one dynamic"):
+        jax.vmap(m)(_xs(3, 2, 4, 5))
+
+
+def test_honest_claims_are_shown_by_the_module(tmp_path):
+    # what export found in the jaxpr, the module shows: the merged path, as before
+    fns = [
+        lambda p, x: jax.nn.softmax(x @ p, axis=1),
+        lambda p, x: jnp.where(x > 0, x, 0.0).reshape(x.shape[0], 5, 1).reshape(-1, 5) @ p,
+        lambda p, x: jnp.argmax(x, axis=1)[:, None] * (x @ p),
+    ]
+    for i, fn in enumerate(fns):
+        h = sm.hybridize(fn, _xs(5, 3))
+        m = sm.load(sm.export(h, tmp_path / str(i), example=jnp.ones((4, 5))).path)
+        assert m.manifest["rows"] == {"dim": "b", "independent": True, "why": ""}
+        xs = _xs(3, 4, 5)
+        chex.assert_trees_all_close(jax.vmap(m)(xs), jax.vmap(h)(xs), **TOL)
