@@ -28,7 +28,7 @@ def read_npy(
 ) -> np.ndarray:
     """The one array of a ``.npy`` file (a path, or its bytes), in this CPU's byte order;
     ``error`` (its message naming ``source`` as ``what``) for an ``.npz``, a pickle, other bytes."""
-    head = None
+    head = more = None
     try:
         with open(source, "rb") if not isinstance(source, bytes) else io.BytesIO(source) as f:
             head = f.read(6)
@@ -37,6 +37,7 @@ def read_npy(
             if not isinstance(x, np.ndarray):  # an .npz archive
                 x.close()
                 x = None
+            more = f.read(1)  # np.save twice into one file: the second array would be dropped
     except Exception as e:  # a bad header, a pickle, a broken zip, a missing file
         why = str(e)
         if head is not None and not head.startswith((b"\x93NUMPY", b"PK", b"\x80")):
@@ -48,6 +49,12 @@ def read_npy(
         ) from None
     if x is None:
         raise error(f"{what} is an .npz archive; a .npy file holds one array.")
+    if more:
+        raise error(
+            f"{what} has more bytes after its array ({x.dtype}{list(x.shape)}): a second array "
+            "saved into the same file, or other data appended. A .npy file holds one array; "
+            "save each with its own np.save(file, x)."
+        )
     if x.dtype.byteorder == (">" if sys.byteorder == "little" else "<"):
         x = x.astype(x.dtype.newbyteorder("="))  # the same numbers, in this CPU's order
     return x

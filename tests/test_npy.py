@@ -42,8 +42,12 @@ def test_read_npy_from_a_file_and_bytes_in_native_byte_order(tmp_path):
         (lambda p: p.joinpath("f").write_text("1 2 3") and p / "f", "is not a readable .npy"),
         (lambda p: np.save(p / "f", np.array([{}], object)) or p / "f.npy", "is not a readable"),
         (lambda p: p / "missing.npy", "is not a readable .npy"),
+        (
+            lambda p: p.joinpath("f.npy").write_bytes(_npy(np.ones(2)) * 2) and p / "f.npy",
+            "has more bytes after its array (float64[2]): a second array",
+        ),
     ],
-    ids=["npz", "text", "pickle", "missing"],
+    ids=["npz", "text", "pickle", "missing", "two arrays"],
 )
 def test_read_npy_refuses_anything_but_one_array_with_the_given_error(tmp_path, make, says):
     source = make(tmp_path)
