@@ -450,3 +450,18 @@ def test_many_classes_that_all_occur_are_not_refused():
     y = np.arange(len(x))  # past 2**16 classes, each a label: class indices, not IDs
     result = sm.training.train(data=sm.training.Dataset(x, y, x[:4], y[:4]), epochs=0)
     assert result.params["layers_2"]["bias"].shape == (2**16 + 2,)
+
+
+def test_features_of_width_0_and_ragged_rows_are_data_errors(tiny):
+    """Width 0 was a ZeroDivisionError of the initialiser, ragged rows NumPy's ValueError."""
+    narrow = sm.training.Dataset(tiny.x_train[:, :0], tiny.y_train, tiny.x_test, tiny.y_test)
+    with pytest.raises(sm.DataError, match=r"x_train is empty \(shape \(64, 0\)\); expected at "
+                       "least one feature per example"):  # fmt: skip
+        sm.training.train(sm.mlp((8, 10)), narrow, epochs=1)
+    ragged = sm.training.Dataset([[0.0, 1.0], [2.0]], [0, 1], [[0.0, 1.0]], [0])
+    with pytest.raises(sm.DataError, match=r"dataset\.x_train is not an array of numbers .*"
+                       "expected rows of equal length"):  # fmt: skip
+        sm.training.train(sm.mlp((8, 10)), ragged, epochs=1)
+    ragged_labels = sm.training.Dataset(tiny.x_train[:2], [0, [1]], tiny.x_test, tiny.y_test)
+    with pytest.raises(sm.DataError, match=r"dataset\.y_train is not an array of numbers"):
+        sm.training.train(sm.mlp((8, 10)), ragged_labels, epochs=1)

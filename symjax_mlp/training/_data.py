@@ -131,7 +131,7 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
         )
     xs, ys = {}, {}
     for name in ("x_train", "x_test"):
-        where, x = f"{data.name}.{name}", np.asarray(getattr(data, name))
+        where, x = f"{data.name}.{name}", _array(data, name)
         if x.ndim > 2:
             raise DataError(_NOT_ROWS.format(name=where, shape=x.shape, example=x.shape[1:]))
         if x.ndim != 2:
@@ -139,9 +139,10 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
                 f"{where} has shape {x.shape}; expected 2-D features (examples, features). "
                 "Reshape it, e.g. x.reshape(len(x), -1)."
             )
-        if x.shape[0] == 0:
+        if 0 in x.shape:  # no feature: an initialiser's fan-in of 0, ZeroDivisionError
+            what = "example" if x.shape[0] == 0 else "feature per example"
             raise DataError(
-                f"{where} is empty (shape {x.shape}); expected at least one example. Check the "
+                f"{where} is empty (shape {x.shape}); expected at least one {what}. Check the "
                 "loading and splitting of the data."
             )
         real = np.issubdtype(x.dtype, np.integer) or jnp.issubdtype(x.dtype, jnp.floating)
@@ -191,7 +192,7 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
         limits.append((classes, f"{data.name}.num_classes is {classes}"))
     limits.append((2**31 - 1, "labels are int32 class indices"))  # checked before the cast
     for name, x in (("y_train", xs["x_train"]), ("y_test", xs["x_test"])):
-        where, y = f"{data.name}.{name}", np.asarray(getattr(data, name))
+        where, y = f"{data.name}.{name}", _array(data, name)
         if y.ndim != 1 or len(y) != len(x):
             raise DataError(
                 f"{where} has shape {y.shape}; expected one integer label per row of "
@@ -227,6 +228,17 @@ def default_classes(data: Dataset) -> int:
     if classes > _MAX_SPARSE_CLASSES and classes > 2 * distinct:
         raise DataError(_ID_LABELS.format(largest=largest, distinct=distinct, classes=classes))
     return classes
+
+
+def _array(data: Dataset, name: str) -> np.ndarray:
+    """``data.<name>`` as a NumPy array; a ragged list is a DataError, not NumPy's."""
+    try:
+        return np.asarray(getattr(data, name))
+    except (ValueError, TypeError) as e:
+        raise DataError(
+            f"{data.name}.{name} is not an array of numbers ({str(e)[:160]}); expected rows of "
+            "equal length. Pad or drop the ragged rows, then pass np.asarray(rows)."
+        ) from None
 
 
 def _check_finite(name: str, a: np.ndarray) -> None:
