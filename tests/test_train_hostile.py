@@ -324,6 +324,19 @@ def test_an_optimizer_that_cannot_init_the_params_is_a_config_error(tiny):
         sm.training.train(sm.mlp((8, 10)), tiny, optimizer=odd, epochs=1)
 
 
+def test_running_out_of_memory_in_optimizer_init_is_not_called_the_optimizers_kind(tiny):
+    """An out-of-memory in optimizer.init was a ConfigError: 'use an optimizer that takes them'."""
+    import optax
+
+    def init(params):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes")
+
+    big = optax.GradientTransformation(init, optax.adam(1e-3).update)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED") as e:
+        sm.training.train(sm.mlp((8, 10)), tiny, optimizer=big, epochs=1)
+    assert not isinstance(e.value, sm.SymjaxError)
+
+
 def test_train_step_labels_and_weights_not_one_per_row_are_a_signature_error():
     """w of shape (batch, 1) broadcast against the per-row losses: a wrong loss, silently;
     float or (batch, 1) labels were optax's TypeError or ValueError."""

@@ -368,6 +368,8 @@ def _initial_state(
     try:
         opt_state = optimizer.init(trainable)
     except Exception as e:  # an optimizer of another params form (optax.lookahead's)
+        if isinstance(e, jax.errors.JaxRuntimeError):  # out of memory: not the optimizer's kind
+            raise
         tree = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", trainable)
         raise ConfigError(
             f"symjax_mlp.training.train: optimizer.init(params) raised {type(e).__name__}: "
