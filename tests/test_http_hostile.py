@@ -215,6 +215,70 @@ def test_max_connections_of_one_serves_a_lone_client():
             assert code == 503 and json.loads(raw)["error"] == "OverloadError", raw
 
 
+def test_a_model_raising_cancelled_error_and_a_cancelling_close_are_json_answers():
+    """The app re-raised every CancelledError as its own: uvicorn answered a text/plain 500
+    and logged a traceback, for a model that raised it (alone or batched: now the JSON 500)
+    and for the requests that close(cancel=True) dropped (now the JSON 503)."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate, entered = threading.Event(), threading.Event()
+
+    def model(x):
+        if (x[:, 0] == 9).any():
+            entered.set()
+            assert gate.wait(30), "the test never opened the gate"
+        if (x[:, 0] == 7).any():
+            raise asyncio.CancelledError("boom")
+        return x * 2
+
+    def busy(b):  # the lane waits at the gate once this returns
+        entered.clear()
+        future = b.submit(np.full((1, 2), 9, np.float32))
+        assert entered.wait(30), "the gated request never ran"
+        return future
+
+    def queued(b, n):
+        deadline = time.monotonic() + 30
+        while b.stats.queue_depth < n:
+            assert time.monotonic() < deadline, "the requests never queued"
+            time.sleep(0.02)
+
+    def body(v):
+        return json.dumps({"inputs": [[v, 0.0]]}).encode()
+
+    boom = {"error": "CancelledError", "message": "boom"}
+    with (
+        sm.serving.Batcher(model, example=np.zeros((1, 2), np.float32), max_batch=4) as b,
+        _in_thread(sm.serving.create_app(b, close_batcher=False), lifespan="off") as url,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        code, raw = _post(url, body(7.0))  # alone: run on the loop
+        assert code == 500 and json.loads(raw) == boom, raw
+        gated = busy(b)
+        posts = [pool.submit(_post, url, body(v)) for v in (7.0, 1.0)]
+        queued(b, 2)
+        gate.set()  # the two run as one batch, which raises
+        assert [(c, json.loads(raw)) for c, raw in (p.result(30) for p in posts)] == [
+            (500, boom)
+        ] * 2
+        gated.result(30)
+        gate.clear()
+        gated = busy(b)
+        posts = [pool.submit(_post, url, body(1.0)) for _ in range(2)]
+        queued(b, 2)
+        closer = threading.Thread(target=b.close, kwargs={"cancel": True})
+        closer.start()
+        try:
+            for code, raw in (p.result(30) for p in posts):
+                assert code == 503 and "closed with cancel=True" in json.loads(raw)["message"]
+        finally:
+            gate.set()
+            closer.join(30)
+        gated.result(30)
+
+
 @contextlib.contextmanager
 def _in_thread(app, **config):
     """``app`` served by uvicorn on a thread of this process: its URL, until the block ends."""

@@ -185,8 +185,11 @@ def create_app(
             return error(503, e)
         try:
             out = await request
-        except asyncio.CancelledError:  # the client went, or the server stops: not an answer
-            raise
+        except asyncio.CancelledError as e:
+            if asyncio.current_task().cancelling():  # the server stops: not an answer
+                raise
+            # close(cancel=True) dropped it (503), or the model raised CancelledError (500)
+            return error(503 if request.future.cancelled() else 500, e)
         except BaseException as e:  # the model raised (SystemExit too: its batch's error)
             return error(500, e)
         t, headers = request.timing, {}

@@ -342,7 +342,7 @@ class Batcher:
             try:
                 result, record = lane.run_alone(lone.arrays, lone.rows, lone.t0)
             except BaseException as e:  # counted as failed by run_alone; SystemExit too, which
-                lone.future.set_exception(e)  # reaches the loop through its awaiter, if any
+                lone.fail(e)  # reaches the loop through its awaiter, if any
                 return
             _, t1, t2, t3, t4, rows, bucket = record
             lone._batch = (t1, t2 - t1, t3 - t2, t4 - t3, rows, 1, bucket)

@@ -29,6 +29,7 @@ from symjax_mlp.serving._requests import AsyncRequest, RequestFuture
 from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats, Counters
 
 _CANCELLED = "the batcher was closed with cancel=True"
+_DROPPED = concurrent.futures.CancelledError(_CANCELLED)  # what close(cancel=True) hands out
 _FOLD_EVERY = 4096  # batches counted before they are folded into the stats
 clock = time.perf_counter
 _LOG = logging.getLogger("symjax_mlp.serving")
@@ -53,10 +54,10 @@ def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None)
             continue
         if error is None:
             f.set_result(result)
-        elif isinstance(error, concurrent.futures.CancelledError):
-            f.cancel(str(error))
+        elif error is _DROPPED:  # by close(cancel=True); a model's CancelledError is its error
+            f.cancel(_CANCELLED)
         else:
-            f.set_exception(error)
+            r.fail(error)
 
 
 def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
@@ -316,7 +317,7 @@ class Lane:
             self.wake.notify_all()
         awaited = [(r, None) for r in dropped if type(r) is AsyncRequest]
         if awaited:
-            _wake_loops(awaited, concurrent.futures.CancelledError(_CANCELLED))
+            _wake_loops(awaited, _DROPPED)
         for r in dropped:
             if type(r) is RequestFuture:
                 r.cancel()

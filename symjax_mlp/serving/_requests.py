@@ -96,6 +96,14 @@ class AsyncRequest(_Timed):
         """Drops the request if its batch has not started; ``False`` once it has a result."""
         return self.future.cancel()
 
+    def fail(self, error: BaseException) -> None:
+        """Settles it with ``error``; a StopIteration, which an asyncio future refuses (a
+        TypeError, and the request never answered), as a RuntimeError from it, as a coroutine's."""
+        if isinstance(error, StopIteration):
+            wrapped = RuntimeError(f"the model raised {error!r}")
+            wrapped.__cause__, error = error, wrapped
+        self.future.set_exception(error)
+
 
 class RequestFuture(SharedLockFuture, _Timed):
     """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.

@@ -1,0 +1,72 @@
+"""The Batcher against models and callers that misbehave: what a model raises or does to the
+batcher that runs it, and callers that come from odd places, never leave a request unanswered
+or the batcher wedged. Every wait is bounded, so that a regression fails rather than hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+import symjax_mlp as sm
+
+X1 = np.ones((1, 2), np.float32)
+X7 = np.full((1, 2), 7, np.float32)  # the row a model below raises on
+X9 = np.full((1, 2), 9, np.float32)  # the row a model below waits on, at its gate
+
+
+class Gate(threading.Event):
+    """Set, it lets a model's row of 9s through; ``entered`` is set once one waits at it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+
+    def busy(self, b):
+        """Submits a row of 9s to ``b``; returns its future once the model waits at the gate
+        (the batcher's thread busy: what comes next queues)."""
+        future = b.submit(X9)
+        assert self.entered.wait(30), "the gated request never ran"
+        return future
+
+
+def _model(error, gate=None):
+    def model(x):
+        if gate is not None and (x[:, 0] == 9).any():
+            gate.entered.set()
+            assert gate.wait(30), "the test never opened the gate"
+        if (x[:, 0] == 7).any():
+            raise error("boom")
+        return x * 2
+
+    return model
+
+
+def test_a_model_raising_stop_iteration_answers_every_awaiting_caller():
+    """An asyncio future refuses StopIteration (a TypeError, on the loop): the awaited requests
+    of that batch, alone or merged, were never answered. They get a RuntimeError from it."""
+    gate = Gate()
+    with sm.serving.Batcher(_model(StopIteration, gate), example=X1, max_batch=4) as b:
+
+        async def lone():
+            return await asyncio.wait_for(b.asubmit(X7), 10)
+
+        with pytest.raises(RuntimeError, match=r"the model raised StopIteration\('boom'\)") as e:
+            asyncio.run(lone())
+        assert isinstance(e.value.__cause__, StopIteration)
+        busy = gate.busy(b)  # the batcher's thread waits at the gate: the next two queue
+
+        async def merged():
+            requests = [b.asubmit(X7), b.asubmit(X1)]
+            asyncio.get_running_loop().call_later(0.2, gate.set)
+            return await asyncio.wait_for(asyncio.gather(*requests, return_exceptions=True), 10)
+
+        answers = asyncio.run(merged())
+        assert [type(a) for a in answers] == [RuntimeError, RuntimeError], answers
+        np.testing.assert_array_equal(busy.result(10), 2 * X9)
+        with pytest.raises(StopIteration):  # the other callers get it as it was raised
+            b.submit(X7).result(10)
+        np.testing.assert_array_equal(b(X1), 2 * X1)
