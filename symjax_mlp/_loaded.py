@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.interpreters.ad import JVPTracer
 
 from symjax_mlp._artifact.format import (
     JAXEXPORT,
@@ -34,9 +35,11 @@ _ARRAYS = array_types()
 
 _FORWARD = (
     "{caller}: jax.jvp, jax.jacfwd, jax.hessian and jax.linearize differentiate forward, and "
-    "a loaded model differentiates in reverse mode only (jax.export records VJP modules, "
-    "export(..., vjp_order=n)). Use jax.grad, jax.vjp or jax.jacrev; a Hessian is "
-    "jax.jacrev(jax.jacrev(f)), with vjp_order=2."
+    "a loaded model differentiates in reverse mode only: jax.export serializes VJP modules, and "
+    "this artifact holds {held}, so jax.grad, jax.vjp and jax.jacrev work up to that order. Use "
+    "jax.jacrev (a Hessian is jax.jacrev(jax.jacrev(f)), with vjp_order=2), or export again "
+    "from the model's source with the vjp_order you need: sm.export(h, path, example=x, "
+    "vjp_order=2)."
 )
 
 
@@ -61,7 +64,8 @@ class LoadedModel:
 
     Under the JAX runtime ``m`` is a JAX function: ``jax.jit``, ``jax.lax.map``/``scan`` and
     a Hybrid call it; ``jax.grad`` needs ``export(..., vjp_order=1)``; reverse mode only
-    (``jax.jvp``, ``jax.jacfwd``: ``ConfigError``; a Hessian is ``jax.jacrev(jax.jacrev(f))``
+    (``jax.jvp``, ``jax.jacfwd``, also under ``jax.jit``: ``ConfigError``; ``jax.linearize``'s
+    linear function raises JAX's ``TypeError``; a Hessian is ``jax.jacrev(jax.jacrev(f))``
     with ``vjp_order=2``). ``jax.vmap(m)(xs)`` merges the mapped axis into the batch (one run)
     where export recorded that rows stay apart (``manifest["rows"]``) and the program's module
     shows it (a stranger's manifest may say anything); else it is a ``SymjaxError`` with the
@@ -122,6 +126,8 @@ class LoadedModel:
         return views
 
     def __call__(self, *inputs: jax.typing.ArrayLike) -> Any:
+        if _forward(inputs):  # else JAX's TypeError, where jax.jit lowers it (if at all)
+            raise ConfigError(self._forward_mode())
         try:
             outs = self._outputs(inputs)
         except SignatureError as wrong:  # one example (jax.vmap(m) per example) or wrong
@@ -175,11 +181,28 @@ class LoadedModel:
                     "jax.vmap and jax.grad cannot trace it. Load it with runtime='jax'."
                 ) from e
             if isinstance(e, TypeError) and "forward-mode autodiff" in str(e):
-                raise ConfigError(_FORWARD.format(caller=self._caller)) from e
+                raise ConfigError(self._forward_mode()) from e
             raise run_failed(self._caller, self._file, e, inputs) from e
+
+    def _forward_mode(self) -> str:
+        n = self.manifest.get("vjp_order", 0)
+        held = f"them up to order {n}" if n else "none (it was exported with vjp_order=0)"
+        return _FORWARD.format(caller=self._caller, held=held)
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
+
+
+def _forward(inputs: Any) -> bool:
+    """Whether ``jax.jvp`` (``jacfwd``, ``hessian``) traces an input, under any other tracer."""
+    if not jax.config.jax_use_direct_linearize:  # then jax.grad traces with JVPTracers too
+        return False
+    for x in inputs:
+        while isinstance(x, jax.core.Tracer):
+            if isinstance(x, JVPTracer):
+                return True
+            x = getattr(x, "primal", getattr(x, "val", None))  # linearize's, vmap's
+    return False
 
 
 def _axes(specs: Any, dim: str) -> list[int | None]:
