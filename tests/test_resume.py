@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,3 +84,26 @@ def test_a_failed_save_does_not_hide_the_error_of_the_step(tiny, tmp_path, monke
                           checkpoint=tmp_path)  # fmt: skip
     notes = "\n".join(getattr(e.value, "__notes__", []))
     assert "OSError: disk full" in notes
+
+
+def test_a_checkpoint_without_its_manifest_or_with_an_edited_probe_is_named_broken(tiny, tmp_path):
+    """A step_* without manifest.json was 'no checkpoint in step_*: expected step_*
+    directories'; an edited probe was 'written by a model (an optimizer) that computes
+    something else: the checkpoint's probe is malformed'."""
+    run = {"epochs": 1, "batch_size": 16, "checkpoint": tmp_path}
+    sm.training.train(sm.mlp((8, 2)), tiny, **run)
+    run.update(epochs=2, resume=True)
+    manifest = sm.training.latest_checkpoint(tmp_path) / "manifest.json"
+    text = manifest.read_text()
+    for key, value in (("optimizer_probe", None), ("model_probe", "1.0"), ("model_probe", [True])):
+        edited = json.loads(text)
+        meta = edited["metadata"]
+        (meta if key == "optimizer_probe" else meta["config"])[key] = value
+        manifest.write_text(json.dumps(edited))
+        broken = f"step_00000004: its metadata's {key} is not a list of numbers; the checkpoint"
+        with pytest.raises(sm.CheckpointError, match=broken):
+            sm.training.train(sm.mlp((8, 2)), tiny, **run)
+    manifest.unlink()
+    with pytest.raises(sm.CheckpointError, match=r"step_00000004/manifest\.json: the file is "
+                       r"missing; .* \(remove this step_\* directory"):  # fmt: skip
+        sm.training.train(sm.mlp((8, 2)), tiny, **run)

@@ -132,7 +132,8 @@ def broken(path: Any, what: str) -> CheckpointError:
     """The error for a checkpoint that is incomplete, corrupted or was edited."""
     return CheckpointError(
         f"{path}: {what}; the checkpoint is incomplete, corrupted or was edited. Resume from an "
-        "older checkpoint, or start over in an empty directory."
+        "older checkpoint (remove this step_* directory: resume=True picks the newest), or start "
+        "over in an empty directory."
     )
 
 
@@ -339,8 +340,8 @@ def restore_checkpoint(
     check_state(like, "restore_checkpoint(like=...)")
     path = Path(path)
     file = path / _MANIFEST
-    if not file.exists() and not file.is_symlink():
-        path = latest_checkpoint(path)
+    if not _STEP_DIR.match(path.name) and not file.exists() and not file.is_symlink():
+        path = latest_checkpoint(path)  # a checkpoint directory: its newest
         if path is None:
             raise CheckpointError(f"no checkpoint in {file.parent}: expected step_* directories.")
         file = path / _MANIFEST

@@ -110,6 +110,9 @@ def resume_run(
             "not continue that run; resume with the same settings, or start over in an empty "
             "directory."
         )
+    for where, key in ((recorded, PROBE), (recorded, PROBE_TRAIN), (meta, OPTIMIZER_PROBE)):
+        if key in where and not _is_probe(where[key]):
+            raise broken(found, f"its metadata's {key} is not a list of numbers")
     # a checkpoint written before the probe was recorded has none: its config still matched
     differs = next(
         (d for k in probes if k in recorded and (d := probe_difference(recorded[k], config[k]))),
@@ -216,10 +219,7 @@ def probe_difference(
 ) -> str | None:
     """How ``probe`` (of ``what``) differs from the ``recorded`` one, or ``None`` if within
     ``tolerance``."""
-    try:
-        want = np.array([float(v) for v in recorded], np.float64)
-    except (TypeError, ValueError):
-        return "the checkpoint's probe is malformed"
+    want = np.array([float(v) for v in recorded], np.float64)
     got = np.array([float(v) for v in probe], np.float64)
     if want.shape != got.shape:
         return f"it gave {want.size} {what}, this one gives {got.size}"
@@ -228,6 +228,14 @@ def probe_difference(
     with np.errstate(invalid="ignore"):
         err = np.nanmax(np.where(got == want, 0.0, np.abs(got - want)))
     return f"its {what} differ by up to {err:.3g}"
+
+
+def _is_probe(probe: Any) -> bool:
+    """Whether ``probe`` is one as JSON: a list of numbers (``"nan"``, ``"inf"``, ``"-inf"``)."""
+    return isinstance(probe, list) and all(
+        v in ("nan", "inf", "-inf") if isinstance(v, str) else type(v) in (int, float)
+        for v in probe
+    )
 
 
 def _fixed(params: Any, *, state: bool = False, rng: bool = False) -> Any:
