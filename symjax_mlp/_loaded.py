@@ -24,7 +24,7 @@ from symjax_mlp._artifact.format import (
     program_file,
 )
 from symjax_mlp._artifact.reading import thaw
-from symjax_mlp._artifact.signature import Signature, is_array
+from symjax_mlp._artifact.signature import Signature, as_array, is_array
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._selftest import run_failed
@@ -134,11 +134,12 @@ class LoadedModel:
             axes = self._example_axes(inputs)
             if axes is None:
                 raise
-            inputs = [x if hasattr(x, "shape") else np.asarray(x) for x in inputs]
+            specs = self.signature.inputs  # a list of numbers as a batch takes it (float32)
+            inputs = [as_array(x, s, self._caller) for x, s in zip(inputs, specs, strict=True)]
             try:
                 outs = self._outputs(_at(inputs, axes[0], None))
-            except SignatureError:
-                raise wrong from None
+            except SignatureError as inner:  # its dtype, else what was passed: one example
+                raise (inner if " has dtype " in str(inner) else wrong) from None
             outs = _at(outs, axes[1], 0)
         return outs[0] if self._single_output else tuple(outs)
 

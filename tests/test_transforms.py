@@ -10,6 +10,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import ZOO
 
@@ -83,6 +84,30 @@ def test_vmap_with_an_unmapped_input_and_tuple_outputs(tmp_path):
     for in_axes, args in (((0, None), (xs, y)), ((None, 0), (xs[0], jnp.stack([y] * 3)))):
         want = jax.vmap(lambda x, y: fn(p, x, y), in_axes=in_axes)(*args)
         chex.assert_trees_all_close(jax.vmap(m, in_axes=in_axes)(*args), want, **TOL)
+
+
+@pytest.mark.parametrize(
+    "vmap, xs",
+    [
+        pytest.param(jax.vmap, jnp.ones((0, 4, 5)), id="in_axes=0"),
+        pytest.param(lambda f: jax.vmap(f, in_axes=1, out_axes=1), jnp.ones((4, 0, 5)), id="1"),
+        pytest.param(lambda f: jax.jit(jax.vmap(f)), jnp.ones((0, 4, 5)), id="jit"),
+        pytest.param(lambda f: jax.vmap(jax.vmap(f)), jnp.ones((2, 0, 4, 5)), id="nested"),
+        pytest.param(jax.vmap, jnp.ones((0, 5)), id="examples"),
+    ],
+)
+def test_vmap_over_no_example_gives_empty_outputs_as_the_source(mlp, vmap, xs):
+    # merged, it was a batch of 0, which the module refuses: "the shapes ... cannot be resolved"
+    h, m = mlp
+    got, want = vmap(m)(xs), vmap(h)(xs)
+    assert got.shape == want.shape and got.dtype == want.dtype
+
+
+def test_one_example_as_a_list_and_of_a_wrong_dtype(mlp):
+    h, m = mlp
+    chex.assert_trees_all_close(m([0.5] * 5), h(jnp.full((1, 5), 0.5))[0], **TOL)  # as a batch
+    with pytest.raises(sm.SignatureError, match=r"dtype int32 .*x.astype\(np.float32\)"):
+        m(np.ones(5, np.int32))  # not 'add the batch dimension': it is the dtype
 
 
 def test_vmap_compiles_once_per_shape(mlp):

@@ -87,7 +87,8 @@ def checked(view: Any, report: Any, exported: Any) -> Any:
     if not isinstance(found, dict):
         why = "the module checker gave no verdict"
     elif found["why"] or dims != {rows["dim"]}:
-        why = found["why"] or f"it has symbolic dimensions other than {rows['dim']}"
+        have = ", ".join(sorted(dims)) or "none"
+        why = found["why"] or f"its symbolic dimensions are {have}, not {rows['dim']} alone"
     elif (found["ins"], found["outs"]) != want:
         why = f"its batch axes, {found['ins']} -> {found['outs']}, are not its signature's"
     else:

@@ -77,7 +77,7 @@ class Signature:
                 f"{caller}: the artifact takes {len(self.inputs)} input(s) ({want}); "
                 f"got {len(inputs)}. Call it as m({', '.join(s.path for s in self.inputs)})."
             )
-        arrays = [_as_array(x, spec, caller) for x, spec in zip(inputs, self.inputs, strict=True)]
+        arrays = [as_array(x, spec, caller) for x, spec in zip(inputs, self.inputs, strict=True)]
         sizes: dict[str, tuple[str, int]] = {}
         for spec, x in zip(self.inputs, arrays, strict=True):
             shape = tuple(x.shape)
@@ -160,7 +160,7 @@ def is_array(x: Any) -> bool:
     return jax is not None and isinstance(x, jax.Array)
 
 
-def _as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
+def as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
     """``x`` as an array: arrays pass, Python numbers and lists convert (:func:`_weak`), any
     other object (a torch tensor, a masked array) is refused by its type."""
     if isinstance(x, np.ma.MaskedArray):

@@ -6,8 +6,9 @@ each mapped axis merges into its input's batch dimension (``(n, b, ...)`` to ``(
 an unmapped input broadcast first), the program runs once through the same ``jax.jit`` as any
 call (one compile per merged shape) and the outputs split back; nested vmaps merge in turn.
 Only where export recorded that rows stay apart (``rows``, :mod:`symjax_mlp._rows`) and the
-module shows it (load: :mod:`symjax_mlp._artifact.rows`), else refused with the reason. A ``custom_vjp`` around it runs the VJP module for ``jax.grad``,
-checked first (each order), one element at a time under vmap.
+module shows it (load: :mod:`symjax_mlp._artifact.rows`), else refused with the reason; a vmap
+of no example runs one, for the shapes. A ``custom_vjp`` around it runs the VJP module for
+``jax.grad``, checked first (each order), one element at a time under vmap.
 """
 
 from __future__ import annotations
@@ -155,6 +156,13 @@ class Program:
         if not rows.get("independent"):
             why = rows.get("why") or _UNRECORDED
             raise SymjaxError(_NO_VMAP.format(caller=self.caller, why=why))
+        if size == 0:  # no example: what one gives, less it (a batch of 0 the module refuses)
+
+            def one(x: Any, on: bool) -> Any:
+                return jnp.zeros((1, *x.shape[1:]), x.dtype) if on else x
+
+            out, batched = self.merge(1, mapped, *jax.tree.map(one, [weights, *inputs], mapped))
+            return jax.tree.map(lambda y, on: y[:0] if on else y, out, batched), batched
         dim, merged = rows["dim"], []
         # weights come batched only as JAX's copies of one (lax.cond under vmap batches them)
         weights = jax.tree.map(lambda w, on: w[0] if on else w, weights, mapped[0])
