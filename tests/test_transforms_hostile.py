@@ -77,3 +77,35 @@ def test_honest_claims_are_shown_by_the_module(tmp_path):
         assert m.manifest["rows"] == {"dim": "b", "independent": True, "why": ""}
         xs = _xs(3, 4, 5)
         chex.assert_trees_all_close(jax.vmap(m)(xs), jax.vmap(h)(xs), **TOL)
+
+
+_DOT = "    %0 = stablehlo.dot_general %arg5, "
+_EDITS = {  # the module of an honest MLP on (b, 3), edited: its manifest still says rows apart
+    "reverse": "    %e = stablehlo.reverse %arg5, dims = [0] : tensor<?x3xf32>\n",
+    "first-row": (
+        "    %s = stablehlo.slice %arg5 [0:1, 0:3] : (tensor<?x3xf32>) -> tensor<1x3xf32>\n"
+        "    %b = stablehlo.reshape %arg0 : (tensor<i32>) -> tensor<1xi32>\n"
+        "    %c3 = stablehlo.constant dense<3> : tensor<1xi32>\n"
+        "    %bc = stablehlo.concatenate %b, %c3, dim = 0 : (tensor<1xi32>, tensor<1xi32>) -> "
+        "tensor<2xi32>\n"
+        "    %e = stablehlo.dynamic_broadcast_in_dim %s, %bc, dims = [0, 1] : "
+        "(tensor<1x3xf32>, tensor<2xi32>) -> tensor<?x3xf32>\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_EDITS))
+def test_a_module_edited_to_mix_rows_under_an_honest_manifest(tmp_path, edit):
+    src, _ = forge.base(tmp_path / "src", batch="b")
+
+    def mix(text):
+        assert _DOT in text, "not the base MLP module"
+        return text.replace(_DOT, _EDITS[edit] + _DOT.replace("%arg5", "%e"), 1)
+
+    art = forge.forge(src, tmp_path / "forged", mix)
+    m = sm.load(art, self_test=False)  # its self-test vectors: the stranger's to write too
+    assert m.manifest["rows"]["independent"] is False
+    xs = _xs(2, 4, 3)
+    with pytest.raises(sm.SymjaxError, match=_FORGED):
+        jax.vmap(m)(xs)
+    chex.assert_trees_all_close(jax.lax.map(m, xs), jnp.stack([m(x) for x in xs]), **TOL)

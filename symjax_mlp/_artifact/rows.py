@@ -121,13 +121,15 @@ class _Rows:
         (block,) = region.blocks
         if len(block.arguments) != len(states):
             raise Mixed("a region takes other arguments than its op passes")
-        env.update(zip(block.arguments, states, strict=True))
+        for v, s in zip(block.arguments, states, strict=True):
+            _fits("an argument", s, v)
+            env[v] = s
         out: tuple[Any, ...] = ()
         for op in block.operations:
             op, self.budget = op.operation, self.budget - 1
             if self.budget < 0:
                 raise Mixed("its module has too many ops to analyze")
-            ins = [env.get(v, FREE) for v in op.operands]  # FREE: no capture is anything else
+            ins = [env[v] for v in op.operands]  # KeyError: not defined before its use
             if op.name in ("func.return", "stablehlo.return"):
                 out = tuple(ins)
                 continue
