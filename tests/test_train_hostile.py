@@ -478,3 +478,27 @@ def test_features_of_width_0_and_ragged_rows_are_data_errors(tiny):
     ragged_labels = sm.training.Dataset(tiny.x_train[:2], [0, [1]], tiny.x_test, tiny.y_test)
     with pytest.raises(sm.DataError, match=r"dataset\.y_train is not an array of numbers"):
         sm.training.train(sm.mlp((8, 10)), ragged_labels, epochs=1)
+
+
+class _PythonIf(nn.Module):
+    """An `if` on an array: in every call, or (``in_training``) only in the training call."""
+
+    in_training: bool = False
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dense(10)(x)
+        if (train or not self.in_training) and float(h.sum()) > 0:
+            return -h
+        return h
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("in_training", [False, True])
+def test_python_control_flow_in_the_model_is_a_control_flow_error(tiny, compiled, in_training):
+    """It was JAX's ConcretizationTypeError, from the model's init or its first step."""
+    with pytest.raises(sm.ControlFlowError) as e:
+        sm.training.train(_PythonIf(in_training), tiny, epochs=1, compiled=compiled)
+    message = str(e.value)
+    assert message.startswith("symjax_mlp.training.train(_PythonIf): the model needs a concrete")
+    assert "ConcretizationTypeError" in message and "jnp.where or jax.lax.cond" in message

@@ -38,7 +38,7 @@ from symjax_mlp.training._paths import check_directory
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._result import EpochRecord, TrainResult
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
-from symjax_mlp.training._spec import TRAIN_FORM, inference_shape
+from symjax_mlp.training._spec import TRAIN_FORM, inference_shape, traced
 from symjax_mlp.training._step import ModelVars, init_params
 
 _NOT_FLAX = (
@@ -342,7 +342,8 @@ def _classifier(
         model = mlp((128, 64, default_classes(data)))
     example = data.x_train[:1]
     caller = f"symjax_mlp.training.train({type(model).__name__})"
-    spec = spec_of(model, example, train_flags, eval_flags, caller=caller, form=TRAIN_FORM)
+    with traced(caller):
+        spec = spec_of(model, example, train_flags, eval_flags, caller=caller, form=TRAIN_FORM)
     nnx_module = isinstance(spec, NnxSpec)
     out = spec.out if nnx_module else inference_shape(model, example, spec, caller=caller)
     shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)

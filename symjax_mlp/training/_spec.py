@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -19,7 +19,8 @@ import flax
 import flax.linen as nn
 import jax
 
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, ControlFlowError
+from symjax_mlp._hybrid.trace import TRACER_ERRORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,25 @@ class ModelSpec:
     mutable: tuple[str, ...]
     rng: bool
     init_flags: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_CONTROL_FLOW = (
+    "{caller}: the model needs a concrete value from a traced array ({error}). train() traces "
+    "the model, to initialise it and for jax.grad (compiled or not), where only shapes and "
+    "dtypes are known: a Python if/while on an array, float(x), int(x) or np.asarray(x) in "
+    "__call__ cannot be decided. Stay symbolic: jnp.where or jax.lax.cond for an if, "
+    "jax.lax.while_loop for a while, jnp operations for float(x)."
+)
+
+
+@contextlib.contextmanager
+def traced(caller: str) -> Iterator[None]:
+    """Raises JAX's tracer errors (the model's Python control flow) as a ControlFlowError."""
+    try:
+        yield
+    except TRACER_ERRORS as e:
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+        raise ControlFlowError(_CONTROL_FLOW.format(caller=caller, error=error)) from e
 
 
 _FLAGS = (("train", True), ("training", True), ("deterministic", False))
