@@ -153,7 +153,10 @@ class LoadedModel:
         batched = [
             (x, s) for x, s, k in zip(inputs, sig["inputs"], index, strict=True) if k is not None
         ]
-        if not batched or any(np.ndim(x) != len(s["shape"]) - 1 for x, s in batched):
+        try:  # a ragged list, a list of tracers: no example (the signature's error stands)
+            if not batched or any(np.ndim(x) != len(s["shape"]) - 1 for x, s in batched):
+                return None
+        except (TypeError, ValueError):
             return None
         return index, _axes(sig["outputs"], rows["dim"])
 

@@ -103,11 +103,18 @@ def test_vmap_over_no_example_gives_empty_outputs_as_the_source(mlp, vmap, xs):
     assert got.shape == want.shape and got.dtype == want.dtype
 
 
-def test_one_example_as_a_list_and_of_a_wrong_dtype(mlp):
+def test_one_example_as_a_list_and_of_a_wrong_dtype_and_lists_that_are_no_array(mlp):
     h, m = mlp
     chex.assert_trees_all_close(m([0.5] * 5), h(jnp.full((1, 5), 0.5))[0], **TOL)  # as a batch
     with pytest.raises(sm.SignatureError, match=r"dtype int32 .*x.astype\(np.float32\)"):
         m(np.ones(5, np.int32))  # not 'add the batch dimension': it is the dtype
+    # a ragged list, or jax.grad over a list (of tracers): the signature's error, not NumPy's
+    for call in (
+        lambda: m([[1.0] * 5, [1.0] * 4]),
+        lambda: jax.grad(lambda x: m(x).sum())([[1.0] * 5]),
+    ):
+        with pytest.raises(sm.SignatureError, match=r"args\[0\] is a list that is not an array"):
+            call()
 
 
 def test_vmap_compiles_once_per_shape(mlp):
