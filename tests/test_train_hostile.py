@@ -502,3 +502,30 @@ def test_python_control_flow_in_the_model_is_a_control_flow_error(tiny, compiled
     message = str(e.value)
     assert message.startswith("symjax_mlp.training.train(_PythonIf): the model needs a concrete")
     assert "ConcretizationTypeError" in message and "jnp.where or jax.lax.cond" in message
+
+
+class _Temperature(nn.Module):
+    """A scalar param initialised by a Python float: weakly typed."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(x) / self.param("temperature", lambda key: 1.0)
+
+
+class _NnxTemperature(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(64, 10, rngs=nnx.Rngs(0))
+        self.temperature = nnx.Param(jnp.asarray(1.0))
+
+    def __call__(self, x):
+        return self.dense(x) / self.temperature
+
+
+@pytest.mark.parametrize("make", [_Temperature, _NnxTemperature])
+def test_a_param_initialised_by_a_python_float_trains_compiled(tiny, make):
+    """Its weakly typed value came back from the first update strongly typed: RetraceError
+    'traced again' with the same inputs as the first trace."""
+    params = sm.training.init_params(make(), jax.random.key(0), tiny.x_train[:1])
+    assert not any(a.weak_type for a in jax.tree.leaves(params))
+    result = sm.training.train(make(), tiny, epochs=2)
+    assert result.trace_count == 1 and result.params["temperature"].dtype == jnp.float32
