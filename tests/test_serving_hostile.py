@@ -70,3 +70,48 @@ def test_a_model_raising_stop_iteration_answers_every_awaiting_caller():
         with pytest.raises(StopIteration):  # the other callers get it as it was raised
             b.submit(X7).result(10)
         np.testing.assert_array_equal(b(X1), 2 * X1)
+
+
+def _bounded(fn, timeout=20):
+    """``fn()``'s result (or what it raised), or "hung" after ``timeout`` seconds."""
+    out = ["hung"]
+
+    def call():
+        try:
+            out[0] = fn()
+        except BaseException as e:  # handed to the test
+            out[0] = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return out[0]
+
+
+def test_a_model_calling_its_own_batcher_is_answered_not_wedged():
+    """A model that called b(x) while it ran alone (b(x) on the caller's thread, or a lone
+    asubmit on the loop) waited for the lane it held: that request and every later one hung."""
+    box = {}
+
+    def model(x):
+        if (x[:, 0] == 7).any():
+            return box["b"](X1) + x  # X1 * 2 + x
+        return x * 2
+
+    b = box["b"] = sm.serving.Batcher(model, example=X1, max_batch=4)
+
+    async def awaited():
+        return await asyncio.wait_for(b.asubmit(X7), 10)
+
+    try:
+        for call in (
+            lambda: b(X7),
+            lambda: b.submit(X7).result(10),
+            lambda: asyncio.run(awaited()),
+        ):
+            out = _bounded(call)
+            assert isinstance(out, np.ndarray), out
+            np.testing.assert_array_equal(out, X7 + 2)
+        np.testing.assert_array_equal(_bounded(lambda: b(X1)), 2 * X1)
+    finally:  # a wedged batcher: the inner request cancelled lets the outer one end
+        b.close(cancel=True, timeout=20)

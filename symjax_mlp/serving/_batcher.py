@@ -269,9 +269,9 @@ class Batcher:
                     finally:
                         lane.release()
                 lane.release()  # requests came first: join them
-        if threading.get_ident() == lane.thread:
-            # b(x) in a done callback, on the batcher's thread: it holds the token between
-            # two batches, so the request runs here rather than wait for itself
+        if threading.get_ident() in (lane.thread, lane.holder):
+            # b(x) in a done callback or the model, on the thread that holds the token: the
+            # request runs here rather than wait for itself (for ever, the batcher wedged)
             return lane.run_alone(arrays, rows, t0)[0]
         waiter = threading.Lock()
         waiter.acquire()
