@@ -13,6 +13,7 @@ from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.hybrid import Hybrid
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+MAX_VJP_ORDER = 8  # the most a manifest may hold (_artifact/format.py)
 PER_ENTRY = ("example", "kwargs", "shapes", "constraints")  # may differ by entry point
 _TUPLES = {  # an option that takes a tuple: what each item is, and a tuple of one
     "platforms": ((str,), "platform names", "platforms=('cpu',)"),
@@ -43,6 +44,12 @@ def check_options(
         )
     if not isinstance(vjp_order, int) or isinstance(vjp_order, bool) or vjp_order < 0:
         raise ConfigError(f"export(vjp_order={vjp_order!r}): pass an int >= 0 (1 for jax.grad).")
+    if vjp_order > MAX_VJP_ORDER:  # each order doubles the module: 50 would never finish
+        raise ConfigError(
+            f"export(vjp_order={vjp_order}): an artifact carries gradients up to order "
+            f"{MAX_VJP_ORDER} (each order doubles its program; load refuses more). Pass the "
+            "order you will differentiate to: 1 for jax.grad, 2 for a Hessian."
+        )
     if metadata is not None and not (
         isinstance(metadata, Mapping) and all(isinstance(k, str) for k in metadata)
     ):

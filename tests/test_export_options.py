@@ -59,6 +59,9 @@ SHAPES = ("b, 8",)  # small()'s input
                      id="vjp-bool"),
         pytest.param({"vjp_order": "1"}, sm.ConfigError, r"vjp_order='1'\): pass an int",
                      id="vjp-str"),
+        pytest.param({"vjp_order": 9}, sm.ConfigError,
+                     r"vjp_order=9\): an artifact carries gradients up to order 8",
+                     id="vjp-past-what-load-reads"),  # load refused it; 50 never ended
         pytest.param({"metadata": ["cat", "dog"]}, sm.ConfigError,
                      r"metadata=\.\.\.\): pass a dict with str keys.*got list", id="metadata-list"),
         pytest.param({"metadata": "card"}, sm.ConfigError, r"pass a dict with str keys.*got str",
