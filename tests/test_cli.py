@@ -1,5 +1,6 @@
 """The command line: each subcommand runs, prints what it promises, exits with the right code."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -78,6 +79,23 @@ def test_version_and_help_show_defaults(capsys):
     assert "(default: 512)" in out and "(default: summary)" in out
     assert main(["--help"]) == 0
     assert "``" not in capsys.readouterr().out  # plain text, not reStructuredText
+
+
+COMMANDS = ("tour", "graph", "export", "inspect", "run", "verify", "bench", "train", "serve")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_options_help_says_its_default_once(capsys, command):
+    """argparse added "(default: None)" after a help that said the default: "the most
+    connections at once (503 past it; default: 1000) (default: None)", and to required options."""
+    assert main([command, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # one line: the help's wrapping undone
+    options = re.split(r" (?=--?[a-z][a-z-]* )", out.split(" options: ", 1)[1])
+    assert len(options) > 1, out
+    for option in options:
+        assert option.count("default:") <= 1, option
+        if option.startswith(("--input ", "--output ")):  # run's required options
+            assert "default:" not in option, option
 
 
 @pytest.mark.parametrize(

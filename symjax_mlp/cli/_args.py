@@ -17,7 +17,13 @@ from typing import Any
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every option's help shows its default; descriptions keep their line breaks."""
+    """Every option's help shows its default; descriptions keep their line breaks. Not where
+    the help says it ("default: 1000) (default: None)"), nor for a required option."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def subcommand(
