@@ -342,7 +342,8 @@ def test_an_input_neither_array_nor_setting_is_refused_naming_its_type(bad):
     # before: JAX's TypeError giving the program's path (args[3]), not the caller's
     h = sm.hybridize(lambda p, x, extra: x * p, jnp.float32(2))
     for run in (h, lambda *a: h.apply(h.params, *a), h.lower, h.graph):
-        with pytest.raises(sm.ConfigError, match=f"of type {type(bad).__name__}, which a comp"):
+        match = rf"args\[1\]\[0\] is of type {type(bad).__name__}, which a comp"
+        with pytest.raises(sm.ConfigError, match=match):
             run(jnp.ones(3), (bad,))
 
 

@@ -1,17 +1,21 @@
-"""A stateful Hybrid against its own callbacks and JAX's transforms: an ``on_trace`` callback
-may read or call the Hybrid from any thread (the trace runs outside the state's lock), and an
-eval-mode call, which keeps the state, runs under ``jax.jit``.
+"""A Hybrid handed back to itself, and a stateful one under JAX's transforms: an ``on_trace``
+callback may read or call the Hybrid from any thread (the trace runs outside the state's lock);
+the Hybrid or its model given as an input, or a container holding itself, is a ConfigError
+naming its path; an eval-mode call, which keeps the state, runs under ``jax.jit``.
 
 Each call that could hang runs in a thread joined with a timeout, so a regression fails.
 """
 
+import subprocess
+import sys
 import threading
 
 import chex
 import jax
+import numpy as np
 import pytest
 from flax import nnx
-from helpers import LinenBatchNorm, NnxBatchNorm, NnxModes, keyless, rand
+from helpers import STRICT_WARNINGS, LinenBatchNorm, NnxBatchNorm, NnxModes, keyless, rand
 
 import symjax_mlp as sm
 
@@ -118,3 +122,65 @@ def test_a_training_mode_stateful_call_under_jit_is_still_refused():
     h = sm.hybridize(module)
     with pytest.raises(sm.ControlFlowError, match=r"changes its state"):
         jax.jit(h)(X)
+
+
+def _own_inputs():
+    """``(hybrid, model, input)`` for a linen, an nnx and a plain-function Hybrid."""
+    linen, module = sm.mlp((4, 2)), NnxBatchNorm(nnx.Rngs(0))
+    yield sm.hybridize(linen, linen.init(jax.random.key(0), X)), linen, X
+    yield sm.hybridize(module), module, X
+    yield sm.hybridize(lambda p, x: x * p, np.float32(2)), None, X
+
+
+OWN_INPUTS = {  # (call, the path named, what it is)
+    "h(net)": (lambda h, net, x: h(net), r"args\[0\]", "the model"),
+    "h(x, net)": (lambda h, net, x: h(x, net), r"args\[1\]", "the model"),
+    "h(x, m=(net,))": (lambda h, net, x: h(x, m=(net,)), r"kwargs\['m'\]\[0\]", "the model"),
+    "h(h)": (lambda h, net, x: h(h), r"args\[0\]", "the Hybrid itself"),
+    "h(x, {'h': h})": (lambda h, net, x: h(x, {"h": h}), r"args\[1\]\['h'\]", "the Hybrid"),
+    "h.apply(p, h)": (lambda h, net, x: h.apply(h.params, h), r"args\[0\]", "the Hybrid"),
+    "h.graph(x, h)": (lambda h, net, x: h.graph(x, h), r"args\[1\]", "the Hybrid"),
+}
+
+
+@pytest.mark.parametrize("call", OWN_INPUTS)
+def test_the_model_or_hybrid_given_as_its_own_input_is_refused_naming_its_path(call):
+    fn, path, what = OWN_INPUTS[call]
+    for h, net, x in _own_inputs():
+        if net is None and what == "the model":
+            continue
+        with pytest.raises(sm.ConfigError, match=rf"{path} is {what}.*pass only the model's"):
+            bounded(lambda: fn(h, net, x))  # noqa: B023
+        assert h.trace_count == 0
+
+
+# In a child under a memory limit: walked forever, the walk's paths would take a GiB a second.
+_CYCLES = """
+import resource
+import numpy as np
+import symjax_mlp as sm
+
+h = sm.hybridize(lambda p, x: x * p, np.float32(2))
+cyclic = {"x": np.ones(2)}
+cyclic["me"] = cyclic
+nested = [np.ones(2)]
+nested.append((nested,))
+vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), hard))
+for call in (lambda: h(cyclic), lambda: h(np.ones(2), y=nested)):
+    try:
+        call()
+    except sm.ConfigError as e:
+        print(e)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_an_input_holding_itself_is_refused_not_walked_forever():
+    child = [sys.executable, *STRICT_WARNINGS, "-c", _CYCLES]
+    done = subprocess.run(child, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = done.stdout.splitlines()
+    assert said[0].startswith("<lambda>: args[0]['me'] is the dict that holds it (a cycle)")
+    assert said[1].startswith("<lambda>: kwargs['y'][1][0] is the list that holds it")

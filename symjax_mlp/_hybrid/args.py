@@ -18,9 +18,10 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError
-from symjax_mlp._specs import MASKED_INPUT
+from symjax_mlp._specs import MASKED_INPUT, array_types
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_ARRAYS = array_types()
 
 
 def is_static(value: Any) -> bool:
@@ -78,9 +79,11 @@ def partition(
     *,
     caller: str,
     lists: bool = False,
+    own: tuple[Any, ...] = (),
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
     """``(static key, traced args, traced kwargs)``, the key's entries ``(place or name,
-    value, kind)``; a list is refused, but with ``lists`` one holding arrays is traced."""
+    value, kind)``; a list is refused, but with ``lists`` one holding arrays is traced; a
+    traced leaf neither array nor number is refused, and ``own`` (the Hybrid, its model)."""
     _refuse_masked(caller, args, kwargs)
     static: list[tuple[Any, Any, Any]] = []
     dyn_args: list[Any] = []
@@ -92,6 +95,8 @@ def partition(
             if isinstance(value, list) and not (lists and _holds_arrays(value)):
                 raise _list_error(caller, path_of(key), value)
             _refuse_equinox(caller, key, value)
+            if type(value) not in _ARRAYS:
+                _refuse_objects(caller, key, value, own)
             if isinstance(key, int):
                 dyn_args.append(value)
             else:
@@ -99,6 +104,42 @@ def partition(
             continue
         static.append((key, _settled(value), _kind(value)))
     return tuple(static), tuple(dyn_args), dyn_kwargs
+
+
+_NOT_AN_INPUT = (
+    "{caller}: {path} is {what}, which a compiled call can neither trace (it is not an array) "
+    "nor key on (it is not a Python setting: None, bool, int, float, complex, str or a tuple "
+    "of them). {fix}"
+)
+_NOT_AN_INPUT_FIX = (
+    "Pass an array (jnp.asarray(list(...)) for a generator or a set) or a Python setting, or "
+    "mark a hashable one static (static_argnames=)."
+)
+_OWN_FIX = "The Hybrid holds its model and params: pass only the model's inputs (arrays), h(x)."
+
+
+def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> None:
+    """Refuses a leaf of an input that is no array nor number (a model, a Hybrid, a str), or
+    one of ``own`` anywhere in it, naming its path: ``args[1]['net']``."""
+
+    def is_own(v: Any) -> bool:
+        return any(v is o for o in own)
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value, is_leaf=is_own)[0]:
+        if is_own(leaf) or not _traceable(leaf):
+            what, fix = f"of type {type(leaf).__name__}", _NOT_AN_INPUT_FIX
+            if is_own(leaf):  # own: the Hybrid, then its model
+                what = "the Hybrid itself" if leaf is own[0] else f"the model, {what}"
+                what, fix = f"{what}, given as its own input", _OWN_FIX
+            at = path_of(key) + jax.tree_util.keystr(path)
+            raise ConfigError(_NOT_AN_INPUT.format(caller=caller, path=at, what=what, fix=fix))
+
+
+def _traceable(leaf: Any) -> bool:
+    """An array (or a spec of one: shape and dtype) or a Python number: what jit traces."""
+    if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__jax_array__"):
+        return True
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 
 
 _EQX_INPUT = (
@@ -175,18 +216,31 @@ def _settled(v: Any) -> Any:
     return v
 
 
+_CYCLE = (
+    "{caller}: {path} is the {kind} that holds it (a cycle), so the input is no tree of "
+    "arrays and has no end to walk. Pass a tree of arrays (tuples/dicts, each holding new ones)."
+)
+
+
 def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Refuses a NumPy masked array among the arguments (in tuples, lists, dicts too)."""
-    todo = [(f"args[{i}]", a) for i, a in enumerate(args)]
-    todo += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    """Refuses a NumPy masked array among the arguments (in tuples, lists, dicts too), and a
+    container holding itself."""
+    todo = [(f"args[{i}]", a, ()) for i, a in enumerate(args)]
+    todo += [(f"kwargs[{k!r}]", v, ()) for k, v in kwargs.items()]
     while todo:
-        path, value = todo.pop()
+        path, value, within = todo.pop()
         if isinstance(value, np.ma.MaskedArray):
             raise SignatureError(MASKED_INPUT.format(caller=caller, path=path))
+        if isinstance(value, (tuple, list, dict)):
+            if any(value is v for v in within):
+                raise ConfigError(
+                    _CYCLE.format(caller=caller, path=path, kind=type(value).__name__)
+                )
+            within = (*within, value)
         if isinstance(value, (tuple, list)):
-            todo += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+            todo += [(f"{path}[{i}]", v, within) for i, v in enumerate(value)]
         elif isinstance(value, dict):
-            todo += [(f"{path}[{k!r}]", v) for k, v in value.items()]
+            todo += [(f"{path}[{k!r}]", v, within) for k, v in value.items()]
 
 
 def _holds_arrays(value: Any) -> bool:

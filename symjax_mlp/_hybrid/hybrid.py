@@ -376,7 +376,8 @@ class Hybrid:
     def _partition(self, args: Any, kwargs: Any, caller: str, keyed: bool = True) -> tuple:
         """The call's static key (``keyed``: with the module's settings), traced args, kwargs."""
         nums, names = self.static_argnums, self.static_argnames
-        static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller)
+        own = (self, self._model.source)
+        static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
         keyed = keyed and self._modes is not None
         return (self._modes.key(static) if keyed else static), dyn, dyn_kw
 

@@ -54,6 +54,7 @@ class PureModel:
     settings: Callable[[], tuple] | None = None
     setting_names: tuple[str, ...] = ()
     _watch: Any = None  # what pins this model's settings (its own, not another model's)
+    source: Any = None  # the module the user gave, never an input of its own Hybrid
 
     @contextlib.contextmanager
     def pinned(self, values: tuple) -> Iterator[None]:
@@ -151,7 +152,8 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             raise ConfigError(_NO_RNG.format(name=name, error=error, streams=streams)) from None
         return out, {**state, **updates}
 
-    return PureModel(call, bool(state), "linen", model, type(model).__call__), params, state
+    pure = PureModel(call, bool(state), "linen", model, type(model).__call__, source=model)
+    return pure, params, state
 
 
 def nnx_module(module: Any) -> tuple:
@@ -195,8 +197,9 @@ def nnx_module(module: Any) -> tuple:
 
     target = type(module).__call__
     model = PureModel(
-        call, bool(state), "nnx", merge, target, settings if watched else None, names, owners
-    )
+        call, bool(state), "nnx", merge, target, settings if watched else None, names, owners,
+        module,
+    )  # fmt: skip
     return model, params, state
 
 
