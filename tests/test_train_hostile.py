@@ -529,3 +529,24 @@ def test_a_param_initialised_by_a_python_float_trains_compiled(tiny, make):
     assert not any(a.weak_type for a in jax.tree.leaves(params))
     result = sm.training.train(make(), tiny, epochs=2)
     assert result.trace_count == 1 and result.params["temperature"].dtype == jnp.float32
+
+
+class _NoParams(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x[:, :10] * 2.0
+
+
+class _IntParam(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(x) * self.param("scale", lambda key: jnp.ones((), jnp.int32))
+
+
+@pytest.mark.parametrize(
+    ("make", "got"), [(_NoParams, "no params"), (_IntParam, r"params\['scale'\] of dtype int32")]
+)
+def test_a_model_without_float_params_to_train_is_a_config_error(tiny, make, got):
+    """No params was a KeyError ('params'); an int param jax.grad's TypeError."""
+    with pytest.raises(sm.ConfigError, match=rf"train\({make.__name__}\): the model has {got}; "):
+        sm.training.train(make(), tiny, epochs=1)

@@ -39,7 +39,7 @@ from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._result import EpochRecord, TrainResult
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
 from symjax_mlp.training._spec import TRAIN_FORM, inference_shape, traced
-from symjax_mlp.training._step import ModelVars, init_params
+from symjax_mlp.training._step import ModelVars, check_trainable, init_params
 
 _NOT_FLAX = (
     "train() trains a flax.linen or nnx module; got a {kind}. For another model, write the "
@@ -366,6 +366,7 @@ def _initial_state(
     rng, init_key = jax.random.split(jax.random.key(seed))
     params = init_params(model, init_key, example, train_flags=spec.train_flags)
     trainable = params.params if isinstance(params, ModelVars) else params
+    check_trainable(trainable, f"symjax_mlp.training.train({type(model).__name__})")
     try:
         opt_state = optimizer.init(trainable)
     except Exception as e:  # an optimizer of another params form (optax.lookahead's)

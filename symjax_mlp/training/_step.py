@@ -85,16 +85,31 @@ def _strong(tree: Any) -> Any:
     )
 
 
+def check_trainable(params: Any, caller: str) -> None:
+    """Refuses params with nothing to differentiate, or a leaf jax.grad cannot (an int)."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    odd = [(p, a) for p, a in leaves if not jnp.issubdtype(jnp.result_type(a), jnp.inexact)]
+    if not leaves or odd:
+        got = "no params"
+        if odd:
+            got = f"params{jax.tree_util.keystr(odd[0][0])} of dtype {jnp.result_type(odd[0][1])}"
+        raise ConfigError(
+            f"{caller}: the model has {got}; train() differentiates every param, so it needs at "
+            "least one, all floats. Make an int param a float one, or a constant of the module "
+            "(an attribute, not a param)."
+        )
+
+
 # jitted: eagerly each initializer op compiles on its own; cached per (hashable) module
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _init(model: nn.Module, mutable: tuple, rng: bool, flags: tuple, key: jax.Array, example: Any):
     variables = init_variables(model, key, example, dict(flags))
     if not mutable and not rng:
-        return variables["params"]
+        return variables.get("params", {})
     state = {c: variables[c] for c in mutable}
     if rng:
         state["rng"] = jax.random.key_data(jax.random.fold_in(key, 1))
-    return ModelVars(variables["params"], state)
+    return ModelVars(variables.get("params", {}), state)
 
 
 def apply_model(model: Any, spec: ModelSpec | NnxSpec, params: Any, x: jax.Array, *, train: bool):
