@@ -57,8 +57,13 @@ def check_options(
             f"export(metadata=...): pass a dict with str keys, e.g. metadata={{'labels': "
             f"['cat', 'dog']}}; got {type(metadata).__name__}."
         )
-    if batch is not None and not (isinstance(batch, str) and batch.isidentifier()):
-        raise ConfigError(f"export(batch={batch!r}): pass a name such as 'b', or None.")
+    if batch is not None and not (
+        isinstance(batch, str) and batch.isidentifier() and batch not in {*_SPEC_FUNCTIONS, "_"}
+    ):
+        raise ConfigError(
+            f"export(batch={batch!r}): pass a name such as 'b' (not '_' or a function of "
+            f"jax.export's specs, {', '.join(sorted(_SPEC_FUNCTIONS))}), or None."
+        )
     _check_tuple("", "platforms", platforms)
     if not platforms or set(platforms) - set(PLATFORMS) or len(set(platforms)) < len(platforms):
         raise ConfigError(

@@ -59,6 +59,9 @@ SHAPES = ("b, 8",)  # small()'s input
                      id="vjp-bool"),
         pytest.param({"vjp_order": "1"}, sm.ConfigError, r"vjp_order='1'\): pass an int",
                      id="vjp-str"),
+        pytest.param({"batch": "max"}, sm.ConfigError,
+                     r"batch='max'\): pass a name such as 'b' \(not '_' or a function",
+                     id="batch-a-spec-function"),  # a bare ValueError from jax.export
         pytest.param({"vjp_order": 9}, sm.ConfigError,
                      r"vjp_order=9\): an artifact carries gradients up to order 8",
                      id="vjp-past-what-load-reads"),  # load refused it; 50 never ended
