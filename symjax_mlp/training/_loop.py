@@ -126,7 +126,9 @@ def train(
         already holds some and ``resume`` is false; or the one found does not fit this model,
         optimizer, data, seed or batch size, or is past ``epochs``.
       ConfigError: a hyperparameter is out of range, or the model's flags do not switch it
-        between training and inference; another process was started with other settings.
+        between training and inference; the model has no params, or an int one; another
+        process was started with other settings.
+      ControlFlowError: the model applies Python control flow to an array (``if``, float(x)).
       DistributedError: another process did not post its settings within ``timeout``.
 
     Example:
