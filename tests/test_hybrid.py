@@ -384,3 +384,17 @@ def test_static_argnames_naming_a_positional_only_input_says_to_mark_it_by_place
         sm.hybridize(model, {}, static_argnames="x")
     h = sm.hybridize(model, {}, static_argnums=0)
     assert h(2.0, y=jnp.ones(2)).tolist() == [2.0, 2.0]
+
+
+def test_an_input_tree_with_none_or_int_keys_traces_and_keys_of_two_types_are_refused():
+    h = sm.hybridize(lambda p, tree: jax.tree.map(lambda a: a * p, tree), jnp.float32(2))
+    out = h({"a": jnp.ones(2), "b": None})  # before: refused as if None were the model
+    assert out["b"] is None
+    chex.assert_trees_all_close(out["a"], jnp.full(2, 2.0))
+    chex.assert_trees_all_close(h({1: jnp.ones(2), 2: jnp.ones(3)})[2], jnp.full(3, 2.0))
+    # before: JAX's "ValueError: Comparator raised exception while sorting pytree dictionary keys"
+    for run in (h, h.lower, h.graph):
+        with pytest.raises(
+            sm.ConfigError, match=r"args\[0\]\[1\] is a dict whose keys \(int, str\)"
+        ):
+            run((jnp.ones(2), {1: jnp.ones(2), "a": jnp.ones(3)}))

@@ -122,8 +122,8 @@ def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> 
     """Refuses a leaf of an input that is no array nor number (a model, a Hybrid, a str), or
     one of ``own`` anywhere in it, naming its path: ``args[1]['net']``."""
 
-    def is_own(v: Any) -> bool:
-        return any(v is o for o in own)
+    def is_own(v: Any) -> bool:  # None is no model: a plain function's Hybrid has none
+        return v is not None and any(v is o for o in own)
 
     for path, leaf in jax.tree_util.tree_flatten_with_path(value, is_leaf=is_own)[0]:
         if is_own(leaf) or not _traceable(leaf):
@@ -222,6 +222,12 @@ _CYCLE = (
 )
 
 
+_UNSORTED = (
+    "{caller}: {path} is a dict whose keys ({keys}) cannot be sorted, which JAX does to "
+    "flatten it. Give its keys one type: all str, or all int."
+)
+
+
 def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
     """Refuses a NumPy masked array among the arguments (in tuples, lists, dicts too), and a
     container holding itself."""
@@ -241,6 +247,11 @@ def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> 
             todo += [(f"{path}[{i}]", v, within) for i, v in enumerate(value)]
         elif isinstance(value, dict):
             todo += [(f"{path}[{k!r}]", v, within) for k, v in value.items()]
+            try:  # as JAX flattens a dict: by sorted keys
+                sorted(value)
+            except TypeError:
+                keys = ", ".join(sorted({type(k).__name__ for k in value}))
+                raise ConfigError(_UNSORTED.format(caller=caller, path=path, keys=keys)) from None
 
 
 def _holds_arrays(value: Any) -> bool:
