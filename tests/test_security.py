@@ -1058,14 +1058,14 @@ def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_p
         assert json.loads(entry.read_bytes().partition(b"\n")[2]) == report
 
 
-@pytest.mark.parametrize("changed", ["ops.py", "cost.py", "walk.py", "checker.py"])
+@pytest.mark.parametrize("changed", ["ops.py", "cost.py", "walk.py", "rows.py", "checker.py"])
 def test_a_cached_report_is_keyed_by_the_rules_that_made_it(tmp_path, monkeypatch, changed):
-    """A newer allow-list (ops.py), walk or reader reads every module afresh: a report cached
-    by the old rules is never taken for the new ones'."""
+    """A newer allow-list (ops.py), walk, rows analysis or reader reads every module afresh: a
+    report cached by the old rules is never taken for the new ones'."""
     from symjax_mlp._artifact import checker
 
     here = Path(checker.__file__)
-    for name in ("ops.py", "cost.py", "walk.py", "checker.py"):
+    for name in ("ops.py", "cost.py", "walk.py", "rows.py", "checker.py"):
         shutil.copy(here.with_name(name), tmp_path / name)
     monkeypatch.setattr(checker, "__file__", str(tmp_path / "checker.py"))
     before = checker._cache_key("0" * 64)

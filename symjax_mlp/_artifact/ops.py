@@ -87,7 +87,8 @@ class ModuleReport:
     bytes_made: int  # bytes of all tensors the ops make, every call inlined, dynamic dims as 1
     problems: tuple[Problem, ...]
     ops: int = 0  # ops once every call is inlined (what a compiler compiles)
-    rows: dict[str, Any] | None = None  # main's rows kept apart? (rows.analyze: the child's)
+    # main's rows kept apart? (rows.analyze, which the child adds; not compared: not the ops')
+    rows: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
 
 
 def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:

@@ -18,6 +18,7 @@ a row or the batch size (a reduce over it, a reverse, a sort, the size as data) 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any
 
@@ -70,13 +71,7 @@ def checked(view: Any, report: Any, exported: Any) -> Any:
     rows = view.get("rows")
     if not rows or not rows.get("independent"):
         return view
-    found = None if report is None else report.rows
-    if report is None:  # trusted: read in this process
-        import jax.extend.mlir as jex
-        from jax.interpreters import mlir as jax_mlir
-
-        with jax_mlir.make_ir_context(), contextlib.suppress(Exception):  # unreadable: no verdict
-            found = analyze(jex.deserialize_portable_artifact(exported.mlir_module_serialized))
+    found = _here(bytes(exported.mlir_module_serialized)) if report is None else report.rows
     e = exported
     kept = [e.in_avals[i] for i in e.module_kept_var_idx]
     want = (
@@ -95,6 +90,17 @@ def checked(view: Any, report: Any, exported: Any) -> Any:
         return view
     why = f"its manifest says that it does, but its StableHLO module does not show it: {why}"
     return {**view, "rows": {**rows, "independent": False, "why": why}}
+
+
+@functools.lru_cache(maxsize=16)
+def _here(module: bytes) -> dict[str, Any] | None:
+    """:func:`analyze` of a trusted module, read in this process (``None``: unreadable)."""
+    import jax.extend.mlir as jex
+    from jax.interpreters import mlir as jax_mlir
+
+    with jax_mlir.make_ir_context(), contextlib.suppress(Exception):
+        return analyze(jex.deserialize_portable_artifact(module))
+    return None
 
 
 def _axes(avals: Any, dim: str) -> list[Any]:
