@@ -539,6 +539,7 @@ def test_serve_on_a_busy_port_or_a_foreign_host_is_one_line_before_the_load(tmp_
             (["--port", port], "Address already in use"),
             (["--host", "nope.invalid"], "cannot listen on nope.invalid:8000"),
             (["--log-level", "nope"], "log_level must be one of critical, error"),
+            (["--host", ""], "host='' names no address"),  # was every interface, in silence
         ):
             missing = str(tmp_path / "nope")
             assert main(["serve", missing, "--dispatch", "async", *argv]) == 2, argv

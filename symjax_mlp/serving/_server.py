@@ -297,6 +297,11 @@ def serve(
 def bind(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not yet listening); raises :class:`ConfigError`
     where that address cannot be had (a port in use, a host that is not this machine's)."""
+    if not isinstance(host, str) or not host.strip():  # "" is every interface, in silence
+        raise ConfigError(
+            f"serve: host={host!r} names no address; pass 127.0.0.1 (this machine only) or "
+            "0.0.0.0 (every interface)."
+        )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP (a
     # connection accepted from socket.socket() was left to Nagle: 40 ms a request without uvloop)
