@@ -115,3 +115,17 @@ def test_a_model_calling_its_own_batcher_is_answered_not_wedged():
         np.testing.assert_array_equal(_bounded(lambda: b(X1)), 2 * X1)
     finally:  # a wedged batcher: the inner request cancelled lets the outer one end
         b.close(cancel=True, timeout=20)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+def test_an_integer_of_thousands_of_digits_is_refused_as_out_of_range(dtype):
+    """int() refuses 4300 digits: such a body was "not valid JSON" (400) and told the client
+    to call sys.set_int_max_str_digits(), where 1e400 is a SignatureError (422)."""
+    from symjax_mlp.serving import _bodies
+
+    with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), dtype), max_batch=2) as b:
+        with pytest.raises(sm.SignatureError, match="beyond every dtype's range") as e:
+            _bodies.decode(b, b'{"inputs": [[' + b"9" * 5000 + b", 0]]}", "application/json")
+        assert "set_int_max_str_digits" not in str(e.value)
+        with pytest.raises(_bodies.BadRequest, match="not valid JSON"):  # a syntax error still
+            _bodies.decode(b, b'{"inputs": [[9, 0]]', "application/json")

@@ -142,6 +142,12 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
     try:
         data = _parse(body, fast=_floats_only(specs))
     except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
+        if type(e) is ValueError:  # int()'s, on a number of 4300 digits: no syntax error
+            raise SignatureError(
+                f"{batcher.name}: the request holds an integer of thousands of digits, beyond "
+                f"every dtype's range; the model takes {', '.join(s.type for s in specs)}. "
+                "Send values in range."
+            ) from None
         raise BadRequest(400, f"the body is not valid JSON ({short(str(e))}).") from None
     except OverflowError as e:  # was read as inf, where 1e39 is refused for float32
         raise SignatureError(
