@@ -550,3 +550,16 @@ def test_a_model_without_float_params_to_train_is_a_config_error(tiny, make, got
     """No params was a KeyError ('params'); an int param jax.grad's TypeError."""
     with pytest.raises(sm.ConfigError, match=rf"train\({make.__name__}\): the model has {got}; "):
         sm.training.train(make(), tiny, epochs=1)
+
+
+def test_an_optimizer_state_of_a_python_float_trains_compiled(tiny):
+    """Its state 1.0, weakly typed, came back from the first update strongly typed: a
+    RetraceError naming two identical signatures."""
+    import optax
+
+    def update(grads, decay, params=None):
+        return jax.tree.map(lambda g: -0.01 * decay * g, grads), jnp.float32(0.9) * decay
+
+    decaying = optax.GradientTransformation(lambda params: 1.0, update)
+    result = sm.training.train(sm.mlp((8, 10)), tiny, optimizer=decaying, epochs=2)
+    assert result.trace_count == 1 and result.opt_state.dtype == jnp.float32

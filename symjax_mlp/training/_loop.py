@@ -39,7 +39,7 @@ from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._result import EpochRecord, TrainResult
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
 from symjax_mlp.training._spec import TRAIN_FORM, inference_shape, traced
-from symjax_mlp.training._step import ModelVars, check_trainable, init_params
+from symjax_mlp.training._step import ModelVars, check_trainable, init_params, strong
 
 _NOT_FLAX = (
     "train() trains a flax.linen or nnx module; got a {kind}. For another model, write the "
@@ -388,4 +388,4 @@ def _initial_state(
         seen.add(id(leaf))
         return leaf
 
-    return TrainState(params, jax.tree.map(own, opt_state), rng)
+    return TrainState(params, jax.tree.map(own, strong(opt_state)), rng)

@@ -67,21 +67,22 @@ def init_params(
     spec = spec_of(model, example, train_flags, caller=caller, form=STEP_FORM)
     if isinstance(spec, NnxSpec):  # built initialised: its values, in buffers of its own
         values = (spec.params, spec.raw(spec.state, jax.random.fold_in(key, 1)))
-        params, state = _strong(jax.tree.map(lambda a: jnp.array(a, copy=True), values))
+        params, state = strong(jax.tree.map(lambda a: jnp.array(a, copy=True), values))
         return ModelVars(params, state) if spec.stateful else params
     settings = (model, spec.mutable, spec.rng, tuple(spec.init_flags.items()))
     try:
         hash(settings)
     except TypeError:  # a module holding a dict or a namespace (a ConfigDict): not a jit key
-        return _strong(_init.__wrapped__(*settings, key, example))
-    return _strong(_init(*settings, key, example))
+        return strong(_init.__wrapped__(*settings, key, example))
+    return strong(_init(*settings, key, example))
 
 
-def _strong(tree: Any) -> Any:
-    """``tree`` with weakly typed leaves (``self.param("t", lambda k: 1.0)``'s) of their dtype:
-    the step's updated params are, and a jitted step would trace again for them."""
+def strong(tree: Any) -> Any:
+    """``tree`` with its weakly typed leaves (a Python float's: ``self.param("t", lambda k:
+    1.0)``, an optimizer state's ``1.0``) strongly typed: a step returns them so, and a jitted
+    step would trace again for them."""
     return jax.tree.map(
-        lambda a: jnp.asarray(a, a.dtype) if getattr(a, "weak_type", 0) else a, tree
+        lambda a: jnp.asarray(a, jnp.result_type(a)) if getattr(a, "weak_type", True) else a, tree
     )
 
 
