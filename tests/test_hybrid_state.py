@@ -184,3 +184,18 @@ def test_an_input_holding_itself_is_refused_not_walked_forever():
     said = done.stdout.splitlines()
     assert said[0].startswith("<lambda>: args[0]['me'] is the dict that holds it (a cycle)")
     assert said[1].startswith("<lambda>: kwargs['y'][1][0] is the list that holds it")
+
+
+@pytest.mark.parametrize("make", [_linen, _nnx], ids=["linen", "nnx"])
+def test_replace_with_a_state_not_shaped_as_the_models_is_refused_naming_the_paths(make):
+    h = make()
+    # before (linen): KeyError: 'batch_stats' at the next call
+    for bad in (None, {"bad": np.ones(2)}, {**h.state, "extra": np.ones(2)}):
+        with pytest.raises(sm.ConfigError, match=r"replace\(state=...\): .* (missing|unexpected)"):
+            h.replace(state=bad)
+    twin = h.replace(state=jax.tree.map(lambda a: a + 1, h.state))
+    chex.assert_trees_all_close(twin.state, jax.tree.map(lambda a: a + 1, h.state))
+    assert twin(X).shape == h(X).shape
+    if make is _nnx:  # an nnx.State, as nnx.state(module, nnx.Not(nnx.Param)) gives it
+        state = nnx.state(NnxBatchNorm(nnx.Rngs(0)), nnx.Not(nnx.Param))
+        chex.assert_trees_all_close(h.replace(state=state)(X), h(X))

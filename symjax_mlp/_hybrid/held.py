@@ -82,7 +82,8 @@ class HeldState:
         try:
             return self._step(jitted, args, keeps, first=True)
         except TraceFirst:
-            jitted.trace(*args[:2], self.leaves, *args[2:])
+            pass  # traced below, not while handling it (an error there would chain it)
+        jitted.trace(*args[:2], self.leaves, *args[2:])
         return self._step(jitted, args, keeps, first=False)
 
     def _step(self, jitted: Any, args: tuple, keeps: Any, first: bool) -> list[Any]:

@@ -17,7 +17,7 @@ from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import check_settings, partition, static_args
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.held import HeldState
-from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain
+from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit
 from symjax_mlp._hybrid.trace import TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, TracedModel, given, write_back
 from symjax_mlp._specs import array_types
@@ -187,6 +187,7 @@ class Hybrid:
             )
         settings |= changes
         params, state = settings.pop("params"), settings.pop("state")
+        state = refit(self.name, self.state, state)
         if self.donate and not settings["donate"] and "state" not in changes:
             state = self._held.copy()  # self's next call consumes what it holds
         twin = Hybrid(self._model, params, state=state, **settings)

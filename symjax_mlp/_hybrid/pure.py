@@ -220,12 +220,30 @@ def _paths(trees: tuple[Any, Any]) -> list[str]:
 
 def _unfit(name: str, expected: list[str], got: list[str]) -> ConfigError:
     """What the module's variables and those given differ in: a few paths each way."""
+    return ConfigError(_UNFIT.format(name=name, diff=_diff(expected, got)))
+
+
+def _diff(expected: list[str], got: list[str]) -> str:
     lacking = [p for p in expected if p not in set(got)][:5]
     extra = [p for p in got if p not in set(expected)][:5]
-    diff = f"missing {lacking or 'none'}, unexpected {extra or 'none'}"
     if not (lacking or extra):
-        diff = f"the same paths in another order: {got[:5]}, expected {expected[:5]}"
-    return ConfigError(_UNFIT.format(name=name, diff=diff))
+        return f"the same paths in another order: {got[:5]}, expected {expected[:5]}"
+    return f"missing {lacking or 'none'}, unexpected {extra or 'none'}"
+
+
+_REFIT = (
+    "{name}.replace(state=...): the state given does not fit the model's: {diff}. Pass a tree "
+    "shaped as h.state (its arrays' values changed), or leave state out to keep the held one."
+)
+
+
+def refit(name: str, held: Any, state: Any) -> Any:
+    """``state`` in the ``held`` one's tree (an ``nnx.State`` as a dict); refused if its
+    leaves' paths are not the ``held`` one's (``replace``)."""
+    expected, got = _paths(({}, held)), _paths(({}, state))
+    if got != expected:
+        raise ConfigError(_REFIT.format(name=name, diff=_diff(expected, got)))
+    return jax.tree.unflatten(jax.tree.structure(held), jax.tree.leaves(state))
 
 
 def mode_settings(model: PureModel, values: tuple, *, train: bool) -> tuple:
