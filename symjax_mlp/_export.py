@@ -143,7 +143,7 @@ def export(
         needs.update(_needs(files[roles[JAXEXPORT]], path / roles[JAXEXPORT]))
         files[roles[MLIRBC]] = bytes(exported.mlir_module_serialized)
         files[roles[MLIR]] = exported.mlir_module().encode()
-        if (vectors := _self_test_vectors(exported, signature, own)) is None:
+        if (vectors := _self_test_vectors(exported, signature, own, entry)) is None:
             del roles[SELFTEST]
         else:
             files[roles[SELFTEST]] = vectors
@@ -277,15 +277,18 @@ def _shared_params(names: list[str], staged: list[Stage]) -> dict[str, tuple[Ten
 
 
 def _self_test_vectors(
-    exported: Any, signature: Signature, own: Mapping[str, tuple[TensorSpec, Any]]
+    exported: Any, signature: Signature, own: Mapping[str, tuple[TensorSpec, Any]], entry: Stage
 ) -> bytes | None:
-    """Seeded inputs and what the exported program gives for them, where it runs here."""
+    """Seeded inputs and what the exported program gives for them, where it runs here, once
+    it gives the model's own results at the example's shapes."""
     here = jax.export.default_export_platform()
     xs = selftest.inputs(signature.inputs)
     if xs is None or here not in exported.platforms or exported.nr_devices != 1:
         return None
-    params = {p: a for p, (_, a) in own.items()}
-    outs = jax.tree.leaves(jax.jit(exported.call)(params, *xs))
+    params, run = {p: a for p, (_, a) in own.items()}, jax.jit(exported.call)
+    symbolic = any(isinstance(d, str) for s in signature.inputs for d in s.shape)
+    selftest.against_source(entry.h.name, run, jax.jit(entry.fn), params, entry.examples, symbolic)
+    outs = jax.tree.leaves(run(params, *xs))
     return selftest.encode(xs, [np.asarray(y) for y in outs])
 
 

@@ -20,7 +20,7 @@ from jax.errors import JaxRuntimeError
 
 from symjax_mlp._artifact.format import JAXEXPORT, SELFTEST, printable, program_file
 from symjax_mlp._artifact.weights import decode_params
-from symjax_mlp._errors import ArtifactError, SymjaxError
+from symjax_mlp._errors import ArtifactError, SignatureError, SymjaxError
 
 BATCH = 2  # rows per symbolic batch dimension in the vectors
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # XLA may fuse differently across CPUs and versions
@@ -79,6 +79,41 @@ def encode(xs: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> bytes | None
     except (safetensors.SafetensorError, ArtifactError):
         return None
     return data
+
+
+_NOT_THE_SOURCE = (
+    "export({name}): the exported program does not give the model's results at the example's "
+    "shapes ({shapes}): out[{i}] {differs}. {why}"
+)
+_SHAPE_BRANCH = (
+    "The model's Python code decides on a shape (e.g. if x.shape[0] == 1:), and for the "
+    "symbolic dimensions it took another branch than for the example. Decide on values with "
+    "jnp.where or jax.lax.cond, or export static shapes with batch=None."
+)
+
+
+def against_source(
+    name: str, run: Callable[..., Any], source: Callable[..., Any], params: Any,
+    examples: Sequence[Any], symbolic: bool,
+) -> None:  # fmt: skip
+    """Raises a ``SignatureError`` unless ``run`` (the exported program) gives what ``source``
+    (the model) gives on seeded inputs of the ``examples``' shapes (none empty)."""
+    xs = inputs(examples, seed=1)
+    if xs is None or any(x.size == 0 for x in xs):
+        return
+    try:  # a shape the artifact refuses (a constraint) is no answer to compare
+        got = jax.tree.leaves(run(params, *xs))
+    except (ValueError, TypeError):
+        return
+    want = jax.tree.leaves(source(params, *xs))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if (differs := difference(np.asarray(g), np.asarray(w))) is not None:
+            differs = differs.replace(" at export", " in the model")
+            shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in xs)
+            why = _SHAPE_BRANCH if symbolic else "Do not ship it; report it, with the model."
+            raise SignatureError(
+                _NOT_THE_SOURCE.format(name=name, shapes=shapes, i=i, differs=differs, why=why)
+            )
 
 
 def run(

@@ -110,3 +110,21 @@ def test_a_signing_interrupted_as_it_writes_keeps_the_signature_there_before(tmp
         sm.sign(art, ours)
     assert (art / "model.sig").read_bytes() == signature
     sm.verify_signature(art, public)
+
+
+def test_a_model_that_branches_on_the_batch_size_is_refused_not_exported_wrong(tmp_path):
+    """With a symbolic batch, Python's `x.shape[0] == 1` is False: the artifact took the other
+    branch and gave [0, 0, 0] where the model gives [2, 2, 2] on the very example."""
+
+    def squeeze_one(p, x):
+        return x * p["s"] if x.shape[0] == 1 else x * 0.0
+
+    h = sm.hybridize(squeeze_one, {"s": 2.0})
+    x = jnp.ones((1, 3))
+    with pytest.raises(sm.SignatureError, match=r"export\(squeeze_one\): the exported program "
+                       r"does not give the model's results at the example's shapes "
+                       r"\(float32\[1, 3\]\).*batch=None"):  # fmt: skip
+        sm.export(h, tmp_path / "a", example=x)
+    assert list(tmp_path.iterdir()) == []
+    art = sm.export(h, tmp_path / "a", example=x, batch=None)  # the fix it names
+    np.testing.assert_array_equal(sm.load(art.path)(x), h(x))
