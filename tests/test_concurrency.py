@@ -7,9 +7,11 @@ race at once, and the artifact side (load, call, export) is raced too.
 
 import threading
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import rand, small
+from helpers import LinenBatchNorm, rand, small
 
 import symjax_mlp as sm
 
@@ -169,3 +171,24 @@ def test_apply_of_a_donating_hybrid_races_its_stateful_calls():
     seen = sorted(round(v) for r in race(work) for v in r)
     assert seen == list(range(1, THREADS * 30 + 1))  # each call saw its own count
     assert int(h.state["counter"]["n"]) == THREADS * 30
+
+
+def test_racing_first_calls_of_a_stateful_hybrid_trace_once_each_and_lose_no_update():
+    x = rand(2, 5)
+    inputs = (x, jnp.concatenate([x, x]))  # two signatures, one batch statistic: any order
+    module = LinenBatchNorm()
+    variables = module.init(jax.random.key(0), x)
+    h, one_by_one = (sm.hybridize(module, variables, max_traces=2) for _ in range(2))
+    seen = []
+    h.on_trace(lambda x, **kw: seen.append(h.state))  # runs outside the state's lock
+
+    def work(i):
+        for k in rotated(i)[:2]:  # each signature some thread's first call
+            h(inputs[k % 2], train=True)
+
+    race(work)  # before: a trace per racing thread, past max_traces
+    assert h.trace_count == 2 and len(seen) == 2, [str(e) for e in h.trace_log]
+    for i in range(THREADS):
+        for k in rotated(i)[:2]:
+            one_by_one(inputs[k % 2], train=True)
+    chex.assert_trees_all_close(h.state, one_by_one.state, rtol=1e-5, atol=1e-6)

@@ -44,6 +44,7 @@ class HeldState:
         self._tree = None if own else state  # rebuilt on the first read after a call
         self.lock = threading.RLock()
         self._locked = threading.local()  # .call: this thread's call holds the lock
+        self._gates: dict[Any, threading.RLock] = {}  # .call: a lock per signature traced
 
     @property
     def tree(self) -> Any:
@@ -83,7 +84,12 @@ class HeldState:
             return self._step(jitted, args, keeps, first=True)
         except TraceFirst:
             pass  # traced below, not while handling it (an error there would chain it)
-        jitted.trace(*args[:2], self.leaves, *args[2:])
+        static, leaves, dyn, dyn_kw = args
+        flat, tree = jax.tree.flatten((dyn, dyn_kw))
+        with self.lock:  # threads tracing one signature trace it once, one waiting for the other
+            gate = self._gates.setdefault((static, tree, *map(jax.typeof, flat)), threading.RLock())
+        with gate:
+            jitted.trace(static, leaves, self.leaves, dyn, dyn_kw)
         return self._step(jitted, args, keeps, first=False)
 
     def _step(self, jitted: Any, args: tuple, keeps: Any, first: bool) -> list[Any]:
