@@ -279,6 +279,36 @@ def test_a_model_raising_cancelled_error_and_a_cancelling_close_are_json_answers
         gated.result(30)
 
 
+def test_a_client_that_reads_no_answer_is_dropped_within_the_timeout():
+    """A client that pipelines requests and never reads the answers held its connection (and
+    megabytes of answers) for ever: nginx's send_timeout. Now it is dropped once its answers
+    wait body_timeout seconds for it to read (head_timeout here)."""
+    from symjax_mlp.serving._server import bounded_heads
+
+    def wide(x):  # 8 rows of 2: a 1.3 MB JSON answer
+        return np.repeat(x, 10_000, axis=1)
+
+    heads = bounded_heads(1.0)
+    body = json.dumps({"inputs": [[1.5, 2.5]] * 8}).encode()
+    head = f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    with (
+        sm.serving.Batcher(wide, example=np.zeros((1, 2), np.float32), max_batch=8) as b,
+        _in_thread(sm.serving.create_app(b, close_batcher=False), http=heads) as url,
+        socket.create_connection(("127.0.0.1", _port(url))) as s,
+    ):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(2)
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            for _ in range(100):  # more answers than the buffers between us hold
+                s.sendall(head.encode() + body)
+        deadline = time.monotonic() + 20
+        while heads.open:  # nothing is read here
+            assert time.monotonic() < deadline, "the connection was never dropped"
+            time.sleep(0.1)
+        code, raw = _post(url, body)  # the others are served
+        assert code == 200 and len(json.loads(raw)["outputs"]) == 8
+
+
 @contextlib.contextmanager
 def _in_thread(app, **config):
     """``app`` served by uvicorn on a thread of this process: its URL, until the block ends."""

@@ -6,7 +6,9 @@ ever. As nginx's ``client_header_timeout`` and ``large_client_header_buffers``: 
 a new connection, its first byte) must arrive within ``head_timeout`` seconds (else 408, and
 the connection is closed) and within :data:`MAX_HEAD_BYTES` (else 431). An answer given before
 the body ended (413, 408, 503) closes the connection lingering, so the client reads it; a
-client that half-closes after its request is answered.
+client that half-closes after its request is answered. Answers the client leaves unread for
+``head_timeout`` seconds (past the socket's buffers) drop the connection (nginx's
+``send_timeout``).
 """
 
 from __future__ import annotations
@@ -93,8 +95,19 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
         def connection_made(self, transport: Any) -> None:
             BoundedHeads.open += 1
             super().connection_made(_Lingering(transport, self, head_timeout))
-            self._head_bytes, self._head_timer = 0, None
+            self._head_bytes, self._head_timer, self._send_timer = 0, None, None
             self._arm()
+
+        def pause_writing(self) -> None:  # answers wait for the client to read them
+            super().pause_writing()
+            if self._send_timer is None:
+                self._send_timer = self.loop.call_later(head_timeout, self.transport.abort)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
 
         def _waiting(self) -> bool:  # for a head: none yet, or the last one answered
             return self.cycle is None or self.cycle.response_complete
@@ -154,6 +167,7 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
         def connection_lost(self, exc: Exception | None) -> None:
             BoundedHeads.open -= 1
             self._disarm()
+            self.resume_writing()  # its timer, off
             super().connection_lost(exc)
 
     return BoundedHeads
@@ -223,7 +237,8 @@ def serve(
       runtime: ``"jax"`` or ``"iree"``.
       max_batch, max_queue: see :class:`~symjax_mlp.serving.Batcher`.
       max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a request's
-        line and headers too must come within ``body_timeout`` (and 64 KiB; else 408, 431).
+        line and headers too must come within ``body_timeout`` (and 64 KiB; else 408, 431),
+        and a client that leaves its answers unread for ``body_timeout`` is dropped.
       max_connections: the most connections (and requests) at once; past it a request is
         answered 503, the JSON error body with ``Retry-After``.
       log_level: uvicorn's log level.
