@@ -49,7 +49,12 @@ def _checked(path: Any, key: Any, what: str, verb: str) -> tuple[Path, Path]:
     path, file = Path(path), Path(key)
     if not file.is_file():
         raise ConfigError(f"{what}: {file} is not a key file.")
-    if not path.is_dir() or path.is_symlink():
+    if path.is_symlink():  # swapped after the check, it would name another directory
+        raise ArtifactError(
+            f"{path} is a symbolic link; an artifact is signed and verified at its own path. Pass "
+            f"the directory it points to: {os.path.realpath(path)!r}."
+        )
+    if not path.is_dir():
         raise ArtifactError(f"{path} is not an artifact directory; there is nothing to {verb}.")
     return path, file
 

@@ -128,3 +128,19 @@ def test_a_model_that_branches_on_the_batch_size_is_refused_not_exported_wrong(t
     assert list(tmp_path.iterdir()) == []
     art = sm.export(h, tmp_path / "a", example=x, batch=None)  # the fix it names
     np.testing.assert_array_equal(sm.load(art.path)(x), h(x))
+
+
+def test_a_symlink_to_a_signed_artifact_is_named_as_a_link_with_its_target(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3))).path
+    ours, public = _pem(ec.generate_private_key(ec.SECP256R1()), tmp_path, "ours")
+    sm.sign(art, ours)
+    (tmp_path / "link").symlink_to(art)
+    said = rf"link is a symbolic link; .*Pass the directory it points to: '{art}'"
+    with pytest.raises(sm.ArtifactError, match=said):  # it said 'not an artifact directory'
+        sm.load(tmp_path / "link", verify_signature=public)
+    with pytest.raises(sm.ArtifactError, match=said):
+        sm.sign(tmp_path / "link", ours)
+    sm.load(art, verify_signature=public)
