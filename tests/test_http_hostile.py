@@ -196,6 +196,30 @@ def test_connections_past_the_limit_are_refused_at_once(server):
     assert _count(url, 503) > before
 
 
+@pytest.mark.parametrize(
+    "request_",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+        b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n",
+    ],
+    ids=["garbage", "negative_length", "two_lengths"],
+)
+def test_a_request_that_is_not_http_is_the_json_400(server, request_):
+    """uvicorn answered these itself, in text/plain: "Invalid HTTP request received."."""
+    url, _, _ = server
+    with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s:
+        s.sendall(request_)
+        data = b""
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            while chunk := s.recv(65536):
+                data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, data
+    answer = json.loads(body)
+    assert answer["error"] == "BadRequest" and "not HTTP/1.1" in answer["message"], answer
+
+
 def test_max_connections_of_one_serves_a_lone_client():
     """uvicorn's limit_concurrency counts the asking connection: limit_concurrency=1 (serve's
     max_connections=1) answered every request 503, even the only one."""

@@ -8,7 +8,8 @@ the connection is closed) and within :data:`MAX_HEAD_BYTES` (else 431). An answe
 the body ended (413, 408, 503) closes the connection lingering, so the client reads it; a
 client that half-closes after its request is answered. Answers the client leaves unread for
 ``head_timeout`` seconds (past the socket's buffers) drop the connection (nginx's
-``send_timeout``).
+``send_timeout``). uvicorn's own answers (400 to what is not HTTP, 503 past
+``max_connections``) are the app's JSON error body too.
 """
 
 from __future__ import annotations
@@ -97,6 +98,13 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
             super().connection_made(_Lingering(transport, self, head_timeout))
             self._head_bytes, self._head_timer, self._send_timer = 0, None, None
             self._arm()
+
+        def send_400_response(self, msg: str) -> None:  # uvicorn's, in text/plain
+            self.transport.write(_refusal(400, "Bad Request", (
+                f"the request is not HTTP/1.1 that this server reads ({msg.rstrip('.')}); "
+                "send a well-formed request (one Content-Length, or a chunked body)."
+            )))  # fmt: skip
+            self.transport.close()
 
         def pause_writing(self) -> None:  # answers wait for the client to read them
             super().pause_writing()
