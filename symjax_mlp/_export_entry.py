@@ -290,6 +290,15 @@ _EQX_STATE = (
 )
 
 
+_DICT_INPUT = (
+    "export({name}, example=...): args[{i}] is a dict with keys {keys}, but an artifact's "
+    "inputs are positional arrays (what every runtime, IREE included, passes). Export a function "
+    "that takes them by place and builds the dict: sm.hybridize(lambda params, *xs: "
+    "h.apply(params, dict(zip({keys}, xs))), h.params) with example=tuple(x.values()), and "
+    "call the artifact with the arrays in that order."
+)
+
+
 def _input_structs(
     examples: tuple[Any, ...], batch: str | None, shapes: Sequence[str | None] | None,
     constraints: tuple[str, ...], name: str,
@@ -300,6 +309,8 @@ def _input_structs(
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":
                 raise SignatureError(_EQX_STATE.format(i=i))
+            if isinstance(x, Mapping) and x and all(isinstance(k, str) for k in x):
+                raise SignatureError(_DICT_INPUT.format(i=i, keys=list(x), name=name))
             raise SignatureError(
                 f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
                 "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."

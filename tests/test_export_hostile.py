@@ -144,3 +144,14 @@ def test_a_symlink_to_a_signed_artifact_is_named_as_a_link_with_its_target(tmp_p
     with pytest.raises(sm.ArtifactError, match=said):
         sm.sign(tmp_path / "link", ours)
     sm.load(art, verify_signature=public)
+
+
+def test_a_dict_input_says_how_to_export_the_model_that_takes_it(tmp_path):
+    """linen_dict of the zoo takes {"x": x}: the refusal names the keys and the wrapper."""
+    from helpers import ZOO
+
+    case = next(c for c in ZOO if c.name == "linen_dict")
+    said = r"LinenDict, example=\.\.\.\): args\[0\] is a dict with keys \['x'\].*dict\(zip"
+    with pytest.raises(sm.SignatureError, match=said):
+        sm.export(case.hybridize("eval"), tmp_path / "a", example=case.inputs(0))
+    assert list(tmp_path.iterdir()) == []
