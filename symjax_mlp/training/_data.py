@@ -116,7 +116,7 @@ _ID_LABELS = (
     "symjax_mlp.training.train: the labels go up to {largest} but take only {distinct} distinct "
     "values: they look like IDs, not class indices. The default model would have {classes} "
     "outputs, a class per index, a layer that may not fit in memory: train() refuses "
-    "over 65536 classes when most of them never occur. Remap the labels of both splits to "
+    "over {limit} classes when most of them never occur. Remap the labels of both splits to "
     "0..K-1: _, y = np.unique(np.concatenate([y_train, y_test]), return_inverse=True), then "
     "split y; or pass a model."
 )
@@ -226,7 +226,11 @@ def default_classes(data: Dataset) -> int:
     classes = data.num_classes or largest + 1
     distinct = len(np.unique(np.concatenate([data.y_train, data.y_test])))
     if classes > _MAX_SPARSE_CLASSES and classes > 2 * distinct:
-        raise DataError(_ID_LABELS.format(largest=largest, distinct=distinct, classes=classes))
+        raise DataError(
+            _ID_LABELS.format(
+                largest=largest, distinct=distinct, classes=classes, limit=_MAX_SPARSE_CLASSES
+            )
+        )
     return classes
 
 
