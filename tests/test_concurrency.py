@@ -192,3 +192,20 @@ def test_racing_first_calls_of_a_stateful_hybrid_trace_once_each_and_lose_no_upd
         for k in rotated(i)[:2]:
             one_by_one(inputs[k % 2], train=True)
     chex.assert_trees_all_close(h.state, one_by_one.state, rtol=1e-5, atol=1e-6)
+
+
+def test_racing_first_calls_of_a_stateful_hybrid_keep_its_trace_budget():
+    module = LinenBatchNorm()
+    variables = module.init(jax.random.key(0), rand(2, 5))
+    for _ in range(3):  # a race: each round may show it
+        h = sm.hybridize(module, variables, max_traces=2)
+
+        def work(i, h=h):  # eight signatures racing: two trace, six are refused
+            try:
+                return h(rand(i + 1, 5), train=True).shape
+            except sm.RetraceError as error:
+                return str(error)
+
+        said = race(work)
+        assert h.trace_count == 2, [str(e) for e in h.trace_log]  # before: up to 8
+        assert sum("would exceed max_traces=2" in str(s) for s in said) == THREADS - 2

@@ -189,14 +189,15 @@ _REENTERED = (
 
 
 class TraceLog:
-    """The traces of one Hybrid's compiled paths: each :meth:`begin` s, and :meth:`commit` s
-    once it succeeded; ``callbacks`` are shared by the Hybrids ``replace`` makes."""
+    """The traces of one Hybrid's compiled paths: each :meth:`begin` s, and :meth:`end` s
+    logged once it succeeded; ``callbacks`` are shared by the Hybrids ``replace`` makes."""
 
     def __init__(self, name: str, max_traces: int | None) -> None:
         self.name, self.max_traces = name, max_traces
         self.callbacks: list[Callable[..., Any]] = []
         self._events: list[TraceEvent] = []
         self._lock = threading.Lock()
+        self._under_way = 0  # traces begun, not yet ended
         self._running = threading.local()  # this thread runs the callbacks
 
     @property
@@ -222,20 +223,30 @@ class TraceLog:
             self._running.on = False
 
     def begin(self, static: Any, dyn: Any, dyn_kw: Any, entry: str) -> TraceEvent:
-        """The event this trace will log, its callbacks run; a RetraceError past the budget."""
+        """The event this trace will log, its callbacks run; a RetraceError past the budget,
+        which counts the traces under way (racing threads) until they :meth:`end`."""
         sig, tree, shown = signature(dyn, dyn_kw, static)
         with self._lock:
             reason = explain(sig, tree, self._events, shown)
-            event = TraceEvent(len(self._events), sig, tree, reason, shown, entry)
-            if self.max_traces is not None and len(self._events) >= self.max_traces:
+            n = len(self._events) + self._under_way
+            event = TraceEvent(n, sig, tree, reason, shown, entry)
+            if self.max_traces is not None and n >= self.max_traces:
                 history = "\n  ".join(map(str, self._events))
                 raise RetraceError(
                     _RETRACE.format(name=self.name, index=event.index, budget=self.max_traces,
                                     reason=reason, history=history)
                 )  # fmt: skip
-        self.run_callbacks(*rebuild(static, dyn, dyn_kw))
+            self._under_way += 1
+        try:
+            self.run_callbacks(*rebuild(static, dyn, dyn_kw))
+        except BaseException:
+            self.end(None)
+            raise
         return event
 
-    def commit(self, event: TraceEvent) -> None:
+    def end(self, event: TraceEvent | None) -> None:
+        """A trace :meth:`begin` started ended: logged, or (``None``) failed."""
         with self._lock:
-            self._events.append(dataclasses.replace(event, index=len(self._events)))
+            self._under_way -= 1
+            if event is not None:
+                self._events.append(dataclasses.replace(event, index=len(self._events)))
