@@ -218,8 +218,7 @@ def write_file_atomic(file: Path, data: bytes) -> None:
         write_file(tmp, data)
         os.replace(tmp, file)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
@@ -250,8 +249,7 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
         ) from None
     finally:
         for tmp, _ in staged:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+            tmp.unlink(missing_ok=True)
 
 
 def write_dir(
@@ -298,8 +296,7 @@ def write_dir(
 
 
 def _sibling(path: Path, kind: str = "tmp") -> Path:
-    """``.{name}.{kind}-{pid}-{random}`` beside ``path``; a name too long for that suffix (a
-    name has 255 bytes at most) by its hash."""
+    """``.{name}.{kind}-{pid}-{random}`` beside ``path``; a name past 200 bytes by its hash."""
     name = path.name if len(os.fsencode(path.name)) <= 200 else sha256(os.fsencode(path.name))
     return path.parent / f".{name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
