@@ -333,6 +333,37 @@ def test_a_client_that_reads_no_answer_is_dropped_within_the_timeout():
         assert code == 200 and len(json.loads(raw)["outputs"]) == 8
 
 
+def test_a_pipelined_request_after_a_malformed_one_logs_no_traceback(caplog):
+    """Requests, then bytes that are not HTTP, in one send: uvicorn answered the 400 and closed
+    the connection, and the answers of the requests before it, written after, raised into the
+    app (uvloop): a logged "Exception in ASGI application" traceback per such client."""
+    import logging
+
+    from symjax_mlp.serving._server import bounded_heads
+
+    body = json.dumps({"inputs": [[1.0, 2.0]]}).encode()
+    head = f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    with (
+        sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b,
+        caplog.at_level(logging.ERROR, logger="uvicorn.error"),
+        _in_thread(
+            sm.serving.create_app(b, close_batcher=False),
+            http=bounded_heads(5.0),
+            log_level="error",
+            log_config=None,  # the records reach caplog
+        ) as url,
+    ):
+        for n in (1, 5, 20):
+            with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s:
+                s.sendall((head.encode() + body) * n + b"GARBAGE\r\n\r\n")
+                with contextlib.suppress(TimeoutError, ConnectionError):
+                    while s.recv(65536):
+                        pass
+        assert _post(url, body)[0] == 200
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
+
+
 @contextlib.contextmanager
 def _in_thread(app, **config):
     """``app`` served by uvicorn on a thread of this process: its URL, until the block ends."""
@@ -340,7 +371,7 @@ def _in_thread(app, **config):
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", **config))
+    server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "critical", **config}))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -58,6 +58,12 @@ class _Lingering:
     def is_closing(self) -> bool:
         return self.lingering or self._t.is_closing()
 
+    def write(self, data: bytes) -> None:
+        # closed (a 400 to what a client pipelined after its requests): their answers are
+        # dropped, where uvloop raised them into the app (a logged traceback per client)
+        if not self.is_closing():
+            self._t.write(data)
+
     def close(self) -> None:
         cycle = self._protocol.cycle
         unread = cycle is not None and cycle.more_body
