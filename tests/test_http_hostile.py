@@ -42,6 +42,14 @@ def server(tmp_path_factory):
     cmd += ["--port", "0", "--max-batch", "4", "--body-timeout", str(BODY_TIMEOUT)]
     cmd += ["--max-body-bytes", str(MAX_BODY), "--max-inflight-bytes", str(MAX_INFLIGHT)]
     cmd += ["--max-connections", str(MAX_CONNECTIONS)]
+    with _serving(cmd) as (proc, url):
+        yield url, art.path, proc.pid
+
+
+@contextlib.contextmanager
+def _serving(cmd):
+    """``symjax-mlp serve`` run by ``cmd``: the process and its URL, once it serves; at the
+    end of the block, interrupted (unless it ended), then killed if it does not stop."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = None
     deadline = time.monotonic() + 120
@@ -53,7 +61,7 @@ def server(tmp_path_factory):
                 url = found and found.group(1)
     try:
         assert url, "the server did not start"
-        yield url, art.path, proc.pid
+        yield proc, url
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -362,6 +370,27 @@ def test_a_pipelined_request_after_a_malformed_one_logs_no_traceback(caplog):
         assert _post(url, body)[0] == 200
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors
+
+
+def test_a_second_interrupt_answers_what_is_in_flight_and_prints_no_traceback(tmp_path):
+    """A second Ctrl-C while a request was in flight: its client got uvicorn's text/plain 500,
+    and the terminal two tracebacks (the request's and the app's lifespan, cancelled)."""
+    art = sm.chapter.export_mlp(tmp_path / "mlp", sizes=(2,), in_features=2)
+    cmd = [sys.executable, "-m", "symjax_mlp", "serve", str(art.path), "--port", "0"]
+    with _serving([*cmd, "--body-timeout", "60"]) as (proc, url):
+        s = _slow_client(url, 1000, 10)  # half a body: the shutdown waits for it
+        try:
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(1)
+            assert proc.poll() is None, "the first interrupt did not wait for the request"
+            proc.send_signal(signal.SIGINT)
+            code, _ = _answer(s, 30)
+        finally:
+            s.close()
+        _, err = proc.communicate(timeout=60)
+    assert code == 503 and proc.returncode == 0, (code, err)
+    assert "Traceback" not in err, err
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ from symjax_mlp.serving._bodies import (
 )
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
+_STOPPED = "the server stopped before the request was answered; retry it."
 
 
 def require() -> None:
@@ -151,6 +152,9 @@ def create_app(
         hold = [0]  # the bytes this request's body holds of the shared budget
         try:
             return await answer(request, hold)
+        except asyncio.CancelledError:  # the server stops before the answer (its graceful
+            # timeout, a second Ctrl-C): a 503, not uvicorn's text/plain 500 and a traceback
+            return error(503, asyncio.CancelledError(_STOPPED))
         except Exception as e:  # a bug of ours: still the documented JSON body, counted
             return error(500, e)
         finally:
@@ -250,7 +254,10 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any):
-        yield
+        try:
+            yield
+        except asyncio.CancelledError:  # a second Ctrl-C: uvicorn stops now, in no error
+            return  # (it was logged as the lifespan's failure, a traceback)
         if close_batcher:
             await asyncio.get_running_loop().run_in_executor(None, batcher.close)
 
