@@ -41,8 +41,9 @@ from symjax_mlp._artifact.weights import encode_params
 from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._export_entry import Stage, export_program, stage
 from symjax_mlp._export_options import PER_ENTRY, check_options
-from symjax_mlp._files import sha256, write_dir
+from symjax_mlp._files import read_regular, sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._signing import SIGNATURE
 from symjax_mlp._specs import TensorSpec
 
 COMPATIBILITY_WINDOW = datetime.timedelta(days=180)  # jax.export: JAX loads it for 6 months
@@ -131,7 +132,7 @@ def export(
         for i, n in enumerate(names)
     ]
     shared = _shared_params(names, staged)
-    check_target(path, overwrite)  # fail before the work, not after it
+    _check_target(path, overwrite)  # fail before the work, not after it
     files: dict[str, bytes] = {}
     programs, needs = [], set()
     for i, (name, entry) in enumerate(zip(names, staged, strict=True)):
@@ -200,9 +201,29 @@ def export(
             for name, p in zip(names[1:], programs[1:], strict=True)
         }
     files[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode()
-    write_dir(path, files, overwrite=overwrite, check=check_target, error=ArtifactError,
+    write_dir(path, files, overwrite=overwrite, check=_check_target, error=ArtifactError,
               what="the artifact")  # fmt: skip
     return Artifact(path, freeze(manifest))
+
+
+def _check_target(path: Path, overwrite: bool) -> None:
+    """``check_target``, and a directory replaced only while it holds an artifact's files and
+    nothing else: another tool's manifest.json, or the user's own files, are never deleted."""
+    check_target(path, overwrite)
+    if not (overwrite and path.is_dir() and (path / MANIFEST).exists()):
+        return
+    try:
+        manifest = json.loads(read_regular(path / MANIFEST, limit=64 << 20, error=ArtifactError))
+        ours = {MANIFEST, SIGNATURE, *manifest["files"]} if manifest["format"] == FORMAT else ()
+    except (ArtifactError, ValueError, TypeError, KeyError):  # not JSON, not a dict, no files
+        ours = ()
+    if extra := sorted(set(os.listdir(path)) - set(ours)):
+        raise ArtifactError(
+            f"symjax_mlp.export({str(path)!r}, overwrite=True): the directory holds "
+            f"{', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}, which no symjax_mlp "
+            "artifact there lists (another tool's manifest.json, or files of yours), and "
+            "overwrite would delete them. Move them out, or choose another path."
+        )
 
 
 def _needs(data: bytes, file: Path) -> list[str]:

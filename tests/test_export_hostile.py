@@ -155,3 +155,24 @@ def test_a_dict_input_says_how_to_export_the_model_that_takes_it(tmp_path):
     with pytest.raises(sm.SignatureError, match=said):
         sm.export(case.hybridize("eval"), tmp_path / "a", example=case.inputs(0))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_never_deletes_a_directory_that_holds_more_than_an_artifact(tmp_path):
+    """A web app's manifest.json made a project directory look like an artifact: overwrite=True
+    replaced it, and index.html was gone."""
+    h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
+    x = jnp.ones((2, 3))
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "manifest.json").write_text('{"name": "my pwa"}')
+    (app / "index.html").write_text("<html>mine</html>")
+    with pytest.raises(sm.ArtifactError, match=r"holds index\.html, manifest\.json, which no"):
+        sm.export(h, app, example=x, overwrite=True)
+    assert (app / "index.html").read_text() == "<html>mine</html>"
+    art = sm.export(h, tmp_path / "art", example=x).path
+    (art / "notes.txt").write_text("mine")
+    with pytest.raises(sm.ArtifactError, match=r"holds notes\.txt, which no symjax_mlp artifact"):
+        sm.export(h, art, example=x, overwrite=True)
+    (art / "notes.txt").unlink()
+    sm.export(h, art, example=x, overwrite=True)  # an artifact, signed or not, is replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app", "art"]
