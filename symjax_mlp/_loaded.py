@@ -68,8 +68,9 @@ class LoadedModel:
     linear function raises JAX's ``TypeError``; a Hessian is ``jax.jacrev(jax.jacrev(f))``
     with ``vjp_order=2``). ``jax.vmap(m)(xs)`` merges the mapped axis into the batch (one run)
     where export recorded that rows stay apart (``manifest["rows"]``) and the program's module
-    shows it (a stranger's manifest may say anything); else it is a ``SymjaxError`` with the
-    reason. Where rows stay apart, ``m`` also takes one example
+    shows it (a stranger's manifest may say anything); else (``manifest["rows"]["why"]``)
+    it runs ``m`` once per mapped example, as ``jax.lax.map(m, xs)``: the same answer,
+    ``vmap(m)(xs)[i] == m(xs[i])``. Where rows stay apart, ``m`` also takes one example
     (``m(x[0])``). ``m["embed"]`` is another entry point of the artifact, over the same
     weights, loaded and checked the same way on first use.
 

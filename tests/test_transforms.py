@@ -1,10 +1,12 @@
 """JAX transforms over a loaded model: jax.vmap, jax.grad, jax.jit, jax.lax.map/scan, a Hybrid.
 
-``jax.vmap`` is checked against ``jax.vmap`` of the source function; every refusal by its
-message (what was found, what to do).
+``jax.vmap`` is checked against ``jax.vmap`` of the source function: merged into the batch
+where rows stay apart, one call per example (``jax.lax.map``) anywhere else; every refusal by
+its message (what was found, what to do).
 """
 
 import json
+import re
 
 import chex
 import flax.linen as nn
@@ -161,15 +163,65 @@ def _softmax_over_batch(p, x):
     ],
     ids=["batch-norm", "softmax", "cumsum", "sort", "reverse", "row-index", "roll", "reshape"],
 )
-def test_vmap_is_refused_where_rows_see_each_other(tmp_path, fn, why):
+def test_vmap_runs_one_call_per_example_where_rows_see_each_other(tmp_path, fn, why):
     h = sm.hybridize(fn, _xs(5, 3))
     art = sm.export(h, tmp_path / "m", example=jnp.ones((4, 5)))
     m = sm.load(art.path, trust=True)  # a cumsum or sort lowers to ops load() asks to allow
     assert m.manifest["rows"]["independent"] is False
-    with pytest.raises(sm.SymjaxError, match=why) as e:
-        jax.vmap(m)(_xs(2, 4, 5))
-    assert "keeps rows apart" in str(e.value) and "jax.lax.map(m, xs)" in str(e.value)
-    chex.assert_trees_all_close(jax.lax.map(m, _xs(2, 4, 5)), jax.lax.map(h, _xs(2, 4, 5)), **TOL)
+    assert re.search(why, m.manifest["rows"]["why"])
+    xs = _xs(2, 4, 5)
+    want = jnp.stack([h(x) for x in xs])  # each slice a whole call, as vmap means
+    chex.assert_trees_all_close(jax.vmap(m)(xs), want, jax.lax.map(m, xs), **TOL)
+    merged = h(xs.reshape(8, 5)).reshape(2, 4, 3)  # what merging the rows would give
+    assert not np.allclose(jax.vmap(m)(xs), merged, **TOL)
+
+
+def _sq(f):
+    return lambda x: (f(x) ** 2).sum()
+
+
+@pytest.fixture(scope="module")
+def mixing(tmp_path_factory):
+    """(h, m): a model whose rows see each other and its artifact, loaded (vjp_order=1)."""
+    h, path = sm.hybridize(_mean_norm, _xs(5, 3)), tmp_path_factory.mktemp("t") / "mixing"
+    return h, sm.load(sm.export(h, path, example=jnp.ones((4, 5)), vjp_order=1).path)
+
+
+@pytest.mark.parametrize(
+    "vmap, xs",
+    [
+        pytest.param(lambda f: jax.vmap(f, in_axes=1), _xs(4, 3, 5), id="in_axes=1"),
+        pytest.param(lambda f: jax.vmap(f, in_axes=2), _xs(4, 5, 3), id="in_axes=2"),
+        pytest.param(lambda f: jax.vmap(f, out_axes=2), _xs(3, 4, 5), id="out_axes=2"),
+        pytest.param(lambda f: jax.vmap(jax.vmap(f, in_axes=1)), _xs(2, 4, 3, 5), id="nested"),
+        pytest.param(lambda f: jax.jit(jax.vmap(f)), _xs(3, 4, 5), id="jit-of-vmap"),
+        pytest.param(lambda f: jax.vmap(jax.jit(f)), _xs(3, 4, 5), id="vmap-of-jit"),
+        pytest.param(jax.vmap, jnp.ones((0, 4, 5)), id="no-example"),
+        pytest.param(lambda f: jax.grad(_sq(jax.vmap(f))), _xs(3, 4, 5), id="grad-of-vmap"),
+        pytest.param(lambda f: jax.vmap(jax.grad(_sq(f))), _xs(3, 4, 5), id="vmap-of-grad"),
+    ],
+)
+def test_vmap_where_rows_see_each_other_equals_vmap_of_the_source(mixing, vmap, xs):
+    h, m = mixing
+    got, want = vmap(m)(xs), vmap(h)(xs)
+    assert got.shape == want.shape
+    chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_vmap_over_a_sequence_model_of_two_symbolic_dimensions(tmp_path):
+    # (b, t, 5): the module cannot show rows apart, so each example is a whole call
+    def attend(p, x):  # each sequence attends over its own steps
+        a = jax.nn.softmax(jnp.einsum("btd,bsd->bts", x, x), axis=-1)
+        return jnp.einsum("bts,bsd->btd", a, x) @ p
+
+    h = sm.hybridize(attend, _xs(5, 3))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 4, 5)), shapes=("b, t, 5",))
+    m = sm.load(art.path)
+    assert m.manifest["rows"]["independent"] is False
+    for xs in (_xs(3, 2, 4, 5), _xs(2, 1, 7, 5)):
+        want = jnp.stack([m(x) for x in xs])
+        chex.assert_trees_all_close(jax.vmap(m)(xs), want, jax.vmap(h)(xs), **TOL)
+        chex.assert_trees_all_close(jax.jit(jax.vmap(m))(xs), want, **TOL)
 
 
 class _Conv(nn.Module):
@@ -194,14 +246,14 @@ def _edit_manifest(path, edit):
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_an_artifact_without_a_rows_verdict_refuses_vmap(tmp_path, mlp):
+def test_an_artifact_without_a_rows_verdict_maps_one_call_per_example(tmp_path, mlp):
     h, _ = mlp
     art = sm.export(h, tmp_path / "old", example=jnp.ones((2, 5)))
     _edit_manifest(art.path, lambda m: m.pop("rows"))  # as exported before the field existed
     m = sm.load(art.path)
     chex.assert_trees_all_close(m(jnp.ones((2, 5))), h(jnp.ones((2, 5))), **TOL)
-    with pytest.raises(sm.SymjaxError, match=r"records no verdict.*export it again"):
-        jax.vmap(m)(_xs(3, 2, 5))
+    xs = _xs(3, 2, 5)
+    chex.assert_trees_all_close(jax.vmap(m)(xs), jax.vmap(h)(xs), **TOL)
 
 
 @pytest.mark.parametrize(
@@ -222,7 +274,7 @@ def test_the_rows_field_is_type_checked(tmp_path, mlp, rows):
         sm.load(art.path)
 
 
-def test_vmap_over_an_input_without_the_batch_dimension_is_refused(tmp_path):
+def test_vmap_over_an_input_without_the_batch_dimension_maps_one_call_per_example(tmp_path):
     h = sm.hybridize(lambda p, x, s: (x * s) @ p, _xs(5, 3))
     art = sm.export(h, tmp_path / "m", example=(jnp.ones((2, 5)), jnp.ones(5)),
                     shapes=("n, 5", None))  # fmt: skip
@@ -231,15 +283,18 @@ def test_vmap_over_an_input_without_the_batch_dimension_is_refused(tmp_path):
     xs, s = _xs(3, 2, 5), _xs(5, seed=2)
     want = jax.vmap(h, in_axes=(0, None))(xs, s)
     chex.assert_trees_all_close(jax.vmap(m, in_axes=(0, None))(xs, s), want, **TOL)
-    with pytest.raises(sm.SymjaxError, match=r"over args\[1\], which has no batch.*in_axes=None"):
-        jax.vmap(m)(xs, jnp.stack([s] * 3))
+    ss = jnp.stack([s, 2 * s, 3 * s])  # its rows cannot join the batch: one call each
+    chex.assert_trees_all_close(jax.vmap(m)(xs, ss), jax.vmap(h)(xs, ss), **TOL)
 
 
-def test_static_shapes_refuse_vmap(tmp_path, mlp):
+def test_static_shapes_map_one_call_per_example(tmp_path, mlp):
     h, _ = mlp
     m = sm.load(sm.export(h, tmp_path / "m", example=jnp.ones((2, 5)), batch=None).path)
-    with pytest.raises(sm.SymjaxError, match="static shapes"):
-        jax.vmap(m)(_xs(3, 2, 5))
+    assert "static shapes" in m.manifest["rows"]["why"]
+    xs = _xs(3, 2, 5)
+    chex.assert_trees_all_close(jax.vmap(m)(xs), jax.vmap(h)(xs), **TOL)
+    xss = _xs(2, 3, 2, 5)
+    chex.assert_trees_all_close(jax.vmap(jax.vmap(m))(xss), jax.vmap(jax.vmap(h))(xss), **TOL)
 
 
 def test_jit_lax_map_lax_scan_and_a_hybrid_over_a_loaded_model(mlp):
@@ -306,11 +361,14 @@ def test_each_entry_point_under_vmap_grad_jit_map_scan_and_in_a_hybrid(tmp_path)
         chex.assert_trees_all_close(ys, want, **TOL)
         outer = sm.hybridize(lambda p, x, f=f: f(x) * p, jnp.float32(2))
         chex.assert_trees_all_close(outer(xs[0]), 2 * want[0], **TOL)
-    # an entry point whose rows see each other: jit and lax.map take whole batches
-    chex.assert_trees_all_close(jax.jit(m["norm"])(xs[0]), norm(xs[0]), **TOL)
-    chex.assert_trees_all_close(jax.lax.map(m["norm"], xs), jax.vmap(norm)(xs), **TOL)
-    with pytest.raises(sm.SymjaxError, match=r"\[.norm.\]: jax.vmap.*(reduces over|reads) the b"):
-        jax.vmap(m["norm"])(xs)
+    # an entry point whose rows see each other: jit, lax.map and vmap take whole batches
+    f = m["norm"]
+    chex.assert_trees_all_close(jax.jit(f)(xs[0]), norm(xs[0]), **TOL)
+    chex.assert_trees_all_close(jax.lax.map(f, xs), jax.vmap(norm)(xs), **TOL)
+    chex.assert_trees_all_close(jax.vmap(f)(xs), jax.vmap(norm)(xs), **TOL)
+    got = jax.grad(lambda xs: jnp.tanh(jax.vmap(f)(xs)).sum())(xs)
+    want = jax.grad(lambda xs: jnp.tanh(jax.vmap(norm)(xs)).sum())(xs)
+    chex.assert_trees_all_close(got, want, **TOL)
 
 
 # an artifact takes arrays: a dict input is refused by export (tests/test_zoo.py)

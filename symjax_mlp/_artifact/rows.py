@@ -4,7 +4,8 @@
 once, right only if the program keeps the rows of its batch apart. Export records a verdict
 from the jaxpr (:mod:`symjax_mlp._rows`), but a manifest is a stranger's claim: the checker's
 child runs :func:`analyze` on the module (this process, for a trusted one), and load believes
-the claim only where :func:`checked` finds that the module shows it.
+the claim only where :func:`checked` finds that the module shows it; elsewhere vmap runs the
+program once per example (``jax.lax.map``), slower and always right.
 
 The analysis is conservative. Every dynamic dimension of ``main``'s arguments is taken to be
 the batch (the loader checks that the artifact has one symbolic dimension, that one). Each value

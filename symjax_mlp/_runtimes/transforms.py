@@ -5,10 +5,13 @@ checks for a call (:func:`refined`).
 each mapped axis merges into its input's batch dimension (``(n, b, ...)`` to ``(n * b, ...)``,
 an unmapped input broadcast first), the program runs once through the same ``jax.jit`` as any
 call (one compile per merged shape) and the outputs split back; nested vmaps merge in turn.
-Only where export recorded that rows stay apart (``rows``, :mod:`symjax_mlp._rows`) and the
-module shows it (load: :mod:`symjax_mlp._artifact.rows`), else refused with the reason; a vmap
-of no example runs one, for the shapes. A ``custom_vjp`` around it runs the VJP module for
-``jax.grad``, checked first (each order), one element at a time under vmap.
+That is only where export recorded that rows stay apart (``rows``, :mod:`symjax_mlp._rows`) and
+the module shows it (load: :mod:`symjax_mlp._artifact.rows`), and every mapped input has the
+batch dimension; a vmap of no example runs one, for the shapes. Anywhere else (rows that mix,
+a forged claim, static shapes, several symbolic dimensions, an artifact without ``rows``) the
+program runs once per mapped example, ``jax.lax.map``: vmap's own meaning, ``vmap(m)(xs)[i] ==
+m(xs[i])``. A ``custom_vjp`` around it runs the VJP module for ``jax.grad``, checked first
+(each order), one element at a time under vmap.
 """
 
 from __future__ import annotations
@@ -67,20 +70,6 @@ _NO_VJP = (
     "{caller}: jax.grad of the loaded model runs the artifact's VJP module of order {order}, "
     "and it was exported without one (vjp_order={have}). Export it again with "
     "vjp_order={order}: sm.export(h, path, example=x, vjp_order={order})."
-)
-_NO_VMAP = (
-    "{caller}: jax.vmap over the loaded model merges the mapped axis into the artifact's batch "
-    "and runs the program once, which is right only for a program that keeps rows apart; "
-    "{why}. Map the calls one by one instead: jax.lax.map(m, xs)."
-)
-_UNRECORDED = (
-    "this artifact records no verdict on that (it was exported by an older symjax_mlp); "
-    "export it again to enable jax.vmap"
-)
-_UNBATCHED = (
-    "{caller}: jax.vmap maps over {path}, which has no batch dimension {dim} in the artifact "
-    "({spec}), so its rows cannot join the batch. Pass it unmapped (in_axes=None for it), or "
-    "map the calls one by one: jax.lax.map."
 )
 
 
@@ -150,12 +139,19 @@ class Program:
         call.defvjp(forward, backward)
         return call
 
+    def checked(self, *args: Any) -> Any:
+        """``call(*args)`` once the guard has checked the module for ``args``' shapes."""
+        self.check(self.call, args)
+        return self.call(*args)
+
     def merge(self, size: int, mapped: list[Any], weights: Any, *inputs: Any) -> Any:
         """The program's ``jax.vmap`` rule: ``size`` rows of each input joined to its batch."""
         rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
-        if not rows.get("independent"):
-            why = rows.get("why") or _UNRECORDED
-            raise SymjaxError(_NO_VMAP.format(caller=self.caller, why=why))
+        dim, specs = rows.get("dim"), sig["inputs"]
+        lone = [on and dim not in s["shape"] for s, on in zip(specs, mapped[1:], strict=True)]
+        apart = rows.get("independent") and not any(lone)  # and each mapped input has rows
+        if not apart:  # vmap's meaning without merging: one call per example
+            return _one_by_one(self.checked, size, mapped, weights, *inputs)
         if size == 0:  # no example: what one gives, less it (a batch of 0 the module refuses)
 
             def one(x: Any, on: bool) -> Any:
@@ -163,15 +159,11 @@ class Program:
 
             out, batched = self.merge(1, mapped, *jax.tree.map(one, [weights, *inputs], mapped))
             return jax.tree.map(lambda y, on: y[:0] if on else y, out, batched), batched
-        dim, merged = rows["dim"], []
+        merged = []
         # weights come batched only as JAX's copies of one (lax.cond under vmap batches them)
         weights = jax.tree.map(lambda w, on: w[0] if on else w, weights, mapped[0])
         for spec, x, on in zip(sig["inputs"], inputs, mapped[1:], strict=True):
             k = spec["shape"].index(dim) if dim in spec["shape"] else None
-            if k is None and on:
-                shape = ", ".join(map(str, spec["shape"]))
-                what = {"path": spec["path"], "spec": f"{spec['dtype']}[{shape}]", "dim": dim}
-                raise SymjaxError(_UNBATCHED.format(caller=self.caller, **what))
             if k is not None:  # (size, ..., b, ...) -> (..., size * b, ...)
                 x = jnp.moveaxis(x if on else jnp.broadcast_to(x, (size, *x.shape)), 0, k)
                 x = x.reshape(*x.shape[:k], -1, *x.shape[k + 2 :])
@@ -186,14 +178,17 @@ class Program:
         return (split[0], batched[0]) if single else (tuple(split), tuple(batched))
 
 
-def _one_by_one(fn: Callable[..., Any], size: int, mapped: list[bool], *args: Any) -> Any:
-    """A ``jax.vmap`` rule that runs ``fn`` once per mapped element (``jax.lax.map``)."""
+def _one_by_one(fn: Callable[..., Any], size: int, mapped: list[Any], *args: Any) -> Any:
+    """A ``jax.vmap`` rule that runs ``fn`` once per mapped element (``jax.lax.map``);
+    ``mapped``: a tree of bools over ``args`` (a dict of weights has one per array)."""
+    leaves, tree = jax.tree.flatten(list(args))
+    on = tree.flatten_up_to(list(mapped))
 
     def one(xs: list[Any]) -> Any:
         it = iter(xs)
-        return fn(*[next(it) if on else a for a, on in zip(args, mapped, strict=True)])
+        return fn(*tree.unflatten([next(it) if o else a for a, o in zip(leaves, on, strict=True)]))
 
-    out = jax.lax.map(one, [a for a, on in zip(args, mapped, strict=True) if on])
+    out = jax.lax.map(one, [a for a, o in zip(leaves, on, strict=True) if o])
     return out, jax.tree.map(lambda _: True, out)
 
 
