@@ -129,3 +129,18 @@ def test_an_integer_of_thousands_of_digits_is_refused_as_out_of_range(dtype):
         assert "set_int_max_str_digits" not in str(e.value)
         with pytest.raises(_bodies.BadRequest, match="not valid JSON"):  # a syntax error still
             _bodies.decode(b, b'{"inputs": [[9, 0]]', "application/json")
+
+
+def test_a_json_body_of_more_numbers_than_a_request_holds_is_refused_before_parsing():
+    """60 MB of "1," for a model of one int per row was parsed whole (10 s of the event loop,
+    850 MB) before its shape was refused: one client stalled the server. A body with more
+    numbers than max_batch rows hold is a 413 now; whitespace in a valid one is no matter."""
+    from symjax_mlp.serving import _bodies
+
+    with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 1), np.int32), max_batch=2) as b:
+        with pytest.raises(_bodies.BadRequest, match="more than a request of at most 2 rows") as e:
+            _bodies.decode(b, b'{"inputs": [[' + b"1, " * 5000 + b"1]]}", "application/json")
+        assert e.value.status == 413
+        spaced = b'{"inputs": [' + b",".join([b"[ 1 ]" + b" " * 8000] * 2) + b"]}"
+        [x], _ = _bodies.decode(b, spaced, "application/json")
+        assert x.tolist() == [[1], [1]]

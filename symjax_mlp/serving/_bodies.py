@@ -139,6 +139,14 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f"unsupported Content-Type {content_type!r}; send application/json "
             f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).',
         )
+    most = batcher.max_batch * sum(math.prod(s.shape[1:]) for s in specs)  # numbers, at most
+    if len(body) > 32 * most + 4096 and body.count(b",") > most + 1024:  # 10 s of parsing
+        raise BadRequest(
+            413,
+            f"the body holds more than {most + 1024} numbers, more than a request of at most "
+            f"{batcher.max_batch} rows ({', '.join(s.type for s in specs)}) holds; split it "
+            f"into requests of at most {batcher.max_batch} rows.",
+        )
     try:
         data = _parse(body, fast=_floats_only(specs))
     except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
