@@ -104,7 +104,7 @@ def write_outputs(
         outs = arrays(y)
         is_path = isinstance(to, str | os.PathLike)
         buffer = io.BytesIO()
-        if is_path and os.fspath(to).endswith(".npz"):
+        if is_path and os.fspath(to).lower().endswith(".npz"):
             np.savez(buffer, **{f"out{i}": a for i, a in enumerate(outs)})
         elif len(outs) != 1:
             name = os.fspath(to) if is_path else getattr(to, "name", "the stream")

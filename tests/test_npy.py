@@ -86,8 +86,8 @@ def test_write_outputs_npy_npz_stream_and_refusal(tmp_path):
     out = tmp_path / "y.out"  # exactly this name: no .npy appended
     assert [a.shape for a in write_outputs(y, out)] == [(3,)]
     np.testing.assert_array_equal(np.load(out), y)
-    write_outputs((y, z), tmp_path / "yz.npz")
-    got = np.load(tmp_path / "yz.npz")
+    write_outputs((y, z), tmp_path / "yz.NPZ")  # an .npz path in any case
+    got = np.load(tmp_path / "yz.NPZ")
     np.testing.assert_array_equal(got["out0"], y)
     np.testing.assert_array_equal(got["out1"].view(ml_dtypes.bfloat16), z)
     stream = io.BytesIO()
