@@ -15,7 +15,8 @@ Endpoints:
 Errors are JSON ``{"error": class name, "message": ...}``, counted on ``/metrics``: 400 an
 unreadable body, 408 a body that stopped arriving, 413 too large, 415 an unknown content
 type, 422 a :class:`~symjax_mlp.SignatureError`, 503 a full queue or too many bytes of bodies
-in flight (both with ``Retry-After``), 500 the model raised. A message names the model, never
+in flight (both with ``Retry-After``), a batcher closed with ``cancel=True`` or a server that
+stopped before the answer, 500 the model raised. A message names the model, never
 its path on the server. starlette and uvicorn (the ``symjax_mlp[serve]`` extra) are imported
 only when an app is made.
 """
