@@ -95,11 +95,11 @@ class TracedModel:
         return jaxpr.outvars == jaxpr.invars[: len(jaxpr.outvars)]
 
     def run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
-        """One trace: logged (its budget enforced) before, committed after; ``h.apply``'s
+        """One trace: its budget enforced before, logged after; ``h.apply``'s
         (``entry="apply"``) returns ``out``, the new state (and given values)."""
-        event = self.log.begin(static, dyn, dyn_kw, entry)
         params = leaves if entry == "apply" else self.params(leaves)
         given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
+        event = self.log.begin(static, dyn, dyn_kw, entry)
         try:
             result = self.call(static, params, state, dyn, dyn_kw)
         except BaseException:
