@@ -370,7 +370,8 @@ class Hybrid:
 
     def on_trace(self, callback: Callable[..., Any]) -> Callable[..., Any]:
         """Registers ``callback(*args, **kwargs)``, run once per trace with the traced inputs
-        (eagerly: every call, with concrete arrays); returns it, so it works as a decorator."""
+        (eagerly: every call, with concrete arrays); returns it, so it works as a decorator.
+        It may read the Hybrid, or call it on inputs already traced, from any thread."""
         self._log.add(callback)
         return callback
 
