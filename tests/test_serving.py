@@ -925,6 +925,49 @@ def test_a_loaded_artifact_with_a_static_batch(tmp_path):
         sm.serving.Batcher(m, max_batch=8)
 
 
+def _serve_concurrently(b, requests):
+    """Each request's answer from ``b``: half from threads (``submit``), half from one asyncio
+    pass (``asubmit``, all queued before the batcher's thread takes them)."""
+    got = [None] * len(requests)
+
+    def client(j):
+        got[j] = b.submit(requests[j]).result(30)
+
+    async def passing():
+        return await asyncio.wait_for(asyncio.gather(*[b.asubmit(r) for r in requests]), 30)
+
+    _run_clients(client, len(requests), timeout=30)
+    return got, asyncio.run(passing())
+
+
+@pytest.mark.parametrize("mix", [False, True], ids=["rows-apart", "rows-mix"])
+def test_an_artifact_whose_rows_mix_runs_each_request_alone_and_unpadded(tmp_path, mix):
+    # x - mean over the batch: merged with others, or padded with zero rows, a request's
+    # answer would depend on the rest of its batch (0.1 off); alone, it is m(x)
+    f = (lambda p, x: x - x.mean(0, keepdims=True) + p) if mix else (lambda p, x: x * p + 1)
+    h = sm.hybridize(f, jnp.float32(0.5))
+    m = sm.load(sm.export(h, tmp_path / "m", example=jnp.ones((4, 3))).path)
+    assert m.manifest["rows"]["independent"] is not mix
+    requests = [rows(n, features=3, seed=j) for j, n in enumerate((3, 1, 5, 2, 3, 7, 1, 6))]
+    wants = [np.asarray(m(r)) for r in requests]
+    with sm.serving.Batcher(m, max_batch=8) as b:
+        assert b.merges is not mix and bool(b.why_alone) is mix
+        assert ("merges=False" in repr(b)) is mix
+        lone = b(requests[0])  # 3 rows: at bucket 4 where requests merge
+        threaded, awaited = _serve_concurrently(b, requests)
+        stats = b.stats
+    for got in ([lone], threaded, awaited):
+        for y, want in zip(got, wants, strict=False):
+            np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+    assert stats.completed == stats.requests == 1 + 2 * len(requests)
+    if mix:
+        assert "batch" in b.why_alone
+        assert stats.batches == stats.requests and stats.padded_rows == 0
+        assert set(stats.batches_by_bucket) <= {len(r) for r in requests}
+    else:
+        assert stats.batches < stats.requests and stats.mean_batch_rows > 3
+
+
 # -- the latency mode -------------------------------------------------------------------------
 def test_latency_mode_refuses_once_jax_has_started():
     jnp.ones(1).block_until_ready()

@@ -5,7 +5,8 @@ queued) runs at once: ``b(x)`` on the calling thread, ``submit`` on the batcher'
 ``asubmit`` on the event loop when the loop's current pass ends. Requests that arrive while a
 batch runs wait in a bounded queue and are merged, in arrival order, into the next batch, up
 to ``max_batch`` rows, zero-padded to the smallest bucket that holds it. Every bucket is
-compiled when the batcher is made; padding rows are never returned.
+compiled when the batcher is made; padding rows are never returned. An artifact whose rows
+mix (its manifest says so) is never merged nor padded: each request runs alone, at its rows.
 
 Per request, little is done: a known ``(shape, dtype)`` is looked up, not checked; a lone
 ``b(x)`` takes no lock and no future; a batch is one ``np.concatenate``, its counters one
@@ -22,14 +23,13 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, OverloadError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
-from symjax_mlp.serving._lane import Blocking, Lane, array_rows, claim, clock, tree_to_host
+from symjax_mlp.serving._lane import Blocking, Lane, claim, clock
 from symjax_mlp.serving._requests import (
     AsyncRequest,
     RequestCheck,
@@ -39,6 +39,7 @@ from symjax_mlp.serving._requests import (
     check_timeout,
     example_specs,
     inference_of,
+    rows_mixed,
 )
 from symjax_mlp.serving._stats import BatcherStats
 
@@ -49,6 +50,14 @@ class Batcher:
     A request is what the model takes, with a leading batch dimension of 1..``max_batch``
     rows: ``b(x)`` returns what ``model(x)`` would, as NumPy arrays (batched rows equal the
     same rows run alone up to float rounding; at one bucket, bit for bit).
+
+    Merging and padding are exact only for a model that keeps the rows of its batch apart. An
+    artifact whose manifest does not show that (``m.manifest["rows"]``: e.g. it subtracts the
+    batch mean) is served exactly, slower: each request runs alone at its own rows, never
+    merged nor padded (each row count compiled at its first use), so ``b(x)`` equals
+    ``m(x)``; :attr:`merges` is then ``False`` and :attr:`why_alone` says why. An artifact
+    written before manifests said so or with a static batch, a Hybrid, or a callable is
+    merged and padded as above: exact only if the model keeps its rows apart.
 
     A bad request is refused with :class:`~symjax_mlp.SignatureError`, a full queue with
     :class:`OverloadError`; neither disturbs other requests. If the model raises, every
@@ -67,7 +76,8 @@ class Batcher:
         for several inputs) giving each input's row shape and dtype. Not for a LoadedModel.
       max_batch: most rows in one model call (default 64, or a static artifact batch).
       buckets: the batch sizes compiled ahead of time (default: powers of two up to
-        ``max_batch``, and ``max_batch``); the largest must be ``max_batch``.
+        ``max_batch``, and ``max_batch``); the largest must be ``max_batch``. A batcher that
+        does not merge compiles the smallest only.
       max_queue: most requests waiting; one more is refused with :class:`OverloadError`.
       name: shown in errors (default: the model's name or artifact path).
       kwargs: keyword settings passed to every call of a Hybrid or callable, e.g.
@@ -107,6 +117,7 @@ class Batcher:
                 "e.g. kwargs={'train': False}."
             )
         served, kwargs = model, dict(kwargs or {})  # what the lane calls (for a Hybrid, _inference)
+        alone = ""  # why each request must run alone, unpadded ("": they merge)
         if isinstance(model, LoadedModel):
             if example is not None or kwargs:
                 given = "example=" if example is not None else "kwargs="
@@ -115,7 +126,7 @@ class Batcher:
                     f"({model.signature}) and settings; drop {given}."
                 )
             specs, static = artifact_specs(model)
-            name = name or str(model.path)
+            name, alone = name or str(model.path), rows_mixed(model)
         elif callable(model):
             linen = sys.modules.get("flax.linen")  # never imported here
             if linen is not None and isinstance(model, linen.Module) and model.scope is None:
@@ -150,34 +161,18 @@ class Batcher:
         #: What one request takes: one spec per input, the batch dimension named ``b``.
         self.specs: tuple[TensorSpec, ...] = specs
         self.model = model
-        lane = Lane(served, specs, self.buckets, max_queue, self.name)
+        #: Why each request runs alone at its own rows (``""``: requests merge): see above.
+        self.why_alone: str = alone
+        lane = Lane(served, specs, self.buckets, max_queue, self.name, merges=not alone)
         self._check = RequestCheck(self.name, specs, lane, self.max_batch).check
         # Per event loop, this pass's asubmit (None: several): see _end_of_pass.
         self._passes: dict[Any, AsyncRequest | None] = {}
-        self._warm_up(lane)
+        lane.warm_up()
         self._lane = lane
         self._thread = threading.Thread(target=lane.work, name=self.name, daemon=True)
         self._thread.start()
         lane.thread = self._thread.ident
         self._finalizer = weakref.finalize(self, lane.close, False)
-
-    def _warm_up(self, lane: Lane) -> None:
-        """Compiles every bucket (one call each) and checks the outputs are per row."""
-        single, rows = True, list(zip(lane.row_shapes, lane.dtypes, strict=True))
-        for bucket in self.buckets:
-            out = lane.call(*[np.zeros((bucket, *s), d) for s, d in rows])
-            single = isinstance(out, jax.Array | np.ndarray)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree_to_host(out)):
-                if leaf.ndim == 0 or leaf.shape[0] != bucket:
-                    raise ConfigError(
-                        f"{self.name}: output out{jax.tree_util.keystr(path)} has shape "
-                        f"{leaf.shape} for a batch of {bucket}, but batching needs per-row "
-                        f"outputs with the batch ({bucket}) as leading dimension. Serve a model "
-                        "that returns one result per input row (reduce over rows afterwards)."
-                    )
-        if single:
-            lane.to_host, lane.split = np.asarray, array_rows
-            lane.single = True
 
     # -- requests ----------------------------------------------------------------------------
     def _enqueue(self, request: Any, wake: bool = True) -> None:
@@ -357,6 +352,11 @@ class Batcher:
         return self._lane.stats()
 
     @property
+    def merges(self) -> bool:
+        """Whether requests share model calls, zero-padded (``False``: see :attr:`why_alone`)."""
+        return self._lane.merges
+
+    @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
         return self._lane.closing
@@ -394,5 +394,6 @@ class Batcher:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"queue={len(self._lane.queue)}"
+        state += "" if self.merges else f", merges=False ({self.why_alone})"
         ins = ", ".join(s.type for s in self.specs)
         return f"{self.name}: ({ins}), buckets={list(self.buckets)}, {state}"

@@ -2,9 +2,10 @@
 
 :class:`Lane` is the state a :class:`~symjax_mlp.serving.Batcher` shares with its thread (which
 holds no Batcher, so dropping the Batcher ends the thread): the bounded queue, the lane's token
-(whoever holds it runs the model), the thread's loop and the counters. Like a
-``ThreadPoolExecutor``'s workers, the thread outlives what it runs: whatever the model raises,
-``BaseException`` included, goes to the batch's requests, and the loop goes on.
+(whoever holds it runs the model), the thread's loop and the counters. A lane that does not
+merge (a model whose rows mix) takes one request per model call, at its own rows, unpadded.
+Like a ``ThreadPoolExecutor``'s workers, the thread outlives what it runs: whatever the model
+raises, ``BaseException`` included, goes to the batch's requests, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from symjax_mlp import _compat as compat
 from symjax_mlp._compat import after_finish, finish_futures, start_future
+from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._requests import AsyncRequest, RequestFuture
 from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats, Counters
 
@@ -74,14 +76,16 @@ class Lane:
     """The executor state, shared by the batcher and its thread (which holds no Batcher)."""
 
     def __init__(self, call: Callable[..., Any], row_specs, buckets, max_queue,
-                 name: str = "Batcher") -> None:  # fmt: skip
-        self.call, self.name = call, name
+                 name: str = "Batcher", merges: bool = True) -> None:  # fmt: skip
+        self.call, self.name, self.merges = call, name, merges
         self.row_shapes = [tuple(s.shape[1:]) for s in row_specs]
         self.dtypes = [np.dtype(s.dtype) for s in row_specs]
         self.buckets = tuple(buckets)
         self.max_batch = self.buckets[-1]
         self.bucket_of = [0] + [self.buckets[bisect.bisect_left(self.buckets, n)]
                                 for n in range(1, self.max_batch + 1)]  # fmt: skip
+        if not merges:  # each request at its own rows: a size compiled at its first use
+            self.bucket_of = list(range(self.max_batch + 1))
         self.max_queue = max_queue
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
@@ -93,6 +97,8 @@ class Lane:
         self.idle = [True]
         self.closing = False
         self.n = Counters(self.buckets)
+        if not merges:
+            self.n.by_bucket = collections.Counter()  # the sizes run, as they come
         self.to_host: Callable[[Any], Any] = tree_to_host
         self.split: Callable[[Any, int, int], Any] = tree_rows
         self.single = False  # one array out: the split is a list of row copies
@@ -149,11 +155,29 @@ class Lane:
             self.sleeping = False
             self.wake.notify()
 
+    def warm_up(self) -> None:
+        """Compiles every bucket (the smallest alone where it does not merge: one call each),
+        and checks the outputs are per row."""
+        single, rows = True, list(zip(self.row_shapes, self.dtypes, strict=True))
+        for bucket in self.buckets if self.merges else self.buckets[:1]:
+            out = self.call(*[np.zeros((bucket, *s), d) for s, d in rows])
+            single = isinstance(out, jax.Array | np.ndarray)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree_to_host(out)):
+                if leaf.ndim == 0 or leaf.shape[0] != bucket:
+                    raise ConfigError(
+                        f"{self.name}: output out{jax.tree_util.keystr(path)} has shape "
+                        f"{leaf.shape} for a batch of {bucket}, but batching needs per-row "
+                        f"outputs with the batch ({bucket}) as leading dimension. Serve a model "
+                        "that returns one result per input row (reduce over rows afterwards)."
+                    )
+        if single:
+            self.to_host, self.split, self.single = np.asarray, array_rows, True
+
     def take(self) -> tuple[list[Any], list[float], int]:
         """Pops the next batch (FIFO, at most max_batch rows); drops cancelled futures."""
         batch: list[Any] = []
         starts: list[float] = []
-        rows, q, limit = 0, self.queue, self.max_batch
+        rows, q, limit, alone = 0, self.queue, self.max_batch, not self.merges
         with self.futures:  # a future turns running here, or was cancelled while queued
             while q and rows + q[0].rows <= limit:
                 r = q.popleft()
@@ -168,6 +192,8 @@ class Lane:
                 batch.append(r)
                 starts.append(r.t0)
                 rows += r.rows
+                if alone:  # never merged with another request: its rows mix
+                    break
         return batch, starts, rows
 
     def run(self, batch: list[Any], starts: list[float], rows: int) -> None:

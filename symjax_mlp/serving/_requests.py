@@ -36,7 +36,8 @@ class RequestTiming:
       rows: the request's rows.
       batch_rows: the real rows of its batch (all its requests).
       batch_requests: the requests merged into its batch.
-      bucket: the compiled batch size it ran at (``bucket - batch_rows`` padding rows).
+      bucket: the compiled batch size it ran at (``bucket - batch_rows`` padding rows); its
+        own rows where the batcher does not merge (:attr:`Batcher.merges`).
     """
 
     queued: float
@@ -170,6 +171,17 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
             "needs one batch dimension shared by every input."
         )
     return tuple(specs), (static.pop() if static else None)
+
+
+def rows_mixed(model: LoadedModel) -> str:
+    """Why a batcher runs each request of ``model`` alone, unpadded: its manifest's ``rows``
+    does not show its batch's rows apart (merged or padded, requests would change each other's
+    answers); ``""`` where they may merge, or where the manifest does not say (written before
+    ``rows`` was), or its batch is static (it has no other size to run)."""
+    rows = model.manifest.get("rows") or {}
+    if rows.get("dim") is None or rows.get("independent", True):
+        return ""
+    return rows.get("why") or "its manifest says that its rows are not independent"
 
 
 #: The most rows a batcher's model call may take (its largest bucket).
