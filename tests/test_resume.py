@@ -107,3 +107,23 @@ def test_a_checkpoint_without_its_manifest_or_with_an_edited_probe_is_named_brok
     with pytest.raises(sm.CheckpointError, match=r"step_00000004/manifest\.json: the file is "
                        r"missing; .* \(remove this step_\* directory"):  # fmt: skip
         sm.training.train(sm.mlp((8, 2)), tiny, **run)
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_a_newer_step_that_is_no_checkpoint_is_refused_before_training(tiny, tmp_path, kind):
+    """A file or symlink named like a newer step_* was passed over by the resume; training then
+    failed only when saving that step ('already exists'), after the epoch's work."""
+    run = {"epochs": 1, "batch_size": 16, "checkpoint": tmp_path}
+    sm.training.train(sm.mlp((8, 2)), tiny, **run)
+    stray = tmp_path / "step_00000008"
+    stray.write_text("x") if kind == "file" else stray.symlink_to(tmp_path / "step_00000004")
+    (tmp_path / "step_00000002").write_text("older: never saved over")
+    epochs = []
+    run.update(epochs=2, resume=True, on_epoch=epochs.append)
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.train(sm.mlp((8, 2)), tiny, **run)
+    assert f"{stray} is a {kind}, not a checkpoint directory" in str(e.value)
+    assert "newer than step_00000004" in str(e.value) and "Remove it" in str(e.value)
+    assert epochs == []  # refused before the first epoch, not after it
+    stray.unlink()
+    assert sm.training.train(sm.mlp((8, 2)), tiny, **run).step == 8

@@ -307,11 +307,27 @@ def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
 
+def check_strays(directory: str | os.PathLike, caller: str) -> None:
+    """Refuses a ``step_*`` entry that is no checkpoint directory (a file, a symlink) and newer
+    than the newest checkpoint: a run passes it over, then fails to save that step."""
+    newest = latest_checkpoint(directory)
+    found = Path(directory).iterdir() if Path(directory).is_dir() else ()
+    for p in sorted(p for p in found if _STEP_DIR.match(p.name)):
+        if (p.is_symlink() or not p.is_dir()) and (not newest or _step_of(p) > _step_of(newest)):
+            kind = "a symlink" if p.is_symlink() else "a file"
+            raise CheckpointError(
+                f"{caller}: {p} is {kind}, not a checkpoint directory, but is named like a step "
+                f"newer than {newest.name if newest else 'any checkpoint there'}: a resume passes "
+                "it over, and saving that step would fail after its epoch's work. Remove it, or "
+                "use another checkpoint directory."
+            )
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The newest checkpoint in ``directory``, or ``None`` if it holds none.
 
     Raises:
-      ConfigError: ``directory`` is not a str or ``os.PathLike``.
+      ConfigError: ``directory`` is not a str or ``os.PathLike``, or is ``''``.
     """
     check_path(directory, "symjax_mlp.training.latest_checkpoint")
     found = _checkpoints(Path(directory))
@@ -333,7 +349,7 @@ def restore_checkpoint(
     Raises:
       CheckpointError: no checkpoint, a corrupted or foreign one, or one whose tensors do not
         match ``like``.
-      ConfigError: ``path`` is not a str or ``os.PathLike``; ``like`` is not a
+      ConfigError: ``path`` is not a str or ``os.PathLike``, or is ``''``; ``like`` is not a
         :class:`TrainState`.
     """
     check_path(path, "symjax_mlp.training.restore_checkpoint")

@@ -26,6 +26,7 @@ from symjax_mlp._errors import CheckpointError
 from symjax_mlp.training._checkpoint import (
     TrainState,
     broken,
+    check_strays,
     latest_checkpoint,
     restore_checkpoint,
 )
@@ -88,6 +89,8 @@ def resume_run(
     """``(state, history, found)`` of the newest checkpoint (in ``store``, if given), read into
     the structure of ``state``, if it continues the run of ``config``; else ``state``. ``update``
     is :func:`optimizer_probe` of a state for this run's optimizer."""
+    if store is None and checkpoint is not None:
+        check_strays(checkpoint, "symjax_mlp.training.train")
     found = store.latest() if store is not None else checkpoint and latest_checkpoint(checkpoint)
     if not found:
         return state, [], None
