@@ -291,6 +291,23 @@ def test_a_checkpoint_path_that_is_not_a_str_path_is_a_config_error(tiny, tmp_pa
             assert got in str(e.value)
 
 
+def test_an_empty_checkpoint_path_is_a_config_error_for_every_call(tiny, tmp_path, monkeypatch):
+    """latest_checkpoint('') and restore_checkpoint('', like) read the working directory."""
+    monkeypatch.chdir(tmp_path)
+    sm.training.save_checkpoint("ckpt", _state())
+    (tmp_path / "ckpt" / "step_00000000").rename(tmp_path / "step_00000000")
+    calls = {
+        "train": lambda p: sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, checkpoint=p),
+        "save_checkpoint": lambda p: sm.training.save_checkpoint(p, _state()),
+        "restore_checkpoint": lambda p: sm.training.restore_checkpoint(p, _state()),
+        "latest_checkpoint": sm.training.latest_checkpoint,
+    }
+    for name, call in calls.items():
+        with pytest.raises(sm.ConfigError, match=f"{name}: the checkpoint directory is ''"):
+            call("")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "step_00000000"]
+
+
 def test_a_bad_timeout_is_refused_in_one_process_too(tiny):
     """timeout='60' or -1 was accepted in one process, refused only once scaled out."""
     for timeout in ("60", -1, 0, 1.5):

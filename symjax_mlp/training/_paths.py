@@ -10,12 +10,18 @@ from symjax_mlp._errors import CheckpointError, ConfigError
 
 
 def check_path(path: Any, caller: str) -> None:
-    """Refuses anything but a str or ``os.PathLike`` of a str (pathlib's TypeError, else)."""
+    """Refuses anything but a str or ``os.PathLike`` of a str (pathlib's TypeError, else), and
+    ``''`` (``Path('')`` is the working directory)."""
     if not isinstance(path, str | os.PathLike) or not isinstance(os.fspath(path), str):
         raise ConfigError(
             f"{caller}: the checkpoint path must be a str or os.PathLike directory; got "
             f"{type(path).__name__} {repr(path)[:80]}. Pass e.g. 'checkpoints' or "
             "pathlib.Path('checkpoints') (bytes: os.fsdecode(path))."
+        )
+    if not os.fspath(path):  # Path("") is the working directory
+        raise ConfigError(
+            f"{caller}: the checkpoint directory is '' (the working directory, by accident?). "
+            "Pass a directory, e.g. 'checkpoints'."
         )
 
 
@@ -30,8 +36,6 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
         )
 
     check_path(directory, caller)
-    if not os.fspath(directory):  # Path("") is the working directory
-        raise refuse("is ''")
     path = Path(directory)
     try:
         os.lstat(path)
