@@ -33,7 +33,8 @@ class BatcherStats:
       cancelled: requests cancelled before they ran (``future.cancel()``, ``close(cancel=True)``).
       rejected: requests refused at submit: ``rejected_by`` says why (``"signature"``: wrong
         inputs, ``"overload"``: queue full, ``"closed"``: after :meth:`Batcher.close`).
-      batches: model calls; ``batches_by_bucket`` counts them per compiled size.
+      batches: model calls; ``batches_by_bucket`` counts them per batch size run (a compiled
+        bucket, or a request's own rows where the batcher does not merge).
       rows: real rows computed; ``padded_rows`` the zero rows added to reach a bucket.
       queue_depth: requests waiting now; ``busy``: whether a batch is running now.
       seconds: per stage (``queued``, ``padded``, ``compute``, ``split``), the sum over
