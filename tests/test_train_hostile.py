@@ -12,6 +12,7 @@ state or cannot init, checkpoint calls by hand, NumPy and JAX scalars for settin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import flax.linen as nn
@@ -306,6 +307,22 @@ def test_an_empty_checkpoint_path_is_a_config_error_for_every_call(tiny, tmp_pat
         with pytest.raises(sm.ConfigError, match=f"{name}: the checkpoint directory is ''"):
             call("")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "step_00000000"]
+
+
+def test_training_labels_of_one_class_are_refused_unless_num_classes_says_more(tiny):
+    """Every label the same trained silently to loss 0 and 100% accuracy."""
+    one = dataclasses.replace(tiny, y_train=np.full(64, 7), y_test=np.full(32, 7), num_classes=None)
+    epochs = []
+    with pytest.raises(sm.DataError) as e:
+        sm.training.train(data=one, epochs=1, batch_size=16, on_epoch=epochs.append)
+    assert "tiny.y_train holds one class, 7, in all its 64 labels" in str(e.value)
+    assert "at least two classes" in str(e.value) and epochs == []
+    for ys, classes in ((tiny.y_test, None), (np.zeros(32), 1)):  # y_test's others; 1 output
+        one_class = dataclasses.replace(one, y_train=ys[:1].repeat(64), y_test=ys)
+        with pytest.raises(sm.DataError, match=f"holds one class, {int(ys[0])}, in all its 64"):
+            sm.training.train(data=dataclasses.replace(one_class, num_classes=classes), epochs=1)
+    declared = sm.training.train(data=dataclasses.replace(one, num_classes=10), epochs=1)
+    assert declared.step > 0  # num_classes >= 2 says the others exist: a split without them
 
 
 def test_a_bad_timeout_is_refused_in_one_process_too(tiny):

@@ -221,7 +221,16 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
 
 def default_classes(data: Dataset) -> int:
     """The default model's outputs: ``num_classes``, else the largest label + 1; labels like
-    IDs (past ``_MAX_SPARSE_CLASSES``, most never a label) refused: a layer that wide."""
+    IDs (past ``_MAX_SPARSE_CLASSES``, most never a label) refused: a layer that wide; training
+    labels of one class refused unless ``num_classes`` >= 2 says the others exist."""
+    present = np.unique(data.y_train)
+    if len(present) == 1 and (data.num_classes or 0) < 2:  # the classes are the labels'
+        raise DataError(
+            f"{data.name}.y_train holds one class, {present[0]}, in all its {len(data.y_train)} "
+            "labels: trained on it, a classifier learns nothing (its loss goes to 0, its "
+            "accuracy to 100%). A classifier needs at least two classes: add examples of "
+            "another, or pass num_classes >= 2 if the others exist but this split has none."
+        )
     largest = int(max(data.y_train.max(), data.y_test.max()))
     classes = data.num_classes or largest + 1
     distinct = len(np.unique(np.concatenate([data.y_train, data.y_test])))
