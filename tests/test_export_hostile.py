@@ -176,3 +176,27 @@ def test_overwrite_never_deletes_a_directory_that_holds_more_than_an_artifact(tm
     (art / "notes.txt").unlink()
     sm.export(h, art, example=x, overwrite=True)  # an artifact, signed or not, is replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["app", "art"]
+
+
+def test_a_target_export_cannot_write_is_named_for_what_it_is(tmp_path):
+    """A symlink to a directory with overwrite=True was 'exists and is not a directory'; a path
+    below a file was '[Errno 17] File exists'; neither message had the export(...) prefix."""
+    h, x = sm.hybridize(lambda _, x: x * 2, {}), jnp.ones((2, 3))
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for target, overwrite, says in (
+        ("afile/sub", False, "afile is a file, not a directory"),
+        ("afile/sub/deeper", False, "afile is a file, not a directory"),
+        ("dangling/sub", False, "dangling is a symlink to nothing, not a directory"),
+        ("link", True, f"link is a symlink to {tmp_path / 'real'}; overwrite=True replaces an"),
+        ("link", False, "link already exists"),
+        ("afile", True, "afile is not a directory; overwrite=True replaces an"),
+    ):
+        path = tmp_path / target
+        with pytest.raises(sm.ArtifactError) as e:
+            sm.export(h, path, example=x, overwrite=overwrite)
+        assert str(e.value).startswith(f'symjax_mlp.export("{path}"): '), str(e.value)
+        assert says in str(e.value) and "Errno" not in str(e.value), str(e.value)
+    assert (tmp_path / "afile").read_text() == "mine" and list((tmp_path / "real").iterdir()) == []

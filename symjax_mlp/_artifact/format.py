@@ -31,9 +31,7 @@ MAX_PARAMS = 65_536  # param tensors (and inputs, outputs) an artifact may have
 MAX_FILES = 1_024  # files a manifest may list
 MAX_CONSTRAINT_CHARS = 256
 MAX_DEPTH = 32  # JSON nesting of a manifest; json.loads reads deeper than Python recursion
-VALUES_PER_TENSOR = (
-    64  # JSON values a manifest or safetensors header may have per tensor it may list
-)
+VALUES_PER_TENSOR = 64  # JSON values a manifest or safetensors header may have per tensor
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 NEEDS = frozenset({  # what "needs" may name: ops computing tensors from tensors, and loops
     "while", "convolution", "reduce_window", "select_and_scatter", "gather", "scatter", "sort",
@@ -138,7 +136,7 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
         ("created", m.get("created", M), _is_str, "a string"),
         ("versions", m.get("versions", M), _str_dict, "an object of version strings"),
         ("platforms", m.get("platforms", M), _platforms, "a list of distinct platform names"),
-        ("nr_devices", m.get("nr_devices", M), _count, "an int >= 1"),
+        ("nr_devices", m.get("nr_devices", M), lambda v: is_int(v) and v >= 1, "an int >= 1"),
         ("calling_convention_version", m.get("calling_convention_version", M), is_int, "an int"),
         ("ordered_effects", m.get("ordered_effects", 0), is_size, "an int >= 0"),
         *_program_rules(m, ""),
@@ -210,7 +208,9 @@ def _program_rules(m: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, An
          '"tuple", or "array" with one output'),
         (f"{prefix}signature.batch", s.get("batch"), lambda v: v is None or _is_str(v),
          "a name or null"),
-        (f"{prefix}signature.constraints", s.get("constraints", []), _constraints,
+        (f"{prefix}signature.constraints", s.get("constraints", []),
+         lambda v: _str_list(v) and len(v) <= 64
+         and all(0 < len(c) <= MAX_CONSTRAINT_CHARS for c in v),
          f"a list of at most 64 constraints such as \"t <= 1024\" ({MAX_CONSTRAINT_CHARS} "
          "characters at most)"),
         (f"{prefix}mlir_arguments", m.get("mlir_arguments", _MISSING), _str_list,
@@ -246,10 +246,6 @@ def is_size(x: Any) -> bool:
     return is_int(x) and x >= 0
 
 
-def _count(x: Any) -> bool:
-    return is_int(x) and x >= 1
-
-
 def _name(x: Any) -> bool:
     """A string a message may show as is: 4096 characters at most, none of what a terminal
     acts on (``\\x1b``)."""
@@ -262,10 +258,6 @@ def _str_list(x: Any) -> bool:
 
 def _str_dict(x: Any) -> bool:
     return isinstance(x, dict) and all(map(_is_str, x.values()))
-
-
-def _constraints(x: Any) -> bool:
-    return _str_list(x) and len(x) <= 64 and all(0 < len(c) <= MAX_CONSTRAINT_CHARS for c in x)
 
 
 def _platforms(x: Any) -> bool:
@@ -379,19 +371,27 @@ def entry_files(name: str) -> dict[str, str]:
 
 
 def check_target(path: Path, overwrite: bool) -> None:
-    """Raises unless an export may write ``path``: absent, or an artifact and ``overwrite``."""
+    """Raises unless export may write ``path``: new below a directory, or an artifact to replace."""
     looked_up(path)
-    if not path.exists() and not path.is_symlink():
+    call = f'symjax_mlp.export("{printable(str(path))}")'
+    if not os.path.lexists(path):
+        above = next((p for p in path.parents if os.path.lexists(p)), path.parent)
+        if not above.is_dir():
+            what = "a file" if above.exists() else "a symlink to nothing"
+            raise ArtifactError(f"{call}: {above} is {what}, not a directory. Choose a path "
+                                "below a directory.")  # fmt: skip
         return
     if not overwrite:
         raise ArtifactError(
-            f"{path} already exists; export does not replace it silently. Pass "
+            f"{call}: {path} already exists; export does not replace it silently. Pass "
             "overwrite=True to replace it, or choose another path."
         )
     if path.is_symlink() or not path.is_dir():
-        raise ArtifactError(f"{path} exists and is not a directory; refusing to replace it.")
+        what = f"a symlink to {os.readlink(path)}" if path.is_symlink() else "not a directory"
+        raise ArtifactError(f"{call}: {path} is {what}; overwrite=True replaces an artifact "
+                            "directory, never a link or a file. Choose another path.")  # fmt: skip
     if any(path.iterdir()) and not (path / MANIFEST).exists():
         raise ArtifactError(
-            f"{path} is a non-empty directory without {MANIFEST}, so not an artifact; "
+            f"{call}: {path} is a non-empty directory without {MANIFEST}, so not an artifact; "
             "refusing to replace it even with overwrite=True. Choose another path."
         )
