@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -16,6 +18,26 @@ N_DEVICES = 8  # conftest.py starts JAX with this many virtual CPU devices
 # a persistent-cache entry in place, and a process reading one that another is still writing
 # warns and compiles anew (the suite's processes share one cache: conftest.py).
 STRICT_WARNINGS = ("-W", "error", "-W", "ignore:Error reading persistent compilation cache entry")
+
+
+def bounded(fn, seconds=120):
+    """``fn()``'s result, or what it raised, raised; a test failure if it has not returned
+    within ``seconds`` (a deadlock, a read that blocks)."""
+    result = {}
+
+    def run():
+        try:
+            result["out"] = fn()
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} did not return within {seconds}s: it hangs"
+    if "error" in result:
+        raise result["error"]
+    return result["out"]
 
 
 @pytest.fixture

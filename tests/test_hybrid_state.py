@@ -8,37 +8,25 @@ Each call that could hang runs in a thread joined with a timeout, so a regressio
 
 import subprocess
 import sys
-import threading
 
 import chex
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import STRICT_WARNINGS, LinenBatchNorm, NnxBatchNorm, NnxModes, keyless, rand
+from helpers import (
+    STRICT_WARNINGS,
+    LinenBatchNorm,
+    NnxBatchNorm,
+    NnxModes,
+    bounded,
+    keyless,
+    rand,
+)
 
 import symjax_mlp as sm
 
 X = rand(4, 5)  # (batch, features)
-
-
-def bounded(fn, seconds=120):
-    """``fn()``, or a failure if it has not returned within ``seconds`` (a deadlock)."""
-    result = {}
-
-    def run():
-        try:
-            result["out"] = fn()
-        except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"{fn} did not return within {seconds}s (a deadlock)"
-    if "error" in result:
-        raise result["error"]
-    return result["out"]
 
 
 def _linen():

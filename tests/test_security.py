@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import safetensors.numpy
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from fuzzing import forge
-from helpers import ZOO, rand, small
+from helpers import ZOO, bounded, rand, small
 
 import symjax_mlp as sm
 from symjax_mlp.cli import main
@@ -477,23 +476,6 @@ def test_param_matching_is_linear_and_bounded(base, tmp_path):
         sm.load(tmp_path / "bound2")
 
 
-def _finishes(fn, seconds=20):
-    """Runs ``fn`` in a thread; returns what it raised (it must finish within ``seconds``)."""
-    out = {}
-
-    def target():
-        try:
-            fn()
-        except BaseException as e:
-            out["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"still running after {seconds} s: it hangs"
-    return out.get("error")
-
-
 def _checkpoint(tmp_path):
     import optax
 
@@ -510,9 +492,8 @@ def test_a_fifo_as_a_checkpoint_manifest_never_blocks(tmp_path):
         shutil.copytree(path, copy)
         (copy / name).unlink()
         os.mkfifo(copy / name)
-        error = _finishes(lambda c=copy: sm.training.restore_checkpoint(c, like))
-        assert isinstance(error, sm.CheckpointError), error
-        assert "not a regular file" in str(error)
+        with pytest.raises(sm.CheckpointError, match="not a regular file"):
+            bounded(lambda c=copy: sm.training.restore_checkpoint(c, like), 20)
 
 
 # -- 4. two exports racing for one new path --------------------------------------------------------
@@ -857,9 +838,9 @@ def test_checkpoint_reader_refuses_what_it_cannot_read(tmp_path):
         ),
         "not safetensors": variant("g", state=b"\x80\x04junk"),
     }
-    for what, copy in cases.items():
-        error = _finishes(lambda c=copy: sm.training.restore_checkpoint(c, like))
-        assert isinstance(error, sm.CheckpointError), (what, error)
+    for copy in cases.values():
+        with pytest.raises(sm.CheckpointError):
+            bounded(lambda c=copy: sm.training.restore_checkpoint(c, like), 20)
     state, _ = sm.training.restore_checkpoint(path, like)
     np.testing.assert_array_equal(state.params["w"], like.params["w"])
 
@@ -1021,8 +1002,8 @@ def test_a_signed_artifact_loads_with_its_key_and_nothing_else_does(
     fifo = tmp_path / "fifo"
     shutil.copytree(art, fifo)
     os.mkfifo(fifo / "extra")
-    error = _finishes(lambda: sm.load(fifo, verify_signature=public))
-    assert isinstance(error, sm.ArtifactError) and "not a regular file" in str(error)
+    with pytest.raises(sm.ArtifactError, match="not a regular file"):
+        bounded(lambda: sm.load(fifo, verify_signature=public), 20)
     with pytest.raises(sm.ConfigError, match=r"not a key file"):
         sm.load(art, verify_signature=tmp_path / "no-such.pub")
     capsys.readouterr()
