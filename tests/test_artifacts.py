@@ -419,3 +419,19 @@ def test_vmap_over_a_loaded_model_is_refused_with_the_fix(tmp_path):
     with pytest.raises(sm.SignatureError, match=r"shape \(\), rank 0.*Pass an array of rank 2"):
         jax.vmap(m)(jnp.ones((4,)))  # per scalar: not an example
     chex.assert_trees_all_close(m(jnp.ones((4, 5))), h(jnp.ones((4, 5))), **TOL)
+
+
+def test_inspect_prints_a_model_card_of_terminal_escapes_escaped(tmp_path, capsys):
+    """export stores metadata as given: inspect printed its keys and values as the terminal
+    would act on them."""
+    from symjax_mlp.cli import main
+
+    h = sm.hybridize(lambda _, x: x * 2, {})
+    card = {"\x1b[2J": "x\x1b[31m\u202e", "nested": {"\x1b]0;t\x07": ["\x1b[1m"]}}
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3)), metadata=card)
+    assert sm.inspect(art.path).metadata == card  # stored as given, shown escaped
+    for argv in (["inspect", str(art.path)], ["inspect", str(art.path), "--json", "-"]):
+        assert main(argv) == 0
+        out = "".join(capsys.readouterr())
+        assert not any(c in out for c in "\x1b\x07\u202e"), argv
+        assert "2J" in out and "31m" in out, argv
