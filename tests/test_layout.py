@@ -43,6 +43,7 @@ STAGES = (
     "symjax_mlp._artifact.ops",
     "symjax_mlp._artifact.cost",
     "symjax_mlp._artifact.walk",
+    "symjax_mlp._artifact.rows",
     "symjax_mlp._artifact.checker",
     "symjax_mlp._artifact.reading",
     "symjax_mlp._artifact",
