@@ -50,15 +50,25 @@ def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
         dtype = str(spec.dtype)
         if dtype.startswith("key"):
             return None
-        kind = np.dtype(dtype) if hasattr(np, dtype) else None
-        if kind is not None and (np.issubdtype(kind, np.integer) or kind == np.bool_):
+        import ml_dtypes
+
+        kind = np.dtype(dtype) if hasattr(np, dtype) else np.dtype(getattr(ml_dtypes, dtype))
+        if kind == np.bool_ or np.issubdtype(kind, np.integer) or _ml_int(kind):  # int4 too
             out.append(rng.integers(0, 2 if kind == np.bool_ else 4, shape).astype(kind))
         else:  # floats, bfloat16 included
-            import ml_dtypes
-
-            target = kind if kind is not None else np.dtype(getattr(ml_dtypes, dtype))
-            out.append(rng.standard_normal(shape).astype(np.float32).astype(target))
+            out.append(rng.standard_normal(shape).astype(np.float32).astype(kind))
     return out
+
+
+def _ml_int(kind: np.dtype) -> bool:
+    """Whether ``kind`` is one of ml_dtypes' integers (int4, uint4: ``V`` to NumPy)."""
+    import ml_dtypes
+
+    try:
+        ml_dtypes.iinfo(kind)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def encode(xs: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> bytes | None:
