@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 from jax.interpreters.ad import JVPTracer
 
 from symjax_mlp._artifact.format import (
@@ -200,12 +201,10 @@ class LoadedModel:
 
 def _forward(inputs: Any) -> bool:
     """Whether ``jax.jvp`` (``jacfwd``, ``hessian``) traces an input, under any other tracer."""
-    if not jax.config.jax_use_direct_linearize:  # then jax.grad traces with JVPTracers too
-        return False
-    for x in inputs:
-        while isinstance(x, jax.core.Tracer):
-            if isinstance(x, JVPTracer):
-                return True
+    for x in inputs:  # arrays, on every call: no config read
+        while isinstance(x, Tracer):
+            if isinstance(x, JVPTracer):  # without direct linearize jax.grad makes them too
+                return bool(jax.config.jax_use_direct_linearize)
             x = getattr(x, "primal", getattr(x, "val", None))  # linearize's, vmap's
     return False
 
