@@ -7,6 +7,8 @@ opener.
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from symjax_mlp._selftest import run_failed
 from symjax_mlp._specs import array_types
 
 _ARRAYS = array_types()
+_LINEARIZE = inspect.unwrap(jax.linearize).__code__  # its linear function cannot run ours
 
 
 _FORWARD = (
@@ -54,26 +57,18 @@ class _NoEntryPoint(ConfigError, KeyError):
 class LoadedModel:
     """An artifact ready to call: checked, deserialized (JAX) or compiled (IREE).
 
-    ``m(x)`` checks every input against :attr:`signature` (raising
-    :class:`~symjax_mlp.SignatureError`) and runs the exported program with the artifact's
-    params; the JAX runtime returns ``jax.Array``, IREE NumPy arrays. A program failing at the
-    call (out of memory, another XLA failure) raises :class:`~symjax_mlp.ArtifactError` with
-    JAX's error as ``__cause__``. JAX dispatches asynchronously: a failure while the program
-    runs surfaces where the result is waited for, as ``jax.errors.JaxRuntimeError``; where it
-    must be handled, wait there (``jax.block_until_ready(m(x))``), and before
-    ``np.asarray(y)``, which aborts the process when XLA could not allocate the result.
+    ``m(x)`` checks every input against :attr:`signature` (``SignatureError``) and runs the
+    program with the artifact's params: ``jax.Array`` out (IREE: NumPy). A program failing at
+    the call raises ``ArtifactError`` with JAX's error as ``__cause__``; one failing as it runs
+    (JAX dispatches asynchronously) surfaces where the result is waited for: wait with
+    ``jax.block_until_ready(m(x))`` before ``np.asarray(y)``, which aborts on a failed result.
 
-    Under the JAX runtime ``m`` is a JAX function: ``jax.jit``, ``jax.lax.map``/``scan`` and
-    a Hybrid call it; ``jax.grad`` needs ``export(..., vjp_order=1)``; reverse mode only
-    (``jax.jvp``, ``jax.jacfwd``, also under ``jax.jit``: ``ConfigError``; ``jax.linearize``'s
-    linear function raises JAX's ``TypeError``; a Hessian is ``jax.jacrev(jax.jacrev(f))``
-    with ``vjp_order=2``). ``jax.vmap(m)(xs)`` merges the mapped axis into the batch (one run)
-    where export recorded that rows stay apart (``manifest["rows"]``) and the program's module
-    shows it (a stranger's manifest may say anything); else (``manifest["rows"]["why"]``)
-    it runs ``m`` once per mapped example, as ``jax.lax.map(m, xs)``: the same answer,
-    ``vmap(m)(xs)[i] == m(xs[i])``. Where rows stay apart, ``m`` also takes one example
-    (``m(x[0])``). ``m["embed"]`` is another entry point of the artifact, over the same
-    weights, loaded and checked the same way on first use.
+    Under the JAX runtime ``m`` is a JAX function (``jax.jit``, ``lax.map``/``scan``, a
+    Hybrid); ``jax.grad`` needs ``export(..., vjp_order=1)``; forward mode (``jax.jvp``,
+    ``jacfwd``, ``linearize``) raises ``ConfigError``. ``jax.vmap(m)`` merges the mapped axis
+    into the batch where rows stay apart (``manifest["rows"]``, checked against the program),
+    and also then ``m`` takes one example; else it runs ``m`` once per example.
+    ``m["embed"]`` is another entry point, over the same weights, checked alike on first use.
 
     Attributes:
       path: the artifact directory.
@@ -200,13 +195,23 @@ class LoadedModel:
 
 
 def _forward(inputs: Any) -> bool:
-    """Whether ``jax.jvp`` (``jacfwd``, ``hessian``) traces an input, under any other tracer."""
+    """Whether ``jax.jvp`` (``jacfwd``, ``hessian``) or ``jax.linearize`` traces an input,
+    under any other tracer."""
     for x in inputs:  # arrays, on every call: no config read
         while isinstance(x, Tracer):
             if isinstance(x, JVPTracer):  # without direct linearize jax.grad makes them too
                 return bool(jax.config.jax_use_direct_linearize)
+            if hasattr(x, "tangent") and _in_linearize():  # jax.grad's tracer too: by caller
+                return True
             x = getattr(x, "primal", getattr(x, "val", None))  # linearize's, vmap's
     return False
+
+
+def _in_linearize() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not _LINEARIZE:
+        frame = frame.f_back
+    return frame is not None
 
 
 def _axes(specs: Any, dim: str) -> list[int | None]:

@@ -429,12 +429,14 @@ def _jvp(f):
     "transform",
     [jax.jacfwd, jax.hessian, _jvp, lambda f: jax.jit(_jvp(f)), lambda f: jax.jit(jax.jacfwd(f)),
      lambda f: jax.jit(jax.hessian(f)), lambda f: jax.vmap(_jvp(f)), lambda f: _jvp(jax.vmap(f)),
-     lambda f: _jvp(jax.grad(f))],
+     lambda f: _jvp(jax.grad(f)), lambda f: lambda x: jax.linearize(f, x),
+     lambda f: jax.jit(lambda x: jax.linearize(f, x)[0])],
     ids=["jacfwd", "hessian", "jvp", "jit-jvp", "jit-jacfwd", "jit-hessian", "vmap-jvp",
-         "jvp-vmap", "jvp-grad"],
+         "jvp-vmap", "jvp-grad", "linearize", "jit-linearize"],
 )  # fmt: skip
 def test_forward_mode_names_reverse_mode_not_a_corrupted_artifact(mlp, transform):
-    # under jax.jit, JAX's own TypeError came where the outer jit lowered, far from the call
+    # under jax.jit, JAX's own TypeError came where the outer jit lowered, far from the call;
+    # jax.linearize returned, and its linear function raised JAX's TypeError when called
     _, m = mlp
     with pytest.raises(sm.ConfigError, match=r"reverse mode only.*holds them up to order 1.*"
                        r"jax.jacrev\(jax.jacrev\(f\)\).*export again") as e:  # fmt: skip
