@@ -918,11 +918,33 @@ def test_a_loaded_artifact_with_a_static_batch(tmp_path):
     m = sm.load(art.path)
     with sm.serving.Batcher(m) as b:
         assert b.buckets == (4,) and b.max_batch == 4
-        y = b(rows(3))
-        np.testing.assert_allclose(y, np.asarray(m(np.vstack([rows(3), rows(1) * 0])))[:3])
-        assert b.stats.padded_rows == 1
+        assert not b.merges and "static shapes" in b.why_alone  # its rows are not shown apart
+        np.testing.assert_allclose(b(rows(4)), np.asarray(m(rows(4))), rtol=1e-6, atol=1e-6)
+        assert b.stats.padded_rows == 0
     with pytest.raises(ValueError, match="static batch of 4"):
         sm.serving.Batcher(m, max_batch=8)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_a_static_batch_artifact_whose_rows_mix_is_never_padded(tmp_path, n):
+    # x - mean over the batch, exported at (4, 3): 3 rows padded with a zero row got the mean
+    # of 4 rows, the padding's among them (0.25 x the rows' mean off): answered, and wrong
+    h = sm.hybridize(lambda p, x: x - x.mean(0, keepdims=True) + p, jnp.float32(0.5))
+    m = sm.load(sm.export(h, tmp_path / "m", example=jnp.ones((4, 3)), batch=None).path)
+    with sm.serving.Batcher(m) as b:
+        assert b.buckets == (4,) and not b.merges
+        x4 = rows(4, features=3)
+        np.testing.assert_allclose(b(x4), np.asarray(m(x4)), rtol=1e-6, atol=1e-6)
+        with pytest.raises(sm.SignatureError) as e:
+            b(rows(n, features=3))
+        message = str(e.value)
+        assert f"has shape ({n}, 3)" in message and f"it has {n} rows" in message  # received
+        assert "static batch of 4" in message and "b = 4 rows" in message  # expected
+        assert "pass exactly 4 rows" in message and "batch='b'" in message  # the fix
+        with pytest.raises(sm.SignatureError, match="static batch of 4"):
+            b.submit(rows(n, features=3))
+        stats = b.stats
+    assert stats.padded_rows == 0 and stats.rejected_by["signature"] == 2
 
 
 def _serve_concurrently(b, requests):

@@ -55,9 +55,10 @@ class Batcher:
     artifact whose manifest does not show that (``m.manifest["rows"]``: e.g. it subtracts the
     batch mean) is served exactly, slower: each request runs alone at its own rows, never
     merged nor padded (each row count compiled at its first use), so ``b(x)`` equals
-    ``m(x)``; :attr:`merges` is then ``False`` and :attr:`why_alone` says why. An artifact
-    written before manifests said so or with a static batch, a Hybrid, or a callable is
-    merged and padded as above: exact only if the model keeps its rows apart.
+    ``m(x)``; :attr:`merges` is then ``False`` and :attr:`why_alone` says why. A static batch
+    never shows its rows apart: such an artifact takes requests of exactly that many rows. An
+    artifact written before manifests said so, a Hybrid, or a callable is merged and padded
+    as above: exact only if the model keeps its rows apart.
 
     A bad request is refused with :class:`~symjax_mlp.SignatureError`, a full queue with
     :class:`OverloadError`; neither disturbs other requests. If the model raises, every
@@ -164,7 +165,8 @@ class Batcher:
         #: Why each request runs alone at its own rows (``""``: requests merge): see above.
         self.why_alone: str = alone
         lane = Lane(served, specs, self.buckets, max_queue, self.name, merges=not alone)
-        self._check = RequestCheck(self.name, specs, lane, self.max_batch).check
+        exact = static if alone else None  # a static batch whose rows mix: never padded
+        self._check = RequestCheck(self.name, specs, lane, self.max_batch, exact, alone).check
         # Per event loop, this pass's asubmit (None: several): see _end_of_pass.
         self._passes: dict[Any, AsyncRequest | None] = {}
         lane.warm_up()
@@ -354,7 +356,7 @@ class Batcher:
     @property
     def merges(self) -> bool:
         """Whether requests share model calls, zero-padded (``False``: see :attr:`why_alone`)."""
-        return self._lane.merges
+        return not self.why_alone
 
     @property
     def closed(self) -> bool:

@@ -174,12 +174,11 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
 
 
 def rows_mixed(model: LoadedModel) -> str:
-    """Why a batcher runs each request of ``model`` alone, unpadded: its manifest's ``rows``
-    does not show its batch's rows apart (merged or padded, requests would change each other's
-    answers); ``""`` where they may merge, or where the manifest does not say (written before
-    ``rows`` was), or its batch is static (it has no other size to run)."""
+    """Why a batcher runs each request of ``model`` alone, never merged nor padded: its
+    manifest's ``rows`` does not show its batch's rows apart (a static batch never does);
+    ``""`` where they may merge, or where the manifest does not say (written before ``rows``)."""
     rows = model.manifest.get("rows") or {}
-    if rows.get("dim") is None or rows.get("independent", True):
+    if rows.get("independent", True):
         return ""
     return rows.get("why") or "its manifest says that its rows are not independent"
 
@@ -229,11 +228,25 @@ def bucket_sizes(
     return tuple(sizes)
 
 
-class RequestCheck:
-    """Checks requests against a batcher's specs: :meth:`check` gives their arrays and rows."""
+_STATIC = (
+    "{head}: it has {rows} rows. The artifact was exported for a static batch of {static}, and "
+    "its rows are not shown independent ({why}), so a request is never padded nor merged: pass "
+    "exactly {static} rows, or export the model with a symbolic batch (batch='b')."
+)
 
-    def __init__(self, name: str, specs: Sequence[TensorSpec], lane: Any, max_batch: int) -> None:
+
+class RequestCheck:
+    """Checks requests against a batcher's specs: :meth:`check` gives their arrays and rows.
+
+    ``static``: the artifact's static batch where its rows mix (each request must have exactly
+    those rows, ``why`` says why), else ``None``."""
+
+    def __init__(
+        self, name: str, specs: Sequence[TensorSpec], lane: Any, max_batch: int,
+        static: int | None = None, why: str = "",
+    ) -> None:  # fmt: skip
         self.name, self.specs, self.lane, self.max_batch = name, specs, lane, max_batch
+        self.least, self.static, self.why = static or 1, static, why
         self.ranks = [len(shape) + 1 for shape in lane.row_shapes]
         # The NumPy shapes (a tuple of them for several inputs) that passed, with their rows;
         # a request's dtypes must be these very objects to be looked up.
@@ -275,7 +288,7 @@ class RequestCheck:
                 a.ndim != rank
                 or a.shape[1:] != shape
                 or a.dtype != dtype
-                or not 0 < a.shape[0] <= self.max_batch
+                or not self.least <= a.shape[0] <= self.max_batch
                 or (rows is not None and a.shape[0] != rows)
             ):
                 self._reject()
@@ -290,6 +303,8 @@ class RequestCheck:
     def _explain(self, i: int, a: np.ndarray, rows: int | None) -> str:
         spec, lane = self.specs[i], self.lane
         want = f"{spec.type} with 1 <= b <= {self.max_batch} rows"
+        if self.static:
+            want = f"{spec.type} with b = {self.static} rows"
         head = f"{self.name}: input {spec.path} has shape {a.shape} and dtype {a.dtype}, but a "
         head += f"request takes {want}"
         shape = lane.row_shapes[i]
@@ -306,6 +321,8 @@ class RequestCheck:
             return f"{head}. Cast it: x.astype(np.{lane.dtypes[i]})."
         if a.shape[0] < 1:
             return f"{head}: it has no rows. Pass at least one row."
+        if self.static and a.shape[0] != self.static:
+            return _STATIC.format(head=head, rows=a.shape[0], static=self.static, why=self.why)
         if a.shape[0] > self.max_batch:
             return (
                 f"{head}: it has {a.shape[0]} rows. Split it into requests of at most "
