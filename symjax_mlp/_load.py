@@ -114,6 +114,11 @@ def load(
         )
     allowed = ops.normalize_allow(allow)
     path = Path(path)
+    if file := next((p for p in path.parents if p.is_file()), None):
+        raise ArtifactError(
+            f'symjax_mlp.load("{path}"): {file} is a file, not a directory, so there is no '
+            "artifact below it. Pass the directory written by symjax_mlp.export."
+        )
     unchanged = None
     if verify_signature is not None:  # before any parser sees a byte
         from symjax_mlp._signing import check

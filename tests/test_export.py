@@ -310,6 +310,14 @@ def edited(art_path, tmp_path, **changes):
     return copy
 
 
+def test_load_below_a_regular_file_says_it_is_a_file(tmp_path):
+    # it said the path does not exist
+    (tmp_path / "afile").write_text("not a directory")
+    with pytest.raises(sm.ArtifactError, match=r"afile/sub.*afile is a file, not a directory.*"
+                       r"Pass the directory written by symjax_mlp.export"):  # fmt: skip
+        sm.load(tmp_path / "afile" / "sub")
+
+
 def test_missing_or_foreign_manifest(art, tmp_path):
     art, _ = art
     with pytest.raises(sm.ArtifactError, match="does not exist"):
