@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -126,4 +127,44 @@ def test_a_newer_step_that_is_no_checkpoint_is_refused_before_training(tiny, tmp
     assert "newer than step_00000004" in str(e.value) and "Remove it" in str(e.value)
     assert epochs == []  # refused before the first epoch, not after it
     stray.unlink()
+    assert sm.training.train(sm.mlp((8, 2)), tiny, **run).step == 8
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink", "uncommitted"])
+def test_a_newer_orbax_step_that_is_no_checkpoint_is_refused_before_training(
+    tiny, tmp_path, monkeypatch, kind
+):
+    """Orbax's checkpoints had no such check: its resume took a symlink or an uncommitted save
+    for the newest step and failed on it; a file named like a step was deleted by the save."""
+    from symjax_mlp.training import _loop
+    from symjax_mlp.training._orbax import OrbaxCheckpoints
+
+    def orbax(*args, **kwargs):  # a one-process run with a multi-process run's checkpoints
+        programs, _, watch = processes(*args, **{**kwargs, "checkpoint": None})
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return programs, OrbaxCheckpoints(tmp_path, timeout=30, sharding=device), watch
+
+    processes = _loop._processes
+    monkeypatch.setattr(_loop, "_processes", orbax)
+    run = {"epochs": 1, "batch_size": 16, "checkpoint": tmp_path}
+    sm.training.train(sm.mlp((8, 2)), tiny, **run)
+    stray = tmp_path / "8"
+    if kind == "file":
+        stray.write_text("x")
+    elif kind == "symlink":
+        stray.symlink_to(tmp_path / "4")
+    else:  # a save whose commit never came: its arrays, no _CHECKPOINT_METADATA
+        (stray / "state").mkdir(parents=True)
+    epochs = []
+    run.update(epochs=2, resume=True, on_epoch=epochs.append)
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.train(sm.mlp((8, 2)), tiny, **run)
+    what = "a directory without _CHECKPOINT_METADATA" if kind == "uncommitted" else f"a {kind}"
+    assert f"{stray} is {what}" in str(e.value) and "not a checkpoint directory" in str(e.value)
+    assert "newer than 4" in str(e.value) and "Remove it" in str(e.value)
+    assert epochs == []  # refused before the first epoch, not after it
+    if kind == "uncommitted":
+        shutil.rmtree(stray)
+    else:
+        stray.unlink()
     assert sm.training.train(sm.mlp((8, 2)), tiny, **run).step == 8

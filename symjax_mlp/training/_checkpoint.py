@@ -33,6 +33,9 @@ _STATE_FILE = "state.safetensors"
 _MANIFEST = "manifest.json"
 _MAX_MANIFEST_BYTES = 64 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more past step 99,999,999
+_ORBAX_DIR = re.compile(r"^(\d+)$")
+_COMMITTED = "_CHECKPOINT_METADATA"  # what Orbax writes last, committing a save
+_UNCOMMITTED = f"a directory without {_COMMITTED} (an Orbax save never committed)"
 _MAX_TENSORS = 8 * MAX_TENSORS  # params and the optimizer's state of them
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _RECORD = typing.get_type_hints(EpochRecord)
@@ -235,7 +238,7 @@ def save_checkpoint(
         ) from None
     final = directory / f"step_{state.step:08d}"
     newest = latest_checkpoint(directory)
-    if newest is not None and _step_of(newest) > state.step:
+    if newest is not None and int(newest.name[5:]) > state.step:
         raise CheckpointError(
             f"{directory} already holds {newest.name}, newer than step {state.step}: a resume "
             "picks the newest, so this one would be pruned or passed over. Save to another "
@@ -295,30 +298,37 @@ def _check_new(final: Path, overwrite: bool) -> None:
         )
 
 
+def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
+    """``(step, path)`` of each entry named like a checkpoint (``step_<n>``, Orbax's ``<n>``)."""
+    pattern = _ORBAX_DIR if orbax else _STEP_DIR
+    found = ((pattern.match(p.name), p) for p in directory.iterdir()) if directory.is_dir() else ()
+    return sorted((int(m.group(1)), p) for m, p in found if m)
+
+
+def is_checkpoint(path: Path, orbax: bool = False) -> bool:
+    """A directory, not a symlink (Orbax's: with the marker of a committed save)."""
+    return path.is_dir() and not path.is_symlink() and (not orbax or (path / _COMMITTED).exists())
+
+
 def _checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints in ``directory``, oldest first."""
-    if not directory.is_dir():
-        return []
-    found = (p for p in directory.iterdir() if _STEP_DIR.match(p.name))
-    return sorted((p for p in found if p.is_dir() and not p.is_symlink()), key=_step_of)
+    return [p for _, p in entries(directory) if is_checkpoint(p)]
 
 
-def _step_of(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
-
-
-def check_strays(directory: str | os.PathLike, caller: str) -> None:
-    """Refuses a ``step_*`` entry that is no checkpoint directory (a file, a symlink) and newer
-    than the newest checkpoint: a run passes it over, then fails to save that step."""
-    newest = latest_checkpoint(directory)
-    found = Path(directory).iterdir() if Path(directory).is_dir() else ()
-    for p in sorted(p for p in found if _STEP_DIR.match(p.name)):
-        if (p.is_symlink() or not p.is_dir()) and (not newest or _step_of(p) > _step_of(newest)):
-            kind = "a symlink" if p.is_symlink() else "a file"
+def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False) -> None:
+    """Refuses an entry named like a step newer than the newest checkpoint that is none (a file,
+    a symlink, an uncommitted Orbax save): a resume passes it over (Orbax's: fails on it), and
+    saving that step fails (Orbax's: deletes it)."""
+    found = entries(Path(directory), orbax)
+    done = [(step, p) for step, p in found if is_checkpoint(p, orbax)]
+    newest = done[-1] if done else (-1, Path("any checkpoint there"))
+    for step, p in found:
+        if step > newest[0] and not is_checkpoint(p, orbax):
+            kind = "a symlink" if p.is_symlink() else "a file" if not p.is_dir() else _UNCOMMITTED
             raise CheckpointError(
                 f"{caller}: {p} is {kind}, not a checkpoint directory, but is named like a step "
-                f"newer than {newest.name if newest else 'any checkpoint there'}: a resume passes "
-                "it over, and saving that step would fail after its epoch's work. Remove it, or "
+                f"newer than {newest[1].name}: a resume would pass it over or fail on it, and "
+                "saving that step fail on it or delete it, after its epoch's work. Remove it, or "
                 "use another checkpoint directory."
             )
 
@@ -369,7 +379,7 @@ def restore_checkpoint(
         raise broken(file, f"not valid JSON ({e})") from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
     digest = files.get(_STATE_FILE) if isinstance(files, dict) else None
-    step = _step_of(path) if _STEP_DIR.match(path.name) else None
+    step = int(path.name[5:]) if _STEP_DIR.match(path.name) else None
     sha_ok = isinstance(digest, str) and _SHA256.fullmatch(digest) is not None
     check_manifest(file, manifest, _HEADER, step, files=sha_ok)
     try:  # the artifact reader's own checks: no link or FIFO, strict, hashed as it is read

@@ -23,6 +23,8 @@ from symjax_mlp.training._checkpoint import (
     broken,
     check_fit,
     check_manifest,
+    entries,
+    is_checkpoint,
     named_leaves,
     specs,
     state_of,
@@ -35,11 +37,8 @@ _QUEUED = 2
 
 
 def orbax_steps(directory: Path) -> list[int]:
-    """The committed Orbax steps in ``directory`` (``<step>`` directories Orbax finalized)."""
-    if not directory.is_dir():
-        return []
-    found = (p for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
-    return sorted(int(p.name) for p in found if (p / "_CHECKPOINT_METADATA").exists())
+    """The committed Orbax steps in ``directory``."""
+    return [step for step, p in entries(directory, orbax=True) if is_checkpoint(p, orbax=True)]
 
 
 def _digest(tensors: dict[str, Any]) -> str:

@@ -89,8 +89,8 @@ def resume_run(
     """``(state, history, found)`` of the newest checkpoint (in ``store``, if given), read into
     the structure of ``state``, if it continues the run of ``config``; else ``state``. ``update``
     is :func:`optimizer_probe` of a state for this run's optimizer."""
-    if store is None and checkpoint is not None:
-        check_strays(checkpoint, "symjax_mlp.training.train")
+    if checkpoint is not None:
+        check_strays(checkpoint, "symjax_mlp.training.train", orbax=store is not None)
     found = store.latest() if store is not None else checkpoint and latest_checkpoint(checkpoint)
     if not found:
         return state, [], None
