@@ -8,6 +8,7 @@ nothing else is cast.
 from __future__ import annotations
 
 import io
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -28,17 +29,21 @@ def read_npy(
 ) -> np.ndarray:
     """The one array of a ``.npy`` file (a path, or its bytes), in this CPU's byte order;
     ``error`` (its message naming ``source`` as ``what``) for an ``.npz``, a pickle, other bytes."""
-    head = more = None
+    head = more = short = None
     try:
         with open(source, "rb") if not isinstance(source, bytes) else io.BytesIO(source) as f:
             head = f.read(6)
             f.seek(0)
+            if short := _short(f):
+                raise error(f"{what} {short}")
             x = np.load(f, allow_pickle=False)
             if not isinstance(x, np.ndarray):  # an .npz archive
                 x.close()
                 x = None
             more = f.read(1)  # np.save twice into one file: the second array would be dropped
     except Exception as e:  # a bad header, a pickle, a broken zip, a missing file
+        if short:
+            raise
         why = str(e)
         if head is not None and not head.startswith((b"\x93NUMPY", b"PK", b"\x80")):
             # NumPy reads any other bytes as a pickle, and says so: not a pickle, not an array
@@ -58,6 +63,28 @@ def read_npy(
     if x.dtype.byteorder == (">" if sys.byteorder == "little" else "<"):
         x = x.astype(x.dtype.newbyteorder("="))  # the same numbers, in this CPU's order
     return x
+
+
+def _short(f: BinaryIO) -> str | None:
+    """What a .npy header declares past the bytes after it, read before NumPy allocates it."""
+    try:
+        version = np.lib.format.read_magic(f)
+        header = getattr(np.lib.format, f"read_array_header_{min(version[0], 2)}_0")
+        shape, _, dtype = header(f)
+        start = f.tell()
+        present = f.seek(0, os.SEEK_END) - start
+    except Exception:  # np.load says what is wrong
+        return None
+    finally:
+        f.seek(0)
+    needs = math.prod(shape) * dtype.itemsize
+    if dtype.hasobject or needs <= present:
+        return None
+    return (
+        f"declares an array of shape {shape} and dtype {dtype}, which needs {needs:,} bytes, but "
+        f"it holds {present:,} after its header: it is truncated, or its header was edited. "
+        "Write it again with np.save(file, x)."
+    )
 
 
 def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:

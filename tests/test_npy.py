@@ -61,6 +61,22 @@ def test_read_npy_refuses_anything_but_one_array_with_the_given_error(tmp_path, 
         read_npy(source, what=str(source), error=Refused)
 
 
+def test_read_npy_refuses_a_header_declaring_more_than_the_file_holds(tmp_path):
+    # NumPy allocated the declared array before its read failed (here 4 TB: a MemoryError)
+    header = {"descr": "<f4", "fortran_order": False, "shape": (10**6, 10**6)}
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, header)
+    data = buf.getvalue().ljust(200, b"\0")
+    (tmp_path / "big.npy").write_bytes(data)
+    says = (
+        r"^big declares an array of shape \(1000000, 1000000\) and dtype float32, which needs "
+        r"4,000,000,000,000 bytes, but it holds 72 after its header: .*np\.save\(file, x\)\.$"
+    )
+    for source in (tmp_path / "big.npy", data):
+        with pytest.raises(sm.SignatureError, match=says):
+            read_npy(source, what="big")
+
+
 def test_read_inputs_gives_bfloat16_its_dtype_and_casts_nothing(tmp_path):
     x = np.asarray(jax.random.normal(jax.random.key(0), (2, 3)), ml_dtypes.bfloat16)
     np.save(tmp_path / "x.npy", x)
