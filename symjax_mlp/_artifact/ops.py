@@ -21,46 +21,29 @@ from typing import Any
 from symjax_mlp._artifact.format import NEEDS
 from symjax_mlp._errors import ArtifactError
 
-ALLOWED_OPS = frozenset(
-    {
-        "builtin.module",
-        "func.func", "func.return", "func.call",
-        "stablehlo.constant", "stablehlo.iota", "stablehlo.dynamic_iota",
-        "stablehlo.get_dimension_size", "stablehlo.custom_call",  # custom calls: by target
-        "stablehlo.broadcast_in_dim", "stablehlo.dynamic_broadcast_in_dim",
-        "stablehlo.reshape", "stablehlo.dynamic_reshape", "stablehlo.transpose",
-        "stablehlo.concatenate", "stablehlo.slice", "stablehlo.pad", "stablehlo.reverse",
-        "stablehlo.convert", "stablehlo.bitcast_convert",
-        "stablehlo.dot_general", "stablehlo.reduce", "stablehlo.return",
-        "stablehlo.compare", "stablehlo.select", "stablehlo.clamp",
-        "stablehlo.case", "stablehlo.if", "stablehlo.while", "stablehlo.optimization_barrier",
-        # elementwise arithmetic
-        "stablehlo.add", "stablehlo.subtract", "stablehlo.multiply", "stablehlo.divide",
-        "stablehlo.remainder", "stablehlo.maximum", "stablehlo.minimum", "stablehlo.negate",
-        "stablehlo.abs", "stablehlo.sign", "stablehlo.power", "stablehlo.atan2",
-        "stablehlo.floor", "stablehlo.ceil", "stablehlo.round_nearest_even",
-        "stablehlo.round_nearest_afz", "stablehlo.is_finite",
-        "stablehlo.and", "stablehlo.or", "stablehlo.xor", "stablehlo.not",
-        "stablehlo.shift_left", "stablehlo.shift_right_logical",
-        "stablehlo.shift_right_arithmetic",
-        # elementwise transcendental
-        "stablehlo.exponential", "stablehlo.exponential_minus_one", "stablehlo.log",
-        "stablehlo.log_plus_one", "stablehlo.logistic", "stablehlo.tanh", "stablehlo.sqrt",
-        "stablehlo.rsqrt", "stablehlo.cbrt", "stablehlo.sine", "stablehlo.cosine",
-        "stablehlo.tan",
-    }
-)  # fmt: skip
+# ops computing each element from the same element of each operand (rows keeps rows apart)
+ELEMENTWISE = frozenset(str.split("""
+    abs add and atan2 bitcast_convert cbrt ceil clamp compare convert cosine divide exponential
+    exponential_minus_one floor is_finite log log_plus_one logistic maximum minimum multiply
+    negate not or power remainder round_nearest_afz round_nearest_even rsqrt select
+    shift_left shift_right_arithmetic shift_right_logical sign sine sqrt subtract tan tanh xor
+"""))  # fmt: skip
+# custom calls: allowed by target
+ALLOWED_OPS = frozenset({"builtin.module", "func.func", "func.return", "func.call"}) | {
+    f"stablehlo.{n}" for n in (*ELEMENTWISE, *str.split("""
+    constant iota dynamic_iota get_dimension_size custom_call broadcast_in_dim
+    dynamic_broadcast_in_dim reshape dynamic_reshape transpose concatenate slice pad reverse
+    dot_general reduce return case if while optimization_barrier
+"""))}  # fmt: skip
 ALLOWED_DIALECTS = ("sdy.",)  # Shardy's sharding annotations of sharded exports
 JAX_CUSTOM_CALLS = frozenset(
     {"shape_assertion", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
 )  # what jax.export itself emits: symbolic-shape checks, sharding annotations
-HOST_CALLBACKS = frozenset(
-    {
-        "xla_python_cpu_callback", "xla_python_gpu_callback", "xla_ffi_python_cpu_callback",
-        "xla_ffi_python_gpu_callback", "xla_ffi_partitioned_python_cpu_callback",
-        "xla_ffi_partitioned_python_gpu_callback",
-    }
-)  # fmt: skip
+HOST_CALLBACKS = frozenset(str.split("""
+    xla_python_cpu_callback xla_python_gpu_callback xla_ffi_python_cpu_callback
+    xla_ffi_python_gpu_callback xla_ffi_partitioned_python_cpu_callback
+    xla_ffi_partitioned_python_gpu_callback
+"""))  # fmt: skip
 MAX_LOOP_TRIPS = 1 << 16
 MAX_ELEMENTS = 1 << 32
 MAX_WORK = 1 << 32  # element operations: ~10-30 s of the slowest ops on one core

@@ -1,19 +1,15 @@
 """Row independence read from the StableHLO module itself, not from the manifest's word.
 
 ``jax.vmap`` over a loaded model merges the mapped axis into the batch and runs the program
-once, right only if the program keeps the rows of its batch apart. Export records a verdict
-from the jaxpr (:mod:`symjax_mlp._rows`), but a manifest is a stranger's claim: the checker's
-child runs :func:`analyze` on the module (this process, for a trusted one), and load believes
-the claim only where :func:`checked` finds that the module shows it; elsewhere vmap runs the
-program once per example (``jax.lax.map``), slower and always right.
+once, right only if the program keeps its rows apart. A manifest's ``rows`` claim is a
+stranger's word: load keeps it only where :func:`analyze` (run in the checker's child) shows it
+in the module (:func:`checked`); elsewhere vmap runs one call per example.
 
-The analysis is conservative. Every dynamic dimension of ``main``'s arguments is taken to be
-the batch (the loader checks that the artifact has one symbolic dimension, that one). Each value
-is ``FREE`` (depends on no row and not on the batch size), ``int`` k (its axis k is the batch:
-row i depends on row i of the inputs alone) or a tuple of labels (an integer shape tensor, each
-element ``"b"``: the batch size, ``"c"``: independent of it, ``"x"``: a function of it). An op
-is followed only where the rule below knows that it keeps rows apart; anything else that sees
-a row or the batch size (a reduce over it, a reverse, a sort, the size as data) is a reason.
+The analysis is conservative: an op not known to keep rows apart is a reason. Every dynamic
+dimension of ``main``'s arguments is taken to be the batch. Each value has a state: ``FREE``
+(depends on no row and not on the batch size), ``int`` k (axis k is the batch: row i depends
+on row i of the inputs alone) or a tuple of labels (an integer shape tensor, each element
+``"b"``: the batch size, ``"c"``: a constant, ``"x"``: a function of the batch size).
 """
 
 from __future__ import annotations
@@ -23,17 +19,12 @@ import functools
 import math
 from typing import Any
 
-from symjax_mlp._artifact.ops import MAX_OPS
+from symjax_mlp._artifact.ops import ELEMENTWISE, MAX_OPS
 
 FREE = None
-_ELEMENTWISE = frozenset(str.split("""
-    abs add and atan2 bitcast_convert cbrt ceil clamp compare convert cosine divide exponential
-    exponential_minus_one floor is_finite log log_plus_one logistic maximum minimum multiply
-    negate not or power remainder round_nearest_afz round_nearest_even rsqrt select
-    shift_left shift_right_arithmetic shift_right_logical sign sine sqrt subtract tan tanh xor
-"""))  # fmt: skip
 _MOVES = ("broadcast_in_dim", "transpose", "reverse", "pad", "concatenate")
 _SAME = frozenset({"stablehlo.optimization_barrier", "sdy.sharding_constraint"})  # x -> x
+_DYNAMIC = ("dynamic_broadcast_in_dim", "dynamic_iota", "dynamic_reshape")
 
 
 class Mixed(Exception):
@@ -45,14 +36,12 @@ def analyze(module: Any) -> dict[str, Any]:
     and result of ``main`` (``None``: none), for an ``ir.Module`` parsed in its context."""
     try:
         ops = [f.operation for f in module.body.operations]
-        funcs = {_attr(f, "sym_name").value: f for f in ops if f.name == "func.func"}
+        funcs = {f.attributes["sym_name"].value: f for f in ops if f.name == "func.func"}
         if "main" not in funcs:
             raise Mixed("the module has no main function")
-        args = funcs["main"].regions[0].blocks[0].arguments
         ins = []
-        for v in args:
-            dyn = _dynamic_at(v.type)
-            if len(dyn) > 1:
+        for v in funcs["main"].regions[0].blocks[0].arguments:
+            if len(dyn := _dynamic_at(v.type)) > 1:
                 raise Mixed(f"main takes {v.type}, with more than one dynamic dimension")
             ins.append(dyn[0] if dyn else FREE)
         outs = _Rows(funcs).call("main", tuple(ins))
@@ -73,18 +62,15 @@ def checked(view: Any, report: Any, exported: Any) -> Any:
     if not rows or not rows.get("independent"):
         return view
     found = _here(bytes(exported.mlir_module_serialized)) if report is None else report.rows
-    e = exported
+    e, dim = exported, rows["dim"]
     kept = [e.in_avals[i] for i in e.module_kept_var_idx]
-    want = (
-        [FREE] * (len(e.platforms) > 1) + _axes(kept, rows["dim"]),
-        _axes(e.out_avals, rows["dim"]),
-    )
+    want = ([FREE] * (len(e.platforms) > 1) + _axes(kept, dim), _axes(e.out_avals, dim))
     dims = {str(d) for a in (*kept, *e.out_avals) for d in a.shape if not isinstance(d, int)}
     if not isinstance(found, dict):
         why = "the module checker gave no verdict"
-    elif found["why"] or dims != {rows["dim"]}:
+    elif found["why"] or dims != {dim}:
         have = ", ".join(sorted(dims)) or "none"
-        why = found["why"] or f"its symbolic dimensions are {have}, not {rows['dim']} alone"
+        why = found["why"] or f"its symbolic dimensions are {have}, not {dim} alone"
     elif (found["ins"], found["outs"]) != want:
         why = f"its batch axes, {found['ins']} -> {found['outs']}, are not its signature's"
     else:
@@ -109,11 +95,12 @@ def _axes(avals: Any, dim: str) -> list[Any]:
 
 
 class _Rows:
+    """The states of every value of a module's functions, each call walked once per states."""
+
     def __init__(self, funcs: dict[str, Any]) -> None:
         self.funcs, self.done, self.active, self.budget = funcs, {}, set(), MAX_OPS
 
     def call(self, name: str, states: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The states ``@name`` returns for arguments of ``states`` (once per states)."""
         key = (name, states)
         if key not in self.done:
             if name not in self.funcs or key in self.active:
@@ -124,13 +111,11 @@ class _Rows:
         return self.done[key]
 
     def block(self, region: Any, states: Any, env: dict[Any, Any]) -> tuple[Any, ...]:
-        """Walks ``region``'s one block, its arguments of ``states``: the states it returns."""
+        """The states ``region``'s one block returns, its arguments of ``states``."""
         (block,) = region.blocks
         if len(block.arguments) != len(states):
             raise Mixed("a region takes other arguments than its op passes")
-        for v, s in zip(block.arguments, states, strict=True):
-            _fits("an argument", s, v)
-            env[v] = s
+        _bind(env, "an argument", block.arguments, states)
         out: tuple[Any, ...] = ()
         for op in block.operations:
             op, self.budget = op.operation, self.budget - 1
@@ -139,26 +124,23 @@ class _Rows:
             ins = [env[v] for v in op.operands]  # KeyError: not defined before its use
             if op.name in ("func.return", "stablehlo.return"):
                 out = tuple(ins)
-                continue
-            res = self.op(op, op.name.removeprefix("stablehlo."), ins, env)
-            if len(res) != len(op.results):
-                raise Mixed(f"{op.name} has results the analysis does not know")
-            for v, s in zip(op.results, res, strict=True):
-                _fits(op.name, s, v)
-                env[v] = s
+            else:
+                res = self.op(op, op.name.removeprefix("stablehlo."), ins, env)
+                if len(res) != len(op.results):
+                    raise Mixed(f"{op.name} has results the analysis does not know")
+                _bind(env, op.name, op.results, res)
         return out
 
     def op(self, op: Any, name: str, ins: list[Any], env: dict[Any, Any]) -> tuple[Any, ...]:
         """The states of ``op``'s results, its operands of states ``ins``."""
-        n, rows = len(op.results), {s for s in ins if isinstance(s, int)}
-        sizes = any(isinstance(s, tuple) for s in ins)
+        n, a = len(op.results), op.attributes
+        rows, sizes = {s for s in ins if isinstance(s, int)}, any(isinstance(s, tuple) for s in ins)
         if name == "func.call":
-            return self.call(_attr(op, "callee").value, tuple(ins))
+            return self.call(a["callee"].value, tuple(ins))
         if name in ("case", "if"):
             if ins[0] is not FREE:
                 raise Mixed(f"{op.name} branches on a row or on the batch size")
-            got = {self.block(r, (), env) for r in op.regions}
-            if len(got) != 1:
+            if len(got := {self.block(r, (), env) for r in op.regions}) != 1:
                 raise Mixed(f"{op.name} has branches of different batch axes")
             return got.pop()
         if name == "while":
@@ -173,17 +155,21 @@ class _Rows:
                 raise Mixed(f"{op.name} combines elements with a row or the batch size")
             return (_reduced(op, ins),) * n
         if name == "get_dimension_size":
-            i = _attr(op, "dimension").value
-            return (("b",) if ins[0] == i else _dim(op, i),)
+            if ins[0] == (i := a["dimension"].value):
+                return (("b",),)
+            if op.operands[0].type.is_dynamic_dim(i):
+                raise Mixed(f"{op.name} reads a dynamic dimension that is not the batch")
+            return (FREE,)
         if op.regions and any(env.get(v, FREE) is not FREE for v in _captured(op)):
             raise Mixed(f"{op.name} uses a row or the batch size inside its regions")
-        if op.name in _SAME or (name == "custom_call" and _str(op) == "Sharding"):
+        target = a["call_target_name"].value if name == "custom_call" else None
+        if op.name in _SAME or target == "Sharding":
             return tuple(ins)
-        if name == "custom_call" and _str(op) == "shape_assertion" and not rows:
+        if target == "shape_assertion" and not rows:
             return ()
         if not rows and not sizes:
             return (FREE,) * n
-        if name in ("dynamic_broadcast_in_dim", "dynamic_iota", "dynamic_reshape"):
+        if name in _DYNAMIC:
             return (_dynamic(op, name, ins),)
         if sizes and rows:
             raise Mixed(f"{op.name} combines rows with the batch size as a value")
@@ -192,14 +178,14 @@ class _Rows:
         if len(rows) > 1:
             raise Mixed(f"{op.name} combines two batch axes")
         (k,) = rows
-        if name in _ELEMENTWISE:
+        if name in ELEMENTWISE:
             return (k,) * n
         if name == "dot_general":
             return (_dot(op, *ins),)
-        if name == "convolution" and ins[1] is FREE and _int(op, "batch_group_count") == 1:
+        if name == "convolution" and ins[1] is FREE and a["batch_group_count"].value == 1:
             from jax.extend.mlir.dialects import stablehlo as hlo
 
-            dims = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+            dims = hlo.ConvDimensionNumbers(a["dimension_numbers"])
             if dims.input_batch_dimension == k:
                 return (dims.output_batch_dimension,)
         if name == "reshape":
@@ -210,19 +196,20 @@ class _Rows:
 
 
 def _moved(op: Any, name: str, k: int) -> int:
-    """Where a ``broadcast_in_dim``, ``transpose``, ``reverse``, ``pad``, ``concatenate``
-    puts the batch axis ``k`` of its operand."""
+    """Where a move (:data:`_MOVES`) puts the batch axis ``k`` of its operand."""
+    a = op.attributes
     if name == "broadcast_in_dim":
-        return list(_attr(op, "broadcast_dimensions"))[k]
+        return list(a["broadcast_dimensions"])[k]
     if name == "transpose":
-        return list(_attr(op, "permutation")).index(k)
-    moves = {
-        "reverse": lambda: k in list(_attr(op, "dimensions")),
-        "concatenate": lambda: _int(op, "dimension") == k,
-        "pad": lambda: any(list(_attr(op, f"{a}_padding{b}"))[k]
-                           for a, b in (("edge", "_low"), ("edge", "_high"), ("interior", ""))),
-    }  # fmt: skip
-    if moves[name]():
+        return list(a["permutation"]).index(k)
+    if name == "reverse":
+        along = k in list(a["dimensions"])
+    elif name == "concatenate":
+        along = a["dimension"].value == k
+    else:  # pad
+        pads = ("edge_padding_low", "edge_padding_high", "interior_padding")
+        along = any(list(a[p])[k] for p in pads)
+    if along:
         raise Mixed(f"{op.name} moves rows along the batch axis")
     return k
 
@@ -250,12 +237,9 @@ def _dot(op: Any, lhs: Any, rhs: Any) -> int:
 def _reduced(op: Any, ins: list[Any]) -> int:
     """The batch axis of a ``reduce`` over other axes (its operands', less those before)."""
     half = len(ins) // 2
-    axes, dims = set(ins[:half]) - {FREE}, list(_attr(op, "dimensions"))
-    if (
-        any(s is not FREE for s in ins[half:])
-        or len(axes) != 1
-        or not isinstance(k := axes.pop(), int)
-    ):
+    axes, dims = set(ins[:half]) - {FREE}, list(op.attributes["dimensions"])
+    k = axes.pop() if len(axes) == 1 else FREE
+    if not isinstance(k, int) or any(s is not FREE for s in ins[half:]):
         raise Mixed(f"{op.name} reduces the batch size, or starts from a row")
     if k in dims:
         raise Mixed(f"{op.name} reduces over the batch axis: it combines rows")
@@ -263,18 +247,17 @@ def _reduced(op: Any, ins: list[Any]) -> int:
 
 
 def _dynamic(op: Any, name: str, ins: list[Any]) -> Any:
-    """The batch axis of a ``dynamic_broadcast_in_dim``, ``dynamic_iota`` or
-    ``dynamic_reshape``: where its shape operand holds the batch size."""
+    """The batch axis of a :data:`_DYNAMIC` op: where its shape operand holds the batch size."""
     shape, x = ins[-1], FREE if name == "dynamic_iota" else ins[0]
     labels = shape if isinstance(shape, tuple) else ("c",) * _size(op.operands[-1])
     if isinstance(shape, int) or isinstance(x, tuple) or "x" in labels or labels.count("b") > 1:
         raise Mixed(f"{op.name} makes a shape from rows or from a function of the batch size")
     at = labels.index("b") if "b" in labels else FREE
-    if name == "dynamic_iota" and at is not FREE and _int(op, "iota_dimension") == at:
+    if name == "dynamic_iota" and at is not FREE and op.attributes["iota_dimension"].value == at:
         raise Mixed(f"{op.name} counts along the batch axis: a row index")
     if x is FREE and (at is FREE or name != "dynamic_reshape"):
         return at
-    if name == "dynamic_broadcast_in_dim" and list(_attr(op, "broadcast_dimensions"))[x] == at:
+    if name == "dynamic_broadcast_in_dim" and list(op.attributes["broadcast_dimensions"])[x] == at:
         return at
     if name == "dynamic_reshape" and x is not FREE:
         return _reshaped(op, x, [] if at is FREE else [at])
@@ -283,13 +266,12 @@ def _dynamic(op: Any, name: str, ins: list[Any]) -> Any:
 
 def _reshaped(op: Any, k: int, at: list[int]) -> int:
     """The batch axis of a reshape of batch axis ``k`` to the batch at ``at`` (one), if the
-    static dimensions before and after each hold as many elements: rows stay whole."""
-    src, dst = op.operands[0].type, op.results[0].type
+    static dimensions before and after it hold as many elements: rows stay whole."""
+    src, dst = op.operands[0].type.shape, op.results[0].type.shape
     if len(at) == 1:
-        (p, q), (r, s) = (([*t.shape[:i]], [*t.shape[i + 1 :]]) for t, i in ((src, k), (dst, *at)))
-        if min(p + q + r + s, default=0) >= 0 and [math.prod(p), math.prod(q)] == [
-            math.prod(r), math.prod(s)
-        ]:  # fmt: skip
+        p, q, r, s = src[:k], src[k + 1 :], dst[: at[0]], dst[at[0] + 1 :]
+        sizes = [math.prod(d) for d in (p, q, r, s)]
+        if min(p + q + r + s, default=0) >= 0 and sizes[:2] == sizes[2:]:
             return at[0]
     raise Mixed(f"{op.name} reshapes across the batch axis: it mixes rows")
 
@@ -300,44 +282,41 @@ def _sized(op: Any, name: str, ins: list[Any]) -> Any:
         flat = [x for s, v in zip(ins, op.operands, strict=True)
                 for x in (s if isinstance(s, tuple) else ("c",) * _size(v))]  # fmt: skip
         if name == "slice" and flat:
-            (a,), (b,), (c,) = (
-                list(_attr(op, k)) for k in ("start_indices", "limit_indices", "strides")
-            )
+            keys = ("start_indices", "limit_indices", "strides")
+            (a,), (b,), (c,) = (list(op.attributes[k]) for k in keys)
             flat = flat[a:b:c]
-        return _labels(flat)
-    if name in _ELEMENTWISE:
-        return _labels(["x"] * _size(op.results[0]))
-    raise Mixed(f"{op.name} uses the batch size as a value")
+    elif name in ELEMENTWISE:
+        flat = ["x"] * _size(op.results[0])
+    else:
+        raise Mixed(f"{op.name} uses the batch size as a value")
+    return FREE if all(x == "c" for x in flat) else tuple(flat)
 
 
-def _labels(flat: Any) -> Any:
-    flat = tuple(flat)
-    return FREE if all(x == "c" for x in flat) else flat
-
-
-def _fits(name: str, s: Any, v: Any) -> None:
-    """Refuses a result whose type has dynamic dimensions other than its state says."""
+def _bind(env: dict[Any, Any], name: str, values: Any, states: Any) -> None:
+    """Records each value's state, refused where its type has other dynamic dimensions."""
     from jax.extend.mlir import ir
 
-    t = v.type
-    if not isinstance(t, ir.RankedTensorType):
-        ok = s is FREE and not isinstance(t, ir.ShapedType)
-    else:
-        ok = _dynamic_at(t) == ([s] if isinstance(s, int) else []) and (
-            not isinstance(s, tuple) or (t.rank <= 1 and _size(v) == len(s))
-        )
-    if not ok:
-        raise Mixed(f"{name} makes a {t} whose dynamic dimensions are not the batch's")
+    for v, s in zip(values, states, strict=True):
+        t = v.type
+        if not isinstance(t, ir.RankedTensorType):
+            ok = s is FREE and not isinstance(t, ir.ShapedType)
+        else:
+            ok = _dynamic_at(t) == ([s] if isinstance(s, int) else []) and (
+                not isinstance(s, tuple) or (t.rank <= 1 and _size(v) == len(s))
+            )
+        if not ok:
+            raise Mixed(f"{name} makes a {t} whose dynamic dimensions are not the batch's")
+        env[v] = s
 
 
 def _size(v: Any) -> int:
-    t = v.type
-    if _dynamic_at(t):
-        raise Mixed(f"a shape tensor of dynamic size {t}")
-    return math.prod(t.shape)
+    if _dynamic_at(v.type):
+        raise Mixed(f"a shape tensor of dynamic size {v.type}")
+    return math.prod(v.type.shape)
 
 
 def _captured(op: Any) -> Any:
+    """The values the ops inside ``op``'s regions use, at any depth."""
     for region in op.regions:
         for block in region.blocks:
             for inner in block.operations:
@@ -347,21 +326,3 @@ def _captured(op: Any) -> Any:
 
 def _dynamic_at(t: Any) -> list[int]:
     return [i for i in range(getattr(t, "rank", 0)) if t.is_dynamic_dim(i)]
-
-
-def _dim(op: Any, i: int) -> Any:
-    if op.operands[0].type.is_dynamic_dim(i):
-        raise Mixed(f"{op.name} reads a dynamic dimension that is not the batch")
-    return FREE
-
-
-def _attr(op: Any, name: str) -> Any:
-    return op.attributes[name]
-
-
-def _int(op: Any, name: str) -> int:
-    return _attr(op, name).value
-
-
-def _str(op: Any) -> str:
-    return _attr(op, "call_target_name").value
