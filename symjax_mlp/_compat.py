@@ -25,6 +25,7 @@ INTERNALS: dict[str, bool] = {
     "layer_scopes": True,
     "futures": True,
     "gil": True,
+    "transformed": True,
 }
 
 
@@ -105,12 +106,8 @@ def skipping_lapack(custom_calls: Any) -> Iterator[None]:
 # scoped to this thread (jax.config.update is global). Fallback: the locations stay.
 def without_source_locations() -> contextlib.AbstractContextManager:
     """A block whose exports carry no Python source locations (where this JAX allows)."""
-    limit = None
-    if INTERNALS["source_locations"]:
-        with contextlib.suppress(ImportError):
-            from jax._src import config
-
-            limit = getattr(config, "traceback_in_locations_limit", None)
+    config = sys.modules.get("jax._src.config") if INTERNALS["source_locations"] else None
+    limit = getattr(config, "traceback_in_locations_limit", None)
     return limit(0) if limit is not None else contextlib.nullcontext()
 
 
@@ -130,7 +127,18 @@ def backend_started() -> bool | None:
         return None
 
 
-# -- 5. an nnx module's layers, named in its programs ---------------------------------------
+# -- 5. whether a call runs under a JAX transformation -------------------------------------
+# Why: a stateful Hybrid's call looks for tracers in its new state only under a transform (jit,
+# grad, vmap): one check per call, not one per leaf. Internal: jax._src.core's trace_ctx and
+# eval_trace. Fallback: ``None`` (unknown): every leaf is looked at.
+def transformed() -> bool | None:
+    """Whether this thread runs under a JAX transformation (``None``: unknown)."""
+    core = sys.modules.get("jax._src.core") if INTERNALS["transformed"] else None
+    trace = getattr(getattr(core, "trace_ctx", None), "trace", None)
+    return None if trace is None else trace is not getattr(core, "eval_trace", None)
+
+
+# -- 6. an nnx module's layers, named in its programs ---------------------------------------
 # Why: linen names each submodule's ops by layer, nnx does not; a subclass whose __call__ opens
 # jax.named_scope of its attribute path is swapped in (__class__) for the block only. Internal:
 # assigning __class__, and nnx's private ``_pytree__is_pytree`` (the subclass registers as its
@@ -144,10 +152,9 @@ _SCOPED_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def layer_scopes(module: Any) -> Iterator[None]:
-    """Within the block, each submodule of the nnx ``module`` (a fresh ``nnx.merge``, private
-    to the caller) runs its ``__call__`` under ``jax.named_scope`` of its attribute path
-    (``"hidden/0"``) relative to its caller's; the user's classes are never changed, and
-    concurrent blocks on other modules do not see each other's scopes."""
+    """Within the block, each submodule of the nnx ``module`` (a fresh ``nnx.merge``) runs its
+    ``__call__`` under ``jax.named_scope`` of its path relative to its caller's (``"hidden/0"``);
+    the user's classes are never changed, nor do concurrent blocks see each other's scopes."""
     if not INTERNALS["layer_scopes"]:
         yield
         return
@@ -172,8 +179,8 @@ def layer_scopes(module: Any) -> Iterator[None]:
 
 
 def _scoped(cls: type) -> type:
-    """The subclass of ``cls`` whose ``__call__`` runs under its instance's named scope, one
-    per class (nnx registers every Module class as a graph node and pytree)."""
+    """The subclass of ``cls`` whose ``__call__`` runs under its instance's named scope (one per
+    class: nnx registers every Module class as a graph node and pytree)."""
     import jax
 
     with _SCOPED_LOCK:
@@ -202,7 +209,7 @@ def _scoped(cls: type) -> type:
         return _SCOPED[cls]
 
 
-# -- 6. whether the GIL is on ----------------------------------------------------------------
+# -- 7. whether the GIL is on ----------------------------------------------------------------
 # Why: the batcher reads a future's state without a lock where the GIL makes it atomic, one
 # acquire fewer per request. Internal: sys._is_gil_enabled (CPython 3.13+; before, the GIL is
 # always on). Fallback: ``False``: every such read takes the lock (right on any build).
@@ -218,7 +225,7 @@ def gil_enabled() -> bool:
 GIL = gil_enabled()
 
 
-# -- 7. futures settled a batch at a time ----------------------------------------------------
+# -- 8. futures settled a batch at a time ----------------------------------------------------
 # Why: CPython's Future makes a Condition (an RLock) each; a batch's futures share one lock, are
 # settled under one acquire, and wake only the callers blocked on them. Internal: Future's
 # fields (_state, _result, _exception, _condition, _waiters, _done_callbacks,
@@ -320,8 +327,7 @@ class SharedLockFuture(concurrent.futures.Future):
 
 
 def start_future(f: SharedLockFuture) -> bool:
-    """``set_running_or_notify_cancel()`` (a shared future's lock held): ``False`` if it was
-    cancelled."""
+    """``set_running_or_notify_cancel()`` (a shared future's lock held): ``False`` if cancelled."""
     if not f._shared:
         return f.set_running_or_notify_cancel()
     if f._state != PENDING:  # cancelled while queued

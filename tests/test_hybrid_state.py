@@ -112,6 +112,32 @@ def test_a_training_mode_stateful_call_under_jit_is_still_refused():
         jax.jit(h)(X)
 
 
+@pytest.mark.parametrize("internal", [True, False], ids=["internal", "fallback"])
+def test_a_stateful_call_looks_for_tracers_only_under_a_transform(monkeypatch, internal):
+    # the hot path of a BatchNorm model: its new state is concrete outside jit/grad/vmap, so no
+    # leaf is looked at; under one (or with the trace-state internal off) every leaf still is
+    from symjax_mlp import _compat
+    from symjax_mlp._hybrid import held
+
+    monkeypatch.setitem(_compat.INTERNALS, "transformed", internal)
+    seen, tracer = [], jax.core.Tracer
+
+    class Counted(type):
+        def __instancecheck__(cls, obj):
+            seen.append(obj)
+            return isinstance(obj, tracer)
+
+    h = _linen()
+    h(X, train=True)  # traced
+    for module in (jax.core, held):
+        monkeypatch.setattr(module, "Tracer", Counted("Tracer", (), {}), raising=False)
+    h(X, train=True)
+    assert (seen == []) is internal
+    with pytest.raises(sm.ControlFlowError, match=r"changes its state"):
+        jax.jit(lambda x: h(x, train=True))(X)
+    assert seen
+
+
 def _own_inputs():
     """``(hybrid, model, input)`` for a linen, an nnx and a plain-function Hybrid."""
     linen, module = sm.mlp((4, 2)), NnxBatchNorm(nnx.Rngs(0))

@@ -9,7 +9,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
+from symjax_mlp._compat import transformed
 from symjax_mlp._errors import ConfigError, ControlFlowError
 from symjax_mlp._hybrid.pure import state_structure, unwrap_keys, wrap_keys
 
@@ -100,9 +102,13 @@ class HeldState:
                 out, held, *rest = jitted(*args[:2], self.leaves, *args[2:])
             finally:
                 self._locked.on = was
-            traced = any(isinstance(leaf, jax.core.Tracer) for leaf in held)
-            if not (traced and keeps is not None and keeps(*args)):
-                self.hold(held)
+            # the new state is concrete unless under a transform; there it may be traced (under
+            # jax.grad a leaf with no tangent, a counter, comes back concrete: any leaf)
+            if transformed() is not False and any(isinstance(leaf, Tracer) for leaf in held):
+                if keeps is None or not keeps(*args):
+                    raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
+            else:
+                self.leaves, self._tree = held, None
         return [out, *rest]
 
     def tracing(self) -> None:
@@ -112,8 +118,7 @@ class HeldState:
 
     def hold(self, leaves: list[Any]) -> None:
         """Holds a call's new flat state (under :attr:`lock`); a traced one is refused."""
-        # any: under jax.grad a leaf with no tangent (a counter) comes back concrete
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        if any(isinstance(leaf, Tracer) for leaf in leaves):
             raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
         self.leaves = leaves
         self._tree = None
