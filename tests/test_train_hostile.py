@@ -597,3 +597,30 @@ def test_an_optimizer_state_of_a_python_float_trains_compiled(tiny):
     decaying = optax.GradientTransformation(lambda params: 1.0, update)
     result = sm.training.train(sm.mlp((8, 10)), tiny, optimizer=decaying, epochs=2)
     assert result.trace_count == 1 and result.opt_state.dtype == jnp.float32
+
+
+def test_features_or_labels_given_as_a_generator_or_none_are_named(tiny):
+    """A generator (or None) became a 0-d object array: 'x_train has shape (); expected 2-D
+    features', which named neither what was given nor the fix."""
+    rows = (r for r in tiny.x_train)
+    data = sm.training.Dataset(rows, tiny.y_train, tiny.x_test, tiny.y_test)
+    with pytest.raises(sm.DataError, match=r"dataset\.x_train is not an array of numbers \(a "
+                       r"generator\); .* \(a generator's: list\(rows\)\)"):  # fmt: skip
+        sm.training.train(sm.mlp((8, 10)), data, epochs=1)
+    data = sm.training.Dataset(tiny.x_train, None, tiny.x_test, tiny.y_test)
+    with pytest.raises(sm.DataError, match=r"dataset\.y_train is not an array of numbers \(a "
+                       "NoneType\\)"):  # fmt: skip
+        sm.training.train(sm.mlp((8, 10)), data, epochs=1)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16])
+def test_labels_of_a_narrow_float_dtype_train_like_int_labels(tiny, dtype):
+    """float16 labels overflowed NumPy's cast of the int32 limit they are compared with (a
+    RuntimeWarning; an error where warnings are), bfloat16 ones were 'expected int labels'."""
+    data = sm.training.Dataset(
+        tiny.x_train, tiny.y_train.astype(dtype), tiny.x_test, tiny.y_test.astype(dtype)
+    )
+    run = {"epochs": 1, "batch_size": 16}
+    want = sm.training.train(sm.mlp((8, 10)), tiny, **run).params
+    got = sm.training.train(sm.mlp((8, 10)), data, **run).params
+    assert jax.tree.all(jax.tree.map(np.array_equal, got, want))

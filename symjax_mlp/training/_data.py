@@ -1,7 +1,6 @@
 """Classification data for :func:`~symjax_mlp.training.train`: a fixed split, checked first.
 
-:func:`load_digits` ships inside scikit-learn (the ``data`` extra), so training needs no
-download; :func:`check_dataset` names every problem of a :class:`Dataset` before a step runs.
+:func:`check_dataset` names every problem of a :class:`Dataset` before a step runs.
 """
 
 from __future__ import annotations
@@ -199,9 +198,10 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
                 f"x{name[1:]}, shape ({len(x)},)."
             )
         if not np.issubdtype(y.dtype, np.integer):
-            if not np.issubdtype(y.dtype, np.floating):
+            if not jnp.issubdtype(y.dtype, jnp.floating):
                 raise DataError(f"{where} has dtype {y.dtype}; expected int labels.")
             _check_finite(where, y)
+            y = y.astype(np.float64)  # float16's range ends before int32's: compared in float64
             if np.any(y != np.round(y)):
                 bad = int(np.flatnonzero(y != np.round(y))[0])
                 raise DataError(f"{where}[{bad}] is {y[bad]!r}; expected integer class labels.")
@@ -244,14 +244,19 @@ def default_classes(data: Dataset) -> int:
 
 
 def _array(data: Dataset, name: str) -> np.ndarray:
-    """``data.<name>`` as a NumPy array; a ragged list is a DataError, not NumPy's."""
+    """``data.<name>`` as a NumPy array; a ragged list or a generator is a DataError."""
+    value = getattr(data, name)
     try:
-        return np.asarray(getattr(data, name))
+        a = np.asarray(value)
+        why = f"a {type(value).__name__}"  # a generator, None: a 0-d array of an object
     except (ValueError, TypeError) as e:
-        raise DataError(
-            f"{data.name}.{name} is not an array of numbers ({str(e)[:160]}); expected rows of "
-            "equal length. Pad or drop the ragged rows, then pass np.asarray(rows)."
-        ) from None
+        a, why = None, str(e)[:160]
+    if a is not None and (a.ndim or a.dtype != object):
+        return a
+    raise DataError(
+        f"{data.name}.{name} is not an array of numbers ({why}); expected rows of equal length. "
+        "Pass np.asarray(rows), ragged rows padded or dropped (a generator's: list(rows))."
+    )
 
 
 def _check_finite(name: str, a: np.ndarray) -> None:
