@@ -726,3 +726,35 @@ def test_a_wrong_path_or_method_is_the_json_error_body(server, method, path, cod
     assert body["error"] == ("NotFound" if code == 404 else "MethodNotAllowed")
     assert f"no endpoint takes {method} {path}" in body["message"]
     assert "POST /predict" in body["message"]
+
+
+def test_a_model_that_blocks_never_stalls_the_server_loop():
+    """A lone request ran the model on the server's event loop: a user's callable that blocked
+    (here, on an Event) stopped /health, every timeout and the graceful stop with it. A user's
+    Python runs on the batcher's thread now; the loop answers meanwhile."""
+    import concurrent.futures
+    import threading
+
+    from helpers import bounded
+
+    release, entered = threading.Event(), threading.Event()
+
+    def model(x):
+        if (x == 9).any():
+            entered.set()
+            release.wait(60)
+        return x * 2
+
+    b = sm.serving.Batcher(model, example=np.zeros((1, 2), np.float32), max_batch=2)
+    body = json.dumps({"inputs": [[9.0, 9.0]]}).encode()
+    app = sm.serving.create_app(b)
+    with _in_thread(app) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(_post, url, body)
+        try:
+            assert entered.wait(30), "the request never reached the model"
+            health = json.loads(bounded(lambda: _get(url, "/health"), 10))
+            assert health["status"] == "ok" and health["queue_depth"] == 0
+        finally:
+            release.set()
+        code, raw = pending.result(30)
+    assert code == 200 and json.loads(raw)["outputs"] == [[18.0, 18.0]]

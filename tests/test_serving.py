@@ -549,13 +549,30 @@ def test_asubmit_serves_asyncio_with_one_loop_wake_up_per_batch(chapter, monkeyp
             assert r.timing.total >= r.timing.compute > 0
 
 
-def test_a_lone_asubmit_runs_on_its_loop_and_a_pass_of_many_on_the_batcher(chapter):
+@pytest.mark.parametrize("served", ["artifact", "callable"])
+def test_a_lone_asubmit_runs_on_its_loop_and_a_pass_of_many_on_the_batcher(
+    chapter, tmp_path, served
+):
+    """A lone asubmit of an artifact (an XLA program) runs on the loop; a user's callable, whose
+    Python may block, on the batcher's thread."""
     _, _, h, x = chapter
     gate = Gated(h)  # records the thread and batch size of every model call
+    if served == "artifact":
+        m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+        with sm.serving.Batcher(m, max_batch=8) as b:
+            gate.fn, b._lane.call = b._lane.call, gate  # every model call, as it runs
+
+            async def lone():
+                return await asyncio.wait_for(b.asubmit(rows(1)), 30)
+
+            y = asyncio.run(lone())
+        assert gate.threads == [threading.get_ident()] and gate.sizes == [1]
+        np.testing.assert_allclose(y, np.asarray(m(rows(1))), rtol=1e-6, atol=1e-6)
+        return
 
     async def scenario(b):
         lone = b.asubmit(rows(1))
-        y = await lone  # the batcher idle, nothing else queued: it runs right here
+        y = await lone  # the batcher idle, nothing else queued: it runs at once
         dropped = b.asubmit(rows(1))
         dropped.cancel()  # before its pass ended: it never runs
         await asyncio.sleep(0)
@@ -570,8 +587,8 @@ def test_a_lone_asubmit_runs_on_its_loop_and_a_pass_of_many_on_the_batcher(chapt
         gate.threads.clear()
         gate.sizes.clear()
         lone, y, xs, ys, many = asyncio.run(scenario(b))
-        here, worker = threading.get_ident(), b._thread.ident
-        assert list(zip(gate.threads, gate.sizes, strict=True)) == [(here, 1), (worker, 8)]
+        worker = b._thread.ident
+        assert list(zip(gate.threads, gate.sizes, strict=True)) == [(worker, 1), (worker, 8)]
         np.testing.assert_array_equal(y, np.asarray(h(rows(1))))
         assert (lone.timing.batch_requests, lone.timing.bucket) == (1, 1)
         assert lone.timing.total >= lone.timing.compute > 0

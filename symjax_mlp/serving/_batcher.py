@@ -1,16 +1,12 @@
 """A micro-batcher: a stream of requests merged into a few pre-compiled batch shapes.
 
-One executor lane runs one batch at a time. A request that finds it idle (and nothing
-queued) runs at once: ``b(x)`` on the calling thread, ``submit`` on the batcher's thread,
-``asubmit`` on the event loop when the loop's current pass ends. Requests that arrive while a
-batch runs wait in a bounded queue and are merged, in arrival order, into the next batch, up
-to ``max_batch`` rows, zero-padded to the smallest bucket that holds it. Every bucket is
-compiled when the batcher is made; padding rows are never returned. An artifact whose rows
-mix (its manifest says so) is never merged nor padded: each request runs alone, at its rows.
-
-Per request, little is done: a known ``(shape, dtype)`` is looked up, not checked; a lone
-``b(x)`` takes no lock and no future; a batch is one ``np.concatenate``, its counters one
-tuple on a deque; its futures are settled under one lock, one ``call_soon_threadsafe`` a loop.
+One executor lane runs one batch at a time. A request that finds it idle (and nothing queued)
+runs at once: ``b(x)`` on the calling thread, ``submit`` on the batcher's thread, ``asubmit``
+on the event loop when the loop's pass ends (for a LoadedModel; other models' Python runs on the
+batcher's thread, so one that blocks never stalls the loop). Requests that arrive while a batch
+runs are merged, in arrival order, into the next batch, zero-padded to the smallest compiled
+bucket that holds it. Per request, little is done: a known ``(shape, dtype)`` is looked up, a
+lone ``b(x)`` takes no lock and no future, a batch's counters are one tuple on a deque.
 """
 
 from __future__ import annotations
@@ -23,8 +19,6 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from symjax_mlp._errors import ConfigError, OverloadError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
@@ -36,6 +30,7 @@ from symjax_mlp.serving._requests import (
     RequestFuture,
     artifact_specs,
     bucket_sizes,
+    check_count,
     check_timeout,
     example_specs,
     inference_of,
@@ -53,12 +48,11 @@ class Batcher:
 
     Merging and padding are exact only for a model that keeps the rows of its batch apart. An
     artifact whose manifest does not show that (``m.manifest["rows"]``: e.g. it subtracts the
-    batch mean) is served exactly, slower: each request runs alone at its own rows, never
-    merged nor padded (each row count compiled at its first use), so ``b(x)`` equals
-    ``m(x)``; :attr:`merges` is then ``False`` and :attr:`why_alone` says why. A static batch
-    never shows its rows apart: such an artifact takes requests of exactly that many rows. An
-    artifact written before manifests said so, a Hybrid, or a callable is merged and padded
-    as above: exact only if the model keeps its rows apart.
+    batch mean) runs each request alone at its own rows, never merged nor padded (each row
+    count compiled at its first use), so ``b(x)`` equals ``m(x)``; :attr:`merges` is then
+    ``False`` and :attr:`why_alone` says why. A static batch never shows its rows apart: such
+    an artifact takes requests of exactly that many rows. An artifact written before manifests
+    said so, a Hybrid, or a callable is merged and padded: exact only if it keeps rows apart.
 
     A bad request is refused with :class:`~symjax_mlp.SignatureError`, a full queue with
     :class:`OverloadError`; neither disturbs other requests. If the model raises, every
@@ -156,8 +150,7 @@ class Batcher:
         self.name = f"Batcher({name})"
         self.buckets = bucket_sizes(self.name, max_batch, buckets, static)
         self.max_batch = self.buckets[-1]
-        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1:
-            raise ConfigError(f"{self.name}: max_queue must be an int >= 1; got {max_queue!r}.")
+        check_count(self.name, "max_queue", max_queue)
         self.max_queue = max_queue
         #: What one request takes: one spec per input, the batch dimension named ``b``.
         self.specs: tuple[TensorSpec, ...] = specs
@@ -167,8 +160,10 @@ class Batcher:
         lane = Lane(served, specs, self.buckets, max_queue, self.name, merges=not alone)
         exact = static if alone else None  # a static batch whose rows mix: never padded
         self._check = RequestCheck(self.name, specs, lane, self.max_batch, exact, alone).check
-        # Per event loop, this pass's asubmit (None: several): see _end_of_pass.
+        # Per event loop, this pass's asubmit (None: several): see _end_of_pass. A lone one
+        # runs on the loop only for an XLA program (a user's Python may block the loop).
         self._passes: dict[Any, AsyncRequest | None] = {}
+        self._on_loop = isinstance(model, LoadedModel)
         lane.warm_up()
         self._lane = lane
         self._thread = threading.Thread(target=lane.work, name=self.name, daemon=True)
@@ -234,45 +229,20 @@ class Batcher:
         if timeout is not None:
             check_timeout(f"{self.name}.run", timeout)
         arrays, rows = self._check(inputs)
-        lane = self._lane
-        idle = lane.idle
-        if idle and not lane.queue and not lane.closing:
+        lane, request = self._lane, Blocking(arrays, rows, t0)
+        if lane.idle and not lane.queue and not lane.closing and claim(lane.idle):
+            lane.holder = threading.get_ident()  # until release(): see close()
             try:
-                idle.pop()  # the lane's token (list.pop is atomic): ours if it was there
-            except IndexError:
-                pass  # taken meanwhile: join the queue
-            else:
-                lane.holder = threading.get_ident()  # until release(): see close()
-                if not lane.queue:  # run it here, with no lock held
-                    if lane.single and lane.bucket_of[rows] == rows:  # the hot path, inlined
-                        n = lane.n
-                        n.alone += 1  # only the token's holder writes it
-                        try:  # one copy to the caller's array; the check counts as compute
-                            result = np.asarray(lane.call(*arrays))
-                            if not result.ndim or result.shape[0] != rows:
-                                lane.rows_of(result, rows)  # raises: not one row per row
-                            result = result.copy()
-                            t1 = clock()
-                            n.pending.append((t0, t0, t0, t1, t1, rows, rows))
-                            return result
-                        except BaseException:
-                            with lane.lock:
-                                n.failed += 1
-                            raise
-                        finally:
-                            lane.release()
-                    try:
-                        return lane.run_alone(arrays, rows, t0)[0]
-                    finally:
-                        lane.release()
-                lane.release()  # requests came first: join them
+                if not lane.queue:  # run it here, with no lock held; else join the queue
+                    return lane.run_alone(request)[0]
+            finally:
+                lane.release()
         if threading.get_ident() in (lane.thread, lane.holder):
             # b(x) in a done callback or the model, on the thread that holds the token: the
             # request runs here rather than wait for itself (for ever, the batcher wedged)
-            return lane.run_alone(arrays, rows, t0)[0]
-        waiter = threading.Lock()
+            return lane.run_alone(request)[0]
+        request.waiter = waiter = threading.Lock()
         waiter.acquire()
-        request = Blocking(arrays, rows, t0, waiter)
         self._enqueue(request)
         if not waiter.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError(
@@ -289,8 +259,9 @@ class Batcher:
         """Queues one request from asyncio code: ``y = await b.asubmit(x)``.
 
         It checks and queues the request at once, like :meth:`submit`; the requests of one
-        pass of the loop go to the batcher when the pass ends (a lone one on an idle batcher
-        runs then, on the loop). Cancelling it drops the request if its batch has not started.
+        pass of the loop go to the batcher when the pass ends (a lone one on an idle batcher of
+        a LoadedModel runs then, on the loop). Cancelling it drops the request if its batch has
+        not started.
 
         Raises:
           SignatureError, OverloadError: as :meth:`submit`; nothing is queued.
@@ -322,7 +293,7 @@ class Batcher:
         lone, lane = self._passes.pop(loop), self._lane
         with lane.lock:
             q = lane.queue
-            if lone is None or len(q) != 1 or q[0] is not lone:
+            if lone is None or not self._on_loop or len(q) != 1 or q[0] is not lone:
                 if lane.idle:
                     lane.nudge()
                 return
@@ -337,7 +308,7 @@ class Batcher:
             lane.n.requests -= 1  # run_alone counts it among the lone ones
         try:
             try:
-                result, record = lane.run_alone(lone.arrays, lone.rows, lone.t0)
+                result, record = lane.run_alone(lone)
             except BaseException as e:  # counted as failed by run_alone; SystemExit too, which
                 lone.fail(e)  # reaches the loop through its awaiter, if any
                 return

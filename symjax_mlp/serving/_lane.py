@@ -42,8 +42,8 @@ class Blocking:
 
     __slots__ = ("arrays", "error", "result", "rows", "t0", "waiter")
 
-    def __init__(self, arrays: Sequence[Any], rows: int, t0: float, waiter: Any) -> None:
-        self.arrays, self.rows, self.t0, self.waiter = arrays, rows, t0, waiter
+    def __init__(self, arrays: Sequence[Any], rows: int, t0: float) -> None:
+        self.arrays, self.rows, self.t0, self.waiter = arrays, rows, t0, None
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -198,21 +198,8 @@ class Lane:
 
     def run(self, batch: list[Any], starts: list[float], rows: int) -> None:
         """Runs one batch on the executor thread and hands each request its result."""
-        t1 = clock()
-        bucket = self.bucket_of[rows]
         try:
-            inputs = self.assemble([r.arrays for r in batch], rows, bucket)
-            t2 = clock()
-            out = self.rows_of(self.to_host(self.call(*inputs)), bucket)
-            t3 = clock()
-            if self.single and rows == len(batch):  # one row each: the common case
-                results = list(out[:rows, None].copy())  # one copy; a view per row
-            else:
-                results, start, split = [], 0, self.split
-                for r in batch:
-                    results.append(split(out, start, start + r.rows))
-                    start += r.rows
-            t4 = clock()
+            results, (_, t1, t2, t3, t4, _, bucket) = self.compute(batch, rows, starts)
         except BaseException as e:  # every request of the batch gets it; the lane carries on
             with self.lock:  # (SystemExit too, as a ThreadPoolExecutor's future would)
                 self.n.failed += len(batch)
@@ -220,6 +207,24 @@ class Lane:
             return
         self.n.pending.append((starts, t1, t2, t3, t4, rows, bucket))  # before any result
         self.settle(batch, results, None, (t1, t2 - t1, t3 - t2, t4 - t3, rows, len(batch), bucket))
+
+    def compute(self, batch: Sequence[Any], rows: int, t0: Any) -> tuple[list[Any], tuple]:
+        """The model's results for ``batch`` (requests of ``rows`` rows in all), one per
+        request, and the batch's timing record (``t0``: its requests' start or starts)."""
+        t1 = clock()
+        bucket = self.bucket_of[rows]
+        inputs = self.assemble([r.arrays for r in batch], rows, bucket)
+        t2 = clock()
+        out = self.rows_of(self.to_host(self.call(*inputs)), bucket)
+        t3 = clock()
+        if self.single and rows == len(batch):  # one row each: the common case
+            results = list(out[:rows, None].copy())  # one copy; a view per row
+        else:
+            results, start, split = [], 0, self.split
+            for r in batch:
+                results.append(split(out, start, start + r.rows))
+                start += r.rows
+        return results, (t0, t1, t2, t3, clock(), rows, bucket)
 
     def settle(self, batch, results, error, timing=None) -> None:
         """Hands out a batch's results (or ``error``): one lock for its futures, one release
@@ -246,27 +251,19 @@ class Lane:
             after_finish(futures, settled, error)
 
     # -- a lone request, on its caller's thread ----------------------------------------------
-    def run_alone(self, arrays: Sequence[Any], rows: int, t0: float) -> tuple[Any, tuple]:
+    def run_alone(self, request: Any) -> tuple[Any, tuple]:
         """Runs one request on the calling thread, which holds the lane's token (and gives it
         back itself): its result, and its timing record."""
         n = self.n
         n.alone += 1  # only the token's holder writes it
-        bucket = self.bucket_of[rows]
         try:
-            t1 = clock()
-            inputs = self.assemble([arrays], rows, bucket)
-            t2 = clock()
-            out = self.rows_of(self.to_host(self.call(*inputs)), bucket)
-            t3 = clock()
-            result = self.split(out, 0, rows)
-            t4 = clock()
+            results, record = self.compute((request,), request.rows, request.t0)
         except BaseException:
             with self.lock:
                 n.failed += 1
             raise
-        record = (t0, t1, t2, t3, t4, rows, bucket)
         n.pending.append(record)  # counted later, in bulk
-        return result, record
+        return results[0], record
 
     def release(self) -> None:
         """Gives the token back, and wakes the thread if requests came meanwhile."""

@@ -209,8 +209,7 @@ def bucket_sizes(
             raise ConfigError(f"{name}: buckets must be ints >= 1; got {buckets!r}.")
     if max_batch is None:
         max_batch = max(buckets) if buckets else 64
-    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-        raise ConfigError(f"{name}: max_batch must be an int >= 1; got {max_batch!r}.")
+    check_count(name, "max_batch", max_batch)
     if max_batch > MAX_BATCH:  # every bucket is compiled and run once when the batcher is made
         raise ConfigError(
             f"{name}: max_batch={max_batch:,} rows is more than one model call may take here "
@@ -370,6 +369,12 @@ def inference_of(h: Hybrid, example: Any, kwargs: dict[str, Any]) -> Any:
 
     inference.__name__ = h.name
     return inference
+
+
+def check_count(where: str, option: str, value: Any) -> None:
+    """Refuses ``value`` unless it is an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {option} must be an int >= 1; got {value!r}.")
 
 
 def check_timeout(caller: str, timeout: Any) -> None:
