@@ -105,7 +105,7 @@ def test_each_options_help_says_its_default_once(capsys, command):
         (["graph", "--batch", "-3"], "--batch: must be an int >= 1; got '-3'"),
         (["export", "x", "--in-features", "0"], "--in-features: must be an int >= 1"),
         (["export", "x", "--batch", "-3"], "--batch: must be a name for a symbolic batch"),
-        (["verify", "x", "--batches", "0"], "--batches: must be positive ints"),
+        (["verify", "x", "--batches", "0"], "--batches: must be comma-separated ints >= 1"),
         (["train", "--epochs", "0"], "--epochs: must be an int >= 1"),
     ],
 )
@@ -809,3 +809,13 @@ def test_serve_refuses_an_option_of_the_other_server(tmp_path, capsys, argv, say
     assert main(["serve", str(tmp_path / "nope"), "--dispatch", "async", *argv]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_path_with_a_newline_or_an_escape_is_one_line_shown_escaped(tmp_path, capsys):
+    """A path the user typed with a newline split the error over two lines (an escape acted on
+    the terminal): the library's message and argparse's name it escaped, as repr() does."""
+    odd = str(tmp_path / "bad\nname\x1b[31m")
+    for argv in (["inspect", odd], ["run", str(tmp_path), "--input", odd, "--output", "y.npy"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "bad\\nname\\x1b[31m" in err, err

@@ -34,12 +34,17 @@ class _Parser(argparse.ArgumentParser):
     """An argparse parser whose usage errors are one line (and a pointer to ``--help``)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        from symjax_mlp._artifact.format import printable  # a newline in a path: still one line
+
+        self.exit(2, f"{self.prog}: error: {printable(message)} (see {self.prog} --help)\n")
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        if args and args[0].startswith("-") and kwargs.get("help") is None:
-            kwargs["help"] = "(default: %(default)s)"
-        return super().add_argument(*args, **kwargs)
+        """Every option's help ends with its default, unless it says it or has none."""
+        action = super().add_argument(*args, **kwargs)
+        none = action.required or action.default is argparse.SUPPRESS
+        if action.option_strings and not none and "default" not in (action.help or ""):
+            action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
+        return action
 
 
 def _mlp_options(p: argparse.ArgumentParser) -> None:
@@ -163,7 +168,9 @@ def _run_bench(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from symjax_mlp import __version__
 
-    parser = _Parser(prog=PROG, description=__doc__, formatter_class=_args.Formatter)
+    parser = _Parser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--version", action="version", version=f"{PROG} {__version__}", help="print the version"
     )
@@ -174,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# A keyword a library message names, the subcommand's option for it (its dest), as typed.
+# A library message's keyword, the subcommand's option for it (its dest), as typed: the CLI
+# prints the library's message as it is, then the options it names, never editing its text.
 _OPTIONS = (
     ("overwrite=True", "overwrite", "--overwrite"),
     ("resume=True", "resume", "--resume"),
@@ -186,20 +194,10 @@ _OPTIONS = (
 )
 
 
-def _options_named(message: str, args: argparse.Namespace) -> list[tuple[str, str]]:
-    """``(keyword, option)`` for each library keyword ``message`` names that this subcommand
-    sets with an option, unless the message names the option already: the CLI prints the
-    library's message as it is and adds these after it, never editing its text."""
-    return [
-        (keyword, option)
-        for keyword, dest, option in _OPTIONS
-        if keyword in message and hasattr(args, dest) and option.split()[0] not in message
-    ]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit code (0 ok, 2 user error, 1 bug, 130 interrupted)."""
     from symjax_mlp import SymjaxError
+    from symjax_mlp._artifact.format import printable
 
     parser = build_parser()
     try:
@@ -212,10 +210,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             _args.writable(args.json, "--json", overwrite=True)  # refused before any work
         return args.handler(args) or 0  # verify's 1: a check failed
     except (SymjaxError, argparse.ArgumentTypeError) as e:
-        print(f"{where}: error: {e}", file=sys.stderr)
-        if named := _options_named(str(e), args):  # the library's words, then the options
-            said = ", ".join(f"{keyword} is {option}" for keyword, option in named)
-            print(f"{where}: on the command line, {said}", file=sys.stderr)
+        message = str(e)
+        for arg in sys.argv[1:] if argv is None else argv:  # a newline in a path: still one line
+            message = message.replace(arg, printable(arg))
+        print(f"{where}: error: {message}", file=sys.stderr)
+        said = [
+            f"{keyword} is {option}"
+            for keyword, dest, option in _OPTIONS
+            if keyword in message and hasattr(args, dest) and option.split()[0] not in message
+        ]
+        if said:
+            print(f"{where}: on the command line, {', '.join(said)}", file=sys.stderr)
         return 2
     except ImportError as e:
         name = (e.name or "").split(".")[0]

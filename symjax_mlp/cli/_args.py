@@ -16,16 +16,6 @@ from pathlib import Path
 from typing import Any
 
 
-class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every option's help shows its default; descriptions keep their line breaks. Not where
-    the help says it ("default: 1000) (default: None)"), nor for a required option."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.required or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def subcommand(
     sub: argparse._SubParsersAction,
     name: str,
@@ -35,12 +25,15 @@ def subcommand(
 ) -> argparse.ArgumentParser:
     """Declares the subcommand ``name``, run by ``handler(args)`` (its exit code, ``None``: 0):
     ``help`` is its one-line help and, with ``more``, its description."""
-    p = sub.add_parser(name, help=help, description=help + more, formatter_class=Formatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser(name, help=help, description=help + more, formatter_class=formatter)
     p.set_defaults(handler=handler)
     return p
 
 
-def _checked(kind: type, ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Any:
+    """An argparse type: ``kind(text)``, refused unless ``ok`` of it."""
+
     def parse(text: str) -> Any:
         try:
             value = kind(text)
@@ -59,28 +52,16 @@ nonnegative = _checked(float, lambda v: v >= 0, "a number >= 0")
 port = _checked(int, lambda v: 0 <= v <= 65535, "an int from 0 to 65535 (0: any free port)")
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """``"256,128,2"`` -> ``(256, 128, 2)``: comma-separated ints >= 1."""
-    try:
-        values = tuple(int(s) for s in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be comma-separated ints such as 256,128,2; got {text!r}"
-        ) from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"must be positive ints; got {text!r}")
-    return values
-
-
-def batch(text: str) -> str | int:
-    """``--batch``: a name for a symbolic batch (``b``) or a static size >= 1."""
-    if text.isdigit() and int(text) >= 1:
-        return int(text)
-    if text.isidentifier():
-        return text
-    raise argparse.ArgumentTypeError(
-        f"must be a name for a symbolic batch (b) or a static size >= 1; got {text!r}"
-    )
+int_list = _checked(
+    lambda text: tuple(int(s) for s in text.split(",")),
+    lambda v: min(v) >= 1,
+    "comma-separated ints >= 1 such as 256,128,2",
+)
+batch = _checked(  # --batch: a symbolic dimension's name, or a static size
+    lambda text: int(text) if text.isdigit() else text,
+    lambda v: v >= 1 if isinstance(v, int) else v.isidentifier(),
+    "a name for a symbolic batch (b) or a static size >= 1",
+)
 
 
 def input_file(text: str) -> Path:
