@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import bounded
 
 import symjax_mlp as sm
 
@@ -72,22 +73,6 @@ def test_a_model_raising_stop_iteration_answers_every_awaiting_caller():
         np.testing.assert_array_equal(b(X1), 2 * X1)
 
 
-def _bounded(fn, timeout=20):
-    """``fn()``'s result (or what it raised), or "hung" after ``timeout`` seconds."""
-    out = ["hung"]
-
-    def call():
-        try:
-            out[0] = fn()
-        except BaseException as e:  # handed to the test
-            out[0] = e
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return out[0]
-
-
 def test_a_model_calling_its_own_batcher_is_answered_not_wedged():
     """A model that called b(x) while it ran alone (b(x) on the caller's thread, or a lone
     asubmit on the loop) waited for the lane it held: that request and every later one hung."""
@@ -109,10 +94,8 @@ def test_a_model_calling_its_own_batcher_is_answered_not_wedged():
             lambda: b.submit(X7).result(10),
             lambda: asyncio.run(awaited()),
         ):
-            out = _bounded(call)
-            assert isinstance(out, np.ndarray), out
-            np.testing.assert_array_equal(out, X7 + 2)
-        np.testing.assert_array_equal(_bounded(lambda: b(X1)), 2 * X1)
+            np.testing.assert_array_equal(bounded(call, 20), X7 + 2)
+        np.testing.assert_array_equal(bounded(lambda: b(X1), 20), 2 * X1)
     finally:  # a wedged batcher: the inner request cancelled lets the outer one end
         b.close(cancel=True, timeout=20)
 
