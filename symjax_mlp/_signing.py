@@ -39,8 +39,14 @@ def _config(kind: str) -> Any:
     return module.Config().set_hashing_config(hashing)
 
 
-def _checked(path: Any, key: Any, what: str, verb: str) -> tuple[Path, Path]:
-    """The artifact directory and the key file, once both are what they should be."""
+def _checked(path: Any, key: Any, *, private: bool) -> tuple[Path, Path]:
+    """The artifact directory and the key file, once both are what they should be: the key
+    an elliptic-curve one, which model-signing would otherwise report as a signature that does
+    not verify (as if the artifact had been changed), or as an AttributeError when it signs."""
+    from cryptography.hazmat.primitives import serialization as pem
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    what = "sign(private_key=...)" if private else "verify_signature="
     if not isinstance(key, (str, os.PathLike)):
         raise ConfigError(
             f"{what}: pass the path of a PEM key file; got {type(key).__name__}. Write a key "
@@ -55,39 +61,30 @@ def _checked(path: Any, key: Any, what: str, verb: str) -> tuple[Path, Path]:
             f"the directory it points to: {os.path.realpath(path)!r}."
         )
     if not path.is_dir():
+        verb = "sign" if private else "verify"
         raise ArtifactError(f"{path} is not an artifact directory; there is nothing to {verb}.")
-    return path, file
-
-
-def _elliptic(file: Path, private: bool = False) -> None:
-    """Refuses a key file that holds no elliptic-curve key (public, or ``private``), which
-    model-signing reports as a signature that does not verify (as if the artifact had been
-    changed), or as an AttributeError when it signs."""
-    from cryptography.hazmat.primitives import serialization as pem
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    kind = "private" if private else "public"
-    what = f"sign(private_key={str(file)!r})" if private else f"verify_signature={str(file)!r}"
     try:
         with open(file, "rb") as f:  # the user's own file (a link followed): a PEM is < 64 kB
             data = f.read(1 << 16)
-        key = pem.load_pem_private_key(data, None) if private else pem.load_pem_public_key(data)
-        ok = isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey)
-        got = None if ok else f"an {type(key).__name__}"
+        got = pem.load_pem_private_key(data, None) if private else pem.load_pem_public_key(data)
+        ok = isinstance(got, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey)
+        held = None if ok else f"an {type(got).__name__}"
     except (ValueError, TypeError) as e:  # TypeError: an encrypted private key
-        got = f"no PEM {kind} key ({str(e).split('. ')[0][:120]})"
-    if got:
-        raise ConfigError(
-            f"{what}: the file holds {got}; expected the PEM file of the " + _WHICH_KEY[private]
+        kind = "private" if private else "public"
+        held = f"no PEM {kind} key ({str(e).split('. ')[0][:120]})"
+    if held:
+        arg = f"sign(private_key={str(file)!r})" if private else f"verify_signature={str(file)!r}"
+        want = (
+            "private key to sign with, unencrypted (e.g. cryptography's "
+            "ec.generate_private_key(ec.SECP256R1())). Pass such a key."
+            if private
+            else "public key whose private key signed the artifact (symjax_mlp.sign signs "
+            "with such keys only). Pass that public key."
         )
-
-
-_WHICH_KEY = {
-    False: "elliptic-curve public key whose private key signed the artifact (symjax_mlp.sign "
-    "signs with such keys only). Pass that public key.",
-    True: "elliptic-curve private key to sign with, unencrypted (e.g. cryptography's "
-    "ec.generate_private_key(ec.SECP256R1())). Pass such a key.",
-}
+        raise ConfigError(
+            f"{arg}: the file holds {held}; expected the PEM file of the elliptic-curve {want}"
+        )
+    return path, file
 
 
 def snapshot(path: Path) -> dict[str, tuple[int, int, int, int]]:
@@ -139,8 +136,7 @@ def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> P
       ConfigError: ``model-signing`` is missing, or ``private_key`` is not a key file.
     """
     config = _config("signing")
-    path, key = _checked(path, private_key, "sign(private_key=...)", "sign")
-    _elliptic(key, private=True)
+    path, key = _checked(path, private_key, private=True)
     snapshot(path)
     with tempfile.TemporaryDirectory() as scratch:  # a signature there before stays till done
         try:
@@ -171,8 +167,7 @@ def check(path: str | os.PathLike[str], public_key: str | os.PathLike[str]) -> C
     """:func:`verify_signature`; returns ``unchanged()``, which raises if any file of ``path``
     changed since (a loader calls it after reading the files)."""
     config = _config("verifying")
-    path, key = _checked(path, public_key, "verify_signature=", "verify")
-    _elliptic(key)
+    path, key = _checked(path, public_key, private=False)
     before = snapshot(path)
     sig = path / SIGNATURE
     if SIGNATURE not in before:

@@ -106,12 +106,11 @@ def attr(op: Any, name: str) -> Any:
 
 
 def _scalar_int(value: Any) -> int | None:
-    """The value of a scalar integer ``stablehlo.constant``, else None."""
+    """The value of a scalar int32/int64 ``stablehlo.constant``, else None."""
     from jax.extend.mlir import ir
 
-    if not isinstance(value, ir.OpResult) or value.owner.operation.name != "stablehlo.constant":
-        return None
-    dense = attr(value.owner.operation, "value")
+    const = _made_by(value, "stablehlo.constant")
+    dense = attr(const, "value") if const is not None else None
     if not isinstance(dense, ir.DenseIntElementsAttr) or not dense.is_splat:
         return None
     if not scalar_type(dense.type, {32, 64}) or dense.type.element_type.is_unsigned:
@@ -127,12 +126,20 @@ def scalar_type(t: Any, widths: set[int]) -> bool:
     return isinstance(et, ir.IntegerType) and et.width in widths
 
 
-def _block_arg(value: Any, block: Any) -> int | None:
+def _made_by(value: Any, name: str, block: Any = None) -> Any:
+    """The op named ``name`` (in ``block``, if given) whose result ``value`` is, else None."""
     from jax.extend.mlir import ir
 
-    if isinstance(value, ir.BlockArgument) and value.owner == block:
-        return value.arg_number
-    return None
+    op = value.owner.operation if isinstance(value, ir.OpResult) else None
+    ok = op is not None and op.name == name and (block is None or op.block == block)
+    return op if ok else None
+
+
+def _arg_number(value: Any, block: Any) -> int | None:
+    from jax.extend.mlir import ir
+
+    ok = isinstance(value, ir.BlockArgument) and value.owner == block
+    return value.arg_number if ok else None
 
 
 def trip_count(op: Any) -> int | None:
@@ -142,42 +149,26 @@ def trip_count(op: Any) -> int | None:
     that starts at a constant and that the body increments by a constant ``step >= 1``, with
     ``limit`` a constant and ``limit + step`` within int32 (no wrap-around).
     """
+    from jax.extend.mlir.dialects import stablehlo as hlo
+
     try:
         cond, body = op.regions[0].blocks[0], op.regions[1].blocks[0]
-        pred = list(cond.operations)[-1].operands
-        if len(pred) != 1:
+        (pred,) = list(cond.operations)[-1].operands
+        cmp = _made_by(pred, "stablehlo.compare", cond)
+        kind = attr(cmp, "compare_type") if cmp is not None else None
+        if (
+            cmp is None
+            or hlo.ComparisonDirectionAttr(cmp.attributes["comparison_direction"]).value != "LT"
+            or (kind is not None and hlo.ComparisonTypeAttr(kind).value != "SIGNED")
+        ):
             return None
-        from jax.extend.mlir import ir
-        from jax.extend.mlir.dialects import stablehlo as hlo
-
-        if not isinstance(pred[0], ir.OpResult):
+        k, limit = _arg_number(cmp.operands[0], cond), _scalar_int(cmp.operands[1])
+        if k is None or limit is None or (start := _scalar_int(op.operands[k])) is None:
             return None
-        cmp = pred[0].owner.operation
-        if cmp.name != "stablehlo.compare" or cmp.block != cond:
-            return None
-        if hlo.ComparisonDirectionAttr(cmp.attributes["comparison_direction"]).value != "LT":
-            return None
-        kind = attr(cmp, "compare_type")
-        if kind is not None and hlo.ComparisonTypeAttr(kind).value != "SIGNED":
-            return None
-        k = _block_arg(cmp.operands[0], cond)
-        limit = _scalar_int(cmp.operands[1])
-        if k is None or limit is None:
-            return None
-        start = _scalar_int(op.operands[k])
-        returned = list(body.operations)[-1].operands
-        if start is None or k >= len(returned) or not isinstance(returned[k], ir.OpResult):
-            return None
-        add = returned[k].owner.operation
-        if add.name != "stablehlo.add" or add.block != body:
-            return None
-        a, b = add.operands[0], add.operands[1]
-        if _block_arg(a, body) == k:
-            step = _scalar_int(b)
-        elif _block_arg(b, body) == k:
-            step = _scalar_int(a)
-        else:
-            return None
+        add = _made_by(list(body.operations)[-1].operands[k], "stablehlo.add", body)
+        a, b = add.operands if add is not None else (None, None)
+        step = _scalar_int(b) if _arg_number(a, body) == k else None
+        step = _scalar_int(a) if step is None and _arg_number(b, body) == k else step
         if step is None or step < 1 or limit + step > _INT_MAX:
             return None
         return max(0, -(-(limit - start) // step))

@@ -36,13 +36,12 @@ class _Walk:
         self.counts: collections.Counter[str] = collections.Counter()
         self.custom: collections.Counter[str] = collections.Counter()
         self.problems: dict[tuple[str, str], ops.Problem] = {}
-        self.funcs: dict[str, dict[str, Any]] = {}  # name -> work, ops, bytes, calls
-        self.n_modules = 0
+        self.funcs: dict[str, dict[str, Any]] = {}  # name -> work, ops, bytes, depth, calls
 
     def report(self) -> ops.ModuleReport:
         self._op(self.module.operation, None, 1)
-        if self.n_modules != 1:
-            self._problem("module", f"{self.n_modules} nested modules")
+        if (n := self.counts["builtin.module"]) != 1:
+            self._problem("module", f"{n} nested modules")
         work, bytes_made, n_ops = self._inline()
         if work > ops.MAX_WORK:
             self._problem(
@@ -66,9 +65,7 @@ class _Walk:
             depth: int = 0) -> None:  # fmt: skip
         name = op.name
         self.counts[name] += 1
-        if name == "builtin.module":
-            self.n_modules += 1
-        elif name == "func.func":
+        if name == "func.func":
             fname = _str_attr(op, "sym_name") or f"#{len(self.funcs)}"
             func = self.funcs.setdefault(fname, {**_EMPTY, "calls": []})
             if not op.regions or not len(op.regions[0].blocks):
