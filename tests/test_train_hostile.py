@@ -41,7 +41,9 @@ def _unusable(tmp_path):
     file.write_text("not a directory")
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # 'which does not exist' was not true
     return {
+        "a symlink loop": (tmp_path / "loop", "symlink to .*loop, which loops back"),
         "a regular file": (file, "is a file, not a directory"),
         "a dangling symlink": (dangling, "which does not exist"),
         "a path below a file": (file / "sub", "is below"),

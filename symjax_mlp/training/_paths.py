@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,12 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
     probe = path
     while not probe.exists():
         if probe.is_symlink():
-            to = f"{probe} is a symlink to {os.readlink(probe)}, which does not exist"
+            try:
+                os.stat(probe)  # raises, as exists() said
+                end = "does not exist"
+            except OSError as e:  # dangling, or a chain that returns to itself
+                end = "loops back" if e.errno == errno.ELOOP else "does not exist"
+            to = f"{probe} is a symlink to {os.readlink(probe)}, which {end}"
             raise refuse(f"{directory} cannot be made: {to}")
         if probe.parent == probe:  # nothing exists up to the root: mkdir will say
             return
