@@ -22,8 +22,7 @@ ACTIVATIONS: tuple[str, ...] = (
 
 
 def activation(name: str | None) -> Callable[[jax.Array], jax.Array]:
-    """The :mod:`jax.nn` activation called ``name`` (``None``: the identity); a ``ConfigError``
-    (a ``ValueError``) unless ``name`` is one of :data:`ACTIVATIONS`."""
+    """The :mod:`jax.nn` activation called ``name`` (``None``: the identity)."""
     if name is None:
         return lambda x: x
     if not isinstance(name, str) or name not in ACTIVATIONS:
@@ -59,7 +58,7 @@ class Dense(nn.Dense):
 
 
 def _check_layers(cls: str, field: str, items: Any) -> None:
-    """Refuses what is no sequence of layers now, not as a TypeError deep in ``init``."""
+    """Refuses what is no sequence of layers when built, not deep in ``init``."""
     if not items:
         raise ConfigError(f"{cls} needs at least one {field[:-1]}; got an empty sequence.")
     if isinstance(items, str | bytes) or not isinstance(items, Sequence):
@@ -127,8 +126,7 @@ def mlp(
     sizes: Sequence[int], *, activation: str | None = "relu", dtype: jnp.dtype | None = None
 ) -> HybridSequential:
     """Builds a multilayer perceptron: ``Dense`` layers of ``sizes``, ``activation`` between
-    (none after the last). ``mlp((256, 128, 2))`` is the chapter's network (512 → 256 → 128 →
-    2 with ReLU; the input width comes from the data at ``init``).
+    (none after the last); the input width comes from the data at ``init``.
 
     Args:
       sizes: output width of each layer, at least one positive int.
@@ -144,16 +142,13 @@ def mlp(
       >>> net.apply(variables, jnp.ones((1, 512))).shape
       (1, 2)
     """
-    if not isinstance(sizes, Sequence | np.ndarray) or isinstance(sizes, str):
+    widths = isinstance(sizes, Sequence | np.ndarray) and not isinstance(sizes, str)
+    if not (widths and len(sizes) and all(map(_width, sizes))):
         raise ConfigError(
-            f"mlp(sizes={sizes!r}): pass the layers' widths as a sequence, e.g. mlp((256, 128, "
-            "2)) (one layer: mlp((2,)))."
+            f"mlp(sizes={sizes!r}): pass the layers' widths as a sequence of positive ints, e.g. "
+            "mlp((256, 128, 2)) (one layer: mlp((2,)))."
         )
-    sizes = tuple(int(s) if _width(s) else s for s in sizes)
-    if not sizes or not all(map(_width, sizes)):
-        raise ConfigError(
-            f"mlp sizes must be a non-empty sequence of positive ints; got {sizes!r}."
-        )
+    sizes = tuple(map(int, sizes))
     last = len(sizes) - 1
     return HybridSequential(
         tuple(

@@ -1,8 +1,5 @@
-"""A call's arguments, split: static Python settings (the jit cache key) and traced arrays.
-
-As equinox's ``filter_jit`` sees a call: arrays (and tuples/dicts of them) are traced; Python
-settings and the ``static_argnums``/``static_argnames`` are static.
-"""
+"""A call's arguments, split as equinox's ``filter_jit`` splits them: arrays (in tuples/dicts)
+traced; Python settings and the ``static_argnums``/``static_argnames`` static (the jit key)."""
 
 from __future__ import annotations
 
@@ -94,7 +91,6 @@ def partition(
         elif not is_static(value):
             if isinstance(value, list) and not (lists and _holds_arrays(value)):
                 raise _list_error(caller, path_of(key), value)
-            _refuse_equinox(caller, key, value)
             if type(value) not in _ARRAYS:
                 _refuse_objects(caller, key, value, own)
             if isinstance(key, int):
@@ -106,12 +102,12 @@ def partition(
     return tuple(static), tuple(dyn_args), dyn_kwargs
 
 
-_NOT_AN_INPUT = (
+NOT_AN_INPUT = (
     "{caller}: {path} is {what}, which a compiled call can neither trace (it is not an array) "
     "nor key on (it is not a Python setting: None, bool, int, float, complex, str or a tuple "
     "of them). {fix}"
 )
-_NOT_AN_INPUT_FIX = (
+NOT_AN_INPUT_FIX = (
     "Pass an array (jnp.asarray(list(...)) for a generator or a set) or a Python setting, or "
     "mark a hashable one static (static_argnames=)."
 )
@@ -119,20 +115,28 @@ _OWN_FIX = "The Hybrid holds its model and params: pass only the model's inputs 
 
 
 def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> None:
-    """Refuses a leaf of an input that is no array nor number (a model, a Hybrid, a str), or
-    one of ``own`` anywhere in it, naming its path: ``args[1]['net']``."""
+    """Refuses a leaf that is no array nor number, or one of ``own``, or an equinox module
+    holding such leaves, naming its path."""
+    eqx = sys.modules.get("equinox")
 
     def is_own(v: Any) -> bool:  # None is no model: a plain function's Hybrid has none
         return v is not None and any(v is o for o in own)
 
-    for path, leaf in jax.tree_util.tree_flatten_with_path(value, is_leaf=is_own)[0]:
+    def is_leaf(v: Any) -> bool:
+        return is_own(v) or (eqx is not None and isinstance(v, eqx.Module))
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value, is_leaf=is_leaf)[0]:
+        at = path_of(key) + jax.tree_util.keystr(path)
+        if not is_own(leaf) and is_leaf(leaf):  # an equinox module: traced if all arrays
+            if all(map(eqx.is_array, jax.tree.leaves(leaf))):
+                continue
+            raise ConfigError(_EQX_INPUT.format(caller=caller, path=at, kind=type(leaf).__name__))
         if is_own(leaf) or not _traceable(leaf):
-            what, fix = f"of type {type(leaf).__name__}", _NOT_AN_INPUT_FIX
+            what, fix = f"of type {type(leaf).__name__}", NOT_AN_INPUT_FIX
             if is_own(leaf):  # own: the Hybrid, then its model
                 what = "the Hybrid itself" if leaf is own[0] else f"the model, {what}"
                 what, fix = f"{what}, given as its own input", _OWN_FIX
-            at = path_of(key) + jax.tree_util.keystr(path)
-            raise ConfigError(_NOT_AN_INPUT.format(caller=caller, path=at, what=what, fix=fix))
+            raise ConfigError(NOT_AN_INPUT.format(caller=caller, path=at, what=what, fix=fix))
 
 
 def _traceable(leaf: Any) -> bool:
@@ -150,14 +154,6 @@ _EQX_INPUT = (
 )
 
 
-def _refuse_equinox(caller: str, key: Any, value: Any) -> None:
-    """Refuses an equinox module among a call's inputs whose leaves are not all arrays."""
-    for m in _equinox_modules(value):
-        if not all(map(sys.modules["equinox"].is_array, jax.tree.leaves(m))):
-            kind = type(m).__name__
-            raise ConfigError(_EQX_INPUT.format(caller=caller, path=path_of(key), kind=kind))
-
-
 def split_equinox(
     args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any], Callable[[tuple, dict], tuple[tuple, dict]]]:
@@ -165,7 +161,7 @@ def split_equinox(
     ``eqx.filter_make_jaxpr`` splits it, its arrays kept; ``join`` combines them back."""
     eqx = sys.modules.get("equinox")
     pairs = (*enumerate(args), *kwargs.items())
-    held = {k: eqx.partition(v, eqx.is_array) for k, v in pairs if holds_equinox(v)}
+    held = {k: eqx.partition(v, eqx.is_array) for k, v in pairs if equinox_modules(v)}
     if not held:
         return tuple(args), dict(kwargs), lambda a, k: (a, k)
     args = tuple(held[i][0] if i in held else a for i, a in enumerate(args))
@@ -178,18 +174,13 @@ def split_equinox(
     return args, kwargs, join
 
 
-def _equinox_modules(value: Any) -> list[Any]:
+def equinox_modules(value: Any) -> list[Any]:
     """The equinox modules in ``value`` (never importing equinox)."""
     eqx = sys.modules.get("equinox")
     if eqx is None or hasattr(value, "dtype"):
         return []
     leaves = jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module))
     return [m for m in leaves if isinstance(m, eqx.Module)]
-
-
-def holds_equinox(value: Any) -> bool:
-    """Whether ``value`` holds an equinox module."""
-    return bool(_equinox_modules(value))
 
 
 def _kind(v: Any) -> Any:
@@ -220,8 +211,6 @@ _CYCLE = (
     "{caller}: {path} is the {kind} that holds it (a cycle), so the input is no tree of "
     "arrays and has no end to walk. Pass a tree of arrays (tuples/dicts, each holding new ones)."
 )
-
-
 _UNSORTED = (
     "{caller}: {path} is a dict whose keys ({keys}) cannot be sorted, which JAX does to "
     "flatten it. Give its keys one type: all str, or all int."
@@ -229,8 +218,8 @@ _UNSORTED = (
 
 
 def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Refuses a NumPy masked array among the arguments (in tuples, lists, dicts too), and a
-    container holding itself."""
+    """Refuses a NumPy masked array anywhere in the arguments, a container holding itself, and
+    a dict whose keys cannot be sorted."""
     todo = [(f"args[{i}]", a, ()) for i, a in enumerate(args)]
     todo += [(f"kwargs[{k!r}]", v, ()) for k, v in kwargs.items()]
     while todo:
@@ -306,8 +295,7 @@ def path_of(key: Any) -> str:
 
 
 def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> None:
-    """Each ``setting=(value, type, example)`` of that type (``None`` passes for a str);
-    ``max_traces`` a positive int or ``None``."""
+    """Each ``setting=(value, type, example)`` of its type (or ``None`` for a str)."""
     if max_traces is not None and (
         not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
     ):

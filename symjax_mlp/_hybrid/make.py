@@ -11,7 +11,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp._hybrid.args import holds_equinox
+from symjax_mlp._hybrid.args import equinox_modules
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.pure import linen, nnx_module
 
@@ -123,7 +123,7 @@ def hybridize(
             "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
             "For a function without params write hybridize(lambda _, x: f(x), {})."
         )
-    elif holds_equinox(params):
+    elif equinox_modules(params):
         model, params = _equinox(model, params)
     return Hybrid(model, params, state=state, name=name, **settings)
 

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError, SymjaxError
-from symjax_mlp._hybrid.args import path_of, rebuild
+from symjax_mlp._hybrid.args import NOT_AN_INPUT, NOT_AN_INPUT_FIX, path_of, rebuild
 from symjax_mlp._specs import TensorSpec
 
 TRACER_ERRORS = (
@@ -51,13 +51,6 @@ _UNTRACEABLE = re.compile(
     r"_hybrid at 0x[0-9a-f]+> as an abstract array\. "
     r"The problematic value is of type <class '([^']+)'>"
 )
-_UNTRACEABLE_INPUT = (
-    "{name}: an input (or a leaf of a tuple/dict input) is of type {kind}, which a compiled "
-    "call can neither trace (it is not an array) nor key on (it is not a Python setting: None, "
-    "bool, int, float, complex, str or a tuple of them). Pass an array (jnp.asarray(list(...)) "
-    "for a generator or a set) or a Python setting, or mark a hashable one static "
-    "(static_argnames=)."
-)
 
 
 @contextlib.contextmanager
@@ -70,7 +63,11 @@ def symbolic(name: str) -> Iterator[None]:
         raise control_flow_error(name, e) from e
     except (IndexError, TypeError) as e:
         if not isinstance(e, SymjaxError) and (kind := _UNTRACEABLE.search(str(e))):
-            raise ConfigError(_UNTRACEABLE_INPUT.format(name=name, kind=kind[1])) from None
+            at, what = "an input (or a leaf of a tuple/dict input)", f"of type {kind[1]}"
+            fix = NOT_AN_INPUT_FIX
+            raise ConfigError(
+                NOT_AN_INPUT.format(caller=name, path=at, what=what, fix=fix)
+            ) from None
         if isinstance(e, SymjaxError) or not any(t in str(e) for t in ("Tracer(", "Traced<")):
             raise
         raise control_flow_error(name, e) from e
