@@ -1,11 +1,9 @@
 """A batcher's executor lane: the queue, the thread that runs batches, and how results go out.
 
-:class:`Lane` is the state a :class:`~symjax_mlp.serving.Batcher` shares with its thread (which
-holds no Batcher, so dropping the Batcher ends the thread): the bounded queue, the lane's token
-(whoever holds it runs the model), the thread's loop and the counters. A lane that does not
-merge (a model whose rows mix) takes one request per model call, at its own rows, unpadded.
-Like a ``ThreadPoolExecutor``'s workers, the thread outlives what it runs: whatever the model
-raises, ``BaseException`` included, goes to the batch's requests, and the loop goes on.
+:class:`Lane` is the state a Batcher shares with its thread (which holds no Batcher, so dropping
+the Batcher ends the thread). Whoever holds the lane's token runs the model. As a
+``ThreadPoolExecutor``'s workers, the thread outlives what it runs: whatever the model raises,
+``BaseException`` included, goes to the batch's requests, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import bisect
 import collections
 import concurrent.futures
 import contextlib
-import itertools
+import functools
 import logging
 import threading
 import time
@@ -28,7 +26,7 @@ from symjax_mlp import _compat as compat
 from symjax_mlp._compat import after_finish, finish_futures, start_future
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._requests import AsyncRequest, RequestFuture
-from symjax_mlp.serving._stats import LATENCY_BUCKETS, BatcherStats, Counters
+from symjax_mlp.serving._stats import BatcherStats, Counters
 
 _CANCELLED = "the batcher was closed with cancel=True"
 _DROPPED = concurrent.futures.CancelledError(_CANCELLED)  # what close(cancel=True) hands out
@@ -99,8 +97,8 @@ class Lane:
         self.n = Counters(self.buckets)
         if not merges:
             self.n.by_bucket = collections.Counter()  # the sizes run, as they come
-        self.to_host: Callable[[Any], Any] = tree_to_host
-        self.split: Callable[[Any, int, int], Any] = tree_rows
+        self.to_host: Callable[[Any], Any] = functools.partial(jax.tree.map, np.asarray)
+        self.split = lambda out, a, b: jax.tree.map(lambda y: y[a:b].copy(), out)
         self.single = False  # one array out: the split is a list of row copies
         self.thread: int | None = None  # the batcher's thread (its ident)
         self.holder: int | None = None  # the thread running a lone request (its ident)
@@ -130,11 +128,11 @@ class Lane:
                     continue
                 try:
                     while self.queue:  # the lane stays ours while there is work
-                        batch, starts, rows = self.take()
+                        batch, rows = self.take()
                         if batch:
                             lock.release()
                             try:
-                                self.run(batch, starts, rows)
+                                self.run(batch, rows)
                             finally:
                                 lock.acquire()
                         if len(self.n.pending) > _FOLD_EVERY:
@@ -162,7 +160,7 @@ class Lane:
         for bucket in self.buckets if self.merges else self.buckets[:1]:
             out = self.call(*[np.zeros((bucket, *s), d) for s, d in rows])
             single = isinstance(out, jax.Array | np.ndarray)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree_to_host(out)):
+            for path, leaf in jax.tree_util.tree_leaves_with_path(self.to_host(out)):
                 if leaf.ndim == 0 or leaf.shape[0] != bucket:
                     raise ConfigError(
                         f"{self.name}: output out{jax.tree_util.keystr(path)} has shape "
@@ -171,41 +169,40 @@ class Lane:
                         "that returns one result per input row (reduce over rows afterwards)."
                     )
         if single:
-            self.to_host, self.split, self.single = np.asarray, array_rows, True
+            self.to_host, self.single = np.asarray, True
+            self.split = lambda out, a, b: out[a:b].copy()
 
-    def take(self) -> tuple[list[Any], list[float], int]:
+    def take(self) -> tuple[list[Any], int]:
         """Pops the next batch (FIFO, at most max_batch rows); drops cancelled futures."""
         batch: list[Any] = []
-        starts: list[float] = []
         rows, q, limit, alone = 0, self.queue, self.max_batch, not self.merges
         with self.futures:  # a future turns running here, or was cancelled while queued
             while q and rows + q[0].rows <= limit:
                 r = q.popleft()
-                kind = type(r)
-                if kind is AsyncRequest:
-                    if r.future.cancelled():  # its task was cancelled while queued
-                        self.n.cancelled += 1
-                        continue
-                elif kind is not Blocking and not start_future(r):  # cancelled while queued
+                if type(r) is AsyncRequest:
+                    gone = r.future.cancelled()
+                else:
+                    gone = type(r) is RequestFuture and not start_future(r)
+                if gone:  # cancelled while queued
                     self.n.cancelled += 1
                     continue
                 batch.append(r)
-                starts.append(r.t0)
                 rows += r.rows
                 if alone:  # never merged with another request: its rows mix
                     break
-        return batch, starts, rows
+        return batch, rows
 
-    def run(self, batch: list[Any], starts: list[float], rows: int) -> None:
+    def run(self, batch: list[Any], rows: int) -> None:
         """Runs one batch on the executor thread and hands each request its result."""
         try:
-            results, (_, t1, t2, t3, t4, _, bucket) = self.compute(batch, rows, starts)
+            results, record = self.compute(batch, rows, [r.t0 for r in batch])
         except BaseException as e:  # every request of the batch gets it; the lane carries on
             with self.lock:  # (SystemExit too, as a ThreadPoolExecutor's future would)
                 self.n.failed += len(batch)
             self.settle(batch, None, e)
             return
-        self.n.pending.append((starts, t1, t2, t3, t4, rows, bucket))  # before any result
+        self.n.pending.append(record)  # before any result
+        _, t1, t2, t3, t4, _, bucket = record
         self.settle(batch, results, None, (t1, t2 - t1, t3 - t2, t4 - t3, rows, len(batch), bucket))
 
     def compute(self, batch: Sequence[Any], rows: int, t0: Any) -> tuple[list[Any], tuple]:
@@ -309,25 +306,7 @@ class Lane:
     def stats(self) -> BatcherStats:
         """A snapshot of the counters and timings."""
         with self.lock:
-            n = self.n
-            n.fold()
-            return BatcherStats(
-                requests=n.requests + n.alone,
-                completed=n.completed,
-                failed=n.failed,
-                cancelled=n.cancelled,
-                rejected=sum(n.rejected.values()),
-                rejected_by=dict(n.rejected),
-                batches=n.batches,
-                batches_by_bucket=dict(n.by_bucket),
-                rows=n.rows,
-                padded_rows=n.padded_rows,
-                queue_depth=len(self.queue),
-                busy=not self.idle,
-                seconds=dict(n.seconds),
-                latency=tuple(zip(LATENCY_BUCKETS, itertools.accumulate(n.latency), strict=False)),
-                latency_sum=n.latency_sum,
-            )
+            return self.n.snapshot(queue_depth=len(self.queue), busy=not self.idle)
 
     def close(self, cancel: bool) -> None:
         with self.lock:
@@ -356,15 +335,3 @@ def claim(idle: list[bool]) -> bool:
         return idle.pop()
     except IndexError:
         return False
-
-
-def tree_to_host(out: Any) -> Any:
-    return jax.tree.map(np.asarray, out)
-
-
-def tree_rows(out: Any, start: int, stop: int) -> Any:
-    return jax.tree.map(lambda y: y[start:stop].copy(), out)
-
-
-def array_rows(out: np.ndarray, start: int, stop: int) -> np.ndarray:
-    return out[start:stop].copy()

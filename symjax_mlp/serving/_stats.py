@@ -1,14 +1,14 @@
 """A batcher's counters: the running tallies, and the snapshot a reader gets.
 
 Whoever runs a batch appends one tuple of timestamps to a deque (no lock); the tallies are
-folded from it, vectorized, only when the stats are read or every few thousand batches.
-:class:`BatcherStats` is the frozen snapshot, also as Prometheus text.
+folded from it, vectorized, when the stats are read or every few thousand batches.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +20,8 @@ LATENCY_BUCKETS = (
     0.5, 1.0, 2.5,
 )  # fmt: skip
 STAGES = ("queued", "padded", "compute", "split")
+_PADDED = "Zero rows added to reach a compiled batch size."
+_STAGES = "Seconds per stage of completed requests (batch stages counted per request)."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,20 +100,10 @@ class BatcherStats:
             ("batches_total", c, "Model calls.", self.batches),
             ("bucket_batches_total", c, "Model calls per compiled batch size.", buckets),
             ("rows_total", c, "Real rows computed.", self.rows),
-            (
-                "padded_rows_total",
-                c,
-                "Zero rows added to reach a compiled batch size.",
-                self.padded_rows,
-            ),
+            ("padded_rows_total", c, _PADDED, self.padded_rows),
             ("queue_depth", g, "Requests waiting now.", self.queue_depth),
             ("busy", g, "1 while a batch runs.", int(self.busy)),
-            (
-                "stage_seconds",
-                "summary",
-                "Seconds per stage of completed requests (batch stages counted per request).",
-                stages,
-            ),
+            ("stage_seconds", "summary", _STAGES, stages),
             ("request_seconds", "histogram", "Seconds from call to result.", hist),
         ]
         lines: list[str] = []
@@ -127,6 +119,8 @@ def _number(v: float) -> str:
 
 
 class Counters:
+    """A lane's running tallies (its lock held to read or fold them)."""
+
     def __init__(self, buckets: Sequence[int]) -> None:
         self.requests = self.completed = self.failed = self.cancelled = 0
         self.alone = 0  # requests run on their callers' threads (the rest: in `requests`)
@@ -168,3 +162,20 @@ class Counters:
             where = np.searchsorted(LATENCY_BUCKETS, latencies)  # as bisect_left: le=
             for i, n in enumerate(np.bincount(where, minlength=len(self.latency)).tolist()):
                 self.latency[i] += n
+
+    def snapshot(self, queue_depth: int, busy: bool) -> BatcherStats:
+        """The tallies, ``pending`` folded in, as a :class:`BatcherStats`."""
+        self.fold()
+        same = ("completed", "failed", "cancelled", "batches", "rows", "padded_rows")
+        return BatcherStats(
+            requests=self.requests + self.alone,
+            rejected=sum(self.rejected.values()),
+            rejected_by=dict(self.rejected),
+            batches_by_bucket=dict(self.by_bucket),
+            queue_depth=queue_depth,
+            busy=busy,
+            seconds=dict(self.seconds),
+            latency=tuple(zip(LATENCY_BUCKETS, itertools.accumulate(self.latency), strict=False)),
+            latency_sum=self.latency_sum,
+            **{name: getattr(self, name) for name in same},
+        )
