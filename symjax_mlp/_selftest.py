@@ -1,11 +1,5 @@
-"""Self-test vectors: a few inputs an artifact was exported with, and the outputs they gave.
-
-``export`` runs the exported program on seeded random inputs of the signature's shapes and
-stores both in ``selftest.safetensors`` (listed in the manifest, so checksummed like every
-file). ``load`` runs them before handing the model over and refuses one that no longer
-reproduces them within the platform's tolerance: a wrong answer caught at load, not in
-production.
-"""
+"""Self-test vectors: seeded inputs of an artifact's signature and the outputs they gave at
+export, in ``selftest.safetensors``; ``load`` refuses a model that no longer reproduces them."""
 
 from __future__ import annotations
 
@@ -14,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 import safetensors
 from jax.errors import JaxRuntimeError
@@ -28,11 +23,7 @@ ULPS = 4  # a narrower float's outputs: this many of its epsilons (relative and 
 
 
 def tolerance(dtype: Any) -> dict[str, float]:
-    """The self-test's tolerance for outputs of ``dtype``: ``TOLERANCE``, or for a float
-    narrower than float32 (float16, bfloat16: one rounding there is 1e-3 to 8e-3) ``ULPS``
-    of its epsilon."""
-    import ml_dtypes
-
+    """``TOLERANCE``, or for a float narrower than float32 ``ULPS`` of its epsilon."""
     try:
         eps = float(ml_dtypes.finfo(dtype).eps)
     except ValueError:  # not a float: integers and bools compare at TOLERANCE
@@ -47,28 +38,19 @@ def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
     out = []
     for spec in specs:
         shape = tuple(BATCH if isinstance(d, str) else d for d in spec.shape)
-        dtype = str(spec.dtype)
-        if dtype.startswith("key"):
+        if str(spec.dtype).startswith("key"):
             return None
-        import ml_dtypes
-
-        kind = np.dtype(dtype) if hasattr(np, dtype) else np.dtype(getattr(ml_dtypes, dtype))
-        if kind == np.bool_ or np.issubdtype(kind, np.integer) or _ml_int(kind):  # int4 too
-            out.append(rng.integers(0, 2 if kind == np.bool_ else 4, shape).astype(kind))
-        else:  # floats, bfloat16 included
+        kind = np.dtype(str(spec.dtype))  # ml_dtypes' names too
+        try:  # integers, int4 included; bool
+            ml_dtypes.iinfo(kind)
+            top = 4
+        except (ValueError, TypeError):
+            top = 2 if kind == np.bool_ else None
+        if top:
+            out.append(rng.integers(0, top, shape).astype(kind))
+        else:
             out.append(rng.standard_normal(shape).astype(np.float32).astype(kind))
     return out
-
-
-def _ml_int(kind: np.dtype) -> bool:
-    """Whether ``kind`` is one of ml_dtypes' integers (int4, uint4: ``V`` to NumPy)."""
-    import ml_dtypes
-
-    try:
-        ml_dtypes.iinfo(kind)
-    except (ValueError, TypeError):
-        return False
-    return True
 
 
 def encode(xs: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> bytes | None:
@@ -116,71 +98,61 @@ def against_source(name: str, got: Any, want: Any, xs: Sequence[Any], symbolic: 
 
 
 def run(
-    path: Path,
-    manifest: Mapping[str, Any],
-    blobs: Mapping[str, bytes],
+    path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes],
     call: Callable[[list[Any]], list[Any]],
-) -> None:
+) -> None:  # fmt: skip
     """Runs the vectors through ``call``; raises :class:`~symjax_mlp.ArtifactError` unless
-    every output matches. An entry point without vectors (an older export, or inputs no
-    vectors can be drawn for, such as rng keys) passes."""
+    every output matches. An entry point without vectors (rng key inputs) passes."""
     name = program_file(manifest, SELFTEST)
     if name is None or name not in blobs:
         return
-    vectors = decode_params(blobs[name], file=path / name)
-    sig = manifest["signature"]
-    try:
-        xs = [vectors[f"args[{i}]"] for i in range(len(sig["inputs"]))]
-        want = [vectors[f"out[{i}]"] for i in range(len(sig["outputs"]))]
-    except KeyError as e:
-        raise ArtifactError(
-            f"{path / name} lacks the vector {e}; the artifact is corrupted. Export it again."
-        ) from None
-    for i, (x, spec) in enumerate(zip(xs, sig["inputs"], strict=True)):
-        shape = tuple(BATCH if isinstance(d, str) else d for d in spec["shape"])
-        _fits(path / name, f"args[{i}]", x, spec["dtype"], shape, f"input {i}")
-    for i, (y, spec) in enumerate(zip(want, sig["outputs"], strict=True)):
-        _fits(path / name, f"out[{i}]", y, spec["dtype"], y.shape, f"output {i}")
-    try:  # waits for the results: a failure while the program runs comes here
-        # block_until_ready first: jaxlib's np.asarray of a result whose program failed
-        # (out of memory for it, on CPU) aborts the process instead of raising
+    file, sig = path / name, manifest["signature"]
+    caller = f'symjax_mlp.load("{printable(str(path))}")'
+    vectors = decode_params(blobs[name], file=file)
+    xs, want = [], []
+    for vector, what, kept in (("args", "input", xs), ("out", "output", want)):
+        for i, spec in enumerate(sig[f"{what}s"]):
+            if (a := vectors.get(f"{vector}[{i}]")) is None:
+                raise ArtifactError(
+                    f"{file} lacks the vector '{vector}[{i}]'; the artifact is corrupted. "
+                    "Export it again."
+                )
+            shape = tuple(BATCH if isinstance(d, str) else d for d in spec["shape"])
+            shape = shape if vector == "args" else a.shape  # an output's: what it computes
+            if a.shape != shape or str(a.dtype) != spec["dtype"]:
+                raise ArtifactError(
+                    f"{file}: its vector {vector}[{i}] is {a.dtype}{list(a.shape)}, but the "
+                    f"signature's {what} {i} is {spec['dtype']}{list(shape)}; the artifact is "
+                    "corrupted or was edited. Export it again."
+                )
+            kept.append(a)
+    try:  # block_until_ready first: np.asarray of a failed result aborts the process
         got = [np.asarray(y) for y in jax.block_until_ready(call(list(xs)))]
-    except (JaxRuntimeError, SymjaxError) as e:
-        # it failed as it ran (JAX dispatches asynchronously) or as it was called (jaxlib's
-        # C++ dispatch raises a ValueError for that); else the vectors do not run
+        differs = [difference(g, w) for g, w in zip(got, want, strict=True)]  # in float64
+    except (JaxRuntimeError, SymjaxError) as e:  # failed as it ran, or as it was called
         cause = e if isinstance(e, JaxRuntimeError) else e.__cause__
-        if not (isinstance(cause, JaxRuntimeError) or _exhausted(cause)):
-            raise ArtifactError(f"{path / name}: its vectors do not run: {e}") from None
+        # (XLA's out of memory as jaxlib's C++ dispatch raises it is a ValueError)
+        oom = isinstance(cause, ValueError) and str(cause).startswith("RESOURCE_EXHAUSTED")
+        if not (isinstance(cause, JaxRuntimeError) or oom):
+            raise ArtifactError(f"{file}: its vectors do not run: {e}") from None
         program = printable(str(path / program_file(manifest, JAXEXPORT)))
         where = " on its self-test vectors, at load"
-        raise run_failed(_caller(path), program, cause, xs, where) from cause
-    except MemoryError as e:  # NumPy's, reading the results
-        raise _no_memory(path, e) from e
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        try:  # in float64: twice the output's bytes
-            differs = difference(g, w)
-        except MemoryError as e:
-            raise _no_memory(path, e) from e
-        if differs is not None:
-            tol = tolerance(w.dtype)
+        raise run_failed(caller, program, cause, xs, where) from cause
+    except MemoryError as e:  # NumPy's, reading or comparing the results
+        raise ArtifactError(
+            f"{caller}: this process ran out of memory reading or comparing the outputs of its "
+            f"self-test ({e!r}). Load it where there is more memory, or with self_test=False "
+            "to inspect it anyway."
+        ) from e
+    for i, d in enumerate(differs):
+        if d is not None:
+            tol = tolerance(want[i].dtype)
             raise ArtifactError(
-                f'symjax_mlp.load("{path}"): the model no longer reproduces its self-test: '
-                f"out[{i}] {differs} (tolerance rtol {tol['rtol']:g}, atol {tol['atol']:g}). "
-                "The weights, the module or this platform's numerics changed; do not trust its "
-                "answers. Export it again, or load with self_test=False to inspect it anyway."
+                f"{caller}: the model no longer reproduces its self-test: out[{i}] {d} "
+                f"(tolerance rtol {tol['rtol']:g}, atol {tol['atol']:g}). The weights, the module "
+                "or this platform's numerics changed; do not trust its answers. Export it again, "
+                "or load with self_test=False to inspect it anyway."
             )
-
-
-def _no_memory(path: Path, error: MemoryError) -> ArtifactError:
-    return ArtifactError(
-        f"{_caller(path)}: this process ran out of memory reading or comparing the outputs of "
-        f"its self-test ({error!r}). Load it where there is more memory, or with "
-        "self_test=False to inspect it anyway."
-    )
-
-
-def _caller(path: Path) -> str:
-    return f'symjax_mlp.load("{printable(str(path))}")'
 
 
 def difference(got: np.ndarray, want: np.ndarray) -> str | None:
@@ -200,19 +172,9 @@ def difference(got: np.ndarray, want: np.ndarray) -> str | None:
             f"is {g64[at]} at index {at}, where it gave {w64[at]} at export "
             f"({int((nan_g != nan_w).sum())} value(s) NaN in one and not the other)"
         )
-    both = ~nan_w
     with np.errstate(invalid="ignore"):
-        err = np.where(both & (g64 != w64), np.abs(g64 - w64), 0.0)
+        err = np.where(nan_w | (g64 == w64), 0.0, np.abs(g64 - w64))
     return f"differs from what it gave at export by up to {float(np.max(err)):.3g}"
-
-
-def _fits(file: Path, vector: str, a: np.ndarray, dtype: str, shape: tuple, what: str) -> None:
-    if a.shape != shape or str(a.dtype) != dtype:
-        raise ArtifactError(
-            f"{file}: its vector {vector} is {a.dtype}{list(a.shape)}, but the signature's "
-            f"{what} is {dtype}{list(shape)}; the artifact is corrupted or was edited. Export "
-            "it again."
-        )
 
 
 _OUT_OF_MEMORY = (
@@ -225,12 +187,6 @@ _RUN_FAILED = (
     "agree with each other but its program does not run here; it is corrupted, was edited, "
     "or was made for another JAX. Export it again."
 )
-
-
-def _exhausted(error: BaseException | None) -> bool:
-    """Whether ``error`` is XLA's out of memory as jaxlib's C++ dispatch raises it (a
-    ``ValueError``, where the first call of a jit raises it as a ``JaxRuntimeError``)."""
-    return isinstance(error, ValueError) and str(error).startswith("RESOURCE_EXHAUSTED")
 
 
 def run_failed(
