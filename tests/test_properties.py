@@ -4,9 +4,17 @@ Hypothesis draws the model (depth 1-6, widths 1-300 with small widths most likel
 activation of ``sm.ACTIVATIONS`` or none per layer, sometimes a ``HybridConcurrent`` block of
 2-3 branches), the batch (1-64) and the dtype (float32 or bfloat16, params included). The
 examples are split over two processes, each with a fixed seed and no example database, so CI
-sees the same examples every time (48 in CI; SYMJAX_PROPERTY_EXAMPLES sets the count). The
-strategies, the model builder and the check live in
-``tests/workers/properties_worker.py``, which the other processes run.
+sees the same examples every time. The strategies, the model builder, the check and the two
+Hypothesis settings profiles live in ``tests/workers/properties_worker.py``, which the other
+processes run:
+
+- ``ci`` (the default): 16 drawn examples, plus two written ones that between them use every
+  activation of ``sm.ACTIVATIONS`` and none (16 draws would not reach them all);
+- ``long``, the release run (1000 drawn examples)::
+
+      SYMJAX_PROPERTY_PROFILE=long pytest tests/test_properties.py -n0
+
+``SYMJAX_PROPERTY_EXAMPLES=N`` sets the number drawn in either.
 
 What "agree" means, per dtype: eager runs op by op and rounds after each op; the compiled
 program may fuse ops and keep intermediates at higher precision. So eager and compiled agree
@@ -21,7 +29,7 @@ import sys
 from pathlib import Path
 
 from helpers import STRICT_WARNINGS
-from workers.properties_worker import EXAMPLES, PARTS, run
+from workers.properties_worker import EVERY_ACTIVATION, EXAMPLES, PARTS, run
 
 import symjax_mlp as sm
 
@@ -52,7 +60,7 @@ def test_eager_hybridized_and_loaded_agree(tmp_path):
             if proc.poll() is None:  # part 0 failed: stop the others
                 proc.kill()
                 proc.communicate()
-    assert seen["examples"] == EXAMPLES
+    assert seen["examples"] == EXAMPLES + len(EVERY_ACTIVATION)
     assert {f"act:{a}" for a in (*sm.ACTIVATIONS, None)} <= set(seen), seen
     least = min(seen["float32"], seen["bfloat16"], seen["concurrent"], seen["wide"])
     assert least >= EXAMPLES // 20, seen  # every kind of model is drawn, in proportion

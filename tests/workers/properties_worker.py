@@ -9,6 +9,11 @@ Hypothesis draws the model (depth 1-6, widths 1-300 with small widths most likel
 activation of ``sm.ACTIVATIONS`` or none per layer, sometimes a ``HybridConcurrent`` block of
 2-3 branches), the batch (1-64) and the dtype (float32 or bfloat16, params included). Each part
 has a fixed seed and no example database, so CI sees the same examples every time.
+
+Two Hypothesis settings profiles, chosen by ``SYMJAX_PROPERTY_PROFILE``: ``ci`` (the default:
+16 drawn examples, plus two written ones that between them use every activation and none, which
+16 draws would not all reach) and ``long`` (1000 drawn, the release run);
+``SYMJAX_PROPERTY_EXAMPLES=N`` sets the count of either.
 """
 
 import collections
@@ -20,14 +25,20 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
 import symjax_mlp as sm
 
-# CI runs 48 examples (sized so the suite stays under 10 minutes on 2 cores); a release run
-# sets SYMJAX_PROPERTY_EXAMPLES=1000.
-EXAMPLES = int(os.environ.get("SYMJAX_PROPERTY_EXAMPLES", "48"))
+# Registered, never loaded: other Hypothesis tests in the same process keep their defaults.
+# ``ci`` is sized so that the suite stays under 10 minutes on 2 cores.
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    "ci", max_examples=16, deadline=None, database=None, suppress_health_check=_QUIET
+)
+settings.register_profile("long", settings.get_profile("ci"), max_examples=1000)
+PROFILE = settings.get_profile(os.environ.get("SYMJAX_PROPERTY_PROFILE", "ci"))
+EXAMPLES = int(os.environ.get("SYMJAX_PROPERTY_EXAMPLES", PROFILE.max_examples))  # drawn ones
 PARTS = 2  # processes the examples are split over (CI has two cores)
 # (eager vs compiled, loaded vs compiled): rtol, and atol as a fraction of max(1, max|y|).
 TOL = {"float32": ((2e-5, 2e-5), (1e-6, 1e-6)), "bfloat16": ((6e-2, 6e-2), (1e-2, 1e-2))}
@@ -55,6 +66,23 @@ def specs(draw):
         "dtype": draw(st.sampled_from(["float32", "bfloat16"])),
         "seed": draw(st.integers(0, 2**16)),
     }
+
+
+def _every_activation() -> list[dict]:
+    """Two written examples (one float32, one bfloat16) that between them use every activation
+    and none, each in a depth-6 model with a ``HybridConcurrent`` block of three branches."""
+    acts = [*sm.ACTIVATIONS, None]
+    written = []
+    for i, dtype in enumerate(("float32", "bfloat16")):
+        a = acts[i * 11 : (i + 1) * 11]
+        layers = [("dense", w, act) for w, act in zip((8, 3, 130, 1, 8), a[:5], strict=True)]
+        branches = [[(3, a[5]), (8, a[6])], [(1, a[7]), (8, a[8])], [(3, a[9]), (2, a[10])]]
+        layers.insert(2, ("concurrent", branches))
+        written.append({"layers": layers, "features": 8, "batch": 5, "dtype": dtype, "seed": i})
+    return written
+
+
+EVERY_ACTIVATION = _every_activation()
 
 
 def build(spec):
@@ -100,12 +128,7 @@ def run(part: int, path: Path) -> collections.Counter:
     """Runs part ``part`` of the examples (its own fixed seed); returns what they covered."""
     seen: collections.Counter = collections.Counter()
 
-    @settings(
-        max_examples=EXAMPLES // PARTS,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @settings(PROFILE, max_examples=EXAMPLES // PARTS)
     @seed(part)  # reproducible: the same examples in every run
     @given(spec=specs())
     def check(spec):
@@ -128,6 +151,8 @@ def run(part: int, path: Path) -> collections.Counter:
                 seen[f"act:{act}"] += 1
                 seen["wide"] += width > 100
 
+    for written in EVERY_ACTIVATION[part::PARTS]:  # run first, as Hypothesis runs @example
+        check = example(spec=written)(check)
     check()
     return seen
 
