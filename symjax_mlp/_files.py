@@ -1,10 +1,6 @@
-"""Files on disk: the one atomic writer, bounded safe reads, and sha256 in chunks.
-
-Everything is written into a temporary sibling, fsynced, then renamed into place
-(``renameat2`` on Linux), so a reader sees the old version or the new one, never half of one.
-Reading never follows a symbolic link, never blocks on a FIFO, and checks a file's size before
-reading it. :func:`write_file` is the test seam the crash-safety tests replace.
-"""
+"""Files on disk: writes through a fsynced temporary sibling renamed into place (a reader sees
+the old version or the new one), reads that never follow a link or block on a FIFO and check
+a file's size first. :func:`write_file` is the seam the crash-safety tests replace."""
 
 from __future__ import annotations
 
@@ -24,20 +20,17 @@ from pathlib import Path
 from symjax_mlp._errors import SymjaxError
 
 MANIFEST = "manifest.json"
-CHUNK = 1 << 20  # read in bounded chunks
+CHUNK = 1 << 20
 
 _AT_FDCWD, _RENAME_NOREPLACE, _RENAME_EXCHANGE = -100, 1, 2
 _UNSUPPORTED = (22, 38, 95)  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot do it
 
 
 def sha256(data: bytes) -> str:
-    """The hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
 
 
-# -- reading ----------------------------------------------------------------------------------
 def _open_regular(file: Path, error: type[SymjaxError]) -> int:
-    """An fd of ``file``, a regular file; never follows a link, never blocks on a FIFO."""
     flags = os.O_RDONLY
     for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "O_BINARY"):
         flags |= getattr(os, name, 0)
@@ -62,9 +55,8 @@ def _open_regular(file: Path, error: type[SymjaxError]) -> int:
 
 
 class Reader(contextlib.AbstractContextManager):
-    """One checked pass over a regular file (its ``size`` as recorded, at most ``limit`` bytes),
-    hashed as it is read straight into buffers the caller owns: ``with Reader(file, size=n,
-    error=E) as r: r.read(8); r.readinto(buffer); r.finish(sha)`` checks the end and sha256."""
+    """One checked, hashed pass over a regular file of ``size`` bytes (at most ``limit``):
+    ``with Reader(file, size=n, error=E) as r: r.read(8); r.readinto(buf); r.finish(sha)``."""
 
     def __init__(
         self, file: Path, *, size: int | None, limit: int | None = None, error: type[SymjaxError]
@@ -91,7 +83,6 @@ class Reader(contextlib.AbstractContextManager):
         os.close(self.fd)
 
     def readinto(self, view: memoryview) -> None:
-        """Fills ``view`` (a writable byte buffer) with the next ``len(view)`` bytes."""
         view = memoryview(view).cast("B")
         got = 0
         try:
@@ -106,7 +97,6 @@ class Reader(contextlib.AbstractContextManager):
         self.done += got
 
     def read(self, n: int) -> bytearray:
-        """The next ``n`` bytes (``n`` at most what is left of the file)."""
         if n > self.size - self.done:
             raise self.error(f"{self.file} ends before byte {self.done + n:,}; it is truncated.")
         data = bytearray(n)
@@ -135,9 +125,8 @@ def read_regular(
     file: Path, *, size: int | None = None, limit: int | None = None,
     sha256: str | None = None, error: type[SymjaxError],
 ) -> bytearray:  # fmt: skip
-    """Reads one regular file (never a link, FIFO or device) into one buffer: its ``size``
-    (a manifest's record), at most ``limit`` bytes and its ``sha256`` checked, ``None``:
-    unchecked. Raises ``FileNotFoundError`` (callers say what that means), else ``error``."""
+    """A regular file's bytes, its ``size``, ``limit`` and ``sha256`` checked where given.
+    Raises ``FileNotFoundError`` (callers say what that means), else ``error``."""
     with Reader(file, size=size, limit=limit, error=error) as r:
         try:
             data = bytearray(r.size)
@@ -153,8 +142,7 @@ def read_regular(
 def hash_regular(
     file: Path, *, size: int | None = None, sha256: str | None = None, error: type[SymjaxError]
 ) -> str:
-    """The sha256 of a regular file, checked as :func:`read_regular` checks it but read
-    through one chunk of memory: for files that are checked but not used."""
+    """The sha256 of a file checked as :func:`read_regular` does, read through one chunk."""
     with Reader(file, size=size, error=error) as r:
         chunk = memoryview(bytearray(min(CHUNK, r.size)))
         while r.done < r.size:
@@ -162,9 +150,8 @@ def hash_regular(
         return r.finish(sha256)
 
 
-# -- writing ----------------------------------------------------------------------------------
 def write_file(file: Path, data: bytes) -> None:
-    """Writes and fsyncs one file (the test seam: crash-safety tests replace it)."""
+    """Writes and fsyncs one file (the crash-safety tests' seam)."""
     with open(file, "wb") as f:
         f.write(data)
         f.flush()
@@ -172,10 +159,9 @@ def write_file(file: Path, data: bytes) -> None:
 
 
 def cache_dir(*parts: str) -> Path:
-    """A per-user cache directory of symjax_mlp: ``$XDG_CACHE_HOME/symjax_mlp/...`` (default
-    ``~/.cache/symjax_mlp/...``), as JAX, pip and IREE's tools do, made 0700. As pip does, it
-    is used only if this user owns it and its symjax_mlp parents and nobody else can write
-    them; else it is a path below ``os.devnull``, where nothing is read or written."""
+    """``$XDG_CACHE_HOME/symjax_mlp/...`` (default ``~/.cache``), made 0700; as pip's, used only
+    if this user owns it and its parents there and nobody else can write them, else a path
+    below ``os.devnull`` (nothing is read or written)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     path = Path(root, "symjax_mlp")
     for part in ("", *parts):
@@ -191,9 +177,8 @@ def cache_dir(*parts: str) -> Path:
 
 
 def cache_secret() -> bytes | None:
-    """This user's key, with which cache entries are signed (``key`` in :func:`cache_dir`,
-    0600, made on first use): an entry planted without it is not trusted. ``None`` without
-    a private cache directory."""
+    """This user's key signing cache entries (``key`` in :func:`cache_dir`, 0600, made on first
+    use); ``None`` without a private cache directory."""
     key = cache_dir() / "key"
     with contextlib.suppress(OSError):
         fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -207,12 +192,10 @@ def cache_secret() -> bytes | None:
 
 
 def _mine(st: os.stat_result, others: int) -> bool:
-    """Owned by this user, none of the ``others`` mode bits set (no owners on Windows)."""
     return st.st_uid == getattr(os, "getuid", lambda: st.st_uid)() and not st.st_mode & others
 
 
 def write_file_atomic(file: Path, data: bytes) -> None:
-    """Writes ``file`` through a temporary sibling and one ``os.replace``."""
     tmp = _sibling(file)
     try:
         write_file(tmp, data)
@@ -222,10 +205,9 @@ def write_file_atomic(file: Path, data: bytes) -> None:
 
 
 def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
-    """Writes each ``(file, data)`` where a user asked for an output (a link followed, as
-    ``open`` does): regular or new files through temporary siblings, all replaced only once
-    every one is written, so a failure leaves what each held; devices and FIFOs directly, last.
-    Raises :class:`SymjaxError` naming the path and the system's reason (a full disk, no right)."""
+    """Writes each ``(file, data)`` a user asked for (links followed): files through temporary
+    siblings replaced once all are written, devices and FIFOs directly, last. Raises
+    :class:`SymjaxError` naming the path and the system's reason."""
     staged, special, file = [], [], None
     try:
         for file, data in items:
@@ -256,10 +238,9 @@ def write_dir(
     path: Path, files: Mapping[str, bytes], *, overwrite: bool,
     check: Callable[[Path, bool], None], error: type[SymjaxError], what: str = "",
 ) -> None:  # fmt: skip
-    """Writes ``files`` (name -> bytes, each fsynced, in order: the manifest last) into a new
-    directory at ``path``, replacing one only when ``overwrite``. ``check(path, overwrite)``
-    raises if ``path`` may not be written (called first and just before the rename); any
-    other failure raises ``error`` (about ``what``: "the artifact"), ``path`` unchanged."""
+    """Writes ``files`` (name -> bytes, in order: the manifest last) as the directory ``path``,
+    replacing one only when ``overwrite``; ``check(path, overwrite)`` raises if ``path`` may
+    not be written (first and before the rename); other failures raise ``error``."""
     target = f"{what} {path}" if what else str(path)
     check(path, overwrite)
     tmp = _sibling(path)
@@ -272,8 +253,6 @@ def write_dir(
             write_file(tmp / name, data)
         _fsync_dir(tmp)
         check(path, overwrite)  # it may have appeared while we were writing
-        # Replace only when asked: a path that appeared after that check (another writer's
-        # artifact) must make the no-replace rename below fail, not be swapped out.
         if overwrite and (path.exists() or path.is_symlink()):
             _replace(tmp, path)  # tmp now holds the previous directory
             shutil.rmtree(tmp, ignore_errors=True)  # unlocked: another's cleanup may race us
@@ -302,7 +281,7 @@ def _sibling(path: Path, kind: str = "tmp") -> Path:
 
 
 def _replace(tmp: Path, path: Path) -> None:
-    """Swaps ``tmp`` into ``path``; afterwards ``tmp`` holds what ``path`` held."""
+    """Swaps ``tmp`` into ``path``; then ``tmp`` holds what ``path`` held."""
     if _rename(tmp, path, _RENAME_EXCHANGE):
         return
     old = _sibling(path, "old")
@@ -341,8 +320,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _locked_dir(path: Path, tmp: Path) -> int:
-    """Creates the directory ``tmp`` holding an exclusive ``flock`` (the fd, to close when
-    done): made under another name and renamed, so a cleanup never finds it unlocked."""
+    """Makes the directory ``tmp`` under an exclusive ``flock`` (its fd, to close when done),
+    made under another name and renamed: a cleanup never finds it unlocked."""
     new = _sibling(path, "new")
     path.parent.mkdir(parents=True, exist_ok=True)
     new.mkdir()
@@ -362,10 +341,9 @@ STALE_AGE = 24 * 3600.0  # seconds: an unlockable temporary sibling this old is 
 
 
 def remove_stale(path: Path) -> None:
-    """Removes temporary siblings left by writers of ``path`` that are provably gone: its
-    pid is no live process here and no process holds the lock each writer holds while
-    writing (a pid alone says nothing across PID namespaces: two containers sharing a
-    volume), or, where the filesystem has no locks, a day old."""
+    """Removes temporary siblings of ``path`` whose writers are gone: no live process has their
+    pid and none holds their lock (a pid alone says nothing across PID namespaces), or,
+    without locks, a day old."""
     stem = _sibling(path).name[1:].rsplit(".tmp-", 1)[0]
     pattern = re.compile(rf"^\.{re.escape(stem)}\.(tmp|old|new)-(\d+)-[0-9a-f]+$")
     for sibling in path.parent.iterdir():
