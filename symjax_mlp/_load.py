@@ -1,8 +1,7 @@
 """Stage 5 of the flow: an artifact directory to a callable model, no model source needed.
 
-Every check runs before the bytes it guards reach a parser or a compiler (:func:`load` lists
-them); :class:`Guard` bounds the module refined for each new input signature before it
-compiles. Nothing here uses pickle or eval.
+Every check runs before the bytes it guards reach a parser or a compiler; :class:`Guard`
+bounds the module refined for each new input signature before it compiles. No pickle, no eval.
 """
 
 from __future__ import annotations
@@ -52,42 +51,36 @@ def load(
 ) -> LoadedModel:
     """Loads an artifact written by :func:`export`; no model source code is needed.
 
-    Checks, in order: every file's signature (``verify_signature``); the manifest, every
-    sha256, the format version, platform, device count and the params against the param
-    tree; then the program's ops (read in a child process) against an allow-list. Only then
-    does a runtime compile it. An artifact from a stranger is a program: see RELIABILITY.md.
+    Checks, in order: the signature (``verify_signature``); the manifest, every sha256, the
+    format, platform, device count and params; the program's ops against an allow-list. Only
+    then does a runtime compile it. A stranger's artifact is a program: see RELIABILITY.md.
 
     Args:
       path: the artifact directory.
-      params: other weights for the same param tree: a ``.safetensors`` file (for example
+      params: other weights for the same param tree: a ``.safetensors`` file (such as
         another export's ``params.safetensors``) or a params pytree; default: the artifact's.
       runtime: ``"jax"`` (XLA via ``jax.export``) or ``"iree"`` (IREE's llvm-cpu, needs the
         ``symjax_mlp[iree]`` extra).
-      self_test: refuse a model that no longer reproduces its self-test vectors (inputs and
-        the outputs they gave at export).
-      mesh: for an artifact exported from a sharded Hybrid: a mesh of exactly its
-        ``nr_devices`` devices to run on (default: the caller's mesh of that size, else the
-        first ``nr_devices`` devices).
-      trust: ``True`` skips the checks of the program's ops below: for an artifact you
-        trust as you trust code you run (an artifact is a program; see RELIABILITY.md).
+      self_test: refuse a model that no longer reproduces its self-test vectors.
+      mesh: for an artifact of a sharded Hybrid, a mesh of exactly its ``nr_devices``
+        (default: the caller's mesh of that size, else the first ``nr_devices`` devices).
+      trust: ``True`` skips the checks of the program's ops: for an artifact you trust as
+        code you run.
       allow: what the program may do beyond an MLP's ops, by name, e.g.
-        ``{"custom_call:lapack_spotrf_ffi"}`` (``jnp.linalg``), ``{"while"}`` (a loop whose
-        trip count is not a small constant), ``{"compute"}`` (more work than a model's);
-        a refusal names what to allow.
-      verify_signature: the PEM file of a public key: refuse the artifact unless every file
-        in its directory is what that key's owner signed with :func:`~symjax_mlp.sign`
-        (checked before any file is parsed; needs ``symjax_mlp[sign]``). A signed artifact
-        loads with the op groups its manifest declares it needs (``"convolution"``,
-        ``"while"``, ...: what its export found), and only those; all else is checked.
-      params_as_constants: compile the weights into each program as constants instead of
-        passing them to every call (JAX runtime, one device): for serving latency.
+        ``{"custom_call:lapack_spotrf_ffi"}``, ``{"while"}``, ``{"compute"}``; a refusal
+        names what to allow.
+      verify_signature: a public key's PEM file: refuse the artifact unless every file is what
+        its owner signed with :func:`~symjax_mlp.sign` (needs ``symjax_mlp[sign]``); it then
+        loads with the op groups its manifest ``needs``, and only those.
+      params_as_constants: compile the weights into each program as constants (JAX runtime,
+        one device): for serving latency.
 
     Returns:
       A callable :class:`LoadedModel` with ``.signature`` and ``.manifest``.
 
     Raises:
-      ArtifactError: anything wrong with the artifact, naming the file and what to do: also
-        at a call, if its program fails there.
+      ArtifactError: anything wrong with the artifact, naming the file and what to do (also
+        at a call, if its program fails there).
       ConfigError: an unknown ``runtime``, or ``trust``, ``self_test`` or
         ``params_as_constants`` not True or False.
 
@@ -132,7 +125,7 @@ def load(
     importlib.import_module(f"symjax_mlp._runtimes.{runtime}").check_supported(path, manifest)
     mesh = _check_mesh(path, manifest, mesh)
     if params is None:
-        found, source = blobs[PARAMS], path / PARAMS  # read and checked by read_artifact
+        found, source = blobs[PARAMS], path / PARAMS
     elif isinstance(params, (str, os.PathLike)):
         source = Path(params)
         try:
@@ -142,12 +135,11 @@ def load(
     else:
         specs, arrays = param_specs(params)
         found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="
-    expected = [TensorSpec.from_json(p) for p in manifest["params"]]
-    ordered = check_params(found, expected, file=source)
-    self_test = self_test and params is None  # other weights give other outputs, by design
+    ordered = check_params(found, [TensorSpec.from_json(p) for p in manifest["params"]],
+                           file=source)  # fmt: skip
+    self_test = self_test and params is None  # other weights give other outputs
     needs, signed = manifest.get("needs"), unchanged is not None  # the signer's word, if signed
-    if signed:
-        allowed |= frozenset(needs or ())
+    allowed |= frozenset(needs or ()) if signed else frozenset()
     opener = _Opener(path, manifest, runtime, blobs, mesh=mesh, trust=trust, allowed=allowed,
                      self_test=self_test, constants=params_as_constants, needs=needs,
                      signed=signed)  # fmt: skip
@@ -202,13 +194,13 @@ class _Opener:
         )  # fmt: skip
         if not self.weights:
             self.weights = weights  # on device for JAX: every entry point runs on these
-            blobs.pop(PARAMS, None)  # the host copies are no longer needed
+            blobs.pop(PARAMS, None)
         if options["mesh"] is not None:
             run = _under(options["mesh"], run)
         model = LoadedModel(path, freeze(view), self.runtime, weights, run, self)
         model.params_as_constants = options["constants"]
         if options["self_test"]:
-            selftest.run(path, view, blobs, model._outputs)  # list -> list
+            selftest.run(path, view, blobs, model._outputs)
         return model
 
 
@@ -223,10 +215,9 @@ _TOO_MUCH = (
 @dataclasses.dataclass(frozen=True)
 class Guard:
     """Bounds a call's refined module (the program, or its VJP of ``order``) before it
-    compiles: ``MAX_WORK`` element operations and ``MAX_BYTES`` of tensors made, plus its
-    static ``sizes`` (work, bytes; then each VJP's) per input element. ``refine()`` gives the
-    refined StableHLO and its context; a verdict is remembered per user by sha256 and shapes.
-    """
+    compiles: ``MAX_WORK`` element operations and ``MAX_BYTES`` bytes made, plus its static
+    ``sizes`` (work, bytes; then each VJP's) per input element. ``refine()`` gives the module
+    and its context; a verdict is remembered by sha256 and shapes."""
 
     file: Path
     digest: str
@@ -259,9 +250,9 @@ class Guard:
 
 
 def _check_mesh(path: Path, manifest: Any, mesh: Mesh | None) -> Mesh | None:
-    need = int(manifest["nr_devices"])
     if mesh is None:
         return None
+    need = int(manifest["nr_devices"])
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"load(mesh=...) expects a jax.sharding.Mesh; got {type(mesh).__name__}.")
     if mesh.size != need:
@@ -279,7 +270,7 @@ def _check_x64(path: Path, manifest: Any) -> None:
     if jax.config.jax_enable_x64:
         return
     specs = [*manifest["params"]]
-    for view in (manifest, *manifest.get("entries", {}).values()):  # all checked by the schema
+    for view in (manifest, *manifest.get("entries", {}).values()):
         specs += [*view["signature"]["inputs"], *view["signature"]["outputs"]]
     wide = sorted({s["dtype"] for s in specs} & {"float64", "int64", "uint64", "complex128"})
     if wide:
@@ -304,11 +295,10 @@ def _warn_if_expiring(path: Path, manifest: Any) -> None:
     import datetime
     import warnings
 
-    until = manifest.get("compatible_until")
     try:
-        end = datetime.date.fromisoformat(str(until))
+        end = datetime.date.fromisoformat(str(manifest.get("compatible_until")))
     except ValueError:
-        return  # no window recorded
+        return
     left = (end - datetime.date.today()).days
     if left <= 30:
         warnings.warn(
