@@ -182,18 +182,13 @@ class Checker:
                     self.close()
             else:
                 raise ArtifactError(f"{file}: the module checker does not start.")
-            line = self._answer(proc, file)
-        answer = json.loads(line)
-        if "error" in answer:
-            raise ArtifactError(f"{file}: {answer['error']}")
-        return _from_json(answer["report"])
-
-    def _answer(self, proc: Any, file: Path) -> bytes:
-        ready, _, _ = select.select([proc.stdout], [], [], self.TIMEOUT)
-        line = proc.stdout.readline() if ready else None
-        if line:
-            return line
-        self.close()
+            ready, _, _ = select.select([proc.stdout], [], [], self.TIMEOUT)
+            if line := (proc.stdout.readline() if ready else None):
+                answer = json.loads(line)
+                if "error" in answer:
+                    raise ArtifactError(f"{file}: {answer['error']}")
+                return _from_json(answer["report"])
+            self.close()
         if line is None:
             raise ArtifactError(
                 f"{file}: reading the StableHLO module took more than {self.TIMEOUT:g} s; "

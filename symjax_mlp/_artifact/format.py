@@ -24,6 +24,7 @@ PARAMS = "params.safetensors"
 SELFTEST = "selftest.safetensors"
 CORE_FILES = (JAXEXPORT, MLIRBC, MLIR, PARAMS)
 PROGRAM_FILES = (JAXEXPORT, MLIRBC, MLIR)  # what each entry point has of its own
+_ENTRY_ROLES = (*PROGRAM_FILES, SELFTEST)  # the same, and its self-test if it has one
 MAX_ENTRIES = 64
 RESERVED_ENTRY_NAMES = frozenset({"model", "params", "selftest", "manifest"})
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few kB; refuse to read gigabytes of one
@@ -169,8 +170,7 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
              and set(v) <= {p["path"] for p in m["params"]},  # checked above: a list of dicts
              "a list of distinct param paths, each in params"),
             (f"entries.{name}.program_files", entry.get("program_files", M),
-             lambda v: isinstance(v, dict) and set(PROGRAM_FILES) <= set(v)
-             and set(v) <= {*PROGRAM_FILES, SELFTEST}
+             lambda v: isinstance(v, dict) and set(PROGRAM_FILES) <= set(v) <= set(_ENTRY_ROLES)
              and all(_is_str(f) and f in m["files"] for f in v.values())
              and len(set(v.values())) == len(v),
              f"an object naming the entry's own {', '.join(PROGRAM_FILES)} (and "
@@ -360,9 +360,6 @@ def program_file(view: Mapping[str, Any], role: str) -> str | None:
     if files is None or role not in _ENTRY_ROLES:
         return role
     return files.get(role)
-
-
-_ENTRY_ROLES = (*PROGRAM_FILES, SELFTEST)  # the files each entry point has of its own
 
 
 def entry_files(name: str) -> dict[str, str]:

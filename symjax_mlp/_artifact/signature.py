@@ -128,7 +128,8 @@ class Signature:
     def _expects(self, spec: TensorSpec) -> str:
         names = sorted({d for d in spec.shape if isinstance(d, str)})
         where = f" with {', '.join(names)} >= 1" if names else ""
-        return _shape_text(spec.shape) + where
+        inner = ", ".join(map(str, spec.shape))
+        return (f"({inner},)" if len(spec.shape) == 1 else f"({inner})") + where
 
 
 _OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "<": operator.lt, ">": operator.gt}
@@ -203,8 +204,3 @@ def _weak(a: np.ndarray, spec: TensorSpec) -> np.ndarray:
         b = a.astype(want)
     fits = np.array_equal(np.isfinite(b), np.isfinite(a)) if kind in "fc" else np.array_equal(b, a)
     return b if fits else a  # 1e40 in float32, 300 in int8: refused as NumPy made them
-
-
-def _shape_text(shape: Sequence[int | str]) -> str:
-    inner = ", ".join(map(str, shape))
-    return f"({inner},)" if len(shape) == 1 else f"({inner})"

@@ -49,20 +49,19 @@ def param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
     specs, arrays = [], []
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         parts = [_key_name(k) for k in keys]
-        bad = [p for p in parts if "/" in p or not p]
-        if bad:
+        if bad := [p for p in parts if "/" in p or not p]:
             raise ArtifactError(
                 f"param key {bad[0]!r} is empty or contains '/', which joins param paths in "
                 "params.safetensors. Rename it."
             )
+        path = "/".join(parts) or "params"  # a single array as the params: one tensor
         arr = np.asarray(leaf)
         arr = arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
         if arr.dtype not in _NP_TO_ST:
             raise ArtifactError(
-                f"param {'/'.join(parts) or 'params'} has dtype {arr.dtype}, which "
-                "safetensors cannot store. Cast it (to float32, int32, ...) before exporting."
+                f"param {path} has dtype {arr.dtype}, which safetensors cannot store. Cast it "
+                "(to float32, int32, ...) before exporting."
             )
-        path = "/".join(parts) or "params"  # a single array as the params: one tensor
         specs.append(TensorSpec(path, tuple(arr.shape), str(arr.dtype)))
         arrays.append(arr)
     return specs, arrays
