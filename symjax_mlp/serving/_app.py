@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import importlib
 import os
 import re
 from typing import Any
@@ -47,14 +48,16 @@ ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
 _STOPPED = "the server stopped before the request was answered; retry it."
 
 
-def require() -> None:
+def require(what: str = "the symjax_mlp server", extra: str = "serve", *modules: str) -> None:
+    """Imports ``modules`` (default: starlette and uvicorn), else names the extra to install."""
+    modules = modules or ("starlette", "uvicorn")
     try:
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
+        for module in modules:
+            importlib.import_module(module)
     except ImportError as e:
         raise ImportError(
-            f"the symjax_mlp server needs the optional packages starlette and uvicorn ({e}). "
-            "Install them with: pip install 'symjax_mlp[serve]'",
+            f"{what} needs the optional packages {' and '.join(modules)} ({e}). Install them "
+            f"with: pip install 'symjax_mlp[{extra}]'",
             name=e.name,
         ) from e
 

@@ -40,7 +40,6 @@ NPZ = "application/x-npz"
 _NPY_TYPES = (NPY, "application/octet-stream", "application/npy")
 #: Headers of an answer given before the body was read to its end: the rest of it is not read.
 CLOSE = {"Connection": "close"}
-_BEYOND = "{}: input {} holds numbers beyond {}; the model takes {}. Send values in range."
 
 
 class BadRequest(Exception):
@@ -139,29 +138,25 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f"unsupported Content-Type {content_type!r}; send application/json "
             f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).',
         )
+    types = ", ".join(s.type for s in specs)
     most = batcher.max_batch * sum(math.prod(s.shape[1:]) for s in specs)  # numbers, at most
     if len(body) > 32 * most + 4096 and body.count(b",") > most + 1024:  # 10 s of parsing
         raise BadRequest(
             413,
             f"the body holds more than {most + 1024} numbers, more than a request of at most "
-            f"{batcher.max_batch} rows ({', '.join(s.type for s in specs)}) holds; split it "
+            f"{batcher.max_batch} rows ({types}) holds; split it "
             f"into requests of at most {batcher.max_batch} rows.",
         )
     try:
         data = _parse(body, fast=_floats_only(specs))
     except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
         if type(e) is ValueError:  # int()'s, on a number of 4300 digits: no syntax error
-            raise SignatureError(
-                f"{batcher.name}: the request holds an integer of thousands of digits, beyond "
-                f"every dtype's range; the model takes {', '.join(s.type for s in specs)}. "
-                "Send values in range."
-            ) from None
+            held = "an integer of thousands of digits, beyond every dtype's range"
+            raise _holds(batcher, "the request", held, types) from None
         raise BadRequest(400, f"the body is not valid JSON ({short(str(e))}).") from None
     except OverflowError as e:  # was read as inf, where 1e39 is refused for float32
-        raise SignatureError(
-            f"{batcher.name}: the request holds {short(str(e), 40)}, beyond float64's range; the "
-            f"model takes {', '.join(s.type for s in specs)}. Send values in range."
-        ) from None
+        held = f"{short(str(e), 40)}, beyond float64's range"
+        raise _holds(batcher, "the request", held, types) from None
     if not isinstance(data, dict) or "inputs" not in data:
         raise BadRequest(
             400,
@@ -230,15 +225,15 @@ def from_json(
     want = np.dtype(spec.dtype)
     kind = _kind(want)  # bfloat16 is "f", int4 "i"
 
+    what = f"input {spec.path}"
+
     def beyond() -> SignatureError:
         largest = f"{want}'s range (largest {float(ml_dtypes.finfo(want).max):.4g})"
-        return SignatureError(_BEYOND.format(batcher.name, spec.path, largest, spec.type))
+        return _holds(batcher, what, f"numbers beyond {largest}", spec.type)
 
     if kind != "b" and bools and _holds_bool(value):
-        raise SignatureError(
-            f"{batcher.name}: input {spec.path} holds JSON booleans (true/false), but the model "
-            f"takes {spec.type}; send {'integers' if kind in 'iu' else 'numbers'}."
-        )
+        fix = f"send {'integers' if kind in 'iu' else 'numbers'}"
+        raise _holds(batcher, what, "JSON booleans (true/false)", spec.type, fix)
     if kind == "f" and not texts:  # the usual body: numbers for a float input
         try:
             with np.errstate(over="ignore"):  # past want's range: inf, refused below
@@ -252,10 +247,8 @@ def from_json(
         raw = np.asarray(value)
     except OverflowError:  # 10**400 among floats
         if kind in "iub":
-            raise SignatureError(
-                f"{batcher.name}: input {spec.path} holds numbers that are neither {want} "
-                f"nor in its range; the model takes {spec.type}. Send integers in range."
-            ) from None
+            held = f"numbers that are neither {want} nor in its range"
+            raise _holds(batcher, what, held, spec.type, "send integers in range") from None
         raise beyond() from None
     except ValueError as e:  # ragged lists
         raise SignatureError(
@@ -266,10 +259,8 @@ def from_json(
         return _as_bool(batcher, spec, raw)
     if kind == "f" and _saturates(want) and raw.dtype.kind in "fiu" and raw.size:
         if not np.isfinite(raw).all():  # float4 would read NaN as -0 and inf as its largest
-            raise SignatureError(
-                f"{batcher.name}: input {spec.path} holds NaN or Infinity, which {want} cannot "
-                f"hold; the model takes {spec.type}. Send finite numbers."
-            )
+            held = f"NaN or Infinity, which {want} cannot hold"
+            raise _holds(batcher, what, held, spec.type, "send finite numbers")
         if np.abs(raw).max() > ml_dtypes.finfo(want).max:  # a cast saturates, in silence
             raise beyond()
     usual = raw.dtype.kind == kind == "f" and want.char in "fd" and raw.size
@@ -287,21 +278,16 @@ def from_json(
     if raw.dtype.kind == "f" and kind in "iu" and np.array_equal(raw, np.trunc(raw)):
         integral, raw = True, raw.astype(object)  # whole numbers (2**63: NumPy made floats)
     if not (integral or raw.dtype.kind == "f") or (raw.dtype.kind == "f" and kind in "biu"):
-        what = "integers" if kind in "biu" else "numbers"
-        raise SignatureError(
-            f"{batcher.name}: input {spec.path} holds {raw.dtype} values, but the model takes "
-            f"{spec.type}; send {what} (JSON has no dtypes: they are cast to {want})."
-        )
+        numbers = "integers" if kind in "biu" else "numbers"
+        fix = f"send {numbers} (JSON has no dtypes: they are cast to {want})"
+        raise _holds(batcher, what, f"{raw.dtype} values", spec.type, fix)
     if kind in "iu" and raw.size and integral:
         info = ml_dtypes.iinfo(want)
         low, high = min(raw.flat), max(raw.flat)
         if low < info.min or high > info.max:
-            raise SignatureError(
-                f"{batcher.name}: input {spec.path} holds integers from {short(str(low), 40)} "
-                f"to {short(str(high), 40)}, "
-                f"outside {want}'s range [{info.min}, {info.max}]; the model takes "
-                f"{spec.type}. Send values in range."
-            )
+            held = f"integers from {short(str(low), 40)} to {short(str(high), 40)}, outside "
+            held += f"{want}'s range [{info.min}, {info.max}]"
+            raise _holds(batcher, what, held, spec.type)
     try:
         with np.errstate(over="ignore"):
             x = raw.astype(want, copy=False)
@@ -352,12 +338,18 @@ def _as_bool(batcher: Batcher, spec: Any, raw: np.ndarray) -> np.ndarray:
     if ok and raw.size:
         ok = bool(np.isin(raw, (0, 1)).all())
     if not ok:
-        raise SignatureError(
-            f"{batcher.name}: input {spec.path} holds values other than true and false "
-            f"({short(str(raw.flat[:8].tolist()))}), but the model takes {spec.type}; send "
-            "JSON booleans."
-        )
+        held = f"values other than true and false ({short(str(raw.flat[:8].tolist()))})"
+        raise _holds(batcher, f"input {spec.path}", held, spec.type, "send JSON booleans")
     return raw.astype(np.bool_)
+
+
+def _holds(
+    batcher: Batcher, what: str, held: str, takes: str, fix: str = "send values in range"
+) -> SignatureError:
+    """A request whose values its input cannot take: the one message form."""
+    return SignatureError(
+        f"{batcher.name}: {what} holds {held}, but the model takes {takes}; {fix}."
+    )
 
 
 def short(text: str, limit: int = 300) -> str:

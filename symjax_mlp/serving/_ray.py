@@ -1,12 +1,9 @@
 """An artifact as a Ray Serve application: replicas, each a :class:`Batcher` behind our ASGI app.
 
-Each replica (:class:`Replica`) loads the artifact with :func:`~symjax_mlp.load`'s checks,
-compiles its batcher's buckets in its constructor (before Ray routes it a request) and serves
-:func:`~symjax_mlp.serving.create_app` through Ray's HTTP proxy (``serve.ingress``), or
-``handle.predict.remote(x)`` through a ``DeploymentHandle``. Health and metrics are Ray's: each
-health check copies the batcher's counters and the replica's trace and compile counts into
-``ray.serve.metrics`` gauges; nothing is added per request. Ray is imported only here, when
-used (the ``symjax_mlp[ray]`` extra).
+A replica compiles its batcher's buckets in its constructor (before Ray routes it a request)
+and serves :func:`~symjax_mlp.serving.create_app` through Ray's HTTP proxy, or
+``handle.predict.remote(x)``. Each health check copies its counters into ``ray.serve.metrics``
+gauges; nothing is added per request. Ray is imported only here, when used.
 """
 
 from __future__ import annotations
@@ -22,10 +19,10 @@ import jax
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._load import load
-from symjax_mlp.serving._app import create_app, model_name
+from symjax_mlp.serving._app import create_app, model_name, require
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._latency import latency_mode
-from symjax_mlp.serving._requests import artifact_specs, bucket_sizes
+from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count
 
 _EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "traces",
@@ -42,30 +39,6 @@ _CPUS = (
 )
 
 
-def _require() -> None:
-    try:
-        import ray.serve  # noqa: F401
-        import starlette  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            f"serving on Ray needs the optional packages ray[serve] and starlette ({e}). "
-            "Install them with: pip install 'symjax_mlp[ray]'",
-            name=e.name,
-        ) from e
-
-
-class _Compiles:
-    """Counts this process's JAX traces and XLA compilations (``jax.monitoring`` events)."""
-
-    def __init__(self) -> None:
-        self.counts = dict.fromkeys(_EVENTS.values(), 0)
-        jax.monitoring.register_event_duration_secs_listener(self._heard)
-
-    def _heard(self, event: str, duration: float, **kwargs: Any) -> None:
-        if event in _EVENTS:
-            self.counts[_EVENTS[event]] += 1
-
-
 class Replica:
     """One Ray Serve replica: the artifact loaded and compiled, a batcher, our ASGI app.
 
@@ -77,13 +50,19 @@ class Replica:
         app_options, batcher_options = dict(app_options), dict(batcher_options)
         if app_options.pop("dispatch") == "sync":
             latency_mode()  # a fresh process: before its JAX backend starts
-        self._compiles = _Compiles()
+        self._compiled = compiled = dict.fromkeys(_EVENTS.values(), 0)  # traces, compiles
+
+        def heard(event: str, duration: float, **kwargs: Any) -> None:  # jax.monitoring's
+            if event in _EVENTS:
+                compiled[_EVENTS[event]] += 1
+
+        jax.monitoring.register_event_duration_secs_listener(heard)
         model = load(artifact, **load_options)
         if (entry := batcher_options.pop("entry")) is not None:
             model = model[entry]
         self.batcher = Batcher(model, name=model_name(model), **batcher_options)
         self._app_options = app_options
-        self._at_start = dict(self._compiles.counts)  # compiled: from here on, nothing more
+        self._at_start = dict(self._compiled)  # compiled: from here on, nothing more
         from ray import serve
         from ray.serve.metrics import Gauge
 
@@ -116,7 +95,7 @@ class Replica:
             "pid": os.getpid(),
             "batcher": s.to_dict(),
             "compiled_at_start": dict(self._at_start),
-            "compiled": dict(self._compiles.counts),
+            "compiled": dict(self._compiled),
             "buckets": list(self.batcher.buckets),
         }
 
@@ -127,7 +106,7 @@ class Replica:
         self._record(self.batcher.stats)
 
     def _record(self, s: Any) -> None:
-        values = {**s.to_dict(), **self._compiles.counts}
+        values = {**s.to_dict(), **self._compiled}
         for name, gauge in self._gauges.items():
             gauge.set(float(values[name]))
 
@@ -156,11 +135,10 @@ def ray_app(
     """An artifact as a Ray Serve application of ``replicas`` replicas, each a batcher.
 
     The artifact is loaded here first, with every check of :func:`~symjax_mlp.load`, so a bad
-    one is refused before any replica starts; then by each replica, the same way (its path,
-    and the key's, must exist where the replicas run). A replica compiles its batch sizes in
-    its constructor, so Ray routes it nothing before it is compiled, and compiles nothing
-    after. Over HTTP (Ray's proxy) it serves :func:`~symjax_mlp.serving.serve`'s endpoints,
-    bodies and status codes; through a handle, ``await handle.predict.remote(x)``.
+    one is refused before any replica starts; then by each replica (its path, and the key's,
+    must exist where they run), which compiles its batch sizes before Ray routes it anything.
+    Over HTTP it serves :func:`~symjax_mlp.serving.serve`'s endpoints, bodies and codes;
+    through a handle, ``await handle.predict.remote(x)``.
 
     Args:
       artifact: the artifact directory.
@@ -198,15 +176,13 @@ def ray_app(
       >>> handle.predict.remote(np.ones((1, 512), np.float32)).result()  # doctest: +SKIP
       array([[...]], dtype=float32)
     """
-    _require()
+    require("serving on Ray", "ray", "ray.serve", "starlette")
     from ray import serve
 
     where = f"ray_app({str(artifact)!r})"
-    for option, value in (("replicas", replicas), ("max_ongoing_requests", max_ongoing_requests)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ConfigError(f"{where}: {option} must be an int >= 1; got {value!r}.")
+    check_count(where, "replicas", replicas)
+    if max_ongoing_requests is not None:
+        check_count(where, "max_ongoing_requests", max_ongoing_requests)
     if dispatch not in ("sync", "async"):
         raise ConfigError(f"{where}: dispatch must be 'sync' or 'async'; got {dispatch!r}.")
     artifact = os.path.abspath(artifact)  # a replica's working directory is Ray's
@@ -222,7 +198,7 @@ def ray_app(
     model = load(artifact, **load_options)  # refused here, not in a replica's log
     if entry is not None:
         model = model[entry]
-    buckets = bucket_sizes(f"{where}", max_batch, None, artifact_specs(model)[1])
+    buckets = bucket_sizes(where, max_batch, None, artifact_specs(model)[1])
     batcher_options = {"max_batch": max_batch, "max_queue": max_queue, "entry": entry}
     app_options = {
         "max_body_bytes": max_body_bytes,
@@ -253,21 +229,18 @@ def serve_on_ray(
     **options: Any,
 ) -> None:
     """``symjax-mlp serve --ray``: :func:`ray_app` on the Ray cluster at ``address``
-    (``None``: Ray's own rule, ``ray.init()``), behind Ray's HTTP proxy on ``host:port``,
-    until SIGINT or SIGTERM; then deletes the application (its replicas finish the requests
-    they hold), shuts Serve down unless other applications use it, and disconnects (a cluster
-    that ``ray.init`` started here stops). On a cluster whose Serve already runs, its HTTP
-    host and port stay as they are.
+    (``None``: ``ray.init()``'s rule), behind Ray's HTTP proxy on ``host:port``, until SIGINT
+    or SIGTERM; then deletes the application (its replicas finish what they hold), shuts Serve
+    down unless other applications use it, and disconnects.
 
     Raises:
       ConfigError: the cluster has fewer CPUs than the replicas ask for (``serve.run`` would
         wait for them forever, saying nothing).
     """
-    _require()
+    app = ray_app(artifact, name=name, **options)  # a bad artifact: refused before Ray starts
     import ray
     from ray import serve
 
-    app = ray_app(artifact, name=name, **options)  # a bad artifact: refused before Ray starts
     with warnings.catch_warnings():  # Ray forks its daemons and execs them at once: harmless
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
         ray.init(address=address)

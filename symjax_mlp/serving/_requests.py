@@ -1,10 +1,8 @@
 """A batcher's requests: what one takes, its check, and what the caller holds while it runs.
 
-The per-input specs come from an example batch or an artifact's signature; the buckets from
-``max_batch``/``buckets``. :class:`RequestCheck` checks each input's rank, row shape, dtype and
-rows, and looks up a NumPy ``(shape, dtype)`` that passed once. A :class:`RequestFuture` is a
-``concurrent.futures.Future`` settled a whole batch at a time (one lock per batcher, only its
-waiters woken); an :class:`AsyncRequest` its asyncio counterpart.
+:class:`RequestCheck` checks each input's rank, row shape, dtype and rows, and looks up a NumPy
+``(shape, dtype)`` that passed once. A :class:`RequestFuture` is a ``concurrent.futures.Future``
+settled a whole batch at a time; an :class:`AsyncRequest` its asyncio counterpart.
 """
 
 from __future__ import annotations
@@ -205,7 +203,9 @@ def bucket_sizes(
                 f"{buckets!r}."
             )
         buckets = list(buckets)
-        if any(not isinstance(b, int) or isinstance(b, bool) for b in buckets):
+        if not buckets or any(
+            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets
+        ):
             raise ConfigError(f"{name}: buckets must be ints >= 1; got {buckets!r}.")
     if max_batch is None:
         max_batch = max(buckets) if buckets else 64
@@ -218,13 +218,12 @@ def bucket_sizes(
         )
     if buckets is None:  # powers of two, and max_batch
         return tuple(sorted({*(1 << i for i in range(max_batch.bit_length())), max_batch}))
-    sizes = sorted(set(buckets))
-    if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes) or sizes[-1] != max_batch:
+    if max(buckets) != max_batch:
         raise ConfigError(
             f"{name}: buckets must be ints >= 1 whose largest is max_batch={max_batch}; got "
-            f"{list(buckets)!r}."
+            f"{buckets!r}."
         )
-    return tuple(sizes)
+    return tuple(sorted(set(buckets)))
 
 
 _STATIC = (

@@ -1,15 +1,11 @@
 """The server around the app: ``serve()`` binds a socket, runs uvicorn, stops on a signal.
 
-Request heads come within bounds: uvicorn (over httptools) reads a request line and headers of
-any size, for as long as the client takes, and keeps a connection that sends nothing open for
-ever. As nginx's ``client_header_timeout`` and ``large_client_header_buffers``: a head (or, on
-a new connection, its first byte) must arrive within ``head_timeout`` seconds (else 408, and
-the connection is closed) and within :data:`MAX_HEAD_BYTES` (else 431). An answer given before
-the body ended (413, 408, 503) closes the connection lingering, so the client reads it; a
-client that half-closes after its request is answered. Answers the client leaves unread for
-``head_timeout`` seconds (past the socket's buffers) drop the connection (nginx's
-``send_timeout``). uvicorn's own answers (400 to what is not HTTP, 503 past
-``max_connections``) are the app's JSON error body too.
+Request heads come within bounds, as nginx's ``client_header_timeout`` and
+``large_client_header_buffers`` (uvicorn over httptools reads a head of any size, at any pace):
+a head must arrive within ``head_timeout`` seconds (else 408) and :data:`MAX_HEAD_BYTES` (else
+431). An answer given before the body ended closes the connection lingering, so the client reads
+it; answers left unread for ``head_timeout`` drop the connection (nginx's ``send_timeout``).
+uvicorn's own answers (400, 503 past ``max_connections``) are the app's JSON error body too.
 """
 
 from __future__ import annotations
@@ -28,16 +24,10 @@ from symjax_mlp._errors import ConfigError
 from symjax_mlp._load import load
 from symjax_mlp.serving._app import ENDPOINTS, create_app, model_name, require
 from symjax_mlp.serving._batcher import Batcher
+from symjax_mlp.serving._requests import check_count
 
 #: The most bytes of one request's line and headers (nginx allows 4 x 8 KiB by default).
 MAX_HEAD_BYTES = 64 * 2**10
-
-
-def _refusal(status: int, reason: str, message: str) -> bytes:
-    body = json.dumps({"error": "BadRequest", "message": message}).encode()
-    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-    head += f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
-    return head.encode() + body
 
 
 class _Lingering:
@@ -106,10 +96,16 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
             self._arm()
 
         def send_400_response(self, msg: str) -> None:  # uvicorn's, in text/plain
-            self.transport.write(_refusal(400, "Bad Request", (
+            self._refuse(400, "Bad Request", (
                 f"the request is not HTTP/1.1 that this server reads ({msg.rstrip('.')}); "
                 "send a well-formed request (one Content-Length, or a chunked body)."
-            )))  # fmt: skip
+            ))  # fmt: skip
+
+        def _refuse(self, status: int, reason: str, message: str) -> None:
+            body = json.dumps({"error": "BadRequest", "message": message}).encode()
+            head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            head += f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            self.transport.write(head.encode() + body)
             self.transport.close()
 
         def pause_writing(self) -> None:  # answers wait for the client to read them
@@ -138,12 +134,12 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
         def _late(self, cycle: Any) -> None:
             self._head_timer = None
             if self._waiting() and self.cycle is cycle and not self.transport.is_closing():
-                if self._head_bytes:  # a head begun and not finished: say why
-                    self.transport.write(_refusal(408, "Request Timeout", (
-                        f"the request's headers did not arrive within {head_timeout:g} s "
-                        f"({self._head_bytes} bytes came). Send the whole request at once."
-                    )))  # fmt: skip
-                self.transport.close()
+                if not self._head_bytes:  # nothing of a head came: nothing to say
+                    return self.transport.close()
+                self._refuse(408, "Request Timeout", (
+                    f"the request's headers did not arrive within {head_timeout:g} s "
+                    f"({self._head_bytes} bytes came). Send the whole request at once."
+                ))  # fmt: skip
 
         def data_received(self, data: bytes) -> None:
             if self.transport.lingering:  # answered: the rest of the body is not read
@@ -161,12 +157,10 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
                 self._head_bytes += len(data)
             if self._head_bytes > max_head_bytes:
                 self._disarm()
-                self.transport.write(_refusal(431, "Request Header Fields Too Large", (
+                return self._refuse(431, "Request Header Fields Too Large", (
                     f"the request's line and headers passed {max_head_bytes} bytes; send "
                     "shorter ones."
-                )))  # fmt: skip
-                self.transport.close()
-                return
+                ))  # fmt: skip
             self._arm()
 
         def eof_received(self) -> bool | None:
@@ -269,12 +263,7 @@ def serve(
     require()
     import uvicorn
 
-    if (
-        isinstance(max_connections, bool)
-        or not isinstance(max_connections, int)
-        or max_connections < 1
-    ):
-        raise ConfigError(f"serve: max_connections must be an int >= 1; got {max_connections!r}.")
+    check_count("serve", "max_connections", max_connections)
     levels = uvicorn.config.LOG_LEVELS
     if not isinstance(log_level, int) and str(log_level).lower() not in levels:
         raise ConfigError(
