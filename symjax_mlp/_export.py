@@ -1,8 +1,5 @@
-"""Stage 3 of the flow: a :class:`~symjax_mlp.Hybrid` to a portable StableHLO artifact.
-
-Each entry point is staged by :mod:`symjax_mlp._export_entry`; here the options are checked,
-the params joined into one weight file, and the directory written atomically.
-"""
+"""Stage 3 of the flow: a :class:`~symjax_mlp.Hybrid` to a portable StableHLO artifact: each
+entry point staged by :mod:`symjax_mlp._export_entry`, one weight file, written atomically."""
 
 from __future__ import annotations
 
@@ -66,36 +63,30 @@ def export(
     """Exports ``h`` as a portable artifact directory (StableHLO + safetensors + manifest).
 
     Args:
-      h: the :class:`~symjax_mlp.Hybrid` to export (sharded: its sharded program; stateful: one
-        call with its current state); its params, inputs of the program, go to
-        ``params.safetensors`` in the dtype JAX traces them with. Or a dict of entry points
-        over that one file, ``{"predict": h, "embed": h_embed}``, the first the default;
-        ``example``, ``kwargs``, ``shapes`` and ``constraints`` may then be dicts by name.
+      h: the :class:`~symjax_mlp.Hybrid` to export (its params go to ``params.safetensors``),
+        or a dict of entry points over that one file, ``{"predict": h, "embed": h_embed}``,
+        the first the default; ``example``, ``kwargs``, ``shapes`` and ``constraints`` may
+        then be dicts by name.
       path: the artifact directory, written atomically.
-      example: an input array, or a tuple of input arrays; only shapes and dtypes are used.
-        Python settings in it (``(x, 2)`` for a depth) are static: baked into the export.
-      batch: the name of a symbolic leading dimension shared by every input (one artifact
-        serves any batch size >= 1, and ``jax.vmap`` merges into it where rows stay apart),
-        or ``None`` for the example's static shapes. Leave it at its default with ``shapes``.
+      example: an input array, or a tuple of them; only shapes and dtypes are used. Python
+        settings in it (``(x, 2)`` for a depth) are baked into the export.
+      batch: the name of a symbolic leading dimension shared by every input (any batch size
+        >= 1), or ``None`` for the example's static shapes.
       platforms: the JAX platforms to lower for, e.g. ``("cpu", "cuda")`` (no device needed).
       overwrite: replace an existing artifact at ``path``.
-      kwargs: keyword settings baked into the export, e.g. ``{"train": False}``; Python
-        values only (the artifact's inputs are positional arrays).
-      shapes: a tuple of ``jax.export`` shape specs, one per input, instead of ``batch``:
-        ``("b, 512",)``, ``("b, t", "512")`` (``None``: the example's static shape). Names are
-        shared across inputs; the manifest records them and a call checks them.
-      constraints: a tuple of ``jax.export`` constraints on those names, e.g.
-        ``("t <= 1024",)`` (every symbolic dimension is also ``>= 1``).
-      metadata: a model card, JSON data (labels, metrics, license): recorded in the manifest,
-        shown by ``inspect``, mirrored into ``params.safetensors``'s ``__metadata__``.
+      kwargs: keyword settings baked into the export, e.g. ``{"train": False}``.
+      shapes: instead of ``batch``, a ``jax.export`` shape spec per input, e.g.
+        ``("b, t", "512")`` (``None``: the example's static shape); names are shared.
+      constraints: ``jax.export`` constraints on those names, e.g. ``("t <= 1024",)``.
+      metadata: a model card, JSON data (labels, metrics, license), kept in the manifest and
+        in ``params.safetensors``'s ``__metadata__``.
       vjp_order: the orders of gradients the artifact carries (``1``: ``jax.grad`` works).
 
     Returns:
       The :class:`~symjax_mlp.Artifact`.
 
     Raises:
-      ConfigError: an option is invalid (a string where a tuple is due, ``batch`` beside
-        ``shapes``, an unknown keyword, platform or constraint name), before any work.
+      ConfigError: an option is invalid (checked before any work).
       ArtifactError: ``path`` exists (without ``overwrite``) or cannot be written.
       SignatureError: ``example`` (or the output) is not an array or a tuple of arrays.
 
@@ -117,8 +108,7 @@ def export(
         )
     if not text:  # Path("") is the working directory
         raise ArtifactError("export: the path is ''; pass the artifact directory to write.")
-    path = Path(path)
-    points = _entry_points(h)
+    path, points = Path(path), _entry_points(h)
     names = list(points)
     per_entry = (example, kwargs, shapes, constraints)
     settings = {k: _per_entry(v, names, k) for k, v in zip(PER_ENTRY, per_entry, strict=True)}
@@ -127,16 +117,14 @@ def export(
         vjp_order=vjp_order,
     )  # fmt: skip
     meta = _metadata(metadata, names[0])
-    staged = [
-        stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
-        for i, n in enumerate(names)
-    ]
+    staged = [stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
+              for i, n in enumerate(names)]  # fmt: skip
     shared = _shared_params(names, staged)
     _check_target(path, overwrite)  # fail before the work, not after it
     files: dict[str, bytes] = {}
     programs, needs = [], set()
     for i, (name, entry) in enumerate(zip(names, staged, strict=True)):
-        # the default entry point takes every weight; the others their own, by path
+        # the default entry point takes every weight; the others their own
         own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
         exported, signature, rows = export_program(entry, own, platforms)
         roles = entry_files(name) if i else {r: r for r in (JAXEXPORT, MLIRBC, MLIR, SELFTEST)}
@@ -149,14 +137,14 @@ def export(
         else:
             files[roles[SELFTEST]] = vectors
         inputs = [*own, *(s.path for s in signature.inputs)]
+        kept = [inputs[k] for k in exported.module_kept_var_idx]
         programs.append(
             {
                 "name": entry.h.name,
                 "signature": signature.to_json(),
                 "rows": rows,
                 "params": sorted(own),
-                "mlir_arguments": (["platform_index"] if len(platforms) > 1 else [])
-                + [inputs[k] for k in exported.module_kept_var_idx],
+                "mlir_arguments": ["platform_index"] * (len(platforms) > 1) + kept,
                 "static": {
                     (f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v, _ in entry.static
                 },
