@@ -142,7 +142,6 @@ class Artifact:
 
     def __str__(self) -> str:
         m = self.manifest
-        v = m["versions"]
         n_values = sum(math.prod(map(int, p.shape)) for p in self.params)
         size = self.size_bytes
         kb = f"{size / 1e3:.1f} kB" if size < 1e6 else f"{size / 1e6:.2f} MB"
@@ -162,7 +161,7 @@ class Artifact:
         lines += [
             f"platforms  {', '.join(self.platforms)}   devices {m['nr_devices']}   "
             f"calling convention {m['calling_convention_version']}",
-            "versions   " + ", ".join(f"{k} {val}" for k, val in v.items()),
+            "versions   " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
             f"params     {len(self.params)} tensors, {n_values:,} values",
         ]
         lines += [f"  {p}" for p in self.params]

@@ -85,10 +85,7 @@ def encode_params(
     keep = [np.array(a, order="C", copy=None) for a in arrays]  # 0-d stays 0-d
     tensors = {
         s.path: safetensors.TensorSpec(
-            dtype=str(a.dtype),
-            shape=list(a.shape),
-            data_ptr=a.ctypes.data,
-            data_len=a.nbytes,
+            dtype=str(a.dtype), shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
         )
         for s, a in zip(specs, keep, strict=True)
     }
