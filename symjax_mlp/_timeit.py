@@ -47,26 +47,22 @@ class CallTiming:
     compiled_synced: tuple[float, ...]
     compiled_pipelined: tuple[float, ...]
 
-    def _row(self, row: str, what: str) -> tuple[float, ...]:
-        if row not in _ROWS:
-            raise ConfigError(f"CallTiming.{what}({row!r}): the rows are {', '.join(_ROWS)}.")
+    def _row(self, method: str, row: str, rows: tuple[str, ...] = _ROWS) -> tuple[float, ...]:
+        if row not in rows:
+            raise ConfigError(f"CallTiming.{method}({row!r}): the rows are {', '.join(rows)}.")
         return getattr(self, row)
 
     def min(self, row: str = "synced") -> float:
         """The fastest repeat's seconds per call of ``row``: the best estimate under noise."""
-        return min(self._row(row, "min"))
+        return min(self._row("min", row))
 
     def median(self, row: str = "synced") -> float:
         """The median repeat's seconds per call of ``row``."""
-        return statistics.median(self._row(row, "median"))
+        return statistics.median(self._row("median", row))
 
     def over_compiled(self, mode: str = "synced") -> float:
         """The model's min over the floor's, ``"synced"`` or ``"pipelined"``: 1.0 is no cost."""
-        if mode not in ("synced", "pipelined"):
-            raise ConfigError(
-                f"CallTiming.over_compiled({mode!r}): the modes are 'synced' and 'pipelined'."
-            )
-        return self.min(mode) / self.min(f"compiled_{mode}")
+        return min(self._row("over_compiled", mode, _ROWS[:2])) / self.min(f"compiled_{mode}")
 
     def to_dict(self) -> dict[str, Any]:
         """Every figure as JSON data: per row, its times, min and median (seconds per call)."""

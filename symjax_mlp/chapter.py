@@ -1,8 +1,5 @@
-"""The chapter "Compilers and Interpreters", step by step, on real symjax_mlp objects.
-
-The chapter's own examples (:func:`fancy_func`, :class:`HybridNet`, the MLP) and the demos
-built on them: ``symjax-mlp tour`` prints :func:`tour`, ``symjax-mlp graph`` prints
-:func:`describe_mlp`, ``symjax-mlp export`` runs :func:`export_mlp`.
+"""The chapter "Compilers and Interpreters" on real symjax_mlp objects: its examples
+(:func:`fancy_func`, :class:`HybridNet`, the MLP) and the demos the CLI runs on them.
 
 Example:
   >>> import jax.numpy as jnp

@@ -43,8 +43,8 @@ def chapter(tmp_path_factory):
 def user_cache(tmp_path, monkeypatch):
     """Each test its own per-user cache (``$XDG_CACHE_HOME``): none runs what another built."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
-    assert iree_rt.cache_dir() == tmp_path / "xdg-cache" / "symjax_mlp" / "iree"
-    return iree_rt.cache_dir()
+    assert iree_rt.cache_dir("iree") == tmp_path / "xdg-cache" / "symjax_mlp" / "iree"
+    return iree_rt.cache_dir("iree")
 
 
 @pytest.fixture
@@ -153,7 +153,7 @@ def _damage(data: bytes, how: str) -> bytes:
 def test_a_damaged_cache_entry_is_compiled_again_never_trusted(chapter, compiles, how):
     art, h = chapter
     sm.load(art.path, runtime="iree")
-    cache = iree_rt.cache_dir() / cache_names(compiles)[0]  # the self-test's module (batch 2)
+    cache = iree_rt.cache_dir("iree") / cache_names(compiles)[0]  # the self-test's module (batch 2)
     good = cache.read_bytes()
     assert len(compiles) == 1
     cache.write_bytes(_damage(good, how))

@@ -1,18 +1,14 @@
 """Run an artifact with IREE instead of JAX: ``load(path, runtime="iree")``.
 
-For each new input shape JAX lowers the artifact's checked module (the one ``model.mlirbc``
-holds) for ``cpu``, every symbolic dimension refined, and ``iree.compiler`` compiles that static
-module for ``llvm-cpu`` (``--iree-llvmcpu-target-cpu=host``): IREE cannot compile a dynamic
-reshape of rank > 2, and its dynamic code is slower. The loader's bound
-(:class:`symjax_mlp._load.Guard`) checks each static module before IREE compiles it, and every
-call's inputs (IREE erases ``@shape_assertion``). Calls run on the ``local-sync`` driver, one
-at a time. A module without a ``cpu`` lowering, JAX's CPU custom calls (LAPACK), sharded and
-effectful exports are refused before anything compiles, never run by JAX instead.
+For each new input shape JAX lowers the checked module for ``cpu`` with every symbolic dimension
+refined, the loader's :class:`~symjax_mlp._load.Guard` bounds it, and ``iree.compiler`` compiles
+it for ``llvm-cpu`` (IREE cannot compile a dynamic reshape of rank > 2, and its dynamic code is
+slower). Calls run on the ``local-sync`` driver, one at a time. What IREE cannot run (no ``cpu``
+lowering, JAX's custom calls, sharded or effectful exports) is refused before anything compiles.
 
-Each ``.vmfb`` is cached per user (:func:`cache_dir`), keyed by the sha256 of the module (lowered
-without source locations), the IREE version, the flags and this CPU, and signed with this
-user's key (:func:`~symjax_mlp._files.cache_secret`): a damaged or planted entry is compiled
-again, never run. Compiled code is never read from the artifact.
+Each ``.vmfb`` is cached per user, keyed by the module's sha256, the IREE version, the flags and
+this CPU, and signed with this user's key: a damaged or planted entry is compiled again, never
+run. Compiled code is never read from the artifact.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ import numpy as np
 from symjax_mlp._artifact.format import MLIRBC, program_file
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._errors import ArtifactError
-from symjax_mlp._files import cache_dir as cache_dir_of
-from symjax_mlp._files import cache_secret, sha256, write_file_atomic
+from symjax_mlp._files import cache_dir, cache_secret, sha256, write_file_atomic
 from symjax_mlp._selftest import BATCH
 
 TARGET = "llvm-cpu"
@@ -98,12 +93,6 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
         )
 
 
-def cache_dir() -> Path:
-    """Where compiled ``.vmfb`` files are cached: ``$XDG_CACHE_HOME/symjax_mlp/iree``
-    (default ``~/.cache/symjax_mlp/iree``), never the artifact."""
-    return cache_dir_of("iree")
-
-
 def vmfb_cache_key(module_sha256: str) -> str:
     """The cache file name for a module: sha256 of the module, IREE version, target and CPU."""
     text = " ".join([module_sha256, iree_version(), TARGET, _host_key(), *compile_flags()])
@@ -123,8 +112,7 @@ def _host_key() -> str:
 
 
 def check_program(file: Path, report: Any) -> None:
-    """Refuses modules IREE cannot compile (custom calls), read from the module that runs
-    (``file``: its ``.mlirbc``), and modules too large to compile in seconds."""
+    """Refuses modules that make custom calls or are too large to compile in seconds."""
     compute = any(p.key == "compute" for p in report.problems)  # load refuses it, naming allow=
     if report.ops > MAX_OPS and not compute:
         raise ArtifactError(
@@ -147,7 +135,7 @@ def _compile(file: Path, mlir: bytes, shapes: Any, *, cached: bool = True) -> by
     """Returns the ``.vmfb`` for ``mlir``: from the user's cache, else compiled and cached."""
     ic, _ = _modules()
     key, name = cache_secret(), vmfb_cache_key(sha256(mlir))  # the very module compiled
-    cache = cache_dir() / name
+    cache = cache_dir("iree") / name
     if cached and key is not None:
         with contextlib.suppress(OSError):  # an entry is "<tag>\n<vmfb>", signed with the key
             tag, _, data = cache.read_bytes().partition(b"\n")
@@ -181,10 +169,8 @@ def runner(
     guard: Callable[..., None] | None = None,
     custom_calls: Any = None,
 ) -> tuple[Callable[[list[Any]], list[np.ndarray]], dict[str, np.ndarray]]:
-    """Returns ``run(inputs) -> [np.ndarray, ...]`` and the weights; ``run`` compiles (or
-    reuses) a static module for each new input shape, the self-test's at once. ``exported``
-    is lowered by JAX, never run by it; ``guard`` (``None`` when trusted) bounds each static
-    module; ``custom_calls``: the targets the module calls, for JAX's lowering."""
+    """``run(inputs) -> [np.ndarray, ...]`` and the weights: ``run`` compiles a static module
+    for each new input shape (the self-test's now); JAX lowers ``exported``, never runs it."""
     import jax
     import jax.extend.mlir as jex
     from iree.runtime.dtypes import map_dtype_to_hal_element_type
@@ -201,15 +187,14 @@ def runner(
     weights = dict(zip(names, params, strict=True))
     avals = exported.in_avals[len(exported.in_avals) - len(signature.inputs) :]  # the inputs'
     dtypes = [np.dtype(a.dtype) for a in avals]
-    kinds = [map_dtype_to_hal_element_type(d) for d in dtypes]
     out_dtypes = [np.dtype(a.dtype) for a in exported.out_avals]
 
-    def place(a: np.ndarray, kind: Any) -> Any:
+    def place(a: np.ndarray) -> Any:
+        kind = map_dtype_to_hal_element_type(a.dtype)
         return device.allocator.allocate_buffer_copy(*usage, device, a, kind)
 
     # main's arguments, as jax flattens (weights, *inputs): the weights by sorted name
-    placed = [place(np.asarray(a, order="C"), map_dtype_to_hal_element_type(np.dtype(a.dtype)))
-              for a in jax.tree.leaves(weights)]  # fmt: skip
+    placed = [place(np.asarray(a, order="C")) for a in jax.tree.leaves(weights)]
     specs = {n: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for n, a in weights.items()}
     call = jax.jit(exported.call, keep_unused=True)  # lowered for cpu, whatever JAX's default
     lowering = types.SimpleNamespace(
@@ -240,8 +225,7 @@ def runner(
         results = [tuple(r.shape) for r in jax.tree.leaves(jax.eval_shape(call, specs, *structs))]
         reads = list(enumerate(zip(results, out_dtypes, strict=True)))
         vm, args = system.vm_context, ir.VmVariantList(len(placed) + len(shapes))
-        ins = zip(shapes, dtypes, kinds, strict=True)
-        views = [*placed, *(place(np.zeros(s, d), k) for s, d, k in ins)]
+        views = [*placed, *(place(np.zeros(s, d)) for s, d in zip(shapes, dtypes, strict=True))]
         for view in views:  # main's arguments, made once: the inputs are written into place
             args.push_ref(view.ref)
         mapped = [v.map() for v in views[len(placed) :]]

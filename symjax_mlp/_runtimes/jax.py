@@ -1,10 +1,9 @@
 """Run an artifact with JAX: ``load(path)`` (the default runtime).
 
-``model.jaxexport`` is deserialized (flatbuffers, no pickle), checked against the manifest and
-``model.mlirbc``, and called through one ``jax.jit`` of ``Exported.call`` (``jax.grad`` and
-``jax.vmap`` rules: :mod:`.transforms`), the params a dict of device arrays keyed by path. A
-module loaded again in the process (same sha256) reuses its compilations. An export for N > 1
-devices runs under the caller's mesh of N devices, else a mesh of the first N.
+``model.jaxexport`` is deserialized (no pickle), checked against the manifest and
+``model.mlirbc``, and called through one ``jax.jit`` of ``Exported.call`` (:mod:`.transforms`).
+A module loaded again in the process reuses its compilations; an export for N > 1 devices runs
+under the caller's mesh of N devices, else a mesh of the first N.
 """
 
 from __future__ import annotations
@@ -75,8 +74,7 @@ _MAX_CALLS = 8
 
 
 def deserialize(path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, Any]) -> Any:
-    """``model.jaxexport`` deserialized and checked against the manifest and ``model.mlirbc``
-    (both runtimes: what IREE compiles is what ``jax.export`` runs and the loader checked)."""
+    """``model.jaxexport`` deserialized and checked against the manifest and ``model.mlirbc``."""
     file = program_file(manifest, JAXEXPORT)
     key = manifest["files"][file]["sha256"]
     cached = _CALLS.get(key)
@@ -99,11 +97,8 @@ def runner(
     params: Sequence[np.ndarray], *, exported: Any, guard: Callable[..., None] | None = None,
     custom_calls: Any = None, constants: bool = False,
 ) -> tuple[Callable[[list[Any]], list[Any]], dict[str, Any]]:  # fmt: skip
-    """Returns ``run(inputs) -> [jax.Array, ...]`` and the weights it runs with (on device).
-    ``guard`` (``symjax_mlp._load.Guard`` or ``None``) checks each new input signature, and
-    each VJP module, before XLA compiles it; loads with equal guards and ``rows`` share one
-    ``Program``. ``custom_calls``: the targets the module calls, or ``None``. ``constants``:
-    a jit closing over the weights (XLA constants); the guard still checks the module."""
+    """``run(inputs) -> [jax.Array, ...]`` and its weights (on device); ``guard`` checks each
+    new input signature before XLA compiles it; ``constants``: the weights as XLA constants."""
     if constants and manifest["nr_devices"] != 1:
         raise ConfigError(
             f"load({str(path)!r}, params_as_constants=True): the artifact runs sharded over "
@@ -171,8 +166,8 @@ def runner(
 def _check_agrees(
     path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes], exported: Any
 ) -> None:
-    """Checks that the deserialized module, the manifest and ``model.mlirbc`` belong together
-    (checksums prove only that each file is what the manifest recorded): one program."""
+    """Checks that the module, the manifest and ``model.mlirbc`` are one program (checksums
+    prove only that each file is what the manifest recorded)."""
     sig = manifest["signature"]
     n_dev = manifest["nr_devices"]
     jaxexport, mlirbc = program_file(manifest, JAXEXPORT), program_file(manifest, MLIRBC)

@@ -1,17 +1,11 @@
 """The exported program under JAX's transforms (:class:`Program`), and the module the guard
 checks for a call (:func:`refined`).
 
-``Exported.call`` has no batching rule (an open request in JAX); ``custom_vmap`` gives it one:
-each mapped axis merges into its input's batch dimension (``(n, b, ...)`` to ``(n * b, ...)``,
-an unmapped input broadcast first), the program runs once through the same ``jax.jit`` as any
-call (one compile per merged shape) and the outputs split back; nested vmaps merge in turn.
-That is only where export recorded that rows stay apart (``rows``, :mod:`symjax_mlp._rows`) and
-the module shows it (load: :mod:`symjax_mlp._artifact.rows`), and every mapped input has the
-batch dimension; a vmap of no example runs one, for the shapes. Anywhere else (rows that mix,
-a forged claim, static shapes, several symbolic dimensions, an artifact without ``rows``) the
-program runs once per mapped example, ``jax.lax.map``: vmap's own meaning, ``vmap(m)(xs)[i] ==
-m(xs[i])``. A ``custom_vjp`` around it runs the VJP module for ``jax.grad``, checked first
-(each order), one element at a time under vmap.
+``Exported.call`` has no batching rule; ``custom_vmap`` gives it one. Where export recorded that
+rows stay apart (``rows``, checked against the module at load) and every mapped input has the
+batch dimension, the mapped axis merges into it (``(n, b, ...)`` to ``(n * b, ...)``) and the
+program runs once; anywhere else once per example (``jax.lax.map``), vmap's own meaning. A
+``custom_vjp`` runs the artifact's VJP module for ``jax.grad``, checked first.
 """
 
 from __future__ import annotations
@@ -36,10 +30,8 @@ def refined(
     path: Path, manifest: Mapping[str, Any], fn: Any, args: Sequence[Any], *,
     module: str = "the module", custom_calls: Any = None,
 ) -> Any:  # fmt: skip
-    """The StableHLO XLA would compile for ``jax.jit(fn)(*args)`` (``args``: arrays or
-    ``jax.ShapeDtypeStruct``): lowered, every shape refined to ``args``', with its MLIR
-    context. ``module`` names what ``fn`` calls, for messages; ``custom_calls``, where
-    known, the targets it calls (:func:`~symjax_mlp._compat.skipping_lapack`)."""
+    """The StableHLO of ``jax.jit(fn)(*args)``, every shape refined to ``args``', and its MLIR
+    context; ``module`` names what ``fn`` calls, for messages."""
     import io
 
     import jax.extend.mlir as jex
@@ -88,7 +80,10 @@ class Program:
         shapes = tuple((tuple(x.shape), str(x.dtype)) for x in args if not isinstance(x, Mapping))
         if self.guard is None or not all(isinstance(d, int) for s, _ in shapes for d in s):
             return False
-        traced = [isinstance(x, Mapping) and any(map(_traced, x.values())) for x in args]
+        traced = [
+            isinstance(x, Mapping) and any(isinstance(v, jax.core.Tracer) for v in x.values())
+            for x in args
+        ]
         structs = [
             x if isinstance(x, Mapping) and not t
             else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), x)
@@ -179,8 +174,7 @@ class Program:
 
 
 def _one_by_one(fn: Callable[..., Any], size: int, mapped: list[Any], *args: Any) -> Any:
-    """A ``jax.vmap`` rule that runs ``fn`` once per mapped element (``jax.lax.map``);
-    ``mapped``: a tree of bools over ``args`` (a dict of weights has one per array)."""
+    """A ``jax.vmap`` rule that runs ``fn`` once per mapped element (``jax.lax.map``)."""
     leaves, tree = jax.tree.flatten(list(args))
     on = tree.flatten_up_to(list(mapped))
 
@@ -190,7 +184,3 @@ def _one_by_one(fn: Callable[..., Any], size: int, mapped: list[Any], *args: Any
 
     out = jax.lax.map(one, [a for a, o in zip(leaves, on, strict=True) if o])
     return out, jax.tree.map(lambda _: True, out)
-
-
-def _traced(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)

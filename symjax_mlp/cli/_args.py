@@ -91,8 +91,7 @@ def add_json(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def emit_json(data: Any, target: str) -> None:
-    """Writes ``data`` as indented JSON to the file ``target`` (whole or not at all), or stdout
-    for ``"-"``."""
+    """Writes ``data`` as JSON to the file ``target`` (whole or not at all), or stdout (``-``)."""
     from symjax_mlp._files import write_output
 
     text = json.dumps(data, indent=2, default=str) + "\n"
@@ -148,8 +147,8 @@ def writable(path: str, option: str, *, overwrite: bool) -> None:
 
 
 def add_trust_options(p: argparse.ArgumentParser) -> None:
-    """``--allow OP`` (repeatable), ``--trust`` and ``--key PEM``: what ``load()`` takes as
-    ``allow=``, ``trust=True`` and ``verify_signature=``."""
+    """``--allow OP``, ``--trust`` and ``--key PEM``: ``load()``'s ``allow``, ``trust`` and
+    ``verify_signature`` (:func:`load_options`)."""
     p.add_argument(
         "--allow",
         action="append",

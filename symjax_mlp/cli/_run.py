@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 from symjax_mlp.cli import _args
 
 DTYPES = """\
-bfloat16 (and the other ml_dtypes types JAX uses, float8, int4) has no .npy type: NumPy
-stores such an array as its raw bytes, a void dtype of its itemsize (|V2 for bfloat16), and
-reads it back as that. So:
+bfloat16, float8 and int4 (ml_dtypes) have no .npy type: NumPy stores them as raw bytes, a void
+dtype of their itemsize (|V2 for bfloat16). So:
   inputs   a |V2 file is read as bfloat16 where the artifact expects bfloat16 (write it with
-           np.save("x.npy", x.astype(jnp.bfloat16))); a float32 file is refused there, as
-           a loaded model refuses a float32 array: nothing is cast behind your back.
+           np.save("x.npy", x.astype(jnp.bfloat16))); a float32 file is refused there: nothing
+           is cast behind your back.
   outputs  a bfloat16 output is written the same way, bit for bit (|V2): read it back with
            np.load("y.npy").view(ml_dtypes.bfloat16), or pass it to run as an --input."""
 
@@ -91,10 +91,7 @@ def _distinct(paths: list[str]) -> None:
 
 
 def _not_read(paths: list[str], inputs: list[Any], artifact: str) -> None:
-    """Refuses an output path that is an --input, or a file in the artifact, before any work:
-    the write would replace what this run reads with its output."""
-    import os
-
+    """Refuses an output path that is an --input or a file of the artifact, before any work."""
     for path in (p for p in paths if p != "-" and os.path.exists(p)):
         same = [str(x) for x in inputs if os.path.samefile(path, x)]
         if same:

@@ -1,10 +1,6 @@
-"""``symjax-mlp serve ARTIFACT --port N``: an artifact over HTTP, a micro-batcher underneath.
-
-With ``--ray``, the same app on Ray Serve replicas behind Ray's HTTP proxy. The handler
-switches JAX to :func:`~symjax_mlp.serving.latency_mode` first (``--dispatch async`` keeps
-JAX's default), serves until SIGINT or SIGTERM and exits 0 after a clean shutdown. Once the
-model is compiled it calls ``gc.freeze()``, so that Python's full collections, which pause
-every request in flight, need not walk JAX and the model again.
+"""``symjax-mlp serve ARTIFACT --port N``: an artifact over HTTP (with ``--ray``, on Ray Serve
+replicas), served until SIGINT or SIGTERM. Once the model is compiled it calls ``gc.freeze()``:
+Python's full collections, which pause every request in flight, need not walk JAX again.
 """
 
 from __future__ import annotations
@@ -15,8 +11,7 @@ import gc
 from symjax_mlp.cli import _args
 from symjax_mlp.cli._args import count, port, positive
 
-#: the options passed to :func:`~symjax_mlp.serving.serve` (and with ``--ray``, to
-#: ``serve_on_ray``) under their own names
+#: the options passed to ``serve`` (with ``--ray``, ``serve_on_ray``) under their own names
 _BOTH = (
     "host port runtime max_batch max_queue max_body_bytes body_timeout max_inflight_bytes "
     "entry params_as_constants "

@@ -76,8 +76,6 @@ def run(args: argparse.Namespace) -> None:
         if not args.export:  # Path("") is the working directory
             raise argparse.ArgumentTypeError("--export '': is empty; pass a directory path")
         check_target(Path(args.export), args.overwrite)
-    if args.resume and not args.checkpoint:
-        raise argparse.ArgumentTypeError("--resume needs --checkpoint DIR, the directory to use")
     with _progress(args.epochs, quiet=args.quiet) as on_epoch:
         options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume blocks"
         keyed = _args.keywords(args, options)
