@@ -1,8 +1,6 @@
-"""One entry point of an export: a :class:`~symjax_mlp.Hybrid` staged for ``jax.export``.
-
-With ``batch="b"``, an input whose leading dimension differs from ``args[0]``'s in the example
-is shared by every row (stored static), never the batch (the artifact would refuse its example).
-"""
+"""One entry point of an export: a :class:`~symjax_mlp.Hybrid` staged for ``jax.export``. With
+``batch="b"``, an input whose leading dimension differs from ``args[0]``'s is shared by every
+row (static), never the batch (the artifact would refuse its example)."""
 
 from __future__ import annotations
 
@@ -123,11 +121,6 @@ _ODD_PATH = (
 )
 
 
-def _storable_path(path: str) -> bool:
-    """A param path that ``params.safetensors`` and the manifest name as load reads them."""
-    return path.isprintable() and len(path) <= 4096 and path != "__metadata__"
-
-
 _COMPLEX = (
     "export({name}): {path} is {dtype}, but an artifact's inputs and outputs are real or "
     "integer arrays (its self-test file stores no complex numbers, so load would refuse it). "
@@ -139,8 +132,7 @@ _COMPLEX = (
 def export_program(
     stage: Stage, own: Mapping[str, tuple[TensorSpec, Any]], platforms: tuple[str, ...]
 ) -> tuple[Any, Signature, dict[str, Any]]:
-    """``jax.export`` of one entry point (its params a dict keyed by path, which load binds by
-    name), its signature, and whether it keeps rows apart (``_rows.verdict``)."""
+    """``jax.export`` of one entry point (params by path), its signature and rows verdict."""
     h = stage.h
     p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in sorted(own.items())}
     jitted, jaxpr = jax.jit(stage.fn), None
@@ -187,13 +179,16 @@ def export_program(
     return exported, signature, verdict(jaxpr, dim)
 
 
+def _storable_path(path: str) -> bool:  # as params.safetensors and the manifest name it
+    return path.isprintable() and len(path) <= 4096 and path != "__metadata__"
+
+
 def _spec(path: str, x: Any) -> TensorSpec:
     return TensorSpec(path, shape_dims(x.shape), str(x.dtype))
 
 
 def _trace(jitted: Any, p_structs: Any, stage: Stage) -> tuple[Any, list[Any]]:
-    """The jaxpr of ``stage``'s program and its inputs' structs, an input unlike ``args[0]``
-    in leading dimension shared by every row; a refusal names the fixes."""
+    """The jaxpr of ``stage``'s program and its inputs' structs; a refusal names the fixes."""
     examples, batch = stage.examples, stage.batch
     symbolic = bool(batch) and not stage.per_input_shapes
     lead = examples[0].shape[:1] if examples else ()
@@ -238,8 +233,7 @@ def _traces(jitted: Any, p_structs: Any, inputs: Sequence[Any]) -> bool:
 
 
 def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:
-    """What an export stores (params, a flax model's state), the function of it, and whether
-    typed rng keys (not tensors) are baked in as constants."""
+    """What an export stores, the function of it, and whether rng keys are baked in."""
     tree, fn = h.variables, h.fn
     leaves, treedef = jax.tree.flatten(tree)
     keys = {i: x for i, x in enumerate(leaves) if is_key(x)}
@@ -303,8 +297,7 @@ def _input_structs(
     examples: tuple[Any, ...], batch: str | None, shapes: Sequence[str | None] | None,
     constraints: tuple[str, ...], name: str,
 ) -> list[jax.ShapeDtypeStruct]:  # fmt: skip
-    """The inputs' structs: the leading dimension ``batch``, or ``jax.export`` shape specs all
-    in one scope (names shared, constrained)."""
+    """The inputs' structs: the leading dimension ``batch``, or the ``shapes`` specs."""
     for i, x in enumerate(examples):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":

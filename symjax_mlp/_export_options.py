@@ -44,7 +44,7 @@ def check_options(
         )
     if not isinstance(vjp_order, int) or isinstance(vjp_order, bool) or vjp_order < 0:
         raise ConfigError(f"export(vjp_order={vjp_order!r}): pass an int >= 0 (1 for jax.grad).")
-    if vjp_order > MAX_VJP_ORDER:  # each order doubles the module: 50 would never finish
+    if vjp_order > MAX_VJP_ORDER:
         raise ConfigError(
             f"export(vjp_order={vjp_order}): an artifact carries gradients up to order "
             f"{MAX_VJP_ORDER} (each order doubles its program; load refuses more). Pass the "
@@ -103,7 +103,6 @@ def check_options(
 
 
 def _check_tuple(name: str, option: str, value: Any) -> None:
-    """``value`` is a tuple (or list) of the items ``option`` takes, not one string."""
     kinds, what, one = _TUPLES[option]
     if isinstance(value, tuple | list) and all(isinstance(v, kinds) for v in value):
         return
@@ -115,7 +114,6 @@ def _check_tuple(name: str, option: str, value: Any) -> None:
 
 
 def _check_kwargs(h: Hybrid, kwargs: Any) -> None:
-    """``kwargs`` is a dict of keywords the model takes (where its signature says)."""
     if kwargs is None:
         return
     if not (isinstance(kwargs, Mapping) and all(isinstance(k, str) for k in kwargs)):

@@ -1,9 +1,5 @@
-"""A loaded artifact: :class:`LoadedModel`, the callable :func:`~symjax_mlp.load` returns.
-
-A call checks its inputs once per (shape, dtype) and runs the program a runtime prepared
-(:mod:`symjax_mlp._runtimes`); another entry point opens on first use, through ``_load``'s
-opener.
-"""
+"""A loaded artifact: :class:`LoadedModel`, the callable :func:`~symjax_mlp.load` returns. A
+call checks its inputs once per (shape, dtype) and runs what a runtime prepared."""
 
 from __future__ import annotations
 
@@ -82,7 +78,7 @@ class LoadedModel:
 
     def __init__(
         self, path: Path, manifest: Any, runtime: str, params: dict[str, Any],
-        run: Callable[[list[Any]], list[Any]], opener: Any = None,  # _load's _Opener
+        run: Callable[[list[Any]], list[Any]], opener: Any,  # _load's _Opener
     ) -> None:  # fmt: skip
         self.path, self.manifest = path, manifest
         self.signature = Signature.from_json(manifest["signature"])
@@ -107,7 +103,7 @@ class LoadedModel:
         """The entry point ``name`` of the same artifact, over the same weights."""
         if name == self.entry:
             return self
-        if name not in self.entries or self._opener is None:
+        if name not in self.entries:
             raise _NoEntryPoint(
                 f'symjax_mlp.load("{printable(str(self.path))}") has no entry point '
                 f"{printable(repr(name))}; it has {', '.join(self.entries)}."
@@ -141,8 +137,7 @@ class LoadedModel:
         return outs[0] if self._single_output else tuple(outs)
 
     def _example_axes(self, inputs: Any) -> tuple[list[Any], list[Any]] | None:
-        """The batch axes in and out if ``inputs`` are one example (each batched input one
-        rank short) and rows stay apart; else ``None``."""
+        """The batch axes in and out if ``inputs`` are one example and rows stay apart."""
         rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
         if not rows.get("independent") or len(inputs) != len(sig["inputs"]):
             return None

@@ -1,9 +1,6 @@
-"""Arrays as ``.npy`` files: a model's inputs read from them, its outputs written to them.
-
-Read without pickle. ml_dtypes types (bfloat16, float8, int4) are stored as raw bytes
-(``|V2`` for bfloat16) and read back as the dtype the model expects (:func:`npy_array`);
-nothing else is cast.
-"""
+"""A model's inputs read from ``.npy`` files (no pickle), its outputs written to them. ml_dtypes
+types are stored as raw bytes (``|V2`` for bfloat16) and read back as the dtype the model
+expects; nothing else is cast."""
 
 from __future__ import annotations
 
@@ -89,7 +86,7 @@ def _short(f: BinaryIO) -> str | None:
 
 def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
     """``x``, a void array from a .npy file, viewed as the ml_dtypes type ``dtype`` of its
-    itemsize (the bytes unchanged); any other array as it is, uncast, for the caller to check."""
+    itemsize; any other array as it is, for the caller to check."""
     if x.dtype.kind != "V" or x.dtype.names is not None or x.dtype.subdtype is not None:
         return x
     import ml_dtypes
@@ -102,9 +99,8 @@ def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
 def read_inputs(
     files: Sequence[str | os.PathLike[str]], specs: Sequence[TensorSpec]
 ) -> list[np.ndarray]:
-    """The ``.npy`` files as a model's inputs, one per spec (a file past the last spec is read
-    as it is, for the model to refuse); a ``SignatureError`` for a file that is no ``.npy``
-    array or holds another dtype than its input."""
+    """The ``.npy`` files as a model's inputs, one per spec (one past the last is read as it
+    is, for the model to refuse); a ``SignatureError`` for a file of another dtype."""
     xs = [read_npy(file, what=str(file)) for file in files]
     xs = [npy_array(x, specs[i].dtype) if i < len(specs) else x for i, x in enumerate(xs)]
     for file, x, spec in zip(files, xs, specs, strict=False):
@@ -121,11 +117,9 @@ def read_inputs(
 def write_outputs(
     out: Any, target: str | os.PathLike[str] | BinaryIO, *more: tuple[Any, Any]
 ) -> list[np.ndarray]:
-    """Writes a model's outputs (an array or a tuple): one array as ``.npy`` to a path or a
-    binary stream, or all into a ``.npz`` path as ``out0``, ``out1``, ...; ``more``: further
-    ``(out, target)`` pairs, written together (every path or none). Returns the first's arrays
-    as NumPy arrays. A ``SignatureError`` for several outputs and one ``.npy`` (nothing is
-    written); a ``SymjaxError`` for a path that cannot be written (what each held is unchanged)."""
+    """Writes a model's outputs: one array as ``.npy`` to a path or stream, or all into a
+    ``.npz`` path (``out0``, ...); ``more``: further ``(out, target)`` pairs, all paths or
+    none. Returns the first's arrays; a ``SignatureError`` for several outputs to a ``.npy``."""
     files, streams, first = [], [], None
     for y, to in ((out, target), *more):
         outs = arrays(y)
