@@ -312,10 +312,8 @@ def _write(work: Path, prefix: str, arrays: Sequence[Any], dtypes: dict[str, str
     in ``dtypes``; returns the file names."""
     names = [f"{prefix}_{i}.npy" for i in range(len(arrays))]
     for name, x in zip(names, arrays, strict=True):
-        if str(getattr(x, "dtype", "")) in _key_impls():
-            np.save(work / name, np.asarray(jax.random.key_data(x)))
-        else:
-            np.save(work / name, x)
+        is_key = str(getattr(x, "dtype", "")) in _key_impls()
+        np.save(work / name, np.asarray(jax.random.key_data(x)) if is_key else x)
         dtypes[name] = str(x.dtype)
     return names
 
