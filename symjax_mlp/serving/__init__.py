@@ -1,16 +1,10 @@
 """Serving: a model behind a micro-batcher, an HTTP server, and a latency mode.
 
-- :class:`Batcher`: thread-safe ``submit(x) -> Future``, blocking ``b(x)`` and asyncio
-  ``await b.asubmit(x)`` over a :class:`~symjax_mlp.Hybrid` or a loaded artifact
-  (:class:`~symjax_mlp.LoadedModel`): concurrent requests are merged into a few batch
-  sizes compiled ahead of time.
-- :func:`create_app` / :func:`serve`: the batcher over HTTP (starlette + uvicorn, the
-  ``symjax_mlp[serve]`` extra, imported only when used); ``symjax-mlp serve ARTIFACT``.
-- :func:`ray_app`: the artifact as a Ray Serve application, each replica a batcher behind
-  the same ASGI app (the ``symjax_mlp[ray]`` extra, imported only when used);
-  ``symjax-mlp serve ARTIFACT --ray``.
-- :func:`latency_mode`: JAX's CPU calls on the calling thread, for per-request latency; the
-  library never switches it by itself.
+:class:`Batcher` merges concurrent requests (``submit``, ``b(x)``, ``await b.asubmit(x)``) to
+a :class:`~symjax_mlp.Hybrid` or a :class:`~symjax_mlp.LoadedModel` into a few batch sizes
+compiled ahead of time; :func:`create_app` and :func:`serve` put it behind HTTP (the ``serve``
+extra), :func:`ray_app` on Ray Serve replicas (the ``ray`` extra); :func:`latency_mode` runs
+JAX's CPU calls on the calling thread, for per-request latency.
 
 Example:
   >>> import jax.numpy as jnp, numpy as np

@@ -1,24 +1,17 @@
 """The HTTP server: an ASGI app (starlette) over a :class:`~symjax_mlp.serving.Batcher`.
 
-Endpoints:
-
-- ``POST /predict``: one request. JSON ``{"inputs": X}`` for a one-input model (``X`` nested
-  lists, rows first), or ``{"inputs": {"args[0]": X0, "args[1]": X1}}`` by input name;
-  answered ``{"outputs": Y}`` (a list of arrays for a tuple output). Or a ``.npy`` body
-  (``Content-Type: application/x-npy``, one-input models), answered with a ``.npy`` (an
-  ``.npz`` of ``out0``, ``out1``, ... for a tuple output). A ``Server-Timing`` header gives
+- ``POST /predict``: JSON ``{"inputs": X}`` (nested lists, rows first), or
+  ``{"inputs": {"args[0]": X0, ...}}`` by input name, answered ``{"outputs": Y}`` (a list for a
+  tuple output); or a ``.npy`` body (``Content-Type: application/x-npy``, one input), answered
+  with a ``.npy`` (an ``.npz`` of ``out0``, ``out1``, ... for a tuple). ``Server-Timing`` gives
   the request's queued/padded/compute/split milliseconds.
-- ``GET /health``: ``{"status": "ok", ...}`` (503 once closing).
-- ``GET /metrics``: the batcher's and the server's counters, Prometheus text format.
-- ``GET /signature``: what a request takes.
+- ``GET /health`` (503 once closing), ``GET /metrics`` (Prometheus), ``GET /signature``.
 
 Errors are JSON ``{"error": class name, "message": ...}``, counted on ``/metrics``: 400 an
-unreadable body, 408 a body that stopped arriving, 413 too large, 415 an unknown content
-type, 422 a :class:`~symjax_mlp.SignatureError`, 503 a full queue or too many bytes of bodies
-in flight (both with ``Retry-After``), a batcher closed with ``cancel=True`` or a server that
-stopped before the answer, 500 the model raised. A message names the model, never
-its path on the server. starlette and uvicorn (the ``symjax_mlp[serve]`` extra) are imported
-only when an app is made.
+unreadable body, 408 a body that stopped arriving, 413 too large, 415 an unknown content type,
+422 a :class:`~symjax_mlp.SignatureError`, 503 a full queue or too many body bytes in flight
+(both with ``Retry-After``), a batcher closed with ``cancel=True`` or a server that stopped
+before the answer, 500 the model raised. A message names the model, never its path.
 """
 
 from __future__ import annotations
@@ -73,13 +66,10 @@ def create_app(
 ) -> Any:
     """The ASGI app serving ``batcher`` (a ``starlette.applications.Starlette``).
 
-    The app bounds request bodies (size, pace, bytes in flight). A request's head and the
-    connections are bounded only by :func:`serve` (its uvicorn protocol): under your own
-    ``uvicorn.run(app)``, uvicorn (over httptools) reads a head of any size at any pace, keeps
-    a connection that sends nothing open for ever, and answers ``limit_concurrency`` in
-    text/plain. There, pass at least ``http="h11", h11_max_incomplete_event_size=65536`` (a
-    head past 64 KiB: 400) and ``limit_concurrency=N``, and put a proxy with a header timeout
-    (nginx's ``client_header_timeout``) in front; or call :func:`serve`.
+    The app bounds request bodies (size, pace, bytes in flight); heads and connections only
+    :func:`serve` bounds. Under your own ``uvicorn.run(app)`` (which reads a head of any size at
+    any pace), pass at least ``http="h11", h11_max_incomplete_event_size=65536`` and
+    ``limit_concurrency=N``, behind a proxy with a header timeout; or call :func:`serve`.
 
     Args:
       batcher: the :class:`~symjax_mlp.serving.Batcher` that runs the requests.
@@ -127,11 +117,8 @@ def create_app(
     by_code: collections.Counter[int] = collections.Counter()  # answers, on the one loop
     if max_inflight_bytes is None:
         max_inflight_bytes = 4 * max_body_bytes
-    for option, value in (
-        ("max_body_bytes", max_body_bytes),
-        ("max_inflight_bytes", max_inflight_bytes),
-        ("body_timeout", body_timeout),
-    ):
+    limits = {"max_body_bytes": max_body_bytes, "max_inflight_bytes": max_inflight_bytes}
+    for option, value in {**limits, "body_timeout": body_timeout}.items():
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ConfigError(f"create_app: {option} must be a number > 0; got {value!r}.")
     if max_inflight_bytes < max_body_bytes:  # a body between the two: 503, retry, for ever
@@ -140,11 +127,7 @@ def create_app(
             f"{max_body_bytes}, so a body between the two could never be read; pass "
             "max_inflight_bytes >= max_body_bytes."
         )
-    intake = Intake(
-        max_body_bytes=max_body_bytes,
-        body_timeout=body_timeout,
-        max_inflight_bytes=max_inflight_bytes,
-    )
+    intake = Intake(max_body_bytes, body_timeout, max_inflight_bytes)
     public = Public(batcher)
 
     def error(status: int, e: Exception, headers: dict[str, str] | None = None) -> Response:

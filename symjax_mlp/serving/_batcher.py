@@ -226,8 +226,7 @@ class Batcher:
           Exception: what the model raised for the request's batch.
         """
         t0 = clock()
-        if timeout is not None:
-            check_timeout(f"{self.name}.run", timeout)
+        check_timeout(f"{self.name}.run", timeout)
         arrays, rows = self._check(inputs)
         lane, request = self._lane, Blocking(arrays, rows, t0)
         if lane.idle and not lane.queue and not lane.closing and claim(lane.idle):
@@ -293,13 +292,10 @@ class Batcher:
         lone, lane = self._passes.pop(loop), self._lane
         with lane.lock:
             q = lane.queue
-            if lone is None or not self._on_loop or len(q) != 1 or q[0] is not lone:
+            alone = lone is not None and self._on_loop and len(q) == 1 and q[0] is lone
+            if not alone or lone.future.cancelled():  # cancelled: the thread drops it
                 if lane.idle:
                     lane.nudge()
-                return
-            if lone.future.cancelled():  # by its awaiter, before its pass ended
-                q.popleft()
-                lane.n.cancelled += 1
                 return
             if not claim(lane.idle):  # a batch runs: its runner takes the queue next
                 return
@@ -312,8 +308,7 @@ class Batcher:
             except BaseException as e:  # counted as failed by run_alone; SystemExit too, which
                 lone.fail(e)  # reaches the loop through its awaiter, if any
                 return
-            _, t1, t2, t3, t4, rows, bucket = record
-            lone._batch = (t1, t2 - t1, t3 - t2, t4 - t3, rows, 1, bucket)
+            lone._batch = (*record[1:], 1)
             lone.future.set_result(result)
         finally:
             lane.release()
@@ -346,8 +341,7 @@ class Batcher:
         """
         if cancel not in (False, True):
             raise ConfigError(f"{self.name}.close(cancel={cancel!r}): expected True or False.")
-        if timeout is not None:
-            check_timeout(f"{self.name}.close", timeout)
+        check_timeout(f"{self.name}.close", timeout)
         self._lane.close(cancel)
         self._finalizer.detach()
         if threading.get_ident() in (self._lane.thread, self._lane.holder):

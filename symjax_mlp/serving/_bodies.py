@@ -53,9 +53,8 @@ class BadRequest(Exception):
 class Intake:
     """Reads bodies within ``max_body_bytes``, ``body_timeout`` and ``max_inflight_bytes``."""
 
-    def __init__(self, *, max_body_bytes: int, body_timeout: float, max_inflight_bytes: int):
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout = body_timeout
+    def __init__(self, max_body_bytes: int, body_timeout: float, max_inflight_bytes: int):
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
         self.max_inflight_bytes = max_inflight_bytes
         self.held = 0  # bytes of bodies in flight, all requests together
 

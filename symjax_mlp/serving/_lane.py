@@ -202,8 +202,7 @@ class Lane:
             self.settle(batch, None, e)
             return
         self.n.pending.append(record)  # before any result
-        _, t1, t2, t3, t4, _, bucket = record
-        self.settle(batch, results, None, (t1, t2 - t1, t3 - t2, t4 - t3, rows, len(batch), bucket))
+        self.settle(batch, results, None, (*record[1:], len(batch)))
 
     def compute(self, batch: Sequence[Any], rows: int, t0: Any) -> tuple[list[Any], tuple]:
         """The model's results for ``batch`` (requests of ``rows`` rows in all), one per

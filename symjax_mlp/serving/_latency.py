@@ -1,10 +1,8 @@
 """Latency mode: JAX's CPU calls run on the calling thread, not handed to a dispatch thread.
 
-JAX's CPU client dispatches each call asynchronously, which overlaps Python with compute but
-costs a thread hand-off per call, often more than a small program; XLA's matmuls hand a
-batch-1 matvec to Eigen's pool too. :func:`latency_mode` turns both off. Both settings are read
-once, when JAX starts its CPU backend, so it refuses when it comes too late. On a GPU the
-setting changes nothing: kernels are always queued on a stream.
+JAX's CPU client dispatches each call asynchronously, a thread hand-off per call, and XLA hands
+a batch-1 matvec to Eigen's pool too: :func:`latency_mode` turns both off. Both settings are
+read once, when JAX starts its CPU backend. On a GPU it changes nothing.
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ def latency_mode() -> None:
     """Runs JAX's CPU calls inline, on the calling thread: per-request latency, not throughput.
 
     Sets ``jax_cpu_enable_async_dispatch=False`` and adds ``--xla_cpu_multi_thread_eigen=false``
-    to ``XLA_FLAGS`` (subprocesses inherit it) unless ``XLA_FLAGS`` already sets it. Call it
-    first thing, before any JAX computation (creating an array counts); ``symjax-mlp serve``
-    does. A call that finds the mode already in force is a no-op.
+    to ``XLA_FLAGS`` unless it sets it already. Call it before any JAX computation (creating an
+    array counts), as ``symjax-mlp serve`` does; with the mode in force already, a no-op.
 
     Raises:
       RuntimeError: JAX's backend already started with asynchronous dispatch; the setting

@@ -57,7 +57,7 @@ class _Timed:
     """A request's ``timing``: set by the lane, ``_batch``, before its result is."""
 
     __slots__ = ()
-    _batch: tuple | None  # (t1, padded, compute, split, batch_rows, requests, bucket)
+    _batch: tuple | None  # its batch's (t1, t2, t3, t4, rows, bucket, requests): see Lane.compute
     rows: int
     t0: float
 
@@ -66,9 +66,9 @@ class _Timed:
         """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
         if self._batch is None:
             return None
-        t1, padded, compute, split, batch_rows, requests, bucket = self._batch
+        t1, t2, t3, t4, batch_rows, bucket, requests = self._batch
         return RequestTiming(
-            t1 - self.t0, padded, compute, split, self.rows, batch_rows, requests, bucket
+            t1 - self.t0, t2 - t1, t3 - t2, t4 - t3, self.rows, batch_rows, requests, bucket
         )
 
 
@@ -377,6 +377,8 @@ def check_count(where: str, option: str, value: Any) -> None:
 
 
 def check_timeout(caller: str, timeout: Any) -> None:
+    if timeout is None:
+        return
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
         raise ConfigError(
             f"{caller}(timeout={timeout!r}): pass seconds >= 0, or None to wait as long as it "
