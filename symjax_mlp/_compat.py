@@ -1,8 +1,5 @@
-"""Every private JAX, Flax and CPython internal the library uses, each with its public fallback.
-
-Each section says why, the internal and its fallback; :data:`INTERNALS` turns each off, and
-``tests/test_compat.py`` checks that the fallbacks agree.
-"""
+"""Every private JAX, Flax and CPython internal the library uses, each section saying why, the
+internal and its public fallback; :data:`INTERNALS` turns each off (``tests/test_compat.py``)."""
 
 from __future__ import annotations
 
@@ -65,8 +62,7 @@ _LAPACK = threading.local()  # .skip: this thread compiles a module that calls n
 
 @functools.cache
 def lapack_kernels() -> frozenset[str] | None:
-    """The custom-call targets of JAX's LAPACK kernels, its set-up made skippable (``None``:
-    this JAX lacks the pieces)."""
+    """JAX's LAPACK kernels' custom-call targets, its set-up made skippable (``None``: no such)."""
     try:  # jax 0.10: _ensure_backends_initialized calls linalg.initialize_lapack by name
         from jax._src.lax import linalg
         from jax._src.lib import lapack
@@ -88,12 +84,10 @@ def lapack_kernels() -> frozenset[str] | None:
 def skipping_lapack(custom_calls: Any) -> Iterator[None]:
     """Within the block, this thread skips JAX's LAPACK set-up if ``custom_calls`` (a module's
     targets) include none of its kernels; ``None`` (unknown): as the enclosing block has it."""
-    if custom_calls is None:
-        yield
-        return
     kernels = lapack_kernels() if INTERNALS["lapack"] else None
     before = getattr(_LAPACK, "skip", False)
-    _LAPACK.skip = kernels is not None and kernels.isdisjoint(custom_calls)
+    if custom_calls is not None:
+        _LAPACK.skip = kernels is not None and kernels.isdisjoint(custom_calls)
     try:
         yield
     finally:
@@ -117,14 +111,9 @@ def without_source_locations() -> contextlib.AbstractContextManager:
 # 0.10). Fallback: ``None`` (unknown): the flag is set, as before any JAX computation.
 def backend_started() -> bool | None:
     """Whether JAX has started a backend (``None``: this JAX does not say)."""
-    if not INTERNALS["backend_started"]:
-        return None
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):
-        return None
+    bridge = sys.modules.get("jax._src.xla_bridge") if INTERNALS["backend_started"] else None
+    started = getattr(bridge, "backends_are_initialized", None)
+    return None if started is None else bool(started())
 
 
 # -- 5. whether a call runs under a JAX transformation -------------------------------------
@@ -202,10 +191,10 @@ def _scoped(cls: type) -> type:
                     _CALLER.reset(token)
 
             namespace = {"__call__": __call__, "__module__": cls.__module__}
+            namespace["__qualname__"] = cls.__qualname__
             pytree = getattr(cls, "_pytree__is_pytree", None)
             kwargs = {} if pytree is None else {"pytree": pytree}
             _SCOPED[cls] = type(cls)(cls.__name__, (cls,), namespace, **kwargs)
-            _SCOPED[cls].__qualname__ = cls.__qualname__
         return _SCOPED[cls]
 
 
@@ -215,10 +204,8 @@ def _scoped(cls: type) -> type:
 # always on). Fallback: ``False``: every such read takes the lock (right on any build).
 def gil_enabled() -> bool:
     """Whether the GIL is on (``False`` when unknown: take the locks)."""
-    if not INTERNALS["gil"]:
-        return False
-    check = getattr(sys, "_is_gil_enabled", None)
-    return True if check is None else bool(check())
+    check = getattr(sys, "_is_gil_enabled", lambda: True)
+    return INTERNALS["gil"] and bool(check())
 
 
 #: :func:`gil_enabled` at import, read on hot paths
@@ -298,10 +285,8 @@ class SharedLockFuture(concurrent.futures.Future):
         if not self._shared:
             return super().cancel()
         with self._condition:
-            if self._state in (RUNNING, FINISHED):
-                return False
-            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED):
-                return True
+            if self._state != PENDING:
+                return self._state in (CANCELLED, CANCELLED_AND_NOTIFIED)
             self._state = CANCELLED
             if self._wake is not None:
                 self._wake.notify_all()

@@ -398,3 +398,22 @@ def test_an_input_tree_with_none_or_int_keys_traces_and_keys_of_two_types_are_re
             sm.ConfigError, match=r"args\[0\]\[1\] is a dict whose keys \(int, str\)"
         ):
             run((jnp.ones(2), {1: jnp.ones(2), "a": jnp.ones(3)}))
+
+
+@pytest.mark.parametrize("keyword", ["method", "mutable", "rngs"])
+def test_a_linen_models_keyword_named_as_an_apply_option_reaches_the_model(keyword):
+    # it was passed to model.apply beside the library's own options: a flax error, or a
+    # TypeError for a keyword given twice; a user's names are theirs
+    import flax.linen as nn
+
+    class Scaled(nn.Module):
+        @nn.compact
+        def __call__(self, x, **options):
+            return nn.Dense(2)(x) * options[keyword]
+
+    model, x = Scaled(), jnp.ones((1, 3))
+    variables = model.init(jax.random.key(0), method=lambda m: m(x, **{keyword: 1.0}))
+    h = sm.hybridize(model, variables)
+    want = model.apply(variables, method=lambda m: m(x, **{keyword: 3.0}))
+    chex.assert_trees_all_close(h(x, **{keyword: 3.0}), want, rtol=1e-6)
+    chex.assert_trees_all_close(h.eager(x, **{keyword: 3.0}), want, rtol=1e-6)

@@ -130,8 +130,7 @@ class Hybrid:
             return trace(*args, **kwargs)
 
         program.__name__ = program.__qualname__ = f"{self.name}{PROGRAM_SUFFIX}"
-        # no inspect.signature: jax.jit then names inputs args[i], kwargs['k'] as it would from
-        # (*args, **kwargs), without tripping on a model's keyword named 'args' (AssertionError)
+        # no signature: inputs named args[i], kwargs['k'], a model's keyword 'args' too
         program.__signature__ = "no signature"
         return jax.jit(program, **options)
 
@@ -144,8 +143,8 @@ class Hybrid:
 
     @property
     def params(self) -> Any:
-        """What gradients are taken of (read-only): a linen model's variables without its
-        mutable collections, an nnx module's ``Param`` values, or the params given."""
+        """What gradients are taken of (read-only): a linen model's variables but the mutable
+        collections, an nnx module's ``Param`` values, or the params given."""
         return self._given if self.mesh is None else jax.tree.unflatten(self._treedef, self._leaves)
 
     @property
@@ -215,7 +214,7 @@ class Hybrid:
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""
-        if self._fast and not kwargs:  # the hot path (compiled only): arrays in, one dispatch
+        if self._fast and not kwargs:  # the hot path: arrays in, one dispatch
             for a in args:
                 if type(a) not in _ARRAYS:
                     break
@@ -246,9 +245,9 @@ class Hybrid:
             return out[0]
 
     def _call_held(self, static: Any, dyn: Any, dyn_kw: Any, variables: Any = ()) -> Any:
-        """A stateful call: the held state passed and the new one held (:meth:`HeldState.call`)."""
-        args, keeps = (static, self._leaves, dyn, dyn_kw), self._traced.keeps_state
-        out, *new = self._held.call(self._jitted, args, keeps)
+        """A stateful call: the held state passed, the new one held."""
+        args = (static, self._leaves, dyn, dyn_kw)
+        out, *new = self._held.call(self._jitted, args, self._traced.keeps_state)
         if variables:
             write_back(variables, new[0], self.name)
         return out
@@ -303,7 +302,7 @@ class Hybrid:
         return self._apply_pure(caller, params, state, args, kwargs)
 
     def _apply_pure(self, caller: str, params: Any, state: Any, args: Any, kwargs: Any) -> Any:
-        """``(out, new_state)`` of the compiled pure function; given nnx objects written back."""
+        """``(out, new_state)`` of the compiled pure function; nnx objects given written back."""
         static, dyn, dyn_kw = self._partition(args, kwargs, caller)
         variables = given(dyn, dyn_kw, caller)
         if self._apply is None:  # never donating: params and state are the caller's

@@ -124,20 +124,18 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
         if not isinstance(params, Mapping):  # h.apply(None, x), h.replace(params=[...])
             got = type(params).__name__
             raise ConfigError(_NOT_VARIABLES.format(caller=name, name=name, got=got))
-        state = dict(state)
-        keys = None
-        if _RNGS in state:
-            pairs = {n: jax.random.split(k) for n, k in state[_RNGS].items()}
+        state, streams = dict(state), state.get(_RNGS, {})
+        pairs = {n: jax.random.split(k) for n, k in streams.items()}
+        keys = {n: k[1] for n, k in pairs.items()} or None
+        if streams:  # split anew by every call
             state[_RNGS] = {n: k[0] for n, k in pairs.items()}
-            keys = {n: k[1] for n, k in pairs.items()}
         variables = {**params, **{c: state[c] for c in mutable if c not in sown}}
+
+        def run(m: Any) -> Any:  # the args inside: no keyword of the model's is taken
+            return m(*args, **kwargs)
+
         try:
-            if not mutable:
-                return model.apply(variables, *args, rngs=keys, **kwargs), state
-            out, updates = model.apply(variables, *args, rngs=keys, mutable=list(mutable), **kwargs)
-            if sown:
-                updates = dict(updates)
-                out = out, {c: updates.pop(c, {}) for c in sown}
+            out, updates = model.apply(variables, rngs=keys, mutable=list(mutable), method=run)
         except ScopeCollectionNotFound as e:
             if "params" in variables or "params" in mutable:
                 raise
@@ -148,8 +146,11 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
                 )
             ) from None  # fmt: skip
         except InvalidRngError as e:
-            error, streams = str(e).split(" (")[0], sorted(keys or ())
+            error, streams = str(e).split(" (")[0], sorted(streams)
             raise ConfigError(_NO_RNG.format(name=name, error=error, streams=streams)) from None
+        if sown:
+            updates = dict(updates)
+            out = out, {c: updates.pop(c, {}) for c in sown}
         return out, {**state, **updates}
 
     pure = PureModel(call, bool(state), "linen", model, type(model).__call__, source=model)
