@@ -107,13 +107,11 @@ def _progress(epochs: int, *, quiet: bool) -> Iterator[Callable[[Any], None] | N
         )
 
     if not sys.stderr.isatty():
+        width = len(str(epochs))
 
         def plain(r: Any) -> None:
-            done = round(20 * r.epoch / epochs)
-            bar = "#" * done + "." * (20 - done)
-            print(
-                f"epoch {r.epoch:>{len(str(epochs))}}/{epochs} [{bar}] {line(r)}", file=sys.stderr
-            )
+            bar = ("#" * round(20 * r.epoch / epochs)).ljust(20, ".")
+            print(f"epoch {r.epoch:>{width}}/{epochs} [{bar}] {line(r)}", file=sys.stderr)
 
         yield plain
         return
