@@ -17,6 +17,7 @@ from flax import nnx
 from helpers import (
     STRICT_WARNINGS,
     LinenBatchNorm,
+    LinenDropout,
     NnxBatchNorm,
     NnxModes,
     bounded,
@@ -98,6 +99,16 @@ def test_an_eval_mode_stateful_call_runs_under_jit(make):
     chex.assert_trees_all_close(got, want)
     chex.assert_trees_all_close(keyless(h.state), state)
     chex.assert_trees_all_close(jax.jit(lambda x: h(x, **settings))(X + 1), h(X + 1, **settings))
+
+
+def test_a_linen_model_with_rng_streams_in_eval_mode_under_jit_is_refused_naming_rngs():
+    # every call splits a linen model's streams (the reference, tests/helpers.reference_calls,
+    # does too), so even its eval-mode call changes the state: the message says so, not only
+    # "call it in eval mode"
+    model = LinenDropout()
+    h = sm.hybridize(model, model.init(jax.random.key(0), X), rngs=1)
+    with pytest.raises(sm.ControlFlowError, match=r"linen model's rngs=.*without rngs=.*h\.apply"):
+        jax.jit(h)(X)
 
 
 def test_a_training_mode_stateful_call_under_jit_is_still_refused():

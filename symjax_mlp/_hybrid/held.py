@@ -18,9 +18,10 @@ from symjax_mlp._hybrid.pure import state_structure, unwrap_keys, wrap_keys
 _STATE_UNDER_TRANSFORM = (
     "{name}: a stateful Hybrid was called inside a JAX transformation (jax.jit, jax.grad, "
     "jax.vmap, ...) in a way that changes its state (training mode: batch statistics, an rng "
-    "stream drawn or split), where the new state would be a tracer. Call it in eval mode "
-    "there, which keeps the state, or use the pure form: out, state = h.apply(h.params, x) "
-    "returns the new state instead of holding it."
+    "stream drawn; a linen model's rngs=, which every call splits), where the new state would "
+    "be a tracer. Call it in eval mode there, which keeps the state (a linen model hybridized "
+    "without rngs=), or use the pure form: out, state = h.apply(h.params, x) returns the new "
+    "state instead of holding it."
 )
 _STATE_STRUCTURE = (
     "{name}: a call changed the structure of the model's state, from {before} to {after}; a "
