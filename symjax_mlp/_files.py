@@ -30,30 +30,6 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _open_regular(file: Path, error: type[SymjaxError]) -> int:
-    flags = os.O_RDONLY
-    for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "O_BINARY"):
-        flags |= getattr(os, name, 0)
-    try:
-        fd = os.open(file, flags)
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as e:  # ELOOP: a symlink; ValueError: a NUL in the name
-        if os.path.islink(file):
-            raise error(
-                f"{file} is a symbolic link; loading never follows a link (it could point out "
-                "of the directory, or at /dev/zero). Replace it by the file it points to."
-            ) from None
-        raise error(f"{file} cannot be read: {e}") from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise error(
-            f"{file} is not a regular file (a directory, FIFO or device), so it is not what was "
-            "written there. Restore the file, or write it again."
-        )
-    return fd
-
-
 class Reader(contextlib.AbstractContextManager):
     """One checked, hashed pass over a regular file of ``size`` bytes (at most ``limit``):
     ``with Reader(file, size=n, error=E) as r: r.read(8); r.readinto(buf); r.finish(sha)``."""
@@ -62,9 +38,28 @@ class Reader(contextlib.AbstractContextManager):
         self, file: Path, *, size: int | None, limit: int | None = None, error: type[SymjaxError]
     ) -> None:
         self.file, self.error = file, error
-        self.fd = _open_regular(file, error)
-        self.size, problem = os.fstat(self.fd).st_size, None
-        if size is not None and self.size != size:
+        flags = os.O_RDONLY  # never follow a link, never block on a FIFO
+        for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "O_BINARY"):
+            flags |= getattr(os, name, 0)
+        try:
+            self.fd = os.open(file, flags)
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError) as e:  # ELOOP: a symlink; ValueError: a NUL in the name
+            if os.path.islink(file):
+                raise error(
+                    f"{file} is a symbolic link; loading never follows a link (it could point "
+                    "out of the directory, or at /dev/zero). Replace it by the file it points to."
+                ) from None
+            raise error(f"{file} cannot be read: {e}") from e
+        st = os.fstat(self.fd)
+        self.size, problem = st.st_size, None
+        if not stat.S_ISREG(st.st_mode):
+            problem = (
+                f"{file} is not a regular file (a directory, FIFO or device), so it is not what "
+                "was written there. Restore the file, or write it again."
+            )
+        elif size is not None and self.size != size:
             problem = (
                 f"{file} is corrupted: it has {self.size} bytes but the manifest records {size}. "
                 "Nothing was deserialized. Restore the file, or write it again."
@@ -259,15 +254,13 @@ def write_dir(
         elif not _rename(tmp, path, _RENAME_NOREPLACE):
             os.rename(tmp, path)  # not Linux: fails on a non-empty directory that appeared
         _fsync_dir(path.parent)
-    except FileExistsError:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        check(path, False)  # another writer won the race: say so, as for an existing path
-        raise error(f"cannot write {target}: another writer created it meanwhile.") from None
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise error(f"cannot write {target}: {e}. Anything there before is unchanged.") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, FileExistsError):  # another writer won the race
+            check(path, False)  # says so, as for an existing path
+            raise error(f"cannot write {target}: another writer created it meanwhile.") from None
+        if isinstance(e, OSError):
+            raise error(f"cannot write {target}: {e}. Anything there before is unchanged.") from e
         raise
     finally:
         os.close(lock)
