@@ -46,20 +46,16 @@ class Batcher:
     rows: ``b(x)`` returns what ``model(x)`` would, as NumPy arrays (batched rows equal the
     same rows run alone up to float rounding; at one bucket, bit for bit).
 
-    Merging and padding are exact only for a model that keeps the rows of its batch apart. An
-    artifact whose manifest does not show that (``m.manifest["rows"]``: e.g. it subtracts the
-    batch mean) runs each request alone at its own rows, never merged nor padded (each row
-    count compiled at its first use), so ``b(x)`` equals ``m(x)``; :attr:`merges` is then
-    ``False`` and :attr:`why_alone` says why. A static batch never shows its rows apart: such
-    an artifact takes requests of exactly that many rows. An artifact written before manifests
-    said so, a Hybrid, or a callable is merged and padded: exact only if it keeps rows apart.
+    Merging and padding are exact only for a model that keeps its rows apart. An artifact
+    whose manifest does not show that (``m.manifest["rows"]``) runs each request alone at its
+    own rows, never merged nor padded: :attr:`merges` is then ``False`` and :attr:`why_alone`
+    says why; with a static batch, a request must have exactly its rows. A Hybrid, a callable
+    or an artifact written before manifests said so is merged and padded.
 
     A bad request is refused with :class:`~symjax_mlp.SignatureError`, a full queue with
-    :class:`OverloadError`; neither disturbs other requests. If the model raises, every
-    request of that batch gets the exception (``SystemExit`` too, as with a
-    ``ThreadPoolExecutor``), and the batcher carries on. Use it as a context manager, or call
-    :meth:`close`. Inputs are read when their batch runs: do not change one in place before
-    its result is back.
+    :class:`OverloadError`. If the model raises, every request of that batch gets the exception
+    (``SystemExit`` too, as with a ``ThreadPoolExecutor``), and the batcher carries on. Inputs
+    are read when their batch runs: do not change one in place before its result is back.
 
     Args:
       model: a :class:`~symjax_mlp.LoadedModel` (``sm.load(path)``; its signature says what
@@ -157,7 +153,7 @@ class Batcher:
         self.model = model
         #: Why each request runs alone at its own rows (``""``: requests merge): see above.
         self.why_alone: str = alone
-        lane = Lane(served, specs, self.buckets, max_queue, self.name, merges=not alone)
+        lane = Lane(served, specs, self.buckets, self.name, merges=not alone)
         exact = static if alone else None  # a static batch whose rows mix: never padded
         self._check = RequestCheck(self.name, specs, lane, self.max_batch, exact, alone).check
         # Per event loop, this pass's asubmit (None: several): see _end_of_pass. A lone one
@@ -171,7 +167,6 @@ class Batcher:
         lane.thread = self._thread.ident
         self._finalizer = weakref.finalize(self, lane.close, False)
 
-    # -- requests ----------------------------------------------------------------------------
     def _enqueue(self, request: Any, wake: bool = True) -> None:
         lane = self._lane
         with lane.lock:
@@ -180,13 +175,12 @@ class Batcher:
                 raise RuntimeError(
                     f"{self.name} is closed: it takes no more requests; make a new one."
                 )
-            if len(lane.queue) >= lane.max_queue:
+            if len(lane.queue) >= self.max_queue:
                 lane.n.rejected["overload"] += 1
                 raise OverloadError(
-                    f"{self.name}: the queue is full ({self.max_queue} requests waiting, "
-                    f"max_queue={self.max_queue}), so the request was refused, not queued. Retry "
-                    "it later, send fewer requests at once, or make a Batcher with a larger "
-                    "max_queue."
+                    f"{self.name}: the queue is full (max_queue={self.max_queue} requests "
+                    "waiting), so the request was refused. Retry it later, send fewer requests "
+                    "at once, or make a Batcher with a larger max_queue."
                 )
             lane.n.requests += 1
             lane.queue.append(request)
@@ -198,7 +192,7 @@ class Batcher:
 
         Its result is what ``model(*inputs)`` returns, as NumPy arrays; its ``timing`` is set
         before it. Done callbacks run on the batcher's thread between two batches: keep them
-        short (``b(x)`` in one runs at once; waiting there for a queued request stalls it).
+        short.
 
         Raises:
           SignatureError: the inputs do not fit :attr:`specs` (or have more than
@@ -216,8 +210,8 @@ class Batcher:
     def run(self, *inputs: Any, timeout: float | None = None) -> Any:
         """Runs one request and waits for its result: ``b(x)`` is ``b.run(x)``.
 
-        An idle batcher runs it on the calling thread; otherwise it joins the next batch (each
-        blocked thread's wake-up is a GIL hand-off: many threads serve faster with ``submit``).
+        An idle batcher runs it on the calling thread; otherwise it joins the next batch (many
+        threads serve faster with ``submit``: each blocked thread's wake-up is a GIL hand-off).
 
         Raises:
           SignatureError, OverloadError, RuntimeError: as :meth:`submit`.
@@ -313,7 +307,6 @@ class Batcher:
         finally:
             lane.release()
 
-    # -- state -------------------------------------------------------------------------------
     @property
     def stats(self) -> BatcherStats:
         """A snapshot of the counters and timings (see :class:`BatcherStats`)."""
@@ -332,8 +325,8 @@ class Batcher:
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Stops taking requests, then finishes what is queued (``cancel=True``: cancels it).
 
-        Waits at most ``timeout`` seconds for that work; the thread then ends. Called by the
-        model or a done callback, it does not wait (the work ends after them). Idempotent.
+        Waits at most ``timeout`` seconds for that work (not when called by the model or a done
+        callback); the thread then ends. Idempotent.
 
         Raises:
           TimeoutError: the work did not finish within ``timeout`` (the thread keeps going).

@@ -73,8 +73,8 @@ def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: BaseException | No
 class Lane:
     """The executor state, shared by the batcher and its thread (which holds no Batcher)."""
 
-    def __init__(self, call: Callable[..., Any], row_specs, buckets, max_queue,
-                 name: str = "Batcher", merges: bool = True) -> None:  # fmt: skip
+    def __init__(self, call: Callable[..., Any], row_specs, buckets, name: str = "Batcher",
+                 merges: bool = True) -> None:  # fmt: skip
         self.call, self.name, self.merges = call, name, merges
         self.row_shapes = [tuple(s.shape[1:]) for s in row_specs]
         self.dtypes = [np.dtype(s.dtype) for s in row_specs]
@@ -84,7 +84,6 @@ class Lane:
                                 for n in range(1, self.max_batch + 1)]  # fmt: skip
         if not merges:  # each request at its own rows: a size compiled at its first use
             self.bucket_of = list(range(self.max_batch + 1))
-        self.max_queue = max_queue
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.sleeping = False  # the thread waits on `wake` and nobody notified it yet
@@ -103,7 +102,6 @@ class Lane:
         self.thread: int | None = None  # the batcher's thread (its ident)
         self.holder: int | None = None  # the thread running a lone request (its ident)
 
-    # -- the executor thread -----------------------------------------------------------------
     def work(self) -> None:
         """The thread's loop, until the lane is closed and its queue done."""
         while True:
@@ -246,7 +244,6 @@ class Lane:
         if futures:
             after_finish(futures, settled, error)
 
-    # -- a lone request, on its caller's thread ----------------------------------------------
     def run_alone(self, request: Any) -> tuple[Any, tuple]:
         """Runs one request on the calling thread, which holds the lane's token (and gives it
         back itself): its result, and its timing record."""

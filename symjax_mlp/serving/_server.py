@@ -49,8 +49,7 @@ class _Lingering:
         return self.lingering or self._t.is_closing()
 
     def write(self, data: bytes) -> None:
-        # closed (a 400 to what a client pipelined after its requests): their answers are
-        # dropped, where uvloop raised them into the app (a logged traceback per client)
+        # closed (a 400 to what a client pipelined after its requests): answers are dropped
         if not self.is_closing():
             self._t.write(data)
 
@@ -164,8 +163,7 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
             self._arm()
 
         def eof_received(self) -> bool | None:
-            # A client that half-closed after its whole request (printf ... | nc -N) got no
-            # answer: uvicorn closed at once. It is answered, then the connection closed.
+            # a client that half-closed after its whole request (nc -N): answered, then closed
             cycle = self.cycle
             if cycle is not None and not cycle.more_body and not cycle.response_complete:
                 cycle.keep_alive = False
@@ -233,11 +231,11 @@ def serve(
 ) -> None:
     """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
 
-    Loads the artifact, compiles the batcher's buckets, binds ``host:port`` (``port=0``: a
-    free port), calls ``ready(url)`` and runs uvicorn. On a signal it stops accepting
-    connections, finishes the requests in flight and queued, and returns. For per-request
-    latency on the CPU, call :func:`~symjax_mlp.serving.latency_mode` first, and
-    ``gc.freeze()`` in ``ready``; ``symjax-mlp serve`` does both.
+    Binds ``host:port`` (``port=0``: a free port), loads the artifact, compiles the batcher's
+    buckets, calls ``ready(url)`` and runs uvicorn. On a signal it finishes the requests in
+    flight and queued, and returns. For per-request latency on the CPU, call
+    :func:`~symjax_mlp.serving.latency_mode` first, and ``gc.freeze()`` in ``ready``, as
+    ``symjax-mlp serve`` does.
 
     Args:
       artifact: the artifact directory.
@@ -321,8 +319,7 @@ def bind(host: str, port: int) -> socket.socket:
             "0.0.0.0 (every interface)."
         )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP (a
-    # connection accepted from socket.socket() was left to Nagle: 40 ms a request without uvloop)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

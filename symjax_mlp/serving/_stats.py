@@ -137,21 +137,16 @@ class Counters:
 
     def fold(self) -> None:
         """Counts the batches in ``pending`` (the lane's lock is held)."""
-        pending, latencies = self.pending, []
-        s = self.seconds
+        pending, latencies, s = self.pending, [], self.seconds
         while pending:
             t0, t1, t2, t3, t4, rows, bucket = pending.popleft()
             self.batches += 1
             self.rows += rows
             self.padded_rows += bucket - rows
             self.by_bucket[bucket] += 1
-            if type(t0) is float:
-                k, total = 1, t4 - t0
-                latencies.append(total)
-            else:
-                ts = [t4 - t for t in t0]
-                k, total = len(ts), sum(ts)
-                latencies += ts
+            ts = [t4 - t0] if type(t0) is float else [t4 - t for t in t0]
+            k, total = len(ts), sum(ts)
+            latencies += ts
             self.completed += k
             self.latency_sum += total
             s["queued"] += total - k * (t4 - t1)
