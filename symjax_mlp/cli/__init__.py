@@ -262,7 +262,3 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
                 stream.flush()
         os._exit(130)
     sys.exit(code)
-
-
-if __name__ == "__main__":
-    run()
