@@ -712,7 +712,7 @@ def test_a_complex_input_or_output_is_refused_at_export_not_at_load(tmp_path, ou
 
 def test_export_compiles_one_program_for_its_self_test_and_the_check_against_the_model(tmp_path):
     # the self-test vectors, the exported program and the model at the example's shapes were
-    # three XLA compiles (export 115 -> 320 ms for the chapter MLP); the check still runs
+    # three XLA compiles; the check against the model still runs
     compiles, listening = [], [True]
 
     def listen(event, seconds, **kwargs):
