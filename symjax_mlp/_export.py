@@ -117,8 +117,10 @@ def export(
         vjp_order=vjp_order,
     )  # fmt: skip
     meta = _metadata(metadata, names[0])
-    staged = [stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
-              for i, n in enumerate(names)]  # fmt: skip
+    staged = [
+        stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
+        for i, n in enumerate(names)
+    ]
     shared = _shared_params(names, staged)
     _check_target(path, overwrite)  # fail before the work, not after it
     files: dict[str, bytes] = {}
@@ -137,14 +139,14 @@ def export(
         else:
             files[roles[SELFTEST]] = vectors
         inputs = [*own, *(s.path for s in signature.inputs)]
-        kept = [inputs[k] for k in exported.module_kept_var_idx]
         programs.append(
             {
                 "name": entry.h.name,
                 "signature": signature.to_json(),
                 "rows": rows,
                 "params": sorted(own),
-                "mlir_arguments": ["platform_index"] * (len(platforms) > 1) + kept,
+                "mlir_arguments": (["platform_index"] if len(platforms) > 1 else [])
+                + [inputs[k] for k in exported.module_kept_var_idx],
                 "static": {
                     (f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v, _ in entry.static
                 },

@@ -135,11 +135,12 @@ def load(
     else:
         specs, arrays = param_specs(params)
         found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="
-    ordered = check_params(found, [TensorSpec.from_json(p) for p in manifest["params"]],
-                           file=source)  # fmt: skip
+    expected = [TensorSpec.from_json(p) for p in manifest["params"]]
+    ordered = check_params(found, expected, file=source)
     self_test = self_test and params is None  # other weights give other outputs
     needs, signed = manifest.get("needs"), unchanged is not None  # the signer's word, if signed
-    allowed |= frozenset(needs or ()) if signed else frozenset()
+    if signed:
+        allowed |= frozenset(needs or ())
     opener = _Opener(path, manifest, runtime, blobs, mesh=mesh, trust=trust, allowed=allowed,
                      self_test=self_test, constants=params_as_constants, needs=needs,
                      signed=signed)  # fmt: skip
