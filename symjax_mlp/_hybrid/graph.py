@@ -56,7 +56,7 @@ class Graph:
 
     @functools.cached_property
     def _flops(self) -> tuple[int, tuple[str, ...]]:
-        return count_flops(self.jaxpr.jaxpr)  # (flops, primitives run an unknown number of times)
+        return count_flops(self.jaxpr.jaxpr)
 
     @property
     def flops(self) -> int:
@@ -73,7 +73,7 @@ class Graph:
 
     @property
     def flops_exact(self) -> bool:
-        """Whether :attr:`flops` is the whole count (false: a lower bound; see below)."""
+        """Whether :attr:`flops` is the whole count (false: a lower bound)."""
         return not self._flops[1]
 
     @property
@@ -83,7 +83,7 @@ class Graph:
 
     @classmethod
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
-        """Stages ``fn(*args, **kwargs)`` as :func:`stage` does."""
+        """Stages ``fn(*args, **kwargs)``, Python settings static (:func:`stage`)."""
         args, kwargs, join = split_equinox(args, kwargs)
         static, dyn, dyn_kw = partition(args, kwargs, caller=f"stage({name})", lists=True)
 

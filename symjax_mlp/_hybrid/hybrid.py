@@ -351,11 +351,9 @@ class Hybrid:
         if self._modes is None:
             return ()
         static, dyn, dyn_kw = self._partition(args, kwargs, self.name, keyed=False)
-        params, state = self.params, self.state
+        staged = functools.partial(self._traced.staged, static, self._leaves, self.state, dyn)
         with symbolic(self.name):
-            return self._modes.training(
-                lambda v: str(self._traced.staged(static, params, state, dyn, dyn_kw, 0, v))
-            )
+            return self._modes.training(lambda v: str(staged(dyn_kw, 0, v)))
 
     @property
     def trace_count(self) -> int:

@@ -142,10 +142,10 @@ def numbered(pairs: Iterable[tuple[Any, str]]) -> list[tuple[Any, str]]:
     ]
 
 
-def input_dependent(jaxpr: jex_core.Jaxpr) -> list[bool]:
-    """Per output of ``jaxpr``: whether it depends on an ``invar`` (an equation with a dependent
-    operand makes all its outputs dependent: exact for primitives, cautious for calls)."""
-    seen = set(jaxpr.invars)
+def input_dependent(jaxpr: jex_core.Jaxpr, sources: Any = None) -> list[bool]:
+    """Per output of ``jaxpr``: whether it depends on ``sources`` (default: every ``invar``; an
+    equation with a dependent operand makes all its outputs dependent: cautious for calls)."""
+    seen = set(jaxpr.invars if sources is None else sources)
     for eqn in jaxpr.eqns:
         if any(isinstance(v, jex_core.Var) and v in seen for v in eqn.invars):
             seen.update(eqn.outvars)

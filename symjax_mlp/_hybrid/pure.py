@@ -180,7 +180,8 @@ def nnx_module(module: Any) -> tuple:
 
     def merge(params, state):  # nnx would match the leaves by place, whatever their names
         if (got := _paths((params, state))) != expected:
-            raise _unfit(type(module).__name__, expected, got)
+            diff = _diff(expected, got)
+            raise ConfigError(_UNFIT.format(name=type(module).__name__, diff=diff))
         m = nnx.merge(graphdef, params, state) if state else nnx.merge(graphdef, params)
         if watched:
             pin = _PINNED.get()
@@ -219,12 +220,8 @@ def _paths(trees: tuple[Any, Any]) -> list[str]:
     return [p.removesuffix(".value") for p in paths]
 
 
-def _unfit(name: str, expected: list[str], got: list[str]) -> ConfigError:
-    """What the module's variables and those given differ in: a few paths each way."""
-    return ConfigError(_UNFIT.format(name=name, diff=_diff(expected, got)))
-
-
 def _diff(expected: list[str], got: list[str]) -> str:
+    """What the paths expected and given differ in: a few each way."""
     lacking = [p for p in expected if p not in set(got)][:5]
     extra = [p for p in got if p not in set(expected)][:5]
     if not (lacking or extra):

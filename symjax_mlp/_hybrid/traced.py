@@ -61,38 +61,33 @@ class TracedModel:
         return result
 
     def staged(
-        self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any, part: int,
+        self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, part: int,
         settings: tuple | None = None,
     ) -> Any:  # fmt: skip
-        """The jaxpr of the output (``part`` 0) or new state (1), the inputs its only invars."""
+        """The jaxpr of the output (``part`` 0) or new state (1), its invars the state's leaves,
+        then the inputs'."""
+        params = self.params(leaves)
 
-        def staged(dyn: Any, dyn_kw: Any) -> Any:
+        def staged(state: Any, dyn: Any, dyn_kw: Any) -> Any:
             return self.call(static, params, state, dyn, dyn_kw, settings)[part]
 
-        return jax.make_jaxpr(staged)(dyn, dyn_kw).jaxpr
+        return jax.make_jaxpr(staged)(state, dyn, dyn_kw).jaxpr
 
     def sees_rows(self, static: Any, leaves: Any, dyn: Any, dyn_kw: Any) -> bool:
         """Whether a call's new state depends on its inputs (BatchNorm's statistics)."""
-        params = jax.tree.unflatten(self.treedef, leaves)
-        return any(input_dependent(self.staged(static, params, self.held.tree, dyn, dyn_kw, 1)))
-
-    def params(self, leaves: list[Any]) -> Any:
-        """A call's params: ``leaves``, or the constants a baked program closes over (JAX
-        stages them as XLA constants)."""
-        return jax.tree.unflatten(
-            self.treedef, leaves if self.constants is None else self.constants
-        )
+        jaxpr = self.staged(static, leaves, self.held.tree, dyn, dyn_kw, 1)
+        return any(input_dependent(jaxpr, jaxpr.invars[len(self.held.leaves) :]))
 
     def keeps_state(self, static: Any, leaves: Any, dyn: Any, dyn_kw: Any) -> bool:
         """Whether a call returns the held state as given (an eval-mode call): one a JAX
         transform may run, with no new state to hold."""
-        params = self.params(leaves)
-
-        def new_state(state: Any, dyn: Any, dyn_kw: Any) -> Any:
-            return self.call(static, params, state, dyn, dyn_kw)[1]
-
-        jaxpr = jax.make_jaxpr(new_state)(self.held.tree, dyn, dyn_kw).jaxpr
+        jaxpr = self.staged(static, leaves, self.held.tree, dyn, dyn_kw, 1)
         return jaxpr.outvars == jaxpr.invars[: len(jaxpr.outvars)]
+
+    def params(self, leaves: list[Any]) -> Any:
+        """A call's params: ``leaves``, or the constants a baked program closes over (JAX
+        stages them as XLA constants)."""
+        return jax.tree.unflatten(self.treedef, self.constants or leaves)
 
     def run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
         """One trace: its budget enforced before, logged after; ``h.apply``'s
