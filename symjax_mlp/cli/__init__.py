@@ -212,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SymjaxError, argparse.ArgumentTypeError) as e:
         message = str(e)
         for arg in sys.argv[1:] if argv is None else argv:  # a newline in a path: still one line
-            message = message.replace(arg, printable(arg))
+            if arg.strip():  # not a lone "\n", which would escape the message's own lines
+                message = message.replace(arg, printable(arg))
         print(f"{where}: error: {message}", file=sys.stderr)
         said = [
             f"{keyword} is {option}"
