@@ -76,8 +76,7 @@ class Replica:
         return create_app(self.batcher, **self._app_options)
 
     async def predict(self, *inputs: Any) -> Any:
-        """What the model answers for ``inputs`` (rows first), as NumPy arrays, batched with
-        the replica's other requests.
+        """The model's answer to ``inputs`` (rows first), batched with the replica's others.
 
         Raises:
           SignatureError, OverloadError: as :meth:`Batcher.submit`.
@@ -85,9 +84,8 @@ class Replica:
         return await self.batcher.asubmit(*inputs)
 
     def stats(self) -> dict[str, Any]:
-        """The batcher's counters, the traces and compiles of the replica's process since it
-        started (``compiled_at_start`` before its first request), its Ray replica id and its
-        process id."""
+        """The batcher's counters, the process's traces and compiles (``compiled_at_start``:
+        before its first request), its Ray replica id and its process id."""
         s = self.batcher.stats
         self._record(s)
         return {
@@ -153,9 +151,8 @@ def ray_app(
       name: the deployment's name.
       max_ongoing_requests: requests Ray sends one replica at once (default: twice the
         largest batch, so a replica's batches fill up).
-      ray_actor_options: Ray's, e.g. ``{"num_cpus": 0.5}``. Ray reserves one CPU per replica
-        by default, and ``serve.run`` waits, silently and for ever, for replicas the cluster
-        has no CPUs for.
+      ray_actor_options: Ray's, e.g. ``{"num_cpus": 0.5}`` (Ray reserves one CPU per replica,
+        and waits silently for ever for replicas the cluster has no CPUs for).
       deployment_options: any other ``Deployment.options`` keyword (``autoscaling_config``,
         ``graceful_shutdown_timeout_s``, ...).
 

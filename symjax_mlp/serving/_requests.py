@@ -122,15 +122,11 @@ def example_specs(example: Any) -> tuple[TensorSpec, ...]:
     arrays = example if isinstance(example, tuple) else (example,)
     specs = []
     for i, x in enumerate(arrays):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape)):
+            what = "a scalar" if hasattr(x, "shape") else f"a {type(x).__name__}"
             raise ConfigError(
-                f"Batcher(example=...): input {i} is a {type(x).__name__}; pass arrays (a "
-                "tuple of arrays for several inputs), each with the batch as leading dimension."
-            )
-        if len(x.shape) == 0:
-            raise ConfigError(
-                f"Batcher(example=...): input {i} is a scalar; batching needs a leading batch "
-                "dimension, e.g. x[None]."
+                f"Batcher(example=...): input {i} is {what}; pass arrays (a tuple of arrays for "
+                "several inputs), each with the batch as leading dimension, e.g. x[None]."
             )
         specs.append(TensorSpec(f"args[{i}]", ("b", *map(int, x.shape[1:])), str(x.dtype)))
     return tuple(specs)
@@ -172,9 +168,8 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
 
 
 def rows_mixed(model: LoadedModel) -> str:
-    """Why a batcher runs each request of ``model`` alone, never merged nor padded: its
-    manifest's ``rows`` does not show its batch's rows apart (a static batch never does);
-    ``""`` where they may merge, or where the manifest does not say (written before ``rows``)."""
+    """Why each request of ``model`` runs alone, never merged nor padded (a static batch never
+    shows its rows apart); ``""`` where rows may merge, or the manifest does not say."""
     rows = model.manifest.get("rows") or {}
     if rows.get("independent", True):
         return ""
@@ -235,9 +230,7 @@ _STATIC = (
 
 class RequestCheck:
     """Checks requests against a batcher's specs: :meth:`check` gives their arrays and rows.
-
-    ``static``: the artifact's static batch where its rows mix (each request must have exactly
-    those rows, ``why`` says why), else ``None``."""
+    ``static``: where rows mix (``why``), the static batch each request must have exactly."""
 
     def __init__(
         self, name: str, specs: Sequence[TensorSpec], lane: Any, max_batch: int,
@@ -344,8 +337,8 @@ _TRAINING = (
 
 
 def inference_of(h: Hybrid, example: Any, kwargs: dict[str, Any]) -> Any:
-    """What a batcher calls for ``h`` (``kwargs`` fixed): ``h`` as of now (its nnx module's
-    mode too), or a stateful one's inference with the state it holds now, never moved."""
+    """What a batcher calls for ``h`` (``kwargs`` fixed): ``h`` as of now, or a stateful one's
+    inference with the state it holds now, never moved."""
     arrays = example if isinstance(example, tuple) else (example,)
     try:
         h.__signature__ is None or h.__signature__.bind(*arrays, **kwargs)

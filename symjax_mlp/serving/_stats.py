@@ -33,8 +33,8 @@ class BatcherStats:
       completed: requests that got their result.
       failed: requests whose batch raised (each got the exception).
       cancelled: requests cancelled before they ran (``future.cancel()``, ``close(cancel=True)``).
-      rejected: requests refused at submit: ``rejected_by`` says why (``"signature"``: wrong
-        inputs, ``"overload"``: queue full, ``"closed"``: after :meth:`Batcher.close`).
+      rejected: requests refused at submit; ``rejected_by``: per reason (``"signature"``,
+        ``"overload"``, ``"closed"``).
       batches: model calls; ``batches_by_bucket`` counts them per batch size run (a compiled
         bucket, or a request's own rows where the batcher does not merge).
       rows: real rows computed; ``padded_rows`` the zero rows added to reach a bucket.
