@@ -555,7 +555,7 @@ def test_a_mode_set_as_an_attribute_is_named_with_its_rng_stream(digits):
     opt = _never_initialised()
     with pytest.raises(
         sm.ConfigError,
-        match=r"_AttributeModeNet's inference call, model.apply\(variables, x\), draws from the "
+        match=r"_AttributeModeNet's inference call \(model.apply\(variables, x\)\) draws from the "
         r"rng stream 'dropout', so it is not in inference mode.*attribute "
         r"_AttributeModeNet\(training=True\).*def __call__\(self, x, train: bool = False\)",
     ):

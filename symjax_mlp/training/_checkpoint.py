@@ -142,7 +142,7 @@ def broken(path: Any, what: str) -> CheckpointError:
 
 def check_manifest(
     file: Path, manifest: Any, header: dict[str, Any], step: int | None, **fields: bool
-) -> dict[str, Any]:
+) -> None:
     """Refuses a manifest without ``header``, with a field (``fields``: the format's own) missing
     or of the wrong type, or whose step is not ``step`` (its directory's)."""
     if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in header.items()):
@@ -165,17 +165,16 @@ def check_manifest(
     if bad:
         raise broken(file, f"the field(s) {', '.join(bad)} are missing or of the wrong type")
     if step is not None and step != manifest["step"]:
-        where = file.parent.name
-        raise broken(file, f"its step is {manifest['step']}, but the directory is {where}")
-    return manifest
+        raise broken(
+            file, f"its step is {manifest['step']}, but the directory is {file.parent.name}"
+        )
 
 
 def _history_ok(history: Any) -> bool:
     """A list of epoch records: each exactly the fields of ``EpochRecord``, as numbers."""
 
     def number(v: Any, kind: type) -> bool:  # json reads NaN and Infinity
-        ok = isinstance(v, int) if kind is int else isinstance(v, int | float) and math.isfinite(v)
-        return ok and not isinstance(v, bool)
+        return type(v) in (int, kind) and (type(v) is int or math.isfinite(v))
 
     return isinstance(history, list) and all(
         isinstance(r, dict)

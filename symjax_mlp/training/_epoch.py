@@ -36,7 +36,6 @@ class Programs:
     step: Callable[..., Any]
     predict: Callable[..., Any]
     traces: list[tuple[Any, ...]]
-    compiled: bool
     #: called around each step of a multi-process run (its watchdog); ``None`` in one process
     watch: Callable[[int], Any] | None = None
 
@@ -66,11 +65,12 @@ class Programs:
             return jnp.argmax(apply_model(model, spec, params, x, train=False)[0], axis=-1)
 
         if watch is not None:
-            return cls(ShardedStep(counted, None, "data", True, False), jax.jit(predict), traces,
-                       True, watch)  # fmt: skip
+            return cls(
+                ShardedStep(counted, None, "data", True, False), jax.jit(predict), traces, watch
+            )
         if compiled:
-            return cls(jax.jit(counted, donate_argnums=(0, 1)), jax.jit(predict), traces, True)
-        return cls(step, predict, traces, False)
+            return cls(jax.jit(counted, donate_argnums=(0, 1)), jax.jit(predict), traces)
+        return cls(step, predict, traces)
 
     def local(self, tree: Any) -> Any:
         """``tree`` as this process holds it (a multi-process run's arrays: its copy)."""

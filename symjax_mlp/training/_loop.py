@@ -50,6 +50,7 @@ _NOT_FLAX = (
     "h.replace(params=...) for the trained model."
 )
 
+_CALLER = "symjax_mlp.training.train"
 _PAST = (
     "symjax_mlp.training.train(epochs={epochs}, resume=True): the newest checkpoint, {found}, "
     "is at epoch {s.epoch} (step {s.step}), past the {epochs} epoch(s) asked for; epochs counts "
@@ -88,8 +89,7 @@ def train(
         from the values it was built with (``seed`` then seeds the shuffle only) in the modes
         ``train()`` and ``eval()`` set; ``result.model`` is a new module, trained.
       data: a :class:`Dataset` (default: :func:`load_digits`).
-      optimizer: any ``optax.GradientTransformation`` or ``optax.MultiSteps`` (default:
-        ``optax.adam``).
+      optimizer: any ``optax.GradientTransformation`` or ``optax.MultiSteps`` (default: adam).
       learning_rate: the default adam's learning rate (default 1e-3); not used otherwise.
       epochs: total epochs to reach, counting those done before a resumed checkpoint.
       batch_size: examples per step.
@@ -98,8 +98,7 @@ def train(
         of ``model``, e.g. ``{"is_training": True}`` and ``{"is_training": False}`` (given
         one, the other defaults to ``{}``). Default: ``train``, ``training`` or
         ``deterministic``, whichever ``__call__`` takes. ``{}`` and ``{}``: no mode to switch.
-      compiled: ``True`` runs the step jit-compiled with params and optimizer state donated;
-        ``False`` runs the same step eagerly, op by op.
+      compiled: run the step jit-compiled, params and optimizer state donated (else eagerly).
       checkpoint: a directory for checkpoints (``None``: none are written).
       checkpoint_every: write a checkpoint every this many epochs (and after the last one).
       resume: continue from the newest checkpoint in ``checkpoint``, if it holds one.
@@ -118,16 +117,14 @@ def train(
       A :class:`TrainResult`; ``result.hybridize()`` is the trained model.
 
     Raises:
-      DataError: bad data (empty, wrong feature width, NaN, labels out of range; for the
-        default model, labels like IDs: over 65536 classes, most never a label), before any
-        step runs.
+      DataError: bad data (empty, wrong feature width, NaN, labels out of range or, for the
+        default model, like IDs: over 65536 classes, most never a label), before any step.
       DivergenceError: the loss became NaN or infinite; the last good checkpoint is kept.
       CheckpointError: ``checkpoint`` cannot hold checkpoints (checked before any step); it
         already holds some and ``resume`` is false; or the one found does not fit this model,
         optimizer, data, seed or batch size, or is past ``epochs``.
-      ConfigError: a hyperparameter is out of range, or the model's flags do not switch it
-        between training and inference; the model has no params, or an int one; another
-        process was started with other settings.
+      ConfigError: a hyperparameter is out of range; the model's flags do not switch its mode;
+        it has no params, or an int one; another process was started with other settings.
       ControlFlowError: the model applies Python control flow to an array (``if``, float(x)).
       DistributedError: another process did not post its settings within ``timeout``.
 
@@ -155,12 +152,11 @@ def train(
             f"on_epoch must be a function called with each EpochRecord; got {on_epoch!r}."
         )
     optimizer = _checked_optimizer(optimizer, learning_rate)
-    if timeout is not None:  # checked in one process too: refused now, not when scaled out
-        run_timeout(timeout)
+    run_timeout(timeout)  # checked in one process too: refused now, not when scaled out
     if resume and checkpoint is None:
         raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
     if checkpoint is not None:  # refused now, not after the first epoch
-        check_directory(checkpoint, "symjax_mlp.training.train")
+        check_directory(checkpoint, _CALLER)
     if model is not None and not isinstance(model, nn.Module | nnx.Module):
         raise ConfigError(_NOT_FLAX.format(kind=type(model).__name__))
     start = time.perf_counter()
@@ -197,6 +193,8 @@ def train(
     def update(s: TrainState) -> list[Any]:  # the optimizer's next update, measured
         return optimizer_probe(optimizer, *programs.local((s.params, s.opt_state)))
 
+    save = store.save if store else lambda s, meta: save_checkpoint(checkpoint, s, metadata=meta)
+
     try:
         state, history, resumed_from = resume_run(
             checkpoint, state, config, resume=resume, store=store, update=update
@@ -210,10 +208,7 @@ def train(
             if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
                 meta = {"config": config, "history": [dataclasses.asdict(r) for r in history],
                         OPTIMIZER_PROBE: update(state)}  # fmt: skip
-                if store is None:
-                    newest = save_checkpoint(checkpoint, state, metadata=meta)
-                else:
-                    newest = store.save(state, meta)
+                newest = save(state, meta)
             if on_epoch is not None:
                 on_epoch(record)
     except BaseException as e:  # its own error is raised, a failed save's a note on it
@@ -235,7 +230,7 @@ def train(
         history=tuple(history),
         test_accuracy=programs.accuracy(state.params, data),
         train_seconds=time.perf_counter() - start,
-        compiled=programs.compiled,
+        compiled=compiled,  # a multi-process run's too: refused unless compiled
         trace_count=len(programs.traces),
         resumed_from=resumed_from,
         checkpoint=newest,
@@ -248,35 +243,30 @@ def train(
 
 
 def _close(parts: dict[str, Any], error: BaseException | None = None) -> None:
-    """Closes each of ``parts``. One that fails is a note on the run's ``error`` (still the one
-    raised), if it raised one; else the first failure is raised once all are closed."""
-    first = None
+    """Closes each part; a failure is a note on the run's ``error``, else raised at the end."""
+    raised = error
     for what, part in parts.items():
         try:
             if part is not None:
                 part.close()
         except Exception as e:
-            if error is None and first is None:
-                first = e
+            if raised is None:
+                raised = e
             else:
-                (error or first).add_note(
-                    f"symjax_mlp.training.train: closing {what} failed too: {type(e).__name__}: {e}"
-                )
-    if first is not None:
-        raise first
+                raised.add_note(f"{_CALLER}: closing {what} failed too: {type(e).__name__}: {e}")
+    if raised is not error:
+        raise raised
 
 
 def _processes(
     model: Any, spec: Any, optimizer: optax.GradientTransformation, config: dict[str, Any], *,
     compiled: bool, blocks: int, timeout: int | None, checkpoint: Any, run: dict[str, Any],
 ) -> tuple[Programs, OrbaxCheckpoints | None, Watchdog | None]:  # fmt: skip
-    """The run's programs, and in a multi-process run its Orbax checkpoints and watchdog,
-    once every process has posted the same settings."""
-    caller = "symjax_mlp.training.train"
+    """The run's programs; in several processes, once all agree, its Orbax store and watchdog."""
 
     def other_run(them: str, form: str) -> CheckpointError:
         return CheckpointError(
-            f"{caller}: {checkpoint} holds checkpoints of a {them} run ({form}), which this run "
+            f"{_CALLER}: {checkpoint} holds checkpoints of a {them} run ({form}), which this run "
             "cannot resume. Resume it as it was written (several processes: each after "
             "symjax_mlp.training.initialize(...)), or use another directory."
         )
@@ -286,13 +276,13 @@ def _processes(
             raise other_run("multi-process", "Orbax")
         return Programs.of(model, spec, optimizer, compiled=compiled, blocks=blocks), None, None
     if not compiled:
-        raise ConfigError(f"{caller}: a multi-process run is compiled; got compiled=False.")
+        raise ConfigError(f"{_CALLER}: a multi-process run is compiled; got compiled=False.")
     timeout = run_timeout(timeout)
     key = agree({**config, **run, "checkpoint": checkpoint is not None}, timeout=timeout,
-                caller=caller)  # fmt: skip
+                caller=_CALLER)  # fmt: skip
     if checkpoint is not None and latest_checkpoint(checkpoint) is not None:
         raise other_run("single-process", "step_* safetensors")
-    watch = Watchdog(key, timeout, caller)
+    watch = Watchdog(key, timeout, _CALLER)
     programs = Programs.of(model, spec, optimizer, compiled=True, blocks=blocks, watch=watch)
     if checkpoint is None:
         return programs, None, watch
@@ -304,23 +294,20 @@ def _checked_optimizer(
     optimizer: optax.GradientTransformation | None, learning_rate: float | None
 ) -> optax.GradientTransformation:
     """The optimizer to use: ``optax.adam`` by default."""
-    if np.ndim(learning_rate) == 0 and jnp.issubdtype(
-        getattr(learning_rate, "dtype", int), jnp.floating
-    ):
-        learning_rate = float(learning_rate)  # a sweep's jnp.logspace(...)[i]: a 0-d array
-    lr = learning_rate
+    lr = learning_rate  # a sweep's jnp.logspace(...)[i], a 0-d array: its float
+    if np.ndim(lr) == 0 and jnp.issubdtype(getattr(lr, "dtype", int), jnp.floating):
+        lr = float(lr)
     number = isinstance(lr, numbers.Real) and not isinstance(lr, bool) and 0 < lr < math.inf
     if not (lr is None or number or callable(lr)):  # optax takes a schedule too
         raise ConfigError(
-            f"learning_rate must be a number > 0 (or an optax schedule), e.g. 1e-3; got "
-            f"{learning_rate!r}."
+            f"learning_rate must be a number > 0 (e.g. 1e-3) or an optax schedule; got {lr!r}."
         )
     if optimizer is None:
-        optimizer = optax.adam(1e-3 if learning_rate is None else learning_rate)
-    elif learning_rate is not None:
+        optimizer = optax.adam(1e-3 if lr is None else lr)
+    elif lr is not None:
         raise ConfigError(
             "learning_rate sets the default adam only; with an explicit optimizer, give it the "
-            f"learning rate instead, e.g. optax.sgd({learning_rate!r})."
+            f"learning rate instead, e.g. optax.sgd({lr!r})."
         )
     if isinstance(optimizer, optax.MultiSteps):  # a wrapper whose transformation is a method
         optimizer = optimizer.gradient_transformation()
@@ -338,8 +325,7 @@ def _classifier(
     train_flags: Mapping[str, Any] | None,
     eval_flags: Mapping[str, Any] | None,
 ) -> tuple[Any, Any, int]:
-    """``(model, spec, classes)``: the model (default: an MLP as wide as the labels), how it
-    is called in training and in inference, and its number of output logits."""
+    """``(model, spec, classes)``: the model (default: an MLP as wide as the labels)."""
     if model is None:
         model = mlp((128, 64, default_classes(data)))
     example = data.x_train[:1]
@@ -363,8 +349,8 @@ def _classifier(
 def _initial_state(
     model: Any, spec: Any, example: np.ndarray, optimizer: optax.GradientTransformation, seed: int
 ) -> TrainState:
-    """Params initialised from ``seed`` (an nnx module's own values) and the optimizer's state,
-    whose leaves that are params (or repeat) are copied: both trees are donated."""
+    """Params from ``seed`` and the optimizer's state, its leaves that alias others copied
+    (both trees are donated)."""
     rng, init_key = jax.random.split(jax.random.key(seed))
     params = init_params(model, init_key, example, train_flags=spec.train_flags)
     trainable = params.params if isinstance(params, ModelVars) else params
@@ -376,7 +362,7 @@ def _initial_state(
             raise
         tree = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", trainable)
         raise ConfigError(
-            f"symjax_mlp.training.train: optimizer.init(params) raised {type(e).__name__}: "
+            f"{_CALLER}: optimizer.init(params) raised {type(e).__name__}: "
             f"{str(e)[:200]}. train() passes the model's params as they are, {str(tree)[:200]};"
             " use an optimizer that takes them, or write the loop with train_step."
         ) from e

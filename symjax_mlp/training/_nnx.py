@@ -27,6 +27,7 @@ from symjax_mlp._hybrid.pure import (
     wrap_keys,
 )
 from symjax_mlp.training._spec import (
+    NOT_INFERENCE,
     ModelSpec,
     _bool_keyword,
     _fix,
@@ -46,12 +47,6 @@ _NNX_STILL = (
     "{caller}: a training call of {model} (its attributes as module.train() sets them{flags}) "
     "updates none of its state ({state}): every step would run it in inference mode. {fix} "
     "For a model whose state never moves, pass train_flags={{}}."
-)
-_NNX_MOVES = (
-    "{caller}: an inference call of {model} (its attributes as module.eval() sets them{flags}) "
-    "updates {moved}, so it is not in inference mode: train() evaluates the model, and export() "
-    "ships it, with its state fixed. Pass eval_flags that turn training off, e.g. "
-    "eval_flags={{'train': False}}."
 )
 
 
@@ -149,8 +144,11 @@ def spec_of(
         )
     moved, out = _moves(spec, example, train=False)
     if moved:
+        call = f"its attributes as module.eval() sets them{shown_flags(evals)}"
+        fix = "Pass eval_flags that turn training off, e.g. eval_flags={'train': False}."
+        does = f"updates {moved}"
         raise ConfigError(
-            _NNX_MOVES.format(caller=caller, model=name, flags=shown_flags(evals), moved=moved)
+            NOT_INFERENCE.format(caller=caller, model=name, call=call, does=does, fix=fix)
         )
     return dataclasses.replace(spec, out=out)
 

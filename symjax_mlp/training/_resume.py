@@ -1,11 +1,8 @@
 """What a training checkpoint records of its run, so that resuming continues that run only.
 
-A run's config (seed, batch size, sha256 fingerprints of its data, model and optimizer) and its
-history are stored beside each checkpoint; resuming refuses any difference. The fingerprints
-never see the model's code, so the config also holds a probe: the inference call with fixed
-float params on a fixed input, compared within a tolerance (and only when recorded). Each
-checkpoint's metadata holds the update its optimizer makes next for a fixed gradient: a resume
-with another schedule (or hyperparameter) is refused even where they agreed at the start.
+Its config (seed, batch size, sha256 of its data, model and optimizer) must match. Fingerprints
+never see code, so probes do: the model's logits with fixed params on a fixed input, and the
+optimizer's next update for a fixed gradient (a schedule), each compared within a tolerance.
 """
 
 from __future__ import annotations
@@ -43,6 +40,10 @@ TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 OPTIMIZER_PROBE = "optimizer_probe"  # in each checkpoint's metadata, not the run's config
 _UPDATE_TOLERANCE = {"rtol": 1e-5, "atol": 1e-9}  # the same state and ops: bitwise on one
 # machine; another's last bits (an update near 0 is a difference of near-equal terms) pass
+_NAN_INF = ("nan", "inf", "-inf")
+_NOT_THAT_RUN = (
+    "Resuming would not continue that run; resume with {same}, or start over in an empty directory."
+)
 _FINGERPRINTED = {  # what a differing sha256 of the config stands for
     "data_sha256": "the training data, x_train and y_train",
     "model_sha256": "the model's configuration: its layers, widths or param shapes",
@@ -83,15 +84,14 @@ def resume_run(
     config: dict[str, Any],
     *,
     resume: bool,
-    store: Any = None,
-    update: Callable[[TrainState], list[Any]] | None = None,
+    store: Any,
+    update: Callable[[TrainState], list[Any]],
 ) -> tuple[TrainState, list[EpochRecord], Path | None]:
-    """``(state, history, found)`` of the newest checkpoint (in ``store``, if given), read into
-    the structure of ``state``, if it continues the run of ``config``; else ``state``. ``update``
-    is :func:`optimizer_probe` of a state for this run's optimizer."""
+    """``(state, history, found)`` of the newest checkpoint (in ``store``, if given) if it
+    continues the run of ``config``; ``update``: a state's :func:`optimizer_probe`."""
     if checkpoint is not None:
         check_strays(checkpoint, "symjax_mlp.training.train", orbax=store is not None)
-    found = store.latest() if store is not None else checkpoint and latest_checkpoint(checkpoint)
+    found = store.latest() if store else checkpoint and latest_checkpoint(checkpoint)
     if not found:
         return state, [], None
     if not resume:
@@ -109,12 +109,14 @@ def resume_run(
         what = "; ".join(_FINGERPRINTED.get(k, k) for k in changed)
         raise CheckpointError(
             f"{found} was written with {was}, but this run has "
-            f"{ {k: config.get(k) for k in changed} } (what differs: {what}). Resuming would "
-            "not continue that run; resume with the same settings, or start over in an empty "
-            "directory."
+            f"{ {k: config.get(k) for k in changed} } (what differs: {what}). "
+            + _NOT_THAT_RUN.format(same="the same settings")
         )
     for where, key in ((recorded, PROBE), (recorded, PROBE_TRAIN), (meta, OPTIMIZER_PROBE)):
-        if key in where and not _is_probe(where[key]):
+        probe = where.get(key, [])  # numbers, "nan", "inf" or "-inf"
+        if not isinstance(probe, list) or not all(
+            type(v) in (int, float) or v in _NAN_INF for v in probe
+        ):
             raise broken(found, f"its metadata's {key} is not a list of numbers")
     # a checkpoint written before the probe was recorded has none: its config still matched
     differs = next(
@@ -126,21 +128,17 @@ def resume_run(
             f"{found} was written by a model that computes something else: with fixed weights "
             f"on a fixed input, {differs} from this model's. Its class, name and parameter "
             "shapes are the same, but its __call__ is not (another activation, scale, dropout "
-            "rate or order of layers). Resuming would not continue that run; resume with the "
-            "model that wrote it, or start over in an empty directory."
+            "rate or order of layers). " + _NOT_THAT_RUN.format(same="the model that wrote it")
         )
-    differs = (
-        update
-        and OPTIMIZER_PROBE in meta
-        and probe_difference(meta[OPTIMIZER_PROBE], update(state), "updates", _UPDATE_TOLERANCE)
+    differs = OPTIMIZER_PROBE in meta and probe_difference(
+        meta[OPTIMIZER_PROBE], update(state), "updates", _UPDATE_TOLERANCE
     )
     if differs:
         raise CheckpointError(
             f"{found} was written by an optimizer that updates otherwise at its step "
             f"{state.step}: from its saved state, for a fixed gradient, {differs} from this "
             "optimizer's. Its kind and state are the same, but a learning-rate schedule or a "
-            "hyperparameter is not. Resuming would not continue that run; resume with the "
-            "optimizer that wrote it, or start over in an empty directory."
+            "hyperparameter is not. " + _NOT_THAT_RUN.format(same="the optimizer that wrote it")
         )
     history = [EpochRecord(**r) for r in meta.get("history", [])]  # checked as it was read
     ends = history[-1].step if history else 0
@@ -169,8 +167,7 @@ def _model_fingerprint(model: Any, spec: Any, params: Any) -> str:
 
 
 def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
-    """What the optimizer does, measured: its first two updates of a fixed small problem (an
-    optax transformation is closures: its hyperparameters cannot be read)."""
+    """The optimizer's first two updates of a fixed small problem (its closures cannot be read)."""
     w = {"w": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)}
     g = {"w": jnp.cos(jnp.arange(8, dtype=jnp.float32))}
     digest = hashlib.sha256(type(optimizer).__name__.encode())
@@ -185,9 +182,8 @@ def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
 
 
 def optimizer_probe(optimizer: optax.GradientTransformation, params: Any, opt_state: Any) -> list:
-    """The update ``optimizer`` makes from ``opt_state`` for a fixed gradient of ``params``'
-    shape (its schedule's value at this step, measured), sampled per leaf, as JSON (``[]``: an
-    optimizer that cannot update without more than a gradient)."""
+    """The update from ``opt_state`` for a fixed gradient, sampled per leaf, as JSON (``[]``: an
+    optimizer that needs more than a gradient)."""
     trainable = params.params if isinstance(params, ModelVars) else params
     try:
         updates, _ = optimizer.update(_fixed(trainable), opt_state, trainable)
@@ -220,8 +216,7 @@ def model_probe(
 def probe_difference(
     recorded: Any, probe: list[Any], what: str = "logits", tolerance: dict = TOLERANCE
 ) -> str | None:
-    """How ``probe`` (of ``what``) differs from the ``recorded`` one, or ``None`` if within
-    ``tolerance``."""
+    """How ``probe`` differs from the ``recorded`` one, or ``None`` if within ``tolerance``."""
     want = np.array([float(v) for v in recorded], np.float64)
     got = np.array([float(v) for v in probe], np.float64)
     if want.shape != got.shape:
@@ -233,18 +228,9 @@ def probe_difference(
     return f"its {what} differ by up to {err:.3g}"
 
 
-def _is_probe(probe: Any) -> bool:
-    """Whether ``probe`` is one as JSON: a list of numbers (``"nan"``, ``"inf"``, ``"-inf"``)."""
-    return isinstance(probe, list) and all(
-        v in ("nan", "inf", "-inf") if isinstance(v, str) else type(v) in (int, float)
-        for v in probe
-    )
-
-
 def _fixed(params: Any, *, state: bool = False, rng: bool = False) -> Any:
-    """Every floating-point leaf as a fixed pattern of its shape, as large as an initialiser
-    would make it (1/sqrt(fan-in); a ``state`` leaf, a variance maybe, in [0.5, 1.5]); with
-    ``rng``, every other leaf zeros (a dropout key, its count: the module's own seed's)."""
+    """Each float leaf a fixed pattern of an initialiser's scale (a ``state`` leaf's: [0.5, 1.5]);
+    with ``rng``, every other leaf zeros (a dropout key, its count)."""
     leaves, treedef = jax.tree.flatten(params)
     out = []
     for i, a in enumerate(map(jnp.asarray, leaves)):

@@ -65,10 +65,9 @@ _NO_FLAG = (
     "(train, training, deterministic), and a call with its defaults draws no rng and updates "
     "{state}: every step would run it in inference mode, {lost}. {fix}"
 )
-_NOT_INFERENCE = (
-    "{caller}: {model}'s inference call, {call}, {does}, so it is not in inference mode: "
-    "train() evaluates the model, and export() ships it, without rngs or mutable collections. "
-    "{fix}"
+NOT_INFERENCE = (
+    "{caller}: {model}'s inference call ({call}) {does}, so it is not in inference mode: "
+    "train() evaluates the model, and export() ships it, without rngs or state updates. {fix}"
 )
 _OTHER_STREAM = (
     "{caller}: a training call of {model} draws from the rng stream {stream!r}, but training "
@@ -114,15 +113,11 @@ def _checked(model: nn.Module, flags: Any, arg: str, caller: str, form: str) -> 
     if not isinstance(flags, Mapping) or not all(isinstance(k, str) for k in flags):
         raise ConfigError(_BAD_FLAGS.format(caller=caller, arg=arg, model=name, flags=flags))
     params = _parameters(model)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(flags)
-    for flag in (f for f in flags if f not in params):
+    unknown = [f for f in flags if f not in params]
+    if unknown and all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values()):
         names, fix = ", ".join(params), _fix(model, form)
-        raise ConfigError(
-            _UNKNOWN_FLAG.format(
-                caller=caller, arg=arg, flag=flag, model=name, names=names, fix=fix
-            )
-        )
+        what = {"caller": caller, "arg": arg, "flag": unknown[0], "model": name, "names": names}
+        raise ConfigError(_UNKNOWN_FLAG.format(**what, fix=fix))
     return dict(flags)
 
 
@@ -272,5 +267,5 @@ def inference_shape(model: nn.Module, example: Any, spec: ModelSpec, *, caller: 
     call = f"model.apply(variables, x{shown_flags(flags)})"
     name = type(model).__name__
     raise ConfigError(
-        _NOT_INFERENCE.format(caller=caller, model=name, call=call, does=does, fix=fix)
+        NOT_INFERENCE.format(caller=caller, model=name, call=call, does=does, fix=fix)
     )

@@ -78,9 +78,8 @@ def init_params(
 
 
 def strong(tree: Any) -> Any:
-    """``tree`` with its weakly typed leaves (a Python float's: ``self.param("t", lambda k:
-    1.0)``, an optimizer state's ``1.0``) strongly typed: a step returns them so, and a jitted
-    step would trace again for them."""
+    """``tree`` with its weakly typed leaves (a ``1.0``) strongly typed, as a step returns them
+    (a jitted step would trace again for them)."""
     return jax.tree.map(
         lambda a: jnp.asarray(a, jnp.result_type(a)) if getattr(a, "weak_type", True) else a, tree
     )
@@ -101,7 +100,6 @@ def check_trainable(params: Any, caller: str) -> None:
         )
 
 
-# jitted: eagerly each initializer op compiles on its own; cached per (hashable) module
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _init(model: nn.Module, mutable: tuple, rng: bool, flags: tuple, key: jax.Array, example: Any):
     variables = init_variables(model, key, example, dict(flags))
@@ -189,8 +187,7 @@ def train_step(
             got = f"x {jnp.shape(x)}, y {y_dtype}{list(jnp.shape(y))}, w {list(jnp.shape(w))}"
             raise SignatureError(_LABELS.format(caller=caller, got=got, n=rows[0] if rows else 1))
         row = (tuple(x.shape[1:]), x.dtype)
-        spec = specs.get(row)
-        if spec is None:
+        if (spec := specs.get(row)) is None:
             spec = specs[row] = spec_of(model, x[:1], train_flags, caller=caller, form=STEP_FORM)
         stateful = isinstance(params, ModelVars)
         trainable = params.params if stateful else params
@@ -207,14 +204,13 @@ def train_step(
         else:
             loss, correct, grads = _blocked(model, spec, trainable, (x, y, w), blocks, axis_name)
         updates, moved_state = optimizer.update(grads, opt_state, trainable)
-        was, got = _like(opt_state), _like(moved_state)
-        if was != got:  # jit would trace again at the next step; a resume would not fit
-            raise ConfigError(_STATE_MOVED.format(caller=caller, was=str(was)[:300],
-                                                  got=str(got)[:300]))  # fmt: skip
-        opt_state = moved_state
+        if (was := _like(opt_state)) != (got := _like(moved_state)):  # jit would trace again
+            raise ConfigError(
+                _STATE_MOVED.format(caller=caller, was=f"{was!s:.300}", got=f"{got!s:.300}")
+            )
         trainable = optax.apply_updates(trainable, updates)
         params = ModelVars(trainable, moved.state) if stateful else trainable
-        return params, opt_state, {"loss": loss, "correct": correct}
+        return params, moved_state, {"loss": loss, "correct": correct}
 
     step.blocks = blocks
     return step
@@ -226,7 +222,7 @@ def _like(tree: Any) -> Any:
 
 
 def _weighted_loss(model: Any, spec: Any, params: Any, x: Any, y: Any, w: Any) -> tuple:
-    """``(sum of w * cross-entropy, weighted count correct, params moved)`` of a training call."""
+    """``(sum of w * cross-entropy, weighted count correct, params moved)``."""
     logits, params = apply_model(model, spec, params, x, train=True)
     if jnp.shape(logits)[:1] != jnp.shape(x)[:1]:  # optax would broadcast them: a wrong loss
         raise ConfigError(_NOT_PER_ROW.format(got=jnp.shape(logits), x=jnp.shape(x)))
@@ -261,8 +257,8 @@ _BLOCKS_STATE = (
 
 
 def _blocked(model: Any, spec: Any, params: Any, batch: tuple, blocks: int, axis: str | None):
-    """``(loss, correct, grads)`` of ``batch`` as ``blocks`` blocks, added in block order; under
-    ``shard_map`` (``axis``) each device computes its blocks and all are gathered first."""
+    """``(loss, correct, grads)`` of ``blocks`` blocks added in order (under ``shard_map``, each
+    device's blocks gathered first)."""
     n = 1 if axis is None else jax.lax.axis_size(axis)
     rows = batch[0].shape[0]
     if rows % (blocks // n):
