@@ -41,8 +41,7 @@ class Hybrid:
     """A model bound to its params, compiled by XLA on call, or run eagerly; a frozen result.
 
     Made by :func:`~symjax_mlp.hybridize`. ``h(x)`` runs the compiled program (one trace per
-    input signature and static setting), ``h.eager(x)`` the function op by op;
-    ``h.replace(...)`` returns a new one with other settings.
+    input signature and static setting), ``h.eager(x)`` the function op by op.
 
     Attributes:
       fn: the pure inference function ``fn(variables, *args, **kwargs) -> out`` (see
@@ -92,15 +91,14 @@ class Hybrid:
         name = name or getattr(model.target, "__name__", type(model.target).__name__)
         inputs = model.parameters()
         nums, names = static_args(inputs, name, static_argnums, static_argnames)
-        parallel = None
-        if mesh is not None:
-            parallel = _mesh.DataParallel.over(name, mesh, axis, pad, params_as_constants)
+        over = _mesh.DataParallel.over  # a mesh refuses params_as_constants
+        parallel = None if mesh is None else over(name, mesh, axis, pad, params_as_constants)
         leaves, treedef = jax.tree.flatten(params)
         # a donating call consumes the held state: never the caller's buffers nor another's
         owned = donate and model.stateful and mesh is None
         held = HeldState(name, {} if state is None else state, own=owned)
         log = TraceLog(name, max_traces)
-        baked = params_as_constants and mesh is None
+        baked = params_as_constants
         traced = TracedModel(model, treedef, leaves if baked else None, held, log)
         trace = traced.stateful if model.stateful else traced.stateless
         if parallel is None:
@@ -253,8 +251,8 @@ class Hybrid:
         return out
 
     def eager(self, /, *args: Any, **kwargs: Any) -> Any:
-        """Runs the model op by op, Python (and its ``print``) and the ``on_trace`` callbacks
-        on every call; a stateful model's state is carried as in compiled calls."""
+        """Runs the model op by op, its Python and the ``on_trace`` callbacks on every call; a
+        stateful model's state is carried as in compiled calls."""
         self._log.run_callbacks(args, kwargs)
         with self._held.lock:
             out, state = self._model.call(self.params, self.state, args, kwargs)
@@ -367,8 +365,8 @@ class Hybrid:
 
     def on_trace(self, callback: Callable[..., Any]) -> Callable[..., Any]:
         """Registers ``callback(*args, **kwargs)``, run once per trace with the traced inputs
-        (eagerly: every call, with concrete arrays); returns it, so it works as a decorator.
-        It may read the Hybrid, or call it on inputs already traced, from any thread."""
+        (eagerly: every call); returns it (a decorator). It may read the Hybrid, or call it on
+        inputs already traced, from any thread."""
         self._log.add(callback)
         return callback
 
