@@ -26,6 +26,7 @@ from typing import Any
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
+from symjax_mlp._load import load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._bodies import (
@@ -257,6 +258,12 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
     app.state.answered = by_code  # what /metrics counts, for a refusal before the app's
     return app
+
+
+def load_entry(artifact: Any, entry: str | None = None, **options: Any) -> LoadedModel:
+    """``load(artifact, **options)`` at its entry point ``entry`` (``None``: its default)."""
+    model = load(artifact, **options)
+    return model if entry is None else model[entry]
 
 
 def model_name(model: LoadedModel) -> str:

@@ -116,13 +116,12 @@ class Lane:
         lock.acquire()
         try:
             while True:
-                if not self.queue:
-                    if self.closing and idle:
-                        return
-                    self.sleep()
-                    continue
-                if not claim(idle):  # a lone call runs: it wakes us when it is done
-                    self.sleep()
+                if not self.queue and self.closing and idle:
+                    return
+                if not self.queue or not claim(idle):  # a lone call wakes us when it is done
+                    self.sleeping = True
+                    self.wake.wait()
+                    self.sleeping = False
                     continue
                 try:
                     while self.queue:  # the lane stays ours while there is work
@@ -139,11 +138,6 @@ class Lane:
                     idle.append(True)
         finally:
             lock.release()
-
-    def sleep(self) -> None:
-        self.sleeping = True
-        self.wake.wait()
-        self.sleeping = False
 
     def nudge(self) -> None:
         """Wakes the thread if it sleeps (the lock is held): one notify per wake-up."""

@@ -18,8 +18,7 @@ from typing import Any
 import jax
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp._load import load
-from symjax_mlp.serving._app import create_app, model_name, require
+from symjax_mlp.serving._app import create_app, load_entry, model_name, require
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._latency import latency_mode
 from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count
@@ -47,7 +46,7 @@ class Replica:
     """
 
     def __init__(self, artifact: str, load_options: dict, batcher_options: dict, app_options: dict):
-        app_options, batcher_options = dict(app_options), dict(batcher_options)
+        app_options = dict(app_options)  # Ray's to keep: "dispatch" is taken from a copy
         if app_options.pop("dispatch") == "sync":
             latency_mode()  # a fresh process: before its JAX backend starts
         self._compiled = compiled = dict.fromkeys(_EVENTS.values(), 0)  # traces, compiles
@@ -57,9 +56,7 @@ class Replica:
                 compiled[_EVENTS[event]] += 1
 
         jax.monitoring.register_event_duration_secs_listener(heard)
-        model = load(artifact, **load_options)
-        if (entry := batcher_options.pop("entry")) is not None:
-            model = model[entry]
+        model = load_entry(artifact, **load_options)
         self.batcher = Batcher(model, name=model_name(model), **batcher_options)
         self._app_options = app_options
         self._at_start = dict(self._compiled)  # compiled: from here on, nothing more
@@ -191,12 +188,11 @@ def ray_app(
         "trust": trust,
         "allow": None if allow is None else tuple(allow),
         "verify_signature": verify_signature,
+        "entry": entry,
     }
-    model = load(artifact, **load_options)  # refused here, not in a replica's log
-    if entry is not None:
-        model = model[entry]
+    model = load_entry(artifact, **load_options)  # refused here, not in a replica's log
     buckets = bucket_sizes(where, max_batch, None, artifact_specs(model)[1])
-    batcher_options = {"max_batch": max_batch, "max_queue": max_queue, "entry": entry}
+    batcher_options = {"max_batch": max_batch, "max_queue": max_queue}
     app_options = {
         "max_body_bytes": max_body_bytes,
         "body_timeout": body_timeout,

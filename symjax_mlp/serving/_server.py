@@ -21,8 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp._load import load
-from symjax_mlp.serving._app import ENDPOINTS, create_app, model_name, require
+from symjax_mlp.serving._app import ENDPOINTS, create_app, load_entry, model_name, require
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._requests import check_count
 
@@ -181,9 +180,10 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
 
 def limited(app: Any, heads: type, limit: int) -> Any:
     """``app``, answering a request 503 (the JSON error body, with ``Retry-After``) while more
-    than ``limit`` connections of ``heads`` are open or ``limit`` requests run. uvicorn's
-    ``limit_concurrency`` answered in text/plain, and counted the asking connection among the
-    ``limit``: ``limit_concurrency=1`` refused every request."""
+    than ``limit`` connections of ``heads`` are open or ``limit`` requests run (uvicorn's
+    ``limit_concurrency`` answers in text/plain, and refuses every request at 1)."""
+    from starlette.responses import JSONResponse
+
     running = [0]
 
     async def limited_app(scope: Any, receive: Any, send: Any) -> None:
@@ -192,14 +192,13 @@ def limited(app: Any, heads: type, limit: int) -> Any:
         if heads.open > limit or running[0] >= limit:
             if scope["path"] == "/predict":
                 app.state.answered[503] += 1
-            body = json.dumps({"error": "OverloadError", "message": (
+            message = (
                 f"the server has {heads.open} connections open and {running[0]} requests "
                 f"running, past max_connections={limit}; retry shortly."
-            )}).encode()  # fmt: skip
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-            headers += [(b"retry-after", b"1"), (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": 503, "headers": headers})
-            return await send({"type": "http.response.body", "body": body})
+            )
+            headers = {"Connection": "close", "Retry-After": "1"}
+            body = {"error": "OverloadError", "message": message}
+            return await JSONResponse(body, 503, headers)(scope, receive, send)
         running[0] += 1
         try:
             return await app(scope, receive, send)
@@ -269,16 +268,15 @@ def serve(
         )
     sock = bind(host, port)  # before the load: a busy port is said at once, not after it
     with sock:
-        model = load(
+        model = load_entry(
             artifact,
+            entry,
             runtime=runtime,
             params_as_constants=params_as_constants,
             trust=trust,
             allow=allow,
             verify_signature=verify_signature,
         )
-        if entry is not None:
-            model = model[entry]
         batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue, name=model_name(model))
         try:
             app = create_app(
