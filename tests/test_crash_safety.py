@@ -2,9 +2,10 @@
 
 Each run starts a process that exports in a loop (alternating two models over the same path)
 and SIGKILLs it at a random moment: half of the runs from outside, anywhere in an export
-(mostly while tracing and lowering), half from a timer inside the process, at a random point
-of its write (the temporary sibling's files, the manifest, fsync, the swap, removing the
-previous artifact): a window of milliseconds no outside kill could aim at. After every kill
+(mostly while tracing and lowering), half from a timer inside the process, at a point of its
+write (the temporary sibling's files, the manifest, fsync, the swap, removing the previous
+artifact): a window of milliseconds no outside kill could aim at. The aimed kills spread over
+the write, one at random in each of its ``RUNS / 2`` equal slices. After every kill
 the artifact at the path loads and gives exactly one of the models' outputs, and any
 temporary sibling the dead export left either fails to load or is a complete artifact of one
 of them (it is never partial). The next export clears the dead export's siblings.
@@ -31,7 +32,7 @@ import symjax_mlp as sm
 from symjax_mlp import _files
 from symjax_mlp._artifact import checker
 
-RUNS = 14  # sized for CI (2 cores, the suite under 10 minutes); each run starts a process
+RUNS = 8  # sized for CI (2 cores, the suite under 10 minutes); each run starts a process
 LANES = 2  # runs in parallel, each lane on its own artifact path
 MODELS = textwrap.dedent(
     """
@@ -89,11 +90,11 @@ def _siblings(path):
     return sorted(p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
 
 
-def _lane(path, runs, rng, outputs, x, report):
+def _lane(path, aims, rng, outputs, x, report):
     try:
-        for i in range(runs):  # odd runs: killed inside the write, even: from outside
-            aim = rng.random() if i % 2 else None
-            report.append(_kill_one_export(path, aim, rng, outputs, x))
+        for aim in aims:  # a run killed from outside, then one killed inside the write
+            for a in (None, aim):
+                report.append(_kill_one_export(path, a, rng, outputs, x))
     except BaseException as e:  # reported, and failed on, in the test's thread
         report.append(f"{type(e).__name__}: {e}")
 
@@ -144,12 +145,14 @@ def test_sigkill_during_export_never_leaves_a_partial_artifact(tmp_path):
         path.parent.mkdir()
         sm.export(model(1), path, example=x)  # the artifact there before the first kill
     rng = random.Random(0)
+    aimed = RUNS // 2  # spread over the write, from its first file to the old artifact's removal
+    aims = [(k + rng.random()) / aimed for k in range(aimed)]
     reports = [[] for _ in paths]
     lanes = [
         threading.Thread(
-            target=_lane, args=(p, RUNS // LANES, random.Random(rng.random()), outputs, x, r)
+            target=_lane, args=(p, aims[i::LANES], random.Random(rng.random()), outputs, x, r)
         )
-        for p, r in zip(paths, reports, strict=True)
+        for i, (p, r) in enumerate(zip(paths, reports, strict=True))
     ]
     for lane in lanes:
         lane.start()
