@@ -144,8 +144,7 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
                 f"{where} is empty (shape {x.shape}); expected at least one {what}. Check the "
                 "loading and splitting of the data."
             )
-        real = np.issubdtype(x.dtype, np.integer) or jnp.issubdtype(x.dtype, jnp.floating)
-        if not real:  # jnp's floating includes bfloat16
+        if not (np.issubdtype(x.dtype, np.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
             raise DataError(f"{where} has dtype {x.dtype}; expected real numbers.")
         _check_finite(where, x)
         with np.errstate(over="ignore"):

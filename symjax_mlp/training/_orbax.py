@@ -1,8 +1,7 @@
 """Checkpoints of a multi-process run: Orbax, asynchronous, with our manifest on top.
 
-:meth:`OrbaxCheckpoints.save` copies the arrays on their devices and returns; Orbax commits
-``<dir>/<step>`` when every process has written. The item ``meta`` (JSON) is checked as the
-safetensors manifest is, before Orbax reads a byte, and the arrays' sha256 after.
+A save copies the arrays on their devices and returns; Orbax commits ``<dir>/<step>`` when every
+process has written. A restore checks the item ``meta`` first, the arrays' sha256 after.
 """
 
 from __future__ import annotations
@@ -99,9 +98,8 @@ class OrbaxCheckpoints:
         return None if step is None else self.directory / str(step)
 
     def save(self, state: TrainState, metadata: dict[str, Any]) -> Path:
-        """Starts writing ``state`` as ``<dir>/<state.step>``: its arrays are copied on their
-        devices (the next step may donate them) for a thread that hands them to Orbax, in
-        order. Waits while ``_QUEUED`` saves are queued; a failed one raises at the next."""
+        """Starts writing ``state`` as ``<dir>/<state.step>`` from a device copy (the next step
+        donates it); waits while ``_QUEUED`` saves are queued; a failed one raises at the next."""
         t0 = time.perf_counter()
         self._finish(keep=_QUEUED - 1)
         copied = TrainState(*_copy((state.params, state.opt_state)), state.rng)  # not donated
@@ -165,8 +163,7 @@ class OrbaxCheckpoints:
         return state_of(arrays, like, meta), meta.get("metadata", {})
 
     def close(self) -> None:
-        """Waits for the last save to commit, then releases the manager (after a failed save
-        too: its error is raised then)."""
+        """Waits for the last save to commit (a failed one raises), then releases the manager."""
         try:
             self._finish()
         finally:
