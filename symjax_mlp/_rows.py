@@ -1,10 +1,6 @@
-"""Row independence: whether an exported function keeps the rows of its batch apart, as
-``jax.vmap`` over a loaded model needs.
-
-:func:`verdict` decides it conservatively from the jaxpr: each value's symbolic shape says which
-axis holds the batch. An equation that drops, reorders or mixes that axis, or that this module
-does not know, makes the verdict "not independent", naming the primitive and its layer.
-"""
+"""Whether an exported function keeps the rows of its batch apart (``jax.vmap`` of a loaded
+model needs it), decided from the jaxpr: each value's symbolic shape says which axis is the
+batch; an equation that drops, reorders or mixes it, or is unknown here, says no, and why."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""One spec for one idea: the path, shape and dtype of an array, in traces and in artifacts.
-
-A :class:`TensorSpec` names an input leaf a :class:`~symjax_mlp.Hybrid` traced on (there its
-``weak_type`` matters, because JAX specialises on it) and a tensor of an artifact's contract
-(there a dimension may be symbolic, a name such as ``"b"``).
-"""
+"""The path, shape and dtype of an array: an input leaf a Hybrid traced on (its ``weak_type``
+matters there) or a tensor of an artifact's contract (a dimension may be a name, ``"b"``)."""
 
 from __future__ import annotations
 
