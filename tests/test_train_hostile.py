@@ -85,6 +85,20 @@ def test_a_checkpoint_directory_this_user_cannot_write_is_refused(tiny, tmp_path
         locked.chmod(0o700)
 
 
+def test_a_checkpoint_directory_this_user_cannot_list_is_refused(tiny, tmp_path, monkeypatch):
+    """A directory of mode 0o300 (written, not read) passed the check: listing its checkpoints
+    then raised a bare PermissionError. Root reads anything: os.access answers as for a user."""
+    access = os.access
+
+    def no_read(path, mode, **kwargs):
+        return access(path, mode, **kwargs) and not (mode & os.R_OK and str(path) == str(tmp_path))
+
+    monkeypatch.setattr(os, "access", no_read)
+    with pytest.raises(sm.CheckpointError, match=r"cannot be read: this user may not list"):
+        sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, checkpoint=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # refused before any checkpoint was written
+
+
 def test_cli_train_checkpoint_file_is_exit_2_with_one_line(tmp_path, capsys):
     for path, says in _unusable(tmp_path).values():
         argv = ["train", "--epochs", "1", "--quiet", "--checkpoint", str(path)]

@@ -28,7 +28,7 @@ def check_path(path: Any, caller: str) -> None:
 
 def check_directory(directory: str | os.PathLike, caller: str) -> None:
     """Refuses a file, a dangling symlink, a path below a file, or a directory this user cannot
-    write; a path that does not exist yet is fine below a directory this user can write."""
+    write or list; a path that does not exist yet is fine below a directory this user can write."""
 
     def refuse(why: str) -> CheckpointError:
         return CheckpointError(
@@ -62,3 +62,5 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
         raise refuse(f"{directory} {what} a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise refuse(f"{directory} cannot be written: this user may not write to {probe}")
+    if probe == path and not os.access(path, os.R_OK):  # its checkpoints could not be listed
+        raise refuse(f"{directory} cannot be read: this user may not list what it holds")
