@@ -66,9 +66,8 @@ _PACKAGES = ("chapter", "serving", "training")
 
 
 def __getattr__(name: str):
-    """Hybrid, export, the models (flax) and the sub-packages (optax, ...) load on first
-    use, so that ``import symjax_mlp; symjax_mlp.load(path)`` imports none of them (a
-    fresh process that only loads starts faster)."""
+    """Hybrid, export, the models (flax) and the sub-packages (optax, ...) load on first use:
+    ``import symjax_mlp; symjax_mlp.load(path)`` imports none of them."""
     if name in _PACKAGES:
         return _importlib.import_module(f"symjax_mlp.{name}")
     if name not in _MODULE_OF:

@@ -46,7 +46,7 @@ def data_mesh(
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:
-    """``mesh`` with Auto axes (Explicit ones reject some functions, e.g. trimming a batch)."""
+    """``mesh`` with Auto axes (Explicit ones refuse some functions, e.g. trimming a batch)."""
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
 
 

@@ -106,8 +106,7 @@ MODE_ATTRIBUTES = ("deterministic", "use_running_average")
 
 
 def _shown(path: str) -> bool:
-    attr = path.removeprefix("module.").split("/")[-1]
-    return not path.startswith("module.") or attr in MODE_ATTRIBUTES
+    return not path.startswith("module.") or path.rpartition("/")[2] in MODE_ATTRIBUTES
 
 
 def signature(
