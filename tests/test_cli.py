@@ -165,12 +165,13 @@ def test_ctrl_c_exits_130_in_one_line():
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "symjax_mlp", "tour", "--calls", "100000000"],
-        stdout=subprocess.DEVNULL,
+        [sys.executable, "-u", "-m", "symjax_mlp", "tour", "--calls", "100000000"],
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(6)  # past the imports, inside the tour
+    proc.stdout.readline()  # the tour's first line: past the imports, inside the tour
+    time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     assert_interrupted(proc, timeout=60)
 
