@@ -29,14 +29,7 @@ from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
 from symjax_mlp._load import load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
-from symjax_mlp.serving._bodies import (
-    CLOSE,
-    BadRequest,
-    Intake,
-    decode,
-    to_json,
-    to_npy,
-)
+from symjax_mlp.serving._bodies import BadRequest, Intake, decode, to_json, to_npy
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
 _STOPPED = "the server stopped before the request was answered; retry it."
@@ -140,8 +133,7 @@ def create_app(
         hold = [0]  # the bytes this request's body holds of the shared budget
         try:
             return await answer(request, hold)
-        except asyncio.CancelledError:  # the server stops before the answer (its graceful
-            # timeout, a second Ctrl-C): a 503, not uvicorn's text/plain 500 and a traceback
+        except asyncio.CancelledError:  # the server stops first: a 503, not uvicorn's 500
             return error(503, asyncio.CancelledError(_STOPPED))
         except Exception as e:  # a bug of ours: still the documented JSON body, counted
             return error(500, e)
@@ -153,7 +145,7 @@ def create_app(
             body = await intake.read(request, hold)
         except BadRequest as e:  # too large, too slow, too many: the rest is not read
             retry = {"Retry-After": "1"} if e.status == 503 else {}
-            return error(e.status, e, {**CLOSE, **retry})
+            return error(e.status, e, {"Connection": "close", **retry})
         except ClientDisconnect:  # nobody to answer: counted, as nginx counts it, as 499
             by_code[499] += 1
             return Response(status_code=499)
@@ -245,7 +237,7 @@ def create_app(
         try:
             yield
         except asyncio.CancelledError:  # a second Ctrl-C: uvicorn stops now, in no error
-            return  # (it was logged as the lifespan's failure, a traceback)
+            return
         if close_batcher:
             await asyncio.get_running_loop().run_in_executor(None, batcher.close)
 

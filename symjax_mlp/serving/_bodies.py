@@ -38,8 +38,6 @@ except ImportError:  # pragma: no cover - the standard library parses alone
 NPY = "application/x-npy"
 NPZ = "application/x-npz"
 _NPY_TYPES = (NPY, "application/octet-stream", "application/npy")
-#: Headers of an answer given before the body was read to its end: the rest of it is not read.
-CLOSE = {"Connection": "close"}
 
 
 class BadRequest(Exception):
