@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,8 @@ from symjax_mlp._selftest import run_failed
 from symjax_mlp._specs import array_types
 
 _ARRAYS = array_types()
-_LINEARIZE = inspect.unwrap(jax.linearize).__code__  # its linear function cannot run ours
+# jax.linearize's linear function cannot run ours; jax.vjp (jax.grad's) traces alike
+_LINEARIZE, _VJP = (inspect.unwrap(f).__code__ for f in (jax.linearize, jax.vjp))
 
 
 _FORWARD = (
@@ -190,23 +191,28 @@ class LoadedModel:
 
 
 def _forward(inputs: Any) -> bool:
-    """Whether ``jax.jvp`` (``jacfwd``, ``hessian``) or ``jax.linearize`` traces an input,
-    under any other tracer."""
+    """Whether ``jax.jvp`` (``jacfwd``, ``hessian``) or ``jax.linearize`` traces an input, under
+    any other tracer."""
     for x in inputs:  # arrays, on every call: no config read
+        frames = None
         while isinstance(x, Tracer):
             if isinstance(x, JVPTracer):  # without direct linearize jax.grad makes them too
                 return bool(jax.config.jax_use_direct_linearize)
-            if hasattr(x, "tangent") and _in_linearize():  # jax.grad's tracer too: by caller
-                return True
+            if hasattr(x, "tangent"):  # jax.linearize's or jax.vjp's (jax.grad's): which one
+                frames = _linearizing() if frames is None else frames  # is on the stack
+                if next(frames, False):
+                    return True
             x = getattr(x, "primal", getattr(x, "val", None))  # linearize's, vmap's
     return False
 
 
-def _in_linearize() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code is not _LINEARIZE:
+def _linearizing() -> Iterator[bool]:
+    """For each ``jax.linearize`` or ``jax.vjp`` calling us, innermost first: is it linearize?"""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _LINEARIZE or frame.f_code is _VJP:
+            yield frame.f_code is _LINEARIZE
         frame = frame.f_back
-    return frame is not None
 
 
 def _axes(specs: Any, dim: str) -> list[int | None]:

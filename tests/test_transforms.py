@@ -430,9 +430,10 @@ def _jvp(f):
     [jax.jacfwd, jax.hessian, _jvp, lambda f: jax.jit(_jvp(f)), lambda f: jax.jit(jax.jacfwd(f)),
      lambda f: jax.jit(jax.hessian(f)), lambda f: jax.vmap(_jvp(f)), lambda f: _jvp(jax.vmap(f)),
      lambda f: _jvp(jax.grad(f)), lambda f: lambda x: jax.linearize(f, x),
-     lambda f: jax.jit(lambda x: jax.linearize(f, x)[0])],
+     lambda f: jax.jit(lambda x: jax.linearize(f, x)[0]),
+     lambda f: lambda x: jax.linearize(jax.grad(f), x)],
     ids=["jacfwd", "hessian", "jvp", "jit-jvp", "jit-jacfwd", "jit-hessian", "vmap-jvp",
-         "jvp-vmap", "jvp-grad", "linearize", "jit-linearize"],
+         "jvp-vmap", "jvp-grad", "linearize", "jit-linearize", "linearize-grad"],
 )  # fmt: skip
 def test_forward_mode_names_reverse_mode_not_a_corrupted_artifact(mlp, transform):
     # under jax.jit, JAX's own TypeError came where the outer jit lowered, far from the call;
@@ -442,6 +443,19 @@ def test_forward_mode_names_reverse_mode_not_a_corrupted_artifact(mlp, transform
                        r"jax.jacrev\(jax.jacrev\(f\)\).*export again") as e:  # fmt: skip
         transform(lambda x: m(x).sum())(_xs(2, 5))
     assert isinstance(e.value, sm.SymjaxError)
+
+
+def test_grad_at_a_constant_inside_jax_linearize_of_another_function_runs(mlp):
+    # jax.grad traces the model as jax.linearize does: refused by which of them calls it
+    h, m = mlp
+    x, c = _xs(2, 5), _xs(2, 5, seed=2)
+
+    def f(model):
+        return lambda y: y * jax.grad(lambda c: model(c).sum())(c)
+
+    (got, lin), (want, _) = jax.linearize(f(m), x), jax.linearize(f(h), x)
+    chex.assert_trees_all_close(got, want, **TOL)
+    chex.assert_trees_all_close(lin(x), want, **TOL)
 
 
 def test_lax_cond_and_switch_with_a_batched_predicate_under_vmap(mlp):
