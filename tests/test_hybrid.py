@@ -417,3 +417,16 @@ def test_a_linen_models_keyword_named_as_an_apply_option_reaches_the_model(keywo
     want = model.apply(variables, method=lambda m: m(x, **{keyword: 3.0}))
     chex.assert_trees_all_close(h(x, **{keyword: 3.0}), want, rtol=1e-6)
     chex.assert_trees_all_close(h.eager(x, **{keyword: 3.0}), want, rtol=1e-6)
+
+
+def test_an_equinox_module_of_non_array_leaves_given_as_an_input_is_refused_naming_its_path():
+    # one walk refuses it with the leaf's path (it named only the argument: kwargs['mod'])
+    import equinox as eqx
+
+    mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))  # its activations are leaves
+    h = sm.hybridize(lambda p, x, mod: mod["a"](x) * p, jnp.float32(2))
+    with pytest.raises(sm.ConfigError, match=r"kwargs\['mod'\]\['a'\] is an equinox module"):
+        h(jnp.ones(3), mod={"a": mlp})
+    arrays, static = eqx.partition(mlp, eqx.is_array)
+    h = sm.hybridize(lambda p, x, a: eqx.combine(a, static)(x) * p, jnp.float32(2))
+    chex.assert_trees_all_close(h(jnp.ones(3), arrays), mlp(jnp.ones(3)) * 2, rtol=1e-6)
