@@ -143,8 +143,8 @@ def broken(path: Any, what: str) -> CheckpointError:
 def check_manifest(
     file: Path, manifest: Any, header: dict[str, Any], step: int | None, **fields: bool
 ) -> None:
-    """Refuses a manifest without ``header``, with a field (``fields``: the format's own) missing
-    or of the wrong type, or whose step is not ``step`` (its directory's)."""
+    """Refuses a manifest without ``header``, with a field missing or mistyped, or of a step
+    other than ``step`` (its directory's); ``fields``: the format's own fields' checks."""
     if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in header.items()):
         got = {k: manifest.get(k) for k in header} if isinstance(manifest, dict) else manifest
         raise CheckpointError(
@@ -316,8 +316,7 @@ def _checkpoints(directory: Path) -> list[Path]:
 
 def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False) -> None:
     """Refuses an entry named like a step newer than the newest checkpoint that is none (a file,
-    a symlink, an uncommitted Orbax save): a resume passes it over (Orbax's: fails on it), and
-    saving that step fails (Orbax's: deletes it)."""
+    a symlink, an uncommitted Orbax save): resuming, and saving that step, would trip on it."""
     found = entries(Path(directory), orbax)
     done = [(step, p) for step, p in found if is_checkpoint(p, orbax)]
     newest = done[-1] if done else (-1, Path("any checkpoint there"))

@@ -219,9 +219,8 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
 
 
 def default_classes(data: Dataset) -> int:
-    """The default model's outputs: ``num_classes``, else the largest label + 1; labels like
-    IDs (past ``_MAX_SPARSE_CLASSES``, most never a label) refused: a layer that wide; training
-    labels of one class refused unless ``num_classes`` >= 2 says the others exist."""
+    """The default model's outputs: ``num_classes``, else the largest label + 1; refuses labels
+    like IDs (a layer that wide) and one class (unless ``num_classes`` >= 2 says more exist)."""
     present = np.unique(data.y_train)
     if len(present) == 1 and (data.num_classes or 0) < 2:  # the classes are the labels'
         raise DataError(

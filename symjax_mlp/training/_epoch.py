@@ -30,8 +30,7 @@ def _shuffle(rng: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The training step and the prediction, jit-compiled (or eager), and the step's traces:
-    a second trace raises :class:`~symjax_mlp.RetraceError` instead of compiling again."""
+    """The training step and the prediction, and the step's traces (a second one raises)."""
 
     step: Callable[..., Any]
     predict: Callable[..., Any]

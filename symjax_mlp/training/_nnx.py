@@ -1,9 +1,8 @@
 """How training calls an nnx module: its ``Param`` values are trained, all else is its state.
 
-Steps run with the attributes as ``module.train()`` sets them, evaluations as ``eval()`` does;
-the module given is never changed. Which state a call moves is read from its staged program,
-so a model that would train in inference mode is refused before any step runs. A ``__call__``
-taking ``rngs`` gets a fresh ``nnx.Rngs`` every step, split from a key carried in the state.
+Steps run in ``module.train()``'s mode, evaluations in ``eval()``'s; the module is never changed.
+The state a call moves is read from its staged program: a model that would train in inference
+mode is refused. A ``__call__`` taking ``rngs`` gets a fresh ``nnx.Rngs`` every step.
 """
 
 from __future__ import annotations
@@ -171,7 +170,6 @@ def _paths(state: Any) -> list[str]:
 
 
 def fingerprint(spec: NnxSpec) -> str:
-    """The module's configuration: its eval-mode ``nnx.graphdef`` (layers, widths, a Dropout
-    rate), never its values, nor the memory addresses that differ between processes."""
+    """The module's eval-mode ``nnx.graphdef`` (layers, widths, rates), without addresses."""
     text = repr(nnx.graphdef(spec.module(spec.params, spec.state)))
     return re.sub(r"0x[0-9a-f]+", "0x", text)

@@ -1,9 +1,8 @@
 """Several processes, one run: joining them, agreeing on the run, never waiting in silence.
 
-:func:`initialize` is ``jax.distributed.initialize`` with one ``timeout`` and an alarm naming
-who never connected; :func:`agree` compares every process's config before the first collective;
-:class:`Watchdog` ends a process whose step waits past the timeout (gloo never times out, and
-Python cannot interrupt a collective), naming the peers not in that step.
+:func:`initialize` names who never connected; :func:`agree` compares every process's config
+before the first collective; :class:`Watchdog` ends a process whose step waits past the timeout
+(gloo never times out, and Python cannot interrupt a collective), naming the peers behind.
 """
 
 from __future__ import annotations
