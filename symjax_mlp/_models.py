@@ -21,7 +21,7 @@ ACTIVATIONS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def activation(name: str | None) -> Callable[[jax.Array], jax.Array]:
+def activation_fn(name: str | None) -> Callable[[jax.Array], jax.Array]:
     """The :mod:`jax.nn` activation called ``name`` (``None``: the identity)."""
     if name is None:
         return lambda x: x
@@ -45,7 +45,7 @@ class Dense(nn.Dense):
     activation: str | None = None
 
     def __post_init__(self) -> None:
-        activation(self.activation)  # refused at construction, not at the first call
+        activation_fn(self.activation)  # refused at construction, not at the first call
         if not _width(self.features):
             raise ConfigError(
                 f"Dense(features={self.features!r}): the output width is a positive int, e.g. "
@@ -54,7 +54,7 @@ class Dense(nn.Dense):
         super().__post_init__()
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        return activation(self.activation)(super().__call__(inputs))
+        return activation_fn(self.activation)(super().__call__(inputs))
 
 
 def _check_layers(cls: str, field: str, items: Any) -> None:
@@ -148,6 +148,7 @@ def mlp(
             f"mlp(sizes={sizes!r}): pass the layers' widths as a sequence of positive ints, e.g. "
             "mlp((256, 128, 2)) (one layer: mlp((2,)))."
         )
+    activation_fn(activation)  # refused even where only the last layer (none) would use it
     sizes = tuple(map(int, sizes))
     last = len(sizes) - 1
     return HybridSequential(

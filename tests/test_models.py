@@ -46,6 +46,8 @@ def test_unknown_activation_lists_the_valid_ones():
     assert "relu" in str(info.value) and "gelu" in str(info.value)
     with pytest.raises(ValueError, match="unknown activation"):
         sm.mlp((3, 2), activation="nope")
+    with pytest.raises(ValueError, match="unknown activation 'nope'"):
+        sm.mlp((2,), activation="nope")  # one layer uses no activation, a typo is still one
 
 
 @pytest.mark.parametrize("sizes", [(), (3, 0), (3, -1), (2.5,), (True, 2)])
