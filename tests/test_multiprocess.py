@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,6 +31,7 @@ import symjax_mlp as sm
 from symjax_mlp.training._orbax import OrbaxCheckpoints
 
 WORKER = Path(__file__).parent / "workers" / "multiprocess_worker.py"
+README = Path(__file__).parent.parent / "README.md"
 sys.path.insert(0, str(WORKER.parent))
 from multiprocess_worker import BATCH, LR, SIZES, problem  # noqa: E402
 
@@ -344,19 +346,20 @@ def test_the_cli_refuses_processes_without_a_coordinator(capsys):
 
 @pytest.mark.slow
 def test_the_cli_starts_a_2_process_run_as_the_readme_shows(tmp_path):
-    port = _port()
-
-    def command(i: int) -> list[str]:
-        return [sys.executable, "-m", "symjax_mlp", "train", "--epochs", "1", "--quiet",
-                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
-                str(i), "--checkpoint", str(tmp_path / "ck"), "--json",
-                str(tmp_path / f"run{i}.json")]  # fmt: skip
-
-    procs = [subprocess.Popen(command(i), env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]  # fmt: skip
-    codes, logs, _ = _wait(procs)
-    assert codes == [0, 0], "\n---\n".join(logs)
-    run = json.loads((tmp_path / "run0.json").read_text())
-    assert run["step"] == 23 and len(run["checkpoint_waits"]) == 1
+    """The README's block, run here rather than by ``tests/test_readme.py`` (one 2-process run,
+    not two): as written, but on a free port and with ``--json`` given to process 1 too, which
+    must leave it to process 0."""
+    blocks = re.findall(r"^```bash\n(.*?)^```\n", README.read_text(), re.M | re.S)
+    (block,) = [b for b in blocks if "--num-processes 2" in b]
+    assert block.count("127.0.0.1:1234") == 2, block
+    script = block.replace("127.0.0.1:1234", f"127.0.0.1:{_port()}")
+    (second,) = [line for line in script.splitlines() if "--process-id 1" in line]
+    script = script.replace(second, f"{second} --json run1.json")
+    env = dict(ENV, PATH=os.pathsep.join([str(Path(sys.executable).parent), ENV["PATH"]]))
+    done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, f"{script}\nfailed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["step"] == 46 and len(run["checkpoint_waits"]) == 2, run
     assert not (tmp_path / "run1.json").exists()  # process 0 writes the results
-    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["23"]  # Orbax's step
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["23", "46"]  # Orbax's

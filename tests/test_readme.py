@@ -5,7 +5,9 @@ A fenced block tagged ``python`` runs in one shared namespace (like a notebook),
 are what it must print. An untagged block right after a code block (nothing but blank lines
 between them) is that block's output and is compared with what it printed, after masking what
 legitimately changes from run to run (timestamps, timings, sizes, hashes). ``text`` blocks are
-prose. The quick start is the one block run elsewhere: ``.ci/run`` executes it as written.
+prose. Two blocks run elsewhere: the quick start (``.ci/run`` executes it as written), and the
+2-process training run (``tests/test_multiprocess.py`` runs it on a free port and checks what
+it writes: the same two processes would otherwise run twice).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).parent.parent / "README.md"
+ELSEWHERE = "--num-processes 2"  # the block that tests/test_multiprocess.py runs
 FENCE = re.compile(r"^```([a-z]*)\n(.*?)^```\n", re.M | re.S)
 MASKS = (  # what changes between runs, replaced by a token in both texts
     (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+\-Z][\d:]*"), "<time>"),
@@ -121,6 +124,8 @@ def test_every_readme_block_runs_as_written(tmp_path):
                 if shown is not None:
                     _compare(shown, buffer.getvalue(), what)
             elif tag == "bash":
+                if ELSEWHERE in code:  # test_the_cli_starts_a_2_process_run_as_the_readme_shows
+                    continue
                 got = _shell(code, tmp_path, env)
                 if shown is not None:
                     _compare(shown, got, what)
