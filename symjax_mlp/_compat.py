@@ -23,6 +23,7 @@ INTERNALS: dict[str, bool] = {
     "futures": True,
     "gil": True,
     "transformed": True,
+    "linearizing": True,
 }
 
 
@@ -125,6 +126,28 @@ def transformed() -> bool | None:
     core = sys.modules.get("jax._src.core") if INTERNALS["transformed"] else None
     trace = getattr(getattr(core, "trace_ctx", None), "trace", None)
     return None if trace is None else trace is not getattr(core, "eval_trace", None)
+
+
+# -- 5b. whether jax.linearize (not jax.vjp) is tracing this call --------------------------
+# Why: a loaded model cannot run forward (linearize's linear function): refused as it traces, not
+# by JAX's TypeError later. Internal: the caller's frames (sys._getframe), one linearize or vjp
+# per tangent tracer. Fallback: none found: linearize traces, and its linear function raises.
+def linearizing() -> Iterator[bool]:
+    """For each ``jax.linearize`` or ``jax.vjp`` calling us, innermost first: is it linearize?"""
+    frame = sys._getframe(1) if INTERNALS["linearizing"] else None
+    while frame is not None:
+        if frame.f_code in _callers():
+            yield frame.f_code is _callers()[0]
+        frame = frame.f_back
+
+
+@functools.cache
+def _callers() -> tuple[Any, Any]:
+    import inspect
+
+    import jax
+
+    return tuple(inspect.unwrap(f).__code__ for f in (jax.linearize, jax.vjp))
 
 
 # -- 6. an nnx module's layers, named in its programs ---------------------------------------

@@ -3,9 +3,7 @@ call checks its inputs once per (shape, dtype) and runs what a runtime prepared.
 
 from __future__ import annotations
 
-import inspect
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ import numpy as np
 from jax.core import Tracer
 from jax.interpreters.ad import JVPTracer
 
+from symjax_mlp import _compat
 from symjax_mlp._artifact.format import (
     JAXEXPORT,
     caller,
@@ -31,7 +30,6 @@ from symjax_mlp._specs import array_types
 
 _ARRAYS = array_types()
 # jax.linearize's linear function cannot run ours; jax.vjp (jax.grad's) traces alike
-_LINEARIZE, _VJP = (inspect.unwrap(f).__code__ for f in (jax.linearize, jax.vjp))
 
 
 _FORWARD = (
@@ -194,25 +192,16 @@ def _forward(inputs: Any) -> bool:
     """Whether ``jax.jvp`` (``jacfwd``, ``hessian``) or ``jax.linearize`` traces an input, under
     any other tracer."""
     for x in inputs:  # arrays, on every call: no config read
-        frames = None
+        callers = None
         while isinstance(x, Tracer):
             if isinstance(x, JVPTracer):  # without direct linearize jax.grad makes them too
                 return bool(jax.config.jax_use_direct_linearize)
-            if hasattr(x, "tangent"):  # jax.linearize's or jax.vjp's (jax.grad's): which one
-                frames = _linearizing() if frames is None else frames  # is on the stack
-                if next(frames, False):
+            if hasattr(x, "tangent"):  # jax.linearize's or jax.vjp's (jax.grad's): by caller
+                callers = _compat.linearizing() if callers is None else callers
+                if next(callers, False):
                     return True
             x = getattr(x, "primal", getattr(x, "val", None))  # linearize's, vmap's
     return False
-
-
-def _linearizing() -> Iterator[bool]:
-    """For each ``jax.linearize`` or ``jax.vjp`` calling us, innermost first: is it linearize?"""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _LINEARIZE or frame.f_code is _VJP:
-            yield frame.f_code is _LINEARIZE
-        frame = frame.f_back
 
 
 def _axes(specs: Any, dim: str) -> list[int | None]:

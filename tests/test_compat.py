@@ -27,7 +27,7 @@ ROOT = Path(sm.__file__).parent
 # jax.extend.mlir), nnx's privates, and the CPython internals it wraps.
 _PRIVATE = re.compile(
     r"jax\._src|jaxlib\.|_pytree__|backends_are_initialized|traceback_in_locations_limit"
-    r"|futures\._base|_is_gil_enabled|_threefry2x32"
+    r"|futures\._base|_is_gil_enabled|_threefry2x32|_getframe"
 )
 _FUTURE_FIELDS = {"_state", "_waiters", "_condition", "_done_callbacks", "_invoke_callbacks"}
 
@@ -115,6 +115,21 @@ def test_an_export_without_source_locations_computes_what_one_with_them_does(tmp
     assert here not in (clean.path / "model.mlir").read_text()  # reproducible anywhere
     assert here in (located.path / "model.mlir").read_text()  # the fallback keeps them
     np.testing.assert_array_equal(sm.load(clean.path)(x), sm.load(located.path)(x))
+
+
+def test_linearize_of_a_loaded_model_refused_as_it_traces_or_by_jax_when_run(tmp_path, internals):
+    h = sm.hybridize(lambda p, x: jnp.tanh(x @ p), jnp.ones((3, 2)) / 3)
+    x = jnp.arange(6.0).reshape(2, 3)
+    m = sm.load(sm.export(h, tmp_path / "m", example=x, vjp_order=1).path)
+    with pytest.raises(sm.ConfigError, match="reverse mode only"):
+        jax.linearize(m, x)
+    np.testing.assert_allclose(jax.grad(lambda x: m(x).sum())(x), jax.grad(lambda x: h(x).sum())(x))
+    internals("linearizing")
+    y, run = jax.linearize(m, x)  # the fallback: linearize traces the model
+    np.testing.assert_allclose(y, h(x), rtol=1e-6)
+    with pytest.raises(TypeError):  # and JAX refuses its linear function
+        run(x)
+    np.testing.assert_allclose(jax.grad(lambda x: m(x).sum())(x), jax.grad(lambda x: h(x).sum())(x))
 
 
 def test_latency_mode_without_knowing_whether_jax_started_sets_the_same_mode(internals):
