@@ -96,8 +96,8 @@ class AsyncRequest(_Timed):
         return self.future.cancel()
 
     def fail(self, error: BaseException) -> None:
-        """Settles it with ``error``; a StopIteration, which an asyncio future refuses (a
-        TypeError, and the request never answered), as a RuntimeError from it, as a coroutine's."""
+        """Settles it with ``error`` (a StopIteration, which an asyncio future refuses, as a
+        RuntimeError from it, as a coroutine's)."""
         if isinstance(error, StopIteration):
             wrapped = RuntimeError(f"the model raised {error!r}")
             wrapped.__cause__, error = error, wrapped

@@ -31,9 +31,9 @@ MAX_HEAD_BYTES = 64 * 2**10
 
 class _Lingering:
     """A connection's transport whose close, after an answer given before the request's body
-    ended (413, 408, 503), lingers: it sends FIN, then drops what the client still sends until
-    it stops for :data:`LINGER` seconds (at most ``limit``), so that the client reads the
-    answer rather than a reset (a close with unread bytes is one): nginx's lingering_close."""
+    ended, lingers (nginx's lingering_close): it sends FIN, then drops what the client still
+    sends until it stops for :data:`LINGER` seconds (at most ``limit``), so that the client
+    reads the answer rather than a reset."""
 
     def __init__(self, transport: Any, protocol: Any, limit: float) -> None:
         self._t, self._protocol, self._limit = transport, protocol, limit
