@@ -310,7 +310,9 @@ class Batcher:
     @property
     def stats(self) -> BatcherStats:
         """A snapshot of the counters and timings (see :class:`BatcherStats`)."""
-        return self._lane.stats()
+        lane = self._lane
+        with lane.lock:
+            return lane.n.snapshot(queue_depth=len(lane.queue), busy=not lane.idle)
 
     @property
     def merges(self) -> bool:

@@ -26,7 +26,7 @@ from symjax_mlp import _compat as compat
 from symjax_mlp._compat import after_finish, finish_futures, start_future
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._requests import AsyncRequest, RequestFuture
-from symjax_mlp.serving._stats import BatcherStats, Counters
+from symjax_mlp.serving._stats import Counters
 
 _CANCELLED = "the batcher was closed with cancel=True"
 _DROPPED = concurrent.futures.CancelledError(_CANCELLED)  # what close(cancel=True) hands out
@@ -292,11 +292,6 @@ class Lane:
                 parts.append(np.zeros((bucket - rows, *self.row_shapes[i]), dtype))
             inputs.append(np.concatenate(parts))
         return inputs
-
-    def stats(self) -> BatcherStats:
-        """A snapshot of the counters and timings."""
-        with self.lock:
-            return self.n.snapshot(queue_depth=len(self.queue), busy=not self.idle)
 
     def close(self, cancel: bool) -> None:
         with self.lock:
