@@ -106,7 +106,7 @@ def test_a_checkpoint_without_its_manifest_or_with_an_edited_probe_is_named_brok
             sm.training.train(sm.mlp((8, 2)), tiny, **run)
     manifest.unlink()
     with pytest.raises(sm.CheckpointError, match=r"step_00000004/manifest\.json: the file is "
-                       r"missing; .* \(remove this step_\* directory"):  # fmt: skip
+                       r"missing; .* \(remove this checkpoint's directory"):  # fmt: skip
         sm.training.train(sm.mlp((8, 2)), tiny, **run)
 
 
