@@ -9,7 +9,6 @@ gauges; nothing is added per request. Ray is imported only here, when used.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -22,6 +21,7 @@ from symjax_mlp.serving._app import create_app, load_entry, model_name, require
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._latency import latency_mode
 from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count
+from symjax_mlp.serving._server import on_signals
 
 _EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "traces",
@@ -249,16 +249,11 @@ def serve_on_ray(
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name=name, route_prefix="/")
         stop = threading.Event()
-        sigs = (signal.SIGINT, signal.SIGTERM)
-        previous = {s: signal.signal(s, lambda *_: stop.set()) for s in sigs}
-        try:
+        with on_signals(lambda *_: stop.set()):
             ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
             while not stop.wait(0.5):
                 pass
             serve.delete(name)  # waits for the replicas to drain and stop
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
         if not serve.status().applications:  # others' applications on a shared cluster stay
             serve.shutdown()
     finally:

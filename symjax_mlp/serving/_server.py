@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from symjax_mlp._errors import ConfigError
@@ -302,10 +302,11 @@ def serve(
             )
             server = uvicorn.Server(config)
             (ready or print_ready(artifact))(url)
-            with _quiet_signals():
+            with on_signals(lambda *_: None):  # uvicorn re-raises the signal it stopped on
                 server.run(sockets=[sock])
         finally:
             batcher.close()
+            sys.stdout.flush()
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -340,16 +341,14 @@ def print_ready(artifact: Any) -> Callable[[str], None]:
 
 
 @contextlib.contextmanager
-def _quiet_signals():
-    """uvicorn re-raises the signal it shut down on; here that ends serve() normally."""
+def on_signals(handler: Callable[..., None]) -> Iterator[None]:
+    """SIGINT and SIGTERM call ``handler`` within the block (on the main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    sigs = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, lambda *_: None) for s in sigs}
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        sys.stdout.flush()
+        for s, before in previous.items():
+            signal.signal(s, before)
