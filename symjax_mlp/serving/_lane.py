@@ -203,7 +203,13 @@ class Lane:
         bucket = self.bucket_of[rows]
         inputs = self.assemble([r.arrays for r in batch], rows, bucket)
         t2 = clock()
-        out = self.rows_of(self.to_host(self.call(*inputs)), bucket)
+        out = self.to_host(self.call(*inputs))
+        for y in (out,) if self.single else jax.tree.leaves(out):  # else wrong rows, or none
+            if y.ndim == 0 or y.shape[0] != bucket:
+                raise RuntimeError(
+                    f"{self.name}: the model returned an output of shape {y.shape} for a batch "
+                    f"of {bucket} rows; it must return one row per input row."
+                )
         t3 = clock()
         if self.single and rows == len(batch):  # one row each: the common case
             results = list(out[:rows, None].copy())  # one copy; a view per row
@@ -269,17 +275,6 @@ class Lane:
             self.idle.append(True)
             if self.queue or self.closing:
                 self.nudge()
-
-    def rows_of(self, out: Any, bucket: int) -> Any:
-        """``out``, once each output has ``bucket`` rows (else each request would get the
-        wrong rows, or none: a model whose outputs stopped being per row is an error)."""
-        for y in (out,) if self.single else jax.tree.leaves(out):
-            if y.ndim == 0 or y.shape[0] != bucket:
-                raise RuntimeError(
-                    f"{self.name}: the model returned an output of shape {y.shape} for a batch "
-                    f"of {bucket} rows; it must return one row per input row."
-                )
-        return out
 
     def assemble(self, requests: Sequence[Any], rows: int, bucket: int) -> Sequence[Any]:
         """The model's inputs: the requests' arrays stacked, zero rows up to the bucket."""
