@@ -198,7 +198,8 @@ class Lane:
 
     def compute(self, batch: Sequence[Any], rows: int, t0: Any) -> tuple[list[Any], tuple]:
         """The model's results for ``batch`` (requests of ``rows`` rows in all), one per
-        request, and the batch's timing record (``t0``: its requests' start or starts)."""
+        request, and the batch's timing record ``(t0, t1, t2, t3, t4, rows, bucket)``: ``t0``
+        its request's start or its requests' starts, ``t1..t4`` its stages' bounds."""
         t1 = clock()
         bucket = self.bucket_of[rows]
         inputs = self.assemble([r.arrays for r in batch], rows, bucket)

@@ -130,9 +130,7 @@ class Counters:
         self.seconds = dict.fromkeys(STAGES, 0.0)
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)  # per bucket, the last: slower
         self.latency_sum = 0.0
-        # One entry per batch run, appended by whoever runs it (a deque: no lock needed):
-        # (t0, t1, t2, t3, t4, rows, bucket), t0 the request's start (a float) or the list of
-        # its requests' starts; t1..t4: the batch's stages began and the split ended.
+        # Per batch run, appended by whoever runs it (no lock): Lane.compute's timing record
         self.pending: collections.deque[tuple] = collections.deque()
 
     def fold(self) -> None:
