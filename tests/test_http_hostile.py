@@ -758,3 +758,42 @@ def test_a_model_that_blocks_never_stalls_the_server_loop():
             release.set()
         code, raw = pending.result(30)
     assert code == 200 and json.loads(raw)["outputs"] == [[18.0, 18.0]]
+
+
+def test_a_server_stops_though_its_model_never_returns(monkeypatch, caplog):
+    """At shutdown the app closed its batcher with no timeout: a model that never returned held
+    the server's stop for ever (a second Ctrl-C too). It waits DRAIN_SECONDS, says so, stops."""
+    import threading
+
+    import uvicorn
+
+    from symjax_mlp.serving import _app
+
+    monkeypatch.setattr(_app, "DRAIN_SECONDS", 0.5)
+    release, entered = threading.Event(), threading.Event()
+
+    def model(x):
+        if (x == 9).any():
+            entered.set()
+            release.wait(60)
+        return x * 2
+
+    b = sm.serving.Batcher(model, example=np.zeros((1, 2), np.float32), max_batch=2)
+    server = uvicorn.Server(uvicorn.Config(sm.serving.create_app(b), log_level="critical"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    try:
+        with caplog.at_level("ERROR", logger="symjax_mlp.serving"):
+            thread.start()
+            stuck = b.submit(np.full((1, 2), 9, np.float32))
+            assert entered.wait(30), "the request never reached the model"
+            server.should_exit = True  # uvicorn's shutdown, then the app's lifespan
+            thread.join(20)
+            assert not thread.is_alive(), "the server's stop waited for the model"
+        assert "still running after 0.5 s" in caplog.text
+        assert b.closed and not stuck.done()
+    finally:
+        release.set()
+        sock.close()
+    assert stuck.result(30).tolist() == [[18.0, 18.0]]  # left running, never lost

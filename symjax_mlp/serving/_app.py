@@ -20,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import importlib
+import logging
 import os
 import re
 from typing import Any
@@ -49,6 +50,22 @@ def require(what: str = "the symjax_mlp server", extra: str = "serve", *modules:
         ) from e
 
 
+#: At shutdown, the most seconds a closing batcher's queued work is waited for.
+DRAIN_SECONDS = 30.0
+
+
+def drain(batcher: Batcher, cancel: bool = False) -> None:
+    """Closes ``batcher``, waiting at most :data:`DRAIN_SECONDS`; a model still running then
+    is logged and left to its (daemon) thread, so a server that must stop, stops."""
+    try:
+        batcher.close(cancel=cancel, timeout=DRAIN_SECONDS)
+    except TimeoutError:
+        logging.getLogger("symjax_mlp.serving").error(
+            "%s: the model is still running after %g s; stopping without it.",
+            batcher.name, DRAIN_SECONDS,
+        )  # fmt: skip
+
+
 def create_app(
     batcher: Batcher,
     *,
@@ -72,7 +89,8 @@ def create_app(
         answered 408 and its connection closed (nginx's ``client_body_timeout``).
       max_inflight_bytes: the most bytes all request bodies being received and decoded may
         hold together (default: ``4 * max_body_bytes``); past it: 503 with ``Retry-After``.
-      close_batcher: close the batcher when the app shuts down (it finishes queued work).
+      close_batcher: close the batcher when the app shuts down: it finishes queued work,
+        waited for at most 30 s (a model that never returns is left behind).
       prefix: the metric names' prefix on ``/metrics``.
 
     Raises:
@@ -239,7 +257,7 @@ def create_app(
         except asyncio.CancelledError:  # a second Ctrl-C: uvicorn stops now, in no error
             return
         if close_batcher:
-            await asyncio.get_running_loop().run_in_executor(None, batcher.close)
+            await asyncio.get_running_loop().run_in_executor(None, drain, batcher)
 
     routes = [
         Route("/predict", predict, methods=["POST"]),

@@ -21,7 +21,14 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp.serving._app import ENDPOINTS, create_app, load_entry, model_name, require
+from symjax_mlp.serving._app import (
+    ENDPOINTS,
+    create_app,
+    drain,
+    load_entry,
+    model_name,
+    require,
+)
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._requests import check_count
 
@@ -305,7 +312,8 @@ def serve(
             with on_signals(lambda *_: None):  # uvicorn re-raises the signal it stopped on
                 server.run(sockets=[sock])
         finally:
-            batcher.close()
+            if not batcher.closed:  # uvicorn stopped before its lifespan closed it
+                drain(batcher, cancel=True)
             sys.stdout.flush()
 
 
