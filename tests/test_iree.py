@@ -242,12 +242,13 @@ def test_iree_runs_a_multi_platform_export(tmp_path):
 
 @pytest.mark.parametrize("case", [c for c in ZOO if c.name != "linen_dict"], ids=lambda c: c.name)
 def test_every_zoo_model_runs_under_iree_as_under_jax(case, tmp_path):
-    """Each zoo model's artifact (eval mode), at the export's batch and at two others."""
+    """Each zoo model's artifact (eval mode), at the export's batch and at batch 1: each an IREE
+    compile of its own (the chapter's and the rank-above-2 tests run more batch sizes)."""
     h = case.hybridize()
     xs = case.inputs(0)
     art = sm.export(h, tmp_path / case.name, example=xs, kwargs=case.eval)
     m, want = sm.load(art.path, runtime="iree"), sm.load(art.path)
-    for seed, rows in ((1, 4), (2, 1), (3, 3)):
+    for seed, rows in ((1, 4), (2, 1)):
         arrays = [x[:rows] for x in case.inputs(seed) if hasattr(x, "shape")]
         chex.assert_trees_all_close(m(*arrays), want(*arrays), rtol=2e-5, atol=2e-5)
 
@@ -287,16 +288,15 @@ def test_inputs_of_rank_above_2_run_under_iree_with_a_symbolic_batch(
     model, shape, allow, tmp_path, executed
 ):
     """IREE cannot compile the dynamic reshape of a symbolic batch: every module it runs is
-    static, one per batch size, and matches JAX."""
+    static, one per batch size (the self-test's 2, then 1), and matches JAX."""
     x = jax.random.normal(jax.random.key(0), shape)
     h = sm.hybridize(model, model.init(jax.random.key(1), x))
     art = sm.export(h, tmp_path / "m", example=x)
     assert art.signature.batch == "b"
     m, want = sm.load(art.path, runtime="iree", allow=allow), sm.load(art.path, allow=allow)
-    for batch in (1, 3):
-        xb = jax.random.normal(jax.random.key(batch), (batch, *shape[1:]))
-        np.testing.assert_allclose(m(xb), want(xb), rtol=1e-5, atol=3e-6)
-    assert len(executed) == 3 and not [d for d in declarations(executed) if "?" in d]
+    xb = jax.random.normal(jax.random.key(1), (1, *shape[1:]))
+    np.testing.assert_allclose(m(xb), want(xb), rtol=1e-5, atol=3e-6)
+    assert len(executed) == 2 and not [d for d in declarations(executed) if "?" in d]
 
 
 def test_threads_share_a_loaded_model_under_iree(chapter):
