@@ -60,7 +60,8 @@ class LoadedModel:
 
     Under the JAX runtime ``m`` is a JAX function (``jax.jit``, ``lax.map``/``scan``, a
     Hybrid); ``jax.grad`` needs ``export(..., vjp_order=1)``; forward mode (``jax.jvp``,
-    ``jacfwd``, ``linearize``) raises ``ConfigError``. ``jax.vmap(m)`` merges the mapped axis
+    ``jacfwd``, ``linearize``) raises ``ConfigError`` (``jax.linearize(jax.jit(m), x)`` only
+    when its linear function runs, as JAX's ``TypeError``). ``jax.vmap(m)`` merges the mapped axis
     into the batch where rows stay apart (``manifest["rows"]``, checked against the program),
     and also then ``m`` takes one example; else it runs ``m`` once per example.
     ``m["embed"]`` is another entry point, over the same weights, checked alike on first use.
