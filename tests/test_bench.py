@@ -401,7 +401,7 @@ def test_degenerate_sweeps_are_refused(tiny_sweep, tmp_path):
 
 # The CLI runs the real benchmark, with the fewest calls: its options reach the run.
 FEWEST_ARGV = ["--repeats", "1", "--eager-chunks", "1", "--stage-repeats", "1", "--no-peak"]
-FEWEST_ARGV += ["--no-per-request"]  # its own test below
+FEWEST_ARGV += ["--no-per-request", "--no-latency"]  # their own tests; each starts a process
 
 
 @pytest.mark.torch
@@ -470,7 +470,7 @@ def test_script_is_thin_and_runs_on_two_devices(tmp_path):
     script = SCRIPTS / "bench.py"
     argv = ["--calls", "2", "--repeats", "1", "--eager-chunks", "1", "--sizes", "4,2"]
     argv += ["--in-features", "8", "--no-artifact", "--no-train", "--no-peak", "--devices", "2"]
-    argv += ["--no-per-request"]
+    argv += ["--no-per-request", "--no-latency"]  # their own processes, tested above and below
     argv += ["--devices-out", str(tmp_path / "devices")]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2")  # 2 virtual devices
     proc = subprocess.run(
