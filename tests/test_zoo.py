@@ -489,17 +489,31 @@ def test_stage_and_graph_take_the_same_arguments(case: Case):
     assert h.trace_count == 0
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``exported(case) -> (Hybrid, Artifact)``: the case's eval-mode model, exported once for
+    the two tests below that load it."""
+    done = {}
+
+    def export(case: Case):
+        if case.name not in done:
+            h, path = case.hybridize(), tmp_path_factory.mktemp("zoo") / case.name
+            done[case.name] = h, sm.export(h, path, example=case.inputs(0), kwargs=case.eval)
+        return done[case.name]
+
+    return export
+
+
 @pytest.mark.parametrize("case", ZOO, ids=IDS)
-def test_export_and_load_in_eval_mode(case: Case, tmp_path):
-    h = case.hybridize()
+def test_export_and_load_in_eval_mode(case: Case, exported, tmp_path):
     xs = case.inputs(0)
     if case.name == "linen_dict":  # an artifact's inputs are positional arrays: refused clearly
         with pytest.raises(sm.SignatureError, match=r"args\[0\] is a dict"):
-            sm.export(h, tmp_path / case.name, example=xs)
+            sm.export(case.hybridize(), tmp_path / case.name, example=xs)
         assert not (tmp_path / case.name).exists()
         return
     arrays = tuple(x for x in xs if hasattr(x, "shape"))
-    art = sm.export(h, tmp_path / case.name, example=xs, kwargs=case.eval)
+    h, art = exported(case)
     m = sm.load(art.path)
     want = h(*xs, **case.eval)
     chex.assert_trees_all_close(m(*arrays), want, **TOL)
@@ -512,18 +526,16 @@ def test_export_and_load_in_eval_mode(case: Case, tmp_path):
 
 
 @pytest.mark.parametrize("case", [c for c in ZOO if c.name != "linen_dict"], ids=lambda c: c.name)
-def test_a_batcher_serves_each_exported_model_row_for_row(case: Case, tmp_path):
+def test_a_batcher_serves_each_exported_model_row_for_row(case: Case, exported):
     """Each zoo model's artifact (eval mode) behind a Batcher: blocking calls, futures and
     asyncio requests (one at a time, run on the loop, and gathered, run as one batch) of 1-3
     rows each get the rows the artifact gives them alone; a baked load (params as constants,
     what ``symjax-mlp serve --params-as-constants`` serves) as well."""
     import asyncio
 
-    h = case.hybridize()
-    xs = case.inputs(0)
-    path = sm.export(h, tmp_path / case.name, example=xs, kwargs=case.eval).path
+    path = exported(case)[1].path
     m = sm.load(path)
-    arrays = [np.asarray(x) for x in xs if hasattr(x, "shape")]
+    arrays = [np.asarray(x) for x in case.inputs(0) if hasattr(x, "shape")]
     requests = [[a[i:j] for a in arrays] for i, j in ((0, 1), (1, 4), (2, 4), (3, 4))]
     wants = [m(*r) for r in requests]
 
