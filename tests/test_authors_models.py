@@ -10,14 +10,12 @@ import optax
 import pytest
 from flax import nnx
 from helpers import (
-    AUTHORS,
     BatchNormGuideMLP,
     DropoutGuideModel,
     SowCNN,
     TutorialCNN,
     keyless,
     mixer,
-    reference_calls,
 )
 
 import symjax_mlp as sm
@@ -44,29 +42,10 @@ def _steps(model, x, n=3, **flags):
     return runs
 
 
-# -- the authors' models through a Hybrid: compiled == eager == plain Flax ----------------------
+# -- the authors' models through a Hybrid: compiled == eager == plain Flax (each model of AUTHORS,
+# both modes, outputs, state and grads: test_authors_matrix.py, over MATRIX = (*AUTHORS, ...)) --
 def _close(a, b):
     chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("case", AUTHORS, ids=lambda c: c.name)
-def test_an_authors_model_compiled_equals_eager_equals_flax(case, mode):
-    settings = getattr(case, mode)
-    want, want_state = reference_calls(case, 3, settings)
-    for h in (case.hybridize(), case.hybridize().hybridize(False)):
-        _close([h(*case.inputs(i), **settings) for i in range(3)], want)
-        if h.stateful:  # state after several calls: batch statistics, the rng stream
-            _close(keyless(h.state), keyless(want_state))
-    model, variables = case.build()
-    h, x = case.hybridize(), case.inputs(0)
-
-    def out(y):
-        return y[0] if h.stateful else y
-
-    grads = jax.grad(lambda p: out(h.apply(p, *x, **case.eval)).sum())(h.params)
-    want = jax.grad(lambda p: model.apply({**variables, **p}, *x, **case.eval).sum())(h.params)
-    _close(grads, want)
 
 
 def test_the_nnx_tutorial_cnn_compiled_equals_eager_equals_nnx():
