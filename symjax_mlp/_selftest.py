@@ -156,6 +156,8 @@ def difference(got: np.ndarray, want: np.ndarray) -> str | None:
     is within :func:`tolerance` of the one recorded."""
     if got.shape != want.shape:
         return f"has shape {got.shape}, but gave {want.shape} at export"
+    if got.dtype == want.dtype and np.array_equal(got, want):  # as a rerun here mostly is
+        return None
     g64, w64 = (np.asarray(a, np.float64) for a in (got, want))
     tol = tolerance(want.dtype)
     if np.allclose(g64, w64, equal_nan=True, **tol):
