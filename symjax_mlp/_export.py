@@ -307,10 +307,20 @@ def _self_test_vectors(
         outs, both = jax.jit(programs)(params, xs, at)
     except (ValueError, TypeError):  # the example's shapes refused (a constraint): no answer
         outs, both = jax.jit(exported.call)(params, *xs), None
+        if at is not None and _runs(exported.call, params, at):
+            jax.jit(entry.fn)(params, *at)  # the model raised there, not the artifact: as it did
     if both is not None:
         symbolic = any(isinstance(d, str) for s in signature.inputs for d in s.shape)
         selftest.against_source(entry.h.name, *both, at, symbolic)
     return selftest.encode(xs, [np.asarray(y) for y in jax.tree.leaves(outs)])
+
+
+def _runs(call: Any, params: Any, xs: Any) -> bool:
+    try:
+        jax.jit(call)(params, *xs)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _metadata(metadata: Mapping[str, Any] | None, name: str) -> dict[str, Any]:

@@ -130,6 +130,22 @@ def test_a_model_that_branches_on_the_batch_size_is_refused_not_exported_wrong(t
     np.testing.assert_array_equal(sm.load(art.path)(x), h(x))
 
 
+def test_a_model_that_raises_at_its_examples_shapes_is_not_exported_unchecked(tmp_path):
+    """It traces with a symbolic batch and raises at the example's concrete one: the check
+    against the model was skipped (any ValueError there was taken for the artifact's
+    constraint) and the export written; now the model's own error stops it."""
+
+    def symbolic_only(p, x):
+        if isinstance(x.shape[0], int):
+            raise ValueError("this model takes only a symbolic batch")
+        return x * p["s"]
+
+    h = sm.hybridize(symbolic_only, {"s": 2.0})
+    with pytest.raises(ValueError, match="takes only a symbolic batch"):
+        sm.export(h, tmp_path / "a", example=jnp.ones((2, 3)))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_symlink_to_a_signed_artifact_is_named_as_a_link_with_its_target(tmp_path):
     from cryptography.hazmat.primitives.asymmetric import ec
 
