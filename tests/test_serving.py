@@ -1215,6 +1215,7 @@ def test_http_health_signature_and_metrics(server):
     assert sig["inputs"] == [{"path": "args[0]", "shape": ["b", 512], "dtype": "float32"}]
     assert sig["buckets"] == [1, 2, 4, 8]
     assert sig["params_as_constants"] is False
+    assert sig["merges"] is True and sig["why_alone"] == ""
     code, headers, body = _get(url, "/metrics")
     assert code == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
     text = body.decode()

@@ -233,6 +233,8 @@ def create_app(
                 "buckets": list(batcher.buckets),
                 "model": public.name,
                 "params_as_constants": bool(getattr(batcher.model, "params_as_constants", False)),
+                "merges": batcher.merges,  # False: each request runs alone, at its own rows
+                "why_alone": public.scrub(batcher.why_alone),
             }
         )
 
