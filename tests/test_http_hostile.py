@@ -728,14 +728,10 @@ def test_a_wrong_path_or_method_is_the_json_error_body(server, method, path, cod
     assert "POST /predict" in body["message"]
 
 
-def test_a_model_that_blocks_never_stalls_the_server_loop():
-    """A lone request ran the model on the server's event loop: a user's callable that blocked
-    (here, on an Event) stopped /health, every timeout and the graceful stop with it. A user's
-    Python runs on the batcher's thread now; the loop answers meanwhile."""
-    import concurrent.futures
+def _blocking_batcher():
+    """A Batcher over a callable that blocks on a request of 9s until ``release`` is set:
+    ``(batcher, entered, release)``; ``entered`` is set once the model is blocked."""
     import threading
-
-    from helpers import bounded
 
     release, entered = threading.Event(), threading.Event()
 
@@ -746,6 +742,18 @@ def test_a_model_that_blocks_never_stalls_the_server_loop():
         return x * 2
 
     b = sm.serving.Batcher(model, example=np.zeros((1, 2), np.float32), max_batch=2)
+    return b, entered, release
+
+
+def test_a_model_that_blocks_never_stalls_the_server_loop():
+    """A lone request ran the model on the server's event loop: a user's callable that blocked
+    (here, on an Event) stopped /health, every timeout and the graceful stop with it. A user's
+    Python runs on the batcher's thread now; the loop answers meanwhile."""
+    import concurrent.futures
+
+    from helpers import bounded
+
+    b, entered, release = _blocking_batcher()
     body = json.dumps({"inputs": [[9.0, 9.0]]}).encode()
     app = sm.serving.create_app(b)
     with _in_thread(app) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -770,15 +778,7 @@ def test_a_server_stops_though_its_model_never_returns(monkeypatch, caplog):
     from symjax_mlp.serving import _app
 
     monkeypatch.setattr(_app, "DRAIN_SECONDS", 0.5)
-    release, entered = threading.Event(), threading.Event()
-
-    def model(x):
-        if (x == 9).any():
-            entered.set()
-            release.wait(60)
-        return x * 2
-
-    b = sm.serving.Batcher(model, example=np.zeros((1, 2), np.float32), max_batch=2)
+    b, entered, release = _blocking_batcher()
     server = uvicorn.Server(uvicorn.Config(sm.serving.create_app(b), log_level="critical"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
