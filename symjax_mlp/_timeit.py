@@ -7,9 +7,10 @@ wait per repeat); after a warm-up the four rows take turns, the order rotating e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -18,6 +19,16 @@ import numpy as np
 from symjax_mlp._errors import ConfigError
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
+_STATIC = (
+    'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the artifact has static shapes, '
+    "({types}), so batch sizes nothing and it would time those shapes, not batch {batch}. Drop "
+    "batch, or export with a symbolic batch: sm.export(h, path, example=x, batch='b')."
+)
+_BATCH_OF_ARGS = (
+    "timeit({name}, *args, batch={batch}): batch sizes the inputs drawn for an artifact, and "
+    "you passed the inputs, which are timed at their own shapes. Drop batch, or pass inputs "
+    "of the batch you mean."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +114,7 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
 
 
-def _floor_of_hybrid(h: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
+def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
     if h.mesh is not None:
         raise ConfigError(
             f"timeit({h.name}): the Hybrid runs sharded over a mesh; time it unsharded "
@@ -111,48 +122,68 @@ def _floor_of_hybrid(h: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
         )
     variables = h.variables
     if h.params_as_constants:  # the floor holds them as constants too
-        compiled = jax.jit(lambda *a: h.fn(variables, *a)).lower(*args).compile()
+        compiled = jax.jit(lambda *a: h.fn(variables, *a, **kwargs)).lower(*args).compile()
         return lambda: compiled(*args)
     leaves, treedef = jax.tree.flatten(variables)
 
     def flat(leaves: Any, *a: Any) -> Any:
-        return h.fn(jax.tree.unflatten(treedef, leaves), *a)
+        return h.fn(jax.tree.unflatten(treedef, leaves), *a, **kwargs)  # settings: closed over
 
     compiled = jax.jit(flat).lower(leaves, *args).compile()
     return lambda: compiled(leaves, *args)
 
 
-def _floor_of_loaded(m: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
-    from symjax_mlp._artifact.format import JAXEXPORT, program_file
-
+def _floor_of_loaded(m: Any, exported: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
     if m.manifest.get("nr_devices", 1) != 1:
         raise ConfigError(
             f'timeit(symjax_mlp.load("{m.path}")): the artifact runs sharded over '
             f"{m.manifest['nr_devices']} devices; time an artifact exported for one device."
         )
-    exported = jax.export.deserialize((m.path / program_file(m.manifest, JAXEXPORT)).read_bytes())
     weights = {name: jax.device_put(a) for name, a in m.params.items()}
     inputs = [jax.device_put(x) for x in m.signature.check(args, caller="timeit()")]
     compiled = jax.jit(exported.call).lower(weights, *inputs).compile()
     return lambda: compiled(weights, *inputs)
 
 
-def _example_inputs(m: Any, batch: int) -> tuple[Any, ...]:
+def _exported(m: Any) -> Any:
+    from symjax_mlp._artifact.format import JAXEXPORT, program_file
+
+    return jax.export.deserialize((m.path / program_file(m.manifest, JAXEXPORT)).read_bytes())
+
+
+def _draw(rng: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """An input of ``dtype``: normal floats, integers 0 or 1 (an index every table has), random
+    bools, or PRNG keys split from ``key(0)`` of the same implementation."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+            key = jax.random.key(0, impl=impl)
+            if key.dtype == dtype:
+                return jax.random.split(key, shape)
+        raise TypeError(dtype)
+    if np.issubdtype(dtype, np.bool_):
+        return rng.integers(0, 2, shape).astype(bool)
+    if jax.dtypes.issubdtype(dtype, np.integer):
+        return rng.integers(0, 2, shape).astype(dtype)
+    if jax.dtypes.issubdtype(dtype, np.inexact):  # bfloat16 and float8 too
+        return rng.standard_normal(shape, np.float32).astype(dtype)
+    raise TypeError(dtype)
+
+
+def _example_inputs(m: Any, exported: Any, batch: int) -> tuple[Any, ...]:
     """Inputs drawn for the artifact's signature, every symbolic dimension ``batch``."""
     rng, inputs = np.random.default_rng(0), []
-    for spec in m.signature.inputs:
+    specs = m.signature.inputs
+    if batch != 1 and not any(isinstance(d, str) for s in specs for d in s.shape):
+        raise ConfigError(_STATIC.format(m=m, batch=batch, types=", ".join(map(str, specs))))
+    for spec, aval in zip(specs, exported.in_avals[-len(specs) :], strict=True):
         shape = tuple(batch if isinstance(d, str) else d for d in spec.shape)
         try:
-            dtype = jax.numpy.dtype(spec.dtype)
+            inputs.append(_draw(rng, shape, aval.dtype))
         except TypeError:
-            dtype = None
-        if dtype is None or not np.issubdtype(dtype, np.number):
             raise ConfigError(
                 f'timeit(symjax_mlp.load("{m.path}")): its input {spec.path} is a {spec.dtype}, '
                 "for which no input is drawn; pass the inputs: timeit(model, x, ...)."
-            )
-        try:
-            inputs.append(rng.standard_normal(shape, np.float32).astype(dtype))
+            ) from None
         except (MemoryError, ValueError):  # ValueError: more bytes than an array may have
             raise ConfigError(
                 f'timeit(symjax_mlp.load("{m.path}"), batch={batch}): its input {spec.path} '
@@ -160,6 +191,23 @@ def _example_inputs(m: Any, batch: int) -> tuple[Any, ...]:
                 "in memory; pass a smaller batch."
             ) from None
     return tuple(inputs)
+
+
+def _keywords(name: str, loaded: bool, kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ConfigError(
+            f"timeit({name}, kwargs={kwargs!r}): kwargs are the model's keyword arguments, a "
+            "dict by name, e.g. kwargs={'train': False}."
+        )
+    if kwargs and loaded:  # its settings were baked at export
+        raise ConfigError(
+            f"timeit({name}, kwargs={{{', '.join(map(repr, kwargs))}: ...}}): a loaded artifact "
+            "takes no keyword arguments; its settings were fixed at export "
+            "(sm.export(h, path, example=x, kwargs={...})). Drop kwargs."
+        )
+    return dict(kwargs)
 
 
 def _loop(fn: Callable[[], Any], calls: int, pipelined: bool) -> float:
@@ -183,28 +231,34 @@ def timeit(
     calls: int = 1000,
     repeats: int = 7,
     warmup: int = 50,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> CallTiming:
     """Times ``model(*args)`` against its floor: the same function, AOT-compiled, called bare.
 
     For a :class:`~symjax_mlp.Hybrid` the floor is ``jax.jit`` of its :attr:`fn`; for a
     :class:`~symjax_mlp.LoadedModel`, the artifact's exported program run in JAX. The inputs
-    are placed on the device first: what is timed is the call, not the copy.
+    are placed on the device first: what is timed is the call, not the copy. A stateful
+    Hybrid is timed on a copy: its own state stays as it was.
 
     Args:
       model: a Hybrid (unsharded) or a LoadedModel (of one device).
       *args: the inputs, as you would call ``model``; for a LoadedModel they may be left out,
-        and are drawn for its signature (normal floats).
-      batch: the size of every symbolic dimension of the drawn inputs.
+        and are drawn for its signature (normal floats, integers 0 or 1, random bools, PRNG
+        keys).
+      batch: the size of every symbolic dimension of the drawn inputs (only for those, and
+        only where the artifact has one).
       calls: calls per repeat.
       repeats: repeats of each row (5 or more give a min and a median worth reading).
       warmup: untimed calls of each row first (at least one: the first call compiles).
+      kwargs: a Hybrid's keyword arguments, ``model(*args, **kwargs)``, e.g.
+        ``{"train": False}``; the floor closes over them.
 
     Returns:
       A :class:`CallTiming`; ``print()`` it for a table.
 
     Raises:
-      ConfigError: a count below 1, a sharded model, neither a Hybrid nor a LoadedModel, or
-        no inputs for a Hybrid (or for an artifact whose inputs are not numbers).
+      ConfigError: a count below 1, a sharded model, neither a Hybrid nor a LoadedModel, no
+        inputs for a Hybrid, a ``batch`` that sizes nothing, or kwargs for a LoadedModel.
       SignatureError: ``args`` do not fit the artifact's signature.
 
     Example:
@@ -228,21 +282,31 @@ def timeit(
             f"repeats={repeats!r}, warmup={warmup!r}, batch={batch!r}; each is an int."
         )
     if isinstance(model, Hybrid):
-        name, floor_of = model.name, _floor_of_hybrid
+        name = model.name
     elif isinstance(model, LoadedModel):
-        name, floor_of = str(model.path), _floor_of_loaded
+        default = model.entry == model.entries[0]  # m["embed"]: named so
+        name = str(model.path) if default else f"{model.path}[{model.entry!r}]"
     else:
         raise ConfigError(
             f"timeit: got a {type(model).__name__}; it times a Hybrid (sm.hybridize(...)) or a "
             "LoadedModel (sm.load(path)). For any other function, wrap it: "
             "sm.hybridize(lambda params, x: f(x), {})."
         )
-    if not args and isinstance(model, LoadedModel):
-        args = _example_inputs(model, batch)
+    if args and batch != 1:
+        raise ConfigError(_BATCH_OF_ARGS.format(name=name, batch=batch))
+    kwargs = _keywords(name, isinstance(model, LoadedModel), kwargs)
+    if isinstance(model, LoadedModel):
+        exported = _exported(model)
+        args = args or _example_inputs(model, exported, batch)
+        floor_of = functools.partial(_floor_of_loaded, model, exported)
     elif not args:
         raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
+    else:
+        floor_of = functools.partial(_floor_of_hybrid, model, kwargs)
+        if model.stateful:  # timed on a copy: the model's own state stays as it was
+            model = model.replace(state=model.state)
     placed = tuple(jax.device_put(a) for a in args)
-    fns = {"synced": lambda: model(*placed), "compiled": floor_of(model, placed)}
+    fns = {"synced": lambda: model(*placed, **kwargs), "compiled": floor_of(placed)}
     for fn in fns.values():
         _loop(fn, warmup, pipelined=False)
     order = [(key, piped) for piped in (False, True) for key in fns]

@@ -148,3 +148,87 @@ def test_cli_bench_in_latency_mode_runs_in_its_own_process(hybrid, tmp_path):
         check=True,
     ).stdout
     assert json.loads(out)["dispatch"] == "sync"
+
+
+def test_inputs_are_drawn_for_every_dtype_an_artifact_takes(tmp_path, capsys):
+    """Integers, bools, bfloat16 and a PRNG key: bench (which cannot pass inputs) times them,
+    where it once refused every input that was not a NumPy number."""
+
+    def f(params, i, b, h, key):
+        noise = jax.random.normal(key, h.shape, jnp.float32)
+        return jnp.where(b, i[:, None] * params["w"] + h.astype(jnp.float32) + noise, 0.0)
+
+    model = sm.hybridize(f, {"w": jnp.ones((3,))}, name="mixed")
+    example = (
+        jnp.zeros((2,), jnp.int32),
+        jnp.ones((2, 3), bool),
+        jnp.ones((2, 3), jnp.bfloat16),
+        jax.random.key(0),
+    )
+    shapes = ("b", "b, 3", "b, 3", None)
+    art = sm.export(model, tmp_path / "m", example=example, shapes=shapes).path
+    check_fields(sm.timeit(sm.load(art), batch=3, calls=2, repeats=1, warmup=1), 2, 1)
+    assert main(["bench", str(art), "--calls", "2", "--repeats", "1", "--batch", "5"]) == 0
+    assert capsys.readouterr().out.startswith(f"{art}: 2 calls x 1 repeats")
+
+
+def test_a_batch_that_sizes_nothing_is_refused(hybrid, tmp_path, capsys):
+    """batch=8 on an artifact of static shapes, or with the inputs passed, once timed other
+    shapes than the batch asked for, without a word."""
+    h, x = hybrid
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((3, 4)), batch=None).path
+    m = sm.load(art)
+    says = r"static shapes, \(args\[0\]: float32\[3, 4\]\), so batch sizes nothing .* Drop batch"
+    with pytest.raises(sm.ConfigError, match=says):
+        sm.timeit(m, batch=8, calls=1, repeats=1, warmup=1)
+    check_fields(sm.timeit(m, calls=1, repeats=1, warmup=1), 1, 1)  # its own shapes
+    assert main(["bench", str(art), "--batch", "8", "--calls", "1", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "batch=8): the artifact has static shapes" in err
+    with pytest.raises(sm.ConfigError, match=r"timeit\(tiny, \*args, batch=4\): batch sizes"):
+        sm.timeit(h, x, batch=4, calls=1, repeats=1, warmup=1)
+
+
+def test_a_hybrids_keyword_arguments_and_its_state(tmp_path, monkeypatch):
+    """kwargs= reach the model and its floor alike (timeit once had no way to pass them); a
+    stateful model is timed on a copy, where timing once ran its BatchNorm statistics on."""
+    import flax.linen as nn
+
+    import symjax_mlp._timeit as timeit_module
+
+    class BatchNorm(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            return nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(3)(x))
+
+    x = jnp.arange(20.0).reshape(4, 5)
+    net = BatchNorm()
+    h = sm.hybridize(net, net.init(jax.random.key(0), x), mutable=["batch_stats"])
+    before = jax.tree.map(np.asarray, h.state)
+    seen, real = [], timeit_module._loop
+
+    def loop(fn, calls, pipelined):
+        seen.append(np.asarray(fn()))
+        return real(fn, calls, pipelined)
+
+    monkeypatch.setattr(timeit_module, "_loop", loop)
+    check_fields(sm.timeit(h, x, kwargs={"train": False}, calls=2, repeats=1, warmup=1), 2, 1)
+    for out in seen:
+        np.testing.assert_allclose(out, np.asarray(h(x, train=False)), rtol=1e-6)
+    sm.timeit(h, x, kwargs={"train": True}, calls=2, repeats=1, warmup=1)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, h.state), before)
+    with pytest.raises(sm.ConfigError, match=r"kwargs are the model's keyword arguments, a dict"):
+        sm.timeit(h, x, kwargs=[("train", False)])
+    art = sm.export(h, tmp_path / "m", example=x, kwargs={"train": False}).path
+    with pytest.raises(sm.ConfigError, match=r"a loaded artifact takes no keyword arguments"):
+        sm.timeit(sm.load(art), kwargs={"train": False})
+
+
+def test_an_entry_point_is_named_in_its_timing(hybrid, tmp_path):
+    """m["embed"] was once reported under the artifact's path alone, as its default entry."""
+    h, x = hybrid
+    embed = sm.hybridize(lambda p, x: x @ p["w"], {"w": jnp.ones((4, 3))}, name="embed")
+    m = sm.load(sm.export({"main": h, "embed": embed}, tmp_path / "m", example=x).path)
+    assert sm.timeit(m, calls=1, repeats=1, warmup=1).name == str(m.path)
+    t = sm.timeit(m["embed"], calls=1, repeats=1, warmup=1)
+    assert t.name == f"{m.path}['embed']" and str(t).startswith(f"{m.path}['embed']: 1 calls")
