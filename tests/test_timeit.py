@@ -232,3 +232,16 @@ def test_an_entry_point_is_named_in_its_timing(hybrid, tmp_path):
     assert sm.timeit(m, calls=1, repeats=1, warmup=1).name == str(m.path)
     t = sm.timeit(m["embed"], calls=1, repeats=1, warmup=1)
     assert t.name == f"{m.path}['embed']" and str(t).startswith(f"{m.path}['embed']: 1 calls")
+
+
+def test_cli_bench_times_the_entry_point_asked_for(hybrid, tmp_path, capsys):
+    """bench --entry, as run and serve have it: bench once timed the default entry only."""
+    h, x = hybrid
+    embed = sm.hybridize(lambda p, x: x @ p["w"], {"w": jnp.ones((4, 3))}, name="embed")
+    art = sm.export({"main": h, "embed": embed}, tmp_path / "m", example=x).path
+    argv = ["bench", str(art), "--calls", "1", "--repeats", "1"]
+    assert main([*argv, "--entry", "embed"]) == 0
+    assert capsys.readouterr().out.startswith(f"{art}['embed']: 1 calls x 1 repeats")
+    assert main([*argv, "--entry", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no entry point 'nope'; it has main, embed." in err

@@ -140,6 +140,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = subcommand(sub, "bench", help, _run_bench)
     p.add_argument("path", help="an exported artifact directory")
     p.add_argument("--runtime", choices=("jax", "iree"), default="jax", help="the runtime to time")
+    p.add_argument("--entry", help="the entry point to time (default: the artifact's default)")
     p.add_argument("--batch", type=count, default=1, help="the size of the symbolic batch")
     p.add_argument("--calls", type=count, default=1000, help="calls per repeat")
     p.add_argument("--repeats", type=count, default=7, help="repeats of each row")
@@ -161,6 +162,8 @@ def _run_bench(args: argparse.Namespace) -> None:
     if args.dispatch == "sync":
         latency_mode()  # before anything starts JAX's CPU backend
     model = load(args.path, runtime=args.runtime, **_args.load_options(args))
+    if args.entry is not None:
+        model = model[args.entry]
     timing = timeit(model, **keywords(args, "batch calls repeats"))
     show(timing, timing.to_dict(), args.json)
 
