@@ -19,6 +19,7 @@ import numpy as np
 from symjax_mlp._errors import ConfigError
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
+_ARRAYS = (np.ndarray, np.generic, jax.Array)  # placed on the device; the rest are settings
 _STATIC = (
     'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the artifact has static shapes, '
     "({types}), so batch sizes nothing and it would time those shapes, not batch {batch}. Drop "
@@ -120,17 +121,27 @@ def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[],
             f"timeit({h.name}): the Hybrid runs sharded over a mesh; time it unsharded "
             "(h.replace(mesh=None)), whose floor is one device's program."
         )
+    given, tree = jax.tree.flatten(args)
+    traced = [i for i, leaf in enumerate(given) if isinstance(leaf, _ARRAYS)]
+    arrays = [given[i] for i in traced]
+
+    def call(variables: Any, arrays: list[Any]) -> Any:  # Python settings (a depth) closed over
+        leaves = list(given)
+        for i, a in zip(traced, arrays, strict=True):
+            leaves[i] = a
+        return h.fn(variables, *jax.tree.unflatten(tree, leaves), **kwargs)
+
     variables = h.variables
     if h.params_as_constants:  # the floor holds them as constants too
-        compiled = jax.jit(lambda *a: h.fn(variables, *a, **kwargs)).lower(*args).compile()
-        return lambda: compiled(*args)
+        compiled = jax.jit(lambda a: call(variables, a)).lower(arrays).compile()
+        return lambda: compiled(arrays)
     leaves, treedef = jax.tree.flatten(variables)
 
-    def flat(leaves: Any, *a: Any) -> Any:
-        return h.fn(jax.tree.unflatten(treedef, leaves), *a, **kwargs)  # settings: closed over
+    def flat(leaves: Any, a: Any) -> Any:
+        return call(jax.tree.unflatten(treedef, leaves), a)
 
-    compiled = jax.jit(flat).lower(leaves, *args).compile()
-    return lambda: compiled(leaves, *args)
+    compiled = jax.jit(flat).lower(leaves, arrays).compile()
+    return lambda: compiled(leaves, arrays)
 
 
 def _floor_of_loaded(m: Any, exported: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
@@ -298,6 +309,7 @@ def timeit(
     if isinstance(model, LoadedModel):
         exported = _exported(model)
         args = args or _example_inputs(model, exported, batch)
+        args = tuple(model.signature.check(args, caller="timeit()"))  # arrays, timed as such
         floor_of = functools.partial(_floor_of_loaded, model, exported)
     elif not args:
         raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
@@ -305,7 +317,7 @@ def timeit(
         floor_of = functools.partial(_floor_of_hybrid, model, kwargs)
         if model.stateful:  # timed on a copy: the model's own state stays as it was
             model = model.replace(state=model.state)
-    placed = tuple(jax.device_put(a) for a in args)
+    placed = jax.tree.map(lambda a: jax.device_put(a) if isinstance(a, _ARRAYS) else a, args)
     fns = {"synced": lambda: model(*placed, **kwargs), "compiled": floor_of(placed)}
     for fn in fns.values():
         _loop(fn, warmup, pipelined=False)

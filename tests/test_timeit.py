@@ -245,3 +245,35 @@ def test_cli_bench_times_the_entry_point_asked_for(hybrid, tmp_path, capsys):
     assert main([*argv, "--entry", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no entry point 'nope'; it has main, embed." in err
+
+
+def test_python_settings_stay_settings_and_inputs_are_arrays(hybrid, tmp_path, monkeypatch):
+    """h(x, 3) with a Python depth: timeit once placed the 3 on the device as an array, which
+    the model could not take as its setting; a loaded model's list input was converted on every
+    timed call, where the call, not the copy, is timed."""
+    import symjax_mlp._timeit as timeit_module
+
+    h = sm.hybridize(lambda p, x, depth: jnp.tile(x, depth) * p, jnp.float32(2), name="depth")
+    x = jnp.ones((2, 3))
+    seen, real = [], timeit_module._loop
+
+    def loop(fn, calls, pipelined):
+        seen.append(np.asarray(fn()))
+        return real(fn, calls, pipelined)
+
+    monkeypatch.setattr(timeit_module, "_loop", loop)
+    for model in (h, h.replace(params_as_constants=True)):
+        seen.clear()
+        check_fields(sm.timeit(model, x, 3, calls=1, repeats=1, warmup=1), 1, 1)
+        assert len(seen) == 6 and all(out.shape == (2, 9) for out in seen)
+    net, _ = hybrid
+    m = sm.load(sm.export(net, tmp_path / "m", example=jnp.ones((1, 4))).path)
+    given, call = [], type(m).__call__
+
+    def spy(self, *inputs):
+        given.append(inputs)
+        return call(self, *inputs)
+
+    monkeypatch.setattr(type(m), "__call__", spy)
+    sm.timeit(m, [[1.0, 2.0, 3.0, 4.0]], calls=1, repeats=1, warmup=1)
+    assert given and all(isinstance(x, jax.Array) for inputs in given for x in inputs)
