@@ -152,6 +152,9 @@ def _floor_of_loaded(m: Any, exported: Any, args: tuple[Any, ...]) -> Callable[[
         )
     weights = {name: jax.device_put(a) for name, a in m.params.items()}
     inputs = [jax.device_put(x) for x in m.signature.check(args, caller="timeit()")]
+    if getattr(m, "params_as_constants", False):  # the floor holds them as constants too
+        compiled = jax.jit(lambda *a: exported.call(weights, *a)).lower(*inputs).compile()
+        return lambda: compiled(*inputs)
     compiled = jax.jit(exported.call).lower(weights, *inputs).compile()
     return lambda: compiled(weights, *inputs)
 

@@ -277,3 +277,30 @@ def test_python_settings_stay_settings_and_inputs_are_arrays(hybrid, tmp_path, m
     monkeypatch.setattr(type(m), "__call__", spy)
     sm.timeit(m, [[1.0, 2.0, 3.0, 4.0]], calls=1, repeats=1, warmup=1)
     assert given and all(isinstance(x, jax.Array) for inputs in given for x in inputs)
+
+
+def test_the_floor_of_a_load_with_params_as_constants_holds_them_so(hybrid, tmp_path, monkeypatch):
+    """load(..., params_as_constants=True) compiles the weights in; its floor once took them as
+    arguments, a different program than the model it was the floor of."""
+    h, x = hybrid
+    art = sm.export(h, tmp_path / "m", example=x).path
+    lowered, real_jit = [], jax.jit
+
+    def jit(fn, *a, **kw):
+        jitted = real_jit(fn, *a, **kw)
+
+        class Spy:
+            def lower(self, *args):
+                lowered.append(args)
+                return jitted.lower(*args)
+
+        return Spy()
+
+    for constants in (False, True):
+        m = sm.load(art, params_as_constants=constants)
+        lowered.clear()
+        monkeypatch.setattr(jax, "jit", jit)
+        check_fields(sm.timeit(m, calls=1, repeats=1, warmup=1), 1, 1)
+        monkeypatch.setattr(jax, "jit", real_jit)
+        assert len(lowered) == 1
+        assert any(isinstance(a, dict) for a in lowered[0]) is not constants  # the weights
