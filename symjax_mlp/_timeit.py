@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, SignatureError
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
 _ARRAYS = (np.ndarray, np.generic, jax.Array)  # placed on the device; the rest are settings
@@ -24,6 +24,11 @@ _STATIC = (
     'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the artifact has static shapes, '
     "({types}), so batch sizes nothing and it would time those shapes, not batch {batch}. Drop "
     "batch, or export with a symbolic batch: sm.export(h, path, example=x, batch='b')."
+)
+_DRAWN = (
+    'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the inputs drawn with every symbolic '
+    "dimension {batch} do not fit the artifact: {reason} Pass a batch it accepts, or the "
+    "inputs: timeit(model, x, ...)."
 )
 _BATCH_OF_ARGS = (
     "timeit({name}, *args, batch={batch}): batch sizes the inputs drawn for an artifact, and "
@@ -224,6 +229,18 @@ def _keywords(name: str, loaded: bool, kwargs: Any) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def _checked(m: Any, inputs: tuple[Any, ...], given: tuple[Any, ...], batch: int) -> Any:
+    """The inputs as the artifact takes them (arrays: timed as such); drawn ones out of its
+    bounds are the batch's fault, and said so."""
+    try:
+        return tuple(m.signature.check(inputs, caller="timeit()"))
+    except SignatureError as e:
+        if given:
+            raise
+        reason = str(e).removeprefix("timeit(): ")
+        raise SignatureError(_DRAWN.format(m=m, batch=batch, reason=reason)) from None
+
+
 def _loop(fn: Callable[[], Any], calls: int, pipelined: bool) -> float:
     clock, sync = time.perf_counter, jax.block_until_ready
     t0 = clock()
@@ -311,8 +328,7 @@ def timeit(
     kwargs = _keywords(name, isinstance(model, LoadedModel), kwargs)
     if isinstance(model, LoadedModel):
         exported = _exported(model)
-        args = args or _example_inputs(model, exported, batch)
-        args = tuple(model.signature.check(args, caller="timeit()"))  # arrays, timed as such
+        args = _checked(model, args or _example_inputs(model, exported, batch), args, batch)
         floor_of = functools.partial(_floor_of_loaded, model, exported)
     elif not args:
         raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
