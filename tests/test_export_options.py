@@ -138,3 +138,19 @@ def test_cli_train_export_names_its_flag(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "already exists" in err and "overwrite=True is --overwrite" in err  # message as written
     assert "test accuracy" not in out  # refused before training
+
+
+def test_a_constraint_the_drawn_self_test_shapes_break_exports_checked_against_the_model(tmp_path):
+    """The self-test vectors are drawn with every symbolic dim 2: under `t >= 4` the program
+    refused them and export failed with JAX's raw ValueError. It exports with no vectors (as
+    for an rng-key input), still compared with the model at the example's shapes."""
+    import jax.numpy as jnp
+
+    opts = {"shapes": ("b, t",), "constraints": ("t >= 4",)}
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 5)), **opts)
+    x = rand(3, 6)
+    np.testing.assert_array_equal(sm.load(art.path)(x), h(x))
+    branch = sm.hybridize(lambda p, x: x * p if x.shape[1] == 5 else x * 0, jnp.float32(2))
+    with pytest.raises(sm.SignatureError, match="does not give the model's results"):
+        sm.export(branch, tmp_path / "b", example=jnp.ones((2, 5)), **opts)
