@@ -391,6 +391,11 @@ def test_iree_refuses_what_it_cannot_run(tmp_path, compiles):
     (tmp_path / "cuda" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(sm.ArtifactError, match=r"ordered effects.*IREE cannot run"):
         sm.load(tmp_path / "cuda", runtime="iree")
+    # an rng-key input: IREE's buffers cannot hold one (it was a TypeError from NumPy)
+    h = sm.hybridize(lambda p, key, x: x * p + jax.random.normal(key, x.shape), jnp.float32(2))
+    sm.export(h, tmp_path / "key", example=(jax.random.key(0), x), batch=None)
+    with pytest.raises(sm.ArtifactError, match=r"args\[0\] are JAX rng keys.*runtime='jax'"):
+        sm.load(tmp_path / "key", runtime="iree")
     assert compiles == []
 
 

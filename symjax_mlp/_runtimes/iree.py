@@ -86,6 +86,13 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
             f"{where}: the artifact is sharded over {manifest['nr_devices']} devices; IREE "
             "runs single-device exports only. Use runtime='jax', or export unsharded."
         )
+    keys = [s["path"] for s in manifest["signature"]["inputs"] if s["dtype"].startswith("key")]
+    if keys:
+        raise ArtifactError(
+            f"{where}: the input(s) {', '.join(keys)} are JAX rng keys, which IREE's buffers "
+            "cannot hold. Use runtime='jax', or export a function of the key's raw bits "
+            "(jax.random.key_data) instead."
+        )
     if manifest.get("ordered_effects", 0):
         raise ArtifactError(
             f"{where}: the exported function has ordered effects (e.g. io_callback), which "
