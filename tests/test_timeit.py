@@ -54,20 +54,25 @@ def test_a_hybrid_against_its_floor(hybrid):
     assert f"{t.over_compiled():.3f}x" in lines[2]
 
 
-def test_the_floor_computes_what_the_model_computes(hybrid, monkeypatch):
-    """What is timed as the floor is the same function on the same params (with params as
-    constants, too): its output equals the model's."""
+@pytest.fixture
+def seen(monkeypatch):
+    """The output of every function timeit times (the model's and the floor's), in order."""
     import symjax_mlp._timeit as timeit_module
 
-    h, x = hybrid
-    seen = []
-    real = timeit_module._loop
+    outputs, real = [], timeit_module._loop
 
     def loop(fn, calls, pipelined):
-        seen.append(np.asarray(fn()))
+        outputs.append(np.asarray(fn()))
         return real(fn, calls, pipelined)
 
     monkeypatch.setattr(timeit_module, "_loop", loop)
+    return outputs
+
+
+def test_the_floor_computes_what_the_model_computes(hybrid, seen):
+    """What is timed as the floor is the same function on the same params (with params as
+    constants, too): its output equals the model's."""
+    h, x = hybrid
     for model in (h, h.replace(params_as_constants=True)):
         seen.clear()
         sm.timeit(model, x, calls=1, repeats=1, warmup=1)
@@ -189,12 +194,10 @@ def test_a_batch_that_sizes_nothing_is_refused(hybrid, tmp_path, capsys):
         sm.timeit(h, x, batch=4, calls=1, repeats=1, warmup=1)
 
 
-def test_a_hybrids_keyword_arguments_and_its_state(tmp_path, monkeypatch):
+def test_a_hybrids_keyword_arguments_and_its_state(tmp_path, seen):
     """kwargs= reach the model and its floor alike (timeit once had no way to pass them); a
     stateful model is timed on a copy, where timing once ran its BatchNorm statistics on."""
     import flax.linen as nn
-
-    import symjax_mlp._timeit as timeit_module
 
     class BatchNorm(nn.Module):
         @nn.compact
@@ -205,13 +208,6 @@ def test_a_hybrids_keyword_arguments_and_its_state(tmp_path, monkeypatch):
     net = BatchNorm()
     h = sm.hybridize(net, net.init(jax.random.key(0), x), mutable=["batch_stats"])
     before = jax.tree.map(np.asarray, h.state)
-    seen, real = [], timeit_module._loop
-
-    def loop(fn, calls, pipelined):
-        seen.append(np.asarray(fn()))
-        return real(fn, calls, pipelined)
-
-    monkeypatch.setattr(timeit_module, "_loop", loop)
     check_fields(sm.timeit(h, x, kwargs={"train": False}, calls=2, repeats=1, warmup=1), 2, 1)
     for out in seen:
         np.testing.assert_allclose(out, np.asarray(h(x, train=False)), rtol=1e-6)
@@ -247,21 +243,12 @@ def test_cli_bench_times_the_entry_point_asked_for(hybrid, tmp_path, capsys):
     assert err.count("\n") == 1 and "has no entry point 'nope'; it has main, embed." in err
 
 
-def test_python_settings_stay_settings_and_inputs_are_arrays(hybrid, tmp_path, monkeypatch):
+def test_python_settings_stay_settings_and_inputs_are_arrays(hybrid, tmp_path, monkeypatch, seen):
     """h(x, 3) with a Python depth: timeit once placed the 3 on the device as an array, which
     the model could not take as its setting; a loaded model's list input was converted on every
     timed call, where the call, not the copy, is timed."""
-    import symjax_mlp._timeit as timeit_module
-
     h = sm.hybridize(lambda p, x, depth: jnp.tile(x, depth) * p, jnp.float32(2), name="depth")
     x = jnp.ones((2, 3))
-    seen, real = [], timeit_module._loop
-
-    def loop(fn, calls, pipelined):
-        seen.append(np.asarray(fn()))
-        return real(fn, calls, pipelined)
-
-    monkeypatch.setattr(timeit_module, "_loop", loop)
     for model in (h, h.replace(params_as_constants=True)):
         seen.clear()
         check_fields(sm.timeit(model, x, 3, calls=1, repeats=1, warmup=1), 1, 1)
