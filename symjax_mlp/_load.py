@@ -107,7 +107,7 @@ def load(
         )
     allowed = ops.normalize_allow(allow)
     path = Path(path)
-    if not path.exists() and (file := next((p for p in path.parents if p.is_file()), None)):
+    if not os.path.exists(path) and (file := next((p for p in path.parents if p.is_file()), None)):
         raise ArtifactError(
             f'symjax_mlp.load("{path}"): {file} is a file, not a directory, so there is no '
             "artifact below it. Pass the directory written by symjax_mlp.export."
