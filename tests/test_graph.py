@@ -369,6 +369,21 @@ def test_nested_nnx_modules_name_their_path_once():
     assert layers["block"]["custom_jvp_call"] == 1  # the relu, in the block's own call
 
 
+@pytest.mark.parametrize("name", ["nnx_batchnorm", "nnx_dropout"])
+def test_stage_of_an_nnx_module_whose_call_updates_its_state(name):
+    """BatchNorm's statistics in training, a Dropout's rng count: nnx refuses the update of the
+    module's own Variables inside make_jaxpr (TraceContextError); stage runs a copy."""
+    case = next(c for c in ZOO if c.name == name)
+    (x,), model = case.inputs(0), case.build()[0]
+    before = nnx.to_pure_dict(nnx.state(model))
+    g = sm.stage(model)(x, **case.train)
+    assert g.name == type(model).__name__
+    want = case.hybridize().graph(x, **case.train)
+    assert g.primitive_counts == want.primitive_counts
+    assert {k for k in g.by_layer if k} == {k for k in want.by_layer if k} >= {"dense", "out"}
+    chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model)), before)  # left as it was
+
+
 def test_nnx_layer_names_are_per_call_under_threads():
     cases = [c for c in ZOO if c.name in ("nnx_depth", "nnx_two_inputs")]
     hybrids = [(c.name, c.hybridize(), c.inputs(0)) for c in cases]

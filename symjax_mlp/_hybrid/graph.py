@@ -8,12 +8,14 @@ import dataclasses
 import functools
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.extend import core as jex_core
 
+from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import partition, rebuild, split_equinox
 from symjax_mlp._hybrid.dot import to_dot
@@ -163,7 +165,28 @@ def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
         )
     if not callable(fn):
         raise ConfigError(f"stage() expects a callable; got {type(fn).__name__}.")
-    return functools.partial(Graph.of, fn, _name(fn))
+    return functools.partial(Graph.of, _nnx_copy(fn), _name(fn))
+
+
+def _nnx_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """An nnx module as staged: a copy merged inside the trace, its layers named as in
+    ``h.graph``. The updates its call makes (BatchNorm's statistics, a Count, an rng stream's
+    count) stay on the copy, as ``nnx.jit`` confines them to its trace; the module itself
+    would refuse them (nnx's TraceContextError) and is left as it was. Any other ``fn``: as is.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None or not isinstance(fn, nnx.Module):
+        return fn
+    graphdef, state = nnx.split(fn)
+    state = nnx.to_pure_dict(state)  # values: the copy's Variables are made in the trace
+
+    @functools.wraps(type(fn).__call__)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        module = nnx.merge(graphdef, state)
+        with layer_scopes(module):
+            return module(*args, **kwargs)
+
+    return call
 
 
 def _name(fn: Callable[..., Any]) -> str:
