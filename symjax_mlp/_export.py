@@ -31,6 +31,7 @@ from symjax_mlp._artifact.format import (
     depth,
     entry_files,
     is_entry_name,
+    printable,
 )
 from symjax_mlp._artifact.reading import Artifact, freeze
 from symjax_mlp._artifact.signature import Signature
@@ -346,7 +347,31 @@ def _metadata(metadata: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
             f"export({name}, metadata=...): the model card nests more than {MAX_DEPTH - 1} "
             "levels deep, more than a loader reads; flatten it (or store it as a string)."
         )
+    if (where := _unprintable(card, "metadata")) is not None:
+        at, text = where
+        raise ConfigError(
+            f"export({name}, metadata=...): {at} is {printable(repr(text)[:80])}, which holds a "
+            "control character (a newline, tab, ESC, NUL or a bidi override); `symjax-mlp "
+            "inspect` and messages print the card, where a terminal would act on it. Store "
+            "printable text: a multi-line text as a list of its lines, binary data as base64."
+        )
     return card
+
+
+def _unprintable(card: Any, at: str) -> tuple[str, str] | None:
+    """Where in the JSON ``card`` a key or a string is not printable, and that text."""
+    todo = [(card, at)]
+    while todo:  # without recursion, first to last
+        value, at = todo.pop(0)
+        if isinstance(value, str) and not value.isprintable():
+            return at, value
+        if isinstance(value, dict):
+            if bad := next((k for k in value if not k.isprintable()), None):
+                return f"a key of {at}", bad
+            todo += [(v, f"{at}[{k!r}]") for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(v, f"{at}[{i}]") for i, v in enumerate(value)]
+    return None
 
 
 def _versions() -> dict[str, str]:

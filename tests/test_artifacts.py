@@ -421,15 +421,38 @@ def test_vmap_over_a_loaded_model_is_refused_with_the_fix(tmp_path):
     chex.assert_trees_all_close(m(jnp.ones((4, 5))), h(jnp.ones((4, 5))), **TOL)
 
 
+@pytest.mark.parametrize(
+    ("card", "where"),
+    [({"a\nb": 1}, "a key of metadata"), ({"text": "line 1\nline 2"}, r"metadata\['text'\]"),
+     ({"x": ["ok", "\x1b[2J"]}, r"metadata\['x'\]\[1\]"),
+     ({"x": {"y": "nul\x00"}}, r"metadata\['x'\]\['y'\]"),
+     ({"rtl": "abc\u202e"}, r"metadata\['rtl'\]"), ({"x": {"\t": 1}}, r"a key of metadata\['x'\]")],
+)  # fmt: skip
+def test_a_model_card_with_control_characters_is_refused_at_export(tmp_path, card, where):
+    """A newline, ESC, NUL or bidi override in a card's key or string was stored as given and
+    printed by inspect and messages: refused at export, naming where, nothing written."""
+    h = sm.hybridize(lambda _, x: x * 2, {})
+    want = rf"metadata=\.\.\.\): {where}.*control character.*Store printable text: a multi-line"
+    with pytest.raises(sm.ConfigError, match=want):
+        sm.export(h, tmp_path / "a", example=jnp.ones((2, 3)), metadata=card)
+    assert list(tmp_path.iterdir()) == []
+    ok = {"text": ["line 1", "line 2"], "name": "café ✓ 模型"}  # printable unicode stays
+    art = sm.export(h, tmp_path / "b", example=jnp.ones((2, 3)), metadata=ok)
+    assert sm.inspect(art.path).metadata == ok
+
+
 def test_inspect_prints_a_model_card_of_terminal_escapes_escaped(tmp_path, capsys):
-    """export stores metadata as given: inspect printed its keys and values as the terminal
-    would act on them."""
+    """An artifact made elsewhere may hold a card of terminal escapes (export refuses them):
+    inspect printed its keys and values as the terminal would act on them."""
     from symjax_mlp.cli import main
 
     h = sm.hybridize(lambda _, x: x * 2, {})
     card = {"\x1b[2J": "x\x1b[31m\u202e", "nested": {"\x1b]0;t\x07": ["\x1b[1m"]}}
-    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3)), metadata=card)
-    assert sm.inspect(art.path).metadata == card  # stored as given, shown escaped
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3)))
+    manifest = json.loads((art.path / "manifest.json").read_text())
+    (art.path / "manifest.json").write_text(json.dumps({**manifest, "metadata": card}))
+    assert sm.inspect(art.path).metadata == card  # read as stored, shown escaped
+    assert sm.load(art.path).metadata == card
     for argv in (["inspect", str(art.path)], ["inspect", str(art.path), "--json", "-"]):
         assert main(argv) == 0
         out = "".join(capsys.readouterr())
