@@ -577,6 +577,33 @@ def test_json_bodies_read_the_same_by_either_parser(monkeypatch, fast):
             _bodies.decode(b, b'{"inputs": [[-9223372036854775809]]}', "")
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson", "stdlib"])
+def test_json_answers_are_the_standard_librarys_text_by_either_writer(monkeypatch, fast):
+    """An answer is written by orjson where its text is the standard library's, else by the
+    latter: NaN (orjson: null), |x| < 1e-4 (orjson: 0.00001 and 1e-8, Python: 1e-05 and 1e-08),
+    an int past 64 bits; float16 to float64, bfloat16, ints and bools, tuples of outputs."""
+    import json as stdlib
+
+    import ml_dtypes
+
+    from symjax_mlp.serving import _bodies
+
+    if not fast:
+        monkeypatch.setattr(_bodies, "_fast_dumps", None)
+    rng = np.random.default_rng(0)
+    special = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-5, 5e-5, 1e-4, 1e16, 1e22, 10.00001]
+    outs = [np.array([special]), np.array([[2**64, -1]], object), (np.ones((1, 2)), np.ones(1))]
+    for dtype in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16, np.int64, np.bool_):
+        for e in range(-320, 308, 7):
+            with np.errstate(all="ignore"):
+                outs.append((rng.standard_normal((2, 3)) * 10.0**e).astype(dtype))
+    for out in outs:
+        leaves = [out] if isinstance(out, np.ndarray) else list(out)
+        outputs = out.tolist() if isinstance(out, np.ndarray) else [y.tolist() for y in leaves]
+        want = stdlib.dumps({"outputs": outputs}, separators=(",", ":")).encode()
+        assert _bodies.to_json(out) == (want, "application/json")
+
+
 def test_no_answer_names_the_artifacts_path_on_the_server(server):
     """Item 8: a client sees the model's name, never where it lies on the server."""
     url, path, _ = server

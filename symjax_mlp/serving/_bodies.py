@@ -31,9 +31,11 @@ from symjax_mlp.serving._batcher import Batcher
 
 try:  # the serve extra's JSON parser: ~10x the standard library's on a body of numbers
     from orjson import JSONDecodeError as _FastError
+    from orjson import JSONEncodeError as _FastWriteError
+    from orjson import dumps as _fast_dumps
     from orjson import loads as _fast_loads
 except ImportError:  # pragma: no cover - the standard library parses alone
-    _fast_loads, _FastError = json.loads, ValueError
+    _fast_loads, _FastError, _fast_dumps, _FastWriteError = json.loads, ValueError, None, None
 
 NPY = "application/x-npy"
 NPZ = "application/x-npz"
@@ -135,8 +137,8 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f"unsupported Content-Type {content_type!r}; send application/json "
             f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).',
         )
-    types = ", ".join(s.type for s in specs)
-    most = batcher.max_batch * sum(math.prod(s.shape[1:]) for s in specs)  # numbers, at most
+    types, per_row, floats = _plan(specs)
+    most = batcher.max_batch * per_row  # numbers, at most
     if len(body) > 32 * most + 4096 and body.count(b",") > most + 1024:  # 10 s of parsing
         raise BadRequest(
             413,
@@ -145,7 +147,7 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f"into requests of at most {batcher.max_batch} rows.",
         )
     try:
-        data = _parse(body, fast=_floats_only(specs))
+        data = _parse(body, fast=floats)
     except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
         if type(e) is ValueError:  # int()'s, on a number of 4300 digits: no syntax error
             held = "an integer of thousands of digits, beyond every dtype's range"
@@ -181,7 +183,7 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
     # JSON booleans among the numbers ([true, 1.5] would be [1.0, 1.5]): an "r" or an "a"
     # (one memchr each), which numbers and "inputs" lack; strings ("1.5"): quotes beyond the keys'
     bools = b"r" in body or b"a" in body
-    texts = body.count(b'"') != 2 + (2 * len(inputs) if isinstance(inputs, dict) else 0)
+    texts = _has_quotes(body, 2 + (2 * len(inputs) if isinstance(inputs, dict) else 0) + 1)
     return [
         from_json(batcher, spec, v, bools=bools, texts=texts)
         for spec, v in zip(specs, values, strict=True)
@@ -189,9 +191,23 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
 
 
 @functools.lru_cache(maxsize=64)
-def _floats_only(specs: tuple[Any, ...]) -> bool:
-    """Whether every input is a float (so orjson may parse the body): once per signature."""
-    return all(np.dtype(s.dtype).kind == "f" for s in specs)
+def _plan(specs: tuple[Any, ...]) -> tuple[str, int, bool]:
+    """Once per signature: its inputs' types (for messages), numbers in a row of them all, and
+    whether every input is a float (so orjson may parse the body)."""
+    types = ", ".join(s.type for s in specs)
+    floats = all(np.dtype(s.dtype).kind == "f" for s in specs)
+    return types, sum(math.prod(s.shape[1:]) for s in specs), floats
+
+
+def _has_quotes(body: bytes, n: int) -> bool:
+    """Whether ``body`` holds ``n`` quotes or more (a memchr each; ``bytes.count`` reads every
+    byte)."""
+    at = -1
+    for _ in range(n):
+        at = body.find(b'"', at + 1)
+        if at < 0:
+            return False
+    return True
 
 
 def _parse(body: bytes, fast: bool) -> Any:
@@ -353,11 +369,19 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps makes one per c
 
 
 def to_json(out: Any) -> tuple[bytes, str]:
-    """``{"outputs": ...}``, non-finite floats as ``NaN``/``Infinity`` (as TF Serving writes)."""
+    """``{"outputs": ...}``, non-finite floats as ``NaN``/``Infinity`` (as TF Serving writes),
+    every number as the standard library's json writes it."""
     if isinstance(out, np.ndarray):
         outputs = out.tolist()
     else:
         outputs = [np.asarray(y).tolist() for y in jax.tree.leaves(out)]
+    if _fast_dumps is not None:  # orjson: ~20x faster; the same text, but where it says
+        try:  # NaN as null, and |x| < 1e-4 as 0.00001 or 1e-8 (Python: 1e-05, 1e-08)
+            data = _fast_dumps({"outputs": outputs})
+        except _FastWriteError:  # e.g. an int past 64 bits: the stdlib writes it
+            data = b"null"
+        if b"null" not in data and b"e-" not in data and b"0.0000" not in data:
+            return data, "application/json"
     return _ENCODER.encode({"outputs": outputs}).encode(), "application/json"
 
 
