@@ -291,7 +291,7 @@ def _check_size(path: Path, sig: Any, kinds: list[Any], batches: Sequence[int]) 
     raise ConfigError(
         f"verify(batches={tuple(batches)!r}): the inputs of {sig} at these batch sizes take "
         f"{total:,} bytes, more than verify draws ({MAX_INPUT_BYTES:,}); pass smaller "
-        "batches (batches=(1, 7), or --batches 1,7)."
+        "batches, e.g. batches=(1, 7)."
     )
 
 

@@ -59,6 +59,13 @@ def test_python_dash_m_entry_point():
 
 
 # -- a newcomer's first hour: user errors are one line, bugs a traceback ------------------------
+def _one_error(err):
+    """Whether ``err`` is one error line, and at most the line that names the options its
+    library keywords are (``batch= is --batch``)."""
+    lines = err.strip().splitlines()
+    return len(lines) == 1 or (len(lines) == 2 and ": on the command line, " in lines[1])
+
+
 def _run_cli(*argv, timeout=120, **kw):
     return subprocess.run(
         [sys.executable, "-m", "symjax_mlp", *argv],
@@ -546,7 +553,7 @@ def test_serve_on_a_busy_port_or_a_foreign_host_is_one_line_before_the_load(tmp_
             assert main(["serve", missing, "--dispatch", "async", *argv]) == 2, argv
             err = capsys.readouterr().err
             assert says in err and "Traceback" not in err, err
-            assert len(err.strip().splitlines()) == 1, err
+            assert _one_error(err), err
 
 
 def test_an_output_that_cannot_be_written_is_one_line_and_leaves_the_old_file(
@@ -645,7 +652,7 @@ def test_bench_at_a_batch_no_memory_holds_is_one_line(tmp_path, capsys, monkeypa
         assert main(["bench", art, "--batch", batch, "--calls", "1", "--repeats", "1"]) == 2
         err = capsys.readouterr().err
         assert "more than this process can hold in memory; pass a smaller batch" in err, err
-        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert "Traceback" not in err and _one_error(err), err
 
 
 @pytest.mark.parametrize(
@@ -664,7 +671,7 @@ def test_numbers_no_array_or_key_holds_are_one_line(tmp_path, capsys, argv, says
     TypeError, OverflowError or RESOURCE_EXHAUSTED escaped as a traceback; nothing written."""
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
-    assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert says in err and "Traceback" not in err and _one_error(err), err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -820,3 +827,39 @@ def test_a_path_with_a_newline_or_an_escape_is_one_line_shown_escaped(tmp_path, 
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "bad\\nname\\x1b[31m" in err, err
+
+
+def test_a_library_keyword_is_named_as_its_option_whole_word(tmp_path, capsys, monkeypatch):
+    """The library names its keywords (verify's batches=, timeit's batch=, the batcher's
+    max_batch=) and no CLI flag; the CLI adds the option of each, matched as a whole word:
+    max_batch= is --max-batch, never batch='s --batch."""
+    import symjax_mlp as sm
+
+    art = str(sm.chapter.export_mlp(tmp_path / "m", sizes=(3,), in_features=2).path)
+    static = str(sm.chapter.export_mlp(tmp_path / "s", sizes=(3,), in_features=2, batch=3).path)
+    with pytest.raises(sm.ConfigError, match=r"pass smaller batches, e.g. batches=\(1, 7\)") as e:
+        sm.verify(art, batches=(1, 10**9))
+    assert "--batches" not in str(e.value)
+    cases = [
+        (["verify", art, "--batches", f"1,{10**9}"], "batches= is --batches"),
+        (["bench", static, "--batch", "4", "--calls", "1", "--repeats", "1"], "batch= is --batch"),
+        (
+            ["serve", art, "--max-batch", str(10**9), "--dispatch", "async"],
+            "max_batch= is --max-batch",
+        ),
+    ]
+    for argv, said in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 2 and "Traceback" not in err[0] and "--batch" not in err[0], err
+        assert err[1] == f"symjax-mlp {argv[0]}: on the command line, {said}"
+
+    def timeit(*args, **kwargs):
+        raise sm.ConfigError("timeit(model, max_batch=3): a message naming max_batch=.")
+
+    monkeypatch.setattr(sm, "timeit", timeit)
+    assert main(["bench", art, "--calls", "1", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "symjax-mlp bench: error: timeit(model, max_batch=3): a message naming max_batch=."
+    ]

@@ -189,7 +189,8 @@ def test_a_batch_that_sizes_nothing_is_refused(hybrid, tmp_path, capsys):
     check_fields(sm.timeit(m, calls=1, repeats=1, warmup=1), 1, 1)  # its own shapes
     assert main(["bench", str(art), "--batch", "8", "--calls", "1", "--repeats", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "batch=8): the artifact has static shapes" in err
+    assert err.count("\n") == 2 and "batch=8): the artifact has static shapes" in err
+    assert err.endswith("\nsymjax-mlp bench: on the command line, batch= is --batch\n"), err
     with pytest.raises(sm.ConfigError, match=r"timeit\(tiny, \*args, batch=4\): batch sizes"):
         sm.timeit(h, x, batch=4, calls=1, repeats=1, warmup=1)
 
@@ -308,4 +309,5 @@ def test_drawn_inputs_out_of_the_artifacts_bounds_blame_the_batch(tmp_path, caps
         sm.timeit(m, jnp.ones((2, 9)), calls=1, repeats=1, warmup=1)  # passed: as it was
     assert main(["bench", str(art.path), "--batch", "16", "--calls", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Pass a batch it accepts" in err
+    assert err.count("\n") == 2 and "Pass a batch it accepts" in err
+    assert err.endswith("\nsymjax-mlp bench: on the command line, batch= is --batch\n"), err

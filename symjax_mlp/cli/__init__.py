@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -184,8 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# A library message's keyword, the subcommand's option for it (its dest), as typed: the CLI
-# prints the library's message as it is, then the options it names, never editing its text.
+# A library message's keyword, the subcommand's option for it (its dest), as typed, where the
+# keyword is not the option's dest or names a value: the CLI prints the library's message as it
+# is, then the options it names, never editing its text. Every other option is its dest's
+# keyword (batch= is --batch, max_batch= is --max-batch), but for _NO_KEYWORD's.
 _OPTIONS = (
     ("overwrite=True", "overwrite", "--overwrite"),
     ("resume=True", "resume", "--resume"),
@@ -194,7 +197,41 @@ _OPTIONS = (
     ("trust=True", "trust", "--trust"),
     ("verify_signature=", "key", "--key PEM"),
     ("ray_actor_options=", "replica_cpus", "--replica-cpus N"),
+    ("runtimes=", "runtime", "--runtime (once per runtime)"),
+    ("compiled=False", "eager", "--eager"),
+    ("address=", "ray_address", "--ray-address ADDRESS"),
 )
+#: options that set no library keyword of their name
+_NO_KEYWORD = frozenset(("help", "json", "export", "quiet", "ray", "key", "eager", "replica_cpus"))
+
+
+def _named(text: str, word: str) -> bool:
+    """Whether ``text`` names ``word`` whole (``batch=`` is not in ``max_batch=``, ``--batch``
+    not in ``--batch-size``)."""
+    end = "" if word.endswith("=") else r"(?![\w-])"
+    return re.search(rf"(?<![\w.-]){re.escape(word)}{end}", text) is not None
+
+
+def _options_said(message: str, command: argparse.ArgumentParser) -> list[str]:
+    """``keyword is --option`` for each keyword ``message`` names that an option of
+    ``command`` sets, unless the message names that option already."""
+    pairs = [(k, o) for k, dest, o in _OPTIONS if _has(command, dest)]
+    taken = {keyword.split("=")[0] for keyword, _, _ in _OPTIONS} | _NO_KEYWORD
+    for action in command._actions:
+        if action.option_strings and action.dest not in taken:
+            flag = action.option_strings[0]
+            pairs.append(
+                (f"{action.dest}=", f"{flag} {action.metavar}" if action.metavar else flag)
+            )
+    return [
+        f"{keyword} is {option}"
+        for keyword, option in pairs
+        if _named(message, keyword) and not _named(message, option.split()[0])
+    ]
+
+
+def _has(command: argparse.ArgumentParser, dest: str) -> bool:
+    return any(a.dest == dest and a.option_strings for a in command._actions)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,11 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if arg.strip():  # not a lone "\n", which would escape the message's own lines
                 message = message.replace(arg, printable(arg))
         print(f"{where}: error: {message}", file=sys.stderr)
-        said = [
-            f"{keyword} is {option}"
-            for keyword, dest, option in _OPTIONS
-            if keyword in message and hasattr(args, dest) and option.split()[0] not in message
-        ]
+        said = _options_said(message, _subcommand(parser, args.command))
         if said:
             print(f"{where}: on the command line, {', '.join(said)}", file=sys.stderr)
         return 2
@@ -242,6 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except Exception:
         return _bug(where)
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of the subcommand ``name``."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
 
 
 def _bug(where: str) -> int:
