@@ -224,3 +224,21 @@ def test_replace_with_a_state_not_shaped_as_the_models_is_refused_naming_the_pat
     if make is _nnx:  # an nnx.State, as nnx.state(module, nnx.Not(nnx.Param)) gives it
         state = nnx.state(NnxBatchNorm(nnx.Rngs(0)), nnx.Not(nnx.Param))
         chex.assert_trees_all_close(h.replace(state=state)(X), h(X))
+
+
+def test_a_function_of_an_nnx_module_carries_its_state_as_the_modules_own_hybrid():
+    """``hybridize(fn, module)`` (nnx_basics' ``forward(model, rngs, x)``): the module's
+    BatchStats moved by its calls, as eager nnx moves them; once they were silently dropped."""
+
+    def forward(model, x):
+        return model(x, train=True)
+
+    h = sm.hybridize(forward, NnxBatchNorm(nnx.Rngs(0)))
+    own, plain = sm.hybridize(NnxBatchNorm(nnx.Rngs(0))), NnxBatchNorm(nnx.Rngs(0))
+    for i in range(2):
+        chex.assert_trees_all_close(h(rand(4, 5, seed=i)), forward(plain, rand(4, 5, seed=i)))
+        own(rand(4, 5, seed=i), train=True)
+    assert h.stateful and h.trace_count == 1
+    chex.assert_trees_all_equal(h.params, own.params)  # its Param values, as a dict
+    chex.assert_trees_all_close(h.state, own.state)
+    chex.assert_trees_all_close(h.state, nnx.to_pure_dict(nnx.state(plain, nnx.BatchStat)))

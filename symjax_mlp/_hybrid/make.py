@@ -51,7 +51,9 @@ def hybridize(
         calls; ``module.eval()`` and ``module.train()`` switch the Hybrid too, one trace per
         mode), an ``equinox.Module`` (no ``params``: its arrays are), or any pure function
         ``fn(params, *args, **kwargs)``.
-      params: the variables or params; must be omitted for an nnx or equinox module.
+      params: the variables or params; must be omitted for an nnx or equinox module. An nnx
+        module given as ``fn``'s params is split as its own Hybrid splits it (its ``Param``
+        values the params, its other variables a state carried across calls).
       name: shown in trace logs and errors (default: the function or module class name).
       max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.
       static_argnums, static_argnames: arguments static even when they are arrays, as in
@@ -125,6 +127,8 @@ def hybridize(
         )
     elif equinox_modules(params):
         model, params = _equinox(model, params)
+    elif _flax_kind(params) == "nnx":  # its BatchStats and rng counts carried, not dropped
+        model, params, state = nnx_module(params, model)
     return Hybrid(model, params, state=state, name=name, **settings)
 
 

@@ -157,9 +157,11 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
     return pure, params, state
 
 
-def nnx_module(module: Any) -> tuple:
+def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     """``(PureModel, params, state)`` for an nnx module: its Params, and everything else; its
-    settings (submodules' bool attributes) read from ``module`` at each call."""
+    settings (submodules' bool attributes) read from ``module`` at each call. With ``fn``, the
+    model is ``fn(module, *args, **kwargs)`` (nnx_basics' ``forward(model, rngs, x)``), the
+    module's state carried as its own call's is."""
     from flax import nnx
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
@@ -194,10 +196,10 @@ def nnx_module(module: Any) -> tuple:
     def call(params, state, args, kwargs):
         m = merge(params, state)
         with layer_scopes(m):
-            out = m(*args, **kwargs)
+            out = m(*args, **kwargs) if fn is None else fn(m, *args, **kwargs)
         return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]) if state else state
 
-    target = type(module).__call__
+    target = type(module).__call__ if fn is None else fn
     model = PureModel(
         call, bool(state), "nnx", merge, target, settings if watched else None, names, owners,
         module,
