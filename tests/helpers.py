@@ -238,7 +238,7 @@ class Case:
 
     def hybridize(self, mode: str = "train", **kw) -> sm.Hybrid:
         model, params = self.model(mode)
-        if self.kind == "nnx" or params is None:
+        if params is None:  # an nnx or equinox module
             return sm.hybridize(model, **kw)
         if self.rng is not None:
             kw.setdefault("rngs", self.rng)
@@ -475,6 +475,115 @@ class TutorialCNN(nnx.Module):
         x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
         x = self.linear2(x)
         return x
+
+
+# -- flax docs_nnx/nnx_basics.md, as written there (google/flax@18f8f311c275d57f46d95e41b15aa97b
+# 454754c0, https://github.com/google/flax/blob/main/docs_nnx/nnx_basics.md); sizes made tiny
+class Linear(nnx.Module):
+    """nnx_basics: a Linear of its own ``nnx.Param`` s."""
+
+    def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+        self.w = nnx.Param(rngs.params.uniform((din, dout)))
+        self.b = nnx.Param(jnp.zeros((dout,)))
+        self.din, self.dout = din, dout
+
+    def __call__(self, x: jax.Array):
+        return x @ self.w + self.b[None]
+
+
+class MLP(nnx.Module):
+    """nnx_basics: Dropout and BatchNorm in training mode as attributes, the dropout's
+    ``rngs`` a required argument of the call."""
+
+    def __init__(self, din: int, dmid: int, dout: int, *, rngs: nnx.Rngs):
+        self.linear1 = Linear(din, dmid, rngs=rngs)
+        self.dropout = nnx.Dropout(rate=0.1, deterministic=False)
+        self.bn = nnx.BatchNorm(dmid, use_running_average=False, rngs=rngs)
+        self.linear2 = Linear(dmid, dout, rngs=rngs)
+
+    def __call__(self, x: jax.Array, rngs: nnx.Rngs):
+        x = nnx.gelu(self.dropout(self.bn(self.linear1(x)), rngs=rngs))
+        return self.linear2(x)
+
+
+class LoraParam(nnx.Param):
+    pass
+
+
+class LoraLinear(nnx.Module):
+    """nnx_basics' model surgery: a subclass of ``nnx.Param`` beside the wrapped Linear's."""
+
+    def __init__(self, linear: Linear, rank: int, rngs: nnx.Rngs):
+        self.linear = linear
+        self.A = LoraParam(rngs.normal((linear.din, rank)))
+        self.B = LoraParam(rngs.normal((rank, linear.dout)))
+
+    def __call__(self, x: jax.Array):
+        return self.linear(x) + x @ self.A @ self.B
+
+
+class Count(nnx.Variable):
+    pass
+
+
+class StatefulLinear(nnx.Module):
+    """nnx_basics: a custom ``nnx.Variable`` type, a uint32 count raised by every call."""
+
+    def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+        self.w = nnx.Param(rngs.uniform((din, dout)))
+        self.b = nnx.Param(jnp.zeros((dout,)))
+        self.count = Count(jnp.array(0, dtype=jnp.uint32))
+
+    def __call__(self, x: jax.Array):
+        # the guide's `self.count.value += 1` warns in flax 0.12: its Counter's form
+        self.count[...] += 1
+        return x @ self.w + self.b
+
+
+@nnx.vmap(in_axes=0, out_axes=0)
+def create_model(rngs):
+    """nnx_basics' scan over layers: a stack of MLPs, one per key (``MLP(10, 32, 10)``)."""
+    return MLP(5, 8, 5, rngs=rngs)
+
+
+@nnx.scan(in_axes=(0, 0, nnx.Carry), out_axes=nnx.Carry)
+def forward(model: MLP, rngs: nnx.Rngs, x):
+    """nnx_basics: each MLP of the stack applied in turn, its BatchNorm's statistics moved."""
+    x = model(x, rngs)
+    return x
+
+
+def _lora(mode: str) -> Callable[[], tuple[Any, None]]:
+    def build():
+        rngs = nnx.Rngs(0)
+        model = MLP(5, 16, 3, rngs=rngs)
+        # Model surgery.
+        model.linear1 = LoraLinear(model.linear1, 4, rngs=rngs)
+        model.linear2 = LoraLinear(model.linear2, 4, rngs=rngs)
+        if mode == "eval":
+            model.eval()  # dropout off, the running statistics used
+        return model, None
+
+    return build
+
+
+def stack_forward(model, x, rngs=None):
+    """nnx_basics' ``forward(model, rngs, x)`` with ``x`` first: the inputs before the
+    settings, as a Hybrid and an export take them (``rngs=None``: its eval mode)."""
+    return forward(model, rngs, x)
+
+
+def _stack(mode: str) -> Callable[[], tuple[Any, Any]]:
+    """``(stack_forward, model)``: the guide's ``nnx.Rngs(0).fork(split=5)`` is
+    ``nnx.Rngs(0).split(3)`` in flax 0.12 (fork's ``split=`` is deprecated)."""
+
+    def build():
+        model = create_model(nnx.Rngs(0).split(3))
+        if mode == "eval":
+            model.eval()
+        return stack_forward, model
+
+    return build
 
 
 # -- equinox's examples (an optional dependency: without it these are None and the tests skip) --
@@ -787,6 +896,14 @@ MATRIX = (
          allow=frozenset({"convolution", "reduce_window"})),
     Case("jax_fromscratch", "fn", lambda: (predict, init_random_params(0.1, (5, 8, 3))),
          lambda s: (_x(s),), classes=3),
+    Case("nnx_lora", "nnx", _lora("train"), lambda s: (_x(s),),
+         train={"rngs": lambda: nnx.Rngs(5)}, eval={"rngs": None}, served=_lora("eval"),
+         classes=3),
+    Case("nnx_count", "nnx", lambda: (StatefulLinear(5, 3, rngs=nnx.Rngs(0)), None),
+         lambda s: (_x(s),)),
+    Case("nnx_scan", "nnx", _stack("train"), lambda s: (_x(s),),
+         train={"rngs": lambda: nnx.Rngs(5).split(3)}, eval={"rngs": None},
+         served=_stack("eval"), allow=frozenset({"dynamic_slice"})),
     *_EQX,
 )  # fmt: skip
 
@@ -817,6 +934,6 @@ def plain_calls(case: Case, mode: str, n: int) -> tuple[list[Any], Any, dict]:
     model, params = case.model(mode)
     fn = model if params is None else partial(model, params)
     outs, state, settings = calls(case, fn, mode, n)
-    if case.kind == "nnx":
-        state = nnx.state(model, nnx.Not(nnx.Param))
+    if case.kind == "nnx":  # the module, or the module a function takes (nnx_scan)
+        state = nnx.state(model if params is None else params, nnx.Not(nnx.Param))
     return outs, state, settings

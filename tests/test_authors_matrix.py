@@ -99,8 +99,11 @@ def _want_grads(case, mode, xs, state):
         grad = jax.grad(lambda p: _loss(model.apply({**rest, **p}, *xs, **settings)))
         return jax.jit(grad)({"params": params["params"]})
     if case.kind == "nnx":  # the settings (an nnx.Rngs) made inside, as nnx.grad needs them
-        grad = nnx.grad(lambda m: _loss(m(*xs, **case.settings(mode))))
-        return nnx.to_pure_dict(nnx.jit(grad)(model))
+        if params is None:
+            grad = nnx.grad(lambda m: _loss(m(*xs, **case.settings(mode))))
+            return nnx.to_pure_dict(nnx.jit(grad)(model))
+        grad = nnx.grad(lambda m: _loss(model(m, *xs, **case.settings(mode))))  # a function's
+        return nnx.to_pure_dict(nnx.jit(grad)(params))
     if case.kind == "fn":  # JAX's own: params a pytree (a list of pairs), jax.grad
         grad = jax.grad(lambda p: _loss(model(p, *xs, **settings)))
         return jax.jit(grad)(params)
@@ -312,7 +315,21 @@ def _piece_steps(case, data, n=3):
     return losses
 
 
-@pytest.mark.parametrize("case", [c for c in MATRIX if c.classes], ids=lambda c: c.name)
+_RNGS_REQUIRED = pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="owner symjax_mlp/training/_nnx.py: spec_of's inference call (_moves, train=False) "
+    "calls an nnx module whose __call__ requires rngs (nnx_basics' MLP) without it: a raw "
+    "TypeError, with train_flags/eval_flags given too",
+)
+CLASSIFIERS = [
+    pytest.param(c, marks=_RNGS_REQUIRED) if c.name == "nnx_lora" else c
+    for c in MATRIX
+    if c.classes
+]
+
+
+@pytest.mark.parametrize("case", CLASSIFIERS, ids=lambda c: c.name)
 def test_a_classifier_trains_or_is_refused_naming_a_fix_that_trains(case):
     data = _dataset(case)
     model, _ = case.build()
