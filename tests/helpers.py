@@ -773,6 +773,168 @@ if eqx is not None:
                 attention_output, enable_dropout, ff_keys
             )
 
+    # equinox docs/examples/vision_transformer.ipynb, as written there (patrick-kidger/equinox
+    # @9336d820b2ef66b360fc6cb3611b3da5cefbb14d): einops' rearrange written as a reshape
+    # (einops is not a dependency), the notebook's global `channels` a constant here
+    import jax.random as jr
+    from jaxtyping import Array, Float, PRNGKeyArray
+
+    channels = 3
+
+    class PatchEmbedding(eqx.Module):
+        linear: eqx.nn.Embedding
+        patch_size: int
+
+        def __init__(
+            self,
+            input_channels: int,
+            output_shape: int,
+            patch_size: int,
+            key: PRNGKeyArray,
+        ):
+            self.patch_size = patch_size
+
+            self.linear = eqx.nn.Linear(
+                self.patch_size**2 * input_channels,
+                output_shape,
+                key=key,
+            )
+
+        def __call__(
+            self,
+            x: Float[Array, "channels height width"],  # noqa: F722
+        ) -> Float[Array, "num_patches embedding_dim"]:  # noqa: F722
+            c, ph, pw = x.shape[0], self.patch_size, self.patch_size  # "c (h ph) (w pw) ->
+            h, w = x.shape[1] // ph, x.shape[2] // pw  # (h w) (c ph pw)"
+            x = x.reshape(c, h, ph, w, pw).transpose(1, 3, 0, 2, 4).reshape(h * w, c * ph * pw)
+            x = jax.vmap(self.linear)(x)
+
+            return x
+
+    class VitAttentionBlock(eqx.Module):
+        """The notebook's ``AttentionBlock`` (renamed: BERT's is ``AttentionBlock`` here)."""
+
+        layer_norm1: eqx.nn.LayerNorm
+        layer_norm2: eqx.nn.LayerNorm
+        attention: eqx.nn.MultiheadAttention
+        linear1: eqx.nn.Linear
+        linear2: eqx.nn.Linear
+        dropout1: eqx.nn.Dropout
+        dropout2: eqx.nn.Dropout
+
+        def __init__(
+            self,
+            input_shape: int,
+            hidden_dim: int,
+            num_heads: int,
+            dropout_rate: float,
+            key: PRNGKeyArray,
+        ):
+            key1, key2, key3 = jr.split(key, 3)
+
+            self.layer_norm1 = eqx.nn.LayerNorm(input_shape)
+            self.layer_norm2 = eqx.nn.LayerNorm(input_shape)
+            self.attention = eqx.nn.MultiheadAttention(num_heads, input_shape, key=key1)
+
+            self.linear1 = eqx.nn.Linear(input_shape, hidden_dim, key=key2)
+            self.linear2 = eqx.nn.Linear(hidden_dim, input_shape, key=key3)
+            self.dropout1 = eqx.nn.Dropout(dropout_rate)
+            self.dropout2 = eqx.nn.Dropout(dropout_rate)
+
+        def __call__(
+            self,
+            x: Float[Array, "num_patches embedding_dim"],  # noqa: F722
+            enable_dropout: bool,
+            key: PRNGKeyArray,
+        ) -> Float[Array, "num_patches embedding_dim"]:  # noqa: F722
+            input_x = jax.vmap(self.layer_norm1)(x)
+            x = x + self.attention(input_x, input_x, input_x)
+
+            input_x = jax.vmap(self.layer_norm2)(x)
+            input_x = jax.vmap(self.linear1)(input_x)
+            input_x = jax.nn.gelu(input_x)
+
+            key1, key2 = jr.split(key, num=2)
+
+            input_x = self.dropout1(input_x, inference=not enable_dropout, key=key1)
+            input_x = jax.vmap(self.linear2)(input_x)
+            input_x = self.dropout2(input_x, inference=not enable_dropout, key=key2)
+
+            x = x + input_x
+
+            return x
+
+    class VisionTransformer(eqx.Module):
+        patch_embedding: PatchEmbedding
+        positional_embedding: jnp.ndarray
+        cls_token: jnp.ndarray
+        attention_blocks: list[VitAttentionBlock]
+        dropout: eqx.nn.Dropout
+        mlp: eqx.nn.Sequential
+        num_layers: int
+
+        def __init__(
+            self,
+            embedding_dim: int,
+            hidden_dim: int,
+            num_heads: int,
+            num_layers: int,
+            dropout_rate: float,
+            patch_size: int,
+            num_patches: int,
+            num_classes: int,
+            key: PRNGKeyArray,
+        ):
+            key1, key2, key3, key4, key5 = jr.split(key, 5)
+
+            self.patch_embedding = PatchEmbedding(channels, embedding_dim, patch_size, key1)
+
+            self.positional_embedding = jr.normal(key2, (num_patches + 1, embedding_dim))
+
+            self.cls_token = jr.normal(key3, (1, embedding_dim))
+
+            self.num_layers = num_layers
+
+            self.attention_blocks = [
+                VitAttentionBlock(embedding_dim, hidden_dim, num_heads, dropout_rate, key4)
+                for _ in range(self.num_layers)
+            ]
+
+            self.dropout = eqx.nn.Dropout(dropout_rate)
+
+            self.mlp = eqx.nn.Sequential(
+                [
+                    eqx.nn.LayerNorm(embedding_dim),
+                    eqx.nn.Linear(embedding_dim, num_classes, key=key5),
+                ]
+            )
+
+        def __call__(
+            self,
+            x: Float[Array, "channels height width"],  # noqa: F722
+            enable_dropout: bool,
+            key: PRNGKeyArray,
+        ) -> Float[Array, "num_classes"]:  # noqa: F821, UP037
+            x = self.patch_embedding(x)
+
+            x = jnp.concatenate((self.cls_token, x), axis=0)
+
+            x += self.positional_embedding[
+                : x.shape[0]
+            ]  # Slice to the same length as x, as the positional embedding may be longer.
+
+            dropout_key, *attention_keys = jr.split(key, num=self.num_layers + 1)
+
+            x = self.dropout(x, inference=not enable_dropout, key=dropout_key)
+
+            for block, attention_key in zip(self.attention_blocks, attention_keys):  # noqa: B905
+                x = block(x, enable_dropout, key=attention_key)
+
+            x = x[0]  # Select the CLS token.
+            x = self.mlp(x)
+
+            return x
+
 
 IMAGES = _x(0, (2, 8, 8, 1))
 #: the authors' linen models as a zoo (apart from ZOO: their flags have no defaults)
@@ -837,6 +999,19 @@ if eqx is not None:
             _, state = state_batch(model, _x(50 + i, (4, 3)), state)
         return evaluate, eqx.Partial(eqx.nn.inference_mode(model), state=state)
 
+    def vit_batch(model, images, *, enable_dropout=False, key=None):
+        """vision_transformer.ipynb's calls: ``jax.vmap(functools.partial(model,
+        enable_dropout=...))(images, key=jax.random.split(key, num=batch_size))``; its
+        evaluation's fixed ``key`` when none is given (no dropout draws from it then)."""
+        key = jr.key(2003) if key is None else key
+        keys = jax.random.split(key, num=images.shape[0])
+        return jax.vmap(partial(model, enable_dropout=enable_dropout))(images, key=keys)
+
+    def _vit():
+        return VisionTransformer(embedding_dim=8, hidden_dim=16, num_heads=2, num_layers=2,
+                                 dropout_rate=0.1, patch_size=4, num_patches=4,
+                                 num_classes=10, key=jr.key(2003))  # fmt: skip
+
     def _bert():
         return TransformerLayer(8, 16, 2, 0.1, 0.1, key=jax.random.key(0))
 
@@ -861,6 +1036,10 @@ if eqx is not None:
              lambda s: (_x(s, (4, 16, 2)),), allow=frozenset({"real_dynamic_slice"})),
         Case("eqx_bert", "eqx", lambda: (bert_batch, _bert()), _bert_inputs,
              train={"enable_dropout": True, "key": jax.random.key(1)}),
+        Case("eqx_vit", "eqx", lambda: (vit_batch, _vit()), lambda s: (_x(s, (2, 3, 8, 8)),),
+             train={"enable_dropout": True, "key": jax.random.key(1)},
+             eval={"enable_dropout": False}, classes=10,
+             allow=frozenset({"real_dynamic_slice"})),
     )  # fmt: skip
 else:  # pragma: no cover - the test extra installs equinox
     _EQX = ()
