@@ -9,6 +9,7 @@ names the artifact's path on the server.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -173,6 +174,61 @@ def test_a_timed_out_body_is_the_json_error_body(server):
     assert head.startswith(b"HTTP/1.1 408"), head
     answer = json.loads(body)
     assert answer["error"] == "BadRequest" and "body_timeout=2" in answer["message"]
+
+
+class _Body:
+    """A request whose body comes as ``chunks``, each after its delay (``None``: never)."""
+
+    def __init__(self, *chunks):
+        self.headers, self._chunks = {}, list(chunks)
+
+    async def receive(self):
+        delay, chunk = self._chunks.pop(0)
+        if delay is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(delay)
+        return {"type": "http.request", "body": chunk, "more_body": bool(self._chunks)}
+
+
+def test_each_body_read_has_its_own_deadline_moved_on_as_chunks_arrive():
+    """One timer watches every read on a loop: a quiet body is a 408 after body_timeout, while
+    the reads beside it go on (slow chunks, each within the timeout, read whole); a cancel
+    from elsewhere (the server stopping) stays a cancel; a second loop has a timer too."""
+    from symjax_mlp.serving._app import BadRequest
+    from symjax_mlp.serving._intake import Intake
+
+    intake = Intake(1000, 0.2, 4000)
+
+    async def read(request):
+        hold = [0]
+        try:
+            return await intake.read(request, hold)
+        except BadRequest as e:
+            return e.status
+        finally:
+            intake.release(hold)
+
+    async def crowd():
+        slow = _Body(*[(0.1, b"ab")] * 5)  # 0.5 s in all
+        quiet = _Body((0.0, b"a"), (None, b""))
+        whole = _Body((0.0, b"abc"))
+        start = time.monotonic()
+        got = await asyncio.gather(read(slow), read(quiet), read(whole), read(_Body((0.3, b""))))
+        return got, time.monotonic() - start
+
+    for _ in range(2):  # each asyncio.run: a new loop
+        got, took = asyncio.run(crowd())
+        assert got == [b"ab" * 5, 408, b"abc", 408] and took < 5, (got, took)
+        assert intake.held == 0 and intake._deadlines.due == {}
+
+    async def stopped():
+        task = asyncio.create_task(read(_Body((None, b""))))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(stopped())
 
 
 def test_connections_past_the_limit_are_refused_at_once(server):

@@ -1,9 +1,5 @@
-"""What crosses the wire: a request body read within bounds, to the model's inputs, and back.
-
-:class:`Intake` bounds bodies as nginx does: ``max_body_bytes`` (413 once ``Content-Length``
-or the bytes received pass it), ``body_timeout`` between two reads (408, connection closed)
-and ``max_inflight_bytes`` held by all bodies at once (503), so slow clients cannot pin the
-server's memory. It runs on the server's one event loop: the shared count needs no lock.
+"""What crosses the wire: a request body (read by :mod:`._intake`) to the model's inputs, and
+the model's outputs back.
 
 A JSON body becomes arrays of the inputs' dtypes, refusing what a cast would change (1.5 to
 an int, 2**31 to int32, 1e39 to float32, 7 to float4); a ``.npy`` body is read as
@@ -13,7 +9,6 @@ status; what does not fit the model, a :class:`~symjax_mlp.SignatureError`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import io
@@ -48,73 +43,6 @@ class BadRequest(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-class Intake:
-    """Reads bodies within ``max_body_bytes``, ``body_timeout`` and ``max_inflight_bytes``."""
-
-    def __init__(self, max_body_bytes: int, body_timeout: float, max_inflight_bytes: int):
-        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
-        self.max_inflight_bytes = max_inflight_bytes
-        self.held = 0  # bytes of bodies in flight, all requests together
-
-    async def read(self, request: Any, hold: list[int]) -> bytes:
-        """The body of ``request``, its bytes counted in ``hold[0]`` as they arrive (give them
-        back with :meth:`release`, even when this raises).
-
-        Raises:
-          BadRequest: 413 too large, 408 a client quiet for ``body_timeout`` seconds, 503 the
-            bodies in flight would pass ``max_inflight_bytes``.
-          starlette.requests.ClientDisconnect: the client went away.
-        """
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
-            raise BadRequest(413, _too_large(int(size), self.max_body_bytes))
-        chunks, received, more = [], 0, True
-        receive, limit = request.receive, self.body_timeout
-        try:  # one timer for the whole body, moved on as each chunk arrives
-            async with asyncio.timeout(limit) as timer:
-                while more:
-                    message = await receive()
-                    if message["type"] != "http.request":  # http.disconnect
-                        from starlette.requests import ClientDisconnect
-
-                        raise ClientDisconnect()
-                    chunk, more = message.get("body", b""), message.get("more_body", False)
-                    received += len(chunk)
-                    if received > self.max_body_bytes:
-                        raise BadRequest(413, _too_large(received, self.max_body_bytes))
-                    if self.held + len(chunk) > self.max_inflight_bytes:
-                        raise BadRequest(
-                            503,
-                            f"the server is receiving too many bodies at once ({self.held} "
-                            f"bytes held, max_inflight_bytes={self.max_inflight_bytes}); retry "
-                            "shortly.",
-                        )
-                    self.held += len(chunk)
-                    hold[0] += len(chunk)
-                    chunks.append(chunk)
-                    if more:
-                        timer.reschedule(asyncio.get_running_loop().time() + limit)
-        except TimeoutError:
-            raise BadRequest(
-                408,
-                f"the body stopped arriving: nothing came for {limit:g} s after {received} "
-                f"bytes (body_timeout={limit:g}). Send the whole body at once.",
-            ) from None
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def release(self, hold: list[int]) -> None:
-        """Gives back what :meth:`read` counted in ``hold``."""
-        self.held -= hold[0]
-        hold[0] = 0
-
-
-def _too_large(size: int, limit: int) -> str:
-    return (
-        f"the body has {size} bytes, more than max_body_bytes={limit}; split the request into "
-        "smaller ones."
-    )
 
 
 def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any], bool]:

@@ -1,0 +1,135 @@
+"""Request bodies read within bounds, as nginx reads them, on the server's one event loop.
+
+:class:`Intake` bounds bodies by ``max_body_bytes`` (413 once ``Content-Length`` or the bytes
+received pass it), ``body_timeout`` between two reads (408, connection closed) and
+``max_inflight_bytes`` held by all bodies at once (503), so slow clients cannot pin the server's
+memory. The shared count needs no lock: one loop runs every read.
+
+One timer per loop watches every read (:class:`_Deadlines`): the timeout is the same for all, so
+the reads' deadlines, kept in the order they were set, are in time order, and the timer waits
+for the first. A body that is there when its read starts (the usual request) costs a dict entry,
+not a timer of its own (``asyncio.timeout``'s: a timer handle made, pushed and cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from symjax_mlp.serving._bodies import BadRequest
+
+
+class Intake:
+    """Reads bodies within ``max_body_bytes``, ``body_timeout`` and ``max_inflight_bytes``."""
+
+    def __init__(self, max_body_bytes: int, body_timeout: float, max_inflight_bytes: int):
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+        self.max_inflight_bytes = max_inflight_bytes
+        self.held = 0  # bytes of bodies in flight, all requests together
+        self._deadlines: _Deadlines | None = None  # the last loop's (a read keeps its own)
+
+    async def read(self, request: Any, hold: list[int]) -> bytes:
+        """The body of ``request``, its bytes counted in ``hold[0]`` as they arrive (give them
+        back with :meth:`release`, even when this raises).
+
+        Raises:
+          BadRequest: 413 too large, 408 a client quiet for ``body_timeout`` seconds, 503 the
+            bodies in flight would pass ``max_inflight_bytes``.
+          starlette.requests.ClientDisconnect: the client went away.
+        """
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
+            raise BadRequest(413, _too_large(int(size), self.max_body_bytes))
+        chunks, received, more = [], 0, True
+        receive, limit = request.receive, self.body_timeout
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        deadlines = self._deadlines
+        if deadlines is None or deadlines.loop is not loop:
+            deadlines = self._deadlines = _Deadlines(loop, limit)
+        cancelling = task.cancelling()
+        deadlines.set(task)  # moved on as each chunk arrives
+        try:
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":  # http.disconnect
+                    from starlette.requests import ClientDisconnect
+
+                    raise ClientDisconnect()
+                chunk, more = message.get("body", b""), message.get("more_body", False)
+                received += len(chunk)
+                if received > self.max_body_bytes:
+                    raise BadRequest(413, _too_large(received, self.max_body_bytes))
+                if self.held + len(chunk) > self.max_inflight_bytes:
+                    raise BadRequest(
+                        503,
+                        f"the server is receiving too many bodies at once ({self.held} bytes "
+                        f"held, max_inflight_bytes={self.max_inflight_bytes}); retry shortly.",
+                    )
+                self.held += len(chunk)
+                hold[0] += len(chunk)
+                chunks.append(chunk)
+                if more:
+                    deadlines.set(task)
+        except asyncio.CancelledError:  # ours (408), unless another cancel came too
+            if not deadlines.clear(task) or task.uncancel() > cancelling:
+                raise
+            raise BadRequest(
+                408,
+                f"the body stopped arriving: nothing came for {limit:g} s after {received} "
+                f"bytes (body_timeout={limit:g}). Send the whole body at once.",
+            ) from None
+        finally:
+            if deadlines.clear(task):  # late as it ended: the cancel is taken back
+                task.uncancel()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def release(self, hold: list[int]) -> None:
+        """Gives back what :meth:`read` counted in ``hold``."""
+        self.held -= hold[0]
+        hold[0] = 0
+
+
+class _Deadlines:
+    """The reads of one loop: each task's deadline, in the order set (so in time order), the
+    tasks cancelled for being late, and one timer at the first deadline."""
+
+    def __init__(self, loop: Any, limit: float) -> None:
+        self.loop, self.limit = loop, limit
+        self.due: dict[Any, float] = {}
+        self.late: set[Any] = set()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def set(self, task: Any) -> None:
+        """``task`` must read again within ``limit`` seconds from now."""
+        due = self.due
+        due.pop(task, None)  # last: the latest deadline
+        due[task] = when = self.loop.time() + self.limit
+        if self.timer is None:
+            self.timer = self.loop.call_at(when, self._expire)
+
+    def clear(self, task: Any) -> bool:
+        """Forgets ``task``'s deadline; whether it was cancelled for being late."""
+        self.due.pop(task, None)
+        if task in self.late:
+            self.late.discard(task)
+            return True
+        return False
+
+    def _expire(self) -> None:
+        """Cancels the reads past their deadline; waits for the next one."""
+        self.timer, now, due = None, self.loop.time(), self.due
+        while due:
+            task, when = next(iter(due.items()))
+            if when > now:
+                self.timer = self.loop.call_at(when, self._expire)
+                return
+            del due[task]
+            self.late.add(task)
+            task.cancel()
+
+
+def _too_large(size: int, limit: int) -> str:
+    return (
+        f"the body has {size} bytes, more than max_body_bytes={limit}; split the request into "
+        "smaller ones."
+    )
