@@ -307,11 +307,13 @@ def _self_test_vectors(
     try:
         outs, both = jax.jit(programs)(params, xs, at)
     except (ValueError, TypeError):  # a shape the program's constraints refuse, or the model
-        # The drawn shapes (each symbolic dim 2) may break a constraint (t >= 4): then no
-        # vectors, as for an rng-key input; the example's may too: then no comparison. Run
-        # again with what the program takes: a model that raises there raises as it did.
-        xs = xs if _runs(exported.call, params, xs) else None
+        # The drawn shapes (each symbolic dim 2) may break a constraint (t >= 4): then the
+        # vectors are drawn at the example's shapes, which the constraints admit (if small);
+        # the example's may break one too: then no comparison. Run again with what the
+        # program takes: a model that raises there raises as it did.
         at = at if at is not None and _runs(exported.call, params, at) else None
+        small = at is not None and sum(x.nbytes for x in at) <= selftest.MAX_INPUT_BYTES
+        xs = xs if _runs(exported.call, params, xs) else at if small else None
         if xs is None and at is None:
             return None
         outs, both = jax.jit(programs)(params, at if xs is None else xs, at)

@@ -14,10 +14,12 @@ import safetensors
 from jax.errors import JaxRuntimeError
 
 from symjax_mlp._artifact.format import JAXEXPORT, SELFTEST, printable, program_file
+from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import decode_params
 from symjax_mlp._errors import ArtifactError, SignatureError, SymjaxError
 
 BATCH = 2  # rows per symbolic batch dimension in the vectors
+MAX_INPUT_BYTES = 1 << 20  # inputs of vectors at the example's shapes (a constraint refuses 2)
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # XLA may fuse differently across CPUs and versions
 ULPS = 4  # a narrower float's outputs: this many of its epsilons (relative and absolute)
 
@@ -92,35 +94,66 @@ def against_source(name: str, got: Any, want: Any, xs: Sequence[Any], symbolic: 
             )
 
 
-def run(
-    path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes],
-    call: Callable[[list[Any]], list[Any]],
-) -> None:  # fmt: skip
-    """Runs the vectors through ``call``; raises :class:`~symjax_mlp.ArtifactError` unless
-    every output matches. An entry point without vectors (rng key inputs) passes."""
+def vectors(
+    path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes]
+) -> tuple[Path, list[np.ndarray], list[np.ndarray]] | None:
+    """The self-test's file, inputs and outputs, checked against the signature: each input a
+    call it admits (export's at every symbolic dim 2, or where a constraint refuses that at
+    the example's shapes); ``None`` for an entry point without vectors (rng key inputs).
+
+    Raises:
+      ArtifactError: a vector is missing, or of a shape or dtype the signature refuses.
+    """
     name = program_file(manifest, SELFTEST)
     if name is None or name not in blobs:
-        return
+        return None
     file, sig = path / name, manifest["signature"]
-    caller = f'symjax_mlp.load("{printable(str(path))}")'
-    vectors = decode_params(blobs[name], file=file)
+    signature = Signature.from_json(sig)
+    found = decode_params(blobs[name], file=file)
     xs, want = [], []
     for vector, what, kept in (("args", "input", xs), ("out", "output", want)):
         for i, spec in enumerate(sig[f"{what}s"]):
-            if (a := vectors.get(f"{vector}[{i}]")) is None:
+            if (a := found.get(f"{vector}[{i}]")) is None:
                 raise ArtifactError(
                     f"{file} lacks the vector '{vector}[{i}]'; the artifact is corrupted. "
                     "Export it again."
                 )
-            shape = tuple(BATCH if isinstance(d, str) else d for d in spec["shape"])
-            shape = shape if vector == "args" else a.shape  # an output's: what it computes
-            if a.shape != shape or str(a.dtype) != spec["dtype"]:
+            dims = spec["shape"]  # symbolic ones by name; an output's: what the program computes
+            fits = vector == "out" or (
+                a.ndim == len(dims)
+                and all(
+                    n >= 1 if isinstance(d, str) else n == d
+                    for n, d in zip(a.shape, dims, strict=True)
+                )
+            )
+            if not fits or str(a.dtype) != spec["dtype"]:
                 raise ArtifactError(
                     f"{file}: its vector {vector}[{i}] is {a.dtype}{list(a.shape)}, but the "
-                    f"signature's {what} {i} is {spec['dtype']}{list(shape)}; the artifact is "
-                    "corrupted or was edited. Export it again."
+                    f"signature's {what} {i} is {getattr(signature, what + 's')[i].type}; the "
+                    "artifact is corrupted or was edited. Export it again."
                 )
             kept.append(a)
+    try:  # each symbolic dim one size, within the constraints
+        signature.check(xs, caller=str(file))
+    except SignatureError:
+        shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in xs)
+        raise ArtifactError(
+            f"{file}: its input vectors, {shapes}, are no call its signature {signature} "
+            "admits; the artifact is corrupted or was edited. Export it again."
+        ) from None
+    return file, xs, want
+
+
+def run(
+    path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes],
+    call: Callable[[list[Any]], list[Any]],
+) -> None:  # fmt: skip
+    """Runs the :func:`vectors` through ``call``; raises :class:`~symjax_mlp.ArtifactError`
+    unless every output matches. An entry point without vectors (rng key inputs) passes."""
+    if (found := vectors(path, manifest, blobs)) is None:
+        return
+    file, xs, want = found
+    caller = f'symjax_mlp.load("{printable(str(path))}")'
     try:  # block_until_ready first: np.asarray of a failed result aborts the process
         got = [np.asarray(y) for y in jax.block_until_ready(call(list(xs)))]
         differs = [difference(g, w) for g, w in zip(got, want, strict=True)]  # in float64

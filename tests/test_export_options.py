@@ -142,15 +142,30 @@ def test_cli_train_export_names_its_flag(tmp_path, capsys):
 
 def test_a_constraint_the_drawn_self_test_shapes_break_exports_checked_against_the_model(tmp_path):
     """The self-test vectors are drawn with every symbolic dim 2: under `t >= 4` the program
-    refused them and export failed with JAX's raw ValueError. It exports with no vectors (as
-    for an rng-key input), still compared with the model at the example's shapes."""
+    refused them and export failed with JAX's raw ValueError; then it exported no vectors. They
+    are drawn at the example's shapes instead, which the constraints admit, and load runs them.
+    Still compared with the model at the example's shapes."""
+    import hashlib
+    import json
+
     import jax.numpy as jnp
+    import safetensors.numpy
 
     opts = {"shapes": ("b, t",), "constraints": ("t >= 4",)}
     h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
-    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 5)), **opts)
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((3, 5)), **opts)
+    vectors = safetensors.numpy.load_file(art.path / "selftest.safetensors")
+    assert vectors["args[0]"].shape == vectors["out[0]"].shape == (3, 5)
     x = rand(3, 6)
     np.testing.assert_array_equal(sm.load(art.path)(x), h(x))
+    wrong = safetensors.numpy.save({**vectors, "out[0]": vectors["out[0]"] + 1})
+    (art.path / "selftest.safetensors").write_bytes(wrong)  # listed as it is: load runs it
+    manifest = json.loads((art.path / "manifest.json").read_text())
+    manifest["files"]["selftest.safetensors"] = {"sha256": hashlib.sha256(wrong).hexdigest(),
+                                                 "bytes": len(wrong)}  # fmt: skip
+    (art.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(sm.ArtifactError, match=r"no longer reproduces its self-test: out\[0\]"):
+        sm.load(art.path)
     branch = sm.hybridize(lambda p, x: x * p if x.shape[1] == 5 else x * 0, jnp.float32(2))
     with pytest.raises(sm.SignatureError, match="does not give the model's results"):
         sm.export(branch, tmp_path / "b", example=jnp.ones((2, 5)), **opts)

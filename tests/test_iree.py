@@ -96,6 +96,25 @@ def listing(directory):
     return {p.name: p.read_bytes() for p in directory.iterdir()}
 
 
+@pytest.mark.parametrize(
+    ("constraint", "example"), [("t >= 4", (3, 5)), ("t == 2*b", (2, 4))], ids=["ge", "eq"]
+)
+def test_a_constrained_artifact_loads_in_iree_at_its_self_tests_shapes(
+    tmp_path, compiles, constraint, example
+):
+    """IREE compiled its first module at every symbolic dim 2, which `t >= 4` refuses: load
+    failed ("the shapes of the module cannot be resolved"). It compiles the self-test's
+    shapes, the example's where the constraints refuse 2, and runs the self-test there."""
+    h = sm.hybridize(lambda p, x: x * p + x.mean(axis=1, keepdims=True), jnp.float32(2))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones(example), shapes=("b, t",),
+                    constraints=(constraint,))  # fmt: skip
+    m = sm.load(art.path, runtime="iree")
+    assert len(compiles) == 1  # the self-test's module, at the example's shapes
+    x = np.asarray(jax.random.normal(jax.random.key(0), example), np.float32)
+    np.testing.assert_allclose(m(x), np.asarray(h(x)), **TOL)
+    assert len(compiles) == 1
+
+
 def test_iree_matches_jax_with_a_static_module_per_input_shape_cached_per_user(
     chapter, compiles, executed, user_cache
 ):

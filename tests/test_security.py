@@ -775,6 +775,40 @@ def test_self_test_vectors_that_do_not_fit_are_artifact_errors(base, tmp_path, v
     sm.load(art, self_test=False)  # the program itself is fine
 
 
+def test_self_test_vectors_at_any_shape_the_signature_admits_are_checked_and_bounded(
+    symbolic, tmp_path
+):
+    """Vectors were taken only with every symbolic dim 2, so a constrained export (t >= 4)
+    carried none; now any shape the signature admits is run at load, like a call: a shape it
+    refuses is the artifact's fault, and a module that grows past batch 2 is refused unrun."""
+    src, _ = symbolic
+
+    def with_vectors(source, name, vectors):
+        blob = safetensors.numpy.save(vectors)
+        return forge.resign(source, tmp_path / name, files={"selftest.safetensors": blob})
+
+    x5 = np.linspace(-1, 1, 15, dtype=np.float32).reshape(5, 3)
+    good = {"args[0]": x5, "out[0]": np.asarray(sm.load(src)(x5))}
+    sm.load(with_vectors(src, "b5", good))  # b = 5 reproduces
+    with pytest.raises(sm.ArtifactError, match=r"no longer reproduces its self-test: out\[0\]"):
+        sm.load(with_vectors(src, "off", {**good, "out[0]": good["out[0]"] + 1}))
+    empty = {"args[0]": np.ones((0, 3), np.float32), "out[0]": np.ones((0, 2), np.float32)}
+    with pytest.raises(sm.ArtifactError, match=r"float32\[0, 3\], but the signature's input 0 "
+                       r"is float32\[b, 3\]; the artifact is corrupted"):  # fmt: skip
+        sm.load(with_vectors(src, "empty", empty))
+    grows = forge.forge(src, tmp_path / "grows", forge.huge_past_batch_2)
+    x3 = {"args[0]": np.ones((3, 3), np.float32), "out[0]": np.ones((3, 2), np.float32)}
+    with pytest.raises(sm.ArtifactError, match=r"vectors do not run: .*asks for about"):
+        sm.load(with_vectors(grows, "grows3", x3))  # 10**10 elements at a batch of 3
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    opts = {"shapes": ("b, t",), "constraints": ("t >= 4",)}
+    art = sm.export(h, tmp_path / "t4", example=jnp.ones((3, 5)), **opts)
+    t2 = {"args[0]": np.ones((3, 2), np.float32), "out[0]": np.full((3, 2), 2, np.float32)}
+    with pytest.raises(sm.ArtifactError, match=r"its input vectors, float32\[3, 2\], are no call "
+                       r"its signature .* t >= 4 admits"):  # fmt: skip
+        sm.load(with_vectors(art.path, "t2", t2))
+
+
 @pytest.mark.parametrize(
     "x, message",
     [
