@@ -568,3 +568,55 @@ def test_a_mode_set_as_an_attribute_is_named_with_its_rng_stream(digits):
     x, y = digits.x_train[:8], digits.y_train[:8]
     _, _, metrics = step(params, sgd.init(params.params), x, y, np.ones(8, np.float32))
     assert np.isfinite(metrics["loss"])
+
+
+def _small_data(cls=sm.training.Dataset):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((48, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    return cls(x[:32], y[:32], x[32:], y[32:], 2, "small")
+
+
+def test_train_checks_its_data_and_works_out_the_models_spec_once():
+    """train() ran the data check twice (a copy of the data each time) and worked the model's
+    spec out three times, an abstract init each: in train, in init_params and in the step's
+    trace. Now one check, one spec, and the init that makes the params."""
+    made, inits = [], []
+
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class Counted(sm.training.Dataset):
+        def __post_init__(self):
+            made.append(self.name)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            if self.is_initializing():
+                inits.append(type(x).__name__)
+            return nn.Dense(2)(x)
+
+    data = _small_data(Counted)
+    result = sm.training.train(Net(), data, epochs=2, batch_size=16)
+    assert result.step == 4 and result.trace_count == 1
+    assert len(made) == 2  # the data given, and the one checked copy of it
+    assert len(inits) == 2, inits  # the spec's abstract init, and the params' init
+
+
+@pytest.mark.parametrize(
+    "flags", [{"train_flags": {"mode": True}}, {"eval_flags": {"mode": False}}]
+)
+def test_a_required_flag_set_for_one_call_only_is_named_not_a_type_error(flags):
+    """__call__(self, x, mode) with mode given for the training call only (or the inference
+    call only): a TypeError from inside Flax escaped train(), a bug's traceback on the CLI.
+    Now a ConfigError that names the flag and both calls."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, mode):
+            return nn.Dense(2)(nn.Dropout(0.1, deterministic=not mode)(x))
+
+    says = r"requires 'mode' \(no default\).*train_flags=\{'mode': True\}, eval_flags=\{'mode'"
+    with pytest.raises(sm.ConfigError, match=says):
+        sm.training.train(Net(), _small_data(), epochs=1, batch_size=16, **flags)
+    both = {"train_flags": {"mode": True}, "eval_flags": {"mode": False}}
+    assert sm.training.train(Net(), _small_data(), epochs=1, batch_size=16, **both).step == 2

@@ -209,3 +209,25 @@ def test_an_nnx_step_shards_over_8_devices_as_it_runs_on_one(case):
     assert loss_eight == pytest.approx(loss_one, rel=1e-5)
     for a, b in zip(one, eight, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+class _TrainsByDefault(nnx.Module):
+    """Its __call__ trains unless told otherwise: train=True is its default."""
+
+    def __init__(self, rngs):
+        self.lin, self.out = nnx.Linear(5, 8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+
+    def __call__(self, x, train: bool = True):
+        return self.out(self.norm(self.lin(x), use_running_average=not train))
+
+
+def test_an_nnx_module_whose_call_trains_by_default_trains(data):
+    """train() found its flag (train=True for steps, train=False for inference) and checked it,
+    then worked the spec out again without the inference flags and refused the module, telling
+    the user to pass the eval_flags={'train': False} that changed nothing."""
+    module = _TrainsByDefault(nnx.Rngs(0))
+    result = sm.training.train(module, data, learning_rate=1e-2, epochs=3, batch_size=16)
+    assert result.eval_flags == {"train": False} and result.test_accuracy > 0.5
+    stats = nnx.state(result.model, nnx.BatchStat)
+    assert not np.allclose(jax.tree.leaves(stats)[0], 0.0)  # its steps moved the mean

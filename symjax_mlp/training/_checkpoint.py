@@ -237,7 +237,7 @@ def save_checkpoint(
         ) from None
     final = directory / f"step_{state.step:08d}"
     newest = latest_checkpoint(directory)
-    if newest is not None and int(newest.name[5:]) > state.step:
+    if newest is not None and _named_step(newest) > state.step:
         raise CheckpointError(
             f"{directory} already holds {newest.name}, newer than step {state.step}: a resume "
             "picks the newest, so this one would be pruned or passed over. Save to another "
@@ -304,6 +304,12 @@ def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for m, p in found if m)
 
 
+def _named_step(path: Path) -> int | None:
+    """The step a ``step_<n>`` directory's name says, else ``None``."""
+    found = _STEP_DIR.match(path.name)
+    return None if found is None else int(found.group(1))
+
+
 def is_checkpoint(path: Path, orbax: bool = False) -> bool:
     """A directory, not a symlink (Orbax's: with the marker of a committed save)."""
     return path.is_dir() and not path.is_symlink() and (not orbax or (path / _COMMITTED).exists())
@@ -364,11 +370,12 @@ def restore_checkpoint(
     check_state(like, "restore_checkpoint(like=...)")
     path = Path(path)
     file = path / _MANIFEST
-    if not _STEP_DIR.match(path.name) and not file.exists() and not file.is_symlink():
+    step = _named_step(path)
+    if step is None and not file.exists() and not file.is_symlink():
         path = latest_checkpoint(path)  # a checkpoint directory: its newest
         if path is None:
             raise CheckpointError(f"no checkpoint in {file.parent}: expected step_* directories.")
-        file = path / _MANIFEST
+        file, step = path / _MANIFEST, _named_step(path)
     try:
         manifest = json.loads(read_regular(file, limit=_MAX_MANIFEST_BYTES, error=CheckpointError))
     except FileNotFoundError:
@@ -377,7 +384,6 @@ def restore_checkpoint(
         raise broken(file, f"not valid JSON ({e})") from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
     digest = files.get(_STATE_FILE) if isinstance(files, dict) else None
-    step = int(path.name[5:]) if _STEP_DIR.match(path.name) else None
     sha_ok = isinstance(digest, str) and _SHA256.fullmatch(digest) is not None
     check_manifest(file, manifest, _HEADER, step, files=sha_ok)
     try:  # the artifact reader's own checks: no link or FIFO, strict, hashed as it is read

@@ -121,8 +121,9 @@ _ID_LABELS = (
 )
 
 
-def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
-    """``data`` as float32 features and int32 labels (in ``0 .. num_outputs - 1``), checked."""
+def check_dataset(data: Dataset) -> Dataset:
+    """``data`` as float32 features and int32 labels, checked (once: the labels against the
+    model's outputs, once it is known, by :func:`check_outputs`)."""
     if not isinstance(data, Dataset):
         raise ConfigError(
             f"train() expects a symjax_mlp.Dataset; got {type(data).__name__}. Wrap arrays as "
@@ -184,8 +185,6 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
             f"{data.name}.num_classes is {classes!r}; expected an int >= 1, the number of "
             "classes the labels index (or None: the largest label + 1)."
         )
-    if num_outputs is not None:
-        limits.append((num_outputs, f"the model has {num_outputs} outputs"))
     if classes is not None:
         limits.append((classes, f"{data.name}.num_classes is {classes}"))
     limits.append((2**31 - 1, "labels are int32 class indices"))  # checked before the cast
@@ -205,17 +204,29 @@ def check_dataset(data: Dataset, *, num_outputs: int | None = None) -> Dataset:
                 bad = int(np.flatnonzero(y != np.round(y))[0])
                 raise DataError(f"{where}[{bad}] is {y[bad]!r}; expected integer class labels.")
         for limit, what in limits:
-            out = np.flatnonzero((y < 0) | (y >= limit))
-            if out.size:
-                raise DataError(
-                    f"labels out of range: {where} holds values from {y.min():g} to "
-                    f"{y.max():g} ({out.size} out of range, first {name}[{out[0]}] = "
-                    f"{y[out[0]]:g}), but {what}, so labels must be integers in 0..{limit - 1}. "
-                    "Remap the labels to 0..K-1 or give the model K outputs."
-                )
+            _in_range(where, name, y, limit, what)
         ys[name] = y.astype(np.int32)
     name = data.name if isinstance(data.name, str | int | None) else str(data.name)  # JSON
     return dataclasses.replace(data, **xs, **ys, **stats, name=name)
+
+
+def check_outputs(data: Dataset, num_outputs: int) -> None:
+    """Refuses labels of ``data`` (checked by :func:`check_dataset`) past the model's outputs."""
+    for name in ("y_train", "y_test"):
+        what = f"the model has {num_outputs} outputs"
+        _in_range(f"{data.name}.{name}", name, getattr(data, name), num_outputs, what)
+
+
+def _in_range(where: str, name: str, y: np.ndarray, limit: int, what: str) -> None:
+    """Refuses labels ``y`` outside ``0 .. limit - 1`` (``what`` says why that is the limit)."""
+    out = np.flatnonzero((y < 0) | (y >= limit))
+    if out.size:
+        raise DataError(
+            f"labels out of range: {where} holds values from {y.min():g} to "
+            f"{y.max():g} ({out.size} out of range, first {name}[{out[0]}] = "
+            f"{y[out[0]]:g}), but {what}, so labels must be integers in 0..{limit - 1}. "
+            "Remap the labels to 0..K-1 or give the model K outputs."
+        )
 
 
 def default_classes(data: Dataset) -> int:

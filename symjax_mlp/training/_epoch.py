@@ -19,7 +19,7 @@ from symjax_mlp._errors import DivergenceError, RetraceError
 from symjax_mlp.training._checkpoint import TrainState
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._result import EpochRecord
-from symjax_mlp.training._step import ShardedStep, apply_model, train_step
+from symjax_mlp.training._step import ShardedStep, apply_model, step_of
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -45,7 +45,7 @@ class Programs:
     ) -> Programs:  # fmt: skip
         """Jitted (state donated) when ``compiled``, else eager; sharded over every process's
         devices with ``watch``."""
-        step = train_step(model, optimizer, train_flags=spec.train_flags, blocks=blocks)
+        step = step_of(model, optimizer, train_flags=spec.train_flags, blocks=blocks, known=spec)
         traces: list[tuple[Any, ...]] = []
 
         def counted(params, opt_state, x, y, w, **kw):

@@ -30,7 +30,13 @@ from symjax_mlp.training._checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
-from symjax_mlp.training._data import Dataset, check_dataset, default_classes, load_digits
+from symjax_mlp.training._data import (
+    Dataset,
+    check_dataset,
+    check_outputs,
+    default_classes,
+    load_digits,
+)
 from symjax_mlp.training._epoch import Programs
 from symjax_mlp.training._nnx import NnxSpec, spec_of
 from symjax_mlp.training._orbax import OrbaxCheckpoints, orbax_steps
@@ -38,8 +44,8 @@ from symjax_mlp.training._paths import check_directory
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._result import EpochRecord, TrainResult
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
-from symjax_mlp.training._spec import TRAIN_FORM, inference_shape, traced
-from symjax_mlp.training._step import ModelVars, check_trainable, init_params, strong
+from symjax_mlp.training._spec import TRAIN_FORM, traced
+from symjax_mlp.training._step import ModelVars, check_trainable, init_of, strong
 
 _NOT_FLAX = (
     "train() trains a flax.linen or nnx module; got a {kind}. For another model, write the "
@@ -162,7 +168,7 @@ def train(
     start = time.perf_counter()
     data = check_dataset(load_digits() if data is None else data)
     model, spec, num_outputs = _classifier(model, data, train_flags, eval_flags)
-    data = check_dataset(data, num_outputs=num_outputs)
+    check_outputs(data, num_outputs)
     if batch_size > len(data.x_train):  # each epoch is padded to whole batches of it
         raise ConfigError(
             f"batch_size={batch_size} is more than the {len(data.x_train)} training examples: "
@@ -193,7 +199,11 @@ def train(
     def update(s: TrainState) -> list[Any]:  # the optimizer's next update, measured
         return optimizer_probe(optimizer, *programs.local((s.params, s.opt_state)))
 
-    save = store.save if store else lambda s, meta: save_checkpoint(checkpoint, s, metadata=meta)
+    save = (
+        store.save
+        if store is not None
+        else lambda s, meta: save_checkpoint(checkpoint, s, metadata=meta)
+    )
 
     try:
         state, history, resumed_from = resume_run(
@@ -332,8 +342,7 @@ def _classifier(
     caller = f"symjax_mlp.training.train({type(model).__name__})"
     with traced(caller):
         spec = spec_of(model, example, train_flags, eval_flags, caller=caller, form=TRAIN_FORM)
-    nnx_module = isinstance(spec, NnxSpec)
-    out = spec.out if nnx_module else inference_shape(model, example, spec, caller=caller)
+    out = spec.out  # an inference call's, as its spec found it
     shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
     if shape is None or len(shape) != 2 or not jnp.issubdtype(dtype, jnp.floating):
         got = f"a {type(out).__name__}" if shape is None else f"shape {shape}, dtype {dtype}"
@@ -352,7 +361,7 @@ def _initial_state(
     """Params from ``seed`` and the optimizer's state, its leaves that alias others copied
     (both trees are donated)."""
     rng, init_key = jax.random.split(jax.random.key(seed))
-    params = init_params(model, init_key, example, train_flags=spec.train_flags)
+    params = init_of(model, spec, init_key, example)
     trainable = params.params if isinstance(params, ModelVars) else params
     check_trainable(trainable, f"symjax_mlp.training.train({type(model).__name__})")
     try:

@@ -91,7 +91,10 @@ def resume_run(
     continues the run of ``config``; ``update``: a state's :func:`optimizer_probe`."""
     if checkpoint is not None:
         check_strays(checkpoint, "symjax_mlp.training.train", orbax=store is not None)
-    found = store.latest() if store else checkpoint and latest_checkpoint(checkpoint)
+    if store is not None:
+        found = store.latest()
+    else:
+        found = None if checkpoint is None else latest_checkpoint(checkpoint)
     if not found:
         return state, [], None
     if not resume:

@@ -34,6 +34,8 @@ class ModelSpec:
     mutable: tuple[str, ...]
     rng: bool
     init_flags: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: an inference call's output (shape and dtype), found for train() (``TRAIN_FORM``) only
+    out: Any = None
 
 
 _CONTROL_FLOW = (
@@ -158,15 +160,15 @@ def _fix(model: nn.Module, form: str = TRAIN_FORM) -> str:
     return _GIVE_A_FLAG
 
 
-def _training_part(model: nn.Module, variables: Any, example: Any, flags: dict) -> str | None:
-    """What a call with ``flags`` does that an inference call must not, or ``None``."""
+def _training_part(model: nn.Module, variables: Any, example: Any, flags: dict) -> tuple:
+    """What a call with ``flags`` does that an inference call must not (``None``: nothing), and
+    its output's shape (``None`` unless it does nothing of that)."""
     try:
-        jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)
+        return None, jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)
     except flax.errors.InvalidRngError as e:
-        return f"draws from the rng stream {_quoted(_STREAM, e)!r}"
+        return f"draws from the rng stream {_quoted(_STREAM, e)!r}", None
     except flax.errors.ModifyScopeVariableError as e:
-        return f"updates the collection {_quoted(_COLLECTION, e)!r}"
-    return None
+        return f"updates the collection {_quoted(_COLLECTION, e)!r}", None
 
 
 def find_flags(
@@ -192,21 +194,25 @@ def model_spec(
     form: str,
 ) -> ModelSpec:
     """The :class:`ModelSpec` of a linen model; with no flags found or given, refuses one that
-    would silently train in inference mode."""
+    would silently train in inference mode. For train() (``TRAIN_FORM``) each call must set
+    the flags ``__call__`` requires, and its inference call must be one (:attr:`ModelSpec.out`)."""
     name = type(model).__name__
     train, evals = find_flags(model, train_flags, eval_flags, caller, form)
-    # init is called with the flags __call__ requires, as an inference (else training) call does
+    # init is called with the flags __call__ requires: train()'s as its steps set them, the
+    # pieces' as an inference (else a training) call does
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     params = list(_parameters(model).values())[1:]  # the input first
     required = [p.name for p in params if p.default is p.empty and p.kind in kinds]
     flags = {**train, **evals}
-    if missing := [n for n in required if n not in flags]:
+    both = form == TRAIN_FORM  # train() makes training and inference calls; the pieces, one
+    calls = (train, evals) if both else (flags,)
+    if missing := [n for n in required if any(n not in call for call in calls)]:
         fix = form.format(on=dict.fromkeys(missing, True), off=dict.fromkeys(missing, False))
         names, them = ", ".join(map(repr, missing)), "it" if len(missing) == 1 else "them"
         raise ConfigError(
             _REQUIRED.format(caller=caller, model=name, names=names, them=them, fix=fix)
         )
-    init = {n: flags[n] for n in required}
+    init = {n: calls[0][n] for n in required}  # train(): as its steps call
     example, variables = _abstract(model, example, init)
     mutable = tuple(c for c in variables if c != "params")
     if train_flags is None and not train:
@@ -227,20 +233,24 @@ def model_spec(
                 _OTHER_STREAM.format(caller=caller, model=name, stream=stream)
             ) from None
         rng = True
-    return ModelSpec(train, evals, mutable, rng, init)
+    spec = ModelSpec(train, evals, mutable, rng, init)
+    if both:
+        out = inference_shape(model, example, variables, spec, caller=caller)
+        return dataclasses.replace(spec, out=out)
+    return spec
 
 
 def _refuse_inference_mode(
     model: nn.Module, variables: Any, example: Any, mutable: tuple[str, ...], caller: str, form: str
 ) -> None:
     """Raises if training with the model's defaults would silently be inference."""
-    if _training_part(model, variables, example, {}) is not None:
+    if _training_part(model, variables, example, {})[0] is not None:
         return  # its defaults train (a mode set as an attribute): an inference call will tell
     flipped = None
     if (found := _bool_keyword(model)) is not None:
         flag, default = found
         with contextlib.suppress(Exception):  # not a mode switch: it cannot run flipped
-            flipped = _training_part(model, variables, example, {flag: not default})
+            flipped = _training_part(model, variables, example, {flag: not default})[0]
     if flipped is not None:
         fix = f"A call with {flag}={not default} {flipped}. {_fix(model, form)}"
     elif mutable:
@@ -254,13 +264,14 @@ def _refuse_inference_mode(
     raise ConfigError(_NO_FLAG.format(caller=caller, model=name, state=state, lost=lost, fix=fix))
 
 
-def inference_shape(model: nn.Module, example: Any, spec: ModelSpec, *, caller: str) -> Any:
+def inference_shape(
+    model: nn.Module, example: Any, variables: Any, spec: ModelSpec, *, caller: str
+) -> Any:
     """The shape of an inference call's output; ConfigError if the call is not inference."""
     flags = spec.eval_flags
-    example, variables = _abstract(model, example, spec.init_flags)
-    does = _training_part(model, variables, example, flags)
+    does, out = _training_part(model, variables, example, flags)
     if does is None:
-        return jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)
+        return out
     fix = _fix(model)
     if _bool_keyword(model) is not None:
         fix = f"Pass eval_flags that turn training off. {fix}"

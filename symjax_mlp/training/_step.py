@@ -65,6 +65,11 @@ def init_params(
     """
     caller = f"symjax_mlp.training.init_params({type(model).__name__}, ...)"
     spec = spec_of(model, example, train_flags, caller=caller, form=STEP_FORM)
+    return init_of(model, spec, key, example)
+
+
+def init_of(model: Any, spec: ModelSpec | NnxSpec, key: jax.Array, example: jax.Array) -> Any:
+    """:func:`init_params` of a model whose spec is known (train()'s)."""
     if isinstance(spec, NnxSpec):  # built initialised: its values, in buffers of its own
         values = (spec.params, spec.raw(spec.state, jax.random.fold_in(key, 1)))
         params, state = strong(jax.tree.map(lambda a: jnp.array(a, copy=True), values))
@@ -173,6 +178,14 @@ def train_step(
       >>> sorted(metrics)
       ['correct', 'loss']
     """
+    return step_of(model, optimizer, train_flags=train_flags, blocks=blocks)
+
+
+def step_of(
+    model: Any, optimizer: optax.GradientTransformation, *, train_flags: Any = None,
+    blocks: int = 1, known: ModelSpec | NnxSpec | None = None,
+) -> Step:  # fmt: skip
+    """:func:`train_step`; given train()'s spec (``known``), it is not worked out again."""
     caller = f"symjax_mlp.training.train_step({type(model).__name__}, ...)"
     if not is_count(blocks, 1):
         raise ConfigError(f"{caller}: blocks must be an int >= 1; got {blocks!r}.")
@@ -187,7 +200,7 @@ def train_step(
             got = f"x {jnp.shape(x)}, y {y_dtype}{list(jnp.shape(y))}, w {list(jnp.shape(w))}"
             raise SignatureError(_LABELS.format(caller=caller, got=got, n=rows[0] if rows else 1))
         row = (tuple(x.shape[1:]), x.dtype)
-        if (spec := specs.get(row)) is None:
+        if (spec := specs.get(row, known)) is None:
             spec = specs[row] = spec_of(model, x[:1], train_flags, caller=caller, form=STEP_FORM)
         stateful = isinstance(params, ModelVars)
         trainable = params.params if stateful else params
