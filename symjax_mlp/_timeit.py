@@ -37,6 +37,11 @@ _BATCH_OF_ARGS = (
 )
 
 
+_JAX_FLOOR = "the same function, jax.jit(f).lower(...).compile(), called bare"
+_STATE_FLOOR = _JAX_FLOOR + ", its state in and the new state out as the model's call"
+_IREE_FLOOR = "the same IREE module, its runtime's call without LoadedModel's checks"
+
+
 @dataclasses.dataclass(frozen=True)
 class CallTiming:
     """Seconds per call of a model and of its AOT-compiled floor, one figure per repeat (read
@@ -49,6 +54,8 @@ class CallTiming:
         (:func:`symjax_mlp.serving.latency_mode`): it decides what a synced call costs.
       synced, pipelined: the model, every call waited for, or one wait per repeat.
       compiled_synced, compiled_pipelined: the same for the floor.
+      floor: what the floor is, in words: the same program on the same runtime, called bare
+        (a stateful model's floor takes its state and returns the new one, as its call does).
 
     Example:
       >>> t = CallTiming("h", 10, "async", (2e-6,), (1e-6,), (1e-6,), (1e-6,))
@@ -63,6 +70,7 @@ class CallTiming:
     pipelined: tuple[float, ...]
     compiled_synced: tuple[float, ...]
     compiled_pipelined: tuple[float, ...]
+    floor: str = _JAX_FLOOR
 
     def _row(self, method: str, row: str, rows: tuple[str, ...] = _ROWS) -> tuple[float, ...]:
         if row not in rows:
@@ -93,6 +101,7 @@ class CallTiming:
             "calls": self.calls,
             "repeats": len(self.synced),
             "dispatch": self.dispatch,
+            "floor": self.floor,
             **rows,
             "over_compiled": {m: self.over_compiled(m) for m in ("synced", "pipelined")},
         }
@@ -110,7 +119,7 @@ class CallTiming:
                     f"{label:<22}{_seconds(self.min(row)):>10}{_seconds(self.median(row)):>10}"
                     f"{ratio}"
                 )
-        lines.append("(compiled: the same function, jax.jit(f).lower(...).compile(), called bare)")
+        lines.append(f"(compiled: {self.floor})")
         return "\n".join(lines)
 
 
@@ -121,6 +130,8 @@ def _seconds(s: float) -> str:
 
 
 def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
+    """``jax.jit`` of ``h``'s pure function, AOT-compiled; a stateful Hybrid's takes its state
+    and returns the new one, as its call does (else XLA would drop the state's update)."""
     if h.mesh is not None:
         raise ConfigError(
             f"timeit({h.name}): the Hybrid runs sharded over a mesh; time it unsharded "
@@ -130,23 +141,26 @@ def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[],
     traced = [i for i, leaf in enumerate(given) if isinstance(leaf, _ARRAYS)]
     arrays = [given[i] for i in traced]
 
-    def call(variables: Any, arrays: list[Any]) -> Any:  # Python settings (a depth) closed over
+    def call(params: Any, state: Any, arrays: list[Any]) -> Any:  # Python settings closed over
         leaves = list(given)
         for i, a in zip(traced, arrays, strict=True):
             leaves[i] = a
-        return h.fn(variables, *jax.tree.unflatten(tree, leaves), **kwargs)
+        inputs = jax.tree.unflatten(tree, leaves)
+        if not h.stateful:
+            return h.fn(params, *inputs, **kwargs)
+        return h._model.call(params, state, inputs, kwargs)  # (out, new state): h.fn's drops it
 
-    variables = h.variables
-    if h.params_as_constants:  # the floor holds them as constants too
-        compiled = jax.jit(lambda a: call(variables, a)).lower(arrays).compile()
-        return lambda: compiled(arrays)
-    leaves, treedef = jax.tree.flatten(variables)
+    params, state = h.params, h.state if h.stateful else None
+    if h.params_as_constants:  # the floor holds them as constants too; the state is an input
+        compiled = jax.jit(lambda s, a: call(params, s, a)).lower(state, arrays).compile()
+        return lambda: compiled(state, arrays)
+    leaves, treedef = jax.tree.flatten(params)
 
-    def flat(leaves: Any, a: Any) -> Any:
-        return call(jax.tree.unflatten(treedef, leaves), a)
+    def flat(leaves: Any, s: Any, a: Any) -> Any:
+        return call(jax.tree.unflatten(treedef, leaves), s, a)
 
-    compiled = jax.jit(flat).lower(leaves, arrays).compile()
-    return lambda: compiled(leaves, arrays)
+    compiled = jax.jit(flat).lower(leaves, state, arrays).compile()
+    return lambda: compiled(leaves, state, arrays)
 
 
 def _floor_of_loaded(m: Any, exported: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
@@ -155,8 +169,12 @@ def _floor_of_loaded(m: Any, exported: Any, args: tuple[Any, ...]) -> Callable[[
             f'timeit(symjax_mlp.load("{m.path}")): the artifact runs sharded over '
             f"{m.manifest['nr_devices']} devices; time an artifact exported for one device."
         )
+    checked = list(m.signature.check(args, caller="timeit()"))
+    if m.runtime != "jax":  # its runtime's own call: a JAX program is no floor of IREE's
+        run, single = m._run, m.signature.output_kind == "array"
+        return (lambda: run(checked)[0]) if single else (lambda: tuple(run(checked)))
     weights = {name: jax.device_put(a) for name, a in m.params.items()}
-    inputs = [jax.device_put(x) for x in m.signature.check(args, caller="timeit()")]
+    inputs = [jax.device_put(x) for x in checked]
     if getattr(m, "params_as_constants", False):  # the floor holds them as constants too
         compiled = jax.jit(lambda *a: exported.call(weights, *a)).lower(*inputs).compile()
         return lambda: compiled(*inputs)
@@ -266,8 +284,11 @@ def timeit(
 ) -> CallTiming:
     """Times ``model(*args)`` against its floor: the same function, AOT-compiled, called bare.
 
-    For a :class:`~symjax_mlp.Hybrid` the floor is ``jax.jit`` of its :attr:`fn`; for a
-    :class:`~symjax_mlp.LoadedModel`, the artifact's exported program run in JAX. The inputs
+    For a :class:`~symjax_mlp.Hybrid` the floor is ``jax.jit`` of its :attr:`fn` (a stateful
+    one's takes the state and returns the new one, as its call does); for a
+    :class:`~symjax_mlp.LoadedModel`, the artifact's exported program run in JAX, or on
+    ``runtime="iree"`` its IREE module called without the model's checks
+    (:attr:`CallTiming.floor` says which). The inputs
     are placed on the device first: what is timed is the call, not the copy. A stateful
     Hybrid is timed on a copy: its own state stays as it was.
 
@@ -336,6 +357,11 @@ def timeit(
         floor_of = functools.partial(_floor_of_hybrid, model, kwargs)
         if model.stateful:  # timed on a copy: the model's own state stays as it was
             model = model.replace(state=model.state)
+    floor = _JAX_FLOOR
+    if isinstance(model, LoadedModel) and model.runtime != "jax":
+        floor = _IREE_FLOOR
+    elif isinstance(model, Hybrid) and model.stateful:
+        floor = _STATE_FLOOR
     placed = jax.tree.map(lambda a: jax.device_put(a) if isinstance(a, _ARRAYS) else a, args)
     fns = {"synced": lambda: model(*placed, **kwargs), "compiled": floor_of(placed)}
     for fn in fns.values():
@@ -347,4 +373,5 @@ def timeit(
         for key, piped in order[k:] + order[:k]:
             seconds[key, piped].append(_loop(fns[key], calls, piped))
     rows = [(key, piped) for key in fns for piped in (False, True)]  # CallTiming's order
-    return CallTiming(name, calls, dispatch_mode(), *(tuple(seconds[row]) for row in rows))
+    times = (tuple(seconds[row]) for row in rows)
+    return CallTiming(name, calls, dispatch_mode(), *times, floor=floor)

@@ -56,13 +56,14 @@ def test_a_hybrid_against_its_floor(hybrid):
 
 @pytest.fixture
 def seen(monkeypatch):
-    """The output of every function timeit times (the model's and the floor's), in order."""
+    """The output of every function timeit times (the model's and the floor's), in order, as
+    NumPy arrays (a stateful floor's: ``(out, new_state)``)."""
     import symjax_mlp._timeit as timeit_module
 
     outputs, real = [], timeit_module._loop
 
     def loop(fn, calls, pipelined):
-        outputs.append(np.asarray(fn()))
+        outputs.append(jax.tree.map(np.asarray, fn()))
         return real(fn, calls, pipelined)
 
     monkeypatch.setattr(timeit_module, "_loop", loop)
@@ -210,7 +211,8 @@ def test_a_hybrids_keyword_arguments_and_its_state(tmp_path, seen):
     h = sm.hybridize(net, net.init(jax.random.key(0), x), mutable=["batch_stats"])
     before = jax.tree.map(np.asarray, h.state)
     check_fields(sm.timeit(h, x, kwargs={"train": False}, calls=2, repeats=1, warmup=1), 2, 1)
-    for out in seen:
+    for out in seen:  # the floor's: (out, new_state)
+        out = out[0] if isinstance(out, tuple) else out
         np.testing.assert_allclose(out, np.asarray(h(x, train=False)), rtol=1e-6)
     sm.timeit(h, x, kwargs={"train": True}, calls=2, repeats=1, warmup=1)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, h.state), before)
@@ -311,3 +313,54 @@ def test_drawn_inputs_out_of_the_artifacts_bounds_blame_the_batch(tmp_path, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "Pass a batch it accepts" in err
     assert err.endswith("\nsymjax-mlp bench: on the command line, batch= is --batch\n"), err
+
+
+def test_the_floor_of_a_stateful_hybrid_updates_the_state_as_its_call_does(seen):
+    """A BatchNorm in training mode: the timed call computes the new running statistics and
+    holds them; the floor was h.fn, which returns the output alone, so XLA dropped the update
+    and the floor did less work than the call it is the floor of. Now the floor takes the state
+    and returns the new one, and the timing says so."""
+    import flax.linen as nn
+
+    class BatchNorm(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            return nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(3)(x))
+
+    x = jnp.arange(20.0).reshape(4, 5)
+    net = BatchNorm()
+    h = sm.hybridize(net, net.init(jax.random.key(0), x), mutable=["batch_stats"])
+    out, state = h.apply_with_state(h.params, h.state, x, train=True)
+    for model in (h, h.replace(params_as_constants=True)):
+        seen.clear()
+        t = sm.timeit(model, x, kwargs={"train": True}, calls=1, repeats=1, warmup=1)
+        floors = [o for o in seen if isinstance(o, tuple)]
+        assert len(seen) == 6 and len(floors) == 3  # its warm-up and its two rows
+        for got, new_state in floors:
+            np.testing.assert_allclose(got, out, rtol=1e-6)
+            jax.tree.map(np.testing.assert_allclose, new_state, jax.tree.map(np.asarray, state))
+        assert "its state in and the new state out" in t.floor and t.to_dict()["floor"] == t.floor
+        assert str(t).splitlines()[-1] == f"(compiled: {t.floor})"
+    t = sm.timeit(sm.hybridize(lambda p, x: x * p, jnp.float32(2)), x, calls=1, repeats=1)
+    assert t.floor == "the same function, jax.jit(f).lower(...).compile(), called bare"
+
+
+def test_the_floor_of_an_iree_load_is_the_iree_module_not_a_jax_program(
+    hybrid, tmp_path, monkeypatch, seen
+):
+    """sm.load(path, runtime='iree') was timed against the artifact's program compiled by JAX:
+    two runtimes, a ratio of nothing. Its floor is now the IREE module, called without the
+    LoadedModel's checks; no JAX program is compiled for it, and the timing says which."""
+    pytest.importorskip("iree.runtime")
+    h, x = hybrid
+    art = sm.export(h, tmp_path / "m", example=x).path
+    m = sm.load(art, runtime="iree")
+    lowered, real_jit = [], jax.jit
+    monkeypatch.setattr(jax, "jit", lambda *a, **kw: lowered.append(a) or real_jit(*a, **kw))
+    t = sm.timeit(m, np.asarray(x), calls=1, repeats=1, warmup=1)
+    monkeypatch.setattr(jax, "jit", real_jit)
+    assert lowered == [] and "IREE module" in t.floor and t.to_dict()["floor"] == t.floor
+    assert len(seen) == 6
+    for out in seen:  # the model's and the floor's alike
+        np.testing.assert_allclose(out, np.asarray(m(np.asarray(x))), rtol=1e-5)
+    assert "IREE" not in sm.timeit(sm.load(art), calls=1, repeats=1, warmup=1).floor
