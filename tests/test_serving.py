@@ -1127,6 +1127,53 @@ def test_http_predict_with_json_and_npy_bodies(server):
     assert got.dtype == np.float32
 
 
+def test_the_app_answers_a_lone_request_from_its_pass_and_merges_a_pass_of_many(tmp_path):
+    """In process, through the ASGI app: a lone request runs on the loop when its pass ends
+    (its answer, headers and counts as any), and requests arriving in one pass still merge."""
+    m = sm.load(sm.chapter.export_mlp(tmp_path / "mlp").path)
+
+    async def post(app, x):
+        body = json.dumps({"inputs": x.tolist()}).encode()
+        scope = {"type": "http", "method": "POST", "path": "/predict", "headers": [
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))
+        ], "query_string": b"", "root_path": ""}  # fmt: skip
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
+
+    async def clients(app):
+        lone = await post(app, rows(1))
+        many = await asyncio.gather(*[post(app, rows(1, seed=i)) for i in range(3)])
+        return [lone, *many]
+
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        gate = Gated(b._lane.call)  # records the thread and batch size of every model call
+        b._lane.call = gate
+        answers = asyncio.run(clients(sm.serving.create_app(b, close_batcher=False)))
+        stats = b.stats
+    assert gate.threads == [threading.get_ident(), b._thread.ident] and gate.sizes == [1, 4]
+    for (code, headers, body), x, n in zip(
+        answers, [rows(1)] + [rows(1, seed=i) for i in range(3)], [1, 3, 3, 3], strict=True
+    ):
+        assert code == 200 and headers[b"content-type"] == b"application/json", body
+        assert headers[b"x-batch"] == b"rows=%d; requests=%d; bucket=%d" % (n, n, 4 if n > 1 else 1)
+        assert re.fullmatch(
+            rb"queued;dur=[\d.]+, padded;dur=[\d.]+, compute;dur=[\d.]+, split;dur=[\d.]+",
+            headers[b"server-timing"],
+        )
+        np.testing.assert_allclose(
+            json.loads(body)["outputs"], np.asarray(m(x)), rtol=1e-6, atol=1e-6
+        )
+    assert (stats.requests, stats.completed, stats.batches) == (4, 4, 2)
+
+
 @pytest.mark.parametrize(
     ("body", "kind", "code", "says"),
     [
