@@ -5,10 +5,14 @@ MLP-Mixer (linen, their mode flags without defaults), the nnx MNIST tutorial's C
 ``nnx.Rngs`` passed to each call), JAX's from-scratch MNIST classifier (NumPy float64 params,
 a list of ``(W, b)`` pairs), and equinox's examples: ``eqx.nn.MLP``, the MNIST CNN,
 Dropout with a key per call, stateful BatchNorm (an ``eqx.nn.State`` the caller threads), the
-GRU of train_rnn and BERT's transformer layer (``eqx.nn.MultiheadAttention`` with a mask).
+GRU of train_rnn, BERT's transformer layer (``eqx.nn.MultiheadAttention`` with a mask) and
+the vision transformer (``eqx.nn.Sequential``, a key in every call); Flax's nnx_basics guide:
+its MLP after LoRA surgery (a ``LoraParam``), StatefulLinear's ``Count`` variable, and the
+``nnx.vmap``-made stack run by ``nnx.scan`` (a function of the module).
 For each: compiled == eager == the plain framework (outputs, and state after several calls),
 grads through ``h.apply``, ``sm.stage`` / ``h.graph``, export -> load (JAX and IREE), training
-where it is a classifier, and a Batcher on the artifact and on the Hybrid.
+where it is a classifier, a Batcher on the artifact and on the Hybrid, ``jax.vmap`` and
+``jax.grad`` over the loaded model, and ``sm.timeit`` of both.
 """
 
 import json
@@ -55,7 +59,7 @@ def exported(tmp_path_factory):
         if case.name not in done:
             h = case.hybridize("eval")
             path = tmp_path_factory.mktemp("matrix") / case.name
-            sm.export(h, path, example=case.inputs(0), kwargs=case.settings("eval"))
+            sm.export(h, path, example=case.inputs(0), kwargs=case.settings("eval"), vjp_order=1)
             done[case.name] = h, path
         return done[case.name]
 
@@ -191,7 +195,7 @@ def test_stage_splits_an_equinox_module_among_its_arguments_as_filter_make_jaxpr
     assert len(graph.jaxpr.jaxpr.invars) == len(want.jaxpr.invars) == 7  # 6 arrays and x
 
 
-# -- 4. export -> load, in JAX and under IREE ------------------------------------------------
+# -- 4. export -> load, in JAX and under IREE (exported with a VJP: 7. takes grads) -----------
 @pytest.mark.parametrize("case", MATRIX, ids=IDS)
 def test_export_loads_in_jax_and_iree_as_the_source(case, exported, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # IREE's modules: this test's own
@@ -371,3 +375,32 @@ def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case,
         body = {"inputs": {s.path: x.tolist() for s, x in zip(b.specs, requests[2], strict=True)}}
         inputs, _ = decode(b, json.dumps(body).encode(), "application/json")
         _close(b(*inputs), m(*requests[2]))
+
+
+# -- 7. vmap and grad over the loaded model, and timeit over both ----------------------------
+@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+def test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, exported):
+    h, path = exported(case)
+    m = sm.load(path, allow=set(case.allow) or None)
+    want, _, _ = plain_calls(case, "eval", 3)
+    stacked = [jnp.stack(xs) for xs in zip(*(case.inputs(i) for i in range(3)), strict=True)]
+    _close(jax.vmap(m)(*stacked), jax.tree.map(lambda *ys: jnp.stack(ys), *want))
+
+    def source(*xs):  # the Hybrid's pure call: equal to the framework's (1. above)
+        out = h.apply(h.params, *xs, **case.settings("eval"))
+        return out[0] if h.stateful else out
+
+    xs = case.inputs(0)
+    floats = tuple(i for i, x in enumerate(xs) if jnp.issubdtype(x.dtype, jnp.floating))
+    got = jax.grad(lambda *a: _loss(m(*a)), argnums=floats)(*xs)
+    _close(got, jax.grad(lambda *a: _loss(source(*a)), argnums=floats)(*xs))
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+def test_timeit_times_the_hybrid_and_the_loaded_model(case, exported):
+    h, path = exported(case)
+    m, settings = sm.load(path, allow=set(case.allow) or None), case.settings("eval")
+    xs = case.inputs(0)
+    for t in (sm.timeit(h, *xs, kwargs=settings, calls=2, repeats=1, warmup=1),
+              sm.timeit(m, *_arrays(xs), calls=2, repeats=1, warmup=1)):  # fmt: skip
+        assert t.calls == 2 and len(t.synced) == 1 and t.min() > 0
