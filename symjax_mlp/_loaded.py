@@ -25,21 +25,11 @@ from symjax_mlp._artifact.reading import thaw
 from symjax_mlp._artifact.signature import Signature, as_array, is_array
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
+from symjax_mlp._runtimes.transforms import forward_mode
 from symjax_mlp._selftest import run_failed
 from symjax_mlp._specs import array_types
 
 _ARRAYS = array_types()
-# jax.linearize's linear function cannot run ours; jax.vjp (jax.grad's) traces alike
-
-
-_FORWARD = (
-    "{caller}: jax.jvp, jax.jacfwd, jax.hessian and jax.linearize differentiate forward, and "
-    "a loaded model differentiates in reverse mode only: jax.export serializes VJP modules, and "
-    "this artifact holds {held}, so jax.grad, jax.vjp and jax.jacrev work up to that order. Use "
-    "jax.jacrev (a Hessian is jax.jacrev(jax.jacrev(f)), with vjp_order=2), or export again "
-    "from the model's source with the vjp_order you need: sm.export(h, path, example=x, "
-    "vjp_order=2)."
-)
 
 
 class _NoEntryPoint(ConfigError, KeyError):
@@ -60,10 +50,11 @@ class LoadedModel:
 
     Under the JAX runtime ``m`` is a JAX function (``jax.jit``, ``lax.map``/``scan``, a
     Hybrid); ``jax.grad`` needs ``export(..., vjp_order=1)``; forward mode (``jax.jvp``,
-    ``jacfwd``, ``linearize``) raises ``ConfigError`` (``jax.linearize(jax.jit(m), x)`` only
-    when its linear function runs, as JAX's ``TypeError``). ``jax.vmap(m)`` merges the mapped axis
-    into the batch where rows stay apart (``manifest["rows"]``, checked against the program),
-    and also then ``m`` takes one example; else it runs ``m`` once per example.
+    ``jacfwd``, ``linearize``) raises ``ConfigError`` (``jax.jvp(jax.jit(m), ...)`` raises
+    JAX's ``TypeError``, and so does the linear function of ``jax.linearize(f, x)`` where JAX
+    reuses the linearization ``jax.grad(f)`` made of a jitted ``f``). ``jax.vmap(m)`` merges
+    the mapped axis into the batch where rows stay apart (``manifest["rows"]``, checked against
+    the program), and also then ``m`` takes one example; else it runs ``m`` once per example.
     ``m["embed"]`` is another entry point, over the same weights, checked alike on first use.
 
     Attributes:
@@ -181,9 +172,7 @@ class LoadedModel:
             raise run_failed(self._caller, self._file, e, inputs) from e
 
     def _forward_mode(self) -> str:
-        n = self.manifest.get("vjp_order", 0)
-        held = f"them up to order {n}" if n else "none (it was exported with vjp_order=0)"
-        return _FORWARD.format(caller=self._caller, held=held)
+        return forward_mode(self._caller, self.manifest.get("vjp_order", 0))
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"

@@ -445,6 +445,29 @@ def test_forward_mode_names_reverse_mode_not_a_corrupted_artifact(mlp, transform
     assert isinstance(e.value, sm.SymjaxError)
 
 
+def test_linearize_of_jit_of_a_loaded_model_is_refused_as_it_traces(tmp_path):
+    """jax.jit traces the model before jax.linearize sees a tangent, so the call found none:
+    linearize returned, and its linear function raised JAX's TypeError ("can't apply
+    forward-mode autodiff (jvp) to a custom_vjp function") where it lowered. Refused as
+    linearize traces now, also where jit traced the model before."""
+    net, x = sm.mlp((7, 3)), _xs(2, 5)
+    h = sm.hybridize(net, net.init(jax.random.key(42), x))
+    m = sm.load(sm.export(h, tmp_path / "m", example=x, vjp_order=1).path)
+    forward = r"jax.linearize differentiate forward.*reverse mode only.*jax.jacrev"
+    jm = jax.jit(m)
+    with pytest.raises(sm.ConfigError, match=forward):
+        jax.linearize(jm, x)
+    chex.assert_trees_all_close(jm(x), h(x), **TOL)  # traced by jit alone
+    for f in (jm, jax.jit(m), jax.jit(lambda x: m(x) * 2)):
+        with pytest.raises(sm.ConfigError, match=forward):
+            jax.linearize(f, x)
+    c = _xs(2, 5, seed=3)  # a constant inside linearize: no tangent reaches the model
+    y, lin = jax.linearize(lambda w: w * jax.jit(m)(c).sum(), 2.0)
+    chex.assert_trees_all_close((y, lin(1.0)), (2 * h(c).sum(), h(c).sum()), **TOL)
+    want = jax.grad(lambda x: h(x).sum())(x)
+    chex.assert_trees_all_close(jax.grad(lambda x: jm(x).sum())(x), want, **TOL)
+
+
 def test_grad_at_a_constant_inside_jax_linearize_of_another_function_runs(mlp):
     # jax.grad traces the model as jax.linearize does: refused by which of them calls it
     h, m = mlp

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._artifact.format import JAXEXPORT, MLIRBC, caller, program_file, show
-from symjax_mlp._compat import skipping_lapack
+from symjax_mlp._compat import linearizing, skipping_lapack
 from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._runtimes.transforms import Program
 from symjax_mlp._specs import shape_dims
@@ -126,13 +126,19 @@ def runner(
 
     def call_checked(inputs: list[Any]) -> list[Any]:
         key = tuple([(x.shape, x.dtype) for x in inputs]) if guard else None  # not str(dtype)
+        go = run
+        if any(isinstance(x, jax.core.Tracer) for x in inputs) and next(linearizing(), False):
+            # traced inside jax.linearize (jax.linearize(jax.jit(m))): not the one jit, whose
+            # cached trace linearize would reuse, but the program's own custom_vjp, whose
+            # forward rule refuses linearize where inputs carry tangents (transforms.py)
+            go = functools.partial(program.fn, weights)
         if key is None or key in checked:
-            out = run(*inputs)
+            out = go(*inputs)
         else:  # the first call of this signature: it compiles
             with skipping_lapack(custom_calls):
                 if program.check(program.call, (weights, *inputs)) and len(checked) < 256:
                     checked.add(key)
-                out = run(*inputs)
+                out = go(*inputs)
         return [out] if single else list(out)
 
     n = manifest["nr_devices"]

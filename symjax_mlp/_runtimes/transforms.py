@@ -22,8 +22,8 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
-from symjax_mlp._compat import skipping_lapack
-from symjax_mlp._errors import ArtifactError, SymjaxError
+from symjax_mlp._compat import linearizing, skipping_lapack
+from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 
 
 def refined(
@@ -63,6 +63,24 @@ _NO_VJP = (
     "and it was exported without one (vjp_order={have}). Export it again with "
     "vjp_order={order}: sm.export(h, path, example=x, vjp_order={order})."
 )
+
+
+_FORWARD = (
+    "{caller}: jax.jvp, jax.jacfwd, jax.hessian and jax.linearize differentiate forward, and "
+    "a loaded model differentiates in reverse mode only: jax.export serializes VJP modules, and "
+    "this artifact holds {held}, so jax.grad, jax.vjp and jax.jacrev work up to that order. Use "
+    "jax.jacrev (a Hessian is jax.jacrev(jax.jacrev(f)), with vjp_order=2), or export again "
+    "from the model's source with the vjp_order you need: sm.export(h, path, example=x, "
+    "vjp_order=2)."
+)
+
+
+def forward_mode(caller: str, vjp_order: int) -> str:
+    """The message refusing forward-mode differentiation of a loaded model."""
+    held = (
+        f"them up to order {vjp_order}" if vjp_order else "none (it was exported with vjp_order=0)"
+    )
+    return _FORWARD.format(caller=caller, held=held)
 
 
 class Program:
@@ -105,6 +123,10 @@ class Program:
             return batched(*args)
 
         def forward(*args: Any) -> tuple[Any, Any]:  # call, not batched: jax.grad of jax.grad
+            # jax.linearize(jax.jit(m)): jit traced m before linearize (no input showed it);
+            # its linear function would fail in JAX's lowering, far from here
+            if next(linearizing(), False):
+                raise ConfigError(forward_mode(self.caller, self.manifest.get("vjp_order", 0)))
             return call(*args), args
 
         def backward(args: Any, cts: Any) -> Any:
