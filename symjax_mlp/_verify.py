@@ -150,8 +150,12 @@ def verify(
       >>> report.ok
       True
     """
-    if not runtimes or not set(runtimes) <= set(RUNTIMES):
-        raise ConfigError(f"verify(runtimes={tuple(runtimes)!r}): choose from {RUNTIMES}.")
+    if isinstance(runtimes, str) or not runtimes or not set(runtimes) <= set(RUNTIMES):
+        shown = runtimes if isinstance(runtimes, str) else tuple(runtimes)
+        raise ConfigError(
+            f"verify(runtimes={shown!r}): choose from {RUNTIMES}, as a tuple: runtimes=('jax',)."
+        )
+    runtimes = tuple(dict.fromkeys(runtimes))  # each loaded, checked and timed once
     if isinstance(path, LoadedModel):
         raise ConfigError(
             f"verify({path!r}): pass the artifact's directory, verify(m.path), not the loaded "
@@ -169,7 +173,7 @@ def verify(
         or any(not isinstance(b, numbers.Integral) or isinstance(b, bool) or b < 1 for b in batches)
     ):
         raise ConfigError(f"verify(batches={batches!r}): pass a tuple of batch sizes >= 1.")
-    batches = tuple(int(b) for b in batches)
+    batches = tuple(dict.fromkeys(int(b) for b in batches))  # each drawn and checked once
     for option, value in (("rtol", rtol), ("atol", atol)):
         if (
             isinstance(value, bool)

@@ -863,3 +863,20 @@ def test_a_library_keyword_is_named_as_its_option_whole_word(tmp_path, capsys, m
     assert err == [
         "symjax-mlp bench: error: timeit(model, max_batch=3): a message naming max_batch=."
     ]
+
+
+def test_verify_checks_a_runtime_or_batch_given_twice_once(tmp_path, capsys):
+    """--runtime jax --runtime jax loaded the artifact twice in the fresh process, listed each
+    check twice and reported the second, warm load as the fresh one; a batch given twice was
+    counted twice against what verify may draw. Each is checked once now."""
+    import json
+
+    import symjax_mlp as sm
+
+    art = str(sm.chapter.export_mlp(tmp_path / "m", sizes=(3,), in_features=2).path)
+    argv = ["verify", art, "--runtime", "jax", "--runtime", "jax", "--batches", "1,2,1", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(c["runtime"], c["batch"]) for c in report["checks"]] == [("jax", 1), ("jax", 2)]
+    with pytest.raises(sm.ConfigError, match=r"verify\(runtimes='jax'\): choose from .* a tuple"):
+        sm.verify(art, runtimes="jax")
