@@ -587,6 +587,80 @@ def _stack(mode: str) -> Callable[[], tuple[Any, Any]]:
     return build
 
 
+# -- flax docs_nnx/examples/minigpt.md (google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0):
+# its layers as written, less their tensor-parallel sharding (the ``kernel_metadata`` /
+# ``bias_metadata`` / ``scale_metadata`` out_shardings, ``out_sharding=`` and ``reshard``: the
+# guide's mesh is not set here); docstrings and comments shortened
+class TransformerBlock(nnx.Module):
+    """A single Transformer block: nnx.MultiHeadAttention (causal), Dropouts drawing from the
+    rngs they hold, an ``nnx.Sequential`` MLP."""
+
+    def __init__(self, embed_dim: int, num_heads: int, ff_dim: int, *, rngs: nnx.Rngs,
+                 rate: float = 0.1):  # fmt: skip
+        self.mha = nnx.MultiHeadAttention(num_heads=num_heads, in_features=embed_dim, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate=rate, rngs=rngs)
+        self.layer_norm1 = nnx.LayerNorm(epsilon=1e-6, num_features=embed_dim, rngs=rngs)
+        self.mlp = nnx.Sequential(
+            nnx.Linear(in_features=embed_dim, out_features=ff_dim, rngs=rngs),
+            nnx.relu,
+            nnx.Linear(in_features=ff_dim, out_features=embed_dim, rngs=rngs),
+            nnx.Dropout(rate=rate, rngs=rngs),
+        )
+        self.layer_norm2 = nnx.LayerNorm(epsilon=1e-6, num_features=embed_dim, rngs=rngs)
+
+    # Apply the Transformer block to the input sequence.
+    def __call__(self, inputs):
+        # Instantiate the causal attention mask.
+        attention_output = self.mha(inputs_q=inputs, is_causal=True, decode=False)
+        attention_output = self.dropout1(attention_output)
+        out1 = self.layer_norm1(inputs + attention_output)
+        ffn_output = self.mlp(out1)
+        return self.layer_norm2(out1 + ffn_output)
+
+
+class TokenAndPositionEmbedding(nnx.Module):
+    """Token embeddings (``nnx.Embed`` of int tokens) plus positional ones."""
+
+    def __init__(self, maxlen: int, vocab_size: int, embed_dim: int, *, rngs: nnx.Rngs):
+        self.token_emb = nnx.Embed(num_embeddings=vocab_size, features=embed_dim, rngs=rngs)
+        self.pos_emb = nnx.Embed(num_embeddings=maxlen, features=embed_dim, rngs=rngs)
+
+    def __call__(self, x):
+        # Generate a sequence of positions for the input tokens.
+        positions = jnp.arange(0, x.shape[1])[None, :]
+        position_embedding = self.pos_emb(positions)
+        token_embedding = self.token_emb(x)
+        return token_embedding + position_embedding
+
+
+class MiniGPT(nnx.Module):
+    """A miniGPT: embeddings, an ``nnx.Sequential`` of TransformerBlocks, logits per token."""
+
+    def __init__(self, maxlen: int, vocab_size: int, embed_dim: int, num_heads: int,
+                 feed_forward_dim: int, num_transformer_blocks: int, rngs: nnx.Rngs):  # fmt: skip
+        self.embedding_layer = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim, rngs=rngs)
+        self.transformer_blocks = nnx.Sequential(*[TransformerBlock(
+            embed_dim, num_heads, feed_forward_dim, rngs=rngs
+        ) for _ in range(num_transformer_blocks)])  # fmt: skip
+        self.output_layer = nnx.Linear(in_features=embed_dim, out_features=vocab_size, rngs=rngs)
+
+    def __call__(self, inputs):
+        x = self.embedding_layer(inputs)
+        # Apply each transformer block sequentially to the embedded input
+        x = self.transformer_blocks(x)
+        return self.output_layer(x)
+
+
+def _minigpt(mode: str) -> Callable[[], tuple[Any, None]]:
+    def build():
+        model = MiniGPT(8, 16, 8, 2, 16, 1, rngs=nnx.Rngs(0))
+        if mode == "eval":
+            model.eval()  # the Dropouts off
+        return model, None
+
+    return build
+
+
 # -- equinox's examples (an optional dependency: without it these are None and the tests skip) --
 try:
     import equinox as eqx
@@ -1087,6 +1161,8 @@ MATRIX = (
          train={"rngs": lambda: nnx.Rngs(5).split(3)}, eval={"rngs": None},
          served=_stack("eval"),
          allow=frozenset({"dynamic_slice", "dynamic_update_slice", "real_dynamic_slice"})),
+    Case("nnx_minigpt", "nnx", _minigpt("train"), lambda s: (_ints(s, (2, 8), 16),),
+         served=_minigpt("eval"), allow=frozenset({"gather", "scatter"})),
     *_EQX,
 )  # fmt: skip
 

@@ -8,7 +8,8 @@ Dropout with a key per call, stateful BatchNorm (an ``eqx.nn.State`` the caller 
 GRU of train_rnn, BERT's transformer layer (``eqx.nn.MultiheadAttention`` with a mask) and
 the vision transformer (``eqx.nn.Sequential``, a key in every call); Flax's nnx_basics guide:
 its MLP after LoRA surgery (a ``LoraParam``), StatefulLinear's ``Count`` variable, and the
-``nnx.vmap``-made stack run by ``nnx.scan`` (a function of the module).
+``nnx.vmap``-made stack run by ``nnx.scan`` (a function of the module); the nnx miniGPT
+(int tokens, ``nnx.Sequential``, causal attention, Dropouts drawing from the rngs they hold).
 For each: compiled == eager == the plain framework (outputs, and state after several calls),
 grads through ``h.apply``, ``sm.stage`` / ``h.graph``, export -> load (JAX and IREE), training
 where it is a classifier, a Batcher on the artifact and on the Hybrid, ``jax.vmap`` and
@@ -392,6 +393,8 @@ def test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, exported):
 
     xs = case.inputs(0)
     floats = tuple(i for i, x in enumerate(xs) if jnp.issubdtype(x.dtype, jnp.floating))
+    if not floats:  # int tokens (nnx_minigpt): nothing to differentiate
+        return
     got = jax.grad(lambda *a: _loss(m(*a)), argnums=floats)(*xs)
     _close(got, jax.grad(lambda *a: _loss(source(*a)), argnums=floats)(*xs))
 
