@@ -881,6 +881,26 @@ def test_checkpoint_reader_refuses_what_it_cannot_read(tmp_path):
     np.testing.assert_array_equal(state.params["w"], like.params["w"])
 
 
+@pytest.mark.parametrize("role", ["model.jaxexport", "selftest.safetensors"])
+def test_an_entry_point_whose_program_is_the_weight_file_is_refused_at_read(tmp_path, role):
+    """An entry point's program_files could name params.safetensors: its program was read as
+    the weights' tensors (load said jax.export failed with KeyError: 'params.safetensors'),
+    its self-test skipped. Refused by the manifest's schema, before any file is parsed."""
+    w = {"w": jnp.float32(1.5)}
+    points = {"scale": sm.hybridize(lambda p, x: x * p["w"], w),
+              "twice": sm.hybridize(lambda p, x: x * p["w"] * 2, w)}  # fmt: skip
+    src = sm.export(points, tmp_path / "two", example=jnp.ones((2, 3)), batch=None).path
+
+    def edit(m):
+        m["entries"]["twice"]["program_files"][role] = "params.safetensors"
+
+    art = forge.resign(src, tmp_path / "edited", manifest=edit)
+    for read in (sm.load, sm.inspect):
+        with pytest.raises(sm.ArtifactError, match=r"entries.twice.program_files is .*not "
+                           r"params.safetensors there; the artifact is corrupted"):  # fmt: skip
+            read(art)
+
+
 def test_inspect_prints_no_terminal_escapes(base, tmp_path):
     src, _ = base
     evil = "\x1b]0;pwned\x07\x1b[2J\r\u202eevil"

@@ -171,10 +171,10 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
              "a list of distinct param paths, each in params"),
             (f"entries.{name}.program_files", entry.get("program_files", M),
              lambda v: isinstance(v, dict) and set(PROGRAM_FILES) <= set(v) <= set(_ENTRY_ROLES)
-             and all(_is_str(f) and f in m["files"] for f in v.values())
+             and all(_is_str(f) and f in m["files"] and f != PARAMS for f in v.values())
              and len(set(v.values())) == len(v),
              f"an object naming the entry's own {', '.join(PROGRAM_FILES)} (and "
-             f"{SELFTEST}), each a distinct file listed in files"),
+             f"{SELFTEST}), each a distinct file listed in files, not {PARAMS}"),
         ]  # fmt: skip
     for field, value, ok, want in rules:
         if value is _MISSING or not ok(value):
