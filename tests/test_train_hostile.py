@@ -42,7 +42,10 @@ def _unusable(tmp_path):
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")  # 'which does not exist' was not true
+    # a checkpoint passed for its directory: step_* were written inside it, in silence
+    checkpoint = sm.training.save_checkpoint(tmp_path / "run", _state())
     return {
+        "a checkpoint": (checkpoint, "holds a manifest.json: it is a checkpoint"),
         "a symlink loop": (tmp_path / "loop", "loop, which loops back"),
         "a regular file": (file, "is a file, not a directory"),
         "a dangling symlink": (dangling, "which does not exist"),

@@ -26,11 +26,11 @@ from safetensors.numpy import save
 from symjax_mlp._artifact.weights import MAX_TENSORS, read_safetensors_file
 from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._files import read_regular, sha256, write_dir
-from symjax_mlp.training._paths import check_directory, check_path
+from symjax_mlp.training._paths import MANIFEST, check_directory, check_path
 from symjax_mlp.training._result import EpochRecord
 
 _STATE_FILE = "state.safetensors"
-_MANIFEST = "manifest.json"
+_MANIFEST = MANIFEST
 _MAX_MANIFEST_BYTES = 64 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more past step 99,999,999
 _ORBAX_DIR = re.compile(r"^(\d+)$")

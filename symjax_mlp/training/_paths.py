@@ -9,6 +9,8 @@ from typing import Any
 
 from symjax_mlp._errors import CheckpointError, ConfigError
 
+MANIFEST = "manifest.json"  # a step_* checkpoint's (and an exported artifact's)
+
 
 def check_path(path: Any, caller: str) -> None:
     """Refuses anything but a str or ``os.PathLike`` of a str (pathlib's TypeError, else), and
@@ -27,8 +29,9 @@ def check_path(path: Any, caller: str) -> None:
 
 
 def check_directory(directory: str | os.PathLike, caller: str) -> None:
-    """Refuses a file, a dangling symlink, a path below a file, or a directory this user cannot
-    write or list; a path that does not exist yet is fine below a directory this user can write."""
+    """Refuses a file, a dangling symlink, a path below a file, a checkpoint (not a directory
+    of them), or a directory this user cannot write or list; a path that does not exist yet is
+    fine below a directory this user can write."""
 
     def refuse(why: str) -> CheckpointError:
         return CheckpointError(
@@ -64,3 +67,8 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
         raise refuse(f"{directory} cannot be written: this user may not write to {probe}")
     if probe == path and not os.access(path, os.R_OK):  # its checkpoints could not be listed
         raise refuse(f"{directory} cannot be read: this user may not list what it holds")
+    if probe == path and os.path.lexists(path / MANIFEST):  # step_* written inside a checkpoint
+        raise refuse(
+            f"{directory} holds a {MANIFEST}: it is a checkpoint (or an exported artifact), not "
+            f"a directory of checkpoints; pass its parent, {path.parent}, or another directory"
+        )
