@@ -185,6 +185,9 @@ def test_results_are_the_requests_own_arrays(chapter):
     assert a.flags.writeable and c.flags.writeable
     assert not np.shares_memory(a, c)  # no view into the padded batch
     assert a.base is None and c.base is None
+    with sm.serving.Batcher(h, example=x, max_batch=4) as b:  # a lone call: one copy, its own
+        lone = [b(rows(1)), b(rows(3))]
+    assert all(y.flags.writeable and y.base is None for y in lone)
     with sm.serving.Batcher(gate, example=x, max_batch=4) as b:  # one row each: 3, padded to 4
         f0, futures = busy_then_queue(b, gate, rows(1), [rows(1, seed=s) for s in (2, 3, 4)])
         ones = [f.result(30) for f in futures]

@@ -187,7 +187,7 @@ def create_app(
         except RuntimeError as e:  # closed: shutting down
             return error(503, e)
         try:
-            out = await batcher._result(request)
+            out = await request
         except asyncio.CancelledError as e:
             if asyncio.current_task().cancelling():  # the server stops: not an answer
                 raise

@@ -281,21 +281,6 @@ class Batcher:
             loop.call_soon(self._end_of_pass, loop)
         return request
 
-    async def _result(self, request: AsyncRequest) -> Any:
-        """``await request``, for the server: a request alone in its pass so far, on an idle lane
-        that runs it on the loop, yields once, and its pass's end (scheduled first) has run it by
-        then: no wake-up through its future."""
-        future = request.future
-        if self._on_loop and self._lane.idle and self._passes.get(future.get_loop()) is request:
-            try:
-                await asyncio.sleep(0)
-            except asyncio.CancelledError:  # as awaiting the future: the request is dropped
-                request.cancel()
-                raise
-            if future.done():
-                return future.result()
-        return await request
-
     def _end_of_pass(self, loop: Any) -> None:
         """Runs a lone request here if the lane is idle, else wakes the batcher's thread."""
         lone, lane = self._passes.pop(loop), self._lane

@@ -212,7 +212,9 @@ class Lane:
                     f"of {bucket} rows; it must return one row per input row."
                 )
         t3 = clock()
-        if self.single and rows == len(batch):  # one row each: the common case
+        if len(batch) == 1:  # a lone request: one copy of its rows, no views
+            results = [self.split(out, 0, rows)]
+        elif self.single and rows == len(batch):  # one row each: the common batch
             results = list(out[:rows, None].copy())  # one copy; a view per row
         else:
             results, start, split = [], 0, self.split
