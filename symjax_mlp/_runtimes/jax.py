@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.core import Tracer
 
 from symjax_mlp._artifact.format import JAXEXPORT, MLIRBC, caller, program_file, show
 from symjax_mlp._compat import linearizing, skipping_lapack
@@ -127,7 +128,7 @@ def runner(
     def call_checked(inputs: list[Any]) -> list[Any]:
         key = tuple([(x.shape, x.dtype) for x in inputs]) if guard else None  # not str(dtype)
         go = run
-        if any(isinstance(x, jax.core.Tracer) for x in inputs) and next(linearizing(), False):
+        if any(isinstance(x, Tracer) for x in inputs) and next(linearizing(), False):
             # traced inside jax.linearize (jax.linearize(jax.jit(m))): not the one jit, whose
             # cached trace linearize would reuse, but the program's own custom_vjp, whose
             # forward rule refuses linearize where inputs carry tangents (transforms.py)
