@@ -145,8 +145,16 @@ def write_outputs(
 
 
 def arrays(out: Any) -> list[np.ndarray]:
-    """A model's output (an array or a tuple of them) as a list of NumPy arrays."""
-    return [np.asarray(y) for y in (out if isinstance(out, tuple) else (out,))]
+    """A model's output (an array or a tuple of them) as a list of NumPy arrays (:func:`host`)."""
+    return [host(y) for y in (out if isinstance(out, tuple) else (out,))]
+
+
+def host(a: Any) -> np.ndarray:
+    """``a`` as a NumPy array; an rng key as its key data (NumPy has no key type)."""
+    jax = sys.modules.get("jax")  # no JAX imported: no key array can exist
+    if jax is not None and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    return np.asarray(a)
 
 
 def raw_dtype_notes(arrays: Sequence[np.ndarray]) -> list[str]:

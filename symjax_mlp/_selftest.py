@@ -17,6 +17,7 @@ from symjax_mlp._artifact.format import JAXEXPORT, SELFTEST, printable, program_
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import decode_params
 from symjax_mlp._errors import ArtifactError, SignatureError, SymjaxError
+from symjax_mlp._npy import host
 
 BATCH = 2  # rows per symbolic batch dimension in the vectors
 MAX_INPUT_BYTES = 1 << 20  # inputs of vectors at the example's shapes (a constraint refuses 2)
@@ -85,7 +86,7 @@ def against_source(name: str, got: Any, want: Any, xs: Sequence[Any], symbolic: 
     """Raises a ``SignatureError`` unless ``got`` (the exported program's outputs for ``xs``,
     inputs of the example's shapes) is what ``want`` (the model's) is."""
     for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
-        if (differs := difference(np.asarray(g), np.asarray(w))) is not None:
+        if (differs := difference(host(g), host(w))) is not None:
             differs = differs.replace(" at export", " in the model")
             shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in xs)
             why = _SHAPE_BRANCH if symbolic else "Do not ship it; report it, with the model."

@@ -33,6 +33,30 @@ def test_float8_and_int4_inputs_or_outputs_export_and_load(tmp_path, dtype_in, d
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(h(x), np.float32))
 
 
+def test_a_model_that_returns_an_rng_key_exports_loads_and_runs_from_the_cli(tmp_path):
+    """The self-test compared the outputs as NumPy arrays, and NumPy has no key type: export
+    raised JAX's TypeError; `symjax-mlp run` wrote none of them (a bug's traceback). The key
+    is compared by its key data, carries no vectors (as a key input), and is written as them."""
+    import jax
+
+    from symjax_mlp.cli import main
+
+    h = sm.hybridize(lambda p, x: (x * p, jax.random.fold_in(jax.random.key(7), 3)), 2.0)
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3)))
+    assert str(art.signature.outputs[1].dtype).startswith("key")
+    assert "selftest.safetensors" not in art.manifest["files"]
+    y, key = sm.load(art.path)(jnp.ones((2, 3)))
+    np.testing.assert_array_equal(y, np.full((2, 3), 2, np.float32))
+    want = jax.random.key_data(h(jnp.ones((2, 3)))[1])
+    np.testing.assert_array_equal(jax.random.key_data(key), want)
+    np.save(tmp_path / "x.npy", np.ones((2, 3), np.float32))
+    argv = ["run", str(art.path), "--input", str(tmp_path / "x.npy")]
+    assert main([*argv, "--output", str(tmp_path / "y.npz")]) == 0
+    with np.load(tmp_path / "y.npz") as out:
+        np.testing.assert_array_equal(out["out1"], want)
+        np.testing.assert_array_equal(out["out0"], np.full((2, 3), 2, np.float32))
+
+
 def test_a_name_of_250_bytes_exports_and_writes_outputs(tmp_path):
     """A file name may have 255 bytes; the temporary sibling's suffix must not push it over."""
     h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
