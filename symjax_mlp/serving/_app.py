@@ -179,7 +179,7 @@ def create_app(
         del body
         intake.release(hold)  # decoded: the arrays are the queue's to bound (max_queue)
         try:
-            request = batcher.asubmit(*inputs)
+            request = batcher._asubmit(tuple(inputs), now=True)
         except SignatureError as e:
             return error(422, e)
         except OverloadError as e:
