@@ -67,6 +67,20 @@ def exported(tmp_path_factory):
     return export
 
 
+@pytest.fixture(scope="module")
+def loaded(exported):
+    """``loaded(case) -> (Hybrid, LoadedModel)``: the exported model, loaded once (in JAX)."""
+    done = {}
+
+    def load(case):
+        if case.name not in done:
+            h, path = exported(case)
+            done[case.name] = h, sm.load(path, allow=set(case.allow) or None)
+        return done[case.name]
+
+    return load
+
+
 # -- 1. compiled == eager == the plain framework, outputs and state after N calls ---------------
 MODES = [(c, m) for c in MATRIX for m in ("train", "eval") if m == "train" or c.eval or c.served]
 
@@ -355,9 +369,8 @@ def test_a_classifier_trains_or_is_refused_naming_a_fix_that_trains(case):
 
 # -- 6. a Batcher on the artifact and on the Hybrid ------------------------------------------
 @pytest.mark.parametrize("case", MATRIX, ids=IDS)
-def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case, exported):
-    h, path = exported(case)
-    m, settings = sm.load(path, allow=set(case.allow) or None), case.settings("eval")
+def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case, loaded):
+    (h, m), settings = loaded(case), case.settings("eval")
     xs = _arrays(case.inputs(1))
     requests = [tuple(x[i:j] for x in xs) for i, j in ((0, 1), (1, 2), (0, 2))]
     example = requests[0] if len(xs) > 1 else requests[0][0]
@@ -380,9 +393,8 @@ def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case,
 
 # -- 7. vmap and grad over the loaded model, and timeit over both ----------------------------
 @pytest.mark.parametrize("case", MATRIX, ids=IDS)
-def test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, exported):
-    h, path = exported(case)
-    m = sm.load(path, allow=set(case.allow) or None)
+def test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, loaded):
+    h, m = loaded(case)
     want, _, _ = plain_calls(case, "eval", 3)
     stacked = [jnp.stack(xs) for xs in zip(*(case.inputs(i) for i in range(3)), strict=True)]
     _close(jax.vmap(m)(*stacked), jax.tree.map(lambda *ys: jnp.stack(ys), *want))
@@ -400,9 +412,8 @@ def test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, exported):
 
 
 @pytest.mark.parametrize("case", MATRIX, ids=IDS)
-def test_timeit_times_the_hybrid_and_the_loaded_model(case, exported):
-    h, path = exported(case)
-    m, settings = sm.load(path, allow=set(case.allow) or None), case.settings("eval")
+def test_timeit_times_the_hybrid_and_the_loaded_model(case, loaded):
+    (h, m), settings = loaded(case), case.settings("eval")
     xs = case.inputs(0)
     for t in (sm.timeit(h, *xs, kwargs=settings, calls=2, repeats=1, warmup=1),
               sm.timeit(m, *_arrays(xs), calls=2, repeats=1, warmup=1)):  # fmt: skip
