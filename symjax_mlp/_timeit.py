@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from symjax_mlp._artifact.signature import sizes_at
 from symjax_mlp._errors import ConfigError, SignatureError
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
@@ -26,8 +27,8 @@ _STATIC = (
     "batch, or export with a symbolic batch: sm.export(h, path, example=x, batch='b')."
 )
 _DRAWN = (
-    'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the inputs drawn with every symbolic '
-    "dimension {batch} do not fit the artifact: {reason} Pass a batch it accepts, or the "
+    'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the inputs drawn at batch {batch} '
+    "do not fit the artifact: {reason} Pass a batch it accepts, or the "
     "inputs: timeit(model, x, ...)."
 )
 _BATCH_OF_ARGS = (
@@ -207,13 +208,16 @@ def _draw(rng: Any, shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 def _example_inputs(m: Any, exported: Any, batch: int) -> tuple[Any, ...]:
-    """Inputs drawn for the artifact's signature, every symbolic dimension ``batch``."""
+    """Inputs drawn for the artifact's signature at ``batch``, as its constraints admit."""
     rng, inputs = np.random.default_rng(0), []
     specs = m.signature.inputs
     if batch != 1 and not any(isinstance(d, str) for s in specs for d in s.shape):
         raise ConfigError(_STATIC.format(m=m, batch=batch, types=", ".join(map(str, specs))))
+    if (sizes := sizes_at(m.signature, batch)) is None:
+        reason = f"it takes {m.signature}, whose constraints refuse batch {batch}."
+        raise SignatureError(_DRAWN.format(m=m, batch=batch, reason=reason))
     for spec, aval in zip(specs, exported.in_avals[-len(specs) :], strict=True):
-        shape = tuple(batch if isinstance(d, str) else d for d in spec.shape)
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
         try:
             inputs.append(_draw(rng, shape, aval.dtype))
         except TypeError:
@@ -297,8 +301,9 @@ def timeit(
       *args: the inputs, as you would call ``model``; for a LoadedModel they may be left out,
         and are drawn for its signature (normal floats, integers 0 or 1, random bools, PRNG
         keys).
-      batch: the size of every symbolic dimension of the drawn inputs (only for those, and
-        only where the artifact has one).
+      batch: the batch size of the drawn inputs (only for those, and only where the artifact
+        has a symbolic dimension); the other symbolic dimensions are ``batch`` too, or what the
+        artifact's constraints set or bound them to (``t == 2*b``, ``t >= 4``).
       calls: calls per repeat.
       repeats: repeats of each row (5 or more give a min and a median worth reading).
       warmup: untimed calls of each row first (at least one: the first call compiles).

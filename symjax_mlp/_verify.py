@@ -26,10 +26,11 @@ import numpy as np
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._artifact.reading import inspect
+from symjax_mlp._artifact.signature import sizes_at
 from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._load import RUNTIMES, load
 from symjax_mlp._loaded import LoadedModel
-from symjax_mlp._npy import npy_array
+from symjax_mlp._npy import host, npy_array
 from symjax_mlp._signing import verify_signature as check_signature
 from symjax_mlp._specs import TensorSpec
 
@@ -61,6 +62,7 @@ class VerifyReport:
       checks: one :class:`VerifyCheck` per (runtime, batch size).
       load_seconds: per runtime, the time ``load`` took in the fresh process.
       errors: failures of a whole runtime or of the fresh process itself.
+      skipped: the batch sizes asked for that the artifact's constraints refuse, each why.
     """
 
     path: Path
@@ -70,6 +72,7 @@ class VerifyReport:
     checks: tuple[VerifyCheck, ...]
     load_seconds: Mapping[str, float]
     errors: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -89,6 +92,7 @@ class VerifyReport:
             "checks": checks,
             "load_seconds": dict(self.load_seconds),
             "errors": list(self.errors),
+            "skipped": list(self.skipped),
         }
 
     def __str__(self) -> str:
@@ -99,6 +103,7 @@ class VerifyReport:
             f"  load in a fresh process: {loads or '-'}",
         ]
         lines += [str(c) for c in self.checks]
+        lines += ["  skipped: " + printable(line) for line in self.skipped]
         for e in self.errors:  # messages quote the artifact: print no terminal escapes
             lines += ["  error: " + printable(line) for line in str(e).splitlines()[:1]]
             lines += ["    " + printable(line) for line in str(e).splitlines()[1:]]
@@ -193,10 +198,16 @@ def verify(
     sig, rng = art.signature, np.random.default_rng(seed)
     if not any(isinstance(d, str) for s in sig.inputs for d in s.shape):  # static: one size
         batches = ((sig.inputs[0].shape or (1,))[0] if sig.inputs else 1,)
+    sizes = {b: sizes_at(sig, b) for b in batches}  # each symbolic dim's, within constraints
+    skipped = tuple(_REFUSED.format(b=b, sig=sig) for b, at in sizes.items() if at is None)
+    if len(skipped) == len(batches):
+        raise ConfigError(f"verify(batches={batches!r}): " + "; ".join(skipped))
+    sizes = {b: at for b, at in sizes.items() if at is not None}
     kinds = [_input_kind(art.path, s) for s in sig.inputs]
-    _check_size(art.path, sig, kinds, batches)
+    _check_size(art.path, sig, kinds, sizes)
     inputs = {
-        b: [_random(s, k, b, rng) for s, k in zip(sig.inputs, kinds, strict=True)] for b in batches
+        b: [_random(s, k, at, rng) for s, k in zip(sig.inputs, kinds, strict=True)]
+        for b, at in sizes.items()
     }
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_verify_") as tmp:
         work = Path(tmp)
@@ -232,14 +243,20 @@ def verify(
                 errors.append(f"{rt}: {got['error']}")
                 continue
             for b, xs in inputs.items():
-                want = [np.asarray(w) for w in _as_list(reference(*xs))]
+                want = [host(w) for w in _as_list(reference(*xs))]  # a key: its data
                 outs = [_read(work, n, got["dtypes"]) for n in got["outputs"][str(b)]]
                 checks.append(_compare(rt, b, outs, want, rtol, atol))
     loads = {rt: result[rt]["load_seconds"] for rt in runtimes if "load_seconds" in result[rt]}
-    return VerifyReport(art.path, ref_name, rtol, atol, tuple(checks), loads, tuple(errors))
+    return VerifyReport(
+        art.path, ref_name, rtol, atol, tuple(checks), loads, tuple(errors), skipped
+    )
 
 
 MAX_INPUT_BYTES = 64 * 2**20  # of random inputs verify draws, over every batch size
+_REFUSED = (
+    "batch {b} is not checked: the artifact takes {sig}, whose constraints refuse inputs drawn "
+    "at batch {b}. Pass batch sizes within them (verify(batches=...))."
+)
 
 
 def _read(work: Path, name: str, dtypes: Mapping[str, str]) -> Any:
@@ -272,22 +289,24 @@ def _input_kind(path: Path, spec: TensorSpec) -> np.dtype | str:
         ) from None
 
 
-def _check_size(path: Path, sig: Any, kinds: list[Any], batches: Sequence[int]) -> None:
+def _check_size(
+    path: Path, sig: Any, kinds: list[Any], sizes: Mapping[int, Mapping[str, int]]
+) -> None:
     """Refuses random inputs past ``MAX_INPUT_BYTES``: a stranger's manifest chooses them."""
 
-    def nbytes(b: int) -> int:  # a key's data: 16 bytes
+    def nbytes(at: Mapping[str, int]) -> int:  # a key's data: 16 bytes
         return sum(
             (kind.itemsize if isinstance(kind, np.dtype) else 16)
-            * math.prod(b if isinstance(d, str) else d for d in spec.shape)
+            * math.prod(at.get(d, 1) if isinstance(d, str) else d for d in spec.shape)
             for spec, kind in zip(sig.inputs, kinds, strict=True)
         )
 
-    total = sum(nbytes(b) for b in batches)
+    total, batches = sum(nbytes(at) for at in sizes.values()), tuple(sizes)
     if total <= MAX_INPUT_BYTES:
         return
-    if nbytes(1) * len(batches) > MAX_INPUT_BYTES:
+    if nbytes({}) * len(batches) > MAX_INPUT_BYTES:
         raise ArtifactError(
-            f"{path}: its signature {sig} asks for {nbytes(1):,} bytes of inputs even at "
+            f"{path}: its signature {sig} asks for {nbytes({}):,} bytes of inputs even at "
             f"batch 1, more than verify draws ({MAX_INPUT_BYTES:,} in all). That is no MLP's "
             "row: check the manifest (symjax-mlp inspect), or call the loaded model on "
             "inputs of your own."
@@ -299,8 +318,8 @@ def _check_size(path: Path, sig: Any, kinds: list[Any], batches: Sequence[int]) 
     )
 
 
-def _random(spec: TensorSpec, kind: Any, batch: int, rng: np.random.Generator) -> Any:
-    shape = tuple(batch if isinstance(d, str) else d for d in spec.shape)
+def _random(spec: TensorSpec, kind: Any, sizes: Mapping[str, int], rng: Any) -> Any:
+    shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
     if isinstance(kind, str):  # an rng key of that impl, one per element
         key = jax.random.key(int(rng.integers(2**31)), impl=kind)
         return jax.random.split(key, shape) if shape else key
@@ -359,7 +378,7 @@ def _worker(job_file: str) -> int:
             entry = {"load_seconds": time.perf_counter() - t0, "outputs": {}, "dtypes": {}}
             for b, names in job["batches"].items():
                 outs = _as_list(model(*[_read(work, n, job["dtypes"]) for n in names]))
-                outs = [np.asarray(y) for y in outs]
+                outs = [host(y) for y in outs]  # an rng key: its key data
                 entry["outputs"][b] = _write(work, f"y_{rt}_{b}", outs, entry["dtypes"])
         except SymjaxError as e:
             entry = {"error": f"{type(e).__name__}: {e}"}

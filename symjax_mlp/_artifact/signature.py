@@ -5,11 +5,12 @@ Plain data, no JAX: checked before any array reaches a compiled program.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import operator
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -135,21 +136,90 @@ class Signature:
 _OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "<": operator.lt, ">": operator.gt}
 
 
-def _holds(constraint: str, sizes: Mapping[str, int]) -> bool:
-    """Evaluates ``"t <= 1024"`` or ``"b >= t"`` on the call's sizes (unknown names: True)."""
-    for op in _OPS:  # "<=" before "<"
-        left, sep, right = constraint.partition(op)
-        if sep:
-            break
-    else:
+def _holds(
+    constraint: str, sizes: Mapping[str, int], evaluate: Callable[..., int | None] | None = None
+) -> bool:
+    """Evaluates ``"t <= 1024"`` or ``"b >= t"`` on the call's sizes (unknown names: True);
+    with ``evaluate``, terms such as ``2*b`` too."""
+    op, left, right = _split(constraint)
+    if not op:
         return True
 
     def value(term: str) -> int | None:
-        term = term.strip()
+        if evaluate is not None:
+            return evaluate(term, sizes)
         return int(term) if re.fullmatch(r"-?[0-9]{1,30}", term) else sizes.get(term)
 
     a, b = value(left), value(right)
     return a is None or b is None or _OPS[op](a, b)
+
+
+_FLIPPED = {"<=": ">=", ">=": "<=", "==": "==", "<": ">", ">": "<"}
+
+
+def sizes_at(signature: Signature, batch: int) -> dict[str, int] | None:
+    """Sizes of the symbolic dimensions for inputs drawn at ``batch`` (verify, timeit): the
+    batch dimension (``signature.batch``, else the first symbolic one) is ``batch``; each other
+    one is ``batch`` too, moved where a constraint sets or bounds it (``t == 2*b``, ``t >= 4``).
+    ``None`` where the constraints refuse ``batch`` itself: no drawn inputs would be admitted."""
+    dims = list(dict.fromkeys(d for s in signature.inputs for d in s.shape if isinstance(d, str)))
+    names = list(dict.fromkeys(n for d in dims for n in re.findall(r"[A-Za-z_]\w*", d)))
+    lead = signature.batch if signature.batch in names else names[0] if names else None
+    sizes: dict[str, int] = dict.fromkeys(names, batch)
+    for _ in range(len(names) + 1):  # each pass may settle one more dimension
+        moved = False
+        for constraint in signature.constraints:
+            op, left, right = _split(constraint)
+            for name, other, rel in ((left, right, op), (right, left, _FLIPPED.get(op, op))):
+                bound = _evaluate(other, sizes)
+                if name == lead or name not in sizes or bound is None:
+                    continue
+                now = sizes[name]
+                want = {">=": max(now, bound), ">": max(now, bound + 1), "==": bound}.get(rel)
+                want = {"<=": min(now, bound), "<": min(now, bound - 1)}.get(rel, want)
+                if want is not None and want >= 1 and want != now:
+                    sizes[name], moved = want, True
+        if not moved:
+            break
+    for dim in dims:  # jax.export writes a dimension an equality sets as its term: "2*b"
+        if (size := _evaluate(dim, sizes)) is None or size < 1:
+            return None
+        sizes[dim] = size
+    admitted = all(_holds(c, sizes, _evaluate) for c in signature.constraints)
+    return sizes if admitted else None
+
+
+def _split(constraint: str) -> tuple[str, str, str]:
+    for op in _OPS:  # "<=" before "<"
+        left, sep, right = constraint.partition(op)
+        if sep:
+            return op, left.strip(), right.strip()
+    return "", "", ""
+
+
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _evaluate(term: str, sizes: Mapping[str, int]) -> int | None:
+    """``"2*b + 1"`` at ``sizes``; ``None`` for a term beyond integers, names, ``+ - *``."""
+
+    def value(node: ast.AST) -> int | None:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name):
+            return sizes.get(node.id)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            v = value(node.operand)
+            return None if v is None else -v
+        if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+            a, b = value(node.left), value(node.right)
+            return None if a is None or b is None else _ARITHMETIC[type(node.op)](a, b)
+        return None
+
+    try:  # a manifest's constraint is at most MAX_CONSTRAINT_CHARS: no deep tree
+        return value(ast.parse(term, mode="eval").body) if term else None
+    except (SyntaxError, ValueError, RecursionError):
+        return None
 
 
 def is_array(x: Any) -> bool:
