@@ -283,8 +283,8 @@ class Batcher:
             ) from None
         request = AsyncRequest(arrays, rows, t0, loop.create_future())
         passes, lane = self._passes, self._lane
-        at_once = now and self._lone is loop and loop not in passes and not lane.queue
-        if at_once and not lane.closing and claim(lane.idle):
+        at_once = now and self._on_loop and self._lone is loop and loop not in passes
+        if at_once and not lane.queue and not lane.closing and claim(lane.idle):
             if not lane.queue:  # else it joins the queue, behind what came meanwhile
                 passes[loop] = _AT_ONCE  # one asubmitted later in this pass makes it None
                 loop.call_soon(self._end_of_pass, loop)
