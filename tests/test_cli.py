@@ -880,3 +880,62 @@ def test_verify_checks_a_runtime_or_batch_given_twice_once(tmp_path, capsys):
     assert [(c["runtime"], c["batch"]) for c in report["checks"]] == [("jax", 1), ("jax", 2)]
     with pytest.raises(sm.ConfigError, match=r"verify\(runtimes='jax'\): choose from .* a tuple"):
         sm.verify(art, runtimes="jax")
+
+
+@pytest.mark.filterwarnings("default::FutureWarning")
+def test_the_expiry_warning_is_one_line_on_the_command_line(tmp_path, capsys):
+    """A CLI user saw the artifact-expiry FutureWarning in Python's raw format, its file:line
+    and a line of library source under it; the CLI prints it as one line of its own. The
+    library still warns as Python does, and the CLI puts showwarning back after the command."""
+    import json
+    import warnings
+
+    import numpy as np
+
+    import symjax_mlp as sm
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3,2", "--in-features", "4"]) == 0
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["compatible_until"] = "2000-01-01"
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    np.save(tmp_path / "x.npy", np.ones((2, 4), np.float32))
+    capsys.readouterr()
+    before = warnings.showwarning
+    argv = [
+        "run",
+        str(art),
+        "--input",
+        str(tmp_path / "x.npy"),
+        "--output",
+        str(tmp_path / "y.npz"),
+    ]
+    assert main(argv) == 0 and warnings.showwarning is before
+    err = capsys.readouterr().err
+    want = f'symjax-mlp run: warning: symjax_mlp.load("{art}"): the artifact leaves jax.export'
+    assert err.startswith(want) and err.count("\n") == 1, err
+    assert "FutureWarning" not in err and "warnings.warn" not in err
+    with pytest.warns(FutureWarning, match="compatibility window on 2000-01-01 .already."):
+        sm.load(art)
+
+
+def test_the_cli_reads_no_private_attribute_of_argparse():
+    """The options a message names were found through argparse's privates (parser._actions,
+    argparse._SubParsersAction), which the house keeps in _compat.py only. build_parser keeps
+    a public mapping instead: each subcommand's parser, and each parser's options."""
+    import ast
+    import pathlib
+
+    import symjax_mlp.cli as cli
+
+    found = []
+    for file in sorted(pathlib.Path(cli.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            attr = getattr(node, "attr", "")
+            if attr.startswith("_") and not attr.startswith("__") and attr != "_exit":
+                found.append(f"{file.name}:{node.lineno}: .{attr}")
+    assert not found, found
+    parser = cli.build_parser()
+    assert set(parser.commands) == set(COMMANDS)
+    flags = {f for a in parser.commands["verify"].options for f in a.option_strings}
+    assert {"--batches", "--rtol", "--key", "--json", "-h"} <= flags

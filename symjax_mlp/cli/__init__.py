@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import re
 import sys
 import traceback
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from symjax_mlp.cli import _args, _run, _serve, _train
-from symjax_mlp.cli._args import count, int_list, keywords, show, subcommand
+from symjax_mlp.cli._args import Subcommands, count, int_list, keywords, show, subcommand
 
 PROG = "symjax-mlp"
 _EXTRAS = {  # a missing module -> the optional extra that installs it
@@ -32,7 +34,17 @@ _EXTRAS = {  # a missing module -> the optional extra that installs it
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argparse parser whose usage errors are one line (and a pointer to ``--help``)."""
+    """An argparse parser whose usage errors are one line (and a pointer to ``--help``).
+
+    Attributes:
+      options: every action ``add_argument`` returned, in order (what messages may name).
+      commands: the root parser's subcommands' parsers by name (``build_parser`` fills it).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.options: list[argparse.Action] = []  # before argparse's own add_argument("-h")
+        self.commands: dict[str, _Parser] = {}
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         from symjax_mlp._artifact.format import printable  # a newline in a path: still one line
@@ -42,6 +54,7 @@ class _Parser(argparse.ArgumentParser):
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         """Every option's help ends with its default, unless it says it or has none."""
         action = super().add_argument(*args, **kwargs)
+        self.options.append(action)
         none = action.required or action.default is argparse.SUPPRESS
         if action.option_strings and not none and "default" not in (action.help or ""):
             action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
@@ -54,7 +67,7 @@ def _mlp_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation", default="relu", help="a jax.nn activation name")
 
 
-def _add_tour(sub: argparse._SubParsersAction) -> None:
+def _add_tour(sub: Subcommands) -> None:
     p = subcommand(sub, "tour", "the chapter, step by step, on real objects", _run_tour)
     p.add_argument("--calls", type=count, default=1000, help="calls in the timing")
 
@@ -65,7 +78,7 @@ def _run_tour(args: argparse.Namespace) -> None:
     tour(calls=args.calls)
 
 
-def _add_graph(sub: argparse._SubParsersAction) -> None:
+def _add_graph(sub: Subcommands) -> None:
     p = subcommand(sub, "graph", "print the MLP's symbolic program", _run_graph)
     _mlp_options(p)
     p.add_argument("--batch", type=count, default=1)
@@ -79,7 +92,7 @@ def _run_graph(args: argparse.Namespace) -> None:
     print(describe_mlp(args.sizes, **keywords(args, "in_features batch activation format")))
 
 
-def _add_export(sub: argparse._SubParsersAction) -> None:
+def _add_export(sub: Subcommands) -> None:
     p = subcommand(sub, "export", "export the chapter's MLP as a portable artifact", _run_export)
     p.add_argument("path", help="the artifact directory to write")
     _mlp_options(p)
@@ -98,7 +111,7 @@ def _run_export(args: argparse.Namespace) -> None:
     print(f"exported {art.path}: {art.signature}; platforms {', '.join(art.platforms)}")
 
 
-def _add_inspect(sub: argparse._SubParsersAction) -> None:
+def _add_inspect(sub: Subcommands) -> None:
     help = "an artifact's manifest, signature and StableHLO ops"
     p = subcommand(sub, "inspect", help, _run_inspect)
     p.add_argument("path", help="an artifact directory")
@@ -112,7 +125,7 @@ def _run_inspect(args: argparse.Namespace) -> None:
     show(art, art.to_json(), args.json)
 
 
-def _add_verify(sub: argparse._SubParsersAction) -> None:
+def _add_verify(sub: Subcommands) -> None:
     p = subcommand(sub, "verify", "reload an artifact in a fresh process and check it", _run_verify)
     p.add_argument("path", help="an artifact directory")
     p.add_argument("--runtime", action="append", choices=("jax", "iree"), help="repeatable")
@@ -133,7 +146,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
+def _add_bench(sub: Subcommands) -> None:
     help = (
         "time an artifact's calls against its AOT-compiled floor (sm.timeit): min and median "
         "per call, synced and pipelined. The project's benchmark is python scripts/bench.py"
@@ -181,8 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = (_add_tour, _add_graph, _add_export, _add_inspect, _run.add_parser, _add_verify)
     for add in (*commands, _add_bench, _train.add_parser, _serve.add_parser):  # --help's order
-        add(sub)
+        add(_Recorded(sub, parser.commands))
     return parser
+
+
+class _Recorded:
+    """``add_subparsers()``'s result, recording each subcommand's parser in ``commands``."""
+
+    def __init__(self, sub: Subcommands, commands: dict[str, Any]) -> None:
+        self.sub, self.commands = sub, commands
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        parser = self.commands[name] = self.sub.add_parser(name, **kwargs)
+        return parser
 
 
 # A library message's keyword, the subcommand's option for it (its dest), as typed, where the
@@ -212,12 +236,12 @@ def _named(text: str, word: str) -> bool:
     return re.search(rf"(?<![\w.-]){re.escape(word)}{end}", text) is not None
 
 
-def _options_said(message: str, command: argparse.ArgumentParser) -> list[str]:
+def _options_said(message: str, command: _Parser) -> list[str]:
     """``keyword is --option`` for each keyword ``message`` names that an option of
     ``command`` sets, unless the message names that option already."""
     pairs = [(k, o) for k, dest, o in _OPTIONS if _has(command, dest)]
     taken = {keyword.split("=")[0] for keyword, _, _ in _OPTIONS} | _NO_KEYWORD
-    for action in command._actions:
+    for action in command.options:
         if action.option_strings and action.dest not in taken:
             flag = action.option_strings[0]
             pairs.append(
@@ -230,8 +254,8 @@ def _options_said(message: str, command: argparse.ArgumentParser) -> list[str]:
     ]
 
 
-def _has(command: argparse.ArgumentParser, dest: str) -> bool:
-    return any(a.dest == dest and a.option_strings for a in command._actions)
+def _has(command: _Parser, dest: str) -> bool:
+    return any(a.dest == dest and a.option_strings for a in command.options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -248,14 +272,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "json", None) not in (None, "-") and args.command != "train":
             _args.writable(args.json, "--json", overwrite=True)  # refused before any work
-        return args.handler(args) or 0  # verify's 1: a check failed
+        with warnings.catch_warnings():  # restores showwarning after the command
+            warnings.showwarning = functools.partial(_warning, where, warnings.showwarning)
+            return args.handler(args) or 0  # verify's 1: a check failed
     except (SymjaxError, argparse.ArgumentTypeError) as e:
         message = str(e)
         for arg in sys.argv[1:] if argv is None else argv:  # a newline in a path: still one line
             if arg.strip():  # not a lone "\n", which would escape the message's own lines
                 message = message.replace(arg, printable(arg))
         print(f"{where}: error: {message}", file=sys.stderr)
-        said = _options_said(message, _subcommand(parser, args.command))
+        said = _options_said(message, parser.commands[args.command])
         if said:
             print(f"{where}: on the command line, {', '.join(said)}", file=sys.stderr)
         return 2
@@ -277,10 +303,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bug(where)
 
 
-def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    """The parser of the subcommand ``name``."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices[name]
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _warning(
+    where: str,
+    python: Callable[..., None],
+    message: Any,
+    category: Any,
+    filename: str,
+    *args: Any,
+    **kwargs: Any,
+) -> None:
+    """The library's warnings as one line, ``symjax-mlp verify: warning: ...`` (not Python's
+    two lines with one of library source under); others as Python shows them."""
+    from symjax_mlp._artifact.format import printable
+
+    if os.path.abspath(filename).startswith(_PACKAGE + os.sep):
+        print(f"{where}: warning: {printable(str(message))}", file=sys.stderr)
+    else:
+        python(message, category, filename, *args, **kwargs)
 
 
 def _bug(where: str) -> int:

@@ -13,11 +13,17 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+
+class Subcommands(Protocol):
+    """What ``ArgumentParser.add_subparsers()`` returns, as the subcommands use it."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
 def subcommand(
-    sub: argparse._SubParsersAction,
+    sub: Subcommands,
     name: str,
     help: str,
     handler: Callable[..., int | None],

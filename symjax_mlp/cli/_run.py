@@ -19,7 +19,7 @@ dtype of their itemsize (|V2 for bfloat16). So:
            np.load("y.npy").view(ml_dtypes.bfloat16), or pass it to run as an --input."""
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: _args.Subcommands) -> None:
     """Declares ``run`` and its options on the CLI's subcommands."""
     p = _args.subcommand(sub, "run", "run an artifact on .npy inputs and write its outputs", run)
     p.epilog = DTYPES

@@ -22,7 +22,7 @@ _ONLY = {False: ("replicas", "replica_cpus", "ray_address"), True: ("max_connect
 _DEFAULTS = {"log_level": "warning", "max_connections": 1000, "replicas": 2, "replica_cpus": 1.0}
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: _args.Subcommands) -> None:
     """Declares ``serve`` and its options on the CLI's subcommands."""
     p = _args.subcommand(
         sub,

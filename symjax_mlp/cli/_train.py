@@ -17,7 +17,7 @@ from symjax_mlp.cli import _args
 from symjax_mlp.cli._args import count, positive
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: _args.Subcommands) -> None:
     """Declares ``train`` and its options on the CLI's subcommands."""
     p = _args.subcommand(sub, "train", "train an MLP on the bundled digits data with optax", run)
     p.add_argument("--sizes", type=_args.int_list, default=(128, 64, 10), help="layer widths")
