@@ -643,3 +643,32 @@ def test_labels_of_a_narrow_float_dtype_train_like_int_labels(tiny, dtype):
     want = sm.training.train(sm.mlp((8, 10)), tiny, **run).params
     got = sm.training.train(sm.mlp((8, 10)), data, **run).params
     assert jax.tree.all(jax.tree.map(np.array_equal, got, want))
+
+
+def test_a_file_named_like_a_checkpoint_is_refused_with_what_to_pass(tmp_path):
+    """restore_checkpoint on a FILE named step_NNNNNNNN said "[Errno 20] Not a directory" and
+    no fix: it says the file is no checkpoint, what a checkpoint is, and what to pass."""
+    saved = sm.training.save_checkpoint(tmp_path / "run", _state())
+    for name in ("step_00000007", "notes.txt"):
+        (tmp_path / name).write_text("not a checkpoint")
+        with pytest.raises(sm.CheckpointError) as e:
+            sm.training.restore_checkpoint(tmp_path / name, _state())
+        message = str(e.value)
+        assert f"{tmp_path / name} is a file, not a checkpoint" in message
+        assert "a step_* directory holding manifest.json" in message and "pass that" in message
+    assert sm.training.restore_checkpoint(saved, _state())[0].step == 0
+
+
+def test_initialize_names_every_keyword_it_shows(capsys):
+    """initialize()'s message showed the call positionally, initialize('h:1', 2, 5,
+    timeout=60): the CLI's options line named --timeout alone. Every keyword is name=value."""
+    from symjax_mlp.cli import main
+
+    says = r"initialize\(coordinator='h:1', num_processes=2, process_id=5, timeout=60\): pro"
+    with pytest.raises(sm.ConfigError, match=says):
+        sm.training.initialize("h:1", 2, 5)
+    argv = ["train", "--coordinator", "h:1", "--num-processes", "2", "--process-id", "5"]
+    assert main([*argv, "--quiet"]) == 2
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert "process_id= is --process-id" in said and "num_processes= is --num-processes" in said
+    assert "coordinator= is --coordinator" in said and "timeout= is --timeout" in said

@@ -306,8 +306,7 @@ def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
 
 def _named_step(path: Path) -> int | None:
     """The step a ``step_<n>`` directory's name says, else ``None``."""
-    found = _STEP_DIR.match(path.name)
-    return None if found is None else int(found.group(1))
+    return None if (found := _STEP_DIR.match(path.name)) is None else int(found.group(1))
 
 
 def is_checkpoint(path: Path, orbax: bool = False) -> bool:
@@ -344,8 +343,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
       ConfigError: ``directory`` is not a str or ``os.PathLike``, or is ``''``.
     """
     check_path(directory, "symjax_mlp.training.latest_checkpoint")
-    found = _checkpoints(Path(directory))
-    return found[-1] if found else None
+    return next(reversed(_checkpoints(Path(directory))), None)
 
 
 def restore_checkpoint(
@@ -361,8 +359,8 @@ def restore_checkpoint(
       ``(state, metadata)``: the restored state and the manifest's ``metadata``.
 
     Raises:
-      CheckpointError: no checkpoint, a corrupted or foreign one, or one whose tensors do not
-        match ``like``.
+      CheckpointError: no checkpoint, a file, a corrupted or foreign one, or one whose tensors
+        do not match ``like``.
       ConfigError: ``path`` is not a str or ``os.PathLike``, or is ``''``; ``like`` is not a
         :class:`TrainState`.
     """
@@ -371,6 +369,11 @@ def restore_checkpoint(
     path = Path(path)
     file = path / _MANIFEST
     step = _named_step(path)
+    if os.path.isfile(path):  # os.path: False on a name past NAME_MAX, where Path's raises
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint (a step_* directory holding {_MANIFEST}): pass "
+            "that directory, or the one holding the step_* checkpoints (its newest is restored)."
+        )
     if step is None and not file.exists() and not file.is_symlink():
         path = latest_checkpoint(path)  # a checkpoint directory: its newest
         if path is None:

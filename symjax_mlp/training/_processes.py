@@ -48,7 +48,13 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
       (A process that waits past ``timeout`` for the others ends with :data:`EXIT_STATUS`.)
     """
     caller = "symjax_mlp.training.initialize"
-    given = f"{caller}({coordinator!r}, {num_processes!r}, {process_id!r}, timeout={timeout!r})"
+    named = {  # each by name: the CLI names the option of each keyword a message shows
+        "coordinator": coordinator,
+        "num_processes": num_processes,
+        "process_id": process_id,
+        "timeout": timeout,
+    }
+    given = f"{caller}({', '.join(f'{k}={v!r}' for k, v in named.items())})"
     host, _, port = str(coordinator).rpartition(":")
     checks = {
         "coordinator must be 'host:port'": isinstance(coordinator, str) and host and port.isdigit(),
