@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from symjax_mlp._artifact.format import printable  # model-signing quotes model.sig's text
 from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._files import write_file_atomic
 
@@ -71,7 +72,7 @@ def _checked(path: Any, key: Any, *, private: bool) -> tuple[Path, Path]:
         held = None if ok else f"an {type(got).__name__}"
     except (ValueError, TypeError) as e:  # TypeError: an encrypted private key
         kind = "private" if private else "public"
-        held = f"no PEM {kind} key ({str(e).split('. ')[0][:120]})"
+        held = f"no PEM {kind} key ({printable(str(e).split('. ')[0][:120])})"
     if held:
         arg = f"sign(private_key={str(file)!r})" if private else f"verify_signature={str(file)!r}"
         want = (
@@ -142,7 +143,9 @@ def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> P
         try:
             config.use_elliptic_key_signer(private_key=key).sign(path, Path(scratch, SIGNATURE))
         except (ValueError, TypeError, OSError) as e:
-            raise ConfigError(f"sign({str(path)!r}): model-signing failed: {e}") from e
+            raise ConfigError(
+                f"sign({str(path)!r}): model-signing failed: {printable(str(e))}"
+            ) from e
         write_file_atomic(path / SIGNATURE, Path(scratch, SIGNATURE).read_bytes())
     return path / SIGNATURE
 
@@ -183,8 +186,8 @@ def check(path: str | os.PathLike[str], public_key: str | os.PathLike[str]) -> C
     except Exception as e:  # model_signing, sigstore and cryptography raise their own types
         raise ArtifactError(
             f"{path}: the signature {sig.name} does not verify with {key}: "
-            f"{type(e).__name__}: {str(e)[:400]}. The artifact was changed after it was signed, "
-            "or signed by someone else: refusing it."
+            f"{type(e).__name__}: {printable(str(e)[:400])}. The artifact was changed after it "
+            "was signed, or signed by someone else: refusing it."
         ) from None
 
     def unchanged() -> None:

@@ -1237,3 +1237,22 @@ def test_a_signature_never_lets_an_artifact_declare_a_callback_or_more_work(base
     art = _signed(bomb, tmp_path / "bomb_signed", private, lambda m: m.update(needs=["while"]))
     with pytest.raises(sm.ArtifactError, match=r"allow=\{'compute'\}"):
         sm.load(art, verify_signature=public)
+
+
+def test_model_signings_error_text_is_quoted_without_terminal_escapes(base, keys, tmp_path, capsys):
+    """model-signing quotes a forged model.sig's payloadType in its error ("but got ..."), and
+    our message quoted that unescaped: an ESC from a stranger's file reached the terminal."""
+    src, _ = base
+    art = tmp_path / "forged"
+    shutil.copytree(src, art)
+    private, public = keys["ours"]
+    sm.sign(art, private)
+    bundle = json.loads((art / "model.sig").read_text())
+    bundle["dsseEnvelope"]["payloadType"] = "\x1b]8;;http://evil\x07\x1b[2Jpwned"
+    (art / "model.sig").write_text(json.dumps(bundle))
+    with pytest.raises(sm.ArtifactError, match="does not verify") as e:
+        sm.verify_signature(art, public)
+    assert "\x1b" not in str(e.value) and "\x07" not in str(e.value)
+    assert r"\x1b[2Jpwned" in str(e.value)
+    assert main(["verify", str(art), "--key", str(public)]) == 2
+    assert "\x1b" not in capsys.readouterr().err
