@@ -179,7 +179,7 @@ def create_app(
         del body
         intake.release(hold)  # decoded: the arrays are the queue's to bound (max_queue)
         try:
-            request = batcher._asubmit(tuple(inputs), now=True)
+            request = batcher.asubmit(*inputs)
         except SignatureError as e:
             return error(422, e)
         except OverloadError as e:
@@ -195,7 +195,8 @@ def create_app(
             return error(503 if request.future.cancelled() else 500, e)
         except BaseException as e:  # the model raised (SystemExit too: its batch's error)
             return error(500, e)
-        headers = {} if request._batch is None else timing_headers(request)
+        t = request.timing
+        headers = {} if t is None else timing_headers(t)
         data, kind = to_npy(out) if as_npy else to_json(out)
         by_code[200] += 1  # once the answer is made: what /metrics counts is what was sent
         return Response(data, media_type=kind, headers=headers)
@@ -265,15 +266,12 @@ def create_app(
     return app
 
 
-def timing_headers(request: Any) -> dict[str, str]:
-    """``Server-Timing`` (ms) and ``X-Batch`` of a request that ran: its :attr:`timing`'s
-    fields, read from its batch's record without making one."""
-    t1, t2, t3, t4, batch_rows, bucket, requests = request._batch
-    queued, padded, compute, split = t1 - request.t0, t2 - t1, t3 - t2, t4 - t3
+def timing_headers(t: Any) -> dict[str, str]:
+    """``Server-Timing`` (ms) and ``X-Batch`` of a request's :class:`RequestTiming` ``t``."""
     return {
-        "Server-Timing": f"queued;dur={queued * 1e3:.3f}, padded;dur={padded * 1e3:.3f}, "
-        f"compute;dur={compute * 1e3:.3f}, split;dur={split * 1e3:.3f}",
-        "X-Batch": f"rows={batch_rows}; requests={requests}; bucket={bucket}",
+        "Server-Timing": f"queued;dur={t.queued * 1e3:.3f}, padded;dur={t.padded * 1e3:.3f}, "
+        f"compute;dur={t.compute * 1e3:.3f}, split;dur={t.split * 1e3:.3f}",
+        "X-Batch": f"rows={t.batch_rows}; requests={t.batch_requests}; bucket={t.bucket}",
     }
 
 

@@ -38,8 +38,6 @@ from symjax_mlp.serving._requests import (
 )
 from symjax_mlp.serving._stats import BatcherStats
 
-_AT_ONCE = object()  # a pass whose one request ran at once (see Batcher._asubmit)
-
 
 class Batcher:
     """Serves a model to many callers: concurrent requests become a few pre-compiled batches.
@@ -160,8 +158,7 @@ class Batcher:
         self._check = RequestCheck(self.name, specs, lane, self.max_batch, exact, alone).check
         # Per event loop, this pass's asubmit (None: several): see _end_of_pass. A lone one
         # runs on the loop only for an XLA program (a user's Python may block the loop).
-        self._passes: dict[Any, Any] = {}
-        self._lone: Any = None  # the loop whose last pass held one request (see _asubmit)
+        self._passes: dict[Any, AsyncRequest | None] = {}
         self._on_loop = isinstance(model, LoadedModel)
         lane.warm_up()
         self._lane = lane
@@ -264,13 +261,6 @@ class Batcher:
           RuntimeError: the batcher is closed, or no event loop runs on this thread (from
             plain threads, call ``b.submit(x)`` or ``b(x)``).
         """
-        return self._asubmit(inputs)
-
-    def _asubmit(self, inputs: tuple[Any, ...], now: bool = False) -> AsyncRequest:
-        """:meth:`asubmit`; ``now`` (the server's): where the loop's last pass held one request
-        and this is its pass's first, on an idle lane of a LoadedModel, it runs at once, as that
-        pass's end would run it (a lone client's request then takes no loop iteration); it comes
-        back settled, with its result or the model's error."""
         t0 = clock()
         arrays, rows = self._check(inputs)
         try:
@@ -282,16 +272,8 @@ class Batcher:
                 "or b(x)."
             ) from None
         request = AsyncRequest(arrays, rows, t0, loop.create_future())
-        passes, lane = self._passes, self._lane
-        at_once = now and self._on_loop and self._lone is loop and loop not in passes
-        if at_once and not lane.queue and not lane.closing and claim(lane.idle):
-            if not lane.queue:  # else it joins the queue, behind what came meanwhile
-                passes[loop] = _AT_ONCE  # one asubmitted later in this pass makes it None
-                loop.call_soon(self._end_of_pass, loop)
-                self._run_on_loop(request)
-                return request
-            lane.release()
         self._enqueue(request, wake=False)  # woken, or run here, when this pass ends
+        passes = self._passes
         if loop in passes:
             passes[loop] = None  # more than one this pass: the batcher's thread runs them
         else:
@@ -302,9 +284,6 @@ class Batcher:
     def _end_of_pass(self, loop: Any) -> None:
         """Runs a lone request here if the lane is idle, else wakes the batcher's thread."""
         lone, lane = self._passes.pop(loop), self._lane
-        self._lone = loop if lone is not None else None  # the last pass held one request
-        if lone is _AT_ONCE:  # and it ran at once
-            return
         with lane.lock:
             q = lane.queue
             alone = lone is not None and self._on_loop and len(q) == 1 and q[0] is lone
@@ -314,22 +293,17 @@ class Batcher:
                 return
             if not claim(lane.idle):  # a batch runs: its runner takes the queue next
                 return
+            lane.holder = threading.get_ident()
             q.popleft()
             lane.n.requests -= 1  # run_alone counts it among the lone ones
-        self._run_on_loop(lone)
-
-    def _run_on_loop(self, request: AsyncRequest) -> None:
-        """Runs ``request`` here (the lane's token taken), settling its future."""
-        lane = self._lane
-        lane.holder = threading.get_ident()
         try:
             try:
-                result, record = lane.run_alone(request)
+                result, record = lane.run_alone(lone)
             except BaseException as e:  # counted as failed by run_alone; SystemExit too, which
-                request.fail(e)  # reaches the loop through its awaiter, if any
+                lone.fail(e)  # reaches the loop through its awaiter, if any
                 return
-            request._batch = (*record[1:], 1)
-            request.future.set_result(result)
+            lone._batch = (*record[1:], 1)
+            lone.future.set_result(result)
         finally:
             lane.release()
 
