@@ -225,6 +225,7 @@ _OPTIONS = (
     ("compiled=False", "eager", "--eager"),
     ("address=", "ray_address", "--ray-address ADDRESS"),
 )
+_READ = ("inspect", "run", "verify", "bench")  # the subcommands whose PATH is an artifact
 #: options that set no library keyword of their name
 _NO_KEYWORD = frozenset(("help", "json", "export", "quiet", "ray", "key", "eager", "replica_cpus"))
 
@@ -270,8 +271,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     where = f"{PROG} {args.command}"
     try:
+        if args.command in _READ and args.path == "":  # Path("") is the working directory
+            raise argparse.ArgumentTypeError("PATH '': is empty; pass the artifact directory")
         if getattr(args, "json", None) not in (None, "-") and args.command != "train":
             _args.writable(args.json, "--json", overwrite=True)  # refused before any work
+            _args.outside_artifact(args.json, "--json", getattr(args, "path", None))
         with warnings.catch_warnings():  # restores showwarning after the command
             warnings.showwarning = functools.partial(_warning, where, warnings.showwarning)
             return args.handler(args) or 0  # verify's 1: a check failed

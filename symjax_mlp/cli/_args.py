@@ -115,6 +115,17 @@ def show(result: Any, data: Any, target: str | None) -> None:
         print(result)
 
 
+def outside_artifact(path: str, option: str, artifact: str | None) -> None:
+    """Refuses an output path in the directory of the artifact read (``inspect A --json
+    A/manifest.json`` replaced its manifest; a new file there breaks its signature)."""
+    into = os.path.dirname(os.path.realpath(path))
+    if artifact and os.path.isdir(artifact) and into == os.path.realpath(artifact):
+        raise argparse.ArgumentTypeError(
+            f"{option} {path}: is in the artifact {artifact}; writing there would change the "
+            "artifact. Pass a path outside it."
+        )
+
+
 def stdout(option: str) -> Any:
     """``sys.stdout``, refused where the shell closed it (``>&-``: Python's ``None``)."""
     if sys.stdout is None:
