@@ -116,13 +116,13 @@ def show(result: Any, data: Any, target: str | None) -> None:
 
 
 def outside_artifact(path: str, option: str, artifact: str | None) -> None:
-    """Refuses an output path in the directory of the artifact read (``inspect A --json
-    A/manifest.json`` replaced its manifest; a new file there breaks its signature)."""
+    """Refuses an output path that is a file of the artifact read (``inspect A --json
+    A/manifest.json`` replaced its manifest), before any work; as run's ``--output``."""
     into = os.path.dirname(os.path.realpath(path))
-    if artifact and os.path.isdir(artifact) and into == os.path.realpath(artifact):
+    if artifact and os.path.isfile(path) and into == os.path.realpath(artifact):
         raise argparse.ArgumentTypeError(
-            f"{option} {path}: is in the artifact {artifact}; writing there would change the "
-            "artifact. Pass a path outside it."
+            f"{option} {path}: is a file of the artifact {artifact}; writing there would "
+            "replace it with the output. Pass another path."
         )
 
 
