@@ -967,3 +967,23 @@ def test_json_is_never_written_into_the_artifact_read_and_an_empty_path_is_refus
         assert "PATH '': is empty; pass the artifact directory" in err and "--output" not in err, (
             err
         )
+
+
+def test_inspect_json_is_strict_json_for_a_manifest_holding_an_infinite_number(tmp_path, capsys):
+    """A stranger's manifest may hold 1e400 (json reads it as inf): `inspect --json` wrote
+    `Infinity`, which JSON has not (jq and JavaScript refuse it). It writes "inf", as text."""
+    import json
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["metadata"] = {"big": 1e400, "fine": [1.5, {"small": -1e400}]}
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["inspect", str(art), "--json"]) == 0
+
+    def refuse(name):
+        raise AssertionError(f"not JSON: {name}")
+
+    card = json.loads(capsys.readouterr().out, parse_constant=refuse)["metadata"]
+    assert card == {"big": "inf", "fine": [1.5, {"small": "-inf"}]}

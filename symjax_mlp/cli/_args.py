@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import stat
 import sys
@@ -100,11 +101,24 @@ def emit_json(data: Any, target: str) -> None:
     """Writes ``data`` as JSON to the file ``target`` (whole or not at all), or stdout (``-``)."""
     from symjax_mlp._files import write_output
 
-    text = json.dumps(data, indent=2, default=str) + "\n"
+    text = json.dumps(_finite(data), indent=2, default=str, allow_nan=False) + "\n"
     if target == "-":
         stdout("--json -").write(text)
     else:
         write_output((target, text.encode()))
+
+
+def _finite(data: Any) -> Any:
+    """``data`` with each inf or NaN as its text ("inf"): JSON has none, and json.dumps wrote
+    ``Infinity``, which strict readers (jq, JavaScript) refuse (a stranger's manifest holds
+    ``1e400``)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return str(data)
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data
 
 
 def show(result: Any, data: Any, target: str | None) -> None:
