@@ -103,8 +103,10 @@ def read_inputs(
     is, for the model to refuse); a ``SignatureError`` for a file of another dtype."""
     xs = [read_npy(file, what=str(file)) for file in files]
     xs = [npy_array(x, specs[i].dtype) if i < len(specs) else x for i, x in enumerate(xs)]
-    for file, x, spec in zip(files, xs, specs, strict=False):
-        if str(x.dtype) != spec.dtype:
+    for i, (file, x, spec) in enumerate(zip(files, xs, specs, strict=False)):
+        if spec.dtype.startswith("key<"):  # .npy has no key type: the key's data, as run writes
+            xs[i] = _key(file, x, spec)
+        elif str(x.dtype) != spec.dtype:
             cast = f"{'np' if hasattr(np, spec.dtype) else 'jnp'}.{spec.dtype}"
             raise SignatureError(
                 f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact expects "
@@ -112,6 +114,22 @@ def read_inputs(
                 f'np.save("{file}", x.astype({cast})).'
             )
     return xs
+
+
+def _key(file: Any, x: np.ndarray, spec: TensorSpec) -> Any:
+    """The rng keys whose data ``x`` holds (``jax.random.key_data``'s uint32, a last axis of
+    the impl's size), or a ``SignatureError`` saying how to write them."""
+    import jax
+
+    impl = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<unsafe_rbg>": "unsafe_rbg"}
+    size = jax.random.key_data(jax.random.key(0, impl=impl.get(spec.dtype, "threefry2x32")))
+    if spec.dtype in impl and x.dtype == np.uint32 and x.shape[-1:] == size.shape:
+        return jax.random.wrap_key_data(x, impl=impl[spec.dtype])
+    raise SignatureError(
+        f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact expects "
+        f"{spec.type}, rng keys, which .npy stores as their data: uint32 with a last axis of "
+        f'{size.shape[0]}. Save the keys\' data: np.save("{file}", jax.random.key_data(keys)).'
+    )
 
 
 def write_outputs(

@@ -138,3 +138,30 @@ def test_a_served_npy_body_is_read_as_run_reads_a_file(tmp_path):
         with pytest.raises(BadRequest, match=r"the body is an \.npz archive") as e:
             decode(b, buf.getvalue(), "application/x-npy")
         assert e.value.status == 400
+
+
+def test_run_reads_an_rng_key_input_as_the_key_data_it_writes(tmp_path, capsys):
+    """run writes a key output as its key data, but refused that data as a key input, telling
+    the user to save it with x.astype(jnp.key<fry>), which is no Python. It reads uint32 key
+    data as keys now, and says how to write them for a file of another type."""
+    import jax
+    import jax.numpy as jnp
+
+    import symjax_mlp as sm
+    from symjax_mlp.cli import main
+
+    h = sm.hybridize(lambda p, k, x: x * p + jax.random.key_data(k)[:, :1] % 7, 2.0)
+    keys = jax.random.split(jax.random.key(3), 2)
+    art = sm.export(h, tmp_path / "a", example=(keys, jnp.ones((2, 3))))
+    np.save(tmp_path / "k.npy", np.asarray(jax.random.key_data(keys)))
+    np.save(tmp_path / "x.npy", np.ones((2, 3), np.float32))
+    run = ["run", str(art.path), "--trust"]  # its key_data op is no MLP's: trusted
+    inputs = ["--input", str(tmp_path / "k.npy"), "--input", str(tmp_path / "x.npy")]
+    assert main([*run, *inputs, "--output", str(tmp_path / "y.npy")]) == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), h(keys, jnp.ones((2, 3))))
+    wrong = ["--input", str(tmp_path / "x.npy"), "--input", str(tmp_path / "x.npy")]
+    assert main([*run, *wrong, "--output", str(tmp_path / "z.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "holds float32[2, 3] but the artifact expects key<fry>[b]" in err
+    assert "uint32 with a last axis of 2" in err and "jax.random.key_data(keys)" in err
+    assert "astype" not in err
