@@ -672,3 +672,12 @@ def test_initialize_names_every_keyword_it_shows(capsys):
     said = capsys.readouterr().err.splitlines()[-1]
     assert "process_id= is --process-id" in said and "num_processes= is --num-processes" in said
     assert "coordinator= is --coordinator" in said and "timeout= is --timeout" in said
+
+
+def test_a_checkpoint_path_past_name_max_is_no_checkpoint_not_an_oserror(tmp_path):
+    """Path.exists() and Path.is_dir() raise OSError (ENAMETOOLONG) on a name past NAME_MAX,
+    where os.path says False: restore_checkpoint raised that OSError, latest_checkpoint too."""
+    long = tmp_path / ("a" * 300)
+    assert sm.training.latest_checkpoint(long) is None
+    with pytest.raises(sm.CheckpointError, match=r"^no checkpoint in .*aaa: expected step_\*"):
+        sm.training.restore_checkpoint(long, _state())

@@ -300,8 +300,8 @@ def _check_new(final: Path, overwrite: bool) -> None:
 def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
     """``(step, path)`` of each entry named like a checkpoint (``step_<n>``, Orbax's ``<n>``)."""
     pattern = _ORBAX_DIR if orbax else _STEP_DIR
-    found = ((pattern.match(p.name), p) for p in directory.iterdir()) if directory.is_dir() else ()
-    return sorted((int(m.group(1)), p) for m, p in found if m)
+    listed = directory.iterdir() if os.path.isdir(directory) else ()  # Path's raises: NAME_MAX
+    return sorted((int(m.group(1)), p) for p in listed if (m := pattern.match(p.name)))
 
 
 def _named_step(path: Path) -> int | None:
@@ -374,7 +374,7 @@ def restore_checkpoint(
             f"{path} is a file, not a checkpoint (a step_* directory holding {_MANIFEST}): pass "
             "that directory, or the one holding the step_* checkpoints (its newest is restored)."
         )
-    if step is None and not file.exists() and not file.is_symlink():
+    if step is None and not os.path.lexists(file):  # Path's raises past NAME_MAX
         path = latest_checkpoint(path)  # a checkpoint directory: its newest
         if path is None:
             raise CheckpointError(f"no checkpoint in {file.parent}: expected step_* directories.")
