@@ -128,6 +128,9 @@ def spec_of(
     named = "rngs" if "rngs" in _parameters(module) else None
     rngs = next((k for k, v in train.items() if isinstance(v, nnx.Rngs)), named)
     train = {k: v for k, v in train.items() if k != rngs}
+    required = _parameters(module).get(rngs or "")
+    if required is not None and required.default is required.empty and rngs not in evals:
+        evals = {**evals, rngs: None}  # inference draws nothing, but the call requires rngs
     pure, params, state = nnx_module(module)
     now = pure.settings() if pure.settings is not None else ()
     modes = mode_settings(pure, now, train=True), mode_settings(pure, now, train=False)
