@@ -196,9 +196,8 @@ def test_a_batch_that_sizes_nothing_is_refused(hybrid, tmp_path, capsys):
         sm.timeit(h, x, batch=4, calls=1, repeats=1, warmup=1)
 
 
-def test_a_hybrids_keyword_arguments_and_its_state(tmp_path, seen):
-    """kwargs= reach the model and its floor alike (timeit once had no way to pass them); a
-    stateful model is timed on a copy, where timing once ran its BatchNorm statistics on."""
+def _batchnorm():
+    """``(x, h)``: a Dense then a BatchNorm (``train=`` its mode), its statistics held."""
     import flax.linen as nn
 
     class BatchNorm(nn.Module):
@@ -208,7 +207,13 @@ def test_a_hybrids_keyword_arguments_and_its_state(tmp_path, seen):
 
     x = jnp.arange(20.0).reshape(4, 5)
     net = BatchNorm()
-    h = sm.hybridize(net, net.init(jax.random.key(0), x), mutable=["batch_stats"])
+    return x, sm.hybridize(net, net.init(jax.random.key(0), x), mutable=["batch_stats"])
+
+
+def test_a_hybrids_keyword_arguments_and_its_state(tmp_path, seen):
+    """kwargs= reach the model and its floor alike (timeit once had no way to pass them); a
+    stateful model is timed on a copy, where timing once ran its BatchNorm statistics on."""
+    x, h = _batchnorm()
     before = jax.tree.map(np.asarray, h.state)
     check_fields(sm.timeit(h, x, kwargs={"train": False}, calls=2, repeats=1, warmup=1), 2, 1)
     for out in seen:  # the floor's: (out, new_state)
@@ -321,16 +326,7 @@ def test_the_floor_of_a_stateful_hybrid_updates_the_state_as_its_call_does(seen)
     holds them; the floor was h.fn, which returns the output alone, so XLA dropped the update
     and the floor did less work than the call it is the floor of. Now the floor takes the state
     and returns the new one, and the timing says so."""
-    import flax.linen as nn
-
-    class BatchNorm(nn.Module):
-        @nn.compact
-        def __call__(self, x, train: bool = False):
-            return nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(3)(x))
-
-    x = jnp.arange(20.0).reshape(4, 5)
-    net = BatchNorm()
-    h = sm.hybridize(net, net.init(jax.random.key(0), x), mutable=["batch_stats"])
+    x, h = _batchnorm()
     out, state = h.apply_with_state(h.params, h.state, x, train=True)
     for model in (h, h.replace(params_as_constants=True)):
         seen.clear()
