@@ -19,6 +19,7 @@ from helpers import (
     LinenBatchNorm,
     LinenDropout,
     NnxBatchNorm,
+    NnxDropout,
     NnxModes,
     bounded,
     keyless,
@@ -242,3 +243,39 @@ def test_a_function_of_an_nnx_module_carries_its_state_as_the_modules_own_hybrid
     chex.assert_trees_all_equal(h.params, own.params)  # its Param values, as a dict
     chex.assert_trees_all_close(h.state, own.state)
     chex.assert_trees_all_close(h.state, nnx.to_pure_dict(nnx.state(plain, nnx.BatchStat)))
+
+
+def test_an_nnx_module_with_state_inside_the_params_is_refused_naming_its_path():
+    """``hybridize(fn, {"model": module, "scale": w})``: the module was taken as a plain pytree
+    of params, and the BatchStats (Dropout's rng counts) its compiled calls moved were dropped,
+    silently. Refused at hybridize, naming the path, what it holds, and the fix."""
+
+    def fn(p, x, train=False):
+        return p["model"](x, train=train) * p["scale"]
+
+    fix = r"Pass the module as the params, hybridize\(fn, module\).*as arguments"
+    with pytest.raises(sm.ConfigError, match=r"params\['model'\] is an nnx NnxBatchNorm holding "
+                       r"BatchStat variables.*would drop.*" + fix):  # fmt: skip
+        sm.hybridize(fn, {"model": NnxBatchNorm(nnx.Rngs(0)), "scale": np.float32(2)})
+    params = [np.float32(2), {"drop": NnxDropout(nnx.Rngs(0))}]
+    drop = r"params\[1\]\['drop'\] is an nnx NnxDropout holding RngCount, RngKey variables"
+    with pytest.raises(sm.ConfigError, match=drop):
+        sm.hybridize(lambda p, x: p[1]["drop"](x), params)
+
+
+def test_an_nnx_module_of_params_only_inside_the_params_runs_and_differentiates():
+    """The refusal above spares a nested module holding Params only: it runs compiled as
+    eagerly, and gradients reach its Params and the arrays beside it (h.apply, jax.grad)."""
+    lin = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+    params = {"model": lin, "scale": np.float32(2)}
+
+    def fn(p, x):
+        return p["model"](x) * p["scale"]
+
+    h = sm.hybridize(fn, params)
+    chex.assert_trees_all_close(h(X), fn(params, X), rtol=1e-6)
+    grads = jax.grad(lambda p: h.apply(p, X).sum())(h.params)
+    want = jax.grad(lambda p: fn(p, X).sum())(params)
+    chex.assert_trees_all_close(grads["scale"], want["scale"], rtol=1e-5)
+    chex.assert_trees_all_close(grads["model"].kernel[...], want["model"].kernel[...], rtol=1e-5)
+    assert float(np.abs(grads["model"].kernel[...]).sum()) > 0 and not h.stateful

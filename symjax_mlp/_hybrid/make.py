@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 
 from symjax_mlp._errors import ConfigError
@@ -53,7 +54,8 @@ def hybridize(
         ``fn(params, *args, **kwargs)``.
       params: the variables or params; must be omitted for an nnx or equinox module. An nnx
         module given as ``fn``'s params is split as its own Hybrid splits it (its ``Param``
-        values the params, its other variables a state carried across calls).
+        values the params, its other variables a state carried across calls); one inside the
+        params must hold ``Param`` s only (its other variables would not be carried).
       name: shown in trace logs and errors (default: the function or module class name).
       max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.
       static_argnums, static_argnames: arguments static even when they are arrays, as in
@@ -76,6 +78,7 @@ def hybridize(
 
     Raises:
       TypeError: ``model`` is none of the above, or params are missing or superfluous.
+      ConfigError: an nnx module inside ``params`` holds variables other than ``Param`` s.
 
     Example:
       >>> import jax.numpy as jnp
@@ -129,7 +132,41 @@ def hybridize(
         model, params = _equinox(model, params)
     elif _flax_kind(params) == "nnx":  # its BatchStats and rng counts carried, not dropped
         model, params, state = nnx_module(params, model)
+    else:
+        _refuse_nested_nnx_state(params)
     return Hybrid(model, params, state=state, name=name, **settings)
+
+
+_NESTED_NNX = (
+    "hybridize(fn, params): params{path} is an nnx {kind} holding {held} variables, which its "
+    "calls change (BatchNorm's statistics, Dropout's rng counts); inside the params every "
+    "compiled call would drop that change, silently. Pass the module as the "
+    "params, hybridize(fn, module), which carries that state across calls, and the rest as "
+    "arguments (h(x, scale)) or as the module's attributes."
+)
+
+
+def _refuse_nested_nnx_state(params: Any) -> None:
+    """Refuses an nnx module (or ``nnx.Rngs``) inside a plain params pytree that holds
+    variables other than ``Param`` s: a compiled call would drop what it changes in them."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:  # flax not imported: no nnx module can exist
+        return
+    graph = getattr(nnx, "Pytree", nnx.Module)  # nnx.Rngs too, where flax has nnx.Pytree
+
+    def node(x: Any) -> bool:
+        return isinstance(x, graph)
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=node)[0]:
+        if not node(leaf):
+            continue
+        held = nnx.state(leaf, nnx.Not(nnx.Param))
+        variables = jax.tree.leaves(held, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        if kinds := sorted({type(v).__name__ for v in variables}):
+            where = jax.tree_util.keystr(path)
+            raise ConfigError(
+                _NESTED_NNX.format(path=where, kind=type(leaf).__name__, held=", ".join(kinds))
+            )
 
 
 def _flax_kind(model: Any) -> str | None:
