@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -128,26 +129,25 @@ def transformed() -> bool | None:
     return None if trace is None else trace is not getattr(core, "eval_trace", None)
 
 
-# -- 5b. whether jax.linearize (not jax.vjp) is tracing this call --------------------------
-# Why: a loaded model cannot run forward (linearize's linear function): refused as it traces, not
-# by JAX's TypeError later. Internal: the caller's frames (sys._getframe), one linearize or vjp
-# per tangent tracer. Fallback: none found: linearize traces, and its linear function raises.
+# -- 5b. whether forward mode (jax.linearize, jax.jvp, jax.jacfwd), not jax.vjp, traces a call -
+# Why: a loaded model cannot run forward: refused as it traces, not by JAX's TypeError later.
+# Internal: the caller's frames (sys._getframe). Fallback: none found: JAX's TypeError, later.
 def linearizing() -> Iterator[bool]:
-    """For each ``jax.linearize`` or ``jax.vjp`` calling us, innermost first: is it linearize?"""
+    """Per jax.linearize, jvp, jacfwd (hessian) or vjp calling us, innermost first: forward?"""
     frame = sys._getframe(1) if INTERNALS["linearizing"] else None
     while frame is not None:
         if frame.f_code in _callers():
-            yield frame.f_code is _callers()[0]
+            yield _callers()[frame.f_code]
         frame = frame.f_back
 
 
 @functools.cache
-def _callers() -> tuple[Any, Any]:
-    import inspect
-
+def _callers() -> dict[Any, bool]:
     import jax
 
-    return tuple(inspect.unwrap(f).__code__ for f in (jax.linearize, jax.vjp))
+    forward = [inspect.unwrap(f).__code__ for f in (jax.linearize, jax.jvp)]
+    forward.append(jax.jacfwd(abs).__code__)  # the function it returns (unwrapped: abs)
+    return {**dict.fromkeys(forward, True), inspect.unwrap(jax.vjp).__code__: False}
 
 
 # -- 6. an nnx module's layers, named in its programs ---------------------------------------

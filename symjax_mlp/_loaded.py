@@ -50,11 +50,12 @@ class LoadedModel:
 
     Under the JAX runtime ``m`` is a JAX function (``jax.jit``, ``lax.map``/``scan``, a
     Hybrid); ``jax.grad`` needs ``export(..., vjp_order=1)``; forward mode (``jax.jvp``,
-    ``jacfwd``, ``linearize``) raises ``ConfigError`` (``jax.jvp(jax.jit(m), ...)`` raises
-    JAX's ``TypeError``, and so does the linear function of ``jax.linearize(f, x)`` where JAX
-    reuses the linearization ``jax.grad(f)`` made of a jitted ``f``). ``jax.vmap(m)`` merges
-    the mapped axis into the batch where rows stay apart (``manifest["rows"]``, checked against
-    the program), and also then ``m`` takes one example; else it runs ``m`` once per example.
+    ``jacfwd``, ``linearize``) raises ``ConfigError``, of a jitted ``m`` too (``jax.hessian``
+    of a jitted ``f`` raises JAX's ``TypeError``, and so does the linear function of
+    ``jax.linearize(f, x)`` where JAX reuses the linearization ``jax.grad(f)`` made of a jitted
+    ``f``). ``jax.vmap(m)`` merges the mapped axis into the batch where rows stay apart
+    (``manifest["rows"]``, checked against the program), and also then ``m`` takes one
+    example; else it runs ``m`` once per example.
     ``m["embed"]`` is another entry point, over the same weights, checked alike on first use.
 
     Attributes:

@@ -123,12 +123,16 @@ def test_linearize_of_a_loaded_model_refused_as_it_traces_or_by_jax_when_run(tmp
     m = sm.load(sm.export(h, tmp_path / "m", example=x, vjp_order=1).path)
     with pytest.raises(sm.ConfigError, match="reverse mode only"):
         jax.linearize(m, x)
+    with pytest.raises(sm.ConfigError, match="reverse mode only"):
+        jax.jvp(jax.jit(m), (x,), (x,))
     np.testing.assert_allclose(jax.grad(lambda x: m(x).sum())(x), jax.grad(lambda x: h(x).sum())(x))
     internals("linearizing")
     y, run = jax.linearize(m, x)  # the fallback: linearize traces the model
     np.testing.assert_allclose(y, h(x), rtol=1e-6)
     with pytest.raises(TypeError):  # and JAX refuses its linear function
         run(x)
+    with pytest.raises(TypeError, match="forward-mode"):  # jvp of jit: JAX's, as it lowers
+        jax.jvp(jax.jit(m), (x,), (x,))
     np.testing.assert_allclose(jax.grad(lambda x: m(x).sum())(x), jax.grad(lambda x: h(x).sum())(x))
 
 

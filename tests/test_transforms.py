@@ -468,6 +468,32 @@ def test_linearize_of_jit_of_a_loaded_model_is_refused_as_it_traces(tmp_path):
     chex.assert_trees_all_close(jax.grad(lambda x: jm(x).sum())(x), want, **TOL)
 
 
+def test_jvp_and_jacfwd_of_jit_of_a_loaded_model_are_refused_as_they_trace(tmp_path):
+    """jax.jit traces the model before jax.jvp (jacfwd's too) sees a tangent, so the call found
+    none, and JAX's raw TypeError ("can't apply forward-mode autodiff (jvp) to a custom_vjp
+    function") came as the jitted program was differentiated. Refused as they trace now, as
+    jax.jvp(m) and jax.linearize(jax.jit(m)) are; a constant inside jvp still runs."""
+    net, x = sm.mlp((6, 3)), _xs(2, 5)
+    h = sm.hybridize(net, net.init(jax.random.key(7), x))
+    m = sm.load(sm.export(h, tmp_path / "m", example=x, vjp_order=1).path)
+    forward = r"jax.jvp, jax.jacfwd.*differentiate forward.*reverse mode only.*jax.jacrev"
+    jm = jax.jit(m)
+    chex.assert_trees_all_close(jm(x), h(x), **TOL)  # traced by jit alone first
+    calls = [lambda f: jax.jvp(f, (x,), (x,)), lambda f: jax.jacfwd(f)(x)]
+    for f in (jm, jax.jit(m), jax.jit(lambda x: m(x) * 2), jax.jit(lambda x: m(x).sum())):
+        for call in calls:
+            with pytest.raises(sm.ConfigError, match=forward):
+                call(f)
+    c = _xs(2, 5, seed=3)  # a constant inside jvp: no tangent reaches the model
+    y, t = jax.jvp(lambda w: w * jax.jit(m)(c).sum(), (2.0,), (1.0,))
+    chex.assert_trees_all_close((y, t), (2 * h(c).sum(), h(c).sum()), **TOL)
+    y, t = jax.jvp(lambda w: w * jax.grad(lambda c: jm(c).sum())(c), (x,), (x,))
+    want = jax.grad(lambda c: h(c).sum())(c)
+    chex.assert_trees_all_close((y, t), (x * want, x * want), **TOL)
+    want = jax.grad(lambda x: h(x).sum())(x)
+    chex.assert_trees_all_close(jax.grad(lambda x: jm(x).sum())(x), want, **TOL)
+
+
 def test_grad_at_a_constant_inside_jax_linearize_of_another_function_runs(mlp):
     # jax.grad traces the model as jax.linearize does: refused by which of them calls it
     h, m = mlp
