@@ -169,3 +169,25 @@ def test_a_constraint_the_drawn_self_test_shapes_break_exports_checked_against_t
     branch = sm.hybridize(lambda p, x: x * p if x.shape[1] == 5 else x * 0, jnp.float32(2))
     with pytest.raises(sm.SignatureError, match="does not give the model's results"):
         sm.export(branch, tmp_path / "b", example=jnp.ones((2, 5)), **opts)
+
+
+def test_a_call_breaking_an_equality_constraint_is_a_signature_error_naming_it(tmp_path):
+    """jax.export writes `t == 2*b` into the shapes (args[1]: (b, 2*b)), which the check
+    compared with nothing: a call with t != 2*b reached the program and failed as an
+    ArtifactError ("the shapes of the module cannot be resolved"). A SignatureError now, naming
+    the input, the constraint and the size to pass; other wrong shapes keep theirs."""
+    import jax.numpy as jnp
+
+    h = sm.hybridize(lambda p, *xs: sum(x.sum(axis=1) for x in xs) * p, jnp.float32(2))
+    art = sm.export(h, tmp_path / "m", example=(jnp.ones((2, 3)), jnp.ones((2, 4))),
+                    shapes=("b, 3", "b, t"), constraints=("t == 2*b",))  # fmt: skip
+    m = sm.load(art.path)
+    want = r"input args\[1\]\.shape\[1\] is 5, but the artifact requires t == 2\*b, so 2\*b = 6"
+    with pytest.raises(sm.SignatureError, match=want + r".*Pass .*args\[1\]\.shape\[1\] = 6"):
+        m(rand(3, 3), rand(3, 5))
+    with pytest.raises(sm.SignatureError, match=r"symbolic dimension b and must agree"):
+        m(rand(2, 3), rand(3, 6))
+    with pytest.raises(sm.SignatureError, match=r"args\[0\]\.shape\[1\] is 4, not 3"):
+        m(rand(3, 4), rand(3, 6))
+    x, t = rand(3, 3), rand(3, 6)
+    np.testing.assert_allclose(m(x, t), h(x, t), rtol=1e-6)

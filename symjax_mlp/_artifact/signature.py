@@ -117,14 +117,34 @@ class Signature:
                     f"{caller}: input {spec.path} has dtype {x.dtype} but the artifact expects "
                     f"{spec.type}. Cast it: x.astype({namespace}.{spec.dtype})."
                 )
+        self._check_terms(sizes, caller)
         for constraint in self.constraints:
-            if not _holds(constraint, {k: v for k, (_, v) in sizes.items()}):
+            if not _holds(constraint, {k: v for k, (_, v) in sizes.items()}, _evaluate):
                 where = ", ".join(f"{k} = {v} ({p})" for k, (p, v) in sorted(sizes.items()))
                 raise SignatureError(
                     f"{caller}: the inputs give {where}, but the artifact requires "
                     f"{constraint}. Pass inputs within that bound (split a longer one)."
                 )
         return arrays
+
+    def _check_terms(self, sizes: Mapping[str, tuple[str, int]], caller: str) -> None:
+        """Refuses a dimension written as a term (``2*b``: jax.export writes ``t == 2*b`` so)
+        whose size is not the term's at the sizes of the names in it (``b``)."""
+        names = {k: v for k, (_, v) in sizes.items() if k.isidentifier() and type(v) is int}
+        for dim, (at, got) in sizes.items():  # int sizes only: a symbolic one is jax's to check
+            if dim.isidentifier() or type(got) is not int or _evaluate(dim, names) in (None, got):
+                continue
+            want = _evaluate(dim, names)
+            used = dict.fromkeys(re.findall(r"[A-Za-z_]\w*", dim))
+            where = ", ".join(f"{n} = {names[n]}" for n in used)
+            origin = ", ".join(sizes[n][0] for n in used)
+            said = [c for c in self.constraints if _bare(dim) in map(_bare, _split(c)[1:])]
+            rule = f"{said[0]}, so " if said else ""
+            raise SignatureError(
+                f"{caller}: input {at} is {got}, but the artifact requires {rule}{dim} = {want} "
+                f"({where}, from {origin}). Pass inputs whose sizes agree: {at} = {want} for "
+                f"{where}."
+            )
 
     def _expects(self, spec: TensorSpec) -> str:
         names = sorted({d for d in spec.shape if isinstance(d, str)})
@@ -187,6 +207,10 @@ def sizes_at(signature: Signature, batch: int) -> dict[str, int] | None:
         sizes[dim] = size
     admitted = all(_holds(c, sizes, _evaluate) for c in signature.constraints)
     return sizes if admitted else None
+
+
+def _bare(term: str) -> str:
+    return "".join(term.split())
 
 
 def _split(constraint: str) -> tuple[str, str, str]:
