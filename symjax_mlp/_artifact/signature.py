@@ -166,8 +166,8 @@ def _holds(
         return True
 
     def value(term: str) -> int | None:
-        if evaluate is not None:
-            return evaluate(term, sizes)
+        if evaluate is not None:  # a dimension written as the term ("2*b") is its size
+            return sizes[term] if term in sizes else evaluate(term, sizes)
         return int(term) if re.fullmatch(r"-?[0-9]{1,30}", term) else sizes.get(term)
 
     a, b = value(left), value(right)
