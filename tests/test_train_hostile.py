@@ -655,7 +655,7 @@ def test_a_file_named_like_a_checkpoint_is_refused_with_what_to_pass(tmp_path):
             sm.training.restore_checkpoint(tmp_path / name, _state())
         message = str(e.value)
         assert f"{tmp_path / name} is a file, not a checkpoint" in message
-        assert "a step_* directory holding manifest.json" in message and "pass that" in message
+        assert "a step_* directory holding manifest.json" in message and "pass one" in message
     assert sm.training.restore_checkpoint(saved, _state())[0].step == 0
 
 
@@ -679,5 +679,44 @@ def test_a_checkpoint_path_past_name_max_is_no_checkpoint_not_an_oserror(tmp_pat
     where os.path says False: restore_checkpoint raised that OSError, latest_checkpoint too."""
     long = tmp_path / ("a" * 300)
     assert sm.training.latest_checkpoint(long) is None
-    with pytest.raises(sm.CheckpointError, match=r"^no checkpoint in .*aaa: expected step_\*"):
+    with pytest.raises(sm.CheckpointError, match=r"aaa cannot be read \(File name too long\)"):
         sm.training.restore_checkpoint(long, _state())
+
+
+def test_an_odd_step_name_says_what_it_is_what_a_checkpoint_is_and_what_to_pass(tmp_path):
+    """restore_checkpoint(d / ("step_" + "0" * 300)) said '[Errno 36] File name too long' with
+    no fix; a step_* that does not exist or is a symlink loop was 'the file is missing; the
+    checkpoint is incomplete, corrupted or was edited' or an Errno, no fix; a NUL in the path
+    was os's raw ValueError from save_checkpoint. Each names the path, what a checkpoint is and
+    what to pass; no OSError escapes; latest_checkpoint passes the odd names over."""
+    saved = sm.training.save_checkpoint(tmp_path / "run", _state())
+    (tmp_path / "run" / "step_00000009").symlink_to(tmp_path / "run" / "step_00000009")
+    (tmp_path / "run" / "step_00000010").write_text("a file")
+    odd = {
+        "step_" + "0" * 300: r"cannot be read \(File name too long\)",
+        "step_abc": "does not exist",
+        "step_-1": "does not exist",
+        "step_1e3": "does not exist",
+        "step_00000004": "does not exist",  # named like a step: it was 'the file is missing'
+        "run/step_00000009": r"cannot be read \(Too many levels of symbolic links\)",
+        "run/step_00000010": "is a file, not a checkpoint",
+        "run/step_00000000/state.safetensors/x": r"cannot be read \(Not a directory\)",
+    }
+    fix = r"\. A checkpoint is a step_\* directory holding manifest.json, .*: pass one, or the"
+    for name, why in odd.items():
+        with pytest.raises(
+            sm.CheckpointError, match=rf"^symjax_mlp.training.restore_checkpoint: .*{why}{fix}"
+        ):
+            sm.training.restore_checkpoint(tmp_path / name, _state())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(sm.CheckpointError, match=rf"empty holds no step_\* checkpoint{fix}"):
+        sm.training.restore_checkpoint(tmp_path / "empty", _state())
+    assert sm.training.latest_checkpoint(tmp_path / "run") == saved
+    assert sm.training.restore_checkpoint(tmp_path / "run", _state())[0].step == 0
+    for call in (
+        lambda p: sm.training.save_checkpoint(p, _state()),
+        lambda p: sm.training.restore_checkpoint(p, _state()),
+        sm.training.latest_checkpoint,
+    ):
+        with pytest.raises(sm.ConfigError, match=r"directory '.*a\\x00b' holds a NUL\. Pass a"):
+            call(str(tmp_path / "a\0b"))

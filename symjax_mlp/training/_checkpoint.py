@@ -14,6 +14,7 @@ import numbers
 import os
 import re
 import shutil
+import stat
 import typing
 from pathlib import Path
 from typing import Any
@@ -25,21 +26,27 @@ from safetensors.numpy import save
 
 from symjax_mlp._artifact.weights import MAX_TENSORS, read_safetensors_file
 from symjax_mlp._errors import CheckpointError, ConfigError
-from symjax_mlp._files import read_regular, sha256, write_dir
-from symjax_mlp.training._paths import MANIFEST, check_directory, check_path
+from symjax_mlp._files import MANIFEST, read_regular, sha256, write_dir
+from symjax_mlp.training._paths import (
+    check_directory,
+    check_path,
+    checkpoints,
+    latest_checkpoint,
+    named_step,
+)
 from symjax_mlp.training._result import EpochRecord
 
 _STATE_FILE = "state.safetensors"
-_MANIFEST = MANIFEST
 _MAX_MANIFEST_BYTES = 64 << 20
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more past step 99,999,999
-_ORBAX_DIR = re.compile(r"^(\d+)$")
-_COMMITTED = "_CHECKPOINT_METADATA"  # what Orbax writes last, committing a save
-_UNCOMMITTED = f"a directory without {_COMMITTED} (an Orbax save never committed)"
 _MAX_TENSORS = 8 * MAX_TENSORS  # params and the optimizer's state of them
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _RECORD = typing.get_type_hints(EpochRecord)
 _HEADER = {"format": "symjax_mlp.checkpoint", "format_version": 1}
+_NO_CHECKPOINT = (
+    "symjax_mlp.training.restore_checkpoint: {path} {why}. A checkpoint is a step_* directory "
+    "holding manifest.json, as save_checkpoint and train(checkpoint=...) write: pass one, or the "
+    "directory holding them (its newest is restored)."
+)
 
 
 _METADATA = (
@@ -237,7 +244,7 @@ def save_checkpoint(
         ) from None
     final = directory / f"step_{state.step:08d}"
     newest = latest_checkpoint(directory)
-    if newest is not None and _named_step(newest) > state.step:
+    if newest is not None and named_step(newest) > state.step:
         raise CheckpointError(
             f"{directory} already holds {newest.name}, newer than step {state.step}: a resume "
             "picks the newest, so this one would be pruned or passed over. Save to another "
@@ -262,12 +269,12 @@ def save_checkpoint(
             "numbers, lists and dicts (convert NumPy values with .item() or .tolist())."
         ) from None
     try:  # what restore_checkpoint checks of the metadata: refused now, not found unreadable
-        check_manifest(final / _MANIFEST, json.loads(text), _HEADER, None, files=True)
+        check_manifest(final / MANIFEST, json.loads(text), _HEADER, None, files=True)
     except CheckpointError:
         raise ConfigError(_METADATA.format(got=str(metadata)[:200])) from None
-    files = {_STATE_FILE: state_bytes, _MANIFEST: (text + "\n").encode()}
+    files = {_STATE_FILE: state_bytes, MANIFEST: (text + "\n").encode()}
     write_dir(final, files, overwrite=False, check=_check_new, error=CheckpointError)
-    for old in _checkpoints(directory)[:-keep]:
+    for _, old in checkpoints(directory)[:-keep]:
         if old != final:  # a writer racing ours saved a newer step: ours stays, for it
             shutil.rmtree(old, ignore_errors=True)
     return final
@@ -297,55 +304,6 @@ def _check_new(final: Path, overwrite: bool) -> None:
         )
 
 
-def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
-    """``(step, path)`` of each entry named like a checkpoint (``step_<n>``, Orbax's ``<n>``)."""
-    pattern = _ORBAX_DIR if orbax else _STEP_DIR
-    listed = directory.iterdir() if os.path.isdir(directory) else ()  # Path's raises: NAME_MAX
-    return sorted((int(m.group(1)), p) for p in listed if (m := pattern.match(p.name)))
-
-
-def _named_step(path: Path) -> int | None:
-    """The step a ``step_<n>`` directory's name says, else ``None``."""
-    return None if (found := _STEP_DIR.match(path.name)) is None else int(found.group(1))
-
-
-def is_checkpoint(path: Path, orbax: bool = False) -> bool:
-    """A directory, not a symlink (Orbax's: with the marker of a committed save)."""
-    return path.is_dir() and not path.is_symlink() and (not orbax or (path / _COMMITTED).exists())
-
-
-def _checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints in ``directory``, oldest first."""
-    return [p for _, p in entries(directory) if is_checkpoint(p)]
-
-
-def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False) -> None:
-    """Refuses an entry named like a step newer than the newest checkpoint that is none (a file,
-    a symlink, an uncommitted Orbax save): resuming, and saving that step, would trip on it."""
-    found = entries(Path(directory), orbax)
-    done = [(step, p) for step, p in found if is_checkpoint(p, orbax)]
-    newest = done[-1] if done else (-1, Path("any checkpoint there"))
-    for step, p in found:
-        if step > newest[0] and not is_checkpoint(p, orbax):
-            kind = "a symlink" if p.is_symlink() else "a file" if not p.is_dir() else _UNCOMMITTED
-            raise CheckpointError(
-                f"{caller}: {p} is {kind}, not a checkpoint directory, but is named like a step "
-                f"newer than {newest[1].name}: a resume would pass it over or fail on it, and "
-                "saving that step fail on it or delete it, after its epoch's work. Remove it, or "
-                "use another checkpoint directory."
-            )
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest checkpoint in ``directory``, or ``None`` if it holds none.
-
-    Raises:
-      ConfigError: ``directory`` is not a str or ``os.PathLike``, or is ``''``.
-    """
-    check_path(directory, "symjax_mlp.training.latest_checkpoint")
-    return next(reversed(_checkpoints(Path(directory))), None)
-
-
 def restore_checkpoint(
     path: str | os.PathLike, like: TrainState
 ) -> tuple[TrainState, dict[str, Any]]:
@@ -367,18 +325,18 @@ def restore_checkpoint(
     check_path(path, "symjax_mlp.training.restore_checkpoint")
     check_state(like, "restore_checkpoint(like=...)")
     path = Path(path)
-    file = path / _MANIFEST
-    step = _named_step(path)
-    if os.path.isfile(path):  # os.path: False on a name past NAME_MAX, where Path's raises
-        raise CheckpointError(
-            f"{path} is a file, not a checkpoint (a step_* directory holding {_MANIFEST}): pass "
-            "that directory, or the one holding the step_* checkpoints (its newest is restored)."
-        )
-    if step is None and not os.path.lexists(file):  # Path's raises past NAME_MAX
-        path = latest_checkpoint(path)  # a checkpoint directory: its newest
-        if path is None:
-            raise CheckpointError(f"no checkpoint in {file.parent}: expected step_* directories.")
-        file, step = path / _MANIFEST, _named_step(path)
+    try:  # os.stat: Path's raises past NAME_MAX where this names the error
+        why = None if stat.S_ISDIR(os.stat(path).st_mode) else "is a file, not a checkpoint"
+    except FileNotFoundError:
+        why = "does not exist"
+    except OSError as e:  # a name past NAME_MAX, a symlink loop, a file above it
+        why = f"cannot be read ({e.strerror})"
+    if why is None and named_step(path) is None and not os.path.lexists(path / MANIFEST):
+        newest = latest_checkpoint(path)  # a checkpoint directory: its newest
+        path, why = (path, "holds no step_* checkpoint") if newest is None else (newest, None)
+    if why is not None:
+        raise CheckpointError(_NO_CHECKPOINT.format(path=path, why=why))
+    file, step = path / MANIFEST, named_step(path)
     try:
         manifest = json.loads(read_regular(file, limit=_MAX_MANIFEST_BYTES, error=CheckpointError))
     except FileNotFoundError:

@@ -24,12 +24,7 @@ from flax import nnx
 
 from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._models import mlp
-from symjax_mlp.training._checkpoint import (
-    TrainState,
-    is_count,
-    latest_checkpoint,
-    save_checkpoint,
-)
+from symjax_mlp.training._checkpoint import TrainState, is_count, save_checkpoint
 from symjax_mlp.training._data import (
     Dataset,
     check_dataset,
@@ -40,7 +35,7 @@ from symjax_mlp.training._data import (
 from symjax_mlp.training._epoch import Programs
 from symjax_mlp.training._nnx import NnxSpec, spec_of
 from symjax_mlp.training._orbax import OrbaxCheckpoints, orbax_steps
-from symjax_mlp.training._paths import check_directory
+from symjax_mlp.training._paths import check_directory, latest_checkpoint
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._result import EpochRecord, TrainResult
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config

@@ -22,12 +22,11 @@ from symjax_mlp.training._checkpoint import (
     broken,
     check_fit,
     check_manifest,
-    entries,
-    is_checkpoint,
     named_leaves,
     specs,
     state_of,
 )
+from symjax_mlp.training._paths import checkpoints
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
 #: Saves handed to the writer thread and not yet to Orbax, each a device copy of the state:
@@ -37,7 +36,7 @@ _QUEUED = 2
 
 def orbax_steps(directory: Path) -> list[int]:
     """The committed Orbax steps in ``directory``."""
-    return [step for step, p in entries(directory, orbax=True) if is_checkpoint(p, orbax=True)]
+    return [step for step, _ in checkpoints(directory, orbax=True)]
 
 
 def _digest(tensors: dict[str, Any]) -> str:

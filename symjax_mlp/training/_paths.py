@@ -1,30 +1,38 @@
-"""Where checkpoints may live: a path, to a directory this user can make and write."""
+"""Where checkpoints live: a directory holding one directory per step, ``step_<8+ digits>``
+(Orbax's ``<n>``, committed once its marker file is written), oldest first by step."""
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from symjax_mlp._errors import CheckpointError, ConfigError
+from symjax_mlp._files import MANIFEST
 
-MANIFEST = "manifest.json"  # a step_* checkpoint's (and an exported artifact's)
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more past step 99,999,999
+_ORBAX_DIR = re.compile(r"^(\d+)$")
+_COMMITTED = "_CHECKPOINT_METADATA"  # what Orbax writes last, committing a save
 
 
 def check_path(path: Any, caller: str) -> None:
-    """Refuses anything but a str or ``os.PathLike`` of a str (pathlib's TypeError, else), and
-    ``''`` (``Path('')`` is the working directory)."""
+    """Refuses anything but a str or ``os.PathLike`` of a str, ``''`` (the working directory)
+    and a NUL (os's ValueError)."""
     if not isinstance(path, str | os.PathLike) or not isinstance(os.fspath(path), str):
         raise ConfigError(
             f"{caller}: the checkpoint path must be a str or os.PathLike directory; got "
             f"{type(path).__name__} {repr(path)[:80]}. Pass e.g. 'checkpoints' or "
             "pathlib.Path('checkpoints') (bytes: os.fsdecode(path))."
         )
-    if not os.fspath(path):  # Path("") is the working directory
+    text = os.fspath(path)
+    if not text or "\0" in text:
+        what = (
+            f"{text[:80]!r} holds a NUL" if text else "is '' (the working directory, by accident?)"
+        )
         raise ConfigError(
-            f"{caller}: the checkpoint directory is '' (the working directory, by accident?). "
-            "Pass a directory, e.g. 'checkpoints'."
+            f"{caller}: the checkpoint directory {what}. Pass a directory, e.g. 'checkpoints'."
         )
 
 
@@ -72,3 +80,52 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
             f"{directory} holds a {MANIFEST}: it is a checkpoint (or an exported artifact), not "
             f"a directory of checkpoints; pass its parent, {path.parent}, or another directory"
         )
+
+
+def named_step(path: Path) -> int | None:
+    """The step a ``step_<n>`` directory's name says, else ``None``."""
+    return None if (found := _STEP_DIR.match(path.name)) is None else int(found.group(1))
+
+
+def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
+    """``(step, path)`` of each entry named like a checkpoint, by step."""
+    pattern = _ORBAX_DIR if orbax else _STEP_DIR
+    listed = directory.iterdir() if os.path.isdir(directory) else ()  # Path's raises: NAME_MAX
+    return sorted((int(m.group(1)), p) for p in listed if (m := pattern.match(p.name)))
+
+
+def is_checkpoint(path: Path, orbax: bool = False) -> bool:
+    """A directory, not a symlink (Orbax's: with the marker of a committed save)."""
+    return path.is_dir() and not path.is_symlink() and (not orbax or (path / _COMMITTED).exists())
+
+
+def checkpoints(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the complete checkpoints in ``directory``, oldest first."""
+    return [(step, p) for step, p in entries(directory, orbax) if is_checkpoint(p, orbax)]
+
+
+def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False) -> None:
+    """Refuses an entry named like a step newer than the newest checkpoint that is none (a file,
+    a symlink, an uncommitted Orbax save): resuming, and saving that step, would trip on it."""
+    done = checkpoints(Path(directory), orbax)
+    newest = done[-1] if done else (-1, Path("any checkpoint there"))
+    for step, p in entries(Path(directory), orbax):
+        if step > newest[0] and not is_checkpoint(p, orbax):
+            uncommitted = f"a directory without {_COMMITTED} (an Orbax save never committed)"
+            kind = "a symlink" if p.is_symlink() else "a file" if not p.is_dir() else uncommitted
+            raise CheckpointError(
+                f"{caller}: {p} is {kind}, not a checkpoint directory, but is named like a step "
+                f"newer than {newest[1].name}: a resume would pass it over or fail on it, and "
+                "saving that step fail on it or delete it, after its epoch's work. Remove it, or "
+                "use another checkpoint directory."
+            )
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest checkpoint in ``directory``, or ``None`` if it holds none.
+
+    Raises:
+      ConfigError: ``directory`` is not a str or ``os.PathLike``, or is ``''``.
+    """
+    check_path(directory, "symjax_mlp.training.latest_checkpoint")
+    return next((p for _, p in reversed(checkpoints(Path(directory)))), None)

@@ -20,15 +20,10 @@ import numpy as np
 import optax
 
 from symjax_mlp._errors import CheckpointError
-from symjax_mlp.training._checkpoint import (
-    TrainState,
-    broken,
-    check_strays,
-    latest_checkpoint,
-    restore_checkpoint,
-)
+from symjax_mlp.training._checkpoint import TrainState, broken, restore_checkpoint
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._nnx import NnxSpec, fingerprint
+from symjax_mlp.training._paths import check_strays, latest_checkpoint
 from symjax_mlp.training._result import EpochRecord
 from symjax_mlp.training._step import ModelVars, apply_model
 
