@@ -170,22 +170,19 @@ def create_app(
             return Response(status_code=499)
         try:
             inputs, as_npy = decode(batcher, body, request.headers.get("content-type", ""))
+            del body
+            intake.release(hold)  # decoded: the arrays are the queue's to bound (max_queue)
+            request = batcher.asubmit(*inputs)
         except BadRequest as e:
             return error(e.status, e)
         except SignatureError as e:
             return error(422, e)
-        except Exception as e:  # whatever else the client's bytes provoke is still theirs
-            return error(400, BadRequest(400, f"the body could not be read ({e!r:.300})."))
-        del body
-        intake.release(hold)  # decoded: the arrays are the queue's to bound (max_queue)
-        try:
-            request = batcher.asubmit(*inputs)
-        except SignatureError as e:
-            return error(422, e)
         except OverloadError as e:
             return error(503, e, {"Retry-After": "1"})
-        except RuntimeError as e:  # closed: shutting down
-            return error(503, e)
+        except Exception as e:  # closed: shutting down; else the client's bytes provoked it
+            if isinstance(e, RuntimeError) and batcher.closed:
+                return error(503, e)
+            return error(400, BadRequest(400, f"the body could not be read ({e!r:.300})."))
         try:
             out = await request
         except asyncio.CancelledError as e:
@@ -195,8 +192,14 @@ def create_app(
             return error(503 if request.future.cancelled() else 500, e)
         except BaseException as e:  # the model raised (SystemExit too: its batch's error)
             return error(500, e)
-        t = request.timing
-        headers = {} if t is None else timing_headers(t)
+        t, headers = request.timing, {}
+        if t is not None:
+            headers = {
+                "Server-Timing": f"queued;dur={t.queued * 1e3:.3f}, padded;dur="
+                f"{t.padded * 1e3:.3f}, compute;dur={t.compute * 1e3:.3f}, split;dur="
+                f"{t.split * 1e3:.3f}",
+                "X-Batch": f"rows={t.batch_rows}; requests={t.batch_requests}; bucket={t.bucket}",
+            }
         data, kind = to_npy(out) if as_npy else to_json(out)
         by_code[200] += 1  # once the answer is made: what /metrics counts is what was sent
         return Response(data, media_type=kind, headers=headers)
@@ -264,15 +267,6 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
     app.state.answered = by_code  # what /metrics counts, for a refusal before the app's
     return app
-
-
-def timing_headers(t: Any) -> dict[str, str]:
-    """``Server-Timing`` (ms) and ``X-Batch`` of a request's :class:`RequestTiming` ``t``."""
-    return {
-        "Server-Timing": f"queued;dur={t.queued * 1e3:.3f}, padded;dur={t.padded * 1e3:.3f}, "
-        f"compute;dur={t.compute * 1e3:.3f}, split;dur={t.split * 1e3:.3f}",
-        "X-Batch": f"rows={t.batch_rows}; requests={t.batch_requests}; bucket={t.bucket}",
-    }
 
 
 def load_entry(artifact: Any, entry: str | None = None, **options: Any) -> LoadedModel:

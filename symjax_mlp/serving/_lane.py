@@ -189,39 +189,43 @@ class Lane:
         try:
             results, record = self.compute(batch, rows, [r.t0 for r in batch])
         except BaseException as e:  # every request of the batch gets it; the lane carries on
-            with self.lock:  # (SystemExit too, as a ThreadPoolExecutor's future would)
-                self.n.failed += len(batch)
-            self.settle(batch, None, e)
+            self.settle(batch, None, e)  # (SystemExit too, as a ThreadPoolExecutor's would)
             return
-        self.n.pending.append(record)  # before any result
         self.settle(batch, results, None, (*record[1:], len(batch)))
 
     def compute(self, batch: Sequence[Any], rows: int, t0: Any) -> tuple[list[Any], tuple]:
         """The model's results for ``batch`` (requests of ``rows`` rows in all), one per
         request, and the batch's timing record ``(t0, t1, t2, t3, t4, rows, bucket)``: ``t0``
         its request's start or its requests' starts, ``t1..t4`` its stages' bounds."""
-        t1 = clock()
-        bucket = self.bucket_of[rows]
-        inputs = self.assemble([r.arrays for r in batch], rows, bucket)
-        t2 = clock()
-        out = self.to_host(self.call(*inputs))
-        for y in (out,) if self.single else jax.tree.leaves(out):  # else wrong rows, or none
-            if y.ndim == 0 or y.shape[0] != bucket:
-                raise RuntimeError(
-                    f"{self.name}: the model returned an output of shape {y.shape} for a batch "
-                    f"of {bucket} rows; it must return one row per input row."
-                )
-        t3 = clock()
-        if len(batch) == 1:  # a lone request: one copy of its rows, no views
-            results = [self.split(out, 0, rows)]
-        elif self.single and rows == len(batch):  # one row each: the common batch
-            results = list(out[:rows, None].copy())  # one copy; a view per row
-        else:
-            results, start, split = [], 0, self.split
-            for r in batch:
-                results.append(split(out, start, start + r.rows))
-                start += r.rows
-        return results, (t0, t1, t2, t3, clock(), rows, bucket)
+        try:  # counted: in bulk, later, or at once as failed
+            t1 = clock()
+            bucket = self.bucket_of[rows]
+            inputs = self.assemble([r.arrays for r in batch], rows, bucket)
+            t2 = clock()
+            out = self.to_host(self.call(*inputs))
+            for y in (out,) if self.single else jax.tree.leaves(out):  # else wrong rows, or none
+                if y.ndim == 0 or y.shape[0] != bucket:
+                    raise RuntimeError(
+                        f"{self.name}: the model returned an output of shape {y.shape} for a batch "
+                        f"of {bucket} rows; it must return one row per input row."
+                    )
+            t3 = clock()
+            if len(batch) == 1:  # a lone request: one copy of its rows, no views
+                results = [self.split(out, 0, rows)]
+            elif self.single and rows == len(batch):  # one row each: the common batch
+                results = list(out[:rows, None].copy())  # one copy; a view per row
+            else:
+                results, start, split = [], 0, self.split
+                for r in batch:
+                    results.append(split(out, start, start + r.rows))
+                    start += r.rows
+        except BaseException:
+            with self.lock:
+                self.n.failed += len(batch)
+            raise
+        record = (t0, t1, t2, t3, clock(), rows, bucket)
+        self.n.pending.append(record)  # before any result
+        return results, record
 
     def settle(self, batch, results, error, timing=None) -> None:
         """Hands out a batch's results (or ``error``): one lock for its futures, one release
@@ -250,15 +254,8 @@ class Lane:
     def run_alone(self, request: Any) -> tuple[Any, tuple]:
         """Runs one request on the calling thread, which holds the lane's token (and gives it
         back itself): its result, and its timing record."""
-        n = self.n
-        n.alone += 1  # only the token's holder writes it
-        try:
-            results, record = self.compute((request,), request.rows, request.t0)
-        except BaseException:
-            with self.lock:
-                n.failed += 1
-            raise
-        n.pending.append(record)  # counted later, in bulk
+        self.n.alone += 1  # only the token's holder writes it
+        results, record = self.compute((request,), request.rows, request.t0)
         return results[0], record
 
     def release(self) -> None:

@@ -222,7 +222,7 @@ def bucket_sizes(
 
 
 _STATIC = (
-    "{head}: it has {rows} rows. The artifact was exported for a static batch of {static}, and "
+    ": it has {rows} rows. The artifact was exported for a static batch of {static}, and "
     "its rows are not shown independent ({why}), so a request is never padded nor merged: pass "
     "exactly {static} rows, or export the model with a symbolic batch (batch='b')."
 )
@@ -238,7 +238,6 @@ class RequestCheck:
     ) -> None:  # fmt: skip
         self.name, self.specs, self.lane, self.max_batch = name, specs, lane, max_batch
         self.least, self.static, self.why = static or 1, static, why
-        self.ranks = [len(shape) + 1 for shape in lane.row_shapes]
         # The NumPy shapes (a tuple of them for several inputs) that passed, with their rows;
         # a request's dtypes must be these very objects to be looked up.
         self.accepted: dict[Any, int] = {}
@@ -270,20 +269,18 @@ class RequestCheck:
                 f"{len(inputs)}. Call it as b({', '.join(s.path for s in self.specs)})."
             )
         arrays, rows, numpy = [], None, True
-        for x, shape, dtype, rank in zip(
-            inputs, lane.row_shapes, lane.dtypes, self.ranks, strict=True
-        ):
+        for i, x in enumerate(inputs):
             numpy = numpy and type(x) is np.ndarray
             a = x if type(x) is np.ndarray else np.asarray(x)  # read on the host anyway
-            if (
-                a.ndim != rank
-                or a.shape[1:] != shape
-                or a.dtype != dtype
-                or not self.least <= a.shape[0] <= self.max_batch
-                or (rows is not None and a.shape[0] != rows)
-            ):
+            why = self._why(i, a, rows)
+            if why:
                 self._reject()
-                raise SignatureError(self._explain(len(arrays), a, rows))
+                spec = self.specs[i]
+                want = f"b = {self.static}" if self.static else f"1 <= b <= {self.max_batch}"
+                raise SignatureError(
+                    f"{self.name}: input {spec.path} has shape {a.shape} and dtype {a.dtype}, "
+                    f"but a request takes {spec.type} with {want} rows{why}"
+                )
             rows = a.shape[0]
             arrays.append(a)
         if numpy:
@@ -291,38 +288,33 @@ class RequestCheck:
             self.accepted[shapes[0] if len(shapes) == 1 else shapes] = rows
         return arrays, rows  # type: ignore[return-value]
 
-    def _explain(self, i: int, a: np.ndarray, rows: int | None) -> str:
-        spec, lane = self.specs[i], self.lane
-        want = f"{spec.type} with 1 <= b <= {self.max_batch} rows"
-        if self.static:
-            want = f"{spec.type} with b = {self.static} rows"
-        head = f"{self.name}: input {spec.path} has shape {a.shape} and dtype {a.dtype}, but a "
-        head += f"request takes {want}"
-        shape = lane.row_shapes[i]
+    def _why(self, i: int, a: np.ndarray, rows: int | None) -> str:
+        """Why input ``i`` is refused, the message's end (``""``: it is not)."""
+        shape, dtype = self.lane.row_shapes[i], self.lane.dtypes[i]
         if a.ndim != len(shape) + 1:
-            hint = (
-                "Add the batch dimension: x[None] (one row)."
-                if a.shape == shape
-                else f"Pass an array of rank {len(shape) + 1}."
-            )
-            return f"{head}: rank {a.ndim}, not {len(shape) + 1}. {hint}"
+            fix = "Add the batch dimension: x[None] (one row)" if a.shape == shape else ""
+            fix = fix or f"Pass an array of rank {len(shape) + 1}"
+            return f": rank {a.ndim}, not {len(shape) + 1}. {fix}."
         if a.shape[1:] != shape:
-            return f"{head}: each row is {a.shape[1:]}, not {shape}. Pass rows of shape {shape}."
-        if a.dtype != lane.dtypes[i]:
-            return f"{head}. Cast it: x.astype(np.{lane.dtypes[i]})."
-        if a.shape[0] < 1:
-            return f"{head}: it has no rows. Pass at least one row."
-        if self.static and a.shape[0] != self.static:
-            return _STATIC.format(head=head, rows=a.shape[0], static=self.static, why=self.why)
-        if a.shape[0] > self.max_batch:
+            return f": each row is {a.shape[1:]}, not {shape}. Pass rows of shape {shape}."
+        if a.dtype != dtype:
+            return f". Cast it: x.astype(np.{dtype})."
+        n = a.shape[0]
+        if n < 1:
+            return ": it has no rows. Pass at least one row."
+        if self.static and n != self.static:
+            return _STATIC.format(rows=n, static=self.static, why=self.why)
+        if n > self.max_batch:
             return (
-                f"{head}: it has {a.shape[0]} rows. Split it into requests of at most "
-                f"{self.max_batch} rows, or make a Batcher with max_batch >= {a.shape[0]}."
+                f": it has {n} rows. Split it into requests of at most {self.max_batch} rows, "
+                f"or make a Batcher with max_batch >= {n}."
             )
-        return (
-            f"{head}: it has {a.shape[0]} rows but {self.specs[0].path} has {rows}; the inputs "
-            "of one request must have the same number of rows."
-        )
+        if rows is not None and n != rows:
+            return (
+                f": it has {n} rows but {self.specs[0].path} has {rows}; the inputs of one "
+                "request must have the same number of rows."
+            )
+        return ""
 
     def _reject(self) -> None:
         with self.lane.lock:
