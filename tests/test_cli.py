@@ -724,7 +724,33 @@ def test_run_refuses_an_output_that_is_its_input_or_a_file_of_the_artifact(tmp_p
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert x.read_bytes() == before and (art / "manifest.json").read_bytes() == manifest
-    assert main(["run", str(art), "--input", str(x), "--output", str(art / "y.npy")]) == 0
+    assert main(["run", str(art), "--input", str(x), "--output", str(tmp_path / "y.npy")]) == 0
+    assert (tmp_path / "y.npy").exists()
+
+
+def test_no_output_goes_into_the_artifact_directory(tmp_path, capsys):
+    """`run A --input x.npy --output A/y.npy` (and `inspect A --json A/r.json`) wrote a new file
+    into the artifact, which verify_signature (covering the whole directory) then refused:
+    refused before any work, naming the path, the artifact and the fix."""
+    import numpy as np
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    x = tmp_path / "x.npy"
+    np.save(x, np.ones((4, 2), np.float32))
+    files = sorted(p.name for p in art.iterdir())
+    capsys.readouterr()
+    for argv, out in (
+        (["run", str(art), "--input", str(x), "--output"], art / "y.npy"),
+        (["run", str(art), "--input", str(x), "--output"], tmp_path / "m" / ".." / "m" / "y.npz"),
+        (["inspect", str(art), "--json"], art / "report.json"),
+    ):
+        assert main([*argv, str(out)]) == 2, out
+        err = capsys.readouterr().err
+        assert f"{out}: is inside the artifact {art}" in err, err
+        assert "Pass another path, outside the artifact." in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in art.iterdir()) == files
 
 
 def test_an_empty_output_path_is_refused_not_taken_for_the_working_directory(capsys):

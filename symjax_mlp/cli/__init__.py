@@ -43,7 +43,7 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.options: list[argparse.Action] = []  # before argparse's own add_argument("-h")
-        self.commands: dict[str, _Parser] = {}
+        self.commands: dict[str, Any] = {}
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -170,15 +170,12 @@ def _add_bench(sub: Subcommands) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> None:
-    from symjax_mlp import load, timeit
+    from symjax_mlp import timeit
     from symjax_mlp.serving import latency_mode
 
     if args.dispatch == "sync":
         latency_mode()  # before anything starts JAX's CPU backend
-    model = load(args.path, runtime=args.runtime, **_args.load_options(args))
-    if args.entry is not None:
-        model = model[args.entry]
-    timing = timeit(model, **keywords(args, "batch calls repeats"))
+    timing = timeit(_args.load_model(args), **keywords(args, "batch calls repeats"))
     show(timing, timing.to_dict(), args.json)
 
 
@@ -194,19 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = (_add_tour, _add_graph, _add_export, _add_inspect, _run.add_parser, _add_verify)
     for add in (*commands, _add_bench, _train.add_parser, _serve.add_parser):  # --help's order
-        add(_Recorded(sub, parser.commands))
+        add(sub)
+    parser.commands = sub.choices
     return parser
-
-
-class _Recorded:
-    """``add_subparsers()``'s result, recording each subcommand's parser in ``commands``."""
-
-    def __init__(self, sub: Subcommands, commands: dict[str, Any]) -> None:
-        self.sub, self.commands = sub, commands
-
-    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-        parser = self.commands[name] = self.sub.add_parser(name, **kwargs)
-        return parser
 
 
 # A library message's keyword, the subcommand's option for it (its dest), as typed, where the

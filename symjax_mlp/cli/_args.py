@@ -130,14 +130,22 @@ def show(result: Any, data: Any, target: str | None) -> None:
 
 
 def outside_artifact(path: str, option: str, artifact: str | None) -> None:
-    """Refuses an output path that is a file of the artifact read (``inspect A --json
-    A/manifest.json`` replaced its manifest), before any work; as run's ``--output``."""
-    into = os.path.dirname(os.path.realpath(path))
-    if artifact and os.path.isfile(path) and into == os.path.realpath(artifact):
-        raise argparse.ArgumentTypeError(
-            f"{option} {path}: is a file of the artifact {artifact}; writing there would "
-            "replace it with the output. Pass another path."
-        )
+    """Refuses an output path inside the artifact read, before any work: a file of it would be
+    replaced (``inspect A --json A/manifest.json``), a new file breaks its signature, which
+    covers the whole directory."""
+    if not artifact or path == "-":
+        return
+    home, into = os.path.realpath(artifact), os.path.dirname(os.path.realpath(path))
+    if os.path.commonpath((home, into)) != home:
+        return
+    if os.path.isfile(path):
+        what, harm = "a file of", "replace it with the output"
+    else:
+        what, harm = "inside", "add a file its checksums and signature do not list"
+    raise argparse.ArgumentTypeError(
+        f"{option} {path}: is {what} the artifact {artifact}; writing there would {harm}. "
+        "Pass another path, outside the artifact."
+    )
 
 
 def stdout(option: str) -> Any:
@@ -203,3 +211,11 @@ def keywords(args: argparse.Namespace, names: str) -> dict[str, Any]:
 def load_options(args: argparse.Namespace) -> dict:
     """The ``load()`` keywords of :func:`add_trust_options`' options."""
     return {"allow": args.allow, "trust": args.trust, "verify_signature": args.key}
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """``load(PATH, runtime=..., ...)``, its ``--entry`` if one was given."""
+    from symjax_mlp import load
+
+    model = load(args.path, runtime=args.runtime, **load_options(args))
+    return model if args.entry is None else model[args.entry]

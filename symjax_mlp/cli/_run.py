@@ -41,17 +41,11 @@ def add_parser(sub: _args.Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
-    from symjax_mlp import load
     from symjax_mlp._npy import arrays, raw_dtype_notes, read_inputs, write_outputs
 
     paths = args.output
-    for path in paths:
-        _args.writable(path, "--output", overwrite=True)
-    _distinct(paths)
-    _not_read(paths, args.input, args.path)
-    model = load(args.path, runtime=args.runtime, **_args.load_options(args))
-    if args.entry is not None:
-        model = model[args.entry]
+    _check_outputs(paths, args.input, args.path)
+    model = _args.load_model(args)
     outputs = model.signature.outputs
     if len(paths) > 1 and len(paths) != len(outputs):
         n, types = len(outputs), ", ".join(o.type for o in outputs)
@@ -75,8 +69,11 @@ def run(args: argparse.Namespace) -> None:
             print(f"note: {note}", file=stream)
 
 
-def _distinct(paths: list[str]) -> None:
-    """Refuses a path given twice, and stdout beside files, before any work."""
+def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> None:
+    """Refuses, before any work, an output path that cannot be written, given twice, stdout
+    beside files, an --input, or inside the artifact."""
+    for path in paths:
+        _args.writable(path, "--output", overwrite=True)
     twice = sorted({p for p in paths if paths.count(p) > 1})
     if twice:
         raise argparse.ArgumentTypeError(
@@ -88,19 +85,11 @@ def _distinct(paths: list[str]) -> None:
             f"--output -: stdout takes one array, and {len(paths)} --output paths were given. "
             "Name a file for each output, or pass one .npz path (out0, out1, ...)."
         )
-
-
-def _not_read(paths: list[str], inputs: list[Any], artifact: str) -> None:
-    """Refuses an output path that is an --input or a file of the artifact, before any work."""
-    for path in (p for p in paths if p != "-" and os.path.exists(p)):
-        same = [str(x) for x in inputs if os.path.samefile(path, x)]
+    for path in (p for p in paths if p != "-"):
+        same = [str(x) for x in inputs if os.path.exists(path) and os.path.samefile(path, x)]
         if same:
-            what = f"the --input {same[0]}"
-        elif os.path.dirname(os.path.realpath(path)) == os.path.realpath(artifact):
-            what = f"a file of the artifact {artifact}"
-        else:
-            continue
-        raise argparse.ArgumentTypeError(
-            f"--output {path}: is {what}; writing there would replace it with the output. "
-            "Pass another path."
-        )
+            raise argparse.ArgumentTypeError(
+                f"--output {path}: is the --input {same[0]}; writing there would replace it "
+                "with the output. Pass another path."
+            )
+        _args.outside_artifact(path, "--output", artifact)
