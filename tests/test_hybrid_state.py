@@ -279,3 +279,20 @@ def test_an_nnx_module_of_params_only_inside_the_params_runs_and_differentiates(
     chex.assert_trees_all_close(grads["scale"], want["scale"], rtol=1e-5)
     chex.assert_trees_all_close(grads["model"].kernel[...], want["model"].kernel[...], rtol=1e-5)
     assert float(np.abs(grads["model"].kernel[...]).sum()) > 0 and not h.stateful
+
+
+def test_an_nnx_module_with_state_inside_params_given_later_is_refused_alike():
+    """The refusal at hybridize covers the params given afterwards too: ``h.apply(params, x)``
+    and ``h.replace(params=...)`` took them unchecked, and dropped the BatchStats (Dropout's
+    rng counts) the module's compiled calls moved."""
+
+    def fn(p, x, train=False):
+        return p["model"](x, train=train) * p["scale"]
+
+    h = sm.hybridize(fn, {"model": nnx.Linear(5, 5, rngs=nnx.Rngs(0)), "scale": np.float32(2)})
+    params = {"model": NnxBatchNorm(nnx.Rngs(0)), "scale": np.float32(2)}
+    held = r"params\['model'\] is an nnx NnxBatchNorm holding BatchStat variables.*would drop"
+    with pytest.raises(sm.ConfigError, match=r"fn\.apply\(params, \.\.\.\): " + held):
+        h.apply(params, X, train=True)
+    with pytest.raises(sm.ConfigError, match=r"fn\.replace\(params=\.\.\.\): " + held):
+        h.replace(params=params)

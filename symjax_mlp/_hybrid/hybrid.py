@@ -17,7 +17,13 @@ from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import check_settings, partition, static_args
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.held import HeldState
-from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit
+from symjax_mlp._hybrid.pure import (
+    ModuleModes,
+    PureModel,
+    plain,
+    refit,
+    refuse_nested_nnx_state,
+)
 from symjax_mlp._hybrid.trace import TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, TracedModel, given, write_back
 from symjax_mlp._specs import array_types
@@ -184,6 +190,8 @@ class Hybrid:
             )
         settings |= changes
         params, state = settings.pop("params"), settings.pop("state")
+        if "params" in changes:
+            refuse_nested_nnx_state(f"{self.name}.replace(params=...)", params)
         state = refit(self.name, self.state, state)
         if self.donate and not settings["donate"] and "state" not in changes:
             state = self._held.copy()  # self's next call consumes what it holds

@@ -8,13 +8,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 from jax.sharding import Mesh
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import equinox_modules
 from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._hybrid.pure import linen, nnx_module
+from symjax_mlp._hybrid.pure import linen, nnx_module, refuse_nested_nnx_state
 
 _TAKES_NO = {  # why, and the fix
     "nnx": "the module carries its own state (nnx.Rngs, nnx.BatchStat). Write hybridize(module).",
@@ -133,40 +132,8 @@ def hybridize(
     elif _flax_kind(params) == "nnx":  # its BatchStats and rng counts carried, not dropped
         model, params, state = nnx_module(params, model)
     else:
-        _refuse_nested_nnx_state(params)
+        refuse_nested_nnx_state("hybridize(fn, params)", params)
     return Hybrid(model, params, state=state, name=name, **settings)
-
-
-_NESTED_NNX = (
-    "hybridize(fn, params): params{path} is an nnx {kind} holding {held} variables, which its "
-    "calls change (BatchNorm's statistics, Dropout's rng counts); inside the params every "
-    "compiled call would drop that change, silently. Pass the module as the "
-    "params, hybridize(fn, module), which carries that state across calls, and the rest as "
-    "arguments (h(x, scale)) or as the module's attributes."
-)
-
-
-def _refuse_nested_nnx_state(params: Any) -> None:
-    """Refuses an nnx module (or ``nnx.Rngs``) inside a plain params pytree that holds
-    variables other than ``Param`` s: a compiled call would drop what it changes in them."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:  # flax not imported: no nnx module can exist
-        return
-    graph = getattr(nnx, "Pytree", nnx.Module)  # nnx.Rngs too, where flax has nnx.Pytree
-
-    def node(x: Any) -> bool:
-        return isinstance(x, graph)
-
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=node)[0]:
-        if not node(leaf):
-            continue
-        held = nnx.state(leaf, nnx.Not(nnx.Param))
-        variables = jax.tree.leaves(held, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        if kinds := sorted({type(v).__name__ for v in variables}):
-            where = jax.tree_util.keystr(path)
-            raise ConfigError(
-                _NESTED_NNX.format(path=where, kind=type(leaf).__name__, held=", ".join(kinds))
-            )
 
 
 def _flax_kind(model: Any) -> str | None:

@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -205,6 +206,35 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
         module,
     )  # fmt: skip
     return model, params, state
+
+
+_NESTED_NNX = (
+    "{caller}: params{path} is an nnx {kind} holding {held} variables, which its calls change "
+    "(BatchNorm's statistics, Dropout's rng counts); inside the params every compiled call "
+    "would drop that change, silently. Pass the module as the params, hybridize(fn, module), "
+    "which carries that state across calls, and the rest as arguments (h(x, scale)) or as the "
+    "module's attributes."
+)
+
+
+def refuse_nested_nnx_state(caller: str, params: Any) -> None:
+    """Refuses an nnx module (or ``nnx.Rngs``) inside plain params that holds variables other
+    than ``Param`` s: a compiled call would drop what it changes in them."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:  # flax not imported: no nnx module can exist
+        return
+    graph = getattr(nnx, "Pytree", nnx.Module)  # nnx.Rngs too, where flax has nnx.Pytree
+    nodes = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, graph))
+    for path, leaf in nodes[0]:
+        if not isinstance(leaf, graph):
+            continue
+        held = nnx.state(leaf, nnx.Not(nnx.Param))
+        variables = jax.tree.leaves(held, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        if kinds := sorted({type(v).__name__ for v in variables}):
+            where, kind = jax.tree_util.keystr(path), type(leaf).__name__
+            raise ConfigError(
+                _NESTED_NNX.format(caller=caller, path=where, kind=kind, held=", ".join(kinds))
+            )
 
 
 _UNFIT = (

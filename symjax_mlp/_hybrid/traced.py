@@ -19,7 +19,7 @@ from symjax_mlp._hybrid.args import ModuleSetting, rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.held import HeldState
 from symjax_mlp._hybrid.jaxpr import input_dependent
-from symjax_mlp._hybrid.pure import PureModel
+from symjax_mlp._hybrid.pure import PureModel, refuse_nested_nnx_state
 from symjax_mlp._hybrid.trace import TraceLog, symbolic
 from symjax_mlp._specs import array_types
 
@@ -92,6 +92,8 @@ class TracedModel:
     def run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
         """One trace: its budget enforced before, logged after; ``h.apply``'s
         (``entry="apply"``) returns ``out``, the new state (and given values)."""
+        if entry == "apply":  # once per trace: the params h.apply was given
+            refuse_nested_nnx_state(f"{self.log.name}.apply(params, ...)", leaves)
         params = leaves if entry == "apply" else self.params(leaves)
         given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
         event = self.log.begin(static, dyn, dyn_kw, entry)
