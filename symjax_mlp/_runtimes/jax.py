@@ -128,11 +128,14 @@ def runner(
     def call_checked(inputs: list[Any]) -> list[Any]:
         key = tuple([(x.shape, x.dtype) for x in inputs]) if guard else None  # not str(dtype)
         go = run
-        if any(isinstance(x, Tracer) for x in inputs) and next(linearizing(), False):
-            # traced inside jax.linearize (jax.linearize(jax.jit(m))): not the one jit, whose
-            # cached trace linearize would reuse, but the program's own custom_vjp, whose
-            # forward rule refuses linearize where inputs carry tangents (transforms.py)
-            go = functools.partial(program.fn, weights)
+        for x in inputs:  # a loop, not any(...): no generator on every call
+            if isinstance(x, Tracer):
+                # traced inside jax.linearize (jax.linearize(jax.jit(m))): not the one jit, whose
+                # cached trace linearize would reuse, but the program's own custom_vjp, whose
+                # forward rule refuses linearize where inputs carry tangents (transforms.py)
+                if next(linearizing(), False):
+                    go = functools.partial(program.fn, weights)
+                break
         if key is None or key in checked:
             out = go(*inputs)
         else:  # the first call of this signature: it compiles
