@@ -885,7 +885,7 @@ def test_the_constructor_checks_its_arguments(chapter, tmp_path):
         with pytest.raises(sm.ConfigError, match=rf"buckets must be a tuple.*got {bad!r}"):
             sm.serving.Batcher(m, buckets=bad)
     for bad in ([True, 4], ["a", 4]):  # True passed as 1, then failed deep in the warm-up
-        with pytest.raises(sm.ConfigError, match=r"buckets must be ints >= 1"):
+        with pytest.raises(sm.ConfigError, match=r"buckets must be a tuple of ints >= 1.*got \["):
             sm.serving.Batcher(m, buckets=bad, max_batch=4)
     with pytest.raises(sm.ConfigError, match=r"Batcher\(kwargs=\[1\]\): pass a dict"):
         sm.serving.Batcher(h, example=x, kwargs=[1])

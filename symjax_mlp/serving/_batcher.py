@@ -1,12 +1,9 @@
 """A micro-batcher: a stream of requests merged into a few pre-compiled batch shapes.
 
-One executor lane runs one batch at a time. A request that finds it idle (and nothing queued)
-runs at once: ``b(x)`` on the calling thread, ``submit`` on the batcher's thread, ``asubmit``
-on the event loop when the loop's pass ends (for a LoadedModel; other models' Python runs on the
-batcher's thread, so one that blocks never stalls the loop). Requests that arrive while a batch
-runs are merged, in arrival order, into the next batch, zero-padded to the smallest compiled
-bucket that holds it. Per request, little is done: a known ``(shape, dtype)`` is looked up, a
-lone ``b(x)`` takes no lock and no future, a batch's counters are one tuple on a deque.
+One executor lane runs one batch at a time. A request that finds it idle runs at once (``b(x)``
+on the calling thread, ``submit`` on the batcher's thread, ``asubmit`` of a LoadedModel on the
+event loop as its pass ends); requests that arrive meanwhile merge, in arrival order, into the
+next batch, zero-padded to the smallest compiled bucket that holds it.
 """
 
 from __future__ import annotations
@@ -52,10 +49,9 @@ class Batcher:
     says why; with a static batch, a request must have exactly its rows. A Hybrid, a callable
     or an artifact written before manifests said so is merged and padded.
 
-    A bad request is refused with :class:`~symjax_mlp.SignatureError`, a full queue with
-    :class:`OverloadError`. If the model raises, every request of that batch gets the exception
-    (``SystemExit`` too, as with a ``ThreadPoolExecutor``), and the batcher carries on. Inputs
-    are read when their batch runs: do not change one in place before its result is back.
+    If the model raises, every request of that batch gets the exception (``SystemExit`` too, as
+    with a ``ThreadPoolExecutor``), and the batcher carries on. Inputs are read when their batch
+    runs: do not change one in place before its result is back.
 
     Args:
       model: a :class:`~symjax_mlp.LoadedModel` (``sm.load(path)``; its signature says what
@@ -155,7 +151,7 @@ class Batcher:
         self.why_alone: str = alone
         lane = Lane(served, specs, self.buckets, self.name, merges=not alone)
         exact = static if alone else None  # a static batch whose rows mix: never padded
-        self._check = RequestCheck(self.name, specs, lane, self.max_batch, exact, alone).check
+        self._check = RequestCheck(specs, lane, exact, alone).check
         # Per event loop, this pass's asubmit (None: several): see _end_of_pass. A lone one
         # runs on the loop only for an XLA program (a user's Python may block the loop).
         self._passes: dict[Any, AsyncRequest | None] = {}
@@ -297,11 +293,10 @@ class Batcher:
             q.popleft()
             lane.n.requests -= 1  # run_alone counts it among the lone ones
         try:
-            try:
-                result, record = lane.run_alone(lone)
-            except BaseException as e:  # counted as failed by run_alone; SystemExit too, which
-                lone.fail(e)  # reaches the loop through its awaiter, if any
-                return
+            result, record = lane.run_alone(lone)
+        except BaseException as e:  # counted as failed by run_alone; SystemExit too, which
+            lone.fail(e)  # reaches the loop through its awaiter, if any
+        else:
             lone._batch = (*record[1:], 1)
             lone.future.set_result(result)
         finally:

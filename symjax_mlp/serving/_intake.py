@@ -1,14 +1,10 @@
 """Request bodies read within bounds, as nginx reads them, on the server's one event loop.
 
-:class:`Intake` bounds bodies by ``max_body_bytes`` (413 once ``Content-Length`` or the bytes
-received pass it), ``body_timeout`` between two reads (408, connection closed) and
-``max_inflight_bytes`` held by all bodies at once (503), so slow clients cannot pin the server's
-memory. The shared count needs no lock: one loop runs every read.
-
-One timer per loop watches every read (:class:`_Deadlines`): the timeout is the same for all, so
-the reads' deadlines, kept in the order they were set, are in time order, and the timer waits
-for the first. A body that is there when its read starts (the usual request) costs a dict entry,
-not a timer of its own (``asyncio.timeout``'s: a timer handle made, pushed and cancelled).
+:class:`Intake` bounds a body's size (413), its pace (408: nothing for ``body_timeout`` seconds
+between two reads) and the bytes all bodies hold at once (503; no lock: one loop runs every
+read). One timer per loop watches every read (:class:`_Deadlines`): the timeout is the same for
+all, so deadlines kept in the order set are in time order, and a body there at once costs a
+dict entry, not a timer of its own.
 """
 
 from __future__ import annotations
@@ -30,13 +26,8 @@ class Intake:
 
     async def read(self, request: Any, hold: list[int]) -> bytes:
         """The body of ``request``, its bytes counted in ``hold[0]`` as they arrive (give them
-        back with :meth:`release`, even when this raises).
-
-        Raises:
-          BadRequest: 413 too large, 408 a client quiet for ``body_timeout`` seconds, 503 the
-            bodies in flight would pass ``max_inflight_bytes``.
-          starlette.requests.ClientDisconnect: the client went away.
-        """
+        back with :meth:`release`, even when this raises): a :class:`BadRequest` (413, 408, 503)
+        or starlette's ``ClientDisconnect``."""
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
             raise BadRequest(413, _too_large(int(size), self.max_body_bytes))

@@ -93,9 +93,7 @@ class Lane:
         # model until it appends it back; empty while the lane is busy.
         self.idle = [True]
         self.closing = False
-        self.n = Counters(self.buckets)
-        if not merges:
-            self.n.by_bucket = collections.Counter()  # the sizes run, as they come
+        self.n = Counters(self.buckets if merges else ())  # else: the sizes run, as they come
         self.to_host: Callable[[Any], Any] = functools.partial(jax.tree.map, np.asarray)
         self.split = lambda out, a, b: jax.tree.map(lambda y: y[a:b].copy(), out)
         self.single = False  # one array out: the split is a list of row copies
@@ -113,8 +111,7 @@ class Lane:
 
     def serve(self) -> None:
         lock, idle = self.lock, self.idle
-        lock.acquire()
-        try:
+        with lock:
             while True:
                 if not self.queue and self.closing and idle:
                     return
@@ -136,8 +133,6 @@ class Lane:
                             self.n.fold()
                 finally:
                     idle.append(True)
-        finally:
-            lock.release()
 
     def nudge(self) -> None:
         """Wakes the thread if it sleeps (the lock is held): one notify per wake-up."""

@@ -1,8 +1,7 @@
 """Latency mode: JAX's CPU calls run on the calling thread, not handed to a dispatch thread.
 
-JAX's CPU client dispatches each call asynchronously, a thread hand-off per call, and XLA hands
-a batch-1 matvec to Eigen's pool too: :func:`latency_mode` turns both off. Both settings are
-read once, when JAX starts its CPU backend. On a GPU it changes nothing.
+JAX's CPU client hands each call to a thread, and XLA a batch-1 matvec to Eigen's pool: both
+settings are read once, as JAX starts its CPU backend. On a GPU it changes nothing.
 """
 
 from __future__ import annotations

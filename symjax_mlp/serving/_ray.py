@@ -1,9 +1,7 @@
 """An artifact as a Ray Serve application: replicas, each a :class:`Batcher` behind our ASGI app.
 
-A replica compiles its batcher's buckets in its constructor (before Ray routes it a request)
-and serves :func:`~symjax_mlp.serving.create_app` through Ray's HTTP proxy, or
-``handle.predict.remote(x)``. Each health check copies its counters into ``ray.serve.metrics``
-gauges; nothing is added per request. Ray is imported only here, when used.
+Each health check copies a replica's counters into ``ray.serve.metrics`` gauges; nothing is
+added per request. Ray is imported only here, when used.
 """
 
 from __future__ import annotations

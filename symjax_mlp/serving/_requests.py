@@ -191,20 +191,20 @@ def bucket_sizes(
                 "export it with a symbolic batch (batch='b') to batch freely."
             )
         return (static,)
+    if max_batch is not None:
+        check_count(name, "max_batch", max_batch)
     if buckets is not None:
-        if isinstance(buckets, str) or not isinstance(buckets, Iterable):
+        ok = isinstance(buckets, Iterable) and not isinstance(buckets, str)
+        buckets = list(buckets) if ok else buckets
+        ok = ok and buckets and all(type(b) is not bool and isinstance(b, int) for b in buckets)
+        if not ok or min(buckets) < 1 or max_batch not in (None, max(buckets)):
+            largest = f" whose largest is max_batch={max_batch}" if max_batch else ""
             raise ConfigError(
-                f"{name}: buckets must be a tuple of batch sizes, e.g. buckets=(1, 8, 64); got "
-                f"{buckets!r}."
+                f"{name}: buckets must be a tuple of ints >= 1{largest}, e.g. buckets=(1, 8, "
+                f"64); got {buckets!r}."
             )
-        buckets = list(buckets)
-        if not buckets or any(
-            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets
-        ):
-            raise ConfigError(f"{name}: buckets must be ints >= 1; got {buckets!r}.")
-    if max_batch is None:
-        max_batch = max(buckets) if buckets else 64
-    check_count(name, "max_batch", max_batch)
+        max_batch = max(buckets)
+    max_batch = max_batch or 64
     if max_batch > MAX_BATCH:  # every bucket is compiled and run once when the batcher is made
         raise ConfigError(
             f"{name}: max_batch={max_batch:,} rows is more than one model call may take here "
@@ -213,11 +213,6 @@ def bucket_sizes(
         )
     if buckets is None:  # powers of two, and max_batch
         return tuple(sorted({*(1 << i for i in range(max_batch.bit_length())), max_batch}))
-    if max(buckets) != max_batch:
-        raise ConfigError(
-            f"{name}: buckets must be ints >= 1 whose largest is max_batch={max_batch}; got "
-            f"{buckets!r}."
-        )
     return tuple(sorted(set(buckets)))
 
 
@@ -232,12 +227,9 @@ class RequestCheck:
     """Checks requests against a batcher's specs: :meth:`check` gives their arrays and rows.
     ``static``: where rows mix (``why``), the static batch each request must have exactly."""
 
-    def __init__(
-        self, name: str, specs: Sequence[TensorSpec], lane: Any, max_batch: int,
-        static: int | None = None, why: str = "",
-    ) -> None:  # fmt: skip
-        self.name, self.specs, self.lane, self.max_batch = name, specs, lane, max_batch
-        self.least, self.static, self.why = static or 1, static, why
+    def __init__(self, specs: Sequence[TensorSpec], lane: Any, static: int | None, why: str):
+        self.name, self.specs, self.lane, self.max_batch = lane.name, specs, lane, lane.max_batch
+        self.static, self.why = static, why
         # The NumPy shapes (a tuple of them for several inputs) that passed, with their rows;
         # a request's dtypes must be these very objects to be looked up.
         self.accepted: dict[Any, int] = {}
@@ -362,9 +354,8 @@ def check_count(where: str, option: str, value: Any) -> None:
 
 
 def check_timeout(caller: str, timeout: Any) -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+    bad = isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0
+    if timeout is not None and bad:
         raise ConfigError(
             f"{caller}(timeout={timeout!r}): pass seconds >= 0, or None to wait as long as it "
             "takes."

@@ -126,7 +126,7 @@ class Counters:
         self.alone = 0  # requests run on their callers' threads (the rest: in `requests`)
         self.batches = self.rows = self.padded_rows = 0
         self.rejected = dict.fromkeys(("signature", "overload", "closed"), 0)
-        self.by_bucket = dict.fromkeys(buckets, 0)
+        self.by_bucket = collections.Counter(dict.fromkeys(buckets, 0))
         self.seconds = dict.fromkeys(STAGES, 0.0)
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)  # per bucket, the last: slower
         self.latency_sum = 0.0
