@@ -129,7 +129,7 @@ def test_a_stateful_call_looks_for_tracers_only_under_a_transform(monkeypatch, i
     # the hot path of a BatchNorm model: its new state is concrete outside jit/grad/vmap, so no
     # leaf is looked at; under one (or with the trace-state internal off) every leaf still is
     from symjax_mlp import _compat
-    from symjax_mlp._hybrid import held
+    from symjax_mlp._hybrid import traced
 
     monkeypatch.setitem(_compat.INTERNALS, "transformed", internal)
     seen, tracer = [], jax.core.Tracer
@@ -141,7 +141,7 @@ def test_a_stateful_call_looks_for_tracers_only_under_a_transform(monkeypatch, i
 
     h = _linen()
     h(X, train=True)  # traced
-    for module in (jax.core, held):
+    for module in (jax.core, traced):
         monkeypatch.setattr(module, "Tracer", Counted("Tracer", (), {}), raising=False)
     h(X, train=True)
     assert (seen == []) is internal

@@ -16,7 +16,6 @@ from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import check_settings, partition, static_args
 from symjax_mlp._hybrid.graph import Graph
-from symjax_mlp._hybrid.held import HeldState
 from symjax_mlp._hybrid.pure import (
     ModuleModes,
     PureModel,
@@ -25,7 +24,7 @@ from symjax_mlp._hybrid.pure import (
     refuse_nested_nnx_state,
 )
 from symjax_mlp._hybrid.trace import TraceEvent, TraceLog, symbolic
-from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, TracedModel, given, write_back
+from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given, write_back
 from symjax_mlp._specs import array_types
 
 _FROZEN = (
@@ -348,7 +347,7 @@ class Hybrid:
     def graph(self, /, *args: Any, **kwargs: Any) -> Graph:
         """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
         layer shown (not counted in :attr:`trace_count`)."""
-        static, dyn, dyn_kw = self._partition(args, kwargs, self.name, keyed=False)
+        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
         return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
 
     def training_mode(self, /, *args: Any, **kwargs: Any) -> tuple[str, ...]:
@@ -356,7 +355,7 @@ class Hybrid:
         program on these inputs, as ``"path=value"``; ``()`` in eval mode or for other models."""
         if self._modes is None:
             return ()
-        static, dyn, dyn_kw = self._partition(args, kwargs, self.name, keyed=False)
+        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
         staged = functools.partial(self._traced.staged, static, self._leaves, self.state, dyn)
         with symbolic(self.name):
             return self._modes.training(lambda v: str(staged(dyn_kw, 0, v)))
@@ -378,13 +377,12 @@ class Hybrid:
         self._log.add(callback)
         return callback
 
-    def _partition(self, args: Any, kwargs: Any, caller: str, keyed: bool = True) -> tuple:
-        """The call's static key (``keyed``: with the module's settings), traced args, kwargs."""
+    def _partition(self, args: Any, kwargs: Any, caller: str) -> tuple:
+        """The call's static key (with the module's settings), traced args, kwargs."""
         nums, names = self.static_argnums, self.static_argnames
         own = (self, self._model.source)
         static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
-        keyed = keyed and self._modes is not None
-        return (self._modes.key(static) if keyed else static), dyn, dyn_kw
+        return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw
 
     def __repr__(self) -> str:
         where = "" if self.mesh is None else f", mesh={dict(self.mesh.shape)}, axis={self.axis!r}"

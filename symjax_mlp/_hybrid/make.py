@@ -20,8 +20,6 @@ _TAKES_NO = {  # why, and the fix
     "eqx": "an equinox module's arrays are its params, the rest is held static. Write "
     "hybridize(module); pass a key or an eqx.nn.State to each call.",
 }
-
-
 _EQX_PARAMS = (
     "{kind}: the params given (a {got}) do not fit the equinox {kind} the Hybrid was made of (its "
     "arrays, combined with the rest held static): a module of another class or size. Pass its "
@@ -51,10 +49,9 @@ def hybridize(
         calls; ``module.eval()`` and ``module.train()`` switch the Hybrid too, one trace per
         mode), an ``equinox.Module`` (no ``params``: its arrays are), or any pure function
         ``fn(params, *args, **kwargs)``.
-      params: the variables or params; must be omitted for an nnx or equinox module. An nnx
-        module given as ``fn``'s params is split as its own Hybrid splits it (its ``Param``
-        values the params, its other variables a state carried across calls); one inside the
-        params must hold ``Param`` s only (its other variables would not be carried).
+      params: the variables or params; omitted for an nnx or equinox module. An nnx module as
+        ``fn``'s params is split as its own Hybrid splits it; one inside the params (or given
+        later to ``h.apply``, ``h.replace``) must hold ``Param`` s only.
       name: shown in trace logs and errors (default: the function or module class name).
       max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.
       static_argnums, static_argnames: arguments static even when they are arrays, as in
@@ -64,20 +61,19 @@ def hybridize(
         fresh by each call, ``(out, {name: values})``, as ``model.apply`` returns it.
       rngs: a linen model's rng streams, split anew on every call: a key (the ``"dropout"``
         stream), an int seed, or ``{"dropout": key, ...}``.
-      donate: donate the held state to each ``h(x)`` call (never ``h.apply``; never your
-        variables), XLA writing the new state into its buffers: arrays read from
-        :attr:`Hybrid.state` are valid until the next call.
+      donate: donate the held state to each ``h(x)`` call (never ``h.apply``, never your
+        variables): arrays read from :attr:`Hybrid.state` are valid until the next call.
       params_as_constants: compile the params into ``h(x)``'s program as constants (as
-        ``torch.jit.freeze`` does), each compilation embedding a copy; ``h.apply``,
-        ``h.eager``, ``h.graph`` and :func:`~symjax_mlp.export` still take them as inputs.
-        Not with :meth:`Hybrid.shard`.
+        ``torch.jit.freeze`` does); ``h.apply``, ``h.eager``, ``h.graph`` and
+        :func:`~symjax_mlp.export` still take them as inputs. Not with :meth:`Hybrid.shard`.
 
     Returns:
       A :class:`Hybrid`; ``h(x)`` is XLA-compiled, ``h.eager(x)`` imperative.
 
     Raises:
       TypeError: ``model`` is none of the above, or params are missing or superfluous.
-      ConfigError: an nnx module inside ``params`` holds variables other than ``Param`` s.
+      ConfigError: an nnx module inside ``params`` holds variables other than ``Param`` s
+        (also raised by ``h.apply`` and ``h.replace(params=...)``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -86,13 +82,6 @@ def hybridize(
       >>> h(jnp.ones(2), scale=3.0)
       Array([6., 6.], dtype=float32)
     """
-    settings = dict(
-        max_traces=max_traces,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        donate=donate,
-        params_as_constants=params_as_constants,
-    )
     if isinstance(model, Hybrid):
         raise ConfigError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
     kind, state = _flax_kind(model), None
@@ -133,7 +122,11 @@ def hybridize(
         model, params, state = nnx_module(params, model)
     else:
         refuse_nested_nnx_state("hybridize(fn, params)", params)
-    return Hybrid(model, params, state=state, name=name, **settings)
+    return Hybrid(
+        model, params, state=state, name=name, max_traces=max_traces, donate=donate,
+        static_argnums=static_argnums, static_argnames=static_argnames,
+        params_as_constants=params_as_constants,
+    )  # fmt: skip
 
 
 def _flax_kind(model: Any) -> str | None:

@@ -1,25 +1,33 @@
 """What a Hybrid's ``jax.jit`` traces: the model on a partitioned call ``(static, leaves,
-...)``, with the module settings its key holds, every trace logged; nnx objects given come back
-mutated, as eager nnx leaves them. Programs named ``jit_<name>_hybrid`` lower their CPU
-``threefry2x32`` unrolled (``_compat.install_unrolled_threefry``).
-"""
+...)``, every trace logged, and the state it holds between calls (flat, rng keys as raw
+``key_data``); nnx objects given come back mutated, as eager nnx leaves them. Programs named
+``jit_<name>_hybrid`` lower their CPU ``threefry2x32`` unrolled (``_compat``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
-from symjax_mlp._compat import install_unrolled_threefry
-from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._compat import install_unrolled_threefry, transformed
+from symjax_mlp._errors import ConfigError, ControlFlowError, SignatureError
 from symjax_mlp._hybrid.args import ModuleSetting, rebuild
 from symjax_mlp._hybrid.graph import Graph
-from symjax_mlp._hybrid.held import HeldState
 from symjax_mlp._hybrid.jaxpr import input_dependent
-from symjax_mlp._hybrid.pure import PureModel, refuse_nested_nnx_state
+from symjax_mlp._hybrid.pure import (
+    PureModel,
+    refuse_nested_nnx_state,
+    state_structure,
+    unwrap_keys,
+    wrap_keys,
+)
 from symjax_mlp._hybrid.trace import TraceLog, symbolic
 from symjax_mlp._specs import array_types
 
@@ -35,6 +43,113 @@ _SHARDED = (
     "(h.replace(mesh=None)), or keep the object in the model."
 )
 install_unrolled_threefry(PROGRAM_SUFFIX)
+_STATE_UNDER_TRANSFORM = (
+    "{name}: a stateful Hybrid was called inside a JAX transformation (jax.jit, jax.grad, "
+    "jax.vmap, ...) in a way that changes its state (training mode: batch statistics, an rng "
+    "stream drawn; a linen model's rngs=, which every call splits), where the new state would "
+    "be a tracer. Call it in eval mode there, which keeps the state (a linen model hybridized "
+    "without rngs=), or use the pure form: out, state = h.apply(h.params, x) returns the new "
+    "state instead of holding it."
+)
+_STATE_STRUCTURE = (
+    "{name}: a call changed the structure of the model's state, from {before} to {after}; a "
+    "call may change the held arrays' values, not add, remove or retype them (a variable made "
+    "in __call__, a sow). Create every variable when the model is built, or use the pure form, "
+    "out, state = h.apply(h.params, x), which returns whatever state the call makes."
+)
+
+
+class TraceFirst(Exception):
+    """Raised by a trace begun under the lock (:meth:`HeldState.call` then traces unlocked)."""
+
+
+class HeldState:
+    """A Hybrid's flat state as of the last call (``leaves``), and the ``lock`` held around a
+    call that moves it; ``own``: held in buffers of its own (a donating Hybrid's)."""
+
+    def __init__(self, name: str, state: Any, *, own: bool = False) -> None:
+        self.name = name
+        self._structure, self._key_impls = state_structure(state)
+        leaves = unwrap_keys(jax.tree.leaves(state), self._key_impls)
+        self.leaves = _copies(leaves) if own else leaves
+        self._tree = None if own else state  # rebuilt on the first read after a call
+        self.lock, self._locked = threading.RLock(), threading.local()
+        self._gates: dict[Any, threading.RLock] = {}  # a lock per signature traced
+
+    @property
+    def tree(self) -> Any:
+        """The state as a tree, as of the last call."""
+        tree = self._tree
+        if tree is None:  # arrays, even when read while tracing
+            with self.lock, jax.ensure_compile_time_eval():
+                tree = self._tree = self.unflatten(self.leaves)
+        return tree
+
+    def unflatten(self, leaves: list[Any]) -> Any:
+        """A tree of the held structure from flat ``leaves`` (raw key data wrapped)."""
+        return jax.tree.unflatten(self._structure, wrap_keys(leaves, self._key_impls))
+
+    def flatten(self, state: Any) -> list[Any]:
+        """A call's new state as held (keys as raw data), checked to keep the structure."""
+        structure, key_impls = state_structure(state)
+        if structure != self._structure or key_impls != self._key_impls:
+            raise ConfigError(
+                _STATE_STRUCTURE.format(name=self.name, before=self._structure, after=structure)
+            )
+        return unwrap_keys(jax.tree.leaves(state), key_impls)
+
+    def copy(self) -> Any:
+        """:attr:`tree` in new buffers, which no donating call consumes."""
+        with self.lock, jax.ensure_compile_time_eval():
+            return self.unflatten(_copies(self.leaves))
+
+    def call(self, jitted: Any, args: tuple, keeps: Callable[..., bool] | None = None) -> list[Any]:
+        """``[out, *rest]`` of ``jitted(static, leaves, held, dyn, dyn_kw)``, the new state held,
+        calls one at a time; a call that traces is traced first unlocked (``on_trace`` callbacks
+        may use the Hybrid from any thread). Under a JAX transform, a call whose new state is a
+        tracer is refused, unless ``keeps(*args)``."""
+        try:
+            return self._step(jitted, args, keeps, first=True)
+        except TraceFirst:
+            pass  # traced below, not while handling it (an error there would chain it)
+        static, leaves, dyn, dyn_kw = args
+        flat, tree = jax.tree.flatten((dyn, dyn_kw))
+        with self.lock:  # threads tracing one signature trace it once, one waiting for the other
+            gate = self._gates.setdefault((static, tree, *map(jax.typeof, flat)), threading.RLock())
+        with gate:
+            jitted.trace(static, leaves, self.leaves, dyn, dyn_kw)
+        return self._step(jitted, args, keeps, first=False)
+
+    def _step(self, jitted: Any, args: tuple, keeps: Any, first: bool) -> list[Any]:
+        """One locked call; ``first``: a trace it begins raises :class:`TraceFirst`."""
+        with self.lock:
+            was, self._locked.on = getattr(self._locked, "on", False), first
+            try:
+                out, held, *rest = jitted(*args[:2], self.leaves, *args[2:])
+            finally:
+                self._locked.on = was
+            # concrete unless under a transform (there any leaf may be traced)
+            if transformed() is not False and any(isinstance(leaf, Tracer) for leaf in held):
+                if keeps is None or not keeps(*args):
+                    raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
+            else:
+                self.leaves, self._tree = held, None
+        return [out, *rest]
+
+    def tracing(self) -> None:
+        """Called as a trace begins: :class:`TraceFirst` if under :meth:`call`'s lock."""
+        if getattr(self._locked, "on", False):
+            raise TraceFirst
+
+    def hold(self, leaves: list[Any]) -> None:
+        """Holds a call's new flat state (under :attr:`lock`); a traced one is refused."""
+        if any(isinstance(leaf, Tracer) for leaf in leaves):
+            raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
+        self.leaves, self._tree = leaves, None
+
+
+def _copies(leaves: list[Any]) -> list[Any]:
+    return [jnp.array(leaf, copy=True) for leaf in leaves]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,9 +166,8 @@ class TracedModel:
     def call(
         self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any, settings=None
     ) -> tuple[Any, Any]:
-        """``(out, new_state)`` on a partitioned call, with the module settings its static key
-        holds (or ``settings``)."""
-        if settings is None:  # the module settings the static key holds
+        """``(out, new_state)``, with the module settings the static key holds (or these)."""
+        if settings is None:
             settings = tuple(v for k, v, _ in static if type(k) is ModuleSetting)
         with self.model.pinned(settings), symbolic(self.log.name):
             result = self.model.call(params, state, *rebuild(static, dyn, dyn_kw))
@@ -73,25 +187,23 @@ class TracedModel:
 
         return jax.make_jaxpr(staged)(state, dyn, dyn_kw).jaxpr
 
-    def sees_rows(self, static: Any, leaves: Any, dyn: Any, dyn_kw: Any) -> bool:
+    def sees_rows(self, *call: Any) -> bool:
         """Whether a call's new state depends on its inputs (BatchNorm's statistics)."""
-        jaxpr = self.staged(static, leaves, self.held.tree, dyn, dyn_kw, 1)
+        jaxpr = self.staged(*call[:2], self.held.tree, *call[2:], 1)
         return any(input_dependent(jaxpr, jaxpr.invars[len(self.held.leaves) :]))
 
-    def keeps_state(self, static: Any, leaves: Any, dyn: Any, dyn_kw: Any) -> bool:
-        """Whether a call returns the held state as given (an eval-mode call): one a JAX
-        transform may run, with no new state to hold."""
-        jaxpr = self.staged(static, leaves, self.held.tree, dyn, dyn_kw, 1)
+    def keeps_state(self, *call: Any) -> bool:
+        """Whether a call returns the held state as given (eval mode: no new state to hold)."""
+        jaxpr = self.staged(*call[:2], self.held.tree, *call[2:], 1)
         return jaxpr.outvars == jaxpr.invars[: len(jaxpr.outvars)]
 
     def params(self, leaves: list[Any]) -> Any:
-        """A call's params: ``leaves``, or the constants a baked program closes over (JAX
-        stages them as XLA constants)."""
+        """``leaves``, or the constants a baked program closes over, as the params tree."""
         return jax.tree.unflatten(self.treedef, self.constants or leaves)
 
     def run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
-        """One trace: its budget enforced before, logged after; ``h.apply``'s
-        (``entry="apply"``) returns ``out``, the new state (and given values)."""
+        """One trace, its budget enforced before, logged after: ``(out, new_state)`` (and the
+        given nnx Variables' values)."""
         if entry == "apply":  # once per trace: the params h.apply was given
             refuse_nested_nnx_state(f"{self.log.name}.apply(params, ...)", leaves)
         params = leaves if entry == "apply" else self.params(leaves)
@@ -121,12 +233,10 @@ class TracedModel:
 
     def graph(self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any) -> Graph:
         """The un-jitted model staged on a partitioned call (not logged)."""
-        call, name = self.model.call, self.log.name
+        name = self.log.name
 
         def staged(params: Any, dyn: Any, dyn_kw: Any) -> Any:
-            with symbolic(name):
-                out = call(params, state, *rebuild(static, dyn, dyn_kw))[0]
-            return returned(out, name)
+            return self.call(static, params, state, dyn, dyn_kw)[0]
 
         staged.__name__, staged.__qualname__ = name, f"{name}{PROGRAM_SUFFIX}"  # errors: ours
         return Graph.traced(staged, name, params, dyn, dyn_kw)  # params: any pytree, a list too
@@ -141,13 +251,12 @@ _RETURNED = (
 _OUT_LEAVES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
-def returned(out: Any, name: str) -> Any:
-    """``out``, once each leaf is one a compiled call returns (checked per trace)."""
+def returned(out: Any, name: str) -> None:
+    """Refuses a leaf of ``out`` that a compiled call cannot return (checked per trace)."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
         if not isinstance(leaf, _OUT_LEAVES):
             path = jax.tree_util.keystr(path)
             raise ConfigError(_RETURNED.format(name=name, kind=type(leaf).__name__, path=path))
-    return out
 
 
 def variables_in(tree: Any) -> list[Any]:
@@ -187,7 +296,7 @@ def write_back(variables: list[Any], new: list[Any], caller: str = "Hybrid") -> 
     for v, value in zip(variables, new, strict=True):
         try:
             v.set_value(value)
-        except Exception as e:  # looked up only here: this runs on every stateful call
+        except Exception as e:
             outer = getattr(sys.modules.get("flax.errors"), "TraceContextError", ())
             if not isinstance(e, outer):
                 raise
