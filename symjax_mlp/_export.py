@@ -21,24 +21,19 @@ from symjax_mlp._artifact.format import (
     FORMAT_VERSION,
     JAXEXPORT,
     MANIFEST,
-    MAX_DEPTH,
     MLIR,
     MLIRBC,
     PARAMS,
-    RESERVED_ENTRY_NAMES,
     SELFTEST,
     check_target,
-    depth,
     entry_files,
-    is_entry_name,
-    printable,
 )
 from symjax_mlp._artifact.reading import Artifact, freeze
 from symjax_mlp._artifact.signature import Signature
-from symjax_mlp._artifact.weights import encode_params
+from symjax_mlp._artifact.weights import encode
 from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._export_entry import Stage, export_program, stage
-from symjax_mlp._export_options import PER_ENTRY, check_options
+from symjax_mlp._export_options import check_options
 from symjax_mlp._files import read_regular, sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._signing import SIGNATURE
@@ -109,15 +104,11 @@ def export(
         )
     if not text:  # Path("") is the working directory
         raise ArtifactError("export: the path is ''; pass the artifact directory to write.")
-    path, points = Path(path), _entry_points(h)
-    names = list(points)
-    per_entry = (example, kwargs, shapes, constraints)
-    settings = {k: _per_entry(v, names, k) for k, v in zip(PER_ENTRY, per_entry, strict=True)}
-    platforms = check_options(
-        points, settings, batch, platforms, overwrite=overwrite, metadata=metadata,
-        vjp_order=vjp_order,
+    points, settings, platforms, meta = check_options(
+        h, batch, platforms, example=example, kwargs=kwargs, shapes=shapes,
+        constraints=constraints, overwrite=overwrite, metadata=metadata, vjp_order=vjp_order,
     )  # fmt: skip
-    meta = _metadata(metadata, names[0])
+    path, names = Path(path), list(points)
     staged = [
         stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
         for i, n in enumerate(names)
@@ -166,7 +157,8 @@ def export(
             )
     specs = [shared[p][0] for p in sorted(shared)]
     mirror = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
-    files[PARAMS] = encode_params(specs, [shared[p][1] for p in sorted(shared)], metadata=mirror)
+    tensors = {p: shared[p][1] for p in sorted(shared)}
+    files[PARAMS] = encode(tensors, {**mirror, "format": "symjax_mlp.params"})
     created = datetime.datetime.now(datetime.UTC)
     main = programs[0]
     manifest = {
@@ -232,42 +224,6 @@ _DEVICES = ("nr_devices", "calling_convention_version", "ordered_effects")
 ENTRY_FIELDS = ("name", "signature", "rows", "params", "mlir_arguments", "static", "program_files")
 
 
-def _entry_points(h: Any) -> dict[str, Hybrid]:
-    """``h`` as named entry points: one Hybrid is the entry point ``main``."""
-    points = {"main": h} if isinstance(h, Hybrid) else h
-    if not isinstance(points, Mapping) or not points:
-        raise ConfigError(
-            f"export() expects a Hybrid or a dict of them; got {type(h).__name__}. Write "
-            "sm.export(sm.hybridize(model, variables), path, example=x), or for several entry "
-            'points over one weight file sm.export({"predict": h, "embed": h_embed}, ...).'
-        )
-    for name, value in points.items():
-        if not isinstance(value, Hybrid):
-            raise ConfigError(
-                f"export({{{name!r}: ...}}): each entry point is a Hybrid; got "
-                f"{type(value).__name__}. Wrap it: sm.hybridize(fn, params)."
-            )
-        if not is_entry_name(name) or name.startswith("_"):
-            raise ConfigError(
-                f"export({{{name!r}: ...}}): an entry point's name is a Python identifier of "
-                f"at most 64 ASCII characters, not starting with '_' and not one of "
-                f"{sorted(RESERVED_ENTRY_NAMES)} (it names files): e.g. 'predict', 'embed'."
-            )
-    return dict(points)
-
-
-def _per_entry(value: Any, names: list[str], what: str) -> list[Any]:
-    """``value`` for each entry point: its own from a dict keyed by their names, else shared."""
-    if len(names) > 1 and isinstance(value, Mapping) and set(value) & set(names):
-        if set(value) != set(names):
-            raise ConfigError(
-                f"export({what}={{...}}): a per-entry {what} names every entry point, "
-                f"{', '.join(names)}; got {', '.join(map(str, value))}."
-            )
-        return [value[n] for n in names]
-    return [value] * len(names)
-
-
 def _shared_params(names: list[str], staged: list[Stage]) -> dict[str, tuple[TensorSpec, Any]]:
     """Every entry point's params by path, one tensor per path: the one weight file."""
     shared: dict[str, tuple[TensorSpec, Any]] = {}
@@ -331,49 +287,6 @@ def _runs(call: Any, params: Any, xs: Any) -> bool:
     except (ValueError, TypeError):
         return False
     return True
-
-
-def _metadata(metadata: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
-    """The model card as plain JSON data, refused early if it is not JSON."""
-    if metadata is None:
-        return {}
-    try:
-        card = json.loads(json.dumps(dict(metadata), allow_nan=False))
-    except (TypeError, ValueError, RecursionError) as e:
-        raise ConfigError(
-            f"export({name}, metadata=...): {e}. The model card is JSON: strings, numbers, "
-            "lists and dicts (convert arrays with .tolist())."
-        ) from None
-    if depth(card) > MAX_DEPTH - 1:  # the card sits one level into the manifest
-        raise ConfigError(
-            f"export({name}, metadata=...): the model card nests more than {MAX_DEPTH - 1} "
-            "levels deep, more than a loader reads; flatten it (or store it as a string)."
-        )
-    if (where := _unprintable(card, "metadata")) is not None:
-        at, text = where
-        raise ConfigError(
-            f"export({name}, metadata=...): {at} is {printable(repr(text)[:80])}, which holds a "
-            "control character (a newline, tab, ESC, NUL or a bidi override); `symjax-mlp "
-            "inspect` and messages print the card, where a terminal would act on it. Store "
-            "printable text: a multi-line text as a list of its lines, binary data as base64."
-        )
-    return card
-
-
-def _unprintable(card: Any, at: str) -> tuple[str, str] | None:
-    """Where in the JSON ``card`` a key or a string is not printable, and that text."""
-    todo = [(card, at)]
-    while todo:  # without recursion, first to last
-        value, at = todo.pop(0)
-        if isinstance(value, str) and not value.isprintable():
-            return at, value
-        if isinstance(value, dict):
-            if bad := next((k for k in value if not k.isprintable()), None):
-                return f"a key of {at}", bad
-            todo += [(v, f"{at}[{k!r}]") for k, v in value.items()]
-        elif isinstance(value, list):
-            todo += [(v, f"{at}[{i}]") for i, v in enumerate(value)]
-    return None
 
 
 def _versions() -> dict[str, str]:

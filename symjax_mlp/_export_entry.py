@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from symjax_mlp._artifact.rows import verdict
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import param_specs
 from symjax_mlp._compat import without_source_locations
@@ -21,7 +22,6 @@ from symjax_mlp._hybrid.jaxpr import walk
 from symjax_mlp._hybrid.mesh import shardings
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
-from symjax_mlp._rows import verdict
 from symjax_mlp._specs import TensorSpec, shape_dims
 
 _TRAINING = (
@@ -176,7 +176,7 @@ def export_program(
         raise ArtifactError(f"export({h.name}): param paths collide with input names: {names}")
     lead = signature.inputs[0].shape[:1] if signature.inputs else ()
     dim = signature.batch or next((d for d in lead if isinstance(d, str)), None)
-    return exported, signature, verdict(jaxpr, dim)
+    return exported, signature, verdict(exported, dim)
 
 
 def _storable_path(path: str) -> bool:  # as params.safetensors and the manifest name it

@@ -1,14 +1,16 @@
-"""What :func:`~symjax_mlp.export` checks of its options before any work: nothing traced, nothing
-written when one is wrong."""
+"""What :func:`~symjax_mlp.export` checks of its options before any work: the entry points, each
+option, the model card; nothing is traced or written when one is wrong."""
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import json
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from symjax_mlp._artifact.format import MAX_DEPTH, RESERVED_ENTRY_NAMES, is_entry_name, printable
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.hybrid import Hybrid
 
@@ -33,10 +35,14 @@ _NO_EXAMPLE = (
 
 
 def check_options(
-    points: Mapping[str, Hybrid], settings: Mapping[str, list[Any]], batch: Any, platforms: Any,
-    *, overwrite: Any, metadata: Any, vjp_order: Any,
-) -> tuple[str, ...]:  # fmt: skip
-    """Refuses a bad option; returns the platforms as a tuple. ``settings``: per entry point."""
+    h: Any, batch: Any, platforms: Any, *, overwrite: Any, metadata: Any, vjp_order: Any,
+    **per_entry: Any,
+) -> tuple[dict[str, Hybrid], dict[str, list[Any]], tuple[str, ...], dict[str, Any]]:  # fmt: skip
+    """Refuses a bad option; returns the entry points by name, the :data:`PER_ENTRY` settings
+    (a list, one per entry point), the platforms as a tuple and the model card as JSON data."""
+    points = _entry_points(h)
+    names = list(points)
+    settings = {k: _per_entry(per_entry[k], names, k) for k in PER_ENTRY}
     if not isinstance(overwrite, bool):
         raise ConfigError(
             f"export(overwrite={overwrite!r}): pass True (replace an existing artifact) or "
@@ -50,13 +56,7 @@ def check_options(
             f"{MAX_VJP_ORDER} (each order doubles its program; load refuses more). Pass the "
             "order you will differentiate to: 1 for jax.grad, 2 for a Hessian."
         )
-    if metadata is not None and not (
-        isinstance(metadata, Mapping) and all(isinstance(k, str) for k in metadata)
-    ):
-        raise ConfigError(
-            f"export(metadata=...): pass a dict with str keys, e.g. metadata={{'labels': "
-            f"['cat', 'dog']}}; got {type(metadata).__name__}."
-        )
+    card = _card(metadata, names[0])
     if batch is not None and not (
         isinstance(batch, str) and batch.isidentifier() and batch not in {*_SPEC_FUNCTIONS, "_"}
     ):
@@ -99,7 +99,7 @@ def check_options(
                     f"{', '.join(sorted(dims)) or 'no dimension'}). Constrain a name the specs "
                     f"use, or use {unknown[0]!r} in a spec."
                 )
-    return tuple(platforms)
+    return points, settings, tuple(platforms), card
 
 
 def _check_tuple(name: str, option: str, value: Any) -> None:
@@ -139,3 +139,81 @@ def _check_kwargs(h: Hybrid, kwargs: Any) -> None:
 def _dim_names(specs: Iterable[str]) -> set[str]:
     """The dimension names that ``jax.export`` shape specs or constraints use."""
     return {n for s in specs for n in re.findall(r"[A-Za-z_]\w*", s)} - _SPEC_FUNCTIONS
+
+
+def _entry_points(h: Any) -> dict[str, Hybrid]:
+    """``h`` as named entry points: one Hybrid is the entry point ``main``."""
+    points = {"main": h} if isinstance(h, Hybrid) else h
+    if not isinstance(points, Mapping) or not points:
+        raise ConfigError(
+            f"export() expects a Hybrid or a dict of them; got {type(h).__name__}. Write "
+            "sm.export(sm.hybridize(model, variables), path, example=x), or for several entry "
+            'points over one weight file sm.export({"predict": h, "embed": h_embed}, ...).'
+        )
+    for name, value in points.items():
+        if not isinstance(value, Hybrid):
+            raise ConfigError(
+                f"export({{{name!r}: ...}}): each entry point is a Hybrid; got "
+                f"{type(value).__name__}. Wrap it: sm.hybridize(fn, params)."
+            )
+        if not is_entry_name(name) or name.startswith("_"):
+            raise ConfigError(
+                f"export({{{name!r}: ...}}): an entry point's name is a Python identifier of "
+                f"at most 64 ASCII characters, not starting with '_' and not one of "
+                f"{sorted(RESERVED_ENTRY_NAMES)} (it names files): e.g. 'predict', 'embed'."
+            )
+    return dict(points)
+
+
+def _per_entry(value: Any, names: list[str], what: str) -> list[Any]:
+    """``value`` for each entry point: its own from a dict keyed by their names, else shared."""
+    if len(names) > 1 and isinstance(value, Mapping) and set(value) & set(names):
+        if set(value) != set(names):
+            raise ConfigError(
+                f"export({what}={{...}}): a per-entry {what} names every entry point, "
+                f"{', '.join(names)}; got {', '.join(map(str, value))}."
+            )
+        return [value[n] for n in names]
+    return [value] * len(names)
+
+
+def _card(metadata: Any, name: str) -> dict[str, Any]:
+    """The model card as plain JSON data: refused if it is not JSON, nests deeper than a
+    loader reads, or holds text a terminal would act on."""
+    if metadata is None:
+        return {}
+    if not (isinstance(metadata, Mapping) and all(isinstance(k, str) for k in metadata)):
+        raise ConfigError(
+            f"export(metadata=...): pass a dict with str keys, e.g. metadata={{'labels': "
+            f"['cat', 'dog']}}; got {type(metadata).__name__}."
+        )
+    try:
+        card = json.loads(json.dumps(dict(metadata), allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ConfigError(
+            f"export({name}, metadata=...): {e}. The model card is JSON: strings, numbers, "
+            "lists and dicts (convert arrays with .tolist())."
+        ) from None
+    todo: list[tuple[Any, str, int]] = [(card, "metadata", 1)]  # the card is 1 into a manifest
+    while todo:  # without recursion, first to last
+        value, at, level = todo.pop(0)
+        bad = value if isinstance(value, str) and not value.isprintable() else None
+        if isinstance(value, dict | list) and level >= MAX_DEPTH:
+            raise ConfigError(
+                f"export({name}, metadata=...): the model card nests more than {MAX_DEPTH - 1} "
+                "levels deep, more than a loader reads; flatten it (or store it as a string)."
+            )
+        if isinstance(value, dict):
+            bad = next((k for k in value if not k.isprintable()), None)
+            at = f"a key of {at}" if bad is not None else at
+            todo += [(v, f"{at}[{k!r}]", level + 1) for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(v, f"{at}[{i}]", level + 1) for i, v in enumerate(value)]
+        if bad is not None:
+            raise ConfigError(
+                f"export({name}, metadata=...): {at} is {printable(repr(bad)[:80])}, which holds "
+                "a control character (a newline, tab, ESC, NUL or a bidi override); `symjax-mlp "
+                "inspect` and messages print the card, where a terminal would act on it. Store "
+                "printable text: a multi-line text as a list of its lines, binary data as base64."
+            )
+    return card

@@ -45,18 +45,16 @@ class LoadedModel:
     ``m(x)`` checks every input against :attr:`signature` (``SignatureError``) and runs the
     program with the artifact's params: ``jax.Array`` out (IREE: NumPy). A program failing at
     the call raises ``ArtifactError`` with JAX's error as ``__cause__``; one failing as it runs
-    (JAX dispatches asynchronously) surfaces where the result is waited for: wait with
-    ``jax.block_until_ready(m(x))`` before ``np.asarray(y)``, which aborts on a failed result.
+    surfaces where the result is waited for: ``jax.block_until_ready(m(x))`` before
+    ``np.asarray(y)``, which aborts on a failed result.
 
     Under the JAX runtime ``m`` is a JAX function (``jax.jit``, ``lax.map``/``scan``, a
     Hybrid); ``jax.grad`` needs ``export(..., vjp_order=1)``; forward mode (``jax.jvp``,
     ``jacfwd``, ``linearize``) raises ``ConfigError``, of a jitted ``m`` too (``jax.hessian``
-    of a jitted ``f`` raises JAX's ``TypeError``, and so does the linear function of
-    ``jax.linearize(f, x)`` where JAX reuses the linearization ``jax.grad(f)`` made of a jitted
-    ``f``). ``jax.vmap(m)`` merges the mapped axis into the batch where rows stay apart
-    (``manifest["rows"]``, checked against the program), and also then ``m`` takes one
-    example; else it runs ``m`` once per example.
-    ``m["embed"]`` is another entry point, over the same weights, checked alike on first use.
+    of a jitted ``f`` raises JAX's ``TypeError``). ``jax.vmap(m)`` merges the mapped axis into
+    the batch where rows stay apart (``manifest["rows"]``, checked against the program), and
+    then ``m`` also takes one example; else it runs ``m`` once per example. ``m["embed"]`` is
+    another entry point, over the same weights, checked alike on first use.
 
     Attributes:
       path: the artifact directory.

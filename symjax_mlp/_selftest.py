@@ -16,6 +16,7 @@ from jax.errors import JaxRuntimeError
 from symjax_mlp._artifact.format import JAXEXPORT, SELFTEST, printable, program_file
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import decode_params
+from symjax_mlp._artifact.weights import encode as encode_tensors
 from symjax_mlp._errors import ArtifactError, SignatureError, SymjaxError
 from symjax_mlp._npy import host
 
@@ -54,17 +55,10 @@ def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
 def encode(xs: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> bytes | None:
     """The vectors as safetensors: ``args[i]`` and ``out[i]``; ``None`` if load could not read
     them back (a float8 or int4 tensor, which safetensors or its reader lacks)."""
-    # np.asarray(order="C"), not np.ascontiguousarray: that one makes a scalar 1-d
-    tensors = {f"args[{i}]": np.asarray(x, order="C") for i, x in enumerate(xs)}
-    tensors |= {f"out[{i}]": np.asarray(y, order="C") for i, y in enumerate(outs)}
+    tensors = {f"args[{i}]": x for i, x in enumerate(xs)}
+    tensors |= {f"out[{i}]": y for i, y in enumerate(outs)}
     try:
-        specs = {
-            name: safetensors.TensorSpec(
-                dtype=str(a.dtype), shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
-            )
-            for name, a in tensors.items()
-        }
-        data = bytes(safetensors.serialize(specs, metadata={"format": "symjax_mlp.selftest"}))
+        data = encode_tensors(tensors, {"format": "symjax_mlp.selftest"})
         decode_params(data, file=SELFTEST)
     except (safetensors.SafetensorError, ArtifactError):
         return None

@@ -1,15 +1,12 @@
-"""Row independence read from the StableHLO module itself, not from the manifest's word.
+"""Row independence read from a StableHLO module: ``jax.vmap`` over a loaded model merges the
+mapped axis into the batch and runs the program once only where the module keeps rows apart.
 
-``jax.vmap`` over a loaded model merges the mapped axis into the batch and runs the program
-once, right only if the program keeps its rows apart. A manifest's ``rows`` claim is a
-stranger's word: load keeps it only where :func:`analyze` (run in the checker's child) shows it
-in the module (:func:`checked`); elsewhere vmap runs one call per example.
-
-The analysis is conservative: an op not known to keep rows apart is a reason. Every dynamic
-dimension of ``main``'s arguments is taken to be the batch. Each value has a state: ``FREE``
-(depends on no row and not on the batch size), ``int`` k (axis k is the batch: row i depends
-on row i of the inputs alone) or a tuple of labels (an integer shape tensor, each element
-``"b"``: the batch size, ``"c"``: a constant, ``"x"``: a function of the batch size).
+Export writes :func:`verdict` of its own module; load keeps a manifest's claim only where
+:func:`analyze` (run on a stranger's module in the checker's child) shows it (:func:`checked`).
+Conservative: an op not known to keep rows apart is a reason; every dynamic dimension of
+``main``'s arguments is the batch. A value's state is ``FREE`` (no row, not the batch size),
+``int`` k (axis k is the batch) or, for an integer shape tensor, a tuple of labels (``"b"``:
+the batch size, ``"c"``: a constant, ``"x"``: a function of the batch size).
 """
 
 from __future__ import annotations
@@ -55,28 +52,40 @@ def analyze(module: Any) -> dict[str, Any]:
         return {"why": f"its module cannot be analyzed ({type(e).__name__})", "ins": [], "outs": []}
 
 
+def verdict(exported: Any, dim: str | None) -> dict[str, Any]:
+    """The ``rows`` field an export writes for its own ``exported`` (batch ``dim``)."""
+    why = _STATIC if dim is None else _unshown(exported, dim, None)
+    return {"dim": dim, "independent": not why, "why": why}
+
+
 def checked(view: Any, report: Any, exported: Any) -> Any:
     """``view`` (a manifest's entry point) with its ``rows`` claim kept only where the module
     of ``exported`` shows it: by the checker's ``report`` (``None``: trusted, read here)."""
     rows = view.get("rows")
-    if not rows or not rows.get("independent"):
+    why = rows and rows.get("independent") and _unshown(exported, rows["dim"], report)
+    if not why:
         return view
-    found = _here(bytes(exported.mlir_module_serialized)) if report is None else report.rows
-    e, dim = exported, rows["dim"]
+    why = f"its manifest says that it does, but its StableHLO module does not show it: {why}"
+    return {**view, "rows": {**rows, "independent": False, "why": why}}
+
+
+_STATIC = "it was exported with static shapes, so it has no batch dimension to map over"
+
+
+def _unshown(e: Any, dim: str, report: Any) -> str:
+    """Why the module of ``e`` does not show its rows apart along ``dim`` ("": it does)."""
+    found = _here(bytes(e.mlir_module_serialized)) if report is None else report.rows
     kept = [e.in_avals[i] for i in e.module_kept_var_idx]
     want = ([FREE] * (len(e.platforms) > 1) + _axes(kept, dim), _axes(e.out_avals, dim))
     dims = {str(d) for a in (*kept, *e.out_avals) for d in a.shape if not isinstance(d, int)}
     if not isinstance(found, dict):
-        why = "the module checker gave no verdict"
-    elif found["why"] or dims != {dim}:
+        return "the module checker gave no verdict"
+    if found["why"] or dims != {dim}:
         have = ", ".join(sorted(dims)) or "none"
-        why = found["why"] or f"its symbolic dimensions are {have}, not {dim} alone"
-    elif (found["ins"], found["outs"]) != want:
-        why = f"its batch axes, {found['ins']} -> {found['outs']}, are not its signature's"
-    else:
-        return view
-    why = f"its manifest says that it does, but its StableHLO module does not show it: {why}"
-    return {**view, "rows": {**rows, "independent": False, "why": why}}
+        return found["why"] or f"its symbolic dimensions are {have}, not {dim} alone"
+    if (found["ins"], found["outs"]) != want:
+        return f"its batch axes, {found['ins']} -> {found['outs']}, are not its signature's"
+    return ""
 
 
 @functools.lru_cache(maxsize=16)

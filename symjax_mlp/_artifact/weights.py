@@ -74,23 +74,16 @@ def _key_name(key: Any) -> str:
     return str(key)
 
 
-def encode_params(
-    specs: Sequence[TensorSpec],
-    arrays: Sequence[np.ndarray],
-    *,
-    metadata: Mapping[str, str] | None = None,
-) -> bytes:
-    """Serializes params to safetensors bytes, one tensor per param path; ``metadata`` (a
-    model card, strings) goes into the file's ``__metadata__`` beside the format tag."""
-    keep = [np.array(a, order="C", copy=None) for a in arrays]  # 0-d stays 0-d
-    tensors = {
-        s.path: safetensors.TensorSpec(
+def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    """``tensors`` by name as safetensors bytes, ``metadata`` (strings) its ``__metadata__``."""
+    keep = {k: np.asarray(a, order="C") for k, a in tensors.items()}  # 0-d stays 0-d
+    specs = {
+        k: safetensors.TensorSpec(
             dtype=str(a.dtype), shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
         )
-        for s, a in zip(specs, keep, strict=True)
+        for k, a in keep.items()
     }
-    header = {**(metadata or {}), "format": "symjax_mlp.params"}
-    return bytes(safetensors.serialize(tensors, metadata=header))
+    return bytes(safetensors.serialize(specs, metadata=dict(metadata)))
 
 
 def decode_params(data: bytes | bytearray, *, file: Path | str) -> dict[str, np.ndarray]:
