@@ -84,6 +84,38 @@ def _short(f: BinaryIO) -> str | None:
     )
 
 
+#: JAX's rng-key dtype names, and the impl of each
+KEY_IMPLS = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<unsafe_rbg>": "unsafe_rbg"}
+
+
+def spec_dtype(name: str) -> np.dtype | None:
+    """The NumPy dtype a spec's dtype names (ml_dtypes' too); ``None`` if none (an rng key)."""
+    import ml_dtypes
+
+    try:
+        return np.dtype(getattr(np, name) if hasattr(np, name) else getattr(ml_dtypes, name, name))
+    except (TypeError, ValueError):
+        return None
+
+
+def draw(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, *, high: int = 2) -> Any:
+    """A random input of the spec dtype ``dtype``: normal floats (bfloat16 too), integers from 0
+    below ``high``, random bools, or rng keys split from one; ``TypeError`` for another dtype."""
+    import jax
+
+    if dtype in KEY_IMPLS:
+        key = jax.random.key(int(rng.integers(2**31)), impl=KEY_IMPLS[dtype])
+        return jax.random.split(key, shape) if shape else key
+    kind = spec_dtype(dtype)
+    if kind == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if kind is not None and np.issubdtype(kind, np.integer):
+        return rng.integers(0, high, shape).astype(kind)
+    if kind is not None and jax.dtypes.issubdtype(kind, np.inexact):
+        return rng.standard_normal(shape, np.float32).astype(kind)
+    raise TypeError(dtype)
+
+
 def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
     """``x``, a void array from a .npy file, viewed as the ml_dtypes type ``dtype`` of its
     itemsize; any other array as it is, for the caller to check."""
@@ -121,10 +153,10 @@ def _key(file: Any, x: np.ndarray, spec: TensorSpec) -> Any:
     the impl's size), or a ``SignatureError`` saying how to write them."""
     import jax
 
-    impl = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<unsafe_rbg>": "unsafe_rbg"}
-    size = jax.random.key_data(jax.random.key(0, impl=impl.get(spec.dtype, "threefry2x32")))
-    if spec.dtype in impl and x.dtype == np.uint32 and x.shape[-1:] == size.shape:
-        return jax.random.wrap_key_data(x, impl=impl[spec.dtype])
+    impl = KEY_IMPLS.get(spec.dtype)
+    size = jax.random.key_data(jax.random.key(0, impl=impl or "threefry2x32"))
+    if impl and x.dtype == np.uint32 and x.shape[-1:] == size.shape:
+        return jax.random.wrap_key_data(x, impl=impl)
     raise SignatureError(
         f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact expects "
         f"{spec.type}, rng keys, which .npy stores as their data: uint32 with a last axis of "

@@ -18,6 +18,7 @@ import numpy as np
 
 from symjax_mlp._artifact.signature import sizes_at
 from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._npy import draw
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
 _ARRAYS = (np.ndarray, np.generic, jax.Array)  # placed on the device; the rest are settings
@@ -164,7 +165,7 @@ def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[],
     return lambda: compiled(leaves, state, arrays)
 
 
-def _floor_of_loaded(m: Any, exported: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
+def _floor_of_loaded(m: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
     if m.manifest.get("nr_devices", 1) != 1:
         raise ConfigError(
             f'timeit(symjax_mlp.load("{m.path}")): the artifact runs sharded over '
@@ -174,6 +175,9 @@ def _floor_of_loaded(m: Any, exported: Any, args: tuple[Any, ...]) -> Callable[[
     if m.runtime != "jax":  # its runtime's own call: a JAX program is no floor of IREE's
         run, single = m._run, m.signature.output_kind == "array"
         return (lambda: run(checked)[0]) if single else (lambda: tuple(run(checked)))
+    from symjax_mlp._artifact.format import JAXEXPORT, program_file
+
+    exported = jax.export.deserialize((m.path / program_file(m.manifest, JAXEXPORT)).read_bytes())
     weights = {name: jax.device_put(a) for name, a in m.params.items()}
     inputs = [jax.device_put(x) for x in checked]
     if getattr(m, "params_as_constants", False):  # the floor holds them as constants too
@@ -183,31 +187,7 @@ def _floor_of_loaded(m: Any, exported: Any, args: tuple[Any, ...]) -> Callable[[
     return lambda: compiled(weights, *inputs)
 
 
-def _exported(m: Any) -> Any:
-    from symjax_mlp._artifact.format import JAXEXPORT, program_file
-
-    return jax.export.deserialize((m.path / program_file(m.manifest, JAXEXPORT)).read_bytes())
-
-
-def _draw(rng: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-    """An input of ``dtype``: normal floats, integers 0 or 1 (an index every table has), random
-    bools, or PRNG keys split from ``key(0)`` of the same implementation."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
-            key = jax.random.key(0, impl=impl)
-            if key.dtype == dtype:
-                return jax.random.split(key, shape)
-        raise TypeError(dtype)
-    if np.issubdtype(dtype, np.bool_):
-        return rng.integers(0, 2, shape).astype(bool)
-    if jax.dtypes.issubdtype(dtype, np.integer):
-        return rng.integers(0, 2, shape).astype(dtype)
-    if jax.dtypes.issubdtype(dtype, np.inexact):  # bfloat16 and float8 too
-        return rng.standard_normal(shape, np.float32).astype(dtype)
-    raise TypeError(dtype)
-
-
-def _example_inputs(m: Any, exported: Any, batch: int) -> tuple[Any, ...]:
+def _example_inputs(m: Any, batch: int) -> tuple[Any, ...]:
     """Inputs drawn for the artifact's signature at ``batch``, as its constraints admit."""
     rng, inputs = np.random.default_rng(0), []
     specs = m.signature.inputs
@@ -216,10 +196,10 @@ def _example_inputs(m: Any, exported: Any, batch: int) -> tuple[Any, ...]:
     if (sizes := sizes_at(m.signature, batch)) is None:
         reason = f"it takes {m.signature}, whose constraints refuse batch {batch}."
         raise SignatureError(_DRAWN.format(m=m, batch=batch, reason=reason))
-    for spec, aval in zip(specs, exported.in_avals[-len(specs) :], strict=True):
+    for spec in specs:
         shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
         try:
-            inputs.append(_draw(rng, shape, aval.dtype))
+            inputs.append(draw(rng, shape, spec.dtype))
         except TypeError:
             raise ConfigError(
                 f'timeit(symjax_mlp.load("{m.path}")): its input {spec.path} is a {spec.dtype}, '
@@ -353,20 +333,16 @@ def timeit(
         raise ConfigError(_BATCH_OF_ARGS.format(name=name, batch=batch))
     kwargs = _keywords(name, isinstance(model, LoadedModel), kwargs)
     if isinstance(model, LoadedModel):
-        exported = _exported(model)
-        args = _checked(model, args or _example_inputs(model, exported, batch), args, batch)
-        floor_of = functools.partial(_floor_of_loaded, model, exported)
+        args = _checked(model, args or _example_inputs(model, batch), args, batch)
+        floor_of = functools.partial(_floor_of_loaded, model)
+        floor = _JAX_FLOOR if model.runtime == "jax" else _IREE_FLOOR
     elif not args:
         raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
     else:
         floor_of = functools.partial(_floor_of_hybrid, model, kwargs)
+        floor = _STATE_FLOOR if model.stateful else _JAX_FLOOR
         if model.stateful:  # timed on a copy: the model's own state stays as it was
             model = model.replace(state=model.state)
-    floor = _JAX_FLOOR
-    if isinstance(model, LoadedModel) and model.runtime != "jax":
-        floor = _IREE_FLOOR
-    elif isinstance(model, Hybrid) and model.stateful:
-        floor = _STATE_FLOOR
     placed = jax.tree.map(lambda a: jax.device_put(a) if isinstance(a, _ARRAYS) else a, args)
     fns = {"synced": lambda: model(*placed, **kwargs), "compiled": floor_of(placed)}
     for fn in fns.values():

@@ -7,7 +7,6 @@ reported instead of taking the caller down. Arrays cross as .npy files, dtype na
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import numbers
@@ -21,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from symjax_mlp._artifact.format import printable
@@ -30,7 +28,7 @@ from symjax_mlp._artifact.signature import sizes_at
 from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._load import RUNTIMES, load
 from symjax_mlp._loaded import LoadedModel
-from symjax_mlp._npy import host, npy_array
+from symjax_mlp._npy import KEY_IMPLS, draw, host, npy_array
 from symjax_mlp._signing import verify_signature as check_signature
 from symjax_mlp._specs import TensorSpec
 
@@ -203,10 +201,9 @@ def verify(
     if len(skipped) == len(batches):
         raise ConfigError(f"verify(batches={batches!r}): " + "; ".join(skipped))
     sizes = {b: at for b, at in sizes.items() if at is not None}
-    kinds = [_input_kind(art.path, s) for s in sig.inputs]
-    _check_size(art.path, sig, kinds, sizes)
+    _check_size(art.path, sig, [_itemsize(art.path, s) for s in sig.inputs], sizes)
     inputs = {
-        b: [_random(s, k, at, rng) for s, k in zip(sig.inputs, kinds, strict=True)]
+        b: [draw(rng, tuple(at.get(d, d) for d in s.shape), s.dtype, high=10) for s in sig.inputs]
         for b, at in sizes.items()
     }
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_verify_") as tmp:
@@ -262,25 +259,18 @@ _REFUSED = (
 def _read(work: Path, name: str, dtypes: Mapping[str, str]) -> Any:
     x = np.load(work / name, allow_pickle=False)
     dtype = dtypes.get(name, "")
-    if dtype in _key_impls():  # an rng key crosses as its key data
-        return jax.random.wrap_key_data(x, impl=_key_impls()[dtype])
+    if dtype in KEY_IMPLS:  # an rng key crosses as its key data
+        return jax.random.wrap_key_data(x, impl=KEY_IMPLS[dtype])
     return npy_array(x, dtype)
 
 
-@functools.cache
-def _key_impls() -> dict[str, str]:
-    """JAX's rng-key dtype names (``key<fry>``) and the impl of each (``threefry2x32``)."""
-    names = ("threefry2x32", "rbg", "unsafe_rbg")
-    return {str(jax.random.key(0, impl=n).dtype): n for n in names}
-
-
-def _input_kind(path: Path, spec: TensorSpec) -> np.dtype | str:
-    """The NumPy dtype of an input (an rng key: its impl's name), or ArtifactError."""
-    if spec.dtype in _key_impls():
-        return _key_impls()[spec.dtype]
-    kind = spec.dtype if hasattr(np, spec.dtype) else getattr(ml_dtypes, spec.dtype, spec.dtype)
+def _itemsize(path: Path, spec: TensorSpec) -> int:
+    """The bytes of an element of an input verify can draw (an rng key's data: 16 at most),
+    else ArtifactError."""
+    if spec.dtype in KEY_IMPLS:
+        return 16
     try:
-        return np.dtype(kind)
+        return draw(np.random.default_rng(0), (0,), spec.dtype).dtype.itemsize
     except TypeError:
         raise ArtifactError(
             f"{path}: the signature's input {spec.path} has dtype {spec.dtype!r}, which names "
@@ -290,15 +280,14 @@ def _input_kind(path: Path, spec: TensorSpec) -> np.dtype | str:
 
 
 def _check_size(
-    path: Path, sig: Any, kinds: list[Any], sizes: Mapping[int, Mapping[str, int]]
+    path: Path, sig: Any, itemsizes: list[int], sizes: Mapping[int, Mapping[str, int]]
 ) -> None:
     """Refuses random inputs past ``MAX_INPUT_BYTES``: a stranger's manifest chooses them."""
 
-    def nbytes(at: Mapping[str, int]) -> int:  # a key's data: 16 bytes
+    def nbytes(at: Mapping[str, int]) -> int:
         return sum(
-            (kind.itemsize if isinstance(kind, np.dtype) else 16)
-            * math.prod(at.get(d, 1) if isinstance(d, str) else d for d in spec.shape)
-            for spec, kind in zip(sig.inputs, kinds, strict=True)
+            n * math.prod(at.get(d, 1) if isinstance(d, str) else d for d in spec.shape)
+            for spec, n in zip(sig.inputs, itemsizes, strict=True)
         )
 
     total, batches = sum(nbytes(at) for at in sizes.values()), tuple(sizes)
@@ -318,24 +307,12 @@ def _check_size(
     )
 
 
-def _random(spec: TensorSpec, kind: Any, sizes: Mapping[str, int], rng: Any) -> Any:
-    shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
-    if isinstance(kind, str):  # an rng key of that impl, one per element
-        key = jax.random.key(int(rng.integers(2**31)), impl=kind)
-        return jax.random.split(key, shape) if shape else key
-    if kind == np.bool_:
-        return rng.random(shape) < 0.5
-    if np.issubdtype(kind, np.integer):
-        return rng.integers(0, 10, shape).astype(kind)
-    return rng.standard_normal(shape, np.float32).astype(kind)  # floats, bfloat16 too
-
-
 def _write(work: Path, prefix: str, arrays: Sequence[Any], dtypes: dict[str, str]) -> list[str]:
     """Saves ``arrays`` as ``prefix_<i>.npy`` (an rng key as its key data), their dtype names
     in ``dtypes``; returns the file names."""
     names = [f"{prefix}_{i}.npy" for i in range(len(arrays))]
     for name, x in zip(names, arrays, strict=True):
-        is_key = str(getattr(x, "dtype", "")) in _key_impls()
+        is_key = str(getattr(x, "dtype", "")) in KEY_IMPLS
         np.save(work / name, np.asarray(jax.random.key_data(x)) if is_key else x)
         dtypes[name] = str(x.dtype)
     return names
