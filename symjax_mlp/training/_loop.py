@@ -22,7 +22,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from symjax_mlp._errors import CheckpointError, ConfigError
+from symjax_mlp._errors import CheckpointError, ConfigError, ControlFlowError
+from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._models import mlp
 from symjax_mlp.training._checkpoint import TrainState, is_count, save_checkpoint
 from symjax_mlp.training._data import (
@@ -33,13 +34,12 @@ from symjax_mlp.training._data import (
     load_digits,
 )
 from symjax_mlp.training._epoch import Programs
-from symjax_mlp.training._nnx import NnxSpec, spec_of
 from symjax_mlp.training._orbax import OrbaxCheckpoints, orbax_steps
 from symjax_mlp.training._paths import check_directory, latest_checkpoint
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._result import EpochRecord, TrainResult
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
-from symjax_mlp.training._spec import TRAIN_FORM, traced
+from symjax_mlp.training._spec import TRAIN_FORM, NnxSpec, spec_of
 from symjax_mlp.training._step import ModelVars, check_trainable, init_of, strong
 
 _NOT_FLAX = (
@@ -52,6 +52,13 @@ _NOT_FLAX = (
 )
 
 _CALLER = "symjax_mlp.training.train"
+_CONTROL_FLOW = (
+    "{caller}: the model needs a concrete value from a traced array ({error}). train() traces "
+    "the model, to initialise it and for jax.grad (compiled or not), where only shapes and "
+    "dtypes are known: a Python if/while on an array, float(x), int(x) or np.asarray(x) in "
+    "__call__ cannot be decided. Stay symbolic: jnp.where or jax.lax.cond for an if, "
+    "jax.lax.while_loop for a while, jnp operations for float(x)."
+)
 _PAST = (
     "symjax_mlp.training.train(epochs={epochs}, resume=True): the newest checkpoint, {found}, "
     "is at epoch {s.epoch} (step {s.step}), past the {epochs} epoch(s) asked for; epochs counts "
@@ -335,8 +342,11 @@ def _classifier(
         model = mlp((128, 64, default_classes(data)))
     example = data.x_train[:1]
     caller = f"symjax_mlp.training.train({type(model).__name__})"
-    with traced(caller):
+    try:
         spec = spec_of(model, example, train_flags, eval_flags, caller=caller, form=TRAIN_FORM)
+    except TRACER_ERRORS as e:  # the model's Python control flow on an array
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+        raise ControlFlowError(_CONTROL_FLOW.format(caller=caller, error=error)) from e
     out = spec.out  # an inference call's, as its spec found it
     shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
     if shape is None or len(shape) != 2 or not jnp.issubdtype(dtype, jnp.floating):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,13 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from symjax_mlp._errors import CheckpointError
 from symjax_mlp.training._checkpoint import TrainState, broken, restore_checkpoint
 from symjax_mlp.training._data import Dataset
-from symjax_mlp.training._nnx import NnxSpec, fingerprint
 from symjax_mlp.training._paths import check_strays, latest_checkpoint
 from symjax_mlp.training._result import EpochRecord
+from symjax_mlp.training._spec import NnxSpec
 from symjax_mlp.training._step import ModelVars, apply_model
 
 PROBE = "model_probe"  # compared within a tolerance, not for equality
@@ -160,7 +162,11 @@ def _data_fingerprint(data: Dataset) -> str:
 def _model_fingerprint(model: Any, spec: Any, params: Any) -> str:
     """The model's configuration (its repr: layers, widths, activations) and param tree."""
     tree = jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype)), params)
-    config = fingerprint(spec) if isinstance(spec, NnxSpec) else repr(model)
+    if isinstance(spec, NnxSpec):  # its eval-mode graphdef (layers, widths, rates), no addresses
+        graph = repr(nnx.graphdef(spec.module(spec.params, spec.state)))
+        config = re.sub(r"0x[0-9a-f]+", "0x", graph)
+    else:
+        config = repr(model)
     return hashlib.sha256(f"{config}|{tree}".encode()).hexdigest()
 
 

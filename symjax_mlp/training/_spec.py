@@ -1,26 +1,33 @@
-"""How a classifier is called in training and in inference: its flags, state and rng.
-
-:func:`model_spec` finds, with ``jax.eval_shape``, a flax.linen model's train/inference flags,
-the collections a training call updates and whether it draws a ``dropout`` rng. A model that
-would silently train in inference mode is refused with a message that names the fix.
-"""
+"""How a classifier is called in training and in inference: its flags, the state a training
+call moves, its rng. A flax.linen model's are found with ``jax.eval_shape``; an nnx module's
+``Param`` values are trained, all else is its state, read from its staged program, its steps in
+``module.train()``'s mode (a ``__call__`` taking ``rngs`` gets a fresh ``nnx.Rngs`` each step).
+A model that would silently train in inference mode is refused, naming the fix."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import re
-from collections.abc import Iterator, Mapping
-from functools import partial
+from collections.abc import Mapping
 from typing import Any
 
 import flax
 import flax.linen as nn
 import jax
+from flax import nnx
 
-from symjax_mlp._errors import ConfigError, ControlFlowError
-from symjax_mlp._hybrid.trace import TRACER_ERRORS
+from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid.pure import (
+    PureModel,
+    mode_settings,
+    nnx_module,
+    state_structure,
+    unwrap_keys,
+    wrap_keys,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,25 +43,6 @@ class ModelSpec:
     init_flags: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: an inference call's output (shape and dtype), found for train() (``TRAIN_FORM``) only
     out: Any = None
-
-
-_CONTROL_FLOW = (
-    "{caller}: the model needs a concrete value from a traced array ({error}). train() traces "
-    "the model, to initialise it and for jax.grad (compiled or not), where only shapes and "
-    "dtypes are known: a Python if/while on an array, float(x), int(x) or np.asarray(x) in "
-    "__call__ cannot be decided. Stay symbolic: jnp.where or jax.lax.cond for an if, "
-    "jax.lax.while_loop for a while, jnp operations for float(x)."
-)
-
-
-@contextlib.contextmanager
-def traced(caller: str) -> Iterator[None]:
-    """Raises JAX's tracer errors (the model's Python control flow) as a ControlFlowError."""
-    try:
-        yield
-    except TRACER_ERRORS as e:
-        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
-        raise ControlFlowError(_CONTROL_FLOW.format(caller=caller, error=error)) from e
 
 
 _FLAGS = (("train", True), ("training", True), ("deterministic", False))
@@ -129,19 +117,10 @@ def init_variables(model: nn.Module, key: jax.Array, example: Any, flags: dict[s
     return model.init(rngs, example, **flags)
 
 
-def _abstract(model: nn.Module, example: Any, flags: dict[str, Any]) -> tuple[Any, Any]:
-    """``example``'s shape and dtype, and the shapes of ``model``'s variables."""
-    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
-    init = partial(init_variables, model, flags=flags)
-    return example, jax.eval_shape(init, jax.random.key(0), example)
-
-
 def _bool_keyword(model: nn.Module) -> tuple[str, bool] | None:
     """The first parameter of ``__call__`` with a bool default: the likeliest mode flag."""
-    for flag, p in _parameters(model).items():
-        if isinstance(p.default, bool):
-            return flag, p.default
-    return None
+    found = ((f, p.default) for f, p in _parameters(model).items() if isinstance(p.default, bool))
+    return next(found, None)
 
 
 def _fix(model: nn.Module, form: str = TRAIN_FORM) -> str:
@@ -203,9 +182,8 @@ def model_spec(
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     params = list(_parameters(model).values())[1:]  # the input first
     required = [p.name for p in params if p.default is p.empty and p.kind in kinds]
-    flags = {**train, **evals}
     both = form == TRAIN_FORM  # train() makes training and inference calls; the pieces, one
-    calls = (train, evals) if both else (flags,)
+    calls = (train, evals) if both else ({**train, **evals},)
     if missing := [n for n in required if any(n not in call for call in calls)]:
         fix = form.format(on=dict.fromkeys(missing, True), off=dict.fromkeys(missing, False))
         names, them = ", ".join(map(repr, missing)), "it" if len(missing) == 1 else "them"
@@ -213,7 +191,10 @@ def model_spec(
             _REQUIRED.format(caller=caller, model=name, names=names, them=them, fix=fix)
         )
     init = {n: calls[0][n] for n in required}  # train(): as its steps call
-    example, variables = _abstract(model, example, init)
+    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
+    variables = jax.eval_shape(
+        functools.partial(init_variables, model, flags=init), jax.random.key(0), example
+    )
     mutable = tuple(c for c in variables if c != "params")
     if train_flags is None and not train:
         _refuse_inference_mode(model, variables, example, mutable, caller, form)
@@ -233,11 +214,16 @@ def model_spec(
                 _OTHER_STREAM.format(caller=caller, model=name, stream=stream)
             ) from None
         rng = True
-    spec = ModelSpec(train, evals, mutable, rng, init)
-    if both:
-        out = inference_shape(model, example, variables, spec, caller=caller)
-        return dataclasses.replace(spec, out=out)
-    return spec
+    if not both:
+        return ModelSpec(train, evals, mutable, rng, init)
+    does, out = _training_part(model, variables, example, evals)  # must be an inference call
+    if does is None:
+        return ModelSpec(train, evals, mutable, rng, init, out)
+    off = "Pass eval_flags that turn training off. " if _bool_keyword(model) is not None else ""
+    call = f"model.apply(variables, x{shown_flags(evals)})"
+    raise ConfigError(
+        NOT_INFERENCE.format(caller=caller, model=name, call=call, does=does, fix=off + _fix(model))
+    )
 
 
 def _refuse_inference_mode(
@@ -264,19 +250,136 @@ def _refuse_inference_mode(
     raise ConfigError(_NO_FLAG.format(caller=caller, model=name, state=state, lost=lost, fix=fix))
 
 
-def inference_shape(
-    model: nn.Module, example: Any, variables: Any, spec: ModelSpec, *, caller: str
-) -> Any:
-    """The shape of an inference call's output; ConfigError if the call is not inference."""
-    flags = spec.eval_flags
-    does, out = _training_part(model, variables, example, flags)
-    if does is None:
-        return out
-    fix = _fix(model)
-    if _bool_keyword(model) is not None:
-        fix = f"Pass eval_flags that turn training off. {fix}"
-    call = f"model.apply(variables, x{shown_flags(flags)})"
-    name = type(model).__name__
-    raise ConfigError(
-        NOT_INFERENCE.format(caller=caller, model=name, call=call, does=does, fix=fix)
-    )
+_NNX_FLAG = (
+    "Give __call__ a flag and pass it on, def __call__(self, x, train: bool = False): "
+    "self.drop(x, deterministic=not train), self.norm(x, use_running_average=not train); or "
+    "leave the mode to the attributes that module.train() sets (deterministic, "
+    "use_running_average), which training sets for its steps."
+)
+_NNX_STILL = (
+    "{caller}: a training call of {model} (its attributes as module.train() sets them{flags}) "
+    "updates none of its state ({state}): every step would run it in inference mode. {fix} "
+    "For a model whose state never moves, pass train_flags={{}}."
+)
+
+
+#: where the state carries the key of :attr:`NnxSpec.call_rngs` (no attribute's name)
+CALL_RNG = "__call_rngs__"
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxSpec:
+    """How to call an nnx classifier in each mode: its flags, the module as a pure function,
+    its bool attributes, ``Param`` values and other variables, an inference call's output."""
+
+    train_flags: dict[str, Any]
+    eval_flags: dict[str, Any]
+    pure: PureModel
+    train_mode: tuple
+    eval_mode: tuple
+    params: Any
+    state: Any
+    out: jax.ShapeDtypeStruct
+    #: the keyword a training call passes a fresh ``nnx.Rngs`` to, or ``None``
+    call_rngs: str | None = None
+
+    @property
+    def stateful(self) -> bool:
+        return self.pure.stateful or self.call_rngs is not None
+
+    def raw(self, state: Any, key: Any = None) -> Any:
+        """``state`` with its rng keys as raw key data (and :attr:`call_rngs`' ``key``)."""
+        treedef, impls = state_structure(state)
+        raw = jax.tree.unflatten(treedef, unwrap_keys(jax.tree.leaves(state), impls))
+        return raw if self.call_rngs is None else {**raw, CALL_RNG: jax.random.key_data(key)}
+
+    def typed(self, raw: Any) -> Any:
+        """The inverse of :meth:`raw` (the :attr:`call_rngs` key dropped)."""
+        if self.call_rngs is not None:
+            raw = {k: v for k, v in raw.items() if k != CALL_RNG}
+        treedef, impls = state_structure(self.state)
+        return jax.tree.unflatten(treedef, wrap_keys(jax.tree.leaves(raw), impls))
+
+    def call(
+        self, params: Any, state: Any, x: Any, *, train: bool, key: Any = None
+    ) -> tuple[Any, Any]:
+        """``(logits, new state)`` of a call in either mode (``key``: :attr:`call_rngs`')."""
+        flags = self.train_flags if train else self.eval_flags
+        if train and self.call_rngs is not None:
+            flags = {**flags, self.call_rngs: nnx.Rngs(jax.random.key(0) if key is None else key)}
+        with self.pure.pinned(self.train_mode if train else self.eval_mode):
+            return self.pure.call(params, state, (x,), flags)
+
+    def step(self, params: Any, raw: Any, x: Any, *, train: bool) -> tuple[Any, Any]:
+        """``(logits, new raw state)`` of a call from :meth:`raw` state."""
+        key = sub = None
+        if train and self.call_rngs is not None:
+            key, sub = jax.random.split(jax.random.wrap_key_data(raw[CALL_RNG]))
+        logits, state = self.call(params, self.typed(raw), x, train=train, key=sub)
+        return logits, self.raw(state, key) if train else raw
+
+    def module(self, params: Any, state: Any) -> nnx.Module:
+        """A new module holding ``params`` and ``state``, in eval mode."""
+        with self.pure.pinned(self.eval_mode):
+            return self.pure.module(params, state)
+
+
+def spec_of(
+    module: Any,
+    example: Any,
+    train_flags: Mapping[str, Any] | None,
+    eval_flags: Mapping[str, Any] | None = None,
+    *,
+    caller: str,
+    form: str,
+) -> ModelSpec | NnxSpec:
+    """:func:`model_spec` of a linen model; the :class:`NnxSpec` of an nnx module, whose training
+    call must move its state (if it has any and no flags were given), its inference call not."""
+    if not isinstance(module, nnx.Module):
+        return model_spec(module, example, train_flags, eval_flags, caller=caller, form=form)
+    train, evals = find_flags(module, train_flags, eval_flags, caller, form)
+    named = "rngs" if "rngs" in _parameters(module) else None
+    rngs = next((k for k, v in train.items() if isinstance(v, nnx.Rngs)), named)
+    train = {k: v for k, v in train.items() if k != rngs}
+    required = _parameters(module).get(rngs or "")
+    if required is not None and required.default is required.empty and rngs not in evals:
+        evals = {**evals, rngs: None}  # inference draws nothing, but the call requires rngs
+    pure, params, state = nnx_module(module)
+    now = pure.settings() if pure.settings is not None else ()
+    modes = mode_settings(pure, now, train=True), mode_settings(pure, now, train=False)
+    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
+    spec = NnxSpec(train, evals, pure, *modes, params, state, None, rngs)  # type: ignore[arg-type]
+    name = type(module).__name__
+    moved, _ = _moves(spec, example, train=True)
+    if pure.stateful and train_flags is None and not moved:
+        fix = _fix(module, form) if _bool_keyword(module) is not None else _NNX_FLAG
+        flags, names = shown_flags(train), ", ".join(_paths(state))
+        raise ConfigError(
+            _NNX_STILL.format(caller=caller, model=name, flags=flags, state=names, fix=fix)
+        )
+    moved, out = _moves(spec, example, train=False)
+    if moved:
+        call = f"its attributes as module.eval() sets them{shown_flags(evals)}"
+        fix = "Pass eval_flags that turn training off, e.g. eval_flags={'train': False}."
+        does = f"updates {moved}"
+        raise ConfigError(
+            NOT_INFERENCE.format(caller=caller, model=name, call=call, does=does, fix=fix)
+        )
+    return dataclasses.replace(spec, out=out)
+
+
+def _moves(spec: NnxSpec, example: Any, *, train: bool) -> tuple[str, Any]:
+    """The state a call updates (its leaves' names, ``""`` for none) and its output's shape."""
+    run = functools.partial(spec.call, train=train)
+    closed, shapes = jax.make_jaxpr(run, return_shape=True)(spec.params, spec.state, example)
+    jaxpr = closed.jaxpr  # its inputs: params, then state; its outputs end with the state
+    n_params, n_state = len(jax.tree.leaves(spec.params)), len(jax.tree.leaves(spec.state))
+    ins = jaxpr.invars[n_params : n_params + n_state]
+    outs = jaxpr.outvars[len(jaxpr.outvars) - n_state :]
+    moved = [p for p, i, o in zip(_paths(spec.state), ins, outs, strict=True) if o is not i]
+    return ", ".join(moved), shapes[0]
+
+
+def _paths(state: Any) -> list[str]:
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    return [jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in leaves]
