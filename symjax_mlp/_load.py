@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -25,6 +26,7 @@ from symjax_mlp._artifact.format import (
     PARAMS,
     entry_point,
     entry_view,
+    printable,
     program_file,
 )
 from symjax_mlp._artifact.reading import USED, freeze, read_artifact
@@ -121,6 +123,7 @@ def load(
     if unchanged is not None:
         unchanged()  # what was read is what was verified
     _warn_if_expiring(path, manifest)
+    _check_card(path, manifest)
     _check_x64(path, manifest)
     importlib.import_module(f"symjax_mlp._runtimes.{runtime}").check_supported(path, manifest)
     mesh = _check_mesh(path, manifest, mesh)
@@ -264,6 +267,24 @@ def _check_mesh(path: Path, manifest: Any, mesh: Mesh | None) -> Mesh | None:
             f"sm.data_mesh({need}), or export again on a mesh of {mesh.size}."
         )
     return auto_mesh(mesh)
+
+
+def _check_card(path: Path, manifest: Any) -> None:
+    """Refuses a model card holding a number JSON has not (``1e400`` reads as inf), as export
+    refuses to write one."""
+    todo = [(manifest.get("metadata", {}), "metadata")]
+    while todo:  # depth first, in the card's order, without recursion
+        value, at = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ArtifactError(
+                f'symjax_mlp.load("{printable(str(path))}"): its model card\'s '
+                f"{printable(at[:200])} is {value}, a number JSON cannot hold (export refuses "
+                "it; the manifest was edited or written by another tool). Export it again, or "
+                "load an artifact whose card holds finite numbers."
+            )
+        if isinstance(value, dict | list):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            todo += reversed([(v, f"{at}[{k!r}]") for k, v in items])
 
 
 def _check_x64(path: Path, manifest: Any) -> None:

@@ -750,6 +750,25 @@ class Duck:
 
 
 @pytest.mark.parametrize(
+    "card, where",
+    [('{"acc": 1e400}', r"metadata\['acc'\] is inf"),
+     ('{"runs": [1.5, {"loss": -1e400}]}', r"metadata\['runs'\]\[1\]\['loss'\] is -inf"),
+     ('{"x": NaN}', r"metadata\['x'\] is nan")],
+    ids=["inf", "nested", "nan"],
+)  # fmt: skip
+def test_a_model_card_holding_a_number_json_has_not_is_refused_at_load(base, tmp_path, card, where):
+    """A stranger's manifest may hold 1e400 (JSON reads it as inf) in its model card, which
+    export refuses to write: load refused nothing and handed the inf on as m.metadata."""
+    src, _ = base
+    art = forge.resign(src, tmp_path / "card", manifest=lambda m: m.update(metadata="CARD"))
+    text = (art / "manifest.json").read_text()
+    (art / "manifest.json").write_text(text.replace('"CARD"', card))  # as a stranger writes it
+    with pytest.raises(sm.ArtifactError, match=where + r".*a number JSON cannot hold.*Export it"):
+        sm.load(art)
+    assert "card" in str(sm.inspect(art))  # inspect shows it; load refuses to run it
+
+
+@pytest.mark.parametrize(
     "vectors, message",
     [
         ({"args[0]": np.zeros((5, 7), np.float32), "out[0]": np.zeros((5, 2), np.float32)},
