@@ -12,7 +12,6 @@ import numbers
 import os
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -34,8 +33,8 @@ from symjax_mlp.training._data import (
     load_digits,
 )
 from symjax_mlp.training._epoch import Programs
-from symjax_mlp.training._orbax import OrbaxCheckpoints, orbax_steps
-from symjax_mlp.training._paths import check_directory, latest_checkpoint
+from symjax_mlp.training._orbax import OrbaxCheckpoints
+from symjax_mlp.training._paths import check_directory
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._result import EpochRecord, TrainResult
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
@@ -160,7 +159,7 @@ def train(
             f"on_epoch must be a function called with each EpochRecord; got {on_epoch!r}."
         )
     optimizer = _checked_optimizer(optimizer, learning_rate)
-    run_timeout(timeout)  # checked in one process too: refused now, not when scaled out
+    timeout = run_timeout(timeout)  # checked in one process too: refused now, not scaled out
     if resume and checkpoint is None:
         raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
     if checkpoint is not None:  # refused now, not after the first epoch
@@ -201,12 +200,6 @@ def train(
     def update(s: TrainState) -> list[Any]:  # the optimizer's next update, measured
         return optimizer_probe(optimizer, *programs.local((s.params, s.opt_state)))
 
-    save = (
-        store.save
-        if store is not None
-        else lambda s, meta: save_checkpoint(checkpoint, s, metadata=meta)
-    )
-
     try:
         state, history, resumed_from = resume_run(
             checkpoint, state, config, resume=resume, store=store, update=update
@@ -220,7 +213,10 @@ def train(
             if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
                 meta = {"config": config, "history": [dataclasses.asdict(r) for r in history],
                         OPTIMIZER_PROBE: update(state)}  # fmt: skip
-                newest = save(state, meta)
+                if store is None:
+                    newest = save_checkpoint(checkpoint, state, metadata=meta)
+                else:
+                    newest = store.save(state, meta)
             if on_epoch is not None:
                 on_epoch(record)
     except BaseException as e:  # its own error is raised, a failed save's a note on it
@@ -272,28 +268,15 @@ def _close(parts: dict[str, Any], error: BaseException | None = None) -> None:
 
 def _processes(
     model: Any, spec: Any, optimizer: optax.GradientTransformation, config: dict[str, Any], *,
-    compiled: bool, blocks: int, timeout: int | None, checkpoint: Any, run: dict[str, Any],
+    compiled: bool, blocks: int, timeout: int, checkpoint: Any, run: dict[str, Any],
 ) -> tuple[Programs, OrbaxCheckpoints | None, Watchdog | None]:  # fmt: skip
     """The run's programs; in several processes, once all agree, its Orbax store and watchdog."""
-
-    def other_run(them: str, form: str) -> CheckpointError:
-        return CheckpointError(
-            f"{_CALLER}: {checkpoint} holds checkpoints of a {them} run ({form}), which this run "
-            "cannot resume. Resume it as it was written (several processes: each after "
-            "symjax_mlp.training.initialize(...)), or use another directory."
-        )
-
     if jax.process_count() == 1:
-        if checkpoint is not None and orbax_steps(Path(checkpoint)):
-            raise other_run("multi-process", "Orbax")
         return Programs.of(model, spec, optimizer, compiled=compiled, blocks=blocks), None, None
     if not compiled:
         raise ConfigError(f"{_CALLER}: a multi-process run is compiled; got compiled=False.")
-    timeout = run_timeout(timeout)
     key = agree({**config, **run, "checkpoint": checkpoint is not None}, timeout=timeout,
                 caller=_CALLER)  # fmt: skip
-    if checkpoint is not None and latest_checkpoint(checkpoint) is not None:
-        raise other_run("single-process", "step_* safetensors")
     watch = Watchdog(key, timeout, _CALLER)
     programs = Programs.of(model, spec, optimizer, compiled=True, blocks=blocks, watch=watch)
     if checkpoint is None:

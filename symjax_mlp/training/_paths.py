@@ -105,8 +105,16 @@ def checkpoints(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
 
 
 def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False) -> None:
-    """Refuses an entry named like a step newer than the newest checkpoint that is none (a file,
-    a symlink, an uncommitted Orbax save): resuming, and saving that step, would trip on it."""
+    """Refuses the other format's checkpoints (Orbax's are a multi-process run's), and an entry
+    named like a step newer than the newest checkpoint that is none (a file, a symlink, an
+    uncommitted Orbax save): resuming, and saving that step, would trip on it."""
+    if checkpoints(Path(directory), not orbax):
+        them = "single-process run (step_* safetensors)" if orbax else "multi-process run (Orbax)"
+        raise CheckpointError(
+            f"{caller}: {directory} holds checkpoints of a {them}, which this run cannot resume. "
+            "Resume it as it was written (several processes: each after "
+            "symjax_mlp.training.initialize(...)), or use another directory."
+        )
     done = checkpoints(Path(directory), orbax)
     newest = done[-1] if done else (-1, Path("any checkpoint there"))
     for step, p in entries(Path(directory), orbax):
