@@ -724,8 +724,9 @@ def test_create_app_refuses_limits_that_are_not_positive():
 
     h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
     with sm.serving.Batcher(h, example=np.ones((1, 3), np.float32), max_batch=2) as b:
-        for bad in ({"body_timeout": 0}, {"max_inflight_bytes": -1}, {"max_body_bytes": True}):
-            with pytest.raises(sm.ConfigError, match=next(iter(bad))):
+        bads = ({"body_timeout": 0}, {"max_inflight_bytes": -1}, {"max_body_bytes": True})
+        for bad in (*bads, {"max_body_bytes": None}):  # None: a TypeError from 4 * None
+            with pytest.raises(sm.ConfigError, match=rf"{next(iter(bad))} must be a number > 0"):
                 sm.serving.create_app(b, close_batcher=False, **bad)
         # a body past max_inflight_bytes was a 503 with Retry-After, whenever it was retried
         with pytest.raises(sm.ConfigError, match="max_inflight_bytes=1000 is less than"):

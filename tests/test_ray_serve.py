@@ -283,6 +283,17 @@ def test_a_bad_artifact_or_option_is_refused_before_any_replica_starts(cluster, 
         sm.serving.ray_app(path, max_batch=0)
 
 
+def test_bad_batcher_or_app_options_are_refused_before_any_replica_starts(tmp_path):
+    """max_queue and the app's limits were checked by each replica only, in Ray's log."""
+    path = sm.chapter.export_mlp(tmp_path / "m").path
+    for bad in ({"max_queue": 0}, {"max_body_bytes": None}, {"body_timeout": -1}):
+        option = next(iter(bad))
+        with pytest.raises(sm.ConfigError, match=rf"ray_app\(.*\): {option} must be"):
+            sm.serving.ray_app(path, **bad)
+    with pytest.raises(sm.ConfigError, match="max_inflight_bytes=10 is less than"):
+        sm.serving.ray_app(path, max_inflight_bytes=10)
+
+
 def test_the_cli_refuses_more_replicas_than_the_cluster_has_cpus(cluster):
     path, _, _ = cluster
     address = ray.get_runtime_context().gcs_address  # the module's cluster: 2 CPUs

@@ -67,6 +67,25 @@ def drain(batcher: Batcher, cancel: bool = False) -> None:
         )  # fmt: skip
 
 
+def check_limits(
+    where: str, max_body_bytes: Any, body_timeout: Any, max_inflight_bytes: Any
+) -> tuple[int, float, int]:
+    """The app's limits, ``max_inflight_bytes`` defaulted; a :class:`ConfigError` if bad."""
+    limits = {"max_body_bytes": max_body_bytes, "body_timeout": body_timeout}
+    for option, value in {**limits, "max_inflight_bytes": max_inflight_bytes}.items():
+        if option == "max_inflight_bytes" and value is None:  # default: 4 bodies
+            value = max_inflight_bytes = 4 * max_body_bytes
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ConfigError(f"{where}: {option} must be a number > 0; got {value!r}.")
+    if max_inflight_bytes < max_body_bytes:  # a body between the two: 503, retry, for ever
+        raise ConfigError(
+            f"{where}: max_inflight_bytes={max_inflight_bytes} is less than max_body_bytes="
+            f"{max_body_bytes}, so a body between the two could never be read; pass "
+            "max_inflight_bytes >= max_body_bytes."
+        )
+    return max_body_bytes, body_timeout, max_inflight_bytes
+
+
 def create_app(
     batcher: Batcher,
     *,
@@ -128,19 +147,7 @@ def create_app(
     from starlette.routing import Route
 
     by_code: collections.Counter[int] = collections.Counter()  # answers, on the one loop
-    if max_inflight_bytes is None:
-        max_inflight_bytes = 4 * max_body_bytes
-    limits = {"max_body_bytes": max_body_bytes, "max_inflight_bytes": max_inflight_bytes}
-    for option, value in {**limits, "body_timeout": body_timeout}.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise ConfigError(f"create_app: {option} must be a number > 0; got {value!r}.")
-    if max_inflight_bytes < max_body_bytes:  # a body between the two: 503, retry, for ever
-        raise ConfigError(
-            f"create_app: max_inflight_bytes={max_inflight_bytes} is less than max_body_bytes="
-            f"{max_body_bytes}, so a body between the two could never be read; pass "
-            "max_inflight_bytes >= max_body_bytes."
-        )
-    intake = Intake(max_body_bytes, body_timeout, max_inflight_bytes)
+    intake = Intake(*check_limits("create_app", max_body_bytes, body_timeout, max_inflight_bytes))
     public = Public(batcher)
 
     def error(status: int, e: Exception, headers: dict[str, str] | None = None) -> Response:

@@ -150,8 +150,7 @@ class Batcher:
         #: Why each request runs alone at its own rows (``""``: requests merge): see above.
         self.why_alone: str = alone
         lane = Lane(served, specs, self.buckets, self.name, merges=not alone)
-        exact = static if alone else None  # a static batch whose rows mix: never padded
-        self._check = RequestCheck(specs, lane, exact, alone).check
+        self._check = RequestCheck(specs, lane, static, alone).check
         # Per event loop, this pass's asubmit (None: several): see _end_of_pass. A lone one
         # runs on the loop only for an XLA program (a user's Python may block the loop).
         self._passes: dict[Any, AsyncRequest | None] = {}

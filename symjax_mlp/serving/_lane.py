@@ -256,19 +256,15 @@ class Lane:
     def release(self) -> None:
         """Gives the token back, and wakes the thread if requests came meanwhile."""
         self.holder = None
-        if compat.GIL and len(self.n.pending) <= _FOLD_EVERY:
-            # No lock: an enqueuer looks for the token under the lock after appending, so it
-            # either sees it (and wakes the thread) or appended before we look at the queue.
-            self.idle.append(True)
-            if self.queue or self.closing:
-                with self.lock:
-                    self.nudge()
-            return
-        with self.lock:
-            if len(self.n.pending) > _FOLD_EVERY:
-                self.n.fold()
-            self.idle.append(True)
-            if self.queue or self.closing:
+        if not compat.GIL or len(self.n.pending) > _FOLD_EVERY:
+            with self.lock:
+                if len(self.n.pending) > _FOLD_EVERY:
+                    self.n.fold()
+                self.idle.append(True)
+        else:  # an enqueuer looks for the token under the lock after appending, so it either
+            self.idle.append(True)  # sees it (and wakes the thread) or appended before we look
+        if self.queue or self.closing:
+            with self.lock:
                 self.nudge()
 
     def assemble(self, requests: Sequence[Any], rows: int, bucket: int) -> Sequence[Any]:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp.serving._app import create_app, load_entry, model_name, require
+from symjax_mlp.serving._app import check_limits, create_app, load_entry, model_name, require
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._latency import latency_mode
 from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count
@@ -156,7 +156,8 @@ def ray_app(
       ``DeploymentHandle``.
 
     Raises:
-      ConfigError: bad ``replicas``, ``dispatch``, ``max_batch`` or ``max_ongoing_requests``.
+      ConfigError: bad ``replicas``, ``dispatch``, ``max_batch``, ``max_queue``,
+        ``max_ongoing_requests`` or limits of :func:`~symjax_mlp.serving.create_app`.
       ArtifactError, SignatureError: the artifact cannot be loaded.
       ImportError: Ray Serve is missing (``pip install 'symjax_mlp[ray]'``).
 
@@ -173,6 +174,8 @@ def ray_app(
 
     where = f"ray_app({str(artifact)!r})"
     check_count(where, "replicas", replicas)
+    check_count(where, "max_queue", max_queue)
+    check_limits(where, max_body_bytes, body_timeout, max_inflight_bytes)
     if max_ongoing_requests is not None:
         check_count(where, "max_ongoing_requests", max_ongoing_requests)
     if dispatch not in ("sync", "async"):

@@ -229,7 +229,7 @@ class RequestCheck:
 
     def __init__(self, specs: Sequence[TensorSpec], lane: Any, static: int | None, why: str):
         self.name, self.specs, self.lane, self.max_batch = lane.name, specs, lane, lane.max_batch
-        self.static, self.why = static, why
+        self.static, self.why = static if why else None, why  # rows mix: never padded
         # The NumPy shapes (a tuple of them for several inputs) that passed, with their rows;
         # a request's dtypes must be these very objects to be looked up.
         self.accepted: dict[Any, int] = {}
