@@ -34,13 +34,11 @@ from symjax_mlp.training._paths import (
     latest_checkpoint,
     named_step,
 )
-from symjax_mlp.training._result import EpochRecord
 
 _STATE_FILE = "state.safetensors"
 _MAX_MANIFEST_BYTES = 64 << 20
 _MAX_TENSORS = 8 * MAX_TENSORS  # params and the optimizer's state of them
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_RECORD = typing.get_type_hints(EpochRecord)
 _HEADER = {"format": "symjax_mlp.checkpoint", "format_version": 1}
 _NO_CHECKPOINT = (
     "symjax_mlp.training.restore_checkpoint: {path} {why}. A checkpoint is a step_* directory "
@@ -55,6 +53,21 @@ _METADATA = (
     "got {got}. restore_checkpoint would refuse that checkpoint: put your own values under "
     "other keys."
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochRecord:
+    """One epoch of the history: mean training loss and accuracies after it."""
+
+    epoch: int
+    step: int
+    loss: float
+    train_accuracy: float
+    test_accuracy: float
+    seconds: float
+
+
+_RECORD = typing.get_type_hints(EpochRecord)
 
 
 @jax.tree_util.register_dataclass
