@@ -178,11 +178,8 @@ def verify(
         raise ConfigError(f"verify(batches={batches!r}): pass a tuple of batch sizes >= 1.")
     batches = tuple(dict.fromkeys(int(b) for b in batches))  # each drawn and checked once
     for option, value in (("rtol", rtol), ("atol", atol)):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not 0 <= value < math.inf
-        ):
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not (real and 0 <= value < math.inf):  # NaN is not >= 0
             raise ConfigError(  # inf would pass every output
                 f"verify({option}={value!r}): pass a number >= 0, finite, as numpy.allclose takes."
             )

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.custom_batching import custom_vmap
 
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
@@ -98,14 +99,10 @@ class Program:
         shapes = tuple((tuple(x.shape), str(x.dtype)) for x in args if not isinstance(x, Mapping))
         if self.guard is None or not all(isinstance(d, int) for s, _ in shapes for d in s):
             return False
-        traced = [
-            isinstance(x, Mapping) and any(isinstance(v, jax.core.Tracer) for v in x.values())
-            for x in args
-        ]
-        structs = [
-            x if isinstance(x, Mapping) and not t
+        structs = [  # the weights as they are, unless traced
+            x if isinstance(x, Mapping) and not any(isinstance(v, Tracer) for v in x.values())
             else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-            for x, t in zip(args, traced, strict=True)
+            for x in args
         ]  # fmt: skip
         what = f"its VJP module of order {order}" if order else "the module"
         n = sum(math.prod(s) for s, _ in shapes) if n is None else n

@@ -227,23 +227,18 @@ def _named(text: str, word: str) -> bool:
 def _options_said(message: str, command: _Parser) -> list[str]:
     """``keyword is --option`` for each keyword ``message`` names that an option of
     ``command`` sets, unless the message names that option already."""
-    pairs = [(k, o) for k, dest, o in _OPTIONS if _has(command, dest)]
+    options = [a for a in command.options if a.option_strings]
     taken = {keyword.split("=")[0] for keyword, _, _ in _OPTIONS} | _NO_KEYWORD
-    for action in command.options:
-        if action.option_strings and action.dest not in taken:
-            flag = action.option_strings[0]
-            pairs.append(
-                (f"{action.dest}=", f"{flag} {action.metavar}" if action.metavar else flag)
-            )
+    pairs = [(k, o) for k, dest, o in _OPTIONS if dest in {a.dest for a in options}] + [
+        (f"{a.dest}=", f"{a.option_strings[0]} {a.metavar or ''}".rstrip())
+        for a in options
+        if a.dest not in taken
+    ]
     return [
         f"{keyword} is {option}"
         for keyword, option in pairs
         if _named(message, keyword) and not _named(message, option.split()[0])
     ]
-
-
-def _has(command: _Parser, dest: str) -> bool:
-    return any(a.dest == dest and a.option_strings for a in command.options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
