@@ -166,18 +166,16 @@ class _Opener:
     def open(self, entry: str | None, arrays: list[Any] | None = None) -> LoadedModel:
         with self.lock:
             view = entry_view(self.manifest, entry)
-            name = entry_point(view)
-            if name in self.opened:
-                return self.opened[name]
-            if arrays is None:  # another entry point: its params among the placed weights
-                arrays = [self.weights[p["path"]] for p in view["params"]]
-            self.opened[name] = model = self._open(view, arrays)
-            return model
+            if (name := entry_point(view)) not in self.opened:
+                self.opened[name] = self._open(view, arrays)
+            return self.opened[name]
 
-    def _open(self, view: dict[str, Any], arrays: list[Any]) -> LoadedModel:
+    def _open(self, view: dict[str, Any], arrays: list[Any] | None) -> LoadedModel:
         from symjax_mlp._runtimes.jax import deserialize
 
         path, blobs, options = self.path, self.blobs, self.options
+        if arrays is None:  # another entry point: its params among the placed weights
+            arrays = [self.weights[p["path"]] for p in view["params"]]
         exported = deserialize(path, view, blobs)  # both runtimes: the module that runs
         guard = report = None
         if not options["trust"]:

@@ -24,8 +24,7 @@ MAX_SIGNATURE_BYTES = 1 << 20
 
 
 def _config(kind: str) -> Any:
-    """``model_signing.{kind}.Config()`` hashing every file but the signature, git files
-    included (the default would skip ``.git``)."""
+    """``model_signing.{kind}.Config()`` hashing every file but the signature, ``.git`` too."""
     try:
         import model_signing.hashing
 
@@ -41,9 +40,8 @@ def _config(kind: str) -> Any:
 
 
 def _checked(path: Any, key: Any, *, private: bool) -> tuple[Path, Path]:
-    """The artifact directory and the key file, once both are what they should be: the key
-    an elliptic-curve one, which model-signing would otherwise report as a signature that does
-    not verify (as if the artifact had been changed), or as an AttributeError when it signs."""
+    """The artifact directory and the key file, checked: model-signing reports a key of
+    another kind as a signature that does not verify, or as an AttributeError."""
     from cryptography.hazmat.primitives import serialization as pem
     from cryptography.hazmat.primitives.asymmetric import ec
 

@@ -1,7 +1,5 @@
-"""The artifact's on-disk contract: its file names, ``manifest.json`` and its schema.
-
-Plain JSON data, checked before any bytes reach a deserializer.
-"""
+"""The artifact's on-disk contract: its file names, ``manifest.json`` and its schema, checked
+before any bytes reach a deserializer."""
 
 from __future__ import annotations
 
@@ -187,12 +185,7 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
 _TENSORS = "a list of {path, shape, dtype} (each dimension a size below 2**63, or a name)"
 
 
-class _Missing:
-    def __repr__(self) -> str:
-        return "(missing)"
-
-
-_MISSING = _Missing()
+_MISSING = type("_Missing", (), {"__repr__": lambda self: "(missing)"})()
 
 
 def _program_rules(m: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, Any, str]]:

@@ -10,7 +10,7 @@ import dataclasses
 import operator
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -119,7 +119,7 @@ class Signature:
                 )
         self._check_terms(sizes, caller)
         for constraint in self.constraints:
-            if not _holds(constraint, {k: v for k, (_, v) in sizes.items()}, _evaluate):
+            if not _holds(constraint, {k: v for k, (_, v) in sizes.items()}):
                 where = ", ".join(f"{k} = {v} ({p})" for k, (p, v) in sorted(sizes.items()))
                 raise SignatureError(
                     f"{caller}: the inputs give {where}, but the artifact requires "
@@ -156,22 +156,11 @@ class Signature:
 _OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "<": operator.lt, ">": operator.gt}
 
 
-def _holds(
-    constraint: str, sizes: Mapping[str, int], evaluate: Callable[..., int | None] | None = None
-) -> bool:
-    """Evaluates ``"t <= 1024"`` or ``"b >= t"`` on the call's sizes (unknown names: True);
-    with ``evaluate``, terms such as ``2*b`` too."""
+def _holds(constraint: str, sizes: Mapping[str, int]) -> bool:
+    """Evaluates ``"t <= 1024"`` or ``"b >= 2*t"`` at the call's sizes (unknown names: True)."""
     op, left, right = _split(constraint)
-    if not op:
-        return True
-
-    def value(term: str) -> int | None:
-        if evaluate is not None:  # a dimension written as the term ("2*b") is its size
-            return sizes[term] if term in sizes else evaluate(term, sizes)
-        return int(term) if re.fullmatch(r"-?[0-9]{1,30}", term) else sizes.get(term)
-
-    a, b = value(left), value(right)
-    return a is None or b is None or _OPS[op](a, b)
+    a, b = (sizes[t] if t in sizes else _evaluate(t, sizes) for t in (left, right))
+    return not op or a is None or b is None or _OPS[op](a, b)
 
 
 _FLIPPED = {"<=": ">=", ">=": "<=", "==": "==", "<": ">", ">": "<"}
@@ -205,7 +194,7 @@ def sizes_at(signature: Signature, batch: int) -> dict[str, int] | None:
         if (size := _evaluate(dim, sizes)) is None or size < 1:
             return None
         sizes[dim] = size
-    admitted = all(_holds(c, sizes, _evaluate) for c in signature.constraints)
+    admitted = all(_holds(c, sizes) for c in signature.constraints)
     return sizes if admitted else None
 
 
