@@ -132,8 +132,7 @@ def _seconds(s: float) -> str:
 
 
 def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
-    """``jax.jit`` of ``h``'s pure function, AOT-compiled; a stateful Hybrid's takes its state
-    and returns the new one, as its call does (else XLA would drop the state's update)."""
+    """``jax.jit`` of ``h``'s pure function, AOT-compiled (a stateful one's returns its state)."""
     if h.mesh is not None:
         raise ConfigError(
             f"timeit({h.name}): the Hybrid runs sharded over a mesh; time it unsharded "
@@ -152,17 +151,13 @@ def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[],
             return h.fn(params, *inputs, **kwargs)
         return h._model.call(params, state, inputs, kwargs)  # (out, new state): h.fn's drops it
 
-    params, state = h.params, h.state if h.stateful else None
-    if h.params_as_constants:  # the floor holds them as constants too; the state is an input
-        compiled = jax.jit(lambda s, a: call(params, s, a)).lower(state, arrays).compile()
-        return lambda: compiled(state, arrays)
-    leaves, treedef = jax.tree.flatten(params)
+    leaves, treedef = jax.tree.flatten(h.params)
 
-    def flat(leaves: Any, s: Any, a: Any) -> Any:
-        return call(jax.tree.unflatten(treedef, leaves), s, a)
+    def flat(leaves: Any, state: Any, arrays: list[Any]) -> Any:
+        return call(jax.tree.unflatten(treedef, leaves), state, arrays)
 
-    compiled = jax.jit(flat).lower(leaves, state, arrays).compile()
-    return lambda: compiled(leaves, state, arrays)
+    state = h.state if h.stateful else None  # an input, as the model's call takes it
+    return _compiled(flat, leaves, [state, arrays], h.params_as_constants)
 
 
 def _floor_of_loaded(m: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
@@ -180,11 +175,17 @@ def _floor_of_loaded(m: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
     exported = jax.export.deserialize((m.path / program_file(m.manifest, JAXEXPORT)).read_bytes())
     weights = {name: jax.device_put(a) for name, a in m.params.items()}
     inputs = [jax.device_put(x) for x in checked]
-    if getattr(m, "params_as_constants", False):  # the floor holds them as constants too
-        compiled = jax.jit(lambda *a: exported.call(weights, *a)).lower(*inputs).compile()
-        return lambda: compiled(*inputs)
-    compiled = jax.jit(exported.call).lower(weights, *inputs).compile()
-    return lambda: compiled(weights, *inputs)
+    return _compiled(exported.call, weights, inputs, getattr(m, "params_as_constants", False))
+
+
+def _compiled(fn: Any, weights: Any, args: list[Any], constants: bool) -> Callable[[], Any]:
+    """``fn(weights, *args)`` AOT-compiled and called bare; ``constants``: the weights closed
+    over, as XLA constants (as the model holds them)."""
+    if constants:
+        compiled = jax.jit(lambda *a: fn(weights, *a)).lower(*args).compile()
+        return lambda: compiled(*args)
+    compiled = jax.jit(fn).lower(weights, *args).compile()
+    return lambda: compiled(weights, *args)
 
 
 def _example_inputs(m: Any, batch: int) -> tuple[Any, ...]:
