@@ -80,10 +80,10 @@ class Lane:
         self.dtypes = [np.dtype(s.dtype) for s in row_specs]
         self.buckets = tuple(buckets)
         self.max_batch = self.buckets[-1]
-        self.bucket_of = [0] + [self.buckets[bisect.bisect_left(self.buckets, n)]
-                                for n in range(1, self.max_batch + 1)]  # fmt: skip
-        if not merges:  # each request at its own rows: a size compiled at its first use
-            self.bucket_of = list(range(self.max_batch + 1))
+        # where it does not merge, each request at its own rows: a size compiled at first use
+        fit = [self.buckets[bisect.bisect_left(self.buckets, n)] if merges else n
+               for n in range(1, self.max_batch + 1)]  # fmt: skip
+        self.bucket_of = [0, *fit]
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.sleeping = False  # the thread waits on `wake` and nobody notified it yet
@@ -185,8 +185,8 @@ class Lane:
             results, record = self.compute(batch, rows, [r.t0 for r in batch])
         except BaseException as e:  # every request of the batch gets it; the lane carries on
             self.settle(batch, None, e)  # (SystemExit too, as a ThreadPoolExecutor's would)
-            return
-        self.settle(batch, results, None, (*record[1:], len(batch)))
+        else:
+            self.settle(batch, results, None, (*record[1:], len(batch)))
 
     def compute(self, batch: Sequence[Any], rows: int, t0: Any) -> tuple[list[Any], tuple]:
         """The model's results for ``batch`` (requests of ``rows`` rows in all), one per
