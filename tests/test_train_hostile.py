@@ -486,6 +486,33 @@ def test_numpy_integer_settings_are_their_ints(tiny, tmp_path):
     assert got.checkpoint is not None
 
 
+def test_numpy_integer_timeout_and_keep_are_their_ints(tiny, tmp_path):
+    """train(timeout=np.int64(5)) was refused, 'timeout must be an int >= 1 (seconds); got
+    np.int64(5)', where np.int64 epochs, batch_size and seed are their ints; so was
+    save_checkpoint(keep=np.int64(1)) ('pass how many checkpoints to keep, an int >= 1')."""
+    r = sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, batch_size=16, timeout=np.int64(5))
+    assert r.step == 4
+    state = _state()
+    sm.training.save_checkpoint(tmp_path, state, keep=np.int64(1))
+    newest = sm.training.save_checkpoint(
+        tmp_path, dataclasses.replace(state, step=1), keep=np.int64(1)
+    )
+    assert [p.name for p in tmp_path.iterdir()] == [newest.name]
+
+
+def test_labels_or_features_of_a_kind_that_is_no_number_say_what_to_pass(tiny):
+    """bool labels were 'dataset.y_train has dtype bool; expected int labels.', str features
+    'has dtype <U32; expected real numbers.': no fix. Each says what to pass."""
+    t = tiny
+    cases = (
+        (t.x_train, t.y_train.astype(bool), r"y_train has dtype bool; .* Pass y.astype\(np.int32"),
+        (t.x_train.astype(str), t.y_train, r"x_train has dtype <U\d+; .* Pass numeric features"),
+    )
+    for x, y, says in cases:
+        with pytest.raises(sm.DataError, match=says):
+            sm.training.train(sm.mlp((8, 10)), sm.training.Dataset(x, y, t.x_test, t.y_test))
+
+
 def test_a_dataset_named_by_a_path_checkpoints(tiny, tmp_path):
     """name=Path(...) trained an epoch, then failed to save: 'save_checkpoint(metadata=...):
     Object of type PosixPath is not JSON serializable', metadata the caller never passed."""

@@ -236,6 +236,7 @@ def save_checkpoint(
       >>> save_checkpoint(getfixture("tmp_path"), s).name
       'step_00000003'
     """
+    keep = int(keep) if isinstance(keep, np.integer) else keep  # as train()'s settings
     if not is_count(keep, 1):
         raise ConfigError(
             f"save_checkpoint(keep={keep!r}): pass how many checkpoints to keep, an int >= 1."

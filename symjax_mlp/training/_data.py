@@ -146,7 +146,10 @@ def check_dataset(data: Dataset) -> Dataset:
                 "loading and splitting of the data."
             )
         if not (np.issubdtype(x.dtype, np.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
-            raise DataError(f"{where} has dtype {x.dtype}; expected real numbers.")
+            raise DataError(
+                f"{where} has dtype {x.dtype}; expected real numbers. Pass numeric features, "
+                "e.g. x.astype(np.float32) (parsed first, if they are text)."
+            )
         _check_finite(where, x)
         with np.errstate(over="ignore"):
             xs[name] = x.astype(np.float32)
@@ -197,7 +200,11 @@ def check_dataset(data: Dataset) -> Dataset:
             )
         if not np.issubdtype(y.dtype, np.integer):
             if not jnp.issubdtype(y.dtype, jnp.floating):
-                raise DataError(f"{where} has dtype {y.dtype}; expected int labels.")
+                raise DataError(
+                    f"{where} has dtype {y.dtype}; expected int labels, the class indices. "
+                    "Pass y.astype(np.int32) (bools: 0 and 1; text: np.unique(y, "
+                    "return_inverse=True)[1])."
+                )
             _check_finite(where, y)
             y = y.astype(np.float64)  # float16's range ends before int32's: compared in float64
             if np.any(y != np.round(y)):

@@ -140,9 +140,9 @@ def train(
       >>> result.step, len(result.history), result.trace_count
       (46, 2, 1)
     """
-    epochs, batch_size, checkpoint_every, seed, blocks = (  # a sweep's np.int64: its int
+    epochs, batch_size, checkpoint_every, seed, blocks, timeout = (  # a sweep's np.int64: int
         int(v) if isinstance(v, np.integer) else v
-        for v in (epochs, batch_size, checkpoint_every, seed, blocks)
+        for v in (epochs, batch_size, checkpoint_every, seed, blocks, timeout)
     )
     counts = {"epochs": (epochs, 0), "batch_size": (batch_size, 1)}
     for name, (value, low) in {**counts, "checkpoint_every": (checkpoint_every, 1)}.items():

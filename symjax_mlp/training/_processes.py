@@ -48,13 +48,10 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
       (A process that waits past ``timeout`` for the others ends with :data:`EXIT_STATUS`.)
     """
     caller = "symjax_mlp.training.initialize"
-    named = {  # each by name: the CLI names the option of each keyword a message shows
-        "coordinator": coordinator,
-        "num_processes": num_processes,
-        "process_id": process_id,
-        "timeout": timeout,
-    }
-    given = f"{caller}({', '.join(f'{k}={v!r}' for k, v in named.items())})"
+    given = (  # each by name: the CLI names the option of each keyword a message shows
+        f"{caller}(coordinator={coordinator!r}, num_processes={num_processes!r}, "
+        f"process_id={process_id!r}, timeout={timeout!r})"
+    )
     host, _, port = str(coordinator).rpartition(":")
     checks = {
         "coordinator must be 'host:port'": isinstance(coordinator, str) and host and port.isdigit(),
