@@ -43,9 +43,9 @@ class Replica:
     handle method (NumPy arrays in and out, as ``Batcher.run``); ``stats()`` what it has done.
     """
 
-    def __init__(self, artifact: str, load_options: dict, batcher_options: dict, app_options: dict):
-        app_options = dict(app_options)  # Ray's to keep: "dispatch" is taken from a copy
-        if app_options.pop("dispatch") == "sync":
+    def __init__(self, artifact: str, load_options: dict, batcher_options: dict, app_options: dict,
+                 dispatch: str) -> None:  # fmt: skip
+        if dispatch == "sync":
             latency_mode()  # a fresh process: before its JAX backend starts
         self._compiled = compiled = dict.fromkeys(_EVENTS.values(), 0)  # traces, compiles
 
@@ -198,7 +198,6 @@ def ray_app(
         "max_body_bytes": max_body_bytes,
         "body_timeout": body_timeout,
         "max_inflight_bytes": max_inflight_bytes,
-        "dispatch": dispatch,
     }
     options: dict[str, Any] = {
         "name": name,
@@ -209,7 +208,7 @@ def ray_app(
         **(deployment_options or {}),
     }
     deployment = serve.deployment(serve.ingress()(Replica)).options(**options)
-    return deployment.bind(artifact, load_options, batcher_options, app_options)
+    return deployment.bind(artifact, load_options, batcher_options, app_options, dispatch)
 
 
 def serve_on_ray(
