@@ -39,7 +39,7 @@ TARGET = "llvm-cpu"
 DRIVER = "local-sync"
 MAX_MODULES = 64  # static modules kept per loaded model, the oldest dropped first
 _KNOWN_CUSTOM_CALLS = {"shape_assertion"}  # IREE erases these; everything else it rejects
-MAX_OPS = 8192  # once inlined; IREE compiled a chain of 8,000 adds in 23 s, 16,000 in 105 s
+MAX_OPS = 8192  # once inlined: IREE's compile time grows with their square
 
 
 def _modules() -> tuple[Any, Any]:

@@ -148,8 +148,7 @@ def runner(
     n = manifest["nr_devices"]
     if n == 1:
         return call_checked, weights
-    # A sharded export runs on exactly n devices: under the caller's mesh of n devices (as
-    # load(path, mesh=...) sets one), else under a mesh of the first n (check_supported saw enough).
+    # the mesh of the first n devices (check_supported saw enough), unless the caller set one
     mesh = jax.make_mesh(
         (n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n]
     )

@@ -109,9 +109,8 @@ def emit_json(data: Any, target: str) -> None:
 
 
 def _finite(data: Any) -> Any:
-    """``data`` with each inf or NaN as its text ("inf"): JSON has none, and json.dumps wrote
-    ``Infinity``, which strict readers (jq, JavaScript) refuse (a stranger's manifest holds
-    ``1e400``)."""
+    """``data`` with each inf or NaN as its text ("inf"): json.dumps's ``Infinity`` is no JSON
+    (jq and JavaScript refuse it)."""
     if isinstance(data, float) and not math.isfinite(data):
         return str(data)
     if isinstance(data, dict):
