@@ -61,11 +61,8 @@ def _check_layers(cls: str, field: str, items: Any) -> None:
     """Refuses what is no sequence of layers when built, not deep in ``init``."""
     if not items:
         raise ConfigError(f"{cls} needs at least one {field[:-1]}; got an empty sequence.")
-    if isinstance(items, str | bytes) or not isinstance(items, Sequence):
-        bad = [items]
-    else:
-        bad = [item for item in items if not callable(item)]
-    if bad:
+    seq = isinstance(items, Sequence) and not isinstance(items, str | bytes)
+    if bad := [item for item in items if not callable(item)] if seq else [items]:
         raise ConfigError(
             f"{cls}({field}=...): expected a sequence of modules (or callables such as "
             f"nn.relu); got {bad[0]!r} ({type(bad[0]).__name__}). Write e.g. "
@@ -149,14 +146,9 @@ def mlp(
             "mlp((256, 128, 2)) (one layer: mlp((2,)))."
         )
     activation_fn(activation)  # refused even where only the last layer (none) would use it
-    sizes = tuple(map(int, sizes))
-    last = len(sizes) - 1
-    return HybridSequential(
-        tuple(
-            Dense(s, activation=None if i == last else activation, dtype=dtype)
-            for i, s in enumerate(sizes)
-        )
-    )
+    acts = (activation,) * (len(sizes) - 1) + (None,)
+    layers = (Dense(int(s), activation=a, dtype=dtype) for s, a in zip(sizes, acts, strict=True))
+    return HybridSequential(tuple(layers))
 
 
 def _width(n: Any) -> bool:

@@ -65,41 +65,44 @@ def chapter_mlp(
     seed: int = 0,
 ) -> tuple[Hybrid, jax.Array]:
     """The chapter's MLP, hybridized, and a random input of shape ``(batch, in_features)``."""
-    net = mlp(sizes, activation=activation)
-    _check_fits(sizes, in_features=in_features, batch=batch, seed=seed)
-    x = jax.random.normal(jax.random.key(seed), (batch, in_features), jnp.float32)
-    return hybridize(net, _init(net, jax.random.key(seed + 1), x, sizes), name="mlp"), x
+    return _mlp(sizes, activation, in_features, batch, seed, name="mlp")
 
 
 _INT64 = 2**63
 
 
-def _check_fits(sizes: Sequence[int], *, in_features: int, batch: int, seed: int) -> None:
-    """Refuses a seed past int64, and a layer of more elements than an array may have."""
+def _mlp(
+    sizes: Sequence[int], activation: str | None, in_features: int, batch: int, seed: int,
+    name: str | None = None,
+) -> tuple[Hybrid, jax.Array]:  # fmt: skip
+    """``mlp(sizes)`` hybridized from ``seed`` and a zero input; the chapter's (``name``) a
+    random input. Sizes past int64 or memory and seeds past int64 are ConfigErrors."""
+    net = mlp(sizes, activation=activation)
     if not -_INT64 <= seed < _INT64 - 1:
         raise ConfigError(f"seed must be an int from -2**63 to 2**63 - 2; got {seed}.")
-    widths = (in_features, *sizes)
-    for rows, cols in (*itertools.pairwise(widths), (batch, in_features)):
+    for rows, cols in (*itertools.pairwise((in_features, *sizes)), (batch, in_features)):
         if rows * cols >= _INT64:
             raise ConfigError(
                 f"an MLP of sizes={tuple(sizes)} on in_features={in_features} (batch={batch}) "
                 f"has a {rows} x {cols} array, more elements than any array can have; pass "
                 "smaller widths (sizes, in_features) or a smaller batch."
             )
-
-
-def _init(net: nn.Module, key: jax.Array, x: jax.Array, sizes: Sequence[int]) -> Any:
-    """``net.init(key, x)``; weights past what memory holds are a :class:`ConfigError`."""
+    key = jax.random.key(seed)
+    if name is None:
+        x = jnp.zeros((batch, in_features), jnp.float32)
+    else:  # the input from the seed, the weights from the next one
+        x, key = jax.random.normal(key, (batch, in_features), jnp.float32), jax.random.key(seed + 1)
     try:
-        return net.init(key, x)
+        variables = net.init(key, x)
     except (MemoryError, jax.errors.JaxRuntimeError) as e:
         if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        params = sum((a + 1) * b for a, b in zip((x.shape[-1], *sizes), sizes, strict=False))
+        params = sum((a + 1) * b for a, b in zip((in_features, *sizes), sizes, strict=False))
         raise ConfigError(
-            f"an MLP of sizes={tuple(sizes)} on {x.shape[-1]} inputs has {params:,} "
+            f"an MLP of sizes={tuple(sizes)} on {in_features} inputs has {params:,} "
             "parameters, more than this process can hold in memory; pass smaller widths."
         ) from None
+    return hybridize(net, variables, name=name), x
 
 
 def describe_mlp(
@@ -159,10 +162,7 @@ def export_mlp(
     ``seed``), what ``symjax-mlp export`` runs; ``batch``: a name for a symbolic batch dimension,
     or an int for a static one; the others as :func:`~symjax_mlp.export` takes them."""
     static = isinstance(batch, int) and not isinstance(batch, bool)
-    net = mlp(tuple(sizes), activation=activation)
-    _check_fits(sizes, in_features=in_features, batch=batch if static else 1, seed=seed)
-    x = jax.numpy.zeros((batch if static else 1, in_features), jax.numpy.float32)
-    h = hybridize(net, _init(net, jax.random.key(seed), x, sizes))
+    h, x = _mlp(sizes, activation, in_features, batch if static else 1, seed)
     batch = None if static else batch
     return export(h, path, example=x, batch=batch, platforms=platforms, overwrite=overwrite)
 

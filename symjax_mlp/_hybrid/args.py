@@ -43,10 +43,8 @@ class _Frozen:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Frozen) and self._key == other._key
 
-    def __repr__(self) -> str:
-        """The array when small; else shape, dtype and a digest (what NumPy elides differs)."""
-        a = self.array
-        if a.size <= 16:
+    def __repr__(self) -> str:  # a large one by digest: what NumPy elides may differ
+        if (a := self.array).size <= 16:
             return repr(a)
         digest = hashlib.sha256(self._key[2]).hexdigest()[:12]
         return f"array(shape={a.shape}, dtype={a.dtype}, sha256={digest})"
@@ -115,8 +113,8 @@ _OWN_FIX = "The Hybrid holds its model and params: pass only the model's inputs 
 
 
 def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> None:
-    """Refuses a leaf that is no array nor number, or one of ``own``, or an equinox module
-    holding such leaves, naming its path."""
+    """Refuses, by path, a leaf neither array nor number, one of ``own``, or an equinox module
+    holding such leaves."""
     eqx = sys.modules.get("equinox")
 
     def is_own(v: Any) -> bool:  # None is no model: a plain function's Hybrid has none
@@ -141,9 +139,8 @@ def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> 
 
 def _traceable(leaf: Any) -> bool:
     """An array (or a spec of one: shape and dtype) or a Python number: what jit traces."""
-    if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__jax_array__"):
-        return True
-    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+    number = isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__jax_array__")
+    return number or (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
 
 
 _EQX_INPUT = (
@@ -162,8 +159,6 @@ def split_equinox(
     eqx = sys.modules.get("equinox")
     pairs = (*enumerate(args), *kwargs.items())
     held = {k: eqx.partition(v, eqx.is_array) for k, v in pairs if equinox_modules(v)}
-    if not held:
-        return tuple(args), dict(kwargs), lambda a, k: (a, k)
     args = tuple(held[i][0] if i in held else a for i, a in enumerate(args))
     kwargs = {k: held[k][0] if k in held else v for k, v in kwargs.items()}
 
@@ -184,9 +179,8 @@ def equinox_modules(value: Any) -> list[Any]:
 
 
 def _kind(v: Any) -> Any:
-    """``type(v)`` (of each element of a tuple too), in the jit cache key: Python equates
-    ``4 == 4.0 == True``, but ``jnp.asarray(n)`` and ``x // d`` trace differently for each;
-    and a float's sign: ``-0.0 == 0.0``, but ``x / d`` gives ``-inf`` for one."""
+    """``type(v)`` (each element's in a tuple) and a float's sign, in the jit key: Python
+    equates ``4 == 4.0 == True`` and ``-0.0 == 0.0``, which trace differently."""
     if type(v) is float:
         return float, math.copysign(1.0, v)
     if type(v) is complex:
@@ -198,8 +192,7 @@ _NANS: dict[Any, Any] = {}
 
 
 def _settled(v: Any) -> Any:
-    """``v``, each NaN in it the first one seen alike: ``nan != nan``, so a key holding a new
-    one would never equal the last (a trace per call)."""
+    """``v``, each NaN in it the first one seen alike (``nan != nan``: a trace per call)."""
     if type(v) is tuple:
         return tuple(map(_settled, v))
     if type(v) in (float, complex) and v != v:
@@ -218,8 +211,7 @@ _UNSORTED = (
 
 
 def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Refuses a NumPy masked array anywhere in the arguments, a container holding itself, and
-    a dict whose keys cannot be sorted."""
+    """Refuses a masked array, a container holding itself, a dict of unsortable keys."""
     todo = [(f"args[{i}]", a, ()) for i, a in enumerate(args)]
     todo += [(f"kwargs[{k!r}]", v, ()) for k, v in kwargs.items()]
     while todo:
@@ -244,7 +236,6 @@ def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> 
 
 
 def _holds_arrays(value: Any) -> bool:
-    """Whether a pytree holds anything but Python numbers and strings (arrays)."""
     return any(not isinstance(leaf, _SCALARS) for leaf in jax.tree.leaves(value))
 
 
@@ -267,17 +258,11 @@ def rebuild(
     static: tuple[Any, ...], dyn_args: Sequence[Any], dyn_kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's ``(args, kwargs)`` from :func:`partition`'s pieces."""
-    positional = {k: v for k, v, _ in static if isinstance(k, int)}
-    kwargs = dict(dyn_kwargs)
-    kwargs.update((k, _unfreeze(v)) for k, v, _ in static if isinstance(k, str))
-    dyn = iter(dyn_args)
-    n = len(dyn_args) + len(positional)
-    args = tuple(_unfreeze(positional[i]) if i in positional else next(dyn) for i in range(n))
-    return args, kwargs
-
-
-def _unfreeze(v: Any) -> Any:
-    return v.array if isinstance(v, _Frozen) else v
+    fixed = {k: v.array if isinstance(v, _Frozen) else v for k, v, _ in static}
+    positional = {k: v for k, v in fixed.items() if isinstance(k, int)}
+    kwargs = {**dyn_kwargs, **{k: v for k, v in fixed.items() if isinstance(k, str)}}
+    dyn, n = iter(dyn_args), len(dyn_args) + len(positional)
+    return tuple(positional[i] if i in positional else next(dyn) for i in range(n)), kwargs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,14 +299,12 @@ def static_args(
 ) -> tuple[frozenset[int], frozenset[str]]:
     """``static_argnums`` and ``static_argnames`` checked, and completed from the model's
     inputs as ``jax.jit`` does (a name static by place too, a place by name)."""
-    got = _as_tuple(nums, int)
-    if got is None or not all(type(i) is int and i >= 0 for i in got):
+    if (got := _as_tuple(nums, int)) is None or not all(type(i) is int and i >= 0 for i in got):
         raise ConfigError(
             f"static_argnums={nums!r}: pass an input's place or a tuple of them, ints from 0 (the "
             "first input after the params), e.g. static_argnums=(1,)."
         )
-    nums = got
-    got = _as_tuple(names, str)
+    nums, got = got, _as_tuple(names, str)
     if got is None or not all(isinstance(n, str) and n.isidentifier() for n in got):
         raise ConfigError(
             f"static_argnames={names!r}: pass a keyword's name or a tuple of them, e.g. "

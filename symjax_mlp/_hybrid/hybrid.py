@@ -181,8 +181,7 @@ class Hybrid:
         """
         settings = {k: getattr(self, k) for k in ("params", "state", *_SETTINGS)}
         settings |= {k: tuple(settings[k]) for k in ("static_argnums", "static_argnames")}
-        bad = sorted(set(changes) - set(settings))
-        if bad:
+        if bad := sorted(set(changes) - set(settings)):
             raise ConfigError(
                 f"{self.name}.replace({bad[0]}=...): not a setting of a Hybrid; choose from "
                 f"{', '.join(sorted(settings))}."
@@ -244,10 +243,9 @@ class Hybrid:
             if self.stateful:
                 return self._call_held(static, dyn, dyn_kw, variables)
             out = self._jitted(static, self._leaves, *dyn, **dyn_kw)
-            if not variables:
-                return out
-            write_back(variables, out[1], self.name)
-            return out[0]
+            if variables:
+                write_back(variables, out[1], self.name)
+            return out[0] if variables else out
 
     def _call_held(self, static: Any, dyn: Any, dyn_kw: Any, variables: Any = ()) -> Any:
         """A stateful call: the held state passed, the new one held."""

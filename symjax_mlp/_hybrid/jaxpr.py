@@ -12,29 +12,22 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
-# Elementwise primitives that XLA's cost model counts as one flop per output element.
-_ELEMENTWISE_FLOPS = frozenset(
-    {
-        "add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "exp2", "select_n",
-        "square", "rem", "is_finite", "nextafter", "clamp", "erf_inv", "eq", "ne", "lt", "le",
-        "gt", "ge", "convert_element_type", "floor", "ceil", "round", "reduce_precision",
-    }
-)  # fmt: skip
-# One flop per input element: reductions, arg-reductions, cumulative ops (the scan's work);
-# transcendentals (exp, tanh, ...) count none, as XLA's cost analysis has it.
-_REDUCTION_FLOPS = frozenset(
-    {
-        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
-        "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
-    }
-)  # fmt: skip
-# Primitives whose sub-jaxprs run exactly once per run of the equation.
-_CALLS = frozenset(
-    {
-        "jit", "pjit", "closed_call", "core_call", "named_call", "custom_jvp_call",
-        "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint",
-    }
-)  # fmt: skip
+# XLA's cost model: one flop per output element (elementwise), one per input element
+# (reductions, arg-reductions, cumulative ops); transcendentals (exp, tanh, ...) none
+_ELEMENTWISE_FLOPS = frozenset({
+    "add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "exp2", "select_n", "square",
+    "rem", "is_finite", "nextafter", "clamp", "erf_inv", "eq", "ne", "lt", "le", "gt", "ge",
+    "convert_element_type", "floor", "ceil", "round", "reduce_precision",
+})  # fmt: skip
+_REDUCTION_FLOPS = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "cumsum",
+    "cumprod", "cummax", "cummin", "cumlogsumexp",
+})  # fmt: skip
+# Primitives whose sub-jaxprs run exactly once per run of the equation
+_CALLS = frozenset({
+    "jit", "pjit", "closed_call", "core_call", "named_call", "custom_jvp_call", "custom_vjp_call",
+    "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint",
+})  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +126,13 @@ def numbered(pairs: Iterable[tuple[Any, str]]) -> list[tuple[Any, str]]:
             seen[(*ids[:-1], part)] += eqx
         prev = parts
         runs.append((eqn, tuple(ids)))
-    return [
-        (
-            eqn,
-            "/".join(p if seen[(*ids[:i], p)] < 2 else f"{p}[{n}]" for i, (p, n) in enumerate(ids)),
+
+    def name(ids: tuple) -> str:
+        return "/".join(
+            p if seen[(*ids[:i], p)] < 2 else f"{p}[{n}]" for i, (p, n) in enumerate(ids)
         )
-        for eqn, ids in runs
-    ]
+
+    return [(eqn, name(ids)) for eqn, ids in runs]
 
 
 def input_dependent(jaxpr: jex_core.Jaxpr, sources: Any = None) -> list[bool]:

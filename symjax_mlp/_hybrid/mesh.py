@@ -1,8 +1,6 @@
-"""Meshes and placement for data parallelism: one ``jax.jit`` with the batch split over the
-mesh's data axis and the params replicated, partitioned by XLA's SPMD partitioner. A batch
-that does not divide by the number of shards is padded (inference repeats the last row,
-training pads with weight ``0``) and the result trimmed.
-"""
+"""Data parallelism: one ``jax.jit`` with the batch split over the mesh's data axis, the params
+replicated (XLA's SPMD partitioner); a batch that does not divide over the shards is padded
+(inference repeats the last row, training pads with weight ``0``) and the result trimmed."""
 
 from __future__ import annotations
 
@@ -78,15 +76,13 @@ def place(x: Any, sharding: NamedSharding) -> jax.Array:
 
 
 def batch_size(arrays: Sequence[Any], caller: str) -> int:
-    sizes = []
-    for i, a in enumerate(arrays):
-        shape = np.shape(a)
-        if not shape:
-            raise SignatureError(
-                f"{caller}: args[{i}] is a scalar; every input needs the batch as its leading "
-                "dimension to be split over the mesh."
-            )
-        sizes.append(shape[0])
+    shapes = [np.shape(a) for a in arrays]
+    if () in shapes:
+        raise SignatureError(
+            f"{caller}: args[{shapes.index(())}] is a scalar; every input needs the batch as its "
+            "leading dimension to be split over the mesh."
+        )
+    sizes = [shape[0] for shape in shapes]
     if len(set(sizes)) > 1:
         raise SignatureError(
             f"{caller}: the inputs' leading (batch) dimensions differ: {sizes}. Every input "
@@ -174,7 +170,7 @@ class DataParallel:
         return {"fun": sharded, "in_shardings": ins, "out_shardings": outs}
 
     def per_example(self, out: Any, dyn: Any) -> Any:
-        """``out``, checked to lead every leaf with the batch."""
+        """``out``, each leaf checked to lead with the batch."""
         batch = dyn[0].shape[0]
         for path, leaf in jax.tree_util.tree_leaves_with_path(out):
             if leaf.ndim == 0 or leaf.shape[0] != batch:
@@ -207,19 +203,18 @@ class DataParallel:
     ) -> Any:  # fmt: skip
         """A call of ``jitted``, its batch padded and placed, the result trimmed, ``held`` (or
         ``None``) passed and taken back; refused padded if the new state ``sees_rows``."""
-        batch, placed, placed_kw = self.prepare(dyn, dyn_kw)
-        padded = placed[0].shape[0] != batch
+        batch, *call = self.prepare(dyn, dyn_kw)
+        padded = call[0][0].shape[0] != batch
         if held is None:
-            out = jitted(static, leaves, placed, placed_kw)
+            out = jitted(static, leaves, *call)
         else:
             if padded:
-                key = (static, *((x.shape, x.dtype) for x in jax.tree.leaves((placed, placed_kw))))
-                seen = self._sees.get(key)
-                if seen is None:
-                    seen = self._sees[key] = sees_rows(static, leaves, placed, placed_kw)
+                key = (static, *((x.shape, x.dtype) for x in jax.tree.leaves(call)))
+                if (seen := self._sees.get(key)) is None:
+                    seen = self._sees[key] = sees_rows(static, leaves, *call)
                 if seen:
                     raise SignatureError(
                         _PADDED_STATE.format(name=self.name, batch=batch, n=self.n_shards)
                     )
-            out = held.call(jitted, (static, leaves, placed, placed_kw))[0]
+            out = held.call(jitted, (static, leaves, *call))[0]
         return jax.tree.map(lambda y: y[:batch], out) if padded else out

@@ -1,9 +1,6 @@
-"""How to call each kind of model purely: ``call(params, state, args, kwargs) -> (out, state)``.
-
-A linen module's state is its mutable collections and rng streams; an nnx module's, every
-variable but its ``Param`` s. An nnx module's mode lives in its submodules' attributes, which
-a Hybrid reads at every call and keys its traces on (:class:`ModuleModes`).
-"""
+"""Each kind of model as a pure ``call(params, state, args, kwargs) -> (out, state)``: a linen
+module's state is its mutable collections and rng streams, an nnx module's every variable but
+its ``Param`` s; an nnx module's mode (its submodules' attributes) keys the traces."""
 
 from __future__ import annotations
 
@@ -96,12 +93,10 @@ def plain(fn: Callable[..., Any]) -> PureModel:
 
 
 def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
-    """``(PureModel, params, state)`` for a linen module and its variables."""
     from flax.errors import InvalidRngError, ScopeCollectionNotFound
 
-    name = type(model).__name__
+    name, got = type(model).__name__, type(variables).__name__
     if not isinstance(variables, Mapping):
-        got = type(variables).__name__
         caller = f"hybridize({name}, variables)"
         raise ConfigError(_NOT_VARIABLES.format(caller=caller, name=name, got=got))
     collections = list(variables)
@@ -115,11 +110,18 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
     mutable = tuple(mutable)
     # one the variables lack is sown: each call returns it fresh, as model.apply does
     sown = tuple(c for c in mutable if c not in collections)
-    streams = _rng_streams(rngs)
     params = {c: variables[c] for c in collections if c not in mutable}
     state = {c: variables[c] for c in mutable if c not in sown}
-    if streams is not None:
-        state[_RNGS] = streams
+    if rngs is not None:
+        state[_RNGS] = streams = dict(rngs) if isinstance(rngs, Mapping) else {"dropout": rngs}
+        for stream, key in streams.items():
+            if isinstance(key, int) and not isinstance(key, bool):
+                streams[stream] = jax.random.key(key)
+            elif not is_key(key):
+                raise ConfigError(
+                    f"hybridize(rngs=...): stream {stream!r} is a {type(key).__name__}; pass a "
+                    "typed key (jax.random.key(0)) or an int seed, or a dict {'dropout': key, ...}."
+                )
 
     def call(params, state, args, kwargs):
         if not isinstance(params, Mapping):  # h.apply(None, x), h.replace(params=[...])
@@ -159,10 +161,8 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 
 
 def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
-    """``(PureModel, params, state)`` for an nnx module: its Params, and everything else; its
-    settings (submodules' bool attributes) read from ``module`` at each call. With ``fn``, the
-    model is ``fn(module, *args, **kwargs)`` (nnx_basics' ``forward(model, rngs, x)``), the
-    module's state carried as its own call's is."""
+    """``(PureModel, params, state)`` for an nnx module (or ``fn(module, *args, **kwargs)``):
+    its Params, and everything else; its settings (bool attributes) read at each call."""
     from flax import nnx
 
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
@@ -268,8 +268,7 @@ _REFIT = (
 
 
 def refit(name: str, held: Any, state: Any) -> Any:
-    """``state`` in the ``held`` one's tree (an ``nnx.State`` as a dict); refused if its
-    leaves' paths are not the ``held`` one's (``replace``)."""
+    """``state`` in the ``held`` one's tree, refused unless its leaves' paths are the same."""
     expected, got = _paths(({}, held)), _paths(({}, state))
     if got != expected:
         raise ConfigError(_REFIT.format(name=name, diff=_diff(expected, got)))
@@ -278,26 +277,8 @@ def refit(name: str, held: Any, state: Any) -> Any:
 
 def mode_settings(model: PureModel, values: tuple, *, train: bool) -> tuple:
     """An nnx module's settings ``values`` as ``module.train()`` or ``eval()`` would set them."""
-    names = model.setting_names
-    return tuple(
-        (not train) if n.rpartition("/")[2] in MODE_ATTRIBUTES else v
-        for n, v in zip(names, values, strict=True)
-    )
-
-
-def _rng_streams(rngs: Any) -> dict[str, jax.Array] | None:
-    if rngs is None:
-        return None
-    streams = dict(rngs) if isinstance(rngs, Mapping) else {"dropout": rngs}
-    for name, key in streams.items():
-        if isinstance(key, int) and not isinstance(key, bool):
-            streams[name] = jax.random.key(key)
-        elif not is_key(key):
-            raise ConfigError(
-                f"hybridize(rngs=...): stream {name!r} is a {type(key).__name__}; pass a typed "
-                "key (jax.random.key(0)) or an int seed, or a dict {'dropout': key, ...}."
-            )
-    return streams
+    pairs = zip(model.setting_names, values, strict=True)
+    return tuple((not train) if n.rpartition("/")[2] in MODE_ATTRIBUTES else v for n, v in pairs)
 
 
 def is_key(leaf: Any) -> bool:
@@ -313,8 +294,7 @@ def state_structure(state: Any) -> tuple[Any, tuple[str | None, ...]]:
 
 
 def unwrap_keys(leaves: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
-    pairs = zip(leaves, impls, strict=True)
-    return [leaf if i is None else jax.random.key_data(leaf) for leaf, i in pairs]
+    return [x if i is None else jax.random.key_data(x) for x, i in zip(leaves, impls, strict=True)]
 
 
 def wrap_keys(raw: list[Any], impls: tuple[str | None, ...]) -> list[Any]:
@@ -338,9 +318,7 @@ class ModuleModes:
 
     def key(self, static: tuple) -> tuple:
         """``static`` and the settings as they are now: what a trace is keyed on."""
-        values = self.now()
-        entries = self._keyed.get(values)
-        if entries is None:
+        if (entries := self._keyed.get(values := self.now())) is None:
             pairs = zip(self._names, values, strict=True)
             entries = self._keyed[values] = tuple((k, v, type(v)) for k, v in pairs)
         return static + entries

@@ -39,10 +39,9 @@ _CONTROL_FLOW_HELP = (
 
 def control_flow_error(name: str, e: Exception) -> ControlFlowError:
     """The :class:`~symjax_mlp.ControlFlowError` for JAX's tracer error ``e`` in ``name``."""
-    first_line = str(e).strip().splitlines()[0]
     return ControlFlowError(
         f"{name}: Python needed a concrete value from a traced (symbolic) array while "
-        f"compiling: {type(e).__name__}: {first_line}\n{_CONTROL_FLOW_HELP}"
+        f"compiling: {type(e).__name__}: {str(e).strip().splitlines()[0]}\n{_CONTROL_FLOW_HELP}"
     )
 
 
@@ -62,13 +61,13 @@ def symbolic(name: str) -> Iterator[None]:
     except TRACER_ERRORS as e:
         raise control_flow_error(name, e) from e
     except (IndexError, TypeError) as e:
-        if not isinstance(e, SymjaxError) and (kind := _UNTRACEABLE.search(str(e))):
+        if isinstance(e, SymjaxError):
+            raise
+        if kind := _UNTRACEABLE.search(str(e)):
             at, what = "an input (or a leaf of a tuple/dict input)", f"of type {kind[1]}"
-            fix = NOT_AN_INPUT_FIX
-            raise ConfigError(
-                NOT_AN_INPUT.format(caller=name, path=at, what=what, fix=fix)
-            ) from None
-        if isinstance(e, SymjaxError) or not any(t in str(e) for t in ("Tracer(", "Traced<")):
+            error = NOT_AN_INPUT.format(caller=name, path=at, what=what, fix=NOT_AN_INPUT_FIX)
+            raise ConfigError(error) from None
+        if not any(t in str(e) for t in ("Tracer(", "Traced<")):
             raise
         raise control_flow_error(name, e) from e
 
@@ -218,9 +217,10 @@ class TraceLog:
         finally:
             self._running.on = False
 
-    def begin(self, static: Any, dyn: Any, dyn_kw: Any, entry: str) -> TraceEvent:
-        """The event this trace will log, its callbacks run; a RetraceError past the budget,
-        which counts the traces under way (racing threads) until they :meth:`end`."""
+    @contextlib.contextmanager
+    def tracing(self, static: Any, dyn: Any, dyn_kw: Any, entry: str) -> Iterator[None]:
+        """One trace in the block: its callbacks run first, a RetraceError past the budget
+        (traces under way in racing threads counted), logged if the block succeeds."""
         sig, tree, shown = signature(dyn, dyn_kw, static)
         with self._lock:
             reason = explain(sig, tree, self._events, shown)
@@ -233,16 +233,13 @@ class TraceLog:
                                     reason=reason, history=history)
                 )  # fmt: skip
             self._under_way += 1
+        done = False
         try:
             self.run_callbacks(*rebuild(static, dyn, dyn_kw))
-        except BaseException:
-            self.end(None)
-            raise
-        return event
-
-    def end(self, event: TraceEvent | None) -> None:
-        """A trace :meth:`begin` started ended: logged, or (``None``) failed."""
-        with self._lock:
-            self._under_way -= 1
-            if event is not None:
-                self._events.append(dataclasses.replace(event, index=len(self._events)))
+            yield
+            done = True
+        finally:
+            with self._lock:
+                self._under_way -= 1
+                if done:
+                    self._events.append(dataclasses.replace(event, index=len(self._events)))

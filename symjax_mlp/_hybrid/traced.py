@@ -208,13 +208,8 @@ class TracedModel:
             refuse_nested_nnx_state(f"{self.log.name}.apply(params, ...)", leaves)
         params = leaves if entry == "apply" else self.params(leaves)
         given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
-        event = self.log.begin(static, dyn, dyn_kw, entry)
-        try:
+        with self.log.tracing(static, dyn, dyn_kw, entry):
             result = self.call(static, params, state, dyn, dyn_kw)
-        except BaseException:
-            self.log.end(None)
-            raise
-        self.log.end(event)
         return (*result, [v.get_value() for v in given]) if given else result
 
     def stateless(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:
