@@ -1,14 +1,11 @@
 """What an artifact's program may do: the ops, custom calls, loops and work a loader allows.
 
-:func:`check` refuses, before anything compiles it, unless the caller allows it by name
-(``allow={"while"}``, ``{"custom_call:NAME"}``, ...): an op outside :data:`ALLOWED_OPS`; a
-``custom_call`` that ``jax.export`` does not itself emit (:data:`JAX_CUSTOM_CALLS`); a
-``while`` loop of more than :data:`MAX_LOOP_TRIPS` trips or no constant count; recursion;
-control flow or a call inside a reducer's body (XLA's CPU compiler aborted on a loop there);
-more than :data:`MAX_WORK` element operations, :data:`MAX_ELEMENTS` elements in a tensor or
-:data:`MAX_BYTES` bytes of tensors made, dynamic dimensions as 1 (``"compute"``).
-``trust=True`` skips it all; a signed artifact is allowed the :data:`NEEDS` its manifest
-declares.
+:func:`check` refuses, before anything compiles it, each :class:`Problem` the walk found (an
+op outside :data:`ALLOWED_OPS`, a ``custom_call`` ``jax.export`` does not emit, a loop past
+:data:`MAX_LOOP_TRIPS` or uncounted, recursion, control flow in a reducer, work or tensors past
+the ``MAX_*`` bounds: ``"compute"``) unless the caller allows it by name (``allow={"while"}``,
+``{"custom_call:NAME"}``). ``trust=True`` skips it all; a signed artifact is allowed the
+:data:`NEEDS` its manifest declares.
 """
 
 from __future__ import annotations
