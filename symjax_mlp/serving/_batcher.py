@@ -31,7 +31,6 @@ from symjax_mlp.serving._requests import (
     check_timeout,
     example_specs,
     inference_of,
-    rows_mixed,
 )
 from symjax_mlp.serving._stats import BatcherStats
 
@@ -112,8 +111,8 @@ class Batcher:
                     f"Batcher(LoadedModel, {given}): a loaded artifact carries its signature "
                     f"({model.signature}) and settings; drop {given}."
                 )
-            specs, static = artifact_specs(model)
-            name, alone = name or str(model.path), rows_mixed(model)
+            specs, static, alone = artifact_specs(model)
+            name = name or str(model.path)
         elif callable(model):
             linen = sys.modules.get("flax.linen")  # never imported here
             if linen is not None and isinstance(model, linen.Module) and model.scope is None:

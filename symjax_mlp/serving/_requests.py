@@ -138,10 +138,12 @@ _SHARED = (
     "many requests. Serve a model with it fixed: export a function that closes over it (or "
     "takes it among the params), or call the loaded model directly."
 )
+_MIXED = "its manifest says that its rows are not independent"
 
 
-def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None]:
-    """The per-request specs of an artifact, and its static batch (``None``: symbolic)."""
+def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None, str]:
+    """The per-request specs of an artifact, its static batch (``None``: symbolic), and why each
+    request runs alone, never merged nor padded (``""``: rows may merge, or it does not say)."""
     sig = model.signature
     specs, static = [], set()
     leads = [spec.shape[0] if spec.shape else None for spec in sig.inputs]
@@ -164,16 +166,9 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
             f"Batcher({model.path}): the inputs' leading dimensions {sig} disagree; batching "
             "needs one batch dimension shared by every input."
         )
-    return tuple(specs), (static.pop() if static else None)
-
-
-def rows_mixed(model: LoadedModel) -> str:
-    """Why each request of ``model`` runs alone, never merged nor padded (a static batch never
-    shows its rows apart); ``""`` where rows may merge, or the manifest does not say."""
-    rows = model.manifest.get("rows") or {}
-    if rows.get("independent", True):
-        return ""
-    return rows.get("why") or "its manifest says that its rows are not independent"
+    rows = model.manifest.get("rows") or {}  # a static batch never shows its rows apart
+    why = "" if rows.get("independent", True) else rows.get("why") or _MIXED
+    return tuple(specs), (static.pop() if static else None), why
 
 
 #: The most rows a batcher's model call may take (its largest bucket).
