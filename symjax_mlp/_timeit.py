@@ -56,8 +56,7 @@ class CallTiming:
         (:func:`symjax_mlp.serving.latency_mode`): it decides what a synced call costs.
       synced, pipelined: the model, every call waited for, or one wait per repeat.
       compiled_synced, compiled_pipelined: the same for the floor.
-      floor: what the floor is, in words: the same program on the same runtime, called bare
-        (a stateful model's floor takes its state and returns the new one, as its call does).
+      floor: what the floor is, in words (:func:`timeit` says which).
 
     Example:
       >>> t = CallTiming("h", 10, "async", (2e-6,), (1e-6,), (1e-6,), (1e-6,))
@@ -272,10 +271,9 @@ def timeit(
     For a :class:`~symjax_mlp.Hybrid` the floor is ``jax.jit`` of its :attr:`fn` (a stateful
     one's takes the state and returns the new one, as its call does); for a
     :class:`~symjax_mlp.LoadedModel`, the artifact's exported program run in JAX, or on
-    ``runtime="iree"`` its IREE module called without the model's checks
-    (:attr:`CallTiming.floor` says which). The inputs
-    are placed on the device first: what is timed is the call, not the copy. A stateful
-    Hybrid is timed on a copy: its own state stays as it was.
+    ``runtime="iree"`` its IREE module called without the model's checks. The inputs are
+    placed on the device first: what is timed is the call, not the copy. A stateful Hybrid is
+    timed on a copy: its own state stays as it was.
 
     Args:
       model: a Hybrid (unsharded) or a LoadedModel (of one device).
