@@ -1,9 +1,6 @@
-"""Training checkpoints without pickle: safetensors for the arrays, JSON for the rest.
-
-A checkpoint is a directory ``step_<8 digits>``: ``state.safetensors`` (a tensor per leaf, named
-by its key path; the PRNG key data as ``rng``) and ``manifest.json``, written atomically. The
-checks of a restore (names, shapes, dtypes, the manifest's fields) serve Orbax's too.
-"""
+"""Training checkpoints without pickle: a directory ``step_<8 digits>`` holding
+``state.safetensors`` (a tensor per leaf, named by its key path; the PRNG key data as ``rng``)
+and ``manifest.json``, written atomically. A restore's checks serve Orbax's checkpoints too."""
 
 from __future__ import annotations
 
@@ -128,8 +125,7 @@ def state_of(arrays: dict[str, Any], like: TrainState, manifest: dict[str, Any])
 
 def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> None:
     """Refuses a checkpoint whose tensors (``{name: (shape, dtype)}``) are not ``wanted``'s."""
-    missing = sorted(set(wanted) - set(stored))
-    extra = sorted(set(stored) - set(wanted))
+    missing, extra = sorted(set(wanted) - set(stored)), sorted(set(stored) - set(wanted))
     if missing or extra:
         raise CheckpointError(
             f"{path} does not fit this model and optimizer: missing tensors {missing[:5]}, "
@@ -257,10 +253,9 @@ def save_checkpoint(
             "directory path that can be created and written."
         ) from None
     final = directory / f"step_{state.step:08d}"
-    newest = latest_checkpoint(directory)
-    if newest is not None and named_step(newest) > state.step:
+    if (done := checkpoints(directory)) and done[-1][0] > state.step:
         raise CheckpointError(
-            f"{directory} already holds {newest.name}, newer than step {state.step}: a resume "
+            f"{directory} already holds {done[-1][1].name}, newer than step {state.step}: a resume "
             "picks the newest, so this one would be pruned or passed over. Save to another "
             "directory, or remove the newer checkpoints first."
         )

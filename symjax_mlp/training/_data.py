@@ -181,16 +181,16 @@ def check_dataset(data: Dataset) -> Dataset:
             f"{data.name} has a {next(iter(stats))} but no {({'mean', 'std'} - set(stats)).pop()}; "
             "expected both (the features were standardised with them) or neither."
         )
-    classes, limits = data.num_classes, []
+    classes = data.num_classes
     count = isinstance(classes, numbers.Integral) and not isinstance(classes, bool)
     if classes is not None and not (count and classes >= 1):
         raise DataError(
             f"{data.name}.num_classes is {classes!r}; expected an int >= 1, the number of "
             "classes the labels index (or None: the largest label + 1)."
         )
-    if classes is not None:
-        limits.append((classes, f"{data.name}.num_classes is {classes}"))
-    limits.append((2**31 - 1, "labels are int32 class indices"))  # checked before the cast
+    limit, what = 2**31 - 1, "labels are int32 class indices"  # checked before the cast
+    if classes is not None and classes < limit:
+        limit, what = classes, f"{data.name}.num_classes is {classes}"
     for name, x in (("y_train", xs["x_train"]), ("y_test", xs["x_test"])):
         where, y = f"{data.name}.{name}", _array(data, name)
         if y.ndim != 1 or len(y) != len(x):
@@ -210,8 +210,7 @@ def check_dataset(data: Dataset) -> Dataset:
             if np.any(y != np.round(y)):
                 bad = int(np.flatnonzero(y != np.round(y))[0])
                 raise DataError(f"{where}[{bad}] is {y[bad]!r}; expected integer class labels.")
-        for limit, what in limits:
-            _in_range(where, name, y, limit, what)
+        _in_range(where, name, y, limit, what)
         ys[name] = y.astype(np.int32)
     name = data.name if isinstance(data.name, str | int | None) else str(data.name)  # JSON
     return dataclasses.replace(data, **xs, **ys, **stats, name=name)

@@ -1,8 +1,5 @@
-"""Training with optax: one jit-compiled step, the same step eagerly, checkpoints, exact resume.
-
-Each epoch (:mod:`._epoch`) shuffles, pads the last batch with weight-0 rows, runs one step
-per batch (one trace per run) and evaluates; a non-finite loss raises ``DivergenceError``.
-"""
+"""Training with optax: :func:`train` checks its settings, data and model before the first step,
+then runs the epochs (:mod:`._epoch`), checkpoints them, and resumes exactly (:mod:`._resume`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The training step, pure and un-jitted, and the same step run data-parallel.
-
-:func:`shard_step` splits the batch over a mesh axis: the loss is a ``w``-weighted mean, so XLA
-inserts the all-reduce of the gradients, and weight-0 padding rows are ignored exactly.
-"""
+"""The training step, pure and un-jitted, and the same step run data-parallel: the loss is a
+``w``-weighted mean, so XLA inserts the all-reduce of the gradients and ignores padding rows."""
 
 from __future__ import annotations
 
