@@ -10,12 +10,17 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from symjax_mlp._artifact.format import MAX_DEPTH, RESERVED_ENTRY_NAMES, is_entry_name, printable
+from symjax_mlp._artifact.format import (
+    MAX_DEPTH,
+    MAX_VJP_ORDER,
+    RESERVED_ENTRY_NAMES,
+    is_entry_name,
+    printable,
+)
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.hybrid import Hybrid
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-MAX_VJP_ORDER = 8  # the most a manifest may hold (_artifact/format.py)
 PER_ENTRY = ("example", "kwargs", "shapes", "constraints")  # may differ by entry point
 _TUPLES = {  # an option that takes a tuple: what each item is, and a tuple of one
     "platforms": ((str,), "platform names", "platforms=('cpu',)"),

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from symjax_mlp._artifact import rows
+from symjax_mlp._artifact.format import MAX_VJP_ORDER
 from symjax_mlp._artifact.ops import ModuleReport, Problem
 from symjax_mlp._artifact.walk import analyze_module
 from symjax_mlp._errors import ArtifactError
@@ -60,8 +61,8 @@ def program(
         module, order, works = exported, 0, []
         while module.has_vjp():  # jax.grad of the loaded model runs these modules
             order += 1
-            if order > 8:
-                problems.append(Problem("vjp", "more than 8 orders of VJP modules"))
+            if order > MAX_VJP_ORDER:
+                problems.append(Problem("vjp", f"more than {MAX_VJP_ORDER} orders of VJP modules"))
                 break
             try:
                 module = module.vjp()

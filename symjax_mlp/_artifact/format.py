@@ -29,6 +29,7 @@ MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few kB; refuse to read gigabyte
 MAX_PARAMS = 65_536  # param tensors (and inputs, outputs) an artifact may have
 MAX_FILES = 1_024  # files a manifest may list
 MAX_CONSTRAINT_CHARS = 256
+MAX_VJP_ORDER = 8  # orders of gradients an artifact may carry (each doubles its program)
 MAX_DEPTH = 32  # JSON nesting of a manifest; json.loads reads deeper than Python recursion
 VALUES_PER_TENSOR = 64  # JSON values a manifest or safetensors header may have per tensor
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -147,7 +148,8 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
         ("needs", m.get("needs", []), lambda v: v == [] or (_platforms(v) and set(v) <= NEEDS),
          'a list of distinct op groups such as "convolution" or "while" (format.NEEDS)'),
         ("metadata", m.get("metadata", {}), lambda v: isinstance(v, dict), "an object"),
-        ("vjp_order", m.get("vjp_order", 0), lambda v: is_size(v) and v <= 8, "an int from 0 to 8"),
+        ("vjp_order", m.get("vjp_order", 0), lambda v: is_size(v) and v <= MAX_VJP_ORDER,
+         f"an int from 0 to {MAX_VJP_ORDER}"),
         ("compatible_until", m.get("compatible_until", ""), _is_str, "a date"),
         ("entry", m.get("entry", "main"), is_entry_name, "an entry point name"),
         ("entries", m.get("entries", {}),
