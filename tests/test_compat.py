@@ -125,7 +125,8 @@ def test_linearize_of_a_loaded_model_refused_as_it_traces_or_by_jax_when_run(tmp
         jax.linearize(m, x)
     with pytest.raises(sm.ConfigError, match="reverse mode only"):
         jax.jvp(jax.jit(m), (x,), (x,))
-    np.testing.assert_allclose(jax.grad(lambda x: m(x).sum())(x), jax.grad(lambda x: h(x).sum())(x))
+    grads = jax.grad(lambda x: m(x).sum())(x), jax.grad(lambda x: h(x).sum())(x)
+    np.testing.assert_allclose(*grads, rtol=1e-6)  # two programs: equal to round-off
     internals("linearizing")
     y, run = jax.linearize(m, x)  # the fallback: linearize traces the model
     np.testing.assert_allclose(y, h(x), rtol=1e-6)
