@@ -152,21 +152,15 @@ class DataParallel:
     def jit(self, trace: Callable[..., Any], stateful: bool) -> dict[str, Any]:
         """``jax.jit``'s arguments: ``trace`` taking the batch as one tuple, its outputs checked
         per example, and the in/out shardings."""
-        per_example = self.per_example
-        if stateful:
+        rep, dat = self.replicated, self.batch
 
-            def sharded(static, leaves, held, dyn, dyn_kw):
-                out, new_held = trace(static, leaves, held, dyn, dyn_kw)
-                return per_example(out, dyn), new_held
+        def sharded(static: Any, leaves: Any, *call: Any) -> Any:  # (held,) dyn, dyn_kw
+            if not stateful:
+                return self.per_example(trace(static, leaves, *call[0], **call[1]), call[0])
+            out, new_held = trace(static, leaves, *call)
+            return self.per_example(out, call[1]), new_held
 
-            rep, dat = self.replicated, self.batch
-            ins, outs = (rep, rep, dat, dat), (dat, rep)
-        else:
-
-            def sharded(static, leaves, dyn, dyn_kw):
-                return per_example(trace(static, leaves, *dyn, **dyn_kw), dyn)
-
-            ins, outs = (self.replicated, self.batch, self.batch), self.batch
+        ins, outs = ((rep, rep, dat, dat), (dat, rep)) if stateful else ((rep, dat, dat), dat)
         return {"fun": sharded, "in_shardings": ins, "out_shardings": outs}
 
     def per_example(self, out: Any, dyn: Any) -> Any:
