@@ -1606,6 +1606,13 @@ def test_every_zoo_model_is_served_from_its_artifact_as_its_hybrid_answers(case,
     np.testing.assert_allclose(from_json, want[:2], rtol=2e-5, atol=2e-5)
 
 
+def test_serve_refuses_a_port_that_is_not_an_int_before_the_load():
+    """A port as text (read from a config file) or a float was socket's raw TypeError."""
+    for port in ("8000", 80.5):
+        with pytest.raises(sm.ConfigError, match=rf"cannot listen on 127.0.0.1:{port} .*free port"):
+            sm.serving.serve("nothing-here", port=port)
+
+
 def test_serves_connections_accepted_without_nagles_delay_on_plain_asyncio():
     """serve's socket says it is TCP, so asyncio's own loop (uvicorn's without uvloop, as a
     fresh ``.[serve]`` install has it) sets TCP_NODELAY on each connection: from a bare

@@ -331,7 +331,7 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-    except (OSError, OverflowError, UnicodeError) as e:
+    except (OSError, OverflowError, TypeError, UnicodeError) as e:  # TypeError: port="80"
         sock.close()
         why = getattr(e, "strerror", None) or str(e)
         raise ConfigError(
