@@ -49,7 +49,6 @@ STAGES = (
     "symjax_mlp._artifact",
     "symjax_mlp._signing",
     "symjax_mlp._selftest",
-    "symjax_mlp._rows",
     "symjax_mlp._export_options",
     "symjax_mlp._export_entry",
     "symjax_mlp._export",
