@@ -734,6 +734,18 @@ def test_create_app_refuses_limits_that_are_not_positive():
         sm.serving.create_app(b, close_batcher=False, max_body_bytes=10, max_inflight_bytes=10)
 
 
+def test_create_app_refuses_a_metrics_prefix_prometheus_cannot_read():
+    """Any prefix was taken: '-' or a space made /metrics unreadable, a newline forged lines."""
+    import jax.numpy as jnp
+
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    with sm.serving.Batcher(h, example=np.ones((1, 3), np.float32), max_batch=2) as b:
+        for bad in ("my-model", "x 1\nforged_total 9", 7):
+            with pytest.raises(sm.ConfigError, match=r"prefix must be a Prometheus metric name"):
+                sm.serving.create_app(b, close_batcher=False, prefix=bad)
+        sm.serving.create_app(b, close_batcher=False, prefix="my_model:v2")
+
+
 @pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
 def test_a_model_raising_a_base_exception_is_the_json_500_and_counted(kind):
     """The batcher hands SystemExit and KeyboardInterrupt to the request, as any error; the

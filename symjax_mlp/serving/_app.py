@@ -111,11 +111,11 @@ def create_app(
         hold together (default: ``4 * max_body_bytes``); past it: 503 with ``Retry-After``.
       close_batcher: close the batcher when the app shuts down: it finishes queued work,
         waited for at most 30 s (a model that never returns is left behind).
-      prefix: the metric names' prefix on ``/metrics``.
+      prefix: the metric names' prefix on ``/metrics`` (a Prometheus name).
 
     Raises:
-      ConfigError: ``batcher`` is not an open Batcher, a limit is not a number > 0, or
-        ``max_inflight_bytes < max_body_bytes``.
+      ConfigError: ``batcher`` is not an open Batcher, a limit is not a number > 0,
+        ``max_inflight_bytes < max_body_bytes``, or ``prefix`` is no Prometheus name.
       ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
 
     Example:
@@ -146,6 +146,11 @@ def create_app(
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    if not isinstance(prefix, str) or not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", prefix):
+        raise ConfigError(  # else a /metrics that Prometheus cannot read (or lines injected)
+            f"create_app: prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*); "
+            f"got {prefix!r}. Pass e.g. prefix='my_model'."
+        )
     by_code: collections.Counter[int] = collections.Counter()  # answers, on the one loop
     intake = Intake(*check_limits("create_app", max_body_bytes, body_timeout, max_inflight_bytes))
     public = Public(batcher)
