@@ -212,17 +212,15 @@ _UNSORTED = (
 
 def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
     """Refuses a masked array, a container holding itself, a dict of unsortable keys."""
-    todo = [(f"args[{i}]", a, ()) for i, a in enumerate(args)]
-    todo += [(f"kwargs[{k!r}]", v, ()) for k, v in kwargs.items()]
+    todo = [(path_of(k), v, ()) for k, v in (*enumerate(args), *kwargs.items())]
     while todo:
         path, value, within = todo.pop()
         if isinstance(value, np.ma.MaskedArray):
             raise SignatureError(MASKED_INPUT.format(caller=caller, path=path))
         if isinstance(value, (tuple, list, dict)):
             if any(value is v for v in within):
-                raise ConfigError(
-                    _CYCLE.format(caller=caller, path=path, kind=type(value).__name__)
-                )
+                kind = type(value).__name__
+                raise ConfigError(_CYCLE.format(caller=caller, path=path, kind=kind))
             within = (*within, value)
         if isinstance(value, (tuple, list)):
             todo += [(f"{path}[{i}]", v, within) for i, v in enumerate(value)]
