@@ -16,13 +16,7 @@ from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import check_settings, partition, static_args
 from symjax_mlp._hybrid.graph import Graph
-from symjax_mlp._hybrid.pure import (
-    ModuleModes,
-    PureModel,
-    plain,
-    refit,
-    refuse_nested_nnx_state,
-)
+from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
 from symjax_mlp._hybrid.trace import TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given, write_back
 from symjax_mlp._specs import array_types
