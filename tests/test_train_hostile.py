@@ -486,6 +486,29 @@ def test_numpy_integer_settings_are_their_ints(tiny, tmp_path):
     assert got.checkpoint is not None
 
 
+def test_a_checkpoint_directory_that_cannot_be_listed_is_a_checkpoint_error(tmp_path, monkeypatch):
+    """latest_checkpoint and restore_checkpoint of a directory this user may not read raised
+    os's raw PermissionError (from Path.iterdir); root reads anything, so listing is refused."""
+    saved = sm.training.save_checkpoint(tmp_path / "run", _state())
+    listdir = os.listdir
+
+    def refused(path="."):
+        if os.fspath(path) == os.fspath(tmp_path / "run"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", refused)
+    says = r"run cannot be listed \(Permission denied\), .* Pass a checkpoint directory this"
+    for call in (
+        sm.training.latest_checkpoint,
+        lambda p: sm.training.restore_checkpoint(p, _state()),
+    ):
+        with pytest.raises(sm.CheckpointError, match=says):
+            call(tmp_path / "run")
+    monkeypatch.setattr(os, "listdir", listdir)
+    assert sm.training.latest_checkpoint(tmp_path / "run") == saved
+
+
 def test_numpy_integer_timeout_and_keep_are_their_ints(tiny, tmp_path):
     """train(timeout=np.int64(5)) was refused, 'timeout must be an int >= 1 (seconds); got
     np.int64(5)', where np.int64 epochs, batch_size and seed are their ints; so was

@@ -90,8 +90,14 @@ def named_step(path: Path) -> int | None:
 def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
     """``(step, path)`` of each entry named like a checkpoint, by step."""
     pattern = _ORBAX_DIR if orbax else _STEP_DIR
-    listed = directory.iterdir() if os.path.isdir(directory) else ()  # Path's raises: NAME_MAX
-    return sorted((int(m.group(1)), p) for p in listed if (m := pattern.match(p.name)))
+    try:  # os.path: False past NAME_MAX, where Path's raises
+        listed = os.listdir(directory) if os.path.isdir(directory) else ()
+    except OSError as e:  # a directory this user may not read
+        raise CheckpointError(
+            f"{directory} cannot be listed ({e.strerror}), so its checkpoints cannot be found. "
+            "Pass a checkpoint directory this user may read."
+        ) from None
+    return sorted((int(m.group(1)), directory / n) for n in listed if (m := pattern.match(n)))
 
 
 def is_checkpoint(path: Path, orbax: bool = False) -> bool:
