@@ -766,6 +766,38 @@ def test_a_model_raising_a_base_exception_is_the_json_500_and_counted(kind):
             assert _count(url, 500) == 1
 
 
+class _Unreadable(Exception):
+    def __str__(self):
+        raise ValueError("no text")
+
+
+@pytest.mark.parametrize(
+    ("raised", "error", "says"),
+    [
+        (RuntimeError("x" * 10**6), "RuntimeError", "x" * 300 + "... (999700 more)"),
+        (ValueError("bad \x1b[2J\u202e row\n"), "ValueError", "bad \\x1b[2J\\u202e row\\n"),
+        (_Unreadable(), "_Unreadable", "its __str__ raised ValueError"),
+    ],
+    ids=["long", "escapes", "unreadable"],
+)
+def test_a_model_error_500_is_cut_escaped_and_names_the_models_class(raised, error, says):
+    """A model's message went into the 500 whole (1 MB asked: 1 MB answered), with the escape
+    sequences a terminal runs; one whose __str__ raised was a 500 naming that ValueError."""
+
+    def model(x):
+        if (x[:, 0] == 7).any():
+            raise raised
+        return x * 2
+
+    with sm.serving.Batcher(model, example=np.zeros((1, 4), np.float32), max_batch=4) as b:
+        app = sm.serving.create_app(b, close_batcher=False)
+        with _in_thread(app, lifespan="off") as url:
+            code, raw = _post(url, json.dumps({"inputs": [[7.0, 0.0, 0.0, 0.0]]}).encode())
+    body = json.loads(raw)
+    assert code == 500 and body["error"] == error, raw[:400]
+    assert says in body["message"] and len(body["message"]) < 400, body["message"][:400]
+
+
 @pytest.mark.parametrize(
     ("dtype", "bad", "says"),
     [
@@ -802,11 +834,14 @@ def test_json_numbers_an_ml_dtypes_input_cannot_hold_are_refused(dtype, bad, say
         ("GET", "/predict", 405, "POST"),
         ("POST", "/health", 405, "GET, HEAD"),
         ("GET", "/x", 404, None),
+        ("POST", "/predict/", 404, None),  # was starlette's 307 with an empty body
+        ("GET", "/health/", 404, None),  # was a 307 that urllib followed
     ],
 )
 def test_a_wrong_path_or_method_is_the_json_error_body(server, method, path, code, allow):
     """Starlette answered these itself, in text/plain: the one error body a client did not
-    get as documented (JSON with "error" and "message")."""
+    get as documented (JSON with "error" and "message"). A trailing slash is a wrong path too,
+    the message naming the route (a 307 lost a POST's body to many clients)."""
     url, _, _ = server
     req = urllib.request.Request(
         url + path, data=b"{}" if method == "POST" else None, method=method
@@ -822,6 +857,8 @@ def test_a_wrong_path_or_method_is_the_json_error_body(server, method, path, cod
     assert body["error"] == ("NotFound" if code == 404 else "MethodNotAllowed")
     assert f"no endpoint takes {method} {path}" in body["message"]
     assert "POST /predict" in body["message"]
+    if path.endswith("/"):
+        assert f"drop the trailing slash: {path[:-1]}" in body["message"]
 
 
 def _blocking_batcher():

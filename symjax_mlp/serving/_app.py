@@ -30,7 +30,7 @@ from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
 from symjax_mlp._load import load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
-from symjax_mlp.serving._bodies import BadRequest, decode, to_json, to_npy
+from symjax_mlp.serving._bodies import BadRequest, decode, short, to_json, to_npy
 from symjax_mlp.serving._intake import Intake
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
@@ -155,9 +155,10 @@ def create_app(
     intake = Intake(*check_limits("create_app", max_body_bytes, body_timeout, max_inflight_bytes))
     public = Public(batcher)
 
-    def error(status: int, e: Exception, headers: dict[str, str] | None = None) -> Response:
-        by_code[status] += 1
-        body = {"error": type(e).__name__, "message": public.scrub(str(e))}
+    def error(status: int, e: BaseException, headers: dict[str, str] | None = None) -> Response:
+        by_code[status] += 1  # a 500's message is the model's (or a bug's): its text cut
+        text = public.text(e) if status == 500 else public.scrub(str(e))
+        body = {"error": printable(type(e).__name__), "message": text}
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def predict(request: Request) -> Response:
@@ -250,12 +251,16 @@ def create_app(
     async def unrouted(request: Request, e: HTTPException) -> Response:
         """Starlette's own 404 and 405, in the documented JSON error body."""
         allowed = {"Allow": e.headers["Allow"]} if e.headers and "Allow" in e.headers else {}
-        what = "method" if e.status_code == 405 else "path"
+        path = short(printable(public.scrub(request.url.path)))
+        what = "a wrong method" if e.status_code == 405 else "a wrong path"
+        bare = path.rstrip("/")
+        if bare != path and any(r.path == bare for r in routes):
+            what = f"drop the trailing slash: {bare}"
         return JSONResponse(
             {
                 "error": "NotFound" if e.status_code == 404 else "MethodNotAllowed",
-                "message": f"no endpoint takes {request.method} {public.scrub(request.url.path)}"
-                f" (a wrong {what}); the endpoints: {ENDPOINTS}.",
+                "message": f"no endpoint takes {request.method} {path} ({what}); the "
+                f"endpoints: {ENDPOINTS}.",
             },
             status_code=e.status_code,
             headers=allowed,
@@ -277,6 +282,7 @@ def create_app(
         Route("/signature", signature, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
+    app.router.redirect_slashes = False  # POST /predict/: the JSON 404, not an empty 307
     app.state.answered = by_code  # what /metrics counts, for a refusal before the app's
     return app
 
@@ -315,3 +321,11 @@ class Public:
     def scrub(self, text: str) -> str:
         """``text`` with every form of the artifact's server path replaced by the name."""
         return text if self._paths is None else self._paths.sub(lambda _: self._name, text)
+
+    def text(self, e: BaseException) -> str:
+        """``e``'s message for a client: scrubbed, escaped (:func:`printable`), cut to 300."""
+        try:
+            text = str(e)
+        except BaseException as failed:  # its __str__ raised: e's class still names it
+            text = f"(its message could not be read: its __str__ raised {type(failed).__name__})"
+        return short(printable(self.scrub(text)))
