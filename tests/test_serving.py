@@ -415,6 +415,47 @@ def test_a_model_that_stops_returning_one_row_per_input_row_is_an_error_not_a_ha
         assert b.stats.failed == 5
 
 
+@pytest.mark.parametrize(
+    ("later", "says"),
+    [
+        (lambda x: (x * 2).tolist(), "a value of type list for a batch of 2 rows, where it "),
+        (lambda x: None, "a value of type NoneType for a batch of 2 rows, where it returned an"),
+        (lambda x: (x, x), "a value of type tuple"),  # was stacked: (2, 2, 3), in silence
+        (lambda x: x.astype(np.float64), r"shape \(2, 3\) for a batch of 2 rows, dtype float64"),
+        (lambda x: x[:, :2], r"of shape \(2, 3\) and dtype float32 as when"),  # in silence
+    ],
+    ids=["list", "none", "tuple", "dtype", "row-shape"],
+)
+def test_a_model_whose_output_changes_after_the_warm_up_is_told_what_it_returned(later, says):
+    """A plain function that returned an array at warm-up and later a list, a tuple, None, or
+    another dtype or row shape: None was "an output of shape ()", the rest went to the caller
+    (a tuple of two arrays stacked into one), each request's answer changed by its batch."""
+    changed = {"on": False}
+
+    def model(x):
+        return later(x) if changed["on"] else x * 2
+
+    with sm.serving.Batcher(model, example=np.ones((1, 3), np.float32), max_batch=2) as b:
+        changed["on"] = True
+        with pytest.raises(RuntimeError, match=says):
+            b(np.ones((2, 3), np.float32))
+        changed["on"] = False
+        assert b(np.ones((2, 3), np.float32)).dtype == np.float32  # and the batcher carries on
+
+
+def test_a_model_of_several_outputs_that_changes_their_kind_is_an_error():
+    """Its outputs' structure went unchecked: None or a dict answered each request as such."""
+    changed = {"on": False}
+
+    def model(x):
+        return {"y": x} if changed["on"] else (x, x[:, 0])
+
+    with sm.serving.Batcher(model, example=np.ones((1, 3), np.float32), max_batch=2) as b:
+        changed["on"] = True
+        with pytest.raises(RuntimeError, match=r"type dict for a batch of 2 rows, where it "):
+            b(np.ones((2, 3), np.float32))
+
+
 def test_concurrent_clients_each_get_their_own_rows(chapter):
     _, _, h, x = chapter
     want = {i: np.asarray(h(rows(1, seed=i))) for i in range(64)}

@@ -97,6 +97,7 @@ class Lane:
         self.to_host: Callable[[Any], Any] = functools.partial(jax.tree.map, np.asarray)
         self.split = lambda out, a, b: jax.tree.map(lambda y: y[a:b].copy(), out)
         self.single = False  # one array out: the split is a list of row copies
+        self.tree, self.want = None, []  # the outputs' kind and, by rows, shapes: see warm_up
         self.thread: int | None = None  # the batcher's thread (its ident)
         self.holder: int | None = None  # the thread running a lone request (its ident)
 
@@ -142,7 +143,7 @@ class Lane:
 
     def warm_up(self) -> None:
         """Compiles every bucket (the smallest alone where it does not merge: one call each),
-        and checks the outputs are per row."""
+        checks the outputs are per row, and notes their kind, row shapes and dtypes."""
         single, rows = True, list(zip(self.row_shapes, self.dtypes, strict=True))
         for bucket in self.buckets if self.merges else self.buckets[:1]:
             out = self.call(*[np.zeros((bucket, *s), d) for s, d in rows])
@@ -155,9 +156,36 @@ class Lane:
                         f"outputs with the batch ({bucket}) as leading dimension. Serve a model "
                         "that returns one result per input row (reduce over rows afterwards)."
                     )
+        leaves, self.tree = jax.tree.flatten(self.to_host(out))
+        # by a batch's rows: its outputs' shapes (at its bucket's rows) and dtypes
+        want = {b: [((b, *y.shape[1:]), y.dtype) for y in leaves] for b in set(self.bucket_of)}
+        self.want = [want[b] for b in self.bucket_of]
         if single:
             self.to_host, self.single = np.asarray, True
             self.split = lambda out, a, b: out[a:b].copy()
+
+    def unlike(self, out: Any, rows: int) -> RuntimeError | None:
+        """Why the model's ``out`` for a batch of ``rows`` rows is unlike its warm-up's, if it
+        is (``None``: a dtype equal but not the same object)."""
+        bucket, host = self.bucket_of[rows], self.to_host(out)
+        leaves, tree = jax.tree.flatten(host)
+        if (self.single and not isinstance(out, jax.Array | np.ndarray)) or tree != self.tree:
+            want = "an array" if self.single else f"outputs {self.tree}"
+            return RuntimeError(
+                f"{self.name}: the model returned a value of type {type(out).__name__} for a "
+                f"batch of {bucket} rows, where it returned {want} when the batcher was made; it "
+                "must return outputs of the same kind for every batch, one row per input row."
+            )
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(host)]
+        for path, y, (shape, dtype) in zip(paths, leaves, self.want[rows], strict=True):
+            if y.shape != shape or y.dtype != dtype:
+                return RuntimeError(
+                    f"{self.name}: the model returned an output{path and ' out' + path} of shape "
+                    f"{y.shape} for a batch of {bucket} rows, dtype {y.dtype}; it must return one "
+                    f"row per input row, of shape {shape} and dtype {dtype} as when the batcher "
+                    "was made."
+                )
+        return None
 
     def take(self) -> tuple[list[Any], int]:
         """Pops the next batch (FIFO, at most max_batch rows); drops cancelled futures."""
@@ -197,13 +225,17 @@ class Lane:
             bucket = self.bucket_of[rows]
             inputs = self.assemble([r.arrays for r in batch], rows, bucket)
             t2 = clock()
-            out = self.to_host(self.call(*inputs))
-            for y in (out,) if self.single else jax.tree.leaves(out):  # else wrong rows, or none
-                if y.ndim == 0 or y.shape[0] != bucket:
-                    raise RuntimeError(
-                        f"{self.name}: the model returned an output of shape {y.shape} for a batch "
-                        f"of {bucket} rows; it must return one row per input row."
-                    )
+            raw = self.call(*inputs)
+            out, want = self.to_host(raw), self.want[rows]  # its warm-up's, at this bucket
+            if self.single:
+                same = out.shape == want[0][0] and out.dtype is want[0][1]
+            else:
+                leaves, tree = jax.tree.flatten(out)
+                same = tree == self.tree
+                for y, (shape, dtype) in zip(leaves, want, strict=True) if same else ():
+                    same = same and y.shape == shape and y.dtype is dtype
+            if not same and (error := self.unlike(raw, rows)):
+                raise error
             t3 = clock()
             if len(batch) == 1:  # a lone request: one copy of its rows, no views
                 results = [self.split(out, 0, rows)]
