@@ -73,6 +73,23 @@ def test_a_model_raising_stop_iteration_answers_every_awaiting_caller():
         np.testing.assert_array_equal(b(X1), 2 * X1)
 
 
+class _Unrepresentable(StopIteration):
+    def __repr__(self):
+        raise ValueError("no repr")
+
+
+def test_a_model_raising_a_stop_iteration_without_a_repr_answers_its_callers():
+    """Its RuntimeError quoted repr(error), which raised on the loop: no request answered."""
+    with sm.serving.Batcher(_model(_Unrepresentable), example=X1, max_batch=4) as b:
+
+        async def both():
+            requests = [b.asubmit(X7), b.asubmit(X7)]
+            return await asyncio.wait_for(asyncio.gather(*requests, return_exceptions=True), 10)
+
+        answers = asyncio.run(both())
+        assert [str(a) for a in answers] == ["the model raised _Unrepresentable"] * 2, answers
+
+
 def test_a_model_calling_its_own_batcher_is_answered_not_wedged():
     """A model that called b(x) while it ran alone (b(x) on the caller's thread, or a lone
     asubmit on the loop) waited for the lane it held: that request and every later one hung."""

@@ -99,7 +99,11 @@ class AsyncRequest(_Timed):
         """Settles it with ``error`` (a StopIteration, which an asyncio future refuses, as a
         RuntimeError from it, as a coroutine's)."""
         if isinstance(error, StopIteration):
-            wrapped = RuntimeError(f"the model raised {error!r}")
+            try:
+                what = repr(error)
+            except BaseException:  # else on the loop, and the batch's awaiters never answered
+                what = type(error).__name__
+            wrapped = RuntimeError(f"the model raised {what}")
             wrapped.__cause__, error = error, wrapped
         self.future.set_exception(error)
 
