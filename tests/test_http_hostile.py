@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import re
 import selectors
@@ -796,6 +797,24 @@ def test_a_model_error_500_is_cut_escaped_and_names_the_models_class(raised, err
     body = json.loads(raw)
     assert code == 500 and body["error"] == error, raw[:400]
     assert says in body["message"] and len(body["message"]) < 400, body["message"][:400]
+
+
+def test_a_model_of_complex_outputs_is_told_to_ask_for_npy():
+    """JSON has no complex numbers: the 500 said 'Object of type complex is not JSON
+    serializable', as a bug of ours would, without the way to get the answer (a .npy)."""
+
+    def model(x):
+        return x.astype(np.complex64)
+
+    with sm.serving.Batcher(model, example=np.zeros((1, 2), np.float32), max_batch=2) as b:
+        app = sm.serving.create_app(b, close_batcher=False)
+        with _in_thread(app, lifespan="off") as url:
+            code, raw = _post(url, json.dumps({"inputs": [[1.0, 2.0]]}).encode())
+            assert code == 500 and "Content-Type: application/x-npy" in json.loads(raw)["message"]
+            buf = io.BytesIO()
+            np.save(buf, np.ones((1, 2), np.float32))
+            code, raw = _post(url, buf.getvalue(), "application/x-npy")
+            assert code == 200 and np.load(io.BytesIO(raw)).dtype == np.complex64
 
 
 @pytest.mark.parametrize(

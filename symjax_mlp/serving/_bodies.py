@@ -310,7 +310,13 @@ def to_json(out: Any) -> tuple[bytes, str]:
             data = b"null"
         if b"null" not in data and b"e-" not in data and b"0.0000" not in data:
             return data, "application/json"
-    return _ENCODER.encode({"outputs": outputs}).encode(), "application/json"
+    try:
+        return _ENCODER.encode({"outputs": outputs}).encode(), "application/json"
+    except TypeError as e:  # complex numbers: no JSON number holds them
+        raise TypeError(
+            f"the model's outputs hold values JSON cannot write ({e}); send the request as a "
+            f".npy body (Content-Type: {NPY}) to be answered with a .npy."
+        ) from None
 
 
 def to_npy(out: Any) -> tuple[bytes, str]:
