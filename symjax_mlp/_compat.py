@@ -131,13 +131,13 @@ def transformed() -> bool | None:
 
 # -- 5b. whether forward mode (jax.linearize, jax.jvp, jax.jacfwd), not jax.vjp, traces a call -
 # Why: a loaded model cannot run forward: refused as it traces, not by JAX's TypeError later.
-# Internal: the caller's frames (sys._getframe). Fallback: none found: JAX's TypeError, later.
-def linearizing() -> Iterator[bool]:
-    """Per jax.linearize, jvp, jacfwd (hessian) or vjp calling us, innermost first: forward?"""
+# Internal: the caller's frames (sys._getframe), jax.vjp's local primals. Fallback: JAX's error.
+def linearizing() -> Iterator[Any]:
+    """Per jax.linearize, jvp, jacfwd (True) or vjp (its primals) calling us, innermost first."""
     frame = sys._getframe(1) if INTERNALS["linearizing"] else None
     while frame is not None:
-        if frame.f_code in _callers():
-            yield _callers()[frame.f_code]
+        if (forward := _callers().get(frame.f_code)) is not None:
+            yield forward or frame.f_locals.get("primals", ())
         frame = frame.f_back
 
 

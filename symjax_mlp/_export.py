@@ -28,7 +28,7 @@ from symjax_mlp._artifact.format import (
     check_target,
     entry_files,
 )
-from symjax_mlp._artifact.reading import Artifact, freeze
+from symjax_mlp._artifact.reading import Artifact, freeze, mlir_arguments
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import encode
 from symjax_mlp._errors import ArtifactError, ConfigError
@@ -130,15 +130,15 @@ def export(
             del roles[SELFTEST]
         else:
             files[roles[SELFTEST]] = vectors
-        inputs = [*own, *(s.path for s in signature.inputs)]
         programs.append(
             {
                 "name": entry.h.name,
                 "signature": signature.to_json(),
                 "rows": rows,
                 "params": sorted(own),
-                "mlir_arguments": (["platform_index"] if len(platforms) > 1 else [])
-                + [inputs[k] for k in exported.module_kept_var_idx],
+                "mlir_arguments": mlir_arguments(
+                    exported, [*own, *(s.path for s in signature.inputs)]
+                ),
                 "static": {
                     (f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v, _ in entry.static
                 },

@@ -9,10 +9,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.core import Tracer
-from jax.interpreters.ad import JVPTracer
 
-from symjax_mlp import _compat
 from symjax_mlp._artifact.format import (
     JAXEXPORT,
     caller,
@@ -25,7 +22,7 @@ from symjax_mlp._artifact.reading import thaw
 from symjax_mlp._artifact.signature import Signature, as_array, is_array
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
-from symjax_mlp._runtimes.transforms import forward_mode
+from symjax_mlp._runtimes.transforms import axes, forward_mode, forward_traced
 from symjax_mlp._selftest import run_failed
 from symjax_mlp._specs import array_types
 
@@ -50,11 +47,11 @@ class LoadedModel:
 
     Under the JAX runtime ``m`` is a JAX function (``jax.jit``, ``lax.map``/``scan``, a
     Hybrid); ``jax.grad`` needs ``export(..., vjp_order=1)``; forward mode (``jax.jvp``,
-    ``jacfwd``, ``linearize``) raises ``ConfigError``, of a jitted ``m`` too (``jax.hessian``
-    of a jitted ``f`` raises JAX's ``TypeError``). ``jax.vmap(m)`` merges the mapped axis into
-    the batch where rows stay apart (``manifest["rows"]``, checked against the program), and
-    then ``m`` also takes one example; else it runs ``m`` once per example. ``m["embed"]`` is
-    another entry point, over the same weights, checked alike on first use.
+    ``jacfwd``, ``hessian``, ``linearize``) raises ``ConfigError``, of a jitted ``m`` too.
+    ``jax.vmap(m)`` merges the mapped axis into the batch where rows stay apart
+    (``manifest["rows"]``, checked against the program), and then ``m`` also takes one
+    example; else it runs ``m`` once per example. ``m["embed"]`` is another entry point, over
+    the same weights, checked alike on first use.
 
     Attributes:
       path: the artifact directory.
@@ -109,7 +106,7 @@ class LoadedModel:
         return views
 
     def __call__(self, *inputs: jax.typing.ArrayLike) -> Any:
-        if _forward(inputs):  # else JAX's TypeError, where jax.jit lowers it (if at all)
+        if forward_traced(inputs):  # else JAX's TypeError, where jax.jit lowers it (if at all)
             raise ConfigError(self._forward_mode())
         try:
             outs = self._outputs(inputs)
@@ -131,7 +128,7 @@ class LoadedModel:
         rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
         if not rows.get("independent") or len(inputs) != len(sig["inputs"]):
             return None
-        index = _axes(sig["inputs"], rows["dim"])
+        index = axes(sig["inputs"], rows["dim"])
         batched = [
             (x, s) for x, s, k in zip(inputs, sig["inputs"], index, strict=True) if k is not None
         ]
@@ -140,7 +137,7 @@ class LoadedModel:
                 return None
         except (TypeError, ValueError):
             return None
-        return index, _axes(sig["outputs"], rows["dim"])
+        return index, axes(sig["outputs"], rows["dim"])
 
     def _outputs(self, inputs: Any) -> list[Any]:
         # hot path: NumPy and JAX arrays of a (shape, dtype) checked before (at most 256)
@@ -175,26 +172,6 @@ class LoadedModel:
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
-
-
-def _forward(inputs: Any) -> bool:
-    """Whether ``jax.jvp`` (``jacfwd``, ``hessian``) or ``jax.linearize`` traces an input, under
-    any other tracer."""
-    for x in inputs:  # arrays, on every call: no config read
-        callers = None
-        while isinstance(x, Tracer):
-            if isinstance(x, JVPTracer):  # without direct linearize jax.grad makes them too
-                return bool(jax.config.jax_use_direct_linearize)
-            if hasattr(x, "tangent"):  # jax.linearize's or jax.vjp's (jax.grad's): by caller
-                callers = _compat.linearizing() if callers is None else callers
-                if next(callers, False):
-                    return True
-            x = getattr(x, "primal", getattr(x, "val", None))  # linearize's, vmap's
-    return False
-
-
-def _axes(specs: Any, dim: str) -> list[int | None]:
-    return [s["shape"].index(dim) if dim in s["shape"] else None for s in specs]
 
 
 def _at(xs: list[Any], axes: list[int | None], index: int | None) -> list[Any]:

@@ -494,6 +494,29 @@ def test_jvp_and_jacfwd_of_jit_of_a_loaded_model_are_refused_as_they_trace(tmp_p
     chex.assert_trees_all_close(jax.grad(lambda x: jm(x).sum())(x), want, **TOL)
 
 
+def test_hessian_of_jit_of_a_loaded_model_is_refused_as_it_traces(tmp_path):
+    """jax.hessian is jacfwd(jacrev): forward mode over the reverse mode that traced the jitted
+    model, which found jax.vjp innermost and ran; JAX's raw TypeError ("can't apply
+    forward-mode autodiff (jvp) to a custom_vjp function") followed. A jax.vjp whose primals
+    jax.jvp traces is forward mode now; jacrev of jacrev still runs."""
+    net, x = sm.mlp((6, 3)), _xs(2, 5)
+    h = sm.hybridize(net, net.init(jax.random.key(5), x))
+    m = sm.load(sm.export(h, tmp_path / "m", example=x, vjp_order=2).path)
+    forward = r"jax.hessian and jax.linearize differentiate forward.*order 2.*jax.jacrev"
+    calls = [
+        jax.hessian, lambda f: jax.jacfwd(jax.jacrev(f)), lambda f: _jvp(jax.grad(f)),
+        lambda f: lambda x: jax.linearize(jax.grad(f), x)[1](x),
+    ]  # fmt: skip
+    for call in calls:
+        for f in (jax.jit(lambda x: m(x).sum()), lambda x: jax.jit(m)(x).sum()):
+            with pytest.raises(sm.ConfigError, match=forward):
+                call(f)(x)
+    want = jax.hessian(lambda x: h(x).sum())(x)
+    chex.assert_trees_all_close(
+        jax.jacrev(jax.jacrev(lambda x: jax.jit(m)(x).sum()))(x), want, **TOL
+    )
+
+
 def test_grad_at_a_constant_inside_jax_linearize_of_another_function_runs(mlp):
     # jax.grad traces the model as jax.linearize does: refused by which of them calls it
     h, m = mlp

@@ -17,11 +17,11 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from symjax_mlp._artifact.format import JAXEXPORT, MLIRBC, caller, program_file, show
-from symjax_mlp._compat import linearizing, skipping_lapack
+from symjax_mlp._artifact import reading
+from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
+from symjax_mlp._compat import skipping_lapack
 from symjax_mlp._errors import ArtifactError, ConfigError
-from symjax_mlp._runtimes.transforms import Program
-from symjax_mlp._specs import shape_dims
+from symjax_mlp._runtimes.transforms import Program, forward_traced
 
 
 def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
@@ -29,11 +29,11 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
     version = manifest["calling_convention_version"]
     lo = jax.export.minimum_supported_calling_convention_version
     hi = jax.export.maximum_supported_calling_convention_version
-    if not isinstance(version, int) or not lo <= version <= hi:
+    if not lo <= version <= hi:  # an int: check_schema
         raise ArtifactError(
             f"{path / JAXEXPORT}: the artifact uses jax.export calling convention version "
             f"{version}, but jax {jax.__version__} loads versions {lo} to {hi} only: it is outside "
-            f"JAX's compatibility window. {compatibility_note(manifest)}"
+            f"JAX's compatibility window. {reading.compatibility_note(manifest)}"
         )
     here = jax.export.default_export_platform()
     listed = tuple(manifest["platforms"])
@@ -52,45 +52,15 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
         )
 
 
-def compatibility_note(manifest: Mapping[str, Any]) -> str:
-    """The compatibility window, and how to re-export, for error messages."""
-    made, created = (
-        show(v)[1:-1] for v in (manifest["versions"].get("jax", "?"), manifest["created"])
-    )
-    return (
-        f"The artifact was exported on {created} with jax {made}; this "
-        f"is jax {jax.__version__}. jax.export guarantees that an artifact loads in JAX "
-        "releases up to about 6 months newer than the one that exported it, not older ones "
-        "and not beyond that window. To fix it, re-export: rebuild the model from its source, "
-        "load its weights (params.safetensors is plain safetensors and still readable), and "
-        f"call symjax_mlp.export(h, path, example=x, overwrite=True) under jax "
-        f"{jax.__version__}; or load it with the exporting version "
-        f"(pip install jax=={made} jaxlib=={made})."
-    )
-
-
 # sha256 of model.jaxexport -> (Exported, its Program, what made it), the most recent last
 _CALLS: dict[str, tuple[Any, Program, Any]] = {}
 _MAX_CALLS = 8
 
 
 def deserialize(path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, Any]) -> Any:
-    """``model.jaxexport`` deserialized and checked against the manifest and ``model.mlirbc``."""
-    file = program_file(manifest, JAXEXPORT)
-    key = manifest["files"][file]["sha256"]
-    cached = _CALLS.get(key)
-    if cached:
-        exported = cached[0]
-    else:
-        try:
-            exported = jax.export.deserialize(blobs[file])
-        except Exception as e:  # an unreadable module: most likely made by an incompatible JAX
-            raise ArtifactError(
-                f"{path / file}: jax.export could not deserialize it ({type(e).__name__}: "
-                f"{str(e)[:300]}). {compatibility_note(manifest)}"
-            ) from e
-    _check_agrees(path, manifest, blobs, exported)
-    return exported
+    """:func:`~symjax_mlp._artifact.reading.deserialize`, of the module loaded before if any."""
+    cached = _CALLS.get(manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"])
+    return reading.deserialize(path, manifest, blobs, cached[0] if cached else None)
 
 
 def runner(
@@ -133,7 +103,7 @@ def runner(
                 # traced inside jax.linearize (jax.linearize(jax.jit(m))): not the one jit, whose
                 # cached trace linearize would reuse, but the program's own custom_vjp, whose
                 # forward rule refuses linearize where inputs carry tangents (transforms.py)
-                if next(linearizing(), False):
+                if forward_traced():
                     go = functools.partial(program.fn, weights)
                 break
         if key is None or key in checked:
@@ -170,64 +140,3 @@ def runner(
             return call_checked(inputs)
 
     return run_sharded, weights
-
-
-def _check_agrees(
-    path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes], exported: Any
-) -> None:
-    """Checks that the module, the manifest and ``model.mlirbc`` are one program (checksums
-    prove only that each file is what the manifest recorded)."""
-    sig = manifest["signature"]
-    n_dev = manifest["nr_devices"]
-    jaxexport, mlirbc = program_file(manifest, JAXEXPORT), program_file(manifest, MLIRBC)
-    symbolic = any(not isinstance(d, int) for a in exported.in_avals for d in a.shape)
-
-    def types(specs: Any) -> list[tuple[tuple[Any, ...], str]]:
-        return [(tuple(s["shape"]), s["dtype"]) for s in specs]
-
-    params = sorted(manifest["params"], key=lambda p: p["path"])  # a dict flattens sorted
-    want_in, want_out = types(params) + types(sig["inputs"]), types(sig["outputs"])
-    got_in = [(shape_dims(a.shape), str(a.dtype)) for a in exported.in_avals]
-    got_out = [(shape_dims(a.shape), str(a.dtype)) for a in exported.out_avals]
-    names = dict.fromkeys((p["path"] for p in params), 0)
-    in_tree = jax.tree.structure(((names, *[0] * len(sig["inputs"])), {}))
-    n_out = len(sig["outputs"])
-    out_tree = jax.tree.structure(0 if sig["output_kind"] == "array" else (0,) * n_out)
-    all_names = [*names, *(s["path"] for s in sig["inputs"])]
-    kept = list(exported.module_kept_var_idx)  # the inputs main() takes; IREE runs this list
-    args = (["platform_index"] if len(exported.platforms) > 1 else []) + [
-        all_names[i] if 0 <= i < len(all_names) else f"#{i}" for i in kept
-    ]
-    e, platforms = exported, list(manifest["platforms"])
-    shardings = e.in_shardings_hlo + e.out_shardings_hlo
-    checks = [
-        (args == list(manifest["mlir_arguments"]) and kept == sorted(set(kept)),
-         f"passes {args} to its StableHLO main, not {list(manifest['mlir_arguments'])}"),
-        (e.in_tree == in_tree, f"takes {e.in_tree}, not {in_tree}"),
-        (got_in == want_in, f"takes {got_in}, not {want_in}"),
-        (e.out_tree == out_tree, f"returns {e.out_tree}, not {out_tree}"),
-        (got_out == want_out, f"returns {got_out}, not {want_out}"),
-        (list(e.platforms) == platforms, f"runs on {list(e.platforms)}, not {platforms}"),
-        (e.nr_devices == n_dev, f"runs on {e.nr_devices} device(s), not {n_dev}"),
-        (e.calling_convention_version == manifest["calling_convention_version"],
-         f"has calling convention {e.calling_convention_version}"),
-        (len(e.ordered_effects) == manifest.get("ordered_effects", 0),
-         f"has {len(e.ordered_effects)} ordered effect(s)"),
-        (bytes(e.mlir_module_serialized) == blobs[mlirbc],
-         f"holds a StableHLO module other than {mlirbc}'s"),
-        (not e.disabled_safety_checks, "was exported with jax.export's safety checks disabled "
-         f"({', '.join(map(str, e.disabled_safety_checks))[:200]})"),
-        (not e.unordered_effects, "has effects (host callbacks)"),
-        (len(e.in_shardings_hlo) == len(e.in_avals) and len(e.out_shardings_hlo)
-         == len(e.out_avals) and (n_dev > 1 or not any(shardings)),
-         "has shardings that do not fit its inputs, outputs or device count"),
-        (bool(e.uses_global_constants) == (symbolic or len(e.platforms) > 1),
-         "says it uses global constants, which it does not (or the reverse)"),
-    ]  # fmt: skip
-    problems = [what for ok, what in checks if not ok]
-    if problems:
-        raise ArtifactError(
-            f"{path / jaxexport} does not match {path / 'manifest.json'} and {mlirbc}: the module "
-            + "; ".join(p if len(p) < 400 else p[:396] + "..." for p in problems)
-            + ". The files come from different exports, or one was edited; export it again."
-        )

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 from jax.custom_batching import custom_vmap
+from jax.interpreters.ad import JVPTracer
 
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._compat import linearizing, skipping_lapack
@@ -84,6 +85,29 @@ def forward_mode(caller: str, vjp_order: int) -> str:
     return _FORWARD.format(caller=caller, held=held)
 
 
+def forward_traced(xs: Sequence[Any] | None = None) -> bool:
+    """Whether jax.jvp (jacfwd, hessian) or jax.linearize traces the arrays ``xs`` (``None``:
+    the call), under any other tracer; a jax.vjp does where jax.jvp traces its primals
+    (jax.hessian of jax.jit(f)), else the caller outside it says."""
+    verdict, callers = None if xs is None else _traced(xs), linearizing()
+    while verdict is None:
+        caller = next(callers, False)
+        verdict = caller if isinstance(caller, bool) else _traced(jax.tree.leaves(caller))
+    return verdict
+
+
+def _traced(xs: Sequence[Any]) -> bool | None:
+    """Whether jax.jvp traces one of ``xs`` (``None``: linearize or vjp does, or not at all)."""
+    found = False
+    for x in xs:  # arrays, on every call: no config read
+        while isinstance(x, Tracer):
+            if isinstance(x, JVPTracer):  # without direct linearize jax.grad makes them too
+                return bool(jax.config.jax_use_direct_linearize)
+            found = found or hasattr(x, "tangent")  # jax.linearize's or jax.vjp's
+            x = getattr(x, "primal", getattr(x, "val", None))  # linearize's, vmap's
+    return None if found else False
+
+
 class Program:
     """``fn(weights, *inputs)``, the program as the module says, and ``call``, its one jit."""
 
@@ -122,7 +146,7 @@ class Program:
         def forward(*args: Any) -> tuple[Any, Any]:  # call, not batched: jax.grad of jax.grad
             # jax.linearize(jax.jit(m)): jit traced m before linearize (no input showed it);
             # its linear function would fail in JAX's lowering, far from here
-            if next(linearizing(), False):
+            if forward_traced():
                 raise ConfigError(forward_mode(self.caller, self.manifest.get("vjp_order", 0)))
             return call(*args), args
 
@@ -161,8 +185,8 @@ class Program:
     def merge(self, size: int, mapped: list[Any], weights: Any, *inputs: Any) -> Any:
         """The program's ``jax.vmap`` rule: ``size`` rows of each input joined to its batch."""
         rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
-        dim, specs = rows.get("dim"), sig["inputs"]
-        lone = [on and dim not in s["shape"] for s, on in zip(specs, mapped[1:], strict=True)]
+        ins, outs = (axes(sig[k], rows.get("dim")) for k in ("inputs", "outputs"))
+        lone = [on and k is None for k, on in zip(ins, mapped[1:], strict=True)]
         apart = rows.get("independent") and not any(lone)  # and each mapped input has rows
         if not apart:  # vmap's meaning without merging: one call per example
             return _one_by_one(self.checked, size, mapped, weights, *inputs)
@@ -176,20 +200,23 @@ class Program:
         merged = []
         # weights come batched only as JAX's copies of one (lax.cond under vmap batches them)
         weights = jax.tree.map(lambda w, on: w[0] if on else w, weights, mapped[0])
-        for spec, x, on in zip(sig["inputs"], inputs, mapped[1:], strict=True):
-            k = spec["shape"].index(dim) if dim in spec["shape"] else None
+        for k, x, on in zip(ins, inputs, mapped[1:], strict=True):
             if k is not None:  # (size, ..., b, ...) -> (..., size * b, ...)
                 x = jnp.moveaxis(x if on else jnp.broadcast_to(x, (size, *x.shape)), 0, k)
                 x = x.reshape(*x.shape[:k], -1, *x.shape[k + 2 :])
             merged.append(x)
         self.check(self.call, (weights, *merged))
         out, split, single = self.call(weights, *merged), [], sig["output_kind"] == "array"
-        for spec, y in zip(sig["outputs"], [out] if single else out, strict=True):
-            k = spec["shape"].index(dim) if dim in spec["shape"] else None
+        for k, y in zip(outs, [out] if single else out, strict=True):
             y = y if k is None else y.reshape(*y.shape[:k], size, -1, *y.shape[k + 1 :])
             split.append(y if k is None else jnp.moveaxis(y, k, 0))
-        batched = [dim in spec["shape"] for spec in sig["outputs"]]
+        batched = [k is not None for k in outs]
         return (split[0], batched[0]) if single else (tuple(split), tuple(batched))
+
+
+def axes(specs: Any, dim: str | None) -> list[int | None]:
+    """Each spec's axis of the batch dimension ``dim`` (``None``: it has none)."""
+    return [s["shape"].index(dim) if dim in s["shape"] else None for s in specs]
 
 
 def _one_by_one(fn: Callable[..., Any], size: int, mapped: list[Any], *args: Any) -> Any:

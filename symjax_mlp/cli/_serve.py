@@ -66,7 +66,7 @@ def add_parser(sub: _args.Subcommands) -> None:
     p.add_argument(
         "--max-connections",
         type=count,
-        help="the most connections at once (503 past it; default: 1000)",
+        help=f"the most connections at once (503 past it; default: {_DEFAULTS['max_connections']})",
     )
     p.add_argument(
         "--dispatch",
@@ -82,7 +82,7 @@ def add_parser(sub: _args.Subcommands) -> None:
     )
     p.add_argument("--entry", help="the entry point to serve (default: the artifact's default)")
     _args.add_trust_options(p)
-    p.add_argument("--log-level", help="uvicorn's log level (default: warning)")
+    p.add_argument("--log-level", help=f"uvicorn's log level (default: {_DEFAULTS['log_level']})")
     p.add_argument(
         "--ray",
         action="store_true",
@@ -90,11 +90,14 @@ def add_parser(sub: _args.Subcommands) -> None:
         "--host/--port (the symjax_mlp[ray] extra); --max-connections and --log-level are "
         "uvicorn's: refused with it",
     )
-    p.add_argument("--replicas", type=count, help="with --ray: replicas (default: 2)")
+    p.add_argument(
+        "--replicas", type=count, help=f"with --ray: replicas (default: {_DEFAULTS['replicas']})"
+    )
     p.add_argument(
         "--replica-cpus",
         type=positive,
-        help="with --ray: the CPUs Ray reserves for each replica (Ray's num_cpus; default: 1)",
+        help="with --ray: the CPUs Ray reserves for each replica (Ray's num_cpus; default: "
+        f"{_DEFAULTS['replica_cpus']:g})",
     )
     p.add_argument(
         "--ray-address",
