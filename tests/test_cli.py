@@ -256,6 +256,14 @@ def test_json_convention_and_train_refuses_paths_before_training(tmp_path, capsy
     assert "already exists" in capsys.readouterr().err
     assert main(["train", "--json", str(tmp_path), "--quiet"]) == 2
     assert "is a directory" in capsys.readouterr().err
+    # `inspect --json ART`: --json's optional PATH took the artifact, and argparse said only
+    # that the path is missing; the hint names what --json took and the order that works
+    for command in ("inspect", "verify"):
+        assert main([command, "--json", str(art)]) == 2
+        err = capsys.readouterr().err
+        assert "required: path" in err
+        assert f"--json took '{art}' as the file to write to" in err
+        assert f"Name the artifact first: symjax-mlp {command} ARTIFACT --json" in err
 
 
 def test_verify_json_tolerances_and_exit_1_on_a_failed_check(tmp_path, capsys):

@@ -250,6 +250,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help and --version
+        given = list(sys.argv[1:] if argv is None else argv)
+        if e.code == 2 and "--json" in given[1:-1]:  # --json's optional PATH took the artifact
+            taken = given[given.index("--json") + 1]
+            if os.path.isdir(taken):
+                print(
+                    f"{PROG} {given[0]}: --json took {printable(taken)!r} as the file to write "
+                    f"to. Name the artifact first: {PROG} {given[0]} ARTIFACT --json",
+                    file=sys.stderr,
+                )
         return int(e.code or 0)
     where = f"{PROG} {args.command}"
     try:
