@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._artifact.signature import sizes_at
-from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
 from symjax_mlp._npy import draw
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
@@ -170,8 +170,12 @@ def _floor_of_loaded(m: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
         run, single = m._run, m.signature.output_kind == "array"
         return (lambda: run(checked)[0]) if single else (lambda: tuple(run(checked)))
     from symjax_mlp._artifact.format import JAXEXPORT, program_file
+    from symjax_mlp._files import read_regular
 
-    exported = jax.export.deserialize((m.path / program_file(m.manifest, JAXEXPORT)).read_bytes())
+    file, listed = program_file(m.manifest, JAXEXPORT), m.manifest["files"]
+    size, digest = listed[file]["bytes"], listed[file]["sha256"]  # the module loaded, checked
+    data = read_regular(m.path / file, size=size, sha256=digest, error=ArtifactError)
+    exported = jax.export.deserialize(data)
     weights = {name: jax.device_put(a) for name, a in m.params.items()}
     inputs = [jax.device_put(x) for x in checked]
     return _compiled(exported.call, weights, inputs, getattr(m, "params_as_constants", False))

@@ -361,3 +361,17 @@ def test_the_floor_of_an_iree_load_is_the_iree_module_not_a_jax_program(
     for out in seen:  # the model's and the floor's alike
         np.testing.assert_allclose(out, np.asarray(m(np.asarray(x))), rtol=1e-5)
     assert "IREE" not in sm.timeit(sm.load(art), calls=1, repeats=1, warmup=1).floor
+
+
+def test_the_floor_of_a_loaded_model_is_the_module_it_loaded(hybrid, tmp_path):
+    """The floor read model.jaxexport again, unchecked: a file replaced since load was timed as
+    the floor of the model that runs another module. Now it must be the one the load checked."""
+    h, x = hybrid
+    art = sm.export(h, tmp_path / "m", example=x).path
+    net = sm.mlp((8, 2), activation="tanh")  # the same shapes, another program
+    other = sm.hybridize(net, net.init(jax.random.key(1), x), name="tiny")
+    swapped = sm.export(other, tmp_path / "o", example=x).path / "model.jaxexport"
+    m = sm.load(art)
+    (art / "model.jaxexport").write_bytes(swapped.read_bytes())
+    with pytest.raises(sm.ArtifactError, match=r"model.jaxexport is corrupted"):
+        sm.timeit(m, calls=1, repeats=1, warmup=1)
