@@ -443,6 +443,17 @@ def test_a_model_whose_output_changes_after_the_warm_up_is_told_what_it_returned
         assert b(np.ones((2, 3), np.float32)).dtype == np.float32  # and the batcher carries on
 
 
+def test_a_model_whose_rows_depend_on_the_batch_size_is_refused_when_the_batcher_is_made():
+    """Its warm-up checked only the leading dimension: each request was answered rows shaped
+    by the bucket its batch ran at (here (1,) alone, (2,) with another)."""
+    with pytest.raises(sm.ConfigError, match=r"for a batch of 2 rows are .* float32\[2\], but"):
+        sm.serving.Batcher(
+            lambda x: np.zeros((len(x), len(x)), np.float32),
+            example=np.ones((1, 3), np.float32),
+            max_batch=2,
+        )
+
+
 def test_a_model_of_several_outputs_that_changes_their_kind_is_an_error():
     """Its outputs' structure went unchecked: None or a dict answered each request as such."""
     changed = {"on": False}

@@ -144,11 +144,11 @@ class Lane:
     def warm_up(self) -> None:
         """Compiles every bucket (the smallest alone where it does not merge: one call each),
         checks the outputs are per row, and notes their kind, row shapes and dtypes."""
-        single, rows = True, list(zip(self.row_shapes, self.dtypes, strict=True))
+        single, rows, first = True, list(zip(self.row_shapes, self.dtypes, strict=True)), None
         for bucket in self.buckets if self.merges else self.buckets[:1]:
             out = self.call(*[np.zeros((bucket, *s), d) for s, d in rows])
-            single = isinstance(out, jax.Array | np.ndarray)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(self.to_host(out)):
+            single, host = isinstance(out, jax.Array | np.ndarray), self.to_host(out)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(host):
                 if leaf.ndim == 0 or leaf.shape[0] != bucket:
                     raise ConfigError(
                         f"{self.name}: output out{jax.tree_util.keystr(path)} has shape "
@@ -156,7 +156,16 @@ class Lane:
                         f"outputs with the batch ({bucket}) as leading dimension. Serve a model "
                         "that returns one result per input row (reduce over rows afterwards)."
                     )
-        leaves, self.tree = jax.tree.flatten(self.to_host(out))
+            leaves, self.tree = jax.tree.flatten(host)
+            kind = (self.tree, [(y.shape[1:], y.dtype) for y in leaves])
+            if first and first[1] != kind:
+                raise ConfigError(
+                    f"{self.name}: the outputs for a batch of {bucket} rows are {_kind(*kind)}, "
+                    f"but for a batch of {first[0]}, {_kind(*first[1])}, while a request is "
+                    "answered from a batch of any size. Serve a model whose outputs' rows do not "
+                    "depend on the batch's size."
+                )
+            first = first or (bucket, kind)
         # by a batch's rows: its outputs' shapes (at its bucket's rows) and dtypes
         want = {b: [((b, *y.shape[1:]), y.dtype) for y in leaves] for b in set(self.bucket_of)}
         self.want = [want[b] for b in self.bucket_of]
@@ -330,6 +339,10 @@ class Lane:
             elif type(r) is Blocking:
                 r.error = concurrent.futures.CancelledError(_CANCELLED)
                 r.waiter.release()
+
+
+def _kind(tree: Any, rows: list[tuple[tuple, np.dtype]]) -> str:
+    return f"{tree} of rows " + ", ".join(f"{dtype}{list(shape)}" for shape, dtype in rows)
 
 
 def claim(idle: list[bool]) -> bool:
