@@ -49,8 +49,9 @@ class Batcher:
     or an artifact written before manifests said so is merged and padded.
 
     If the model raises, every request of that batch gets the exception (``SystemExit`` too, as
-    with a ``ThreadPoolExecutor``), and the batcher carries on. Inputs are read when their batch
-    runs: do not change one in place before its result is back.
+    with a ``ThreadPoolExecutor``), and the batcher carries on; so it does with a RuntimeError
+    if its outputs' kind, row shapes or dtypes are not those it had when the batcher was made.
+    Inputs are read when their batch runs: do not change one in place before its result is back.
 
     Args:
       model: a :class:`~symjax_mlp.LoadedModel` (``sm.load(path)``; its signature says what
@@ -72,7 +73,8 @@ class Batcher:
     Raises:
       ConfigError: a Hybrid or callable without ``example``, or a LoadedModel with one; an
         nnx module in training mode; bad ``max_batch``/``buckets``/``max_queue``; an artifact
-        whose batch is not its inputs' leading dimension; outputs not per row.
+        whose batch is not its inputs' leading dimension; outputs not per row, or whose rows
+        differ between batch sizes.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
