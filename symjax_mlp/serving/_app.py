@@ -11,7 +11,8 @@ Errors are JSON ``{"error": class name, "message": ...}``, counted on ``/metrics
 unreadable body, 408 a body that stopped arriving, 413 too large, 415 an unknown content type,
 422 a :class:`~symjax_mlp.SignatureError`, 503 a full queue or too many body bytes in flight
 (both with ``Retry-After``), a batcher closed with ``cancel=True`` or a server that stopped
-before the answer, 500 the model raised. A message names the model, never its path.
+before the answer, 500 the model raised (its message escaped, cut to 300 characters), 404/405
+a wrong path (``/predict/`` too) or method. A message names the model, never its path.
 """
 
 from __future__ import annotations
