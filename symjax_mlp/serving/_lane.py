@@ -148,7 +148,8 @@ class Lane:
         for bucket in self.buckets if self.merges else self.buckets[:1]:
             out = self.call(*[np.zeros((bucket, *s), d) for s, d in rows])
             single, host = isinstance(out, jax.Array | np.ndarray), self.to_host(out)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(host):
+            pairs, self.tree = jax.tree_util.tree_flatten_with_path(host)
+            for path, leaf in pairs:
                 if leaf.ndim == 0 or leaf.shape[0] != bucket:
                     raise ConfigError(
                         f"{self.name}: output out{jax.tree_util.keystr(path)} has shape "
@@ -156,8 +157,7 @@ class Lane:
                         f"outputs with the batch ({bucket}) as leading dimension. Serve a model "
                         "that returns one result per input row (reduce over rows afterwards)."
                     )
-            leaves, self.tree = jax.tree.flatten(host)
-            kind = (self.tree, [(y.shape[1:], y.dtype) for y in leaves])
+            kind = (self.tree, [(y.shape[1:], y.dtype) for _, y in pairs])
             if first and first[1] != kind:
                 raise ConfigError(
                     f"{self.name}: the outputs for a batch of {bucket} rows are {_kind(*kind)}, "
@@ -167,7 +167,7 @@ class Lane:
                 )
             first = first or (bucket, kind)
         # by a batch's rows: its outputs' shapes (at its bucket's rows) and dtypes
-        want = {b: [((b, *y.shape[1:]), y.dtype) for y in leaves] for b in set(self.bucket_of)}
+        want = {b: [((b, *y.shape[1:]), y.dtype) for _, y in pairs] for b in set(self.bucket_of)}
         self.want = [want[b] for b in self.bucket_of]
         if single:
             self.to_host, self.single = np.asarray, True
@@ -177,7 +177,7 @@ class Lane:
         """Why the model's ``out`` for a batch of ``rows`` rows is unlike its warm-up's, if it
         is (``None``: a dtype equal but not the same object)."""
         bucket, host = self.bucket_of[rows], self.to_host(out)
-        leaves, tree = jax.tree.flatten(host)
+        leaves, tree = jax.tree_util.tree_flatten_with_path(host)
         if (self.single and not isinstance(out, jax.Array | np.ndarray)) or tree != self.tree:
             want = "an array" if self.single else f"outputs {self.tree}"
             return RuntimeError(
@@ -185,14 +185,13 @@ class Lane:
                 f"batch of {bucket} rows, where it returned {want} when the batcher was made; it "
                 "must return outputs of the same kind for every batch, one row per input row."
             )
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(host)]
-        for path, y, (shape, dtype) in zip(paths, leaves, self.want[rows], strict=True):
+        for (path, y), (shape, dtype) in zip(leaves, self.want[rows], strict=True):
             if y.shape != shape or y.dtype != dtype:
+                path = path and " out" + jax.tree_util.keystr(path)
                 return RuntimeError(
-                    f"{self.name}: the model returned an output{path and ' out' + path} of shape "
-                    f"{y.shape} for a batch of {bucket} rows, dtype {y.dtype}; it must return one "
-                    f"row per input row, of shape {shape} and dtype {dtype} as when the batcher "
-                    "was made."
+                    f"{self.name}: the model returned an output{path} of shape {y.shape} for a "
+                    f"batch of {bucket} rows, dtype {y.dtype}; it must return one row per input "
+                    f"row, of shape {shape} and dtype {dtype} as when the batcher was made."
                 )
         return None
 
