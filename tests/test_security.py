@@ -196,6 +196,28 @@ def _every_export(tmp_path):
     yield "activations", sm.export(ha, tmp_path / "activations", example=rand(2, 4))
 
 
+def test_inspect_reports_what_load_refuses_in_a_vjp_module(tmp_path):
+    """inspect's program() read the forward module only: an op load refuses in a VJP module
+    (jax.grad of the loaded model runs it) went unreported, and `symjax-mlp inspect` said the
+    artifact loads. It reports the problems load refuses, the VJP modules' too."""
+
+    @jax.custom_vjp
+    def f(x):
+        return jnp.tanh(x)
+
+    def bwd(x, g):
+        return (jnp.sort(g, axis=-1) * (1 - jnp.tanh(x) ** 2),)
+
+    f.defvjp(lambda x: (f(x), x), bwd)
+    h = sm.hybridize(lambda p, x: f(x @ p), jnp.ones((3, 2)))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 3)), vjp_order=1)
+    with pytest.raises(sm.ArtifactError, match=r"stablehlo.sort \(in its VJP of order 1\)"):
+        sm.load(art.path)
+    problems = sm.inspect(art.path).program().problems
+    assert [p.key for p in problems] == ["sort"] and "VJP of order 1" in problems[0].what
+    assert "load       refuses it unless allow={'sort'}" in str(sm.inspect(art.path))
+
+
 def test_every_model_of_the_zoo_passes_the_op_check(tmp_path):
     seen = set()
     for name, art in _every_export(tmp_path):

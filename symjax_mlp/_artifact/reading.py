@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from symjax_mlp._artifact.checker import analyze
+from symjax_mlp._artifact import checker
 from symjax_mlp._artifact.format import (
     CORE_FILES,
     JAXEXPORT,
@@ -117,7 +117,7 @@ class Artifact:
                 f"{', '.join(entry_names(self.manifest))}."
             ) from None
         blobs = {}
-        for name in (program_file(view, JAXEXPORT), mlirbc := program_file(view, MLIRBC)):
+        for name in (program_file(view, JAXEXPORT), program_file(view, MLIRBC)):
             try:
                 size, digest = files[name]["bytes"], files[name]["sha256"]
                 blobs[name] = read_regular(
@@ -125,8 +125,9 @@ class Artifact:
                 )
             except (FileNotFoundError, KeyError):
                 raise ArtifactError(f"{self.path / name} is missing; inspect it again.") from None
-        deserialize(self.path, view, blobs)  # and checked against the manifest and mlirbc
-        return analyze(blobs[mlirbc], file=self.path / mlirbc)
+        exported = deserialize(self.path, view, blobs)  # checked against manifest and mlirbc
+        file = self.path / program_file(view, JAXEXPORT)
+        return checker.program(file, files[file.name]["sha256"], exported)[0]  # as load has it
 
     def __str__(self) -> str:
         m = self.manifest
