@@ -97,7 +97,7 @@ def forward_traced(xs: Sequence[Any] | None = None) -> bool:
 
 
 def _traced(xs: Sequence[Any]) -> bool | None:
-    """Whether jax.jvp traces one of ``xs`` (``None``: linearize or vjp does, or not at all)."""
+    """Whether jax.jvp traces one of ``xs`` (``None``: linearize's or vjp's tangents only)."""
     found = False
     for x in xs:  # arrays, on every call: no config read
         while isinstance(x, Tracer):
