@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import fcntl
 import hashlib
+import hmac
 import os
 import re
 import secrets
@@ -184,6 +185,29 @@ def cache_secret() -> bytes | None:
             return bytes(r.read(32)) if _mine(os.fstat(r.fd), 0o077) else None
     except (OSError, SymjaxError):
         return None
+
+
+def read_cached(folder: str, name: str) -> bytes | None:
+    """The body of this user's cache entry ``folder/name`` (``"<tag>\\n<body>"``) if signed
+    with :func:`cache_secret`, else ``None`` (absent, damaged or planted)."""
+    key = cache_secret()
+    with contextlib.suppress(OSError):
+        tag, _, body = (cache_dir(folder) / name).read_bytes().partition(b"\n")
+        if key is not None and hmac.compare_digest(tag, _tag(key, name, body)):
+            return body
+    return None
+
+
+def write_cached(folder: str, name: str, body: bytes) -> None:
+    """Caches ``body`` as ``folder/name``, signed; without a private cache, nothing is written."""
+    key = cache_secret()
+    with contextlib.suppress(OSError):
+        if key is not None:
+            write_file_atomic(cache_dir(folder) / name, _tag(key, name, body) + b"\n" + body)
+
+
+def _tag(key: bytes, name: str, body: bytes) -> bytes:
+    return hmac.new(key, name.encode() + b"\n" + body, "sha256").hexdigest().encode()
 
 
 def _mine(st: os.stat_result, others: int) -> bool:

@@ -21,7 +21,8 @@ from helpers import ZOO
 from iree.compiler.tools.binaries import find_tool
 
 import symjax_mlp as sm
-import symjax_mlp._runtimes.iree as iree_rt  # the cache location: cache_dir, vmfb_cache_key
+import symjax_mlp._runtimes.iree as iree_rt  # the cache file name: vmfb_cache_key
+from symjax_mlp import _files  # the cache location: cache_dir
 from symjax_mlp.cli import main
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -43,8 +44,8 @@ def chapter(tmp_path_factory):
 def user_cache(tmp_path, monkeypatch):
     """Each test its own per-user cache (``$XDG_CACHE_HOME``): none runs what another built."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
-    assert iree_rt.cache_dir("iree") == tmp_path / "xdg-cache" / "symjax_mlp" / "iree"
-    return iree_rt.cache_dir("iree")
+    assert _files.cache_dir("iree") == tmp_path / "xdg-cache" / "symjax_mlp" / "iree"
+    return _files.cache_dir("iree")
 
 
 @pytest.fixture
@@ -172,7 +173,7 @@ def _damage(data: bytes, how: str) -> bytes:
 def test_a_damaged_cache_entry_is_compiled_again_never_trusted(chapter, compiles, how):
     art, h = chapter
     sm.load(art.path, runtime="iree")
-    cache = iree_rt.cache_dir("iree") / cache_names(compiles)[0]  # the self-test's module (batch 2)
+    cache = _files.cache_dir("iree") / cache_names(compiles)[0]  # the self-test's module (batch 2)
     good = cache.read_bytes()
     assert len(compiles) == 1
     cache.write_bytes(_damage(good, how))

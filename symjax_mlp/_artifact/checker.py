@@ -12,7 +12,6 @@ import atexit
 import collections
 import contextlib
 import dataclasses
-import hmac
 import json
 import os
 import select
@@ -28,7 +27,7 @@ from symjax_mlp._artifact.format import MAX_VJP_ORDER
 from symjax_mlp._artifact.ops import ModuleReport, Problem
 from symjax_mlp._artifact.walk import analyze_module
 from symjax_mlp._errors import ArtifactError
-from symjax_mlp._files import cache_dir, cache_secret, sha256, write_file_atomic
+from symjax_mlp._files import read_cached, sha256, write_cached
 
 
 def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
@@ -37,11 +36,11 @@ def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
     data = bytes(mlirbc)
     name = _cache_key(sha256(data))
     with contextlib.suppress(ValueError, KeyError, TypeError):
-        entry = _read_entry(name)
+        entry = read_cached("ops", name)
         if entry is not None:
             return _from_json(json.loads(entry))  # else damaged or absent: read it
     report = CHECKER.report(data, file=file)
-    _write_entry(name, json.dumps(dataclasses.asdict(report)).encode())
+    write_cached("ops", name, json.dumps(dataclasses.asdict(report)).encode())
     return report
 
 
@@ -86,33 +85,12 @@ def program(
 def remembered(verdict: str) -> bool:
     """Whether the checker found ``verdict`` (a statement about a module by its sha256) true
     before, in any process of this user (see :func:`remember`)."""
-    return _read_entry(_cache_key(verdict)) == verdict.encode()
+    return read_cached("ops", _cache_key(verdict)) == verdict.encode()
 
 
 def remember(verdict: str) -> None:
     """Records that ``verdict`` holds, keyed like a report (the checker's source included)."""
-    _write_entry(_cache_key(verdict), verdict.encode())
-
-
-def _read_entry(name: str) -> bytes | None:
-    """The body of the cache entry ``name`` if this user's key signed it, else ``None``."""
-    key = cache_secret()
-    with contextlib.suppress(OSError):
-        tag, _, body = (cache_dir("ops") / name).read_bytes().partition(b"\n")
-        if key is not None and hmac.compare_digest(tag, _tag(key, name, body)):
-            return body
-    return None
-
-
-def _write_entry(name: str, body: bytes) -> None:
-    key = cache_secret()
-    with contextlib.suppress(OSError):  # no private cache directory: just not cached
-        if key is not None:
-            write_file_atomic(cache_dir("ops") / name, _tag(key, name, body) + b"\n" + body)
-
-
-def _tag(key: bytes, name: str, body: bytes) -> bytes:
-    return hmac.new(key, name.encode() + b"\n" + body, "sha256").hexdigest().encode()
+    write_cached("ops", _cache_key(verdict), verdict.encode())
 
 
 def _cache_key(module_sha256: str) -> str:

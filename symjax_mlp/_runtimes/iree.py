@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import io
 import math
 import platform
@@ -32,7 +31,7 @@ from symjax_mlp import _selftest as selftest
 from symjax_mlp._artifact.format import MLIRBC, program_file
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._errors import ArtifactError
-from symjax_mlp._files import cache_dir, cache_secret, sha256, write_file_atomic
+from symjax_mlp._files import read_cached, sha256, write_cached
 from symjax_mlp._selftest import BATCH
 
 TARGET = "llvm-cpu"
@@ -142,13 +141,9 @@ def check_program(file: Path, report: Any) -> None:
 def _compile(file: Path, mlir: bytes, shapes: Any, *, cached: bool = True) -> bytes:
     """Returns the ``.vmfb`` for ``mlir``: from the user's cache, else compiled and cached."""
     ic, _ = _modules()
-    key, name = cache_secret(), vmfb_cache_key(sha256(mlir))  # the very module compiled
-    cache = cache_dir("iree") / name
-    if cached and key is not None:
-        with contextlib.suppress(OSError):  # an entry is "<tag>\n<vmfb>", signed with the key
-            tag, _, data = cache.read_bytes().partition(b"\n")
-            if hmac.compare_digest(tag, _tag(key, name, data)):
-                return data  # else damaged or planted: compiled again, never run
+    name = vmfb_cache_key(sha256(mlir))  # the very module compiled
+    if cached and (data := read_cached("iree", name)) is not None:
+        return data  # else absent, damaged or planted: compiled again, never run
     try:
         data = ic.compile_str(mlir, input_type="stablehlo", extra_args=compile_flags()[1:])
     except ic.CompilerToolError as e:
@@ -157,14 +152,8 @@ def _compile(file: Path, mlir: bytes, shapes: Any, *, cached: bool = True) -> by
             f"{file}: IREE {iree_version()} could not compile it for {TARGET} (its static "
             f"module for inputs {shapes}). Use runtime='jax'. IREE said:\n{tail}"
         ) from e
-    with contextlib.suppress(OSError):  # no private cache directory: just not cached
-        if key is not None:
-            write_file_atomic(cache, _tag(key, name, data) + b"\n" + data)
+    write_cached("iree", name, data)
     return data
-
-
-def _tag(key: bytes, name: str, data: bytes) -> bytes:
-    return hmac.new(key, name.encode() + b"\n" + data, "sha256").hexdigest().encode()
 
 
 def runner(
