@@ -187,7 +187,12 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
 _TENSORS = "a list of {path, shape, dtype} (each dimension a size below 2**63, or a name)"
 
 
-_MISSING = type("_Missing", (), {"__repr__": lambda self: "(missing)"})()
+class _Missing:
+    def __repr__(self) -> str:
+        return "(missing)"
+
+
+_MISSING = _Missing()
 
 
 def _program_rules(m: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, Any, str]]:
