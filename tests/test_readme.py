@@ -1,4 +1,5 @@
-"""README.md, executed: every code block runs as written, in order, in one fresh directory.
+"""README.md, executed: every code block runs as written, in order, in one fresh directory and
+one fresh process (as a reader runs them, outside the suite's settings).
 
 A fenced block tagged ``python`` runs in one shared namespace (like a notebook), ``bash`` with
 ``bash -e``, and ``console`` is a shell session: each ``$ `` line runs, and the lines under it
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).parent.parent / "README.md"
+SUITE_XLA_FLAG = "--xla_backend_optimization_level=0"  # what tests/conftest.py adds
 ELSEWHERE = "--num-processes 2"  # the block that tests/test_multiprocess.py runs
 FENCE = re.compile(r"^```([a-z]*)\n(.*?)^```\n", re.M | re.S)
 MASKS = (  # what changes between runs, replaced by a token in both texts
@@ -107,34 +109,56 @@ def test_the_quick_start_is_what_ci_runs():
 
 @pytest.mark.slow
 def test_every_readme_block_runs_as_written(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    """In a fresh process, as a reader runs them: XLA at its own optimisation level (the suite
+    compiles at -O0, tests/conftest.py, and printed digits may differ at round-off there) and
+    one CPU device (not the suite's eight)."""
+    env = _env()
     if shutil.which("iree-compile", path=env["PATH"]) is None:
         pytest.fail("the README's IREE recipe needs iree-compile: pip install -e '.[iree]'")
-    namespace: dict = {"__name__": "__readme__"}
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        for n, (tag, code, shown) in enumerate(blocks()[1:], start=2):
-            what = f"README block {n} ({tag})"
-            if tag == "python":
-                buffer = io.StringIO()
-                with contextlib.redirect_stdout(buffer):
-                    exec(compile(code, what, "exec"), namespace)
-                if shown is not None:
-                    _compare(shown, buffer.getvalue(), what)
-            elif tag == "bash":
-                if ELSEWHERE in code:  # test_the_cli_starts_a_2_process_run_as_the_readme_shows
-                    continue
-                got = _shell(code, tmp_path, env)
-                if shown is not None:
-                    _compare(shown, got, what)
-            elif tag == "console":
-                for cmd, want in _console(code):
-                    got = _shell(cmd, tmp_path, env)
-                    if want.strip():
-                        _compare(want, got, f"{what}: $ {cmd}")
-            else:
-                assert tag in ("", "text"), f"{what}: unknown block tag {tag!r}"
-    finally:
-        os.chdir(cwd)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(SUITE_XLA_FLAG, "").strip()
+    done = subprocess.run(
+        [sys.executable, __file__, str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def run_blocks(directory: Path) -> None:
+    """Every block after the quick start, in order, in ``directory`` (this process's cwd)."""
+    env, namespace = _env(), {"__name__": "__readme__"}
+    for n, (tag, code, shown) in enumerate(blocks()[1:], start=2):
+        what = f"README block {n} ({tag})"
+        if tag == "python":
+            buffer = io.StringIO()
+            with contextlib.redirect_stdout(buffer):
+                exec(compile(code, what, "exec"), namespace)
+            if shown is not None:
+                _compare(shown, buffer.getvalue(), what)
+        elif tag == "bash":
+            if ELSEWHERE in code:  # test_the_cli_starts_a_2_process_run_as_the_readme_shows
+                continue
+            got = _shell(code, directory, env)
+            if shown is not None:
+                _compare(shown, got, what)
+        elif tag == "console":
+            for cmd, want in _console(code):
+                got = _shell(cmd, directory, env)
+                if want.strip():
+                    _compare(want, got, f"{what}: $ {cmd}")
+        else:
+            assert tag in ("", "text"), f"{what}: unknown block tag {tag!r}"
+
+
+if __name__ == "__main__":  # the test's fresh process
+    run_blocks(Path(sys.argv[1]))
