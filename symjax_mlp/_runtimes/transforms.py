@@ -89,11 +89,14 @@ def forward_traced(xs: Sequence[Any] | None = None) -> bool:
     """Whether jax.jvp (jacfwd, hessian) or jax.linearize traces the arrays ``xs`` (``None``:
     the call), under any other tracer; a jax.vjp does where jax.jvp traces its primals
     (jax.hessian of jax.jit(f)), else the caller outside it says."""
-    verdict, callers = None if xs is None else _traced(xs), linearizing()
-    while verdict is None:
-        caller = next(callers, False)
-        verdict = caller if isinstance(caller, bool) else _traced(jax.tree.leaves(caller))
-    return verdict
+    verdict = None if xs is None else _traced(xs)
+    if verdict is not None:  # concrete inputs, on every call: no frame walk
+        return verdict
+    for outer in linearizing():
+        verdict = outer if isinstance(outer, bool) else _traced(jax.tree.leaves(outer))
+        if verdict is not None:
+            return verdict
+    return False
 
 
 def _traced(xs: Sequence[Any]) -> bool | None:
