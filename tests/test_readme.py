@@ -17,6 +17,7 @@ import contextlib
 import io
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -116,16 +117,7 @@ def test_every_readme_block_runs_as_written(tmp_path):
     if shutil.which("iree-compile", path=env["PATH"]) is None:
         pytest.fail("the README's IREE recipe needs iree-compile: pip install -e '.[iree]'")
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(SUITE_XLA_FLAG, "").strip()
-    done = subprocess.run(
-        [sys.executable, __file__, str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    _shell(shlex.join([sys.executable, __file__, str(tmp_path)]), tmp_path, env)
 
 
 def _env() -> dict[str, str]:
