@@ -237,9 +237,10 @@ class Hybrid:
             if self.stateful:
                 return self._call_held(static, dyn, dyn_kw, variables)
             out = self._jitted(static, self._leaves, *dyn, **dyn_kw)
-            if variables:
-                write_back(variables, out[1], self.name)
-            return out[0] if variables else out
+            if not variables:
+                return out
+            write_back(variables, out[1], self.name)
+            return out[0]
 
     def _call_held(self, static: Any, dyn: Any, dyn_kw: Any, variables: Any = ()) -> Any:
         """A stateful call: the held state passed, the new one held."""
