@@ -1229,6 +1229,39 @@ def test_the_app_answers_a_lone_request_from_its_pass_and_merges_a_pass_of_many(
     assert (stats.requests, stats.completed, stats.batches) == (4, 4, 2)
 
 
+def test_a_pass_of_many_runs_on_the_loop_where_its_bucket_last_ran_quickly(tmp_path):
+    """A LoadedModel's batch of one loop's requests runs on that loop (no hand-off to the
+    batcher's thread and back) once its bucket ran within ON_LOOP_SECONDS; a bucket that ran
+    longer goes to the batcher's thread, so the loop reads on meanwhile. Answers are the same."""
+    from symjax_mlp.serving._lane import ON_LOOP_SECONDS
+
+    m = sm.load(sm.chapter.export_mlp(tmp_path / "mlp").path)
+    xs = [rows(1, seed=i) for i in range(3)]
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        gate, slow = Gated(b._lane.call), [0.0]  # the thread of every call; a delay added
+
+        def model(*inputs):
+            time.sleep(slow[0])
+            return gate(*inputs)
+
+        b._lane.call = model
+
+        async def passes():
+            answers = []
+            for delay in (0.0, 0.0, 2 * ON_LOOP_SECONDS, 0.0):
+                slow[0] = delay
+                answers.append(await asyncio.gather(*[b.asubmit(x) for x in xs]))
+            return answers
+
+        answers = asyncio.run(passes())
+    here, thread = threading.get_ident(), b._thread.ident
+    # first run of bucket 4: the thread; quick: here; here, but slow: the thread next time
+    assert gate.threads == [thread, here, here, thread] and gate.sizes == [4] * 4
+    for ys in answers:
+        for x, y in zip(xs, ys, strict=True):
+            np.testing.assert_allclose(y, np.asarray(m(x)), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("body", "kind", "code", "says"),
     [

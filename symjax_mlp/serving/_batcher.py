@@ -3,7 +3,8 @@
 One executor lane runs one batch at a time. A request that finds it idle runs at once (``b(x)``
 on the calling thread, ``submit`` on the batcher's thread, ``asubmit`` of a LoadedModel on the
 event loop as its pass ends); requests that arrive meanwhile merge, in arrival order, into the
-next batch, zero-padded to the smallest compiled bucket that holds it.
+next batch, zero-padded to the smallest compiled bucket that holds it. A LoadedModel's batch of
+one loop's requests runs on that loop too where its bucket last ran within a millisecond.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from symjax_mlp._errors import ConfigError, OverloadError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
-from symjax_mlp.serving._lane import Blocking, Lane, claim, clock
+from symjax_mlp.serving._lane import ON_LOOP_SECONDS, Blocking, Lane, claim, clock
 from symjax_mlp.serving._requests import (
     AsyncRequest,
     RequestCheck,
@@ -278,29 +279,56 @@ class Batcher:
         return request
 
     def _end_of_pass(self, loop: Any) -> None:
-        """Runs a lone request here if the lane is idle, else wakes the batcher's thread."""
+        """Runs the pass's requests here, on the loop, if the lane is idle and that is cheaper
+        than a hand-off to the batcher's thread and back (a lone request, or a batch of this
+        loop's requests whose bucket last ran within ``ON_LOOP_SECONDS``); else wakes the thread."""
         lone, lane = self._passes.pop(loop), self._lane
         with lane.lock:
             q = lane.queue
-            alone = lone is not None and self._on_loop and len(q) == 1 and q[0] is lone
-            if not alone or lone.future.cancelled():  # cancelled: the thread drops it
+            alone = lone is not None and len(q) == 1 and q[0] is lone
+            if (
+                not self._on_loop
+                or (lone is not None and lone.future.cancelled())  # the thread drops it
+                or not (alone or self._quick(loop))
+                or not claim(lane.idle)  # a batch runs: its runner takes the queue next
+            ):
                 if lane.idle:
                     lane.nudge()
                 return
-            if not claim(lane.idle):  # a batch runs: its runner takes the queue next
-                return
             lane.holder = threading.get_ident()
-            q.popleft()
-            lane.n.requests -= 1  # run_alone counts it among the lone ones
+            if alone:
+                q.popleft()
+                lane.n.requests -= 1  # run_alone counts it among the lone ones
+            else:
+                batch, rows = lane.take()
         try:
-            result, record = lane.run_alone(lone)
-        except BaseException as e:  # counted as failed by run_alone; SystemExit too, which
-            lone.fail(e)  # reaches the loop through its awaiter, if any
-        else:
-            lone._batch = (*record[1:], 1)
-            lone.future.set_result(result)
+            if not alone:
+                if batch:  # else every one was cancelled
+                    lane.run(batch, rows, loop)
+                return
+            try:
+                result, record = lane.run_alone(lone)
+            except BaseException as e:  # counted as failed by run_alone; SystemExit too,
+                lone.fail(e)  # which reaches the loop through its awaiter, if any
+            else:
+                lone._batch = (*record[1:], 1)
+                lone.future.set_result(result)
         finally:
             lane.release()
+
+    def _quick(self, loop: Any) -> bool:
+        """Whether the queue's next batch holds only ``loop``'s requests, at a bucket whose
+        last run took less than ``ON_LOOP_SECONDS`` (the lock is held)."""
+        lane, rows = self._lane, 0
+        for r in lane.queue:
+            if rows + r.rows > lane.max_batch:
+                break
+            if type(r) is not AsyncRequest or r.future.get_loop() is not loop:
+                return False
+            rows += r.rows
+            if not lane.merges:
+                break
+        return lane.took.get(lane.bucket_of[rows], ON_LOOP_SECONDS) < ON_LOOP_SECONDS
 
     @property
     def stats(self) -> BatcherStats:

@@ -31,6 +31,9 @@ from symjax_mlp.serving._stats import Counters
 _CANCELLED = "the batcher was closed with cancel=True"
 _DROPPED = concurrent.futures.CancelledError(_CANCELLED)  # what close(cancel=True) hands out
 _FOLD_EVERY = 4096  # batches counted before they are folded into the stats
+#: A batch of one event loop's requests runs on that loop (no hand-off to the batcher's thread
+#: and back) where its bucket's last run took less than this; longer, the loop reads on meanwhile.
+ON_LOOP_SECONDS = 1e-3
 clock = time.perf_counter
 _LOG = logging.getLogger("symjax_mlp.serving")
 
@@ -60,12 +63,18 @@ def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None)
             r.fail(error)
 
 
-def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
-    """One wake-up per event loop for a whole batch (not one per request)."""
+def _wake_loops(
+    items: list[tuple[AsyncRequest, Any]], error: BaseException | None, here: Any = None
+) -> None:
+    """One wake-up per event loop for a whole batch (not one per request); the requests of
+    ``here``, the loop this runs on, are resolved at once."""
     by_loop: dict[Any, list[tuple[AsyncRequest, Any]]] = {}
     for item in items:
         by_loop.setdefault(item[0].future.get_loop(), []).append(item)
     for loop, mine in by_loop.items():
+        if loop is here:
+            _resolve(mine, error)
+            continue
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits these now
             loop.call_soon_threadsafe(_resolve, mine, error)
 
@@ -100,6 +109,7 @@ class Lane:
         self.tree, self.want = None, []  # the outputs' kind and, by rows, shapes: see warm_up
         self.thread: int | None = None  # the batcher's thread (its ident)
         self.holder: int | None = None  # the thread running a lone request (its ident)
+        self.took: dict[int, float] = {}  # by bucket: seconds its last run took (see ON_LOOP)
 
     def work(self) -> None:
         """The thread's loop, until the lane is closed and its queue done."""
@@ -215,14 +225,15 @@ class Lane:
                     break
         return batch, rows
 
-    def run(self, batch: list[Any], rows: int) -> None:
-        """Runs one batch on the executor thread and hands each request its result."""
+    def run(self, batch: list[Any], rows: int, loop: Any = None) -> None:
+        """Runs one batch (on the executor thread, or on the event loop ``loop``) and hands
+        each request its result."""
         try:
             results, record = self.compute(batch, rows, [r.t0 for r in batch])
         except BaseException as e:  # every request of the batch gets it; the lane carries on
-            self.settle(batch, None, e)  # (SystemExit too, as a ThreadPoolExecutor's would)
+            self.settle(batch, None, e, loop=loop)  # (SystemExit too, as a ThreadPoolExecutor's)
         else:
-            self.settle(batch, results, None, (*record[1:], len(batch)))
+            self.settle(batch, results, None, (*record[1:], len(batch)), loop)
 
     def compute(self, batch: Sequence[Any], rows: int, t0: Any) -> tuple[list[Any], tuple]:
         """The model's results for ``batch`` (requests of ``rows`` rows in all), one per
@@ -245,6 +256,7 @@ class Lane:
             if not same and (error := self.unlike(raw, rows)):
                 raise error
             t3 = clock()
+            self.took[bucket] = t3 - t2
             if len(batch) == 1:  # a lone request: one copy of its rows, no views
                 results = [self.split(out, 0, rows)]
             elif self.single and rows == len(batch):  # one row each: the common batch
@@ -262,9 +274,9 @@ class Lane:
         self.n.pending.append(record)  # before any result
         return results, record
 
-    def settle(self, batch, results, error, timing=None) -> None:
+    def settle(self, batch, results, error, timing=None, loop=None) -> None:
         """Hands out a batch's results (or ``error``): one lock for its futures, one release
-        per blocked caller, then the futures' done callbacks."""
+        per blocked caller, then the futures' done callbacks (``loop``: the one this runs on)."""
         futures, settled, awaited = [], [], []
         with self.futures:
             for i, r in enumerate(batch):
@@ -282,7 +294,7 @@ class Lane:
                     settled.append(result)
             finish_futures(futures, settled, error)
         if awaited:
-            _wake_loops(awaited, error)
+            _wake_loops(awaited, error, loop)
         if futures:
             after_finish(futures, settled, error)
 
