@@ -141,6 +141,23 @@ def test_initialize_refuses_bad_arguments_before_starting_anything():
     assert not jax.distributed.is_initialized()
 
 
+def test_initialize_takes_numpy_integers_and_refuses_bools_and_floats(monkeypatch):
+    """initialize(num_processes=np.int64(2)) was refused, 'num_processes must be an int >= 1',
+    for a count a user computed with NumPy; each is passed on as its int."""
+    from symjax_mlp.training import _processes
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setitem(_processes._settings, "timeout", 60)
+    sm.training.initialize("127.0.0.1:1234", np.int64(2), np.int32(1), timeout=np.uint8(9))
+    ((_, kw),) = calls
+    assert (kw["num_processes"], kw["process_id"], kw["heartbeat_timeout_seconds"]) == (2, 1, 9)
+    assert type(kw["num_processes"]) is int and type(kw["process_id"]) is int
+    for args in ((True, 0), (2.0, 0), (np.int64(2), np.bool_(False)), (np.int64(-1), 0)):
+        with pytest.raises(sm.ConfigError, match="must be an int"):
+            sm.training.initialize("127.0.0.1:1234", *args)
+
+
 def _saved(tmp_path: Path) -> tuple[OrbaxCheckpoints, sm.training.TrainState, Path]:
     net, opt = sm.mlp(SIZES), optax.adam(LR)
     params = net.init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]

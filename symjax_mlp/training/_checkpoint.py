@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import numbers
+import operator
 import os
 import re
 import shutil
@@ -89,6 +90,17 @@ class TrainState:
 def is_count(x: Any, low: int = 0) -> bool:
     """Whether ``x`` is an int (not a bool) ``>= low``."""
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def as_int(x: Any) -> Any:
+    """``x`` as an int if it is an integer of any kind (``np.int64``, a 0-d int array) but a
+    bool; else ``x`` as it is, for its check to refuse."""
+    if isinstance(x, bool | np.bool_):
+        return x
+    try:
+        return operator.index(x)
+    except TypeError:
+        return x
 
 
 def _name(prefix: str, path: Any) -> str:
@@ -232,7 +244,7 @@ def save_checkpoint(
       >>> save_checkpoint(getfixture("tmp_path"), s).name
       'step_00000003'
     """
-    keep = int(keep) if isinstance(keep, np.integer) else keep  # as train()'s settings
+    keep = as_int(keep)  # as train()'s settings
     if not is_count(keep, 1):
         raise ConfigError(
             f"save_checkpoint(keep={keep!r}): pass how many checkpoints to keep, an int >= 1."

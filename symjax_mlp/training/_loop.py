@@ -21,7 +21,13 @@ from flax import nnx
 from symjax_mlp._errors import CheckpointError, ConfigError, ControlFlowError
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._models import mlp
-from symjax_mlp.training._checkpoint import EpochRecord, TrainState, is_count, save_checkpoint
+from symjax_mlp.training._checkpoint import (
+    EpochRecord,
+    TrainState,
+    as_int,
+    is_count,
+    save_checkpoint,
+)
 from symjax_mlp.training._data import (
     Dataset,
     check_dataset,
@@ -138,8 +144,7 @@ def train(
       (46, 2, 1)
     """
     epochs, batch_size, checkpoint_every, seed, blocks, timeout = (  # a sweep's np.int64: int
-        int(v) if isinstance(v, np.integer) else v
-        for v in (epochs, batch_size, checkpoint_every, seed, blocks, timeout)
+        as_int(v) for v in (epochs, batch_size, checkpoint_every, seed, blocks, timeout)
     )
     counts = {"epochs": (epochs, 0), "batch_size": (batch_size, 1)}
     for name, (value, low) in {**counts, "checkpoint_every": (checkpoint_every, 1)}.items():

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from symjax_mlp._errors import ConfigError, DistributedError
-from symjax_mlp.training._checkpoint import is_count
+from symjax_mlp.training._checkpoint import as_int, is_count
 
 #: The exit status of a process ended because another did not arrive or stalled (EX_TEMPFAIL:
 #: relaunch every process; ``resume=True`` continues from the last committed checkpoint).
@@ -52,6 +52,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
         f"{caller}(coordinator={coordinator!r}, num_processes={num_processes!r}, "
         f"process_id={process_id!r}, timeout={timeout!r})"
     )
+    num_processes, process_id, timeout = (as_int(v) for v in (num_processes, process_id, timeout))
     host, _, port = str(coordinator).rpartition(":")
     checks = {
         "coordinator must be 'host:port'": isinstance(coordinator, str) and host and port.isdigit(),
