@@ -903,6 +903,32 @@ def test_interleaved_rows_can_pause_between_repeats(monkeypatch):
     assert slept == [0.01] * 6
 
 
+@pytest.mark.slow
+def test_the_http_rows_answer_every_request_and_say_where_a_lone_requests_time_goes():
+    """``--serving``'s HTTP section, tiny: serve and both bare endpoints answer every request,
+    the ratios are computed in the run, and the lone-request probe reports serve's own
+    Server-Timing stages beside the artifact's call hot, after an idle CPU and after a spin."""
+    from benchmarks.http_rows import http_rows
+    from benchmarks.serving import format_serving
+
+    env = {"PYTHONPATH": os.pathsep.join([str(SCRIPTS), *sys.path])}
+    h = http_rows(
+        sizes=(8, 2), in_features=16, activation="relu", seed=0, clients=[1], requests=20,
+        max_batch=4, env=env, timeout=300, say=lambda _: None, rounds=1,
+    )  # fmt: skip
+    assert {r["body"] for r in h["rows"]} == {"json", "npy"} and h["server_exit_code"] == 0
+    for r in [*h["rows"], *h["bare"], *h["bare_stdlib"]]:
+        assert r["errors"] == 0 and r["n"] == 20 and r["throughput_rps"] > 0, r
+    json_row = next(r for r in h["rows"] if r["body"] == "json")
+    assert json_row["vs_bare"] == json_row["throughput_rps"] / h["bare"][0]["throughput_rps"]
+    lone = h["lone"]
+    assert "idle_probe_error" not in lone, lone
+    for key in ("served_queued_s", "served_compute_s", "call_hot_s", "call_after_sleep_s",
+                "call_after_spin_s"):  # fmt: skip
+        assert 0 < lone[key] < 1, (key, lone)
+    assert "a lone client's request: the model's call" in format_serving({"http": h})
+
+
 @pytest.mark.ray
 @pytest.mark.xdist_group("ray")
 def test_the_ray_rows_reach_both_apps_by_handle_and_through_rays_http_proxy():

@@ -207,6 +207,8 @@ def http_rows(
                 stdlib[c] = {"clients": c, "body": "json", "parser": "json",
                              **_median_run(runs["stdlib"])}  # fmt: skip
                 rows += [{"clients": c, "body": n, **_median_run(runs[n])} for n in bodies]
+            say("HTTP: where a lone request's time goes (Server-Timing; an idle CPU)")
+            lone = {**served_timing(host, port, *bodies["json"]), **_idle_probe(art, env, timeout)}
             metrics = _scrape(host, port)
         exit_code = proc.returncode
     for row in rows:
@@ -220,7 +222,62 @@ def http_rows(
         "server_exit_code": exit_code,
         "metrics": metrics,
         "rounds": rounds,
+        "lone": lone,
     }
+
+
+def served_timing(host: str, port: int, body: bytes, kind: str, n: int = 600) -> dict:
+    """Medians of serve's ``Server-Timing`` stages (seconds) over ``n`` lone requests, one
+    client: what the server's model call costs between two requests of a lone client."""
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    conn.connect()
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    stages: dict[str, list[float]] = {}
+    try:
+        for _ in range(n):
+            conn.request("POST", "/predict", body=body, headers={"Content-Type": kind})
+            resp = conn.getresponse()
+            resp.read()
+            for name, ms in re.findall(r"(\w+);dur=([\d.]+)", resp.getheader("Server-Timing", "")):
+                stages.setdefault(name, []).append(float(ms) / 1e3)
+    finally:
+        conn.close()
+    return {f"served_{k}_s": float(np.median(v)) for k, v in stages.items()}
+
+
+#: A fresh latency-mode process times the artifact's batch-1 call three ways, interleaved:
+#: back to back, after its CPU idled (a sleep, as a server between a lone client's requests),
+#: and after the CPU stayed busy as long (a spin). Prints medians in seconds, as JSON.
+_IDLE = """
+import json, sys, time
+import numpy as np, symjax_mlp as sm
+sm.serving.latency_mode()
+m = sm.load(sys.argv[1])
+x = np.ones(m.signature.inputs[0].shape[1:], np.float32)[None]
+def spin(d=3e-4):
+    end = time.perf_counter() + d
+    while time.perf_counter() < end:
+        pass
+ways = {"hot": lambda: None, "after_sleep": lambda: time.sleep(3e-4), "after_spin": spin}
+took = {k: [] for k in ways}
+for _ in range(2000):
+    for k, before in ways.items():
+        before()
+        t = time.perf_counter()
+        np.asarray(m(x))
+        took[k].append(time.perf_counter() - t)
+print(json.dumps({f"call_{k}_s": float(np.median(v[200:])) for k, v in took.items()}))
+"""
+
+
+def _idle_probe(art: str, env: Mapping[str, str] | None, timeout: float) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", _IDLE, art], env=child_env(env), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    if out.returncode:
+        return {"idle_probe_error": out.stderr[-500:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _measure(host: str, port: int, proc: Any, body: bytes, kind: str, c: int, n: int) -> dict:

@@ -396,6 +396,18 @@ def format_serving(result: Mapping[str, Any]) -> str:
                     f"  serve/bare at {r['clients']} client(s): {r['vs_bare']:.2f} (both orjson, "
                     f"the target's); against the stdlib-json endpoint {r['vs_bare_stdlib']:.2f}"
                 )
+        lone = h.get("lone", {})
+        if "served_compute_s" in lone and "call_hot_s" in lone:
+            lines.append(
+                f"  a lone client's request: the model's call {us(lone['served_compute_s'])} "
+                f"inside serve (Server-Timing; queued {us(lone['served_queued_s'])}), against "
+                f"{us(lone['call_hot_s'])} back to back in a fresh process, "
+                f"{us(lone['call_after_sleep_s'])} after its CPU idled 300 µs, "
+                f"{us(lone['call_after_spin_s'])} after a 300 µs spin: between a lone client's "
+                "requests the server's CPU idles, and every call runs cold"
+            )
+        elif "idle_probe_error" in lone:
+            lines.append(f"  the idle probe failed: {lone['idle_probe_error']}")
         lines.append(f"  server exit code after SIGINT: {h['server_exit_code']}")
         parts.append("\n".join(lines))
     if not parts:
