@@ -308,13 +308,26 @@ def test_a_num_classes_that_is_not_a_count_is_named(digits, classes):
         ({"on_epoch": 3}, r"on_epoch must be a function .*got 3"),  # was after the 1st epoch
         # each epoch is padded to whole batches: a MemoryError traceback before
         ({"batch_size": 10**8}, r"batch_size=100000000 is more than the \d+ training examples"),
+        ({"epochs": "2"}, r"epochs must be an int >= 0; got '2'\. Pass .*epochs=20"),
+        ({"batch_size": 0}, r"batch_size must be an int >= 1; got 0\. Pass .*batch_size=64"),
+        ({"checkpoint_every": 1.0}, r"checkpoint_every must be an int >= 1; got 1\.0\. Pass"),
+        ({"blocks": 0}, r"blocks must be an int >= 1; got 0\. Pass e\.g\. blocks=1"),
+        ({"timeout": 0}, r"timeout must be an int >= 1 \(seconds\); got 0"),
+        ({"optimizer": "adam"}, r"optimizer must be an optax.GradientTransformation .*got str"),
+        ({"optimizer": optax.sgd(0.1), "learning_rate": 0.1}, r"learning_rate sets the default"),
+        ({"resume": True}, r"resume=True needs checkpoint=DIR"),
+        ({"model": len}, r"model must be a flax.linen or nnx module; got a builtin_function"),
     ],
 )
 def test_a_bad_setting_is_refused_before_training(digits, tmp_path, options, message):
+    """Each message starts with the call, as the library's others do (these began with the
+    setting's name alone: 'epochs must be an int >= 0; got '2'.', no fix)."""
     if "checkpoint" in options:
         options = {**options, "checkpoint": tmp_path / options["checkpoint"]}
-    with pytest.raises(sm.ConfigError, match=message):
-        sm.training.train(sm.mlp((32, 10)), digits, epochs=1, **options)
+    options = {"model": sm.mlp((32, 10)), "epochs": 1, **options}
+    with pytest.raises(sm.ConfigError, match=message) as e:
+        sm.training.train(data=digits, **options)
+    assert str(e.value).startswith("symjax_mlp.training.train: ")
     assert not (tmp_path / "ck").exists()
 
 

@@ -44,12 +44,12 @@ from symjax_mlp.training._spec import TRAIN_FORM, NnxSpec, spec_of
 from symjax_mlp.training._step import ModelVars, check_trainable, init_of, strong
 
 _NOT_FLAX = (
-    "train() trains a flax.linen or nnx module; got a {kind}. For another model, write the "
-    "loop with optax over the Hybrid's pure form: h = sm.hybridize(fn, params) (an equinox "
-    "module: h = sm.hybridize(model), h.params its arrays); "
-    "loss(params) on h.apply(params, x) (every keyword is your function's: an equinox-style "
-    "out, state = h.apply(params, x, state=state) passes your state), jax.grad of it, and "
-    "h.replace(params=...) for the trained model."
+    "symjax_mlp.training.train: the model must be a flax.linen or nnx module; got a {kind}. "
+    "For another model, write the loop with optax over the Hybrid's pure form: "
+    "h = sm.hybridize(fn, params) (an equinox module: h = sm.hybridize(model), h.params its "
+    "arrays); loss(params) on h.apply(params, x) (every keyword is your function's: an "
+    "equinox-style out, state = h.apply(params, x, state=state) passes your state), jax.grad "
+    "of it, and h.replace(params=...) for the trained model."
 )
 
 _CALLER = "symjax_mlp.training.train"
@@ -146,23 +146,29 @@ def train(
     epochs, batch_size, checkpoint_every, seed, blocks, timeout = (  # a sweep's np.int64: int
         as_int(v) for v in (epochs, batch_size, checkpoint_every, seed, blocks, timeout)
     )
-    counts = {"epochs": (epochs, 0), "batch_size": (batch_size, 1)}
-    for name, (value, low) in {**counts, "checkpoint_every": (checkpoint_every, 1)}.items():
+    counts = {"epochs": (epochs, 0, 20), "batch_size": (batch_size, 1, 64)}
+    for name, (value, low, e) in {**counts, "checkpoint_every": (checkpoint_every, 1, 1)}.items():
         if not is_count(value, low):
-            raise ConfigError(f"{name} must be an int >= {low}; got {value!r}.")
+            raise ConfigError(f"{_CALLER}: {name} must be an int >= {low}; got {value!r}. "
+                              f"Pass a whole number, e.g. {name}={e}.")  # fmt: skip
     for name, value in (("compiled", compiled), ("resume", resume)):
         if value not in (False, True):
-            raise ConfigError(f"{name} must be True or False; got {value!r}.")
+            raise ConfigError(f"{_CALLER}: {name} must be True or False; got {value!r}.")
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed.bit_length() > 63:
-        raise ConfigError(f"seed must be an int from -2**63 + 1 to 2**63 - 1; got {seed!r}.")
+        raise ConfigError(
+            f"{_CALLER}: seed must be an int from -2**63 + 1 to 2**63 - 1; got {seed!r}."
+        )
     if on_epoch is not None and not callable(on_epoch):  # refused now, not after an epoch
         raise ConfigError(
-            f"on_epoch must be a function called with each EpochRecord; got {on_epoch!r}."
+            f"{_CALLER}: on_epoch must be a function called with each EpochRecord; "
+            f"got {on_epoch!r}."
         )
     optimizer = _checked_optimizer(optimizer, learning_rate)
-    timeout = run_timeout(timeout)  # checked in one process too: refused now, not scaled out
+    timeout = run_timeout(timeout, _CALLER)  # checked in one process too, not once scaled out
     if resume and checkpoint is None:
-        raise ConfigError("resume=True needs checkpoint=DIR, the directory to resume from.")
+        raise ConfigError(
+            f"{_CALLER}: resume=True needs checkpoint=DIR, the directory to resume from."
+        )
     if checkpoint is not None:  # refused now, not after the first epoch
         check_directory(checkpoint, _CALLER)
     if model is not None and not isinstance(model, nn.Module | nnx.Module):
@@ -173,8 +179,9 @@ def train(
     check_outputs(data, num_outputs)
     if batch_size > len(data.x_train):  # each epoch is padded to whole batches of it
         raise ConfigError(
-            f"batch_size={batch_size} is more than the {len(data.x_train)} training examples: "
-            f"every step would be mostly padding. Pass batch_size <= {len(data.x_train)}."
+            f"{_CALLER}: batch_size={batch_size} is more than the {len(data.x_train)} training "
+            f"examples: every step would be mostly padding. Pass batch_size <= "
+            f"{len(data.x_train)}."
         )
     state = _initial_state(model, spec, data.x_train[:1], optimizer, seed)
     config = run_config(
@@ -184,11 +191,13 @@ def train(
     devices = jax.device_count() if jax.process_count() > 1 else 1
     blocks = devices if blocks is None else blocks
     if not is_count(blocks, 1):
-        raise ConfigError(f"blocks must be an int >= 1; got {blocks!r}.")
+        raise ConfigError(
+            f"{_CALLER}: blocks must be an int >= 1; got {blocks!r}. Pass e.g. blocks={devices}."
+        )
     if batch_size % blocks or blocks % devices:
         raise ConfigError(
-            f"blocks={blocks} must divide batch_size={batch_size} and be a multiple of the "
-            f"run's {devices} device(s) (each device computes whole blocks). Pass e.g. "
+            f"{_CALLER}: blocks={blocks} must divide batch_size={batch_size} and be a multiple "
+            f"of the run's {devices} device(s) (each device computes whole blocks). Pass e.g. "
             f"blocks={devices} with a batch_size that is a multiple of it."
         )
     if blocks != 1:  # recorded only when set: older checkpoints resume as they are
@@ -296,21 +305,22 @@ def _checked_optimizer(
     number = isinstance(lr, numbers.Real) and not isinstance(lr, bool) and 0 < lr < math.inf
     if not (lr is None or number or callable(lr)):  # optax takes a schedule too
         raise ConfigError(
-            f"learning_rate must be a number > 0 (e.g. 1e-3) or an optax schedule; got {lr!r}."
+            f"{_CALLER}: learning_rate must be a number > 0 (e.g. 1e-3) or an optax schedule; "
+            f"got {lr!r}."
         )
     if optimizer is None:
         optimizer = optax.adam(1e-3 if lr is None else lr)
     elif lr is not None:
         raise ConfigError(
-            "learning_rate sets the default adam only; with an explicit optimizer, give it the "
-            f"learning rate instead, e.g. optax.sgd({lr!r})."
+            f"{_CALLER}: learning_rate sets the default adam only; with an explicit optimizer, "
+            f"give it the learning rate instead, e.g. optax.sgd({lr!r})."
         )
     if isinstance(optimizer, optax.MultiSteps):  # a wrapper whose transformation is a method
         optimizer = optimizer.gradient_transformation()
     if not isinstance(optimizer, optax.GradientTransformation):
         raise ConfigError(
-            f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3); "
-            f"got {type(optimizer).__name__}."
+            f"{_CALLER}: optimizer must be an optax.GradientTransformation such as "
+            f"optax.adam(1e-3); got {type(optimizer).__name__}."
         )
     return optimizer
 
@@ -336,7 +346,7 @@ def _classifier(
     if shape is None or len(shape) != 2 or not jnp.issubdtype(dtype, jnp.floating):
         got = f"a {type(out).__name__}" if shape is None else f"shape {shape}, dtype {dtype}"
         raise ConfigError(
-            f"train() needs a model whose output is (batch, classes) float logits; "
+            f"{caller}: train() needs a model whose output is (batch, classes) float logits; "
             f"{type(model).__name__} returns {got} for input shape {example.shape}. Return "
             "the logits alone, as floats; a model of several outputs trains in a loop of your "
             "own (jax.grad of your loss, an optax update)."

@@ -96,12 +96,12 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
     _settings["timeout"] = timeout
 
 
-def run_timeout(timeout: int | None) -> int:
+def run_timeout(timeout: int | None, caller: str) -> int:
     """The run's timeout: ``timeout``, else :func:`initialize`'s."""
     if timeout is None:
         return _settings["timeout"]
     if not is_count(timeout, 1):
-        raise ConfigError(f"timeout must be an int >= 1 (seconds); got {timeout!r}.")
+        raise ConfigError(f"{caller}: timeout must be an int >= 1 (seconds); got {timeout!r}.")
     return timeout
 
 
