@@ -770,3 +770,19 @@ def test_an_odd_step_name_says_what_it_is_what_a_checkpoint_is_and_what_to_pass(
     ):
         with pytest.raises(sm.ConfigError, match=r"directory '.*a\\x00b' holds a NUL\. Pass a"):
             call(str(tmp_path / "a\0b"))
+
+
+def test_data_that_is_no_dataset_names_the_class_that_exists_and_how_to_wrap_it(tiny):
+    """A dict of arrays was 'train() expects a symjax_mlp.Dataset', a name the package does
+    not have (it is symjax_mlp.training.Dataset): now the call, what came, and the wrap."""
+    fields = {k: getattr(tiny, k) for k in ("x_train", "y_train", "x_test", "y_test")}
+    cases = {
+        "dict of keys \\['x_test', .*Dataset\\(\\*\\*data\\)": fields,
+        "tuple of 4 items.*Dataset\\(\\*data\\)": tuple(fields.values()),
+        "generator.*Dataset\\(x_train, y_train, x_test, y_test\\)": (v for v in fields.values()),
+    }
+    for says, data in cases.items():
+        with pytest.raises(sm.ConfigError, match="^symjax_mlp.training.train: data must be a "
+                           f"symjax_mlp.training.Dataset; got a {says}"):  # fmt: skip
+            sm.training.train(sm.mlp((8, 10)), data, epochs=1)
+    assert sm.training.train(sm.mlp((8, 10)), sm.training.Dataset(**fields), epochs=1).step == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -125,9 +126,16 @@ def check_dataset(data: Dataset) -> Dataset:
     """``data`` as float32 features and int32 labels, checked (once: the labels against the
     model's outputs, once it is known, by :func:`check_outputs`)."""
     if not isinstance(data, Dataset):
+        fields = {f.name for f in dataclasses.fields(Dataset)}
+        got, wrap = f"a {type(data).__name__}", "(x_train, y_train, x_test, y_test)"
+        if isinstance(data, Mapping):
+            got += f" of keys {sorted(map(str, data))[:8]}"
+            wrap = "(**data)" if data and set(data) <= fields else wrap
+        elif isinstance(data, tuple | list) and 4 <= len(data) <= len(fields):
+            got, wrap = f"{got} of {len(data)} items", "(*data)"
         raise ConfigError(
-            f"train() expects a symjax_mlp.Dataset; got {type(data).__name__}. Wrap arrays as "
-            "Dataset(x_train, y_train, x_test, y_test)."
+            f"symjax_mlp.training.train: data must be a symjax_mlp.training.Dataset; got {got}. "
+            f"Wrap the arrays: sm.training.Dataset{wrap}."
         )
     xs, ys = {}, {}
     for name in ("x_train", "x_test"):
