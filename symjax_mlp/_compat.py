@@ -151,14 +151,15 @@ def _callers() -> dict[Any, bool]:
 
 
 # -- 6. an nnx module's layers, named in its programs ---------------------------------------
-# Why: linen names each submodule's ops by layer, nnx does not; a subclass whose __call__ opens
-# jax.named_scope of its attribute path is swapped in (__class__) for the block only. Internal:
-# assigning __class__, and nnx's private ``_pytree__is_pytree`` (the subclass registers as its
-# base does). Fallback: no scopes: the same program, its ops not grouped by layer.
-#: the paths of the block's submodules by id, and the path of the call we are in
-_SCOPES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("symjax_scopes", default=None)
+# Why: linen names each submodule's ops by layer, nnx does not; a subclass per (class, path)
+# whose __call__ opens jax.named_scope of that path is swapped in (__class__) for the block
+# only: the copies nnx.scan and nnx.vmap run (nnx.merge makes the graphdef's class) are named
+# too. Internal: assigning __class__, and nnx's private ``_pytree__is_pytree`` (the subclass
+# registers as its base does). Fallback: no scopes: the same program, its ops not grouped.
+#: whether this context runs a block, and the path of the call we are in
+_SCOPING: contextvars.ContextVar[bool] = contextvars.ContextVar("symjax_scoping", default=False)
 _CALLER: contextvars.ContextVar[tuple] = contextvars.ContextVar("symjax_caller", default=())
-_SCOPED: dict[type, type] = {}
+_SCOPED: dict[tuple[type, tuple], type] = {}
 _SCOPED_LOCK = threading.Lock()
 
 
@@ -172,37 +173,33 @@ def layer_scopes(module: Any) -> Iterator[None]:
         return
     from flax import nnx
 
-    paths: dict[int, tuple[Any, ...]] = {}
-    swapped: list[tuple[Any, type]] = []
+    swapped: dict[int, tuple[Any, type, tuple[Any, ...]]] = {}
     for path, sub in nnx.iter_modules(module):
-        if not path or id(sub) in paths or not callable(sub):
-            continue
-        paths[id(sub)] = tuple(path)
-        swapped.append((sub, type(sub)))
-    token = _SCOPES.set(paths)
+        if path and id(sub) not in swapped and callable(sub):
+            swapped[id(sub)] = sub, type(sub), tuple(path)
+    token = _SCOPING.set(True)
     try:
-        for sub, cls in swapped:
-            object.__setattr__(sub, "__class__", _scoped(cls))
+        for sub, cls, path in swapped.values():
+            object.__setattr__(sub, "__class__", _scoped(cls, path))
         yield
     finally:
-        for sub, cls in swapped:
+        for sub, cls, _ in swapped.values():
             object.__setattr__(sub, "__class__", cls)
-        _SCOPES.reset(token)
+        _SCOPING.reset(token)
 
 
-def _scoped(cls: type) -> type:
-    """The subclass of ``cls`` whose ``__call__`` runs under its instance's named scope (one per
-    class: nnx registers every Module class as a graph node and pytree)."""
+def _scoped(cls: type, path: tuple[Any, ...]) -> type:
+    """The subclass of ``cls`` whose ``__call__`` runs under the named scope of ``path`` (one
+    per class and path: nnx registers every Module class as a graph node and pytree)."""
     import jax
 
     with _SCOPED_LOCK:
-        if cls not in _SCOPED:
+        if (cls, path) not in _SCOPED:
             base_call = cls.__call__
 
             @functools.wraps(base_call)
             def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-                path = (_SCOPES.get() or {}).get(id(self))
-                if path is None:  # a copy made inside the call (e.g. by an nnx transform)
+                if not _SCOPING.get():  # a copy called outside the block
                     return base_call(self, *args, **kwargs)
                 caller = _CALLER.get()
                 inner = path[len(caller) :] if path[: len(caller)] == caller else path
@@ -217,8 +214,8 @@ def _scoped(cls: type) -> type:
             namespace["__qualname__"] = cls.__qualname__
             pytree = getattr(cls, "_pytree__is_pytree", None)
             kwargs = {} if pytree is None else {"pytree": pytree}
-            _SCOPED[cls] = type(cls)(cls.__name__, (cls,), namespace, **kwargs)
-        return _SCOPED[cls]
+            _SCOPED[cls, path] = type(cls)(cls.__name__, (cls,), namespace, **kwargs)
+        return _SCOPED[cls, path]
 
 
 # -- 7. whether the GIL is on ----------------------------------------------------------------

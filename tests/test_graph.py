@@ -369,6 +369,32 @@ def test_nested_nnx_modules_name_their_path_once():
     assert layers["block"]["custom_jvp_call"] == 1  # the relu, in the block's own call
 
 
+class _Scanned(nnx.Module):
+    """A stack of ``_Block`` s (made by ``nnx.vmap``) applied in turn by ``nnx.scan``, then
+    mapped over by ``nnx.vmap``: both transforms run a copy of the module (``nnx.merge``)."""
+
+    def __init__(self, rngs):
+        self.blocks = nnx.vmap(_Block)(rngs.split(3))
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        body = nnx.scan(lambda block, x: block(x), in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        x = body(self.blocks, x)
+        return nnx.vmap(lambda head, x: head(x), in_axes=(None, 0))(self.head, x[None])[0]
+
+
+def test_nnx_layers_run_by_nnx_scan_and_nnx_vmap_are_named():
+    """nnx.scan and nnx.vmap run a copy of the layers; once named as no layer at all."""
+    model, x = _Scanned(nnx.Rngs(0)), jnp.ones((1, 4))
+    h = sm.hybridize(model)
+    layers = h.graph(x).by_layer
+    assert layers["blocks/linear"]["dot_general"] == 1  # JAX names a scope under vmap so:
+    assert layers["vmap(head)"]["dot_general"] == 1
+    assert layers["blocks"]["custom_jvp_call"] == 1  # the relu, in the scanned block's call
+    chex.assert_trees_all_close(h(x), model(x), rtol=1e-6)
+    assert type(model.blocks) is _Block and type(model.head) is nnx.Linear
+
+
 @pytest.mark.parametrize("name", ["nnx_batchnorm", "nnx_dropout"])
 def test_stage_of_an_nnx_module_whose_call_updates_its_state(name):
     """BatchNorm's statistics in training, a Dropout's rng count: nnx refuses the update of the
