@@ -31,7 +31,7 @@ def read_npy(
         with open(source, "rb") if not isinstance(source, bytes) else io.BytesIO(source) as f:
             head = f.read(6)
             f.seek(0)
-            if short := _short(f):
+            if short := _refused(f):
                 raise error(f"{what} {short}")
             x = np.load(f, allow_pickle=False)
             if not isinstance(x, np.ndarray):  # an .npz archive
@@ -62,8 +62,9 @@ def read_npy(
     return x
 
 
-def _short(f: BinaryIO) -> str | None:
-    """What a .npy header declares past the bytes after it, read before NumPy allocates it."""
+def _refused(f: BinaryIO) -> str | None:
+    """Why a .npy header is refused before NumPy reads on: Python objects (a pickle), or an
+    array past the bytes after it (NumPy would allocate it first)."""
     try:
         version = np.lib.format.read_magic(f)
         header = getattr(np.lib.format, f"read_array_header_{min(version[0], 2)}_0")
@@ -74,8 +75,14 @@ def _short(f: BinaryIO) -> str | None:
         return None
     finally:
         f.seek(0)
+    if dtype.hasobject:
+        return (
+            f"is not a readable .npy array of numbers: it holds Python objects (dtype {dtype}), "
+            "read only by unpickling, which can run code. Save numbers: np.save(file, "
+            "np.asarray(x, np.float32)) (or the dtype expected)."
+        )
     needs = math.prod(shape) * dtype.itemsize
-    if dtype.hasobject or needs <= present:
+    if needs <= present:
         return None
     return (
         f"declares an array of shape {shape} and dtype {dtype}, which needs {needs:,} bytes, but "

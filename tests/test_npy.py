@@ -40,7 +40,12 @@ def test_read_npy_from_a_file_and_bytes_in_native_byte_order(tmp_path):
     [
         (lambda p: np.savez(p / "f", x=np.ones(2)) or p / "f.npz", "is an .npz archive"),
         (lambda p: p.joinpath("f").write_text("1 2 3") and p / "f", "is not a readable .npy"),
-        (lambda p: np.save(p / "f", np.array([{}], object)) or p / "f.npy", "is not a readable"),
+        (  # was NumPy's 'Object arrays cannot be loaded when allow_pickle=False': save how?
+            lambda p: np.save(p / "f", np.array([{}], object)) or p / "f.npy",
+            "is not a readable .npy array of numbers: it holds Python objects (dtype object), "
+            "read only by unpickling, which can run code. Save numbers: np.save(file, "
+            "np.asarray(x, np.float32))",
+        ),
         (lambda p: p / "missing.npy", "is not a readable .npy"),
         (
             lambda p: p.joinpath("f.npy").write_bytes(_npy(np.ones(2)) * 2) and p / "f.npy",
