@@ -266,6 +266,23 @@ def test_json_convention_and_train_refuses_paths_before_training(tmp_path, capsy
         assert f"Name the artifact first: symjax-mlp {command} ARTIFACT --json" in err
 
 
+def test_train_refuses_an_export_that_is_or_holds_its_checkpoint_or_json(tmp_path, capsys):
+    """--export DIR with --checkpoint DIR (or DIR/ck, or --json DIR) trained every epoch and
+    only then had the export refused ('a non-empty directory without manifest.json'): the
+    run's model never exported. Now refused before the first epoch, nothing written."""
+    cases = [
+        (["--checkpoint", "{t}/same", "--export", "{t}/same"], "is the --checkpoint"),
+        (["--checkpoint", "{t}/a/ck", "--export", "{t}/a"], "would hold the --checkpoint"),
+        (["--json", "{t}/j", "--export", "{t}/j"], "is the --json"),
+    ]
+    for extra, says in cases:
+        argv = ["train", "--epochs", "1", "--sizes", "8,10", "--quiet", "--overwrite", *extra]
+        assert main([a.format(t=tmp_path) for a in argv]) == 2
+        err = capsys.readouterr().err
+        assert f"--export {tmp_path}/" in err and says in err and "Pass --export another" in err
+        assert list(tmp_path.iterdir()) == []
+
+
 def test_verify_json_tolerances_and_exit_1_on_a_failed_check(tmp_path, capsys):
     import json
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> None:
         if not args.export:  # Path("") is the working directory
             raise argparse.ArgumentTypeError("--export '': is empty; pass a directory path")
         check_target(Path(args.export), args.overwrite)
+        _apart(args.export, {"--checkpoint": args.checkpoint, "--json": args.json})
     with _progress(args.epochs, quiet=args.quiet) as on_epoch:
         options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume blocks"
         keyed = _args.keywords(args, options)
@@ -91,6 +93,20 @@ def run(args: argparse.Namespace) -> None:
         f"in {result.train_seconds:.1f} s",
         file=sys.stderr if args.json == "-" else sys.stdout,
     )
+
+
+def _apart(export: str, others: dict[str, str | None]) -> None:
+    """Refuses, before training, an ``--export`` that is or holds another target: the export,
+    written last, would be refused there, after the epochs."""
+    home = os.path.realpath(export)
+    for option, path in others.items():
+        there = os.path.realpath(path) if path and path != "-" else None
+        if there and os.path.commonpath((home, there)) == home:
+            raise argparse.ArgumentTypeError(
+                f"--export {export}: {'is' if there == home else 'would hold'} the {option} "
+                f"{path}; the artifact is a directory of its own, written after training, which "
+                "would be refused there. Pass --export another path."
+            )
 
 
 @contextlib.contextmanager
