@@ -220,7 +220,7 @@ def test_each_body_read_has_its_own_deadline_moved_on_as_chunks_arrive():
     for _ in range(2):  # each asyncio.run: a new loop
         got, took = asyncio.run(crowd())
         assert got == [b"ab" * 5, 408, b"abc", 408] and took < 5, (got, took)
-        assert intake.held == 0 and intake._deadlines.due == {}
+        assert intake.held == 0 and intake._reads._last.due == {}
 
     async def stopped():
         task = asyncio.create_task(read(_Body((None, b""))))
@@ -951,3 +951,100 @@ def test_a_server_stops_though_its_model_never_returns(monkeypatch, caplog):
         release.set()
         sock.close()
     assert stuck.result(30).tolist() == [[18.0, 18.0]]  # left running, never lost
+
+
+def _health(url):
+    """``(status code, JSON body)`` of ``GET /health``, a 503 included."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read())
+
+
+def test_a_model_that_never_answers_is_a_504_and_health_says_stuck():
+    """A model that blocked for ever held its HTTP clients for ever, and /health said ok. Past
+    request_timeout a request is answered 504 (one queued behind is dropped, never run), and
+    /health is 503 "stuck" while that batch runs on; once it returns, ok again."""
+    import concurrent.futures
+
+    b, entered, release = _blocking_batcher()
+    app = sm.serving.create_app(b, close_batcher=False, request_timeout=0.5)
+    with (
+        b,
+        _in_thread(app, lifespan="off") as url,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        try:
+            stuck = pool.submit(_post, url, json.dumps({"inputs": [[9.0, 9.0]]}).encode())
+            assert entered.wait(30), "the request never reached the model"
+            queued = pool.submit(_post, url, json.dumps({"inputs": [[1.0, 1.0]]}).encode())
+            for code, raw in (stuck.result(30), queued.result(30)):
+                body = json.loads(raw)
+                assert code == 504 and body["error"] == "TimeoutError", raw
+                assert "did not answer within request_timeout=0.5 s" in body["message"]
+                assert "raise request_timeout" in body["message"]
+            code, health = _health(url)
+            assert code == 503 and health["status"] == "stuck", health
+            assert "a batch has run for" in health["message"]
+            assert _count(url, 504) == 2
+        finally:
+            release.set()
+        deadline = time.monotonic() + 30
+        while b.stats.completed < 1:  # the stuck batch, released: done, its answer dropped
+            assert time.monotonic() < deadline, "the released batch never finished"
+            time.sleep(0.02)
+        assert _health(url)[0] == 200
+        assert _post(url, json.dumps({"inputs": [[1.0, 2.0]]}).encode())[0] == 200
+    assert b.stats.cancelled == 1  # the queued request: dropped, not run after its 504
+
+
+def test_create_app_takes_numpy_numbers_and_refuses_a_bad_request_timeout():
+    """A limit of np.int64 (what arithmetic on sizes gives) was refused as not a number."""
+    b, _, _ = _blocking_batcher()
+    with b:
+        sm.serving.create_app(b, close_batcher=False, max_body_bytes=np.int64(2**20))
+        for bad in (0, -1.0, float("nan"), "60", True):
+            with pytest.raises(sm.ConfigError, match=r"request_timeout must be a number > 0"):
+                sm.serving.create_app(b, close_batcher=False, request_timeout=bad)
+
+
+def test_a_model_error_is_logged_with_its_traceback_naming_the_model(caplog):
+    """A model's failure reached only the client, cut to 300 characters: the server's log had
+    nothing. Each failed batch is logged at ERROR with its traceback, naming the model."""
+
+    def broken(x):
+        if (x[:, 0] == 7).any():
+            raise RuntimeError("boom " + "x" * 1000)
+        return x * 2
+
+    with sm.serving.Batcher(broken, example=np.zeros((1, 2), np.float32), max_batch=2) as b:
+        app = sm.serving.create_app(b, close_batcher=False)
+        with caplog.at_level("ERROR", logger="symjax_mlp.serving"), _in_thread(app) as url:
+            for _ in range(2):
+                assert _post(url, json.dumps({"inputs": [[7.0, 0.0]]}).encode())[0] == 500
+            assert _post(url, json.dumps({"inputs": [[1.0, 0.0]]}).encode())[0] == 200
+    records = [r for r in caplog.records if r.name == "symjax_mlp.serving"]
+    assert len(records) == 2, caplog.text
+    for r in records:
+        assert r.levelname == "ERROR" and r.exc_info and r.exc_info[0] is RuntimeError
+        assert "Batcher(broken): the model raised RuntimeError on a batch" in r.getMessage()
+    assert "x" * 1000 in caplog.text and "in broken" in caplog.text  # the whole traceback
+
+
+def test_signature_cuts_a_manifests_why_alone_as_other_manifest_text(tmp_path):
+    """A stranger's manifest says why its rows mix in up to 1000 characters: /signature sent
+    them all, where every other text from a manifest is cut to 300."""
+    import jax.numpy as jnp
+
+    h = sm.hybridize(lambda p, x: x - x.mean(0, keepdims=True) + p, jnp.float32(0.5))
+    path = sm.export(h, tmp_path / "mix", example=jnp.ones((4, 3))).path
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["rows"]["why"] = "because " + "y" * 992
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with sm.serving.Batcher(sm.load(path)) as b:
+        assert len(b.why_alone) == 1000
+        with _in_thread(sm.serving.create_app(b, close_batcher=False), lifespan="off") as url:
+            why = json.loads(_get(url, "/signature"))["why_alone"]
+    assert why == "because " + "y" * 292 + "... (700 more)"

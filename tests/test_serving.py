@@ -1420,6 +1420,27 @@ def test_serve_refuses_a_bad_port(capsys):
     assert "--port: must be an int from 0 to 65535" in capsys.readouterr().err
 
 
+def test_serve_says_its_prefix_once_for_a_bad_host(capsys):
+    """The library's "serve:" came after the CLI's "symjax-mlp serve: error:" (said twice)."""
+    from symjax_mlp.cli import main
+
+    assert main(["serve", "somewhere", "--host", "", "--dispatch", "async"]) == 2
+    err = capsys.readouterr().err
+    assert "symjax-mlp serve: error: host='' names no address" in err, err
+    assert err.count("serve:") == 2, err  # the error line, and the line naming --host
+
+
+def test_serve_passes_request_timeout_from_the_command_line(monkeypatch):
+    from symjax_mlp.cli import main
+
+    seen = {}
+    monkeypatch.setattr(sm.serving, "serve", lambda path, *, ready, **kw: seen.update(kw))
+    assert main(["serve", "my_mlp", "--dispatch", "async"]) == 0
+    assert seen["request_timeout"] == 60.0
+    assert main(["serve", "my_mlp", "--dispatch", "async", "--request-timeout", "2.5"]) == 0
+    assert seen["request_timeout"] == 2.5
+
+
 def test_serve_freezes_the_gc_once_the_model_is_ready(monkeypatch, capsys):
     import gc
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 
+from symjax_mlp._errors import ConfigError
 from symjax_mlp.cli import _args
 from symjax_mlp.cli._args import count, port, positive
 
@@ -16,10 +17,20 @@ _BOTH = (
     "host port runtime max_batch max_queue max_body_bytes body_timeout max_inflight_bytes "
     "entry params_as_constants "
 )
-_SERVE, _RAY = _BOTH + "max_connections log_level", _BOTH + "replicas dispatch"
+_SERVE = _BOTH + "max_connections log_level request_timeout"
+_RAY = _BOTH + "replicas dispatch"
 #: the options only one of the two servers has (by --ray): refused with the other
-_ONLY = {False: ("replicas", "replica_cpus", "ray_address"), True: ("max_connections", "log_level")}
-_DEFAULTS = {"log_level": "warning", "max_connections": 1000, "replicas": 2, "replica_cpus": 1.0}
+_ONLY = {
+    False: ("replicas", "replica_cpus", "ray_address"),
+    True: ("max_connections", "log_level", "request_timeout"),
+}
+_DEFAULTS = {
+    "log_level": "warning",
+    "max_connections": 1000,
+    "request_timeout": 60.0,
+    "replicas": 2,
+    "replica_cpus": 1.0,
+}
 
 
 def add_parser(sub: _args.Subcommands) -> None:
@@ -62,6 +73,13 @@ def add_parser(sub: _args.Subcommands) -> None:
         metavar="BYTES",
         help="the most bytes all request bodies in flight may hold (503 past it; None: 4 times "
         "--max-body-bytes)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=positive,
+        metavar="SECONDS",
+        help="a request the model has not answered in this long is answered 504; /health "
+        f"answers 503 while a batch runs longer (default: {_DEFAULTS['request_timeout']:g})",
     )
     p.add_argument(
         "--max-connections",
@@ -129,15 +147,20 @@ def run(args: argparse.Namespace) -> None:
         gc.freeze()  # loaded and compiled: see the module's docstring
         say(url)
 
-    if args.ray and args.port == 0:  # Ray's proxy takes a port number: a free one, found here
-        with bind(args.host, 0) as s:  # a host not this machine's: a ConfigError
-            args.port = s.getsockname()[1]
-    options = _args.keywords(args, _RAY if args.ray else _SERVE) | _args.load_options(args)
-    if args.ray:
-        from symjax_mlp.serving._ray import serve_on_ray
+    try:
+        if args.ray and args.port == 0:  # Ray's proxy takes a port number: a free one, here
+            with bind(args.host, 0) as s:  # a host not this machine's: a ConfigError
+                args.port = s.getsockname()[1]
+        options = _args.keywords(args, _RAY if args.ray else _SERVE) | _args.load_options(args)
+        if args.ray:
+            from symjax_mlp.serving._ray import serve_on_ray
 
-        options["ray_actor_options"] = {"num_cpus": args.replica_cpus}
-        serve_on_ray(args.path, ready=say, address=args.ray_address, **options)
-    else:
-        serve(args.path, ready=ready, **options)
+            options["ray_actor_options"] = {"num_cpus": args.replica_cpus}
+            serve_on_ray(args.path, ready=say, address=args.ray_address, **options)
+        else:
+            serve(args.path, ready=ready, **options)
+    except ConfigError as e:  # the CLI's "symjax-mlp serve: error:" says where already
+        if not str(e).startswith("serve: "):
+            raise
+        raise ConfigError(str(e).removeprefix("serve: ")) from None
     print("symjax-mlp serve: shut down cleanly", flush=True)

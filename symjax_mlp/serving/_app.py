@@ -11,8 +11,9 @@ Errors are JSON ``{"error": class name, "message": ...}``, counted on ``/metrics
 unreadable body, 408 a body that stopped arriving, 413 too large, 415 an unknown content type,
 422 a :class:`~symjax_mlp.SignatureError`, 503 a full queue or too many body bytes in flight
 (both with ``Retry-After``), a batcher closed with ``cancel=True`` or a server that stopped
-before the answer, 500 the model raised (its message escaped, cut to 300 characters), 404/405
-a wrong path (``/predict/`` too) or method. A message names the model, never its path.
+before the answer, 500 the model raised (its message escaped, cut to 300 characters; the whole
+traceback is logged), 504 no answer within ``request_timeout``, 404/405 a wrong path
+(``/predict/`` too) or method. A message names the model, never its path.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import collections
 import contextlib
 import importlib
 import logging
+import numbers
 import os
 import re
 from typing import Any
@@ -32,10 +34,17 @@ from symjax_mlp._load import load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._bodies import BadRequest, decode, short, to_json, to_npy
-from symjax_mlp.serving._intake import Intake
+from symjax_mlp.serving._intake import Intake, Watch
+from symjax_mlp.serving._lane import clock
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
 _STOPPED = "the server stopped before the request was answered; retry it."
+_LATE = (
+    "the model did not answer within request_timeout={:g} s, so the request was cancelled (a "
+    "batch that had started runs on). Retry later; if the model is this slow, raise "
+    "request_timeout."
+)
+_LOG = logging.getLogger("symjax_mlp.serving")
 
 
 def require(what: str = "the symjax_mlp server", extra: str = "serve", *modules: str) -> None:
@@ -62,21 +71,22 @@ def drain(batcher: Batcher, cancel: bool = False) -> None:
     try:
         batcher.close(cancel=cancel, timeout=DRAIN_SECONDS)
     except TimeoutError:
-        logging.getLogger("symjax_mlp.serving").error(
+        _LOG.error(
             "%s: the model is still running after %g s; stopping without it.",
             batcher.name, DRAIN_SECONDS,
         )  # fmt: skip
 
 
 def check_limits(
-    where: str, max_body_bytes: Any, body_timeout: Any, max_inflight_bytes: Any
+    where: str, max_body_bytes: Any, body_timeout: Any, max_inflight_bytes: Any, **more: Any
 ) -> tuple[int, float, int]:
-    """The app's limits, ``max_inflight_bytes`` defaulted; a :class:`ConfigError` if bad."""
+    """The app's limits, ``max_inflight_bytes`` defaulted; a :class:`ConfigError` if bad (or
+    one of ``more``, seconds or counts > 0 too)."""
     limits = {"max_body_bytes": max_body_bytes, "body_timeout": body_timeout}
-    for option, value in {**limits, "max_inflight_bytes": max_inflight_bytes}.items():
+    for option, value in {**limits, "max_inflight_bytes": max_inflight_bytes, **more}.items():
         if option == "max_inflight_bytes" and value is None:  # default: 4 bodies
             value = max_inflight_bytes = 4 * max_body_bytes
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
             raise ConfigError(f"{where}: {option} must be a number > 0; got {value!r}.")
     if max_inflight_bytes < max_body_bytes:  # a body between the two: 503, retry, for ever
         raise ConfigError(
@@ -95,6 +105,7 @@ def create_app(
     max_inflight_bytes: int | None = None,
     close_batcher: bool = True,
     prefix: str = "symjax_mlp",
+    request_timeout: float = 60.0,
 ) -> Any:
     """The ASGI app serving ``batcher`` (a ``starlette.applications.Starlette``).
 
@@ -113,6 +124,9 @@ def create_app(
       close_batcher: close the batcher when the app shuts down: it finishes queued work,
         waited for at most 30 s (a model that never returns is left behind).
       prefix: the metric names' prefix on ``/metrics`` (a Prometheus name).
+      request_timeout: a request not answered within this many seconds is answered 504 and
+        cancelled if its batch has not started (nginx's ``proxy_read_timeout``); while one
+        batch runs longer, ``/health`` answers 503, status ``"stuck"``.
 
     Raises:
       ConfigError: ``batcher`` is not an open Batcher, a limit is not a number > 0,
@@ -153,8 +167,9 @@ def create_app(
             f"got {prefix!r}. Pass e.g. prefix='my_model'."
         )
     by_code: collections.Counter[int] = collections.Counter()  # answers, on the one loop
-    intake = Intake(*check_limits("create_app", max_body_bytes, body_timeout, max_inflight_bytes))
-    public = Public(batcher)
+    limits = max_body_bytes, body_timeout, max_inflight_bytes
+    intake = Intake(*check_limits("create_app", *limits, request_timeout=request_timeout))
+    waits, public, lane = Watch(request_timeout), Public(batcher), batcher._lane
 
     def error(status: int, e: BaseException, headers: dict[str, str] | None = None) -> Response:
         by_code[status] += 1  # a 500's message is the model's (or a bug's): its text cut
@@ -169,6 +184,7 @@ def create_app(
         except asyncio.CancelledError:  # the server stops first: a 503, not uvicorn's 500
             return error(503, asyncio.CancelledError(_STOPPED))
         except Exception as e:  # a bug of ours: still the documented JSON body, counted
+            _LOG.error("%s: answering a request failed", public.name, exc_info=e)
             return error(500, e)
         finally:
             intake.release(hold)
@@ -197,15 +213,28 @@ def create_app(
             if isinstance(e, RuntimeError) and batcher.closed:
                 return error(503, e)
             return error(400, BadRequest(400, f"the body could not be read ({e!r:.300})."))
+        task = asyncio.current_task()  # one timer per loop for all: see _intake
+        deadlines = waits.on(task.get_loop())
+        deadlines.set(task)
         try:
             out = await request
         except asyncio.CancelledError as e:
-            if asyncio.current_task().cancelling():  # the server stops: not an answer
+            late = deadlines.clear(task)  # cancelled by request_timeout's timer
+            if late:
+                task.uncancel()
+            if task.cancelling():  # the server stops: not an answer
                 raise
+            if late:
+                return error(504, TimeoutError(_LATE.format(request_timeout)))
             # close(cancel=True) dropped it (503), or the model raised CancelledError (500)
-            return error(503 if request.future.cancelled() else 500, e)
+            if request.future.cancelled():
+                return error(503, e)
+            return failed(e, request)
         except BaseException as e:  # the model raised (SystemExit too: its batch's error)
-            return error(500, e)
+            return failed(e, request)
+        finally:
+            if deadlines.clear(task):  # late as it ended: the cancel is taken back
+                task.uncancel()
         t, headers = request.timing, {}
         if t is not None:
             headers = {
@@ -218,15 +247,36 @@ def create_app(
         by_code[200] += 1  # once the answer is made: what /metrics counts is what was sent
         return Response(data, media_type=kind, headers=headers)
 
+    def failed(e: BaseException, request: Any) -> Response:
+        """The 500 of a model that raised ``e``, logged with its traceback once per batch."""
+        tb = e.__traceback__
+        if tb is None or tb is not logged[0]:  # a batch's requests share it: one log, not each
+            logged[0] = tb
+            _LOG.error(
+                "%s: the model raised %s on a batch (this request's rows: %d); its requests "
+                "are answered 500", public.name, printable(type(e).__name__),
+                request.rows, exc_info=e,
+            )  # fmt: skip
+        return error(500, e)
+
+    logged: list[Any] = [None]  # the traceback logged last
+
     async def health(request: Request) -> Response:
-        s = batcher.stats
+        s, since = batcher.stats, lane.since
+        busy = 0.0 if since is None else clock() - since
+        status = "closing" if batcher.closed else "stuck" if busy > request_timeout else "ok"
         body = {
-            "status": "closing" if batcher.closed else "ok",
+            "status": status,
             "model": public.name,
             "queue_depth": s.queue_depth,
             "completed": s.completed,
         }
-        return JSONResponse(body, status_code=503 if batcher.closed else 200)
+        if status == "stuck":
+            body["message"] = (
+                f"a batch has run for {busy:.0f} s, past request_timeout={request_timeout:g} s: "
+                "the model may never return; restart the server if it stays stuck."
+            )
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def metrics(request: Request) -> Response:
         name = f"{prefix}_http_requests_total"
@@ -245,7 +295,7 @@ def create_app(
                 "model": public.name,
                 "params_as_constants": bool(getattr(batcher.model, "params_as_constants", False)),
                 "merges": batcher.merges,  # False: each request runs alone, at its own rows
-                "why_alone": public.scrub(batcher.why_alone),
+                "why_alone": short(public.scrub(batcher.why_alone)),
             }
         )
 

@@ -4,7 +4,8 @@
 between two reads) and the bytes all bodies hold at once (503; no lock: one loop runs every
 read). One timer per loop watches every read (:class:`_Deadlines`): the timeout is the same for
 all, so deadlines kept in the order set are in time order, and a body there at once costs a
-dict entry, not a timer of its own.
+dict entry, not a timer of its own. The app's ``request_timeout`` watches the answers the same
+way (:class:`Watch`: one limit's deadlines, per loop).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class Intake:
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
         self.max_inflight_bytes = max_inflight_bytes
         self.held = 0  # bytes of bodies in flight, all requests together
-        self._deadlines: _Deadlines | None = None  # the last loop's (a read keeps its own)
+        self._reads = Watch(body_timeout)
 
     async def read(self, request: Any, hold: list[int]) -> bytes:
         """The body of ``request``, its bytes counted in ``hold[0]`` as they arrive (give them
@@ -33,11 +34,8 @@ class Intake:
             raise BadRequest(413, _too_large(int(size), self.max_body_bytes))
         chunks, received, more = [], 0, True
         receive, limit = request.receive, self.body_timeout
-        loop, task = asyncio.get_running_loop(), asyncio.current_task()
-        deadlines = self._deadlines
-        if deadlines is None or deadlines.loop is not loop:
-            deadlines = self._deadlines = _Deadlines(loop, limit)
-        cancelling = task.cancelling()
+        task = asyncio.current_task()
+        deadlines, cancelling = self._reads.on(task.get_loop()), task.cancelling()
         deadlines.set(task)  # moved on as each chunk arrives
         try:
             while more:
@@ -78,6 +76,20 @@ class Intake:
         """Gives back what :meth:`read` counted in ``hold``."""
         self.held -= hold[0]
         hold[0] = 0
+
+
+class Watch:
+    """Deadlines of ``limit`` seconds on the last loop that asked for them (a task that set one
+    keeps its loop's :class:`_Deadlines`, which it clears itself)."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit, self._last = limit, None
+
+    def on(self, loop: Any) -> _Deadlines:
+        last = self._last
+        if last is None or last.loop is not loop:
+            last = self._last = _Deadlines(loop, self.limit)
+        return last
 
 
 class _Deadlines:

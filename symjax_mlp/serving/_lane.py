@@ -110,6 +110,7 @@ class Lane:
         self.thread: int | None = None  # the batcher's thread (its ident)
         self.holder: int | None = None  # the thread running a lone request (its ident)
         self.took: dict[int, float] = {}  # by bucket: seconds its last run took (see ON_LOOP)
+        self.since: float | None = None  # when the batch running now started (None: none runs)
 
     def work(self) -> None:
         """The thread's loop, until the lane is closed and its queue done."""
@@ -240,7 +241,7 @@ class Lane:
         request, and the batch's timing record ``(t0, t1, t2, t3, t4, rows, bucket)``: ``t0``
         its request's start or its requests' starts, ``t1..t4`` its stages' bounds."""
         try:  # counted: in bulk, later, or at once as failed
-            t1 = clock()
+            t1 = self.since = clock()
             bucket = self.bucket_of[rows]
             inputs = self.assemble([r.arrays for r in batch], rows, bucket)
             t2 = clock()
@@ -256,7 +257,7 @@ class Lane:
             if not same and (error := self.unlike(raw, rows)):
                 raise error
             t3 = clock()
-            self.took[bucket] = t3 - t2
+            self.took[bucket], self.since = t3 - t2, None
             if len(batch) == 1:  # a lone request: one copy of its rows, no views
                 results = [self.split(out, 0, rows)]
             elif self.single and rows == len(batch):  # one row each: the common batch
@@ -267,6 +268,7 @@ class Lane:
                     results.append(split(out, start, start + r.rows))
                     start += r.rows
         except BaseException:
+            self.since = None
             with self.lock:
                 self.n.failed += len(batch)
             raise

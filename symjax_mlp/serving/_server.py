@@ -226,6 +226,7 @@ def serve(
     max_body_bytes: int = 64 * 2**20,
     body_timeout: float = 60.0,
     max_inflight_bytes: int | None = None,
+    request_timeout: float = 60.0,
     max_connections: int = 1000,
     log_level: str = "warning",
     ready: Callable[[str], None] | None = None,
@@ -251,6 +252,8 @@ def serve(
       max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a request's
         line and headers too must come within ``body_timeout`` (and 64 KiB; else 408, 431),
         and a client that leaves its answers unread for ``body_timeout`` is dropped.
+      request_timeout: see :func:`create_app` (504 past it; ``/health`` 503 while a batch runs
+        longer).
       max_connections: the most connections (and requests) at once; past it a request is
         answered 503, the JSON error body with ``Retry-After``.
       log_level: uvicorn's log level.
@@ -291,6 +294,7 @@ def serve(
                 max_body_bytes=max_body_bytes,
                 body_timeout=body_timeout,
                 max_inflight_bytes=max_inflight_bytes,
+                request_timeout=request_timeout,
             )
             sock.listen(2048)  # connections queue from here on: "ready" means ready
             bound = sock.getsockname()[1]
