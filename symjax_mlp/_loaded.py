@@ -36,6 +36,10 @@ class _NoEntryPoint(ConfigError, KeyError):
         return str(self.args[0])
 
 
+class _ByName(SignatureError, TypeError):
+    """``m(x=x)``: a loaded model's inputs are positional (a ``TypeError`` too, as Python's)."""
+
+
 class LoadedModel:
     """An artifact ready to call: checked, deserialized (JAX) or compiled (IREE).
 
@@ -105,7 +109,9 @@ class LoadedModel:
             view.flags.writeable = False
         return views
 
-    def __call__(self, *inputs: jax.typing.ArrayLike) -> Any:
+    def __call__(self, *inputs: jax.typing.ArrayLike, **named: Any) -> Any:
+        if named:  # Python's TypeError would name neither the inputs nor how to pass them
+            raise _ByName(self._by_name(named, len(inputs)))
         if forward_traced(inputs):  # else JAX's TypeError, where jax.jit lowers it (if at all)
             raise ConfigError(self._forward_mode())
         try:
@@ -166,6 +172,18 @@ class LoadedModel:
             if isinstance(e, TypeError) and "forward-mode autodiff" in str(e):
                 raise ConfigError(self._forward_mode()) from e
             raise run_failed(self._caller, self._file, e, inputs) from e
+
+    def _by_name(self, named: dict[str, Any], n: int) -> str:
+        """The message refusing inputs passed by name (``m(x=x)``), ``n`` of them by position."""
+        specs, keys = self.signature.inputs, list(named)
+        got = ", ".join(printable(f"{k[:80]}=") for k in keys[:8])
+        usable = not n and len(keys) == len(specs) == 1 and keys[0].isidentifier()
+        example = ", ".join(keys if usable else [s.path for s in specs])  # m(x) for m(x=x)
+        return (
+            f"{self._caller}: got {got} by name, but a loaded model takes its inputs by "
+            f"position: {len(specs)} of them, {', '.join(map(str, specs))}. Pass the arrays in "
+            f"that order: m({example})."
+        )
 
     def _forward_mode(self) -> str:
         return forward_mode(self._caller, self.manifest.get("vjp_order", 0))

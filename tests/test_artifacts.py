@@ -124,6 +124,28 @@ def test_an_unbatched_second_input(tmp_path):
     chex.assert_trees_all_close(m(jnp.ones((7, 5)), jnp.ones(3)), h(jnp.ones((7, 5)), jnp.ones(3)))
 
 
+def test_inputs_passed_by_name_are_refused_naming_the_inputs_and_their_order(tmp_path):
+    """m(x=x), as a Flax model is called: Python's TypeError named neither the inputs nor how to
+    pass them; now a SignatureError that is a TypeError still."""
+    h, x = _mlp()
+    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    for call in (lambda: m(x=x), lambda: jax.jit(m)(x=x)):
+        with pytest.raises(
+            sm.SignatureError,
+            match=r"got x= by name.*by position: 1 of them, "
+            r"args\[0\]: float32\[b, \d+\]\. Pass .* in that order: m\(x\)\.",
+        ):
+            call()
+    two = sm.hybridize(lambda p, x, y: x @ p + y, jnp.ones((5, 3)))
+    art = sm.export(two, tmp_path / "two", example=(jnp.ones((2, 5)), jnp.ones((2, 3))))
+    with pytest.raises(
+        TypeError,
+        match=r"got y= by name.*args\[0\]: float32\[b, 5\], "
+        r"args\[1\]: float32\[b, 3\]\. .*m\(args\[0\], args\[1\]\)",
+    ):
+        sm.load(art.path)(jnp.ones((2, 5)), y=jnp.ones((2, 3)))
+
+
 def test_grad_of_a_loaded_model(tmp_path):
     h, x = _mlp()
     art = sm.export(h, tmp_path / "m", example=x, vjp_order=1)
