@@ -156,6 +156,17 @@ def test_cli_bench_in_latency_mode_runs_in_its_own_process(hybrid, tmp_path):
     assert json.loads(out)["dispatch"] == "sync"
 
 
+def test_cli_bench_in_latency_mode_where_jax_ran_already_is_one_line(hybrid, tmp_path, capsys):
+    """main(["bench", ..., "--dispatch", "sync"]) in a process where JAX had run printed
+    latency_mode's RuntimeError as a traceback, 'this is a bug in symjax_mlp'."""
+    h, x = hybrid
+    art = sm.export(h, tmp_path / "m", example=x, batch="b").path  # JAX has run here
+    assert main(["bench", str(art), "--calls", "2", "--dispatch", "sync"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("symjax-mlp bench: error: --dispatch sync: latency_mode(): JAX's")
+    assert "in a fresh process" in err and "Traceback" not in err and "bug" not in err
+
+
 def test_inputs_are_drawn_for_every_dtype_an_artifact_takes(tmp_path, capsys):
     """Integers, bools, bfloat16 and a PRNG key: bench (which cannot pass inputs) times them,
     where it once refused every input that was not a NumPy number."""
