@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -261,6 +262,17 @@ def _loop(fn: Callable[[], Any], calls: int, pipelined: bool) -> float:
     return (clock() - t0) / calls
 
 
+def _int(n: Any) -> Any:
+    """``n`` as an int if it is an integer of any kind (``np.int64``, a 0-d int array) but a
+    bool; else ``n`` as it is, for the check to refuse."""
+    if isinstance(n, bool | np.bool_):
+        return n
+    try:
+        return operator.index(n)
+    except TypeError:
+        return n
+
+
 def timeit(
     model: Any,
     *args: Any,
@@ -315,7 +327,7 @@ def timeit(
     from symjax_mlp._loaded import LoadedModel
     from symjax_mlp.serving import dispatch_mode
 
-    counts = (calls, repeats, warmup, batch)
+    calls, repeats, warmup, batch = counts = [_int(n) for n in (calls, repeats, warmup, batch)]
     if any(not isinstance(n, int) or isinstance(n, bool) for n in counts) or min(counts) < 1:
         raise ConfigError(
             f"timeit: calls, repeats, warmup and batch must be >= 1; got calls={calls!r}, "

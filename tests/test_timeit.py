@@ -121,6 +121,18 @@ def test_what_it_cannot_time_is_refused_with_the_fix(hybrid):
         t.over_compiled("compiled_synced")
 
 
+def test_numpy_and_jax_integer_counts_are_their_ints(hybrid, tmp_path):
+    """timeit(h, x, calls=np.int64(3)) was refused: 'must be >= 1; got calls=np.int64(3)';
+    a NumPy bool is still refused."""
+    h, x = hybrid
+    t = sm.timeit(h, x, calls=np.int64(3), repeats=jnp.int32(2), warmup=np.uint8(1))
+    assert (t.calls, len(t.synced)) == (3, 2) and type(t.calls) is int
+    art = sm.export(h, tmp_path / "m", example=x, batch="b")
+    assert sm.timeit(sm.load(art.path), calls=2, repeats=1, batch=np.int16(4)).calls == 2
+    with pytest.raises(sm.ConfigError, match=r"got calls=np\.True_, .*each is an int"):
+        sm.timeit(h, x, calls=np.bool_(True))
+
+
 def test_cli_bench_times_an_artifact(hybrid, tmp_path, capsys):
     h, x = hybrid
     art = sm.export(h, tmp_path / "m", example=x, batch="b").path
