@@ -1012,21 +1012,42 @@ def test_create_app_takes_numpy_numbers_and_refuses_a_bad_request_timeout():
 
 def test_a_model_error_is_logged_with_its_traceback_naming_the_model(caplog):
     """A model's failure reached only the client, cut to 300 characters: the server's log had
-    nothing. Each failed batch is logged at ERROR with its traceback, naming the model."""
+    nothing. Each failed batch is logged at ERROR with its traceback, naming the model: once
+    for a batch of several requests (each answered 500), and again for the next batch."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate, entered = threading.Event(), threading.Event()
 
     def broken(x):
+        if (x[:, 0] == 9).any():
+            entered.set()
+            assert gate.wait(30), "the test never opened the gate"
         if (x[:, 0] == 7).any():
             raise RuntimeError("boom " + "x" * 1000)
         return x * 2
 
-    with sm.serving.Batcher(broken, example=np.zeros((1, 2), np.float32), max_batch=2) as b:
-        app = sm.serving.create_app(b, close_batcher=False)
-        with caplog.at_level("ERROR", logger="symjax_mlp.serving"), _in_thread(app) as url:
-            for _ in range(2):
-                assert _post(url, json.dumps({"inputs": [[7.0, 0.0]]}).encode())[0] == 500
-            assert _post(url, json.dumps({"inputs": [[1.0, 0.0]]}).encode())[0] == 200
+    seven = json.dumps({"inputs": [[7.0, 0.0]]}).encode()
+    with (
+        sm.serving.Batcher(broken, example=np.zeros((1, 2), np.float32), max_batch=2) as b,
+        caplog.at_level("ERROR", logger="symjax_mlp.serving"),
+        _in_thread(sm.serving.create_app(b, close_batcher=False), lifespan="off") as url,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        assert _post(url, seven)[0] == 500  # alone
+        busy = b.submit(np.full((1, 2), 9, np.float32))
+        assert entered.wait(30), "the gated request never ran"
+        posts = [pool.submit(_post, url, seven) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while b.stats.queue_depth < 2:
+            assert time.monotonic() < deadline, "the requests never queued"
+            time.sleep(0.02)
+        gate.set()  # the two run as one batch, which raises
+        assert [p.result(30)[0] for p in posts] == [500, 500]
+        busy.result(30)
+        assert _post(url, json.dumps({"inputs": [[1.0, 0.0]]}).encode())[0] == 200
     records = [r for r in caplog.records if r.name == "symjax_mlp.serving"]
-    assert len(records) == 2, caplog.text
+    assert len(records) == 2, caplog.text  # the lone request's batch, and the batch of two
     for r in records:
         assert r.levelname == "ERROR" and r.exc_info and r.exc_info[0] is RuntimeError
         assert "Batcher(broken): the model raised RuntimeError on a batch" in r.getMessage()

@@ -249,9 +249,9 @@ def create_app(
 
     def failed(e: BaseException, request: Any) -> Response:
         """The 500 of a model that raised ``e``, logged with its traceback once per batch."""
-        tb = e.__traceback__
-        if tb is None or tb is not logged[0]:  # a batch's requests share it: one log, not each
-            logged[0] = tb
+        if e is not logged[0]:  # a batch's requests, woken in one pass, share it: one log
+            logged[0] = e  # until the pass ends (else it holds the batch's frames)
+            asyncio.get_running_loop().call_soon(logged.__setitem__, 0, None)
             _LOG.error(
                 "%s: the model raised %s on a batch (this request's rows: %d); its requests "
                 "are answered 500", public.name, printable(type(e).__name__),
@@ -259,7 +259,7 @@ def create_app(
             )  # fmt: skip
         return error(500, e)
 
-    logged: list[Any] = [None]  # the traceback logged last
+    logged: list[BaseException | None] = [None]  # the error logged in this pass of the loop
 
     async def health(request: Request) -> Response:
         s, since = batcher.stats, lane.since
