@@ -786,3 +786,35 @@ def test_data_that_is_no_dataset_names_the_class_that_exists_and_how_to_wrap_it(
                            f"symjax_mlp.training.Dataset; got a {says}"):  # fmt: skip
             sm.training.train(sm.mlp((8, 10)), data, epochs=1)
     assert sm.training.train(sm.mlp((8, 10)), sm.training.Dataset(**fields), epochs=1).step == 1
+
+
+def test_load_digits_refuses_bad_settings_naming_the_call():
+    """test_fraction='0.2' or None and seed='1' or 1.5 were raw TypeErrors (Python's '<', and
+    NumPy's SeedSequence), seed=-1 NumPy's ValueError; np.int64 seeds were and are fine."""
+    for kw, says in (
+        ({"test_fraction": "0.2"}, r"test_fraction='0\.2', seed=0\): test_fraction must be"),
+        ({"test_fraction": None}, r"test_fraction must be a number in \(0, 1\)"),
+        ({"test_fraction": True}, r"test_fraction must be a number in \(0, 1\)"),
+        ({"seed": "1"}, r"seed='1'\): seed must be an int >= 0; pass e\.g\. seed=0"),
+        ({"seed": -1}, r"seed must be an int >= 0"),
+        ({"seed": 1.5}, r"seed must be an int >= 0"),
+    ):
+        with pytest.raises(sm.ConfigError, match=r"^symjax_mlp\.training\.load_digits\(.*" + says):
+            sm.training.load_digits(**kw)
+    a = sm.training.load_digits(seed=np.int64(1), test_fraction=np.float32(0.25))
+    b = sm.training.load_digits(seed=1, test_fraction=0.25)
+    assert np.array_equal(a.y_test, b.y_test)
+
+
+def test_train_step_takes_numpy_integer_blocks(tiny):
+    """train_step(net, opt, blocks=np.int64(2)) was refused, 'blocks must be an int >= 1'."""
+    import optax
+
+    net, opt = sm.mlp((8, 10)), optax.sgd(0.1)
+    x, y, w = tiny.x_train[:16], tiny.y_train[:16], np.ones(16, np.float32)
+    params = net.init(jax.random.key(0), x[:1])["params"]
+    got = [
+        sm.training.train_step(net, opt, blocks=b)(params, opt.init(params), x, y, w)[0]
+        for b in (np.int64(2), 2)
+    ]
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, *got)))

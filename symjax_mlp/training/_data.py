@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, DataError
+from symjax_mlp.training._checkpoint import as_int, is_count
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -68,15 +69,22 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
 
     Raises:
       ImportError: scikit-learn is missing; install the extra: ``pip install symjax_mlp[data]``.
-      ValueError: ``test_fraction`` is not in (0, 1).
+      ConfigError: ``test_fraction`` is not a number in (0, 1), or ``seed`` not an int >= 0.
 
     Example:
       >>> data = load_digits()
       >>> data.x_train.shape, data.x_test.shape, data.num_classes
       ((1438, 64), (359, 64), 10)
     """
-    if not 0.0 < test_fraction < 1.0:
-        raise ConfigError(f"test_fraction must be in (0, 1); got {test_fraction!r}.")
+    given = f"symjax_mlp.training.load_digits(test_fraction={test_fraction!r}, seed={seed!r})"
+    seed, real = as_int(seed), isinstance(test_fraction, numbers.Real)
+    if not (real and not isinstance(test_fraction, bool) and 0.0 < test_fraction < 1.0):
+        raise ConfigError(
+            f"{given}: test_fraction must be a number in (0, 1), the share of each class held "
+            "out; pass e.g. test_fraction=0.2."
+        )
+    if not is_count(seed):  # NumPy's raw TypeError or ValueError ('non-negative') otherwise
+        raise ConfigError(f"{given}: seed must be an int >= 0; pass e.g. seed=0.")
     try:
         from sklearn.datasets import load_digits as _sklearn_digits
     except ImportError as e:

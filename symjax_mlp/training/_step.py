@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
-from symjax_mlp.training._checkpoint import is_count
+from symjax_mlp.training._checkpoint import as_int, is_count
 from symjax_mlp.training._spec import STEP_FORM, ModelSpec, NnxSpec, init_variables, spec_of
 
 #: ``step(params, opt_state, x, y, w) -> (params, opt_state, {"loss", "correct"})``.
@@ -182,7 +182,7 @@ def step_of(
     blocks: int = 1, known: ModelSpec | NnxSpec | None = None,
 ) -> Step:  # fmt: skip
     """:func:`train_step`; given train()'s spec (``known``), it is not worked out again."""
-    caller = f"symjax_mlp.training.train_step({type(model).__name__}, ...)"
+    caller, blocks = f"symjax_mlp.training.train_step({type(model).__name__}, ...)", as_int(blocks)
     if not is_count(blocks, 1):
         raise ConfigError(f"{caller}: blocks must be an int >= 1; got {blocks!r}.")
     specs: dict[tuple[Any, ...], Any] = {}  # per input row signature, derived once
