@@ -112,6 +112,8 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
     # (one memchr each), which numbers and "inputs" lack; strings ("1.5"): quotes beyond the keys'
     bools = b"r" in body or b"a" in body
     texts = _has_quotes(body, 2 + (2 * len(inputs) if isinstance(inputs, dict) else 0) + 1)
+    if texts:  # strings, other keys, or a key twice: which one a parser takes, parsers differ
+        json.loads(body, object_pairs_hook=_once)
     return [
         from_json(batcher, spec, v, bools=bools, texts=texts)
         for spec, v in zip(specs, values, strict=True)
@@ -136,6 +138,19 @@ def _has_quotes(body: bytes, n: int) -> bool:
         if at < 0:
             return False
     return True
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each there once, else a :class:`BadRequest`."""
+    keys = [k for k, _ in pairs]
+    for k in keys if len(set(keys)) < len(keys) else ():
+        if keys.count(k) > 1:
+            raise BadRequest(
+                400,
+                f"the JSON body names {short(json.dumps(k), 60)} {keys.count(k)} times in one "
+                "object, and JSON parsers differ on which one counts; send each key once.",
+            )
+    return dict(pairs)
 
 
 def _parse(body: bytes, fast: bool) -> Any:
@@ -216,7 +231,7 @@ def from_json(
     if not (integral or raw.dtype.kind == "f") or (raw.dtype.kind == "f" and kind in "biu"):
         numbers = "integers" if kind in "biu" else "numbers"
         fix = f"send {numbers} (JSON has no dtypes: they are cast to {want})"
-        raise _holds(batcher, what, f"{raw.dtype} values", spec.type, fix)
+        raise _holds(batcher, what, _held(raw), spec.type, fix)
     if kind in "iu" and raw.size and integral:
         info = ml_dtypes.iinfo(want)
         low, high = min(raw.flat), max(raw.flat)
@@ -233,6 +248,20 @@ def from_json(
     if kind == "f" and raw.size and not np.array_equal(np.isfinite(x), finite):
         raise beyond()
     return x
+
+
+_JSON = {"NoneType": "null", "str": "strings", "dict": "objects", "list": "lists"}
+
+
+def _held(raw: np.ndarray) -> str:
+    """What ``raw``, read from JSON, holds that no number input takes, in JSON's words."""
+    if raw.dtype.kind == "f":  # for an integer input: NaN, Infinity or a fraction
+        bad = raw[~np.isfinite(raw) | (raw != np.trunc(raw))]
+        return f"numbers that are not integers ({short(str(bad.flat[0]), 40)})"
+    if raw.dtype.kind in "US":
+        return f"strings ({short(json.dumps(str(raw.flat[0])), 40)})"
+    kinds = {_JSON.get(type(v).__name__, type(v).__name__) for v in raw.flat}
+    return " and ".join(sorted(kinds - {"int", "float", "bool"})) or f"{raw.dtype} values"
 
 
 @functools.lru_cache(maxsize=64)
