@@ -21,7 +21,7 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._artifact.reading import thaw
 from symjax_mlp._artifact.signature import Signature, as_array, is_array
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError
-from symjax_mlp._hybrid.trace import TRACER_ERRORS
+from symjax_mlp._hybrid.trace import TRACER_ERRORS, NoPickle
 from symjax_mlp._runtimes.transforms import axes, forward_mode, forward_traced
 from symjax_mlp._selftest import run_failed
 from symjax_mlp._specs import array_types
@@ -40,7 +40,7 @@ class _ByName(SignatureError, TypeError):
     """``m(x=x)``: a loaded model's inputs are positional (a ``TypeError`` too, as Python's)."""
 
 
-class LoadedModel:
+class LoadedModel(NoPickle):
     """An artifact ready to call: checked, deserialized (JAX) or compiled (IREE).
 
     ``m(x)`` checks every input against :attr:`signature` (``SignatureError``) and runs the
@@ -79,6 +79,12 @@ class LoadedModel:
         self._caller = caller(path, manifest)
         self._single_output = self.signature.output_kind == "array"
         self._checked: set[tuple[Any, ...]] = set()
+
+    _INSTEAD = "Pass its path, and load it where it runs: sm.load(m.path)."
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LoadedModel:
+        """A copy sharing the weights, which no call changes (``params`` is read-only)."""
+        return self.__copy__()
 
     @property
     def metadata(self) -> dict[str, Any]:

@@ -5,9 +5,11 @@ Every test is a round trip: export, then load (in this process) and call.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import io
 import json
+import pickle
 import re
 
 import chex
@@ -144,6 +146,21 @@ def test_inputs_passed_by_name_are_refused_naming_the_inputs_and_their_order(tmp
         r"args\[1\]: float32\[b, 3\]\. .*m\(args\[0\], args\[1\]\)",
     ):
         sm.load(art.path)(jnp.ones((2, 5)), y=jnp.ones((2, 3)))
+
+
+def test_pickle_of_a_loaded_model_is_refused_saying_to_load_it_where_it_runs(tmp_path):
+    """Python's TypeError on a mappingproxy, for pickle and copy.deepcopy alike, once."""
+    h, x = _mlp()
+    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    with pytest.raises(
+        sm.ConfigError,
+        match=r"pickle\.dumps\(symjax_mlp\.load\(.*never "
+        r"pickled.*load it where it runs: sm\.load\(m\.path\)",
+    ):
+        pickle.dumps([m])
+    for twin in (copy.deepcopy(m), copy.copy(m)):
+        assert twin is not m and twin.path == m.path
+        np.testing.assert_array_equal(twin(x), m(x))
 
 
 def test_grad_of_a_loaded_model(tmp_path):

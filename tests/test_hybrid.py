@@ -1,5 +1,7 @@
 """The Hybrid object: eager vs compiled, tracing made visible, control flow, threads."""
 
+import copy
+import pickle
 import threading
 
 import chex
@@ -299,6 +301,26 @@ def test_a_snapshot_keeps_the_mode_and_state_a_later_switch_or_call_would_change
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, keyless(snap.state)), before)
     model.eval()  # the module itself, untouched by h's calls, in the snapshot's mode
     np.testing.assert_allclose(snap(x), model(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["linen_batchnorm", "nnx_batchnorm", "fn_kwargs"])
+def test_pickle_is_refused_saying_what_to_do_and_deepcopy_is_a_twin_of_its_own(name):
+    """pickle.dumps(h) was Python's AttributeError on a local function, copy.deepcopy(h) its
+    TypeError on a lock: now a refusal naming export, and a twin holding its own state."""
+    from helpers import ZOO
+
+    case = next(c for c in ZOO if c.name == name)
+    h, xs = case.hybridize(), case.inputs(0)
+    with pytest.raises(sm.ConfigError, match=r"pickle\.dumps\(.*never pickled.*sm\.export\("):
+        pickle.dumps({"model": h})
+    h(*xs, **case.train)
+    twin, alias = copy.deepcopy(h), copy.copy(h)
+    assert twin is not h and twin.trace_count == 0 and alias.trace_count == h.trace_count
+    before = jax.tree.map(np.asarray, twin.state)
+    want = h(*xs, **case.train)  # moves h's state (a BatchNorm's statistics), not the twin's
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, twin.state), before)
+    chex.assert_trees_all_close(twin(*xs, **case.train), want, rtol=1e-6)
+    chex.assert_trees_all_close(alias(*xs, **case.eval), h(*xs, **case.eval), rtol=1e-6)
 
 
 def test_a_stateful_call_under_grad_holds_no_tracer_of_any_leaf():

@@ -3,6 +3,7 @@ one place ``jax.jit`` is applied."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -17,7 +18,7 @@ from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import check_settings, partition, static_args
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
-from symjax_mlp._hybrid.trace import TraceEvent, TraceLog, symbolic
+from symjax_mlp._hybrid.trace import NoPickle, TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given, write_back
 from symjax_mlp._specs import array_types
 
@@ -36,7 +37,7 @@ _SETTINGS = (
 )  # fmt: skip
 
 
-class Hybrid:
+class Hybrid(NoPickle):
     """A model bound to its params, compiled by XLA on call, or run eagerly; a frozen result.
 
     Made by :func:`~symjax_mlp.hybridize`. ``h(x)`` runs the compiled program (one trace per
@@ -209,6 +210,16 @@ class Hybrid:
         if self._modes is not None:
             twin._set(_modes=self._modes.fixed())
         return twin
+
+    _INSTEAD = (
+        "Export it, sm.export(h, path, example=x), and run it anywhere with sm.load(path); "
+        "a twin in this process is copy.deepcopy(h) or h.replace()."
+    )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Hybrid:
+        """A twin with its own copies of the params and state, as :meth:`snapshot` fixes it."""
+        params, state = copy.deepcopy((self.params, self.state), memo)
+        return self.replace(params=params, state=state).snapshot()
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""

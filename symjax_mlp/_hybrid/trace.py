@@ -45,6 +45,30 @@ def control_flow_error(name: str, e: Exception) -> ControlFlowError:
     )
 
 
+_NO_PICKLE = (
+    "pickle.dumps({name}): a {kind} holds compiled programs and locks, and is never pickled "
+    "(nor sent to another process, which pickles it). {instead}"
+)
+
+
+class NoPickle:
+    """A base of a :class:`Hybrid` and a loaded model: ``pickle`` refuses them, saying what
+    to do instead (``_INSTEAD``); ``copy.copy`` shares their fields; ``copy.deepcopy`` is
+    their own."""
+
+    _INSTEAD = ""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        kind = type(self).__name__
+        name = getattr(self, "_caller", getattr(self, "name", kind))  # a loaded model's load()
+        raise ConfigError(_NO_PICKLE.format(name=name, kind=kind, instead=self._INSTEAD))
+
+    def __copy__(self) -> Any:
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+
 #: jax.jit's refusal of an input of a Hybrid's program (its path is the program's, not yours)
 _UNTRACEABLE = re.compile(
     r"_hybrid at 0x[0-9a-f]+> as an abstract array\. "
