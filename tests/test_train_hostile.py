@@ -818,3 +818,14 @@ def test_train_step_takes_numpy_integer_blocks(tiny):
         for b in (np.int64(2), 2)
     ]
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, *got)))
+
+
+def test_a_learning_rate_of_any_real_number_type_is_its_float(tiny):
+    """learning_rate=Fraction(1, 64) passed the check (a numbers.Real) and failed in optax's
+    update: a raw TypeError ('unsupported operand type(s) for *: Fraction and ...')."""
+    from fractions import Fraction
+
+    kw = {"epochs": 1, "batch_size": 16}
+    want = sm.training.train(sm.mlp((8, 10)), tiny, learning_rate=1 / 64, **kw)
+    got = sm.training.train(sm.mlp((8, 10)), tiny, learning_rate=Fraction(1, 64), **kw)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))

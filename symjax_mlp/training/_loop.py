@@ -303,6 +303,7 @@ def _checked_optimizer(
     if np.ndim(lr) == 0 and jnp.issubdtype(getattr(lr, "dtype", int), jnp.floating):
         lr = float(lr)
     number = isinstance(lr, numbers.Real) and not isinstance(lr, bool) and 0 < lr < math.inf
+    lr = float(lr) if number else lr  # a Fraction: optax multiplies it with arrays
     if not (lr is None or number or callable(lr)):  # optax takes a schedule too
         raise ConfigError(
             f"{_CALLER}: learning_rate must be a number > 0 (e.g. 1e-3) or an optax schedule; "
