@@ -948,6 +948,22 @@ def test_the_constructor_checks_its_arguments(chapter, tmp_path):
         sm.serving.Batcher(net, example=x)
 
 
+def test_the_constructor_takes_numpy_integers_as_ints(chapter):
+    """np.int64(8) (what arithmetic on array sizes gives) was refused as "must be an int"."""
+    _, _, h, x = chapter
+    for settings in (
+        {"max_batch": np.int64(4), "max_queue": np.int32(8)},
+        {"buckets": np.array([1, 2, 4])},
+    ):
+        with sm.serving.Batcher(h, example=x, **settings) as b:
+            assert b.buckets == (1, 2, 4) and type(b.max_batch) is int
+            assert json.dumps(list(b.buckets)) == "[1, 2, 4]"  # /signature writes them
+            assert b(rows(3)).shape == (3, 2)
+    for bad in (np.bool_(True), 4.0):
+        with pytest.raises(sm.ConfigError, match=r"max_batch must be an int >= 1; got"):
+            sm.serving.Batcher(h, example=x, max_batch=bad)
+
+
 def test_create_app_takes_an_open_batcher_only(chapter, tmp_path):
     m = sm.load(sm.chapter.export_mlp(tmp_path / "m").path)
     for model in (m, str(tmp_path / "m")):  # an AttributeError from deep in the app, before

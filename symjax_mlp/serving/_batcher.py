@@ -144,8 +144,7 @@ class Batcher:
         self.name = f"Batcher({name})"
         self.buckets = bucket_sizes(self.name, max_batch, buckets, static)
         self.max_batch = self.buckets[-1]
-        check_count(self.name, "max_queue", max_queue)
-        self.max_queue = max_queue
+        self.max_queue = check_count(self.name, "max_queue", max_queue)
         #: What one request takes: one spec per input, the batch dimension named ``b``.
         self.specs: tuple[TensorSpec, ...] = specs
         self.model = model

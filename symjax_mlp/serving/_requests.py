@@ -191,11 +191,12 @@ def bucket_sizes(
             )
         return (static,)
     if max_batch is not None:
-        check_count(name, "max_batch", max_batch)
+        max_batch = check_count(name, "max_batch", max_batch)
     if buckets is not None:
         ok = isinstance(buckets, Iterable) and not isinstance(buckets, str)
         buckets = list(buckets) if ok else buckets
-        ok = ok and buckets and all(type(b) is not bool and isinstance(b, int) for b in buckets)
+        ok = ok and buckets and all(_is_int(b) for b in buckets)
+        buckets = [int(b) for b in buckets] if ok else buckets
         if not ok or min(buckets) < 1 or max_batch not in (None, max(buckets)):
             largest = f" whose largest is max_batch={max_batch}" if max_batch else ""
             raise ConfigError(
@@ -346,10 +347,15 @@ def inference_of(h: Hybrid, example: Any, kwargs: dict[str, Any]) -> Any:
     return inference
 
 
-def check_count(where: str, option: str, value: Any) -> None:
-    """Refuses ``value`` unless it is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def check_count(where: str, option: str, value: Any) -> int:
+    """``value`` as an int; refused unless it is an integer >= 1 (NumPy's too)."""
+    if not _is_int(value) or value < 1:
         raise ConfigError(f"{where}: {option} must be an int >= 1; got {value!r}.")
+    return int(value)
+
+
+def _is_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
 def check_timeout(caller: str, timeout: Any) -> None:
