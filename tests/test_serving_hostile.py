@@ -46,18 +46,22 @@ def _model(error, gate=None):
     return model
 
 
-def test_a_model_raising_stop_iteration_answers_every_awaiting_caller():
+@pytest.mark.parametrize("error", [StopIteration, GeneratorExit])
+def test_a_model_raising_stop_iteration_answers_every_awaiting_caller(error):
     """An asyncio future refuses StopIteration (a TypeError, on the loop): the awaited requests
-    of that batch, alone or merged, were never answered. They get a RuntimeError from it."""
+    of that batch, alone or merged, were never answered. A GeneratorExit thrown into a task
+    closed each coroutine up to it, their handlers' answers dropped (an HTTP server's request
+    unanswered, the error out of the app). They get a RuntimeError from it."""
     gate = Gate()
-    with sm.serving.Batcher(_model(StopIteration, gate), example=X1, max_batch=4) as b:
+    with sm.serving.Batcher(_model(error, gate), example=X1, max_batch=4) as b:
 
         async def lone():
             return await asyncio.wait_for(b.asubmit(X7), 10)
 
-        with pytest.raises(RuntimeError, match=r"the model raised StopIteration\('boom'\)") as e:
+        says = rf"the model raised {error.__name__}\('boom'\)"
+        with pytest.raises(RuntimeError, match=says) as e:
             asyncio.run(lone())
-        assert isinstance(e.value.__cause__, StopIteration)
+        assert isinstance(e.value.__cause__, error)
         busy = gate.busy(b)  # the batcher's thread waits at the gate: the next two queue
 
         async def merged():
@@ -68,7 +72,7 @@ def test_a_model_raising_stop_iteration_answers_every_awaiting_caller():
         answers = asyncio.run(merged())
         assert [type(a) for a in answers] == [RuntimeError, RuntimeError], answers
         np.testing.assert_array_equal(busy.result(10), 2 * X9)
-        with pytest.raises(StopIteration):  # the other callers get it as it was raised
+        with pytest.raises(error):  # the other callers get it as it was raised
             b.submit(X7).result(10)
         np.testing.assert_array_equal(b(X1), 2 * X1)
 

@@ -96,9 +96,10 @@ class AsyncRequest(_Timed):
         return self.future.cancel()
 
     def fail(self, error: BaseException) -> None:
-        """Settles it with ``error`` (a StopIteration, which an asyncio future refuses, as a
-        RuntimeError from it, as a coroutine's)."""
-        if isinstance(error, StopIteration):
+        """Settles it with ``error`` (a StopIteration, which an asyncio future refuses, or a
+        GeneratorExit, which closes every coroutine it is thrown into up to the task, unhandled:
+        as a RuntimeError from it, as a coroutine's)."""
+        if isinstance(error, StopIteration | GeneratorExit):
             try:
                 what = repr(error)
             except BaseException:  # else on the loop, and the batch's awaiters never answered
