@@ -227,6 +227,21 @@ def test_replace_with_a_state_not_shaped_as_the_models_is_refused_naming_the_pat
         chex.assert_trees_all_close(h.replace(state=state)(X), h(X))
 
 
+@pytest.mark.parametrize("make", [_linen, _nnx], ids=["linen", "nnx"])
+def test_apply_with_a_state_not_shaped_as_the_models_is_refused_naming_the_paths(make):
+    h = make()
+    # before (linen): Python's TypeError ('NoneType' object is not iterable), KeyError
+    for bad in (None, {}, {"bad": np.ones(2)}, {**h.state, "extra": np.ones(2)}):
+        with pytest.raises(
+            sm.ConfigError,
+            match=r"apply_with_state\(params, state, ...\): "
+            r"the state given does not fit .* (missing|unexpected)",
+        ):
+            h.apply_with_state(h.params, bad, X)
+    out, state = h.apply_with_state(h.params, jax.tree.map(np.asarray, h.state), X)
+    chex.assert_trees_all_close((out, state), h.apply(h.params, X))
+
+
 def test_a_function_of_an_nnx_module_carries_its_state_as_the_modules_own_hybrid():
     """``hybridize(fn, module)`` (nnx_basics' ``forward(model, rngs, x)``): the module's
     BatchStats moved by its calls, as eager nnx moves them; once they were silently dropped."""

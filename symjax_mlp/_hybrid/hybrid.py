@@ -185,7 +185,8 @@ class Hybrid(NoPickle):
         params, state = settings.pop("params"), settings.pop("state")
         if "params" in changes:
             refuse_nested_nnx_state(f"{self.name}.replace(params=...)", params)
-        state = refit(self.name, self.state, state)
+        tail = ", or leave state out to keep the held one"
+        state = refit(f"{self.name}.replace(state=...)", self.state, state, tail)
         if self.donate and not settings["donate"] and "state" not in changes:
             state = self._held.copy()  # self's next call consumes what it holds
         twin = Hybrid(self._model, params, state=state, **settings)

@@ -262,16 +262,16 @@ def _diff(expected: list[str], got: list[str]) -> str:
 
 
 _REFIT = (
-    "{name}.replace(state=...): the state given does not fit the model's: {diff}. Pass a tree "
-    "shaped as h.state (its arrays' values changed), or leave state out to keep the held one."
+    "{caller}: the state given does not fit the model's: {diff}. Pass a tree shaped as h.state "
+    "(its arrays' values changed){tail}."
 )
 
 
-def refit(name: str, held: Any, state: Any) -> Any:
+def refit(caller: str, held: Any, state: Any, tail: str = "") -> Any:
     """``state`` in the ``held`` one's tree, refused unless its leaves' paths are the same."""
     expected, got = _paths(({}, held)), _paths(({}, state))
     if got != expected:
-        raise ConfigError(_REFIT.format(name=name, diff=_diff(expected, got)))
+        raise ConfigError(_REFIT.format(caller=caller, diff=_diff(expected, got), tail=tail))
     return jax.tree.unflatten(jax.tree.structure(held), jax.tree.leaves(state))
 
 

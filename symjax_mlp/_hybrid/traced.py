@@ -23,6 +23,7 @@ from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import input_dependent
 from symjax_mlp._hybrid.pure import (
     PureModel,
+    refit,
     refuse_nested_nnx_state,
     state_structure,
     unwrap_keys,
@@ -204,8 +205,11 @@ class TracedModel:
     def run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
         """One trace, its budget enforced before, logged after: ``(out, new_state)`` (and the
         given nnx Variables' values)."""
-        if entry == "apply":  # once per trace: the params h.apply was given
+        if entry == "apply":  # once per trace: the params (and state) h.apply was given
             refuse_nested_nnx_state(f"{self.log.name}.apply(params, ...)", leaves)
+            if self.model.stateful:  # (h.apply's own state is the held one)
+                caller = f"{self.log.name}.apply_with_state(params, state, ...)"
+                refit(caller, self.held.tree, state)
         params = leaves if entry == "apply" else self.params(leaves)
         given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
         with self.log.tracing(static, dyn, dyn_kw, entry):
