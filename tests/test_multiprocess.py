@@ -354,6 +354,18 @@ def test_processes_started_differently_are_refused_before_the_first_collective(t
         assert "Gloo" not in log  # gloo connects at the first collective: none ran
 
 
+@pytest.mark.slow
+def test_processes_given_other_checkpoint_directories_are_refused_before_the_first_step(tmp_path):
+    """--checkpoint ckA and ckB: each process trained an epoch, then Orbax's save waited on a
+    barrier the other never reached, a traceback of TimeoutErrors, two half-written saves."""
+    args = {0: ("--checkpoint", str(tmp_path / "ckA")), 1: ("--checkpoint", str(tmp_path / "ckB"))}
+    codes, logs, _ = _wait(_launch(2, tmp_path, extra=args))
+    assert codes == [1, 1], logs
+    said = f"process 1 was started with {{'checkpoint': '{tmp_path / 'ckB'}'}}, but process 0"
+    assert said in logs[0] and "refused before the first step" in logs[0], logs[0]
+    assert not (tmp_path / "ckA").exists() and not (tmp_path / "ckB").exists()
+
+
 def test_the_cli_refuses_processes_without_a_coordinator(capsys):
     from symjax_mlp.cli import main
 

@@ -285,8 +285,8 @@ def _processes(
         return Programs.of(model, spec, optimizer, compiled=compiled, blocks=blocks), None, None
     if not compiled:
         raise ConfigError(f"{_CALLER}: a multi-process run is compiled; got compiled=False.")
-    key = agree({**config, **run, "checkpoint": checkpoint is not None}, timeout=timeout,
-                caller=_CALLER)  # fmt: skip
+    where = checkpoint and os.path.abspath(checkpoint)  # Orbax's one directory, of them all
+    key = agree({**config, **run, "checkpoint": where}, timeout=timeout, caller=_CALLER)
     watch = Watchdog(key, timeout, _CALLER)
     programs = Programs.of(model, spec, optimizer, compiled=True, blocks=blocks, watch=watch)
     if checkpoint is None:
