@@ -829,3 +829,19 @@ def test_a_learning_rate_of_any_real_number_type_is_its_float(tiny):
     want = sm.training.train(sm.mlp((8, 10)), tiny, learning_rate=1 / 64, **kw)
     got = sm.training.train(sm.mlp((8, 10)), tiny, learning_rate=Fraction(1, 64), **kw)
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))
+
+
+def test_a_results_export_refuses_an_example_and_a_raw_inputs_that_is_no_bool(tiny, tmp_path):
+    """r.export(path, example=x), as sm.export takes, was Python's TypeError ('got multiple
+    values for keyword argument'); raw_inputs='no' was truthy: the standardisation baked in."""
+    std = dataclasses.replace(tiny, mean=np.zeros(64, np.float32), std=np.ones(64, np.float32))
+    r = sm.training.train(sm.mlp((8, 10)), std, epochs=1, batch_size=16)
+    with pytest.raises(sm.ConfigError, match=r"TrainResult\.export: the example is the result's "
+                       r"own, a row of its 64 features; drop example="):  # fmt: skip
+        r.export(tmp_path / "a", example=np.zeros((1, 64), np.float32))
+    with pytest.raises(sm.ConfigError, match=r"raw_inputs must be True or False; got 'no'"):
+        r.export(tmp_path / "b", raw_inputs="no")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert (
+        sm.load(r.export(tmp_path / "c", raw_inputs=False).path).signature.inputs[0].shape[1] == 64
+    )

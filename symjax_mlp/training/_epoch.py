@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from symjax_mlp._artifact.reading import Artifact
-from symjax_mlp._errors import DivergenceError, RetraceError
+from symjax_mlp._errors import ConfigError, DivergenceError, RetraceError
 from symjax_mlp._export import export
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.make import hybridize
@@ -218,6 +218,14 @@ class TrainResult:
         With ``raw_inputs`` the data's :attr:`standardize` is baked in: the artifact takes raw
         features. ``kwargs`` go to :func:`~symjax_mlp.export`.
         """
+        where = "symjax_mlp.training.TrainResult.export"
+        if raw_inputs not in (False, True):  # "no" was truthy: the standardisation baked in
+            raise ConfigError(f"{where}: raw_inputs must be True or False; got {raw_inputs!r}.")
+        if "example" in kwargs:  # was Python's 'got multiple values for keyword argument'
+            raise ConfigError(
+                f"{where}: the example is the result's own, a row of its {self.num_features} "
+                "features; drop example= (batch= names the batch dimension, as in sm.export)."
+            )
         example = np.zeros((1, self.num_features), np.float32)
         kwargs.setdefault("batch", "b")
         trained, flags = self.hybridize(), self.eval_flags
