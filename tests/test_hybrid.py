@@ -98,6 +98,26 @@ def test_hybridize_rejects_bad_arguments(chapter):
         sm.hybridize(net, variables, max_traces=0)
 
 
+def test_numpy_integers_and_bools_are_taken_as_settings_as_jax_jit_takes_them():
+    """max_traces=np.int64(2), static_argnums=np.int64(1), compiled=np.bool_(True) were
+    refused as no int (no bool): as jax.jit does, they are Python's int and bool."""
+    settings = {"max_traces": np.int64(2), "static_argnums": (np.int64(1),)}
+    h = sm.hybridize(lambda p, x, k: x * p * k, jnp.float32(2), **settings)
+    assert (h.max_traces, h.static_argnums) == (2, frozenset({1})) and type(h.max_traces) is int
+    assert h(jnp.ones(2), 3).tolist() == [6.0, 6.0] and h.trace_count == 1
+    twin = h.replace(compiled=np.bool_(False), pad=np.bool_(True), static_argnums=np.int32(1))
+    assert twin.compiled is False and twin.pad is True and twin.static_argnums == frozenset({1})
+    for bad in (np.int64(0), np.float32(2), True):
+        with pytest.raises(
+            sm.ConfigError,
+            match=r"max_traces must be a positive int or None; "
+            r"got .*Pass e\.g\. max_traces=8",
+        ):
+            h.replace(max_traces=bad)
+    with pytest.raises(sm.ConfigError, match=r"static_argnums=\(True,\)"):
+        h.replace(static_argnums=(True,))
+
+
 def test_hybridize_false_returns_an_eager_twin(chapter):
     _, _, h, x = chapter
     calls = []

@@ -277,19 +277,27 @@ def path_of(key: Any) -> str:
     return f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
 
 
-def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> None:
-    """Each ``setting=(value, type, example)`` of its type (or ``None`` for a str)."""
-    if max_traces is not None and (
-        not isinstance(max_traces, int) or isinstance(max_traces, bool) or max_traces < 1
-    ):
-        raise ConfigError(f"max_traces must be a positive int or None; got {max_traces!r}.")
+def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> tuple[Any, ...]:
+    """``max_traces``, then each ``setting=(value, type, example)``, of its type (``None`` for
+    a str): a NumPy integer or bool as Python's, as ``jax.jit`` takes them."""
+    budget = _integer(max_traces)
+    if max_traces is not None and (budget is None or budget < 1):
+        raise ConfigError(
+            f"max_traces must be a positive int or None; got {max_traces!r}. Pass e.g. "
+            "max_traces=8 (a budget of traces), or None for no budget."
+        )
+    values: list[Any] = [budget]
     for key, (value, kind, example) in given.items():
+        if kind is bool and isinstance(value, np.bool_):
+            value = bool(value)
         if (value is None and kind is str) or type(value) is kind:
+            values.append(value)
             continue
         raise ConfigError(
             f"{key} must be a {kind.__name__}; got {value!r} ({type(value).__name__}). "
             f"Pass e.g. {key}={example}."
         )
+    return tuple(values)
 
 
 def static_args(
@@ -297,12 +305,14 @@ def static_args(
 ) -> tuple[frozenset[int], frozenset[str]]:
     """``static_argnums`` and ``static_argnames`` checked, and completed from the model's
     inputs as ``jax.jit`` does (a name static by place too, a place by name)."""
-    if (got := _as_tuple(nums, int)) is None or not all(type(i) is int and i >= 0 for i in got):
+    got = _as_tuple(nums, (int, np.integer))
+    places = [_integer(i) for i in got or ()]
+    if got is None or not all(i is not None and i >= 0 for i in places):
         raise ConfigError(
             f"static_argnums={nums!r}: pass an input's place or a tuple of them, ints from 0 (the "
             "first input after the params), e.g. static_argnums=(1,)."
         )
-    nums, got = got, _as_tuple(names, str)
+    nums, got = tuple(places), _as_tuple(names, str)
     if got is None or not all(isinstance(n, str) and n.isidentifier() for n in got):
         raise ConfigError(
             f"static_argnames={names!r}: pass a keyword's name or a tuple of them, e.g. "
@@ -332,5 +342,10 @@ def static_args(
     return frozenset(nums), frozenset(names)
 
 
-def _as_tuple(x: Any, single: type) -> tuple | None:
+def _integer(x: Any) -> int | None:
+    """``x`` as a Python int if it is an integer (a NumPy one too) but no bool, else ``None``."""
+    return int(x) if isinstance(x, int | np.integer) and not isinstance(x, bool) else None
+
+
+def _as_tuple(x: Any, single: type | tuple[type, ...]) -> tuple | None:
     return (x,) if isinstance(x, single) else tuple(x) if isinstance(x, tuple | list) else None

@@ -81,9 +81,9 @@ class Hybrid(NoPickle):
         donate: bool = False,
         params_as_constants: bool = False,
     ) -> None:
-        check_settings(
-            name=(name, str, "'mlp'"), axis=(axis, str, "'data' (a mesh axis name)"),
-            compiled=(compiled, bool, "True"), pad=(pad, bool, "True"), max_traces=max_traces,
+        max_traces, name, axis, compiled, pad, donate, params_as_constants = check_settings(
+            max_traces, name=(name, str, "'mlp'"), axis=(axis, str, "'data' (a mesh axis name)"),
+            compiled=(compiled, bool, "True"), pad=(pad, bool, "True"),
             donate=(donate, bool, "False"),
             params_as_constants=(params_as_constants, bool, "False"),
         )  # fmt: skip
