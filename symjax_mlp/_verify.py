@@ -330,8 +330,11 @@ def _compare(
             shapes = f"{o.dtype}{list(o.shape)} vs {w.dtype}{list(w.shape)}"
             return VerifyCheck(rt, b, False, math.nan, f"output {i} is {shapes}")
         o64, w64 = o.astype(np.float64), w.astype(np.float64)
-        err = max(err, float(np.max(np.abs(o64 - w64), initial=0.0)))
-        if not np.allclose(o64, w64, rtol=rtol, atol=atol):
+        same = (o64 == w64) | (np.isnan(o64) & np.isnan(w64))  # a NaN the reference has too
+        with np.errstate(invalid="ignore"):  # inf - inf, where ``same`` says 0
+            most = float(np.max(np.where(same, 0.0, np.abs(o64 - w64)), initial=0.0))
+        err = most if math.isnan(most) else max(err, most)  # a lone NaN: nan, not max()'s 0
+        if not np.allclose(o64, w64, rtol=rtol, atol=atol, equal_nan=True):
             detail = f"output {i} differs beyond tolerance"
     return VerifyCheck(rt, b, not detail, err, detail)
 

@@ -933,6 +933,21 @@ def test_verify_checks_a_runtime_or_batch_given_twice_once(tmp_path, capsys):
         sm.verify(art, runtimes="jax")
 
 
+def test_verify_passes_an_artifact_whose_outputs_hold_the_references_nans(tmp_path, capsys):
+    """log(x) of drawn normal inputs is NaN where x < 0, in the reference and the fresh
+    process alike: every check FAILed, 'max |err| 0 ... output 0 differs beyond tolerance'."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import symjax_mlp as sm
+
+    h = sm.hybridize(lambda p, x: jnp.log(x) * p["w"], {"w": jnp.ones(4)})
+    art = sm.export(h, tmp_path / "log", example=np.ones((1, 4), np.float32), batch="b").path
+    assert main(["verify", str(art), "--batches", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "ok   jax   batch    16  max |err|         0" in out, out
+
+
 @pytest.mark.filterwarnings("default::FutureWarning")
 def test_the_expiry_warning_is_one_line_on_the_command_line(tmp_path, capsys):
     """A CLI user saw the artifact-expiry FutureWarning in Python's raw format, its file:line
