@@ -1739,6 +1739,17 @@ def test_serve_refuses_a_port_that_is_not_an_int_before_the_load():
             sm.serving.serve("nothing-here", port=port)
 
 
+def test_serve_refuses_bad_limits_and_a_bool_port_before_the_load():
+    """A bad body_timeout (or request_timeout, ...) was said only after the load and compile
+    (minutes, for a large model); port=True bound port 1."""
+    for bad in ({"body_timeout": 0}, {"request_timeout": -1.0}, {"max_body_bytes": "1MB"}):
+        [option] = bad
+        with pytest.raises(sm.ConfigError, match=rf"serve: {option} must be a number > 0"):
+            sm.serving.serve("nothing-here", port=0, **bad)
+    with pytest.raises(sm.ConfigError, match=r"serve: port must be an int .*; got True"):
+        sm.serving.serve("nothing-here", port=True)
+
+
 def test_serves_connections_accepted_without_nagles_delay_on_plain_asyncio():
     """serve's socket says it is TCP, so asyncio's own loop (uvicorn's without uvloop, as a
     fresh ``.[serve]`` install has it) sets TCP_NODELAY on each connection: from a bare

@@ -23,6 +23,7 @@ from typing import Any
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._app import (
     ENDPOINTS,
+    check_limits,
     create_app,
     drain,
     load_entry,
@@ -271,6 +272,8 @@ def serve(
     import uvicorn
 
     check_count("serve", "max_connections", max_connections)
+    limits = max_body_bytes, body_timeout, max_inflight_bytes  # before the load, as the port
+    check_limits("serve", *limits, request_timeout=request_timeout)
     levels = uvicorn.config.LOG_LEVELS
     if not isinstance(log_level, int) and str(log_level).lower() not in levels:
         raise ConfigError(
@@ -324,6 +327,8 @@ def serve(
 def bind(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not yet listening); raises :class:`ConfigError`
     where that address cannot be had (a port in use, a host that is not this machine's)."""
+    if isinstance(port, bool):  # True was port 1
+        raise ConfigError(f"serve: port must be an int from 0 to 65535; got {port!r}.")
     if not isinstance(host, str) or not host.strip():  # "" is every interface, in silence
         raise ConfigError(
             f"serve: host={host!r} names no address; pass 127.0.0.1 (this machine only) or "
