@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, SignatureError
 
 #: Elementwise activations from :mod:`jax.nn` that a :class:`Dense` layer accepts by name.
 ACTIVATIONS: tuple[str, ...] = (
@@ -51,10 +51,31 @@ class Dense(nn.Dense):
                 f"Dense(features={self.features!r}): the output width is a positive int, e.g. "
                 "Dense(256)."
             )
+        _check_dtype("Dense", self.dtype)
         super().__post_init__()
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
+        if not jnp.ndim(inputs):  # else flax's IndexError: tuple index out of range
+            raise SignatureError(
+                f"Dense({self.features}): the input is a scalar (shape ()), and a Dense layer "
+                "maps the last axis of its input. Pass an array of shape (batch, features), "
+                "e.g. jnp.reshape(x, (1, 1)) for one example of one feature."
+            )
         return activation_fn(self.activation)(super().__call__(inputs))
+
+
+def _check_dtype(call: str, dtype: Any) -> None:
+    """Refuses a ``dtype`` that is no floating type when built (else at init: NumPy's
+    "data type not understood", flax's "Dtype must be inexact")."""
+    try:
+        inexact = dtype is None or jnp.issubdtype(jnp.dtype(dtype), jnp.inexact)
+    except TypeError:
+        inexact = False
+    if not inexact:
+        raise ConfigError(
+            f"{call}(dtype={dtype!r}): the dtype the layers compute in is a floating type; "
+            "pass e.g. dtype=jnp.bfloat16, or None (the inputs' dtype)."
+        )
 
 
 def _check_layers(cls: str, field: str, items: Any) -> None:
@@ -116,6 +137,14 @@ class HybridConcurrent(nn.Module):
                 f"(shapes {[tuple(o.shape) for o in outs]}), so axis must be in "
                 f"[{-rank}, {rank - 1}]; e.g. axis=-1 (the features)."
             )
+        off = {o.shape[: self.axis % rank] + o.shape[self.axis % rank + 1 :] for o in outs}
+        if len(off) > 1 or len({o.ndim for o in outs}) > 1:  # else JAX's TypeError, unnamed
+            raise ConfigError(
+                f"HybridConcurrent(axis={self.axis}): the branches' outputs have shapes "
+                f"{[tuple(o.shape) for o in outs]}; joined along axis {self.axis}, they must "
+                "agree in rank and every other axis. Join them where they differ (e.g. axis=-1, "
+                "the features), or make the branches agree."
+            )
         return jnp.concatenate(outs, axis=self.axis)
 
 
@@ -131,7 +160,8 @@ def mlp(
       dtype: computation dtype of every layer (``None``: from the inputs).
 
     Raises:
-      ValueError: an empty ``sizes``, a non-positive width or an unknown activation.
+      ValueError: an empty ``sizes``, a non-positive width, an unknown activation or a
+        ``dtype`` that is no floating type.
 
     Example:
       >>> net = mlp((256, 128, 2))
@@ -146,6 +176,7 @@ def mlp(
             "mlp((256, 128, 2)) (one layer: mlp((2,)))."
         )
     activation_fn(activation)  # refused even where only the last layer (none) would use it
+    _check_dtype("mlp", dtype)
     acts = (activation,) * (len(sizes) - 1) + (None,)
     layers = (Dense(int(s), activation=a, dtype=dtype) for s, a in zip(sizes, acts, strict=True))
     return HybridSequential(tuple(layers))

@@ -128,3 +128,42 @@ def test_dtype_is_respected():
     net = sm.mlp((4, 2), dtype=jnp.bfloat16)
     x = jnp.ones((1, 3), jnp.bfloat16)
     assert net.apply(net.init(jax.random.key(0), x), x).dtype == jnp.bfloat16
+
+
+def test_a_dtype_that_is_no_floating_type_is_refused_when_built():
+    """mlp(dtype="float33") was built, then init raised NumPy's "data type not understood"
+    (dtype=jnp.int32: flax's "Dtype must be inexact")."""
+    for bad in ("float33", jnp.int32, object):
+        with pytest.raises(sm.ConfigError, match=r"mlp\(dtype=.*\): .*floating type; pass e"):
+            sm.mlp((4, 2), dtype=bad)
+        with pytest.raises(sm.ConfigError, match=r"Dense\(dtype="):
+            sm.Dense(4, dtype=bad)
+    x = jnp.ones((1, 3))
+    for good in ("bfloat16", np.float16, jnp.complex64):
+        net = sm.mlp((4, 2), dtype=good)
+        assert net.apply(net.init(jax.random.key(0), x), x).dtype == jnp.dtype(good)
+
+
+def test_a_scalar_input_is_refused_naming_the_shape_a_dense_layer_takes():
+    """h(1.0) raised flax's IndexError "tuple index out of range"."""
+    net = sm.mlp((4, 2))
+    h = sm.hybridize(net, net.init(jax.random.key(0), jnp.ones((2, 3))))
+    for scalar in (1.0, jnp.float32(1), np.float32(1)):
+        with pytest.raises(
+            sm.SignatureError,
+            match=r"Dense\(4\): the input is a scalar .*"
+            r"shape \(batch, features\)",
+        ):
+            h(scalar)
+
+
+def test_concurrent_branches_whose_shapes_differ_off_the_axis_are_refused_naming_them():
+    """axis=0 over widths 2 and 3 raised JAX's TypeError, which named neither the model nor
+    the axis."""
+    cat, x = sm.HybridConcurrent((sm.Dense(2), sm.Dense(3)), axis=0), jnp.ones((2, 4))
+    with pytest.raises(
+        sm.ConfigError,
+        match=r"axis=0\): .*\[\(2, 2\), \(2, 3\)\]; joined "
+        r"along axis 0, they must agree .*e\.g\. axis=-1",
+    ):
+        cat.init(jax.random.key(0), x)
