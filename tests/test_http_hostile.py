@@ -191,6 +191,26 @@ class _Body:
         return {"type": "http.request", "body": chunk, "more_body": bool(self._chunks)}
 
 
+@pytest.mark.parametrize(("length", "status"), [("\xb2", None), ("+9999", None), ("9999", 413)])
+def test_a_content_length_that_is_no_ascii_number_is_left_to_the_reads(length, status):
+    """Content-Length: ² (latin-1, which an ASGI server may pass on) is a digit to str.isdigit
+    but no int's: the 413 check's int() raised, a 500 with a traceback. The body's own size
+    is checked as it is read."""
+    from symjax_mlp.serving._app import BadRequest
+    from symjax_mlp.serving._intake import Intake
+
+    request = _Body((0.0, b"[[1, 2]]"))
+    request.headers = {"content-length": length}
+
+    async def read():
+        try:
+            return await Intake(1000, 1.0, 4000).read(request, [0])
+        except BadRequest as e:
+            return e.status
+
+    assert asyncio.run(read()) == (status or b"[[1, 2]]")
+
+
 def test_each_body_read_has_its_own_deadline_moved_on_as_chunks_arrive():
     """One timer watches every read on a loop: a quiet body is a 408 after body_timeout, while
     the reads beside it go on (slow chunks, each within the timeout, read whole); a cancel

@@ -29,8 +29,8 @@ class Intake:
         """The body of ``request``, its bytes counted in ``hold[0]`` as they arrive (give them
         back with :meth:`release`, even when this raises): a :class:`BadRequest` (413, 408, 503)
         or starlette's ``ClientDisconnect``."""
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
+        size = request.headers.get("content-length", "")  # "²" is a digit, but no int's
+        if size.isascii() and size.isdigit() and int(size) > self.max_body_bytes:
             raise BadRequest(413, _too_large(int(size), self.max_body_bytes))
         chunks, received, more = [], 0, True
         receive, limit = request.receive, self.body_timeout
