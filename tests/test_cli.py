@@ -241,6 +241,16 @@ def test_run_writes_exactly_the_output_path_stdout_and_npz(tmp_path, capsys):
     np.testing.assert_array_equal(np.load(io.BytesIO(done.stdout)), y)
 
 
+def test_activation_none_is_the_linear_mlp_the_message_offers(tmp_path, capsys):
+    """--activation None was refused as "unknown activation 'None'; expected None or one of:
+    ...": the library's None, which the command line could not pass."""
+    for name in ("None", "none"):
+        argv = ["export", str(tmp_path / name), "--sizes", "3", "--in-features", "2"]
+        assert main([*argv, "--activation", name]) == 0, capsys.readouterr().err
+    assert main(["graph", "--sizes", "4,2", "--activation", "none"]) == 0
+    assert "max" not in capsys.readouterr().out  # no relu: max(x, 0)
+
+
 def test_json_convention_and_train_refuses_paths_before_training(tmp_path, capsys):
     import json
 

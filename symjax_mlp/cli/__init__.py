@@ -64,7 +64,12 @@ class _Parser(argparse.ArgumentParser):
 def _mlp_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=int_list, default=(256, 128, 2), help="layer widths")
     p.add_argument("--in-features", type=count, default=512)
-    p.add_argument("--activation", default="relu", help="a jax.nn activation name")
+    p.add_argument(  # the library's message offers None: here it is one
+        "--activation",
+        type=lambda name: None if name in ("None", "none") else name,
+        default="relu",
+        help="a jax.nn activation name, or none (linear)",
+    )
 
 
 def _add_tour(sub: Subcommands) -> None:
