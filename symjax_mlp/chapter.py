@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from symjax_mlp._artifact.reading import Artifact
 from symjax_mlp._errors import ConfigError, ControlFlowError
@@ -65,21 +67,33 @@ def chapter_mlp(
     seed: int = 0,
 ) -> tuple[Hybrid, jax.Array]:
     """The chapter's MLP, hybridized, and a random input of shape ``(batch, in_features)``."""
-    return _mlp(sizes, activation, in_features, batch, seed, name="mlp")
+    return _mlp("chapter_mlp", sizes, activation, in_features, batch, seed, name="mlp")
 
 
 _INT64 = 2**63
 
 
+def _int(call: str, name: str, value: Any, low: int, high: int | None = None) -> int:
+    """``value`` as a Python int (a NumPy one too, not a bool) in ``[low, high)``; else a
+    ConfigError of ``call`` (sizes past int64 are refused by what they would make)."""
+    whole = isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+    if whole and low <= value and (high is None or value < high):
+        return int(value)
+    span = f">= {low}" if high is None else "from -2**63 to 2**63 - 2"
+    raise ConfigError(
+        f"{call}({name}={value!r}): {name} must be an int {span}. Pass e.g. {name}={max(low, 1)}."
+    )
+
+
 def _mlp(
-    sizes: Sequence[int], activation: str | None, in_features: int, batch: int, seed: int,
-    name: str | None = None,
+    call: str, sizes: Sequence[int], activation: str | None, in_features: int, batch: int,
+    seed: int, name: str | None = None,
 ) -> tuple[Hybrid, jax.Array]:  # fmt: skip
     """``mlp(sizes)`` hybridized from ``seed`` and a zero input; the chapter's (``name``) a
     random input. Sizes past int64 or memory and seeds past int64 are ConfigErrors."""
     net = mlp(sizes, activation=activation)
-    if not -_INT64 <= seed < _INT64 - 1:
-        raise ConfigError(f"seed must be an int from -2**63 to 2**63 - 2; got {seed}.")
+    in_features, batch = _int(call, "in_features", in_features, 1), _int(call, "batch", batch, 0)
+    seed = _int(call, "seed", seed, -_INT64, _INT64 - 1)
     for rows, cols in (*itertools.pairwise((in_features, *sizes)), (batch, in_features)):
         if rows * cols >= _INT64:
             raise ConfigError(
@@ -122,7 +136,7 @@ def describe_mlp(
         "dot": lambda: h.graph(x).to_dot(),
         "summary": lambda: _summary(h, x),
     }
-    if format not in views:
+    if not isinstance(format, str) or format not in views:
         raise ConfigError(f"unknown format {format!r}; expected one of: {', '.join(views)}.")
     return views[format]()
 
@@ -161,15 +175,15 @@ def export_mlp(
     """Exports the chapter's MLP (``mlp(sizes)`` on ``in_features`` inputs, initialised from
     ``seed``), what ``symjax-mlp export`` runs; ``batch``: a name for a symbolic batch dimension,
     or an int for a static one; the others as :func:`~symjax_mlp.export` takes them."""
-    static = isinstance(batch, int) and not isinstance(batch, bool)
-    h, x = _mlp(sizes, activation, in_features, batch if static else 1, seed)
+    static = isinstance(batch, numbers.Integral) and not isinstance(batch, bool | np.bool_)
+    h, x = _mlp("export_mlp", sizes, activation, in_features, batch if static else 1, seed)
     batch = None if static else batch
     return export(h, path, example=x, batch=batch, platforms=platforms, overwrite=overwrite)
 
 
 def tour(*, calls: int = 1000, print: Callable[..., None] = print) -> None:
     """Walks through the chapter: imperative, symbolic, hybrid, tracing, timing, control flow."""
-    step = iter(range(1, 100))
+    calls, step = _int("tour", "calls", calls, 0), iter(range(1, 100))
 
     def title(text: str) -> None:
         print(f"\n== {next(step)}. {text} ==")

@@ -167,3 +167,31 @@ def test_concurrent_branches_whose_shapes_differ_off_the_axis_are_refused_naming
         r"along axis 0, they must agree .*e\.g\. axis=-1",
     ):
         cat.init(jax.random.key(0), x)
+
+
+@pytest.mark.parametrize(
+    ("call", "name", "bad"),
+    [
+        (sm.chapter.chapter_mlp, "in_features", 0),
+        (sm.chapter.chapter_mlp, "in_features", 2.0),
+        (sm.chapter.chapter_mlp, "batch", -1),
+        (sm.chapter.chapter_mlp, "seed", "1"),
+        (sm.chapter.chapter_mlp, "seed", None),
+        (sm.chapter.tour, "calls", 1.5),
+    ],
+)
+def test_the_chapters_counts_are_checked_naming_the_call(call, name, bad):
+    """in_features=0 was a ZeroDivisionError, -1 an MLIRError, seed="1" a TypeError comparing
+    str and int, tour(calls=1.5) range()'s TypeError."""
+    with pytest.raises(sm.ConfigError, match=rf"{call.__name__}\({name}={bad!r}\): {name} must"):
+        call(**{name: bad})
+
+
+def test_the_chapter_takes_numpy_ints_and_a_static_numpy_batch(tmp_path):
+    """export_mlp(batch=np.int64(2)) was refused as no name of a symbolic dimension."""
+    h, x = sm.chapter.chapter_mlp((np.int64(4), 2), in_features=np.int64(3), seed=np.int64(1))
+    assert x.shape == (1, 3) and h(x).shape == (1, 2)
+    art = sm.chapter.export_mlp(tmp_path / "m", sizes=(4,), in_features=3, batch=np.int64(2))
+    assert art.signature.inputs[0].shape == (2, 3)
+    with pytest.raises(sm.ConfigError, match=r"unknown format \['x'\]; expected one of"):
+        sm.chapter.describe_mlp((4,), in_features=3, format=["x"])
