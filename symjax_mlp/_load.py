@@ -11,7 +11,7 @@ import importlib
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,13 @@ def load(
             "the weights into its programs. Drop params_as_constants, or use runtime='jax'."
         )
     allowed = ops.normalize_allow(allow)
+    if not isinstance(path, str | os.PathLike) or "\x00" in str(path):  # else a bare TypeError
+        pathlike = isinstance(path, str | os.PathLike)
+        got = "a path holding a NUL byte" if pathlike else f"a value of type {type(path).__name__}"
+        raise ConfigError(
+            f"symjax_mlp.load({printable(repr(path)[:200])}): expected the directory written by "
+            f"symjax_mlp.export, as a str or a pathlib.Path; got {got}."
+        )
     path = Path(path)
     if not os.path.exists(path) and (file := next((p for p in path.parents if p.is_file()), None)):
         raise ArtifactError(
@@ -136,7 +143,7 @@ def load(
         except FileNotFoundError:
             raise ArtifactError(f"load(params={str(source)!r}): there is no such file.") from None
     else:
-        specs, arrays = param_specs(params)
+        specs, arrays = param_specs(_nested(params))
         found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
     ordered = check_params(found, expected, file=source)
@@ -249,6 +256,26 @@ class Guard:
                     budget=budget, static=max(static, 1), bound=bound,
                 ))  # fmt: skip
         checker.remember(verdict)
+
+
+def _nested(params: Any) -> Any:
+    """A flat ``{"params/layers_0/kernel": array}`` (what ``m.params`` gives) as the tree whose
+    paths those are; any other params as they are (``param_specs`` names what is wrong)."""
+    keys = list(params) if isinstance(params, Mapping) else []
+    if not all(isinstance(k, str) for k in keys) or not any("/" in k for k in keys):
+        return params
+    tree: dict[str, Any] = {}
+    for key, value in params.items():
+        *heads, last = key.split("/")
+        node = tree
+        for head in heads:
+            node = node.setdefault(head, {})
+            if not isinstance(node, dict):
+                return params  # "a" and "a/b": no tree
+        if last in node:
+            return params
+        node[last] = value
+    return tree
 
 
 def _check_mesh(path: Path, manifest: Any, mesh: Mesh | None) -> Mesh | None:

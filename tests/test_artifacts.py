@@ -163,6 +163,31 @@ def test_pickle_of_a_loaded_model_is_refused_saying_to_load_it_where_it_runs(tmp
         np.testing.assert_array_equal(twin(x), m(x))
 
 
+def test_the_weights_a_loaded_model_shows_load_back_as_other_weights(tmp_path):
+    """m.params' flat {"params/layers_0/kernel": ...} passed to load(params=...) was refused:
+    "param key 'params/layers_0/bias' ... contains '/'. Rename it." (a name load() chose)."""
+    h, x = _mlp()
+    path = sm.export(h, tmp_path / "m", example=x).path
+    m = sm.load(path)
+    chex.assert_trees_all_close(sm.load(path, params=m.params)(x), m(x))
+    doubled = {k: jnp.asarray(v) * 2 for k, v in m.params.items()}
+    want = h.replace(params=jax.tree.map(lambda a: a * 2, h.params))(x)
+    chex.assert_trees_all_close(sm.load(path, params=doubled)(x), want, **TOL)
+    with pytest.raises(sm.ArtifactError, match=r"\(2 missing, 0 extra\)"):
+        sm.load(path, params=dict(list(m.params.items())[:2]))
+
+
+@pytest.mark.parametrize("path", [3, None, b"/tmp/m", "/tmp/m\x00"])
+def test_a_path_of_no_str_or_pathlike_is_refused_naming_what_was_given(path):
+    """load(None) was pathlib's TypeError, load("a\x00") os.stat's ValueError."""
+    with pytest.raises(
+        sm.ConfigError,
+        match=r"expected the directory written by symjax_mlp\."
+        r"export, as a str or a pathlib\.Path; got a (value of type|path hold)",
+    ):
+        sm.load(path)
+
+
 def test_grad_of_a_loaded_model(tmp_path):
     h, x = _mlp()
     art = sm.export(h, tmp_path / "m", example=x, vjp_order=1)
