@@ -56,6 +56,10 @@ def test_load_digits_is_a_fixed_standardised_split(digits):
     np.testing.assert_allclose(digits.x_train.mean(axis=0), 0, atol=1e-5)
     raw = digits.x_test * digits.std + digits.mean  # standardize() inverts this
     np.testing.assert_allclose(digits.standardize(raw), digits.x_test, atol=1e-5)
+    # rows of another width: NumPy's 'operands could not be broadcast together' before
+    with pytest.raises(sm.DataError, match=r"digits\.standardize\(x\): x has shape \(2, 3\), "
+                       r"but the statistics are of 64 features\. Pass rows"):  # fmt: skip
+        digits.standardize(np.ones((2, 3)))
 
 
 def test_train_reaches_95_percent_in_under_a_minute_and_never_retraces(trained):

@@ -54,6 +54,11 @@ class Dataset:
         x = np.asarray(x, np.float32)
         if self.mean is None or self.std is None:
             return x
+        if x.shape[-1:] != (width := (np.size(self.mean),)):  # was NumPy's broadcast error
+            raise DataError(
+                f"{self.name}.standardize(x): x has shape {x.shape}, but the statistics are of "
+                f"{width[0]} features. Pass rows of {width[0]} raw features, shape (n, {width[0]})."
+            )
         return ((x - self.mean) / self.std).astype(np.float32)
 
 
