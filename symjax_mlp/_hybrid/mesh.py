@@ -5,6 +5,7 @@ replicated (XLA's SPMD partitioner); a batch that does not divide over the shard
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,13 +34,16 @@ def data_mesh(
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices) if n_devices is None else n_devices
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= len(devices):
+    if not isinstance(axis, str):  # else jax.make_mesh names the axis str(axis)
+        raise ConfigError(f"data_mesh(axis={axis!r}): name the mesh axis by a str, e.g. 'data'.")
+    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or not 1 <= n <= len(devices):
         raise ConfigError(
             f"data_mesh({n_devices!r}): JAX sees {len(devices)} device(s), so n_devices must "
             f"be 1..{len(devices)}. For more CPU devices, start the process with "
             "XLA_FLAGS=--xla_force_host_platform_device_count=N (or call "
             'jax.config.update("jax_num_cpu_devices", N)) before JAX initializes.'
         )
+    n = int(n)  # a NumPy int too
     return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,), devices=devices[:n])
 
 
