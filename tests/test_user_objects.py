@@ -8,6 +8,8 @@ passed objects exactly as eager nnx (or the plain function) does.
 
 from __future__ import annotations
 
+import copy
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -265,6 +267,17 @@ def test_equinox_params_of_another_module_are_refused_naming_the_module():
         with pytest.raises(sm.ConfigError, match=r"MLP: the params given \(a (MLP|dict)\) do not"):
             run()
     np.testing.assert_allclose(h.apply(h.params, x), mlp(x), **TOL)
+
+
+def test_a_deepcopy_of_an_equinox_modules_hybrid_is_a_twin_with_its_own_arrays():
+    """copy.deepcopy(h) of eqx.filter_vmap(model) copied its static parts too, which replace()
+    refused as "a module of another class or size"."""
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.filter_vmap(eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0)))
+    h, x = sm.hybridize(mlp), jnp.ones((2, 3))
+    twin = copy.deepcopy(h)
+    assert twin is not h and jax.tree.leaves(twin.params)[0] is not jax.tree.leaves(h.params)[0]
+    np.testing.assert_allclose(twin(x), mlp(x), **TOL)
 
 
 def test_keywords_named_self_params_or_args_are_the_models():

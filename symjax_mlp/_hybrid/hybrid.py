@@ -219,7 +219,7 @@ class Hybrid(NoPickle):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Hybrid:
         """A twin with its own copies of the params and state, as :meth:`snapshot` fixes it."""
-        params, state = copy.deepcopy((self.params, self.state), memo)
+        params, state = jax.tree.map(lambda a: copy.deepcopy(a, memo), (self.params, self.state))
         return self.replace(params=params, state=state).snapshot()
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
