@@ -43,8 +43,9 @@ class _ByName(SignatureError, TypeError):
 class LoadedModel(NoPickle):
     """An artifact ready to call: checked, deserialized (JAX) or compiled (IREE).
 
-    ``m(x)`` checks every input against :attr:`signature` (``SignatureError``) and runs the
-    program with the artifact's params: ``jax.Array`` out (IREE: NumPy). A program failing at
+    ``m(x)`` checks every input, by position, against :attr:`signature` (``SignatureError``,
+    also for inputs passed by name) and runs the program with the artifact's params:
+    ``jax.Array`` out (IREE: NumPy). It is never pickled: load it by path. A program failing at
     the call raises ``ArtifactError`` with JAX's error as ``__cause__``; one failing as it runs
     surfaces where the result is waited for: ``jax.block_until_ready(m(x))`` before
     ``np.asarray(y)``, which aborts on a failed result.
