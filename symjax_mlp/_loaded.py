@@ -36,6 +36,13 @@ class _NoEntryPoint(ConfigError, KeyError):
         return str(self.args[0])
 
 
+_NOT_APART = (
+    "If it is one example (jax.vmap passes each without its batch dimension), this artifact "
+    "takes none: its rows are not known to stay apart ({why}). Give it a batch of one: "
+    "m(x[None])[0], under jax.vmap: jax.vmap(lambda x: m(x[None])[0])."
+)
+
+
 class _ByName(SignatureError, TypeError):
     """``m(x=x)``: a loaded model's inputs are positional (a ``TypeError`` too, as Python's)."""
 
@@ -127,6 +134,8 @@ class LoadedModel(NoPickle):
             axes = self._example_axes(inputs)
             if axes is None:
                 raise
+            if isinstance(axes, str):  # one example, which this artifact cannot take
+                raise SignatureError(f"{wrong} {_NOT_APART.format(why=axes)}") from None
             specs = self.signature.inputs  # a list of numbers as a batch takes it (float32)
             inputs = [as_array(x, s, self._caller) for x, s in zip(inputs, specs, strict=True)]
             try:
@@ -136,10 +145,11 @@ class LoadedModel(NoPickle):
             outs = _at(outs, axes[1], 0)
         return outs[0] if self._single_output else tuple(outs)
 
-    def _example_axes(self, inputs: Any) -> tuple[list[Any], list[Any]] | None:
-        """The batch axes in and out if ``inputs`` are one example and rows stay apart."""
+    def _example_axes(self, inputs: Any) -> tuple[list[Any], list[Any]] | str | None:
+        """The batch axes in and out if ``inputs`` are one example and rows stay apart; why
+        not, if one example where rows may not; else ``None``."""
         rows, sig = self.manifest.get("rows") or {}, self.manifest["signature"]
-        if not rows.get("independent") or len(inputs) != len(sig["inputs"]):
+        if not rows.get("dim") or len(inputs) != len(sig["inputs"]):
             return None
         index = axes(sig["inputs"], rows["dim"])
         batched = [
@@ -150,6 +160,8 @@ class LoadedModel(NoPickle):
                 return None
         except (TypeError, ValueError):
             return None
+        if not rows.get("independent"):
+            return printable(str(rows.get("why") or "no verdict")[:200])
         return index, axes(sig["outputs"], rows["dim"])
 
     def _outputs(self, inputs: Any) -> list[Any]:

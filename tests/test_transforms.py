@@ -208,6 +208,23 @@ def test_vmap_where_rows_see_each_other_equals_vmap_of_the_source(mixing, vmap, 
     chex.assert_trees_all_close(got, want, **TOL)
 
 
+def test_vmap_over_examples_where_rows_see_each_other_names_why_and_the_batch_of_one(mixing):
+    """jax.vmap(m) over (4, 5) gives m each (5,) example, which an artifact whose rows are not
+    kept apart cannot take: the signature's error only said to add the batch dimension."""
+    h, m = mixing
+    xs = _xs(4, 5)
+    for call in (lambda: jax.vmap(m)(xs), lambda: m(xs[0])):
+        with pytest.raises(
+            sm.SignatureError,
+            match=r"rank 1, .*not known to stay apart \(.*"
+            r"batch.*\)\. Give it a batch of one: m\(x\[None\]\)\[0\], under "
+            r"jax\.vmap: jax\.vmap\(lambda x: m\(x\[None\]\)\[0\]\)",
+        ):
+            call()
+    got = jax.vmap(lambda x: m(x[None])[0])(xs)
+    chex.assert_trees_all_close(got, jax.vmap(lambda x: h(x[None])[0])(xs), **TOL)
+
+
 def test_vmap_over_a_sequence_model_of_two_symbolic_dimensions(tmp_path):
     # (b, t, 5): the module cannot show rows apart, so each example is a whole call
     def attend(p, x):  # each sequence attends over its own steps
