@@ -261,6 +261,25 @@ def test_an_orbax_checkpoint_restores_exactly_and_refuses_foreign_edited_or_trun
     gc.collect()  # Orbax's unretrieved futures go now, under this test's filter
 
 
+def test_an_orbax_checkpoint_of_an_optimizer_state_holding_a_prng_key_round_trips(tmp_path):
+    """optax.noisy_sgd's state holds a typed key: Orbax's save of it failed (no such dtype)."""
+    net, opt = sm.mlp(SIZES), optax.noisy_sgd(LR, key=jax.random.key(5))
+    params = net.init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
+    state = sm.training.TrainState(params, opt.init(params), jax.random.key(3), step=8, epoch=1)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
+    path = store.save(state, {"config": {}, "history": []})
+    store.close()
+    store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
+    got, _ = store.restore(path, state)
+    store.close()
+    want = jax.random.key_data(jax.tree.leaves(state.opt_state)[1])
+    key = jax.tree.leaves(got.opt_state)[1]
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    assert np.array_equal(jax.random.key_data(key), want)
+    gc.collect()  # Orbax's unretrieved futures go now, under this test's filter
+
+
 def test_one_process_refuses_a_directory_of_orbax_checkpoints(tmp_path):
     _saved(tmp_path)
     with pytest.raises(sm.CheckpointError, match="checkpoints of a multi-process run"):

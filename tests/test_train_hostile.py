@@ -845,3 +845,24 @@ def test_a_results_export_refuses_an_example_and_a_raw_inputs_that_is_no_bool(ti
     assert (
         sm.load(r.export(tmp_path / "c", raw_inputs=False).path).signature.inputs[0].shape[1] == 64
     )
+
+
+def test_an_optimizer_holding_a_prng_key_trains_again_checkpoints_and_resumes_bitwise(
+    tiny, tmp_path
+):
+    """optax.noisy_sgd(key=k) keeps k in its state: the first train() donated k's buffer, so
+    a second run with the optimizer (a sweep, a resume) raised 'Array has been deleted'; and
+    a checkpoint of its state was NumPy's TypeError on the typed key."""
+    import optax
+
+    key = jax.random.key(0)
+    kw = {"batch_size": 16, "optimizer": optax.noisy_sgd(0.1, key=key)}
+    want = sm.training.train(sm.mlp((8, 10)), tiny, epochs=2, **kw)
+    assert not key.is_deleted()
+    sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, checkpoint=tmp_path, **kw)
+    got = sm.training.train(sm.mlp((8, 10)), tiny, epochs=2, checkpoint=tmp_path, resume=True, **kw)
+    assert got.resumed_from is not None and got.step == want.step
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))
+    keys = [leaf for leaf in jax.tree.leaves(got.opt_state) if jax.dtypes.issubdtype(
+        leaf.dtype, jax.dtypes.prng_key)]  # fmt: skip
+    assert len(keys) == 1  # restored as a key, as it was saved

@@ -107,6 +107,11 @@ def _name(prefix: str, path: Any) -> str:
     return prefix + "/" + jax.tree_util.keystr(path, simple=True, separator="/")
 
 
+def _is_key(leaf: Any) -> bool:
+    """A typed PRNG key (optax.noisy_sgd's state holds one): stored as its key data."""
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
 def named_leaves(state: TrainState) -> dict[str, Any]:
     """A checkpoint's tensors: ``{key path: leaf}`` of params and optimizer state, and ``rng``."""
     tensors: dict[str, Any] = {}
@@ -118,7 +123,7 @@ def named_leaves(state: TrainState) -> dict[str, Any]:
                     f"two leaves of the training state are both named {name!r}; rename the "
                     "dict keys that contain '/' so every leaf has its own checkpoint name."
                 )
-            tensors[name] = leaf
+            tensors[name] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
     tensors["rng"] = jax.random.key_data(state.rng)
     return tensors
 
@@ -126,9 +131,15 @@ def named_leaves(state: TrainState) -> dict[str, Any]:
 def state_of(arrays: dict[str, Any], like: TrainState, manifest: dict[str, Any]) -> TrainState:
     """The state of ``arrays`` (as :func:`named_leaves` names them) in ``like``'s structure."""
 
+    def leaf(a: Any, like_leaf: Any) -> Any:
+        if not _is_key(like_leaf):
+            return a
+        return jax.random.wrap_key_data(a, impl=jax.random.key_impl(like_leaf))
+
     def tree(prefix: str, like_tree: Any) -> Any:
         paths, treedef = jax.tree_util.tree_flatten_with_path(like_tree)
-        return jax.tree_util.tree_unflatten(treedef, [arrays[_name(prefix, p)] for p, _ in paths])
+        leaves = [leaf(arrays[_name(prefix, p)], like_leaf) for p, like_leaf in paths]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     rng = jax.random.wrap_key_data(np.asarray(arrays["rng"]), impl=jax.random.key_impl(like.rng))
     params, opt_state = tree("params", like.params), tree("opt_state", like.opt_state)

@@ -358,8 +358,8 @@ def _classifier(
 def _initial_state(
     model: Any, spec: Any, example: np.ndarray, optimizer: optax.GradientTransformation, seed: int
 ) -> TrainState:
-    """Params from ``seed`` and the optimizer's state, its leaves that alias others copied
-    (both trees are donated)."""
+    """Params from ``seed`` and the optimizer's state, its leaves copied (both trees are
+    donated)."""
     rng, init_key = jax.random.split(jax.random.key(seed))
     params = init_of(model, spec, init_key, example)
     trainable = params.params if isinstance(params, ModelVars) else params
@@ -375,12 +375,7 @@ def _initial_state(
             f"{str(e)[:200]}. train() passes the model's params as they are, {str(tree)[:200]};"
             " use an optimizer that takes them, or write the loop with train_step."
         ) from e
-    seen = {id(leaf) for leaf in jax.tree.leaves(params)}
-
-    def own(leaf: Any) -> Any:
-        if id(leaf) in seen:
-            return jnp.array(leaf, copy=True)
-        seen.add(id(leaf))
-        return leaf
-
-    return TrainState(params, jax.tree.map(own, strong(opt_state)), rng)
+    # each leaf a buffer of its own, for the step to donate: one may be a param (aliased) or
+    # the optimizer's (noisy_sgd's key, which a second train() with it found deleted)
+    opt_state = jax.tree.map(lambda a: jnp.array(a, copy=True), strong(opt_state))
+    return TrainState(params, opt_state, rng)
