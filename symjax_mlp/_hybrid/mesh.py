@@ -16,6 +16,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._hybrid.args import check_settings
 
 
 def data_mesh(
@@ -34,8 +35,7 @@ def data_mesh(
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices) if n_devices is None else n_devices
-    if not isinstance(axis, str):  # else jax.make_mesh names the axis str(axis)
-        raise ConfigError(f"data_mesh(axis={axis!r}): name the mesh axis by a str, e.g. 'data'.")
+    check_settings(axis=(axis, str, "'data' (a mesh axis name)"))  # else jax names it str(axis)
     if not isinstance(n, numbers.Integral) or isinstance(n, bool) or not 1 <= n <= len(devices):
         raise ConfigError(
             f"data_mesh({n_devices!r}): JAX sees {len(devices)} device(s), so n_devices must "
