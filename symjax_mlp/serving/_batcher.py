@@ -153,9 +153,11 @@ class Batcher:
         lane = Lane(served, specs, self.buckets, self.name, merges=not alone)
         self._check = RequestCheck(specs, lane, static, alone).check
         # Per event loop, this pass's asubmit (None: several): see _end_of_pass. A lone one
-        # runs on the loop only for an XLA program (a user's Python may block the loop).
+        # runs on the loop only for an XLA program without loops (a user's Python, or a while
+        # loop that never ends, would block the loop: no timeout, no /health).
         self._passes: dict[Any, AsyncRequest | None] = {}
-        self._on_loop = isinstance(model, LoadedModel)
+        on_loop = isinstance(model, LoadedModel)
+        self._on_loop = on_loop and "while" not in (model.manifest.get("needs") or ())
         lane.warm_up()
         self._lane = lane
         self._thread = threading.Thread(target=lane.work, name=self.name, daemon=True)
