@@ -866,3 +866,14 @@ def test_an_optimizer_holding_a_prng_key_trains_again_checkpoints_and_resumes_bi
     keys = [leaf for leaf in jax.tree.leaves(got.opt_state) if jax.dtypes.issubdtype(
         leaf.dtype, jax.dtypes.prng_key)]  # fmt: skip
     assert len(keys) == 1  # restored as a key, as it was saved
+
+
+def test_a_state_leaf_no_checkpoint_can_store_is_named(tmp_path):
+    """A str, complex128 or object leaf was safetensors' raw SafetensorError ('Unknown dtype
+    "str32"'), naming no leaf; nothing is written."""
+    for leaf, says in (("x", r"<U1\[\]"), (1 + 2j, r"complex128\[\]"), (np.zeros(2, object), "")):
+        state = sm.training.TrainState({"w": jnp.zeros(2), "odd": leaf}, (), jax.random.key(0))
+        with pytest.raises(sm.ConfigError, match=rf"save_checkpoint: the state's leaf 'params/odd'"
+                           rf" is {says}.*cannot store .* Keep it out of the state"):  # fmt: skip
+            sm.training.save_checkpoint(tmp_path, state)
+    assert list(tmp_path.iterdir()) == []

@@ -4,8 +4,6 @@ The pieces of :func:`train` are public for research code that writes its own loo
 """
 
 from symjax_mlp._errors import DistributedError as DistributedError
-from symjax_mlp.training._checkpoint import EpochRecord as EpochRecord
-from symjax_mlp.training._checkpoint import TrainState as TrainState
 from symjax_mlp.training._checkpoint import restore_checkpoint as restore_checkpoint
 from symjax_mlp.training._checkpoint import save_checkpoint as save_checkpoint
 from symjax_mlp.training._data import Dataset as Dataset
@@ -15,6 +13,8 @@ from symjax_mlp.training._loop import train as train
 from symjax_mlp.training._paths import latest_checkpoint as latest_checkpoint
 from symjax_mlp.training._processes import EXIT_STATUS as EXIT_STATUS
 from symjax_mlp.training._processes import initialize as initialize
+from symjax_mlp.training._state import EpochRecord as EpochRecord
+from symjax_mlp.training._state import TrainState as TrainState
 from symjax_mlp.training._step import ShardedStep as ShardedStep
 from symjax_mlp.training._step import Step as Step
 from symjax_mlp.training._step import init_params as init_params

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, DataError
-from symjax_mlp.training._checkpoint import as_int, is_count
+from symjax_mlp.training._state import as_int, is_count
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -23,8 +23,8 @@ from symjax_mlp._errors import ConfigError, DivergenceError, RetraceError
 from symjax_mlp._export import export
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.make import hybridize
-from symjax_mlp.training._checkpoint import EpochRecord, TrainState
 from symjax_mlp.training._data import Dataset
+from symjax_mlp.training._state import EpochRecord, TrainState
 from symjax_mlp.training._step import ShardedStep, apply_model, step_of
 
 

@@ -17,16 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from symjax_mlp.training._checkpoint import (
-    TrainState,
-    broken,
-    check_fit,
-    check_manifest,
-    named_leaves,
-    specs,
-    state_of,
-)
+from symjax_mlp.training._checkpoint import broken, check_manifest
 from symjax_mlp.training._paths import checkpoints
+from symjax_mlp.training._state import TrainState, check_fit, named_leaves, specs, state_of
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
 #: Saves handed to the writer thread and not yet to Orbax, each a device copy of the state:

@@ -22,10 +22,11 @@ import optax
 from flax import nnx
 
 from symjax_mlp._errors import CheckpointError
-from symjax_mlp.training._checkpoint import EpochRecord, TrainState, broken, restore_checkpoint
+from symjax_mlp.training._checkpoint import broken, restore_checkpoint
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._paths import check_strays, latest_checkpoint
 from symjax_mlp.training._spec import NnxSpec
+from symjax_mlp.training._state import EpochRecord, TrainState
 from symjax_mlp.training._step import ModelVars, apply_model
 
 PROBE = "model_probe"  # compared within a tolerance, not for equality

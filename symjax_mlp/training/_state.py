@@ -1,0 +1,148 @@
+"""A training run's state: :class:`TrainState` and its :class:`EpochRecord` s, the counts its
+settings are, and the state as named tensors (``params/<key path>``, ``opt_state/...``, ``rng``;
+a typed PRNG key as its key data), the layout both checkpoint formats store."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import typing
+from typing import Any
+
+import jax
+import numpy as np
+
+from symjax_mlp._errors import CheckpointError, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochRecord:
+    """One epoch of the history: mean training loss and accuracies after it."""
+
+    epoch: int
+    step: int
+    loss: float
+    train_accuracy: float
+    test_accuracy: float
+    seconds: float
+
+
+RECORD = typing.get_type_hints(EpochRecord)  # its fields, as a manifest checks them
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a training run needs to continue exactly, as a pytree.
+
+    Attributes:
+      params: the model parameters (the ``"params"`` collection).
+      opt_state: the optax optimizer state.
+      rng: a typed PRNG key; split once per epoch for the shuffle.
+      step, epoch: optimizer updates applied and epochs completed so far.
+    """
+
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    step: int = dataclasses.field(default=0, metadata={"static": True})
+    epoch: int = dataclasses.field(default=0, metadata={"static": True})
+
+
+def is_count(x: Any, low: int = 0) -> bool:
+    """Whether ``x`` is an int (not a bool) ``>= low``."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def as_int(x: Any) -> Any:
+    """``x`` as an int if it is an integer of any kind (``np.int64``, a 0-d int array) but a
+    bool; else ``x`` as it is, for its check to refuse."""
+    if isinstance(x, bool | np.bool_):
+        return x
+    try:
+        return operator.index(x)
+    except TypeError:
+        return x
+
+
+def _name(prefix: str, path: Any) -> str:
+    return prefix + "/" + jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _is_key(leaf: Any) -> bool:
+    """A typed PRNG key (optax.noisy_sgd's state holds one): stored as its key data."""
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def named_leaves(state: TrainState) -> dict[str, Any]:
+    """A checkpoint's tensors: ``{key path: leaf}`` of params and optimizer state, and ``rng``."""
+    tensors: dict[str, Any] = {}
+    for prefix in ("params", "opt_state"):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(state, prefix)):
+            name = _name(prefix, path)
+            if name in tensors:
+                raise CheckpointError(
+                    f"two leaves of the training state are both named {name!r}; rename the "
+                    "dict keys that contain '/' so every leaf has its own checkpoint name."
+                )
+            tensors[name] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
+    tensors["rng"] = jax.random.key_data(state.rng)
+    return tensors
+
+
+def state_of(arrays: dict[str, Any], like: TrainState, manifest: dict[str, Any]) -> TrainState:
+    """The state of ``arrays`` (as :func:`named_leaves` names them) in ``like``'s structure."""
+
+    def leaf(a: Any, like_leaf: Any) -> Any:
+        if not _is_key(like_leaf):
+            return a
+        return jax.random.wrap_key_data(a, impl=jax.random.key_impl(like_leaf))
+
+    def tree(prefix: str, like_tree: Any) -> Any:
+        paths, treedef = jax.tree_util.tree_flatten_with_path(like_tree)
+        leaves = [leaf(arrays[_name(prefix, p)], like_leaf) for p, like_leaf in paths]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    rng = jax.random.wrap_key_data(np.asarray(arrays["rng"]), impl=jax.random.key_impl(like.rng))
+    params, opt_state = tree("params", like.params), tree("opt_state", like.opt_state)
+    return TrainState(params, opt_state, rng, step=manifest["step"], epoch=manifest["epoch"])
+
+
+def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> None:
+    """Refuses a checkpoint whose tensors (``{name: (shape, dtype)}``) are not ``wanted``'s."""
+    missing, extra = sorted(set(wanted) - set(stored)), sorted(set(stored) - set(wanted))
+    if missing or extra:
+        raise CheckpointError(
+            f"{path} does not fit this model and optimizer: missing tensors {missing[:5]}, "
+            f"unexpected tensors {extra[:5]}. Resume with the model and optimizer that wrote it."
+        )
+    for name, (shape, dtype) in wanted.items():
+        got_shape, got_dtype = stored[name]
+        if tuple(got_shape) != tuple(shape) or str(got_dtype) != str(dtype):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(got_shape)} and dtype {got_dtype}, but "
+                f"this model expects shape {tuple(shape)} and dtype {dtype}. The checkpoint was "
+                "written for another model or feature width; resume with the same ones."
+            )
+
+
+def specs(tensors: dict[str, Any]) -> dict[str, tuple]:
+    """``{name: (shape, dtype)}``; a Python number's as save_checkpoint stores it."""
+    arrays = {n: a if hasattr(a, "dtype") else np.asarray(a) for n, a in tensors.items()}
+    return {name: (tuple(a.shape), str(a.dtype)) for name, a in arrays.items()}
+
+
+def check_state(state: Any, caller: str) -> None:
+    """Refuses anything but a :class:`TrainState` whose ``rng`` is a PRNG key."""
+    try:
+        ok = isinstance(state, TrainState) and jax.random.key_data(state.rng) is not None
+    except TypeError:
+        ok = False
+    if not ok:
+        got = type(state).__name__
+        got = f"a TrainState whose rng is {state.rng!r}" if got == "TrainState" else f"a {got}"
+        raise ConfigError(
+            f"{caller}: the state must be a TrainState(params, opt_state, rng, step=, epoch=) "
+            f"with rng a PRNG key; got {got}. Wrap yours: TrainState(params, opt_state, "
+            "jax.random.key(seed), step=step)."
+        )
