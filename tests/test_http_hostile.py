@@ -1132,3 +1132,21 @@ def test_json_values_no_number_input_takes_are_named_in_jsons_words(dtype, input
         _bodies.decode(b, b'{"inputs": ' + inputs.encode() + b"}", "")
     assert says in str(e.value) and f"takes {np.dtype(dtype).name}[b, 2]" in str(e.value)
     assert "send integers" in str(e.value) or "send numbers" in str(e.value)
+
+
+def test_a_manifests_long_name_is_cut_in_every_message(tmp_path):
+    """A manifest's name (4096 characters allowed) named the model in every error message and
+    on /health whole: 4 KB in each 422, as in the server's log."""
+    h = sm.hybridize(lambda p, x: x * p, np.float32(2))
+    path = sm.export(h, tmp_path / "long", example=np.ones((1, 2), np.float32)).path
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["name"] = "n" * 4096
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with sm.serving.Batcher(sm.load(path), max_batch=2) as b:
+        app = sm.serving.create_app(b, close_batcher=False)
+        with _in_thread(app, lifespan="off") as url:
+            code, raw = _post(url, b'{"inputs": [[1, 2, 3]]}')
+            health = json.loads(_get(url, "/health"))
+    name = "n" * 100 + "... (3996 more)"
+    assert code == 422 and f"Batcher({name}): input args[0]" in json.loads(raw)["message"]
+    assert health["model"] == f"Batcher({name})"

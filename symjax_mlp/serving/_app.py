@@ -345,8 +345,9 @@ def load_entry(artifact: Any, entry: str | None = None, **options: Any) -> Loade
 
 
 def model_name(model: LoadedModel) -> str:
-    """A loaded artifact's name for clients: its manifest's, and the entry point's if several."""
-    name = printable(str(model.manifest.get("name") or "model"))
+    """A loaded artifact's name for clients: its manifest's (cut: it is in every message), and
+    the entry point's if several."""
+    name = short(printable(str(model.manifest.get("name") or "model")), 100)
     return name + (f"[{model.entry!r}]" if len(model.entries) > 1 else "")
 
 
