@@ -5,7 +5,8 @@
   tuple output); or a ``.npy`` body (``Content-Type: application/x-npy``, one input), answered
   with a ``.npy`` (an ``.npz`` of ``out0``, ``out1``, ... for a tuple). ``Server-Timing`` gives
   the request's queued/padded/compute/split milliseconds.
-- ``GET /health`` (503 once closing), ``GET /metrics`` (Prometheus), ``GET /signature``.
+- ``GET /health`` (503 once closing, or ``"stuck"``: a batch running past ``request_timeout``),
+  ``GET /metrics`` (Prometheus), ``GET /signature``.
 
 Errors are JSON ``{"error": class name, "message": ...}``, counted on ``/metrics``: 400 an
 unreadable body, 408 a body that stopped arriving, 413 too large, 415 an unknown content type,
