@@ -141,13 +141,22 @@ def describe_mlp(
     return views[format]()
 
 
+#: why a summary's flops are a lower bound, per primitive of ``Graph.flops_unknown``
+_UNKNOWN = {
+    "while": "a while_loop's trip count is unknown",
+    "call_exported": "a loaded model's program is not counted",
+}
+
+
 def _summary(h: Hybrid, x: jax.Array) -> str:
     g = h.graph(x)
     xla_flops = h.compile(x).cost_analysis().get("flops", float("nan"))
     flops = f"{g.flops:,}"
     if not g.flops_exact:
-        unknown = ", ".join("a while_loop" if p == "while" else p for p in g.flops_unknown)
-        flops = f"at least {flops} ({unknown}'s trip count is unknown)"
+        unknown = ", ".join(
+            _UNKNOWN.get(p, f"{p}'s trip count is unknown") for p in g.flops_unknown
+        )
+        flops = f"at least {flops} ({unknown})"
     lines = [
         f"{h.name}: input {x.dtype}{list(x.shape)}, "
         f"{sum(p.size for p in jax.tree.leaves(h.params)):,} params",

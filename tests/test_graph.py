@@ -277,6 +277,20 @@ def test_while_loop_flops_are_a_lower_bound_and_say_so(monkeypatch):
     assert f"flops: at least {g.flops:,} (a while_loop's trip count is unknown)" in summary
 
 
+def test_a_loaded_models_program_is_named_as_what_the_flops_do_not_count(tmp_path, monkeypatch):
+    """Its flops were a lower bound blamed on custom_vmap_call's "trip count" (which runs its
+    call once): it is call_exported, whose ops the jaxpr does not show."""
+    net, x = sm.mlp((4, 2)), jnp.ones((3, 5))
+    inner = sm.hybridize(net, net.init(jax.random.key(0), x))
+    m = sm.load(sm.export(inner, tmp_path / "m", example=x).path)
+    h = sm.hybridize(lambda p, x: m(x) @ p, jnp.ones((2, 6)), name="outer")
+    g = h.graph(x)
+    assert g.flops_unknown == ("call_exported",) and g.flops == 2 * 2 * 3 * 6
+    monkeypatch.setattr(sm.chapter, "chapter_mlp", lambda *a, **k: (h, x))
+    summary = sm.chapter.describe_mlp()
+    assert f"flops: at least {g.flops:,} (a loaded model's program is not counted)" in summary
+
+
 def test_known_trip_counts_are_exact(chapter):
     _, _, h, x = chapter
     assert h.graph(x).flops_exact and h.graph(x).flops_unknown == ()

@@ -26,8 +26,10 @@ _REDUCTION_FLOPS = frozenset({
 # Primitives whose sub-jaxprs run exactly once per run of the equation
 _CALLS = frozenset({
     "jit", "pjit", "closed_call", "core_call", "named_call", "custom_jvp_call", "custom_vjp_call",
-    "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint",
+    "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint", "custom_vmap_call",
 })  # fmt: skip
+#: Primitives whose flops the jaxpr does not show: a loaded model's program (jax.export's)
+_OPAQUE = frozenset({"call_exported"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +149,13 @@ def input_dependent(jaxpr: jex_core.Jaxpr, sources: Any = None) -> list[bool]:
 
 def count_flops(jaxpr: jex_core.Jaxpr) -> tuple[int, tuple[str, ...]]:
     """``(flops, unknown)``: one run's flops (see ``Graph.flops``), and the primitives whose
-    trip counts are unknown."""
+    trip counts (or, ``call_exported``, flops) are unknown."""
     total, unknown = 0, []
     for eqn in jaxpr.eqns:
         subs = bodies(eqn)
         if not subs:
             total += eqn_flops(eqn)
+            unknown += [eqn.primitive.name] if eqn.primitive.name in _OPAQUE else []
             continue
         counted = [(b, *count_flops(b.jaxpr)) for b in subs]
         if eqn.primitive.name == "cond":
