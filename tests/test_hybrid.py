@@ -118,6 +118,15 @@ def test_numpy_integers_and_bools_are_taken_as_settings_as_jax_jit_takes_them():
         h.replace(static_argnums=(True,))
 
 
+def test_replace_name_none_names_the_model_as_hybridize_does():
+    """h.replace(name=None) of a module's Hybrid was named "__call__" (its method's name)."""
+    from helpers import ZOO
+
+    for case in ZOO:
+        h = case.hybridize()
+        assert h.replace(name=None).name == h.name, case.name
+
+
 def test_data_mesh_takes_a_numpy_int_and_refuses_an_axis_of_no_str():
     """data_mesh(np.int64(1)) was refused as no device count; axis=3 made an axis named '3'."""
     mesh = sm.data_mesh(np.int64(1))

@@ -88,7 +88,7 @@ class Hybrid(NoPickle):
             params_as_constants=(params_as_constants, bool, "False"),
         )  # fmt: skip
         model = fn if isinstance(fn, PureModel) else plain(fn)
-        name = name or getattr(model.target, "__name__", type(model.target).__name__)
+        name = name or model.name
         inputs = model.parameters()
         nums, names = static_args(inputs, name, static_argnums, static_argnames)
         over = _mesh.DataParallel.over  # a mesh refuses params_as_constants

@@ -64,6 +64,16 @@ class PureModel:
             if token is not None:
                 _PINNED.reset(token)
 
+    @property
+    def name(self) -> str:
+        """A Hybrid's default name: the function's; for a module's ``__call__``, the class of
+        the module given (else of the one defining it)."""
+        name = getattr(self.target, "__name__", type(self.target).__name__)
+        if name != "__call__":
+            return name
+        owner = getattr(self.target, "__qualname__", "").rpartition(".")[0].rpartition(".")[2]
+        return type(self.source).__name__ if self.source is not None else owner or name
+
     def parameters(self) -> list[inspect.Parameter] | None:
         """The inputs' parameters (params or ``self`` dropped), or ``None``."""
         try:
