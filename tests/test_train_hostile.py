@@ -877,3 +877,22 @@ def test_a_state_leaf_no_checkpoint_can_store_is_named(tmp_path):
                            rf" is {says}.*cannot store .* Keep it out of the state"):  # fmt: skip
             sm.training.save_checkpoint(tmp_path, state)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_optimizer_that_takes_the_loss_trains_and_resumes_bitwise(tiny, tmp_path):
+    """optax.contrib.reduce_on_plateau's update takes value= (the loss), as optax documents
+    for a GradientTransformationExtraArgs: train()'s step passed none, a raw TypeError
+    ('missing 1 required keyword-only argument: value') at the first step."""
+    import optax
+
+    def opt():
+        return optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1))
+
+    kw = {"batch_size": 16}
+    want = sm.training.train(sm.mlp((8, 10)), tiny, epochs=2, optimizer=opt(), **kw)
+    sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, optimizer=opt(), checkpoint=tmp_path, **kw)
+    got = sm.training.train(
+        sm.mlp((8, 10)), tiny, epochs=2, optimizer=opt(), checkpoint=tmp_path, resume=True, **kw
+    )
+    assert got.resumed_from is not None and got.step == want.step == 8
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))

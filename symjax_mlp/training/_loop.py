@@ -93,7 +93,8 @@ def train(
         from the values it was built with (``seed`` then seeds the shuffle only) in the modes
         ``train()`` and ``eval()`` set; ``result.model`` is a new module, trained.
       data: a :class:`Dataset` (default: :func:`load_digits`).
-      optimizer: any ``optax.GradientTransformation`` or ``optax.MultiSteps`` (default: adam).
+      optimizer: any ``optax.GradientTransformation`` or ``optax.MultiSteps`` (default: adam);
+        one taking extra arguments gets ``value=`` the batch's loss (``reduce_on_plateau``).
       learning_rate: the default adam's learning rate (default 1e-3); not used otherwise.
       epochs: total epochs to reach, counting those done before a resumed checkpoint.
       batch_size: examples per step.

@@ -212,7 +212,8 @@ def step_of(
             raise ConfigError(_BLOCKS_STATE.format(caller=caller, blocks=blocks))
         else:
             loss, correct, grads = _blocked(model, spec, trainable, (x, y, w), blocks, axis_name)
-        updates, moved_state = optimizer.update(grads, opt_state, trainable)
+        kw = {"value": loss} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
+        updates, moved_state = optimizer.update(grads, opt_state, trainable, **kw)
         if (was := _like(opt_state)) != (got := _like(moved_state)):  # jit would trace again
             raise ConfigError(
                 _STATE_MOVED.format(caller=caller, was=f"{was!s:.300}", got=f"{got!s:.300}")
