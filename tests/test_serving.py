@@ -503,8 +503,11 @@ def test_a_request_behind_a_lone_call_joins_the_queue_and_runs_next(chapter):
         gate.hold()
         lone = caller.submit(b, rows(1))  # b(x) on the pool's thread: it runs there
         assert gate.entered.wait(30)
+        time.sleep(0.05)
         s = b.stats
         assert s.busy and s.queue_depth == 0 and s.requests == 1
+        assert 0.05 <= s.busy_s < 30  # the running batch's age, for /health's "stuck"
+        assert f"symjax_mlp_batcher_busy_seconds {s.busy_s!r}" in s.to_prometheus()
         behind = b.submit(rows(2))
         assert b.stats.queue_depth == 1  # the lone call holds the lane: this one waits
         gate.open.set()
@@ -514,7 +517,7 @@ def test_a_request_behind_a_lone_call_joins_the_queue_and_runs_next(chapter):
         assert second not in (caller_thread, threading.get_ident())  # the batcher's
         assert behind.timing.queued > 0 and behind.timing.bucket == 2
     s = b.stats
-    assert (s.requests, s.completed, s.batches, s.rows, s.busy) == (2, 2, 2, 3, False)
+    assert (s.requests, s.completed, s.batches, s.rows, s.busy, s.busy_s) == (2, 2, 2, 3, False, 0)
 
 
 def test_a_signature_seen_before_is_looked_up_and_others_still_refused(chapter):

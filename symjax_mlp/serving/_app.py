@@ -36,7 +36,6 @@ from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._bodies import BadRequest, decode, short, to_json, to_npy
 from symjax_mlp.serving._intake import Intake, Watch
-from symjax_mlp.serving._lane import clock
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
 _STOPPED = "the server stopped before the request was answered; retry it."
@@ -170,7 +169,7 @@ def create_app(
     by_code: collections.Counter[int] = collections.Counter()  # answers, on the one loop
     limits = max_body_bytes, body_timeout, max_inflight_bytes
     intake = Intake(*check_limits("create_app", *limits, request_timeout=request_timeout))
-    waits, public, lane = Watch(request_timeout), Public(batcher), batcher._lane
+    waits, public = Watch(request_timeout), Public(batcher)
 
     def error(status: int, e: BaseException, headers: dict[str, str] | None = None) -> Response:
         by_code[status] += 1  # a 500's message is the model's (or a bug's): its text cut
@@ -263,9 +262,8 @@ def create_app(
     logged: list[BaseException | None] = [None]  # the error logged in this pass of the loop
 
     async def health(request: Request) -> Response:
-        s, since = batcher.stats, lane.since
-        busy = 0.0 if since is None else clock() - since
-        status = "closing" if batcher.closed else "stuck" if busy > request_timeout else "ok"
+        s = batcher.stats
+        status = "closing" if batcher.closed else "stuck" if s.busy_s > request_timeout else "ok"
         body = {
             "status": status,
             "model": public.name,
@@ -274,8 +272,9 @@ def create_app(
         }
         if status == "stuck":
             body["message"] = (
-                f"a batch has run for {busy:.0f} s, past request_timeout={request_timeout:g} s: "
-                "the model may never return; restart the server if it stays stuck."
+                f"a batch has run for {s.busy_s:.0f} s, past request_timeout="
+                f"{request_timeout:g} s: the model may never return; restart the server if it "
+                "stays stuck."
             )
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 

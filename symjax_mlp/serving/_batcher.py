@@ -336,7 +336,9 @@ class Batcher:
         """A snapshot of the counters and timings (see :class:`BatcherStats`)."""
         lane = self._lane
         with lane.lock:
-            return lane.n.snapshot(queue_depth=len(lane.queue), busy=not lane.idle)
+            since = lane.since  # None: no batch runs
+            busy_s = 0.0 if since is None else clock() - since
+            return lane.n.snapshot(len(lane.queue), busy=not lane.idle, busy_s=busy_s)
 
     @property
     def merges(self) -> bool:

@@ -38,7 +38,8 @@ class BatcherStats:
       batches: model calls; ``batches_by_bucket`` counts them per batch size run (a compiled
         bucket, or a request's own rows where the batcher does not merge).
       rows: real rows computed; ``padded_rows`` the zero rows added to reach a bucket.
-      queue_depth: requests waiting now; ``busy``: whether a batch is running now.
+      queue_depth: requests waiting now; ``busy``: whether a batch is running now, and
+        ``busy_s`` for how many seconds it has run (0.0 when none runs).
       seconds: per stage (``queued``, ``padded``, ``compute``, ``split``), the sum over
         completed requests.
       latency: ``(upper bound in seconds, completed requests at most that slow)`` per
@@ -58,6 +59,7 @@ class BatcherStats:
     padded_rows: int
     queue_depth: int
     busy: bool
+    busy_s: float
     seconds: dict[str, float]
     latency: tuple[tuple[float, int], ...]
     latency_sum: float
@@ -103,6 +105,7 @@ class BatcherStats:
             ("padded_rows_total", c, _PADDED, self.padded_rows),
             ("queue_depth", g, "Requests waiting now.", self.queue_depth),
             ("busy", g, "1 while a batch runs.", int(self.busy)),
+            ("busy_seconds", g, "Seconds the batch running now has run.", self.busy_s),
             ("stage_seconds", "summary", _STAGES, stages),
             ("request_seconds", "histogram", "Seconds from call to result.", hist),
         ]
@@ -156,7 +159,7 @@ class Counters:
             for i, n in enumerate(np.bincount(where, minlength=len(self.latency)).tolist()):
                 self.latency[i] += n
 
-    def snapshot(self, queue_depth: int, busy: bool) -> BatcherStats:
+    def snapshot(self, queue_depth: int, busy: bool, busy_s: float) -> BatcherStats:
         """The tallies, ``pending`` folded in, as a :class:`BatcherStats`."""
         self.fold()
         same = ("completed", "failed", "cancelled", "batches", "rows", "padded_rows")
@@ -167,6 +170,7 @@ class Counters:
             batches_by_bucket=dict(self.by_bucket),
             queue_depth=queue_depth,
             busy=busy,
+            busy_s=busy_s,
             seconds=dict(self.seconds),
             latency=tuple(zip(LATENCY_BUCKETS, itertools.accumulate(self.latency), strict=False)),
             latency_sum=self.latency_sum,
