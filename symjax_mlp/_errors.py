@@ -1,8 +1,13 @@
-"""The errors symjax_mlp raises. Every one derives from :class:`SymjaxError`."""
+"""The errors symjax_mlp raises (every one derives from :class:`SymjaxError`), and the integer
+reading its settings' checks share."""
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 
 class SymjaxError(Exception):
@@ -61,3 +66,14 @@ class OverloadError(SymjaxError, RuntimeError):
 class DistributedError(SymjaxError, RuntimeError):
     """Another process of a multi-process run did not arrive, stalled or died; the message
     names it. Relaunch every process (``resume=True`` continues from the last checkpoint)."""
+
+
+def as_int(x: Any) -> Any:
+    """``x`` as an int if it is an integer of any kind (``np.int64``, a 0-d int array) but a
+    bool; else ``x`` as it is, for the setting's check to refuse."""
+    if isinstance(x, bool | np.bool_):
+        return x
+    try:
+        return operator.index(x)
+    except TypeError:
+        return x

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -18,7 +17,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._artifact.signature import sizes_at
-from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
+from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_int
 from symjax_mlp._npy import draw
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
@@ -262,17 +261,6 @@ def _loop(fn: Callable[[], Any], calls: int, pipelined: bool) -> float:
     return (clock() - t0) / calls
 
 
-def _int(n: Any) -> Any:
-    """``n`` as an int if it is an integer of any kind (``np.int64``, a 0-d int array) but a
-    bool; else ``n`` as it is, for the check to refuse."""
-    if isinstance(n, bool | np.bool_):
-        return n
-    try:
-        return operator.index(n)
-    except TypeError:
-        return n
-
-
 def timeit(
     model: Any,
     *args: Any,
@@ -327,7 +315,7 @@ def timeit(
     from symjax_mlp._loaded import LoadedModel
     from symjax_mlp.serving import dispatch_mode
 
-    calls, repeats, warmup, batch = counts = [_int(n) for n in (calls, repeats, warmup, batch)]
+    calls, repeats, warmup, batch = counts = [as_int(n) for n in (calls, repeats, warmup, batch)]
     if any(not isinstance(n, int) or isinstance(n, bool) for n in counts) or min(counts) < 1:
         raise ConfigError(
             f"timeit: calls, repeats, warmup and batch must be >= 1; got calls={calls!r}, "

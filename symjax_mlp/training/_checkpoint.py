@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import save
 
 from symjax_mlp._artifact.weights import MAX_TENSORS, read_safetensors_file
-from symjax_mlp._errors import CheckpointError, ConfigError
+from symjax_mlp._errors import CheckpointError, ConfigError, as_int
 from symjax_mlp._files import MANIFEST, read_regular, sha256, write_dir
 from symjax_mlp.training._paths import (
     check_directory,
@@ -33,7 +33,6 @@ from symjax_mlp.training._paths import (
 from symjax_mlp.training._state import (
     RECORD,
     TrainState,
-    as_int,
     check_fit,
     check_state,
     is_count,

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from symjax_mlp._errors import ConfigError, DataError
-from symjax_mlp.training._state import as_int, is_count
+from symjax_mlp._errors import ConfigError, DataError, as_int
+from symjax_mlp.training._state import is_count
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from symjax_mlp._errors import CheckpointError, ConfigError, ControlFlowError
+from symjax_mlp._errors import CheckpointError, ConfigError, ControlFlowError, as_int
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._models import mlp
 from symjax_mlp.training._checkpoint import save_checkpoint
@@ -35,7 +35,7 @@ from symjax_mlp.training._paths import check_directory
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
 from symjax_mlp.training._spec import TRAIN_FORM, NnxSpec, spec_of
-from symjax_mlp.training._state import EpochRecord, TrainState, as_int, is_count
+from symjax_mlp.training._state import EpochRecord, TrainState, is_count
 from symjax_mlp.training._step import ModelVars, check_trainable, init_of, strong
 
 _NOT_FLAX = (

@@ -20,8 +20,8 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._errors import ConfigError, DistributedError
-from symjax_mlp.training._state import as_int, is_count
+from symjax_mlp._errors import ConfigError, DistributedError, as_int
+from symjax_mlp.training._state import is_count
 
 #: The exit status of a process ended because another did not arrive or stalled (EX_TEMPFAIL:
 #: relaunch every process; ``resume=True`` continues from the last committed checkpoint).

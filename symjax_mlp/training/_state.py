@@ -5,7 +5,6 @@ a typed PRNG key as its key data), the layout both checkpoint formats store."""
 from __future__ import annotations
 
 import dataclasses
-import operator
 import typing
 from typing import Any
 
@@ -52,17 +51,6 @@ class TrainState:
 def is_count(x: Any, low: int = 0) -> bool:
     """Whether ``x`` is an int (not a bool) ``>= low``."""
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
-
-
-def as_int(x: Any) -> Any:
-    """``x`` as an int if it is an integer of any kind (``np.int64``, a 0-d int array) but a
-    bool; else ``x`` as it is, for its check to refuse."""
-    if isinstance(x, bool | np.bool_):
-        return x
-    try:
-        return operator.index(x)
-    except TypeError:
-        return x
 
 
 def _name(prefix: str, path: Any) -> str:

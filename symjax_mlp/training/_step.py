@@ -17,10 +17,10 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
 from symjax_mlp.training._spec import STEP_FORM, ModelSpec, NnxSpec, init_variables, spec_of
-from symjax_mlp.training._state import as_int, is_count
+from symjax_mlp.training._state import is_count
 
 #: ``step(params, opt_state, x, y, w) -> (params, opt_state, {"loss", "correct"})``.
 Step = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
