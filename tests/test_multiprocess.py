@@ -141,6 +141,20 @@ def test_initialize_refuses_bad_arguments_before_starting_anything():
     assert not jax.distributed.is_initialized()
 
 
+def test_initialize_reads_a_bracketed_ipv6_coordinator_and_refuses_a_port_past_65535():
+    """'[::1]:1234' gave the reachability probe the host '[::1]', brackets and all (so a
+    coordinator that was up was reported 'not running'); a port of 99999 passed the check and
+    reached the socket's OverflowError in the timer thread."""
+    from symjax_mlp.training._processes import host_port
+
+    assert host_port("[::1]:1234") == ("::1", 1234)
+    assert host_port("127.0.0.1:1234") == ("127.0.0.1", 1234)
+    for bad in ("localhost", "localhost:99999", "localhost:0", "[::1]", ":1234", 1234):
+        assert host_port(bad) == ("", 0)
+    with pytest.raises(sm.ConfigError, match="coordinator must be 'host:port'"):
+        sm.training.initialize("localhost:99999", 2, 0)
+
+
 def test_initialize_takes_numpy_integers_and_refuses_bools_and_floats(monkeypatch):
     """initialize(num_processes=np.int64(2)) was refused, 'num_processes must be an int >= 1',
     for a count a user computed with NumPy; each is passed on as its int."""

@@ -53,9 +53,9 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
         f"process_id={process_id!r}, timeout={timeout!r})"
     )
     num_processes, process_id, timeout = (as_int(v) for v in (num_processes, process_id, timeout))
-    host, _, port = str(coordinator).rpartition(":")
+    host, port = host_port(coordinator)
     checks = {
-        "coordinator must be 'host:port'": isinstance(coordinator, str) and host and port.isdigit(),
+        "coordinator must be 'host:port'": bool(host),
         "num_processes must be an int >= 1": is_count(num_processes, 1),
         "process_id must be an int in 0 .. num_processes - 1": is_count(process_id)
         and is_count(num_processes, 1)
@@ -70,7 +70,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
     others = [i for i in range(num_processes) if i != process_id]
 
     def missing() -> str:
-        if process_id and not _reachable(host, int(port)):
+        if process_id and not _reachable(host, port):
             who = f"process 0 (the coordinator, serving {coordinator}) is not running"
         elif len(others) == 1:
             who = f"process {others[0]} never connected"
@@ -110,6 +110,16 @@ def end(message: str) -> None:
     sys.stderr.write(message + " Ending this process (exit status 75) rather than hang.\n")
     sys.stderr.flush()
     os._exit(EXIT_STATUS)
+
+
+def host_port(coordinator: Any) -> tuple[str, int]:
+    """``(host, port)`` of ``"host:port"`` (an IPv6 host bracketed: ``"[::1]:1234"``, host
+    ``"::1"``, a port of 1 .. 65535); ``("", 0)`` for anything else."""
+    host, _, port = coordinator.rpartition(":") if isinstance(coordinator, str) else ("", "", "")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    number = int(port) if port.isascii() and port.isdigit() else 0
+    return (host, number) if host and 0 < number < 65536 else ("", 0)
 
 
 def _reachable(host: str, port: int) -> bool:
