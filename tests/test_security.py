@@ -153,6 +153,21 @@ def test_what_is_allowed_by_name_loads(base, tmp_path):
         sm.load(art, allow={""})
 
 
+def test_an_allow_name_no_refusal_has_is_refused_with_a_guess(base, tmp_path):
+    """allow={"whiel"} was taken: the load then refused the loop, naming allow= as the fix."""
+    src, _ = base
+    art = forge.forge(src, tmp_path / "loop", forge.uncounted_loop)
+    for typo, guess in (("whiel", "'while'"), ("op:gahter", "'gather'"), ("nonsense", None)):
+        with pytest.raises(sm.ArtifactError) as e:
+            sm.load(art, allow={typo, "custom_call:foo"})
+        said = str(e.value)
+        assert f"'{typo.removeprefix('op:')}' names nothing load() refuses" in said
+        assert "'custom_call:NAME'" in said and "compute" in said  # what it takes
+        assert (f"Did you mean {guess}?" if guess else "Pass the names a refusal gives") in said
+    legal = {"op:while", "stablehlo.gather", "custom_call:my_kernel", "chlo.erf", "compute"}
+    sm.load(art, self_test=False, allow=legal | {"vjp", "control_in_reducer", "infeed"})
+
+
 def test_counted_loops_of_a_small_constant_trip_count_load(tmp_path):
     def fori(p, x):
         return jax.lax.fori_loop(0, 10, lambda i, c: c * 0.5 + p["w"], x)

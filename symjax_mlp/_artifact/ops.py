@@ -11,6 +11,8 @@ the ``MAX_*`` bounds: ``"compute"``) unless the caller allows it by name (``allo
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,10 @@ HOST_CALLBACKS = frozenset(str.split("""
     xla_ffi_python_gpu_callback xla_ffi_partitioned_python_cpu_callback
     xla_ffi_partitioned_python_gpu_callback
 """))  # fmt: skip
+# the keys of refusals that are no op's name (walk.py's, checker.py's)
+CHECKS = frozenset(
+    str.split("attribute call compute control_in_reducer module nesting recursion vjp")
+)
 MAX_LOOP_TRIPS = 1 << 16
 MAX_ELEMENTS = 1 << 32
 MAX_WORK = 1 << 32  # element operations: ~10-30 s of the slowest ops on one core
@@ -72,7 +78,8 @@ class ModuleReport:
 
 
 def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
-    """``allow=`` as keys: ``"while"``, ``"stablehlo.while"`` and ``"op:while"`` are one key."""
+    """``allow=`` as keys: ``"while"``, ``"stablehlo.while"`` and ``"op:while"`` are one key.
+    A name that no refusal can have (``"whiel"``) is an :class:`ArtifactError`."""
     if allow is None:
         return frozenset()
     items = (allow,) if isinstance(allow, str) else allow
@@ -82,7 +89,33 @@ def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
             f"load(allow={allow!r}): expected names such as 'while' or 'custom_call:NAME', "
             "in a set or list, e.g. allow={'while'}."
         )
-    return frozenset(item.removeprefix("op:").removeprefix("stablehlo.") for item in items)
+    keys = frozenset(item.removeprefix("op:").removeprefix("stablehlo.") for item in items)
+    for key in sorted(keys):
+        if not (key in CHECKS or key in _op_names() or _open_ended(key)):
+            guess = difflib.get_close_matches(key, [*CHECKS, *_op_names()], n=1)
+            fix = f"Did you mean {guess[0]!r}?" if guess else "Pass the names a refusal gives."
+            raise ArtifactError(
+                f"load(allow={show_keys(items)[:300]}): {key[:100]!r} names nothing load() "
+                f"refuses. Expected a check ({', '.join(sorted(CHECKS))}), a StableHLO op "
+                "('while', 'gather', ...), an op of another dialect ('chlo.erf') or "
+                f"'custom_call:NAME'. {fix}"
+            )
+    return keys
+
+
+@functools.cache
+def _op_names() -> frozenset[str]:
+    """The StableHLO ops this JAX parses, without ``stablehlo.``."""
+    from jax.extend.mlir.dialects import stablehlo
+
+    names = (getattr(c, "OPERATION_NAME", "") for c in vars(stablehlo).values())
+    return frozenset(n.removeprefix("stablehlo.") for n in names if isinstance(n, str) and n)
+
+
+def _open_ended(key: str) -> bool:
+    """A custom call's target or another dialect's op: any name."""
+    head, dot, tail = key.partition(".")
+    return (key.startswith("custom_call:") and key != "custom_call:") or bool(head and dot and tail)
 
 
 def needs(report: ModuleReport) -> list[str]:
