@@ -425,6 +425,21 @@ def test_shard_step_takes_lists_and_names_what_is_not_a_step():
             sm.training.shard_step(kw.pop("step"), **kw)
 
 
+def test_shard_step_takes_numpy_bools_as_pythons():
+    """donate=np.bool_(False), pad=np.True_ (a sweep's settings) were refused as no bool, where
+    jax.jit and Hybrid's settings take them; donating nothing keeps the caller's params."""
+    import optax
+
+    net, x = sm.mlp((8, 3)), np.ones((4, 5), np.float32)
+    params = net.init(jax.random.key(0), x)["params"]
+    step = sm.training.shard_step(
+        sm.training.train_step(net, optax.sgd(0.1)), donate=np.bool_(False), pad=np.True_
+    )
+    step(params, optax.sgd(0.1).init(params), x[:3], np.array([0, 1, 2]))
+    assert (step.pad, type(step.pad)) == (True, bool)
+    assert all(not a.is_deleted() for a in jax.tree.leaves(params))  # donate was False
+
+
 def _dropout(rate):
     class Net(nn.Module):  # same class, name and params: only the dropout rate differs
         @nn.compact

@@ -13,12 +13,12 @@ from symjax_mlp.training._loop import train as train
 from symjax_mlp.training._paths import latest_checkpoint as latest_checkpoint
 from symjax_mlp.training._processes import EXIT_STATUS as EXIT_STATUS
 from symjax_mlp.training._processes import initialize as initialize
+from symjax_mlp.training._shard import ShardedStep as ShardedStep
+from symjax_mlp.training._shard import shard_step as shard_step
 from symjax_mlp.training._state import EpochRecord as EpochRecord
 from symjax_mlp.training._state import TrainState as TrainState
-from symjax_mlp.training._step import ShardedStep as ShardedStep
 from symjax_mlp.training._step import Step as Step
 from symjax_mlp.training._step import init_params as init_params
-from symjax_mlp.training._step import shard_step as shard_step
 from symjax_mlp.training._step import train_step as train_step
 
 __all__ = [

@@ -24,8 +24,9 @@ from symjax_mlp._export import export
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp.training._data import Dataset
+from symjax_mlp.training._shard import ShardedStep
 from symjax_mlp.training._state import EpochRecord, TrainState
-from symjax_mlp.training._step import ShardedStep, apply_model, step_of
+from symjax_mlp.training._step import apply_model, step_of
 
 
 @functools.partial(jax.jit, static_argnums=1)

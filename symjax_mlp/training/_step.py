@@ -1,5 +1,5 @@
-"""The training step, pure and un-jitted, and the same step run data-parallel: the loss is a
-``w``-weighted mean, so XLA inserts the all-reduce of the gradients and ignores padding rows."""
+"""The training step, pure and un-jitted: the loss is a ``w``-weighted mean (0 marks padding),
+so the same step runs data-parallel (:mod:`._shard`) and XLA inserts the gradients' all-reduce."""
 
 from __future__ import annotations
 
@@ -12,13 +12,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
-from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
 from symjax_mlp.training._spec import STEP_FORM, ModelSpec, NnxSpec, init_variables, spec_of
 from symjax_mlp.training._state import is_count
 
@@ -255,7 +251,7 @@ _STATE_MOVED = (
     "{got}). A compiled step needs the same structure, shapes and dtypes at every step, and a "
     "checkpoint restores init's. Make update return a state like init's (cast with .astype)."
 )
-_UNEVEN = (
+UNEVEN = (
     "{caller}: a batch of {rows} rows does not split into the step's {blocks} equal blocks. "
     "Pass a batch that is a multiple of {blocks}."
 )
@@ -273,7 +269,7 @@ def _blocked(model: Any, spec: Any, params: Any, batch: tuple, blocks: int, axis
     rows = batch[0].shape[0]
     if rows % (blocks // n):
         raise SignatureError(
-            _UNEVEN.format(caller=f"train_step(..., blocks={blocks})", rows=rows * n, blocks=blocks)
+            UNEVEN.format(caller=f"train_step(..., blocks={blocks})", rows=rows * n, blocks=blocks)
         )
 
     def part(p: Any, x: jax.Array, y: jax.Array, w: jax.Array):
@@ -288,109 +284,3 @@ def _blocked(model: Any, spec: Any, params: Any, batch: tuple, blocks: int, axis
     (loss, (correct, weight)), grads = jax.tree.map(in_order, per)
     weight = jnp.maximum(weight, 1.0)
     return loss / weight, correct, jax.tree.map(lambda g: g / weight, grads)
-
-
-class ShardedStep:
-    """A training step run data-parallel (see :func:`shard_step`): ``s(params, opt_state, x,
-    y, w=None)`` replicates the state, pads and splits the batch, and runs one ``jax.jit``."""
-
-    def __init__(
-        self, step: Callable[..., Any], mesh: Mesh | None, axis: str, donate: bool, pad: bool
-    ):
-        self.step = step
-        self.mesh, self.replicated, self.batch_sharding, self.n_shards = shardings(mesh, axis)
-        self.axis, self.pad = axis, pad
-        rep, dat = self.replicated, self.batch_sharding
-        self.blocks = getattr(step, "blocks", 1)
-        if self.blocks > 1:  # each device its blocks, gathered in the step: a fixed order
-            if self.blocks % self.n_shards:
-                raise ConfigError(
-                    f"shard_step(...): a step of blocks={self.blocks} over {self.n_shards} "
-                    f"shards; the shards must divide the blocks. Use blocks={self.n_shards} "
-                    "(or a multiple), or a mesh whose axis size divides it."
-                )
-            step = jax.shard_map(
-                functools.partial(step, axis_name=axis),
-                mesh=self.mesh,
-                in_specs=(P(), P(), P(axis), P(axis), P(axis)),
-                out_specs=P(),
-                check_vma=False,
-            )
-        self._jitted = jax.jit(
-            step,
-            in_shardings=(rep, rep, dat, dat, dat),
-            out_shardings=(rep, rep, rep),
-            donate_argnums=(0, 1) if donate else (),
-        )
-
-    def replicate(self, tree: Any) -> Any:
-        """``tree`` placed on every device of the mesh (params, optimizer state)."""
-        return jax.tree.map(lambda a: place(a, self.replicated), tree)
-
-    def shard_batch(self, x: Any, y: Any, w: Any = None) -> tuple[jax.Array, ...]:
-        """``(x, y, w)`` padded with weight-0 rows to a multiple of ``n_shards``, then split."""
-        x, y, w = (a if a is None or hasattr(a, "shape") else np.asarray(a) for a in (x, y, w))
-        batch = batch_size((x, y) if w is None else (x, y, w), "shard_step(...)")
-        w = np.ones(batch, np.float32) if w is None else w
-        extra = padding(batch, self.n_shards, self.pad, "shard_step(...)")
-        if self.blocks > 1 and batch % self.blocks:  # padding would change the blocks
-            raise SignatureError(
-                _UNEVEN.format(caller="shard_step(...)", rows=batch, blocks=self.blocks)
-            )
-        arrays = (pad_rows(x, extra), pad_rows(y, extra), pad_rows(w, extra, fill=0))
-        return tuple(place(a, self.batch_sharding) for a in arrays)
-
-    def __call__(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any = None) -> Any:
-        """One step: ``(params, opt_state, metrics)``, all replicated."""
-        return self._jitted(*self._placed(params, opt_state, x, y, w))
-
-    def lower(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any = None):
-        """The lowered step; ``.compile().as_text()`` shows XLA's all-reduce of the gradients."""
-        return self._jitted.lower(*self._placed(params, opt_state, x, y, w))
-
-    def _placed(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any) -> tuple[Any, ...]:
-        return self.replicate(params), self.replicate(opt_state), *self.shard_batch(x, y, w)
-
-
-def shard_step(
-    step: Callable[..., Any],
-    mesh: Mesh | None = None,
-    *,
-    axis: str = "data",
-    donate: bool = True,
-    pad: bool = True,
-) -> ShardedStep:
-    """Runs a training step data-parallel: batch split over ``axis``, state replicated.
-
-    Args:
-      step: ``step(params, opt_state, x, y, w) -> (params, opt_state, metrics)`` whose loss is
-        a ``w``-weighted mean over the batch, e.g. :func:`symjax_mlp.training.train_step`.
-      mesh: a ``jax.sharding.Mesh`` (default: :func:`~symjax_mlp.data_mesh` over every device, all
-        processes included after ``jax.distributed.initialize``).
-      axis: the mesh axis the batch is split over.
-      donate: donate params and optimizer state to the step (their old buffers are reused).
-      pad: pad an indivisible batch with weight-0 rows, exact for a ``w``-weighted loss
-        (``False``: raise :class:`~symjax_mlp.SignatureError`).
-
-    Returns:
-      A :class:`ShardedStep`; its params after N steps equal single-device training up to
-      float rounding, and bit for bit for a ``train_step(..., blocks=B)`` step (run under
-      ``shard_map``; the shards must divide B).
-
-    Example:
-      >>> import jax, jax.numpy as jnp, optax
-      >>> import symjax_mlp as sm
-      >>> net, x, y = sm.mlp((8, 3)), jnp.ones((4, 5)), jnp.array([0, 1, 2, 0])
-      >>> params = net.init(jax.random.key(0), x)["params"]
-      >>> step = sm.training.shard_step(sm.training.train_step(net, optax.sgd(0.1)))
-      >>> params, opt_state, metrics = step(params, optax.sgd(0.1).init(params), x, y)
-      >>> sorted(metrics)
-      ['correct', 'loss']
-    """
-    if not (callable(step) and isinstance(donate, bool) and isinstance(pad, bool)):
-        raise ConfigError(
-            f"shard_step(step, donate=, pad=): got step {type(step).__name__}, donate "
-            f"{donate!r}, pad {pad!r}; expected a step function such as "
-            "sm.training.train_step(model, optimizer) and donate, pad True or False."
-        )
-    return ShardedStep(step, mesh, axis, donate, pad)
