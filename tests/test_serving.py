@@ -13,6 +13,7 @@ import json
 import os
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -659,24 +660,32 @@ def test_a_lone_asubmit_runs_on_its_loop_and_a_pass_of_many_on_the_batcher(
 
 def test_a_lone_asubmit_of_an_artifact_with_a_while_loop_runs_on_the_batchers_thread(tmp_path):
     """A while loop may never end (its trip count is data): on the event loop it stopped every
-    timeout, /health and the graceful stop with it. Such an artifact runs on the thread."""
+    timeout, /health and the graceful stop with it. Such an artifact runs on the thread, as
+    the checker found it, whatever its manifest says it needs (a manifest that left "while"
+    out, loaded with allow={"while"} or trust=True, ran on the loop)."""
 
     def doubling(p, x):  # 2x + 1 until its first entry passes p (zeros too: the warm-up's)
         return jax.lax.while_loop(lambda y: y[0, 0] < p, lambda y: y * 2 + 1, x)
 
     h = sm.hybridize(doubling, jnp.float32(10))
     art = sm.export(h, tmp_path / "m", example=jnp.ones((1, 2)))
-    m = sm.load(art.path, allow=set(art.manifest["needs"]))
     assert "while" in art.manifest["needs"]
-    gate = Gated(None)
-    with sm.serving.Batcher(m, max_batch=2) as b:
-        gate.fn, b._lane.call = b._lane.call, gate
+    silent = tmp_path / "silent"  # the same artifact, its manifest silent about the loop
+    shutil.copytree(art.path, silent)
+    manifest = json.loads((silent / "manifest.json").read_text())
+    (silent / "manifest.json").write_text(json.dumps({**manifest, "needs": []}))
+    allow = {"while", "dynamic_slice"}  # its data's loop, and y[0, 0]
+    for path, options in ((art.path, {"allow": allow}), (silent, {"allow": allow}),
+                          (silent, {"trust": True})):  # fmt: skip
+        gate = Gated(None)
+        with sm.serving.Batcher(sm.load(path, **options), max_batch=2) as b:
+            gate.fn, b._lane.call = b._lane.call, gate
 
-        async def lone():
-            return await asyncio.wait_for(b.asubmit(np.ones((1, 2), np.float32)), 30)
+            async def lone(b=b):
+                return await asyncio.wait_for(b.asubmit(np.ones((1, 2), np.float32)), 30)
 
-        assert asyncio.run(lone()).tolist() == [[15.0, 15.0]]
-        assert gate.threads == [b._thread.ident]
+            assert asyncio.run(lone()).tolist() == [[15.0, 15.0]]
+            assert gate.threads == [b._thread.ident], (path.name, options)
 
 
 def test_asubmit_refuses_cancels_and_reports_errors(chapter):

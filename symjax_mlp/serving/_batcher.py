@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from symjax_mlp._artifact.format import NEEDS
 from symjax_mlp._errors import ConfigError, OverloadError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
@@ -34,6 +35,8 @@ from symjax_mlp.serving._requests import (
     inference_of,
 )
 from symjax_mlp.serving._stats import BatcherStats
+
+_BOUNDED = NEEDS - {"while"}  # allow= keys whose ops compute tensors from tensors, bounded
 
 
 class Batcher:
@@ -153,11 +156,14 @@ class Batcher:
         lane = Lane(served, specs, self.buckets, self.name, merges=not alone)
         self._check = RequestCheck(specs, lane, static, alone).check
         # Per event loop, this pass's asubmit (None: several): see _end_of_pass. A lone one
-        # runs on the loop only for an XLA program without loops (a user's Python, or a while
-        # loop that never ends, would block the loop: no timeout, no /health).
+        # runs on the loop only for an XLA program the checker bounded (a user's Python, a
+        # while loop that never ends, a native kernel would block the loop: no timeout, no
+        # /health): loaded with its ops checked and allowed none but tensor ops, whatever
+        # its manifest says it needs.
         self._passes: dict[Any, AsyncRequest | None] = {}
-        on_loop = isinstance(model, LoadedModel)
-        self._on_loop = on_loop and "while" not in (model.manifest.get("needs") or ())
+        options = getattr(getattr(model, "_opener", None), "options", None) or {}
+        bounded = options.get("trust") is False and options.get("allowed") <= _BOUNDED
+        self._on_loop = isinstance(model, LoadedModel) and bounded
         lane.warm_up()
         self._lane = lane
         self._thread = threading.Thread(target=lane.work, name=self.name, daemon=True)
