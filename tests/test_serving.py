@@ -521,6 +521,32 @@ def test_a_request_behind_a_lone_call_joins_the_queue_and_runs_next(chapter):
     assert (s.requests, s.completed, s.batches, s.rows, s.busy, s.busy_s) == (2, 2, 2, 3, False, 0)
 
 
+def test_a_batch_whose_model_calls_the_batcher_inside_itself_stays_busy(chapter):
+    """b(x) inside the model ran and cleared the running batch's start: /health's "stuck"
+    (busy_s) then missed the outer batch, however long it ran on."""
+    _, _, h, x = chapter
+    inside, held = threading.Event(), threading.Event()
+
+    def model(x):
+        if x[0, 0] == 7:  # the outer request: a call of b inside, then held
+            b(np.zeros_like(x))
+            inside.set()
+            assert held.wait(30), "the test never let the model go"
+        return h(x)
+
+    with (
+        sm.serving.Batcher(model, example=x, max_batch=2) as b,
+        concurrent.futures.ThreadPoolExecutor(1) as caller,
+    ):
+        outer = caller.submit(b, np.full_like(x[:1], 7))
+        assert inside.wait(30)
+        s = b.stats
+        held.set()
+        assert outer.result(30).shape == (1, 2)
+    assert s.busy and s.busy_s > 0  # was 0.0: no batch running, by the inner call's end
+    assert b.stats.busy_s == 0 and b.stats.completed == 2
+
+
 def test_a_signature_seen_before_is_looked_up_and_others_still_refused(chapter):
     _, _, h, x = chapter
     with sm.serving.Batcher(h, example=x, max_batch=8) as b:

@@ -240,8 +240,10 @@ class Lane:
         """The model's results for ``batch`` (requests of ``rows`` rows in all), one per
         request, and the batch's timing record ``(t0, t1, t2, t3, t4, rows, bucket)``: ``t0``
         its request's start or its requests' starts, ``t1..t4`` its stages' bounds."""
+        nested = self.since is not None  # b(x) inside the model: the outer batch's mark stays
         try:  # counted: in bulk, later, or at once as failed
-            t1 = self.since = clock()
+            t1 = clock()
+            self.since = self.since if nested else t1
             bucket = self.bucket_of[rows]
             inputs = self.assemble([r.arrays for r in batch], rows, bucket)
             t2 = clock()
@@ -257,7 +259,7 @@ class Lane:
             if not same and (error := self.unlike(raw, rows)):
                 raise error
             t3 = clock()
-            self.took[bucket], self.since = t3 - t2, None
+            self.took[bucket] = t3 - t2
             if len(batch) == 1:  # a lone request: one copy of its rows, no views
                 results = [self.split(out, 0, rows)]
             elif self.single and rows == len(batch):  # one row each: the common batch
@@ -268,10 +270,12 @@ class Lane:
                     results.append(split(out, start, start + r.rows))
                     start += r.rows
         except BaseException:
-            self.since = None
             with self.lock:
                 self.n.failed += len(batch)
             raise
+        finally:
+            if not nested:
+                self.since = None
         record = (t0, t1, t2, t3, clock(), rows, bucket)
         self.n.pending.append(record)  # before any result
         return results, record
