@@ -911,3 +911,45 @@ def test_an_optimizer_that_takes_the_loss_trains_and_resumes_bitwise(tiny, tmp_p
     )
     assert got.resumed_from is not None and got.step == want.step == 8
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, got.params, want.params)))
+
+
+def test_an_optimizer_needing_more_than_the_loss_is_refused_before_the_first_step(tiny, tmp_path):
+    """optax.lbfgs()'s update needs grad= and value_fn= (its line search): train() ran to the
+    first step and failed there with optax's raw TypeError ('missing 2 required keyword-only
+    arguments: 'grad' and 'value_fn''). It is refused first, naming what train() passes."""
+    import optax
+
+    epochs = []
+    with pytest.raises(
+        sm.ConfigError,
+        match=r"^symjax_mlp\.training\.train: the optimizer's update raised TypeError: "
+        r"scale_by_zoom_linesearch.*'value_fn'.*optimizer\.update\(grads, opt_state, params, "
+        r"value=loss\) and nothing more.*optax\.lbfgs.*Pass an optimizer such as",
+    ):
+        sm.training.train(
+            sm.mlp((8, 10)), tiny, epochs=1, batch_size=16, optimizer=optax.lbfgs(),
+            checkpoint=tmp_path / "ck", on_epoch=epochs.append,
+        )  # fmt: skip
+    assert epochs == [] and not (tmp_path / "ck").exists()
+
+
+def test_a_results_export_adds_kwargs_to_its_eval_flags(tiny, tmp_path):
+    """r.export(path, kwargs={...}) replaced the result's eval_flags (the model exported in
+    training mode, silently) and, where the standardisation is baked in, ended in a raw
+    TypeError of the wrapped model; the model's keywords now add to its eval_flags."""
+
+    class Scaled(nn.Module):  # training mode adds 1: a model exported in it differs
+        @nn.compact
+        def __call__(self, x, train: bool = True, scale: float = 1.0):
+            return nn.Dense(10)(x) * scale + (1.0 if train else 0.0)
+
+    std = dataclasses.replace(tiny, mean=np.zeros(64, np.float32), std=np.ones(64, np.float32))
+    r = sm.training.train(Scaled(), std, epochs=1, batch_size=16)
+    x = np.asarray(tiny.x_test[:3], np.float32)
+    want = np.asarray(r.hybridize()(x, train=False, scale=2.0))
+    for raw in (True, False):
+        art = r.export(tmp_path / f"raw_{raw}", raw_inputs=raw, kwargs={"scale": 2.0})
+        np.testing.assert_allclose(sm.load(art.path)(x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(sm.ConfigError, match=r"kwargs must be a dict of the model's keyword "
+                       r"arguments; got str 'scale'\. Pass e\.g\. kwargs="):  # fmt: skip
+        r.export(tmp_path / "bad", kwargs="scale")

@@ -8,7 +8,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +217,8 @@ class TrainResult:
         """Exports the trained model in inference mode, with a symbolic batch.
 
         With ``raw_inputs`` the data's :attr:`standardize` is baked in: the artifact takes raw
-        features. ``kwargs`` go to :func:`~symjax_mlp.export`.
+        features. ``kwargs`` go to :func:`~symjax_mlp.export`; its ``kwargs=`` (the model's
+        keywords) add to :attr:`eval_flags`.
         """
         where = "symjax_mlp.training.TrainResult.export"
         if raw_inputs not in (False, True):  # "no" was truthy: the standardisation baked in
@@ -227,12 +228,19 @@ class TrainResult:
                 f"{where}: the example is the result's own, a row of its {self.num_features} "
                 "features; drop example= (batch= names the batch dimension, as in sm.export)."
             )
+        flags = kwargs.pop("kwargs", None)  # the model's keywords, over its eval_flags
+        if not isinstance(flags, Mapping | None):
+            raise ConfigError(
+                f"{where}: kwargs must be a dict of the model's keyword arguments; got "
+                f"{type(flags).__name__} {flags!r:.80}. Pass e.g. kwargs={{'train': False}}."
+            )
+        flags = {**self.eval_flags, **(flags or {})}
         example = np.zeros((1, self.num_features), np.float32)
         kwargs.setdefault("batch", "b")
-        trained, flags = self.hybridize(), self.eval_flags
+        trained = self.hybridize()
         # a model in training mode is exported as it is: export() refuses it, naming why
         if not raw_inputs or self.standardize is None or trained.training_mode(example, **flags):
-            return export(trained, path, example=example, **{"kwargs": flags, **kwargs})
+            return export(trained, path, example=example, kwargs=flags, **kwargs)
         mean, std = (np.asarray(a, np.float32) for a in self.standardize)
         fn = trained.fn
 

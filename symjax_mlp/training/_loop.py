@@ -36,7 +36,7 @@ from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
 from symjax_mlp.training._spec import TRAIN_FORM, NnxSpec, spec_of
 from symjax_mlp.training._state import EpochRecord, TrainState, is_count
-from symjax_mlp.training._step import ModelVars, check_trainable, init_of, strong
+from symjax_mlp.training._step import ModelVars, check_trainable, check_update, init_of, strong
 
 _NOT_FLAX = (
     "symjax_mlp.training.train: the model must be a flax.linen or nnx module; got a {kind}. "
@@ -371,6 +371,7 @@ def _initial_state(
             f"{str(e)[:200]}. train() passes the model's params as they are, {str(tree)[:200]};"
             " use an optimizer that takes them, or write the loop with train_step."
         ) from e
+    check_update(optimizer, trainable, opt_state, _CALLER)
     # each leaf a buffer of its own, for the step to donate: one may be a param (aliased) or
     # the optimizer's (noisy_sgd's key, which a second train() with it found deleted)
     opt_state = jax.tree.map(lambda a: jnp.array(a, copy=True), strong(opt_state))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
+from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp.training._spec import STEP_FORM, ModelSpec, NnxSpec, init_variables, spec_of
 from symjax_mlp.training._state import is_count
 
@@ -208,8 +209,9 @@ def step_of(
             raise ConfigError(_BLOCKS_STATE.format(caller=caller, blocks=blocks))
         else:
             loss, correct, grads = _blocked(model, spec, trainable, (x, y, w), blocks, axis_name)
-        kw = {"value": loss} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
-        updates, moved_state = optimizer.update(grads, opt_state, trainable, **kw)
+        updates, moved_state = optimizer.update(
+            grads, opt_state, trainable, **extra(optimizer, loss)
+        )
         if (was := _like(opt_state)) != (got := _like(moved_state)):  # jit would trace again
             raise ConfigError(
                 _STATE_MOVED.format(caller=caller, was=f"{was!s:.300}", got=f"{got!s:.300}")
@@ -220,6 +222,39 @@ def step_of(
 
     step.blocks = blocks
     return step
+
+
+def extra(optimizer: optax.GradientTransformation, loss: Any) -> dict[str, Any]:
+    """The step's arguments to ``optimizer.update`` past ``(grads, state, params)``: ``value=``
+    the loss, to an optimizer taking extra arguments (optax's ``reduce_on_plateau``)."""
+    return {"value": loss} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
+
+
+def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> None:
+    """Refuses an optimizer whose update needs more than :func:`extra` gives (``optax.lbfgs``:
+    ``grad=`` and ``value_fn=``), traced on shapes only, before a step runs."""
+    try:
+        jax.eval_shape(
+            lambda p, s: optimizer.update(p, s, p, **extra(optimizer, jnp.float32(0))),
+            params,
+            opt_state,
+        )
+    except TRACER_ERRORS:  # an update of Python control flow: eager steps (compiled=False) run
+        pass
+    except TypeError as e:
+        given = ", value=loss" if extra(optimizer, 0) else ""
+        raise ConfigError(
+            _EXTRA_ARGS.format(caller=caller, error=f"{e!s:.300}", given=given)
+        ) from None
+
+
+_EXTRA_ARGS = (
+    "{caller}: the optimizer's update raised TypeError: {error}. train() calls "
+    "optimizer.update(grads, opt_state, params{given}) and nothing more; an optimizer that "
+    "needs more (optax.lbfgs: grad= and value_fn=, for its line search) runs in a loop of your "
+    "own, e.g. optax's lbfgs example with optax.value_and_grad_from_state. Pass an optimizer "
+    "such as optax.adam(1e-3), optax.sgd(0.1) or one taking value= (reduce_on_plateau)."
+)
 
 
 def _like(tree: Any) -> Any:
