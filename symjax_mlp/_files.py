@@ -227,7 +227,7 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
     """Writes each ``(file, data)`` a user asked for (links followed): files through temporary
     siblings replaced once all are written, devices and FIFOs directly, last. Raises
     :class:`SymjaxError` naming the path and the system's reason."""
-    staged, special, file = [], [], None
+    staged, special, file, done = [], [], None, []
     try:
         for file, data in items:
             path = Path(os.path.realpath(file))
@@ -235,21 +235,23 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
                 special.append((file, path, data))
                 continue
             tmp = _sibling(path)
-            staged.append((tmp, path))
+            staged.append((tmp, path, file))
             write_file(tmp, data)
-        for tmp, path in staged:
+        for tmp, path, file in staged:
             os.replace(tmp, path)
+            done.append(os.fspath(file))
         for file, path, data in special:  # noqa: B007 (file: named if the write fails)
             with open(path, "wb") as f:
                 f.write(data)
     except OSError as e:
-        kept = "" if special else "; what each path held is unchanged"
+        kept = "" if special else f"; what each {'other ' if done else ''}path held is unchanged"
+        wrote = f"; written already: {', '.join(done)}" if done else ""
         raise SymjaxError(
-            f"cannot write {os.fspath(file)} ({e.strerror or e}){kept}. Free space there, or "
-            "pass another path."
+            f"cannot write {os.fspath(file)} ({e.strerror or e}){wrote}{kept}. Free space there, "
+            "or pass another path."
         ) from None
     finally:
-        for tmp, _ in staged:
+        for tmp, *_ in staged:
             tmp.unlink(missing_ok=True)
 
 

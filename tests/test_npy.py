@@ -7,7 +7,9 @@ in a .npz path, and refuses several for one .npy before writing anything.
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 import re
 
 import jax
@@ -170,3 +172,29 @@ def test_run_reads_an_rng_key_input_as_the_key_data_it_writes(tmp_path, capsys):
     assert "holds float32[2, 3] but the artifact expects key<fry>[b]" in err
     assert "uint32 with a last axis of 2" in err and "jax.random.key_data(keys)" in err
     assert "astype" not in err
+
+
+def test_write_outputs_failing_at_a_later_rename_says_what_was_written(tmp_path, monkeypatch):
+    """A failure at the second of the final renames said 'what each path held is unchanged'
+    while the first path held the new output: it names what was written, and what was not."""
+    import symjax_mlp._files as files
+
+    y = np.arange(3, dtype=np.float32)
+    first, second = tmp_path / "a.npy", tmp_path / "b.npy"
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", replace)
+    with pytest.raises(sm.SymjaxError) as e:
+        write_outputs(y, first, (y * 2, second))
+    assert str(e.value) == (
+        f"cannot write {second} (Input/output error); written already: {first}; what each "
+        "other path held is unchanged. Free space there, or pass another path."
+    )
+    np.testing.assert_array_equal(np.load(first), y)
+    assert not second.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a.npy"]
