@@ -1134,6 +1134,29 @@ def test_json_values_no_number_input_takes_are_named_in_jsons_words(dtype, input
     assert "send integers" in str(e.value) or "send numbers" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("inputs", "says"),
+    [
+        ("[[null, 0]]", "[null]"),  # was [None, 0], Python's words
+        ('[["yes", true]]', '["yes"]'),  # was ['yes', 'True']: NumPy's strings, the true one
+        ("[[true, 2], [1, 3]]", "[2, 3]"),  # was [1, 2, 1, 3]: the true as 1, the 1s too
+        ("[[NaN, 0.5]]", "[NaN, 0.5]"),  # was [nan, 0.5]
+    ],
+)
+def test_a_bool_inputs_422_names_what_it_holds_in_jsons_words(inputs, says):
+    from symjax_mlp.serving import _bodies
+
+    h = sm.hybridize(lambda p, x: x, np.bool_(0))
+    with (
+        sm.serving.Batcher(h, example=np.zeros((1, 2), np.bool_), max_batch=2) as b,
+        pytest.raises(sm.SignatureError) as e,
+    ):
+        _bodies.decode(b, b'{"inputs": ' + inputs.encode() + b"}", "")
+    said = str(e.value)
+    assert f"holds values other than true and false ({says})" in said, said
+    assert "takes bool[b, 2]; send JSON booleans" in said
+
+
 def test_a_manifests_long_name_is_cut_in_every_message(tmp_path):
     """A manifest's name (4096 characters allowed) named the model in every error message and
     on /health whole: 4 KB in each 422, as in the server's log."""

@@ -210,7 +210,7 @@ def from_json(
             f"send nested lists of one shape, {spec.type}."
         ) from None
     if kind == "b":
-        return _as_bool(batcher, spec, raw)
+        return _as_bool(batcher, spec, raw, value)
     if kind == "f" and _saturates(want) and raw.dtype.kind in "fiu" and raw.size:
         if not np.isfinite(raw).all():  # float4 would read NaN as -0 and inf as its largest
             held = f"NaN or Infinity, which {want} cannot hold"
@@ -295,15 +295,29 @@ def _holds_bool(value: Any) -> bool:
     return False
 
 
-def _as_bool(batcher: Batcher, spec: Any, raw: np.ndarray) -> np.ndarray:
-    """A bool input from JSON ``true``/``false`` (or ``0``/``1``); anything else is refused."""
+def _not_bools(value: Any, n: int = 8) -> list[Any]:
+    """The first ``n`` values in nested lists ``value`` other than true, false, 0 and 1."""
+    todo, bad = [value], []
+    while todo and len(bad) < n:
+        v = todo.pop()
+        if type(v) is list:
+            todo.extend(reversed(v))
+        elif not (type(v) in (bool, int, float) and v in (0, 1)):
+            bad.append(v)
+    return bad
+
+
+def _as_bool(batcher: Batcher, spec: Any, raw: np.ndarray, value: Any) -> np.ndarray:
+    """A bool input from JSON ``true``/``false`` (or ``0``/``1``) ``value``, read as ``raw``;
+    anything else is refused."""
     if raw.dtype.kind == "b":
         return raw
     ok = raw.dtype.kind in "iuf" or (raw.dtype.kind == "O" and raw.size == 0)
     if ok and raw.size:
         ok = bool(np.isin(raw, (0, 1)).all())
     if not ok:
-        held = f"values other than true and false ({short(str(raw.flat[:8].tolist()))})"
+        shown = short(json.dumps(_not_bools(value), default=str))  # JSON's words: null, true
+        held = f"values other than true and false ({shown})"
         raise _holds(batcher, f"input {spec.path}", held, spec.type, "send JSON booleans")
     return raw.astype(np.bool_)
 
