@@ -289,14 +289,17 @@ def test_bad_input_is_named_before_training(digits, change, sizes, message):
         elif how == "empty":
             a, fields["y_train"] = a[:0], digits.y_train[:0]
         fields[name] = a
-    with pytest.raises(sm.DataError, match=message):
+    with pytest.raises(sm.DataError, match=message) as e:
         sm.training.train(sm.mlp(sizes), dataclasses.replace(digits, **fields), optimizer=untouched)
+    assert str(e.value).startswith("symjax_mlp.training.train: ")  # began with 'digits.'
 
 
 @pytest.mark.parametrize("classes", ["10", 0, True, 10.0])
 def test_a_num_classes_that_is_not_a_count_is_named(digits, classes):
     # '10' was a NumPy UFuncTypeError, 0 asked for labels in 0..-1, True and 10.0 passed
-    with pytest.raises(sm.DataError, match=rf"digits.num_classes is {classes!r}; expected an int"):
+    with pytest.raises(
+        sm.DataError, match=rf"^symjax_mlp\.training\.train: digits.num_classes is {classes!r}; "
+    ):
         sm.training.train(sm.mlp((32, 10)), dataclasses.replace(digits, num_classes=classes))
 
 

@@ -114,7 +114,7 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
 
 
 _NOT_ROWS = (
-    "{name} has shape {shape}: examples of shape {example}, but train() fits rows of "
+    "{caller}: {name} has shape {shape}: examples of shape {example}, but train() fits rows of "
     "features, (examples, features). For a model of rows, reshape them: x.reshape(len(x), -1). "
     "For one that takes them as they are (a CNN's images), run its steps with the pieces: "
     "params = sm.training.init_params(model, key, x[:1]); step = jax.jit("
@@ -124,6 +124,7 @@ _NOT_ROWS = (
 )
 
 
+_CALLER = "symjax_mlp.training.train"  # the call whose data these functions check
 _MAX_SPARSE_CLASSES = 2**16  # more outputs than this, most never a label: IDs, not classes
 _ID_LABELS = (
     "symjax_mlp.training.train: the labels go up to {largest} but take only {distinct} distinct "
@@ -147,43 +148,46 @@ def check_dataset(data: Dataset) -> Dataset:
         elif isinstance(data, tuple | list) and 4 <= len(data) <= len(fields):
             got, wrap = f"{got} of {len(data)} items", "(*data)"
         raise ConfigError(
-            f"symjax_mlp.training.train: data must be a symjax_mlp.training.Dataset; got {got}. "
+            f"{_CALLER}: data must be a symjax_mlp.training.Dataset; got {got}. "
             f"Wrap the arrays: sm.training.Dataset{wrap}."
         )
     xs, ys = {}, {}
     for name in ("x_train", "x_test"):
         where, x = f"{data.name}.{name}", _array(data, name)
         if x.ndim > 2:
-            raise DataError(_NOT_ROWS.format(name=where, shape=x.shape, example=x.shape[1:]))
+            raise DataError(
+                _NOT_ROWS.format(caller=_CALLER, name=where, shape=x.shape, example=x.shape[1:])
+            )
         if x.ndim != 2:
             raise DataError(
-                f"{where} has shape {x.shape}; expected 2-D features (examples, features). "
-                "Reshape it, e.g. x.reshape(len(x), -1)."
+                f"{_CALLER}: {where} has shape {x.shape}; expected 2-D features (examples, "
+                "features). Reshape it, e.g. x.reshape(len(x), -1)."
             )
         if 0 in x.shape:  # no feature: an initialiser's fan-in of 0, ZeroDivisionError
             what = "example" if x.shape[0] == 0 else "feature per example"
             raise DataError(
-                f"{where} is empty (shape {x.shape}); expected at least one {what}. Check the "
-                "loading and splitting of the data."
+                f"{_CALLER}: {where} is empty (shape {x.shape}); expected at least one {what}. "
+                "Check the loading and splitting of the data."
             )
         if not (np.issubdtype(x.dtype, np.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
             raise DataError(
-                f"{where} has dtype {x.dtype}; expected real numbers. Pass numeric features, "
-                "e.g. x.astype(np.float32) (parsed first, if they are text)."
+                f"{_CALLER}: {where} has dtype {x.dtype}; expected real numbers. Pass numeric "
+                "features, e.g. x.astype(np.float32) (parsed first, if they are text)."
             )
         _check_finite(where, x)
         with np.errstate(over="ignore"):
             xs[name] = x.astype(np.float32)
         if not np.isfinite(xs[name]).all():  # finite in float64, past float32's range
             raise DataError(
-                f"{where} holds values up to {np.abs(x).max():g} in magnitude, past float32's "
-                "range; train() computes in float32. Rescale the features, e.g. standardise them."
+                f"{_CALLER}: {where} holds values up to {np.abs(x).max():g} in magnitude, past "
+                "float32's range; train() computes in float32. Rescale the features, e.g. "
+                "standardise them."
             )
     width, test_width = xs["x_train"].shape[1], xs["x_test"].shape[1]
     if test_width != width:
         raise DataError(
-            f"{data.name}.x_test has {test_width} features per example but x_train has {width}; "
-            "both splits must have the same feature width. Preprocess them the same way."
+            f"{_CALLER}: {data.name}.x_test has {test_width} features per example but x_train has "
+            f"{width}; both splits must have the same feature width. Preprocess them the same way."
         )
     stats = {k: getattr(data, k) for k in ("mean", "std") if getattr(data, k) is not None}
     for k, v in stats.items():  # the exported model computes (x - mean) / std with them
@@ -192,22 +196,23 @@ def check_dataset(data: Dataset) -> Dataset:
         if bad or (k == "std" and a.min() <= 0):
             got = f"{np.shape(v)} values {str(v)[:80]}" if a is not None else repr(v)[:80]
             raise DataError(
-                f"{data.name}.{k} is {got}; expected the {width} per-feature finite values the "
-                "features were standardised with (std > 0), or None. Pass x.mean(axis=0) and "
-                "x.std(axis=0) with constant features' std set to 1."
+                f"{_CALLER}: {data.name}.{k} is {got}; expected the {width} per-feature finite "
+                "values the features were standardised with (std > 0), or None. Pass "
+                "x.mean(axis=0) and x.std(axis=0) with constant features' std set to 1."
             )
         stats[k] = a.reshape(width)
     if len(stats) == 1:
         raise DataError(
-            f"{data.name} has a {next(iter(stats))} but no {({'mean', 'std'} - set(stats)).pop()}; "
-            "expected both (the features were standardised with them) or neither."
+            f"{_CALLER}: {data.name} has a {next(iter(stats))} but no "
+            f"{({'mean', 'std'} - set(stats)).pop()}; expected both (the features were "
+            "standardised with them) or neither."
         )
     classes = data.num_classes
     count = isinstance(classes, numbers.Integral) and not isinstance(classes, bool)
     if classes is not None and not (count and classes >= 1):
         raise DataError(
-            f"{data.name}.num_classes is {classes!r}; expected an int >= 1, the number of "
-            "classes the labels index (or None: the largest label + 1)."
+            f"{_CALLER}: {data.name}.num_classes is {classes!r}; expected an int >= 1, the number "
+            "of classes the labels index (or None: the largest label + 1)."
         )
     limit, what = 2**31 - 1, "labels are int32 class indices"  # checked before the cast
     if classes is not None and classes < limit:
@@ -216,21 +221,23 @@ def check_dataset(data: Dataset) -> Dataset:
         where, y = f"{data.name}.{name}", _array(data, name)
         if y.ndim != 1 or len(y) != len(x):
             raise DataError(
-                f"{where} has shape {y.shape}; expected one integer label per row of "
+                f"{_CALLER}: {where} has shape {y.shape}; expected one integer label per row of "
                 f"x{name[1:]}, shape ({len(x)},)."
             )
         if not np.issubdtype(y.dtype, np.integer):
             if not jnp.issubdtype(y.dtype, jnp.floating):
                 raise DataError(
-                    f"{where} has dtype {y.dtype}; expected int labels, the class indices. "
-                    "Pass y.astype(np.int32) (bools: 0 and 1; text: np.unique(y, "
+                    f"{_CALLER}: {where} has dtype {y.dtype}; expected int labels, the class "
+                    "indices. Pass y.astype(np.int32) (bools: 0 and 1; text: np.unique(y, "
                     "return_inverse=True)[1])."
                 )
             _check_finite(where, y)
             y = y.astype(np.float64)  # float16's range ends before int32's: compared in float64
             if np.any(y != np.round(y)):
                 bad = int(np.flatnonzero(y != np.round(y))[0])
-                raise DataError(f"{where}[{bad}] is {y[bad]!r}; expected integer class labels.")
+                raise DataError(
+                    f"{_CALLER}: {where}[{bad}] is {y[bad]!r}; expected integer class labels."
+                )
         _in_range(where, name, y, limit, what)
         ys[name] = y.astype(np.int32)
     name = data.name if isinstance(data.name, str | int | None) else str(data.name)  # JSON
@@ -249,7 +256,7 @@ def _in_range(where: str, name: str, y: np.ndarray, limit: int, what: str) -> No
     out = np.flatnonzero((y < 0) | (y >= limit))
     if out.size:
         raise DataError(
-            f"labels out of range: {where} holds values from {y.min():g} to "
+            f"{_CALLER}: labels out of range: {where} holds values from {y.min():g} to "
             f"{y.max():g} ({out.size} out of range, first {name}[{out[0]}] = "
             f"{y[out[0]]:g}), but {what}, so labels must be integers in 0..{limit - 1}. "
             "Remap the labels to 0..K-1 or give the model K outputs."
@@ -262,10 +269,11 @@ def default_classes(data: Dataset) -> int:
     present = np.unique(data.y_train)
     if len(present) == 1 and (data.num_classes or 0) < 2:  # the classes are the labels'
         raise DataError(
-            f"{data.name}.y_train holds one class, {present[0]}, in all its {len(data.y_train)} "
-            "labels: trained on it, a classifier learns nothing (its loss goes to 0, its "
-            "accuracy to 100%). A classifier needs at least two classes: add examples of "
-            "another, or pass num_classes >= 2 if the others exist but this split has none."
+            f"{_CALLER}: {data.name}.y_train holds one class, {present[0]}, in all its "
+            f"{len(data.y_train)} labels: trained on it, a classifier learns nothing (its loss "
+            "goes to 0, its accuracy to 100%). A classifier needs at least two classes: add "
+            "examples of another, or pass num_classes >= 2 if the others exist but this split has "
+            "none."
         )
     largest = int(max(data.y_train.max(), data.y_test.max()))
     classes = data.num_classes or largest + 1
@@ -290,8 +298,8 @@ def _array(data: Dataset, name: str) -> np.ndarray:
     if a is not None and (a.ndim or a.dtype != object):
         return a
     raise DataError(
-        f"{data.name}.{name} is not an array of numbers ({why}); expected rows of equal length. "
-        "Pass np.asarray(rows), ragged rows padded or dropped (a generator's: list(rows))."
+        f"{_CALLER}: {data.name}.{name} is not an array of numbers ({why}); expected rows of equal "
+        "length. Pass np.asarray(rows), ragged rows padded or dropped (a generator's: list(rows))."
     )
 
 
@@ -302,6 +310,7 @@ def _check_finite(name: str, a: np.ndarray) -> None:
         kind = "NaN" if np.isnan(a[first]) else "infinite"
         where = ", ".join(map(str, first))
         raise DataError(
-            f"{name} contains {int(bad.sum())} non-finite values (first: {name}[{where}] is "
-            f"{kind}); expected finite numbers. Drop or impute those examples before training."
+            f"{_CALLER}: {name} contains {int(bad.sum())} non-finite values (first: "
+            f"{name}[{where}] is {kind}); expected finite numbers. Drop or impute those examples "
+            "before training."
         )
