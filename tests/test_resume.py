@@ -168,3 +168,23 @@ def test_a_newer_orbax_step_that_is_no_checkpoint_is_refused_before_training(
     else:
         stray.unlink()
     assert sm.training.train(sm.mlp((8, 2)), tiny, **run).step == 8
+
+
+def test_a_resumes_checkpoint_errors_start_with_the_call_and_name_the_path(tiny, tmp_path):
+    """They began with the path (a checkpoint's own errors too, read for the resume), where
+    train()'s other messages start with 'symjax_mlp.training.train:'."""
+    run = {"epochs": 1, "batch_size": 16, "checkpoint": tmp_path}
+    sm.training.train(sm.mlp((8, 2)), tiny, **run)
+    step = sm.training.latest_checkpoint(tmp_path)
+    cases = {
+        "": f"{tmp_path} already holds checkpoints (newest: step_00000004)",
+        "batch": f"{step} was written with {{'batch_size': 16}}, but this run has",
+        "manifest": f"{step / 'manifest.json'}: the file is missing; the checkpoint is",
+    }
+    for case, says in cases.items():
+        kw = {**run, "epochs": 2, "resume": bool(case), "batch_size": 8 if case == "batch" else 16}
+        if case == "manifest":
+            (step / "manifest.json").unlink()
+        with pytest.raises(sm.CheckpointError) as e:
+            sm.training.train(sm.mlp((8, 2)), tiny, **kw)
+        assert str(e.value).startswith(f"symjax_mlp.training.train: {says}"), str(e.value)

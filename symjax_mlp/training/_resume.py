@@ -29,6 +29,7 @@ from symjax_mlp.training._spec import NnxSpec
 from symjax_mlp.training._state import EpochRecord, TrainState
 from symjax_mlp.training._step import ModelVars, apply_model
 
+_CALLER = "symjax_mlp.training.train"
 PROBE = "model_probe"  # compared within a tolerance, not for equality
 PROBE_TRAIN = "model_probe_train"  # the training call's (dropout with a fixed rng): the same
 PROBE_ROWS = 2  # rows of the probe input
@@ -96,10 +97,14 @@ def resume_run(
         return state, [], None
     if not resume:
         raise CheckpointError(
-            f"{checkpoint} already holds checkpoints (newest: {found.name}). Pass "
+            f"{_CALLER}: {checkpoint} already holds checkpoints (newest: {found.name}). Pass "
             "resume=True to continue from it, or use an empty directory."
         )
-    state, meta = (restore_checkpoint if store is None else store.restore)(found, state)
+    try:
+        state, meta = (restore_checkpoint if store is None else store.restore)(found, state)
+    except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
+        message = str(e).removeprefix("symjax_mlp.training.restore_checkpoint: ")
+        raise CheckpointError(f"{_CALLER}: {message}") from None
     recorded = meta.get("config", {})
     keys = sorted(set(config) | set(recorded))  # a setting only one of them records differs
     probes = (PROBE, PROBE_TRAIN)
@@ -108,7 +113,7 @@ def resume_run(
         was = {k: recorded.get(k) for k in changed}
         what = "; ".join(_FINGERPRINTED.get(k, k) for k in changed)
         raise CheckpointError(
-            f"{found} was written with {was}, but this run has "
+            f"{_CALLER}: {found} was written with {was}, but this run has "
             f"{ {k: config.get(k) for k in changed} } (what differs: {what}). "
             + _NOT_THAT_RUN.format(same="the same settings")
         )
@@ -117,7 +122,7 @@ def resume_run(
         if not isinstance(probe, list) or not all(
             type(v) in (int, float) or v in _NAN_INF for v in probe
         ):
-            raise broken(found, f"its metadata's {key} is not a list of numbers")
+            raise broken(f"{_CALLER}: {found}", f"its metadata's {key} is not a list of numbers")
     # a checkpoint written before the probe was recorded has none: its config still matched
     differs = next(
         (d for k in probes if k in recorded and (d := probe_difference(recorded[k], config[k]))),
@@ -125,17 +130,18 @@ def resume_run(
     )
     if differs:
         raise CheckpointError(
-            f"{found} was written by a model that computes something else: with fixed weights "
-            f"on a fixed input, {differs} from this model's. Its class, name and parameter "
-            "shapes are the same, but its __call__ is not (another activation, scale, dropout "
-            "rate or order of layers). " + _NOT_THAT_RUN.format(same="the model that wrote it")
+            f"{_CALLER}: {found} was written by a model that computes something else: with fixed "
+            f"weights on a fixed input, {differs} from this model's. Its class, name and "
+            "parameter shapes are the same, but its __call__ is not (another activation, scale, "
+            "dropout rate or order of layers). "
+            + _NOT_THAT_RUN.format(same="the model that wrote it")
         )
     differs = OPTIMIZER_PROBE in meta and probe_difference(
         meta[OPTIMIZER_PROBE], update(state), "updates", _UPDATE_TOLERANCE
     )
     if differs:
         raise CheckpointError(
-            f"{found} was written by an optimizer that updates otherwise at its step "
+            f"{_CALLER}: {found} was written by an optimizer that updates otherwise at its step "
             f"{state.step}: from its saved state, for a fixed gradient, {differs} from this "
             "optimizer's. Its kind and state are the same, but a learning-rate schedule or a "
             "hyperparameter is not. " + _NOT_THAT_RUN.format(same="the optimizer that wrote it")
@@ -144,7 +150,7 @@ def resume_run(
     ends = history[-1].step if history else 0
     if len(history) != state.epoch or (history and ends != state.step):
         raise broken(
-            found,
+            f"{_CALLER}: {found}",
             f"it records epoch {state.epoch} and step {state.step}, but its history has "
             f"{len(history)} epoch(s) ending at step {ends}: resuming would skip or repeat epochs",
         )
