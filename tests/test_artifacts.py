@@ -522,3 +522,34 @@ def test_inspect_prints_a_model_card_of_terminal_escapes_escaped(tmp_path, capsy
         out = "".join(capsys.readouterr())
         assert not any(c in out for c in "\x1b\x07\u202e"), argv
         assert "2J" in out and "31m" in out, argv
+
+
+def test_a_training_checkpoint_given_as_an_artifact_says_how_to_export_one(tmp_path, capsys):
+    """A checkpoint directory or a step of it was 'not written by symjax_mlp.export' (or 'not
+    a complete artifact: export it again'), with no word of the checkpoint or the way out."""
+    from symjax_mlp.cli import main
+
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    data = sm.training.Dataset(x[:24], y[:24], x[24:], y[24:])
+    run = {"epochs": 1, "batch_size": 8, "checkpoint": tmp_path / "ckpt"}
+    done = sm.training.train(sm.mlp((4, 2)), data, **run)
+    orbax = tmp_path / "orbax" / "3"  # a multi-process run's layout: <step>/ and its marker
+    orbax.mkdir(parents=True)
+    (orbax / "_CHECKPOINT_METADATA").write_text("{}")
+    for path, what in ((tmp_path / "ckpt", "a directory of training checkpoints"),
+                       (done.checkpoint, "a training checkpoint"),
+                       (orbax.parent, "a directory of training checkpoints"),
+                       (orbax, "a training checkpoint")):  # fmt: skip
+        for read in (sm.load, sm.inspect):
+            with pytest.raises(sm.ArtifactError) as e:
+                read(path)
+            said = str(e.value)
+            assert said.startswith(f"{path} is {what}"), said
+            assert "train(..., checkpoint=DIR, resume=True).export(PATH)" in said
+            assert "symjax-mlp train ... --checkpoint DIR --resume --export PATH" in said
+        assert main(["inspect", str(path)]) == 2
+        assert what in capsys.readouterr().err
+    # the way out it names: the run as it is, exported
+    art = sm.training.train(sm.mlp((4, 2)), data, **run, resume=True).export(tmp_path / "m")
+    assert sm.load(art.path)(x[:2]).shape == (2, 2)

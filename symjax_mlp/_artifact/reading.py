@@ -254,8 +254,36 @@ def read_artifact(
             manifest = read_manifest(path)
             return manifest, read_files(path, manifest, keep=keep)
         except ArtifactError:
+            if (message := _checkpoint(path)) is not None:
+                raise ArtifactError(message) from None
             if attempt == 2 or _identity(path) == before:
                 raise
+
+
+_CHECKPOINT = (
+    "{path} is {what}, not an artifact (what symjax_mlp.export writes). To get one, resume the "
+    "run at the epochs it holds and export the result: symjax_mlp.training.train(..., "
+    "checkpoint=DIR, resume=True).export(PATH) (TrainResult.export), or on the command line "
+    "symjax-mlp train ... --checkpoint DIR --resume --export PATH."
+)
+
+
+def _checkpoint(path: Path) -> str | None:
+    """Why ``path`` is no artifact, if it is or holds training checkpoints (ours: step_*;
+    Orbax's: <n>/ with its marker)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None
+    if "_CHECKPOINT_METADATA" in names or {MANIFEST, "state.safetensors"} <= set(names):
+        what = "a training checkpoint (one step of a run, as train(checkpoint=DIR) writes)"
+        return _CHECKPOINT.format(path=printable(str(path)), what=what)
+    for n in names:
+        step = n.startswith("step_") and n[5:].isdecimal() and len(n) >= 13
+        if step or (n.isdecimal() and os.path.exists(path / n / "_CHECKPOINT_METADATA")):
+            what = "a directory of training checkpoints, as train(checkpoint=DIR) writes"
+            return _CHECKPOINT.format(path=printable(str(path)), what=what)
+    return None
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
