@@ -953,3 +953,17 @@ def test_a_results_export_adds_kwargs_to_its_eval_flags(tiny, tmp_path):
     with pytest.raises(sm.ConfigError, match=r"kwargs must be a dict of the model's keyword "
                        r"arguments; got str 'scale'\. Pass e\.g\. kwargs="):  # fmt: skip
         r.export(tmp_path / "bad", kwargs="scale")
+
+
+def test_train_step_refuses_what_is_no_optimizer_when_made():
+    """train_step(net, optax.adam) (the function, not called) and train_step(net, None) made a
+    step whose first call raised a raw AttributeError ('function' object has no attribute
+    'update'); they are refused when the step is made, naming what was given."""
+    import optax
+
+    for bad, named in ((optax.adam, "function <function adam"), (None, "NoneType None")):
+        with pytest.raises(sm.ConfigError, match=r"train_step\(HybridSequential, \.\.\.\): "
+                           r"optimizer must be an optax\.GradientTransformation, e\.g\. "
+                           rf"optax\.adam\(1e-3\) .*; got {named}"):  # fmt: skip
+            sm.training.train_step(sm.mlp((8, 3)), bad)
+    assert callable(sm.training.train_step(sm.mlp((8, 3)), optax.MultiSteps(optax.sgd(0.1), 2)))

@@ -182,6 +182,11 @@ def step_of(
     caller, blocks = f"symjax_mlp.training.train_step({type(model).__name__}, ...)", as_int(blocks)
     if not is_count(blocks, 1):
         raise ConfigError(f"{caller}: blocks must be an int >= 1; got {blocks!r}.")
+    if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
+        raise ConfigError(  # refused now, not as an AttributeError at the step's first call
+            f"{caller}: optimizer must be an optax.GradientTransformation, e.g. optax.adam(1e-3) "
+            f"(called: optax.adam makes one); got {type(optimizer).__name__} {optimizer!r:.80}."
+        )
     specs: dict[tuple[Any, ...], Any] = {}  # per input row signature, derived once
 
     def step(
