@@ -46,22 +46,35 @@ def _checked(path: Any, key: Any, *, private: bool) -> tuple[Path, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
 
     what = "sign(private_key=...)" if private else "verify_signature="
+    verb = "sign" if private else "verify"
     if not isinstance(key, (str, os.PathLike)):
         raise ConfigError(
             f"{what}: pass the path of a PEM key file; got {type(key).__name__}. Write a key "
             "with cryptography's private_bytes/public_bytes (PEM)."
         )
-    path, file = Path(path), Path(key)
-    if not file.is_file():
-        raise ConfigError(f"{what}: {file} is not a key file.")
-    if path.is_symlink():  # swapped after the check, it would name another directory
-        raise ArtifactError(
-            f"{path} is a symbolic link; an artifact is signed and verified at its own path. Pass "
-            f"the directory it points to: {os.path.realpath(path)!r}."
+    if not isinstance(path, (str, os.PathLike)):  # else pathlib's TypeError
+        raise ConfigError(
+            f"{verb}({printable(repr(path)[:80])}): expected the artifact directory as a str or "
+            f"a pathlib.Path; got a value of type {type(path).__name__}."
         )
-    if not path.is_dir():
-        verb = "sign" if private else "verify"
-        raise ArtifactError(f"{path} is not an artifact directory; there is nothing to {verb}.")
+    path, file = Path(path), Path(key)
+    shown = printable(str(path)[:300])
+    if not os.path.isfile(file):  # os.path's: False where Path's raises (a name too long)
+        kind = "private" if private else "public"
+        raise ConfigError(
+            f"{what}: {printable(str(file)[:300])} is not a key file (no file there); expected "
+            f"the PEM file of an elliptic-curve {kind} key. Pass the path of one."
+        )
+    if os.path.islink(path):  # swapped after the check, it would name another directory
+        raise ArtifactError(
+            f"{shown} is a symbolic link; an artifact is signed and verified at its own path. "
+            f"Pass the directory it points to: {printable(repr(os.path.realpath(path)))}."
+        )
+    if not os.path.isdir(path):
+        raise ArtifactError(
+            f"{shown} is not an artifact directory; there is nothing to {verb}. Pass the "
+            "directory written by symjax_mlp.export."
+        )
     try:
         with open(file, "rb") as f:  # the user's own file (a link followed): a PEM is < 64 kB
             data = f.read(1 << 16)

@@ -1121,6 +1121,24 @@ def test_a_signed_artifact_loads_with_its_key_and_nothing_else_does(
     capsys.readouterr()
 
 
+def test_signing_paths_of_no_path_or_too_long_a_name_are_errors_that_say_so(base, keys):
+    """sign(None, key) was pathlib's TypeError; a key or artifact path past NAME_MAX was
+    Path.is_file's raw OSError (ENAMETOOLONG), where os.path says False."""
+    src, _ = base
+    private, public = keys["ours"]
+    long = "a" * 300
+    for call, error, says in (
+        (lambda: sm.sign(None, private), sm.ConfigError, r"sign\(None\): expected the artifact "),
+        (lambda: sm.sign(src, long), sm.ConfigError, r"is not a key file .*Pass the path"),
+        (lambda: sm.verify_signature(src, src / long), sm.ConfigError, r"not a key file"),
+        (lambda: sm.load(src, verify_signature=long), sm.ConfigError, r"not a key file"),
+        (lambda: sm.sign(src / long, private), sm.ArtifactError, r"nothing to sign. Pass the"),
+        (lambda: sm.verify_signature(src / long, public), sm.ArtifactError, r"nothing to verify"),
+    ):
+        with pytest.raises(error, match=says):
+            call()
+
+
 def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_path):
     """Later cold starts skip reading the module again (the report is cached under the
     module's sha256 in the user's cache, signed with the user's key); a damaged or planted
