@@ -451,6 +451,28 @@ def test_run_writes_every_output_path_or_none(tmp_path, capsys, monkeypatch):
     np.testing.assert_array_equal(np.load(y1), np.full((2, 4), 3.0))
 
 
+def test_run_refuses_two_outputs_that_are_one_file_spelt_two_ways(tmp_path, capsys):
+    """--output y.npy --output ./y.npy (or a link to it) passed the 'given twice' check: both
+    outputs were written, the second over the first, one output lost without a word."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import symjax_mlp as sm
+
+    x = jnp.ones((2, 4), jnp.float32)
+    h = sm.hybridize(lambda p, x: (x * p, x + p), jnp.float32(2))
+    art = sm.export(h, tmp_path / "m", example=x).path
+    np.save(tmp_path / "x.npy", np.asarray(x))
+    y, link = tmp_path / "y.npy", tmp_path / "link.npy"
+    link.symlink_to(y)
+    run = ["run", str(art), "--input", str(tmp_path / "x.npy"), "--output", str(y), "--output"]
+    for other in (f"{tmp_path}/./y.npy", str(link)):
+        assert main([*run, other]) == 2
+        err = capsys.readouterr().err
+        assert f"--output {y}: given 2 times (as {y}, {other}); each output is written" in err
+        assert not y.exists() and "Traceback" not in err
+
+
 def test_library_messages_are_printed_as_written_and_the_option_added(tmp_path, capsys):
     """The library names its keyword (overwrite=True); the CLI prints that message unedited
     and adds a line with the option that sets it here (--overwrite)."""

@@ -74,11 +74,14 @@ def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> None:
     beside files, an --input, or inside the artifact."""
     for path in paths:
         _args.writable(path, "--output", overwrite=True)
-    twice = sorted({p for p in paths if paths.count(p) > 1})
-    if twice:
+    real = [p if p == "-" else os.path.realpath(p) for p in paths]  # y.npy, ./y.npy: one file
+    twice = next((r for r in real if real.count(r) > 1), None)
+    if twice is not None:
+        given = [p for p, r in zip(paths, real, strict=True) if r == twice]
+        spelt = f" (as {', '.join(given)})" if len(set(given)) > 1 else ""
         raise argparse.ArgumentTypeError(
-            f"--output {twice[0]}: given {paths.count(twice[0])} times; each output is written "
-            "to a path of its own. Pass each path once."
+            f"--output {given[0]}: given {len(given)} times{spelt}; each output is written to a "
+            "path of its own. Pass each path once."
         )
     if "-" in paths and len(paths) > 1:
         raise argparse.ArgumentTypeError(
