@@ -25,7 +25,7 @@ import numpy as np
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._artifact.reading import inspect
 from symjax_mlp._artifact.signature import sizes_at
-from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
+from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError, as_int
 from symjax_mlp._load import RUNTIMES, load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._npy import KEY_IMPLS, draw, host, npy_array
@@ -185,6 +185,19 @@ def verify(
             )
     if trust not in (False, True):
         raise ConfigError(f"verify(trust={trust!r}): expected True or False.")
+    seed = as_int(seed)  # each refused here, not as NumPy's or subprocess's raw error
+    real = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+    names = allow is None or (isinstance(allow, Iterable) and not isinstance(allow, str | bytes))
+    signed = verify_signature is None or isinstance(verify_signature, str | os.PathLike)
+    checks = {
+        "seed": (seed, type(seed) is int and seed >= 0, "an int >= 0, e.g. seed=0"),
+        "timeout": (timeout, real and 0 < timeout < math.inf, "the seconds, a number > 0"),
+        "allow": (allow, names, "a tuple of names, e.g. allow=('name',)"),
+        "verify_signature": (verify_signature, signed, "the path of a signature file"),
+    }
+    for option, (value, ok, fix) in checks.items():
+        if not ok:
+            raise ConfigError(f"verify({option}={value!r:.80}): pass {fix}.")
     options = {"trust": bool(trust), "allow": sorted(allow or ())}  # load's, as JSON
     if verify_signature is not None:
         options["verify_signature"] = str(Path(verify_signature).resolve())

@@ -742,6 +742,25 @@ def test_verify_refuses_an_infinite_tolerance(tmp_path, capsys):
             assert "pass a number >= 0, finite" in err and "Traceback" not in err, err
 
 
+def test_verify_refuses_a_seed_timeout_allow_or_signature_of_the_wrong_kind(tmp_path):
+    """sm.verify(seed='1') and seed=-1 were NumPy's TypeError and ValueError, timeout='10'
+    and nan Python's, verify_signature=3 os.fspath's; allow='name' was read as its letters
+    (load refused {'a', 'e', 'm', 'n'}) and timeout=0 a FAILED report, after the export."""
+    import symjax_mlp as sm
+
+    art = str(tmp_path / "not read")  # each refused before the artifact is read
+    cases = {
+        "seed": ("1", -1, 1.0, True),
+        "timeout": ("10", float("nan"), 0, -1, float("inf")),
+        "allow": ("name", b"name", 3),
+        "verify_signature": (3, ["x.sig"]),
+    }
+    for option, values in cases.items():
+        for value in values:
+            with pytest.raises(sm.ConfigError, match=rf"^verify\({option}=.*\): pass "):
+                sm.verify(art, **{option: value})
+
+
 def test_run_says_a_text_or_empty_input_is_no_npy_file_not_a_pickle(tmp_path, capsys):
     """NumPy reads any bytes but a .npy or .npz as a pickle, and its refusal told a user with a
     text (or empty) --input to use allow_pickle=: now the file is said not to be a .npy."""
