@@ -356,6 +356,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(digit
             data=digits, optimizer=opt, epochs=3, checkpoint=tmp_path, on_epoch=seen.append
         )
     assert (e.value.step, e.value.epoch) == (31, 2) and [r.epoch for r in seen] == [1]
+    assert str(e.value).startswith("symjax_mlp.training.train: training diverged: the loss")
     assert e.value.checkpoint.name == "step_00000023" and "kept" in str(e.value)
     assert sm.training.latest_checkpoint(tmp_path) == e.value.checkpoint
     resumed = sm.training.train(

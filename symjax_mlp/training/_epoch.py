@@ -141,10 +141,9 @@ def _check_finite(
     if not newest:
         kept = "no checkpoint was written (pass checkpoint=DIR to keep one)"
     raise DivergenceError(
-        f"training diverged: {what} (epoch {epoch}, batch {i + 1} of {n}; "
-        f"{first_step + i} updates applied before it). Training stopped; {kept}. "
-        "Lower the learning rate, clip the gradients (optax.clip_by_global_norm) or "
-        "check the data.",
+        f"symjax_mlp.training.train: training diverged: {what} (epoch {epoch}, batch {i + 1} "
+        f"of {n}; {first_step + i} updates applied before it). Training stopped; {kept}. Lower "
+        "the learning rate, clip the gradients (optax.clip_by_global_norm) or check the data.",
         step=first_step + i,
         epoch=epoch,
         checkpoint=newest,
