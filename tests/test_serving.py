@@ -224,7 +224,7 @@ def test_nothing_compiles_while_serving(chapter):
         (rows(1).astype(np.float64), ["dtype float64", "x.astype(np.float32)"]),
         (rows(9), ["9 rows", "max_batch >= 9"]),
         (rows(0), ["no rows"]),
-        ([[0.0] * 512], ["dtype float64", "astype(np.float32)"]),
+        ([[0.0] * 512, [0.0]], ["is a list that is not an array", "float32[b, 512]"]),
     ],
 )
 def test_a_bad_request_is_refused_at_submit_without_harming_the_others(chapter, bad, says):
@@ -545,6 +545,23 @@ def test_a_batch_whose_model_calls_the_batcher_inside_itself_stays_busy(chapter)
         assert outer.result(30).shape == (1, 2)
     assert s.busy and s.busy_s > 0  # was 0.0: no batch running, by the inner call's end
     assert b.stats.busy_s == 0 and b.stats.completed == 2
+
+
+def test_python_lists_are_taken_as_a_loaded_model_takes_them(tmp_path):
+    """m([[1.0, 2.0]]) runs (Python numbers are weakly typed, as in JAX); b([[1.0, 2.0]]) was
+    refused as float64 with 'Cast it: x.astype(...)', which a list lacks, and a ragged list
+    was NumPy's raw ValueError."""
+    h = sm.hybridize(lambda p, x: x * p, np.float32(2))
+    m = sm.load(sm.export(h, tmp_path / "m", example=np.ones((1, 2), np.float32)).path)
+    with sm.serving.Batcher(m, max_batch=2) as b:
+        for x in ([[1.0, 2.5]], [[1, 2]], ((3.0, 4.0), [5, 6])):
+            np.testing.assert_array_equal(b(x), m(x))
+            np.testing.assert_array_equal(b.submit(x).result(30), m(x))
+        with pytest.raises(sm.SignatureError, match=r"is a list that is not an array"):
+            b([[1.0, 2.0], [3.0]])
+        with pytest.raises(sm.SignatureError, match=r"dtype float64.*astype"):
+            b(np.ones((1, 2)))  # an array keeps its dtype: refused as before
+    assert b.stats.completed == 6
 
 
 def test_a_signature_seen_before_is_looked_up_and_others_still_refused(chapter):

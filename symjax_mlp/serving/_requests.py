@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from symjax_mlp._artifact.signature import as_array
 from symjax_mlp._compat import SharedLockFuture
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.hybrid import Hybrid
@@ -224,6 +225,9 @@ _STATIC = (
 )
 
 
+_NUMBERS = (bool, int, float, complex, list, tuple)  # Python's, not an array
+
+
 class RequestCheck:
     """Checks requests against a batcher's specs: :meth:`check` gives their arrays and rows.
     ``static``: where rows mix (``why``), the static batch each request must have exactly."""
@@ -264,6 +268,12 @@ class RequestCheck:
         arrays, rows, numpy = [], None, True
         for i, x in enumerate(inputs):
             numpy = numpy and type(x) is np.ndarray
+            if isinstance(x, _NUMBERS):  # as LoadedModel takes them: JAX's weak types
+                try:
+                    x = as_array(x, self.specs[i], self.name)
+                except SignatureError:  # a ragged list
+                    self._reject()
+                    raise
             a = x if type(x) is np.ndarray else np.asarray(x)  # read on the host anyway
             why = self._why(i, a, rows)
             if why:
