@@ -293,6 +293,18 @@ def test_train_refuses_an_export_that_is_or_holds_its_checkpoint_or_json(tmp_pat
         assert list(tmp_path.iterdir()) == []
 
 
+def test_train_refuses_a_json_that_is_its_checkpoint_directory(tmp_path, capsys):
+    """--checkpoint DIR --json DIR trained every epoch, wrote the checkpoints into DIR, and
+    only then failed to write the JSON there ('cannot write DIR (Is a directory). Free space
+    there'): refused before the first epoch, nothing written."""
+    same = str(tmp_path / "out")
+    argv = ["train", "--epochs", "1", "--sizes", "8,10", "--quiet", "--checkpoint", same]
+    assert main([*argv, "--json", same]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {same}: is the --checkpoint {same}; the JSON is a file of its own" in err
+    assert "Pass --json another path." in err and list(tmp_path.iterdir()) == []
+
+
 def test_verify_json_tolerances_and_exit_1_on_a_failed_check(tmp_path, capsys):
     import json
 

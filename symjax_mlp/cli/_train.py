@@ -73,11 +73,13 @@ def run(args: argparse.Namespace) -> None:
         args.json = args.export = None
     if args.json is not None:  # refused before training, never after ("" too)
         _args.writable(args.json, "--json", overwrite=args.overwrite)
+        _apart("--json", args.json, {"--checkpoint": args.checkpoint}, "the JSON is a file")
     if args.export is not None:
         if not args.export:  # Path("") is the working directory
             raise argparse.ArgumentTypeError("--export '': is empty; pass a directory path")
         check_target(Path(args.export), args.overwrite)
-        _apart(args.export, {"--checkpoint": args.checkpoint, "--json": args.json})
+        others = {"--checkpoint": args.checkpoint, "--json": args.json}
+        _apart("--export", args.export, others, "the artifact is a directory")
     with _progress(args.epochs, quiet=args.quiet) as on_epoch:
         options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume blocks"
         keyed = _args.keywords(args, options)
@@ -95,17 +97,17 @@ def run(args: argparse.Namespace) -> None:
     )
 
 
-def _apart(export: str, others: dict[str, str | None]) -> None:
-    """Refuses, before training, an ``--export`` that is or holds another target: the export,
-    written last, would be refused there, after the epochs."""
-    home = os.path.realpath(export)
-    for option, path in others.items():
-        there = os.path.realpath(path) if path and path != "-" else None
+def _apart(option: str, target: str, others: dict[str, str | None], what: str) -> None:
+    """Refuses, before training, an ``--export`` or ``--json`` ``target`` that is or holds
+    another target: ``what`` it is, written last, would be refused there, after the epochs."""
+    home = os.path.realpath(target)
+    for other, path in others.items():
+        there = os.path.realpath(path) if path and path != "-" and target != "-" else None
         if there and os.path.commonpath((home, there)) == home:
             raise argparse.ArgumentTypeError(
-                f"--export {export}: {'is' if there == home else 'would hold'} the {option} "
-                f"{path}; the artifact is a directory of its own, written after training, which "
-                "would be refused there. Pass --export another path."
+                f"{option} {target}: {'is' if there == home else 'would hold'} the {other} "
+                f"{path}; {what} of its own, written after training, which would be refused "
+                f"there. Pass {option} another path."
             )
 
 
