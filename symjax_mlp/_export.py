@@ -31,7 +31,7 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._artifact.reading import Artifact, freeze, mlir_arguments
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import encode
-from symjax_mlp._errors import ArtifactError, ConfigError
+from symjax_mlp._errors import ArtifactError, ConfigError, as_int
 from symjax_mlp._export_entry import Stage, export_program, stage
 from symjax_mlp._export_options import check_options
 from symjax_mlp._files import read_regular, sha256, write_dir
@@ -104,6 +104,7 @@ def export(
         )
     if not text:  # Path("") is the working directory
         raise ArtifactError("export: the path is ''; pass the artifact directory to write.")
+    vjp_order = as_int(vjp_order)  # a sweep's np.int64: an int (a bool stays refused)
     points, settings, platforms, meta = check_options(
         h, batch, platforms, example=example, kwargs=kwargs, shapes=shapes,
         constraints=constraints, overwrite=overwrite, metadata=metadata, vjp_order=vjp_order,

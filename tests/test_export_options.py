@@ -113,6 +113,20 @@ def test_good_spellings_round_trip(tmp_path):
         np.testing.assert_allclose(m(xb), h(xb), rtol=1e-6)
 
 
+def test_a_numpy_int_vjp_order_is_an_order(tmp_path):
+    """for order in np.arange(3): export(..., vjp_order=order) was refused: 'pass an int'."""
+    import jax
+
+    h, x = small()
+    art = sm.export(h, tmp_path / "m", example=x, vjp_order=np.int64(1))
+    assert art.manifest["vjp_order"] == 1 and type(art.manifest["vjp_order"]) is int
+    m = sm.load(art.path)
+    grad = jax.grad(lambda v: m(v).sum())(x)
+    np.testing.assert_allclose(grad, jax.grad(lambda v: h(v).sum())(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(sm.ConfigError, match=r"vjp_order=np.True_\): pass an int"):
+        sm.export(h, tmp_path / "b", example=x, vjp_order=np.bool_(True))
+
+
 def test_cli_export_names_its_flag(tmp_path, capsys):
     path = str(tmp_path / "cli")
     args = ["export", path, "--sizes", "3", "--in-features", "4"]
