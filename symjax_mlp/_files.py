@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -246,9 +247,10 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
     except OSError as e:
         kept = "" if special else f"; what each {'other ' if done else ''}path held is unchanged"
         wrote = f"; written already: {', '.join(done)}" if done else ""
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)  # else: a directory there, no access
         raise SymjaxError(
-            f"cannot write {os.fspath(file)} ({e.strerror or e}){wrote}{kept}. Free space there, "
-            "or pass another path."
+            f"cannot write {os.fspath(file)} ({e.strerror or e}){wrote}{kept}. "
+            + ("Free space there, or pass another path." if full else "Pass another path.")
         ) from None
     finally:
         for tmp, *_ in staged:

@@ -194,7 +194,15 @@ def test_write_outputs_failing_at_a_later_rename_says_what_was_written(tmp_path,
         write_outputs(y, first, (y * 2, second))
     assert str(e.value) == (
         f"cannot write {second} (Input/output error); written already: {first}; what each "
-        "other path held is unchanged. Free space there, or pass another path."
+        "other path held is unchanged. Pass another path."
     )
     np.testing.assert_array_equal(np.load(first), y)
     assert not second.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a.npy"]
+
+
+def test_write_outputs_onto_a_directory_says_to_pass_another_path_not_to_free_space(tmp_path):
+    """'cannot write DIR (Is a directory). Free space there, or pass another path.': the fix
+    offered was a full disk's, for every error; only a full disk's message says it now."""
+    with pytest.raises(sm.SymjaxError) as e:
+        write_outputs(np.zeros(3, np.float32), tmp_path)
+    assert str(e.value) == f"cannot write {tmp_path} (Is a directory). Pass another path."
