@@ -182,6 +182,13 @@ def _per_entry(value: Any, names: list[str], what: str) -> list[Any]:
     return [value] * len(names)
 
 
+def _scalar(x: Any) -> Any:
+    """A NumPy or JAX scalar (``np.float32(acc)``) as the Python number it holds."""
+    if getattr(x, "shape", None) == () and callable(getattr(x, "item", None)):
+        return x.item()
+    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
+
+
 def _card(metadata: Any, name: str) -> dict[str, Any]:
     """The model card as plain JSON data: refused if it is not JSON, nests deeper than a
     loader reads, or holds text a terminal would act on."""
@@ -193,7 +200,7 @@ def _card(metadata: Any, name: str) -> dict[str, Any]:
             f"['cat', 'dog']}}; got {type(metadata).__name__}."
         )
     try:
-        card = json.loads(json.dumps(dict(metadata), allow_nan=False))
+        card = json.loads(json.dumps(dict(metadata), allow_nan=False, default=_scalar))
     except (TypeError, ValueError, RecursionError) as e:
         raise ConfigError(
             f"export({name}, metadata=...): {e}. The model card is JSON: strings, numbers, "

@@ -127,6 +127,24 @@ def test_a_numpy_int_vjp_order_is_an_order(tmp_path):
         sm.export(h, tmp_path / "b", example=x, vjp_order=np.bool_(True))
 
 
+def test_a_model_card_of_numpy_and_jax_scalars_is_stored_as_their_numbers(tmp_path):
+    """metadata={'accuracy': np.float32(acc)} was refused: 'Object of type float32 is not JSON
+    serializable'; a scalar is the number it holds (an array is still refused, NaN too)."""
+    import jax.numpy as jnp
+
+    h, x = small()
+    card = {"accuracy": np.float32(0.5), "epochs": np.int64(3), "ok": np.bool_(True),
+            "loss": jnp.float32(0.25), "n": np.array(7)}  # fmt: skip
+    art = sm.export(h, tmp_path / "m", example=x, metadata=card)
+    want = {"accuracy": 0.5, "epochs": 3, "ok": True, "loss": 0.25, "n": 7}
+    assert art.metadata == sm.load(art.path).metadata == want
+    assert [type(v) for v in art.metadata.values()] == [float, int, bool, float, int]
+    for bad, says in (({"a": np.arange(3)}, "ndarray is not JSON"),
+                      ({"a": np.float32("nan")}, "Out of range float")):  # fmt: skip
+        with pytest.raises(sm.ConfigError, match=says):
+            sm.export(h, tmp_path / "bad", example=x, metadata=bad)
+
+
 def test_cli_export_names_its_flag(tmp_path, capsys):
     path = str(tmp_path / "cli")
     args = ["export", path, "--sizes", "3", "--in-features", "4"]
