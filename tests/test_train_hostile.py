@@ -967,3 +967,13 @@ def test_train_step_refuses_what_is_no_optimizer_when_made():
                            rf"optax\.adam\(1e-3\) .*; got {named}"):  # fmt: skip
             sm.training.train_step(sm.mlp((8, 3)), bad)
     assert callable(sm.training.train_step(sm.mlp((8, 3)), optax.MultiSteps(optax.sgd(0.1), 2)))
+
+
+def test_one_hot_labels_are_refused_saying_how_to_make_class_indices(tiny):
+    """y as one-hot rows (Keras' form) was refused as 'has shape (64, 10); expected one integer
+    label per row' with no fix: it says to pass y.argmax(axis=1) (a column: y.reshape(-1))."""
+    eye = np.eye(10, dtype=np.float32)
+    one_hot = dataclasses.replace(tiny, y_train=eye[tiny.y_train], y_test=eye[tiny.y_test])
+    says = r"y_train has shape \(\d+, 10\); expected one integer label per row .*Pass the class "
+    with pytest.raises(sm.DataError, match=says + r"indices: y\.argmax\(axis=1\) of one-hot"):
+        sm.training.train(sm.mlp((8, 10)), one_hot, epochs=1)

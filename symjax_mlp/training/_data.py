@@ -222,7 +222,8 @@ def check_dataset(data: Dataset) -> Dataset:
         if y.ndim != 1 or len(y) != len(x):
             raise DataError(
                 f"{_CALLER}: {where} has shape {y.shape}; expected one integer label per row of "
-                f"x{name[1:]}, shape ({len(x)},)."
+                f"x{name[1:]}, shape ({len(x)},). Pass the class indices: y.argmax(axis=1) of "
+                "one-hot rows, y.reshape(-1) of a column."
             )
         if not np.issubdtype(y.dtype, np.integer):
             if not jnp.issubdtype(y.dtype, jnp.floating):
