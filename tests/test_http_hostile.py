@@ -1157,6 +1157,28 @@ def test_a_bool_inputs_422_names_what_it_holds_in_jsons_words(inputs, says):
     assert "takes bool[b, 2]; send JSON booleans" in said
 
 
+@pytest.mark.parametrize(
+    ("inputs", "says"),
+    [
+        ("[1, 2]", "holds lists nested 1 deep, but the model takes float32[b, 2], a list of "
+         "rows; wrap the one row in a list, [[...]], a batch of one."),  # was x[None]
+        ("5", "holds a number, but the model takes float32[b, 2], a list of rows; send lists "
+         "nested 2 deep, rows first."),  # was 'Pass an array of rank 2'
+        ("[[[1, 2]]]", "holds lists nested 3 deep, but"),
+    ],
+)  # fmt: skip
+def test_a_json_body_nested_unlike_rows_is_a_422_in_jsons_words(inputs, says):
+    from symjax_mlp.serving import _bodies
+
+    h = sm.hybridize(lambda p, x: x, np.float32(0))
+    with (
+        sm.serving.Batcher(h, example=np.zeros((1, 2), np.float32), max_batch=2) as b,
+        pytest.raises(sm.SignatureError) as e,
+    ):
+        _bodies.decode(b, b'{"inputs": ' + inputs.encode() + b"}", "")
+    assert says in str(e.value), str(e.value)
+
+
 def test_a_manifests_long_name_is_cut_in_every_message(tmp_path):
     """A manifest's name (4096 characters allowed) named the model in every error message and
     on /health whole: 4 KB in each 422, as in the server's log."""

@@ -1363,7 +1363,7 @@ def test_a_pass_of_many_runs_on_the_loop_where_its_bucket_last_ran_quickly(tmp_p
     ("body", "kind", "code", "says"),
     [
         (json.dumps({"inputs": [[1.0, 2.0, 3.0]]}), "application/json", 422, "(1, 3)"),
-        (json.dumps({"inputs": [0.5] * 512}), "application/json", 422, "x[None]"),
+        (json.dumps({"inputs": [0.5] * 512}), "application/json", 422, "wrap the one row"),
         (json.dumps({"inputs": [[1, 2], [3]]}), "application/json", 422, "rectangular"),
         (json.dumps({"inputs": {"x": [[0.0] * 512]}}), "application/json", 422, "args[0]"),
         (json.dumps({"inputs": [["a"] * 512]}), "application/json", 422, "numbers"),

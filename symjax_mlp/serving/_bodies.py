@@ -115,9 +115,24 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
     if texts:  # strings, other keys, or a key twice: which one a parser takes, parsers differ
         json.loads(body, object_pairs_hook=_once)
     return [
-        from_json(batcher, spec, v, bools=bools, texts=texts)
+        _rows_first(batcher, spec, from_json(batcher, spec, v, bools=bools, texts=texts))
         for spec, v in zip(specs, values, strict=True)
     ], False
+
+
+def _rows_first(batcher: Batcher, spec: Any, x: np.ndarray) -> np.ndarray:
+    """``x``, unless it nests its numbers other than the input's rows do: said in JSON's
+    words (the batcher's own check would say NumPy's, ``x[None]``)."""
+    if x.ndim == len(spec.shape):
+        return x
+    got = "a number" if x.ndim == 0 else f"lists nested {x.ndim} deep"
+    fix = f"send lists nested {len(spec.shape)} deep, rows first"
+    if x.shape == tuple(spec.shape[1:]):
+        fix = "wrap the one row in a list, [[...]], a batch of one"
+    raise SignatureError(
+        f"{batcher.name}: input {spec.path} holds {got}, but the model takes {spec.type}, a "
+        f"list of rows; {fix}."
+    )
 
 
 @functools.lru_cache(maxsize=64)
