@@ -188,3 +188,19 @@ def test_a_resumes_checkpoint_errors_start_with_the_call_and_name_the_path(tiny,
         with pytest.raises(sm.CheckpointError) as e:
             sm.training.train(sm.mlp((8, 2)), tiny, **kw)
         assert str(e.value).startswith(f"symjax_mlp.training.train: {says}"), str(e.value)
+
+
+def test_restore_checkpoint_errors_start_with_the_call_and_name_the_path(tiny, tmp_path):
+    """restore_checkpoint's messages about a checkpoint it read began with the path (those
+    about a path that holds none with the call): each starts with the call now."""
+    run = {"epochs": 1, "batch_size": 16, "checkpoint": tmp_path}
+    result = sm.training.train(sm.mlp((8, 2)), tiny, **run)
+    like = sm.training.TrainState({}, (), jax.random.key(0))
+    call = "symjax_mlp.training.restore_checkpoint: "
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.restore_checkpoint(tmp_path, like)
+    assert str(e.value).startswith(f"{call}{result.checkpoint} does not fit this model")
+    (result.checkpoint / "manifest.json").unlink()
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.restore_checkpoint(result.checkpoint, like)
+    assert str(e.value).startswith(f"{call}{result.checkpoint / 'manifest.json'}: the file is")

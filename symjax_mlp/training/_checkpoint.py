@@ -46,8 +46,9 @@ _MAX_MANIFEST_BYTES = 64 << 20
 _MAX_TENSORS = 8 * MAX_TENSORS  # params and the optimizer's state of them
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _HEADER = {"format": "symjax_mlp.checkpoint", "format_version": 1}
+_RESTORE = "symjax_mlp.training.restore_checkpoint"
 _NO_CHECKPOINT = (
-    "symjax_mlp.training.restore_checkpoint: {path} {why}. A checkpoint is a step_* directory "
+    _RESTORE + ": {path} {why}. A checkpoint is a step_* directory "
     "holding manifest.json, as save_checkpoint and train(checkpoint=...) write: pass one, or the "
     "directory holding them (its newest is restored)."
 )
@@ -245,9 +246,17 @@ def restore_checkpoint(
       ConfigError: ``path`` is not a str or ``os.PathLike``, or is ``''``; ``like`` is not a
         :class:`TrainState`.
     """
-    check_path(path, "symjax_mlp.training.restore_checkpoint")
+    check_path(path, _RESTORE)
     check_state(like, "restore_checkpoint(like=...)")
-    path = Path(path)
+    try:
+        return _restore(Path(path), like)
+    except CheckpointError as e:  # each names the checkpoint; the call first, as the others do
+        if str(e).startswith(_RESTORE):
+            raise
+        raise CheckpointError(f"{_RESTORE}: {e}") from None
+
+
+def _restore(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
     try:  # os.stat: Path's raises past NAME_MAX where this names the error
         why = None if stat.S_ISDIR(os.stat(path).st_mode) else "is a file, not a checkpoint"
     except FileNotFoundError:
