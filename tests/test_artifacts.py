@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors
+import safetensors.numpy
 from helpers import ZOO
 
 import symjax_mlp as sm
@@ -175,6 +176,22 @@ def test_the_weights_a_loaded_model_shows_load_back_as_other_weights(tmp_path):
     chex.assert_trees_all_close(sm.load(path, params=doubled)(x), want, **TOL)
     with pytest.raises(sm.ArtifactError, match=r"\(2 missing, 0 extra\)"):
         sm.load(path, params=dict(list(m.params.items())[:2]))
+
+
+def test_weights_of_another_dtype_are_refused_with_the_cast_not_another_architecture(tmp_path):
+    """float16 weights of the right shapes were told 'Use weights of the same architecture'."""
+    h, x = _mlp()
+    path = sm.export(h, tmp_path / "m", example=x).path
+    halves = {k: v.astype(np.float16) for k, v in sm.load(path).params.items()}
+    safetensors.numpy.save_file(halves, tmp_path / "half.safetensors")
+    for params in (halves, tmp_path / "half.safetensors"):
+        with pytest.raises(sm.ArtifactError) as e:
+            sm.load(path, params=params)
+        said = str(e.value)
+        assert "is float16[" in said and "but the artifact expects float32[" in said, said
+        assert "Cast them: x.astype(np.float32) for each." in said and "architecture" not in said
+    with pytest.raises(sm.ArtifactError, match=r"Use weights of the same architecture"):
+        sm.load(path, params={k: v[..., :1] for k, v in halves.items()})
 
 
 @pytest.mark.parametrize("path", [3, None, b"/tmp/m", "/tmp/m\x00"])

@@ -244,9 +244,13 @@ def check_params(
     for s in expected:
         a = found[s.path]
         if tuple(a.shape) != tuple(s.shape) or str(a.dtype) != s.dtype:
+            fix = "Use weights of the same architecture."
+            if tuple(a.shape) == tuple(s.shape):  # the same weights, in another dtype
+                namespace = "np" if hasattr(np, s.dtype) else "jnp"
+                fix = f"Cast them: x.astype({namespace}.{printable(s.dtype)}) for each."
             raise ArtifactError(
                 f"{file}: param {printable(s.path)} is {a.dtype}{list(a.shape)} but the "
-                f"artifact expects {printable(s.type)}. Use weights of the same architecture."
+                f"artifact expects {printable(s.type)}. {fix}"
             )
         ordered.append(a)
     return ordered
