@@ -34,7 +34,8 @@ def read_npy(
             if short := _refused(f):
                 raise error(f"{what} {short}")
             x = np.load(f, allow_pickle=False)
-            if not isinstance(x, np.ndarray):  # an .npz archive
+            if not isinstance(x, np.ndarray):  # an .npz archive: the names of its arrays
+                names = x.files
                 x.close()
                 x = None
             more = f.read(1)  # np.save twice into one file: the second array would be dropped
@@ -50,7 +51,10 @@ def read_npy(
             f"{what} is not a readable .npy array ({why}); write one with np.save(file, x)."
         ) from None
     if x is None:
-        raise error(f"{what} is an .npz archive; a .npy file holds one array.")
+        raise error(
+            f"{what} is an .npz archive of {names[:8]!s:.200}; a .npy file holds one array. Save "
+            f"the one to pass alone: np.save(file, np.load(archive)[{(names or ['x'])[0][:80]!r}])."
+        )
     if more:
         raise error(
             f"{what} has more bytes after its array ({x.dtype}{list(x.shape)}): a second array "

@@ -40,7 +40,11 @@ def test_read_npy_from_a_file_and_bytes_in_native_byte_order(tmp_path):
 @pytest.mark.parametrize(
     ("make", "says"),
     [
-        (lambda p: np.savez(p / "f", x=np.ones(2)) or p / "f.npz", "is an .npz archive"),
+        (  # it said no more: which array, saved how?
+            lambda p: np.savez(p / "f", x=np.ones(2)) or p / "f.npz",
+            "is an .npz archive of ['x']; a .npy file holds one array. Save the one to pass "
+            "alone: np.save(file, np.load(archive)['x']).",
+        ),
         (lambda p: p.joinpath("f").write_text("1 2 3") and p / "f", "is not a readable .npy"),
         (  # was NumPy's 'Object arrays cannot be loaded when allow_pickle=False': save how?
             lambda p: np.save(p / "f", np.array([{}], object)) or p / "f.npy",
