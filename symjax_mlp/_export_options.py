@@ -96,6 +96,11 @@ def check_options(
             )
         dims = _dim_names(s for s in shapes if s is not None)
         for c in constraints:
+            if big := [n for n in re.findall(r"\d+", c) if len(n) > 19 or int(n) >= 1 << 63]:
+                raise ConfigError(  # else jax.export's raw OverflowError, as it lowers
+                    f"export({h.name}, constraints=...): {c[:80]!r} holds {big[0][:30]}, past "
+                    "the sizes jax.export computes with (below 2**63); bound by such a size."
+                )
             unknown = sorted(_dim_names([c]) - dims)
             if unknown:
                 raise ConfigError(

@@ -62,6 +62,9 @@ SHAPES = ("b, 8",)  # small()'s input
         pytest.param({"batch": "max"}, sm.ConfigError,
                      r"batch='max'\): pass a name such as 'b' \(not '_' or a function",
                      id="batch-a-spec-function"),  # a bare ValueError from jax.export
+        pytest.param({"shapes": SHAPES, "constraints": ("b <= 99999999999999999999",)},
+                     sm.ConfigError, r"'b <= 9+' holds 9+, past the sizes jax.export computes",
+                     id="constraint-past-int64"),  # was jax.export's raw OverflowError
         pytest.param({"vjp_order": 9}, sm.ConfigError,
                      r"vjp_order=9\): an artifact carries gradients up to order 8",
                      id="vjp-past-what-load-reads"),  # load refused it; 50 never ended
