@@ -592,7 +592,7 @@ def test_json_paths_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sm, "timeit", lambda *a, **kw: pytest.fail("the benchmark ran"))
     art = sm.chapter.export_mlp(tmp_path / "mlp").path
     for bad, says in (
-        (tmp_path / "nope" / "x.json", "does not exist"),
+        (tmp_path / "nope" / "x.json", f"does not exist; make it first (mkdir -p {tmp_path}/nope)"),
         (tmp_path, "is a directory"),
         ("/proc/x.json", "cannot write in /proc"),
     ):

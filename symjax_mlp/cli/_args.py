@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import stat
 import sys
 import tempfile
@@ -172,7 +173,10 @@ def writable(path: str, option: str, *, overwrite: bool) -> None:
     if p.is_dir():
         raise argparse.ArgumentTypeError(f"{refuse} is a directory; pass a file path")
     if not p.parent.exists():
-        raise argparse.ArgumentTypeError(f"{refuse} the directory {p.parent} does not exist")
+        raise argparse.ArgumentTypeError(
+            f"{refuse} the directory {p.parent} does not exist; make it first (mkdir -p "
+            f"{shlex.quote(str(p.parent))}), or pass a path in an existing directory"
+        )
     if p.exists() and not overwrite:
         raise argparse.ArgumentTypeError(f"{refuse} already exists; pass --overwrite to replace it")
     try:  # a file can be made there (a read-only or special directory says no only now)
