@@ -257,8 +257,9 @@ class Batcher:
 
         It checks and queues the request at once, like :meth:`submit`; the requests of one
         pass of the loop go to the batcher when the pass ends (a lone one on an idle batcher of
-        a LoadedModel runs then, on the loop). Cancelling it drops the request if its batch has
-        not started.
+        a LoadedModel runs then, on the loop, if load checked its ops and allowed none beyond
+        tensor ops: no while loop). Cancelling it drops the request if its batch has not
+        started.
 
         Raises:
           SignatureError, OverloadError: as :meth:`submit`; nothing is queued.
