@@ -977,3 +977,18 @@ def test_one_hot_labels_are_refused_saying_how_to_make_class_indices(tiny):
     says = r"y_train has shape \(\d+, 10\); expected one integer label per row .*Pass the class "
     with pytest.raises(sm.DataError, match=says + r"indices: y\.argmax\(axis=1\) of one-hot"):
         sm.training.train(sm.mlp((8, 10)), one_hot, epochs=1)
+
+
+def test_train_step_of_an_optimizer_needing_more_than_the_loss_names_what_it_passes():
+    """train_step(net, optax.lbfgs()) in a loop of one's own: its first (traced) call raised
+    optax's raw TypeError ('missing 2 required keyword-only arguments'), not what it passes."""
+    import optax
+
+    net, x, y = sm.mlp((8, 3)), jnp.ones((4, 5)), jnp.array([0, 1, 2, 0])
+    params = net.init(jax.random.key(0), x)["params"]
+    opt = optax.lbfgs()
+    step = jax.jit(sm.training.train_step(net, opt))
+    says = r"train_step\(HybridSequential, \.\.\.\): the optimizer's update raised TypeError: "
+    with pytest.raises(sm.ConfigError, match=says + r".*'value_fn'\. The training step calls "
+                       r"optimizer\.update\(grads, opt_state, params, value=loss\)"):  # fmt: skip
+        step(params, opt.init(params), x, y, jnp.ones(4))

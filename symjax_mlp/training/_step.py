@@ -3,6 +3,7 @@ so the same step runs data-parallel (:mod:`._shard`) and XLA inserts the gradien
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import operator
@@ -214,9 +215,7 @@ def step_of(
             raise ConfigError(_BLOCKS_STATE.format(caller=caller, blocks=blocks))
         else:
             loss, correct, grads = _blocked(model, spec, trainable, (x, y, w), blocks, axis_name)
-        updates, moved_state = optimizer.update(
-            grads, opt_state, trainable, **extra(optimizer, loss)
-        )
+        updates, moved_state = update(optimizer, grads, opt_state, trainable, loss, caller)
         if (was := _like(opt_state)) != (got := _like(moved_state)):  # jit would trace again
             raise ConfigError(
                 _STATE_MOVED.format(caller=caller, was=f"{was!s:.300}", got=f"{got!s:.300}")
@@ -229,32 +228,32 @@ def step_of(
     return step
 
 
-def extra(optimizer: optax.GradientTransformation, loss: Any) -> dict[str, Any]:
-    """The step's arguments to ``optimizer.update`` past ``(grads, state, params)``: ``value=``
-    the loss, to an optimizer taking extra arguments (optax's ``reduce_on_plateau``)."""
-    return {"value": loss} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
-
-
-def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> None:
-    """Refuses an optimizer whose update needs more than :func:`extra` gives (``optax.lbfgs``:
-    ``grad=`` and ``value_fn=``), traced on shapes only, before a step runs."""
+def update(optimizer: Any, grads: Any, opt_state: Any, params: Any, loss: Any, caller: str):
+    """``optimizer.update(grads, opt_state, params)``, with ``value=`` the loss for an optimizer
+    taking extra arguments (``reduce_on_plateau``); one needing more (``optax.lbfgs``: ``grad=``
+    and ``value_fn=``) is a ConfigError naming what the step passes (was optax's TypeError)."""
+    kw = {"value": loss} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
     try:
-        jax.eval_shape(
-            lambda p, s: optimizer.update(p, s, p, **extra(optimizer, jnp.float32(0))),
-            params,
-            opt_state,
-        )
-    except TRACER_ERRORS:  # an update of Python control flow: eager steps (compiled=False) run
-        pass
+        return optimizer.update(grads, opt_state, params, **kw)
+    except TRACER_ERRORS:  # Python control flow on a traced value: JAX's own error says it
+        raise
     except TypeError as e:
-        given = ", value=loss" if extra(optimizer, 0) else ""
+        given = ", value=loss" if kw else ""
         raise ConfigError(
             _EXTRA_ARGS.format(caller=caller, error=f"{e!s:.300}", given=given)
         ) from None
 
 
+def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> None:
+    """:func:`update`'s refusal before a step runs, its update traced on shapes only."""
+    with contextlib.suppress(*TRACER_ERRORS):  # Python control flow: an eager step runs it
+        jax.eval_shape(
+            lambda p, s: update(optimizer, p, s, p, jnp.float32(0), caller), params, opt_state
+        )
+
+
 _EXTRA_ARGS = (
-    "{caller}: the optimizer's update raised TypeError: {error}. train() calls "
+    "{caller}: the optimizer's update raised TypeError: {error}. The training step calls "
     "optimizer.update(grads, opt_state, params{given}) and nothing more; an optimizer that "
     "needs more (optax.lbfgs: grad= and value_fn=, for its line search) runs in a loop of your "
     "own, e.g. optax's lbfgs example with optax.value_and_grad_from_state. Pass an optimizer "
