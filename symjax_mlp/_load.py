@@ -208,6 +208,7 @@ class _Opener:
             run = _under(options["mesh"], run)
         model = LoadedModel(path, freeze(view), self.runtime, weights, run, self)
         model.params_as_constants = options["constants"]
+        model.allowed = None if options["trust"] else frozenset(options["allowed"])
         if options["self_test"]:
             selftest.run(path, view, blobs, model._outputs)
         return model

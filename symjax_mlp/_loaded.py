@@ -73,7 +73,12 @@ class LoadedModel(NoPickle):
       runtime: ``"jax"`` or ``"iree"``.
       entry: the name of this entry point.
       params_as_constants: whether its programs hold the weights as constants (``load``).
+      allowed: what ``load(allow=...)`` let its programs hold past the default op check (a
+        frozenset of its keys, e.g. ``{"while"}``), or ``None`` where nothing was checked
+        (``trust=True``).
     """
+
+    allowed: frozenset[str] | None = None
 
     def __init__(
         self, path: Path, manifest: Any, runtime: str, params: dict[str, Any],

@@ -720,8 +720,9 @@ def test_a_lone_asubmit_of_an_artifact_with_a_while_loop_runs_on_the_batchers_th
     allow = {"while", "dynamic_slice"}  # its data's loop, and y[0, 0]
     for path, options in ((art.path, {"allow": allow}), (silent, {"allow": allow}),
                           (silent, {"trust": True})):  # fmt: skip
-        gate = Gated(None)
-        with sm.serving.Batcher(sm.load(path, **options), max_batch=2) as b:
+        gate, m = Gated(None), sm.load(path, **options)
+        assert m.allowed is None if "trust" in options else "while" in m.allowed  # public
+        with sm.serving.Batcher(m, max_batch=2) as b:
             gate.fn, b._lane.call = b._lane.call, gate
 
             async def lone(b=b):

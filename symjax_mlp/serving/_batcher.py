@@ -161,9 +161,8 @@ class Batcher:
         # /health): loaded with its ops checked and allowed none but tensor ops, whatever
         # its manifest says it needs.
         self._passes: dict[Any, AsyncRequest | None] = {}
-        options = getattr(getattr(model, "_opener", None), "options", None) or {}
-        bounded = options.get("trust") is False and options.get("allowed") <= _BOUNDED
-        self._on_loop = isinstance(model, LoadedModel) and bounded
+        checked = getattr(model, "allowed", None) if isinstance(model, LoadedModel) else None
+        self._on_loop = checked is not None and checked <= _BOUNDED
         lane.warm_up()
         self._lane = lane
         self._thread = threading.Thread(target=lane.work, name=self.name, daemon=True)
