@@ -992,3 +992,14 @@ def test_train_step_of_an_optimizer_needing_more_than_the_loss_names_what_it_pas
     with pytest.raises(sm.ConfigError, match=says + r".*'value_fn'\. The training step calls "
                        r"optimizer\.update\(grads, opt_state, params, value=loss\)"):  # fmt: skip
         step(params, opt.init(params), x, y, jnp.ones(4))
+
+
+def test_numpy_bool_settings_are_pythons_in_the_result(tiny):
+    """compiled=np.True_ (or 1) passed the check and was kept as it was: result.compiled was
+    np.True_, and json.dumps(result.to_dict()) raised 'Object of type bool is not JSON
+    serializable' (a multi-process run's agreed settings, with resume=np.True_, too)."""
+    import json
+
+    for flag in (np.True_, 1):
+        r = sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, batch_size=16, compiled=flag)
+        assert r.compiled is True and json.loads(json.dumps(r.to_dict()))["compiled"] is True

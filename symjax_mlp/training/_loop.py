@@ -150,6 +150,7 @@ def train(
     for name, value in (("compiled", compiled), ("resume", resume)):
         if value not in (False, True):
             raise ConfigError(f"{_CALLER}: {name} must be True or False; got {value!r}.")
+    compiled, resume = bool(compiled), bool(resume)  # np.True_, 1: JSON's true in the results
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed.bit_length() > 63:
         raise ConfigError(
             f"{_CALLER}: seed must be an int from -2**63 + 1 to 2**63 - 1; got {seed!r}."
