@@ -15,7 +15,7 @@ import numpy as np
 
 from symjax_mlp._errors import SignatureError
 from symjax_mlp._files import write_output
-from symjax_mlp._specs import TensorSpec
+from symjax_mlp._specs import TensorSpec, cast_to
 
 
 def read_npy(
@@ -104,7 +104,7 @@ def spec_dtype(name: str) -> np.dtype | None:
     import ml_dtypes
 
     try:
-        return np.dtype(getattr(np, name) if hasattr(np, name) else getattr(ml_dtypes, name, name))
+        return np.dtype(name if name in np.sctypeDict else getattr(ml_dtypes, name, name))
     except (TypeError, ValueError):
         return None
 
@@ -150,7 +150,7 @@ def read_inputs(
         if spec.dtype.startswith("key<"):  # .npy has no key type: the key's data, as run writes
             xs[i] = _key(file, x, spec)
         elif str(x.dtype) != spec.dtype:
-            cast = f"{'np' if hasattr(np, spec.dtype) else 'jnp'}.{spec.dtype}"
+            cast = cast_to(spec.dtype)
             raise SignatureError(
                 f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact expects "
                 f"{spec.type}; nothing is cast. Save it as {spec.dtype}: "

@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
@@ -69,3 +71,11 @@ MASKED_INPUT = (
     "the value that means 'missing' to your model, x.filled(value) (e.g. x.filled(0.0)), or "
     "pass np.asarray(x) to use the data under the mask as it is."
 )
+
+
+def cast_to(dtype: str) -> str:
+    """``dtype`` as a cast names it: ``np.float32``; ``jnp.bfloat16`` for ml_dtypes' types,
+    which NumPy does not name. Looked up, never ``getattr(np, ...)``: a stranger's manifest may
+    name ``object``, which NumPy warns about."""
+    numpys = getattr(np.sctypeDict.get(dtype), "__module__", None) == "numpy"  # not ml_dtypes'
+    return f"{'np' if numpys else 'jnp'}.{dtype}"

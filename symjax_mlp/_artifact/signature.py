@@ -17,7 +17,7 @@ import numpy as np
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError
-from symjax_mlp._specs import MASKED_INPUT, TensorSpec
+from symjax_mlp._specs import MASKED_INPUT, TensorSpec, cast_to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +112,9 @@ class Signature:
                         f"{seen[1]}; both are the symbolic dimension {dim} and must agree."
                     )
             if str(x.dtype) != spec.dtype:  # as text: bfloat16 and rng key types included
-                namespace = "np" if hasattr(np, spec.dtype) else "jnp"
                 raise SignatureError(
                     f"{caller}: input {spec.path} has dtype {x.dtype} but the artifact expects "
-                    f"{spec.type}. Cast it: x.astype({namespace}.{spec.dtype})."
+                    f"{spec.type}. Cast it: x.astype({cast_to(spec.dtype)})."
                 )
         self._check_terms(sizes, caller)
         for constraint in self.constraints:

@@ -28,7 +28,7 @@ from symjax_mlp._artifact.format import (
 )
 from symjax_mlp._errors import ArtifactError, SymjaxError
 from symjax_mlp._files import Reader
-from symjax_mlp._specs import TensorSpec
+from symjax_mlp._specs import TensorSpec, cast_to
 
 _ST_DTYPES = {  # safetensors dtype codes -> NumPy dtypes (bfloat16 from ml_dtypes, as in JAX)
     **{f"F{n}": np.dtype(f"float{n}") for n in (16, 32, 64)},
@@ -246,8 +246,7 @@ def check_params(
         if tuple(a.shape) != tuple(s.shape) or str(a.dtype) != s.dtype:
             fix = "Use weights of the same architecture."
             if tuple(a.shape) == tuple(s.shape):  # the same weights, in another dtype
-                namespace = "np" if hasattr(np, s.dtype) else "jnp"
-                fix = f"Cast them: x.astype({namespace}.{printable(s.dtype)}) for each."
+                fix = f"Cast them: x.astype({printable(cast_to(s.dtype))}) for each."
             raise ArtifactError(
                 f"{file}: param {printable(s.path)} is {a.dtype}{list(a.shape)} but the "
                 f"artifact expects {printable(s.type)}. {fix}"
