@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._specs import MASKED_INPUT, array_types
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -280,8 +280,8 @@ def path_of(key: Any) -> str:
 def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> tuple[Any, ...]:
     """``max_traces``, then each ``setting=(value, type, example)``, of its type (``None`` for
     a str): a NumPy integer or bool as Python's, as ``jax.jit`` takes them."""
-    budget = _integer(max_traces)
-    if max_traces is not None and (budget is None or budget < 1):
+    budget = as_int(max_traces)
+    if max_traces is not None and (type(budget) is not int or budget < 1):
         raise ConfigError(
             f"max_traces must be a positive int or None; got {max_traces!r}. Pass e.g. "
             "max_traces=8 (a budget of traces), or None for no budget."
@@ -306,8 +306,8 @@ def static_args(
     """``static_argnums`` and ``static_argnames`` checked, and completed from the model's
     inputs as ``jax.jit`` does (a name static by place too, a place by name)."""
     got = _as_tuple(nums, (int, np.integer))
-    places = [_integer(i) for i in got or ()]
-    if got is None or not all(i is not None and i >= 0 for i in places):
+    places = [as_int(i) for i in got or ()]
+    if got is None or not all(type(i) is int and i >= 0 for i in places):
         raise ConfigError(
             f"static_argnums={nums!r}: pass an input's place or a tuple of them, ints from 0 (the "
             "first input after the params), e.g. static_argnums=(1,)."
@@ -340,11 +340,6 @@ def static_args(
     nums += tuple(by_name[n] for n in names if n in by_name)
     names += tuple(places[i].name for i in nums if i < len(places) and places[i].name in by_name)
     return frozenset(nums), frozenset(names)
-
-
-def _integer(x: Any) -> int | None:
-    """``x`` as a Python int if it is an integer (a NumPy one too) but no bool, else ``None``."""
-    return int(x) if isinstance(x, int | np.integer) and not isinstance(x, bool) else None
 
 
 def _as_tuple(x: Any, single: type | tuple[type, ...]) -> tuple | None:

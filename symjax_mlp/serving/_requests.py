@@ -17,7 +17,7 @@ import numpy as np
 
 from symjax_mlp._artifact.signature import as_array
 from symjax_mlp._compat import SharedLockFuture
-from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
@@ -197,8 +197,8 @@ def bucket_sizes(
     if buckets is not None:
         ok = isinstance(buckets, Iterable) and not isinstance(buckets, str)
         buckets = list(buckets) if ok else buckets
-        ok = ok and buckets and all(_is_int(b) for b in buckets)
-        buckets = [int(b) for b in buckets] if ok else buckets
+        ok = ok and buckets and all(type(as_int(b)) is int for b in buckets)
+        buckets = [as_int(b) for b in buckets] if ok else buckets
         if not ok or min(buckets) < 1 or max_batch not in (None, max(buckets)):
             largest = f" whose largest is max_batch={max_batch}" if max_batch else ""
             raise ConfigError(
@@ -360,13 +360,10 @@ def inference_of(h: Hybrid, example: Any, kwargs: dict[str, Any]) -> Any:
 
 def check_count(where: str, option: str, value: Any) -> int:
     """``value`` as an int; refused unless it is an integer >= 1 (NumPy's too)."""
-    if not _is_int(value) or value < 1:
+    count = as_int(value)
+    if type(count) is not int or count < 1:
         raise ConfigError(f"{where}: {option} must be an int >= 1; got {value!r}.")
-    return int(value)
-
-
-def _is_int(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
+    return count
 
 
 def check_timeout(caller: str, timeout: Any) -> None:
