@@ -172,8 +172,10 @@ def test_initialize_takes_numpy_integers_and_refuses_bools_and_floats(monkeypatc
             sm.training.initialize("127.0.0.1:1234", *args)
 
 
-def _saved(tmp_path: Path) -> tuple[OrbaxCheckpoints, sm.training.TrainState, Path]:
-    net, opt = sm.mlp(SIZES), optax.adam(LR)
+def _saved(
+    tmp_path: Path, opt: optax.GradientTransformation | None = None
+) -> tuple[OrbaxCheckpoints, sm.training.TrainState, Path]:
+    net, opt = sm.mlp(SIZES), opt or optax.adam(LR)
     params = net.init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
     state = sm.training.TrainState(params, opt.init(params), jax.random.key(3), step=8, epoch=1)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -277,14 +279,7 @@ def test_an_orbax_checkpoint_restores_exactly_and_refuses_foreign_edited_or_trun
 
 def test_an_orbax_checkpoint_of_an_optimizer_state_holding_a_prng_key_round_trips(tmp_path):
     """optax.noisy_sgd's state holds a typed key: Orbax's save of it failed (no such dtype)."""
-    net, opt = sm.mlp(SIZES), optax.noisy_sgd(LR, key=jax.random.key(5))
-    params = net.init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
-    state = sm.training.TrainState(params, opt.init(params), jax.random.key(3), step=8, epoch=1)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
-    path = store.save(state, {"config": {}, "history": []})
-    store.close()
-    store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
+    store, state, path = _saved(tmp_path, optax.noisy_sgd(LR, key=jax.random.key(5)))
     got, _ = store.restore(path, state)
     store.close()
     want = jax.random.key_data(jax.tree.leaves(state.opt_state)[1])
