@@ -1109,6 +1109,19 @@ def test_a_json_body_naming_a_key_twice_is_refused_not_read_as_one_parser_would(
         assert x.tolist() == [[1.0, 2.0]]
 
 
+def _refusal(dtype: type, inputs: str) -> str:
+    """The SignatureError of a JSON body ``{"inputs": inputs}`` to a (b, 2) ``dtype`` input."""
+    from symjax_mlp.serving import _bodies
+
+    h = sm.hybridize(lambda p, x: x, dtype(0))
+    with (
+        sm.serving.Batcher(h, example=np.zeros((1, 2), dtype), max_batch=2) as b,
+        pytest.raises(sm.SignatureError) as e,
+    ):
+        _bodies.decode(b, b'{"inputs": ' + inputs.encode() + b"}", "")
+    return str(e.value)
+
+
 @pytest.mark.parametrize(
     ("dtype", "inputs", "says"),
     [
@@ -1122,16 +1135,9 @@ def test_a_json_body_naming_a_key_twice_is_refused_not_read_as_one_parser_would(
 def test_json_values_no_number_input_takes_are_named_in_jsons_words(dtype, inputs, says):
     """The 422 named NumPy's dtype of what the client sent (<U1, object): a JSON client sent
     strings, null or objects, and cannot know what those are."""
-    from symjax_mlp.serving import _bodies
-
-    h = sm.hybridize(lambda p, x: x, dtype(0))
-    with (
-        sm.serving.Batcher(h, example=np.zeros((1, 2), dtype), max_batch=2) as b,
-        pytest.raises(sm.SignatureError) as e,
-    ):
-        _bodies.decode(b, b'{"inputs": ' + inputs.encode() + b"}", "")
-    assert says in str(e.value) and f"takes {np.dtype(dtype).name}[b, 2]" in str(e.value)
-    assert "send integers" in str(e.value) or "send numbers" in str(e.value)
+    said = _refusal(dtype, inputs)
+    assert says in said and f"takes {np.dtype(dtype).name}[b, 2]" in said
+    assert "send integers" in said or "send numbers" in said
 
 
 @pytest.mark.parametrize(
@@ -1144,15 +1150,7 @@ def test_json_values_no_number_input_takes_are_named_in_jsons_words(dtype, input
     ],
 )
 def test_a_bool_inputs_422_names_what_it_holds_in_jsons_words(inputs, says):
-    from symjax_mlp.serving import _bodies
-
-    h = sm.hybridize(lambda p, x: x, np.bool_(0))
-    with (
-        sm.serving.Batcher(h, example=np.zeros((1, 2), np.bool_), max_batch=2) as b,
-        pytest.raises(sm.SignatureError) as e,
-    ):
-        _bodies.decode(b, b'{"inputs": ' + inputs.encode() + b"}", "")
-    said = str(e.value)
+    said = _refusal(np.bool_, inputs)
     assert f"holds values other than true and false ({says})" in said, said
     assert "takes bool[b, 2]; send JSON booleans" in said
 
@@ -1168,15 +1166,8 @@ def test_a_bool_inputs_422_names_what_it_holds_in_jsons_words(inputs, says):
     ],
 )  # fmt: skip
 def test_a_json_body_nested_unlike_rows_is_a_422_in_jsons_words(inputs, says):
-    from symjax_mlp.serving import _bodies
-
-    h = sm.hybridize(lambda p, x: x, np.float32(0))
-    with (
-        sm.serving.Batcher(h, example=np.zeros((1, 2), np.float32), max_batch=2) as b,
-        pytest.raises(sm.SignatureError) as e,
-    ):
-        _bodies.decode(b, b'{"inputs": ' + inputs.encode() + b"}", "")
-    assert says in str(e.value), str(e.value)
+    said = _refusal(np.float32, inputs)
+    assert says in said, said
 
 
 def test_a_manifests_long_name_is_cut_in_every_message(tmp_path):
