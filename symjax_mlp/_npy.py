@@ -99,30 +99,25 @@ def _refused(f: BinaryIO) -> str | None:
 KEY_IMPLS = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<unsafe_rbg>": "unsafe_rbg"}
 
 
-def spec_dtype(name: str) -> np.dtype | None:
-    """The NumPy dtype a spec's dtype names (ml_dtypes' too); ``None`` if none (an rng key)."""
-    import ml_dtypes
-
-    try:
-        return np.dtype(name if name in np.sctypeDict else getattr(ml_dtypes, name, name))
-    except (TypeError, ValueError):
-        return None
-
-
 def draw(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, *, high: int = 2) -> Any:
     """A random input of the spec dtype ``dtype``: normal floats (bfloat16 too), integers from 0
-    below ``high``, random bools, or rng keys split from one; ``TypeError`` for another dtype."""
+    below ``high`` (int4 too), random bools, or rng keys split from one; ``TypeError`` for
+    another dtype."""
     import jax
+    import ml_dtypes
 
     if dtype in KEY_IMPLS:
         key = jax.random.key(int(rng.integers(2**31)), impl=KEY_IMPLS[dtype])
         return jax.random.split(key, shape) if shape else key
-    kind = spec_dtype(dtype)
+    try:
+        kind = np.dtype(dtype if dtype in np.sctypeDict else getattr(ml_dtypes, dtype, dtype))
+    except (TypeError, ValueError):
+        raise TypeError(dtype) from None
     if kind == np.bool_:
         return rng.integers(0, 2, shape).astype(bool)
-    if kind is not None and np.issubdtype(kind, np.integer):
+    if "int" in kind.name:  # ml_dtypes' int4 too, which is no np.integer
         return rng.integers(0, high, shape).astype(kind)
-    if kind is not None and jax.dtypes.issubdtype(kind, np.inexact):
+    if jax.dtypes.issubdtype(kind, np.inexact):
         return rng.standard_normal(shape, np.float32).astype(kind)
     raise TypeError(dtype)
 

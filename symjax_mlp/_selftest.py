@@ -18,7 +18,7 @@ from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import decode_params
 from symjax_mlp._artifact.weights import encode as encode_tensors
 from symjax_mlp._errors import ArtifactError, SignatureError, SymjaxError
-from symjax_mlp._npy import host
+from symjax_mlp._npy import draw, host
 
 BATCH = 2  # rows per symbolic batch dimension in the vectors
 MAX_INPUT_BYTES = 1 << 20  # inputs of vectors at the example's shapes (a constraint refuses 2)
@@ -36,20 +36,13 @@ def tolerance(dtype: Any) -> dict[str, float]:
 
 
 def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
-    """Seeded random inputs of ``specs``' shapes (symbolic dims as ``BATCH``), or ``None``
-    when an input cannot be stored (an rng key)."""
+    """Seeded random inputs of ``specs``' shapes (symbolic dims as ``BATCH``, integers below 4),
+    or ``None`` when an input cannot be stored (an rng key)."""
+    if any(str(spec.dtype).startswith("key") for spec in specs):
+        return None
     rng = np.random.default_rng(seed)
-    out = []
-    for spec in specs:
-        shape = tuple(BATCH if isinstance(d, str) else d for d in spec.shape)
-        if str(spec.dtype).startswith("key"):
-            return None
-        kind = np.dtype(str(spec.dtype))  # ml_dtypes' names too
-        if kind == np.bool_ or "int" in kind.name:  # int4 and uint4 too
-            out.append(rng.integers(0, 2 if kind == np.bool_ else 4, shape).astype(kind))
-        else:  # floats, bfloat16 included
-            out.append(rng.standard_normal(shape).astype(np.float32).astype(kind))
-    return out
+    shapes = [tuple(BATCH if isinstance(d, str) else d for d in spec.shape) for spec in specs]
+    return [draw(rng, s, str(spec.dtype), high=4) for s, spec in zip(shapes, specs, strict=True)]
 
 
 def encode(xs: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> bytes | None:

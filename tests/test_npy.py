@@ -210,3 +210,12 @@ def test_write_outputs_onto_a_directory_says_to_pass_another_path_not_to_free_sp
     with pytest.raises(sm.SymjaxError) as e:
         write_outputs(np.zeros(3, np.float32), tmp_path)
     assert str(e.value) == f"cannot write {tmp_path} (Is a directory). Pass another path."
+
+
+def test_verify_and_timeit_draw_the_inputs_of_an_int4_artifact(tmp_path):
+    """ml_dtypes' int4 is no NumPy integer: verify said the manifest was corrupted."""
+    h = sm.hybridize(lambda p, x: x.astype(jnp.float32) * p["w"], {"w": jnp.ones(3)}, name="i4")
+    sm.export(h, tmp_path / "m", example=np.ones((2, 3), ml_dtypes.int4))
+    report = sm.verify(tmp_path / "m")
+    assert report.ok, report
+    assert sm.timeit(sm.load(tmp_path / "m"), calls=2, repeats=1).calls == 2
