@@ -6,6 +6,9 @@ or the batcher wedged. Every wait is bounded, so that a regression fails rather 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -119,6 +122,87 @@ def test_a_model_calling_its_own_batcher_is_answered_not_wedged():
         np.testing.assert_array_equal(bounded(lambda: b(X1), 20), 2 * X1)
     finally:  # a wedged batcher: the inner request cancelled lets the outer one end
         b.close(cancel=True, timeout=20)
+
+
+def test_a_model_waiting_on_its_own_batchers_future_is_answered_not_wedged():
+    """A model (or a done callback) that called b.submit(x).result(): the request queued behind
+    the batch that waited for it, so its result never came (the batcher wedged for ever). It
+    runs at once, on the thread that holds the lane, as b(x) there does; closed, it is refused."""
+    box, seen = {}, []
+
+    def model(x):
+        if (x[:, 0] == 7).any():
+            return box["b"].submit(X1).result(5) + x  # X1 * 2 + x
+        if (x[:, 0] == 9).any():
+            box["b"].close()
+            return box["b"].submit(X1).result(5)
+        return x * 2
+
+    b = box["b"] = sm.serving.Batcher(model, example=X1, max_batch=4)
+
+    def callback(f):
+        seen.append(b.submit(X1).result(5))
+
+    def submitted():
+        f = b.submit(X7)
+        f.add_done_callback(callback)
+        return f.result(20)
+
+    async def awaited():
+        return await asyncio.wait_for(b.asubmit(X7), 20)
+
+    try:
+        for call in (lambda: b(X7), submitted, lambda: asyncio.run(awaited())):
+            np.testing.assert_array_equal(bounded(call, 30), X7 + 2)
+        np.testing.assert_array_equal(bounded(lambda: seen, 30), [2 * X1])
+        with pytest.raises(RuntimeError, match=r"Batcher\(model\) is closed"):
+            bounded(lambda: b(X9), 30)
+    finally:  # a wedged batcher: the inner request cancelled lets the outer one end
+        b.close(cancel=True, timeout=20)
+
+
+_ENDLESS_ON_ZEROS = """
+import os, jax, jax.numpy as jnp, numpy as np, symjax_mlp as sm
+def doubling(p, x):  # doubles x until its first entry passes p: for ever on zeros
+    return jax.lax.while_loop(lambda y: jnp.abs(y[0, 0]) < p, lambda y: y * 2, x)
+h = sm.hybridize(doubling, jnp.float32(10))
+print(h(jnp.ones((1, 2))).tolist(), flush=True)
+try:
+    sm.serving.Batcher(h, example=jnp.ones((1, 2)), max_batch=2, warm_up_timeout=1)
+except TimeoutError as e:
+    print(e, flush=True)
+    os._exit(0)  # its thread still runs the loop on zeros
+os._exit(3)
+"""
+
+
+def test_a_model_that_never_returns_on_zero_rows_times_the_warm_up_out():
+    """The warm-up calls the model on zero rows, as padding does: a while loop that never ends
+    on zeros made Batcher(...) itself hang, the caller's thread with it. It runs on the
+    batcher's thread: past warm_up_timeout, a TimeoutError says why and what to do."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", _ENDLESS_ON_ZEROS],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    done, says = out.stdout.splitlines()
+    assert done == "[[16.0, 16.0]]"
+    assert says.startswith("Batcher(doubling): warming up, the model did not return within 1 s")
+    assert "a batch of 1 rows of zeros" in says and "returns on zero rows" in says
+
+
+def test_a_batchers_warm_up_timeout_is_checked_and_its_errors_reach_the_caller():
+    def model(x):
+        return x * 2
+
+    for bad in ("a", -1, float("nan"), True):
+        with pytest.raises(sm.ConfigError, match=r"warm_up_timeout=.*: pass seconds >= 0"):
+            sm.serving.Batcher(model, example=X1, warm_up_timeout=bad)
+    with sm.serving.Batcher(model, example=X1, max_batch=2, warm_up_timeout=None) as b:
+        np.testing.assert_array_equal(b(X7), 2 * X7)
+    with pytest.raises(sm.ConfigError, match="per-row outputs"):  # raised on its thread
+        sm.serving.Batcher(lambda x: x.sum(), example=X1, max_batch=2, warm_up_timeout=30)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int64])

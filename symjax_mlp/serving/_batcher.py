@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import numbers
 import sys
 import threading
 import weakref
@@ -73,12 +74,15 @@ class Batcher:
       name: shown in errors (default: the model's name or artifact path).
       kwargs: keyword settings passed to every call of a Hybrid or callable, e.g.
         ``{"train": False}`` for the batch-norm guide's ``MLP(x, train)``.
+      warm_up_timeout: most seconds the warm-up (each bucket compiled and run on zero rows, on
+        the batcher's thread) may take (``None``: no limit); past it, a ``TimeoutError``.
 
     Raises:
       ConfigError: a Hybrid or callable without ``example``, or a LoadedModel with one; an
         nnx module in training mode; bad ``max_batch``/``buckets``/``max_queue``; an artifact
         whose batch is not its inputs' leading dimension; outputs not per row, or whose rows
-        differ between batch sizes.
+        differ between batch sizes; a bad ``warm_up_timeout``.
+      TimeoutError: the warm-up took longer than ``warm_up_timeout``.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -102,6 +106,7 @@ class Batcher:
         max_queue: int = 1024,
         name: str | None = None,
         kwargs: dict[str, Any] | None = None,
+        warm_up_timeout: float | None = 300.0,
     ) -> None:
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise ConfigError(
@@ -148,6 +153,9 @@ class Batcher:
         self.buckets = bucket_sizes(self.name, max_batch, buckets, static)
         self.max_batch = self.buckets[-1]
         self.max_queue = check_count(self.name, "max_queue", max_queue)
+        w = warm_up_timeout  # as run(timeout=)'s check_timeout
+        if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Real) or not w >= 0):
+            raise ConfigError(f"Batcher({name}, warm_up_timeout={w!r}): pass seconds >= 0 or None.")
         #: What one request takes: one spec per input, the batch dimension named ``b``.
         self.specs: tuple[TensorSpec, ...] = specs
         self.model = model
@@ -155,19 +163,14 @@ class Batcher:
         self.why_alone: str = alone
         lane = Lane(served, specs, self.buckets, self.name, merges=not alone)
         self._check = RequestCheck(specs, lane, static, alone).check
-        # Per event loop, this pass's asubmit (None: several): see _end_of_pass. A lone one
-        # runs on the loop only for an XLA program the checker bounded (a user's Python, a
-        # while loop that never ends, a native kernel would block the loop: no timeout, no
-        # /health): loaded with its ops checked and allowed none but tensor ops, whatever
-        # its manifest says it needs.
+        # Per event loop, this pass's asubmit (None: several): see _end_of_pass. One runs on
+        # the loop only for an XLA program the checker bounded (else a user's Python, an endless
+        # while loop or a native kernel could block it: no timeout, no /health): loaded with its
+        # ops checked and allowed none but tensor ops, whatever its manifest says it needs.
         self._passes: dict[Any, AsyncRequest | None] = {}
         checked = getattr(model, "allowed", None) if isinstance(model, LoadedModel) else None
         self._on_loop = checked is not None and checked <= _BOUNDED
-        lane.warm_up()
-        self._lane = lane
-        self._thread = threading.Thread(target=lane.work, name=self.name, daemon=True)
-        self._thread.start()
-        lane.thread = self._thread.ident
+        self._thread, self._lane = lane.start(warm_up_timeout), lane
         self._finalizer = weakref.finalize(self, lane.close, False)
 
     def _enqueue(self, request: Any, wake: bool = True) -> None:
@@ -195,7 +198,7 @@ class Batcher:
 
         Its result is what ``model(*inputs)`` returns, as NumPy arrays; its ``timing`` is set
         before it. Done callbacks run on the batcher's thread between two batches: keep them
-        short.
+        short. Called in the model or a done callback, it runs the request at once, as ``b(x)``.
 
         Raises:
           SignatureError: the inputs do not fit :attr:`specs` (or have more than
@@ -205,8 +208,13 @@ class Batcher:
         """
         t0 = clock()
         arrays, rows = self._check(inputs)
-        future = RequestFuture(self._lane.futures)
+        lane = self._lane
+        future = RequestFuture(lane.futures)
         future.arrays, future.rows, future.t0 = arrays, rows, t0
+        if threading.get_ident() in (lane.thread, lane.holder) and not lane.closing:
+            lane.n.alone += 1  # in the model or a callback: queued, it would wait for the lane
+            lane.run([future], rows)  # this thread holds (its result() for ever)
+            return future
         self._enqueue(future)
         return future
 
@@ -233,7 +241,7 @@ class Batcher:
                     return lane.run_alone(request)[0]
             finally:
                 lane.release()
-        if threading.get_ident() in (lane.thread, lane.holder):
+        if threading.get_ident() in (lane.thread, lane.holder) and not lane.closing:
             # b(x) in a done callback or the model, on the thread that holds the token: the
             # request runs here rather than wait for itself (for ever, the batcher wedged)
             return lane.run_alone(request)[0]
@@ -309,17 +317,11 @@ class Batcher:
             else:
                 batch, rows = lane.take()
         try:
-            if not alone:
-                if batch:  # else every one was cancelled
-                    lane.run(batch, rows, loop)
-                return
-            try:
-                result, record = lane.run_alone(lone)
-            except BaseException as e:  # counted as failed by run_alone; SystemExit too,
-                lone.fail(e)  # which reaches the loop through its awaiter, if any
-            else:
-                lone._batch = (*record[1:], 1)
-                lone.future.set_result(result)
+            if alone:  # counted as b(x)'s lone requests are; SystemExit too reaches its awaiter
+                lane.n.alone += 1
+                lane.run([lone], lone.rows, loop)
+            elif batch:  # else every one was cancelled
+                lane.run(batch, rows, loop)
         finally:
             lane.release()
 

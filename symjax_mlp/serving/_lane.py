@@ -36,6 +36,12 @@ _FOLD_EVERY = 4096  # batches counted before they are folded into the stats
 ON_LOOP_SECONDS = 1e-3
 clock = time.perf_counter
 _LOG = logging.getLogger("symjax_mlp.serving")
+_STUCK = (
+    "{self.name}: warming up, the model did not return within {timeout:g} s for a batch of "
+    "{self.warming} rows of zeros (each batch size compiled runs once on zeros, as padding is). "
+    "Serve a model that returns on zero rows (its while loops ending on them too), or a larger "
+    "warm_up_timeout if it only compiles slowly (None: no limit); its thread stays in the call."
+)
 
 
 class Blocking:
@@ -45,8 +51,7 @@ class Blocking:
 
     def __init__(self, arrays: Sequence[Any], rows: int, t0: float) -> None:
         self.arrays, self.rows, self.t0, self.waiter = arrays, rows, t0, None
-        self.result: Any = None
-        self.error: BaseException | None = None
+        self.result = self.error = None  # its rows, or its batch's error
 
 
 def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
@@ -111,6 +116,7 @@ class Lane:
         self.holder: int | None = None  # the thread running a lone request (its ident)
         self.took: dict[int, float] = {}  # by bucket: seconds its last run took (see ON_LOOP)
         self.since: float | None = None  # when the batch running now started (None: none runs)
+        self.warming = 0  # the bucket the warm-up runs now
 
     def work(self) -> None:
         """The thread's loop, until the lane is closed and its queue done."""
@@ -152,11 +158,38 @@ class Lane:
             self.sleeping = False
             self.wake.notify()
 
+    def start(self, timeout: float | None) -> threading.Thread:
+        """Starts the thread (warm-up, then batches); waits ``timeout`` s at most for warm-up."""
+        ready, failed = threading.Event(), []
+
+        def warm_then_work() -> None:
+            try:
+                self.warm_up()
+            except BaseException as e:
+                failed.append(e)
+            ready.set()
+            if not failed:
+                self.work()  # returns at once if the caller stopped waiting: closing
+
+        thread = threading.Thread(target=warm_then_work, name=self.name, daemon=True)
+        thread.start()
+        self.thread = thread.ident
+        try:
+            if not ready.wait(timeout):
+                raise TimeoutError(_STUCK.format(self=self, timeout=timeout))
+        except BaseException:  # past the timeout, or Ctrl-C: the thread ends after the call
+            self.close(False)
+            raise
+        if failed:
+            raise failed[0]
+        return thread
+
     def warm_up(self) -> None:
         """Compiles every bucket (the smallest alone where it does not merge: one call each),
         checks the outputs are per row, and notes their kind, row shapes and dtypes."""
         single, rows, first = True, list(zip(self.row_shapes, self.dtypes, strict=True)), None
         for bucket in self.buckets if self.merges else self.buckets[:1]:
+            self.warming = bucket
             out = self.call(*[np.zeros((bucket, *s), d) for s, d in rows])
             single, host = isinstance(out, jax.Array | np.ndarray), self.to_host(out)
             pairs, self.tree = jax.tree_util.tree_flatten_with_path(host)
@@ -340,15 +373,10 @@ class Lane:
     def close(self, cancel: bool) -> None:
         with self.lock:
             self.closing = True
-            dropped = []
-            if cancel:
-                while self.queue:
-                    dropped.append(self.queue.popleft())
-                self.n.cancelled += len(dropped)
+            dropped = [self.queue.popleft() for _ in range(len(self.queue))] if cancel else []
+            self.n.cancelled += len(dropped)
             self.wake.notify_all()
-        awaited = [(r, None) for r in dropped if type(r) is AsyncRequest]
-        if awaited:
-            _wake_loops(awaited, _DROPPED)
+        _wake_loops([(r, None) for r in dropped if type(r) is AsyncRequest], _DROPPED)
         for r in dropped:
             if type(r) is RequestFuture:
                 r.cancel()
