@@ -21,13 +21,14 @@ ACTIVATIONS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def activation_fn(name: str | None) -> Callable[[jax.Array], jax.Array]:
+def activation_fn(name: str | None, call: str = "Dense") -> Callable[[jax.Array], jax.Array]:
     """The :mod:`jax.nn` activation called ``name`` (``None``: the identity)."""
     if name is None:
         return lambda x: x
     if not isinstance(name, str) or name not in ACTIVATIONS:
         raise ConfigError(
-            f"unknown activation {name!r}; expected None or one of: {', '.join(ACTIVATIONS)}."
+            f"symjax_mlp.{call}(activation={name!r}): unknown activation {name!r}; expected None "
+            f"or one of: {', '.join(ACTIVATIONS)}."
         )
     return getattr(jax.nn, name)
 
@@ -48,8 +49,8 @@ class Dense(nn.Dense):
         activation_fn(self.activation)  # refused at construction, not at the first call
         if not _width(self.features):
             raise ConfigError(
-                f"Dense(features={self.features!r}): the output width is a positive int, e.g. "
-                "Dense(256)."
+                f"symjax_mlp.Dense(features={self.features!r}): the output width is a positive "
+                "int, e.g. Dense(256)."
             )
         _check_dtype("Dense", self.dtype)
         super().__post_init__()
@@ -57,8 +58,8 @@ class Dense(nn.Dense):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         if not jnp.ndim(inputs):  # else flax's IndexError: tuple index out of range
             raise SignatureError(
-                f"Dense({self.features}): the input is a scalar (shape ()), and a Dense layer "
-                "maps the last axis of its input. Pass an array of shape (batch, features), "
+                f"symjax_mlp.Dense({self.features}): the input is a scalar (shape ()), and a Dense "
+                "layer maps the last axis of its input. Pass an array of shape (batch, features), "
                 "e.g. jnp.reshape(x, (1, 1)) for one example of one feature."
             )
         return activation_fn(self.activation)(super().__call__(inputs))
@@ -73,19 +74,23 @@ def _check_dtype(call: str, dtype: Any) -> None:
         inexact = False
     if not inexact:
         raise ConfigError(
-            f"{call}(dtype={dtype!r}): the dtype the layers compute in is a floating type; "
-            "pass e.g. dtype=jnp.bfloat16, or None (the inputs' dtype)."
+            f"symjax_mlp.{call}(dtype={dtype!r}): the dtype the layers compute in is a floating "
+            "type; pass e.g. dtype=jnp.bfloat16, or None (the inputs' dtype)."
         )
 
 
 def _check_layers(cls: str, field: str, items: Any) -> None:
     """Refuses what is no sequence of layers when built, not deep in ``init``."""
     if not items:
-        raise ConfigError(f"{cls} needs at least one {field[:-1]}; got an empty sequence.")
+        raise ConfigError(
+            f"symjax_mlp.{cls}({field}={items!r}): expected at least one "
+            f"{'layer' if field == 'layers' else 'branch'}; got an empty sequence. Write e.g. "
+            f"{cls}((Dense(4), Dense(2)))."
+        )
     seq = isinstance(items, Sequence) and not isinstance(items, str | bytes)
     if bad := [item for item in items if not callable(item)] if seq else [items]:
         raise ConfigError(
-            f"{cls}({field}=...): expected a sequence of modules (or callables such as "
+            f"symjax_mlp.{cls}({field}=...): expected a sequence of modules (or callables such as "
             f"nn.relu); got {bad[0]!r} ({type(bad[0]).__name__}). Write e.g. "
             f"{cls}((Dense(4), Dense(2)))."
         )
@@ -123,8 +128,8 @@ class HybridConcurrent(nn.Module):
         _check_layers("HybridConcurrent", "branches", self.branches)
         if not isinstance(self.axis, numbers.Integral) or isinstance(self.axis, bool | np.bool_):
             raise ConfigError(
-                f"HybridConcurrent(axis={self.axis!r}): axis is the int the branches' outputs "
-                "are concatenated along, e.g. axis=-1 (the features)."
+                f"symjax_mlp.HybridConcurrent(axis={self.axis!r}): axis is the int the branches' "
+                "outputs are concatenated along, e.g. axis=-1 (the features)."
             )
         super().__post_init__()
 
@@ -133,14 +138,14 @@ class HybridConcurrent(nn.Module):
         rank = outs[0].ndim
         if not -rank <= self.axis < rank:
             raise ConfigError(
-                f"HybridConcurrent(axis={self.axis}): the branches' outputs have rank {rank} "
-                f"(shapes {[tuple(o.shape) for o in outs]}), so axis must be in "
+                f"symjax_mlp.HybridConcurrent(axis={self.axis}): the branches' outputs have rank "
+                f"{rank} (shapes {[tuple(o.shape) for o in outs]}), so axis must be in "
                 f"[{-rank}, {rank - 1}]; e.g. axis=-1 (the features)."
             )
         off = {o.shape[: self.axis % rank] + o.shape[self.axis % rank + 1 :] for o in outs}
         if len(off) > 1 or len({o.ndim for o in outs}) > 1:  # else JAX's TypeError, unnamed
             raise ConfigError(
-                f"HybridConcurrent(axis={self.axis}): the branches' outputs have shapes "
+                f"symjax_mlp.HybridConcurrent(axis={self.axis}): the branches' outputs have shapes "
                 f"{[tuple(o.shape) for o in outs]}; joined along axis {self.axis}, they must "
                 "agree in rank and every other axis. Join them where they differ (e.g. axis=-1, "
                 "the features), or make the branches agree."
@@ -172,10 +177,10 @@ def mlp(
     widths = isinstance(sizes, Sequence | np.ndarray) and not isinstance(sizes, str)
     if not (widths and len(sizes) and all(map(_width, sizes))):
         raise ConfigError(
-            f"mlp(sizes={sizes!r}): pass the layers' widths as a sequence of positive ints, e.g. "
-            "mlp((256, 128, 2)) (one layer: mlp((2,)))."
+            f"symjax_mlp.mlp(sizes={sizes!r}): pass the layers' widths as a sequence of positive "
+            "ints, e.g. mlp((256, 128, 2)) (one layer: mlp((2,)))."
         )
-    activation_fn(activation)  # refused even where only the last layer (none) would use it
+    activation_fn(activation, "mlp")  # refused even where only the last layer (none) would use it
     _check_dtype("mlp", dtype)
     acts = (activation,) * (len(sizes) - 1) + (None,)
     layers = (Dense(int(s), activation=a, dtype=dtype) for s, a in zip(sizes, acts, strict=True))

@@ -81,7 +81,8 @@ def _int(call: str, name: str, value: Any, low: int, high: int | None = None) ->
         return int(value)
     span = f">= {low}" if high is None else "from -2**63 to 2**63 - 2"
     raise ConfigError(
-        f"{call}({name}={value!r}): {name} must be an int {span}. Pass e.g. {name}={max(low, 1)}."
+        f"symjax_mlp.chapter.{call}({name}={value!r}): {name} must be an int {span}. Pass e.g. "
+        f"{name}={max(low, 1)}."
     )
 
 
@@ -91,15 +92,21 @@ def _mlp(
 ) -> tuple[Hybrid, jax.Array]:  # fmt: skip
     """``mlp(sizes)`` hybridized from ``seed`` and a zero input; the chapter's (``name``) a
     random input. Sizes past int64 or memory and seeds past int64 are ConfigErrors."""
-    net = mlp(sizes, activation=activation)
+    try:
+        net = mlp(sizes, activation=activation)
+    except ConfigError as e:  # named as the call the user made
+        raise ConfigError(
+            str(e).replace("symjax_mlp.mlp(", f"symjax_mlp.chapter.{call}(")
+        ) from None
     in_features, batch = _int(call, "in_features", in_features, 1), _int(call, "batch", batch, 0)
     seed = _int(call, "seed", seed, -_INT64, _INT64 - 1)
     for rows, cols in (*itertools.pairwise((in_features, *sizes)), (batch, in_features)):
         if rows * cols >= _INT64:
             raise ConfigError(
-                f"an MLP of sizes={tuple(sizes)} on in_features={in_features} (batch={batch}) "
-                f"has a {rows} x {cols} array, more elements than any array can have; pass "
-                "smaller widths (sizes, in_features) or a smaller batch."
+                f"symjax_mlp.chapter.{call}(sizes={tuple(sizes)}): an MLP of those sizes on "
+                f"in_features={in_features} (batch={batch}) has a {rows} x {cols} array, more "
+                "elements than any array can have; pass smaller widths (sizes, in_features) or a "
+                "smaller batch."
             )
     key = jax.random.key(seed)
     if name is None:
@@ -113,7 +120,8 @@ def _mlp(
             raise
         params = sum((a + 1) * b for a, b in zip((in_features, *sizes), sizes, strict=False))
         raise ConfigError(
-            f"an MLP of sizes={tuple(sizes)} on {in_features} inputs has {params:,} "
+            f"symjax_mlp.chapter.{call}(sizes={tuple(sizes)}): an MLP of those sizes on "
+            f"{in_features} inputs has {params:,} "
             "parameters, more than this process can hold in memory; pass smaller widths."
         ) from None
     return hybridize(net, variables, name=name), x
@@ -137,7 +145,10 @@ def describe_mlp(
         "summary": lambda: _summary(h, x),
     }
     if not isinstance(format, str) or format not in views:
-        raise ConfigError(f"unknown format {format!r}; expected one of: {', '.join(views)}.")
+        raise ConfigError(
+            f"symjax_mlp.chapter.describe_mlp(format={format!r}): unknown format {format!r}; "
+            f"expected one of: {', '.join(views)}."
+        )
     return views[format]()
 
 

@@ -195,3 +195,33 @@ def test_the_chapter_takes_numpy_ints_and_a_static_numpy_batch(tmp_path):
     assert art.signature.inputs[0].shape == (2, 3)
     with pytest.raises(sm.ConfigError, match=r"unknown format \['x'\]; expected one of"):
         sm.chapter.describe_mlp((4,), in_features=3, format=["x"])
+
+
+@pytest.mark.parametrize(
+    ("make", "prefix"),
+    [
+        (lambda: sm.Dense(3, activation="rleu"), "symjax_mlp.Dense(activation='rleu'): "),
+        (lambda: sm.Dense(0), "symjax_mlp.Dense(features=0): "),
+        (lambda: sm.Dense(3, dtype="int8"), "symjax_mlp.Dense(dtype='int8'): "),
+        (lambda: sm.mlp((2,), activation="nope"), "symjax_mlp.mlp(activation='nope'): "),
+        (lambda: sm.mlp(()), "symjax_mlp.mlp(sizes=()): "),
+        (lambda: sm.HybridSequential(()), "symjax_mlp.HybridSequential(layers=()): "),
+        (lambda: sm.HybridConcurrent([1]), "symjax_mlp.HybridConcurrent(branches=...): "),
+        (lambda: sm.chapter.chapter_mlp(batch=-1), "symjax_mlp.chapter.chapter_mlp(batch=-1): "),
+        (lambda: sm.chapter.tour(calls=-1), "symjax_mlp.chapter.tour(calls=-1): "),
+        (
+            lambda: sm.chapter.describe_mlp((2,), in_features=2, format="x"),
+            "symjax_mlp.chapter.describe_mlp(format='x'): ",
+        ),
+        (
+            lambda: sm.chapter.chapter_mlp((2**40, 2**40), in_features=1),
+            "symjax_mlp.chapter.chapter_mlp(sizes=(1099511627776, 1099511627776)): ",
+        ),
+    ],
+)
+def test_a_refused_model_names_the_public_call(make, prefix):
+    """Messages began "unknown activation", "mlp(sizes=...)", "unknown format": no public call
+    (the house form is symjax_mlp.<call>(...): what, expected, fix)."""
+    with pytest.raises(sm.ConfigError) as info:
+        make()
+    assert str(info.value).startswith(prefix), str(info.value)
