@@ -15,17 +15,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 #: Whether each internal is used (``False``: its fallback); read at each use (the GIL's: once).
-INTERNALS: dict[str, bool] = {
-    "threefry": True,
-    "lapack": True,
-    "source_locations": True,
-    "backend_started": True,
-    "layer_scopes": True,
-    "futures": True,
-    "gil": True,
-    "transformed": True,
-    "linearizing": True,
-}
+INTERNALS: dict[str, bool] = dict.fromkeys((
+    "threefry", "lapack", "source_locations", "backend_started", "layer_scopes", "futures", "gil",
+    "transformed", "linearizing",
+), True)  # fmt: skip
 
 
 # -- 1. threefry, unrolled on CPU in a Hybrid's programs ------------------------------------
@@ -389,9 +382,6 @@ def _finish(f: SharedLockFuture, result: Any, exception: BaseException | None) -
     """Settles a shared ``f`` (its lock is held); the caller then runs its done callbacks."""
     f._result, f._exception, f._state = result, exception, FINISHED
     for w in f._waiters:
-        if exception is None:
-            w.add_result(f)
-        else:
-            w.add_exception(f)
+        (w.add_result if exception is None else w.add_exception)(f)
     if f._wake is not None:
         f._wake.notify_all()
