@@ -440,6 +440,24 @@ def test_shard_step_takes_numpy_bools_as_pythons():
     assert all(not a.is_deleted() for a in jax.tree.leaves(params))  # donate was False
 
 
+def test_shard_step_mesh_errors_name_the_call_and_the_fix():
+    """A mesh that is no Mesh, an axis not of it, a batch that does not split: the messages
+    began 'expected a jax.sharding.Mesh' or 'axis=...' or 'shard_step(...)', not the call."""
+    import optax
+
+    net, x = sm.mlp((8, 3)), np.ones((5, 5), np.float32)
+    train_step = sm.training.train_step(net, optax.sgd(0.1))
+    call = r"^symjax_mlp\.training\.shard_step\(\.\.\.\): "
+    with pytest.raises(sm.ConfigError, match=call + r"mesh is a str.*Pass mesh=sm\.data_mesh"):
+        sm.training.shard_step(train_step, "data")
+    with pytest.raises(sm.ConfigError, match=call + r"axis='model' is not an axis of the mesh"):
+        sm.training.shard_step(train_step, sm.data_mesh(2), axis="model")
+    step = sm.training.shard_step(train_step, sm.data_mesh(2), donate=False, pad=False)
+    params = net.init(jax.random.key(0), x)["params"]
+    with pytest.raises(sm.SignatureError, match=call + r"batch 5 does not divide over 2"):
+        step(params, optax.sgd(0.1).init(params), x, np.zeros(5, np.int32))
+
+
 def _dropout(rate):
     class Net(nn.Module):  # same class, name and params: only the dropout rate differs
         @nn.compact

@@ -16,6 +16,8 @@ from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
 from symjax_mlp.training._step import UNEVEN
 
+_CALL = "symjax_mlp.training.shard_step(...)"
+
 
 class ShardedStep:
     """A training step run data-parallel (see :func:`shard_step`): ``s(params, opt_state, x,
@@ -25,14 +27,22 @@ class ShardedStep:
         self, step: Callable[..., Any], mesh: Mesh | None, axis: str, donate: bool, pad: bool
     ):
         self.step = step
-        self.mesh, self.replicated, self.batch_sharding, self.n_shards = shardings(mesh, axis)
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise ConfigError(
+                f"{_CALL}: mesh is a {type(mesh).__name__}; expected a jax.sharding.Mesh. Pass "
+                "mesh=sm.data_mesh() (every device), sm.data_mesh(n), or None for the former."
+            )
+        try:  # an axis not of the mesh: said by the one check, after the call
+            self.mesh, self.replicated, self.batch_sharding, self.n_shards = shardings(mesh, axis)
+        except ConfigError as e:
+            raise ConfigError(f"{_CALL}: {e}") from None
         self.axis, self.pad = axis, pad
         rep, dat = self.replicated, self.batch_sharding
         self.blocks = getattr(step, "blocks", 1)
         if self.blocks > 1:  # each device its blocks, gathered in the step: a fixed order
             if self.blocks % self.n_shards:
                 raise ConfigError(
-                    f"shard_step(...): a step of blocks={self.blocks} over {self.n_shards} "
+                    f"{_CALL}: a step of blocks={self.blocks} over {self.n_shards} "
                     f"shards; the shards must divide the blocks. Use blocks={self.n_shards} "
                     "(or a multiple), or a mesh whose axis size divides it."
                 )
@@ -57,13 +67,11 @@ class ShardedStep:
     def shard_batch(self, x: Any, y: Any, w: Any = None) -> tuple[jax.Array, ...]:
         """``(x, y, w)`` padded with weight-0 rows to a multiple of ``n_shards``, then split."""
         x, y, w = (a if a is None or hasattr(a, "shape") else np.asarray(a) for a in (x, y, w))
-        batch = batch_size((x, y) if w is None else (x, y, w), "shard_step(...)")
+        batch = batch_size((x, y) if w is None else (x, y, w), _CALL)
         w = np.ones(batch, np.float32) if w is None else w
-        extra = padding(batch, self.n_shards, self.pad, "shard_step(...)")
+        extra = padding(batch, self.n_shards, self.pad, _CALL)
         if self.blocks > 1 and batch % self.blocks:  # padding would change the blocks
-            raise SignatureError(
-                UNEVEN.format(caller="shard_step(...)", rows=batch, blocks=self.blocks)
-            )
+            raise SignatureError(UNEVEN.format(caller=_CALL, rows=batch, blocks=self.blocks))
         arrays = (pad_rows(x, extra), pad_rows(y, extra), pad_rows(w, extra, fill=0))
         return tuple(place(a, self.batch_sharding) for a in arrays)
 
@@ -117,8 +125,8 @@ def shard_step(
     donate, pad = (bool(v) if isinstance(v, np.bool_) else v for v in (donate, pad))  # jit's
     if not (callable(step) and isinstance(donate, bool) and isinstance(pad, bool)):
         raise ConfigError(
-            f"shard_step(step, donate=, pad=): got step {type(step).__name__}, donate "
-            f"{donate!r}, pad {pad!r}; expected a step function such as "
-            "sm.training.train_step(model, optimizer) and donate, pad True or False."
+            f"symjax_mlp.training.shard_step(step, donate=, pad=): got step "
+            f"{type(step).__name__}, donate {donate!r}, pad {pad!r}; expected a step function "
+            "such as sm.training.train_step(model, optimizer) and donate, pad True or False."
         )
     return ShardedStep(step, mesh, axis, donate, pad)
