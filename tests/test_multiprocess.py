@@ -394,6 +394,30 @@ def test_processes_given_other_checkpoint_directories_are_refused_before_the_fir
     assert not (tmp_path / "ckA").exists() and not (tmp_path / "ckB").exists()
 
 
+@pytest.mark.slow
+def test_processes_naming_one_directory_by_other_paths_share_it_and_other_ones_are_refused(
+    tmp_path,
+):
+    """The directories were compared by os.path.abspath, by name: real/ck and alias/ck (alias a
+    symlink to real) were refused as two directories; ck and hop/../ck (hop a symlink to
+    other/inner, so other/ck) were taken as one, and the two stores' barriers timed out."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "other" / "inner").mkdir(parents=True)
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    (tmp_path / "hop").symlink_to(tmp_path / "other" / "inner")
+    same = {0: ("--checkpoint", str(tmp_path / "real" / "ck")),
+            1: ("--checkpoint", str(tmp_path / "alias" / "ck"))}  # fmt: skip
+    codes, logs, _ = _wait(_launch(2, tmp_path, *PATIENT, extra=same))
+    assert codes == [0, 0], "\n---\n".join(logs)
+    assert sorted(p.name for p in (tmp_path / "real" / "ck").iterdir()) == ["16", "8"]
+    other = {0: ("--checkpoint", str(tmp_path / "ck")),
+             1: ("--checkpoint", f"{tmp_path}/hop/../ck")}  # fmt: skip
+    codes, logs, _ = _wait(_launch(2, tmp_path, extra=other))
+    assert codes == [1, 1], logs
+    said = f"process 1 was started with {{'checkpoint': '{tmp_path / 'other' / 'ck'}'}}"
+    assert said in logs[0] and "refused before the first step" in logs[0], logs[0]
+
+
 def test_the_cli_refuses_processes_without_a_coordinator(capsys):
     from symjax_mlp.cli import main
 

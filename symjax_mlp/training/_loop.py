@@ -282,7 +282,7 @@ def _processes(
         return Programs.of(model, spec, optimizer, compiled=compiled, blocks=blocks), None, None
     if not compiled:
         raise ConfigError(f"{_CALLER}: a multi-process run is compiled; got compiled=False.")
-    where = checkpoint and os.path.abspath(checkpoint)  # Orbax's one directory, of them all
+    where = checkpoint and os.path.realpath(checkpoint)  # Orbax's one directory (links, ..)
     key = agree({**config, **run, "checkpoint": where}, timeout=timeout, caller=_CALLER)
     watch = Watchdog(key, timeout, _CALLER)
     programs = Programs.of(model, spec, optimizer, compiled=True, blocks=blocks, watch=watch)
