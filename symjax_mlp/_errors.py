@@ -1,9 +1,10 @@
 """The errors symjax_mlp raises (every one derives from :class:`SymjaxError`), and the integer
-reading its settings' checks share."""
+and path reading its settings' checks share."""
 
 from __future__ import annotations
 
 import operator
+import os
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +78,17 @@ def as_int(x: Any) -> Any:
         return operator.index(x)
     except TypeError:
         return x
+
+
+def artifact_path(call: str, path: Any) -> Path:
+    """``path`` as a ``Path``; refused, ``symjax_mlp.<call>(path)`` named, unless it is a str or
+    an ``os.PathLike`` of one without a NUL character (else pathlib's or os's raw error)."""
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    if isinstance(text, str) and "\x00" not in text:
+        return Path(text)
+    got = "a path holding a NUL byte" if isinstance(text, str) else "a value of type "
+    raise ConfigError(
+        f"symjax_mlp.{call}({ascii(path)[:200]}): expected the directory written by "
+        "symjax_mlp.export, as a str or a pathlib.Path; got "
+        f"{got}{'' if isinstance(text, str) else type(path).__name__}."
+    )

@@ -31,7 +31,7 @@ from symjax_mlp._artifact.format import (
 )
 from symjax_mlp._artifact.reading import USED, freeze, read_artifact
 from symjax_mlp._artifact.weights import check_params, param_specs, read_safetensors_file
-from symjax_mlp._errors import ArtifactError, ConfigError
+from symjax_mlp._errors import ArtifactError, ConfigError, artifact_path
 from symjax_mlp._hybrid.mesh import auto_mesh
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
@@ -108,14 +108,7 @@ def load(
             "the weights into its programs. Drop params_as_constants, or use runtime='jax'."
         )
     allowed = ops.normalize_allow(allow)
-    if not isinstance(path, str | os.PathLike) or "\x00" in str(path):  # else a bare TypeError
-        pathlike = isinstance(path, str | os.PathLike)
-        got = "a path holding a NUL byte" if pathlike else f"a value of type {type(path).__name__}"
-        raise ConfigError(
-            f"symjax_mlp.load({printable(repr(path)[:200])}): expected the directory written by "
-            f"symjax_mlp.export, as a str or a pathlib.Path; got {got}."
-        )
-    path = Path(path)
+    path = artifact_path("load", path)  # else pathlib's TypeError, os.stat's ValueError
     if not os.path.exists(path) and (file := next((p for p in path.parents if p.is_file()), None)):
         raise ArtifactError(
             f'symjax_mlp.load("{path}"): {file} is a file, not a directory, so there is no '

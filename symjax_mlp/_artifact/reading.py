@@ -31,7 +31,7 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._artifact.ops import ModuleReport, show_keys
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import read_safetensors_file
-from symjax_mlp._errors import ArtifactError
+from symjax_mlp._errors import ArtifactError, artifact_path
 from symjax_mlp._files import MANIFEST, hash_regular, read_regular
 from symjax_mlp._specs import TensorSpec, shape_dims
 
@@ -155,10 +155,8 @@ class Artifact:
         ]
         lines += [f"  {p}" for p in self.params]
         lines.append("mlir args  " + ", ".join(m["mlir_arguments"]))
-        if m.get("compatible_until"):
-            lines.append(
-                f"loads in   JAX releases until {m['compatible_until']} (jax.export window)"
-            )
+        if until := m.get("compatible_until"):
+            lines.append(f"loads in   JAX releases until {until} (jax.export window)")
         for key, value in (m.get("metadata") or {}).items():
             shown = value if isinstance(value, str) else json.dumps(thaw(value))
             lines.append(f"card       {key}: {shown}")
@@ -189,9 +187,10 @@ def inspect(path: str | os.PathLike[str]) -> Artifact:
       The :class:`Artifact`; ``print(inspect(path))`` shows its summary.
 
     Raises:
+      ConfigError: ``path`` is no str or ``pathlib.Path`` (``None``, an int).
       ArtifactError: the directory is missing, incomplete or corrupted.
     """
-    path = Path(path)
+    path = artifact_path("inspect", path)
     manifest, _ = read_artifact(path, keep=())
     return Artifact(path, freeze(manifest))
 
