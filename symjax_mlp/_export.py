@@ -27,9 +27,10 @@ from symjax_mlp._artifact.format import (
     SELFTEST,
     check_target,
     entry_files,
+    printable,
 )
 from symjax_mlp._artifact.reading import Artifact, freeze, mlir_arguments
-from symjax_mlp._artifact.signature import Signature
+from symjax_mlp._artifact.signature import Signature, admits_any
 from symjax_mlp._artifact.weights import encode
 from symjax_mlp._errors import ArtifactError, ConfigError, as_int
 from symjax_mlp._export_entry import Stage, export_program, stage
@@ -122,6 +123,11 @@ def export(
         # the default entry point takes every weight; the others their own
         own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
         exported, signature, rows = export_program(entry, own, platforms)
+        if not admits_any(signature, [n for x in entry.examples for n in x.shape]):
+            raise ConfigError(
+                _NOTHING_ADMITTED.format(name=entry.h.name, constraints=entry.constraints,
+                                         inputs=", ".join(map(str, signature.inputs)))
+            )  # fmt: skip
         roles = entry_files(name) if i else {r: r for r in (JAXEXPORT, MLIRBC, MLIR, SELFTEST)}
         files[roles[JAXEXPORT]] = bytes(exported.serialize(vjp_order=vjp_order))
         needs.update(_needs(files[roles[JAXEXPORT]], path / roles[JAXEXPORT]))
@@ -194,20 +200,44 @@ def _check_target(path: Path, overwrite: bool) -> None:
     """``check_target``, and a directory replaced only while it holds an artifact's files and
     nothing else: another tool's manifest.json, or the user's own files, are never deleted."""
     check_target(path, overwrite)
+    above = Path(os.path.realpath(path.parent))  # through symlinks and '..'
+    if outer := next((p for p in (above, *above.parents) if _listed(p) is not None), None):
+        raise ArtifactError(_INSIDE.format(path=printable(str(path)), outer=printable(str(outer))))
     if not (overwrite and path.is_dir() and (path / MANIFEST).exists()):
         return
-    try:
-        manifest = json.loads(read_regular(path / MANIFEST, limit=64 << 20, error=ArtifactError))
-        ours = {MANIFEST, SIGNATURE, *manifest["files"]} if manifest["format"] == FORMAT else ()
-    except (ArtifactError, ValueError, TypeError, KeyError):  # not JSON, not a dict, no files
-        ours = ()
-    if extra := sorted(set(os.listdir(path)) - set(ours)):
+    if extra := sorted(set(os.listdir(path)) - (_listed(path) or set())):
         raise ArtifactError(
             f"symjax_mlp.export({str(path)!r}, overwrite=True): the directory holds "
             f"{', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}, which no symjax_mlp "
             "artifact there lists (another tool's manifest.json, or files of yours), and "
             "overwrite would delete them. Move them out, or choose another path."
         )
+
+
+_NOTHING_ADMITTED = (
+    "export({name}, constraints={constraints}): no input could call the artifact: every "
+    "symbolic dimension of its inputs ({inputs}) is >= 1, and no sizes satisfy the constraints "
+    "together. Fix the one that refuses every size (a '<=' meant as '>=', a bound below 1), "
+    "or drop it."
+)
+_INSIDE = (
+    'symjax_mlp.export("{path}"): {outer} is an artifact, and an artifact is never written '
+    "inside another (the outer one's checks and copies would not cover it, and replacing the "
+    "outer one would delete it). Choose a path outside it, beside it in its parent directory."
+)
+
+
+def _listed(path: Path) -> set[str] | None:
+    """The files of the symjax_mlp artifact at ``path``, its manifest too; ``None`` if there
+    is none (no manifest.json, or another tool's)."""
+    if not (path / MANIFEST).is_file():
+        return None
+    try:
+        manifest = json.loads(read_regular(path / MANIFEST, limit=64 << 20, error=ArtifactError))
+        ours = manifest["format"] == FORMAT
+        return {MANIFEST, SIGNATURE, *manifest["files"]} if ours else None
+    except (ArtifactError, ValueError, TypeError, KeyError):  # not JSON, not a dict, no files
+        return None
 
 
 def _needs(data: bytes, file: Path) -> list[str]:

@@ -332,10 +332,14 @@ def _specs(examples: tuple[Any, ...], shapes: tuple, constraints: tuple, name: s
         )
     try:
         scope = jax.export.SymbolicScope(constraints)
-        specs = [s if s is None else jax.export.symbolic_shape(s, scope=scope) for s in shapes]
+        specs = [  # like: '...' stands for the example's own dimensions ('b, ...')
+            s if s is None else jax.export.symbolic_shape(s, scope=scope, like=_like(s, x))
+            for s, x in zip(shapes, examples, strict=True)
+        ]
     except (ValueError, TypeError) as e:
         raise ConfigError(
-            f"export({name}, shapes={shapes!r}, constraints={constraints!r}): {e}. Write specs "
+            f"export({name}, shapes={shapes!r}, constraints={constraints!r}): "
+            f"{str(e).rstrip('.')}. Write specs "
             "as jax.export does, e.g. 'b, 512', and constraints such as 't <= 1024'."
         ) from None
     for i, (x, dims) in enumerate(zip(examples, specs, strict=True)):
@@ -348,7 +352,29 @@ def _specs(examples: tuple[Any, ...], shapes: tuple, constraints: tuple, name: s
                 f"spec {shapes[i]!r} does not describe. Give a spec of rank {len(x.shape)} "
                 "whose numbers match the example."
             )
+    seen: dict[str, tuple[str, int]] = {}  # a name's first place and the example's size there
+    for i, (x, dims) in enumerate(zip(examples, specs, strict=True)):
+        for k, (d, n) in enumerate(zip(dims or x.shape, x.shape, strict=True)):
+            if str(d).isidentifier() and seen.setdefault(str(d), (f"{i}].shape[{k}", n))[1] != n:
+                fix = ", ".join(str(n) if j == k else str(e) for j, e in enumerate(dims))
+                at, size = seen[str(d)]
+                raise SignatureError(
+                    _ONE_SIZE.format(name=name, shapes=shapes, dim=str(d), at=at, size=size,
+                                     i=i, k=k, n=n, spec=shapes[i], fix=fix)
+                )  # fmt: skip
     return specs
+
+
+def _like(spec: str, x: Any) -> tuple[int, ...] | None:
+    return tuple(x.shape) if "..." in spec and hasattr(x, "shape") else None
+
+
+_ONE_SIZE = (
+    "export({name}, shapes={shapes!r}): the specs name {dim!r} at args[{at}] and "
+    "args[{i}].shape[{k}], where the example has sizes {size} and {n}; a name is one size, "
+    "shared by every place it appears. Give args[{i}].shape[{k}] its number or its own name: "
+    "{spec!r} -> {fix!r}."
+)
 
 
 def _output_kind(exported: Any, h: Hybrid) -> str:

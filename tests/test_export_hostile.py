@@ -3,6 +3,7 @@ and gives the source model's answers; whatever cannot is refused at export, by n
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -240,3 +241,69 @@ def test_a_target_export_cannot_write_is_named_for_what_it_is(tmp_path):
         assert str(e.value).startswith(f'symjax_mlp.export("{path}"): '), str(e.value)
         assert says in str(e.value) and "Errno" not in str(e.value), str(e.value)
     assert (tmp_path / "afile").read_text() == "mine" and list((tmp_path / "real").iterdir()) == []
+
+
+def test_an_export_inside_an_artifact_is_refused_and_writes_nothing(tmp_path):
+    # it wrote the new artifact among the outer one's files (and overwrite of the outer one
+    # would delete it); a symlink into the artifact is seen through
+    h, x = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0}), jnp.ones((2, 3))
+    outer = sm.export(h, tmp_path / "outer", example=x).path
+    (tmp_path / "link").symlink_to(outer)
+    before = sorted(p.name for p in outer.iterdir())
+    for path in (outer / "sub", outer / "a" / "b", tmp_path / "link" / "sub"):
+        with pytest.raises(sm.ArtifactError, match=r"outer is an artifact, and an artifact is "):
+            sm.export(h, path, example=x)
+    assert sorted(p.name for p in outer.iterdir()) == before
+    (tmp_path / "web").mkdir()
+    (tmp_path / "web" / "manifest.json").write_text('{"name": "another tool\'s"}')
+    sm.export(h, tmp_path / "web" / "model", example=x)  # not an artifact: written there
+
+
+@pytest.mark.parametrize(
+    ("shapes", "constraints"),
+    [(("b, 3",), ("b <= 0",)), (("b, 3",), ("b >= 5", "b <= 3")), (("b, t",), ("t <= 0",)),
+     (("b, t",), ("t == 2*b", "t <= 1"))],
+)  # fmt: skip
+def test_constraints_no_size_satisfies_are_refused_at_export(tmp_path, shapes, constraints):
+    # it exported an artifact no input could call (load refused every shape)
+    h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
+    with pytest.raises(sm.ConfigError, match=r"no input could call the artifact: every symbol"):
+        sm.export(h, tmp_path / "a", example=jnp.ones((2, 3)), shapes=shapes,
+                  constraints=constraints)  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+    art = sm.export(h, tmp_path / "b", example=jnp.ones((2, 3)), shapes=("b, 3",),
+                    constraints=("b <= 1",))  # fmt: skip
+    np.testing.assert_array_equal(
+        sm.load(art.path)(np.ones((1, 3), np.float32)), 2 * np.ones((1, 3))
+    )
+
+
+def test_a_name_given_two_sizes_in_shapes_is_refused_with_the_spec_meant(tmp_path):
+    # 'b, b' for a (2, 8) example was flax's raw ScopeParamShapeError (kernel of shape (b, 16))
+    net, x = sm.mlp((16, 3)), jnp.ones((2, 8))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    with pytest.raises(
+        sm.SignatureError,
+        match=r"shapes=\('b, b',\)\): the specs name 'b' at args\[0\]\.shape\[0\] and "
+        r"args\[0\]\.shape\[1\], where the example has sizes 2 and 8.* 'b, b' -> 'b, 8'\.$",
+    ):
+        sm.export(h, tmp_path / "a", example=x, shapes=("b, b",))
+    with pytest.raises(sm.SignatureError, match=r"args\[1\]\.shape\[0\].*'b, 8' -> '3, 8'"):
+        sm.export(sm.hybridize(lambda p, x, y: x.sum() + y.sum(), {}), tmp_path / "a",
+                  example=(x, jnp.ones((3, 8))), shapes=("b, 8", "b, 8"))  # fmt: skip
+    with pytest.raises(
+        sm.SignatureError, match=r"args\[0\]: float32\[b, c\]\) do not fit the params: param "
+        r"layers_0/kernel has shape \(8, 16\), and these inputs make it \(c, 16\).*its number"
+    ):  # fmt: skip
+        sm.export(h, tmp_path / "a", example=x, shapes=("b, c",))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_spec_ending_in_dots_takes_the_examples_other_dimensions(tmp_path):
+    # 'b, ...' (what the message for a baked rng key suggests) was jax's syntax error
+    net, x = sm.mlp((16, 3)), jnp.ones((2, 8))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    art = sm.export(h, tmp_path / "a", example=x, shapes=("b, ...",))
+    assert art.signature.inputs[0].shape == ("b", 8)
+    x5 = jnp.arange(40.0).reshape(5, 8)
+    np.testing.assert_allclose(sm.load(art.path)(x5), h(x5), rtol=1e-6)

@@ -197,6 +197,28 @@ def sizes_at(signature: Signature, batch: int) -> dict[str, int] | None:
     return sizes if admitted else None
 
 
+def admits_any(signature: Signature, tries: Sequence[int] = ()) -> bool:
+    """Whether some sizes of the symbolic dimensions satisfy the constraints (each >= 1): the
+    batch tried at 1, 2, ``tries`` and each number of the constraints and beside it (where a
+    bound's interval ends). ``True`` for a dimension beyond :func:`sizes_at`'s arithmetic."""
+    dims = {d for s in signature.inputs for d in s.shape if isinstance(d, str)}
+    ones = {n: 1 for d in dims for n in re.findall(r"[A-Za-z_]\w*", d)}
+    if not signature.constraints or any(_evaluate(d, ones) is None for d in dims):
+        return True
+    numbers = {int(n) for c in signature.constraints for n in re.findall(r"\d+", c)}
+    tries = {1, 2, *tries, *(n + d for n in numbers for d in (-1, 0, 1))}
+    for b in sorted(t for t in tries if t >= 1):
+        if (sizes := sizes_at(signature, b)) is None:
+            continue
+        for c in signature.constraints:  # a name jax.export replaced by its term (t == 2*b)
+            op, left, right = _split(c)
+            if op == "==" and left not in sizes and (v := _evaluate(right, sizes)) is not None:
+                sizes[left] = v
+        if all(_holds(c, sizes) for c in signature.constraints):
+            return True
+    return False
+
+
 def _bare(term: str) -> str:
     return "".join(term.split())
 
