@@ -491,3 +491,44 @@ def test_an_equinox_module_of_non_array_leaves_given_as_an_input_is_refused_nami
     arrays, static = eqx.partition(mlp, eqx.is_array)
     h = sm.hybridize(lambda p, x, a: eqx.combine(a, static)(x) * p, jnp.float32(2))
     chex.assert_trees_all_close(h(jnp.ones(3), arrays), mlp(jnp.ones(3)) * 2, rtol=1e-6)
+
+
+def _timed(h):
+    return lambda *a: sm.timeit(h, *a, calls=1, repeats=1, warmup=1)
+
+
+@pytest.mark.parametrize("path", ["call", "eager", "lower", "graph", "apply", "timeit", "export"])
+def test_an_input_the_params_do_not_fit_is_one_signature_error_on_every_path(path, tmp_path):
+    # each was flax's raw ScopeParamShapeError ("the given initializer is expected to ...")
+    net, x = sm.mlp((16, 3)), jnp.ones((2, 8))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    run = {"call": h, "eager": h.eager, "lower": h.lower, "graph": h.graph,
+           "apply": lambda a: h.apply(h.params, a), "timeit": _timed(h),
+           "export": lambda a: sm.export(h, tmp_path / "a", example=a)}[path]  # fmt: skip
+    with pytest.raises(
+        sm.SignatureError,
+        match=r"^HybridSequential: the inputs \(args\[0\]: float32\[(2|b), 7\]\) do not fit the "
+        r"params: param layers_0/kernel has shape \(8, 16\), and these inputs make it \(7, 16\)"
+        r"\. The params were made for inputs of other shapes .* init the model again for these\.",
+    ):
+        run(jnp.ones((2, 7)))
+    assert h.trace_count == 0 and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("path", ["call", "eager", "timeit"])
+def test_a_shape_dtype_struct_given_to_a_call_points_to_graph_and_lower(path):
+    # h.eager(spec) was float()'s TypeError, h(spec) jax.jit's 'not a valid JAX type'
+    net, x = sm.mlp((16, 3)), jnp.ones((2, 8))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    run = {"call": h, "eager": h.eager, "timeit": _timed(h)}[path]
+    caller = "HybridSequential.eager" if path == "eager" else "HybridSequential"
+    with pytest.raises(
+        sm.SignatureError,
+        match=rf"^{caller}: args\[0\] is a jax\.ShapeDtypeStruct \(float32\[2, 8\]\), a shape "
+        r"and dtype without values.* jnp\.zeros\(\(2, 8\), jnp\.float32\); .*HybridSequential"
+        r"\.graph\(spec\) .*HybridSequential\.lower\(spec\)",
+    ):
+        run(jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    with pytest.raises(sm.SignatureError, match=r"kwargs\['y'\]\['k'\] is a jax\.ShapeDtype"):
+        sm.hybridize(lambda p, x, y: x, {}).eager(x, y={"k": jax.ShapeDtypeStruct((), "int32")})
+    assert h.lower(jax.ShapeDtypeStruct((2, 8), jnp.float32)).as_text()  # staging takes one

@@ -8,7 +8,7 @@ import hashlib
 import inspect
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -212,11 +212,18 @@ _UNSORTED = (
 
 def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
     """Refuses a masked array, a container holding itself, a dict of unsortable keys."""
+    for path, value in _walk(caller, args, kwargs):
+        if isinstance(value, np.ma.MaskedArray):
+            raise SignatureError(MASKED_INPUT.format(caller=caller, path=path))
+
+
+def _walk(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Each input and what its tuples, lists and dicts hold, by path; a container holding
+    itself, or a dict of unsortable keys, refused."""
     todo = [(path_of(k), v, ()) for k, v in (*enumerate(args), *kwargs.items())]
     while todo:
         path, value, within = todo.pop()
-        if isinstance(value, np.ma.MaskedArray):
-            raise SignatureError(MASKED_INPUT.format(caller=caller, path=path))
+        yield path, value
         if isinstance(value, (tuple, list, dict)):
             if any(value is v for v in within):
                 kind = type(value).__name__
@@ -231,6 +238,25 @@ def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> 
             except TypeError:
                 keys = ", ".join(sorted({type(k).__name__ for k in value}))
                 raise ConfigError(_UNSORTED.format(caller=caller, path=path, keys=keys)) from None
+
+
+_ABSTRACT = (
+    "{caller}: {path} is a jax.ShapeDtypeStruct ({type}), a shape and dtype without values, "
+    "and a call computes on values. Pass an array, e.g. jnp.zeros({shape}, jnp.{dtype}); to "
+    "see the program for that shape without running it, call {name}.graph(spec) (its jaxpr), "
+    "{name}.lower(spec) (StableHLO) or {name}.compile(spec) (XLA's optimized HLO)."
+)
+
+
+def refuse_abstract(caller: str, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Refuses a ``jax.ShapeDtypeStruct`` among a call's inputs (a call needs values), naming
+    the Hybrid ``name``'s methods that stage one."""
+    for at, leaf in _walk(caller, args, kwargs):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise SignatureError(
+                _ABSTRACT.format(caller=caller, path=at, name=name, shape=tuple(leaf.shape),
+                                 dtype=leaf.dtype, type=f"{leaf.dtype}{list(leaf.shape)}")
+            )  # fmt: skip
 
 
 def _holds_arrays(value: Any) -> bool:

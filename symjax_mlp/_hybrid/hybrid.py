@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import trace as _trace
-from symjax_mlp._hybrid.args import check_settings, partition, static_args
+from symjax_mlp._hybrid.args import check_settings, partition, refuse_abstract, static_args
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
 from symjax_mlp._hybrid.trace import NoPickle, TraceEvent, TraceLog, symbolic
@@ -35,6 +35,7 @@ _SETTINGS = (
     "name", "max_traces", "compiled", "mesh", "axis", "pad", "static_argnums",
     "static_argnames", "donate", "params_as_constants",
 )  # fmt: skip
+_ARRAYS = array_types()  # what the hot path takes as it is
 
 
 class Hybrid(NoPickle):
@@ -238,6 +239,7 @@ class Hybrid(NoPickle):
                     raise _trace.control_flow_error(self.name, e) from e
         if not self.compiled:
             return self.eager(*args, **kwargs)
+        refuse_abstract(self.name, self.name, args, kwargs)
         with symbolic(self.name):  # the slow path: settings, nnx objects, a mesh
             static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
             variables = given(dyn, dyn_kw, self.name, sharded=self._parallel is not None)
@@ -265,6 +267,7 @@ class Hybrid(NoPickle):
     def eager(self, /, *args: Any, **kwargs: Any) -> Any:
         """Runs the model op by op, its Python and the ``on_trace`` callbacks on every call; a
         stateful model's state is carried as in compiled calls."""
+        refuse_abstract(f"{self.name}.eager", self.name, args, kwargs)
         self._log.run_callbacks(args, kwargs)
         with self._held.lock:
             out, state = self._model.call(self.params, self.state, args, kwargs)
@@ -394,6 +397,3 @@ class Hybrid(NoPickle):
         mode = "compiled" if self.compiled else "eager"
         state = ", stateful" if self.stateful else ""
         return f"Hybrid({self.name}, {mode}{state}, traces={self.trace_count}{where})"
-
-
-_ARRAYS = array_types()
