@@ -53,6 +53,7 @@ class Dense(nn.Dense):
                 "int, e.g. Dense(256)."
             )
         _check_dtype("Dense", self.dtype)
+        _check_dtype("Dense", self.param_dtype, "param_dtype")
         super().__post_init__()
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -65,7 +66,7 @@ class Dense(nn.Dense):
         return activation_fn(self.activation)(super().__call__(inputs))
 
 
-def _check_dtype(call: str, dtype: Any) -> None:
+def _check_dtype(call: str, dtype: Any, field: str = "dtype") -> None:
     """Refuses a ``dtype`` that is no floating type when built (else at init: NumPy's
     "data type not understood", flax's "Dtype must be inexact")."""
     try:
@@ -74,20 +75,21 @@ def _check_dtype(call: str, dtype: Any) -> None:
         inexact = False
     if not inexact:
         raise ConfigError(
-            f"symjax_mlp.{call}(dtype={dtype!r}): the dtype the layers compute in is a floating "
-            "type; pass e.g. dtype=jnp.bfloat16, or None (the inputs' dtype)."
+            f"symjax_mlp.{call}({field}={dtype!r}): the dtype the layers "
+            f"{'compute in' if field == 'dtype' else 'keep their params in'} is a floating type; "
+            f"pass e.g. {field}=jnp.bfloat16, or None (the inputs' dtype)."
         )
 
 
 def _check_layers(cls: str, field: str, items: Any) -> None:
     """Refuses what is no sequence of layers when built, not deep in ``init``."""
-    if not items:
+    seq = isinstance(items, Sequence) and not isinstance(items, str | bytes)
+    if seq and not items:
         raise ConfigError(
             f"symjax_mlp.{cls}({field}={items!r}): expected at least one "
             f"{'layer' if field == 'layers' else 'branch'}; got an empty sequence. Write e.g. "
             f"{cls}((Dense(4), Dense(2)))."
         )
-    seq = isinstance(items, Sequence) and not isinstance(items, str | bytes)
     if bad := [item for item in items if not callable(item)] if seq else [items]:
         raise ConfigError(
             f"symjax_mlp.{cls}({field}=...): expected a sequence of modules (or callables such as "
@@ -136,6 +138,12 @@ class HybridConcurrent(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         outs = [branch(x) for branch in self.branches]
         rank = outs[0].ndim
+        if not rank:
+            raise ConfigError(
+                f"symjax_mlp.HybridConcurrent(axis={self.axis}): the branches' outputs are "
+                f"scalars (shapes {[tuple(o.shape) for o in outs]}), which have no axis to join "
+                "along. Make each branch return an array of rank >= 1, e.g. x.sum(-1)."
+            )
         if not -rank <= self.axis < rank:
             raise ConfigError(
                 f"symjax_mlp.HybridConcurrent(axis={self.axis}): the branches' outputs have rank "

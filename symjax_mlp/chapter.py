@@ -204,6 +204,11 @@ def export_mlp(
 def tour(*, calls: int = 1000, print: Callable[..., None] = print) -> None:
     """Walks through the chapter: imperative, symbolic, hybrid, tracing, timing, control flow."""
     calls, step = _int("tour", "calls", calls, 0), iter(range(1, 100))
+    if not callable(print):
+        raise ConfigError(
+            f"symjax_mlp.chapter.tour(print={print!r}): print takes each line, as the builtin "
+            "print does; pass a callable, e.g. print=functools.partial(print, file=sys.stderr)."
+        )
 
     def title(text: str) -> None:
         print(f"\n== {next(step)}. {text} ==")

@@ -225,3 +225,26 @@ def test_a_refused_model_names_the_public_call(make, prefix):
     with pytest.raises(sm.ConfigError) as info:
         make()
     assert str(info.value).startswith(prefix), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda: sm.Dense(2, param_dtype="int8"), r"Dense\(param_dtype='int8'\): .* floating"),
+        (lambda: sm.HybridSequential(np.array([1, 2])), r"expected a sequence of modules"),
+        (lambda: sm.HybridSequential(None), r"expected a sequence of modules.*got None"),
+        (lambda: sm.chapter.tour(calls=0, print=None), r"tour\(print=None\): print takes"),
+    ],
+)
+def test_what_flax_or_python_refused_raw_is_refused_when_built(make, says):
+    """Dense(param_dtype="int8") failed at init with flax's "dtype argument to `uniform` must be
+    a float dtype", HybridSequential(np.array(...)) with NumPy's ambiguous truth value,
+    HybridSequential(None) was "an empty sequence", tour(print=None) a TypeError."""
+    with pytest.raises(sm.ConfigError, match=says):
+        make()
+
+
+def test_concatenating_scalars_says_so_not_an_empty_range_of_axes():
+    cat = sm.HybridConcurrent((lambda x: x.sum(), lambda x: x.sum()))
+    with pytest.raises(sm.ConfigError, match=r"outputs are scalars \(shapes \[\(\), \(\)\]\)"):
+        cat.init(jax.random.key(0), jnp.ones((2, 3)))
