@@ -568,3 +568,17 @@ def test_the_per_request_table_has_both_iree_rows_and_their_targets():
     for label in ("loaded artifact (IREE)", "the same .vmfb, iree-benchmark-module"):
         assert label in text
     assert "iree_over_h" in text and "iree_native_over_aot_arguments" in text
+
+
+def test_iree_refuses_int4_inputs_up_front_not_as_a_corrupted_artifact(tmp_path, compiles):
+    """IREE's runtime has no buffer type for int4 (NumPy keeps one a byte): load compiled, then
+    its self-test failed as "the artifact ... is corrupted, was edited ... Export it again"."""
+    import ml_dtypes
+
+    h = sm.hybridize(lambda p, x: x.astype(jnp.float32) * p, jnp.float32(2))
+    x = np.ones((2, 3), ml_dtypes.int4)
+    sm.export(h, tmp_path / "m", example=x)
+    with pytest.raises(sm.ArtifactError, match=r"args\[0\] is int4.*runtime='jax'"):
+        sm.load(tmp_path / "m", runtime="iree")
+    assert compiles == []
+    np.testing.assert_array_equal(sm.load(tmp_path / "m")(x), h(x))

@@ -185,6 +185,12 @@ def runner(
     avals = exported.in_avals[len(exported.in_avals) - len(signature.inputs) :]  # the inputs'
     dtypes = [np.dtype(a.dtype) for a in avals]
     out_dtypes = [np.dtype(a.dtype) for a in exported.out_avals]
+    if odd := [f"{s.path} is {d}" for s, d in zip(signature.inputs, dtypes, strict=True)
+               if map_dtype_to_hal_element_type(d) is None]:  # fmt: skip
+        raise ArtifactError(  # NumPy keeps an int4 a byte, IREE two to a byte
+            f"{file}: the input {odd[0]}, a dtype IREE's runtime has no buffer type for. Use "
+            "runtime='jax', or export a model taking it as int8 (or float32) instead."
+        )
 
     def place(a: np.ndarray) -> Any:
         kind = map_dtype_to_hal_element_type(a.dtype)
