@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 from flax import nnx
+from helpers import ZOO
 
 import symjax_mlp as sm
 from symjax_mlp.chapter import HybridNet
@@ -532,3 +533,27 @@ def test_a_shape_dtype_struct_given_to_a_call_points_to_graph_and_lower(path):
     with pytest.raises(sm.SignatureError, match=r"kwargs\['y'\]\['k'\] is a jax\.ShapeDtype"):
         sm.hybridize(lambda p, x, y: x, {}).eager(x, y={"k": jax.ShapeDtypeStruct((), "int32")})
     assert h.lower(jax.ShapeDtypeStruct((2, 8), jnp.float32)).as_text()  # staging takes one
+
+
+@pytest.mark.parametrize("case", [c for c in ZOO if c.kind != "linen"], ids=lambda c: c.name)
+def test_an_nnx_module_or_function_given_inputs_its_weights_do_not_fit_names_them(case):
+    # each was JAX's raw TypeError, "dot_general requires contracting dimensions to have ..."
+    h = case.hybridize("eval")
+    bad = (jnp.ones((4, 7)), *case.inputs(0)[1:])
+    for run in (h, h.eager):
+        with pytest.raises(
+            sm.SignatureError,
+            match=r"^\w+: the inputs \(args\[0\]: float32\[4, 7\].*\) do not fit the params: a "
+            r"matrix product takes 7 from an input's last dimension where the params have 5 "
+            r"\([\w/]*(kernel|w) \(5, \d+\)\)\. .*make the params again for these\.",
+        ):
+            run(*bad, **case.settings("eval"))
+    assert h.trace_count == 0
+
+
+def test_a_matrix_product_of_the_params_alone_keeps_the_models_own_error():
+    params = {"a": jnp.ones((2, 3)), "b": jnp.ones((4, 5))}
+    h = sm.hybridize(lambda p, x: (p["a"] @ p["b"]).sum() * x, params)
+    with pytest.raises(TypeError, match="dot_general requires contracting") as e:
+        h(jnp.ones((2, 2)))
+    assert not isinstance(e.value, sm.SymjaxError)

@@ -8,7 +8,6 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
-import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -16,10 +15,9 @@ from typing import Any
 import jax
 
 from symjax_mlp._compat import layer_scopes
-from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import ModuleSetting
-from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES, symbolic
-from symjax_mlp._specs import TensorSpec, shape_dims
+from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES, symbolic, unfit_input, unfit_product
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
 _NOT_VARIABLES = (
@@ -34,21 +32,6 @@ _NO_RNG = (
     "{name}: {error}, and the Hybrid holds the rng streams {streams}. Give a linen model's "
     "streams once, split anew by each call: sm.hybridize(model, variables, "
     "rngs=jax.random.key(0)) for 'dropout', or rngs={{'name': key, ...}}."
-)
-_PARAM_SHAPE = (
-    "{name}: the inputs ({inputs}) do not fit the params: param {param} has shape {have}, and "
-    "these inputs make it {want}. The params were made for inputs of other shapes (model.init "
-    "fixes each layer's input width): pass inputs of those shapes, or init the model again for "
-    "these.{symbolic}"
-)
-_SYMBOLIC_WIDTH = (
-    " A param's shape is fixed, so a dimension it depends on cannot be symbolic: in export's "
-    "shapes=, write that dimension as its number, not as a name."
-)
-#: flax's ScopeParamShapeError, its parts: parameter, scope, shape expected, shape held
-_SCOPE_PARAM_SHAPE = re.compile(
-    r'parameter "(.+)" in "(.*)", the given initializer is expected to generate shape '
-    r"(\(.*?\)), but the existing parameter it received has shape (\(.*?\))"
 )
 #: ``(module's watch list, settings)``: what a trace of that nnx module runs with
 _PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -114,7 +97,13 @@ class PureModel:
 
 def plain(fn: Callable[..., Any]) -> PureModel:
     def call(params, state, args, kwargs):
-        return fn(params, *args, **kwargs), state
+        try:
+            return fn(params, *args, **kwargs), state
+        except TypeError as e:
+            name = getattr(fn, "__name__", type(fn).__name__)
+            if (unfit := unfit_product(name, e, params, args, kwargs)) is None:
+                raise
+            raise unfit from None
 
     return PureModel(call, stateful=False, target=fn)
 
@@ -179,7 +168,9 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             error, streams = str(e).split(" (")[0], sorted(streams)
             raise ConfigError(_NO_RNG.format(name=name, error=error, streams=streams)) from None
         except ScopeParamShapeError as e:
-            raise unfit_input(name, e, args, kwargs) from None
+            if (unfit := unfit_input(name, e, args, kwargs)) is None:
+                raise
+            raise unfit from None
         if sown:
             updates = dict(updates)
             out = out, {c: updates.pop(c, {}) for c in sown}
@@ -187,25 +178,6 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 
     pure = PureModel(call, bool(state), "linen", model, type(model).__call__, source=model)
     return pure, params, state
-
-
-def unfit_input(name: str, error: Exception, args: Any, kwargs: Any) -> Exception:
-    """The :class:`~symjax_mlp.SignatureError` for flax's ``ScopeParamShapeError``: the
-    inputs (by path, shape, dtype) that do not fit a param's shape; ``error`` if unparsed."""
-    if (found := _SCOPE_PARAM_SHAPE.search(str(error))) is None:
-        return error
-    param, scope, want, have = found.groups()
-    leaves = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
-    inputs = ", ".join(
-        str(TensorSpec(("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:]),
-                       shape_dims(x.shape), str(x.dtype)))
-        for p, x in leaves if hasattr(x, "shape") and hasattr(x, "dtype")
-    )  # fmt: skip
-    symbolic = _SYMBOLIC_WIDTH if re.search(r"[A-Za-z_]", want) else ""
-    return SignatureError(
-        _PARAM_SHAPE.format(name=name, inputs=inputs or "none", have=have, want=want,
-                            param=f"{scope.strip('/')}/{param}".lstrip("/"), symbolic=symbolic)
-    )  # fmt: skip
 
 
 def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
@@ -244,8 +216,13 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
 
     def call(params, state, args, kwargs):
         m = merge(params, state)
-        with layer_scopes(m):
-            out = m(*args, **kwargs) if fn is None else fn(m, *args, **kwargs)
+        try:
+            with layer_scopes(m):
+                out = m(*args, **kwargs) if fn is None else fn(m, *args, **kwargs)
+        except TypeError as e:
+            if (unfit := unfit_product(type(module).__name__, e, params, args, kwargs)) is None:
+                raise
+            raise unfit from None
         return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]) if state else state
 
     target = type(module).__call__ if fn is None else fn

@@ -1,5 +1,6 @@
 """The trace log: what each trace of a Hybrid was specialised on, and why it traced again
-(what changed against the nearest earlier trace); its budget and ``on_trace`` callbacks."""
+(what changed against the nearest earlier trace); its budget and ``on_trace`` callbacks; the
+errors a trace of the model raises (a tracer's, inputs the params do not fit) as ours."""
 
 from __future__ import annotations
 
@@ -12,9 +13,15 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._errors import ConfigError, ControlFlowError, RetraceError, SymjaxError
+from symjax_mlp._errors import (
+    ConfigError,
+    ControlFlowError,
+    RetraceError,
+    SignatureError,
+    SymjaxError,
+)
 from symjax_mlp._hybrid.args import NOT_AN_INPUT, NOT_AN_INPUT_FIX, path_of, rebuild
-from symjax_mlp._specs import TensorSpec
+from symjax_mlp._specs import TensorSpec, shape_dims
 
 TRACER_ERRORS = (
     jax.errors.ConcretizationTypeError,  # includes TracerBoolConversionError
@@ -43,6 +50,78 @@ def control_flow_error(name: str, e: Exception) -> ControlFlowError:
         f"{name}: Python needed a concrete value from a traced (symbolic) array while "
         f"compiling: {type(e).__name__}: {str(e).strip().splitlines()[0]}\n{_CONTROL_FLOW_HELP}"
     )
+
+
+_PARAM_SHAPE = (
+    "{name}: the inputs ({inputs}) do not fit the params: param {param} has shape {have}, and "
+    "these inputs make it {want}. The params were made for inputs of other shapes (model.init "
+    "fixes each layer's input width): pass inputs of those shapes, or init the model again for "
+    "these.{symbolic}"
+)
+_SYMBOLIC_WIDTH = (
+    " A param's shape is fixed, so a dimension it depends on cannot be symbolic: in export's "
+    "shapes=, write that dimension as its number, not as a name."
+)
+#: flax's ScopeParamShapeError, its parts: parameter, scope, shape expected, shape held
+_SCOPE_PARAM_SHAPE = re.compile(
+    r'parameter "(.+)" in "(.*)", the given initializer is expected to generate shape '
+    r"(\(.*?\)), but the existing parameter it received has shape (\(.*?\))"
+)
+_PRODUCT = re.compile(
+    r"dot_general requires contracting dimensions to have the same shape, got \((\d+),\) and "
+    r"\((\d+),\)"
+)
+_PRODUCT_SHAPE = (
+    "{name}: the inputs ({inputs}) do not fit the params: a matrix product takes {got} from an "
+    "input's last dimension where the params have {want} ({weights}). The params were made for "
+    "inputs of other shapes: pass inputs of those shapes, or make the params again for these."
+)
+
+
+def _input_specs(args: Any, kwargs: Any) -> list[TensorSpec]:
+    leaves = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    return [
+        TensorSpec(("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:]),
+                   shape_dims(x.shape), str(x.dtype))
+        for p, x in leaves if hasattr(x, "shape") and hasattr(x, "dtype")
+    ]  # fmt: skip
+
+
+def unfit_input(name: str, error: Exception, args: Any, kwargs: Any) -> SignatureError | None:
+    """The :class:`~symjax_mlp.SignatureError` for flax's ``ScopeParamShapeError``: the
+    inputs (by path, shape, dtype) that do not fit a param's shape; ``None`` if unparsed."""
+    if (found := _SCOPE_PARAM_SHAPE.search(str(error))) is None:
+        return None
+    param, scope, want, have = found.groups()
+    inputs = ", ".join(map(str, _input_specs(args, kwargs))) or "none"
+    symbolic = _SYMBOLIC_WIDTH if re.search(r"[A-Za-z_]", want) else ""
+    return SignatureError(
+        _PARAM_SHAPE.format(name=name, inputs=inputs, have=have, want=want,
+                            param=f"{scope.strip('/')}/{param}".lstrip("/"), symbolic=symbolic)
+    )  # fmt: skip
+
+
+def unfit_product(
+    name: str, error: Exception, params: Any, args: Any, kwargs: Any
+) -> SignatureError | None:
+    """The :class:`~symjax_mlp.SignatureError` for JAX's ``dot_general`` shape error where an
+    input's last dimension meets a weight matrix's first (an nnx module's or a function's);
+    ``None`` where it is not that."""
+    if (found := _PRODUCT.search(str(error))) is None:
+        return None
+    got, want = map(int, found.groups())
+    specs = _input_specs(args, kwargs)
+    weights = [
+        "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) + f" {tuple(x.shape)}"
+        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if len(getattr(x, "shape", ())) >= 2 and x.shape[0] == want
+    ]
+    if not weights or not any(s.shape and s.shape[-1] == got for s in specs):
+        return None
+    return SignatureError(
+        _PRODUCT_SHAPE.format(name=name, inputs=", ".join(map(str, specs)), got=got, want=want,
+                              weights=", ".join(weights[:3]) + (", ..." if weights[3:] else ""))
+    )  # fmt: skip
 
 
 _NO_PICKLE = (
