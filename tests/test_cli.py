@@ -155,6 +155,16 @@ def test_a_bug_exits_1_with_the_traceback(monkeypatch, capsys):
     assert "Traceback" in err and "RuntimeError: boom" in err and "this is a bug" in err
 
 
+def test_a_model_too_large_for_memory_exits_2_saying_so_not_as_a_bug(capsys):
+    """train --sizes 10000000000000,10 (a typo's extra zeros): XLA's RESOURCE_EXHAUSTED (and
+    NumPy's MemoryError) went out as 'this is a bug in symjax_mlp', exit 1, a traceback."""
+    assert main(["train", "--sizes", "10000000000000,10", "--epochs", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "this is a bug" not in err, err
+    assert err.startswith("symjax-mlp train: error: out of memory (RESOURCE_EXHAUSTED: "), err
+    assert "use smaller layers (--sizes), batches or inputs" in err, err
+
+
 def test_broken_pipe_is_quiet():
     done = subprocess.run(
         f"{sys.executable} -m symjax_mlp graph --format hlo | head -1",

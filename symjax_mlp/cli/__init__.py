@@ -302,7 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except Exception:
+    except Exception as e:
+        said = str(e).strip().split("\n")[0].rstrip(".")
+        if isinstance(e, MemoryError) or said.startswith("RESOURCE_EXHAUSTED"):  # XLA's
+            sizes = " (--sizes)" if "sizes" in vars(args) else ""
+            print(f"{where}: error: out of memory ({said}); use smaller layers{sizes}, batches "
+                  "or inputs, or a machine with more memory.", file=sys.stderr)  # fmt: skip
+            return 2
         return _bug(where)
 
 
