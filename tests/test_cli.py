@@ -754,6 +754,14 @@ def test_numbers_no_array_or_key_holds_are_one_line(tmp_path, capsys, argv, says
     assert list(tmp_path.iterdir()) == []
 
 
+def test_train_names_the_seed_option_and_a_seed_that_fits(capsys):
+    """train --seed 2**70 said 'seed must be an int from ...' and no fix, and, naming no
+    seed=, the CLI could not say which option that is (export's --seed was named)."""
+    assert main(["train", "--seed", str(2**70), "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "Pass e.g. seed=0." in err and "on the command line, seed= is --seed" in err, err
+
+
 def test_verify_refuses_an_infinite_tolerance(tmp_path, capsys):
     """--rtol 1e999 (inf) passed every output, with NumPy's RuntimeWarning on stderr, and
     reported OK: now exit 2 in one line, before the artifact is read."""

@@ -153,7 +153,8 @@ def train(
     compiled, resume = bool(compiled), bool(resume)  # np.True_, 1: JSON's true in the results
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed.bit_length() > 63:
         raise ConfigError(
-            f"{_CALLER}: seed must be an int from -2**63 + 1 to 2**63 - 1; got {seed!r}."
+            f"{_CALLER}: seed must be an int from -2**63 + 1 to 2**63 - 1; got {seed!r}. "
+            "Pass e.g. seed=0."
         )
     if on_epoch is not None and not callable(on_epoch):  # refused now, not after an epoch
         raise ConfigError(
