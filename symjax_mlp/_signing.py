@@ -46,7 +46,7 @@ def _checked(path: Any, key: Any, *, private: bool) -> tuple[Path, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
 
     what = "sign(private_key=...)" if private else "verify_signature="
-    verb = "sign" if private else "verify"
+    verb, kind = ("sign", "private") if private else ("verify", "public")
     if not isinstance(key, (str, os.PathLike)):
         raise ConfigError(
             f"{what}: pass the path of a PEM key file; got {type(key).__name__}. Write a key "
@@ -60,7 +60,6 @@ def _checked(path: Any, key: Any, *, private: bool) -> tuple[Path, Path]:
     path, file = Path(path), Path(key)
     shown = printable(str(path)[:300])
     if not os.path.isfile(file):  # os.path's: False where Path's raises (a name too long)
-        kind = "private" if private else "public"
         raise ConfigError(
             f"{what}: {printable(str(file)[:300])} is not a key file (no file there); expected "
             f"the PEM file of an elliptic-curve {kind} key. Pass the path of one."
@@ -82,7 +81,6 @@ def _checked(path: Any, key: Any, *, private: bool) -> tuple[Path, Path]:
         ok = isinstance(got, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey)
         held = None if ok else f"an {type(got).__name__}"
     except (ValueError, TypeError) as e:  # TypeError: an encrypted private key
-        kind = "private" if private else "public"
         held = f"no PEM {kind} key ({printable(str(e).split('. ')[0][:120])})"
     if held:
         arg = f"sign(private_key={str(file)!r})" if private else f"verify_signature={str(file)!r}"
@@ -157,7 +155,13 @@ def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> P
             raise ConfigError(
                 f"sign({str(path)!r}): model-signing failed: {printable(str(e))}"
             ) from e
-        write_file_atomic(path / SIGNATURE, Path(scratch, SIGNATURE).read_bytes())
+        try:
+            write_file_atomic(path / SIGNATURE, Path(scratch, SIGNATURE).read_bytes())
+        except OSError as e:
+            raise ArtifactError(
+                f"{printable(str(path / SIGNATURE))} cannot be written ({e.strerror or e}); "
+                "anything there before is unchanged. Remove what is there, or make room there."
+            ) from None
     return path / SIGNATURE
 
 

@@ -1330,3 +1330,13 @@ def test_model_signings_error_text_is_quoted_without_terminal_escapes(base, keys
     assert r"\x1b[2Jpwned" in str(e.value)
     assert main(["verify", str(art), "--key", str(public)]) == 2
     assert "\x1b" not in capsys.readouterr().err
+
+
+def test_a_signature_that_cannot_be_written_is_an_artifact_error(base, keys, tmp_path):
+    """A directory named model.sig (or a full disk) made sign raise the OSError of the rename."""
+    art = tmp_path / "signed"
+    shutil.copytree(base[0], art)
+    (art / "model.sig").mkdir()
+    with pytest.raises(sm.ArtifactError, match=r"model.sig cannot be written \(Is a directory\)"):
+        sm.sign(art, keys["ours"][0])
+    assert (art / "model.sig").is_dir() and not [p for p in art.iterdir() if p.name[0] == "."]
