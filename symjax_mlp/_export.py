@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform as _platform
 from collections.abc import Mapping, Sequence
@@ -281,10 +282,10 @@ def _self_test_vectors(
     """Seeded inputs and what the exported program gives for them, where it runs here, once
     it gives the model's own results at the example's shapes: all in one compiled program."""
     here = jax.export.default_export_platform()
-    xs = selftest.inputs(signature.inputs)
+    xs = _drawn(signature.inputs)
     if xs is None or here not in exported.platforms or exported.nr_devices != 1:
         return None
-    params, at = {p: a for p, (_, a) in own.items()}, selftest.inputs(entry.examples, seed=1)
+    params, at = {p: a for p, (_, a) in own.items()}, _drawn(entry.examples, seed=1)
     at = None if at is None or any(x.size == 0 for x in at) else at
 
     def programs(params: Any, xs: Any, at: Any) -> Any:
@@ -310,6 +311,18 @@ def _self_test_vectors(
     if xs is None or any(str(s.dtype).startswith("key") for s in signature.outputs):
         return None  # (as for an rng-key input: a vector file holds no key)
     return selftest.encode(xs, [np.asarray(y) for y in jax.tree.leaves(outs)])
+
+
+_DRAWN_BYTES = 256 << 20  # inputs drawn for the vectors (or the comparison) at most
+
+
+def _drawn(specs: Any, seed: int = 0) -> list[np.ndarray] | None:
+    """``selftest.inputs(specs)``; ``None`` past :data:`_DRAWN_BYTES` (a static shape of 2**40
+    rows exports, but no process could draw it, nor run it here)."""
+    sizes = [math.prod(selftest.BATCH if isinstance(d, str) else d for d in s.shape)
+             * np.dtype(str(s.dtype)).itemsize
+             for s in specs if not str(s.dtype).startswith("key")]  # fmt: skip
+    return None if sum(sizes) > _DRAWN_BYTES else selftest.inputs(specs, seed=seed)
 
 
 def _runs(call: Any, params: Any, xs: Any) -> bool:

@@ -307,3 +307,13 @@ def test_a_spec_ending_in_dots_takes_the_examples_other_dimensions(tmp_path):
     assert art.signature.inputs[0].shape == ("b", 8)
     x5 = jnp.arange(40.0).reshape(5, 8)
     np.testing.assert_allclose(sm.load(art.path)(x5), h(x5), rtol=1e-6)
+
+
+def test_a_static_shape_too_large_to_draw_exports_without_self_test_vectors(tmp_path):
+    # its self-test inputs were drawn at that shape: NumPy's raw MemoryError (64 TiB)
+    net = sm.mlp((16, 3))
+    h = sm.hybridize(net, net.init(jax.random.key(0), jnp.ones((2, 8))))
+    big = jax.ShapeDtypeStruct((1 << 40, 8), jnp.float32)
+    art = sm.export(h, tmp_path / "a", example=big, batch=None)
+    assert art.signature.inputs[0].shape == (1 << 40, 8)
+    assert "selftest.safetensors" not in art.manifest["files"]
