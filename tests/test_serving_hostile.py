@@ -205,6 +205,19 @@ def test_a_batchers_warm_up_timeout_is_checked_and_its_errors_reach_the_caller()
         sm.serving.Batcher(lambda x: x.sum(), example=X1, max_batch=2, warm_up_timeout=30)
 
 
+@pytest.mark.parametrize("out", [None, (), {}, [None]])
+def test_a_model_that_returns_no_array_is_refused_when_the_batcher_is_made(out):
+    """A model that forgot its return (def model(x): x * 2) was served: every request, and
+    every HTTP client, answered None."""
+
+    def model(x):  # x * 2, its return forgotten (or no array in what it returns)
+        return out
+
+    with pytest.raises(sm.ConfigError, match=r"returned no array for a batch of 1 rows") as e:
+        sm.serving.Batcher(model, example=X1, max_batch=2)
+    assert f"(it returned {out!r})" in str(e.value) and "returns its outputs" in str(e.value)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.int64])
 def test_an_integer_of_thousands_of_digits_is_refused_as_out_of_range(dtype):
     """int() refuses 4300 digits: such a body was "not valid JSON" (400) and told the client

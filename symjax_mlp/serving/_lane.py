@@ -31,8 +31,7 @@ from symjax_mlp.serving._stats import Counters
 _CANCELLED = "the batcher was closed with cancel=True"
 _DROPPED = concurrent.futures.CancelledError(_CANCELLED)  # what close(cancel=True) hands out
 _FOLD_EVERY = 4096  # batches counted before they are folded into the stats
-#: A batch of one event loop's requests runs on that loop (no hand-off to the batcher's thread
-#: and back) where its bucket's last run took less than this; longer, the loop reads on meanwhile.
+#: A batch of one event loop's requests runs on it (no hand-off) where it last took less than this.
 ON_LOOP_SECONDS = 1e-3
 clock = time.perf_counter
 _LOG = logging.getLogger("symjax_mlp.serving")
@@ -116,7 +115,6 @@ class Lane:
         self.holder: int | None = None  # the thread running a lone request (its ident)
         self.took: dict[int, float] = {}  # by bucket: seconds its last run took (see ON_LOOP)
         self.since: float | None = None  # when the batch running now started (None: none runs)
-        self.warming = 0  # the bucket the warm-up runs now
 
     def work(self) -> None:
         """The thread's loop, until the lane is closed and its queue done."""
@@ -160,7 +158,7 @@ class Lane:
 
     def start(self, timeout: float | None) -> threading.Thread:
         """Starts the thread (warm-up, then batches); waits ``timeout`` s at most for warm-up."""
-        ready, failed = threading.Event(), []
+        ready, failed, self.warming = threading.Event(), [], self.buckets[0]  # its bucket now
 
         def warm_then_work() -> None:
             try:
@@ -193,6 +191,12 @@ class Lane:
             out = self.call(*[np.zeros((bucket, *s), d) for s, d in rows])
             single, host = isinstance(out, jax.Array | np.ndarray), self.to_host(out)
             pairs, self.tree = jax.tree_util.tree_flatten_with_path(host)
+            if not pairs:  # every request answered None, say
+                raise ConfigError(
+                    f"{self.name}: the model returned no array for a batch of {bucket} rows (it "
+                    f"returned {out!r}). Serve a model that returns its outputs: an array, or a "
+                    "pytree of arrays, with one row per input row."
+                )
             for path, leaf in pairs:
                 if leaf.ndim == 0 or leaf.shape[0] != bucket:
                     raise ConfigError(
@@ -332,10 +336,8 @@ class Lane:
                     futures.append(r)
                     settled.append(result)
             finish_futures(futures, settled, error)
-        if awaited:
-            _wake_loops(awaited, error, loop)
-        if futures:
-            after_finish(futures, settled, error)
+        _wake_loops(awaited, error, loop)
+        after_finish(futures, settled, error)
 
     def run_alone(self, request: Any) -> tuple[Any, tuple]:
         """Runs one request on the calling thread, which holds the lane's token (and gives it
