@@ -170,7 +170,8 @@ class Batcher:
         self._passes: dict[Any, AsyncRequest | None] = {}
         checked = getattr(model, "allowed", None) if isinstance(model, LoadedModel) else None
         self._on_loop = checked is not None and checked <= _BOUNDED
-        self._thread, self._lane = lane.start(warm_up_timeout), lane
+        w = w if w is None or w < threading.TIMEOUT_MAX else None  # inf: threading's None
+        self._thread, self._lane = lane.start(w), lane
         self._finalizer = weakref.finalize(self, lane.close, False)
 
     def _enqueue(self, request: Any, wake: bool = True) -> None:
@@ -232,6 +233,7 @@ class Batcher:
         """
         t0 = clock()
         check_timeout(f"{self.name}.run", timeout)
+        timeout = timeout if timeout is None or timeout < threading.TIMEOUT_MAX else None  # inf
         arrays, rows = self._check(inputs)
         lane, request = self._lane, Blocking(arrays, rows, t0)
         if lane.idle and not lane.queue and not lane.closing and claim(lane.idle):
@@ -375,7 +377,7 @@ class Batcher:
         self._finalizer.detach()
         if threading.get_ident() in (self._lane.thread, self._lane.holder):
             return  # in a done callback, or in the model itself: the work ends after it
-        self._thread.join(timeout)
+        self._thread.join(timeout if timeout is None or timeout < threading.TIMEOUT_MAX else None)
         if self._thread.is_alive():
             raise TimeoutError(
                 f"{self.name}.close(timeout={timeout}): the queued work is still running; "
