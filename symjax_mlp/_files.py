@@ -156,10 +156,11 @@ def write_file(file: Path, data: bytes) -> None:
 
 
 def cache_dir(*parts: str) -> Path:
-    """``$XDG_CACHE_HOME/symjax_mlp/...`` (default ``~/.cache``), made 0700; as pip's, used only
-    if this user owns it and its parents there and nobody else can write them, else a path
-    below ``os.devnull`` (nothing is read or written)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """``$XDG_CACHE_HOME/symjax_mlp/...`` (default, or a relative one: ``~/.cache``), made 0700;
+    as pip's, used only if this user owns it and its parents there and nobody else can write
+    them, else a path below ``os.devnull`` (nothing is read or written)."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    root = root if os.path.isabs(root) else os.path.join(os.path.expanduser("~"), ".cache")
     path = Path(root, "symjax_mlp")
     for part in ("", *parts):
         path = path / part if part else path
@@ -323,12 +324,9 @@ def _rename(a: Path, b: Path, flags: int) -> bool:
         return False
     if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
-    err = ctypes.get_errno()
-    if err in _UNSUPPORTED:
+    if (err := ctypes.get_errno()) in _UNSUPPORTED:
         return False
-    if err == 17:  # EEXIST, with RENAME_NOREPLACE
-        raise FileExistsError(err, os.strerror(err), str(b))
-    raise OSError(err, os.strerror(err), str(b))
+    raise OSError(err, os.strerror(err), str(b))  # EEXIST: a FileExistsError
 
 
 def _fsync_dir(path: Path) -> None:

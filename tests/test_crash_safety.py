@@ -191,6 +191,17 @@ def test_a_cache_directory_others_can_write_or_own_is_not_used(tmp_path, monkeyp
     assert _files.cache_dir("ops").is_relative_to(os.devnull) and _files.cache_secret() is None
 
 
+def test_a_relative_xdg_cache_home_is_ignored_as_the_xdg_spec_says(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME=cache made a symjax_mlp cache below whatever directory a process ran in
+    (the spec: a relative path is invalid, ignored); ~/.cache is used instead."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for relative in ("cache", "./cache", ""):
+        monkeypatch.setenv("XDG_CACHE_HOME", relative)
+        assert _files.cache_dir("ops") == tmp_path / "home" / ".cache" / "symjax_mlp" / "ops"
+    assert not (tmp_path / "cache").exists()
+
+
 def test_an_op_report_planted_in_the_cache_is_not_trusted(tmp_path, monkeypatch):
     """A well-formed report for a module with a host callback, planted under the public key
     (the module's sha256, jaxlib's version, the checker's source) by this very user: without
