@@ -140,8 +140,8 @@ def read_inputs(
     """The ``.npy`` files as a model's inputs, one per spec (one past the last is read as it
     is, for the model to refuse); a ``SignatureError`` for a file of another dtype."""
     xs = [read_npy(file, what=str(file)) for file in files]
-    xs = [npy_array(x, specs[i].dtype) if i < len(specs) else x for i, x in enumerate(xs)]
     for i, (file, x, spec) in enumerate(zip(files, xs, specs, strict=False)):
+        x = xs[i] = npy_array(x, spec.dtype)
         if spec.dtype.startswith("key<"):  # .npy has no key type: the key's data, as run writes
             xs[i] = _key(file, x, spec)
         elif str(x.dtype) != spec.dtype:
