@@ -141,6 +141,18 @@ def test_initialize_refuses_bad_arguments_before_starting_anything():
     assert not jax.distributed.is_initialized()
 
 
+def test_a_timeout_past_what_jax_and_threads_take_is_refused_before_starting_anything():
+    """timeout=10**10 ('for ever') reached JAX's runtime as a TypeError ('incompatible function
+    arguments': it takes int32 seconds), after the alarm's thread had died of an OverflowError;
+    in train(), timeout * 1000 ms past int64 read as a process that never posted."""
+    with pytest.raises(sm.ConfigError, match=r"timeout=10000000000\): timeout must be an int "
+                       r">= 1 \(seconds\), at most 10\*\*9"):  # fmt: skip
+        sm.training.initialize("127.0.0.1:1234", 2, 0, timeout=10**10)
+    assert not jax.distributed.is_initialized()
+    with pytest.raises(sm.ConfigError, match=r"timeout must be an int >= 1 \(seconds\), at most"):
+        sm.training.train(sm.mlp(SIZES), problem(), epochs=1, timeout=2**70)
+
+
 def test_initialize_reads_a_bracketed_ipv6_coordinator_and_refuses_a_port_past_65535():
     """'[::1]:1234' gave the reachability probe the host '[::1]', brackets and all (so a
     coordinator that was up was reported 'not running'); a port of 99999 passed the check and

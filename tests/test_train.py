@@ -319,7 +319,7 @@ def test_a_num_classes_that_is_not_a_count_is_named(digits, classes):
         ({"batch_size": 0}, r"batch_size must be an int >= 1; got 0\. Pass .*batch_size=64"),
         ({"checkpoint_every": 1.0}, r"checkpoint_every must be an int >= 1; got 1\.0\. Pass"),
         ({"blocks": 0}, r"blocks must be an int >= 1; got 0\. Pass e\.g\. blocks=1"),
-        ({"timeout": 0}, r"timeout must be an int >= 1 \(seconds\); got 0"),
+        ({"timeout": 0}, r"timeout must be an int >= 1 \(seconds\), at most 10\*\*9; got 0"),
         ({"optimizer": "adam"}, r"optimizer must be an optax.GradientTransformation .*got str"),
         ({"optimizer": optax.sgd(0.1), "learning_rate": 0.1}, r"learning_rate sets the default"),
         ({"resume": True}, r"resume=True needs checkpoint=DIR"),

@@ -28,6 +28,8 @@ from symjax_mlp.training._state import is_count
 EXIT_STATUS = 75
 _runs = itertools.count()  # every process starts its runs in the same order
 _settings = {"timeout": 60}  # initialize's
+_MAX_S = 10**9  # ~31 years: JAX's runtime takes int32 seconds, its store int64 milliseconds
+_TIMEOUT = "timeout must be an int >= 1 (seconds), at most 10**9"
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout: int = 60) -> None:
@@ -60,7 +62,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
         "process_id must be an int in 0 .. num_processes - 1": is_count(process_id)
         and is_count(num_processes, 1)
         and process_id < num_processes,
-        "timeout must be an int >= 1 (seconds)": is_count(timeout, 1),
+        _TIMEOUT: is_count(timeout, 1) and timeout <= _MAX_S,
     }
     bad = [what for what, ok in checks.items() if not ok]
     if bad:
@@ -100,8 +102,8 @@ def run_timeout(timeout: int | None, caller: str) -> int:
     """The run's timeout: ``timeout``, else :func:`initialize`'s."""
     if timeout is None:
         return _settings["timeout"]
-    if not is_count(timeout, 1):
-        raise ConfigError(f"{caller}: timeout must be an int >= 1 (seconds); got {timeout!r}.")
+    if not (is_count(timeout, 1) and timeout <= _MAX_S):
+        raise ConfigError(f"{caller}: {_TIMEOUT}; got {timeout!r}.")
     return timeout
 
 
