@@ -2,6 +2,7 @@
 
 import copy
 import pickle
+import re
 import threading
 
 import chex
@@ -557,3 +558,31 @@ def test_a_matrix_product_of_the_params_alone_keeps_the_models_own_error():
     with pytest.raises(TypeError, match="dot_general requires contracting") as e:
         h(jnp.ones((2, 2)))
     assert not isinstance(e.value, sm.SymjaxError)
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx", "fn"])
+@pytest.mark.parametrize(
+    ("args", "kwargs", "said"),
+    [(3, {}, "too many positional arguments"), (0, {}, "missing a required argument: '{x}'"),
+     (1, {"nope": 1}, "got an unexpected keyword argument 'nope'")],
+)  # fmt: skip
+def test_arguments_that_do_not_bind_to_the_models_inputs_are_named_with_its_inputs(
+    kind, args, kwargs, said
+):
+    # each was Python's raw TypeError from inside flax or jax.jit ("__call__() takes 2 ...")
+    x = jnp.ones((2, 5))
+    if kind == "linen":
+        net = sm.mlp((3,))
+        h, name = sm.hybridize(net, net.init(jax.random.key(0), x)), "HybridSequential"
+    elif kind == "nnx":
+        h, name = sm.hybridize(nnx.Linear(5, 3, rngs=nnx.Rngs(0))), "Linear"
+    else:
+        h, name = sm.hybridize(lambda p, x: x @ p, jnp.ones((5, 3))), "<lambda>"
+    inputs = "x" if kind != "nnx" else "inputs"
+    for run in (h, h.eager):
+        with pytest.raises(
+            sm.SignatureError,
+            match=rf"^{re.escape(name)}: the call's arguments do not fit the model's inputs "
+            rf"\({inputs}.*\): {said.format(x=inputs)}\. Pass them as the model takes them",
+        ):
+            run(*[x] * args, **kwargs)

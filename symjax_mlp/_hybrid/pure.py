@@ -17,7 +17,7 @@ import jax
 from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import ModuleSetting
-from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES, symbolic, unfit_input, unfit_product
+from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES, symbolic, unfit_call, unfit_input
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
 _NOT_VARIABLES = (
@@ -101,7 +101,7 @@ def plain(fn: Callable[..., Any]) -> PureModel:
             return fn(params, *args, **kwargs), state
         except TypeError as e:
             name = getattr(fn, "__name__", type(fn).__name__)
-            if (unfit := unfit_product(name, e, params, args, kwargs)) is None:
+            if (unfit := unfit_call(name, e, fn, params, args, kwargs)) is None:
                 raise
             raise unfit from None
 
@@ -171,6 +171,11 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             if (unfit := unfit_input(name, e, args, kwargs)) is None:
                 raise
             raise unfit from None
+        except TypeError as e:
+            target = type(model).__call__
+            if (unfit := unfit_call(name, e, target, variables, args, kwargs)) is None:
+                raise
+            raise unfit from None
         if sown:
             updates = dict(updates)
             out = out, {c: updates.pop(c, {}) for c in sown}
@@ -219,8 +224,9 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
         try:
             with layer_scopes(m):
                 out = m(*args, **kwargs) if fn is None else fn(m, *args, **kwargs)
-        except TypeError as e:
-            if (unfit := unfit_product(type(module).__name__, e, params, args, kwargs)) is None:
+        except TypeError as e:  # target: the module's __call__ (or fn), set below
+            unfit = unfit_call(type(module).__name__, e, target, params, args, kwargs)
+            if unfit is None:
                 raise
             raise unfit from None
         return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]) if state else state

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -71,6 +72,10 @@ _PRODUCT = re.compile(
     r"dot_general requires contracting dimensions to have the same shape, got \((\d+),\) and "
     r"\((\d+),\)"
 )
+_ARGUMENTS = (
+    "{name}: the call's arguments do not fit the model's inputs ({inputs}): {error}. Pass "
+    "them as the model takes them, without its params or self: h(x) for model(params, x)."
+)
 _PRODUCT_SHAPE = (
     "{name}: the inputs ({inputs}) do not fit the params: a matrix product takes {got} from an "
     "input's last dimension where the params have {want} ({weights}). The params were made for "
@@ -101,12 +106,21 @@ def unfit_input(name: str, error: Exception, args: Any, kwargs: Any) -> Signatur
     )  # fmt: skip
 
 
-def unfit_product(
-    name: str, error: Exception, params: Any, args: Any, kwargs: Any
+def unfit_call(
+    name: str, error: TypeError, target: Any, params: Any, args: Any, kwargs: Any
 ) -> SignatureError | None:
-    """The :class:`~symjax_mlp.SignatureError` for JAX's ``dot_general`` shape error where an
-    input's last dimension meets a weight matrix's first (an nnx module's or a function's);
-    ``None`` where it is not that."""
+    """The :class:`~symjax_mlp.SignatureError` for a model's ``TypeError``: the arguments do
+    not bind to ``target``'s inputs (after its params or ``self``), or JAX's ``dot_general``
+    shape error where an input's last dimension meets a weight matrix's first; ``None`` where
+    it is the model's own."""
+    try:
+        given = list(inspect.signature(target).parameters.values())[1:]
+        inputs = inspect.Signature([p.replace(annotation=p.empty) for p in given])
+        inputs.bind(*args, **kwargs)
+    except TypeError as e:
+        return SignatureError(_ARGUMENTS.format(name=name, error=e, inputs=str(inputs)[1:-1]))
+    except (ValueError, IndexError):  # no signature to read
+        pass
     if (found := _PRODUCT.search(str(error))) is None:
         return None
     got, want = map(int, found.groups())
