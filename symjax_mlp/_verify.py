@@ -25,7 +25,7 @@ import numpy as np
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._artifact.reading import inspect
 from symjax_mlp._artifact.signature import sizes_at
-from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError, as_int
+from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError, artifact_path, as_int
 from symjax_mlp._load import RUNTIMES, load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._npy import KEY_IMPLS, draw, host, npy_array
@@ -164,6 +164,7 @@ def verify(
             f"verify({path!r}): pass the artifact's directory, verify(m.path), not the loaded "
             "model: verify loads it afresh in another process."
         )
+    path = artifact_path("verify", path)  # named as verify's, not the inspect it calls
     if reference is not None and not callable(reference):
         raise ConfigError(
             f"verify(reference={reference!r}): pass what to compare with, a callable such as "

@@ -194,11 +194,11 @@ def test_weights_of_another_dtype_are_refused_with_the_cast_not_another_architec
         sm.load(path, params={k: v[..., :1] for k, v in halves.items()})
 
 
-@pytest.mark.parametrize("call", ["load", "inspect"])
+@pytest.mark.parametrize("call", ["load", "inspect", "verify"])
 @pytest.mark.parametrize("path", [3, None, b"/tmp/m", "/tmp/m\x00"])
 def test_a_path_of_no_str_or_pathlike_is_refused_naming_what_was_given(path, call):
     """load(None) was pathlib's TypeError, load("a\x00") os.stat's ValueError; inspect's were
-    the same raw errors."""
+    the same raw errors, and verify named inspect, which it calls."""
     with pytest.raises(
         sm.ConfigError,
         match=rf"^symjax_mlp\.{call}\(.*\): expected the directory written by symjax_mlp\."
