@@ -121,8 +121,8 @@ def _mlp(
         params = sum((a + 1) * b for a, b in zip((in_features, *sizes), sizes, strict=False))
         raise ConfigError(
             f"symjax_mlp.chapter.{call}(sizes={tuple(sizes)}): an MLP of those sizes on "
-            f"{in_features} inputs has {params:,} "
-            "parameters, more than this process can hold in memory; pass smaller widths."
+            f"{in_features} inputs has {params:,} parameters, more than this process can hold in "
+            "memory; pass smaller widths."
         ) from None
     return hybridize(net, variables, name=name), x
 
@@ -136,7 +136,7 @@ def describe_mlp(
     format: str = "summary",
 ) -> str:
     """One view of an MLP's program: ``jaxpr``, ``stablehlo``, ``hlo``, ``dot`` or ``summary``."""
-    h, x = chapter_mlp(sizes, in_features=in_features, batch=batch, activation=activation)
+    h, x = _mlp("describe_mlp", sizes, activation, in_features, batch, 0, name="mlp")
     views: dict[str, Callable[[], str]] = {
         "jaxpr": lambda: str(h.graph(x)),
         "stablehlo": lambda: h.lower(x).as_text(),

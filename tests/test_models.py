@@ -210,6 +210,10 @@ def test_the_chapter_takes_numpy_ints_and_a_static_numpy_batch(tmp_path):
         (lambda: sm.chapter.chapter_mlp(batch=-1), "symjax_mlp.chapter.chapter_mlp(batch=-1): "),
         (lambda: sm.chapter.tour(calls=-1), "symjax_mlp.chapter.tour(calls=-1): "),
         (
+            lambda: sm.chapter.describe_mlp(in_features=0),
+            "symjax_mlp.chapter.describe_mlp(in_features=0): ",
+        ),
+        (
             lambda: sm.chapter.describe_mlp((2,), in_features=2, format="x"),
             "symjax_mlp.chapter.describe_mlp(format='x'): ",
         ),
