@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -204,3 +205,34 @@ def test_restore_checkpoint_errors_start_with_the_call_and_name_the_path(tiny, t
     with pytest.raises(sm.CheckpointError) as e:
         sm.training.restore_checkpoint(result.checkpoint, like)
     assert str(e.value).startswith(f"{call}{result.checkpoint / 'manifest.json'}: the file is")
+
+
+def test_save_checkpoint_errors_and_restores_state_check_start_with_the_call(tmp_path):
+    """save_checkpoint's messages began 'save_checkpoint:' or 'save_checkpoint(keep=...)', and
+    restore_checkpoint's of a like= that is no TrainState 'restore_checkpoint(like=...)', where
+    the library's start with the public call, as restore_checkpoint's others do."""
+    p = {"w": jnp.zeros(2)}
+    good = sm.training.TrainState(p, optax.adam(1e-3).init(p), jax.random.key(0))
+    bad = sm.training.TrainState({"s": np.array(["a"])}, (), jax.random.key(0))
+    (tmp_path / "file").write_text("")
+    save = "symjax_mlp.training.save_checkpoint"
+    cases = [
+        ((tmp_path, good), {"keep": 0}, f"{save}(keep=0): pass how many"),
+        ((tmp_path, None), {}, f"{save}: the state must be a TrainState"),
+        ((tmp_path / "file", good), {}, f"{save}: the checkpoint directory {tmp_path / 'file'}"),
+        ((tmp_path, bad), {}, f"{save}: the state's leaf 'params/s' is <U1[1]"),
+        ((tmp_path, good), {"metadata": {"x": float("nan")}}, f"{save}(metadata=...): "),
+        ((tmp_path, good), {"metadata": {"config": 1}}, f"{save}(metadata=...): the metadata"),
+    ]
+    for args, kw, says in cases:
+        with pytest.raises(sm.SymjaxError) as e:
+            sm.training.save_checkpoint(*args, **kw)
+        assert str(e.value).startswith(says), str(e.value)
+    sm.training.save_checkpoint(tmp_path / "run", dataclasses.replace(good, step=5))
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.save_checkpoint(tmp_path / "run", good)
+    assert str(e.value).startswith(f"{save}: {tmp_path / 'run'} already holds step_00000005")
+    with pytest.raises(sm.ConfigError) as e:
+        sm.training.restore_checkpoint(tmp_path, None)
+    says = "symjax_mlp.training.restore_checkpoint(like=...): the state must be a TrainState"
+    assert str(e.value).startswith(says), str(e.value)

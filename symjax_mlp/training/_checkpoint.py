@@ -47,6 +47,7 @@ _MAX_TENSORS = 8 * MAX_TENSORS  # params and the optimizer's state of them
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _HEADER = {"format": "symjax_mlp.checkpoint", "format_version": 1}
 _RESTORE = "symjax_mlp.training.restore_checkpoint"
+_SAVE = "symjax_mlp.training.save_checkpoint"
 _NO_CHECKPOINT = (
     _RESTORE + ": {path} {why}. A checkpoint is a step_* directory "
     "holding manifest.json, as save_checkpoint and train(checkpoint=...) write: pass one, or the "
@@ -55,7 +56,7 @@ _NO_CHECKPOINT = (
 
 
 _METADATA = (
-    "save_checkpoint(metadata=...): the metadata is a dict whose 'config' (if given) is a dict "
+    _SAVE + "(metadata=...): the metadata is a dict whose 'config' (if given) is a dict "
     "and whose 'history' (if given) is a list of EpochRecord fields, as train() writes them; "
     "got {got}. restore_checkpoint would refuse that checkpoint: put your own values under "
     "other keys."
@@ -150,29 +151,29 @@ def save_checkpoint(
     keep = as_int(keep)  # as train()'s settings
     if not is_count(keep, 1):
         raise ConfigError(
-            f"save_checkpoint(keep={keep!r}): pass how many checkpoints to keep, an int >= 1."
+            f"{_SAVE}(keep={keep!r}): pass how many checkpoints to keep, an int >= 1."
         )
-    check_state(state, "save_checkpoint")
+    check_state(state, _SAVE)
     if not all(isinstance(n, numbers.Integral) and n >= 0 for n in (state.step, state.epoch)):
         raise ConfigError(
-            f"save_checkpoint: step and epoch are counts (ints >= 0); got step {state.step!r}, "
+            f"{_SAVE}: step and epoch are counts (ints >= 0); got step {state.step!r}, "
             f"epoch {state.epoch!r}."
         )
-    check_directory(directory, "save_checkpoint")
+    check_directory(directory, _SAVE)
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # raced, or a file system that refuses: still the user's to fix
         raise CheckpointError(
-            f"save_checkpoint: cannot make the checkpoint directory {directory} ({e}). Pass a "
+            f"{_SAVE}: cannot make the checkpoint directory {directory} ({e}). Pass a "
             "directory path that can be created and written."
         ) from None
     final = directory / f"step_{state.step:08d}"
     if (done := checkpoints(directory)) and done[-1][0] > state.step:
         raise CheckpointError(
-            f"{directory} already holds {done[-1][1].name}, newer than step {state.step}: a resume "
-            "picks the newest, so this one would be pruned or passed over. Save to another "
-            "directory, or remove the newer checkpoints first."
+            f"{_SAVE}: {directory} already holds {done[-1][1].name}, newer than step "
+            f"{state.step}: a resume picks the newest, so this one would be pruned or passed "
+            "over. Save to another directory, or remove the newer checkpoints first."
         )
     tensors = {name: np.asarray(leaf) for name, leaf in named_leaves(state).items()}
     try:
@@ -180,7 +181,7 @@ def save_checkpoint(
     except SafetensorError:  # a str, object or complex128 leaf: no safetensors dtype
         name, a = next((n, a) for n, a in tensors.items() if not _storable(a))
         raise ConfigError(
-            f"save_checkpoint: the state's leaf {name!r} is {a.dtype}{list(a.shape)}, which a "
+            f"{_SAVE}: the state's leaf {name!r} is {a.dtype}{list(a.shape)}, which a "
             "checkpoint cannot store (numbers, bools and PRNG keys only). Keep it out of the "
             "state (metadata= takes JSON), or convert it, e.g. to float32."
         ) from None
@@ -197,7 +198,7 @@ def save_checkpoint(
         text = json.dumps(manifest, indent=1, allow_nan=False)
     except (TypeError, ValueError) as e:  # NaN, a NumPy scalar, an object
         raise ConfigError(
-            f"save_checkpoint(metadata=...): {e}. The metadata is JSON: strings, finite "
+            f"{_SAVE}(metadata=...): {e}. The metadata is JSON: strings, finite "
             "numbers, lists and dicts (convert NumPy values with .item() or .tolist())."
         ) from None
     try:  # what restore_checkpoint checks of the metadata: refused now, not found unreadable
@@ -247,7 +248,7 @@ def restore_checkpoint(
         :class:`TrainState`.
     """
     check_path(path, _RESTORE)
-    check_state(like, "restore_checkpoint(like=...)")
+    check_state(like, f"{_RESTORE}(like=...)")
     try:
         return _restore(Path(path), like)
     except CheckpointError as e:  # each names the checkpoint; the call first, as the others do
