@@ -232,6 +232,9 @@ def test_save_checkpoint_errors_and_restores_state_check_start_with_the_call(tmp
     with pytest.raises(sm.CheckpointError) as e:
         sm.training.save_checkpoint(tmp_path / "run", good)
     assert str(e.value).startswith(f"{save}: {tmp_path / 'run'} already holds step_00000005")
+    with pytest.raises(sm.CheckpointError) as e:  # the same step again
+        sm.training.save_checkpoint(tmp_path / "run", dataclasses.replace(good, step=5))
+    assert str(e.value).startswith(f"{save}: checkpoint {tmp_path / 'run' / 'step_00000005'}")
     with pytest.raises(sm.ConfigError) as e:
         sm.training.restore_checkpoint(tmp_path, None)
     says = "symjax_mlp.training.restore_checkpoint(like=...): the state must be a TrainState"

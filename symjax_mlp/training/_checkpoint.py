@@ -224,8 +224,8 @@ def _storable(a: np.ndarray) -> bool:
 def _check_new(final: Path, overwrite: bool) -> None:
     if final.exists() or final.is_symlink():
         raise CheckpointError(
-            f"checkpoint {final} already exists; a step is written once. Resume from it, or "
-            "use another checkpoint directory."
+            f"{_SAVE}: checkpoint {final} already exists; a step is written once. Resume from "
+            "it, or use another checkpoint directory."
         )
 
 
