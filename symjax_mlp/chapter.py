@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import itertools
-import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -22,10 +21,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from symjax_mlp._artifact.reading import Artifact
-from symjax_mlp._errors import ConfigError, ControlFlowError
+from symjax_mlp._errors import ConfigError, ControlFlowError, as_int
 from symjax_mlp._export import export
 from symjax_mlp._hybrid.graph import stage
 from symjax_mlp._hybrid.hybrid import Hybrid
@@ -76,9 +74,8 @@ _INT64 = 2**63
 def _int(call: str, name: str, value: Any, low: int, high: int | None = None) -> int:
     """``value`` as a Python int (a NumPy one too, not a bool) in ``[low, high)``; else a
     ConfigError of ``call`` (sizes past int64 are refused by what they would make)."""
-    whole = isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
-    if whole and low <= value and (high is None or value < high):
-        return int(value)
+    if type(whole := as_int(value)) is int and low <= whole and (high is None or whole < high):
+        return whole
     span = f">= {low}" if high is None else "from -2**63 to 2**63 - 2"
     raise ConfigError(
         f"symjax_mlp.chapter.{call}({name}={value!r}): {name} must be an int {span}. Pass e.g. "
@@ -195,7 +192,7 @@ def export_mlp(
     """Exports the chapter's MLP (``mlp(sizes)`` on ``in_features`` inputs, initialised from
     ``seed``), what ``symjax-mlp export`` runs; ``batch``: a name for a symbolic batch dimension,
     or an int for a static one; the others as :func:`~symjax_mlp.export` takes them."""
-    static = isinstance(batch, numbers.Integral) and not isinstance(batch, bool | np.bool_)
+    static = type(as_int(batch)) is int  # an int of any kind, not a bool
     h, x = _mlp("export_mlp", sizes, activation, in_features, batch if static else 1, seed)
     batch = None if static else batch
     return export(h, path, example=x, batch=batch, platforms=platforms, overwrite=overwrite)
