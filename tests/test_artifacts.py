@@ -572,3 +572,17 @@ def test_a_training_checkpoint_given_as_an_artifact_says_how_to_export_one(tmp_p
     # the way out it names: the run as it is, exported
     art = sm.training.train(sm.mlp((4, 2)), data, **run, resume=True).export(tmp_path / "m")
     assert sm.load(art.path)(x[:2]).shape == (2, 2)
+
+
+def test_a_symbolic_dimension_past_int32_is_refused_naming_the_limit(tmp_path):
+    # it reached the program: an ArtifactError, 'the shapes of the module cannot be resolved'
+    h, x = _mlp()
+    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    with pytest.raises(
+        sm.SignatureError,
+        match=r"args\[0\]\.shape\[0\] is 2147483648, past the 2,147,483,647 a symbolic "
+        r"dimension may be .* Split the input",
+    ):
+        jax.eval_shape(m, jax.ShapeDtypeStruct((2**31, 5), jnp.float32))
+    top = jax.ShapeDtypeStruct((2**31 - 1, 5), jnp.float32)
+    assert jax.eval_shape(m, top).shape == (2**31 - 1, 3)

@@ -19,6 +19,8 @@ from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError
 from symjax_mlp._specs import MASKED_INPUT, TensorSpec, cast_to
 
+MAX_SYMBOLIC = 2**31 - 1  # the largest size of a symbolic dimension a call may give
+
 
 @dataclasses.dataclass(frozen=True)
 class Signature:
@@ -104,6 +106,12 @@ class Signature:
                 if got < 1:
                     raise SignatureError(
                         f"{at}, and a batch of {got} is rejected. Pass at least one row."
+                    )
+                if got > MAX_SYMBOLIC:  # else the program's shape refinement fails (int32)
+                    raise SignatureError(
+                        f"{at}, past the {MAX_SYMBOLIC:,} a symbolic dimension may be (an "
+                        "exported program computes it as an int32). Split the input: call it on "
+                        f"at most {MAX_SYMBOLIC:,} at a time along that dimension."
                     )
                 seen = sizes.setdefault(dim, (f"{spec.path}.shape[{i}]", got))
                 if seen[1] != got:
