@@ -586,3 +586,19 @@ def test_arguments_that_do_not_bind_to_the_models_inputs_are_named_with_its_inpu
             rf"\({inputs}.*\): {said.format(x=inputs)}\. Pass them as the model takes them",
         ):
             run(*[x] * args, **kwargs)
+
+
+@pytest.mark.parametrize("path", ["call", "eager", "export"])
+def test_an_input_of_width_zero_is_named_not_a_zero_division(path, tmp_path):
+    # flax checks a param's shape with its initializer: lecun_normal divided by the width 0
+    net, x = sm.mlp((16, 3)), jnp.ones((2, 8))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    export = lambda a: sm.export(h, tmp_path / "a", example=a, batch=None)  # noqa: E731
+    run = {"call": h, "eager": h.eager, "export": export}[path]
+    with pytest.raises(
+        sm.SignatureError,
+        match=r"^HybridSequential: the inputs \(args\[0\]: float32\[2, 0\]\) have a dimension "
+        r"of size 0 that a param's shape depends on",
+    ):
+        run(jnp.ones((2, 0)))
+    assert h(jnp.ones((0, 8))).shape == (0, 3)  # an empty batch runs

@@ -17,7 +17,13 @@ import jax
 from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import ModuleSetting
-from symjax_mlp._hybrid.trace import MODE_ATTRIBUTES, symbolic, unfit_call, unfit_input
+from symjax_mlp._hybrid.trace import (
+    MODE_ATTRIBUTES,
+    symbolic,
+    unfit_call,
+    unfit_empty,
+    unfit_input,
+)
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
 _NOT_VARIABLES = (
@@ -169,6 +175,10 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             raise ConfigError(_NO_RNG.format(name=name, error=error, streams=streams)) from None
         except ScopeParamShapeError as e:
             if (unfit := unfit_input(name, e, args, kwargs)) is None:
+                raise
+            raise unfit from None
+        except ZeroDivisionError:
+            if (unfit := unfit_empty(name, args, kwargs)) is None:
                 raise
             raise unfit from None
         except TypeError as e:

@@ -72,6 +72,12 @@ _PRODUCT = re.compile(
     r"dot_general requires contracting dimensions to have the same shape, got \((\d+),\) and "
     r"\((\d+),\)"
 )
+_EMPTY = (
+    "{name}: the inputs ({inputs}) have a dimension of size 0 that a param's shape depends on "
+    "(flax checks the shape with the param's initializer, which divided by it). The params "
+    "were made for inputs of other shapes: pass inputs of those shapes (an empty batch is a "
+    "leading dimension of 0, the others as the params were made for)."
+)
 _ARGUMENTS = (
     "{name}: the call's arguments do not fit the model's inputs ({inputs}): {error}. Pass "
     "them as the model takes them, without its params or self: h(x) for model(params, x)."
@@ -104,6 +110,16 @@ def unfit_input(name: str, error: Exception, args: Any, kwargs: Any) -> Signatur
         _PARAM_SHAPE.format(name=name, inputs=inputs, have=have, want=want,
                             param=f"{scope.strip('/')}/{param}".lstrip("/"), symbolic=symbolic)
     )  # fmt: skip
+
+
+def unfit_empty(name: str, args: Any, kwargs: Any) -> SignatureError | None:
+    """The :class:`~symjax_mlp.SignatureError` for flax's ``ZeroDivisionError`` on an input
+    with a dimension of size 0 (a param's initializer, run to check its shape, divided by it);
+    ``None`` if no input has one."""
+    specs = _input_specs(args, kwargs)
+    if not any(0 in s.shape for s in specs):
+        return None
+    return SignatureError(_EMPTY.format(name=name, inputs=", ".join(map(str, specs))))
 
 
 def unfit_call(
