@@ -265,11 +265,12 @@ def _shared_params(names: list[str], staged: list[Stage]) -> dict[str, tuple[Ten
             if spec.path in shared:
                 (other, known) = shared[spec.path]
                 if other != spec or not np.array_equal(known, array):
+                    what = f"{other.type} and {spec.type}" if other != spec else "the same shape"
                     raise ConfigError(
                         f"export(): entry points {owner[spec.path]!r} and {name!r} both have a "
-                        f"param {spec.path}, with different values ({other} and {spec}), but "
-                        "one weight file holds one tensor per path. Build both Hybrids from the "
-                        "same variables (linen's method=, or functions of the same params)."
+                        f"param {spec.path}, with different values ({what}), but one weight "
+                        "file holds one tensor per path. Build both Hybrids from the same "
+                        "variables (linen's method=, or functions of the same params)."
                     )
                 continue
             shared[spec.path], owner[spec.path] = (spec, array), name

@@ -155,8 +155,9 @@ def _entry_points(h: Any) -> dict[str, Hybrid]:
     """``h`` as named entry points: one Hybrid is the entry point ``main``."""
     points = {"main": h} if isinstance(h, Hybrid) else h
     if not isinstance(points, Mapping) or not points:
+        got = "an empty dict" if isinstance(points, Mapping) else type(h).__name__
         raise ConfigError(
-            f"export() expects a Hybrid or a dict of them; got {type(h).__name__}. Write "
+            f"export() expects a Hybrid or a dict of them; got {got}. Write "
             "sm.export(sm.hybridize(model, variables), path, example=x), or for several entry "
             'points over one weight file sm.export({"predict": h, "embed": h_embed}, ...).'
         )

@@ -425,7 +425,10 @@ def test_entry_points_with_their_own_params_take_only_those(tmp_path):
     assert set(m["second"].params) == {"b"}
     # one path, two values: refused, nothing written
     clash = sm.hybridize(lambda p, x: x * p["b"], {"b": jnp.full((4,), 3.0)})
-    with pytest.raises(sm.ConfigError, match=r"'second' and 'third' both have a param b"):
+    with pytest.raises(
+        sm.ConfigError, match=r"'second' and 'third' both have a param b, with different values "
+        r"\(the same shape\)"  # it named the same float32[4] twice
+    ):  # fmt: skip
         sm.export({"first": a, "second": b, "third": clash}, tmp_path / "n", example=x)
     for bad in ("model", "_private", "two words", ""):
         with pytest.raises(sm.ConfigError, match="entry point's name is a Python identifier"):
@@ -434,6 +437,8 @@ def test_entry_points_with_their_own_params_take_only_those(tmp_path):
         sm.export({"first": a, "second": b}, tmp_path / "n", example={"first": x})
     with pytest.raises(sm.ConfigError, match="a Hybrid or a dict of them"):
         sm.export([a, b], tmp_path / "n", example=x)
+    with pytest.raises(sm.ConfigError, match="a Hybrid or a dict of them; got an empty dict"):
+        sm.export({}, tmp_path / "n", example=x)  # it said 'got dict'
     assert not (tmp_path / "n").exists()
 
 
