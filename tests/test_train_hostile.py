@@ -458,6 +458,31 @@ def test_shard_step_mesh_errors_name_the_call_and_the_fix():
         step(params, optax.sgd(0.1).init(params), x, np.zeros(5, np.int32))
 
 
+def test_init_params_and_train_step_name_what_is_not_a_model_key_or_batch():
+    """init_params(net, 0, x) (a seed for the key) was flax's InvalidRngError about a
+    'JitTracer(~int32[])', init_params('mlp', ...) an AttributeError, x as lists "'list' object
+    has no attribute 'shape'"; train_step(None, opt) was taken, to fail at the first step."""
+    import optax
+
+    net, x = sm.mlp((8, 3)), np.ones((4, 5), np.float32)
+    init = "symjax_mlp.training.init_params"
+    with pytest.raises(sm.ConfigError, match=rf"^{init}\(HybridSequential, \.\.\.\): key must "
+                       r"be a PRNG key, e\.g\. jax\.random\.key\(0\); got int 0"):  # fmt: skip
+        sm.training.init_params(net, 0, x)
+    for call in (
+        lambda: sm.training.init_params("mlp", jax.random.key(0), x),
+        lambda: sm.training.train_step(None, optax.sgd(0.1)),
+    ):
+        with pytest.raises(sm.ConfigError, match=r"^symjax_mlp\.training\.\w+\(\w+, \.\.\.\): "
+                           r"the model must be a flax\.linen or nnx module; got a"):  # fmt: skip
+            call()
+    from_lists = sm.training.init_params(net, jax.random.key(0), x.tolist())
+    from_array = sm.training.init_params(net, jax.random.key(0), x)
+    assert jax.tree.all(jax.tree.map(np.array_equal, from_lists, from_array))
+    raw = sm.training.init_params(net, jax.random.PRNGKey(0), x)  # the legacy uint32 key
+    assert jax.tree.structure(raw) == jax.tree.structure(from_array)
+
+
 def _dropout(rate):
     class Net(nn.Module):  # same class, name and params: only the dropout rate differs
         @nn.compact

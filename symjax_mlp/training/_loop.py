@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from symjax_mlp._errors import CheckpointError, ConfigError, ControlFlowError, as_int
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
@@ -36,15 +35,13 @@ from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
 from symjax_mlp.training._spec import TRAIN_FORM, NnxSpec, spec_of
 from symjax_mlp.training._state import EpochRecord, TrainState, is_count
-from symjax_mlp.training._step import ModelVars, check_trainable, check_update, init_of, strong
-
-_NOT_FLAX = (
-    "symjax_mlp.training.train: the model must be a flax.linen or nnx module; got a {kind}. "
-    "For another model, write the loop with optax over the Hybrid's pure form: "
-    "h = sm.hybridize(fn, params) (an equinox module: h = sm.hybridize(model), h.params its "
-    "arrays); loss(params) on h.apply(params, x) (every keyword is your function's: an "
-    "equinox-style out, state = h.apply(params, x, state=state) passes your state), jax.grad "
-    "of it, and h.replace(params=...) for the trained model."
+from symjax_mlp.training._step import (
+    ModelVars,
+    check_model,
+    check_trainable,
+    check_update,
+    init_of,
+    strong,
 )
 
 _CALLER = "symjax_mlp.training.train"
@@ -169,8 +166,8 @@ def train(
         )
     if checkpoint is not None:  # refused now, not after the first epoch
         check_directory(checkpoint, _CALLER)
-    if model is not None and not isinstance(model, nn.Module | nnx.Module):
-        raise ConfigError(_NOT_FLAX.format(kind=type(model).__name__))
+    if model is not None:
+        check_model(model, _CALLER)
     start = time.perf_counter()
     data = check_dataset(load_digits() if data is None else data)
     model, spec, num_outputs = _classifier(model, data, train_flags, eval_flags)

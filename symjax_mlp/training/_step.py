@@ -13,7 +13,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from flax import nnx
 
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
@@ -22,6 +24,14 @@ from symjax_mlp.training._state import is_count
 
 #: ``step(params, opt_state, x, y, w) -> (params, opt_state, {"loss", "correct"})``.
 Step = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
+NOT_FLAX = (
+    "{caller}: the model must be a flax.linen or nnx module; got a {kind}. "
+    "For another model, write the loop with optax over the Hybrid's pure form: "
+    "h = sm.hybridize(fn, params) (an equinox module: h = sm.hybridize(model), h.params its "
+    "arrays); loss(params) on h.apply(params, x) (every keyword is your function's: an "
+    "equinox-style out, state = h.apply(params, x, state=state) passes your state), jax.grad "
+    "of it, and h.replace(params=...) for the trained model."
+)
 
 
 @jax.tree_util.register_dataclass
@@ -58,8 +68,24 @@ def init_params(
         be inference (its flag has another name).
     """
     caller = f"symjax_mlp.training.init_params({type(model).__name__}, ...)"
+    check_model(model, caller)
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = dtype == np.uint32 and np.shape(key) == (2,)  # jax.random.PRNGKey's
+    if not (isinstance(model, nnx.Module) or typed or raw):  # else flax's InvalidRngError
+        raise ConfigError(
+            f"{caller}: key must be a PRNG key, e.g. jax.random.key(0); got "
+            f"{type(key).__name__} {key!r:.60}."
+        )
+    example = example if hasattr(example, "shape") else np.asarray(example)  # lists
     spec = spec_of(model, example, train_flags, caller=caller, form=STEP_FORM)
     return init_of(model, spec, key, example)
+
+
+def check_model(model: Any, caller: str) -> None:
+    """Refuses what is no flax.linen or nnx module, naming the way for other models."""
+    if not isinstance(model, nn.Module | nnx.Module):
+        raise ConfigError(NOT_FLAX.format(caller=caller, kind=type(model).__name__))
 
 
 def init_of(model: Any, spec: ModelSpec | NnxSpec, key: jax.Array, example: jax.Array) -> Any:
@@ -181,6 +207,7 @@ def step_of(
 ) -> Step:  # fmt: skip
     """:func:`train_step`; given train()'s spec (``known``), it is not worked out again."""
     caller, blocks = f"symjax_mlp.training.train_step({type(model).__name__}, ...)", as_int(blocks)
+    check_model(model, caller)
     if not is_count(blocks, 1):
         raise ConfigError(f"{caller}: blocks must be an int >= 1; got {blocks!r}.")
     if not all(callable(getattr(optimizer, f, None)) for f in ("init", "update")):
