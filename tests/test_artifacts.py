@@ -591,3 +591,16 @@ def test_a_symbolic_dimension_past_int32_is_refused_naming_the_limit(tmp_path):
         jax.eval_shape(m, jax.ShapeDtypeStruct((2**31, 5), jnp.float32))
     top = jax.ShapeDtypeStruct((2**31 - 1, 5), jnp.float32)
     assert jax.eval_shape(m, top).shape == (2**31 - 1, 3)
+
+
+def test_a_shape_dtype_struct_given_to_a_loaded_model_points_to_eval_shape(tmp_path):
+    h, x = _mlp()
+    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    spec = jax.ShapeDtypeStruct((2, 5), jnp.float32)
+    with pytest.raises(
+        sm.SignatureError,
+        match=r"args\[0\] is a jax\.ShapeDtypeStruct, not a NumPy or JAX array; .* For the "
+        r"output's shape and dtype without values, jax\.eval_shape\(m, spec\)\.$",
+    ):
+        m(spec)
+    assert jax.eval_shape(m, spec).shape == (2, 3)

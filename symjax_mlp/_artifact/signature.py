@@ -295,6 +295,8 @@ def as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
         hint = " Convert it: x.detach().cpu().numpy() (or jax.dlpack.from_dlpack(x))."
     elif hasattr(x, "__array__"):
         hint = " Convert it: np.asarray(x)."
+    elif kind == "jax.ShapeDtypeStruct":  # a shape without values: what eval_shape traces
+        hint = " For the output's shape and dtype without values, jax.eval_shape(m, spec)."
     raise SignatureError(
         f"{caller}: input {spec.path} is a {printable(kind)}, not a NumPy or JAX array; the "
         f"artifact expects {spec.type}. Pass a np.ndarray or jax.Array.{hint}"
