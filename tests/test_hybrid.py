@@ -533,6 +533,9 @@ def test_a_shape_dtype_struct_given_to_a_call_points_to_graph_and_lower(path):
         run(jax.ShapeDtypeStruct((2, 8), jnp.float32))
     with pytest.raises(sm.SignatureError, match=r"kwargs\['y'\]\['k'\] is a jax\.ShapeDtype"):
         sm.hybridize(lambda p, x, y: x, {}).eager(x, y={"k": jax.ShapeDtypeStruct((), "int32")})
+    with pytest.raises(sm.SignatureError, match=r"args\[0\]\[1\] is a jax\.ShapeDtype"):
+        spec = jax.ShapeDtypeStruct((2,), "int32")  # the first named, as the caller reads
+        sm.hybridize(lambda p, x, y: x, {}).eager((x, spec), spec)
     assert h.lower(jax.ShapeDtypeStruct((2, 8), jnp.float32)).as_text()  # staging takes one
 
 

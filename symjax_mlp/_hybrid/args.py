@@ -219,8 +219,8 @@ def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> 
 
 def _walk(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """Each input and what its tuples, lists and dicts hold, by path; a container holding
-    itself, or a dict of unsortable keys, refused."""
-    todo = [(path_of(k), v, ()) for k, v in (*enumerate(args), *kwargs.items())]
+    itself, or a dict of unsortable keys, refused. First to last: a stack, pushed reversed."""
+    todo = [(path_of(k), v, ()) for k, v in (*enumerate(args), *kwargs.items())][::-1]
     while todo:
         path, value, within = todo.pop()
         yield path, value
@@ -230,9 +230,9 @@ def _walk(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[
                 raise ConfigError(_CYCLE.format(caller=caller, path=path, kind=kind))
             within = (*within, value)
         if isinstance(value, (tuple, list)):
-            todo += [(f"{path}[{i}]", v, within) for i, v in enumerate(value)]
+            todo += [(f"{path}[{i}]", v, within) for i, v in enumerate(value)][::-1]
         elif isinstance(value, dict):
-            todo += [(f"{path}[{k!r}]", v, within) for k, v in value.items()]
+            todo += [(f"{path}[{k!r}]", v, within) for k, v in value.items()][::-1]
             try:  # as JAX flattens a dict: by sorted keys
                 sorted(value)
             except TypeError:
