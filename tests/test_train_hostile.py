@@ -483,6 +483,24 @@ def test_init_params_and_train_step_name_what_is_not_a_model_key_or_batch():
     assert jax.tree.structure(raw) == jax.tree.structure(from_array)
 
 
+def test_a_step_given_rows_of_another_width_than_the_params_is_a_signature_error():
+    """x of 6 features for params made for 5 was flax's ScopeParamShapeError ('the given
+    initializer is expected to generate shape (6, 8)'), jitted or not."""
+    import optax
+
+    net, x, y, w = sm.mlp((8, 3)), np.ones((4, 5), np.float32), np.array([0, 1, 2, 0]), np.ones(4)
+    params = sm.training.init_params(net, jax.random.key(0), x)
+    step = sm.training.train_step(net, optax.sgd(0.1))
+    says = (
+        r"^symjax_mlp\.training\.train_step\(HybridSequential, \.\.\.\): the inputs "
+        r"\(args\[0\]: float32\[4, 6\]\) do not fit the params: param layers_0/kernel has "
+        r"shape \(5, 8\), and these inputs make it \(6, 8\)"
+    )
+    for run in (step, jax.jit(step)):
+        with pytest.raises(sm.SignatureError, match=says):
+            run(params, optax.sgd(0.1).init(params), np.ones((4, 6), np.float32), y, w)
+
+
 def _dropout(rate):
     class Net(nn.Module):  # same class, name and params: only the dropout rate differs
         @nn.compact

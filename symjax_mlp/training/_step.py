@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.errors import ScopeParamShapeError
 
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
-from symjax_mlp._hybrid.trace import TRACER_ERRORS
+from symjax_mlp._hybrid.trace import TRACER_ERRORS, unfit_input
 from symjax_mlp.training._spec import STEP_FORM, ModelSpec, NnxSpec, init_variables, spec_of
 from symjax_mlp.training._state import is_count
 
@@ -236,12 +237,19 @@ def step_of(
             total, correct, moved = _weighted_loss(model, spec, moved, x, y, w)
             return total / jnp.maximum(jnp.sum(w), 1.0), (correct, moved)
 
-        if blocks == 1:
-            (loss, (correct, moved)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-        elif stateful:
-            raise ConfigError(_BLOCKS_STATE.format(caller=caller, blocks=blocks))
-        else:
-            loss, correct, grads = _blocked(model, spec, trainable, (x, y, w), blocks, axis_name)
+        try:
+            if blocks == 1:
+                grad = jax.value_and_grad(loss_fn, has_aux=True)
+                (loss, (correct, moved)), grads = grad(trainable)
+            elif stateful:
+                raise ConfigError(_BLOCKS_STATE.format(caller=caller, blocks=blocks))
+            else:
+                batch = (x, y, w)
+                loss, correct, grads = _blocked(model, spec, trainable, batch, blocks, axis_name)
+        except ScopeParamShapeError as e:  # x of another width than the params were made for
+            if (unfit := unfit_input(caller, e, (x,), {})) is None:
+                raise
+            raise unfit from None
         updates, moved_state = update(optimizer, grads, opt_state, trainable, loss, caller)
         if (was := _like(opt_state)) != (got := _like(moved_state)):  # jit would trace again
             raise ConfigError(
