@@ -501,6 +501,19 @@ def test_a_step_given_rows_of_another_width_than_the_params_is_a_signature_error
             run(params, optax.sgd(0.1).init(params), np.ones((4, 6), np.float32), y, w)
 
 
+def test_labels_with_fractions_are_refused_with_the_fix(tiny):
+    """y of 1.5s (a regression target, or a score) said 'dataset.y_train[0] is
+    np.float64(1.5); expected integer class labels': NumPy's repr, and no fix."""
+    data = dataclasses.replace(tiny, y_train=tiny.y_train + 0.5)
+    says = (
+        r"^symjax_mlp\.training\.train: tiny\.y_train\[0\] is [0-9.]+5; expected integer class "
+        r"labels, the class indices\. Map the values to them: np\.unique\(y, return_inverse=True"
+        r"\)\[1\]"
+    )
+    with pytest.raises(sm.DataError, match=says):
+        sm.training.train(sm.mlp((8, 10)), data, epochs=1)
+
+
 def _dropout(rate):
     class Net(nn.Module):  # same class, name and params: only the dropout rate differs
         @nn.compact

@@ -237,7 +237,9 @@ def check_dataset(data: Dataset) -> Dataset:
             if np.any(y != np.round(y)):
                 bad = int(np.flatnonzero(y != np.round(y))[0])
                 raise DataError(
-                    f"{_CALLER}: {where}[{bad}] is {y[bad]!r}; expected integer class labels."
+                    f"{_CALLER}: {where}[{bad}] is {float(y[bad])!r}; expected integer class "
+                    "labels, the class indices. Map the values to them: np.unique(y, "
+                    "return_inverse=True)[1] (a regression target needs a loop of your own)."
                 )
         _in_range(where, name, y, limit, what)
         ys[name] = y.astype(np.int32)
