@@ -1142,6 +1142,435 @@ def predict(params, inputs):
     return logits - jax.scipy.special.logsumexp(logits, axis=1, keepdims=True)
 
 
+# -- flax examples/sst2/models.py, as written there (google/flax@18f8f311c275d57f46d95e41b15aa97b
+# 454754c0): a bidirectional LSTM (nn.scan of an OptimizedLSTMCell) over int tokens, their int
+# lengths a second input, `deterministic` merged from attribute and call (nn.merge_param), word
+# dropout drawing `make_rng('dropout')`; its `MLP` is `Sst2MLP` here (nnx_basics' is `MLP`)
+Array = jnp.ndarray
+
+
+def sequence_mask(lengths: Array, max_length: int) -> Array:
+    """Computes a boolean mask over sequence positions for each given length."""
+    return jnp.arange(max_length)[None] < lengths[:, None]
+
+
+@jax.vmap
+def flip_sequences(inputs: Array, lengths: Array) -> Array:
+    """Flips a sequence of inputs along the time dimension, the padding kept at the end."""
+    # Note: since this function is vmapped, the code below is effectively for
+    # a single example.
+    max_length = inputs.shape[0]
+    return jnp.flip(jnp.roll(inputs, max_length - lengths, axis=0), axis=0)
+
+
+class WordDropout(nn.Module):
+    """Applies word dropout to a batch of input IDs."""
+
+    dropout_rate: float
+    unk_idx: int
+    deterministic: bool | None = None
+
+    @nn.compact
+    def __call__(self, inputs: Array, deterministic: bool | None = None):
+        deterministic = nn.module.merge_param("deterministic", self.deterministic, deterministic)
+        if deterministic or self.dropout_rate == 0.0:
+            return inputs
+        rng = self.make_rng("dropout")
+        mask = jax.random.bernoulli(rng, p=self.dropout_rate, shape=inputs.shape)
+        return jnp.where(mask, jnp.array([self.unk_idx]), inputs)
+
+
+class Embedder(nn.Module):
+    """Embeds batches of token IDs into feature space."""
+
+    vocab_size: int
+    embedding_size: int
+    embedding_init: Callable[..., Array] = nn.initializers.normal(stddev=0.1)
+    frozen: bool = False
+    dropout_rate: float = 0.0
+    word_dropout_rate: float = 0.0
+    unk_idx: int | None = None
+    deterministic: bool | None = None
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.embedding = self.param(
+            "embedding", self.embedding_init, (self.vocab_size, self.embedding_size), self.dtype
+        )
+        self.dropout_layer = nn.Dropout(rate=self.dropout_rate)
+        self.word_dropout_layer = WordDropout(
+            dropout_rate=self.word_dropout_rate, unk_idx=self.unk_idx
+        )
+
+    def __call__(self, inputs: Array, deterministic: bool | None = None) -> Array:
+        deterministic = nn.module.merge_param("deterministic", self.deterministic, deterministic)
+        inputs = self.word_dropout_layer(inputs, deterministic=deterministic)
+        embedded_inputs = self.embedding[inputs]
+
+        # Keep the embeddings fixed at initial (e.g. pretrained) values.
+        if self.frozen:
+            embedded_inputs = jax.lax.stop_gradient(embedded_inputs)
+
+        return self.dropout_layer(embedded_inputs, deterministic=deterministic)
+
+
+class SimpleLSTM(nn.Module):
+    """A simple unidirectional LSTM."""
+
+    hidden_size: int
+
+    @partial(
+        nn.transforms.scan,
+        variable_broadcast="params",
+        in_axes=1,
+        out_axes=1,
+        split_rngs={"params": False},
+    )
+    @nn.compact
+    def __call__(self, carry, x):
+        return nn.OptimizedLSTMCell(self.hidden_size)(carry, x)
+
+    def initialize_carry(self, input_shape):
+        # Use fixed random key since default state init fn is just zeros.
+        return nn.OptimizedLSTMCell(self.hidden_size, parent=None).initialize_carry(
+            jax.random.key(0), input_shape
+        )
+
+
+class SimpleBiLSTM(nn.Module):
+    """A simple bi-directional LSTM."""
+
+    hidden_size: int
+
+    def setup(self):
+        self.forward_lstm = SimpleLSTM(self.hidden_size)
+        self.backward_lstm = SimpleLSTM(self.hidden_size)
+
+    def __call__(self, embedded_inputs, lengths):
+        # Forward LSTM.
+        initial_state = self.forward_lstm.initialize_carry(embedded_inputs[:, 0].shape)
+        _, forward_outputs = self.forward_lstm(initial_state, embedded_inputs)
+
+        # Backward LSTM.
+        reversed_inputs = flip_sequences(embedded_inputs, lengths)
+        initial_state = self.backward_lstm.initialize_carry(reversed_inputs[:, 0].shape)
+        _, backward_outputs = self.backward_lstm(initial_state, reversed_inputs)
+        backward_outputs = flip_sequences(backward_outputs, lengths)
+
+        # Concatenate the forward and backward representations.
+        outputs = jnp.concatenate([forward_outputs, backward_outputs], -1)
+        return outputs
+
+
+class Sst2MLP(nn.Module):
+    """sst2's ``MLP``: a simple Multilayer perceptron with 1 hidden layer."""
+
+    hidden_size: int
+    output_size: int
+    activation: Callable[..., Any] = nn.tanh
+    dropout_rate: float = 0.0
+    output_bias: bool = False
+    deterministic: bool | None = None
+
+    def setup(self):
+        self.intermediate_layer = nn.Dense(self.hidden_size)
+        self.output_layer = nn.Dense(self.output_size, use_bias=self.output_bias)
+        self.dropout_layer = nn.Dropout(rate=self.dropout_rate)
+
+    def __call__(self, inputs: Array, deterministic: bool | None = None):
+        deterministic = nn.module.merge_param("deterministic", self.deterministic, deterministic)
+        hidden = self.intermediate_layer(inputs)
+        hidden = self.activation(hidden)
+        hidden = self.dropout_layer(hidden, deterministic=deterministic)
+        output = self.output_layer(hidden)
+        return output
+
+
+class KeysOnlyMlpAttention(nn.Module):
+    """Computes MLP-based attention scores based on keys alone, without a query."""
+
+    hidden_size: int
+
+    @nn.compact
+    def __call__(self, keys: Array, mask: Array) -> Array:
+        hidden = nn.Dense(self.hidden_size, name="keys", use_bias=False)(keys)
+        energy = nn.tanh(hidden)
+        scores = nn.Dense(1, name="energy", use_bias=False)(energy)
+        scores = scores.squeeze(-1)  # New shape: <float32>[batch_size, seq_len].
+        scores = jnp.where(mask, scores, -jnp.inf)  # Using exp(-inf) = 0 below.
+        scores = nn.softmax(scores, axis=-1)
+
+        # Captures the scores if 'intermediates' is mutable, otherwise does nothing.
+        self.sow("intermediates", "attention", scores)
+
+        return scores
+
+
+class AttentionClassifier(nn.Module):
+    """A classifier that uses attention to summarize the inputs."""
+
+    hidden_size: int
+    output_size: int
+    dropout_rate: float = 0.0
+    deterministic: bool | None = None
+
+    def setup(self):
+        self.dropout_layer = nn.Dropout(rate=self.dropout_rate)
+        self.keys_only_mlp_attention = KeysOnlyMlpAttention(hidden_size=self.hidden_size)
+        self.mlp = Sst2MLP(
+            hidden_size=self.hidden_size,
+            output_size=self.output_size,
+            output_bias=False,
+            dropout_rate=self.dropout_rate,
+        )
+
+    def __call__(
+        self, encoded_inputs: Array, lengths: Array, deterministic: bool | None = None
+    ) -> Array:
+        deterministic = nn.module.merge_param("deterministic", self.deterministic, deterministic)
+        encoded_inputs = self.dropout_layer(encoded_inputs, deterministic=deterministic)
+
+        # Compute attention. attention.shape: <float32>[batch_size, seq_len].
+        mask = sequence_mask(lengths, encoded_inputs.shape[1])
+        attention = self.keys_only_mlp_attention(encoded_inputs, mask)
+
+        # Summarize the inputs by taking their weighted sum using attention scores.
+        context = jnp.expand_dims(attention, 1) @ encoded_inputs
+        context = context.squeeze(1)  # <float32>[batch_size, encoded_inputs_size]
+        context = self.dropout_layer(context, deterministic=deterministic)
+
+        # Make the final prediction from the context vector (the summarized inputs).
+        logits = self.mlp(context, deterministic=deterministic)
+        return logits
+
+
+class TextClassifier(nn.Module):
+    """A Text Classification model."""
+
+    embedding_size: int
+    hidden_size: int
+    vocab_size: int
+    output_size: int
+
+    dropout_rate: float
+    word_dropout_rate: float
+    unk_idx: int = 1
+    deterministic: bool | None = None
+
+    def setup(self):
+        self.embedder = Embedder(
+            vocab_size=self.vocab_size,
+            embedding_size=self.embedding_size,
+            dropout_rate=self.dropout_rate,
+            word_dropout_rate=self.word_dropout_rate,
+            unk_idx=self.unk_idx,
+        )
+        self.encoder = SimpleBiLSTM(hidden_size=self.hidden_size)
+        self.classifier = AttentionClassifier(
+            hidden_size=self.hidden_size,
+            output_size=self.output_size,
+            dropout_rate=self.dropout_rate,
+        )
+
+    def embed_token_ids(self, token_ids: Array, deterministic: bool | None = None) -> Array:
+        deterministic = nn.module.merge_param("deterministic", self.deterministic, deterministic)
+        return self.embedder(token_ids, deterministic=deterministic)
+
+    def logits_from_embedded_inputs(
+        self, embedded_inputs: Array, lengths: Array, deterministic: bool | None = None
+    ) -> Array:
+        deterministic = nn.module.merge_param("deterministic", self.deterministic, deterministic)
+        encoded_inputs = self.encoder(embedded_inputs, lengths)
+        return self.classifier(encoded_inputs, lengths, deterministic=deterministic)
+
+    def __call__(
+        self, token_ids: Array, lengths: Array, deterministic: bool | None = None
+    ) -> Array:
+        """Embeds the token IDs, encodes them, and classifies with attention."""
+        embedded_inputs = self.embed_token_ids(token_ids, deterministic=deterministic)
+        logits = self.logits_from_embedded_inputs(
+            embedded_inputs, lengths, deterministic=deterministic
+        )
+        return logits
+
+
+def _sst2_inputs(seed: int) -> tuple[jax.Array, jax.Array]:
+    """(token ids (4, 6) of a vocabulary of 16, their lengths 1..6), padding 0 past each."""
+    lengths = jax.random.randint(jax.random.key(seed + 7), (4,), 1, 7, jnp.int32)
+    ids = _ints(seed, (4, 6), 16)
+    return jnp.where(jnp.arange(6)[None] < lengths[:, None], ids, 0), lengths
+
+
+def _sst2() -> TextClassifier:
+    return TextClassifier(embedding_size=8, hidden_size=8, vocab_size=16, output_size=2,
+                          dropout_rate=0.5, word_dropout_rate=0.2)  # fmt: skip
+
+
+# -- flax examples/nnx_toy_examples/05_vae.py, as written there (google/flax@18f8f311c275d57f46d
+# 95e41b15aa97b454754c0): the encoder holds its nnx.Rngs and draws `self.rngs.noise()` in every
+# call, and sets a new `Loss` variable there (the train step `nnx.pop`s it)
+class Loss(nnx.Variable):
+    pass
+
+
+class Encoder(nnx.Module):
+    def __init__(self, din: int, dmid: int, dout: int, *, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(din, dmid, rngs=rngs)
+        self.linear_mean = nnx.Linear(dmid, dout, rngs=rngs)
+        self.linear_std = nnx.Linear(dmid, dout, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.reshape((x.shape[0], -1))  # flatten
+        x = self.linear1(x)
+        x = jax.nn.relu(x)
+
+        mean = self.linear_mean(x)
+        std = jnp.exp(self.linear_std(x))
+
+        self.kl_loss = Loss(
+            jnp.mean(0.5 * jnp.mean(-jnp.log(std**2) - 1.0 + std**2 + mean**2, axis=-1))
+        )
+        key = self.rngs.noise()
+        z = mean + std * jax.random.normal(key, mean.shape)
+        return z
+
+
+class Decoder(nnx.Module):
+    def __init__(self, din: int, dmid: int, dout: int, *, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(din, dmid, rngs=rngs)
+        self.linear2 = nnx.Linear(dmid, dout, rngs=rngs)
+
+    def __call__(self, z: jax.Array) -> jax.Array:
+        z = self.linear1(z)
+        z = jax.nn.relu(z)
+        logits = self.linear2(z)
+        return logits
+
+
+class VAE(nnx.Module):
+    def __init__(self, din: int, hidden_size: int, latent_size: int,
+                 output_shape: tuple[int, ...], *, rngs: nnx.Rngs):  # fmt: skip
+        self.output_shape = output_shape
+        self.encoder = Encoder(din, hidden_size, latent_size, rngs=rngs)
+        self.decoder = Decoder(latent_size, hidden_size, int(np.prod(output_shape)), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        z = self.encoder(x)
+        logits = self.decoder(z)
+        logits = jnp.reshape(logits, (-1, *self.output_shape))
+        return logits
+
+    def generate(self, z):
+        logits = self.decoder(z)
+        logits = jnp.reshape(logits, (-1, *self.output_shape))
+        return nnx.sigmoid(logits)
+
+
+def _vae() -> tuple[VAE, None]:
+    return VAE(din=16, hidden_size=8, latent_size=4, output_shape=(4, 4),
+               rngs=nnx.Rngs(0, noise=1)), None  # fmt: skip
+
+
+def _binary(seed: int) -> jax.Array:
+    """(4, 4, 4) images of 0s and 1s, as the example binarizes MNIST."""
+    return (_x(seed, (4, 4, 4)) > 0).astype(jnp.float32)
+
+
+if eqx is not None:
+    # equinox docs/examples/score_based_diffusion.ipynb, as written there (patrick-kidger/
+    # equinox@9336d820b2ef66b360fc6cb3611b3da5cefbb14d): einops written as reshape, transpose
+    # and broadcast_to (einops is not a dependency); the model of (t, y), one image per call,
+    # a time t per image
+    class DiffusionMixerBlock(eqx.Module):
+        """The notebook's ``MixerBlock`` (renamed: vit_jax's is ``MixerBlock`` here)."""
+
+        patch_mixer: eqx.nn.MLP
+        hidden_mixer: eqx.nn.MLP
+        norm1: eqx.nn.LayerNorm
+        norm2: eqx.nn.LayerNorm
+
+        def __init__(self, num_patches, hidden_size, mix_patch_size, mix_hidden_size, *, key):
+            tkey, ckey = jr.split(key, 2)
+            self.patch_mixer = eqx.nn.MLP(
+                num_patches, num_patches, mix_patch_size, depth=1, key=tkey
+            )
+            self.hidden_mixer = eqx.nn.MLP(
+                hidden_size, hidden_size, mix_hidden_size, depth=1, key=ckey
+            )
+            self.norm1 = eqx.nn.LayerNorm((hidden_size, num_patches))
+            self.norm2 = eqx.nn.LayerNorm((num_patches, hidden_size))
+
+        def __call__(self, y):
+            y = y + jax.vmap(self.patch_mixer)(self.norm1(y))
+            y = y.T  # einops.rearrange(y, "c p -> p c")
+            y = y + jax.vmap(self.hidden_mixer)(self.norm2(y))
+            y = y.T  # einops.rearrange(y, "p c -> c p")
+            return y
+
+    class Mixer2d(eqx.Module):
+        conv_in: eqx.nn.Conv2d
+        conv_out: eqx.nn.ConvTranspose2d
+        blocks: list
+        norm: eqx.nn.LayerNorm
+        t1: float
+
+        def __init__(self, img_size, patch_size, hidden_size, mix_patch_size,
+                     mix_hidden_size, num_blocks, t1, *, key):  # fmt: skip
+            input_size, height, width = img_size
+            assert (height % patch_size) == 0
+            assert (width % patch_size) == 0
+            num_patches = (height // patch_size) * (width // patch_size)
+            inkey, outkey, *bkeys = jr.split(key, 2 + num_blocks)
+
+            self.conv_in = eqx.nn.Conv2d(
+                input_size + 1, hidden_size, patch_size, stride=patch_size, key=inkey
+            )
+            self.conv_out = eqx.nn.ConvTranspose2d(
+                hidden_size, input_size, patch_size, stride=patch_size, key=outkey
+            )
+            self.blocks = [
+                DiffusionMixerBlock(
+                    num_patches, hidden_size, mix_patch_size, mix_hidden_size, key=bkey
+                )
+                for bkey in bkeys
+            ]
+            self.norm = eqx.nn.LayerNorm((hidden_size, num_patches))
+            self.t1 = t1
+
+        def __call__(self, t, y):
+            t = jnp.array(t / self.t1)
+            _, height, width = y.shape
+            t = jnp.broadcast_to(t, (1, height, width))  # einops.repeat(t, "-> 1 h w", ...)
+            y = jnp.concatenate([y, t])
+            y = self.conv_in(y)
+            _, patch_height, patch_width = y.shape
+            y = y.reshape(y.shape[0], -1)  # einops.rearrange(y, "c h w -> c (h w)")
+            for block in self.blocks:
+                y = block(y)
+            y = self.norm(y)
+            y = y.reshape(y.shape[0], patch_height, patch_width)  # "c (h w) -> c h w"
+            return self.conv_out(y)
+
+    def _diffusion():
+        """The notebook's ``jax.vmap(model)(t, y)`` of its batch loss, a tiny Mixer2d."""
+        model = Mixer2d((1, 4, 4), patch_size=2, hidden_size=8, mix_patch_size=8,
+                        mix_hidden_size=8, num_blocks=1, t1=10.0, key=jr.key(5678))  # fmt: skip
+        return eqx.filter_vmap(model), None
+
+    def _diffusion_inputs(seed: int) -> tuple[jax.Array, jax.Array]:
+        """(t, y): a time in [0, t1) per image, and (4, 1, 4, 4) images."""
+        t = jax.random.uniform(jax.random.key(seed + 9), (4,), minval=0.0, maxval=10.0)
+        return t, _x(seed, (4, 1, 4, 4))
+
+    _EQX_MORE = (
+        Case("eqx_diffusion", "eqx", _diffusion, _diffusion_inputs,
+             allow=frozenset({"convolution", "real_dynamic_slice"})),
+    )  # fmt: skip
+else:  # pragma: no cover - the test extra installs equinox
+    _EQX_MORE = ()
+
+
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
 #: params, a list of pairs), equinox's examples (a module, or a function of one)
@@ -1164,6 +1593,10 @@ MATRIX = (
     Case("nnx_minigpt", "nnx", _minigpt("train"), lambda s: (_ints(s, (2, 8), 16),),
          served=_minigpt("eval"), allow=frozenset({"gather", "scatter"})),
     *_EQX,
+    Case("sst2", "linen", _linen(_sst2(), *_sst2_inputs(0), deterministic=True), _sst2_inputs,
+         train={"deterministic": False}, eval={"deterministic": True}, rng=jax.random.key(3),
+         allow=frozenset({"gather", "scatter", "real_dynamic_slice", "dynamic_update_slice"})),
+    *_EQX_MORE,
 )  # fmt: skip
 
 
