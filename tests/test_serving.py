@@ -950,6 +950,19 @@ def test_counters_folded_in_small_chunks_add_up(chapter, monkeypatch):
     assert all(v >= 0 for v in s.seconds.values())
 
 
+def test_stats_refuse_a_prefix_prometheus_cannot_read():
+    """to_prometheus('my-model') (or 'my model', 5) wrote metrics whose names Prometheus
+    refuses, the whole scrape with them; create_app checks its prefix, this did not."""
+    with sm.serving.Batcher(lambda x: x * 2, example=np.ones((1, 2), np.float32)) as b:
+        stats = b.stats
+    for bad in ("my-model", "my model", "9lives", "", 5):
+        with pytest.raises(sm.ConfigError, match=r"^symjax_mlp\.serving\.BatcherStats\.to_"
+                           r"prometheus\(prefix=.*\): a Prometheus metric name is \[a-zA-Z_:\]"
+                           r"\[a-zA-Z0-9_:\]\*; pass e\.g\. prefix='my_model'\.$"):  # fmt: skip
+            stats.to_prometheus(bad)
+    assert stats.to_prometheus("my_model:v2").startswith("# HELP my_model:v2_requests_total")
+
+
 def test_stats_in_prometheus_text_format(chapter):
     _, _, h, x = chapter
     with sm.serving.Batcher(h, example=x, max_batch=4) as b:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from symjax_mlp._errors import ConfigError
 
 #: Upper bounds (seconds) of the request-latency histogram in :attr:`BatcherStats.latency`.
 LATENCY_BUCKETS = (
@@ -22,6 +25,8 @@ LATENCY_BUCKETS = (
 STAGES = ("queued", "padded", "compute", "split")
 _PADDED = "Zero rows added to reach a compiled batch size."
 _STAGES = "Seconds per stage of completed requests (batch stages counted per request)."
+#: What Prometheus takes as a metric name (a prefix of ours too).
+METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +90,11 @@ class BatcherStats:
           >>> [line for line in text.splitlines() if line.startswith("symjax_mlp_batcher_rows")]
           ['symjax_mlp_batcher_rows_total 1']
         """
+        if not isinstance(prefix, str) or not METRIC_NAME.fullmatch(prefix):
+            raise ConfigError(
+                f"symjax_mlp.serving.BatcherStats.to_prometheus(prefix={prefix!r}): a Prometheus "
+                f"metric name is {METRIC_NAME.pattern}; pass e.g. prefix='my_model'."
+            )
         c, g = "counter", "gauge"
         rejected = [(f'{{reason="{k}"}}', v) for k, v in sorted(self.rejected_by.items())]
         buckets = [(f'{{bucket="{k}"}}', v) for k, v in sorted(self.batches_by_bucket.items())]
