@@ -243,6 +243,27 @@ def test_an_infinite_timeout_waits_as_none_does():
     assert [busy.result(1).tolist(), queued.result(1).tolist()] == [(2 * X9).tolist(), [[2, 2]]]
 
 
+def test_a_hybrid_whose_trace_budget_is_below_the_buckets_is_told_how_to_serve_it():
+    """hybridize(..., max_traces=1) served with the default buckets: a RetraceError at the
+    second bucket, 'args[0].shape changed from (1, 3) to (2, 3)', not saying that the batcher
+    traces once per bucket nor what to pass."""
+    import jax
+    import jax.numpy as jnp
+
+    net, x = sm.mlp((4, 2)), jnp.ones((1, 3))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x), max_traces=1)
+    with pytest.raises(sm.RetraceError) as e:
+        sm.serving.Batcher(h, example=x, max_batch=8)
+    says = (
+        "Batcher(HybridSequential) traces the model once per bucket, (1, 2, 4, 8): pass "
+        "buckets=(8,) (one trace), or max_traces >= 4."
+    )
+    assert says in e.value.__notes__, e.value.__notes__
+    h = sm.hybridize(net, net.init(jax.random.key(0), x), max_traces=1)  # its budget unspent
+    with sm.serving.Batcher(h, example=x, buckets=(8,)) as b:  # as the note says
+        np.testing.assert_array_equal(b(np.ones((3, 3), np.float32)), h(jnp.ones((8, 3)))[:3])
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.int64])
 def test_an_integer_of_thousands_of_digits_is_refused_as_out_of_range(dtype):
     """int() refuses 4300 digits: such a body was "not valid JSON" (400) and told the client

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from symjax_mlp._artifact.format import NEEDS
-from symjax_mlp._errors import ConfigError, OverloadError
+from symjax_mlp._errors import ConfigError, OverloadError, RetraceError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
@@ -163,15 +163,20 @@ class Batcher:
         self.why_alone: str = alone
         lane = Lane(served, specs, self.buckets, self.name, merges=not alone)
         self._check = RequestCheck(specs, lane, static, alone).check
-        # Per event loop, this pass's asubmit (None: several): see _end_of_pass. One runs on
-        # the loop only for an XLA program the checker bounded (else a user's Python, an endless
-        # while loop or a native kernel could block it: no timeout, no /health): loaded with its
-        # ops checked and allowed none but tensor ops, whatever its manifest says it needs.
+        # Per event loop, this pass's asubmit (None: several): see _end_of_pass. It runs on the
+        # loop only for an XLA program the checker bounded, tensor ops alone (a user's Python, an
+        # endless while loop, a native kernel would block it: no timeout, no /health).
         self._passes: dict[Any, AsyncRequest | None] = {}
         checked = getattr(model, "allowed", None) if isinstance(model, LoadedModel) else None
         self._on_loop = checked is not None and checked <= _BOUNDED
         w = w if w is None or w < threading.TIMEOUT_MAX else None  # inf: threading's None
-        self._thread, self._lane = lane.start(w), lane
+        try:
+            self._thread, self._lane = lane.start(w), lane
+        except RetraceError as e:  # a Hybrid's max_traces=1, say: a trace per bucket
+            n = len(self.buckets)
+            e.add_note(f"{self.name} traces the model once per bucket, {self.buckets}: pass buckets"
+                       f"=({self.max_batch},) (one trace), or max_traces >= {n}.")  # fmt: skip
+            raise
         self._finalizer = weakref.finalize(self, lane.close, False)
 
     def _enqueue(self, request: Any, wake: bool = True) -> None:
@@ -244,8 +249,7 @@ class Batcher:
             finally:
                 lane.release()
         if threading.get_ident() in (lane.thread, lane.holder) and not lane.closing:
-            # b(x) in a done callback or the model, on the thread that holds the token: the
-            # request runs here rather than wait for itself (for ever, the batcher wedged)
+            # in the model or a done callback, holding the lane: here, not wait for itself
             return lane.run_alone(request)[0]
         request.waiter = waiter = threading.Lock()
         waiter.acquire()
@@ -314,13 +318,11 @@ class Batcher:
                 return
             lane.holder = threading.get_ident()
             if alone:
-                q.popleft()
-                lane.n.requests -= 1  # run_alone counts it among the lone ones
+                q.popleft()  # counted among the queued requests, as run by the thread
             else:
                 batch, rows = lane.take()
         try:
-            if alone:  # counted as b(x)'s lone requests are; SystemExit too reaches its awaiter
-                lane.n.alone += 1
+            if alone:  # what it raises, SystemExit too, reaches its awaiter
                 lane.run([lone], lone.rows, loop)
             elif batch:  # else every one was cancelled
                 lane.run(batch, rows, loop)
