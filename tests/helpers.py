@@ -1406,6 +1406,92 @@ def _sst2() -> TextClassifier:
                           dropout_rate=0.5, word_dropout_rate=0.2)  # fmt: skip
 
 
+# -- flax examples/seq2seq/models.py, as written there (google/flax@18f8f311c275d57f46d95e41b15a
+# a97b454754c0): nn.RNN over an LSTMCell (seq_lengths, return_carry) and over a custom
+# nn.RNNCellBase that samples a token from its own "lstm" rng stream at every step, in training
+# (teacher forcing) and decoding alike
+LSTMCarry = tuple[Array, Array]
+
+
+class DecoderLSTMCell(nn.RNNCellBase):
+    """DecoderLSTM Module wrapped in a lifted scan transform."""
+
+    features: int
+    teacher_force: bool
+    vocab_size: int
+
+    @nn.compact
+    def __call__(
+        self, carry: tuple[LSTMCarry, Array], x: Array
+    ) -> tuple[tuple[LSTMCarry, Array], tuple[Array, Array]]:
+        """Applies the DecoderLSTM model."""
+        lstm_state, last_prediction = carry
+        if not self.teacher_force:
+            x = last_prediction
+        lstm_state, y = nn.LSTMCell(self.features)(lstm_state, x)
+        logits = nn.Dense(features=self.vocab_size)(y)
+        # Sample the predicted token using a categorical distribution over the
+        # logits.
+        categorical_rng = self.make_rng("lstm")
+        predicted_token = jax.random.categorical(categorical_rng, logits)
+        # Convert to one-hot encoding.
+        prediction = jax.nn.one_hot(predicted_token, self.vocab_size, dtype=jnp.float32)
+
+        return (lstm_state, prediction), (logits, prediction)
+
+    @property
+    def num_feature_axes(self) -> int:
+        return 1
+
+
+class Seq2seq(nn.Module):
+    """Sequence-to-sequence class using encoder/decoder architecture."""
+
+    teacher_force: bool
+    hidden_size: int
+    vocab_size: int
+    eos_id: int = 1
+
+    @nn.compact
+    def __call__(self, encoder_inputs: Array, decoder_inputs: Array) -> tuple[Array, Array]:
+        """Applies the seq2seq model: (logits, one-hot predictions) per decoded step."""
+        # Encode inputs.
+        encoder = nn.RNN(nn.LSTMCell(self.hidden_size), return_carry=True, name="encoder")
+        decoder = nn.RNN(
+            DecoderLSTMCell(decoder_inputs.shape[-1], self.teacher_force, self.vocab_size),
+            split_rngs={"params": False, "lstm": True},
+            name="decoder",
+        )
+
+        seq_lengths = self.get_seq_lengths(encoder_inputs)
+
+        encoder_state, _ = encoder(encoder_inputs, seq_lengths=seq_lengths)
+        logits, predictions = decoder(
+            decoder_inputs[:, :-1],
+            initial_carry=(encoder_state, decoder_inputs[:, 0]),
+        )
+
+        return logits, predictions
+
+    def get_seq_lengths(self, inputs: Array) -> Array:
+        """Get segmentation mask for inputs."""
+        # undo one-hot encoding
+        inputs = jnp.argmax(inputs, axis=-1)
+        # calculate sequence lengths
+        seq_lengths = jnp.argmax(inputs == self.eos_id, axis=-1)
+
+        return seq_lengths
+
+
+def seq2seq_inputs(seed: int, vocab: int = 5) -> tuple[jax.Array, jax.Array]:
+    """One-hot (encoder, decoder) inputs, (4, 4, vocab) and (4, 3, vocab): the encoder's
+    ends with the eos token (1), as the example's queries do."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    queries = jax.random.randint(k1, (4, 4), 2, vocab).at[:, 3].set(1)
+    answers = jax.random.randint(k2, (4, 3), 2, vocab)
+    return jax.nn.one_hot(queries, vocab), jax.nn.one_hot(answers, vocab)
+
+
 # -- flax examples/nnx_toy_examples/05_vae.py, as written there (google/flax@18f8f311c275d57f46d
 # 95e41b15aa97b454754c0): the encoder holds its nnx.Rngs and draws `self.rngs.noise()` in every
 # call, and sets a new `Loss` variable there (the train step `nnx.pop`s it)

@@ -12,10 +12,12 @@ from flax import nnx
 from helpers import (
     BatchNormGuideMLP,
     DropoutGuideModel,
+    Seq2seq,
     SowCNN,
     TutorialCNN,
     keyless,
     mixer,
+    seq2seq_inputs,
 )
 
 import symjax_mlp as sm
@@ -362,3 +364,39 @@ def test_a_linen_dropout_exported_in_training_is_refused_and_the_named_fix_draws
     for k in (k1, k2):
         np.testing.assert_allclose(m(x, k), fix(variables, x, k), rtol=1e-6)
     assert not np.allclose(m(x, k1), m(x, k2))  # a mask per key, not one baked in
+
+
+def test_the_seq2seq_example_draws_its_lstm_stream_per_call_and_exports_with_the_key_an_input(
+    tmp_path,
+):
+    """flax examples/seq2seq: nn.RNN cells sampling from an "lstm" stream on every call (no
+    mode turns it off). A Hybrid given that stream splits it per call as the example's loop
+    does, with grads; the export takes the key as an input (the references jitted: flax's
+    RNN runs slowly eagerly)."""
+    model = Seq2seq(teacher_force=True, hidden_size=8, vocab_size=5)
+    init, apply = jax.jit(model.init), jax.jit(model.apply)
+    variables = init({"params": jax.random.key(0), "lstm": jax.random.key(1)}, *seq2seq_inputs(0))
+    key, want = jax.random.key(3), []
+    for i in range(2):  # the example's train loop: a fresh lstm key per step
+        key, sub = jax.random.split(key)
+        want.append(apply(variables, *seq2seq_inputs(i), rngs={"lstm": sub}))
+    h = sm.hybridize(model, variables, rngs={"lstm": jax.random.key(3)})
+    _close([h(*seq2seq_inputs(i)) for i in range(2)], want)
+    grads = jax.grad(lambda p: h.apply(p, *seq2seq_inputs(0))[0][0].sum())(h.params)
+    assert set(grads["params"]) == set(variables["params"])
+
+    decode = Seq2seq(teacher_force=False, hidden_size=8, vocab_size=5)  # samples fed back
+
+    def fix(params, queries, answers, key):
+        rngs = {"lstm": jax.random.wrap_key_data(key)}
+        return decode.apply(params, queries, answers, rngs=rngs)
+
+    queries, answers = seq2seq_inputs(1)
+    k = jax.random.key_data(jax.random.key(4))
+    art = sm.export(sm.hybridize(fix, variables), tmp_path / "m", example=(queries, answers, k),
+                    shapes=("b, 4, 5", "b, 3, 5", None))  # fmt: skip
+    allow = {"gather", "dynamic_gather", "dynamic_slice", "real_dynamic_slice",
+             "dynamic_update_slice"}  # fmt: skip
+    m = sm.load(art.path, allow=allow)
+    want = jax.jit(fix)(variables, queries, answers, k)
+    _close(m(*(np.asarray(a) for a in (queries, answers, k))), want)
