@@ -605,3 +605,13 @@ def test_an_input_of_width_zero_is_named_not_a_zero_division(path, tmp_path):
     ):
         run(jnp.ones((2, 0)))
     assert h(jnp.ones((0, 8))).shape == (0, 3)  # an empty batch runs
+
+
+def test_a_param_that_is_no_array_or_number_is_refused_by_path_when_made():
+    # its first call was jax.jit's raw TypeError ('Error interpreting argument to
+    # <function <lambda>_hybrid at 0x...> as an abstract array'), naming args[1][0]
+    params = {"w": jnp.ones((8, 3)), "act": "relu"}
+    with pytest.raises(sm.ConfigError, match=r"^<lambda>: params\['act'\] is a str, which a "):
+        sm.hybridize(lambda p, x: x @ p["w"], params)
+    h = sm.hybridize(lambda p, x: x @ p["w"], params, params_as_constants=True)
+    assert h(jnp.ones((2, 8))).shape == (2, 3)  # baked in: the function reads it in Python

@@ -137,6 +137,25 @@ def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> 
             raise ConfigError(NOT_AN_INPUT.format(caller=caller, path=at, what=what, fix=fix))
 
 
+_PARAM_LEAF = (
+    "{name}: params{path} is a {kind}, which a compiled call cannot pass to the model (params "
+    "are arrays or numbers, traced). Keep a setting out of the params: close over it "
+    "(lambda p, x: f(p, x, setting)) or pass it in the call (h(x, setting)); or bake the params "
+    "into the program: hybridize(..., params_as_constants=True)."
+)
+
+
+def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any]:
+    """``jax.tree.flatten(params)``; a leaf jit cannot take refused, by path, if ``passed``
+    (not baked in as constants)."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    for path, leaf in paths if passed else ():
+        if not _traceable(leaf):
+            where, kind = jax.tree_util.keystr(path), type(leaf).__name__
+            raise ConfigError(_PARAM_LEAF.format(name=name, path=where, kind=kind))
+    return [leaf for _, leaf in paths], treedef
+
+
 def _traceable(leaf: Any) -> bool:
     """An array (or a spec of one: shape and dtype) or a Python number: what jit traces."""
     number = isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__jax_array__")

@@ -13,9 +13,10 @@ import jax
 from jax.sharding import Mesh
 
 from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import trace as _trace
-from symjax_mlp._hybrid.args import check_settings, partition, refuse_abstract, static_args
+from symjax_mlp._hybrid.args import check_settings, partition, static_args
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
 from symjax_mlp._hybrid.trace import NoPickle, TraceEvent, TraceLog, symbolic
@@ -94,7 +95,7 @@ class Hybrid(NoPickle):
         nums, names = static_args(inputs, name, static_argnums, static_argnames)
         over = _mesh.DataParallel.over  # a mesh refuses params_as_constants
         parallel = None if mesh is None else over(name, mesh, axis, pad, params_as_constants)
-        leaves, treedef = jax.tree.flatten(params)
+        leaves, treedef = _args.flat_params(name, params, passed=not params_as_constants)
         # a donating call consumes the held state: never the caller's buffers nor another's
         owned = donate and model.stateful and mesh is None
         held = HeldState(name, {} if state is None else state, own=owned)
@@ -239,7 +240,7 @@ class Hybrid(NoPickle):
                     raise _trace.control_flow_error(self.name, e) from e
         if not self.compiled:
             return self.eager(*args, **kwargs)
-        refuse_abstract(self.name, self.name, args, kwargs)
+        _args.refuse_abstract(self.name, self.name, args, kwargs)
         with symbolic(self.name):  # the slow path: settings, nnx objects, a mesh
             static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
             variables = given(dyn, dyn_kw, self.name, sharded=self._parallel is not None)
@@ -267,7 +268,7 @@ class Hybrid(NoPickle):
     def eager(self, /, *args: Any, **kwargs: Any) -> Any:
         """Runs the model op by op, its Python and the ``on_trace`` callbacks on every call; a
         stateful model's state is carried as in compiled calls."""
-        refuse_abstract(f"{self.name}.eager", self.name, args, kwargs)
+        _args.refuse_abstract(f"{self.name}.eager", self.name, args, kwargs)
         self._log.run_callbacks(args, kwargs)
         with self._held.lock:
             out, state = self._model.call(self.params, self.state, args, kwargs)
