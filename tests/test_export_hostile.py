@@ -296,6 +296,14 @@ def test_a_name_given_two_sizes_in_shapes_is_refused_with_the_spec_meant(tmp_pat
         r"layers_0/kernel has shape \(8, 16\), and these inputs make it \(c, 16\).*its number"
     ):  # fmt: skip
         sm.export(h, tmp_path / "a", example=x, shapes=("b, c",))
+    from flax import nnx
+
+    with pytest.raises(  # an nnx module's: JAX's raw dot_general TypeError, 'got (c,) and (8,)'
+        sm.SignatureError, match=r"float32\[b, c\]\) do not fit the params: a matrix product "
+        r"takes c from an input's last dimension where the params have 8 .*its number"
+    ):  # fmt: skip
+        sm.export(sm.hybridize(nnx.Linear(8, 3, rngs=nnx.Rngs(0))), tmp_path / "a", example=x,
+                  shapes=("b, c",))  # fmt: skip
     assert list(tmp_path.iterdir()) == []
 
 

@@ -69,7 +69,7 @@ _SCOPE_PARAM_SHAPE = re.compile(
     r"(\(.*?\)), but the existing parameter it received has shape (\(.*?\))"
 )
 _PRODUCT = re.compile(
-    r"dot_general requires contracting dimensions to have the same shape, got \((\d+),\) and "
+    r"dot_general requires contracting dimensions to have the same shape, got \((\w+),\) and "
     r"\((\d+),\)"
 )
 _EMPTY = (
@@ -139,18 +139,19 @@ def unfit_call(
         pass
     if (found := _PRODUCT.search(str(error))) is None:
         return None
-    got, want = map(int, found.groups())
+    got, want = found[1], int(found[2])  # got: a size, or a symbolic dimension's name
     specs = _input_specs(args, kwargs)
     weights = [
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) + f" {tuple(x.shape)}"
         for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
         if len(getattr(x, "shape", ())) >= 2 and x.shape[0] == want
     ]
-    if not weights or not any(s.shape and s.shape[-1] == got for s in specs):
+    if not weights or not any(s.shape and str(s.shape[-1]) == got for s in specs):
         return None
     return SignatureError(
         _PRODUCT_SHAPE.format(name=name, inputs=", ".join(map(str, specs)), got=got, want=want,
                               weights=", ".join(weights[:3]) + (", ..." if weights[3:] else ""))
+        + ("" if got.isdigit() else _SYMBOLIC_WIDTH)
     )  # fmt: skip
 
 
