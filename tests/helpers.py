@@ -66,6 +66,7 @@ import dataclasses  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
+import flax  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -295,13 +296,16 @@ ZOO = (
 )  # fmt: skip
 
 
-def reference_calls(case: Case, n: int, settings: dict) -> tuple[list[Any], Any]:
-    """``n`` calls of the plain Flax model (no symjax_mlp), carrying state by hand.
+def reference_calls(
+    case: Case, n: int, settings: dict, mode: str = "train"
+) -> tuple[list[Any], Any]:
+    """``n`` calls of the plain Flax model (no symjax_mlp), carrying state by hand; the model
+    ``mode`` calls (``served()``'s in eval mode, if any).
 
     Returns the outputs and the final state in the form ``Hybrid.state`` holds it: linen's
     mutable collections and rng streams, or the nnx module's non-Param state.
     """
-    model, params = case.build()
+    model, params = case.model(mode)
     outs = []
     if case.kind == "nnx":
         for i in range(n):
@@ -1492,6 +1496,299 @@ def seq2seq_inputs(seed: int, vocab: int = 5) -> tuple[jax.Array, jax.Array]:
     return jax.nn.one_hot(queries, vocab), jax.nn.one_hot(answers, vocab)
 
 
+# -- flax examples/lm1b/models.py, as written there (google/flax@18f8f311c275d57f46d95e41b15aa97b
+# 454754c0; docstrings shortened): its params boxed by nn.with_logical_partitioning, the mode a
+# config (deterministic, decode) of a frozen struct.dataclass, a causal and padding mask made
+# from int tokens, a fixed sinusoidal position table; `Decoder` is `LmDecoder` here
+@flax.struct.dataclass
+class TransformerConfig:
+    """Global hyperparameters used to minimize obnoxious kwarg plumbing."""
+
+    vocab_size: int
+    output_vocab_size: int
+    share_embeddings: bool = False
+    logits_via_embedding: bool = False
+    dtype: Any = jnp.float32
+    emb_dim: int = 512
+    num_heads: int = 8
+    num_layers: int = 6
+    qkv_dim: int = 512
+    mlp_dim: int = 2048
+    max_len: int = 2048
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    deterministic: bool = False
+    decode: bool = False
+    kernel_init: Callable = nn.initializers.xavier_uniform()
+    bias_init: Callable = nn.initializers.normal(stddev=1e-6)
+    posemb_init: Callable | None = None
+
+
+def shift_right(x, axis=1):
+    """Shift the input to the right by padding and slicing on axis."""
+    pad_widths = [(0, 0)] * len(x.shape)
+    pad_widths[axis] = (1, 0)
+    padded = jnp.pad(x, pad_widths, mode="constant", constant_values=x.dtype.type(0))
+    return jax.lax.dynamic_slice_in_dim(padded, 0, padded.shape[axis] - 1, axis)
+
+
+def shift_inputs(x, segment_ids=None, axis=1):
+    """Shift inputs and replace EOS by 0 for packed inputs."""
+    shifted = shift_right(x, axis=axis)
+    # For packed targets, the first shifted token of a new sequence is made
+    # 0, rather than being the EOS token for the last sequence.
+    if segment_ids is not None:
+        shifted *= segment_ids == shift_right(segment_ids, axis=axis)
+    return shifted
+
+
+def sinusoidal_init(max_len=2048, min_scale=1.0, max_scale=10000.0):
+    """1D Sinusoidal Position Embedding Initializer."""
+
+    def init(key, shape, dtype=np.float32):
+        """Sinusoidal init."""
+        del key, dtype
+        d_feature = shape[-1]
+        pe = np.zeros((max_len, d_feature), dtype=np.float32)
+        position = np.arange(0, max_len)[:, np.newaxis]
+        scale_factor = -np.log(max_scale / min_scale) / (d_feature // 2 - 1)
+        div_term = min_scale * np.exp(np.arange(0, d_feature // 2) * scale_factor)
+        pe[:, : d_feature // 2] = np.sin(position * div_term)
+        pe[:, d_feature // 2 : 2 * (d_feature // 2)] = np.cos(position * div_term)
+        pe = pe[np.newaxis, :, :]  # [1, max_len, d_feature]
+        return jnp.array(pe)
+
+    return init
+
+
+class AddPositionEmbs(nn.Module):
+    """Adds (optionally learned) positional embeddings to the inputs."""
+
+    config: TransformerConfig
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, inputs, inputs_positions=None):
+        config = self.config
+        # inputs.shape is (batch_size, seq_len, emb_dim)
+        assert inputs.ndim == 3, "Number of dimensions should be 3, but it is: %d" % inputs.ndim  # noqa: UP031
+        length = inputs.shape[1]
+        pos_emb_shape = (1, config.max_len, inputs.shape[-1])
+        if config.posemb_init is None:
+            # Use a fixed (non-learned) sinusoidal position embedding.
+            pos_embedding = sinusoidal_init(max_len=config.max_len)(None, pos_emb_shape, None)
+        else:
+            pos_embedding = self.param("pos_embedding", config.posemb_init, pos_emb_shape)
+        pe = pos_embedding[:, :length, :]
+
+        # We use a cache position index for tracking decoding position.
+        if self.decode:
+            is_initialized = self.has_variable("cache", "cache_index")
+            cache_index = self.variable(
+                "cache", "cache_index", lambda: jnp.array(0, dtype=jnp.uint32)
+            )
+            if is_initialized:
+                i = cache_index.value
+                cache_index.value = i + 1
+                _, _, df = pos_embedding.shape
+                pe = jax.lax.dynamic_slice(pos_embedding, jnp.array((0, i, 0)), (1, 1, df))
+        if inputs_positions is None:
+            # normal unpacked case:
+            return inputs + pe
+        else:
+            # for packed data we need to use known position indices:
+            return inputs + jnp.take(pe[0], inputs_positions, axis=0)
+
+
+class MlpBlock(nn.Module):
+    """Transformer MLP / feed-forward block."""
+
+    config: TransformerConfig
+    out_dim: int | None = None
+
+    @nn.compact
+    def __call__(self, inputs):
+        config = self.config
+        actual_out_dim = inputs.shape[-1] if self.out_dim is None else self.out_dim
+        x = nn.Dense(
+            config.mlp_dim,
+            dtype=config.dtype,
+            kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "mlp")),
+            bias_init=nn.with_logical_partitioning(config.bias_init, ("mlp",)),
+        )(inputs)
+        x = nn.relu(x)
+        x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
+        output = nn.Dense(
+            actual_out_dim,
+            dtype=config.dtype,
+            kernel_init=nn.with_logical_partitioning(config.kernel_init, ("mlp", "embed")),
+            bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)),
+        )(x)
+        output = nn.Dropout(rate=config.dropout_rate)(output, deterministic=config.deterministic)
+        return output
+
+
+class EncoderDecoder1DBlock(nn.Module):
+    """Transformer encoder-decoder layer."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, inputs, decoder_mask=None, encoder_decoder_mask=None):
+        config = self.config
+
+        # Decoder block.
+        assert inputs.ndim == 3
+        x = nn.LayerNorm(
+            dtype=config.dtype,
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+        )(inputs)
+        x = nn.MultiHeadDotProductAttention(
+            num_heads=config.num_heads,
+            dtype=config.dtype,
+            qkv_features=config.qkv_dim,
+            kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "kv")),
+            bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)),
+            use_bias=False,
+            broadcast_dropout=False,
+            dropout_rate=config.attention_dropout_rate,
+            deterministic=config.deterministic,
+            decode=config.decode,
+        )(x, mask=decoder_mask)
+        x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
+        x = x + inputs
+
+        # MLP block.
+        z = nn.LayerNorm(
+            dtype=config.dtype,
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+        )(x)
+        z = MlpBlock(config=config)(z)
+
+        return x + z
+
+
+class LmDecoder(nn.Module):
+    """lm1b's ``Decoder``: Transformer Model Decoder for sequence to sequence translation."""
+
+    config: TransformerConfig
+    shared_embedding: Any = None
+
+    @nn.compact
+    def __call__(self, inputs, inputs_positions=None, inputs_segmentation=None,
+                 decoder_mask=None, encoder_decoder_mask=None):  # fmt: skip
+        config = self.config
+        assert inputs.ndim == 2  # (batch, len)
+
+        # Target Embedding
+        if self.shared_embedding is None:
+            output_embed = nn.Embed(
+                num_embeddings=config.output_vocab_size,
+                features=config.emb_dim,
+                embedding_init=nn.with_logical_partitioning(
+                    nn.initializers.normal(stddev=1.0), ("vocab", "embed")
+                ),
+            )
+        else:
+            output_embed = self.shared_embedding
+
+        y = inputs.astype("int32")
+        if not config.decode:
+            y = shift_inputs(y, segment_ids=inputs_segmentation)
+        y = output_embed(y)
+        y = AddPositionEmbs(config=config, decode=config.decode, name="posembed_output")(
+            y, inputs_positions=inputs_positions
+        )
+        y = nn.Dropout(rate=config.dropout_rate)(y, deterministic=config.deterministic)
+
+        y = y.astype(config.dtype)
+
+        # Target-Input Decoder
+        for lyr in range(config.num_layers):
+            y = EncoderDecoder1DBlock(config=config, name=f"encoderdecoderblock_{lyr}")(
+                y, decoder_mask=decoder_mask, encoder_decoder_mask=encoder_decoder_mask
+            )
+        y = nn.LayerNorm(
+            dtype=config.dtype,
+            name="encoderdecoder_norm",
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+        )(y)
+
+        # Decoded Logits
+        if config.logits_via_embedding:
+            # Use the transpose of embedding matrix for logit transform.
+            logits = output_embed.attend(y.astype(jnp.float32))
+            # Correctly normalize pre-softmax logits for this shared case.
+            logits = logits / jnp.sqrt(y.shape[-1])
+        else:
+            logits = nn.Dense(
+                config.output_vocab_size,
+                dtype=config.dtype,
+                kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "vocab")),
+                bias_init=nn.with_logical_partitioning(config.bias_init, ("vocab",)),
+                name="logitdense",
+            )(y)
+        return logits
+
+
+class TransformerLM(nn.Module):
+    """Transformer pure decoder stack for language modelling."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, inputs, inputs_positions=None, inputs_segmentation=None):
+        config = self.config
+
+        # Make padding attention masks.
+        if config.decode:
+            # for fast autoregressive decoding we use no decoder mask
+            decoder_mask = None
+        else:
+            decoder_mask = nn.combine_masks(
+                nn.make_attention_mask(inputs > 0, inputs > 0, dtype=config.dtype),
+                nn.make_causal_mask(inputs, dtype=config.dtype),
+            )
+
+        # Add segmentation block-diagonal attention masks if using segmented data.
+        if inputs_segmentation is not None:
+            decoder_mask = nn.combine_masks(
+                decoder_mask,
+                nn.make_attention_mask(
+                    inputs_segmentation, inputs_segmentation, jnp.equal, dtype=config.dtype
+                ),
+            )
+
+        logits = LmDecoder(config=config, shared_embedding=None, name="decoder")(
+            inputs,
+            inputs_positions=inputs_positions,
+            inputs_segmentation=inputs_segmentation,
+            decoder_mask=decoder_mask,
+            encoder_decoder_mask=None,
+        )
+        return logits.astype(self.config.dtype)
+
+
+#: lm1b's train_config, tiny; its eval_config is train_config.replace(deterministic=True)
+LM1B = TransformerConfig(vocab_size=16, output_vocab_size=16, emb_dim=8, num_heads=2,
+                         num_layers=1, qkv_dim=8, mlp_dim=16, max_len=16)  # fmt: skip
+
+
+@cache
+def _lm1b_variables():
+    """lm1b's train.py: ``jax.jit(m.init)`` of the eval model on int32 ones."""
+    model = TransformerLM(LM1B.replace(deterministic=True))
+    return jax.jit(model.init)(jax.random.key(0), jnp.ones((2, 8), jnp.int32))
+
+
+def _lm1b(mode: str) -> Callable[[], tuple[Any, Any]]:
+    config = LM1B if mode == "train" else LM1B.replace(deterministic=True)
+    return lambda: (TransformerLM(config), _lm1b_variables())
+
+
 # -- flax examples/nnx_toy_examples/05_vae.py, as written there (google/flax@18f8f311c275d57f46d
 # 95e41b15aa97b454754c0): the encoder holds its nnx.Rngs and draws `self.rngs.noise()` in every
 # call, and sets a new `Loss` variable there (the train step `nnx.pop`s it)
@@ -1784,6 +2081,9 @@ MATRIX = (
     Case("sst2", "linen", _linen(_sst2(), *_sst2_inputs(0), deterministic=True), _sst2_inputs,
          train={"deterministic": False}, eval={"deterministic": True}, rng=jax.random.key(3),
          allow=frozenset({"gather", "scatter", "real_dynamic_slice", "dynamic_update_slice"})),
+    Case("lm1b", "linen", _lm1b("train"), lambda s: (_ints(s, (2, 8), 16),),
+         rng=jax.random.key(3), served=_lm1b("eval"),
+         allow=frozenset({"gather", "scatter", "real_dynamic_slice"})),
     *_EQX_MORE,
 )  # fmt: skip
 
@@ -1809,7 +2109,7 @@ def plain_calls(case: Case, mode: str, n: int) -> tuple[list[Any], Any, dict]:
     the threaded state for equinox."""
     if case.kind == "linen":
         settings = case.settings(mode)
-        outs, state = reference_calls(case, n, settings)
+        outs, state = reference_calls(case, n, settings, mode)
         return outs, state, settings
     model, params = case.model(mode)
     fn = model if params is None else partial(model, params)
