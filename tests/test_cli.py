@@ -165,6 +165,38 @@ def test_a_model_too_large_for_memory_exits_2_saying_so_not_as_a_bug(capsys):
     assert "use smaller layers (--sizes), batches or inputs" in err, err
 
 
+_SERVE_ENDLESS = """
+import os, sys
+import symjax_mlp as sm
+from symjax_mlp.cli import main
+sm.serving.Batcher.__init__.__kwdefaults__["warm_up_timeout"] = 1  # its default: 300 s
+argv = ["serve", sys.argv[1], "--port", "0", "--allow", "while", "--allow", "dynamic_slice"]
+os._exit(main(argv))  # the batcher's thread still runs the loop on zeros
+"""
+
+
+def test_serve_of_a_model_whose_warm_up_never_ends_exits_2_saying_why(tmp_path):
+    """An artifact whose loop never ends on zero rows, served with --allow while: the warm-up's
+    TimeoutError went out as 'this is a bug in symjax_mlp', exit 1, with a traceback."""
+    import jax
+    import jax.numpy as jnp
+
+    import symjax_mlp as sm
+
+    pytest.importorskip("uvicorn")
+
+    def doubling(p, x):  # doubles x until its first entry passes p: for ever on zeros
+        return jax.lax.while_loop(lambda y: jnp.abs(y[0, 0]) < p, lambda y: y * 2, x)
+
+    sm.export(sm.hybridize(doubling, jnp.float32(10)), tmp_path / "m", example=jnp.ones((1, 2)))
+    done = subprocess.run([sys.executable, "-c", _SERVE_ENDLESS, str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr, done.stderr
+    says = "symjax-mlp serve: error: Batcher(doubling): warming up, the model did not return"
+    assert done.stderr.startswith(says), done.stderr
+
+
 def test_broken_pipe_is_quiet():
     done = subprocess.run(
         f"{sys.executable} -m symjax_mlp graph --format hlo | head -1",

@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():  # restores showwarning after the command
             warnings.showwarning = functools.partial(_warning, where, warnings.showwarning)
             return args.handler(args) or 0  # verify's 1: a check failed
-    except (SymjaxError, argparse.ArgumentTypeError) as e:
+    except (SymjaxError, argparse.ArgumentTypeError, TimeoutError) as e:  # a Batcher's warm-up
         message = str(e)
         for arg in sys.argv[1:] if argv is None else argv:  # a newline in a path: still one line
             if arg.strip():  # not a lone "\n", which would escape the message's own lines
