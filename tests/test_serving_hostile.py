@@ -6,6 +6,7 @@ or the batcher wedged. Every wait is bounded, so that a regression fails rather 
 from __future__ import annotations
 
 import asyncio
+import fractions
 import math
 import os
 import subprocess
@@ -220,26 +221,29 @@ def test_a_model_that_returns_no_array_is_refused_when_the_batcher_is_made(out):
     assert f"(it returned {out!r})" in str(e.value) and "returns its outputs" in str(e.value)
 
 
-def test_an_infinite_timeout_waits_as_none_does():
+@pytest.mark.parametrize("seconds", [math.inf, np.float32(30), fractions.Fraction(30)])
+def test_a_timeout_of_any_real_number_waits(seconds):
     """b.run(x, timeout=math.inf) behind a running batch, close(timeout=inf) with work queued,
     and Batcher(..., warm_up_timeout=inf) were Python's OverflowError ('timestamp out of range
-    for platform time_t'): threading takes no wait past threading.TIMEOUT_MAX."""
+    for platform time_t'): threading takes no wait past threading.TIMEOUT_MAX. A NumPy float
+    or a Fraction, which the checks take, was a TypeError ('cannot be interpreted as an
+    integer'): threading takes Python's floats."""
     gate = Gate()
 
     def slow(x):  # a warm-up that takes a while: the caller waits on it
         time.sleep(0.2)
         return x * 2
 
-    with sm.serving.Batcher(slow, example=X1, max_batch=1, warm_up_timeout=math.inf) as b:
+    with sm.serving.Batcher(slow, example=X1, max_batch=1, warm_up_timeout=seconds) as b:
         np.testing.assert_array_equal(b(X1), 2 * X1)
     b = sm.serving.Batcher(_model(RuntimeError, gate), example=X1, max_batch=1)
     busy = gate.busy(b)
     threading.Timer(0.3, gate.set).start()
-    np.testing.assert_array_equal(bounded(lambda: b.run(X1, timeout=math.inf), 30), 2 * X1)
+    np.testing.assert_array_equal(bounded(lambda: b.run(X1, timeout=seconds), 30), 2 * X1)
     gate.clear()
     busy, queued = gate.busy(b), b.submit(X1)
     threading.Timer(0.3, gate.set).start()
-    bounded(lambda: b.close(timeout=math.inf), 30)
+    bounded(lambda: b.close(timeout=seconds), 30)
     assert [busy.result(1).tolist(), queued.result(1).tolist()] == [(2 * X9).tolist(), [[2, 2]]]
 
 

@@ -31,13 +31,21 @@ from symjax_mlp.serving._requests import (
     artifact_specs,
     bucket_sizes,
     check_count,
-    check_timeout,
     example_specs,
     inference_of,
 )
 from symjax_mlp.serving._stats import BatcherStats
 
 _BOUNDED = NEEDS - {"while"}  # allow= keys whose ops compute tensors from tensors, bounded
+
+
+def _seconds(value: Any, given: str) -> float | None:
+    """A timeout (seconds >= 0, or None: no limit) as threading waits on it: a float (not
+    NumPy's, nor a Fraction), or None (past ``threading.TIMEOUT_MAX`` too: inf)."""
+    bad = isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0
+    if value is not None and bad:
+        raise ConfigError(f"{given}={value!r}): pass seconds >= 0, or None for no limit.")
+    return None if value is None or value >= threading.TIMEOUT_MAX else float(value)
 
 
 class Batcher:
@@ -153,9 +161,7 @@ class Batcher:
         self.buckets = bucket_sizes(self.name, max_batch, buckets, static)
         self.max_batch = self.buckets[-1]
         self.max_queue = check_count(self.name, "max_queue", max_queue)
-        w = warm_up_timeout  # as run(timeout=)'s check_timeout
-        if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Real) or not w >= 0):
-            raise ConfigError(f"Batcher({name}, warm_up_timeout={w!r}): pass seconds >= 0 or None.")
+        wait = _seconds(warm_up_timeout, f"Batcher({name}, warm_up_timeout")
         #: What one request takes: one spec per input, the batch dimension named ``b``.
         self.specs: tuple[TensorSpec, ...] = specs
         self.model = model
@@ -163,15 +169,13 @@ class Batcher:
         self.why_alone: str = alone
         lane = Lane(served, specs, self.buckets, self.name, merges=not alone)
         self._check = RequestCheck(specs, lane, static, alone).check
-        # Per event loop, this pass's asubmit (None: several): see _end_of_pass. It runs on the
-        # loop only for an XLA program the checker bounded, tensor ops alone (a user's Python, an
-        # endless while loop, a native kernel would block it: no timeout, no /health).
+        # Per event loop, this pass's asubmit (None: several), see _end_of_pass: run on the loop
+        # only for an XLA program the checker bounded to tensor ops (no loop: /health answers).
         self._passes: dict[Any, AsyncRequest | None] = {}
         checked = getattr(model, "allowed", None) if isinstance(model, LoadedModel) else None
         self._on_loop = checked is not None and checked <= _BOUNDED
-        w = w if w is None or w < threading.TIMEOUT_MAX else None  # inf: threading's None
         try:
-            self._thread, self._lane = lane.start(w), lane
+            self._thread, self._lane = lane.start(wait), lane
         except RetraceError as e:  # a Hybrid's max_traces=1, say: a trace per bucket
             n = len(self.buckets)
             e.add_note(f"{self.name} traces the model once per bucket, {self.buckets}: pass buckets"
@@ -237,8 +241,7 @@ class Batcher:
           Exception: what the model raised for the request's batch.
         """
         t0 = clock()
-        check_timeout(f"{self.name}.run", timeout)
-        timeout = timeout if timeout is None or timeout < threading.TIMEOUT_MAX else None  # inf
+        wait = _seconds(timeout, f"{self.name}.run(timeout")
         arrays, rows = self._check(inputs)
         lane, request = self._lane, Blocking(arrays, rows, t0)
         if lane.idle and not lane.queue and not lane.closing and claim(lane.idle):
@@ -249,12 +252,11 @@ class Batcher:
             finally:
                 lane.release()
         if threading.get_ident() in (lane.thread, lane.holder) and not lane.closing:
-            # in the model or a done callback, holding the lane: here, not wait for itself
-            return lane.run_alone(request)[0]
+            return lane.run_alone(request)[0]  # in the model or a callback: not wait for itself
         request.waiter = waiter = threading.Lock()
         waiter.acquire()
         self._enqueue(request)
-        if not waiter.acquire(timeout=-1 if timeout is None else timeout):
+        if not waiter.acquire(timeout=-1 if wait is None else wait):
             raise TimeoutError(
                 f"{self.name}: no result after {timeout} s (the request is still queued or "
                 "running); wait longer, or raise max_batch if the queue is long."
@@ -348,8 +350,7 @@ class Batcher:
         """A snapshot of the counters and timings (see :class:`BatcherStats`)."""
         lane = self._lane
         with lane.lock:
-            since = lane.since  # None: no batch runs
-            busy_s = 0.0 if since is None else clock() - since
+            busy_s = 0.0 if (since := lane.since) is None else clock() - since  # None: idle
             return lane.n.snapshot(len(lane.queue), busy=not lane.idle, busy_s=busy_s)
 
     @property
@@ -374,12 +375,12 @@ class Batcher:
         """
         if cancel not in (False, True):
             raise ConfigError(f"{self.name}.close(cancel={cancel!r}): expected True or False.")
-        check_timeout(f"{self.name}.close", timeout)
+        wait = _seconds(timeout, f"{self.name}.close(timeout")
         self._lane.close(cancel)
         self._finalizer.detach()
         if threading.get_ident() in (self._lane.thread, self._lane.holder):
             return  # in a done callback, or in the model itself: the work ends after it
-        self._thread.join(timeout if timeout is None or timeout < threading.TIMEOUT_MAX else None)
+        self._thread.join(wait)
         if self._thread.is_alive():
             raise TimeoutError(
                 f"{self.name}.close(timeout={timeout}): the queued work is still running; "
