@@ -9,7 +9,11 @@ GRU of train_rnn, BERT's transformer layer (``eqx.nn.MultiheadAttention`` with a
 the vision transformer (``eqx.nn.Sequential``, a key in every call); Flax's nnx_basics guide:
 its MLP after LoRA surgery (a ``LoraParam``), StatefulLinear's ``Count`` variable, and the
 ``nnx.vmap``-made stack run by ``nnx.scan`` (a function of the module); the nnx miniGPT
-(int tokens, ``nnx.Sequential``, causal attention, Dropouts drawing from the rngs they hold).
+(int tokens, ``nnx.Sequential``, causal attention, Dropouts drawing from the rngs they hold);
+Flax's sst2 example (a bidirectional ``nn.scan`` LSTM over int tokens, their int lengths a
+second input, word dropout) and lm1b's TransformerLM (params boxed by
+``nn.with_logical_partitioning``, the mode a config); equinox's score-based diffusion Mixer2d
+(a time per image, ``ConvTranspose2d``).
 For each: compiled == eager == the plain framework (outputs, and state after two calls),
 grads through ``h.apply``, ``sm.stage`` / ``h.graph``, export -> load (JAX and IREE), training
 where it is a classifier, a Batcher on the artifact and on the Hybrid, ``jax.vmap`` and
