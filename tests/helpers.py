@@ -2058,7 +2058,8 @@ else:  # pragma: no cover - the test extra installs equinox
 
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
-#: params, a list of pairs), equinox's examples (a module, or a function of one)
+#: params, a list of pairs), equinox's examples (a module, or a function of one), Flax's
+#: sst2 and lm1b examples, equinox's score-based diffusion model
 MATRIX = (
     *AUTHORS,
     Case("tutorial_cnn", "nnx", _tutorial_cnn("train"), lambda s: (_x(s, (2, 28, 28, 1)),),
