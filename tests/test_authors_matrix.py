@@ -1,23 +1,11 @@
 """Every feature over every family of issue 33, each model as its authors write and run it.
 
-The families (``MATRIX`` in tests/helpers.py): Flax's dropout and batch-norm guides and the
-MLP-Mixer (linen, their mode flags without defaults), the nnx MNIST tutorial's CNN (an
-``nnx.Rngs`` passed to each call), JAX's from-scratch MNIST classifier (NumPy float64 params,
-a list of ``(W, b)`` pairs), and equinox's examples: ``eqx.nn.MLP``, the MNIST CNN,
-Dropout with a key per call, stateful BatchNorm (an ``eqx.nn.State`` the caller threads), the
-GRU of train_rnn, BERT's transformer layer (``eqx.nn.MultiheadAttention`` with a mask) and
-the vision transformer (``eqx.nn.Sequential``, a key in every call); Flax's nnx_basics guide:
-its MLP after LoRA surgery (a ``LoraParam``), StatefulLinear's ``Count`` variable, and the
-``nnx.vmap``-made stack run by ``nnx.scan`` (a function of the module); the nnx miniGPT
-(int tokens, ``nnx.Sequential``, causal attention, Dropouts drawing from the rngs they hold);
-Flax's sst2 example (a bidirectional ``nn.scan`` LSTM over int tokens, their int lengths a
-second input, word dropout) and lm1b's TransformerLM (params boxed by
-``nn.with_logical_partitioning``, the mode a config); equinox's score-based diffusion Mixer2d
-(a time per image, ``ConvTranspose2d``).
-For each: compiled == eager == the plain framework (outputs, and state after two calls),
-grads through ``h.apply``, ``sm.stage`` / ``h.graph``, export -> load (JAX and IREE), training
-where it is a classifier, a Batcher on the artifact and on the Hybrid, ``jax.vmap`` and
-``jax.grad`` over the loaded model, and ``sm.timeit`` of both.
+The families are ``MATRIX`` in tests/helpers.py, each with its source and what it stresses
+there: Flax's guides and examples (linen and nnx), JAX's from-scratch MNIST classifier, and
+equinox's examples. For each: compiled == eager == the plain framework (outputs, and state
+after two calls), grads through ``h.apply``, ``sm.stage`` / ``h.graph``, export -> load (JAX
+and IREE), training where it is a classifier, a Batcher on the artifact and on the Hybrid,
+``jax.vmap`` and ``jax.grad`` over the loaded model, and ``sm.timeit`` of both.
 """
 
 import json
@@ -37,8 +25,7 @@ import symjax_mlp as sm
 N = 2  # the second call runs on the state (and rng streams) the first left
 TOL = {"rtol": 2e-5, "atol": 2e-5}
 IDS = [c.name for c in MATRIX]
-LAYERS = ("dot_general", "conv_general_dilated", "scan", "reduce_window_sum",
-          "reduce_window_max")  # fmt: skip
+LAYERS = ("dot_general", "conv_general_dilated", "scan", "reduce_window_sum", "reduce_window_max")
 
 
 def _close(a, b):
@@ -49,10 +36,6 @@ def _moved(rngs, fresh):
     """Whether an nnx.Rngs has drawn since it was made as ``fresh`` was."""
     now, then = (jax.tree.leaves(keyless(nnx.state(r))) for r in (rngs, fresh))
     return not all(np.array_equal(a, b) for a, b in zip(now, then, strict=True))
-
-
-def _arrays(xs):
-    return tuple(np.asarray(x) for x in xs)
 
 
 @pytest.fixture(scope="module")
@@ -227,13 +210,14 @@ def test_export_loads_in_jax_and_iree_as_the_source(case, exported, tmp_path, mo
     allow = set(case.allow) or None
     m = sm.load(path, allow=allow)
     for i in range(2):
-        _close(m(*_arrays(case.inputs(i))), want[i])
-    rows = tuple(x[:1] for x in _arrays(case.inputs(1)))  # another batch than the export's
+        _close(m(*map(np.asarray, case.inputs(i))), want[i])
+    rows = tuple(np.asarray(x[:1]) for x in case.inputs(1))  # another batch than the export's
     _close(m(*rows), h(*rows, **case.settings("eval")))
     # IREE compiles one static module per batch size: at load, for its self-test's 2 rows
     m = sm.load(path, runtime="iree", allow=allow)
     for i in range(2):
-        _close(m(*(x[:2] for x in _arrays(case.inputs(i)))), jax.tree.map(lambda y: y[:2], want[i]))
+        rows = [np.asarray(x[:2]) for x in case.inputs(i)]
+        _close(m(*rows), jax.tree.map(lambda y: y[:2], want[i]))
     assert len(list(tmp_path.glob("symjax_mlp/iree/*.vmfb"))) == 1  # compiled, once
 
 
@@ -367,7 +351,7 @@ def test_a_classifier_trains_or_is_refused_naming_a_fix_that_trains(case):
 @pytest.mark.parametrize("case", MATRIX, ids=IDS)
 def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case, loaded):
     (h, m), settings = loaded(case), case.settings("eval")
-    xs = _arrays(case.inputs(1))
+    xs = tuple(map(np.asarray, case.inputs(1)))
     requests = [tuple(x[i:j] for x in xs) for i, j in ((0, 1), (1, 2), (0, 2))]
     example = requests[0] if len(xs) > 1 else requests[0][0]
     for served, direct in (
@@ -412,5 +396,5 @@ def test_timeit_times_the_hybrid_and_the_loaded_model(case, loaded):
     (h, m), settings = loaded(case), case.settings("eval")
     xs = case.inputs(0)
     for t in (sm.timeit(h, *xs, kwargs=settings, calls=2, repeats=1, warmup=1),
-              sm.timeit(m, *_arrays(xs), calls=2, repeats=1, warmup=1)):  # fmt: skip
+              sm.timeit(m, *map(np.asarray, xs), calls=2, repeats=1, warmup=1)):  # fmt: skip
         assert t.calls == 2 and len(t.synced) == 1 and t.min() > 0
