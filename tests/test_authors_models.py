@@ -366,13 +366,10 @@ def test_a_linen_dropout_exported_in_training_is_refused_and_the_named_fix_draws
     assert not np.allclose(m(x, k1), m(x, k2))  # a mask per key, not one baked in
 
 
-def test_the_seq2seq_example_draws_its_lstm_stream_per_call_and_exports_with_the_key_an_input(
-    tmp_path,
-):
+def test_seq2seq_draws_its_lstm_stream_per_call_and_exports_with_the_key_an_input(tmp_path):
     """flax examples/seq2seq: nn.RNN cells sampling from an "lstm" stream on every call (no
     mode turns it off). A Hybrid given that stream splits it per call as the example's loop
-    does, with grads; the export takes the key as an input (the references jitted: flax's
-    RNN runs slowly eagerly)."""
+    does, with grads; the export takes the key as an input (references jitted: faster)."""
     model = Seq2seq(teacher_force=True, hidden_size=8, vocab_size=5)
     init, apply = jax.jit(model.init), jax.jit(model.apply)
     variables = init({"params": jax.random.key(0), "lstm": jax.random.key(1)}, *seq2seq_inputs(0))
