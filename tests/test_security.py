@@ -1075,6 +1075,20 @@ def keys(tmp_path_factory):
     return out
 
 
+def test_a_signed_artifact_that_slices_a_batched_input_loads_with_its_signature(tmp_path, keys):
+    """x[:, 0] of a symbolic batch is stablehlo.dynamic_gather, which the manifest's "needs"
+    left out, so its maker's signed artifact was refused at load (found with flax's seq2seq)."""
+    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
+    h = sm.hybridize(lambda p, x: x[:, 0] @ p, np.eye(5, dtype=np.float32))
+    art = sm.export(h, tmp_path / "m", example=x).path
+    assert "dynamic_gather" in json.loads((art / "manifest.json").read_text())["needs"]
+    private, public = keys["ours"]
+    sm.sign(art, private)
+    np.testing.assert_allclose(sm.load(art, verify_signature=public)(x), h(x), rtol=1e-6)
+    with pytest.raises(sm.ArtifactError, match="dynamic_gather"):  # unsigned: asked for by name
+        sm.load(art)
+
+
 def test_a_signed_artifact_loads_with_its_key_and_nothing_else_does(
     base, tmp_path, keys, monkeypatch, capsys
 ):

@@ -1872,3 +1872,15 @@ def test_serves_connections_accepted_without_nagles_delay_on_plain_asyncio():
 
     asyncio.run(accept_one())  # asyncio's own event loop, not uvloop
     assert seen and seen[0] != 0
+
+
+def test_an_example_of_no_input_or_a_flag_left_unset_is_refused_saying_so():
+    """example=() reached the model as Python's raw TypeError; a flag with no default said
+    "the example's inputs{'nope': 1}", its joining words missing."""
+    with pytest.raises(sm.ConfigError, match=r"example=\(\).*holds no input.*x\[None\]"):
+        sm.serving.Batcher(lambda x: x, example=())
+    h = sm.hybridize(lambda p, x, train: x * p, jnp.float32(2))
+    with pytest.raises(sm.ConfigError, match="inputs and kwargs={'scale': 1}, but missing"):
+        sm.serving.Batcher(h, example=jnp.ones((1, 3)), kwargs={"scale": 1})
+    with pytest.raises(sm.ConfigError, match="the example's inputs, but missing .*'train'"):
+        sm.serving.Batcher(h, example=jnp.ones((1, 3)))

@@ -36,6 +36,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 NEEDS = frozenset({  # what "needs" may name: ops computing tensors from tensors, and loops
     "while", "convolution", "reduce_window", "select_and_scatter", "gather", "scatter", "sort",
     "dynamic_slice", "dynamic_update_slice", "real_dynamic_slice", "dynamic_pad", "map", "fft",
+    "dynamic_gather", "dynamic_conv",
     "reduce_precision", "real", "imag", "complex", "popcnt", "count_leading_zeros", "cholesky",
     "triangular_solve", "rng_bit_generator"})  # fmt: skip
 

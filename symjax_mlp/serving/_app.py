@@ -36,6 +36,7 @@ from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._bodies import BadRequest, decode, short, to_json, to_npy
 from symjax_mlp.serving._intake import Intake, Watch
+from symjax_mlp.serving._stats import METRIC_NAME
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
 _STOPPED = "the server stopped before the request was answered; retry it."
@@ -161,9 +162,9 @@ def create_app(
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    if not isinstance(prefix, str) or not re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", prefix):
+    if not isinstance(prefix, str) or not METRIC_NAME.fullmatch(prefix):
         raise ConfigError(  # else a /metrics that Prometheus cannot read (or lines injected)
-            f"create_app: prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*); "
+            f"create_app: prefix must be a Prometheus metric name ({METRIC_NAME.pattern}); "
             f"got {prefix!r}. Pass e.g. prefix='my_model'."
         )
     by_code: collections.Counter[int] = collections.Counter()  # answers, on the one loop

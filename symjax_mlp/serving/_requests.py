@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -126,6 +125,11 @@ class RequestFuture(SharedLockFuture, _Timed):
 
 def example_specs(example: Any) -> tuple[TensorSpec, ...]:
     arrays = example if isinstance(example, tuple) else (example,)
+    if not arrays:
+        raise ConfigError(
+            "Batcher(example=()): the example holds no input; pass an array (a tuple of arrays "
+            "for several inputs), each with the batch as leading dimension, e.g. x[None]."
+        )
     specs = []
     for i, x in enumerate(arrays):
         if not (hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape)):
@@ -340,8 +344,8 @@ def inference_of(h: Hybrid, example: Any, kwargs: dict[str, Any]) -> Any:
     except TypeError as e:  # a flag with no default: name the fix, not the model's TypeError
         raise ConfigError(
             f"Batcher({h.name}): a request calls the model with the example's inputs"
-            f"{kwargs or ''}, but {e}. Fix its other arguments for every request, e.g. "
-            "Batcher(h, example=x, kwargs={'train': False})."
+            f"{f' and kwargs={kwargs}' if kwargs else ''}, but {e}. Fix its other arguments "
+            "for every request, e.g. Batcher(h, example=x, kwargs={'train': False})."
         ) from None
     training = h.training_mode(*arrays, **kwargs)
     if training:
@@ -364,12 +368,3 @@ def check_count(where: str, option: str, value: Any) -> int:
     if type(count) is not int or count < 1:
         raise ConfigError(f"{where}: {option} must be an int >= 1; got {value!r}.")
     return count
-
-
-def check_timeout(caller: str, timeout: Any) -> None:
-    bad = isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0
-    if timeout is not None and bad:
-        raise ConfigError(
-            f"{caller}(timeout={timeout!r}): pass seconds >= 0, or None to wait as long as it "
-            "takes."
-        )
