@@ -295,3 +295,29 @@ def test_a_json_body_of_more_numbers_than_a_request_holds_is_refused_before_pars
         spaced = b'{"inputs": [' + b",".join([b"[ 1 ]" + b" " * 8000] * 2) + b"]}"
         [x], _ = _bodies.decode(b, spaced, "application/json")
         assert x.tolist() == [[1], [1]]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_batcher_of_a_model_taking_a_key_is_refused_naming_the_key(batched):
+    """flax examples/vae's VAE(x, z_rng): Batcher(h, example=(x, key)) advised x[None] for the
+    key, and then (key[None]) failed with NumPy's TypeError 'data type key<fry> not understood'.
+    A key is one value shared by every row: the message names it and how to serve the model."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    class Noisy(nn.Module):  # examples/vae's calling convention, reduced
+        @nn.compact
+        def __call__(self, x, z_rng):
+            mean = nn.Dense(3)(x)
+            return mean + jax.random.normal(z_rng, mean.shape)
+
+    model, x, key = Noisy(), jnp.ones((4, 5)), jax.random.key(1)
+    variables = model.init(jax.random.key(0), x, key)
+    example = (x[:1], key[None] if batched else key)
+    with pytest.raises(sm.ConfigError, match=r"input 1 is a typed rng key") as e:
+        sm.serving.Batcher(sm.hybridize(model, variables), example=example, max_batch=4)
+    assert "x[None]" not in str(e.value) and "closes over the key" in str(e.value)
+    h = sm.hybridize(lambda p, x: model.apply(p, x, key), variables)  # as the message says
+    with sm.serving.Batcher(h, example=x[:1], max_batch=4) as b:
+        assert b(np.ones((2, 5), np.float32)).shape == (2, 3)

@@ -18,6 +18,7 @@ from symjax_mlp._artifact.signature import as_array
 from symjax_mlp._compat import SharedLockFuture
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 
@@ -123,6 +124,14 @@ class RequestFuture(SharedLockFuture, _Timed):
     t0 = 0.0
 
 
+_KEY = (
+    "Batcher(example=...): input {i} is a typed rng key ({dtype}{shape}), one value "
+    "shared by every row, while a batcher merges the rows of every input of many requests. "
+    "Serve a function that closes over the key: sm.hybridize(lambda params, x: "
+    "model.apply(params, x, key), variables), with example=x."
+)
+
+
 def example_specs(example: Any) -> tuple[TensorSpec, ...]:
     arrays = example if isinstance(example, tuple) else (example,)
     if not arrays:
@@ -132,6 +141,8 @@ def example_specs(example: Any) -> tuple[TensorSpec, ...]:
         )
     specs = []
     for i, x in enumerate(arrays):
+        if is_key(x):  # else NumPy's "data type key<fry> not understood" (or "a scalar")
+            raise ConfigError(_KEY.format(i=i, dtype=x.dtype, shape=list(x.shape)))
         if not (hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape)):
             what = "a scalar" if hasattr(x, "shape") else f"a {type(x).__name__}"
             raise ConfigError(
