@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,6 +58,12 @@ class Dense(nn.Dense):
         super().__post_init__()
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
+        if (got := _no_array(inputs)) is not None:  # else "the input is a scalar", below
+            raise SignatureError(
+                f"symjax_mlp.Dense({self.features}): the input is {got}, not an array; a Dense "
+                "layer maps the last axis of an array. Pass an array of shape (batch, features), "
+                "e.g. jnp.zeros((1, n)) for one example of n features."
+            )
         if not jnp.ndim(inputs):  # else flax's IndexError: tuple index out of range
             raise SignatureError(
                 f"symjax_mlp.Dense({self.features}): the input is a scalar (shape ()), and a Dense "
@@ -64,6 +71,16 @@ class Dense(nn.Dense):
                 "e.g. jnp.reshape(x, (1, 1)) for one example of one feature."
             )
         return activation_fn(self.activation)(super().__call__(inputs))
+
+
+def _no_array(x: Any) -> str | None:
+    """What ``x`` is, in words, if no array can be read from it (None, a str, a dict, ...);
+    ``None`` for an array, a number or a list of them (``jnp.ndim`` reads any as 0-d)."""
+    if isinstance(x, jax.Array | np.ndarray | np.generic | numbers.Number | list | tuple):
+        return None
+    if hasattr(x, "__jax_array__") or hasattr(x, "__array__"):
+        return None
+    return "None" if x is None else f"a {type(x).__name__} ({reprlib.repr(x)})"
 
 
 def _check_dtype(call: str, dtype: Any, field: str = "dtype") -> None:

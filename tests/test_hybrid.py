@@ -615,3 +615,53 @@ def test_a_param_that_is_no_array_or_number_is_refused_by_path_when_made():
         sm.hybridize(lambda p, x: x @ p["w"], params)
     h = sm.hybridize(lambda p, x: x @ p["w"], params, params_as_constants=True)
     assert h(jnp.ones((2, 8))).shape == (2, 3)  # baked in: the function reads it in Python
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "said"),
+    [(1, {}, "missing a required argument: 'b'"), (3, {}, "too many positional arguments"),
+     (2, {"c": 1.0}, "got an unexpected keyword argument 'c'")],
+)  # fmt: skip
+def test_stage_given_arguments_that_do_not_bind_names_the_functions_inputs(args, kwargs, said):
+    # each was Python's own TypeError from the user's function ("fn() missing 1 required ...")
+    def fn(a, b):
+        return a + b
+
+    with pytest.raises(
+        sm.SignatureError,
+        match=rf"^stage\(fn\): the call's arguments do not fit fn's inputs \(a, b\): {said}\. "
+        r"Pass them as fn takes them: stage\(fn\)\(a, b\)\.$",
+    ):
+        sm.stage(fn)(*[jnp.float32(1)] * args, **kwargs)
+    with pytest.raises(sm.SignatureError, match=r"^stage\(Linear\): .* \(inputs.*\): missing"):
+        sm.stage(nnx.Linear(5, 3, rngs=nnx.Rngs(0)))()
+    assert sm.stage(fn)(jnp.float32(1), b=jnp.float32(2)).primitive_counts["add"] == 1
+
+
+def test_stage_keeps_a_type_error_the_function_raises_itself():
+    def fn(a):
+        raise TypeError("mine")
+
+    with pytest.raises(TypeError, match=r"^mine") as e:
+        sm.stage(fn)(jnp.float32(1))
+    assert not isinstance(e.value, sm.SymjaxError)
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"), [(None, "None"), ("x", r"a str \('x'\)"), ({"a": 1}, r"a dict \(.*\)")]
+)
+@pytest.mark.parametrize("path", ["call", "eager", "apply"])
+def test_an_input_that_is_no_array_is_named_not_called_a_scalar(bad, said, path):
+    # h(None) and h("x") were Dense's "the input is a scalar (shape ())"
+    net, x = sm.mlp((16, 3)), jnp.ones((2, 8))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    run = {"call": h, "eager": h.eager, "apply": lambda a: net.apply(h.params, a)}[path]
+    with pytest.raises(
+        sm.SignatureError,
+        match=rf"^symjax_mlp\.Dense\(16\): the input is {said}, not an array; a Dense layer maps "
+        r"the last axis of an array\. Pass an array of shape \(batch, features\)",
+    ):
+        run(bad)
+    with pytest.raises(sm.SignatureError, match=r"the input is a scalar \(shape \(\)\)"):
+        run(3.0)  # a number is an array of no axes
+    assert run(np.ones((1, 8))).shape == (1, 3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import itertools
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import partition, rebuild, split_equinox
 from symjax_mlp._hybrid.jaxpr import Body, bodies, call_name, count_flops, layer_of, numbered, walk
-from symjax_mlp._hybrid.trace import symbolic
+from symjax_mlp._hybrid.trace import symbolic, unbindable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,10 @@ class Graph:
     @classmethod
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
         """Stages ``fn(*args, **kwargs)``, Python settings static (:func:`stage`)."""
+        fix = f"Pass them as {name} takes them: stage({name})({{inputs}})."
+        if (unbound := unbindable(f"stage({name})", fn, args, kwargs, skip=0, fix=fix,
+                                  whose=f"{name}'s")) is not None:  # fmt: skip
+            raise unbound  # not Python's TypeError from inside the trace
         args, kwargs, join = split_equinox(args, kwargs)
         static, dyn, dyn_kw = partition(args, kwargs, caller=f"stage({name})", lists=True)
 
@@ -198,6 +203,7 @@ def _nnx_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
         with layer_scopes(module):
             return module(*args, **kwargs)
 
+    call.__signature__ = inspect.signature(fn)  # the module's call's, without self
     return call
 
 

@@ -78,9 +78,9 @@ _EMPTY = (
     "were made for inputs of other shapes: pass inputs of those shapes (an empty batch is a "
     "leading dimension of 0, the others as the params were made for)."
 )
-_ARGUMENTS = (
-    "{name}: the call's arguments do not fit the model's inputs ({inputs}): {error}. Pass "
-    "them as the model takes them, without its params or self: h(x) for model(params, x)."
+_ARGUMENTS = "{name}: the call's arguments do not fit {whose} inputs ({inputs}): {error}. {fix}"
+_MODEL_FIX = (
+    "Pass them as the model takes them, without its params or self: h(x) for model(params, x)."
 )
 _PRODUCT_SHAPE = (
     "{name}: the inputs ({inputs}) do not fit the params: a matrix product takes {got} from an "
@@ -122,6 +122,35 @@ def unfit_empty(name: str, args: Any, kwargs: Any) -> SignatureError | None:
     return SignatureError(_EMPTY.format(name=name, inputs=", ".join(map(str, specs))))
 
 
+def unbindable(
+    name: str,
+    target: Any,
+    args: Any,
+    kwargs: Any,
+    *,
+    skip: int = 1,
+    fix: str = _MODEL_FIX,
+    whose: str = "the model's",
+) -> SignatureError | None:
+    """The :class:`~symjax_mlp.SignatureError` for arguments that do not bind to ``target``'s
+    inputs after its first ``skip`` (its params or ``self``); ``None`` if they bind or
+    ``target`` has no signature to read. ``fix`` may name ``{inputs}``."""
+    try:
+        given = list(inspect.signature(target).parameters.values())[skip:]
+        inputs = inspect.Signature([p.replace(annotation=p.empty) for p in given])
+    except (TypeError, ValueError):  # no signature to read
+        return None
+    try:
+        inputs.bind(*args, **kwargs)
+    except TypeError as e:
+        shown = str(inputs)[1:-1]
+        return SignatureError(
+            _ARGUMENTS.format(name=name, whose=whose, inputs=shown, error=e,
+                              fix=fix.format(inputs=shown))
+        )  # fmt: skip
+    return None
+
+
 def unfit_call(
     name: str, error: TypeError, target: Any, params: Any, args: Any, kwargs: Any
 ) -> SignatureError | None:
@@ -129,14 +158,8 @@ def unfit_call(
     not bind to ``target``'s inputs (after its params or ``self``), or JAX's ``dot_general``
     shape error where an input's last dimension meets a weight matrix's first; ``None`` where
     it is the model's own."""
-    try:
-        given = list(inspect.signature(target).parameters.values())[1:]
-        inputs = inspect.Signature([p.replace(annotation=p.empty) for p in given])
-        inputs.bind(*args, **kwargs)
-    except TypeError as e:
-        return SignatureError(_ARGUMENTS.format(name=name, error=e, inputs=str(inputs)[1:-1]))
-    except (ValueError, IndexError):  # no signature to read
-        pass
+    if (unbound := unbindable(name, target, args, kwargs)) is not None:
+        return unbound
     if (found := _PRODUCT.search(str(error))) is None:
         return None
     got, want = found[1], int(found[2])  # got: a size, or a symbolic dimension's name
