@@ -109,6 +109,15 @@ def load(
         )
     allowed = ops.normalize_allow(allow)
     path = artifact_path("load", path)  # else pathlib's TypeError, os.stat's ValueError
+    tree = isinstance(params, Mapping | list | tuple) or hasattr(params, "shape")
+    if not (params is None or tree or isinstance(params, str | os.PathLike)):
+        kind = type(params).__name__  # else a mismatch: "extra: params: int32[]"
+        raise ConfigError(
+            f'symjax_mlp.load("{path}", params={params!r}): got a{"n" * (kind[0] in "aeiou")} '
+            f"{kind}; params= takes a .safetensors file (a str or pathlib.Path, e.g. another "
+            "export's params.safetensors) or a params tree of arrays (as h.params or m.params "
+            "give it). Pass one, or leave params out for the artifact's own weights."
+        )
     if not os.path.exists(path) and (file := next((p for p in path.parents if p.is_file()), None)):
         raise ArtifactError(
             f'symjax_mlp.load("{path}"): {file} is a file, not a directory, so there is no '

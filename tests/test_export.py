@@ -523,6 +523,19 @@ def test_params_swap_and_tree_mismatch(tmp_path):
         sm.load(tmp_path / "one", params=tmp_path / "junk.safetensors")
 
 
+@pytest.mark.parametrize("params", [3, 2.5, True, b"params.safetensors", object()])
+def test_params_of_no_path_or_tree_are_refused_naming_what_params_takes(tmp_path, params):
+    # load(params=3) was a param-tree mismatch ("extra: params: int32[]")
+    h, x = small()
+    sm.export(h, tmp_path / "m", example=x)
+    with pytest.raises(
+        sm.ConfigError,
+        match=rf"^symjax_mlp\.load\(.*, params=.*\): got an? {type(params).__name__}; params= "
+        r"takes a \.safetensors file \(a str or pathlib\.Path, .*\) or a params tree of arrays",
+    ):
+        sm.load(tmp_path / "m", params=params)
+
+
 def test_bfloat16_params_round_trip(tmp_path):
     h = sm.hybridize(lambda p, x: x @ p["w"], {"w": jnp.full((8, 2), 0.5, jnp.bfloat16)})
     x = rand(3).astype(jnp.bfloat16)
