@@ -80,6 +80,12 @@ def as_int(x: Any) -> Any:
         return x
 
 
+def as_bool(x: Any) -> Any:
+    """``x`` as a bool if it is a NumPy bool (``np.True_``, what a sweep's array gives); else
+    ``x`` as it is, for the setting's check to refuse (``1`` and ``"yes"`` are no bools)."""
+    return bool(x) if isinstance(x, np.bool_) else x
+
+
 def artifact_path(call: str, path: Any) -> Path:
     """``path`` as a ``Path``; refused, ``symjax_mlp.<call>(path)`` named, unless it is a str or
     an ``os.PathLike`` of one without a NUL character (else pathlib's or os's raw error)."""

@@ -33,7 +33,7 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._artifact.reading import Artifact, freeze, mlir_arguments
 from symjax_mlp._artifact.signature import Signature, admits_any
 from symjax_mlp._artifact.weights import encode
-from symjax_mlp._errors import ArtifactError, ConfigError, as_int
+from symjax_mlp._errors import ArtifactError, ConfigError, as_bool, as_int
 from symjax_mlp._export_entry import Stage, export_program, stage
 from symjax_mlp._export_options import check_options
 from symjax_mlp._files import read_regular, sha256, write_dir
@@ -107,6 +107,7 @@ def export(
     if not text:  # Path("") is the working directory
         raise ArtifactError("export: the path is ''; pass the artifact directory to write.")
     vjp_order = as_int(vjp_order)  # a sweep's np.int64: an int (a bool stays refused)
+    overwrite = as_bool(overwrite)  # np.True_: True, as train and a Hybrid take it
     points, settings, platforms, meta = check_options(
         h, batch, platforms, example=example, kwargs=kwargs, shapes=shapes,
         constraints=constraints, overwrite=overwrite, metadata=metadata, vjp_order=vjp_order,

@@ -130,6 +130,16 @@ def test_a_numpy_int_vjp_order_is_an_order(tmp_path):
         sm.export(h, tmp_path / "b", example=x, vjp_order=np.bool_(True))
 
 
+def test_a_numpy_bool_overwrite_is_a_bool(tmp_path):
+    """export(overwrite=np.True_) was refused ('pass True ... or False'); train takes it."""
+    h, x = small()
+    sm.export(h, tmp_path / "m", example=x, overwrite=np.False_)
+    art = sm.export(h, tmp_path / "m", example=x, overwrite=np.True_)
+    np.testing.assert_allclose(sm.load(art.path)(x), h(x), rtol=1e-6)
+    with pytest.raises(sm.ArtifactError, match="already exists"):
+        sm.export(h, tmp_path / "m", example=x, overwrite=np.False_)
+
+
 def test_a_model_card_of_numpy_and_jax_scalars_is_stored_as_their_numbers(tmp_path):
     """metadata={'accuracy': np.float32(acc)} was refused: 'Object of type float32 is not JSON
     serializable'; a scalar is the number it holds (an array is still refused, NaN too)."""

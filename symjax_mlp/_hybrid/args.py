@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError, SignatureError, as_int
+from symjax_mlp._errors import ConfigError, SignatureError, as_bool, as_int
 from symjax_mlp._specs import MASKED_INPUT, array_types
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -333,8 +333,7 @@ def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> tu
         )
     values: list[Any] = [budget]
     for key, (value, kind, example) in given.items():
-        if kind is bool and isinstance(value, np.bool_):
-            value = bool(value)
+        value = as_bool(value) if kind is bool else value
         if (value is None and kind is str) or type(value) is kind:
             values.append(value)
             continue
