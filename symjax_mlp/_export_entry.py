@@ -22,7 +22,7 @@ from symjax_mlp._hybrid.jaxpr import walk
 from symjax_mlp._hybrid.mesh import shardings
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
-from symjax_mlp._specs import TensorSpec, shape_dims
+from symjax_mlp._specs import TensorSpec, shape_dims, unserializable
 
 _TRAINING = (
     "export({name}): the nnx module is in training mode ({settings}, as built), which changes "
@@ -139,6 +139,11 @@ def export_program(
     try:
         with without_source_locations():  # reproducible bytes: no path of this machine inside
             jaxpr, in_specs = _trace(jitted, p_structs, stage)  # traced once: export reuses it
+            outs = [v.aval for v in jaxpr.outvars]
+            named = {f"args[{i}]": x for i, x in enumerate(in_specs)}
+            named |= {"out" if len(outs) == 1 else f"out[{i}]": a for i, a in enumerate(outs)}
+            if (odd := unserializable(h.name, named)) is not None:
+                raise odd  # else jax's raw KeyError from serialize, or its lowering's error
             exported = jax.export.export(jitted, platforms=platforms)(p_structs, *in_specs)
     except TRACER_ERRORS as e:
         raise control_flow_error(h.name, e) from e

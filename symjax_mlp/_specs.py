@@ -4,10 +4,13 @@ matters there) or a tensor of an artifact's contract (a dimension may be a name,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from symjax_mlp._errors import SignatureError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,46 @@ class TensorSpec:
 def shape_dims(shape: Sequence[Any]) -> tuple[int | str, ...]:
     """A JAX shape as spec dims: ints stay, symbolic dimensions become their names."""
     return tuple(d if isinstance(d, int) else str(d) for d in shape)
+
+
+_UNSERIALIZABLE = (
+    "export({name}): {path} is {type}, which jax.export cannot serialize. An artifact's inputs "
+    "and outputs are bool, int4 to int64, uint4 to uint64 or floats (float4_e2m1fn, the float8 "
+    "types, bfloat16, float16 to float64). Cast it to {cast}: give an input as {cast} (cast it "
+    "back to {dtype} inside the model if it must be), return an output as out.astype(jnp.{cast})."
+)
+
+
+def unserializable(name: str, structs: Mapping[str, Any]) -> SignatureError | None:
+    """The :class:`~symjax_mlp.SignatureError` for the first of ``structs`` (by path) whose
+    dtype ``jax.export`` cannot serialize (int2: its raw ``KeyError``; uint1: a lowering's
+    ``ValueError``); ``None`` if it can serialize them all. Imports JAX."""
+    import jax
+    import jax.numpy as jnp
+
+    for path, x in structs.items():
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) or _serializable(x.dtype):
+            continue  # an rng key's dtype is extended: serialized as its kind
+        dtype = np.dtype(x.dtype)
+        kinds = [("float16", jnp.floating), ("uint8", jnp.unsignedinteger), ("int8", jnp.integer)]
+        cast = next((c for c, kind in kinds if jnp.issubdtype(dtype, kind)), "complex64")
+        spec = TensorSpec(path, shape_dims(x.shape), str(dtype))
+        return SignatureError(
+            _UNSERIALIZABLE.format(name=name, path=path, type=spec.type, cast=cast, dtype=dtype)
+        )
+    return None
+
+
+@functools.cache
+def _serializable(dtype: Any) -> bool:
+    """Whether ``jax.export`` serializes ``dtype``, probed once: the identity exported on it."""
+    import jax
+
+    try:
+        jax.export.export(jax.jit(lambda x: x))(jax.ShapeDtypeStruct((1,), dtype)).serialize()
+    except Exception:  # KeyError (int2), TypeError (complex32), ValueError (uint1), ...
+        return False
+    return True
 
 
 def array_types() -> frozenset[type]:

@@ -1,6 +1,7 @@
 """Export as a stranger uses it: odd paths, odd param names, odd dtypes. Whatever exports loads
 and gives the source model's answers; whatever cannot is refused at export, by name."""
 
+import re
 from pathlib import Path
 
 import jax
@@ -325,3 +326,26 @@ def test_a_static_shape_too_large_to_draw_exports_without_self_test_vectors(tmp_
     art = sm.export(h, tmp_path / "a", example=big, batch=None)
     assert art.signature.inputs[0].shape == (1 << 40, 8)
     assert "selftest.safetensors" not in art.manifest["files"]
+
+
+@pytest.mark.parametrize("dtype", ["int2", "uint2", "int1", "uint1", "float6_e2m3fn"])
+@pytest.mark.parametrize("where", ["args[0]", "out"])
+def test_a_dtype_jax_export_cannot_serialize_is_a_signature_error_naming_it(tmp_path, dtype, where):
+    # int2 was jax's raw KeyError: dtype(int2) from serialize; uint1 a raw lowering ValueError
+    import ml_dtypes
+
+    odd = getattr(ml_dtypes, dtype)
+    if where == "out":
+        h, x = sm.hybridize(lambda p, x: (x * p).astype(odd), jnp.float32(0)), np.zeros((2, 3))
+    else:
+        h, x = sm.hybridize(lambda p, x: x.astype(jnp.float32) * p, jnp.float32(2)), None
+        x = np.zeros((2, 3), odd)
+    kind = "float16" if dtype.startswith("float") else "uint8" if dtype[0] == "u" else "int8"
+    with pytest.raises(
+        sm.SignatureError,
+        match=rf"^export\(<lambda>\): {re.escape(where)} is {dtype}\[b, 3\], which jax\.export "
+        r"cannot serialize\. An artifact's inputs and outputs are bool, int4 to int64, uint4 to "
+        rf"uint64 or floats .* Cast it to {kind}",
+    ):
+        sm.export(h, tmp_path / "a", example=x)
+    assert not (tmp_path / "a").exists()
