@@ -4,6 +4,7 @@ attribute to layers and draw as Graphviz DOT (one node per equation, clustered b
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -203,7 +204,8 @@ def _nnx_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
         with layer_scopes(module):
             return module(*args, **kwargs)
 
-    call.__signature__ = inspect.signature(fn)  # the module's call's, without self
+    with contextlib.suppress(TypeError, ValueError):  # the module's call's, without self
+        call.__signature__ = inspect.signature(fn)
     return call
 
 
