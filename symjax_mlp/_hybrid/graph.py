@@ -91,7 +91,7 @@ class Graph:
     @classmethod
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
         """Stages ``fn(*args, **kwargs)``, Python settings static (:func:`stage`)."""
-        fix = f"Pass them as {name} takes them: stage({name})({{inputs}})."
+        fix = f"Pass them as {name} takes them: stage({name})({{call}})."
         if (unbound := unbindable(f"stage({name})", fn, args, kwargs, skip=0, fix=fix,
                                   whose=f"{name}'s")) is not None:  # fmt: skip
             raise unbound  # not Python's TypeError from inside the trace

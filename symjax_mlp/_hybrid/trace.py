@@ -123,18 +123,13 @@ def unfit_empty(name: str, args: Any, kwargs: Any) -> SignatureError | None:
 
 
 def unbindable(
-    name: str,
-    target: Any,
-    args: Any,
-    kwargs: Any,
-    *,
-    skip: int = 1,
-    fix: str = _MODEL_FIX,
+    name: str, target: Any, args: Any, kwargs: Any, *, skip: int = 1, fix: str = _MODEL_FIX,
     whose: str = "the model's",
-) -> SignatureError | None:
+) -> SignatureError | None:  # fmt: skip
     """The :class:`~symjax_mlp.SignatureError` for arguments that do not bind to ``target``'s
     inputs after its first ``skip`` (its params or ``self``); ``None`` if they bind or
-    ``target`` has no signature to read. ``fix`` may name ``{inputs}``."""
+    ``target`` has no signature to read. ``fix`` may name ``{call}``: the required inputs
+    passed as a call names them (``a, b, key=key``)."""
     try:
         given = list(inspect.signature(target).parameters.values())[skip:]
         inputs = inspect.Signature([p.replace(annotation=p.empty) for p in given])
@@ -143,10 +138,12 @@ def unbindable(
     try:
         inputs.bind(*args, **kwargs)
     except TypeError as e:
-        shown = str(inputs)[1:-1]
+        need = [p for p in given if p.default is p.empty]
+        call = [p.name for p in need if p.kind <= p.POSITIONAL_OR_KEYWORD]
+        call += [f"{p.name}={p.name}" for p in need if p.kind == p.KEYWORD_ONLY]
         return SignatureError(
-            _ARGUMENTS.format(name=name, whose=whose, inputs=shown, error=e,
-                              fix=fix.format(inputs=shown))
+            _ARGUMENTS.format(name=name, whose=whose, inputs=str(inputs)[1:-1], error=e,
+                              fix=fix.format(call=", ".join(call)))
         )  # fmt: skip
     return None
 
