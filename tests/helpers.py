@@ -2045,15 +2045,13 @@ if eqx is not None:
     _EQX_MORE = (
         Case("eqx_diffusion", "eqx", _diffusion, _diffusion_inputs,
              allow=frozenset({"convolution", "real_dynamic_slice"})),
+        # eqx.nn.State(generator) leaves each "ema" BatchNorm's bool `first_time` in the model
+        Case("eqx_gan", "eqx", lambda: (state_batch, _generator()[0]),
+             lambda s: (_x(s, (4, 4, 1, 1)),), carry=lambda: _generator()[1],
+             served=_generator_served, allow=frozenset({"convolution"})),
     )  # fmt: skip
-    #: out of MATRIX until h.params of an equinox module holds only what jax.grad can take:
-    #: eqx.nn.State(generator) leaves each "ema" BatchNorm's bool `first_time` in the model
-    #: (/tmp/lead/c_pending_eqx_gan.py)
-    PENDING_GAN = Case("eqx_gan", "eqx", lambda: (state_batch, _generator()[0]),
-                       lambda s: (_x(s, (4, 4, 1, 1)),), carry=lambda: _generator()[1],
-                       served=_generator_served, allow=frozenset({"convolution"}))  # fmt: skip
 else:  # pragma: no cover - the test extra installs equinox
-    _EQX_MORE, PENDING_GAN = (), None
+    _EQX_MORE = ()
 
 
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN

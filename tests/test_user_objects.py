@@ -269,6 +269,29 @@ def test_equinox_params_of_another_module_are_refused_naming_the_module():
     np.testing.assert_allclose(h.apply(h.params, x), mlp(x), **TOL)
 
 
+def test_grads_of_the_gan_generator_through_h_apply_equal_equinox_filter_grad():
+    """equinox's DCGAN notebook makes its state as eqx.nn.State(generator), which leaves each
+    BatchNorm's bool `first_time` in the model: h.params held them, and jax.grad over h.params
+    failed raw ("grad requires real- or complex-valued inputs ... but got bool")."""
+    eqx = pytest.importorskip("equinox")
+    from helpers import _generator, state_batch
+
+    generator, state = _generator()
+    h, x = sm.hybridize(state_batch, generator), jax.random.normal(jax.random.key(0), (4, 4, 1, 1))
+
+    def loss(out):
+        return jnp.sum(out[0] ** 2)
+
+    got = jax.grad(lambda p: loss(h.apply(p, x, state)))(h.params)
+    want = eqx.filter_grad(lambda m: loss(state_batch(m, x, state)))(generator)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(h.params))
+    got, want = jax.tree.leaves(got), jax.tree.leaves(eqx.filter(want, eqx.is_inexact_array))
+    assert len(got) == len(want)
+    chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+    arrays = eqx.filter(generator, eqx.is_array)  # the bools given too: taken as held
+    chex.assert_trees_all_close(h.replace(params=arrays)(x, state), h(x, state))
+
+
 def test_a_deepcopy_of_an_equinox_modules_hybrid_is_a_twin_with_its_own_arrays():
     """copy.deepcopy(h) of eqx.filter_vmap(model) copied its static parts too, which replace()
     refused as "a module of another class or size"."""

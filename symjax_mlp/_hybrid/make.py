@@ -17,14 +17,14 @@ from symjax_mlp._hybrid.pure import linen, nnx_module, refuse_nested_nnx_state
 
 _TAKES_NO = {  # why, and the fix
     "nnx": "the module carries its own state (nnx.Rngs, nnx.BatchStat). Write hybridize(module).",
-    "eqx": "an equinox module's arrays are its params, the rest is held static. Write "
+    "eqx": "an equinox module's float arrays are its params, the rest is held static. Write "
     "hybridize(module); pass a key or an eqx.nn.State to each call.",
 }
 _EQX_PARAMS = (
     "{kind}: the params given (a {got}) do not fit the equinox {kind} the Hybrid was made of (its "
-    "arrays, combined with the rest held static): a module of another class or size. Pass its "
-    "arrays, shaped as h.params: eqx.filter(model, eqx.is_array) of a {kind} built alike, "
-    "or hybridize the other model."
+    "float arrays, combined with the rest held static): a module of another class or size. Pass "
+    "its arrays, shaped as h.params: eqx.filter(model, eqx.is_inexact_array) of a {kind} built "
+    "alike, or hybridize the other model."
 )
 
 
@@ -47,8 +47,9 @@ def hybridize(
       model: a ``flax.linen.Module`` (``params``: its variables, as ``init`` returns them), a
         ``flax.nnx.Module`` (no ``params``: its state is split off once and carried across
         calls; ``module.eval()`` and ``module.train()`` switch the Hybrid too, one trace per
-        mode), an ``equinox.Module`` (no ``params``: its arrays are), or any pure function
-        ``fn(params, *args, **kwargs)``.
+        mode), an ``equinox.Module`` (no ``params``: its float arrays are, as
+        ``eqx.filter_grad`` takes them; its bool and int arrays are held with the rest, baked
+        into the program), or any pure function ``fn(params, *args, **kwargs)``.
       params: the variables or params; omitted for an nnx or equinox module. An nnx module as
         ``fn``'s params is split as its own Hybrid splits it; one inside the params (or given
         later to ``h.apply``, ``h.replace``) must hold ``Param`` s only.
@@ -141,10 +142,12 @@ def _flax_kind(model: Any) -> str | None:
 
 
 def _equinox(fn: Any, tree: Any) -> tuple[Any, Any]:
-    """``(fn', arrays)``: ``tree``'s arrays, and ``fn`` on them combined with the rest of
-    ``tree`` (held static, as ``eqx.filter_jit`` holds it)."""
+    """``(fn', arrays)``: ``tree``'s float arrays (what ``eqx.filter_grad`` differentiates and
+    optax updates), and ``fn`` on them combined with the rest of ``tree``: held static, its
+    bool and int arrays (an ``eqx.nn.State(model)``'s ``StateIndex`` initial values) baked in
+    as constants, which ``jax.grad`` over the params could not take."""
     eqx = sys.modules["equinox"]
-    arrays, static = eqx.partition(tree, eqx.is_array)
+    arrays, static = eqx.partition(tree, eqx.is_inexact_array)
 
     @functools.wraps(fn)
     def combined(params: Any, /, *args: Any, **kwargs: Any) -> Any:
