@@ -604,3 +604,15 @@ def test_a_shape_dtype_struct_given_to_a_loaded_model_points_to_eval_shape(tmp_p
     ):
         m(spec)
     assert jax.eval_shape(m, spec).shape == (2, 3)
+
+
+def test_none_given_to_a_loaded_model_is_named_none_not_a_nonetype(tmp_path):
+    # the message read "input args[0] is a NoneType, not a NumPy or JAX array"
+    h, x = _mlp()
+    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    with pytest.raises(
+        sm.SignatureError,
+        match=r"input args\[0\] is None, not a NumPy or JAX array; the artifact expects "
+        r"float32\[b, 5\]\. Pass a np\.ndarray or jax\.Array\.$",
+    ):
+        m(None)

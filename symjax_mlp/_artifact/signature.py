@@ -298,8 +298,9 @@ def as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
     elif kind == "jax.ShapeDtypeStruct":  # a shape without values: what eval_shape traces
         hint = " For the output's shape and dtype without values, jax.eval_shape(m, spec)."
     raise SignatureError(
-        f"{caller}: input {spec.path} is a {printable(kind)}, not a NumPy or JAX array; the "
-        f"artifact expects {spec.type}. Pass a np.ndarray or jax.Array.{hint}"
+        f"{caller}: input {spec.path} is {'None' if x is None else 'a ' + printable(kind)}, not "
+        f"a NumPy or JAX array; the artifact expects {spec.type}. Pass a np.ndarray or "
+        f"jax.Array.{hint}"
     )
 
 
