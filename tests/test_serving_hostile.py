@@ -263,6 +263,7 @@ def test_a_hybrid_whose_trace_budget_is_below_the_buckets_is_told_how_to_serve_i
         "buckets=(8,) (one trace), or max_traces >= 4."
     )
     assert says in e.value.__notes__, e.value.__notes__
+    assert not [n for n in e.value.__notes__ if "warming up" in n]  # a model's own error's note
     h = sm.hybridize(net, net.init(jax.random.key(0), x), max_traces=1)  # its budget unspent
     with sm.serving.Batcher(h, example=x, buckets=(8,)) as b:  # as the note says
         np.testing.assert_array_equal(b(np.ones((3, 3), np.float32)), h(jnp.ones((8, 3)))[:3])
@@ -321,3 +322,34 @@ def test_a_batcher_of_a_model_taking_a_key_is_refused_naming_the_key(batched):
     h = sm.hybridize(lambda p, x: model.apply(p, x, key), variables)  # as the message says
     with sm.serving.Batcher(h, example=x[:1], max_batch=4) as b:
         assert b(np.ones((2, 5), np.float32)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("refused", [1, 2])
+def test_a_model_raising_in_the_warm_up_is_told_it_was_on_rows_of_zeros(refused):
+    """What the model raised on the warm-up's call (each bucket, on zero rows) reached
+    Batcher(...) as it was, with nothing to say that it came from a call the caller never made,
+    nor on which rows: a model that refuses all-zero rows (a check, a division) was a mystery."""
+
+    def model(x):
+        if len(x) == refused and not x.any():
+            raise ValueError("no signal in the batch")
+        return x * 2
+
+    with pytest.raises(ValueError, match="no signal in the batch") as e:
+        sm.serving.Batcher(model, example=X1, max_batch=4)
+    [note] = e.value.__notes__
+    says = f"Batcher(model): raised by the model warming up, on a batch of {refused} rows of zeros"
+    assert note.startswith(says) and "padding" in note and "rows of zeros" in note, note
+
+
+def test_a_model_whose_output_rows_depend_on_the_batch_size_is_refused_showing_both():
+    def model(x):  # a row per row, but as wide as the batch
+        return {"y": np.zeros((len(x), len(x)), np.float32)}
+
+    with pytest.raises(sm.ConfigError) as e:
+        sm.serving.Batcher(model, example=X1, max_batch=2)
+    says = (
+        "Batcher(model): the outputs for a batch of 2 rows are PyTreeDef({'y': *}) of rows "
+        "float32[2], but for a batch of 1, PyTreeDef({'y': *}) of rows float32[1], while"
+    )
+    assert str(e.value).startswith(says), e.value

@@ -24,7 +24,7 @@ import numpy as np
 
 from symjax_mlp import _compat as compat
 from symjax_mlp._compat import after_finish, finish_futures, start_future
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, SymjaxError
 from symjax_mlp.serving._requests import AsyncRequest, RequestFuture
 from symjax_mlp.serving._stats import Counters
 
@@ -35,11 +35,17 @@ _FOLD_EVERY = 4096  # batches counted before they are folded into the stats
 ON_LOOP_SECONDS = 1e-3
 clock = time.perf_counter
 _LOG = logging.getLogger("symjax_mlp.serving")
+_ZEROS = "{self.warming} rows of zeros (each batch size compiled runs once on zeros, as padding is)"
 _STUCK = (
     "{self.name}: warming up, the model did not return within {timeout:g} s for a batch of "
-    "{self.warming} rows of zeros (each batch size compiled runs once on zeros, as padding is). "
-    "Serve a model that returns on zero rows (its while loops ending on them too), or a larger "
-    "warm_up_timeout if it only compiles slowly (None: no limit); its thread stays in the call."
+    f"{_ZEROS}. Serve a model that returns on zero rows (its while loops ending on them too), or "
+    "pass warm_up_timeout= above {timeout:g} if it only compiles slowly (None: no limit); its "
+    "thread stays in the call."
+)
+_RAISED = (  # a note on what the model raised
+    f"{{self.name}}: raised by the model warming up, on a batch of {_ZEROS}. Serve a model "
+    "that runs on rows of zeros, as padding rows are in every batch (no check refusing them, "
+    "no division by them)."
 )
 
 
@@ -56,8 +62,7 @@ class Blocking:
 def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
     """On an event loop: hands a batch's results to that loop's awaiting tasks."""
     for r, result in items:
-        f = r.future
-        if f.done():  # cancelled by its awaiter meanwhile
+        if (f := r.future).done():  # cancelled by its awaiter meanwhile
             continue
         if error is None:
             f.set_result(result)
@@ -67,9 +72,7 @@ def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None)
             r.fail(error)
 
 
-def _wake_loops(
-    items: list[tuple[AsyncRequest, Any]], error: BaseException | None, here: Any = None
-) -> None:
+def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: Any, here: Any = None) -> None:
     """One wake-up per event loop for a whole batch (not one per request); the requests of
     ``here``, the loop this runs on, are resolved at once."""
     by_loop: dict[Any, list[tuple[AsyncRequest, Any]]] = {}
@@ -91,8 +94,7 @@ class Lane:
         self.call, self.name, self.merges = call, name, merges
         self.row_shapes = [tuple(s.shape[1:]) for s in row_specs]
         self.dtypes = [np.dtype(s.dtype) for s in row_specs]
-        self.buckets = tuple(buckets)
-        self.max_batch = self.buckets[-1]
+        self.buckets, self.max_batch = tuple(buckets), buckets[-1]
         # where it does not merge, each request at its own rows: a size compiled at first use
         fit = [self.buckets[bisect.bisect_left(self.buckets, n)] if merges else n
                for n in range(1, self.max_batch + 1)]  # fmt: skip
@@ -104,8 +106,7 @@ class Lane:
         self.queue: collections.deque[Blocking | RequestFuture] = collections.deque()
         # The lane's token: whoever pops it (a lone call, or the thread for a batch) runs the
         # model until it appends it back; empty while the lane is busy.
-        self.idle = [True]
-        self.closing = False
+        self.idle, self.closing = [True], False
         self.n = Counters(self.buckets if merges else ())  # else: the sizes run, as they come
         self.to_host: Callable[[Any], Any] = functools.partial(jax.tree.map, np.asarray)
         self.split = lambda out, a, b: jax.tree.map(lambda y: y[a:b].copy(), out)
@@ -188,7 +189,11 @@ class Lane:
         single, rows, first = True, list(zip(self.row_shapes, self.dtypes, strict=True)), None
         for bucket in self.buckets if self.merges else self.buckets[:1]:
             self.warming = bucket
-            out = self.call(*[np.zeros((bucket, *s), d) for s, d in rows])
+            try:
+                out = self.call(*[np.zeros((bucket, *s), d) for s, d in rows])
+            except Exception as e:  # the model's own, on rows no caller sent (a Hybrid's say why)
+                isinstance(e, SymjaxError) or e.add_note(_RAISED.format(self=self))
+                raise
             single, host = isinstance(out, jax.Array | np.ndarray), self.to_host(out)
             pairs, self.tree = jax.tree_util.tree_flatten_with_path(host)
             if not pairs:  # every request answered None, say
@@ -205,11 +210,12 @@ class Lane:
                         f"outputs with the batch ({bucket}) as leading dimension. Serve a model "
                         "that returns one result per input row (reduce over rows afterwards)."
                     )
-            kind = (self.tree, [(y.shape[1:], y.dtype) for _, y in pairs])
+            each = ", ".join(f"{y.dtype}{list(y.shape[1:])}" for _, y in pairs)
+            kind = f"{self.tree} of rows {each}"  # what a batch's outputs are, shown
             if first and first[1] != kind:
                 raise ConfigError(
-                    f"{self.name}: the outputs for a batch of {bucket} rows are {_kind(*kind)}, "
-                    f"but for a batch of {first[0]}, {_kind(*first[1])}, while a request is "
+                    f"{self.name}: the outputs for a batch of {bucket} rows are {kind}, "
+                    f"but for a batch of {first[0]}, {first[1]}, while a request is "
                     "answered from a batch of any size. Serve a model whose outputs' rows do not "
                     "depend on the batch's size."
                 )
@@ -311,8 +317,7 @@ class Lane:
                 self.n.failed += len(batch)
             raise
         finally:
-            if not nested:
-                self.since = None
+            self.since = self.since if nested else None
         record = (t0, t1, t2, t3, clock(), rows, bucket)
         self.n.pending.append(record)  # before any result
         return results, record
@@ -322,8 +327,7 @@ class Lane:
         per blocked caller, then the futures' done callbacks (``loop``: the one this runs on)."""
         futures, settled, awaited = [], [], []
         with self.futures:
-            for i, r in enumerate(batch):
-                result = None if error is not None else results[i]
+            for r, result in zip(batch, results or [None] * len(batch), strict=True):
                 kind = type(r)
                 if kind is Blocking:
                     r.result, r.error = result, error
@@ -386,10 +390,6 @@ class Lane:
             elif type(r) is Blocking:
                 r.error = concurrent.futures.CancelledError(_CANCELLED)
                 r.waiter.release()
-
-
-def _kind(tree: Any, rows: list[tuple[tuple, np.dtype]]) -> str:
-    return f"{tree} of rows " + ", ".join(f"{dtype}{list(shape)}" for shape, dtype in rows)
 
 
 def claim(idle: list[bool]) -> bool:
