@@ -167,17 +167,17 @@ def test_a_model_too_large_for_memory_exits_2_saying_so_not_as_a_bug(capsys):
 
 _SERVE_ENDLESS = """
 import os, sys
-import symjax_mlp as sm
 from symjax_mlp.cli import main
-sm.serving.Batcher.__init__.__kwdefaults__["warm_up_timeout"] = 1  # its default: 300 s
-argv = ["serve", sys.argv[1], "--port", "0", "--allow", "while", "--allow", "dynamic_slice"]
+argv = ["serve", sys.argv[1], "--port", "0", "--allow", "while", "--allow", "dynamic_slice",
+        "--warm-up-timeout", "1"]
 os._exit(main(argv))  # the batcher's thread still runs the loop on zeros
 """
 
 
 def test_serve_of_a_model_whose_warm_up_never_ends_exits_2_saying_why(tmp_path):
     """An artifact whose loop never ends on zero rows, served with --allow while: the warm-up's
-    TimeoutError went out as 'this is a bug in symjax_mlp', exit 1, with a traceback."""
+    TimeoutError went out as 'this is a bug in symjax_mlp', exit 1, with a traceback. Its
+    message named warm_up_timeout, which neither serve() nor the CLI could set."""
     import jax
     import jax.numpy as jnp
 
@@ -194,7 +194,9 @@ def test_serve_of_a_model_whose_warm_up_never_ends_exits_2_saying_why(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "this is a bug" not in done.stderr, done.stderr
     says = "symjax-mlp serve: error: Batcher(doubling): warming up, the model did not return"
-    assert done.stderr.startswith(says), done.stderr
+    assert done.stderr.startswith(says + " within 1 s"), done.stderr
+    named = "symjax-mlp serve: on the command line, warm_up_timeout= is --warm-up-timeout SECONDS"
+    assert named in done.stderr, done.stderr
 
 
 def test_broken_pipe_is_quiet():

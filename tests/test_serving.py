@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import selectors
@@ -1552,6 +1553,20 @@ def test_serve_passes_request_timeout_from_the_command_line(monkeypatch):
     assert seen["request_timeout"] == 2.5
 
 
+def test_serve_passes_warm_up_timeout_from_the_command_line(monkeypatch):
+    """The warm-up's TimeoutError names warm_up_timeout, which serve() and the CLI could not
+    set: a model that compiles for longer than 300 s could not be served at all."""
+    from symjax_mlp.cli import main
+
+    seen = {}
+    monkeypatch.setattr(sm.serving, "serve", lambda path, *, ready, **kw: seen.update(kw))
+    assert main(["serve", "my_mlp", "--dispatch", "async"]) == 0
+    assert seen["warm_up_timeout"] == 300.0  # the Batcher's default
+    for given, passed in (("2.5", 2.5), ("inf", math.inf)):  # inf: no limit
+        assert main(["serve", "my_mlp", "--dispatch", "async", "--warm-up-timeout", given]) == 0
+        assert seen["warm_up_timeout"] == passed
+
+
 def test_serve_freezes_the_gc_once_the_model_is_ready(monkeypatch, capsys):
     import gc
 
@@ -1839,6 +1854,9 @@ def test_serve_refuses_bad_limits_and_a_bool_port_before_the_load():
             sm.serving.serve("nothing-here", port=0, **bad)
     with pytest.raises(sm.ConfigError, match=r"serve: port must be an int .*; got True"):
         sm.serving.serve("nothing-here", port=True)
+    for bad in (-1, "300"):  # the batcher's warm-up: checked before the load too
+        with pytest.raises(sm.ConfigError, match=rf"serve\(warm_up_timeout={bad!r}\): pass sec"):
+            sm.serving.serve("nothing-here", port=0, warm_up_timeout=bad)
 
 
 def test_serves_connections_accepted_without_nagles_delay_on_plain_asyncio():
@@ -1880,7 +1898,7 @@ def test_an_example_of_no_input_or_a_flag_left_unset_is_refused_saying_so():
     with pytest.raises(sm.ConfigError, match=r"example=\(\).*holds no input.*x\[None\]"):
         sm.serving.Batcher(lambda x: x, example=())
     h = sm.hybridize(lambda p, x, train: x * p, jnp.float32(2))
-    with pytest.raises(sm.ConfigError, match="inputs and kwargs={'scale': 1}, but missing"):
+    with pytest.raises(sm.ConfigError, match=r"inputs and kwargs={'scale': 1}, but missing"):
         sm.serving.Batcher(h, example=jnp.ones((1, 3)), kwargs={"scale": 1})
-    with pytest.raises(sm.ConfigError, match="the example's inputs, but missing .*'train'"):
+    with pytest.raises(sm.ConfigError, match=r"the example's inputs, but missing .*'train'"):
         sm.serving.Batcher(h, example=jnp.ones((1, 3)))

@@ -15,7 +15,7 @@ from symjax_mlp.cli._args import count, port, positive
 #: the options passed to ``serve`` (with ``--ray``, ``serve_on_ray``) under their own names
 _BOTH = (
     "host port runtime max_batch max_queue max_body_bytes body_timeout max_inflight_bytes "
-    "entry params_as_constants "
+    "entry params_as_constants warm_up_timeout "
 )
 _SERVE = _BOTH + "max_connections log_level request_timeout"
 _RAY = _BOTH + "replicas dispatch"
@@ -53,6 +53,14 @@ def add_parser(sub: _args.Subcommands) -> None:
         help="most rows per model call (None: 64, or the artifact's static batch)",
     )
     p.add_argument("--max-queue", type=count, default=1024, help="waiting requests")
+    p.add_argument(
+        "--warm-up-timeout",
+        type=positive,
+        default=300.0,
+        metavar="SECONDS",
+        help="the most the batcher's warm-up (each batch size compiled, run on zero rows) may "
+        "take before serving is refused (inf: no limit)",
+    )
     p.add_argument(
         "--max-body-bytes",
         type=count,

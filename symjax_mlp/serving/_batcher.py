@@ -39,7 +39,7 @@ from symjax_mlp.serving._stats import BatcherStats
 _BOUNDED = NEEDS - {"while"}  # allow= keys whose ops compute tensors from tensors, bounded
 
 
-def _seconds(value: Any, given: str) -> float | None:
+def seconds(value: Any, given: str) -> float | None:
     """A timeout (seconds >= 0, or None: no limit) as threading waits on it: a float (not
     NumPy's, nor a Fraction), or None (past ``threading.TIMEOUT_MAX`` too: inf)."""
     bad = isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0
@@ -161,7 +161,7 @@ class Batcher:
         self.buckets = bucket_sizes(self.name, max_batch, buckets, static)
         self.max_batch = self.buckets[-1]
         self.max_queue = check_count(self.name, "max_queue", max_queue)
-        wait = _seconds(warm_up_timeout, f"Batcher({name}, warm_up_timeout")
+        wait = seconds(warm_up_timeout, f"Batcher({name}, warm_up_timeout")
         #: What one request takes: one spec per input, the batch dimension named ``b``.
         self.specs: tuple[TensorSpec, ...] = specs
         self.model = model
@@ -241,7 +241,7 @@ class Batcher:
           Exception: what the model raised for the request's batch.
         """
         t0 = clock()
-        wait = _seconds(timeout, f"{self.name}.run(timeout")
+        wait = seconds(timeout, f"{self.name}.run(timeout")
         arrays, rows = self._check(inputs)
         lane, request = self._lane, Blocking(arrays, rows, t0)
         if lane.idle and not lane.queue and not lane.closing and claim(lane.idle):
@@ -375,7 +375,7 @@ class Batcher:
         """
         if cancel not in (False, True):
             raise ConfigError(f"{self.name}.close(cancel={cancel!r}): expected True or False.")
-        wait = _seconds(timeout, f"{self.name}.close(timeout")
+        wait = seconds(timeout, f"{self.name}.close(timeout")
         self._lane.close(cancel)
         self._finalizer.detach()
         if threading.get_ident() in (self._lane.thread, self._lane.holder):

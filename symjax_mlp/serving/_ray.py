@@ -16,7 +16,7 @@ import jax
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._app import check_limits, create_app, load_entry, model_name, require
-from symjax_mlp.serving._batcher import Batcher
+from symjax_mlp.serving._batcher import Batcher, seconds
 from symjax_mlp.serving._latency import latency_mode
 from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count
 from symjax_mlp.serving._server import on_signals
@@ -110,6 +110,7 @@ def ray_app(
     replicas: int = 2,
     max_batch: int | None = None,
     max_queue: int = 1024,
+    warm_up_timeout: float | None = 300.0,
     runtime: str = "jax",
     entry: str | None = None,
     params_as_constants: bool = False,
@@ -136,7 +137,8 @@ def ray_app(
     Args:
       artifact: the artifact directory.
       replicas: Ray Serve's ``num_replicas``.
-      max_batch, max_queue: each replica's :class:`~symjax_mlp.serving.Batcher`'s.
+      max_batch, max_queue, warm_up_timeout: each replica's
+        :class:`~symjax_mlp.serving.Batcher`'s.
       runtime, entry, params_as_constants, trust, allow, verify_signature: as for
         :func:`~symjax_mlp.serving.serve` (passed to :func:`~symjax_mlp.load`).
       max_body_bytes, body_timeout, max_inflight_bytes: see
@@ -157,7 +159,8 @@ def ray_app(
 
     Raises:
       ConfigError: bad ``replicas``, ``dispatch``, ``max_batch``, ``max_queue``,
-        ``max_ongoing_requests`` or limits of :func:`~symjax_mlp.serving.create_app`.
+        ``warm_up_timeout``, ``max_ongoing_requests`` or limits of
+        :func:`~symjax_mlp.serving.create_app`.
       ArtifactError, SignatureError: the artifact cannot be loaded.
       ImportError: Ray Serve is missing (``pip install 'symjax_mlp[ray]'``).
 
@@ -175,6 +178,7 @@ def ray_app(
     where = f"ray_app({str(artifact)!r})"
     check_count(where, "replicas", replicas)
     check_count(where, "max_queue", max_queue)
+    wait = seconds(warm_up_timeout, f"ray_app({str(artifact)!r}, warm_up_timeout")
     check_limits(where, max_body_bytes, body_timeout, max_inflight_bytes)
     if max_ongoing_requests is not None:
         check_count(where, "max_ongoing_requests", max_ongoing_requests)
@@ -193,7 +197,7 @@ def ray_app(
     }
     model = load_entry(artifact, **load_options)  # refused here, not in a replica's log
     buckets = bucket_sizes(where, max_batch, None, artifact_specs(model)[1])
-    batcher_options = {"max_batch": max_batch, "max_queue": max_queue}
+    batcher_options = {"max_batch": max_batch, "max_queue": max_queue, "warm_up_timeout": wait}
     app_options = {
         "max_body_bytes": max_body_bytes,
         "body_timeout": body_timeout,

@@ -30,7 +30,7 @@ from symjax_mlp.serving._app import (
     model_name,
     require,
 )
-from symjax_mlp.serving._batcher import Batcher
+from symjax_mlp.serving._batcher import Batcher, seconds
 from symjax_mlp.serving._requests import check_count
 
 #: The most bytes of one request's line and headers (nginx allows 4 x 8 KiB by default).
@@ -260,6 +260,7 @@ def serve(
     trust: bool = False,
     allow: Iterable[str] | None = None,
     verify_signature: str | os.PathLike[str] | None = None,
+    warm_up_timeout: float | None = 300.0,
 ) -> None:
     """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
 
@@ -273,7 +274,7 @@ def serve(
       artifact: the artifact directory.
       host, port: where to listen.
       runtime: ``"jax"`` or ``"iree"``.
-      max_batch, max_queue: see :class:`~symjax_mlp.serving.Batcher`.
+      max_batch, max_queue, warm_up_timeout: see :class:`~symjax_mlp.serving.Batcher`.
       max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a request's
         line and headers too must come within ``body_timeout`` (and 64 KiB; else 408, 431),
         and a client that leaves its answers unread for ``body_timeout`` is dropped.
@@ -291,6 +292,7 @@ def serve(
       ConfigError: ``params_as_constants`` with ``runtime="iree"`` or a sharded artifact.
       ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
       ArtifactError: the artifact cannot be loaded.
+      TimeoutError: the batcher's warm-up took longer than ``warm_up_timeout``.
     """
     require()
     import uvicorn
@@ -298,6 +300,7 @@ def serve(
     check_count("serve", "max_connections", max_connections)
     limits = max_body_bytes, body_timeout, max_inflight_bytes  # before the load, as the port
     check_limits("serve", *limits, request_timeout=request_timeout)
+    waits = {"warm_up_timeout": seconds(warm_up_timeout, "serve(warm_up_timeout")}
     levels = uvicorn.config.LOG_LEVELS
     if not isinstance(log_level, int) and str(log_level).lower() not in levels:
         raise ConfigError(
@@ -314,7 +317,8 @@ def serve(
             allow=allow,
             verify_signature=verify_signature,
         )
-        batcher = Batcher(model, max_batch=max_batch, max_queue=max_queue, name=model_name(model))
+        sizes = {"max_batch": max_batch, "max_queue": max_queue, "name": model_name(model)}
+        batcher = Batcher(model, **sizes, **waits)
         try:
             app = create_app(
                 batcher,
