@@ -272,7 +272,7 @@ def test_while_loop_flops_are_a_lower_bound_and_say_so(monkeypatch):
     assert g.flops_exact is False and g.flops_unknown == ("while",)
     assert g.flops == 4 * 16 + 1  # the condition, which runs at least once; not the body
     assert g.flops < h.compile(x).cost_analysis()["flops"]
-    monkeypatch.setattr(sm.chapter, "chapter_mlp", lambda *a, **k: (h, x))
+    monkeypatch.setattr(sm.chapter, "_mlp", lambda *a, **k: (h, x))  # describe_mlp's model
     summary = sm.chapter.describe_mlp()
     assert f"flops: at least {g.flops:,} (a while_loop's trip count is unknown)" in summary
 
@@ -286,7 +286,7 @@ def test_a_loaded_models_program_is_named_as_what_the_flops_do_not_count(tmp_pat
     h = sm.hybridize(lambda p, x: m(x) @ p, jnp.ones((2, 6)), name="outer")
     g = h.graph(x)
     assert g.flops_unknown == ("call_exported",) and g.flops == 2 * 2 * 3 * 6
-    monkeypatch.setattr(sm.chapter, "chapter_mlp", lambda *a, **k: (h, x))
+    monkeypatch.setattr(sm.chapter, "_mlp", lambda *a, **k: (h, x))  # describe_mlp's model
     summary = sm.chapter.describe_mlp()
     assert f"flops: at least {g.flops:,} (a loaded model's program is not counted)" in summary
 
