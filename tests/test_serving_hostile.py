@@ -353,3 +353,23 @@ def test_a_model_whose_output_rows_depend_on_the_batch_size_is_refused_showing_b
         "float32[2], but for a batch of 1, PyTreeDef({'y': *}) of rows float32[1], while"
     )
     assert str(e.value).startswith(says), e.value
+
+
+@pytest.mark.parametrize(
+    "x", [[[10**40, 1]], [[1e40, 1]], np.array([[-1e40, 1]]), [[10**400, 1.5]]]
+)
+def test_a_request_beyond_its_dtypes_range_is_told_so_not_to_cast_it(x):
+    """b([[10**40, 1]]) of a float32 model was told to cast it, x.astype(np.float32), which
+    makes inf (an int32 model's 2**40, which wraps): it is told the values are out of range,
+    as a JSON body is."""
+    with sm.serving.Batcher(lambda x: x * 2, example=X1, max_batch=2) as b:
+        beyond = r"holds numbers beyond float32's range \(largest 3.403e\+38\)"
+        with pytest.raises(sm.SignatureError, match=beyond) as e:
+            b(x)
+        assert "astype" not in str(e.value), e.value
+        with pytest.raises(sm.SignatureError, match=r"Cast it: x.astype\(np.float32\)"):
+            b(np.ones((1, 2)))  # float64 in range: a cast it is
+    with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.int32), max_batch=2) as b:
+        held = r"holds integers outside int32's range \[-2147483648, 2147483647\], which a cast"
+        with pytest.raises(sm.SignatureError, match=held):
+            b([[2**40, -1]])

@@ -23,6 +23,7 @@ import numpy as np
 from symjax_mlp._errors import SignatureError
 from symjax_mlp._npy import npy_array, read_npy
 from symjax_mlp.serving._batcher import Batcher
+from symjax_mlp.serving._requests import beyond_range
 
 try:  # the serve extra's JSON parser: ~10x the standard library's on a body of numbers
     from orjson import JSONDecodeError as _FastError
@@ -197,8 +198,7 @@ def from_json(
     kind, what = _kind(want), f"input {spec.path}"  # bfloat16's kind is "f", int4's "i"
 
     def beyond() -> SignatureError:
-        largest = f"{want}'s range (largest {float(ml_dtypes.finfo(want).max):.4g})"
-        return _holds(batcher, what, f"numbers beyond {largest}", spec.type)
+        return _holds(batcher, what, beyond_range(want), spec.type)
 
     if kind != "b" and bools and _holds_bool(value):
         fix = f"send {'integers' if kind in 'iu' else 'numbers'}"

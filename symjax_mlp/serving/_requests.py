@@ -7,11 +7,13 @@ settled a whole batch at a time; an :class:`AsyncRequest` its asyncio counterpar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from symjax_mlp._artifact.signature import as_array
@@ -117,11 +119,8 @@ class RequestFuture(SharedLockFuture, _Timed):
       timing: as :attr:`AsyncRequest.timing`.
     """
 
-    # The request (inputs, rows, start time) rides on the future, as class defaults.
-    _batch = None
+    _batch, rows, t0 = None, 0, 0.0  # the request (with its inputs) rides on the future
     arrays: Sequence[Any] = ()
-    rows = 0
-    t0 = 0.0
 
 
 _KEY = (
@@ -238,8 +237,6 @@ _STATIC = (
     "its rows are not shown independent ({why}), so a request is never padded nor merged: pass "
     "exactly {static} rows, or export the model with a symbolic batch (batch='b')."
 )
-
-
 _NUMBERS = (bool, int, float, complex, list, tuple)  # Python's, not an array
 
 
@@ -316,7 +313,7 @@ class RequestCheck:
         if a.shape[1:] != shape:
             return f": each row is {a.shape[1:]}, not {shape}. Pass rows of shape {shape}."
         if a.dtype != dtype:
-            return f". Cast it: x.astype(np.{dtype})."
+            return _past(a, dtype) or f". Cast it: x.astype(np.{dtype})."
         n = a.shape[0]
         if n < 1:
             return ": it has no rows. Pass at least one row."
@@ -337,6 +334,28 @@ class RequestCheck:
     def _reject(self) -> None:
         with self.lane.lock:
             self.lane.n.rejected["signature"] += 1
+
+
+def beyond_range(want: np.dtype) -> str:
+    """What a request (an array, a JSON body) holds past a float dtype's range, said."""
+    return f"numbers beyond {want}'s range (largest {float(ml_dtypes.finfo(want).max):.4g})"
+
+
+def _past(a: np.ndarray, want: np.dtype) -> str:
+    """The request check's message's end where ``a`` holds numbers past ``want``'s range."""
+    with contextlib.suppress(TypeError, ValueError):  # not numbers; not a float (nor int) dtype
+        held = a[np.isfinite(a)] if a.dtype.kind == "f" else a.ravel()  # NaN, inf: in range
+        low, high = held.min(initial=0), held.max(initial=0)  # Python's ints past int64 too
+        if want.kind in "iu" and a.dtype.kind in "iuO":
+            info = ml_dtypes.iinfo(want)
+            if low < info.min or high > info.max:
+                return (
+                    f": it holds integers outside {want}'s range [{info.min}, {info.max}], "
+                    "which a cast wraps. Send values in range."
+                )
+        elif want.kind != "c" and max(-low, high) > float(ml_dtypes.finfo(want).max):
+            return f": it holds {beyond_range(want)}, which a cast makes inf. Send values in range."
+    return ""
 
 
 _TRAINING = (
