@@ -22,7 +22,7 @@ from symjax_mlp._hybrid.jaxpr import walk
 from symjax_mlp._hybrid.mesh import shardings
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
-from symjax_mlp._specs import TensorSpec, shape_dims, unserializable
+from symjax_mlp._specs import TensorSpec, input_structs, shape_dims, unserializable
 
 _TRAINING = (
     "export({name}): the nnx module is in training mode ({settings}, as built), which changes "
@@ -87,7 +87,7 @@ def stage(
     )
     if array_kwargs:
         raise SignatureError(_array_kwargs(h.name, list(array_kwargs)))
-    in_specs = _input_structs(examples, batch, shapes, tuple(constraints), h.name)
+    in_specs = input_structs(examples, batch, shapes, tuple(constraints), h.name)
     stored, fn, baked = _exportable(h)
     specs, host_params = param_specs(stored)  # as jax.export traces them
     treedef, paths = jax.tree.structure(stored), tuple(s.path for s in specs)
@@ -279,107 +279,6 @@ def _array_kwargs(name: str, names: list[str]) -> str:
         f"x, {passed}), params) with example=(x, {places}), and call the artifact with {them} "
         "by place; or bake a Python setting (True, 3, 'relu') instead."
     )
-
-
-_EQX_STATE = (
-    "export(example=...): args[{i}] is an equinox eqx.nn.State, which an artifact's inputs "
-    "(arrays) cannot carry. Export the model with its state held in it, as equinox runs "
-    "inference: inference_model = eqx.Partial(eqx.nn.inference_mode(model), state=state); "
-    "export(sm.hybridize(lambda m, x: jax.vmap(m)(x)[0], inference_model), path, example=x)."
-)
-
-
-_DICT_INPUT = (
-    "export({name}, example=...): args[{i}] is a dict with keys {keys}, but an artifact's "
-    "inputs are positional arrays (what every runtime, IREE included, passes). Export a function "
-    "that takes them by place and builds the dict: sm.hybridize(lambda params, *xs: "
-    "h.apply(params, dict(zip({keys}, xs))), h.params) with example=tuple(x.values()), and "
-    "call the artifact with the arrays in that order."
-)
-
-
-def _input_structs(
-    examples: tuple[Any, ...], batch: str | None, shapes: Sequence[str | None] | None,
-    constraints: tuple[str, ...], name: str,
-) -> list[jax.ShapeDtypeStruct]:  # fmt: skip
-    """The inputs' structs: the leading dimension ``batch``, or the ``shapes`` specs."""
-    for i, x in enumerate(examples):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":
-                raise SignatureError(_EQX_STATE.format(i=i))
-            if isinstance(x, Mapping) and x and all(isinstance(k, str) for k in x):
-                raise SignatureError(_DICT_INPUT.format(i=i, keys=list(x), name=name))
-            raise SignatureError(
-                f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
-                "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."
-            )
-    if shapes is None:
-        dim = jax.export.symbolic_shape(batch)[0] if batch else None
-        for i, x in enumerate(examples):
-            if dim is not None and not x.shape:
-                raise SignatureError(
-                    f"export(example=...): args[{i}] is a scalar, so it has no batch dimension "
-                    f"for batch={batch!r}. Pass batch=None for static shapes, or shapes=."
-                )
-        specs = [None if dim is None else (dim, *x.shape[1:]) for x in examples]
-    else:
-        specs = _specs(examples, tuple(shapes), constraints, name)
-    pairs = zip(examples, specs, strict=True)
-    return [jax.ShapeDtypeStruct(tuple(x.shape) if d is None else d, x.dtype) for x, d in pairs]
-
-
-def _specs(examples: tuple[Any, ...], shapes: tuple, constraints: tuple, name: str) -> list:
-    """Each input's ``jax.export`` shape spec (``None``: static), all in one scope."""
-    if len(shapes) != len(examples):
-        raise ConfigError(
-            f"export({name}, shapes={shapes!r}): one spec per input; the example has "
-            f"{len(examples)} input(s)."
-        )
-    try:
-        scope = jax.export.SymbolicScope(constraints)
-        specs = [  # like: '...' stands for the example's own dimensions ('b, ...')
-            s if s is None else jax.export.symbolic_shape(s, scope=scope, like=_like(s, x))
-            for s, x in zip(shapes, examples, strict=True)
-        ]
-    except (ValueError, TypeError) as e:
-        raise ConfigError(
-            f"export({name}, shapes={shapes!r}, constraints={constraints!r}): "
-            f"{str(e).rstrip('.')}. Write specs "
-            "as jax.export does, e.g. 'b, 512', and constraints such as 't <= 1024'."
-        ) from None
-    for i, (x, dims) in enumerate(zip(examples, specs, strict=True)):
-        if dims is not None and (
-            len(dims) != len(x.shape)
-            or any(isinstance(d, int) and d != n for d, n in zip(dims, x.shape, strict=True))
-        ):
-            raise SignatureError(
-                f"export({name}, shapes=...): args[{i}] has shape {tuple(x.shape)}, which the "
-                f"spec {shapes[i]!r} does not describe. Give a spec of rank {len(x.shape)} "
-                "whose numbers match the example."
-            )
-    seen: dict[str, tuple[str, int]] = {}  # a name's first place and the example's size there
-    for i, (x, dims) in enumerate(zip(examples, specs, strict=True)):
-        for k, (d, n) in enumerate(zip(dims or x.shape, x.shape, strict=True)):
-            if str(d).isidentifier() and seen.setdefault(str(d), (f"{i}].shape[{k}", n))[1] != n:
-                fix = ", ".join(str(n) if j == k else str(e) for j, e in enumerate(dims))
-                at, size = seen[str(d)]
-                raise SignatureError(
-                    _ONE_SIZE.format(name=name, shapes=shapes, dim=str(d), at=at, size=size,
-                                     i=i, k=k, n=n, spec=shapes[i], fix=fix)
-                )  # fmt: skip
-    return specs
-
-
-def _like(spec: str, x: Any) -> tuple[int, ...] | None:
-    return tuple(x.shape) if "..." in spec and hasattr(x, "shape") else None
-
-
-_ONE_SIZE = (
-    "export({name}, shapes={shapes!r}): the specs name {dim!r} at args[{at}] and "
-    "args[{i}].shape[{k}], where the example has sizes {size} and {n}; a name is one size, "
-    "shared by every place it appears. Give args[{i}].shape[{k}] its number or its own name: "
-    "{spec!r} -> {fix!r}."
-)
 
 
 def _output_kind(exported: Any, h: Hybrid) -> str:
