@@ -1,6 +1,9 @@
 """The Flax and Equinox authors' own models (tests/helpers.py, as their guides write them)
 through training, a Hybrid, a Batcher and export: issue 33."""
 
+import subprocess
+import sys
+
 import chex
 import flax.linen as nn
 import jax
@@ -36,8 +39,7 @@ def _steps(model, x, n=3, **flags):
     params = sm.training.init_params(model, jax.random.key(0), x, **flags)
     step = jax.jit(sm.training.train_step(model, opt, **flags))
     opt_state = opt.init(params.params if hasattr(params, "params") else params)
-    y, w = jnp.arange(len(x)) % 10, jnp.ones(len(x))
-    runs = []
+    y, w, runs = jnp.arange(len(x)) % 10, jnp.ones(len(x)), []
     for _ in range(n):
         params, opt_state, metrics = step(params, opt_state, x, y, w)
         runs.append((params, metrics))
@@ -52,8 +54,7 @@ def _close(a, b):
 
 def test_the_nnx_tutorial_cnn_compiled_equals_eager_equals_nnx():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 28, 28, 1)), jnp.float32)
-    want_model = TutorialCNN(rngs=nnx.Rngs(0))
-    rngs = nnx.Rngs(5)
+    want_model, rngs = TutorialCNN(rngs=nnx.Rngs(0)), nnx.Rngs(5)
     want = [want_model(x + i, rngs=rngs) for i in range(3)]  # train mode, as built
     for compiled in (True, False):
         h = sm.hybridize(TutorialCNN(rngs=nnx.Rngs(0))).hybridize(compiled)
@@ -63,6 +64,18 @@ def test_the_nnx_tutorial_cnn_compiled_equals_eager_equals_nnx():
     trained = h.module  # rebuilt with the state the calls moved
     trained.eval(), want_model.eval()
     _close(sm.hybridize(trained)(x), want_model(x))
+
+
+@pytest.mark.xfail(strict=True, reason="pure.py: nnx merge of the state a call grew")
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_nnx_toy_vae_runs_through_a_hybrid_as_through_nnx_jit(compiled):
+    """flax's 05_vae.py: its Encoder sets self.kl_loss in __call__, kept as nnx.jit keeps it."""
+    from helpers import _binary, _vae
+
+    h, (want_model, _) = sm.hybridize(_vae()[0]).hybridize(compiled), _vae()
+    for i in range(2):  # the noise stream advances; kl_loss is set by every call
+        _close(h(_binary(i)), nnx.jit(lambda m, x: m(x))(want_model, _binary(i)))
+    _close(h.state["encoder"]["kl_loss"], want_model.encoder.kl_loss[...])
 
 
 # -- item 2: a mode flag without a default ------------------------------------------------------
@@ -139,8 +152,7 @@ def test_sown_intermediates_are_returned_as_apply_returns_them():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 8, 1)), jnp.float32)
     variables = model.init(jax.random.key(0), x)  # as the guide: no "intermediates" yet
     h = sm.hybridize(model, variables, mutable=["intermediates"])
-    for i in range(3):  # fresh every call, as model.apply's
-        xi = x + i
+    for xi in (x, x + 1, x + 2):  # fresh every call, as model.apply's
         want = model.apply(variables, xi, mutable=["intermediates"])
         chex.assert_trees_all_close(h(xi), want, rtol=1e-5, atol=1e-6)
         chex.assert_trees_all_close(h.eager(xi), want, rtol=1e-5, atol=1e-6)
@@ -163,13 +175,9 @@ def test_a_retrace_is_explained_against_the_nearest_trace_not_the_latest():
 )
 def test_a_shape_taken_from_an_array_argument_names_static_argnames(fn, tmp_path):
     h, x, n = sm.hybridize(fn, jnp.float32(1)), jnp.ones(4), jnp.int32(2)
-    calls = {
-        "call": lambda: h(x, n),
-        "graph": lambda: h.graph(x, n),
-        "apply": lambda: h.apply(h.params, x, n),
-        "export": lambda: sm.export(h, tmp_path / "m", example=(x, n), batch=None),
-    }
-    for call in calls.values():
+    calls = (lambda: h(x, n), lambda: h.graph(x, n), lambda: h.apply(h.params, x, n),
+             lambda: sm.export(h, tmp_path / "m", example=(x, n), batch=None))  # fmt: skip
+    for call in calls:
         with pytest.raises(sm.ControlFlowError, match=r"static_argnames=\('n',\)"):
             call()
     assert sm.hybridize(fn, jnp.float32(1), static_argnames="n")(x, 2).shape == (2,)
@@ -185,11 +193,10 @@ def test_an_equinox_module_is_a_model_its_arrays_the_params(which, tmp_path):
     eqx = _eqx()
     from helpers import EqxCNN
 
-    key = jax.random.key(0)
     if which == "mlp":
-        model, shape = eqx.nn.MLP(5, 3, width_size=8, depth=2, key=key), (5,)
+        model, shape = eqx.nn.MLP(5, 3, width_size=8, depth=2, key=jax.random.key(0)), (5,)
     else:
-        model, shape = EqxCNN(key), (1, 28, 28)
+        model, shape = EqxCNN(jax.random.key(0)), (1, 28, 28)
     x = jax.random.normal(jax.random.key(1), shape)
     h = sm.hybridize(model)
     assert jax.tree.leaves(h.params) and h.name == type(model).__name__
@@ -254,9 +261,6 @@ def test_an_equinox_module_among_the_inputs_is_refused_naming_eqx_partition():
 
 
 def test_the_library_never_imports_equinox_itself():
-    import subprocess
-    import sys
-
     code = "import sys, symjax_mlp; assert 'equinox' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -290,11 +294,8 @@ def test_an_input_without_the_batch_is_taken_as_shared_by_every_row(shared, tmp_
 
 
 def test_a_batcher_refuses_an_artifact_with_a_shared_input_naming_it(tmp_path):
-    h, x, mask = (
-        sm.hybridize(lambda p, x, m: x @ m + p, jnp.float32(1)),
-        jnp.ones((4, 5)),
-        jnp.eye(5),
-    )
+    h = sm.hybridize(lambda p, x, m: x @ m + p, jnp.float32(1))
+    x, mask = jnp.ones((4, 5)), jnp.eye(5)
     sm.export(h, tmp_path / "m", example=(x, mask), shapes=("b, 5", None))
     with pytest.raises(sm.ConfigError, match=r"args\[1\] is float32\[5, 5\], without") as e:
         sm.serving.Batcher(sm.load(tmp_path / "m", trust=True))

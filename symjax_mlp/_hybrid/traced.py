@@ -54,10 +54,12 @@ _STATE_UNDER_TRANSFORM = (
 )
 _STATE_STRUCTURE = (
     "{name}: a call changed the structure of the model's state, from {before} to {after}; a "
-    "call may change the held arrays' values, not add, remove or retype them (a variable made "
-    "in __call__, a sow). Create every variable when the model is built, or use the pure form, "
-    "out, state = h.apply(h.params, x), which returns whatever state the call makes."
+    "call may change the held arrays' values, not {what} (a variable made in __call__, a sow). "
+    "Create every variable when the model is built, or use the pure form, out, state = "
+    "h.apply(h.params, x), which returns whatever state the call makes."
 )
+#: what a call may not do to the held state, by whether the model's calls may add to it
+_MAY_NOT = {False: "add, remove or retype them", True: "remove or retype them (add: as nnx.jit)"}
 
 
 class TraceFirst(Exception):
@@ -70,6 +72,9 @@ class HeldState:
 
     def __init__(self, name: str, state: Any, *, own: bool = False) -> None:
         self.name = name
+        #: whether a call may add to the state, as ``nnx.jit`` keeps the variables a call adds
+        #: (an nnx module's; set by :class:`TracedModel`), and the structures calls grew it to
+        self.grows, self._grown = False, {}
         self._structure, self._key_impls = state_structure(state)
         leaves = unwrap_keys(jax.tree.leaves(state), self._key_impls)
         self.leaves = _copies(leaves) if own else leaves
@@ -91,13 +96,25 @@ class HeldState:
         return jax.tree.unflatten(self._structure, wrap_keys(leaves, self._key_impls))
 
     def flatten(self, state: Any) -> list[Any]:
-        """A call's new state as held (keys as raw data), checked to keep the structure."""
+        """A call's new state as held (keys as raw data), checked to keep the structure or (if
+        :attr:`grows`) to add to it: the structure is recorded, adopted when the state is held."""
         structure, key_impls = state_structure(state)
         if structure != self._structure or key_impls != self._key_impls:
-            raise ConfigError(
-                _STATE_STRUCTURE.format(name=self.name, before=self._structure, after=structure)
-            )
+            self._grow(structure, key_impls)
         return unwrap_keys(jax.tree.leaves(state), key_impls)
+
+    def _grow(self, structure: Any, key_impls: tuple) -> None:
+        """Records the structure a call grew the state to; refused unless :attr:`grows` and
+        the call only added to it (one structure per held one and leaf count)."""
+        before, after = (self._structure, self._key_impls), (structure, key_impls)
+        at = (*before, structure.num_leaves)
+        if self.grows and _adds(before, after) and self._grown.setdefault(at, after) == after:
+            return
+        raise ConfigError(
+            _STATE_STRUCTURE.format(
+                name=self.name, before=self._structure, after=structure, what=_MAY_NOT[self.grows]
+            )
+        )
 
     def copy(self) -> Any:
         """:attr:`tree` in new buffers, which no donating call consumes."""
@@ -134,7 +151,7 @@ class HeldState:
                 if keeps is None or not keeps(*args):
                     raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
             else:
-                self.leaves, self._tree = held, None
+                self._adopt(held)
         return [out, *rest]
 
     def tracing(self) -> None:
@@ -146,7 +163,27 @@ class HeldState:
         """Holds a call's new flat state (under :attr:`lock`); a traced one is refused."""
         if any(isinstance(leaf, Tracer) for leaf in leaves):
             raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
+        self._adopt(leaves)
+
+    def _adopt(self, leaves: list[Any]) -> None:
+        """Holds ``leaves``; more than held: a call added variables, in the structure
+        :meth:`flatten` recorded (one retrace follows, for the new state's leaves)."""
+        if len(leaves) != len(self.leaves):
+            at = (self._structure, self._key_impls, len(leaves))
+            self._structure, self._key_impls = self._grown[at]
         self.leaves, self._tree = leaves, None
+
+
+def _adds(before: tuple, after: tuple) -> bool:
+    """Whether the state ``after`` (a treedef, its key impls) keeps every leaf of ``before``,
+    at its path and of its kind (a key, or not), and adds to them."""
+    held, new = (dict(zip(_paths(s), impls, strict=True)) for s, impls in (before, after))
+    return len(new) > len(held) and all(new.get(p, ()) == i for p, i in held.items())
+
+
+def _paths(structure: Any) -> list[str]:
+    tree = jax.tree.unflatten(structure, [0] * structure.num_leaves)
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _copies(leaves: list[Any]) -> list[Any]:
@@ -163,6 +200,9 @@ class TracedModel:
     constants: list[Any] | None
     held: HeldState
     log: TraceLog
+
+    def __post_init__(self) -> None:
+        self.held.grows = self.model.kind == "nnx"  # nnx.jit keeps what a call adds
 
     def call(
         self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any, settings=None
