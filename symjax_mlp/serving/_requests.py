@@ -124,10 +124,9 @@ class RequestFuture(SharedLockFuture, _Timed):
 
 
 _KEY = (
-    "Batcher(example=...): input {i} is a typed rng key ({dtype}{shape}), one value "
-    "shared by every row, while a batcher merges the rows of every input of many requests. "
-    "Serve a function that closes over the key: sm.hybridize(lambda params, x: "
-    "model.apply(params, x, key), variables), with example=x."
+    "Batcher(example=...): input {i} is a typed rng key ({dtype}{shape}), one value shared by "
+    "every row, while a batcher merges the rows of many requests. Serve a function closing over "
+    "it: sm.hybridize(lambda params, x: model.apply(params, x, key), variables), example=x."
 )
 
 
@@ -342,8 +341,9 @@ def beyond_range(want: np.dtype) -> str:
 
 
 def _past(a: np.ndarray, want: np.dtype) -> str:
-    """The request check's message's end where ``a`` holds numbers past ``want``'s range."""
-    with contextlib.suppress(TypeError, ValueError):  # not numbers; not a float (nor int) dtype
+    """The request check's message's end where ``a`` holds numbers past ``want``'s range (none:
+    not numbers, or ``want`` no number type; a float16 compared with float32's largest: no inf)."""
+    with contextlib.suppress(TypeError, ValueError), np.errstate(over="ignore"):
         held = a[np.isfinite(a)] if a.dtype.kind == "f" else a.ravel()  # NaN, inf: in range
         low, high = held.min(initial=0), held.max(initial=0)  # Python's ints past int64 too
         if want.kind in "iu" and a.dtype.kind in "iuO":
