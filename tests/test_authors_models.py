@@ -66,7 +66,6 @@ def test_the_nnx_tutorial_cnn_compiled_equals_eager_equals_nnx():
     _close(sm.hybridize(trained)(x), want_model(x))
 
 
-@pytest.mark.xfail(strict=True, reason="pure.py: nnx merge of the state a call grew")
 @pytest.mark.parametrize("compiled", [True, False])
 def test_the_nnx_toy_vae_runs_through_a_hybrid_as_through_nnx_jit(compiled):
     """flax's 05_vae.py: its Encoder sets self.kl_loss in __call__, kept as nnx.jit keeps it."""

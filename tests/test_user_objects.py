@@ -342,7 +342,6 @@ class _Counts(nnx.Module):
         return self.linear(x)
 
 
-@pytest.mark.xfail(strict=True, reason="pure.py: nnx merge of the state a call grew")
 @pytest.mark.parametrize("compiled", [True, False])
 def test_a_variable_an_nnx_call_adds_is_held_and_read_by_the_next_call_as_nnx_jit_does(compiled):
     h, want, x = sm.hybridize(_Counts()).hybridize(compiled), _Counts(), _x()

@@ -215,12 +215,13 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
         return tuple([getattr(sub, attr) for sub, attr in owners])
 
     expected = _paths((params, state))
+    graphdefs = {tuple(expected): graphdef}  # and the states calls grew (nnx.jit keeps those)
 
     def merge(params, state):  # nnx would match the leaves by place, whatever their names
-        if (got := _paths((params, state))) != expected:
+        if (known := graphdefs.get(tuple(got := _paths((params, state))))) is None:
             diff = _diff(expected, got)
             raise ConfigError(_UNFIT.format(name=type(module).__name__, diff=diff))
-        m = nnx.merge(graphdef, params, state) if state else nnx.merge(graphdef, params)
+        m = nnx.merge(known, params, state) if state else nnx.merge(known, params)
         if watched:
             pin = _PINNED.get()
             values = pin[1] if pin is not None and pin[0] is owners else settings()
@@ -239,7 +240,13 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
             if unfit is None:
                 raise
             raise unfit from None
-        return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, ...)[2]) if state else state
+        if not state:
+            return out, state
+        grown, new_params, new_state = nnx.split(m, nnx.Param, ...)
+        new_state = nnx.to_pure_dict(new_state)
+        if _paths((nnx.to_pure_dict(new_params), {})) == _paths((params, {})):  # no Param added
+            graphdefs.setdefault(tuple(_paths((params, new_state))), grown)
+        return out, new_state
 
     target = type(module).__call__ if fn is None else fn
     model = PureModel(
