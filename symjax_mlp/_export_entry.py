@@ -13,16 +13,22 @@ import numpy as np
 
 from symjax_mlp._artifact.rows import verdict
 from symjax_mlp._artifact.signature import Signature
-from symjax_mlp._artifact.weights import param_specs
+from symjax_mlp._artifact.weights import check_paths, param_specs
 from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, SymjaxError
 from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import walk
-from symjax_mlp._hybrid.mesh import shardings
+from symjax_mlp._hybrid.mesh import constrained
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
-from symjax_mlp._specs import TensorSpec, input_structs, shape_dims, unserializable
+from symjax_mlp._specs import (
+    TensorSpec,
+    array_kwargs_error,
+    input_structs,
+    shape_dims,
+    unserializable,
+)
 
 _TRAINING = (
     "export({name}): the nnx module is in training mode ({settings}, as built), which changes "
@@ -30,13 +36,30 @@ _TRAINING = (
     "its own statistics. Call module.eval() before export() (module.train() to train on)."
 )
 _FIXED_KEY = (
-    "export({name}): the program draws random numbers (dropout) from the Hybrid's rng key, "
-    "which an artifact can only bake in: every call would drop the same units. Export the "
-    "inference mode (e.g. kwargs={{'training': False}}), or make the key an input: export "
-    "sm.hybridize(lambda params, x, key: model.apply(params, x, training=True, rngs={{'dropout': "
-    "jax.random.wrap_key_data(key)}}), variables) with example=(x, jax.random.key_data(key)) "
-    "and shapes=('b, ...', None) (the key is shared by every row)."
+    "export({name}): the program draws random numbers from the rng stream{s} {streams} that "
+    "{holder}, which an artifact can only bake in: every call would {same}. {mode}ake the key "
+    "an input: export {fix} with example=({xs}, jax.random.key_data(key)) and shapes=({specs}, "
+    "None) (the key is shared by every row){part}."
 )
+_LINEN_KEY = (
+    "sm.hybridize(lambda params, {xs}, key: model.apply(params, {xs}{kw}, rngs={rngs}), variables)"
+)
+_NNX_KEY = (
+    "sm.hybridize(lambda model, {xs}, key: (nnx.reseed(model, {rngs}), model({xs}{kw}))[1], model)"
+)
+_CARRIED = (
+    "export({name}): each call writes the {what} that the next call reads, but an artifact "
+    "carries no state between calls: it would bake that state in as it is now, and every call "
+    "would start from there. {mode}xport one step as a function of that state, taking its "
+    "arrays as inputs and returning (out, *the new ones){step}."
+)
+_LINEN_STEP = (
+    ": with leaves, tree = jax.tree.flatten(variables[{c!r}]), export sm.hybridize(lambda p, "
+    "x, *state: (lambda out, new: (out, *jax.tree.leaves(new)))(*model.apply({{'params': p, "
+    "{c!r}: jax.tree.unflatten(tree, state)}}, x{kw}, mutable=[{c!r}])), variables['params']) "
+    "with example=(x, *leaves) and batch=None"
+)
+_MODES = {"train": False, "training": False, "deterministic": True, "is_training": False}
 _ONE_EXAMPLE = (
     "export({name}, batch={batch!r}): with every input's leading dimension as the symbolic "
     "batch {batch!r} ({types}) the trace fails ({error}), while {traced}. If the model takes "
@@ -70,6 +93,8 @@ class Stage:
     constraints: tuple[str, ...]
     examples: tuple[jax.ShapeDtypeStruct, ...] = ()  # the example's own (static) shapes
     baked_keys: bool = False  # rng keys h holds, baked in as constants
+    streams: tuple[str, ...] = ()  # the rng streams a call moves (split or counted)
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # settings given
 
 
 def stage(
@@ -86,20 +111,14 @@ def stage(
         examples, kw, h.static_argnums, h.static_argnames, caller=f"export({h.name})"
     )
     if array_kwargs:
-        raise SignatureError(_array_kwargs(h.name, list(array_kwargs)))
+        raise SignatureError(array_kwargs_error(h.name, list(array_kwargs)))
     in_specs = input_structs(examples, batch, shapes, tuple(constraints), h.name)
     stored, fn, baked = _exportable(h)
+    streams = _moved(h, static, examples, kw)
     specs, host_params = param_specs(stored)  # as jax.export traces them
     treedef, paths = jax.tree.structure(stored), tuple(s.path for s in specs)
-    fn = _sharded_fn(h, fn) if h.mesh is not None else fn
-    if len(set(paths)) < len(paths):
-        twice = sorted({p for p in paths if paths.count(p) > 1})
-        raise ConfigError(
-            f"export({h.name}): two params share the path {twice[0]!r} (keys that print alike, "
-            "such as 1 and '1'); params.safetensors names each tensor by its path. Rename one."
-        )
-    if odd := next((p for p in paths if not _storable_path(p)), None):
-        raise ConfigError(_ODD_PATH.format(name=h.name, path=odd))
+    fn = constrained(h.mesh, h.axis, fn) if h.mesh is not None else fn
+    check_paths(f"export({h.name})", paths)
 
     def model(params: dict[str, jax.Array], *inputs: jax.Array) -> Any:
         args, kw = rebuild(static, inputs, {})
@@ -111,14 +130,7 @@ def stage(
     return Stage(h, static, in_specs, [specs[i] for i in order], [host_params[i] for i in order],
                  model, batch, shapes is not None, (*constraints,),
                  tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in examples),
-                 baked)  # fmt: skip
-
-
-_ODD_PATH = (
-    "export({name}): a param has the path {path!r}, which an artifact cannot name: a path is "
-    "at most 4096 printable characters (no newline, tab or control character) and not "
-    "safetensors' reserved '__metadata__'; load would refuse the artifact. Rename that key."
-)
+                 baked, streams, kw)  # fmt: skip
 
 
 _COMPLEX = (
@@ -166,8 +178,8 @@ def export_program(
             "symbolic (use x.shape[0] only inside jnp operations, reshape with -1), or export "
             "static shapes with batch=None."
         ) from e
-    if stage.baked_keys and any(e.primitive.name == "random_bits" for e, _ in walk(jaxpr)):
-        raise ConfigError(_FIXED_KEY.format(name=h.name))
+    if stage.baked_keys and _draws_a_constant_key(jaxpr):
+        raise ConfigError(_fixed_key(stage))
     out_kind, ins = _output_kind(exported, h), exported.in_avals[len(p_structs) :]
     outs = [_spec("out" if out_kind == "array" else f"out[{i}]", a)
             for i, a in enumerate(exported.out_avals)]  # fmt: skip
@@ -184,8 +196,119 @@ def export_program(
     return exported, signature, verdict(exported, dim)
 
 
-def _storable_path(path: str) -> bool:  # as params.safetensors and the manifest name it
-    return path.isprintable() and len(path) <= 4096 and path != "__metadata__"
+def _moved(h: Hybrid, static: Any, examples: tuple, kw: Mapping[str, Any]) -> tuple[str, ...]:
+    """The rng streams a call on ``examples`` moves; other state it reads and writes is refused
+    (an artifact carries none) where the output reads it (a decode cache) or the inputs move
+    it (batch statistics), not where it only counts calls."""
+    if not h.stateful:
+        return ()
+
+    def step(params: Any, state: Any, *xs: Any) -> Any:
+        args, kwargs = rebuild(static, xs, {})
+        return h._model.call(params, state, args, kwargs)
+
+    try:
+        closed, (out, new) = jax.make_jaxpr(step, return_shape=True)(h.params, h.state, *examples)
+    except Exception:  # export's own trace then names what is wrong
+        return ()
+    jaxpr, flat = closed.jaxpr, jax.tree_util.tree_flatten_with_path(h.state)[0]
+    paths, n, k = [_names(p) for p, _ in flat], len(jax.tree.leaves(h.params)), len(flat)
+    ins = dict(zip(paths, jaxpr.invars[n : n + k], strict=True))
+    outs = jaxpr.outvars[: len(jax.tree.leaves(out))]
+    news = dict(zip([_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(new)[0]],
+                    jaxpr.outvars[len(outs) :], strict=True))  # fmt: skip
+    from_inputs, keys = _reach(jaxpr, jaxpr.invars[n + k :]), _key_paths(h.state)
+    carried, streams = [], set()
+    for p, v in news.items():
+        if p not in ins or v is ins[p] or len(read := _reach(jaxpr, [ins[p]])) == 1:
+            continue  # new, passed through, or never read
+        if (stream := _stream(p, keys)) is not None:
+            streams.add(stream)
+        elif id(v) in from_inputs or any(id(o) in read for o in outs):
+            carried.append(p)
+    if carried:
+        raise ConfigError(_carried(h, carried, kw))
+    return tuple(sorted(streams))
+
+
+def _reach(jaxpr: Any, sources: Sequence[Any]) -> set[int]:
+    """The ids of ``sources`` and of the variables computed from them (equation by equation)."""
+    live = {id(v) for v in sources}
+    for e in jaxpr.eqns:
+        if any(id(v) in live for v in e.invars):
+            live |= {id(v) for v in e.outvars}
+    return live
+
+
+def _names(path: Any) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _stream(path: tuple[str, ...], keys: set[tuple[str, ...]]) -> str | None:
+    """The rng stream a state leaf belongs to: linen's ``rngs/<stream>`` key, nnx's
+    ``<stream>/key`` or ``<stream>/count``; ``None`` for other state."""
+    if path[-1] in ("key", "count") and (*path[:-1], "key") in keys:
+        return path[-2]
+    return path[-1] if path in keys else None
+
+
+def _mode(h: Hybrid, kw: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A linen model's settings in inference mode, where its call takes a mode flag."""
+    names = [p.name for p in h._model.parameters() or ()] if h._model.kind == "linen" else []
+    flag = next((f for f in names if f in _MODES), None)
+    if flag is None or kw.get(flag) == _MODES[flag]:
+        return None
+    return {**kw, flag: _MODES[flag]}
+
+
+def _carried(h: Hybrid, paths: list[tuple[str, ...]], kw: Mapping[str, Any]) -> str:
+    linen = h._model.kind == "linen"
+    names = sorted({p[0] if linen else "/".join(p) for p in paths})
+    quoted = ", ".join(map(repr, names))
+    what = f"{'collection' if linen else 'variable'}{'s' * (len(names) > 1)} {quoted}"
+    mode = _mode(h, kw)
+    mode = "E" if mode is None else f"Export the inference mode: kwargs={mode}. Else e"
+    settings = "".join(f", {k}={v!r}" for k, v in kw.items())
+    step = _LINEN_STEP.format(c=names[0], kw=settings) if linen and len(names) == 1 else ""
+    return _CARRIED.format(name=h.name, what=what, mode=mode, step=step)
+
+
+def _fixed_key(stage: Stage) -> str:
+    """The refusal of a baked rng key, naming its streams and a fix for that kind of model."""
+    h, n = stage.h, len(stage.examples)
+    keys = _key_paths(h.variables)  # where no call moved a stream: the keys h holds
+    streams = stage.streams or tuple(sorted({_stream(p, keys) or p[-1] for p in keys}))
+    xs = "x" if n == 1 else ", ".join(f"x{i}" for i in range(n))
+    kw = "".join(f", {k}={v!r}" for k, v in stage.kwargs.items())
+    key, many = "jax.random.wrap_key_data(key)", f"{list(streams)}, jax.random.split"
+    split = f"dict(zip({many}(jax.random.wrap_key_data(key), {len(streams)})))"
+    if h._model.kind == "nnx":
+        rngs = f"{streams[0]}={key}" if len(streams) == 1 else f"**{split}"
+        fix, holder = _NNX_KEY.format(xs=xs, kw=kw, rngs=rngs), "the module's nnx.Rngs holds"
+        part = (", or export a part that draws nothing (sm.hybridize(lambda model, z: "
+                "model.generate(z), model) for a VAE's sampler)")  # fmt: skip
+    else:
+        rngs = f"{{{streams[0]!r}: {key}}}" if len(streams) == 1 else split
+        fix, holder, part = _LINEN_KEY.format(xs=xs, kw=kw, rngs=rngs), "the Hybrid holds", ""
+    mode = _mode(h, stage.kwargs)
+    return _FIXED_KEY.format(
+        name=h.name, s="s" * (len(streams) > 1), streams=", ".join(map(repr, streams)),
+        holder=holder, fix=fix, xs=xs, specs=", ".join(["'b, ...'"] * n), part=part,
+        same="drop the same units" if streams == ("dropout",) else "draw the same numbers",
+        mode="M" if mode is None else f"Export the inference mode: kwargs={mode}. Else m",
+    )  # fmt: skip
+
+
+def _key_paths(tree: Any) -> set[tuple[str, ...]]:
+    return {_names(p) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if is_key(x)}
+
+
+def _draws_a_constant_key(jaxpr: Any) -> bool:
+    """Whether the program draws random bits and reads a key it closes over (a baked one)."""
+    if not any(e.primitive.name == "random_bits" for e, _ in walk(jaxpr)):
+        return False
+    read = {id(v) for e in jaxpr.eqns for v in e.invars}
+    return any(id(v) in read and is_key(v.aval) for v in jaxpr.constvars)
 
 
 def _spec(path: str, x: Any) -> TensorSpec:
@@ -252,33 +375,6 @@ def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:
         return fn(jax.tree.unflatten(treedef, full), *args, **kwargs)
 
     return stored, with_keys, True
-
-
-def _sharded_fn(h: Hybrid, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with ``h``'s shardings as constraints (``jax.export`` records the mesh size)."""
-    _, rep, dat, _ = shardings(h.mesh, h.axis)
-
-    def sharded(params: Any, *inputs: Any, **kw: Any) -> Any:
-        params = jax.lax.with_sharding_constraint(params, rep)
-        arrays = [x for x in inputs if hasattr(x, "shape")]
-        placed = iter(jax.lax.with_sharding_constraint(arrays, dat))
-        inputs = [next(placed) if hasattr(x, "shape") else x for x in inputs]
-        return jax.lax.with_sharding_constraint(fn(params, *inputs, **kw), dat)
-
-    return sharded
-
-
-def _array_kwargs(name: str, names: list[str]) -> str:
-    """The refusal of arrays given as keywords, naming the wrapper that gives them places."""
-    got = ", ".join(f"kwargs[{n!r}]" for n in names)
-    verb, them = ("is an array", "it") if len(names) == 1 else ("are arrays", "them")
-    places, passed = ", ".join(names), ", ".join(f"{n}={n}" for n in names)
-    return (
-        f"export({name}, kwargs=...): {got} {verb}, but an artifact's inputs are positional. "
-        f"Give {them} a place: export sm.hybridize(lambda params, x, {places}: {name}(params, "
-        f"x, {passed}), params) with example=(x, {places}), and call the artifact with {them} "
-        "by place; or bake a Python setting (True, 3, 'relu') instead."
-    )
 
 
 def _output_kind(exported: Any, h: Hybrid) -> str:

@@ -143,6 +143,19 @@ _DICT_INPUT = (
 )
 
 
+def array_kwargs_error(name: str, names: list[str]) -> str:
+    """The refusal of arrays given as keywords, naming the wrapper that gives them places."""
+    got = ", ".join(f"kwargs[{n!r}]" for n in names)
+    verb, them = ("is an array", "it") if len(names) == 1 else ("are arrays", "them")
+    places, passed = ", ".join(names), ", ".join(f"{n}={n}" for n in names)
+    return (
+        f"export({name}, kwargs=...): {got} {verb}, but an artifact's inputs are positional. "
+        f"Give {them} a place: export sm.hybridize(lambda params, x, {places}: {name}(params, "
+        f"x, {passed}), params) with example=(x, {places}), and call the artifact with {them} "
+        "by place; or bake a Python setting (True, 3, 'relu') instead."
+    )
+
+
 def input_structs(
     examples: tuple[Any, ...], batch: str | None, shapes: Sequence[str | None] | None,
     constraints: tuple[str, ...], name: str,

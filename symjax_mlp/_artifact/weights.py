@@ -26,7 +26,7 @@ from symjax_mlp._artifact.format import (
     too_many_values,
     unique_pairs,
 )
-from symjax_mlp._errors import ArtifactError, SymjaxError
+from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._files import Reader
 from symjax_mlp._specs import TensorSpec, cast_to
 
@@ -38,6 +38,29 @@ _ST_DTYPES = {  # safetensors dtype codes -> NumPy dtypes (bfloat16 from ml_dtyp
     "BOOL": np.dtype(np.bool_),
 }
 _NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
+
+
+_ODD_PATH = (
+    "{caller}: a param has the path {path!r}, which an artifact cannot name: a path is "
+    "at most 4096 printable characters (no newline, tab or control character) and not "
+    "safetensors' reserved '__metadata__'; load would refuse the artifact. Rename that key."
+)
+
+
+def check_paths(caller: str, paths: Sequence[str]) -> None:
+    """Refuses param paths that ``params.safetensors`` cannot name: twice, or unprintable."""
+    if len(set(paths)) < len(paths):
+        twice = sorted({p for p in paths if paths.count(p) > 1})
+        raise ConfigError(
+            f"{caller}: two params share the path {twice[0]!r} (keys that print alike, "
+            "such as 1 and '1'); params.safetensors names each tensor by its path. Rename one."
+        )
+    if odd := next((p for p in paths if not _storable_path(p)), None):
+        raise ConfigError(_ODD_PATH.format(caller=caller, path=odd))
+
+
+def _storable_path(path: str) -> bool:  # as params.safetensors and the manifest name it
+    return path.isprintable() and len(path) <= 4096 and path != "__metadata__"
 
 
 def param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:

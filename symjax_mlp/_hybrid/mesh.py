@@ -65,6 +65,20 @@ def shardings(mesh: Mesh | None, axis: str) -> tuple[Mesh, NamedSharding, NamedS
     return mesh, NamedSharding(mesh, P()), NamedSharding(mesh, P(axis)), mesh.shape[axis]
 
 
+def constrained(mesh: Mesh, axis: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with the mesh's shardings as constraints (``jax.export`` records its size)."""
+    _, rep, dat, _ = shardings(mesh, axis)
+
+    def sharded(params: Any, *inputs: Any, **kw: Any) -> Any:
+        params = jax.lax.with_sharding_constraint(params, rep)
+        arrays = [x for x in inputs if hasattr(x, "shape")]
+        placed = iter(jax.lax.with_sharding_constraint(arrays, dat))
+        inputs = [next(placed) if hasattr(x, "shape") else x for x in inputs]
+        return jax.lax.with_sharding_constraint(fn(params, *inputs, **kw), dat)
+
+    return sharded
+
+
 def place(x: Any, sharding: NamedSharding) -> jax.Array:
     """Puts ``x`` (the global value) on ``sharding``, each process only its shards; a traced
     ``x`` is constrained to it instead."""

@@ -1,0 +1,100 @@
+"""Export of a model whose calls move state (an rng stream drawn, a collection written then read
+again): an artifact carries none between calls, so it is refused naming the state, and the fix
+each message gives runs for that model (flax's seq2seq, nnx VAE, lm1b decode, BatchNorm)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import (
+    LM1B,
+    LinenBatchNorm,
+    Seq2seq,
+    TransformerLM,
+    _binary,
+    _lm1b_variables,
+    _vae,
+    seq2seq_inputs,
+)
+
+import symjax_mlp as sm
+
+
+def test_a_baked_rng_stream_is_refused_naming_the_stream_the_model_draws(tmp_path):
+    # it said 'dropout' and training=True: Seq2seq draws 'lstm' and takes no training flag
+    model = Seq2seq(teacher_force=True, hidden_size=8, vocab_size=5)
+    variables = jax.jit(model.init)(
+        {"params": jax.random.key(0), "lstm": jax.random.key(1)}, *seq2seq_inputs(0)
+    )
+    h = sm.hybridize(model, variables, rngs={"lstm": jax.random.key(3)})
+    with pytest.raises(sm.ConfigError, match=r"every call would") as e:
+        sm.export(h, tmp_path / "m", example=seq2seq_inputs(0))
+    message = str(e.value)
+    assert "'lstm'" in message and "rngs={'lstm': jax.random.wrap_key_data(key)}" in message
+    assert "dropout" not in message and "training" not in message
+    assert "lambda params, x0, x1, key: model.apply(params, x0, x1, rngs=" in message
+    assert not (tmp_path / "m").exists()
+
+
+def test_an_nnx_module_drawing_from_its_rngs_is_refused_naming_the_stream_and_an_nnx_fix(
+    tmp_path,
+):
+    """flax's nnx toy VAE draws self.rngs.noise() (no eval mode): the message was linen's
+    (model.apply, 'dropout'); the nnx fix it gives (nnx.reseed from a key input) exports and
+    draws per key, and the deterministic part exports as it is."""
+    model, _ = _vae()
+    x = _binary(0)
+    with pytest.raises(sm.ConfigError, match=r"'noise'") as e:
+        sm.export(sm.hybridize(model), tmp_path / "m", example=x)
+    message = str(e.value)
+    assert "model.apply" not in message and "dropout" not in message
+    assert "nnx.reseed(model, noise=jax.random.wrap_key_data(key))" in message
+    fix = sm.hybridize(
+        lambda model, x, key: (nnx.reseed(model, noise=jax.random.wrap_key_data(key)), model(x))[1],
+        model,
+    )
+    k1, k2 = (jax.random.key_data(jax.random.key(i)) for i in (1, 2))
+    m = sm.load(sm.export(fix, tmp_path / "k", example=(x, k1), shapes=("b, ...", None)).path)
+    assert not np.allclose(m(x, k1), m(x, k2))  # a draw per key, not one baked in
+    generate = sm.hybridize(lambda m, z: m.generate(z), model)  # the example's sampler
+    sm.export(generate, tmp_path / "g", example=jax.random.normal(jax.random.key(0), (3, 4)))
+
+
+def _decoding():
+    predict = TransformerLM(LM1B.replace(deterministic=True, decode=True))
+    cache = jax.jit(predict.init)(jax.random.key(0), jnp.ones((2, 8), jnp.int32))["cache"]
+    variables = {"params": _lm1b_variables()["params"], "cache": cache}
+    return predict, variables, jnp.full((2, 1), 3, jnp.int32)
+
+
+def test_a_linen_decode_cache_is_refused_at_export_naming_the_collection(tmp_path):
+    # it exported the cache as constants: every call of the artifact decoded position 0
+    predict, variables, token = _decoding()
+    h = sm.hybridize(predict, variables)
+    with pytest.raises(sm.ConfigError, match=r"writes the collection 'cache' that the next"):
+        sm.export(h, tmp_path / "m", example=token, batch=None)
+    assert not (tmp_path / "m").exists()
+    # the step the message gives: the cache's arrays in and out, decoding as the Hybrid does
+    model, params = predict, variables["params"]
+    leaves, tree = jax.tree.flatten(variables["cache"])
+    step = sm.hybridize(lambda p, x, *state: (lambda out, new: (out, *jax.tree.leaves(new)))(
+        *model.apply({"params": p, "cache": jax.tree.unflatten(tree, state)}, x,
+                     mutable=["cache"])), params)  # fmt: skip
+    art = sm.export(step, tmp_path / "step", example=(token, *leaves), batch=None)
+    m, state = sm.load(art.path, trust=True), leaves
+    for _ in range(3):
+        out, *state = m(token, *state)
+        np.testing.assert_allclose(out, h(token), rtol=1e-4, atol=1e-4)
+
+
+def test_a_linen_batch_norm_in_training_mode_is_refused_and_its_eval_mode_exports(tmp_path):
+    # batch_stats were baked in silently, as nnx's training mode no longer is
+    model, x = LinenBatchNorm(), jnp.linspace(-1, 1, 20).reshape(4, 5)
+    h = sm.hybridize(model, model.init(jax.random.key(0), x))
+    with pytest.raises(sm.ConfigError, match=r"collection 'batch_stats'") as e:
+        sm.export(h, tmp_path / "m", example=x, kwargs={"train": True})
+    assert "kwargs={'train': False}" in str(e.value)
+    assert not (tmp_path / "m").exists()
+    art = sm.export(h, tmp_path / "m", example=x, kwargs={"train": False})
+    np.testing.assert_allclose(sm.load(art.path)(x), h(x, train=False), rtol=1e-5, atol=1e-6)
