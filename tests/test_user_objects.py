@@ -353,6 +353,33 @@ def test_a_variable_an_nnx_call_adds_is_held_and_read_by_the_next_call_as_nnx_ji
     assert h.module.calls[...] == CALLS - 1 and h.trace_count <= 2  # one retrace: the new state
 
 
+class _Adds(nnx.Module):
+    """Holds ``Param`` s only, so its Hybrid carries no state; its call adds a variable."""
+
+    def __init__(self):
+        self.linear = nnx.Linear(5, 4, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        self.seen = nnx.Intermediate(x.sum())
+        return self.linear(x)
+
+
+def test_a_variable_added_to_an_nnx_module_without_state_is_refused_not_dropped():
+    """h.state stayed {} where nnx.jit keeps m.seen: the added variable was dropped silently.
+    Called once first, the module holds it, and its Hybrid carries it as nnx.jit does."""
+    h, x = sm.hybridize(_Adds()), _x()
+    says = r"_Adds: the call added \['seen'\](.|\n)*dropped(.|\n)*model\(x\); sm.hybridize"
+    for run in (h, h.eager, lambda x: h.apply(h.params, x), h.graph):
+        with pytest.raises(sm.ConfigError, match=says):
+            run(x)
+    model, want = _Adds(), _Adds()
+    model(x)  # as the message says: the variable made, then the module hybridized
+    h = sm.hybridize(model)
+    for i in range(CALLS):
+        chex.assert_trees_all_close(h(x + i), nnx.jit(lambda m, x: m(x))(want, x + i), **TOL)
+    assert h.state["seen"] == want.seen[...]
+
+
 def test_a_call_that_removes_an_nnx_variable_is_refused_naming_the_pure_form():
     for run in (lambda h: h(_x()), lambda h: h.eager(_x())):
         with pytest.raises(sm.ConfigError, match=r"not remove or retype them(.|\n)*h\.apply"):

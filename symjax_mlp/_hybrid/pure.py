@@ -240,7 +240,10 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
             if unfit is None:
                 raise
             raise unfit from None
-        if not state:
+        if not state:  # a Hybrid that carries none: what a call adds, it would drop
+            if added := _paths(({}, nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Param))))):
+                added = ", ".join(p.removeprefix("state") for p in added)
+                raise ConfigError(_ADDED.format(name=type(module).__name__, added=added))
             return out, state
         grown, new_params, new_state = nnx.split(m, nnx.Param, ...)
         new_state = nnx.to_pure_dict(new_state)
@@ -256,6 +259,12 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     return model, params, state
 
 
+_ADDED = (
+    "{name}: the call added {added} to an nnx module that held only Params when hybridized, "
+    "so its Hybrid carries no state and would have dropped them (nnx.jit keeps them in the "
+    "module). Create them in __init__, or call the module once before hybridizing it "
+    "(model(x); sm.hybridize(model)): the Hybrid then holds them and carries them across calls."
+)
 _NESTED_NNX = (
     "{caller}: params{path} is an nnx {kind} holding {held} variables, which its calls change "
     "(BatchNorm's statistics, Dropout's rng counts); inside the params every compiled call "
