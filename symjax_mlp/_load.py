@@ -31,7 +31,7 @@ from symjax_mlp._artifact.format import (
 )
 from symjax_mlp._artifact.reading import USED, freeze, read_artifact
 from symjax_mlp._artifact.weights import check_params, param_specs, read_safetensors_file
-from symjax_mlp._errors import ArtifactError, ConfigError, artifact_path
+from symjax_mlp._errors import ArtifactError, ConfigError, artifact_path, as_bool
 from symjax_mlp._hybrid.mesh import auto_mesh
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
@@ -98,9 +98,10 @@ def load(
     """
     if runtime not in RUNTIMES:
         raise ConfigError(f"load(runtime={runtime!r}): expected one of {RUNTIMES}.")
+    params_as_constants, trust, self_test = map(as_bool, (params_as_constants, trust, self_test))
     for option, value in (("params_as_constants", params_as_constants), ("trust", trust),
                           ("self_test", self_test)):  # fmt: skip
-        if value not in (False, True):  # trust="no" would skip every check
+        if not isinstance(value, bool):  # trust="no" would skip every check; 1 == True too
             raise ConfigError(f"load({option}={value!r}): expected True or False.")
     if params_as_constants and runtime != "jax":
         raise ConfigError(

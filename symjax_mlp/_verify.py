@@ -25,7 +25,14 @@ import numpy as np
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._artifact.reading import inspect
 from symjax_mlp._artifact.signature import sizes_at
-from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError, artifact_path, as_int
+from symjax_mlp._errors import (
+    ArtifactError,
+    ConfigError,
+    SymjaxError,
+    artifact_path,
+    as_bool,
+    as_int,
+)
 from symjax_mlp._load import RUNTIMES, load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._npy import KEY_IMPLS, draw, host, npy_array
@@ -184,7 +191,7 @@ def verify(
             raise ConfigError(  # inf would pass every output
                 f"verify({option}={value!r}): pass a number >= 0, finite, as numpy.allclose takes."
             )
-    if trust not in (False, True):
+    if not isinstance(trust := as_bool(trust), bool):  # 1 == True, as export refuses it
         raise ConfigError(f"verify(trust={trust!r}): expected True or False.")
     seed = as_int(seed)  # each refused here, not as NumPy's or subprocess's raw error
     real = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)

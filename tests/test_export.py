@@ -72,11 +72,15 @@ def test_load_params_as_constants_compiles_the_weights_into_the_program(art):
         sm.load(art.path, params_as_constants="yes")
 
 
-@pytest.mark.parametrize("option", ["trust", "self_test"])
+@pytest.mark.parametrize("option", ["trust", "self_test", "params_as_constants"])
 def test_load_refuses_a_switch_that_is_not_a_bool(art, option):
     art, _ = art  # trust="no" is truthy: it skipped every check of the program
     with pytest.raises(sm.ConfigError, match=rf"load\({option}='no'\): expected True or False"):
         sm.load(art.path, **{option: "no"})
+    for value in (1, 0):  # 1 == True: taken, where export and hybridize refuse it
+        with pytest.raises(sm.ConfigError, match=rf"load\({option}={value}\): expected True"):
+            sm.load(art.path, **{option: value})
+    sm.load(art.path, **{option: np.True_ if option != "trust" else np.False_})  # NumPy's bool
     with pytest.raises(sm.ArtifactError, match=r"load\(allow=3\): expected names"):
         sm.load(art.path, allow=3)
 
@@ -590,6 +594,7 @@ def test_two_params_with_one_path_are_refused(tmp_path):
         ({"rtol": "x"}, r"verify\(rtol='x'\)"),
         ({"reference": "x"}, r"verify\(reference='x'\): pass what to compare with"),
         ({"trust": "no"}, r"verify\(trust='no'\): expected True or False"),
+        ({"trust": 1}, r"verify\(trust=1\): expected True or False"),
     ],
 )
 def test_verify_refuses_bad_options_before_it_runs(art, options, message):
