@@ -92,20 +92,12 @@ class CallTiming:
 
     def to_dict(self) -> dict[str, Any]:
         """Every figure as JSON data: per row, its times, min and median (seconds per call)."""
-        rows = {
-            row: {"times_s": list(getattr(self, row)), "min_s": self.min(row),
-                  "median_s": self.median(row)}
-            for row in _ROWS
-        }  # fmt: skip
-        return {
-            "name": self.name,
-            "calls": self.calls,
-            "repeats": len(self.synced),
-            "dispatch": self.dispatch,
-            "floor": self.floor,
-            **rows,
-            "over_compiled": {m: self.over_compiled(m) for m in ("synced", "pipelined")},
-        }
+        rows = {row: {"times_s": list(getattr(self, row)), "min_s": self.min(row),
+                      "median_s": self.median(row)} for row in _ROWS}  # fmt: skip
+        over = {m: self.over_compiled(m) for m in ("synced", "pipelined")}
+        head = {"name": self.name, "calls": self.calls, "repeats": len(self.synced)}
+        return {**head, "dispatch": self.dispatch, "floor": self.floor, **rows,
+                "over_compiled": over}  # fmt: skip
 
     def __str__(self) -> str:
         lines = [
@@ -116,18 +108,14 @@ class CallTiming:
         for mode in ("synced", "pipelined"):
             for row, label in ((mode, f"model, {mode}"), (f"compiled_{mode}", f"compiled, {mode}")):
                 ratio = f"{self.over_compiled(mode):>15.3f}x" if row == mode else ""
-                lines.append(
-                    f"{label:<22}{_seconds(self.min(row)):>10}{_seconds(self.median(row)):>10}"
-                    f"{ratio}"
-                )
+                low, mid = _seconds(self.min(row)), _seconds(self.median(row))
+                lines.append(f"{label:<22}{low:>10}{mid:>10}{ratio}")
         lines.append(f"(compiled: {self.floor})")
         return "\n".join(lines)
 
 
 def _seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3f} s"
-    return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
+    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
 
 
 def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
@@ -139,24 +127,19 @@ def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[],
         )
     given, tree = jax.tree.flatten(args)
     traced = [i for i, leaf in enumerate(given) if isinstance(leaf, _ARRAYS)]
-    arrays = [given[i] for i in traced]
+    leaves, treedef = jax.tree.flatten(h.params)
 
-    def call(params: Any, state: Any, arrays: list[Any]) -> Any:  # Python settings closed over
-        leaves = list(given)
+    def flat(leaves: Any, state: Any, arrays: list[Any]) -> Any:  # Python settings closed over
+        inputs = list(given)
         for i, a in zip(traced, arrays, strict=True):
-            leaves[i] = a
-        inputs = jax.tree.unflatten(tree, leaves)
+            inputs[i] = a
+        params, inputs = jax.tree.unflatten(treedef, leaves), jax.tree.unflatten(tree, inputs)
         if not h.stateful:
             return h.fn(params, *inputs, **kwargs)
         return h._model.call(params, state, inputs, kwargs)  # (out, new state): h.fn's drops it
 
-    leaves, treedef = jax.tree.flatten(h.params)
-
-    def flat(leaves: Any, state: Any, arrays: list[Any]) -> Any:
-        return call(jax.tree.unflatten(treedef, leaves), state, arrays)
-
     state = h.state if h.stateful else None  # an input, as the model's call takes it
-    return _compiled(flat, leaves, [state, arrays], h.params_as_constants)
+    return _compiled(flat, leaves, [state, [given[i] for i in traced]], h.params_as_constants)
 
 
 def _floor_of_loaded(m: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
@@ -248,16 +231,12 @@ def _checked(m: Any, inputs: tuple[Any, ...], given: tuple[Any, ...], batch: int
 
 
 def _loop(fn: Callable[[], Any], calls: int, pipelined: bool) -> float:
-    clock, sync = time.perf_counter, jax.block_until_ready
+    clock, sync, out = time.perf_counter, jax.block_until_ready, None
     t0 = clock()
+    for _ in range(calls):
+        out = fn() if pipelined else sync(fn())
     if pipelined:
-        out = None
-        for _ in range(calls):
-            out = fn()
         sync(out)
-    else:
-        for _ in range(calls):
-            sync(fn())
     return (clock() - t0) / calls
 
 
@@ -321,21 +300,19 @@ def timeit(
             f"timeit: calls, repeats, warmup and batch must be >= 1; got calls={calls!r}, "
             f"repeats={repeats!r}, warmup={warmup!r}, batch={batch!r}; each is an int."
         )
-    if isinstance(model, Hybrid):
-        name = model.name
-    elif isinstance(model, LoadedModel):
-        default = model.entry == model.entries[0]  # m["embed"]: named so
-        name = str(model.path) if default else f"{model.path}[{model.entry!r}]"
-    else:
+    if not isinstance(model, Hybrid | LoadedModel):
         raise ConfigError(
             f"timeit: got a {type(model).__name__}; it times a Hybrid (sm.hybridize(...)) or a "
             "LoadedModel (sm.load(path)). For any other function, wrap it: "
             "sm.hybridize(lambda params, x: f(x), {})."
         )
+    name = model.name if not (loaded := isinstance(model, LoadedModel)) else str(model.path)
+    if loaded and model.entry != model.entries[0]:  # m["embed"]: named so
+        name = f"{model.path}[{model.entry!r}]"
     if args and batch != 1:
         raise ConfigError(_BATCH_OF_ARGS.format(name=name, batch=batch))
-    kwargs = _keywords(name, isinstance(model, LoadedModel), kwargs)
-    if isinstance(model, LoadedModel):
+    kwargs = _keywords(name, loaded, kwargs)
+    if loaded:
         args = _checked(model, args or _example_inputs(model, batch), args, batch)
         floor_of = functools.partial(_floor_of_loaded, model)
         floor = _JAX_FLOOR if model.runtime == "jax" else _IREE_FLOOR
@@ -357,6 +334,5 @@ def timeit(
         k = r % len(order)
         for key, piped in order[k:] + order[:k]:
             seconds[key, piped].append(_loop(fns[key], calls, piped))
-    rows = [(key, piped) for key in fns for piped in (False, True)]  # CallTiming's order
-    times = (tuple(seconds[row]) for row in rows)
+    times = (tuple(seconds[k, piped]) for k in fns for piped in (False, True))  # CallTiming's
     return CallTiming(name, calls, dispatch_mode(), *times, floor=floor)
