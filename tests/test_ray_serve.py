@@ -292,6 +292,8 @@ def test_bad_batcher_or_app_options_are_refused_before_any_replica_starts(tmp_pa
             sm.serving.ray_app(path, **bad)
     with pytest.raises(sm.ConfigError, match="max_inflight_bytes=10 is less than"):
         sm.serving.ray_app(path, max_inflight_bytes=10)
+    with pytest.raises(sm.ConfigError, match=r"ray_app\(.*warm_up_timeout=-1\): pass seconds"):
+        sm.serving.ray_app(path, warm_up_timeout=-1)
 
 
 def test_the_cli_refuses_more_replicas_than_the_cluster_has_cpus(cluster):
