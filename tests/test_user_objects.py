@@ -380,6 +380,15 @@ def test_a_variable_added_to_an_nnx_module_without_state_is_refused_not_dropped(
     assert h.state["seen"] == want.seen[...]
 
 
+def test_the_retrace_a_grown_state_causes_names_the_variables_the_call_added():
+    """It was logged as "same signature traced again (a new jax.jit cache entry)"."""
+    h, x = sm.hybridize(_Counts()), _x()
+    h(x), h(x), h(x[:2])
+    first, grown, shape = (e.reason for e in h.trace_log)
+    assert first == "first call" and shape == "args[0].shape changed from (4, 5) to (2, 5)"
+    assert grown == "the held state grew: the last call added state['calls']"
+
+
 def test_a_call_that_removes_an_nnx_variable_is_refused_naming_the_pure_form():
     for run in (lambda h: h(_x()), lambda h: h.eager(_x())):
         with pytest.raises(sm.ConfigError, match=r"not remove or retype them(.|\n)*h\.apply"):

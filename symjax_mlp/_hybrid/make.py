@@ -45,11 +45,13 @@ def hybridize(
 
     Args:
       model: a ``flax.linen.Module`` (``params``: its variables, as ``init`` returns them), a
-        ``flax.nnx.Module`` (no ``params``: its state is split off once and carried across
-        calls; ``module.eval()`` and ``module.train()`` switch the Hybrid too, one trace per
-        mode), an ``equinox.Module`` (no ``params``: its float arrays are, as
-        ``eqx.filter_grad`` takes them; its bool and int arrays are held with the rest, baked
-        into the program), or any pure function ``fn(params, *args, **kwargs)``.
+        ``flax.nnx.Module`` (no ``params``: its state, every variable but its ``Param`` s, is
+        split off once and carried across calls, with the variables a call adds, as ``nnx.jit``
+        keeps them; one holding ``Param`` s only carries none, so a call that adds one is
+        refused: call the module once before. ``module.eval()`` and ``module.train()`` switch
+        the Hybrid too, one trace per mode), an ``equinox.Module`` (no ``params``: its float
+        arrays are, as ``eqx.filter_grad`` takes them; its bool and int arrays are held with
+        the rest, baked into the program), or any pure function ``fn(params, *args, **kwargs)``.
       params: the variables or params; omitted for an nnx or equinox module. An nnx module as
         ``fn``'s params is split as its own Hybrid splits it; one inside the params (or given
         later to ``h.apply``, ``h.replace``) must hold ``Param`` s only.
@@ -74,7 +76,8 @@ def hybridize(
     Raises:
       TypeError: ``model`` is none of the above, or params are missing or superfluous.
       ConfigError: an nnx module inside ``params`` holds variables other than ``Param`` s
-        (also raised by ``h.apply`` and ``h.replace(params=...)``).
+        (also raised by ``h.apply`` and ``h.replace(params=...)``). A call raises it where an
+        nnx module's call removes a variable, or adds one to a module that held none.
 
     Example:
       >>> import jax.numpy as jnp

@@ -194,8 +194,7 @@ class NoPickle:
         raise ConfigError(_NO_PICKLE.format(name=name, kind=kind, instead=self._INSTEAD))
 
     def __copy__(self) -> Any:
-        twin = object.__new__(type(self))
-        twin.__dict__.update(self.__dict__)
+        (twin := object.__new__(type(self))).__dict__.update(self.__dict__)
         return twin
 
 
@@ -235,7 +234,7 @@ class TraceEvent:
       signature: one :class:`~symjax_mlp.TensorSpec` per traced input leaf (not the params).
       tree: the traced inputs' tree structure, as text.
       reason: ``"first call"`` or what changed against the nearest earlier trace, e.g.
-        ``"args[0].shape changed from (1, 512) to (7, 512)"``.
+        ``"args[0].shape changed from (1, 512) to (7, 512)"``, or the variables a call added.
       static: the static (Python) arguments it was specialised on, ``(path, repr(value))``.
       entry: ``"call"`` (``h(x)``) or ``"apply"`` (``h.apply(params, x)``).
     """
@@ -274,10 +273,9 @@ def signature(
         trees.append(str(treedef))
         for path, leaf in leaves:
             aval = jax.typeof(leaf)
+            at = prefix + jax.tree_util.keystr(path)
             if prefix == "args":  # the first key is the place among the traced args
                 at = f"args[{places[path[0].idx]}]" + jax.tree_util.keystr(path[1:])
-            else:
-                at = prefix + jax.tree_util.keystr(path)
             weak = bool(getattr(aval, "weak_type", False))
             specs.append(TensorSpec(at, tuple(aval.shape), str(aval.dtype), weak))
     tree = trees[0] if trees[1] == str(jax.tree.structure({})) else " ".join(trees)
@@ -299,8 +297,9 @@ def explain(
     tree: str,
     events: Sequence[TraceEvent],
     static: tuple[tuple[str, str], ...] = (),
+    added: Sequence[str] = (),
 ) -> str:
-    """Why ``(sig, tree, static)`` traced again: its differences from the nearest earlier trace."""
+    """Why ``(sig, tree, static)`` traced again: what differs from the nearest earlier trace."""
     if not events:
         return "first call"
 
@@ -319,6 +318,7 @@ def explain(
         for p in sorted(set(was) | set(now))
         if was.get(p) != now.get(p)
     ]
+    changes += [f"the held state grew: the last call added {', '.join(added)}"] if added else []
     return "; ".join(changes) or "same signature traced again (a new jax.jit cache entry)"
 
 
@@ -327,8 +327,6 @@ _RETRACE = (
     "  Earlier traces:\n  {history}\nCall it with one shape and dtype (pad the batch, cast "
     "once) and fixed settings, or raise max_traces if each is intended."
 )
-
-
 _REENTERED = (
     "{name}: an on_trace callback called the Hybrid on inputs that trace it again (or ran it "
     "eagerly), which runs the callback again, without end. A callback may read the Hybrid "
@@ -345,6 +343,7 @@ class TraceLog:
         self.name, self.max_traces = name, max_traces
         self.callbacks: list[Callable[..., Any]] = []
         self._events: list[TraceEvent] = []
+        self._held: frozenset[str] = frozenset()  # the state paths the last trace logged had
         self._lock = threading.Lock()
         self._under_way = 0  # traces begun, not yet ended
         self._running = threading.local()  # this thread runs the callbacks
@@ -372,12 +371,13 @@ class TraceLog:
             self._running.on = False
 
     @contextlib.contextmanager
-    def tracing(self, static: Any, dyn: Any, dyn_kw: Any, entry: str) -> Iterator[None]:
-        """One trace in the block: its callbacks run first, a RetraceError past the budget
-        (traces under way in racing threads counted), logged if the block succeeds."""
+    def tracing(self, static: Any, dyn: Any, dyn_kw: Any, entry: str, held=()) -> Iterator[None]:
+        """One trace in the block (of a state of paths ``held``): callbacks run first, a
+        RetraceError past the budget (racing traces counted), logged if the block succeeds."""
         sig, tree, shown = signature(dyn, dyn_kw, static)
         with self._lock:
-            reason = explain(sig, tree, self._events, shown)
+            added = [p for p in held if self._events and p not in self._held][:5]
+            reason = explain(sig, tree, self._events, shown, added)
             n = len(self._events) + self._under_way
             event = TraceEvent(n, sig, tree, reason, shown, entry)
             if self.max_traces is not None and n >= self.max_traces:
@@ -397,3 +397,4 @@ class TraceLog:
                 self._under_way -= 1
                 if done:
                     self._events.append(dataclasses.replace(event, index=len(self._events)))
+                    self._held = frozenset(held)

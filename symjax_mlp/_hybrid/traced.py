@@ -252,7 +252,8 @@ class TracedModel:
                 refit(caller, self.held.tree, state)
         params = leaves if entry == "apply" else self.params(leaves)
         given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
-        with self.log.tracing(static, dyn, dyn_kw, entry):
+        held = [f"state{p}" for p in _paths(jax.tree.structure(state))]
+        with self.log.tracing(static, dyn, dyn_kw, entry, held):
             result = self.call(static, params, state, dyn, dyn_kw)
         return (*result, [v.get_value() for v in given]) if given else result
 
