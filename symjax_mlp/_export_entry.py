@@ -44,6 +44,7 @@ _FIXED_KEY = (
 _LINEN_KEY = (
     "sm.hybridize(lambda params, {xs}, key: model.apply(params, {xs}{kw}, rngs={rngs}), variables)"
 )
+_PLAIN_KEY = "sm.hybridize(lambda params, {xs}, key: ..., params), drawing from {key}"
 _NNX_KEY = (
     "sm.hybridize(lambda model, {xs}, key: (nnx.reseed(model, {rngs}), model({xs}{kw}))[1], model)"
 )
@@ -247,7 +248,7 @@ def _names(path: Any) -> tuple[str, ...]:
 def _stream(path: tuple[str, ...], keys: set[tuple[str, ...]]) -> str | None:
     """The rng stream a state leaf belongs to: linen's ``rngs/<stream>`` key, nnx's
     ``<stream>/key`` or ``<stream>/count``; ``None`` for other state."""
-    if path[-1] in ("key", "count") and (*path[:-1], "key") in keys:
+    if len(path) > 1 and path[-1] in ("key", "count") and (*path[:-1], "key") in keys:
         return path[-2]
     return path[-1] if path in keys else None
 
@@ -287,9 +288,11 @@ def _fixed_key(stage: Stage) -> str:
         fix, holder = _NNX_KEY.format(xs=xs, kw=kw, rngs=rngs), "the module's nnx.Rngs holds"
         part = (", or export a part that draws nothing (sm.hybridize(lambda model, z: "
                 "model.generate(z), model) for a VAE's sampler)")  # fmt: skip
-    else:
+    elif h._model.kind == "linen":
         rngs = f"{{{streams[0]!r}: {key}}}" if len(streams) == 1 else split
         fix, holder, part = _LINEN_KEY.format(xs=xs, kw=kw, rngs=rngs), "the Hybrid holds", ""
+    else:  # a function's params (or an equinox module) hold the key
+        fix, holder, part = _PLAIN_KEY.format(xs=xs, key=key), "its params hold", ""
     mode = _mode(h, stage.kwargs)
     return _FIXED_KEY.format(
         name=h.name, s="s" * (len(streams) > 1), streams=", ".join(map(repr, streams)),

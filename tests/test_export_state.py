@@ -98,3 +98,16 @@ def test_a_linen_batch_norm_in_training_mode_is_refused_and_its_eval_mode_export
     assert not (tmp_path / "m").exists()
     art = sm.export(h, tmp_path / "m", example=x, kwargs={"train": False})
     np.testing.assert_allclose(sm.load(art.path)(x), h(x, train=False), rtol=1e-5, atol=1e-6)
+
+
+def test_a_function_drawing_from_a_key_in_its_params_is_refused_with_a_fix_for_a_function(
+    tmp_path,
+):
+    # the stream's name was read from the key's path, one key long: an IndexError, not a refusal
+    h = sm.hybridize(
+        lambda p, x: x + jax.random.normal(p["key"], x.shape), {"key": jax.random.key(0)}
+    )
+    with pytest.raises(sm.ConfigError, match=r"every call would draw the same numbers") as e:
+        sm.export(h, tmp_path / "m", example=jnp.ones((2, 3)))
+    assert "model.apply" not in str(e.value) and "'key'" in str(e.value)
+    assert not (tmp_path / "m").exists()
