@@ -6,6 +6,7 @@ before any parser reads a byte; only regular files and directories are allowed.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import stat
@@ -39,13 +40,40 @@ def _config(kind: str) -> Any:
     return module.Config().set_hashing_config(hashing)
 
 
-def _checked(path: Any, key: Any, *, private: bool) -> tuple[Path, Path]:
+#: the public call that checks a public key (``symjax_mlp.load`` calls :func:`check`)
+_LOAD = ("symjax_mlp.load", "verify_signature")
+#: what is at a path that is no regular file, by its ``stat`` mode
+_KINDS = (
+    (stat.S_ISDIR, "a directory is there"),
+    (stat.S_ISFIFO, "a FIFO (named pipe) is there"),
+    (stat.S_ISSOCK, "a socket is there"),
+    (stat.S_ISCHR, "a character device is there"),
+    (stat.S_ISBLK, "a block device is there"),
+)
+
+
+def _there(file: Path) -> str:
+    """What is at ``file``, which is no regular file (or cannot be reached): for a message."""
+    try:
+        mode = os.stat(file).st_mode
+    except ValueError as e:  # a NUL byte in the name
+        return f"no file can be there: {e}"
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            return f"it cannot be read: {(e.strerror or str(e)).lower()}"
+        return "a symbolic link to nothing is there" if os.path.islink(file) else "no file there"
+    return next((said for test, said in _KINDS if test(mode)), "no regular file is there")
+
+
+def _checked(path: Any, key: Any, *, private: bool, call: tuple[str, str]) -> tuple[Path, Path]:
     """The artifact directory and the key file, checked: model-signing reports a key of
-    another kind as a signature that does not verify, or as an AttributeError."""
+    another kind as a signature that does not verify, or as an AttributeError. ``call``: the
+    public function called and its keyword that took the key, which the messages begin with."""
     from cryptography.hazmat.primitives import serialization as pem
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    what = "sign(private_key=...)" if private else "verify_signature="
+    fn, keyword = call
+    what = f"{fn}({keyword}=...)"
     verb, kind = ("sign", "private") if private else ("verify", "public")
     if not isinstance(key, (str, os.PathLike)):
         raise ConfigError(
@@ -54,14 +82,14 @@ def _checked(path: Any, key: Any, *, private: bool) -> tuple[Path, Path]:
         )
     if not isinstance(path, (str, os.PathLike)):  # else pathlib's TypeError
         raise ConfigError(
-            f"{verb}({printable(repr(path)[:80])}): expected the artifact directory as a str or "
+            f"{fn}({printable(repr(path)[:80])}): expected the artifact directory as a str or "
             f"a pathlib.Path; got a value of type {type(path).__name__}."
         )
     path, file = Path(path), Path(key)
     shown = printable(str(path)[:300])
     if not os.path.isfile(file):  # os.path's: False where Path's raises (a name too long)
         raise ConfigError(
-            f"{what}: {printable(str(file)[:300])} is not a key file (no file there); expected "
+            f"{what}: {printable(str(file)[:300])} is not a key file ({_there(file)}); expected "
             f"the PEM file of an elliptic-curve {kind} key. Pass the path of one."
         )
     if os.path.islink(path):  # swapped after the check, it would name another directory
@@ -83,7 +111,7 @@ def _checked(path: Any, key: Any, *, private: bool) -> tuple[Path, Path]:
     except (ValueError, TypeError) as e:  # TypeError: an encrypted private key
         held = f"no PEM {kind} key ({printable(str(e).split('. ')[0][:120])})"
     if held:
-        arg = f"sign(private_key={str(file)!r})" if private else f"verify_signature={str(file)!r}"
+        arg = f"{fn}({keyword}={printable(repr(str(file))[:300])})"
         want = (
             "private key to sign with, unencrypted (e.g. cryptography's "
             "ec.generate_private_key(ec.SECP256R1())). Pass such a key."
@@ -146,14 +174,14 @@ def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> P
       ConfigError: ``model-signing`` is missing, or ``private_key`` is not a key file.
     """
     config = _config("signing")
-    path, key = _checked(path, private_key, private=True)
+    path, key = _checked(path, private_key, private=True, call=("symjax_mlp.sign", "private_key"))
     snapshot(path)
     with tempfile.TemporaryDirectory() as scratch:  # a signature there before stays till done
         try:
             config.use_elliptic_key_signer(private_key=key).sign(path, Path(scratch, SIGNATURE))
         except (ValueError, TypeError, OSError) as e:
             raise ConfigError(
-                f"sign({str(path)!r}): model-signing failed: {printable(str(e))}"
+                f"symjax_mlp.sign({str(path)!r}): model-signing failed: {printable(str(e))}"
             ) from e
         try:
             write_file_atomic(path / SIGNATURE, Path(scratch, SIGNATURE).read_bytes())
@@ -178,14 +206,18 @@ def verify_signature(path: str | os.PathLike[str], public_key: str | os.PathLike
         signed with another key.
       ConfigError: ``model-signing`` is missing, or ``public_key`` is not a key file.
     """
-    check(path, public_key)
+    check(path, public_key, call=("symjax_mlp.verify_signature", "public_key"))
 
 
-def check(path: str | os.PathLike[str], public_key: str | os.PathLike[str]) -> Callable[[], None]:
+def check(
+    path: str | os.PathLike[str], public_key: str | os.PathLike[str], call: tuple = _LOAD
+) -> Callable[[], None]:
     """:func:`verify_signature`; returns ``unchanged()``, which raises if any file of ``path``
-    changed since (a loader calls it after reading the files)."""
+    changed since (a loader calls it after reading the files). ``call``: the public function
+    that was called and its keyword that took the key, ``("symjax_mlp.load",
+    "verify_signature")`` unless given."""
     config = _config("verifying")
-    path, key = _checked(path, public_key, private=False)
+    path, key = _checked(path, public_key, private=False, call=call)
     before = snapshot(path)
     sig = path / SIGNATURE
     if SIGNATURE not in before:

@@ -1153,6 +1153,28 @@ def test_signing_paths_of_no_path_or_too_long_a_name_are_errors_that_say_so(base
             call()
 
 
+def test_a_key_path_that_is_no_file_says_what_is_there_after_the_public_call(base, keys, tmp_path):
+    """A directory or a FIFO given as the key was "(no file there)"; the messages began with
+    sign(private_key=...) or verify_signature=, not with the public call that was made."""
+    src, _ = base
+    private, public = keys["ours"]
+    fifo = tmp_path / "fifo.pem"
+    os.mkfifo(fifo)
+    calls = {
+        "symjax_mlp.sign(private_key=": (lambda key: sm.sign(src, key), public),
+        "symjax_mlp.verify_signature(public_key=": (lambda k: sm.verify_signature(src, k), private),
+        "symjax_mlp.load(verify_signature=": (lambda k: sm.load(src, verify_signature=k), private),
+    }
+    there = {tmp_path: "a directory is there", fifo: r"a FIFO \(named pipe\) is there"}
+    there[tmp_path / "none.pem"] = "no file there"
+    for call, (run, wrong) in calls.items():
+        for key, said in [*there.items(), (wrong, "the file holds no PEM"), (3, "pass the path")]:
+            with pytest.raises(sm.ConfigError, match=rf"^{re.escape(call)}.*: .*{said}"):
+                bounded(lambda run=run, key=key: run(key), 20)
+    with pytest.raises(sm.ConfigError, match=r"^symjax_mlp\.sign\(None\): expected the artifact"):
+        sm.sign(None, private)
+
+
 def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_path):
     """Later cold starts skip reading the module again (the report is cached under the
     module's sha256 in the user's cache, signed with the user's key); a damaged or planted
@@ -1241,7 +1263,8 @@ def test_a_key_of_another_type_is_named_as_such_not_as_a_changed_artifact(base, 
         .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     for key, got in ((other, "an Ed25519PublicKey"), (keys["ours"][0], "no PEM public key")):
-        with pytest.raises(sm.ConfigError, match=rf"holds {got}.*elliptic-curve public key") as e:
+        says = rf"^symjax_mlp\.load\(verify_signature='.*'\): the file holds {got}.*public key"
+        with pytest.raises(sm.ConfigError, match=says) as e:
             sm.load(art, verify_signature=key)
         assert "changed after it was signed" not in str(e.value)
 
