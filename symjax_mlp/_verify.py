@@ -36,7 +36,7 @@ from symjax_mlp._errors import (
 from symjax_mlp._load import RUNTIMES, load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._npy import KEY_IMPLS, draw, host, npy_array
-from symjax_mlp._signing import verify_signature as check_signature
+from symjax_mlp._signing import check as check_signature
 from symjax_mlp._specs import TensorSpec
 
 
@@ -209,7 +209,8 @@ def verify(
     options = {"trust": bool(trust), "allow": sorted(allow or ())}  # load's, as JSON
     if verify_signature is not None:
         options["verify_signature"] = str(Path(verify_signature).resolve())
-        check_signature(path, options["verify_signature"])  # before reading a byte
+        key = options["verify_signature"]  # checked before a byte is read
+        check_signature(path, key, call=("symjax_mlp.verify", "verify_signature"))
     art = inspect(path)
     sig, rng = art.signature, np.random.default_rng(seed)
     if not any(isinstance(d, str) for s in sig.inputs for d in s.shape):  # static: one size

@@ -1367,6 +1367,9 @@ def test_model_signings_error_text_is_quoted_without_terminal_escapes(base, keys
     assert r"\x1b[2Jpwned" in str(e.value)
     assert main(["verify", str(art), "--key", str(public)]) == 2
     assert "\x1b" not in capsys.readouterr().err
+    assert main(["verify", str(art), "--key", str(tmp_path)]) == 2  # a directory, not a key
+    err = capsys.readouterr().err  # the library's keyword said, then the CLI's option for it
+    assert "symjax_mlp.verify(verify_signature=" in err and "verify_signature= is --key" in err
 
 
 def test_a_signature_that_cannot_be_written_is_an_artifact_error(base, keys, tmp_path):
