@@ -1188,79 +1188,21 @@ def test_a_manifests_long_name_is_cut_in_every_message(tmp_path):
     assert health["model"] == f"Batcher({name})"
 
 
-class _Recorder:
-    """A transport that records each ``write`` (one ``send`` each) before passing it on."""
-
-    def __init__(self, transport, sends):
-        self._t, self.sends = transport, sends
-
-    def __getattr__(self, name):
-        return getattr(self._t, name)
-
-    def write(self, data):
-        self.sends.append(bytes(data))
-        self._t.write(data)
-
-
-def test_each_answer_leaves_in_one_send():
-    """uvicorn writes an answer's head and its body apart: two sends, two TCP segments (the
-    socket has TCP_NODELAY), so the client woke twice per answer. The head now waits for its
-    body: one send an answer, every answer whole, the errors' too."""
-    from symjax_mlp.serving._server import bounded_heads
-
-    sends: list[bytes] = []
-
-    class Recording(bounded_heads(5.0)):
-        def connection_made(self, transport):
-            super().connection_made(_Recorder(transport, sends))
-
-    x = json.dumps({"inputs": [[1.0, 2.0]]}).encode()
-    bodies = [x, x, b"{", x]  # a 400 among the 200s
-    with (
-        sm.serving.Batcher(lambda x: x * 2, example=np.zeros((1, 2), np.float32)) as b,
-        _in_thread(sm.serving.create_app(b, close_batcher=False), http=Recording) as url,
-        socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s,
-    ):
-        for body in bodies:  # one keep-alive connection, each answer read before the next
-            head = f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
-            s.sendall(head.encode() + body)
-            answer = b""
-            while not answer.endswith(b"}"):
-                answer += s.recv(65536)
-    assert [a.split(b" ")[1] for a in sends] == [b"200", b"200", b"400", b"200"], sends
-    assert all(a.endswith(b"}") and b"\r\n\r\n{" in a for a in sends), sends
-    assert json.loads(sends[0].partition(b"\r\n\r\n")[2]) == {"outputs": [[2.0, 4.0]]}
-
-
-def test_a_head_sent_without_its_body_leaves_on_the_next_turn_of_the_loop():
-    """A head held for its body is sent by the loop's next turn if no body follows at once
-    (a streamed answer), and before the connection closes; a large body goes on its own."""
-    import types
-
-    from symjax_mlp.serving._server import _Lingering
-
-    async def main():
-        sends: list[bytes] = []
-        raw = types.SimpleNamespace(write=sends.append, is_closing=lambda: False)
-        raw.can_write_eof, raw.close = lambda: False, lambda: sends.append(b"<closed>")
-        cycle = types.SimpleNamespace(response_complete=False, more_body=False)
-        protocol = types.SimpleNamespace(cycle=cycle, loop=asyncio.get_running_loop())
-        t = _Lingering(raw, protocol, 1.0)
-        t.write(b"HEAD\r\n\r\n")
-        assert sends == []  # held: its body may follow
-        await asyncio.sleep(0)
-        assert sends == [b"HEAD\r\n\r\n"]
-        t.write(b"chunk")  # the same answer's later writes go at once
-        protocol.cycle = types.SimpleNamespace(response_complete=False, more_body=False)
-        t.write(b"HEAD2\r\n\r\n")
-        big = b"x" * (2**16 + 1)
-        t.write(big)  # not copied onto its head
-        protocol.cycle = types.SimpleNamespace(response_complete=False, more_body=False)
-        t.write(b"HEAD3\r\n\r\n")
-        t.close()  # the held head first
-        await asyncio.sleep(0)
-        return sends
-
-    sends = asyncio.run(main())
-    assert sends == [b"HEAD\r\n\r\n", b"chunk", b"HEAD2\r\n\r\n", b"x" * (2**16 + 1),
-                     b"HEAD3\r\n\r\n", b"<closed>"]  # fmt: skip
+def test_expect_100_continue_and_head_requests_are_answered_by_serve(server):
+    """A client that waits for "100 Continue" before its body (curl does, for a large one), and
+    a HEAD request, whose answer has no body, are answered."""
+    url, _, _ = server
+    body = json.dumps({"inputs": np.zeros((1, 512), np.float32).tolist()}).encode()
+    with socket.create_connection(("127.0.0.1", _port(url)), timeout=10) as s:
+        s.sendall(
+            b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        assert s.recv(4096).startswith(b"HTTP/1.1 100 Continue\r\n")
+        s.sendall(body)
+        answer = b""
+        while not answer.endswith(b"}"):
+            answer += s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200") and b'"outputs"' in answer
+        s.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")

@@ -46,8 +46,6 @@ class _Lingering:
     def __init__(self, transport: Any, protocol: Any, limit: float) -> None:
         self._t, self._protocol, self._limit = transport, protocol, limit
         self.lingering, self._last = False, 0.0
-        self._head: bytes | None = None  # a response's head, held for its body
-        self._seen: Any = None  # the last request cycle written to
 
     def __getattr__(self, name: str) -> Any:  # once a name: then found on the instance
         value = getattr(self._t, name)
@@ -58,33 +56,11 @@ class _Lingering:
         return self.lingering or self._t.is_closing()
 
     def write(self, data: bytes) -> None:
-        """Sends ``data``; a response's head waits for its body, which uvicorn writes next, so
-        that the answer leaves in one send (one TCP segment: one wake-up of the client)."""
-        if self.is_closing():  # closed (a 400 to what a client pipelined): answers are dropped
-            return
-        if self._head is not None:
-            head, self._head = self._head, None
-            if len(data) <= 1 << 16:  # else two sends: cheaper than copying a large body
-                data = head + data
-            else:
-                self._t.write(head)
-        else:
-            cycle = self._protocol.cycle
-            if cycle is not None and cycle is not self._seen and not cycle.response_complete:
-                self._seen, self._head = cycle, data  # the cycle's first write: its head
-                self._protocol.loop.call_soon(self.flush)  # if no body comes at once
-                return
-        self._t.write(data)
-
-    def flush(self) -> None:
-        """Sends a head that is held."""
-        if self._head is not None:
-            head, self._head = self._head, None
-            if not self.is_closing():
-                self._t.write(head)
+        # closed (a 400 to what a client pipelined after its requests): answers are dropped
+        if not self.is_closing():
+            self._t.write(data)
 
     def close(self) -> None:
-        self.flush()
         cycle = self._protocol.cycle
         unread = cycle is not None and cycle.more_body
         if not unread or self.is_closing() or not self._t.can_write_eof():
