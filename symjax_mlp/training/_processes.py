@@ -167,8 +167,9 @@ def agree(config: dict[str, Any], *, timeout: int, caller: str) -> str:
 
 
 def _short(v: Any) -> Any:
-    text = json.dumps(v)
-    return v if len(text) <= 80 else text[:77] + "..."
+    """``v`` as the refusal shows it: a long one cut in its middle (two paths differ at the end)."""
+    text = v if isinstance(v, str) else json.dumps(v)
+    return v if len(text) <= 80 else f"{text[:38]}...{text[-39:]}"
 
 
 class Watchdog:
