@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -105,6 +106,14 @@ def _mlp(
                 "elements than any array can have; pass smaller widths (sizes, in_features) or a "
                 "smaller batch."
             )
+    params = sum((a + 1) * b for a, b in zip((in_features, *sizes), sizes, strict=False))
+    too_large = ConfigError(
+        f"symjax_mlp.chapter.{call}(sizes={tuple(sizes)}): an MLP of those sizes on "
+        f"{in_features} inputs has {params:,} parameters, more than this process can hold in "
+        "memory; pass smaller widths."
+    )
+    if 4 * params > _memory():  # XLA may abort the process, not raise, on such an allocation
+        raise too_large
     key = jax.random.key(seed)
     if name is None:
         x = jnp.zeros((batch, in_features), jnp.float32)
@@ -115,13 +124,16 @@ def _mlp(
     except (MemoryError, jax.errors.JaxRuntimeError) as e:
         if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        params = sum((a + 1) * b for a, b in zip((in_features, *sizes), sizes, strict=False))
-        raise ConfigError(
-            f"symjax_mlp.chapter.{call}(sizes={tuple(sizes)}): an MLP of those sizes on "
-            f"{in_features} inputs has {params:,} parameters, more than this process can hold in "
-            "memory; pass smaller widths."
-        ) from None
+        raise too_large from None
     return hybridize(net, variables, name=name), x
+
+
+def _memory() -> float:
+    """This machine's physical memory in bytes (infinite where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # Windows has no sysconf
+        return math.inf
 
 
 def describe_mlp(

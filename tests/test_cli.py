@@ -789,6 +789,24 @@ def test_numbers_no_array_or_key_holds_are_one_line(tmp_path, capsys, argv, says
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_model_past_this_machines_memory_is_refused_before_xla_allocates_it(
+    tmp_path, capsys, monkeypatch
+):
+    """export --sizes 10**13 reached XLA, which raised RESOURCE_EXHAUSTED or, once in a
+    loaded test worker, aborted the process: the sizes are now checked against the machine's
+    memory first (here a machine of 1 MB, and an MLP of 6 MB)."""
+    import symjax_mlp.chapter
+
+    monkeypatch.setattr(symjax_mlp.chapter, "_memory", lambda: 2**20)
+    assert main(["export", str(tmp_path / "a"), "--sizes", "1024,1024"]) == 2
+    err = capsys.readouterr().err
+    params = (512 + 1) * 1024 + (1024 + 1) * 1024
+    assert f"{params:,} parameters, more than this process can hold in memory" in err, err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert 2**30 < symjax_mlp.chapter._memory() < float("inf")  # Linux says its memory
+
+
 def test_train_names_the_seed_option_and_a_seed_that_fits(capsys):
     """train --seed 2**70 said 'seed must be an int from ...' and no fix, and, naming no
     seed=, the CLI could not say which option that is (export's --seed was named)."""
