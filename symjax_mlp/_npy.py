@@ -13,6 +13,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from symjax_mlp._artifact.signature import out_of_range
 from symjax_mlp._errors import SignatureError
 from symjax_mlp._files import write_output
 from symjax_mlp._specs import TensorSpec, cast_to
@@ -145,11 +146,16 @@ def read_inputs(
         if spec.dtype.startswith("key<"):  # .npy has no key type: the key's data, as run writes
             xs[i] = _key(file, x, spec)
         elif str(x.dtype) != spec.dtype:
-            cast = cast_to(spec.dtype)
+            held = out_of_range(x, spec.dtype)
+            fix = f'np.save("{file}", x.astype({cast_to(spec.dtype)}))'
             raise SignatureError(
                 f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact expects "
-                f"{spec.type}; nothing is cast. Save it as {spec.dtype}: "
-                f'np.save("{file}", x.astype({cast})).'
+                f"{spec.type}; nothing is cast"
+                + (
+                    f": it {held}. Save values in range."
+                    if held
+                    else f". Save it as {spec.dtype}: {fix}."
+                )
             )
     return xs
 

@@ -616,3 +616,38 @@ def test_none_given_to_a_loaded_model_is_named_none_not_a_nonetype(tmp_path):
         r"float32\[b, 5\]\. Pass a np\.ndarray or jax\.Array\.$",
     ):
         m(None)
+
+
+def test_values_beyond_an_inputs_dtype_are_told_so_at_load_batcher_and_run(tmp_path, capsys):
+    """m([[10**40, 1]]) of a float32 artifact (np.array([[1e300]]) too, -1 for a uint8 input)
+    was told to cast it, x.astype(np.float32), which makes inf (or wraps): each entry point
+    says what it holds, the range the dtype holds and to pass values in range."""
+    from symjax_mlp.cli import main
+
+    h = sm.hybridize(lambda p, x, n: x * p + n, 2.0)
+    ok = (np.ones((1, 2), np.float32), np.ones((1, 2), np.uint8))
+    art = sm.export(h, tmp_path / "m", example=ok)
+    m = sm.load(art.path)
+    floats = r"beyond float32's range \(largest 3.403e\+38\), which a cast makes inf \({} among"
+    cases = [
+        ((np.array([[1e300, 1]]), ok[1]), floats.format(r"1e\+300")),
+        (([[10**40, 1]], ok[1]), floats.format(r"1e\+40")),
+        (
+            (ok[0], [[-1, 2]]),
+            r"outside uint8's range \[0, 255\], which a cast wraps \(-1 among them\)",
+        ),
+    ]
+    with sm.serving.Batcher(m, max_batch=2) as b:
+        for call in (m, b):
+            for xs, says in cases:
+                with pytest.raises(sm.SignatureError, match=says) as e:
+                    call(*xs)
+                assert "astype" not in str(e.value) and "in range" in str(e.value), e.value
+    with pytest.raises(sm.SignatureError, match=r"Cast it: x\.astype\(np\.float32\)"):
+        m(np.ones((1, 2)), ok[1])  # in range: a cast it is
+    np.save(tmp_path / "x.npy", np.array([[1e300, 1]]))
+    np.save(tmp_path / "n.npy", ok[1])
+    inputs = ["--input", str(tmp_path / "x.npy"), "--input", str(tmp_path / "n.npy")]
+    assert main(["run", str(art.path), *inputs, "--output", str(tmp_path / "y.npy")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(floats.format(r"1e\+300"), err) and "astype" not in err, err

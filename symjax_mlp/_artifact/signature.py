@@ -6,6 +6,7 @@ Plain data, no JAX: checked before any array reaches a compiled program.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import operator
 import re
@@ -82,7 +83,7 @@ class Signature:
             )
         arrays = [as_array(x, spec, caller) for x, spec in zip(inputs, self.inputs, strict=True)]
         sizes: dict[str, tuple[str, int]] = {}
-        for spec, x in zip(self.inputs, arrays, strict=True):
+        for spec, x, given in zip(self.inputs, arrays, inputs, strict=True):
             shape = tuple(x.shape)
             head = f"{caller}: input {spec.path} has shape {shape}"
             if len(shape) != len(spec.shape):
@@ -120,10 +121,7 @@ class Signature:
                         f"{seen[1]}; both are the symbolic dimension {dim} and must agree."
                     )
             if str(x.dtype) != spec.dtype:  # as text: bfloat16 and rng key types included
-                raise SignatureError(
-                    f"{caller}: input {spec.path} has dtype {x.dtype} but the artifact expects "
-                    f"{spec.type}. Cast it: x.astype({cast_to(spec.dtype)})."
-                )
+                raise SignatureError(_dtype_refused(caller, spec, x, given))
         self._check_terms(sizes, caller)
         for constraint in self.constraints:
             if not _holds(constraint, {k: v for k, (_, v) in sizes.items()}):
@@ -302,6 +300,68 @@ def as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
         f"a NumPy or JAX array; the artifact expects {spec.type}. Pass a np.ndarray or "
         f"jax.Array.{hint}"
     )
+
+
+def _dtype_refused(caller: str, spec: TensorSpec, x: Any, given: Any) -> str:
+    """The message for input ``x`` (``given`` as the caller passed it) of a dtype not ``spec``'s:
+    the values a cast would change past ``spec``'s range, else the cast to make."""
+    held = out_of_range(x, spec.dtype)
+    if not held:
+        return (
+            f"{caller}: input {spec.path} has dtype {x.dtype} but the artifact expects "
+            f"{spec.type}. Cast it: x.astype({cast_to(spec.dtype)})."
+        )
+    kind = f"has dtype {x.dtype}" if is_array(given) else f"is a Python {type(given).__name__}"
+    return (
+        f"{caller}: input {spec.path} {kind} but the artifact expects {spec.type}: it "
+        f"{held}. Pass values in range."
+    )
+
+
+def beyond_range(want: Any) -> str:
+    """What an input (an array, a JSON body) holds past a float dtype's range, said."""
+    import ml_dtypes
+
+    return f"numbers beyond {want}'s range (largest {float(ml_dtypes.finfo(want).max):.4g})"
+
+
+def out_of_range(a: Any, dtype: Any) -> str:
+    """What NumPy array ``a`` holds that a cast to ``dtype`` would make inf or wrap, said
+    (``"holds integers outside uint8's range [0, 255], which a cast wraps (-1 among them)"``);
+    ``""`` where it holds none, or ``a`` is no NumPy array (a JAX one stays on its device).
+    Error paths only: it reads every value."""
+    import ml_dtypes
+
+    if not isinstance(a, (np.ndarray, np.generic)):
+        return ""
+    with contextlib.suppress(TypeError, ValueError, OverflowError), np.errstate(over="ignore"):
+        want = np.dtype(getattr(ml_dtypes, str(dtype), None) or dtype)
+        held = a[np.isfinite(a)] if a.dtype.kind == "f" else np.ravel(a)  # NaN, inf: in range
+        low, high = held.min(initial=0), held.max(initial=0)  # Python's ints past int64 too
+        if want.kind in "iu" and a.dtype.kind in "iuO":
+            info = ml_dtypes.iinfo(want)
+            if low < info.min or high > info.max:
+                v = low if low < info.min else high
+                return (
+                    f"holds integers outside {want}'s range [{info.min}, {info.max}], which a "
+                    f"cast wraps ({_number(v)} among them)"
+                )
+        elif want.kind != "c" and max(-low, high) > float(ml_dtypes.finfo(want).max):
+            v = low if -low > high else high
+            return f"holds {beyond_range(want)}, which a cast makes inf ({_number(v)} among them)"
+    return ""
+
+
+def _number(v: Any) -> str:
+    """A number short: ``1e+40`` for 10**40 (a float's form: an int of thousands of digits is
+    past float64), ``-1`` for -1."""
+    if isinstance(v, (float, np.floating)):
+        return f"{float(v):.4g}"
+    digits = str(abs(int(v)))
+    if len(digits) <= 16:
+        return str(int(v))
+    tail = digits[1:4].rstrip("0")
+    return f"{'-' if v < 0 else ''}{digits[0]}{'.' + tail if tail else ''}e+{len(digits) - 1}"
 
 
 def _weak(a: np.ndarray, spec: TensorSpec) -> np.ndarray:

@@ -7,16 +7,15 @@ settled a whole batch at a time; an :class:`AsyncRequest` its asyncio counterpar
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from symjax_mlp._artifact.signature import as_array
+from symjax_mlp._artifact.signature import as_array, out_of_range
+from symjax_mlp._artifact.signature import beyond_range as beyond_range  # _bodies' import
 from symjax_mlp._compat import SharedLockFuture
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.hybrid import Hybrid
@@ -312,7 +311,12 @@ class RequestCheck:
         if a.shape[1:] != shape:
             return f": each row is {a.shape[1:]}, not {shape}. Pass rows of shape {shape}."
         if a.dtype != dtype:
-            return _past(a, dtype) or f". Cast it: x.astype(np.{dtype})."
+            held = out_of_range(a, dtype)
+            return (
+                f": it {held}. Send values in range."
+                if held
+                else f". Cast it: x.astype(np.{dtype})."
+            )
         n = a.shape[0]
         if n < 1:
             return ": it has no rows. Pass at least one row."
@@ -333,29 +337,6 @@ class RequestCheck:
     def _reject(self) -> None:
         with self.lane.lock:
             self.lane.n.rejected["signature"] += 1
-
-
-def beyond_range(want: np.dtype) -> str:
-    """What a request (an array, a JSON body) holds past a float dtype's range, said."""
-    return f"numbers beyond {want}'s range (largest {float(ml_dtypes.finfo(want).max):.4g})"
-
-
-def _past(a: np.ndarray, want: np.dtype) -> str:
-    """The request check's message's end where ``a`` holds numbers past ``want``'s range (none:
-    not numbers, or ``want`` no number type; a float16 compared with float32's largest: no inf)."""
-    with contextlib.suppress(TypeError, ValueError), np.errstate(over="ignore"):
-        held = a[np.isfinite(a)] if a.dtype.kind == "f" else a.ravel()  # NaN, inf: in range
-        low, high = held.min(initial=0), held.max(initial=0)  # Python's ints past int64 too
-        if want.kind in "iu" and a.dtype.kind in "iuO":
-            info = ml_dtypes.iinfo(want)
-            if low < info.min or high > info.max:
-                return (
-                    f": it holds integers outside {want}'s range [{info.min}, {info.max}], "
-                    "which a cast wraps. Send values in range."
-                )
-        elif want.kind != "c" and max(-low, high) > float(ml_dtypes.finfo(want).max):
-            return f": it holds {beyond_range(want)}, which a cast makes inf. Send values in range."
-    return ""
 
 
 _TRAINING = (
