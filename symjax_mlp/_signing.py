@@ -65,6 +65,12 @@ def _there(file: Path) -> str:
     return next((said for test, said in _KINDS if test(mode)), "no regular file is there")
 
 
+def _call(call: tuple[str, str], path: Path) -> str:
+    """``symjax_mlp.load("dir", verify_signature=...)``: what a message about the artifact at
+    ``path`` begins with, for ``call``, the public function and its keyword that took the key."""
+    return f'{call[0]}("{printable(str(path)[:300])}", {call[1]}=...)'
+
+
 def _checked(path: Any, key: Any, *, private: bool, call: tuple[str, str]) -> tuple[Path, Path]:
     """The artifact directory and the key file, checked: model-signing reports a key of
     another kind as a signature that does not verify, or as an AttributeError. ``call``: the
@@ -86,7 +92,7 @@ def _checked(path: Any, key: Any, *, private: bool, call: tuple[str, str]) -> tu
             f"a pathlib.Path; got a value of type {type(path).__name__}."
         )
     path, file = Path(path), Path(key)
-    shown = printable(str(path)[:300])
+    shown = _call(call, path)
     if not os.path.isfile(file):  # os.path's: False where Path's raises (a name too long)
         raise ConfigError(
             f"{what}: {printable(str(file)[:300])} is not a key file ({_there(file)}); expected "
@@ -94,12 +100,12 @@ def _checked(path: Any, key: Any, *, private: bool, call: tuple[str, str]) -> tu
         )
     if os.path.islink(path):  # swapped after the check, it would name another directory
         raise ArtifactError(
-            f"{shown} is a symbolic link; an artifact is signed and verified at its own path. "
-            f"Pass the directory it points to: {printable(repr(os.path.realpath(path)))}."
+            f"{shown}: the path is a symbolic link; an artifact is signed and verified at its "
+            f"own path. Pass the directory it points to: {printable(repr(os.path.realpath(path)))}."
         )
     if not os.path.isdir(path):
         raise ArtifactError(
-            f"{shown} is not an artifact directory; there is nothing to {verb}. Pass the "
+            f"{shown}: the path is not an artifact directory; there is nothing to {verb}. Pass the "
             "directory written by symjax_mlp.export."
         )
     try:
@@ -125,9 +131,11 @@ def _checked(path: Any, key: Any, *, private: bool, call: tuple[str, str]) -> tu
     return path, file
 
 
-def snapshot(path: Path) -> dict[str, tuple[int, int, int, int]]:
+def snapshot(path: Path, call: tuple[str, str]) -> dict[str, tuple[int, int, int, int]]:
     """``{relative path: (device, inode, size, ctime_ns)}`` of every entry under ``path``;
-    ArtifactError for a symlink, FIFO or device inside, or past :data:`MAX_ENTRIES`."""
+    ArtifactError for a symlink, FIFO or device inside, or past :data:`MAX_ENTRIES`, begun
+    with ``call`` (:func:`_call`)."""
+    head, done = _call(call, path), "signed" if call[0].endswith(".sign") else "verified"
     out: dict[str, tuple[int, int, int, int]] = {}
     todo = [path]
     while todo:
@@ -135,11 +143,12 @@ def snapshot(path: Path) -> dict[str, tuple[int, int, int, int]]:
         try:
             entries = list(os.scandir(directory))
         except OSError as e:
-            raise ArtifactError(f"{directory} cannot be listed: {e}") from e
+            raise ArtifactError(f"{head}: {printable(str(directory))} cannot be listed: {e}") from e
         for entry in entries:
             if len(out) >= MAX_ENTRIES:
                 raise ArtifactError(
-                    f"{path} holds more than {MAX_ENTRIES} files; it is not an artifact."
+                    f"{head}: the directory holds more than {MAX_ENTRIES} files; it is not an "
+                    "artifact. Pass the directory written by symjax_mlp.export."
                 )
             info = entry.stat(follow_symlinks=False)
             rel = os.path.relpath(entry.path, path)
@@ -147,8 +156,8 @@ def snapshot(path: Path) -> dict[str, tuple[int, int, int, int]]:
                 todo.append(Path(entry.path))
             elif not stat.S_ISREG(info.st_mode):
                 raise ArtifactError(
-                    f"{Path(entry.path)} is not a regular file (a symlink, FIFO or device); a "
-                    "signed artifact holds only files. Nothing was verified."
+                    f"{head}: {printable(rel)} is not a regular file (a symlink, FIFO or "
+                    f"device); a signed artifact holds only files. Nothing was {done}."
                 )
             out[rel] = (info.st_dev, info.st_ino, info.st_size, info.st_ctime_ns)
     return out
@@ -173,21 +182,21 @@ def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> P
       ArtifactError: ``path`` is not a directory of plain files.
       ConfigError: ``model-signing`` is missing, or ``private_key`` is not a key file.
     """
-    config = _config("signing")
-    path, key = _checked(path, private_key, private=True, call=("symjax_mlp.sign", "private_key"))
-    snapshot(path)
+    config, call = _config("signing"), ("symjax_mlp.sign", "private_key")
+    path, key = _checked(path, private_key, private=True, call=call)
+    snapshot(path, call)
     with tempfile.TemporaryDirectory() as scratch:  # a signature there before stays till done
         try:
             config.use_elliptic_key_signer(private_key=key).sign(path, Path(scratch, SIGNATURE))
         except (ValueError, TypeError, OSError) as e:
             raise ConfigError(
-                f"symjax_mlp.sign({str(path)!r}): model-signing failed: {printable(str(e))}"
+                f"{_call(call, path)}: model-signing failed: {printable(str(e))}"
             ) from e
         try:
             write_file_atomic(path / SIGNATURE, Path(scratch, SIGNATURE).read_bytes())
         except OSError as e:
             raise ArtifactError(
-                f"{printable(str(path / SIGNATURE))} cannot be written ({e.strerror or e}); "
+                f"{_call(call, path)}: {SIGNATURE} cannot be written ({e.strerror or e}); "
                 "anything there before is unchanged. Remove what is there, or make room there."
             ) from None
     return path / SIGNATURE
@@ -218,28 +227,33 @@ def check(
     "verify_signature")`` unless given."""
     config = _config("verifying")
     path, key = _checked(path, public_key, private=False, call=call)
-    before = snapshot(path)
+    before, head = snapshot(path, call), _call(call, path)
     sig = path / SIGNATURE
     if SIGNATURE not in before:
         raise ArtifactError(
-            f"{path} is not signed (no {SIGNATURE}), and a public key was given: refusing it. "
-            "Ask its author to sign it with symjax_mlp.sign(path, private_key), or load it "
-            "without verify_signature= if you trust where it came from."
+            f"{head}: the artifact is not signed (no {SIGNATURE}), and a public key was given: "
+            "refusing it. Ask its author to sign it with symjax_mlp.sign(path, private_key), or "
+            "load it without verify_signature= if you trust where it came from."
         )
     if before[SIGNATURE][2] > MAX_SIGNATURE_BYTES:
-        raise ArtifactError(f"{sig} has more than {MAX_SIGNATURE_BYTES} bytes; it is no signature.")
+        raise ArtifactError(
+            f"{head}: {SIGNATURE} has more than {MAX_SIGNATURE_BYTES} bytes; it is no signature. "
+            "Ask its author to sign it again with symjax_mlp.sign(path, private_key)."
+        )
     try:
         config.use_elliptic_key_verifier(public_key=key).verify(path, sig)
     except Exception as e:  # model_signing, sigstore and cryptography raise their own types
         raise ArtifactError(
-            f"{path}: the signature {sig.name} does not verify with {key}: "
+            f"{head}: the signature {SIGNATURE} does not verify with {printable(str(key))}: "
             f"{type(e).__name__}: {printable(str(e)[:400])}. The artifact was changed after it "
             "was signed, or signed by someone else: refusing it."
         ) from None
 
     def unchanged() -> None:
-        if snapshot(path) != before:
-            raise ArtifactError(f"{path} changed while it was verified and read; load it again.")
+        if snapshot(path, call) != before:
+            raise ArtifactError(
+                f"{head}: the artifact changed while it was verified and read; load it again."
+            )
 
     unchanged()
     return unchanged

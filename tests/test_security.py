@@ -1175,6 +1175,68 @@ def test_a_key_path_that_is_no_file_says_what_is_there_after_the_public_call(bas
         sm.sign(None, private)
 
 
+def test_a_signature_refused_says_the_public_call_first_not_the_artifacts_path(
+    base, keys, tmp_path, capsys
+):
+    """ "unsigned", "does not verify", a symlink, a FIFO inside: each began with the artifact's
+    path, where every other message begins with the public call that was made."""
+    src, _ = base
+    private, public = keys["ours"]
+    art, link, fifo = tmp_path / "signed", tmp_path / "link", tmp_path / "fifo"
+    shutil.copytree(src, art)
+    sm.sign(art, private)
+    os.symlink(art, link)
+    shutil.copytree(art, fifo)
+    os.mkfifo(fifo / "extra")
+    theirs = keys["theirs"][1]
+    cases = [
+        (
+            lambda: sm.load(src, verify_signature=public),
+            "load",
+            src,
+            "verify_signature",
+            "not signed",
+        ),
+        (
+            lambda: sm.verify_signature(src, public),
+            "verify_signature",
+            src,
+            "public_key",
+            "not signed",
+        ),
+        (
+            lambda: sm.load(art, verify_signature=theirs),
+            "load",
+            art,
+            "verify_signature",
+            "not verify",
+        ),
+        (
+            lambda: sm.load(fifo, verify_signature=public),
+            "load",
+            fifo,
+            "verify_signature",
+            "regular",
+        ),
+        (lambda: sm.sign(link, private), "sign", link, "private_key", "symbolic link"),
+        (
+            lambda: sm.sign(src / "model.mlir", private),
+            "sign",
+            src / "model.mlir",
+            "private_key",
+            "not an",
+        ),
+    ]
+    for call, fn, path, keyword, says in cases:
+        head = f'symjax_mlp.{fn}("{path}", {keyword}=...): '
+        with pytest.raises(sm.ArtifactError, match=f"^{re.escape(head)}.*{says}"):
+            bounded(call, 20)
+    assert main(["verify", str(src), "--key", str(public)]) == 2
+    err = capsys.readouterr().err
+    assert f'symjax_mlp.verify("{src}", verify_signature=...): ' in err, err
+    assert "verify_signature= is --key" in err, err
+
+
 def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_path):
     """Later cold starts skip reading the module again (the report is cached under the
     module's sha256 in the user's cache, signed with the user's key); a damaged or planted
