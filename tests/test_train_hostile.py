@@ -1077,3 +1077,25 @@ def test_numpy_bool_settings_are_pythons_in_the_result(tiny):
     for flag in (np.True_, 1):
         r = sm.training.train(sm.mlp((8, 10)), tiny, epochs=1, batch_size=16, compiled=flag)
         assert r.compiled is True and json.loads(json.dumps(r.to_dict()))["compiled"] is True
+
+
+def test_a_ctrl_c_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """Ctrl-C in ``symjax-mlp train`` as it removed the oldest of ``keep`` checkpoints left a
+    step_* directory of manifest.json alone, listed as a checkpoint that no restore could read."""
+    import shutil
+
+    for step in (1, 2):
+        sm.training.save_checkpoint(tmp_path, dataclasses.replace(_state(), step=step))
+
+    def interrupted(path, ignore_errors=False):  # the state file goes, then the Ctrl-C
+        os.unlink(os.path.join(path, "state.safetensors"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sm.training.save_checkpoint(tmp_path, dataclasses.replace(_state(), step=3), keep=2)
+    monkeypatch.undo()
+    seen = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert seen == ["step_00000002", "step_00000003"], seen
+    for name in seen:
+        sm.training.restore_checkpoint(tmp_path / name, _state())

@@ -9,6 +9,7 @@ import math
 import numbers
 import os
 import re
+import secrets
 import shutil
 import stat
 from pathlib import Path
@@ -209,8 +210,19 @@ def save_checkpoint(
     write_dir(final, files, overwrite=False, check=_check_new, error=CheckpointError)
     for _, old in checkpoints(directory)[:-keep]:
         if old != final:  # a writer racing ours saved a newer step: ours stays, for it
-            shutil.rmtree(old, ignore_errors=True)
+            _prune(old)
     return final
+
+
+def _prune(old: Path) -> None:
+    """Removes an old checkpoint, out of sight first: a Ctrl-C in the removal leaves a hidden
+    ``.step_*.old-*`` directory, never a step_* one half deleted, listed as a checkpoint."""
+    gone = old.with_name(f".{old.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.rename(old, gone)
+    except OSError:  # another writer pruned it first
+        return
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def _storable(a: np.ndarray) -> bool:
