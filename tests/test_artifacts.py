@@ -11,6 +11,7 @@ import io
 import json
 import pickle
 import re
+import shutil
 
 import chex
 import jax
@@ -26,14 +27,23 @@ import symjax_mlp as sm
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _mlp(sizes=(8, 3), features=5):
-    net, x = sm.mlp(sizes), jnp.ones((2, features))
-    return sm.hybridize(net, net.init(jax.random.key(0), x)), x
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    """``(h, x, art)``: the MLP most tests export, its input and its artifact, exported once
+    per worker. A test only reads ``art``; one that edits it edits a copy (shutil.copytree)."""
+    net, x = sm.mlp((8, 3)), jnp.ones((2, 5))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    return h, x, sm.export(h, tmp_path_factory.mktemp("mlp") / "m", example=x)
 
 
-def test_the_same_model_exports_to_the_same_bytes_and_no_local_path(tmp_path):
-    h, x = _mlp()
-    a = sm.export(h, tmp_path / "a", example=x)
+@pytest.fixture(scope="module")
+def loaded(mlp):
+    """``mlp``'s artifact loaded, once per worker: for tests that only call it."""
+    return sm.load(mlp[2].path)
+
+
+def test_the_same_model_exports_to_the_same_bytes_and_no_local_path(mlp, tmp_path):
+    h, x, a = mlp
     b = sm.export(h, tmp_path / "b", example=x)
     for name in a.manifest["files"]:
         assert (a.path / name).read_bytes() == (b.path / name).read_bytes(), name
@@ -41,15 +51,20 @@ def test_the_same_model_exports_to_the_same_bytes_and_no_local_path(tmp_path):
     for m in (ma, mb):
         m.pop("created")
     assert ma == mb
-    here = (str(tmp_path), __file__, str(__import__("pathlib").Path(sm.__file__).parent))
+    here = (
+        str(tmp_path),
+        str(a.path.parent),
+        __file__,
+        str(__import__("pathlib").Path(sm.__file__).parent),
+    )
     for file in a.path.iterdir():
         data = file.read_bytes()
         for path in here:
             assert path.encode() not in data, f"{file.name} holds {path}"
 
 
-def test_a_model_card_travels_in_the_manifest_inspect_and_safetensors(tmp_path):
-    h, x = _mlp()
+def test_a_model_card_travels_in_the_manifest_inspect_and_safetensors(mlp, tmp_path):
+    h, x, _ = mlp
     card = {"labels": ["a", "b", "c"], "license": "Apache-2.0", "metrics": {"accuracy": 0.9}}
     art = sm.export(h, tmp_path / "m", example=x, metadata=card)
     assert dict(sm.inspect(art.path).to_json()["metadata"]) == card
@@ -62,10 +77,10 @@ def test_a_model_card_travels_in_the_manifest_inspect_and_safetensors(tmp_path):
     assert not (tmp_path / "n").exists()
 
 
-def test_a_deeply_nested_manifest_is_an_artifact_error_not_a_recursion_error(tmp_path):
+def test_a_deeply_nested_manifest_is_an_artifact_error_not_a_recursion_error(mlp, tmp_path):
     """json.loads reads 600 levels that the manifest's freeze() then recursed through until
     RecursionError; nesting is bounded (32 levels) at read, and at export for a model card."""
-    h, x = _mlp()
+    h, x, _ = mlp
     deep: object = "leaf"
     for _ in range(600):
         deep = [deep]
@@ -81,20 +96,20 @@ def test_a_deeply_nested_manifest_is_an_artifact_error_not_a_recursion_error(tmp
             read(art.path)
 
 
-def test_the_compatibility_window_is_recorded_shown_and_warned_about(tmp_path):
-    h, x = _mlp()
-    art = sm.export(h, tmp_path / "m", example=x)
+def test_the_compatibility_window_is_recorded_shown_and_warned_about(mlp, tmp_path):
+    h, x, art = mlp
     created = datetime.datetime.fromisoformat(art.manifest["created"]).date()
     until = datetime.date.fromisoformat(art.manifest["compatible_until"])
     assert (until - created).days == 180
     assert f"until {until}" in str(art)
     # an artifact 20 days from the end of its window: load warns, and still loads
-    manifest = json.loads((art.path / "manifest.json").read_text())
+    path = shutil.copytree(art.path, tmp_path / "m")
+    manifest = json.loads((path / "manifest.json").read_text())
     soon = datetime.date.today() + datetime.timedelta(days=20)
     manifest["compatible_until"] = soon.isoformat()
-    (art.path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.warns(FutureWarning, match=r"compatibility window.*in 20 days"):
-        m = sm.load(art.path)
+        m = sm.load(path)
     chex.assert_trees_all_close(m(x), h(x), **TOL)
 
 
@@ -127,11 +142,10 @@ def test_an_unbatched_second_input(tmp_path):
     chex.assert_trees_all_close(m(jnp.ones((7, 5)), jnp.ones(3)), h(jnp.ones((7, 5)), jnp.ones(3)))
 
 
-def test_inputs_passed_by_name_are_refused_naming_the_inputs_and_their_order(tmp_path):
+def test_inputs_passed_by_name_are_refused_naming_the_inputs_and_their_order(mlp, loaded, tmp_path):
     """m(x=x), as a Flax model is called: Python's TypeError named neither the inputs nor how to
     pass them; now a SignatureError that is a TypeError still."""
-    h, x = _mlp()
-    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    m, x = loaded, mlp[1]
     for call in (lambda: m(x=x), lambda: jax.jit(m)(x=x)):
         with pytest.raises(
             sm.SignatureError,
@@ -149,10 +163,9 @@ def test_inputs_passed_by_name_are_refused_naming_the_inputs_and_their_order(tmp
         sm.load(art.path)(jnp.ones((2, 5)), y=jnp.ones((2, 3)))
 
 
-def test_pickle_of_a_loaded_model_is_refused_saying_to_load_it_where_it_runs(tmp_path):
+def test_pickle_of_a_loaded_model_is_refused_saying_to_load_it_where_it_runs(mlp, loaded):
     """Python's TypeError on a mappingproxy, for pickle and copy.deepcopy alike, once."""
-    h, x = _mlp()
-    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    m, x = loaded, mlp[1]
     with pytest.raises(
         sm.ConfigError,
         match=r"pickle\.dumps\(symjax_mlp\.load\(.*never "
@@ -164,12 +177,11 @@ def test_pickle_of_a_loaded_model_is_refused_saying_to_load_it_where_it_runs(tmp
         np.testing.assert_array_equal(twin(x), m(x))
 
 
-def test_the_weights_a_loaded_model_shows_load_back_as_other_weights(tmp_path):
+def test_the_weights_a_loaded_model_shows_load_back_as_other_weights(mlp, loaded):
     """m.params' flat {"params/layers_0/kernel": ...} passed to load(params=...) was refused:
     "param key 'params/layers_0/bias' ... contains '/'. Rename it." (a name load() chose)."""
-    h, x = _mlp()
-    path = sm.export(h, tmp_path / "m", example=x).path
-    m = sm.load(path)
+    (h, x, art), m = mlp, loaded
+    path = art.path
     chex.assert_trees_all_close(sm.load(path, params=m.params)(x), m(x))
     doubled = {k: jnp.asarray(v) * 2 for k, v in m.params.items()}
     want = h.replace(params=jax.tree.map(lambda a: a * 2, h.params))(x)
@@ -178,11 +190,12 @@ def test_the_weights_a_loaded_model_shows_load_back_as_other_weights(tmp_path):
         sm.load(path, params=dict(list(m.params.items())[:2]))
 
 
-def test_weights_of_another_dtype_are_refused_with_the_cast_not_another_architecture(tmp_path):
+def test_weights_of_another_dtype_are_refused_with_the_cast_not_another_architecture(
+    mlp, loaded, tmp_path
+):
     """float16 weights of the right shapes were told 'Use weights of the same architecture'."""
-    h, x = _mlp()
-    path = sm.export(h, tmp_path / "m", example=x).path
-    halves = {k: v.astype(np.float16) for k, v in sm.load(path).params.items()}
+    path = mlp[2].path
+    halves = {k: v.astype(np.float16) for k, v in loaded.params.items()}
     safetensors.numpy.save_file(halves, tmp_path / "half.safetensors")
     for params in (halves, tmp_path / "half.safetensors"):
         with pytest.raises(sm.ArtifactError) as e:
@@ -207,8 +220,8 @@ def test_a_path_of_no_str_or_pathlike_is_refused_naming_what_was_given(path, cal
         getattr(sm, call)(path)
 
 
-def test_grad_of_a_loaded_model(tmp_path):
-    h, x = _mlp()
+def test_grad_of_a_loaded_model(mlp, tmp_path):
+    h, x, _ = mlp
     art = sm.export(h, tmp_path / "m", example=x, vjp_order=1)
     m = sm.load(art.path)
     got = jax.grad(lambda x: m(x).sum())(x)
@@ -275,12 +288,11 @@ def test_a_bfloat16_input_error_names_a_cast_that_exists(tmp_path):
         m(np.ones((1, 2), np.float32))
 
 
-def test_loading_imports_no_flax_optax_or_training(tmp_path):
+def test_loading_imports_no_flax_optax_or_training(mlp):
     import subprocess
     import sys
 
-    h, x = _mlp()
-    art = sm.export(h, tmp_path / "m", example=x)
+    art = mlp[2]
     code = (
         "import sys, numpy as np, symjax_mlp as sm\n"
         f"m = sm.load({str(art.path)!r})\n"
@@ -321,32 +333,32 @@ def test_a_module_that_calls_lapack_still_gets_jax_lapack_set_up(tmp_path):
     assert done.stderr.decode().split()[-1] == "True"  # the set-up ran: scipy's LAPACK
 
 
-def test_self_test_vectors_run_at_load_and_catch_a_changed_model(tmp_path):
+def test_self_test_vectors_run_at_load_and_catch_a_changed_model(mlp, loaded, tmp_path):
     import hashlib
     import time
 
-    h, x = _mlp()
-    art = sm.export(h, tmp_path / "m", example=x)
+    h, x, art = mlp
     assert "selftest.safetensors" in art.manifest["files"]
     t0 = time.perf_counter()
     sm.load(art.path)  # runs them: a model that reproduces its vectors loads
     assert time.perf_counter() - t0 < 30
     # a consistent artifact whose weights were swapped (checksums recomputed): refused at load
-    weights = sm.load(art.path).params
+    path = shutil.copytree(art.path, tmp_path / "m")
+    weights = loaded.params
     doubled = {k: np.asarray(v) * 2 for k, v in weights.items()}
     other = sm.export(h.replace(params=jax.tree.map(lambda a: a * 2, h.params)),
                       tmp_path / "other", example=x)  # fmt: skip
     planted = (other.path / "params.safetensors").read_bytes()
-    manifest = json.loads((art.path / "manifest.json").read_text())
-    (art.path / "params.safetensors").write_bytes(planted)
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "params.safetensors").write_bytes(planted)
     manifest["files"]["params.safetensors"] = {
         "sha256": hashlib.sha256(planted).hexdigest(),
         "bytes": len(planted),
     }
-    (art.path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(sm.ArtifactError, match="no longer reproduces its self-test"):
-        sm.load(art.path)
-    m = sm.load(art.path, self_test=False)  # to inspect it anyway
+        sm.load(path)
+    m = sm.load(path, self_test=False)  # to inspect it anyway
     chex.assert_trees_all_close(m(x), h.replace(params=jax.tree.map(lambda a: a * 2, h.params))(x))
     assert set(doubled) == set(weights)
 
@@ -499,9 +511,8 @@ def test_a_tampered_entry_point_is_refused(tmp_path):
             {"model.jaxexport": "extra.jaxexport"}))  # fmt: skip
 
 
-def test_vmap_over_a_loaded_model_is_refused_with_the_fix(tmp_path):
-    h, x = _mlp()
-    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+def test_vmap_over_a_loaded_model_is_refused_with_the_fix(mlp, loaded):
+    h, m = mlp[0], loaded
     # per example (5,): one example, as the source function takes it
     chex.assert_trees_all_close(jax.vmap(m)(jnp.ones((4, 5))), h(jnp.ones((4, 5))), **TOL)
     with pytest.raises(sm.SignatureError, match=r"shape \(\), rank 0.*Pass an array of rank 2"):
@@ -579,10 +590,9 @@ def test_a_training_checkpoint_given_as_an_artifact_says_how_to_export_one(tmp_p
     assert sm.load(art.path)(x[:2]).shape == (2, 2)
 
 
-def test_a_symbolic_dimension_past_int32_is_refused_naming_the_limit(tmp_path):
+def test_a_symbolic_dimension_past_int32_is_refused_naming_the_limit(loaded):
     # it reached the program: an ArtifactError, 'the shapes of the module cannot be resolved'
-    h, x = _mlp()
-    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    m = loaded
     with pytest.raises(
         sm.SignatureError,
         match=r"args\[0\]\.shape\[0\] is 2147483648, past the 2,147,483,647 a symbolic "
@@ -593,9 +603,8 @@ def test_a_symbolic_dimension_past_int32_is_refused_naming_the_limit(tmp_path):
     assert jax.eval_shape(m, top).shape == (2**31 - 1, 3)
 
 
-def test_a_shape_dtype_struct_given_to_a_loaded_model_points_to_eval_shape(tmp_path):
-    h, x = _mlp()
-    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+def test_a_shape_dtype_struct_given_to_a_loaded_model_points_to_eval_shape(loaded):
+    m = loaded
     spec = jax.ShapeDtypeStruct((2, 5), jnp.float32)
     with pytest.raises(
         sm.SignatureError,
@@ -606,10 +615,9 @@ def test_a_shape_dtype_struct_given_to_a_loaded_model_points_to_eval_shape(tmp_p
     assert jax.eval_shape(m, spec).shape == (2, 3)
 
 
-def test_none_given_to_a_loaded_model_is_named_none_not_a_nonetype(tmp_path):
+def test_none_given_to_a_loaded_model_is_named_none_not_a_nonetype(loaded):
     # the message read "input args[0] is a NoneType, not a NumPy or JAX array"
-    h, x = _mlp()
-    m = sm.load(sm.export(h, tmp_path / "m", example=x).path)
+    m = loaded
     with pytest.raises(
         sm.SignatureError,
         match=r"input args\[0\] is None, not a NumPy or JAX array; the artifact expects "
