@@ -38,6 +38,17 @@ def _moved(rngs, fresh):
     return not all(np.array_equal(a, b) for a, b in zip(now, then, strict=True))
 
 
+def _source(h, case):
+    """The eval-mode Hybrid's pure call, compiled: equal to the framework's own (1. below),
+    which runs op by op, so the later features compare against this one."""
+
+    def source(*xs):
+        out = h.apply(h.params, *xs, **case.settings("eval"))
+        return out[0] if h.stateful else out
+
+    return source
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """``exported(case) -> (Hybrid, path)``: the case's eval-mode model, exported once."""
@@ -202,7 +213,7 @@ def test_stage_splits_an_equinox_module_among_its_arguments_as_filter_make_jaxpr
 def test_export_loads_in_jax_and_iree_as_the_source(case, exported, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # IREE's modules: this test's own
     h, path = exported(case)
-    want, _, _ = plain_calls(case, "eval", 2)
+    want = [_source(h, case)(*case.inputs(i)) for i in range(2)]
     if case.allow:  # the ops a stranger's artifact never needs: named, and allowed by name
         with pytest.raises(sm.ArtifactError, match=r"allow=") as e:
             sm.load(path)
@@ -375,14 +386,10 @@ def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case,
 @pytest.mark.parametrize("case", MATRIX, ids=IDS)
 def test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, loaded):
     h, m = loaded(case)
-    want, _, _ = plain_calls(case, "eval", 3)
+    source = _source(h, case)
+    want = [source(*case.inputs(i)) for i in range(3)]
     stacked = [jnp.stack(xs) for xs in zip(*(case.inputs(i) for i in range(3)), strict=True)]
     _close(jax.vmap(m)(*stacked), jax.tree.map(lambda *ys: jnp.stack(ys), *want))
-
-    def source(*xs):  # the Hybrid's pure call: equal to the framework's (1. above)
-        out = h.apply(h.params, *xs, **case.settings("eval"))
-        return out[0] if h.stateful else out
-
     xs = case.inputs(0)
     floats = tuple(i for i, x in enumerate(xs) if jnp.issubdtype(x.dtype, jnp.floating))
     if not floats:  # int tokens (nnx_minigpt): nothing to differentiate

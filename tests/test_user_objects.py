@@ -282,8 +282,8 @@ def test_grads_of_the_gan_generator_through_h_apply_equal_equinox_filter_grad():
     def loss(out):
         return jnp.sum(out[0] ** 2)
 
-    got = jax.grad(lambda p: loss(h.apply(p, x, state)))(h.params)
-    want = eqx.filter_grad(lambda m: loss(state_batch(m, x, state)))(generator)
+    got = jax.jit(jax.grad(lambda p: loss(h.apply(p, x, state))))(h.params)
+    want = eqx.filter_jit(eqx.filter_grad(lambda m: loss(state_batch(m, x, state))))(generator)
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(h.params))
     got, want = jax.tree.leaves(got), jax.tree.leaves(eqx.filter(want, eqx.is_inexact_array))
     assert len(got) == len(want)
