@@ -174,10 +174,12 @@ def input_structs(
     if shapes is None:
         dim = jax.export.symbolic_shape(batch)[0] if batch else None
         for i, x in enumerate(examples):
-            if dim is not None and not x.shape:
+            if dim is not None and not x.shape:  # a key each call passes, a setting
+                fix = tuple(f"{batch}, ..." if y.shape else None for y in examples)
                 raise SignatureError(
                     f"export(example=...): args[{i}] is a scalar, so it has no batch dimension "
-                    f"for batch={batch!r}. Pass batch=None for static shapes, or shapes=."
+                    f"for batch={batch!r}. Pass shapes={fix!r}, which keeps it whole and "
+                    "batches the rest, or batch=None for static shapes."
                 )
         specs = [None if dim is None else (dim, *x.shape[1:]) for x in examples]
     else:

@@ -2054,6 +2054,248 @@ else:  # pragma: no cover - the test extra installs equinox
     _EQX_MORE = ()
 
 
+from collections.abc import Sequence  # noqa: E402
+
+from jax.example_libraries import stax  # noqa: E402
+from jax.example_libraries.stax import Dense, LogSoftmax, Relu  # noqa: E402
+
+# -- flax examples/imagenet/models.py, as written there (google/flax@18f8f311c275d57f46d95e41b1
+# 5aa97b454754c0): ResNet V1.5, its convs and BatchNorms `partial`s passed to each block, each
+# BatchNorm reducing over `axis_name='batch'` (train.py runs its step under jax.pmap(axis_name=
+# 'batch'); eval_step calls it with train=False, mutable=False); ResNet18 at one stage of one
+# block (as the file's own _ResNet1, "used for testing only"), 8x8 images
+ModuleDef = Any
+
+
+class ResNetBlock(nn.Module):
+    """ResNet block."""
+
+    filters: int
+    conv: ModuleDef
+    norm: ModuleDef
+    act: Callable
+    strides: tuple[int, int] = (1, 1)
+
+    @nn.compact
+    def __call__(
+        self,
+        x,
+    ):
+        residual = x
+        y = self.conv(self.filters, (3, 3), self.strides)(x)
+        y = self.norm()(y)
+        y = self.act(y)
+        y = self.conv(self.filters, (3, 3))(y)
+        y = self.norm(scale_init=nn.initializers.zeros_init())(y)
+
+        if residual.shape != y.shape:
+            residual = self.conv(self.filters, (1, 1), self.strides, name="conv_proj")(residual)
+            residual = self.norm(name="norm_proj")(residual)
+
+        return self.act(residual + y)
+
+
+class ResNet(nn.Module):
+    """ResNetV1.5."""
+
+    stage_sizes: Sequence[int]
+    block_cls: ModuleDef
+    num_classes: int
+    num_filters: int = 64
+    dtype: Any = jnp.float32
+    act: Callable = nn.relu
+    conv: ModuleDef = nn.Conv
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        conv = partial(self.conv, use_bias=False, dtype=self.dtype)
+        norm = partial(
+            nn.BatchNorm,
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            dtype=self.dtype,
+            axis_name="batch",
+        )
+
+        x = conv(
+            self.num_filters,
+            (7, 7),
+            (2, 2),
+            padding=[(3, 3), (3, 3)],
+            name="conv_init",
+        )(x)
+        x = norm(name="bn_init")(x)
+        x = nn.relu(x)
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        for i, block_size in enumerate(self.stage_sizes):
+            for j in range(block_size):
+                strides = (2, 2) if i > 0 and j == 0 else (1, 1)
+                x = self.block_cls(
+                    self.num_filters * 2**i,
+                    strides=strides,
+                    conv=conv,
+                    norm=norm,
+                    act=self.act,
+                )(x)
+        x = jnp.mean(x, axis=(1, 2))
+        x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
+        x = jnp.asarray(x, self.dtype)
+        return x
+
+
+ResNet18 = partial(ResNet, stage_sizes=[2, 2, 2, 2], block_cls=ResNetBlock)
+#: train.py's create_model (half_precision=False: float32)
+RESNET = ResNet18(stage_sizes=[1], num_filters=4, num_classes=10, dtype=jnp.float32)
+
+
+@cache
+def resnet_variables():
+    """train.py's ``initialized``: ``jax.jit(model.init)`` on ones, the model's dtype."""
+    return jax.jit(RESNET.init)({"params": jax.random.key(0)}, jnp.ones((1, 8, 8, 3)))
+
+
+def resnet_train_apply(variables, images):
+    """train.py's training call, ``state.apply_fn(variables, images, mutable=['batch_stats'])``
+    under ``jax.pmap(axis_name='batch')``, with the axis bound over the whole batch as
+    ``sm.hybridize(RESNET, variables)(images)`` says to (jax.pmap on one device: the same)."""
+    apply = partial(RESNET.apply, mutable=["batch_stats"])
+    return jax.vmap(apply, in_axes=None, out_axes=None, axis_name="batch", axis_size=1)(
+        variables, images
+    )
+
+
+# -- flax examples/vae (linen), as written there (google/flax@18f8f311c275d57f46d95e41b15aa97b454
+# 754c0): models.py's VAE takes its PRNG key as an argument of __call__ (`z_rng`) and draws the
+# latent from it (no rng stream); train.py's train_step applies it as `model.apply({'params':
+# params}, batch, z_rng)`, its eval_f through `nn.apply(eval_model, model)`, `vae.generate(z)`
+# among them. Renamed: `VaeEncoder`, `VaeDecoder`, `LinenVAE` (05_vae.py's nnx ones are above);
+# Dense(500) is Dense(8), 784 (28 * 28) is 16 (4 * 4)
+class VaeEncoder(nn.Module):
+    """VAE Encoder."""
+
+    latents: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8, name="fc1")(x)
+        x = nn.relu(x)
+        mean_x = nn.Dense(self.latents, name="fc2_mean")(x)
+        logvar_x = nn.Dense(self.latents, name="fc2_logvar")(x)
+        return mean_x, logvar_x
+
+
+class VaeDecoder(nn.Module):
+    """VAE Decoder."""
+
+    @nn.compact
+    def __call__(self, z):
+        z = nn.Dense(8, name="fc1")(z)
+        z = nn.relu(z)
+        z = nn.Dense(16, name="fc2")(z)
+        return z
+
+
+class LinenVAE(nn.Module):
+    """Full VAE model."""
+
+    latents: int = 20
+
+    def setup(self):
+        self.encoder = VaeEncoder(self.latents)
+        self.decoder = VaeDecoder()
+
+    def __call__(self, x, z_rng):
+        mean, logvar = self.encoder(x)
+        z = reparameterize(z_rng, mean, logvar)
+        recon_x = self.decoder(z)
+        return recon_x, mean, logvar
+
+    def generate(self, z):
+        return nn.sigmoid(self.decoder(z))
+
+
+def reparameterize(rng, mean, logvar):
+    std = jnp.exp(0.5 * logvar)
+    eps = jax.random.normal(rng, logvar.shape)
+    return mean + eps * std
+
+
+def vae_model(latents):
+    """models.py's ``model(latents)``."""
+    return LinenVAE(latents=latents)
+
+
+@jax.vmap
+def kl_divergence(mean, logvar):
+    return -0.5 * jnp.sum(1 + logvar - jnp.square(mean) - jnp.exp(logvar))
+
+
+@jax.vmap
+def binary_cross_entropy_with_logits(logits, labels):
+    logits = nn.log_sigmoid(logits)
+    return -jnp.sum(labels * logits + (1.0 - labels) * jnp.log(-jnp.expm1(logits)))
+
+
+def compute_metrics(recon_x, x, mean, logvar):
+    bce_loss = binary_cross_entropy_with_logits(recon_x, x).mean()
+    kld_loss = kl_divergence(mean, logvar).mean()
+    return {"bce": bce_loss, "kld": kld_loss, "loss": bce_loss + kld_loss}
+
+
+def vae_loss_fn(params, batch, z_rng, latents):
+    """train.py's train_step's ``loss_fn`` (its batch, z_rng and latents taken from there)."""
+    recon_x, mean, logvar = vae_model(latents).apply({"params": params}, batch, z_rng)
+
+    bce_loss = binary_cross_entropy_with_logits(recon_x, batch).mean()
+    kld_loss = kl_divergence(mean, logvar).mean()
+    loss = bce_loss + kld_loss
+    return loss
+
+
+def eval_f(params, images, z, z_rng, latents):
+    """Evaluation function."""
+
+    def eval_model(vae):
+        recon_images, mean, logvar = vae(images, z_rng)
+        comparison = jnp.concatenate(
+            [
+                images[:8].reshape(-1, 4, 4, 1),
+                recon_images[:8].reshape(-1, 4, 4, 1),
+            ]
+        )
+
+        generate_images = vae.generate(z)
+        generate_images = generate_images.reshape(-1, 4, 4, 1)
+        metrics = compute_metrics(recon_images, images, mean, logvar)
+        return metrics, comparison, generate_images
+
+    return nn.apply(eval_model, vae_model(latents))({"params": params})
+
+
+@cache
+def vae_params():
+    """train.py's ``models.model(config.latents).init(key, init_data, rng)['params']`` (jitted:
+    faster)."""
+    rng, key = jax.random.split(jax.random.key(0))
+    return jax.jit(vae_model(4).init)(key, jnp.ones((4, 16), jnp.float32), rng)["params"]
+
+
+# -- JAX examples/mnist_classifier.py, as written there (jax-ml/jax@cec06d116c05f0d52adfceee3d3b
+# 730fdbcb0ce5): stax.serial's (init, apply) pair, the params a list with one tuple per layer,
+# empty for Relu and LogSoftmax; `init_random_params, predict` are `stax_init, stax_predict`
+# here (the from-scratch example's are above), Dense(1024) is Dense(16)
+stax_init, stax_predict = stax.serial(
+    Dense(16), Relu,
+    Dense(16), Relu,
+    Dense(10), LogSoftmax)  # fmt: skip
+
+
+def stax_params():
+    """The example's ``_, init_params = init_random_params(rng, (-1, 28 * 28))``."""
+    return stax_init(jax.random.key(0), (-1, 16))[1]
+
+
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
 #: params, a list of pairs), equinox's examples (a module, or a function of one), Flax's
@@ -2084,6 +2326,13 @@ MATRIX = (
          rng=jax.random.key(3), served=_lm1b("eval"),
          allow=frozenset({"gather", "scatter", "real_dynamic_slice"})),
     *_EQX_MORE,
+    Case("resnet", "fn", lambda: (resnet_train_apply, resnet_variables()),
+         lambda s: (_x(s, (2, 8, 8, 3)),), eval={"train": False, "mutable": False},
+         served=lambda: (RESNET.apply, resnet_variables()),
+         allow=frozenset({"convolution", "reduce_window", "select_and_scatter",
+                          "real_dynamic_slice"})),
+    Case("stax_mnist", "fn", lambda: (stax_predict, stax_params()), lambda s: (_x(s, (4, 16)),),
+         classes=10),
 )  # fmt: skip
 
 

@@ -3,6 +3,7 @@ through training, a Hybrid, a Batcher and export: issue 33."""
 
 import subprocess
 import sys
+from functools import partial
 
 import chex
 import flax.linen as nn
@@ -57,8 +58,7 @@ def test_the_nnx_tutorial_cnn_compiled_equals_eager_equals_nnx():
     want_model, rngs = TutorialCNN(rngs=nnx.Rngs(0)), nnx.Rngs(5)
     want = [want_model(x + i, rngs=rngs) for i in range(3)]  # train mode, as built
     for compiled in (True, False):
-        h = sm.hybridize(TutorialCNN(rngs=nnx.Rngs(0))).hybridize(compiled)
-        rngs = nnx.Rngs(5)
+        h, rngs = sm.hybridize(TutorialCNN(rngs=nnx.Rngs(0))).hybridize(compiled), nnx.Rngs(5)
         _close([h(x + i, rngs=rngs) for i in range(3)], want)
         _close(keyless(h.state), keyless(nnx.state(want_model, nnx.Not(nnx.Param))))
     trained = h.module  # rebuilt with the state the calls moved
@@ -212,43 +212,6 @@ def test_an_equinox_module_is_a_model_its_arrays_the_params(which, tmp_path):
     assert len(loaded.params) == len(jax.tree.leaves(h.params))
 
 
-def test_an_equinox_module_as_the_params_carries_its_state_as_equinox_does():
-    eqx = _eqx()
-    from helpers import EqxStateful
-
-    model, state = eqx.nn.make_with_state(EqxStateful)(jax.random.key(0))
-
-    def batched(model, x, state):  # as the example: vmap with the batch axis named
-        run = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
-        return run(x, state)
-
-    h = sm.hybridize(batched, model)
-    assert jax.tree.leaves(h.params)
-    ours, theirs = state, state
-    for i in range(3):
-        x = jax.random.normal(jax.random.key(i), (4, 3))
-        (out, ours), (want, theirs) = h(x, ours), batched(model, x, theirs)
-        _close(out, want)
-        _close(jax.tree.leaves(ours), jax.tree.leaves(theirs))
-    assert h.trace_count == 1
-    grads = jax.grad(lambda p: h.apply(p, x, state)[0].sum())(h.params)
-    want = eqx.filter_grad(lambda m: batched(m, x, state)[0].sum())(model)
-    _close(jax.tree.leaves(grads), jax.tree.leaves(eqx.filter(want, eqx.is_array)))
-
-
-def test_equinox_dropout_takes_its_key_per_call_and_inference_stays_static():
-    eqx = _eqx()
-    from helpers import EqxDropout
-
-    model, x = EqxDropout(jax.random.key(0)), jnp.ones(5)
-    h = sm.hybridize(model)
-    for i in range(2):
-        k = jax.random.key(i)
-        _close(h(x, key=k), model(x, key=k))
-    frozen = eqx.nn.inference_mode(model)
-    _close(sm.hybridize(frozen)(x), frozen(x))
-
-
 def test_an_equinox_module_among_the_inputs_is_refused_naming_eqx_partition():
     eqx = _eqx()
     mlp = eqx.nn.MLP(5, 3, width_size=8, depth=1, key=jax.random.key(0))
@@ -397,3 +360,41 @@ def test_seq2seq_draws_its_lstm_stream_per_call_and_exports_with_the_key_an_inpu
     m = sm.load(art.path, allow=allow)
     want = jax.jit(fix)(variables, queries, answers, k)
     _close(m(*(np.asarray(a) for a in (queries, answers, k))), want)
+
+
+def test_a_batchnorm_over_a_pmap_axis_is_refused_naming_the_binding_that_runs():
+    """flax's imagenet ResNet: BatchNorm(axis_name='batch'), bound by train.py's jax.pmap and by
+    no Hybrid call (a raw NameError); refused naming the vmap that binds it, as jax.pmap does."""
+    from helpers import RESNET, _x, resnet_train_apply, resnet_variables
+
+    h, x = sm.hybridize(RESNET, variables := resnet_variables()), _x(1, (2, 8, 8, 3))
+    for call in (h, h.eager, lambda x: h.apply(h.params, x)):
+        with pytest.raises(sm.ConfigError, match=r"(?s)axis name 'batch'.*axis_size=1") as e:
+            call(x)
+    assert "partial(model.apply, mutable=['batch_stats'])" in str(e.value)
+    apply = partial(RESNET.apply, mutable=["batch_stats"])  # train.py's, on one device
+    want = jax.pmap(apply, axis_name="batch", in_axes=(None, 0))(variables, x[None])
+    _close(sm.hybridize(resnet_train_apply, variables)(x), jax.tree.map(lambda a: a[0], want))
+
+
+def test_the_flax_vae_draws_from_the_key_each_call_passes_as_its_example_calls_it():
+    """flax examples/vae: apply(variables, batch, z_rng), a key passed each call; eval_f."""
+    from helpers import _binary, compute_metrics, eval_f, vae_loss_fn, vae_model, vae_params
+
+    model, params, x = vae_model(4), vae_params(), _binary(0).reshape(4, 16)
+    h, keys = sm.hybridize(model, {"params": params}), jax.random.split(jax.random.key(5))
+    want = [jax.jit(model.apply)({"params": params}, x, k) for k in keys]  # references jitted
+    for call in (h, h.eager):  # a new key each call: drawn anew, never retraced
+        _close(outs := [call(x, k) for k in keys], want)
+        assert not np.allclose(outs[0][0], outs[1][0])
+    assert h.trace_count == 1
+
+    def loss(p):  # train_step's loss_fn (compute_metrics' loss), the Hybrid applying the model
+        recon_x, mean, logvar = h.apply(p, x, keys[0])
+        return compute_metrics(recon_x, x, mean, logvar)["loss"]
+
+    want = jax.jit(jax.grad(vae_loss_fn), static_argnums=3)(params, x, keys[0], 4)
+    _close(jax.jit(jax.grad(loss))(h.params)["params"], want)
+    z = jax.random.normal(jax.random.key(2), (4, 4))  # eval_f's latents; `latents` a setting
+    got = sm.hybridize(eval_f, params, static_argnames="latents")(x, z, keys[1], latents=4)
+    _close(got, jax.jit(eval_f, static_argnums=4)(params, x, z, keys[1], 4))

@@ -111,3 +111,21 @@ def test_a_function_drawing_from_a_key_in_its_params_is_refused_with_a_fix_for_a
         sm.export(h, tmp_path / "m", example=jnp.ones((2, 3)))
     assert "model.apply" not in str(e.value) and "'key'" in str(e.value)
     assert not (tmp_path / "m").exists()
+
+
+def test_a_key_each_call_passes_exports_as_an_input_the_refusal_naming_the_shapes(tmp_path):
+    """flax examples/vae: the model draws from the key its caller passes (``z_rng``), an input
+    without a batch; the default batch refused it saying ``shapes=`` and no value for it."""
+    from helpers import vae_model, vae_params
+
+    model, variables = vae_model(4), {"params": vae_params()}
+    x, key, h = _binary(0).reshape(4, 16), jax.random.key(5), sm.hybridize(model, variables)
+    with pytest.raises(
+        sm.SignatureError, match=r"args\[1\] is a scalar.*shapes=\('b, \.\.\.', None\)"
+    ):
+        sm.export(h, tmp_path / "m", example=(x, key))
+    sm.export(h, tmp_path / "m", example=(x, key), shapes=("b, ...", None))  # as it says
+    m, apply = sm.load(tmp_path / "m"), jax.jit(model.apply)
+    for rows, k in ((4, key), (1, jax.random.key(6))):  # another batch, another key
+        want = apply(variables, x[:rows], k)
+        np.testing.assert_allclose(m(np.asarray(x[:rows]), k)[0], want[0], rtol=1e-5, atol=1e-6)

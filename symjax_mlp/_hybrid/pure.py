@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -16,14 +17,8 @@ import jax
 
 from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import ModuleSetting
-from symjax_mlp._hybrid.trace import (
-    MODE_ATTRIBUTES,
-    symbolic,
-    unfit_call,
-    unfit_empty,
-    unfit_input,
-)
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
 _NOT_VARIABLES = (
@@ -92,7 +87,7 @@ class PureModel:
         "state": s}`` for a stateful model, else the params."""
 
         def model(variables: Any, *args: Any, **kwargs: Any) -> Any:
-            with symbolic(name):  # a shape from a traced array named, in export too
+            with _trace.symbolic(name):  # a shape from a traced array named, in export too
                 if not self.stateful:
                     return self.call(variables, {}, args, kwargs)[0]
                 return self.call(variables["params"], variables["state"], args, kwargs)[0]
@@ -107,7 +102,7 @@ def plain(fn: Callable[..., Any]) -> PureModel:
             return fn(params, *args, **kwargs), state
         except TypeError as e:
             name = getattr(fn, "__name__", type(fn).__name__)
-            if (unfit := unfit_call(name, e, fn, params, args, kwargs)) is None:
+            if (unfit := _trace.unfit_call(name, e, fn, params, args, kwargs)) is None:
                 raise
             raise unfit from None
 
@@ -126,12 +121,11 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
         mutable = tuple(c for c in collections if c != "params")
     if isinstance(mutable, str) or _RNGS in collections or _RNGS in mutable:
         raise ConfigError(
-            f"hybridize({name}, mutable={mutable!r}): name the mutable "
-            f"collections in a list, as in mutable=['batch_stats'] (none called {_RNGS!r})."
+            f"hybridize({name}, mutable={mutable!r}): name the mutable collections in a list, "
+            f"as in mutable=['batch_stats'] (none called {_RNGS!r})."
         )
     mutable = tuple(mutable)
-    # one the variables lack is sown: each call returns it fresh, as model.apply does
-    sown = tuple(c for c in mutable if c not in collections)
+    sown = tuple(c for c in mutable if c not in collections)  # each call returns these fresh
     params = {c: variables[c] for c in collections if c not in mutable}
     state = {c: variables[c] for c in mutable if c not in sown}
     if rngs is not None:
@@ -161,31 +155,31 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 
         try:
             out, updates = model.apply(variables, rngs=keys, mutable=list(mutable), method=run)
-        except ScopeCollectionNotFound as e:
+        except ScopeCollectionNotFound as e:  # variables["params"] given for the variables
             if "params" in variables or "params" in mutable:
                 raise
-            raise ConfigError(  # variables["params"] given for the variables
-                _NO_PARAMS.format(
-                    name=name, error=str(e).split(" (")[0].rstrip("."),
-                    keys=sorted(map(str, variables)),
-                )
-            ) from None  # fmt: skip
+            error, keys = str(e).split(" (")[0].rstrip("."), sorted(map(str, variables))
+            raise ConfigError(_NO_PARAMS.format(name=name, error=error, keys=keys)) from None
         except InvalidRngError as e:
             error, streams = str(e).split(" (")[0], sorted(streams)
             raise ConfigError(_NO_RNG.format(name=name, error=error, streams=streams)) from None
         except ScopeParamShapeError as e:
-            if (unfit := unfit_input(name, e, args, kwargs)) is None:
+            if (unfit := _trace.unfit_input(name, e, args, kwargs)) is None:
                 raise
             raise unfit from None
         except ZeroDivisionError:
-            if (unfit := unfit_empty(name, args, kwargs)) is None:
+            if (unfit := _trace.unfit_empty(name, args, kwargs)) is None:
                 raise
             raise unfit from None
         except TypeError as e:
             target = type(model).__call__
-            if (unfit := unfit_call(name, e, target, variables, args, kwargs)) is None:
+            if (unfit := _trace.unfit_call(name, e, target, variables, args, kwargs)) is None:
                 raise
             raise unfit from None
+        except NameError as e:  # a collective over an axis name no transform binds
+            if (unbound := _unbound_axis(name, e, mutable, args, kwargs)) is None:
+                raise
+            raise unbound from None
         if sown:
             updates = dict(updates)
             out = out, {c: updates.pop(c, {}) for c in sown}
@@ -195,18 +189,40 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
     return pure, params, state
 
 
+_UNBOUND = (
+    "{name}: the model reduces over the axis name {axis!r} (a BatchNorm(axis_name={axis!r}), a "
+    "lax.pmean), which only a transform mapping over it binds (jax.pmap, with which Flax's "
+    "examples train; jax.vmap); a Hybrid's call binds none, nor does {name}.apply. To reduce "
+    "over the whole batch (what jax.pmap gives on one device), hybridize a function binding it:"
+    "\n  def train_apply(variables, {xs}):\n      apply = functools.partial(model.apply"
+    "{options})\n      return jax.vmap(apply, in_axes=None, out_axes=None, axis_name={axis!r}, "
+    "axis_size=1)(variables, {xs})\n  h = sm.hybridize(train_apply, variables)\nor call it "
+    "with the setting that turns the reduction off (train=False in Flax's examples)."
+)
+
+
+def _unbound_axis(name: str, e: NameError, mutable: Sequence[str], args: tuple, kwargs: dict):
+    """The refusal of a call reducing over an axis name no transform binds, or ``None``."""
+    if not (axis := re.search(r"unbound axis name: ([^\s.]+)", str(e))):
+        return None
+    shown = [f", {k}={v!r}" for k, v in kwargs.items() if isinstance(v, (bool, int, str))]
+    options = "".join([f", mutable={list(mutable)}"] * bool(mutable) + shown)
+    xs = "x" if len(args) == 1 else "*xs"
+    return ConfigError(_UNBOUND.format(name=name, axis=axis[1], options=options, xs=xs))
+
+
 def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     """``(PureModel, params, state)`` for an nnx module (or ``fn(module, *args, **kwargs)``):
     its Params, and everything else; its settings (bool attributes) read at each call."""
     from flax import nnx
 
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    (graphdef, params, rest), module_name = nnx.split(module, nnx.Param, ...), type(module).__name__
     params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
     watched = [
         (path, sub, attr)
         for path, sub in nnx.iter_modules(module)
         for attr, value in vars(sub).items()
-        if not attr.startswith("_") and (type(value) is bool or attr in MODE_ATTRIBUTES)
+        if not attr.startswith("_") and (type(value) is bool or attr in _trace.MODE_ATTRIBUTES)
     ]
     owners = tuple((sub, attr) for _, sub, attr in watched)
     names = tuple("/".join(map(str, (*path, attr))) for path, _, attr in watched)
@@ -219,8 +235,7 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
 
     def merge(params, state):  # nnx would match the leaves by place, whatever their names
         if (known := graphdefs.get(tuple(got := _paths((params, state))))) is None:
-            diff = _diff(expected, got)
-            raise ConfigError(_UNFIT.format(name=type(module).__name__, diff=diff))
+            raise ConfigError(_UNFIT.format(name=module_name, diff=_diff(expected, got)))
         m = nnx.merge(known, params, state) if state else nnx.merge(known, params)
         if watched:
             pin = _PINNED.get()
@@ -236,14 +251,13 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
             with layer_scopes(m):
                 out = m(*args, **kwargs) if fn is None else fn(m, *args, **kwargs)
         except TypeError as e:  # target: the module's __call__ (or fn), set below
-            unfit = unfit_call(type(module).__name__, e, target, params, args, kwargs)
-            if unfit is None:
+            if (unfit := _trace.unfit_call(module_name, e, target, params, args, kwargs)) is None:
                 raise
             raise unfit from None
         if not state:  # a Hybrid that carries none: what a call adds, it would drop
             if added := _paths(({}, nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Param))))):
                 added = ", ".join(p.removeprefix("state") for p in added)
-                raise ConfigError(_ADDED.format(name=type(module).__name__, added=added))
+                raise ConfigError(_ADDED.format(name=module_name, added=added))
             return out, state
         grown, new_params, new_state = nnx.split(m, nnx.Param, ...)
         new_state = nnx.to_pure_dict(new_state)
@@ -252,10 +266,8 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
         return out, new_state
 
     target = type(module).__call__ if fn is None else fn
-    model = PureModel(
-        call, bool(state), "nnx", merge, target, settings if watched else None, names, owners,
-        module,
-    )  # fmt: skip
+    model = PureModel(call, bool(state), "nnx", merge, target, settings if watched else None,
+                      names, owners, module)  # fmt: skip
     return model, params, state
 
 
@@ -277,21 +289,16 @@ _NESTED_NNX = (
 def refuse_nested_nnx_state(caller: str, params: Any) -> None:
     """Refuses an nnx module (or ``nnx.Rngs``) inside plain params that holds variables other
     than ``Param`` s: a compiled call would drop what it changes in them."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:  # flax not imported: no nnx module can exist
+    if (nnx := sys.modules.get("flax.nnx")) is None:  # flax not imported: no nnx module exists
         return
     graph = getattr(nnx, "Pytree", nnx.Module)  # nnx.Rngs too, where flax has nnx.Pytree
     nodes = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, graph))
-    for path, leaf in nodes[0]:
-        if not isinstance(leaf, graph):
-            continue
+    for path, leaf in (node for node in nodes[0] if isinstance(node[1], graph)):
         held = nnx.state(leaf, nnx.Not(nnx.Param))
         variables = jax.tree.leaves(held, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        if kinds := sorted({type(v).__name__ for v in variables}):
+        if kinds := ", ".join(sorted({type(v).__name__ for v in variables})):
             where, kind = jax.tree_util.keystr(path), type(leaf).__name__
-            raise ConfigError(
-                _NESTED_NNX.format(caller=caller, path=where, kind=kind, held=", ".join(kinds))
-            )
+            raise ConfigError(_NESTED_NNX.format(caller=caller, path=where, kind=kind, held=kinds))
 
 
 _UNFIT = (
@@ -335,7 +342,9 @@ def refit(caller: str, held: Any, state: Any, tail: str = "") -> Any:
 def mode_settings(model: PureModel, values: tuple, *, train: bool) -> tuple:
     """An nnx module's settings ``values`` as ``module.train()`` or ``eval()`` would set them."""
     pairs = zip(model.setting_names, values, strict=True)
-    return tuple((not train) if n.rpartition("/")[2] in MODE_ATTRIBUTES else v for n, v in pairs)
+    return tuple(
+        (not train) if n.rpartition("/")[2] in _trace.MODE_ATTRIBUTES else v for n, v in pairs
+    )
 
 
 def is_key(leaf: Any) -> bool:
