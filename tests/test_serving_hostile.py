@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 from helpers import bounded
@@ -374,3 +375,35 @@ def test_a_request_beyond_its_dtypes_range_is_told_so_not_to_cast_it(x):
         held = r"holds integers outside int32's range \[-2147483648, 2147483647\], which a cast"
         with pytest.raises(sm.SignatureError, match=held):
             b([[2**40, -1]])
+
+
+class _NoArray:
+    def __array__(self, *args, **kwargs):
+        raise ValueError("no array here")
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda x: (row for row in x), "of type generator, which NumPy reads as Python objects"),
+        (
+            lambda x: {"y": _NoArray()},
+            "of type _NoArray, which NumPy cannot read as an array "
+            r"\(ValueError: no array here\)",
+        ),
+        (lambda x: np.array([object()] * len(x)), "of type ndarray, which NumPy reads as Python"),
+        (
+            lambda x: jax.random.split(jax.random.key(0), len(x)),
+            r"of type \w+, which NumPy cannot "
+            r"read as an array \(TypeError: .*Use jax.random.key_data",
+        ),
+    ],
+    ids=["generator", "__array__ raises", "objects", "prng key"],
+)
+def test_a_model_whose_outputs_are_no_arrays_of_numbers_is_refused_naming_the_output(make, says):
+    """A generator was refused as an output 'of shape ()'; an __array__ that raised, or a typed
+    key, was a bare ValueError or JAX's TypeError; object arrays were served, and every HTTP
+    request was a 500 logged as a bug of the server's, its .npy refused (allow_pickle=False)."""
+    with pytest.raises(sm.ConfigError, match=rf"Batcher\(<lambda>\): output out.* is {says}") as e:
+        sm.serving.Batcher(make, example=X1, max_batch=2)
+    assert "per-row outputs: arrays of numbers" in str(e.value), str(e.value)

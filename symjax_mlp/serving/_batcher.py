@@ -248,11 +248,11 @@ class Batcher:
             lane.holder = threading.get_ident()  # until release(): see close()
             try:
                 if not lane.queue:  # run it here, with no lock held; else join the queue
-                    return lane.run_alone(request)[0]
+                    return lane.run_alone(request)
             finally:
                 lane.release()
         if threading.get_ident() in (lane.thread, lane.holder) and not lane.closing:
-            return lane.run_alone(request)[0]  # in the model or a callback: not wait for itself
+            return lane.run_alone(request)  # in the model or a callback: not wait for itself
         request.waiter = waiter = threading.Lock()
         waiter.acquire()
         self._enqueue(request)

@@ -16,7 +16,8 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -73,8 +74,7 @@ def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None)
 
 
 def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: Any, here: Any = None) -> None:
-    """One wake-up per event loop for a whole batch (not one per request); the requests of
-    ``here``, the loop this runs on, are resolved at once."""
+    """One wake-up per event loop for a whole batch; those of ``here`` (this one) at once."""
     by_loop: dict[Any, list[tuple[AsyncRequest, Any]]] = {}
     for item in items:
         by_loop.setdefault(item[0].future.get_loop(), []).append(item)
@@ -96,24 +96,20 @@ class Lane:
         self.dtypes = [np.dtype(s.dtype) for s in row_specs]
         self.buckets, self.max_batch = tuple(buckets), buckets[-1]
         # where it does not merge, each request at its own rows: a size compiled at first use
-        fit = [self.buckets[bisect.bisect_left(self.buckets, n)] if merges else n
-               for n in range(1, self.max_batch + 1)]  # fmt: skip
-        self.bucket_of = [0, *fit]
-        self.lock = threading.Lock()
-        self.wake = threading.Condition(self.lock)
+        self.bucket_of = [0, *(self.buckets[bisect.bisect_left(self.buckets, n)] if merges else n
+                               for n in range(1, self.max_batch + 1))]  # fmt: skip
+        self.lock, self.wake = (lock := threading.Lock()), threading.Condition(lock)
         self.sleeping = False  # the thread waits on `wake` and nobody notified it yet
         self.futures = threading.Condition()  # the one lock (an RLock) of all our futures
         self.queue: collections.deque[Blocking | RequestFuture] = collections.deque()
-        # The lane's token: whoever pops it (a lone call, or the thread for a batch) runs the
-        # model until it appends it back; empty while the lane is busy.
+        # the token: whoever pops it (a lone call, the thread) runs the model till it is back
         self.idle, self.closing = [True], False
         self.n = Counters(self.buckets if merges else ())  # else: the sizes run, as they come
         self.to_host: Callable[[Any], Any] = functools.partial(jax.tree.map, np.asarray)
         self.split = lambda out, a, b: jax.tree.map(lambda y: y[a:b].copy(), out)
         self.single = False  # one array out: the split is a list of row copies
         self.tree, self.want = None, []  # the outputs' kind and, by rows, shapes: see warm_up
-        self.thread: int | None = None  # the batcher's thread (its ident)
-        self.holder: int | None = None  # the thread running a lone request (its ident)
+        self.thread = self.holder = None  # idents: the batcher's thread, a lone call's thread
         self.took: dict[int, float] = {}  # by bucket: seconds its last run took (see ON_LOOP)
         self.since: float | None = None  # when the batch running now started (None: none runs)
 
@@ -167,8 +163,7 @@ class Lane:
             except BaseException as e:
                 failed.append(e)
             ready.set()
-            if not failed:
-                self.work()  # returns at once if the caller stopped waiting: closing
+            failed or self.work()  # returns at once if the caller stopped waiting: closing
 
         thread = threading.Thread(target=warm_then_work, name=self.name, daemon=True)
         thread.start()
@@ -184,8 +179,7 @@ class Lane:
         return thread
 
     def warm_up(self) -> None:
-        """Compiles every bucket (the smallest alone where it does not merge: one call each),
-        checks the outputs are per row, and notes their kind, row shapes and dtypes."""
+        """Compiles each bucket (where it does not merge, the smallest); checks the outputs."""
         single, rows, first = True, list(zip(self.row_shapes, self.dtypes, strict=True)), None
         for bucket in self.buckets if self.merges else self.buckets[:1]:
             self.warming = bucket
@@ -194,22 +188,16 @@ class Lane:
             except Exception as e:  # the model's own, on rows no caller sent (a Hybrid's say why)
                 isinstance(e, SymjaxError) or e.add_note(_RAISED.format(self=self))
                 raise
-            single, host = isinstance(out, jax.Array | np.ndarray), self.to_host(out)
-            pairs, self.tree = jax.tree_util.tree_flatten_with_path(host)
+            single = isinstance(out, jax.Array | np.ndarray)
+            leaf = Iterator.__instancecheck__  # a generator: numpy() refuses it, JAX warns
+            pairs, self.tree = jax.tree_util.tree_flatten_with_path(out, is_leaf=leaf)
+            pairs = [(path, self.numpy(path, y, bucket)) for path, y in pairs]
             if not pairs:  # every request answered None, say
                 raise ConfigError(
                     f"{self.name}: the model returned no array for a batch of {bucket} rows (it "
                     f"returned {out!r}). Serve a model that returns its outputs: an array, or a "
                     "pytree of arrays, with one row per input row."
                 )
-            for path, leaf in pairs:
-                if leaf.ndim == 0 or leaf.shape[0] != bucket:
-                    raise ConfigError(
-                        f"{self.name}: output out{jax.tree_util.keystr(path)} has shape "
-                        f"{leaf.shape} for a batch of {bucket}, but batching needs per-row "
-                        f"outputs with the batch ({bucket}) as leading dimension. Serve a model "
-                        "that returns one result per input row (reduce over rows afterwards)."
-                    )
             each = ", ".join(f"{y.dtype}{list(y.shape[1:])}" for _, y in pairs)
             kind = f"{self.tree} of rows {each}"  # what a batch's outputs are, shown
             if first and first[1] != kind:
@@ -227,9 +215,26 @@ class Lane:
             self.to_host, self.single = np.asarray, True
             self.split = lambda out, a, b: out[a:b].copy()
 
+    def numpy(self, path: Any, y: Any, bucket: int) -> np.ndarray:
+        """A warm-up's output leaf as NumPy, one row per input row (else a ConfigError)."""
+        what = f"of type {type(y).__name__}, which NumPy reads as Python objects,"
+        try:
+            if (host := np.asarray(y)).dtype != object:
+                if host.ndim and len(host) == bucket:
+                    return host
+                what = f"of shape {host.shape}"
+        except Exception as e:  # its __array__ raised, or a typed PRNG key's (its str may too)
+            said = traceback.format_exception_only(e)[-1].strip()[:300]
+            what = f"of type {type(y).__name__}, which NumPy cannot read as an array ({said}),"
+        raise ConfigError(
+            f"{self.name}: output out{jax.tree_util.keystr(path)} is {what} for a batch of "
+            f"{bucket}, but batching needs per-row outputs: arrays of numbers with the batch "
+            f"({bucket}) as leading dimension. Serve a model that returns one result per input "
+            "row (reduce over rows afterwards)."
+        ) from None
+
     def unlike(self, out: Any, rows: int) -> RuntimeError | None:
-        """Why the model's ``out`` for a batch of ``rows`` rows is unlike its warm-up's, if it
-        is (``None``: a dtype equal but not the same object)."""
+        """Why ``out``, for ``rows`` rows, is unlike the warm-up's (``None``: an equal dtype)."""
         bucket, host = self.bucket_of[rows], self.to_host(out)
         leaves, tree = jax.tree_util.tree_flatten_with_path(host)
         if (self.single and not isinstance(out, jax.Array | np.ndarray)) or tree != self.tree:
@@ -270,8 +275,7 @@ class Lane:
         return batch, rows
 
     def run(self, batch: list[Any], rows: int, loop: Any = None) -> None:
-        """Runs one batch (on the executor thread, or on the event loop ``loop``) and hands
-        each request its result."""
+        """Runs one batch (on the batcher's thread, or on the event loop ``loop``); settles it."""
         try:
             results, record = self.compute(batch, rows, [r.t0 for r in batch])
         except BaseException as e:  # every request of the batch gets it; the lane carries on
@@ -280,9 +284,8 @@ class Lane:
             self.settle(batch, results, None, (*record[1:], len(batch)), loop)
 
     def compute(self, batch: Sequence[Any], rows: int, t0: Any) -> tuple[list[Any], tuple]:
-        """The model's results for ``batch`` (requests of ``rows`` rows in all), one per
-        request, and the batch's timing record ``(t0, t1, t2, t3, t4, rows, bucket)``: ``t0``
-        its request's start or its requests' starts, ``t1..t4`` its stages' bounds."""
+        """The model's results for ``batch`` (``rows`` rows), one per request, and its timing
+        record ``(t0, t1, ..., t4, rows, bucket)``: t0 its request's or requests' starts."""
         nested = self.since is not None  # b(x) inside the model: the outer batch's mark stays
         try:  # counted: in bulk, later, or at once as failed
             t1 = clock()
@@ -323,8 +326,7 @@ class Lane:
         return results, record
 
     def settle(self, batch, results, error, timing=None, loop=None) -> None:
-        """Hands out a batch's results (or ``error``): one lock for its futures, one release
-        per blocked caller, then the futures' done callbacks (``loop``: the one this runs on)."""
+        """Hands out a batch's results (or ``error``) under one lock, then the done callbacks."""
         futures, settled, awaited = [], [], []
         with self.futures:
             for r, result in zip(batch, results or [None] * len(batch), strict=True):
@@ -343,12 +345,10 @@ class Lane:
         _wake_loops(awaited, error, loop)
         after_finish(futures, settled, error)
 
-    def run_alone(self, request: Any) -> tuple[Any, tuple]:
-        """Runs one request on the calling thread, which holds the lane's token (and gives it
-        back itself): its result, and its timing record."""
+    def run_alone(self, request: Any) -> Any:
+        """Runs one request on the calling thread, the token's holder: its result."""
         self.n.alone += 1  # only the token's holder writes it
-        results, record = self.compute((request,), request.rows, request.t0)
-        return results[0], record
+        return self.compute((request,), request.rows, request.t0)[0][0]
 
     def release(self) -> None:
         """Gives the token back, and wakes the thread if requests came meanwhile."""
