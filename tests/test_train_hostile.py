@@ -1081,7 +1081,8 @@ def test_numpy_bool_settings_are_pythons_in_the_result(tiny):
 
 def test_a_ctrl_c_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
     """Ctrl-C in ``symjax-mlp train`` as it removed the oldest of ``keep`` checkpoints left a
-    step_* directory of manifest.json alone, listed as a checkpoint that no restore could read."""
+    step_* directory of manifest.json alone, listed as a checkpoint that no restore could read.
+    Now what it left is out of sight, and the next save removes it."""
     import shutil
 
     for step in (1, 2):
@@ -1099,3 +1100,5 @@ def test_a_ctrl_c_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, monk
     assert seen == ["step_00000002", "step_00000003"], seen
     for name in seen:
         sm.training.restore_checkpoint(tmp_path / name, _state())
+    sm.training.save_checkpoint(tmp_path, dataclasses.replace(_state(), step=4), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]

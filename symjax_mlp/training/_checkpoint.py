@@ -4,6 +4,7 @@ and ``manifest.json``, written atomically. A restore's checks serve Orbax's chec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -210,19 +211,11 @@ def save_checkpoint(
     write_dir(final, files, overwrite=False, check=_check_new, error=CheckpointError)
     for _, old in checkpoints(directory)[:-keep]:
         if old != final:  # a writer racing ours saved a newer step: ours stays, for it
-            _prune(old)
+            with contextlib.suppress(OSError):  # another writer pruned it first
+                os.rename(old, old.with_name(f".{old.name}.old-{secrets.token_hex(8)}"))
+    for gone in directory.glob(".step_*.old-*"):  # out of sight first: a Ctrl-C in the removal
+        shutil.rmtree(gone, ignore_errors=True)  # leaves no step_* half deleted (removed next)
     return final
-
-
-def _prune(old: Path) -> None:
-    """Removes an old checkpoint, out of sight first: a Ctrl-C in the removal leaves a hidden
-    ``.step_*.old-*`` directory, never a step_* one half deleted, listed as a checkpoint."""
-    gone = old.with_name(f".{old.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        os.rename(old, gone)
-    except OSError:  # another writer pruned it first
-        return
-    shutil.rmtree(gone, ignore_errors=True)
 
 
 def _storable(a: np.ndarray) -> bool:
