@@ -2057,7 +2057,7 @@ else:  # pragma: no cover - the test extra installs equinox
 from collections.abc import Sequence  # noqa: E402
 
 from jax.example_libraries import stax  # noqa: E402
-from jax.example_libraries.stax import Dense, LogSoftmax, Relu  # noqa: E402
+from jax.example_libraries.stax import Dense, FanOut, LogSoftmax, Relu, Softplus  # noqa: E402
 
 # -- flax examples/imagenet/models.py, as written there (google/flax@18f8f311c275d57f46d95e41b1
 # 5aa97b454754c0): ResNet V1.5, its convs and BatchNorms `partial`s passed to each block, each
@@ -2296,10 +2296,67 @@ def stax_params():
     return stax_init(jax.random.key(0), (-1, 16))[1]
 
 
+# -- JAX examples/mnist_vae.py, as written there (jax-ml/jax@cec06d116c05f0d52adfceee3d3b730fdbc
+# b0ce5): stax's FanOut and parallel make the encoder's params nested tuples, empty ones among
+# them; `elbo(rng, params, images)` takes its key first and the params second, and its images
+# are binarized by random.bernoulli (bool); Dense(512) is Dense(8), 10 latents 4, 28 * 28 is 16
+def gaussian_kl(mu, sigmasq):
+    """KL divergence from a diagonal Gaussian to the standard Gaussian."""
+    return -0.5 * jnp.sum(1.0 + jnp.log(sigmasq) - mu**2.0 - sigmasq)
+
+
+def gaussian_sample(rng, mu, sigmasq):
+    """Sample a diagonal Gaussian."""
+    return mu + jnp.sqrt(sigmasq) * jax.random.normal(rng, mu.shape)
+
+
+def bernoulli_logpdf(logits, x):
+    """Bernoulli log pdf of data x given logits."""
+    return -jnp.sum(jnp.logaddexp(0.0, jnp.where(x, -1.0, 1.0) * logits))
+
+
+def elbo(rng, params, images):
+    """Monte Carlo estimate of the negative evidence lower bound."""
+    enc_params, dec_params = params
+    mu_z, sigmasq_z = encode(enc_params, images)
+    logits_x = decode(dec_params, gaussian_sample(rng, mu_z, sigmasq_z))
+    return bernoulli_logpdf(logits_x, images) - gaussian_kl(mu_z, sigmasq_z)
+
+
+encoder_init, encode = stax.serial(
+    Dense(8), Relu,
+    Dense(8), Relu,
+    FanOut(2),
+    stax.parallel(Dense(4), stax.serial(Dense(4), Softplus)),
+)  # fmt: skip
+
+decoder_init, decode = stax.serial(
+    Dense(8), Relu,
+    Dense(8), Relu,
+    Dense(16),
+)  # fmt: skip
+
+
+def stax_vae_params():
+    """The example's ``init_params = init_encoder_params, init_decoder_params``."""
+    enc_init_rng, dec_init_rng = jax.random.split(jax.random.key(2))
+    _, init_encoder_params = encoder_init(enc_init_rng, (4, 16))
+    _, init_decoder_params = decoder_init(dec_init_rng, (4, 4))
+    return init_encoder_params, init_decoder_params
+
+
+def binarized(seed: int) -> jax.Array:
+    """The example's ``binarize_batch``: ``random.bernoulli(rng, batch)`` of [0, 1] images."""
+    images = jax.random.uniform(jax.random.key(seed), (4, 16))
+    return jax.random.bernoulli(jax.random.key(seed + 1000), images)
+
+
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
 #: params, a list of pairs), equinox's examples (a module, or a function of one), Flax's
-#: sst2 and lm1b examples, equinox's score-based diffusion model
+#: sst2 and lm1b examples, equinox's score-based diffusion model, Flax's imagenet ResNet (its
+#: training call the refusal's fix: train.py's pmap axis bound; its eval call train.py's), JAX's
+#: stax MNIST classifier (params a list of tuples, empty ones for Relu and LogSoftmax)
 MATRIX = (
     *AUTHORS,
     Case("tutorial_cnn", "nnx", _tutorial_cnn("train"), lambda s: (_x(s, (2, 28, 28, 1)),),

@@ -2,6 +2,7 @@
 again): an artifact carries none between calls, so it is refused naming the state, and the fix
 each message gives runs for that model (flax's seq2seq, nnx VAE, lm1b decode, BatchNorm)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,3 +130,22 @@ def test_a_key_each_call_passes_exports_as_an_input_the_refusal_naming_the_shape
     for rows, k in ((4, key), (1, jax.random.key(6))):  # another batch, another key
         want = apply(variables, x[:rows], k)
         np.testing.assert_allclose(m(np.asarray(x[:rows]), k)[0], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_jax_stax_vae_trains_with_its_key_first_and_exports_its_list_as_a_tuple(tmp_path):
+    """JAX's examples/mnist_vae.py: ``elbo(rng, params, images)`` takes its key before the
+    params, and its encoder returns stax.parallel's list (an artifact returns a flat tuple: refused,
+    naming it); its images are bool, as random.bernoulli binarizes them."""
+    from helpers import binarized, elbo, encode, stax_vae_params
+
+    params, images, rng = stax_vae_params(), binarized(0), jax.random.key(3)
+    h = sm.hybridize(lambda params, rng, images: elbo(rng, params, images), params)
+    grads = jax.jit(jax.grad(lambda p: -h.apply(p, rng, images) / 4))(h.params)  # run_epoch's
+    want = jax.jit(jax.grad(lambda p: -elbo(rng, p, images) / 4))(params)
+    chex.assert_trees_all_close(grads, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(sm.SignatureError, match=r"Return tuple\(jax\.tree\.leaves\(out\)\)"):
+        sm.export(sm.hybridize(encode, params[0]), tmp_path / "m", example=images)
+    flat = sm.hybridize(lambda p, x: tuple(jax.tree.leaves(encode(p, x))), params[0])  # as it says
+    sm.export(flat, tmp_path / "m", example=images)
+    got = sm.load(tmp_path / "m")(np.asarray(images[:1]))
+    chex.assert_trees_all_close(got, tuple(y[:1] for y in encode(params[0], images)), rtol=1e-5)
