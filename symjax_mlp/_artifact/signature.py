@@ -311,10 +311,10 @@ def _dtype_refused(caller: str, spec: TensorSpec, x: Any, given: Any) -> str:
             f"{caller}: input {spec.path} has dtype {x.dtype} but the artifact expects "
             f"{spec.type}. Cast it: x.astype({cast_to(spec.dtype)})."
         )
-    kind = f"has dtype {x.dtype}" if is_array(given) else f"is a Python {type(given).__name__}"
+    python = "" if is_array(given) else f" (a Python {type(given).__name__})"
     return (
-        f"{caller}: input {spec.path} {kind} but the artifact expects {spec.type}: it "
-        f"{held}. Pass values in range."
+        f"{caller}: input {spec.path} has dtype {x.dtype}{python} but the artifact expects "
+        f"{spec.type}: it {held}. Pass values in range."
     )
 
 
