@@ -88,7 +88,7 @@ class Batcher:
     Raises:
       ConfigError: a Hybrid or callable without ``example``, or a LoadedModel with one; an
         nnx module in training mode; bad ``max_batch``/``buckets``/``max_queue``; an artifact
-        whose batch is not its inputs' leading dimension; outputs not per row, or whose rows
+        whose batch is not its inputs' leading dimension; outputs not arrays per row, or whose rows
         differ between batch sizes; a bad ``warm_up_timeout``.
       TimeoutError: the warm-up took longer than ``warm_up_timeout``.
 
