@@ -1,9 +1,10 @@
 """The Flax and Equinox authors' own models (tests/helpers.py, as their guides write them)
 through training, a Hybrid, a Batcher and export: issue 33."""
 
+import functools
 import subprocess
 import sys
-from functools import partial
+import textwrap
 
 import chex
 import flax.linen as nn
@@ -362,39 +363,29 @@ def test_seq2seq_draws_its_lstm_stream_per_call_and_exports_with_the_key_an_inpu
     _close(m(*(np.asarray(a) for a in (queries, answers, k))), want)
 
 
-def test_a_batchnorm_over_a_pmap_axis_is_refused_naming_the_binding_that_runs():
-    """flax's imagenet ResNet: BatchNorm(axis_name='batch'), bound by train.py's jax.pmap and by
-    no Hybrid call (a raw NameError); refused naming the vmap that binds it, as jax.pmap does."""
-    from helpers import RESNET, _x, resnet_train_apply, resnet_variables
+def _pmean(params, x):  # a function reducing over the batch as a BatchNorm(axis_name=) does
+    return x - jax.lax.pmean(x.mean(0), "batch") * params
 
-    h, x = sm.hybridize(RESNET, variables := resnet_variables()), _x(1, (2, 8, 8, 3))
+
+@pytest.mark.parametrize("kind", ["linen", "nnx", "fn"])
+def test_a_reduction_over_a_pmap_axis_is_refused_naming_a_binding_that_runs(kind):
+    """flax's imagenet ResNet: BatchNorm(axis_name='batch'), bound by train.py's jax.pmap, by no
+    Hybrid call (JAX's raw NameError); refused, naming code that binds it as jax.pmap does."""
+    from helpers import RESNET, _x, resnet_variables
+
+    x, bn = _x(1, (2, 8, 8, 3)), nnx.BatchNorm(3, axis_name="batch", rngs=nnx.Rngs(0))
+    given = {"linen": {"model": RESNET, "variables": resnet_variables()}, "nnx": {"module": bn},
+             "fn": {"fn": _pmean, "params": jnp.float32(2)}}[kind]  # fmt: skip
+    h = sm.hybridize(*given.values())
     for call in (h, h.eager, lambda x: h.apply(h.params, x)):
         with pytest.raises(sm.ConfigError, match=r"(?s)axis name 'batch'.*axis_size=1") as e:
             call(x)
-    assert "partial(model.apply, mutable=['batch_stats'])" in str(e.value)
-    apply = partial(RESNET.apply, mutable=["batch_stats"])  # train.py's, on one device
-    want = jax.pmap(apply, axis_name="batch", in_axes=(None, 0))(variables, x[None])
-    _close(sm.hybridize(resnet_train_apply, variables)(x), jax.tree.map(lambda a: a[0], want))
-
-
-def test_the_flax_vae_draws_from_the_key_each_call_passes_as_its_example_calls_it():
-    """flax examples/vae: apply(variables, batch, z_rng), a key passed each call; eval_f."""
-    from helpers import _binary, compute_metrics, eval_f, vae_loss_fn, vae_model, vae_params
-
-    model, params, x = vae_model(4), vae_params(), _binary(0).reshape(4, 16)
-    h, keys = sm.hybridize(model, {"params": params}), jax.random.split(jax.random.key(5))
-    want = [jax.jit(model.apply)({"params": params}, x, k) for k in keys]  # references jitted
-    for call in (h, h.eager):  # a new key each call: drawn anew, never retraced
-        _close(outs := [call(x, k) for k in keys], want)
-        assert not np.allclose(outs[0][0], outs[1][0])
-    assert h.trace_count == 1
-
-    def loss(p):  # train_step's loss_fn (compute_metrics' loss), the Hybrid applying the model
-        recon_x, mean, logvar = h.apply(p, x, keys[0])
-        return compute_metrics(recon_x, x, mean, logvar)["loss"]
-
-    want = jax.jit(jax.grad(vae_loss_fn), static_argnums=3)(params, x, keys[0], 4)
-    _close(jax.jit(jax.grad(loss))(h.params)["params"], want)
-    z = jax.random.normal(jax.random.key(2), (4, 4))  # eval_f's latents; `latents` a setting
-    got = sm.hybridize(eval_f, params, static_argnames="latents")(x, z, keys[1], latents=4)
-    _close(got, jax.jit(eval_f, static_argnums=4)(params, x, z, keys[1], 4))
+    names = {"functools": functools, "jax": jax, "nnx": nnx, "sm": sm, **given}
+    exec(textwrap.dedent(str(e.value).split("binding it:\n")[1].split("\nor call")[0]), names)
+    if kind == "linen":  # train.py's call, on one device
+        apply = functools.partial(RESNET.apply, mutable=["batch_stats"])
+        want = jax.pmap(apply, axis_name="batch", in_axes=(None, 0))(given["variables"], x[None])
+        want = jax.tree.map(lambda a: a[0], want)
+    else:  # over the whole batch, as without the axis name
+        want = nnx.BatchNorm(3, rngs=nnx.Rngs(0))(x) if kind == "nnx" else x - x.mean(0) * 2
+    _close(names["h"](x), want)

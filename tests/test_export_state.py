@@ -22,6 +22,10 @@ from helpers import (
 import symjax_mlp as sm
 
 
+def _close(a, b):
+    chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_a_baked_rng_stream_is_refused_naming_the_stream_the_model_draws(tmp_path):
     # it said 'dropout' and training=True: Seq2seq draws 'lstm' and takes no training flag
     model = Seq2seq(teacher_force=True, hidden_size=8, vocab_size=5)
@@ -114,22 +118,35 @@ def test_a_function_drawing_from_a_key_in_its_params_is_refused_with_a_fix_for_a
     assert not (tmp_path / "m").exists()
 
 
-def test_a_key_each_call_passes_exports_as_an_input_the_refusal_naming_the_shapes(tmp_path):
-    """flax examples/vae: the model draws from the key its caller passes (``z_rng``), an input
-    without a batch; the default batch refused it saying ``shapes=`` and no value for it."""
-    from helpers import vae_model, vae_params
+def test_the_flax_vae_draws_from_the_key_each_call_passes_and_exports_it_as_an_input(tmp_path):
+    """flax examples/vae: ``model.apply({'params': params}, batch, z_rng)``, the key an argument
+    (no rng stream): drawn anew per call, trained through, and exported as an input without a
+    batch (the default batch refused it saying ``shapes=`` and no value for it)."""
+    from helpers import compute_metrics, eval_f, vae_loss_fn, vae_model, vae_params
 
-    model, variables = vae_model(4), {"params": vae_params()}
-    x, key, h = _binary(0).reshape(4, 16), jax.random.key(5), sm.hybridize(model, variables)
-    with pytest.raises(
-        sm.SignatureError, match=r"args\[1\] is a scalar.*shapes=\('b, \.\.\.', None\)"
-    ):
-        sm.export(h, tmp_path / "m", example=(x, key))
-    sm.export(h, tmp_path / "m", example=(x, key), shapes=("b, ...", None))  # as it says
-    m, apply = sm.load(tmp_path / "m"), jax.jit(model.apply)
-    for rows, k in ((4, key), (1, jax.random.key(6))):  # another batch, another key
-        want = apply(variables, x[:rows], k)
-        np.testing.assert_allclose(m(np.asarray(x[:rows]), k)[0], want[0], rtol=1e-5, atol=1e-6)
+    model, params, x = vae_model(4), vae_params(), _binary(0).reshape(4, 16)
+    variables, keys = {"params": params}, jax.random.split(jax.random.key(5))
+    h, apply = sm.hybridize(model, variables), jax.jit(model.apply)  # references jitted
+    for call in (h, h.eager):  # a new key each call: drawn anew, never retraced
+        _close(outs := [call(x, k) for k in keys], [apply(variables, x, k) for k in keys])
+        assert not np.allclose(outs[0][0], outs[1][0])
+    assert h.trace_count == 1
+
+    def loss(p):  # train_step's loss_fn (compute_metrics' loss), the Hybrid applying the model
+        recon_x, mean, logvar = h.apply(p, x, keys[0])
+        return compute_metrics(recon_x, x, mean, logvar)["loss"]
+
+    want = jax.jit(jax.grad(vae_loss_fn), static_argnums=3)(params, x, keys[0], 4)
+    _close(jax.jit(jax.grad(loss))(h.params)["params"], want)
+    z = jax.random.normal(jax.random.key(2), (4, 4))  # eval_f's latents; `latents` a setting
+    got = sm.hybridize(eval_f, params, static_argnames="latents")(x, z, keys[1], latents=4)
+    _close(got, jax.jit(eval_f, static_argnums=4)(params, x, z, keys[1], 4))
+    with pytest.raises(sm.SignatureError, match=r"scalar.*shapes=\('b, \.\.\.', None\)"):
+        sm.export(h, tmp_path / "m", example=(x, keys[0]))
+    sm.export(h, tmp_path / "m", example=(x, keys[0]), shapes=("b, ...", None))  # as it says
+    m = sm.load(tmp_path / "m")
+    for rows, k in ((4, keys[0]), (1, jax.random.key(6))):  # another batch, another key
+        _close(m(np.asarray(x[:rows]), k), apply(variables, x[:rows], k))
 
 
 def test_jax_stax_vae_trains_with_its_key_first_and_exports_its_list_as_a_tuple(tmp_path):
@@ -142,7 +159,7 @@ def test_jax_stax_vae_trains_with_its_key_first_and_exports_its_list_as_a_tuple(
     h = sm.hybridize(lambda params, rng, images: elbo(rng, params, images), params)
     grads = jax.jit(jax.grad(lambda p: -h.apply(p, rng, images) / 4))(h.params)  # run_epoch's
     want = jax.jit(jax.grad(lambda p: -elbo(rng, p, images) / 4))(params)
-    chex.assert_trees_all_close(grads, want, rtol=1e-5, atol=1e-6)
+    _close(grads, want)
     with pytest.raises(sm.SignatureError, match=r"Return tuple\(jax\.tree\.leaves\(out\)\)"):
         sm.export(sm.hybridize(encode, params[0]), tmp_path / "m", example=images)
     flat = sm.hybridize(lambda p, x: tuple(jax.tree.leaves(encode(p, x))), params[0])  # as it says

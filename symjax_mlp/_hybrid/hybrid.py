@@ -271,7 +271,7 @@ class Hybrid(NoPickle):
         _args.refuse_abstract(f"{self.name}.eager", self.name, args, kwargs)
         self._log.run_callbacks(args, kwargs)
         with self._held.lock:
-            out, state = self._model.call(self.params, self.state, args, kwargs)
+            out, state = self._traced.call_model(self.params, self.state, args, kwargs)
             if self.stateful:
                 self._held.hold(self._held.flatten(state))
         return out

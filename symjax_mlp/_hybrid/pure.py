@@ -8,7 +8,6 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
-import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -176,10 +175,6 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             if (unfit := _trace.unfit_call(name, e, target, variables, args, kwargs)) is None:
                 raise
             raise unfit from None
-        except NameError as e:  # a collective over an axis name no transform binds
-            if (unbound := _unbound_axis(name, e, mutable, args, kwargs)) is None:
-                raise
-            raise unbound from None
         if sown:
             updates = dict(updates)
             out = out, {c: updates.pop(c, {}) for c in sown}
@@ -187,28 +182,6 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 
     pure = PureModel(call, bool(state), "linen", model, type(model).__call__, source=model)
     return pure, params, state
-
-
-_UNBOUND = (
-    "{name}: the model reduces over the axis name {axis!r} (a BatchNorm(axis_name={axis!r}), a "
-    "lax.pmean), which only a transform mapping over it binds (jax.pmap, with which Flax's "
-    "examples train; jax.vmap); a Hybrid's call binds none, nor does {name}.apply. To reduce "
-    "over the whole batch (what jax.pmap gives on one device), hybridize a function binding it:"
-    "\n  def train_apply(variables, {xs}):\n      apply = functools.partial(model.apply"
-    "{options})\n      return jax.vmap(apply, in_axes=None, out_axes=None, axis_name={axis!r}, "
-    "axis_size=1)(variables, {xs})\n  h = sm.hybridize(train_apply, variables)\nor call it "
-    "with the setting that turns the reduction off (train=False in Flax's examples)."
-)
-
-
-def _unbound_axis(name: str, e: NameError, mutable: Sequence[str], args: tuple, kwargs: dict):
-    """The refusal of a call reducing over an axis name no transform binds, or ``None``."""
-    if not (axis := re.search(r"unbound axis name: ([^\s.]+)", str(e))):
-        return None
-    shown = [f", {k}={v!r}" for k, v in kwargs.items() if isinstance(v, (bool, int, str))]
-    options = "".join([f", mutable={list(mutable)}"] * bool(mutable) + shown)
-    xs = "x" if len(args) == 1 else "*xs"
-    return ConfigError(_UNBOUND.format(name=name, axis=axis[1], options=options, xs=xs))
 
 
 def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -33,6 +34,24 @@ from symjax_mlp._hybrid.trace import TraceLog, symbolic
 from symjax_mlp._specs import array_types
 
 PROGRAM_SUFFIX = "_hybrid"
+_UNBOUND = (
+    "{name}: the model reduces over the axis name {axis!r} (a BatchNorm(axis_name={axis!r}), a "
+    "lax.pmean), which only a transform mapping over it binds (jax.pmap, with which Flax's "
+    "examples train; jax.vmap); a Hybrid's call binds none, nor does the model's own call. To "
+    "reduce over the whole batch (what jax.pmap gives on one device), hybridize a function "
+    "binding it:\n{fix}\nor call it with the setting that turns the reduction off (train=False "
+    "in Flax's examples)."
+)
+_BIND = "in_axes=None, out_axes=None, axis_name={axis!r}, axis_size=1"
+_BINDS = {  # by the kind of model: a function of what hybridize was given
+    "linen": "  def train_apply(variables, {xs}):\n      apply = functools.partial(model.apply"
+    "{options})\n      return jax.vmap(apply, {bind})(variables, {xs})\n  h = sm.hybridize("
+    "train_apply, variables)",
+    "nnx": "  def bound(module, {xs}):\n      run = nnx.vmap(lambda m, {xs}: {call}, {bind})\n"
+    "      return run(module, {xs})\n  h = sm.hybridize(bound, module)",
+    "plain": "  def bound(params, {xs}):\n      run = jax.vmap(functools.partial(fn{options}), "
+    "{bind})\n      return run(params, {xs})\n  h = sm.hybridize(bound, params)",
+}
 _TWICE = (
     "{caller}: the same nnx Variable ({kind}) is reached more than once among the inputs "
     "(passed twice, or inside two objects); a compiled call would mutate copies apart and keep "
@@ -181,6 +200,19 @@ def _adds(before: tuple, after: tuple) -> bool:
     return len(new) > len(held) and all(new.get(p, ()) == i for p, i in held.items())
 
 
+def _unbound(model: PureModel, name: str, axis: str, state: Any, args: tuple, kwargs: dict) -> str:
+    """:data:`_UNBOUND` for ``model``: the function binding ``axis`` that its kind needs."""
+    options = [f", {k}={v!r}" for k, v in kwargs.items() if isinstance(v, (bool, int, str))]
+    if model.kind == "linen" and (mutable := [c for c in state if c != "rngs"]):
+        options.insert(0, f", mutable={mutable}")
+    xs, options = "x" if len(args) == 1 else "*xs", "".join(options)
+    call = f"m({xs}{options})" if model.target is type(model.source).__call__ else f"fn(m, {xs})"
+    fix = _BINDS.get(model.kind, _BINDS["plain"])
+    bind = _BIND.format(axis=axis)
+    fix = fix.format(xs=xs, options=options, call=call, bind=bind)
+    return _UNBOUND.format(name=name, axis=axis, fix=fix)
+
+
 def _paths(structure: Any) -> list[str]:
     tree = jax.tree.unflatten(structure, [0] * structure.num_leaves)
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
@@ -211,9 +243,20 @@ class TracedModel:
         if settings is None:
             settings = tuple(v for k, v, _ in static if type(k) is ModuleSetting)
         with self.model.pinned(settings), symbolic(self.log.name):
-            result = self.model.call(params, state, *rebuild(static, dyn, dyn_kw))
+            result = self.call_model(params, state, *rebuild(static, dyn, dyn_kw))
         returned(result[0], self.log.name)
         return result
+
+    def call_model(self, params: Any, state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """The model's ``call``; a reduction over an axis name no transform binds (JAX's
+        NameError) refused, naming the function that binds it."""
+        try:
+            return self.model.call(params, state, args, kwargs)
+        except NameError as e:
+            if not (axis := re.search(r"unbound axis name: ([^\s.]+)", str(e))):
+                raise
+            error = _unbound(self.model, self.log.name, axis[1], state, args, kwargs)
+            raise ConfigError(error) from None
 
     def staged(
         self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, part: int,
