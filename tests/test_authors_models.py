@@ -213,6 +213,19 @@ def test_an_equinox_module_is_a_model_its_arrays_the_params(which, tmp_path):
     assert len(loaded.params) == len(jax.tree.leaves(h.params))
 
 
+def test_equinox_dropout_takes_its_key_per_call_and_inference_stays_static():
+    eqx = _eqx()
+    from helpers import EqxDropout
+
+    model, x = EqxDropout(jax.random.key(0)), jnp.ones(5)
+    h = sm.hybridize(model)
+    for i in range(2):
+        k = jax.random.key(i)
+        _close(h(x, key=k), model(x, key=k))
+    frozen = eqx.nn.inference_mode(model)
+    _close(sm.hybridize(frozen)(x), frozen(x))
+
+
 def test_an_equinox_module_among_the_inputs_is_refused_naming_eqx_partition():
     eqx = _eqx()
     mlp = eqx.nn.MLP(5, 3, width_size=8, depth=1, key=jax.random.key(0))
@@ -363,19 +376,15 @@ def test_seq2seq_draws_its_lstm_stream_per_call_and_exports_with_the_key_an_inpu
     _close(m(*(np.asarray(a) for a in (queries, answers, k))), want)
 
 
-def _pmean(params, x):  # a function reducing over the batch as a BatchNorm(axis_name=) does
-    return x - jax.lax.pmean(x.mean(0), "batch") * params
-
-
 @pytest.mark.parametrize("kind", ["linen", "nnx", "fn"])
 def test_a_reduction_over_a_pmap_axis_is_refused_naming_a_binding_that_runs(kind):
-    """flax's imagenet ResNet: BatchNorm(axis_name='batch'), bound by train.py's jax.pmap, by no
-    Hybrid call (JAX's raw NameError); refused, naming code that binds it as jax.pmap does."""
+    """flax imagenet's ResNet: BatchNorm(axis_name='batch'), which train.py's pmap binds."""
     from helpers import RESNET, _x, resnet_variables
 
     x, bn = _x(1, (2, 8, 8, 3)), nnx.BatchNorm(3, axis_name="batch", rngs=nnx.Rngs(0))
     given = {"linen": {"model": RESNET, "variables": resnet_variables()}, "nnx": {"module": bn},
-             "fn": {"fn": _pmean, "params": jnp.float32(2)}}[kind]  # fmt: skip
+             "fn": {"fn": lambda p, x: x - jax.lax.pmean(x.mean(0), "batch") * p,
+                    "params": jnp.float32(2)}}[kind]  # fmt: skip
     h = sm.hybridize(*given.values())
     for call in (h, h.eager, lambda x: h.apply(h.params, x)):
         with pytest.raises(sm.ConfigError, match=r"(?s)axis name 'batch'.*axis_size=1") as e:
