@@ -407,3 +407,20 @@ def test_a_model_whose_outputs_are_no_arrays_of_numbers_is_refused_naming_the_ou
     with pytest.raises(sm.ConfigError, match=rf"Batcher\(<lambda>\): output out.* is {says}") as e:
         sm.serving.Batcher(make, example=X1, max_batch=2)
     assert "per-row outputs: arrays of numbers" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "says"),
+    [
+        (lambda x: np.zeros((len(x), 2**40)), None, "out of memory: a smaller max_batch"),
+        (lambda x: x, {"train": False}, "a model that takes the example's inputs and kwargs"),
+    ],
+    ids=["out of memory", "kwargs it does not take"],
+)
+def test_a_warm_up_failing_on_memory_or_arguments_is_told_what_to_change(model, kwargs, says):
+    """Out of memory at the largest bucket, or a plain function not taking kwargs=, had the one
+    note 'Serve a model that runs on rows of zeros': no word of max_batch or of the kwargs."""
+    with pytest.raises((MemoryError, ValueError, TypeError)) as e:
+        sm.serving.Batcher(model, example=X1, max_batch=2, kwargs=kwargs)
+    [note] = e.value.__notes__
+    assert note.startswith("Batcher(<lambda>): raised by the model warming up") and says in note

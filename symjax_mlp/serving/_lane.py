@@ -45,8 +45,8 @@ _STUCK = (
 )
 _RAISED = (  # a note on what the model raised
     f"{{self.name}}: raised by the model warming up, on a batch of {_ZEROS}. Serve a model "
-    "that runs on rows of zeros, as padding rows are in every batch (no check refusing them, "
-    "no division by them)."
+    "that takes the example's inputs and kwargs and runs on zero rows, as padding is in every "
+    "batch (no check refusing them, no division by them); out of memory: a smaller max_batch."
 )
 
 
