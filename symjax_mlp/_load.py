@@ -192,6 +192,7 @@ class _Opener:
             file = path / program_file(view, JAXEXPORT)
             digest = self.manifest["files"][file.name]["sha256"]
             report, vjp_sizes = checker.program(file, digest, exported)
+            ops.check_main(report, exported, file=file)
             if hasattr(self.backend, "check_program"):
                 self.backend.check_program(path / program_file(view, MLIRBC), report)
             ops.check(report, file=file, allow=options["allowed"], caller="load()",

@@ -770,6 +770,59 @@ def test_re_signed_module_fields_are_compared_or_fail_as_artifact_errors(symboli
         sm.load(forge.forge(static, tmp_path / "external", external))
 
 
+@pytest.mark.parametrize("lie", ["returns int32", "takes float16"])
+def test_a_module_whose_main_is_not_what_its_export_says_is_refused(
+    symbolic, tmp_path, capsys, lie
+):
+    """model.jaxexport's avals, the manifest and the self-test all said int32 out (float16 in)
+    and agreed, but the module's main returns float32 (takes float32): load gave int32 zeros,
+    a wrong answer in silence (the float16 one a refusal of MLIR verifier text)."""
+    src, x = symbolic
+    e = jax.export.deserialize(bytearray((src / "model.jaxexport").read_bytes()))
+    vectors = safetensors.numpy.load_file(str(src / "selftest.safetensors"))
+    if lie == "returns int32":
+        fields = {"out_avals": tuple(a.update(dtype=jnp.int32) for a in e.out_avals)}
+        vectors["out[0]"], spec = vectors["out[0]"].astype(np.int32), ("outputs", "int32")
+    else:
+        ins = [
+            a.update(dtype=jnp.float16) if a.ndim == 2 and a.shape[1] == 3 else a
+            for a in e.in_avals
+        ]
+        fields = {"in_avals": tuple(ins)}
+        vectors["args[0]"], spec = vectors["args[0]"].astype(np.float16), ("inputs", "float16")
+    st = safetensors.numpy.save(vectors, metadata={"format": "symjax_mlp.selftest"})
+    edit = lambda m: m["signature"][spec[0]][0].update(dtype=spec[1])  # noqa: E731
+    art = forge.resign(src, tmp_path / "lie", files={"selftest.safetensors": st}, manifest=edit,
+                       **fields)  # fmt: skip
+    says = rf"model.jaxexport: its StableHLO main {lie.split()[0]} .*f32>.*, but model."
+    says += rf"jaxexport says .*{spec[1]}"
+    for runtime in ("jax", "iree"):
+        with pytest.raises(sm.ArtifactError, match=says) as e:
+            bounded(lambda runtime=runtime: sm.load(art, runtime=runtime), 30)
+        assert "verifier" not in str(e.value), e.value
+    np.save(tmp_path / "x.npy", x.astype(np.float16) if lie == "takes float16" else x)
+    run = ["run", str(art), "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npy")]
+    assert main(run) == 2 and main(["verify", str(art)]) == 2
+    assert re.search(says, capsys.readouterr().err)
+
+
+def test_a_vjp_module_whose_main_is_not_what_its_export_says_is_refused(tmp_path):
+    """The same lie in the VJP module that jax.grad of the loaded model runs."""
+    import dataclasses
+
+    one, _ = forge.base(tmp_path / "one", batch="b", vjp_order=1)
+    e = jax.export.deserialize(bytearray((one / "model.jaxexport").read_bytes()))
+    vjp = e.vjp()
+    lie = dataclasses.replace(
+        vjp, out_avals=tuple(a.update(dtype=jnp.int32) for a in vjp.out_avals)
+    )
+    forged = dataclasses.replace(e, _get_vjp=lambda _: lie)
+    art = forge.resign(one, tmp_path / "lie", files={"model.jaxexport": forged.serialize(1)})
+    says = r"its StableHLO main \(its VJP of order 1\) returns tensor<4xf32> as its result 0, "
+    with pytest.raises(sm.ArtifactError, match=says + r"but model.jaxexport says tensor<4xi32>"):
+        sm.load(art)
+
+
 class FakeTorchTensor:  # what torch.Tensor looks like to the loader: shape, dtype, __array__
     __module__ = "torch"
     __qualname__ = "Tensor"

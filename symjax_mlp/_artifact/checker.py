@@ -24,7 +24,7 @@ from typing import Any
 
 from symjax_mlp._artifact import rows
 from symjax_mlp._artifact.format import MAX_VJP_ORDER
-from symjax_mlp._artifact.ops import ModuleReport, Problem
+from symjax_mlp._artifact.ops import ModuleReport, Problem, check_main
 from symjax_mlp._artifact.walk import analyze_module
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import read_cached, sha256, write_cached
@@ -70,6 +70,7 @@ def program(
                     f"{file}: its VJP module of order {order} cannot be read ({e})."
                 ) from e
             vjp = analyze(module.mlir_module_serialized, file=file)
+            check_main(vjp, module, file=file, what=f" (its VJP of order {order})")
             calls.update(vjp.custom_calls)
             works.append((vjp.work, vjp.bytes_made))
             problems += [Problem(p.key, f"{p.what} (in its VJP of order {order})")

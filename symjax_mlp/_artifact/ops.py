@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from symjax_mlp._artifact.format import NEEDS
+from symjax_mlp._artifact.format import NEEDS, printable
 from symjax_mlp._errors import ArtifactError
 
 # ops computing each element from the same element of each operand (rows keeps rows apart)
@@ -75,6 +76,8 @@ class ModuleReport:
     ops: int = 0  # ops once every call is inlined (what a compiler compiles)
     # main's rows kept apart? (rows.analyze, which the child adds; not compared: not the ops')
     rows: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
+    # the MLIR types main takes and returns, {"ins": [...], "outs": [...]} (None: no main)
+    main: dict[str, list[str]] | None = dataclasses.field(default=None, compare=False)
 
 
 def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
@@ -151,6 +154,52 @@ def check(report: ModuleReport, *, file: Path, allow: frozenset[str], caller: st
         f"code you run, pass allow={show_keys(keys)} (just these) or trust=True (anything) to "
         f"{caller}. An untrusted artifact is untrusted code: run it in a sandbox."
     )
+
+
+def check_main(report: ModuleReport, exported: Any, *, file: Path, what: str = "") -> None:
+    """Raises :class:`ArtifactError` where the module's ``main`` takes or returns other types
+    than ``exported``'s avals say: JAX calls it as they say, and reads a result of another
+    type as theirs, in silence. ``what``: which module, for the message (a VJP's)."""
+    if report.main is None:  # no main: the module is refused for that
+        return
+    kept = [exported.in_avals[i] for i in exported.module_kept_var_idx]
+    for verb, got, avals in (("takes", report.main["ins"], kept),
+                             ("returns", report.main["outs"], exported.out_avals)):  # fmt: skip
+        want = [mlir_type(a) for a in avals]
+        tail = got[len(got) - len(want) :]  # a platform index, effect tokens: before them
+        if len(got) < len(want):
+            said = f"{len(got)} values, but {file.name} says {len(want)}"
+        elif bad := [
+            i for i, (w, g) in enumerate(zip(want, tail, strict=True)) if w not in (None, g)
+        ]:
+            a, i = avals[bad[0]], bad[0]
+            said = (
+                f"{printable(tail[i][:100])} as its {'argument' if verb == 'takes' else 'result'} "
+                f"{i}, but {file.name} says {want[i]} ({a.dtype}[{', '.join(map(str, a.shape))}])"
+            )
+        else:
+            continue
+        raise ArtifactError(
+            f"{file}: its StableHLO main{what} {verb} {said}, as JAX would call it. The module "
+            "computes something other than what its export declares: the artifact was edited. "
+            "Refused; export it again."
+        )
+
+
+_ELEMENTS = {"bool": "i1", "bfloat16": "bf16", "complex64": "complex<f32>",
+             "complex128": "complex<f64>"}  # fmt: skip
+
+
+def mlir_type(aval: Any) -> str | None:
+    """``tensor<?x3xf32>`` for ``float32[b, 3]``: the type MLIR prints for ``aval`` (``None``
+    for an element type not spelt here: float8, int4, rng keys go unchecked)."""
+    name, dims = str(aval.dtype), "".join(f"{d}x" if type(d) is int else "?x" for d in aval.shape)
+    if found := re.fullmatch(r"(u?)(int|float)(8|16|32|64)", name):
+        unsigned, kind, bits = found.groups()
+        element = f"{unsigned and 'u'}{kind[0]}{bits}"
+    else:
+        element = _ELEMENTS.get(name)
+    return f"tensor<{dims}{element}>" if element else None
 
 
 def show_keys(keys: Iterable[str]) -> str:

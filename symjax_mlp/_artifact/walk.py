@@ -56,6 +56,7 @@ class _Walk:
             bytes_made,
             tuple(self.problems.values()),
             n_ops,
+            main=_main_types(self.module),
         )
 
     def _problem(self, key: str, what: str) -> None:
@@ -249,6 +250,21 @@ _EMPTY = {"work": 0, "ops": 0, "bytes": 0, "depth": 0}  # a function's totals be
 
 # -- attribute and type helpers ----------------------------------------------------------------
 @functools.cache  # built on first use: MLIR's bindings import only in the checker
+def _main_types(module: Any) -> dict[str, list[str]] | None:
+    """The MLIR types ``main`` takes and returns (its ``func.return``'s): what JAX calls it
+    with and reads back as the export's avals (:func:`ops.check_main`); ``None``: no main."""
+    for f in module.body.operations:
+        op = f.operation
+        if op.name == "func.func" and _str_attr(op, "sym_name") == "main" and op.regions:
+            blocks = op.regions[0].blocks
+            if not len(blocks) or not len(body := blocks[0].operations):
+                return None
+            ret = body[len(body) - 1].operation
+            outs = [str(v.type) for v in ret.operands] if ret.name == "func.return" else []
+            return {"ins": [str(a.type) for a in blocks[0].arguments], "outs": outs}
+    return None
+
+
 def _attribute_kinds() -> dict[str, tuple[type, ...]]:
     from jax.extend.mlir import ir
 
