@@ -806,6 +806,35 @@ def test_a_module_whose_main_is_not_what_its_export_says_is_refused(
     assert re.search(says, capsys.readouterr().err)
 
 
+def test_a_module_whose_main_takes_or_returns_more_than_its_export_says_is_refused(base, tmp_path):
+    """An argument or a result more in main than model.jaxexport declares was refused only by
+    the self-test, with MLIR verifier text ("incorrect number of operands for callee")."""
+    src, _ = base
+
+    def more_in(text):
+        return text.replace(
+            "@main(%arg0: tensor<4xf32>,", "@main(%x: tensor<9xf32>, %arg0: tensor<4xf32>,", 1
+        )
+
+    def more_out(text):
+        head, sep, tail = text.partition('{jax.result_info = "result"}')
+        tail = tail.replace(")", ", tensor<4xf32>)", 1)
+        ret = re.search(r"return (.*) : (.*)\n", tail)
+        return (
+            head
+            + sep
+            + tail.replace(ret[0], f"return {ret[1]}, %arg0 : {ret[2]}, tensor<4xf32>\n", 1)
+        )
+
+    for name, edit, says in (
+        ("in", more_in, "takes 6 values"),
+        ("out", more_out, "returns 2 values"),
+    ):
+        art = forge.forge(src, tmp_path / name, edit)
+        with pytest.raises(sm.ArtifactError, match=rf"main {says}, but model.jaxexport says"):
+            sm.load(art)
+
+
 def test_a_vjp_module_whose_main_is_not_what_its_export_says_is_refused(tmp_path):
     """The same lie in the VJP module that jax.grad of the loaded model runs."""
     import dataclasses

@@ -163,12 +163,15 @@ def check_main(report: ModuleReport, exported: Any, *, file: Path, what: str = "
     if report.main is None:  # no main: the module is refused for that
         return
     kept = [exported.in_avals[i] for i in exported.module_kept_var_idx]
-    for verb, got, avals in (("takes", report.main["ins"], kept),
-                             ("returns", report.main["outs"], exported.out_avals)):  # fmt: skip
+    tokens = len(exported.ordered_effects)  # first, then main's own; a platform index before
+    for verb, got, avals, extra in (
+        ("takes", report.main["ins"], kept, tokens + (len(exported.platforms) > 1)),
+        ("returns", report.main["outs"], exported.out_avals, tokens),
+    ):
         want = [mlir_type(a) for a in avals]
-        tail = got[len(got) - len(want) :]  # a platform index, effect tokens: before them
-        if len(got) < len(want):
-            said = f"{len(got)} values, but {file.name} says {len(want)}"
+        tail = got[extra:]
+        if len(got) != len(want) + extra:
+            said = f"{len(got)} values, but {file.name} says {len(want) + extra}"
         elif bad := [
             i for i, (w, g) in enumerate(zip(want, tail, strict=True)) if w not in (None, g)
         ]:
