@@ -30,6 +30,7 @@ from symjax_mlp._artifact.format import (
     program_file,
 )
 from symjax_mlp._artifact.reading import USED, freeze, read_artifact
+from symjax_mlp._artifact.signature import Signature, admits_any
 from symjax_mlp._artifact.weights import check_params, param_specs, read_safetensors_file
 from symjax_mlp._errors import ArtifactError, ConfigError, artifact_path, as_bool
 from symjax_mlp._hybrid.mesh import auto_mesh
@@ -187,6 +188,8 @@ class _Opener:
         if arrays is None:  # another entry point: its params among the placed weights
             arrays = [self.weights[p["path"]] for p in view["params"]]
         exported = deserialize(path, view, blobs)  # both runtimes: the module that runs
+        if not (options["self_test"] and program_file(view, selftest.SELFTEST) in blobs):
+            check_admits(path, Signature.from_json(view["signature"]))  # else its vectors are
         guard = report = None
         if not options["trust"]:
             file = path / program_file(view, JAXEXPORT)
@@ -216,6 +219,19 @@ class _Opener:
         if options["self_test"]:
             selftest.run(path, view, blobs, model._outputs)
         return model
+
+
+def check_admits(path: Path, signature: Signature) -> None:
+    """Refuses an artifact whose signature's constraints no sizes satisfy: every call would be
+    refused, each by one bound, never saying that nothing passes (self-test vectors, which
+    must satisfy them, refuse it where they are checked)."""
+    if not admits_any(signature):
+        raise ArtifactError(
+            f"{path / 'manifest.json'}: its signature {signature} admits no input: no sizes "
+            f"satisfy {', '.join(signature.constraints)} together (each symbolic dimension "
+            ">= 1), so every call would be refused. The artifact is corrupted or was edited; "
+            "export it again."
+        )
 
 
 _TOO_MUCH = (

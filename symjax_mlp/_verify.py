@@ -33,7 +33,7 @@ from symjax_mlp._errors import (
     as_bool,
     as_int,
 )
-from symjax_mlp._load import RUNTIMES, load
+from symjax_mlp._load import RUNTIMES, check_admits, load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._npy import KEY_IMPLS, draw, host, npy_array
 from symjax_mlp._signing import check as check_signature
@@ -218,6 +218,7 @@ def verify(
     sizes = {b: sizes_at(sig, b) for b in batches}  # each symbolic dim's, within constraints
     skipped = tuple(_REFUSED.format(b=b, sig=sig) for b, at in sizes.items() if at is None)
     if len(skipped) == len(batches):
+        check_admits(art.path, sig)  # no batch passes them: a stranger's manifest?
         raise ConfigError(f"verify(batches={batches!r}): " + "; ".join(skipped))
     sizes = {b: at for b, at in sizes.items() if at is not None}
     _check_size(art.path, sig, [_itemsize(art.path, s) for s in sig.inputs], sizes)

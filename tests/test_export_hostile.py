@@ -279,6 +279,29 @@ def test_constraints_no_size_satisfies_are_refused_at_export(tmp_path, shapes, c
     )
 
 
+def test_an_artifact_whose_constraints_admit_no_input_is_refused_at_load(tmp_path, capsys):
+    """A manifest of constraints no size satisfies ("b >= 5", "b <= 3") and no self-test
+    vectors (which refuse it) loaded, then refused each call by one bound: "requires b >= 5"
+    at b = 2, "requires b <= 3" at b = 5, never that nothing passes."""
+    import json
+
+    from symjax_mlp.cli import main
+
+    h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3))).path
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["signature"]["constraints"] = ["b >= 5", "b <= 3"]
+    del manifest["files"]["selftest.safetensors"]
+    (art / "selftest.safetensors").unlink()
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    says = r"manifest.json: its signature .* admits no input: no sizes satisfy b >= 5, b <= 3"
+    for self_test in (True, False):
+        with pytest.raises(sm.ArtifactError, match=says):
+            sm.load(art, self_test=self_test)
+    assert main(["verify", str(art)]) == 2
+    assert re.search(says, capsys.readouterr().err)
+
+
 def test_a_name_given_two_sizes_in_shapes_is_refused_with_the_spec_meant(tmp_path):
     # 'b, b' for a (2, 8) example was flax's raw ScopeParamShapeError (kernel of shape (b, 16))
     net, x = sm.mlp((16, 3)), jnp.ones((2, 8))
