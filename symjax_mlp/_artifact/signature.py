@@ -83,7 +83,7 @@ class Signature:
             )
         arrays = [as_array(x, spec, caller) for x, spec in zip(inputs, self.inputs, strict=True)]
         sizes: dict[str, tuple[str, int]] = {}
-        for spec, x, given in zip(self.inputs, arrays, inputs, strict=True):
+        for spec, x in zip(self.inputs, arrays, strict=True):
             shape = tuple(x.shape)
             head = f"{caller}: input {spec.path} has shape {shape}"
             if len(shape) != len(spec.shape):
@@ -121,6 +121,7 @@ class Signature:
                         f"{seen[1]}; both are the symbolic dimension {dim} and must agree."
                     )
             if str(x.dtype) != spec.dtype:  # as text: bfloat16 and rng key types included
+                given = inputs[self.inputs.index(spec)]  # as passed: a list, an array
                 raise SignatureError(_dtype_refused(caller, spec, x, given))
         self._check_terms(sizes, caller)
         for constraint in self.constraints:
