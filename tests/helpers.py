@@ -198,6 +198,8 @@ class Case:
       rng: the linen ``rngs=`` stream keys, or ``None``.
       classes: a classifier's number of classes (what ``sm.training.train`` fits); 0 if the
         model is not one.
+      logits: ``logits(out) -> logits``, a classifier's logits picked from its training call's
+        output (the ResNet's train function returns ``(logits, new_model_state)``).
       allow: the ops its artifact holds that a default ``sm.load`` refuses (``allow=``), its
         VJP's among them (test_authors_matrix.py exports with ``vjp_order=1``).
       carry: ``carry() -> state``, an equinox state the caller threads through its calls,
@@ -216,6 +218,7 @@ class Case:
     eval: dict = dataclasses.field(default_factory=dict)
     rng: Any = None
     classes: int = 0
+    logits: Callable[[Any], Any] = lambda out: out
     allow: frozenset = frozenset()
     carry: Callable[[], Any] | None = None
     served: Callable[[], tuple[Any, Any]] | None = None
@@ -2385,7 +2388,8 @@ MATRIX = (
     *_EQX_MORE,
     Case("resnet", "fn", lambda: (resnet_train_apply, resnet_variables()),
          lambda s: (_x(s, (2, 8, 8, 3)),), eval={"train": False, "mutable": False},
-         served=lambda: (RESNET.apply, resnet_variables()),
+         served=lambda: (RESNET.apply, resnet_variables()), classes=10,
+         logits=lambda out: out[0],  # train.py's loss_fn: logits, new_model_state = ...
          allow=frozenset({"convolution", "reduce_window", "select_and_scatter",
                           "real_dynamic_slice"})),
     Case("stax_mnist", "fn", lambda: (stax_predict, stax_params()), lambda s: (_x(s, (4, 16)),),

@@ -301,7 +301,7 @@ def _optax_steps(case, h, data, n=3):
     opt, x, y = optax.adam(1e-2), jnp.asarray(data.x_train), jnp.asarray(data.y_train)
 
     def loss(p):
-        logits = h.apply(p, x)
+        logits = case.logits(h.apply(p, x))
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     @jax.jit

@@ -641,3 +641,33 @@ def test_a_required_flag_set_for_one_call_only_is_named_not_a_type_error(flags):
         sm.training.train(Net(), _small_data(), epochs=1, batch_size=16, **flags)
     both = {"train_flags": {"mode": True}, "eval_flags": {"mode": False}}
     assert sm.training.train(Net(), _small_data(), epochs=1, batch_size=16, **both).step == 2
+
+
+def test_flax_imagenet_resnet_steps_as_its_pmap_step_on_one_device():
+    """BatchNorm(axis_name='batch') with no pmap: the pieces bind the axis over the whole batch,
+    as train.py's jax.pmap(axis_name='batch') does on one device (was JAX's NameError)."""
+    from helpers import RESNET, _x
+
+    x, y, opt = _x(1, (4, 8, 8, 3)), jnp.array([0, 1, 2, 3]), optax.sgd(0.1)
+    params = init_params(RESNET, jax.random.key(0), x[:1])
+    step = jax.jit(sm.training.train_step(RESNET, opt))
+    got, _, metrics = step(params, opt.init(params.params), x, y, jnp.ones(4))
+
+    def pmap_step(params, batch_stats, x, y):  # train.py's train_step, less its weight decay
+        def loss_fn(params):
+            variables = {"params": params, "batch_stats": batch_stats}
+            logits, new = RESNET.apply(variables, x, mutable=["batch_stats"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            return loss, new
+
+        (loss, new), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grads = jax.lax.pmean(grads, axis_name="batch")
+        updates = opt.update(grads, opt.init(params))[0]
+        return optax.apply_updates(params, updates), new["batch_stats"], loss
+
+    one = jax.pmap(pmap_step, axis_name="batch")
+    want = one(*jax.tree.map(lambda a: a[None], (params.params, params.state["batch_stats"], x, y)))
+    want = jax.tree.map(lambda a: a[0], want)
+    chex.assert_trees_all_close(
+        (got.params, got.state["batch_stats"], metrics["loss"]), want, rtol=1e-5, atol=1e-6
+    )

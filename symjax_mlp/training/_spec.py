@@ -43,6 +43,9 @@ class ModelSpec:
     init_flags: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: an inference call's output (shape and dtype), found for train() (``TRAIN_FORM``) only
     out: Any = None
+    #: the axis names its calls reduce over that no transform binds (BatchNorm(axis_name=...)),
+    #: bound over the whole batch as ``jax.pmap`` on one device binds them
+    axes: tuple[str, ...] = ()
 
 
 _FLAGS = (("train", True), ("training", True), ("deterministic", False))
@@ -82,6 +85,26 @@ _GIVE_A_FLAG = (
     "nn.Dropout(rate, deterministic=not train), nn.BatchNorm(use_running_average=not train)."
 )
 _STREAM, _COLLECTION = r'needs PRNG for "([^"]+)"', r'collection "([^"]+)"'
+
+
+def bound(fn: Any, axes: tuple[str, ...]) -> Any:
+    """``fn`` of positional arguments, each axis name bound over the whole call, as ``jax.pmap``
+    over one device binds it (a ``lax.pmean`` over it is the identity)."""
+    for axis in axes:
+        fn = jax.vmap(fn, in_axes=None, out_axes=None, axis_name=axis, axis_size=1)
+    return fn
+
+
+def unbound_axes(fn: Any, *args: Any, axes: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``axes`` and the axis names ``fn(*args)`` reduces over that no transform binds (JAX's
+    NameError), found by tracing it with those found so far bound."""
+    try:
+        jax.eval_shape(bound(fn, axes), *args)
+    except NameError as e:
+        if not (axis := re.search(r"unbound axis name: ([^\s.]+)", str(e))) or axis[1] in axes:
+            raise
+        return unbound_axes(fn, *args, axes=(*axes, axis[1]))
+    return axes
 
 
 def shown_flags(flags: dict[str, Any]) -> str:
@@ -139,11 +162,12 @@ def _fix(model: nn.Module, form: str = TRAIN_FORM) -> str:
     return _GIVE_A_FLAG
 
 
-def _training_part(model: nn.Module, variables: Any, example: Any, flags: dict) -> tuple:
+def _training_part(model: nn.Module, variables: Any, example: Any, flags: dict, axes=()) -> tuple:
     """What a call with ``flags`` does that an inference call must not (``None``: nothing), and
-    its output's shape (``None`` unless it does nothing of that)."""
+    its output's shape (``None`` unless it does nothing of that); ``axes`` bound."""
     try:
-        return None, jax.eval_shape(lambda v, x: model.apply(v, x, **flags), variables, example)
+        run = bound(lambda v, x: model.apply(v, x, **flags), axes)
+        return None, jax.eval_shape(run, variables, example)
     except flax.errors.InvalidRngError as e:
         return f"draws from the rng stream {_quoted(_STREAM, e)!r}", None
     except flax.errors.ModifyScopeVariableError as e:
@@ -187,56 +211,49 @@ def model_spec(
     if missing := [n for n in required if any(n not in call for call in calls)]:
         fix = form.format(on=dict.fromkeys(missing, True), off=dict.fromkeys(missing, False))
         names, them = ", ".join(map(repr, missing)), "it" if len(missing) == 1 else "them"
-        raise ConfigError(
-            _REQUIRED.format(caller=caller, model=name, names=names, them=them, fix=fix)
-        )
+        what = {"caller": caller, "model": name, "names": names, "them": them, "fix": fix}
+        raise ConfigError(_REQUIRED.format(**what))
     init = {n: calls[0][n] for n in required}  # train(): as its steps call
     example = jax.ShapeDtypeStruct(example.shape, example.dtype)
-    variables = jax.eval_shape(
-        functools.partial(init_variables, model, flags=init), jax.random.key(0), example
-    )
+    init_call = functools.partial(init_variables, model, flags=init)
+    variables = jax.eval_shape(init_call, jax.random.key(0), example)
     mutable = tuple(c for c in variables if c != "params")
-    if train_flags is None and not train:
-        _refuse_inference_mode(model, variables, example, mutable, caller, form)
 
     def run(v: Any, x: Any, rngs: Any = None) -> Any:
         return model.apply(v, x, rngs=rngs, mutable=list(mutable), **train)
 
     try:
-        jax.eval_shape(run, variables, example)
-        rng = False
+        axes, rng = unbound_axes(run, variables, example), False
     except flax.errors.InvalidRngError:
         try:
-            jax.eval_shape(run, variables, example, {"dropout": jax.random.key(0)})
+            axes, rng = unbound_axes(run, variables, example, {"dropout": jax.random.key(0)}), True
         except flax.errors.InvalidRngError as e:
-            stream = _quoted(_STREAM, e)
-            raise ConfigError(
-                _OTHER_STREAM.format(caller=caller, model=name, stream=stream)
-            ) from None
-        rng = True
+            what = {"caller": caller, "model": name, "stream": _quoted(_STREAM, e)}
+            raise ConfigError(_OTHER_STREAM.format(**what)) from None
+    if train_flags is None and not train:
+        _refuse_inference_mode(model, variables, example, mutable, caller, form, axes)
     if not both:
-        return ModelSpec(train, evals, mutable, rng, init)
-    does, out = _training_part(model, variables, example, evals)  # must be an inference call
+        return ModelSpec(train, evals, mutable, rng, init, axes=axes)
+    does, out = _training_part(model, variables, example, evals, axes)  # an inference call?
     if does is None:
-        return ModelSpec(train, evals, mutable, rng, init, out)
+        return ModelSpec(train, evals, mutable, rng, init, out, axes)
     off = "Pass eval_flags that turn training off. " if _bool_keyword(model) is not None else ""
     call = f"model.apply(variables, x{shown_flags(evals)})"
-    raise ConfigError(
-        NOT_INFERENCE.format(caller=caller, model=name, call=call, does=does, fix=off + _fix(model))
-    )
+    what = {"caller": caller, "model": name, "call": call, "does": does}
+    raise ConfigError(NOT_INFERENCE.format(**what, fix=off + _fix(model)))
 
 
 def _refuse_inference_mode(
-    model: nn.Module, variables: Any, example: Any, mutable: tuple[str, ...], caller: str, form: str
+    model: nn.Module, variables: Any, example: Any, mutable: tuple, caller: str, form: str, axes
 ) -> None:
     """Raises if training with the model's defaults would silently be inference."""
-    if _training_part(model, variables, example, {})[0] is not None:
+    if _training_part(model, variables, example, {}, axes)[0] is not None:
         return  # its defaults train (a mode set as an attribute): an inference call will tell
     flipped = None
     if (found := _bool_keyword(model)) is not None:
         flag, default = found
         with contextlib.suppress(Exception):  # not a mode switch: it cannot run flipped
-            flipped = _training_part(model, variables, example, {flag: not default})[0]
+            flipped = _training_part(model, variables, example, {flag: not default}, axes)[0]
     if flipped is not None:
         fix = f"A call with {flag}={not default} {flipped}. {_fix(model, form)}"
     elif mutable:
@@ -354,17 +371,14 @@ def spec_of(
     if pure.stateful and train_flags is None and not moved:
         fix = _fix(module, form) if _bool_keyword(module) is not None else _NNX_FLAG
         flags, names = shown_flags(train), ", ".join(_paths(state))
-        raise ConfigError(
-            _NNX_STILL.format(caller=caller, model=name, flags=flags, state=names, fix=fix)
-        )
+        what = {"caller": caller, "model": name, "flags": flags, "state": names, "fix": fix}
+        raise ConfigError(_NNX_STILL.format(**what))
     moved, out = _moves(spec, example, train=False)
     if moved:
         call = f"its attributes as module.eval() sets them{shown_flags(evals)}"
         fix = "Pass eval_flags that turn training off, e.g. eval_flags={'train': False}."
-        does = f"updates {moved}"
-        raise ConfigError(
-            NOT_INFERENCE.format(caller=caller, model=name, call=call, does=does, fix=fix)
-        )
+        what = {"caller": caller, "model": name, "call": call, "does": f"updates {moved}"}
+        raise ConfigError(NOT_INFERENCE.format(**what, fix=fix))
     return dataclasses.replace(spec, out=out)
 
 

@@ -20,7 +20,14 @@ from flax.errors import ScopeParamShapeError
 
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, unfit_input
-from symjax_mlp.training._spec import STEP_FORM, ModelSpec, NnxSpec, init_variables, spec_of
+from symjax_mlp.training._spec import (
+    STEP_FORM,
+    ModelSpec,
+    NnxSpec,
+    bound,
+    init_variables,
+    spec_of,
+)
 from symjax_mlp.training._state import is_count
 
 #: ``step(params, opt_state, x, y, w) -> (params, opt_state, {"loss", "correct"})``.
@@ -145,16 +152,20 @@ def apply_model(model: Any, spec: ModelSpec | NnxSpec, params: Any, x: jax.Array
         logits, state = spec.step(params.params, params.state, x, train=train)
         return logits, ModelVars(params.params, state)
     flags = spec.train_flags if train else spec.eval_flags
+
+    def apply(variables: Any, **kw: Any) -> Any:  # spec.axes bound (BatchNorm(axis_name=...))
+        return bound(lambda v, x: model.apply(v, x, **kw, **flags), spec.axes)(variables, x)
+
     if not isinstance(params, ModelVars):
-        return model.apply({"params": params}, x, **flags), params
+        return apply({"params": params}), params
     variables = {"params": params.params, **{c: params.state[c] for c in spec.mutable}}
     if not train:
-        return model.apply(variables, x, **flags), params
+        return apply(variables), params
     state, rngs = dict(params.state), None
     if spec.rng:
         key, sub = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         state["rng"], rngs = jax.random.key_data(key), {"dropout": sub}
-    logits, updates = model.apply(variables, x, rngs=rngs, mutable=list(spec.mutable), **flags)
+    logits, updates = apply(variables, rngs=rngs, mutable=list(spec.mutable))
     return logits, ModelVars(params.params, {**state, **updates})
 
 
