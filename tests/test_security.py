@@ -852,6 +852,25 @@ def test_a_vjp_module_whose_main_is_not_what_its_export_says_is_refused(tmp_path
         sm.load(art)
 
 
+def test_a_manifest_that_omits_its_rows_verdict_gets_its_programs(tmp_path):
+    """A manifest without "rows" (it may omit it) over a program that mixes rows (x - mean):
+    the Batcher took silence for independence and merged requests, answering each with the
+    others' mean, in silence. The program's verdict stands in for the missing one."""
+    h = sm.hybridize(lambda p, x: (x - x.mean(axis=0)) * p, jnp.float32(1))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 3))).path
+    _edit(art, lambda m: m.pop("rows"))
+    for trust in (False, True):
+        rows = sm.load(art, trust=trust).manifest["rows"]
+        assert rows["dim"] == "b" and not rows["independent"], rows
+        assert "reduces over the batch axis" in rows["why"], rows
+    m = sm.load(art)
+    a, b = np.arange(3, dtype=np.float32)[None], np.full((1, 3), 10, np.float32)
+    with sm.serving.Batcher(m, max_batch=4) as batcher:
+        futures = [batcher.submit(x) for x in (a, b, a, b)]
+        for f, x in zip(futures, (a, b, a, b), strict=True):
+            np.testing.assert_array_equal(f.result(), m(x))  # each alone: zeros
+
+
 class FakeTorchTensor:  # what torch.Tensor looks like to the loader: shape, dtype, __array__
     __module__ = "torch"
     __qualname__ = "Tensor"

@@ -60,8 +60,15 @@ def verdict(exported: Any, dim: str | None) -> dict[str, Any]:
 
 def checked(view: Any, report: Any, exported: Any) -> Any:
     """``view`` (a manifest's entry point) with its ``rows`` claim kept only where the module
-    of ``exported`` shows it: by the checker's ``report`` (``None``: trusted, read here)."""
+    of ``exported`` shows it: by the checker's ``report`` (``None``: trusted, read here); no
+    claim, the module's own verdict."""
     rows = view.get("rows")
+    if rows is None:  # the manifest says nothing, which a Batcher took for rows kept apart
+        sig = view["signature"]
+        lead = sig["inputs"][0]["shape"][:1] if sig["inputs"] else []
+        dim = sig.get("batch") or next((d for d in lead if isinstance(d, str)), None)
+        why = _STATIC if dim is None else _unshown(exported, dim, report)  # as export's verdict
+        return {**view, "rows": {"dim": dim, "independent": not why, "why": why}}
     why = rows and rows.get("independent") and _unshown(exported, rows["dim"], report)
     if not why:
         return view
