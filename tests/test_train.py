@@ -671,3 +671,25 @@ def test_flax_imagenet_resnet_steps_as_its_pmap_step_on_one_device():
     chex.assert_trees_all_close(
         (got.params, got.state["batch_stats"], metrics["loss"]), want, rtol=1e-5, atol=1e-6
     )
+
+
+def test_an_nnx_batchnorm_over_an_axis_name_steps_as_one_over_the_whole_batch():
+    """nnx.BatchNorm(axis_name='batch') with no pmap steps as without the axis name (one
+    device: the batch's statistics), not JAX's NameError."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, axis_name):
+            self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+            self.bn = nnx.BatchNorm(4, axis_name=axis_name, rngs=nnx.Rngs(0))
+
+        def __call__(self, x, train: bool = False):
+            return self.bn(self.lin(x), use_running_average=not train)
+
+    x, y, opt = jnp.arange(12.0).reshape(4, 3) % 5, jnp.array([0, 1, 2, 3]), optax.sgd(0.1)
+    runs = []
+    for net in (Net("batch"), Net(None)):
+        params = init_params(net, jax.random.key(0), x[:1])
+        step = jax.jit(sm.training.train_step(net, opt))
+        runs.append(step(params, opt.init(params.params), x, y, jnp.ones(4)))
+    chex.assert_trees_all_close(*runs)

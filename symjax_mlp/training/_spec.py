@@ -88,16 +88,14 @@ _STREAM, _COLLECTION = r'needs PRNG for "([^"]+)"', r'collection "([^"]+)"'
 
 
 def bound(fn: Any, axes: tuple[str, ...]) -> Any:
-    """``fn`` of positional arguments, each axis name bound over the whole call, as ``jax.pmap``
-    over one device binds it (a ``lax.pmean`` over it is the identity)."""
+    """``fn`` (positional arguments) with each axis bound as ``jax.pmap`` over one device does."""
     for axis in axes:
         fn = jax.vmap(fn, in_axes=None, out_axes=None, axis_name=axis, axis_size=1)
     return fn
 
 
 def unbound_axes(fn: Any, *args: Any, axes: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """``axes`` and the axis names ``fn(*args)`` reduces over that no transform binds (JAX's
-    NameError), found by tracing it with those found so far bound."""
+    """``axes``, and the axis names that ``fn(*args)`` reduces over and no transform binds."""
     try:
         jax.eval_shape(bound(fn, axes), *args)
     except NameError as e:
@@ -111,14 +109,12 @@ def shown_flags(flags: dict[str, Any]) -> str:
     return "".join(f", {k}={v!r}" for k, v in flags.items())
 
 
-def _parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
-    """``__call__``'s parameters after ``self``."""
+def _parameters(model: nn.Module) -> dict[str, inspect.Parameter]:  # __call__'s, less self
     return dict(list(inspect.signature(type(model).__call__).parameters.items())[1:])
 
 
 def _quoted(pattern: str, error: Exception) -> str:
-    found = re.search(pattern, str(error))
-    return found.group(1) if found else "?"
+    return found.group(1) if (found := re.search(pattern, str(error))) else "?"
 
 
 def _checked(model: nn.Module, flags: Any, arg: str, caller: str, form: str) -> dict[str, Any]:
@@ -299,6 +295,7 @@ class NnxSpec:
     out: jax.ShapeDtypeStruct
     #: the keyword a training call passes a fresh ``nnx.Rngs`` to, or ``None``
     call_rngs: str | None = None
+    axes: tuple[str, ...] = ()  #: as :attr:`ModelSpec.axes`
 
     @property
     def stateful(self) -> bool:
@@ -321,11 +318,15 @@ class NnxSpec:
         self, params: Any, state: Any, x: Any, *, train: bool, key: Any = None
     ) -> tuple[Any, Any]:
         """``(logits, new state)`` of a call in either mode (``key``: :attr:`call_rngs`')."""
-        flags = self.train_flags if train else self.eval_flags
-        if train and self.call_rngs is not None:
-            flags = {**flags, self.call_rngs: nnx.Rngs(jax.random.key(0) if key is None else key)}
+        flags, rngs = self.train_flags if train else self.eval_flags, self.call_rngs
+        key, rngs = jax.random.key(0) if key is None else key, rngs if train else None
+
+        def run(params: Any, state: Any, x: Any, key: Any) -> Any:  # its Rngs made in the trace
+            kw = flags if rngs is None else {**flags, rngs: nnx.Rngs(key)}
+            return self.pure.call(params, state, (x,), kw)
+
         with self.pure.pinned(self.train_mode if train else self.eval_mode):
-            return self.pure.call(params, state, (x,), flags)
+            return bound(run, self.axes)(params, state, x, key)
 
     def step(self, params: Any, raw: Any, x: Any, *, train: bool) -> tuple[Any, Any]:
         """``(logits, new raw state)`` of a call from :meth:`raw` state."""
@@ -342,14 +343,9 @@ class NnxSpec:
 
 
 def spec_of(
-    module: Any,
-    example: Any,
-    train_flags: Mapping[str, Any] | None,
-    eval_flags: Mapping[str, Any] | None = None,
-    *,
-    caller: str,
-    form: str,
-) -> ModelSpec | NnxSpec:
+    module: Any, example: Any, train_flags: Mapping[str, Any] | None,
+    eval_flags: Mapping[str, Any] | None = None, *, caller: str, form: str,
+) -> ModelSpec | NnxSpec:  # fmt: skip
     """:func:`model_spec` of a linen model; the :class:`NnxSpec` of an nnx module, whose training
     call must move its state (if it has any and no flags were given), its inference call not."""
     if not isinstance(module, nnx.Module):
@@ -366,7 +362,8 @@ def spec_of(
     modes = mode_settings(pure, now, train=True), mode_settings(pure, now, train=False)
     example = jax.ShapeDtypeStruct(example.shape, example.dtype)
     spec = NnxSpec(train, evals, pure, *modes, params, state, None, rngs)  # type: ignore[arg-type]
-    name = type(module).__name__
+    name, run = type(module).__name__, functools.partial(spec.call, train=True)
+    spec = dataclasses.replace(spec, axes=unbound_axes(run, params, state, example))
     moved, _ = _moves(spec, example, train=True)
     if pure.stateful and train_flags is None and not moved:
         fix = _fix(module, form) if _bool_keyword(module) is not None else _NNX_FLAG
