@@ -36,6 +36,7 @@ from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._bodies import BadRequest, decode, short, to_json, to_npy
 from symjax_mlp.serving._intake import Intake, Watch
+from symjax_mlp.serving._requests import UNAWAITABLE
 from symjax_mlp.serving._stats import METRIC_NAME
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
@@ -249,7 +250,10 @@ def create_app(
         return Response(data, media_type=kind, headers=headers)
 
     def failed(e: BaseException, request: Any) -> Response:
-        """The 500 of a model that raised ``e``, logged with its traceback once per batch."""
+        """The 500 of a model that raised ``e`` (as it raised it, not the RuntimeError from it
+        that an AsyncRequest hands on), logged with its traceback once per batch."""
+        if type(e) is RuntimeError and isinstance(e.__cause__, UNAWAITABLE):
+            e = e.__cause__
         if e is not logged[0]:  # a batch's requests, woken in one pass, share it: one log
             logged[0] = e  # until the pass ends (else it holds the batch's frames)
             asyncio.get_running_loop().call_soon(logged.__setitem__, 0, None)
