@@ -84,6 +84,32 @@ def test_a_model_raising_stop_iteration_answers_every_awaiting_caller(error):
         np.testing.assert_array_equal(b(X1), 2 * X1)
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+def test_a_model_raising_system_exit_leaves_the_awaiting_loop_running(error):
+    """asyncio.wait_for and gather wrap an AsyncRequest (no Future) in a Task, which raises
+    KeyboardInterrupt and SystemExit out of the loop: the caller's loop died, even where it
+    caught BaseException. It gets a RuntimeError from it, as for StopIteration."""
+    with sm.serving.Batcher(_model(error), example=X1, max_batch=4) as b:
+
+        async def guarded(make):
+            try:
+                return await make()
+            except BaseException as e:  # what the caller catches
+                return e
+
+        for make in (
+            lambda: asyncio.wait_for(b.asubmit(X7), 10),
+            lambda: asyncio.gather(b.asubmit(X7)),
+        ):
+            try:
+                got = asyncio.run(guarded(make))
+            except BaseException as e:  # the loop died
+                got = f"asyncio.run raised {e!r}"
+            assert isinstance(got, RuntimeError), got
+            assert isinstance(got.__cause__, error) and "the model raised" in str(got)
+        np.testing.assert_array_equal(b(X1), 2 * X1)
+
+
 class _Unrepresentable(StopIteration):
     def __repr__(self):
         raise ValueError("no repr")

@@ -74,6 +74,10 @@ class _Timed:
         )
 
 
+#: what :meth:`AsyncRequest.fail` hands on as a RuntimeError from it (the cause: the model's)
+UNAWAITABLE = (StopIteration, GeneratorExit, KeyboardInterrupt, SystemExit)
+
+
 class AsyncRequest(_Timed):
     """What :meth:`Batcher.asubmit` returns: await it for the result.
 
@@ -98,10 +102,11 @@ class AsyncRequest(_Timed):
         return self.future.cancel()
 
     def fail(self, error: BaseException) -> None:
-        """Settles it with ``error`` (a StopIteration, which an asyncio future refuses, or a
-        GeneratorExit, which closes every coroutine it is thrown into up to the task, unhandled:
-        as a RuntimeError from it, as a coroutine's)."""
-        if isinstance(error, StopIteration | GeneratorExit):
+        """Settles it with ``error`` (a StopIteration, which an asyncio future refuses; a
+        GeneratorExit, which closes every coroutine it is thrown into up to the task, unhandled;
+        a KeyboardInterrupt or SystemExit, which the Task that asyncio.wait_for or gather wraps
+        it in raises out of the loop: as a RuntimeError from it, as a coroutine's)."""
+        if isinstance(error, UNAWAITABLE):
             try:
                 what = repr(error)
             except BaseException:  # else on the loop, and the batch's awaiters never answered
