@@ -16,8 +16,7 @@ import functools
 import logging
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,7 +24,8 @@ import numpy as np
 
 from symjax_mlp import _compat as compat
 from symjax_mlp._compat import after_finish, finish_futures, start_future
-from symjax_mlp._errors import ConfigError, SymjaxError
+from symjax_mlp._errors import SymjaxError
+from symjax_mlp.serving._outputs import unlike, warmed
 from symjax_mlp.serving._requests import AsyncRequest, RequestFuture
 from symjax_mlp.serving._stats import Counters
 
@@ -179,8 +179,9 @@ class Lane:
         return thread
 
     def warm_up(self) -> None:
-        """Compiles each bucket (where it does not merge, the smallest); checks the outputs."""
-        single, rows, first = True, list(zip(self.row_shapes, self.dtypes, strict=True)), None
+        """Compiles each bucket (where it does not merge, the smallest); checks the outputs
+        (:func:`~symjax_mlp.serving._outputs.warmed`)."""
+        rows, first = list(zip(self.row_shapes, self.dtypes, strict=True)), None
         for bucket in self.buckets if self.merges else self.buckets[:1]:
             self.warming = bucket
             try:
@@ -188,71 +189,13 @@ class Lane:
             except Exception as e:  # the model's own, on rows no caller sent (a Hybrid's say why)
                 isinstance(e, SymjaxError) or e.add_note(_RAISED.format(self=self))
                 raise
-            single = isinstance(out, jax.Array | np.ndarray)
-            leaf = Iterator.__instancecheck__  # a generator: numpy() refuses it, JAX warns
-            pairs, self.tree = jax.tree_util.tree_flatten_with_path(out, is_leaf=leaf)
-            pairs = [(path, self.numpy(path, y, bucket)) for path, y in pairs]
-            if not pairs:  # every request answered None, say
-                raise ConfigError(
-                    f"{self.name}: the model returned no array for a batch of {bucket} rows (it "
-                    f"returned {out!r}). Serve a model that returns its outputs: an array, or a "
-                    "pytree of arrays, with one row per input row."
-                )
-            each = ", ".join(f"{y.dtype}{list(y.shape[1:])}" for _, y in pairs)
-            kind = f"{self.tree} of rows {each}"  # what a batch's outputs are, shown
-            if first and first[1] != kind:
-                raise ConfigError(
-                    f"{self.name}: the outputs for a batch of {bucket} rows are {kind}, "
-                    f"but for a batch of {first[0]}, {first[1]}, while a request is "
-                    "answered from a batch of any size. Serve a model whose outputs' rows do not "
-                    "depend on the batch's size."
-                )
-            first = first or (bucket, kind)
+            pairs, self.tree, first = warmed(self.name, out, bucket, first)
         # by a batch's rows: its outputs' shapes (at its bucket's rows) and dtypes
         want = {b: [((b, *y.shape[1:]), y.dtype) for _, y in pairs] for b in set(self.bucket_of)}
         self.want = [want[b] for b in self.bucket_of]
-        if single:
+        if isinstance(out, jax.Array | np.ndarray):  # one array out, as at every bucket
             self.to_host, self.single = np.asarray, True
             self.split = lambda out, a, b: out[a:b].copy()
-
-    def numpy(self, path: Any, y: Any, bucket: int) -> np.ndarray:
-        """A warm-up's output leaf as NumPy, one row per input row (else a ConfigError)."""
-        what = f"of type {type(y).__name__}, which NumPy reads as Python objects,"
-        try:
-            if (host := np.asarray(y)).dtype != object:
-                if host.ndim and len(host) == bucket:
-                    return host
-                what = f"of shape {host.shape}"
-        except Exception as e:  # its __array__ raised, or a typed PRNG key's (its str may too)
-            said = traceback.format_exception_only(e)[-1].strip()[:300]
-            what = f"of type {type(y).__name__}, which NumPy cannot read as an array ({said}),"
-        raise ConfigError(
-            f"{self.name}: output out{jax.tree_util.keystr(path)} is {what} for a batch of "
-            f"{bucket}, but batching needs per-row outputs: arrays of numbers with the batch "
-            f"({bucket}) as leading dimension. Serve a model that returns one result per input "
-            "row (reduce over rows afterwards)."
-        ) from None
-
-    def unlike(self, out: Any, rows: int) -> RuntimeError | None:
-        """Why ``out``, for ``rows`` rows, is unlike the warm-up's (``None``: an equal dtype)."""
-        bucket, host = self.bucket_of[rows], self.to_host(out)
-        leaves, tree = jax.tree_util.tree_flatten_with_path(host)
-        if (self.single and not isinstance(out, jax.Array | np.ndarray)) or tree != self.tree:
-            want = "an array" if self.single else f"outputs {self.tree}"
-            return RuntimeError(
-                f"{self.name}: the model returned a value of type {type(out).__name__} for a "
-                f"batch of {bucket} rows, where it returned {want} when the batcher was made; it "
-                "must return outputs of the same kind for every batch, one row per input row."
-            )
-        for (path, y), (shape, dtype) in zip(leaves, self.want[rows], strict=True):
-            if y.shape != shape or y.dtype != dtype:
-                path = path and " out" + jax.tree_util.keystr(path)
-                return RuntimeError(
-                    f"{self.name}: the model returned an output{path} of shape {y.shape} for a "
-                    f"batch of {bucket} rows, dtype {y.dtype}; it must return one row per input "
-                    f"row, of shape {shape} and dtype {dtype} as when the batcher was made."
-                )
-        return None
 
     def take(self) -> tuple[list[Any], int]:
         """Pops the next batch (FIFO, at most max_batch rows); drops cancelled futures."""
@@ -302,7 +245,7 @@ class Lane:
                 same = tree == self.tree
                 for y, (shape, dtype) in zip(leaves, want, strict=True) if same else ():
                     same = same and y.shape == shape and y.dtype is dtype
-            if not same and (error := self.unlike(raw, rows)):
+            if not same and (error := unlike(self, raw, rows)):
                 raise error
             t3 = clock()
             self.took[bucket] = t3 - t2

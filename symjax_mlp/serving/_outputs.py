@@ -1,0 +1,85 @@
+"""What a batcher's model returns: checked on the warm-up's batches (arrays of numbers, one row
+per input row, of one kind at every batch size), then each batch's against the warm-up's.
+
+A batch's outputs are split into its requests' rows, so a model whose outputs are no arrays of
+rows (a generator, Python objects, a reduction over the batch) is refused when the batcher is
+made, naming the output; one whose outputs change later fails that batch's requests only.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from symjax_mlp._errors import ConfigError
+
+
+def warmed(name: str, out: Any, bucket: int, first: tuple | None) -> tuple[list, Any, tuple]:
+    """A warm-up's outputs for a batch of ``bucket`` rows: ``(pairs, tree, first)``, its leaves
+    (path, NumPy array), its tree, and ``first`` (the first bucket and the outputs' kind shown),
+    refused unless they are arrays of rows of the kind ``first`` shows."""
+    leaf = Iterator.__instancecheck__  # a generator: numpy() refuses it, JAX warns
+    pairs, tree = jax.tree_util.tree_flatten_with_path(out, is_leaf=leaf)
+    pairs = [(path, numpy(name, path, y, bucket)) for path, y in pairs]
+    if not pairs:  # every request answered None, say
+        raise ConfigError(
+            f"{name}: the model returned no array for a batch of {bucket} rows (it "
+            f"returned {out!r}). Serve a model that returns its outputs: an array, or a "
+            "pytree of arrays, with one row per input row."
+        )
+    each = ", ".join(f"{y.dtype}{list(y.shape[1:])}" for _, y in pairs)
+    kind = f"{tree} of rows {each}"  # what a batch's outputs are, shown
+    if first and first[1] != kind:
+        raise ConfigError(
+            f"{name}: the outputs for a batch of {bucket} rows are {kind}, "
+            f"but for a batch of {first[0]}, {first[1]}, while a request is "
+            "answered from a batch of any size. Serve a model whose outputs' rows do not "
+            "depend on the batch's size."
+        )
+    return pairs, tree, first or (bucket, kind)
+
+
+def numpy(name: str, path: Any, y: Any, bucket: int) -> np.ndarray:
+    """A warm-up's output leaf as NumPy, one row per input row (else a ConfigError)."""
+    what = f"of type {type(y).__name__}, which NumPy reads as Python objects,"
+    try:
+        if (host := np.asarray(y)).dtype != object:
+            if host.ndim and len(host) == bucket:
+                return host
+            what = f"of shape {host.shape}"
+    except Exception as e:  # its __array__ raised, or a typed PRNG key's (its str may too)
+        said = traceback.format_exception_only(e)[-1].strip()[:300]
+        what = f"of type {type(y).__name__}, which NumPy cannot read as an array ({said}),"
+    raise ConfigError(
+        f"{name}: output out{jax.tree_util.keystr(path)} is {what} for a batch of "
+        f"{bucket}, but batching needs per-row outputs: arrays of numbers with the batch "
+        f"({bucket}) as leading dimension. Serve a model that returns one result per input "
+        "row (reduce over rows afterwards)."
+    ) from None
+
+
+def unlike(lane: Any, out: Any, rows: int) -> RuntimeError | None:
+    """Why ``out``, a batch of ``rows`` rows on ``lane``, is unlike the warm-up's (``None``: an
+    equal dtype)."""
+    bucket, host = lane.bucket_of[rows], lane.to_host(out)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(host)
+    if (lane.single and not isinstance(out, jax.Array | np.ndarray)) or tree != lane.tree:
+        want = "an array" if lane.single else f"outputs {lane.tree}"
+        return RuntimeError(
+            f"{lane.name}: the model returned a value of type {type(out).__name__} for a "
+            f"batch of {bucket} rows, where it returned {want} when the batcher was made; it "
+            "must return outputs of the same kind for every batch, one row per input row."
+        )
+    for (path, y), (shape, dtype) in zip(leaves, lane.want[rows], strict=True):
+        if y.shape != shape or y.dtype != dtype:
+            path = path and " out" + jax.tree_util.keystr(path)
+            return RuntimeError(
+                f"{lane.name}: the model returned an output{path} of shape {y.shape} for a "
+                f"batch of {bucket} rows, dtype {y.dtype}; it must return one row per input "
+                f"row, of shape {shape} and dtype {dtype} as when the batcher was made."
+            )
+    return None
