@@ -1342,9 +1342,9 @@ def test_a_pass_of_many_runs_on_the_loop_where_its_bucket_last_ran_quickly(tmp_p
     batcher's thread and back) once its bucket ran within ON_LOOP_SECONDS; a bucket that ran
     longer goes to the batcher's thread, so the loop reads on meanwhile. Answers are the same.
     (On a loaded machine a call may take more than 1 ms: ON_LOOP_SECONDS is raised to 250 ms.)"""
-    from symjax_mlp.serving import _batcher
+    from symjax_mlp.serving import _lane
 
-    monkeypatch.setattr(_batcher, "ON_LOOP_SECONDS", ON_LOOP_SECONDS := 0.25)
+    monkeypatch.setattr(_lane, "ON_LOOP_SECONDS", ON_LOOP_SECONDS := 0.25)
     m = sm.load(sm.chapter.export_mlp(tmp_path / "mlp").path)
     xs = [rows(1, seed=i) for i in range(3)]
     with sm.serving.Batcher(m, max_batch=4) as b:

@@ -439,9 +439,9 @@ def test_a_model_whose_outputs_are_no_arrays_of_numbers_is_refused_naming_the_ou
     ("model", "kwargs", "says"),
     [
         (lambda x: np.zeros((len(x), 2**40)), None, "out of memory: a smaller max_batch"),
-        (lambda x: x, {"train": False}, "a model that takes the example's inputs and kwargs"),
+        (lambda x, **kw: np.add(x, x, **kw), {"train": 0}, "takes the example's inputs and kwargs"),
     ],
-    ids=["out of memory", "kwargs it does not take"],
+    ids=["out of memory", "kwargs it passes on to a call not taking them"],
 )
 def test_a_warm_up_failing_on_memory_or_arguments_is_told_what_to_change(model, kwargs, says):
     """Out of memory at the largest bucket, or a plain function not taking kwargs=, had the one
@@ -450,3 +450,22 @@ def test_a_warm_up_failing_on_memory_or_arguments_is_told_what_to_change(model, 
         sm.serving.Batcher(model, example=X1, max_batch=2, kwargs=kwargs)
     [note] = e.value.__notes__
     assert note.startswith("Batcher(<lambda>): raised by the model warming up") and says in note
+
+
+def test_a_callable_given_kwargs_or_inputs_it_does_not_take_is_refused_naming_them():
+    """A plain callable's TypeError reached the caller raw from the warm-up (a Hybrid's is a
+    ConfigError naming the kwargs): its signature is now checked as a Hybrid's is."""
+
+    def model(x, scale=1.0):
+        return x * scale
+
+    for example, kwargs, says in (
+        (X1, {"train": False}, r"kwargs=\{'train': False\}, but got an unexpected keyword"),
+        ((X1, X1, X1), {}, r"example's 3 inputs, but too many positional arguments"),
+    ):
+        with pytest.raises(sm.ConfigError, match=rf"^Batcher\(model\): a request calls .*{says}"):
+            sm.serving.Batcher(model, example=example, kwargs=kwargs)
+    with sm.serving.Batcher(model, example=X1, kwargs={"scale": 2.0}) as b:  # one it takes
+        np.testing.assert_array_equal(b(X1), 2 * X1)
+    with sm.serving.Batcher(np.negative, example=X1) as b:  # a ufunc: read as ever
+        np.testing.assert_array_equal(b(X1), -X1)

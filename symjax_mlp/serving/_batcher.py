@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import numbers
 import sys
 import threading
@@ -23,7 +24,7 @@ from symjax_mlp._errors import ConfigError, OverloadError, RetraceError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
-from symjax_mlp.serving._lane import ON_LOOP_SECONDS, Blocking, Lane, claim, clock
+from symjax_mlp.serving._lane import Blocking, Lane, claim, clock
 from symjax_mlp.serving._requests import (
     AsyncRequest,
     RequestCheck,
@@ -46,6 +47,25 @@ def seconds(value: Any, given: str) -> float | None:
     if value is not None and bad:
         raise ConfigError(f"{given}={value!r}): pass seconds >= 0, or None for no limit.")
     return None if value is None or value >= threading.TIMEOUT_MAX else float(value)
+
+
+def _served(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
+    """What a batcher calls for a callable: ``model``, ``kwargs`` fixed; refused if a signature
+    it has does not take them and the example's inputs (a Hybrid's: :func:`inference_of`)."""
+    arrays = example if isinstance(example, tuple) else (example,)
+    try:
+        signature = inspect.signature(model)
+        signature.bind(*arrays, **kwargs)
+    except ValueError:  # no signature to read (a builtin's)
+        pass
+    except TypeError as e:
+        given, n = f" and kwargs={kwargs}" if kwargs else "", len(arrays)
+        raise ConfigError(
+            f"Batcher({name}): a request calls the model with the example's {n} input"
+            f"{'s' * (n > 1)}{given}, but {e}; its signature is {signature}. Pass only kwargs "
+            "it takes, and an example of one array per input (a tuple for several)."
+        ) from None
+    return functools.partial(model, **kwargs) if kwargs else model
 
 
 class Batcher:
@@ -86,10 +106,11 @@ class Batcher:
         the batcher's thread) may take (``None``: no limit); past it, a ``TimeoutError``.
 
     Raises:
-      ConfigError: a Hybrid or callable without ``example``, or a LoadedModel with one; an
-        nnx module in training mode; bad ``max_batch``/``buckets``/``max_queue``; an artifact
-        whose batch is not its inputs' leading dimension; outputs not arrays per row, or whose rows
-        differ between batch sizes; a bad ``warm_up_timeout``.
+      ConfigError: a Hybrid or callable without ``example`` (or whose signature does not take
+        it and ``kwargs``), a LoadedModel with one; an nnx module in training mode; bad
+        ``max_batch``/``buckets``/``max_queue``; an artifact whose batch is not its inputs'
+        leading dimension; outputs not arrays per row, or whose rows differ between batch
+        sizes; a bad ``warm_up_timeout``.
       TimeoutError: the warm-up took longer than ``warm_up_timeout``.
 
     Example:
@@ -105,17 +126,10 @@ class Batcher:
     """
 
     def __init__(
-        self,
-        model: Any,
-        *,
-        example: Any = None,
-        max_batch: int | None = None,
-        buckets: Sequence[int] | None = None,
-        max_queue: int = 1024,
-        name: str | None = None,
-        kwargs: dict[str, Any] | None = None,
-        warm_up_timeout: float | None = 300.0,
-    ) -> None:
+        self, model: Any, *, example: Any = None, max_batch: int | None = None,
+        buckets: Sequence[int] | None = None, max_queue: int = 1024, name: str | None = None,
+        kwargs: dict[str, Any] | None = None, warm_up_timeout: float | None = 300.0,
+    ) -> None:  # fmt: skip
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise ConfigError(
                 f"Batcher(kwargs={kwargs!r}): pass a dict of keyword settings for every call, "
@@ -147,11 +161,11 @@ class Batcher:
                     "and dtype, e.g. Batcher(h, example=x) with x of shape (1, features)."
                 )
             specs, static = example_specs(example), None
+            name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
             if isinstance(model, Hybrid):
                 served = inference_of(model, example, kwargs)
-            elif kwargs:
-                served = functools.partial(model, **kwargs)
-            name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
+            else:
+                served = _served(model, example, kwargs, name)
         else:
             raise ConfigError(
                 "Batcher(model): expected a LoadedModel (sm.load(path)), a Hybrid "
@@ -312,7 +326,7 @@ class Batcher:
             if (
                 not self._on_loop
                 or (lone is not None and lone.future.cancelled())  # the thread drops it
-                or not (alone or self._quick(loop))
+                or not (alone or lane.quick(loop))
                 or not claim(lane.idle)  # a batch runs: its runner takes the queue next
             ):
                 if lane.idle:
@@ -330,20 +344,6 @@ class Batcher:
                 lane.run(batch, rows, loop)
         finally:
             lane.release()
-
-    def _quick(self, loop: Any) -> bool:
-        """Whether the queue's next batch holds only ``loop``'s requests, at a bucket whose
-        last run took less than ``ON_LOOP_SECONDS`` (the lock is held)."""
-        lane, rows = self._lane, 0
-        for r in lane.queue:
-            if rows + r.rows > lane.max_batch:
-                break
-            if type(r) is not AsyncRequest or r.future.get_loop() is not loop:
-                return False
-            rows += r.rows
-            if not lane.merges:
-                break
-        return lane.took.get(lane.bucket_of[rows], ON_LOOP_SECONDS) < ON_LOOP_SECONDS
 
     @property
     def stats(self) -> BatcherStats:

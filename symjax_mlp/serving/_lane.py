@@ -197,6 +197,20 @@ class Lane:
             self.to_host, self.single = np.asarray, True
             self.split = lambda out, a, b: out[a:b].copy()
 
+    def quick(self, loop: Any) -> bool:
+        """Whether the queue's next batch holds only ``loop``'s requests, at a bucket whose
+        last run took less than ``ON_LOOP_SECONDS`` (the lock is held)."""
+        rows = 0
+        for r in self.queue:
+            if rows + r.rows > self.max_batch:
+                break
+            if type(r) is not AsyncRequest or r.future.get_loop() is not loop:
+                return False
+            rows += r.rows
+            if not self.merges:
+                break
+        return self.took.get(self.bucket_of[rows], ON_LOOP_SECONDS) < ON_LOOP_SECONDS
+
     def take(self) -> tuple[list[Any], int]:
         """Pops the next batch (FIFO, at most max_batch rows); drops cancelled futures."""
         batch: list[Any] = []
