@@ -183,7 +183,10 @@ def train_step(
     against integer labels ``y``, averaged with per-example weights ``w`` (0 marks padding);
     ``metrics`` holds the ``"loss"`` and the weighted count of ``"correct"`` predictions. Not
     jitted: compile it with ``jax.jit(step, donate_argnums=(0, 1))``. An nnx module's steps
-    run with its attributes as ``module.train()`` sets them.
+    run with its attributes as ``module.train()`` sets them. A reduction over an axis name no
+    transform binds (``BatchNorm(axis_name='batch')``, as Flax's imagenet ResNet, which its
+    ``train.py`` runs under ``jax.pmap``) is over the whole batch, as ``jax.pmap`` on one device
+    makes it.
 
     Args:
       model: a ``flax.linen`` classifier, or an ``nnx.Module`` one.
