@@ -13,10 +13,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from symjax_mlp._artifact.signature import out_of_range
 from symjax_mlp._errors import SignatureError
 from symjax_mlp._files import write_output
-from symjax_mlp._specs import TensorSpec, cast_to
+from symjax_mlp._specs import TensorSpec, cast_to, out_of_range
 
 
 def read_npy(

@@ -4,6 +4,7 @@ an export's input structs, from its example and its ``batch`` or ``shapes=`` spe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -240,3 +241,49 @@ _ONE_SIZE = (
     "shared by every place it appears. Give args[{i}].shape[{k}] its number or its own name: "
     "{spec!r} -> {fix!r}."
 )
+
+
+def beyond_range(want: Any) -> str:
+    """What an input (an array, a JSON body) holds past a float dtype's range, said."""
+    import ml_dtypes
+
+    return f"numbers beyond {want}'s range (largest {float(ml_dtypes.finfo(want).max):.4g})"
+
+
+def out_of_range(a: Any, dtype: Any) -> str:
+    """What NumPy array ``a`` holds that a cast to ``dtype`` would make inf or wrap, said
+    (``"holds integers outside uint8's range [0, 255], which a cast wraps (-1 among them)"``);
+    ``""`` where it holds none, or ``a`` is no NumPy array (a JAX one stays on its device).
+    Error paths only: it reads every value."""
+    import ml_dtypes
+
+    if not isinstance(a, (np.ndarray, np.generic)):
+        return ""
+    with contextlib.suppress(TypeError, ValueError, OverflowError), np.errstate(over="ignore"):
+        want = np.dtype(getattr(ml_dtypes, str(dtype), None) or dtype)
+        held = a[np.isfinite(a)] if a.dtype.kind == "f" else np.ravel(a)  # NaN, inf: in range
+        low, high = held.min(initial=0), held.max(initial=0)  # Python's ints past int64 too
+        if want.kind in "iu" and a.dtype.kind in "iuO":
+            info = ml_dtypes.iinfo(want)
+            if low < info.min or high > info.max:
+                v = low if low < info.min else high
+                return (
+                    f"holds integers outside {want}'s range [{info.min}, {info.max}], which a "
+                    f"cast wraps ({_number(v)} among them)"
+                )
+        elif want.kind != "c" and max(-low, high) > float(ml_dtypes.finfo(want).max):
+            v = low if -low > high else high
+            return f"holds {beyond_range(want)}, which a cast makes inf ({_number(v)} among them)"
+    return ""
+
+
+def _number(v: Any) -> str:
+    """A number short: ``1e+40`` for 10**40 (a float's form: an int of thousands of digits is
+    past float64), ``-1`` for -1."""
+    if isinstance(v, (float, np.floating)):
+        return f"{float(v):.4g}"
+    digits = str(abs(int(v)))
+    if len(digits) <= 16:
+        return str(int(v))
+    tail = digits[1:4].rstrip("0")
+    return f"{'-' if v < 0 else ''}{digits[0]}{'.' + tail if tail else ''}e+{len(digits) - 1}"

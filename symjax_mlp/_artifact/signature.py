@@ -6,7 +6,6 @@ Plain data, no JAX: checked before any array reaches a compiled program.
 from __future__ import annotations
 
 import ast
-import contextlib
 import dataclasses
 import operator
 import re
@@ -18,7 +17,7 @@ import numpy as np
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError
-from symjax_mlp._specs import MASKED_INPUT, TensorSpec, cast_to
+from symjax_mlp._specs import MASKED_INPUT, TensorSpec, cast_to, out_of_range
 
 MAX_SYMBOLIC = 2**31 - 1  # the largest size of a symbolic dimension a call may give
 
@@ -317,52 +316,6 @@ def _dtype_refused(caller: str, spec: TensorSpec, x: Any, given: Any) -> str:
         f"{caller}: input {spec.path} has dtype {x.dtype}{python} but the artifact expects "
         f"{spec.type}: it {held}. Pass values in range."
     )
-
-
-def beyond_range(want: Any) -> str:
-    """What an input (an array, a JSON body) holds past a float dtype's range, said."""
-    import ml_dtypes
-
-    return f"numbers beyond {want}'s range (largest {float(ml_dtypes.finfo(want).max):.4g})"
-
-
-def out_of_range(a: Any, dtype: Any) -> str:
-    """What NumPy array ``a`` holds that a cast to ``dtype`` would make inf or wrap, said
-    (``"holds integers outside uint8's range [0, 255], which a cast wraps (-1 among them)"``);
-    ``""`` where it holds none, or ``a`` is no NumPy array (a JAX one stays on its device).
-    Error paths only: it reads every value."""
-    import ml_dtypes
-
-    if not isinstance(a, (np.ndarray, np.generic)):
-        return ""
-    with contextlib.suppress(TypeError, ValueError, OverflowError), np.errstate(over="ignore"):
-        want = np.dtype(getattr(ml_dtypes, str(dtype), None) or dtype)
-        held = a[np.isfinite(a)] if a.dtype.kind == "f" else np.ravel(a)  # NaN, inf: in range
-        low, high = held.min(initial=0), held.max(initial=0)  # Python's ints past int64 too
-        if want.kind in "iu" and a.dtype.kind in "iuO":
-            info = ml_dtypes.iinfo(want)
-            if low < info.min or high > info.max:
-                v = low if low < info.min else high
-                return (
-                    f"holds integers outside {want}'s range [{info.min}, {info.max}], which a "
-                    f"cast wraps ({_number(v)} among them)"
-                )
-        elif want.kind != "c" and max(-low, high) > float(ml_dtypes.finfo(want).max):
-            v = low if -low > high else high
-            return f"holds {beyond_range(want)}, which a cast makes inf ({_number(v)} among them)"
-    return ""
-
-
-def _number(v: Any) -> str:
-    """A number short: ``1e+40`` for 10**40 (a float's form: an int of thousands of digits is
-    past float64), ``-1`` for -1."""
-    if isinstance(v, (float, np.floating)):
-        return f"{float(v):.4g}"
-    digits = str(abs(int(v)))
-    if len(digits) <= 16:
-        return str(int(v))
-    tail = digits[1:4].rstrip("0")
-    return f"{'-' if v < 0 else ''}{digits[0]}{'.' + tail if tail else ''}e+{len(digits) - 1}"
 
 
 def _weak(a: np.ndarray, spec: TensorSpec) -> np.ndarray:

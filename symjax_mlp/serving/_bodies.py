@@ -22,8 +22,8 @@ import numpy as np
 
 from symjax_mlp._errors import SignatureError
 from symjax_mlp._npy import npy_array, read_npy
+from symjax_mlp._specs import beyond_range
 from symjax_mlp.serving._batcher import Batcher
-from symjax_mlp.serving._requests import beyond_range
 
 try:  # the serve extra's JSON parser: ~10x the standard library's on a body of numbers
     from orjson import JSONDecodeError as _FastError

@@ -14,14 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from symjax_mlp._artifact.signature import as_array, out_of_range
-from symjax_mlp._artifact.signature import beyond_range as beyond_range  # _bodies' import
+from symjax_mlp._artifact.signature import as_array
 from symjax_mlp._compat import SharedLockFuture
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._loaded import LoadedModel
-from symjax_mlp._specs import TensorSpec
+from symjax_mlp._specs import TensorSpec, out_of_range
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
