@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +99,11 @@ def artifact_path(call: str, path: Any) -> Path:
         "symjax_mlp.export, as a str or a pathlib.Path; got "
         f"{got}{'' if isinstance(text, str) else type(path).__name__}."
     )
+
+
+def unbound_axis(error: BaseException) -> str | None:
+    """The axis name a collective reduced over that no transform binds (a
+    ``BatchNorm(axis_name=...)`` outside ``jax.pmap``): read from JAX's ``NameError``, which
+    says ``unbound axis name: batch``; ``None`` for any other error."""
+    found = re.search(r"unbound axis name: ([^\s.]+)", str(error))
+    return found[1] if isinstance(error, NameError) and found else None

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 import threading
 from collections.abc import Callable
@@ -18,7 +17,7 @@ import numpy as np
 from jax.core import Tracer
 
 from symjax_mlp._compat import install_unrolled_threefry, transformed
-from symjax_mlp._errors import ConfigError, ControlFlowError, SignatureError
+from symjax_mlp._errors import ConfigError, ControlFlowError, SignatureError, unbound_axis
 from symjax_mlp._hybrid.args import ModuleSetting, rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import input_dependent
@@ -253,9 +252,9 @@ class TracedModel:
         try:
             return self.model.call(params, state, args, kwargs)
         except NameError as e:
-            if not (axis := re.search(r"unbound axis name: ([^\s.]+)", str(e))):
+            if (axis := unbound_axis(e)) is None:
                 raise
-            error = _unbound(self.model, self.log.name, axis[1], state, args, kwargs)
+            error = _unbound(self.model, self.log.name, axis, state, args, kwargs)
             raise ConfigError(error) from None
 
     def staged(

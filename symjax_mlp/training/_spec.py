@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, unbound_axis
 from symjax_mlp._hybrid.pure import (
     PureModel,
     mode_settings,
@@ -43,8 +43,7 @@ class ModelSpec:
     init_flags: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: an inference call's output (shape and dtype), found for train() (``TRAIN_FORM``) only
     out: Any = None
-    #: the axis names its calls reduce over that no transform binds (BatchNorm(axis_name=...)),
-    #: bound over the whole batch as ``jax.pmap`` on one device binds them
+    #: the axis names its calls reduce over that no transform binds, bound over the whole batch
     axes: tuple[str, ...] = ()
 
 
@@ -88,10 +87,19 @@ _STREAM, _COLLECTION = r'needs PRNG for "([^"]+)"', r'collection "([^"]+)"'
 
 
 def bound(fn: Any, axes: tuple[str, ...]) -> Any:
-    """``fn`` (positional arguments) with each axis bound as ``jax.pmap`` over one device does."""
-    for axis in axes:
-        fn = jax.vmap(fn, in_axes=None, out_axes=None, axis_name=axis, axis_size=1)
-    return fn
+    """``fn`` with each axis bound as ``jax.pmap`` on one device binds it, unless a transform
+    around the call binds it (``shard_step``'s mesh axis): then the reduction spans shards."""
+
+    def call(*args: Any) -> Any:
+        run = fn
+        for axis in axes:
+            try:
+                jax.lax.axis_size(axis)  # bound by a transform around the call
+            except NameError:
+                run = jax.vmap(run, in_axes=None, out_axes=None, axis_name=axis, axis_size=1)
+        return run(*args)
+
+    return call if axes else fn
 
 
 def unbound_axes(fn: Any, *args: Any, axes: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -99,9 +107,9 @@ def unbound_axes(fn: Any, *args: Any, axes: tuple[str, ...] = ()) -> tuple[str, 
     try:
         jax.eval_shape(bound(fn, axes), *args)
     except NameError as e:
-        if not (axis := re.search(r"unbound axis name: ([^\s.]+)", str(e))) or axis[1] in axes:
+        if (axis := unbound_axis(e)) is None or axis in axes:
             raise
-        return unbound_axes(fn, *args, axes=(*axes, axis[1]))
+        return unbound_axes(fn, *args, axes=(*axes, axis))
     return axes
 
 
@@ -184,14 +192,9 @@ def find_flags(
 
 
 def model_spec(
-    model: nn.Module,
-    example: Any,
-    train_flags: Mapping[str, Any] | None,
-    eval_flags: Mapping[str, Any] | None,
-    *,
-    caller: str,
-    form: str,
-) -> ModelSpec:
+    model: nn.Module, example: Any, train_flags: Mapping[str, Any] | None,
+    eval_flags: Mapping[str, Any] | None, *, caller: str, form: str,
+) -> ModelSpec:  # fmt: skip
     """The :class:`ModelSpec` of a linen model; with no flags found or given, refuses one that
     would silently train in inference mode. For train() (``TRAIN_FORM``) each call must set
     the flags ``__call__`` requires, and its inference call must be one (:attr:`ModelSpec.out`)."""
