@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).parent.parent / "README.md"
-SUITE_XLA_FLAG = "--xla_backend_optimization_level=0"  # what tests/conftest.py adds
+# what tests/conftest.py adds
+SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 ELSEWHERE = "--num-processes 2"  # the block that tests/test_multiprocess.py runs
 FENCE = re.compile(r"^```([a-z]*)\n(.*?)^```\n", re.M | re.S)
 MASKS = (  # what changes between runs, replaced by a token in both texts
@@ -110,13 +111,14 @@ def test_the_quick_start_is_what_ci_runs():
 
 @pytest.mark.slow
 def test_every_readme_block_runs_as_written(tmp_path):
-    """In a fresh process, as a reader runs them: XLA at its own optimisation level (the suite
-    compiles at -O0, tests/conftest.py, and printed digits may differ at round-off there) and
-    one CPU device (not the suite's eight)."""
+    """In a fresh process, as a reader runs them: XLA as it compiles for users (the suite
+    compiles at -O0 and with other fusion kernels, tests/conftest.py, and printed digits may
+    differ at round-off there) and one CPU device (not the suite's eight)."""
     env = _env()
     if shutil.which("iree-compile", path=env["PATH"]) is None:
         pytest.fail("the README's IREE recipe needs iree-compile: pip install -e '.[iree]'")
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(SUITE_XLA_FLAG, "").strip()
+    flags = env.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if f not in SUITE_XLA_FLAGS)
     _shell(shlex.join([sys.executable, __file__, str(tmp_path)]), tmp_path, env)
 
 
