@@ -236,6 +236,26 @@ def test_an_equinox_module_among_the_inputs_is_refused_naming_eqx_partition():
         sm.hybridize(mlp, {})
 
 
+def test_an_equinox_model_reducing_over_an_unbound_axis_is_told_code_that_runs():
+    """The refusal's code named fn and params, which an equinox module given alone has not."""
+    eqx = _eqx()
+
+    class Centre(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return (x - jax.lax.pmean(x.mean(0), "batch")) * self.w
+
+    model, x = Centre(jnp.arange(3.0)), jnp.arange(6.0).reshape(2, 3)
+    for h in (sm.hybridize(model), sm.hybridize(lambda m, x: m(x), model)):
+        with pytest.raises(sm.ConfigError, match="reduces over the axis name") as e:
+            h(x)
+        code = str(e.value).split("binding it:\n")[1].split("\nor call it")[0]
+        scope = {"sm": sm, "jax": jax, "model": model, "fn": lambda m, x: m(x)}
+        exec(textwrap.dedent(code), scope)
+        _close(scope["h"](x), (x - x.mean(0)) * model.w)
+
+
 def test_the_library_never_imports_equinox_itself():
     code = "import sys, symjax_mlp; assert 'equinox' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -3,6 +3,7 @@ made a :class:`~symjax_mlp.Hybrid` (equinox never imported here), and run data-p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from jax.sharding import Mesh
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import equinox_modules
 from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._hybrid.pure import linen, nnx_module, refuse_nested_nnx_state
+from symjax_mlp._hybrid.pure import PureModel, linen, nnx_module, plain, refuse_nested_nnx_state
 
 _TAKES_NO = {  # why, and the fix
     "nnx": "the module carries its own state (nnx.Rngs, nnx.BatchStat). Write hybridize(module).",
@@ -144,7 +145,7 @@ def _flax_kind(model: Any) -> str | None:
     return "eqx" if eqx is not None and isinstance(model, eqx.Module) else None
 
 
-def _equinox(fn: Any, tree: Any) -> tuple[Any, Any]:
+def _equinox(fn: Any, tree: Any) -> tuple[PureModel, Any]:
     """``(fn', arrays)``: ``tree``'s float arrays (what ``eqx.filter_grad`` differentiates and
     optax updates), and ``fn`` on them combined with the rest of ``tree``: held static, its
     bool and int arrays (an ``eqx.nn.State(model)``'s ``StateIndex`` initial values) baked in
@@ -161,7 +162,7 @@ def _equinox(fn: Any, tree: Any) -> tuple[Any, Any]:
             raise ConfigError(_EQX_PARAMS.format(kind=kind, got=type(params).__name__)) from e
         return fn(model, *args, **kwargs)
 
-    return combined, arrays
+    return dataclasses.replace(plain(combined), kind="eqx"), arrays
 
 
 def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool = True) -> Hybrid:

@@ -48,6 +48,8 @@ _BINDS = {  # by the kind of model: a function of what hybridize was given
     "train_apply, variables)",
     "nnx": "  def bound(module, {xs}):\n      run = nnx.vmap(lambda m, {xs}: {call}, {bind})\n"
     "      return run(module, {xs})\n  h = sm.hybridize(bound, module)",
+    "eqx": "  def bound(model, {xs}):\n      run = jax.vmap(lambda {xs}: {call}, {bind})\n"
+    "      return run({xs})\n  h = sm.hybridize(bound, model)",
     "plain": "  def bound(params, {xs}):\n      run = jax.vmap(functools.partial(fn{options}), "
     "{bind})\n      return run(params, {xs})\n  h = sm.hybridize(bound, params)",
 }
@@ -206,6 +208,9 @@ def _unbound(model: PureModel, name: str, axis: str, state: Any, args: tuple, kw
         options.insert(0, f", mutable={mutable}")
     xs, options = "x" if len(args) == 1 else "*xs", "".join(options)
     call = f"m({xs}{options})" if model.target is type(model.source).__call__ else f"fn(m, {xs})"
+    if model.kind == "eqx":  # the module's own call (functools.wraps'), or a function of it
+        own = getattr(model.target, "__name__", "") == "__call__"
+        call = f"model({xs}{options})" if own else f"fn(model, {xs}{options})"
     fix = _BINDS.get(model.kind, _BINDS["plain"])
     bind = _BIND.format(axis=axis)
     fix = fix.format(xs=xs, options=options, call=call, bind=bind)
