@@ -302,6 +302,28 @@ def test_an_artifact_whose_constraints_admit_no_input_is_refused_at_load(tmp_pat
     assert re.search(says, capsys.readouterr().err)
 
 
+def test_a_constraint_the_manifest_drops_is_named_at_the_call_without_internal_paths(tmp_path):
+    """The program's b <= 3, dropped from manifest.json: a call at b = 5 reached the program and
+    said "the shapes of the module cannot be resolved (... transforms.py:147:19: error: ...)"."""
+    import json
+
+    h = sm.hybridize(lambda p, x: x * p["s"], {"s": 2.0})
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3)), shapes=("b, 3",),
+                    constraints=("b <= 3",)).path  # fmt: skip
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["signature"]["constraints"] = []
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    m = sm.load(art)
+    np.testing.assert_array_equal(m(np.ones((3, 3), np.float32)), 2 * np.ones((3, 3)))
+    says = (
+        r"model\.jaxexport: the program requires b <= 3, which inputs \[\(5, 3\)\] break; "
+        r"manifest\.json does not list it .* Pass inputs that satisfy b <= 3, or export"
+    )
+    with pytest.raises(sm.ArtifactError, match=says) as e:
+        m(np.ones((5, 3), np.float32))
+    assert ".py:" not in str(e.value) and "refinement" not in str(e.value)
+
+
 def test_a_name_given_two_sizes_in_shapes_is_refused_with_the_spec_meant(tmp_path):
     # 'b, b' for a (2, 8) example was flax's raw ScopeParamShapeError (kernel of shape (b, 16))
     net, x = sm.mlp((16, 3)), jnp.ones((2, 8))

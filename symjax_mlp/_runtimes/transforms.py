@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,13 +52,30 @@ def refined(
             enable_shardy=jax.config.jax_use_shardy_partitioner,
         )  # fmt: skip
     except Exception as e:  # MLIR raises plain exceptions; jax.export ValueErrors
-        raise ArtifactError(
-            f"{path / program_file(manifest, JAXEXPORT)}: the shapes of {module} cannot be "
-            f"resolved for inputs {shapes} ({type(e).__name__}: {str(e)[:300]})."
-        ) from e
+        raise _unresolved(path / program_file(manifest, JAXEXPORT), module, shapes, e) from None
     context = jax_mlir.make_ir_context()
     with context:
         return jax_mlir.ir.Module.parse(refined_bytes), context
+
+
+_BROKEN = (
+    "{file}: the program requires {rule}, which inputs {shapes} break; manifest.json does not "
+    "list it (its signature was edited), so the call reached the program. Pass inputs that "
+    "satisfy {rule}, or export the model again for a manifest that refuses them first."
+)
+
+
+def _unresolved(file: Path, module: str, shapes: list, e: Exception) -> ArtifactError:
+    """Why refinement refused ``shapes``: a constraint the manifest lost, or JAX's reason (the
+    source locations MLIR adds, lines of this library, dropped)."""
+    said = str(e)
+    if rule := re.search(r"match the symbolic shape constraint (.+?)\. Expected", said):
+        return ArtifactError(_BROKEN.format(file=file, rule=rule.group(1), shapes=shapes))
+    said = re.sub(r"(\S+\.py:\d+:\d+: (error|note): )|Module shape refinement failed: ", "", said)
+    return ArtifactError(
+        f"{file}: the shapes of {module} cannot be resolved for inputs {shapes} "
+        f"({type(e).__name__}: {said.splitlines()[0][:300]}). Export the model again."
+    )
 
 
 _NO_VJP = (
