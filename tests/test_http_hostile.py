@@ -357,7 +357,7 @@ def test_a_model_raising_cancelled_error_and_a_cancelling_close_are_json_answers
     def body(v):
         return json.dumps({"inputs": [[v, 0.0]]}).encode()
 
-    boom = {"error": "CancelledError", "message": "boom"}
+    boom = {"error": "CancelledError", "message": "boom", "model": "Batcher(model)"}
     with (
         sm.serving.Batcher(model, example=np.zeros((1, 2), np.float32), max_batch=4) as b,
         _in_thread(sm.serving.create_app(b, close_batcher=False), lifespan="off") as url,
@@ -781,7 +781,11 @@ def test_a_model_raising_a_base_exception_is_the_json_500_and_counted(kind):
         app = sm.serving.create_app(b, close_batcher=False)
         with _in_thread(app, lifespan="off") as url:
             code, raw = _post(url, json.dumps({"inputs": [[7.0, 0.0, 0.0, 0.0]]}).encode())
-            assert code == 500 and json.loads(raw) == {"error": kind.__name__, "message": "boom"}
+            assert code == 500 and json.loads(raw) == {
+                "error": kind.__name__,
+                "message": "boom",
+                "model": "Batcher(model)",
+            }
             code, raw = _post(url, json.dumps({"inputs": [[1.0, 0.0, 0.0, 0.0]]}).encode())
             assert code == 200 and json.loads(raw) == {"outputs": [[2.0, 0.0, 0.0, 0.0]]}
             assert _count(url, 500) == 1
@@ -1206,3 +1210,91 @@ def test_expect_100_continue_and_head_requests_are_answered_by_serve(server):
         assert answer.startswith(b"HTTP/1.1 200") and b'"outputs"' in answer
         s.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
+
+
+_LEAKS = {  # what a model's failure said, by row: each form of a server path a message holds
+    1: "cannot open /home/alice/models/w.npz (errno 2)",
+    2: "read C:\\Users\\alice\\w.npz failed, and D:/alice/w.npz",
+    3: "see file:///srv/alice/w.npz or ~/alice/w.npz or ~alice/w.npz",
+    4: "share \\\\fileserver\\alice\\w.npz is gone",
+    5: "INTERNAL: CpuCallback error calling callback: Traceback (most recent call last):\n  File"
+    ' "/usr/lib/python3.11/site-packages/jax/cb.py", line 3, in f\n    boom()\n'
+    "ValueError: bad row at '/opt/alice/w.npz'",
+}
+
+
+def test_a_model_failures_500_names_the_model_and_no_server_path():
+    """A model's message went to the client as it was (cut to 300): a traceback in it (JAX's
+    pure_callback, checkify, XLA's errors) or a path named the server's files (site-packages,
+    a home, a share). The 500 names the model, the class and what went wrong; no path."""
+
+    def model(x):
+        row = int(x[0, 0])
+        if row in _LEAKS:
+            raise ValueError(_LEAKS[row])
+        return x * 2
+
+    with sm.serving.Batcher(model, example=np.zeros((1, 2), np.float32), max_batch=2) as b:
+        app = sm.serving.create_app(b, close_batcher=False)
+        with _in_thread(app, lifespan="off") as url:
+            answers = [_post(url, json.dumps({"inputs": [[k, 0.0]]}).encode()) for k in _LEAKS]
+            npy = io.BytesIO()
+            np.save(npy, np.array([[1.0, 0.0]], np.float32))
+            answers.append(_post(url, npy.getvalue(), "application/x-npy"))
+    for code, raw in answers:
+        body = json.loads(raw)
+        assert code == 500 and body["error"] == "ValueError", raw
+        assert body["model"] == "Batcher(model)", raw
+        for leak in ("alice", "site-packages", "fileserver", "/usr", "file:", "line 3"):
+            assert leak not in body["message"], body["message"]
+    says = [json.loads(raw)["message"] for _, raw in answers]
+    assert says[0] == says[-1] == "cannot open <path> (errno 2)", says
+    assert says[1] == "read <path> failed, and <path>", says
+    assert says[2] == "see <path> or <path> or <path>", says
+    assert says[4] == (
+        "INTERNAL: CpuCallback error calling callback: ValueError: bad row at '<path>'"
+    ), says
+
+
+def test_a_hybrids_callback_failure_is_a_500_without_the_servers_paths(tmp_path):
+    """pure_callback, jax.debug.callback and checkify fail in XLA's JaxRuntimeError, whose
+    message holds the Python traceback of the callback: every file of the server's venv."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import checkify
+
+    where = str(tmp_path / "alice" / "w.npz")
+
+    def boom(x):
+        if (np.asarray(x) >= 5).any():  # not the warm-up's zeros
+            raise OSError(f"no such file: {where}")
+        return x
+
+    def f(p, x):
+        y = jax.pure_callback(boom, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return y * p
+
+    def g(p, x):
+        jax.debug.callback(boom, x)
+        return x * p
+
+    def c(p, x):
+        checkify.check(jnp.all(x < 5), "x must be under 5")
+        return x * p
+
+    def checked(x):
+        err, out = checkify.checkify(jax.jit(lambda x: c(2.0, x)))(x)
+        err.throw()
+        return out
+
+    example = np.zeros((1, 2), np.float32)
+    for fn in (sm.hybridize(f, jnp.float32(2)), sm.hybridize(g, jnp.float32(2)), checked):
+        with sm.serving.Batcher(fn, example=example, max_batch=2) as b:
+            app = sm.serving.create_app(b, close_batcher=False)
+            with _in_thread(app, lifespan="off") as url:
+                code, raw = _post(url, json.dumps({"inputs": [[9.0, 0.0]]}).encode())
+        body = json.loads(raw)
+        assert code == 500 and body["model"].startswith("Batcher("), raw
+        said = body["message"]
+        assert "alice" not in said and "site-packages" not in said and ".py" not in said, said
+        assert "no such file: <path>" in said or "x must be under 5" in said, said

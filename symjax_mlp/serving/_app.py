@@ -8,13 +8,13 @@
 - ``GET /health`` (503 once closing, or ``"stuck"``: a batch running past ``request_timeout``),
   ``GET /metrics`` (Prometheus), ``GET /signature``.
 
-Errors are JSON ``{"error": class name, "message": ...}``, counted on ``/metrics``: 400 an
+Errors are JSON ``{"error": class, "message": ..., "model": name}``, counted on /metrics: 400 an
 unreadable body, 408 a body that stopped arriving, 413 too large, 415 an unknown content type,
 422 a :class:`~symjax_mlp.SignatureError`, 503 a full queue or too many body bytes in flight
 (both with ``Retry-After``), a batcher closed with ``cancel=True`` or a server that stopped
-before the answer, 500 the model raised (its message escaped, cut to 300 characters; the whole
-traceback is logged), 504 no answer within ``request_timeout``, 404/405 a wrong path
-(``/predict/`` too) or method. A message names the model, never its path.
+before the answer, 500 the model raised (its message escaped, cut to 300 characters, with no
+traceback or server path: the whole traceback is logged), 504 no answer within request_timeout,
+404/405 a wrong path (``/predict/`` too) or method. A message names the model, never its path.
 """
 
 from __future__ import annotations
@@ -47,6 +47,13 @@ _LATE = (
     "request_timeout."
 )
 _LOG = logging.getLogger("symjax_mlp.serving")
+# what a model's message may hold of the server's files, for a client: a traceback's frames
+# (JAX's callbacks and checkify quote one), an absolute path (POSIX, ~, Windows, share, file:)
+_FRAMES = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t].*(?:\n|$))*")
+_PATHS = re.compile(
+    r"\bfile:/[^\s\"'<>]*|(?<![\w.)\]}/\\~-])(?:~[\w.-]*/|[A-Za-z]:[\\/]|\\\\|/(?=[\w.~-]))"
+    r"[^\s\"'<>|,;()]*"
+)
 
 
 def require(what: str = "the symjax_mlp server", extra: str = "serve", *modules: str) -> None:
@@ -176,7 +183,7 @@ def create_app(
     def error(status: int, e: BaseException, headers: dict[str, str] | None = None) -> Response:
         by_code[status] += 1  # a 500's message is the model's (or a bug's): its text cut
         text = public.text(e) if status == 500 else public.scrub(str(e))
-        body = {"error": printable(type(e).__name__), "message": text}
+        body = {"error": printable(type(e).__name__), "message": text, "model": public.name}
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def predict(request: Request) -> Response:
@@ -214,7 +221,8 @@ def create_app(
         except Exception as e:  # closed: shutting down; else the client's bytes provoked it
             if isinstance(e, RuntimeError) and batcher.closed:
                 return error(503, e)
-            return error(400, BadRequest(400, f"the body could not be read ({e!r:.300})."))
+            said = f"{type(e).__name__}: {public.text(e)}"
+            return error(400, BadRequest(400, f"the body could not be read ({said})."))
         task = asyncio.current_task()  # one timer per loop for all: see _intake
         deadlines = waits.on(task.get_loop())
         deadlines.set(task)
@@ -385,4 +393,4 @@ class Public:
             text = str(e)
         except BaseException as failed:  # its __str__ raised: e's class still names it
             text = f"(its message could not be read: its __str__ raised {type(failed).__name__})"
-        return short(printable(self.scrub(text)))
+        return short(printable(_PATHS.sub("<path>", _FRAMES.sub("", self.scrub(text)))))
