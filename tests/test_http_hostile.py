@@ -1298,3 +1298,23 @@ def test_a_hybrids_callback_failure_is_a_500_without_the_servers_paths(tmp_path)
         said = body["message"]
         assert "alice" not in said and "site-packages" not in said and ".py" not in said, said
         assert "no such file: <path>" in said or "x must be under 5" in said, said
+
+
+def test_a_body_that_fails_in_an_unforeseen_way_is_a_400_without_the_servers_paths(monkeypatch):
+    """A body's read that raised what no check foresaw was a 400 quoting the error's repr: a
+    path of the server's in it (a library's file, a home) went to the client."""
+    from symjax_mlp.serving import _app
+
+    def decode(*_):
+        raise OSError("cannot map /home/alice/.cache/numpy/x.bin")
+
+    with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b:
+        app = sm.serving.create_app(b, close_batcher=False)
+        monkeypatch.setattr(_app, "decode", decode)
+        with _in_thread(app, lifespan="off") as url:
+            code, raw = _post(url, json.dumps({"inputs": [[1.0, 0.0]]}).encode())
+    assert code == 400 and json.loads(raw) == {
+        "error": "BadRequest",
+        "message": "the body could not be read (OSError: cannot map <path>).",
+        "model": "Batcher(<lambda>)",
+    }, raw
