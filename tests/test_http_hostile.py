@@ -1318,3 +1318,26 @@ def test_a_body_that_fails_in_an_unforeseen_way_is_a_400_without_the_servers_pat
         "message": "the body could not be read (OSError: cannot map <path>).",
         "model": "Batcher(<lambda>)",
     }, raw
+
+
+def test_every_error_body_of_serve_names_the_model(server):
+    """A 404/405, the server's own 400/431 (before the app) and its 503 (too many connections)
+    named no model: a client of several served models could not tell which one refused."""
+    from symjax_mlp.serving._server import limited
+
+    url, path, _ = server
+    name = f"Batcher({sm.load(path).manifest['name']})"
+    answers = []
+    for request_ in (b"GARBAGE", b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close"):
+        with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s:
+            s.sendall(request_ + b"\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+            answers.append(data.partition(b"\r\n\r\n")[2])
+    with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b:
+        heads = type("Heads", (), {"open": 0})
+        with _in_thread(limited(sm.serving.create_app(b, close_batcher=False), heads, 0)) as u:
+            answers.append(_post(u, json.dumps({"inputs": [[1.0, 0.0]]}).encode())[1])
+    models = [json.loads(raw)["model"] for raw in answers]
+    assert models == [name, name, "Batcher(<lambda>)"], answers

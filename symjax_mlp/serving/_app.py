@@ -325,6 +325,7 @@ def create_app(
                 "error": "NotFound" if e.status_code == 404 else "MethodNotAllowed",
                 "message": f"no endpoint takes {request.method} {path} ({what}); the "
                 f"endpoints: {ENDPOINTS}.",
+                "model": public.name,
             },
             status_code=e.status_code,
             headers=allowed,
@@ -348,6 +349,7 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
     app.router.redirect_slashes = False  # POST /predict/: the JSON 404, not an empty 307
     app.state.answered = by_code  # what /metrics counts, for a refusal before the app's
+    app.state.model = public.name  # what such a refusal names
     return app
 
 

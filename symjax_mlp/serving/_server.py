@@ -88,8 +88,11 @@ class _Lingering:
 LINGER = 2.0
 
 
-def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
-    """uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``), with heads bounded."""
+def bounded_heads(
+    head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES, model: str = "model"
+) -> type:
+    """uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``), with heads bounded; its
+    refusals name ``model`` (the app's ``state.model``), as the app's own error bodies do."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
@@ -108,7 +111,8 @@ def bounded_heads(head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES) -> 
             ))  # fmt: skip
 
         def _refuse(self, status: int, reason: str, message: str) -> None:
-            body = json.dumps({"error": "BadRequest", "message": message}).encode()
+            body = json.dumps({"error": "BadRequest", "message": message, "model": model})
+            body = body.encode()
             head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             head += f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
             self.transport.write(head.encode() + body)
@@ -205,7 +209,7 @@ def limited(app: Any, heads: type, limit: int) -> Any:
                 f"running, past max_connections={limit}; retry shortly."
             )
             headers = {"Connection": "close", "Retry-After": "1"}
-            body = {"error": "OverloadError", "message": message}
+            body = {"error": "OverloadError", "message": message, "model": app.state.model}
             return await JSONResponse(body, 503, headers)(scope, receive, send)
         running[0] += 1
         try:
@@ -307,7 +311,7 @@ def serve(
             bound = sock.getsockname()[1]
             shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
             url = f"http://{shown}:{bound}"
-            heads = bounded_heads(body_timeout)  # a head, too, within time and 64 KiB
+            heads = bounded_heads(body_timeout, model=app.state.model)  # within time, 64 KiB
             config = uvicorn.Config(
                 limited(app, heads, max_connections),  # not limit_concurrency: a text 503
                 log_level=log_level,
