@@ -1341,3 +1341,16 @@ def test_every_error_body_of_serve_names_the_model(server):
             answers.append(_post(u, json.dumps({"inputs": [[1.0, 0.0]]}).encode())[1])
     models = [json.loads(raw)["model"] for raw in answers]
     assert models == [name, name, "Batcher(<lambda>)"], answers
+
+
+def test_a_500_names_a_file_of_the_artifact_by_the_models_name_and_hides_others(tmp_path):
+    """A served artifact's failure naming its own files says them under the model's name (the
+    client knows it); any other path of the server's, a symlinked one too, reads <path>."""
+    from symjax_mlp.serving._app import Public
+
+    art = sm.chapter.export_mlp(tmp_path / "real" / "mlp")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with sm.serving.Batcher(sm.load(tmp_path / "link" / "mlp"), max_batch=2) as b:
+        public, name = Public(b), sm.load(art.path).manifest["name"]
+        said = public.text(OSError(f"{art.path}/weights.npz: bad; see {tmp_path}/other.txt"))
+    assert said == f"{name}/weights.npz: bad; see <path>", said
