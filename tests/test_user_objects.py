@@ -364,20 +364,26 @@ class _Adds(nnx.Module):
         return self.linear(x)
 
 
-def test_a_variable_added_to_an_nnx_module_without_state_is_refused_not_dropped():
-    """h.state stayed {} where nnx.jit keeps m.seen: the added variable was dropped silently.
-    Called once first, the module holds it, and its Hybrid carries it as nnx.jit does."""
-    h, x = sm.hybridize(_Adds()), _x()
-    says = r"_Adds: the call added \['seen'\](.|\n)*dropped(.|\n)*model\(x\); sm.hybridize"
-    for run in (h, h.eager, lambda x: h.apply(h.params, x), h.graph):
-        with pytest.raises(sm.ConfigError, match=says):
-            run(x)
-    model, want = _Adds(), _Adds()
-    model(x)  # as the message says: the variable made, then the module hybridized
-    h = sm.hybridize(model)
+@pytest.mark.parametrize("entry", ["compiled", "keyword", "eager", "apply"])
+def test_a_variable_added_to_an_nnx_module_without_state_is_held_as_nnx_jit_keeps_it(entry):
+    """It was refused ("the call added ['seen']") where nnx.jit keeps m.seen: the Hybrid turns
+    stateful at the first call that adds one and carries it, as a stateful module's does."""
+    h, want, x = sm.hybridize(_Adds()), _Adds(), _x()
+    said = r"_Adds: the call added \['seen'\](.|\n)*Call its Hybrid once first, h\(x\)"
+    with pytest.raises(sm.ConfigError, match=said):
+        h.graph(x)  # a staging holds nothing: refused, the Hybrid left stateless
+    run = {"compiled": h, "keyword": lambda x: h(x=x), "eager": h.eager,
+           "apply": lambda x: h.apply(h.params, x)}[entry]  # fmt: skip
     for i in range(CALLS):
-        chex.assert_trees_all_close(h(x + i), nnx.jit(lambda m, x: m(x))(want, x + i), **TOL)
-    assert h.state["seen"] == want.seen[...]
+        got, expected = run(x + i), nnx.jit(lambda m, x: m(x))(want, x + i)
+        if entry == "apply":  # (out, new_state), as h.apply of a stateful module returns
+            got, state = got
+            assert state["seen"] == want.seen[...]
+        chex.assert_trees_all_close(got, expected, **TOL)
+    assert h.stateful and h.trace_count <= (0 if entry == "eager" else 2)
+    held = {} if entry == "apply" else {"seen": want.seen[...]}  # h.apply holds nothing
+    chex.assert_trees_all_close(h.state, held)
+    assert h.graph(x).primitive_counts["reduce_sum"] == 1  # staged now: the state is held
 
 
 def test_the_retrace_a_grown_state_causes_names_the_variables_the_call_added():

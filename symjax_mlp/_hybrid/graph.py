@@ -343,3 +343,40 @@ def _aval(v: Any) -> str:
 
 def _quote(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+class Staged:
+    """A :class:`~symjax_mlp.Hybrid`'s staged forms (mixed into it): its program lowered and
+    compiled, its model as a :class:`Graph`, the module settings that change it."""
+
+    def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
+        one SPMD module for every device, for the padded batch)."""
+        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
+        held = (self._held.leaves,) if self.stateful else ()
+        with symbolic(self.name):
+            if self._parallel is not None:
+                _, dyn, dyn_kw = self._parallel.prepare(dyn, dyn_kw)
+            elif not self.stateful:
+                return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
+            return self._jitted.lower(static, self._leaves, *held, dyn, dyn_kw)
+
+    def compile(self, /, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
+        """Lowers and compiles: ``.as_text()`` is XLA's optimized HLO (``.cost_analysis()``...)."""
+        return self.lower(*args, **kwargs).compile()
+
+    def graph(self, /, *args: Any, **kwargs: Any) -> Graph:
+        """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
+        layer shown (not counted in :attr:`trace_count`)."""
+        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
+        return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
+
+    def training_mode(self, /, *args: Any, **kwargs: Any) -> tuple[str, ...]:
+        """An nnx module's settings that ``module.eval()`` would flip and that change the
+        program on these inputs, as ``"path=value"``; ``()`` in eval mode or for other models."""
+        if self._modes is None:
+            return ()
+        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
+        staged = functools.partial(self._traced.staged, static, self._leaves, self.state, dyn)
+        with symbolic(self.name):
+            return self._modes.training(lambda v: str(staged(dyn_kw, 0, v)))

@@ -15,9 +15,10 @@ from jax.sharding import Mesh
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
+from symjax_mlp._hybrid import pure as _pure
 from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import check_settings, partition, static_args
-from symjax_mlp._hybrid.graph import Graph
+from symjax_mlp._hybrid.graph import Staged
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
 from symjax_mlp._hybrid.trace import NoPickle, TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given, write_back
@@ -39,7 +40,7 @@ _SETTINGS = (
 _ARRAYS = array_types()  # what the hot path takes as it is
 
 
-class Hybrid(NoPickle):
+class Hybrid(Staged, NoPickle):
     """A model bound to its params, compiled by XLA on call, or run eagerly; a frozen result.
 
     Made by :func:`~symjax_mlp.hybridize`. ``h(x)`` runs the compiled program (one trace per
@@ -238,6 +239,8 @@ class Hybrid(NoPickle):
                     return self._call_held(key, args, {})
                 except _trace.TRACER_ERRORS as e:
                     raise _trace.control_flow_error(self.name, e) from e
+                except _pure.StateAdded as e:
+                    return self._stateful(e)(*args)
         if not self.compiled:
             return self.eager(*args, **kwargs)
         _args.refuse_abstract(self.name, self.name, args, kwargs)
@@ -251,7 +254,10 @@ class Hybrid(NoPickle):
                 )
             if self.stateful:
                 return self._call_held(static, dyn, dyn_kw, variables)
-            out = self._jitted(static, self._leaves, *dyn, **dyn_kw)
+            try:
+                out = self._jitted(static, self._leaves, *dyn, **dyn_kw)
+            except _pure.StateAdded as e:
+                return self._stateful(e)(*args, **kwargs)
             if not variables:
                 return out
             write_back(variables, out[1], self.name)
@@ -271,7 +277,10 @@ class Hybrid(NoPickle):
         _args.refuse_abstract(f"{self.name}.eager", self.name, args, kwargs)
         self._log.run_callbacks(args, kwargs)
         with self._held.lock:
-            out, state = self._traced.call_model(self.params, self.state, args, kwargs)
+            try:
+                out, state = self._traced.call_model(self.params, self.state, args, kwargs)
+            except _pure.StateAdded as e:  # (the callbacks ran: the call is made, not run again)
+                out, state = self._stateful(e)._traced.call_model(self.params, {}, args, kwargs)
             if self.stateful:
                 self._held.hold(self._held.flatten(state))
         return out
@@ -290,7 +299,10 @@ class Hybrid(NoPickle):
           {'w': Array(3., dtype=float32)}
         """
         state = self._held.copy() if self.donate else self.state  # a call may consume it
-        out, new_state = self._apply_pure(f"{self.name}.apply", params, state, args, kwargs)
+        try:
+            out, new_state = self._apply_pure(f"{self.name}.apply", params, state, args, kwargs)
+        except _pure.StateAdded as e:
+            return self._stateful(e).apply(params, *args, **kwargs)
         return (out, new_state) if self.stateful else out
 
     def apply_with_state(self, params: Any, state: Any, /, *args: Any, **kwargs: Any) -> Any:
@@ -328,6 +340,15 @@ class Hybrid(NoPickle):
             write_back(variables, new[0], caller)
         return out, new_state
 
+    def _stateful(self, added: _pure.StateAdded) -> Hybrid:
+        """Self, turned stateful by an nnx module's call that added variables, as ``nnx.jit``
+        keeps them: the call made again holds them (a trace that failed was not logged)."""
+        with self._held.lock:  # (a call in another thread may have turned it)
+            if not self.stateful:
+                self._set(_model=added.model)
+                self._set(**vars(self.replace(state={})))
+        return self
+
     def hybridize(self, active: bool = True) -> Hybrid:
         """A twin, compiled (``True``) or eager; it shares params and callbacks, not traces."""
         return self.replace(compiled=active)
@@ -336,38 +357,6 @@ class Hybrid(NoPickle):
         """This Hybrid run data-parallel over ``mesh``; see :func:`~symjax_mlp.shard`."""
         mesh = _mesh.data_mesh(axis=axis) if mesh is None else mesh
         return self.replace(mesh=mesh, axis=axis, pad=pad)
-
-    def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
-        one SPMD module for every device, for the padded batch)."""
-        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
-        held = (self._held.leaves,) if self.stateful else ()
-        with symbolic(self.name):
-            if self._parallel is not None:
-                _, dyn, dyn_kw = self._parallel.prepare(dyn, dyn_kw)
-            elif not self.stateful:
-                return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
-            return self._jitted.lower(static, self._leaves, *held, dyn, dyn_kw)
-
-    def compile(self, /, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
-        """Lowers and compiles: ``.as_text()`` is XLA's optimized HLO (``.cost_analysis()``...)."""
-        return self.lower(*args, **kwargs).compile()
-
-    def graph(self, /, *args: Any, **kwargs: Any) -> Graph:
-        """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
-        layer shown (not counted in :attr:`trace_count`)."""
-        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
-        return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
-
-    def training_mode(self, /, *args: Any, **kwargs: Any) -> tuple[str, ...]:
-        """An nnx module's settings that ``module.eval()`` would flip and that change the
-        program on these inputs, as ``"path=value"``; ``()`` in eval mode or for other models."""
-        if self._modes is None:
-            return ()
-        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
-        staged = functools.partial(self._traced.staged, static, self._leaves, self.state, dyn)
-        with symbolic(self.name):
-            return self._modes.training(lambda v: str(staged(dyn_kw, 0, v)))
 
     @property
     def trace_count(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -218,7 +219,7 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
                 setattr(subs[path], attr, v)  # as set_attributes() does
         return m
 
-    def call(params, state, args, kwargs):
+    def call(params, state, args, kwargs, keep=False):  # keep: a call may add the first state
         m = merge(params, state)
         try:
             with layer_scopes(m):
@@ -227,10 +228,12 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
             if (unfit := _trace.unfit_call(module_name, e, target, params, args, kwargs)) is None:
                 raise
             raise unfit from None
-        if not state:  # a Hybrid that carries none: what a call adds, it would drop
+        if not state and not keep:  # a Hybrid that carries none: what a call adds, it would drop
             if added := _paths(({}, nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Param))))):
                 added = ", ".join(p.removeprefix("state") for p in added)
-                raise ConfigError(_ADDED.format(name=module_name, added=added))
+                kept = functools.partial(call, keep=True)
+                grown = dataclasses.replace(model, call=kept, stateful=True)
+                raise StateAdded(_ADDED.format(name=module_name, added=added), grown)
             return out, state
         grown, new_params, new_state = nnx.split(m, nnx.Param, ...)
         new_state = nnx.to_pure_dict(new_state)
@@ -244,11 +247,20 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     return model, params, state
 
 
+class StateAdded(ConfigError):
+    """A call of an nnx module that held only Params added variables: ``model``, the module
+    as a stateful model, holds them (a Hybrid's call then turns stateful, as ``nnx.jit``)."""
+
+    def __init__(self, message: str, model: PureModel) -> None:
+        super().__init__(message)
+        self.model = model
+
+
 _ADDED = (
     "{name}: the call added {added} to an nnx module that held only Params when hybridized, "
-    "so its Hybrid carries no state and would have dropped them (nnx.jit keeps them in the "
-    "module). Create them in __init__, or call the module once before hybridizing it "
-    "(model(x); sm.hybridize(model)): the Hybrid then holds them and carries them across calls."
+    "and this use of it (a staging, an export, training, a sharded call) holds no state. Call "
+    "its Hybrid once first, h(x), which turns it stateful to carry them as nnx.jit keeps them "
+    "in the module; or call the module once (model(x)) before, or create them in __init__."
 )
 _NESTED_NNX = (
     "{caller}: params{path} is an nnx {kind} holding {held} variables, which its calls change "
