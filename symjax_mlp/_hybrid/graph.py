@@ -1,5 +1,6 @@
 """The symbolic program: a staged jaxpr (:func:`stage`, ``h.graph(x)``) you can print, count,
-attribute to layers and draw as Graphviz DOT (one node per equation, clustered by layer)."""
+attribute to layers and draw as Graphviz DOT (one node per equation, clustered by layer); and
+a Hybrid's staged forms (:class:`Staged`: ``h.lower``, ``h.compile``, ``h.graph``)."""
 
 from __future__ import annotations
 
