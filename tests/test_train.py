@@ -693,7 +693,7 @@ def test_a_train_step_run_under_the_users_pmap_reduces_over_its_devices_as_flax_
     split = [a.reshape(2, 4, *a.shape[1:]) for a in (x, y, jnp.ones(8))]
     got = jax.pmap(step, axis_name="batch", devices=jax.devices()[:2])(*halves, *split)[0].state
     for device in range(2):  # the running statistics moved by the whole batch's, on both
-        chex.assert_trees_all_close(jax.tree.map(lambda a: a[device], got), whole, rtol=1e-5)
+        chex.assert_trees_all_close(jax.tree.map(lambda a, d=device: a[d], got), whole, rtol=1e-5)
 
 
 def test_an_nnx_batchnorm_over_an_axis_name_steps_as_one_over_the_whole_batch():
