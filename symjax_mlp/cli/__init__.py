@@ -6,6 +6,7 @@ Exit codes: 0 ok, 2 a user error (one line, no traceback), 1 a bug (with the tra
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import functools
@@ -347,12 +348,24 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
     """The ``symjax-mlp`` command: exits with :func:`main`'s code.
 
     After an interrupt (130) it leaves at once (``os._exit``): XLA may still be compiling on
-    its own threads, and tearing the interpreter down under them can crash or hang.
+    its own threads, and tearing the interpreter down under them can crash or hang. A Ctrl-C
+    that lands where Python can only print it (a garbage-collector callback, JAX's among them)
+    is raised again, not lost: the command stopped only at its end.
     """
+    hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_interrupt_again, hook)
     code = main(argv)
+    sys.unraisablehook = hook
     if code == 130:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         os._exit(130)
     sys.exit(code)
+
+
+def _interrupt_again(hook: Callable[[Any], None], unraisable: Any) -> None:
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _thread.interrupt_main()  # a SIGINT again, for the main thread's next bytecode
+        return
+    hook(unraisable)
