@@ -1898,7 +1898,8 @@ def test_an_example_of_no_input_or_a_flag_left_unset_is_refused_saying_so():
     with pytest.raises(sm.ConfigError, match=r"example=\(\).*holds no input.*x\[None\]"):
         sm.serving.Batcher(lambda x: x, example=())
     h = sm.hybridize(lambda p, x, train: x * p, jnp.float32(2))
-    with pytest.raises(sm.ConfigError, match=r"inputs and kwargs={'scale': 1}, but missing"):
+    with pytest.raises(sm.ConfigError, match=r"1 input and kwargs={'scale': 1}, but missing"):
         sm.serving.Batcher(h, example=jnp.ones((1, 3)), kwargs={"scale": 1})
-    with pytest.raises(sm.ConfigError, match=r"the example's inputs, but missing .*'train'"):
+    said = r"the example's 1 input, but missing .*'train'; its signature is \(x, train\)"
+    with pytest.raises(sm.ConfigError, match=said):
         sm.serving.Batcher(h, example=jnp.ones((1, 3)))

@@ -469,3 +469,28 @@ def test_a_callable_given_kwargs_or_inputs_it_does_not_take_is_refused_naming_th
         np.testing.assert_array_equal(b(X1), 2 * X1)
     with sm.serving.Batcher(np.negative, example=X1) as b:  # a ufunc: read as ever
         np.testing.assert_array_equal(b(X1), -X1)
+
+
+def test_a_hybrid_and_a_callable_not_taking_the_example_or_kwargs_are_refused_alike():
+    """A Hybrid and a plain function of one signature were refused in two messages (one named
+    the signature, the other the kwargs fix): one check now serves both."""
+    import jax.numpy as jnp
+
+    def model(x, train):
+        return x
+
+    h = sm.hybridize(lambda p, x, train: x * p, jnp.float32(2))
+    said = []
+    for served in (h, model):
+        for kwargs in ({}, {"scale": 1}):
+            with pytest.raises(sm.ConfigError) as e:
+                sm.serving.Batcher(served, example=X1, kwargs=kwargs, name="m")
+            said.append(str(e.value))
+    assert said[:2] == said[2:], said
+    assert said[0] == (
+        "Batcher(m): a request calls the model with the example's 1 input, but missing a "
+        "required argument: 'train'; its signature is (x, train). Pass kwargs= of the settings"
+        " it takes, e.g. kwargs={'train': False}, and an example of one array per input (a "
+        "tuple for several)."
+    ), said[0]
+    assert "1 input and kwargs={'scale': 1}, but missing a required argument" in said[1], said[1]

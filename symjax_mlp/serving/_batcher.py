@@ -10,8 +10,6 @@ one loop's requests runs on that loop too where its bucket last ran within a mil
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import numbers
 import sys
 import threading
@@ -21,7 +19,6 @@ from typing import Any
 
 from symjax_mlp._artifact.format import NEEDS
 from symjax_mlp._errors import ConfigError, OverloadError, RetraceError
-from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._lane import Blocking, Lane, claim, clock
@@ -33,7 +30,7 @@ from symjax_mlp.serving._requests import (
     bucket_sizes,
     check_count,
     example_specs,
-    inference_of,
+    served_by,
 )
 from symjax_mlp.serving._stats import BatcherStats
 
@@ -47,25 +44,6 @@ def seconds(value: Any, given: str) -> float | None:
     if value is not None and bad:
         raise ConfigError(f"{given}={value!r}): pass seconds >= 0, or None for no limit.")
     return None if value is None or value >= threading.TIMEOUT_MAX else float(value)
-
-
-def _served(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
-    """What a batcher calls for a callable: ``model``, ``kwargs`` fixed; refused if a signature
-    it has does not take them and the example's inputs (a Hybrid's: :func:`inference_of`)."""
-    arrays = example if isinstance(example, tuple) else (example,)
-    try:
-        signature = inspect.signature(model)
-        signature.bind(*arrays, **kwargs)
-    except ValueError:  # no signature to read (a builtin's)
-        pass
-    except TypeError as e:
-        given, n = f" and kwargs={kwargs}" if kwargs else "", len(arrays)
-        raise ConfigError(
-            f"Batcher({name}): a request calls the model with the example's {n} input"
-            f"{'s' * (n > 1)}{given}, but {e}; its signature is {signature}. Pass only kwargs "
-            "it takes, and an example of one array per input (a tuple for several)."
-        ) from None
-    return functools.partial(model, **kwargs) if kwargs else model
 
 
 class Batcher:
@@ -135,7 +113,7 @@ class Batcher:
                 f"Batcher(kwargs={kwargs!r}): pass a dict of keyword settings for every call, "
                 "e.g. kwargs={'train': False}."
             )
-        served, kwargs = model, dict(kwargs or {})  # what the lane calls (for a Hybrid, _inference)
+        served, kwargs = model, dict(kwargs or {})  # what the lane calls
         alone = ""  # why each request must run alone, unpadded ("": they merge)
         if isinstance(model, LoadedModel):
             if example is not None or kwargs:
@@ -162,10 +140,7 @@ class Batcher:
                 )
             specs, static = example_specs(example), None
             name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
-            if isinstance(model, Hybrid):
-                served = inference_of(model, example, kwargs)
-            else:
-                served = _served(model, example, kwargs, name)
+            served = served_by(model, example, kwargs, name)
         else:
             raise ConfigError(
                 "Batcher(model): expected a LoadedModel (sm.load(path)), a Hybrid "

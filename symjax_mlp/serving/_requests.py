@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -350,22 +351,31 @@ _TRAINING = (
 )
 
 
-def inference_of(h: Hybrid, example: Any, kwargs: dict[str, Any]) -> Any:
-    """What a batcher calls for ``h`` (``kwargs`` fixed): ``h`` as of now, or a stateful one's
-    inference with the state it holds now, never moved."""
+def served_by(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
+    """What a batcher calls for a Hybrid or a callable, ``kwargs`` fixed: refused if a signature
+    it has does not take them and the example's inputs; a Hybrid as of now (a stateful one's
+    inference with the state it holds now, never moved)."""
     arrays = example if isinstance(example, tuple) else (example,)
     try:
-        h.__signature__ is None or h.__signature__.bind(*arrays, **kwargs)
+        signature = inspect.signature(model)
+    except (TypeError, ValueError):  # no signature to read (a builtin's)
+        signature = None
+    try:
+        signature is None or signature.bind(*arrays, **kwargs)
     except TypeError as e:  # a flag with no default: name the fix, not the model's TypeError
+        given, n = f" and kwargs={kwargs}" if kwargs else "", len(arrays)
         raise ConfigError(
-            f"Batcher({h.name}): a request calls the model with the example's inputs"
-            f"{f' and kwargs={kwargs}' if kwargs else ''}, but {e}. Fix its other arguments "
-            "for every request, e.g. Batcher(h, example=x, kwargs={'train': False})."
+            f"Batcher({name}): a request calls the model with the example's {n} input"
+            f"{'s' * (n > 1)}{given}, but {e}; its signature is {signature}. Pass kwargs= of "
+            "the settings it takes, e.g. kwargs={'train': False}, and an example of one array "
+            "per input (a tuple for several)."
         ) from None
-    training = h.training_mode(*arrays, **kwargs)
+    if not isinstance(model, Hybrid):
+        return functools.partial(model, **kwargs) if kwargs else model
+    training = model.training_mode(*arrays, **kwargs)
     if training:
-        raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
-    h = h.snapshot()  # its module's mode and state as of now, whatever h does later
+        raise ConfigError(_TRAINING.format(name=name, settings=", ".join(training)))
+    h = model.snapshot()  # its module's mode and state as of now, whatever model does later
     if not h.stateful:
         return functools.partial(h, **kwargs) if kwargs else h
     params, state = h.params, h.state
