@@ -9,6 +9,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ from typing import Any
 #: Whether each internal is used (``False``: its fallback); read at each use (the GIL's: once).
 INTERNALS: dict[str, bool] = dict.fromkeys((
     "threefry", "lapack", "source_locations", "backend_started", "layer_scopes", "futures", "gil",
-    "transformed", "linearizing",
+    "transformed", "linearizing", "constraints",
 ), True)  # fmt: skip
 
 
@@ -141,6 +142,16 @@ def _callers() -> dict[Any, bool]:
     forward = [inspect.unwrap(f).__code__ for f in (jax.linearize, jax.jvp)]
     forward.append(jax.jacfwd(abs).__code__)  # the function it returns (unwrapped: abs)
     return {**dict.fromkeys(forward, True), inspect.unwrap(jax.vjp).__code__: False}
+
+
+# -- 5c. the shape constraints a program checks, read from its shape assertions -------------
+# Why: jax.export serializes no constraints (b >= 2): the module checks them, each by a
+# shape_assertion whose message names it; a manifest that drops one is refused at load. Internal:
+# that message's wording. Fallback: ``None`` (unknown): the program refuses a call breaking one.
+def constraint_named(message: str) -> str | None:
+    """The constraint a shape assertion's (or its failure's) message names (``None``: none)."""
+    found = INTERNALS["constraints"] and re.search(r"shape constraint (.+?)\. Expected", message)
+    return found.group(1) if found else None
 
 
 # -- 6. an nnx module's layers, named in its programs ---------------------------------------

@@ -203,3 +203,24 @@ def test_a_batcher_with_plain_futures_serves_the_same_results(internals, monkeyp
     assert all(f._shared == (internal == "gil") for f in futures)  # else plain Futures
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def test_a_constraint_the_manifest_drops_refused_at_load_or_by_the_program_at_the_call(
+    tmp_path, internals
+):
+    import json
+
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 3)), shapes=("b, 3",),
+                    constraints=("b >= 2",)).path  # fmt: skip
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["signature"]["constraints"] = []
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(sm.ArtifactError, match=r"requires b >= 2, which manifest\.json's"):
+        sm.load(art)  # the constraints read from the program's shape assertions
+    internals("constraints")
+    m = sm.load(art)  # the fallback: the program itself refuses a call that breaks it
+    np.testing.assert_array_equal(m(np.ones((2, 3), np.float32)), np.full((2, 3), 2.0))
+    with pytest.raises(sm.ArtifactError, match=r"model\.jaxexport: .*constraint b >= 2") as e:
+        m(np.ones((1, 3), np.float32))
+    assert ".py:" not in str(e.value)  # no source locations of this library

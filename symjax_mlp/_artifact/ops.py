@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from symjax_mlp._artifact.format import NEEDS, printable
+from symjax_mlp._compat import constraint_named
 from symjax_mlp._errors import ArtifactError
 
 # ops computing each element from the same element of each operand (rows keeps rows apart)
@@ -78,6 +79,8 @@ class ModuleReport:
     rows: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
     # the MLIR types main takes and returns, {"ins": [...], "outs": [...]} (None: no main)
     main: dict[str, list[str]] | None = dataclasses.field(default=None, compare=False)
+    # the messages of its shape assertions, each naming what it checks (the first 64, bounded)
+    assertions: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
 
 def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
@@ -187,6 +190,22 @@ def check_main(report: ModuleReport, exported: Any, *, file: Path, what: str = "
             "computes something other than what its export declares: the artifact was edited. "
             "Refused; export it again."
         )
+
+
+def check_constraints(report: ModuleReport, listed: Iterable[str], *, file: Path) -> None:
+    """Raises :class:`ArtifactError` where the module checks a constraint (``b >= 2``) that
+    the manifest does not list: calls the manifest admits would reach the program, refused
+    there (a program's constraints read where this JAX's messages name them)."""
+    have = {re.sub(r"\s+", "", c) for c in listed}
+    for message in report.assertions:
+        if (rule := constraint_named(message)) and re.sub(r"\s+", "", rule) not in have:
+            raise ArtifactError(
+                f'symjax_mlp.load("{file.parent}"): its program, {file.name}, requires '
+                f"{printable(rule[:200])}, which manifest.json's signature does not list (it "
+                f"lists {', '.join(map(printable, listed)) or 'no constraint'}): calls it admits "
+                "would be refused by the program. The manifest was edited or comes from another "
+                "export; export the model again."
+            )
 
 
 _ELEMENTS = {"bool": "i1", "bfloat16": "bf16", "complex64": "complex<f32>",

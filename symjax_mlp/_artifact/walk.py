@@ -37,6 +37,7 @@ class _Walk:
         self.custom: collections.Counter[str] = collections.Counter()
         self.problems: dict[tuple[str, str], ops.Problem] = {}
         self.funcs: dict[str, dict[str, Any]] = {}  # name -> work, ops, bytes, depth, calls
+        self.assertions: dict[str, None] = {}  # shape assertions' messages, in order
 
     def report(self) -> ops.ModuleReport:
         self._op(self.module.operation, None, 1)
@@ -57,6 +58,7 @@ class _Walk:
             tuple(self.problems.values()),
             n_ops,
             main=_main_types(self.module),
+            assertions=tuple(self.assertions),
         )
 
     def _problem(self, key: str, what: str) -> None:
@@ -167,6 +169,8 @@ class _Walk:
                 "has_side_effect": ir.BoolAttr}  # fmt: skip
         if target == "shape_assertion":
             want["error_message"] = ir.StringAttr
+            if len(self.assertions) < 64 and (said := _str_attr(op, "error_message")):
+                self.assertions[said[:1000]] = None
             shaped = (
                 {"error_message", "has_side_effect"} <= set(attrs)
                 and not results

@@ -58,20 +58,10 @@ def refined(
         return jax_mlir.ir.Module.parse(refined_bytes), context
 
 
-_BROKEN = (
-    "{file}: the program requires {rule}, which inputs {shapes} break; manifest.json does not "
-    "list it (its signature was edited), so the call reached the program. Pass inputs that "
-    "satisfy {rule}, or export the model again for a manifest that refuses them first."
-)
-
-
 def _unresolved(file: Path, module: str, shapes: list, e: Exception) -> ArtifactError:
-    """Why refinement refused ``shapes``: a constraint the manifest lost, or JAX's reason (the
-    source locations MLIR adds, lines of this library, dropped)."""
-    said = str(e)
-    if rule := re.search(r"match the symbolic shape constraint (.+?)\. Expected", said):
-        return ArtifactError(_BROKEN.format(file=file, rule=rule.group(1), shapes=shapes))
-    said = re.sub(r"(\S+\.py:\d+:\d+: (error|note): )|Module shape refinement failed: ", "", said)
+    """Why refinement refused ``shapes``: JAX's reason (a constraint the manifest lost, which
+    load did not find in the program), the source locations MLIR adds, lines of ours, dropped."""
+    said = re.sub(r"(\S+\.py:\d+:\d+: (error|note): )|Module shape refinement failed: ", "", str(e))
     return ArtifactError(
         f"{file}: the shapes of {module} cannot be resolved for inputs {shapes} "
         f"({type(e).__name__}: {said.splitlines()[0][:300]}). Export the model again."
