@@ -1354,3 +1354,34 @@ def test_a_500_names_a_file_of_the_artifact_by_the_models_name_and_hides_others(
         public, name = Public(b), sm.load(art.path).manifest["name"]
         said = public.text(OSError(f"{art.path}/weights.npz: bad; see {tmp_path}/other.txt"))
     assert said == f"{name}/weights.npz: bad; see <path>", said
+
+
+_HIDDEN = {  # what a model's message said: what its 500 says (a relative path, a spaced one)
+    "venv/lib/python3.11/site-packages/jax/x.py failed": "<path> failed",
+    "cannot read ./secret/dir/file.py: no": "cannot read <path>: no",
+    "see ../secret/w.npz.": "see <path>.",
+    "in secret/dir/w.bin": "in <path>",
+    "read /srv/My Models/w.npz and C:\\Program Files\\x\\y.dll": "read <path> and <path>",
+    "no such file: '/srv/My Models/weights' (errno 2)": "no such file: '<path>' (errno 2)",
+    'File "lib/x.py", line 3, in f': 'File "<path>", line 3, in f',
+}
+_KEPT = (  # a user's own words with a slash: not paths
+    "expected 1/2 of the batch, in m/s",
+    "rows/s fell; and/or the input/output was 3/4 of 1.5/2.",
+    "the model's input 'm/s' isn't one",
+    "a / b, or x //  y",
+)
+
+
+def test_a_500_hides_relative_and_spaced_paths_and_keeps_a_users_slashes():
+    """Only absolute paths were hidden: venv/lib/..., ./secret/dir/file.py and the part of a
+    path after a space (/srv/My Models/...) reached the client. A word with a separator that is
+    absolute, relative, two deep or names a file is a path, with the words after it that hold
+    one and all of a quoted one; 1/2, m/s and and/or are the user's."""
+    from symjax_mlp.serving._app import Public
+
+    public = Public(sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)))
+    said = {text: public.text(ValueError(text)) for text in (*_HIDDEN, *_KEPT)}
+    assert said == {**_HIDDEN, **{text: text for text in _KEPT}}, said
+    for leak in ("secret", "site-packages", "Models", "Program", "weights"):
+        assert not any(leak in text for text in said.values()), said

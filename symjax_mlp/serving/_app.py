@@ -48,12 +48,27 @@ _LATE = (
 )
 _LOG = logging.getLogger("symjax_mlp.serving")
 # what a model's message may hold of the server's files, for a client: a traceback's frames
-# (JAX's callbacks and checkify quote one), an absolute path (POSIX, ~, Windows, share, file:)
+# (JAX's callbacks and checkify quote one) and paths. A path is a word holding a separator
+# before a name that is absolute (/, ~, C:\, \\share, file:), relative (./, ../), two
+# separators deep, or names a file (a dot and a letter after a separator); with the words after
+# it that hold a separator (a path with spaces), and a quoted one whole. 1/2 and m/s are not.
 _FRAMES = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t].*(?:\n|$))*")
-_PATHS = re.compile(
-    r"\bfile:/[^\s\"'<>]*|(?<![\w.)\]}/\\~-])(?:~[\w.-]*/|[A-Za-z]:[\\/]|\\\\|/(?=[\w.~-]))"
-    r"[^\s\"'<>|,;()]*"
+_W = r"[^\s\"'<>|,;()=\x00]"  # a word's character (\x00: the artifact's own path, see text())
+_PATH = re.compile(
+    rf"(?<![^\s\"'<>|,;(=\[{{])(?={_W}*[/\\][\w.~-])"  # a word's start; a separator in it
+    rf"(?:file:|[/\\~]|\.\.?[/\\]|[A-Za-z]:[/\\]"  # absolute, relative
+    rf"|(?={_W}*[/\\]{_W}*[/\\])|(?={_W}*[/\\]{_W}*\.[A-Za-z]))"  # two deep, a file
+    rf"{_W}*(?: +{_W}*[/\\][\w.~-]{_W}*)*"
 )
+_QUOTED = re.compile(r"(?<![^\s(=:\[{])(['\"])([^'\"\n]{1,300}?)\1")
+
+
+def _hidden(m: re.Match[str]) -> str:
+    """A path's match as the client reads it: a quoted one's whole text, else its words, each
+    as ``<path>`` (a sentence's full stop or colon after it kept)."""
+    if m.re is _QUOTED:
+        return m[0] if not _PATH.search(m[2]) else f"{m[1]}<path>{m[1]}"
+    return "<path>" + m[0][len(m[0].rstrip(".:")) :]
 
 
 def require(what: str = "the symjax_mlp server", extra: str = "serve", *modules: str) -> None:
@@ -395,4 +410,8 @@ class Public:
             text = str(e)
         except BaseException as failed:  # its __str__ raised: e's class still names it
             text = f"(its message could not be read: its __str__ raised {type(failed).__name__})"
-        return short(printable(_PATHS.sub("<path>", _FRAMES.sub("", self.scrub(text)))))
+        own = self._name if self._paths is not None else ""  # its files: {name}/weights.npz
+        text = text.replace("\x00", "\\x00") if "\x00" in text else text
+        text = _FRAMES.sub("", text if not own else self._paths.sub("\x00", text))
+        text = _PATH.sub(_hidden, _QUOTED.sub(_hidden, text))
+        return short(printable(text.replace("\x00", own) if own else text))
