@@ -386,6 +386,45 @@ def test_a_variable_added_to_an_nnx_module_without_state_is_held_as_nnx_jit_keep
     assert h.graph(x).primitive_counts["reduce_sum"] == 1  # staged now: the state is held
 
 
+class _AddsWhenAsked(_Adds):
+    def __call__(self, x, keep=False):
+        return super().__call__(x) if keep else self.linear(x)
+
+
+@pytest.mark.parametrize("turn", ["compiled", "eager"])
+def test_a_hybrid_that_turns_stateful_keeps_its_traces_and_its_max_traces(turn):
+    """The call that turned it stateful started a fresh trace log: the earlier traces vanished
+    from trace_count and trace_log, and max_traces counted again from 0."""
+    h, x = sm.hybridize(_AddsWhenAsked(), max_traces=2), _x()
+    h(x)  # trace #0, stateless
+    (h if turn == "compiled" else h.eager)(x, keep=True)  # turns stateful; compiled: trace #1
+    assert h.stateful and h.trace_count == len(h.trace_log) == (2 if turn == "compiled" else 1)
+    assert h.trace_log[0].reason == "first call"
+    if turn == "eager":
+        h(x, keep=True)  # trace #1, of the state the eager call added
+        assert h.trace_log[1].reason.endswith("grew: the last call added state['seen']")
+    with pytest.raises(sm.RetraceError, match=r"trace #2 would exceed max_traces=2"):
+        h(x[:2], keep=True)
+
+
+class _AddsDoubled(_Adds):
+    def __init__(self):
+        super().__init__()
+        self.double = False  # a setting (a bool attribute), read at each call
+
+    def __call__(self, x):
+        return super().__call__(x) * (2 if self.double else 1)
+
+
+def test_a_snapshot_that_turns_stateful_keeps_the_mode_it_was_taken_in():
+    """Turned stateful, it followed the module's settings changed after the snapshot."""
+    module, x = _AddsDoubled(), _x()
+    served = sm.hybridize(module).snapshot()  # what a Batcher serves
+    module.double = True
+    for _ in range(2):
+        chex.assert_trees_all_close(served(x), _Adds()(x), **TOL)
+
+
 def test_the_retrace_a_grown_state_causes_names_the_variables_the_call_added():
     """It was logged as "same signature traced again (a new jax.jit cache entry)"."""
     h, x = sm.hybridize(_Counts()), _x()

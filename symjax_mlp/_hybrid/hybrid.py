@@ -177,8 +177,7 @@ class Hybrid(Staged, NoPickle):
           >>> h.replace(params=jnp.float32(3))(jnp.ones(2))
           Array([3., 3.], dtype=float32)
         """
-        settings = {k: getattr(self, k) for k in ("params", "state", *_SETTINGS)}
-        settings |= {k: tuple(settings[k]) for k in ("static_argnums", "static_argnames")}
+        settings = self._settings()
         if bad := sorted(set(changes) - set(settings)):
             raise ConfigError(
                 f"{self.name}.replace({bad[0]}=...): not a setting of a Hybrid; choose from "
@@ -195,6 +194,11 @@ class Hybrid(Staged, NoPickle):
         twin = Hybrid(self._model, params, state=state, **settings)
         twin._log.callbacks = self._log.callbacks
         return twin
+
+    def _settings(self) -> dict[str, Any]:
+        """What :meth:`replace` takes, as it is now: the params, state and settings."""
+        settings = {k: getattr(self, k) for k in ("params", "state", *_SETTINGS)}
+        return settings | {k: tuple(settings[k]) for k in ("static_argnums", "static_argnames")}
 
     def snapshot(self) -> Hybrid:
         """This Hybrid as it runs now, whatever happens to its model later (what a Batcher
@@ -342,11 +346,14 @@ class Hybrid(Staged, NoPickle):
 
     def _stateful(self, added: _pure.StateAdded) -> Hybrid:
         """Self, turned stateful by an nnx module's call that added variables, as ``nnx.jit``
-        keeps them: the call made again holds them (a trace that failed was not logged)."""
+        keeps them: rebuilt in place, its trace log and modes (a snapshot's) kept; the call
+        made again holds them (a trace that failed was not logged)."""
         with self._held.lock:  # (a call in another thread may have turned it)
             if not self.stateful:
-                self._set(_model=added.model)
-                self._set(**vars(self.replace(state={})))
+                log, modes = self._log, self._modes
+                self.__init__(added.model, **self._settings())  # its state: {}
+                self._log.follow(log)
+                self._set(_modes=modes)
         return self
 
     def hybridize(self, active: bool = True) -> Hybrid:

@@ -293,11 +293,7 @@ def _changed(old: Sequence[TensorSpec], new: Sequence[TensorSpec]) -> list[str]:
 
 
 def explain(
-    sig: tuple[TensorSpec, ...],
-    tree: str,
-    events: Sequence[TraceEvent],
-    static: tuple[tuple[str, str], ...] = (),
-    added: Sequence[str] = (),
+    sig: tuple[TensorSpec, ...], tree: str, events: Sequence[TraceEvent], static=(), added=()
 ) -> str:
     """Why ``(sig, tree, static)`` traced again: what differs from the nearest earlier trace."""
     if not events:
@@ -351,6 +347,10 @@ class TraceLog:
     @property
     def events(self) -> tuple[TraceEvent, ...]:
         return tuple(self._events)
+
+    def follow(self, earlier: TraceLog) -> None:
+        """Goes on from ``earlier`` (a Hybrid's, turned stateful): its traces count here."""
+        self._events, self._held, self.callbacks = earlier._events, earlier._held, earlier.callbacks
 
     def add(self, callback: Callable[..., Any]) -> None:
         if not callable(callback):
