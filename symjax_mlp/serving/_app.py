@@ -63,14 +63,6 @@ _PATH = re.compile(
 _QUOTED = re.compile(r"(?<![^\s(=:\[{])(['\"])([^'\"\n]{1,300}?)\1")
 
 
-def _hidden(m: re.Match[str]) -> str:
-    """A path's match as the client reads it: a quoted one's whole text, else its words, each
-    as ``<path>`` (a sentence's full stop or colon after it kept)."""
-    if m.re is _QUOTED:
-        return m[0] if not _PATH.search(m[2]) else f"{m[1]}<path>{m[1]}"
-    return "<path>" + m[0][len(m[0].rstrip(".:")) :]
-
-
 def require(what: str = "the symjax_mlp server", extra: str = "serve", *modules: str) -> None:
     """Imports ``modules`` (default: starlette and uvicorn), else names the extra to install."""
     modules = modules or ("starlette", "uvicorn")
@@ -292,12 +284,8 @@ def create_app(
     async def health(request: Request) -> Response:
         s = batcher.stats
         status = "closing" if batcher.closed else "stuck" if s.busy_s > request_timeout else "ok"
-        body = {
-            "status": status,
-            "model": public.name,
-            "queue_depth": s.queue_depth,
-            "completed": s.completed,
-        }
+        body = {"status": status, "model": public.name, "queue_depth": s.queue_depth}
+        body["completed"] = s.completed
         if status == "stuck":
             body["message"] = (
                 f"a batch has run for {s.busy_s:.0f} s, past request_timeout="
@@ -335,16 +323,10 @@ def create_app(
         bare = path.rstrip("/")
         if bare != path and any(r.path == bare for r in routes):
             what = f"drop the trailing slash: {bare}"
-        return JSONResponse(
-            {
-                "error": "NotFound" if e.status_code == 404 else "MethodNotAllowed",
-                "message": f"no endpoint takes {request.method} {path} ({what}); the "
-                f"endpoints: {ENDPOINTS}.",
-                "model": public.name,
-            },
-            status_code=e.status_code,
-            headers=allowed,
-        )
+        said = f"no endpoint takes {request.method} {path} ({what}); the endpoints: {ENDPOINTS}."
+        kind = "NotFound" if e.status_code == 404 else "MethodNotAllowed"
+        body = {"error": kind, "message": said, "model": public.name}
+        return JSONResponse(body, status_code=e.status_code, headers=allowed)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any):
@@ -413,5 +395,6 @@ class Public:
         own = self._name if self._paths is not None else ""  # its files: {name}/weights.npz
         text = text.replace("\x00", "\\x00") if "\x00" in text else text
         text = _FRAMES.sub("", text if not own else self._paths.sub("\x00", text))
-        text = _PATH.sub(_hidden, _QUOTED.sub(_hidden, text))
+        text = _QUOTED.sub(lambda m: f"{m[1]}<path>{m[1]}" if _PATH.search(m[2]) else m[0], text)
+        text = _PATH.sub(lambda m: "<path>" + m[0][len(m[0].rstrip(".:")) :], text)  # keep a "."
         return short(printable(text.replace("\x00", own) if own else text))
