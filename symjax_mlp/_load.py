@@ -196,7 +196,7 @@ class _Opener:
             digest = self.manifest["files"][file.name]["sha256"]
             report, vjp_sizes = checker.program(file, digest, exported)
             ops.check_main(report, exported, file=file)
-            ops.check_constraints(report, view["signature"].get("constraints", ()), file=file)
+            ops.check_claims(report, view, len(vjp_sizes), file=file)
             if hasattr(self.backend, "check_program"):
                 self.backend.check_program(path / program_file(view, MLIRBC), report)
             ops.check(report, file=file, allow=options["allowed"], caller="load()",

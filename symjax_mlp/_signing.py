@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import importlib
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Callable
@@ -243,10 +244,13 @@ def check(
     try:
         config.use_elliptic_key_verifier(public_key=key).verify(path, sig)
     except Exception as e:  # model_signing, sigstore and cryptography raise their own types
+        files = re.findall(r"Hash mismatch for '([^']{1,200})'", str(e))  # not their digests
+        why = f"{type(e).__name__}: {str(e)[:400]}"
+        why = f"it signs other contents of {', '.join(files[:8])}" if files else why
         raise ArtifactError(
             f"{head}: the signature {SIGNATURE} does not verify with {printable(str(key))}: "
-            f"{type(e).__name__}: {printable(str(e)[:400])}. The artifact was changed after it "
-            "was signed, or signed by someone else: refusing it."
+            f"{printable(why)}. The artifact was changed after it was signed, or signed by "
+            "someone else: refusing it."
         ) from None
 
     def unchanged() -> None:

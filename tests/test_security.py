@@ -1543,3 +1543,45 @@ def test_a_signature_that_cannot_be_written_is_an_artifact_error(base, keys, tmp
     with pytest.raises(sm.ArtifactError, match=r"model.sig cannot be written \(Is a directory\)"):
         sm.sign(art, keys["ours"][0])
     assert (art / "model.sig").is_dir() and not [p for p in art.iterdir() if p.name[0] == "."]
+
+
+@pytest.mark.parametrize(("claimed", "held"), [(1, 0), (0, 1)])
+def test_a_manifest_claiming_vjp_modules_its_program_lacks_is_refused_at_load(
+    base, tmp_path, claimed, held
+):
+    """vjp_order 1 over a module of none loaded, and jax.grad said: "exported without one
+    (vjp_order=1). Export it again with vjp_order=1"; 0 over one said jax.jvp could have none."""
+    src = base[0] if held == 0 else forge.base(tmp_path / "vjp", vjp_order=1)[0]
+    art = forge.resign(src, tmp_path / "a", manifest=lambda m: m.update(vjp_order=claimed))
+    says = (
+        rf'symjax_mlp\.load\(".*a"\): its manifest says vjp_order={claimed}, but its program, '
+        rf"model\.jaxexport, holds VJP modules up to order {held}\..* export the model again"
+    )
+    with pytest.raises(sm.ArtifactError, match=says):
+        sm.load(art)
+
+
+def test_a_symbolic_link_loop_given_as_the_artifact_is_named_as_one(tmp_path, capsys):
+    # "loop1 does not exist", of a path that is there
+    os.symlink(tmp_path / "loop2", tmp_path / "loop1")
+    os.symlink(tmp_path / "loop1", tmp_path / "loop2")
+    says = r"loop1 is a symbolic link that leads to no directory \(a loop, or a missing target\)"
+    with pytest.raises(sm.ArtifactError, match=says):
+        sm.load(tmp_path / "loop1")
+    assert main(["verify", str(tmp_path / "loop1")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(says, err) and len(err.splitlines()) == 1
+
+
+def test_the_signature_of_another_artifact_names_the_files_it_does_not_sign(base, keys, tmp_path):
+    # the message quoted model-signing's bytes: "Expected 'Digest(... digest_value=b'\xf1...'"
+    src, _ = base
+    private, public = keys["ours"]
+    ours = forge.resign(src, tmp_path / "ours")
+    other = forge.resign(src, tmp_path / "other", manifest=lambda m: m.update(name="other"))
+    sm.sign(ours, private)
+    shutil.copy(ours / "model.sig", other / "model.sig")
+    says = r"does not verify with .*: it signs other contents of manifest\.json\. The artifact"
+    with pytest.raises(sm.ArtifactError, match=says) as e:
+        sm.load(other, verify_signature=public)
+    assert "digest" not in str(e.value).lower()

@@ -57,6 +57,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
     looked_up(path)
     if not path.is_dir():
         what = "is a file, not an artifact directory" if path.exists() else "does not exist"
+        if path.is_symlink() and not path.exists():
+            what = "is a symbolic link that leads to no directory (a loop, or a missing target)"
         raise ArtifactError(f"{path} {what}. Pass the directory written by symjax_mlp.export.")
     file = path / MANIFEST
     try:

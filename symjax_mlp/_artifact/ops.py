@@ -192,20 +192,28 @@ def check_main(report: ModuleReport, exported: Any, *, file: Path, what: str = "
         )
 
 
-def check_constraints(report: ModuleReport, listed: Iterable[str], *, file: Path) -> None:
-    """Raises :class:`ArtifactError` where the module checks a constraint (``b >= 2``) that
-    the manifest does not list: calls the manifest admits would reach the program, refused
-    there (a program's constraints read where this JAX's messages name them)."""
-    have = {re.sub(r"\s+", "", c) for c in listed}
+def check_claims(report: ModuleReport, view: Any, vjp_orders: int, *, file: Path) -> None:
+    """Raises :class:`ArtifactError` where the manifest's entry point ``view`` says other than
+    its module: a constraint the module checks (``b >= 2``) unlisted, which calls the manifest
+    admits would break in the program (read where this JAX's messages name them); or a
+    ``vjp_order`` other than the ``vjp_orders`` it holds, which jax.grad's messages name."""
+    listed = view["signature"].get("constraints", [])
+    have, head = {re.sub(r"\s+", "", c) for c in listed}, f'symjax_mlp.load("{file.parent}")'
     for message in report.assertions:
         if (rule := constraint_named(message)) and re.sub(r"\s+", "", rule) not in have:
             raise ArtifactError(
-                f'symjax_mlp.load("{file.parent}"): its program, {file.name}, requires '
-                f"{printable(rule[:200])}, which manifest.json's signature does not list (it "
-                f"lists {', '.join(map(printable, listed)) or 'no constraint'}): calls it admits "
+                f"{head}: its program, {file.name}, requires {printable(rule[:200])}, which "
+                f"manifest.json's signature does not list (it lists "
+                f"{', '.join(map(printable, listed)) or 'no constraint'}): calls it admits "
                 "would be refused by the program. The manifest was edited or comes from another "
                 "export; export the model again."
             )
+    if (claimed := view.get("vjp_order", 0)) != vjp_orders:
+        raise ArtifactError(
+            f"{head}: its manifest says vjp_order={claimed}, but its program, {file.name}, holds "
+            f"VJP modules up to order {vjp_orders}. The manifest was edited or comes from "
+            "another export; export the model again (with the vjp_order jax.grad needs)."
+        )
 
 
 _ELEMENTS = {"bool": "i1", "bfloat16": "bf16", "complex64": "complex<f32>",
