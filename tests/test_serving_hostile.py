@@ -494,3 +494,22 @@ def test_a_hybrid_and_a_callable_not_taking_the_example_or_kwargs_are_refused_al
         "tuple for several)."
     ), said[0]
     assert "1 input and kwargs={'scale': 1}, but missing a required argument" in said[1], said[1]
+
+
+@pytest.mark.parametrize("tuple_out", [False, True], ids=["array", "tuple"])
+def test_an_output_unlike_the_warm_ups_is_named_by_its_path_or_none(tuple_out):
+    """A single array output of the wrong shape or dtype mid-stream was "an output() of shape";
+    an output of a tuple is named by its path, out[1]."""
+
+    def model(x):
+        y = x.astype(np.int32) if (x[:, 0] == 7).any() else x
+        return (x, y) if tuple_out else y
+
+    with sm.serving.Batcher(model, example=X1, max_batch=2) as b:
+        with pytest.raises(RuntimeError) as e:
+            b(X7)
+        np.testing.assert_array_equal(b(X1)[-1] if tuple_out else b(X1), X1)  # it serves on
+    said = str(e.value)
+    where = " out[1]" if tuple_out else ""
+    assert said.startswith(f"Batcher(model): the model returned an output{where} of shape (1, 2)")
+    assert "dtype int32; it must return one row per input row" in said, said

@@ -76,7 +76,7 @@ def unlike(lane: Any, out: Any, rows: int) -> RuntimeError | None:
         )
     for (path, y), (shape, dtype) in zip(leaves, lane.want[rows], strict=True):
         if y.shape != shape or y.dtype != dtype:
-            path = path and " out" + jax.tree_util.keystr(path)
+            path = f" out{jax.tree_util.keystr(path)}" if path else ""  # one array: no path
             return RuntimeError(
                 f"{lane.name}: the model returned an output{path} of shape {y.shape} for a "
                 f"batch of {bucket} rows, dtype {y.dtype}; it must return one row per input "
