@@ -796,18 +796,23 @@ class _Unreadable(Exception):
         raise ValueError("no text")
 
 
+_LongName = type("\x1b[31mEvil" + "N" * 1000, (Exception,), {})
+
+
 @pytest.mark.parametrize(
     ("raised", "error", "says"),
     [
         (RuntimeError("x" * 10**6), "RuntimeError", "x" * 300 + "... (999700 more)"),
         (ValueError("bad \x1b[2J\u202e row\n"), "ValueError", "bad \\x1b[2J\\u202e row\\n"),
         (_Unreadable(), "_Unreadable", "its __str__ raised ValueError"),
+        (_LongName("x"), "\\x1b[31mEvil" + "N" * 88 + "... (912 more)", "x"),
     ],
-    ids=["long", "escapes", "unreadable"],
+    ids=["long", "escapes", "unreadable", "long class name"],
 )
 def test_a_model_error_500_is_cut_escaped_and_names_the_models_class(raised, error, says):
     """A model's message went into the 500 whole (1 MB asked: 1 MB answered), with the escape
-    sequences a terminal runs; one whose __str__ raised was a 500 naming that ValueError."""
+    sequences a terminal runs; one whose __str__ raised was a 500 naming that ValueError; a
+    class name of 1,000 characters was the error field whole."""
 
     def model(x):
         if (x[:, 0] == 7).any():

@@ -190,8 +190,8 @@ def create_app(
     def error(status: int, e: BaseException, headers: dict[str, str] | None = None) -> Response:
         by_code[status] += 1  # a 500's message is the model's (or a bug's): its text cut
         text = public.text(e) if status == 500 else public.scrub(str(e))
-        body = {"error": printable(type(e).__name__), "message": text, "model": public.name}
-        return JSONResponse(body, status_code=status, headers=headers)
+        kind = short(printable(type(e).__name__), 100)  # a class may be named by a model too
+        return JSONResponse({"error": kind, "message": text, "model": public.name}, status, headers)
 
     async def predict(request: Request) -> Response:
         hold = [0]  # the bytes this request's body holds of the shared budget
