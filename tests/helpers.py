@@ -2354,6 +2354,91 @@ def binarized(seed: int) -> jax.Array:
     return jax.random.bernoulli(jax.random.key(seed + 1000), images)
 
 
+# -- flax docs_nnx/guides/randomness.md, as written there (google/flax@06611168e74d63a990067b8ae
+# 8272206a5f270fb): "Transforming implicit state", recurrent dropout in an nnx.scan; its
+# ``class Count(nnx.Variable)`` is nnx_basics' above; sizes made tiny (din 3, dout 4)
+class RNNCell(nnx.Module):
+    def __init__(self, din, dout, rngs):
+        self.linear = nnx.Linear(dout + din, dout, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs, rng_collection="recurrent_dropout")
+        self.dout = dout
+        self.count = Count(jnp.array(0, jnp.uint32))
+
+    def __call__(self, h, x) -> tuple[jax.Array, jax.Array]:
+        h = self.drop(h)  # Recurrent dropout.
+        y = nnx.relu(self.linear(jnp.concatenate([h, x], axis=-1)))
+        self.count[...] = self.count[...] + 1
+        return y, y
+
+    def initial_state(self, batch_size: int):
+        return jnp.zeros((batch_size, self.dout))
+
+
+@nnx.jit
+def rnn_forward(cell: RNNCell, x: jax.Array):
+    h = cell.initial_state(batch_size=x.shape[0])
+    graphdef, rngs, state = nnx.split(cell, "recurrent_dropout", ...)
+
+    # Broadcast the 'recurrent_dropout' PRNG state to have the same mask on every step.
+    @nnx.scan(in_axes=(None, nnx.Carry, 1), out_axes=(nnx.Carry, 1))
+    def unroll(rngs, mutable, x) -> tuple[jax.Array, jax.Array]:
+        state, h = mutable
+        cell = nnx.merge(graphdef, rngs, state)
+        h, y = cell(h, x)
+        return (state, h), y
+
+    _, y = unroll(rngs, (state, h), x)
+    return y
+
+
+def _rnn_cell(mode: str) -> Callable[[], tuple[Any, Any]]:
+    """``(rnn_forward, cell)``: the guide's ``RNNCell(8, 16, nnx.Rngs(params=0,
+    recurrent_dropout=1))``; eval mode its dropout off (``cell.eval()``)."""
+
+    def build():
+        cell = RNNCell(3, 4, nnx.Rngs(params=0, recurrent_dropout=1))
+        if mode == "eval":
+            cell.eval()
+        return rnn_forward, cell
+
+    return build
+
+
+if eqx is not None:
+    import jax.random as jrandom
+    import jax.tree_util as jtu
+
+    def _frozen_layer():
+        """equinox docs/examples/frozen_layer.ipynb, as written there (patrick-kidger/equinox@
+        76d697c1dbad528ef24868c369a0b74c1be153e4): its model and ``filter_spec`` (the last
+        layer trained, the rest frozen), the prediction of its loss, ``static_model`` closed
+        over: ``(predict, diff_model)``."""
+        data_key, loader_key, model_key = jrandom.split(jrandom.PRNGKey(5678), 3)  # noqa: RUF059
+        width_size, depth = 8, 1
+        # Step 1
+        model = eqx.nn.MLP(in_size=1, out_size=1, width_size=width_size, depth=depth, key=model_key)
+
+        # Step 2
+        filter_spec = jtu.tree_map(lambda _: False, model)
+        filter_spec = eqx.tree_at(
+            lambda tree: (tree.layers[-1].weight, tree.layers[-1].bias),
+            filter_spec,
+            replace=(True, True),
+        )
+        diff_model, static_model = eqx.partition(model, filter_spec)
+
+        def predict(diff_model, x):  # the loss's, up to its pred_y
+            model = eqx.combine(diff_model, static_model)
+            pred_y = jax.vmap(model)(x)
+            return pred_y
+
+        return predict, diff_model
+
+    _EQX_FROZEN = (Case("eqx_frozen", "eqx", _frozen_layer, lambda s: (_x(s, (4, 1)),)),)
+else:  # pragma: no cover - the test extra installs equinox
+    _EQX_FROZEN = ()
+
+
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
 #: params, a list of pairs), equinox's examples (a module, or a function of one), Flax's
@@ -2394,6 +2479,7 @@ MATRIX = (
                           "real_dynamic_slice"})),
     Case("stax_mnist", "fn", lambda: (stax_predict, stax_params()), lambda s: (_x(s, (4, 16)),),
          classes=10),
+    *_EQX_FROZEN,
 )  # fmt: skip
 
 

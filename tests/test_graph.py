@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from helpers import ZOO, NnxDepth
+from helpers import ZOO, NnxDepth, _rnn_cell
 
 import symjax_mlp as sm
 from symjax_mlp.chapter import fancy_func
@@ -66,10 +66,8 @@ def test_fancy_func_with_inputs_keeps_its_adds():
     assert "constant(10)" not in g.optimized()
 
 
-def test_stage_rejects_jitted_functions_and_hybrids(chapter):
+def test_stage_rejects_hybrids_and_non_callables(chapter):
     _, _, h, _ = chapter
-    with pytest.raises(TypeError, match=r"already jax.jit-compiled.*stage\(fancy_func\)"):
-        sm.stage(jax.jit(fancy_func))
     with pytest.raises(TypeError, match=r"h.graph\(x\)"):
         sm.stage(h)
     with pytest.raises(TypeError, match="expects a callable"):
@@ -435,6 +433,22 @@ def test_nnx_layer_names_are_per_call_under_threads():
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for name, got in pool.map(layers, hybrids * 4):
             assert got == NNX_LAYERS[name]
+
+
+def test_a_jit_decorated_function_is_staged_as_the_function_it_wraps():
+    """flax's randomness guide decorates its ``rnn_forward`` with ``@nnx.jit``: stage() refused
+    it, saying to pass stage(rnn_forward), the very call made (``jax.jit`` alike)."""
+    fn, cell = _rnn_cell("train")()
+    want = sm.hybridize(fn, cell).graph(jnp.ones((2, 5, 3))).primitive_counts
+    g = sm.stage(fn)(cell, jnp.ones((2, 5, 3)))
+    assert g.name == "rnn_forward" and g.primitive_counts["jit"] == want["jit"] - 1
+    assert {p: g.primitive_counts[p] for p in ("scan", "dot_general")} == {
+        "scan": 1,
+        "dot_general": 1,
+    }
+    assert cell.count[...] == 0  # staged, not run
+    one = jnp.float32(1)
+    assert sm.stage(jax.jit(fancy_func))(one, one, one, one).primitive_counts["add"] == 3
 
 
 # -- names -----------------------------------------------------------------------------------------

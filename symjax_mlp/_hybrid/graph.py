@@ -154,13 +154,13 @@ class Graph:
 def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
     """Returns a function that stages ``fn`` on its arguments into a :class:`Graph`.
 
-    Pass the plain (un-jitted) function. Its arguments are pytrees of arrays (a list of
-    ``(W, b)`` pairs too); Python settings among them are static, as in a Hybrid's call, and an
-    equinox module is split as ``eqx.filter_make_jaxpr`` splits it.
+    Its arguments are pytrees of arrays (a list of ``(W, b)`` pairs too); Python settings
+    among them are static, as in a Hybrid's call, and an equinox module is split as
+    ``eqx.filter_make_jaxpr`` splits it. A ``jax.jit`` / ``nnx.jit`` function is staged as the
+    function it wraps (its layers, not one ``jit`` equation).
 
     Raises:
-      TypeError: ``fn`` is already ``jax.jit``-wrapped (its jaxpr would be one opaque
-        ``jit`` equation) or a :class:`~symjax_mlp.Hybrid`.
+      TypeError: ``fn`` is a :class:`~symjax_mlp.Hybrid` or not callable.
       ControlFlowError: (when called) Python needed a concrete value from a traced array.
 
     Example:
@@ -176,15 +176,8 @@ def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
             "stage() got a Hybrid; stage its function instead: h.graph(x) (or stage(h.fn)"
             "(h.params, x))."
         )
-    if isinstance(fn, jax.stages.Wrapped) or hasattr(fn, "lower"):
-        inner = getattr(fn, "__wrapped__", None)
-        hint = f" (here: stage({_name(inner)}))" if inner is not None else ""
-        got = f"jit({_name(inner)})" if inner is not None else repr(_name(fn))
-        raise ConfigError(
-            f"stage() got {got}, which is already jax.jit-compiled: "
-            "its jaxpr would be a single opaque `jit` equation hiding every layer. Pass the "
-            f"undecorated Python function{hint}, e.g. stage(f.__wrapped__)."
-        )
+    if isinstance(fn, jax.stages.Wrapped) or hasattr(fn, "lower"):  # jax.jit's, nnx.jit's
+        fn = getattr(fn, "__wrapped__", fn)
     if not callable(fn):
         raise ConfigError(f"stage() expects a callable; got {type(fn).__name__}.")
     return functools.partial(Graph.of, _nnx_copy(fn), _name(fn))
