@@ -281,17 +281,27 @@ def test_connections_past_the_limit_are_refused_at_once(server):
     assert _count(url, 503) > before
 
 
+_POST = b"POST /predict HTTP/1.1\r\nHost: x\r\n"
+
+
 @pytest.mark.parametrize(
-    "request_",
+    ("request_", "says"),
     [
-        b"GARBAGE\r\n\r\n",
-        b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
-        b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n",
+        (b"GARBAGE\r\n\r\n", "Invalid method encountered"),
+        (_POST + b"Content-Length: -5\r\n\r\n", "Invalid character in Content-Length"),
+        (_POST + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n", "Duplicate Content-Length"),
+        (_POST + b"Content-Length: " + b"9" * 30 + b"\r\n\r\n", "Content-Length overflow"),
+        (
+            _POST + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "Transfer-Encoding can't",
+        ),
+        (_POST + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", "Invalid character in chunk size"),
     ],
-    ids=["garbage", "negative_length", "two_lengths"],
+    ids=["garbage", "negative_length", "two_lengths", "huge_length", "length_and_chunked", "chunk"],
 )
-def test_a_request_that_is_not_http_is_the_json_400(server, request_):
-    """uvicorn answered these itself, in text/plain: "Invalid HTTP request received."."""
+def test_a_request_that_is_not_http_is_the_json_400(server, request_, says):
+    """uvicorn answered these itself, in text/plain: "Invalid HTTP request received.", the
+    JSON 400 said so too: not what was wrong (a Content-Length that lies, a chunk's size)."""
     url, _, _ = server
     with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s:
         s.sendall(request_)
@@ -303,6 +313,8 @@ def test_a_request_that_is_not_http_is_the_json_400(server, request_):
     assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, data
     answer = json.loads(body)
     assert answer["error"] == "BadRequest" and "not HTTP/1.1" in answer["message"], answer
+    pytest.importorskip("httptools")  # h11 words them its own way
+    assert f"reads ({says}" in answer["message"], answer
 
 
 def test_max_connections_of_one_serves_a_lone_client():

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._app import (
     ENDPOINTS,
@@ -31,6 +32,7 @@ from symjax_mlp.serving._app import (
     require,
 )
 from symjax_mlp.serving._batcher import Batcher, seconds
+from symjax_mlp.serving._bodies import short
 from symjax_mlp.serving._requests import check_count
 
 #: The most bytes of one request's line and headers (nginx allows 4 x 8 KiB by default).
@@ -105,8 +107,10 @@ def bounded_heads(
             self._arm()
 
         def send_400_response(self, msg: str) -> None:  # uvicorn's, in text/plain
+            why = sys.exception()  # the parser's, which names the fault (where uvicorn's not)
+            said = short(printable(msg if why is None else str(why)), 100).rstrip(".")
             self._refuse(400, "Bad Request", (
-                f"the request is not HTTP/1.1 that this server reads ({msg.rstrip('.')}); "
+                f"the request is not HTTP/1.1 that this server reads ({said}); "
                 "send a well-formed request (one Content-Length, or a chunked body)."
             ))  # fmt: skip
 
