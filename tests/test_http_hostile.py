@@ -519,15 +519,19 @@ def test_a_body_past_the_limit_sent_whole_reads_its_413_not_a_reset(server):
 
 def test_a_client_that_half_closes_after_its_request_is_answered(server):
     """shutdown(SHUT_WR) after the whole request (nc -N): the answer was lost, as uvicorn
-    closed the connection on the client's FIN. One whose body is cut short is still dropped."""
+    closed the connection on the client's FIN. One whose body (or head) was cut short of its
+    Content-Length (or last chunk) was dropped unanswered: now the JSON 400 says so."""
     url, path, _ = server
     x = np.random.default_rng(5).standard_normal((2, 512)).astype(np.float32)
     body = json.dumps({"inputs": x.tolist()}).encode()
     head = f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n"
-    for cut in (0, 10):
+    chunked = (
+        b"POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n[[1,2\r\n"
+    )
+    for sent in (head.encode() + body, head.encode() + body[:-10], chunked, head[:20].encode()):
         s = socket.create_connection(("127.0.0.1", _port(url)), timeout=30)
         try:
-            s.sendall(head.encode() + body[: len(body) - cut])
+            s.sendall(sent)
             s.shutdown(socket.SHUT_WR)
             s.settimeout(BODY_TIMEOUT + 10)
             data = b""
@@ -536,10 +540,13 @@ def test_a_client_that_half_closes_after_its_request_is_answered(server):
                     data += chunk
         finally:
             s.close()
-        if cut:
-            assert data == b"", data
-            continue
         status, _, answer = data.partition(b"\r\n\r\n")
+        if sent != head.encode() + body:
+            assert status.startswith(b"HTTP/1.1 400"), data
+            said = json.loads(answer)["message"]
+            assert said.startswith("the client ended the request (shut down its sending side)")
+            assert ("in its headers" in said) == (sent == head[:20].encode()), said
+            continue
         assert status.startswith(b"HTTP/1.1 200"), data
         want = np.asarray(sm.load(path)(x))
         np.testing.assert_allclose(json.loads(answer)["outputs"], want, rtol=1e-5, atol=1e-6)

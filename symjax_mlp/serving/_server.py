@@ -5,7 +5,8 @@ Request heads come within bounds, as nginx's ``client_header_timeout`` and
 a head must arrive within ``head_timeout`` seconds (else 408) and :data:`MAX_HEAD_BYTES` (else
 431). An answer given before the body ended closes the connection lingering, so the client reads
 it; answers left unread for ``head_timeout`` drop the connection (nginx's ``send_timeout``).
-uvicorn's own answers (400, 503 past ``max_connections``) are the app's JSON error body too.
+uvicorn's own answers (400, 503 past ``max_connections``) are the app's JSON error body too,
+the parser's reason in a 400; a client that shuts down its side within a request gets a 400.
 """
 
 from __future__ import annotations
@@ -179,10 +180,19 @@ def bounded_heads(
 
         def eof_received(self) -> bool | None:
             # a client that half-closed after its whole request (nc -N): answered, then closed
-            cycle = self.cycle
-            if cycle is not None and not cycle.more_body and not cycle.response_complete:
+            cycle, waiting = self.cycle, self._waiting()
+            if not waiting and not cycle.more_body:
                 cycle.keep_alive = False
                 return True
+            if (self._head_bytes if waiting else not cycle.response_started) and not (
+                self.transport.is_closing()  # answered early (413), lingering: no second one
+            ):  # ended within a request: its head, or a body short of its length (last chunk)
+                where = "in its headers" if waiting else "before the end of its body"
+                self._refuse(400, "Bad Request", (
+                    f"the client ended the request (shut down its sending side) {where}; "
+                    "send the whole request: a body of exactly Content-Length bytes (or a "
+                    "chunked one, to its last, empty chunk)."
+                ))  # fmt: skip
             return super().eof_received()
 
         def connection_lost(self, exc: Exception | None) -> None:
