@@ -451,6 +451,27 @@ def test_a_jit_decorated_function_is_staged_as_the_function_it_wraps():
     assert sm.stage(jax.jit(fancy_func))(one, one, one, one).primitive_counts["add"] == 3
 
 
+def test_input_dependence_follows_calls_loops_and_branches():
+    """A scan's (a while's, a cond's, a jit's) outputs were each taken to depend on every
+    operand: a step count carried beside the rows depended on them."""
+    from symjax_mlp._hybrid.jaxpr import input_dependent
+
+    def f(n, x):
+        steps, _ = jax.lax.scan(lambda c, r: ((c[0] + 1, c[1] + r.sum()), r), (n, 0.0), x)
+        loop = jax.lax.while_loop(
+            lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] + x.sum()), (n, 0.0)
+        )
+        branch = jax.lax.cond(n > 0, lambda: (n, x.sum()), lambda: (n + 1, 0.0))
+        both = jax.lax.while_loop(
+            lambda c: c[1] < 3.0, lambda c: (c[0] + 1, c[1] + 1), (n, x.sum())
+        )
+        return *steps, *loop, *branch, *jax.jit(lambda a, b: (a, b))(n, x), *both
+
+    jaxpr = jax.make_jaxpr(f)(0, jnp.ones((2, 3))).jaxpr
+    got = input_dependent(jaxpr, jaxpr.invars[1:])
+    assert got == [False, True, False, True, False, True, False, True, True, True]
+
+
 # -- names -----------------------------------------------------------------------------------------
 def test_stage_names_a_partial_after_its_function():
     one = jnp.float32(1)

@@ -11,6 +11,7 @@ import sys
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -21,6 +22,7 @@ from helpers import (
     NnxBatchNorm,
     NnxDropout,
     NnxModes,
+    _rnn_cell,
     bounded,
     keyless,
     rand,
@@ -311,3 +313,29 @@ def test_an_nnx_module_with_state_inside_params_given_later_is_refused_alike():
         h.apply(params, X, train=True)
     with pytest.raises(sm.ConfigError, match=r"fn\.replace\(params=\.\.\.\): " + held):
         h.replace(params=params)
+
+
+def test_a_sharded_state_that_counts_steps_in_a_scan_pads_a_batch_as_any_count_does():
+    """flax's randomness guide's RNNCell counts its steps in an nnx.scan: 3 rows over 8 shards
+    were refused as a state depending on the rows (a scan's outputs each taken to depend on
+    every operand); a scan carrying a sum of the rows still does."""
+    fn, cell = _rnn_cell("eval")()
+    h, x = sm.hybridize(fn, cell).shard(), jax.random.normal(jax.random.key(0), (3, 5, 3))
+    fn, want = _rnn_cell("eval")()
+    chex.assert_trees_all_close(h(x), fn(want, x), rtol=1e-5, atol=1e-6)
+    assert h.state["count"] == want.count[...] == 5
+
+    sums = sm.hybridize(_ScanSum()).shard()
+    with pytest.raises(sm.SignatureError, match="the new state depends on the rows"):
+        sums(x)
+
+
+class _ScanSum(nnx.Module):
+    def __init__(self):
+        self.w, self.total = nnx.Param(jnp.ones(())), nnx.BatchStat(jnp.zeros(()))
+
+    def __call__(self, x):
+        self.total[...], y = jax.lax.scan(
+            lambda c, r: (c + r.sum(), r * self.w), self.total[...], x
+        )
+        return y

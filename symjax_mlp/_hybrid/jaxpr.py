@@ -138,13 +138,50 @@ def numbered(pairs: Iterable[tuple[Any, str]]) -> list[tuple[Any, str]]:
 
 
 def input_dependent(jaxpr: jex_core.Jaxpr, sources: Any = None) -> list[bool]:
-    """Per output of ``jaxpr``: whether it depends on ``sources`` (default: every ``invar``; an
-    equation with a dependent operand makes all its outputs dependent: cautious for calls)."""
+    """Per output of ``jaxpr``: whether it depends on ``sources`` (default: every ``invar``),
+    followed into calls, ``scan`` and ``while`` carries and ``cond`` branches (a step count a
+    scan carries beside the rows does not depend on them); any other equation with a dependent
+    operand makes all its outputs dependent."""
     seen = set(jaxpr.invars if sources is None else sources)
     for eqn in jaxpr.eqns:
-        if any(isinstance(v, jex_core.Var) and v in seen for v in eqn.invars):
-            seen.update(eqn.outvars)
+        given = [isinstance(v, jex_core.Var) and v in seen for v in eqn.invars]
+        if any(given):
+            seen.update(v for v, d in zip(eqn.outvars, _followed(eqn, given), strict=True) if d)
     return [isinstance(v, jex_core.Var) and v in seen for v in jaxpr.outvars]
+
+
+def _through(jaxpr: jex_core.Jaxpr, given: list[bool]) -> list[bool]:
+    return input_dependent(jaxpr, [v for v, d in zip(jaxpr.invars, given, strict=True) if d])
+
+
+def _carried(body: jex_core.Jaxpr, given: list[bool], at: int, n: int) -> list[bool]:
+    """``body``'s outputs' dependence once its ``n`` carries from invar ``at`` (its first
+    outputs) settle: a carry depends on what any trip feeds it."""
+    while True:
+        outs = _through(body, given)
+        carry = [a or b for a, b in zip(given[at : at + n], outs[:n], strict=True)]
+        if carry == given[at : at + n]:
+            return outs
+        given = [*given[:at], *carry, *given[at + n :]]
+
+
+def _followed(eqn: Any, given: list[bool]) -> list[bool]:
+    """Per output of ``eqn``: whether it depends on the operands ``given`` marks."""
+    name, params, subs = eqn.primitive.name, eqn.params, list(sub_jaxprs(eqn))
+    if name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(given):
+        return _through(subs[0], given)
+    if name == "scan":
+        return _carried(params["jaxpr"].jaxpr, given, params["num_consts"], params["num_carry"])
+    if name == "cond" and not given[0]:  # the branch taken does not depend on them
+        branches = [_through(b.jaxpr, given[1:]) for b in params["branches"]]
+        return [any(outs) for outs in zip(*branches, strict=True)]
+    if name == "while":  # a trip count that depends on them: every carry does
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        outs = _carried(params["body_jaxpr"].jaxpr, given[nc:], nb, len(given) - nc - nb)
+        carry = [a or b for a, b in zip(given[nc + nb :], outs, strict=True)]
+        if not _through(params["cond_jaxpr"].jaxpr, [*given[:nc], *carry])[0]:
+            return carry
+    return [True] * len(eqn.outvars)
 
 
 def count_flops(jaxpr: jex_core.Jaxpr) -> tuple[int, tuple[str, ...]]:
