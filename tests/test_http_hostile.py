@@ -1191,6 +1191,8 @@ def test_a_bool_inputs_422_names_what_it_holds_in_jsons_words(inputs, says):
         ("5", "holds a number, but the model takes float32[b, 2], a list of rows; send lists "
          "nested 2 deep, rows first."),  # was 'Pass an array of rank 2'
         ("[[[1, 2]]]", "holds lists nested 3 deep, but"),
+        ("[" * 99 + "1" + "]" * 99, "holds lists nested 99 deep, but"),  # "not a rectangular
+        # array (... would exceed the maximum number of dimension of 64.)": NumPy's words
     ],
 )  # fmt: skip
 def test_a_json_body_nested_unlike_rows_is_a_422_in_jsons_words(inputs, says):

@@ -1387,7 +1387,8 @@ def test_a_pass_of_many_runs_on_the_loop_where_its_bucket_last_ran_quickly(tmp_p
         ("hello", "text/plain", 415, "application/x-npy"),
         ("not an npy file", "application/x-npy", 400, ".npy"),
         ('{"inputs": ' + "[" * 5000 + "]" * 5000 + "}", "application/json", 400,
-         "not valid JSON"),  # json.loads' RecursionError: once a 503, "shutting down"
+         "nests JSON lists or objects too deep"),  # json.loads' RecursionError: once a 503,
+        # "shutting down"; then "not valid JSON (maximum recursion depth exceeded ...)"
         (json.dumps({"inputs": [[1e39] * 512]}), "application/json", 422,
          "beyond float32's range"),  # once cast to inf in silence
     ],

@@ -81,7 +81,10 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
         if type(e) is ValueError:  # int()'s, on a number of 4300 digits: no syntax error
             held = "an integer of thousands of digits, beyond every dtype's range"
             raise _holds(batcher, "the request", held, types) from None
-        raise BadRequest(400, f"the body is not valid JSON ({short(str(e))}).") from None
+        said = f"is not valid JSON ({short(str(e))})"
+        if type(e) is RecursionError:  # valid, but past Python's recursion limit
+            said = f"nests JSON lists or objects too deep to read; send rows of {types}"
+        raise BadRequest(400, f"the body {said}.") from None
     except OverflowError as e:  # was read as inf, where 1e39 is refused for float32
         held = f"{short(str(e), 40)}, beyond float64's range"
         raise _holds(batcher, "the request", held, types) from None
@@ -126,11 +129,14 @@ def _rows_first(batcher: Batcher, spec: Any, x: np.ndarray) -> np.ndarray:
     words (the batcher's own check would say NumPy's, ``x[None]``)."""
     if x.ndim == len(spec.shape):
         return x
-    got = "a number" if x.ndim == 0 else f"lists nested {x.ndim} deep"
+    raise _nested(batcher, spec, x.ndim, x.shape == tuple(spec.shape[1:]))
+
+
+def _nested(batcher: Batcher, spec: Any, depth: int, one_row: bool = False) -> SignatureError:
+    got = "a number" if depth == 0 else f"lists nested {depth} deep"
     fix = f"send lists nested {len(spec.shape)} deep, rows first"
-    if x.shape == tuple(spec.shape[1:]):
-        fix = "wrap the one row in a list, [[...]], a batch of one"
-    raise SignatureError(
+    fix = "wrap the one row in a list, [[...]], a batch of one" if one_row else fix
+    return SignatureError(
         f"{batcher.name}: input {spec.path} holds {got}, but the model takes {spec.type}, a "
         f"list of rows; {fix}."
     )
@@ -219,7 +225,12 @@ def from_json(
             held = f"numbers that are neither {want} nor in its range"
             raise _holds(batcher, what, held, spec.type, "send integers in range") from None
         raise beyond() from None
-    except ValueError as e:  # ragged lists
+    except ValueError as e:  # ragged lists, or nested past NumPy's 64 dimensions
+        depth, v = 0, value
+        while type(v) is list and v:
+            v, depth = v[0], depth + 1
+        if depth > len(spec.shape):
+            raise _nested(batcher, spec, depth) from None
         raise SignatureError(
             f"{batcher.name}: input {spec.path} is not a rectangular array ({short(str(e))}); "
             f"send nested lists of one shape, {spec.type}."
