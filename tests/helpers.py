@@ -2355,7 +2355,36 @@ def binarized(seed: int) -> jax.Array:
 
 
 # -- flax docs_nnx/guides/randomness.md, as written there (google/flax@06611168e74d63a990067b8ae
-# 8272206a5f270fb): "Transforming implicit state", recurrent dropout in an nnx.scan; its
+# 8272206a5f270fb): "Split random state", a dropout mask per row from an nnx.Rngs split over
+# the batch and an nnx.vmap; sizes made tiny (Linear(5, 3) for Linear(20, 10))
+class SplitRngsModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(5, 3, rngs=rngs)
+        self.drop = nnx.Dropout(0.1)
+
+    def __call__(self, x, rngs):
+        return nnx.relu(self.drop(self.linear(x), rngs=rngs))
+
+
+@nnx.vmap(in_axes=(None, 0, 0), out_axes=0)
+def model_forward(model, x, rngs):
+    return model(x, rngs=rngs)
+
+
+def _split_rngs(mode: str) -> Callable[[], tuple[Any, Any]]:
+    """``(model_forward, model)``: the guide's ``Model(rngs=nnx.Rngs(0))``; eval mode its
+    dropout off (``model.eval()``), the rngs then ``None``."""
+
+    def build():
+        model = SplitRngsModel(rngs=nnx.Rngs(0))
+        if mode == "eval":
+            model.eval()
+        return model_forward, model
+
+    return build
+
+
+# the same guide: "Transforming implicit state", recurrent dropout in an nnx.scan; its
 # ``class Count(nnx.Variable)`` is nnx_basics' above; sizes made tiny (din 3, dout 4)
 class RNNCell(nnx.Module):
     def __init__(self, din, dout, rngs):
@@ -2480,6 +2509,9 @@ MATRIX = (
     Case("stax_mnist", "fn", lambda: (stax_predict, stax_params()), lambda s: (_x(s, (4, 16)),),
          classes=10),
     *_EQX_FROZEN,
+    Case("nnx_split_rngs", "nnx", _split_rngs("train"), lambda s: (_x(s),),
+         train={"rngs": lambda: nnx.Rngs(1).split(4)}, eval={"rngs": None},
+         served=_split_rngs("eval")),
 )  # fmt: skip
 
 
