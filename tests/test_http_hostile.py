@@ -1411,3 +1411,47 @@ def test_a_500_hides_relative_and_spaced_paths_and_keeps_a_users_slashes():
     assert said == {**_HIDDEN, **{text: text for text in _KEPT}}, said
     for leak in ("secret", "site-packages", "Models", "Program", "weights"):
         assert not any(leak in text for text in said.values()), said
+
+
+def test_a_websocket_upgrade_is_answered_in_the_json_error_body(server):
+    """serve has no websocket endpoint, yet uvicorn took the handshake: a 403 with no body (a
+    websocket parser open to strangers). The upgrade is now plain HTTP: the JSON 405."""
+    url, _, _ = server
+    with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s:
+        s.sendall(
+            b"GET /predict HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        head, _, body = _answer_of(s)
+    assert head.startswith(b"HTTP/1.1 405"), head
+    assert json.loads(body)["error"] == "MethodNotAllowed", body
+
+
+def _answer_of(s):
+    """The first answer on socket ``s``: ``(head, _, body)`` as ``bytes.partition`` gives."""
+    data = b""
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            if not (chunk := s.recv(65536)):
+                break
+            data += chunk
+    return data.partition(b"\r\n\r\n")
+
+
+def test_no_error_message_shows_a_memory_address_or_a_whole_content_type():
+    """A .npy header holding a call was refused quoting "<ast.Call object at 0x7f...>", the
+    server's heap layout (a model's errors quote such reprs too); a Content-Type of 60 KB went
+    into its 415 whole."""
+    from symjax_mlp.serving import _bodies
+    from symjax_mlp.serving._app import Public
+
+    with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b:
+        public = Public(b)
+        for message, shown in (
+            ("line 1: <ast.Call object at 0x7f8491923fd0>", "line 1: <ast.Call object>"),
+            ("bad <function f at 0x7F84919>; byte 0xff", "bad <function f>; byte 0xff"),
+        ):
+            assert public.text(ValueError(message)) == public.scrub(message) == shown
+        with pytest.raises(_bodies.BadRequest) as e:
+            _bodies.decode(b, b"{}", "text/" + "a" * 60000)
+    assert e.value.status == 415 and len(str(e.value)) < 400, str(e.value)[:400]

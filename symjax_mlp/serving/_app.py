@@ -60,6 +60,7 @@ _PATH = re.compile(
     rf"|(?={_W}*[/\\]{_W}*[/\\])|(?={_W}*[/\\]{_W}*\.[A-Za-z]))"  # two deep, a file
     rf"{_W}*(?: +{_W}*[/\\][\w.~-]{_W}*)*"
 )
+_ADDRESS = re.compile(r" at 0x[0-9A-Fa-f]+>")  # a repr's: the server's heap layout
 _QUOTED = re.compile(r"(?<![^\s(=:\[{])(['\"])([^'\"\n]{1,300}?)\1")
 
 
@@ -87,10 +88,8 @@ def drain(batcher: Batcher, cancel: bool = False) -> None:
     try:
         batcher.close(cancel=cancel, timeout=DRAIN_SECONDS)
     except TimeoutError:
-        _LOG.error(
-            "%s: the model is still running after %g s; stopping without it.",
-            batcher.name, DRAIN_SECONDS,
-        )  # fmt: skip
+        said = "%s: the model is still running after %g s; stopping without it."
+        _LOG.error(said, batcher.name, DRAIN_SECONDS)
 
 
 def check_limits(
@@ -383,7 +382,8 @@ class Public:
             self.name = self.scrub(batcher.name)
 
     def scrub(self, text: str) -> str:
-        """``text`` with every form of the artifact's server path replaced by the name."""
+        """``text`` with each form of the artifact's server path as its name; no memory address."""
+        text = _ADDRESS.sub(">", text)
         return text if self._paths is None else self._paths.sub(lambda _: self._name, text)
 
     def text(self, e: BaseException) -> str:
@@ -393,8 +393,8 @@ class Public:
         except BaseException as failed:  # its __str__ raised: e's class still names it
             text = f"(its message could not be read: its __str__ raised {type(failed).__name__})"
         own = self._name if self._paths is not None else ""  # its files: {name}/weights.npz
-        text = text.replace("\x00", "\\x00") if "\x00" in text else text
-        text = _FRAMES.sub("", text if not own else self._paths.sub("\x00", text))
+        text = _ADDRESS.sub(">", text.replace("\x00", "\\x00"))
+        text = _FRAMES.sub("", self._paths.sub("\x00", text) if own else text)
         text = _QUOTED.sub(lambda m: f"{m[1]}<path>{m[1]}" if _PATH.search(m[2]) else m[0], text)
         text = _PATH.sub(lambda m: "<path>" + m[0][len(m[0].rstrip(".:")) :], text)  # keep a "."
         return short(printable(text.replace("\x00", own) if own else text))

@@ -63,7 +63,7 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
     if kind not in ("application/json", ""):
         raise BadRequest(
             415,
-            f"unsupported Content-Type {content_type!r}; send application/json "
+            f"unsupported Content-Type {short(repr(content_type), 100)}; send application/json "
             f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).',
         )
     types, per_row, floats = _plan(specs)

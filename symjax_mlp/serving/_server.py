@@ -333,6 +333,7 @@ def serve(
                 lifespan="on",
                 timeout_graceful_shutdown=30,
                 http=heads,
+                ws="none",  # no websocket endpoint: an upgrade is plain HTTP (a JSON 405)
                 # h11 (uvicorn without httptools) stops a head at 16 KiB with a 400: past ours
                 h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
             )
