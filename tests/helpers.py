@@ -2468,6 +2468,68 @@ else:  # pragma: no cover - the test extra installs equinox
     _EQX_FROZEN = ()
 
 
+# -- flax examples/ppo/models.py, as written there (google/flax@1191b8af89396d4e2443a15898becd8
+# ed5021242): the actor-critic of its Atari agent, uint8 frames in, (log-probabilities, value)
+# out; its frames (84, 84, 4) made (12, 12, 4)
+class ActorCritic(nn.Module):
+    """Class defining the actor-critic model."""
+
+    num_outputs: int
+
+    @nn.compact
+    def __call__(self, x):
+        """Define the convolutional network architecture.
+
+        Architecture originates from "Human-level control through deep reinforcement
+        learning.", Nature 518, no. 7540 (2015): 529-533.
+        Note that this is different than the one from  "Playing atari with deep
+        reinforcement learning." arxiv.org/abs/1312.5602 (2013)
+
+        Network is used to both estimate policy (logits) and expected state value;
+        in other words, hidden layers' params are shared between policy and value
+        networks, see e.g.:
+        github.com/openai/baselines/blob/master/baselines/ppo1/cnn_policy.py
+        """
+        dtype = jnp.float32
+        x = x.astype(dtype) / 255.0
+        x = nn.Conv(
+            features=32,
+            kernel_size=(8, 8),
+            strides=(4, 4),
+            name="conv1",
+            dtype=dtype,
+        )(x)
+        x = nn.relu(x)
+        x = nn.Conv(
+            features=64,
+            kernel_size=(4, 4),
+            strides=(2, 2),
+            name="conv2",
+            dtype=dtype,
+        )(x)
+        x = nn.relu(x)
+        x = nn.Conv(
+            features=64,
+            kernel_size=(3, 3),
+            strides=(1, 1),
+            name="conv3",
+            dtype=dtype,
+        )(x)
+        x = nn.relu(x)
+        x = x.reshape((x.shape[0], -1))  # flatten
+        x = nn.Dense(features=512, name="hidden", dtype=dtype)(x)
+        x = nn.relu(x)
+        logits = nn.Dense(features=self.num_outputs, name="logits", dtype=dtype)(x)
+        policy_log_probabilities = nn.log_softmax(logits)
+        value = nn.Dense(features=1, name="value", dtype=dtype)(x)
+        return policy_log_probabilities, value
+
+
+def atari_frames(seed: int) -> jax.Array:
+    """Two stacks of 4 uint8 frames, as the example's preprocessing gives them."""
+    return _ints(seed, (2, 12, 12, 4), 256).astype(jnp.uint8)
+
+
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
 #: params, a list of pairs), equinox's examples (a module, or a function of one), Flax's
@@ -2509,6 +2571,8 @@ MATRIX = (
     Case("stax_mnist", "fn", lambda: (stax_predict, stax_params()), lambda s: (_x(s, (4, 16)),),
          classes=10),
     *_EQX_FROZEN,
+    Case("ppo", "linen", _linen(ActorCritic(num_outputs=6), atari_frames(0)),
+         lambda s: (atari_frames(s),), allow=frozenset({"convolution"})),
     Case("nnx_split_rngs", "nnx", _split_rngs("train"), lambda s: (_x(s),),
          train={"rngs": lambda: nnx.Rngs(1).split(4)}, eval={"rngs": None},
          served=_split_rngs("eval")),
