@@ -1455,3 +1455,26 @@ def test_no_error_message_shows_a_memory_address_or_a_whole_content_type():
         with pytest.raises(_bodies.BadRequest) as e:
             _bodies.decode(b, b"{}", "text/" + "a" * 60000)
     assert e.value.status == 415 and len(str(e.value)) < 400, str(e.value)[:400]
+
+
+def test_a_500_scans_the_start_of_a_huge_message_only_and_counts_the_rest(monkeypatch):
+    """A model that echoes a request in its message (64 MB of body allowed) held the event
+    loop, every client waiting, ~0.1 s a MB while all of it was scanned for paths, to show 300
+    characters: now the first 64 Ki are scanned, and "(N more)" still counts the rest."""
+    from symjax_mlp.serving import _app
+
+    scanned = []
+
+    class Recorded:
+        def __init__(self, pattern):
+            self.pattern = pattern
+
+        def sub(self, repl, text):
+            scanned.append(len(text))
+            return self.pattern.sub(repl, text)
+
+    monkeypatch.setattr(_app, "_PATH", Recorded(_app._PATH))
+    with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b:
+        said = _app.Public(b).text(ValueError("0.5, " * 2_000_000))
+    assert said == "0.5, " * 60 + "... (9999700 more)", said[-40:]
+    assert scanned and max(scanned) <= 2**16, scanned

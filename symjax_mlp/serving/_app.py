@@ -60,6 +60,7 @@ _PATH = re.compile(
     rf"|(?={_W}*[/\\]{_W}*[/\\])|(?={_W}*[/\\]{_W}*\.[A-Za-z]))"  # two deep, a file
     rf"{_W}*(?: +{_W}*[/\\][\w.~-]{_W}*)*"
 )
+_SCANNED = 1 << 16  # a message's characters scanned (300 shown): a model may echo a body
 _ADDRESS = re.compile(r" at 0x[0-9A-Fa-f]+>")  # a repr's: the server's heap layout
 _QUOTED = re.compile(r"(?<![^\s(=:\[{])(['\"])([^'\"\n]{1,300}?)\1")
 
@@ -302,17 +303,14 @@ def create_app(
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def signature(request: Request) -> Response:
-        return JSONResponse(
-            {
-                "inputs": [s.to_json() for s in batcher.specs],
-                "max_batch": batcher.max_batch,
-                "buckets": list(batcher.buckets),
-                "model": public.name,
-                "params_as_constants": bool(getattr(batcher.model, "params_as_constants", False)),
-                "merges": batcher.merges,  # False: each request runs alone, at its own rows
-                "why_alone": short(public.scrub(batcher.why_alone)),
-            }
-        )
+        constants = bool(getattr(batcher.model, "params_as_constants", False))
+        return JSONResponse({
+            "inputs": [s.to_json() for s in batcher.specs], "max_batch": batcher.max_batch,
+            "buckets": list(batcher.buckets), "model": public.name,
+            "params_as_constants": constants,
+            "merges": batcher.merges,  # False: each request runs alone, at its own rows
+            "why_alone": short(public.scrub(batcher.why_alone)),
+        })  # fmt: skip
 
     async def unrouted(request: Request, e: HTTPException) -> Response:
         """Starlette's own 404 and 405, in the documented JSON error body."""
@@ -393,8 +391,9 @@ class Public:
         except BaseException as failed:  # its __str__ raised: e's class still names it
             text = f"(its message could not be read: its __str__ raised {type(failed).__name__})"
         own = self._name if self._paths is not None else ""  # its files: {name}/weights.npz
-        text = _ADDRESS.sub(">", text.replace("\x00", "\\x00"))
+        cut = max(len(text) - _SCANNED, 0)
+        text = _ADDRESS.sub(">", text[:_SCANNED].replace("\x00", "\\x00"))
         text = _FRAMES.sub("", self._paths.sub("\x00", text) if own else text)
         text = _QUOTED.sub(lambda m: f"{m[1]}<path>{m[1]}" if _PATH.search(m[2]) else m[0], text)
         text = _PATH.sub(lambda m: "<path>" + m[0][len(m[0].rstrip(".:")) :], text)  # keep a "."
-        return short(printable(text.replace("\x00", own) if own else text))
+        return short(printable(text.replace("\x00", own) if own else text), more=cut)

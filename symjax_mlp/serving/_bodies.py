@@ -357,9 +357,11 @@ def _holds(
     )
 
 
-def short(text: str, limit: int = 300) -> str:
-    """``text``, cut to ``limit`` characters: an error quotes the client's input only so far."""
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more)"
+def short(text: str, limit: int = 300, more: int = 0) -> str:
+    """``text``, cut to ``limit`` characters: an error quotes the client's input only so far
+    (``more``: characters cut from it before)."""
+    more += max(len(text) - limit, 0)
+    return text[:limit] + f"... ({more} more)" if more else text
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps makes one per call
