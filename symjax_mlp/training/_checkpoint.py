@@ -51,12 +51,10 @@ _HEADER = {"format": "symjax_mlp.checkpoint", "format_version": 1}
 _RESTORE = "symjax_mlp.training.restore_checkpoint"
 _SAVE = "symjax_mlp.training.save_checkpoint"
 _NO_CHECKPOINT = (
-    _RESTORE + ": {path} {why}. A checkpoint is a step_* directory "
+    "{path} {why}. A checkpoint is a step_* directory "
     "holding manifest.json, as save_checkpoint and train(checkpoint=...) write: pass one, or the "
     "directory holding them (its newest is restored)."
 )
-
-
 _METADATA = (
     _SAVE + "(metadata=...): the metadata is a dict whose 'config' (if given) is a dict "
     "and whose 'history' (if given) is a list of EpochRecord fields, as train() writes them; "
@@ -150,26 +148,21 @@ def save_checkpoint(
       >>> save_checkpoint(getfixture("tmp_path"), s).name
       'step_00000003'
     """
-    keep = as_int(keep)  # as train()'s settings
-    if not is_count(keep, 1):
+    if not is_count(keep := as_int(keep), 1):  # as_int: as train()'s settings
         raise ConfigError(
             f"{_SAVE}(keep={keep!r}): pass how many checkpoints to keep, an int >= 1."
         )
     check_state(state, _SAVE)
     if not all(isinstance(n, numbers.Integral) and n >= 0 for n in (state.step, state.epoch)):
-        raise ConfigError(
-            f"{_SAVE}: step and epoch are counts (ints >= 0); got step {state.step!r}, "
-            f"epoch {state.epoch!r}."
-        )
+        raise ConfigError(f"{_SAVE}: step and epoch are counts (ints >= 0); got step "
+                          f"{state.step!r}, epoch {state.epoch!r}.")  # fmt: skip
     check_directory(directory, _SAVE)
-    directory = Path(directory)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        (directory := Path(directory)).mkdir(parents=True, exist_ok=True)
     except OSError as e:  # raced, or a file system that refuses: still the user's to fix
-        raise CheckpointError(
-            f"{_SAVE}: cannot make the checkpoint directory {directory} ({e}). Pass a "
-            "directory path that can be created and written."
-        ) from None
+        raise CheckpointError(f"{_SAVE}: cannot make the checkpoint directory {directory} "
+                              f"({e}). Pass a directory path that can be created and written."
+                              ) from None  # fmt: skip
     final = directory / f"step_{state.step:08d}"
     if (done := checkpoints(directory)) and done[-1][0] > state.step:
         raise CheckpointError(
@@ -255,14 +248,13 @@ def restore_checkpoint(
     check_path(path, _RESTORE)
     check_state(like, f"{_RESTORE}(like=...)")
     try:
-        return _restore(Path(path), like)
+        return read_checkpoint(Path(path), like)
     except CheckpointError as e:  # each names the checkpoint; the call first, as the others do
-        if str(e).startswith(_RESTORE):
-            raise
         raise CheckpointError(f"{_RESTORE}: {e}") from None
 
 
-def _restore(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
+def read_checkpoint(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
+    """:func:`restore_checkpoint`, its errors naming the checkpoint, not the call."""
     try:  # os.stat: Path's raises past NAME_MAX where this names the error
         why = None if stat.S_ISDIR(os.stat(path).st_mode) else "is a file, not a checkpoint"
     except FileNotFoundError:

@@ -3,6 +3,7 @@ the checks of each epoch, and the :class:`TrainResult` that :func:`train` return
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -70,13 +71,12 @@ class Programs:
         def predict(params, x):
             return jnp.argmax(apply_model(model, spec, params, x, train=False)[0], axis=-1)
 
+        run = step  # eager: uncounted, as it is never traced
         if watch is not None:
-            return cls(
-                ShardedStep(counted, None, "data", True, False), jax.jit(predict), traces, watch
-            )
-        if compiled:
-            return cls(jax.jit(counted, donate_argnums=(0, 1)), jax.jit(predict), traces)
-        return cls(step, predict, traces)
+            run = ShardedStep(counted, None, "data", True, False)
+        elif compiled:
+            run = jax.jit(counted, donate_argnums=(0, 1))
+        return cls(run, jax.jit(predict) if compiled else predict, traces, watch)
 
     def local(self, tree: Any) -> Any:
         """``tree`` as this process holds it (a multi-process run's arrays: its copy)."""
@@ -100,12 +100,10 @@ class Programs:
         xb, yb = data.x_train[order].reshape(*shape, -1), data.y_train[order].reshape(shape)
         wb = (np.arange(math.prod(shape)) < n_train).astype(np.float32).reshape(shape)  # pads: 0
         params, opt_state, metrics = state.params, state.opt_state, []
-        for i in range(len(xb)):
-            if self.watch is None:
+        for i in range(len(xb)):  # a multi-process run's each waited for, under the watchdog:
+            with self.watch(state.step + i) if self.watch else contextlib.nullcontext():
                 params, opt_state, m = self.step(params, opt_state, xb[i], yb[i], wb[i])
-            else:  # each step waited for, under the watchdog: a stalled peer cannot hang it
-                with self.watch(state.step + i):
-                    params, opt_state, m = self.step(params, opt_state, xb[i], yb[i], wb[i])
+                if self.watch:  # a stalled peer cannot hang it
                     m = jax.block_until_ready(self.local(m))
             metrics.append(m)
         metrics = jax.device_get(metrics)
@@ -126,20 +124,22 @@ def _check_finite(
     losses: np.ndarray, params: Any, *, first_step: int, epoch: int, newest: Path | None
 ) -> None:
     """Raises at the epoch's first non-finite loss, or if it left a non-finite param."""
-    bad = np.flatnonzero(~np.isfinite(losses))
-    n = len(losses)
+    bad, n = np.flatnonzero(~np.isfinite(losses)), len(losses)
     i = int(bad[0]) if bad.size else n - 1
     what = f"the loss is {losses[i]} at step {first_step + i}"
     if not bad.size:
         leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(params))
-        leaf = next((p for p, a in leaves if not np.all(np.isfinite(a))), None)
-        if leaf is None:
+        if (leaf := next((p for p, a in leaves if not np.all(np.isfinite(a))), None)) is None:
             return
-        where = jax.tree_util.keystr(leaf)
-        what = f"the update at step {first_step + i} made params{where} non-finite"
-    kept = f"the last good checkpoint is kept: {newest}"
-    if not newest:
-        kept = "no checkpoint was written (pass checkpoint=DIR to keep one)"
+        what = (
+            f"the update at step {first_step + i} made params{jax.tree_util.keystr(leaf)} "
+            "non-finite"
+        )
+    kept = (
+        f"the last good checkpoint is kept: {newest}"
+        if newest
+        else ("no checkpoint was written (pass checkpoint=DIR to keep one)")
+    )
     raise DivergenceError(
         f"symjax_mlp.training.train: training diverged: {what} (epoch {epoch}, batch {i + 1} "
         f"of {n}; {first_step + i} updates applied before it). Training stopped; {kept}. Lower "
@@ -255,5 +255,5 @@ class TrainResult:
         summary = {n: getattr(self, n) for n in names}
         for n in ("resumed_from", "checkpoint"):
             summary[n] = None if getattr(self, n) is None else str(getattr(self, n))
-        summary["checkpoint_waits"] = list(self.checkpoint_waits)
-        return {**summary, "history": [dataclasses.asdict(r) for r in self.history]}
+        history = [dataclasses.asdict(r) for r in self.history]
+        return {**summary, "checkpoint_waits": list(self.checkpoint_waits), "history": history}

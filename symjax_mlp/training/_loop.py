@@ -4,6 +4,7 @@ then runs the epochs (:mod:`._epoch`), checkpoints them, and resumes exactly (:m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -139,31 +140,13 @@ def train(
     epochs, batch_size, checkpoint_every, seed, blocks, timeout = (  # a sweep's np.int64: int
         as_int(v) for v in (epochs, batch_size, checkpoint_every, seed, blocks, timeout)
     )
-    counts = {"epochs": (epochs, 0, 20), "batch_size": (batch_size, 1, 64)}
-    for name, (value, low, e) in {**counts, "checkpoint_every": (checkpoint_every, 1, 1)}.items():
-        if not is_count(value, low):
-            raise ConfigError(f"{_CALLER}: {name} must be an int >= {low}; got {value!r}. "
-                              f"Pass a whole number, e.g. {name}={e}.")  # fmt: skip
-    for name, value in (("compiled", compiled), ("resume", resume)):
-        if value not in (False, True):
-            raise ConfigError(f"{_CALLER}: {name} must be True or False; got {value!r}.")
+    _check_settings(epochs, batch_size, checkpoint_every, seed, compiled, resume, on_epoch)
     compiled, resume = bool(compiled), bool(resume)  # np.True_, 1: JSON's true in the results
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed.bit_length() > 63:
-        raise ConfigError(
-            f"{_CALLER}: seed must be an int from -2**63 + 1 to 2**63 - 1; got {seed!r}. "
-            "Pass e.g. seed=0."
-        )
-    if on_epoch is not None and not callable(on_epoch):  # refused now, not after an epoch
-        raise ConfigError(
-            f"{_CALLER}: on_epoch must be a function called with each EpochRecord; "
-            f"got {on_epoch!r}."
-        )
     optimizer = _checked_optimizer(optimizer, learning_rate)
     timeout = run_timeout(timeout, _CALLER)  # checked in one process too, not once scaled out
     if resume and checkpoint is None:
-        raise ConfigError(
-            f"{_CALLER}: resume=True needs checkpoint=DIR, the directory to resume from."
-        )
+        raise ConfigError(f"{_CALLER}: resume=True needs checkpoint=DIR, the directory to resume "
+                          "from.")  # fmt: skip
     if checkpoint is not None:  # refused now, not after the first epoch
         check_directory(checkpoint, _CALLER)
     if model is not None:
@@ -172,29 +155,12 @@ def train(
     data = check_dataset(load_digits() if data is None else data)
     model, spec, num_outputs = _classifier(model, data, train_flags, eval_flags)
     check_outputs(data, num_outputs)
-    if batch_size > len(data.x_train):  # each epoch is padded to whole batches of it
-        raise ConfigError(
-            f"{_CALLER}: batch_size={batch_size} is more than the {len(data.x_train)} training "
-            f"examples: every step would be mostly padding. Pass batch_size <= "
-            f"{len(data.x_train)}."
-        )
+    blocks = _check_batches(batch_size, blocks, len(data.x_train))
     state = _initial_state(model, spec, data.x_train[:1], optimizer, seed)
     config = run_config(
         model, spec, state.params, data, optimizer,
         seed=seed, batch_size=batch_size, num_outputs=num_outputs,
     )  # fmt: skip
-    devices = jax.device_count() if jax.process_count() > 1 else 1
-    blocks = devices if blocks is None else blocks
-    if not is_count(blocks, 1):
-        raise ConfigError(
-            f"{_CALLER}: blocks must be an int >= 1; got {blocks!r}. Pass e.g. blocks={devices}."
-        )
-    if batch_size % blocks or blocks % devices:
-        raise ConfigError(
-            f"{_CALLER}: blocks={blocks} must divide batch_size={batch_size} and be a multiple "
-            f"of the run's {devices} device(s) (each device computes whole blocks). Pass e.g. "
-            f"blocks={devices} with a batch_size that is a multiple of it."
-        )
     if blocks != 1:  # recorded only when set: older checkpoints resume as they are
         config["blocks"] = blocks
     programs, store, watch = _processes(
@@ -205,6 +171,7 @@ def train(
     def update(s: TrainState) -> list[Any]:  # the optimizer's next update, measured
         return optimizer_probe(optimizer, *programs.local((s.params, s.opt_state)))
 
+    parts = {"its checkpoints": store, "its watchdog": watch}
     try:
         state, history, resumed_from = resume_run(
             checkpoint, state, config, resume=resume, store=store, update=update
@@ -218,16 +185,14 @@ def train(
             if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
                 meta = {"config": config, "history": [dataclasses.asdict(r) for r in history],
                         OPTIMIZER_PROBE: update(state)}  # fmt: skip
-                if store is None:
-                    newest = save_checkpoint(checkpoint, state, metadata=meta)
-                else:
-                    newest = store.save(state, meta)
+                save = store.save if store else functools.partial(save_checkpoint, checkpoint)
+                newest = save(state, metadata=meta)
             if on_epoch is not None:
                 on_epoch(record)
     except BaseException as e:  # its own error is raised, a failed save's a note on it
-        _close({"its checkpoints": store, "its watchdog": watch}, e)
+        _close(parts, e)
         raise
-    _close({"its checkpoints": store, "its watchdog": watch})
+    _close(parts)
     params, opt_state = programs.local((state.params, state.opt_state))
     stateful = isinstance(params, ModelVars)
     params, model_state = (params.params, params.state) if stateful else (params, None)
@@ -235,24 +200,57 @@ def train(
         model_state = spec.typed(model_state) if stateful else None
         model = spec.module(params, model_state or {})
     return TrainResult(
-        model=model,
-        params=params,
-        opt_state=opt_state,
-        step=state.step,
-        epoch=state.epoch,
-        history=tuple(history),
-        test_accuracy=programs.accuracy(state.params, data),
+        model=model, params=params, opt_state=opt_state, step=state.step, epoch=state.epoch,
+        history=tuple(history), test_accuracy=programs.accuracy(state.params, data),
         train_seconds=time.perf_counter() - start,
         compiled=compiled,  # a multi-process run's too: refused unless compiled
-        trace_count=len(programs.traces),
-        resumed_from=resumed_from,
-        checkpoint=newest,
-        num_features=data.num_features,
-        model_state=model_state,
-        eval_flags=spec.eval_flags,
+        trace_count=len(programs.traces), resumed_from=resumed_from, checkpoint=newest,
+        num_features=data.num_features, model_state=model_state, eval_flags=spec.eval_flags,
         standardize=None if data.mean is None else (data.mean, data.std),
         checkpoint_waits=() if store is None else tuple(store.waits),
-    )
+    )  # fmt: skip
+
+
+def _check_settings(
+    epochs: Any, batch_size: Any, every: Any, seed: Any, compiled: Any, resume: Any, on_epoch: Any
+) -> None:
+    """Refuses a setting out of range before anything runs."""
+    counts = {"epochs": (epochs, 0, 20), "batch_size": (batch_size, 1, 64)}
+    for name, (value, low, e) in {**counts, "checkpoint_every": (every, 1, 1)}.items():
+        if not is_count(value, low):
+            raise ConfigError(f"{_CALLER}: {name} must be an int >= {low}; got {value!r}. "
+                              f"Pass a whole number, e.g. {name}={e}.")  # fmt: skip
+    for name, value in (("compiled", compiled), ("resume", resume)):
+        if value not in (False, True):
+            raise ConfigError(f"{_CALLER}: {name} must be True or False; got {value!r}.")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed.bit_length() > 63:
+        raise ConfigError(f"{_CALLER}: seed must be an int from -2**63 + 1 to 2**63 - 1; got "
+                          f"{seed!r}. Pass e.g. seed=0.")  # fmt: skip
+    if on_epoch is not None and not callable(on_epoch):  # refused now, not after an epoch
+        raise ConfigError(f"{_CALLER}: on_epoch must be a function called with each EpochRecord; "
+                          f"got {on_epoch!r}.")  # fmt: skip
+
+
+def _check_batches(batch_size: int, blocks: int | None, examples: int) -> int:
+    """The run's blocks (default: its devices), refused unless they split each batch evenly."""
+    if batch_size > examples:  # each epoch is padded to whole batches of it
+        raise ConfigError(
+            f"{_CALLER}: batch_size={batch_size} is more than the {examples} training examples: "
+            f"every step would be mostly padding. Pass batch_size <= {examples}."
+        )
+    devices = jax.device_count() if jax.process_count() > 1 else 1
+    blocks = devices if blocks is None else blocks
+    if not is_count(blocks, 1):
+        raise ConfigError(
+            f"{_CALLER}: blocks must be an int >= 1; got {blocks!r}. Pass e.g. blocks={devices}."
+        )
+    if batch_size % blocks or blocks % devices:
+        raise ConfigError(
+            f"{_CALLER}: blocks={blocks} must divide batch_size={batch_size} and be a multiple "
+            f"of the run's {devices} device(s) (each device computes whole blocks). Pass e.g. "
+            f"blocks={devices} with a batch_size that is a multiple of it."
+        )
+    return blocks
 
 
 def _close(parts: dict[str, Any], error: BaseException | None = None) -> None:

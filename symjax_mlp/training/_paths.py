@@ -87,8 +87,9 @@ def named_step(path: Path) -> int | None:
     return None if (found := _STEP_DIR.match(path.name)) is None else int(found.group(1))
 
 
-def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
-    """``(step, path)`` of each entry named like a checkpoint, by step."""
+def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path, bool]]:
+    """``(step, path, complete)`` of each entry named like a checkpoint, by step: complete if a
+    directory, not a symlink (Orbax's: with the marker of a committed save)."""
     pattern = _ORBAX_DIR if orbax else _STEP_DIR
     try:  # os.path: False past NAME_MAX, where Path's raises
         listed = os.listdir(directory) if os.path.isdir(directory) else ()
@@ -97,17 +98,14 @@ def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
             f"{directory} cannot be listed ({e.strerror}), so its checkpoints cannot be found. "
             "Pass a checkpoint directory this user may read."
         ) from None
-    return sorted((int(m.group(1)), directory / n) for n in listed if (m := pattern.match(n)))
-
-
-def is_checkpoint(path: Path, orbax: bool = False) -> bool:
-    """A directory, not a symlink (Orbax's: with the marker of a committed save)."""
-    return path.is_dir() and not path.is_symlink() and (not orbax or (path / _COMMITTED).exists())
+    found = sorted((int(m.group(1)), directory / n) for n in listed if (m := pattern.match(n)))
+    marked = (lambda p: (p / _COMMITTED).exists()) if orbax else (lambda p: True)
+    return [(step, p, p.is_dir() and not p.is_symlink() and marked(p)) for step, p in found]
 
 
 def checkpoints(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
     """``(step, path)`` of the complete checkpoints in ``directory``, oldest first."""
-    return [(step, p) for step, p in entries(directory, orbax) if is_checkpoint(p, orbax)]
+    return [(step, p) for step, p, complete in entries(directory, orbax) if complete]
 
 
 def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False) -> None:
@@ -123,8 +121,8 @@ def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False)
         )
     done = checkpoints(Path(directory), orbax)
     newest = done[-1] if done else (-1, Path("any checkpoint there"))
-    for step, p in entries(Path(directory), orbax):
-        if step > newest[0] and not is_checkpoint(p, orbax):
+    for step, p, complete in entries(Path(directory), orbax):
+        if step > newest[0] and not complete:
             uncommitted = f"a directory without {_COMMITTED} (an Orbax save never committed)"
             kind = "a symlink" if p.is_symlink() else "a file" if not p.is_dir() else uncommitted
             raise CheckpointError(

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from symjax_mlp._errors import CheckpointError
-from symjax_mlp.training._checkpoint import broken, restore_checkpoint
+from symjax_mlp.training._checkpoint import broken, read_checkpoint
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._paths import check_strays, latest_checkpoint
 from symjax_mlp.training._spec import NnxSpec
@@ -51,16 +51,9 @@ _FINGERPRINTED = {  # what a differing sha256 of the config stands for
 
 
 def run_config(
-    model: Any,
-    spec: Any,
-    params: Any,
-    data: Dataset,
-    optimizer: optax.GradientTransformation,
-    *,
-    seed: int,
-    batch_size: int,
-    num_outputs: int,
-) -> dict[str, Any]:
+    model: Any, spec: Any, params: Any, data: Dataset, optimizer: optax.GradientTransformation,
+    *, seed: int, batch_size: int, num_outputs: int,
+) -> dict[str, Any]:  # fmt: skip
     """What a checkpoint of this run must match to be resumed by it (JSON-able)."""
     return {
         "seed": seed,
@@ -87,13 +80,10 @@ def resume_run(
 ) -> tuple[TrainState, list[EpochRecord], Path | None]:
     """``(state, history, found)`` of the newest checkpoint (in ``store``, if given) if it
     continues the run of ``config``; ``update``: a state's :func:`optimizer_probe`."""
-    if checkpoint is not None:
-        check_strays(checkpoint, "symjax_mlp.training.train", orbax=store is not None)
-    if store is not None:
-        found = store.latest()
-    else:
-        found = None if checkpoint is None else latest_checkpoint(checkpoint)
-    if not found:
+    if checkpoint is None:
+        return state, [], None
+    check_strays(checkpoint, _CALLER, orbax=store is not None)
+    if not (found := latest_checkpoint(checkpoint) if store is None else store.latest()):
         return state, [], None
     if not resume:
         raise CheckpointError(
@@ -101,13 +91,12 @@ def resume_run(
             "resume=True to continue from it, or use an empty directory."
         )
     try:
-        state, meta = (restore_checkpoint if store is None else store.restore)(found, state)
+        state, meta = (read_checkpoint if store is None else store.restore)(found, state)
     except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
-        message = str(e).removeprefix("symjax_mlp.training.restore_checkpoint: ")
-        raise CheckpointError(f"{_CALLER}: {message}") from None
+        raise CheckpointError(f"{_CALLER}: {e}") from None
     recorded = meta.get("config", {})
     keys = sorted(set(config) | set(recorded))  # a setting only one of them records differs
-    probes = (PROBE, PROBE_TRAIN)
+    probes = (PROBE, PROBE_TRAIN)  # compared within a tolerance, below
     changed = [k for k in keys if k not in probes and recorded.get(k) != config.get(k)]
     if changed:
         was = {k: recorded.get(k) for k in changed}
