@@ -1157,7 +1157,8 @@ def _refusal(dtype: type, inputs: str) -> str:
         (np.int32, "[[1.5, 2]]", "numbers that are not integers (1.5)"),
         (np.int32, '[["1", "2"]]', 'strings ("1")'),  # was "<U1 values"
         (np.float32, "[[null, 2]]", "holds null, but"),  # was "object values"
-        (np.float32, '[[{"a": 1}, "x"]]', "holds objects and strings, but"),
+        (np.float32, '[[{"a": 1}, "x"]]', 'holds strings ("x"), but'),
+        (np.float32, '[[{"a": 1}, null]]', "holds null and objects, but"),
     ],
 )
 def test_json_values_no_number_input_takes_are_named_in_jsons_words(dtype, inputs, says):
@@ -1478,3 +1479,28 @@ def test_a_500_scans_the_start_of_a_huge_message_only_and_counts_the_rest(monkey
         said = _app.Public(b).text(ValueError("0.5, " * 2_000_000))
     assert said == "0.5, " * 60 + "... (9999700 more)", said[-40:]
     assert scanned and max(scanned) <= 2**16, scanned
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.bool_])
+def test_a_json_string_in_a_body_costs_its_size_not_four_times_over(dtype):
+    """A body of one long string ({"inputs": "aaa..."}, 60 MB) held ~10 times its size, as a
+    NumPy array of 4 bytes a character and copies of it for the message, and the event loop
+    for seconds: strings are refused before NumPy reads them."""
+    import tracemalloc
+
+    from symjax_mlp.serving import _bodies
+
+    text = "a" * 2**22
+    h = sm.hybridize(lambda p, x: x, dtype(0))
+    body = json.dumps({"inputs": [[1, text]]}).encode()
+    with sm.serving.Batcher(h, example=np.zeros((1, 2), dtype), max_batch=2) as b:
+        tracemalloc.start()
+        try:
+            with pytest.raises(sm.SignatureError) as e:
+                _bodies.decode(b, body, "")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 3 * len(text), peak  # its str twice (JSON parsed twice, keys checked)
+    shown = f'(["{"a" * 40}..."])' if dtype is np.bool_ else f'("{"a" * 39}... (4194266 more))'
+    assert shown in str(e.value), str(e.value)

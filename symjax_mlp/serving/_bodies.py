@@ -52,49 +52,48 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
     kind = content_type.split(";")[0].strip().lower()
     if kind in _NPY_TYPES:
         if len(specs) != 1:
-            raise BadRequest(
-                415,
+            raise BadRequest(415, (
                 f"a .npy body holds one array, but this model takes {len(specs)} inputs "
                 f"({', '.join(map(str, specs))}); send JSON "
-                '{"inputs": {"args[0]": [...], ...}} instead.',
-            )
+                '{"inputs": {"args[0]": [...], ...}} instead.'
+            ))  # fmt: skip
         x = read_npy(bytes(body), what="the body", error=functools.partial(BadRequest, 400))
         return [npy_array(x, specs[0].dtype)], True  # bfloat16 arrives as |V2: its bytes
     if kind not in ("application/json", ""):
-        raise BadRequest(
-            415,
+        raise BadRequest(415, (
             f"unsupported Content-Type {short(repr(content_type), 100)}; send application/json "
-            f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).',
-        )
+            f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).'
+        ))  # fmt: skip
     types, per_row, floats = _plan(specs)
     most = batcher.max_batch * per_row  # numbers, at most
     if len(body) > 32 * most + 4096 and body.count(b",") > most + 1024:  # 10 s of parsing
-        raise BadRequest(
-            413,
+        raise BadRequest(413, (
             f"the body holds more than {most + 1024} numbers, more than a request of at most "
-            f"{batcher.max_batch} rows ({types}) holds; split it "
-            f"into requests of at most {batcher.max_batch} rows.",
-        )
+            f"{batcher.max_batch} rows ({types}) holds; split it into requests of at most "
+            f"{batcher.max_batch} rows."
+        ))  # fmt: skip
+    # a body quoting more than "inputs" and its inputs' names (strings: orjson holds 13 times
+    # their size; keys twice) goes to the standard library's parser
+    quotes = _quotes(body, n := 2 + 2 * len(specs) + 1)
+    fast = floats and quotes < n
     try:
-        data = _parse(body, fast=floats)
+        data = _parse(body, fast)
     except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
         if type(e) is ValueError:  # int()'s, on a number of 4300 digits: no syntax error
             held = "an integer of thousands of digits, beyond every dtype's range"
             raise _holds(batcher, "the request", held, types) from None
-        said = f"is not valid JSON ({short(str(e))})"
-        if type(e) is RecursionError:  # valid, but past Python's recursion limit
-            said = f"nests JSON lists or objects too deep to read; send rows of {types}"
+        deep = f"nests JSON lists or objects too deep to read; send rows of {types}"  # valid
+        said = deep if type(e) is RecursionError else f"is not valid JSON ({short(str(e))})"
         raise BadRequest(400, f"the body {said}.") from None
     except OverflowError as e:  # was read as inf, where 1e39 is refused for float32
         held = f"{short(str(e), 40)}, beyond float64's range"
         raise _holds(batcher, "the request", held, types) from None
     if not isinstance(data, dict) or "inputs" not in data:
-        raise BadRequest(
-            400,
+        raise BadRequest(400, (
             'the JSON body must be an object with "inputs": {"inputs": [[...], ...]} (rows '
             'first), or {"inputs": {"args[0]": [...], ...}} naming each input; got '
-            f"{type(data).__name__}{' without inputs' if isinstance(data, dict) else ''}.",
-        )
+            f"{type(data).__name__}{' without inputs' if isinstance(data, dict) else ''}."
+        ))  # fmt: skip
     inputs = data["inputs"]
     names = [s.path for s in specs]
     if isinstance(inputs, dict):
@@ -115,8 +114,8 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
     # JSON booleans among the numbers ([true, 1.5] would be [1.0, 1.5]): an "r" or an "a"
     # (one memchr each), which numbers and "inputs" lack; strings ("1.5"): quotes beyond the keys'
     bools = b"r" in body or b"a" in body
-    texts = _has_quotes(body, 2 + (2 * len(inputs) if isinstance(inputs, dict) else 0) + 1)
-    if texts:  # strings, other keys, or a key twice: which one a parser takes, parsers differ
+    texts = quotes > 2 + (2 * len(inputs) if isinstance(inputs, dict) else 0)
+    if texts and fast:  # strings, other keys, or a key twice: which one a parser takes differs
         json.loads(body, object_pairs_hook=_once)
     return [
         _rows_first(batcher, spec, from_json(batcher, spec, v, bools=bools, texts=texts))
@@ -125,8 +124,7 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
 
 
 def _rows_first(batcher: Batcher, spec: Any, x: np.ndarray) -> np.ndarray:
-    """``x``, unless it nests its numbers other than the input's rows do: said in JSON's
-    words (the batcher's own check would say NumPy's, ``x[None]``)."""
+    """``x``, unless it nests unlike the input's rows: said in JSON's words (not ``x[None]``)."""
     if x.ndim == len(spec.shape):
         return x
     raise _nested(batcher, spec, x.ndim, x.shape == tuple(spec.shape[1:]))
@@ -151,15 +149,15 @@ def _plan(specs: tuple[Any, ...]) -> tuple[str, int, bool]:
     return types, sum(math.prod(s.shape[1:]) for s in specs), floats
 
 
-def _has_quotes(body: bytes, n: int) -> bool:
-    """Whether ``body`` holds ``n`` quotes or more (a memchr each; ``bytes.count`` reads every
-    byte)."""
-    at = -1
-    for _ in range(n):
+def _quotes(body: bytes, n: int) -> int:
+    """``body``'s quotes up to ``n`` (a memchr each), or ``n``: a quoted text past 256 bytes."""
+    at = start = -1
+    for i in range(n):
         at = body.find(b'"', at + 1)
-        if at < 0:
-            return False
-    return True
+        if at < 0 or (i % 2 and at - start > 256):
+            return i if at < 0 else n
+        start = at
+    return n
 
 
 def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -167,23 +165,23 @@ def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     keys = [k for k, _ in pairs]
     for k in keys if len(set(keys)) < len(keys) else ():
         if keys.count(k) > 1:
-            raise BadRequest(
-                400,
+            raise BadRequest(400, (
                 f"the JSON body names {short(json.dumps(k), 60)} {keys.count(k)} times in one "
-                "object, and JSON parsers differ on which one counts; send each key once.",
-            )
+                "object, and JSON parsers differ on which one counts; send each key once."
+            ))  # fmt: skip
     return dict(pairs)
 
 
 def _parse(body: bytes, fast: bool) -> Any:
     """``json.loads(body)``, by orjson if ``fast`` (every input a float: orjson reads an int past
-    64 bits as a float); what orjson refuses (``NaN``, 1e400, deep nesting) by the stdlib's."""
+    64 bits as a float); what orjson refuses (``NaN``, 1e400, deep nesting) by the stdlib's,
+    which refuses a key twice."""
     if fast:
         try:
             return _fast_loads(body)
         except _FastError:
             pass
-    return json.loads(body, parse_float=_finite)
+    return json.loads(body, parse_float=_finite, object_pairs_hook=_once)
 
 
 def _finite(text: str) -> float:
@@ -206,9 +204,14 @@ def from_json(
     def beyond() -> SignatureError:
         return _holds(batcher, what, beyond_range(want), spec.type)
 
-    if kind != "b" and bools and _holds_bool(value):
+    if kind != "b" and bools and _first(value, bool):
         fix = f"send {'integers' if kind in 'iu' else 'numbers'}"
         raise _holds(batcher, what, "JSON booleans (true/false)", spec.type, fix)
+    if texts and (text := _first(value, str, True)):  # before NumPy's array: 4 bytes a char
+        if kind == "b":
+            raise _not_bools(batcher, spec, value)
+        held = f"strings ({short(json.dumps(text[0][:40]), 40, more=max(len(text[0]) - 40, 0))})"
+        raise _not_numbers(batcher, spec, held, kind, want)
     if kind == "f" and not texts:  # the usual body: numbers for a float input
         try:
             with np.errstate(over="ignore"):  # past want's range: inf, refused below
@@ -255,9 +258,7 @@ def from_json(
     if raw.dtype.kind == "f" and kind in "iu" and np.array_equal(raw, np.trunc(raw)):
         integral, raw = True, raw.astype(object)  # whole numbers (2**63: NumPy made floats)
     if not (integral or raw.dtype.kind == "f") or (raw.dtype.kind == "f" and kind in "biu"):
-        numbers = "integers" if kind in "biu" else "numbers"
-        fix = f"send {numbers} (JSON has no dtypes: they are cast to {want})"
-        raise _holds(batcher, what, _held(raw), spec.type, fix)
+        raise _not_numbers(batcher, spec, _held(raw), kind, want)
     if kind in "iu" and raw.size and integral:
         info = ml_dtypes.iinfo(want)
         low, high = min(raw.flat), max(raw.flat)
@@ -284,8 +285,6 @@ def _held(raw: np.ndarray) -> str:
     if raw.dtype.kind == "f":  # for an integer input: NaN, Infinity or a fraction
         bad = raw[~np.isfinite(raw) | (raw != np.trunc(raw))]
         return f"numbers that are not integers ({short(str(bad.flat[0]), 40)})"
-    if raw.dtype.kind in "US":
-        return f"strings ({short(json.dumps(str(raw.flat[0])), 40)})"
     kinds = {_JSON.get(type(v).__name__, type(v).__name__) for v in raw.flat}
     return " and ".join(sorted(kinds - {"int", "float", "bool"})) or f"{raw.dtype} values"
 
@@ -309,28 +308,35 @@ def _saturates(want: np.dtype) -> bool:
         return bool(np.isfinite(np.array([np.nan, np.inf]).astype(want)).any())
 
 
-def _holds_bool(value: Any) -> bool:
-    """Whether nested lists ``value`` hold a bool anywhere (iteratively: no recursion limit)."""
+def _first(value: Any, kind: type, ordered: bool = False) -> list[Any]:
+    """``[v]``: a ``kind`` in nested lists ``value`` (the first if ``ordered``), or ``[]``."""
     todo = [value]
     while todo:
         v = todo.pop()
-        if type(v) is bool:
-            return True
+        if type(v) is kind:
+            return [v]
         if type(v) is list:
-            todo.extend(v)
-    return False
+            todo.extend(reversed(v) if ordered else v)
+    return []
 
 
-def _not_bools(value: Any, n: int = 8) -> list[Any]:
-    """The first ``n`` values in nested lists ``value`` other than true, false, 0 and 1."""
+def _not_bools(batcher: Batcher, spec: Any, value: Any, n: int = 8) -> SignatureError:
+    """A bool input's refusal, showing the first ``n`` values not true, false, 0 or 1."""
     todo, bad = [value], []
     while todo and len(bad) < n:
         v = todo.pop()
         if type(v) is list:
             todo.extend(reversed(v))
         elif not (type(v) in (bool, int, float) and v in (0, 1)):
-            bad.append(v)
-    return bad
+            bad.append(v if type(v) is not str or len(v) < 40 else v[:40] + "...")
+    held = f"values other than true and false ({short(json.dumps(bad, default=str))})"
+    return _holds(batcher, f"input {spec.path}", held, spec.type, "send JSON booleans")
+
+
+def _not_numbers(batcher: Batcher, spec: Any, held: str, kind: str, want: Any) -> SignatureError:
+    numbers = "integers" if kind in "biu" else "numbers"
+    fix = f"send {numbers} (JSON has no dtypes: they are cast to {want})"
+    return _holds(batcher, f"input {spec.path}", held, spec.type, fix)
 
 
 def _as_bool(batcher: Batcher, spec: Any, raw: np.ndarray, value: Any) -> np.ndarray:
@@ -342,9 +348,7 @@ def _as_bool(batcher: Batcher, spec: Any, raw: np.ndarray, value: Any) -> np.nda
     if ok and raw.size:
         ok = bool(np.isin(raw, (0, 1)).all())
     if not ok:
-        shown = short(json.dumps(_not_bools(value), default=str))  # JSON's words: null, true
-        held = f"values other than true and false ({shown})"
-        raise _holds(batcher, f"input {spec.path}", held, spec.type, "send JSON booleans")
+        raise _not_bools(batcher, spec, value)
     return raw.astype(np.bool_)
 
 
@@ -358,8 +362,7 @@ def _holds(
 
 
 def short(text: str, limit: int = 300, more: int = 0) -> str:
-    """``text``, cut to ``limit`` characters: an error quotes the client's input only so far
-    (``more``: characters cut from it before)."""
+    """``text`` cut to ``limit`` characters (``more``: cut before), as errors quote inputs."""
     more += max(len(text) - limit, 0)
     return text[:limit] + f"... ({more} more)" if more else text
 
@@ -370,10 +373,8 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps makes one per c
 def to_json(out: Any) -> tuple[bytes, str]:
     """``{"outputs": ...}``, non-finite floats as ``NaN``/``Infinity`` (as TF Serving writes),
     every number as the standard library's json writes it."""
-    if isinstance(out, np.ndarray):
-        outputs = out.tolist()
-    else:
-        outputs = [np.asarray(y).tolist() for y in jax.tree.leaves(out)]
+    one = isinstance(out, np.ndarray)
+    outputs = out.tolist() if one else [np.asarray(y).tolist() for y in jax.tree.leaves(out)]
     if _fast_dumps is not None:  # orjson: ~20x faster; the same text, but where it says
         try:  # NaN as null, and |x| < 1e-4 as 0.00001 or 1e-8 (Python: 1e-05, 1e-08)
             data = _fast_dumps({"outputs": outputs})
