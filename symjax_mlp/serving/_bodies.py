@@ -111,9 +111,9 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f"{batcher.name}: the model takes {len(specs)} inputs ({', '.join(map(str, specs))})"
             '; name them: {"inputs": {"args[0]": [...], "args[1]": [...]}}.'
         )
-    # JSON booleans among the numbers ([true, 1.5] would be [1.0, 1.5]): an "r" or an "a"
-    # (one memchr each), which numbers and "inputs" lack; strings ("1.5"): quotes beyond the keys'
-    bools = b"r" in body or b"a" in body
+    # JSON booleans among the numbers ([true, 1.5] would be [1.0, 1.5]): an "l" (false, null) or
+    # a "u" past "inputs" (one memchr each), which numbers and input names (args[0]) lack
+    bools = b"l" in body or body.find(b"u", body.find(b"inputs") + 6) >= 0
     texts = quotes > 2 + (2 * len(inputs) if isinstance(inputs, dict) else 0)
     if texts and fast:  # strings, other keys, or a key twice: which one a parser takes differs
         json.loads(body, object_pairs_hook=_once)
