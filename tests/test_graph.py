@@ -453,8 +453,9 @@ def test_a_jit_decorated_function_is_staged_as_the_function_it_wraps():
 
 def test_input_dependence_follows_calls_loops_and_branches():
     """A scan's (a while's, a cond's, a jit's) outputs were each taken to depend on every
-    operand: a step count carried beside the rows depended on them."""
-    from symjax_mlp._hybrid.jaxpr import input_dependent
+    operand: a step count carried beside the rows depended on them; and what a jit or a scan
+    hands back as given was taken as new."""
+    from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
 
     def f(n, x):
         steps, _ = jax.lax.scan(lambda c, r: ((c[0] + 1, c[1] + r.sum()), r), (n, 0.0), x)
@@ -470,6 +471,13 @@ def test_input_dependence_follows_calls_loops_and_branches():
     jaxpr = jax.make_jaxpr(f)(0, jnp.ones((2, 3))).jaxpr
     got = input_dependent(jaxpr, jaxpr.invars[1:])
     assert got == [False, True, False, True, False, True, False, True, True, True]
+
+    def g(n, x):  # what comes back as given: through a jit, and a scan's carry
+        (m, k), _ = jax.lax.scan(lambda c, r: ((c[0], c[1] + 1), r), (n, n), x)
+        return *jax.jit(lambda a, b: (b, a))(n, x), m, k, n
+
+    jaxpr = jax.make_jaxpr(g)(0, jnp.ones((2, 3))).jaxpr
+    assert forwarded(jaxpr) == [1, 0, 0, None, 0]
 
 
 # -- names -----------------------------------------------------------------------------------------

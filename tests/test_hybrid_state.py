@@ -22,6 +22,7 @@ from helpers import (
     NnxBatchNorm,
     NnxDropout,
     NnxModes,
+    StatefulLinear,
     _rnn_cell,
     bounded,
     keyless,
@@ -93,7 +94,15 @@ def _nnx_flag():
     return _nnx(), {"train": False}
 
 
-@pytest.mark.parametrize("make", [_linen_eval, _nnx_eval, _nnx_flag], ids=["linen", "nnx", "flag"])
+def _nnx_jit():
+    """An ``@nnx.jit`` function of the module (flax's randomness guide decorates its forward
+    so): the state it hands back as given was taken as changed, and refused under jax.jit."""
+    return sm.hybridize(nnx.jit(lambda m, x: m(x)), _nnx().module), {}  # (train=False)
+
+
+@pytest.mark.parametrize(
+    "make", [_linen_eval, _nnx_eval, _nnx_flag, _nnx_jit], ids=["linen", "nnx", "flag", "nnx.jit"]
+)
 def test_an_eval_mode_stateful_call_runs_under_jit(make):
     h, settings = make()
     state = keyless(h.state)
@@ -123,6 +132,14 @@ def test_a_training_mode_stateful_call_under_jit_is_still_refused():
     module = NnxModes(nnx.Rngs(0, dropout=1))
     h = sm.hybridize(module)
     with pytest.raises(sm.ControlFlowError, match=r"changes its state"):
+        jax.jit(h)(X)
+
+
+def test_a_state_changed_under_jit_is_named_in_the_refusal():
+    """nnx_basics' StatefulLinear counts its calls in any mode: the refusal said to call it in
+    eval mode, which it was, without naming what changed."""
+    h = sm.hybridize(StatefulLinear(5, 3, rngs=nnx.Rngs(0)))
+    with pytest.raises(sm.ControlFlowError, match=r"changes its state \(state\['count'\]\)"):
         jax.jit(h)(X)
 
 

@@ -270,7 +270,7 @@ class Hybrid(Staged, NoPickle):
     def _call_held(self, static: Any, dyn: Any, dyn_kw: Any, variables: Any = ()) -> Any:
         """A stateful call: the held state passed, the new one held."""
         args = (static, self._leaves, dyn, dyn_kw)
-        out, *new = self._held.call(self._jitted, args, self._traced.keeps_state)
+        out, *new = self._held.call(self._jitted, args, self._traced.changes)
         if variables:
             write_back(variables, new[0], self.name)
         return out

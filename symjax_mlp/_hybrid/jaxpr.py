@@ -184,6 +184,31 @@ def _followed(eqn: Any, given: list[bool]) -> list[bool]:
     return [True] * len(eqn.outvars)
 
 
+def forwarded(jaxpr: jex_core.Jaxpr) -> list[int | None]:
+    """Per output of ``jaxpr``: the index of the input it returns unchanged, followed through
+    calls and ``scan`` carries (what an ``nnx.jit`` hands back as given), or ``None``."""
+    at = {v: i for i, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        for out, k in zip(eqn.outvars, _forwards(eqn), strict=True):
+            if k is not None and isinstance(src := eqn.invars[k], jex_core.Var) and src in at:
+                at[out] = at[src]
+    return [at.get(v) if isinstance(v, jex_core.Var) else None for v in jaxpr.outvars]
+
+
+def _forwards(eqn: Any) -> list[int | None]:
+    """Per output of ``eqn``: the operand it returns unchanged, or ``None``."""
+    name, params, subs = eqn.primitive.name, eqn.params, list(sub_jaxprs(eqn))
+    if name in _CALLS and len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
+        return forwarded(subs[0])
+    outs: list[int | None] = [None] * len(eqn.outvars)
+    if name == "scan":  # a carry the body hands back as given
+        c, body = params["num_consts"], forwarded(params["jaxpr"].jaxpr)
+        outs[: params["num_carry"]] = [
+            c + j if k == c + j else None for j, k in enumerate(body[: params["num_carry"]])
+        ]
+    return outs
+
+
 def count_flops(jaxpr: jex_core.Jaxpr) -> tuple[int, tuple[str, ...]]:
     """``(flops, unknown)``: one run's flops (see ``Graph.flops``), and the primitives whose
     trip counts (or, ``call_exported``, flops) are unknown."""

@@ -20,7 +20,7 @@ from symjax_mlp._compat import install_unrolled_threefry, transformed
 from symjax_mlp._errors import ConfigError, ControlFlowError, SignatureError, unbound_axis
 from symjax_mlp._hybrid.args import ModuleSetting, rebuild
 from symjax_mlp._hybrid.graph import Graph
-from symjax_mlp._hybrid.jaxpr import input_dependent
+from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
 from symjax_mlp._hybrid.pure import (
     PureModel,
     refit,
@@ -66,11 +66,11 @@ _SHARDED = (
 install_unrolled_threefry(PROGRAM_SUFFIX)
 _STATE_UNDER_TRANSFORM = (
     "{name}: a stateful Hybrid was called inside a JAX transformation (jax.jit, jax.grad, "
-    "jax.vmap, ...) in a way that changes its state (training mode: batch statistics, an rng "
-    "stream drawn; a linen model's rngs=, which every call splits), where the new state would "
-    "be a tracer. Call it in eval mode there, which keeps the state (a linen model hybridized "
-    "without rngs=), or use the pure form: out, state = h.apply(h.params, x) returns the new "
-    "state instead of holding it."
+    "jax.vmap, ...) in a way that changes its state{changed}, where the new state would be a "
+    "tracer (training mode: batch statistics, an rng stream drawn; a linen model's rngs=, which "
+    "every call splits; a count). Call it in eval mode there where that keeps the state (a linen "
+    "model hybridized without rngs=), or use the pure form: out, state = h.apply(h.params, x) "
+    "returns the new state instead of holding it."
 )
 _STATE_STRUCTURE = (
     "{name}: a call changed the structure of the model's state, from {before} to {after}; a "
@@ -141,13 +141,13 @@ class HeldState:
         with self.lock, jax.ensure_compile_time_eval():
             return self.unflatten(_copies(self.leaves))
 
-    def call(self, jitted: Any, args: tuple, keeps: Callable[..., bool] | None = None) -> list[Any]:
+    def call(self, jitted: Any, args: tuple, changes: Callable[..., list] | None = None) -> list:
         """``[out, *rest]`` of ``jitted(static, leaves, held, dyn, dyn_kw)``, the new state held,
         calls one at a time; a call that traces is traced first unlocked (``on_trace`` callbacks
         may use the Hybrid from any thread). Under a JAX transform, a call whose new state is a
-        tracer is refused, unless ``keeps(*args)``."""
+        tracer is refused, unless ``changes(*args)`` (the paths it changes) is empty."""
         try:
-            return self._step(jitted, args, keeps, first=True)
+            return self._step(jitted, args, changes, first=True)
         except TraceFirst:
             pass  # traced below, not while handling it (an error there would chain it)
         static, leaves, dyn, dyn_kw = args
@@ -156,9 +156,9 @@ class HeldState:
             gate = self._gates.setdefault((static, tree, *map(jax.typeof, flat)), threading.RLock())
         with gate:
             jitted.trace(static, leaves, self.leaves, dyn, dyn_kw)
-        return self._step(jitted, args, keeps, first=False)
+        return self._step(jitted, args, changes, first=False)
 
-    def _step(self, jitted: Any, args: tuple, keeps: Any, first: bool) -> list[Any]:
+    def _step(self, jitted: Any, args: tuple, changes: Any, first: bool) -> list[Any]:
         """One locked call; ``first``: a trace it begins raises :class:`TraceFirst`."""
         with self.lock:
             was, self._locked.on = getattr(self._locked, "on", False), first
@@ -168,8 +168,8 @@ class HeldState:
                 self._locked.on = was
             # concrete unless under a transform (there any leaf may be traced)
             if transformed() is not False and any(isinstance(leaf, Tracer) for leaf in held):
-                if keeps is None or not keeps(*args):
-                    raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
+                if (changed := None if changes is None else changes(*args)) != []:
+                    raise ControlFlowError(self._under_transform(changed))
             else:
                 self._adopt(held)
         return [out, *rest]
@@ -182,8 +182,12 @@ class HeldState:
     def hold(self, leaves: list[Any]) -> None:
         """Holds a call's new flat state (under :attr:`lock`); a traced one is refused."""
         if any(isinstance(leaf, Tracer) for leaf in leaves):
-            raise ControlFlowError(_STATE_UNDER_TRANSFORM.format(name=self.name))
+            raise ControlFlowError(self._under_transform())
         self._adopt(leaves)
+
+    def _under_transform(self, changed: list[str] | None = None) -> str:
+        listed = f" ({', '.join(changed[:5])})" if changed else ""
+        return _STATE_UNDER_TRANSFORM.format(name=self.name, changed=listed)
 
     def _adopt(self, leaves: list[Any]) -> None:
         """Holds ``leaves``; more than held: a call added variables, in the structure
@@ -280,10 +284,14 @@ class TracedModel:
         jaxpr = self.staged(*call[:2], self.held.tree, *call[2:], 1)
         return any(input_dependent(jaxpr, jaxpr.invars[len(self.held.leaves) :]))
 
-    def keeps_state(self, *call: Any) -> bool:
-        """Whether a call returns the held state as given (eval mode: no new state to hold)."""
+    def changes(self, *call: Any) -> list[str]:
+        """The held state's leaves a call changes, ``state['count']``: none in eval mode, where
+        it returns them as given."""
         jaxpr = self.staged(*call[:2], self.held.tree, *call[2:], 1)
-        return jaxpr.outvars == jaxpr.invars[: len(jaxpr.outvars)]
+        paths = [f"state{p}" for p in _paths(jax.tree.structure(self.held.tree))]
+        if len(jaxpr.outvars) != len(paths):
+            return ["a variable added"]
+        return [p for i, (p, k) in enumerate(zip(paths, forwarded(jaxpr), strict=True)) if k != i]
 
     def params(self, leaves: list[Any]) -> Any:
         """``leaves``, or the constants a baked program closes over, as the params tree."""
