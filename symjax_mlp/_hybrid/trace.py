@@ -332,8 +332,8 @@ _REENTERED = (
 
 
 class TraceLog:
-    """The traces of one Hybrid's compiled paths: each :meth:`begin` s, and :meth:`end` s
-    logged once it succeeded; ``callbacks`` are shared by the Hybrids ``replace`` makes."""
+    """The traces of one Hybrid's compiled paths, each run in :meth:`tracing` and logged once
+    it succeeded; ``callbacks`` are shared by the Hybrids ``replace`` makes."""
 
     def __init__(self, name: str, max_traces: int | None) -> None:
         self.name, self.max_traces = name, max_traces
