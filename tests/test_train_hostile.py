@@ -1102,3 +1102,78 @@ def test_a_ctrl_c_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, monk
         sm.training.restore_checkpoint(tmp_path / name, _state())
     sm.training.save_checkpoint(tmp_path, dataclasses.replace(_state(), step=4), keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
+
+
+# -- session 47: a full disk, a damaged state file, a step's non-logits, an optimizer that raises
+def test_a_full_disk_while_saving_names_the_call_and_what_to_do(tmp_path, monkeypatch):
+    """ENOSPC was 'cannot write .../step_00000002: [Errno 28] No space left on device. Anything
+    there before is unchanged.': no call named, nothing to do."""
+    import errno
+
+    import symjax_mlp._files as files_seam
+
+    good = sm.training.save_checkpoint(tmp_path, dataclasses.replace(_state(), step=1))
+
+    def full(file, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files_seam, "write_file", full)
+    says = r"^symjax_mlp\.training\.save_checkpoint: cannot write .*No space left.*Free space"
+    with pytest.raises(sm.CheckpointError, match=says + r".*resume=True") as e:
+        sm.training.save_checkpoint(tmp_path, dataclasses.replace(_state(), step=2))
+    assert isinstance(e.value.__cause__, OSError)
+    assert [p.name for p in tmp_path.iterdir()] == [good.name]  # the last good one, intact
+
+
+def test_a_damaged_state_file_is_named_a_broken_checkpoint_with_a_checkpoints_fix(tmp_path):
+    """A truncated state.safetensors said only 'is not a valid safetensors file: its header
+    claims ... bytes'; another run's, 'Restore the file, or write it again (export the artifact
+    again)': no checkpoint's fix."""
+    path = sm.training.save_checkpoint(tmp_path / "a", _state())
+    another_run = dataclasses.replace(_state(), params={"w": jnp.ones(2)})
+    other = sm.training.save_checkpoint(tmp_path / "b", another_run)
+    blob, file = (other / "state.safetensors").read_bytes(), path / "state.safetensors"
+    for damaged, says in ((blob[:40], "its header claims"), (blob, "sha256 is")):
+        file.write_bytes(damaged)
+        with pytest.raises(sm.CheckpointError, match=rf"{says}.*; the checkpoint is incomplete, "
+                           "corrupted or was edited. Resume from an older") as e:  # fmt: skip
+            sm.training.restore_checkpoint(path, _state())
+        assert "artifact" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("f", "got"),
+    [
+        (lambda z: (z, z), "a tuple"),
+        (lambda z: z.astype(jnp.int32), "int32"),
+        (lambda z: z * (1 + 1j), "complex64"),
+    ],
+    ids=["tuple", "int", "complex"],
+)
+def test_train_step_refuses_an_output_that_is_not_float_logits(f, got):
+    """train_step of a model returning a tuple was JAX's TracerArrayConversionError, of int or
+    complex logits optax's TypeError ('a subdtype of numpy.floating')."""
+    import optax
+
+    net, opt, x = _returning(f), optax.sgd(0.1), jnp.ones((4, 3))
+    params = net.init(jax.random.key(0), x)["params"]
+    step = sm.training.train_step(net, opt)
+    with pytest.raises(sm.ConfigError, match=rf"train_step: the model's training call returns "
+                       rf"{got}.*expected \(batch, classes\) float logits"):  # fmt: skip
+        step(params, opt.init(params), x, jnp.zeros(4, jnp.int32), jnp.ones(4))
+
+
+@pytest.mark.parametrize("kind", [ValueError, KeyError])
+def test_an_optimizer_whose_update_raises_is_named_before_the_first_step(tiny, kind):
+    """An update raising ValueError or KeyError escaped train() as that raw error (its init's
+    were already a ConfigError naming optimizer.init)."""
+    import optax
+
+    def update(updates, state, params=None):
+        raise kind("boom")
+
+    opt = optax.GradientTransformation(lambda p: (), update)
+    with pytest.raises(sm.ConfigError, match=r"optimizer\.update\(grads, opt_state, params\) "
+                       rf"raised {kind.__name__}: .*boom.*Fix the optimizer") as e:  # fmt: skip
+        sm.training.train(sm.mlp((8, 10)), tiny, optimizer=opt, epochs=1, batch_size=16)
+    assert isinstance(e.value.__cause__, kind)

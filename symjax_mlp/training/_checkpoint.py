@@ -55,6 +55,10 @@ _NO_CHECKPOINT = (
     "holding manifest.json, as save_checkpoint and train(checkpoint=...) write: pass one, or the "
     "directory holding them (its newest is restored)."
 )
+_WRITE_FAILED = (
+    "Free space (or fix the device), then save again or resume: train(resume=True) continues "
+    "from the newest checkpoint there."
+)
 _METADATA = (
     _SAVE + "(metadata=...): the metadata is a dict whose 'config' (if given) is a dict "
     "and whose 'history' (if given) is a list of EpochRecord fields, as train() writes them; "
@@ -201,7 +205,12 @@ def save_checkpoint(
     except CheckpointError:
         raise ConfigError(_METADATA.format(got=str(metadata)[:200])) from None
     files = {_STATE_FILE: state_bytes, MANIFEST: (text + "\n").encode()}
-    write_dir(final, files, overwrite=False, check=_check_new, error=CheckpointError)
+    try:
+        write_dir(final, files, overwrite=False, check=_check_new, error=CheckpointError)
+    except CheckpointError as e:  # a full disk, a failing device: the call and what to do
+        if isinstance(e.__cause__, OSError):
+            raise CheckpointError(f"{_SAVE}: {e} {_WRITE_FAILED}") from e.__cause__
+        raise
     for _, old in checkpoints(directory)[:-keep]:
         if old != final:  # a writer racing ours saved a newer step: ours stays, for it
             with contextlib.suppress(OSError):  # another writer pruned it first
@@ -283,6 +292,9 @@ def read_checkpoint(path: Path, like: TrainState) -> tuple[TrainState, dict[str,
         )
     except FileNotFoundError:
         raise broken(path / _STATE_FILE, "the file is missing") from None
+    except CheckpointError as e:  # its first sentence, then a checkpoint's fix (not a file's)
+        why = re.split(r"(?<!\.)\. (?=[A-Z])", str(e))[0].rstrip(".")
+        raise broken(path / _STATE_FILE, why.removeprefix(f"{path / _STATE_FILE} ")) from None
     check_fit(path, specs(stored), specs(named_leaves(like)))
     arrays = {name: jnp.asarray(a) for name, a in stored.items()}
     return state_of(arrays, like, manifest), manifest.get("metadata", {})

@@ -3,7 +3,6 @@ so the same step runs data-parallel (:mod:`._shard`) and XLA inserts the gradien
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import operator
@@ -294,13 +293,25 @@ def update(optimizer: Any, grads: Any, opt_state: Any, params: Any, loss: Any, c
 
 
 def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> None:
-    """:func:`update`'s refusal before a step runs, its update traced on shapes only."""
-    with contextlib.suppress(*TRACER_ERRORS):  # Python control flow: an eager step runs it
+    """:func:`update`'s refusal before a step runs, its update traced on shapes only; any other
+    error of the optimizer's a ConfigError naming it, as ``optimizer.init``'s."""
+    try:
         jax.eval_shape(
             lambda p, s: update(optimizer, p, s, p, jnp.float32(0), caller), params, opt_state
         )
+    except TRACER_ERRORS:  # Python control flow: an eager step runs it
+        pass
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(_UPDATE_RAISED.format(caller=caller, e=e, kind=type(e).__name__)) from e
 
 
+_UPDATE_RAISED = (
+    "{caller}: optimizer.update(grads, opt_state, params) raised {kind}: {e!s:.300}, traced on "
+    "the params' shapes before the first step. Fix the optimizer (its update of a gradient "
+    "like the params), or pass one such as optax.adam(1e-3)."
+)
 _EXTRA_ARGS = (
     "{caller}: the optimizer's update raised TypeError: {error}. The training step calls "
     "optimizer.update(grads, opt_state, params{given}) and nothing more; an optimizer that "
@@ -318,6 +329,9 @@ def _like(tree: Any) -> Any:
 def _weighted_loss(model: Any, spec: Any, params: Any, x: Any, y: Any, w: Any) -> tuple:
     """``(sum of w * cross-entropy, weighted count correct, params moved)``."""
     logits, params = apply_model(model, spec, params, x, train=True)
+    if not jnp.issubdtype(getattr(logits, "dtype", object), jnp.floating):  # raw JAX/optax errors
+        got = _like(logits) if hasattr(logits, "dtype") else f"a {type(logits).__name__}"
+        raise ConfigError(_NOT_LOGITS.format(got=got))
     if jnp.shape(logits)[:1] != jnp.shape(x)[:1]:  # optax would broadcast them: a wrong loss
         raise ConfigError(_NOT_PER_ROW.format(got=jnp.shape(logits), x=jnp.shape(x)))
     losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
@@ -328,6 +342,12 @@ _NOT_PER_ROW = (
     "symjax_mlp.training.train_step: the model's training call returns logits of shape {got} "
     "for a batch of shape {x}; expected one row of logits per example, ({x[0]}, classes). "
     "Return logits computed row by row (no reduction or slicing over the batch axis)."
+)
+_NOT_LOGITS = (
+    "symjax_mlp.training.train_step: the model's training call returns {got}; expected "
+    "(batch, classes) float logits, which the step's softmax cross-entropy takes. Return the "
+    "logits alone, as floats; another output or loss trains in a loop of your own (jax.grad of "
+    "your loss, an optax update)."
 )
 _LABELS = (
     "{caller}: the step got {got}; expected one integer label y and one weight w per row of "
