@@ -9,6 +9,7 @@ is being written, a process that never arrives, one that stalls, one started dif
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -75,6 +76,7 @@ def _wait(procs: list[subprocess.Popen], limit: float = 120) -> tuple[list[int],
     return [p.returncode for p in procs], logs, time.monotonic() - t0
 
 
+@functools.cache  # the SIGKILL tests resume to the same run
 def _reference(epochs: int, blocks: int) -> list[np.ndarray]:
     """The same run in this one process."""
     result = sm.training.train(sm.mlp(SIZES), problem(), optimizer=optax.adam(LR), epochs=epochs,
@@ -316,18 +318,23 @@ PATIENT = ("--timeout", "60")
 
 @pytest.mark.slow
 def test_2_and_4_processes_train_bitwise_like_one_process(tmp_path):
+    """Every other process names the one checkpoint directory by another path (alias/ck,
+    alias a symlink to real, for real/ck): they share it. The directories were once compared
+    by os.path.abspath, by name, and these two were refused as two."""
     want = None
     for n in (2, 4):
         out = tmp_path / str(n)
-        out.mkdir()
-        launched = _launch(n, out, "--blocks", "4", "--checkpoint", str(out / "ck"), *PATIENT)
+        (out / "real").mkdir(parents=True)
+        (out / "alias").symlink_to(out / "real")
+        paths = {i: ("--checkpoint", str(out / ("real", "alias")[i % 2] / "ck")) for i in range(n)}
+        launched = _launch(n, out, "--blocks", "4", *PATIENT, extra=paths)
         if want is None:  # while the first run starts
             want = _reference(epochs=2, blocks=4)
         codes, logs, _ = _wait(launched)
         assert codes == [0] * n, "\n---\n".join(logs)
         for i in range(n):
             _assert_bitwise(_params(out / f"{i}.npz"), want, f"{n} processes, process {i}")
-        assert sorted(p.name for p in (out / "ck").iterdir()) == ["16", "8"]  # Orbax's steps
+        assert sorted(p.name for p in (out / "real" / "ck").iterdir()) == ["16", "8"]  # Orbax's
 
 
 @pytest.mark.slow
@@ -385,50 +392,28 @@ def test_a_process_that_never_arrives_or_stalls_fails_the_others_within_the_time
 
 @pytest.mark.slow
 def test_processes_started_differently_are_refused_before_the_first_collective(tmp_path):
-    codes, logs, _ = _wait(_launch(2, tmp_path, extra={1: ("--seed", "1")}))
+    """One run, process 1 started with another seed and another checkpoint directory under
+    the same name: ck, and hop/../ck where hop is a symlink to other/inner, so other/ck. Each
+    process names what differs, both of it, before gloo connects and before either directory
+    is made. Processes given other directories once each trained an epoch, then Orbax's save
+    waited on a barrier the other never reached; ck and hop/../ck, compared by
+    os.path.abspath, were taken as one, and the two stores' barriers timed out."""
+    (tmp_path / "other" / "inner").mkdir(parents=True)
+    (tmp_path / "hop").symlink_to(tmp_path / "other" / "inner")
+    args = {0: ("--checkpoint", str(tmp_path / "ck")),
+            1: ("--checkpoint", f"{tmp_path}/hop/../ck", "--seed", "1")}  # fmt: skip
+    codes, logs, _ = _wait(_launch(2, tmp_path, extra=args))
     assert codes == [1, 1], logs
-    assert "process 1 was started with {'seed': 1}, but process 0 with {'seed': 0}" in logs[0]
-    assert "process 0 was started with {'seed': 0}, but process 1 with {'seed': 1}" in logs[1]
+    said = "process 1 was started with {'checkpoint': '"  # a long path cut in its middle
+    assert said in logs[0] and "/other/ck', 'seed': 1}, but process 0 with {" in logs[0], logs[0]
+    assert f"{tmp_path.name}/ck', 'seed': 0}}. Every process" in logs[0], logs[0]
+    said = "process 0 was started with {'checkpoint': '"
+    assert said in logs[1] and "/ck', 'seed': 0}, but process 1 with {" in logs[1], logs[1]
+    assert "/other/ck', 'seed': 1}." in logs[1], logs[1]
     for log in logs:
         assert "ConfigError" in log and "refused before the first step" in log
         assert "Gloo" not in log  # gloo connects at the first collective: none ran
-
-
-@pytest.mark.slow
-def test_processes_given_other_checkpoint_directories_are_refused_before_the_first_step(tmp_path):
-    """--checkpoint ckA and ckB: each process trained an epoch, then Orbax's save waited on a
-    barrier the other never reached, a traceback of TimeoutErrors, two half-written saves."""
-    args = {0: ("--checkpoint", str(tmp_path / "ckA")), 1: ("--checkpoint", str(tmp_path / "ckB"))}
-    codes, logs, _ = _wait(_launch(2, tmp_path, extra=args))
-    assert codes == [1, 1], logs
-    said = f"process 1 was started with {{'checkpoint': '{tmp_path / 'ckB'}'}}, but process 0"
-    assert said in logs[0] and "refused before the first step" in logs[0], logs[0]
-    assert not (tmp_path / "ckA").exists() and not (tmp_path / "ckB").exists()
-
-
-@pytest.mark.slow
-def test_processes_naming_one_directory_by_other_paths_share_it_and_other_ones_are_refused(
-    tmp_path,
-):
-    """The directories were compared by os.path.abspath, by name: real/ck and alias/ck (alias a
-    symlink to real) were refused as two directories; ck and hop/../ck (hop a symlink to
-    other/inner, so other/ck) were taken as one, and the two stores' barriers timed out."""
-    (tmp_path / "real").mkdir()
-    (tmp_path / "other" / "inner").mkdir(parents=True)
-    (tmp_path / "alias").symlink_to(tmp_path / "real")
-    (tmp_path / "hop").symlink_to(tmp_path / "other" / "inner")
-    same = {0: ("--checkpoint", str(tmp_path / "real" / "ck")),
-            1: ("--checkpoint", str(tmp_path / "alias" / "ck"))}  # fmt: skip
-    codes, logs, _ = _wait(_launch(2, tmp_path, *PATIENT, extra=same))
-    assert codes == [0, 0], "\n---\n".join(logs)
-    assert sorted(p.name for p in (tmp_path / "real" / "ck").iterdir()) == ["16", "8"]
-    other = {0: ("--checkpoint", str(tmp_path / "ck")),
-             1: ("--checkpoint", f"{tmp_path}/hop/../ck")}  # fmt: skip
-    codes, logs, _ = _wait(_launch(2, tmp_path, extra=other))
-    assert codes == [1, 1], logs
-    said = "process 1 was started with {'checkpoint': '"  # a long path cut in its middle
-    assert said in logs[0] and "/other/ck'}, but process 0 with" in logs[0], logs[0]
-    assert "refused before the first step" in logs[0], logs[0]
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "other" / "ck").exists()
 
 
 def test_the_cli_refuses_processes_without_a_coordinator(capsys):
