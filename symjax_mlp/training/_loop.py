@@ -42,7 +42,7 @@ from symjax_mlp.training._step import (
     check_trainable,
     check_update,
     init_of,
-    strong,
+    owned,
 )
 
 _CALLER = "symjax_mlp.training.train"
@@ -369,7 +369,4 @@ def _initial_state(
             " use an optimizer that takes them, or write the loop with train_step."
         ) from e
     check_update(optimizer, trainable, opt_state, _CALLER)
-    # each leaf a buffer of its own, for the step to donate: one may be a param (aliased) or
-    # the optimizer's (noisy_sgd's key, which a second train() with it found deleted)
-    opt_state = jax.tree.map(lambda a: jnp.array(a, copy=True), strong(opt_state))
-    return TrainState(params, opt_state, rng)
+    return TrainState(params, owned(opt_state), rng)

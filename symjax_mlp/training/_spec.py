@@ -125,19 +125,6 @@ def _quoted(pattern: str, error: Exception) -> str:
     return found.group(1) if (found := re.search(pattern, str(error))) else "?"
 
 
-def _checked(model: nn.Module, flags: Any, arg: str, caller: str, form: str) -> dict[str, Any]:
-    name = type(model).__name__
-    if not isinstance(flags, Mapping) or not all(isinstance(k, str) for k in flags):
-        raise ConfigError(_BAD_FLAGS.format(caller=caller, arg=arg, model=name, flags=flags))
-    params = _parameters(model)
-    unknown = [f for f in flags if f not in params]
-    if unknown and all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        names, fix = ", ".join(params), _fix(model, form)
-        what = {"caller": caller, "arg": arg, "flag": unknown[0], "model": name, "names": names}
-        raise ConfigError(_UNKNOWN_FLAG.format(**what, fix=fix))
-    return dict(flags)
-
-
 def init_variables(model: nn.Module, key: jax.Array, example: Any, flags: dict[str, Any]) -> Any:
     """``model.init(key, example, **flags)``, a ``dropout`` stream given when ``flags`` train."""
     rngs = {"params": key, "dropout": jax.random.fold_in(key, 2)} if flags else key
@@ -183,12 +170,23 @@ def find_flags(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The keyword settings of a training and an inference call: as given (checked against
     ``__call__``'s parameters), else found by name."""
+    params = _parameters(model)
     if train_flags is None and eval_flags is None:
-        found = [(flag, on) for flag, on in _FLAGS if flag in _parameters(model)]
+        found = [(flag, on) for flag, on in _FLAGS if flag in params]
         return {f: on for f, on in found}, {f: not on for f, on in found}
-    train = {} if train_flags is None else _checked(model, train_flags, "train_flags", caller, form)
-    evals = {} if eval_flags is None else _checked(model, eval_flags, "eval_flags", caller, form)
-    return train, evals
+    calls = []
+    for arg, flags in (("train_flags", train_flags), ("eval_flags", eval_flags)):
+        what = {"caller": caller, "arg": arg, "model": type(model).__name__}
+        if not isinstance(flags := {} if flags is None else flags, Mapping) or not all(
+            isinstance(k, str) for k in flags
+        ):
+            raise ConfigError(_BAD_FLAGS.format(**what, flags=flags))
+        unknown = [f for f in flags if f not in params]
+        if unknown and all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            names, fix = ", ".join(params), _fix(model, form)
+            raise ConfigError(_UNKNOWN_FLAG.format(**what, flag=unknown[0], names=names, fix=fix))
+        calls.append(dict(flags))
+    return calls[0], calls[1]
 
 
 def model_spec(

@@ -98,8 +98,7 @@ def check_model(model: Any, caller: str) -> None:
 def init_of(model: Any, spec: ModelSpec | NnxSpec, key: jax.Array, example: jax.Array) -> Any:
     """:func:`init_params` of a model whose spec is known (train()'s)."""
     if isinstance(spec, NnxSpec):  # built initialised: its values, in buffers of its own
-        values = (spec.params, spec.raw(spec.state, jax.random.fold_in(key, 1)))
-        params, state = strong(jax.tree.map(lambda a: jnp.array(a, copy=True), values))
+        params, state = owned((spec.params, spec.raw(spec.state, jax.random.fold_in(key, 1))))
         return ModelVars(params, state) if spec.stateful else params
     settings = (model, spec.mutable, spec.rng, tuple(spec.init_flags.items()))
     try:
@@ -117,14 +116,22 @@ def strong(tree: Any) -> Any:
     )
 
 
+def owned(tree: Any) -> Any:
+    """:func:`strong` ``tree``, each leaf a buffer of its own, for a step to donate: one may be
+    a param (aliased) or the optimizer's (noisy_sgd's key, found deleted by a second train())."""
+    return jax.tree.map(lambda a: jnp.array(a, copy=True), strong(tree))
+
+
 def check_trainable(params: Any, caller: str) -> None:
     """Refuses params with nothing to differentiate, or a leaf jax.grad cannot (an int)."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     odd = [(p, a) for p, a in leaves if not jnp.issubdtype(jnp.result_type(a), jnp.inexact)]
     if not leaves or odd:
-        got = "no params"
-        if odd:
-            got = f"params{jax.tree_util.keystr(odd[0][0])} of dtype {jnp.result_type(odd[0][1])}"
+        got = (
+            f"params{jax.tree_util.keystr(odd[0][0])} of dtype {jnp.result_type(odd[0][1])}"
+            if odd
+            else "no params"
+        )
         raise ConfigError(
             f"{caller}: the model has {got}; train() differentiates every param, so it needs at "
             "least one, all floats. Make an int param a float one, or a constant of the module "
