@@ -386,6 +386,19 @@ def test_a_variable_added_to_an_nnx_module_without_state_is_held_as_nnx_jit_keep
     assert h.graph(x).primitive_counts["reduce_sum"] == 1  # staged now: the state is held
 
 
+@pytest.mark.parametrize("entry", ["compiled", "keyword", "apply"])
+def test_a_call_that_turns_stateful_runs_each_on_trace_callback_once_a_trace(entry):
+    """The trace that failed as the call added a variable ran the callbacks (it is not
+    logged), and so did its retrace: a user counting traces in a callback counted two."""
+    h, x, seen = sm.hybridize(_Adds()), _x(), []
+    h.on_trace(lambda *args, **kwargs: seen.append(h.trace_count))
+    run = {"compiled": h, "keyword": lambda x: h(x=x),
+           "apply": lambda x: h.apply(h.params, x)}[entry]  # fmt: skip
+    for i in range(2):  # compiled: the second traces again, for the state the first added
+        run(x + i)
+        assert h.stateful and seen == list(range(h.trace_count))
+
+
 class _AddsWhenAsked(_Adds):
     def __call__(self, x, keep=False):
         return super().__call__(x) if keep else self.linear(x)

@@ -284,7 +284,8 @@ class Hybrid(Staged, NoPickle):
             try:
                 out, state = self._traced.call_model(self.params, self.state, args, kwargs)
             except _pure.StateAdded as e:  # (the callbacks ran: the call is made, not run again)
-                out, state = self._stateful(e)._traced.call_model(self.params, {}, args, kwargs)
+                model = self._stateful(e, traced=False)._traced
+                out, state = model.call_model(self.params, {}, args, kwargs)
             if self.stateful:
                 self._held.hold(self._held.flatten(state))
         return out
@@ -344,15 +345,15 @@ class Hybrid(Staged, NoPickle):
             write_back(variables, new[0], caller)
         return out, new_state
 
-    def _stateful(self, added: _pure.StateAdded) -> Hybrid:
+    def _stateful(self, added: _pure.StateAdded, traced: bool = True) -> Hybrid:
         """Self, turned stateful by an nnx module's call that added variables, as ``nnx.jit``
         keeps them: rebuilt in place, its trace log and modes (a snapshot's) kept; the call
-        made again holds them (a trace that failed was not logged)."""
+        made again holds them (a trace that failed was not logged, its callbacks not rerun)."""
         with self._held.lock:  # (a call in another thread may have turned it)
             if not self.stateful:
                 log, modes = self._log, self._modes
                 self.__init__(added.model, **self._settings())  # its state: {}
-                self._log.follow(log)
+                self._log.follow(log, traced)
                 self._set(_modes=modes)
         return self
 

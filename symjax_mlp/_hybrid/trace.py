@@ -151,10 +151,9 @@ def unbindable(
 def unfit_call(
     name: str, error: TypeError, target: Any, params: Any, args: Any, kwargs: Any
 ) -> SignatureError | None:
-    """The :class:`~symjax_mlp.SignatureError` for a model's ``TypeError``: the arguments do
-    not bind to ``target``'s inputs (after its params or ``self``), or JAX's ``dot_general``
-    shape error where an input's last dimension meets a weight matrix's first; ``None`` where
-    it is the model's own."""
+    """The :class:`~symjax_mlp.SignatureError` for a model's ``TypeError``: arguments not binding
+    to ``target``'s inputs (past its params or ``self``), or JAX's ``dot_general`` error where an
+    input's last dimension meets a weight matrix's first; ``None`` where it is the model's own."""
     if (unbound := unbindable(name, target, args, kwargs)) is not None:
         return unbound
     if (found := _PRODUCT.search(str(error))) is None:
@@ -182,9 +181,8 @@ _NO_PICKLE = (
 
 
 class NoPickle:
-    """A base of a :class:`Hybrid` and a loaded model: ``pickle`` refuses them, saying what
-    to do instead (``_INSTEAD``); ``copy.copy`` shares their fields; ``copy.deepcopy`` is
-    their own."""
+    """A base of a :class:`Hybrid` and a loaded model: ``pickle`` refuses them, saying what to
+    do instead (``_INSTEAD``); ``copy.copy`` shares their fields (``deepcopy``: their own)."""
 
     _INSTEAD = ""
 
@@ -305,9 +303,8 @@ def explain(
         return len(_changed(e.signature, sig)) + len(set(e.static) ^ set(static))
 
     old = min(reversed(events), key=distance)
-    changes = [f"input tree structure changed from {old.tree} to {tree}"]
-    if old.tree == tree:
-        changes = _changed(old.signature, sig)
+    moved = [f"input tree structure changed from {old.tree} to {tree}"]
+    changes = _changed(old.signature, sig) if old.tree == tree else moved
     was, now = dict(old.static), dict(static)
     changes += [
         f"{p} (static) changed from {was.get(p, '(absent)')} to {now.get(p, '(absent)')}"
@@ -340,17 +337,18 @@ class TraceLog:
         self.callbacks: list[Callable[..., Any]] = []
         self._events: list[TraceEvent] = []
         self._held: frozenset[str] = frozenset()  # the state paths the last trace logged had
-        self._lock = threading.Lock()
-        self._under_way = 0  # traces begun, not yet ended
+        self._lock, self._under_way = threading.Lock(), 0  # _under_way: traces begun, not ended
         self._running = threading.local()  # this thread runs the callbacks
 
     @property
     def events(self) -> tuple[TraceEvent, ...]:
         return tuple(self._events)
 
-    def follow(self, earlier: TraceLog) -> None:
-        """Goes on from ``earlier`` (a Hybrid's, turned stateful): its traces count here."""
+    def follow(self, earlier: TraceLog, traced: bool) -> None:
+        """Goes on from ``earlier`` (a Hybrid's, turned stateful): its traces count here; if
+        ``traced``, the trace the turning call failed in ran the callbacks: its retrace does not."""
         self._events, self._held, self.callbacks = earlier._events, earlier._held, earlier.callbacks
+        self._running.ran = getattr(earlier._running, "failed", None) if traced else None
 
     def add(self, callback: Callable[..., Any]) -> None:
         if not callable(callback):
@@ -387,14 +385,16 @@ class TraceLog:
                                     reason=reason, history=history)
                 )  # fmt: skip
             self._under_way += 1
-        done = False
         try:
-            self.run_callbacks(*rebuild(static, dyn, dyn_kw))
+            if self._running.__dict__.pop("ran", None) != (sig, tree, shown, entry):  # follow
+                self.run_callbacks(*rebuild(static, dyn, dyn_kw))
             yield
-            done = True
-        finally:
+        except BaseException:
+            self._running.failed = (sig, tree, shown, entry)
             with self._lock:
                 self._under_way -= 1
-                if done:
-                    self._events.append(dataclasses.replace(event, index=len(self._events)))
-                    self._held = frozenset(held)
+            raise
+        with self._lock:
+            self._under_way -= 1
+            self._events.append(dataclasses.replace(event, index=len(self._events)))
+            self._held = frozenset(held)
