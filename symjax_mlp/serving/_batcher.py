@@ -28,9 +28,9 @@ from symjax_mlp.serving._requests import (
     RequestFuture,
     artifact_specs,
     bucket_sizes,
+    call_of,
     check_count,
     example_specs,
-    served_by,
 )
 from symjax_mlp.serving._stats import BatcherStats
 
@@ -140,7 +140,7 @@ class Batcher:
                 )
             specs, static = example_specs(example), None
             name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
-            served = served_by(model, example, kwargs, name)
+            served = call_of(model, example, kwargs, name)
         else:
             raise ConfigError(
                 "Batcher(model): expected a LoadedModel (sm.load(path)), a Hybrid "

@@ -351,7 +351,7 @@ _TRAINING = (
 )
 
 
-def served_by(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
+def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
     """What a batcher calls for a Hybrid or a callable, ``kwargs`` fixed: refused if a signature
     it has does not take them and the example's inputs; a Hybrid as of now (a stateful one's
     inference with the state it holds now, never moved)."""
