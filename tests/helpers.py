@@ -1149,6 +1149,31 @@ def predict(params, inputs):
     return logits - jax.scipy.special.logsumexp(logits, axis=1, keepdims=True)
 
 
+# -- the JAX README's first example (jax-ml/jax@0018baf96ec58789df27bd512694efa19ee38092,
+# README.md): per-example gradients, a jit of a vmap of a jit of a grad, params a list of pairs
+# and two batched inputs in, a list of (W, b) pairs of per-example grads out; its `predict` and
+# `loss` are `readme_predict` and `readme_loss` here (the from-scratch `predict` is above)
+def readme_predict(params, inputs):
+    for W, b in params:
+        outputs = jnp.dot(inputs, W) + b
+        inputs = jnp.tanh(outputs)  # inputs to the next layer
+    return outputs  # no activation on last layer
+
+
+def readme_loss(params, inputs, targets):
+    preds = readme_predict(params, inputs)
+    return jnp.sum((preds - targets) ** 2)
+
+
+grad_loss = jax.jit(jax.grad(readme_loss))  # compiled gradient evaluation function
+perex_grads = jax.jit(jax.vmap(grad_loss, in_axes=(None, 0, 0)))  # fast per-example grads
+
+
+def flat_perex_grads(params, inputs, targets):
+    """``perex_grads`` as export's refusal of its list of pairs says: its leaves, a tuple."""
+    return tuple(jax.tree.leaves(perex_grads(params, inputs, targets)))
+
+
 # -- flax examples/sst2/models.py, as written there (google/flax@18f8f311c275d57f46d95e41b15aa97b
 # 454754c0): a bidirectional LSTM (nn.scan of an OptimizedLSTMCell) over int tokens, their int
 # lengths a second input, `deterministic` merged from attribute and call (nn.merge_param), word
@@ -2576,6 +2601,9 @@ MATRIX = (
     Case("nnx_split_rngs", "nnx", _split_rngs("train"), lambda s: (_x(s),),
          train={"rngs": lambda: nnx.Rngs(1).split(4)}, eval={"rngs": None},
          served=_split_rngs("eval")),
+    Case("jax_readme", "fn", lambda: (perex_grads, init_random_params(0.1, (5, 8, 3))),
+         lambda s: (_x(s), _x(s + 7, (4, 3))),
+         served=lambda: (flat_perex_grads, init_random_params(0.1, (5, 8, 3)))),
 )  # fmt: skip
 
 
