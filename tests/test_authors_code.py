@@ -12,19 +12,13 @@ import pytest
 import safetensors.numpy
 from helpers import init_random_params
 from helpers import predict as mnist_predict
+from helpers import readme_predict as predict
 
 import symjax_mlp as sm
 from symjax_mlp.cli import main
 
 
-# -- JAX's README ------------------------------------------------------------------------------
-def predict(params, inputs):
-    for W, b in params:
-        outputs = jnp.dot(inputs, W) + b
-        inputs = jnp.tanh(outputs)  # inputs to the next layer
-    return outputs  # no activation on last layer
-
-
+# -- JAX's README (its predict is helpers.readme_predict) ----------------------------------------
 def readme_params(sizes=(3, 4, 2), seed=0):
     rng = np.random.RandomState(seed)
     return [(rng.randn(m, n), rng.randn(n)) for m, n in itertools.pairwise(sizes)]
