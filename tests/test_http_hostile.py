@@ -1397,6 +1397,7 @@ _KEPT = (  # a user's own words with a slash: not paths
     "rows/s fell; and/or the input/output was 3/4 of 1.5/2.",
     "the model's input 'm/s' isn't one",
     "a / b, or x //  y",
+    "rows of 2024/01/02 and 1/2/3",
 )
 
 

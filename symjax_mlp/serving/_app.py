@@ -50,14 +50,15 @@ _LOG = logging.getLogger("symjax_mlp.serving")
 # what a model's message may hold of the server's files, for a client: a traceback's frames
 # (JAX's callbacks and checkify quote one) and paths. A path is a word holding a separator
 # before a name that is absolute (/, ~, C:\, \\share, file:), relative (./, ../), two
-# separators deep, or names a file (a dot and a letter after a separator); with the words after
-# it that hold a separator (a path with spaces), and a quoted one whole. 1/2 and m/s are not.
+# separators deep with a letter, or names a file (a dot and a letter after a separator); with
+# the words after it holding a separator (spaces in a path), a quoted one whole. 1/2 is not.
 _FRAMES = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t].*(?:\n|$))*")
 _W = r"[^\s\"'<>|,;()=\x00]"  # a word's character (\x00: the artifact's own path, see text())
 _PATH = re.compile(
     rf"(?<![^\s\"'<>|,;(=\[{{])(?={_W}*[/\\][\w.~-])"  # a word's start; a separator in it
     rf"(?:file:|[/\\~]|\.\.?[/\\]|[A-Za-z]:[/\\]"  # absolute, relative
-    rf"|(?={_W}*[/\\]{_W}*[/\\])|(?={_W}*[/\\]{_W}*\.[A-Za-z]))"  # two deep, a file
+    rf"|(?={_W}*[/\\]{_W}*[/\\])(?={_W}*[A-Za-z])"  # two deep, a name (not 2024/01/02)
+    rf"|(?={_W}*[/\\]{_W}*\.[A-Za-z]))"  # a file
     rf"{_W}*(?: +{_W}*[/\\][\w.~-]{_W}*)*"
 )
 _SCANNED = 1 << 16  # a message's characters scanned (300 shown): a model may echo a body
