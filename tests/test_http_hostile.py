@@ -1429,6 +1429,24 @@ def test_a_websocket_upgrade_is_answered_in_the_json_error_body(server):
     assert json.loads(body)["error"] == "MethodNotAllowed", body
 
 
+def test_a_post_asking_to_upgrade_is_told_its_body_was_not_read(server):
+    """A POST with Upgrade and Connection: upgrade headers had its body taken as the new
+    protocol's bytes by the HTTP parser, and dropped: its 400 said "the body is not valid JSON
+    (Expecting value: ... char 0)". A GET asking to upgrade (curl --http2) is answered as ever."""
+    url, _, _ = server
+    body = json.dumps({"inputs": np.zeros((1, 512), np.float32).tolist()}).encode()
+    upgrade = b"Upgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\nHTTP2-Settings: AAMA\r\n"
+    said = []
+    for head in (b"POST /predict", b"GET /health"):
+        with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s:
+            length = b"Content-Length: %d\r\n" % len(body) if head.startswith(b"POST") else b""
+            s.sendall(head + b" HTTP/1.1\r\nHost: x\r\n" + upgrade + length + b"\r\n" + body)
+            said.append(_answer_of(s))
+    assert said[0][0].startswith(b"HTTP/1.1 400"), said[0]
+    assert "asks to switch protocols (Upgrade: h2c)" in json.loads(said[0][2])["message"]
+    assert said[1][0].startswith(b"HTTP/1.1 200"), said[1]
+
+
 def _answer_of(s):
     """The first answer on socket ``s``: ``(head, _, body)`` as ``bytes.partition`` gives."""
     data = b""

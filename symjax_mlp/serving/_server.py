@@ -115,6 +115,16 @@ def bounded_heads(
                 "send a well-formed request (one Content-Length, or a chunked body)."
             ))  # fmt: skip
 
+        def _unsupported_upgrade_warning(self) -> None:  # uvicorn's logs "install websockets"
+            # httptools took a body for the new protocol's bytes, and dropped it (h11 reads it)
+            heads = dict(self.headers) if getattr(self, "parser", None) is not None else {}
+            if heads.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in heads:
+                what = short(printable(heads.get(b"upgrade", b"").decode("latin-1")), 40)
+                self._refuse(400, "Bad Request", (
+                    f"the request asks to switch protocols (Upgrade: {what}), which this server "
+                    "does not do, so its body was not read; send it without Upgrade."
+                ))  # fmt: skip
+
         def _refuse(self, status: int, reason: str, message: str) -> None:
             body = json.dumps({"error": "BadRequest", "message": message, "model": model})
             body = body.encode()
@@ -303,24 +313,16 @@ def serve(
     sock = bind(host, port)  # before the load: a busy port is said at once, not after it
     with sock:
         model = load_entry(
-            artifact,
-            entry,
-            runtime=runtime,
-            params_as_constants=params_as_constants,
-            trust=trust,
-            allow=allow,
-            verify_signature=verify_signature,
-        )
+            artifact, entry, runtime=runtime, params_as_constants=params_as_constants,
+            trust=trust, allow=allow, verify_signature=verify_signature,
+        )  # fmt: skip
         sizes = {"max_batch": max_batch, "max_queue": max_queue, "name": model_name(model)}
         batcher = Batcher(model, **sizes, **waits)
         try:
             app = create_app(
-                batcher,
-                max_body_bytes=max_body_bytes,
-                body_timeout=body_timeout,
-                max_inflight_bytes=max_inflight_bytes,
-                request_timeout=request_timeout,
-            )
+                batcher, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+                max_inflight_bytes=max_inflight_bytes, request_timeout=request_timeout,
+            )  # fmt: skip
             sock.listen(2048)  # connections queue from here on: "ready" means ready
             bound = sock.getsockname()[1]
             shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
