@@ -1177,3 +1177,43 @@ def test_an_optimizer_whose_update_raises_is_named_before_the_first_step(tiny, k
                        rf"raised {kind.__name__}: .*boom.*Fix the optimizer") as e:  # fmt: skip
         sm.training.train(sm.mlp((8, 10)), tiny, optimizer=opt, epochs=1, batch_size=16)
     assert isinstance(e.value.__cause__, kind)
+
+
+def test_an_optimizer_update_of_another_form_is_a_config_error_naming_it(tiny):
+    """An update returning three values, or updates missing a leaf, escaped as Python's or
+    JAX's ValueError ('too many values to unpack', 'pytree structure error') from the step."""
+    import optax
+
+    forms = {
+        "a tuple of 3": lambda u, s, p=None: (u, s, 1),
+        "updates of another tree": lambda u, s, p=None: ({"layers_0": u["layers_0"]}, s),
+    }
+    for got, update in forms.items():
+        opt = optax.GradientTransformation(lambda p: (), update)
+        with pytest.raises(sm.ConfigError, match=rf"optimizer\.update\(.*\) returned {got}.*"
+                           r"expected \(updates, opt_state\)"):  # fmt: skip
+            sm.training.train(sm.mlp((8, 10)), tiny, optimizer=opt, epochs=1, batch_size=16)
+
+
+def test_an_optimizer_state_holding_no_array_is_refused_naming_its_leaf(tiny):
+    """optimizer.init returning {'name': 'adam'} was JAX's TypeError ('Error interpreting
+    argument ... as an abstract array')."""
+    import optax
+
+    opt = optax.GradientTransformation(lambda p: {"name": "adam"}, lambda u, s, p=None: (u, s))
+    with pytest.raises(sm.ConfigError, match=r"optimizer\.init\(params\) returned a state whose "
+                       r"\['name'\] is a str"):  # fmt: skip
+        sm.training.train(sm.mlp((8, 10)), tiny, optimizer=opt, epochs=1, batch_size=16)
+
+
+def test_restoring_into_another_dtype_names_the_dtype_that_wrote_it(tmp_path):
+    """A float32 checkpoint restored into a float16 state said 'written for another model or
+    feature width': the same model, in another dtype."""
+    import optax
+
+    path = sm.training.save_checkpoint(tmp_path, _state())
+    p = {"w": jnp.zeros(2, jnp.float16)}
+    like = sm.training.TrainState(p, optax.adam(1e-3).init(p), jax.random.key(0))
+    with pytest.raises(sm.CheckpointError, match=r"dtype float16\. The checkpoint holds float32 "
+                       r"values: .*param_dtype.*jax_enable_x64"):  # fmt: skip
+        sm.training.restore_checkpoint(path, like)

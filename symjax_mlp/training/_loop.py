@@ -53,6 +53,11 @@ _CONTROL_FLOW = (
     "__call__ cannot be decided. Stay symbolic: jnp.where or jax.lax.cond for an if, "
     "jax.lax.while_loop for a while, jnp operations for float(x)."
 )
+_NOT_ARRAYS = (
+    _CALLER + ": optimizer.init(params) returned a state whose {where} is a {kind}; an optimizer "
+    "state holds arrays and numbers only: each step carries it through jit, each checkpoint "
+    "stores it. Keep other values out of the state (in the optimizer's closure)."
+)
 _PAST = (
     "symjax_mlp.training.train(epochs={epochs}, resume=True): the newest checkpoint, {found}, "
     "is at epoch {s.epoch} (step {s.step}), past the {epochs} epoch(s) asked for; epochs counts "
@@ -368,5 +373,10 @@ def _initial_state(
             f"{str(e)[:200]}. train() passes the model's params as they are, {str(tree)[:200]};"
             " use an optimizer that takes them, or write the loop with train_step."
         ) from e
+    array = jax.Array | np.ndarray | np.generic | numbers.Number
+    leaves = jax.tree_util.tree_leaves_with_path(opt_state)
+    if (odd := next(((p, a) for p, a in leaves if not isinstance(a, array)), None)) is not None:
+        where, kind = jax.tree_util.keystr(odd[0]), type(odd[1]).__name__
+        raise ConfigError(_NOT_ARRAYS.format(where=where, kind=kind))
     check_update(optimizer, trainable, opt_state, _CALLER)
     return TrainState(params, owned(opt_state), rng)

@@ -107,10 +107,17 @@ def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> 
     for name, (shape, dtype) in wanted.items():
         got_shape, got_dtype = stored[name]
         if tuple(got_shape) != tuple(shape) or str(got_dtype) != str(dtype):
+            fix = (  # the same model in another dtype, or another model
+                f"The checkpoint holds {got_dtype} values: build the params and optimizer state "
+                f"in {got_dtype} (the model's param_dtype, the same jax_enable_x64 setting), as "
+                "the run that wrote it did."
+                if tuple(got_shape) == tuple(shape)
+                else "The checkpoint was written for another model or feature width; resume with "
+                "the same ones."
+            )
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {tuple(got_shape)} and dtype {got_dtype}, but "
-                f"this model expects shape {tuple(shape)} and dtype {dtype}. The checkpoint was "
-                "written for another model or feature width; resume with the same ones."
+                f"this model expects shape {tuple(shape)} and dtype {dtype}. {fix}"
             )
 
 

@@ -289,7 +289,7 @@ def update(optimizer: Any, grads: Any, opt_state: Any, params: Any, loss: Any, c
     and ``value_fn=``) is a ConfigError naming what the step passes (was optax's TypeError)."""
     kw = {"value": loss} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
     try:
-        return optimizer.update(grads, opt_state, params, **kw)
+        out = optimizer.update(grads, opt_state, params, **kw)
     except TRACER_ERRORS:  # Python control flow on a traced value: JAX's own error says it
         raise
     except TypeError as e:
@@ -297,6 +297,17 @@ def update(optimizer: Any, grads: Any, opt_state: Any, params: Any, loss: Any, c
         raise ConfigError(
             _EXTRA_ARGS.format(caller=caller, error=f"{e!s:.300}", given=given)
         ) from None
+    if not (isinstance(out, tuple | list) and len(out) == 2):  # else the step's unpacking error
+        size = f" of {len(out)}" if isinstance(out, tuple | list) else ""
+        raise ConfigError(_UPDATE_FORM.format(caller=caller, got=f"a {type(out).__name__}{size}"))
+    try:  # the updates as optax.apply_updates takes them: a tree like the gradients
+        jax.tree.map(lambda *_: None, grads, out[0])
+    except (TypeError, ValueError):
+        trees = f"{jax.tree.structure(out[0])!s:.200} for {jax.tree.structure(grads)!s:.200}"
+        raise ConfigError(
+            _UPDATE_FORM.format(caller=caller, got=f"updates of another tree, {trees}")
+        ) from None
+    return out
 
 
 def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> None:
@@ -314,6 +325,11 @@ def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> No
         raise ConfigError(_UPDATE_RAISED.format(caller=caller, e=e, kind=type(e).__name__)) from e
 
 
+_UPDATE_FORM = (
+    "{caller}: optimizer.update(grads, opt_state, params) returned {got}; expected (updates, "
+    "opt_state), the updates a tree like the gradients, as optax's transformations return. "
+    "Make update return that pair."
+)
 _UPDATE_RAISED = (
     "{caller}: optimizer.update(grads, opt_state, params) raised {kind}: {e!s:.300}, traced on "
     "the params' shapes before the first step. Fix the optimizer (its update of a gradient "
