@@ -2324,6 +2324,74 @@ def stax_params():
     return stax_init(jax.random.key(0), (-1, 16))[1]
 
 
+# -- JAX examples/differentially_private_sgd.py, as written there (jax-ml/jax@085f5173589959ab088
+# 640d5cc461ce7cfe6bf87): `private_grad(params, batch, rng, l2_norm_clip, noise_multiplier,
+# batch_size)`, a (images, labels) tuple and a raw PRNGKey in, Python numbers for its settings,
+# per-example grads clipped under a vmap and summed, noise drawn; its list and tuple in
+# jnp.linalg.norm and jnp.amax wrapped in jnp.array (jax 0.10 refuses them); its
+# `init_random_params, predict, loss` are `dp_init, dp_predict, dp_loss` here; its channels 2
+# (16 and 32), Dense(32) Dense(4), its 28x28 images 16x16
+dp_init, dp_predict = stax.serial(
+    stax.Conv(2, (8, 8), padding="SAME", strides=(2, 2)),
+    stax.Relu,
+    stax.MaxPool((2, 2), (1, 1)),
+    stax.Conv(2, (4, 4), padding="VALID", strides=(2, 2)),
+    stax.Relu,
+    stax.MaxPool((2, 2), (1, 1)),
+    stax.Flatten,
+    stax.Dense(4),
+    stax.Relu,
+    stax.Dense(10),
+)
+
+
+def dp_loss(params, batch):
+    inputs, targets = batch
+    logits = dp_predict(params, inputs)
+    logits = stax.logsoftmax(logits)  # log normalize
+    return -jnp.mean(jnp.sum(logits * targets, 1))  # cross entropy loss
+
+
+def private_grad(params, batch, rng, l2_norm_clip, noise_multiplier, batch_size):
+    """Return differentially private gradients for params, evaluated on batch."""
+
+    def _clipped_grad(params, single_example_batch):
+        """Evaluate gradient for a single-example batch and clip its grad norm."""
+        grads = jax.grad(dp_loss)(params, single_example_batch)
+
+        nonempty_grads, tree_def = jax.tree_util.tree_flatten(grads)
+        total_grad_norm = jnp.linalg.norm(
+            jnp.array([jnp.linalg.norm(neg.ravel()) for neg in nonempty_grads])
+        )
+        divisor = jax.lax.stop_gradient(jnp.amax(jnp.array((total_grad_norm / l2_norm_clip, 1.0))))
+        normalized_nonempty_grads = [g / divisor for g in nonempty_grads]
+        return jax.tree_util.tree_unflatten(tree_def, normalized_nonempty_grads)
+
+    px_clipped_grad_fn = jax.vmap(partial(_clipped_grad, params))
+    std_dev = l2_norm_clip * noise_multiplier
+    noise_ = lambda n: n + std_dev * jax.random.normal(rng, n.shape)  # noqa: E731
+    normalize_ = lambda n: n / float(batch_size)  # noqa: E731
+    tree_map = jax.tree_util.tree_map
+    sum_ = lambda n: jnp.sum(n, 0)  # aggregate  # noqa: E731
+    aggregated_clipped_grads = tree_map(sum_, px_clipped_grad_fn(batch))
+    noised_aggregated_clipped_grads = tree_map(noise_, aggregated_clipped_grads)
+    normalized_noised_aggregated_clipped_grads = tree_map(
+        normalize_, noised_aggregated_clipped_grads
+    )
+    return normalized_noised_aggregated_clipped_grads
+
+
+def shape_as_image(images, labels, dummy_dim=False):
+    target_shape = (-1, 1, 16, 16, 1) if dummy_dim else (-1, 16, 16, 1)
+    return jnp.reshape(images, target_shape), labels
+
+
+def dp_batch(seed: int, n: int = 4) -> tuple[jax.Array, jax.Array]:
+    """``shape_as_image(*next(batches), dummy_dim=True)``: n 16x16 images, one-hot labels."""
+    labels = jax.nn.one_hot(jnp.arange(seed, seed + n) % 10, 10)
+    return shape_as_image(_x(seed, (n, 256)), labels, dummy_dim=True)
+
+
 # -- JAX examples/mnist_vae.py, as written there (jax-ml/jax@cec06d116c05f0d52adfceee3d3b730fdbc
 # b0ce5): stax's FanOut and parallel make the encoder's params nested tuples, empty ones among
 # them; `elbo(rng, params, images)` takes its key first and the params second, and its images

@@ -5,14 +5,17 @@ ones)."""
 import itertools
 import json
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy.random as npr
 import pytest
 import safetensors.numpy
-from helpers import init_random_params
+from helpers import dp_batch, dp_init, init_random_params, private_grad
 from helpers import predict as mnist_predict
 from helpers import readme_predict as predict
+from jax.example_libraries import optimizers
 
 import symjax_mlp as sm
 from symjax_mlp.cli import main
@@ -95,6 +98,31 @@ def test_a_list_input_to_a_call_names_the_fix_for_what_it_holds():
     assert "jnp.asarray" not in str(e.value)
     with pytest.raises(sm.SignatureError, match=r"jnp\.asarray\(args\)"):
         sm.stage(lambda v: jnp.sum(jnp.asarray(v)))([1.0, 2.0])
+
+
+# -- examples/differentially_private_sgd.py: private_grad, as its private_update calls it -------
+def test_private_grad_runs_as_the_example_calls_it_its_numbers_static_its_key_traced():
+    """A (images, labels) tuple and a raw PRNGKey in, its settings Python numbers (static, as
+    the example's jit over private_update holds them): the noised, per-example-clipped grads
+    equal jax.jit's, called alone and by h.apply in the example's own @jit private_update."""
+    params = dp_init(jax.random.PRNGKey(0), (-1, 16, 16, 1))[1]
+    rng, batch, settings = jax.random.PRNGKey(0), dp_batch(0), (1.0, 1.1, 4)
+    step_rng = jax.random.fold_in(rng, 0)  # private_update's, at step 0
+    want = jax.jit(private_grad, static_argnums=(3, 4, 5))(params, batch, step_rng, *settings)
+    h = sm.hybridize(private_grad, params)
+    chex.assert_trees_all_close(h(batch, step_rng, *settings), want, rtol=1e-5, atol=1e-6)
+    assert h.trace_log[0].static == (("args[2]", "1.0"), ("args[3]", "1.1"), ("args[4]", "4"))
+    opt_init, opt_update, get_params = optimizers.sgd(0.15)
+
+    @jax.jit
+    def private_update(rng, i, opt_state, batch):
+        params = get_params(opt_state)
+        rng = jax.random.fold_in(rng, i)  # get new key for new random numbers
+        return opt_update(i, h.apply(params, batch, rng, *settings), opt_state)
+
+    stepped = get_params(private_update(rng, 0, opt_init(params), batch))
+    chex.assert_trees_all_close(stepped, jax.tree.map(lambda p, g: p - 0.15 * g, params, want),
+                                rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
 # -- masked arrays are refused, not silently unmasked --------------------------------------------
