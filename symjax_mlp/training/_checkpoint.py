@@ -56,8 +56,8 @@ _NO_CHECKPOINT = (
     "directory holding them (its newest is restored)."
 )
 _WRITE_FAILED = (
-    "Free space (or fix the device), then save again or resume: train(resume=True) continues "
-    "from the newest checkpoint there."
+    "Free space, or make the directory writable (or pass another), then save again: "
+    "train(resume=True) continues from the newest checkpoint there."
 )
 _METADATA = (
     _SAVE + "(metadata=...): the metadata is a dict whose 'config' (if given) is a dict "
