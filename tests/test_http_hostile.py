@@ -1447,6 +1447,24 @@ def test_a_post_asking_to_upgrade_is_told_its_body_was_not_read(server):
     assert said[1][0].startswith(b"HTTP/1.1 200"), said[1]
 
 
+def test_requests_pipelined_before_bytes_that_are_not_http_are_answered_first(server):
+    """Two requests, then garbage, in one send: the parser's 400 went out at once and the two
+    answers were dropped, so a client took the 400 for its first request's answer. Now the
+    answers come in order, then the 400, then the connection closes."""
+    url, _, _ = server
+    body = json.dumps({"inputs": np.zeros((1, 512), np.float32).tolist()}).encode()
+    one = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s:
+        s.sendall((one + body) * 2 + b"GARBAGE\r\n\r\n")
+        s.shutdown(socket.SHUT_WR)  # its end too, at once: the 400 still comes
+        data = b""
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            while chunk := s.recv(65536):
+                data += chunk
+    assert re.findall(rb"HTTP/1\.1 (\d+)", data) == [b"200", b"200", b"400"], data
+    assert b"Invalid method encountered" in data or b"httptools" not in sys.modules, data
+
+
 def _answer_of(s):
     """The first answer on socket ``s``: ``(head, _, body)`` as ``bytes.partition`` gives."""
     data = b""

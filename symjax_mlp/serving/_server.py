@@ -59,7 +59,7 @@ class _Lingering:
         return self.lingering or self._t.is_closing()
 
     def write(self, data: bytes) -> None:
-        # closed (a 400 to what a client pipelined after its requests): answers are dropped
+        # closed (a refusal sent: a 431, a 400 in a body, a client gone): answers are dropped
         if not self.is_closing():
             self._t.write(data)
 
@@ -100,6 +100,7 @@ def bounded_heads(
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         open = 0  # connections now, all of this server's (see limited())
+        _deferred = False  # a 400 waits for the answers to the requests before it
 
         def connection_made(self, transport: Any) -> None:
             BoundedHeads.open += 1
@@ -110,10 +111,14 @@ def bounded_heads(
         def send_400_response(self, msg: str) -> None:  # uvicorn's, in text/plain
             why = sys.exception()  # the parser's, which names the fault (where uvicorn's not)
             said = short(printable(msg if why is None else str(why)), 100).rstrip(".")
-            self._refuse(400, "Bad Request", (
-                f"the request is not HTTP/1.1 that this server reads ({said}); "
-                "send a well-formed request (one Content-Length, or a chunked body)."
-            ))  # fmt: skip
+            said = (f"the request is not HTTP/1.1 that this server reads ({said}); send a "
+                    "well-formed request (one Content-Length, or a chunked body).")  # fmt: skip
+            cycle = self.cycle  # the newest request (httptools queues those pipelined)
+            if self._waiting() or cycle.more_body:  # in no request, or within this one's body
+                return self._refuse(400, "Bad Request", said)
+            if not self._deferred:  # after the answers to the requests before it (once: the
+                self._deferred, done = True, cycle.on_response  # parser raises on new bytes)
+                cycle.on_response = lambda: (done(), self._refuse(400, "Bad Request", said))
 
         def _unsupported_upgrade_warning(self) -> None:  # uvicorn's logs "install websockets"
             # httptools took a body for the new protocol's bytes, and dropped it (h11 reads it)
@@ -192,7 +197,7 @@ def bounded_heads(
             # a client that half-closed after its whole request (nc -N): answered, then closed
             cycle, waiting = self.cycle, self._waiting()
             if not waiting and not cycle.more_body:
-                cycle.keep_alive = False
+                cycle.keep_alive = self._deferred  # (that 400 closes it once answered)
                 return True
             if (self._head_bytes if waiting else not cycle.response_started) and not (
                 self.transport.is_closing()  # answered early (413), lingering: no second one
@@ -376,10 +381,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def print_ready(artifact: Any) -> Callable[[str], None]:
-    def say(url: str) -> None:
-        print(f"serving {artifact} on {url} ({ENDPOINTS})", flush=True)
-
-    return say
+    return lambda url: print(f"serving {artifact} on {url} ({ENDPOINTS})", flush=True)
 
 
 @contextlib.contextmanager
