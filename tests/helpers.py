@@ -1599,7 +1599,7 @@ class AddPositionEmbs(nn.Module):
     def __call__(self, inputs, inputs_positions=None):
         config = self.config
         # inputs.shape is (batch_size, seq_len, emb_dim)
-        assert inputs.ndim == 3, "Number of dimensions should be 3, but it is: %d" % inputs.ndim  # noqa: UP031
+        assert inputs.ndim == 3, "Number of dimensions should be 3, but it is: %d" % inputs.ndim  # noqa: UP031  # noqa: UP031
         length = inputs.shape[1]
         pos_emb_shape = (1, config.max_len, inputs.shape[-1])
         if config.posemb_init is None:
@@ -1815,6 +1815,159 @@ def _lm1b_variables():
 def _lm1b(mode: str) -> Callable[[], tuple[Any, Any]]:
     config = LM1B if mode == "train" else LM1B.replace(deterministic=True)
     return lambda: (TransformerLM(config), _lm1b_variables())
+
+
+# -- flax examples/nlp_seq/models.py, as written there (google/flax@1191b8af89396d4e2443a15898
+# becd8ed5021242; docstrings shortened): a sequence tagger whose call takes its tokens and its
+# flag keyword-only, `__call__(self, *, inputs, train)`, as train.py applies it (`inputs=inputs,
+# train=True, rngs={'dropout': ...}`); `TransformerConfig`, `sinusoidal_init`, `AddPositionEmbs`,
+# `MlpBlock`, `Encoder1DBlock`, `Transformer` are `Tagger...` here (lm1b's hold those names)
+@flax.struct.dataclass
+class TaggerConfig:
+    """Global hyperparameters used to minimize obnoxious kwarg plumbing."""
+
+    vocab_size: int
+    output_vocab_size: int
+    dtype: Any = jnp.float32
+    emb_dim: int = 512
+    num_heads: int = 8
+    num_layers: int = 6
+    qkv_dim: int = 512
+    mlp_dim: int = 2048
+    max_len: int = 2048
+    dropout_rate: float = 0.3
+    attention_dropout_rate: float = 0.3
+    kernel_init: Callable = nn.initializers.xavier_uniform()
+    bias_init: Callable = nn.initializers.normal(stddev=1e-6)
+    posemb_init: Callable | None = None
+
+
+def tagger_sinusoidal_init(max_len=2048):
+    """1D Sinusoidal Position Embedding Initializer."""
+
+    def init(key, shape, dtype=np.float32):
+        """Sinusoidal init."""
+        del key, dtype
+        d_feature = shape[-1]
+        pe = np.zeros((max_len, d_feature), dtype=np.float32)
+        position = np.arange(0, max_len)[:, np.newaxis]
+        div_term = np.exp(np.arange(0, d_feature, 2) * -(np.log(10000.0) / d_feature))
+        pe[:, 0::2] = np.sin(position * div_term)
+        pe[:, 1::2] = np.cos(position * div_term)
+        pe = pe[np.newaxis, :, :]  # [1, max_len, d_feature]
+        return jnp.array(pe)
+
+    return init
+
+
+class TaggerPositionEmbs(nn.Module):
+    """Adds (optionally learned) positional embeddings to the inputs."""
+
+    config: TaggerConfig
+
+    @nn.compact
+    def __call__(self, inputs):
+        config = self.config
+        # inputs.shape is (batch_size, seq_len, emb_dim)
+        assert inputs.ndim == 3, "Number of dimensions should be 3, but it is: %d" % inputs.ndim  # noqa: UP031
+        length = inputs.shape[1]
+        pos_emb_shape = (1, config.max_len, inputs.shape[-1])
+        if config.posemb_init is None:
+            # Use a fixed (non-learned) sinusoidal position embedding.
+            pos_embedding = tagger_sinusoidal_init(max_len=config.max_len)(
+                None, pos_emb_shape, None
+            )
+        else:
+            pos_embedding = self.param("pos_embedding", config.posemb_init, pos_emb_shape)
+        pe = pos_embedding[:, :length, :]
+        return inputs + pe
+
+
+class TaggerMlpBlock(nn.Module):
+    """Transformer MLP / feed-forward block."""
+
+    config: TaggerConfig
+    out_dim: int | None = None
+
+    @nn.compact
+    def __call__(self, inputs, deterministic=True):
+        config = self.config
+        actual_out_dim = inputs.shape[-1] if self.out_dim is None else self.out_dim
+        x = nn.Dense(config.mlp_dim, dtype=config.dtype, kernel_init=config.kernel_init,
+                     bias_init=config.bias_init)(inputs)  # fmt: skip
+        x = nn.elu(x)
+        x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=deterministic)
+        output = nn.Dense(actual_out_dim, dtype=config.dtype, kernel_init=config.kernel_init,
+                          bias_init=config.bias_init)(x)  # fmt: skip
+        output = nn.Dropout(rate=config.dropout_rate)(output, deterministic=deterministic)
+        return output
+
+
+class TaggerEncoderBlock(nn.Module):
+    """Transformer encoder layer."""
+
+    config: TaggerConfig
+
+    @nn.compact
+    def __call__(self, inputs, deterministic):
+        config = self.config
+
+        # Attention block.
+        assert inputs.ndim == 3
+        x = nn.LayerNorm(dtype=config.dtype)(inputs)
+        x = nn.SelfAttention(
+            num_heads=config.num_heads,
+            dtype=config.dtype,
+            qkv_features=config.qkv_dim,
+            kernel_init=config.kernel_init,
+            bias_init=config.bias_init,
+            use_bias=False,
+            broadcast_dropout=False,
+            dropout_rate=config.attention_dropout_rate,
+            deterministic=deterministic,
+        )(x)
+
+        x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=deterministic)
+        x = x + inputs
+
+        # MLP block.
+        y = nn.LayerNorm(dtype=config.dtype)(x)
+        y = TaggerMlpBlock(config=config)(y, deterministic=deterministic)
+        return x + y
+
+
+class Tagger(nn.Module):
+    """Transformer Model for sequence tagging."""
+
+    config: TaggerConfig
+
+    @nn.compact
+    def __call__(self, *, inputs, train):
+        assert inputs.ndim == 2  # (batch, len)
+
+        config = self.config
+
+        x = inputs.astype("int32")
+        x = nn.Embed(num_embeddings=config.vocab_size, features=config.emb_dim, name="embed")(x)
+        x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=not train)
+        x = TaggerPositionEmbs(config)(x)
+
+        for _ in range(config.num_layers):
+            x = TaggerEncoderBlock(config)(x, deterministic=not train)
+
+        x = nn.LayerNorm(dtype=config.dtype)(x)
+        logits = nn.Dense(config.output_vocab_size, kernel_init=config.kernel_init,
+                          bias_init=config.bias_init)(x)  # fmt: skip
+        return logits
+
+
+def tagger() -> tuple[Tagger, Any, jax.Array]:
+    """``(model, variables, inputs)``: a one-layer tagger of 16 tokens into 5 tags, its
+    variables as train.py inits them (``inputs=`` a batch, ``train=False``), 2 sentences of 6."""
+    config = TaggerConfig(vocab_size=16, output_vocab_size=5, emb_dim=8, num_heads=2,
+                          num_layers=1, qkv_dim=8, mlp_dim=16, max_len=8)  # fmt: skip
+    model, inputs = Tagger(config), _ints(0, (2, 6), 16)
+    return model, model.init(jax.random.key(1), inputs=inputs, train=False), inputs
 
 
 # -- flax examples/nnx_toy_examples/05_vae.py, as written there (google/flax@18f8f311c275d57f46d

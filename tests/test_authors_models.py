@@ -23,6 +23,7 @@ from helpers import (
     keyless,
     mixer,
     seq2seq_inputs,
+    tagger,
 )
 
 import symjax_mlp as sm
@@ -418,3 +419,18 @@ def test_a_reduction_over_a_pmap_axis_is_refused_naming_a_binding_that_runs(kind
     else:  # over the whole batch, as without the axis name
         want = nnx.BatchNorm(3, rngs=nnx.Rngs(0))(x) if kind == "nnx" else x - x.mean(0) * 2
     _close(names["h"](x), want)
+
+
+@pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")  # (the example's layer)
+def test_a_tagger_taking_its_tokens_keyword_only_runs_and_a_positional_call_names_its_keywords():
+    """flax's nlp_seq Transformer, ``__call__(self, *, inputs, train)``, called as train.py
+    applies it; ``h(x, train=False)`` was told to call ``h(x)``, the very call it refused."""
+    model, variables, x = tagger()
+    h = sm.hybridize(model, variables, rngs=jax.random.key(3))
+    want = model.apply(variables, inputs=x, train=False)
+    chex.assert_trees_all_close(h(inputs=x, train=False), want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(h(inputs=x, train=True), want)  # dropout drawn from its stream
+    with pytest.raises(sm.SignatureError, match=r"\(\*, inputs, train\): too many positional "
+                       r"arguments\. .* without its params or self: h\(inputs=inputs, "
+                       r"train=train\)\."):  # fmt: skip
+        h(x, train=False)

@@ -79,9 +79,7 @@ _EMPTY = (
     "leading dimension of 0, the others as the params were made for)."
 )
 _ARGUMENTS = "{name}: the call's arguments do not fit {whose} inputs ({inputs}): {error}. {fix}"
-_MODEL_FIX = (
-    "Pass them as the model takes them, without its params or self: h(x) for model(params, x)."
-)
+_MODEL_FIX = "Pass them as the model takes them, without its params or self: h({call})."
 _PRODUCT_SHAPE = (
     "{name}: the inputs ({inputs}) do not fit the params: a matrix product takes {got} from an "
     "input's last dimension where the params have {want} ({weights}). The params were made for "
