@@ -151,44 +151,56 @@ def check_dataset(data: Dataset) -> Dataset:
             f"{_CALLER}: data must be a symjax_mlp.training.Dataset; got {got}. "
             f"Wrap the arrays: sm.training.Dataset{wrap}."
         )
-    xs, ys = {}, {}
-    for name in ("x_train", "x_test"):
-        where, x = f"{data.name}.{name}", _array(data, name)
-        if x.ndim > 2:
-            raise DataError(
-                _NOT_ROWS.format(caller=_CALLER, name=where, shape=x.shape, example=x.shape[1:])
-            )
-        if x.ndim != 2:
-            raise DataError(
-                f"{_CALLER}: {where} has shape {x.shape}; expected 2-D features (examples, "
-                "features). Reshape it, e.g. x.reshape(len(x), -1)."
-            )
-        if 0 in x.shape:  # no feature: an initialiser's fan-in of 0, ZeroDivisionError
-            what = "example" if x.shape[0] == 0 else "feature per example"
-            raise DataError(
-                f"{_CALLER}: {where} is empty (shape {x.shape}); expected at least one {what}. "
-                "Check the loading and splitting of the data."
-            )
-        if not (np.issubdtype(x.dtype, np.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
-            raise DataError(
-                f"{_CALLER}: {where} has dtype {x.dtype}; expected real numbers. Pass numeric "
-                "features, e.g. x.astype(np.float32) (parsed first, if they are text)."
-            )
-        _check_finite(where, x)
-        with np.errstate(over="ignore"):
-            xs[name] = x.astype(np.float32)
-        if not np.isfinite(xs[name]).all():  # finite in float64, past float32's range
-            raise DataError(
-                f"{_CALLER}: {where} holds values up to {np.abs(x).max():g} in magnitude, past "
-                "float32's range; train() computes in float32. Rescale the features, e.g. "
-                "standardise them."
-            )
+    xs = {name: _features(data, name) for name in ("x_train", "x_test")}
     width, test_width = xs["x_train"].shape[1], xs["x_test"].shape[1]
     if test_width != width:
         raise DataError(
             f"{_CALLER}: {data.name}.x_test has {test_width} features per example but x_train has "
             f"{width}; both splits must have the same feature width. Preprocess them the same way."
         )
+    stats = _statistics(data, width)
+    ys = _labels(data, len(xs["x_train"]), len(xs["x_test"]))
+    name = data.name if isinstance(data.name, str | int | None) else str(data.name)  # JSON
+    return dataclasses.replace(data, **xs, **ys, **stats, name=name)
+
+
+def _features(data: Dataset, name: str) -> np.ndarray:
+    """``data.<name>`` as float32 rows of features, checked."""
+    where, x = f"{data.name}.{name}", _array(data, name)
+    if x.ndim > 2:
+        raise DataError(
+            _NOT_ROWS.format(caller=_CALLER, name=where, shape=x.shape, example=x.shape[1:])
+        )
+    if x.ndim != 2:
+        raise DataError(
+            f"{_CALLER}: {where} has shape {x.shape}; expected 2-D features (examples, "
+            "features). Reshape it, e.g. x.reshape(len(x), -1)."
+        )
+    if 0 in x.shape:  # no feature: an initialiser's fan-in of 0, ZeroDivisionError
+        what = "example" if x.shape[0] == 0 else "feature per example"
+        raise DataError(
+            f"{_CALLER}: {where} is empty (shape {x.shape}); expected at least one {what}. "
+            "Check the loading and splitting of the data."
+        )
+    if not (np.issubdtype(x.dtype, np.integer) or jnp.issubdtype(x.dtype, jnp.floating)):
+        raise DataError(
+            f"{_CALLER}: {where} has dtype {x.dtype}; expected real numbers. Pass numeric "
+            "features, e.g. x.astype(np.float32) (parsed first, if they are text)."
+        )
+    _check_finite(where, x)
+    with np.errstate(over="ignore"):
+        x32 = x.astype(np.float32)
+    if not np.isfinite(x32).all():  # finite in float64, past float32's range
+        raise DataError(
+            f"{_CALLER}: {where} holds values up to {np.abs(x).max():g} in magnitude, past "
+            "float32's range; train() computes in float32. Rescale the features, e.g. "
+            "standardise them."
+        )
+    return x32
+
+
+def _statistics(data: Dataset, width: int) -> dict[str, np.ndarray]:
+    """``data``'s ``mean`` and ``std`` (both or neither), checked, as float32."""
     stats = {k: getattr(data, k) for k in ("mean", "std") if getattr(data, k) is not None}
     for k, v in stats.items():  # the exported model computes (x - mean) / std with them
         a = np.asarray(v, np.float32) if np.issubdtype(np.asarray(v).dtype, np.number) else None
@@ -207,6 +219,11 @@ def check_dataset(data: Dataset) -> Dataset:
             f"{({'mean', 'std'} - set(stats)).pop()}; expected both (the features were "
             "standardised with them) or neither."
         )
+    return stats
+
+
+def _labels(data: Dataset, *rows: int) -> dict[str, np.ndarray]:
+    """``data``'s labels as int32 class indices, one per row of its splits' features, checked."""
     classes = data.num_classes
     count = isinstance(classes, numbers.Integral) and not isinstance(classes, bool)
     if classes is not None and not (count and classes >= 1):
@@ -217,12 +234,13 @@ def check_dataset(data: Dataset) -> Dataset:
     limit, what = 2**31 - 1, "labels are int32 class indices"  # checked before the cast
     if classes is not None and classes < limit:
         limit, what = classes, f"{data.name}.num_classes is {classes}"
-    for name, x in (("y_train", xs["x_train"]), ("y_test", xs["x_test"])):
+    ys = {}
+    for name, n in zip(("y_train", "y_test"), rows, strict=True):
         where, y = f"{data.name}.{name}", _array(data, name)
-        if y.ndim != 1 or len(y) != len(x):
+        if y.ndim != 1 or len(y) != n:
             raise DataError(
                 f"{_CALLER}: {where} has shape {y.shape}; expected one integer label per row of "
-                f"x{name[1:]}, shape ({len(x)},). Pass the class indices: y.argmax(axis=1) of "
+                f"x{name[1:]}, shape ({n},). Pass the class indices: y.argmax(axis=1) of "
                 "one-hot rows, y.reshape(-1) of a column."
             )
         if not np.issubdtype(y.dtype, np.integer):
@@ -243,8 +261,7 @@ def check_dataset(data: Dataset) -> Dataset:
                 )
         _in_range(where, name, y, limit, what)
         ys[name] = y.astype(np.int32)
-    name = data.name if isinstance(data.name, str | int | None) else str(data.name)  # JSON
-    return dataclasses.replace(data, **xs, **ys, **stats, name=name)
+    return ys
 
 
 def check_outputs(data: Dataset, num_outputs: int) -> None:

@@ -94,6 +94,21 @@ def resume_run(
         state, meta = (read_checkpoint if store is None else store.restore)(found, state)
     except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
         raise CheckpointError(f"{_CALLER}: {e}") from None
+    _check_same_run(found, config, meta, state, update)
+    history = [EpochRecord(**r) for r in meta.get("history", [])]  # checked as it was read
+    ends = history[-1].step if history else 0
+    if len(history) != state.epoch or (history and ends != state.step):
+        raise broken(
+            f"{_CALLER}: {found}",
+            f"it records epoch {state.epoch} and step {state.step}, but its history has "
+            f"{len(history)} epoch(s) ending at step {ends}: resuming would skip or repeat epochs",
+        )
+    return state, history, found
+
+
+def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, update) -> None:
+    """Refuses a checkpoint of another run: its config, its model probes or the optimizer's next
+    update from its ``state`` differ from this run's."""
     recorded = meta.get("config", {})
     keys = sorted(set(config) | set(recorded))  # a setting only one of them records differs
     probes = (PROBE, PROBE_TRAIN)  # compared within a tolerance, below
@@ -135,15 +150,6 @@ def resume_run(
             "optimizer's. Its kind and state are the same, but a learning-rate schedule or a "
             "hyperparameter is not. " + _NOT_THAT_RUN.format(same="the optimizer that wrote it")
         )
-    history = [EpochRecord(**r) for r in meta.get("history", [])]  # checked as it was read
-    ends = history[-1].step if history else 0
-    if len(history) != state.epoch or (history and ends != state.step):
-        raise broken(
-            f"{_CALLER}: {found}",
-            f"it records epoch {state.epoch} and step {state.step}, but its history has "
-            f"{len(history)} epoch(s) ending at step {ends}: resuming would skip or repeat epochs",
-        )
-    return state, history, found
 
 
 def _data_fingerprint(data: Dataset) -> str:
