@@ -150,7 +150,7 @@ def load(
         specs, arrays = param_specs(_nested(params))
         found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
-    ordered = check_params(found, expected, file=source)
+    ordered = check_params(found, expected, file=source, own=params is None)
     self_test = self_test and params is None  # other weights give other outputs
     needs, signed = manifest.get("needs"), unchanged is not None  # the signer's word, if signed
     if signed:

@@ -1585,3 +1585,21 @@ def test_the_signature_of_another_artifact_names_the_files_it_does_not_sign(base
     with pytest.raises(sm.ArtifactError, match=says) as e:
         sm.load(other, verify_signature=public)
     assert "digest" not in str(e.value).lower()
+
+
+@pytest.mark.parametrize("lie", ["dtype", "shape", "name"])
+def test_weights_an_artifact_holds_against_its_manifest_say_to_export_again(base, tmp_path, lie):
+    """Its own params.safetensors of int32 (or other shape, or name) over a manifest of
+    float32 said "Cast them: x.astype(np.float32) for each", of weights no user passed."""
+    src, _ = base
+    weights = dict(safetensors.numpy.load_file(src / "params.safetensors"))
+    name = next(k for k in weights if k.endswith("kernel"))
+    w = weights.pop(name)
+    new = {"dtype": w.astype(np.int32), "shape": w.T.copy(), "name": w}[lie]
+    weights[name + "_renamed" * (lie == "name")] = new
+    data = safetensors.numpy.save(weights, metadata={"format": "symjax_mlp.params"})
+    art = forge.resign(src, tmp_path / "a", files={"params.safetensors": data})
+    says = r"(?s)params\.safetensors.*The artifact's own weights disagree with its manifest"
+    with pytest.raises(sm.ArtifactError, match=says) as e:
+        sm.load(art)
+    assert "Cast them" not in str(e.value) and "another export of it" not in str(e.value)

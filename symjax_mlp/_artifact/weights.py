@@ -225,10 +225,18 @@ def _parse_header(
 MAX_LISTED = 20  # mismatches an error message lists
 
 
+_OWN = (
+    "The artifact's own weights disagree with its manifest (it was edited, or mixes two "
+    "exports); export it again."
+)
+
+
 def check_params(
-    found: Mapping[str, np.ndarray], expected: Sequence[TensorSpec], *, file: Path | str
-) -> list[np.ndarray]:
-    """Matches params against the manifest's param tree; returns them in call order.
+    found: Mapping[str, np.ndarray], expected: Sequence[TensorSpec], *, file: Path | str,
+    own: bool = False,
+) -> list[np.ndarray]:  # fmt: skip
+    """Matches params against the manifest's param tree (``own``: the artifact's weights, not
+    weights passed in); returns them in call order.
 
     Raises:
       ArtifactError: listing (up to :data:`MAX_LISTED`) missing, extra (and likely renamed)
@@ -260,15 +268,16 @@ def check_params(
             f"{file} does not match the artifact's param tree ({len(missing)} missing, "
             f"{len(extra)} extra):\n"
             + "\n".join(printable(t if len(t) < 200 else t[:196] + "...") for t in lines)
-            + "\nUse weights of the same model (same layer names and sizes), e.g. the "
-            "params.safetensors of another export of it."
-        )
+            + "\n"
+            + (_OWN if own else "Use weights of the same model (same layer names and sizes), "
+               "e.g. the params.safetensors of another export of it.")
+        )  # fmt: skip
     ordered = []
     for s in expected:
         a = found[s.path]
         if tuple(a.shape) != tuple(s.shape) or str(a.dtype) != s.dtype:
-            fix = "Use weights of the same architecture."
-            if tuple(a.shape) == tuple(s.shape):  # the same weights, in another dtype
+            fix = _OWN if own else "Use weights of the same architecture."
+            if tuple(a.shape) == tuple(s.shape) and not own:  # the same weights, another dtype
                 fix = f"Cast them: x.astype({printable(cast_to(s.dtype))}) for each."
             raise ArtifactError(
                 f"{file}: param {printable(s.path)} is {a.dtype}{list(a.shape)} but the "
