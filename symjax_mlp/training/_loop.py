@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 import os
 import time
@@ -30,6 +29,7 @@ from symjax_mlp.training._data import (
     load_digits,
 )
 from symjax_mlp.training._epoch import Programs, TrainResult
+from symjax_mlp.training._optimizer import checked_optimizer, init_state
 from symjax_mlp.training._orbax import OrbaxCheckpoints
 from symjax_mlp.training._paths import check_directory
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
@@ -40,7 +40,6 @@ from symjax_mlp.training._step import (
     ModelVars,
     check_model,
     check_trainable,
-    check_update,
     init_of,
     owned,
 )
@@ -52,11 +51,6 @@ _CONTROL_FLOW = (
     "dtypes are known: a Python if/while on an array, float(x), int(x) or np.asarray(x) in "
     "__call__ cannot be decided. Stay symbolic: jnp.where or jax.lax.cond for an if, "
     "jax.lax.while_loop for a while, jnp operations for float(x)."
-)
-_NOT_ARRAYS = (
-    _CALLER + ": optimizer.init(params) returned a state whose {where} is a {kind}; an optimizer "
-    "state holds arrays and numbers only: each step carries it through jit, each checkpoint "
-    "stores it. Keep other values out of the state (in the optimizer's closure)."
 )
 _PAST = (
     "symjax_mlp.training.train(epochs={epochs}, resume=True): the newest checkpoint, {found}, "
@@ -147,7 +141,7 @@ def train(
     )
     _check_settings(epochs, batch_size, checkpoint_every, seed, compiled, resume, on_epoch)
     compiled, resume = bool(compiled), bool(resume)  # np.True_, 1: JSON's true in the results
-    optimizer = _checked_optimizer(optimizer, learning_rate)
+    optimizer = checked_optimizer(optimizer, learning_rate, _CALLER)
     timeout = run_timeout(timeout, _CALLER)  # checked in one process too, not once scaled out
     if resume and checkpoint is None:
         raise ConfigError(f"{_CALLER}: resume=True needs checkpoint=DIR, the directory to resume "
@@ -293,37 +287,6 @@ def _processes(
     return programs, store, watch
 
 
-def _checked_optimizer(
-    optimizer: optax.GradientTransformation | None, learning_rate: float | None
-) -> optax.GradientTransformation:
-    """The optimizer to use: ``optax.adam`` by default."""
-    lr = learning_rate  # a sweep's jnp.logspace(...)[i], a 0-d array: its float
-    if np.ndim(lr) == 0 and jnp.issubdtype(getattr(lr, "dtype", int), jnp.floating):
-        lr = float(lr)
-    number = isinstance(lr, numbers.Real) and not isinstance(lr, bool) and 0 < lr < math.inf
-    lr = float(lr) if number else lr  # a Fraction: optax multiplies it with arrays
-    if not (lr is None or number or callable(lr)):  # optax takes a schedule too
-        raise ConfigError(
-            f"{_CALLER}: learning_rate must be a number > 0 (e.g. 1e-3) or an optax schedule; "
-            f"got {lr!r}."
-        )
-    if optimizer is None:
-        optimizer = optax.adam(1e-3 if lr is None else lr)
-    elif lr is not None:
-        raise ConfigError(
-            f"{_CALLER}: learning_rate sets the default adam only; with an explicit optimizer, "
-            f"give it the learning rate instead, e.g. optax.sgd({lr!r})."
-        )
-    if isinstance(optimizer, optax.MultiSteps):  # a wrapper whose transformation is a method
-        optimizer = optimizer.gradient_transformation()
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise ConfigError(
-            f"{_CALLER}: optimizer must be an optax.GradientTransformation such as "
-            f"optax.adam(1e-3); got {type(optimizer).__name__}."
-        )
-    return optimizer
-
-
 def _classifier(
     model: Any,
     data: Dataset,
@@ -362,21 +325,5 @@ def _initial_state(
     params = init_of(model, spec, init_key, example)
     trainable = params.params if isinstance(params, ModelVars) else params
     check_trainable(trainable, f"symjax_mlp.training.train({type(model).__name__})")
-    try:
-        opt_state = optimizer.init(trainable)
-    except Exception as e:  # an optimizer of another params form (optax.lookahead's)
-        if isinstance(e, jax.errors.JaxRuntimeError):  # out of memory: not the optimizer's kind
-            raise
-        tree = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", trainable)
-        raise ConfigError(
-            f"{_CALLER}: optimizer.init(params) raised {type(e).__name__}: "
-            f"{str(e)[:200]}. train() passes the model's params as they are, {str(tree)[:200]};"
-            " use an optimizer that takes them, or write the loop with train_step."
-        ) from e
-    array = jax.Array | np.ndarray | np.generic | numbers.Number
-    leaves = jax.tree_util.tree_leaves_with_path(opt_state)
-    if (odd := next(((p, a) for p, a in leaves if not isinstance(a, array)), None)) is not None:
-        where, kind = jax.tree_util.keystr(odd[0]), type(odd[1]).__name__
-        raise ConfigError(_NOT_ARRAYS.format(where=where, kind=kind))
-    check_update(optimizer, trainable, opt_state, _CALLER)
+    opt_state = init_state(optimizer, trainable, _CALLER)
     return TrainState(params, owned(opt_state), rng)

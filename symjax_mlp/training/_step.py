@@ -18,7 +18,8 @@ from flax import nnx
 from flax.errors import ScopeParamShapeError
 
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
-from symjax_mlp._hybrid.trace import TRACER_ERRORS, unfit_input
+from symjax_mlp._hybrid.trace import unfit_input
+from symjax_mlp.training._optimizer import update
 from symjax_mlp.training._spec import (
     STEP_FORM,
     ModelSpec,
@@ -271,10 +272,6 @@ def step_of(
                 raise
             raise unfit from None
         updates, moved_state = update(optimizer, grads, opt_state, trainable, loss, caller)
-        if (was := _like(opt_state)) != (got := _like(moved_state)):  # jit would trace again
-            raise ConfigError(
-                _STATE_MOVED.format(caller=caller, was=f"{was!s:.300}", got=f"{got!s:.300}")
-            )
         trainable = optax.apply_updates(trainable, updates)
         params = ModelVars(trainable, moved.state) if stateful else trainable
         return params, moved_state, {"loss": loss, "correct": correct}
@@ -283,77 +280,13 @@ def step_of(
     return step
 
 
-def update(optimizer: Any, grads: Any, opt_state: Any, params: Any, loss: Any, caller: str):
-    """``optimizer.update(grads, opt_state, params)``, with ``value=`` the loss for an optimizer
-    taking extra arguments (``reduce_on_plateau``); one needing more (``optax.lbfgs``: ``grad=``
-    and ``value_fn=``) is a ConfigError naming what the step passes (was optax's TypeError)."""
-    kw = {"value": loss} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
-    try:
-        out = optimizer.update(grads, opt_state, params, **kw)
-    except TRACER_ERRORS:  # Python control flow on a traced value: JAX's own error says it
-        raise
-    except TypeError as e:
-        given = ", value=loss" if kw else ""
-        raise ConfigError(
-            _EXTRA_ARGS.format(caller=caller, error=f"{e!s:.300}", given=given)
-        ) from None
-    if not (isinstance(out, tuple | list) and len(out) == 2):  # else the step's unpacking error
-        size = f" of {len(out)}" if isinstance(out, tuple | list) else ""
-        raise ConfigError(_UPDATE_FORM.format(caller=caller, got=f"a {type(out).__name__}{size}"))
-    try:  # the updates as optax.apply_updates takes them: a tree like the gradients
-        jax.tree.map(lambda *_: None, grads, out[0])
-    except (TypeError, ValueError):
-        trees = f"{jax.tree.structure(out[0])!s:.200} for {jax.tree.structure(grads)!s:.200}"
-        raise ConfigError(
-            _UPDATE_FORM.format(caller=caller, got=f"updates of another tree, {trees}")
-        ) from None
-    return out
-
-
-def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> None:
-    """:func:`update`'s refusal before a step runs, its update traced on shapes only; any other
-    error of the optimizer's a ConfigError naming it, as ``optimizer.init``'s."""
-    try:
-        jax.eval_shape(
-            lambda p, s: update(optimizer, p, s, p, jnp.float32(0), caller), params, opt_state
-        )
-    except TRACER_ERRORS:  # Python control flow: an eager step runs it
-        pass
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(_UPDATE_RAISED.format(caller=caller, e=e, kind=type(e).__name__)) from e
-
-
-_UPDATE_FORM = (
-    "{caller}: optimizer.update(grads, opt_state, params) returned {got}; expected (updates, "
-    "opt_state), the updates a tree like the gradients, as optax's transformations return. "
-    "Make update return that pair."
-)
-_UPDATE_RAISED = (
-    "{caller}: optimizer.update(grads, opt_state, params) raised {kind}: {e!s:.300}, traced on "
-    "the params' shapes before the first step. Fix the optimizer (its update of a gradient "
-    "like the params), or pass one such as optax.adam(1e-3)."
-)
-_EXTRA_ARGS = (
-    "{caller}: the optimizer's update raised TypeError: {error}. The training step calls "
-    "optimizer.update(grads, opt_state, params{given}) and nothing more; an optimizer that "
-    "needs more (optax.lbfgs: grad= and value_fn=, for its line search) runs in a loop of your "
-    "own, e.g. optax's lbfgs example with optax.value_and_grad_from_state. Pass an optimizer "
-    "such as optax.adam(1e-3), optax.sgd(0.1) or one taking value= (reduce_on_plateau)."
-)
-
-
-def _like(tree: Any) -> Any:
-    """``tree`` as its structure, with each leaf's dtype and shape."""
-    return jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}", tree)
-
-
 def _weighted_loss(model: Any, spec: Any, params: Any, x: Any, y: Any, w: Any) -> tuple:
     """``(sum of w * cross-entropy, weighted count correct, params moved)``."""
     logits, params = apply_model(model, spec, params, x, train=True)
     if not jnp.issubdtype(getattr(logits, "dtype", object), jnp.floating):  # raw JAX/optax errors
-        got = _like(logits) if hasattr(logits, "dtype") else f"a {type(logits).__name__}"
+        got = f"a {type(logits).__name__}"
+        if hasattr(logits, "dtype"):
+            got = f"{logits.dtype}{list(jnp.shape(logits))}"
         raise ConfigError(_NOT_LOGITS.format(got=got))
     if jnp.shape(logits)[:1] != jnp.shape(x)[:1]:  # optax would broadcast them: a wrong loss
         raise ConfigError(_NOT_PER_ROW.format(got=jnp.shape(logits), x=jnp.shape(x)))
@@ -376,11 +309,6 @@ _LABELS = (
     "{caller}: the step got {got}; expected one integer label y and one weight w per row of "
     "x, y int32[{n}] and w float32[{n}] (its shape (batch,) too, not (batch, 1)). Pass "
     "y.astype(jnp.int32).reshape(-1) and w.reshape(-1)."
-)
-_STATE_MOVED = (
-    "{caller}: the optimizer's update returned a state unlike the one it was given ({was} -> "
-    "{got}). A compiled step needs the same structure, shapes and dtypes at every step, and a "
-    "checkpoint restores init's. Make update return a state like init's (cast with .astype)."
 )
 UNEVEN = (
     "{caller}: a batch of {rows} rows does not split into the step's {blocks} equal blocks. "

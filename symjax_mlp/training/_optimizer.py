@@ -1,0 +1,153 @@
+"""The optimizer as training calls it: any optax ``GradientTransformation`` (the default adam,
+``MultiSteps`` unwrapped), its state made and its update traced on shapes before the first step,
+so that an optimizer of another form is a ConfigError naming ``optimizer.init`` or
+``optimizer.update``, never a raw error from inside a step."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid.trace import TRACER_ERRORS
+
+_INIT_RAISED = (
+    "{caller}: optimizer.init(params) raised {kind}: {e!s:.200}. train() passes the model's "
+    "params as they are, {tree!s:.200}; use an optimizer that takes them, or write the loop with "
+    "train_step."
+)
+_NOT_ARRAYS = (
+    "{caller}: optimizer.init(params) returned a state whose {where} is a {kind}; an optimizer "
+    "state holds arrays and numbers only: each step carries it through jit, each checkpoint "
+    "stores it. Keep other values out of the state (in the optimizer's closure)."
+)
+_UPDATE_FORM = (
+    "{caller}: optimizer.update(grads, opt_state, params) returned {got}; expected (updates, "
+    "opt_state), the updates a tree like the gradients, as optax's transformations return. "
+    "Make update return that pair."
+)
+_UPDATE_RAISED = (
+    "{caller}: optimizer.update(grads, opt_state, params) raised {kind}: {e!s:.300}, traced on "
+    "the params' shapes before the first step. Fix the optimizer (its update of a gradient "
+    "like the params), or pass one such as optax.adam(1e-3)."
+)
+_EXTRA_ARGS = (
+    "{caller}: the optimizer's update raised TypeError: {error}. The training step calls "
+    "optimizer.update(grads, opt_state, params{given}) and nothing more; an optimizer that "
+    "needs more (optax.lbfgs: grad= and value_fn=, for its line search) runs in a loop of your "
+    "own, e.g. optax's lbfgs example with optax.value_and_grad_from_state. Pass an optimizer "
+    "such as optax.adam(1e-3), optax.sgd(0.1) or one taking value= (reduce_on_plateau)."
+)
+_STATE_MOVED = (
+    "{caller}: the optimizer's update returned a state unlike the one it was given ({was} -> "
+    "{got}). A compiled step needs the same structure, shapes and dtypes at every step, and a "
+    "checkpoint restores init's. Make update return a state like init's (cast with .astype)."
+)
+
+
+def checked_optimizer(
+    optimizer: optax.GradientTransformation | None, learning_rate: Any, caller: str
+) -> optax.GradientTransformation:
+    """The optimizer to use: ``optax.adam(learning_rate)`` by default."""
+    lr = learning_rate  # a sweep's jnp.logspace(...)[i], a 0-d array: its float
+    if np.ndim(lr) == 0 and jnp.issubdtype(getattr(lr, "dtype", int), jnp.floating):
+        lr = float(lr)
+    number = isinstance(lr, numbers.Real) and not isinstance(lr, bool) and 0 < lr < math.inf
+    lr = float(lr) if number else lr  # a Fraction: optax multiplies it with arrays
+    if not (lr is None or number or callable(lr)):  # optax takes a schedule too
+        raise ConfigError(
+            f"{caller}: learning_rate must be a number > 0 (e.g. 1e-3) or an optax schedule; "
+            f"got {lr!r}."
+        )
+    if optimizer is None:
+        optimizer = optax.adam(1e-3 if lr is None else lr)
+    elif lr is not None:
+        raise ConfigError(
+            f"{caller}: learning_rate sets the default adam only; with an explicit optimizer, "
+            f"give it the learning rate instead, e.g. optax.sgd({lr!r})."
+        )
+    if isinstance(optimizer, optax.MultiSteps):  # a wrapper whose transformation is a method
+        optimizer = optimizer.gradient_transformation()
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise ConfigError(
+            f"{caller}: optimizer must be an optax.GradientTransformation such as "
+            f"optax.adam(1e-3); got {type(optimizer).__name__}."
+        )
+    return optimizer
+
+
+def init_state(optimizer: optax.GradientTransformation, params: Any, caller: str) -> Any:
+    """``optimizer.init(params)``, refused unless it is arrays and :func:`check_update` passes."""
+    try:
+        opt_state = optimizer.init(params)
+    except Exception as e:  # an optimizer of another params form (optax.lookahead's)
+        if isinstance(e, jax.errors.JaxRuntimeError):  # out of memory: not the optimizer's kind
+            raise
+        tree = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", params)
+        what = {"caller": caller, "kind": type(e).__name__, "e": e, "tree": tree}
+        raise ConfigError(_INIT_RAISED.format(**what)) from e
+    array = jax.Array | np.ndarray | np.generic | numbers.Number
+    leaves = jax.tree_util.tree_leaves_with_path(opt_state)
+    if (odd := next(((p, a) for p, a in leaves if not isinstance(a, array)), None)) is not None:
+        where, kind = jax.tree_util.keystr(odd[0]), type(odd[1]).__name__
+        raise ConfigError(_NOT_ARRAYS.format(caller=caller, where=where, kind=kind))
+    check_update(optimizer, params, opt_state, caller)
+    return opt_state
+
+
+def update(optimizer: Any, grads: Any, opt_state: Any, params: Any, loss: Any, caller: str):
+    """``optimizer.update(grads, opt_state, params)``, with ``value=`` the loss for an optimizer
+    taking extra arguments (``reduce_on_plateau``); one needing more (``optax.lbfgs``: ``grad=``
+    and ``value_fn=``) is a ConfigError naming what the step passes (was optax's TypeError), as
+    is a result other than the updates and a state like ``opt_state`` (jit would trace again)."""
+    kw = {"value": loss} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
+    try:
+        out = optimizer.update(grads, opt_state, params, **kw)
+    except TRACER_ERRORS:  # Python control flow on a traced value: JAX's own error says it
+        raise
+    except TypeError as e:
+        given = ", value=loss" if kw else ""
+        raise ConfigError(
+            _EXTRA_ARGS.format(caller=caller, error=f"{e!s:.300}", given=given)
+        ) from None
+    if not (isinstance(out, tuple | list) and len(out) == 2):  # else the step's unpacking error
+        size = f" of {len(out)}" if isinstance(out, tuple | list) else ""
+        raise ConfigError(_UPDATE_FORM.format(caller=caller, got=f"a {type(out).__name__}{size}"))
+    try:  # the updates as optax.apply_updates takes them: a tree like the gradients
+        jax.tree.map(lambda *_: None, grads, out[0])
+    except (TypeError, ValueError):
+        trees = f"{jax.tree.structure(out[0])!s:.200} for {jax.tree.structure(grads)!s:.200}"
+        raise ConfigError(
+            _UPDATE_FORM.format(caller=caller, got=f"updates of another tree, {trees}")
+        ) from None
+    if (was := _like(opt_state)) != (got := _like(out[1])):
+        raise ConfigError(
+            _STATE_MOVED.format(caller=caller, was=f"{was!s:.300}", got=f"{got!s:.300}")
+        )
+    return out
+
+
+def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> None:
+    """:func:`update`'s refusals before a step runs, its update traced on shapes only; any other
+    error of the optimizer's a ConfigError naming it, as ``optimizer.init``'s."""
+    try:
+        jax.eval_shape(
+            lambda p, s: update(optimizer, p, s, p, jnp.float32(0), caller), params, opt_state
+        )
+    except TRACER_ERRORS:  # Python control flow: an eager step runs it
+        pass
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(_UPDATE_RAISED.format(caller=caller, e=e, kind=type(e).__name__)) from e
+
+
+def _like(tree: Any) -> Any:
+    """``tree`` as its structure, with each leaf's dtype and shape."""
+    return jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}", tree)
