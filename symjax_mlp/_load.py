@@ -175,7 +175,8 @@ class _Opener:
         self.lock = threading.Lock()
 
     def open(self, entry: str | None, arrays: list[Any] | None = None) -> LoadedModel:
-        with self.lock:
+        # under a trace (sm.load inside jax.jit): weights and self-test concrete, not staged
+        with self.lock, jax.ensure_compile_time_eval():
             view = entry_view(self.manifest, entry)
             if (name := entry_point(view)) not in self.opened:
                 self.opened[name] = self._open(view, arrays)

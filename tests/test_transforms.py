@@ -566,3 +566,22 @@ def test_lax_cond_and_switch_with_a_batched_predicate_under_vmap(mlp):
         return lambda xs: cond(f)(xs, on).sum()
 
     chex.assert_trees_all_close(jax.grad(loss(m))(xs), jax.grad(loss(h))(xs), **TOL)
+
+
+def test_load_inside_jit_eval_shape_vmap_and_grad_runs_its_checks_outside_the_trace(mlp):
+    """sm.load called in a function jax.jit traces raised JAX's TracerArrayConversionError
+    (its self-test compared traced outputs), with JAX's traceback; the weights it placed
+    must not be tracers either, or the model would fail once the trace is over."""
+    h, m = mlp
+    x, kept = _xs(2, 5), []
+
+    def f(x):
+        kept.append(sm.load(m.path))
+        return kept[-1](x)
+
+    for transform, xs in ((jax.jit, x), (jax.vmap, _xs(3, 2, 5)),
+                          (lambda f: jax.grad(lambda x: f(x).sum()), x)):  # fmt: skip
+        np.testing.assert_allclose(transform(f)(xs), transform(h)(xs), **TOL)
+    assert jax.eval_shape(f, x).shape == (2, 3)
+    np.testing.assert_allclose(kept[0](x), h(x), **TOL)  # after the trace: concrete weights
+    np.testing.assert_allclose(kept[-1](x), h(x), **TOL)
