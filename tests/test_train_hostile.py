@@ -1217,3 +1217,37 @@ def test_restoring_into_another_dtype_names_the_dtype_that_wrote_it(tmp_path):
     with pytest.raises(sm.CheckpointError, match=r"dtype float16\. The checkpoint holds float32 "
                        r"values: .*param_dtype.*jax_enable_x64"):  # fmt: skip
         sm.training.restore_checkpoint(path, like)
+
+
+class _StopsEarly:
+    """Rows that say there are 48 (``len``) and give 10 when read (a reader that ran dry)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        if i >= 10:
+            raise StopIteration
+        return self.rows[i]
+
+
+def test_data_that_stops_early_or_cannot_be_read_is_a_data_error(tiny):
+    """Features and labels that both stopped at 10 of their 48 rows trained on those 10, in
+    silence; a value whose __array__ raised escaped as that raw error."""
+
+    class Unreadable:
+        def __array__(self, dtype=None, copy=None):
+            raise RuntimeError("the file went away")
+
+    x, y = tiny.x_train[:48], tiny.y_train[:48]
+    stops = sm.training.Dataset(_StopsEarly(x), _StopsEarly(y), tiny.x_test, tiny.y_test)
+    with pytest.raises(sm.DataError, match=r"x_train has 48 rows \(its len\) but gave 10 when "):
+        sm.training.train(sm.mlp((8, 10)), stops, epochs=1, batch_size=8)
+    unreadable = sm.training.Dataset(Unreadable(), y, tiny.x_test, tiny.y_test)
+    with pytest.raises(sm.DataError, match=r"x_train is not an array of numbers \(RuntimeError: "
+                       "the file went away\\)") as e:  # fmt: skip
+        sm.training.train(sm.mlp((8, 10)), unreadable, epochs=1, batch_size=8)
+    assert isinstance(e.value.__cause__, RuntimeError)

@@ -309,18 +309,27 @@ def default_classes(data: Dataset) -> int:
 
 def _array(data: Dataset, name: str) -> np.ndarray:
     """``data.<name>`` as a NumPy array; a ragged list or a generator is a DataError."""
-    value = getattr(data, name)
+    value, error = getattr(data, name), None
     try:
         a = np.asarray(value)
         why = f"a {type(value).__name__}"  # a generator, None: a 0-d array of an object
     except (ValueError, TypeError) as e:
         a, why = None, str(e)[:160]
+    except Exception as e:  # the value's own reader failed (its __array__, __getitem__)
+        a, why, error = None, f"{type(e).__name__}: {str(e)[:160]}", e
     if a is not None and (a.ndim or a.dtype != object):
+        sized = a.ndim and hasattr(value, "__len__") and not isinstance(value, np.ndarray)
+        if sized and (n := len(value)) != len(a):  # a sequence whose rows stopped early
+            raise DataError(
+                f"{_CALLER}: {data.name}.{name} has {n} rows (its len) but gave {len(a)} when "
+                "read: its reading stopped early. Pass every row, e.g. np.asarray of the "
+                "complete rows."
+            )
         return a
     raise DataError(
         f"{_CALLER}: {data.name}.{name} is not an array of numbers ({why}); expected rows of equal "
         "length. Pass np.asarray(rows), ragged rows padded or dropped (a generator's: list(rows))."
-    )
+    ) from error
 
 
 def _check_finite(name: str, a: np.ndarray) -> None:
