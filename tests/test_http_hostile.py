@@ -230,7 +230,7 @@ def test_each_body_read_has_its_own_deadline_moved_on_as_chunks_arrive():
             intake.release(hold)
 
     async def crowd():
-        slow = _Body(*[(0.1, b"ab")] * 5)  # 0.5 s in all
+        slow = _Body(*[(0.1, b"ab" * 50)] * 5)  # 0.5 s in all, at 1000 bytes/s
         quiet = _Body((0.0, b"a"), (None, b""))
         whole = _Body((0.0, b"abc"))
         start = time.monotonic()
@@ -239,7 +239,7 @@ def test_each_body_read_has_its_own_deadline_moved_on_as_chunks_arrive():
 
     for _ in range(2):  # each asyncio.run: a new loop
         got, took = asyncio.run(crowd())
-        assert got == [b"ab" * 5, 408, b"abc", 408] and took < 5, (got, took)
+        assert got == [b"ab" * 250, 408, b"abc", 408] and took < 5, (got, took)
         assert intake.held == 0 and intake._reads._last.due == {}
 
     async def stopped():
@@ -250,6 +250,41 @@ def test_each_body_read_has_its_own_deadline_moved_on_as_chunks_arrive():
             await task
 
     asyncio.run(stopped())
+
+
+def test_a_body_trickled_below_the_minimum_rate_is_a_408_however_often_it_sends():
+    """A byte now and then, each within body_timeout, held a connection for hours (and
+    max_connections such clients locked everyone out): the whole body must come within
+    body_timeout + its size / MIN_BODY_RATE seconds, as Apache's mod_reqtimeout reads it. A
+    client behind for a moment, then ahead, is read whole, and no timer is left behind."""
+    from symjax_mlp.serving._app import BadRequest
+    from symjax_mlp.serving._intake import MIN_BODY_RATE, Intake
+
+    intake = Intake(10_000, 0.2, 40_000)
+
+    async def read(request):
+        hold = [0]
+        try:
+            got = await intake.read(request, hold)
+            await asyncio.sleep(0.3)  # past any deadline of the read: nothing cancels it
+            return got
+        except BadRequest as e:
+            return e.status, str(e)
+        finally:
+            intake.release(hold)
+
+    async def crowd():
+        trickle = _Body(*[(0.15, b"[")] * 20)  # 7 bytes/s: 3 s, each byte within 0.2 s
+        late = _Body((0.15, b"["), (0.02, b"1" * 500), (0.1, b"]"))  # behind, then ahead
+        start = time.monotonic()
+        return await asyncio.gather(read(trickle), read(late)), time.monotonic() - start
+
+    ((status, said), late), took = asyncio.run(crowd())
+    assert status == 408 and late == b"[" + b"1" * 500 + b"]" and took < 1.5, (said, took)
+    assert said.startswith("the body came too slowly: 1 bytes in ") and (
+        f"under {MIN_BODY_RATE} bytes/s after its first 0.2 s (body_timeout=0.2)" in said
+    ), said
+    assert intake.held == 0 and intake._reads._last.due == {}
 
 
 def test_connections_past_the_limit_are_refused_at_once(server):

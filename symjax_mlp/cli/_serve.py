@@ -73,7 +73,8 @@ def add_parser(sub: _args.Subcommands) -> None:
         type=positive,
         default=60.0,
         metavar="SECONDS",
-        help="a client that sends nothing of its body for this long is answered 408 and dropped",
+        help="a client that sends nothing of its body for this long, or all of it slower than "
+        "500 bytes/s past this long, is answered 408 and dropped",
     )
     p.add_argument(
         "--max-inflight-bytes",

@@ -9,12 +9,12 @@
   ``GET /metrics`` (Prometheus), ``GET /signature``.
 
 Errors are JSON ``{"error": class, "message": ..., "model": name}``, counted on /metrics: 400 an
-unreadable body, 408 a body that stopped arriving, 413 too large, 415 an unknown content type,
-422 a :class:`~symjax_mlp.SignatureError`, 503 a full queue or too many body bytes in flight
-(both with ``Retry-After``), a batcher closed with ``cancel=True`` or a server that stopped
+unreadable body, 408 a body that stopped arriving or came too slowly, 413 too large, 415 an unknown
+content type, 422 a :class:`~symjax_mlp.SignatureError`, 503 a full queue or too many body bytes in
+flight (both with ``Retry-After``), a batcher closed with ``cancel=True`` or a server that stopped
 before the answer, 500 the model raised (its message escaped, cut to 300 characters, with no
-traceback or server path: the whole traceback is logged), 504 no answer within request_timeout,
-404/405 a wrong path (``/predict/`` too) or method. A message names the model, never its path.
+traceback or server path: the traceback is logged), 504 no answer within request_timeout, 404/405 a
+wrong path (``/predict/`` too) or method. A message names the model, never its path.
 """
 
 from __future__ import annotations
@@ -134,8 +134,9 @@ def create_app(
     Args:
       batcher: the :class:`~symjax_mlp.serving.Batcher` that runs the requests.
       max_body_bytes: larger request bodies are refused with 413.
-      body_timeout: a client that sends nothing of its body for this many seconds is
-        answered 408 and its connection closed (nginx's ``client_body_timeout``).
+      body_timeout: a client that sends nothing of its body for this many seconds, or all
+        of it slower than 500 bytes/s after the first ``body_timeout`` seconds, is answered
+        408 and its connection closed (nginx's ``client_body_timeout``, Apache's MinRate).
       max_inflight_bytes: the most bytes all request bodies being received and decoded may
         hold together (default: ``4 * max_body_bytes``); past it: 503 with ``Retry-After``.
       close_batcher: close the batcher when the app shuts down: it finishes queued work,
@@ -274,9 +275,8 @@ def create_app(
             logged[0] = e  # until the pass ends (else it holds the batch's frames)
             asyncio.get_running_loop().call_soon(logged.__setitem__, 0, None)
             _LOG.error(
-                "%s: the model raised %s on a batch (this request's rows: %d); its requests "
-                "are answered 500", public.name, printable(type(e).__name__),
-                request.rows, exc_info=e,
+                "%s: the model raised %s on a batch (this request's rows: %d); its requests are "
+                "answered 500", public.name, printable(type(e).__name__), request.rows, exc_info=e,
             )  # fmt: skip
         return error(500, e)
 

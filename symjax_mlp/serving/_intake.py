@@ -1,11 +1,14 @@
-"""Request bodies read within bounds, as nginx reads them, on the server's one event loop.
+"""Request bodies read within bounds, as nginx and Apache read them, on the server's one loop.
 
 :class:`Intake` bounds a body's size (413), its pace (408: nothing for ``body_timeout`` seconds
-between two reads) and the bytes all bodies hold at once (503; no lock: one loop runs every
-read). One timer per loop watches every read (:class:`_Deadlines`): the timeout is the same for
-all, so deadlines kept in the order set are in time order, and a body there at once costs a
-dict entry, not a timer of its own. The app's ``request_timeout`` watches the answers the same
-way (:class:`Watch`: one limit's deadlines, per loop).
+between two reads, nginx's ``client_body_timeout``; or the whole body slower than
+:data:`MIN_BODY_RATE` after its first ``body_timeout`` seconds, Apache's mod_reqtimeout, so a
+byte now and then holds no connection for hours) and the bytes all bodies hold at once (503; no
+lock: one loop runs every read). One timer per loop watches every read (:class:`_Deadlines`):
+the timeout is the same for all, so deadlines kept in the order set are in time order, and a
+body there at once costs a dict entry, not a timer of its own; a body behind the rate has its
+own timer while it is. The app's ``request_timeout`` watches the answers the same way
+(:class:`Watch`: one limit's deadlines, per loop).
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ import asyncio
 from typing import Any
 
 from symjax_mlp.serving._bodies import BadRequest
+
+#: Bytes a second a body must average after its first ``body_timeout`` seconds (a phone on
+#: GPRS sends 5 000; Apache's mod_reqtimeout asks 500 by default).
+MIN_BODY_RATE = 500
 
 
 class Intake:
@@ -36,7 +43,8 @@ class Intake:
         receive, limit = request.receive, self.body_timeout
         task = asyncio.current_task()
         deadlines, cancelling = self._reads.on(task.get_loop()), task.cancelling()
-        deadlines.set(task)  # moved on as each chunk arrives
+        end = deadlines.set(task)  # moved on as each chunk arrives
+        behind = None  # a timer at end + received / MIN_BODY_RATE, while that comes first
         try:
             while more:
                 message = await receive()
@@ -58,16 +66,25 @@ class Intake:
                 hold[0] += len(chunk)
                 chunks.append(chunk)
                 if more:
-                    deadlines.set(task)
+                    due = end + received / MIN_BODY_RATE
+                    if due < deadlines.set(task) or behind is not None:  # a timer of its own
+                        behind = deadlines.at(task, due, behind)
         except asyncio.CancelledError:  # ours (408), unless another cancel came too
             if not deadlines.clear(task) or task.uncancel() > cancelling:
                 raise
-            raise BadRequest(
-                408,
-                f"the body stopped arriving: nothing came for {limit:g} s after {received} "
-                f"bytes (body_timeout={limit:g}). Send the whole body at once.",
-            ) from None
+            took = deadlines.loop.time() - end + limit
+            why = (
+                f"the body came too slowly: {received} bytes in {took:.1f} s, under "
+                f"{MIN_BODY_RATE} bytes/s after its first {limit:g} s"
+                if behind
+                else f"the body stopped arriving: nothing came for {limit:g} s after {received} "
+                "bytes"
+            )
+            said = f"{why} (body_timeout={limit:g}). Send the whole body at once."
+            raise BadRequest(408, said) from None
         finally:
+            if behind is not None:
+                behind.cancel()
             if deadlines.clear(task):  # late as it ended: the cancel is taken back
                 task.uncancel()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -102,13 +119,27 @@ class _Deadlines:
         self.late: set[Any] = set()
         self.timer: asyncio.TimerHandle | None = None
 
-    def set(self, task: Any) -> None:
-        """``task`` must read again within ``limit`` seconds from now."""
+    def set(self, task: Any) -> float:
+        """``task`` must read again within ``limit`` seconds from now: when that is."""
         due = self.due
         due.pop(task, None)  # last: the latest deadline
         due[task] = when = self.loop.time() + self.limit
         if self.timer is None:
             self.timer = self.loop.call_at(when, self._expire)
+        return when
+
+    def at(self, task: Any, when: float, timer: Any) -> asyncio.TimerHandle | None:
+        """A timer making ``task`` late at ``when`` if that comes before its deadline (in
+        :attr:`due`, which is in the order set); ``timer``, the last one, cancelled."""
+        if timer is not None:
+            timer.cancel()
+        return self.loop.call_at(when, self.cancel, task) if when < self.due[task] else None
+
+    def cancel(self, task: Any) -> None:
+        """Cancels ``task`` for being late."""
+        self.due.pop(task, None)
+        self.late.add(task)
+        task.cancel()
 
     def clear(self, task: Any) -> bool:
         """Forgets ``task``'s deadline; whether it was cancelled for being late."""
@@ -126,9 +157,7 @@ class _Deadlines:
             if when > now:
                 self.timer = self.loop.call_at(when, self._expire)
                 return
-            del due[task]
-            self.late.add(task)
-            task.cancel()
+            self.cancel(task)
 
 
 def _too_large(size: int, limit: int) -> str:

@@ -284,9 +284,9 @@ def serve(
       host, port: where to listen.
       runtime: ``"jax"`` or ``"iree"``.
       max_batch, max_queue, warm_up_timeout: see :class:`~symjax_mlp.serving.Batcher`.
-      max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a request's
-        line and headers too must come within ``body_timeout`` (and 64 KiB; else 408, 431),
-        and a client that leaves its answers unread for ``body_timeout`` is dropped.
+      max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app` (a body slower
+        than 500 bytes/s past ``body_timeout`` is a 408 too); a request's head must come within
+        it (and 64 KiB; else 408, 431), and a client leaving its answers unread for it is dropped.
       request_timeout: see :func:`create_app` (504 past it; ``/health`` 503 while a batch runs
         longer).
       max_connections: the most connections (and requests) at once; past it a request is
@@ -315,8 +315,7 @@ def serve(
         raise ConfigError(
             f"serve: log_level must be one of {', '.join(levels)}; got {log_level!r}."
         )
-    sock = bind(host, port)  # before the load: a busy port is said at once, not after it
-    with sock:
+    with bind(host, port) as sock:  # before the load: a busy port is said at once, not after it
         model = load_entry(
             artifact, entry, runtime=runtime, params_as_constants=params_as_constants,
             trust=trust, allow=allow, verify_signature=verify_signature,
