@@ -1137,6 +1137,34 @@ def test_a_model_error_is_logged_with_its_traceback_naming_the_model(caplog):
     assert "x" * 1000 in caplog.text and "in broken" in caplog.text  # the whole traceback
 
 
+def test_a_model_errors_log_cuts_each_message_and_keeps_the_traceback(caplog):
+    """A model echoing a body in its message (64 MB allowed) had all of it written to the log,
+    on the event loop, each failing batch: each message of the traceback is cut to 4096
+    characters, saying how many more, and the frames and the chain are kept."""
+
+    def echo(x):
+        if (x[:, 0] == 7).any():
+            try:
+                raise KeyError("k" * 2**20)
+            except KeyError as e:
+                raise ValueError("v" * 2**20) from e
+        return x
+
+    body = json.dumps({"inputs": [[7.0, 0.0]]}).encode()
+    with (
+        sm.serving.Batcher(echo, example=np.zeros((1, 2), np.float32)) as b,
+        caplog.at_level("ERROR", logger="symjax_mlp.serving"),
+        _in_thread(sm.serving.create_app(b, close_batcher=False), lifespan="off") as url,
+    ):
+        assert _post(url, body)[0] == 500
+    (record,) = [r for r in caplog.records if r.name == "symjax_mlp.serving"]
+    assert record.exc_info[0] is ValueError and len(caplog.text) < 16_000, len(caplog.text)
+    for kind, letter in (("ValueError", "v"), ("KeyError", "k")):
+        cut = len(f"{kind}: ") + 2**20 + 2 * (kind == "KeyError") + 1 - 4096  # 'k...k'\n
+        assert f"{letter * 20}... ({cut} more)" in caplog.text, caplog.text[-300:]
+    assert "in echo" in caplog.text and "direct cause of the following" in caplog.text
+
+
 def test_signature_cuts_a_manifests_why_alone_as_other_manifest_text(tmp_path):
     """A stranger's manifest says why its rows mix in up to 1000 characters: /signature sent
     them all, where every other text from a manifest is cut to 300."""

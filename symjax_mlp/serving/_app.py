@@ -23,7 +23,6 @@ import asyncio
 import collections
 import contextlib
 import importlib
-import logging
 import numbers
 import os
 import re
@@ -36,6 +35,7 @@ from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._bodies import BadRequest, decode, short, to_json, to_npy
 from symjax_mlp.serving._intake import Intake, Watch
+from symjax_mlp.serving._lane import LOG
 from symjax_mlp.serving._requests import UNAWAITABLE
 from symjax_mlp.serving._stats import METRIC_NAME
 
@@ -46,7 +46,6 @@ _LATE = (
     "batch that had started runs on). Retry later; if the model is this slow, raise "
     "request_timeout."
 )
-_LOG = logging.getLogger("symjax_mlp.serving")
 # what a model's message may hold of the server's files, for a client: a traceback's frames
 # (JAX's callbacks and checkify quote one) and paths. A path is a word holding a separator
 # before a name that is absolute (/, ~, C:\, \\share, file:), relative (./, ../), two
@@ -91,7 +90,7 @@ def drain(batcher: Batcher, cancel: bool = False) -> None:
         batcher.close(cancel=cancel, timeout=DRAIN_SECONDS)
     except TimeoutError:
         said = "%s: the model is still running after %g s; stopping without it."
-        _LOG.error(said, batcher.name, DRAIN_SECONDS)
+        LOG.error(said, batcher.name, DRAIN_SECONDS)
 
 
 def check_limits(
@@ -202,7 +201,7 @@ def create_app(
         except asyncio.CancelledError:  # the server stops first: a 503, not uvicorn's 500
             return error(503, asyncio.CancelledError(_STOPPED))
         except Exception as e:  # a bug of ours: still the documented JSON body, counted
-            _LOG.error("%s: answering a request failed", public.name, exc_info=e)
+            LOG.error("%s: answering a request failed", public.name, exc_info=e)
             return error(500, e)
         finally:
             intake.release(hold)
@@ -274,7 +273,7 @@ def create_app(
         if e is not logged[0]:  # a batch's requests, woken in one pass, share it: one log
             logged[0] = e  # until the pass ends (else it holds the batch's frames)
             asyncio.get_running_loop().call_soon(logged.__setitem__, 0, None)
-            _LOG.error(
+            LOG.error(
                 "%s: the model raised %s on a batch (this request's rows: %d); its requests are "
                 "answered 500", public.name, printable(type(e).__name__), request.rows, exc_info=e,
             )  # fmt: skip

@@ -16,6 +16,7 @@ import functools
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,9 @@ _FOLD_EVERY = 4096  # batches counted before they are folded into the stats
 #: A batch of one event loop's requests runs on it (no hand-off) where it last took less than this.
 ON_LOOP_SECONDS = 1e-3
 clock = time.perf_counter
-_LOG = logging.getLogger("symjax_mlp.serving")
+#: The serving log (the app's too): each message of a traceback cut (see :func:`_cut`).
+LOG = logging.getLogger("symjax_mlp.serving")
+_LOGGED = 4096  # a traceback's message's characters logged: a model may echo a 64 MB body
 _ZEROS = "{self.warming} rows of zeros (each batch size compiled runs once on zeros, as padding is)"
 _STUCK = (
     "{self.name}: warming up, the model did not return within {timeout:g} s for a batch of "
@@ -48,6 +51,22 @@ _RAISED = (  # a note on what the model raised
     "that takes the example's inputs and kwargs and runs on zero rows, as padding is in every "
     "batch (no check refusing them, no division by them); out of memory: a smaller max_batch."
 )
+
+
+def _cut(record: logging.LogRecord) -> bool:
+    """:data:`LOG`'s filter: ``record``'s traceback as a handler's Formatter writes it, each
+    message (a part of the text past :data:`_LOGGED` characters) cut, saying how much more; the
+    frames whole. A Formatter writes ``exc_text`` where set, as its own text, cached."""
+    if record.exc_info and not record.exc_text:
+        from symjax_mlp.serving._bodies import short  # (which imports this module)
+
+        parts = traceback.format_exception(*record.exc_info)
+        text = "".join(p if len(p) <= _LOGGED else short(p, _LOGGED) + "\n" for p in parts)
+        record.exc_text = text.removesuffix("\n")
+    return True
+
+
+LOG.addFilter(_cut)
 
 
 class Blocking:
@@ -120,7 +139,7 @@ class Lane:
                 self.serve()
                 return
             except BaseException:  # the token and the lock were given back on the way out
-                _LOG.exception("%s: handing out a batch failed; serving goes on", self.name)
+                LOG.exception("%s: handing out a batch failed; serving goes on", self.name)
 
     def serve(self) -> None:
         lock, idle = self.lock, self.idle
