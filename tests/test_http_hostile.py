@@ -1510,6 +1510,28 @@ def test_a_post_asking_to_upgrade_is_told_its_body_was_not_read(server):
     assert said[1][0].startswith(b"HTTP/1.1 200"), said[1]
 
 
+def test_a_400_the_server_sends_within_a_request_is_counted_400_not_499(server):
+    """A body cut short by its client's shutdown, and a POST asking to upgrade, were answered
+    400 by the server, which /metrics counted as 499 (the client closed): it counts what it
+    sent."""
+    url, _, _ = server
+    before = {code: _count(url, code) for code in (400, 499)}
+    body = json.dumps({"inputs": np.zeros((1, 512), np.float32).tolist()}).encode()
+    head = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body)
+    for sent in (
+        head + b"\r\n" + body[:-10],
+        head + b"Upgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+    ):
+        with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s:
+            s.sendall(sent + body if b"Upgrade" in sent else sent)
+            s.shutdown(socket.SHUT_WR)
+            assert _answer_of(s)[0].startswith(b"HTTP/1.1 400")
+    deadline = time.monotonic() + 3  # the app counts once its request task sees the close
+    while _count(url, 400) < before[400] + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [_count(url, code) - before[code] for code in (400, 499)] == [2, 0]
+
+
 def test_requests_pipelined_before_bytes_that_are_not_http_are_answered_first(server):
     """Two requests, then garbage, in one send: the parser's 400 went out at once and the two
     answers were dropped, so a client took the 400 for its first request's answer. Now the

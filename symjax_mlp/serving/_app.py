@@ -46,6 +46,7 @@ _LATE = (
     "batch that had started runs on). Retry later; if the model is this slow, raise "
     "request_timeout."
 )
+REFUSED = "symjax_mlp.refused"  # a scope's key: the status serve's server answered it with
 # what a model's message may hold of the server's files, for a client: a traceback's frames
 # (JAX's callbacks and checkify quote one) and paths. A path is a word holding a separator
 # before a name that is absolute (/, ~, C:\, \\share, file:), relative (./, ../), two
@@ -212,8 +213,8 @@ def create_app(
         except BadRequest as e:  # too large, too slow, too many: the rest is not read
             retry = {"Retry-After": "1"} if e.status == 503 else {}
             return error(e.status, e, {"Connection": "close", **retry})
-        except ClientDisconnect:  # nobody to answer: counted, as nginx counts it, as 499
-            by_code[499] += 1
+        except ClientDisconnect:  # nobody to answer (499, as nginx counts it), or serve's 400
+            by_code[request.scope.get(REFUSED, 499)] += 1
             return Response(status_code=499)
         try:
             inputs, as_npy = decode(batcher, body, request.headers.get("content-type", ""))

@@ -25,6 +25,7 @@ from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._app import (
     ENDPOINTS,
+    REFUSED,
     check_limits,
     create_app,
     drain,
@@ -131,6 +132,8 @@ def bounded_heads(
                 ))  # fmt: skip
 
         def _refuse(self, status: int, reason: str, message: str) -> None:
+            if not self._waiting():  # the app reads this request: /metrics counts this answer
+                self.cycle.scope[REFUSED] = status
             body = json.dumps({"error": "BadRequest", "message": message, "model": model})
             body = body.encode()
             head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
