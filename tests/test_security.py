@@ -1603,3 +1603,21 @@ def test_weights_an_artifact_holds_against_its_manifest_say_to_export_again(base
     with pytest.raises(sm.ArtifactError, match=says) as e:
         sm.load(art)
     assert "Cast them" not in str(e.value) and "another export of it" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e5m2", "int4"])
+def test_a_float8_result_its_export_declares_of_another_narrow_type_is_refused(tmp_path, dtype):
+    """main returns f8E4M3FN, model.jaxexport (and the manifest) say float8_e5m2 or int4:
+    main's types went unchecked for float8 and int4, and JAX converted its result in silence."""
+    h = sm.hybridize(lambda p, x: (x * p).astype(jnp.float8_e4m3fn), jnp.float32(2))
+    src = sm.export(h, tmp_path / "f8", example=jnp.ones((2, 3)), batch=None).path
+    e = jax.export.deserialize(bytearray((src / "model.jaxexport").read_bytes()))
+
+    def declare(m):
+        m["signature"]["outputs"][0]["dtype"] = dtype
+
+    out = tuple(a.update(dtype=jnp.dtype(dtype)) for a in e.out_avals)
+    art = forge.resign(src, tmp_path / "a", out_avals=out, manifest=declare)
+    says = r"its StableHLO main returns tensor<2x3xf8E4M3FN> as its result 0, but model\.jaxexport "
+    with pytest.raises(sm.ArtifactError, match=says + r"says tensor<2x3x(f8E5M2|i4)>"):
+        sm.load(art)

@@ -222,11 +222,13 @@ _ELEMENTS = {"bool": "i1", "bfloat16": "bf16", "complex64": "complex<f32>",
 
 def mlir_type(aval: Any) -> str | None:
     """``tensor<?x3xf32>`` for ``float32[b, 3]``: the type MLIR prints for ``aval`` (``None``
-    for an element type not spelt here: float8, int4, rng keys go unchecked)."""
+    for an element type not spelt here: rng keys go unchecked)."""
     name, dims = str(aval.dtype), "".join(f"{d}x" if type(d) is int else "?x" for d in aval.shape)
-    if found := re.fullmatch(r"(u?)(int|float)(8|16|32|64)", name):
+    if found := re.fullmatch(r"(u?)(int|float)(2|4|8|16|32|64)", name):
         unsigned, kind, bits = found.groups()
         element = f"{unsigned and 'u'}{kind[0]}{bits}"
+    elif found := re.fullmatch(r"float(4|8)_(e\d+m\d+\w*)", name):  # f8E4M3FN, f4E2M1FN
+        element = f"f{found[1]}{found[2].upper()}"
     else:
         element = _ELEMENTS.get(name)
     return f"tensor<{dims}{element}>" if element else None
