@@ -9,6 +9,7 @@ import copy
 import datetime
 import io
 import json
+import os
 import pickle
 import re
 import shutil
@@ -188,6 +189,24 @@ def test_the_weights_a_loaded_model_shows_load_back_as_other_weights(mlp, loaded
     chex.assert_trees_all_close(sm.load(path, params=doubled)(x), want, **TOL)
     with pytest.raises(sm.ArtifactError, match=r"\(2 missing, 0 extra\)"):
         sm.load(path, params=dict(list(m.params.items())[:2]))
+
+
+def test_weights_given_by_a_symbolic_link_load_and_no_file_is_named_as_params(
+    mlp, loaded, tmp_path
+):
+    """params= a link to a .safetensors file was refused: "loading never follows a link (it
+    could point out of the directory ...)", of the user's own path; /dev/zero or a directory:
+    "it is not what was written there. Restore the file"."""
+    (_, x, art), m = mlp, loaded
+    os.symlink(art.path / "params.safetensors", tmp_path / "latest.safetensors")
+    chex.assert_trees_all_close(sm.load(art.path, params=tmp_path / "latest.safetensors")(x), m(x))
+    for bad in ("/dev/zero", tmp_path):
+        with pytest.raises(
+            sm.ArtifactError,
+            match=r'symjax_mlp\.load\(".*", params=.*\): it is '
+            r"no regular file \(a directory, FIFO or device\); pass a \.safetensors",
+        ):
+            sm.load(art.path, params=bad)
 
 
 def test_weights_of_another_dtype_are_refused_with_the_cast_not_another_architecture(
