@@ -585,3 +585,17 @@ def test_load_inside_jit_eval_shape_vmap_and_grad_runs_its_checks_outside_the_tr
     assert jax.eval_shape(f, x).shape == (2, 3)
     np.testing.assert_allclose(kept[0](x), h(x), **TOL)  # after the trace: concrete weights
     np.testing.assert_allclose(kept[-1](x), h(x), **TOL)
+
+
+def test_vmap_whose_merged_batch_breaks_a_bound_runs_one_example_at_a_time(tmp_path):
+    """jax.vmap of 4 examples of b = 2 over an artifact of b <= 3 merged them into b = 8,
+    and the program refused it ("the shapes of the module cannot be resolved"): each example
+    is within the bound, so vmap runs them one by one instead."""
+    h = sm.hybridize(lambda p, x: jnp.tanh(x * p), jnp.float32(2))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 3)), shapes=("b, 3",),
+                    constraints=("b <= 3",))  # fmt: skip
+    m, xs = sm.load(art.path), _xs(4, 2, 3)
+    assert m.manifest["rows"]["independent"]  # rows apart: merging was allowed
+    for vmap in (jax.vmap, lambda f: jax.jit(jax.vmap(f))):
+        np.testing.assert_allclose(vmap(m)(xs), jax.vmap(h)(xs), **TOL)
+    np.testing.assert_allclose(jax.vmap(m)(xs[:1]), jax.vmap(h)(xs[:1]), **TOL)  # merged: b = 2

@@ -203,6 +203,13 @@ def sizes_at(signature: Signature, batch: int) -> dict[str, int] | None:
     return sizes if admitted else None
 
 
+def admits(signature: Signature, sizes: Mapping[str, int]) -> bool:
+    """Whether ``sizes`` of symbolic dimensions (``{"b": 8}``) satisfy every constraint and fit
+    a call (:data:`MAX_SYMBOLIC`): where ``jax.vmap`` may merge examples into one batch."""
+    fits = all(0 < n <= MAX_SYMBOLIC for n in sizes.values())
+    return fits and all(_holds(c, sizes) for c in signature.constraints)
+
+
 def admits_any(signature: Signature, tries: Sequence[int] = ()) -> bool:
     """Whether some sizes of the symbolic dimensions satisfy the constraints (each >= 1): the
     batch tried at 1, 2, ``tries`` and each number of the constraints and beside it (where a

@@ -25,6 +25,7 @@ from jax.custom_batching import custom_vmap
 from jax.interpreters.ad import JVPTracer
 
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
+from symjax_mlp._artifact.signature import Signature, admits
 from symjax_mlp._compat import linearizing, skipping_lapack
 from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 
@@ -199,6 +200,10 @@ class Program:
         ins, outs = (axes(sig[k], rows.get("dim")) for k in ("inputs", "outputs"))
         lone = [on and k is None for k, on in zip(ins, mapped[1:], strict=True)]
         apart = rows.get("independent") and not any(lone)  # and each mapped input has rows
+        if apart:  # and the merged batch is one the program takes (b <= 3: not 4 rows of 2)
+            n = next(x.shape[k + on] for k, x, on in zip(ins, inputs, mapped[1:], strict=True)
+                     if k is not None)  # fmt: skip
+            apart = admits(Signature.from_json(sig), {rows["dim"]: size * n})
         if not apart:  # vmap's meaning without merging: one call per example
             return _one_by_one(self.checked, size, mapped, weights, *inputs)
         if size == 0:  # no example: what one gives, less it (a batch of 0 the module refuses)
