@@ -642,6 +642,34 @@ def test_a_head_past_64_kib_is_431_and_not_held(server):
         assert r.status == 200
 
 
+def test_a_head_sent_while_the_request_before_it_runs_is_bounded_too():
+    """The next request's head, sent while the model ran on the one before it, was read into
+    memory at any size (39 MB in 2.5 s here) and never timed: the connection reads no more
+    until that answer is sent (as uvicorn over h11 does), then bounds the head as any."""
+    from symjax_mlp.serving._server import bounded_heads
+
+    def slow(x):
+        if (x[:, 0] == 7).any():
+            time.sleep(0.5)
+        return x
+
+    body = json.dumps({"inputs": [[7.0, 0.0]]}).encode()
+    head = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    with (
+        sm.serving.Batcher(slow, example=np.zeros((1, 2), np.float32)) as b,
+        _in_thread(sm.serving.create_app(b, close_batcher=False), http=bounded_heads(5.0)) as url,
+        socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s,
+    ):
+        s.sendall(head + body)
+        time.sleep(0.2)  # the model runs
+        s.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 80_000)
+        data = b""
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            while chunk := s.recv(65536):
+                data += chunk
+    assert re.findall(rb"HTTP/1\.1 (\d+)", data) == [b"200", b"431"], data[-300:]
+
+
 @pytest.mark.parametrize(
     ("inputs", "says"),
     [

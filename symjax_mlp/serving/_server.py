@@ -1,12 +1,12 @@
 """The server around the app: ``serve()`` binds a socket, runs uvicorn, stops on a signal.
 
-Request heads come within bounds, as nginx's ``client_header_timeout`` and
-``large_client_header_buffers`` (uvicorn over httptools reads a head of any size, at any pace):
-a head must arrive within ``head_timeout`` seconds (else 408) and :data:`MAX_HEAD_BYTES` (else
-431). An answer given before the body ended closes the connection lingering, so the client reads
-it; answers left unread for ``head_timeout`` drop the connection (nginx's ``send_timeout``).
-uvicorn's own answers (400, 503 past ``max_connections``) are the app's JSON error body too,
-the parser's reason in a 400; a client that shuts down its side within a request gets a 400.
+Heads come within bounds, as nginx's ``client_header_timeout`` and ``large_client_header_buffers``
+(uvicorn over httptools has neither): a head must arrive within ``head_timeout`` seconds (else 408)
+and :data:`MAX_HEAD_BYTES` (else 431); one sent while a request runs is read once it is answered (as
+h11 does). An answer given before the body ended closes the connection lingering, so the client
+reads it; answers left unread for ``head_timeout`` drop the connection (nginx's ``send_timeout``).
+uvicorn's own answers (400 with the parser's reason, 503 past ``max_connections``) are the JSON
+error body too; a client that shuts down its side within a request gets a 400.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def bounded_heads(
             BoundedHeads.open += 1
             super().connection_made(_Lingering(transport, self, head_timeout))
             self._head_bytes, self._head_timer, self._send_timer = 0, None, None
-            self._arm()
+            self._bound()
 
         def send_400_response(self, msg: str) -> None:  # uvicorn's, in text/plain
             why = sys.exception()  # the parser's, which names the fault (where uvicorn's not)
@@ -134,8 +134,7 @@ def bounded_heads(
         def _refuse(self, status: int, reason: str, message: str) -> None:
             if not self._waiting():  # the app reads this request: /metrics counts this answer
                 self.cycle.scope[REFUSED] = status
-            body = json.dumps({"error": "BadRequest", "message": message, "model": model})
-            body = body.encode()
+            body = json.dumps({"error": "BadRequest", "message": message, "model": model}).encode()
             head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             head += f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
             self.transport.write(head.encode() + body)
@@ -155,11 +154,8 @@ def bounded_heads(
         def _waiting(self) -> bool:  # for a head: none yet, or the last one answered
             return self.cycle is None or self.cycle.response_complete
 
-        def _arm(self) -> None:
-            if self._head_timer is None:
-                self._head_timer = self.loop.call_later(head_timeout, self._late, self.cycle)
-
         def _disarm(self) -> None:
+            self._head_bytes = 0
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
@@ -176,28 +172,36 @@ def bounded_heads(
 
         def data_received(self, data: bytes) -> None:
             if self.transport.lingering:  # answered: the rest of the body is not read
-                self.transport.dropped()
-                return
-            cycle = self.cycle
-            super().data_received(data)
+                return self.transport.dropped()
+            cycle, ahead = self.cycle, not self._waiting() and not self.cycle.more_body
+            super().data_received(data)  # (ahead: a request runs, its body read: a next head)
             if self.transport.is_closing():
                 return
-            if not self._waiting():  # a head arrived: the app bounds the rest
-                self._head_bytes = 0
-                self._disarm()
+            if not self._waiting() and not (ahead and self.cycle is cycle):  # a head arrived,
+                self._disarm()  # or a body: the app bounds the rest
                 return
             if self.cycle is cycle:  # no head ended in this chunk: all of it is head
                 self._head_bytes += len(data)
+            if ahead:  # no more is read until the answer is sent (as h11), then it is bounded
+                return self.flow.pause_reading()
+            self._bound()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._head_bytes and not self.transport.is_closing():  # a head came as it ran
+                self._bound()
+
+        def _bound(self) -> None:  # the head so far: past the limit, a 431; else it is timed
             if self._head_bytes > max_head_bytes:
                 self._disarm()
                 return self._refuse(431, "Request Header Fields Too Large", (
                     f"the request's line and headers passed {max_head_bytes} bytes; send "
                     "shorter ones."
                 ))  # fmt: skip
-            self._arm()
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(head_timeout, self._late, self.cycle)
 
-        def eof_received(self) -> bool | None:
-            # a client that half-closed after its whole request (nc -N): answered, then closed
+        def eof_received(self) -> bool | None:  # half-closed after its request (nc -N): answered
             cycle, waiting = self.cycle, self._waiting()
             if not waiting and not cycle.more_body:
                 cycle.keep_alive = self._deferred  # (that 400 closes it once answered)
@@ -337,15 +341,11 @@ def serve(
             heads = bounded_heads(body_timeout, model=app.state.model)  # within time, 64 KiB
             config = uvicorn.Config(
                 limited(app, heads, max_connections),  # not limit_concurrency: a text 503
-                log_level=log_level,
-                access_log=False,
-                lifespan="on",
-                timeout_graceful_shutdown=30,
-                http=heads,
-                ws="none",  # no websocket endpoint: an upgrade is plain HTTP (a JSON 405)
+                log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=30,
+                http=heads, ws="none",  # no websocket endpoint: an upgrade is plain HTTP (a 405)
                 # h11 (uvicorn without httptools) stops a head at 16 KiB with a 400: past ours
                 h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
-            )
+            )  # fmt: skip
             server = uvicorn.Server(config)
             (ready or print_ready(artifact))(url)
             with on_signals(lambda *_: None):  # uvicorn re-raises the signal it stopped on
