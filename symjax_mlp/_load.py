@@ -6,6 +6,7 @@ bounds the module refined for each new input signature before it compiles. No pi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -32,6 +33,7 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._artifact.reading import USED, freeze, read_artifact
 from symjax_mlp._artifact.signature import Signature, admits_any
 from symjax_mlp._artifact.weights import check_params, param_specs, read_safetensors_file
+from symjax_mlp._compat import transformed
 from symjax_mlp._errors import ArtifactError, ConfigError, artifact_path, as_bool
 from symjax_mlp._hybrid.mesh import auto_mesh
 from symjax_mlp._loaded import LoadedModel
@@ -182,7 +184,8 @@ class _Opener:
 
     def open(self, entry: str | None, arrays: list[Any] | None = None) -> LoadedModel:
         # under a trace (sm.load inside jax.jit): weights and self-test concrete, not staged
-        with self.lock, jax.ensure_compile_time_eval():
+        concrete = transformed() is not False and jax.ensure_compile_time_eval()
+        with self.lock, concrete or contextlib.nullcontext():
             view = entry_view(self.manifest, entry)
             if (name := entry_point(view)) not in self.opened:
                 self.opened[name] = self._open(view, arrays)
