@@ -7,7 +7,6 @@ wait per repeat); after a warm-up the four rows take turns, the order rotating e
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -16,8 +15,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from symjax_mlp._artifact.format import JAXEXPORT, program_file
 from symjax_mlp._artifact.signature import sizes_at
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_int
+from symjax_mlp._files import read_regular
 from symjax_mlp._npy import draw
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
@@ -37,8 +38,6 @@ _BATCH_OF_ARGS = (
     "you passed the inputs, which are timed at their own shapes. Drop batch, or pass inputs "
     "of the batch you mean."
 )
-
-
 _JAX_FLOOR = "the same function, jax.jit(f).lower(...).compile(), called bare"
 _STATE_FLOOR = _JAX_FLOOR + ", its state in and the new state out as the model's call"
 _IREE_FLOOR = "the same IREE module, its runtime's call without LoadedModel's checks"
@@ -130,9 +129,8 @@ def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[],
     leaves, treedef = jax.tree.flatten(h.params)
 
     def flat(leaves: Any, state: Any, arrays: list[Any]) -> Any:  # Python settings closed over
-        inputs = list(given)
-        for i, a in zip(traced, arrays, strict=True):
-            inputs[i] = a
+        placed = iter(arrays)
+        inputs = [next(placed) if i in traced else leaf for i, leaf in enumerate(given)]
         params, inputs = jax.tree.unflatten(treedef, leaves), jax.tree.unflatten(tree, inputs)
         if not h.stateful:
             return h.fn(params, *inputs, **kwargs)
@@ -142,42 +140,37 @@ def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[],
     return _compiled(flat, leaves, [state, [given[i] for i in traced]], h.params_as_constants)
 
 
-def _floor_of_loaded(m: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
+def _floor_of_loaded(m: Any, inputs: list[Any]) -> Callable[[], Any]:
+    """The program the load checked, on the checked and placed ``inputs``."""
     if m.manifest.get("nr_devices", 1) != 1:
         raise ConfigError(
             f'timeit(symjax_mlp.load("{m.path}")): the artifact runs sharded over '
             f"{m.manifest['nr_devices']} devices; time an artifact exported for one device."
         )
-    checked = list(m.signature.check(args, caller="timeit()"))
     if m.runtime != "jax":  # its runtime's own call: a JAX program is no floor of IREE's
         run, single = m._run, m.signature.output_kind == "array"
-        return (lambda: run(checked)[0]) if single else (lambda: tuple(run(checked)))
-    from symjax_mlp._artifact.format import JAXEXPORT, program_file
-    from symjax_mlp._files import read_regular
-
-    file, listed = program_file(m.manifest, JAXEXPORT), m.manifest["files"]
-    size, digest = listed[file]["bytes"], listed[file]["sha256"]  # the module loaded, checked
+        return (lambda: run(inputs)[0]) if single else (lambda: tuple(run(inputs)))
+    file = program_file(m.manifest, JAXEXPORT)
+    size, digest = (m.manifest["files"][file][k] for k in ("bytes", "sha256"))
     data = read_regular(m.path / file, size=size, sha256=digest, error=ArtifactError)
-    exported = jax.export.deserialize(data)
     weights = {name: jax.device_put(a) for name, a in m.params.items()}
-    inputs = [jax.device_put(x) for x in checked]
-    return _compiled(exported.call, weights, inputs, getattr(m, "params_as_constants", False))
+    return _compiled(jax.export.deserialize(data).call, weights, inputs, m.params_as_constants)
 
 
 def _compiled(fn: Any, weights: Any, args: list[Any], constants: bool) -> Callable[[], Any]:
-    """``fn(weights, *args)`` AOT-compiled and called bare; ``constants``: the weights closed
-    over, as XLA constants (as the model holds them)."""
-    if constants:
-        compiled = jax.jit(lambda *a: fn(weights, *a)).lower(*args).compile()
-        return lambda: compiled(*args)
-    compiled = jax.jit(fn).lower(weights, *args).compile()
-    return lambda: compiled(weights, *args)
+    """``fn(weights, *args)`` AOT-compiled and called bare (``constants``: the weights closed
+    over, XLA constants, as the model holds them)."""
+    args = list(args) if constants else [weights, *args]
+    compiled = jax.jit((lambda *a: fn(weights, *a)) if constants else fn).lower(*args).compile()
+    return lambda: compiled(*args)
 
 
-def _example_inputs(m: Any, batch: int) -> tuple[Any, ...]:
-    """Inputs drawn for the artifact's signature at ``batch``, as its constraints admit."""
-    rng, inputs = np.random.default_rng(0), []
-    specs = m.signature.inputs
+def _inputs(m: Any, given: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
+    """``given``, or inputs drawn for the artifact's signature at ``batch`` as its constraints
+    admit, checked as it takes them; drawn ones out of its bounds are the batch's fault."""
+    if given:
+        return tuple(m.signature.check(given, caller="timeit()"))
+    rng, inputs, specs = np.random.default_rng(0), [], m.signature.inputs
     if batch != 1 and not any(isinstance(d, str) for s in specs for d in s.shape):
         raise ConfigError(_STATIC.format(m=m, batch=batch, types=", ".join(map(str, specs))))
     if (sizes := sizes_at(m.signature, batch)) is None:
@@ -198,46 +191,20 @@ def _example_inputs(m: Any, batch: int) -> tuple[Any, ...]:
                 f"at that batch, {spec.dtype}{list(shape)}, is more than this process can hold "
                 "in memory; pass a smaller batch."
             ) from None
-    return tuple(inputs)
-
-
-def _keywords(name: str, loaded: bool, kwargs: Any) -> dict[str, Any]:
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-        raise ConfigError(
-            f"timeit({name}, kwargs={kwargs!r}): kwargs are the model's keyword arguments, a "
-            "dict by name, e.g. kwargs={'train': False}."
-        )
-    if kwargs and loaded:  # its settings were baked at export
-        raise ConfigError(
-            f"timeit({name}, kwargs={{{', '.join(map(repr, kwargs))}: ...}}): a loaded artifact "
-            "takes no keyword arguments; its settings were fixed at export "
-            "(sm.export(h, path, example=x, kwargs={...})). Drop kwargs."
-        )
-    return dict(kwargs)
-
-
-def _checked(m: Any, inputs: tuple[Any, ...], given: tuple[Any, ...], batch: int) -> Any:
-    """The inputs as the artifact takes them (arrays: timed as such); drawn ones out of its
-    bounds are the batch's fault, and said so."""
     try:
         return tuple(m.signature.check(inputs, caller="timeit()"))
     except SignatureError as e:
-        if given:
-            raise
         reason = str(e).removeprefix("timeit(): ")
         raise SignatureError(_DRAWN.format(m=m, batch=batch, reason=reason)) from None
 
 
 def _loop(fn: Callable[[], Any], calls: int, pipelined: bool) -> float:
-    clock, sync, out = time.perf_counter, jax.block_until_ready, None
-    t0 = clock()
+    sync, out, t0 = jax.block_until_ready, None, time.perf_counter()
     for _ in range(calls):
         out = fn() if pipelined else sync(fn())
     if pipelined:
         sync(out)
-    return (clock() - t0) / calls
+    return (time.perf_counter() - t0) / calls
 
 
 def timeit(
@@ -251,26 +218,22 @@ def timeit(
 ) -> CallTiming:
     """Times ``model(*args)`` against its floor: the same function, AOT-compiled, called bare.
 
-    For a :class:`~symjax_mlp.Hybrid` the floor is ``jax.jit`` of its :attr:`fn` (a stateful
-    one's takes the state and returns the new one, as its call does); for a
-    :class:`~symjax_mlp.LoadedModel`, the artifact's exported program run in JAX, or on
-    ``runtime="iree"`` its IREE module called without the model's checks. The inputs are
-    placed on the device first: what is timed is the call, not the copy. A stateful Hybrid is
-    timed on a copy: its own state stays as it was.
+    The floor of a :class:`~symjax_mlp.Hybrid` is ``jax.jit`` of its :attr:`fn` (a stateful
+    one's takes the state and returns the new one, as its call does); of a
+    :class:`~symjax_mlp.LoadedModel`, the program it loaded, run in JAX, or its IREE module
+    called without the model's checks. The inputs are placed on the device first (the call
+    is timed, not the copy); a stateful Hybrid is timed on a copy (its state stays as it was).
 
     Args:
       model: a Hybrid (unsharded) or a LoadedModel (of one device).
-      *args: the inputs, as you would call ``model``; for a LoadedModel they may be left out,
-        and are drawn for its signature (normal floats, integers 0 or 1, random bools, PRNG
-        keys).
-      batch: the batch size of the drawn inputs (only for those, and only where the artifact
-        has a symbolic dimension); the other symbolic dimensions are ``batch`` too, or what the
-        artifact's constraints set or bound them to (``t == 2*b``, ``t >= 4``).
+      *args: the inputs, as you would call ``model``; a LoadedModel's may be left out, to be
+        drawn for its signature (normal floats, integers 0 or 1, random bools, PRNG keys).
+      batch: the batch of drawn inputs, where the artifact has a symbolic dimension; its other
+        ones are ``batch`` too, or as its constraints set or bound them (``t == 2*b``).
       calls: calls per repeat.
       repeats: repeats of each row (5 or more give a min and a median worth reading).
       warmup: untimed calls of each row first (at least one: the first call compiles).
-      kwargs: a Hybrid's keyword arguments, ``model(*args, **kwargs)``, e.g.
-        ``{"train": False}``; the floor closes over them.
+      kwargs: a Hybrid's keyword arguments (``{"train": False}``); the floor closes over them.
 
     Returns:
       A :class:`CallTiming`; ``print()`` it for a table.
@@ -283,8 +246,7 @@ def timeit(
     Example:
       >>> import jax, jax.numpy as jnp
       >>> import symjax_mlp as sm
-      >>> net = sm.mlp((8, 2))
-      >>> x = jnp.ones((1, 4))
+      >>> net, x = sm.mlp((8, 2)), jnp.ones((1, 4))
       >>> h = sm.hybridize(net, net.init(jax.random.key(0), x))
       >>> t = sm.timeit(h, x, calls=10, repeats=3)
       >>> len(t.synced), t.calls, t.over_compiled() > 0
@@ -311,28 +273,38 @@ def timeit(
         name = f"{model.path}[{model.entry!r}]"
     if args and batch != 1:
         raise ConfigError(_BATCH_OF_ARGS.format(name=name, batch=batch))
-    kwargs = _keywords(name, loaded, kwargs)
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ConfigError(
+            f"timeit({name}, kwargs={kwargs!r}): kwargs are the model's keyword arguments, a "
+            "dict by name, e.g. kwargs={'train': False}."
+        )
+    if kwargs and loaded:  # its settings were baked at export
+        raise ConfigError(
+            f"timeit({name}, kwargs={{{', '.join(map(repr, kwargs))}: ...}}): a loaded artifact "
+            "takes no keyword arguments; its settings were fixed at export "
+            "(sm.export(h, path, example=x, kwargs={...})). Drop kwargs."
+        )
+    kwargs = dict(kwargs)
     if loaded:
-        args = _checked(model, args or _example_inputs(model, batch), args, batch)
-        floor_of = functools.partial(_floor_of_loaded, model)
-        floor = _JAX_FLOOR if model.runtime == "jax" else _IREE_FLOOR
+        args = _inputs(model, args, batch)
     elif not args:
         raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
-    else:
-        floor_of = functools.partial(_floor_of_hybrid, model, kwargs)
-        floor = _STATE_FLOOR if model.stateful else _JAX_FLOOR
-        if model.stateful:  # timed on a copy: the model's own state stays as it was
-            model = model.replace(state=model.state)
+    stateful = not loaded and model.stateful  # timed on a copy: its own state stays as it was
+    timed = model.replace(state=model.state) if stateful else model
+    floor = _IREE_FLOOR if loaded and model.runtime != "jax" else _JAX_FLOOR
+    floor = _STATE_FLOOR if stateful else floor
     placed = jax.tree.map(lambda a: jax.device_put(a) if isinstance(a, _ARRAYS) else a, args)
-    fns = {"synced": lambda: model(*placed, **kwargs)}
+    fns = {"synced": lambda: timed(*placed, **kwargs)}
     _loop(fns["synced"], warmup, pipelined=False)  # inputs it refuses: refused as its calls do
-    fns["compiled"] = floor_of(placed)
+    fns["compiled"] = (
+        _floor_of_loaded(model, list(placed)) if loaded else _floor_of_hybrid(model, kwargs, placed)
+    )
     _loop(fns["compiled"], warmup, pipelined=False)
     order = [(key, piped) for piped in (False, True) for key in fns]
     seconds: dict[tuple[str, bool], list[float]] = {k: [] for k in order}
     for r in range(repeats):
-        k = r % len(order)
-        for key, piped in order[k:] + order[:k]:
+        for key, piped in order[r % 4 :] + order[: r % 4]:
             seconds[key, piped].append(_loop(fns[key], calls, piped))
     times = (tuple(seconds[k, piped]) for k in fns for piped in (False, True))  # CallTiming's
     return CallTiming(name, calls, dispatch_mode(), *times, floor=floor)
