@@ -670,6 +670,25 @@ def test_a_head_sent_while_the_request_before_it_runs_is_bounded_too():
     assert re.findall(rb"HTTP/1\.1 (\d+)", data) == [b"200", b"431"], data[-300:]
 
 
+def test_a_chunked_bodys_trailer_fields_are_bounded_as_a_head():
+    """Trailer fields after a chunked body's last chunk were read into memory at any size (45
+    MB in 3 s here) until body_timeout: past 64 KiB they are a 431, as a head is."""
+    from symjax_mlp.serving._server import bounded_heads
+
+    app = sm.serving.create_app
+    head = b"POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    with (
+        sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b,
+        _in_thread(app(b, close_batcher=False, body_timeout=2.0), http=bounded_heads(2.0)) as url,
+        socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s,
+    ):
+        s.sendall(head + b"5\r\n[[1,2\r\n")
+        time.sleep(0.1)  # that chunk is read: what follows holds no body
+        s.sendall(b"0\r\nX-Trailer: " + b"a" * 80_000)
+        head, _, said = _answer_of(s)
+    assert head.startswith(b"HTTP/1.1 431") and b"trailers) passed 65536 bytes" in said, head
+
+
 @pytest.mark.parametrize(
     ("inputs", "says"),
     [

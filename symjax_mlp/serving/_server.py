@@ -37,7 +37,7 @@ from symjax_mlp.serving._batcher import Batcher, seconds
 from symjax_mlp.serving._bodies import short
 from symjax_mlp.serving._requests import check_count
 
-#: The most bytes of one request's line and headers (nginx allows 4 x 8 KiB by default).
+#: The most bytes of one request's line and headers, or trailers (nginx: 4 x 8 KiB by default).
 MAX_HEAD_BYTES = 64 * 2**10
 
 
@@ -173,15 +173,16 @@ def bounded_heads(
         def data_received(self, data: bytes) -> None:
             if self.transport.lingering:  # answered: the rest of the body is not read
                 return self.transport.dropped()
-            cycle, ahead = self.cycle, not self._waiting() and not self.cycle.more_body
-            super().data_received(data)  # (ahead: a request runs, its body read: a next head)
+            cycle, waiting = self.cycle, self._waiting()
+            ahead = not waiting and not cycle.more_body  # a request runs, its body read: a head
+            unread = None if waiting or ahead else len(cycle.body)  # in a body: its bytes so far
+            super().data_received(data)
             if self.transport.is_closing():
                 return
-            if not self._waiting() and not (ahead and self.cycle is cycle):  # a head arrived,
-                self._disarm()  # or a body: the app bounds the rest
-                return
-            if self.cycle is cycle:  # no head ended in this chunk: all of it is head
-                self._head_bytes += len(data)
+            body_came = unread is not None and (len(cycle.body) > unread or not cycle.more_body)
+            if self.cycle is not cycle or body_came:  # a head arrived, or body bytes (or its end):
+                return self._disarm()  # the app bounds the rest
+            self._head_bytes += len(data)  # a head's, or a body's framing or trailers (held whole)
             if ahead:  # no more is read until the answer is sent (as h11), then it is bounded
                 return self.flow.pause_reading()
             self._bound()
@@ -195,8 +196,8 @@ def bounded_heads(
             if self._head_bytes > max_head_bytes:
                 self._disarm()
                 return self._refuse(431, "Request Header Fields Too Large", (
-                    f"the request's line and headers passed {max_head_bytes} bytes; send "
-                    "shorter ones."
+                    f"the request's line and headers (or its chunked body's trailers) passed "
+                    f"{max_head_bytes} bytes; send shorter ones."
                 ))  # fmt: skip
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(head_timeout, self._late, self.cycle)
@@ -240,10 +241,8 @@ def limited(app: Any, heads: type, limit: int) -> Any:
         if heads.open > limit or running[0] >= limit:
             if scope["path"] == "/predict":
                 app.state.answered[503] += 1
-            message = (
-                f"the server has {heads.open} connections open and {running[0]} requests "
-                f"running, past max_connections={limit}; retry shortly."
-            )
+            message = (f"the server has {heads.open} connections open and {running[0]} requests "
+                       f"running, past max_connections={limit}; retry shortly.")  # fmt: skip
             headers = {"Connection": "close", "Retry-After": "1"}
             body = {"error": "OverloadError", "message": message, "model": app.state.model}
             return await JSONResponse(body, 503, headers)(scope, receive, send)
