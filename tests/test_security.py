@@ -1621,3 +1621,23 @@ def test_a_float8_result_its_export_declares_of_another_narrow_type_is_refused(t
     says = r"its StableHLO main returns tensor<2x3xf8E4M3FN> as its result 0, but model\.jaxexport "
     with pytest.raises(sm.ArtifactError, match=says + r"says tensor<2x3x(f8E5M2|i4)>"):
         sm.load(art)
+
+
+def test_rng_keys_a_program_returns_of_another_type_than_its_export_declares_are_refused(tmp_path):
+    """main returns int32[2, 2], model.jaxexport (and the manifest) say key<fry>[2]: keys went
+    unchecked, and JAX made keys of the int32 values in silence."""
+    h = sm.hybridize(lambda p, x: (x * p)[:, :2].astype(jnp.int32), jnp.float32(2))
+    src = sm.export(h, tmp_path / "k", example=jnp.ones((2, 3)), batch=None).path
+    key = jax.random.key(0).dtype
+
+    def declare(m):
+        m["signature"]["outputs"][0].update(dtype=str(key), shape=[2])
+        del m["files"]["selftest.safetensors"]  # vectors would give it away
+
+    out = (jax.core.ShapedArray((2,), key),)
+    art = forge.resign(src, tmp_path / "a", out_avals=out, manifest=declare)
+    (art / "selftest.safetensors").unlink()
+    says = r"main returns tensor<2x2xi32> as its result 0, but model\.jaxexport says "
+    says += r"tensor<2x2xui32> \(key<fry>\[2\]\)"
+    with pytest.raises(sm.ArtifactError, match=says):
+        sm.load(art)

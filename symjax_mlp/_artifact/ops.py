@@ -222,8 +222,14 @@ _ELEMENTS = {"bool": "i1", "bfloat16": "bf16", "complex64": "complex<f32>",
 
 def mlir_type(aval: Any) -> str | None:
     """``tensor<?x3xf32>`` for ``float32[b, 3]``: the type MLIR prints for ``aval`` (``None``
-    for an element type not spelt here: rng keys go unchecked)."""
-    name, dims = str(aval.dtype), "".join(f"{d}x" if type(d) is int else "?x" for d in aval.shape)
+    for an element type not spelt here); rng keys as their data (``key<fry>[2]``: ``2x2xui32``)."""
+    import jax
+
+    shape = tuple(aval.shape)
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        aval = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), aval.dtype))
+        shape += tuple(aval.shape)
+    name, dims = str(aval.dtype), "".join(f"{d}x" if type(d) is int else "?x" for d in shape)
     if found := re.fullmatch(r"(u?)(int|float)(2|4|8|16|32|64)", name):
         unsigned, kind, bits = found.groups()
         element = f"{unsigned and 'u'}{kind[0]}{bits}"
