@@ -18,7 +18,7 @@ from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, SymjaxError
 from symjax_mlp._hybrid.args import partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._hybrid.jaxpr import walk
+from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent, walk
 from symjax_mlp._hybrid.mesh import constrained
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
@@ -216,12 +216,12 @@ def _moved(h: Hybrid, static: Any, examples: tuple, kw: Mapping[str, Any]) -> tu
     paths, n, k = [_names(p) for p, _ in flat], len(jax.tree.leaves(h.params)), len(flat)
     ins = dict(zip(paths, jaxpr.invars[n : n + k], strict=True))
     outs = jaxpr.outvars[: len(jax.tree.leaves(out))]
-    news = dict(zip([_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(new)[0]],
-                    jaxpr.outvars[len(outs) :], strict=True))  # fmt: skip
+    news = zip([_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(new)[0]],
+               jaxpr.outvars[len(outs) :], forwarded(jaxpr)[len(outs) :], strict=True)  # fmt: skip
     from_inputs, keys = _reach(jaxpr, jaxpr.invars[n + k :]), _key_paths(h.state)
     carried, streams = [], set()
-    for p, v in news.items():
-        if p not in ins or v is ins[p] or len(read := _reach(jaxpr, [ins[p]])) == 1:
+    for p, v, given in news:  # given: the input an output hands back as is (an nnx.jit's)
+        if p not in ins or given == n + paths.index(p) or len(read := _reach(jaxpr, [ins[p]])) == 1:
             continue  # new, passed through, or never read
         if (stream := _stream(p, keys)) is not None:
             streams.add(stream)
@@ -233,12 +233,10 @@ def _moved(h: Hybrid, static: Any, examples: tuple, kw: Mapping[str, Any]) -> tu
 
 
 def _reach(jaxpr: Any, sources: Sequence[Any]) -> set[int]:
-    """The ids of ``sources`` and of the variables computed from them (equation by equation)."""
-    live = {id(v) for v in sources}
-    for e in jaxpr.eqns:
-        if any(id(v) in live for v in e.invars):
-            live |= {id(v) for v in e.outvars}
-    return live
+    """The ids of ``sources`` and of the outputs computed from them, followed into calls, loop
+    carries and branches (a step count a scan carries beside the rows is not computed from them)."""
+    deps = input_dependent(jaxpr, sources)
+    return {id(v) for v in sources} | {id(v) for v, d in zip(jaxpr.outvars, deps, strict=True) if d}
 
 
 def _names(path: Any) -> tuple[str, ...]:
