@@ -76,7 +76,7 @@ class Intake:
             why = (
                 f"the body came too slowly: {received} bytes in {took:.1f} s, under "
                 f"{MIN_BODY_RATE} bytes/s after its first {limit:g} s"
-                if behind
+                if behind is not None
                 else f"the body stopped arriving: nothing came for {limit:g} s after {received} "
                 "bytes"
             )
@@ -128,7 +128,9 @@ class _Deadlines:
             self.timer = self.loop.call_at(when, self._expire)
         return when
 
-    def at(self, task: Any, when: float, timer: Any) -> asyncio.TimerHandle | None:
+    def at(
+        self, task: Any, when: float, timer: asyncio.TimerHandle | None
+    ) -> asyncio.TimerHandle | None:
         """A timer making ``task`` late at ``when`` if that comes before its deadline (in
         :attr:`due`, which is in the order set); ``timer``, the last one, cancelled."""
         if timer is not None:
