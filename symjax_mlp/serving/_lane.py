@@ -58,10 +58,10 @@ def _cut(record: logging.LogRecord) -> bool:
     message (a part of the text past :data:`_LOGGED` characters) cut, saying how much more; the
     frames whole. A Formatter writes ``exc_text`` where set, as its own text, cached."""
     if record.exc_info and not record.exc_text:
-        from symjax_mlp.serving._bodies import short  # (which imports this module)
-
-        parts = traceback.format_exception(*record.exc_info)
-        text = "".join(p if len(p) <= _LOGGED else short(p, _LOGGED) + "\n" for p in parts)
+        text = ""
+        for part in traceback.format_exception(*record.exc_info):
+            more = len(part) - _LOGGED  # said as _bodies.short says it
+            text += part if more <= 0 else f"{part[:_LOGGED]}... ({more} more)\n"
         record.exc_text = text.removesuffix("\n")
     return True
 
