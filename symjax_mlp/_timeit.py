@@ -126,18 +126,17 @@ def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[],
         )
     given, tree = jax.tree.flatten(args)
     traced = [i for i, leaf in enumerate(given) if isinstance(leaf, _ARRAYS)]
-    leaves, treedef = jax.tree.flatten(h.params)
 
-    def flat(leaves: Any, state: Any, arrays: list[Any]) -> Any:  # Python settings closed over
+    def flat(params: Any, state: Any, arrays: list[Any]) -> Any:  # Python settings closed over
         placed = iter(arrays)
         inputs = [next(placed) if i in traced else leaf for i, leaf in enumerate(given)]
-        params, inputs = jax.tree.unflatten(treedef, leaves), jax.tree.unflatten(tree, inputs)
+        inputs = jax.tree.unflatten(tree, inputs)
         if not h.stateful:
             return h.fn(params, *inputs, **kwargs)
         return h._model.call(params, state, inputs, kwargs)  # (out, new state): h.fn's drops it
 
     state = h.state if h.stateful else None  # an input, as the model's call takes it
-    return _compiled(flat, leaves, [state, [given[i] for i in traced]], h.params_as_constants)
+    return _compiled(flat, h.params, [state, [given[i] for i in traced]], h.params_as_constants)
 
 
 def _floor_of_loaded(m: Any, inputs: list[Any]) -> Callable[[], Any]:
