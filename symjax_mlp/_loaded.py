@@ -92,6 +92,10 @@ class LoadedModel(NoPickle):
         self._caller = caller(path, manifest)
         self._single_output = self.signature.output_kind == "array"
         self._checked: set[tuple[Any, ...]] = set()
+        # the program itself, for arrays of a (shape, dtype) that ran through every check before
+        direct, single = getattr(run, "direct", (None, None))
+        self._direct = direct if single == self._single_output else None
+        self._ready: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
     _INSTEAD = "Pass its path, and load it where it runs: sm.load(m.path)."
 
@@ -129,12 +133,24 @@ class LoadedModel(NoPickle):
         return views
 
     def __call__(self, *inputs: jax.typing.ArrayLike, **named: Any) -> Any:
+        # hot path: concrete arrays of a (shape, dtype) that passed every check before
+        key = tuple([(x.shape, x.dtype) if type(x) in _ARRAYS else None for x in inputs])
+        if not named and (direct := self._ready.get(key)) is not None:
+            try:
+                out = direct(*inputs)
+            except Exception as e:  # the program failed: XLA raised
+                if (error := self._failure(e, inputs)) is e:
+                    raise
+                raise error from e
+            return out if self._single_output else tuple(out)
         if named:  # Python's TypeError would name neither the inputs nor how to pass them
             raise _ByName(self._by_name(named, len(inputs)))
         if forward_traced(inputs):  # else JAX's TypeError, where jax.jit lowers it (if at all)
             raise ConfigError(self._forward_mode())
         try:
             outs = self._outputs(inputs)
+            if self._direct is not None and None not in key and len(self._ready) < 256:
+                self._ready[key] = self._direct
         except SignatureError as wrong:  # one example (jax.vmap(m) per example) or wrong
             axes = self._example_axes(inputs)
             if axes is None:
@@ -183,19 +199,26 @@ class LoadedModel(NoPickle):
                 self._checked.add(key)
         try:
             return self._run(list(inputs))
-        except SymjaxError:
-            raise
         except Exception as e:  # the program failed: XLA, IREE or jax.export raised
-            if isinstance(e, (*TRACER_ERRORS, jax.errors.UnexpectedTracerError)):
-                if self.runtime == "jax":
-                    raise  # the caller's own jax.jit code, not the artifact
-                raise ConfigError(
-                    f"{self._caller}: the {self.runtime} runtime runs outside JAX, so jax.jit, "
-                    "jax.vmap and jax.grad cannot trace it. Load it with runtime='jax'."
-                ) from e
-            if isinstance(e, TypeError) and "forward-mode autodiff" in str(e):
-                raise ConfigError(self._forward_mode()) from e
-            raise run_failed(self._caller, self._file, e, inputs) from e
+            if (error := self._failure(e, inputs)) is e:
+                raise
+            raise error from e
+
+    def _failure(self, e: Exception, inputs: Any) -> Exception:
+        """What a call whose program raised ``e`` raises: ``e`` itself where it is ours or the
+        caller's own tracing error, else an error naming the artifact."""
+        if isinstance(e, SymjaxError):
+            return e
+        if isinstance(e, (*TRACER_ERRORS, jax.errors.UnexpectedTracerError)):
+            if self.runtime == "jax":
+                return e  # the caller's own jax.jit code, not the artifact
+            return ConfigError(
+                f"{self._caller}: the {self.runtime} runtime runs outside JAX, so jax.jit, "
+                "jax.vmap and jax.grad cannot trace it. Load it with runtime='jax'."
+            )
+        if isinstance(e, TypeError) and "forward-mode autodiff" in str(e):
+            return ConfigError(self._forward_mode())
+        return run_failed(self._caller, self._file, e, inputs)
 
     def _by_name(self, named: dict[str, Any], n: int) -> str:
         """The message refusing inputs passed by name (``m(x=x)``), ``n`` of them by position."""

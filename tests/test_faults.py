@@ -253,6 +253,35 @@ def test_a_run_time_failure_at_a_call_is_a_symjax_error_naming_it(artifact):
     assert info.value.__cause__ is error
 
 
+def test_a_repeated_call_runs_the_program_straight_and_still_names_a_failure(
+    artifact, monkeypatch
+):
+    """A call of arrays of a (shape, dtype) that ran before goes to the program itself (no
+    checks again): a failure there is the same ArtifactError, and other inputs are checked."""
+    error, real = jax.errors.JaxRuntimeError(OOM), jax_runtime.runner
+
+    def runner(*args, **kwargs):
+        run, weights = real(*args, **kwargs)
+
+        def program(*inputs):  # what the repeated call runs: it fails
+            raise error
+
+        run.direct = program, run.direct[1]
+        return run, weights
+
+    monkeypatch.setattr(jax_runtime, "runner", runner)
+    m, x = sm.load(artifact), np.ones((5, 3), np.float32)
+    first = m(x)  # checked, through the runtime's own call
+    assert first.shape[0] == 5
+    with pytest.raises(sm.ArtifactError) as info:
+        m(x)
+    assert str(info.value).startswith(f'symjax_mlp.load("{artifact}"): its program ran out')
+    assert "float32[5, 3]" in str(info.value) and info.value.__cause__ is error
+    with pytest.raises(sm.SignatureError, match="float64"):
+        m(x.astype(np.float64))
+    assert m(x[:2]).shape[0] == 2  # another shape: checked and run as a first call
+
+
 # The real thing: XLA out of memory under RLIMIT_AS, in a child process. On CPU the program
 # fails at the call when XLA runs it inline (a cheap one: broadcasts, copies), else when its
 # result is read; and jaxlib's (0.10.2) np.asarray of a result it could not allocate aborts the
