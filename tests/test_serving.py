@@ -1170,6 +1170,33 @@ def test_an_artifact_whose_rows_mix_runs_each_request_alone_and_unpadded(tmp_pat
         assert stats.batches < stats.requests and stats.mean_batch_rows > 3
 
 
+@pytest.mark.parametrize("mix", [False, True], ids=["rows-apart", "rows-mix"])
+def test_an_artifact_bounding_its_batch_is_served_at_the_sizes_it_admits(tmp_path, mix):
+    """An artifact exported with b >= 2 (or b <= 6) was warmed up at buckets (1, 2, 4, 8): the
+    program refused b = 1 (or 8), and serve exited 2 with "the inputs give b = 1 ... split a
+    longer one", of inputs no user sent. Now the buckets are those it admits, max_batch the
+    largest it admits; a request below them is padded, or where rows mix, refused naming them."""
+    f = (lambda p, x: x - x.mean(0, keepdims=True) + p) if mix else (lambda p, x: x * p + 1)
+    h = sm.hybridize(f, jnp.float32(0.5))
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 3)), shapes=("b, 3",),
+                    constraints=("b >= 2", "b <= 6"))  # fmt: skip
+    m = sm.load(art.path)
+    with sm.serving.Batcher(m, max_batch=8) as b:
+        assert b.buckets == (2, 4, 6) and b.max_batch == 6 and b.merges is not mix
+        for n in (2, 3, 6) if mix else (1, 3, 5, 6):  # 1: padded to 2
+            np.testing.assert_allclose(b(rows(n, 3)), h(rows(n, 3)), rtol=1e-6, atol=1e-6)
+        with pytest.raises(
+            sm.SignatureError, match=rf"with {1 + mix} <= b <= 6 rows: it has 7 rows"
+        ):
+            b(rows(7, 3))
+        if mix:
+            with pytest.raises(sm.SignatureError, match=r"with 2 <= b <= 6 rows: it has 1 rows, "
+                               r"and its rows mix: never padded. Pass 2 or more"):  # fmt: skip
+                b(rows(1, 3))
+    with pytest.raises(sm.ConfigError, match=r"buckets=\(1, 8\).* admits \(b >= 2, b <= 6\)"):
+        sm.serving.Batcher(m, buckets=(1, 8))
+
+
 # -- the latency mode -------------------------------------------------------------------------
 def test_latency_mode_refuses_once_jax_has_started():
     jnp.ones(1).block_until_ready()

@@ -72,10 +72,12 @@ class Batcher:
         independently.
       example: for a Hybrid or a callable: an input batch (an array, or a tuple of arrays
         for several inputs) giving each input's row shape and dtype. Not for a LoadedModel.
-      max_batch: most rows in one model call (default 64, or a static artifact batch).
+      max_batch: most rows in one model call (default 64, or a static artifact batch; where
+        an artifact's constraints bound its batch, ``b <= 6``, the largest they admit up to it).
       buckets: the batch sizes compiled ahead of time (default: powers of two up to
-        ``max_batch``, and ``max_batch``); the largest must be ``max_batch``. A batcher that
-        does not merge compiles the smallest only.
+        ``max_batch``, and ``max_batch``); the largest must be ``max_batch``. Of an artifact,
+        those its constraints admit (``b >= 2``: a request of 1 row is padded to 2, or, where
+        it does not merge, refused). A batcher that does not merge compiles the smallest only.
       max_queue: most requests waiting; one more is refused with :class:`OverloadError`.
       name: shown in errors (default: the model's name or artifact path).
       kwargs: keyword settings passed to every call of a Hybrid or callable, e.g.
@@ -86,9 +88,9 @@ class Batcher:
     Raises:
       ConfigError: a Hybrid or callable without ``example`` (or whose signature does not take
         it and ``kwargs``), a LoadedModel with one; an nnx module in training mode; bad
-        ``max_batch``/``buckets``/``max_queue``; an artifact whose batch is not its inputs'
-        leading dimension; outputs not arrays per row, or whose rows differ between batch
-        sizes; a bad ``warm_up_timeout``.
+        ``max_batch``/``buckets``/``max_queue``, or buckets an artifact's constraints refuse
+        all of; an artifact whose batch is not its inputs' leading dimension; outputs not
+        arrays per row, or whose rows differ between batch sizes; a bad ``warm_up_timeout``.
       TimeoutError: the warm-up took longer than ``warm_up_timeout``.
 
     Example:
@@ -122,7 +124,7 @@ class Batcher:
                     f"Batcher(LoadedModel, {given}): a loaded artifact carries its signature "
                     f"({model.signature}) and settings; drop {given}."
                 )
-            specs, static, alone = artifact_specs(model)
+            specs, static, alone, bound = artifact_specs(model)
             name = name or str(model.path)
         elif callable(model):
             linen = sys.modules.get("flax.linen")  # never imported here
@@ -138,7 +140,7 @@ class Batcher:
                     "or a tuple of arrays for several inputs) that gives each input's row shape "
                     "and dtype, e.g. Batcher(h, example=x) with x of shape (1, features)."
                 )
-            specs, static = example_specs(example), None
+            specs, static, bound = example_specs(example), None, None
             name = name or getattr(model, "name", None) or getattr(model, "__name__", "model")
             served = call_of(model, example, kwargs, name)
         else:
@@ -147,7 +149,7 @@ class Batcher:
                 f"(sm.hybridize(...)) or a callable; got {type(model).__name__}."
             )
         self.name = f"Batcher({name})"
-        self.buckets = bucket_sizes(self.name, max_batch, buckets, static)
+        self.buckets = bucket_sizes(self.name, max_batch, buckets, static, bound)
         self.max_batch = self.buckets[-1]
         self.max_queue = check_count(self.name, "max_queue", max_queue)
         wait = seconds(warm_up_timeout, f"Batcher({name}, warm_up_timeout")
@@ -157,7 +159,7 @@ class Batcher:
         #: Why each request runs alone at its own rows (``""``: requests merge): see above.
         self.why_alone: str = alone
         lane = Lane(served, specs, self.buckets, self.name, merges=not alone)
-        self._check = RequestCheck(specs, lane, static, alone).check
+        self._check = RequestCheck(specs, lane, static, alone, bound).check
         # Per event loop, this pass's asubmit (None: several), see _end_of_pass: run on the loop
         # only for an XLA program the checker bounded to tensor ops (no loop: /health answers).
         self._passes: dict[Any, AsyncRequest | None] = {}

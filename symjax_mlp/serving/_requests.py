@@ -2,8 +2,7 @@
 
 :class:`RequestCheck` checks each input's rank, row shape, dtype and rows, and looks up a NumPy
 ``(shape, dtype)`` that passed once. A :class:`RequestFuture` is a ``concurrent.futures.Future``
-settled a whole batch at a time; an :class:`AsyncRequest` its asyncio counterpart.
-"""
+settled a whole batch at a time; an :class:`AsyncRequest` its asyncio counterpart."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from symjax_mlp._artifact.signature import as_array
+from symjax_mlp._artifact.signature import Signature, admits, as_array
 from symjax_mlp._compat import SharedLockFuture
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.hybrid import Hybrid
@@ -66,12 +65,10 @@ class _Timed:
     @property
     def timing(self) -> RequestTiming | None:
         """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
-        if self._batch is None:
+        if (batch := self._batch) is None:
             return None
-        t1, t2, t3, t4, batch_rows, bucket, requests = self._batch
-        return RequestTiming(
-            t1 - self.t0, t2 - t1, t3 - t2, t4 - t3, self.rows, batch_rows, requests, bucket
-        )
+        t1, t2, t3, t4, real, bucket, n = batch  # its real rows, bucket and requests
+        return RequestTiming(t1 - self.t0, t2 - t1, t3 - t2, t4 - t3, self.rows, real, n, bucket)
 
 
 #: what :meth:`AsyncRequest.fail` hands on as a RuntimeError from it (the cause: the model's)
@@ -102,10 +99,10 @@ class AsyncRequest(_Timed):
         return self.future.cancel()
 
     def fail(self, error: BaseException) -> None:
-        """Settles it with ``error`` (a StopIteration, which an asyncio future refuses; a
-        GeneratorExit, which closes every coroutine it is thrown into up to the task, unhandled;
-        a KeyboardInterrupt or SystemExit, which the Task that asyncio.wait_for or gather wraps
-        it in raises out of the loop: as a RuntimeError from it, as a coroutine's)."""
+        """Settles it with ``error``; one an awaiter cannot be given (a StopIteration, which a
+        future refuses; a GeneratorExit, which closes every coroutine up to the task; a
+        KeyboardInterrupt or SystemExit, which asyncio raises out of the loop) as a RuntimeError
+        from it, as a coroutine's."""
         if isinstance(error, UNAWAITABLE):
             try:
                 what = repr(error)
@@ -164,9 +161,10 @@ _SHARED = (
 _MIXED = "its manifest says that its rows are not independent"
 
 
-def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None, str]:
-    """The per-request specs of an artifact, its static batch (``None``: symbolic), and why each
-    request runs alone, never merged nor padded (``""``: rows may merge, or it does not say)."""
+def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None, str, Any]:
+    """The per-request specs of an artifact, its static batch (``None``: symbolic), why each
+    request runs alone, never merged nor padded (``""``: rows may merge, or it does not say), and
+    ``(signature, "b")`` where constraints bound its batch (see :func:`fits`), else ``None``."""
     sig = model.signature
     specs, static = [], set()
     leads = [spec.shape[0] if spec.shape else None for spec in sig.inputs]
@@ -191,16 +189,21 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
         )
     rows = model.manifest.get("rows") or {}  # a static batch never shows its rows apart
     why = "" if rows.get("independent", True) else rows.get("why") or _MIXED
-    return tuple(specs), (static.pop() if static else None), why
+    bound = (sig, batch) if batch and sig.constraints else None
+    return tuple(specs), (static.pop() if static else None), why, bound
 
 
-#: The most rows a batcher's model call may take (its largest bucket).
-MAX_BATCH = 1 << 16
+def fits(bound: tuple[Signature, str] | None, n: int) -> bool:
+    """Whether the artifact admits a batch of ``n`` rows (``bound``: :func:`artifact_specs`')."""
+    return bound is None or admits(bound[0], {bound[1]: n})
 
 
-def bucket_sizes(
-    name: str, max_batch: int | None, buckets: Sequence[int] | None, static: int | None
-) -> tuple[int, ...]:
+MAX_BATCH = 1 << 16  # the most rows a batcher's model call may take (its largest bucket)
+
+
+def bucket_sizes(name: str, max_batch: int | None, buckets: Sequence[int] | None,
+                 static: int | None, bound: Any = None) -> tuple[int, ...]:  # fmt: skip
+    """The batch sizes to compile, of those the artifact admits (``bound``: :func:`fits`)."""
     if static is not None:
         if (max_batch not in (None, static)) or (buckets is not None and list(buckets) != [static]):
             raise ConfigError(
@@ -209,8 +212,7 @@ def bucket_sizes(
                 "export it with a symbolic batch (batch='b') to batch freely."
             )
         return (static,)
-    if max_batch is not None:
-        max_batch = check_count(name, "max_batch", max_batch)
+    max_batch = None if max_batch is None else check_count(name, "max_batch", max_batch)
     if buckets is not None:
         ok = isinstance(buckets, Iterable) and not isinstance(buckets, str)
         buckets = list(buckets) if ok else buckets
@@ -231,8 +233,15 @@ def bucket_sizes(
             f"a max_batch <= {MAX_BATCH:,} (a few times the requests you expect at once)."
         )
     if buckets is None:  # powers of two, and max_batch
-        return tuple(sorted({*(1 << i for i in range(max_batch.bit_length())), max_batch}))
-    return tuple(sorted(set(buckets)))
+        max_batch = next((n for n in range(max_batch, 0, -1) if fits(bound, n)), max_batch)
+        buckets = {*(1 << i for i in range(max_batch.bit_length())), max_batch}
+    if not (kept := tuple(n for n in sorted(set(buckets)) if fits(bound, n))):
+        said = ", ".join(bound[0].constraints)
+        raise ConfigError(
+            f"{name}: none of buckets={tuple(sorted(set(buckets)))} is a batch size the artifact "
+            f"admits ({said}); pass buckets= (or max_batch=) of sizes within {said}."
+        )
+    return kept
 
 
 _STATIC = (
@@ -245,15 +254,18 @@ _NUMBERS = (bool, int, float, complex, list, tuple)  # Python's, not an array
 
 class RequestCheck:
     """Checks requests against a batcher's specs: :meth:`check` gives their arrays and rows.
-    ``static``: where rows mix (``why``), the static batch each request must have exactly."""
+    Where rows mix (``why``), unpadded, a request has ``static`` rows, or as many as ``bound``'s."""
 
-    def __init__(self, specs: Sequence[TensorSpec], lane: Any, static: int | None, why: str):
+    def __init__(self, specs: Sequence[TensorSpec], lane: Any, static: int | None, why: str,
+                 bound: Any = None):  # fmt: skip
         self.name, self.specs, self.lane, self.max_batch = lane.name, specs, lane, lane.max_batch
         self.static, self.why = static if why else None, why  # rows mix: never padded
-        # The NumPy shapes (a tuple of them for several inputs) that passed, with their rows;
-        # a request's dtypes must be these very objects to be looked up.
+        self.least = next(n for n in range(1, self.max_batch + 1) if not why or fits(bound, n))
+        self.takes = f"b = {static}" if self.static else f"{self.least} <= b <= {self.max_batch}"
+        # The NumPy shapes (a tuple for several inputs) that passed, with their rows; looked up
+        # for a request whose dtypes are these very objects.
         self.accepted: dict[Any, int] = {}
-        self.dtypes = tuple(lane.dtypes)
+        self.dtypes = list(lane.dtypes)
 
     def check(self, inputs: tuple[Any, ...]) -> tuple[Sequence[Any], int]:
         """The request's arrays and rows; NumPy inputs of a shape seen before are looked up."""
@@ -263,8 +275,8 @@ class RequestCheck:
                 rows = self.accepted.get(x.shape)
                 if rows is not None:
                     return inputs, rows
-        elif all(type(x) is np.ndarray for x in inputs) and [x.dtype for x in inputs] == list(
-            self.dtypes
+        elif (
+            all(type(x) is np.ndarray for x in inputs) and [x.dtype for x in inputs] == self.dtypes
         ):
             rows = self.accepted.get(tuple([x.shape for x in inputs]))
             if rows is not None:
@@ -272,32 +284,32 @@ class RequestCheck:
         return self._check_slow(inputs)
 
     def _check_slow(self, inputs: tuple[Any, ...]) -> tuple[Sequence[Any], int]:
-        lane = self.lane
-        if len(inputs) != len(lane.dtypes):
-            self._reject()
+        try:
+            return self._read(inputs)
+        except SignatureError:  # nothing queued: counted as refused
+            with self.lane.lock:
+                self.lane.n.rejected["signature"] += 1
+            raise
+
+    def _read(self, inputs: tuple[Any, ...]) -> tuple[Sequence[Any], int]:
+        if len(inputs) != len(self.dtypes):
             want = ", ".join(map(str, self.specs))
             raise SignatureError(
-                f"{self.name}: a request takes {len(lane.dtypes)} input(s) ({want}); got "
+                f"{self.name}: a request takes {len(self.dtypes)} input(s) ({want}); got "
                 f"{len(inputs)}. Call it as b({', '.join(s.path for s in self.specs)})."
             )
         arrays, rows, numpy = [], None, True
         for i, x in enumerate(inputs):
             numpy = numpy and type(x) is np.ndarray
             if isinstance(x, _NUMBERS):  # as LoadedModel takes them: JAX's weak types
-                try:
-                    x = as_array(x, self.specs[i], self.name)
-                except SignatureError:  # a ragged list
-                    self._reject()
-                    raise
+                x = as_array(x, self.specs[i], self.name)  # a ragged list: refused
             a = x if type(x) is np.ndarray else np.asarray(x)  # read on the host anyway
             why = self._why(i, a, rows)
             if why:
-                self._reject()
                 spec = self.specs[i]
-                want = f"b = {self.static}" if self.static else f"1 <= b <= {self.max_batch}"
                 raise SignatureError(
                     f"{self.name}: input {spec.path} has shape {a.shape} and dtype {a.dtype}, "
-                    f"but a request takes {spec.type} with {want} rows{why}"
+                    f"but a request takes {spec.type} with {self.takes} rows{why}"
                 )
             rows = a.shape[0]
             arrays.append(a)
@@ -316,17 +328,15 @@ class RequestCheck:
         if a.shape[1:] != shape:
             return f": each row is {a.shape[1:]}, not {shape}. Pass rows of shape {shape}."
         if a.dtype != dtype:
-            held = out_of_range(a, dtype)
-            return (
-                f": it {held}. Send values in range."
-                if held
-                else f". Cast it: x.astype(np.{dtype})."
-            )
+            fix = f"it {held}. Send values in range" if (held := out_of_range(a, dtype)) else ""
+            return f": {fix}." if fix else f". Cast it: x.astype(np.{dtype})."
         n = a.shape[0]
         if n < 1:
             return ": it has no rows. Pass at least one row."
         if self.static and n != self.static:
             return _STATIC.format(rows=n, static=self.static, why=self.why)
+        if n < self.least:  # rows mix (self.why): never padded up to a size the artifact takes
+            return f": it has {n} rows, and its rows mix: never padded. Pass {self.least} or more."
         if n > self.max_batch:
             return (
                 f": it has {n} rows. Split it into requests of at most {self.max_batch} rows, "
@@ -338,10 +348,6 @@ class RequestCheck:
                 "request must have the same number of rows."
             )
         return ""
-
-    def _reject(self) -> None:
-        with self.lane.lock:
-            self.lane.n.rejected["signature"] += 1
 
 
 _TRAINING = (
@@ -372,8 +378,7 @@ def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
         ) from None
     if not isinstance(model, Hybrid):
         return functools.partial(model, **kwargs) if kwargs else model
-    training = model.training_mode(*arrays, **kwargs)
-    if training:
+    if training := model.training_mode(*arrays, **kwargs):
         raise ConfigError(_TRAINING.format(name=name, settings=", ".join(training)))
     h = model.snapshot()  # its module's mode and state as of now, whatever model does later
     if not h.stateful:
