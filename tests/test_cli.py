@@ -311,6 +311,29 @@ def test_run_writes_exactly_the_output_path_stdout_and_npz(tmp_path, capsys):
     np.testing.assert_array_equal(np.load(io.BytesIO(done.stdout)), y)
 
 
+def test_run_to_a_stdout_without_a_byte_buffer(tmp_path, capsys, monkeypatch):
+    """main() called in-process with sys.stdout a text stream (io.StringIO, a notebook's): --output
+    - crashed with an AttributeError traceback ('no attribute buffer'). Now a text stream is
+    refused in one line before the load, and a binary one (io.BytesIO) takes the .npy bytes."""
+    import io
+
+    import numpy as np
+
+    art = tmp_path / "m"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    np.save(tmp_path / "x.npy", np.ones((4, 2), np.float32))
+    run = ["run", str(art), "--input", str(tmp_path / "x.npy"), "--output", "-"]
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert main(run) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "--output -: stdout is a text stream (StringIO)" in err and "pass a file path" in err
+    monkeypatch.setattr(sys, "stdout", io.BytesIO())
+    assert main(run) == 0 and "wrote stdout: float32[4, 3]" in capsys.readouterr().err
+    assert np.load(io.BytesIO(sys.stdout.getvalue())).shape == (4, 3)
+
+
 def test_activation_none_is_the_linear_mlp_the_message_offers(tmp_path, capsys):
     """--activation None was refused as "unknown activation 'None'; expected None or one of:
     ...": the library's None, which the command line could not pass."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from typing import Any
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> None:
     pairs = list(zip(out if len(paths) > 1 else [out], paths, strict=True))
     to_stdout = paths == ["-"]
     if to_stdout:
-        pairs = [(out, _args.stdout("--output -").buffer)]
+        pairs = [(out, _bytes_out())]
     write_outputs(*pairs[0], *pairs[1:])  # every path, or none of them
     stream = sys.stderr if to_stdout else sys.stdout
     for (y, _), path in zip(pairs, paths, strict=True):
@@ -88,6 +89,8 @@ def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> None:
             f"--output -: stdout takes one array, and {len(paths)} --output paths were given. "
             "Name a file for each output, or pass one .npz path (out0, out1, ...)."
         )
+    if paths == ["-"]:
+        _bytes_out()
     for path in (p for p in paths if p != "-"):
         same = [str(x) for x in inputs if os.path.exists(path) and os.path.samefile(path, x)]
         if same:
@@ -96,3 +99,17 @@ def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> None:
                 "with the output. Pass another path."
             )
         _args.outside_artifact(path, "--output", artifact)
+
+
+def _bytes_out() -> Any:
+    """Where ``--output -`` writes .npy bytes: stdout's byte buffer, or stdout itself where it is
+    a binary stream (``io.BytesIO``); refused where it is a text stream without one (main() called
+    in-process with ``io.StringIO``, a notebook's)."""
+    stdout = _args.stdout("--output -")
+    binary = stdout if isinstance(stdout, io.BufferedIOBase | io.RawIOBase) else None
+    if (target := getattr(stdout, "buffer", binary)) is None:
+        raise argparse.ArgumentTypeError(
+            f"--output -: stdout is a text stream ({type(stdout).__name__}) with no byte buffer, "
+            "which cannot take .npy bytes; pass a file path"
+        )
+    return target
