@@ -26,6 +26,7 @@ from symjax_mlp._specs import (
     TensorSpec,
     array_kwargs_error,
     input_structs,
+    keyword_arrays,
     shape_dims,
     unserializable,
 )
@@ -112,7 +113,11 @@ def stage(
         examples, kw, h.static_argnums, h.static_argnames, caller=f"export({h.name})"
     )
     if array_kwargs:
-        raise SignatureError(array_kwargs_error(h.name, list(array_kwargs)))
+        kept = {k: v for k, v in kw.items() if k not in array_kwargs}
+        raise SignatureError(array_kwargs_error(h.name, [*array_kwargs], len(examples), kept))
+    names, placed = keyword_arrays(h.__signature__, len(examples), kw)  # more arrays than places
+    if names:
+        raise SignatureError(array_kwargs_error(h.name, names, placed, kw, h.__signature__))
     in_specs = input_structs(examples, batch, shapes, tuple(constraints), h.name)
     stored, fn, baked = _exportable(h)
     streams = _moved(h, static, examples, kw)

@@ -144,16 +144,52 @@ _DICT_INPUT = (
 )
 
 
-def array_kwargs_error(name: str, names: list[str]) -> str:
-    """The refusal of arrays given as keywords, naming the wrapper that gives them places."""
-    got = ", ".join(f"kwargs[{n!r}]" for n in names)
-    verb, them = ("is an array", "it") if len(names) == 1 else ("are arrays", "them")
-    places, passed = ", ".join(names), ", ".join(f"{n}={n}" for n in names)
+def keyword_arrays(signature: Any, n: int, given: Mapping[str, Any]) -> tuple[list[str], int]:
+    """Where ``n`` arrays by place outnumber the positional parameters of ``signature`` (an
+    ``inspect.Signature``): the keyword-only ones without a default, not in ``given``, that the
+    rest are meant for (flax nlp_seq's ``(*, inputs, train)``), and how many it takes by place."""
+    params = list(getattr(signature, "parameters", {}).values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return [], n
+    placed = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    free = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    return [k for k in free if k not in given][: max(n - placed, 0)], min(n, placed)
+
+
+def by_place(
+    names: list[str], placed: int, settings: Mapping[str, Any], hybrid: bool = True
+) -> tuple[str, str]:
+    """A Hybrid ``h`` (``hybrid=False``: a function ``model``) taking ``placed`` arrays by place
+    and ``names`` by keyword, ``settings`` fixed, as code of a function taking them all by place,
+    and the example it takes: ``("sm.hybridize(lambda params, inputs: h.apply(params,
+    inputs=inputs, train=False), h.params)", "inputs")``."""
+    xs = ["x"] if placed == 1 else [f"x{i}" for i in range(placed)]
+    places = ", ".join([*xs, *names])
+    kept = [f"{k}={v!r}" for k, v in settings.items() if k not in names]
+    passed = ", ".join([*xs, *(f"{k}={k}" for k in names), *kept])
+    example = places if len(xs) + len(names) == 1 else f"({places})"
+    if not hybrid:
+        return f"lambda {places}: model({passed})", example
+    return f"sm.hybridize(lambda params, {places}: h.apply(params, {passed}), h.params)", example
+
+
+def array_kwargs_error(
+    name: str, names: list[str], placed: int, settings: Mapping[str, Any], signature: Any = None
+) -> str:
+    """The refusal of arrays given as keywords, or (``signature``) that the model takes by
+    keyword only, naming the wrapper that gives them places."""
+    them, (code, example) = "it" if len(names) == 1 else "them", by_place(names, placed, settings)
+    if signature is None:  # given in kwargs=
+        got = ", ".join(f"kwargs[{n!r}]" for n in names)
+        head = (
+            f"export({name}, kwargs=...): {got} {'is an array' if them == 'it' else 'are arrays'}"
+        )
+    else:
+        head = f"export({name}): the model takes {', '.join(names)} by keyword only {signature}"
+    bake = "; or bake a Python setting (True, 3, 'relu') instead" if signature is None else ""
     return (
-        f"export({name}, kwargs=...): {got} {verb}, but an artifact's inputs are positional. "
-        f"Give {them} a place: export sm.hybridize(lambda params, x, {places}: {name}(params, "
-        f"x, {passed}), params) with example=(x, {places}), and call the artifact with {them} "
-        "by place; or bake a Python setting (True, 3, 'relu') instead."
+        f"{head}, but an artifact's inputs are positional. Give {them} a place: export {code} "
+        f"with example={example}, and call the artifact with {them} by place{bake}."
     )
 
 

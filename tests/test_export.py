@@ -747,3 +747,30 @@ def test_export_compiles_one_program_for_its_self_test_and_the_check_against_the
     assert len(compiles) == 1
     assert "selftest.safetensors" in art.manifest["files"]
     np.testing.assert_allclose(sm.load(art.path)(x), h(x), rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")  # (the example's layer)
+def test_a_model_taking_its_array_keyword_only_is_told_a_wrapper_that_exports(tmp_path):
+    """flax's nlp_seq tagger, ``__call__(self, *, inputs, train)``: export(h, example=x,
+    kwargs={"train": False}) failed in the trace telling h(inputs=inputs, train=train), and
+    export(h, example=(), kwargs={"inputs": x, ...}) told sm.hybridize(lambda params, x, inputs:
+    Tagger(params, x, inputs=inputs), params): neither exports. Both name h.apply's wrapper."""
+    from helpers import tagger
+
+    model, variables, x = tagger()
+    h = sm.hybridize(model, variables)
+    fix = (
+        "export sm.hybridize(lambda params, inputs: h.apply(params, inputs=inputs, train=False), "
+        "h.params) with example=inputs, and call the artifact with it by place"
+    )
+    with pytest.raises(sm.SignatureError, match=r"^export\(Tagger\): the model takes inputs by "
+                       r"keyword only \(\*, inputs, train\), but an artifact's") as e:  # fmt: skip
+        sm.export(h, tmp_path / "m", example=x, kwargs={"train": False})
+    assert fix in str(e.value) and "bake" not in str(e.value)
+    with pytest.raises(sm.SignatureError, match=r"kwargs\['inputs'\] is an array") as e:
+        sm.export(h, tmp_path / "m", example=(), kwargs={"inputs": x, "train": False})
+    assert fix in str(e.value)
+    w = sm.hybridize(lambda params, inputs: h.apply(params, inputs=inputs, train=False), h.params)
+    sm.export(w, tmp_path / "m", example=x)  # as it says
+    want = h(inputs=x, train=False)
+    np.testing.assert_allclose(sm.load(tmp_path / "m", allow={"gather"})(x), want, rtol=1e-5)

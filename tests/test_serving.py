@@ -1197,6 +1197,28 @@ def test_an_artifact_bounding_its_batch_is_served_at_the_sizes_it_admits(tmp_pat
         sm.serving.Batcher(m, buckets=(1, 8))
 
 
+@pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")  # (the example's layer)
+def test_a_hybrid_taking_its_array_keyword_only_is_told_the_wrapper_a_batcher_serves():
+    """flax's nlp_seq tagger, ``__call__(self, *, inputs, train)``: Batcher(h, example=x,
+    kwargs={"train": False}) told to pass kwargs= and an example of one array per input, what
+    was passed. It names the wrapper taking the array by place, which a Batcher serves."""
+    from helpers import tagger
+
+    model, variables, x = tagger()
+    h = sm.hybridize(model, variables)
+    with pytest.raises(sm.ConfigError, match=r"signature is \(\*, inputs, train\)\. A request's "
+                       r"arrays go by place: serve a function taking inputs so,") as e:  # fmt: skip
+        sm.serving.Batcher(h, example=x, kwargs={"train": False})
+    assert str(e.value).endswith(
+        "Batcher(sm.hybridize(lambda params, inputs: h.apply(params, inputs=inputs, train=False)"
+        ", h.params), example=inputs)."
+    )
+    w = sm.hybridize(lambda params, inputs: h.apply(params, inputs=inputs, train=False), h.params)
+    with sm.serving.Batcher(w, example=x, max_batch=2) as b:  # as it says
+        want = h(inputs=x[:1], train=False)
+        np.testing.assert_allclose(b(np.asarray(x[:1])), want, rtol=1e-5, atol=1e-6)
+
+
 # -- the latency mode -------------------------------------------------------------------------
 def test_latency_mode_refuses_once_jax_has_started():
     jnp.ones(1).block_until_ready()

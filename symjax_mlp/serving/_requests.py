@@ -20,7 +20,7 @@ from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._loaded import LoadedModel
-from symjax_mlp._specs import TensorSpec, out_of_range
+from symjax_mlp._specs import TensorSpec, by_place, keyword_arrays, out_of_range
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,8 +88,7 @@ class AsyncRequest(_Timed):
     __slots__ = ("_batch", "arrays", "future", "rows", "t0")
 
     def __init__(self, arrays: Sequence[Any], rows: int, t0: float, future: Any) -> None:
-        self.arrays, self.rows, self.t0, self.future = arrays, rows, t0, future
-        self._batch = None
+        self.arrays, self.rows, self.t0, self.future, self._batch = arrays, rows, t0, future, None
 
     def __await__(self) -> Any:
         return self.future.__await__()
@@ -124,6 +123,10 @@ class RequestFuture(SharedLockFuture, _Timed):
     arrays: Sequence[Any] = ()
 
 
+_EXAMPLE = (
+    "pass an array (a tuple of arrays for several inputs), each with the batch as leading "
+    "dimension, e.g. x[None]."
+)
 _KEY = (
     "Batcher(example=...): input {i} is a typed rng key ({dtype}{shape}), one value shared by "
     "every row, while a batcher merges the rows of many requests. Serve a function closing over "
@@ -134,20 +137,14 @@ _KEY = (
 def example_specs(example: Any) -> tuple[TensorSpec, ...]:
     arrays = example if isinstance(example, tuple) else (example,)
     if not arrays:
-        raise ConfigError(
-            "Batcher(example=()): the example holds no input; pass an array (a tuple of arrays "
-            "for several inputs), each with the batch as leading dimension, e.g. x[None]."
-        )
+        raise ConfigError(f"Batcher(example=()): the example holds no input; {_EXAMPLE}")
     specs = []
     for i, x in enumerate(arrays):
         if is_key(x):  # else NumPy's "data type key<fry> not understood" (or "a scalar")
             raise ConfigError(_KEY.format(i=i, dtype=x.dtype, shape=list(x.shape)))
         if not (hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape)):
             what = "a scalar" if hasattr(x, "shape") else f"a {type(x).__name__}"
-            raise ConfigError(
-                f"Batcher(example=...): input {i} is {what}; pass arrays (a tuple of arrays for "
-                "several inputs), each with the batch as leading dimension, e.g. x[None]."
-            )
+            raise ConfigError(f"Batcher(example=...): input {i} is {what}; {_EXAMPLE}")
         specs.append(TensorSpec(f"args[{i}]", ("b", *map(int, x.shape[1:])), str(x.dtype)))
     return tuple(specs)
 
@@ -159,6 +156,7 @@ _SHARED = (
     "takes it among the params), or call the loaded model directly."
 )
 _MIXED = "its manifest says that its rows are not independent"
+MAX_BATCH = 1 << 16  # the most rows a batcher's model call may take (its largest bucket)
 
 
 def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None, str, Any]:
@@ -198,9 +196,6 @@ def fits(bound: tuple[Signature, str] | None, n: int) -> bool:
     return bound is None or admits(bound[0], {bound[1]: n})
 
 
-MAX_BATCH = 1 << 16  # the most rows a batcher's model call may take (its largest bucket)
-
-
 def bucket_sizes(name: str, max_batch: int | None, buckets: Sequence[int] | None,
                  static: int | None, bound: Any = None) -> tuple[int, ...]:  # fmt: skip
     """The batch sizes to compile, of those the artifact admits (``bound``: :func:`fits`)."""
@@ -236,10 +231,9 @@ def bucket_sizes(name: str, max_batch: int | None, buckets: Sequence[int] | None
         max_batch = next((n for n in range(max_batch, 0, -1) if fits(bound, n)), max_batch)
         buckets = {*(1 << i for i in range(max_batch.bit_length())), max_batch}
     if not (kept := tuple(n for n in sorted(set(buckets)) if fits(bound, n))):
-        said = ", ".join(bound[0].constraints)
         raise ConfigError(
             f"{name}: none of buckets={tuple(sorted(set(buckets)))} is a batch size the artifact "
-            f"admits ({said}); pass buckets= (or max_batch=) of sizes within {said}."
+            f"admits ({', '.join(bound[0].constraints)}); pass buckets= (or max_batch=) within it."
         )
     return kept
 
@@ -262,8 +256,7 @@ class RequestCheck:
         self.static, self.why = static if why else None, why  # rows mix: never padded
         self.least = next(n for n in range(1, self.max_batch + 1) if not why or fits(bound, n))
         self.takes = f"b = {static}" if self.static else f"{self.least} <= b <= {self.max_batch}"
-        # The NumPy shapes (a tuple for several inputs) that passed, with their rows; looked up
-        # for a request whose dtypes are these very objects.
+        # NumPy shapes (a tuple for several inputs) that passed, and their rows: see check()
         self.accepted: dict[Any, int] = {}
         self.dtypes = list(lane.dtypes)
 
@@ -368,13 +361,20 @@ def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
         signature = None
     try:
         signature is None or signature.bind(*arrays, **kwargs)
-    except TypeError as e:  # a flag with no default: name the fix, not the model's TypeError
+    except TypeError as e:  # a flag with no default, an array by keyword only: name the fix
         given, n = f" and kwargs={kwargs}" if kwargs else "", len(arrays)
+        names, placed = keyword_arrays(signature, n, kwargs)
+        code, places = by_place(names, placed, kwargs, isinstance(model, Hybrid))
+        fix = (
+            f"A request's arrays go by place: serve a function taking {', '.join(names)} so, "
+            f"Batcher({code}, example={places})."
+            if names
+            else "Pass kwargs= of the settings it takes, e.g. kwargs={'train': False}, and an "
+            "example of one array per input (a tuple for several)."
+        )
         raise ConfigError(
             f"Batcher({name}): a request calls the model with the example's {n} input"
-            f"{'s' * (n > 1)}{given}, but {e}; its signature is {signature}. Pass kwargs= of "
-            "the settings it takes, e.g. kwargs={'train': False}, and an example of one array "
-            "per input (a tuple for several)."
+            f"{'s' * (n > 1)}{given}, but {e}; its signature is {signature}. {fix}"
         ) from None
     if not isinstance(model, Hybrid):
         return functools.partial(model, **kwargs) if kwargs else model
