@@ -1214,9 +1214,9 @@ def test_a_hybrid_taking_its_array_keyword_only_is_told_the_wrapper_a_batcher_se
         ", h.params), example=inputs)."
     )
     w = sm.hybridize(lambda params, inputs: h.apply(params, inputs=inputs, train=False), h.params)
-    with sm.serving.Batcher(w, example=x, max_batch=2) as b:  # as it says
-        want = h(inputs=x[:1], train=False)
-        np.testing.assert_allclose(b(np.asarray(x[:1])), want, rtol=1e-5, atol=1e-6)
+    with sm.serving.Batcher(w, example=x, buckets=(2,)) as b:  # as it says
+        want = h(inputs=x, train=False)
+        np.testing.assert_allclose(b(np.asarray(x)), want, rtol=1e-5, atol=1e-6)
 
 
 # -- the latency mode -------------------------------------------------------------------------
