@@ -1,7 +1,9 @@
 """The property examples of ``tests/test_properties.py``: strategies, model builder, one part.
 
-``test_properties.py`` runs each part as a test of its own, in the test's process (xdist runs
-them side by side); this file is never collected by pytest.
+``test_properties.py`` runs part 0 in process and the other parts as processes of this file,
+never collected by pytest::
+
+    python tests/workers/properties_worker.py PART DIRECTORY   # prints what the part covered
 
 Hypothesis draws the model (depth 1-6, widths 1-300 with small widths most likely, any
 activation of ``sm.ACTIVATIONS`` or none per layer, sometimes a ``HybridConcurrent`` block of
@@ -15,8 +17,10 @@ Two Hypothesis settings profiles, chosen by ``SYMJAX_PROPERTY_PROFILE``: ``ci`` 
 """
 
 import collections
+import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -35,7 +39,7 @@ settings.register_profile(
 settings.register_profile("long", settings.get_profile("ci"), max_examples=1000)
 PROFILE = settings.get_profile(os.environ.get("SYMJAX_PROPERTY_PROFILE", "ci"))
 EXAMPLES = int(os.environ.get("SYMJAX_PROPERTY_EXAMPLES", PROFILE.max_examples))  # drawn ones
-PARTS = 2  # parts of the examples, each its own seed and test (xdist runs them side by side)
+PARTS = 2  # processes the examples are split over (CI has two cores)
 # (eager vs compiled, loaded vs compiled): rtol, and atol as a fraction of max(1, max|y|).
 TOL = {"float32": ((2e-5, 2e-5), (1e-6, 1e-6)), "bfloat16": ((6e-2, 6e-2), (1e-2, 1e-2))}
 
@@ -120,14 +124,6 @@ def close(got, want, tol, what):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * scale, err_msg=what)
 
 
-def dense_layers(spec) -> list[tuple[int, str | None]]:
-    """``(width, activation)`` of each Dense layer of ``spec``, a concurrent block's too."""
-    dense = []
-    for layer in spec["layers"]:
-        dense += [layer[1:]] if layer[0] == "dense" else [d for b in layer[1] for d in b]
-    return dense
-
-
 def run(part: int, path: Path) -> collections.Counter:
     """Runs part ``part`` of the examples (its own fixed seed); returns what they covered."""
     seen: collections.Counter = collections.Counter()
@@ -149,11 +145,17 @@ def run(part: int, path: Path) -> collections.Counter:
         seen["examples"] += 1
         seen[spec["dtype"]] += 1
         seen["concurrent"] += any(layer[0] == "concurrent" for layer in spec["layers"])
-        for width, act in dense_layers(spec):
-            seen[f"act:{act}"] += 1
-            seen["wide"] += width > 100
+        for layer in spec["layers"]:
+            dense = [layer[1:]] if layer[0] == "dense" else [d for b in layer[1] for d in b]
+            for width, act in dense:
+                seen[f"act:{act}"] += 1
+                seen["wide"] += width > 100
 
     for written in EVERY_ACTIVATION[part::PARTS]:  # run first, as Hypothesis runs @example
         check = example(spec=written)(check)
     check()
     return seen
+
+
+if __name__ == "__main__":  # one part, in another process
+    print(json.dumps(run(int(sys.argv[1]), Path(sys.argv[2]))))
