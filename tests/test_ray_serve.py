@@ -27,6 +27,7 @@ import sys
 import time
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -294,6 +295,11 @@ def test_bad_batcher_or_app_options_are_refused_before_any_replica_starts(tmp_pa
         sm.serving.ray_app(path, max_inflight_bytes=10)
     with pytest.raises(sm.ConfigError, match=r"ray_app\(.*warm_up_timeout=-1\): pass seconds"):
         sm.serving.ray_app(path, warm_up_timeout=-1)
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2.0))  # its batch at least 70 rows
+    bound = sm.export(h, tmp_path / "b", example=jnp.ones((70, 3)), shapes=("b, 3",),
+                      constraints=("b >= 70",)).path  # fmt: skip
+    with pytest.raises(sm.ConfigError, match=r"admits \(b >= 70\)"):
+        sm.serving.ray_app(bound, max_batch=64)
 
 
 def test_the_cli_refuses_more_replicas_than_the_cluster_has_cpus(cluster):

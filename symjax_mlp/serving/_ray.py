@@ -196,7 +196,8 @@ def ray_app(
         "entry": entry,
     }
     model = load_entry(artifact, **load_options)  # refused here, not in a replica's log
-    buckets = bucket_sizes(where, max_batch, None, artifact_specs(model)[1])
+    _, static, _, bound = artifact_specs(model)
+    buckets = bucket_sizes(where, max_batch, None, static, bound)  # those its constraints admit
     batcher_options = {"max_batch": max_batch, "max_queue": max_queue, "warm_up_timeout": wait}
     app_options = {
         "max_body_bytes": max_body_bytes,
