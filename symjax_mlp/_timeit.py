@@ -287,7 +287,7 @@ def timeit(
     kwargs = dict(kwargs)
     if loaded:
         args = _inputs(model, args, batch)
-    elif not args:
+    elif not args and not any(isinstance(v, _ARRAYS) for v in jax.tree.leaves(kwargs)):
         raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
     stateful = not loaded and model.stateful  # timed on a copy: its own state stays as it was
     timed = model.replace(state=model.state) if stateful else model

@@ -250,7 +250,7 @@ def test_exporting_a_dropout_key_keyword_names_the_wrapper_that_gives_it_a_place
     h, (x,), settings = case.hybridize("train"), case.inputs(0), case.settings("train")
     with pytest.raises(sm.SignatureError, match=r"kwargs\['key'\] is an array") as e:
         sm.export(h, tmp_path / "m", example=x, kwargs=settings)
-    assert "sm.hybridize(lambda params, x, key: keyed_batch(params, x, key=key), params)" in str(
+    assert "sm.hybridize(lambda params, x, key: h.apply(params, x, key=key), h.params)" in str(
         e.value
     )
     model, params = case.model("train")

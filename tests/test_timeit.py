@@ -398,3 +398,15 @@ def test_the_floor_of_a_loaded_model_is_the_module_it_loaded(hybrid, tmp_path):
     (art / "model.jaxexport").write_bytes(swapped.read_bytes())
     with pytest.raises(sm.ArtifactError, match=r"model.jaxexport is corrupted"):
         sm.timeit(m, calls=1, repeats=1, warmup=1)
+
+
+@pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")  # (the example's layer)
+def test_a_model_taking_its_arrays_by_keyword_is_timed_on_them():
+    """flax's nlp_seq tagger takes ``(*, inputs, train)``: ``timeit(h, kwargs={"inputs": x,
+    ...})`` was refused, telling ``timeit(h, x)``, which the model refuses."""
+    from helpers import tagger
+
+    model, variables, x = tagger()
+    h = sm.hybridize(model, variables)
+    t = sm.timeit(h, kwargs={"inputs": x, "train": False}, calls=3, repeats=2, warmup=1)
+    assert len(t.synced) == len(t.compiled_synced) == 2 and t.calls == 3
