@@ -253,9 +253,7 @@ def test_a_run_time_failure_at_a_call_is_a_symjax_error_naming_it(artifact):
     assert info.value.__cause__ is error
 
 
-def test_a_repeated_call_runs_the_program_straight_and_still_names_a_failure(
-    artifact, monkeypatch
-):
+def test_a_repeated_call_runs_the_program_straight_and_still_names_a_failure(artifact, monkeypatch):
     """A call of arrays of a (shape, dtype) that ran before goes to the program itself (no
     checks again): a failure there is the same ArtifactError, and other inputs are checked."""
     error, real = jax.errors.JaxRuntimeError(OOM), jax_runtime.runner

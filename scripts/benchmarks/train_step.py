@@ -135,7 +135,7 @@ def _train_processes(processes: int, epochs: int, every: int, workdir: str) -> d
 
 
 def time_checkpoint_wait(
-    *, processes: int = 2, epochs: int = 20, checkpoint_every: int = 2
+    *, processes: int = 2, epochs: int = 40, checkpoint_every: int = 2
 ) -> dict[str, Any]:
     """How long a multi-process run's asynchronous Orbax saves hold up its steps.
 
