@@ -219,6 +219,11 @@ def verify_signature(path: str | os.PathLike[str], public_key: str | os.PathLike
     check(path, public_key, call=("symjax_mlp.verify_signature", "public_key"))
 
 
+#: model-signing's "Hash mismatch for 'manifest.json'", in a list's repr: its quotes escaped
+#: (\'manifest.json\') where the message also holds a double quote (a digest's bytes may)
+_MISMATCH = re.compile(r"Hash mismatch for \\?'([^'\\]{1,200})\\?'")
+
+
 def check(
     path: str | os.PathLike[str], public_key: str | os.PathLike[str], call: tuple = _LOAD
 ) -> Callable[[], None]:
@@ -244,7 +249,7 @@ def check(
     try:
         config.use_elliptic_key_verifier(public_key=key).verify(path, sig)
     except Exception as e:  # model_signing, sigstore and cryptography raise their own types
-        files = re.findall(r"Hash mismatch for '([^']{1,200})'", str(e))  # not their digests
+        files = _MISMATCH.findall(str(e))  # not their digests
         why = f"{type(e).__name__}: {str(e)[:400]}"
         why = f"it signs other contents of {', '.join(files[:8])}" if files else why
         raise ArtifactError(

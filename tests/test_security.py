@@ -1587,6 +1587,28 @@ def test_the_signature_of_another_artifact_names_the_files_it_does_not_sign(base
     assert "digest" not in str(e.value).lower()
 
 
+@pytest.mark.parametrize("digest", [b"\x9c\t_", b"\x9c'\x0b"], ids=["quoted-'", 'quoted-"'])
+def test_a_signature_mismatch_names_its_files_however_its_digests_are_quoted(
+    base, keys, tmp_path, monkeypatch, digest
+):
+    """model-signing lists its mismatches in a list's repr; where a digest's bytes hold a quote
+    the repr escapes the file name's (\\'manifest.json\\'), and the message quoted them whole
+    (failed in a clean-clone CI run, its digest holding a quote)."""
+    import model_signing.verifying
+
+    said = f"Hash mismatch for 'manifest.json': Expected 'Digest(digest_value={digest!r})'"
+
+    def verify(self, *args, **kwargs):
+        raise ValueError(f"Signature mismatch: {[said]}")
+
+    private, public = keys["ours"]
+    art = forge.resign(base[0], tmp_path / "a")
+    sm.sign(art, private)
+    monkeypatch.setattr(model_signing.verifying.Config, "verify", verify)
+    with pytest.raises(sm.ArtifactError, match=r"it signs other contents of manifest\.json\. "):
+        sm.load(art, verify_signature=public)
+
+
 @pytest.mark.parametrize("lie", ["dtype", "shape", "name"])
 def test_weights_an_artifact_holds_against_its_manifest_say_to_export_again(base, tmp_path, lie):
     """Its own params.safetensors of int32 (or other shape, or name) over a manifest of
