@@ -28,6 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import STRICT_WARNINGS
 from workers.properties_worker import EVERY_ACTIVATION, EXAMPLES, PARTS, run
 
@@ -36,6 +37,7 @@ import symjax_mlp as sm
 WORKER = Path(__file__).parent / "workers" / "properties_worker.py"
 
 
+@pytest.mark.slow
 def test_eager_hybridized_and_loaded_agree(tmp_path):
     """Part 0 runs here while parts 1.. run in other processes: the examples are compile-bound
     and one process keeps one core busy."""

@@ -107,6 +107,7 @@ def test_the_quick_start_is_what_ci_runs():
     assert any("scripts/bench.py" in c for c in commands)
     for command in commands:
         assert command in ci, f".ci/run does not run the quick start's {command!r}"
+    assert "python -m pytest -m slow" in ci  # what the quick start's command leaves out
 
 
 @pytest.mark.slow
