@@ -226,7 +226,8 @@ def _moved(h: Hybrid, static: Any, examples: tuple, kw: Mapping[str, Any]) -> tu
     from_inputs, keys = _reach(jaxpr, jaxpr.invars[n + k :]), _key_paths(h.state)
     carried, streams = [], set()
     for p, v, given in news:  # given: the input an output hands back as is (an nnx.jit's)
-        if p not in ins or given == n + paths.index(p) or len(read := _reach(jaxpr, [ins[p]])) == 1:
+        passed = given is not None and jaxpr.invars[given] is ins.get(p)
+        if p not in ins or passed or len(read := _reach(jaxpr, [ins[p]])) == 1:
             continue  # new, passed through, or never read
         if (stream := _stream(p, keys)) is not None:
             streams.add(stream)

@@ -95,7 +95,7 @@ class LoadedModel(NoPickle):
         # the program itself, for arrays of a (shape, dtype) that ran through every check before
         direct, single = getattr(run, "direct", (None, None))
         self._direct = direct if single == self._single_output else None
-        self._ready: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self._ready: set[tuple[Any, ...]] = set()  # their (shape, dtype)s
 
     _INSTEAD = "Pass its path, and load it where it runs: sm.load(m.path)."
 
@@ -133,24 +133,27 @@ class LoadedModel(NoPickle):
         return views
 
     def __call__(self, *inputs: jax.typing.ArrayLike, **named: Any) -> Any:
-        # hot path: concrete arrays of a (shape, dtype) that passed every check before
-        key = tuple([(x.shape, x.dtype) if type(x) in _ARRAYS else None for x in inputs])
-        if not named and (direct := self._ready.get(key)) is not None:
-            try:
-                out = direct(*inputs)
-            except Exception as e:  # the program failed: XLA raised
-                if (error := self._failure(e, inputs)) is e:
-                    raise
-                raise error from e
-            return out if self._single_output else tuple(out)
+        # hot path: concrete arrays of a (shape, dtype) that passed every check before go
+        # straight to the program
+        key = None
+        if self._direct is not None and not named:
+            key = tuple([(x.shape, x.dtype) if type(x) in _ARRAYS else None for x in inputs])
+            if key in self._ready:
+                try:
+                    out = self._direct(*inputs)
+                except Exception as e:  # the program failed: XLA raised
+                    if (error := self._failure(e, inputs)) is e:
+                        raise
+                    raise error from e
+                return out if self._single_output else tuple(out)
         if named:  # Python's TypeError would name neither the inputs nor how to pass them
             raise _ByName(self._by_name(named, len(inputs)))
         if forward_traced(inputs):  # else JAX's TypeError, where jax.jit lowers it (if at all)
             raise ConfigError(self._forward_mode())
         try:
             outs = self._outputs(inputs)
-            if self._direct is not None and None not in key and len(self._ready) < 256:
-                self._ready[key] = self._direct
+            if key is not None and None not in key and len(self._ready) < 256:
+                self._ready.add(key)
         except SignatureError as wrong:  # one example (jax.vmap(m) per example) or wrong
             axes = self._example_axes(inputs)
             if axes is None:
