@@ -124,19 +124,20 @@ def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[],
             f"timeit({h.name}): the Hybrid runs sharded over a mesh; time it unsharded "
             "(h.replace(mesh=None)), whose floor is one device's program."
         )
-    given, tree = jax.tree.flatten(args)
-    traced = [i for i, leaf in enumerate(given) if isinstance(leaf, _ARRAYS)]
+    given, tree = jax.tree.flatten((args, kwargs))  # arrays by keyword are inputs too
+    traced = {i for i, leaf in enumerate(given) if isinstance(leaf, _ARRAYS)}
 
     def flat(params: Any, state: Any, arrays: list[Any]) -> Any:  # Python settings closed over
         placed = iter(arrays)
-        inputs = [next(placed) if i in traced else leaf for i, leaf in enumerate(given)]
-        inputs = jax.tree.unflatten(tree, inputs)
+        leaves = [next(placed) if i in traced else leaf for i, leaf in enumerate(given)]
+        inputs, kw = jax.tree.unflatten(tree, leaves)
         if not h.stateful:
-            return h.fn(params, *inputs, **kwargs)
-        return h._model.call(params, state, inputs, kwargs)  # (out, new state): h.fn's drops it
+            return h.fn(params, *inputs, **kw)
+        return h._model.call(params, state, inputs, kw)  # (out, new state): h.fn's drops it
 
     state = h.state if h.stateful else None  # an input, as the model's call takes it
-    return _compiled(flat, h.params, [state, [given[i] for i in traced]], h.params_as_constants)
+    arrays = [leaf for i, leaf in enumerate(given) if i in traced]
+    return _compiled(flat, h.params, [state, arrays], h.params_as_constants)
 
 
 def _floor_of_loaded(m: Any, inputs: list[Any]) -> Callable[[], Any]:
@@ -293,7 +294,8 @@ def timeit(
     timed = model.replace(state=model.state) if stateful else model
     floor = _IREE_FLOOR if loaded and model.runtime != "jax" else _JAX_FLOOR
     floor = _STATE_FLOOR if stateful else floor
-    placed = jax.tree.map(lambda a: jax.device_put(a) if isinstance(a, _ARRAYS) else a, args)
+    put = lambda a: jax.device_put(a) if isinstance(a, _ARRAYS) else a  # noqa: E731
+    placed, kwargs = jax.tree.map(put, (args, kwargs))
     fns = {"synced": lambda: timed(*placed, **kwargs)}
     _loop(fns["synced"], warmup, pipelined=False)  # inputs it refuses: refused as its calls do
     fns["compiled"] = (
@@ -303,7 +305,8 @@ def timeit(
     order = [(key, piped) for piped in (False, True) for key in fns]
     seconds: dict[tuple[str, bool], list[float]] = {k: [] for k in order}
     for r in range(repeats):
-        for key, piped in order[r % 4 :] + order[: r % 4]:
+        k = r % len(order)
+        for key, piped in order[k:] + order[:k]:
             seconds[key, piped].append(_loop(fns[key], calls, piped))
     times = (tuple(seconds[k, piped]) for k in fns for piped in (False, True))  # CallTiming's
     return CallTiming(name, calls, dispatch_mode(), *times, floor=floor)
