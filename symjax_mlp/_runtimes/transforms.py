@@ -126,6 +126,7 @@ class Program:
     def __init__(self, path: Path, manifest: Mapping[str, Any], exported: Any, guard: Any):
         self.path, self.manifest, self.guard = path, manifest, guard
         self.caller = caller(path, manifest)
+        self.signature = Signature.from_json(manifest["signature"])
         self.fn = self.wrap(exported)
         self.call = jax.jit(self.fn)
 
@@ -203,7 +204,7 @@ class Program:
         if apart:  # and the merged batch is one the program takes (b <= 3: not 4 rows of 2)
             n = next(x.shape[k + on] for k, x, on in zip(ins, inputs, mapped[1:], strict=True)
                      if k is not None)  # fmt: skip
-            apart = admits(Signature.from_json(sig), {rows["dim"]: size * n})
+            apart = size == 0 or admits(self.signature, {rows["dim"]: size * n})
         if not apart:  # vmap's meaning without merging: one call per example
             return _one_by_one(self.checked, size, mapped, weights, *inputs)
         if size == 0:  # no example: what one gives, less it (a batch of 0 the module refuses)
