@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from symjax_mlp._artifact.format import NEEDS, printable
+from symjax_mlp._artifact.format import NEEDS, caller, printable
 from symjax_mlp._compat import constraint_named
 from symjax_mlp._errors import ArtifactError
 
@@ -198,7 +198,7 @@ def check_claims(report: ModuleReport, view: Any, vjp_orders: int, *, file: Path
     admits would break in the program (read where this JAX's messages name them); or a
     ``vjp_order`` other than the ``vjp_orders`` it holds, which jax.grad's messages name."""
     listed = view["signature"].get("constraints", [])
-    have, head = {re.sub(r"\s+", "", c) for c in listed}, f'symjax_mlp.load("{file.parent}")'
+    have, head = {re.sub(r"\s+", "", c) for c in listed}, caller(file.parent, view)
     for message in report.assertions:
         if (rule := constraint_named(message)) and re.sub(r"\s+", "", rule) not in have:
             raise ArtifactError(
