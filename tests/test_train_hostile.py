@@ -1125,11 +1125,12 @@ def test_a_full_disk_while_saving_names_the_call_and_what_to_do(tmp_path, monkey
     assert [p.name for p in tmp_path.iterdir()] == [good.name]  # the last good one, intact
 
 
-def test_a_damaged_state_file_is_named_a_broken_checkpoint_with_a_checkpoints_fix(tmp_path):
+@pytest.mark.parametrize("name", ["a", "exp. A"])  # a path holding ". A" cut the reason short
+def test_a_damaged_state_file_is_named_a_broken_checkpoint_with_a_checkpoints_fix(tmp_path, name):
     """A truncated state.safetensors said only 'is not a valid safetensors file: its header
     claims ... bytes'; another run's, 'Restore the file, or write it again (export the artifact
     again)': no checkpoint's fix."""
-    path = sm.training.save_checkpoint(tmp_path / "a", _state())
+    path = sm.training.save_checkpoint(tmp_path / name, _state())
     another_run = dataclasses.replace(_state(), params={"w": jnp.ones(2)})
     other = sm.training.save_checkpoint(tmp_path / "b", another_run)
     blob, file = (other / "state.safetensors").read_bytes(), path / "state.safetensors"

@@ -293,8 +293,10 @@ def read_checkpoint(path: Path, like: TrainState) -> tuple[TrainState, dict[str,
     except FileNotFoundError:
         raise broken(path / _STATE_FILE, "the file is missing") from None
     except CheckpointError as e:  # its first sentence, then a checkpoint's fix (not a file's)
-        why = re.split(r"(?<!\.)\. (?=[A-Z])", str(e))[0].rstrip(".")
-        raise broken(path / _STATE_FILE, why.removeprefix(f"{path / _STATE_FILE} ")) from None
+        said = str(e).removeprefix(f"{path / _STATE_FILE} ")  # the path first: it may hold ". A"
+        raise broken(
+            path / _STATE_FILE, re.split(r"(?<!\.)\. (?=[A-Z])", said)[0].rstrip(".")
+        ) from None
     check_fit(path, specs(stored), specs(named_leaves(like)))
     arrays = {name: jnp.asarray(a) for name, a in stored.items()}
     return state_of(arrays, like, manifest), manifest.get("metadata", {})

@@ -119,9 +119,10 @@ def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False)
             "Resume it as it was written (several processes: each after "
             "symjax_mlp.training.initialize(...)), or use another directory."
         )
-    done = checkpoints(Path(directory), orbax)
+    found = entries(Path(directory), orbax)
+    done = [(step, p) for step, p, complete in found if complete]
     newest = done[-1] if done else (-1, Path("any checkpoint there"))
-    for step, p, complete in entries(Path(directory), orbax):
+    for step, p, complete in found:
         if step > newest[0] and not complete:
             uncommitted = f"a directory without {_COMMITTED} (an Orbax save never committed)"
             kind = "a symlink" if p.is_symlink() else "a file" if not p.is_dir() else uncommitted
