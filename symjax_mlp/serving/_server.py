@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from http import HTTPStatus
 from typing import Any
 
 from symjax_mlp._artifact.format import printable
@@ -116,27 +117,27 @@ def bounded_heads(
                     "well-formed request (one Content-Length, or a chunked body).")  # fmt: skip
             cycle = self.cycle  # the newest request (httptools queues those pipelined)
             if self._waiting() or cycle.more_body:  # in no request, or within this one's body
-                return self._refuse(400, "Bad Request", said)
+                return self._refuse(400, said)
             if not self._deferred:  # after the answers to the requests before it (once: the
                 self._deferred, done = True, cycle.on_response  # parser raises on new bytes)
-                cycle.on_response = lambda: (done(), self._refuse(400, "Bad Request", said))
+                cycle.on_response = lambda: (done(), self._refuse(400, said))
 
         def _unsupported_upgrade_warning(self) -> None:  # uvicorn's logs "install websockets"
             # httptools took a body for the new protocol's bytes, and dropped it (h11 reads it)
             heads = dict(self.headers) if getattr(self, "parser", None) is not None else {}
             if heads.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in heads:
                 what = short(printable(heads.get(b"upgrade", b"").decode("latin-1")), 40)
-                self._refuse(400, "Bad Request", (
+                self._refuse(400, (
                     f"the request asks to switch protocols (Upgrade: {what}), which this server "
                     "does not do, so its body was not read; send it without Upgrade."
                 ))  # fmt: skip
 
-        def _refuse(self, status: int, reason: str, message: str) -> None:
+        def _refuse(self, status: int, message: str) -> None:
             if not self._waiting():  # the app reads this request: /metrics counts this answer
                 self.cycle.scope[REFUSED] = status
             body = json.dumps({"error": "BadRequest", "message": message, "model": model}).encode()
-            head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            head += f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: "
+            head += f"application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
             self.transport.write(head.encode() + body)
             self.transport.close()
 
@@ -165,7 +166,7 @@ def bounded_heads(
             if self._waiting() and self.cycle is cycle and not self.transport.is_closing():
                 if not self._head_bytes:  # nothing of a head came: nothing to say
                     return self.transport.close()
-                self._refuse(408, "Request Timeout", (
+                self._refuse(408, (
                     f"the request's headers did not arrive within {head_timeout:g} s "
                     f"({self._head_bytes} bytes came). Send the whole request at once."
                 ))  # fmt: skip
@@ -195,7 +196,7 @@ def bounded_heads(
         def _bound(self) -> None:  # the head so far: past the limit, a 431; else it is timed
             if self._head_bytes > max_head_bytes:
                 self._disarm()
-                return self._refuse(431, "Request Header Fields Too Large", (
+                return self._refuse(431, (
                     f"the request's line and headers (or its chunked body's trailers) passed "
                     f"{max_head_bytes} bytes; send shorter ones."
                 ))  # fmt: skip
@@ -211,7 +212,7 @@ def bounded_heads(
                 self.transport.is_closing()  # answered early (413), lingering: no second one
             ):  # ended within a request: its head, or a body short of its length (last chunk)
                 where = "in its headers" if waiting else "before the end of its body"
-                self._refuse(400, "Bad Request", (
+                self._refuse(400, (
                     f"the client ended the request (shut down its sending side) {where}; "
                     "send the whole request: a body of exactly Content-Length bytes (or a "
                     "chunked one, to its last, empty chunk)."
