@@ -56,6 +56,18 @@ def test_chapter_net_round_trip_for_batch_1_7_1000(tmp_path):
         np.testing.assert_allclose(np.asarray(y), np.asarray(h(xb)), rtol=1e-6, atol=0)
 
 
+def test_an_input_refused_once_is_refused_at_every_call(art):
+    """A call of arrays of a (shape, dtype) that ran before goes straight to the program: one
+    that was refused must never count as run (float64 for float32, a row of another width)."""
+    m = sm.load(art[0].path)
+    x = np.ones((3, 8), np.float32)
+    np.testing.assert_allclose(m(x), m(x))  # the second straight to the program
+    for bad in (x.astype(np.float64), np.ones((3, 5), np.float32)):
+        for _ in range(3):
+            with pytest.raises(sm.SignatureError):
+                m(bad)
+
+
 def test_load_params_as_constants_compiles_the_weights_into_the_program(art):
     art, _ = art
     plain, baked = sm.load(art.path), sm.load(art.path, params_as_constants=True)
