@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from symjax_mlp.cli import _args, _run, _serve, _train
-from symjax_mlp.cli._args import Subcommands, count, int_list, keywords, show, subcommand
+from symjax_mlp.cli._args import count, int_list, keywords, show, subcommand
 
 PROG = "symjax-mlp"
 _EXTRAS = {  # a missing module -> the optional extra that installs it
@@ -62,50 +62,16 @@ class _Parser(argparse.ArgumentParser):
         return action
 
 
-def _mlp_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=int_list, default=(256, 128, 2), help="layer widths")
-    p.add_argument("--in-features", type=count, default=512)
-    p.add_argument(  # the library's message offers None: here it is one
-        "--activation",
-        type=lambda name: None if name in ("None", "none") else name,
-        default="relu",
-        help="a jax.nn activation name, or none (linear)",
-    )
-
-
-def _add_tour(sub: Subcommands) -> None:
-    p = subcommand(sub, "tour", "the chapter, step by step, on real objects", _run_tour)
-    p.add_argument("--calls", type=count, default=1000, help="calls in the timing")
-
-
 def _run_tour(args: argparse.Namespace) -> None:
     from symjax_mlp.chapter import tour
 
     tour(calls=args.calls)
 
 
-def _add_graph(sub: Subcommands) -> None:
-    p = subcommand(sub, "graph", "print the MLP's symbolic program", _run_graph)
-    _mlp_options(p)
-    p.add_argument("--batch", type=count, default=1)
-    formats = ("jaxpr", "stablehlo", "hlo", "dot", "summary")
-    p.add_argument("--format", choices=formats, default="summary")
-
-
 def _run_graph(args: argparse.Namespace) -> None:
     from symjax_mlp.chapter import describe_mlp
 
     print(describe_mlp(args.sizes, **keywords(args, "in_features batch activation format")))
-
-
-def _add_export(sub: Subcommands) -> None:
-    p = subcommand(sub, "export", "export the chapter's MLP as a portable artifact", _run_export)
-    p.add_argument("path", help="the artifact directory to write")
-    _mlp_options(p)
-    p.add_argument("--seed", type=int, default=0, help="seeds the initial weights")
-    p.add_argument("--batch", type=_args.batch, default="b", help="a symbolic name (b) or a size")
-    p.add_argument("--platforms", default="cpu", help="comma-separated, e.g. cpu,cuda")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
 
 
 def _run_export(args: argparse.Namespace) -> None:
@@ -117,29 +83,11 @@ def _run_export(args: argparse.Namespace) -> None:
     print(f"exported {art.path}: {art.signature}; platforms {', '.join(art.platforms)}")
 
 
-def _add_inspect(sub: Subcommands) -> None:
-    help = "an artifact's manifest, signature and StableHLO ops"
-    p = subcommand(sub, "inspect", help, _run_inspect)
-    p.add_argument("path", help="an artifact directory")
-    _args.add_json(p, "the manifest")
-
-
 def _run_inspect(args: argparse.Namespace) -> None:
     from symjax_mlp import inspect
 
     art = inspect(args.path)
     show(art, art.to_json(), args.json)
-
-
-def _add_verify(sub: Subcommands) -> None:
-    p = subcommand(sub, "verify", "reload an artifact in a fresh process and check it", _run_verify)
-    p.add_argument("path", help="an artifact directory")
-    p.add_argument("--runtime", action="append", choices=("jax", "iree"), help="repeatable")
-    p.add_argument("--batches", type=int_list, default=(1, 7, 128), help="e.g. 1,7,128")
-    p.add_argument("--rtol", type=_args.nonnegative, default=1e-5)
-    p.add_argument("--atol", type=_args.nonnegative, default=1e-5)
-    _args.add_trust_options(p)
-    _args.add_json(p, "the report")
 
 
 def _run_verify(args: argparse.Namespace) -> int:
@@ -150,29 +98,6 @@ def _run_verify(args: argparse.Namespace) -> int:
     report = verify(args.path, runtimes=runtimes, **options, **_args.load_options(args))
     show(report, report.to_dict(), args.json)
     return 0 if report.ok else 1
-
-
-def _add_bench(sub: Subcommands) -> None:
-    help = (
-        "time an artifact's calls against its AOT-compiled floor (sm.timeit): min and median "
-        "per call, synced and pipelined. The project's benchmark is python scripts/bench.py"
-    )
-    p = subcommand(sub, "bench", help, _run_bench)
-    p.add_argument("path", help="an exported artifact directory")
-    p.add_argument("--runtime", choices=("jax", "iree"), default="jax", help="the runtime to time")
-    p.add_argument("--entry", help="the entry point to time (default: the artifact's default)")
-    p.add_argument("--batch", type=count, default=1, help="the size of the symbolic batch")
-    p.add_argument("--calls", type=count, default=1000, help="calls per repeat")
-    p.add_argument("--repeats", type=count, default=7, help="repeats of each row")
-    p.add_argument(
-        "--dispatch",
-        choices=("async", "sync"),
-        default="async",
-        help="JAX's CPU dispatch: async is JAX's default, sync the latency mode "
-        "(sm.serving.latency_mode(): calls run on the calling thread)",
-    )
-    _args.add_trust_options(p)
-    _args.add_json(p, "the timings")
 
 
 def _run_bench(args: argparse.Namespace) -> None:
@@ -188,6 +113,53 @@ def _run_bench(args: argparse.Namespace) -> None:
     show(timing, timing.to_dict(), args.json)
 
 
+_MLP = (  # the library's message offers None as an activation: here it is one
+    ("--sizes", {"type": int_list, "default": (256, 128, 2), "help": "layer widths"}),
+    ("--in-features", {"type": count, "default": 512}),
+    ("--activation", {"type": lambda name: None if name in ("None", "none") else name,
+                      "default": "relu", "help": "a jax.nn activation name, or none (linear)"}),
+)  # fmt: skip
+_ARTIFACT = ("path", {"help": "an artifact directory"})
+#: the subcommands declared here: their help, handler and options, each ``(name, keywords)``
+_COMMANDS = {
+    "tour": ("the chapter, step by step, on real objects", _run_tour, (
+        ("--calls", {"type": count, "default": 1000, "help": "calls in the timing"}),)),
+    "graph": ("print the MLP's symbolic program", _run_graph, (
+        *_MLP, ("--batch", {"type": count, "default": 1}),
+        ("--format", {"choices": ("jaxpr", "stablehlo", "hlo", "dot", "summary"),
+                      "default": "summary"}))),
+    "export": ("export the chapter's MLP as a portable artifact", _run_export, (
+        ("path", {"help": "the artifact directory to write"}), *_MLP,
+        ("--seed", {"type": int, "default": 0, "help": "seeds the initial weights"}),
+        ("--batch", {"type": _args.batch, "default": "b", "help": "a symbolic name (b) or a size"}),
+        ("--platforms", {"default": "cpu", "help": "comma-separated, e.g. cpu,cuda"}),
+        ("--overwrite", {"action": "store_true", "help": "replace an existing artifact"}))),
+    "inspect": ("an artifact's manifest, signature and StableHLO ops", _run_inspect, (
+        _ARTIFACT, _args.json_option("the manifest"))),
+    "verify": ("reload an artifact in a fresh process and check it", _run_verify, (
+        _ARTIFACT,
+        ("--runtime", {"action": "append", "choices": ("jax", "iree"), "help": "repeatable"}),
+        ("--batches", {"type": int_list, "default": (1, 7, 128), "help": "e.g. 1,7,128"}),
+        ("--rtol", {"type": _args.nonnegative, "default": 1e-5}),
+        ("--atol", {"type": _args.nonnegative, "default": 1e-5}),
+        *_args.TRUST, _args.json_option("the report"))),
+    "bench": ("time an artifact's calls against its AOT-compiled floor (sm.timeit): min and "
+              "median per call, synced and pipelined. The project's benchmark is python "
+              "scripts/bench.py", _run_bench, (
+        ("path", {"help": "an exported artifact directory"}),
+        ("--runtime", {"choices": ("jax", "iree"), "default": "jax", "help": "the runtime to "
+                       "time"}),
+        ("--entry", {"help": "the entry point to time (default: the artifact's default)"}),
+        ("--batch", {"type": count, "default": 1, "help": "the size of the symbolic batch"}),
+        ("--calls", {"type": count, "default": 1000, "help": "calls per repeat"}),
+        ("--repeats", {"type": count, "default": 7, "help": "repeats of each row"}),
+        ("--dispatch", {"choices": ("async", "sync"), "default": "async", "help": "JAX's CPU "
+                        "dispatch: async is JAX's default, sync the latency mode "
+                        "(sm.serving.latency_mode(): calls run on the calling thread)"}),
+        *_args.TRUST, _args.json_option("the timings"))),
+}  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     from symjax_mlp import __version__
 
@@ -198,9 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"{PROG} {__version__}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands = (_add_tour, _add_graph, _add_export, _add_inspect, _run.add_parser, _add_verify)
-    for add in (*commands, _add_bench, _train.add_parser, _serve.add_parser):  # --help's order
-        add(sub)
+    for name, (help, handler, options) in _COMMANDS.items():  # --help's order
+        subcommand(sub, name, help, handler, options)
+        if name == "inspect":
+            _run.add_parser(sub)
+    _train.add_parser(sub)
+    _serve.add_parser(sub)
     parser.commands = sub.choices
     return parser
 

@@ -13,7 +13,7 @@ import shlex
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,17 +25,17 @@ class Subcommands(Protocol):
 
 
 def subcommand(
-    sub: Subcommands,
-    name: str,
-    help: str,
-    handler: Callable[..., int | None],
-    more: str = "",
-) -> argparse.ArgumentParser:
-    """Declares the subcommand ``name``, run by ``handler(args)`` (its exit code, ``None``: 0):
-    ``help`` is its one-line help and, with ``more``, its description."""
+    sub: Subcommands, name: str, help: str, handler: Callable[..., int | None],
+    options: Sequence[tuple[str, dict[str, Any]]] = (), more: str = "",
+) -> argparse.ArgumentParser:  # fmt: skip
+    """Declares the subcommand ``name``, run by ``handler(args)`` (its exit code, ``None``: 0),
+    with ``options``, each ``(name, add_argument's keywords)``: ``help`` is its one-line help
+    and, with ``more``, its description."""
     formatter = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser(name, help=help, description=help + more, formatter_class=formatter)
     p.set_defaults(handler=handler)
+    for option, keywords in options:
+        p.add_argument(option, **keywords)
     return p
 
 
@@ -87,15 +87,10 @@ def input_file(text: str) -> Path:
     return path
 
 
-def add_json(parser: argparse.ArgumentParser, what: str) -> None:
+def json_option(what: str) -> tuple[str, dict[str, Any]]:
     """The one ``--json [PATH|-]`` convention: write ``what`` as JSON to PATH, or stdout."""
-    parser.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        metavar="PATH",
-        help=f"write {what} as JSON to PATH (no PATH or '-': to stdout)",
-    )
+    help = f"write {what} as JSON to PATH (no PATH or '-': to stdout)"
+    return "--json", {"nargs": "?", "const": "-", "metavar": "PATH", "help": help}
 
 
 def emit_json(data: Any, target: str) -> None:
@@ -188,22 +183,16 @@ def writable(path: str, option: str, *, overwrite: bool) -> None:
         ) from None
 
 
-def add_trust_options(p: argparse.ArgumentParser) -> None:
-    """``--allow OP``, ``--trust`` and ``--key PEM``: ``load()``'s ``allow``, ``trust`` and
-    ``verify_signature`` (:func:`load_options`)."""
-    p.add_argument(
-        "--allow",
-        action="append",
-        metavar="OP",
-        help="let the artifact's program use OP, as load(allow=...) does (e.g. gather, while, "
-        "custom_call:NAME); repeatable. Only for artifacts you trust as code",
-    )
-    p.add_argument(
-        "--trust",
-        action="store_true",
-        help="skip the program checks, as load(trust=True): only for artifacts you made",
-    )
-    p.add_argument("--key", help="a PEM public key: refuse unless every file is signed by it")
+#: ``--allow OP``, ``--trust`` and ``--key PEM``: ``load()``'s ``allow``, ``trust`` and
+#: ``verify_signature`` (:func:`load_options`)
+TRUST = (
+    ("--allow", {"action": "append", "metavar": "OP", "help": "let the artifact's program use "
+     "OP, as load(allow=...) does (e.g. gather, while, custom_call:NAME); repeatable. Only for "
+     "artifacts you trust as code"}),
+    ("--trust", {"action": "store_true", "help": "skip the program checks, as load(trust=True): "
+     "only for artifacts you made"}),
+    ("--key", {"help": "a PEM public key: refuse unless every file is signed by it"}),
+)  # fmt: skip
 
 
 def keywords(args: argparse.Namespace, names: str) -> dict[str, Any]:
@@ -212,7 +201,7 @@ def keywords(args: argparse.Namespace, names: str) -> dict[str, Any]:
 
 
 def load_options(args: argparse.Namespace) -> dict:
-    """The ``load()`` keywords of :func:`add_trust_options`' options."""
+    """The ``load()`` keywords of :data:`TRUST`'s options."""
     return {"allow": args.allow, "trust": args.trust, "verify_signature": args.key}
 
 

@@ -20,24 +20,23 @@ dtype of their itemsize (|V2 for bfloat16). So:
            np.load("y.npy").view(ml_dtypes.bfloat16), or pass it to run as an --input."""
 
 
+_OPTIONS = (
+    ("path", {"help": "an artifact directory"}),
+    ("--input", {"action": "append", "required": True, "type": _args.input_file,
+                 "help": ".npy, each input"}),
+    ("--output", {"action": "append", "required": True, "help": "where to write: a .npy file "
+     "(exactly this path), '-' for stdout (.npy bytes), or a .npz file for several outputs "
+     "(out0, out1, ...); or once per output, in order"}),
+    ("--runtime", {"choices": ("jax", "iree"), "default": "jax"}),
+    ("--entry", {"help": "the entry point to run (default: the artifact's default)"}),
+    *_args.TRUST,
+)  # fmt: skip
+
+
 def add_parser(sub: _args.Subcommands) -> None:
     """Declares ``run`` and its options on the CLI's subcommands."""
-    p = _args.subcommand(sub, "run", "run an artifact on .npy inputs and write its outputs", run)
-    p.epilog = DTYPES
-    p.add_argument("path", help="an artifact directory")
-    p.add_argument(
-        "--input", action="append", required=True, type=_args.input_file, help=".npy, each input"
-    )
-    p.add_argument(
-        "--output",
-        action="append",
-        required=True,
-        help="where to write: a .npy file (exactly this path), '-' for stdout (.npy bytes), or "
-        "a .npz file for several outputs (out0, out1, ...); or once per output, in order",
-    )
-    p.add_argument("--runtime", choices=("jax", "iree"), default="jax")
-    p.add_argument("--entry", help="the entry point to run (default: the artifact's default)")
-    _args.add_trust_options(p)
+    help = "run an artifact on .npy inputs and write its outputs"
+    _args.subcommand(sub, "run", help, run, _OPTIONS).epilog = DTYPES
 
 
 def run(args: argparse.Namespace) -> None:

@@ -33,105 +33,57 @@ _DEFAULTS = {
 }
 
 
+_HELP = "serve an artifact over HTTP (JSON and .npy), with a micro-batcher underneath"
+_MORE = (
+    ".\nEndpoints: POST /predict, GET /health, GET /metrics, GET /signature. Needs the "
+    "symjax_mlp[serve] extra."
+)
+_OPTIONS = (
+    ("path", {"help": "the artifact directory (symjax-mlp export)"}),
+    ("--host", {"default": "127.0.0.1", "help": "the address to listen on"}),
+    ("--port", {"type": port, "default": 8000, "help": "the port (0: any free port)"}),
+    ("--runtime", {"choices": ("jax", "iree"), "default": "jax", "help": "how to run it"}),
+    ("--max-batch", {"type": count, "help": "most rows per model call (None: 64, or the "
+     "artifact's static batch)"}),
+    ("--max-queue", {"type": count, "default": 1024, "help": "waiting requests"}),
+    ("--warm-up-timeout", {"type": positive, "default": 300.0, "metavar": "SECONDS", "help":
+     "the most the batcher's warm-up (each batch size compiled, run on zero rows) may take "
+     "before serving is refused (inf: no limit)"}),
+    ("--max-body-bytes", {"type": count, "default": 64 * 2**20, "metavar": "BYTES", "help":
+     "larger request bodies are refused (413)"}),
+    ("--body-timeout", {"type": positive, "default": 60.0, "metavar": "SECONDS", "help": "a "
+     "client that sends nothing of its body for this long, or all of it slower than 500 bytes/s "
+     "past this long, is answered 408 and dropped"}),
+    ("--max-inflight-bytes", {"type": count, "metavar": "BYTES", "help": "the most bytes all "
+     "request bodies in flight may hold (503 past it; None: 4 times --max-body-bytes)"}),
+    ("--request-timeout", {"type": positive, "metavar": "SECONDS", "help": "a request the model "
+     "has not answered in this long is answered 504; /health answers 503 while a batch runs "
+     f"longer (default: {_DEFAULTS['request_timeout']:g})"}),
+    ("--max-connections", {"type": count, "help": "the most connections at once (503 past it; "
+     f"default: {_DEFAULTS['max_connections']})"}),
+    ("--dispatch", {"choices": ("sync", "async"), "default": "sync", "help": "JAX's CPU "
+     "dispatch: sync is the latency mode (calls run on the calling thread)"}),
+    ("--params-as-constants", {"action": "store_true", "help": "compile the weights into each "
+     "bucket's program (JAX runtime, one device): a call passes only its inputs"}),
+    ("--entry", {"help": "the entry point to serve (default: the artifact's default)"}),
+    *_args.TRUST,
+    ("--log-level", {"help": f"uvicorn's log level (default: {_DEFAULTS['log_level']})"}),
+    ("--ray", {"action": "store_true", "help": "serve it as Ray Serve replicas, each a batcher, "
+     "behind Ray's HTTP proxy on --host/--port (the symjax_mlp[ray] extra); --max-connections "
+     "and --log-level are uvicorn's: refused with it"}),
+    ("--replicas", {"type": count, "help": "with --ray: replicas (default: "
+     f"{_DEFAULTS['replicas']})"}),
+    ("--replica-cpus", {"type": positive, "help": "with --ray: the CPUs Ray reserves for each "
+     f"replica (Ray's num_cpus; default: {_DEFAULTS['replica_cpus']:g})"}),
+    ("--ray-address", {"metavar": "ADDRESS", "help": "with --ray: the Ray cluster to join "
+     "(ray.init's address: auto, local, HOST:PORT; None: Ray's own rule, RAY_ADDRESS or a "
+     "cluster running here, else a new one)"}),
+)  # fmt: skip
+
+
 def add_parser(sub: _args.Subcommands) -> None:
     """Declares ``serve`` and its options on the CLI's subcommands."""
-    p = _args.subcommand(
-        sub,
-        "serve",
-        "serve an artifact over HTTP (JSON and .npy), with a micro-batcher underneath",
-        run,
-        ".\nEndpoints: POST /predict, GET /health, GET /metrics, GET /signature. Needs the "
-        "symjax_mlp[serve] extra.",
-    )
-    p.add_argument("path", help="the artifact directory (symjax-mlp export)")
-    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    p.add_argument("--port", type=port, default=8000, help="the port (0: any free port)")
-    p.add_argument("--runtime", choices=("jax", "iree"), default="jax", help="how to run it")
-    p.add_argument(
-        "--max-batch",
-        type=count,
-        help="most rows per model call (None: 64, or the artifact's static batch)",
-    )
-    p.add_argument("--max-queue", type=count, default=1024, help="waiting requests")
-    p.add_argument(
-        "--warm-up-timeout",
-        type=positive,
-        default=300.0,
-        metavar="SECONDS",
-        help="the most the batcher's warm-up (each batch size compiled, run on zero rows) may "
-        "take before serving is refused (inf: no limit)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=count,
-        default=64 * 2**20,
-        metavar="BYTES",
-        help="larger request bodies are refused (413)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=positive,
-        default=60.0,
-        metavar="SECONDS",
-        help="a client that sends nothing of its body for this long, or all of it slower than "
-        "500 bytes/s past this long, is answered 408 and dropped",
-    )
-    p.add_argument(
-        "--max-inflight-bytes",
-        type=count,
-        metavar="BYTES",
-        help="the most bytes all request bodies in flight may hold (503 past it; None: 4 times "
-        "--max-body-bytes)",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=positive,
-        metavar="SECONDS",
-        help="a request the model has not answered in this long is answered 504; /health "
-        f"answers 503 while a batch runs longer (default: {_DEFAULTS['request_timeout']:g})",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=count,
-        help=f"the most connections at once (503 past it; default: {_DEFAULTS['max_connections']})",
-    )
-    p.add_argument(
-        "--dispatch",
-        choices=("sync", "async"),
-        default="sync",
-        help="JAX's CPU dispatch: sync is the latency mode (calls run on the calling thread)",
-    )
-    p.add_argument(
-        "--params-as-constants",
-        action="store_true",
-        help="compile the weights into each bucket's program (JAX runtime, one device): "
-        "a call passes only its inputs",
-    )
-    p.add_argument("--entry", help="the entry point to serve (default: the artifact's default)")
-    _args.add_trust_options(p)
-    p.add_argument("--log-level", help=f"uvicorn's log level (default: {_DEFAULTS['log_level']})")
-    p.add_argument(
-        "--ray",
-        action="store_true",
-        help="serve it as Ray Serve replicas, each a batcher, behind Ray's HTTP proxy on "
-        "--host/--port (the symjax_mlp[ray] extra); --max-connections and --log-level are "
-        "uvicorn's: refused with it",
-    )
-    p.add_argument(
-        "--replicas", type=count, help=f"with --ray: replicas (default: {_DEFAULTS['replicas']})"
-    )
-    p.add_argument(
-        "--replica-cpus",
-        type=positive,
-        help="with --ray: the CPUs Ray reserves for each replica (Ray's num_cpus; default: "
-        f"{_DEFAULTS['replica_cpus']:g})",
-    )
-    p.add_argument(
-        "--ray-address",
-        metavar="ADDRESS",
-        help="with --ray: the Ray cluster to join (ray.init's address: auto, local, "
-        "HOST:PORT; None: Ray's own rule, RAY_ADDRESS or a cluster running here, else a new one)",
-    )
+    _args.subcommand(sub, "serve", _HELP, run, _OPTIONS, _MORE)
 
 
 def run(args: argparse.Namespace) -> None:

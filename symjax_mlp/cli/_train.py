@@ -17,43 +17,35 @@ from typing import Any
 from symjax_mlp.cli import _args
 from symjax_mlp.cli._args import count, positive
 
+_OPTIONS = (
+    ("--sizes", {"type": _args.int_list, "default": (128, 64, 10), "help": "layer widths"}),
+    ("--epochs", {"type": count, "default": 20}),
+    ("--batch-size", {"type": count, "default": 64}),
+    ("--learning-rate", {"type": positive, "default": 1e-3, "help": "adam's"}),
+    ("--seed", {"type": int, "default": 0}),
+    ("--eager", {"action": "store_true", "help": "run the step eagerly, not compiled"}),
+    ("--checkpoint", {"metavar": "DIR", "help": "write a checkpoint every epoch here"}),
+    ("--checkpoint-every", {"type": count, "default": 1, "metavar": "EPOCHS"}),
+    ("--resume", {"action": "store_true", "help": "continue from --checkpoint DIR"}),
+    _args.json_option("the history"),
+    ("--export", {"metavar": "PATH", "help": "export the trained model as an artifact"}),
+    ("--overwrite", {"action": "store_true", "help": "replace --export/--json targets"}),
+    ("--quiet", {"action": "store_true", "help": "no progress"}),
+    ("--blocks", {"type": count, "help": "gradient blocks (default: 1, or the number of "
+     "processes): bitwise the same for any process count"}),
+    ("--coordinator", {"metavar": "HOST:PORT", "help": "process 0's address: one of "
+     "--num-processes processes"}),
+    ("--num-processes", {"type": count, "default": 1}),
+    ("--process-id", {"type": int, "default": 0}),
+    ("--timeout", {"type": count, "default": 60, "metavar": "SECONDS", "help": "how long a "
+     "process waits for another before the run fails"}),
+)  # fmt: skip
+
 
 def add_parser(sub: _args.Subcommands) -> None:
     """Declares ``train`` and its options on the CLI's subcommands."""
-    p = _args.subcommand(sub, "train", "train an MLP on the bundled digits data with optax", run)
-    p.add_argument("--sizes", type=_args.int_list, default=(128, 64, 10), help="layer widths")
-    p.add_argument("--epochs", type=count, default=20)
-    p.add_argument("--batch-size", type=count, default=64)
-    p.add_argument("--learning-rate", type=positive, default=1e-3, help="adam's")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eager", action="store_true", help="run the step eagerly, not compiled")
-    p.add_argument("--checkpoint", metavar="DIR", help="write a checkpoint every epoch here")
-    p.add_argument("--checkpoint-every", type=count, default=1, metavar="EPOCHS")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint DIR")
-    _args.add_json(p, "the history")
-    p.add_argument("--export", metavar="PATH", help="export the trained model as an artifact")
-    p.add_argument("--overwrite", action="store_true", help="replace --export/--json targets")
-    p.add_argument("--quiet", action="store_true", help="no progress")
-    p.add_argument(
-        "--blocks",
-        type=count,
-        help="gradient blocks (default: 1, or the number of processes): bitwise the same for "
-        "any process count",
-    )
-    p.add_argument(
-        "--coordinator",
-        metavar="HOST:PORT",
-        help="process 0's address: one of --num-processes processes",
-    )
-    p.add_argument("--num-processes", type=count, default=1)
-    p.add_argument("--process-id", type=int, default=0)
-    p.add_argument(
-        "--timeout",
-        type=count,
-        default=60,
-        metavar="SECONDS",
-        help="how long a process waits for another before the run fails",
-    )
+    help = "train an MLP on the bundled digits data with optax"
+    _args.subcommand(sub, "train", help, run, _OPTIONS)
 
 
 def run(args: argparse.Namespace) -> None:
