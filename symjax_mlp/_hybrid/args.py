@@ -18,7 +18,7 @@ from symjax_mlp._errors import ConfigError, SignatureError, as_bool, as_int
 from symjax_mlp._specs import MASKED_INPUT, array_types
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
-_ARRAYS = array_types()
+ARRAYS = array_types()  # what a hot path takes as it is
 
 
 def is_static(value: Any) -> bool:
@@ -67,19 +67,16 @@ def _static_value(path: str, value: Any) -> Any:
 
 
 def partition(
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    static_argnums: frozenset[int] = frozenset(),
-    static_argnames: frozenset[str] = frozenset(),
-    *,
-    caller: str,
-    lists: bool = False,
+    args: Sequence[Any], kwargs: dict[str, Any], static_argnums: frozenset[int] = frozenset(),
+    static_argnames: frozenset[str] = frozenset(), *, caller: str, lists: bool = False,
     own: tuple[Any, ...] = (),
-) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
+) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:  # fmt: skip
     """``(static key, traced args, traced kwargs)``, the key's entries ``(place or name,
     value, kind)``; a list is refused, but with ``lists`` one holding arrays is traced; a
     traced leaf neither array nor number is refused, and ``own`` (the Hybrid, its model)."""
-    _refuse_masked(caller, args, kwargs)
+    for path, value in _walk(caller, args, kwargs):
+        if isinstance(value, np.ma.MaskedArray):
+            raise SignatureError(MASKED_INPUT.format(caller=caller, path=path))
     static: list[tuple[Any, Any, Any]] = []
     dyn_args: list[Any] = []
     dyn_kwargs: dict[str, Any] = {}
@@ -89,7 +86,7 @@ def partition(
         elif not is_static(value):
             if isinstance(value, list) and not (lists and _holds_arrays(value)):
                 raise _list_error(caller, path_of(key), value)
-            if type(value) not in _ARRAYS:
+            if type(value) not in ARRAYS:
                 _refuse_objects(caller, key, value, own)
             if isinstance(key, int):
                 dyn_args.append(value)
@@ -113,8 +110,7 @@ _OWN_FIX = "The Hybrid holds its model and params: pass only the model's inputs 
 
 
 def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> None:
-    """Refuses, by path, a leaf neither array nor number, one of ``own``, or an equinox module
-    holding such leaves."""
+    """Refuses, by path, a leaf neither array nor number, one of ``own``, or such an eqx module."""
     eqx = sys.modules.get("equinox")
 
     def is_own(v: Any) -> bool:  # None is no model: a plain function's Hybrid has none
@@ -146,8 +142,7 @@ _PARAM_LEAF = (
 
 
 def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any]:
-    """``jax.tree.flatten(params)``; a leaf jit cannot take refused, by path, if ``passed``
-    (not baked in as constants)."""
+    """``jax.tree.flatten(params)``; if ``passed`` (not baked), a leaf jit cannot take refused."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     for path, leaf in paths if passed else ():
         if not _traceable(leaf):
@@ -227,13 +222,6 @@ _UNSORTED = (
     "{caller}: {path} is a dict whose keys ({keys}) cannot be sorted, which JAX does to "
     "flatten it. Give its keys one type: all str, or all int."
 )
-
-
-def _refuse_masked(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Refuses a masked array, a container holding itself, a dict of unsortable keys."""
-    for path, value in _walk(caller, args, kwargs):
-        if isinstance(value, np.ma.MaskedArray):
-            raise SignatureError(MASKED_INPUT.format(caller=caller, path=path))
 
 
 def _walk(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:

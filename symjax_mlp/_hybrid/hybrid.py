@@ -17,12 +17,11 @@ from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import pure as _pure
 from symjax_mlp._hybrid import trace as _trace
-from symjax_mlp._hybrid.args import check_settings, partition, static_args
+from symjax_mlp._hybrid.args import ARRAYS, check_settings, partition, static_args
 from symjax_mlp._hybrid.graph import Staged
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
 from symjax_mlp._hybrid.trace import NoPickle, TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given, write_back
-from symjax_mlp._specs import array_types
 
 _FROZEN = (
     "{name}: a Hybrid is a frozen result (like jax.stages.Compiled): its {field!r} cannot be "
@@ -37,7 +36,6 @@ _SETTINGS = (
     "name", "max_traces", "compiled", "mesh", "axis", "pad", "static_argnums",
     "static_argnames", "donate", "params_as_constants",
 )  # fmt: skip
-_ARRAYS = array_types()  # what the hot path takes as it is
 
 
 class Hybrid(Staged, NoPickle):
@@ -233,7 +231,7 @@ class Hybrid(Staged, NoPickle):
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""
         if self._fast and not kwargs:  # the hot path: arrays in, one dispatch
             for a in args:
-                if type(a) not in _ARRAYS:
+                if type(a) not in ARRAYS:
                     break
             else:
                 key = () if self._modes is None else self._modes.key(())

@@ -18,7 +18,7 @@ from jax.core import Tracer
 
 from symjax_mlp._compat import install_unrolled_threefry, transformed
 from symjax_mlp._errors import ConfigError, ControlFlowError, SignatureError, unbound_axis
-from symjax_mlp._hybrid.args import ModuleSetting, rebuild
+from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
 from symjax_mlp._hybrid.pure import (
@@ -30,7 +30,6 @@ from symjax_mlp._hybrid.pure import (
     wrap_keys,
 )
 from symjax_mlp._hybrid.trace import TraceLog, symbolic
-from symjax_mlp._specs import array_types
 
 PROGRAM_SUFFIX = "_hybrid"
 _UNBOUND = (
@@ -365,7 +364,7 @@ def variables_in(tree: Any) -> list[Any]:
 
 def given(dyn: Any, dyn_kw: Any, caller: str, sharded: bool = False) -> list[Any]:
     """The caller's Variables among a call's traced inputs; refused twice, or if sharded."""
-    if all(type(a) in _ARRAYS for a in (*dyn, *dyn_kw.values())):  # the usual call: no walk
+    if all(type(a) in ARRAYS for a in (*dyn, *dyn_kw.values())):  # the usual call: no walk
         return []
     found = variables_in((dyn, dyn_kw))
     if found and sharded:
@@ -376,7 +375,6 @@ def given(dyn: Any, dyn_kw: Any, caller: str, sharded: bool = False) -> list[Any
     return found
 
 
-_ARRAYS = array_types()
 _OUTER = (
     "{caller}: the nnx {kind} given (an nnx.Rngs advances per draw) was made outside the JAX "
     "transform the call runs under (jax.grad, jax.vmap, ...), so nnx cannot write the new "

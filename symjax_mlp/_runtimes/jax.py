@@ -21,6 +21,7 @@ from symjax_mlp._artifact import reading
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._compat import skipping_lapack
 from symjax_mlp._errors import ArtifactError, ConfigError
+from symjax_mlp._hybrid.mesh import data_mesh
 from symjax_mlp._runtimes.transforms import Program, forward_traced
 
 
@@ -119,10 +120,7 @@ def runner(
     if n == 1:  # a LoadedModel calls the program straight for arrays of a signature that ran
         call_checked.direct = run, single  # type: ignore[attr-defined]
         return call_checked, weights
-    # the mesh of the first n devices (check_supported saw enough), unless the caller set one
-    mesh = jax.make_mesh(
-        (n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n]
-    )
+    mesh = data_mesh(n)  # the first n devices (check_supported saw enough), unless the caller's
 
     def run_sharded(inputs: list[Any]) -> list[Any]:
         try:

@@ -23,24 +23,15 @@ from symjax_mlp.cli._args import count, int_list, keywords, show, subcommand
 
 PROG = "symjax-mlp"
 _EXTRAS = {  # a missing module -> the optional extra that installs it
-    "iree": "iree",
-    "sklearn": "data",
-    "matplotlib": "plot",
-    "torch": "torch",
-    "starlette": "serve",
-    "uvicorn": "serve",
-    "model_signing": "sign",
-    "ray": "ray",
-}
+    "iree": "iree", "sklearn": "data", "matplotlib": "plot", "torch": "torch",
+    "starlette": "serve", "uvicorn": "serve", "model_signing": "sign", "ray": "ray",
+}  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argparse parser whose usage errors are one line (and a pointer to ``--help``).
-
-    Attributes:
-      options: every action ``add_argument`` returned, in order (what messages may name).
-      commands: the root parser's subcommands' parsers by name (``build_parser`` fills it).
-    """
+    """An argparse parser whose usage errors are one line (and a pointer to ``--help``);
+    ``options``: every action ``add_argument`` returned, in order (what messages may name),
+    ``commands``: the root parser's subcommands' parsers by name (``build_parser`` fills it)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.options: list[argparse.Action] = []  # before argparse's own add_argument("-h")
@@ -292,14 +283,9 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _warning(
-    where: str,
-    python: Callable[..., None],
-    message: Any,
-    category: Any,
-    filename: str,
-    *args: Any,
-    **kwargs: Any,
-) -> None:
+    where: str, python: Callable[..., None], message: Any, category: Any, filename: str,
+    *args: Any, **kwargs: Any,
+) -> None:  # fmt: skip
     """The library's warnings as one line, ``symjax-mlp verify: warning: ...`` (not Python's
     two lines with one of library source under); others as Python shows them."""
     from symjax_mlp._artifact.format import printable
@@ -312,10 +298,8 @@ def _warning(
 
 def _bug(where: str) -> int:
     traceback.print_exc()
-    print(
-        f"{where}: this is a bug in symjax_mlp (the traceback above); please report it.",
-        file=sys.stderr,
-    )
+    bug = "this is a bug in symjax_mlp (the traceback above); please report it."
+    print(f"{where}: {bug}", file=sys.stderr)
     return 1
 
 
