@@ -22,7 +22,6 @@ from symjax_mlp._artifact.format import (
     FORMAT_VERSION,
     JAXEXPORT,
     MANIFEST,
-    MLIR,
     MLIRBC,
     PARAMS,
     SELFTEST,
@@ -130,11 +129,10 @@ def export(
                 _NOTHING_ADMITTED.format(name=entry.h.name, constraints=entry.constraints,
                                          inputs=", ".join(map(str, signature.inputs)))
             )  # fmt: skip
-        roles = entry_files(name) if i else {r: r for r in (JAXEXPORT, MLIRBC, MLIR, SELFTEST)}
+        roles = entry_files(name) if i else {r: r for r in (JAXEXPORT, MLIRBC, SELFTEST)}
         files[roles[JAXEXPORT]] = bytes(exported.serialize(vjp_order=vjp_order))
         needs.update(_needs(files[roles[JAXEXPORT]], path / roles[JAXEXPORT]))
         files[roles[MLIRBC]] = bytes(exported.mlir_module_serialized)
-        files[roles[MLIR]] = exported.mlir_module().encode()
         if (vectors := _self_test_vectors(exported, signature, own, entry)) is None:
             del roles[SELFTEST]
         else:

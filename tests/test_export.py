@@ -25,7 +25,7 @@ import symjax_mlp as sm
 import symjax_mlp._files as files_seam  # the documented write seam
 from symjax_mlp.cli import main
 
-CORE = {"manifest.json", "model.jaxexport", "model.mlirbc", "model.mlir", "params.safetensors"}
+CORE = {"manifest.json", "model.jaxexport", "model.mlirbc", "params.safetensors"}
 FILES = CORE | {"selftest.safetensors"}  # and the self-test vectors, where export can run them
 
 
@@ -131,7 +131,7 @@ def test_manifest_records_the_contract(art):
     kernel = h.params["params"]["layers_0"]["kernel"]
     np.testing.assert_array_equal(weights["params/layers_0/kernel"], kernel)
     # the params are inputs of the exported module, not constants folded into it
-    text = (art.path / "model.mlir").read_text()
+    text = art.mlir_module()
     assert "tensor<8x16xf32>" in text.split("func.func public @main", 1)[1].split("{", 1)[0]
     assert manifest["mlir_arguments"][-1] == "args[0]"
 
@@ -258,7 +258,7 @@ def test_write_failure_keeps_previous_artifact(tmp_path, monkeypatch):
     real = files_seam.write_file
 
     def disk_full(file, data):
-        if file.name == "model.mlir":
+        if file.name == "model.mlirbc":
             raise OSError(28, "No space left on device")
         real(file, data)
 

@@ -321,14 +321,14 @@ FOUND = {  # what the loader did before the fix -> now
     ),
     "FIFO (hung forever)": lambda c: _replace(c, "params.safetensors", os.mkfifo),
     "symlink to /dev/zero (read until out of memory)": lambda c: _replace(
-        c, "model.mlir", lambda f: f.symlink_to("/dev/zero")
+        c, "model.mlirbc", lambda f: f.symlink_to("/dev/zero")
     ),
     "directory (IsADirectoryError)": lambda c: _replace(c, "manifest.json", Path.mkdir),
     "deep JSON (RecursionError)": lambda c: (c / "manifest.json").write_text("[" * 10**5),
-    "NUL in a file name (ValueError)": lambda c: _relist(c, "model.mlir", "model.mlir\x00"),
-    "300-char file name (OSError)": lambda c: _relist(c, "model.mlir", "a" * 300),
+    "NUL in a file name (ValueError)": lambda c: _relist(c, "model.mlirbc", "model.mlirbc\x00"),
+    "300-char file name (OSError)": lambda c: _relist(c, "model.mlirbc", "a" * 300),
     "sha256 an int (TypeError)": lambda c: _edit(
-        c, lambda m: m["files"]["model.mlir"].update(sha256=12)
+        c, lambda m: m["files"]["model.mlirbc"].update(sha256=12)
     ),
     "nr_devices a string (TypeError)": lambda c: _edit(c, lambda m: m.update(nr_devices="1")),
     "platforms null (TypeError)": lambda c: _edit(c, lambda m: m.update(platforms=None)),

@@ -243,17 +243,30 @@ def test_every_model_of_the_zoo_passes_the_op_check(tmp_path):
     assert {"stablehlo.dot_general", "stablehlo.while", "stablehlo.case", "sdy.mesh"} <= seen
 
 
-def test_op_counts_are_those_of_the_module_that_runs(base, tmp_path):
+def test_the_text_an_artifact_shows_is_that_of_the_module_that_runs(base, tmp_path):
+    """model.mlir, the text a reviewer read, was never compared with model.mlirbc, what runs:
+    a stranger shipped an honest text beside another program, every checksum consistent."""
     src, _ = base
-    art = forge.resign(src, tmp_path / "text", files={"model.mlir": b"stablehlo.while\n" * 50})
-    counts = sm.inspect(art).op_counts()  # model.mlir says 50 loops; the module has none
-    assert "stablehlo.while" not in counts and counts["stablehlo.dot_general"] == 2
-    other = forge.forge(src, tmp_path / "other", forge.harmless)
-    forge.resign(
-        art, tmp_path / "mixed", files={"model.mlirbc": (other / "model.mlirbc").read_bytes()}
+    assert "model.mlir" not in sm.inspect(src).manifest["files"]  # export ships no text
+    honest = sm.inspect(src).mlir_module()
+    assert "func.func public @main" in honest and "stablehlo.dot_general" in honest
+    other = forge.forge(src, tmp_path / "other", forge.harmless)  # another program
+    art = forge.resign(other, tmp_path / "text", files={"model.mlir": honest.encode()})
+    shown, runs = (
+        sm.inspect(art),
+        jax.export.deserialize(bytearray((art / "model.jaxexport").read_bytes())),
     )
-    with pytest.raises(sm.ArtifactError, match=r"StableHLO module other than model.mlirbc"):
-        sm.inspect(tmp_path / "mixed").op_counts()
+    assert shown.mlir_module() == runs.mlir_module() != honest  # what runs, not the file
+    assert re.search(r"model\.mlir .* never read", str(shown)), str(shown)
+    sm.load(forge.resign(src, tmp_path / "earlier", files={"model.mlir": b"?"}))  # as before
+    counts = shown.op_counts()  # counted in the module that runs, too
+    assert "stablehlo.while" not in counts and counts["stablehlo.dot_general"] == 2
+    forge.resign(
+        src, tmp_path / "mixed", files={"model.mlirbc": (other / "model.mlirbc").read_bytes()}
+    )
+    for read in ("op_counts", "mlir_module"):
+        with pytest.raises(sm.ArtifactError, match=r"StableHLO module other than model.mlirbc"):
+            getattr(sm.inspect(tmp_path / "mixed"), read)()
     text = str(sm.inspect(forge.forge(src, tmp_path / "cb", forge.callback)))
     assert "custom_call @xla_ffi_python_cpu_callback" in text and "load       refuses" in text
 
@@ -1218,7 +1231,7 @@ def test_a_signed_artifact_loads_with_its_key_and_nothing_else_does(
         "a planted .git file": lambda c: ((c / ".git").mkdir(), (c / ".git" / "x").write_text("1")),
         "the manifest edited": lambda c: (c / "manifest.json").write_text("{not json"),
         "the weights replaced": lambda c: (c / "params.safetensors").write_bytes(b"\0" * 64),
-        "a file removed": lambda c: (c / "model.mlir").unlink(),
+        "a file removed": lambda c: (c / "model.mlirbc").unlink(),
     }
     for what, tamper in tampered.items():
         copy = tmp_path / what.replace(" ", "_")
@@ -1325,9 +1338,9 @@ def test_a_signature_refused_says_the_public_call_first_not_the_artifacts_path(
         ),
         (lambda: sm.sign(link, private), "sign", link, "private_key", "symbolic link"),
         (
-            lambda: sm.sign(src / "model.mlir", private),
+            lambda: sm.sign(src / "model.mlirbc", private),
             "sign",
-            src / "model.mlir",
+            src / "model.mlirbc",
             "private_key",
             "not an",
         ),

@@ -17,12 +17,12 @@ FORMAT = "symjax_mlp.artifact"
 FORMAT_VERSION = 1
 JAXEXPORT = "model.jaxexport"
 MLIRBC = "model.mlirbc"
-MLIR = "model.mlir"
+MLIR = "model.mlir"  # text that earlier exports wrote beside the module: listed, never read
 PARAMS = "params.safetensors"
 SELFTEST = "selftest.safetensors"
-CORE_FILES = (JAXEXPORT, MLIRBC, MLIR, PARAMS)
-PROGRAM_FILES = (JAXEXPORT, MLIRBC, MLIR)  # what each entry point has of its own
-_ENTRY_ROLES = (*PROGRAM_FILES, SELFTEST)  # the same, and its self-test if it has one
+CORE_FILES = (JAXEXPORT, MLIRBC, PARAMS)
+PROGRAM_FILES = (JAXEXPORT, MLIRBC)  # what each entry point has of its own
+_ENTRY_ROLES = (*PROGRAM_FILES, SELFTEST, MLIR)  # the same, its self-test, an earlier text
 MAX_ENTRIES = 64
 RESERVED_ENTRY_NAMES = frozenset({"model", "params", "selftest", "manifest"})
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few kB; refuse to read gigabytes of one
@@ -367,7 +367,7 @@ def program_file(view: Mapping[str, Any], role: str) -> str | None:
 
 def entry_files(name: str) -> dict[str, str]:
     """The files an export writes for a (non-default) entry point named ``name``."""
-    return {role: f"{name}.{role.removeprefix('model.')}" for role in _ENTRY_ROLES}
+    return {role: f"{name}.{role.removeprefix('model.')}" for role in _ENTRY_ROLES[:-1]}
 
 
 def check_target(path: Path, overwrite: bool) -> None:

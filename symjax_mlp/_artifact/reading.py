@@ -96,19 +96,24 @@ class Artifact:
         return thaw(self.manifest)
 
     def op_counts(self, entry: str | None = None) -> dict[str, int]:
-        """How often each op occurs in the program that runs (``model.jaxexport``'s StableHLO
-        module, every region; not ``model.mlir``, the text for people), most frequent first.
-
-        Raises:
-          ArtifactError: a file changed since :func:`inspect`, or the two modules differ.
-        """
+        """How often each op occurs in the program that runs (as :meth:`program` reads it),
+        most frequent first."""
         return dict(self.program(entry).counts)
 
     def program(self, entry: str | None = None) -> ModuleReport:
         """What the program of ``entry`` (default: the default entry point) does: its ops,
         custom calls, work, and what :func:`~symjax_mlp.load` refuses without ``allow=`` or
-        ``trust=True``."""
-        files = self.manifest["files"]
+        ``trust=True``. Raises :class:`ArtifactError` if a file changed since :func:`inspect`."""
+        return self._read(entry)[1]
+
+    def mlir_module(self, entry: str | None = None) -> str:
+        """The StableHLO text of the program of ``entry`` that runs (``Exported.mlir_module()``
+        of its module, read as :func:`~symjax_mlp.load` reads it): what to review. A
+        ``model.mlir`` (earlier exports wrote one) is never read. Raises as :meth:`program`."""
+        return self._read(entry)[0].mlir_module()
+
+    def _read(self, entry: str | None) -> tuple[Any, ModuleReport]:
+        """The program of ``entry`` deserialized and checked as load checks it; its report."""
         try:
             view = entry_view(self.manifest, entry)
         except KeyError:
@@ -116,18 +121,11 @@ class Artifact:
                 f"{self.path} has no entry point {entry!r}; it has "
                 f"{', '.join(entry_names(self.manifest))}."
             ) from None
-        blobs = {}
-        for name in (program_file(view, JAXEXPORT), program_file(view, MLIRBC)):
-            try:
-                size, digest = files[name]["bytes"], files[name]["sha256"]
-                blobs[name] = read_regular(
-                    self.path / name, size=size, sha256=digest, error=ArtifactError
-                )
-            except (FileNotFoundError, KeyError):
-                raise ArtifactError(f"{self.path / name} is missing; inspect it again.") from None
+        names = [program_file(view, role) for role in (JAXEXPORT, MLIRBC)]
+        blobs = read_files(self.path, self.manifest, keep=(JAXEXPORT, MLIRBC), only=names)
         exported = deserialize(self.path, view, blobs)  # checked against manifest and mlirbc
-        file = self.path / program_file(view, JAXEXPORT)
-        return checker.program(file, files[file.name]["sha256"], exported)[0]  # as load has it
+        digest = self.manifest["files"][names[0]]["sha256"]
+        return exported, checker.program(self.path / names[0], digest, exported)[0]
 
     def __str__(self) -> str:
         m = self.manifest
@@ -163,7 +161,8 @@ class Artifact:
         lines.append("files      sha256")
         width = max(20, *map(len, m["files"]))
         for k, f in m["files"].items():
-            lines.append(f"  {k:<{width}} {f['sha256'][:16]}...  {f['bytes']:>10,} B")
+            text = "  (text, never read: mlir_module() prints the program)" * k.endswith(".mlir")
+            lines.append(f"  {k:<{width}} {f['sha256'][:16]}...  {f['bytes']:>10,} B{text}")
         for entry in entry_names(m):
             program, file = self.program(entry), program_file(entry_view(m, entry), JAXEXPORT)
             lines.append(f"stablehlo  {sum(program.counts.values())} ops ({file}'s module)")
@@ -213,10 +212,11 @@ def thaw(x: Any) -> Any:
 
 
 def read_files(
-    path: Path, manifest: Mapping[str, Any], *, keep: tuple[str, ...] = USED
-) -> dict[str, Any]:
-    """Checks the size and sha256 of every file the manifest lists before anyone parses it;
-    returns the bytes of the files in ``keep`` (``params.safetensors``: its tensors)."""
+    path: Path, manifest: Mapping[str, Any], *, keep: tuple[str, ...] = USED,
+    only: Sequence[str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Checks the size and sha256 of every file the manifest lists (or those ``only``) before
+    anyone parses it; returns the bytes of the files in ``keep`` (params: its tensors)."""
     listed = manifest["files"]  # plain file names: check_schema
     views = [entry_view(manifest, e) for e in entry_names(manifest)]
     keep = tuple({program_file(v, role) for v in views for role in keep} - {None})
@@ -225,8 +225,8 @@ def read_files(
             f"{path / MANIFEST} does not list {', '.join(lacking)}; it is corrupted."
         )
     blobs = {}
-    for name, entry in listed.items():
-        file, size, digest = path / name, entry["bytes"], entry["sha256"]
+    for name in listed if only is None else only:
+        file, size, digest = path / name, listed[name]["bytes"], listed[name]["sha256"]
         try:
             if name == PARAMS and name in keep:  # tensors straight from the file, hashed
                 blobs[name] = read_safetensors_file(file, size=size, sha256=digest)[0]

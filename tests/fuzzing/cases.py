@@ -15,15 +15,14 @@ import shutil
 from pathlib import Path
 from typing import ClassVar
 
-MANIFEST, JAXEXPORT, MLIRBC, MLIR, PARAMS, SELFTEST = (
+MANIFEST, JAXEXPORT, MLIRBC, PARAMS, SELFTEST = (
     "manifest.json",
     "model.jaxexport",
     "model.mlirbc",
-    "model.mlir",
     "params.safetensors",
     "selftest.safetensors",
 )
-FILES = (MANIFEST, JAXEXPORT, MLIRBC, MLIR, PARAMS, SELFTEST)
+FILES = (MANIFEST, JAXEXPORT, MLIRBC, PARAMS, SELFTEST)
 DATA = FILES[1:]
 
 

@@ -2,8 +2,8 @@
 
 :func:`make` exports, with ``sm.export({"predict": h, "embed": e}, ...)``, the loader target's
 tiny MLP as ``predict`` (the default) and its hidden layer, over ``layers_0``'s params only, as
-``embed``: one ``params.safetensors``, and ``embed.jaxexport``, ``embed.mlirbc``,
-``embed.mlir`` and ``embed.selftest.safetensors`` beside the default's files; and another such
+``embed``: one ``params.safetensors``, and ``embed.jaxexport``, ``embed.mlirbc`` and
+``embed.selftest.safetensors`` beside the default's files; and another such
 export to mix files from. A case applies :mod:`fuzzing.mutations`' families to every file, the
 second entry point's among them, or one of two of its own:
 
@@ -36,14 +36,13 @@ from pathlib import Path
 from typing import ClassVar
 
 from fuzzing import cases, mutations, worker
-from fuzzing.cases import JAXEXPORT, MANIFEST, MLIR, MLIRBC, PARAMS, SELFTEST, host
+from fuzzing.cases import JAXEXPORT, MANIFEST, MLIRBC, PARAMS, SELFTEST, host
 
 SECOND = "embed"  # the second entry point; the default is "predict"
-ROLES = (JAXEXPORT, MLIRBC, MLIR, SELFTEST)  # an entry point's own files, by role
+ROLES = (JAXEXPORT, MLIRBC, SELFTEST)  # an entry point's own files, by role
 SECOND_FILES = {
     JAXEXPORT: "embed.jaxexport",
     MLIRBC: "embed.mlirbc",
-    MLIR: "embed.mlir",
     SELFTEST: "embed.selftest.safetensors",
 }
 ABSENT = "params/layers_9/kernel"  # a param the weight file does not hold

@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-JAXEXPORT, MLIRBC, MLIR, MANIFEST = "model.jaxexport", "model.mlirbc", "model.mlir", "manifest.json"
+JAXEXPORT, MLIRBC, MANIFEST = "model.jaxexport", "model.mlirbc", "manifest.json"
 
 
 def _sha(data: bytes) -> str:
@@ -89,7 +89,7 @@ def resign(
 def forge(src: Path, dst: Path, edit: Callable[[str], str]) -> Path:
     """``src`` with its module's text edited by ``edit``, consistent and re-signed."""
     text = edit(module_text(src))
-    return resign(src, dst, module=serialize_module(text), files={MLIR: text.encode()})
+    return resign(src, dst, module=serialize_module(text))
 
 
 # -- hostile programs: edits of a static-shape MLP module ----------------------------------------
