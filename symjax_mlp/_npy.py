@@ -19,11 +19,9 @@ from symjax_mlp._specs import TensorSpec, cast_to, out_of_range
 
 
 def read_npy(
-    source: str | os.PathLike[str] | bytes,
-    *,
-    what: str,
+    source: str | os.PathLike[str] | bytes, *, what: str,
     error: Callable[[str], Exception] = SignatureError,
-) -> np.ndarray:
+) -> np.ndarray:  # fmt: skip
     """The one array of a ``.npy`` file (a path, or its bytes), in this CPU's byte order;
     ``error`` (its message naming ``source`` as ``what``) for an ``.npz``, a pickle, other bytes."""
     head = more = short = None
@@ -100,9 +98,8 @@ KEY_IMPLS = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<unsafe_rbg>": "
 
 
 def draw(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, *, high: int = 2) -> Any:
-    """A random input of the spec dtype ``dtype``: normal floats (bfloat16 too), integers from 0
-    below ``high`` (int4 too), random bools, or rng keys split from one; ``TypeError`` for
-    another dtype."""
+    """A random input of the spec dtype ``dtype``: normal floats, integers from 0 below ``high``,
+    bools, or rng keys split from one (ml_dtypes' too); ``TypeError`` for another dtype."""
     import jax
     import ml_dtypes
 
@@ -145,16 +142,12 @@ def read_inputs(
         if spec.dtype.startswith("key<"):  # .npy has no key type: the key's data, as run writes
             xs[i] = _key(file, x, spec)
         elif str(x.dtype) != spec.dtype:
-            held = out_of_range(x, spec.dtype)
-            fix = f'np.save("{file}", x.astype({cast_to(spec.dtype)}))'
+            fix = f'. Save it as {spec.dtype}: np.save("{file}", x.astype({cast_to(spec.dtype)})).'
+            if held := out_of_range(x, spec.dtype):
+                fix = f": it {held}. Save values in range."
             raise SignatureError(
                 f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact expects "
-                f"{spec.type}; nothing is cast"
-                + (
-                    f": it {held}. Save values in range."
-                    if held
-                    else f". Save it as {spec.dtype}: {fix}."
-                )
+                f"{spec.type}; nothing is cast{fix}"
             )
     return xs
 

@@ -85,13 +85,9 @@ def against_source(name: str, got: Any, want: Any, xs: Sequence[Any], symbolic: 
 def vectors(
     path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes]
 ) -> tuple[Path, list[np.ndarray], list[np.ndarray]] | None:
-    """The self-test's file, inputs and outputs, checked against the signature: each input a
-    call it admits (export's at every symbolic dim 2, or where a constraint refuses that at
-    the example's shapes); ``None`` for an entry point without vectors (rng key inputs).
-
-    Raises:
-      ArtifactError: a vector is missing, or of a shape or dtype the signature refuses.
-    """
+    """The self-test's file, inputs and outputs, each input a call the signature admits;
+    ``None`` for an entry point without vectors (rng key inputs). Raises
+    :class:`~symjax_mlp.ArtifactError` for a vector missing or of a shape or dtype refused."""
     name = program_file(manifest, SELFTEST)
     if name is None or name not in blobs:
         return None
@@ -165,8 +161,7 @@ def run(
 
 def difference(got: np.ndarray, want: np.ndarray) -> str | None:
     """How ``got`` differs from the vector ``want``, or ``None`` if it reproduces it: NaN equals
-    NaN (``jnp.log`` of a negative input), an infinity the same infinity, and every other value
-    is within :func:`tolerance` of the one recorded."""
+    NaN, an infinity the same infinity, every other value within :func:`tolerance` of it."""
     if got.shape != want.shape:
         return f"has shape {got.shape}, but gave {want.shape} at export"
     if got.dtype == want.dtype and np.array_equal(got, want):  # as a rerun here mostly is
@@ -203,9 +198,7 @@ def run_failed(
     caller: str, file: Any, error: Exception, inputs: Any = None, where: str = ""
 ) -> ArtifactError:
     """The :class:`~symjax_mlp.ArtifactError` for a program of ``file`` that failed as it ran
-    (XLA, IREE or ``jax.export`` raised), naming the cause: RESOURCE_EXHAUSTED says the
-    device ran out of memory, at which ``inputs``. The caller raises it ``from error``;
-    ``where`` says what ran it (the self-test)."""
+    (``where``: the self-test), out of memory (RESOURCE_EXHAUSTED) on ``inputs`` or else."""
     text = printable(str(error)[:600])
     fields = {"caller": caller, "where": where, "error": f"{type(error).__name__}: {text}"}
     if "RESOURCE_EXHAUSTED" not in text:

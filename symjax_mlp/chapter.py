@@ -58,13 +58,9 @@ class HybridNet(nn.Module):
 
 
 def chapter_mlp(
-    sizes: Sequence[int] = (256, 128, 2),
-    *,
-    in_features: int = 512,
-    batch: int = 1,
-    activation: str | None = "relu",
-    seed: int = 0,
-) -> tuple[Hybrid, jax.Array]:
+    sizes: Sequence[int] = (256, 128, 2), *, in_features: int = 512, batch: int = 1,
+    activation: str | None = "relu", seed: int = 0,
+) -> tuple[Hybrid, jax.Array]:  # fmt: skip
     """The chapter's MLP, hybridized, and a random input of shape ``(batch, in_features)``."""
     return _mlp("chapter_mlp", sizes, activation, in_features, batch, seed, name="mlp")
 
@@ -137,13 +133,9 @@ def _memory() -> float:
 
 
 def describe_mlp(
-    sizes: Sequence[int] = (256, 128, 2),
-    *,
-    in_features: int = 512,
-    batch: int = 1,
-    activation: str | None = "relu",
-    format: str = "summary",
-) -> str:
+    sizes: Sequence[int] = (256, 128, 2), *, in_features: int = 512, batch: int = 1,
+    activation: str | None = "relu", format: str = "summary",
+) -> str:  # fmt: skip
     """One view of an MLP's program: ``jaxpr``, ``stablehlo``, ``hlo``, ``dot`` or ``summary``."""
     h, x = _mlp("describe_mlp", sizes, activation, in_features, batch, 0, name="mlp")
     views: dict[str, Callable[[], str]] = {
@@ -191,16 +183,10 @@ def _summary(h: Hybrid, x: jax.Array) -> str:
 
 
 def export_mlp(
-    path: str | os.PathLike[str],
-    *,
-    sizes: Sequence[int] = (256, 128, 2),
-    in_features: int = 512,
-    activation: str = "relu",
-    seed: int = 0,
-    batch: str | int = "b",
-    platforms: Sequence[str] = ("cpu",),
-    overwrite: bool = False,
-) -> Artifact:
+    path: str | os.PathLike[str], *, sizes: Sequence[int] = (256, 128, 2), in_features: int = 512,
+    activation: str = "relu", seed: int = 0, batch: str | int = "b",
+    platforms: Sequence[str] = ("cpu",), overwrite: bool = False,
+) -> Artifact:  # fmt: skip
     """Exports the chapter's MLP (``mlp(sizes)`` on ``in_features`` inputs, initialised from
     ``seed``), what ``symjax-mlp export`` runs; ``batch``: a name for a symbolic batch dimension,
     or an int for a static one; the others as :func:`~symjax_mlp.export` takes them."""

@@ -66,22 +66,12 @@ class Hybrid(Staged, NoPickle):
     """
 
     def __init__(
-        self,
-        fn: Callable[..., Any] | PureModel,
-        params: Any,
-        *,
-        state: Any = None,
-        name: str | None = None,
-        max_traces: int | None = None,
-        compiled: bool = True,
-        mesh: Mesh | None = None,
-        axis: str = "data",
-        pad: bool = True,
-        static_argnums: int | Sequence[int] = (),
-        static_argnames: str | Sequence[str] = (),
-        donate: bool = False,
-        params_as_constants: bool = False,
-    ) -> None:
+        self, fn: Callable[..., Any] | PureModel, params: Any, *, state: Any = None,
+        name: str | None = None, max_traces: int | None = None, compiled: bool = True,
+        mesh: Mesh | None = None, axis: str = "data", pad: bool = True,
+        static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+        donate: bool = False, params_as_constants: bool = False,
+    ) -> None:  # fmt: skip
         max_traces, name, axis, compiled, pad, donate, params_as_constants = check_settings(
             max_traces, name=(name, str, "'mlp'"), axis=(axis, str, "'data' (a mesh axis name)"),
             compiled=(compiled, bool, "True"), pad=(pad, bool, "True"),

@@ -112,8 +112,7 @@ def unfit_input(name: str, error: Exception, args: Any, kwargs: Any) -> Signatur
 
 def unfit_empty(name: str, args: Any, kwargs: Any) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for flax's ``ZeroDivisionError`` on an input
-    with a dimension of size 0 (a param's initializer, run to check its shape, divided by it);
-    ``None`` if no input has one."""
+    with a dimension of size 0 (a param's initializer divided by it); ``None`` if none has one."""
     specs = _input_specs(args, kwargs)
     if not any(0 in s.shape for s in specs):
         return None
@@ -125,9 +124,8 @@ def unbindable(
     whose: str = "the model's",
 ) -> SignatureError | None:  # fmt: skip
     """The :class:`~symjax_mlp.SignatureError` for arguments that do not bind to ``target``'s
-    inputs after its first ``skip`` (its params or ``self``); ``None`` if they bind or
-    ``target`` has no signature to read. ``fix`` may name ``{call}``: the required inputs
-    passed as a call names them (``a, b, key=key``)."""
+    inputs after its first ``skip`` (params, ``self``); ``None`` if they bind or it has no
+    signature. ``fix`` may name ``{call}``: the required inputs, as ``a, b, key=key``."""
     try:
         given = list(inspect.signature(target).parameters.values())[skip:]
         inputs = inspect.Signature([p.replace(annotation=p.empty) for p in given])
@@ -150,8 +148,7 @@ def unfit_call(
     name: str, error: TypeError, target: Any, params: Any, args: Any, kwargs: Any
 ) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for a model's ``TypeError``: arguments not binding
-    to ``target``'s inputs (past its params or ``self``), or JAX's ``dot_general`` error where an
-    input's last dimension meets a weight matrix's first; ``None`` where it is the model's own."""
+    (:func:`unbindable`), or an input's last dimension unlike a weight's first; or ``None``."""
     if (unbound := unbindable(name, target, args, kwargs)) is not None:
         return unbound
     if (found := _PRODUCT.search(str(error))) is None:
@@ -343,8 +340,8 @@ class TraceLog:
         return tuple(self._events)
 
     def follow(self, earlier: TraceLog, traced: bool) -> None:
-        """Goes on from ``earlier`` (a Hybrid's, turned stateful): its traces count here; if
-        ``traced``, the trace the turning call failed in ran the callbacks: its retrace does not."""
+        """Goes on from ``earlier`` (a Hybrid's, turned stateful); if ``traced``, the retrace
+        of the trace the turning call failed in runs no callback again."""
         self._events, self._held, self.callbacks = earlier._events, earlier._held, earlier.callbacks
         self._running.ran = getattr(earlier._running, "failed", None) if traced else None
 

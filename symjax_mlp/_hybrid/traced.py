@@ -115,16 +115,14 @@ class HeldState:
         return jax.tree.unflatten(self._structure, wrap_keys(leaves, self._key_impls))
 
     def flatten(self, state: Any) -> list[Any]:
-        """A call's new state as held (keys as raw data), checked to keep the structure or (if
-        :attr:`grows`) to add to it: the structure is recorded, adopted when the state is held."""
+        """A call's new state as held (keys as raw data), its structure checked (:meth:`_grow`)."""
         structure, key_impls = state_structure(state)
         if structure != self._structure or key_impls != self._key_impls:
             self._grow(structure, key_impls)
         return unwrap_keys(jax.tree.leaves(state), key_impls)
 
     def _grow(self, structure: Any, key_impls: tuple) -> None:
-        """Records the structure a call grew the state to; refused unless :attr:`grows` and
-        the call only added to it (one structure per held one and leaf count)."""
+        """Records the structure a call grew the state to; refused unless it only added to it."""
         before, after = (self._structure, self._key_impls), (structure, key_impls)
         at = (*before, structure.num_leaves)
         if self.grows and _adds(before, after) and self._grown.setdefault(at, after) == after:
@@ -189,8 +187,7 @@ class HeldState:
         return _STATE_UNDER_TRANSFORM.format(name=self.name, changed=listed)
 
     def _adopt(self, leaves: list[Any]) -> None:
-        """Holds ``leaves``; more than held: a call added variables, in the structure
-        :meth:`flatten` recorded (one retrace follows, for the new state's leaves)."""
+        """Holds ``leaves``; more than held: in the structure :meth:`flatten` recorded."""
         if len(leaves) != len(self.leaves):
             at = (self._structure, self._key_impls, len(leaves))
             self._structure, self._key_impls = self._grown[at]
@@ -198,8 +195,7 @@ class HeldState:
 
 
 def _adds(before: tuple, after: tuple) -> bool:
-    """Whether the state ``after`` (a treedef, its key impls) keeps every leaf of ``before``,
-    at its path and of its kind (a key, or not), and adds to them."""
+    """Whether ``after`` (a treedef, its key impls) keeps each leaf of ``before`` and adds some."""
     held, new = (dict(zip(_paths(s), impls, strict=True)) for s, impls in (before, after))
     return len(new) > len(held) and all(new.get(p, ()) == i for p, i in held.items())
 
@@ -255,8 +251,7 @@ class TracedModel:
         return result
 
     def call_model(self, params: Any, state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        """The model's ``call``; a reduction over an axis name no transform binds (JAX's
-        NameError) refused, naming the function that binds it."""
+        """The model's ``call``; a reduction over an axis name no transform binds refused."""
         try:
             return self.model.call(params, state, args, kwargs)
         except NameError as e:
@@ -269,8 +264,7 @@ class TracedModel:
         self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, part: int,
         settings: tuple | None = None,
     ) -> Any:  # fmt: skip
-        """The jaxpr of the output (``part`` 0) or new state (1), its invars the state's leaves,
-        then the inputs'."""
+        """The jaxpr of the output (``part`` 0) or new state (1), on the state, then the inputs."""
         params = self.params(leaves)
 
         def staged(state: Any, dyn: Any, dyn_kw: Any) -> Any:
@@ -284,8 +278,7 @@ class TracedModel:
         return any(input_dependent(jaxpr, jaxpr.invars[len(self.held.leaves) :]))
 
     def changes(self, *call: Any) -> list[str]:
-        """The held state's leaves a call changes, ``state['count']``: none in eval mode, where
-        it returns them as given."""
+        """The held state's leaves a call changes, ``state['count']`` (none in eval mode)."""
         jaxpr = self.staged(*call[:2], self.held.tree, *call[2:], 1)
         paths = [f"state{p}" for p in _paths(jax.tree.structure(self.held.tree))]
         if len(jaxpr.outvars) != len(paths):
@@ -297,8 +290,7 @@ class TracedModel:
         return jax.tree.unflatten(self.treedef, self.constants or leaves)
 
     def run(self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, entry: str):
-        """One trace, its budget enforced before, logged after: ``(out, new_state)`` (and the
-        given nnx Variables' values)."""
+        """One logged trace: ``(out, new_state)`` (and the given nnx Variables' values)."""
         if entry == "apply":  # once per trace: the params (and state) h.apply was given
             refuse_nested_nnx_state(f"{self.log.name}.apply(params, ...)", leaves)
             if self.model.stateful:  # (h.apply's own state is the held one)

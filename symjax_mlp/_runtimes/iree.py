@@ -157,15 +157,10 @@ def _compile(file: Path, mlir: bytes, shapes: Any, *, cached: bool = True) -> by
 
 
 def runner(
-    path: Path,
-    manifest: Mapping[str, Any],
-    blobs: Mapping[str, Any],
-    params: Sequence[np.ndarray],
-    *,
-    exported: Any,
-    guard: Callable[..., None] | None = None,
+    path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, Any],
+    params: Sequence[np.ndarray], *, exported: Any, guard: Callable[..., None] | None = None,
     custom_calls: Any = None,
-) -> tuple[Callable[[list[Any]], list[np.ndarray]], dict[str, np.ndarray]]:
+) -> tuple[Callable[[list[Any]], list[np.ndarray]], dict[str, np.ndarray]]:  # fmt: skip
     """``run(inputs) -> [np.ndarray, ...]`` and the weights: ``run`` compiles a static module
     for each new input shape (the self-test's now); JAX lowers ``exported``, never runs it."""
     import jax
@@ -200,12 +195,10 @@ def runner(
     placed = [place(np.asarray(a, order="C")) for a in jax.tree.leaves(weights)]
     specs = {n: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for n, a in weights.items()}
     call = jax.jit(exported.call, keep_unused=True)  # lowered for cpu, whatever JAX's default
-    lowering = types.SimpleNamespace(
-        lower=lambda *a: call.trace(*a).lower(lowering_platforms=("cpu",))
-    )
-    version = hlo.get_version_from_compatibility_requirement(
-        hlo.StablehloCompatibilityRequirement.WEEK_4
-    )
+    cpu = ("cpu",)
+    lowering = types.SimpleNamespace(lower=lambda *a: call.trace(*a).lower(lowering_platforms=cpu))
+    week_4 = hlo.StablehloCompatibilityRequirement.WEEK_4
+    version = hlo.get_version_from_compatibility_requirement(week_4)
     calls: dict[tuple[Any, ...], Callable[[list[np.ndarray]], list[np.ndarray]]] = {}
     compiling, calling = threading.Lock(), threading.Lock()
 
