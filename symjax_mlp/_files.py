@@ -59,7 +59,7 @@ class Reader(contextlib.AbstractContextManager):
         if not stat.S_ISREG(st.st_mode):
             problem = (
                 f"{file} is not a regular file (a directory, FIFO or device), so it is not what "
-                "was written there. Restore the file, or write it again."
+                "was written there; nothing was read. Put the file there, or pass another path."
             )
         elif size is not None and self.size != size:
             problem = (

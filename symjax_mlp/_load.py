@@ -144,16 +144,13 @@ def load(
         found, source = blobs[PARAMS], path / PARAMS
     elif isinstance(params, (str, os.PathLike)):
         source = Path(os.path.realpath(params))  # the caller's own path: its links followed
-        if source.exists() and not source.is_file():  # else the artifact's files' message
-            raise ArtifactError(
-                f'symjax_mlp.load("{path}", params={str(params)!r}): it is no regular file (a '
-                "directory, FIFO or device); pass a .safetensors file, e.g. another export's "
-                "params.safetensors."
-            )
+        call = f'symjax_mlp.load("{path}", params={str(params)!r})'
         try:
             found = read_safetensors_file(source)[0]
         except FileNotFoundError:
-            raise ArtifactError(f"load(params={str(params)!r}): there is no such file.") from None
+            raise ArtifactError(f"{call}: there is no such file.") from None
+        except ArtifactError as e:  # the file's own check: not a regular file, not safetensors
+            raise ArtifactError(f"{call}: {e}") from None
     else:
         specs, arrays = param_specs(_nested(params))
         found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="

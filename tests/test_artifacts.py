@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from helpers import ZOO
+from helpers import ZOO, bounded
 
 import symjax_mlp as sm
 
@@ -195,18 +195,26 @@ def test_weights_given_by_a_symbolic_link_load_and_no_file_is_named_as_params(
     mlp, loaded, tmp_path
 ):
     """params= a link to a .safetensors file was refused: "loading never follows a link (it
-    could point out of the directory ...)", of the user's own path; /dev/zero or a directory:
-    "it is not what was written there. Restore the file"."""
+    could point out of the directory ...)", of the user's own path; /dev/zero or a directory
+    had load's own check beside the reader's (two messages); a file that is no safetensors, or
+    none, was named without the call. Now one check, its message after the call."""
     (_, x, art), m = mlp, loaded
     os.symlink(art.path / "params.safetensors", tmp_path / "latest.safetensors")
     chex.assert_trees_all_close(sm.load(art.path, params=tmp_path / "latest.safetensors")(x), m(x))
-    for bad in ("/dev/zero", tmp_path):
-        with pytest.raises(
-            sm.ArtifactError,
-            match=r'symjax_mlp\.load\(".*", params=.*\): it is '
-            r"no regular file \(a directory, FIFO or device\); pass a \.safetensors",
-        ):
-            sm.load(art.path, params=bad)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    for bad, says in (
+        ("/dev/zero", "/dev/zero is not a regular file (a directory, FIFO or device)"),
+        (tmp_path, f"{tmp_path} is not a regular file"),
+        (tmp_path / "fifo", "fifo is not a regular file"),  # never blocks
+        (tmp_path / "junk.safetensors", "junk.safetensors is not a valid safetensors file"),
+        (tmp_path / "absent.safetensors", "there is no such file"),
+    ):
+        with pytest.raises(sm.ArtifactError) as e:
+            bounded(lambda bad=bad: sm.load(art.path, params=bad), 20)
+        said = str(e.value)  # the call first, as every load message, then one check's words
+        assert said.startswith(f'symjax_mlp.load("{art.path}", params={str(bad)!r}): '), said
+        assert says in said and "no regular file" not in said, said
 
 
 def test_weights_of_another_dtype_are_refused_with_the_cast_not_another_architecture(
