@@ -63,8 +63,7 @@ _UNSERIALIZABLE = (
 
 def unserializable(name: str, structs: Mapping[str, Any]) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for the first of ``structs`` (by path) whose
-    dtype ``jax.export`` cannot serialize (int2: its raw ``KeyError``; uint1: a lowering's
-    ``ValueError``); ``None`` if it can serialize them all. Imports JAX."""
+    dtype ``jax.export`` cannot serialize (int2, uint1); ``None`` if it can serialize them all."""
     import jax
     import jax.numpy as jnp
 
@@ -120,9 +119,8 @@ MASKED_INPUT = (
 
 
 def cast_to(dtype: str) -> str:
-    """``dtype`` as a cast names it: ``np.float32``; ``jnp.bfloat16`` for ml_dtypes' types,
-    which NumPy does not name. Looked up, never ``getattr(np, ...)``: a stranger's manifest may
-    name ``object``, which NumPy warns about."""
+    """``dtype`` as a cast names it: ``np.float32``, ``jnp.bfloat16`` (ml_dtypes'). Looked up,
+    never ``getattr(np, ...)``: a stranger's manifest may name ``object`` (NumPy warns)."""
     numpys = getattr(np.sctypeDict.get(dtype), "__module__", None) == "numpy"  # not ml_dtypes'
     return f"{'np' if numpys else 'jnp'}.{dtype}"
 
@@ -181,9 +179,8 @@ def array_kwargs_error(
     them, (code, example) = "it" if len(names) == 1 else "them", by_place(names, placed, settings)
     if signature is None:  # given in kwargs=
         got = ", ".join(f"kwargs[{n!r}]" for n in names)
-        head = (
-            f"export({name}, kwargs=...): {got} {'is an array' if them == 'it' else 'are arrays'}"
-        )
+        are = "is an array" if them == "it" else "are arrays"
+        head = f"export({name}, kwargs=...): {got} {are}"
     else:
         head = f"export({name}): the model takes {', '.join(names)} by keyword only {signature}"
     bake = "; or bake a Python setting (True, 3, 'relu') instead" if signature is None else ""
@@ -289,8 +286,7 @@ def beyond_range(want: Any) -> str:
 def out_of_range(a: Any, dtype: Any) -> str:
     """What NumPy array ``a`` holds that a cast to ``dtype`` would make inf or wrap, said
     (``"holds integers outside uint8's range [0, 255], which a cast wraps (-1 among them)"``);
-    ``""`` where it holds none, or ``a`` is no NumPy array (a JAX one stays on its device).
-    Error paths only: it reads every value."""
+    ``""`` where it holds none, or ``a`` is a JAX array. Error paths only: it reads every value."""
     import ml_dtypes
 
     if not isinstance(a, (np.ndarray, np.generic)):

@@ -334,9 +334,8 @@ class Hybrid(Staged, NoPickle):
         return out, new_state
 
     def _stateful(self, added: _pure.StateAdded, traced: bool = True) -> Hybrid:
-        """Self, turned stateful by an nnx module's call that added variables, as ``nnx.jit``
-        keeps them: rebuilt in place, its trace log and modes (a snapshot's) kept; the call
-        made again holds them (a trace that failed was not logged, its callbacks not rerun)."""
+        """Self, turned stateful in place by an nnx module's call that added variables (as
+        ``nnx.jit`` keeps them), its trace log and modes kept; the call made again holds them."""
         with self._held.lock:  # (a call in another thread may have turned it)
             if not self.stateful:
                 log, modes = self._log, self._modes

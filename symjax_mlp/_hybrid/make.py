@@ -146,10 +146,8 @@ def _flax_kind(model: Any) -> str | None:
 
 
 def _equinox(fn: Any, tree: Any) -> tuple[PureModel, Any]:
-    """``(fn', arrays)``: ``tree``'s float arrays (what ``eqx.filter_grad`` differentiates and
-    optax updates), and ``fn`` on them combined with the rest of ``tree``: held static, its
-    bool and int arrays (an ``eqx.nn.State(model)``'s ``StateIndex`` initial values) baked in
-    as constants, which ``jax.grad`` over the params could not take."""
+    """``(fn', arrays)``: ``tree``'s float arrays (what ``eqx.filter_grad`` takes), and ``fn``
+    on them combined with the rest of ``tree``, held static (its int and bool arrays: constants)."""
     eqx = sys.modules["equinox"]
     arrays, static = eqx.partition(tree, eqx.is_inexact_array)
 

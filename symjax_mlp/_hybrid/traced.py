@@ -140,9 +140,8 @@ class HeldState:
 
     def call(self, jitted: Any, args: tuple, changes: Callable[..., list] | None = None) -> list:
         """``[out, *rest]`` of ``jitted(static, leaves, held, dyn, dyn_kw)``, the new state held,
-        calls one at a time; a call that traces is traced first unlocked (``on_trace`` callbacks
-        may use the Hybrid from any thread). Under a JAX transform, a call whose new state is a
-        tracer is refused, unless ``changes(*args)`` (the paths it changes) is empty."""
+        calls one at a time (a trace first unlocked). Under a JAX transform, a call whose new
+        state is a tracer is refused, unless ``changes(*args)`` (the paths it changes) is empty."""
         try:
             return self._step(jitted, args, changes, first=True)
         except TraceFirst:

@@ -1,14 +1,12 @@
 """Run an artifact with IREE instead of JAX: ``load(path, runtime="iree")``.
 
-For each new input shape JAX lowers the checked module for ``cpu`` with every symbolic dimension
-refined, the loader's :class:`~symjax_mlp._load.Guard` bounds it, and ``iree.compiler`` compiles
-it for ``llvm-cpu`` (IREE cannot compile a dynamic reshape of rank > 2, and its dynamic code is
-slower). Calls run on the ``local-sync`` driver, one at a time. What IREE cannot run (no ``cpu``
-lowering, JAX's custom calls, sharded or effectful exports) is refused before anything compiles.
-
-Each ``.vmfb`` is cached per user, keyed by the module's sha256, the IREE version, the flags and
-this CPU, and signed with this user's key: a damaged or planted entry is compiled again, never
-run. Compiled code is never read from the artifact.
+For each new input shape JAX lowers the checked module for ``cpu``, every symbolic dimension
+refined (IREE cannot compile a dynamic reshape of rank > 2), the loader's ``Guard`` bounds it,
+and ``iree.compiler`` compiles it for ``llvm-cpu``; calls run on the ``local-sync`` driver, one
+at a time. What IREE cannot run (no ``cpu`` lowering, JAX's custom calls, sharded or effectful
+exports) is refused before anything compiles. Each ``.vmfb`` is cached per user, keyed by the
+module, IREE, the flags and this CPU, and signed with this user's key: a damaged or planted
+entry is compiled again, never run; compiled code is never read from the artifact.
 """
 
 from __future__ import annotations

@@ -304,13 +304,10 @@ def _bug(where: str) -> int:
 
 
 def run(argv: Sequence[str] | None = None) -> NoReturn:
-    """The ``symjax-mlp`` command: exits with :func:`main`'s code.
-
-    After an interrupt (130) it leaves at once (``os._exit``): XLA may still be compiling on
-    its own threads, and tearing the interpreter down under them can crash or hang. A Ctrl-C
-    that lands where Python can only print it (a garbage-collector callback, JAX's among them)
-    is raised again, not lost: the command stopped only at its end.
-    """
+    """The ``symjax-mlp`` command: exits with :func:`main`'s code; after an interrupt (130)
+    at once (``os._exit``: tearing the interpreter down under XLA's threads can crash or hang).
+    A Ctrl-C that lands where Python can only print it (a garbage-collector callback) is
+    raised again, not lost."""
     hook = sys.unraisablehook
     sys.unraisablehook = functools.partial(_interrupt_again, hook)
     code = main(argv)

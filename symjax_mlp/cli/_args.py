@@ -15,13 +15,9 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-
-class Subcommands(Protocol):
-    """What ``ArgumentParser.add_subparsers()`` returns, as the subcommands use it."""
-
-    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
+Subcommands = Any  # what ``ArgumentParser.add_subparsers()`` returns (a private class)
 
 
 def subcommand(
