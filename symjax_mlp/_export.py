@@ -22,6 +22,7 @@ from symjax_mlp._artifact.format import (
     FORMAT_VERSION,
     JAXEXPORT,
     MANIFEST,
+    MAX_HELD_BYTES,
     MLIRBC,
     PARAMS,
     SELFTEST,
@@ -133,7 +134,8 @@ def export(
         files[roles[JAXEXPORT]] = bytes(exported.serialize(vjp_order=vjp_order))
         needs.update(_needs(files[roles[JAXEXPORT]], path / roles[JAXEXPORT]))
         files[roles[MLIRBC]] = bytes(exported.mlir_module_serialized)
-        if (vectors := _self_test_vectors(exported, signature, own, entry)) is None:
+        vectors = _self_test_vectors(exported, signature, own, entry)
+        if vectors is None or len(vectors) > MAX_HELD_BYTES:  # more than load holds
             del roles[SELFTEST]
         else:
             files[roles[SELFTEST]] = vectors

@@ -26,6 +26,7 @@ _ENTRY_ROLES = (*PROGRAM_FILES, SELFTEST, MLIR)  # the same, its self-test, an e
 MAX_ENTRIES = 64
 RESERVED_ENTRY_NAMES = frozenset({"model", "params", "selftest", "manifest"})
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few kB; refuse to read gigabytes of one
+MAX_HELD_BYTES = (1 << 31) - 1  # a file load holds whole: a module (a FlatBuffer) or vectors
 MAX_PARAMS = 65_536  # param tensors (and inputs, outputs) an artifact may have
 MAX_FILES = 1_024  # files a manifest may list
 MAX_CONSTRAINT_CHARS = 256

@@ -19,6 +19,7 @@ from symjax_mlp._artifact import checker
 from symjax_mlp._artifact.format import (
     CORE_FILES,
     JAXEXPORT,
+    MAX_HELD_BYTES,
     MLIRBC,
     PARAMS,
     entry_names,
@@ -221,17 +222,16 @@ def read_files(
     views = [entry_view(manifest, e) for e in entry_names(manifest)]
     keep = tuple({program_file(v, role) for v in views for role in keep} - {None})
     if lacking := sorted(set(CORE_FILES) - set(listed)):
-        raise ArtifactError(
-            f"{path / MANIFEST} does not list {', '.join(lacking)}; it is corrupted."
-        )
+        raise ArtifactError(f"{path / MANIFEST} does not list {', '.join(lacking)}; corrupted.")
     blobs = {}
     for name in listed if only is None else only:
         file, size, digest = path / name, listed[name]["bytes"], listed[name]["sha256"]
         try:
             if name == PARAMS and name in keep:  # tensors straight from the file, hashed
                 blobs[name] = read_safetensors_file(file, size=size, sha256=digest)[0]
-            elif name in keep:
-                blobs[name] = read_regular(file, size=size, sha256=digest, error=ArtifactError)
+            elif name in keep:  # bounded before a byte is held
+                blobs[name] = read_regular(file, size=size, limit=MAX_HELD_BYTES, sha256=digest,
+                                           error=ArtifactError)  # fmt: skip
             else:
                 hash_regular(file, size=size, sha256=digest, error=ArtifactError)
         except FileNotFoundError:
