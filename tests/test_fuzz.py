@@ -240,11 +240,17 @@ ENORMOUS = {
     ),
     # files load holds whole, sparse: 2 GiB of nothing on disk (a module is less: a FlatBuffer)
     **{f"{name} of 2 GiB": lambda c, name=name: _sparse(c, name, 2**31) for name in SPARSE},
+    "params.safetensors of 8 TiB": lambda c: _sparse(c, "params.safetensors", 2**43, tensor=True),
 }
 
 
-def _sparse(copy: Path, name: str, size: int) -> None:
-    """``name`` as a sparse file of ``size`` bytes, listed with that size."""
+def _sparse(copy: Path, name: str, size: int, tensor: bool = False) -> None:
+    """``name`` as a sparse file of ``size`` bytes, listed with that size (``tensor``: a
+    safetensors file whose one tensor's bytes fill it, valid as far as its header tells)."""
+    if tensor:
+        header = json.dumps({"a": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}})
+        (copy / name).write_bytes(len(header).to_bytes(8, "little") + header.encode())
+        size += 8 + len(header)
     os.truncate(copy / name, size)
     _edit(copy, lambda m: m["files"][name].update(bytes=size))
 

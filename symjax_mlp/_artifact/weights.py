@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -140,7 +141,12 @@ def read_safetensors_file(
         def read(at: slice) -> bytes:  # called in file order
             return r.read(at.stop - at.start)
 
-        entries, metadata, _ = _parse_header(read, r.size, file, error, max_tensors)
+        entries, metadata, start = _parse_header(read, r.size, file, error, max_tensors)
+        if (held := r.size - start) > _memory():  # a sparse file is terabytes of nothing
+            raise error(
+                f"{file} holds {held:,} bytes of tensors, more than this machine's memory "
+                f"({_memory():,} bytes); nothing was read. Load it where they fit."
+            )
         out = {}
         for _, _, name, dtype, shape, count in entries:  # in file order, back to back
             nbytes = count * _ST_ITEMSIZE[dtype]
@@ -151,6 +157,14 @@ def read_safetensors_file(
             out[name] = _frozen(raw.view(_ST_DTYPES[dtype]).reshape(shape))
         r.finish(sha256)
     return out, metadata
+
+
+def _memory() -> int:
+    """This machine's physical memory in bytes (where the system does not say: no bound)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
