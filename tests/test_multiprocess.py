@@ -199,19 +199,31 @@ def _saved(
     return OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding), state, path
 
 
+def _states(opt: optax.GradientTransformation | None = None):
+    """``state(step)``: a training state at ``step``, its params shifted by ``step``."""
+    net, opt = sm.mlp(SIZES), opt or optax.adam(LR)
+    params = net.init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
+
+    def state(step: int) -> sm.training.TrainState:
+        moved = jax.tree.map(lambda a: a + step, params)
+        return sm.training.TrainState(moved, opt.init(moved), jax.random.key(step), step=step)
+
+    return state
+
+
 def test_saves_queue_two_deep_then_wait_and_a_failed_one_raises_at_the_next(tmp_path, monkeypatch):
-    """Orbax's own save can take longer than the steps between two saves: the training thread
-    queues up to two (each a device copy), waits past that, and a save that failed raises in
-    the training thread at the next save; every queued one is written, in order."""
+    """Orbax's blocking part of a save can take longer than the steps between two saves: the
+    training thread queues up to two (each a device copy), waits past that, and a save that
+    failed raises in the training thread at the next save; every queued one is handed to Orbax,
+    in order (none superseded here: Orbax says no save is committing)."""
     import threading
 
     from symjax_mlp.training import _orbax
 
-    net, opt = sm.mlp(SIZES), optax.adam(LR)
-    params = net.init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
-    gate, written, write = threading.Event(), [], OrbaxCheckpoints._write
+    monkeypatch.setattr(store.manager, "is_saving_in_progress", lambda: False)
+    gate, written, write, state = threading.Event(), [], OrbaxCheckpoints._write, _states()
 
     def slow(self, step, *rest):
         gate.wait(30)
@@ -221,10 +233,6 @@ def test_saves_queue_two_deep_then_wait_and_a_failed_one_raises_at_the_next(tmp_
         write(self, step, *rest)
 
     monkeypatch.setattr(OrbaxCheckpoints, "_write", slow)
-
-    def state(step):
-        return sm.training.TrainState(params, opt.init(params), jax.random.key(0), step=step)
-
     store.save(state(1), {})  # being written
     store.save(state(2), {})  # queued: two in all, neither waited for
     third = threading.Thread(target=store.save, args=(state(3), {}))
@@ -239,6 +247,57 @@ def test_saves_queue_two_deep_then_wait_and_a_failed_one_raises_at_the_next(tmp_
             store.save(state(step), {})
     store.close()
     assert written[:3] == [1, 2, 3] and _orbax.orbax_steps(tmp_path / "ck")[-1] >= 2
+
+
+def test_a_save_made_while_the_one_before_commits_is_superseded_and_the_last_is_written(
+    tmp_path, monkeypatch
+):
+    """Saves came every ~160 ms and Orbax's commit of one took longer: each save waited for
+    the commit before it (the steps with it). A save made while one commits is now superseded
+    at once; the run's last save waits and is written; close() leaves it committed, and it
+    restores bitwise. Orbax's commit is faked slow: it ends when ``committed`` is set."""
+    import threading
+
+    from symjax_mlp.training import _orbax
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
+    manager, committed, state = store.manager, threading.Event(), _states()
+    wait = manager.wait_until_finished
+
+    def wait_for_the_commit_before() -> None:
+        if manager.all_steps():
+            committed.wait(30)
+        wait()
+
+    monkeypatch.setattr(manager, "is_saving_in_progress", lambda: bool(manager.all_steps()))
+    monkeypatch.setattr(manager, "wait_until_finished", wait_for_the_commit_before)
+    store.save(state(1), {})  # written, then committing until `committed`
+    saver = threading.Thread(target=lambda: [store.save(state(s), {}) for s in (2, 3, 4, 5)])
+    saver.start()
+    saver.join(20)
+    assert not saver.is_alive() and not committed.is_set()  # none waited for the commit
+    store._finish()  # the writer is done with 2..5, all superseded
+    assert store.superseded == [2, 3, 4, 5] and _orbax.orbax_steps(tmp_path / "ck") == []
+    committed.set()
+    path = store.save(state(6), {"last": True}, last=True)  # waits for the commit, written
+    store.close()
+    assert store.superseded == [2, 3, 4, 5] and _orbax.orbax_steps(tmp_path / "ck") == [1, 6]
+    reader = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
+    got, meta = reader.restore(path, state(0))
+    reader.close()
+    _assert_bitwise(*(
+        [np.asarray(a) for a in jax.tree.leaves((s.params, s.opt_state))] for s in (got, state(6))
+    ), "restored")  # fmt: skip
+    assert got.step == 6 and meta == {"last": True}
+
+
+def test_an_orbax_checkpoint_holds_no_array_metadatas(tmp_path):
+    """Orbax's default jax.Array handler writes an ArrayMetadata store whose directory every
+    process but 0 polls for, every 250 ms: each commit of a 2-process run took ~260 ms, not
+    ~60, and the saves queued behind it. Our manifest holds the shapes and dtypes instead."""
+    _, _, path = _saved(tmp_path)
+    assert (path / "state").is_dir() and not list(path.rglob("array_metadatas"))
 
 
 # a failed read leaves futures of Orbax's event loop unretrieved (asyncio logs them when they

@@ -4,7 +4,6 @@ then runs the epochs (:mod:`._epoch`), checkpoints them, and resumes exactly (:m
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 import os
 import time
@@ -184,8 +183,10 @@ def train(
             if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
                 meta = {"config": config, "history": [dataclasses.asdict(r) for r in history],
                         OPTIMIZER_PROBE: update(state)}  # fmt: skip
-                save = store.save if store else functools.partial(save_checkpoint, checkpoint)
-                newest = save(state, metadata=meta)
+                if store:  # superseded while the one before commits, unless it is the last
+                    newest = store.save(state, meta, last=epoch == epochs)
+                else:
+                    newest = save_checkpoint(checkpoint, state, metadata=meta)
             if on_epoch is not None:
                 on_epoch(record)
     except BaseException as e:  # its own error is raised, a failed save's a note on it

@@ -1,7 +1,11 @@
 """Checkpoints of a multi-process run: Orbax, asynchronous, with our manifest on top.
 
-A save copies the arrays on their devices and returns; Orbax commits ``<dir>/<step>`` when every
-process has written. A restore checks the item ``meta`` first, the arrays' sha256 after.
+A save copies the arrays on their devices and returns; a writer thread hands the copy to Orbax,
+which commits ``<dir>/<step>`` in the background once every process has written. A save made
+while the one before it is still committing is superseded (not written) rather than waited for:
+process 0 decides and every process follows (Orbax's ``ContinuousCheckpointingPolicy`` posts
+the decision through the coordinator); a run's last save is always written. A restore checks
+the item ``meta`` first, the arrays' sha256 after.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from symjax_mlp.training._state import TrainState, check_fit, named_leaves, spec
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
 #: Saves handed to the writer thread and not yet to Orbax, each a device copy of the state:
-#: past it, a save waits (Orbax's own save of a small model can take longer than two epochs).
+#: past it, a save waits (Orbax's blocking part of a save: its barriers and host copies).
 _QUEUED = 2
 
 
@@ -66,41 +70,69 @@ class OrbaxCheckpoints:
         self.ocp, self.directory = ocp, Path(directory).absolute()
         self.sharding = sharding  # where restored arrays go: replicated over the run's mesh
         self.directory.mkdir(parents=True, exist_ok=True)  # each process: Orbax will not
+        # every process named: Orbax's barriers are then the coordinator's (with the timeout),
+        # not a collective each
+        processes = ocp.options.MultiprocessingOptions(
+            active_processes=set(range(jax.process_count()))
+        )
         options = ocp.CheckpointManagerOptions(
             create=False,
             max_to_keep=2,
             enable_async_checkpointing=True,
+            enable_background_delete=True,  # the old step's deletion is off the commit
+            save_decision_policy=ocp.checkpoint_managers.ContinuousCheckpointingPolicy(),
             cleanup_tmp_directories=True,  # a save a killed process left unfinished
             async_options=ocp.AsyncOptions(timeout_secs=timeout),
-            # every process named: Orbax's barriers are then the coordinator's (with the
-            # timeout), not a collective each
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                active_processes=set(range(jax.process_count()))
-            ),
+            multiprocessing_options=processes,
         )
+        # jax.Array's default handler also writes an ArrayMetadata store, whose directory the
+        # other processes poll for every 250 ms: a commit took 260 ms, not 60. Our manifest
+        # holds what it would (shapes, dtypes; PRNG keys are stored as their key data).
+        types = ocp.type_handlers
+        arrays = types.create_type_handler_registry(
+            *(
+                (t, types.get_type_handler(t))
+                for t in types.supported_types()
+                if t is not jax.Array
+            ),
+            (jax.Array, types.ArrayHandler()),
+        )
+        handler = ocp.PyTreeCheckpointHandler(
+            multiprocessing_options=processes, type_handler_registry=arrays
+        )
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for args in (ocp.args.PyTreeSave, ocp.args.PyTreeRestore):
+            registry.add("state", args, handler)
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "meta")
+            self.directory, options=options, handler_registry=registry
         )
         self.waits: list[float] = []  # how long each save held up the steps
+        self.superseded: list[int] = []  # the steps of saves not written: one was committing
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "symjax_mlp-save")
-        self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
+        self._pending: collections.deque[tuple[int, concurrent.futures.Future]] = (
+            collections.deque()
+        )
 
     def latest(self) -> Path | None:
         step = self.manager.latest_step()
         return None if step is None else self.directory / str(step)
 
-    def save(self, state: TrainState, metadata: dict[str, Any]) -> Path:
+    def save(self, state: TrainState, metadata: dict[str, Any], *, last: bool = False) -> Path:
         """Starts writing ``state`` as ``<dir>/<state.step>`` from a device copy (the next step
-        donates it); waits while ``_QUEUED`` saves are queued; a failed one raises at the next."""
+        donates it), superseded if the save before it is still committing unless ``last``;
+        waits while ``_QUEUED`` saves are queued; a failed one raises at the next."""
         t0 = time.perf_counter()
         self._finish(keep=_QUEUED - 1)
         copied = TrainState(*_copy((state.params, state.opt_state)), state.rng)  # not donated
         step, epoch = int(state.step), int(state.epoch)
-        self._pending.append(self._thread.submit(self._write, step, epoch, copied, metadata))
+        self._pending.append(
+            (step, self._thread.submit(self._write, step, epoch, copied, metadata, last))
+        )
         self.waits.append(time.perf_counter() - t0)
         return self.directory / str(step)
 
-    def _write(self, step: int, epoch: int, state: TrainState, metadata: dict) -> None:
+    def _write(self, step: int, epoch: int, state: TrainState, metadata: dict, last: bool) -> bool:
+        """Hands ``state`` to Orbax; whether it is written (else superseded)."""
         tensors = named_leaves(state)
         tensors["rng"] = np.asarray(_local(tensors["rng"]))  # this process's: not on the mesh
         meta = {
@@ -113,15 +145,19 @@ class OrbaxCheckpoints:
         }
         items = {_key(i, n): a for i, (n, a) in enumerate(tensors.items())}
         args = self.ocp.args
-        self.manager.save(
-            step, args=args.Composite(state=args.StandardSave(items), meta=args.JsonSave(meta))
+        return self.manager.save(  # every process asks; process 0's answer holds for all
+            step,
+            args=args.Composite(state=args.PyTreeSave(items), meta=args.JsonSave(meta)),
+            force=last,
         )
 
     def _finish(self, keep: int = 0) -> None:
         """Waits until at most ``keep`` saves are queued; a failed one raises here."""
         pending = self._pending
-        while pending and (pending[0].done() or len(pending) > keep):
-            pending.popleft().result()
+        while pending and (pending[0][1].done() or len(pending) > keep):
+            step, write = pending.popleft()
+            if not write.result():
+                self.superseded.append(step)
 
     def restore(self, path: Path, like: TrainState) -> tuple[TrainState, dict]:
         """Reads ``path`` into the structure of ``like``, each array replicated."""
@@ -142,10 +178,11 @@ class OrbaxCheckpoints:
             else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding)
             for i, (n, a) in enumerate(wanted.items())
         }
+        restore = args.PyTreeRestore(
+            target, restore_args=self.ocp.checkpoint_utils.construct_restore_args(target)
+        )
         try:
-            items = self.manager.restore(
-                step, args=args.Composite(state=args.StandardRestore(target))
-            )["state"]
+            items = self.manager.restore(step, args=args.Composite(state=restore))["state"]
         except Exception as e:  # a truncated or missing array file: tensorstore's error
             what = f"its arrays cannot be read ({type(e).__name__}: {str(e)[:300]})"
             raise broken(path, what) from None
