@@ -10,7 +10,8 @@ order), ``step``, ``resumed_step`` (-1: a fresh start) and ``checkpoint_waits`` 
 ``OUT.npz``. Options: ``--checkpoint DIR``, ``--resume``, ``--epochs N``, ``--seed S``,
 ``--blocks B``, ``--timeout S``; faults: ``--kill-after-save EPOCH`` (SIGKILL itself while
 that epoch's asynchronous save is still being written, once an earlier one is committed),
-``--stall-after EPOCH`` (sleeps an hour after that epoch).
+``--stall-after EPOCH`` (sleeps an hour after that epoch), ``--committing`` (this process's
+Orbax says a save is always committing: only process 0's answer may decide a save).
 """
 
 from __future__ import annotations
@@ -51,12 +52,17 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=15)
     p.add_argument("--kill-after-save", type=int)
     p.add_argument("--stall-after", type=int)
+    p.add_argument("--committing", action="store_true")
     args = p.parse_args()
 
     import jax
     import optax
+    import orbax.checkpoint as ocp
 
     import symjax_mlp as sm
+
+    if args.committing:
+        ocp.CheckpointManager.is_saving_in_progress = lambda self: True
 
     sm.training.initialize(
         f"127.0.0.1:{args.port}", args.num_processes, args.process_id, timeout=args.timeout
