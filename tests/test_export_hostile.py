@@ -334,6 +334,24 @@ def test_a_constraint_the_manifest_drops_is_refused_at_load(tmp_path, capsys):
     assert re.search(says, err) and "Traceback" not in err and not (tmp_path / "y").exists()
 
 
+def test_a_batch_the_manifest_names_that_args_0_does_not_lead_with_is_refused(tmp_path):
+    """signature.batch, the dimension a Batcher merges requests along and bounds by the
+    constraints, was any name: 'zzz' beside args[0] (b, 3) with b <= 3 loaded, and
+    Batcher(m, max_batch=8) compiled b = 4 and failed ('the inputs give b = 4')."""
+    import json
+
+    h = sm.hybridize(lambda p, x: x @ p, jnp.ones((3, 2)))
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3)), shapes=("b, 3",),
+                    constraints=("b <= 3",)).path  # fmt: skip
+    manifest = json.loads((art / "manifest.json").read_text())
+    for batch in ("zzz", 3):
+        manifest["signature"]["batch"] = batch
+        (art / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(sm.ArtifactError, match=r"signature\.batch is .*, but a symjax_mlp "
+                           r"manifest has the name args\[0\]'s shape begins with"):  # fmt: skip
+            sm.load(art)
+
+
 def test_a_name_given_two_sizes_in_shapes_is_refused_with_the_spec_meant(tmp_path):
     # 'b, b' for a (2, 8) example was flax's raw ScopeParamShapeError (kernel of shape (b, 16))
     net, x = sm.mlp((16, 3)), jnp.ones((2, 8))

@@ -210,8 +210,9 @@ def _program_rules(m: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, An
         (f"{prefix}signature.output_kind", s.get("output_kind"),
          lambda v: v == "tuple" or (v == "array" and len(s["outputs"]) == 1),
          '"tuple", or "array" with one output'),
-        (f"{prefix}signature.batch", s.get("batch"), lambda v: v is None or _is_str(v),
-         "a name or null"),
+        (f"{prefix}signature.batch", s.get("batch"), lambda v: v is None or (_is_str(v) and [
+            i["shape"][:1] for i in s["inputs"][:1]] in ([], [[v]])),  # what a Batcher merges
+         "the name args[0]'s shape begins with, or null"),
         (f"{prefix}signature.constraints", s.get("constraints", []),
          lambda v: _str_list(v) and len(v) <= 64
          and all(0 < len(c) <= MAX_CONSTRAINT_CHARS for c in v),
