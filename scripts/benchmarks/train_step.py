@@ -141,15 +141,19 @@ def time_checkpoint_wait(
 
     Runs ``symjax-mlp train`` (the digits MLP) in ``processes`` processes, saving every
     ``checkpoint_every`` epochs, and reads each save's wait (``TrainResult.checkpoint_waits``:
-    what the training thread spends in it, i.e. device copies, the hand-off to the writer
-    thread, and any wait for the save before it); the write itself runs beside the steps.
+    what the training thread spends in it, i.e. device copies and the hand-off to the writer
+    thread). Orbax's commit runs beside the steps, and a save made while one commits is
+    superseded, not waited for: a save waits only when the writer thread is two saves behind
+    (back-pressure from Orbax's blocking part: its barriers and host copies).
 
     Returns:
       A dict: ``first_save_ms`` (Orbax's start-up and the copy's compile included),
-      ``save_ms`` (the median of the later saves), ``step_ms`` (the median epoch after the
-      first, per step, its evaluation included), ``save_min_ms`` and ``save_max_ms`` (the later
-      saves' spread), ``save_over_step`` (target <= 0.10),
-      ``saves``, ``processes``, ``epochs``, ``checkpoint_every``.
+      ``save_ms`` (the median of the later saves: the wait when the writer keeps up),
+      ``step_ms`` (the median epoch after the first, per step, its evaluation included),
+      ``save_min_ms`` and ``save_max_ms`` (the later saves' spread; the max is the
+      back-pressure wait, if any), ``save_over_step`` and ``save_max_over_step`` (the median's
+      and the max's share of a step; target <= 0.10 for both), ``saves``, ``processes``,
+      ``epochs``, ``checkpoint_every``.
     """
     import statistics
     import tempfile
@@ -158,14 +162,15 @@ def time_checkpoint_wait(
         run = _train_processes(processes, epochs, checkpoint_every, workdir)
     waits, history = run["checkpoint_waits"], run["history"]
     step_ms = 1e3 * statistics.median(r["seconds"] for r in history[1:]) / history[0]["step"]
-    save_ms = 1e3 * statistics.median(waits[1:])
+    save_ms, save_max_ms = 1e3 * statistics.median(waits[1:]), 1e3 * max(waits[1:])
     return {
         "first_save_ms": 1e3 * waits[0],
         "save_ms": save_ms,
         "save_min_ms": 1e3 * min(waits[1:]),
-        "save_max_ms": 1e3 * max(waits[1:]),
+        "save_max_ms": save_max_ms,
         "step_ms": step_ms,
         "save_over_step": save_ms / step_ms,
+        "save_max_over_step": save_max_ms / step_ms,
         "saves": len(waits),
         "processes": processes,
         "epochs": epochs,
