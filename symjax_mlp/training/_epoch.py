@@ -131,15 +131,11 @@ def _check_finite(
         leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(params))
         if (leaf := next((p for p, a in leaves if not np.all(np.isfinite(a))), None)) is None:
             return
-        what = (
-            f"the update at step {first_step + i} made params{jax.tree_util.keystr(leaf)} "
-            "non-finite"
-        )
-    kept = (
-        f"the last good checkpoint is kept: {newest}"
-        if newest
-        else ("no checkpoint was written (pass checkpoint=DIR to keep one)")
-    )
+        what = f"the update at step {first_step + i} made params{jax.tree_util.keystr(leaf)} "
+        what += "non-finite"
+    kept = f"the last good checkpoint is kept: {newest}"
+    if not newest:
+        kept = "no checkpoint was written (pass checkpoint=DIR to keep one)"
     raise DivergenceError(
         f"symjax_mlp.training.train: training diverged: {what} (epoch {epoch}, batch {i + 1} "
         f"of {n}; {first_step + i} updates applied before it). Training stopped; {kept}. Lower "

@@ -89,8 +89,7 @@ def init_state(optimizer: optax.GradientTransformation, params: Any, caller: str
     except Exception as e:  # an optimizer of another params form (optax.lookahead's)
         if isinstance(e, jax.errors.JaxRuntimeError):  # out of memory: not the optimizer's kind
             raise
-        tree = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", params)
-        what = {"caller": caller, "kind": type(e).__name__, "e": e, "tree": tree}
+        what = {"caller": caller, "kind": type(e).__name__, "e": e, "tree": _like(params)}
         raise ConfigError(_INIT_RAISED.format(**what)) from e
     array = jax.Array | np.ndarray | np.generic | numbers.Number
     leaves = jax.tree_util.tree_leaves_with_path(opt_state)
@@ -148,6 +147,5 @@ def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> No
         raise ConfigError(_UPDATE_RAISED.format(caller=caller, e=e, kind=type(e).__name__)) from e
 
 
-def _like(tree: Any) -> Any:
-    """``tree`` as its structure, with each leaf's dtype and shape."""
+def _like(tree: Any) -> Any:  # its structure, each leaf as its dtype and shape
     return jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}", tree)

@@ -128,11 +128,8 @@ def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, up
         ):
             raise broken(f"{_CALLER}: {found}", f"its metadata's {key} is not a list of numbers")
     # a checkpoint written before the probe was recorded has none: its config still matched
-    differs = next(
-        (d for k in probes if k in recorded and (d := probe_difference(recorded[k], config[k]))),
-        None,
-    )
-    if differs:
+    differs = (probe_difference(recorded[k], config[k]) for k in probes if k in recorded)
+    if differs := next(filter(None, differs), None):
         raise CheckpointError(
             f"{_CALLER}: {found} was written by a model that computes something else: with fixed "
             f"weights on a fixed input, {differs} from this model's. Its class, name and "

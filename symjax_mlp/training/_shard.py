@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._errors import ConfigError, SignatureError, as_bool
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
 from symjax_mlp.training._step import UNEVEN
 
@@ -122,7 +122,7 @@ def shard_step(
       >>> sorted(metrics)
       ['correct', 'loss']
     """
-    donate, pad = (bool(v) if isinstance(v, np.bool_) else v for v in (donate, pad))  # jit's
+    donate, pad = as_bool(donate), as_bool(pad)  # a sweep's np.True_: as jit takes it
     if not (callable(step) and isinstance(donate, bool) and isinstance(pad, bool)):
         raise ConfigError(
             f"symjax_mlp.training.shard_step(step, donate=, pad=): got step "

@@ -190,14 +190,13 @@ def find_flags(
 
 
 def model_spec(
-    model: nn.Module, example: Any, train_flags: Mapping[str, Any] | None,
-    eval_flags: Mapping[str, Any] | None, *, caller: str, form: str,
+    model: nn.Module, example: Any, train: dict[str, Any], evals: dict[str, Any], *,
+    given: bool, caller: str, form: str,
 ) -> ModelSpec:  # fmt: skip
-    """The :class:`ModelSpec` of a linen model; with no flags found or given, refuses one that
+    """The :class:`ModelSpec` of a linen model; with no flags found or ``given``, refuses one that
     would silently train in inference mode. For train() (``TRAIN_FORM``) each call must set
     the flags ``__call__`` requires, and its inference call must be one (:attr:`ModelSpec.out`)."""
     name = type(model).__name__
-    train, evals = find_flags(model, train_flags, eval_flags, caller, form)
     # init is called with the flags __call__ requires: train()'s as its steps set them, the
     # pieces' as an inference (else a training) call does
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -211,7 +210,6 @@ def model_spec(
         what = {"caller": caller, "model": name, "names": names, "them": them, "fix": fix}
         raise ConfigError(_REQUIRED.format(**what))
     init = {n: calls[0][n] for n in required}  # train(): as its steps call
-    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
     init_call = functools.partial(init_variables, model, flags=init)
     variables = jax.eval_shape(init_call, jax.random.key(0), example)
     mutable = tuple(c for c in variables if c != "params")
@@ -227,7 +225,7 @@ def model_spec(
         except flax.errors.InvalidRngError as e:
             what = {"caller": caller, "model": name, "stream": _quoted(_STREAM, e)}
             raise ConfigError(_OTHER_STREAM.format(**what)) from None
-    if train_flags is None and not train:
+    if not given and not train:
         _refuse_inference_mode(model, variables, example, mutable, caller, form, axes)
     if not both:
         return ModelSpec(train, evals, mutable, rng, init, axes=axes)
@@ -349,9 +347,11 @@ def spec_of(
 ) -> ModelSpec | NnxSpec:  # fmt: skip
     """:func:`model_spec` of a linen model; the :class:`NnxSpec` of an nnx module, whose training
     call must move its state (if it has any and no flags were given), its inference call not."""
-    if not isinstance(module, nnx.Module):
-        return model_spec(module, example, train_flags, eval_flags, caller=caller, form=form)
     train, evals = find_flags(module, train_flags, eval_flags, caller, form)
+    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
+    if not isinstance(module, nnx.Module):
+        given = train_flags is not None
+        return model_spec(module, example, train, evals, given=given, caller=caller, form=form)
     named = "rngs" if "rngs" in _parameters(module) else None
     rngs = next((k for k, v in train.items() if isinstance(v, nnx.Rngs)), named)
     train = {k: v for k, v in train.items() if k != rngs}
@@ -361,7 +361,6 @@ def spec_of(
     pure, params, state = nnx_module(module)
     now = pure.settings() if pure.settings is not None else ()
     modes = mode_settings(pure, now, train=True), mode_settings(pure, now, train=False)
-    example = jax.ShapeDtypeStruct(example.shape, example.dtype)
     spec = NnxSpec(train, evals, pure, *modes, params, state, None, rngs)  # type: ignore[arg-type]
     name, run = type(module).__name__, functools.partial(spec.call, train=True)
     spec = dataclasses.replace(spec, axes=unbound_axes(run, params, state, example))

@@ -49,7 +49,6 @@ class TrainState:
 
 
 def is_count(x: Any, low: int = 0) -> bool:
-    """Whether ``x`` is an int (not a bool) ``>= low``."""
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 

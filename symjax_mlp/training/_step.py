@@ -128,11 +128,9 @@ def check_trainable(params: Any, caller: str) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(params)
     odd = [(p, a) for p, a in leaves if not jnp.issubdtype(jnp.result_type(a), jnp.inexact)]
     if not leaves or odd:
-        got = (
-            f"params{jax.tree_util.keystr(odd[0][0])} of dtype {jnp.result_type(odd[0][1])}"
-            if odd
-            else "no params"
-        )
+        got = "no params"
+        if odd:
+            got = f"params{jax.tree_util.keystr(odd[0][0])} of dtype {jnp.result_type(odd[0][1])}"
         raise ConfigError(
             f"{caller}: the model has {got}; train() differentiates every param, so it needs at "
             "least one, all floats. Make an int param a float one, or a constant of the module "
@@ -284,26 +282,22 @@ def _weighted_loss(model: Any, spec: Any, params: Any, x: Any, y: Any, w: Any) -
     """``(sum of w * cross-entropy, weighted count correct, params moved)``."""
     logits, params = apply_model(model, spec, params, x, train=True)
     if not jnp.issubdtype(getattr(logits, "dtype", object), jnp.floating):  # raw JAX/optax errors
-        got = f"a {type(logits).__name__}"
-        if hasattr(logits, "dtype"):
-            got = f"{logits.dtype}{list(jnp.shape(logits))}"
-        raise ConfigError(_NOT_LOGITS.format(got=got))
+        got = f"{logits.dtype}{list(jnp.shape(logits))}" if hasattr(logits, "dtype") else None
+        raise ConfigError(
+            _NOT_LOGITS.format(got=got or f"a {type(logits).__name__}", x=jnp.shape(x))
+        )
     if jnp.shape(logits)[:1] != jnp.shape(x)[:1]:  # optax would broadcast them: a wrong loss
-        raise ConfigError(_NOT_PER_ROW.format(got=jnp.shape(logits), x=jnp.shape(x)))
+        raise ConfigError(_NOT_LOGITS.format(got=f"logits of shape {logits.shape}", x=jnp.shape(x)))
     losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
     return jnp.sum(w * losses), jnp.sum(w * (jnp.argmax(logits, axis=-1) == y)), params
 
 
-_NOT_PER_ROW = (
-    "symjax_mlp.training.train_step: the model's training call returns logits of shape {got} "
-    "for a batch of shape {x}; expected one row of logits per example, ({x[0]}, classes). "
-    "Return logits computed row by row (no reduction or slicing over the batch axis)."
-)
 _NOT_LOGITS = (
-    "symjax_mlp.training.train_step: the model's training call returns {got}; expected "
-    "(batch, classes) float logits, which the step's softmax cross-entropy takes. Return the "
-    "logits alone, as floats; another output or loss trains in a loop of your own (jax.grad of "
-    "your loss, an optax update)."
+    "symjax_mlp.training.train_step: the model's training call returns {got} for a batch of "
+    "shape {x}; expected (batch, classes) float logits, one row per example, which the step's "
+    "softmax cross-entropy takes. Return the logits alone, as floats, computed row by row (no "
+    "reduction or slicing over the batch axis); another output or loss trains in a loop of your "
+    "own (jax.grad of your loss, an optax update)."
 )
 _LABELS = (
     "{caller}: the step got {got}; expected one integer label y and one weight w per row of "
