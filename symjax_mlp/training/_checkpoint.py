@@ -68,7 +68,6 @@ _METADATA = (
 
 
 def broken(path: Any, what: str) -> CheckpointError:
-    """The error for a checkpoint that is incomplete, corrupted or was edited."""
     return CheckpointError(
         f"{path}: {what}; the checkpoint is incomplete, corrupted or was edited. Resume from an "
         "older checkpoint (remove this checkpoint's directory: resume=True picks the newest), or "

@@ -1,7 +1,5 @@
-"""Classification data for :func:`~symjax_mlp.training.train`: a fixed split, checked first.
-
-:func:`check_dataset` names every problem of a :class:`Dataset` before a step runs.
-"""
+"""Classification data for :func:`~symjax_mlp.training.train`: a fixed split, checked first
+(:func:`check_dataset` names every problem of a :class:`Dataset` before a step runs)."""
 
 from __future__ import annotations
 

@@ -82,8 +82,7 @@ class Programs:
         """``tree`` as this process holds it (a multi-process run's arrays: its copy)."""
         return tree if self.watch is None else jax.tree.map(lambda a: a.addressable_data(0), tree)
 
-    def accuracy(self, params: Any, data: Dataset) -> float:
-        """The share of the test split predicted right."""
+    def accuracy(self, params: Any, data: Dataset) -> float:  # of the test split
         predicted = np.asarray(self.predict(self.local(params), data.x_test))
         return int(np.sum(predicted == data.y_test)) / len(data.y_test)
 

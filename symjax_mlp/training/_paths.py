@@ -82,8 +82,7 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
         )
 
 
-def named_step(path: Path) -> int | None:
-    """The step a ``step_<n>`` directory's name says, else ``None``."""
+def named_step(path: Path) -> int | None:  # the step a step_<n> directory's name says
     return None if (found := _STEP_DIR.match(path.name)) is None else int(found.group(1))
 
 

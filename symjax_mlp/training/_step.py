@@ -91,7 +91,6 @@ def init_params(
 
 
 def check_model(model: Any, caller: str) -> None:
-    """Refuses what is no flax.linen or nnx module, naming the way for other models."""
     if not isinstance(model, nn.Module | nnx.Module):
         raise ConfigError(NOT_FLAX.format(caller=caller, kind=type(model).__name__))
 
