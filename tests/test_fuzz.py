@@ -241,7 +241,21 @@ ENORMOUS = {
     # files load holds whole, sparse: 2 GiB of nothing on disk (a module is less: a FlatBuffer)
     **{f"{name} of 2 GiB": lambda c, name=name: _sparse(c, name, 2**31) for name in SPARSE},
     "params.safetensors of 8 TiB": lambda c: _sparse(c, "params.safetensors", 2**43, tensor=True),
+    "a tensor of 64 MiB the manifest lacks": lambda c: _resign(
+        c, "params.safetensors", _with_tensor(c / "params.safetensors", "junk", 2**26)
+    ),
 }
+
+
+def _with_tensor(file: Path, name: str, size: int) -> bytes:
+    """``file``'s safetensors bytes with one more tensor, of ``size`` zero bytes, at the end."""
+    data = file.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    end = len(data) - 8 - n
+    header[name] = {"dtype": "U8", "shape": [size], "data_offsets": [end, end + size]}
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :] + bytes(size)
 
 
 def _sparse(copy: Path, name: str, size: int, tensor: bool = False) -> None:

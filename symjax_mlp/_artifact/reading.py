@@ -97,8 +97,7 @@ class Artifact:
         return thaw(self.manifest)
 
     def op_counts(self, entry: str | None = None) -> dict[str, int]:
-        """How often each op occurs in the program that runs (as :meth:`program` reads it),
-        most frequent first."""
+        """How often each op occurs in the program that runs, most frequent first."""
         return dict(self.program(entry).counts)
 
     def program(self, entry: str | None = None) -> ModuleReport:
@@ -227,8 +226,11 @@ def read_files(
     for name in listed if only is None else only:
         file, size, digest = path / name, listed[name]["bytes"], listed[name]["sha256"]
         try:
-            if name == PARAMS and name in keep:  # tensors straight from the file, hashed
-                blobs[name] = read_safetensors_file(file, size=size, sha256=digest)[0]
+            if name == PARAMS and name in keep:  # tensors straight from the file, as declared
+                want = [TensorSpec.from_json(p) for p in manifest["params"]]
+                blobs[name], _ = read_safetensors_file(
+                    file, size=size, sha256=digest, expected=want
+                )
             elif name in keep:  # bounded before a byte is held
                 blobs[name] = read_regular(file, size=size, limit=MAX_HELD_BYTES, sha256=digest,
                                            error=ArtifactError)  # fmt: skip
@@ -297,9 +299,8 @@ def compatibility_note(manifest: Mapping[str, Any]) -> str:
     """The compatibility window, and how to re-export, for error messages."""
     import jax
 
-    made, created = (
-        show(v)[1:-1] for v in (manifest["versions"].get("jax", "?"), manifest["created"])
-    )
+    made = show(manifest["versions"].get("jax", "?"))[1:-1]
+    created = show(manifest["created"])[1:-1]
     return (
         f"The artifact was exported on {created} with jax {made}; this "
         f"is jax {jax.__version__}. jax.export guarantees that an artifact loads in JAX "

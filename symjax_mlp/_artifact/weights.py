@@ -133,9 +133,11 @@ def read_safetensors_file(
     sha256: str | None = None,
     error: type[SymjaxError] = ArtifactError,
     max_tensors: int = MAX_TENSORS,
+    expected: Sequence[TensorSpec] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """``(tensors, metadata)`` of a safetensors file read in one hashed pass, each tensor in a
-    64-byte-aligned buffer; FileNotFoundError for no file, ``error`` for anything else."""
+    64-byte-aligned buffer; FileNotFoundError for no file, ``error`` for anything else. Its
+    header is checked against ``expected`` (an artifact's own params) before any tensor is."""
     with Reader(file, size=size, error=error) as r:
 
         def read(at: slice) -> bytes:  # called in file order
@@ -147,6 +149,11 @@ def read_safetensors_file(
                 f"{file} holds {held:,} bytes of tensors, more than this machine's memory "
                 f"({_memory():,} bytes); nothing was read. Load it where they fit."
             )
+        if expected is not None:  # the header, before any tensor is allocated (views of 0-d)
+            declared = {
+                e[2]: np.broadcast_to(np.zeros((), _ST_DTYPES[e[3]]), e[4]) for e in entries
+            }
+            check_params(declared, expected, file=file, own=True)
         out = {}
         for _, _, name, dtype, shape, count in entries:  # in file order, back to back
             nbytes = count * _ST_ITEMSIZE[dtype]
