@@ -1691,3 +1691,44 @@ def test_a_body_naming_its_inputs_is_not_walked_for_booleans_it_cannot_hold(monk
                 with pytest.raises(sm.SignatureError) if bad else contextlib.nullcontext():
                     _bodies.decode(b, body.encode(), "")
             assert (walked != []) == bad, (x, walked)
+
+
+def test_an_answer_is_one_write_its_head_with_its_body():
+    """uvicorn wrote an answer's head and its body apart: two sends, two segments for the
+    client to read, for every request. serve's connections send them together; a HEAD's
+    answer, which has no body, and a 404 still go out whole."""
+    from symjax_mlp.serving._server import bounded_heads
+
+    writes = []
+
+    class Spy:  # the connection's transport, its writes recorded
+        def __init__(self, transport):
+            self._t = transport
+
+        def __getattr__(self, name):
+            return getattr(self._t, name)
+
+        def write(self, data):
+            writes.append(data)
+            self._t.write(data)
+
+    class Spied(bounded_heads(5.0)):
+        def connection_made(self, transport):
+            super().connection_made(Spy(transport))
+
+    body = json.dumps({"inputs": [[1.0, 2.0]]}).encode()
+    post = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with (
+        sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b,
+        _in_thread(sm.serving.create_app(b, close_batcher=False), http=Spied) as url,
+        socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s,
+    ):
+        for path in (b"POST /predict", b"HEAD /health", b"GET /nowhere"):
+            request = post if path == b"POST /predict" else path + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+            n = len(writes)
+            s.sendall(request)
+            deadline = time.monotonic() + 10
+            while len(writes) == n and time.monotonic() < deadline:
+                s.recv(65536)
+    assert [w[:12] for w in writes] == [b"HTTP/1.1 200", b"HTTP/1.1 200", b"HTTP/1.1 404"]
+    assert writes[0].endswith(b'\r\n\r\n{"outputs":[[1.0,2.0]]}'), writes[0]

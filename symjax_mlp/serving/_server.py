@@ -40,17 +40,19 @@ from symjax_mlp.serving._requests import check_count
 
 #: The most bytes of one request's line and headers, or trailers (nginx: 4 x 8 KiB by default).
 MAX_HEAD_BYTES = 64 * 2**10
+#: Seconds a lingering close waits for the client to send more.
+LINGER = 2.0
 
 
 class _Lingering:
     """A connection's transport whose close, after an answer given before the request's body
-    ended, lingers (nginx's lingering_close): it sends FIN, then drops what the client still
-    sends until it stops for :data:`LINGER` seconds (at most ``limit``), so that the client
-    reads the answer rather than a reset."""
+    ended, lingers (nginx's lingering_close): sends FIN, then drops what the client sends until it
+    stops for :data:`LINGER` s (at most ``limit``), so the client reads the answer, not a reset.
+    An answer's head goes out with its body: one write, one segment, where uvicorn makes two."""
 
     def __init__(self, transport: Any, protocol: Any, limit: float) -> None:
         self._t, self._protocol, self._limit = transport, protocol, limit
-        self.lingering, self._last = False, 0.0
+        self.lingering, self._last, self._head, self._headed = False, 0.0, b"", None
 
     def __getattr__(self, name: str) -> Any:  # once a name: then found on the instance
         value = getattr(self._t, name)
@@ -61,14 +63,19 @@ class _Lingering:
         return self.lingering or self._t.is_closing()
 
     def write(self, data: bytes) -> None:
-        # closed (a refusal sent: a 431, a 400 in a body, a client gone): answers are dropped
-        if not self.is_closing():
+        cycle = self._protocol.cycle
+        if self.is_closing():  # a refusal sent (a 431, a 400 in a body), a client gone: dropped
+            return
+        if not self._head and cycle is not self._headed and cycle and cycle.response_started:
+            self._head, self._headed = data, cycle  # an answer's head: sent with what comes next
+        elif data := self._head + data:
             self._t.write(data)
+            self._head = b""
 
     def close(self) -> None:
+        self.write(b"")  # a head held: sent first
         cycle = self._protocol.cycle
-        unread = cycle is not None and cycle.more_body
-        if not unread or self.is_closing() or not self._t.can_write_eof():
+        if cycle is None or not cycle.more_body or self.is_closing() or not self._t.can_write_eof():
             self._t.close()
             return
         self.lingering = True
@@ -82,15 +89,10 @@ class _Lingering:
         self._last = self._protocol.loop.time()
 
     def _check(self) -> None:
-        now = self._protocol.loop.time()
-        if now >= self._end or now - self._last >= LINGER:
+        if (now := self._protocol.loop.time()) >= self._end or now - self._last >= LINGER:
             self._t.close()
         else:
             self._protocol.loop.call_later(LINGER, self._check)
-
-
-#: Seconds a lingering close waits for the client to send more.
-LINGER = 2.0
 
 
 def bounded_heads(
@@ -189,6 +191,7 @@ def bounded_heads(
             self._bound()
 
         def on_response_complete(self) -> None:
+            self.transport.write(b"")  # a head held, with no body after it (HEAD, a 204)
             super().on_response_complete()
             if self._head_bytes and not self.transport.is_closing():  # a head came as it ran
                 self._bound()
@@ -335,18 +338,16 @@ def serve(
                 max_inflight_bytes=max_inflight_bytes, request_timeout=request_timeout,
             )  # fmt: skip
             sock.listen(2048)  # connections queue from here on: "ready" means ready
-            bound = sock.getsockname()[1]
             shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
-            url = f"http://{shown}:{bound}"
+            url = f"http://{shown}:{sock.getsockname()[1]}"
             heads = bounded_heads(body_timeout, model=app.state.model)  # within time, 64 KiB
-            config = uvicorn.Config(
+            server = uvicorn.Server(uvicorn.Config(
                 limited(app, heads, max_connections),  # not limit_concurrency: a text 503
                 log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=30,
                 http=heads, ws="none",  # no websocket endpoint: an upgrade is plain HTTP (a 405)
                 # h11 (uvicorn without httptools) stops a head at 16 KiB with a 400: past ours
                 h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
-            )  # fmt: skip
-            server = uvicorn.Server(config)
+            ))  # fmt: skip
             (ready or print_ready(artifact))(url)
             with on_signals(lambda *_: None):  # uvicorn re-raises the signal it stopped on
                 server.run(sockets=[sock])
@@ -389,10 +390,8 @@ def print_ready(artifact: Any) -> Callable[[str], None]:
 @contextlib.contextmanager
 def on_signals(handler: Callable[..., None]) -> Iterator[None]:
     """SIGINT and SIGTERM call ``handler`` within the block (on the main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM) if main}
     try:
         yield
     finally:
