@@ -130,8 +130,8 @@ def _check_finite(
         leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(params))
         if (leaf := next((p for p, a in leaves if not np.all(np.isfinite(a))), None)) is None:
             return
-        what = f"the update at step {first_step + i} made params{jax.tree_util.keystr(leaf)} "
-        what += "non-finite"
+        where = jax.tree_util.keystr(leaf)
+        what = f"the update at step {first_step + i} made params{where} non-finite"
     kept = f"the last good checkpoint is kept: {newest}"
     if not newest:
         kept = "no checkpoint was written (pass checkpoint=DIR to keep one)"

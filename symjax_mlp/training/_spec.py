@@ -227,10 +227,8 @@ def model_spec(
             raise ConfigError(_OTHER_STREAM.format(**what)) from None
     if not given and not train:
         _refuse_inference_mode(model, variables, example, mutable, caller, form, axes)
-    if not both:
-        return ModelSpec(train, evals, mutable, rng, init, axes=axes)
-    does, out = _training_part(model, variables, example, evals, axes)  # an inference call?
-    if does is None:
+    does, out = _training_part(model, variables, example, evals, axes) if both else (None, None)
+    if does is None:  # its inference call is one (train()'s), or none is made (the pieces')
         return ModelSpec(train, evals, mutable, rng, init, out, axes)
     off = "Pass eval_flags that turn training off. " if _bool_keyword(model) is not None else ""
     call = f"model.apply(variables, x{shown_flags(evals)})"
