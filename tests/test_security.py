@@ -271,6 +271,20 @@ def test_the_text_an_artifact_shows_is_that_of_the_module_that_runs(base, tmp_pa
     assert "custom_call @xla_ffi_python_cpu_callback" in text and "load       refuses" in text
 
 
+def test_the_manifest_inspect_writes_as_json_is_that_of_the_module_that_runs(base, tmp_path):
+    """inspect --json wrote the manifest's signature unchecked (the summary, str(), checks it):
+    a stranger's float16 output beside a float32 module was shown as float16."""
+    src, _ = base
+    art = forge.resign(src, tmp_path / "lie", manifest=lambda m: m["signature"]["outputs"][0]
+                       .update(dtype="float16"))  # fmt: skip
+    for show in (str, sm.Artifact.to_json):
+        with pytest.raises(sm.ArtifactError, match=r"returns \[\(\(2, 2\), 'float32'\)\]"):
+            show(sm.inspect(art))
+    assert main(["inspect", str(art), "--json", str(tmp_path / "j.json")]) == 2
+    assert not (tmp_path / "j.json").exists()
+    assert sm.inspect(src).to_json()["signature"]["outputs"][0]["dtype"] == "float32"
+
+
 def test_shapes_computed_at_the_call_are_bounded_too(symbolic, tmp_path):
     """A dynamic shape that only refinement makes (10**5, 10**5): bounded per call, before
     XLA compiles it (compiled, it runs for about a minute)."""

@@ -93,7 +93,9 @@ class Artifact:
         return sum(f["bytes"] for f in files) + (self.path / MANIFEST).stat().st_size
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest as plain JSON data (dicts and lists)."""
+        """The manifest as JSON data (dicts and lists), once its programs agree with it."""
+        for entry in entry_names(self.manifest):
+            self._read(entry)
         return thaw(self.manifest)
 
     def op_counts(self, entry: str | None = None) -> dict[str, int]:
@@ -114,18 +116,17 @@ class Artifact:
 
     def _read(self, entry: str | None) -> tuple[Any, ModuleReport]:
         """The program of ``entry`` deserialized and checked as load checks it; its report."""
+        path, m = self.path, self.manifest
         try:
-            view = entry_view(self.manifest, entry)
+            view = entry_view(m, entry)
         except KeyError:
-            raise ArtifactError(
-                f"{self.path} has no entry point {entry!r}; it has "
-                f"{', '.join(entry_names(self.manifest))}."
-            ) from None
+            have = ", ".join(entry_names(m))
+            raise ArtifactError(f"{path} has no entry point {entry!r}; it has {have}.") from None
         names = [program_file(view, role) for role in (JAXEXPORT, MLIRBC)]
-        blobs = read_files(self.path, self.manifest, keep=(JAXEXPORT, MLIRBC), only=names)
-        exported = deserialize(self.path, view, blobs)  # checked against manifest and mlirbc
-        digest = self.manifest["files"][names[0]]["sha256"]
-        return exported, checker.program(self.path / names[0], digest, exported)[0]
+        blobs = read_files(path, m, keep=(JAXEXPORT, MLIRBC), only=names)
+        exported = deserialize(path, view, blobs)  # checked against manifest and mlirbc
+        file, digest = path / names[0], m["files"][names[0]]["sha256"]
+        return exported, checker.program(file, digest, exported)[0]
 
     def __str__(self) -> str:
         m = self.manifest
@@ -347,8 +348,7 @@ def _check_agrees(
     prove only that each file is what the manifest recorded)."""
     import jax
 
-    sig = manifest["signature"]
-    n_dev = manifest["nr_devices"]
+    sig, n_dev = manifest["signature"], manifest["nr_devices"]
     jaxexport, mlirbc = program_file(manifest, JAXEXPORT), program_file(manifest, MLIRBC)
     symbolic = any(not isinstance(d, int) for a in exported.in_avals for d in a.shape)
 
