@@ -255,7 +255,8 @@ def test_a_save_made_while_the_one_before_commits_is_superseded_and_the_last_is_
     """Saves came every ~160 ms and Orbax's commit of one took longer: each save waited for
     the commit before it (the steps with it). A save made while one commits is now superseded
     at once; the run's last save waits and is written; close() leaves it committed, and it
-    restores bitwise. Orbax's commit is faked slow: it ends when ``committed`` is set."""
+    restores bitwise; the steps past the newest two are deleted (in Orbax's background) by
+    then. Orbax's commit is faked slow: it ends when ``committed`` is set."""
     import threading
 
     from symjax_mlp.training import _orbax
@@ -270,7 +271,8 @@ def test_a_save_made_while_the_one_before_commits_is_superseded_and_the_last_is_
             committed.wait(30)
         wait()
 
-    monkeypatch.setattr(manager, "is_saving_in_progress", lambda: bool(manager.all_steps()))
+    committing = lambda: bool(manager.all_steps()) and not committed.is_set()  # noqa: E731
+    monkeypatch.setattr(manager, "is_saving_in_progress", committing)
     monkeypatch.setattr(manager, "wait_until_finished", wait_for_the_commit_before)
     store.save(state(1), {})  # written, then committing until `committed`
     saver = threading.Thread(target=lambda: [store.save(state(s), {}) for s in (2, 3, 4, 5)])
@@ -280,16 +282,17 @@ def test_a_save_made_while_the_one_before_commits_is_superseded_and_the_last_is_
     store._finish()  # the writer is done with 2..5, all superseded
     assert store.superseded == [2, 3, 4, 5] and _orbax.orbax_steps(tmp_path / "ck") == []
     committed.set()
-    path = store.save(state(6), {"last": True}, last=True)  # waits for the commit, written
+    store.save(state(6), {})  # none committing: written
+    path = store.save(state(7), {"last": True}, last=True)  # waits for 6's commit, written
     store.close()
-    assert store.superseded == [2, 3, 4, 5] and _orbax.orbax_steps(tmp_path / "ck") == [1, 6]
+    assert store.superseded == [2, 3, 4, 5] and _orbax.orbax_steps(tmp_path / "ck") == [6, 7]
     reader = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
     got, meta = reader.restore(path, state(0))
     reader.close()
     _assert_bitwise(*(
-        [np.asarray(a) for a in jax.tree.leaves((s.params, s.opt_state))] for s in (got, state(6))
+        [np.asarray(a) for a in jax.tree.leaves((s.params, s.opt_state))] for s in (got, state(7))
     ), "restored")  # fmt: skip
-    assert got.step == 6 and meta == {"last": True}
+    assert got.step == 7 and meta == {"last": True}
 
 
 def test_an_orbax_checkpoint_holds_no_array_metadatas(tmp_path):
