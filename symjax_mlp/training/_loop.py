@@ -112,7 +112,9 @@ def train(
         :func:`~symjax_mlp.training.initialize`'s) before the run fails naming it.
 
     After :func:`~symjax_mlp.training.initialize`, every process calls ``train`` with the same
-    arguments; each step runs data-parallel over every process's devices, checkpoints via Orbax.
+    arguments; each step runs data-parallel over every process's devices, checkpoints via Orbax,
+    asynchronously: one due while the one before it is still being written is skipped
+    (superseded; process 0 decides for all), never the last.
 
     Returns:
       A :class:`TrainResult`; ``result.hybridize()`` is the trained model.
