@@ -195,7 +195,7 @@ def create_app(
         kind = short(printable(type(e).__name__), 100)  # a class may be named by a model too
         return JSONResponse({"error": kind, "message": text, "model": public.name}, status, headers)
 
-    async def predict(request: Request) -> Response:
+    async def predict(request: Request) -> Any:  # a Response, or a 200's ASGI answer
         hold = [0]  # the bytes this request's body holds of the shared budget
         try:
             return await answer(request, hold)
@@ -207,7 +207,7 @@ def create_app(
         finally:
             intake.release(hold)
 
-    async def answer(request: Request, hold: list[int]) -> Response:
+    async def answer(request: Request, hold: list[int]) -> Any:
         try:
             body = await intake.read(request, hold)
         except BadRequest as e:  # too large, too slow, too many: the rest is not read
@@ -233,8 +233,7 @@ def create_app(
             said = f"{type(e).__name__}: {public.text(e)}"
             return error(400, BadRequest(400, f"the body could not be read ({said})."))
         task = asyncio.current_task()  # one timer per loop for all: see _intake
-        deadlines = waits.on(task.get_loop())
-        deadlines.set(task)
+        (deadlines := waits.on(task.get_loop())).set(task)
         try:
             out = await request
         except asyncio.CancelledError as e:
@@ -254,17 +253,21 @@ def create_app(
         finally:
             if deadlines.clear(task):  # late as it ended: the cancel is taken back
                 task.uncancel()
-        t, headers = request.timing, {}
-        if t is not None:
-            headers = {
-                "Server-Timing": f"queued;dur={t.queued * 1e3:.3f}, padded;dur="
-                f"{t.padded * 1e3:.3f}, compute;dur={t.compute * 1e3:.3f}, split;dur="
-                f"{t.split * 1e3:.3f}",
-                "X-Batch": f"rows={t.batch_rows}; requests={t.batch_requests}; bucket={t.bucket}",
-            }
         data, kind = to_npy(out) if as_npy else to_json(out)
+        t1, t2, t3, t4, rows, bucket, n = request._batch  # set before the result: Lane.settle
+        took = ((t1 - request.t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3)
+        head = [  # as uvicorn takes it (starlette's Response copies, re-encodes each header)
+            (b"content-length", b"%d" % len(data)), (b"content-type", kind.encode()),
+            (b"server-timing", _TIMING % took),
+            (b"x-batch", b"rows=%d; requests=%d; bucket=%d" % (rows, n, bucket)),
+        ]  # fmt: skip
+
+        async def ok(scope: Any, receive: Any, send: Any) -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            await send({"type": "http.response.body", "body": data})
+
         by_code[200] += 1  # once the answer is made: what /metrics counts is what was sent
-        return Response(data, media_type=kind, headers=headers)
+        return ok
 
     def failed(e: BaseException, request: Any) -> Response:
         """The 500 of a model that raised ``e`` (as it raised it, not the RuntimeError from it
@@ -304,11 +307,10 @@ def create_app(
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def signature(request: Request) -> Response:
-        constants = bool(getattr(batcher.model, "params_as_constants", False))
         return JSONResponse({
             "inputs": [s.to_json() for s in batcher.specs], "max_batch": batcher.max_batch,
             "buckets": list(batcher.buckets), "model": public.name,
-            "params_as_constants": constants,
+            "params_as_constants": bool(getattr(batcher.model, "params_as_constants", False)),
             "merges": batcher.merges,  # False: each request runs alone, at its own rows
             "why_alone": short(public.scrub(batcher.why_alone)),
         })  # fmt: skip
@@ -335,17 +337,16 @@ def create_app(
         if close_batcher:
             await asyncio.get_running_loop().run_in_executor(None, drain, batcher)
 
-    routes = [
-        Route("/predict", predict, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/signature", signature, methods=["GET"]),
-    ]
+    routes = [Route("/predict", predict, methods=["POST"])]
+    routes += [Route(f"/{f.__name__}", f, methods=["GET"]) for f in (health, metrics, signature)]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
     app.router.redirect_slashes = False  # POST /predict/: the JSON 404, not an empty 307
     app.state.answered = by_code  # what /metrics counts, for a refusal before the app's
     app.state.model = public.name  # what such a refusal names
     return app
+
+
+_TIMING = b"queued;dur=%.3f, padded;dur=%.3f, compute;dur=%.3f, split;dur=%.3f"
 
 
 def load_entry(artifact: Any, entry: str | None = None, **options: Any) -> LoadedModel:
@@ -365,8 +366,7 @@ class Public:
     """What a client may see of the model: its name, never the server's path to it."""
 
     def __init__(self, batcher: Batcher) -> None:
-        model = batcher.model
-        self.name = batcher.name
+        model, self.name = batcher.model, batcher.name
         self._paths: re.Pattern[str] | None = None
         if isinstance(model, LoadedModel):
             given = str(model.path)

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -79,7 +79,7 @@ class Blocking:
         self.result = self.error = None  # its rows, or its batch's error
 
 
-def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
+def _resolve(items: Iterable[tuple[AsyncRequest, Any]], error: BaseException | None) -> None:
     """On an event loop: hands a batch's results to that loop's awaiting tasks."""
     for r, result in items:
         if (f := r.future).done():  # cancelled by its awaiter meanwhile
@@ -92,15 +92,12 @@ def _resolve(items: list[tuple[AsyncRequest, Any]], error: BaseException | None)
             r.fail(error)
 
 
-def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: Any, here: Any = None) -> None:
-    """One wake-up per event loop for a whole batch; those of ``here`` (this one) at once."""
+def _wake_loops(items: list[tuple[AsyncRequest, Any]], error: Any) -> None:
+    """One wake-up per event loop for a whole batch."""
     by_loop: dict[Any, list[tuple[AsyncRequest, Any]]] = {}
     for item in items:
         by_loop.setdefault(item[0].future.get_loop(), []).append(item)
     for loop, mine in by_loop.items():
-        if loop is here:
-            _resolve(mine, error)
-            continue
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits these now
             loop.call_soon_threadsafe(_resolve, mine, error)
 
@@ -302,10 +299,16 @@ class Lane:
         return results, record
 
     def settle(self, batch, results, error, timing=None, loop=None) -> None:
-        """Hands out a batch's results (or ``error``) under one lock, then the done callbacks."""
+        """Hands out a batch's results (or ``error``) under one lock, then the done callbacks;
+        on ``loop``, where only its awaited requests run, to them at once."""
+        results = results or [None] * len(batch)
+        if loop is not None:  # see Batcher._end_of_pass
+            for r in batch:
+                r._batch = timing
+            return _resolve(zip(batch, results, strict=True), error)
         futures, settled, awaited = [], [], []
         with self.futures:
-            for r, result in zip(batch, results or [None] * len(batch), strict=True):
+            for r, result in zip(batch, results, strict=True):
                 kind = type(r)
                 if kind is Blocking:
                     r.result, r.error = result, error
@@ -318,7 +321,7 @@ class Lane:
                     futures.append(r)
                     settled.append(result)
             finish_futures(futures, settled, error)
-        _wake_loops(awaited, error, loop)
+        _wake_loops(awaited, error)
         after_finish(futures, settled, error)
 
     def run_alone(self, request: Any) -> Any:
