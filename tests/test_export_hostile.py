@@ -401,6 +401,19 @@ def test_a_static_shape_too_large_to_draw_exports_without_self_test_vectors(tmp_
     assert "selftest.safetensors" not in art.manifest["files"]
 
 
+def test_self_test_vectors_larger_than_load_holds_are_not_written(tmp_path, monkeypatch):
+    """load holds a file of at most MAX_HELD_BYTES (2 GiB) whole and refuses a larger one;
+    vectors past it (an output of gigabytes per row) would make the export unloadable."""
+    import symjax_mlp._export as exporting
+
+    h = sm.hybridize(lambda p, x: x @ p, jnp.ones((3, 2)))
+    monkeypatch.setattr(exporting, "MAX_HELD_BYTES", 64)  # these vectors take more
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3)))
+    assert "selftest.safetensors" not in art.manifest["files"]
+    monkeypatch.undo()
+    np.testing.assert_array_equal(sm.load(art.path)(jnp.ones((2, 3))), 3 * jnp.ones((2, 2)))
+
+
 @pytest.mark.parametrize("dtype", ["int2", "uint2", "int1", "uint1", "float6_e2m3fn"])
 @pytest.mark.parametrize("where", ["args[0]", "out"])
 def test_a_dtype_jax_export_cannot_serialize_is_a_signature_error_naming_it(tmp_path, dtype, where):
