@@ -58,8 +58,8 @@ class Reader(contextlib.AbstractContextManager):
         self.size, problem = st.st_size, None
         if not stat.S_ISREG(st.st_mode):
             problem = (
-                f"{file} is not a regular file (a directory, FIFO or device), so it is not what "
-                "was written there; nothing was read. Put the file there, or pass another path."
+                f"{file} is not a regular file (a directory, FIFO or device); nothing was read "
+                "from it. Restore the file written there, or pass a regular file."
             )
         elif size is not None and self.size != size:
             problem = (
