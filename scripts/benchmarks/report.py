@@ -205,6 +205,10 @@ def targets(
     if wait:
         add("checkpoint_wait_over_step", wait["save_over_step"], 0.1, False,
             "a 2-process run: median wait of an async Orbax save / median step")  # fmt: skip
+        if "save_max_over_step" in wait:
+            add("checkpoint_max_wait_over_step", wait["save_max_over_step"], 0.1, False,
+                "the worst later save's wait (a queue full of saves would show here) / median "
+                "step")  # fmt: skip
     return out
 
 
