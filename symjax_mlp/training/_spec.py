@@ -174,19 +174,16 @@ def find_flags(
     if train_flags is None and eval_flags is None:
         found = [(flag, on) for flag, on in _FLAGS if flag in params]
         return {f: on for f, on in found}, {f: not on for f, on in found}
-    calls = []
     for arg, flags in (("train_flags", train_flags), ("eval_flags", eval_flags)):
         what = {"caller": caller, "arg": arg, "model": type(model).__name__}
-        if not isinstance(flags := {} if flags is None else flags, Mapping) or not all(
-            isinstance(k, str) for k in flags
-        ):
+        flags = {} if flags is None else flags
+        if not isinstance(flags, Mapping) or not all(isinstance(k, str) for k in flags):
             raise ConfigError(_BAD_FLAGS.format(**what, flags=flags))
         unknown = [f for f in flags if f not in params]
         if unknown and all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values()):
             names, fix = ", ".join(params), _fix(model, form)
             raise ConfigError(_UNKNOWN_FLAG.format(**what, flag=unknown[0], names=names, fix=fix))
-        calls.append(dict(flags))
-    return calls[0], calls[1]
+    return dict(train_flags or {}), dict(eval_flags or {})
 
 
 def model_spec(
