@@ -400,6 +400,8 @@ def test_2_and_4_processes_train_bitwise_like_one_process(tmp_path):
         assert codes == [0] * n, "\n---\n".join(logs)
         for i in range(n):
             _assert_bitwise(_params(out / f"{i}.npz"), want, f"{n} processes, process {i}")
+            with np.load(out / f"{i}.npz") as f:  # TrainResult says so on every process
+                assert f["superseded"].tolist() == {2: [], 4: [8]}[n], (n, i)
         steps = {2: ["16", "8"], 4: ["16"]}[n]  # Orbax's
         assert sorted(p.name for p in (out / "real" / "ck").iterdir()) == steps
 

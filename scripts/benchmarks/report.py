@@ -353,7 +353,8 @@ def format_report(report: BenchReport) -> str:
         ]
         if w := tr.get("checkpoint_wait"):
             lines.append(
-                f"checkpoint saves ({w['processes']} processes, async Orbax, {w['saves']} saves): "
+                f"checkpoint saves ({w['processes']} processes, async Orbax, {w['saves']} saves, "
+                f"{w.get('superseded', 0)} of them skipped while one committed): "
                 f"a step waits {w['save_ms']:.2f} ms per save (median; "
                 f"{w.get('save_min_ms', w['save_ms']):.2f}-{w.get('save_max_ms', w['save_ms']):.2f}"
                 f" ms; the first {w['first_save_ms']:.0f} ms) against a {w['step_ms']:.2f} ms step"

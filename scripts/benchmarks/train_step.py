@@ -172,6 +172,7 @@ def time_checkpoint_wait(
         "save_over_step": save_ms / step_ms,
         "save_max_over_step": save_max_ms / step_ms,
         "saves": len(waits),
+        "superseded": len(run["checkpoints_superseded"]),
         "processes": processes,
         "epochs": epochs,
         "checkpoint_every": checkpoint_every,

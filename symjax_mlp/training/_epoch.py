@@ -169,6 +169,8 @@ class TrainResult:
         as ``(x - mean) / std``; or ``None``.
       checkpoint_waits: the seconds each asynchronous save of a multi-process run held up its
         steps; ``()`` in one process, whose saves are synchronous.
+      checkpoints_superseded: the steps whose asynchronous save (a multi-process run) was not
+        written because the one before it was still being committed; never the last.
     """
 
     model: Any
@@ -188,6 +190,7 @@ class TrainResult:
     eval_flags: dict[str, bool] = dataclasses.field(default_factory=dict)
     standardize: tuple[np.ndarray, np.ndarray] | None = None
     checkpoint_waits: tuple[float, ...] = ()
+    checkpoints_superseded: tuple[int, ...] = ()
 
     @property
     def variables(self) -> dict[str, Any]:
@@ -251,4 +254,6 @@ class TrainResult:
         for n in ("resumed_from", "checkpoint"):
             summary[n] = None if getattr(self, n) is None else str(getattr(self, n))
         history = [dataclasses.asdict(r) for r in self.history]
-        return {**summary, "checkpoint_waits": list(self.checkpoint_waits), "history": history}
+        saves = {"checkpoint_waits": list(self.checkpoint_waits),
+                 "checkpoints_superseded": list(self.checkpoints_superseded)}  # fmt: skip
+        return {**summary, **saves, "history": history}

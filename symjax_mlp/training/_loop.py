@@ -210,6 +210,7 @@ def train(
         num_features=data.num_features, model_state=model_state, eval_flags=spec.eval_flags,
         standardize=None if data.mean is None else (data.mean, data.std),
         checkpoint_waits=() if store is None else tuple(store.waits),
+        checkpoints_superseded=() if store is None else tuple(store.superseded),
     )  # fmt: skip
 
 

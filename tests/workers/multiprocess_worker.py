@@ -98,6 +98,7 @@ def main() -> None:
         step=result.step,
         resumed_step=resumed,
         checkpoint_waits=np.array(result.checkpoint_waits),
+        superseded=np.array(result.checkpoints_superseded, dtype=np.int64),
         step_seconds=sum(r.seconds for r in result.history) / max(result.step, 1),
         **out,
     )
