@@ -1,8 +1,7 @@
 """Timing your own model against its floor: the same program, AOT-compiled and called bare.
 
 Each of the model and its floor is timed *synced* (every call waited for) and *pipelined* (one
-wait per repeat); after a warm-up the four rows take turns, the order rotating each repeat.
-"""
+wait per repeat); after a warm-up the four rows take turns, the order rotating each repeat."""
 
 from __future__ import annotations
 
@@ -29,18 +28,17 @@ _STATIC = (
     "batch, or export with a symbolic batch: sm.export(h, path, example=x, batch='b')."
 )
 _DRAWN = (
-    'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the inputs drawn at batch {batch} '
-    "do not fit the artifact: {reason} Pass a batch it accepts, or the "
-    "inputs: timeit(model, x, ...)."
+    'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the inputs drawn at batch {batch} do '
+    "not fit the artifact: {reason} Pass a batch it accepts, or the inputs: timeit(model, x, ...)."
 )
 _BATCH_OF_ARGS = (
     "timeit({name}, *args, batch={batch}): batch sizes the inputs drawn for an artifact, and "
     "you passed the inputs, which are timed at their own shapes. Drop batch, or pass inputs "
     "of the batch you mean."
 )
-_JAX_FLOOR = "the same function, jax.jit(f).lower(...).compile(), called bare"
-_STATE_FLOOR = _JAX_FLOOR + ", its state in and the new state out as the model's call"
-_IREE_FLOOR = "the same IREE module, its runtime's call without LoadedModel's checks"
+_JIT = "the same function, jax.jit(f).lower(...).compile(), called bare"
+_JIT_STATE = _JIT + ", its state in and the new state out as the model's call"
+_IREE = "the same IREE module, its runtime's call without LoadedModel's checks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +68,7 @@ class CallTiming:
     pipelined: tuple[float, ...]
     compiled_synced: tuple[float, ...]
     compiled_pipelined: tuple[float, ...]
-    floor: str = _JAX_FLOOR
+    floor: str = _JIT
 
     def _row(self, method: str, row: str, rows: tuple[str, ...] = _ROWS) -> tuple[float, ...]:
         if row not in rows:
@@ -91,12 +89,11 @@ class CallTiming:
 
     def to_dict(self) -> dict[str, Any]:
         """Every figure as JSON data: per row, its times, min and median (seconds per call)."""
+        head = {"name": self.name, "calls": self.calls, "repeats": len(self.synced),
+                "dispatch": self.dispatch, "floor": self.floor}  # fmt: skip
         rows = {row: {"times_s": list(getattr(self, row)), "min_s": self.min(row),
                       "median_s": self.median(row)} for row in _ROWS}  # fmt: skip
-        over = {m: self.over_compiled(m) for m in ("synced", "pipelined")}
-        head = {"name": self.name, "calls": self.calls, "repeats": len(self.synced)}
-        return {**head, "dispatch": self.dispatch, "floor": self.floor, **rows,
-                "over_compiled": over}  # fmt: skip
+        return {**head, **rows, "over_compiled": {m: self.over_compiled(m) for m in _ROWS[:2]}}
 
     def __str__(self) -> str:
         lines = [
@@ -117,7 +114,7 @@ def _seconds(s: float) -> str:
     return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
 
 
-def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
+def _hybrid_floor(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[], Any]:
     """``jax.jit`` of ``h``'s pure function, AOT-compiled (a stateful one's returns its state)."""
     if h.mesh is not None:
         raise ConfigError(
@@ -125,22 +122,20 @@ def _floor_of_hybrid(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[],
             "(h.replace(mesh=None)), whose floor is one device's program."
         )
     given, tree = jax.tree.flatten((args, kwargs))  # arrays by keyword are inputs too
-    traced = {i for i, leaf in enumerate(given) if isinstance(leaf, _ARRAYS)}
 
     def flat(params: Any, state: Any, arrays: list[Any]) -> Any:  # Python settings closed over
         placed = iter(arrays)
-        leaves = [next(placed) if i in traced else leaf for i, leaf in enumerate(given)]
+        leaves = [next(placed) if isinstance(leaf, _ARRAYS) else leaf for leaf in given]
         inputs, kw = jax.tree.unflatten(tree, leaves)
         if not h.stateful:
             return h.fn(params, *inputs, **kw)
         return h._model.call(params, state, inputs, kw)  # (out, new state): h.fn's drops it
 
-    state = h.state if h.stateful else None  # an input, as the model's call takes it
-    arrays = [leaf for i, leaf in enumerate(given) if i in traced]
-    return _compiled(flat, h.params, [state, arrays], h.params_as_constants)
+    arrays = [leaf for leaf in given if isinstance(leaf, _ARRAYS)]
+    return _compiled(flat, h.params, [h.state, arrays], h.params_as_constants)  # state: an input
 
 
-def _floor_of_loaded(m: Any, inputs: list[Any]) -> Callable[[], Any]:
+def _loaded_floor(m: Any, inputs: list[Any]) -> Callable[[], Any]:
     """The program the load checked, on the checked and placed ``inputs``."""
     if m.manifest.get("nr_devices", 1) != 1:
         raise ConfigError(
@@ -218,11 +213,10 @@ def timeit(
 ) -> CallTiming:
     """Times ``model(*args)`` against its floor: the same function, AOT-compiled, called bare.
 
-    The floor of a :class:`~symjax_mlp.Hybrid` is ``jax.jit`` of its :attr:`fn` (a stateful
-    one's takes the state and returns the new one, as its call does); of a
-    :class:`~symjax_mlp.LoadedModel`, the program it loaded, run in JAX, or its IREE module
-    called without the model's checks. The inputs are placed on the device first (the call
-    is timed, not the copy); a stateful Hybrid is timed on a copy (its state stays as it was).
+    The floor of a Hybrid is ``jax.jit`` of its ``fn`` (a stateful one's takes the state and
+    returns the new one, as its call does); of a LoadedModel, the program it loaded, run in JAX,
+    or its IREE module called without the model's checks. The inputs are placed on the device
+    first (the call is timed, not the copy); a stateful Hybrid is timed on a copy of its state.
 
     Args:
       model: a Hybrid (unsharded) or a LoadedModel (of one device).
@@ -244,8 +238,7 @@ def timeit(
       SignatureError: ``args`` do not fit the artifact's signature.
 
     Example:
-      >>> import jax, jax.numpy as jnp
-      >>> import symjax_mlp as sm
+      >>> import jax, jax.numpy as jnp, symjax_mlp as sm
       >>> net, x = sm.mlp((8, 2)), jnp.ones((1, 4))
       >>> h = sm.hybridize(net, net.init(jax.random.key(0), x))
       >>> t = sm.timeit(h, x, calls=10, repeats=3)
@@ -285,28 +278,23 @@ def timeit(
             "takes no keyword arguments; its settings were fixed at export "
             "(sm.export(h, path, example=x, kwargs={...})). Drop kwargs."
         )
-    kwargs = dict(kwargs)
     if loaded:
         args = _inputs(model, args, batch)
-    elif not args and not any(isinstance(v, _ARRAYS) for v in jax.tree.leaves(kwargs)):
+    elif not args and not any(isinstance(v, _ARRAYS) for v in jax.tree.leaves(dict(kwargs))):
         raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
     stateful = not loaded and model.stateful  # timed on a copy: its own state stays as it was
     timed = model.replace(state=model.state) if stateful else model
-    floor = _IREE_FLOOR if loaded and model.runtime != "jax" else _JAX_FLOOR
-    floor = _STATE_FLOOR if stateful else floor
+    said = _JIT_STATE if stateful else _IREE if loaded and model.runtime != "jax" else _JIT
     put = lambda a: jax.device_put(a) if isinstance(a, _ARRAYS) else a  # noqa: E731
-    placed, kwargs = jax.tree.map(put, (args, kwargs))
-    fns = {"synced": lambda: timed(*placed, **kwargs)}
-    _loop(fns["synced"], warmup, pipelined=False)  # inputs it refuses: refused as its calls do
-    fns["compiled"] = (
-        _floor_of_loaded(model, list(placed)) if loaded else _floor_of_hybrid(model, kwargs, placed)
-    )
-    _loop(fns["compiled"], warmup, pipelined=False)
-    order = [(key, piped) for piped in (False, True) for key in fns]
-    seconds: dict[tuple[str, bool], list[float]] = {k: [] for k in order}
-    for r in range(repeats):
-        k = r % len(order)
-        for key, piped in order[k:] + order[:k]:
-            seconds[key, piped].append(_loop(fns[key], calls, piped))
-    times = (tuple(seconds[k, piped]) for k in fns for piped in (False, True))  # CallTiming's
-    return CallTiming(name, calls, dispatch_mode(), *times, floor=floor)
+    placed, kwargs = jax.tree.map(put, (args, dict(kwargs)))
+    call = lambda: timed(*placed, **kwargs)  # noqa: E731
+    _loop(call, warmup, pipelined=False)  # inputs it refuses: refused as its calls do
+    floor = _loaded_floor(model, list(placed)) if loaded else _hybrid_floor(model, kwargs, placed)
+    _loop(floor, warmup, pipelined=False)
+    order = [(fn, piped) for piped in (False, True) for fn in (call, floor)]  # synced first
+    seconds: dict[Any, list[float]] = {turn: [] for turn in order}
+    for r in range(repeats):  # the order rotating each repeat
+        for fn, piped in order[r % 4 :] + order[: r % 4]:
+            seconds[fn, piped].append(_loop(fn, calls, piped))
+    times = (tuple(seconds[fn, piped]) for fn in (call, floor) for piped in (False, True))
+    return CallTiming(name, calls, dispatch_mode(), *times, floor=said)
