@@ -102,7 +102,7 @@ def test_manifest_records_the_contract(art):
     m = sm.load(art.path)
     manifest = json.loads((art.path / "manifest.json").read_text())
     assert manifest == sm.Artifact(m.path, m.manifest).to_json() == art.to_json()
-    assert manifest["format"] == "symjax_mlp.artifact" and manifest["format_version"] == 1
+    assert manifest["format"] == "symjax_mlp.artifact" and manifest["format_version"] == 2
     assert manifest["platforms"] == ["cpu"] and manifest["nr_devices"] == 1
     assert manifest["calling_convention_version"] >= 9
     assert manifest["versions"]["jax"] == jax.__version__
@@ -363,8 +363,8 @@ def test_files_of_different_exports_do_not_mix(art, tmp_path):
 
 def test_newer_format_version_is_refused(art, tmp_path):
     art, _ = art
-    copy = edited(art.path, tmp_path, format_version=2)
-    with pytest.raises(sm.ArtifactError, match=r"format version 2.*pip install -U symjax_mlp"):
+    copy = edited(art.path, tmp_path, format_version=3)
+    with pytest.raises(sm.ArtifactError, match=r"format version 3.*pip install -U symjax_mlp"):
         sm.load(copy)
     assert sm.load(art.path)(rand(1)).shape == (1, 3)
 

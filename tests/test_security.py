@@ -258,7 +258,11 @@ def test_the_text_an_artifact_shows_is_that_of_the_module_that_runs(base, tmp_pa
     )
     assert shown.mlir_module() == runs.mlir_module() != honest  # what runs, not the file
     assert re.search(r"model\.mlir .* never read", str(shown)), str(shown)
-    sm.load(forge.resign(src, tmp_path / "earlier", files={"model.mlir": b"?"}))  # as before
+
+    def earlier(manifest):  # format 1: what exports before 0.5 wrote
+        manifest["format_version"] = 1
+
+    sm.load(forge.resign(src, tmp_path / "earlier", files={"model.mlir": b"?"}, manifest=earlier))
     counts = shown.op_counts()  # counted in the module that runs, too
     assert "stablehlo.while" not in counts and counts["stablehlo.dot_general"] == 2
     forge.resign(

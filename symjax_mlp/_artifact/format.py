@@ -14,7 +14,7 @@ from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import MANIFEST, read_regular
 
 FORMAT = "symjax_mlp.artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: exports before 0.5, which wrote model.mlir too (read as 2)
 JAXEXPORT = "model.jaxexport"
 MLIRBC = "model.mlirbc"
 MLIR = "model.mlir"  # text that earlier exports wrote beside the module: listed, never read
@@ -89,8 +89,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
     version = manifest.get("format_version")
     if not is_int(version) or version > FORMAT_VERSION or version < 1:
         raise ArtifactError(
-            f"{file}: format version {show(version)}; this symjax_mlp reads format version "
-            f"{FORMAT_VERSION}. An artifact from a newer symjax_mlp needs that version: "
+            f"{file}: format version {show(version)}; this symjax_mlp reads format versions 1 "
+            f"to {FORMAT_VERSION}. An artifact from a newer symjax_mlp needs that version: "
             "pip install -U symjax_mlp."
         )
     check_schema(manifest, file=file)

@@ -390,7 +390,7 @@ def _manifest_text(rng: random.Random, ctx: Context) -> tuple[list[str], bool]:
     elif op == "bigint":
         data = text.replace('"nr_devices": 1', '"nr_devices": 1' + "0" * 5000).encode()
     elif op == "dupkey":
-        data = text.replace('"format_version": 1', '"format_version": 1, "format_version": 2')
+        data = text.replace('"format_version": 2', '"format_version": 2, "format_version": 1')
         data = data.encode()
     elif op == "bom":
         data = b"\xef\xbb\xbf" + text.encode()
