@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -142,14 +142,12 @@ class LoadedModel(NoPickle):
                 try:
                     out = self._direct(*inputs)
                 except Exception as e:  # the program failed: XLA raised
-                    if (error := self._failure(e, inputs)) is e:
-                        raise
-                    raise error from e
+                    self._fail(e, inputs)
                 return out if self._single_output else tuple(out)
         if named:  # Python's TypeError would name neither the inputs nor how to pass them
             raise _ByName(self._by_name(named, len(inputs)))
         if forward_traced(inputs):  # else JAX's TypeError, where jax.jit lowers it (if at all)
-            raise ConfigError(self._forward_mode())
+            raise ConfigError(forward_mode(self._caller, self.manifest.get("vjp_order", 0)))
         try:
             outs = self._outputs(inputs)
             if key is not None and None not in key and len(self._ready) < 256:
@@ -203,25 +201,22 @@ class LoadedModel(NoPickle):
         try:
             return self._run(list(inputs))
         except Exception as e:  # the program failed: XLA, IREE or jax.export raised
-            if (error := self._failure(e, inputs)) is e:
-                raise
-            raise error from e
+            self._fail(e, inputs)
 
-    def _failure(self, e: Exception, inputs: Any) -> Exception:
-        """What a call whose program raised ``e`` raises: ``e`` itself where it is ours or the
-        caller's own tracing error, else an error naming the artifact."""
-        if isinstance(e, SymjaxError):
-            return e
-        if isinstance(e, (*TRACER_ERRORS, jax.errors.UnexpectedTracerError)):
-            if self.runtime == "jax":
-                return e  # the caller's own jax.jit code, not the artifact
-            return ConfigError(
+    def _fail(self, e: Exception, inputs: Any) -> NoReturn:
+        """Raises, in the handler of ``e`` that a call's program raised, ``e`` itself where it
+        is ours or the caller's own tracing error, else an error naming the artifact."""
+        tracing = isinstance(e, (*TRACER_ERRORS, jax.errors.UnexpectedTracerError))
+        if isinstance(e, SymjaxError) or (tracing and self.runtime == "jax"):
+            raise  # ours, or the caller's own jax.jit code's, not the artifact's
+        if tracing:
+            raise ConfigError(
                 f"{self._caller}: the {self.runtime} runtime runs outside JAX, so jax.jit, "
                 "jax.vmap and jax.grad cannot trace it. Load it with runtime='jax'."
-            )
+            ) from e
         if isinstance(e, TypeError) and "forward-mode autodiff" in str(e):
-            return ConfigError(self._forward_mode())
-        return run_failed(self._caller, self._file, e, inputs)
+            raise ConfigError(forward_mode(self._caller, self.manifest.get("vjp_order", 0))) from e
+        raise run_failed(self._caller, self._file, e, inputs) from e
 
     def _by_name(self, named: dict[str, Any], n: int) -> str:
         """The message refusing inputs passed by name (``m(x=x)``), ``n`` of them by position."""
@@ -234,9 +229,6 @@ class LoadedModel(NoPickle):
             f"position: {len(specs)} of them, {', '.join(map(str, specs))}. Pass the arrays in "
             f"that order: m({example})."
         )
-
-    def _forward_mode(self) -> str:
-        return forward_mode(self._caller, self.manifest.get("vjp_order", 0))
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
