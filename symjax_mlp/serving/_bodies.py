@@ -33,8 +33,7 @@ try:  # the serve extra's JSON parser: ~10x the standard library's on a body of 
 except ImportError:  # pragma: no cover - the standard library parses alone
     _fast_loads, _FastError, _fast_dumps, _FastWriteError = json.loads, ValueError, None, None
 
-NPY = "application/x-npy"
-NPZ = "application/x-npz"
+NPY, NPZ = "application/x-npy", "application/x-npz"
 _NPY_TYPES = (NPY, "application/octet-stream", "application/npy")
 
 
@@ -64,7 +63,7 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f"unsupported Content-Type {short(repr(content_type), 100)}; send application/json "
             f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).'
         ))  # fmt: skip
-    types, per_row, floats = _plan(specs)
+    types, per_row, floats, tops = _plan(specs)
     most = batcher.max_batch * per_row  # numbers, at most
     if len(body) > 32 * most + 4096 and body.count(b",") > most + 1024:  # 10 s of parsing
         raise BadRequest(413, (
@@ -118,8 +117,8 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
     if texts and fast:  # strings, other keys, or a key twice: which one a parser takes differs
         json.loads(body, object_pairs_hook=_once)
     return [
-        _rows_first(batcher, spec, from_json(batcher, spec, v, bools=bools, texts=texts))
-        for spec, v in zip(specs, values, strict=True)
+        _rows_first(batcher, spec, from_json(batcher, spec, v, bools=bools, texts=texts, top=top))
+        for spec, v, top in zip(specs, values, tops, strict=True)
     ], False
 
 
@@ -141,12 +140,13 @@ def _nested(batcher: Batcher, spec: Any, depth: int, one_row: bool = False) -> S
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(specs: tuple[Any, ...]) -> tuple[str, int, bool]:
-    """Once per signature: its inputs' types (for messages), numbers in a row of them all, and
-    whether every input is a float (so orjson may parse the body)."""
-    types = ", ".join(s.type for s in specs)
-    floats = all(np.dtype(s.dtype).kind == "f" for s in specs)
-    return types, sum(math.prod(s.shape[1:]) for s in specs), floats
+def _plan(specs: tuple[Any, ...]) -> tuple[str, int, bool, tuple[float | None, ...]]:
+    """Once per signature: its inputs' types (for messages), numbers in a row, whether all are
+    floats (orjson may parse the body), each one's top if NumPy's float16/32/64 (from_json)."""
+    dtypes = [np.dtype(s.dtype) for s in specs]
+    tops = tuple(float(np.finfo(d).max) if d.char in ("e", "f", "d") else None for d in dtypes)
+    per_row = sum(math.prod(s.shape[1:]) for s in specs)
+    return ", ".join(s.type for s in specs), per_row, all(d.kind == "f" for d in dtypes), tops
 
 
 def _quotes(body: bytes, n: int) -> int:
@@ -193,11 +193,20 @@ def _finite(text: str) -> float:
 
 
 def from_json(
-    batcher: Batcher, spec: Any, value: Any, *, bools: bool = True, texts: bool = True
-) -> np.ndarray:
+    batcher: Batcher, spec: Any, value: Any, *, bools: bool = True, texts: bool = True,
+    top: float | None = None,
+) -> np.ndarray:  # fmt: skip
     """JSON numbers as the input's dtype, refusing what the cast would change; ``NaN`` and
     ``Infinity`` are floats, ``true``/``false`` only a bool input's values (``bools=False``,
-    ``texts=False``: ``value`` holds no booleans, no strings)."""
+    ``texts=False``: ``value`` holds no booleans, no strings; ``top``: the dtype is NumPy's
+    float16, 32 or 64, whose largest number it is)."""
+    if top is not None and not texts and not (bools and _first(value, bool)):  # the usual body
+        try:  # numbers for a float: as float64 (Python's floats), cast once known in range
+            x = np.asarray(value, np.float64)
+            if np.vdot(x, x) < top * top:  # so each |x| < top (float64's: inf; NaN: False)
+                return x.astype(spec.dtype, copy=False)
+        except (TypeError, ValueError, OverflowError):  # the checks below say what it holds
+            pass
     want = np.dtype(spec.dtype)
     kind, what = _kind(want), f"input {spec.path}"  # bfloat16's kind is "f", int4's "i"
 
@@ -212,15 +221,6 @@ def from_json(
             raise _not_bools(batcher, spec, value)
         held = f"strings ({short(json.dumps(text[0][:40]), 40, more=max(len(text[0]) - 40, 0))})"
         raise _not_numbers(batcher, spec, held, kind, want)
-    if kind == "f" and not texts:  # the usual body: numbers for a float input
-        try:
-            with np.errstate(over="ignore"):  # past want's range: inf, refused below
-                x = np.asarray(value, want)
-        except (TypeError, ValueError, OverflowError):
-            pass  # the checks below say what it holds
-        else:
-            if np.isfinite(x).all() and not _saturates(want):  # else checked below
-                return x
     try:
         raw = np.asarray(value)
     except OverflowError:  # 10**400 among floats
