@@ -234,7 +234,6 @@ def check(
     config = _config("verifying")
     path, key = _checked(path, public_key, private=False, call=call)
     before, head = snapshot(path, call), _call(call, path)
-    sig = path / SIGNATURE
     if SIGNATURE not in before:
         raise ArtifactError(
             f"{head}: the artifact is not signed (no {SIGNATURE}), and a public key was given: "
@@ -247,7 +246,7 @@ def check(
             "Ask its author to sign it again with symjax_mlp.sign(path, private_key)."
         )
     try:
-        config.use_elliptic_key_verifier(public_key=key).verify(path, sig)
+        config.use_elliptic_key_verifier(public_key=key).verify(path, path / SIGNATURE)
     except Exception as e:  # model_signing, sigstore and cryptography raise their own types
         files = _MISMATCH.findall(str(e))  # not their digests
         why = f"{type(e).__name__}: {str(e)[:400]}"
