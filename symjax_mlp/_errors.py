@@ -56,9 +56,7 @@ class DivergenceError(SymjaxError, FloatingPointError):
 
     def __init__(self, message: str, *, step: int, epoch: int, checkpoint: Path | None):
         super().__init__(message)
-        self.step = step
-        self.epoch = epoch
-        self.checkpoint = checkpoint
+        self.step, self.epoch, self.checkpoint = step, epoch, checkpoint
 
 
 class OverloadError(SymjaxError, RuntimeError):
