@@ -117,6 +117,8 @@ def _checked(path: Any, key: Any, *, private: bool, call: tuple[str, str]) -> tu
         held = None if ok else f"an {type(got).__name__}"
     except (ValueError, TypeError) as e:  # TypeError: an encrypted private key
         held = f"no PEM {kind} key ({printable(str(e).split('. ')[0][:120])})"
+    except OSError as e:  # a regular file no read of which succeeds: permissions, /proc's
+        held = f"nothing this process can read ({printable(e.strerror or str(e))[:120]})"
     if held:
         arg = f"{fn}({keyword}={printable(repr(str(file))[:300])})"
         want = (

@@ -1311,6 +1311,21 @@ def test_a_key_path_that_is_no_file_says_what_is_there_after_the_public_call(bas
         sm.sign(None, private)
 
 
+def test_a_key_file_no_read_of_which_succeeds_is_named_after_the_public_call(base):
+    """A regular file that cannot be read as the key (this user may not; /proc/self/mem, whose
+    read fails with EIO) was Python's raw OSError, naming neither the call nor the key."""
+    if not os.path.isfile("/proc/self/mem"):
+        pytest.skip("needs Linux's /proc/self/mem")
+    src, _ = base
+    for call, run in (
+        ("symjax_mlp.sign(private_key=", lambda key: sm.sign(src, key)),
+        ("symjax_mlp.load(verify_signature=", lambda key: sm.load(src, verify_signature=key)),
+    ):
+        says = rf"^{re.escape(call)}'/proc/self/mem'\): the file holds nothing this process can"
+        with pytest.raises(sm.ConfigError, match=says + r" read \(.*\); expected the PEM file"):
+            run("/proc/self/mem")
+
+
 def test_a_signature_refused_says_the_public_call_first_not_the_artifacts_path(
     base, keys, tmp_path, capsys
 ):
