@@ -94,9 +94,8 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
             f"{type(data).__name__}{' without inputs' if isinstance(data, dict) else ''}."
         ))  # fmt: skip
     inputs = data["inputs"]
-    names = [s.path for s in specs]
     if isinstance(inputs, dict):
-        if sorted(inputs) != sorted(names):
+        if sorted(inputs) != sorted(names := [s.path for s in specs]):
             raise SignatureError(
                 f"{batcher.name}: the request names the inputs {short(str(sorted(inputs)))}, "
                 f"but the model takes {names} ({', '.join(map(str, specs))}). Send one entry "
