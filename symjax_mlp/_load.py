@@ -132,13 +132,23 @@ def load(
         from symjax_mlp._signing import check
 
         unchanged = check(path, verify_signature)
-    manifest, blobs = read_artifact(path, keep=(*USED, selftest.SELFTEST))
+    modules = {}
+
+    def confirm(manifest: Any, blobs: dict[str, Any]) -> None:  # before the weights are read
+        if unchanged is not None:
+            unchanged()  # what a parser reads is what was verified
+        _check_card(path, manifest)
+        _check_x64(path, manifest)
+        importlib.import_module(f"symjax_mlp._runtimes.{runtime}").check_supported(path, manifest)
+        from symjax_mlp._runtimes.jax import deserialize  # both runtimes: the module that runs
+
+        view = entry_view(manifest, None)  # its params: all the manifest's, none it does not take
+        modules[entry_point(view)] = deserialize(path, view, blobs)
+
+    manifest, blobs = read_artifact(path, keep=(*USED, selftest.SELFTEST), confirm=confirm)
     if unchanged is not None:
         unchanged()  # what was read is what was verified
     _warn_if_expiring(path, manifest)
-    _check_card(path, manifest)
-    _check_x64(path, manifest)
-    importlib.import_module(f"symjax_mlp._runtimes.{runtime}").check_supported(path, manifest)
     mesh = _check_mesh(path, manifest, mesh)
     if params is None:
         found, source = blobs[PARAMS], path / PARAMS
@@ -163,6 +173,7 @@ def load(
     opener = _Opener(path, manifest, runtime, blobs, mesh=mesh, trust=trust, allowed=allowed,
                      self_test=self_test, constants=params_as_constants, needs=needs,
                      signed=signed)  # fmt: skip
+    opener.modules = modules
     return opener.open(None, ordered)
 
 
@@ -176,6 +187,7 @@ class _Opener:
         self.options = options
         self.backend = importlib.import_module(f"symjax_mlp._runtimes.{runtime}")
         self.weights: dict[str, Any] = {}
+        self.modules: dict[str, Any] = {}  # deserialized before: load's default entry point
         self.opened: dict[str, LoadedModel] = {}
         self.lock = threading.Lock()
 
@@ -194,7 +206,7 @@ class _Opener:
         path, blobs, options = self.path, self.blobs, self.options
         if arrays is None:  # another entry point: its params among the placed weights
             arrays = [self.weights[p["path"]] for p in view["params"]]
-        exported = deserialize(path, view, blobs)  # both runtimes: the module that runs
+        exported = self.modules.pop(entry_point(view), None) or deserialize(path, view, blobs)
         if not (options["self_test"] and program_file(view, selftest.SELFTEST) in blobs):
             check_admits(path, Signature.from_json(view["signature"]))  # else its vectors are
         guard = report = None

@@ -388,5 +388,5 @@ def test_params_are_bound_by_name_so_swapped_names_change_nothing(tiny, tmp_path
     _edit(copy, lambda m: m["params"].reverse())  # nor does the order of the entries
     np.testing.assert_array_equal(sm.load(copy)(x), y)
     _edit(copy, lambda m: m["params"][0].update(path="params/layers_9/bias"))
-    with pytest.raises(sm.ArtifactError, match=r"missing: params/layers_9/bias"):
+    with pytest.raises(sm.ArtifactError, match=r"jaxexport does not match .*params/layers_9/b"):
         sm.load(copy)

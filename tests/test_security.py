@@ -532,11 +532,15 @@ def test_param_matching_is_linear_and_bounded(base, tmp_path):
         m["params"] = [{"path": f"params/b{i}", "shape": [1], "dtype": "float32"} for i in range(n)]
 
     art = forge.resign(src, tmp_path / "many", files={"params.safetensors": data}, manifest=listing)
-    t0 = time.perf_counter()
-    with pytest.raises(sm.ArtifactError, match=r"4000 missing, 4000 extra") as info:
+    t0 = time.perf_counter()  # the module takes none of them: refused before any is read
+    with pytest.raises(sm.ArtifactError, match=r"model\.jaxexport does not match") as info:
         sm.load(art)
+    assert time.perf_counter() - t0 < 3 and len(str(info.value)) < 3000
+    (tmp_path / "theirs.safetensors").write_bytes(data)  # passed as params=: matched
+    with pytest.raises(sm.ArtifactError, match=r"4 missing, 4000 extra") as info:
+        sm.load(src, params=tmp_path / "theirs.safetensors")
     assert time.perf_counter() - t0 < 3
-    assert str(info.value).count("missing:") == 20 and "3,980 more missing" in str(info.value)
+    assert str(info.value).count("extra:") == 20 and "3,980 more extra" in str(info.value)
 
     def too_many(m):
         m["params"] = [{"path": f"p{i}", "shape": [1], "dtype": "float32"} for i in range(70_000)]
@@ -1713,3 +1717,44 @@ def test_rng_keys_a_program_returns_of_another_type_than_its_export_declares_are
     says += r"tensor<2x2xui32> \(key<fry>\[2\]\)"
     with pytest.raises(sm.ArtifactError, match=says):
         sm.load(art)
+
+
+def test_params_the_module_does_not_take_are_refused_before_they_are_read(
+    base, tmp_path, monkeypatch
+):
+    """A manifest declaring a param its module does not take (64 MiB of a sparse file, listed
+    with its size and sha256): load read every declared param, up to the machine's memory,
+    before the module refused them; now the module refuses the manifest before any is read."""
+    from symjax_mlp._artifact import reading
+
+    art = forge.resign(base[0], tmp_path / "extra")
+    header_size = int.from_bytes((art / "params.safetensors").read_bytes()[:8], "little")
+    raw = (art / "params.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + header_size])
+    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    header["params/extra"] = {
+        "dtype": "F32",
+        "shape": [1 << 24],
+        "data_offsets": [end, end + 4 << 24],
+    }
+    text = json.dumps(header).encode()
+    with open(art / "params.safetensors", "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + raw[8 + header_size :])
+        f.truncate(8 + len(text) + end + (4 << 24))  # sparse: 64 MiB of zeros on no disk
+    digest = hashlib.sha256()
+    with open(art / "params.safetensors", "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+
+    def declare(m):
+        m["params"].append({"path": "params/extra", "shape": [1 << 24], "dtype": "float32"})
+        size = (art / "params.safetensors").stat().st_size
+        m["files"]["params.safetensors"] = {"sha256": digest.hexdigest(), "bytes": size}
+
+    _edit(art, declare)
+    reads, read = [], reading.read_safetensors_file  # the file is whole: read, it passes
+    monkeypatch.setattr(reading, "read_safetensors_file", lambda *a, **k: [reads.append(a[0])]
+                        and read(*a, **k))  # fmt: skip
+    with pytest.raises(sm.ArtifactError, match=r"model\.jaxexport does not match .*manifest"):
+        sm.load(art)
+    assert reads == []

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -131,8 +131,7 @@ class Artifact:
     def __str__(self) -> str:
         m = self.manifest
         n_values = sum(math.prod(map(int, p.shape)) for p in self.params)
-        size = self.size_bytes
-        kb = f"{size / 1e3:.1f} kB" if size < 1e6 else f"{size / 1e6:.2f} MB"
+        kb = f"{size / 1e3:.1f} kB" if (size := self.size_bytes) < 1e6 else f"{size / 1e6:.2f} MB"
         lines = [
             f"artifact   {self.path}  ({len(m['files']) + 1} files, {kb}; "
             f"format {m['format']} v{m['format_version']})",
@@ -214,20 +213,21 @@ def thaw(x: Any) -> Any:
 
 def read_files(
     path: Path, manifest: Mapping[str, Any], *, keep: tuple[str, ...] = USED,
-    only: Sequence[str] | None = None,
+    only: Sequence[str] | None = None, confirm: Callable[..., None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Checks the size and sha256 of every file the manifest lists (or those ``only``) before
-    anyone parses it; returns the bytes of the files in ``keep`` (params: its tensors)."""
+    """Checks the size and sha256 of each listed file (or ``only``) before a parser sees it; the
+    bytes of those in ``keep`` (params: its tensors, read last, once ``confirm`` passed)."""
     listed = manifest["files"]  # plain file names: check_schema
     views = [entry_view(manifest, e) for e in entry_names(manifest)]
     keep = tuple({program_file(v, role) for v in views for role in keep} - {None})
     if lacking := sorted(set(CORE_FILES) - set(listed)):
         raise ArtifactError(f"{path / MANIFEST} does not list {', '.join(lacking)}; corrupted.")
     blobs = {}
-    for name in listed if only is None else only:
+    for name in sorted(listed if only is None else only, key=PARAMS.__eq__):  # params last
         file, size, digest = path / name, listed[name]["bytes"], listed[name]["sha256"]
         try:
             if name == PARAMS and name in keep:  # tensors straight from the file, as declared
+                confirm and confirm(manifest, blobs)
                 want = [TensorSpec.from_json(p) for p in manifest["params"]]
                 blobs[name], _ = read_safetensors_file(
                     file, size=size, sha256=digest, expected=want
@@ -246,15 +246,15 @@ def read_files(
 
 
 def read_artifact(
-    path: Path, *, keep: tuple[str, ...] = USED
+    path: Path, *, keep: tuple[str, ...] = USED, confirm: Callable[..., None] | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Reads the manifest, then every file, checked; retried if ``path`` was replaced meanwhile
-    (the directory's inode tells that from a corruption)."""
+    """Reads the manifest, then every file, checked (``confirm``: see :func:`read_files`); retried
+    if ``path`` was replaced meanwhile (the directory's inode tells that from a corruption)."""
     for attempt in range(3):
         before = _identity(path)
         try:
             manifest = read_manifest(path)
-            return manifest, read_files(path, manifest, keep=keep)
+            return manifest, read_files(path, manifest, keep=keep, confirm=confirm)
         except ArtifactError:
             if (message := _checkpoint(path)) is not None:
                 raise ArtifactError(message) from None
