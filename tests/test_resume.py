@@ -239,3 +239,34 @@ def test_save_checkpoint_errors_and_restores_state_check_start_with_the_call(tmp
         sm.training.restore_checkpoint(tmp_path, None)
     says = "symjax_mlp.training.restore_checkpoint(like=...): the state must be a TrainState"
     assert str(e.value).startswith(says), str(e.value)
+
+
+def test_a_complex_model_resumes_and_an_optimizer_otherwise_on_imaginary_parts_is_refused(
+    tiny, tmp_path
+):
+    """A model with complex params trained and wrote checkpoints, but resuming one called it
+    corrupted (its reader knew no complex64), and the optimizer's probe kept only the real
+    parts of the updates (NumPy's ComplexWarning), so it could not tell an optimizer that
+    updates the imaginary parts otherwise."""
+    import flax.linen as nn
+
+    class Complex(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", nn.initializers.normal(0.1, jnp.complex64), (x.shape[-1], 2))
+            return jnp.abs(x.astype(jnp.complex64) @ w)
+
+    def sgd(imaginary):  # what optax.sgd(0.1) does to real parts
+        def update(g, state, params=None):
+            return jax.tree.map(lambda u: -0.1 * (u.real + 1j * imaginary * u.imag), g), state
+
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+    run = {"epochs": 1, "batch_size": 16, "checkpoint": tmp_path}
+    sm.training.train(Complex(), tiny, optimizer=sgd(1.0), **run)
+    run.update(epochs=2, resume=True)
+    refused = r"step_00000004 was written by an optimizer that updates otherwise at its step 4"
+    with pytest.raises(sm.CheckpointError, match=refused):
+        sm.training.train(Complex(), tiny, optimizer=sgd(3.0), **run)
+    resumed = sm.training.train(Complex(), tiny, optimizer=sgd(1.0), **run)
+    assert resumed.resumed_from.name == "step_00000004" and resumed.step == 8

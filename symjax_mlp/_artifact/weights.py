@@ -37,8 +37,9 @@ _ST_DTYPES = {  # safetensors dtype codes -> NumPy dtypes (bfloat16 from ml_dtyp
     **{f"U{n}": np.dtype(f"uint{n}") for n in (8, 16, 32, 64)},
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "BOOL": np.dtype(np.bool_),
+    "C64": np.dtype(np.complex64),  # a checkpoint's (an artifact's params are real: param_specs)
 }
-_NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
+_NP_TO_ST = {v: k for k, v in _ST_DTYPES.items() if v.kind != "c"}
 
 
 _ODD_PATH = (

@@ -190,7 +190,9 @@ def optimizer_probe(optimizer: optax.GradientTransformation, params: Any, opt_st
         updates, _ = optimizer.update(_fixed(trainable), opt_state, trainable)
     except Exception:  # e.g. one that needs a value= (optax.contrib.reduce_on_plateau)
         return []
-    leaves = [np.asarray(u, np.float64).ravel() for u in jax.tree.leaves(updates)]
+    leaves = [np.asarray(u) for u in jax.tree.leaves(updates)]  # complex: (re, im) pairs
+    leaves = [np.stack([u.real, u.imag], -1) if u.dtype.kind == "c" else u for u in leaves]
+    leaves = [np.asarray(u, np.float64).ravel() for u in leaves]
     k = max(1, PROBE_VALUES // max(1, len(leaves)))
     flat = [u[np.linspace(0, u.size - 1, min(k, u.size)).astype(int)] for u in leaves if u.size]
     return [float(v) if math.isfinite(v) else str(v) for v in np.concatenate([[], *flat])]
