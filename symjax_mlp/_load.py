@@ -143,6 +143,7 @@ def load(
         from symjax_mlp._runtimes.jax import deserialize  # both runtimes: the module that runs
 
         view = entry_view(manifest, None)  # its params: all the manifest's, none it does not take
+        modules.clear()  # a retry's manifest may name its entry points otherwise
         modules[entry_point(view)] = deserialize(path, view, blobs)
 
     manifest, blobs = read_artifact(path, keep=(*USED, selftest.SELFTEST), confirm=confirm)
@@ -172,8 +173,7 @@ def load(
         allowed |= frozenset(needs or ())
     opener = _Opener(path, manifest, runtime, blobs, mesh=mesh, trust=trust, allowed=allowed,
                      self_test=self_test, constants=params_as_constants, needs=needs,
-                     signed=signed)  # fmt: skip
-    opener.modules = modules
+                     signed=signed, modules=modules)  # fmt: skip
     return opener.open(None, ordered)
 
 
@@ -187,7 +187,6 @@ class _Opener:
         self.options = options
         self.backend = importlib.import_module(f"symjax_mlp._runtimes.{runtime}")
         self.weights: dict[str, Any] = {}
-        self.modules: dict[str, Any] = {}  # deserialized before: load's default entry point
         self.opened: dict[str, LoadedModel] = {}
         self.lock = threading.Lock()
 
@@ -206,7 +205,8 @@ class _Opener:
         path, blobs, options = self.path, self.blobs, self.options
         if arrays is None:  # another entry point: its params among the placed weights
             arrays = [self.weights[p["path"]] for p in view["params"]]
-        exported = self.modules.pop(entry_point(view), None) or deserialize(path, view, blobs)
+        exported = options["modules"].pop(entry_point(view), None)  # load's, deserialized
+        exported = exported or deserialize(path, view, blobs)  # both runtimes: the one that runs
         if not (options["self_test"] and program_file(view, selftest.SELFTEST) in blobs):
             check_admits(path, Signature.from_json(view["signature"]))  # else its vectors are
         guard = report = None
