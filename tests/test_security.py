@@ -1758,3 +1758,27 @@ def test_params_the_module_does_not_take_are_refused_before_they_are_read(
     with pytest.raises(sm.ArtifactError, match=r"model\.jaxexport does not match .*manifest"):
         sm.load(art)
     assert reads == []
+
+
+def test_a_signed_artifact_replaced_after_it_verified_is_refused_before_its_module_is_read(
+    base, keys, tmp_path, monkeypatch
+):
+    """The module is deserialized before the weights are read, inside the read: the files
+    verified must still be there before jax.export parses one."""
+    from symjax_mlp._artifact import reading
+
+    src, _ = base
+    art = tmp_path / "signed"
+    shutil.copytree(src, art)
+    sm.sign(art, keys["ours"][0])
+    other = forge.resign(src, tmp_path / "other", manifest=lambda m: m.update(name="other"))
+    read = reading.read_manifest
+
+    def replaced(path):  # a stranger's consistent artifact, written over the verified one
+        shutil.copy(other / "manifest.json", path / "manifest.json")
+        return read(path)
+
+    monkeypatch.setattr(reading, "read_manifest", replaced)
+    monkeypatch.setattr(reading, "deserialize", lambda *a: pytest.fail("parsed unverified"))
+    with pytest.raises(sm.ArtifactError, match=r"changed while it was verified and read"):
+        sm.load(art, verify_signature=keys["ours"][1])
