@@ -263,11 +263,17 @@ def test_a_save_made_while_the_one_before_commits_is_superseded_and_the_last_is_
 
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
-    manager, committed, state = store.manager, threading.Event(), _states()
+    manager, committed, waiting, state = (
+        store.manager,
+        threading.Event(),
+        threading.Event(),
+        _states(),
+    )
     wait = manager.wait_until_finished
 
     def wait_for_the_commit_before() -> None:
         if manager.all_steps():
+            waiting.set()
             committed.wait(30)
         wait()
 
@@ -281,18 +287,19 @@ def test_a_save_made_while_the_one_before_commits_is_superseded_and_the_last_is_
     assert not saver.is_alive() and not committed.is_set()  # none waited for the commit
     store._finish()  # the writer is done with 2..5, all superseded
     assert store.superseded == [2, 3, 4, 5] and _orbax.orbax_steps(tmp_path / "ck") == []
+    path = store.save(state(6), {"last": True}, last=True)  # 1 still commits: written anyway
+    assert waiting.wait(10)  # the writer waits for 1's commit, then writes 6
     committed.set()
-    store.save(state(6), {})  # none committing: written
-    path = store.save(state(7), {"last": True}, last=True)  # waits for 6's commit, written
+    store.save(state(7), {"last": True})  # none committing: written
     store.close()
     assert store.superseded == [2, 3, 4, 5] and _orbax.orbax_steps(tmp_path / "ck") == [6, 7]
     reader = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
     got, meta = reader.restore(path, state(0))
     reader.close()
     _assert_bitwise(*(
-        [np.asarray(a) for a in jax.tree.leaves((s.params, s.opt_state))] for s in (got, state(7))
+        [np.asarray(a) for a in jax.tree.leaves((s.params, s.opt_state))] for s in (got, state(6))
     ), "restored")  # fmt: skip
-    assert got.step == 7 and meta == {"last": True}
+    assert got.step == 6 and meta == {"last": True}
 
 
 def test_an_orbax_checkpoint_holds_no_array_metadatas(tmp_path):
