@@ -1599,7 +1599,7 @@ class AddPositionEmbs(nn.Module):
     def __call__(self, inputs, inputs_positions=None):
         config = self.config
         # inputs.shape is (batch_size, seq_len, emb_dim)
-        assert inputs.ndim == 3, "Number of dimensions should be 3, but it is: %d" % inputs.ndim  # noqa: UP031  # noqa: UP031
+        assert inputs.ndim == 3, "Number of dimensions should be 3, but it is: %d" % inputs.ndim  # noqa: UP031  # noqa: UP031  # noqa: UP031
         length = inputs.shape[1]
         pos_emb_shape = (1, config.max_len, inputs.shape[-1])
         if config.posemb_init is None:
@@ -1869,7 +1869,7 @@ class TaggerPositionEmbs(nn.Module):
     def __call__(self, inputs):
         config = self.config
         # inputs.shape is (batch_size, seq_len, emb_dim)
-        assert inputs.ndim == 3, "Number of dimensions should be 3, but it is: %d" % inputs.ndim  # noqa: UP031
+        assert inputs.ndim == 3, "Number of dimensions should be 3, but it is: %d" % inputs.ndim  # noqa: UP031  # noqa: UP031
         length = inputs.shape[1]
         pos_emb_shape = (1, config.max_len, inputs.shape[-1])
         if config.posemb_init is None:
@@ -2776,6 +2776,207 @@ def atari_frames(seed: int) -> jax.Array:
     return _ints(seed, (2, 12, 12, 4), 256).astype(jnp.uint8)
 
 
+# -- google-research/vision_transformer vit_jax/models_vit.py, as written there (google-research/
+# vision_transformer@c6de1e5378c9831a8477feb30994971bdc409e46; docstrings shortened): dropout in
+# the attention, the MLP and after the position embedding, all off by `deterministic=not train`
+# of a keyword-only `train`; a class token tiled over the batch; a `pre_logits` Dense + tanh of
+# `representation_size`; its `transformer` config a dict splatted into the encoder (a ConfigDict
+# there). Its ResNet root (for `resnet` not None: R50+ViT) is left out. `AddPositionEmbs`,
+# `MlpBlock`, `Encoder`, `VisionTransformer` are `Vit...` here (lm1b's, 05_vae's and
+# equinox's hold those names); `VitTransformer` is the file's `VisionTransformer`
+class IdentityLayer(nn.Module):
+    """Identity layer, convenient for giving a name to an array."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x
+
+
+class VitAddPositionEmbs(nn.Module):
+    """Adds learned positional embeddings to the inputs."""
+
+    posemb_init: Callable[[Any, tuple[int], Any], Any]
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, inputs):
+        # inputs.shape is (batch_size, seq_len, emb_dim).
+        assert inputs.ndim == 3, "Number of dimensions should be 3, but it is: %d" % inputs.ndim  # noqa: UP031
+        pos_emb_shape = (1, inputs.shape[1], inputs.shape[2])
+        pe = self.param("pos_embedding", self.posemb_init, pos_emb_shape, self.param_dtype)
+        return inputs + pe
+
+
+class VitMlpBlock(nn.Module):
+    """Transformer MLP / feed-forward block."""
+
+    mlp_dim: int
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    out_dim: int | None = None
+    dropout_rate: float = 0.1
+    kernel_init: Callable[..., Any] = nn.initializers.xavier_uniform()
+    bias_init: Callable[..., Any] = nn.initializers.normal(stddev=1e-6)
+
+    @nn.compact
+    def __call__(self, inputs, *, deterministic):
+        actual_out_dim = inputs.shape[-1] if self.out_dim is None else self.out_dim
+        x = nn.Dense(features=self.mlp_dim, dtype=self.dtype, param_dtype=self.param_dtype,
+                     kernel_init=self.kernel_init, bias_init=self.bias_init)(inputs)  # fmt: skip
+        x = nn.gelu(x)
+        x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+        output = nn.Dense(features=actual_out_dim, dtype=self.dtype,
+                          param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                          bias_init=self.bias_init)(x)  # fmt: skip
+        output = nn.Dropout(rate=self.dropout_rate)(output, deterministic=deterministic)
+        return output
+
+
+class Encoder1DBlock(nn.Module):
+    """Transformer encoder layer."""
+
+    mlp_dim: int
+    num_heads: int
+    dtype: Any = jnp.float32
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, inputs, *, deterministic):
+        # Attention block.
+        assert inputs.ndim == 3, f"Expected (batch, seq, hidden) got {inputs.shape}"
+        x = nn.LayerNorm(dtype=self.dtype)(inputs)
+        x = nn.MultiHeadDotProductAttention(
+            dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(),
+            broadcast_dropout=False, deterministic=deterministic,
+            dropout_rate=self.attention_dropout_rate, num_heads=self.num_heads)(x, x)  # fmt: skip
+        x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+        x = x + inputs
+
+        # MLP block.
+        y = nn.LayerNorm(dtype=self.dtype)(x)
+        y = VitMlpBlock(mlp_dim=self.mlp_dim, dtype=self.dtype, dropout_rate=self.dropout_rate)(
+            y, deterministic=deterministic
+        )
+        return x + y
+
+
+class VitEncoder(nn.Module):
+    """Transformer Model Encoder for sequence to sequence translation."""
+
+    num_layers: int
+    mlp_dim: int
+    num_heads: int
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.1
+    add_position_embedding: bool = True
+
+    @nn.compact
+    def __call__(self, x, *, train):
+        assert x.ndim == 3  # (batch, len, emb)
+
+        if self.add_position_embedding:
+            x = VitAddPositionEmbs(
+                posemb_init=nn.initializers.normal(stddev=0.02),  # from BERT.
+                name="posembed_input",
+            )(x)
+            x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=not train)
+
+        # Input Encoder
+        for lyr in range(self.num_layers):
+            x = Encoder1DBlock(
+                mlp_dim=self.mlp_dim,
+                dropout_rate=self.dropout_rate,
+                attention_dropout_rate=self.attention_dropout_rate,
+                name=f"encoderblock_{lyr}",
+                num_heads=self.num_heads,
+            )(x, deterministic=not train)
+        encoded = nn.LayerNorm(name="encoder_norm")(x)
+
+        return encoded
+
+
+class VitTransformer(nn.Module):
+    """VisionTransformer."""
+
+    num_classes: int
+    patches: Any
+    transformer: Any
+    hidden_size: int
+    resnet: Any | None = None
+    representation_size: int | None = None
+    classifier: str = "token"
+    head_bias_init: float = 0.0
+    encoder: type[nn.Module] = VitEncoder
+    model_name: str | None = None
+
+    @nn.compact
+    def __call__(self, inputs, *, train):
+        x = inputs
+        # (Possibly partial) ResNet root: left out here (`resnet` is None).
+        n, h, w, c = x.shape
+
+        # We can merge s2d+emb into a single conv; it's the same.
+        x = nn.Conv(features=self.hidden_size, kernel_size=self.patches.size,
+                    strides=self.patches.size, padding="VALID", name="embedding")(x)  # fmt: skip
+
+        # Here, x is a grid of embeddings.
+
+        # (Possibly partial) Transformer.
+        if self.transformer is not None:
+            n, h, w, c = x.shape
+            x = jnp.reshape(x, [n, h * w, c])
+
+            # If we want to add a class token, add it here.
+            if self.classifier in ["token", "token_unpooled"]:
+                cls = self.param("cls", nn.initializers.zeros, (1, 1, c))
+                cls = jnp.tile(cls, [n, 1, 1])
+                x = jnp.concatenate([cls, x], axis=1)
+
+            x = self.encoder(name="Transformer", **self.transformer)(x, train=train)
+
+        if self.classifier == "token":
+            x = x[:, 0]
+        elif self.classifier == "gap":
+            x = jnp.mean(x, axis=list(range(1, x.ndim - 1)))  # (1,) or (1,2)
+        elif self.classifier in ["unpooled", "token_unpooled"]:
+            pass
+        else:
+            raise ValueError(f"Invalid classifier={self.classifier}")
+
+        if self.representation_size is not None:
+            x = nn.Dense(features=self.representation_size, name="pre_logits")(x)
+            x = nn.tanh(x)
+        else:
+            x = IdentityLayer(name="pre_logits")(x)
+
+        if self.num_classes:
+            x = nn.Dense(features=self.num_classes, name="head",
+                         kernel_init=nn.initializers.zeros,
+                         bias_init=nn.initializers.constant(self.head_bias_init))(x)  # fmt: skip
+        return x
+
+
+def vit() -> VitTransformer:
+    """A tiny ViT for (n, 8, 8, 1) images: 4 patches of 4x4 and a class token, hidden 16, one
+    layer (vit_jax/configs/models.py's ViT-Ti/16 with every size cut down)."""
+    transformer = {"mlp_dim": 16, "num_heads": 2, "num_layers": 1,
+                   "attention_dropout_rate": 0.1, "dropout_rate": 0.1}  # fmt: skip
+    return VitTransformer(num_classes=10, patches=SimpleNamespace(size=(4, 4)),
+                          transformer=transformer, hidden_size=16, representation_size=8,
+                          model_name="ViT-tiny")  # fmt: skip
+
+
+def vit_variables():
+    """The tiny ViT's variables, its head as after training: ``head``'s kernel is initialized
+    to zeros (fine-tuning's start), which makes every logit 0 and its grads through the logits
+    0, so it is drawn here."""
+    variables = vit().init(jax.random.key(42), IMAGES, train=False)
+    head = variables["params"]["head"]
+    head = {**head, "kernel": jax.random.normal(jax.random.key(1), head["kernel"].shape)}
+    return {"params": {**variables["params"], "head": head}}
+
+
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
 #: params, a list of pairs), equinox's examples (a module, or a function of one), Flax's
@@ -2828,6 +3029,9 @@ MATRIX = (
     Case("jax_readme", "fn", lambda: (perex_grads, init_random_params(0.1, (5, 8, 3))),
          lambda s: (_x(s), _x(s + 7, (4, 3))),
          served=lambda: (flat_perex_grads, init_random_params(0.1, (5, 8, 3)))),
+    Case("vit", "linen", lambda: (vit(), vit_variables()), lambda s: (_x(s, (2, 8, 8, 1)),),
+         train={"train": True}, eval={"train": False}, rng=jax.random.key(3), classes=10,
+         allow=frozenset({"convolution", "dynamic_gather", "scatter", "real_dynamic_slice"})),
 )  # fmt: skip
 
 
