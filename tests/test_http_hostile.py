@@ -287,6 +287,57 @@ def test_a_body_trickled_below_the_minimum_rate_is_a_408_however_often_it_sends(
     assert intake.held == 0 and intake._reads._last.due == {}
 
 
+def test_a_body_at_the_minimum_rate_still_ends_within_a_cap(monkeypatch):
+    """A body trickled at MIN_BODY_RATE with a Content-Length near max_body_bytes held its
+    connection for up to 37 h (64 MiB at 500 bytes/s; max_connections of them locked everyone
+    out): however fast it comes, the whole body must end within MAX_BODY_TIMEOUTS x
+    body_timeout (patched here to 3 x 0.2 s). A body ending within it is read whole."""
+    from symjax_mlp.serving import _intake
+
+    monkeypatch.setattr(_intake, "MAX_BODY_TIMEOUTS", 3, raising=False)
+    intake = _intake.Intake(10_000, 0.2, 40_000)
+
+    async def read(request):
+        hold = [0]
+        try:
+            return await intake.read(request, hold)
+        except _intake.BadRequest as e:
+            return e.status, str(e)
+        finally:
+            intake.release(hold)
+
+    async def crowd():
+        steady = _Body(*[(0.05, b"1" * 100)] * 20)  # 2000 bytes/s for 1 s: past 0.6 s
+        start = time.monotonic()
+        got = await asyncio.gather(read(steady), read(_Body(*[(0.05, b"1" * 100)] * 8)))
+        return got, time.monotonic() - start
+
+    ((status, said), quick), took = asyncio.run(crowd())
+    assert status == 408 and quick == b"1" * 800 and took < 0.9, (said, took)
+    assert said.startswith("the body took too long: ") and (
+        " s, past 3 x (body_timeout=0.2). Send the whole body at once." in said
+    ), said
+    assert intake.held == 0 and intake._reads._last.due == {}
+
+
+def test_refusals_before_the_app_are_counted_on_metrics(server):
+    """A head too large (431), too slow (408) or no HTTP (400) was refused before the app saw
+    it, and /metrics counted none of it: an operator saw nothing of an attack."""
+    url, _, _ = server
+    before = {code: _count(url, code) for code in (400, 408, 431)}
+    sent = [b"GARBAGE\r\n\r\n", b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 80_000, b"GET /"]
+    clients = [socket.create_connection(("127.0.0.1", _port(url)), timeout=30) for _ in sent]
+    try:
+        for s, data in zip(clients, sent, strict=True):
+            s.sendall(data)
+        codes = [_answer(s, BODY_TIMEOUT + 10)[0] for s in clients]
+    finally:
+        for s in clients:
+            s.close()
+    assert codes == [400, 431, 408], codes
+    assert [_count(url, code) - before[code] for code in (400, 408, 431)] == [1, 1, 1]
+
+
 def test_connections_past_the_limit_are_refused_at_once(server):
     """Item 5: idle connections cannot queue requests for ever; once they go, it serves."""
     url, _, _ = server
@@ -306,14 +357,19 @@ def test_connections_past_the_limit_are_refused_at_once(server):
             answer = json.loads(e.read())
         assert answer["error"] == "OverloadError", answer
         assert f"max_connections={MAX_CONNECTIONS}" in answer["message"], answer
+        with pytest.raises(urllib.error.HTTPError) as caught:  # any path: counted too
+            urllib.request.urlopen(url + "/health", timeout=30)
+        with caught.value as e:
+            assert e.code == 503
     finally:
         for s in idle:
             s.close()
-    deadline = time.monotonic() + 10
-    while _post(url, x)[0] != 200:
+    deadline, refused = time.monotonic() + 10, 2  # /predict's and /health's 503
+    while (code := _post(url, x)[0]) != 200:
         assert time.monotonic() < deadline, "the closed connections were never released"
+        refused += code == 503
         time.sleep(0.1)
-    assert _count(url, 503) > before
+    assert _count(url, 503) == before + refused
 
 
 _POST = b"POST /predict HTTP/1.1\r\nHost: x\r\n"
@@ -1478,6 +1534,10 @@ def test_every_error_body_of_serve_names_the_model(server):
             answers.append(_post(u, json.dumps({"inputs": [[1.0, 0.0]]}).encode())[1])
     models = [json.loads(raw)["model"] for raw in answers]
     assert models == [name, name, "Batcher(<lambda>)"], answers
+    for raw in answers:  # one writer: the same bytes for the same fields, as the app's own
+        assert (
+            raw == json.dumps(json.loads(raw), ensure_ascii=False, separators=(",", ":")).encode()
+        )
 
 
 def test_a_500_names_a_file_of_the_artifact_by_the_models_name_and_hides_others(tmp_path):

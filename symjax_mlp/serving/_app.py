@@ -46,6 +46,7 @@ _LATE = (
     "batch that had started runs on). Retry later; if the model is this slow, raise "
     "request_timeout."
 )
+_TIMING = b"queued;dur=%.3f, padded;dur=%.3f, compute;dur=%.3f, split;dur=%.3f"
 REFUSED = "symjax_mlp.refused"  # a scope's key: the status serve's server answered it with
 # what a model's message may hold of the server's files, for a client: a traceback's frames
 # (JAX's callbacks and checkify quote one) and paths. A path is a word holding a separator
@@ -134,9 +135,9 @@ def create_app(
     Args:
       batcher: the :class:`~symjax_mlp.serving.Batcher` that runs the requests.
       max_body_bytes: larger request bodies are refused with 413.
-      body_timeout: a client that sends nothing of its body for this many seconds, or all
-        of it slower than 500 bytes/s after the first ``body_timeout`` seconds, is answered
-        408 and its connection closed (nginx's ``client_body_timeout``, Apache's MinRate).
+      body_timeout: a client that sends nothing of its body for this many seconds, or all of
+        it slower than 500 bytes/s after the first ``body_timeout`` seconds (or not within 10
+        of them), is answered 408 and closed (nginx's client_body_timeout, Apache's MinRate).
       max_inflight_bytes: the most bytes all request bodies being received and decoded may
         hold together (default: ``4 * max_body_bytes``); past it: 503 with ``Retry-After``.
       close_batcher: close the batcher when the app shuts down: it finishes queued work,
@@ -193,7 +194,7 @@ def create_app(
         by_code[status] += 1  # a 500's message is the model's (or a bug's): its text cut
         text = public.text(e) if status == 500 else public.scrub(str(e))
         kind = short(printable(type(e).__name__), 100)  # a class may be named by a model too
-        return JSONResponse({"error": kind, "message": text, "model": public.name}, status, headers)
+        return error_body(status, kind, text, public.name, headers)
 
     async def predict(request: Request) -> Any:  # a Response, or a 200's ASGI answer
         hold = [0]  # the bytes this request's body holds of the shared budget
@@ -221,10 +222,8 @@ def create_app(
             del body
             intake.release(hold)  # decoded: the arrays are the queue's to bound (max_queue)
             request = batcher.asubmit(*inputs)
-        except BadRequest as e:
-            return error(e.status, e)
-        except SignatureError as e:
-            return error(422, e)
+        except (BadRequest, SignatureError) as e:  # unreadable (its status), or not the model's
+            return error(getattr(e, "status", 422), e)
         except OverloadError as e:
             return error(503, e, {"Retry-After": "1"})
         except Exception as e:  # closed: shutting down; else the client's bytes provoked it
@@ -301,7 +300,7 @@ def create_app(
     async def metrics(request: Request) -> Response:
         name = f"{prefix}_http_requests_total"
         text = batcher.stats.to_prometheus(f"{prefix}_batcher")
-        text += f"# HELP {name} Answered /predict requests, by status code.\n"
+        text += f"# HELP {name} /predict's answers and serve's refusals, by status code.\n"
         text += f"# TYPE {name} counter\n"
         text += "".join(f'{name}{{code="{c}"}} {n}\n' for c, n in sorted(by_code.items()))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -320,13 +319,11 @@ def create_app(
         allowed = {"Allow": e.headers["Allow"]} if e.headers and "Allow" in e.headers else {}
         path = short(printable(public.scrub(request.url.path)))
         what = "a wrong method" if e.status_code == 405 else "a wrong path"
-        bare = path.rstrip("/")
-        if bare != path and any(r.path == bare for r in routes):
+        if (bare := path.rstrip("/")) != path and any(r.path == bare for r in routes):
             what = f"drop the trailing slash: {bare}"
         said = f"no endpoint takes {request.method} {path} ({what}); the endpoints: {ENDPOINTS}."
         kind = "NotFound" if e.status_code == 404 else "MethodNotAllowed"
-        body = {"error": kind, "message": said, "model": public.name}
-        return JSONResponse(body, status_code=e.status_code, headers=allowed)
+        return error_body(e.status_code, kind, said, public.name, allowed)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any):
@@ -341,12 +338,15 @@ def create_app(
     routes += [Route(f"/{f.__name__}", f, methods=["GET"]) for f in (health, metrics, signature)]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
     app.router.redirect_slashes = False  # POST /predict/: the JSON 404, not an empty 307
-    app.state.answered = by_code  # what /metrics counts, for a refusal before the app's
-    app.state.model = public.name  # what such a refusal names
+    app.state.answered, app.state.model = by_code, public.name  # for serve's own refusals
     return app
 
 
-_TIMING = b"queued;dur=%.3f, padded;dur=%.3f, compute;dur=%.3f, split;dur=%.3f"
+def error_body(status: int, kind: str, message: str, model: str, headers: Any = None) -> Any:
+    """The JSON error body of every refusal (the app's; serve's, before the app), for starlette."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": kind, "message": message, "model": model}, status, headers)
 
 
 def load_entry(artifact: Any, entry: str | None = None, **options: Any) -> LoadedModel:
@@ -356,8 +356,7 @@ def load_entry(artifact: Any, entry: str | None = None, **options: Any) -> Loade
 
 
 def model_name(model: LoadedModel) -> str:
-    """A loaded artifact's name for clients: its manifest's (cut: it is in every message), and
-    the entry point's if several."""
+    """Its name for clients: the manifest's (cut), and the entry point's if several."""
     name = short(printable(str(model.manifest.get("name") or "model")), 100)
     return name + (f"[{model.entry!r}]" if len(model.entries) > 1 else "")
 

@@ -3,7 +3,8 @@
 :class:`Intake` bounds a body's size (413), its pace (408: nothing for ``body_timeout`` seconds
 between two reads, nginx's ``client_body_timeout``; or the whole body slower than
 :data:`MIN_BODY_RATE` after its first ``body_timeout`` seconds, Apache's mod_reqtimeout, so a
-byte now and then holds no connection for hours) and the bytes all bodies hold at once (503; no
+byte now and then holds no connection for hours; or not whole after :data:`MAX_BODY_TIMEOUTS`
+of them, as mod_reqtimeout's ``body=20-40``) and the bytes all bodies hold at once (503; no
 lock: one loop runs every read). One timer per loop watches every read (:class:`_Deadlines`):
 the timeout is the same for all, so deadlines kept in the order set are in time order, and a
 body there at once costs a dict entry, not a timer of its own; a body behind the rate has its
@@ -21,6 +22,9 @@ from symjax_mlp.serving._bodies import BadRequest
 #: Bytes a second a body must average after its first ``body_timeout`` seconds (a phone on
 #: GPRS sends 5 000; Apache's mod_reqtimeout asks 500 by default).
 MIN_BODY_RATE = 500
+#: A body must end within this many ``body_timeout`` however fast it comes (10 min by default):
+#: at :data:`MIN_BODY_RATE`, 64 MiB held a connection for 37 h.
+MAX_BODY_TIMEOUTS = 10
 
 
 class Intake:
@@ -66,21 +70,20 @@ class Intake:
                 hold[0] += len(chunk)
                 chunks.append(chunk)
                 if more:
-                    due = end + received / MIN_BODY_RATE
+                    due = end + min(received / MIN_BODY_RATE, (MAX_BODY_TIMEOUTS - 1) * limit)
                     if due < deadlines.set(task) or behind is not None:  # a timer of its own
                         behind = deadlines.at(task, due, behind)
         except asyncio.CancelledError:  # ours (408), unless another cancel came too
             if not deadlines.clear(task) or task.uncancel() > cancelling:
                 raise
-            took = deadlines.loop.time() - end + limit
-            why = (
-                f"the body came too slowly: {received} bytes in {took:.1f} s, under "
-                f"{MIN_BODY_RATE} bytes/s after its first {limit:g} s"
-                if behind is not None
-                else f"the body stopped arriving: nothing came for {limit:g} s after {received} "
-                "bytes"
-            )
-            said = f"{why} (body_timeout={limit:g}). Send the whole body at once."
+            took, got = deadlines.loop.time() - end + limit, f"{received} bytes"
+            why = f"stopped arriving: nothing came for {limit:g} s after {got}"
+            if behind is not None:  # the rate's timer (or the cap's, where it came first)
+                why = f"came too slowly: {got} in {took:.1f} s, under {MIN_BODY_RATE} bytes/s "
+                why += f"after its first {limit:g} s"
+                if received / MIN_BODY_RATE >= (MAX_BODY_TIMEOUTS - 1) * limit:
+                    why = f"took too long: {got} in {took:.1f} s, past {MAX_BODY_TIMEOUTS} x"
+            said = f"the body {why} (body_timeout={limit:g}). Send the whole body at once."
             raise BadRequest(408, said) from None
         finally:
             if behind is not None:

@@ -6,13 +6,13 @@ and :data:`MAX_HEAD_BYTES` (else 431); one sent while a request runs is read onc
 h11 does). An answer given before the body ended closes the connection lingering, so the client
 reads it; answers left unread for ``head_timeout`` drop the connection (nginx's ``send_timeout``).
 uvicorn's own answers (400 with the parser's reason, 503 past ``max_connections``) are the JSON
-error body too; a client that shuts down its side within a request gets a 400.
+error body too; a client that shuts down its side within a request gets a 400. /metrics counts
+each of these refusals, as the app's own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -30,6 +30,7 @@ from symjax_mlp.serving._app import (
     check_limits,
     create_app,
     drain,
+    error_body,
     load_entry,
     model_name,
     require,
@@ -95,12 +96,12 @@ class _Lingering:
             self._protocol.loop.call_later(LINGER, self._check)
 
 
-def bounded_heads(
-    head_timeout: float, max_head_bytes: int = MAX_HEAD_BYTES, model: str = "model"
-) -> type:
+def bounded_heads(head_timeout: float, app: Any = None) -> type:
     """uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``), with heads bounded; its
-    refusals name ``model`` (the app's ``state.model``), as the app's own error bodies do."""
+    refusals name ``app``'s model and are counted on its /metrics, as the app's own are."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    model = "model" if app is None else app.state.model
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         open = 0  # connections now, all of this server's (see limited())
@@ -135,12 +136,14 @@ def bounded_heads(
                 ))  # fmt: skip
 
         def _refuse(self, status: int, message: str) -> None:
-            if not self._waiting():  # the app reads this request: /metrics counts this answer
+            if not self._waiting():  # the app reads this request: it counts this answer
                 self.cycle.scope[REFUSED] = status
-            body = json.dumps({"error": "BadRequest", "message": message, "model": model}).encode()
-            head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: "
-            head += f"application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
-            self.transport.write(head.encode() + body)
+            elif app is not None:  # in no request: counted here
+                app.state.answered[status] += 1
+            said = error_body(status, "BadRequest", message, model, {"connection": "close"})
+            head = b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())
+            head += b"".join(b"%s: %s\r\n" % pair for pair in said.raw_headers)
+            self.transport.write(head + b"\r\n" + said.body)
             self.transport.close()
 
         def pause_writing(self) -> None:  # answers wait for the client to read them
@@ -197,11 +200,11 @@ def bounded_heads(
                 self._bound()
 
         def _bound(self) -> None:  # the head so far: past the limit, a 431; else it is timed
-            if self._head_bytes > max_head_bytes:
+            if self._head_bytes > MAX_HEAD_BYTES:
                 self._disarm()
                 return self._refuse(431, (
                     f"the request's line and headers (or its chunked body's trailers) passed "
-                    f"{max_head_bytes} bytes; send shorter ones."
+                    f"{MAX_HEAD_BYTES} bytes; send shorter ones."
                 ))  # fmt: skip
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(head_timeout, self._late, self.cycle)
@@ -235,21 +238,18 @@ def limited(app: Any, heads: type, limit: int) -> Any:
     """``app``, answering a request 503 (the JSON error body, with ``Retry-After``) while more
     than ``limit`` connections of ``heads`` are open or ``limit`` requests run (uvicorn's
     ``limit_concurrency`` answers in text/plain, and refuses every request at 1)."""
-    from starlette.responses import JSONResponse
-
     running = [0]
 
     async def limited_app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await app(scope, receive, send)
         if heads.open > limit or running[0] >= limit:
-            if scope["path"] == "/predict":
-                app.state.answered[503] += 1
+            app.state.answered[503] += 1  # any path's
             message = (f"the server has {heads.open} connections open and {running[0]} requests "
                        f"running, past max_connections={limit}; retry shortly.")  # fmt: skip
             headers = {"Connection": "close", "Retry-After": "1"}
-            body = {"error": "OverloadError", "message": message, "model": app.state.model}
-            return await JSONResponse(body, 503, headers)(scope, receive, send)
+            said = error_body(503, "OverloadError", message, app.state.model, headers)
+            return await said(scope, receive, send)
         running[0] += 1
         try:
             return await app(scope, receive, send)
@@ -340,7 +340,7 @@ def serve(
             sock.listen(2048)  # connections queue from here on: "ready" means ready
             shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
             url = f"http://{shown}:{sock.getsockname()[1]}"
-            heads = bounded_heads(body_timeout, model=app.state.model)  # within time, 64 KiB
+            heads = bounded_heads(body_timeout, app=app)  # within time, 64 KiB
             server = uvicorn.Server(uvicorn.Config(
                 limited(app, heads, max_connections),  # not limit_concurrency: a text 503
                 log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=30,
