@@ -21,7 +21,7 @@ from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent, walk
 from symjax_mlp._hybrid.mesh import constrained
 from symjax_mlp._hybrid.pure import is_key
-from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error
+from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, unbindable
 from symjax_mlp._specs import (
     TensorSpec,
     array_kwargs_error,
@@ -106,8 +106,7 @@ def stage(
     """``h`` ready for ``jax.export``: checked, its inputs as structs, its params as stored."""
     examples = tuple(example) if isinstance(example, (tuple, list)) else (example,)
     kw = dict(kwargs or {})
-    training = h.training_mode(*examples, **kw)
-    if training:
+    if training := h.training_mode(*examples, **kw):
         raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
     static, examples, array_kwargs = partition(
         examples, kw, h.static_argnums, h.static_argnames, caller=f"export({h.name})"
@@ -118,6 +117,11 @@ def stage(
     names, placed = keyword_arrays(h.__signature__, len(examples), kw)  # more arrays than places
     if names:
         raise SignatureError(array_kwargs_error(h.name, names, placed, kw, h.__signature__))
+    e_g = "" if (mode := _mode(h, kw)) is None else f", e.g. kwargs={mode}"
+    fix = f"Pass its inputs as example= and its settings as kwargs={e_g}."
+    args = rebuild(static, examples, {})[0]  # checked here: the trace's refusal names h's call
+    if unbound := unbindable(f"export({h.name})", h, args, kw, skip=0, fix=fix):
+        raise unbound
     in_specs = input_structs(examples, batch, shapes, tuple(constraints), h.name)
     stored, fn, baked = _exportable(h)
     streams = _moved(h, static, examples, kw)
@@ -361,10 +365,9 @@ def _trace(jitted: Any, p_structs: Any, stage: Stage) -> tuple[Any, list[Any]]:
 
 def _traces(jitted: Any, p_structs: Any, inputs: Sequence[Any]) -> bool:
     try:
-        jitted.trace(p_structs, *inputs)
+        return jitted.trace(p_structs, *inputs) is not None
     except Exception:
         return False
-    return True
 
 
 def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:

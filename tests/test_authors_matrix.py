@@ -232,6 +232,15 @@ def test_export_loads_in_jax_and_iree_as_the_source(case, exported, tmp_path, mo
     assert len(list(tmp_path.glob("symjax_mlp/iree/*.vmfb"))) == 1  # compiled, once
 
 
+def test_exporting_without_a_required_flag_names_exports_kwargs_not_a_call(tmp_path):
+    case = next(c for c in MATRIX if c.name == "vit")  # VisionTransformer(inputs, *, train)
+    h, (x,) = case.hybridize("eval"), case.inputs(0)
+    with pytest.raises(sm.SignatureError, match=r"^export\(VitTransformer\): .*'train'") as e:
+        sm.export(h, tmp_path / "m", example=x)
+    assert "kwargs={'train': False}" in str(e.value) and "h(" not in str(e.value)
+    assert not (tmp_path / "m").exists()
+
+
 def test_exporting_an_equinox_state_input_names_the_inference_model_that_exports():
     from helpers import EqxStateful, evaluate, state_batch
 

@@ -139,7 +139,7 @@ def unbindable(
         call += [f"{p.name}={p.name}" for p in need if p.kind == p.KEYWORD_ONLY]
         return SignatureError(
             _ARGUMENTS.format(name=name, whose=whose, inputs=str(inputs)[1:-1], error=e,
-                              fix=fix.format(call=", ".join(call)))
+                              fix=fix.replace("{call}", ", ".join(call)))
         )  # fmt: skip
     return None
 
