@@ -185,6 +185,20 @@ def test_stage_and_graph_count_the_same_layers(case):
     assert h.trace_count == 0
 
 
+def test_staging_a_linen_apply_without_its_flag_names_the_models_inputs_not_flaxs_typeerror():
+    case = next(c for c in MATRIX if c.name == "vit")  # VisionTransformer(inputs, *, train)
+    (model, variables), (x,) = case.build(), case.inputs(0)
+    with pytest.raises(
+        sm.SignatureError,
+        match=r"^stage\(apply\): the call's arguments do not fit VitTransformer's inputs "
+        r"\(inputs, \*, train\): missing a required argument: 'train'\. .*"
+        r"stage\(apply\)\(variables, inputs, train=train\)",
+    ):
+        sm.stage(model.apply)(variables, x, rngs={"dropout": jax.random.key(0)})
+    staged = sm.stage(model.apply)(variables, x, train=False)  # as it says
+    assert staged.primitive_counts["dot_general"] == 10
+
+
 @pytest.mark.parametrize(
     ("name", "layer", "n"),
     [("eqx_cnn", "vmap(eqx.nn.Linear)", 3), ("eqx_stateful", "vmap(eqx.nn.BatchNorm)", 2)],

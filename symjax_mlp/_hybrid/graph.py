@@ -21,7 +21,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from symjax_mlp._compat import layer_scopes
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.args import partition, rebuild, split_equinox
 from symjax_mlp._hybrid.jaxpr import Body, bodies, call_name, count_flops, layer_of, numbered, walk
 from symjax_mlp._hybrid.trace import symbolic, unbindable
@@ -96,6 +96,8 @@ class Graph:
         if (unbound := unbindable(f"stage({name})", fn, args, kwargs, skip=0, fix=fix,
                                   whose=f"{name}'s")) is not None:  # fmt: skip
             raise unbound  # not Python's TypeError from inside the trace
+        if (unbound := _unbound_apply(fn, name, args, kwargs)) is not None:
+            raise unbound  # apply(variables, *args, **kwargs) let them through to Flax's
         args, kwargs, join = split_equinox(args, kwargs)
         static, dyn, dyn_kw = partition(args, kwargs, caller=f"stage({name})", lists=True)
 
@@ -201,6 +203,24 @@ def _nnx_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     with contextlib.suppress(TypeError, ValueError):  # the module's call's, without self
         call.__signature__ = inspect.signature(fn)
     return call
+
+
+#: flax.linen.Module.apply's own keywords, not its module's call's
+_APPLY = ("rngs", "method", "mutable", "capture_intermediates")
+
+
+def _unbound_apply(fn: Any, name: str, args: tuple, kwargs: dict) -> SignatureError | None:
+    """Arguments of a linen ``model.apply`` (no ``method=``) that its module's call does not
+    take, as :func:`unbindable` names them; ``None`` if they bind or ``fn`` is no such apply."""
+    linen, module = sys.modules.get("flax.linen"), getattr(fn, "__self__", None)
+    if linen is None or not isinstance(module, linen.Module) or kwargs.get("method") is not None:
+        return None
+    if getattr(fn, "__name__", None) != "apply" or not args:
+        return None
+    model, own = type(module).__name__, {k: v for k, v in kwargs.items() if k not in _APPLY}
+    fix = f"Pass them as {model} takes them: stage({name})(variables, {{call}})."
+    return unbindable(f"stage({name})", module.__call__, args[1:], own, skip=0, fix=fix,
+                      whose=f"{model}'s")  # fmt: skip
 
 
 def _name(fn: Callable[..., Any]) -> str:
