@@ -372,6 +372,42 @@ def test_connections_past_the_limit_are_refused_at_once(server):
     assert _count(url, 503) == before + refused
 
 
+def test_connections_past_the_limit_are_refused_as_they_open_and_hold_no_head(server):
+    """A connection past max_connections was read as any other (its head, up to 64 KiB, kept
+    for body_timeout) and refused only once its request was parsed: 2000 of them held 128 MB of
+    a server of max_connections=12. Now each is answered 503 as it opens, and what it sends is
+    dropped as it comes (the close lingers, so a client that sent its request reads the 503)."""
+    url, _, pid = server
+    x = json.dumps({"inputs": np.zeros((1, 512), np.float32).tolist()}).encode()
+    before, rss = _count(url, 503), _rss(pid)
+    idle = [socket.create_connection(("127.0.0.1", _port(url))) for _ in range(MAX_CONNECTIONS)]
+    past = []
+    try:
+        time.sleep(0.2)
+        for _ in range(PAST):
+            past.append(socket.create_connection(("127.0.0.1", _port(url)), timeout=30))
+            with contextlib.suppress(ConnectionError):
+                past[-1].sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 60_000)
+        time.sleep(0.5)
+        held = _rss(pid) - rss
+        head, _, said = _answer_of(past[-1])
+    finally:
+        for s in idle + past:
+            s.close()
+    assert held < PAST * 2**14, held  # 16 KB a connection; a head each was 64 KB
+    assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), head
+    assert json.loads(said)["error"] == "OverloadError" and "max_connections=12" in str(said)
+    deadline, refused = time.monotonic() + 10, PAST
+    while (code := _post(url, x)[0]) != 200:
+        assert time.monotonic() < deadline, "the closed connections were never released"
+        refused += code == 503
+        time.sleep(0.1)
+    assert _count(url, 503) == before + refused
+
+
+PAST = 400
+
+
 _POST = b"POST /predict HTTP/1.1\r\nHost: x\r\n"
 
 

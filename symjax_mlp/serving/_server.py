@@ -73,12 +73,12 @@ class _Lingering:
             self._t.write(data)
             self._head = b""
 
-    def close(self) -> None:
+    def close(self, linger: bool = False) -> None:  # linger: whatever the request (a 503)
         self.write(b"")  # a head held: sent first
         cycle = self._protocol.cycle
-        if cycle is None or not cycle.more_body or self.is_closing() or not self._t.can_write_eof():
-            self._t.close()
-            return
+        linger = linger or (cycle is not None and cycle.more_body)
+        if not linger or self.is_closing() or not self._t.can_write_eof():
+            return self._t.close()
         self.lingering = True
         self._t.write_eof()
         self._t.resume_reading()
@@ -104,13 +104,16 @@ def bounded_heads(head_timeout: float, app: Any = None) -> type:
     model = "model" if app is None else app.state.model
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-        open = 0  # connections now, all of this server's (see limited())
+        open, limit = 0, 1 << 62  # connections now, all of this server's; limited() sets limit
         _deferred = False  # a 400 waits for the answers to the requests before it
 
         def connection_made(self, transport: Any) -> None:
             BoundedHeads.open += 1
             super().connection_made(_Lingering(transport, self, head_timeout))
             self._head_bytes, self._head_timer, self._send_timer = 0, None, None
+            if BoundedHeads.open > BoundedHeads.limit:  # refused at once: nothing of it is read
+                said = f"the server has {self.open} connections open, past max_connections="
+                return self._refuse(503, f"{said}{self.limit}; retry shortly.")
             self._bound()
 
         def send_400_response(self, msg: str) -> None:  # uvicorn's, in text/plain
@@ -140,11 +143,13 @@ def bounded_heads(head_timeout: float, app: Any = None) -> type:
                 self.cycle.scope[REFUSED] = status
             elif app is not None:  # in no request: counted here
                 app.state.answered[status] += 1
-            said = error_body(status, "BadRequest", message, model, {"connection": "close"})
+            busy = {"retry-after": "1"} if status == 503 else {}  # past max_connections
+            kind = "OverloadError" if busy else "BadRequest"
+            said = error_body(status, kind, message, model, {"connection": "close", **busy})
             head = b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())
             head += b"".join(b"%s: %s\r\n" % pair for pair in said.raw_headers)
             self.transport.write(head + b"\r\n" + said.body)
-            self.transport.close()
+            self.transport.close(linger=bool(busy))  # busy: its request comes, to be dropped
 
         def pause_writing(self) -> None:  # answers wait for the client to read them
             super().pause_writing()
@@ -202,10 +207,8 @@ def bounded_heads(head_timeout: float, app: Any = None) -> type:
         def _bound(self) -> None:  # the head so far: past the limit, a 431; else it is timed
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._disarm()
-                return self._refuse(431, (
-                    f"the request's line and headers (or its chunked body's trailers) passed "
-                    f"{MAX_HEAD_BYTES} bytes; send shorter ones."
-                ))  # fmt: skip
+                said = "the request's line and headers (or its chunked body's trailers) passed"
+                return self._refuse(431, f"{said} {MAX_HEAD_BYTES} bytes; send shorter ones.")
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(head_timeout, self._late, self.cycle)
 
@@ -238,7 +241,7 @@ def limited(app: Any, heads: type, limit: int) -> Any:
     """``app``, answering a request 503 (the JSON error body, with ``Retry-After``) while more
     than ``limit`` connections of ``heads`` are open or ``limit`` requests run (uvicorn's
     ``limit_concurrency`` answers in text/plain, and refuses every request at 1)."""
-    running = [0]
+    running, heads.limit = [0], limit  # a connection past it: refused as it opens (bounded_heads)
 
     async def limited_app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -284,10 +287,9 @@ def serve(
     """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
 
     Binds ``host:port`` (``port=0``: a free port), loads the artifact, compiles the batcher's
-    buckets, calls ``ready(url)`` and runs uvicorn. On a signal it finishes the requests in
-    flight and queued, and returns. For per-request latency on the CPU, call
-    :func:`~symjax_mlp.serving.latency_mode` first, and ``gc.freeze()`` in ``ready``, as
-    ``symjax-mlp serve`` does.
+    buckets, calls ``ready(url)`` and runs uvicorn; on a signal it finishes the requests in flight
+    and queued, and returns. For latency on the CPU, call :func:`~symjax_mlp.serving.latency_mode`
+    first, and ``gc.freeze()`` in ``ready``, as ``symjax-mlp serve`` does.
 
     Args:
       artifact: the artifact directory.
@@ -297,15 +299,13 @@ def serve(
       max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app` (a body slower
         than 500 bytes/s past ``body_timeout`` is a 408 too); a request's head must come within
         it (and 64 KiB; else 408, 431), and a client leaving its answers unread for it is dropped.
-      request_timeout: see :func:`create_app` (504 past it; ``/health`` 503 while a batch runs
-        longer).
-      max_connections: the most connections (and requests) at once; past it a request is
-        answered 503, the JSON error body with ``Retry-After``.
+      request_timeout: see :func:`create_app` (504 past it; /health 503 while a batch is longer).
+      max_connections: the most connections (and requests) at once; past it, a 503 with
+        ``Retry-After`` (a connection past it, as it opens: nothing of it is read).
       log_level: uvicorn's log level.
       ready: called with the URL once the socket is bound (default: prints it).
       entry: the entry point to serve (default: the artifact's default one).
-      params_as_constants, trust, allow, verify_signature: passed to
-        :func:`~symjax_mlp.load`.
+      params_as_constants, trust, allow, verify_signature: passed to :func:`~symjax_mlp.load`.
 
     Raises:
       ConfigError: ``params_as_constants`` with ``runtime="iree"`` or a sharded artifact.
