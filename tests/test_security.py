@@ -575,6 +575,9 @@ def test_a_fifo_as_a_checkpoint_manifest_never_blocks(tmp_path):
 
 
 # -- 4. two exports racing for one new path --------------------------------------------------------
+# Two processes race ROUNDS times (a path each round, a barrier before each rename): one pair of
+# processes, not a pair a round, so that JAX starts twice, not 2 x ROUNDS times.
+ROUNDS = 3
 RACER = textwrap.dedent(
     """
     import os, sys, time
@@ -582,58 +585,62 @@ RACER = textwrap.dedent(
     import symjax_mlp as sm
     import symjax_mlp._files as files_seam
 
-    seed, target, ready, go = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    real = files_seam.write_file
+    seed, rounds, tmp, me = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    real, now = files_seam.write_file, [0]
 
     def after_the_first_check(file, data):  # both writers are past export's first check
         if file.name == "manifest.json":
-            open(ready, "w").close()
-            while not os.path.exists(go):
+            open(os.path.join(tmp, f"ready{now[0]}-{me}"), "w").close()
+            while not os.path.exists(os.path.join(tmp, f"go{now[0]}")):
                 time.sleep(0.005)
         real(file, data)
 
     files_seam.write_file = after_the_first_check
     net = sm.mlp((4, 2))
     x = jnp.ones((2, 3))
-    h = sm.hybridize(net, net.init(jax.random.key(seed), x))
-    try:
-        sm.export(h, target, example=x)
-    except sm.ArtifactError as e:
-        print("LOST", e)
-    else:
-        print("WON", np.asarray(h.params["params"]["layers_0"]["kernel"]).tobytes().hex())
+    for now[0] in range(rounds):
+        h = sm.hybridize(net, net.init(jax.random.key(seed + 100 * now[0]), x))
+        try:
+            sm.export(h, os.path.join(tmp, f"art{now[0]}"), example=x)
+        except sm.ArtifactError as e:
+            print(now[0], "LOST", e, flush=True)
+        else:
+            kernel = np.asarray(h.params["params"]["layers_0"]["kernel"])
+            print(now[0], "WON", kernel.tobytes().hex(), flush=True)
     """
 )
 
 
 def test_two_processes_exporting_to_one_new_path_never_lose_the_winner(tmp_path):
-    for round_ in range(3):
-        target, go = tmp_path / f"art{round_}", tmp_path / f"go{round_}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(10 + i), str(ROUNDS), str(tmp_path), str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    for round_ in range(ROUNDS):
         ready = [tmp_path / f"ready{round_}-{i}" for i in range(2)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", RACER, str(10 + i), str(target), str(ready[i]), str(go)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for i in range(2)
-        ]
-        deadline = time.monotonic() + 120
         while not all(r.exists() for r in ready):
             assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        go.touch()
-        outs = [p.communicate(timeout=120) for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], outs
+        (tmp_path / f"go{round_}").touch()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for round_ in range(ROUNDS):
         lines = sorted(
-            next(x for x in reversed(o.splitlines()) if x.startswith(("LOST", "WON")))
+            line.split(" ", 1)[1]
             for o, _ in outs
+            for line in o.splitlines()
+            if line.startswith((f"{round_} LOST", f"{round_} WON"))
         )
         assert [line.split()[0] for line in lines] == ["LOST", "WON"], outs
         assert "already exists" in lines[0] or "created it meanwhile" in lines[0]
-        m = sm.load(target)  # loads: whole, self-test included
+        m = sm.load(tmp_path / f"art{round_}")  # loads: whole, self-test included
         kernel = m.params["params/layers_0/kernel"]
         assert kernel.tobytes().hex() == lines[1].split()[1]  # and it is the winner's
         assert m(np.ones((2, 3), np.float32)).shape == (2, 2)
