@@ -2967,11 +2967,14 @@ def vit() -> VitTransformer:
                           model_name="ViT-tiny")  # fmt: skip
 
 
+@cache
 def vit_variables():
-    """The tiny ViT's variables, its head as after training: ``head``'s kernel is initialized
-    to zeros (fine-tuning's start), which makes every logit 0 and its grads through the logits
-    0, so it is drawn here."""
-    variables = vit().init(jax.random.key(42), IMAGES, train=False)
+    """train.py's ``jax.jit(init_model)()``, ``model.init(key, ones, train=False)``; its head
+    as after training: ``head``'s kernel is initialized to zeros (fine-tuning's start), which
+    makes every logit 0 and its grads through the logits 0, so it is drawn here."""
+    variables = jax.jit(
+        lambda: vit().init(jax.random.key(0), jnp.ones((2, 8, 8, 1)), train=False)
+    )()
     head = variables["params"]["head"]
     head = {**head, "kernel": jax.random.normal(jax.random.key(1), head["kernel"].shape)}
     return {"params": {**variables["params"], "head": head}}
