@@ -462,6 +462,18 @@ def mixer() -> MlpMixer:
                     channels_mlp_dim=8)  # fmt: skip
 
 
+def trained_head(variables):
+    """``variables`` with their ``head`` kernel drawn, as after training: vit_jax initializes it
+    to zeros (fine-tuning's start), which makes every logit 0 and every grad through them 0."""
+    head = variables["params"]["head"]
+    head = {**head, "kernel": jax.random.normal(jax.random.key(1), head["kernel"].shape)}
+    return {**variables, "params": {**variables["params"], "head": head}}
+
+
+def _mixer():
+    return mixer(), trained_head(mixer().init(jax.random.key(42), IMAGES, train=False))
+
+
 class TutorialCNN(nnx.Module):
     """flax docs_nnx/mnist_tutorial: the CNN, its dropout drawing from ``rngs`` passed in."""
 
@@ -1026,7 +1038,7 @@ AUTHORS = (
          rng=jax.random.key(3), classes=8),
     Case("batch_norm_guide", "linen", _linen(BatchNormGuideMLP(), X, train=False),
          lambda s: (_x(s),), train={"train": True}, eval={"train": False}),
-    Case("mixer", "linen", _linen(mixer(), IMAGES, train=False),
+    Case("mixer", "linen", _mixer,
          lambda s: (_x(s, (2, 8, 8, 1)),), train={"train": True}, eval={"train": False},
          classes=10, allow=frozenset({"convolution"})),
 )  # fmt: skip
@@ -2969,15 +2981,10 @@ def vit() -> VitTransformer:
 
 @cache
 def vit_variables():
-    """train.py's ``jax.jit(init_model)()``, ``model.init(key, ones, train=False)``; its head
-    as after training: ``head``'s kernel is initialized to zeros (fine-tuning's start), which
-    makes every logit 0 and its grads through the logits 0, so it is drawn here."""
-    variables = jax.jit(
-        lambda: vit().init(jax.random.key(0), jnp.ones((2, 8, 8, 1)), train=False)
-    )()
-    head = variables["params"]["head"]
-    head = {**head, "kernel": jax.random.normal(jax.random.key(1), head["kernel"].shape)}
-    return {"params": {**variables["params"], "head": head}}
+    """train.py's ``jax.jit(init_model)()``, ``model.init(key, ones, train=False)``, its head
+    as after training (:func:`trained_head`)."""
+    init = lambda: vit().init(jax.random.key(0), jnp.ones((2, 8, 8, 1)), train=False)  # noqa: E731
+    return trained_head(jax.jit(init)())
 
 
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
