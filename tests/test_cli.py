@@ -233,10 +233,20 @@ from symjax_mlp import cli
 def once(phase, info):  # one Ctrl-C, landing in a collector callback (JAX's _xla_gc_callback)
     gc.callbacks.remove(once)
     raise KeyboardInterrupt
+class Started:  # the tour's first write: past the imports, inside the command
+    def __init__(self, stream):
+        self.stream, self.event = stream, threading.Event()
+    def write(self, s):
+        self.event.set()
+        return self.stream.write(s)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+sys.stdout = started = Started(sys.stdout)
 def collect():
+    started.event.wait()
     gc.callbacks.append(once)
     gc.collect()
-threading.Timer(3, collect).start()
+threading.Thread(target=collect, daemon=True).start()
 sys.argv = ["symjax-mlp", "tour", "--calls", "100000000"]
 cli.run()
 """
@@ -254,22 +264,28 @@ def test_a_ctrl_c_python_can_only_print_still_stops_the_command():
 
 
 def test_ctrl_c_leaves_at_once_while_other_threads_still_work():
+    import signal
+
     # XLA compiles on its own threads; an interrupt mid-compile used to crash (a segfault)
     # or hang the interpreter's teardown. Here a thread that is still working stands in for
     # them: a normal exit would wait for it, `symjax-mlp` leaves at once.
     code = textwrap.dedent(
         """
-        import os, signal, sys, threading, time
+        import sys, threading, time
         from symjax_mlp import cli
         threading.Thread(target=time.sleep, args=(300,)).start()  # not a daemon
-        threading.Timer(4, os.kill, (os.getpid(), signal.SIGINT)).start()
         sys.argv = ["symjax-mlp", "tour", "--calls", "100000000"]
         cli.run()
         """
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-u", "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+    proc.stdout.readline()  # the tour's first line: inside the command, the thread working
+    proc.send_signal(signal.SIGINT)
     assert_interrupted(proc, timeout=90)
 
 
