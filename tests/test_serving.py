@@ -1883,6 +1883,20 @@ def test_serving_a_hybrid_whose_calls_move_its_rng_leaves_the_stream_alone():
     assert not np.array_equal(keyless(h.state)["rngs"]["dropout"], before["rngs"]["dropout"])
 
 
+@pytest.mark.parametrize("name, flags", [("linen_dropout", {"deterministic": False}),
+                                         ("linen_batchnorm", {"train": True})])  # fmt: skip
+def test_a_linen_hybrid_served_with_its_training_flags_is_refused(name, flags):
+    """A linen Hybrid served with its training flags was accepted: BatchNorm normalised each
+    batch by its own rows (one request alone: all zeros), and Dropout, its key held fixed by
+    the server, dropped the same units in every batch. Its inference flags still serve."""
+    case = next(c for c in ZOO if c.name == name)
+    h, x = case.hybridize(), np.asarray(case.inputs(0)[0])
+    with pytest.raises(sm.ConfigError, match=r"with kwargs=.* training mode \(state\["):
+        sm.serving.Batcher(h, example=x, max_batch=4, kwargs=flags)
+    with sm.serving.Batcher(h, example=x, max_batch=4, kwargs=case.eval) as b:
+        np.testing.assert_allclose(b(x), h(x, **case.eval), rtol=2e-5, atol=2e-5)
+
+
 def test_an_nnx_module_in_training_mode_is_refused_by_the_batcher():
     from flax import nnx
 

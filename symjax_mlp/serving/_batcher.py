@@ -22,13 +22,13 @@ from symjax_mlp._errors import ConfigError, OverloadError, RetraceError
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._lane import Blocking, Lane, claim, clock
+from symjax_mlp.serving._model import call_of
 from symjax_mlp.serving._requests import (
     AsyncRequest,
     RequestCheck,
     RequestFuture,
     artifact_specs,
     bucket_sizes,
-    call_of,
     check_count,
     example_specs,
 )

@@ -26,7 +26,7 @@ import numpy as np
 from symjax_mlp import _compat as compat
 from symjax_mlp._compat import after_finish, finish_futures, start_future
 from symjax_mlp._errors import SymjaxError
-from symjax_mlp.serving._outputs import unlike, warmed
+from symjax_mlp.serving._model import unlike, warmed
 from symjax_mlp.serving._requests import AsyncRequest, RequestFuture
 from symjax_mlp.serving._stats import Counters
 

@@ -7,8 +7,6 @@ settled a whole batch at a time; an :class:`AsyncRequest` its asyncio counterpar
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -17,10 +15,9 @@ import numpy as np
 from symjax_mlp._artifact.signature import Signature, admits, as_array
 from symjax_mlp._compat import SharedLockFuture
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
-from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._loaded import LoadedModel
-from symjax_mlp._specs import TensorSpec, by_place, keyword_arrays, out_of_range
+from symjax_mlp._specs import TensorSpec, out_of_range
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -341,55 +338,6 @@ class RequestCheck:
                 "request must have the same number of rows."
             )
         return ""
-
-
-_TRAINING = (
-    "Batcher({name}): the nnx module is in training mode ({settings}: the mode a module is "
-    "built in), where a batch's rows are normalised together and dropped at random, so a "
-    "request's answer would depend on the others. Call module.eval() before serving it."
-)
-
-
-def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
-    """What a batcher calls for a Hybrid or a callable, ``kwargs`` fixed: refused if a signature
-    it has does not take them and the example's inputs; a Hybrid as of now (a stateful one's
-    inference with the state it holds now, never moved)."""
-    arrays = example if isinstance(example, tuple) else (example,)
-    try:
-        signature = inspect.signature(model)
-    except (TypeError, ValueError):  # no signature to read (a builtin's)
-        signature = None
-    try:
-        signature is None or signature.bind(*arrays, **kwargs)
-    except TypeError as e:  # a flag with no default, an array by keyword only: name the fix
-        given, n = f" and kwargs={kwargs}" if kwargs else "", len(arrays)
-        names, placed = keyword_arrays(signature, n, kwargs)
-        code, places = by_place(names, placed, kwargs, isinstance(model, Hybrid))
-        fix = (
-            f"A request's arrays go by place: serve a function taking {', '.join(names)} so, "
-            f"Batcher({code}, example={places})."
-            if names
-            else "Pass kwargs= of the settings it takes, e.g. kwargs={'train': False}, and an "
-            "example of one array per input (a tuple for several)."
-        )
-        raise ConfigError(
-            f"Batcher({name}): a request calls the model with the example's {n} input"
-            f"{'s' * (n > 1)}{given}, but {e}; its signature is {signature}. {fix}"
-        ) from None
-    if not isinstance(model, Hybrid):
-        return functools.partial(model, **kwargs) if kwargs else model
-    if training := model.training_mode(*arrays, **kwargs):
-        raise ConfigError(_TRAINING.format(name=name, settings=", ".join(training)))
-    h = model.snapshot()  # its module's mode and state as of now, whatever model does later
-    if not h.stateful:
-        return functools.partial(h, **kwargs) if kwargs else h
-    params, state = h.params, h.state
-
-    def inference(*xs: Any) -> Any:
-        return h.apply_with_state(params, state, *xs, **kwargs)[0]
-
-    inference.__name__ = h.name
-    return inference
 
 
 def check_count(where: str, option: str, value: Any) -> int:

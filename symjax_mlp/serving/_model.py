@@ -1,4 +1,5 @@
-"""What a batcher's model returns: checked on the warm-up's batches (arrays of numbers, one row
+"""What a batcher calls (:func:`call_of`: a Hybrid's inference call, as of now, refused in
+training mode) and what it returns: checked on the warm-up's batches (arrays of numbers, one row
 per input row, of one kind at every batch size), then each batch's against the warm-up's.
 
 A batch's outputs are split into its requests' rows, so a model whose outputs are no arrays of
@@ -8,6 +9,8 @@ made, naming the output; one whose outputs change later fails that batch's reque
 
 from __future__ import annotations
 
+import functools
+import inspect
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +19,10 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._hybrid.jaxpr import input_dependent
+from symjax_mlp._hybrid.pure import is_key
+from symjax_mlp._specs import by_place, keyword_arrays
 
 
 def warmed(name: str, out: Any, bucket: int, first: tuple | None) -> tuple[list, Any, tuple]:
@@ -83,3 +90,73 @@ def unlike(lane: Any, out: Any, rows: int) -> RuntimeError | None:
                 f"row, of shape {shape} and dtype {dtype} as when the batcher was made."
             )
     return None
+
+
+_TRAINING = (
+    "Batcher({name}): {what}, where a batch's rows are normalised together and dropped at "
+    "random, so a request's answer would depend on the others{fix}"
+)
+_INFERENCE = "the settings of its inference call, e.g. kwargs={'train': False}."
+
+
+def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
+    """What a batcher calls for a Hybrid or a callable, ``kwargs`` fixed: refused if a signature
+    it has does not take them and the example's inputs; a Hybrid as of now (a stateful one's
+    inference with the state it holds now, never moved)."""
+    arrays = example if isinstance(example, tuple) else (example,)
+    try:
+        signature = inspect.signature(model)
+    except (TypeError, ValueError):  # no signature to read (a builtin's)
+        signature = None
+    try:
+        signature is None or signature.bind(*arrays, **kwargs)
+    except TypeError as e:  # a flag with no default, an array by keyword only: name the fix
+        given, n = f" and kwargs={kwargs}" if kwargs else "", len(arrays)
+        names, placed = keyword_arrays(signature, n, kwargs)
+        code, places = by_place(names, placed, kwargs, isinstance(model, Hybrid))
+        fix = (
+            f"A request's arrays go by place: serve a function taking {', '.join(names)} so, "
+            f"Batcher({code}, example={places})."
+            if names
+            else "Pass kwargs= of the settings it takes, e.g. kwargs={'train': False}, and an "
+            "example of one array per input (a tuple for several)."
+        )
+        raise ConfigError(
+            f"Batcher({name}): a request calls the model with the example's {n} input"
+            f"{'s' * (n > 1)}{given}, but {e}; its signature is {signature}. {fix}"
+        ) from None
+    if not isinstance(model, Hybrid):
+        return functools.partial(model, **kwargs) if kwargs else model
+    if training := model.training_mode(*arrays, **kwargs):
+        what = (
+            f"the nnx module is in training mode ({', '.join(training)}: the mode it is built in)"
+        )
+        raise ConfigError(_TRAINING.format(name=name, what=what, fix=". Call module.eval()."))
+    h = model.snapshot()  # its module's mode and state as of now, whatever model does later
+    if not h.stateful:
+        return functools.partial(h, **kwargs) if kwargs else h
+    params, state = h.params, h.state
+    if moved := _training(h, arrays, kwargs):  # Dropout drawing, BatchNorm on the batch
+        what = f"with kwargs={kwargs} a call is in training mode ({', '.join(moved[:4])} move)"
+        fix = " (and a server holds its state: each batch would drop the same units). Pass "
+        raise ConfigError(_TRAINING.format(name=name, what=what, fix=fix + _INFERENCE))
+
+    def inference(*xs: Any) -> Any:
+        return h.apply_with_state(params, state, *xs, **kwargs)[0]
+
+    inference.__name__ = h.name
+    return inference
+
+
+def _training(h: Hybrid, arrays: tuple, kwargs: dict[str, Any]) -> list[str]:
+    """The held state a call computes from its rows (BatchNorm's statistics) or whose keys its
+    answer draws on (Dropout); an inference call only splits a key (a linen Hybrid's every
+    call) or raises a count."""
+    call = jax.make_jaxpr(lambda s, xs: h.apply_with_state(h.params, s, *xs, **kwargs))
+    jaxpr, leaves = call(h.state, arrays).jaxpr, jax.tree_util.tree_leaves_with_path(h.state)
+    n, outs = len(leaves), len(jaxpr.outvars) - len(leaves)
+    rows = input_dependent(jaxpr, jaxpr.invars[n:])[outs:]
+    keys = [v for v, (_, a) in zip(jaxpr.invars, leaves, strict=False) if is_key(a)]
+    drawn = any(input_dependent(jaxpr, keys)[:outs])
+    return [f"state{jax.tree_util.keystr(p)}" for (p, a), r in zip(leaves, rows, strict=False)
+            if r or (drawn and is_key(a))]  # fmt: skip
