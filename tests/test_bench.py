@@ -960,3 +960,22 @@ def test_the_ray_rows_reach_both_apps_by_handle_and_through_rays_http_proxy():
     assert len(bars) == 4
     shown = "\n".join(text)
     assert "HTTP through Ray's proxy" in shown and "16 client(s), bare endpoint" in shown
+
+
+def test_the_futures_client_keeps_going_when_requests_are_answered_as_submitted():
+    """A Batcher whose lane is idle answers a lone request in its caller, so the future is done
+    before its callback is added: the client recursed through callbacks to Python's limit and
+    hung ``--serving`` (its child waited for ever)."""
+    import concurrent.futures
+
+    from benchmarks.batcher import _futures
+    from helpers import bounded
+
+    class Inline:  # every request answered as it is submitted
+        def submit(self, x):
+            f = concurrent.futures.Future()
+            f.set_result(x)
+            return f
+
+    lat, wall = bounded(lambda: _futures(Inline(), [np.zeros(1)], c=1, requests=5000), 60)
+    assert len(lat) == 5000 and wall > 0

@@ -177,21 +177,28 @@ def _futures(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[lis
     issued = itertools.count()
 
     def launch() -> None:
-        i = next(issued)
-        if i < total:
-            t0 = clock()
-            b.submit(rows[i % k]).add_done_callback(lambda f: finished(f, t0))
+        while (i := next(issued)) < total:  # a loop: a request answered at once (the lane
+            t0 = clock()  # idle runs a lone call in its caller) would recurse through callbacks
+            f = b.submit(rows[i % k])
+            if not f.done():
+                f.add_done_callback(lambda f, t0=t0: finished(f, t0))
+                return
+            if not counted(f, t0):
+                return
 
-    def finished(f: Any, t0: float) -> None:
-        error = f.exception()
-        if error is not None:  # stop, and let the caller see it
+    def counted(f: Any, t0: float) -> bool:
+        """Records ``f``'s latency; whether to go on."""
+        if (error := f.exception()) is not None:  # stop, and let the caller see it
             failed.append(error)
             done.set()
-            return
+            return False
         lat.append(clock() - t0)
         if len(lat) == total:
             done.set()
-        else:
+        return len(lat) < total
+
+    def finished(f: Any, t0: float) -> None:
+        if counted(f, t0):
             launch()
 
     start = clock()
