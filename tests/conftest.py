@@ -5,7 +5,8 @@ persistent compilation cache for the run; XLA's LLVM back end at -O0 (compiles f
 here, at import, before any test touches a device. The suite compiles the same small programs
 in many tests and in the processes it starts (CLI, workers, servers); a compilation cache in a
 fresh directory per run, inherited by those processes through the environment, compiles each
-once (about a fifth of the suite's time). It starts empty, so no run sees another's entries.
+once (about a fifth of the suite's time). It starts empty, so no run sees another's entries;
+so does the library's own cache (``$XDG_CACHE_HOME``): the suite never writes the user's.
 Fixtures live in ``helpers.py``. ``scripts/`` goes on ``sys.path``, so that the laboratory's
 tests import it (``import benchmarks``) as ``python scripts/bench.py`` does.
 """
@@ -22,6 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 _CACHE = tempfile.mkdtemp(prefix="symjax-test-xla-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+_XDG = tempfile.mkdtemp(prefix="symjax-test-xdg-cache-")
+atexit.register(shutil.rmtree, _XDG, ignore_errors=True)
+os.environ.setdefault("SYMJAX_TEST_XDG_CACHE_HOME", _XDG)  # the run's one, in every worker
+os.environ["XDG_CACHE_HOME"] = os.environ["SYMJAX_TEST_XDG_CACHE_HOME"]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The suite's time is mostly XLA compiling small programs: with LLVM at -O0 the suite takes
