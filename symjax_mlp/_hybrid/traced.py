@@ -23,6 +23,7 @@ from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
 from symjax_mlp._hybrid.pure import (
     PureModel,
+    is_key,
     refit,
     refuse_nested_nnx_state,
     state_structure,
@@ -273,8 +274,20 @@ class TracedModel:
 
     def sees_rows(self, *call: Any) -> bool:
         """Whether a call's new state depends on its inputs (BatchNorm's statistics)."""
-        jaxpr = self.staged(*call[:2], self.held.tree, *call[2:], 1)
-        return any(input_dependent(jaxpr, jaxpr.invars[len(self.held.leaves) :]))
+        return bool(self.moved(*call, draws=False))
+
+    def moved(self, *call: Any, draws: bool = True) -> list[str]:
+        """``state['path']`` of each held leaf a call computes from its inputs (BatchNorm's
+        statistics) or, with ``draws``, whose rng key its output draws on (Dropout)."""
+        state, n = self.held.tree, len(self.held.leaves)
+        new = self.staged(*call[:2], state, *call[2:], 1)
+        rows, keys = input_dependent(new, new.invars[n:]), list(map(is_key, jax.tree.leaves(state)))
+        if draws and any(keys):
+            out = self.staged(*call[:2], state, *call[2:], 0)  # its inputs: the state's, then ours
+            drawn = [v for v, k in zip(out.invars, keys, strict=False) if k]
+            draws = any(input_dependent(out, drawn))
+        paths = zip(_paths(jax.tree.structure(state)), rows, keys, strict=False)  # a call may add
+        return [f"state{p}" for p, r, k in paths if r or (draws and k)]
 
     def changes(self, *call: Any) -> list[str]:
         """The held state's leaves a call changes, ``state['count']`` (none in eval mode)."""

@@ -20,8 +20,6 @@ import numpy as np
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._hybrid.jaxpr import input_dependent
-from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._specs import by_place, keyword_arrays
 
 
@@ -136,7 +134,8 @@ def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
     if not h.stateful:
         return functools.partial(h, **kwargs) if kwargs else h
     params, state = h.params, h.state
-    if moved := _training(h, arrays, kwargs):  # Dropout drawing, BatchNorm on the batch
+    static, dyn, dyn_kw = h._partition(arrays, kwargs, h.name)
+    if moved := h._traced.moved(static, h._leaves, dyn, dyn_kw):  # Dropout, BatchNorm
         what = f"with kwargs={kwargs} a call is in training mode ({', '.join(moved[:4])} move)"
         fix = " (and a server holds its state: each batch would drop the same units). Pass "
         raise ConfigError(_TRAINING.format(name=name, what=what, fix=fix + _INFERENCE))
@@ -146,17 +145,3 @@ def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
 
     inference.__name__ = h.name
     return inference
-
-
-def _training(h: Hybrid, arrays: tuple, kwargs: dict[str, Any]) -> list[str]:
-    """The held state a call computes from its rows (BatchNorm's statistics) or whose keys its
-    answer draws on (Dropout); an inference call only splits a key (a linen Hybrid's every
-    call) or raises a count."""
-    call = jax.make_jaxpr(lambda s, xs: h.apply_with_state(h.params, s, *xs, **kwargs))
-    jaxpr, leaves = call(h.state, arrays).jaxpr, jax.tree_util.tree_leaves_with_path(h.state)
-    n, outs = len(leaves), len(jaxpr.outvars) - len(leaves)
-    rows = input_dependent(jaxpr, jaxpr.invars[n:])[outs:]
-    keys = [v for v, (_, a) in zip(jaxpr.invars, leaves, strict=False) if is_key(a)]
-    drawn = any(input_dependent(jaxpr, keys)[:outs])
-    return [f"state{jax.tree_util.keystr(p)}" for (p, a), r in zip(leaves, rows, strict=False)
-            if r or (drawn and is_key(a))]  # fmt: skip
