@@ -501,3 +501,25 @@ def test_arg_reductions_and_cumulative_ops_count_their_flops():
         g = sm.stage(fn)(x)
         assert g.flops == 4 * 8 and g.flops_exact
         assert g.flops <= _xla_flops(fn, x)  # XLA's reducers and reduce-windows count more
+
+
+class _Flagged(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        return nn.Dropout(0.5, deterministic=not train)(nn.Dense(2)(x))
+
+
+@pytest.mark.parametrize("method", ["graph", "lower", "compile"])
+def test_a_hybrid_staged_without_its_flag_names_the_call_that_was_made(method):
+    # h.graph(x) without train= said "Pass them as the model takes them ...: h(x, train=train)",
+    # advice for another call; lower and compile said the same
+    x = jnp.ones((2, 3))
+    h = sm.hybridize(_Flagged(), _Flagged().init(jax.random.key(0), x, train=False))
+    with pytest.raises(
+        sm.SignatureError,
+        match=rf"^_Flagged\.{method}: the call's arguments do not fit the model's inputs "
+        rf"\(x, \*, train\): missing a required argument: 'train'\. .*: h\.{method}\(x, "
+        r"train=train\)\.$",
+    ):
+        getattr(h, method)(x)
+    assert h.graph(x, train=False).primitive_counts["dot_general"] == 1 and h.trace_count == 0

@@ -24,7 +24,7 @@ from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.args import partition, rebuild, split_equinox
 from symjax_mlp._hybrid.jaxpr import Body, bodies, call_name, count_flops, layer_of, numbered, walk
-from symjax_mlp._hybrid.trace import symbolic, unbindable
+from symjax_mlp._hybrid.trace import _MODEL_FIX, symbolic, unbindable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +93,9 @@ class Graph:
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
         """Stages ``fn(*args, **kwargs)``, Python settings static (:func:`stage`)."""
         fix = f"Pass them as {name} takes them: stage({name})({{call}})."
-        if (unbound := unbindable(f"stage({name})", fn, args, kwargs, skip=0, fix=fix,
-                                  whose=f"{name}'s")) is not None:  # fmt: skip
-            raise unbound  # not Python's TypeError from inside the trace
-        if (unbound := _unbound_apply(fn, name, args, kwargs)) is not None:
-            raise unbound  # apply(variables, *args, **kwargs) let them through to Flax's
+        unbound = unbindable(f"stage({name})", fn, args, kwargs, skip=0, fix=fix, whose=name + "'s")
+        if unbound := unbound or _unbound_apply(fn, name, args, kwargs):  # (apply passes them on)
+            raise unbound  # not Python's TypeError from inside the trace, nor Flax's
         args, kwargs, join = split_equinox(args, kwargs)
         static, dyn, dyn_kw = partition(args, kwargs, caller=f"stage({name})", lists=True)
 
@@ -278,10 +276,8 @@ class _Drawing:
             for atom in eqn.invars:
                 self.edges += [f"{s} -> {node};" for s in self.sources(atom, env, out)]
             env.update((v, [node]) for v in eqn.outvars)
-        lines: list[str] = []
-        for layer, nodes in groups.items():
-            lines += self.cluster(layer, nodes) if layer else nodes
-        return lines
+        clusters = (self.cluster(name, nodes) if name else nodes for name, nodes in groups.items())
+        return list(itertools.chain.from_iterable(clusters))
 
     def _nested(self, eqn: Any, subs: list[Body], env: dict[Any, _Source], out: list[str]):
         """``eqn`` as a cluster of its sub-jaxprs, wired to its inputs and outputs."""
@@ -339,8 +335,7 @@ def _title(eqn: Any) -> str:
         return f"scan (length={params['length']})"
     if name == "while":
         return "while_loop (trip count unknown)"
-    called = call_name(eqn)
-    return f"{name}: {called}" if called else name
+    return f"{name}: {called}" if (called := call_name(eqn)) else name
 
 
 def _literal(v: Any) -> str:
@@ -366,7 +361,7 @@ class Staged:
     def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
         one SPMD module for every device, for the padded batch)."""
-        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
+        static, dyn, dyn_kw = self._split("lower", args, kwargs)
         held = (self._held.leaves,) if self.stateful else ()
         with symbolic(self.name):
             if self._parallel is not None:
@@ -377,13 +372,21 @@ class Staged:
 
     def compile(self, /, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
         """Lowers and compiles: ``.as_text()`` is XLA's optimized HLO (``.cost_analysis()``...)."""
+        self._split("compile", args, kwargs)  # refused as what was called, not as lower
         return self.lower(*args, **kwargs).compile()
 
     def graph(self, /, *args: Any, **kwargs: Any) -> Graph:
         """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
         layer shown (not counted in :attr:`trace_count`)."""
-        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
+        static, dyn, dyn_kw = self._split("graph", args, kwargs)
         return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
+
+    def _split(self, method: str, args: tuple, kwargs: dict) -> tuple:
+        """The call's partition; arguments the model does not take named, with ``h.method``."""
+        fix = _MODEL_FIX.replace("h(", f"h.{method}(")  # (a trace would name h(...))
+        if unbound := unbindable(f"{self.name}.{method}", self, args, kwargs, skip=0, fix=fix):
+            raise unbound
+        return self._partition(args, kwargs, self.name)
 
     def training_mode(self, /, *args: Any, **kwargs: Any) -> tuple[str, ...]:
         """An nnx module's settings that ``module.eval()`` would flip and that change the
