@@ -63,7 +63,8 @@ def load(
     Args:
       path: the artifact directory.
       params: other weights for the same param tree: a ``.safetensors`` file (such as
-        another export's ``params.safetensors``) or a params pytree; default: the artifact's.
+        another export's ``params.safetensors``) or a params pytree, used instead of the
+        artifact's own, which is then never read; default: the artifact's.
       runtime: ``"jax"`` (XLA via ``jax.export``) or ``"iree"`` (IREE's llvm-cpu, needs the
         ``symjax_mlp[iree]`` extra).
       self_test: refuse a model that no longer reproduces its self-test vectors.
@@ -146,7 +147,8 @@ def load(
         modules.clear()  # a retry's manifest may name its entry points otherwise
         modules[entry_point(view)] = deserialize(path, view, blobs)
 
-    manifest, blobs = read_artifact(path, keep=(*USED, selftest.SELFTEST), confirm=confirm)
+    keep, skip = (*USED, selftest.SELFTEST), () if params is None else (PARAMS,)  # not used
+    manifest, blobs = read_artifact(path, keep=keep, skip=skip, confirm=confirm)
     if unchanged is not None:
         unchanged()  # what was read is what was verified
     _warn_if_expiring(path, manifest)

@@ -686,3 +686,18 @@ def test_values_beyond_an_inputs_dtype_are_told_so_at_load_batcher_and_run(tmp_p
     assert main(["run", str(art.path), *inputs, "--output", str(tmp_path / "y.npy")]) == 2
     err = capsys.readouterr().err
     assert re.search(floats.format(r"1e\+300"), err) and "astype" not in err, err
+
+
+def test_other_weights_load_without_reading_the_artifacts_own(mlp, loaded, tmp_path):
+    """load(path, params=other) read, hash-checked and held the artifact's own
+    params.safetensors, then dropped it: swapping weights paid for reading weights never used.
+    Now that file is never opened: garbage or gone, the model loads with the weights given."""
+    (_, x, art), m = mlp, loaded
+    path, own = shutil.copytree(art.path, tmp_path / "m"), tmp_path / "m" / "params.safetensors"
+    shutil.copy(own, tmp_path / "w.safetensors")
+    own.write_bytes(b"garbage")  # its hash no longer matches: a read of it is refused
+    chex.assert_trees_all_close(sm.load(path, params=m.params)(x), m(x))
+    own.unlink()
+    chex.assert_trees_all_close(sm.load(path, params=tmp_path / "w.safetensors")(x), m(x))
+    with pytest.raises(sm.ArtifactError, match=r"params\.safetensors is missing"):
+        sm.load(path)  # its own weights: read and checked

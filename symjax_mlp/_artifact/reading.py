@@ -138,8 +138,7 @@ class Artifact:
             f"function   {m['name']}  exported {m['created']}",
             f"signature  {self.signature}",
         ]
-        names = entry_names(m)
-        if len(names) > 1:
+        if len(names := entry_names(m)) > 1:
             lines += [f"entries    {names[0]} (default): {self.signature}"]
             lines += [
                 f"           {n} ({entry_view(m, n)['name']}): {sig}"
@@ -190,8 +189,7 @@ def inspect(path: str | os.PathLike[str]) -> Artifact:
       ArtifactError: the directory is missing, incomplete or corrupted.
     """
     path = artifact_path("inspect", path)
-    manifest, _ = read_artifact(path, keep=())
-    return Artifact(path, freeze(manifest))
+    return Artifact(path, freeze(read_artifact(path, keep=())[0]))
 
 
 def freeze(x: Any) -> Any:
@@ -213,21 +211,24 @@ def thaw(x: Any) -> Any:
 
 def read_files(
     path: Path, manifest: Mapping[str, Any], *, keep: tuple[str, ...] = USED,
-    only: Sequence[str] | None = None, confirm: Callable[..., None] | None = None,
+    only: Sequence[str] | None = None, skip: tuple[str, ...] = (),
+    confirm: Callable[..., None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Checks the size and sha256 of each listed file (or ``only``) before a parser sees it; the
-    bytes of those in ``keep`` (params: its tensors, read last, once ``confirm`` passed)."""
+    """Checks the size and sha256 of each listed file (or ``only``) but ``skip`` before a parser
+    sees it; the bytes of those in ``keep``; then ``confirm``, then params' tensors, if kept."""
     listed = manifest["files"]  # plain file names: check_schema
     views = [entry_view(manifest, e) for e in entry_names(manifest)]
     keep = tuple({program_file(v, role) for v in views for role in keep} - {None})
     if lacking := sorted(set(CORE_FILES) - set(listed)):
         raise ArtifactError(f"{path / MANIFEST} does not list {', '.join(lacking)}; corrupted.")
-    blobs = {}
-    for name in sorted(listed if only is None else only, key=PARAMS.__eq__):  # params last
+    blobs, names = {}, set(listed if only is None else only) - set(skip)
+    for name in [*sorted(names - {PARAMS}), None, *(names & {PARAMS})]:
+        if name is None:  # every other file checked, no weight read yet
+            confirm and confirm(manifest, blobs)
+            continue
         file, size, digest = path / name, listed[name]["bytes"], listed[name]["sha256"]
         try:
             if name == PARAMS and name in keep:  # tensors straight from the file, as declared
-                confirm and confirm(manifest, blobs)
                 want = [TensorSpec.from_json(p) for p in manifest["params"]]
                 blobs[name], _ = read_safetensors_file(
                     file, size=size, sha256=digest, expected=want
@@ -245,16 +246,14 @@ def read_files(
     return blobs
 
 
-def read_artifact(
-    path: Path, *, keep: tuple[str, ...] = USED, confirm: Callable[..., None] | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Reads the manifest, then every file, checked (``confirm``: see :func:`read_files`); retried
+def read_artifact(path: Path, **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Reads the manifest, then every file, checked (``options``: :func:`read_files`'); retried
     if ``path`` was replaced meanwhile (the directory's inode tells that from a corruption)."""
     for attempt in range(3):
         before = _identity(path)
         try:
             manifest = read_manifest(path)
-            return manifest, read_files(path, manifest, keep=keep, confirm=confirm)
+            return manifest, read_files(path, manifest, **options)
         except ArtifactError:
             if (message := _checkpoint(path)) is not None:
                 raise ArtifactError(message) from None
