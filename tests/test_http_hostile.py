@@ -451,8 +451,9 @@ def test_max_connections_of_one_serves_a_lone_client():
     from symjax_mlp.serving._server import bounded_heads, limited
 
     with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b:
-        heads = bounded_heads(5.0)
-        app = limited(sm.serving.create_app(b, close_batcher=False), heads, 1)
+        app = sm.serving.create_app(b, close_batcher=False)
+        heads = bounded_heads(5.0, app)
+        app = limited(app, heads, 1)
         with _in_thread(app, http=heads) as url:
             body = json.dumps({"inputs": [[1.0, 2.0]]}).encode()
             for _ in range(2):  # the connection of the first has gone
@@ -528,34 +529,105 @@ def test_a_model_raising_cancelled_error_and_a_cancelling_close_are_json_answers
         gated.result(30)
 
 
-def test_a_client_that_reads_no_answer_is_dropped_within_the_timeout():
-    """A client that pipelines requests and never reads the answers held its connection (and
-    megabytes of answers) for ever: nginx's send_timeout. Now it is dropped once its answers
-    wait body_timeout seconds for it to read (head_timeout here)."""
+@contextlib.contextmanager
+def _wide(send_timeout, rows=8, **limits):
+    """serve's protocol over a model answering 80 kB a row (8 rows: 1.3 MB of JSON), answers
+    left unread dropped after ``send_timeout`` s: its URL, protocol class and app's intake."""
     from symjax_mlp.serving._server import bounded_heads
 
-    def wide(x):  # 8 rows of 2: a 1.3 MB JSON answer
+    def wide(x):
         return np.repeat(x, 10_000, axis=1)
 
-    heads = bounded_heads(1.0)
-    body = json.dumps({"inputs": [[1.5, 2.5]] * 8}).encode()
-    head = f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
-    with (
-        sm.serving.Batcher(wide, example=np.zeros((1, 2), np.float32), max_batch=8) as b,
-        _in_thread(sm.serving.create_app(b, close_batcher=False), http=heads) as url,
-        socket.create_connection(("127.0.0.1", _port(url))) as s,
-    ):
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    with sm.serving.Batcher(wide, example=np.zeros((1, 2), np.float32), max_batch=rows) as b:
+        app = sm.serving.create_app(b, close_batcher=False, **limits)
+        heads = bounded_heads(send_timeout, app=app)
+        with _in_thread(app, sndbuf=2**15, http=heads) as url:
+            yield url, heads, app.state.intake
+
+
+def _reader(url, rcvbuf=4096):
+    """A connection whose receive buffer is ``rcvbuf`` bytes (set before the window is)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(10)
+    s.connect(("127.0.0.1", _port(url)))
+    return s
+
+
+def _until(done, what, limit=20.0):
+    deadline = time.monotonic() + limit
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+_WIDE = json.dumps({"inputs": [[1.5, 2.5]] * 8}).encode()
+_WIDE_POST = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(_WIDE)
+
+
+def test_a_client_that_reads_no_answer_is_dropped_within_the_timeout():
+    """A client that pipelines requests and never reads the answers held its connection (and
+    megabytes of answers) for ever: nginx's send_timeout. Now it is dropped once it has taken
+    nothing of them for body_timeout seconds (head_timeout here), and their bytes given back."""
+    with _wide(1.0) as (url, heads, intake), _reader(url) as s:
         s.settimeout(2)
         with contextlib.suppress(TimeoutError, ConnectionError):
             for _ in range(100):  # more answers than the buffers between us hold
-                s.sendall(head.encode() + body)
-        deadline = time.monotonic() + 20
-        while heads.open:  # nothing is read here
-            assert time.monotonic() < deadline, "the connection was never dropped"
-            time.sleep(0.1)
-        code, raw = _post(url, body)  # the others are served
+                s.sendall(_WIDE_POST + _WIDE)
+        _until(lambda: intake.held, "no answer waited for the client")  # nothing is read here
+        start = time.monotonic()
+        _until(lambda: not heads.open, "the connection was never dropped")
+        assert time.monotonic() - start < 10 and intake.held == 0
+        code, raw = _post(url, _WIDE)  # the others are served
         assert code == 200 and len(json.loads(raw)["outputs"]) == 8
+
+
+def test_answers_left_unread_count_in_the_inflight_bytes_until_they_go():
+    """Clients asking for a 1.3 MB answer and reading none held connections x answer bytes in
+    write buffers: max_inflight_bytes bounded bodies only. Now the bytes waiting for a client
+    count as bodies do: a body past the bound is the 503 with Retry-After, and every byte is
+    given back as the clients go (closed, or dropped by the send timeout)."""
+    with _wide(1.0, max_body_bytes=2**16, max_inflight_bytes=2**20) as (url, heads, intake):
+        for _ in range(2):
+            clients = [_reader(url) for _ in range(4)]
+            for s in clients:
+                s.sendall(_WIDE_POST + _WIDE)
+            _until(lambda: intake.held > 2**20, f"the answers held {intake.held} bytes")
+            req = urllib.request.Request(url + "/predict", data=_WIDE, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=30)
+            with refused.value as e:
+                assert e.code == 503 and e.headers["Retry-After"] == "1"
+                assert "answers" in json.loads(e.read())["message"]
+            for s in clients[:2]:  # the others are dropped unread
+                s.close()
+            _until(lambda: heads.open == 0, "the unread clients were never dropped")
+            assert intake.held == 0
+            for s in clients[2:]:
+                s.close()
+        assert _post(url, _WIDE)[0] == 200
+
+
+def test_a_client_reading_a_large_answer_slowly_but_steadily_gets_all_of_it():
+    """The send timer was armed once, as an answer began to wait, and dropped the client
+    head_timeout later however steadily it read: nginx's send_timeout is the time between two
+    reads. A client taking a 2.6 MB answer at 2 MB/s, over 2 x head_timeout, gets all of it."""
+    x = np.arange(64, dtype=np.float32).reshape(32, 2)
+    buf = io.BytesIO()
+    np.save(buf, x)
+    npy = buf.getvalue()
+    post = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-npy\r\n"
+    with _wide(0.5, rows=32) as (url, _, _), _reader(url, 2**16) as s:
+        s.sendall(post + b"Content-Length: %d\r\n\r\n%s" % (len(npy), npy))
+        data, start = b"", time.monotonic()
+        while not (body := data.partition(b"\r\n\r\n")[2]) or len(body) < 2_560_128:
+            chunk = s.recv(2**15)
+            assert chunk, f"dropped after {len(data)} bytes, {time.monotonic() - start:.1f} s"
+            data += chunk
+            time.sleep(0.015)  # at most 2 MB/s: 80 reads, 1.2 s at least
+        took = time.monotonic() - start
+    assert data.startswith(b"HTTP/1.1 200") and len(body) == 2_560_128 and took > 2 * 0.5, took
+    np.testing.assert_array_equal(np.load(io.BytesIO(body)), np.repeat(x, 10_000, axis=1))
 
 
 def test_a_pipelined_request_after_a_malformed_one_logs_no_traceback(caplog):
@@ -572,8 +644,8 @@ def test_a_pipelined_request_after_a_malformed_one_logs_no_traceback(caplog):
         sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b,
         caplog.at_level(logging.ERROR, logger="uvicorn.error"),
         _in_thread(
-            sm.serving.create_app(b, close_batcher=False),
-            http=bounded_heads(5.0),
+            app := sm.serving.create_app(b, close_batcher=False),
+            http=bounded_heads(5.0, app),
             log_level="error",
             log_config=None,  # the records reach caplog
         ) as url,
@@ -611,14 +683,17 @@ def test_a_second_interrupt_answers_what_is_in_flight_and_prints_no_traceback(tm
 
 
 @contextlib.contextmanager
-def _in_thread(app, **config):
-    """``app`` served by uvicorn on a thread of this process: its URL, until the block ends."""
+def _in_thread(app, sndbuf=None, **config):
+    """``app`` served by uvicorn on a thread of this process: its URL, until the block ends;
+    ``sndbuf``: its connections' kernel send buffer (else grown to MBs, so writes never wait)."""
     import threading
 
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "critical", **config}))
     sock = socket.socket()
+    if sndbuf:  # accepted connections inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -752,7 +827,9 @@ def test_a_head_sent_while_the_request_before_it_runs_is_bounded_too():
     head = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
     with (
         sm.serving.Batcher(slow, example=np.zeros((1, 2), np.float32)) as b,
-        _in_thread(sm.serving.create_app(b, close_batcher=False), http=bounded_heads(5.0)) as url,
+        _in_thread(
+            app := sm.serving.create_app(b, close_batcher=False), http=bounded_heads(5.0, app)
+        ) as url,
         socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s,
     ):
         s.sendall(head + body)
@@ -770,11 +847,13 @@ def test_a_chunked_bodys_trailer_fields_are_bounded_as_a_head():
     MB in 3 s here) until body_timeout: past 64 KiB they are a 431, as a head is."""
     from symjax_mlp.serving._server import bounded_heads
 
-    app = sm.serving.create_app
     head = b"POST /predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
     with (
         sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b,
-        _in_thread(app(b, close_batcher=False, body_timeout=2.0), http=bounded_heads(2.0)) as url,
+        _in_thread(
+            app := sm.serving.create_app(b, close_batcher=False, body_timeout=2.0),
+            http=bounded_heads(2.0, app),
+        ) as url,
         socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s,
     ):
         s.sendall(head + b"5\r\n[[1,2\r\n")
@@ -1811,15 +1890,18 @@ def test_an_answer_is_one_write_its_head_with_its_body():
             writes.append(data)
             self._t.write(data)
 
-    class Spied(bounded_heads(5.0)):
-        def connection_made(self, transport):
-            super().connection_made(Spy(transport))
+    def spied(app):  # serve's protocol for ``app``, its connections spied on
+        class Spied(bounded_heads(5.0, app)):
+            def connection_made(self, transport):
+                super().connection_made(Spy(transport))
+
+        return Spied
 
     body = json.dumps({"inputs": [[1.0, 2.0]]}).encode()
     post = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     with (
         sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b,
-        _in_thread(sm.serving.create_app(b, close_batcher=False), http=Spied) as url,
+        _in_thread(app := sm.serving.create_app(b, close_batcher=False), http=spied(app)) as url,
         socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s,
     ):
         for path in (b"POST /predict", b"HEAD /health", b"GET /nowhere"):

@@ -138,8 +138,9 @@ def create_app(
       body_timeout: a client that sends nothing of its body for this many seconds, or all of
         it slower than 500 bytes/s after the first ``body_timeout`` seconds (or not within 10
         of them), is answered 408 and closed (nginx's client_body_timeout, Apache's MinRate).
-      max_inflight_bytes: the most bytes all request bodies being received and decoded may
-        hold together (default: ``4 * max_body_bytes``); past it: 503 with ``Retry-After``.
+      max_inflight_bytes: the most bytes all request bodies being received and decoded, and
+        (under :func:`serve`) answers waiting for a client to read them, may hold together
+        (default: ``4 * max_body_bytes``); past it: 503 with ``Retry-After``.
       close_batcher: close the batcher when the app shuts down: it finishes queued work,
         waited for at most 30 s (a model that never returns is left behind).
       prefix: the metric names' prefix on ``/metrics`` (a Prometheus name).
@@ -338,7 +339,7 @@ def create_app(
     routes += [Route(f"/{f.__name__}", f, methods=["GET"]) for f in (health, metrics, signature)]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
     app.router.redirect_slashes = False  # POST /predict/: the JSON 404, not an empty 307
-    app.state.answered, app.state.model = by_code, public.name  # for serve's own refusals
+    app.state.answered, app.state.model, app.state.intake = by_code, public.name, intake  # serve's
     return app
 
 

@@ -4,12 +4,14 @@
 between two reads, nginx's ``client_body_timeout``; or the whole body slower than
 :data:`MIN_BODY_RATE` after its first ``body_timeout`` seconds, Apache's mod_reqtimeout, so a
 byte now and then holds no connection for hours; or not whole after :data:`MAX_BODY_TIMEOUTS`
-of them, as mod_reqtimeout's ``body=20-40``) and the bytes all bodies hold at once (503; no
-lock: one loop runs every read). One timer per loop watches every read (:class:`_Deadlines`):
-the timeout is the same for all, so deadlines kept in the order set are in time order, and a
-body there at once costs a dict entry, not a timer of its own; a body behind the rate has its
-own timer while it is. The app's ``request_timeout`` watches the answers the same way
-(:class:`Watch`: one limit's deadlines, per loop).
+of them, as mod_reqtimeout's ``body=20-40``) and the bytes held at once (503; no lock: one loop
+runs every read): all bodies', and (counted by ``serve``'s connections) those of answers waiting
+in a write buffer for a client that does not read them, so slow readers pin no more than slow
+senders. One timer per loop watches every read (:class:`_Deadlines`): the timeout is the same
+for all, so deadlines kept in the order set are in time order, and a body there at once costs a
+dict entry, not a timer of its own; a body behind the rate has its own timer while it is. The
+app's ``request_timeout`` watches the answers the same way (:class:`Watch`: one limit's
+deadlines, per loop).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Intake:
     def __init__(self, max_body_bytes: int, body_timeout: float, max_inflight_bytes: int):
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
         self.max_inflight_bytes = max_inflight_bytes
-        self.held = 0  # bytes of bodies in flight, all requests together
+        self.held = 0  # bytes of bodies in flight and answers waiting, all connections'
         self._reads = Watch(body_timeout)
 
     async def read(self, request: Any, hold: list[int]) -> bytes:
@@ -63,8 +65,9 @@ class Intake:
                 if self.held + len(chunk) > self.max_inflight_bytes:
                     raise BadRequest(
                         503,
-                        f"the server is receiving too many bodies at once ({self.held} bytes "
-                        f"held, max_inflight_bytes={self.max_inflight_bytes}); retry shortly.",
+                        f"the server holds too many bytes at once ({self.held}, of bodies and "
+                        "of answers its clients have not read, max_inflight_bytes="
+                        f"{self.max_inflight_bytes}); retry shortly.",
                     )
                 self.held += len(chunk)
                 hold[0] += len(chunk)

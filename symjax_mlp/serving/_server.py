@@ -4,10 +4,10 @@ Heads come within bounds, as nginx's ``client_header_timeout`` and ``large_clien
 (uvicorn over httptools has neither): a head must arrive within ``head_timeout`` seconds (else 408)
 and :data:`MAX_HEAD_BYTES` (else 431); one sent while a request runs is read once it is answered (as
 h11 does). An answer given before the body ended closes the connection lingering, so the client
-reads it; answers left unread for ``head_timeout`` drop the connection (nginx's ``send_timeout``).
-uvicorn's own answers (400 with the parser's reason, 503 past ``max_connections``) are the JSON
-error body too; a client that shuts down its side within a request gets a 400. /metrics counts
-each of these refusals, as the app's own.
+reads it. Answers waiting in a write buffer count in the app's ``max_inflight_bytes``; a client
+taking none of them for ``head_timeout`` is dropped (nginx's ``send_timeout``). uvicorn's answers
+(400 with the parser's reason, 503 past ``max_connections``) are the JSON error body too; a client
+that shuts down its side mid-request gets a 400. /metrics counts these refusals, as the app's own.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class _Lingering:
 
     def __init__(self, transport: Any, protocol: Any, limit: float) -> None:
         self._t, self._protocol, self._limit = transport, protocol, limit
-        self.lingering, self._last, self._head, self._headed = False, 0.0, b"", None
+        self.lingering, self.last, self._head, self._headed = False, 0.0, b"", None
 
     def __getattr__(self, name: str) -> Any:  # once a name: then found on the instance
         value = getattr(self._t, name)
@@ -75,33 +75,28 @@ class _Lingering:
 
     def close(self, linger: bool = False) -> None:  # linger: whatever the request (a 503)
         self.write(b"")  # a head held: sent first
-        cycle = self._protocol.cycle
-        linger = linger or (cycle is not None and cycle.more_body)
+        linger = linger or getattr(self._protocol.cycle, "more_body", False)
         if not linger or self.is_closing() or not self._t.can_write_eof():
             return self._t.close()
-        self.lingering = True
         self._t.write_eof()
         self._t.resume_reading()
         loop = self._protocol.loop
-        self._end, self._last = loop.time() + self._limit, loop.time()
+        self.lingering, self._end, self.last = True, loop.time() + self._limit, loop.time()
         loop.call_later(LINGER, self._check)
 
-    def dropped(self) -> None:  # bytes came, and were dropped
-        self._last = self._protocol.loop.time()
-
     def _check(self) -> None:
-        if (now := self._protocol.loop.time()) >= self._end or now - self._last >= LINGER:
+        if (now := self._protocol.loop.time()) >= self._end or now - self.last >= LINGER:
             self._t.close()
         else:
             self._protocol.loop.call_later(LINGER, self._check)
 
 
-def bounded_heads(head_timeout: float, app: Any = None) -> type:
-    """uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``), with heads bounded; its
-    refusals name ``app``'s model and are counted on its /metrics, as the app's own are."""
+def bounded_heads(head_timeout: float, app: Any) -> type:
+    """uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``), heads and unread answers
+    bounded; its refusals name ``app``'s model and are counted on its /metrics, as its own are."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    model = "model" if app is None else app.state.model
+    model, intake = app.state.model, app.state.intake
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         open, limit = 0, 1 << 62  # connections now, all of this server's; limited() sets limit
@@ -110,7 +105,7 @@ def bounded_heads(head_timeout: float, app: Any = None) -> type:
         def connection_made(self, transport: Any) -> None:
             BoundedHeads.open += 1
             super().connection_made(_Lingering(transport, self, head_timeout))
-            self._head_bytes, self._head_timer, self._send_timer = 0, None, None
+            self._head_bytes, self._unsent, self._head_timer, self._send_timer = 0, 0, None, None
             if BoundedHeads.open > BoundedHeads.limit:  # refused at once: nothing of it is read
                 said = f"the server has {self.open} connections open, past max_connections="
                 return self._refuse(503, f"{said}{self.limit}; retry shortly.")
@@ -141,7 +136,7 @@ def bounded_heads(head_timeout: float, app: Any = None) -> type:
         def _refuse(self, status: int, message: str) -> None:
             if not self._waiting():  # the app reads this request: it counts this answer
                 self.cycle.scope[REFUSED] = status
-            elif app is not None:  # in no request: counted here
+            else:  # in no request: counted here
                 app.state.answered[status] += 1
             busy = {"retry-after": "1"} if status == 503 else {}  # past max_connections
             kind = "OverloadError" if busy else "BadRequest"
@@ -153,14 +148,21 @@ def bounded_heads(head_timeout: float, app: Any = None) -> type:
 
         def pause_writing(self) -> None:  # answers wait for the client to read them
             super().pause_writing()
-            if self._send_timer is None:
-                self._send_timer = self.loop.call_later(head_timeout, self.transport.abort)
+            self._sending(self.loop.time())
 
-        def resume_writing(self) -> None:
+        def _sending(self, taken: float) -> None:  # every head_timeout / 4 while answers wait
+            unsent, now = self.transport.get_write_buffer_size(), self.loop.time()
+            taken = now if unsent < self._unsent else taken  # when the client last took some
+            intake.held, self._unsent = intake.held + unsent - self._unsent, unsent  # as a body
+            if now - taken >= head_timeout:  # nothing taken for it: nginx's send_timeout
+                return self.transport.abort()  # their bytes given back as it is lost
+            self._send_timer = self.loop.call_later(head_timeout / 4, self._sending, taken)
+
+        def resume_writing(self) -> None:  # drained (or lost): their bytes given back
             super().resume_writing()
+            intake.held, self._unsent = intake.held - self._unsent, 0
             if self._send_timer is not None:
                 self._send_timer.cancel()
-                self._send_timer = None
 
         def _waiting(self) -> bool:  # for a head: none yet, or the last one answered
             return self.cycle is None or self.cycle.response_complete
@@ -182,8 +184,9 @@ def bounded_heads(head_timeout: float, app: Any = None) -> type:
                 ))  # fmt: skip
 
         def data_received(self, data: bytes) -> None:
-            if self.transport.lingering:  # answered: the rest of the body is not read
-                return self.transport.dropped()
+            if self.transport.lingering:  # answered: the rest of the body is dropped, as it comes
+                self.transport.last = self.loop.time()
+                return
             cycle, waiting = self.cycle, self._waiting()
             ahead = not waiting and not cycle.more_body  # a request runs, its body read: a head
             unread = None if waiting or ahead else len(cycle.body)  # in a body: its bytes so far
@@ -296,9 +299,9 @@ def serve(
       host, port: where to listen.
       runtime: ``"jax"`` or ``"iree"``.
       max_batch, max_queue, warm_up_timeout: see :class:`~symjax_mlp.serving.Batcher`.
-      max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app` (a body slower
-        than 500 bytes/s past ``body_timeout`` is a 408 too); a request's head must come within
-        it (and 64 KiB; else 408, 431), and a client leaving its answers unread for it is dropped.
+      max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a head must come
+        within ``body_timeout`` (and 64 KiB; else 408, 431), and a client taking none of its
+        answers for it is dropped, their bytes counted in ``max_inflight_bytes`` while they wait.
       request_timeout: see :func:`create_app` (504 past it; /health 503 while a batch is longer).
       max_connections: the most connections (and requests) at once; past it, a 503 with
         ``Retry-After`` (a connection past it, as it opens: nothing of it is read).
@@ -333,10 +336,8 @@ def serve(
         sizes = {"max_batch": max_batch, "max_queue": max_queue, "name": model_name(model)}
         batcher = Batcher(model, **sizes, **waits)
         try:
-            app = create_app(
-                batcher, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
-                max_inflight_bytes=max_inflight_bytes, request_timeout=request_timeout,
-            )  # fmt: skip
+            app = create_app(batcher, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+                max_inflight_bytes=max_inflight_bytes, request_timeout=request_timeout)  # fmt: skip
             sock.listen(2048)  # connections queue from here on: "ready" means ready
             shown = f"[{host}]" if sock.family == socket.AF_INET6 else host
             url = f"http://{shown}:{sock.getsockname()[1]}"
