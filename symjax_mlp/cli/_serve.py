@@ -53,9 +53,11 @@ _OPTIONS = (
      "larger request bodies are refused (413)"}),
     ("--body-timeout", {"type": positive, "default": 60.0, "metavar": "SECONDS", "help": "a "
      "client that sends nothing of its body for this long, or all of it slower than 500 bytes/s "
-     "past this long, or not all of it within 10 times this long, is answered 408 and dropped"}),
+     "past this long, or not all of it within 10 times this long, is answered 408 and dropped; "
+     "one that reads nothing of its answer for this long, dropped"}),
     ("--max-inflight-bytes", {"type": count, "metavar": "BYTES", "help": "the most bytes all "
-     "request bodies in flight may hold (503 past it; None: 4 times --max-body-bytes)"}),
+     "request bodies in flight, and answers their clients have not read, may hold (503 past "
+     "it; None: 4 times --max-body-bytes)"}),
     ("--request-timeout", {"type": positive, "metavar": "SECONDS", "help": "a request the model "
      "has not answered in this long is answered 504; /health answers 503 while a batch runs "
      f"longer (default: {_DEFAULTS['request_timeout']:g})"}),
