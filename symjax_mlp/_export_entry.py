@@ -104,12 +104,10 @@ def stage(
     shapes: Sequence[str | None] | None, constraints: Sequence[str],
 ) -> Stage:  # fmt: skip
     """``h`` ready for ``jax.export``: checked, its inputs as structs, its params as stored."""
-    examples = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    given = tuple(example) if isinstance(example, (tuple, list)) else (example,)
     kw = dict(kwargs or {})
-    if training := h.training_mode(*examples, **kw):
-        raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
     static, examples, array_kwargs = partition(
-        examples, kw, h.static_argnums, h.static_argnames, caller=f"export({h.name})"
+        given, kw, h.static_argnums, h.static_argnames, caller=f"export({h.name})"
     )
     if array_kwargs:
         kept = {k: v for k, v in kw.items() if k not in array_kwargs}
@@ -122,6 +120,8 @@ def stage(
     args = rebuild(static, examples, {})[0]  # checked here: the trace's refusal names h's call
     if unbound := unbindable(f"export({h.name})", h, args, kw, skip=0, fix=fix):
         raise unbound
+    if training := h.training_mode(*given, **kw):  # once they bind (else its trace refuses)
+        raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
     in_specs = input_structs(examples, batch, shapes, tuple(constraints), h.name)
     stored, fn, baked = _exportable(h)
     streams = _moved(h, static, examples, kw)

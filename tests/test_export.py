@@ -787,3 +787,26 @@ def test_a_model_taking_its_array_keyword_only_is_told_a_wrapper_that_exports(tm
     sm.export(w, tmp_path / "m", example=x)  # as it says
     want = h(inputs=x, train=False)
     np.testing.assert_allclose(sm.load(tmp_path / "m", allow={"gather"})(x), want, rtol=1e-5)
+
+
+def test_an_nnx_module_exported_without_its_flag_is_told_the_export_fix(tmp_path):
+    """export(h, example=x) of an nnx module taking train= said "Pass them as the model takes
+    them, without its params or self: h(x, train=train)": its training-mode probe traced the
+    call first; now the arguments are checked first, as for a linen model."""
+    from flax import nnx
+
+    class Flagged(nnx.Module):
+        def __init__(self):
+            self.dense, self.drop = nnx.Linear(3, 2, rngs=nnx.Rngs(0)), nnx.Dropout(0.5)
+
+        def __call__(self, x, *, train: bool):
+            return self.drop(self.dense(x), deterministic=not train, rngs=nnx.Rngs(1))
+
+    h, x = sm.hybridize(Flagged()), jnp.ones((2, 3))
+    with pytest.raises(
+        sm.SignatureError,
+        match=r"^export\(Flagged\): the call's arguments do not fit the model's inputs \(x, \*, "
+        r"train\): missing a required argument: 'train'\. Pass its inputs as example= and its "
+        r"settings as kwargs=\.$",
+    ):
+        sm.export(h, tmp_path / "m", example=x)

@@ -509,15 +509,36 @@ class _Flagged(nn.Module):
         return nn.Dropout(0.5, deterministic=not train)(nn.Dense(2)(x))
 
 
-@pytest.mark.parametrize("method", ["graph", "lower", "compile"])
-def test_a_hybrid_staged_without_its_flag_names_the_call_that_was_made(method):
+class _FlaggedNnx(nnx.Module):
+    def __init__(self):
+        self.dense, self.drop = (
+            nnx.Linear(3, 2, rngs=nnx.Rngs(0)),
+            nnx.Dropout(0.5, rngs=nnx.Rngs(1)),
+        )
+
+    def __call__(self, x, *, train: bool):
+        return self.drop(self.dense(x), deterministic=not train)
+
+
+@pytest.mark.parametrize(
+    ("kind", "method"),
+    [("linen", "graph"), ("linen", "lower"), ("linen", "compile"), ("nnx", "graph"),
+     ("nnx", "training_mode")],
+)  # fmt: skip
+def test_a_hybrid_staged_without_its_flag_names_the_call_that_was_made(kind, method):
     # h.graph(x) without train= said "Pass them as the model takes them ...: h(x, train=train)",
-    # advice for another call; lower and compile said the same
+    # advice for another call; lower, compile and (nnx) training_mode said the same
     x = jnp.ones((2, 3))
-    h = sm.hybridize(_Flagged(), _Flagged().init(jax.random.key(0), x, train=False))
+    if kind == "linen":
+        h, name = (
+            sm.hybridize(_Flagged(), _Flagged().init(jax.random.key(0), x, train=False)),
+            "_Flagged",
+        )
+    else:
+        h, name = sm.hybridize(_FlaggedNnx()), "_FlaggedNnx"
     with pytest.raises(
         sm.SignatureError,
-        match=rf"^_Flagged\.{method}: the call's arguments do not fit the model's inputs "
+        match=rf"^{name}\.{method}: the call's arguments do not fit the model's inputs "
         rf"\(x, \*, train\): missing a required argument: 'train'\. .*: h\.{method}\(x, "
         r"train=train\)\.$",
     ):

@@ -393,7 +393,7 @@ class Staged:
         program on these inputs, as ``"path=value"``; ``()`` in eval mode or for other models."""
         if self._modes is None:
             return ()
-        static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
+        static, dyn, dyn_kw = self._split("training_mode", args, kwargs)
         staged = functools.partial(self._traced.staged, static, self._leaves, self.state, dyn)
         with symbolic(self.name):
             return self._modes.training(lambda v: str(staged(dyn_kw, 0, v)))
