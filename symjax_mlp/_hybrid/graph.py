@@ -383,10 +383,11 @@ class Staged:
 
     def _split(self, method: str, args: tuple, kwargs: dict) -> tuple:
         """The call's partition; arguments the model does not take named, with ``h.method``."""
+        split = self._partition(args, kwargs, self.name)  # (its inputs refused first, as h's)
         fix = _MODEL_FIX.replace("h(", f"h.{method}(")  # (a trace would name h(...))
         if unbound := unbindable(f"{self.name}.{method}", self, args, kwargs, skip=0, fix=fix):
             raise unbound
-        return self._partition(args, kwargs, self.name)
+        return split
 
     def training_mode(self, /, *args: Any, **kwargs: Any) -> tuple[str, ...]:
         """An nnx module's settings that ``module.eval()`` would flip and that change the
