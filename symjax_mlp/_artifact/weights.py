@@ -37,9 +37,9 @@ _ST_DTYPES = {  # safetensors dtype codes -> NumPy dtypes (bfloat16 from ml_dtyp
     **{f"U{n}": np.dtype(f"uint{n}") for n in (8, 16, 32, 64)},
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "BOOL": np.dtype(np.bool_),
-    "C64": np.dtype(np.complex64),  # a checkpoint's (an artifact's params are real: param_specs)
+    "C64": np.dtype(np.complex64),
 }
-_NP_TO_ST = {v: k for k, v in _ST_DTYPES.items() if v.kind != "c"}
+_NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
 
 
 _ODD_PATH = (
@@ -84,8 +84,9 @@ def param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
         arr = arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
         if arr.dtype not in _NP_TO_ST:
             raise ArtifactError(
-                f"param {path} has dtype {arr.dtype}, which safetensors cannot store. Cast it "
-                "(to float32, int32, ...) before exporting."
+                f"param {path} is {arr.dtype}, which params.safetensors cannot hold (it holds "
+                "bool, integers, float16, bfloat16, float32, float64 and complex64). Cast it to "
+                "one of those (complex128 to complex64), or store its parts as params of their own."
             )
         specs.append(TensorSpec(path, tuple(arr.shape), str(arr.dtype)))
         arrays.append(arr)
