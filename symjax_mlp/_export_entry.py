@@ -215,7 +215,7 @@ def _moved(h: Hybrid, static: Any, examples: tuple, kw: Mapping[str, Any]) -> tu
 
     def step(params: Any, state: Any, *xs: Any) -> Any:
         args, kwargs = rebuild(static, xs, {})
-        return h._model.call(params, state, args, kwargs)
+        return h.fn_with_state(params, state, *args, **kwargs)
 
     try:
         closed, (out, new) = jax.make_jaxpr(step, return_shape=True)(h.params, h.state, *examples)
@@ -263,7 +263,7 @@ def _stream(path: tuple[str, ...], keys: set[tuple[str, ...]]) -> str | None:
 
 def _mode(h: Hybrid, kw: Mapping[str, Any]) -> dict[str, Any] | None:
     """A linen model's settings in inference mode, where its call takes a mode flag."""
-    names = [p.name for p in h._model.parameters() or ()] if h._model.kind == "linen" else []
+    names = list(h.__signature__.parameters) if h.kind == "linen" and h.__signature__ else []
     flag = next((f for f in names if f in _MODES), None)
     if flag is None or kw.get(flag) == _MODES[flag]:
         return None
@@ -271,7 +271,7 @@ def _mode(h: Hybrid, kw: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def _carried(h: Hybrid, paths: list[tuple[str, ...]], kw: Mapping[str, Any]) -> str:
-    linen = h._model.kind == "linen"
+    linen = h.kind == "linen"
     names = sorted({p[0] if linen else "/".join(p) for p in paths})
     quoted = ", ".join(map(repr, names))
     what = f"{'collection' if linen else 'variable'}{'s' * (len(names) > 1)} {quoted}"
@@ -291,12 +291,12 @@ def _fixed_key(stage: Stage) -> str:
     kw = "".join(f", {k}={v!r}" for k, v in stage.kwargs.items())
     key, many = "jax.random.wrap_key_data(key)", f"{list(streams)}, jax.random.split"
     split = f"dict(zip({many}(jax.random.wrap_key_data(key), {len(streams)})))"
-    if h._model.kind == "nnx":
+    if h.kind == "nnx":
         rngs = f"{streams[0]}={key}" if len(streams) == 1 else f"**{split}"
         fix, holder = _NNX_KEY.format(xs=xs, kw=kw, rngs=rngs), "the module's nnx.Rngs holds"
         part = (", or export a part that draws nothing (sm.hybridize(lambda model, z: "
                 "model.generate(z), model) for a VAE's sampler)")  # fmt: skip
-    elif h._model.kind == "linen":
+    elif h.kind == "linen":
         rngs = f"{{{streams[0]!r}: {key}}}" if len(streams) == 1 else split
         fix, holder, part = _LINEN_KEY.format(xs=xs, kw=kw, rngs=rngs), "the Hybrid holds", ""
     else:  # a function's params (or an equinox module) hold the key

@@ -125,6 +125,12 @@ class LoadedModel(NoPickle):
         return self._opener.open(name)
 
     @property
+    def runner(self) -> Callable[[list[Any]], list[Any]]:
+        """The runtime's call, ``runner([x, ...]) -> [out, ...]``, that ``m(x)`` makes once its
+        inputs pass the checks, unchecked (what :func:`~symjax_mlp.timeit` takes as the floor)."""
+        return self._run
+
+    @property
     def params(self) -> dict[str, np.ndarray]:
         """The weights in use, ``{"params/layers_0/kernel": array, ...}`` (read-only arrays)."""
         views = {k: np.asarray(v).view() for k, v in self._params.items()}

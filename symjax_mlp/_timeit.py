@@ -129,7 +129,7 @@ def _hybrid_floor(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[], An
         inputs, kw = jax.tree.unflatten(tree, leaves)
         if not h.stateful:
             return h.fn(params, *inputs, **kw)
-        return h._model.call(params, state, inputs, kw)  # (out, new state): h.fn's drops it
+        return h.fn_with_state(params, state, *inputs, **kw)  # h.fn drops the new state
 
     arrays = [leaf for leaf in given if isinstance(leaf, _ARRAYS)]
     return _compiled(flat, h.params, [h.state, arrays], h.params_as_constants)  # state: an input
@@ -143,7 +143,7 @@ def _loaded_floor(m: Any, inputs: list[Any]) -> Callable[[], Any]:
             f"{m.manifest['nr_devices']} devices; time an artifact exported for one device."
         )
     if m.runtime != "jax":  # its runtime's own call: a JAX program is no floor of IREE's
-        run, single = m._run, m.signature.output_kind == "array"
+        run, single = m.runner, m.signature.output_kind == "array"
         return (lambda: run(inputs)[0]) if single else (lambda: tuple(run(inputs)))
     file = program_file(m.manifest, JAXEXPORT)
     size, digest = (m.manifest["files"][file][k] for k in ("bytes", "sha256"))

@@ -90,3 +90,13 @@ def test_version_comes_from_the_package_metadata():
     from importlib.metadata import version
 
     assert sm.__version__ == version("symjax_mlp")
+
+
+def test_what_one_module_uses_of_anothers_objects_is_public_and_documented():
+    # (tests/test_layout.py refuses a reach into another object's privates)
+    from symjax_mlp.serving import AsyncRequest, RequestFuture
+
+    for used in (sm.Hybrid.fn_with_state, sm.Hybrid.moved_state, sm.LoadedModel.runner):
+        assert used.__doc__, used
+    assert "kind:" in sm.Hybrid.__doc__
+    assert all("batch_record" in kind.__doc__ for kind in (AsyncRequest, RequestFuture))

@@ -323,6 +323,25 @@ def test_inspect_signature_reads_what_a_call_takes(chapter):
     assert "params" in inspect.signature(sm.Hybrid).parameters  # the class: its constructor
 
 
+def test_a_hybrid_says_its_kind_its_pure_function_with_state_and_the_state_a_call_moves():
+    class Net(nnx.Module):  # in training mode: BatchNorm's statistics, Dropout's rng stream
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.bn, self.drop = nnx.BatchNorm(2, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.bn(x))
+
+    h, x = sm.hybridize(Net(nnx.Rngs(0))), jnp.arange(6.0).reshape(3, 2)
+    stats = ["state['bn']['mean']", "state['bn']['var']"]
+    assert h.kind == "nnx" and h.moved_state(x) == [*stats, "state['drop']['rngs']['key']"]
+    _, state = h.fn_with_state(h.params, h.state, x)  # un-jitted: no trace logged
+    assert h.trace_count == 0 and jax.tree.structure(state) == jax.tree.structure(h.state)
+    np.testing.assert_allclose(state["bn"]["mean"], h.apply(h.params, x)[1]["bn"]["mean"])
+    plain = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    assert plain.kind == "plain" and plain.moved_state(x) == []
+    np.testing.assert_allclose(plain.fn_with_state(plain.params, {}, x)[0], 2 * x)
+
+
 def test_a_snapshot_keeps_the_mode_and_state_a_later_switch_or_call_would_change():
     from flax import nnx
     from helpers import NnxModes, keyless

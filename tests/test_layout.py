@@ -236,3 +236,45 @@ def test_no_module_is_two_concepts():
     long = {name: n for name, file in _modules().items()
             if (n := len(file.read_text().splitlines())) > 400}  # fmt: skip
     assert not long, long
+
+
+# -- no module reaches into another's privates: what it uses of another object has a public name --
+#: ``name._attr`` kept, by file: each an object of the module's own class (or JAX's, in _compat)
+REACHES_KEPT = {
+    "_compat.py": {"*"},  # JAX's and concurrent.futures' internals: what that module holds
+    "_hybrid/hybrid.py": {"twin._log", "twin._set"},  # replace()'s, snapshot()'s own Hybrid
+    "_hybrid/trace.py": {"earlier._events", "earlier._held", "earlier._running"},  # a TraceLog
+    "_hybrid/args.py": {"other._key"},  # _Frozen.__eq__ against another _Frozen
+}
+
+
+def _reaches(source: str) -> list[str]:
+    """Each ``name._attr`` (one underscore) of ``source`` where ``name`` is neither self/cls nor
+    an imported module (``os._exit``; a class is no module): ``line: name._attr``, by line."""
+    tree = ast.parse(source)
+    imported = {"self", "cls"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            imported |= {(a.asname or a.name).partition(".")[0] for a in node.names}
+    imported = {name for name in imported if not name[:1].isupper()}
+    return sorted([
+        f"{node.lineno}: {node.value.id}.{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.attr.startswith("_") and not node.attr.startswith("__")
+        and node.value.id not in imported
+    ], key=lambda r: int(r.partition(":")[0]))  # fmt: skip
+
+
+def test_no_module_reaches_into_another_objects_privates():
+    reaches = []
+    for file in sorted(ROOT.rglob("*.py")):
+        kept = REACHES_KEPT.get(file.relative_to(ROOT).as_posix(), set())
+        found = [r for r in _reaches(file.read_text()) if r.partition(" ")[2] not in kept]
+        reaches += [f"{file.relative_to(ROOT)}:{r}" for r in found if "*" not in kept]
+    assert not reaches, "give what another module uses a public name:\n" + "\n".join(reaches)
+
+
+def test_the_reach_check_sees_a_reach():
+    probe = "import os\nfrom a import B, c\ndef f(h, self):\n    os._exit(c._d(self._e, h._f))\n"
+    assert _reaches(probe + "    B._g(h)\n") == ["4: h._f", "5: B._g"]

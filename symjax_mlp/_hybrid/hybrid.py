@@ -47,6 +47,7 @@ class Hybrid(Staged, NoPickle):
     Attributes:
       fn: the pure inference function ``fn(variables, *args, **kwargs) -> out`` (see
         :attr:`variables`); what :func:`~symjax_mlp.export` exports.
+      kind: what was hybridized: ``"linen"``, ``"nnx"``, ``"eqx"`` or ``"plain"`` (a function).
       name: shown in trace logs and errors.
       stateful: whether calls carry state.
       max_traces, compiled, static_argnums, static_argnames, donate, params_as_constants,
@@ -101,7 +102,7 @@ class Hybrid(Staged, NoPickle):
         self._set(
             fn=model.inference(name), name=name, max_traces=max_traces, compiled=compiled,
             axis=axis, pad=pad, static_argnums=nums, static_argnames=names, donate=donate,
-            params_as_constants=params_as_constants, stateful=model.stateful,
+            params_as_constants=params_as_constants, stateful=model.stateful, kind=model.kind,
             mesh=None if parallel is None else parallel.mesh,
             n_shards=1 if parallel is None else parallel.n_shards,
             __signature__=None if inputs is None else inspect.Signature(inputs),
@@ -255,6 +256,11 @@ class Hybrid(Staged, NoPickle):
             write_back(variables, out[1], self.name)
             return out[0]
 
+    def fn_with_state(self, params: Any, state: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """The model's pure function, un-jitted (no trace logged): ``(out, new_state)`` as
+        :meth:`apply_with_state` returns them; a stateless model gives ``state`` back as is."""
+        return self._model.call(params, state, args, kwargs)
+
     def _call_held(self, static: Any, dyn: Any, dyn_kw: Any, variables: Any = ()) -> Any:
         """A stateful call: the held state passed, the new one held."""
         args = (static, self._leaves, dyn, dyn_kw)
@@ -369,6 +375,12 @@ class Hybrid(Staged, NoPickle):
         inputs already traced, from any thread."""
         self._log.add(callback)
         return callback
+
+    def moved_state(self, /, *args: Any, **kwargs: Any) -> list[str]:
+        """The held state a call on these inputs moves, as ``state['path']``: what it computes
+        from them (BatchNorm's statistics), or draws its output from (Dropout's rng key)."""
+        static, dyn, dyn_kw = self._split("moved_state", args, kwargs)
+        return self._traced.moved(static, self._leaves, dyn, dyn_kw) if self.stateful else []
 
     def _partition(self, args: Any, kwargs: Any, caller: str) -> tuple:
         """The call's static key (with the module's settings), traced args, kwargs."""

@@ -254,7 +254,7 @@ def create_app(
             if deadlines.clear(task):  # late as it ended: the cancel is taken back
                 task.uncancel()
         data, kind = to_npy(out) if as_npy else to_json(out)
-        t1, t2, t3, t4, rows, bucket, n = request._batch  # set before the result: Lane.settle
+        t1, t2, t3, t4, rows, bucket, n = request.batch_record  # set before the result: Lane.settle
         took = ((t1 - request.t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3)
         head = [  # as uvicorn takes it (starlette's Response copies, re-encodes each header)
             (b"content-length", b"%d" % len(data)), (b"content-type", kind.encode()),

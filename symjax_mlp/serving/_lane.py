@@ -304,7 +304,7 @@ class Lane:
         results = results or [None] * len(batch)
         if loop is not None:  # see Batcher._end_of_pass
             for r in batch:
-                r._batch = timing
+                r.batch_record = timing
             return _resolve(zip(batch, results, strict=True), error)
         futures, settled, awaited = [], [], []
         with self.futures:
@@ -314,7 +314,7 @@ class Lane:
                     r.result, r.error = result, error
                     r.waiter.release()
                     continue
-                r._batch = timing
+                r.batch_record = timing
                 if kind is AsyncRequest:
                     awaited.append((r, result))
                 else:

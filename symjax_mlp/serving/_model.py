@@ -134,8 +134,7 @@ def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
     if not h.stateful:
         return functools.partial(h, **kwargs) if kwargs else h
     params, state = h.params, h.state
-    static, dyn, dyn_kw = h._partition(arrays, kwargs, h.name)
-    if moved := h._traced.moved(static, h._leaves, dyn, dyn_kw):  # Dropout, BatchNorm
+    if moved := h.moved_state(*arrays, **kwargs):  # Dropout, BatchNorm
         what = f"with kwargs={kwargs} a call is in training mode ({', '.join(moved[:4])} move)"
         fix = " (and a server holds its state: each batch would drop the same units). Pass "
         raise ConfigError(_TRAINING.format(name=name, what=what, fix=fix + _INFERENCE))

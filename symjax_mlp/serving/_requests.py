@@ -52,17 +52,17 @@ class RequestTiming:
 
 
 class _Timed:
-    """A request's ``timing``: set by the lane, ``_batch``, before its result is."""
+    """A request's ``timing``: set by the lane, ``batch_record``, before its result is."""
 
     __slots__ = ()
-    _batch: tuple | None  # its batch's (t1, t2, t3, t4, rows, bucket, requests): see Lane.compute
+    batch_record: tuple | None  # its batch's (t1, t2, t3, t4, rows, bucket, requests)
     rows: int
     t0: float
 
     @property
     def timing(self) -> RequestTiming | None:
         """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
-        if (batch := self._batch) is None:
+        if (batch := self.batch_record) is None:
             return None
         t1, t2, t3, t4, real, bucket, n = batch  # its real rows, bucket and requests
         return RequestTiming(t1 - self.t0, t2 - t1, t3 - t2, t4 - t3, self.rows, real, n, bucket)
@@ -80,12 +80,15 @@ class AsyncRequest(_Timed):
         (for ``asyncio.wait``, ``asyncio.shield``, ...).
       timing: the request's :class:`RequestTiming`, set before the result (``None`` until
         then, and for a request cancelled or failed before it ran).
+      batch_record: what :attr:`timing` is read from, as the batcher sets it: its batch's clock
+        readings and sizes, ``(t1, t2, t3, t4, rows, bucket, requests)`` (``None`` alike).
     """
 
-    __slots__ = ("_batch", "arrays", "future", "rows", "t0")
+    __slots__ = ("arrays", "batch_record", "future", "rows", "t0")
 
     def __init__(self, arrays: Sequence[Any], rows: int, t0: float, future: Any) -> None:
-        self.arrays, self.rows, self.t0, self.future, self._batch = arrays, rows, t0, future, None
+        self.arrays, self.rows, self.t0, self.future = arrays, rows, t0, future
+        self.batch_record = None
 
     def __await__(self) -> Any:
         return self.future.__await__()
@@ -113,10 +116,10 @@ class RequestFuture(SharedLockFuture, _Timed):
     """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.
 
     Attributes:
-      timing: as :attr:`AsyncRequest.timing`.
+      timing, batch_record: as :attr:`AsyncRequest.timing`, :attr:`AsyncRequest.batch_record`.
     """
 
-    _batch, rows, t0 = None, 0, 0.0  # the request (with its inputs) rides on the future
+    batch_record, rows, t0 = None, 0, 0.0  # the request (with its inputs) rides on the future
     arrays: Sequence[Any] = ()
 
 
