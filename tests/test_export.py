@@ -824,3 +824,19 @@ def test_complex64_params_export_and_load(tmp_path):
     assert m.params["w"].dtype == np.complex64
     doubled = sm.load(m.path, params={"w": m.params["w"] * 2})
     np.testing.assert_allclose(doubled(x), 2 * h(x), rtol=1e-6)
+
+
+def test_complex_constants_in_the_program_and_its_vjp_load(tmp_path):
+    """An artifact whose program or VJP module holds a complex constant (a complex64 model's
+    own ``* (1 + 2j)``; the cotangent 1 + 0j of its VJP) was refused by load: "the StableHLO
+    module cannot be checked (TypeError: Can't cast unknown element type ...complex<f32>)".
+    The checker read every attribute; it now reads only those it checks. Then the VJP's ops
+    real, imag and complex (any complex model's gradient has them) were refused as ops an MLP
+    never needs: they are elementwise, allowed as abs and multiply are."""
+    params = {"w": (jnp.arange(6.0).reshape(3, 2) + 1j).astype(jnp.complex64)}
+    h = sm.hybridize(lambda p, x: jnp.abs(x @ p["w"] * (1 + 2j)), params)
+    x = jnp.ones((2, 3))
+    m = sm.load(sm.export(h, tmp_path / "m", example=x, vjp_order=1).path)
+    np.testing.assert_allclose(m(x), h(x), rtol=1e-6)
+    grad = jax.grad(lambda f, x: f(x).sum(), argnums=1)
+    np.testing.assert_allclose(grad(m, x), grad(h, x), rtol=1e-5)

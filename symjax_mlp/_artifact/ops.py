@@ -24,10 +24,11 @@ from symjax_mlp._errors import ArtifactError
 
 # ops computing each element from the same element of each operand (rows keeps rows apart)
 ELEMENTWISE = frozenset(str.split("""
-    abs add and atan2 bitcast_convert cbrt ceil clamp compare convert cosine divide exponential
-    exponential_minus_one floor is_finite log log_plus_one logistic maximum minimum multiply
-    negate not or power remainder round_nearest_afz round_nearest_even rsqrt select
-    shift_left shift_right_arithmetic shift_right_logical sign sine sqrt subtract tan tanh xor
+    abs add and atan2 bitcast_convert cbrt ceil clamp compare complex convert cosine divide
+    exponential exponential_minus_one floor imag is_finite log log_plus_one logistic maximum
+    minimum multiply negate not or power real remainder round_nearest_afz round_nearest_even
+    rsqrt select shift_left shift_right_arithmetic shift_right_logical sign sine sqrt subtract
+    tan tanh xor
 """))  # fmt: skip
 # custom calls: allowed by target
 ALLOWED_OPS = frozenset({"builtin.module", "func.func", "func.return", "func.call"}) | {

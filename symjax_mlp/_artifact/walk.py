@@ -133,11 +133,11 @@ class _Walk:
         be ones jax.export writes, of the type it writes: JAX and XLA read them unchecked."""
         from jax.extend.mlir import ir
 
-        for attr_name in op.attributes:
-            a = op.attributes[attr_name]
-            if "." in attr_name:
-                self._attribute(name, attr_name, a)
+        for attr_name in op.attributes:  # only those checked are read: a complex constant's
+            if "." in attr_name:  # value has no Python class (reading it raises TypeError)
+                self._attribute(name, attr_name, op.attributes[attr_name])
             elif attr_name in ("arg_attrs", "res_attrs") and name == "func.func":
+                a = op.attributes[attr_name]
                 for entry in a if isinstance(a, ir.ArrayAttr) else [None]:
                     if not isinstance(entry, ir.DictAttr):
                         self._problem("attribute", f"{name} with {attr_name} of {entry}")
