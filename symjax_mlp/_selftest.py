@@ -166,16 +166,20 @@ def difference(got: np.ndarray, want: np.ndarray) -> str | None:
         return f"has shape {got.shape}, but gave {want.shape} at export"
     if got.dtype == want.dtype and np.array_equal(got, want):  # as a rerun here mostly is
         return None
-    g64, w64 = (np.asarray(a, np.float64) for a in (got, want))
+    parts = np.iscomplexobj(got) or np.iscomplexobj(want)  # (re, im) on a last axis, each apart
+    g64, w64 = (np.asarray(np.stack([a.real, a.imag], -1) if parts else a, np.float64)
+                for a in (got, want))  # fmt: skip
     tol = tolerance(want.dtype)
     if np.allclose(g64, w64, equal_nan=True, **tol):
         return None
     nan_g, nan_w = np.isnan(g64), np.isnan(w64)
-    if (nan_g != nan_w).any():
-        at = tuple(int(k) for k in np.argwhere(nan_g != nan_w)[0])
+    if (odd := nan_g != nan_w).any():
+        odd = odd.any(-1) if parts else odd
+        at = tuple(int(k) for k in np.argwhere(odd)[0])
+        g, w = (got, want) if parts else (g64, w64)
         return (
-            f"is {g64[at]} at index {at}, where it gave {w64[at]} at export "
-            f"({int((nan_g != nan_w).sum())} value(s) NaN in one and not the other)"
+            f"is {g[at]} at index {at}, where it gave {w[at]} at export "
+            f"({int(odd.sum())} value(s) NaN in one and not the other)"
         )
     with np.errstate(invalid="ignore"):
         err = np.where(nan_w | (g64 == w64), 0.0, np.abs(g64 - w64))

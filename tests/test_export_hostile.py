@@ -435,3 +435,21 @@ def test_a_dtype_jax_export_cannot_serialize_is_a_signature_error_naming_it(tmp_
     ):
         sm.export(h, tmp_path / "a", example=x)
     assert not (tmp_path / "a").exists()
+
+
+def test_the_self_test_compares_complex_outputs_by_both_parts():
+    """load's self-test compared outputs in float64, which keeps a complex value's real part
+    only (with NumPy's ComplexWarning): an artifact whose program's imaginary parts differ
+    from its vectors' (load reads complex64 vectors) passed it. Both parts are compared now,
+    a NaN in either part named with the complex value where it differs."""
+    from symjax_mlp._selftest import difference
+
+    want = np.array([[1 + 1j, 2 + 2j]], np.complex64)
+    assert difference(want.copy(), want) is None
+    assert difference(want + 1e-7j, want) is None  # within the tolerance
+    assert "differs from what it gave at export by up to 1" in difference(want + 1j, want)
+    nan = want.copy()
+    nan[0, 1] = complex(2, np.nan)
+    said = difference(nan, want)
+    assert said.startswith("is (2+nanj) at index (0, 1), where it gave (2+2j) at export (1 "), said
+    assert difference(nan, nan.copy()) is None  # NaN equals NaN, part by part
