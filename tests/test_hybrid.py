@@ -342,6 +342,17 @@ def test_a_hybrid_says_its_kind_its_pure_function_with_state_and_the_state_a_cal
     np.testing.assert_allclose(plain.fn_with_state(plain.params, {}, x)[0], 2 * x)
 
 
+def test_fn_with_state_names_a_state_that_is_not_the_models():
+    """A linen model's h.fn_with_state(params, None, x) raised "TypeError: 'NoneType' object
+    is not iterable", a state of other collections "KeyError: 'batch_stats'", from inside the
+    library; nnx's and h.apply_with_state's name what the state lacks. Now linen's do too."""
+    h = next(c for c in ZOO if c.name == "linen_batchnorm").hybridize()
+    x, says = jnp.ones((4, 5)), r"LinenBatchNorm\.fn_with_state\(params, state, \.\.\.\): the "
+    for state, unexpected in ((None, "none"), ({"zzz": 1}, r"\[\"state\['zzz'\]\"\]")):
+        with pytest.raises(sm.ConfigError, match=says + rf"state given .* unexpected {unexpected}"):
+            h.fn_with_state(h.params, state, x)
+
+
 def test_a_snapshot_keeps_the_mode_and_state_a_later_switch_or_call_would_change():
     from flax import nnx
     from helpers import NnxModes, keyless

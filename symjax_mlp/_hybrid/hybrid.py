@@ -80,8 +80,7 @@ class Hybrid(Staged, NoPickle):
             params_as_constants=(params_as_constants, bool, "False"),
         )  # fmt: skip
         model = fn if isinstance(fn, PureModel) else plain(fn)
-        name = name or model.name
-        inputs = model.parameters()
+        name, inputs = name or model.name, model.parameters()
         nums, names = static_args(inputs, name, static_argnums, static_argnames)
         over = _mesh.DataParallel.over  # a mesh refuses params_as_constants
         parallel = None if mesh is None else over(name, mesh, axis, pad, params_as_constants)
@@ -89,8 +88,7 @@ class Hybrid(Staged, NoPickle):
         # a donating call consumes the held state: never the caller's buffers nor another's
         owned = donate and model.stateful and mesh is None
         held = HeldState(name, {} if state is None else state, own=owned)
-        log = TraceLog(name, max_traces)
-        baked = params_as_constants
+        log, baked = TraceLog(name, max_traces), params_as_constants
         traced = TracedModel(model, treedef, leaves if baked else None, held, log)
         trace = traced.stateful if model.stateful else traced.stateless
         if parallel is None:
@@ -259,7 +257,13 @@ class Hybrid(Staged, NoPickle):
     def fn_with_state(self, params: Any, state: Any, /, *args: Any, **kwargs: Any) -> Any:
         """The model's pure function, un-jitted (no trace logged): ``(out, new_state)`` as
         :meth:`apply_with_state` returns them; a stateless model gives ``state`` back as is."""
-        return self._model.call(params, state, args, kwargs)
+        try:
+            return self._model.call(params, state, args, kwargs)
+        except (TypeError, KeyError):  # Flax's, reading a state that is no h.state: named so
+            caller = f"{self.name}.fn_with_state(params, state, ...)"
+            if not (unfit := self.stateful and _pure.unfit_state(caller, self.state, state)):
+                raise
+        raise unfit
 
     def _call_held(self, static: Any, dyn: Any, dyn_kw: Any, variables: Any = ()) -> Any:
         """A stateful call: the held state passed, the new one held."""

@@ -318,10 +318,16 @@ _REFIT = (
 
 def refit(caller: str, held: Any, state: Any, tail: str = "") -> Any:
     """``state`` in the ``held`` one's tree, refused unless its leaves' paths are the same."""
-    expected, got = _paths(({}, held)), _paths(({}, state))
-    if got != expected:
-        raise ConfigError(_REFIT.format(caller=caller, diff=_diff(expected, got), tail=tail))
+    if unfit := unfit_state(caller, held, state, tail):
+        raise unfit
     return jax.tree.unflatten(jax.tree.structure(held), jax.tree.leaves(state))
+
+
+def unfit_state(caller: str, held: Any, state: Any, tail: str = "") -> ConfigError | None:
+    """The error for a ``state`` whose leaves' paths are not the ``held`` one's, else None."""
+    expected, got = _paths(({}, held)), _paths(({}, state))
+    diff = None if got == expected else _diff(expected, got)
+    return diff and ConfigError(_REFIT.format(caller=caller, diff=diff, tail=tail))
 
 
 def mode_settings(model: PureModel, values: tuple, *, train: bool) -> tuple:
