@@ -585,6 +585,25 @@ def test_an_nnx_module_or_function_given_inputs_its_weights_do_not_fit_names_the
     assert h.trace_count == 0
 
 
+def test_an_equinox_module_given_inputs_its_weights_do_not_fit_names_them_and_itself():
+    """equinox's Linear computes weight @ x, so JAX's error reads the other way round ("got
+    (5,) and (7,)"): h(x), h.eager and h.fn_with_state raised it raw. And its messages were
+    headed "__call__:" (its method's name), not the Hybrid's "MLP"."""
+    import equinox as eqx
+
+    h = sm.hybridize(eqx.nn.MLP(5, 3, 8, 2, key=jax.random.key(0)))
+    for run in (h, h.eager, lambda x: h.fn_with_state(h.params, h.state, x)):
+        with pytest.raises(
+            sm.SignatureError,
+            match=r"^MLP: the inputs \(args\[0\]: float32\[7\]\) do not fit the params: a matrix "
+            r"product takes 7 from an input's last dimension where the params have 5 \(layers/0/"
+            r"weight \(8, 5\)\)\.",
+        ):
+            run(jnp.ones(7))
+    with pytest.raises(sm.SignatureError, match=r"^MLP: the call's arguments do not fit"):
+        h(jnp.ones(5), 3)
+
+
 def test_a_matrix_product_of_the_params_alone_keeps_the_models_own_error():
     params = {"a": jnp.ones((2, 3)), "b": jnp.ones((4, 5))}
     h = sm.hybridize(lambda p, x: (p["a"] @ p["b"]).sum() * x, params)

@@ -100,13 +100,12 @@ def plain(fn: Callable[..., Any]) -> PureModel:
     def call(params, state, args, kwargs):
         try:
             return fn(params, *args, **kwargs), state
-        except TypeError as e:
-            name = getattr(fn, "__name__", type(fn).__name__)
-            if (unfit := _trace.unfit_call(name, e, fn, params, args, kwargs)) is None:
+        except TypeError as e:  # named as the Hybrid is: an equinox module's class, not __call__
+            if (unfit := _trace.unfit_call(model.name, e, fn, params, args, kwargs)) is None:
                 raise
             raise unfit from None
 
-    return PureModel(call, stateful=False, target=fn)
+    return (model := PureModel(call, stateful=False, target=fn))
 
 
 def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:

@@ -148,25 +148,27 @@ def unfit_call(
     name: str, error: TypeError, target: Any, params: Any, args: Any, kwargs: Any
 ) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for a model's ``TypeError``: arguments not binding
-    (:func:`unbindable`), or an input's last dimension unlike a weight's first; or ``None``."""
+    (:func:`unbindable`), or an input's last dimension unlike a weight's first (equinox's: last);
+    or ``None``."""
     if (unbound := unbindable(name, target, args, kwargs)) is not None:
         return unbound
     if (found := _PRODUCT.search(str(error))) is None:
         return None
-    got, want = found[1], int(found[2])  # got: a size, or a symbolic dimension's name
-    specs = _input_specs(args, kwargs)
-    weights = [
-        "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) + f" {tuple(x.shape)}"
-        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-        if len(getattr(x, "shape", ())) >= 2 and x.shape[0] == want
-    ]
-    if not weights or not any(s.shape and str(s.shape[-1]) == got for s in specs):
-        return None
-    return SignatureError(
-        _PRODUCT_SHAPE.format(name=name, inputs=", ".join(map(str, specs)), got=got, want=want,
-                              weights=", ".join(weights[:3]) + (", ..." if weights[3:] else ""))
-        + ("" if got.isdigit() else _SYMBOLIC_WIDTH)
-    )  # fmt: skip
+    specs = _input_specs(args, kwargs)  # x @ w (flax); w @ x (equinox's Linear): axis -1
+    for got, want, axis in ((found[1], found[2], 0), (found[2], found[1], -1)):
+        weights = [  # got: a size, or a symbolic dimension's name
+            f"{jax.tree_util.keystr(p, simple=True, separator='/')} {tuple(x.shape)}"
+            for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+            if len(getattr(x, "shape", ())) >= 2 and str(x.shape[axis]) == want
+        ]
+        if weights and any(s.shape and str(s.shape[-1]) == got for s in specs):
+            listed = ", ".join(weights[:3]) + (", ..." if weights[3:] else "")
+            inputs = ", ".join(map(str, specs))
+            return SignatureError(
+                _PRODUCT_SHAPE.format(name=name, inputs=inputs, got=got, want=want, weights=listed)
+                + ("" if got.isdigit() else _SYMBOLIC_WIDTH)
+            )
+    return None
 
 
 _NO_PICKLE = (
