@@ -300,7 +300,8 @@ def check_params(
         a = found[s.path]
         if tuple(a.shape) != tuple(s.shape) or str(a.dtype) != s.dtype:
             fix = _OWN if own else "Use weights of the same architecture."
-            if tuple(a.shape) == tuple(s.shape) and not own:  # the same weights, another dtype
+            lossless = a.dtype.kind != "c" or s.dtype.startswith("complex")  # else a real
+            if tuple(a.shape) == tuple(s.shape) and not own and lossless:  # model's: no cast
                 fix = f"Cast them: x.astype({printable(cast_to(s.dtype))}) for each."
             raise ArtifactError(
                 f"{file}: param {printable(s.path)} is {a.dtype}{list(a.shape)} but the "
