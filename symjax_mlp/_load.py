@@ -157,16 +157,18 @@ def load(
         found, source = blobs[PARAMS], path / PARAMS
     elif isinstance(params, (str, os.PathLike)):
         source = Path(os.path.realpath(params))  # the caller's own path: its links followed
-        call = f'symjax_mlp.load("{path}", params={str(params)!r})'
+        call = f'symjax_mlp.load("{path}", params={str(params)!r})'  # heads what is wrong
         try:
             found = read_safetensors_file(source)[0]
         except FileNotFoundError:
             raise ArtifactError(f"{call}: there is no such file.") from None
         except ArtifactError as e:  # the file's own check: not a regular file, not safetensors
             raise ArtifactError(f"{call}: {e}") from None
+        source = f"{call}: {source}"
     else:
         specs, arrays = param_specs(_nested(params))
-        found, source = {s.path: a for s, a in zip(specs, arrays, strict=True)}, "params="
+        found = {s.path: a for s, a in zip(specs, arrays, strict=True)}
+        source = f'symjax_mlp.load("{path}", params=...)'
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
     ordered = check_params(found, expected, file=source, own=params is None)
     self_test = self_test and params is None  # other weights give other outputs
@@ -362,8 +364,7 @@ def _check_x64(path: Path, manifest: Any) -> None:
     specs = [*manifest["params"]]
     for view in (manifest, *manifest.get("entries", {}).values()):
         specs += [*view["signature"]["inputs"], *view["signature"]["outputs"]]
-    wide = sorted({s["dtype"] for s in specs} & {"float64", "int64", "uint64", "complex128"})
-    if wide:
+    if wide := sorted({s["dtype"] for s in specs} & {"float64", "int64", "uint64", "complex128"}):
         raise ArtifactError(
             f'symjax_mlp.load("{path}"): the artifact holds {", ".join(wide)} tensors, and JAX '
             "here runs without 64-bit types (it would make them 32-bit). Enable them before "
@@ -389,8 +390,7 @@ def _warn_if_expiring(path: Path, manifest: Any) -> None:
         end = datetime.date.fromisoformat(str(manifest.get("compatible_until")))
     except ValueError:
         return
-    left = (end - datetime.date.today()).days
-    if left <= 30:
+    if (left := (end - datetime.date.today()).days) <= 30:
         warnings.warn(
             f'symjax_mlp.load("{path}"): the artifact leaves jax.export\'s compatibility window '
             f"on {end} ({'in ' + str(left) + ' days' if left >= 0 else 'already'}): newer JAX "
