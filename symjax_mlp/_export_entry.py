@@ -143,14 +143,6 @@ def stage(
                  baked, streams, kw)  # fmt: skip
 
 
-_COMPLEX = (
-    "export({name}): {path} is {dtype}, but an artifact's inputs and outputs are real or "
-    "integer arrays (its self-test file stores no complex numbers, so load would refuse it). "
-    "Pass and return the parts: take (re, im) and build jax.lax.complex(re, im) inside, "
-    "return (z.real, z.imag)."
-)
-
-
 def export_program(
     stage: Stage, own: Mapping[str, tuple[TensorSpec, Any]], platforms: tuple[str, ...]
 ) -> tuple[Any, Signature, dict[str, Any]]:
@@ -196,8 +188,6 @@ def export_program(
     args = [_spec(f"args[{i}]", a) for i, a in enumerate(ins)]
     batch = None if stage.per_input_shapes else stage.batch
     signature = Signature(tuple(args), tuple(outs), out_kind, batch, stage.constraints)
-    if odd := next((s for s in (*args, *outs) if s.dtype.startswith("complex")), None):
-        raise SignatureError(_COMPLEX.format(name=h.name, path=odd.path, dtype=odd.dtype))
     names = [*p_structs, *(s.path for s in signature.inputs)]
     if len(set(names)) != len(names) or "platform_index" in names:
         raise ArtifactError(f"export({h.name}): param paths collide with input names: {names}")
