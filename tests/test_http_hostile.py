@@ -1103,9 +1103,10 @@ def test_a_model_error_500_is_cut_escaped_and_names_the_models_class(raised, err
     assert says in body["message"] and len(body["message"]) < 400, body["message"][:400]
 
 
-def test_a_model_of_complex_outputs_is_told_to_ask_for_npy():
+def test_a_model_of_complex_outputs_is_told_to_ask_for_npy(caplog):
     """JSON has no complex numbers: the 500 said 'Object of type complex is not JSON
-    serializable', as a bug of ours would, without the way to get the answer (a .npy)."""
+    serializable', as a bug of ours would, without the way to get the answer (a .npy). It is
+    the client's to fix: a 406 (Not Acceptable) saying how, and no traceback in the log."""
 
     def model(x):
         return x.astype(np.complex64)
@@ -1114,7 +1115,10 @@ def test_a_model_of_complex_outputs_is_told_to_ask_for_npy():
         app = sm.serving.create_app(b, close_batcher=False)
         with _in_thread(app, lifespan="off") as url:
             code, raw = _post(url, json.dumps({"inputs": [[1.0, 2.0]]}).encode())
-            assert code == 500 and "Content-Type: application/x-npy" in json.loads(raw)["message"]
+            said = json.loads(raw)
+            assert code == 406 and "Content-Type: application/x-npy" in said["message"], said
+            assert said["error"] == "BadRequest"
+            assert not [r for r in caplog.records if r.exc_info], caplog.text  # no bug of ours
             buf = io.BytesIO()
             np.save(buf, np.ones((1, 2), np.float32))
             code, raw = _post(url, buf.getvalue(), "application/x-npy")

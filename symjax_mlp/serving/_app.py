@@ -9,12 +9,12 @@
   ``GET /metrics`` (Prometheus), ``GET /signature``.
 
 Errors are JSON ``{"error": class, "message": ..., "model": name}``, counted on /metrics: 400 an
-unreadable body, 408 a body that stopped arriving or came too slowly, 413 too large, 415 an unknown
-content type, 422 a :class:`~symjax_mlp.SignatureError`, 503 a full queue or too many body bytes in
-flight (both with ``Retry-After``), a batcher closed with ``cancel=True`` or a server that stopped
-before the answer, 500 the model raised (its message escaped, cut to 300 characters, with no
-traceback or server path: the traceback is logged), 504 no answer within request_timeout, 404/405 a
-wrong path (``/predict/`` too) or method. A message names the model, never its path.
+unreadable body, 406 outputs JSON cannot hold (complex: ask for a ``.npy``), 408 a body that
+stopped arriving or came too slowly, 413 too large, 415 an unknown content type, 422 a
+:class:`~symjax_mlp.SignatureError`, 503 a full queue or too many bytes in flight (both with
+``Retry-After``), a batcher closed with ``cancel=True`` or a server that stopped before the answer,
+500 the model raised (its message escaped, cut to 300 characters; the traceback is logged), 504 no
+answer within request_timeout, 404/405 a wrong path or method. A message never names a path.
 """
 
 from __future__ import annotations
@@ -41,11 +41,8 @@ from symjax_mlp.serving._stats import METRIC_NAME
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
 _STOPPED = "the server stopped before the request was answered; retry it."
-_LATE = (
-    "the model did not answer within request_timeout={:g} s, so the request was cancelled (a "
-    "batch that had started runs on). Retry later; if the model is this slow, raise "
-    "request_timeout."
-)
+_LATE = "the model did not answer within request_timeout={:g} s, so the request was cancelled \
+(a batch that had started runs on). Retry later; if the model is this slow, raise request_timeout."
 _TIMING = b"queued;dur=%.3f, padded;dur=%.3f, compute;dur=%.3f, split;dur=%.3f"
 REFUSED = "symjax_mlp.refused"  # a scope's key: the status serve's server answered it with
 # what a model's message may hold of the server's files, for a client: a traceback's frames
@@ -203,6 +200,8 @@ def create_app(
             return await answer(request, hold)
         except asyncio.CancelledError:  # the server stops first: a 503, not uvicorn's 500
             return error(503, asyncio.CancelledError(_STOPPED))
+        except BadRequest as e:  # an answer JSON cannot hold (complex): a 406, ask for .npy
+            return error(e.status, e)
         except Exception as e:  # a bug of ours: still the documented JSON body, counted
             LOG.error("%s: answering a request failed", public.name, exc_info=e)
             return error(500, e)

@@ -384,9 +384,10 @@ def to_json(out: Any) -> tuple[bytes, str]:
     try:
         return _ENCODER.encode({"outputs": outputs}).encode(), "application/json"
     except TypeError as e:  # complex numbers: no JSON number holds them
-        raise TypeError(
+        raise BadRequest(
+            406,
             f"the model's outputs hold values JSON cannot write ({e}); send the request as a "
-            f".npy body (Content-Type: {NPY}) to be answered with a .npy."
+            f".npy body (Content-Type: {NPY}) to be answered with a .npy.",
         ) from None
 
 
