@@ -166,9 +166,9 @@ def load(
             raise ArtifactError(f"{call}: {e}") from None
         source = f"{call}: {source}"
     else:
-        specs, arrays = param_specs(_nested(params))
-        found = {s.path: a for s, a in zip(specs, arrays, strict=True)}
         source = f'symjax_mlp.load("{path}", params=...)'
+        specs, arrays = param_specs(_nested(params), caller=source)
+        found = {s.path: a for s, a in zip(specs, arrays, strict=True)}
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
     ordered = check_params(found, expected, file=source, own=params is None)
     self_test = self_test and params is None  # other weights give other outputs

@@ -865,3 +865,30 @@ def test_complex_weights_for_real_params_are_not_told_to_cast_away_their_imagina
         said = str(e.value)  # the call first, as every load message (it was "params=: param w")
         assert said.startswith(f'symjax_mlp.load("{real.path}", params={shown}): '), said
         assert "astype" not in said and "params=:" not in said, said
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "became"),
+    [(np.float64, 1e39, "inf"), (np.int64, 2**40, "wrapped"), (np.complex128, 1e39j, "inf")],
+)
+def test_64_bit_weights_past_the_32_bit_range_are_refused_not_narrowed_in_silence(
+    tmp_path, dtype, value, became
+):
+    """load(path, params=tree) narrows 64-bit weights to what JAX computes in with x64 off:
+    1e39 became inf and 2**40 wrapped to 0, with only NumPy's RuntimeWarning (or nothing), and
+    the model answered with them. Values that fit still narrow, as JAX narrows them."""
+    kind = np.dtype(dtype)
+    w = jnp.ones((3, 2), jax.dtypes.canonicalize_dtype(kind))
+    h = sm.hybridize(lambda p, x: x.astype(p["w"].dtype) @ p["w"], {"w": w})
+    m = sm.export(h, tmp_path / "m", example=jnp.ones((2, 3)))
+    fits = np.full((3, 2), 2, dtype)
+    np.testing.assert_array_equal(
+        sm.load(m.path, params={"w": fits})(np.ones((1, 3), np.float32)), 2 * h(jnp.ones((1, 3)))
+    )
+    bad = fits.copy()
+    bad[1, 0] = value
+    with pytest.raises(sm.ArtifactError) as e:
+        sm.load(m.path, params={"w": bad})
+    said = str(e.value)
+    assert said.startswith(f'symjax_mlp.load("{m.path}", params=...): param w is {kind}'), said
+    assert f"beyond {w.dtype}'s range" in said and f"({became})" in said, said

@@ -65,10 +65,17 @@ def _storable_path(path: str) -> bool:  # as params.safetensors and the manifest
     return path.isprintable() and len(path) <= 4096 and path != "__metadata__"
 
 
-def param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
+def param_specs(tree: Any, caller: str = "") -> tuple[list[TensorSpec], list[np.ndarray]]:
     """Flattens a params pytree into (specs, host arrays), paths joined with ``/``, each array
     in the dtype JAX traces it with (with x64 off, float64 params are float32), so that the
-    same params passed to ``load(params=...)`` match the manifest."""
+    same params passed to ``load(params=...)`` match the manifest; ``caller`` heads errors."""
+    try:
+        return _param_specs(tree)
+    except ArtifactError as e:
+        raise (ArtifactError(f"{caller}: {e}") if caller else e) from None
+
+
+def _param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
     import jax
 
     specs, arrays = [], []
@@ -81,7 +88,8 @@ def param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
             )
         path = "/".join(parts) or "params"  # a single array as the params: one tensor
         arr = np.asarray(leaf)
-        arr = arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
+        if (to := jax.dtypes.canonicalize_dtype(arr.dtype)) != arr.dtype:  # x64 off: 32 bits
+            arr = _narrowed(path, arr, to)
         if arr.dtype not in _NP_TO_ST:
             raise ArtifactError(
                 f"param {path} is {arr.dtype}, which params.safetensors cannot hold (it holds "
@@ -91,6 +99,21 @@ def param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
         specs.append(TensorSpec(path, tuple(arr.shape), str(arr.dtype)))
         arrays.append(arr)
     return specs, arrays
+
+
+def _narrowed(path: str, arr: np.ndarray, to: np.dtype) -> np.ndarray:
+    """``arr`` as ``to``; an :class:`ArtifactError` where a value does not fit (1e39: inf)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = arr.astype(to)
+    if arr.dtype.kind in "iu" and np.array_equal(out.astype(arr.dtype), arr):
+        return out
+    if arr.dtype.kind in "fc" and np.array_equal(np.isfinite(out), np.isfinite(arr)):
+        return out
+    raise ArtifactError(
+        f"param {path} is {arr.dtype} with values beyond {to}'s range, the dtype JAX computes it "
+        f"in with x64 off: they would change ({'inf' if to.kind in 'fc' else 'wrapped'}). Scale "
+        f"them into {to}'s range, or enable x64 (jax.config.update('jax_enable_x64', True))."
+    )
 
 
 def _key_name(key: Any) -> str:
