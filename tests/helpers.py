@@ -1087,10 +1087,17 @@ if eqx is not None:
     def _stateful():
         return eqx.nn.make_with_state(EqxStateful)(jax.random.key(0))
 
-    def _stateful_served():
+    @cache
+    def _stateful_trained():
+        """``_stateful()`` after two batches, its state moved as after training (run once:
+        eager equinox runs op by op; a module and its ``eqx.nn.State`` are immutable)."""
         model, state = _stateful()
-        for i in range(2):  # a state that moved, as after training
+        for i in range(2):
             _, state = state_batch(model, _x(50 + i, (4, 3)), state)
+        return model, state
+
+    def _stateful_served():
+        model, state = _stateful_trained()
         return evaluate, eqx.Partial(eqx.nn.inference_mode(model), state=state)
 
     def vit_batch(model, images, *, enable_dropout=False, key=None):
@@ -2229,10 +2236,17 @@ if eqx is not None:
         generator = Generator(input_shape=4, output_shape=(64, 2, 1), key=jr.key(2003))
         return generator, eqx.nn.State(generator)
 
-    def _generator_served():
+    @cache
+    def _generator_trained_state():
+        """``_generator()``'s state after two batches, moved as after training (run once:
+        eager equinox runs op by op, a second each; an ``eqx.nn.State`` is immutable)."""
         generator, state = _generator()
-        for i in range(2):  # a state that moved, as after training
+        for i in range(2):
             _, state = state_batch(generator, _x(60 + i, (4, 4, 1, 1)), state)
+        return state
+
+    def _generator_served():
+        generator, state = _generator()[0], _generator_trained_state()
         return evaluate, eqx.Partial(eqx.nn.inference_mode(generator), state=state)
 
     _EQX_MORE = (
