@@ -8,6 +8,7 @@ and IREE), training where it is a classifier, a Batcher on the artifact and on t
 ``jax.vmap`` and ``jax.grad`` over the loaded model, and ``sm.timeit`` of both.
 """
 
+import fcntl
 import json
 
 import chex
@@ -51,14 +52,23 @@ def _source(h, case):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """``exported(case) -> (Hybrid, path)``: the case's eval-mode model, exported once."""
+    """``exported(case) -> (Hybrid, path)``: the case's eval-mode model, exported once in the
+    run: pytest-xdist's workers (each its own module fixtures) share the artifacts, one lock
+    per case, as each worker's Hybrid is built from the same seeds."""
+    root = tmp_path_factory.getbasetemp()
+    if root.name.startswith("popen-gw"):  # a pytest-xdist worker's: <the run's>/popen-gw<n>
+        root = root.parent
+    (root / "matrix").mkdir(exist_ok=True)
     done = {}
 
     def export(case):
         if case.name not in done:
-            h = case.hybridize("eval")
-            path = tmp_path_factory.mktemp("matrix") / case.name
-            sm.export(h, path, example=case.inputs(0), kwargs=case.settings("eval"), vjp_order=1)
+            h, path = case.hybridize("eval"), root / "matrix" / case.name
+            with open(f"{path}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not path.exists():  # an export swaps a whole artifact in
+                    sm.export(h, path, example=case.inputs(0), kwargs=case.settings("eval"),
+                              vjp_order=1)  # fmt: skip
             done[case.name] = h, path
         return done[case.name]
 
