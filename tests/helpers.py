@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +40,22 @@ def bounded(fn, seconds=120):
     if "error" in result:
         raise result["error"]
     return result["out"]
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """``<the run's directory>/name``, made by ``make(path)`` once in the test run: pytest-xdist's
+    workers (each with its own module fixtures, its basetemp ``<the run's>/popen-gw<n>``) wait
+    on one lock and find what the first made. ``make`` leaves the path whole or absent."""
+    root = tmp_path_factory.getbasetemp()
+    if root.name.startswith("popen-gw"):
+        root = root.parent
+    path = root / "made_once" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            make(path)
+    return path
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ and IREE), training where it is a classifier, a Batcher on the artifact and on t
 ``jax.vmap`` and ``jax.grad`` over the loaded model, and ``sm.timeit`` of both.
 """
 
-import fcntl
 import json
+from functools import partial
 
 import chex
 import equinox as eqx
@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import MATRIX, calls, keyless, plain_calls
+from helpers import MATRIX, calls, keyless, made_once, plain_calls
 
 import symjax_mlp as sm
 
@@ -53,23 +53,15 @@ def _source(h, case):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """``exported(case) -> (Hybrid, path)``: the case's eval-mode model, exported once in the
-    run: pytest-xdist's workers (each its own module fixtures) share the artifacts, one lock
-    per case, as each worker's Hybrid is built from the same seeds."""
-    root = tmp_path_factory.getbasetemp()
-    if root.name.startswith("popen-gw"):  # a pytest-xdist worker's: <the run's>/popen-gw<n>
-        root = root.parent
-    (root / "matrix").mkdir(exist_ok=True)
+    run (by whichever pytest-xdist worker comes first: each builds its Hybrid from the same
+    seeds)."""
     done = {}
 
     def export(case):
         if case.name not in done:
-            h, path = case.hybridize("eval"), root / "matrix" / case.name
-            with open(f"{path}.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not path.exists():  # an export swaps a whole artifact in
-                    sm.export(h, path, example=case.inputs(0), kwargs=case.settings("eval"),
-                              vjp_order=1)  # fmt: skip
-            done[case.name] = h, path
+            h, settings = case.hybridize("eval"), case.settings("eval")
+            make = partial(sm.export, h, example=case.inputs(0), kwargs=settings, vjp_order=1)
+            done[case.name] = h, made_once(tmp_path_factory, f"matrix/{case.name}", make)
         return done[case.name]
 
     return export

@@ -10,6 +10,7 @@ import dataclasses
 import inspect
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from benchmarks import (
 )
 from benchmarks import report as reports
 from benchmarks.cli import main as lab_main
+from helpers import made_once
 
 import symjax_mlp as sm
 
@@ -118,9 +120,17 @@ def test_environment_says_where_it_ran():
 
 
 @pytest.fixture(scope="module")
-def report():
-    """One run with every row that needs no extra framework: the artifact in JAX and IREE."""
-    return tiny_benchmark(calls=4, repeats=2, eager_chunks=2, peak=True, peak_size=32, latency=True)
+def report(tmp_path_factory):
+    """One run with every row that needs no extra framework: the artifact in JAX and IREE;
+    made once in the test run, pytest-xdist's workers reading the first one's."""
+
+    def make(path):
+        made = tiny_benchmark(calls=4, repeats=2, eager_chunks=2, peak=True, peak_size=32,
+                              latency=True)  # fmt: skip
+        assert sm.serving.dispatch_mode() == "async"  # the process that ran it: left as it was
+        path.write_bytes(pickle.dumps(made))
+
+    return pickle.loads(made_once(tmp_path_factory, "bench_report.pickle", make).read_bytes())
 
 
 def test_report_rows_and_headline(report):
@@ -157,7 +167,7 @@ def test_the_latency_mode_row_runs_h_with_synchronous_dispatch_in_its_own_proces
     assert row.label == "h, latency mode (own process)"
     assert row.timing.calls == 4 and len(row.timing.times) == 2 and not row.timing.pipelined
     assert report.extra["latency_mode"] == {"dispatch": "sync", "traces": 1}  # never retraced
-    assert sm.serving.dispatch_mode() == "async"  # this process was left as it was
+    assert sm.serving.dispatch_mode() == "async"  # this process, and the run's (the fixture)
     text = reports.format_report(report)
     per = row.timing.per_call_min
     hyb = report.row("hybridized").timing.per_call_min
