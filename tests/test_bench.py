@@ -334,10 +334,16 @@ def test_torch_rows_share_the_table():
 
 
 @pytest.fixture(scope="module")
-def tiny_sweep():
-    return scaling.sweep(
-        batch_sizes=(1, 4), eager_max_batch=1, repeats=2, min_seconds=0, peak_size=32, **TINY
-    )
+def tiny_sweep(tmp_path_factory):
+    """A sweep of batches 1 and 4, made once in the test run (as ``report``)."""
+
+    def make(path):
+        sweep = scaling.sweep(
+            batch_sizes=(1, 4), eager_max_batch=1, repeats=2, min_seconds=0, peak_size=32, **TINY
+        )
+        path.write_bytes(pickle.dumps(sweep))
+
+    return pickle.loads(made_once(tmp_path_factory, "bench_sweep.pickle", make).read_bytes())
 
 
 def test_sweep_points_peak_and_json(tiny_sweep):
