@@ -582,6 +582,11 @@ def test_a_client_that_reads_no_answer_is_dropped_within_the_timeout():
         assert code == 200 and len(json.loads(raw)["outputs"]) == 8
 
 
+def _held_on_metrics(url: str) -> int:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return int(re.search(r"^symjax_mlp_http_held_bytes (\d+)$", r.read().decode(), re.M)[1])
+
+
 def test_answers_left_unread_count_in_the_inflight_bytes_until_they_go():
     """Clients asking for a 1.3 MB answer and reading none held connections x answer bytes in
     write buffers: max_inflight_bytes bounded bodies only. Now the bytes waiting for a client
@@ -593,6 +598,7 @@ def test_answers_left_unread_count_in_the_inflight_bytes_until_they_go():
             for s in clients:
                 s.sendall(_WIDE_POST + _WIDE)
             _until(lambda: intake.held > 2**20, f"the answers held {intake.held} bytes")
+            assert _held_on_metrics(url) > 2**20  # what /metrics shows an operator
             req = urllib.request.Request(url + "/predict", data=_WIDE, method="POST")
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(req, timeout=30)
@@ -602,7 +608,7 @@ def test_answers_left_unread_count_in_the_inflight_bytes_until_they_go():
             for s in clients[:2]:  # the others are dropped unread
                 s.close()
             _until(lambda: heads.open == 0, "the unread clients were never dropped")
-            assert intake.held == 0
+            assert intake.held == 0 and _held_on_metrics(url) == 0
             for s in clients[2:]:
                 s.close()
         assert _post(url, _WIDE)[0] == 200

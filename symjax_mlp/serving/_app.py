@@ -303,6 +303,7 @@ def create_app(
         text += f"# HELP {name} /predict's answers and serve's refusals, by status code.\n"
         text += f"# TYPE {name} counter\n"
         text += "".join(f'{name}{{code="{c}"}} {n}\n' for c, n in sorted(by_code.items()))
+        text += intake.to_prometheus(f"{prefix}_http")
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def signature(request: Request) -> Response:

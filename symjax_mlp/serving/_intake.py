@@ -38,6 +38,14 @@ class Intake:
         self.held = 0  # bytes of bodies in flight and answers waiting, all connections'
         self._reads = Watch(body_timeout)
 
+    def to_prometheus(self, prefix: str) -> str:
+        """The bytes held now (bodies being read, answers waiting), as a Prometheus gauge."""
+        name = f"{prefix}_held_bytes"
+        return (
+            f"# HELP {name} Bytes held of bodies being read and of answers clients have not read "
+            f"(bounded by max_inflight_bytes).\n# TYPE {name} gauge\n{name} {self.held}\n"
+        )
+
     async def read(self, request: Any, hold: list[int]) -> bytes:
         """The body of ``request``, its bytes counted in ``hold[0]`` as they arrive (give them
         back with :meth:`release`, even when this raises): a :class:`BadRequest` (413, 408, 503)
