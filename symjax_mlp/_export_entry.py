@@ -355,9 +355,10 @@ def _trace(jitted: Any, p_structs: Any, stage: Stage) -> tuple[Any, list[Any]]:
 
 def _traces(jitted: Any, p_structs: Any, inputs: Sequence[Any]) -> bool:
     try:
-        return jitted.trace(p_structs, *inputs) is not None
+        jitted.trace(p_structs, *inputs)
     except Exception:
         return False
+    return True
 
 
 def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:

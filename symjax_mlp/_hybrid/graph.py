@@ -24,7 +24,7 @@ from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.args import partition, rebuild, split_equinox
 from symjax_mlp._hybrid.jaxpr import Body, bodies, call_name, count_flops, layer_of, numbered, walk
-from symjax_mlp._hybrid.trace import _MODEL_FIX, symbolic, unbindable
+from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,7 +384,7 @@ class Staged:
     def _split(self, method: str, args: tuple, kwargs: dict) -> tuple:
         """The call's partition; arguments the model does not take named, with ``h.method``."""
         split = self._partition(args, kwargs, self.name)  # (its inputs refused first, as h's)
-        fix = _MODEL_FIX.replace("h(", f"h.{method}(")  # (a trace would name h(...))
+        fix = MODEL_FIX.replace("h(", f"h.{method}(")  # (a trace would name h(...))
         if unbound := unbindable(f"{self.name}.{method}", self, args, kwargs, skip=0, fix=fix):
             raise unbound
         return split

@@ -105,7 +105,8 @@ def plain(fn: Callable[..., Any]) -> PureModel:
                 raise
             raise unfit from None
 
-    return (model := PureModel(call, stateful=False, target=fn))
+    model = PureModel(call, stateful=False, target=fn)  # its name heads call's errors
+    return model
 
 
 def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:

@@ -79,7 +79,7 @@ _EMPTY = (
     "leading dimension of 0, the others as the params were made for)."
 )
 _ARGUMENTS = "{name}: the call's arguments do not fit {whose} inputs ({inputs}): {error}. {fix}"
-_MODEL_FIX = "Pass them as the model takes them, without its params or self: h({call})."
+MODEL_FIX = "Pass them as the model takes them, without its params or self: h({call})."
 _PRODUCT_SHAPE = (
     "{name}: the inputs ({inputs}) do not fit the params: a matrix product takes {got} from an "
     "input's last dimension where the params have {want} ({weights}). The params were made for "
@@ -120,7 +120,7 @@ def unfit_empty(name: str, args: Any, kwargs: Any) -> SignatureError | None:
 
 
 def unbindable(
-    name: str, target: Any, args: Any, kwargs: Any, *, skip: int = 1, fix: str = _MODEL_FIX,
+    name: str, target: Any, args: Any, kwargs: Any, *, skip: int = 1, fix: str = MODEL_FIX,
     whose: str = "the model's",
 ) -> SignatureError | None:  # fmt: skip
     """The :class:`~symjax_mlp.SignatureError` for arguments that do not bind to ``target``'s
