@@ -714,3 +714,40 @@ def test_an_input_that_is_no_array_is_named_not_called_a_scalar(bad, said, path)
     with pytest.raises(sm.SignatureError, match=r"the input is a scalar \(shape \(\)\)"):
         run(3.0)  # a number is an array of no axes
     assert run(np.ones((1, 8))).shape == (1, 3)
+
+
+@pytest.mark.filterwarnings("ignore:shape requires ndarray:DeprecationWarning")  # flax's, of None
+@pytest.mark.parametrize("kind", ["linen", "nnx", "fn"])
+def test_a_str_none_or_dict_where_an_array_goes_is_named_not_a_raw_flax_or_jax_error(kind):
+    # h("abc") was flax's IndexError ('tuple index out of range'), nnx's TypeError ("Value
+    # 'abc' with dtype <U3 is not a valid JAX array type") or Python's ("unsupported operand")
+    import flax.linen as nn
+
+    class TwoDense(nn.Module):  # as Flax's README writes a model
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(nn.relu(nn.Dense(4)(x)))
+
+    x = jnp.ones((2, 3))
+    if kind == "linen":
+        dense = lambda n, m: {"kernel": jnp.ones((n, m)), "bias": jnp.zeros(m)}  # noqa: E731
+        h = sm.hybridize(TwoDense(), {"params": {"Dense_0": dense(4, 2), "Dense_1": dense(3, 4)}})
+    elif kind == "nnx":
+        h = sm.hybridize(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+    else:
+        h = sm.hybridize(lambda p, x: x @ p, jnp.ones((3, 2)))
+    bads = [
+        ("abc", r"a Python str \('abc'\)"),
+        (None, "None"),
+        ({"a": x}, r"a Python dict \(keys \['a'\]\)"),
+    ]
+    runs = [(bad, run) for bad in bads for run in (h, h.eager)]
+    runs += [(bads[0], lambda a: h.apply(h.params, a)), (bads[1], h.graph), (bads[2], h.compile)]
+    for (bad, said), run in runs:
+        with pytest.raises(
+            sm.SignatureError,
+            match=rf"^{re.escape(h.name)}: args\[0\] is {said}, not an array, and the model "
+            r"raised \w+: .+\. Pass an array there",
+        ):
+            run(bad)
+    assert h(x).shape == (2, 2) and h.trace_count == 1

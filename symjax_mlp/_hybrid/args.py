@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError, SignatureError, as_bool, as_int
+from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, as_bool, as_int
 from symjax_mlp._specs import MASKED_INPUT, array_types
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -78,8 +78,7 @@ def partition(
         if isinstance(value, np.ma.MaskedArray):
             raise SignatureError(MASKED_INPUT.format(caller=caller, path=path))
     static: list[tuple[Any, Any, Any]] = []
-    dyn_args: list[Any] = []
-    dyn_kwargs: dict[str, Any] = {}
+    dyn_args, dyn_kwargs = [], {}  # type: list[Any], dict[str, Any]
     for key, value in (*enumerate(args), *kwargs.items()):
         if key in static_argnums or key in static_argnames:
             value = _static_value(f"{caller}: {path_of(key)}", value)
@@ -131,6 +130,29 @@ def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> 
                 what = "the Hybrid itself" if leaf is own[0] else f"the model, {what}"
                 what, fix = f"{what}, given as its own input", _OWN_FIX
             raise ConfigError(NOT_AN_INPUT.format(caller=caller, path=at, what=what, fix=fix))
+
+
+_NOT_DATA = (
+    "{caller}: {path} is {what}, not an array, and the model raised {error}. Pass an array there "
+    "(jnp.asarray(...)); if the model takes {path} as a setting, that error is the model's own."
+)
+_MODEL_ERRORS = (TypeError, ValueError, IndexError, AttributeError, KeyError)  # Flax: IndexError
+_KEPT = (SymjaxError, jax.errors.JAXTypeError)  # ours, or a tracer's (a ControlFlowError)
+
+
+def not_data(caller: str, error: Exception, args: Sequence[Any], kwargs: dict[str, Any]):
+    """The :class:`~symjax_mlp.SignatureError` naming the first input no array (a str, bytes,
+    None; dict, tuple; number) if the model raised ``error`` (not ours, nor a tracer's)."""
+    if not isinstance(error, _MODEL_ERRORS) or isinstance(error, _KEPT):
+        return None
+    inputs = [(path_of(k), v) for k, v in (*enumerate(args), *kwargs.items())]
+    kinds = ((str, bytes, type(None)), (dict, tuple), (int, float, complex))  # a bool: a setting
+    for path, v in (pv for ks in kinds for pv in inputs if type(pv[1]) in ks):
+        shown = f"keys {sorted(map(str, v))[:5]}" if type(v) is dict else repr(v)[:40]
+        what = "None" if v is None else f"a Python {type(v).__name__} ({shown})"
+        line = f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"[:200]
+        return SignatureError(_NOT_DATA.format(caller=caller, path=path, what=what, error=line))
+    return None
 
 
 _PARAM_LEAF = (

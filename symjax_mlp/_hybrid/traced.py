@@ -18,7 +18,7 @@ from jax.core import Tracer
 
 from symjax_mlp._compat import install_unrolled_threefry, transformed
 from symjax_mlp._errors import ConfigError, ControlFlowError, SignatureError, unbound_axis
-from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, rebuild
+from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, not_data, rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
 from symjax_mlp._hybrid.pure import (
@@ -200,8 +200,8 @@ def _adds(before: tuple, after: tuple) -> bool:
     return len(new) > len(held) and all(new.get(p, ()) == i for p, i in held.items())
 
 
-def _unbound(model: PureModel, name: str, axis: str, state: Any, args: tuple, kwargs: dict) -> str:
-    """:data:`_UNBOUND` for ``model``: the function binding ``axis`` that its kind needs."""
+def _unbound(model: PureModel, name: str, axis: str, state: Any, args: tuple, kwargs: dict):
+    """:data:`_UNBOUND` for ``model``, as a ConfigError: the function binding ``axis`` it needs."""
     options = [f", {k}={v!r}" for k, v in kwargs.items() if isinstance(v, (bool, int, str))]
     if model.kind == "linen" and (mutable := [c for c in state if c != "rngs"]):
         options.insert(0, f", mutable={mutable}")
@@ -211,9 +211,8 @@ def _unbound(model: PureModel, name: str, axis: str, state: Any, args: tuple, kw
         own = getattr(model.target, "__name__", "") == "__call__"
         call = f"model({xs}{options})" if own else f"fn(model, {xs}{options})"
     fix = _BINDS.get(model.kind, _BINDS["plain"])
-    bind = _BIND.format(axis=axis)
-    fix = fix.format(xs=xs, options=options, call=call, bind=bind)
-    return _UNBOUND.format(name=name, axis=axis, fix=fix)
+    fix = fix.format(xs=xs, options=options, call=call, bind=_BIND.format(axis=axis))
+    return ConfigError(_UNBOUND.format(name=name, axis=axis, fix=fix))
 
 
 def _paths(structure: Any) -> list[str]:
@@ -251,14 +250,15 @@ class TracedModel:
         return result
 
     def call_model(self, params: Any, state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        """The model's ``call``; a reduction over an axis name no transform binds refused."""
+        """The model's ``call``; an input no array, or an axis name no transform binds, refused."""
         try:
             return self.model.call(params, state, args, kwargs)
-        except NameError as e:
-            if (axis := unbound_axis(e)) is None:
+        except Exception as e:  # an input no array (h("abc") was Flax's error), an unbound axis
+            axis, name = unbound_axis(e), self.log.name
+            error = _unbound(self.model, name, axis, state, args, kwargs) if axis else None
+            if (error := error or not_data(name, e, args, kwargs)) is None:
                 raise
-            error = _unbound(self.model, self.log.name, axis, state, args, kwargs)
-            raise ConfigError(error) from None
+            raise error from None
 
     def staged(
         self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, part: int,
