@@ -41,20 +41,20 @@ from symjax_mlp.serving._stats import METRIC_NAME
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
 _STOPPED = "the server stopped before the request was answered; retry it."
-_LATE = "the model did not answer within request_timeout={:g} s, so the request was cancelled \
-(a batch that had started runs on). Retry later; if the model is this slow, raise request_timeout."
+_LATE = (
+    "the model did not answer within request_timeout={:g} s, so the request was cancelled (a batch "
+    "that had started runs on). Retry later; if the model is this slow, raise request_timeout."
+)
 _TIMING = b"queued;dur=%.3f, padded;dur=%.3f, compute;dur=%.3f, split;dur=%.3f"
 REFUSED = "symjax_mlp.refused"  # a scope's key: the status serve's server answered it with
 # what a model's message may hold of the server's files, for a client: a traceback's frames
-# (JAX's callbacks and checkify quote one) and paths. A path is a word holding a separator
-# before a name that is absolute (/, ~, C:\, \\share, file:), relative (./, ../), two
-# separators deep with a letter, or names a file (a dot and a letter after a separator); with
-# the words after it holding a separator (spaces in a path), a quoted one whole. 1/2 is not.
+# (JAX's callbacks and checkify quote one) and paths: a word holding a separator before a name,
+# with the words after it that hold one (spaces in a path); a quoted one whole. 1/2 is not.
 _FRAMES = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t].*(?:\n|$))*")
 _W = r"[^\s\"'<>|,;()=\x00]"  # a word's character (\x00: the artifact's own path, see text())
 _PATH = re.compile(
     rf"(?<![^\s\"'<>|,;(=\[{{])(?={_W}*[/\\][\w.~-])"  # a word's start; a separator in it
-    rf"(?:file:|[/\\~]|\.\.?[/\\]|[A-Za-z]:[/\\]"  # absolute, relative
+    rf"(?:file:|[/\\~]|\.\.?[/\\]|[A-Za-z]:[/\\]"  # absolute (/ ~ C:\ \\share file:), ./ ../
     rf"|(?={_W}*[/\\]{_W}*[/\\])(?={_W}*[A-Za-z])"  # two deep, a name (not 2024/01/02)
     rf"|(?={_W}*[/\\]{_W}*\.[A-Za-z]))"  # a file
     rf"{_W}*(?: +{_W}*[/\\][\w.~-]{_W}*)*"
@@ -291,9 +291,8 @@ def create_app(
         body["completed"] = s.completed
         if status == "stuck":
             body["message"] = (
-                f"a batch has run for {s.busy_s:.0f} s, past request_timeout="
-                f"{request_timeout:g} s: the model may never return; restart the server if it "
-                "stays stuck."
+                f"a batch has run for {s.busy_s:.0f} s, past request_timeout={request_timeout:g} "
+                "s: the model may never return; restart the server if it stays stuck."
             )
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
