@@ -311,6 +311,20 @@ def test_stages_are_exposed(chapter):
     assert compiled.memory_analysis().argument_size_in_bytes >= 4 * 164_482
 
 
+def test_compile_partitions_its_arguments_once_and_is_refused_as_compile(monkeypatch):
+    # h.compile(x) partitioned (walked, checked) its arguments twice: as compile, then as lower
+    from symjax_mlp._hybrid import args, hybrid
+
+    calls = []
+    monkeypatch.setattr(
+        hybrid, "partition", lambda *a, **k: calls.append(a) or args.partition(*a, **k)
+    )
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    assert "multiply" in h.compile(jnp.ones(3)).as_text() and len(calls) == 1
+    with pytest.raises(sm.SignatureError, match=r"^<lambda>\.compile: the call's arguments"):
+        h.compile(jnp.ones(3), jnp.ones(3))
+
+
 # -- what other modules read of a Hybrid: its public names -------------------------------------
 def test_inspect_signature_reads_what_a_call_takes(chapter):
     import inspect

@@ -145,10 +145,8 @@ class Graph:
                 "Graph.to_svg() needs the Graphviz `dot` program on PATH (Debian/Ubuntu: "
                 "apt-get install graphviz); Graph.to_dot() gives the DOT text without it."
             )
-        done = subprocess.run(
-            [dot, "-Tsvg"], input=self.to_dot(), capture_output=True, text=True, check=True
-        )
-        return done.stdout
+        options = {"input": self.to_dot(), "capture_output": True, "text": True, "check": True}
+        return subprocess.run([dot, "-Tsvg"], **options).stdout
 
 
 def stage(fn: Callable[..., Any]) -> Callable[..., Graph]:
@@ -361,7 +359,14 @@ class Staged:
     def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
         one SPMD module for every device, for the padded batch)."""
-        static, dyn, dyn_kw = self._split("lower", args, kwargs)
+        return self._lower("lower", args, kwargs)
+
+    def compile(self, /, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
+        """Lowers and compiles: ``.as_text()`` is XLA's optimized HLO (``.cost_analysis()``...)."""
+        return self._lower("compile", args, kwargs).compile()
+
+    def _lower(self, method: str, args: tuple, kwargs: dict) -> jax.stages.Lowered:
+        static, dyn, dyn_kw = self._split(method, args, kwargs)  # refused as h.<method>
         held = (self._held.leaves,) if self.stateful else ()
         with symbolic(self.name):
             if self._parallel is not None:
@@ -369,11 +374,6 @@ class Staged:
             elif not self.stateful:
                 return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
             return self._jitted.lower(static, self._leaves, *held, dyn, dyn_kw)
-
-    def compile(self, /, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
-        """Lowers and compiles: ``.as_text()`` is XLA's optimized HLO (``.cost_analysis()``...)."""
-        self._split("compile", args, kwargs)  # refused as what was called, not as lower
-        return self.lower(*args, **kwargs).compile()
 
     def graph(self, /, *args: Any, **kwargs: Any) -> Graph:
         """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
