@@ -115,17 +115,13 @@ def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any],
     texts = quotes > 2 + (2 * len(inputs) if isinstance(inputs, dict) else 0)
     if texts and fast:  # strings, other keys, or a key twice: which one a parser takes differs
         json.loads(body, object_pairs_hook=_once)
-    return [
-        _rows_first(batcher, spec, from_json(batcher, spec, v, bools=bools, texts=texts, top=top))
-        for spec, v, top in zip(specs, values, tops, strict=True)
-    ], False
-
-
-def _rows_first(batcher: Batcher, spec: Any, x: np.ndarray) -> np.ndarray:
-    """``x``, unless it nests unlike the input's rows: said in JSON's words (not ``x[None]``)."""
-    if x.ndim == len(spec.shape):
-        return x
-    raise _nested(batcher, spec, x.ndim, x.shape == tuple(spec.shape[1:]))
+    arrays = []
+    for spec, v, top in zip(specs, values, tops, strict=True):
+        x = from_json(batcher, spec, v, bools=bools, texts=texts, top=top)
+        if x.ndim != len(spec.shape):  # said in JSON's words (not x[None])
+            raise _nested(batcher, spec, x.ndim, x.shape == tuple(spec.shape[1:]))
+        arrays.append(x)
+    return arrays, False
 
 
 def _nested(batcher: Batcher, spec: Any, depth: int, one_row: bool = False) -> SignatureError:
@@ -237,8 +233,11 @@ def from_json(
             f"{batcher.name}: input {spec.path} is not a rectangular array ({short(str(e))}); "
             f"send nested lists of one shape, {spec.type}."
         ) from None
-    if kind == "b":
-        return _as_bool(batcher, spec, raw, value)
+    if kind == "b":  # true/false, or 0/1
+        ok = raw.dtype.kind in "biuf" or (raw.dtype.kind == "O" and raw.size == 0)
+        if not ok or (raw.dtype.kind != "b" and raw.size and not np.isin(raw, (0, 1)).all()):
+            raise _not_bools(batcher, spec, value)
+        return raw.astype(np.bool_, copy=False)
     if kind == "f" and _saturates(want) and raw.dtype.kind in "fiu" and raw.size:
         if not np.isfinite(raw).all():  # float4 would read NaN as -0 and inf as its largest
             held = f"NaN or Infinity, which {want} cannot hold"
@@ -336,19 +335,6 @@ def _not_numbers(batcher: Batcher, spec: Any, held: str, kind: str, want: Any) -
     numbers = "integers" if kind in "biu" else "numbers"
     fix = f"send {numbers} (JSON has no dtypes: they are cast to {want})"
     return _holds(batcher, f"input {spec.path}", held, spec.type, fix)
-
-
-def _as_bool(batcher: Batcher, spec: Any, raw: np.ndarray, value: Any) -> np.ndarray:
-    """A bool input from JSON ``true``/``false`` (or ``0``/``1``) ``value``, read as ``raw``;
-    anything else is refused."""
-    if raw.dtype.kind == "b":
-        return raw
-    ok = raw.dtype.kind in "iuf" or (raw.dtype.kind == "O" and raw.size == 0)
-    if ok and raw.size:
-        ok = bool(np.isin(raw, (0, 1)).all())
-    if not ok:
-        raise _not_bools(batcher, spec, value)
-    return raw.astype(np.bool_)
 
 
 def _holds(
