@@ -274,9 +274,6 @@ class RequestCheck:
             rows = self.accepted.get(tuple([x.shape for x in inputs]))
             if rows is not None:
                 return inputs, rows
-        return self._check_slow(inputs)
-
-    def _check_slow(self, inputs: tuple[Any, ...]) -> tuple[Sequence[Any], int]:
         try:
             return self._read(inputs)
         except SignatureError:  # nothing queued: counted as refused
