@@ -116,6 +116,13 @@ MASKED_INPUT = (
     "the value that means 'missing' to your model, x.filled(value) (e.g. x.filled(0.0)), or "
     "pass np.asarray(x) to use the data under the mask as it is."
 )
+NOT_NUMBERS = (
+    "{caller}: input {path} is a NumPy array of dtype {dtype}, which XLA cannot compute on (it "
+    "takes bool, int, float and complex numbers). Convert it to numbers, e.g. x.astype(np.float32) "
+    "(a table's text columns encoded first)."
+)
+#: the NumPy dtype kinds no JAX array has: objects, bytes, str, datetimes (bfloat16's 'V' has)
+NOT_NUMBER_KINDS = "OSUMm"
 
 
 def cast_to(dtype: str) -> str:

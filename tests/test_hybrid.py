@@ -765,3 +765,25 @@ def test_a_str_none_or_dict_where_an_array_goes_is_named_not_a_raw_flax_or_jax_e
         ):
             run(bad)
     assert h(x).shape == (2, 2) and h.trace_count == 1
+
+
+@pytest.mark.parametrize("dtype", [object, str])
+def test_a_numpy_array_of_str_or_objects_is_named_not_jits_error_on_the_programs_path(dtype):
+    # h(df.values) of a table with a text column was jax.jit's TypeError naming
+    # '<function <lambda>_hybrid at 0x...>' and its path args[2], or 'an input of type ndarray'
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    bad = np.array([[1.5, "a"]], dtype=dtype)
+    runs = [(h, "args[0]"), (h.eager, "args[0]"), (lambda a: h.apply(h.params, a), "args[0]")]
+    runs += [(h.graph, "args[0]"), (lambda a: h(x=a), "kwargs['x']"), (lambda a: h((a,)), None)]
+    for run, path in runs:
+        path = re.escape(path or "args[0][0]")
+        with pytest.raises(
+            sm.SignatureError,
+            match=rf"^<lambda>(\.eager|\.apply)?: input {path} is a NumPy array of dtype "
+            rf"{re.escape(str(bad.dtype))}, which XLA cannot compute on",
+        ):
+            run(bad)
+    with pytest.raises(sm.SignatureError) as e:
+        h(bad)
+    assert e.value.__suppress_context__  # jit's raw error on the program's path not shown
+    assert h(bad[:, :1].astype(np.float32)).shape == (1, 1)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, as_bool, as_int
-from symjax_mlp._specs import MASKED_INPUT, array_types
+from symjax_mlp._specs import MASKED_INPUT, NOT_NUMBER_KINDS, NOT_NUMBERS, array_types
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 ARRAYS = array_types()  # what a hot path takes as it is
@@ -23,9 +23,7 @@ ARRAYS = array_types()  # what a hot path takes as it is
 
 def is_static(value: Any) -> bool:
     """A Python setting, not data: None, bool, int, float, complex, str, or a tuple of them."""
-    if isinstance(value, _SCALARS):
-        return True
-    return isinstance(value, tuple) and all(map(is_static, value))
+    return isinstance(value, _SCALARS) or (isinstance(value, tuple) and all(map(is_static, value)))
 
 
 class _Frozen:
@@ -248,10 +246,13 @@ _UNSORTED = (
 
 def _walk(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """Each input and what its tuples, lists and dicts hold, by path; a container holding
-    itself, or a dict of unsortable keys, refused. First to last: a stack, pushed reversed."""
+    itself, a dict of unsortable keys, an array of no numbers (str) refused. First to last."""
     todo = [(path_of(k), v, ()) for k, v in (*enumerate(args), *kwargs.items())][::-1]
     while todo:
         path, value, within = todo.pop()
+        if isinstance(value, np.ndarray) and value.dtype.kind in NOT_NUMBER_KINDS:  # df.values
+            error = NOT_NUMBERS.format(caller=caller, path=path, dtype=value.dtype)
+            raise SignatureError(error) from None  # (not after jit's error on it: h's hot path)
         yield path, value
         if isinstance(value, (tuple, list, dict)):
             if any(value is v for v in within):
@@ -344,13 +345,12 @@ def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> tu
     values: list[Any] = [budget]
     for key, (value, kind, example) in given.items():
         value = as_bool(value) if kind is bool else value
-        if (value is None and kind is str) or type(value) is kind:
-            values.append(value)
-            continue
-        raise ConfigError(
-            f"{key} must be a {kind.__name__}; got {value!r} ({type(value).__name__}). "
-            f"Pass e.g. {key}={example}."
-        )
+        if not ((value is None and kind is str) or type(value) is kind):
+            raise ConfigError(
+                f"{key} must be a {kind.__name__}; got {value!r} ({type(value).__name__}). "
+                f"Pass e.g. {key}={example}."
+            )
+        values.append(value)
     return tuple(values)
 
 

@@ -32,10 +32,8 @@ _STATELESS = (
     "{name}.apply(params, *args, **kwargs); a keyword state=... reaches the model as any does."
 )
 #: what replace() takes besides params and state, as the Hybrid's attributes
-_SETTINGS = (
-    "name", "max_traces", "compiled", "mesh", "axis", "pad", "static_argnums",
-    "static_argnames", "donate", "params_as_constants",
-)  # fmt: skip
+_SETTINGS = ("name", "max_traces", "compiled", "mesh", "axis", "pad", "static_argnums",
+             "static_argnames", "donate", "params_as_constants")  # fmt: skip
 
 
 class Hybrid(Staged, NoPickle):
@@ -118,8 +116,7 @@ class Hybrid(Staged, NoPickle):
             return trace(*args, **kwargs)
 
         program.__name__ = program.__qualname__ = f"{self.name}{PROGRAM_SUFFIX}"
-        # no signature: inputs named args[i], kwargs['k'], a model's keyword 'args' too
-        program.__signature__ = "no signature"
+        program.__signature__ = "no signature"  # inputs named args[i], kwargs['k'] (and 'args')
         return jax.jit(program, **options)
 
     def _set(self, **fields: Any) -> None:
@@ -232,6 +229,9 @@ class Hybrid(Staged, NoPickle):
                     raise _trace.control_flow_error(self.name, e) from e
                 except _pure.StateAdded as e:
                     return self._stateful(e)(*args)
+                except TypeError:  # jit's, for an array of str or objects: named as h's
+                    self._partition(args, {}, self.name)
+                    raise
         if not self.compiled:
             return self.eager(*args, **kwargs)
         _args.refuse_abstract(self.name, self.name, args, kwargs)
@@ -249,10 +249,9 @@ class Hybrid(Staged, NoPickle):
                 out = self._jitted(static, self._leaves, *dyn, **dyn_kw)
             except _pure.StateAdded as e:
                 return self._stateful(e)(*args, **kwargs)
-            if not variables:
-                return out
-            write_back(variables, out[1], self.name)
-            return out[0]
+            if variables:
+                write_back(variables, out[1], self.name)
+            return out[0] if variables else out
 
     def fn_with_state(self, params: Any, state: Any, /, *args: Any, **kwargs: Any) -> Any:
         """The model's pure function, un-jitted (no trace logged): ``(out, new_state)`` as
@@ -388,8 +387,7 @@ class Hybrid(Staged, NoPickle):
 
     def _partition(self, args: Any, kwargs: Any, caller: str) -> tuple:
         """The call's static key (with the module's settings), traced args, kwargs."""
-        nums, names = self.static_argnums, self.static_argnames
-        own = (self, self._model.source)
+        nums, names, own = self.static_argnums, self.static_argnames, (self, self._model.source)
         static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
         return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw
 
