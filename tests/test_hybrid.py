@@ -84,6 +84,17 @@ def test_a_linen_model_given_variables_params_or_no_dict_says_what_to_pass(chapt
     np.testing.assert_array_equal(h.apply(variables, x), h(x))
 
 
+def test_a_linen_model_given_another_models_params_names_the_one_missing(chapter):
+    # a checkpoint of renamed layers: flax's ScopeParamNotFoundError / ScopeCollectionNotFound
+    _, variables, h, x = chapter
+    other = {"params": {"layers_0": variables["params"]["layers_0"]}}
+    said = r"^HybridSequential: the variables given do not fit the model: Could not find parameter "
+    with pytest.raises(sm.ConfigError, match=said + r"named \"kernel\" in scope \"/layers_1\""):
+        h.replace(params=other)(x)
+    with pytest.raises(sm.ConfigError, match=r"do not fit the model: Tried to access \"kernel\""):
+        h.apply({"params": {}}, x)
+
+
 def test_hybridize_rejects_bad_arguments(chapter):
     net, variables, h, _ = chapter
     with pytest.raises(TypeError, match="needs its variables"):

@@ -29,6 +29,10 @@ _NO_PARAMS = (
     "{name}: the variables given have no 'params' collection (their keys: {keys}), so flax "
     "finds no weights ({error}). Pass the whole dict {name}.init returns, not variables['params']."
 )
+_OTHER_PARAMS = (
+    "{name}: the variables given do not fit the model: {error}. They are another model's, or "
+    "its layers under other names: pass what {name}.init returns (shaped as h.params)."
+)
 _NO_RNG = (
     "{name}: {error}, and the Hybrid holds the rng streams {streams}. Give a linen model's "
     "streams once, split anew by each call: sm.hybridize(model, variables, "
@@ -110,7 +114,12 @@ def plain(fn: Callable[..., Any]) -> PureModel:
 
 
 def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
-    from flax.errors import InvalidRngError, ScopeCollectionNotFound, ScopeParamShapeError
+    from flax.errors import (
+        InvalidRngError,
+        ScopeCollectionNotFound,
+        ScopeParamNotFoundError,
+        ScopeParamShapeError,
+    )
 
     name, got = type(model).__name__, type(variables).__name__
     if not isinstance(variables, Mapping):
@@ -155,10 +164,10 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 
         try:
             out, updates = model.apply(variables, rngs=keys, mutable=list(mutable), method=run)
-        except ScopeCollectionNotFound as e:  # variables["params"] given for the variables
-            if "params" in variables or "params" in mutable:
-                raise
+        except (ScopeCollectionNotFound, ScopeParamNotFoundError) as e:  # another's variables
             error, keys = str(e).split(" (")[0].rstrip("."), sorted(map(str, variables))
+            if "params" in variables or "params" in mutable:  # (else: variables["params"] given)
+                raise ConfigError(_OTHER_PARAMS.format(name=name, error=error)) from None
             raise ConfigError(_NO_PARAMS.format(name=name, error=error, keys=keys)) from None
         except InvalidRngError as e:
             error, streams = str(e).split(" (")[0], sorted(streams)
