@@ -270,3 +270,27 @@ def test_a_complex_model_resumes_and_an_optimizer_otherwise_on_imaginary_parts_i
         sm.training.train(Complex(), tiny, optimizer=sgd(3.0), **run)
     resumed = sm.training.train(Complex(), tiny, optimizer=sgd(1.0), **run)
     assert resumed.resumed_from.name == "step_00000004" and resumed.step == 8
+
+
+def test_the_optimizer_probe_is_compiled_once_and_samples_what_op_by_op_did():
+    """Each save ran the optimizer's update op by op for its probe: 5-20 ms of the training
+    thread a save (a step's time or more) and seconds at the first. It is compiled once (the
+    update traced once for three saves) and samples the same values, so older checkpoints
+    resume: the op-by-op update's, sampled as before, within the resume's tolerance."""
+    from symjax_mlp.training import _resume
+
+    calls, adam = [], optax.adam(1e-3)
+    counted = optax.GradientTransformation(adam.init, lambda *a: calls.append(1) or adam.update(*a))
+    params = {"b": jnp.zeros(3), "w": jnp.linspace(-1.0, 1.0, 600).reshape(20, 30)}
+    _, state = adam.update(params, adam.init(params), params)  # a state past its first step
+    probe = _resume.optimizer_probe(counted)
+    got = [probe(params, state) for _ in range(3)]
+    assert len(calls) == 1 and got[0] == got[2]
+    updates, _ = adam.update(_resume._fixed(params), state, params)  # op by op, as it was
+    leaves = [np.asarray(u, np.float64).ravel() for u in jax.tree.leaves(updates)]
+    want = [u[np.linspace(0, u.size - 1, min(128, u.size)).astype(int)] for u in leaves]
+    assert len(got[0]) == 3 + 128
+    assert (
+        _resume.probe_difference(np.concatenate(want), got[0], "", _resume._UPDATE_TOLERANCE)
+        is None
+    )

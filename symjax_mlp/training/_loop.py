@@ -168,8 +168,10 @@ def train(
         checkpoint=checkpoint, run={"epochs": epochs, "every": checkpoint_every, "resume": resume},
     )  # fmt: skip
 
+    probe = optimizer_probe(optimizer)
+
     def update(s: TrainState) -> list[Any]:  # the optimizer's next update, measured
-        return optimizer_probe(optimizer, *programs.local((s.params, s.opt_state)))
+        return probe(*programs.local((s.params, s.opt_state)))
 
     parts = {"its checkpoints": store, "its watchdog": watch}
     try:
@@ -183,11 +185,14 @@ def train(
             state, record = programs.epoch(state, data, batch_size, epoch, newest=newest)
             history.append(record)
             if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
-                meta = {"config": config, "history": [dataclasses.asdict(r) for r in history],
-                        OPTIMIZER_PROBE: update(state)}  # fmt: skip
-                if store:  # superseded while the one before commits, unless it is the last
-                    newest = store.save(state, meta, last=epoch == epochs)
+                meta = {"config": config, "history": [dataclasses.asdict(r) for r in history]}
+                if store:  # superseded while the one before commits, unless it is the last;
+                    newest = store.save(  # the update is measured on the writer thread
+                        state, meta, last=epoch == epochs,
+                        derived=lambda s: {OPTIMIZER_PROBE: update(s)},
+                    )  # fmt: skip
                 else:
+                    meta[OPTIMIZER_PROBE] = update(state)
                     newest = save_checkpoint(checkpoint, state, metadata=meta)
             if on_epoch is not None:
                 on_epoch(record)

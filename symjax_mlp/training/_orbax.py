@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import hashlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,22 +118,28 @@ class OrbaxCheckpoints:
         step = self.manager.latest_step()
         return None if step is None else self.directory / str(step)
 
-    def save(self, state: TrainState, metadata: dict[str, Any], *, last: bool = False) -> Path:
+    def save(
+        self, state: TrainState, metadata: dict[str, Any], *, last: bool = False,
+        derived: Callable[[TrainState], dict[str, Any]] | None = None,
+    ) -> Path:  # fmt: skip
         """Starts writing ``state`` as ``<dir>/<state.step>`` from a device copy (the next step
         donates it), superseded if the save before it is still committing unless ``last``;
-        waits while ``_QUEUED`` saves are queued; a failed one raises at the next."""
+        waits while ``_QUEUED`` saves are queued; a failed one raises at the next.
+        ``derived(copy)``: more metadata, computed on the writer thread, beside the steps."""
         t0 = time.perf_counter()
         self._finish(keep=_QUEUED - 1)
         copied = TrainState(*_copy((state.params, state.opt_state)), state.rng)  # not donated
         step, epoch = int(state.step), int(state.epoch)
-        self._pending.append(
-            (step, self._thread.submit(self._write, step, epoch, copied, metadata, last))
-        )
+        write = self._thread.submit(self._write, step, epoch, copied, metadata, last, derived)
+        self._pending.append((step, write))
         self.waits.append(time.perf_counter() - t0)
         return self.directory / str(step)
 
-    def _write(self, step: int, epoch: int, state: TrainState, metadata: dict, last: bool) -> bool:
+    def _write(
+        self, step: int, epoch: int, state: TrainState, metadata: dict, last: bool, derived: Any
+    ) -> bool:
         """Hands ``state`` to Orbax; whether it is written (else superseded)."""
+        metadata = metadata if derived is None else {**metadata, **derived(state)}
         tensors = named_leaves(state)
         tensors["rng"] = np.asarray(_local(tensors["rng"]))  # this process's: not on the mesh
         meta = {

@@ -182,20 +182,34 @@ def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
     return digest.hexdigest()
 
 
-def optimizer_probe(optimizer: optax.GradientTransformation, params: Any, opt_state: Any) -> list:
-    """The update from ``opt_state`` for a fixed gradient, sampled per leaf, as JSON (``[]``: an
-    optimizer that needs more than a gradient)."""
-    trainable = params.params if isinstance(params, ModelVars) else params
-    try:
-        updates, _ = optimizer.update(_fixed(trainable), opt_state, trainable)
-    except Exception:  # e.g. one that needs a value= (optax.contrib.reduce_on_plateau)
-        return []
-    leaves = [np.asarray(u) for u in jax.tree.leaves(updates)]  # complex: (re, im) pairs
-    leaves = [np.stack([u.real, u.imag], -1) if u.dtype.kind == "c" else u for u in leaves]
-    leaves = [np.asarray(u, np.float64).ravel() for u in leaves]
-    k = max(1, PROBE_VALUES // max(1, len(leaves)))
-    flat = [u[np.linspace(0, u.size - 1, min(k, u.size)).astype(int)] for u in leaves if u.size]
-    return [float(v) if math.isfinite(v) else str(v) for v in np.concatenate([[], *flat])]
+def optimizer_probe(optimizer: optax.GradientTransformation) -> Callable[[Any, Any], list]:
+    """``probe(params, opt_state)``: the update from ``opt_state`` for a fixed gradient, sampled
+    per leaf, as JSON (``[]``: an optimizer that needs more than a gradient); compiled once, as
+    each save of a run calls it (op by op, it took a step's time or more)."""
+
+    @jax.jit
+    def sampled(gradient: Any, opt_state: Any, params: Any) -> list[jax.Array]:
+        updates, _ = optimizer.update(gradient, opt_state, params)
+        leaves = [jnp.stack([u.real, u.imag], -1) if jnp.iscomplexobj(u) else u
+                  for u in jax.tree.leaves(updates)]  # fmt: skip
+        k = max(1, PROBE_VALUES // max(1, len(leaves)))
+        at = [np.linspace(0, u.size - 1, min(k, u.size)).astype(int) for u in leaves]
+        return [u.ravel()[i] for u, i in zip(leaves, at, strict=True) if u.size]
+
+    def probe(params: Any, opt_state: Any) -> list:
+        trainable = params.params if isinstance(params, ModelVars) else params
+        for run in (sampled, sampled.__wrapped__):  # op by op: one that cannot be compiled
+            try:
+                flat = run(_fixed(trainable), opt_state, trainable)
+                break
+            except Exception:  # e.g. one that needs a value= (optax.contrib.reduce_on_plateau)
+                continue
+        else:
+            return []
+        values = np.concatenate([[], *(np.asarray(u, np.float64) for u in flat)])
+        return [float(v) if math.isfinite(v) else str(v) for v in values]
+
+    return probe
 
 
 def model_probe(
