@@ -196,11 +196,14 @@ def optimizer_probe(optimizer: optax.GradientTransformation) -> Callable[[Any, A
         at = [np.linspace(0, u.size - 1, min(k, u.size)).astype(int) for u in leaves]
         return [u.ravel()[i] for u, i in zip(leaves, at, strict=True) if u.size]
 
+    gradient: list[Any] = []  # made once (most of a probe's time): a run's shapes stay
+
     def probe(params: Any, opt_state: Any) -> list:
         trainable = params.params if isinstance(params, ModelVars) else params
+        gradient[:] = gradient or [_fixed(trainable)]
         for run in (sampled, sampled.__wrapped__):  # op by op: one that cannot be compiled
             try:
-                flat = run(_fixed(trainable), opt_state, trainable)
+                flat = run(gradient[0], opt_state, trainable)
                 break
             except Exception:  # e.g. one that needs a value= (optax.contrib.reduce_on_plateau)
                 continue
