@@ -142,9 +142,12 @@ def time_checkpoint_wait(
     Runs ``symjax-mlp train`` (the digits MLP) in ``processes`` processes, saving every
     ``checkpoint_every`` epochs, and reads each save's wait (``TrainResult.checkpoint_waits``:
     what the training thread spends in it, i.e. device copies and the hand-off to the writer
-    thread). Orbax's commit runs beside the steps, and a save made while one commits is
-    superseded, not waited for: a save waits only when the writer thread is two saves behind
-    (back-pressure from Orbax's blocking part: its barriers and host copies).
+    thread; the metadata's optimizer probe runs on the writer thread). Orbax's commit runs
+    beside the steps, and a save made while one commits is superseded, not waited for: a save
+    waits only when the writer thread is two saves behind (back-pressure from Orbax's blocking
+    part: its barriers and host copies). A save's own work is a copy's dispatch and a hand-off; on
+    a machine whose ``load`` passes its ``cpus``, a wait also holds the time the thread was
+    ready but the OS ran other work (a few ms, at any moment of a step as in a save).
 
     Returns:
       A dict: ``first_save_ms`` (Orbax's start-up and the copy's compile included),
@@ -153,8 +156,10 @@ def time_checkpoint_wait(
       ``save_min_ms`` and ``save_max_ms`` (the later saves' spread; the max is the
       back-pressure wait, if any), ``save_over_step`` and ``save_max_over_step`` (the median's
       and the max's share of a step; target <= 0.10 for both), ``saves``, ``processes``,
-      ``epochs``, ``checkpoint_every``.
+      ``epochs``, ``checkpoint_every``, ``cpus`` and ``load`` (the 1-minute load average as
+      the run ended).
     """
+    import os
     import statistics
     import tempfile
 
@@ -176,4 +181,6 @@ def time_checkpoint_wait(
         "processes": processes,
         "epochs": epochs,
         "checkpoint_every": checkpoint_every,
+        "cpus": os.cpu_count(),
+        "load": os.getloadavg()[0],
     }
