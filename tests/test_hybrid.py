@@ -798,12 +798,3 @@ def test_a_numpy_array_of_str_or_objects_is_named_not_jits_error_on_the_programs
         h(bad)
     assert e.value.__suppress_context__  # jit's raw error on the program's path not shown
     assert h(bad[:, :1].astype(np.float32)).shape == (1, 1)
-
-
-def test_a_list_input_is_told_to_pass_that_input_as_an_array_not_all_the_args():
-    # the fix said "Pass jnp.asarray(args)" (the path cut at its first '['): all the inputs
-    h = sm.hybridize(lambda p, x, y=None: x * p, jnp.float32(2))
-    with pytest.raises(sm.SignatureError, match=r"Pass jnp\.asarray\(args\[0\]\), or a tuple"):
-        h([[1.0, 2.0]])
-    with pytest.raises(sm.SignatureError, match=r"Pass tuple\(kwargs\['y'\]\) to trace it"):
-        h(jnp.ones(2), y=[jnp.ones(2)])
