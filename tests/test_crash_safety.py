@@ -26,13 +26,14 @@ import threading
 
 import jax.extend.mlir as jex
 import numpy as np
+import pytest
 from helpers import STRICT_WARNINGS
 
 import symjax_mlp as sm
 from symjax_mlp import _files
 from symjax_mlp._artifact import checker
 
-RUNS = 8  # sized for CI (2 cores, the suite under 10 minutes); each run starts a process
+RUNS = 8  # sized for CI's `-m slow` run (2 cores); each run starts a process
 LANES = 2  # runs in parallel, each lane on its own artifact path
 MODELS = textwrap.dedent(
     """
@@ -135,6 +136,7 @@ def _kill_one_export(path, aim, rng, outputs, x):
     return entry
 
 
+@pytest.mark.slow  # 8 processes killed mid-export (~12 s); CI runs it with `-m slow`
 def test_sigkill_during_export_never_leaves_a_partial_artifact(tmp_path):
     namespace = {}
     exec(MODELS, namespace)
