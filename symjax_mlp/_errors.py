@@ -105,3 +105,21 @@ def unbound_axis(error: BaseException) -> str | None:
     says ``unbound axis name: batch``; ``None`` for any other error."""
     found = re.search(r"unbound axis name: ([^\s.]+)", str(error))
     return found[1] if isinstance(error, NameError) and found else None
+
+
+_TWO_DEVICES = (
+    "{name}: a call's arrays are committed to two devices (ids {a} and {b}, {platform}): the "
+    "params and an input (or two inputs), each put there by jax.device_put; a compiled call runs "
+    "on one device. Put the inputs where the params are, jax.device_put(x, device), or move the "
+    "params: h.replace(params=jax.device_put(h.params, device))."
+)
+
+
+def two_devices(name: str, error: BaseException) -> ConfigError | None:
+    """The :class:`ConfigError` for JAX's ``ValueError`` on arrays committed to different devices
+    ('Received incompatible devices for jitted computation'); ``None`` for any other error."""
+    found = re.findall(r"device ids \[([\d, ]+)\] on platform (\w+)", str(error))
+    if isinstance(error, SymjaxError) or "incompatible devices" not in str(error) or not found[1:]:
+        return None
+    (a, platform), (b, _) = found[:2]
+    return ConfigError(_TWO_DEVICES.format(name=name, a=a, b=b, platform=platform.lower()))

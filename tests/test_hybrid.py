@@ -798,3 +798,20 @@ def test_a_numpy_array_of_str_or_objects_is_named_not_jits_error_on_the_programs
         h(bad)
     assert e.value.__suppress_context__  # jit's raw error on the program's path not shown
     assert h(bad[:, :1].astype(np.float32)).shape == (1, 1)
+
+
+def test_params_and_an_input_committed_to_two_devices_are_named_with_the_fix():
+    # jax.jit's ValueError naming the program's paths: 'args[1][0] of <lambda>_hybrid' (h.eager
+    # keeps JAX's, naming the op: the debugging path)
+    d0, d1 = jax.devices()[:2]
+    h = sm.hybridize(lambda p, x: x * p, jax.device_put(jnp.float32(2), d0))
+    x = jax.device_put(jnp.ones(3), d1)
+    for run in (h, lambda a: h.apply(h.params, a), lambda a: h(x=a), h.lower):
+        with pytest.raises(
+            sm.ConfigError,
+            match=r"^<lambda>: a call's arrays are committed to two devices \(ids 0 and 1, cpu\)"
+            r".*h\.replace\(params=jax\.device_put\(h\.params, device\)\)\.$",
+        ) as e:
+            run(x)
+        assert e.value.__suppress_context__  # jit's raw error not shown
+    assert h(jax.device_put(x, d0)).devices() == {d0}

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, two_devices
 from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import pure as _pure
@@ -229,9 +229,11 @@ class Hybrid(Staged, NoPickle):
                     raise _trace.control_flow_error(self.name, e) from e
                 except _pure.StateAdded as e:
                     return self._stateful(e)(*args)
-                except TypeError:  # jit's, for an array of str or objects: named as h's
-                    self._partition(args, {}, self.name)
-                    raise
+                except (TypeError, ValueError) as e:  # jit's: an array of str, two devices
+                    self._partition(args, {}, self.name)  # (refuses an array of str)
+                    if (error := two_devices(self.name, e)) is None:
+                        raise
+                    raise error from None
         if not self.compiled:
             return self.eager(*args, **kwargs)
         _args.refuse_abstract(self.name, self.name, args, kwargs)

@@ -20,6 +20,7 @@ from symjax_mlp._errors import (
     RetraceError,
     SignatureError,
     SymjaxError,
+    two_devices,
 )
 from symjax_mlp._hybrid.args import NOT_AN_INPUT, NOT_AN_INPUT_FIX, path_of, rebuild
 from symjax_mlp._specs import TensorSpec, shape_dims
@@ -202,14 +203,16 @@ _UNTRACEABLE = re.compile(
 
 @contextlib.contextmanager
 def symbolic(name: str) -> Iterator[None]:
-    """Raises JAX's tracer errors in the block as :func:`control_flow_error`, and the
-    ``IndexError``/``TypeError`` of a shape taken from a traced array (``x[:n]``)."""
+    """JAX's tracer errors in the block as :func:`control_flow_error` (the ``IndexError`` or
+    ``TypeError`` of a shape from a traced array, ``x[:n]``, too); arrays on two devices named."""
     try:
         yield
     except TRACER_ERRORS as e:
         raise control_flow_error(name, e) from e
-    except (IndexError, TypeError) as e:
-        if isinstance(e, SymjaxError):
+    except (IndexError, TypeError, ValueError) as e:
+        if (error := two_devices(name, e)) is not None:  # jit's ValueError
+            raise error from None
+        if isinstance(e, SymjaxError) or not isinstance(e, IndexError | TypeError):
             raise
         if kind := _UNTRACEABLE.search(str(e)):
             at, what = "an input (or a leaf of a tuple/dict input)", f"of type {kind[1]}"
