@@ -772,10 +772,17 @@ def test_a_str_none_or_dict_where_an_array_goes_is_named_not_a_raw_flax_or_jax_e
         with pytest.raises(
             sm.SignatureError,
             match=rf"^{re.escape(h.name)}: args\[0\] is {said}, not an array, and the model "
-            r"raised \w+: .+\. Pass an array there",
+            r"raised on it \(\w+: .+\)\. If args\[0\] is data, pass an array",
         ):
             run(bad)
     assert h(x).shape == (2, 2) and h.trace_count == 1
+    if kind == "fn":  # a number by keyword is a setting: the model's error is its own
+        g = sm.hybridize(lambda p, x, n=1: x[:n] * p, jnp.float32(2))
+        with pytest.raises(TypeError, match="cannot be interpreted as an integer") as e:
+            g(x, n=1.0)
+        assert not isinstance(e.value, sm.SymjaxError)
+        with pytest.raises(sm.SignatureError, match=r"^<lambda>: kwargs\['n'\] is a Python str"):
+            g(x, n="1")
 
 
 @pytest.mark.parametrize("dtype", [object, str])

@@ -131,8 +131,8 @@ def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> 
 
 
 _NOT_DATA = (
-    "{caller}: {path} is {what}, not an array, and the model raised {error}. Pass an array there "
-    "(jnp.asarray(...)); if the model takes {path} as a setting, that error is the model's own."
+    "{caller}: {path} is {what}, not an array, and the model raised on it ({error}). If {path} "
+    "is data, pass an array (jnp.asarray(...)); if a setting the model takes, the error is its own."
 )
 _MODEL_ERRORS = (TypeError, ValueError, IndexError, AttributeError, KeyError)  # Flax: IndexError
 _KEPT = (SymjaxError, jax.errors.JAXTypeError)  # ours, or a tracer's (a ControlFlowError)
@@ -140,12 +140,12 @@ _KEPT = (SymjaxError, jax.errors.JAXTypeError)  # ours, or a tracer's (a Control
 
 def not_data(caller: str, error: Exception, args: Sequence[Any], kwargs: dict[str, Any]):
     """The :class:`~symjax_mlp.SignatureError` naming the first input no array (a str, bytes,
-    None; dict, tuple; number) if the model raised ``error`` (not ours, nor a tracer's)."""
+    None; dict, tuple; number; by keyword, a str) if the model raised ``error`` (not ours)."""
     if not isinstance(error, _MODEL_ERRORS) or isinstance(error, _KEPT):
         return None
-    inputs = [(path_of(k), v) for k, v in (*enumerate(args), *kwargs.items())]
+    inputs = [*enumerate(args), *((k, v) for k, v in kwargs.items() if type(v) in (str, bytes))]
     kinds = ((str, bytes, type(None)), (dict, tuple), (int, float, complex))  # a bool: a setting
-    for path, v in (pv for ks in kinds for pv in inputs if type(pv[1]) in ks):
+    for path, v in ((path_of(k), v) for ks in kinds for k, v in inputs if type(v) in ks):
         shown = f"keys {sorted(map(str, v))[:5]}" if type(v) is dict else repr(v)[:40]
         what = "None" if v is None else f"a Python {type(v).__name__} ({shown})"
         line = f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"[:200]
@@ -366,13 +366,12 @@ def static_args(
             f"static_argnums={nums!r}: pass an input's place or a tuple of them, ints from 0 (the "
             "first input after the params), e.g. static_argnums=(1,)."
         )
-    nums, got = tuple(places), _as_tuple(names, str)
-    if got is None or not all(isinstance(n, str) and n.isidentifier() for n in got):
+    nums, names, given = tuple(places), _as_tuple(names, str), names
+    if names is None or not all(isinstance(n, str) and n.isidentifier() for n in names):
         raise ConfigError(
-            f"static_argnames={names!r}: pass a keyword's name or a tuple of them, e.g. "
+            f"static_argnames={given!r}: pass a keyword's name or a tuple of them, e.g. "
             "static_argnames=('mode',)."
         )
-    names = got
     if params is None or not (nums or names):
         return frozenset(nums), frozenset(names)
     places = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
