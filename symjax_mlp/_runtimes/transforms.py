@@ -27,7 +27,7 @@ from jax.interpreters.ad import JVPTracer
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._artifact.signature import Signature, admits
 from symjax_mlp._compat import linearizing, skipping_lapack
-from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
+from symjax_mlp._errors import ArtifactError, ConfigError
 
 
 def refined(
@@ -166,7 +166,7 @@ class Program:
         def backward(args: Any, cts: Any) -> Any:
             if not module.has_vjp():
                 have = self.manifest.get("vjp_order", 0)
-                raise SymjaxError(_NO_VJP.format(caller=self.caller, order=order + 1, have=have))
+                raise ConfigError(_NO_VJP.format(caller=self.caller, order=order + 1, have=have))
             vjp = module.vjp()
             primals, cts = jax.tree.leaves(args), jax.tree.leaves(cts)
             expected = vjp.in_avals[len(primals) :]
