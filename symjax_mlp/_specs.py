@@ -116,13 +116,27 @@ MASKED_INPUT = (
     "the value that means 'missing' to your model, x.filled(value) (e.g. x.filled(0.0)), or "
     "pass np.asarray(x) to use the data under the mask as it is."
 )
-NOT_NUMBERS = (
-    "{caller}: input {path} is a NumPy array of dtype {dtype}, which XLA cannot compute on (it "
-    "takes bool, int, float and complex numbers). Convert it to numbers, e.g. x.astype(np.float32) "
-    "(a table's text columns encoded first)."
+_UNFIT_ARRAY = (
+    "{caller}: input {path} is a NumPy array of dtype {dtype}, which XLA cannot compute on "
+    "({why}). Convert it: {fix}."
 )
-#: the NumPy dtype kinds no JAX array has: objects, bytes, str, datetimes (bfloat16's 'V' has)
-NOT_NUMBER_KINDS = "OSUMm"
+
+
+def unfit_array(caller: str, path: str, x: np.ndarray) -> SignatureError | None:
+    """The :class:`~symjax_mlp.SignatureError` for a NumPy array no JAX array holds: of no
+    numbers (str, objects: a table's ``df.values``) or of bytes in the other order (big-endian,
+    a FITS file's); ``None`` for any other."""
+    if x.dtype.kind in "OSUMm":  # objects, bytes, str, datetimes (bfloat16's kind is "V")
+        why = "it takes bool, int, float and complex numbers"
+        fix = "x.astype(np.float32) (a table's text columns encoded first)"
+    elif not x.dtype.isnative:
+        why = "its bytes are in the other byte order than this machine's"
+        fix = f"x.astype(np.{x.dtype.newbyteorder('=').name}), in this machine's order"
+    else:
+        return None
+    return SignatureError(
+        _UNFIT_ARRAY.format(caller=caller, path=path, dtype=x.dtype, why=why, fix=fix)
+    )
 
 
 def cast_to(dtype: str) -> str:

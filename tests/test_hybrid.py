@@ -822,3 +822,17 @@ def test_params_and_an_input_committed_to_two_devices_are_named_with_the_fix():
             run(x)
         assert e.value.__suppress_context__  # jit's raw error not shown
     assert h(jax.device_put(x, d0)).devices() == {d0}
+
+
+def test_a_big_endian_array_as_a_fits_file_gives_it_is_refused_naming_the_cast(tmp_path):
+    # h(x) of a '>f4' array was jax.jit's TypeError on the program's args[2] (or ran, once a
+    # float32 call had traced), export(example=x) JAX's "not a valid dtype for JAX type promotion"
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    x = np.arange(3, dtype=">f4")
+    said = r"input args\[0\] is a NumPy array of dtype >f4, which XLA cannot compute on \(its bytes"
+    for run in (h, h.eager, lambda a: sm.export(h, tmp_path / "a", example=a, batch=None)):
+        with pytest.raises(
+            sm.SignatureError, match=said + r".*Convert it: x\.astype\(np\.float32\)"
+        ):
+            run(x)
+    np.testing.assert_array_equal(h(x.astype(np.float32)), 2 * x)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, as_bool, as_int
-from symjax_mlp._specs import MASKED_INPUT, NOT_NUMBER_KINDS, NOT_NUMBERS, array_types
+from symjax_mlp._specs import MASKED_INPUT, array_types, unfit_array
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 ARRAYS = array_types()  # what a hot path takes as it is
@@ -246,13 +246,12 @@ _UNSORTED = (
 
 def _walk(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """Each input and what its tuples, lists and dicts hold, by path; a container holding
-    itself, a dict of unsortable keys, an array of no numbers (str) refused. First to last."""
+    itself, a dict of unsortable keys, an array JAX cannot hold (str) refused. First to last."""
     todo = [(path_of(k), v, ()) for k, v in (*enumerate(args), *kwargs.items())][::-1]
     while todo:
         path, value, within = todo.pop()
-        if isinstance(value, np.ndarray) and value.dtype.kind in NOT_NUMBER_KINDS:  # df.values
-            error = NOT_NUMBERS.format(caller=caller, path=path, dtype=value.dtype)
-            raise SignatureError(error) from None  # (not after jit's error on it: h's hot path)
+        if isinstance(value, np.ndarray) and (error := unfit_array(caller, path, value)):
+            raise error from None  # (str, big-endian: not after jit's error on it in h's hot path)
         yield path, value
         if isinstance(value, (tuple, list, dict)):
             if any(value is v for v in within):
