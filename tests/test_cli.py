@@ -263,6 +263,35 @@ def test_a_ctrl_c_python_can_only_print_still_stops_the_command():
     assert proc.stderr.strip().endswith("symjax-mlp tour: interrupted"), proc.stderr[-2000:]
 
 
+def test_a_ctrl_c_in_a_collector_callback_on_the_main_thread_is_raised_again():
+    """A real Ctrl-C is raised on the main thread only, so the collector callback it lands in
+    (JAX's _xla_gc_callback) runs there: raising it again from the hook there raised it inside
+    the hook, where Python printed "Exception ignored in sys.unraisablehook" and the command ran
+    on (`symjax-mlp export` finished and exited 0). It comes after the hook returns."""
+    import functools
+    import gc
+    import time
+
+    from symjax_mlp import cli
+
+    def once(phase, info):
+        gc.callbacks.remove(once)
+        raise KeyboardInterrupt
+
+    hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(cli._interrupt_again, hook)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gc.callbacks.append(once)
+            gc.collect()
+            for _ in range(1000):  # the command going on: the interrupt lands here
+                time.sleep(0.001)
+    finally:
+        sys.unraisablehook = hook
+        if once in gc.callbacks:
+            gc.callbacks.remove(once)
+
+
 def test_ctrl_c_leaves_at_once_while_other_threads_still_work():
     import signal
 

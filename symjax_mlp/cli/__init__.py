@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -321,7 +322,18 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
 
 
 def _interrupt_again(hook: Callable[[Any], None], unraisable: Any) -> None:
+    """A Ctrl-C is raised on the main thread, so this hook runs there, and a SIGINT raised in
+    it would be raised inside it (printed and lost): a thread raises it once the hook's last
+    call, ``release``, lets it go."""
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        _thread.interrupt_main()  # a SIGINT again, for the main thread's next bytecode
+        left = threading.Lock()
+        left.acquire()
+        threading.Thread(target=_interrupt_after, args=(left,), daemon=True).start()
+        left.release()
         return
     hook(unraisable)
+
+
+def _interrupt_after(left: threading.Lock) -> None:
+    with left:
+        _thread.interrupt_main()  # a SIGINT again, for the main thread's next bytecode
