@@ -1390,13 +1390,16 @@ def test_a_lone_requests_answer_costs_the_app_few_python_calls(server):
     """The HTTP path's own cost, as a count (not a speed): a lone JSON request through the app
     made 49 Python calls in serving's code, starlette's Response (which copied, lowered and
     encoded each header) and NumPy (np.errstate, .all(), reading the body's numbers); the batch
-    settled under the futures' lock. Now fewer than 40."""
+    settled under the futures' lock. Then 30 more in starlette's middleware, routing and
+    Request: POST /predict now goes to its endpoint past them (a mounted app's is routed)."""
+    import starlette
+
     body = json.dumps({"inputs": rows(1).tolist()}).encode()
     scope = {"type": "http", "method": "POST", "path": "/predict", "headers": [
         (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))
     ], "query_string": b"", "root_path": ""}  # fmt: skip
     ours = (os.path.dirname(sm.serving._app.__file__), os.path.dirname(np.__file__))
-    ours += (os.path.join("starlette", "responses.py"),)
+    ours += (os.path.dirname(starlette.__file__),)
     counted, sent = [], []
 
     async def receive():
@@ -1406,8 +1409,7 @@ def test_a_lone_requests_answer_costs_the_app_few_python_calls(server):
         sent.append(message)
 
     def count(frame, event, arg):
-        name = frame.f_code.co_filename
-        if event == "call" and (name.startswith(ours[:2]) or name.endswith(ours[2])):
+        if event == "call" and frame.f_code.co_filename.startswith(ours):
             counted.append(frame.f_code.co_name)
 
     async def lone(app):
@@ -1417,11 +1419,12 @@ def test_a_lone_requests_answer_costs_the_app_few_python_calls(server):
             await app(dict(scope), receive, send)
         finally:
             sys.setprofile(None)
+        await app({**scope, "path": "/api/predict", "root_path": "/api"}, receive, send)
 
     with sm.serving.Batcher(server[1], max_batch=4) as b:  # the chapter's MLP, loaded
         asyncio.run(lone(sm.serving.create_app(b, close_batcher=False)))
-    assert [m["status"] for m in sent if "status" in m] == [200, 200]
-    assert len(counted) < 40, sorted(counted)
+    assert [m["status"] for m in sent if "status" in m] == [200, 200, 200]
+    assert len(counted) < 40, " ".join(counted)
 
 
 def test_a_pass_of_many_runs_on_the_loop_where_its_bucket_last_ran_quickly(tmp_path, monkeypatch):

@@ -23,7 +23,6 @@ import asyncio
 import collections
 import contextlib
 import importlib
-import numbers
 import os
 import re
 from typing import Any
@@ -34,7 +33,7 @@ from symjax_mlp._load import load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._bodies import BadRequest, decode, short, to_json, to_npy
-from symjax_mlp.serving._intake import Intake, Watch
+from symjax_mlp.serving._intake import Intake, Watch, check_limits
 from symjax_mlp.serving._lane import LOG
 from symjax_mlp.serving._requests import UNAWAITABLE
 from symjax_mlp.serving._stats import METRIC_NAME
@@ -90,26 +89,6 @@ def drain(batcher: Batcher, cancel: bool = False) -> None:
     except TimeoutError:
         said = "%s: the model is still running after %g s; stopping without it."
         LOG.error(said, batcher.name, DRAIN_SECONDS)
-
-
-def check_limits(
-    where: str, max_body_bytes: Any, body_timeout: Any, max_inflight_bytes: Any, **more: Any
-) -> tuple[int, float, int]:
-    """The app's limits, ``max_inflight_bytes`` defaulted; a :class:`ConfigError` if bad (or
-    one of ``more``, seconds or counts > 0 too)."""
-    limits = {"max_body_bytes": max_body_bytes, "body_timeout": body_timeout}
-    for option, value in {**limits, "max_inflight_bytes": max_inflight_bytes, **more}.items():
-        if option == "max_inflight_bytes" and value is None:  # default: 4 bodies
-            value = max_inflight_bytes = 4 * max_body_bytes
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-            raise ConfigError(f"{where}: {option} must be a number > 0; got {value!r}.")
-    if max_inflight_bytes < max_body_bytes:  # a body between the two: 503, retry, for ever
-        raise ConfigError(
-            f"{where}: max_inflight_bytes={max_inflight_bytes} is less than max_body_bytes="
-            f"{max_body_bytes}, so a body between the two could never be read; pass "
-            "max_inflight_bytes >= max_body_bytes."
-        )
-    return max_body_bytes, body_timeout, max_inflight_bytes
 
 
 def create_app(
@@ -194,31 +173,34 @@ def create_app(
         kind = short(printable(type(e).__name__), 100)  # a class may be named by a model too
         return error_body(status, kind, text, public.name, headers)
 
-    async def predict(request: Request) -> Any:  # a Response, or a 200's ASGI answer
+    async def predict(scope: Any, receive: Any, send: Any) -> None:  # ASGI: see App below
         hold = [0]  # the bytes this request's body holds of the shared budget
         try:
-            return await answer(request, hold)
+            said = await answer(scope, receive, hold)
         except asyncio.CancelledError:  # the server stops first: a 503, not uvicorn's 500
-            return error(503, asyncio.CancelledError(_STOPPED))
+            said = error(503, asyncio.CancelledError(_STOPPED))
         except BadRequest as e:  # an answer JSON cannot hold (complex): a 406, ask for .npy
-            return error(e.status, e)
+            said = error(e.status, e)
         except Exception as e:  # a bug of ours: still the documented JSON body, counted
             LOG.error("%s: answering a request failed", public.name, exc_info=e)
-            return error(500, e)
+            said = error(500, e)
         finally:
             intake.release(hold)
+        await said(scope, receive, send)
 
-    async def answer(request: Request, hold: list[int]) -> Any:
+    async def answer(scope: Any, receive: Any, hold: list[int]) -> Any:
+        heads = dict(reversed(scope["headers"]))  # the first of a name, as starlette reads it
         try:
-            body = await intake.read(request, hold)
+            body = await intake.read(receive, hold, heads.get(b"content-length", b""))
         except BadRequest as e:  # too large, too slow, too many: the rest is not read
             retry = {"Retry-After": "1"} if e.status == 503 else {}
             return error(e.status, e, {"Connection": "close", **retry})
         except ClientDisconnect:  # nobody to answer (499, as nginx counts it), or serve's 400
-            by_code[request.scope.get(REFUSED, 499)] += 1
+            by_code[scope.get(REFUSED, 499)] += 1
             return Response(status_code=499)
         try:
-            inputs, as_npy = decode(batcher, body, request.headers.get("content-type", ""))
+            media = heads.get(b"content-type", b"").decode("latin-1")
+            inputs, as_npy = decode(batcher, body, media)
             del body
             intake.release(hold)  # decoded: the arrays are the queue's to bound (max_queue)
             request = batcher.asubmit(*inputs)
@@ -334,9 +316,18 @@ def create_app(
         if close_batcher:
             await asyncio.get_running_loop().run_in_executor(None, drain, batcher)
 
-    routes = [Route("/predict", predict, methods=["POST"])]
+    # POST /predict goes straight to its endpoint, past starlette's layers (a Request each, the
+    # middleware, routing); mounted, it is routed, as an ASGI app (a staticmethod: no function)
+    class App(Starlette):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            ours = scope["type"] == "http" and scope["path"] == "/predict"  # mounted: routed
+            if ours and scope["method"] == "POST" and not scope.get("root_path"):
+                return await predict(scope, receive, send)
+            await super().__call__(scope, receive, send)
+
+    routes = [Route("/predict", staticmethod(predict), methods=["POST"])]
     routes += [Route(f"/{f.__name__}", f, methods=["GET"]) for f in (health, metrics, signature)]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
+    app = App(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
     app.router.redirect_slashes = False  # POST /predict/: the JSON 404, not an empty 307
     app.state.answered, app.state.model, app.state.intake = by_code, public.name, intake  # serve's
     return app

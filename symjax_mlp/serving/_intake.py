@@ -17,8 +17,10 @@ deadlines, per loop).
 from __future__ import annotations
 
 import asyncio
+import numbers
 from typing import Any
 
+from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._bodies import BadRequest
 
 #: Bytes a second a body must average after its first ``body_timeout`` seconds (a phone on
@@ -27,6 +29,26 @@ MIN_BODY_RATE = 500
 #: A body must end within this many ``body_timeout`` however fast it comes (10 min by default):
 #: at :data:`MIN_BODY_RATE`, 64 MiB held a connection for 37 h.
 MAX_BODY_TIMEOUTS = 10
+
+
+def check_limits(
+    where: str, max_body_bytes: Any, body_timeout: Any, max_inflight_bytes: Any, **more: Any
+) -> tuple[int, float, int]:
+    """The app's limits, ``max_inflight_bytes`` defaulted; a :class:`ConfigError` if bad (or
+    one of ``more``, seconds or counts > 0 too)."""
+    limits = {"max_body_bytes": max_body_bytes, "body_timeout": body_timeout}
+    for option, value in {**limits, "max_inflight_bytes": max_inflight_bytes, **more}.items():
+        if option == "max_inflight_bytes" and value is None:  # default: 4 bodies
+            value = max_inflight_bytes = 4 * max_body_bytes
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+            raise ConfigError(f"{where}: {option} must be a number > 0; got {value!r}.")
+    if max_inflight_bytes < max_body_bytes:  # a body between the two: 503, retry, for ever
+        raise ConfigError(
+            f"{where}: max_inflight_bytes={max_inflight_bytes} is less than max_body_bytes="
+            f"{max_body_bytes}, so a body between the two could never be read; pass "
+            "max_inflight_bytes >= max_body_bytes."
+        )
+    return max_body_bytes, body_timeout, max_inflight_bytes
 
 
 class Intake:
@@ -46,15 +68,13 @@ class Intake:
             f"(bounded by max_inflight_bytes).\n# TYPE {name} gauge\n{name} {self.held}\n"
         )
 
-    async def read(self, request: Any, hold: list[int]) -> bytes:
-        """The body of ``request``, its bytes counted in ``hold[0]`` as they arrive (give them
-        back with :meth:`release`, even when this raises): a :class:`BadRequest` (413, 408, 503)
-        or starlette's ``ClientDisconnect``."""
-        size = request.headers.get("content-length", "")  # "²" is a digit, but no int's
-        if size.isascii() and size.isdigit() and int(size) > self.max_body_bytes:
+    async def read(self, receive: Any, hold: list[int], size: bytes = b"") -> bytes:
+        """The body an ASGI ``receive`` gives (``size``: its Content-Length), its bytes counted
+        in ``hold[0]`` as they arrive (give them back with :meth:`release`, even when this
+        raises): a :class:`BadRequest` (413, 408, 503) or starlette's ``ClientDisconnect``."""
+        if size.isdigit() and int(size) > self.max_body_bytes:  # bytes: ASCII digits only
             raise BadRequest(413, _too_large(int(size), self.max_body_bytes))
-        chunks, received, more = [], 0, True
-        receive, limit = request.receive, self.body_timeout
+        chunks, received, more, limit = [], 0, True, self.body_timeout
         task = asyncio.current_task()
         deadlines, cancelling = self._reads.on(task.get_loop()), task.cancelling()
         end = deadlines.set(task)  # moved on as each chunk arrives

@@ -15,8 +15,9 @@ from typing import Any
 import jax
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp.serving._app import check_limits, create_app, load_entry, model_name, require
+from symjax_mlp.serving._app import create_app, load_entry, model_name, require
 from symjax_mlp.serving._batcher import Batcher, seconds
+from symjax_mlp.serving._intake import check_limits
 from symjax_mlp.serving._latency import latency_mode
 from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count
 from symjax_mlp.serving._server import on_signals

@@ -27,7 +27,6 @@ from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._app import (
     ENDPOINTS,
     REFUSED,
-    check_limits,
     create_app,
     drain,
     error_body,
@@ -37,6 +36,7 @@ from symjax_mlp.serving._app import (
 )
 from symjax_mlp.serving._batcher import Batcher, seconds
 from symjax_mlp.serving._bodies import short
+from symjax_mlp.serving._intake import check_limits
 from symjax_mlp.serving._requests import check_count
 
 #: The most bytes of one request's line and headers, or trailers (nginx: 4 x 8 KiB by default).
