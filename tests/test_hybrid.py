@@ -826,7 +826,7 @@ def test_params_and_an_input_committed_to_two_devices_are_named_with_the_fix():
 
 def test_a_big_endian_array_as_a_fits_file_gives_it_is_refused_naming_the_cast(tmp_path):
     # h(x) of a '>f4' array was jax.jit's TypeError on the program's args[2] (or ran, once a
-    # float32 call had traced), export(example=x) JAX's "not a valid dtype for JAX type promotion"
+    # float32 call had traced: a wrong answer), export(example=x) JAX's "not a valid dtype ..."
     h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
     x = np.arange(3, dtype=">f4")
     said = r"input args\[0\] is a NumPy array of dtype >f4, which XLA cannot compute on \(its bytes"
@@ -835,4 +835,7 @@ def test_a_big_endian_array_as_a_fits_file_gives_it_is_refused_naming_the_cast(t
             sm.SignatureError, match=said + r".*Convert it: x\.astype\(np\.float32\)"
         ):
             run(x)
-    np.testing.assert_array_equal(h(x.astype(np.float32)), 2 * x)
+    g = h.replace()  # traced on float32 first: jit's fast path took x, its bytes read as ours
+    np.testing.assert_array_equal(g(x.astype(np.float32)), 2 * x)
+    with pytest.raises(sm.SignatureError, match=said):  # was [0, 0, 0]
+        g(x)

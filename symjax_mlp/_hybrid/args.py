@@ -19,6 +19,7 @@ from symjax_mlp._specs import MASKED_INPUT, array_types, unfit_array
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 ARRAYS = array_types()  # what a hot path takes as it is
+JAX_ARRAYS, NDARRAY = ARRAYS - {np.ndarray}, np.ndarray  # (a NumPy array's byte order read)
 
 
 def is_static(value: Any) -> bool:

@@ -17,7 +17,7 @@ from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import pure as _pure
 from symjax_mlp._hybrid import trace as _trace
-from symjax_mlp._hybrid.args import ARRAYS, check_settings, partition, static_args
+from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY, check_settings, partition, static_args
 from symjax_mlp._hybrid.graph import Staged
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
 from symjax_mlp._hybrid.trace import NoPickle, TraceEvent, TraceLog, symbolic
@@ -216,8 +216,8 @@ class Hybrid(Staged, NoPickle):
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""
         if self._fast and not kwargs:  # the hot path: arrays in, one dispatch
-            for a in args:
-                if type(a) not in ARRAYS:
+            for a in args:  # (jit's fast path reads a big-endian array's bytes as native ones)
+                if type(a) not in JAX_ARRAYS and not (type(a) is NDARRAY and a.dtype.isnative):
                     break
             else:
                 key = () if self._modes is None else self._modes.key(())
