@@ -117,15 +117,17 @@ MASKED_INPUT = (
     "pass np.asarray(x) to use the data under the mask as it is."
 )
 _UNFIT_ARRAY = (
-    "{caller}: input {path} is a NumPy array of dtype {dtype}, which XLA cannot compute on "
+    "{caller}: {path} is a NumPy array of dtype {dtype}, which XLA cannot compute on "
     "({why}). Convert it: {fix}."
 )
 
 
-def unfit_array(caller: str, path: str, x: np.ndarray) -> SignatureError | None:
-    """The :class:`~symjax_mlp.SignatureError` for a NumPy array no JAX array holds: of no
-    numbers (str, objects: a table's ``df.values``) or of bytes in the other order (big-endian,
-    a FITS file's); ``None`` for any other."""
+def unfit_array(caller: str, path: str, x: Any) -> SignatureError | None:
+    """The :class:`~symjax_mlp.SignatureError` for ``x`` at ``path`` (``"input args[0]"``) if
+    it is a NumPy array no JAX array holds: of no numbers (str, objects: a table's
+    ``df.values``) or of bytes in the other order (big-endian, a FITS file's); else ``None``."""
+    if not isinstance(x, np.ndarray):
+        return None
     if x.dtype.kind in "OSUMm":  # objects, bytes, str, datetimes (bfloat16's kind is "V")
         why = "it takes bool, int, float and complex numbers"
         fix = "x.astype(np.float32) (a table's text columns encoded first)"

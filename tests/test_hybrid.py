@@ -839,3 +839,5 @@ def test_a_big_endian_array_as_a_fits_file_gives_it_is_refused_naming_the_cast(t
     np.testing.assert_array_equal(g(x.astype(np.float32)), 2 * x)
     with pytest.raises(sm.SignatureError, match=said):  # was [0, 0, 0]
         g(x)
+    with pytest.raises(sm.SignatureError, match=r"^<lambda>: params is a NumPy array of dtype >f4"):
+        sm.hybridize(lambda p, x: x * p, x)  # its weights, as its first call's jit error

@@ -166,9 +166,11 @@ def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any
     """``jax.tree.flatten(params)``; if ``passed`` (not baked), a leaf jit cannot take refused."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     for path, leaf in paths if passed else ():
+        where, kind = jax.tree_util.keystr(path), type(leaf).__name__
         if not _traceable(leaf):
-            where, kind = jax.tree_util.keystr(path), type(leaf).__name__
             raise ConfigError(_PARAM_LEAF.format(name=name, path=where, kind=kind))
+        if error := unfit_array(name, f"params{where}", leaf):  # big-endian weights (a file's)
+            raise error
     return [leaf for _, leaf in paths], treedef
 
 
@@ -251,8 +253,8 @@ def _walk(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[
     todo = [(path_of(k), v, ()) for k, v in (*enumerate(args), *kwargs.items())][::-1]
     while todo:
         path, value, within = todo.pop()
-        if isinstance(value, np.ndarray) and (error := unfit_array(caller, path, value)):
-            raise error from None  # (str, big-endian: not after jit's error on it in h's hot path)
+        if error := unfit_array(caller, f"input {path}", value):  # str, big-endian: named
+            raise error from None  # (not after jit's error on it, in h's hot path)
         yield path, value
         if isinstance(value, (tuple, list, dict)):
             if any(value is v for v in within):
@@ -294,10 +296,9 @@ def _holds_arrays(value: Any) -> bool:
 
 
 def _list_error(caller: str, path: str, value: list) -> Exception:
-    name = path.split("[")[0]
-    holding, fix = "", f"Pass jnp.asarray({name}), or a tuple if it is a setting."
-    if _holds_arrays(value):
-        holding = " holding arrays"
+    name, holding = path.split("[")[0], " holding arrays" if _holds_arrays(value) else ""
+    fix = f"Pass jnp.asarray({name}), or a tuple if it is a setting."
+    if holding:
         fix = (
             f"Pass tuple({name}) to trace it as one pytree of arrays (a list of (W, b) pairs "
             "too), or pass it as the params: sm.hybridize(fn, params)."
