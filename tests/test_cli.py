@@ -1,5 +1,6 @@
 """The command line: each subcommand runs, prints what it promises, exits with the right code."""
 
+import os
 import re
 import subprocess
 import sys
@@ -429,6 +430,17 @@ def test_train_refuses_an_export_that_is_or_holds_its_checkpoint_or_json(tmp_pat
         err = capsys.readouterr().err
         assert f"--export {tmp_path}/" in err and says in err and "Pass --export another" in err
         assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux's sysfs")
+def test_train_refuses_an_export_it_cannot_write_before_the_first_epoch(capsys):
+    """--export in a read-only directory trained every epoch, then failed: 'cannot write the
+    artifact ex: [Errno 30] Read-only file system: '.ex.new-12358-e7ab36f2''. Refused first
+    (sysfs takes no new directory, root's neither)."""
+    assert main(["train", "--epochs", "1", "--sizes", "8,10", "--export", "/sys/ex"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("symjax-mlp train: error: --export /sys/ex: cannot write in ")
+    assert "pass another path" in captured.err and "epoch" not in captured.err + captured.out
 
 
 def test_train_refuses_a_json_that_is_its_checkpoint_directory(tmp_path, capsys):

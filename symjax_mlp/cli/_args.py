@@ -170,12 +170,17 @@ def writable(path: str, option: str, *, overwrite: bool) -> None:
         )
     if p.exists() and not overwrite:
         raise argparse.ArgumentTypeError(f"{refuse} already exists; pass --overwrite to replace it")
-    try:  # a file can be made there (a read-only or special directory says no only now)
-        with tempfile.TemporaryFile(dir=p.parent):
-            pass
+    writable_in(p.parent, refuse)
+
+
+def writable_in(directory: Path, refuse: str) -> None:
+    """Refuses, before any work, a ``directory`` where nothing can be made: read-only or
+    special, which says no only when asked."""
+    try:
+        tempfile.TemporaryFile(dir=directory).close()
     except OSError as e:
         raise argparse.ArgumentTypeError(
-            f"{refuse} cannot write in {p.parent} ({e.strerror}); pass another path"
+            f"{refuse} cannot write in {directory} ({e.strerror}); pass another path"
         ) from None
 
 

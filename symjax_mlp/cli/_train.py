@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> None:
     if args.export is not None:
         if not args.export:  # Path("") is the working directory
             raise argparse.ArgumentTypeError("--export '': is empty; pass a directory path")
-        check_target(Path(args.export), args.overwrite)
+        check_target(target := Path(args.export), args.overwrite)
+        _args.writable_in(next(p for p in target.parents if p.exists()), f"--export {args.export}:")
         others = {"--checkpoint": args.checkpoint, "--json": args.json}
         _apart("--export", args.export, others, "the artifact is a directory")
     with _progress(args.epochs, quiet=args.quiet) as on_epoch:
