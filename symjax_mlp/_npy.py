@@ -132,12 +132,15 @@ def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def read_inputs(
-    files: Sequence[str | os.PathLike[str]], specs: Sequence[TensorSpec]
-) -> list[np.ndarray]:
-    """The ``.npy`` files as a model's inputs, one per spec (one past the last is read as it
-    is, for the model to refuse); a ``SignatureError`` for a file of another dtype."""
-    xs = [read_npy(file, what=str(file)) for file in files]
-    for i, (file, x, spec) in enumerate(zip(files, xs, specs, strict=False)):
+    files: Sequence[str | os.PathLike[str] | bytes], specs: Sequence[TensorSpec],
+    names: Sequence[str] | None = None,
+) -> list[np.ndarray]:  # fmt: skip
+    """The ``.npy`` files (paths, or their bytes, called ``names`` in messages) as a model's
+    inputs, one per spec (one past the last is read as it is, for the model to refuse); a
+    ``SignatureError`` for a file of another dtype."""
+    names = [str(file) for file in files] if names is None else names
+    xs = [read_npy(file, what=name) for file, name in zip(files, names, strict=True)]
+    for i, (file, x, spec) in enumerate(zip(names, xs, specs, strict=False)):
         x = xs[i] = npy_array(x, spec.dtype)
         if spec.dtype.startswith("key<"):  # .npy has no key type: the key's data, as run writes
             xs[i] = _key(file, x, spec)

@@ -357,6 +357,26 @@ def test_run_writes_exactly_the_output_path_stdout_and_npz(tmp_path, capsys):
     np.testing.assert_array_equal(np.load(io.BytesIO(done.stdout)), y)
 
 
+def test_run_reads_an_input_from_stdin(tmp_path, capsys, monkeypatch):
+    """--output - wrote .npy bytes to stdout, but --input - said '-: does not exist; pass a
+    .npy file': a pipe could not feed run. Now '-' reads one .npy array from stdin."""
+    import io
+
+    import numpy as np
+
+    art, y = tmp_path / "m", tmp_path / "y.npy"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    for x, code in ((np.ones((4, 2), np.float32), 0), (np.ones((4, 2)), 2)):
+        np.save(data := io.BytesIO(), x)
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data.getvalue())))
+        assert main(["run", str(art), "--input", "-", "--output", str(y)]) == code
+    assert np.load(y).shape == (4, 3)
+    err = capsys.readouterr().err
+    assert err.startswith("symjax-mlp run: error: stdin (args[0]) holds float64[4, 2] but")
+    assert main(["run", str(art), "--input", "-", "--input", "-", "--output", str(y)]) == 2
+    assert "--input -: given 2 times; stdin holds one array" in capsys.readouterr().err
+
+
 def test_run_to_a_stdout_without_a_byte_buffer(tmp_path, capsys, monkeypatch):
     """main() called in-process with sys.stdout a text stream (io.StringIO, a notebook's): --output
     - crashed with an AttributeError traceback ('no attribute buffer'). Now a text stream is

@@ -68,8 +68,10 @@ batch = _checked(  # --batch: a symbolic dimension's name, or a static size
 )
 
 
-def input_file(text: str) -> Path:
-    """An existing regular file to read (``--input``)."""
+def input_file(text: str) -> Path | str:
+    """An existing regular file to read (``--input``), or ``-``: stdin."""
+    if text == "-":
+        return text
     path = Path(text)
     try:
         mode = path.stat().st_mode

@@ -23,7 +23,7 @@ dtype of their itemsize (|V2 for bfloat16). So:
 _OPTIONS = (
     ("path", {"help": "an artifact directory"}),
     ("--input", {"action": "append", "required": True, "type": _args.input_file,
-                 "help": ".npy, each input"}),
+                 "help": "a .npy file, or '-' for stdin; once per input, in order"}),
     ("--output", {"action": "append", "required": True, "help": "where to write: a .npy file "
      "(exactly this path), '-' for stdout (.npy bytes), or a .npz file for several outputs "
      "(out0, out1, ...); or once per output, in order"}),
@@ -45,6 +45,11 @@ def run(args: argparse.Namespace) -> None:
 
     paths = args.output
     _check_outputs(paths, args.input, args.path)
+    if (n := args.input.count("-")) > 1:
+        raise argparse.ArgumentTypeError(
+            f"--input -: given {n} times; stdin holds one array. Pass the others as files."
+        )
+    stdin = _binary("--input") if n else None
     model = _args.load_model(args)
     outputs = model.signature.outputs
     if len(paths) > 1 and len(paths) != len(outputs):
@@ -54,11 +59,13 @@ def run(args: argparse.Namespace) -> None:
             f", {types}. Pass one --output per output, in order, or one .npz path for them all "
             "(out0, out1, ...); nothing was written."
         )
-    out = model(*read_inputs(args.input, model.signature.inputs))
+    files = [stdin.read() if f == "-" else f for f in args.input]  # type: ignore[union-attr]
+    names = ["stdin" if f == "-" else str(f) for f in args.input]
+    out = model(*read_inputs(files, model.signature.inputs, names=names))
     pairs = list(zip(out if len(paths) > 1 else [out], paths, strict=True))
     to_stdout = paths == ["-"]
     if to_stdout:
-        pairs = [(out, _bytes_out())]
+        pairs = [(out, _binary("--output"))]
     write_outputs(*pairs[0], *pairs[1:])  # every path, or none of them
     stream = sys.stderr if to_stdout else sys.stdout
     for (y, _), path in zip(pairs, paths, strict=True):
@@ -89,9 +96,10 @@ def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> None:
             "Name a file for each output, or pass one .npz path (out0, out1, ...)."
         )
     if paths == ["-"]:
-        _bytes_out()
+        _binary("--output")
     for path in (p for p in paths if p != "-"):
-        same = [str(x) for x in inputs if os.path.exists(path) and os.path.samefile(path, x)]
+        there = os.path.exists(path)
+        same = [str(x) for x in inputs if there and x != "-" and os.path.samefile(path, x)]
         if same:
             raise argparse.ArgumentTypeError(
                 f"--output {path}: is the --input {same[0]}; writing there would replace it "
@@ -100,15 +108,23 @@ def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> None:
         _args.outside_artifact(path, "--output", artifact)
 
 
-def _bytes_out() -> Any:
-    """Where ``--output -`` writes .npy bytes: stdout's byte buffer, or stdout itself where it is
-    a binary stream (``io.BytesIO``); refused where it is a text stream without one (main() called
-    in-process with ``io.StringIO``, a notebook's)."""
-    stdout = _args.stdout("--output -")
-    binary = stdout if isinstance(stdout, io.BufferedIOBase | io.RawIOBase) else None
-    if (target := getattr(stdout, "buffer", binary)) is None:
+def _binary(option: str) -> Any:
+    """Where ``--input -`` reads and ``--output -`` writes .npy bytes: stdin's or stdout's byte
+    buffer, or the stream itself where it is binary (``io.BytesIO``); refused where it is closed,
+    a terminal to read, or a text stream without one (main() called in-process with
+    ``io.StringIO``, a notebook's)."""
+    name, does = ("stdin", "give") if option == "--input" else ("stdout", "take")
+    stream = sys.stdin if name == "stdin" else _args.stdout(f"{option} -")
+    if stream is None:  # the shell closed it (<&-)
+        raise argparse.ArgumentTypeError(f"{option} -: stdin is closed; pass a file path")
+    if name == "stdin" and stream.isatty():  # read would wait for the user to type bytes
         raise argparse.ArgumentTypeError(
-            f"--output -: stdout is a text stream ({type(stdout).__name__}) with no byte buffer, "
-            "which cannot take .npy bytes; pass a file path"
+            f"{option} -: stdin is a terminal; pipe the .npy file in (< x.npy) or pass its path"
+        )
+    binary = stream if isinstance(stream, io.BufferedIOBase | io.RawIOBase) else None
+    if (target := getattr(stream, "buffer", binary)) is None:
+        raise argparse.ArgumentTypeError(
+            f"{option} -: {name} is a text stream ({type(stream).__name__}) with no byte buffer, "
+            f"which cannot {does} .npy bytes; pass a file path"
         )
     return target
