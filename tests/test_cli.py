@@ -39,6 +39,22 @@ def test_bad_arguments_exit_2(capsys):
     assert main([]) == 2
 
 
+def test_a_typo_names_its_subcommand_and_the_closest_name(capsys):
+    """A mistyped option said 'symjax-mlp: error: unrecognized arguments: --sizs 3 (see
+    symjax-mlp --help)': the root's help, which lists no option of export. The subcommand's
+    error now names the closest option, and a mistyped subcommand or choice the closest one."""
+    assert main(["export", "e", "--sizs", "3", "--seed=1"]) == 2
+    assert capsys.readouterr().err == (
+        "symjax-mlp export: error: unrecognized arguments: --sizs 3; did you mean --sizes? "
+        "(see symjax-mlp export --help)\n"
+    )
+    assert main(["exprot", "e"]) == 2
+    assert "(choose from 'tour', " in (err := capsys.readouterr().err)
+    assert err.endswith("; did you mean 'export'? (see symjax-mlp --help)\n")
+    assert main(["graph", "--format", "jaxp"]) == 2
+    assert "; did you mean 'jaxpr'? (see symjax-mlp graph --help)" in capsys.readouterr().err
+
+
 def test_tour_walks_the_chapter(capsys):
     assert main(["tour", "--calls", "3"]) == 0
     out = capsys.readouterr().out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import contextlib
+import difflib
 import functools
 import os
 import re
@@ -42,7 +43,23 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         from symjax_mlp._artifact.format import printable  # a newline in a path: still one line
 
-        self.exit(2, f"{self.prog}: error: {printable(message)} (see {self.prog} --help)\n")
+        message = printable(message) + self._closest(message)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _closest(self, message: str) -> str:
+        """``; did you mean X?`` for a mistyped choice or option that ``message`` names."""
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            typed, names = [choice[1]], re.findall(r"'([^']*)'", choice[2])
+        elif message.startswith("unrecognized arguments: "):
+            typed = [a.split("=")[0] for a in message.split()[2:] if a.startswith("--")]
+            names = [name for a in self.options for name in a.option_strings]
+        else:
+            return ""
+        close = [difflib.get_close_matches(t, names, n=1) for t in typed]
+        quote = "'{}'" if choice else "{}"
+        said = [quote.format(c[0]) for c in close if c]
+        return f"; did you mean {' or '.join(said)}?" if said else ""
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         """Every option's help ends with its default, unless it says it or has none."""
@@ -224,7 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # the subcommand's error: its name, its help, its options to suggest
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help and --version
         given = list(sys.argv[1:] if argv is None else argv)
         if e.code == 2 and "--json" in given[1:-1]:  # --json's optional PATH took the artifact
