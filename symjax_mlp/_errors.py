@@ -115,11 +115,12 @@ _TWO_DEVICES = (
 )
 
 
-def two_devices(name: str, error: BaseException) -> ConfigError | None:
-    """The :class:`ConfigError` for JAX's ``ValueError`` on arrays committed to different devices
-    ('Received incompatible devices for jitted computation'); ``None`` for any other error."""
+def refuse_two_devices(name: str, error: BaseException) -> None:
+    """Raises the :class:`ConfigError` for JAX's ``ValueError`` on arrays committed to different
+    devices ('Received incompatible devices for jitted computation'), not after it (``from
+    None``); returns for any other error."""
     found = re.findall(r"device ids \[([\d, ]+)\] on platform (\w+)", str(error))
     if isinstance(error, SymjaxError) or "incompatible devices" not in str(error) or not found[1:]:
-        return None
+        return
     (a, platform), (b, _) = found[:2]
-    return ConfigError(_TWO_DEVICES.format(name=name, a=a, b=b, platform=platform.lower()))
+    raise ConfigError(_TWO_DEVICES.format(name=name, a=a, b=b, platform=platform.lower())) from None

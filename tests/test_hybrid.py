@@ -841,3 +841,8 @@ def test_a_big_endian_array_as_a_fits_file_gives_it_is_refused_naming_the_cast(t
         g(x)
     with pytest.raises(sm.SignatureError, match=r"^<lambda>: params is a NumPy array of dtype >f4"):
         sm.hybridize(lambda p, x: x * p, x)  # its weights, as its first call's jit error
+    np.testing.assert_array_equal(
+        g.apply(2 * x.astype(np.float32), x.astype(np.float32)), 2 * x * x
+    )
+    with pytest.raises(sm.SignatureError, match=r"^<lambda>\.apply: params is a NumPy array"):
+        g.apply(x, x.astype(np.float32))  # was [0., 0., 0.] (after the call above)

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from symjax_mlp._errors import ConfigError, two_devices
+from symjax_mlp._errors import ConfigError, refuse_two_devices
 from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import pure as _pure
@@ -120,8 +120,7 @@ class Hybrid(Staged, NoPickle):
         return jax.jit(program, **options)
 
     def _set(self, **fields: Any) -> None:
-        for k, v in fields.items():
-            object.__setattr__(self, k, v)
+        self.__dict__.update(fields)  # (__setattr__ refuses)
 
     def __setattr__(self, field: str, value: Any) -> None:
         raise AttributeError(_FROZEN.format(name=self.name, field=field))
@@ -231,9 +230,8 @@ class Hybrid(Staged, NoPickle):
                     return self._stateful(e)(*args)
                 except (TypeError, ValueError) as e:  # jit's: an array of str, two devices
                     self._partition(args, {}, self.name)  # (refuses an array of str)
-                    if (error := two_devices(self.name, e)) is None:
-                        raise
-                    raise error from None
+                    refuse_two_devices(self.name, e)
+                    raise
         if not self.compiled:
             return self.eager(*args, **kwargs)
         _args.refuse_abstract(self.name, self.name, args, kwargs)
@@ -335,6 +333,8 @@ class Hybrid(Staged, NoPickle):
         """``(out, new_state)`` of the compiled pure function; nnx objects given written back."""
         static, dyn, dyn_kw = self._partition(args, kwargs, caller)
         variables = given(dyn, dyn_kw, caller)
+        if any(isinstance(a, NDARRAY) and not a.dtype.isnative for a in jax.tree.leaves(params)):
+            _args.flat_params(caller, params, passed=True)  # refused by path (jit read [0., 0.])
         if self._apply is None:  # never donating: params and state are the caller's
             apply = functools.partial(self._traced.run, entry="apply")
             self._set(_apply=self._jit(apply, static_argnums=0))

@@ -20,7 +20,7 @@ from symjax_mlp._errors import (
     RetraceError,
     SignatureError,
     SymjaxError,
-    two_devices,
+    refuse_two_devices,
 )
 from symjax_mlp._hybrid.args import NOT_AN_INPUT, NOT_AN_INPUT_FIX, path_of, rebuild
 from symjax_mlp._specs import TensorSpec, shape_dims
@@ -210,8 +210,7 @@ def symbolic(name: str) -> Iterator[None]:
     except TRACER_ERRORS as e:
         raise control_flow_error(name, e) from e
     except (IndexError, TypeError, ValueError) as e:
-        if (error := two_devices(name, e)) is not None:  # jit's ValueError
-            raise error from None
+        refuse_two_devices(name, e)  # jit's ValueError
         if isinstance(e, SymjaxError) or not isinstance(e, IndexError | TypeError):
             raise
         if kind := _UNTRACEABLE.search(str(e)):
