@@ -393,6 +393,23 @@ def test_run_reads_an_input_from_stdin(tmp_path, capsys, monkeypatch):
     assert "--input -: given 2 times; stdin holds one array" in capsys.readouterr().err
 
 
+def test_run_with_too_many_or_few_inputs_names_the_option(tmp_path, capsys):
+    """Two --input files for a model of one input said 'Call it as m(args[0])', Python the
+    command line has no use for. It counts the --input files against the inputs."""
+    import numpy as np
+
+    art, x = tmp_path / "m", tmp_path / "x.npy"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    np.save(x, np.ones((4, 2), np.float32))
+    capsys.readouterr()
+    run = ["run", str(art), "--input", str(x), "--input", str(x), "--output", "-"]
+    assert main(run) == 2
+    assert capsys.readouterr().err == (
+        "symjax-mlp run: error: 2 --input files, but the artifact takes 1 input, args[0]: "
+        "float32[b, 2]. Pass one --input per input, in order.\n"
+    )
+
+
 def test_run_to_a_stdout_without_a_byte_buffer(tmp_path, capsys, monkeypatch):
     """main() called in-process with sys.stdout a text stream (io.StringIO, a notebook's): --output
     - crashed with an AttributeError traceback ('no attribute buffer'). Now a text stream is

@@ -51,7 +51,14 @@ def run(args: argparse.Namespace) -> None:
         )
     stdin = _binary("--input") if n else None
     model = _args.load_model(args)
-    outputs = model.signature.outputs
+    inputs, outputs = model.signature.inputs, model.signature.outputs
+    if len(args.input) != len(inputs):
+        n, types = len(inputs), ", ".join(f"{i.path}: {i.type}" for i in inputs)
+        raise argparse.ArgumentTypeError(
+            f"{len(args.input)} --input file{'s' if len(args.input) != 1 else ''}, but the "
+            f"artifact takes {n} input{'s' if n != 1 else ''}, {types}. Pass one --input per "
+            "input, in order."
+        )
     if len(paths) > 1 and len(paths) != len(outputs):
         n, types = len(outputs), ", ".join(o.type for o in outputs)
         raise argparse.ArgumentTypeError(
@@ -61,7 +68,7 @@ def run(args: argparse.Namespace) -> None:
         )
     files = [stdin.read() if f == "-" else f for f in args.input]  # type: ignore[union-attr]
     names = ["stdin" if f == "-" else str(f) for f in args.input]
-    out = model(*read_inputs(files, model.signature.inputs, names=names))
+    out = model(*read_inputs(files, inputs, names=names))
     pairs = list(zip(out if len(paths) > 1 else [out], paths, strict=True))
     to_stdout = paths == ["-"]
     if to_stdout:
