@@ -373,9 +373,11 @@ def test_run_writes_exactly_the_output_path_stdout_and_npz(tmp_path, capsys):
     np.testing.assert_array_equal(np.load(io.BytesIO(done.stdout)), y)
 
 
-def test_run_reads_an_input_from_stdin(tmp_path, capsys, monkeypatch):
+def test_run_reads_an_input_from_stdin_and_counts_the_inputs(tmp_path, capsys, monkeypatch):
     """--output - wrote .npy bytes to stdout, but --input - said '-: does not exist; pass a
-    .npy file': a pipe could not feed run. Now '-' reads one .npy array from stdin."""
+    .npy file': a pipe could not feed run. Now '-' reads one .npy array from stdin. And two
+    --input files for a model of one input said 'Call it as m(args[0])', Python the command
+    line has no use for: the --input files are counted against the inputs."""
     import io
 
     import numpy as np
@@ -391,19 +393,8 @@ def test_run_reads_an_input_from_stdin(tmp_path, capsys, monkeypatch):
     assert err.startswith("symjax-mlp run: error: stdin (args[0]) holds float64[4, 2] but")
     assert main(["run", str(art), "--input", "-", "--input", "-", "--output", str(y)]) == 2
     assert "--input -: given 2 times; stdin holds one array" in capsys.readouterr().err
-
-
-def test_run_with_too_many_or_few_inputs_names_the_option(tmp_path, capsys):
-    """Two --input files for a model of one input said 'Call it as m(args[0])', Python the
-    command line has no use for. It counts the --input files against the inputs."""
-    import numpy as np
-
-    art, x = tmp_path / "m", tmp_path / "x.npy"
-    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
-    np.save(x, np.ones((4, 2), np.float32))
-    capsys.readouterr()
-    run = ["run", str(art), "--input", str(x), "--input", str(x), "--output", "-"]
-    assert main(run) == 2
+    np.save(x := tmp_path / "x.npy", np.ones((4, 2), np.float32))
+    assert main(["run", str(art), "--input", str(x), "--input", str(x), "--output", "-"]) == 2
     assert capsys.readouterr().err == (
         "symjax-mlp run: error: 2 --input files, but the artifact takes 1 input, args[0]: "
         "float32[b, 2]. Pass one --input per input, in order.\n"
