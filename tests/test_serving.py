@@ -1427,6 +1427,42 @@ def test_a_lone_requests_answer_costs_the_app_few_python_calls(server):
     assert len(counted) < 40, " ".join(counted)
 
 
+def test_middleware_a_user_adds_sees_every_predict_request(server):
+    """POST /predict skips starlette's own layers, never a user's: an app given an API-key
+    middleware (``app.add_middleware``) must refuse a /predict without the key, as any route."""
+    body = json.dumps({"inputs": rows(1).tolist()}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/predict", "headers": [
+        (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))
+    ], "query_string": b"", "root_path": ""}  # fmt: skip
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    class NeedsKey:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if (b"x-key", b"k") in scope.get("headers", []):
+                return await self.app(scope, receive, send)
+            await send({"type": "http.response.start", "status": 401, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    async def both(app):
+        await app(dict(scope), receive, send)
+        await app({**scope, "headers": [*scope["headers"], (b"x-key", b"k")]}, receive, send)
+
+    with sm.serving.Batcher(server[1], max_batch=4) as b:
+        app = sm.serving.create_app(b, close_batcher=False)
+        app.add_middleware(NeedsKey)
+        asyncio.run(both(app))
+    assert [m["status"] for m in sent if "status" in m] == [401, 200]
+
+
 def test_a_pass_of_many_runs_on_the_loop_where_its_bucket_last_ran_quickly(tmp_path, monkeypatch):
     """A LoadedModel's batch of one loop's requests runs on that loop (no hand-off to the
     batcher's thread and back) once its bucket ran within ON_LOOP_SECONDS; a bucket that ran

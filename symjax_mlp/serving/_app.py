@@ -316,12 +316,14 @@ def create_app(
         if close_batcher:
             await asyncio.get_running_loop().run_in_executor(None, drain, batcher)
 
-    # POST /predict goes straight to its endpoint, past starlette's layers (a Request each, the
-    # middleware, routing); mounted, it is routed, as an ASGI app (a staticmethod: no function)
+    # POST /predict goes straight to its endpoint, past starlette's layers (a Request each, its
+    # middleware, routing), never past a user's (add_middleware); mounted, it is routed, as an
+    # ASGI app (a staticmethod: no function)
     class App(Starlette):
         async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
             ours = scope["type"] == "http" and scope["path"] == "/predict"  # mounted: routed
-            if ours and scope["method"] == "POST" and not scope.get("root_path"):
+            ours = ours and scope["method"] == "POST" and not scope.get("root_path")
+            if ours and not self.user_middleware:
                 return await predict(scope, receive, send)
             await super().__call__(scope, receive, send)
 
