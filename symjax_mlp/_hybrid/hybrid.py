@@ -333,8 +333,8 @@ class Hybrid(Staged, NoPickle):
         """``(out, new_state)`` of the compiled pure function; nnx objects given written back."""
         static, dyn, dyn_kw = self._partition(args, kwargs, caller)
         variables = given(dyn, dyn_kw, caller)
-        if any(isinstance(a, NDARRAY) and not a.dtype.isnative for a in jax.tree.leaves(params)):
-            _args.flat_params(caller, params, passed=True)  # refused by path (jit read [0., 0.])
+        if not all(map(JAX_ARRAYS.__contains__, map(type, jax.tree.leaves(params)))):  # NumPy's
+            _args.flat_params(caller, params, passed=True)  # big-endian refused (jit: [0., 0.])
         if self._apply is None:  # never donating: params and state are the caller's
             apply = functools.partial(self._traced.run, entry="apply")
             self._set(_apply=self._jit(apply, static_argnums=0))
