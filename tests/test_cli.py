@@ -49,7 +49,8 @@ def test_a_typo_names_its_subcommand_and_the_closest_name(capsys):
         "(see symjax-mlp export --help)\n"
     )
     assert main(["exprot", "e"]) == 2
-    assert "(choose from 'tour', " in (err := capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert "(choose from 'tour', " in err
     assert err.endswith("; did you mean 'export'? (see symjax-mlp --help)\n")
     assert main(["graph", "--format", "jaxp"]) == 2
     assert "; did you mean 'jaxpr'? (see symjax-mlp graph --help)" in capsys.readouterr().err
@@ -102,7 +103,11 @@ def test_version_and_help_show_defaults(capsys):
     out = capsys.readouterr().out
     assert "(default: 512)" in out and "(default: summary)" in out
     assert main(["--help"]) == 0
-    assert "``" not in capsys.readouterr().out  # plain text, not reStructuredText
+    out = capsys.readouterr().out
+    assert "``" not in out  # plain text, not reStructuredText
+    # it said "1 a bug (with the traceback)", but verify exits 1 for a failed check, train 75
+    codes = " ".join(out.split("Exit codes:")[1].split("positional arguments")[0].split())
+    assert "1 verify found a difference, or a bug" in codes and "75 train lost" in codes
 
 
 COMMANDS = ("tour", "graph", "export", "inspect", "run", "verify", "bench", "train", "serve")

@@ -1,7 +1,8 @@
 """symjax-mlp (also python -m symjax_mlp): the chapter's hybrid programming from the shell.
 
-Exit codes: 0 ok, 2 a user error (one line, no traceback), 1 a bug (with the traceback),
-130 interrupted.
+Exit codes: 0 ok, 1 verify found a difference, or a bug (with its traceback), 2 a user error
+(one line, no traceback), 75 train lost another process of a --coordinator run, 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def _options_said(message: str, command: _Parser) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the CLI; returns the exit code (0 ok, 2 user error, 1 bug, 130 interrupted)."""
+    """Runs the CLI; returns the exit code, as the module docstring lists them."""
     from symjax_mlp import SymjaxError
     from symjax_mlp._artifact.format import printable
 
