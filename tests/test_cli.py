@@ -119,6 +119,7 @@ def test_each_options_help_says_its_default_once(capsys, command):
     connections at once (503 past it; default: 1000) (default: None)", and to required options."""
     assert main([command, "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # one line: the help's wrapping undone
+    assert not re.search(r"\(default: (None|False|\()", out)  # Python's words, not typed ones
     options = re.split(r" (?=--?[a-z][a-z-]* )", out.split(" options: ", 1)[1])
     assert len(options) > 1, out
     for option in options:

@@ -63,12 +63,15 @@ class _Parser(argparse.ArgumentParser):
         return f"; did you mean {' or '.join(said)}?" if said else ""
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        """Every option's help ends with its default, unless it says it or has none."""
+        """Every option's help ends with its default as typed (256,128,2), unless it says it
+        or has none (a flag's False, an option's None: not given)."""
         action = super().add_argument(*args, **kwargs)
         self.options.append(action)
-        none = action.required or action.default is argparse.SUPPRESS
+        default = action.default
+        none = action.required or any(default is v for v in (argparse.SUPPRESS, None, False))
         if action.option_strings and not none and "default" not in (action.help or ""):
-            action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
+            typed = ",".join(map(str, default)) if isinstance(default, tuple) else "%(default)s"
+            action.help = f"{action.help or ''} (default: {typed})".lstrip()
         return action
 
 
