@@ -44,23 +44,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         from symjax_mlp._artifact.format import printable  # a newline in a path: still one line
 
-        message = printable(message) + self._closest(message)
+        message = printable(message) + _closest(message, self.options)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-    def _closest(self, message: str) -> str:
-        """``; did you mean X?`` for a mistyped choice or option that ``message`` names."""
-        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
-        if choice:
-            typed, names = [choice[1]], re.findall(r"'([^']*)'", choice[2])
-        elif message.startswith("unrecognized arguments: "):
-            typed = [a.split("=")[0] for a in message.split()[2:] if a.startswith("--")]
-            names = [name for a in self.options for name in a.option_strings]
-        else:
-            return ""
-        close = [difflib.get_close_matches(t, names, n=1) for t in typed]
-        quote = "'{}'" if choice else "{}"
-        said = [quote.format(c[0]) for c in close if c]
-        return f"; did you mean {' or '.join(said)}?" if said else ""
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         """Every option's help ends with its default as typed (256,128,2), unless it says it
@@ -73,6 +58,22 @@ class _Parser(argparse.ArgumentParser):
             typed = ",".join(map(str, default)) if isinstance(default, tuple) else "%(default)s"
             action.help = f"{action.help or ''} (default: {typed})".lstrip()
         return action
+
+
+def _closest(message: str, options: list[argparse.Action]) -> str:
+    """``; did you mean X?`` for a mistyped choice, or one of ``options``, that argparse's
+    ``message`` names."""
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if choice:
+        typed, names = [choice[1]], re.findall(r"'([^']*)'", choice[2])
+    elif message.startswith("unrecognized arguments: "):
+        typed = [a.split("=")[0] for a in message.split()[2:] if a.startswith("--")]
+        names = [name for a in options for name in a.option_strings]
+    else:
+        return ""
+    close = [difflib.get_close_matches(t, names, n=1) for t in typed]
+    said = [(f"'{c[0]}'" if choice else c[0]) for c in close if c]
+    return f"; did you mean {' or '.join(said)}?" if said else ""
 
 
 def _run_tour(args: argparse.Namespace) -> None:
