@@ -428,6 +428,10 @@ def test_run_to_a_stdout_without_a_byte_buffer(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdout", io.BytesIO())
     assert main(run) == 0 and "wrote stdout: float32[4, 3]" in capsys.readouterr().err
     assert np.load(io.BytesIO(sys.stdout.getvalue())).shape == (4, 3)
+    # a terminal got the .npy bytes, binary that garbles it (curl refuses the same)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    assert main(run) == 2
+    assert "--output -: stdout is a terminal" in capsys.readouterr().err
 
 
 def test_activation_none_is_the_linear_mlp_the_message_offers(tmp_path, capsys):

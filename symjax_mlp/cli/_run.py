@@ -118,16 +118,15 @@ def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> None:
 def _binary(option: str) -> Any:
     """Where ``--input -`` reads and ``--output -`` writes .npy bytes: stdin's or stdout's byte
     buffer, or the stream itself where it is binary (``io.BytesIO``); refused where it is closed,
-    a terminal to read, or a text stream without one (main() called in-process with
-    ``io.StringIO``, a notebook's)."""
+    a terminal, or a text stream without one (main() called in-process with ``io.StringIO``, a
+    notebook's)."""
     name, does = ("stdin", "give") if option == "--input" else ("stdout", "take")
     stream = sys.stdin if name == "stdin" else _args.stdout(f"{option} -")
     if stream is None:  # the shell closed it (<&-)
         raise argparse.ArgumentTypeError(f"{option} -: stdin is closed; pass a file path")
-    if name == "stdin" and stream.isatty():  # read would wait for the user to type bytes
-        raise argparse.ArgumentTypeError(
-            f"{option} -: stdin is a terminal; pipe the .npy file in (< x.npy) or pass its path"
-        )
+    if stream.isatty():  # stdin would wait for typed bytes, stdout's binary garble the screen
+        fix = "pipe the .npy file in (< x.npy)" if name == "stdin" else "redirect it (> y.npy)"
+        raise argparse.ArgumentTypeError(f"{option} -: {name} is a terminal; {fix} or pass a path")
     binary = stream if isinstance(stream, io.BufferedIOBase | io.RawIOBase) else None
     if (target := getattr(stream, "buffer", binary)) is None:
         raise argparse.ArgumentTypeError(
