@@ -142,10 +142,11 @@ def read_inputs(
     xs = [read_npy(file, what=name) for file, name in zip(files, names, strict=True)]
     for i, (file, x, spec) in enumerate(zip(names, xs, specs, strict=False)):
         x = xs[i] = npy_array(x, spec.dtype)
+        to = "file" if isinstance(files[i], bytes) else f'"{file}"'  # np.save's first argument
         if spec.dtype.startswith("key<"):  # .npy has no key type: the key's data, as run writes
-            xs[i] = _key(file, x, spec)
+            xs[i] = _key(file, x, spec, to)
         elif str(x.dtype) != spec.dtype:
-            fix = f'. Save it as {spec.dtype}: np.save("{file}", x.astype({cast_to(spec.dtype)})).'
+            fix = f". Save it as {spec.dtype}: np.save({to}, x.astype({cast_to(spec.dtype)}))."
             if held := out_of_range(x, spec.dtype):
                 fix = f": it {held}. Save values in range."
             raise SignatureError(
@@ -155,9 +156,9 @@ def read_inputs(
     return xs
 
 
-def _key(file: Any, x: np.ndarray, spec: TensorSpec) -> Any:
+def _key(file: Any, x: np.ndarray, spec: TensorSpec, to: str) -> Any:
     """The rng keys whose data ``x`` holds (``jax.random.key_data``'s uint32, a last axis of
-    the impl's size), or a ``SignatureError`` saying how to write them."""
+    the impl's size), or a ``SignatureError`` saying how to write them (to ``to``)."""
     import jax
 
     impl = KEY_IMPLS.get(spec.dtype)
@@ -167,7 +168,7 @@ def _key(file: Any, x: np.ndarray, spec: TensorSpec) -> Any:
     raise SignatureError(
         f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact expects "
         f"{spec.type}, rng keys, which .npy stores as their data: uint32 with a last axis of "
-        f'{size.shape[0]}. Save the keys\' data: np.save("{file}", jax.random.key_data(keys)).'
+        f"{size.shape[0]}. Save the keys' data: np.save({to}, jax.random.key_data(keys))."
     )
 
 

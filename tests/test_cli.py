@@ -397,6 +397,7 @@ def test_run_reads_an_input_from_stdin_and_counts_the_inputs(tmp_path, capsys, m
     assert np.load(y).shape == (4, 3)
     err = capsys.readouterr().err
     assert err.startswith("symjax-mlp run: error: stdin (args[0]) holds float64[4, 2] but")
+    assert "np.save(file, x.astype(np.float32))" in err  # not np.save("stdin", ...)
     assert main(["run", str(art), "--input", "-", "--input", "-", "--output", str(y)]) == 2
     assert "--input -: given 2 times; stdin holds one array" in capsys.readouterr().err
     np.save(x := tmp_path / "x.npy", np.ones((4, 2), np.float32))
