@@ -52,6 +52,9 @@ def test_a_typo_names_its_subcommand_and_the_closest_name(capsys):
     err = capsys.readouterr().err
     assert "(choose from 'tour', " in err
     assert err.endswith("; did you mean 'export'? (see symjax-mlp --help)\n")
+    assert main(["run", "m", "--inptu", "x.npy", "--output", "y.npy"]) == 2
+    err = capsys.readouterr().err  # argparse's message: --input is missing
+    assert "required: --input; --inptu is no option: did you mean --input? (see" in err
     assert main(["graph", "--format", "jaxp"]) == 2
     assert "; did you mean 'jaxpr'? (see symjax-mlp graph --help)" in capsys.readouterr().err
 

@@ -39,12 +39,17 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.options: list[argparse.Action] = []  # before argparse's own add_argument("-h")
         self.commands: dict[str, Any] = {}
+        self.given: list[str] = []  # the arguments parsed last, for error() to look into
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         from symjax_mlp._artifact.format import printable  # a newline in a path: still one line
 
-        message = printable(message) + _closest(message, self.options)
+        message = printable(message) + _closest(message, self.options, self.given)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
@@ -60,19 +65,23 @@ class _Parser(argparse.ArgumentParser):
         return action
 
 
-def _closest(message: str, options: list[argparse.Action]) -> str:
+def _closest(message: str, options: list[argparse.Action], given: list[str]) -> str:
     """``; did you mean X?`` for a mistyped choice, or one of ``options``, that argparse's
-    ``message`` names."""
+    ``message`` names, or that left a required option out (``--inptu``, among ``given``)."""
     choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    required = message.startswith("the following arguments are required: ")
     if choice:
         typed, names = [choice[1]], re.findall(r"'([^']*)'", choice[2])
-    elif message.startswith("unrecognized arguments: "):
-        typed = [a.split("=")[0] for a in message.split()[2:] if a.startswith("--")]
+    elif required or message.startswith("unrecognized arguments: "):
         names = [name for a in options for name in a.option_strings]
+        words = [w.split("=")[0] for w in (given if required else message.split()[2:])]
+        typed = [w for w in words if w[:2] == "--" and not any(n.startswith(w) for n in names)]
     else:
         return ""
-    close = [difflib.get_close_matches(t, names, n=1) for t in typed]
-    said = [(f"'{c[0]}'" if choice else c[0]) for c in close if c]
+    close = [(t, difflib.get_close_matches(t, names, n=1)) for t in typed]
+    said = [(f"'{c[0]}'" if choice else c[0]) for _, c in close if c]
+    if required and said:  # the message names what is missing, not what was typed
+        return "; " + "; ".join(f"{t} is no option: did you mean {c[0]}?" for t, c in close if c)
     return f"; did you mean {' or '.join(said)}?" if said else ""
 
 
