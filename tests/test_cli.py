@@ -627,8 +627,8 @@ def test_run_refuses_several_outputs_for_one_npy(tmp_path, capsys):
     assert f"the model returns 2 arrays, but {tmp_path / 'y.npy'} is one .npy array" in err
     assert not (tmp_path / "y.npy").exists() and "Traceback" not in err
     assert main([*run, str(tmp_path / "y.npz")]) == 0
-    got = np.load(tmp_path / "y.npz")
-    np.testing.assert_array_equal(got["out1"], np.full((2, 4), 3.0))
+    with np.load(tmp_path / "y.npz") as got:  # closed: a later test's gc warned of it, failing
+        np.testing.assert_array_equal(got["out1"], np.full((2, 4), 3.0))
 
 
 def test_run_writes_every_output_path_or_none(tmp_path, capsys, monkeypatch):
