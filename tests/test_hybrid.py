@@ -846,3 +846,12 @@ def test_a_big_endian_array_as_a_fits_file_gives_it_is_refused_naming_the_cast(t
     )
     with pytest.raises(sm.SignatureError, match=r"^<lambda>\.apply: params is a NumPy array"):
         g.apply(x, x.astype(np.float32))  # was [0., 0., 0.] (after the call above)
+
+
+def test_a_list_input_is_told_to_pass_that_input_as_an_array_not_all_the_args():
+    # the fix said "Pass jnp.asarray(args)" (the path cut at its first '['): all the inputs
+    h = sm.hybridize(lambda p, x, y=None: x * p, jnp.float32(2))
+    with pytest.raises(sm.SignatureError, match=r"Pass jnp\.asarray\(args\[0\]\), or a tuple"):
+        h([[1.0, 2.0]])
+    with pytest.raises(sm.SignatureError, match=r"Pass tuple\(kwargs\['y'\]\) to trace it"):
+        h(jnp.ones(2), y=[jnp.ones(2)])

@@ -296,11 +296,11 @@ def _holds_arrays(value: Any) -> bool:
 
 
 def _list_error(caller: str, path: str, value: list) -> Exception:
-    name, holding = path.split("[")[0], " holding arrays" if _holds_arrays(value) else ""
-    fix = f"Pass jnp.asarray({name}), or a tuple if it is a setting."
-    if holding:
+    holding, fix = "", f"Pass jnp.asarray({path}), or a tuple if it is a setting."
+    if _holds_arrays(value):
+        holding = " holding arrays"
         fix = (
-            f"Pass tuple({name}) to trace it as one pytree of arrays (a list of (W, b) pairs "
+            f"Pass tuple({path}) to trace it as one pytree of arrays (a list of (W, b) pairs "
             "too), or pass it as the params: sm.hybridize(fn, params)."
         )
     return SignatureError(
