@@ -282,6 +282,8 @@ def timeit(
         args = _inputs(model, args, batch)
     elif not args and not any(isinstance(v, _ARRAYS) for v in jax.tree.leaves(dict(kwargs))):
         raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
+    else:  # refused as its call refuses them (a str array), before device_put meets them
+        model._partition(args, dict(kwargs), f"timeit({name})")
     stateful = not loaded and model.stateful  # timed on a copy: its own state stays as it was
     timed = model.replace(state=model.state) if stateful else model
     said = _JIT_STATE if stateful else _IREE if loaded and model.runtime != "jax" else _JIT

@@ -121,6 +121,12 @@ def test_what_it_cannot_time_is_refused_with_the_fix(hybrid):
         t.over_compiled("compiled_synced")
 
 
+def test_inputs_a_hybrid_refuses_are_refused_before_any_timing(hybrid):
+    h, _ = hybrid  # was JAX's raw TypeError from device_put
+    with pytest.raises(sm.SignatureError, match=r"timeit\(tiny\): input args\[0\] .*<U1.*astype"):
+        sm.timeit(h, np.array([["a"]]), calls=1, repeats=1, warmup=1)
+
+
 def test_numpy_and_jax_integer_counts_are_their_ints(hybrid, tmp_path):
     """timeit(h, x, calls=np.int64(3)) was refused: 'must be >= 1; got calls=np.int64(3)';
     a NumPy bool is still refused."""
