@@ -653,6 +653,17 @@ def test_none_given_to_a_loaded_model_is_named_none_not_a_nonetype(loaded):
         m(None)
 
 
+def test_an_object_given_to_a_loaded_model_is_an_object_with_what_to_pass(loaded):
+    # the message read "input args[0] is a object"
+    for given, kind in ((object(), "an object"), (..., "an ellipsis"), (b"x", "a bytes")):
+        with pytest.raises(
+            sm.SignatureError,
+            match=rf"input args\[0\] is {kind}, not a NumPy or JAX array; the artifact expects "
+            r"float32\[b, 5\]\. Pass a np\.ndarray or jax\.Array\.$",
+        ):
+            loaded(given)
+
+
 def test_values_beyond_an_inputs_dtype_are_told_so_at_load_batcher_and_run(tmp_path, capsys):
     """m([[10**40, 1]]) of a float32 artifact (np.array([[1e300]]) too, -1 for a uint8 input)
     was told to cast it, x.astype(np.float32), which makes inf (or wraps): each entry point
