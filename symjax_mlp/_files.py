@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from symjax_mlp._errors import SymjaxError
+from symjax_mlp._errors import ConfigError, SymjaxError
 
 MANIFEST = "manifest.json"
 CHUNK = 1 << 20
@@ -228,7 +228,7 @@ def write_file_atomic(file: Path, data: bytes) -> None:
 def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
     """Writes each ``(file, data)`` a user asked for (links followed): files through temporary
     siblings replaced once all are written, devices and FIFOs directly, last. Raises
-    :class:`SymjaxError` naming the path and the system's reason."""
+    :class:`ConfigError` naming the path and the system's reason."""
     staged, special, file, done = [], [], None, []
     try:
         for file, data in items:
@@ -249,7 +249,7 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
         kept = "" if special else f"; what each {'other ' if done else ''}path held is unchanged"
         wrote = f"; written already: {', '.join(done)}" if done else ""
         full = e.errno in (errno.ENOSPC, errno.EDQUOT)  # else: a directory there, no access
-        raise SymjaxError(
+        raise ConfigError(
             f"cannot write {os.fspath(file)} ({e.strerror or e}){wrote}{kept}. "
             + ("Free space there, or pass another path." if full else "Pass another path.")
         ) from None

@@ -75,6 +75,19 @@ def test_errors_form_one_hierarchy():
     assert {e.__module__ for e in errors} == {"symjax_mlp._errors"}
 
 
+def test_an_unwritable_output_is_a_config_error_and_none_is_raised_as_the_base_class(tmp_path):
+    """'cannot write DIR' was a bare SymjaxError, which no except clause but the base caught."""
+    from pathlib import Path
+
+    from symjax_mlp._files import write_output
+
+    with pytest.raises(sm.ConfigError, match=r"cannot write .* Pass another path\.$"):
+        write_output((tmp_path, b"{}"))
+    package = Path(sm.__file__).parent
+    bare = [f.name for f in package.rglob("*.py") if "raise SymjaxError(" in f.read_text()]
+    assert bare == []
+
+
 @pytest.mark.parametrize("namespace", sorted(PUBLIC))
 def test_public_callables_are_documented_and_typed(namespace):
     module = importlib.import_module(namespace)
