@@ -1252,3 +1252,16 @@ def test_data_that_stops_early_or_cannot_be_read_is_a_data_error(tiny):
                        "the file went away\\)") as e:  # fmt: skip
         sm.training.train(sm.mlp((8, 10)), unreadable, epochs=1, batch_size=8)
     assert isinstance(e.value.__cause__, RuntimeError)
+
+
+def test_a_working_directory_this_user_cannot_write_is_quoted(tmp_path, monkeypatch):
+    """``save_checkpoint("ckpt", ...)`` in a read-only working directory said "this user may
+    not write to .." (the parent's '.', then the sentence's): it reads as the parent, ``..``."""
+    access = os.access
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: str(p) != "." and access(p, mode, **k))
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.save_checkpoint("ckpt", _state())
+    assert "may not write to '.' (the working directory)" in str(e.value), str(e.value)
+    assert "make it writable, or pass a path this user may write" in str(e.value)
+    assert not (tmp_path / "ckpt").exists()

@@ -72,7 +72,11 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
         what = "is" if probe == path else f"is below {probe}, which is"
         raise refuse(f"{directory} {what} a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise refuse(f"{directory} cannot be written: this user may not write to {probe}")
+        where = " (the working directory)" if probe == Path(".") else ""
+        raise refuse(
+            f"{directory} cannot be written: this user may not write to '{probe}'{where}; make "
+            "it writable, or pass a path this user may write"
+        )
     if probe == path and not os.access(path, os.R_OK):  # its checkpoints could not be listed
         raise refuse(f"{directory} cannot be read: this user may not list what it holds")
     if probe == path and os.path.lexists(path / MANIFEST):  # step_* written inside a checkpoint
