@@ -712,3 +712,17 @@ def test_other_weights_load_without_reading_the_artifacts_own(mlp, loaded, tmp_p
     chex.assert_trees_all_close(sm.load(path, params=tmp_path / "w.safetensors")(x), m(x))
     with pytest.raises(sm.ArtifactError, match=r"params\.safetensors is missing"):
         sm.load(path)  # its own weights: read and checked
+
+
+def test_a_file_inside_an_artifact_names_its_directory_to_pass(mlp, capsys, monkeypatch):
+    """``symjax-mlp inspect chapter_mlp/manifest.json`` said "is a file, not an artifact
+    directory" and left the user to guess which directory that is."""
+    from symjax_mlp.cli import main
+
+    art = mlp[2]
+    assert main(["inspect", str(art.path / "manifest.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"is a file, not an artifact directory. Pass its directory, {art.path}.\n" in err
+    monkeypatch.chdir(art.path)
+    with pytest.raises(sm.ArtifactError, match=r"Pass its directory, '\.' \(the working dir"):
+        sm.load("params.safetensors")

@@ -58,9 +58,13 @@ def read_manifest(path: Path) -> dict[str, Any]:
     looked_up(path)
     if not path.is_dir():
         what = "is a file, not an artifact directory" if path.exists() else "does not exist"
+        fix = "the directory written by symjax_mlp.export"
         if path.is_symlink() and not path.exists():
             what = "is a symbolic link that leads to no directory (a loop, or a missing target)"
-        raise ArtifactError(f"{path} {what}. Pass the directory written by symjax_mlp.export.")
+        elif path.exists() and (path.parent / MANIFEST).is_file():  # chapter_mlp/manifest.json
+            at = "'.' (the working directory)" if path.parent == Path(".") else path.parent
+            fix = f"its directory, {at}"
+        raise ArtifactError(f"{path} {what}. Pass {fix}.")
     file = path / MANIFEST
     try:
         data = read_regular(file, limit=MAX_MANIFEST_BYTES, error=ArtifactError)
@@ -191,12 +195,7 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
 _TENSORS = "a list of {path, shape, dtype} (each dimension a size below 2**63, or a name)"
 
 
-class _Missing:
-    def __repr__(self) -> str:
-        return "(missing)"
-
-
-_MISSING = _Missing()
+_MISSING = type("_Missing", (), {"__repr__": lambda self: "(missing)"})()
 
 
 def _program_rules(m: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, Any, str]]:
