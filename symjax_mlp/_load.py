@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -100,32 +101,33 @@ def load(
       >>> m(x).shape, str(m.signature)
       ((1, 2), '(args[0]: float32[b, 3]) -> float32[b, 2]  with b >= 1')
     """
+    path = artifact_path("load", path)  # else pathlib's TypeError, os.stat's ValueError
+    call = f'symjax_mlp.load("{path}"'  # each refusal below: the call, then the option given
     if runtime not in RUNTIMES:
-        raise ConfigError(f"load(runtime={runtime!r}): expected one of {RUNTIMES}.")
+        raise ConfigError(f"{call}, runtime={runtime!r}): expected 'jax' or 'iree'; pass one.")
     params_as_constants, trust, self_test = map(as_bool, (params_as_constants, trust, self_test))
     for option, value in (("params_as_constants", params_as_constants), ("trust", trust),
                           ("self_test", self_test)):  # fmt: skip
         if not isinstance(value, bool):  # trust="no" would skip every check; 1 == True too
-            raise ConfigError(f"load({option}={value!r}): expected True or False.")
+            raise ConfigError(f"{call}, {option}={value!r}): expected True or False; pass one.")
     if params_as_constants and runtime != "jax":
         raise ConfigError(
-            f"load(runtime={runtime!r}, params_as_constants=True): only the JAX runtime compiles "
-            "the weights into its programs. Drop params_as_constants, or use runtime='jax'."
+            f"{call}, runtime={runtime!r}, params_as_constants=True): only the JAX runtime "
+            "compiles the weights into its programs. Drop params_as_constants, or runtime='jax'."
         )
     allowed = ops.normalize_allow(allow)
-    path = artifact_path("load", path)  # else pathlib's TypeError, os.stat's ValueError
     tree = isinstance(params, Mapping | list | tuple) or hasattr(params, "shape")
     if not (params is None or tree or isinstance(params, str | os.PathLike)):
         kind = type(params).__name__  # else a mismatch: "extra: params: int32[]"
         raise ConfigError(
-            f'symjax_mlp.load("{path}", params={params!r}): got a{"n" * (kind[0] in "aeiou")} '
+            f"{call}, params={params!r}): got a{'n' * (kind[0] in 'aeiou')} "
             f"{kind}; params= takes a .safetensors file (a str or pathlib.Path, e.g. another "
             "export's params.safetensors) or a params tree of arrays (as h.params or m.params "
             "give it). Pass one, or leave params out for the artifact's own weights."
         )
     if not os.path.exists(path) and (file := next((p for p in path.parents if p.is_file()), None)):
         raise ArtifactError(
-            f'symjax_mlp.load("{path}"): {file} is a file, not a directory, so there is no '
+            f"{call}): {file} is a file, not a directory, so there is no "
             "artifact below it. Pass the directory written by symjax_mlp.export."
         )
     unchanged = None
@@ -157,7 +159,7 @@ def load(
         found, source = blobs[PARAMS], path / PARAMS
     elif isinstance(params, (str, os.PathLike)):
         source = Path(os.path.realpath(params))  # the caller's own path: its links followed
-        call = f'symjax_mlp.load("{path}", params={str(params)!r})'  # heads what is wrong
+        call = f"{call}, params={str(params)!r})"  # heads what is wrong
         try:
             found = read_safetensors_file(source)[0]
         except FileNotFoundError:
@@ -166,7 +168,7 @@ def load(
             raise ArtifactError(f"{call}: {e}") from None
         source = f"{call}: {source}"
     else:
-        source = f'symjax_mlp.load("{path}", params=...)'
+        source = f"{call}, params=...)"
         specs, arrays = param_specs(_nested(params), caller=source)
         found = {s.path: a for s, a in zip(specs, arrays, strict=True)}
     expected = [TensorSpec.from_json(p) for p in manifest["params"]]
@@ -236,7 +238,7 @@ class _Opener:
             self.weights = weights  # on device for JAX: every entry point runs on these
             blobs.pop(PARAMS, None)
         if options["mesh"] is not None:
-            run = _under(options["mesh"], run)
+            run = functools.partial(_under, options["mesh"], run)
         model = LoadedModel(path, freeze(view), self.runtime, weights, run, self)
         model.params_as_constants = options["constants"]
         model.allowed = None if options["trust"] else frozenset(options["allowed"])
@@ -328,7 +330,8 @@ def _check_mesh(path: Path, manifest: Any, mesh: Mesh | None) -> Mesh | None:
         return None
     need = int(manifest["nr_devices"])
     if not isinstance(mesh, Mesh):
-        raise ConfigError(f"load(mesh=...) expects a jax.sharding.Mesh; got {type(mesh).__name__}.")
+        raise ConfigError(f'symjax_mlp.load("{path}", mesh=...): got {mesh!r:.80}; '
+                          f"pass a jax.sharding.Mesh of {need} device(s).")  # fmt: skip
     if mesh.size != need:
         raise ArtifactError(
             f'symjax_mlp.load("{path}"): the artifact was exported for {need} device(s), but '
@@ -373,12 +376,9 @@ def _check_x64(path: Path, manifest: Any) -> None:
         )
 
 
-def _under(mesh: Mesh, run: Callable[[list[Any]], list[Any]]) -> Callable[..., list[Any]]:
-    def run_on_mesh(inputs: list[Any]) -> list[Any]:
-        with jax.set_mesh(mesh):
-            return run(inputs)
-
-    return run_on_mesh
+def _under(mesh: Mesh, run: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> list[Any]:
+    with jax.set_mesh(mesh):
+        return run(inputs)
 
 
 def _warn_if_expiring(path: Path, manifest: Any) -> None:

@@ -664,6 +664,21 @@ def test_an_object_given_to_a_loaded_model_is_an_object_with_what_to_pass(loaded
             loaded(given)
 
 
+def test_loads_option_refusals_name_the_call_and_the_path(mlp):
+    # they read "load(runtime='foo'): expected one of ('jax', 'iree')." with no path
+    path = mlp[2].path
+    for options, says in (
+        ({"runtime": "foo"}, r"runtime='foo'\): expected 'jax' or 'iree'; pass one\.$"),
+        ({"trust": "no"}, r"trust='no'\): expected True or False; pass one\.$"),
+        ({"runtime": "iree", "params_as_constants": True}, r"runtime='iree', params_as_const"),
+        ({"mesh": 3}, r"mesh=\.\.\.\): got 3; pass a jax\.sharding\.Mesh of 1 device"),
+    ):
+        with pytest.raises(
+            sm.ConfigError, match=rf'^symjax_mlp\.load\("{re.escape(str(path))}", {says}'
+        ):
+            sm.load(path, **options)
+
+
 def test_values_beyond_an_inputs_dtype_are_told_so_at_load_batcher_and_run(tmp_path, capsys):
     """m([[10**40, 1]]) of a float32 artifact (np.array([[1e300]]) too, -1 for a uint8 input)
     was told to cast it, x.astype(np.float32), which makes inf (or wraps): each entry point
@@ -726,3 +741,22 @@ def test_a_file_inside_an_artifact_names_its_directory_to_pass(mlp, capsys, monk
     monkeypatch.chdir(art.path)
     with pytest.raises(sm.ArtifactError, match=r"Pass its directory, '\.' \(the working dir"):
         sm.load("params.safetensors")
+
+
+def test_a_path_of_bytes_the_locale_cannot_decode_is_shown_as_utf8_or_byte_escapes(capsys):
+    """Under LC_ALL=C (PYTHONUTF8=0) os.fsdecode gives chapter_ü as "chapter_\\udcc3\\udcbc",
+    and messages showed those escapes of lone surrogates, which no user recognises or types."""
+    from symjax_mlp._artifact.format import printable
+    from symjax_mlp.cli import main
+
+    cases = {
+        "chapter_\udcc3\udcbc": "chapter_ü",  # UTF-8 bytes: their text
+        "caf\udce9/m": "caf\\xe9/m",  # not UTF-8 (Latin-1): the bytes, escaped
+        "\udce2\udc80\udcae\udcc2\udc9b\udcc3": "\\u202e\\x9b\\xc3",  # decoded, still escaped
+        "\ud800 \x1b[2J é": "\\ud800 \\x1b[2J é",  # not from bytes, and terminal escapes: as before
+    }
+    for given, shown in cases.items():
+        assert printable(given) == shown and shown.encode("utf-8"), given
+    assert main(["inspect", "chapter_\udcc3\udcbc"]) == 2
+    err = capsys.readouterr().err
+    assert "error: chapter_ü does not exist." in err and "\\udc" not in err, err
