@@ -743,7 +743,9 @@ def test_a_file_inside_an_artifact_names_its_directory_to_pass(mlp, capsys, monk
         sm.load("params.safetensors")
 
 
-def test_a_path_of_bytes_the_locale_cannot_decode_is_shown_as_utf8_or_byte_escapes(capsys):
+def test_a_path_of_bytes_the_locale_cannot_decode_is_shown_as_utf8_or_byte_escapes(
+    tmp_path, capsys
+):
     """Under LC_ALL=C (PYTHONUTF8=0) os.fsdecode gives chapter_ü as "chapter_\\udcc3\\udcbc",
     and messages showed those escapes of lone surrogates, which no user recognises or types."""
     from symjax_mlp._artifact.format import printable
@@ -760,3 +762,10 @@ def test_a_path_of_bytes_the_locale_cannot_decode_is_shown_as_utf8_or_byte_escap
     assert main(["inspect", "chapter_\udcc3\udcbc"]) == 2
     err = capsys.readouterr().err
     assert "error: chapter_ü does not exist." in err and "\\udc" not in err, err
+    art = tmp_path / "chapter_ü"
+    art.mkdir()
+    (art / "manifest.json").write_text("{}")
+    with pytest.raises(sm.ArtifactError) as e:  # its own path too, not only the CLI's argv
+        sm.load(tmp_path / "chapter_\udcc3\udcbc" / "manifest.json")
+    said = f"{art}/manifest.json is a file, not an artifact directory. Pass its directory, {art}."
+    assert str(e.value) == said

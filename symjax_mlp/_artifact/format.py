@@ -34,6 +34,7 @@ MAX_VJP_ORDER = 8  # orders of gradients an artifact may carry (each doubles its
 MAX_DEPTH = 32  # JSON nesting of a manifest; json.loads reads deeper than Python recursion
 VALUES_PER_TENSOR = 64  # JSON values a manifest or safetensors header may have per tensor
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_UNDECODED = re.compile("[\udc80-\udcff]+")  # os.fsdecode's stand-ins for bytes not decoded
 NEEDS = frozenset({  # what "needs" may name: ops computing tensors from tensors, and loops
     "while", "convolution", "reduce_window", "select_and_scatter", "gather", "scatter", "sort",
     "dynamic_slice", "dynamic_update_slice", "real_dynamic_slice", "dynamic_pad", "map", "fft",
@@ -62,9 +63,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
         if path.is_symlink() and not path.exists():
             what = "is a symbolic link that leads to no directory (a loop, or a missing target)"
         elif path.exists() and (path.parent / MANIFEST).is_file():  # chapter_mlp/manifest.json
-            at = "'.' (the working directory)" if path.parent == Path(".") else path.parent
-            fix = f"its directory, {at}"
-        raise ArtifactError(f"{path} {what}. Pass {fix}.")
+            at = "'.' (the working directory)" if path.parent == Path(".") else str(path.parent)
+            fix = f"its directory, {printable(at)}"
+        raise ArtifactError(f"{printable(str(path))} {what}. Pass {fix}.")
     file = path / MANIFEST
     try:
         data = read_regular(file, limit=MAX_MANIFEST_BYTES, error=ArtifactError)
@@ -307,9 +308,11 @@ def show(value: Any) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` with what a terminal could act on (``\\x1b``, ``\\u202e``) as ``repr`` escapes."""
+    """``text`` with what a terminal could act on (``\\x1b``, ``\\u202e``) as ``repr`` escapes;
+    bytes a path's locale could not decode (``\\udcc3\\udcbc``) as UTF-8 (``ü``) or ``\\xe9``."""
     if text.isprintable():
         return text
+    text = _UNDECODED.sub(lambda m: os.fsencode(m[0]).decode(errors="backslashreplace"), text)
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
@@ -361,9 +364,7 @@ def program_file(view: Mapping[str, Any], role: str) -> str | None:
     """The file an entry point keeps as ``role`` (``model.jaxexport``, ...): the role itself
     for the default entry point and shared files; ``None`` where it has none (a self-test)."""
     files = view.get("program_files")
-    if files is None or role not in _ENTRY_ROLES:
-        return role
-    return files.get(role)
+    return role if files is None or role not in _ENTRY_ROLES else files.get(role)
 
 
 def entry_files(name: str) -> dict[str, str]:
