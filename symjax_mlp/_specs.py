@@ -141,6 +141,22 @@ def unfit_array(caller: str, path: str, x: Any) -> SignatureError | None:
     )
 
 
+_FOREIGN = (
+    "{caller}: {path} is a {kind}, another library's array, which a compiled JAX call cannot "
+    "take. Convert it: np.asarray({path}) ({path}.detach().cpu().numpy() for a torch tensor on a "
+    "GPU or that requires grad), or jax.dlpack.from_dlpack({path}), which shares its memory."
+)
+
+
+def foreign_array(caller: str, path: str, x: Any) -> ConfigError | None:
+    """The :class:`~symjax_mlp.ConfigError` for ``x`` at ``path`` if, no JAX or NumPy array,
+    it has a shape and dtype: another library's (torch's, TensorFlow's), which jit cannot take."""
+    if isinstance(x, type) or not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return None  # (a type: np.float32 has both, as descriptors)
+    kind = f"{type(x).__module__}.{type(x).__qualname__}"
+    return ConfigError(_FOREIGN.format(caller=caller, path=path, kind=kind))
+
+
 def cast_to(dtype: str) -> str:
     """``dtype`` as a cast names it: ``np.float32``, ``jnp.bfloat16`` (ml_dtypes'). Looked up,
     never ``getattr(np, ...)``: a stranger's manifest may name ``object`` (NumPy warns)."""

@@ -127,6 +127,25 @@ def test_inputs_a_hybrid_refuses_are_refused_before_any_timing(hybrid):
         sm.timeit(h, np.array([["a"]]), calls=1, repeats=1, warmup=1)
 
 
+def test_another_librarys_array_is_named_with_its_conversion(hybrid):
+    """h(torch_tensor) said 'an input (or a leaf of a tuple/dict input) is of type
+    torch.Tensor', no path, and offered jnp.asarray(list(...)) for a generator."""
+
+    class Tensor:  # as jit meets torch's: a shape and a dtype, no __jax_array__
+        __module__, __qualname__, shape, dtype = "torch", "Tensor", (1, 4), np.dtype(np.float32)
+
+    h, x = hybrid
+    for call, args, at in (
+        (h, (Tensor(),), r"tiny: args\[0\]"),
+        (h, ((x, Tensor()),), r"tiny: args\[0\]\[1\]"),
+        (lambda *a: sm.timeit(h, *a, calls=1, repeats=1, warmup=1), (Tensor(),), "timeit"),
+    ):
+        with pytest.raises(sm.ConfigError, match=rf"{at}.* is a torch\.Tensor, .*np\.asarray\("):
+            call(*args)
+    with pytest.raises(sm.ConfigError, match=r"jax\.dlpack\.from_dlpack\(args\[0\]\)"):
+        h(Tensor())
+
+
 def test_numpy_and_jax_integer_counts_are_their_ints(hybrid, tmp_path):
     """timeit(h, x, calls=np.int64(3)) was refused: 'must be >= 1; got calls=np.int64(3)';
     a NumPy bool is still refused."""

@@ -15,11 +15,13 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, as_bool, as_int
-from symjax_mlp._specs import MASKED_INPUT, array_types, unfit_array
+from symjax_mlp._specs import MASKED_INPUT, array_types, foreign_array, unfit_array
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 ARRAYS = array_types()  # what a hot path takes as it is
 JAX_ARRAYS, NDARRAY = ARRAYS - {np.ndarray}, np.ndarray  # (a NumPy array's byte order read)
+_TRACEABLE = (bool, int, float, complex, np.ndarray, np.generic, jax.Array, jax.ShapeDtypeStruct)
+_NANS: dict[Any, Any] = {}  # the first NaN of each repr and kind seen (_settled's)
 
 
 def is_static(value: Any) -> bool:
@@ -124,6 +126,8 @@ def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> 
                 continue
             raise ConfigError(_EQX_INPUT.format(caller=caller, path=at, kind=type(leaf).__name__))
         if is_own(leaf) or not _traceable(leaf):
+            if not is_own(leaf) and (error := foreign_array(caller, at, leaf)):  # torch's
+                raise error
             what, fix = f"of type {type(leaf).__name__}", NOT_AN_INPUT_FIX
             if is_own(leaf):  # own: the Hybrid, then its model
                 what = "the Hybrid itself" if leaf is own[0] else f"the model, {what}"
@@ -175,9 +179,8 @@ def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any
 
 
 def _traceable(leaf: Any) -> bool:
-    """An array (or a spec of one: shape and dtype) or a Python number: what jit traces."""
-    number = isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__jax_array__")
-    return number or (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+    """What jit traces: a JAX or NumPy array (or its spec), a number, a ``__jax_array__``."""
+    return isinstance(leaf, _TRACEABLE) or hasattr(leaf, "__jax_array__")
 
 
 _EQX_INPUT = (
@@ -223,9 +226,6 @@ def _kind(v: Any) -> Any:
     if type(v) is complex:
         return complex, math.copysign(1.0, v.real), math.copysign(1.0, v.imag)
     return (tuple, tuple(map(_kind, v))) if type(v) is tuple else type(v)
-
-
-_NANS: dict[Any, Any] = {}
 
 
 def _settled(v: Any) -> Any:
