@@ -18,6 +18,7 @@ from symjax_mlp._artifact.format import JAXEXPORT, program_file
 from symjax_mlp._artifact.signature import sizes_at
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_int
 from symjax_mlp._files import read_regular
+from symjax_mlp._hybrid.args import partition
 from symjax_mlp._npy import draw
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
@@ -283,7 +284,8 @@ def timeit(
     elif not args and not any(isinstance(v, _ARRAYS) for v in jax.tree.leaves(dict(kwargs))):
         raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
     else:  # refused as its call refuses them (a str array), before device_put meets them
-        model._partition(args, dict(kwargs), f"timeit({name})")
+        nums, names = model.static_argnums, model.static_argnames
+        partition(args, dict(kwargs), nums, names, caller=f"timeit({name})", own=(model,))
     stateful = not loaded and model.stateful  # timed on a copy: its own state stays as it was
     timed = model.replace(state=model.state) if stateful else model
     said = _JIT_STATE if stateful else _IREE if loaded and model.runtime != "jax" else _JIT
