@@ -1339,24 +1339,31 @@ def test_http_predict_with_json_and_npy_bodies(server):
     assert got.dtype == np.float32
 
 
+def _asgi_post(x):
+    """A JSON ``POST /predict`` of ``x`` as an ASGI server hands it to the app: ``(scope,
+    receive, send, sent)``, ``sent`` the messages the app sends."""
+    body = json.dumps({"inputs": x.tolist()}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/predict", "headers": [
+        (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))
+    ], "query_string": b"", "root_path": ""}  # fmt: skip
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    return scope, receive, send, sent
+
+
 def test_the_app_answers_a_lone_request_from_its_pass_and_merges_a_pass_of_many(tmp_path):
     """In process, through the ASGI app: a lone request runs on the loop when its pass ends
     (its answer, headers and counts as any), and requests arriving in one pass still merge."""
     m = sm.load(sm.chapter.export_mlp(tmp_path / "mlp").path)
 
     async def post(app, x):
-        body = json.dumps({"inputs": x.tolist()}).encode()
-        scope = {"type": "http", "method": "POST", "path": "/predict", "headers": [
-            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))
-        ], "query_string": b"", "root_path": ""}  # fmt: skip
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-
+        scope, receive, send, sent = _asgi_post(x)
         await app(scope, receive, send)
         return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
 
@@ -1394,19 +1401,10 @@ def test_a_lone_requests_answer_costs_the_app_few_python_calls(server):
     Request: POST /predict now goes to its endpoint past them (a mounted app's is routed)."""
     import starlette
 
-    body = json.dumps({"inputs": rows(1).tolist()}).encode()
-    scope = {"type": "http", "method": "POST", "path": "/predict", "headers": [
-        (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))
-    ], "query_string": b"", "root_path": ""}  # fmt: skip
+    scope, receive, send, sent = _asgi_post(rows(1))
     ours = (os.path.dirname(sm.serving._app.__file__), os.path.dirname(np.__file__))
     ours += (os.path.dirname(starlette.__file__),)
-    counted, sent = [], []
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
+    counted = []
 
     def count(frame, event, arg):
         if event == "call" and frame.f_code.co_filename.startswith(ours):
@@ -1430,17 +1428,7 @@ def test_a_lone_requests_answer_costs_the_app_few_python_calls(server):
 def test_middleware_a_user_adds_sees_every_predict_request(server):
     """POST /predict skips starlette's own layers, never a user's: an app given an API-key
     middleware (``app.add_middleware``) must refuse a /predict without the key, as any route."""
-    body = json.dumps({"inputs": rows(1).tolist()}).encode()
-    scope = {"type": "http", "method": "POST", "path": "/predict", "headers": [
-        (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))
-    ], "query_string": b"", "root_path": ""}  # fmt: skip
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
+    scope, receive, send, sent = _asgi_post(rows(1))
 
     class NeedsKey:
         def __init__(self, app):
