@@ -270,8 +270,11 @@ def write_dir(
     tmp = _sibling(path)
     try:
         lock = _locked_dir(path, tmp)
-    except OSError as e:
-        raise error(f"cannot write {target}: {e}") from e
+    except OSError as e:  # its directory takes no new entry (read-only, not ours): not its name
+        raise error(
+            f"cannot write {target}: {e.strerror or e} in {path.parent}, so nothing was written. "
+            "Write it in a directory this user may write, or make that one writable."
+        ) from e
     try:
         for name, data in files.items():
             write_file(tmp / name, data)

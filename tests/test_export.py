@@ -1,6 +1,7 @@
 """Portable artifacts: every test exports, then loads (or inspects) what it exported."""
 
 import builtins
+import errno
 import hashlib
 import json
 import marshal
@@ -266,6 +267,22 @@ def test_write_failure_keeps_previous_artifact(tmp_path, monkeypatch):
         sm.export(h2, tmp_path / "m", example=x, overwrite=True)
     assert litter(tmp_path) == []
     np.testing.assert_array_equal(sm.load(tmp_path / "m")(x), h1(x))
+
+
+def test_a_directory_that_takes_no_new_entry_is_named_not_a_temporary_name(tmp_path, monkeypatch):
+    # it read "cannot write the artifact m: [Errno 30] Read-only file system: '.m.new-1-ab'"
+    h, x = small()
+
+    def read_only(path, tmp):
+        raise OSError(errno.EROFS, "Read-only file system", str(path.parent / ".m.new-1-ab"))
+
+    monkeypatch.setattr(files_seam, "_locked_dir", read_only)
+    with pytest.raises(sm.ArtifactError) as e:
+        sm.export(h, tmp_path / "m", example=x)
+    said = str(e.value)
+    assert f"Read-only file system in {tmp_path}, so nothing was written" in said, said
+    assert ".m.new" not in said and "directory this user may write" in said
+    assert not (tmp_path / "m").exists()
 
 
 def test_failed_export_leaves_no_litter(tmp_path):
