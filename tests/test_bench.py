@@ -512,6 +512,7 @@ def test_script_is_thin_and_runs_on_two_devices(tmp_path):
 
 
 # -- a newcomer's first hour: --quick, usage errors, figures, --diff, digits, --help ----------
+@pytest.mark.slow  # a benchmark run (~5-6 s): CI runs it with `-m slow`
 def test_quick_run_is_a_first_look_and_says_so(tmp_path, capsys):
     out = tmp_path / "quick.json"
     argv = ["--quick", "--sizes", "8,2", "--in-features", "16", "--quiet"]
@@ -829,6 +830,7 @@ def test_time_train_step_reports_both_rates():
     assert defaults["sizes"].default == (128, 64, 10) and defaults["batch_size"].default == 64
 
 
+@pytest.mark.slow  # a benchmark section (~5-6 s): CI runs it with `-m slow`
 def test_bench_devices_reports_rows_and_says_cpu_is_correctness_only():
     small = {"sizes": (16, 4), "in_features": 12, "batch": 64, "repeats": 2, "train_steps": 2}
     note = devices.CPU_NOTE

@@ -11,6 +11,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import LinenBatchNorm, rand, small
 
 import symjax_mlp as sm
@@ -82,6 +83,7 @@ def test_racing_loads_and_first_calls_of_one_artifact(tmp_path):
             np.testing.assert_array_equal(y, want[k])
 
 
+@pytest.mark.slow  # processes racing (~5-12 s): CI runs it with `-m slow`
 def test_loads_racing_a_replacing_export_see_the_old_or_the_new_artifact(tmp_path):
     """An export swaps a new directory in; a load that read the old manifest and then a new
     file once reported the artifact corrupted (10 of 367 loads). Now it reads the new one."""

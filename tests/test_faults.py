@@ -330,6 +330,7 @@ print(json.dumps(said))
     not sys.platform.startswith("linux") or jax.default_backend() != "cpu",
     reason="XLA's CPU client under RLIMIT_AS, read from /proc/self/status (Linux)",
 )
+@pytest.mark.slow  # processes under RLIMIT_AS (~5-12 s): CI runs it with `-m slow`
 def test_out_of_memory_for_real_at_the_self_test_at_a_call_and_when_read(tmp_path):
     """Under RLIMIT_AS, XLA's RESOURCE_EXHAUSTED: at load's self-test (its results not yet
     allocated when the call returns) an ArtifactError naming it, never the process aborted

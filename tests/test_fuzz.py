@@ -72,12 +72,14 @@ def _kinds(summary) -> set[str]:
     return {k.split(":")[0] for k in summary["families"]}
 
 
+@pytest.mark.slow  # a fuzz run (~5-12 s): CI runs it with `-m slow`
 def test_fuzzed_artifacts_are_refused_or_load_unchanged(tmp_path):
     summary = _fuzzed(tmp_path, CASES, "loader")
     assert _kinds(summary) == {"raw", "resigned", "manifest", "text"}
     assert summary["max_rss_mb"] < 1024  # no worker allocated anything a manifest declared
 
 
+@pytest.mark.slow  # a fuzz run (~5-12 s): CI runs it with `-m slow`
 def test_fuzzed_entry_points_are_refused_or_run_their_own_program(tmp_path):
     """Every entry point of a mutated two-entry artifact, ``m[name](x)``: refused, or what the
     original entry point whose program it runs gave."""
@@ -86,6 +88,7 @@ def test_fuzzed_entry_points_are_refused_or_run_their_own_program(tmp_path):
     assert summary["max_rss_mb"] < 1024
 
 
+@pytest.mark.slow  # a fuzz run (~5-12 s): CI runs it with `-m slow`
 def test_fuzzed_hostile_artifacts_are_refused_or_run_their_benign_program(tmp_path):
     summary = _fuzzed(tmp_path, HOSTILE_CASES, "hostile")
     assert summary["largest_listed_file_mb"] == 64  # among them: hashed in chunks, never held
@@ -106,6 +109,7 @@ def test_fuzzed_http_bodies_are_refused_or_read_as_sent(tmp_path):
     assert _kinds(summary) == {f"body-{k}" for k in families}
 
 
+@pytest.mark.slow  # a fuzz run (~5-12 s): CI runs it with `-m slow`
 def test_fuzzed_region_nestings_are_refused_exactly_when_over_the_bound(tmp_path):
     """Random nestings of reduce, while, call and case just under or over the work bound: the
     checker charges each region as often as XLA runs it (a reduce's body was charged once)."""
@@ -114,6 +118,7 @@ def test_fuzzed_region_nestings_are_refused_exactly_when_over_the_bound(tmp_path
     assert _kinds(summary) == {f"regions-{k}" for k in edges}
 
 
+@pytest.mark.slow  # a fuzz run (~5-12 s): CI runs it with `-m slow`
 def test_the_fuzz_driver_sees_crashes_hangs_and_wrong_outputs(tmp_path, monkeypatch):
     """The zeros above mean something: sabotaged cases are each caught and attributed."""
     monkeypatch.setenv("SYMJAX_FUZZ_SELFTEST", "1=crash,3=hang,4=foreign,6=wrong")

@@ -517,6 +517,7 @@ def test_the_readme_recipe_uses_the_loaders_flags_and_driver():
     assert iree_rt.DRIVER == "local-sync" and f"--device={iree_rt.DRIVER}" in recipe
 
 
+@pytest.mark.slow  # both runtimes compiled (~5-6 s): CI runs it with `-m slow`
 def test_cli_verify_compares_runtimes(chapter, capsys):
     art, _ = chapter
     assert main(["verify", str(art.path), "--runtime", "jax", "--runtime", "iree"]) == 0

@@ -233,6 +233,7 @@ def test_inspect_reports_what_load_refuses_in_a_vjp_module(tmp_path):
     assert "load       refuses it unless allow={'sort'}" in str(sm.inspect(art.path))
 
 
+@pytest.mark.slow  # the whole zoo (~5-12 s): CI runs it with `-m slow`
 def test_every_model_of_the_zoo_passes_the_op_check(tmp_path):
     seen = set()
     for name, art in _every_export(tmp_path):

@@ -1704,6 +1704,7 @@ def test_serve_freezes_the_gc_once_the_model_is_ready(monkeypatch, capsys):
 
 
 # -- the serving benchmark --------------------------------------------------------------------
+@pytest.mark.slow  # a benchmark section (~5-12 s): CI runs it with `-m slow`
 def test_bench_serving_latency_and_batcher_sections():
     from benchmarks import serving as lab  # the laboratory, scripts/benchmarks
 
@@ -1763,6 +1764,7 @@ def test_bench_serving_latency_and_batcher_sections():
     json.dumps(result)  # the --json output
 
 
+@pytest.mark.slow  # a benchmark section (~5-12 s): CI runs it with `-m slow`
 def test_bench_serving_http_section_drives_serve_and_both_bare_endpoints():
     """The HTTP rows: ``symjax-mlp serve`` and the bare endpoints (orjson, stdlib json), each a
     server process, every request answered 200, the ratios those of the rows, the server

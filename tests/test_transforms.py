@@ -355,6 +355,7 @@ def test_grad_vmap_of_grad_and_grad_of_vmap(mlp):
         jax.grad(lambda x: jax.grad(loss(m))(x).sum())(x)
 
 
+@pytest.mark.slow  # the transforms matrix (~5-12 s): CI runs it with `-m slow`
 def test_each_entry_point_under_vmap_grad_jit_map_scan_and_in_a_hybrid(tmp_path):
     net, x = sm.mlp((8, 3)), jnp.ones((2, 5))
     variables = net.init(jax.random.key(0), x)
@@ -423,6 +424,7 @@ def test_the_iree_runtime_under_a_transform_says_to_load_with_jax(tmp_path, mlp)
             transform(m)(x)
 
 
+@pytest.mark.slow  # the transforms matrix (~5-12 s): CI runs it with `-m slow`
 def test_a_hessian_by_jacrev_of_jacrev_equals_the_source(tmp_path, mlp):
     # the VJP module under two vmaps (jacrev of jacrev) runs one element at a time at each
     h, _ = mlp
