@@ -32,7 +32,7 @@ from symjax_mlp._artifact.format import (
     program_file,
 )
 from symjax_mlp._artifact.reading import USED, freeze, read_artifact
-from symjax_mlp._artifact.signature import Signature, admits_any
+from symjax_mlp._artifact.signature import Signature, admits_any, an
 from symjax_mlp._artifact.weights import check_params, param_specs, read_safetensors_file
 from symjax_mlp._compat import transformed
 from symjax_mlp._errors import ArtifactError, ConfigError, artifact_path, as_bool
@@ -120,10 +120,10 @@ def load(
     if not (params is None or tree or isinstance(params, str | os.PathLike)):
         kind = type(params).__name__  # else a mismatch: "extra: params: int32[]"
         raise ConfigError(
-            f"{call}, params={params!r}): got a{'n' * (kind[0] in 'aeiou')} "
-            f"{kind}; params= takes a .safetensors file (a str or pathlib.Path, e.g. another "
-            "export's params.safetensors) or a params tree of arrays (as h.params or m.params "
-            "give it). Pass one, or leave params out for the artifact's own weights."
+            f"{call}, params={params!r}): got {an(kind)}; params= takes a .safetensors file "
+            "(a str or pathlib.Path, e.g. another export's params.safetensors) or a params tree "
+            "of arrays (as h.params or m.params give it). Pass one, or leave params out for the "
+            "artifact's own weights."
         )
     if not os.path.exists(path) and (file := next((p for p in path.parents if p.is_file()), None)):
         raise ArtifactError(

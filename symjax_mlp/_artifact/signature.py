@@ -292,7 +292,7 @@ def as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
         except (ValueError, TypeError, OverflowError) as e:
             why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise SignatureError(
-                f"{caller}: input {spec.path} is {_a(kind)} that is not an array ({why}); the "
+                f"{caller}: input {spec.path} is {an(kind)} that is not an array ({why}); the "
                 f"artifact expects {spec.type}. Pass a NumPy or JAX array of that shape."
             ) from None
     hint = ""
@@ -303,13 +303,13 @@ def as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
     elif kind == "jax.ShapeDtypeStruct":  # a shape without values: what eval_shape traces
         hint = " For the output's shape and dtype without values, jax.eval_shape(m, spec)."
     raise SignatureError(
-        f"{caller}: input {spec.path} is {'None' if x is None else _a(kind)}, not "
+        f"{caller}: input {spec.path} is {'None' if x is None else an(kind)}, not "
         f"a NumPy or JAX array; the artifact expects {spec.type}. Pass a np.ndarray or "
         f"jax.Array.{hint}"
     )
 
 
-def _a(kind: str) -> str:
+def an(kind: str) -> str:
     """``kind`` with its article, printable: an object, an int, a str."""
     return f"a{'n' * (kind[:1] in tuple('aeiou'))} {printable(kind)}"
 
