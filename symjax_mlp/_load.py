@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import importlib
 import math
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -88,7 +90,7 @@ def load(
     Raises:
       ArtifactError: anything wrong with the artifact, naming the file and what to do (also
         at a call, if its program fails there).
-      ConfigError: an unknown ``runtime``, or ``trust``, ``self_test`` or
+      ConfigError: an unknown ``runtime`` or ``allow`` name, or ``trust``, ``self_test`` or
         ``params_as_constants`` not True or False.
 
     Example:
@@ -115,7 +117,10 @@ def load(
             f"{call}, runtime={runtime!r}, params_as_constants=True): only the JAX runtime "
             "compiles the weights into its programs. Drop params_as_constants, or runtime='jax'."
         )
-    allowed = ops.normalize_allow(allow)
+    try:
+        allowed = ops.normalize_allow(allow)
+    except ArtifactError as e:  # ops' "load(allow=...): ...", headed as the refusals above
+        raise ConfigError(f"{call}, {str(e).removeprefix('load(')}") from None
     tree = isinstance(params, Mapping | list | tuple) or hasattr(params, "shape")
     if not (params is None or tree or isinstance(params, str | os.PathLike)):
         kind = type(params).__name__  # else a mismatch: "extra: params: int32[]"
@@ -175,8 +180,7 @@ def load(
     ordered = check_params(found, expected, file=source, own=params is None)
     self_test = self_test and params is None  # other weights give other outputs
     needs, signed = manifest.get("needs"), unchanged is not None  # the signer's word, if signed
-    if signed:
-        allowed |= frozenset(needs or ())
+    allowed |= frozenset(needs or ()) if signed else frozenset()
     opener = _Opener(path, manifest, runtime, blobs, mesh=mesh, trust=trust, allowed=allowed,
                      self_test=self_test, constants=params_as_constants, needs=needs,
                      signed=signed, modules=modules)  # fmt: skip
@@ -288,13 +292,12 @@ class Guard:
         refined, context = refine()
         with context:
             report = walk.analyze_module(refined)
-        n = max(n_inputs, 1)
         sizes = self.sizes[min(order, len(self.sizes) - 1)]
         for amount, static, bound, unit in zip(
             (report.work, report.bytes_made), sizes, (ops.MAX_WORK, ops.MAX_BYTES),
             ("element operations", "bytes of tensors made"), strict=True,
         ):  # fmt: skip
-            budget = bound + max(static, 1) * n
+            budget = bound + max(static, 1) * max(n_inputs, 1)
             if amount > budget:
                 vjp = f"its VJP module of order {order} (what jax.grad of the loaded model runs)"
                 raise ArtifactError(_TOO_MUCH.format(
@@ -383,9 +386,6 @@ def _under(mesh: Mesh, run: Callable[[list[Any]], list[Any]], inputs: list[Any])
 
 def _warn_if_expiring(path: Path, manifest: Any) -> None:
     """Warns when the artifact leaves ``jax.export``'s compatibility window within 30 days."""
-    import datetime
-    import warnings
-
     try:
         end = datetime.date.fromisoformat(str(manifest.get("compatible_until")))
     except ValueError:
