@@ -3,9 +3,11 @@ and path reading its settings' checks share."""
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +111,9 @@ def unbound_axis(error: BaseException) -> str | None:
 
 _TWO_DEVICES = (
     "{name}: a call's arrays are committed to two devices (ids {a} and {b}, {platform}): the "
-    "params and an input (or two inputs), each put there by jax.device_put; a compiled call runs "
-    "on one device. Put the inputs where the params are, jax.device_put(x, device), or move the "
-    "params: h.replace(params=jax.device_put(h.params, device))."
+    "params and an input (or two inputs), each put there by jax.device_put; a call (each op of an "
+    "eager one) runs on one device. Put the inputs where the params are, jax.device_put(x, "
+    "device), or move the params: h.replace(params=jax.device_put(h.params, device))."
 )
 
 
@@ -124,3 +126,14 @@ def refuse_two_devices(name: str, error: BaseException) -> None:
         return
     (a, platform), (b, _) = found[:2]
     raise ConfigError(_TWO_DEVICES.format(name=name, a=a, b=b, platform=platform.lower())) from None
+
+
+@contextlib.contextmanager
+def one_device(name: str) -> Iterator[None]:
+    """The block's JAX ``ValueError`` on arrays committed to two devices (an eager op's, as
+    jit's) as :func:`refuse_two_devices` raises it; any other error as it is."""
+    try:
+        yield
+    except ValueError as e:
+        refuse_two_devices(name, e)
+        raise

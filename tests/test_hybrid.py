@@ -809,15 +809,16 @@ def test_a_numpy_array_of_str_or_objects_is_named_not_jits_error_on_the_programs
 
 def test_params_and_an_input_committed_to_two_devices_are_named_with_the_fix():
     # jax.jit's ValueError naming the program's paths: 'args[1][0] of <lambda>_hybrid' (h.eager
-    # keeps JAX's, naming the op: the debugging path)
+    # and a hybridize(False) twin: JAX's 'incompatible devices ... argument y of multiply')
     d0, d1 = jax.devices()[:2]
     h = sm.hybridize(lambda p, x: x * p, jax.device_put(jnp.float32(2), d0))
     x = jax.device_put(jnp.ones(3), d1)
-    for run in (h, lambda a: h.apply(h.params, a), lambda a: h(x=a), h.lower):
+    for run in (h, lambda a: h.apply(h.params, a), lambda a: h(x=a), h.lower, h.eager,
+                h.hybridize(False)):  # fmt: skip
         with pytest.raises(
             sm.ConfigError,
-            match=r"^<lambda>: a call's arrays are committed to two devices \(ids 0 and 1, cpu\)"
-            r".*h\.replace\(params=jax\.device_put\(h\.params, device\)\)\.$",
+            match=r"^<lambda>(\.eager)?: a call's arrays are committed to two devices \(ids [01] "
+            r"and [01], cpu\).*h\.replace\(params=jax\.device_put\(h\.params, device\)\)\.$",
         ) as e:
             run(x)
         assert e.value.__suppress_context__  # jit's raw error not shown

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from symjax_mlp._errors import ConfigError, refuse_two_devices
+from symjax_mlp._errors import ConfigError, one_device, refuse_two_devices
 from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import pure as _pure
@@ -277,7 +277,7 @@ class Hybrid(Staged, NoPickle):
         stateful model's state is carried as in compiled calls."""
         _args.refuse_abstract(f"{self.name}.eager", self.name, args, kwargs)
         self._log.run_callbacks(args, kwargs)
-        with self._held.lock:
+        with self._held.lock, one_device(f"{self.name}.eager"):  # else JAX's, naming an op
             try:
                 out, state = self._traced.call_model(self.params, self.state, args, kwargs)
             except _pure.StateAdded as e:  # (the callbacks ran: the call is made, not run again)
