@@ -1333,12 +1333,14 @@ def test_json_is_never_written_into_the_artifact_read_and_an_empty_path_is_refus
         )
 
 
-def test_inspect_json_is_strict_json_for_a_manifest_holding_an_infinite_number(tmp_path, capsys):
+def test_inspect_json_is_strict_json_for_a_manifest_holding_an_infinite_number(
+    tmp_path, capsys, monkeypatch
+):
     """A stranger's manifest may hold 1e400 (json reads it as inf): `inspect --json` wrote
     `Infinity`, which JSON has not (jq and JavaScript refuse it). It writes "inf", as text."""
     import json
 
-    art = tmp_path / "m"
+    art = tmp_path / "dür"
     assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["metadata"] = {"big": 1e400, "fine": [1.5, {"small": -1e400}]}
@@ -1351,3 +1353,33 @@ def test_inspect_json_is_strict_json_for_a_manifest_holding_an_infinite_number(t
 
     card = json.loads(capsys.readouterr().out, parse_constant=refuse)["metadata"]
     assert card == {"big": "inf", "fine": [1.5, {"small": "-inf"}]}
+    # under LC_ALL=C, PYTHONUTF8=0: a UnicodeEncodeError ('\\xfc' in its path) shown as a bug
+    typed = str(art).encode().decode("ascii", "surrogateescape")  # sys.argv under LC_ALL=C
+    code, out, err = _under_ascii(monkeypatch, ["inspect", typed])
+    assert code == 0 and f"{tmp_path}/dür".encode() in out and not err, err
+
+
+def _under_ascii(monkeypatch, argv):
+    """``symjax-mlp ARGV`` as LC_ALL=C PYTHONUTF8=0 runs it: ASCII streams; (code, out, err)."""
+    import io
+
+    from symjax_mlp import cli
+
+    out, err = (io.TextIOWrapper(io.BytesIO(), "ascii", e, write_through=True)
+                for e in ("surrogateescape", "backslashreplace"))  # fmt: skip
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    with pytest.raises(SystemExit) as e:
+        cli.run(argv)
+    monkeypatch.undo()
+    return e.value.code, out.buffer.getvalue(), err.buffer.getvalue()
+
+
+def test_a_non_ascii_path_under_an_ascii_locale_is_written_as_typed(tmp_path, monkeypatch):
+    """Under LC_ALL=C (PYTHONUTF8=0) `inspect .../dür` said 'd\\xfcr', a byte the path has not
+    (inspect of an artifact there: a UnicodeEncodeError reported as a bug, see the test above):
+    the command writes UTF-8, as Python's UTF-8 mode does, so the path comes back as typed."""
+    typed = "dür".encode().decode("ascii", "surrogateescape")  # sys.argv under LC_ALL=C
+    code, _, err = _under_ascii(monkeypatch, ["inspect", str(tmp_path / typed)])
+    said = f"{tmp_path}/dür does not exist. Pass the directory written by symjax_mlp.export.\n"
+    assert code == 2 and err.endswith(said.encode()), err

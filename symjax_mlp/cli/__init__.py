@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import codecs
 import contextlib
 import difflib
 import functools
@@ -341,9 +342,14 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
     """The ``symjax-mlp`` command: exits with :func:`main`'s code; after an interrupt (130)
     at once (``os._exit``: tearing the interpreter down under XLA's threads can crash or hang).
     A Ctrl-C that lands where Python can only print it (a garbage-collector callback) is
-    raised again, not lost."""
+    raised again, not lost. Under an ASCII locale it writes UTF-8, as Python's UTF-8 mode
+    does: a path comes back as typed (``printable`` decodes its bytes so)."""
     hook = sys.unraisablehook
     sys.unraisablehook = functools.partial(_interrupt_again, hook)
+    for stream in (sys.stdout, sys.stderr):  # LC_ALL=C with PYTHONUTF8=0: ASCII
+        with contextlib.suppress(AttributeError, LookupError, TypeError, ValueError):  # no file
+            if codecs.lookup(stream.encoding).name == "ascii":
+                stream.reconfigure(encoding="utf-8")  # its errors= kept
     code = main(argv)
     sys.unraisablehook = hook
     if code == 130:
