@@ -11,8 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 
 class SymjaxError(Exception):
     """Base class of every error raised by symjax_mlp; catch this to catch them all."""
@@ -73,6 +71,8 @@ class DistributedError(SymjaxError, RuntimeError):
 def as_int(x: Any) -> Any:
     """``x`` as an int if it is an integer of any kind (``np.int64``, a 0-d int array) but a
     bool; else ``x`` as it is, for the setting's check to refuse."""
+    import numpy as np  # on first use: the CLI starts without it (a Ctrl-C then is handled)
+
     if isinstance(x, bool | np.bool_):
         return x
     try:
@@ -84,6 +84,8 @@ def as_int(x: Any) -> Any:
 def as_bool(x: Any) -> Any:
     """``x`` as a bool if it is a NumPy bool (``np.True_``, what a sweep's array gives); else
     ``x`` as it is, for the setting's check to refuse (``1`` and ``"yes"`` are no bools)."""
+    import numpy as np
+
     return bool(x) if isinstance(x, np.bool_) else x
 
 

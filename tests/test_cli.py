@@ -1383,3 +1383,33 @@ def test_a_non_ascii_path_under_an_ascii_locale_is_written_as_typed(tmp_path, mo
     code, _, err = _under_ascii(monkeypatch, ["inspect", str(tmp_path / typed)])
     said = f"{tmp_path}/dür does not exist. Pass the directory written by symjax_mlp.export.\n"
     assert code == 2 and err.endswith(said.encode()), err
+
+
+@pytest.mark.slow  # three CLI processes, each past JAX's import (~1 s): over a unit test's budget
+@pytest.mark.xfail(  # the lead's: symjax_mlp/__init__.py made lazy, this marker goes with it
+    reason="symjax_mlp/__init__.py imports JAX before symjax_mlp.cli.run starts", strict=True
+)
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/<pid>/maps")
+def test_ctrl_c_amid_the_imports_exits_130_in_one_line():
+    """A Ctrl-C in the CLI's first second, while JAX was imported, printed a KeyboardInterrupt
+    traceback (or crashed in jaxlib's initialisation, a segfault). Each Ctrl-C here lands while
+    NumPy and JAX are imported: the command exits 130 with its one line."""
+    import signal
+    import time
+    from pathlib import Path
+
+    for delay in (0, 0.03, 0.1):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "symjax_mlp", "tour", "--calls", "100000000"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            while "numpy" not in Path(f"/proc/{proc.pid}/maps").read_text():  # imports begun
+                time.sleep(0.001)
+        except OSError:  # it ended: its stderr says why
+            pass
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        assert_interrupted(proc, timeout=60)

@@ -15,6 +15,7 @@ import difflib
 import functools
 import os
 import re
+import signal
 import sys
 import threading
 import traceback
@@ -298,8 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{where}: error: this needs the optional package {name!r}: {extra}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\n{where}: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted(where)
     except BrokenPipeError:  # `| head` closed the pipe: stop quietly, as cat and grep do
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -331,6 +331,23 @@ def _warning(
         python(message, category, filename, *args, **kwargs)
 
 
+def _import_jax() -> None:
+    """Imports JAX with Ctrl-C held until it is imported (then raised): a SIGINT amid jaxlib's
+    extension's initialisation crashes the interpreter (a segfault) or fails the import."""
+    block = getattr(signal, "pthread_sigmask", None)  # (POSIX)
+    held = block(signal.SIG_BLOCK, {signal.SIGINT}) if block else None
+    try:
+        import jax  # noqa: F401
+    finally:
+        if block:
+            block(signal.SIG_SETMASK, held)
+
+
+def _interrupted(where: str) -> int:
+    print(f"\n{where}: interrupted", file=sys.stderr)
+    return 130
+
+
 def _bug(where: str) -> int:
     traceback.print_exc()
     bug = "this is a bug in symjax_mlp (the traceback above); please report it."
@@ -350,7 +367,12 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
         with contextlib.suppress(AttributeError, LookupError, TypeError, ValueError):  # no file
             if codecs.lookup(stream.encoding).name == "ascii":
                 stream.reconfigure(encoding="utf-8")  # its errors= kept
-    code = main(argv)
+    try:
+        _import_jax()
+        code = main(argv)
+    except KeyboardInterrupt:  # before main's own handling: amid JAX's import, main's parser
+        given = sys.argv[1:] if argv is None else argv
+        code = _interrupted(" ".join([PROG, *[a for a in given[:1] if a[:1] != "-"]]))
     sys.unraisablehook = hook
     if code == 130:
         for stream in (sys.stdout, sys.stderr):
