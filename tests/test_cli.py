@@ -1340,12 +1340,12 @@ def test_inspect_json_is_strict_json_for_a_manifest_holding_an_infinite_number(
     `Infinity`, which JSON has not (jq and JavaScript refuse it). It writes "inf", as text."""
     import json
 
-    art = tmp_path / "dür"
-    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    art = tmp_path / "dür\udcfc"  # and a byte UTF-8 cannot decode (a Latin-1 name's ü)
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0  # was a bug
+    assert capsys.readouterr().out.startswith(f"exported {tmp_path}/dür\\xfc: (args[0]")
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["metadata"] = {"big": 1e400, "fine": [1.5, {"small": -1e400}]}
     (art / "manifest.json").write_text(json.dumps(manifest))
-    capsys.readouterr()
     assert main(["inspect", str(art), "--json"]) == 0
 
     def refuse(name):
@@ -1354,7 +1354,7 @@ def test_inspect_json_is_strict_json_for_a_manifest_holding_an_infinite_number(
     card = json.loads(capsys.readouterr().out, parse_constant=refuse)["metadata"]
     assert card == {"big": "inf", "fine": [1.5, {"small": "-inf"}]}
     # under LC_ALL=C, PYTHONUTF8=0: a UnicodeEncodeError ('\\xfc' in its path) shown as a bug
-    typed = str(art).encode().decode("ascii", "surrogateescape")  # sys.argv under LC_ALL=C
+    typed = os.fsencode(art).decode("ascii", "surrogateescape")  # sys.argv under LC_ALL=C
     code, out, err = _under_ascii(monkeypatch, ["inspect", typed])
     assert code == 0 and f"{tmp_path}/dür".encode() in out and not err, err
 

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from symjax_mlp._artifact.format import printable  # a newline in a path: still one line
 from symjax_mlp.cli import _args, _run, _serve, _train
 from symjax_mlp.cli._args import count, int_list, keywords, show, subcommand
 
@@ -49,8 +50,6 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        from symjax_mlp._artifact.format import printable  # a newline in a path: still one line
-
         message = printable(message) + _closest(message, self.options, self.given)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -105,7 +104,8 @@ def _run_export(args: argparse.Namespace) -> None:
     platforms = tuple(p for p in args.platforms.split(",") if p)
     options = keywords(args, "sizes in_features activation seed batch overwrite")
     art = export_mlp(args.path, platforms=platforms, **options)
-    print(f"exported {art.path}: {art.signature}; platforms {', '.join(art.platforms)}")
+    where = printable(str(art.path))  # a byte no locale decodes: \xfc, not a UnicodeEncodeError
+    print(f"exported {where}: {art.signature}; platforms {', '.join(art.platforms)}")
 
 
 def _run_inspect(args: argparse.Namespace) -> None:
@@ -253,7 +253,6 @@ def _options_said(message: str, command: _Parser) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit code, as the module docstring lists them."""
     from symjax_mlp import SymjaxError
-    from symjax_mlp._artifact.format import printable
 
     parser = build_parser()
     try:
@@ -323,8 +322,6 @@ def _warning(
 ) -> None:  # fmt: skip
     """The library's warnings as one line, ``symjax-mlp verify: warning: ...`` (not Python's
     two lines with one of library source under); others as Python shows them."""
-    from symjax_mlp._artifact.format import printable
-
     if os.path.abspath(filename).startswith(_PACKAGE + os.sep):
         print(f"{where}: warning: {printable(str(message))}", file=sys.stderr)
     else:
