@@ -1386,9 +1386,6 @@ def test_a_non_ascii_path_under_an_ascii_locale_is_written_as_typed(tmp_path, mo
 
 
 @pytest.mark.slow  # three CLI processes, each past JAX's import (~1 s): over a unit test's budget
-@pytest.mark.xfail(  # the lead's: symjax_mlp/__init__.py made lazy, this marker goes with it
-    reason="symjax_mlp/__init__.py imports JAX before symjax_mlp.cli.run starts", strict=True
-)
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/<pid>/maps")
 def test_ctrl_c_amid_the_imports_exits_130_in_one_line():
     """A Ctrl-C in the CLI's first second, while JAX was imported, printed a KeyboardInterrupt

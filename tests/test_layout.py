@@ -278,3 +278,17 @@ def test_no_module_reaches_into_another_objects_privates():
 def test_the_reach_check_sees_a_reach():
     probe = "import os\nfrom a import B, c\ndef f(h, self):\n    os._exit(c._d(self._e, h._f))\n"
     assert _reaches(probe + "    B._g(h)\n") == ["4: h._f", "5: B._g"]
+
+
+def test_importing_the_package_imports_no_jax():
+    """`import symjax_mlp` (and the CLI's module) import neither JAX nor NumPy: the CLI imports
+    them where a Ctrl-C is handled, and each public name is imported on first use."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, symjax_mlp, symjax_mlp.cli; print(sorted({'jax', 'numpy'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert sm.load.__module__ == "symjax_mlp._load"  # and the names still resolve
