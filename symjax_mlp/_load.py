@@ -117,10 +117,7 @@ def load(
             f"{call}, runtime={runtime!r}, params_as_constants=True): only the JAX runtime "
             "compiles the weights into its programs. Drop params_as_constants, or runtime='jax'."
         )
-    try:
-        allowed = ops.normalize_allow(allow)
-    except ArtifactError as e:  # ops' "load(allow=...): ...", headed as the refusals above
-        raise ConfigError(f"{call}, {str(e).removeprefix('load(')}") from None
+    allowed = ops.normalize_allow(allow, f"{call}, ")
     tree = isinstance(params, Mapping | list | tuple) or hasattr(params, "shape")
     if not (params is None or tree or isinstance(params, str | os.PathLike)):
         kind = type(params).__name__  # else a mismatch: "extra: params: int32[]"

@@ -20,7 +20,7 @@ from typing import Any
 
 from symjax_mlp._artifact.format import NEEDS, caller, printable
 from symjax_mlp._compat import constraint_named
-from symjax_mlp._errors import ArtifactError
+from symjax_mlp._errors import ArtifactError, ConfigError
 
 # ops computing each element from the same element of each operand (rows keeps rows apart)
 ELEMENTWISE = frozenset(str.split("""
@@ -84,16 +84,18 @@ class ModuleReport:
     assertions: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
 
-def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
+def normalize_allow(allow: Iterable[str] | None, call: str = "load(") -> frozenset[str]:
     """``allow=`` as keys: ``"while"``, ``"stablehlo.while"`` and ``"op:while"`` are one key.
-    A name that no refusal can have (``"whiel"``) is an :class:`ArtifactError`."""
+    Anything but names, or a name that no refusal can have (``"whiel"``), is a
+    :class:`ConfigError` headed ``call`` (the call as far as its options, e.g.
+    ``'symjax_mlp.load("dir", '``)."""
     if allow is None:
         return frozenset()
     items = (allow,) if isinstance(allow, str) else allow
     items = tuple(items) if isinstance(items, Iterable) else (None,)
     if not all(isinstance(i, str) and i for i in items):
-        raise ArtifactError(
-            f"load(allow={allow!r}): expected names such as 'while' or 'custom_call:NAME', "
+        raise ConfigError(
+            f"{call}allow={allow!r}): expected names such as 'while' or 'custom_call:NAME', "
             "in a set or list, e.g. allow={'while'}."
         )
     keys = frozenset(item.removeprefix("op:").removeprefix("stablehlo.") for item in items)
@@ -101,8 +103,8 @@ def normalize_allow(allow: Iterable[str] | None) -> frozenset[str]:
         if not (key in CHECKS or key in _op_names() or _open_ended(key)):
             guess = difflib.get_close_matches(key, [*CHECKS, *_op_names()], n=1)
             fix = f"Did you mean {guess[0]!r}?" if guess else "Pass the names a refusal gives."
-            raise ArtifactError(
-                f"load(allow={show_keys(items)[:300]}): {key[:100]!r} names nothing load() "
+            raise ConfigError(
+                f"{call}allow={show_keys(items)[:300]}): {key[:100]!r} names nothing load() "
                 f"refuses. Expected a check ({', '.join(sorted(CHECKS))}), a StableHLO op "
                 "('while', 'gather', ...), an op of another dialect ('chlo.erf') or "
                 f"'custom_call:NAME'. {fix}"
