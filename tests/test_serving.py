@@ -1240,7 +1240,7 @@ def test_latency_mode_in_a_fresh_process(given):
         "from symjax_mlp.chapter import chapter_mlp\n"
         "before = sm.serving.dispatch_mode()\n"
         "sm.serving.latency_mode()\n"
-        "h, x = chapter_mlp()\n"
+        "h, x = chapter_mlp((2,), in_features=4)  # one layer: a matmul, as the chapter's\n"
         "np.testing.assert_allclose(h(x), h.eager(x), rtol=1e-5, atol=1e-6)\n"
         "sm.serving.latency_mode()  # in force already: a no-op\n"
         "print(before, sm.serving.dispatch_mode(), os.environ['XLA_FLAGS'])\n"
