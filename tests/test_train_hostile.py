@@ -903,7 +903,7 @@ def test_train_step_takes_numpy_integer_blocks(tiny):
     x, y, w = tiny.x_train[:16], tiny.y_train[:16], np.ones(16, np.float32)
     params = net.init(jax.random.key(0), x[:1])["params"]
     got = [
-        sm.training.train_step(net, opt, blocks=b)(params, opt.init(params), x, y, w)[0]
+        jax.jit(sm.training.train_step(net, opt, blocks=b))(params, opt.init(params), x, y, w)[0]
         for b in (np.int64(2), 2)
     ]
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, *got)))
