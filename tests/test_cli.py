@@ -1410,3 +1410,26 @@ def test_ctrl_c_amid_the_imports_exits_130_in_one_line():
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         assert_interrupted(proc, timeout=60)
+
+
+def test_run_and_train_print_an_odd_output_path_escaped(tmp_path, capsys, monkeypatch):
+    """`run --output` and `train --export` to a path holding an escape and a byte the locale
+    cannot decode printed it raw: the escape acted on the terminal (a UnicodeEncodeError, shown
+    as a bug, under a strict stdout). They print it as export does: \\x1b and \\xfc."""
+    import types
+
+    import numpy as np
+
+    import symjax_mlp.training
+
+    art, x, odd = tmp_path / "m", tmp_path / "x.npy", tmp_path / "y\x1b[31m\udcfc"
+    assert main(["export", str(art), "--sizes", "3", "--in-features", "2"]) == 0
+    np.save(x, np.ones((1, 2), np.float32))
+    capsys.readouterr()
+    assert main(["run", str(art), "--input", str(x), "--output", f"{odd}.npy"]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path}/y\\x1b[31m\\xfc.npy: float32[1, 3]\n"
+    done = types.SimpleNamespace(test_accuracy=1.0, epoch=1, step=1, compiled=True,
+                                 train_seconds=0.0, export=lambda *a, **k: None)  # fmt: skip
+    monkeypatch.setattr(symjax_mlp.training, "train", lambda *a, **k: done)  # no epoch run
+    assert main(["train", "--quiet", "--export", str(odd)]) == 0
+    assert capsys.readouterr().out.startswith(f"exported the trained model to {tmp_path}/y\\x1b")

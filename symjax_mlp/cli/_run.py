@@ -41,6 +41,7 @@ def add_parser(sub: _args.Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
+    from symjax_mlp._artifact.format import printable
     from symjax_mlp._npy import arrays, raw_dtype_notes, read_inputs, write_outputs
 
     paths = args.output
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace) -> None:
     for (y, _), path in zip(pairs, paths, strict=True):
         outs = arrays(y)
         shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in outs)
-        print(f"wrote {'stdout' if to_stdout else path}: {shapes}", file=stream)
+        where = "stdout" if to_stdout else printable(path)  # \x1b, \xfc: not acted on
+        print(f"wrote {where}: {shapes}", file=stream)
         for note in raw_dtype_notes(outs):
             print(f"note: {note}", file=stream)
 

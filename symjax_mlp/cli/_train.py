@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from symjax_mlp import mlp
-    from symjax_mlp._artifact.format import check_target
+    from symjax_mlp._artifact.format import check_target, printable
     from symjax_mlp.training import initialize, train
 
     if args.num_processes > 1 or args.coordinator or args.process_id:
@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> None:
         _args.emit_json(result.to_dict(), args.json)
     if args.export is not None:
         result.export(args.export, overwrite=args.overwrite)
-        print(f"exported the trained model to {args.export} (it takes raw pixels)")
+        where = printable(args.export)  # as export prints it: \x1b, \xfc not acted on
+        print(f"exported the trained model to {where} (it takes raw pixels)")
     print(
         f"test accuracy {result.test_accuracy:.2%} after {result.epoch} epochs "
         f"({result.step} steps, {'compiled' if result.compiled else 'eager'}) "
