@@ -294,3 +294,31 @@ def test_the_optimizer_probe_is_compiled_once_and_samples_what_op_by_op_did():
         _resume.probe_difference(np.concatenate(want), got[0], "", _resume._UPDATE_TOLERANCE)
         is None
     )
+
+
+def test_a_saves_device_copy_is_one_array_per_dtype_and_unpacks_bitwise():
+    """A multi-process save's device copy made an array per leaf of the training state, each
+    costing the dispatch (on the training thread, measured as the save's wait) what a small
+    array's copy does: ~0.13 ms of 0.4 for a digits MLP's adam. It makes one per dtype; the
+    writer thread unpacks them, bitwise (NaN payloads, PRNG keys and empty leaves too)."""
+    from symjax_mlp.training import _orbax
+
+    nan = np.array([0x7FC00001, 0x7F800000, 0xFFC12345], np.uint32).view(np.float32)
+    leaves = [
+        jnp.asarray(nan),
+        jnp.arange(6, dtype=jnp.float32).reshape(2, 3),
+        jnp.int32(7),
+        jnp.zeros((0, 4), jnp.float32),
+        jnp.asarray([1 + 2j], jnp.complex64),
+        jnp.linspace(0, 1, 5, dtype=jnp.bfloat16),
+        jax.random.split(jax.random.key(1), 2),
+    ]
+    packed = _orbax._pack(leaves)
+    assert len(packed) == 5  # float32, int32, complex64, bfloat16, the keys
+    specs = tuple((a.shape, str(a.dtype)) for a in leaves)
+    got = _orbax._unpack(specs, packed)
+    for a, b in zip(leaves, got, strict=True):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -141,13 +141,14 @@ def time_checkpoint_wait(
 
     Runs ``symjax-mlp train`` (the digits MLP) in ``processes`` processes, saving every
     ``checkpoint_every`` epochs, and reads each save's wait (``TrainResult.checkpoint_waits``:
-    what the training thread spends in it, i.e. device copies and the hand-off to the writer
-    thread; the metadata's optimizer probe runs on the writer thread). Orbax's commit runs
-    beside the steps, and a save made while one commits is superseded, not waited for: a save
-    waits only when the writer thread is two saves behind (back-pressure from Orbax's blocking
-    part: its barriers and host copies). A save's own work is a copy's dispatch and a hand-off; on
-    a machine whose ``load`` passes its ``cpus``, a wait also holds the time the thread was
-    ready but the OS ran other work (a few ms, at any moment of a step as in a save).
+    what the training thread spends in it, i.e. one device copy (an array per dtype) and the
+    hand-off to the writer thread, which unpacks the copy and runs the metadata's optimizer
+    probe). Orbax's commit runs beside the steps, and a save made while one commits is
+    superseded, not waited for: a save waits only when the writer thread is two saves behind
+    (back-pressure from Orbax's blocking part: its barriers and host copies). A save's own work
+    is a copy's dispatch and a hand-off; on a machine whose ``load`` passes its ``cpus``, a
+    wait also holds the time the thread was ready but the OS ran other work (a few ms, at any
+    moment of a step as in a save).
 
     Returns:
       A dict: ``first_save_ms`` (Orbax's start-up and the copy's compile included),

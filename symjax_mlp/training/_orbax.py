@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import hashlib
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,9 +59,24 @@ def _key(i: int, name: str) -> str:
 
 
 @jax.jit
-def _copy(tree: Any) -> Any:
-    """New buffers of ``tree``'s arrays, one dispatch for all (their own are donated next)."""
-    return jax.tree.map(jnp.copy, tree)
+def _pack(leaves: list[Any]) -> dict[str, jax.Array]:
+    """New buffers of ``leaves`` (their own are donated next), one flat array per dtype: one
+    dispatch, whose every output array costs it what a small array's copy does."""
+    groups: dict[str, list[Any]] = {}
+    for a in leaves:
+        groups.setdefault(str(a.dtype), []).append(a.ravel())
+    return {dtype: jnp.concatenate(group) for dtype, group in groups.items()}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _unpack(specs: tuple[tuple[tuple[int, ...], str], ...], packed: dict) -> list[jax.Array]:
+    """The leaves :func:`_pack` packed, of ``specs`` (each leaf's shape and dtype), bitwise."""
+    at, leaves = dict.fromkeys(packed, 0), []
+    for shape, dtype in specs:
+        size = math.prod(shape)
+        leaves.append(packed[dtype][at[dtype] : at[dtype] + size].reshape(shape))
+        at[dtype] += size
+    return leaves
 
 
 class OrbaxCheckpoints:
@@ -128,7 +145,9 @@ class OrbaxCheckpoints:
         ``derived(copy)``: more metadata, computed on the writer thread, beside the steps."""
         t0 = time.perf_counter()
         self._finish(keep=_QUEUED - 1)
-        copied = TrainState(*_copy((state.params, state.opt_state)), state.rng)  # not donated
+        leaves, tree = jax.tree.flatten((state.params, state.opt_state))
+        specs = tuple((a.shape, str(a.dtype)) for a in leaves)
+        copied = (tree, specs, _pack(leaves), state.rng)  # the rng is not donated
         step, epoch = int(state.step), int(state.epoch)
         write = self._thread.submit(self._write, step, epoch, copied, metadata, last, derived)
         self._pending.append((step, write))
@@ -136,9 +155,11 @@ class OrbaxCheckpoints:
         return self.directory / str(step)
 
     def _write(
-        self, step: int, epoch: int, state: TrainState, metadata: dict, last: bool, derived: Any
+        self, step: int, epoch: int, copied: tuple, metadata: dict, last: bool, derived: Any
     ) -> bool:
-        """Hands ``state`` to Orbax; whether it is written (else superseded)."""
+        """Hands the state ``save`` packed to Orbax; whether it is written (else superseded)."""
+        tree, specs, packed, rng = copied
+        state = TrainState(*jax.tree.unflatten(tree, _unpack(specs, packed)), rng)
         metadata = metadata if derived is None else {**metadata, **derived(state)}
         tensors = named_leaves(state)
         tensors["rng"] = np.asarray(_local(tensors["rng"]))  # this process's: not on the mesh
