@@ -117,27 +117,43 @@ MASKED_INPUT = (
     "pass np.asarray(x) to use the data under the mask as it is."
 )
 _UNFIT_ARRAY = (
-    "{caller}: {path} is a NumPy array of dtype {dtype}, which XLA cannot compute on "
-    "({why}). Convert it: {fix}."
+    "{caller}: {path} is {what} of dtype {dtype}, which XLA cannot compute on ({why}). "
+    "Convert it: {fix}."
 )
+_NO_NUMBERS = "it takes bool, int, float and complex numbers"
+_UNFIT = {  # by dtype kind: why, and the fix
+    "O": (_NO_NUMBERS, "x.astype(np.float32) (a table's text columns encoded first)"),
+    "M": (_NO_NUMBERS, "x.astype(np.int64) (a count of its unit, since 1970) or a float of it"),
+    "V": (_NO_NUMBERS, "x.view(np.float32) where its bytes are float32s, or pass its fields"),
+    "f": ("JAX's widest float is float64", "x.astype(np.float32)"),
+    "c": ("JAX's widest complex is complex128", "x.astype(np.complex64)"),
+}
 
 
 def unfit_array(caller: str, path: str, x: Any) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for ``x`` at ``path`` (``"input args[0]"``) if
-    it is a NumPy array no JAX array holds: of no numbers (str, objects: a table's
-    ``df.values``) or of bytes in the other order (big-endian, a FITS file's); else ``None``."""
-    if not isinstance(x, np.ndarray):
+    it is a NumPy array or scalar no JAX array holds: masked, of no numbers (str, objects: a table's
+    ``df.values``; datetimes, raw bytes: ``np.void``), of a float wider than float64
+    (``np.longdouble``), or of bytes in the other order (big-endian, a FITS file's); else
+    ``None``. ``np.str_`` and ``np.bytes_`` are a str and bytes: Python settings, not arrays."""
+    if not isinstance(x, (np.ndarray, np.generic)) or isinstance(x, (str, bytes)):
         return None
-    if x.dtype.kind in "OSUMm":  # objects, bytes, str, datetimes (bfloat16's kind is "V")
-        why = "it takes bool, int, float and complex numbers"
-        fix = "x.astype(np.float32) (a table's text columns encoded first)"
-    elif not x.dtype.isnative:
+    if isinstance(x, np.ma.MaskedArray):  # a program has no mask: it would compute on the data
+        return SignatureError(MASKED_INPUT.format(caller=caller, path=path.removeprefix("input ")))
+    dtype, kind = x.dtype, {"S": "O", "U": "O", "m": "M"}.get(x.dtype.kind, x.dtype.kind)
+    wide = kind in "fc" and dtype.itemsize > (8 if kind == "f" else 16)  # float128, complex256
+    if kind in "OM" or dtype.type is np.void or wide:  # (bfloat16's kind is "V" too: no void)
+        why, fix = _UNFIT[kind]
+    elif not dtype.isnative:
         why = "its bytes are in the other byte order than this machine's"
-        fix = f"x.astype(np.{x.dtype.newbyteorder('=').name}), in this machine's order"
+        fix = f"x.astype(np.{dtype.newbyteorder('=').name}), in this machine's order"
     else:
         return None
+    what = (
+        "a NumPy array" if isinstance(x, np.ndarray) else f"a NumPy scalar, np.{type(x).__name__},"
+    )
     return SignatureError(
-        _UNFIT_ARRAY.format(caller=caller, path=path, dtype=x.dtype, why=why, fix=fix)
+        _UNFIT_ARRAY.format(caller=caller, path=path, what=what, dtype=dtype, why=why, fix=fix)
     )
 
 

@@ -23,6 +23,13 @@ from symjax_mlp._npy import draw
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
 _ARRAYS = (np.ndarray, np.generic, jax.Array)  # placed on the device; the rest are settings
+
+
+def _is_array(a: Any) -> bool:
+    """Placed on the device: an array or a NumPy number; a ``np.str_`` is a str, a setting."""
+    return isinstance(a, _ARRAYS) and not isinstance(a, str | bytes)
+
+
 _STATIC = (
     'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the artifact has static shapes, '
     "({types}), so batch sizes nothing and it would time those shapes, not batch {batch}. Drop "
@@ -126,13 +133,13 @@ def _hybrid_floor(h: Any, kwargs: Any, args: tuple[Any, ...]) -> Callable[[], An
 
     def flat(params: Any, state: Any, arrays: list[Any]) -> Any:  # Python settings closed over
         placed = iter(arrays)
-        leaves = [next(placed) if isinstance(leaf, _ARRAYS) else leaf for leaf in given]
+        leaves = [next(placed) if _is_array(leaf) else leaf for leaf in given]
         inputs, kw = jax.tree.unflatten(tree, leaves)
         if not h.stateful:
             return h.fn(params, *inputs, **kw)
         return h.fn_with_state(params, state, *inputs, **kw)  # h.fn drops the new state
 
-    arrays = [leaf for leaf in given if isinstance(leaf, _ARRAYS)]
+    arrays = [leaf for leaf in given if _is_array(leaf)]
     return _compiled(flat, h.params, [h.state, arrays], h.params_as_constants)  # state: an input
 
 
@@ -281,7 +288,7 @@ def timeit(
         )
     if loaded:
         args = _inputs(model, args, batch)
-    elif not args and not any(isinstance(v, _ARRAYS) for v in jax.tree.leaves(dict(kwargs))):
+    elif not args and not any(map(_is_array, jax.tree.leaves(dict(kwargs)))):
         raise ConfigError(f"timeit({name}): pass the inputs to time it on: timeit(h, x).")
     else:  # refused as its call refuses them (a str array), before device_put meets them
         nums, names = model.static_argnums, model.static_argnames
@@ -289,7 +296,7 @@ def timeit(
     stateful = not loaded and model.stateful  # timed on a copy: its own state stays as it was
     timed = model.replace(state=model.state) if stateful else model
     said = _JIT_STATE if stateful else _IREE if loaded and model.runtime != "jax" else _JIT
-    put = lambda a: jax.device_put(a) if isinstance(a, _ARRAYS) else a  # noqa: E731
+    put = lambda a: jax.device_put(a) if _is_array(a) else a  # noqa: E731
     placed, kwargs = jax.tree.map(put, (args, dict(kwargs)))
     call = lambda: timed(*placed, **kwargs)  # noqa: E731
     _loop(call, warmup, pipelined=False)  # inputs it refuses: refused as its calls do

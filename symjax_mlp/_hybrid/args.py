@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, as_bool, as_int
-from symjax_mlp._specs import MASKED_INPUT, array_types, foreign_array, unfit_array
+from symjax_mlp._specs import array_types, foreign_array, unfit_array
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 ARRAYS = array_types()  # what a hot path takes as it is
@@ -75,9 +75,7 @@ def partition(
     """``(static key, traced args, traced kwargs)``, the key's entries ``(place or name,
     value, kind)``; a list is refused, but with ``lists`` one holding arrays is traced; a
     traced leaf neither array nor number is refused, and ``own`` (the Hybrid, its model)."""
-    for path, value in _walk(caller, args, kwargs):
-        if isinstance(value, np.ma.MaskedArray):
-            raise SignatureError(MASKED_INPUT.format(caller=caller, path=path))
+    list(_walk(caller, args, kwargs))  # each input checked: a masked array, a str one refused
     static: list[tuple[Any, Any, Any]] = []
     dyn_args, dyn_kwargs = [], {}  # type: list[Any], dict[str, Any]
     for key, value in (*enumerate(args), *kwargs.items()):
@@ -148,11 +146,12 @@ def not_data(caller: str, error: Exception, args: Sequence[Any], kwargs: dict[st
     None; dict, tuple; number; by keyword, a str) if the model raised ``error`` (not ours)."""
     if not isinstance(error, _MODEL_ERRORS) or isinstance(error, _KEPT):
         return None
-    inputs = [*enumerate(args), *((k, v) for k, v in kwargs.items() if type(v) in (str, bytes))]
-    kinds = ((str, bytes, type(None)), (dict, tuple), (int, float, complex))  # a bool: a setting
+    inputs = [*enumerate(args), *((k, v) for k, v in kwargs.items() if isinstance(v, str | bytes))]
+    kinds = ((str, bytes, np.str_, np.bytes_, type(None)), (dict, tuple), (int, float, complex))
     for path, v in ((path_of(k), v) for ks in kinds for k, v in inputs if type(v) in ks):
         shown = f"keys {sorted(map(str, v))[:5]}" if type(v) is dict else repr(v)[:40]
-        what = "None" if v is None else f"a Python {type(v).__name__} ({shown})"
+        kind = ("NumPy " if isinstance(v, np.generic) else "Python ") + type(v).__name__
+        what = "None" if v is None else f"a {kind} ({shown})"  # (a bool: a setting, not here)
         line = f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"[:200]
         return SignatureError(_NOT_DATA.format(caller=caller, path=path, what=what, error=line))
     return None
@@ -253,7 +252,7 @@ def _walk(caller: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[
     todo = [(path_of(k), v, ()) for k, v in (*enumerate(args), *kwargs.items())][::-1]
     while todo:
         path, value, within = todo.pop()
-        if error := unfit_array(caller, f"input {path}", value):  # str, big-endian: named
+        if error := unfit_array(caller, f"input {path}", value):  # masked, str, big-endian: named
             raise error from None  # (not after jit's error on it, in h's hot path)
         yield path, value
         if isinstance(value, (tuple, list, dict)):
