@@ -115,6 +115,9 @@ class VerifyReport:
         return "\n".join(lines)
 
 
+_NO_NUMBER = (bool, np.timedelta64)  # numbers.Integral, but a flag and a duration (of a unit)
+
+
 def verify(
     path: str | os.PathLike[str],
     reference: Callable[..., Any] | None = None,
@@ -181,20 +184,24 @@ def verify(
         isinstance(batches, str)
         or not isinstance(batches, Iterable)
         or not (batches := tuple(batches))
-        or any(not isinstance(b, numbers.Integral) or isinstance(b, bool) or b < 1 for b in batches)
+        or any(
+            not isinstance(b, numbers.Integral) or isinstance(b, _NO_NUMBER) or b < 1
+            for b in batches
+        )
     ):
         raise ConfigError(f"verify(batches={batches!r}): pass a tuple of batch sizes >= 1.")
     batches = tuple(dict.fromkeys(int(b) for b in batches))  # each drawn and checked once
     for option, value in (("rtol", rtol), ("atol", atol)):
-        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        real = isinstance(value, numbers.Real) and not isinstance(value, _NO_NUMBER)
         if not (real and 0 <= value < math.inf):  # NaN is not >= 0
             raise ConfigError(  # inf would pass every output
                 f"verify({option}={value!r}): pass a number >= 0, finite, as numpy.allclose takes."
             )
+    rtol, atol = float(rtol), float(atol)  # a Fraction, a np.float16: as numpy.allclose takes
     if not isinstance(trust := as_bool(trust), bool):  # 1 == True, as export refuses it
         raise ConfigError(f"verify(trust={trust!r}): expected True or False.")
     seed = as_int(seed)  # each refused here, not as NumPy's or subprocess's raw error
-    real = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+    real = isinstance(timeout, numbers.Real) and not isinstance(timeout, _NO_NUMBER)
     names = allow is None or (isinstance(allow, Iterable) and not isinstance(allow, str | bytes))
     signed = verify_signature is None or isinstance(verify_signature, str | os.PathLike)
     checks = {

@@ -488,3 +488,24 @@ def test_odd_numpy_objects_are_named_at_every_door(case, tmp_path):
             continue  # a setting the model raised on, in export's trace: not export's to name
         with pytest.raises(sm.SignatureError, match=says):
             call()
+
+
+@pytest.mark.parametrize("option", ["rtol", "batches", "timeout"])
+def test_verify_refuses_a_numpy_duration_for_a_number(option, tmp_path):
+    """np.timedelta64 is a numbers.Integral to Python: verify(rtol=it) raised NumPy's
+    UFuncTypeError, batches=(it,) int()'s TypeError: each is refused, before any work."""
+    given = {option: np.timedelta64(5, "s") if option != "batches" else (np.timedelta64(5, "s"),)}
+    with pytest.raises(sm.ConfigError, match=rf"^verify\({option}=.*np\.timedelta64\(5,'s'\)"):
+        sm.verify(tmp_path, **given)
+
+
+@pytest.mark.slow  # verify runs the artifact in a fresh Python process (~2 s)
+def test_verify_takes_a_tolerance_of_any_real_number_type(tmp_path):
+    """verify(rtol=Fraction(1, 10**5)) passed its check, then raised NumPy's TypeError
+    ('isfinite' not supported) comparing the outputs: a Fraction, a np.float16 are floats."""
+    import fractions
+
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    art = sm.export(h, tmp_path / "m", example=np.ones((1, 3), np.float32))
+    report = sm.verify(art.path, h, rtol=fractions.Fraction(1, 10**5), batches=(1,))
+    assert report.ok and type(report.rtol) is float and report.rtol == 1e-5
