@@ -120,6 +120,11 @@ _UNFIT_ARRAY = (
     "{caller}: {path} is {what} of dtype {dtype}, which XLA cannot compute on ({why}). "
     "Convert it: {fix}."
 )
+_MATRIX = (
+    "{caller}: {path} is a np.matrix, whose * is a matrix product (and ** a matrix power), so "
+    "the model's x * w means one thing run eagerly and another compiled (an array's elementwise "
+    "product). Pass np.asarray(x)."
+)
 _NO_NUMBERS = "it takes bool, int, float and complex numbers"
 _UNFIT = {  # by dtype kind: why, and the fix
     "O": (_NO_NUMBERS, "x.astype(np.float32) (a table's text columns encoded first)"),
@@ -132,14 +137,16 @@ _UNFIT = {  # by dtype kind: why, and the fix
 
 def unfit_array(caller: str, path: str, x: Any) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for ``x`` at ``path`` (``"input args[0]"``) if
-    it is a NumPy array or scalar no JAX array holds: masked, of no numbers (str, objects: a table's
-    ``df.values``; datetimes, raw bytes: ``np.void``), of a float wider than float64
-    (``np.longdouble``), or of bytes in the other order (big-endian, a FITS file's); else
-    ``None``. ``np.str_`` and ``np.bytes_`` are a str and bytes: Python settings, not arrays."""
+    it is a NumPy array or scalar no JAX array holds: masked, a ``np.matrix``, of no numbers
+    (str, objects: a table's ``df.values``; datetimes, raw bytes: ``np.void``), of a float
+    wider than float64 (``np.longdouble``), or of bytes in the other order (big-endian, a FITS
+    file's); else ``None``. A ``np.str_`` (``np.bytes_``) is a str: a Python setting, no array."""
     if not isinstance(x, (np.ndarray, np.generic)) or isinstance(x, (str, bytes)):
         return None
     if isinstance(x, np.ma.MaskedArray):  # a program has no mask: it would compute on the data
         return SignatureError(MASKED_INPUT.format(caller=caller, path=path.removeprefix("input ")))
+    if isinstance(x, np.matrix):
+        return SignatureError(_MATRIX.format(caller=caller, path=path))
     dtype, kind = x.dtype, {"S": "O", "U": "O", "m": "M"}.get(x.dtype.kind, x.dtype.kind)
     wide = kind in "fc" and dtype.itemsize > (8 if kind == "f" else 16)  # float128, complex256
     if kind in "OM" or dtype.type is np.void or wide:  # (bfloat16's kind is "V" too: no void)

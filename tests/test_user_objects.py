@@ -463,6 +463,10 @@ _ODD = {  # a stranger's NumPy object -> how each door names it
     "clongdouble array": (np.ones(3, np.clongdouble), r"array of dtype complex256.*complex128"),
     "masked": (np.ma.array([1.0, 2.0, 3.0], mask=[0, 1, 0]), r"args\[1\] is a NumPy masked"),
     "np.str_": (np.str_("abc"), r"args\[1\] is a NumPy str_ \(np\.str_\('abc'\)\), not an array"),
+    "matrix": (
+        np.ones((1, 3)).view(np.matrix),  # (np.matrix(...) warns: not recommended)
+        r"args\[1\] is a np\.matrix, whose \* is a matrix product",
+    ),
 }
 
 
@@ -470,7 +474,8 @@ _ODD = {  # a stranger's NumPy object -> how each door names it
 def test_odd_numpy_objects_are_named_at_every_door(case, tmp_path):
     """h(x, np.void(...)), a datetime64, a float128, h.apply(...) on them raised JAX's raw
     TypeError ('not a valid JAX type'); h.eager(x, masked) computed on the mask's hidden values
-    (the compiled call refuses it); timeit(h, x, np.str_(...)) raised device_put's TypeError.
+    (the compiled call refuses it); timeit(h, x, np.str_(...)) raised device_put's TypeError;
+    h.eager(x, np.matrix(...)) computed x * p as a matrix product (h(...): elementwise).
     Each door names the input by path and its type, as for an array of str."""
     value, says = _ODD[case]
     if "longdouble" in case and not _WIDE:
