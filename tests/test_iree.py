@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from fuzzing import forge
-from helpers import ZOO
+from helpers import ZOO, made_once
 from iree.compiler.tools.binaries import find_tool
 
 import symjax_mlp as sm
@@ -275,16 +275,18 @@ def test_iree_runs_a_multi_platform_export(tmp_path):
 
 
 @pytest.mark.parametrize("case", [c for c in ZOO if c.name != "linen_dict"], ids=lambda c: c.name)
-def test_every_zoo_model_runs_under_iree_as_under_jax(case, tmp_path):
+def test_every_zoo_model_runs_under_iree_as_under_jax(case, tmp_path_factory):
     """Each zoo model's artifact (eval mode), loaded (its self-test passing) and run on two
     inputs of 2 rows, in the module the load compiled for its self-test. A module per further
     batch size is the same program at another static shape: the chapter's, the rank-above-2
     and the results tests compile those (a batch of 1 here cost a compile per model, a third
-    of this test's CPU)."""
-    h = case.hybridize()
-    xs = case.inputs(0)
-    art = sm.export(h, tmp_path / case.name, example=xs, kwargs=case.eval)
-    m, want = sm.load(art.path, runtime="iree"), sm.load(art.path)
+    of this test's CPU). The artifact is tests/test_zoo.py's, exported once in the run."""
+
+    def make(path):  # as tests/test_zoo.py's exported() makes it, under the same name
+        sm.export(case.hybridize(), path, example=case.inputs(0), kwargs=case.eval)
+
+    path = made_once(tmp_path_factory, f"zoo/{case.name}", make)
+    m, want = sm.load(path, runtime="iree"), sm.load(path)
     for seed in (1, 2):
         arrays = [x[:2] for x in case.inputs(seed) if hasattr(x, "shape")]
         chex.assert_trees_all_close(m(*arrays), want(*arrays), rtol=2e-5, atol=2e-5)

@@ -7,6 +7,8 @@ Flax, and the eval-mode model exports and loads back.
 
 from __future__ import annotations
 
+from functools import partial
+
 import chex
 import flax.linen as nn
 import jax
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ZOO, Case, NnxModes, keyless, pure_state, reference_calls
+from helpers import ZOO, Case, NnxModes, keyless, made_once, pure_state, reference_calls
 
 import symjax_mlp as sm
 
@@ -490,14 +492,16 @@ def test_stage_and_graph_take_the_same_arguments(case: Case):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """``exported(case) -> (Hybrid, Artifact)``: the case's eval-mode model, exported once for
-    the two tests below that load it."""
+    """``exported(case) -> (Hybrid, Artifact)``: the case's eval-mode model, exported once in
+    the run for the two tests below that load it and tests/test_iree.py's (by whichever
+    pytest-xdist worker comes first: each builds its Hybrid from the same seeds)."""
     done = {}
 
     def export(case: Case):
         if case.name not in done:
-            h, path = case.hybridize(), tmp_path_factory.mktemp("zoo") / case.name
-            done[case.name] = h, sm.export(h, path, example=case.inputs(0), kwargs=case.eval)
+            h = case.hybridize()
+            make = partial(sm.export, h, example=case.inputs(0), kwargs=case.eval)
+            done[case.name] = h, sm.inspect(made_once(tmp_path_factory, f"zoo/{case.name}", make))
         return done[case.name]
 
     return export
