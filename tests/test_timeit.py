@@ -35,7 +35,7 @@ def check_fields(t, calls, repeats):
         assert t.over_compiled(mode) == pytest.approx(t.min(mode) / t.min(f"compiled_{mode}"))
 
 
-def test_a_hybrid_against_its_floor(hybrid):
+def test_a_hybrid_against_its_floor(hybrid, monkeypatch):
     h, x = hybrid
     t = sm.timeit(h, x, calls=5, repeats=3, warmup=2)
     check_fields(t, 5, 3)
@@ -52,6 +52,8 @@ def test_a_hybrid_against_its_floor(hybrid):
     assert lines[0] == "tiny: 5 calls x 3 repeats, per call, JAX async dispatch"
     assert [line.split(",")[0] for line in lines[2:6]] == ["model", "compiled"] * 2
     assert f"{t.over_compiled():.3f}x" in lines[2]
+    monkeypatch.setattr(sm.serving, "dispatch_mode", lambda: "sync")  # as in latency mode
+    assert sm.timeit(h, x, calls=1, repeats=1).dispatch == "sync"  # read as it times
 
 
 @pytest.fixture
@@ -176,6 +178,10 @@ def test_cli_bench_times_an_artifact(hybrid, tmp_path, capsys):
     assert "--calls: must be an int >= 1" in capsys.readouterr().err
 
 
+# a fresh process (~7 s in the suite): its parts run in the default run, cheaper: the CLI calls
+# latency_mode for --dispatch sync (the test below), latency_mode in a fresh process makes
+# dispatch sync (test_serving.py), and a timing reports dispatch_mode() (above)
+@pytest.mark.slow
 def test_cli_bench_in_latency_mode_runs_in_its_own_process(hybrid, tmp_path):
     import subprocess
     import sys
