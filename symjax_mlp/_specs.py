@@ -126,9 +126,10 @@ _MATRIX = (
     "product). Pass np.asarray(x)."
 )
 _NO_NUMBERS = "it takes bool, int, float and complex numbers"
+_KINDS = {"S": "O", "U": "O", "m": "M"}  # bytes and str as objects, durations as datetimes
 _UNFIT = {  # by dtype kind: why, and the fix
     "O": (_NO_NUMBERS, "x.astype(np.float32) (a table's text columns encoded first)"),
-    "M": (_NO_NUMBERS, "x.astype(np.int64) (a count of its unit, since 1970) or a float of it"),
+    "M": (_NO_NUMBERS, "x.astype(np.int64) (a count of its unit: days, seconds) or a float of it"),
     "V": (_NO_NUMBERS, "x.view(np.float32) where its bytes are float32s, or pass its fields"),
     "f": ("JAX's widest float is float64", "x.astype(np.float32)"),
     "c": ("JAX's widest complex is complex128", "x.astype(np.complex64)"),
@@ -147,7 +148,7 @@ def unfit_array(caller: str, path: str, x: Any) -> SignatureError | None:
         return SignatureError(MASKED_INPUT.format(caller=caller, path=path.removeprefix("input ")))
     if isinstance(x, np.matrix):
         return SignatureError(_MATRIX.format(caller=caller, path=path))
-    dtype, kind = x.dtype, {"S": "O", "U": "O", "m": "M"}.get(x.dtype.kind, x.dtype.kind)
+    dtype, kind = x.dtype, _KINDS.get(x.dtype.kind, x.dtype.kind)
     wide = kind in "fc" and dtype.itemsize > (8 if kind == "f" else 16)  # float128, complex256
     if kind in "OM" or dtype.type is np.void or wide:  # (bfloat16's kind is "V" too: no void)
         why, fix = _UNFIT[kind]
