@@ -515,8 +515,6 @@ def test_an_output_unlike_the_warm_ups_is_named_by_its_path_or_none(tuple_out):
     assert "dtype int32; it must return one row per input row" in said, said
 
 
-@pytest.mark.xfail(strict=True, reason="serving/_requests.py's RequestCheck._read reads a request "
-                   "with np.asarray(x), which drops a mask: a change for its owner")  # fmt: skip
 def test_a_masked_request_is_refused_as_a_loaded_models_call_refuses_it():
     """b.submit(np.ma.array(...)) computed on the masked entries' hidden values, as if data,
     without a word (np.asarray drops the mask); m(x) and h(x) refuse it, naming x.filled(0.0)."""

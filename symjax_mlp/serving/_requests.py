@@ -17,7 +17,7 @@ from symjax_mlp._compat import SharedLockFuture
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._loaded import LoadedModel
-from symjax_mlp._specs import TensorSpec, out_of_range
+from symjax_mlp._specs import TensorSpec, out_of_range, unfit_array
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -293,6 +293,10 @@ class RequestCheck:
             numpy = numpy and type(x) is np.ndarray
             if isinstance(x, _NUMBERS):  # as LoadedModel takes them: JAX's weak types
                 x = as_array(x, self.specs[i], self.name)  # a ragged list: refused
+            if type(x) is not np.ndarray and (
+                error := unfit_array(self.name, f"input {self.specs[i].path}", x)
+            ):
+                raise error  # np.asarray would drop a mask, compute a np.matrix as a matrix
             a = x if type(x) is np.ndarray else np.asarray(x)  # read on the host anyway
             why = self._why(i, a, rows)
             if why:
