@@ -1401,21 +1401,28 @@ def test_a_signature_refused_says_the_public_call_first_not_the_artifacts_path(
     assert "verify_signature= is --key" in err, err
 
 
-def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_path):
+def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_path, monkeypatch):
     """Later cold starts skip reading the module again (the report is cached under the
     module's sha256 in the user's cache, signed with the user's key); a damaged or planted
-    entry is never trusted: the module is read again and the entry rewritten."""
+    entry is never trusted: the module is read again and the entry rewritten. (A cold start
+    in this process: its own memory of reports emptied, the checker child's reads counted.)"""
+    from symjax_mlp._artifact import checker
+
     net = sm.mlp((4, 2))
     x = jnp.ones((2, 3))
     art = sm.export(sm.hybridize(net, net.init(jax.random.key(0), x)), tmp_path / "m", example=x)
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
-    code = f"import symjax_mlp as sm; sm.load({str(art.path)!r}); print('loaded')"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    reads, read = [], checker.CHECKER.report
+    monkeypatch.setattr(
+        checker.CHECKER, "report", lambda data, **kw: reads.append(1) or read(data, **kw)
+    )
 
-    def load_fresh() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
+    def load_cold() -> int:
+        monkeypatch.setattr(checker, "_REPORTS", {})
+        sm.load(art.path)
+        return len(reads)
 
-    assert load_fresh().stdout.strip() == "loaded"
+    assert load_cold() == 1
     cached = sorted((tmp_path / "cache" / "symjax_mlp" / "ops").iterdir())
     bodies = {f: f.read_bytes().partition(b"\n")[2] for f in cached}  # after the signature
     (entry,) = [f for f in cached if bodies[f].startswith(b"{")]  # the report; verdicts
@@ -1425,9 +1432,12 @@ def test_an_op_report_is_cached_per_user_and_a_damaged_entry_is_read_again(tmp_p
     ]
     report = json.loads(bodies[entry])
     assert report["counts"]["stablehlo.dot_general"] == 2 and report["problems"] == []
-    for planted in (dict(report, problems=[["while", "planted"]]), "\x00 not json"):
-        entry.write_text(planted if isinstance(planted, str) else json.dumps(planted))
-        assert load_fresh().stdout.strip() == "loaded"  # read again, not trusted
+    assert load_cold() == 1  # the cached report: not read again
+    tag = "0" * 64  # a report a stranger planted under a wrong signature, and a damaged one
+    planted = json.dumps(dict(report, problems=[{"key": "while", "what": "planted"}]))
+    for n, text in enumerate((f"{tag}\n{planted}", f"{tag}\n\x00 not json")):
+        entry.write_text(text)
+        assert load_cold() == 2 + n  # read again, not trusted
         assert json.loads(entry.read_bytes().partition(b"\n")[2]) == report
 
 
@@ -1448,30 +1458,24 @@ def test_a_cached_report_is_keyed_by_the_rules_that_made_it(tmp_path, monkeypatc
     assert checker._cache_key("0" * 64) != before
 
 
-def test_a_checker_that_cannot_start_says_so_not_that_the_module_is_crafted(tmp_path):
+def test_a_checker_that_cannot_start_says_so_not_that_the_module_is_crafted(tmp_path, monkeypatch):
     """The checker child imports symjax_mlp and jax from the caller's sys.path; when it
     cannot, the error says that (it used to blame the module)."""
+    from symjax_mlp._artifact import checker
+
     net = sm.mlp((4, 2))
     x = jnp.ones((2, 3))
     art = sm.export(sm.hybridize(net, net.init(jax.random.key(0), x)), tmp_path / "m", example=x)
-    code = textwrap.dedent(
-        f"""
-        import sys
-        import symjax_mlp as sm
-        sys.path.insert(0, {str(tmp_path / "shadow")!r})  # a jax that cannot be imported
-        try:
-            sm.load({str(art.path)!r})
-        except sm.ArtifactError as e:
-            print(e)
-        """
-    )
     (tmp_path / "shadow" / "jax").mkdir(parents=True)
     (tmp_path / "shadow" / "jax" / "__init__.py").write_text("raise ImportError('no jax here')")
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))  # no cached report
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-    said = done.stdout
-    assert "the module checker" in said and "did not start" in said, done.stderr[-2000:]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no cached report
+    monkeypatch.setattr(checker, "_REPORTS", {})
+    monkeypatch.setattr(checker, "CHECKER", checker.Checker())  # a child started afresh
+    monkeypatch.syspath_prepend(str(tmp_path / "shadow"))  # a jax that cannot be imported
+    with pytest.raises(sm.ArtifactError) as info:
+        sm.load(art.path)
+    said = str(info.value)
+    assert "the module checker" in said and "did not start" in said
     assert "ImportError: no jax here" in said and "crafted" not in said
 
 
