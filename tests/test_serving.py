@@ -1607,18 +1607,6 @@ def test_http_concurrent_clients_get_their_own_answers(server):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_the_server_finishes_in_flight_requests_on_sigterm(tmp_path):
-    art = sm.chapter.export_mlp(tmp_path / "mlp")
-    proc, url = _start(art.path)
-    try:
-        body = json.dumps({"inputs": rows(2).tolist()}).encode()
-        assert _post(url, body, "application/json")[0] == 200
-    finally:
-        code, out, err = _stop(proc, signal.SIGTERM)
-    assert code == 0, err
-    assert "shut down cleanly" in out
-
-
 def test_serving_without_the_extra_says_which_extra_to_install(tmp_path):
     art = sm.chapter.export_mlp(tmp_path / "mlp")
     blocker = (
@@ -1820,9 +1808,10 @@ def test_the_gpu_check_script_exists_and_is_bash():
     assert out.returncode == 0, out.stderr
 
 
-def test_serve_params_as_constants_answers_as_a_plain_load(tmp_path):
+def test_serve_params_as_constants_answers_as_a_plain_load_and_finishes_on_sigterm(tmp_path):
     art = sm.chapter.export_mlp(tmp_path / "mlp")
     proc, url = _start(art.path, "--max-batch", "4", "--params-as-constants")
+    plain = sm.load(art.path)
     try:
         assert json.loads(_get(url, "/signature")[2])["params_as_constants"] is True
         for n, bucket in ((1, 1), (3, 4)):  # a whole bucket, and 3 rows padded to 4
@@ -1832,11 +1821,12 @@ def test_serve_params_as_constants_answers_as_a_plain_load(tmp_path):
             status, _, raw = _post(url, body.getvalue(), "application/x-npy")
             assert status == 200, raw
             padded = np.concatenate([x, np.zeros((bucket - n, 512), np.float32)])
-            want = np.asarray(sm.load(art.path)(padded))  # what the batcher ran, plain
+            want = np.asarray(plain(padded))  # what the batcher ran, plain
             np.testing.assert_array_equal(np.load(io.BytesIO(raw)), want[:n])
-    finally:
-        code, _, err = _stop(proc)
+    finally:  # SIGTERM (a process manager's stop), not the fixture's SIGINT: a clean exit too
+        code, out, err = _stop(proc, signal.SIGTERM)
     assert code == 0, err
+    assert "shut down cleanly" in out
 
 
 def test_serve_params_as_constants_on_iree_is_a_clear_error(tmp_path, capsys):
