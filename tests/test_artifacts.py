@@ -438,8 +438,8 @@ def test_several_entry_points_share_one_weight_file(tmp_path):
         assert m.entries == ("predict", "embed", "decode") and m.entry == "predict"
         assert m["predict"] is m and m["embed"] is m["embed"]
         assert m.metadata == {"labels": [1, 2, 3]}
-        for name, h in points.items():
-            x = jnp.full((7, examples[name].shape[1]), 0.5)
+        for name, h in points.items():  # decode at a batch its load did not compile
+            x = jnp.full((7 if name == "decode" else 2, examples[name].shape[1]), 0.5)
             chex.assert_trees_all_close(m[name](x), h(x), **TOL)
         with pytest.raises(KeyError, match=r"no entry point .nope.; it has predict, embed"):
             m["nope"]
