@@ -392,9 +392,9 @@ def test_a_float16_model_passes_its_self_test_under_iree(tmp_path):
     net = Half()
     h = sm.hybridize(net, net.init(jax.random.key(1), x))
     art = sm.export(h, tmp_path / "half", example=x)
-    y = sm.load(art.path, runtime="iree")(x)  # the self-test runs, under IREE
+    y = sm.load(art.path, runtime="iree")(x[:2])  # the self-test runs, under IREE (batch 2)
     eps = float(jnp.finfo(jnp.float16).eps)
-    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(h(x), np.float32),
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(h(x[:2]), np.float32),
                                rtol=4 * eps, atol=4 * eps)  # fmt: skip
 
 
