@@ -372,23 +372,17 @@ def test_a_verdict_remembered_under_other_bounds_never_lets_a_call_through(tmp_p
 def test_shapes_computed_in_a_vjp_module_are_bounded_when_jax_grad_calls_it(tmp_path):
     """jax.grad of a loaded model runs the VJP module it carries: the same hidden
     (10**5, 10**5) tensor there (unchecked, XLA compiles it and the gradient comes out 5e14
-    off) is bounded when a gradient first calls it; the forward program, untouched, runs."""
+    off) is bounded when a gradient first calls it; the forward program, untouched, runs.
+    (An honest VJP module of order 2 under the bound: test_transforms' hessian test.)"""
     net = sm.mlp((4, 2))
     x = jnp.asarray(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3))
     h = sm.hybridize(net, net.init(jax.random.key(0), x))
-    src = sm.export(h, tmp_path / "mlp", example=x, batch="b", vjp_order=2).path
-    m = sm.load(src)  # honest: gradients of both orders as the Hybrid's
+    one = sm.export(h, tmp_path / "one", example=x, batch="b", vjp_order=1).path
+    m = sm.load(one)  # honest: its gradient is the Hybrid's, under the bound
     for grad in (jax.grad, lambda f: jax.jit(jax.grad(f))):
         np.testing.assert_allclose(
             grad(lambda x: m(x).sum())(x), jax.grad(lambda x: h(x).sum())(x), rtol=1e-6
         )
-
-    def second(f):
-        return jax.grad(lambda x: jax.grad(lambda x: (f(x) ** 2).sum())(x).sum())
-
-    np.testing.assert_allclose(second(m)(x), second(h)(x), rtol=1e-5, atol=1e-6)
-
-    one = sm.export(h, tmp_path / "one", example=x, batch="b", vjp_order=1).path
     art = forge.forge_vjp(one, tmp_path / "dyn", forge.vjp_dynamic_huge)
     assert sm.inspect(art).program().problems == ()  # nothing static to see
     t0 = time.perf_counter()
@@ -482,15 +476,17 @@ def test_a_module_that_crashes_stablehlos_reader_is_refused_not_a_crash(base, tm
 
 def test_a_module_that_hangs_stablehlos_reader_is_refused_in_seconds(base, tmp_path, monkeypatch):
     """Two flipped bits made the reader loop for ever (seed 1 case 15919). The reader's bound,
-    10 s, is 2 s here: the loop never ends, and the child spins for the whole wait."""
+    10 s, is 0.5 s here: the loop never ends, and the child spins for the whole wait."""
     from symjax_mlp._artifact.checker import Checker
 
-    monkeypatch.setattr(Checker, "TIMEOUT", 2.0)
+    monkeypatch.setattr(Checker, "TIMEOUT", 0.5)
     src, _ = base
     module = (REGRESSIONS / "reader_hang.mlirbc").read_bytes()
     art = forge.resign(src, tmp_path / "hang", module=module)
     t0 = time.perf_counter()
-    with pytest.raises(sm.ArtifactError, match=r"reading the StableHLO module took more than 2 s"):
+    with pytest.raises(
+        sm.ArtifactError, match=r"reading the StableHLO module took more than 0.5 s"
+    ):
         sm.load(art)
     assert time.perf_counter() - t0 < 20
 
@@ -752,7 +748,7 @@ def test_crafted_safetensors_are_artifact_errors(base, tmp_path, what):
 def test_a_large_sparse_listed_file_is_hashed_in_chunks(base, tmp_path):
     """Listed files no runtime uses are hashed, never held; used ones are held once."""
     src, _ = base
-    size = 256 << 20
+    size = 128 << 20  # held, it would grow the peak by this much
     blob = tmp_path / "blob.bin"
     with open(blob, "wb") as f:
         f.truncate(size)  # sparse: no disk, all zeros
