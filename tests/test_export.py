@@ -531,15 +531,17 @@ def test_params_swap_and_tree_mismatch(tmp_path):
     np.testing.assert_allclose(m(x), h2(x), rtol=1e-6, atol=0)
     np.testing.assert_allclose(sm.load(tmp_path / "one", params=h2.params)(x), h2(x), rtol=1e-6)
 
-    h3, _ = small(seed=1, sizes=(16, 4, 3))
-    sm.export(h3, tmp_path / "three", example=x)
+    weights = safetensors.numpy.load_file(tmp_path / "two" / "params.safetensors")
+    (tmp_path / "three").mkdir()  # a deeper MLP's weights: a third layer
+    deeper = {**weights, "params/layers_2/kernel": np.ones((3, 3), np.float32)}
+    deeper["params/layers_2/bias"] = np.ones(3, np.float32)
+    safetensors.numpy.save_file(deeper, tmp_path / "three" / "params.safetensors")
     with pytest.raises(sm.ArtifactError) as e:
         sm.load(tmp_path / "one", params=str(tmp_path / "three" / "params.safetensors"))
     msg = str(e.value)
     assert "three/params.safetensors does not match the artifact's param tree" in msg
     assert "0 missing, 2 extra" in msg and "extra:   params/layers_2/kernel" in msg
 
-    weights = safetensors.numpy.load_file(tmp_path / "two" / "params.safetensors")
     weights["params/Dense_9/kernel"] = weights.pop("params/layers_1/kernel")
     safetensors.numpy.save_file(weights, tmp_path / "renamed.safetensors")
     with pytest.raises(sm.ArtifactError, match=r"renamed to params/Dense_9/kernel\?"):
