@@ -225,16 +225,18 @@ def test_serve_of_a_model_whose_warm_up_never_ends_exits_2_saying_why(tmp_path):
     assert named in done.stderr, done.stderr
 
 
-def test_broken_pipe_is_quiet():
-    done = subprocess.run(
-        f"{sys.executable} -m symjax_mlp graph --format hlo | head -1",
-        shell=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.stdout.startswith("HloModule") and "Traceback" not in done.stderr
-    assert "BrokenPipe" not in done.stderr
+def test_broken_pipe_is_quiet(monkeypatch, capsys):
+    """``symjax-mlp graph | head -1``: head closed the pipe; the CLI stops quietly, exit 0, and
+    the interpreter's last flush of stdout at exit finds nothing to complain about. (In
+    process, on a pipe whose reader is gone: every write breaks, not only one that loses the
+    race with head.)"""
+    read, write = os.pipe()
+    os.close(read)
+    stdout = open(write, "w", buffering=1)  # noqa: SIM115 (closed below, as at exit)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(["graph", "--sizes", "4,2", "--in-features", "3", "--format", "jaxpr"]) == 0
+    stdout.close()  # what the interpreter does at exit: quiet, no BrokenPipeError
+    assert capsys.readouterr().err == ""
 
 
 def test_ctrl_c_exits_130_in_one_line():
