@@ -200,6 +200,34 @@ os._exit(main(argv))  # the batcher's thread still runs the loop on zeros
 """
 
 
+def test_a_warm_up_that_timed_out_exits_2_naming_the_option(monkeypatch, capsys):
+    """The Batcher's warm-up TimeoutError (its own message), in process: exit 2, its message
+    and the option that sets warm_up_timeout=, no traceback (the run with a real endless
+    model, in a fresh process, is the test below, under -m slow)."""
+    from types import SimpleNamespace
+
+    import symjax_mlp as sm
+    from symjax_mlp.serving import _lane
+
+    stuck = _lane._STUCK.format(
+        self=SimpleNamespace(name="Batcher(doubling)", warming=1), timeout=1
+    )
+
+    def serve(path, **settings):
+        raise TimeoutError(stuck)
+
+    monkeypatch.setattr(sm.serving, "serve", serve)
+    assert main(["serve", "m", "--dispatch", "async", "--warm-up-timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    says = "symjax-mlp serve: error: Batcher(doubling): warming up, the model did not return"
+    assert err.startswith(says + " within 1 s") and "Traceback" not in err, err
+    named = "symjax-mlp serve: on the command line, warm_up_timeout= is --warm-up-timeout SECONDS"
+    assert named in err and "this is a bug" not in err, err
+
+
+# a fresh process whose batcher thread spins for ever (~3-5 s): CI runs it with `-m slow`; the
+# default run keeps the in-process test above and test_serving_hostile's endless warm-up
+@pytest.mark.slow
 def test_serve_of_a_model_whose_warm_up_never_ends_exits_2_saying_why(tmp_path):
     """An artifact whose loop never ends on zero rows, served with --allow while: the warm-up's
     TimeoutError went out as 'this is a bug in symjax_mlp', exit 1, with a traceback. Its
