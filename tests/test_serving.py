@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ZOO, NnxModes, keyless
+from helpers import ZOO, NnxModes, keyless, made_once
 
 import symjax_mlp as sm
 
@@ -1940,7 +1940,7 @@ def test_an_nnx_module_in_training_mode_is_refused_by_the_batcher():
 @pytest.mark.parametrize(
     "case", [c for c in ZOO if c.name != "linen_dict"], ids=lambda c: c.name
 )  # a dict input has no artifact form: an artifact's inputs are positional arrays
-def test_every_zoo_model_is_served_from_its_artifact_as_its_hybrid_answers(case, tmp_path):
+def test_every_zoo_model_is_served_from_its_artifact_as_its_hybrid_answers(case, tmp_path_factory):
     """Each zoo model (flags, state, several inputs, static settings; linen, nnx, a function)
     exported in inference mode, loaded and batched: every request gets what ``h`` gives its
     rows, whether its inputs come as arrays or as a JSON body naming each one."""
@@ -1950,8 +1950,10 @@ def test_every_zoo_model_is_served_from_its_artifact_as_its_hybrid_answers(case,
     inputs = case.inputs(0)
     arrays = [np.asarray(a) for a in inputs if hasattr(a, "shape")]  # static settings baked
     want = np.asarray(h(*inputs, **case.eval))
-    art = sm.export(h, tmp_path / case.name, example=inputs, kwargs=case.eval)
-    with sm.serving.Batcher(sm.load(art.path), max_batch=4) as b:
+    # tests/test_zoo.py's artifact of it, made once in the run
+    path = made_once(tmp_path_factory, f"zoo/{case.name}",
+                     lambda path: sm.export(h, path, example=inputs, kwargs=case.eval))  # fmt: skip
+    with sm.serving.Batcher(sm.load(path), max_batch=4) as b:
         futures = [b.submit(*(a[i : i + 1] for a in arrays)) for i in range(4)]
         got = np.concatenate([f.result(30) for f in futures])
         body = {"inputs": {f"args[{i}]": a[:2].tolist() for i, a in enumerate(arrays)}}
