@@ -58,6 +58,16 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
     return path
 
 
+def zoo_artifact(tmp_path_factory, case, h=None) -> Path:
+    """The run's one artifact of a zoo ``case``: its eval-mode model (``h``, or built from the
+    case's seeds) exported on its first inputs, by whichever test and worker comes first."""
+
+    def make(path: Path) -> None:
+        sm.export(h or case.hybridize(), path, example=case.inputs(0), kwargs=case.eval)
+
+    return made_once(tmp_path_factory, f"zoo/{case.name}", make)
+
+
 @pytest.fixture
 def chapter():
     """(net, variables, h, x): mlp((256, 128, 2)) on a (1, 512) float32 input."""

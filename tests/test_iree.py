@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from fuzzing import forge
-from helpers import ZOO, made_once
+from helpers import ZOO, zoo_artifact
 from iree.compiler.tools.binaries import find_tool
 
 import symjax_mlp as sm
@@ -282,10 +282,7 @@ def test_every_zoo_model_runs_under_iree_as_under_jax(case, tmp_path_factory):
     and the results tests compile those (a batch of 1 here cost a compile per model, a third
     of this test's CPU). The artifact is tests/test_zoo.py's, exported once in the run."""
 
-    def make(path):  # as tests/test_zoo.py's exported() makes it, under the same name
-        sm.export(case.hybridize(), path, example=case.inputs(0), kwargs=case.eval)
-
-    path = made_once(tmp_path_factory, f"zoo/{case.name}", make)
+    path = zoo_artifact(tmp_path_factory, case)
     m, want = sm.load(path, runtime="iree"), sm.load(path)
     for seed in (1, 2):
         arrays = [x[:2] for x in case.inputs(seed) if hasattr(x, "shape")]

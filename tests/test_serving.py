@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ZOO, NnxModes, keyless, made_once
+from helpers import ZOO, NnxModes, keyless, zoo_artifact
 
 import symjax_mlp as sm
 
@@ -1950,9 +1950,7 @@ def test_every_zoo_model_is_served_from_its_artifact_as_its_hybrid_answers(case,
     inputs = case.inputs(0)
     arrays = [np.asarray(a) for a in inputs if hasattr(a, "shape")]  # static settings baked
     want = np.asarray(h(*inputs, **case.eval))
-    # tests/test_zoo.py's artifact of it, made once in the run
-    path = made_once(tmp_path_factory, f"zoo/{case.name}",
-                     lambda path: sm.export(h, path, example=inputs, kwargs=case.eval))  # fmt: skip
+    path = zoo_artifact(tmp_path_factory, case, h)
     with sm.serving.Batcher(sm.load(path), max_batch=4) as b:
         futures = [b.submit(*(a[i : i + 1] for a in arrays)) for i in range(4)]
         got = np.concatenate([f.result(30) for f in futures])

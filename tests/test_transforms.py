@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ZOO, made_once
+from helpers import ZOO, zoo_artifact
 
 import symjax_mlp as sm
 
@@ -396,10 +396,7 @@ def test_vmap_over_the_zoo(tmp_path_factory, case):
     inputs = case.inputs(0)
     arrays = [i for i, x in enumerate(inputs) if hasattr(x, "shape")]
 
-    def make(path):  # as tests/test_zoo.py's exported() makes it, under the same name
-        sm.export(case.hybridize(), path, example=inputs, kwargs=case.eval)
-
-    m = sm.load(made_once(tmp_path_factory, f"zoo/{case.name}", make))
+    m = sm.load(zoo_artifact(tmp_path_factory, case))
     model, params = case.build()
 
     def source(*xs):  # the plain Flax model, in the mode export bakes in

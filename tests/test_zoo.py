@@ -7,8 +7,6 @@ Flax, and the eval-mode model exports and loads back.
 
 from __future__ import annotations
 
-from functools import partial
-
 import chex
 import flax.linen as nn
 import jax
@@ -16,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import ZOO, Case, NnxModes, keyless, made_once, pure_state, reference_calls
+from helpers import ZOO, Case, NnxModes, keyless, pure_state, reference_calls, zoo_artifact
 
 import symjax_mlp as sm
 
@@ -501,8 +499,7 @@ def exported(tmp_path_factory):
     def export(case: Case):
         if case.name not in done:
             h = case.hybridize()
-            make = partial(sm.export, h, example=case.inputs(0), kwargs=case.eval)
-            done[case.name] = h, sm.inspect(made_once(tmp_path_factory, f"zoo/{case.name}", make))
+            done[case.name] = h, sm.inspect(zoo_artifact(tmp_path_factory, case, h))
         return done[case.name]
 
     return export
