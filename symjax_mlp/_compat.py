@@ -63,8 +63,7 @@ def lapack_kernels() -> frozenset[str] | None:
         from jax._src.lax import linalg
         from jax._src.lib import lapack
 
-        targets = frozenset(lapack._lapack.registrations())
-        set_up = linalg.initialize_lapack
+        targets, set_up = frozenset(lapack._lapack.registrations()), linalg.initialize_lapack
     except (ImportError, AttributeError):
         return None
 
@@ -125,7 +124,7 @@ def transformed() -> bool | None:
 
 # -- 5b. whether forward mode (jax.linearize, jax.jvp, jax.jacfwd), not jax.vjp, traces a call -
 # Why: a loaded model cannot run forward: refused as it traces, not by JAX's TypeError later.
-# Internal: the caller's frames (sys._getframe), jax.vjp's local primals. Fallback: JAX's error.
+# Internal: the caller's frames, jax.vjp's primals, custom_lin's bwd.f. Fallback: JAX's error.
 def linearizing() -> Iterator[Any]:
     """Per jax.linearize, jvp, jacfwd (True) or vjp (its primals) calling us, innermost first."""
     frame = sys._getframe(1) if INTERNALS["linearizing"] else None
@@ -142,6 +141,10 @@ def _callers() -> dict[Any, bool]:
     forward = [inspect.unwrap(f).__code__ for f in (jax.linearize, jax.jvp)]
     forward.append(jax.jacfwd(abs).__code__)  # the function it returns (unwrapped: abs)
     return {**dict.fromkeys(forward, True), inspect.unwrap(jax.vjp).__code__: False}
+
+
+def backward_rule(bwd: Any) -> Any:  # the custom_vjp rule custom_lin's bwd wraps (None: unknown)
+    return getattr(bwd, "f", None) if INTERNALS["linearizing"] else None
 
 
 # -- 5c. the shape constraints a program checks, read from its shape assertions -------------
@@ -232,8 +235,7 @@ def gil_enabled() -> bool:
     return INTERNALS["gil"] and bool(check())
 
 
-#: :func:`gil_enabled` at import, read on hot paths
-GIL = gil_enabled()
+GIL = gil_enabled()  #: :func:`gil_enabled` at import, read on hot paths
 
 
 # -- 8. futures settled a batch at a time ----------------------------------------------------

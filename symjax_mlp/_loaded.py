@@ -220,8 +220,6 @@ class LoadedModel(NoPickle):
                 f"{self._caller}: the {self.runtime} runtime runs outside JAX, so jax.jit, "
                 "jax.vmap and jax.grad cannot trace it. Load it with runtime='jax'."
             ) from e
-        if isinstance(e, TypeError) and "forward-mode autodiff" in str(e):
-            raise ConfigError(forward_mode(self._caller, self.manifest.get("vjp_order", 0))) from e
         raise run_failed(self._caller, self._file, e, inputs) from e
 
     def _by_name(self, named: dict[str, Any], n: int) -> str:

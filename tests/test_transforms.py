@@ -601,3 +601,19 @@ def test_vmap_whose_merged_batch_breaks_a_bound_runs_one_example_at_a_time(tmp_p
     for vmap in (jax.vmap, lambda f: jax.jit(jax.vmap(f))):
         np.testing.assert_allclose(vmap(m)(xs), jax.vmap(h)(xs), **TOL)
     np.testing.assert_allclose(jax.vmap(m)(xs[:1]), jax.vmap(h)(xs[:1]), **TOL)  # merged: b = 2
+
+
+def test_forward_mode_of_a_jitted_loaded_model_is_refused_after_its_grad(mlp):
+    """jax.grad of jax.jit(m) traced the program's forward rule once, and JAX reuses that
+    trace: a later jax.jvp, jacfwd or linearize of jax.jit(m) skipped the refusal and raised
+    JAX's raw TypeError ("can't apply forward-mode autodiff (jvp) to a custom_vjp function")
+    as it lowered. ConfigError now, whatever ran before; jax.grad still runs after."""
+    h, m = mlp
+    x, loss = _xs(2, 5, seed=4), lambda x: jax.jit(m)(x).sum()
+    forward = r"differentiate forward.*reverse mode only.*jax.jacrev"
+    want = jax.grad(lambda x: h(x).sum())(x)
+    chex.assert_trees_all_close(jax.grad(loss)(x), want, **TOL)
+    for call in [_jvp, jax.jacfwd, lambda f: lambda x: jax.linearize(f, x)[1](x), _jvp]:
+        with pytest.raises(sm.ConfigError, match=forward):
+            call(jax.jit(m))(x)
+    chex.assert_trees_all_close(jax.grad(loss)(x), want, **TOL)

@@ -5,7 +5,8 @@ checks for a call (:func:`refined`).
 rows stay apart (``rows``, checked against the module at load) and every mapped input has the
 batch dimension, the mapped axis merges into it (``(n, b, ...)`` to ``(n * b, ...)``) and the
 program runs once; anywhere else once per example (``jax.lax.map``), vmap's own meaning. A
-``custom_vjp`` runs the artifact's VJP module for ``jax.grad``, checked first.
+``custom_vjp`` runs the artifact's VJP module for ``jax.grad``, checked first; forward mode is
+refused as it traces, else where JAX refuses it (:func:`refusing_forward`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from jax.interpreters.ad import JVPTracer
 
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._artifact.signature import Signature, admits
-from symjax_mlp._compat import linearizing, skipping_lapack
+from symjax_mlp._compat import backward_rule, linearizing, skipping_lapack
 from symjax_mlp._errors import ArtifactError, ConfigError
 
 
@@ -94,6 +95,25 @@ def forward_mode(caller: str, vjp_order: int) -> str:
     return _FORWARD.format(caller=caller, held=held)
 
 
+@functools.cache
+def refusing_forward() -> None:
+    """Has JAX raise a loaded model's refusal (its backward rule's ``forward_error``) where it
+    refuses forward mode of a custom_vjp, as it runs, batches or lowers its linearized call:
+    the check in ``forward`` runs once per trace, and JAX reuses one a jax.grad made."""
+    from jax.extend.core.primitives import custom_lin_p
+    from jax.interpreters import batching, mlir
+
+    def refuse(*args: Any, bwd: Any, **params: Any) -> Any:
+        if error := getattr(backward_rule(bwd), "forward_error", None):
+            raise error()
+        return jax_error(*args, bwd=bwd, **params)  # another custom_vjp: JAX's TypeError
+
+    jax_error = custom_lin_p.impl  # what JAX's three rules raise
+    custom_lin_p.def_impl(refuse)
+    batching.primitive_batchers[custom_lin_p] = refuse
+    mlir.register_lowering(custom_lin_p, refuse, cacheable=False)
+
+
 def forward_traced(xs: Sequence[Any] | None = None) -> bool:
     """Whether jax.jvp (jacfwd, hessian) or jax.linearize traces the arrays ``xs`` (``None``:
     the call), under any other tracer; a jax.vjp does where jax.jvp traces its primals
@@ -149,7 +169,7 @@ class Program:
 
     def wrap(self, module: Any, order: int = 0, n: int | None = None) -> Callable[..., Any]:
         """``module.call`` (the program, or its VJP module of ``order``) as the class says."""
-        batched = custom_vmap(module.call)
+        batched, vjp_order = custom_vmap(module.call), self.manifest.get("vjp_order", 0)
         batched.def_vmap(self.merge if order == 0 else functools.partial(_one_by_one, batched))
 
         @jax.custom_vjp
@@ -158,9 +178,9 @@ class Program:
 
         def forward(*args: Any) -> tuple[Any, Any]:  # call, not batched: jax.grad of jax.grad
             # jax.linearize(jax.jit(m)): jit traced m before linearize (no input showed it);
-            # its linear function would fail in JAX's lowering, far from here
+            # refused here, not as its linear function runs (refusing_forward, after a grad)
             if forward_traced():
-                raise ConfigError(forward_mode(self.caller, self.manifest.get("vjp_order", 0)))
+                raise ConfigError(forward_mode(self.caller, vjp_order))
             return call(*args), args
 
         def backward(args: Any, cts: Any) -> Any:
@@ -188,6 +208,9 @@ class Program:
             return tuple(jax.tree.unflatten(jax.tree.structure(args), jax.tree.leaves(out)))
 
         call.defvjp(forward, backward)
+        refused = functools.partial(ConfigError, forward_mode(self.caller, vjp_order))
+        backward.forward_error = refused  # type: ignore[attr-defined]
+        refusing_forward()
         return call
 
     def checked(self, *args: Any) -> Any:
