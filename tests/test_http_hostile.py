@@ -62,7 +62,7 @@ def _serving(cmd):
                 found = re.search(r"(http://127\.0\.0\.1:\d+)", proc.stdout.readline())
                 url = found and found.group(1)
     try:
-        assert url, "the server did not start"
+        assert url, f"the server did not start: {proc.poll() and proc.communicate()[1][-3000:]}"
         yield proc, url
     finally:
         if proc.poll() is None:

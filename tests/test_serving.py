@@ -1274,8 +1274,8 @@ def _start(path, *extra):
                 found = re.search(r"(http://127\.0\.0\.1:\d+)", line)
                 if found:
                     return proc, found.group(1)
-    _stop(proc, signal.SIGKILL)
-    raise AssertionError("the server did not start")
+    code, _, err = _stop(proc, signal.SIGKILL)
+    raise AssertionError(f"the server did not start (exit {code}): {err[-3000:]}")
 
 
 def _stop(proc, sig=signal.SIGINT):
