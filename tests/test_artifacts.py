@@ -189,6 +189,22 @@ def test_the_weights_a_loaded_model_shows_load_back_as_other_weights(mlp, loaded
     chex.assert_trees_all_close(sm.load(path, params=doubled)(x), want, **TOL)
     with pytest.raises(sm.ArtifactError, match=r"\(2 missing, 0 extra\)"):
         sm.load(path, params=dict(list(m.params.items())[:2]))
+    # the caller's own NumPy arrays, changed after load, do not change it: JAX on CPU aliased a
+    # writeable array at a 64-byte boundary (the JAX runtime followed it, IREE's copy did not)
+    mine = {k: _at_64_bytes(v) for k, v in m.params.items()}
+    kept = sm.load(path, params=mine)
+    for v in mine.values():
+        v *= 2
+    chex.assert_trees_all_close(kept(x), m(x))
+
+
+def _at_64_bytes(a):
+    """A writeable copy of ``a`` starting at a 64-byte boundary (where JAX on CPU aliases it)."""
+    raw = np.empty(a.nbytes + 64, np.uint8)
+    at = -raw.ctypes.data % 64
+    out = raw[at : at + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def test_weights_given_by_a_symbolic_link_load_and_no_file_is_named_as_params(

@@ -68,7 +68,9 @@ def _storable_path(path: str) -> bool:  # as params.safetensors and the manifest
 def param_specs(tree: Any, caller: str = "") -> tuple[list[TensorSpec], list[np.ndarray]]:
     """Flattens a params pytree into (specs, host arrays), paths joined with ``/``, each array
     in the dtype JAX traces it with (with x64 off, float64 params are float32), so that the
-    same params passed to ``load(params=...)`` match the manifest; ``caller`` heads errors."""
+    same params passed to ``load(params=...)`` match the manifest; ``caller`` heads errors.
+    A NumPy array is copied: JAX on CPU aliases one at a 64-byte boundary, and the caller's
+    later change to it would reach a loaded model (a JAX array's read-only view is kept)."""
     try:
         return _param_specs(tree)
     except ArtifactError as e:
@@ -88,6 +90,8 @@ def _param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
             )
         path = "/".join(parts) or "params"  # a single array as the params: one tensor
         arr = np.asarray(leaf)
+        if arr.flags.writeable or arr.base is None or isinstance(arr.base, np.ndarray):
+            arr = arr.copy()  # NumPy's, not JAX's buffer: the caller may still change it
         if (to := jax.dtypes.canonicalize_dtype(arr.dtype)) != arr.dtype:  # x64 off: 32 bits
             arr = _narrowed(path, arr, to)
         if arr.dtype not in _NP_TO_ST:
