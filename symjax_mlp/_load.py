@@ -177,7 +177,8 @@ def load(
     ordered = check_params(found, expected, file=source, own=params is None)
     self_test = self_test and params is None  # other weights give other outputs
     needs, signed = manifest.get("needs"), unchanged is not None  # the signer's word, if signed
-    allowed |= frozenset(needs or ()) if signed else frozenset()
+    if signed:
+        allowed |= frozenset(needs or ())
     opener = _Opener(path, manifest, runtime, blobs, mesh=mesh, trust=trust, allowed=allowed,
                      self_test=self_test, constants=params_as_constants, needs=needs,
                      signed=signed, modules=modules)  # fmt: skip
