@@ -236,6 +236,10 @@ class Case:
         ``module.eval()``, equinox's ``inference_mode``): what eval mode calls and exports;
         ``None`` if it is ``build()``'s. A setting that is callable is made anew for each run
         of calls (an ``nnx.Rngs`` the calls advance).
+      wrt: an nnx model's filter of what it trains, as its authors' ``nnx.DiffState(0, wrt)``
+        has it (``None``: ``nnx.Param``); the rest is its state.
+      grows: its calls grow its state (a linen ``sow`` inside ``bridge.ToNNX`` appends to a
+        tuple), so a compiled Hybrid traces each call anew, as ``nnx.jit`` does.
     """
 
     name: str
@@ -250,6 +254,8 @@ class Case:
     allow: frozenset = frozenset()
     carry: Callable[[], Any] | None = None
     served: Callable[[], tuple[Any, Any]] | None = None
+    wrt: Any = None
+    grows: bool = False
 
     @property
     def stateful(self) -> bool:
@@ -341,7 +347,7 @@ def reference_calls(
     if case.kind == "nnx":
         for i in range(n):
             outs.append(model(*case.inputs(i), **settings))
-        return outs, nnx.state(model, nnx.Not(nnx.Param))
+        return outs, nnx.state(model, nnx.Not(case.wrt or nnx.Param))
     if case.kind == "fn":
         return [model(params, *case.inputs(i), **settings) for i in range(n)], None
     variables, key = dict(params), case.rng
@@ -3029,6 +3035,150 @@ def vit_variables():
     return trained_head(jax.jit(init)())
 
 
+# -- flax docs_nnx/guides/bridge_guide.md, as written there (google/flax@18f8f311c275d57f46d95e
+# 41b15aa97b454754c0): "NNX variable types vs. Linen collections", both directions. Linen ->
+# NNX: a linen module of three collections (a counter it raises, what it sows) inside
+# ``bridge.ToNNX``, made by ``bridge.lazy_init`` and called ``model(x, mutable=True)``; its
+# ``setup`` reads the guide's global ``x`` (here ``BRIDGE_X``). NNX -> Linen: an nnx module of a
+# Param, an ``nnx.LoRA`` (linen collection "LoRAParam") and a registered ``Count``
+# (renamed ``BridgeCount``: nnx_basics' ``Count`` is above) as ``bridge.to_linen``
+BRIDGE_X = _x(42, (2, 4))
+
+
+class LinenMultiCollections(nn.Module):
+    out_dim: int
+
+    def setup(self):
+        self.w = self.param("w", nn.initializers.lecun_normal(), (BRIDGE_X.shape[-1], self.out_dim))
+        self.b = self.param("b", nn.zeros_init(), (self.out_dim,))
+        self.count = self.variable("counter", "count", lambda: jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        if not self.is_initializing():
+            self.count.value += 1
+        y = x @ self.w + self.b
+        self.sow("intermediates", "dot_sum", jnp.sum(y))
+        return y
+
+
+def _to_nnx() -> tuple[Any, None]:
+    """The guide's ``bridge.lazy_init(bridge.ToNNX(LinenMultiCollections(3), rngs=nnx.Rngs(0)),
+    x)``."""
+    model = nnx.bridge.ToNNX(LinenMultiCollections(3), rngs=nnx.Rngs(0))
+    return nnx.bridge.lazy_init(model, BRIDGE_X), None
+
+
+@nnx.register_variable_name("counts", overwrite=True)
+class BridgeCount(nnx.Variable):
+    pass
+
+
+class NNXMultiCollections(nnx.Module):
+    def __init__(self, din, dout, rngs):
+        self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (din, dout)))
+        self.lora = nnx.LoRA(din, 3, dout, rngs=rngs)
+        self.count = BridgeCount(jnp.array(0))
+
+    def __call__(self, x):
+        # the guide's `.value` warns in flax 0.12 (as in nnx_basics' Count above): `[...]`
+        self.count[...] += 1
+        return (x @ self.w[...]) + self.lora(x)
+
+
+@cache
+def _to_linen() -> tuple[Any, Any]:
+    """The guide's ``model = bridge.to_linen(NNXMultiCollections, 4, 3)`` and its
+    ``model.init({'params': pkey, 'dropout': dkey}, x)``."""
+    xkey, pkey, dkey = jax.random.split(jax.random.key(0), 3)  # noqa: RUF059 (the guide's)
+    model = nnx.bridge.to_linen(NNXMultiCollections, 4, 3)
+    return model, model.init({"params": pkey, "dropout": dkey}, BRIDGE_X)
+
+
+# -- flax examples/nnx_toy_examples/07_array_leaves.py, as written there (google/flax@18f8f311c2
+# 75d57f46d95e41b15aa97b454754c0): an nnx module whose weights are plain jax arrays, not
+# Params, and a plain-array count its call raises; trained with ``nnx.DiffState(0, is_param)``
+# (``dhidden=32`` made 8)
+class ArrayLinear(nnx.Module):
+    """The example's ``Linear`` (renamed: nnx_basics' is ``Linear`` above)."""
+
+    def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+        self.w = jax.random.normal(rngs.params(), (din, dout))
+        self.b = jnp.zeros((dout,))
+
+    def __call__(self, x):
+        return x @ self.w + self.b
+
+
+class ArrayMLP(nnx.Module):
+    """The example's ``MLP`` (renamed: nnx_basics' is ``MLP`` above)."""
+
+    def __init__(self, din, dhidden, dout, *, rngs: nnx.Rngs):
+        self.count = jnp.array(0)
+        self.linear1 = ArrayLinear(din, dhidden, rngs=rngs)
+        self.linear2 = ArrayLinear(dhidden, dout, rngs=rngs)
+
+    def __call__(self, x):
+        self.count += 1
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+def is_param(path, value):
+    key = path[-1]
+    return key == "w" or key == "b"
+
+
+# -- flax examples/nnx_toy_examples/06_scan_over_layers.py, as written there (google/flax@18f8f
+# 311c275d57f46d95e41b15aa97b454754c0): Blocks made by nnx.vmap over split rngs in __init__,
+# run by nnx.scan in __call__, each Block's Dropout drawing from the rngs it holds
+# (``ScanMLP(10, n_layers=5)`` made ``ScanMLP(4, n_layers=2)``)
+class Block(nnx.Module):
+    def __init__(self, dim: int, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(dim, dim, rngs=rngs)
+        self.bn = nnx.BatchNorm(dim, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x: jax.Array):
+        return jax.nn.gelu(self.dropout(self.bn(self.linear(x))))
+
+
+class ScanMLP(nnx.Module):
+    """
+    An MLP that uses `vmap` during `__init__` to create a Block instance
+    with an additional `layer` axis, and `scan` during `__call__` to apply
+    the sequence of layers iteratively over the input / output `x`.
+    """
+
+    def __init__(self, dim: int, *, n_layers: int, rngs: nnx.Rngs):
+        self.n_layers = n_layers
+
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(axis_size=n_layers)
+        def create_block(rngs: nnx.Rngs):
+            return Block(dim, rngs=rngs)
+
+        self.layers = create_block(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan
+        def scan_fn(x: jax.Array, block: Block):
+            x = block(x)
+            return x, None
+
+        x, _ = scan_fn(x, self.layers)
+
+        return x
+
+
+def _scan_mlp(mode: str) -> Callable[[], tuple[Any, None]]:
+    def build():
+        model = ScanMLP(4, n_layers=2, rngs=nnx.Rngs(0))
+        if mode == "eval":
+            model.eval()  # the Dropouts off, the BatchNorms' running statistics used
+        return model, None
+
+    return build
+
+
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
 #: params, a list of pairs), equinox's examples (a module, or a function of one), Flax's
@@ -3084,6 +3234,17 @@ MATRIX = (
     Case("vit", "linen", lambda: (vit(), vit_variables()), lambda s: (_x(s, (2, 8, 8, 1)),),
          train={"train": True}, eval={"train": False}, rng=jax.random.key(3), classes=10,
          allow=frozenset({"convolution", "dynamic_gather", "scatter", "real_dynamic_slice"})),
+    Case("bridge_to_nnx", "nnx", _to_nnx, lambda s: (_x(s, (4, 4)),),
+         train={"mutable": True}, eval={"mutable": True}, grows=True),
+    # to_linen builds the nnx module anew in each apply: its initializers' erf a composite
+    Case("bridge_to_linen", "linen", _to_linen, lambda s: (_x(s, (4, 4)),),
+         allow=frozenset({"composite"})),
+    Case("nnx_array_leaves", "nnx",
+         lambda: (ArrayMLP(din=1, dhidden=8, dout=1, rngs=nnx.Rngs(0)), None),
+         lambda s: (_x(s, (4, 1)),), wrt=is_param),
+    Case("nnx_scan_over_layers", "nnx", _scan_mlp("train"), lambda s: (_x(s, (3, 4)),),
+         served=_scan_mlp("eval"),
+         allow=frozenset({"dynamic_slice", "dynamic_update_slice", "real_dynamic_slice"})),
 )  # fmt: skip
 
 
@@ -3114,5 +3275,5 @@ def plain_calls(case: Case, mode: str, n: int) -> tuple[list[Any], Any, dict]:
     fn = model if params is None else partial(model, params)
     outs, state, settings = calls(case, fn, mode, n)
     if case.kind == "nnx":  # the module, or the module a function takes (nnx_scan)
-        state = nnx.state(model if params is None else params, nnx.Not(nnx.Param))
+        state = nnx.state(model if params is None else params, nnx.Not(case.wrt or nnx.Param))
     return outs, state, settings

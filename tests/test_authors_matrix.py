@@ -102,7 +102,9 @@ def test_compiled_equals_eager_equals_the_plain_framework(case, mode):
             if isinstance(value, nnx.Rngs):
                 _close(nnx.state(value), nnx.state(want_settings[name]))
                 assert _moved(value, case.settings(mode)[name])
-        assert h.trace_count == (1 if compiled else 0)
+        # a model whose calls grow its state retraces each, as nnx.jit does, the log says why
+        assert h.trace_count == ((N if case.grows else 1) if compiled else 0)
+        assert all("the held state grew" in e.reason for e in h.trace_log[1:])
 
 
 # -- 2. grads through h.apply equal the framework's own --------------------------------------
@@ -118,8 +120,9 @@ def _want_grads(case, mode, xs, state):
         grad = jax.grad(lambda p: _loss(model.apply({**rest, **p}, *xs, **settings)))
         return jax.jit(grad)({"params": params["params"]})
     if case.kind == "nnx":  # the settings (an nnx.Rngs) made inside, as nnx.grad needs them
-        if params is None:
-            grad = nnx.grad(lambda m: _loss(m(*xs, **case.settings(mode))))
+        if params is None:  # what its authors train: nnx.DiffState(0, wrt)
+            wrt = nnx.DiffState(0, case.wrt or nnx.Param)
+            grad = nnx.grad(lambda m: _loss(m(*xs, **case.settings(mode))), argnums=wrt)
             return nnx.to_pure_dict(nnx.jit(grad)(model))
         grad = nnx.grad(lambda m: _loss(model(m, *xs, **case.settings(mode))))  # a function's
         return nnx.to_pure_dict(nnx.jit(grad)(params))
@@ -390,11 +393,14 @@ def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case,
     xs = tuple(map(np.asarray, case.inputs(1)))
     requests = [tuple(x[i:j] for x in xs) for i, j in ((0, 1), (1, 2), (0, 2))]
     example = requests[0] if len(xs) > 1 else requests[0][0]
-    for served, direct in (
-        (sm.serving.Batcher(m, max_batch=4), m),
-        (sm.serving.Batcher(h, example=example, max_batch=4, kwargs=settings),
-         lambda *r: h(*r, **settings)),
-    ):  # fmt: skip
+    batchers = [(sm.serving.Batcher(m, max_batch=4), m)]
+    if case.grows:  # the sum it sows moves the state: the Hybrid's refused as in training mode
+        with pytest.raises(sm.ConfigError, match=r"^Batcher\(\w+\): with kwargs=.* training mode"):
+            sm.serving.Batcher(h, example=example, max_batch=4, kwargs=settings)
+    else:
+        served = sm.serving.Batcher(h, example=example, max_batch=4, kwargs=settings)
+        batchers.append((served, lambda *r: h(*r, **settings)))
+    for served, direct in batchers:
         with served as b:
             got = [f.result(30) for f in [b.submit(*r) for r in requests]]
         for r, y in zip(requests, got, strict=True):

@@ -356,3 +356,34 @@ class _ScanSum(nnx.Module):
             lambda c, r: (c + r.sum(), r * self.w), self.total[...], x
         )
         return y
+
+
+@pytest.mark.slow  # 1.9 s on the loaded 2-core machine; nnx_array_leaves of the matrix is not slow
+def test_an_nnx_module_of_array_leaves_takes_its_float_arrays_as_params_its_count_as_state():
+    """nnx's array leaves (examples/nnx_toy_examples/07_array_leaves.py): plain jax arrays as
+    weights, no Param. Its float arrays are the params, as its ``nnx.DiffState(0, is_param)``
+    trains them (they were state: h.params {}, jax.grad over it {}), its int count the state
+    each call raises. A module holding Params keeps a plain float array as state, as nnx."""
+    from helpers import ArrayMLP
+
+    model, x = ArrayMLP(1, 4, 1, rngs=nnx.Rngs(0)), np.linspace(0, 1, 6, dtype=np.float32)[:, None]
+    h = sm.hybridize(model)
+    assert set(h.params) == {"linear1", "linear2"} and set(h.state) == {"count"}
+    grads = jax.grad(lambda p: h.apply(p, x)[0].sum())(h.params)  # (out, state): stateful
+
+    def by_hand(p):  # the example's MLP over its arrays
+        hidden = jax.nn.relu(x @ p["linear1"]["w"] + p["linear1"]["b"])
+        return (hidden @ p["linear2"]["w"] + p["linear2"]["b"]).sum()
+
+    chex.assert_trees_all_close(grads, jax.grad(by_hand)(h.params), rtol=1e-5)
+    assert int(h.apply(h.params, x)[1]["count"]) == 1
+
+    class Buffered(nnx.Module):
+        def __init__(self):
+            self.linear, self.scale = nnx.Linear(1, 1, rngs=nnx.Rngs(0)), jnp.float32(2)
+
+        def __call__(self, x):
+            return self.linear(x) * self.scale
+
+    mixed = sm.hybridize(Buffered())
+    assert set(mixed.params) == {"linear"} and set(mixed.state) == {"scale"}

@@ -23,11 +23,11 @@ from symjax_mlp._errors import ConfigError, unbound_axis
 from symjax_mlp._hybrid.pure import (
     PureModel,
     mode_settings,
-    nnx_module,
     state_structure,
     unwrap_keys,
     wrap_keys,
 )
+from symjax_mlp._hybrid.pure.nnx_module import nnx_module
 
 
 @dataclasses.dataclass(frozen=True)

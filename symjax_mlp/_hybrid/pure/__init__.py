@@ -1,13 +1,12 @@
 """Each kind of model as a pure ``call(params, state, args, kwargs) -> (out, state)``: a linen
-module's state is its mutable collections and rng streams, an nnx module's every variable but
-its ``Param`` s; an nnx module's mode (its submodules' attributes) keys the traces."""
+module's state is its mutable collections and rng streams, an nnx module's (:mod:`.nnx_module`)
+every variable but its params; an nnx module's mode (its submodules' attributes) keys traces."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -15,7 +14,6 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import ModuleSetting
@@ -39,7 +37,7 @@ _NO_RNG = (
     "rngs=jax.random.key(0)) for 'dropout', or rngs={{'name': key, ...}}."
 )
 #: ``(module's watch list, settings)``: what a trace of that nnx module runs with
-_PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "symjax_mlp_nnx_settings", default=None
 )
 
@@ -62,12 +60,12 @@ class PureModel:
     @contextlib.contextmanager
     def pinned(self, values: tuple) -> Iterator[None]:
         """Within the block, :attr:`call` runs with these settings."""
-        token = None if self.settings is None else _PINNED.set((self._watch, values))
+        token = None if self.settings is None else PINNED.set((self._watch, values))
         try:
             yield
         finally:
             if token is not None:
-                _PINNED.reset(token)
+                PINNED.reset(token)
 
     @property
     def name(self) -> str:
@@ -194,68 +192,6 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
     return pure, params, state
 
 
-def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
-    """``(PureModel, params, state)`` for an nnx module (or ``fn(module, *args, **kwargs)``):
-    its Params, and everything else; its settings (bool attributes) read at each call."""
-    from flax import nnx
-
-    (graphdef, params, rest), module_name = nnx.split(module, nnx.Param, ...), type(module).__name__
-    params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-    watched = [
-        (path, sub, attr)
-        for path, sub in nnx.iter_modules(module)
-        for attr, value in vars(sub).items()
-        if not attr.startswith("_") and (type(value) is bool or attr in _trace.MODE_ATTRIBUTES)
-    ]
-    owners = tuple((sub, attr) for _, sub, attr in watched)
-    names = tuple("/".join(map(str, (*path, attr))) for path, _, attr in watched)
-
-    def settings() -> tuple:
-        return tuple([getattr(sub, attr) for sub, attr in owners])
-
-    expected = _paths((params, state))
-    graphdefs = {tuple(expected): graphdef}  # and the states calls grew (nnx.jit keeps those)
-
-    def merge(params, state):  # nnx would match the leaves by place, whatever their names
-        if (known := graphdefs.get(tuple(got := _paths((params, state))))) is None:
-            raise ConfigError(_UNFIT.format(name=module_name, diff=_diff(expected, got)))
-        m = nnx.merge(known, params, state) if state else nnx.merge(known, params)
-        if watched:
-            pin = _PINNED.get()
-            values = pin[1] if pin is not None and pin[0] is owners else settings()
-            subs = dict(nnx.iter_modules(m))
-            for (path, _, attr), v in zip(watched, values, strict=True):
-                setattr(subs[path], attr, v)  # as set_attributes() does
-        return m
-
-    def call(params, state, args, kwargs, keep=False):  # keep: a call may add the first state
-        m = merge(params, state)
-        try:
-            with layer_scopes(m):
-                out = m(*args, **kwargs) if fn is None else fn(m, *args, **kwargs)
-        except TypeError as e:  # target: the module's __call__ (or fn), set below
-            if (unfit := _trace.unfit_call(module_name, e, target, params, args, kwargs)) is None:
-                raise
-            raise unfit from None
-        if not state and not keep:  # a Hybrid that carries none: what a call adds, it would drop
-            if added := _paths(({}, nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Param))))):
-                added = ", ".join(p.removeprefix("state") for p in added)
-                kept = functools.partial(call, keep=True)
-                grown = dataclasses.replace(model, call=kept, stateful=True)
-                raise StateAdded(_ADDED.format(name=module_name, added=added), grown)
-            return out, state
-        grown, new_params, new_state = nnx.split(m, nnx.Param, ...)
-        new_state = nnx.to_pure_dict(new_state)
-        if _paths((nnx.to_pure_dict(new_params), {})) == _paths((params, {})):  # no Param added
-            graphdefs.setdefault(tuple(_paths((params, new_state))), grown)
-        return out, new_state
-
-    target = type(module).__call__ if fn is None else fn
-    model = PureModel(call, bool(state), "nnx", merge, target, settings if watched else None,
-                      names, owners, module)  # fmt: skip
-    return model, params, state
-
-
 class StateAdded(ConfigError):
     """A call of an nnx module that held only Params added variables: ``model``, the module
     as a stateful model, holds them (a Hybrid's call then turns stateful, as ``nnx.jit``)."""
@@ -265,12 +201,6 @@ class StateAdded(ConfigError):
         self.model = model
 
 
-_ADDED = (
-    "{name}: the call added {added} to an nnx module that held only Params when hybridized, "
-    "and this use of it (a staging, an export, training, a sharded call) holds no state. Call "
-    "its Hybrid once first, h(x), which turns it stateful to carry them as nnx.jit keeps them "
-    "in the module; or call the module once (model(x)) before, or create them in __init__."
-)
 _NESTED_NNX = (
     "{caller}: params{path} is an nnx {kind} holding {held} variables, which its calls change "
     "(BatchNorm's statistics, Dropout's rng counts); inside the params every compiled call "
@@ -295,14 +225,7 @@ def refuse_nested_nnx_state(caller: str, params: Any) -> None:
             raise ConfigError(_NESTED_NNX.format(caller=caller, path=where, kind=kind, held=kinds))
 
 
-_UNFIT = (
-    "{name}: the params and state given do not fit the nnx module: {diff}. Pass "
-    "trees shaped as h.params (its Param values) and h.state (its other Variables' values), "
-    "as nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[1:]) gives them."
-)
-
-
-def _paths(trees: tuple[Any, Any]) -> list[str]:
+def leaf_paths(trees: tuple[Any, Any]) -> list[str]:
     """Each leaf's path: ``params['bias']``, ``state['mean']`` (an nnx.State's too)."""
     named = zip(("params", "state"), trees, strict=True)
     flat = [(n, jax.tree_util.tree_flatten_with_path(t)[0]) for n, t in named]
@@ -310,7 +233,7 @@ def _paths(trees: tuple[Any, Any]) -> list[str]:
     return [p.removesuffix(".value") for p in paths]
 
 
-def _diff(expected: list[str], got: list[str]) -> str:
+def path_diff(expected: list[str], got: list[str]) -> str:
     """What the paths expected and given differ in: a few each way."""
     lacking = [p for p in expected if p not in set(got)][:5]
     extra = [p for p in got if p not in set(expected)][:5]
@@ -334,8 +257,8 @@ def refit(caller: str, held: Any, state: Any, tail: str = "") -> Any:
 
 def unfit_state(caller: str, held: Any, state: Any, tail: str = "") -> ConfigError | None:
     """The error for a ``state`` whose leaves' paths are not the ``held`` one's, else None."""
-    expected, got = _paths(({}, held)), _paths(({}, state))
-    diff = None if got == expected else _diff(expected, got)
+    expected, got = leaf_paths(({}, held)), leaf_paths(({}, state))
+    diff = None if got == expected else path_diff(expected, got)
     return diff and ConfigError(_REFIT.format(caller=caller, diff=diff, tail=tail))
 
 

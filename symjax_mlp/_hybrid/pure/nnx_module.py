@@ -1,0 +1,105 @@
+"""An nnx module as a pure call: its params (its ``Param`` s; a module of none, as nnx's
+array leaves, its float arrays), its state (every other variable), and its settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from symjax_mlp._compat import layer_scopes
+from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid import trace as _trace
+from symjax_mlp._hybrid.pure import PINNED, PureModel, StateAdded, leaf_paths, path_diff
+
+_ADDED = (
+    "{name}: the call added {added} to an nnx module that held only Params when hybridized, "
+    "and this use of it (a staging, an export, training, a sharded call) holds no state. Call "
+    "its Hybrid once first, h(x), which turns it stateful to carry them as nnx.jit keeps them "
+    "in the module; or call the module once (model(x)) before, or create them in __init__."
+)
+_UNFIT = (
+    "{name}: the params and state given do not fit the nnx module: {diff}. Pass "
+    "trees shaped as h.params (its Param values) and h.state (its other Variables' values), "
+    "as nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[1:]) gives them."
+)
+
+
+def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
+    """``(PureModel, params, state)`` for an nnx module (or ``fn(module, *args, **kwargs)``):
+    its Params (:func:`trainable`), and everything else; its settings (bool attributes) read at
+    each call."""
+    from flax import nnx
+
+    wrt, module_name = trainable(module), type(module).__name__
+    graphdef, params, rest = nnx.split(module, wrt, ...)
+    params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+    watched = [
+        (path, sub, attr)
+        for path, sub in nnx.iter_modules(module)
+        for attr, value in vars(sub).items()
+        if not attr.startswith("_") and (type(value) is bool or attr in _trace.MODE_ATTRIBUTES)
+    ]
+    owners = tuple((sub, attr) for _, sub, attr in watched)
+    names = tuple("/".join(map(str, (*path, attr))) for path, _, attr in watched)
+
+    def settings() -> tuple:
+        return tuple([getattr(sub, attr) for sub, attr in owners])
+
+    expected = leaf_paths((params, state))
+    graphdefs = {tuple(expected): graphdef}  # and the states calls grew (nnx.jit keeps those)
+
+    def merge(params, state):  # nnx would match the leaves by place, whatever their names
+        if (known := graphdefs.get(tuple(got := leaf_paths((params, state))))) is None:
+            raise ConfigError(_UNFIT.format(name=module_name, diff=path_diff(expected, got)))
+        m = nnx.merge(known, params, state) if state else nnx.merge(known, params)
+        if watched:
+            pin = PINNED.get()
+            values = pin[1] if pin is not None and pin[0] is owners else settings()
+            subs = dict(nnx.iter_modules(m))
+            for (path, _, attr), v in zip(watched, values, strict=True):
+                setattr(subs[path], attr, v)  # as set_attributes() does
+        return m
+
+    def call(params, state, args, kwargs, keep=False):  # keep: a call may add the first state
+        m = merge(params, state)
+        try:
+            with layer_scopes(m):
+                out = m(*args, **kwargs) if fn is None else fn(m, *args, **kwargs)
+        except TypeError as e:  # target: the module's __call__ (or fn), set below
+            if (unfit := _trace.unfit_call(module_name, e, target, params, args, kwargs)) is None:
+                raise
+            raise unfit from None
+        if not state and not keep:  # a Hybrid that carries none: what a call adds, it would drop
+            if added := leaf_paths(({}, nnx.to_pure_dict(nnx.state(m, nnx.Not(wrt))))):
+                added = ", ".join(p.removeprefix("state") for p in added)
+                kept = functools.partial(call, keep=True)
+                grown = dataclasses.replace(model, call=kept, stateful=True)
+                raise StateAdded(_ADDED.format(name=module_name, added=added), grown)
+            return out, state
+        grown, new_params, new_state = nnx.split(m, wrt, ...)
+        new_state = nnx.to_pure_dict(new_state)
+        if leaf_paths((nnx.to_pure_dict(new_params), {})) == leaf_paths((params, {})):  # none added
+            graphdefs.setdefault(tuple(leaf_paths((params, new_state))), grown)
+        return out, new_state
+
+    target = type(module).__call__ if fn is None else fn
+    model = PureModel(call, bool(state), "nnx", merge, target, settings if watched else None,
+                      names, owners, module)  # fmt: skip
+    return model, params, state
+
+
+def trainable(module: Any) -> Any:
+    """The nnx filter of ``module``'s params: ``nnx.Param``; for a module holding none (nnx's
+    array leaves, examples/nnx_toy_examples/07_array_leaves.py: plain jax arrays as weights),
+    its float arrays, as that example's ``nnx.DiffState(0, is_param)`` trains them (its int
+    and bool arrays, a count, stay state). Else its weights would be state: no gradient."""
+    from flax import nnx
+
+    if jax.tree.leaves(nnx.state(module, nnx.Param)):
+        return nnx.Param
+    floating = jax.numpy.floating
+    return lambda _, v: isinstance(v, jax.Array) and jax.numpy.issubdtype(v.dtype, floating)
