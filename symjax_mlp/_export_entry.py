@@ -16,7 +16,7 @@ from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import check_paths, param_specs
 from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, SymjaxError
-from symjax_mlp._hybrid.args import partition, rebuild
+from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent, walk
 from symjax_mlp._hybrid.mesh import constrained
@@ -180,6 +180,11 @@ def export_program(
             "symbolic (use x.shape[0] only inside jnp operations, reshape with -1), or export "
             "static shapes with batch=None."
         ) from e
+    except MODEL_ERRORS as e:  # raised on an input no array (example=(x, "abc")): named as h's
+        given = rebuild(stage.static, stage.examples, {})  # the settings in their places
+        if (named := not_data(f"export({h.name})", e, *given)) is None:
+            raise
+        raise named from None
     if stage.baked_keys and _draws_a_constant_key(jaxpr):
         raise ConfigError(_fixed_key(stage))
     out_kind, ins = _output_kind(exported, h), exported.in_avals[len(p_structs) :]

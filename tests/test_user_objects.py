@@ -9,6 +9,10 @@ passed objects exactly as eager nnx (or the plain function) does.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import decimal
+import fractions
+from typing import NamedTuple
 
 import chex
 import jax
@@ -467,17 +471,68 @@ _ODD = {  # a stranger's NumPy object -> how each door names it
         np.ones((1, 3)).view(np.matrix),  # (np.matrix(...) warns: not recommended)
         r"args\[1\] is a np\.matrix, whose \* is a matrix product",
     ),
+    "0-d object": (np.array(object()), r"input args\[1\] is a NumPy array of dtype object"),
 }
 
 
-@pytest.mark.parametrize("case", list(_ODD))
+class _Frame:
+    """A table (pandas-like) whose ``__array__`` raises: its columns mix types."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise ValueError("cannot convert a frame of mixed columns")
+
+
+class _Objects:
+    """An object whose ``__array__`` gives an object array (a column of Python objects)."""
+
+    def __array__(self, dtype=None, copy=None):
+        return np.array([1.0, "a", None], dtype=object)
+
+
+@dataclasses.dataclass
+class _Config:
+    rate: float = 0.5
+
+
+class _Pair(NamedTuple):
+    a: float
+    b: float
+
+
+_NOT_AN_INPUT = r"args\[1\] is of type {}, which a compiled call can neither trace"
+_RAISED_ON = r"args\[1\] is a Python {}, not an array, and the model raised on it"
+_ODD_PYTHON = {  # a researcher's Python object passed by mistake -> how each door names it
+    "Decimal": (decimal.Decimal("1.5"), _NOT_AN_INPUT.format("Decimal")),
+    "Fraction": (fractions.Fraction(3, 2), _NOT_AN_INPUT.format("Fraction")),
+    "bytearray": (bytearray(b"abc"), _NOT_AN_INPUT.format("bytearray")),
+    "memoryview": (memoryview(b"abc"), _NOT_AN_INPUT.format("memoryview")),
+    "range": (range(3), _NOT_AN_INPUT.format("range")),
+    "generator": ((v for v in (1.0, 2.0)), _NOT_AN_INPUT.format("generator")),
+    "set": ({1.0, 2.0}, _NOT_AN_INPUT.format("set")),
+    "dataclass": (_Config(), _NOT_AN_INPUT.format("_Config")),
+    "__array__ raises": (_Frame(), _NOT_AN_INPUT.format("_Frame")),
+    "__array__ objects": (_Objects(), _NOT_AN_INPUT.format("_Objects")),
+    "2**70": (2**70, _RAISED_ON.format(r"int \(1180591620717411303424\)") + r" \(OverflowError"),
+    "bytes": (b"abc", _RAISED_ON.format(r"bytes \(b'abc'\)")),
+    "str": ("abc", _RAISED_ON.format(r"str \('abc'\)")),
+    "namedtuple": (_Pair(1.0, 2.0), _RAISED_ON.format(r"_Pair \(_Pair\(a=1\.0, b=2\.0\)\)")),
+    "ragged list": ([np.ones(2), np.ones(3)], r"args\[1\] is a Python list"),
+}
+
+
+@pytest.mark.parametrize("case", [*_ODD, *_ODD_PYTHON])
 def test_odd_numpy_objects_are_named_at_every_door(case, tmp_path):
     """h(x, np.void(...)), a datetime64, a float128, h.apply(...) on them raised JAX's raw
     TypeError ('not a valid JAX type'); h.eager(x, masked) computed on the mask's hidden values
     (the compiled call refuses it); timeit(h, x, np.str_(...)) raised device_put's TypeError;
     h.eager(x, np.matrix(...)) computed x * p as a matrix product (h(...): elementwise).
-    Each door names the input by path and its type, as for an array of str."""
-    value, says = _ODD[case]
+    Each door names the input by path and its type, as for an array of str.
+
+    A Python object too: h.eager(x, Decimal("1.5")) (a Fraction, a set, a range...) raised the
+    model's raw TypeError where h(...) names it; export(h, example=(x, "abc")) and
+    sm.stage(f)(x, "abc") the model's TypeError where h(x, "abc") names it; every door JAX's
+    raw OverflowError for 2**70, and the model's TypeError for a namedtuple."""
+    value, says = _ODD[case] if case in _ODD else _ODD_PYTHON[case]
     if "longdouble" in case and not _WIDE:
         pytest.skip("np.longdouble is float64 on this machine: an array JAX takes")
     h, x = sm.hybridize(lambda p, x, s: x * p * s, jnp.float32(2)), np.ones(3, np.float32)
@@ -485,13 +540,14 @@ def test_odd_numpy_objects_are_named_at_every_door(case, tmp_path):
         "h": lambda: h(x, value),
         "eager": lambda: h.eager(x, value),
         "apply": lambda: h.apply(h.params, x, value),
+        "graph": lambda: h.graph(x, value),
+        "stage": lambda: sm.stage(lambda x, s: x * s)(x, value),
         "timeit": lambda: sm.timeit(h, x, value, calls=1, repeats=1, warmup=1),
         "export": lambda: sm.export(h, tmp_path / "m", example=(x, value), batch=None),
     }
-    for door, call in doors.items():
-        if door == "export" and case == "np.str_":
-            continue  # a setting the model raised on, in export's trace: not export's to name
-        with pytest.raises(sm.SignatureError, match=says):
+    error = sm.ConfigError if "neither trace" in says else sm.SignatureError
+    for call in doors.values():
+        with pytest.raises(error, match=says):
             call()
 
 

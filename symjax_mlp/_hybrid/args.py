@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, ValuesView
 from typing import Any
 
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, as_bool, as_int
+from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError
 from symjax_mlp._specs import array_types, foreign_array, unfit_array
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -107,6 +106,12 @@ NOT_AN_INPUT_FIX = (
 _OWN_FIX = "The Hybrid holds its model and params: pass only the model's inputs (arrays), h(x)."
 
 
+def unwalkable(v: Any) -> bool:
+    """An iterator (a generator, a ``map``) or a ``dict.values()``, which JAX flattens as a
+    leaf with a DeprecationWarning (an error in a later JAX): to pass as a leaf (``is_leaf``)."""
+    return type(v) not in ARRAYS and isinstance(v, (Iterator, ValuesView))  # (ABCs: slow)
+
+
 def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> None:
     """Refuses, by path, a leaf neither array nor number, one of ``own``, or such an eqx module."""
     eqx = sys.modules.get("equinox")
@@ -114,12 +119,15 @@ def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> 
     def is_own(v: Any) -> bool:  # None is no model: a plain function's Hybrid has none
         return v is not None and any(v is o for o in own)
 
+    def is_module(v: Any) -> bool:
+        return eqx is not None and isinstance(v, eqx.Module)
+
     def is_leaf(v: Any) -> bool:
-        return is_own(v) or (eqx is not None and isinstance(v, eqx.Module))
+        return unwalkable(v) or is_own(v) or is_module(v)
 
     for path, leaf in jax.tree_util.tree_flatten_with_path(value, is_leaf=is_leaf)[0]:
         at = path_of(key) + jax.tree_util.keystr(path)
-        if not is_own(leaf) and is_leaf(leaf):  # an equinox module: traced if all arrays
+        if not is_own(leaf) and is_module(leaf):  # an equinox module: traced if all arrays
             if all(map(eqx.is_array, jax.tree.leaves(leaf))):
                 continue
             raise ConfigError(_EQX_INPUT.format(caller=caller, path=at, kind=type(leaf).__name__))
@@ -137,19 +145,22 @@ _NOT_DATA = (
     "{caller}: {path} is {what}, not an array, and the model raised on it ({error}). If {path} "
     "is data, pass an array (jnp.asarray(...)); if a setting the model takes, the error is its own."
 )
-_MODEL_ERRORS = (TypeError, ValueError, IndexError, AttributeError, KeyError)  # Flax: IndexError
+#: what a model raises on an input it cannot take (Flax: IndexError; JAX: OverflowError, 2**70)
+MODEL_ERRORS = (TypeError, ValueError, IndexError, AttributeError, KeyError, OverflowError)
 _KEPT = (SymjaxError, jax.errors.JAXTypeError)  # ours, or a tracer's (a ControlFlowError)
 
 
 def not_data(caller: str, error: Exception, args: Sequence[Any], kwargs: dict[str, Any]):
     """The :class:`~symjax_mlp.SignatureError` naming the first input no array (a str, bytes,
-    None; dict, tuple; number; by keyword, a str) if the model raised ``error`` (not ours)."""
-    if not isinstance(error, _MODEL_ERRORS) or isinstance(error, _KEPT):
+    None; dict, tuple, list; number; by keyword, a str) if the model raised ``error`` (not ours)."""
+    if not isinstance(error, MODEL_ERRORS) or isinstance(error, _KEPT):
         return None
     inputs = [*enumerate(args), *((k, v) for k, v in kwargs.items() if isinstance(v, str | bytes))]
-    kinds = ((str, bytes, np.str_, np.bytes_, type(None)), (dict, tuple), (int, float, complex))
-    for path, v in ((path_of(k), v) for ks in kinds for k, v in inputs if type(v) in ks):
-        shown = f"keys {sorted(map(str, v))[:5]}" if type(v) is dict else repr(v)[:40]
+    trees = (dict, tuple, list)  # a namedtuple as a tuple (a list: stage's, h refuses it)
+    kinds = ((str, bytes, np.str_, np.bytes_, type(None)), trees, (int, float, complex))
+    of = [(k, v, next((t for t in trees if isinstance(v, t)), type(v))) for k, v in inputs]
+    for path, v in ((path_of(k), v) for ks in kinds for k, v, t in of if t in ks):
+        shown = f"keys {sorted(map(str, v))[:5]}" if isinstance(v, dict) else repr(v)[:40]
         kind = ("NumPy " if isinstance(v, np.generic) else "Python ") + type(v).__name__
         what = "None" if v is None else f"a {kind} ({shown})"  # (a bool: a setting, not here)
         line = f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"[:200]
@@ -213,7 +224,7 @@ def equinox_modules(value: Any) -> list[Any]:
     eqx = sys.modules.get("equinox")
     if eqx is None or hasattr(value, "dtype"):
         return []
-    leaves = jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module))
+    leaves = jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module) or unwalkable(x))
     return [m for m in leaves if isinstance(m, eqx.Module)]
 
 
@@ -331,69 +342,3 @@ def path_of(key: Any) -> str:
     if isinstance(key, ModuleSetting):
         return f"module.{key.path}"
     return f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
-
-
-def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> tuple[Any, ...]:
-    """``max_traces``, then each ``setting=(value, type, example)``, of its type (``None`` for
-    a str): a NumPy integer or bool as Python's, as ``jax.jit`` takes them."""
-    budget = as_int(max_traces)
-    if max_traces is not None and (type(budget) is not int or budget < 1):
-        raise ConfigError(
-            f"max_traces must be a positive int or None; got {max_traces!r}. Pass e.g. "
-            "max_traces=8 (a budget of traces), or None for no budget."
-        )
-    values: list[Any] = [budget]
-    for key, (value, kind, example) in given.items():
-        value = as_bool(value) if kind is bool else value
-        if not ((value is None and kind is str) or type(value) is kind):
-            raise ConfigError(
-                f"{key} must be a {kind.__name__}; got {value!r} ({type(value).__name__}). "
-                f"Pass e.g. {key}={example}."
-            )
-        values.append(value)
-    return tuple(values)
-
-
-def static_args(
-    params: list[inspect.Parameter] | None, name: str, nums: Any, names: Any
-) -> tuple[frozenset[int], frozenset[str]]:
-    """``static_argnums`` and ``static_argnames`` checked, and completed from the model's
-    inputs as ``jax.jit`` does (a name static by place too, a place by name)."""
-    got = _as_tuple(nums, (int, np.integer))
-    places = [as_int(i) for i in got or ()]
-    if got is None or not all(type(i) is int and i >= 0 for i in places):
-        raise ConfigError(
-            f"static_argnums={nums!r}: pass an input's place or a tuple of them, ints from 0 (the "
-            "first input after the params), e.g. static_argnums=(1,)."
-        )
-    nums, names, given = tuple(places), _as_tuple(names, str), names
-    if names is None or not all(isinstance(n, str) and n.isidentifier() for n in names):
-        raise ConfigError(
-            f"static_argnames={given!r}: pass a keyword's name or a tuple of them, e.g. "
-            "static_argnames=('mode',)."
-        )
-    if params is None or not (nums or names):
-        return frozenset(nums), frozenset(names)
-    places = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    known = {p.name for p in params if p.kind != p.POSITIONAL_ONLY}
-    loose = not any(p.kind == p.VAR_KEYWORD for p in params)
-    unknown = sorted(n for n in names if n not in known) if loose else []
-    if only := [i for i, p in enumerate(places) if p.name in unknown]:  # before a "/"
-        raise ConfigError(
-            f"{name}: static_argnames={names!r} names {places[only[0]].name!r}, which is "
-            f"positional-only (before '/'), so it has no name to pass by. Mark it by place: "
-            f"static_argnums={tuple(only)}."
-        )
-    if unknown:
-        raise ConfigError(
-            f"{name}: static_argnames={names!r} names {unknown}, but the model's inputs are "
-            f"({', '.join(p.name for p in params)}). Name one of those, or drop it."
-        )
-    by_name = {p.name: i for i, p in enumerate(places) if p.kind == p.POSITIONAL_OR_KEYWORD}
-    nums += tuple(by_name[n] for n in names if n in by_name)
-    names += tuple(places[i].name for i in nums if i < len(places) and places[i].name in by_name)
-    return frozenset(nums), frozenset(names)
-
-
-def _as_tuple(x: Any, single: type | tuple[type, ...]) -> tuple | None:
-    return (x,) if isinstance(x, single) else tuple(x) if isinstance(x, tuple | list) else None

@@ -1,6 +1,5 @@
 """The symbolic program: a staged jaxpr (:func:`stage`, ``h.graph(x)``) you can print, count,
-attribute to layers and draw as Graphviz DOT (one node per equation, clustered by layer); and
-a Hybrid's staged forms (:class:`Staged`: ``h.lower``, ``h.compile``, ``h.graph``)."""
+attribute to layers and draw as Graphviz DOT (one node per equation, clustered by layer)."""
 
 from __future__ import annotations
 
@@ -22,9 +21,9 @@ from jax.extend import core as jex_core
 
 from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError, SignatureError
-from symjax_mlp._hybrid.args import partition, rebuild, split_equinox
+from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild, split_equinox
 from symjax_mlp._hybrid.jaxpr import Body, bodies, call_name, count_flops, layer_of, numbered, walk
-from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
+from symjax_mlp._hybrid.trace import symbolic, unbindable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +102,12 @@ class Graph:
             a, k = join(*rebuild(static, dyn, dyn_kw))
             return fn(*a, **k)
 
-        return cls.traced(staged, name, *dyn, **dyn_kw)
+        try:
+            return cls.traced(staged, name, *dyn, **dyn_kw)
+        except MODEL_ERRORS as e:  # raised on an input no array (stage(f)(x, "abc")): named
+            if (named := not_data(f"stage({name})", e, args, kwargs)) is None:
+                raise
+            raise named from None
 
     @classmethod
     def traced(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
@@ -350,51 +354,3 @@ def _aval(v: Any) -> str:
 
 def _quote(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
-
-
-class Staged:
-    """A :class:`~symjax_mlp.Hybrid`'s staged forms (mixed into it): its program lowered and
-    compiled, its model as a :class:`Graph`, the module settings that change it."""
-
-    def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
-        one SPMD module for every device, for the padded batch)."""
-        return self._lower("lower", args, kwargs)
-
-    def compile(self, /, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
-        """Lowers and compiles: ``.as_text()`` is XLA's optimized HLO (``.cost_analysis()``...)."""
-        return self._lower("compile", args, kwargs).compile()
-
-    def _lower(self, method: str, args: tuple, kwargs: dict) -> jax.stages.Lowered:
-        static, dyn, dyn_kw = self._split(method, args, kwargs)  # refused as h.<method>
-        held = (self._held.leaves,) if self.stateful else ()
-        with symbolic(self.name):
-            if self._parallel is not None:
-                _, dyn, dyn_kw = self._parallel.prepare(dyn, dyn_kw)
-            elif not self.stateful:
-                return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
-            return self._jitted.lower(static, self._leaves, *held, dyn, dyn_kw)
-
-    def graph(self, /, *args: Any, **kwargs: Any) -> Graph:
-        """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
-        layer shown (not counted in :attr:`trace_count`)."""
-        static, dyn, dyn_kw = self._split("graph", args, kwargs)
-        return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
-
-    def _split(self, method: str, args: tuple, kwargs: dict) -> tuple:
-        """The call's partition; arguments the model does not take named, with ``h.method``."""
-        split = self._partition(args, kwargs, self.name)  # (its inputs refused first, as h's)
-        fix = MODEL_FIX.replace("h(", f"h.{method}(")  # (a trace would name h(...))
-        if unbound := unbindable(f"{self.name}.{method}", self, args, kwargs, skip=0, fix=fix):
-            raise unbound
-        return split
-
-    def training_mode(self, /, *args: Any, **kwargs: Any) -> tuple[str, ...]:
-        """An nnx module's settings that ``module.eval()`` would flip and that change the
-        program on these inputs, as ``"path=value"``; ``()`` in eval mode or for other models."""
-        if self._modes is None:
-            return ()
-        static, dyn, dyn_kw = self._split("training_mode", args, kwargs)
-        staged = functools.partial(self._traced.staged, static, self._leaves, self.state, dyn)
-        with symbolic(self.name):
-            return self._modes.training(lambda v: str(staged(dyn_kw, 0, v)))

@@ -17,9 +17,10 @@ from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import pure as _pure
 from symjax_mlp._hybrid import trace as _trace
-from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY, check_settings, partition, static_args
-from symjax_mlp._hybrid.graph import Staged
+from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY, partition
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
+from symjax_mlp._hybrid.settings import check_settings, static_args
+from symjax_mlp._hybrid.staged import Staged
 from symjax_mlp._hybrid.trace import NoPickle, TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given, write_back
 
@@ -283,6 +284,9 @@ class Hybrid(Staged, NoPickle):
             except _pure.StateAdded as e:  # (the callbacks ran: the call is made, not run again)
                 model = self._stateful(e, traced=False)._traced
                 out, state = model.call_model(self.params, {}, args, kwargs)
+            except _args.MODEL_ERRORS:  # raised on an input h(...) refuses (a Decimal, a set)
+                self._partition(args, kwargs, f"{self.name}.eager")  # refused as h's call does
+                raise
             if self.stateful:
                 self._held.hold(self._held.flatten(state))
         return out
@@ -380,12 +384,6 @@ class Hybrid(Staged, NoPickle):
         inputs already traced, from any thread."""
         self._log.add(callback)
         return callback
-
-    def moved_state(self, /, *args: Any, **kwargs: Any) -> list[str]:
-        """The held state a call on these inputs moves, as ``state['path']``: what it computes
-        from them (BatchNorm's statistics), or draws its output from (Dropout's rng key)."""
-        static, dyn, dyn_kw = self._split("moved_state", args, kwargs)
-        return self._traced.moved(static, self._leaves, dyn, dyn_kw) if self.stateful else []
 
     def _partition(self, args: Any, kwargs: Any, caller: str) -> tuple:
         """The call's static key (with the module's settings), traced args, kwargs."""

@@ -16,7 +16,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from symjax_mlp._errors import ConfigError, SignatureError
-from symjax_mlp._hybrid.args import check_settings
+from symjax_mlp._hybrid.settings import check_settings
 
 
 def data_mesh(

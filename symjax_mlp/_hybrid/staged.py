@@ -1,0 +1,68 @@
+"""A Hybrid's staged forms, mixed into it: its program lowered and compiled (``h.lower``,
+``h.compile``), its model as a :class:`~symjax_mlp.Graph` (``h.graph``), and what staging a
+call shows: the module settings that change it, the held state it moves."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+from symjax_mlp._hybrid.graph import Graph
+from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
+
+
+class Staged:
+    """A :class:`~symjax_mlp.Hybrid`'s staged forms (mixed into it): its program lowered and
+    compiled, its model as a :class:`Graph`, the module settings that change it, the held
+    state it moves."""
+
+    def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
+        one SPMD module for every device, for the padded batch)."""
+        return self._lower("lower", args, kwargs)
+
+    def compile(self, /, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
+        """Lowers and compiles: ``.as_text()`` is XLA's optimized HLO (``.cost_analysis()``...)."""
+        return self._lower("compile", args, kwargs).compile()
+
+    def _lower(self, method: str, args: tuple, kwargs: dict) -> jax.stages.Lowered:
+        static, dyn, dyn_kw = self._split(method, args, kwargs)  # refused as h.<method>
+        held = (self._held.leaves,) if self.stateful else ()
+        with symbolic(self.name):
+            if self._parallel is not None:
+                _, dyn, dyn_kw = self._parallel.prepare(dyn, dyn_kw)
+            elif not self.stateful:
+                return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
+            return self._jitted.lower(static, self._leaves, *held, dyn, dyn_kw)
+
+    def graph(self, /, *args: Any, **kwargs: Any) -> Graph:
+        """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
+        layer shown (not counted in :attr:`trace_count`)."""
+        static, dyn, dyn_kw = self._split("graph", args, kwargs)
+        return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
+
+    def _split(self, method: str, args: tuple, kwargs: dict) -> tuple:
+        """The call's partition; arguments the model does not take named, with ``h.method``."""
+        split = self._partition(args, kwargs, self.name)  # (its inputs refused first, as h's)
+        fix = MODEL_FIX.replace("h(", f"h.{method}(")  # (a trace would name h(...))
+        if unbound := unbindable(f"{self.name}.{method}", self, args, kwargs, skip=0, fix=fix):
+            raise unbound
+        return split
+
+    def moved_state(self, /, *args: Any, **kwargs: Any) -> list[str]:
+        """The held state a call on these inputs moves, as ``state['path']``: what it computes
+        from them (BatchNorm's statistics), or draws its output from (Dropout's rng key)."""
+        static, dyn, dyn_kw = self._split("moved_state", args, kwargs)
+        return self._traced.moved(static, self._leaves, dyn, dyn_kw) if self.stateful else []
+
+    def training_mode(self, /, *args: Any, **kwargs: Any) -> tuple[str, ...]:
+        """An nnx module's settings that ``module.eval()`` would flip and that change the
+        program on these inputs, as ``"path=value"``; ``()`` in eval mode or for other models."""
+        if self._modes is None:
+            return ()
+        static, dyn, dyn_kw = self._split("training_mode", args, kwargs)
+        staged = functools.partial(self._traced.staged, static, self._leaves, self.state, dyn)
+        with symbolic(self.name):
+            return self._modes.training(lambda v: str(staged(dyn_kw, 0, v)))
