@@ -150,12 +150,10 @@ def run(
         ) from e
     for i, d in enumerate(differs):
         if d is not None:
-            tol = tolerance(want[i].dtype)
             raise ArtifactError(
-                f"{caller}: the model no longer reproduces its self-test: out[{i}] {d} "
-                f"(tolerance rtol {tol['rtol']:g}, atol {tol['atol']:g}). The weights, the module "
-                "or this platform's numerics changed; do not trust its answers. Export it again, "
-                "or load with self_test=False to inspect it anyway."
+                f"{caller}: the model no longer reproduces its self-test: out[{i}] {d}. The "
+                "weights, the module or this platform's numerics changed; do not trust its "
+                "answers. Export it again, or load with self_test=False to inspect it anyway."
             )
 
 
@@ -183,7 +181,16 @@ def difference(got: np.ndarray, want: np.ndarray) -> str | None:
         )
     with np.errstate(invalid="ignore"):
         err = np.where(nan_w | (g64 == w64), 0.0, np.abs(g64 - w64))
-    return f"differs from what it gave at export by up to {float(np.max(err)):.3g}"
+        allowed = tol["atol"] + tol["rtol"] * np.abs(w64)  # np.allclose's, at each value
+        over = np.where(np.isinf(err), np.inf, err / allowed)  # (inf where it allows inf too)
+    at = tuple(int(k) for k in np.unravel_index(np.argmax(over), over.shape))  # the worst
+    g, w = (got[at[:-1]], want[at[:-1]]) if parts else (got[at], want[at])
+    return (
+        f"differs from what it gave at export by up to {float(np.max(err)):.3g}; worst at index "
+        f"{at[:-1] if parts else at}: it is {g}, where it gave {w} at export, off by "
+        f"{float(err[at]):.3g} where rtol {tol['rtol']:g} and atol {tol['atol']:g} allow "
+        f"{float(allowed[at]):.3g}"
+    )
 
 
 _OUT_OF_MEMORY = (
