@@ -217,6 +217,13 @@ def test_nothing_compiles_while_serving(chapter):
         assert h.trace_count == before + len(b.buckets)
 
 
+class _Frame:
+    """A pandas-like table whose ``__array__`` raises: its columns mix types."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise ValueError("cannot convert a frame of mixed columns")
+
+
 @pytest.mark.parametrize(
     ("bad", "says"),
     [
@@ -226,7 +233,8 @@ def test_nothing_compiles_while_serving(chapter):
         (rows(9), ["9 rows", "max_batch >= 9"]),
         (rows(0), ["no rows"]),
         ([[0.0] * 512, [0.0]], ["is a list that is not an array", "float32[b, 512]"]),
-    ],
+        (_Frame(), ["_Frame that is not an array (cannot convert a frame of mixed columns)"]),
+    ],  # (a _Frame: its __array__'s raw ValueError)
 )
 def test_a_bad_request_is_refused_at_submit_without_harming_the_others(chapter, bad, says):
     _, _, h, x = chapter

@@ -289,12 +289,8 @@ def as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
     if isinstance(x, (bool, int, float, complex, list, tuple)):
         try:
             return _weak(np.asarray(x), spec)
-        except (ValueError, TypeError, OverflowError) as e:
-            why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-            raise SignatureError(
-                f"{caller}: input {spec.path} is {an(kind)} that is not an array ({why}); the "
-                f"artifact expects {spec.type}. Pass a NumPy or JAX array of that shape."
-            ) from None
+        except CONVERSION_ERRORS as e:
+            raise not_an_array(x, spec, caller, e) from None
     hint = ""
     if kind.startswith("torch."):
         hint = " Convert it: x.detach().cpu().numpy() (or jax.dlpack.from_dlpack(x))."
@@ -306,6 +302,21 @@ def as_array(x: Any, spec: TensorSpec, caller: str) -> Any:
         f"{caller}: input {spec.path} is {'None' if x is None else an(kind)}, not "
         f"a NumPy or JAX array; the artifact expects {spec.type}. Pass a np.ndarray or "
         f"jax.Array.{hint}"
+    )
+
+
+#: what ``np.asarray`` raises on an object that is no array (a ragged list; 2**70 in a list of
+#: floats; an ``__array__`` that raises, a table's of mixed columns)
+CONVERSION_ERRORS = (ValueError, TypeError, OverflowError)
+
+
+def not_an_array(x: Any, spec: TensorSpec, caller: str, error: Exception) -> SignatureError:
+    """The refusal of input ``x``, which ``np.asarray`` could not make an array of ``spec``'s."""
+    kind = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
+    why = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    return SignatureError(
+        f"{caller}: input {spec.path} is {an(kind)} that is not an array ({why}); the "
+        f"artifact expects {spec.type}. Pass a NumPy or JAX array of that shape."
     )
 
 

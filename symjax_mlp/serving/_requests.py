@@ -12,7 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from symjax_mlp._artifact.signature import Signature, admits, as_array
+from symjax_mlp._artifact.signature import (
+    CONVERSION_ERRORS,
+    Signature,
+    admits,
+    as_array,
+    not_an_array,
+)
 from symjax_mlp._compat import SharedLockFuture
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.pure import is_key
@@ -297,7 +303,10 @@ class RequestCheck:
                 error := unfit_array(self.name, f"input {self.specs[i].path}", x)
             ):
                 raise error  # np.asarray would drop a mask, compute a np.matrix as a matrix
-            a = x if type(x) is np.ndarray else np.asarray(x)  # read on the host anyway
+            try:
+                a = x if type(x) is np.ndarray else np.asarray(x)  # read on the host anyway
+            except CONVERSION_ERRORS as e:  # its __array__ raised (a table of mixed columns)
+                raise not_an_array(x, self.specs[i], self.name, e) from None
             why = self._why(i, a, rows)
             if why:
                 spec = self.specs[i]
