@@ -111,6 +111,47 @@ def unbound_axis(error: BaseException) -> str | None:
     return found[1] if isinstance(error, NameError) and found else None
 
 
+_UNBOUND = (
+    "{name}: the model reduces over the axis name {axis!r} (a BatchNorm(axis_name={axis!r}), a "
+    "lax.pmean), which only a transform mapping over it binds (jax.pmap, with which Flax's "
+    "examples train; jax.vmap); a Hybrid's call binds none, nor does the model's own call. To "
+    "reduce over the whole batch (what jax.pmap gives on one device), hybridize a function "
+    "binding it:\n{fix}\nor call it with the setting that turns the reduction off (train=False "
+    "in Flax's examples)."
+)
+_BIND = "in_axes=None, out_axes=None, axis_name={axis!r}, axis_size=1"
+_BINDS = {  # by the kind of model: a function of what hybridize was given
+    "linen": "  def train_apply(variables, {xs}):\n      apply = functools.partial(model.apply"
+    "{options})\n      return jax.vmap(apply, {bind})(variables, {xs})\n  h = sm.hybridize("
+    "train_apply, variables)",
+    "nnx": "  def bound(module, {xs}):\n      run = nnx.vmap(lambda m, {xs}: {call}, {bind})\n"
+    "      return run(module, {xs})\n  h = sm.hybridize(bound, module)",
+    "eqx": "  def bound(model, {xs}):\n      run = jax.vmap(lambda {xs}: {call}, {bind})\n"
+    "      return run({xs})\n  h = sm.hybridize(bound, model)",
+    "plain": "  def bound(params, {xs}):\n      run = jax.vmap(functools.partial(fn{options}), "
+    "{bind})\n      return run(params, {xs})\n  h = sm.hybridize(bound, params)",
+}
+
+
+def unbound_axis_error(
+    model: Any, name: str, axis: str, state: Any, args: tuple, kwargs: dict
+) -> ConfigError:
+    """The :class:`ConfigError` of a Hybrid's ``model`` (its pure model: ``kind``, ``target``,
+    ``source``) reducing over ``axis``, which no transform binds: the function binding it
+    that it needs, by the kind of model."""
+    options = [f", {k}={v!r}" for k, v in kwargs.items() if isinstance(v, (bool, int, str))]
+    if model.kind == "linen" and (mutable := [c for c in state if c != "rngs"]):
+        options.insert(0, f", mutable={mutable}")
+    xs, options = "x" if len(args) == 1 else "*xs", "".join(options)
+    call = f"m({xs}{options})" if model.target is type(model.source).__call__ else f"fn(m, {xs})"
+    if model.kind == "eqx":  # the module's own call (functools.wraps'), or a function of it
+        own = getattr(model.target, "__name__", "") == "__call__"
+        call = f"model({xs}{options})" if own else f"fn(model, {xs}{options})"
+    fix = _BINDS.get(model.kind, _BINDS["plain"])
+    fix = fix.format(xs=xs, options=options, call=call, bind=_BIND.format(axis=axis))
+    return ConfigError(_UNBOUND.format(name=name, axis=axis, fix=fix))
+
+
 _TWO_DEVICES = (
     "{name}: a call's arrays are committed to two devices (ids {a} and {b}, {platform}): the "
     "params and an input (or two inputs), each put there by jax.device_put; a call (each op of an "

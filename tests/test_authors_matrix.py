@@ -393,14 +393,11 @@ def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case,
     xs = tuple(map(np.asarray, case.inputs(1)))
     requests = [tuple(x[i:j] for x in xs) for i, j in ((0, 1), (1, 2), (0, 2))]
     example = requests[0] if len(xs) > 1 else requests[0][0]
-    batchers = [(sm.serving.Batcher(m, max_batch=4), m)]
-    if case.grows:  # the sum it sows moves the state: the Hybrid's refused as in training mode
-        with pytest.raises(sm.ConfigError, match=r"^Batcher\(\w+\): with kwargs=.* training mode"):
-            sm.serving.Batcher(h, example=example, max_batch=4, kwargs=settings)
-    else:
-        served = sm.serving.Batcher(h, example=example, max_batch=4, kwargs=settings)
-        batchers.append((served, lambda *r: h(*r, **settings)))
-    for served, direct in batchers:
+    for served, direct in (
+        (sm.serving.Batcher(m, max_batch=4), m),
+        (sm.serving.Batcher(h, example=example, max_batch=4, kwargs=settings),
+         lambda *r: h(*r, **settings)),
+    ):  # fmt: skip
         with served as b:
             got = [f.result(30) for f in [b.submit(*r) for r in requests]]
         for r, y in zip(requests, got, strict=True):

@@ -385,3 +385,30 @@ def test_padding_rows_that_would_reach_the_state_are_refused():
         eight(jax.random.normal(jax.random.key(0), (13, 5)), train=True)
     chex.assert_trees_all_equal(keyless(eight.state), before)  # nothing moved
     eight(jax.random.normal(jax.random.key(0), (16, 5)), train=True)  # a whole batch: fine
+
+
+@pytest.mark.parametrize("count", ["calls", "zcalls"])  # a held path before, after "total"
+def test_a_batch_sum_a_call_adds_is_seen_by_its_own_path_whatever_the_held_names(count):
+    """A call that adds state (a batch sum, as a linen sow inside bridge.ToNNX adds one) was
+    read against the held state's paths, zipped short: with a held count named before the
+    sum's "total", the count was named as moving (a Batcher refused the Hybrid as in training
+    mode); named after it, the sum was missed and a sharded call padded 13 rows to 16 and held
+    their sum, silently. Now a padded call is refused either way, and the count moves nothing
+    that a call reads from its rows (what a call adds, the Batcher never holds)."""
+    from flax import nnx
+
+    class Sower(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+            setattr(self, count, nnx.BatchStat(jnp.zeros(())))
+
+        def __call__(self, x):
+            y = self.linear(x)
+            getattr(self, count)[...] += 1
+            self.total = nnx.Intermediate(y.sum())  # added by the first call
+            return y
+
+    h, x = sm.hybridize(Sower()), jnp.ones((13, 3))
+    assert h.moved_state(x) == []
+    with pytest.raises(sm.SignatureError, match=r"13 rows .* the new state depends on the rows"):
+        h.shard(sm.data_mesh(8))(x)

@@ -17,7 +17,13 @@ import numpy as np
 from jax.core import Tracer
 
 from symjax_mlp._compat import install_unrolled_threefry, transformed
-from symjax_mlp._errors import ConfigError, ControlFlowError, SignatureError, unbound_axis
+from symjax_mlp._errors import (
+    ConfigError,
+    ControlFlowError,
+    SignatureError,
+    unbound_axis,
+    unbound_axis_error,
+)
 from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, not_data, rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
@@ -33,26 +39,6 @@ from symjax_mlp._hybrid.pure import (
 from symjax_mlp._hybrid.trace import TraceLog, symbolic
 
 PROGRAM_SUFFIX = "_hybrid"
-_UNBOUND = (
-    "{name}: the model reduces over the axis name {axis!r} (a BatchNorm(axis_name={axis!r}), a "
-    "lax.pmean), which only a transform mapping over it binds (jax.pmap, with which Flax's "
-    "examples train; jax.vmap); a Hybrid's call binds none, nor does the model's own call. To "
-    "reduce over the whole batch (what jax.pmap gives on one device), hybridize a function "
-    "binding it:\n{fix}\nor call it with the setting that turns the reduction off (train=False "
-    "in Flax's examples)."
-)
-_BIND = "in_axes=None, out_axes=None, axis_name={axis!r}, axis_size=1"
-_BINDS = {  # by the kind of model: a function of what hybridize was given
-    "linen": "  def train_apply(variables, {xs}):\n      apply = functools.partial(model.apply"
-    "{options})\n      return jax.vmap(apply, {bind})(variables, {xs})\n  h = sm.hybridize("
-    "train_apply, variables)",
-    "nnx": "  def bound(module, {xs}):\n      run = nnx.vmap(lambda m, {xs}: {call}, {bind})\n"
-    "      return run(module, {xs})\n  h = sm.hybridize(bound, module)",
-    "eqx": "  def bound(model, {xs}):\n      run = jax.vmap(lambda {xs}: {call}, {bind})\n"
-    "      return run({xs})\n  h = sm.hybridize(bound, model)",
-    "plain": "  def bound(params, {xs}):\n      run = jax.vmap(functools.partial(fn{options}), "
-    "{bind})\n      return run(params, {xs})\n  h = sm.hybridize(bound, params)",
-}
 _TWICE = (
     "{caller}: the same nnx Variable ({kind}) is reached more than once among the inputs "
     "(passed twice, or inside two objects); a compiled call would mutate copies apart and keep "
@@ -200,21 +186,6 @@ def _adds(before: tuple, after: tuple) -> bool:
     return len(new) > len(held) and all(new.get(p, ()) == i for p, i in held.items())
 
 
-def _unbound(model: PureModel, name: str, axis: str, state: Any, args: tuple, kwargs: dict):
-    """:data:`_UNBOUND` for ``model``, as a ConfigError: the function binding ``axis`` it needs."""
-    options = [f", {k}={v!r}" for k, v in kwargs.items() if isinstance(v, (bool, int, str))]
-    if model.kind == "linen" and (mutable := [c for c in state if c != "rngs"]):
-        options.insert(0, f", mutable={mutable}")
-    xs, options = "x" if len(args) == 1 else "*xs", "".join(options)
-    call = f"m({xs}{options})" if model.target is type(model.source).__call__ else f"fn(m, {xs})"
-    if model.kind == "eqx":  # the module's own call (functools.wraps'), or a function of it
-        own = getattr(model.target, "__name__", "") == "__call__"
-        call = f"model({xs}{options})" if own else f"fn(model, {xs}{options})"
-    fix = _BINDS.get(model.kind, _BINDS["plain"])
-    fix = fix.format(xs=xs, options=options, call=call, bind=_BIND.format(axis=axis))
-    return ConfigError(_UNBOUND.format(name=name, axis=axis, fix=fix))
-
-
 def _paths(structure: Any) -> list[str]:
     tree = jax.tree.unflatten(structure, [0] * structure.num_leaves)
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
@@ -255,7 +226,9 @@ class TracedModel:
             return self.model.call(params, state, args, kwargs)
         except Exception as e:  # an input no array (h("abc") was Flax's error), an unbound axis
             axis, name = unbound_axis(e), self.log.name
-            error = _unbound(self.model, name, axis, state, args, kwargs) if axis else None
+            error = (
+                unbound_axis_error(self.model, name, axis, state, args, kwargs) if axis else None
+            )
             if (error := error or not_data(name, e, args, kwargs)) is None:
                 raise
             raise error from None
@@ -273,12 +246,15 @@ class TracedModel:
         return jax.make_jaxpr(staged)(state, dyn, dyn_kw).jaxpr
 
     def sees_rows(self, *call: Any) -> bool:
-        """Whether a call's new state depends on its inputs (BatchNorm's statistics)."""
-        return bool(self.moved(*call, draws=False))
+        """Whether a call's new state, what it adds too (a sown sum), depends on its inputs
+        (BatchNorm's statistics)."""
+        new = self.staged(*call[:2], self.held.tree, *call[2:], 1)
+        return any(input_dependent(new, new.invars[len(self.held.leaves) :]))
 
     def moved(self, *call: Any, draws: bool = True) -> list[str]:
         """``state['path']`` of each held leaf a call computes from its inputs (BatchNorm's
-        statistics) or, with ``draws``, whose rng key its output draws on (Dropout)."""
+        statistics) or, with ``draws``, whose rng key its output draws on (Dropout); not what
+        the call adds (a sow): a new state's leaves, named by its own paths."""
         state, n = self.held.tree, len(self.held.leaves)
         new = self.staged(*call[:2], state, *call[2:], 1)
         rows, keys = input_dependent(new, new.invars[n:]), list(map(is_key, jax.tree.leaves(state)))
@@ -286,8 +262,10 @@ class TracedModel:
             out = self.staged(*call[:2], state, *call[2:], 0)  # its inputs: the state's, then ours
             drawn = [v for v, k in zip(out.invars, keys, strict=False) if k]
             draws = any(input_dependent(out, drawn))
-        paths = zip(_paths(jax.tree.structure(state)), rows, keys, strict=False)  # a call may add
-        return [f"state{p}" for p, r, k in paths if r or (draws and k)]
+        held = dict(zip(_paths(jax.tree.structure(state)), keys, strict=True))
+        grown = jax.eval_shape(lambda: self.call(call[0], self.params(call[1]), state, *call[2:]))
+        paths = zip(_paths(jax.tree.structure(grown[1])), rows, strict=True)
+        return [f"state{p}" for p, r in paths if p in held and (r or (draws and held[p]))]
 
     def changes(self, *call: Any) -> list[str]:
         """The held state's leaves a call changes, ``state['count']`` (none in eval mode)."""
