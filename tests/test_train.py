@@ -303,6 +303,15 @@ def test_a_num_classes_that_is_not_a_count_is_named(digits, classes):
         sm.training.train(sm.mlp((32, 10)), dataclasses.replace(digits, num_classes=classes))
 
 
+@pytest.mark.parametrize("classes", [11, 2**70])
+def test_a_num_classes_past_the_models_outputs_is_refused(digits, classes):
+    # it passed: the labels in range of both, num_classes (2**70 too) was never read again
+    with pytest.raises(
+        sm.DataError, match=rf"digits.num_classes is {classes}, but the model has 10 outputs"
+    ):
+        sm.training.train(sm.mlp((32, 10)), dataclasses.replace(digits, num_classes=classes))
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

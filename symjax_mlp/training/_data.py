@@ -263,10 +263,18 @@ def _labels(data: Dataset, *rows: int) -> dict[str, np.ndarray]:
 
 
 def check_outputs(data: Dataset, num_outputs: int) -> None:
-    """Refuses labels of ``data`` (checked by :func:`check_dataset`) past the model's outputs."""
+    """Refuses labels of ``data`` (checked by :func:`check_dataset`) past the model's outputs,
+    then a ``num_classes`` past them (classes the model could never predict)."""
     for name in ("y_train", "y_test"):
         what = f"the model has {num_outputs} outputs"
         _in_range(f"{data.name}.{name}", name, getattr(data, name), num_outputs, what)
+    if (classes := data.num_classes) is not None and classes > num_outputs:
+        raise DataError(
+            f"{_CALLER}: {data.name}.num_classes is {classes}, but the model has {num_outputs} "
+            f"outputs, one logit per class: it could never predict the classes past "
+            f"{num_outputs - 1}. Give the model {classes} outputs, or pass the number of "
+            f"classes it has, num_classes={num_outputs} (None: the largest label + 1)."
+        )
 
 
 def _in_range(where: str, name: str, y: np.ndarray, limit: int, what: str) -> None:
