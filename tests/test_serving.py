@@ -2029,6 +2029,9 @@ def test_an_example_of_no_input_or_a_flag_left_unset_is_refused_saying_so():
     "the example's inputs{'nope': 1}", its joining words missing."""
     with pytest.raises(sm.ConfigError, match=r"example=\(\).*holds no input.*x\[None\]"):
         sm.serving.Batcher(lambda x: x, example=())
+    for odd, what in ((3, "an int"), (memoryview(b"ab"), "a memoryview")):  # "a int", "a scalar"
+        with pytest.raises(sm.ConfigError, match=rf"example=...\): input 0 is {what}; pass an"):
+            sm.serving.Batcher(lambda x: x, example=odd)
     h = sm.hybridize(lambda p, x, train: x * p, jnp.float32(2))
     with pytest.raises(sm.ConfigError, match=r"1 input and kwargs={'scale': 1}, but missing"):
         sm.serving.Batcher(h, example=jnp.ones((1, 3)), kwargs={"scale": 1})

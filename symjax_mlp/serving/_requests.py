@@ -16,6 +16,7 @@ from symjax_mlp._artifact.signature import (
     CONVERSION_ERRORS,
     Signature,
     admits,
+    an,
     as_array,
     not_an_array,
 )
@@ -149,7 +150,8 @@ def example_specs(example: Any) -> tuple[TensorSpec, ...]:
         if is_key(x):  # else NumPy's "data type key<fry> not understood" (or "a scalar")
             raise ConfigError(_KEY.format(i=i, dtype=x.dtype, shape=list(x.shape)))
         if not (hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape)):
-            what = "a scalar" if hasattr(x, "shape") else f"a {type(x).__name__}"
+            scalar = hasattr(x, "shape") and hasattr(x, "dtype")  # (a memoryview has a shape)
+            what = "a scalar" if scalar else an(type(x).__name__)  # an int, a Decimal
             raise ConfigError(f"Batcher(example=...): input {i} is {what}; {_EXAMPLE}")
         specs.append(TensorSpec(f"args[{i}]", ("b", *map(int, x.shape[1:])), str(x.dtype)))
     return tuple(specs)
