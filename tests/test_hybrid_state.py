@@ -387,3 +387,24 @@ def test_an_nnx_module_of_array_leaves_takes_its_float_arrays_as_params_its_coun
 
     mixed = sm.hybridize(Buffered())
     assert set(mixed.params) == {"linear"} and set(mixed.state) == {"scale"}
+
+
+def test_a_float_array_leaf_the_call_reassigns_is_refused_naming_a_variable_that_carries_it():
+    """An nnx module of no Param takes its float arrays as params (above); a float count its
+    call raises would be dropped with what the call wrote (held at 0): refused, naming an int
+    array or an nnx.Variable, which are carried as state."""
+
+    class Counted(nnx.Module):
+        def __init__(self, count):
+            self.count, self.w = count, jnp.ones((3, 2))
+
+        def __call__(self, x):
+            self.count += 1
+            return x @ self.w
+
+    x = jnp.ones((2, 3))
+    with pytest.raises(sm.ConfigError, match=r"^Counted: the call assigned \['count'\].*int array"):
+        sm.hybridize(Counted(jnp.zeros(()))).eager(x)
+    h = sm.hybridize(Counted(jnp.array(0)))  # as it says
+    h(x), h(x)
+    assert int(h.state["count"]) == 2 and set(h.params) == {"w"}

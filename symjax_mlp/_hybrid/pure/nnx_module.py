@@ -27,6 +27,14 @@ _UNFIT = (
     "as nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[1:]) gives them."
 )
 
+_REASSIGNED = (
+    "{name}: the call assigned {changed}, a float array of an nnx module holding no Param, "
+    "whose float arrays are its weights (as nnx's array-leaves example trains them, "
+    "nnx.DiffState(0, is_param)): held as params, what the call wrote would be dropped. Make "
+    "what the call changes an nnx.Variable (nnx.BatchStat(jnp.zeros(()))) or an int array "
+    "(jnp.array(0)), which the Hybrid carries as state."
+)
+
 
 def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     """``(PureModel, params, state)`` for an nnx module (or ``fn(module, *args, **kwargs)``):
@@ -73,6 +81,8 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
             if (unfit := _trace.unfit_call(module_name, e, target, params, args, kwargs)) is None:
                 raise
             raise unfit from None
+        if wrt is not nnx.Param and (changed := _reassigned(params, nnx.state(m, wrt))):
+            raise ConfigError(_REASSIGNED.format(name=module_name, changed=changed))
         if not state and not keep:  # a Hybrid that carries none: what a call adds, it would drop
             if added := leaf_paths(({}, nnx.to_pure_dict(nnx.state(m, nnx.Not(wrt))))):
                 added = ", ".join(p.removeprefix("state") for p in added)
@@ -103,3 +113,14 @@ def trainable(module: Any) -> Any:
         return nnx.Param
     floating = jax.numpy.floating
     return lambda _, v: isinstance(v, jax.Array) and jax.numpy.issubdtype(v.dtype, floating)
+
+
+def _reassigned(params: Any, now: Any) -> str:
+    """The float arrays (the params of a module of no Param) that a call assigned or added:
+    not the arrays it was given."""
+    from flax import nnx
+
+    given = dict(zip(leaf_paths((params, {})), jax.tree.leaves(params), strict=True))
+    now = nnx.to_pure_dict(now)
+    pairs = zip(leaf_paths((now, {})), jax.tree.leaves(now), strict=True)
+    return ", ".join(p.removeprefix("params") for p, v in pairs if given.get(p) is not v)
