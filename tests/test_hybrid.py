@@ -689,6 +689,11 @@ def test_a_param_that_is_no_array_or_number_is_refused_by_path_when_made():
         sm.hybridize(lambda p, x: x @ p["w"], params)
     h = sm.hybridize(lambda p, x: x @ p["w"], params, params_as_constants=True)
     assert h(jnp.ones((2, 8))).shape == (2, 3)  # baked in: the function reads it in Python
+    # 2**70 was jit's raw OverflowError naming 'args[1]', a generator JAX's DeprecationWarning
+    huge = r"^<lambda>: params\['n'\] is the Python int 1180591620717411303424, past int32's"
+    for odd, said in ((2**70, huge), ((v for v in (1.0,)), r"params\['n'\] is a generator, ")):
+        with pytest.raises(sm.ConfigError, match=said):
+            sm.hybridize(lambda p, x: x * p["n"], {"n": odd})
 
 
 @pytest.mark.parametrize(

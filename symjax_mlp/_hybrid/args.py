@@ -176,13 +176,24 @@ _PARAM_LEAF = (
 )
 
 
+_PARAM_INT = (
+    "{name}: params{path} is the Python int {value}, past {dtype}'s range [{low}, {high}], "
+    "which a compiled call passes a Python int as (JAX's weak type). Pass it as a float, "
+    "float(...), if it is a number to compute with."
+)
+
+
 def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any]:
     """``jax.tree.flatten(params)``; if ``passed`` (not baked), a leaf jit cannot take refused."""
-    paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=unwalkable)
     for path, leaf in paths if passed else ():
         where, kind = jax.tree_util.keystr(path), type(leaf).__name__
         if not _traceable(leaf):
             raise ConfigError(_PARAM_LEAF.format(name=name, path=where, kind=kind))
+        info = np.iinfo(jax.dtypes.canonicalize_dtype(np.int64)) if type(leaf) is int else None
+        if info is not None and not info.min <= leaf <= info.max:  # jit's raw OverflowError
+            fields = {"dtype": info.dtype, "low": info.min, "high": info.max, "value": leaf}
+            raise ConfigError(_PARAM_INT.format(name=name, path=where, **fields))
         if error := unfit_array(name, f"params{where}", leaf):  # big-endian weights (a file's)
             raise error
     return [leaf for _, leaf in paths], treedef

@@ -16,7 +16,7 @@ import jax
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid import trace as _trace
-from symjax_mlp._hybrid.args import ModuleSetting
+from symjax_mlp._hybrid.args import ModuleSetting, unwalkable
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
 _NOT_VARIABLES = (
@@ -216,7 +216,11 @@ def refuse_nested_nnx_state(caller: str, params: Any) -> None:
     if (nnx := sys.modules.get("flax.nnx")) is None:  # flax not imported: no nnx module exists
         return
     graph = getattr(nnx, "Pytree", nnx.Module)  # nnx.Rngs too, where flax has nnx.Pytree
-    nodes = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, graph))
+
+    def is_node(x: Any) -> bool:  # (an iterator: a leaf, which JAX warns of; refused later)
+        return isinstance(x, graph) or unwalkable(x)
+
+    nodes = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_node)
     for path, leaf in (node for node in nodes[0] if isinstance(node[1], graph)):
         held = nnx.state(leaf, nnx.Not(nnx.Param))
         variables = jax.tree.leaves(held, is_leaf=lambda v: isinstance(v, nnx.Variable))
