@@ -156,10 +156,10 @@ def not_data(caller: str, error: Exception, args: Sequence[Any], kwargs: dict[st
     if not isinstance(error, MODEL_ERRORS) or isinstance(error, _KEPT):
         return None
     inputs = [*enumerate(args), *((k, v) for k, v in kwargs.items() if isinstance(v, str | bytes))]
-    trees = (dict, tuple, list)  # a namedtuple as a tuple (a list: stage's, h refuses it)
+    trees = (dict, tuple, list)  # a namedtuple counts as a tuple (a list: stage's; h refuses it)
     kinds = ((str, bytes, np.str_, np.bytes_, type(None)), trees, (int, float, complex))
-    of = [(k, v, next((t for t in trees if isinstance(v, t)), type(v))) for k, v in inputs]
-    for path, v in ((path_of(k), v) for ks in kinds for k, v, t in of if t in ks):
+    typed = [(k, v, next((t for t in trees if isinstance(v, t)), type(v))) for k, v in inputs]
+    for path, v in ((path_of(k), v) for ks in kinds for k, v, t in typed if t in ks):
         shown = f"keys {sorted(map(str, v))[:5]}" if isinstance(v, dict) else repr(v)[:40]
         kind = ("NumPy " if isinstance(v, np.generic) else "Python ") + type(v).__name__
         what = "None" if v is None else f"a {kind} ({shown})"  # (a bool: a setting, not here)
