@@ -9,6 +9,7 @@ are bounded, not just their elements. Control flow inside a reducer's body is re
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,33 @@ def test_a_call_graph_that_inlines_past_the_op_bound_is_refused():
     levels = ops.MAX_OPS.bit_length()  # 2**levels adds, past the bound, in 22 small functions
     [detail] = inlined_ops_problems(report(fanout(levels)))
     assert f"at most {ops.MAX_OPS:,}" in detail
+
+
+def composites(text: str) -> str:
+    """``text`` with each ``func.call`` a ``stablehlo.composite`` of the callee (what
+    ``jax.lax.erf`` exports as: the composite "chlo.erf" of its decomposition)."""
+    return re.sub(
+        r"func\.call @(\w+)\((%\w+)\)",
+        r'stablehlo.composite "my.op" \2 {decomposition = @\1}',
+        text,
+    )
+
+
+def test_a_composite_is_allowed_and_charged_as_a_call_of_its_decomposition():
+    """A composite (jax.lax.erf's "chlo.erf", an exact GELU's) was refused as an op an MLP never
+    needs; XLA runs its decomposition, so the walk charges it as a call: a fan-out of
+    composites is refused past the op bound as one of calls is, and a cycle as recursion."""
+    small = report(composites(fanout(4)))
+    assert not small.problems and small.work >= 2 * 2**4
+    assert small.counts["stablehlo.composite"] == 2 * 4 + 1
+    [detail] = inlined_ops_problems(report(composites(fanout(ops.MAX_OPS.bit_length()))))
+    assert f"at most {ops.MAX_OPS:,}" in detail
+    add, back = (
+        f"stablehlo.add %x, %x : {T}",
+        f'stablehlo.composite "my.op" %x {{decomposition = @f1}} : ({T}) -> {T}',
+    )
+    cycle = composites(fanout(1)).replace(add, back)  # @f0 composes @f1, which calls @f0
+    assert [p.key for p in report(cycle).problems] == ["recursion"]
 
 
 def test_a_call_graph_that_takes_xla_a_minute_to_compile_is_refused():

@@ -35,8 +35,11 @@ ALLOWED_OPS = frozenset({"builtin.module", "func.func", "func.return", "func.cal
     f"stablehlo.{n}" for n in (*ELEMENTWISE, *str.split("""
     constant iota dynamic_iota get_dimension_size custom_call broadcast_in_dim
     dynamic_broadcast_in_dim reshape dynamic_reshape transpose concatenate slice pad reverse
-    dot_general reduce return case if while optimization_barrier
+    dot_general reduce return case if while optimization_barrier composite
 """))}  # fmt: skip
+# ops calling a function of the module, by the attribute naming it: a composite runs its
+# decomposition (jax.lax.erf exports as the composite "chlo.erf"), walked as any call's callee
+CALLS = {"func.call": "callee", "stablehlo.composite": "decomposition"}
 ALLOWED_DIALECTS = ("sdy.",)  # Shardy's sharding annotations of sharded exports
 JAX_CUSTOM_CALLS = frozenset(
     {"shape_assertion", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}

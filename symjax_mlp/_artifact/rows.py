@@ -16,7 +16,7 @@ import functools
 import math
 from typing import Any
 
-from symjax_mlp._artifact.ops import ELEMENTWISE, MAX_OPS
+from symjax_mlp._artifact.ops import CALLS, ELEMENTWISE, MAX_OPS
 
 FREE = None
 _MOVES = ("broadcast_in_dim", "transpose", "reverse", "pad", "concatenate")
@@ -151,8 +151,8 @@ class _Rows:
         """The states of ``op``'s results, its operands of states ``ins``."""
         n, a = len(op.results), op.attributes
         rows, sizes = {s for s in ins if isinstance(s, int)}, any(isinstance(s, tuple) for s in ins)
-        if name == "func.call":
-            return self.call(a["callee"].value, tuple(ins))
+        if op.name in CALLS:  # a composite: its decomposition
+            return self.call(a[CALLS[op.name]].value, tuple(ins))
         if name in ("case", "if"):
             if ins[0] is not FREE:
                 raise Mixed(f"{op.name} branches on a row or on the batch size")

@@ -111,8 +111,8 @@ class _Walk:
                 self._attributes(op, name)
         else:
             self._attributes(op, name)
-        if name == "func.call" and func is not None:
-            func["calls"].append((_symbol_attr(op, "callee"), mult, depth))
+        if name in ops.CALLS and func is not None:  # a composite: a call of its decomposition
+            func["calls"].append((_symbol_attr(op, ops.CALLS[name]), mult, depth))
         inner = mult
         if name == "stablehlo.while":
             trips = cost.trip_count(op)
