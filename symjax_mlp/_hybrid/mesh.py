@@ -137,8 +137,8 @@ _BAKED = (
 )
 _PADDED_STATE = (
     "{name}.shard(...): a batch of {batch} rows does not divide over {n} shards, and the new "
-    "state depends on the rows (BatchNorm's statistics, in training): padding would change it. "
-    "Pass a batch that is a multiple of {n}, or call it in eval mode."
+    "state depends on the rows (BatchNorm's statistics in training, a sown batch sum): padding "
+    "would change it. Pass a batch that is a multiple of {n}, or call it in eval mode."
 )
 
 
