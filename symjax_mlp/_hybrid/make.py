@@ -63,7 +63,9 @@ def hybridize(
         ``jax.jit`` (completed from the model's signature); Python settings are static anyway.
       mutable: a linen model's collections that a call updates, held across calls (default:
         every collection but ``"params"``); one the variables lack (``self.sow``'s) is returned
-        fresh by each call, ``(out, {name: values})``, as ``model.apply`` returns it.
+        fresh by each call, ``(out, {name: values})``, as ``model.apply`` returns it. Those it
+        leaves out are params: a second trained collection (``nnx.bridge.to_linen``'s
+        ``"LoRAParam"``) needs ``mutable=`` naming the others, e.g. ``mutable=["counts"]``.
       rngs: a linen model's rng streams, split anew on every call: a key (the ``"dropout"``
         stream), an int seed, or ``{"dropout": key, ...}``.
       donate: donate the held state to each ``h(x)`` call (never ``h.apply``, never your
