@@ -36,8 +36,9 @@ from symjax_mlp._artifact.weights import encode
 from symjax_mlp._errors import ArtifactError, ConfigError, as_bool, as_int
 from symjax_mlp._export_entry import Stage, export_program, stage
 from symjax_mlp._export_options import check_options
-from symjax_mlp._files import read_regular, sha256, write_dir
+from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._reader import read_regular
 from symjax_mlp._signing import SIGNATURE
 from symjax_mlp._specs import TensorSpec
 

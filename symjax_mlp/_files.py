@@ -20,9 +20,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from symjax_mlp._errors import ConfigError, SymjaxError
+from symjax_mlp._reader import Reader
 
 MANIFEST = "manifest.json"
-CHUNK = 1 << 20
 
 _AT_FDCWD, _RENAME_NOREPLACE, _RENAME_EXCHANGE = -100, 1, 2
 _UNSUPPORTED = (22, 38, 95)  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot do it
@@ -30,121 +30,6 @@ _UNSUPPORTED = (22, 38, 95)  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-class Reader(contextlib.AbstractContextManager):
-    """One checked, hashed pass over a regular file of ``size`` bytes (at most ``limit``):
-    ``with Reader(file, size=n, error=E) as r: r.read(8); r.readinto(buf); r.finish(sha)``."""
-
-    def __init__(
-        self, file: Path, *, size: int | None, limit: int | None = None, error: type[SymjaxError]
-    ) -> None:
-        self.file, self.error = file, error
-        flags = os.O_RDONLY  # never follow a link, never block on a FIFO
-        for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC", "O_BINARY"):
-            flags |= getattr(os, name, 0)
-        try:
-            self.fd = os.open(file, flags)
-        except FileNotFoundError:
-            raise
-        except (OSError, ValueError) as e:  # ELOOP: a symlink; ValueError: a NUL in the name
-            if os.path.islink(file):
-                raise error(
-                    f"{file} is a symbolic link; loading never follows a link (it could point "
-                    "out of the directory, or at /dev/zero). Replace it by the file it points to."
-                ) from None
-            raise error(f"{file} cannot be read: {e}") from e
-        st = os.fstat(self.fd)
-        self.size, problem = st.st_size, None
-        if not stat.S_ISREG(st.st_mode):
-            problem = (
-                f"{file} is not a regular file (a directory, FIFO or device); nothing was read "
-                "from it. Restore the file written there, or pass a regular file."
-            )
-        elif size is not None and self.size != size:
-            problem = (
-                f"{file} is corrupted: it has {self.size} bytes but the manifest records {size}. "
-                "Nothing was deserialized. Restore the file, or write it again."
-            )
-        elif limit is not None and self.size > limit:
-            problem = (
-                f"{file} has {self.size} bytes, more than the {limit} such a file can have; it "
-                "is not one written by symjax_mlp. Write it again."
-            )
-        if problem:
-            os.close(self.fd)
-            raise error(problem)
-        self.done, self.digest = 0, hashlib.sha256()
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)
-
-    def readinto(self, view: memoryview) -> None:
-        view = memoryview(view).cast("B")
-        got = 0
-        try:
-            while got < len(view):
-                n = os.readv(self.fd, [view[got : got + CHUNK]])
-                if n == 0:
-                    raise self.error(f"{self.file} changed while it was read; read it again.")
-                self.digest.update(view[got : got + n])
-                got += n
-        except OSError as e:
-            raise self.error(f"{self.file} cannot be read: {e}") from e
-        self.done += got
-
-    def read(self, n: int) -> bytearray:
-        if n > self.size - self.done:
-            raise self.error(f"{self.file} ends before byte {self.done + n:,}; it is truncated.")
-        data = bytearray(n)
-        self.readinto(memoryview(data))
-        return data
-
-    def finish(self, sha256: str | None) -> str:
-        """Checks that the file ends here, and its sha256; returns the sha256."""
-        try:
-            extra = os.read(self.fd, 1)
-        except OSError as e:
-            raise self.error(f"{self.file} cannot be read: {e}") from e
-        if extra or self.done != self.size:
-            raise self.error(f"{self.file} changed while it was read; read it again.")
-        digest = self.digest.hexdigest()
-        if sha256 is not None and digest != sha256:
-            raise self.error(
-                f"{self.file} is corrupted: its sha256 is {digest[:16]}... but the manifest "
-                f"records {str(sha256)[:16]}... ({self.size} bytes). Nothing was deserialized. "
-                "Restore the file, or write it again (export the artifact again)."
-            )
-        return digest
-
-
-def read_regular(
-    file: Path, *, size: int | None = None, limit: int | None = None,
-    sha256: str | None = None, error: type[SymjaxError],
-) -> bytearray:  # fmt: skip
-    """A regular file's bytes, its ``size``, ``limit`` and ``sha256`` checked where given.
-    Raises ``FileNotFoundError`` (callers say what that means), else ``error``."""
-    with Reader(file, size=size, limit=limit, error=error) as r:
-        try:
-            data = bytearray(r.size)
-        except MemoryError:
-            raise error(
-                f"{file} has {r.size:,} bytes, more than this process can hold in memory."
-            ) from None
-        r.readinto(memoryview(data))
-        r.finish(sha256)
-    return data
-
-
-def hash_regular(
-    file: Path, *, size: int | None = None, sha256: str | None = None, error: type[SymjaxError]
-) -> str:
-    """The sha256 of a file checked as :func:`read_regular` does, read through one chunk."""
-    with Reader(file, size=size, error=error) as r:
-        chunk = memoryview(bytearray(min(CHUNK, r.size)))
-        while r.done < r.size:
-            r.readinto(chunk[: r.size - r.done])
-        return r.finish(sha256)
 
 
 def write_file(file: Path, data: bytes) -> None:

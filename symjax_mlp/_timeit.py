@@ -17,9 +17,9 @@ import numpy as np
 from symjax_mlp._artifact.format import JAXEXPORT, program_file
 from symjax_mlp._artifact.signature import sizes_at
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_int
-from symjax_mlp._files import read_regular
 from symjax_mlp._hybrid.args import partition
 from symjax_mlp._npy import draw
+from symjax_mlp._reader import read_regular
 
 _ROWS = ("synced", "pipelined", "compiled_synced", "compiled_pipelined")
 _ARRAYS = (np.ndarray, np.generic, jax.Array)  # placed on the device; the rest are settings

@@ -22,6 +22,7 @@ STAGES = (
     "symjax_mlp._compat",
     "symjax_mlp._errors",
     "symjax_mlp._specs",
+    "symjax_mlp._reader",
     "symjax_mlp._files",
     "symjax_mlp._npy",
     "symjax_mlp._models",

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from symjax_mlp._errors import ArtifactError
-from symjax_mlp._files import MANIFEST, read_regular
+from symjax_mlp._files import MANIFEST
+from symjax_mlp._reader import read_regular
 
 FORMAT = "symjax_mlp.artifact"
 FORMAT_VERSION = 2  # 1: exports before 0.5, which wrote model.mlir too (read as 2)

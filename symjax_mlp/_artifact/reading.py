@@ -33,7 +33,8 @@ from symjax_mlp._artifact.ops import ModuleReport, show_keys
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import read_safetensors_file
 from symjax_mlp._errors import ArtifactError, artifact_path
-from symjax_mlp._files import MANIFEST, hash_regular, read_regular
+from symjax_mlp._files import MANIFEST
+from symjax_mlp._reader import hash_regular, read_regular
 from symjax_mlp._specs import TensorSpec, shape_dims
 
 USED = (JAXEXPORT, MLIRBC, PARAMS)  # the files a loader reads into memory; others are hashed

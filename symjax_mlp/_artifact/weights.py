@@ -6,6 +6,7 @@ package (no name twice, no unknown field, the tensors' bytes tiling the file exa
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from symjax_mlp._artifact.format import (
     unique_pairs,
 )
 from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
-from symjax_mlp._files import Reader
+from symjax_mlp._reader import Reader, refusal
 from symjax_mlp._specs import TensorSpec, cast_to
 
 _ST_DTYPES = {  # safetensors dtype codes -> NumPy dtypes (bfloat16 from ml_dtypes, as in JAX)
@@ -142,7 +143,8 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> by
 def decode_params(data: bytes | bytearray, *, file: Path | str) -> dict[str, np.ndarray]:
     """Parses safetensors bytes into ``{path: array}``: read-only views of ``data``, no copy;
     anything but a valid file is an ``ArtifactError`` naming ``file``."""
-    entries, _, start = _parse_header(data.__getitem__, len(data), file, ArtifactError, MAX_TENSORS)
+    refuse = functools.partial(refusal, ArtifactError, file)
+    entries, _, start = _parse_header(data.__getitem__, len(data), refuse, MAX_TENSORS)
     out = {}
     for begin, _, name, dtype, shape, count in entries:
         a = np.frombuffer(data, _ST_DTYPES[dtype], count=count, offset=start + begin)
@@ -163,20 +165,23 @@ def read_safetensors_file(
     error: type[SymjaxError] = ArtifactError,
     max_tensors: int = MAX_TENSORS,
     expected: Sequence[TensorSpec] | None = None,
+    fix: str | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """``(tensors, metadata)`` of a safetensors file read in one hashed pass, each tensor in a
     64-byte-aligned buffer; FileNotFoundError for no file, ``error`` for anything else. Its
-    header is checked against ``expected`` (an artifact's own params) before any tensor is."""
-    with Reader(file, size=size, error=error) as r:
+    header is checked against ``expected`` (an artifact's own params) before any tensor is;
+    ``fix``: the caller's, in place of each refusal's own (a checkpoint's)."""
+    with Reader(file, size=size, error=error, fix=fix) as r:
 
         def read(at: slice) -> bytes:  # called in file order
             return r.read(at.stop - at.start)
 
-        entries, metadata, start = _parse_header(read, r.size, file, error, max_tensors)
+        entries, metadata, start = _parse_header(read, r.size, r.refuse, max_tensors)
         if (held := r.size - start) > _memory():  # a sparse file is terabytes of nothing
-            raise error(
-                f"{file} holds {held:,} bytes of tensors, more than this machine's memory "
-                f"({_memory():,} bytes); nothing was read. Load it where they fit."
+            raise r.refuse(
+                f"holds {held:,} bytes of tensors, more than this machine's memory "
+                f"({_memory():,} bytes); nothing was read",
+                "Load it where they fit.",
             )
         if expected is not None:  # the header, before any tensor is allocated (views of 0-d)
             declared = {
@@ -211,15 +216,15 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 def _parse_header(
     read: Callable[[slice], Any],
     n: int,
-    file: Path | str,
-    error: type[SymjaxError],
+    refuse: Callable[[str], Exception],
     max_tensors: int,
 ) -> tuple[list[tuple[int, int, str, str, list[int], int]], dict[str, str], int]:
     """The header's tensors, in file order, checked to tile the file's ``n`` bytes exactly; its
-    ``__metadata__``; and where the data starts. ``read(slice(start, stop))`` gives its bytes."""
+    ``__metadata__``; and where the data starts. ``read(slice(start, stop))`` gives its bytes;
+    ``refuse(what)``: the error naming the file (:func:`~symjax_mlp._reader.refusal`)."""
 
-    def bad(why: str) -> SymjaxError:
-        return error(f"{file} is not a valid safetensors file: {why}.")
+    def bad(why: str) -> Exception:
+        return refuse(f"is not a valid safetensors file: {why}")
 
     if n < 8:
         raise bad(f"it has {n} bytes, fewer than the 8 of its header length")

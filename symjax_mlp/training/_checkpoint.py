@@ -24,7 +24,8 @@ from safetensors.numpy import save
 
 from symjax_mlp._artifact.weights import MAX_TENSORS, read_safetensors_file
 from symjax_mlp._errors import CheckpointError, ConfigError, as_int
-from symjax_mlp._files import MANIFEST, read_regular, sha256, write_dir
+from symjax_mlp._files import MANIFEST, sha256, write_dir
+from symjax_mlp._reader import read_regular
 from symjax_mlp.training._paths import (
     check_directory,
     check_path,
@@ -67,12 +68,16 @@ _METADATA = (
 )
 
 
+#: a broken checkpoint's fix, whatever is wrong with its files
+_FIX = (
+    "the checkpoint is incomplete, corrupted or was edited. Resume from an older checkpoint "
+    "(remove this checkpoint's directory: resume=True picks the newest), or start over in an "
+    "empty directory."
+)
+
+
 def broken(path: Any, what: str) -> CheckpointError:
-    return CheckpointError(
-        f"{path}: {what}; the checkpoint is incomplete, corrupted or was edited. Resume from an "
-        "older checkpoint (remove this checkpoint's directory: resume=True picks the newest), or "
-        "start over in an empty directory."
-    )
+    return CheckpointError(f"{path}: {what}; {_FIX}")
 
 
 def check_manifest(
@@ -285,17 +290,13 @@ def read_checkpoint(path: Path, like: TrainState) -> tuple[TrainState, dict[str,
     digest = files.get(_STATE_FILE) if isinstance(files, dict) else None
     sha_ok = isinstance(digest, str) and _SHA256.fullmatch(digest) is not None
     check_manifest(file, manifest, _HEADER, step, files=sha_ok)
-    try:  # the artifact reader's own checks: no link or FIFO, strict, hashed as it is read
+    try:  # the artifact reader's own checks (no link or FIFO, strict, hashed), a checkpoint's fix
         stored, _ = read_safetensors_file(
-            path / _STATE_FILE, sha256=digest, error=CheckpointError, max_tensors=_MAX_TENSORS
-        )
+            path / _STATE_FILE, sha256=digest, error=CheckpointError, max_tensors=_MAX_TENSORS,
+            fix=_FIX,
+        )  # fmt: skip
     except FileNotFoundError:
         raise broken(path / _STATE_FILE, "the file is missing") from None
-    except CheckpointError as e:  # its first sentence, then a checkpoint's fix (not a file's)
-        said = str(e).removeprefix(f"{path / _STATE_FILE} ")  # the path first: it may hold ". A"
-        raise broken(
-            path / _STATE_FILE, re.split(r"(?<!\.)\. (?=[A-Z])", said)[0].rstrip(".")
-        ) from None
     check_fit(path, specs(stored), specs(named_leaves(like)))
     arrays = {name: jnp.asarray(a) for name, a in stored.items()}
     return state_of(arrays, like, manifest), manifest.get("metadata", {})
