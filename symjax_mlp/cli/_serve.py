@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import gc
 
-from symjax_mlp._errors import ConfigError
 from symjax_mlp.cli import _args
 from symjax_mlp.cli._args import count, port, positive
 
@@ -92,7 +91,8 @@ def add_parser(sub: _args.Subcommands) -> None:
 def run(args: argparse.Namespace) -> None:
     """Serves ``args.path`` until interrupted (exit 0 after a clean shutdown)."""
     from symjax_mlp.serving import latency_mode, serve
-    from symjax_mlp.serving._server import bind, print_ready
+    from symjax_mlp.serving._app import print_ready
+    from symjax_mlp.serving._server import bind
 
     given = [f"--{o.replace('_', '-')}" for o in _ONLY[args.ray] if getattr(args, o) is not None]
     if given:  # an option the other server has: it would be ignored, in silence
@@ -111,20 +111,16 @@ def run(args: argparse.Namespace) -> None:
         gc.freeze()  # loaded and compiled: see the module's docstring
         say(url)
 
-    try:
-        if args.ray and args.port == 0:  # Ray's proxy takes a port number: a free one, here
-            with bind(args.host, 0) as s:  # a host not this machine's: a ConfigError
-                args.port = s.getsockname()[1]
-        options = _args.keywords(args, _RAY if args.ray else _SERVE) | _args.load_options(args)
-        if args.ray:
-            from symjax_mlp.serving._ray import serve_on_ray
+    # where="": the CLI's "symjax-mlp serve: error:" says where already
+    if args.ray and args.port == 0:  # Ray's proxy takes a port number: a free one, here
+        with bind(args.host, 0, where="") as s:  # a host not this machine's: a ConfigError
+            args.port = s.getsockname()[1]
+    options = _args.keywords(args, _RAY if args.ray else _SERVE) | _args.load_options(args)
+    if args.ray:
+        from symjax_mlp.serving._ray import serve_on_ray
 
-            options["ray_actor_options"] = {"num_cpus": args.replica_cpus}
-            serve_on_ray(args.path, ready=say, address=args.ray_address, **options)
-        else:
-            serve(args.path, ready=ready, **options)
-    except ConfigError as e:  # the CLI's "symjax-mlp serve: error:" says where already
-        if not str(e).startswith("serve: "):
-            raise
-        raise ConfigError(str(e).removeprefix("serve: ")) from None
+        options["ray_actor_options"] = {"num_cpus": args.replica_cpus}
+        serve_on_ray(args.path, ready=say, address=args.ray_address, **options)
+    else:
+        serve(args.path, ready=ready, where="", **options)
     print("symjax-mlp serve: shut down cleanly", flush=True)

@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from symjax_mlp._artifact.format import printable
@@ -390,3 +391,8 @@ class Public:
         text = _QUOTED.sub(lambda m: f"{m[1]}<path>{m[1]}" if _PATH.search(m[2]) else m[0], text)
         text = _PATH.sub(lambda m: "<path>" + m[0][len(m[0].rstrip(".:")) :], text)  # keep a "."
         return short(printable(text.replace("\x00", own) if own else text), more=cut)
+
+
+def print_ready(artifact: Any) -> Callable[[str], None]:
+    """``serve``'s default ``ready``: prints the URL it serves ``artifact`` on."""
+    return lambda url: print(f"serving {artifact} on {url} ({ENDPOINTS})", flush=True)

@@ -22,6 +22,7 @@ from typing import Any
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._bodies import BadRequest
+from symjax_mlp.serving._requests import headed
 
 #: Bytes a second a body must average after its first ``body_timeout`` seconds (a phone on
 #: GPRS sends 5 000; Apache's mod_reqtimeout asks 500 by default).
@@ -41,10 +42,10 @@ def check_limits(
         if option == "max_inflight_bytes" and value is None:  # default: 4 bodies
             value = max_inflight_bytes = 4 * max_body_bytes
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-            raise ConfigError(f"{where}: {option} must be a number > 0; got {value!r}.")
+            raise ConfigError(f"{headed(where)}{option} must be a number > 0; got {value!r}.")
     if max_inflight_bytes < max_body_bytes:  # a body between the two: 503, retry, for ever
         raise ConfigError(
-            f"{where}: max_inflight_bytes={max_inflight_bytes} is less than max_body_bytes="
+            f"{headed(where)}max_inflight_bytes={max_inflight_bytes} is less than max_body_bytes="
             f"{max_body_bytes}, so a body between the two could never be read; pass "
             "max_inflight_bytes >= max_body_bytes."
         )

@@ -355,9 +355,15 @@ class RequestCheck:
         return ""
 
 
+def headed(where: str) -> str:
+    """A refusal's heading: ``where`` and a colon, or none for ``""`` (a caller whose own line
+    says where already, as the CLI's ``symjax-mlp serve: error:``)."""
+    return f"{where}: " if where else ""
+
+
 def check_count(where: str, option: str, value: Any) -> int:
     """``value`` as an int; refused unless it is an integer >= 1 (NumPy's too)."""
     count = as_int(value)
     if type(count) is not int or count < 1:
-        raise ConfigError(f"{where}: {option} must be an int >= 1; got {value!r}.")
+        raise ConfigError(f"{headed(where)}{option} must be an int >= 1; got {value!r}.")
     return count

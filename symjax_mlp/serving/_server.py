@@ -25,19 +25,19 @@ from typing import Any
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._app import (
-    ENDPOINTS,
     REFUSED,
     create_app,
     drain,
     error_body,
     load_entry,
     model_name,
+    print_ready,
     require,
 )
 from symjax_mlp.serving._batcher import Batcher, seconds
 from symjax_mlp.serving._bodies import short
 from symjax_mlp.serving._intake import check_limits
-from symjax_mlp.serving._requests import check_count
+from symjax_mlp.serving._requests import check_count, headed
 
 #: The most bytes of one request's line and headers, or trailers (nginx: 4 x 8 KiB by default).
 MAX_HEAD_BYTES = 64 * 2**10
@@ -286,6 +286,7 @@ def serve(
     allow: Iterable[str] | None = None,
     verify_signature: str | os.PathLike[str] | None = None,
     warm_up_timeout: float | None = 300.0,
+    where: str = "serve",
 ) -> None:
     """Serves an artifact over HTTP until SIGINT or SIGTERM, then shuts down cleanly.
 
@@ -309,6 +310,7 @@ def serve(
       ready: called with the URL once the socket is bound (default: prints it).
       entry: the entry point to serve (default: the artifact's default one).
       params_as_constants, trust, allow, verify_signature: passed to :func:`~symjax_mlp.load`.
+      where: the heading of its own refusals (``""``: none, where the caller's line names it).
 
     Raises:
       ConfigError: ``params_as_constants`` with ``runtime="iree"`` or a sharded artifact.
@@ -319,16 +321,15 @@ def serve(
     require()
     import uvicorn
 
-    check_count("serve", "max_connections", max_connections)
+    check_count(where, "max_connections", max_connections)
     limits = max_body_bytes, body_timeout, max_inflight_bytes  # before the load, as the port
-    check_limits("serve", *limits, request_timeout=request_timeout)
+    check_limits(where, *limits, request_timeout=request_timeout)
     waits = {"warm_up_timeout": seconds(warm_up_timeout, "serve(warm_up_timeout")}
     levels = uvicorn.config.LOG_LEVELS
     if not isinstance(log_level, int) and str(log_level).lower() not in levels:
-        raise ConfigError(
-            f"serve: log_level must be one of {', '.join(levels)}; got {log_level!r}."
-        )
-    with bind(host, port) as sock:  # before the load: a busy port is said at once, not after it
+        say = f"log_level must be one of {', '.join(levels)}; got {log_level!r}."
+        raise ConfigError(headed(where) + say)
+    with bind(host, port, where) as sock:  # before the load: a busy port is said at once
         model = load_entry(
             artifact, entry, runtime=runtime, params_as_constants=params_as_constants,
             trust=trust, allow=allow, verify_signature=verify_signature,
@@ -358,14 +359,14 @@ def serve(
             sys.stdout.flush()
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (not yet listening); raises :class:`ConfigError`
-    where that address cannot be had (a port in use, a host that is not this machine's)."""
+def bind(host: str, port: int, where: str = "serve") -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening); raises :class:`ConfigError`,
+    headed ``where``, where that address cannot be had (a port in use, a host not this one's)."""
     if isinstance(port, bool):  # True was port 1
-        raise ConfigError(f"serve: port must be an int from 0 to 65535; got {port!r}.")
+        raise ConfigError(f"{headed(where)}port must be an int from 0 to 65535; got {port!r}.")
     if not isinstance(host, str) or not host.strip():  # "" is every interface, in silence
         raise ConfigError(
-            f"serve: host={host!r} names no address; pass 127.0.0.1 (this machine only) or "
+            f"{headed(where)}host={host!r} names no address; pass 127.0.0.1 (this machine only) or "
             "0.0.0.0 (every interface)."
         )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -378,14 +379,10 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         why = getattr(e, "strerror", None) or str(e)
         raise ConfigError(
-            f"serve: cannot listen on {host}:{port} ({why}). Pass a free port (0: any free "
+            f"{headed(where)}cannot listen on {host}:{port} ({why}). Pass a free port (0: any free "
             "one) and a host address of this machine (127.0.0.1, 0.0.0.0)."
         ) from None
     return sock
-
-
-def print_ready(artifact: Any) -> Callable[[str], None]:
-    return lambda url: print(f"serving {artifact} on {url} ({ENDPOINTS})", flush=True)
 
 
 @contextlib.contextmanager
