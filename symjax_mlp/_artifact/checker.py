@@ -230,9 +230,10 @@ def serve(parent: int) -> None:
                         f"{str(e)[:300]}); the artifact is corrupted or was made by an "
                         "incompatible JAX."
                     ) from e
-                report = dataclasses.replace(analyze_module(module), rows=rows.analyze(module))
+                report = analyze_module(module, head="")  # the parent heads it with the file
+                report = dataclasses.replace(report, rows=rows.analyze(module))
                 answer: dict[str, Any] = {"report": dataclasses.asdict(report)}
         except ArtifactError as e:
-            answer = {"error": str(e).removeprefix("the module: ")}
+            answer = {"error": str(e)}
         stdout.write(json.dumps(answer).encode() + b"\n")
         stdout.flush()

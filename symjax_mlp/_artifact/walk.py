@@ -17,15 +17,17 @@ from symjax_mlp._artifact import cost, ops
 from symjax_mlp._errors import ArtifactError
 
 
-def analyze_module(module: Any) -> ops.ModuleReport:
-    """The report of an ``ir.Module`` already parsed (in its context)."""
+def analyze_module(module: Any, head: str = "the module: ") -> ops.ModuleReport:
+    """The report of an ``ir.Module`` already parsed (in its context); an ``ArtifactError``
+    headed ``head`` where it cannot be walked (the checker's child: none, its parent names the
+    file)."""
     try:
         return _Walk(module).report()
     except RecursionError:
-        raise ArtifactError("the module: its regions nest too deeply to check; refused.") from None
+        raise ArtifactError(f"{head}its regions nest too deeply to check; refused.") from None
     except (RuntimeError, ValueError, TypeError, UnicodeDecodeError) as e:  # MLIR bindings
         raise ArtifactError(
-            f"the module: the StableHLO module cannot be checked ({type(e).__name__}: "
+            f"{head}the StableHLO module cannot be checked ({type(e).__name__}: "
             f"{str(e)[:200]}); refused."
         ) from e
 
