@@ -199,14 +199,19 @@ def mlp(
       >>> net.apply(variables, jnp.ones((1, 512))).shape
       (1, 2)
     """
+    return build_mlp(sizes, activation, dtype, "mlp")
+
+
+def build_mlp(sizes: Any, activation: Any, dtype: Any, call: str) -> HybridSequential:
+    """:func:`mlp`, its refusals headed ``symjax_mlp.{call}(`` (``chapter.chapter_mlp``)."""
     widths = isinstance(sizes, Sequence | np.ndarray) and not isinstance(sizes, str)
     if not (widths and len(sizes) and all(map(_width, sizes))):
         raise ConfigError(
-            f"symjax_mlp.mlp(sizes={sizes!r}): pass the layers' widths as a sequence of positive "
-            "ints, e.g. mlp((256, 128, 2)) (one layer: mlp((2,)))."
+            f"symjax_mlp.{call}(sizes={sizes!r}): pass the layers' widths as a sequence of "
+            "positive ints, e.g. mlp((256, 128, 2)) (one layer: mlp((2,)))."
         )
-    activation_fn(activation, "mlp")  # refused even where only the last layer (none) would use it
-    _check_dtype("mlp", dtype)
+    activation_fn(activation, call)  # refused even where only the last layer (none) would use it
+    _check_dtype(call, dtype)
     acts = (activation,) * (len(sizes) - 1) + (None,)
     layers = (Dense(int(s), activation=a, dtype=dtype) for s, a in zip(sizes, acts, strict=True))
     return HybridSequential(tuple(layers))

@@ -29,7 +29,7 @@ from symjax_mlp._export import export
 from symjax_mlp._hybrid.graph import stage
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.make import hybridize
-from symjax_mlp._models import Dense, mlp
+from symjax_mlp._models import Dense, build_mlp
 
 __all__ = ["HybridNet", "chapter_mlp", "describe_mlp", "export_mlp", "fancy_func", "tour"]
 
@@ -86,12 +86,7 @@ def _mlp(
 ) -> tuple[Hybrid, jax.Array]:  # fmt: skip
     """``mlp(sizes)`` hybridized from ``seed`` and a zero input; the chapter's (``name``) a
     random input. Sizes past int64 or memory and seeds past int64 are ConfigErrors."""
-    try:
-        net = mlp(sizes, activation=activation)
-    except ConfigError as e:  # named as the call the user made
-        raise ConfigError(
-            str(e).replace("symjax_mlp.mlp(", f"symjax_mlp.chapter.{call}(")
-        ) from None
+    net = build_mlp(sizes, activation, None, f"chapter.{call}")  # named as the call made
     in_features, batch = _int(call, "in_features", in_features, 1), _int(call, "batch", batch, 0)
     seed = _int(call, "seed", seed, -_INT64, _INT64 - 1)
     for rows, cols in (*itertools.pairwise((in_features, *sizes)), (batch, in_features)):

@@ -209,6 +209,11 @@ def test_the_chapter_takes_numpy_ints_and_a_static_numpy_batch(tmp_path):
         (lambda: sm.HybridConcurrent([1]), "symjax_mlp.HybridConcurrent(branches=...): "),
         (lambda: sm.chapter.chapter_mlp(batch=-1), "symjax_mlp.chapter.chapter_mlp(batch=-1): "),
         (lambda: sm.chapter.tour(calls=-1), "symjax_mlp.chapter.tour(calls=-1): "),
+        (  # mlp's own refusals, headed as the chapter's call (passed in, not rewritten)
+            lambda: sm.chapter.describe_mlp((2,), activation="nope"),
+            "symjax_mlp.chapter.describe_mlp(activation='nope'): ",
+        ),
+        (lambda: sm.chapter.export_mlp("x", sizes=()), "symjax_mlp.chapter.export_mlp(sizes=()): "),
         (
             lambda: sm.chapter.describe_mlp(in_features=0),
             "symjax_mlp.chapter.describe_mlp(in_features=0): ",
