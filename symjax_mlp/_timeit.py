@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._artifact.format import JAXEXPORT, program_file
+from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._artifact.signature import sizes_at
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.args import partition
@@ -31,14 +31,13 @@ def _is_array(a: Any) -> bool:
 
 
 _STATIC = (
-    'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the artifact has static shapes, '
+    "timeit({call}, batch={batch}): the artifact has static shapes, "
     "({types}), so batch sizes nothing and it would time those shapes, not batch {batch}. Drop "
     "batch, or export with a symbolic batch: sm.export(h, path, example=x, batch='b')."
 )
-_DRAWN = (
-    'timeit(symjax_mlp.load("{m.path}"), batch={batch}): the inputs drawn at batch {batch} do '
-    "not fit the artifact: {reason} Pass a batch it accepts, or the inputs: timeit(model, x, ...)."
-)
+#: the heading of a refusal of inputs drawn at a batch (Signature.check's), and its fix
+_DRAWN = "timeit({call}, batch={batch}): the inputs drawn at batch {batch} do not fit the artifact"
+_DRAWN_FIX = "Pass a batch it accepts, or the inputs: timeit(model, x, ...)."
 _BATCH_OF_ARGS = (
     "timeit({name}, *args, batch={batch}): batch sizes the inputs drawn for an artifact, and "
     "you passed the inputs, which are timed at their own shapes. Drop batch, or pass inputs "
@@ -171,34 +170,35 @@ def _compiled(fn: Any, weights: Any, args: list[Any], constants: bool) -> Callab
 def _inputs(m: Any, given: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
     """``given``, or inputs drawn for the artifact's signature at ``batch`` as its constraints
     admit, checked as it takes them; drawn ones out of its bounds are the batch's fault."""
+    call = caller(m.path, m.manifest)  # symjax_mlp.load("path"), with its entry point
     if given:
-        return tuple(m.signature.check(given, caller="timeit()"))
+        return tuple(m.signature.check(given, caller=f"timeit({call})"))
     rng, inputs, specs = np.random.default_rng(0), [], m.signature.inputs
     if batch != 1 and not any(isinstance(d, str) for s in specs for d in s.shape):
-        raise ConfigError(_STATIC.format(m=m, batch=batch, types=", ".join(map(str, specs))))
+        raise ConfigError(_STATIC.format(call=call, batch=batch, types=", ".join(map(str, specs))))
+    drawn = _DRAWN.format(call=call, batch=batch)
     if (sizes := sizes_at(m.signature, batch)) is None:
         reason = f"it takes {m.signature}, whose constraints refuse batch {batch}."
-        raise SignatureError(_DRAWN.format(m=m, batch=batch, reason=reason))
+        raise SignatureError(f"{drawn}: {reason} {_DRAWN_FIX}")
     for spec in specs:
         shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
         try:
             inputs.append(draw(rng, shape, spec.dtype))
         except TypeError:
             raise ConfigError(
-                f'timeit(symjax_mlp.load("{m.path}")): its input {spec.path} is a {spec.dtype}, '
+                f"timeit({call}): its input {spec.path} is a {spec.dtype}, "
                 "for which no input is drawn; pass the inputs: timeit(model, x, ...)."
             ) from None
         except (MemoryError, ValueError):  # ValueError: more bytes than an array may have
             raise ConfigError(
-                f'timeit(symjax_mlp.load("{m.path}"), batch={batch}): its input {spec.path} '
+                f"timeit({call}, batch={batch}): its input {spec.path} "
                 f"at that batch, {spec.dtype}{list(shape)}, is more than this process can hold "
                 "in memory; pass a smaller batch."
             ) from None
-    try:
-        return tuple(m.signature.check(inputs, caller="timeit()"))
+    try:  # its refusal headed as drawn at the batch, then the batch's fix
+        return tuple(m.signature.check(inputs, caller=drawn))
     except SignatureError as e:
-        reason = str(e).removeprefix("timeit(): ")
-        raise SignatureError(_DRAWN.format(m=m, batch=batch, reason=reason)) from None
+        raise SignatureError(f"{e} {_DRAWN_FIX}") from None
 
 
 def _loop(fn: Callable[[], Any], calls: int, pipelined: bool) -> float:

@@ -6,6 +6,7 @@ those).
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -290,6 +291,11 @@ def test_an_entry_point_is_named_in_its_timing(hybrid, tmp_path):
     assert sm.timeit(m, calls=1, repeats=1, warmup=1).name == str(m.path)
     t = sm.timeit(m["embed"], calls=1, repeats=1, warmup=1)
     assert t.name == f"{m.path}['embed']" and str(t).startswith(f"{m.path}['embed']: 1 calls")
+    named = re.escape(
+        f"timeit(symjax_mlp.load(\"{m.path}\")['embed']): input args[0] has shape (2, 5)"
+    )
+    with pytest.raises(sm.SignatureError, match=named):  # its inputs refused naming the entry
+        sm.timeit(m["embed"], jnp.ones((2, 5)), calls=1, repeats=1, warmup=1)
 
 
 def test_cli_bench_times_the_entry_point_asked_for(hybrid, tmp_path, capsys):
@@ -367,7 +373,8 @@ def test_drawn_inputs_out_of_the_artifacts_bounds_blame_the_batch(tmp_path, caps
     with pytest.raises(sm.SignatureError, match=says):
         sm.timeit(m, batch=16, calls=1, repeats=1, warmup=1)
     check_fields(sm.timeit(m, batch=8, calls=1, repeats=1, warmup=1), 1, 1)
-    with pytest.raises(sm.SignatureError, match=r"^timeit\(\): the inputs give b = 9"):
+    named = rf'^timeit\(symjax_mlp\.load\("{re.escape(str(m.path))}"\)\): the inputs give b = 9'
+    with pytest.raises(sm.SignatureError, match=named):  # the model named, as its call names it
         sm.timeit(m, jnp.ones((9, 2)), calls=1, repeats=1, warmup=1)  # passed: as it was
     assert main(["bench", str(art.path), "--batch", "16", "--calls", "1"]) == 2
     err = capsys.readouterr().err
