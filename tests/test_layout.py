@@ -7,6 +7,7 @@ from a list someone keeps in sync by hand: a cycle or a backward edge fails here
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -281,6 +282,101 @@ def test_no_module_reaches_into_another_objects_privates():
 def test_the_reach_check_sees_a_reach():
     probe = "import os\nfrom a import B, c\ndef f(h, self):\n    os._exit(c._d(self._e, h._f))\n"
     assert _reaches(probe + "    B._g(h)\n") == ["4: h._f", "5: B._g"]
+
+
+# -- no module rewrites another's message: the heading (or fix) is passed in, the text written once
+#: the functions whose rewrites of an exception's text are kept, by file: each a third party's
+#: text, or the user's, never a message of this library's
+REWRITES_KEPT = {
+    # the user's own argv (a path with a newline) escaped as the terminal shows it: its words kept
+    "cli/__init__.py": {"main"},
+    # MLIR's file:line locations and JAX's "Module shape refinement failed: " dropped from JAX's
+    "_runtimes/transforms.py": {"_unresolved"},
+    # the user's model's error, as an HTTP client may see it: paths, addresses and NULs scrubbed
+    "serving/_app.py": {"text"},
+}
+_REWRITES = {"replace", "removeprefix", "removesuffix", "sub", "subn"}
+_CALLS = re.compile(r"\.(replace|removeprefix|removesuffix|subn?)\(")
+_EXCEPTION = re.compile(r"\b(BaseException|Exception|\w+Error)\b")
+
+
+def _rewrites(source: str) -> list[str]:
+    """Each ``x.replace/removeprefix/removesuffix(...)`` or ``pattern.sub(..., x)`` of an
+    exception's text: ``x`` holds an ``except ... as e`` name, a parameter annotated as an
+    exception, or a name assigned from one (``said = str(e)``): ``line: function: x.method``."""
+    found: dict[tuple[int, str], str] = {}
+    every = list(ast.walk(ast.parse(source)))  # outer scopes first: a call's own is the last
+    handlers = [n for n in every if isinstance(n, ast.ExceptHandler) and n.name]
+    defs = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+    for scope in every:
+        if isinstance(scope, ast.Module):  # its own code, not its functions' (each walked)
+            nodes = [n for t in scope.body if not isinstance(t, defs) for n in ast.walk(t)]
+            held = {n.name for n in nodes if isinstance(n, ast.ExceptHandler) and n.name}
+        elif isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+            span = range(scope.lineno, (scope.end_lineno or scope.lineno) + 1)
+            held = {h.name for h in handlers if h.lineno in span}
+            params = scope.args.args + scope.args.kwonlyargs
+            held |= {
+                a.arg
+                for a in params
+                if a.annotation and _EXCEPTION.search(ast.unparse(a.annotation))
+            }
+            nodes = list(ast.walk(scope)) if held else []
+        else:
+            continue
+        for _ in range(3):  # said = str(e); text = said[:300]: the text travels
+            for n in nodes:
+                value = getattr(n, "value", None)
+                if isinstance(n, ast.Assign | ast.AnnAssign | ast.NamedExpr) and _holds(
+                    value, held
+                ):
+                    targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                    held |= {t.id for t in targets if isinstance(t, ast.Name)}
+        for n in nodes:
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr in _REWRITES
+            ):
+                subject = [n.func.value, *(n.args if n.func.attr in ("sub", "subn") else ())]
+                if any(_holds(a, held) for a in subject):
+                    found[n.lineno, ast.unparse(n.func)] = getattr(scope, "name", "<module>")
+    return [f"{line}: {scope}: {call}" for (line, call), scope in sorted(found.items())]
+
+
+def _holds(node: ast.AST | None, names: set[str]) -> bool:
+    return node is not None and any(
+        isinstance(n, ast.Name) and n.id in names for n in ast.walk(node)
+    )
+
+
+def test_no_module_rewrites_an_exceptions_message():
+    """A module that rewrote another's message (str(e).removeprefix("serve: "), str(e).replace(
+    "symjax_mlp.mlp(", ...)) broke when that message changed, and said what it did not write:
+    the heading, or the fix, is passed in (ops.normalize_allow(allow, call))."""
+    rewrites = []
+    for file in sorted(ROOT.rglob("*.py")):
+        if not _CALLS.search(text := file.read_text()):  # no such call: nothing to parse
+            continue
+        kept = REWRITES_KEPT.get(file.relative_to(ROOT).as_posix(), set())
+        found = [r for r in _rewrites(text) if r.split(": ")[1] not in kept]
+        rewrites += [f"{file.relative_to(ROOT)}:{r}" for r in found]
+    assert not rewrites, "pass the heading in; never rewrite a message:\n" + "\n".join(rewrites)
+
+
+def test_the_rewrite_check_sees_a_rewrite():
+    probe = (
+        "import re, dataclasses\ndef f(x, e: ValueError):\n    try:\n        g()\n"
+        "    except OSError as err:\n        said = str(err)[:200]\n"
+        "        said.replace('a', 'b')\n        str(err).removeprefix('serve: ')\n"
+        "        dataclasses.replace(x, a=1)\n        re.sub('a', '', f'{e}')\n"
+        "        x.replace('a', 'b')\n        def g(m):\n            return said.strip()\n"
+    )
+    assert _rewrites(probe) == [
+        "7: f: said.replace",
+        "8: f: str(err).removeprefix",
+        "10: f: re.sub",
+    ]
 
 
 def test_importing_the_package_imports_no_jax():
