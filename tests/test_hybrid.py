@@ -84,6 +84,26 @@ def test_a_linen_model_given_variables_params_or_no_dict_says_what_to_pass(chapt
     np.testing.assert_array_equal(h.apply(variables, x), h(x))
 
 
+def test_apply_of_params_not_shaped_as_the_models_names_them_not_the_models_raw_error():
+    """h.apply(None, x) of a plain model raised its raw TypeError ('NoneType' object is not
+    subscriptable), a dict of other keys its KeyError: named as the params given, the model's
+    error quoted; params that fit but fail stay the model's own error."""
+    h, x = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.float32(2)}, name="dbl"), jnp.ones(3)
+    said = r"^dbl\.apply\(params, \.\.\.\): the params given, {}, do not fit the model's \({}\)"
+    for params, got, diff in (
+        (None, "None", r"missing \[\"params\['w'\]\"\], unexpected none"),
+        ({"v": jnp.float32(2)}, "a dict", r"missing .*, unexpected \[\"params\['v'\]\"\]"),
+    ):
+        with pytest.raises(sm.ConfigError, match=said.format(got, diff)) as e:
+            h.apply(params, x)
+        assert "the model failed on them (" in str(e.value) and "h.apply(h.params, x)" in str(
+            e.value
+        )
+    with pytest.raises(TypeError, match="mul got incompatible shapes"):  # they fit: its own
+        h.apply({"w": jnp.ones(2)}, x)
+    np.testing.assert_array_equal(h.apply(h.params, x), h(x))
+
+
 def test_a_linen_model_given_another_models_params_names_the_one_missing(chapter):
     # a checkpoint of renamed layers: flax's ScopeParamNotFoundError / ScopeCollectionNotFound
     _, variables, h, x = chapter

@@ -21,6 +21,7 @@ from symjax_mlp._errors import (
     ConfigError,
     ControlFlowError,
     SignatureError,
+    SymjaxError,
     unbound_axis,
     unbound_axis_error,
 )
@@ -33,6 +34,7 @@ from symjax_mlp._hybrid.pure import (
     refit,
     refuse_nested_nnx_state,
     state_structure,
+    unfit_params,
     unwrap_keys,
     wrap_keys,
 )
@@ -289,8 +291,16 @@ class TracedModel:
         params = leaves if entry == "apply" else self.params(leaves)
         given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
         held = [f"state{p}" for p in _paths(jax.tree.structure(state))]
-        with self.log.tracing(static, dyn, dyn_kw, entry, held):
-            result = self.call(static, params, state, dyn, dyn_kw)
+        try:
+            with self.log.tracing(static, dyn, dyn_kw, entry, held):
+                result = self.call(static, params, state, dyn, dyn_kw)
+        except (LookupError, TypeError, AttributeError, ValueError) as e:  # the model's own
+            caller = f"{self.log.name}.apply(params, ...)"  # (h.apply(None, x): p["w"] of None)
+            if entry != "apply" or isinstance(e, SymjaxError):
+                raise
+            if (unfit := unfit_params(caller, self.treedef, params, e)) is None:
+                raise
+            raise unfit from e
         return (*result, [v.get_value() for v in given]) if given else result
 
     def stateless(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:

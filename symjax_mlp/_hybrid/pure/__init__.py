@@ -266,6 +266,26 @@ def unfit_state(caller: str, held: Any, state: Any, tail: str = "") -> ConfigErr
     return diff and ConfigError(_REFIT.format(caller=caller, diff=diff, tail=tail))
 
 
+_UNFIT_PARAMS = (
+    "{caller}: the params given, {got}, do not fit the model's ({diff}), and the model failed on "
+    "them ({error}). Pass a tree shaped as h.params (its arrays' values changed): "
+    "h.apply(h.params, x)."
+)
+
+
+def unfit_params(caller: str, held: Any, params: Any, error: BaseException) -> ConfigError | None:
+    """The error naming ``params`` that are not shaped as the ``held`` treedef's, for a model
+    that failed on them (``error``, its own: ``p["w"]`` of None); else None (they fit)."""
+    expected = leaf_paths((jax.tree.unflatten(held, [0] * held.num_leaves), {}))
+    got = leaf_paths((params, {}))
+    if got == expected:
+        return None
+    said = f"{type(error).__name__}: {str(error).strip()[:200]}"
+    kind = "None" if params is None else f"a {type(params).__name__}"
+    diff = path_diff(expected, got)
+    return ConfigError(_UNFIT_PARAMS.format(caller=caller, got=kind, diff=diff, error=said))
+
+
 def mode_settings(model: PureModel, values: tuple, *, train: bool) -> tuple:
     """An nnx module's settings ``values`` as ``module.train()`` or ``eval()`` would set them."""
     pairs = zip(model.setting_names, values, strict=True)
