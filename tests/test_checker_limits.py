@@ -16,7 +16,7 @@ import pytest
 from jax.extend.mlir import ir
 from jax.interpreters import mlir as jax_mlir
 
-from symjax_mlp._artifact import ops, walk
+from symjax_mlp._artifact import ops, rows, walk
 from symjax_mlp._errors import ArtifactError
 
 T = "tensor<2xf32>"
@@ -89,6 +89,61 @@ def test_a_composite_is_allowed_and_charged_as_a_call_of_its_decomposition():
     )
     cycle = composites(fanout(1)).replace(add, back)  # @f0 composes @f1, which calls @f0
     assert [p.key for p in report(cycle).problems] == ["recursion"]
+
+
+def named(name: str, t: str = T) -> str:
+    """StableHLO text whose ``@main`` applies a composite ``name`` whose decomposition returns
+    its operand, as a stranger would write one."""
+    return (
+        f"module @m {{\n  func.func private @same(%x: {t}) -> {t} {{\n    return %x : {t}\n  }}\n"
+        f"  func.func public @main(%x: {t}) -> {t} {{\n"
+        f'    %y = stablehlo.composite "{name}" %x {{decomposition = @same, version = 1 : i32}} '
+        f": ({t}) -> {t}\n    return %y : {t}\n  }}\n}}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "name, key",
+    [("chlo.top_k", "sort"), ("chlo.ragged_dot", "chlo.ragged_dot"), ("chlo.next", "chlo.next")],
+)
+def test_a_composite_xla_runs_by_its_name_is_refused_as_that_op(name, key):
+    """XLA and IREE run a composite "chlo.top_k" (or "chlo.ragged_dot") as the op it names,
+    whatever its decomposition does: one whose decomposition returned its operand loaded and
+    sorted (or, under IREE, gave each row the weights of its place in a merged batch, which
+    the rows analysis of the decomposition took for rows kept apart). An elementwise one
+    ("chlo.erf") is allowed; a "chlo." name not known to be elementwise is refused by name."""
+    assert [p.key for p in report(named(name)).problems] == [key]
+    assert not report(named("chlo.erf")).problems and not report(named("my.erf")).problems
+    with jax_mlir.make_ir_context():
+        apart = rows.analyze(ir.Module.parse(named("chlo.erf", "tensor<?x2xf32>")))
+        mixed = rows.analyze(ir.Module.parse(named(name, "tensor<?x2xf32>")))
+    assert apart == {"why": "", "ins": [0], "outs": [0]}
+    assert "runs as the op it names" in mixed["why"], mixed
+
+
+def chain(n: int) -> str:
+    """StableHLO text whose ``@main`` calls @c{n}, which calls @c{n - 1}, ..., down to @c0."""
+    funcs = [f"  func.func private @c0(%x: {T}) -> {T} {{\n    return %x : {T}\n  }}"]
+    funcs += [
+        f"  func.func private @c{k}(%x: {T}) -> {T} {{\n"
+        f"    %y = func.call @c{k - 1}(%x) : ({T}) -> {T}\n    return %y : {T}\n  }}"
+        for k in range(1, n + 1)
+    ]
+    funcs.append(
+        f"  func.func public @main(%x: {T}) -> {T} {{\n"
+        f"    %y = func.call @c{n}(%x) : ({T}) -> {T}\n    return %y : {T}\n  }}"
+    )
+    return "module @m {\n" + "\n".join(funcs) + "\n}\n"
+
+
+def test_calls_nested_past_the_nesting_bound_are_refused():
+    """A chain of 200 functions, each calling the next (by func.call or as a composite's
+    decomposition), crashed XLA (SIGSEGV: its stack overflowed converting each callee inside
+    its caller), 150 did not: a chain past :data:`ops.MAX_NESTING` is refused as nesting."""
+    assert not report(chain(ops.MAX_NESTING - 1)).problems
+    for text in (chain(200), composites(chain(200))):
+        [problem] = report(text).problems
+        assert problem.key == "nesting" and "calls nested 201 deep" in problem.what
 
 
 def test_a_call_graph_that_takes_xla_a_minute_to_compile_is_refused():

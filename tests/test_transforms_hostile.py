@@ -114,3 +114,51 @@ def test_a_module_edited_to_mix_rows_under_an_honest_manifest(tmp_path, edit):
     assert m.manifest["rows"]["why"].startswith(_FORGED)
     want = jnp.stack([m(x) for x in xs])  # the module as edited, one call per example
     chex.assert_trees_all_close(jax.vmap(m)(xs), want, jax.lax.map(m, xs), **TOL)
+
+
+_MAX = "    %3 = stablehlo.maximum %arg1, %2 : tensor<?x4xf32>\n"
+_RAGGED = (  # row 0 times the first group's weights (1), the rows after it in no group (0)
+    "    %w = stablehlo.constant dense<1.0> : tensor<2x4x4xf32>\n"
+    "    %g = stablehlo.constant dense<[1, 0]> : tensor<2xi64>\n"
+    '    %3 = stablehlo.composite "chlo.ragged_dot" %arg1, %w, %g {composite_attributes = '
+    '{precision_config = ["DEFAULT", "DEFAULT"], ragged_dot_dimension_numbers = ['
+    "dense<> : tensor<0xi64>, dense<> : tensor<0xi64>, dense<1> : tensor<1xi64>, "
+    "dense<1> : tensor<1xi64>, dense<0> : tensor<1xi64>, dense<0> : tensor<1xi64>]}, "
+    "decomposition = @same, version = 1 : i32} : "
+    "(tensor<?x4xf32>, tensor<2x4x4xf32>, tensor<2xi64>) -> tensor<?x4xf32>\n"
+)
+_SAME = (  # what the checker and the rows analysis read: the operand, row by row
+    "  func.func private @same(%x: tensor<?x4xf32>, %w: tensor<2x4x4xf32>, "
+    "%g: tensor<2xi64>) -> tensor<?x4xf32> {\n    return %x : tensor<?x4xf32>\n  }\n"
+)
+
+
+@pytest.mark.slow
+def test_a_composite_run_as_the_op_it_names_is_refused_and_never_merges_rows(tmp_path):
+    """A composite "chlo.ragged_dot" whose decomposition returns its operand: IREE runs the
+    ragged dot it names, which gives each row the weights of its place in the batch (here:
+    row 0 some, the rows after it none), while the checker and the rows analysis read the
+    decomposition. It loaded, its manifest's rows claim kept, and a merged batch answered
+    zeros for every request but the first. Refused by default; allowed by name, its rows are
+    not shown apart, so a Batcher runs each request alone."""
+    src, _ = forge.base(tmp_path / "src", batch="b")
+
+    def ragged(text):
+        assert _MAX in text, "not the base MLP module"
+        text = text.replace(_MAX, _RAGGED, 1)
+        return text[: text.rindex("}")] + _SAME + "}\n"
+
+    art = forge.forge(src, tmp_path / "forged", ragged)
+    for runtime in ("jax", "iree"):
+        with pytest.raises(sm.ArtifactError, match=r"allow=\{'chlo.ragged_dot'\}"):
+            sm.load(art, self_test=False, runtime=runtime)
+    m = sm.load(art, self_test=False, runtime="iree", allow={"chlo.ragged_dot"})
+    assert m.manifest["rows"]["independent"] is False
+    assert "'chlo.ragged_dot' runs as the op it names" in m.manifest["rows"]["why"]
+    xs = np.asarray(_xs(4, 1, 3))
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        assert not b.merges and "runs as the op it names" in b.why_alone
+        ys = [f.result(60) for f in [b.submit(x) for x in xs]]
+    for x, y in zip(xs, ys, strict=True):  # each its own call: its row is row 0, not zeros
+        np.testing.assert_allclose(y, m(x), **TOL)
+        assert np.abs(y).sum() > 0

@@ -40,6 +40,11 @@ ALLOWED_OPS = frozenset({"builtin.module", "func.func", "func.return", "func.cal
 # ops calling a function of the module, by the attribute naming it: a composite runs its
 # decomposition (jax.lax.erf exports as the composite "chlo.erf"), walked as any call's callee
 CALLS = {"func.call": "callee", "stablehlo.composite": "decomposition"}
+# ...but XLA and IREE run the op a "chlo." composite names (StableHLO's chlo-recompose-ops),
+# whatever its decomposition does: these compute each element from the same one of their operand
+CHLO_ELEMENTWISE = frozenset(
+    f"chlo.{n}" for n in str.split("acos acosh asin asinh atanh cosh erf sinh")
+)
 ALLOWED_DIALECTS = ("sdy.",)  # Shardy's sharding annotations of sharded exports
 JAX_CUSTOM_CALLS = frozenset(
     {"shape_assertion", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
@@ -85,6 +90,16 @@ class ModuleReport:
     main: dict[str, list[str]] | None = dataclasses.field(default=None, compare=False)
     # the messages of its shape assertions, each naming what it checks (the first 64, bounded)
     assertions: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+
+def composite_key(name: str) -> str:
+    """The key refusing a composite named ``name`` ("": none, it is a call of its
+    decomposition): a "chlo." name runs as the op it names, whatever its decomposition does
+    ("chlo.top_k" sorts, "chlo.ragged_dot" picks each row's weights by its place in the batch,
+    a forged identity decomposition aside), unless that op is elementwise."""
+    if not name.startswith("chlo.") or name in CHLO_ELEMENTWISE:
+        return ""
+    return "sort" if name == "chlo.top_k" else name
 
 
 def normalize_allow(allow: Iterable[str] | None, call: str = "load(") -> frozenset[str]:

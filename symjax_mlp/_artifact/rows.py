@@ -16,7 +16,7 @@ import functools
 import math
 from typing import Any
 
-from symjax_mlp._artifact.ops import CALLS, ELEMENTWISE, MAX_OPS
+from symjax_mlp._artifact.ops import CALLS, ELEMENTWISE, MAX_OPS, composite_key
 
 FREE = None
 _MOVES = ("broadcast_in_dim", "transpose", "reverse", "pad", "concatenate")
@@ -151,8 +151,17 @@ class _Rows:
         """The states of ``op``'s results, its operands of states ``ins``."""
         n, a = len(op.results), op.attributes
         rows, sizes = {s for s in ins if isinstance(s, int)}, any(isinstance(s, tuple) for s in ins)
-        if op.name in CALLS:  # a composite: its decomposition
-            return self.call(a[CALLS[op.name]].value, tuple(ins))
+        if op.name in CALLS:  # a composite: its decomposition, and the op it names if "chlo."
+            out = self.call(a[CALLS[op.name]].value, tuple(ins))
+            named = a["name"].value if name == "composite" else ""
+            if named.startswith("chlo.") and (
+                composite_key(named)
+                or sizes
+                or len(rows) > 1
+                or out != (next(iter(rows), FREE),) * n
+            ):  # it runs as that op: elementwise, or not known to keep rows apart
+                raise Mixed(f"{op.name} {named[:100]!r} runs as the op it names")
+            return out
         if name in ("case", "if"):
             if ins[0] is not FREE:
                 raise Mixed(f"{op.name} branches on a row or on the batch size")

@@ -115,6 +115,13 @@ class _Walk:
             self._attributes(op, name)
         if name in ops.CALLS and func is not None:  # a composite: a call of its decomposition
             func["calls"].append((_symbol_attr(op, ops.CALLS[name]), mult, depth))
+        named = (_str_attr(op, "name") or "") if name == "stablehlo.composite" else ""
+        if key := ops.composite_key(named):
+            self._problem(
+                key,
+                f"the composite {named[:100]!r}, which XLA and IREE run as the op it names, "
+                "whatever its decomposition does",
+            )
         inner = mult
         if name == "stablehlo.while":
             trips = cost.trip_count(op)
@@ -230,12 +237,19 @@ class _Walk:
                 for k in ("work", "ops", "bytes")
             }
             total[name]["depth"] = max([f["depth"], *(d + total[c]["depth"] for c, _, d in calls)])
+            total[name]["chain"] = max([0, *(1 + total[c]["chain"] for c, *_ in calls)])
         roots = [n for n in self.funcs if not any(n in cs for cs in graph.values())]
         if (deepest := max((total[n]["depth"] for n in roots), default=0)) > ops.MAX_NESTING:
             self._problem(
                 "nesting",
                 f"regions nested {deepest} deep once every call is inlined (at most "
                 f"{ops.MAX_NESTING}): XLA crashed (SIGSEGV) compiling 300 nested ifs",
+            )
+        if (chain := max((total[n]["chain"] for n in roots), default=0)) > ops.MAX_NESTING:
+            self._problem(  # func.call or composite: XLA converts each callee inside its caller
+                "nesting",
+                f"calls nested {chain} deep, each function calling the next (at most "
+                f"{ops.MAX_NESTING}): XLA crashed (SIGSEGV) converting a chain of 200 calls",
             )
         n_ops, n_bytes = (sum(total[n][k] for n in roots) for k in ("ops", "bytes"))
         if n_ops > ops.MAX_OPS:
