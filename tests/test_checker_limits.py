@@ -301,6 +301,23 @@ def test_the_reduce_whose_body_calls_a_function_is_charged_per_element():
     assert {p.key for p in r.problems} == {"compute", "control_in_reducer"}
 
 
+def test_a_composite_inside_a_reducer_body_is_refused_as_a_call_there():
+    """A composite in a reduce's body (a call of its decomposition, which ran a counted loop
+    of 4 steps) escaped the name a func.call there is refused by; XLA's CPU compiler aborted
+    (SIGABRT) at the load of such an artifact."""
+    body = (
+        f"    %z = stablehlo.constant dense<0.0> : {S}\n"
+        "    %t = stablehlo.iota dim = 0 : tensor<8xf32>\n"
+        f'    %y = "stablehlo.reduce"(%t, %z) ({{\n{_region(PAIR)}    }}) '
+        f"{{dimensions = array<i64: 0>}} : (tensor<8xf32>, {S}) -> {S}\n"
+    )
+    main = f"  func.func public @main(%x: {S}) -> {S} {{\n{body}    return %y : {S}\n  }}"
+    r = report(composites(f"module @m {{\n{big(4)}\n{main}\n}}\n"))
+    assert r.counts["stablehlo.composite"] == 1
+    assert [p.key for p in r.problems] == ["control_in_reducer"]
+    assert "stablehlo.composite inside the body of stablehlo.reduce" in r.problems[0].what
+
+
 @pytest.mark.parametrize("kind", ["while", "call_in_while", "case_in_while"])
 def test_control_flow_inside_a_reducer_body_is_refused_by_name(kind):
     inner, _ = construct(kind, 4)

@@ -82,7 +82,7 @@ class _Walk:
             mult = 1
         elif name not in ops.ALLOWED_OPS and not name.startswith(ops.ALLOWED_DIALECTS):
             self._problem(name.removeprefix("stablehlo."), f"the op {name}")
-        if reducer and (op.regions or name == "func.call"):
+        if reducer and (op.regions or name in ops.CALLS):  # a composite: a call
             self._problem(
                 "control_in_reducer",
                 f"{name} inside the body of {reducer}, which XLA runs per element (no exporter "
