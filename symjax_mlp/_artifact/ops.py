@@ -62,7 +62,7 @@ MAX_LOOP_TRIPS = 1 << 16
 MAX_ELEMENTS = 1 << 32
 MAX_WORK = 1 << 32  # element operations: ~10-30 s of the slowest ops on one core
 MAX_OPS = 1 << 16  # ops after inlining every call: XLA took 73 s, 3.7 GB to compile 5 * 2**17
-MAX_NESTING = 64  # regions inside regions, every call inlined (a model's: a few)
+MAX_NESTING = 64  # regions in regions, every call inlined; calls in calls (a model's: a few)
 MAX_BYTES = 1 << 32  # bytes of all tensors the ops make, every call inlined, none reused
 
 
