@@ -219,7 +219,8 @@ class _Walk:
         """Work and bytes made of the module with every call inlined; flags recursion and call
         explosions."""
         graph = {n: {c for c, *_ in f["calls"]} for n, f in self.funcs.items()}
-        for c in set().union(*graph.values()) - set(graph):
+        called = set().union(*graph.values())  # once: per function, 20,000 took 11 s
+        for c in called - set(graph):
             self._problem("call", f"a call of @{c}, which the module does not define")
             graph[c] = set()
         try:
@@ -238,7 +239,7 @@ class _Walk:
             }
             total[name]["depth"] = max([f["depth"], *(d + total[c]["depth"] for c, _, d in calls)])
             total[name]["chain"] = max([0, *(1 + total[c]["chain"] for c, *_ in calls)])
-        roots = [n for n in self.funcs if not any(n in cs for cs in graph.values())]
+        roots = [n for n in self.funcs if n not in called]
         if (deepest := max((total[n]["depth"] for n in roots), default=0)) > ops.MAX_NESTING:
             self._problem(
                 "nesting",
