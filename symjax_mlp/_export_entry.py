@@ -15,7 +15,8 @@ from symjax_mlp._artifact.rows import verdict
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import check_paths, param_specs
 from symjax_mlp._compat import without_source_locations
-from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, SymjaxError
+from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
+from symjax_mlp._export_batch import trace_batch
 from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent, walk
@@ -62,22 +63,6 @@ _LINEN_STEP = (
     "with example=(x, *leaves) and batch=None"
 )
 _MODES = {"train": False, "training": False, "deterministic": True, "is_training": False}
-_ONE_EXAMPLE = (
-    "export({name}, batch={batch!r}): with every input's leading dimension as the symbolic "
-    "batch {batch!r} ({types}) the trace fails ({error}), while {traced}. If the model takes "
-    "one example, as every eqx.nn layer does, export a batched model, e.g. "
-    "sm.hybridize(eqx.filter_vmap(model)) (jax.vmap for a function){static}{shared}."
-)
-_MIXED_BATCH = (
-    "export({name}, batch={batch!r}): the example's inputs have leading dimensions {rows}; "
-    "those unlike args[0]'s {lead} rows are taken as shared by every row (not batched), and "
-    "then the trace fails ({error}). Give every batched input the same number of rows in "
-    "example=, or pass shapes= to say which dimensions are the batch."
-)
-_SHARED = (
-    "; if an input has no batch dimension (a mask or weights shared by every row), give it "
-    "None in shapes=, e.g. shapes=({specs})"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +137,7 @@ def export_program(
     jitted, jaxpr = jax.jit(stage.fn), None
     try:
         with without_source_locations():  # reproducible bytes: no path of this machine inside
-            jaxpr, in_specs = _trace(jitted, p_structs, stage)  # traced once: export reuses it
+            jaxpr, in_specs = trace_batch(jitted, p_structs, stage)  # traced once: export reuses it
             outs = [v.aval for v in jaxpr.outvars]
             named = {f"args[{i}]": x for i, x in enumerate(in_specs)}
             named |= {"out" if len(outs) == 1 else f"out[{i}]": a for i, a in enumerate(outs)}
@@ -319,51 +304,6 @@ def _draws_a_constant_key(jaxpr: Any) -> bool:
 
 def _spec(path: str, x: Any) -> TensorSpec:
     return TensorSpec(path, shape_dims(x.shape), str(x.dtype))
-
-
-def _trace(jitted: Any, p_structs: Any, stage: Stage) -> tuple[Any, list[Any]]:
-    """The jaxpr of ``stage``'s program and its inputs' structs; a refusal names the fixes."""
-    examples, batch = stage.examples, stage.batch
-    symbolic = bool(batch) and not stage.per_input_shapes
-    lead = examples[0].shape[:1] if examples else ()
-    shared = [symbolic and x.shape[:1] != lead for x in examples]
-    specs = [x if s else b for x, b, s in zip(examples, stage.in_specs, shared, strict=True)]
-    try:
-        return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
-    except (TypeError, ValueError) as e:
-        if isinstance(e, (SymjaxError, *TRACER_ERRORS)) or not symbolic:
-            raise
-        error = e
-    first = str(error).splitlines()[0].rstrip(".")
-    if any(shared):  # e.g. x (4, 3) and w (3,): w is no batch of 4 rows
-        rows = {f"args[{i}]": x.shape[0] if x.shape else None for i, x in enumerate(examples)}
-        raise SignatureError(
-            _MIXED_BATCH.format(name=stage.h.name, batch=batch, rows=rows, lead=lead[0],
-                                error=first)
-        ) from None  # fmt: skip
-    rows = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in examples]  # one example
-    static = _traces(jitted, p_structs, examples)
-    if not (static or _traces(jitted, p_structs, rows)):
-        raise error  # not the batch's doing: the model's own error
-    spec = f"{batch}, {', '.join(map(str, examples[0].shape[1:]))}".strip(", ")
-    specs = ", ".join([repr(spec)] + ["None"] * (len(examples) - 1))
-    types = [_spec(f"args[{i}]", x).type for i, x in enumerate(stage.in_specs)]
-    raise SignatureError(
-        _ONE_EXAMPLE.format(
-            name=stage.h.name, batch=batch, types=", ".join(types), error=first,
-            traced="the example's own shapes trace" if static else "one row of it traces",
-            static=", or pass batch=None for the example's static shapes" if static else "",
-            shared="" if len(examples) < 2 else _SHARED.format(specs=specs),
-        )
-    ) from None  # fmt: skip
-
-
-def _traces(jitted: Any, p_structs: Any, inputs: Sequence[Any]) -> bool:
-    try:
-        jitted.trace(p_structs, *inputs)
-    except Exception:
-        return False
-    return True
 
 
 def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:

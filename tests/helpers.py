@@ -3127,6 +3127,149 @@ def is_param(path, value):
     return key == "w" or key == "b"
 
 
+# -- flax docs/linen_intro.md, "JAX transformations inside modules: Vmap", as written there
+# (google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0): a multi-head attention made from a
+# single-head one by nn.vmap (the heads' params stacked, variable_axes={'params': 0}, a dropout
+# mask per head, split_rngs) and vmapped again over the batch (the params broadcast); the
+# guide's (3, 13, 64) inputs made (4, 3, 4), its init model(train=False), its apply
+# model(train=True) with rngs={'dropout': key}
+from typing import Optional  # noqa: E402
+
+from jax import lax  # noqa: E402
+
+
+class RawDotProductAttention(nn.Module):
+    attn_dropout_rate: float = 0.1
+    train: bool = False
+
+    @nn.compact
+    def __call__(self, query, key, value, bias=None, dtype=jnp.float32):
+        assert key.ndim == query.ndim
+        assert key.ndim == value.ndim
+
+        n = query.ndim
+        attn_weights = lax.dot_general(query, key, (((n - 1,), (n - 1,)), ((), ())))
+        if bias is not None:
+            attn_weights += bias
+        norm_dims = tuple(range(attn_weights.ndim // 2, attn_weights.ndim))
+        attn_weights = jax.nn.softmax(attn_weights, axis=norm_dims)
+        attn_weights = nn.Dropout(self.attn_dropout_rate)(
+            attn_weights, deterministic=not self.train
+        )
+        attn_weights = attn_weights.astype(dtype)
+
+        contract_dims = (tuple(range(n - 1, attn_weights.ndim)), tuple(range(0, n - 1)))
+        y = lax.dot_general(attn_weights, value, (contract_dims, ((), ())))
+        return y
+
+
+class DotProductAttention(nn.Module):
+    qkv_features: Optional[int] = None  # noqa: UP045 (the guide's)
+    out_features: Optional[int] = None  # noqa: UP045
+    train: bool = False
+
+    @nn.compact
+    def __call__(self, inputs_q, inputs_kv, bias=None, dtype=jnp.float32):
+        qkv_features = self.qkv_features or inputs_q.shape[-1]
+        out_features = self.out_features or inputs_q.shape[-1]
+
+        QKVDense = partial(nn.Dense, features=qkv_features, use_bias=False, dtype=dtype)
+        query = QKVDense(name="query")(inputs_q)
+        key = QKVDense(name="key")(inputs_kv)
+        value = QKVDense(name="value")(inputs_kv)
+
+        y = RawDotProductAttention(train=self.train)(query, key, value, bias=bias, dtype=dtype)
+
+        y = nn.Dense(features=out_features, dtype=dtype, name="out")(y)
+        return y
+
+
+class MultiHeadDotProductAttention(nn.Module):
+    qkv_features: Optional[int] = None  # noqa: UP045
+    out_features: Optional[int] = None  # noqa: UP045
+    batch_axes: Sequence[int] = (0,)
+    num_heads: int = 1
+    broadcast_dropout: bool = False
+    train: bool = False
+
+    @nn.compact
+    def __call__(self, inputs_q, inputs_kv, bias=None, dtype=jnp.float32):
+        qkv_features = self.qkv_features or inputs_q.shape[-1]
+        out_features = self.out_features or inputs_q.shape[-1]
+
+        # Make multiheaded attention from single-headed dimension.
+        Attn = nn.vmap(
+            DotProductAttention,
+            in_axes=(None, None, None),
+            out_axes=2,
+            axis_size=self.num_heads,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": not self.broadcast_dropout},
+        )
+
+        # Vmap across batch dimensions.
+        for axis in reversed(sorted(self.batch_axes)):
+            Attn = nn.vmap(
+                Attn,
+                in_axes=(axis, axis, axis),
+                out_axes=axis,
+                variable_axes={"params": None},
+                split_rngs={"params": False, "dropout": False},
+            )
+
+        # Run the vmap'd class on inputs.
+        y = Attn(
+            qkv_features=qkv_features // self.num_heads,
+            out_features=out_features,
+            train=self.train,
+            name="attention",
+        )(inputs_q, inputs_kv, bias)
+
+        return y.mean(axis=-2)
+
+
+def _vmap_attention(train: bool) -> Callable[[], tuple[Any, Any]]:
+    """The guide's ``functools.partial(MultiHeadDotProductAttention, broadcast_dropout=False,
+    num_heads=2, batch_axes=(0,))``: ``model(train=train)``, its variables
+    ``model(train=False).init({'params': key2}, x, x)``."""
+    model = partial(MultiHeadDotProductAttention, broadcast_dropout=False, num_heads=2,
+                    batch_axes=(0,))  # fmt: skip
+
+    def build():
+        x = _x(0, (4, 3, 4))
+        return model(train=train), model(train=False).init({"params": jax.random.key(2)}, x, x)
+
+    return build
+
+
+def _qkv(seed: int) -> tuple[jax.Array, jax.Array]:
+    """The guide's ``apply(init_variables, x, x)``: one array as the queries and the keys."""
+    x = _x(seed, (4, 3, 4))
+    return x, x
+
+
+if eqx is not None:
+    # equinox docs/tricks.md, "Ensembling", as written there (patrick-kidger/equinox@9336d820b2e
+    # f66b360fc6cb3611b3da5cefbb14d): an ensemble of MLPs made by eqx.filter_vmap of their
+    # init, called in eqx.filter_vmap: each member on its own rows (evaluate_per_ensemble);
+    # eight members made four
+    @eqx.filter_vmap
+    def make_ensemble(key):
+        return eqx.nn.MLP(2, 2, 2, 2, key=key)
+
+    @eqx.filter_vmap
+    def evaluate_per_ensemble(model, x):
+        return model(x)
+
+    @cache
+    def ensemble():
+        """``(evaluate_per_ensemble, mlp_ensemble)``, made once; not in MATRIX: its inputs'
+        leading axis is its members' (4), no batch (test_authors_matrix.py tests it apart)."""
+        key = jax.random.PRNGKey(0)
+        keys = jax.random.split(key, 4)
+        return evaluate_per_ensemble, make_ensemble(keys)
+
+
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
 #: params, a list of pairs), equinox's examples (a module, or a function of one), Flax's
@@ -3134,7 +3277,8 @@ def is_param(path, value):
 #: training call the refusal's fix: train.py's pmap axis bound; its eval call train.py's), JAX's
 #: stax MNIST classifier (params a list of tuples, empty ones for Relu and LogSoftmax), Flax's
 #: bridge guide both ways (a linen module in nnx by bridge.ToNNX, an nnx one in linen by
-#: bridge.to_linen), nnx's array leaves (plain jax arrays as weights, no Param)
+#: bridge.to_linen), nnx's array leaves (plain jax arrays as weights, no Param), linen_intro's
+#: multi-head attention of nn.vmap (heads' params stacked, a dropout rng split per head)
 MATRIX = (
     *AUTHORS,
     Case("tutorial_cnn", "nnx", _tutorial_cnn("train"), lambda s: (_x(s, (2, 28, 28, 1)),),
@@ -3192,6 +3336,8 @@ MATRIX = (
     Case("nnx_array_leaves", "nnx",
          lambda: (ArrayMLP(din=1, dhidden=8, dout=1, rngs=nnx.Rngs(0)), None),
          lambda s: (_x(s, (4, 1)),), wrt=is_param),
+    Case("linen_vmap_attention", "linen", _vmap_attention(True), _qkv, rng=jax.random.key(3),
+         served=_vmap_attention(False)),
 )  # fmt: skip
 
 

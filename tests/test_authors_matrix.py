@@ -433,3 +433,24 @@ def test_timeit_times_the_hybrid_and_the_loaded_model(case, loaded):
     for t in (sm.timeit(h, *xs, kwargs=settings, calls=2, repeats=1, warmup=1),
               sm.timeit(m, *map(np.asarray, xs), calls=2, repeats=1, warmup=1)):  # fmt: skip
         assert t.calls == 2 and len(t.synced) == 1 and t.min() > 0
+
+
+# -- equinox's ensemble (docs/tricks.md): its members' axis is no batch ------------------------
+def test_an_equinox_ensemble_runs_as_equinox_and_exports_one_row_per_member(tmp_path):
+    """``sm.hybridize(evaluate_per_ensemble, mlp_ensemble)``: an eqx.filter_vmap of a function
+    (a module holding no array) with the stacked members as its params, where it was refused as
+    a module that takes no params. Its inputs' leading axis is its 4 members': export named a
+    batched model (eqx.filter_vmap(model)), which it is; now the members and batch=None."""
+    from helpers import ensemble
+
+    (fn, members), x = ensemble(), jax.random.normal(jax.random.key(1), (4, 2))
+    h = sm.hybridize(fn, members)
+    got = jax.value_and_grad(lambda p: _loss(h.apply(p, x)))(h.params)
+    want = eqx.filter_jit(eqx.filter_value_and_grad(lambda m: _loss(fn(m, x))))(members)
+    _close(jax.tree.leaves(got), jax.tree.leaves(eqx.filter(want, eqx.is_array)))
+    head = r"Every param's leading dimension is the example's 4 rows \(layers/0/bias: \(4, 2\)\)"
+    with pytest.raises(sm.SignatureError, match=head + r".*batch=None") as e:
+        sm.export(h, tmp_path / "m", example=x)
+    assert "filter_vmap(model))" not in str(e.value)
+    sm.export(h, tmp_path / "m", example=x, batch=None)  # as it says
+    _close(sm.load(tmp_path / "m")(np.asarray(x)), eqx.filter_jit(fn)(members, x))

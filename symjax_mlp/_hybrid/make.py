@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 
 from symjax_mlp._errors import ConfigError
@@ -94,6 +95,8 @@ def hybridize(
     if isinstance(model, Hybrid):
         raise ConfigError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
     kind, state = _flax_kind(model), None
+    if kind == "eqx" and params is not None and _holds_no_array(model):
+        kind = None  # eqx.filter_vmap(f), eqx.filter_jit(f) of a function f(params, *inputs)
     if kind is not None:
         name = name or type(model).__name__
     if kind in _TAKES_NO and any(v is not None for v in (params, mutable, rngs)):
@@ -147,6 +150,13 @@ def _flax_kind(model: Any) -> str | None:
         return "linen"
     eqx = sys.modules.get("equinox")
     return "eqx" if eqx is not None and isinstance(model, eqx.Module) else None
+
+
+def _holds_no_array(module: Any) -> bool:
+    """Whether an equinox module holds no array: a function's transform (``eqx.filter_vmap(f)``,
+    as equinox's ensembles are called), not a model."""
+    eqx = sys.modules["equinox"]
+    return not jax.tree.leaves(eqx.filter(module, eqx.is_array))
 
 
 def _equinox(fn: Any, tree: Any) -> tuple[PureModel, Any]:

@@ -1,0 +1,91 @@
+"""Export's trace of an entry point at the symbolic batch, and its refusals where the batch is
+the cause: inputs of mixed leading dimensions, a model of one example, an ensemble's members."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from symjax_mlp._errors import SignatureError, SymjaxError
+from symjax_mlp._hybrid.trace import TRACER_ERRORS
+from symjax_mlp._specs import TensorSpec, shape_dims
+
+_FAILS = (
+    "export({name}, batch={batch!r}): with every input's leading dimension as the symbolic "
+    "batch {batch!r} ({types}) the trace fails ({error}), while {traced}. "
+)
+_ONE_EXAMPLE = (
+    "If the model takes one example, as every eqx.nn layer does, export a batched model, e.g. "
+    "sm.hybridize(eqx.filter_vmap(model)) (jax.vmap for a function){static}{shared}."
+)
+_ENSEMBLE = (
+    "Every param's leading dimension is the example's {lead} rows ({path}: {shape}): a model "
+    "that maps its inputs' leading axis over its params' (an ensemble's members, as "
+    "eqx.filter_vmap of a stacked model runs them) takes that many rows, one per member, and "
+    "no batch. Pass batch=None to export the example's static shapes."
+)
+_MIXED_BATCH = (
+    "export({name}, batch={batch!r}): the example's inputs have leading dimensions {rows}; "
+    "those unlike args[0]'s {lead} rows are taken as shared by every row (not batched), and "
+    "then the trace fails ({error}). Give every batched input the same number of rows in "
+    "example=, or pass shapes= to say which dimensions are the batch."
+)
+_SHARED = (
+    "; if an input has no batch dimension (a mask or weights shared by every row), give it "
+    "None in shapes=, e.g. shapes=({specs})"
+)
+
+
+def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]]:
+    """The jaxpr of ``stage``'s program (an ``_export_entry.Stage``) and its inputs' structs;
+    a refusal names the fixes."""
+    examples, batch = stage.examples, stage.batch
+    symbolic = bool(batch) and not stage.per_input_shapes
+    lead = examples[0].shape[:1] if examples else ()
+    shared = [symbolic and x.shape[:1] != lead for x in examples]
+    specs = [x if s else b for x, b, s in zip(examples, stage.in_specs, shared, strict=True)]
+    try:
+        return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
+    except (TypeError, ValueError) as e:
+        if isinstance(e, (SymjaxError, *TRACER_ERRORS)) or not symbolic:
+            raise
+        error = e
+    first = str(error).splitlines()[0].rstrip(".")
+    if any(shared):  # e.g. x (4, 3) and w (3,): w is no batch of 4 rows
+        rows = {f"args[{i}]": x.shape[0] if x.shape else None for i, x in enumerate(examples)}
+        raise SignatureError(
+            _MIXED_BATCH.format(name=stage.h.name, batch=batch, rows=rows, lead=lead[0],
+                                error=first)
+        ) from None  # fmt: skip
+    rows = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in examples]  # one example
+    static = _traces(jitted, p_structs, examples)
+    if not (static or _traces(jitted, p_structs, rows)):
+        raise error  # not the batch's doing: the model's own error
+    types = [TensorSpec(f"args[{i}]", shape_dims(x.shape), str(x.dtype)).type
+             for i, x in enumerate(stage.in_specs)]  # fmt: skip
+    head = _FAILS.format(
+        name=stage.h.name, batch=batch, types=", ".join(types), error=first,
+        traced="the example's own shapes trace" if static else "one row of it traces",
+    )  # fmt: skip
+    members = {p: s.shape for p, s in p_structs.items() if s.shape[:1] == lead}
+    if static and members and len(members) == len(p_structs):
+        path, shape = next(iter(members.items()))
+        raise SignatureError(head + _ENSEMBLE.format(lead=lead[0], path=path, shape=shape))
+    spec = f"{batch}, {', '.join(map(str, examples[0].shape[1:]))}".strip(", ")
+    specs = ", ".join([repr(spec)] + ["None"] * (len(examples) - 1))
+    raise SignatureError(
+        head + _ONE_EXAMPLE.format(
+            static=", or pass batch=None for the example's static shapes" if static else "",
+            shared="" if len(examples) < 2 else _SHARED.format(specs=specs),
+        )
+    ) from None  # fmt: skip
+
+
+def _traces(jitted: Any, p_structs: Any, inputs: Sequence[Any]) -> bool:
+    try:
+        jitted.trace(p_structs, *inputs)
+    except Exception:
+        return False
+    return True
