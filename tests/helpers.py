@@ -3270,6 +3270,45 @@ if eqx is not None:
         return evaluate_per_ensemble, make_ensemble(keys)
 
 
+# -- flax docs_nnx/migrating/linen_to_nnx.rst, "Scan over layers", its Linen side as written
+# there (google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0): nn.scan of a Block of Dense
+# and Dropout, params stacked (variable_axes={'params': 0}); its split_rngs names 'params'
+# only, so the scan drops the 'dropout' stream a training call gives apply (flax raises
+# InvalidRngError). ``Block`` and ``MLP`` renamed (nnx_basics' ``MLP`` is above); 64 features
+# and 5 layers made 4 and 3
+class ScanLayersBlock(nn.Module):
+    features: int
+    training: bool
+
+    @nn.compact
+    def __call__(self, x, _):
+        x = nn.Dense(self.features)(x)
+        x = nn.Dropout(0.5)(x, deterministic=not self.training)
+        x = jax.nn.relu(x)
+        return x, None
+
+
+class ScanLayersMLP(nn.Module):
+    features: int
+    num_layers: int
+
+    @nn.compact
+    def __call__(self, x, training: bool):
+        ScanBlock = nn.scan(
+            ScanLayersBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+            length=self.num_layers)  # fmt: skip
+
+        y, _ = ScanBlock(self.features, training)(x, None)
+        return y
+
+
+@cache
+def scan_layers() -> tuple[ScanLayersMLP, Any, jax.Array]:
+    """``(model, variables, x)``: the guide's ``MLP(64, num_layers=5)``, its variables."""
+    model, x = ScanLayersMLP(4, num_layers=3), _x(0, (4, 4))
+    return model, jax.jit(partial(model.init, training=False))(jax.random.key(0), x), x
+
+
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
 #: params, a list of pairs), equinox's examples (a module, or a function of one), Flax's

@@ -454,3 +454,53 @@ def test_an_equinox_ensemble_runs_as_equinox_and_exports_one_row_per_member(tmp_
     assert "filter_vmap(model))" not in str(e.value)
     sm.export(h, tmp_path / "m", example=x, batch=None)  # as it says
     _close(sm.load(tmp_path / "m")(np.asarray(x)), eqx.filter_jit(fn)(members, x))
+
+
+# -- flax's linen_to_nnx guide, scan over layers: its split_rngs drops the 'dropout' stream -----
+FIX_SPLIT_RNGS = r"split_rngs=\{'params': True, 'dropout': True\}"
+
+
+def test_a_stream_a_lifted_scan_drops_is_refused_naming_its_split_rngs():
+    """The Hybrid gives apply 'dropout'; the guide's nn.scan names only 'params' in split_rngs,
+    so flax finds no 'dropout' inside: the refusal said to give the stream (rngs=...), as was."""
+    from helpers import scan_layers
+
+    model, variables, x = scan_layers()
+    h = sm.hybridize(model, variables, rngs=jax.random.key(3))
+    with pytest.raises(sm.ConfigError, match=r"Hybrid's call passes apply the stream 'dropout'"
+                       r": a lifted transform .*" + FIX_SPLIT_RNGS):  # fmt: skip
+        h(x, training=True)
+
+
+def test_training_a_lifted_scan_that_drops_its_stream_is_refused_naming_its_split_rngs():
+    """train() gives apply 'dropout' too: it said 'training provides only dropout ... Draw
+    from dropout'."""
+    from helpers import scan_layers
+
+    model, _, x = scan_layers()
+    data = sm.training.Dataset(np.asarray(x), np.arange(4) % 4, np.asarray(x[:2]),
+                               np.arange(2), 4)  # fmt: skip
+    with pytest.raises(sm.ConfigError, match=r"though training passes apply .*" + FIX_SPLIT_RNGS):
+        sm.training.train(model, data, epochs=1, train_flags={"training": True},
+                          eval_flags={"training": False})  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_lifted_scan_naming_the_dropout_stream_in_split_rngs_runs_as_flax():
+    """The fix the refusals above name: the guide's MLP, its split_rngs naming 'dropout'."""
+    import flax.linen as nn
+    from helpers import ScanLayersBlock, scan_layers
+
+    _, variables, x = scan_layers()
+
+    class Fixed(nn.Module):  # the guide's MLP, its split_rngs as the refusal says
+        @nn.compact
+        def __call__(self, x, training: bool):
+            scan = nn.scan(ScanLayersBlock, variable_axes={"params": 0}, length=3,
+                           split_rngs={"params": True, "dropout": True})  # fmt: skip
+            return scan(4, training)(x, None)[0]
+
+    h = sm.hybridize(Fixed(), variables, rngs=jax.random.key(3)).hybridize(False)  # eager
+    key = jax.random.split(jax.random.key(3))[1]  # the Hybrid's first call's
+    want = jax.jit(partial(Fixed().apply, training=True))(variables, x, rngs={"dropout": key})
+    _close(h(x, training=True), want)

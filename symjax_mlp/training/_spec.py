@@ -21,6 +21,7 @@ from flax import nnx
 
 from symjax_mlp._errors import ConfigError, unbound_axis
 from symjax_mlp._hybrid.pure import (
+    LIFTED_RNG,
     PureModel,
     mode_settings,
     state_structure,
@@ -221,6 +222,10 @@ def model_spec(
             axes, rng = unbound_axes(run, variables, example, {"dropout": jax.random.key(0)}), True
         except flax.errors.InvalidRngError as e:
             what = {"caller": caller, "model": name, "stream": _quoted(_STREAM, e)}
+            if what["stream"] == "dropout":  # given, and dropped by a lifted transform inside
+                error = f"a training call of {name}: {str(e).split(' (')[0]}"
+                what = {"name": caller, "error": error, "giver": "training", "stream": "dropout"}
+                raise ConfigError(LIFTED_RNG.format(**what)) from None
             raise ConfigError(_OTHER_STREAM.format(**what)) from None
     if not given and not train:
         _refuse_inference_mode(model, variables, example, mutable, caller, form, axes)

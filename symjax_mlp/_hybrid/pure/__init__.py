@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -35,6 +36,13 @@ _NO_RNG = (
     "{name}: {error}, and the Hybrid holds the rng streams {streams}. Give a linen model's "
     "streams once, split anew by each call: sm.hybridize(model, variables, "
     "rngs=jax.random.key(0)) for 'dropout', or rngs={{'name': key, ...}}."
+)
+#: a stream given to apply and dropped on the way: by the Hybrid's call and by training's
+LIFTED_RNG = (
+    "{name}: {error}, though {giver} passes apply the stream {stream!r}: a lifted transform "
+    "inside the model (nn.scan, nn.vmap) passes on only the rng streams its split_rngs names. "
+    "Name it there, e.g. split_rngs={{'params': True, {stream!r}: True}} (a key per step; "
+    "False: one key shared by the steps)."
 )
 #: ``(module's watch list, settings)``: what a trace of that nnx module runs with
 PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -169,6 +177,10 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             raise ConfigError(_NO_PARAMS.format(name=name, error=error, keys=keys)) from None
         except InvalidRngError as e:
             error, streams = str(e).split(" (")[0], sorted(streams)
+            if (held := re.search(r'needs PRNG for "([^"]+)"', error)) and held[1] in streams:
+                giver = "the Hybrid's call"
+                lifted = LIFTED_RNG.format(name=name, error=error, giver=giver, stream=held[1])
+                raise ConfigError(lifted) from None
             raise ConfigError(_NO_RNG.format(name=name, error=error, streams=streams)) from None
         except ScopeParamShapeError as e:
             if (unfit := _trace.unfit_input(name, e, args, kwargs)) is None:
