@@ -4,6 +4,7 @@ import copy
 import pickle
 import re
 import threading
+import warnings
 
 import chex
 import jax
@@ -714,6 +715,50 @@ def test_a_param_that_is_no_array_or_number_is_refused_by_path_when_made():
     for odd, said in ((2**70, huge), ((v for v in (1.0,)), r"params\['n'\] is a generator, ")):
         with pytest.raises(sm.ConfigError, match=said):
             sm.hybridize(lambda p, x: x * p["n"], {"n": odd})
+
+
+def test_a_baked_python_int_past_jaxs_int_is_named_by_path_where_jax_converts_it():
+    """Baked (params_as_constants=True), 2**70 was JAX's raw OverflowError ('argument path is
+    y') at the first call; it is refused by path then, not when made: a model may use a baked
+    int in Python arithmetic, which JAX never converts."""
+    h = sm.hybridize(lambda p, x: x * p["n"], {"n": 2**70}, params_as_constants=True)
+    said = (
+        r"^<lambda>: params\['n'\] is the Python int 1180591620717411303424, past int32's range "
+        r".*, which JAX could not make an array of where the model computed with it "
+        r"\(OverflowError: .*\); baked in \(params_as_constants=True\), .* float\(\.\.\.\)"
+    )
+    for run in (h, h.eager):
+        with pytest.raises(sm.ConfigError, match=said):
+            run(jnp.ones(2))
+    h = sm.hybridize(lambda p, x: x * (p["n"] // 2**60), {"n": 2**70}, params_as_constants=True)
+    assert h(jnp.ones(2)).tolist() == [1024.0, 1024.0]  # Python's arithmetic: the model's
+
+
+def test_apply_of_params_holding_a_generator_is_refused_by_path_without_jaxs_warning():
+    # JAX's DeprecationWarning ("'generator' is treated as a leaf in PyTree", an error in a
+    # later JAX, and under -W error) came first, from h.apply's check of the params' leaves
+    h, x = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.float32(2)}), jnp.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (as pytest's config has it; a shown one may come first)
+        odd = (v for v in (1.0,))
+        for params, at in (({"w": odd}, r"\['w'\]"), ([iter([1.0])], r"\[0\]")):
+            with pytest.raises(sm.ConfigError, match=rf"^<lambda>\.apply: params{at} is a \w+, "):
+                h.apply(params, x)
+    np.testing.assert_array_equal(h.apply({"w": jnp.float32(3)}, x), [3.0, 3.0])
+
+
+def test_replace_of_params_none_is_refused_naming_what_to_pass():
+    # it was taken: the next call raised the model's raw TypeError ("'NoneType' object is not
+    # subscriptable"; an equinox model's, "unsupported operand type(s) for @"), as
+    # hybridize(fn, None) is refused
+    h = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.float32(2)}, name="dbl")
+    with pytest.raises(
+        sm.ConfigError,
+        match=r"^dbl\.replace\(params=None\): got None, but a Hybrid's model is called with its "
+        r"params\. Pass a tree shaped as h\.params .* a function that reads none takes \{\}\.$",
+    ):
+        h.replace(params=None)
+    assert h.replace(params={"w": jnp.float32(3)})(jnp.ones(2)).tolist() == [3.0, 3.0]
 
 
 @pytest.mark.parametrize(

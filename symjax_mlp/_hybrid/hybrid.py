@@ -169,7 +169,8 @@ class Hybrid(Staged, NoPickle):
             )
         settings |= changes
         params, state = settings.pop("params"), settings.pop("state")
-        if "params" in changes:
+        if "params" in changes:  # (None: refused, as hybridize(fn, None) is)
+            _pure.refuse_none_params(f"{self.name}.replace(params=None)", params)
             refuse_nested_nnx_state(f"{self.name}.replace(params=...)", params)
         tail = ", or leave state out to keep the held one"
         state = refit(f"{self.name}.replace(state=...)", self.state, state, tail)
@@ -337,8 +338,7 @@ class Hybrid(Staged, NoPickle):
         """``(out, new_state)`` of the compiled pure function; nnx objects given written back."""
         static, dyn, dyn_kw = self._partition(args, kwargs, caller)
         variables = given(dyn, dyn_kw, caller)
-        if not all(map(JAX_ARRAYS.__contains__, map(type, jax.tree.leaves(params)))):  # NumPy's
-            _args.flat_params(caller, params, passed=True)  # big-endian refused (jit: [0., 0.])
+        _args.check_given(caller, params)  # (jit: a big-endian array's [0., 0.])
         if self._apply is None:  # never donating: params and state are the caller's
             apply = functools.partial(self._traced.run, entry="apply")
             self._set(_apply=self._jit(apply, static_argnums=0))

@@ -25,7 +25,7 @@ from symjax_mlp._errors import (
     unbound_axis,
     unbound_axis_error,
 )
-from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, not_data, rebuild
+from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, not_data, overflowing, rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
 from symjax_mlp._hybrid.pure import (
@@ -231,7 +231,8 @@ class TracedModel:
             error = (
                 unbound_axis_error(self.model, name, axis, state, args, kwargs) if axis else None
             )
-            if (error := error or not_data(name, e, args, kwargs)) is None:
+            error = error or not_data(name, e, args, kwargs) or overflowing(name, params, e)
+            if error is None:  # (overflowing: a baked int, 2**70, was JAX's raw OverflowError)
                 raise
             raise error from None
 

@@ -278,6 +278,19 @@ def unfit_state(caller: str, held: Any, state: Any, tail: str = "") -> ConfigErr
     return diff and ConfigError(_REFIT.format(caller=caller, diff=diff, tail=tail))
 
 
+_NONE_PARAMS = (
+    "{caller}: got None, but a Hybrid's model is called with its params. Pass a tree shaped as "
+    "h.params (its arrays' values changed), or leave params out to keep these; a function that "
+    "reads none takes {{}}."
+)
+
+
+def refuse_none_params(caller: str, params: Any) -> None:
+    """Refuses params of None (``h.replace(params=None)``), as ``hybridize(fn, None)`` is."""
+    if params is None:
+        raise ConfigError(_NONE_PARAMS.format(caller=caller))
+
+
 _UNFIT_PARAMS = (
     "{caller}: the params given, {got}, do not fit the model's ({diff}), and the model failed on "
     "them ({error}). Pass a tree shaped as h.params (its arrays' values changed): "
