@@ -456,6 +456,13 @@ def test_an_equinox_ensemble_runs_as_equinox_and_exports_one_row_per_member(tmp_
     _close(sm.load(tmp_path / "m")(np.asarray(x)), eqx.filter_jit(fn)(members, x))
 
 
+def test_an_equinox_layer_holding_no_array_is_no_function_of_the_params_given():
+    """Only a function's transform (eqx.filter_vmap(f): its __wrapped__) is taken as fn(params,
+    *inputs): eqx.nn.Identity() given params is refused here, not failing in its first call."""
+    with pytest.raises(sm.ConfigError, match=r"hybridize\(Identity\) takes no params"):
+        sm.hybridize(eqx.nn.Identity(), {"w": jnp.ones(2)})
+
+
 # -- flax's linen_to_nnx guide, scan over layers: its split_rngs drops the 'dropout' stream -----
 FIX_SPLIT_RNGS = r"split_rngs=\{'params': True, 'dropout': True\}"
 

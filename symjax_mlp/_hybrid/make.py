@@ -95,7 +95,7 @@ def hybridize(
     if isinstance(model, Hybrid):
         raise ConfigError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
     kind, state = _flax_kind(model), None
-    if kind == "eqx" and params is not None and _holds_no_array(model):
+    if kind == "eqx" and params is not None and _wraps_a_function(model):
         kind = None  # eqx.filter_vmap(f), eqx.filter_jit(f) of a function f(params, *inputs)
     if kind is not None:
         name = name or type(model).__name__
@@ -152,11 +152,12 @@ def _flax_kind(model: Any) -> str | None:
     return "eqx" if eqx is not None and isinstance(model, eqx.Module) else None
 
 
-def _holds_no_array(module: Any) -> bool:
-    """Whether an equinox module holds no array: a function's transform (``eqx.filter_vmap(f)``,
-    as equinox's ensembles are called), not a model."""
+def _wraps_a_function(module: Any) -> bool:
+    """Whether an equinox module is a function's transform (``eqx.filter_vmap(f)``, as equinox's
+    ensembles are called), holding no array: not a model (``eqx.nn.Identity()`` holds none)."""
     eqx = sys.modules["equinox"]
-    return not jax.tree.leaves(eqx.filter(module, eqx.is_array))
+    wraps = callable(getattr(module, "__wrapped__", None))
+    return wraps and not jax.tree.leaves(eqx.filter(module, eqx.is_array))
 
 
 def _equinox(fn: Any, tree: Any) -> tuple[PureModel, Any]:
