@@ -22,9 +22,9 @@ _ONE_EXAMPLE = (
 )
 _ENSEMBLE = (
     "Every param's leading dimension is the example's {lead} rows ({path}: {shape}): a model "
-    "that maps its inputs' leading axis over its params' (an ensemble's members, as "
-    "eqx.filter_vmap of a stacked model runs them) takes that many rows, one per member, and "
-    "no batch. Pass batch=None to export the example's static shapes."
+    "that maps its inputs' leading axis over its params' (an ensemble's members: eqx.filter_vmap "
+    "of a stacked model, linen's nn.vmap with variable_axes={{'params': 0}}) takes that many "
+    "rows, one per member, and no batch. Pass batch=None to export the example's static shapes."
 )
 _MIXED_BATCH = (
     "export({name}, batch={batch!r}): the example's inputs have leading dimensions {rows}; "
