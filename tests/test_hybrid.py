@@ -732,6 +732,11 @@ def test_a_baked_python_int_past_jaxs_int_is_named_by_path_where_jax_converts_it
             run(jnp.ones(2))
     h = sm.hybridize(lambda p, x: x * (p["n"] // 2**60), {"n": 2**70}, params_as_constants=True)
     assert h(jnp.ones(2)).tolist() == [1024.0, 1024.0]  # Python's arithmetic: the model's
+    # h.graph traces the params (every layer shown): JAX's raw OverflowError there, named now
+    said = r"^<lambda>\.graph: params\['n'\] is the Python int 1180591620717411303424, past "
+    with pytest.raises(sm.ConfigError, match=said) as caught:
+        h.graph(jnp.ones(2))
+    assert caught.value.__context__ is None  # (no OverflowError chained to it)
 
 
 def test_apply_of_params_holding_a_generator_is_refused_by_path_without_jaxs_warning():

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from symjax_mlp._hybrid.args import flat_params
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
 
@@ -41,7 +42,12 @@ class Staged:
         """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
         layer shown (not counted in :attr:`trace_count`)."""
         static, dyn, dyn_kw = self._split("graph", args, kwargs)
-        return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
+        try:
+            return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
+        except OverflowError as e:  # a baked Python int past JAX's (2**70): graph traces params
+            overflow = e
+        flat_params(f"{self.name}.graph", self.params, passed=True)  # refused by its path
+        raise overflow
 
     def _split(self, method: str, args: tuple, kwargs: dict) -> tuple:
         """The call's partition; arguments the model does not take named, with ``h.method``."""
