@@ -163,8 +163,8 @@ def not_data(caller: str, error: Exception, args: Sequence[Any], kwargs: dict[st
         shown = f"keys {sorted(map(str, v))[:5]}" if isinstance(v, dict) else repr(v)[:40]
         kind = ("NumPy " if isinstance(v, np.generic) else "Python ") + type(v).__name__
         what = "None" if v is None else f"a {kind} ({shown})"  # (a bool: a setting, not here)
-        error = quoted(error)
-        return SignatureError(_NOT_DATA.format(caller=caller, path=path, what=what, error=error))
+        said = quoted(error)
+        return SignatureError(_NOT_DATA.format(caller=caller, path=path, what=what, error=said))
     return None
 
 

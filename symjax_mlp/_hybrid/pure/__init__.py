@@ -17,7 +17,7 @@ import jax
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid import trace as _trace
-from symjax_mlp._hybrid.args import ModuleSetting, unwalkable
+from symjax_mlp._hybrid.args import ModuleSetting, quoted, unwalkable
 
 _RNGS = "rngs"  # where a linen model's rng streams live in its state
 _NOT_VARIABLES = (
@@ -305,9 +305,8 @@ def unfit_params(caller: str, held: Any, params: Any, error: BaseException) -> C
     got = leaf_paths((params, {}))
     if got == expected:
         return None
-    said = f"{type(error).__name__}: {str(error).strip()[:200]}"
     kind = "None" if params is None else f"a {type(params).__name__}"
-    diff = path_diff(expected, got)
+    diff, said = path_diff(expected, got), quoted(error)
     return ConfigError(_UNFIT_PARAMS.format(caller=caller, got=kind, diff=diff, error=said))
 
 
