@@ -145,7 +145,8 @@ _MLP = (  # the library's message offers None as an activation: here it is one
                       "default": "relu", "help": "a jax.nn activation name, or none (linear)"}),
 )  # fmt: skip
 _ARTIFACT = ("path", {"help": "an artifact directory"})
-#: the subcommands declared here: their help, handler and options, each ``(name, keywords)``
+#: every subcommand, in --help's order: :func:`subcommand`'s arguments after its name (help,
+#: handler, options as ``(name, keywords)``, ...); those of run, train and serve in their modules
 _COMMANDS = {
     "tour": ("the chapter, step by step, on real objects", _run_tour, (
         ("--calls", {"type": count, "default": 1000, "help": "calls in the timing"}),)),
@@ -161,6 +162,7 @@ _COMMANDS = {
         ("--overwrite", {"action": "store_true", "help": "replace an existing artifact"}))),
     "inspect": ("an artifact's manifest, signature and StableHLO ops", _run_inspect, (
         _ARTIFACT, _args.json_option("the manifest"))),
+    "run": _run.COMMAND,
     "verify": ("reload an artifact in a fresh process and check it", _run_verify, (
         _ARTIFACT,
         ("--runtime", {"action": "append", "choices": ("jax", "iree"), "help": "repeatable"}),
@@ -182,6 +184,8 @@ _COMMANDS = {
                         "dispatch: async is JAX's default, sync the latency mode "
                         "(sm.serving.latency_mode(): calls run on the calling thread)"}),
         *_args.TRUST, _args.json_option("the timings"))),
+    "train": _train.COMMAND,
+    "serve": _serve.COMMAND,
 }  # fmt: skip
 
 
@@ -195,12 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"{PROG} {__version__}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help, handler, options) in _COMMANDS.items():  # --help's order
-        subcommand(sub, name, help, handler, options)
-        if name == "inspect":
-            _run.add_parser(sub)
-    _train.add_parser(sub)
-    _serve.add_parser(sub)
+    for name, command in _COMMANDS.items():
+        subcommand(sub, name, *command)
     parser.commands = sub.choices
     return parser
 
@@ -254,13 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit code, as the module docstring lists them."""
     from symjax_mlp import SymjaxError
 
-    parser = build_parser()
+    parser, given = build_parser(), list(sys.argv[1:] if argv is None else argv)
     try:
-        args, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(given)
         if extra:  # the subcommand's error: its name, its help, its options to suggest
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help and --version
-        given = list(sys.argv[1:] if argv is None else argv)
         if e.code == 2 and "--json" in given[1:-1]:  # --json's optional PATH took the artifact
             taken = given[given.index("--json") + 1]
             if os.path.isdir(taken):
@@ -282,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.handler(args) or 0  # verify's 1: a check failed
     except (SymjaxError, argparse.ArgumentTypeError, TimeoutError) as e:  # a Batcher's warm-up
         message = str(e)
-        for arg in sys.argv[1:] if argv is None else argv:  # a newline in a path: still one line
+        for arg in given:  # a newline in a path: still one line
             if arg.strip():  # not a lone "\n", which would escape the message's own lines
                 message = message.replace(arg, printable(arg))
         print(f"{where}: error: {message}", file=sys.stderr)

@@ -17,22 +17,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-Subcommands = Any  # what ``ArgumentParser.add_subparsers()`` returns (a private class)
-
 
 def subcommand(
-    sub: Subcommands, name: str, help: str, handler: Callable[..., int | None],
-    options: Sequence[tuple[str, dict[str, Any]]] = (), more: str = "",
-) -> argparse.ArgumentParser:  # fmt: skip
-    """Declares the subcommand ``name``, run by ``handler(args)`` (its exit code, ``None``: 0),
-    with ``options``, each ``(name, add_argument's keywords)``: ``help`` is its one-line help
-    and, with ``more``, its description."""
+    sub: Any, name: str, help: str, handler: Callable[..., int | None],
+    options: Sequence[tuple[str, dict[str, Any]]] = (), more: str = "", epilog: str | None = None,
+) -> None:  # fmt: skip
+    """Declares the subcommand ``name`` on ``sub`` (``add_subparsers()``'s), run by
+    ``handler(args)`` (its exit code, ``None``: 0), with ``options``, each ``(name, add_argument's
+    keywords)``: ``help`` is its one-line help, with ``more`` its description; ``epilog``."""
     formatter = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser(name, help=help, description=help + more, formatter_class=formatter)
     p.set_defaults(handler=handler)
+    p.epilog = epilog
     for option, keywords in options:
         p.add_argument(option, **keywords)
-    return p
 
 
 def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Any:

@@ -33,19 +33,13 @@ _OPTIONS = (
 )  # fmt: skip
 
 
-def add_parser(sub: _args.Subcommands) -> None:
-    """Declares ``run`` and its options on the CLI's subcommands."""
-    help = "run an artifact on .npy inputs and write its outputs"
-    _args.subcommand(sub, "run", help, run, _OPTIONS).epilog = DTYPES
-
-
 def run(args: argparse.Namespace) -> None:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
     from symjax_mlp._artifact.format import printable
     from symjax_mlp._npy import arrays, raw_dtype_notes, read_inputs, write_outputs
 
     paths = args.output
-    _check_outputs(paths, args.input, args.path)
+    sink = _check_outputs(paths, args.input, args.path)  # --output -: stdout's bytes
     if (n := args.input.count("-")) > 1:
         raise argparse.ArgumentTypeError(
             f"--input -: given {n} times; stdin holds one array. Pass the others as files."
@@ -70,10 +64,8 @@ def run(args: argparse.Namespace) -> None:
     files = [stdin.read() if f == "-" else f for f in args.input]  # type: ignore[union-attr]
     names = ["stdin" if f == "-" else str(f) for f in args.input]
     out = model(*read_inputs(files, inputs, names=names))
-    pairs = list(zip(out if len(paths) > 1 else [out], paths, strict=True))
-    to_stdout = paths == ["-"]
-    if to_stdout:
-        pairs = [(out, _binary("--output"))]
+    to_stdout = sink is not None
+    pairs = list(zip(out if len(paths) > 1 else [out], [sink] if to_stdout else paths, strict=True))
     write_outputs(*pairs[0], *pairs[1:])  # every path, or none of them
     stream = sys.stderr if to_stdout else sys.stdout
     for (y, _), path in zip(pairs, paths, strict=True):
@@ -85,9 +77,9 @@ def run(args: argparse.Namespace) -> None:
             print(f"note: {note}", file=stream)
 
 
-def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> None:
+def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> Any:
     """Refuses, before any work, an output path that cannot be written, given twice, stdout
-    beside files, an --input, or inside the artifact."""
+    beside files, an --input, or inside the artifact; for ``-``, its bytes' :func:`_binary` sink."""
     for path in paths:
         _args.writable(path, "--output", overwrite=True)
     real = [p if p == "-" else os.path.realpath(p) for p in paths]  # y.npy, ./y.npy: one file
@@ -104,8 +96,6 @@ def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> None:
             f"--output -: stdout takes one array, and {len(paths)} --output paths were given. "
             "Name a file for each output, or pass one .npz path (out0, out1, ...)."
         )
-    if paths == ["-"]:
-        _binary("--output")
     for path in (p for p in paths if p != "-"):
         there = os.path.exists(path)
         same = [str(x) for x in inputs if there and x != "-" and os.path.samefile(path, x)]
@@ -115,6 +105,7 @@ def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> None:
                 "with the output. Pass another path."
             )
         _args.outside_artifact(path, "--output", artifact)
+    return _binary("--output") if paths == ["-"] else None
 
 
 def _binary(option: str) -> Any:
@@ -136,3 +127,7 @@ def _binary(option: str) -> Any:
             f"which cannot {does} .npy bytes; pass a file path"
         )
     return target
+
+
+#: ``run``'s help, handler, options, description and epilog (:func:`_args.subcommand`'s)
+COMMAND = ("run an artifact on .npy inputs and write its outputs", run, _OPTIONS, "", DTYPES)

@@ -83,11 +83,6 @@ _OPTIONS = (
 )  # fmt: skip
 
 
-def add_parser(sub: _args.Subcommands) -> None:
-    """Declares ``serve`` and its options on the CLI's subcommands."""
-    _args.subcommand(sub, "serve", _HELP, run, _OPTIONS, _MORE)
-
-
 def run(args: argparse.Namespace) -> None:
     """Serves ``args.path`` until interrupted (exit 0 after a clean shutdown)."""
     from symjax_mlp.serving import latency_mode, serve
@@ -124,3 +119,6 @@ def run(args: argparse.Namespace) -> None:
     else:
         serve(args.path, ready=ready, where="", **options)
     print("symjax-mlp serve: shut down cleanly", flush=True)
+
+
+COMMAND = (_HELP, run, _OPTIONS, _MORE)  # see _run.COMMAND

@@ -42,12 +42,6 @@ _OPTIONS = (
 )  # fmt: skip
 
 
-def add_parser(sub: _args.Subcommands) -> None:
-    """Declares ``train`` and its options on the CLI's subcommands."""
-    help = "train an MLP on the bundled digits data with optax"
-    _args.subcommand(sub, "train", help, run, _OPTIONS)
-
-
 def run(args: argparse.Namespace) -> None:
     """Trains, shows each epoch, then writes what ``--json`` and ``--export`` ask for."""
     from pathlib import Path
@@ -142,3 +136,6 @@ def _progress(epochs: int, *, quiet: bool) -> Iterator[Callable[[Any], None] | N
     with rp.Progress(*columns, console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task("", total=epochs)
         yield lambda r: bar.update(task, completed=r.epoch, description=line(r))
+
+
+COMMAND = ("train an MLP on the bundled digits data with optax", run, _OPTIONS)  # as _run's
