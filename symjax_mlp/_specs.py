@@ -199,10 +199,24 @@ _EQX_STATE = (
 _DICT_INPUT = (
     "export({name}, example=...): args[{i}] is a dict with keys {keys}, but an artifact's "
     "inputs are positional arrays (what every runtime, IREE included, passes). Export a function "
-    "that takes them by place and builds the dict: sm.hybridize(lambda params, *xs: "
-    "h.apply(params, dict(zip({keys}, xs))), h.params) with example=tuple(x.values()), and "
-    "call the artifact with the arrays in that order."
+    "that takes its arrays by place and rebuilds the dict, with d that dict: leaves, tree = "
+    "jax.tree.flatten(d); sm.hybridize(lambda params, {head}*xs: h.apply(params, {head}"
+    "jax.tree.unflatten(tree, xs{cut}){tail}), h.params) with example={example}, "
+    "and call the artifact with the arrays in that order."
 )
+
+
+def _dict_input(name: str, i: int, d: Mapping[str, Any], n: int) -> SignatureError:
+    """The refusal of ``d``, a dict at ``args[i]`` of ``n`` inputs (nested, or among others:
+    decoding's cache), naming a function taking its leaves by place, the others around them."""
+    head = "".join(f"x{j}, " for j in range(i))
+    after = [f"x{j}" for j in range(i + 1, n)]
+    k = len(jax.tree.leaves(d))
+    cut, tail = (f"[:{k}]", f", *xs[{k}:]") if after else ("", "")
+    example = f"({head}*leaves{''.join(f', {x}' for x in after)})" if n > 1 else "tuple(leaves)"
+    said = _DICT_INPUT.format(name=name, i=i, keys=list(d), head=head, cut=cut, tail=tail,
+                              example=example)  # fmt: skip
+    return SignatureError(said)
 
 
 def keyword_arrays(signature: Any, n: int, given: Mapping[str, Any]) -> tuple[list[str], int]:
@@ -263,7 +277,7 @@ def input_structs(
             if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":
                 raise SignatureError(_EQX_STATE.format(i=i))
             if isinstance(x, Mapping) and x and all(isinstance(k, str) for k in x):
-                raise SignatureError(_DICT_INPUT.format(i=i, keys=list(x), name=name))
+                raise _dict_input(name, i, x, len(examples))
             raise SignatureError(
                 f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
                 "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."

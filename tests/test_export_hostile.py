@@ -193,7 +193,7 @@ def test_a_dict_input_says_how_to_export_the_model_that_takes_it(tmp_path):
     from helpers import ZOO
 
     case = next(c for c in ZOO if c.name == "linen_dict")
-    said = r"LinenDict, example=\.\.\.\): args\[0\] is a dict with keys \['x'\].*dict\(zip"
+    said = r"LinenDict, example=\.\.\.\): args\[0\] is a dict with keys \['x'\].*tree\.unflatten"
     with pytest.raises(sm.SignatureError, match=said):
         sm.export(case.hybridize("eval"), tmp_path / "a", example=case.inputs(0))
     assert list(tmp_path.iterdir()) == []
