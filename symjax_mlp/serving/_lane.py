@@ -196,7 +196,7 @@ class Lane:
 
     def warm_up(self) -> None:
         """Compiles each bucket (where it does not merge, the smallest); checks the outputs
-        (:func:`~symjax_mlp.serving._outputs.warmed`)."""
+        (:func:`~symjax_mlp.serving._model.warmed`)."""
         rows, first = list(zip(self.row_shapes, self.dtypes, strict=True)), None
         for bucket in self.buckets if self.merges else self.buckets[:1]:
             self.warming = bucket
