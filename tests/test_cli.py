@@ -225,6 +225,19 @@ def test_a_warm_up_that_timed_out_exits_2_naming_the_option(monkeypatch, capsys)
     assert named in err and "this is a bug" not in err, err
 
 
+def test_serve_in_latency_mode_where_jax_ran_already_is_one_line(tmp_path, capsys):
+    """serve's default --dispatch sync, by main() in a process where JAX had run, printed
+    latency_mode's RuntimeError as a traceback, 'this is a bug in symjax_mlp' (bench's was one
+    line already: the two share it now)."""
+    import jax.numpy as jnp
+
+    jnp.ones(1)  # JAX's backend starts here, with its default (async) dispatch
+    assert main(["serve", str(tmp_path / "m"), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("symjax-mlp serve: error: --dispatch sync: latency_mode(): JAX's")
+    assert "in a fresh process" in err and "Traceback" not in err and "bug" not in err
+
+
 # a fresh process whose batcher thread spins for ever (~3-5 s): CI runs it with `-m slow`; the
 # default run keeps the in-process test above and test_serving_hostile's endless warm-up
 @pytest.mark.slow

@@ -127,13 +127,9 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 def _run_bench(args: argparse.Namespace) -> None:
     from symjax_mlp import timeit
-    from symjax_mlp.serving import latency_mode
 
     if args.dispatch == "sync":
-        try:
-            latency_mode()  # before anything starts JAX's CPU backend
-        except RuntimeError as e:  # main() called where JAX ran already: not a bug of ours
-            raise argparse.ArgumentTypeError(f"--dispatch sync: {e}") from None
+        _args.sync_dispatch()
     timing = timeit(_args.load_model(args), **keywords(args, "batch calls repeats"))
     show(timing, timing.to_dict(), args.json)
 

@@ -196,6 +196,17 @@ TRUST = (
 )  # fmt: skip
 
 
+def sync_dispatch() -> None:
+    """``--dispatch sync``: :func:`~symjax_mlp.serving.latency_mode`, before anything starts
+    JAX's CPU backend; where JAX ran already (``main()`` called in such a process), refused."""
+    from symjax_mlp.serving import latency_mode
+
+    try:
+        latency_mode()
+    except RuntimeError as e:  # not a bug of ours: the caller's process
+        raise argparse.ArgumentTypeError(f"--dispatch sync: {e}") from None
+
+
 def keywords(args: argparse.Namespace, names: str) -> dict[str, Any]:
     """The options ``names`` (space-separated) as the library keywords they are named after."""
     return {name: getattr(args, name) for name in names.split()}

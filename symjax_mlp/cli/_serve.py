@@ -85,7 +85,7 @@ _OPTIONS = (
 
 def run(args: argparse.Namespace) -> None:
     """Serves ``args.path`` until interrupted (exit 0 after a clean shutdown)."""
-    from symjax_mlp.serving import latency_mode, serve
+    from symjax_mlp.serving import serve
     from symjax_mlp.serving._app import print_ready
     from symjax_mlp.serving._server import bind
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> None:
         if getattr(args, option) is None:
             setattr(args, option, default)
     if args.dispatch == "sync":
-        latency_mode()  # before anything starts JAX's CPU backend
+        _args.sync_dispatch()
     say = print_ready(args.path)
 
     def ready(url: str) -> None:
