@@ -117,3 +117,29 @@ def test_the_one_step_decoder_exports_as_its_refusals_say_and_drives_the_beam_se
                      beam_size=BEAMS, eos_id=EOS_ID, max_decode_len=MAX_DECODE_LEN)  # fmt: skip
     seqs, _ = jax.jit(search)(cache)
     np.testing.assert_array_equal(seqs[:, -1, 1:], jax.jit(translate)(params, inputs))
+
+
+def test_applys_own_keywords_in_a_call_of_a_linen_hybrid_are_refused_naming_what_runs():
+    """``h(..., method=Transformer.decode)`` was refused as a function a call can neither trace
+    nor key on, saying to mark it static (static_argnames=), whose call then fails;
+    ``mutable=['cache']`` said to pass ``jnp.asarray(kwargs['mutable'])``; ``rngs=`` named
+    only the inputs. Each now names apply's keyword and what runs instead."""
+    params, inputs = _params(), _inputs(3, 3)
+    cache, ids = wmt.initialize_cache(inputs, MAX_DECODE_LEN, CONFIG), jnp.full((3, 1), 3)
+    encoded = wmt.Transformer(CONFIG).apply({"params": params}, inputs,
+                                            method=wmt.Transformer.encode)  # fmt: skip
+    h = sm.hybridize(wmt.Transformer(CONFIG), {"params": params, "cache": cache})
+    said = r"^Transformer(\.eager|\.apply)?: method= is Transformer\.apply's own keyword, not"
+    for call in (h, h.eager, partial(h.apply, h.params)):
+        with pytest.raises(sm.ConfigError, match=said) as e:
+            call(encoded, inputs, ids, method=wmt.Transformer.decode)
+        assert "method=Transformer.decode, mutable=['cache'])" in str(e.value)
+    with pytest.raises(sm.ConfigError, match=r"mutable= is Transformer\.apply's own keyword"):
+        h(inputs, ids, mutable=["cache"])
+    trained = sm.hybridize(wmt.Transformer(WMT), wmt_variables(), rngs=jax.random.key(0))
+    with pytest.raises(sm.ConfigError, match=r"rngs= is .*give them once") as e:
+        trained(inputs, inputs, rngs={"dropout": jax.random.key(1)})
+    assert "rngs={'dropout': key}), variables)" in str(e.value)
+    step = sm.hybridize(decode_step, params)  # the function the first names, as decode.py's
+    want = jax.jit(decode_step)(params, encoded, inputs, ids, cache)
+    np.testing.assert_allclose(step(encoded, inputs, ids, cache)[0], want[0], rtol=1e-5, atol=1e-5)

@@ -387,6 +387,7 @@ class Hybrid(Staged, NoPickle):
 
     def _partition(self, args: Any, kwargs: Any, caller: str) -> tuple:
         """The call's static key (with the module's settings), traced args, kwargs."""
+        self._model.refuse_keywords(caller, kwargs)  # linen's h(x, method=...)
         nums, names, own = self.static_argnums, self.static_argnames, (self, self._model.source)
         static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
         return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw

@@ -15,7 +15,8 @@ from jax.sharding import Mesh
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import equinox_modules
 from symjax_mlp._hybrid.hybrid import Hybrid
-from symjax_mlp._hybrid.pure import PureModel, linen, plain, refuse_nested_nnx_state
+from symjax_mlp._hybrid.pure import PureModel, plain, refuse_nested_nnx_state
+from symjax_mlp._hybrid.pure.linen_module import linen
 from symjax_mlp._hybrid.pure.nnx_module import nnx_module
 
 _TAKES_NO = {  # why, and the fix

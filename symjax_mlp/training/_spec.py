@@ -21,13 +21,13 @@ from flax import nnx
 
 from symjax_mlp._errors import ConfigError, unbound_axis
 from symjax_mlp._hybrid.pure import (
-    LIFTED_RNG,
     PureModel,
     mode_settings,
     state_structure,
     unwrap_keys,
     wrap_keys,
 )
+from symjax_mlp._hybrid.pure.linen_module import LIFTED_RNG
 from symjax_mlp._hybrid.pure.nnx_module import nnx_module
 
 

@@ -8,9 +8,8 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
-import re
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -19,31 +18,6 @@ from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import ModuleSetting, quoted, unwalkable
 
-_RNGS = "rngs"  # where a linen model's rng streams live in its state
-_NOT_VARIABLES = (
-    "{caller}: the variables given are a {got}, not the dict that {name}.init returns "
-    "({{'params': ...}}). Pass it: hybridize(model, model.init(key, x)), h.apply(variables, x)."
-)
-_NO_PARAMS = (
-    "{name}: the variables given have no 'params' collection (their keys: {keys}), so flax "
-    "finds no weights ({error}). Pass the whole dict {name}.init returns, not variables['params']."
-)
-_OTHER_PARAMS = (
-    "{name}: the variables given do not fit the model: {error}. They are another model's, or "
-    "its layers under other names: pass what {name}.init returns (shaped as h.params)."
-)
-_NO_RNG = (
-    "{name}: {error}, and the Hybrid holds the rng streams {streams}. Give a linen model's "
-    "streams once, split anew by each call: sm.hybridize(model, variables, "
-    "rngs=jax.random.key(0)) for 'dropout', or rngs={{'name': key, ...}}."
-)
-#: a stream given to apply and dropped on the way: by the Hybrid's call and by training's
-LIFTED_RNG = (
-    "{name}: {error}, though {giver} passes apply the stream {stream!r}: a lifted transform "
-    "inside the model (nn.scan, nn.vmap) passes on only the rng streams its split_rngs names. "
-    "Name it there, e.g. split_rngs={{'params': True, {stream!r}: True}} (a key per step; "
-    "False: one key shared by the steps)."
-)
 #: ``(module's watch list, settings)``: what a trace of that nnx module runs with
 PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "symjax_mlp_nnx_settings", default=None
@@ -64,6 +38,9 @@ class PureModel:
     setting_names: tuple[str, ...] = ()
     _watch: Any = None  # what pins this model's settings (its own, not another model's)
     source: Any = None  # the module the user gave, never an input of its own Hybrid
+    #: ``(caller, kwargs) -> None``, raising for keywords a call of the model never takes
+    #: (linen ``apply``'s own, :mod:`.linen_module`)
+    refuse_keywords: Callable[[str, Any], None] = lambda caller, kwargs: None
 
     @contextlib.contextmanager
     def pinned(self, values: tuple) -> Iterator[None]:
@@ -117,91 +94,6 @@ def plain(fn: Callable[..., Any]) -> PureModel:
 
     model = PureModel(call, stateful=False, target=fn)  # its name heads call's errors
     return model
-
-
-def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
-    from flax.errors import (
-        InvalidRngError,
-        ScopeCollectionNotFound,
-        ScopeParamNotFoundError,
-        ScopeParamShapeError,
-    )
-
-    name, got = type(model).__name__, type(variables).__name__
-    if not isinstance(variables, Mapping):
-        caller = f"hybridize({name}, variables)"
-        raise ConfigError(_NOT_VARIABLES.format(caller=caller, name=name, got=got))
-    collections = list(variables)
-    if mutable is None:  # every collection but the params, as model.apply has it
-        mutable = tuple(c for c in collections if c != "params")
-    if isinstance(mutable, str) or _RNGS in collections or _RNGS in mutable:
-        raise ConfigError(
-            f"hybridize({name}, mutable={mutable!r}): name the mutable collections in a list, "
-            f"as in mutable=['batch_stats'] (none called {_RNGS!r})."
-        )
-    mutable = tuple(mutable)
-    sown = tuple(c for c in mutable if c not in collections)  # each call returns these fresh
-    params = {c: variables[c] for c in collections if c not in mutable}
-    state = {c: variables[c] for c in mutable if c not in sown}
-    if rngs is not None:
-        state[_RNGS] = streams = dict(rngs) if isinstance(rngs, Mapping) else {"dropout": rngs}
-        for stream, key in streams.items():
-            if isinstance(key, int) and not isinstance(key, bool):
-                streams[stream] = jax.random.key(key)
-            elif not is_key(key):
-                raise ConfigError(
-                    f"hybridize(rngs=...): stream {stream!r} is a {type(key).__name__}; pass a "
-                    "typed key (jax.random.key(0)) or an int seed, or a dict {'dropout': key, ...}."
-                )
-
-    def call(params, state, args, kwargs):
-        if not isinstance(params, Mapping):  # h.apply(None, x), h.replace(params=[...])
-            got = type(params).__name__
-            raise ConfigError(_NOT_VARIABLES.format(caller=name, name=name, got=got))
-        state, streams = dict(state), state.get(_RNGS, {})
-        pairs = {n: jax.random.split(k) for n, k in streams.items()}
-        keys = {n: k[1] for n, k in pairs.items()} or None
-        if streams:  # split anew by every call
-            state[_RNGS] = {n: k[0] for n, k in pairs.items()}
-        variables = {**params, **{c: state[c] for c in mutable if c not in sown}}
-
-        def run(m: Any) -> Any:  # the args inside: no keyword of the model's is taken
-            return m(*args, **kwargs)
-
-        try:
-            out, updates = model.apply(variables, rngs=keys, mutable=list(mutable), method=run)
-        except (ScopeCollectionNotFound, ScopeParamNotFoundError) as e:  # another's variables
-            error, keys = str(e).split(" (")[0].rstrip("."), sorted(map(str, variables))
-            if "params" in variables or "params" in mutable:  # (else: variables["params"] given)
-                raise ConfigError(_OTHER_PARAMS.format(name=name, error=error)) from None
-            raise ConfigError(_NO_PARAMS.format(name=name, error=error, keys=keys)) from None
-        except InvalidRngError as e:
-            error, streams = str(e).split(" (")[0], sorted(streams)
-            if (held := re.search(r'needs PRNG for "([^"]+)"', error)) and held[1] in streams:
-                giver = "the Hybrid's call"
-                lifted = LIFTED_RNG.format(name=name, error=error, giver=giver, stream=held[1])
-                raise ConfigError(lifted) from None
-            raise ConfigError(_NO_RNG.format(name=name, error=error, streams=streams)) from None
-        except ScopeParamShapeError as e:
-            if (unfit := _trace.unfit_input(name, e, args, kwargs)) is None:
-                raise
-            raise unfit from None
-        except ZeroDivisionError:
-            if (unfit := _trace.unfit_empty(name, args, kwargs)) is None:
-                raise
-            raise unfit from None
-        except TypeError as e:
-            target = type(model).__call__
-            if (unfit := _trace.unfit_call(name, e, target, variables, args, kwargs)) is None:
-                raise
-            raise unfit from None
-        if sown:
-            updates = dict(updates)
-            out = out, {c: updates.pop(c, {}) for c in sown}
-        return out, {**state, **updates}
-
-    pure = PureModel(call, bool(state), "linen", model, type(model).__call__, source=model)
-    return pure, params, state
 
 
 class StateAdded(ConfigError):
