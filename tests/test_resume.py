@@ -161,8 +161,10 @@ def test_a_newer_orbax_step_that_is_no_checkpoint_is_refused_before_training(
     with pytest.raises(sm.CheckpointError) as e:
         sm.training.train(sm.mlp((8, 2)), tiny, **run)
     what = "a directory without _CHECKPOINT_METADATA" if kind == "uncommitted" else f"a {kind}"
-    assert f"{stray} is {what}" in str(e.value) and "not a checkpoint directory" in str(e.value)
-    assert "newer than 4" in str(e.value) and "Remove it" in str(e.value)
+    assert f"{stray} is {what}" in str(e.value)
+    if kind != "symlink":  # refused before Orbax reads through it (test_checkpoint_stranger.py)
+        assert "not a checkpoint directory" in str(e.value) and "newer than 4" in str(e.value)
+        assert "Remove it" in str(e.value)
     assert epochs == []  # refused before the first epoch, not after it
     if kind == "uncommitted":
         shutil.rmtree(stray)

@@ -32,6 +32,7 @@ from symjax_mlp.training._paths import (
     checkpoints,
     latest_checkpoint,
     named_step,
+    step_name,
 )
 from symjax_mlp.training._state import (
     RECORD,
@@ -171,7 +172,7 @@ def save_checkpoint(
         raise CheckpointError(f"{_SAVE}: cannot make the checkpoint directory {directory} "
                               f"({e}). Pass a directory path that can be created and written."
                               ) from None  # fmt: skip
-    final = directory / f"step_{state.step:08d}"
+    final = directory / step_name(state.step)
     if (done := checkpoints(directory)) and done[-1][0] > state.step:
         raise CheckpointError(
             f"{_SAVE}: {directory} already holds {done[-1][1].name}, newer than step "

@@ -14,6 +14,8 @@ import collections
 import concurrent.futures
 import hashlib
 import math
+import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,13 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from symjax_mlp.training._checkpoint import broken, check_manifest
-from symjax_mlp.training._paths import checkpoints
+from symjax_mlp.training._paths import checkpoints, entries
 from symjax_mlp.training._state import TrainState, check_fit, named_leaves, specs, state_of
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
 #: Saves handed to the writer thread and not yet to Orbax, each a device copy of the state:
 #: past it, a save waits (Orbax's blocking part of a save: its barriers and host copies).
 _QUEUED = 2
+_MAX_ENTRIES = 100_000  # in one step's directory: its arrays' data files are a few per process
+_MAX_READ_WHOLE = 64 << 20  # a file Orbax reads whole (JSON, OCDBT's manifest)
 
 
 def orbax_steps(directory: Path) -> list[int]:
@@ -91,6 +95,38 @@ def _unpack(specs: list[tuple], packed: tuple[dict[str, jax.Array], list]) -> li
     return leaves
 
 
+def check_files(path: Path) -> None:
+    """Refuses a step holding more than ``_MAX_ENTRIES`` entries, anything but directories and
+    regular files (Orbax and TensorStore follow a link out of the checkpoint directory and block
+    on a FIFO), or a file they read whole (all but the arrays' data files, in ``d/``) past
+    ``_MAX_READ_WHOLE`` bytes. A CheckpointManager reads each step's metadata as it starts."""
+
+    def refuse(error: OSError) -> None:
+        raise broken(path, f"{error.filename} cannot be read ({error.strerror})")
+
+    found = [path]
+    for root, dirs, files in os.walk(path, onerror=refuse):  # links are listed, not followed
+        found += (Path(root, name) for name in dirs + files)
+        if len(found) > _MAX_ENTRIES:
+            raise broken(path, f"it holds over {_MAX_ENTRIES:,} files, more than a save writes")
+    for entry in found:
+        st = os.lstat(entry)
+        if stat.S_ISLNK(st.st_mode):
+            what = (
+                f"a symlink to {os.readlink(entry)}: a checkpoint is read from its own files "
+                "(Orbax would read, and prune, what it points to)"
+            )
+        elif stat.S_ISREG(st.st_mode):
+            if entry.parent.name == "d" or st.st_size <= _MAX_READ_WHOLE:
+                continue
+            what = f"{st.st_size:,} bytes, more than a save writes there ({_MAX_READ_WHOLE:,})"
+        elif stat.S_ISDIR(st.st_mode):
+            continue
+        else:
+            what = "neither a file nor a directory (a FIFO, socket or device)"
+        raise broken(path, f"{entry} is {what}")
+
+
 class OrbaxCheckpoints:
     """An Orbax ``CheckpointManager`` of ``directory``: async saves, the newest two kept."""
 
@@ -100,6 +136,9 @@ class OrbaxCheckpoints:
         self.ocp, self.directory = ocp, Path(directory).absolute()
         self.sharding = sharding  # where restored arrays go: replicated over the run's mesh
         self.directory.mkdir(parents=True, exist_ok=True)  # each process: Orbax will not
+        for _, step, _ in entries(self.directory, orbax=True):  # the manager reads them all
+            if step.is_dir() or step.is_symlink():  # a file: check_strays names it
+                check_files(step)
         # every process named: Orbax's barriers are then the coordinator's (with the timeout),
         # not a collective each
         processes = ocp.options.MultiprocessingOptions(

@@ -103,7 +103,17 @@ def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path, bool]
         ) from None
     found = sorted((int(m.group(1)), directory / n) for n in listed if (m := pattern.match(n)))
     marked = (lambda p: (p / _COMMITTED).exists()) if orbax else (lambda p: True)
-    return [(step, p, p.is_dir() and not p.is_symlink() and marked(p)) for step, p in found]
+    return [
+        (step, p, p.name == step_name(step, orbax) and p.is_dir() and not p.is_symlink()
+         and marked(p))
+        for step, p in found
+    ]  # fmt: skip
+
+
+def step_name(step: int, orbax: bool = False) -> str:
+    """The name a save gives step ``step``'s directory: Orbax's reads no other (``00004`` is
+    not its step 4), ours one step once (not ``step_000000004`` beside ``step_00000004``)."""
+    return str(step) if orbax else f"step_{step:08d}"
 
 
 def checkpoints(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
@@ -114,7 +124,8 @@ def checkpoints(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
 def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False) -> None:
     """Refuses the other format's checkpoints (Orbax's are a multi-process run's), and an entry
     named like a step newer than the newest checkpoint that is none (a file, a symlink, an
-    uncommitted Orbax save): resuming, and saving that step, would trip on it."""
+    uncommitted Orbax save, a name no save writes): resuming, and saving that step, would trip
+    on it."""
     if checkpoints(Path(directory), not orbax):
         them = "single-process run (step_* safetensors)" if orbax else "multi-process run (Orbax)"
         raise CheckpointError(
@@ -127,8 +138,12 @@ def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False)
     newest = done[-1] if done else (-1, Path("any checkpoint there"))
     for step, p, complete in found:
         if step > newest[0] and not complete:
-            uncommitted = f"a directory without {_COMMITTED} (an Orbax save never committed)"
-            kind = "a symlink" if p.is_symlink() else "a file" if not p.is_dir() else uncommitted
+            kind = (
+                "a symlink" if p.is_symlink() else "a file" if not p.is_dir()
+                else f"a directory whose name no save writes (step {step}'s is "
+                f"{step_name(step, orbax)})" if p.name != step_name(step, orbax)
+                else f"a directory without {_COMMITTED} (an Orbax save never committed)"
+            )  # fmt: skip
             raise CheckpointError(
                 f"{caller}: {p} is {kind}, not a checkpoint directory, but is named like a step "
                 f"newer than {newest[1].name}: a resume would pass it over or fail on it, and "
