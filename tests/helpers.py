@@ -3309,28 +3309,6 @@ def scan_layers() -> tuple[ScanLayersMLP, Any, jax.Array]:
     return model, jax.jit(partial(model.init, training=False))(jax.random.key(0), x), x
 
 
-# -- flax examples/wmt (tests/wmt.py, as written there): the encoder-decoder Transformer of two
-# int token inputs (0 pads, masked), train.py's config tiny; its eval_config is
-# config.replace(deterministic=True), what train.py inits (jit of m.init on float ones)
-import wmt  # noqa: E402
-
-WMT = wmt.TransformerConfig(
-    vocab_size=8, output_vocab_size=8, emb_dim=8, num_heads=2, num_layers=1, qkv_dim=8,
-    mlp_dim=8, max_len=16)  # fmt: skip
-
-
-@cache
-def wmt_variables():
-    model = wmt.Transformer(WMT.replace(deterministic=True))
-    ones = jnp.ones((2, 6), jnp.float32)
-    return jax.jit(model.init)(jax.random.key(0), ones, ones)
-
-
-def _wmt(mode: str) -> Callable[[], tuple[Any, Any]]:
-    config = WMT if mode == "train" else WMT.replace(deterministic=True)
-    return lambda: (wmt.Transformer(config), wmt_variables())
-
-
 #: every family of issue 33 as its authors write it: linen (AUTHORS), the nnx tutorial's CNN
 #: (an nnx.Rngs passed to each call), JAX's from-scratch MNIST classifier (NumPy float64
 #: params, a list of pairs), equinox's examples (a module, or a function of one), Flax's
@@ -3339,8 +3317,7 @@ def _wmt(mode: str) -> Callable[[], tuple[Any, Any]]:
 #: stax MNIST classifier (params a list of tuples, empty ones for Relu and LogSoftmax), Flax's
 #: bridge guide both ways (a linen module in nnx by bridge.ToNNX, an nnx one in linen by
 #: bridge.to_linen), nnx's array leaves (plain jax arrays as weights, no Param), linen_intro's
-#: multi-head attention of nn.vmap (heads' params stacked, a dropout rng split per head), Flax's
-#: wmt encoder-decoder Transformer (two int token inputs; its decoding: test_authors_wmt.py)
+#: multi-head attention of nn.vmap (heads' params stacked, a dropout rng split per head)
 MATRIX = (
     *AUTHORS,
     Case("tutorial_cnn", "nnx", _tutorial_cnn("train"), lambda s: (_x(s, (2, 28, 28, 1)),),
@@ -3400,9 +3377,6 @@ MATRIX = (
          lambda s: (_x(s, (4, 1)),), wrt=is_param),
     Case("linen_vmap_attention", "linen", _vmap_attention(True), _qkv, rng=jax.random.key(3),
          served=_vmap_attention(False)),
-    Case("wmt", "linen", _wmt("train"), lambda s: (_ints(s, (2, 6), 8), _ints(s + 50, (2, 6), 8)),
-         rng=jax.random.key(3), served=_wmt("eval"),
-         allow=frozenset({"dynamic_gather", "gather", "scatter"})),
 )  # fmt: skip
 
 

@@ -4,7 +4,9 @@ one-step decoder (``method=Transformer.decode``, ``mutable=["cache"]``) to a cac
 The whole translation is hybridized, exported and served; the one-step decoder (decode.py's
 ``tokens_ids_to_logits``, its params split off) exports as the refusals on the way say, and
 the beam search driven by the loaded step translates as ``predict_step`` does. Its
-Transformer's ``__call__`` runs over every feature in MATRIX (``wmt``)."""
+Transformer's ``__call__`` (two int token inputs, 0 pads masked; dropout in training, the eval
+config served) runs over every feature test_authors_matrix.py runs over MATRIX (its test
+functions, called here: about twice lm1b's time, too long for the default selection)."""
 
 import functools
 from functools import partial
@@ -13,17 +15,62 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_authors_matrix as matrix
 import wmt
-from helpers import WMT, wmt_variables
+from helpers import Case, _ints
+from test_authors_matrix import exported, loaded  # noqa: F401 - the matrix's fixtures
 
 import symjax_mlp as sm
 
 pytestmark = pytest.mark.slow
+#: train.py's config, tiny; its eval_config is config.replace(deterministic=True)
+WMT = wmt.TransformerConfig(vocab_size=8, output_vocab_size=8, emb_dim=8, num_heads=2,
+                            num_layers=1, qkv_dim=8, mlp_dim=8, max_len=16)  # fmt: skip
 MAX_DECODE_LEN, EOS_ID, BEAMS = 5, wmt.EOS_ID, 4
 CONFIG = WMT.replace(deterministic=True, decode=True)  # train.py's predict_config
 #: what a translation's artifact holds: the beam search's while loop, top_k's sort, gathers
 TRANSLATE_OPS = {"dynamic_gather", "dynamic_slice", "dynamic_update_slice", "gather",
                  "real_dynamic_slice", "sort", "while"}  # fmt: skip
+
+
+@functools.cache
+def wmt_variables():
+    """train.py's: ``jax.jit(m.init)`` of the eval model on float ones."""
+    model = wmt.Transformer(WMT.replace(deterministic=True))
+    ones = jnp.ones((2, 6), jnp.float32)
+    return jax.jit(model.init)(jax.random.key(0), ones, ones)
+
+
+def _wmt(mode: str):
+    config = WMT if mode == "train" else WMT.replace(deterministic=True)
+    return lambda: (wmt.Transformer(config), wmt_variables())
+
+
+CASES = (
+    Case("wmt", "linen", _wmt("train"), lambda s: (_ints(s, (2, 6), 8), _ints(s + 50, (2, 6), 8)),
+         rng=jax.random.key(3), served=_wmt("eval"),
+         allow=frozenset({"dynamic_gather", "gather", "scatter"})),
+)  # fmt: skip
+MODES = [(c, m) for c in CASES for m in ("train", "eval")]
+
+
+@pytest.mark.parametrize(("case", "mode"), MODES, ids=[f"{c.name}-{m}" for c, m in MODES])
+def test_compiled_equals_eager_equals_flax(case, mode):
+    matrix.test_compiled_equals_eager_equals_the_plain_framework(case, mode)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_grads_stage_and_graph(case):
+    matrix.test_grads_through_apply_equal_the_frameworks(case)
+    matrix.test_stage_and_graph_count_the_same_layers(case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_export_load_batcher_vmap_grad_and_timeit(case, exported, loaded, tmp_path, monkeypatch):  # noqa: F811
+    matrix.test_export_loads_in_jax_and_iree_as_the_source(case, exported, tmp_path, monkeypatch)
+    matrix.test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case, loaded)
+    matrix.test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, loaded)
+    matrix.test_timeit_times_the_hybrid_and_the_loaded_model(case, loaded)
 
 
 def _inputs(seed: int, rows: int = 2) -> jax.Array:
