@@ -103,12 +103,23 @@ def artifact_path(call: str, path: Any) -> Path:
     )
 
 
+def message(error: BaseException) -> str:
+    """``str(error)``, or that its ``__str__`` raised: a model's error, read to say what it
+    means, is raised as it is, never replaced by the one its message raised."""
+    try:
+        return str(error)
+    except Exception as failed:
+        return f"(its message could not be read: its __str__ raised {type(failed).__name__})"
+
+
 def unbound_axis(error: BaseException) -> str | None:
     """The axis name a collective reduced over that no transform binds (a
     ``BatchNorm(axis_name=...)`` outside ``jax.pmap``): read from JAX's ``NameError``, which
     says ``unbound axis name: batch``; ``None`` for any other error."""
-    found = re.search(r"unbound axis name: ([^\s.]+)", str(error))
-    return found[1] if isinstance(error, NameError) and found else None
+    if not isinstance(error, NameError):
+        return None
+    found = re.search(r"unbound axis name: ([^\s.]+)", message(error))
+    return found[1] if found else None
 
 
 _UNBOUND = (
@@ -164,8 +175,9 @@ def refuse_two_devices(name: str, error: BaseException) -> None:
     """Raises the :class:`ConfigError` for JAX's ``ValueError`` on arrays committed to different
     devices ('Received incompatible devices for jitted computation'), not after it (``from
     None``); returns for any other error."""
-    found = re.findall(r"device ids \[([\d, ]+)\] on platform (\w+)", str(error))
-    if isinstance(error, SymjaxError) or "incompatible devices" not in str(error) or not found[1:]:
+    text = message(error)
+    found = re.findall(r"device ids \[([\d, ]+)\] on platform (\w+)", text)
+    if isinstance(error, SymjaxError) or "incompatible devices" not in text or not found[1:]:
         return
     (a, platform), (b, _) = found[:2]
     raise ConfigError(_TWO_DEVICES.format(name=name, a=a, b=b, platform=platform.lower())) from None

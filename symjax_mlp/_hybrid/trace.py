@@ -20,6 +20,7 @@ from symjax_mlp._errors import (
     RetraceError,
     SignatureError,
     SymjaxError,
+    message,
     refuse_two_devices,
 )
 from symjax_mlp._hybrid.args import NOT_AN_INPUT, NOT_AN_INPUT_FIX, path_of, rebuild
@@ -100,7 +101,7 @@ def _input_specs(args: Any, kwargs: Any) -> list[TensorSpec]:
 def unfit_input(name: str, error: Exception, args: Any, kwargs: Any) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for flax's ``ScopeParamShapeError``: the
     inputs (by path, shape, dtype) that do not fit a param's shape; ``None`` if unparsed."""
-    if (found := _SCOPE_PARAM_SHAPE.search(str(error))) is None:
+    if (found := _SCOPE_PARAM_SHAPE.search(message(error))) is None:
         return None
     param, scope, want, have = found.groups()
     inputs = ", ".join(map(str, _input_specs(args, kwargs))) or "none"
@@ -153,7 +154,7 @@ def unfit_call(
     or ``None``."""
     if (unbound := unbindable(name, target, args, kwargs)) is not None:
         return unbound
-    if (found := _PRODUCT.search(str(error))) is None:
+    if (found := _PRODUCT.search(message(error))) is None:
         return None
     specs = _input_specs(args, kwargs)  # x @ w (flax); w @ x (equinox's Linear): axis -1
     for got, want, axis in ((found[1], found[2], 0), (found[2], found[1], -1)):
@@ -213,11 +214,11 @@ def symbolic(name: str) -> Iterator[None]:
         refuse_two_devices(name, e)  # jit's ValueError
         if isinstance(e, SymjaxError) or not isinstance(e, IndexError | TypeError):
             raise
-        if kind := _UNTRACEABLE.search(str(e)):
+        if kind := _UNTRACEABLE.search(message(e)):
             at, what = "an input (or a leaf of a tuple/dict input)", f"of type {kind[1]}"
             error = NOT_AN_INPUT.format(caller=name, path=at, what=what, fix=NOT_AN_INPUT_FIX)
             raise ConfigError(error) from None
-        if not any(t in str(e) for t in ("Tracer(", "Traced<")):
+        if not any(t in message(e) for t in ("Tracer(", "Traced<")):
             raise
         raise control_flow_error(name, e) from e
 
