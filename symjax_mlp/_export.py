@@ -33,7 +33,7 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._artifact.reading import Artifact, freeze, mlir_arguments
 from symjax_mlp._artifact.signature import Signature, admits_any
 from symjax_mlp._artifact.weights import encode
-from symjax_mlp._errors import ArtifactError, ConfigError, as_bool, as_int
+from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_bool, as_int
 from symjax_mlp._export_entry import Stage, export_program, stage
 from symjax_mlp._export_options import check_options
 from symjax_mlp._files import sha256, write_dir
@@ -302,9 +302,11 @@ def _self_test_vectors(
         # vectors are drawn at the example's shapes, which the constraints admit (if small);
         # the example's may break one too: then no comparison. Run again with what the
         # program takes: a model that raises there raises as it did.
-        at = at if at is not None and _runs(exported.call, params, at) else None
+        at = at if at is not None and _refusal(exported.call, params, at) is None else None
         small = at is not None and sum(x.nbytes for x in at) <= selftest.MAX_INPUT_BYTES
-        xs = xs if _runs(exported.call, params, xs) else at if small else None
+        if (refused := _refusal(exported.call, params, xs)) is not None:
+            _claims_more(entry.h.name, signature, xs, refused)
+        xs = xs if refused is None else at if small else None
         if xs is None and at is None:
             return None
         outs, both = jax.jit(programs)(params, at if xs is None else xs, at)
@@ -328,12 +330,36 @@ def _drawn(specs: Any, seed: int = 0) -> list[np.ndarray] | None:
     return None if sum(sizes) > _DRAWN_BYTES else selftest.inputs(specs, seed=seed)
 
 
-def _runs(call: Any, params: Any, xs: Any) -> bool:
+def _refusal(call: Any, params: Any, xs: Any) -> Exception | None:
     try:
         jax.jit(call)(params, *xs)
-    except (ValueError, TypeError):
-        return False
-    return True
+    except (ValueError, TypeError) as e:
+        return e
+    return None
+
+
+_CLAIMS_MORE = (
+    "export({name}): the exported program's signature, {signature}, admits {shapes} (each "
+    "symbolic dimension {n}), and the program refuses them ({error}). The model fixes a size "
+    "its signature leaves open: a reshape to the example's rows, a vmap of a fixed axis_size. "
+    "Make it take any size (x.reshape(-1, ...)), or pass batch=None (or shapes= with a "
+    "constraint) to export what it takes."
+)
+
+
+def _claims_more(name: str, signature: Signature, xs: list[Any], refused: Exception) -> None:
+    """Raises a ``SignatureError`` where ``signature`` admits the drawn ``xs`` that the
+    program refused: the artifact would claim calls it cannot run."""
+    try:
+        signature.check(xs, caller=f"export({name})")
+    except SignatureError:
+        return  # a constraint refuses them: the signature says so itself
+    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in xs)
+    error = str(refused).splitlines()[0][:300] if str(refused) else type(refused).__name__
+    raise SignatureError(
+        _CLAIMS_MORE.format(name=name, signature=signature, shapes=shapes, n=selftest.BATCH,
+                            error=error)
+    ) from None  # fmt: skip
 
 
 def _versions() -> dict[str, str]:

@@ -20,6 +20,13 @@ _ONE_EXAMPLE = (
     "If the model takes one example, as every eqx.nn layer does, export a batched model, e.g. "
     "sm.hybridize(eqx.filter_vmap(model)) (jax.vmap for a function){static}{shared}."
 )
+_FIXED = (
+    "Either the example is one example of the model, as eqx.nn layers take one (export "
+    "sm.hybridize(eqx.filter_vmap(model)), jax.vmap for a function), or the model fixes its "
+    "batch size to {lead} rows, a reshape or a vmap of axis_size={lead} (make it take any "
+    "number: x.reshape(-1, ...), no axis_size). Or pass batch=None to export the example's "
+    "static shapes."
+)
 _ENSEMBLE = (
     "Every param's leading dimension is the example's {lead} rows ({path}: {shape}): a model "
     "that maps its inputs' leading axis over its params' (an ensemble's members: eqx.filter_vmap "
@@ -60,8 +67,8 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
                                 error=first)
         ) from None  # fmt: skip
     rows = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in examples]  # one example
-    static = _traces(jitted, p_structs, examples)
-    if not (static or _traces(jitted, p_structs, rows)):
+    static, one = _traces(jitted, p_structs, examples), _traces(jitted, p_structs, rows)
+    if not (static or one):
         raise error  # not the batch's doing: the model's own error
     types = [TensorSpec(f"args[{i}]", shape_dims(x.shape), str(x.dtype)).type
              for i, x in enumerate(stage.in_specs)]  # fmt: skip
@@ -73,6 +80,8 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
     if static and members and len(members) == len(p_structs):
         path, shape = next(iter(members.items()))
         raise SignatureError(head + _ENSEMBLE.format(lead=lead[0], path=path, shape=shape))
+    if static and not one:
+        raise SignatureError(head + _FIXED.format(lead=lead[0])) from None
     spec = f"{batch}, {', '.join(map(str, examples[0].shape[1:]))}".strip(", ")
     specs = ", ".join([repr(spec)] + ["None"] * (len(examples) - 1))
     raise SignatureError(

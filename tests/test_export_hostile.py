@@ -156,6 +156,36 @@ def test_a_model_that_branches_on_the_batch_size_is_refused_not_exported_wrong(t
     np.testing.assert_array_equal(sm.load(art.path)(x), h(x))
 
 
+def test_a_model_that_fixes_its_batch_size_is_refused_not_exported_claiming_any(tmp_path):
+    """A reshape to the example's 4 rows traced at the symbolic batch: the artifact said
+    float32[b, 6] with b >= 1 and ran only at b = 4 (at 2 rows, a load-time error saying
+    "Export the model again"; a Batcher's buckets failed at warm-up)."""
+
+    def fixed(p, x):
+        return (x.reshape(4, 2, 3) * p["s"]).sum(1)
+
+    h, x = sm.hybridize(fixed, {"s": 2.0}), jnp.ones((4, 6))
+    with pytest.raises(sm.SignatureError, match=r"export\(fixed\): the exported program's "
+                       r"signature, \(args\[0\]: float32\[b, 6\]\).*admits float32\[2, 6\].*"
+                       r"refuses them.*batch=None"):  # fmt: skip
+        sm.export(h, tmp_path / "a", example=x)
+    assert list(tmp_path.iterdir()) == []
+    art = sm.export(h, tmp_path / "a", example=x, batch=None)  # the fix it names
+    np.testing.assert_array_equal(sm.load(art.path)(x), h(x))
+
+
+def test_a_vmap_of_a_fixed_size_is_refused_naming_both_readings_of_its_example(tmp_path):
+    """The trace fails at the symbolic batch and at one row: the refusal offered only the
+    one-example reading (eqx.filter_vmap), for a model that fixes its batch instead."""
+
+    def vm(p, x):
+        return jax.vmap(lambda r: r * p["s"], axis_size=4)(x)
+
+    with pytest.raises(sm.SignatureError, match=r"filter_vmap.*fixes its batch size to 4 "
+                       r"rows, a reshape or a vmap of axis_size=4.*batch=None"):  # fmt: skip
+        sm.export(sm.hybridize(vm, {"s": 2.0}), tmp_path / "a", example=jnp.ones((4, 6)))
+
+
 def test_a_model_that_raises_at_its_examples_shapes_is_not_exported_unchecked(tmp_path):
     """It traces with a symbolic batch and raises at the example's concrete one: the check
     against the model was skipped (any ValueError there was taken for the artifact's
