@@ -1047,10 +1047,17 @@ def test_create_app_refuses_a_metrics_prefix_prometheus_cannot_read():
         sm.serving.create_app(b, close_batcher=False, prefix="my_model:v2")
 
 
-@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+class _Fatal(BaseException):
+    """A BaseException of the user's own."""
+
+
+@pytest.mark.parametrize(
+    "kind", [KeyboardInterrupt, SystemExit, GeneratorExit, StopIteration, _Fatal]
+)
 def test_a_model_raising_a_base_exception_is_the_json_500_and_counted(kind):
     """The batcher hands SystemExit and KeyboardInterrupt to the request, as any error; the
-    app let them through to uvicorn: a text/plain 500, a traceback, no count on /metrics."""
+    app let them through to uvicorn: a text/plain 500, a traceback, no count on /metrics.
+    GeneratorExit, StopIteration and a BaseException of the user's own: the same."""
 
     def model(x):
         if (x[:, 0] == 7).any():

@@ -7,6 +7,7 @@ or exit, never swallowed or wrapped; an error whose ``__str__`` raises is still 
 library reads messages to explain JAX's errors, and the error its ``__str__`` raised replaced
 the model's); a 10 MB message and a cyclic ``__cause__`` pass through as they are. A Batcher
 hands the error to the request and serves the next ones; train() leaves only whole checkpoints.
+``symjax-mlp serve`` (HTTP): tests/test_http_hostile.py (a 500 each, the next request a 200).
 """
 
 from __future__ import annotations
