@@ -29,6 +29,7 @@ STAGES = (
     "symjax_mlp._models",
     "symjax_mlp._hybrid.settings",
     "symjax_mlp._hybrid.args",
+    "symjax_mlp._hybrid.params",
     "symjax_mlp._hybrid.trace",
     "symjax_mlp._hybrid.mesh",
     "symjax_mlp._hybrid.jaxpr",

@@ -131,7 +131,7 @@ def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> 
             if all(map(eqx.is_array, jax.tree.leaves(leaf))):
                 continue
             raise ConfigError(_EQX_INPUT.format(caller=caller, path=at, kind=type(leaf).__name__))
-        if is_own(leaf) or not _traceable(leaf):
+        if is_own(leaf) or not traceable(leaf):
             if not is_own(leaf) and (error := foreign_array(caller, at, leaf)):  # torch's
                 raise error
             what, fix = f"of type {type(leaf).__name__}", NOT_AN_INPUT_FIX
@@ -173,78 +173,7 @@ def quoted(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"[:200]
 
 
-_PARAM_LEAF = (
-    "{name}: params{path} is a {kind}, which a compiled call cannot pass to the model (params "
-    "are arrays or numbers, traced). Keep a setting out of the params: close over it "
-    "(lambda p, x: f(p, x, setting)) or pass it in the call (h(x, setting)); or bake the params "
-    "into the program: hybridize(..., params_as_constants=True)."
-)
-
-
-_PARAM_INT = (
-    "{name}: params{path} is the Python int {value}, past {dtype}'s range [{low}, {high}], "
-    "{how}. Pass it as a float, float(...), if it is a number to compute with."
-)
-_PASSED_INT = "which a compiled call passes a Python int as (JAX's weak type)"
-_BAKED_INT = (
-    "which JAX could not make an array of where the model computed with it ({error}); baked "
-    "in (params_as_constants=True), such an int serves only the model's Python arithmetic"
-)
-
-
-def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any]:
-    """``jax.tree.flatten(params)``; if ``passed`` (not baked), a leaf jit cannot take refused."""
-    paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=unwalkable)
-    for path, leaf in paths if passed else ():
-        where, kind = jax.tree_util.keystr(path), type(leaf).__name__
-        if not _traceable(leaf):
-            raise ConfigError(_PARAM_LEAF.format(name=name, path=where, kind=kind))
-        if error := _past_int(name, where, leaf) or unfit_array(name, f"params{where}", leaf):
-            raise error  # jit's raw OverflowError; big-endian weights (a file's)
-    return [leaf for _, leaf in paths], treedef
-
-
-def check_given(caller: str, params: Any) -> None:
-    """:func:`flat_params`' refusals of params given to a call (``h.apply``), made where a leaf
-    is no JAX array (NumPy's: big-endian?) or JAX's walk raised: an iterator leaf's
-    DeprecationWarning under ``-W error`` (an error in a later JAX). One walk, no ``is_leaf``
-    (a callback per node: 1-5 us a call), so a shown warning may come first."""
-    try:
-        leaves = jax.tree.leaves(params)
-    except Exception as e:  # (refused below, out of the except: no warning chained to it)
-        walk_error = e
-    else:
-        if all(map(JAX_ARRAYS.__contains__, map(type, leaves))):
-            return
-        walk_error = None
-    flat_params(caller, params, passed=True)
-    if walk_error is not None:  # nothing to refuse: JAX's own error
-        raise walk_error
-
-
-def overflowing(name: str, params: Any, error: Exception) -> ConfigError | None:
-    """If the model raised an ``OverflowError``: a baked Python int among ``params`` past JAX's
-    int, refused by path (baked, one may serve the model's Python arithmetic: not refused when
-    made; passed, :func:`flat_params` refused it)."""
-    if not isinstance(error, OverflowError):
-        return None
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=unwalkable)[0]:
-        if refusal := _past_int(name, jax.tree_util.keystr(path), leaf, error):
-            return refusal
-    return None
-
-
-def _past_int(name: str, where: str, leaf: Any, error: Exception | None = None):
-    """The :class:`ConfigError` for a Python int past JAX's int (2**70; 2**40 without x64)."""
-    info = np.iinfo(jax.dtypes.canonicalize_dtype(np.int64)) if type(leaf) is int else None
-    if info is None or info.min <= leaf <= info.max:
-        return None
-    how = _PASSED_INT if error is None else _BAKED_INT.format(error=quoted(error))
-    fields = {"dtype": info.dtype, "low": info.min, "high": info.max, "value": leaf}
-    return ConfigError(_PARAM_INT.format(name=name, path=where, how=how, **fields))
-
-
-def _traceable(leaf: Any) -> bool:
+def traceable(leaf: Any) -> bool:
     """What jit traces: a JAX or NumPy array (or its spec), a number, a ``__jax_array__``."""
     return isinstance(leaf, _TRACEABLE) or hasattr(leaf, "__jax_array__")
 

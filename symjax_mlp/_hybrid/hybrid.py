@@ -18,6 +18,7 @@ from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import pure as _pure
 from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY, partition
+from symjax_mlp._hybrid.params import check_given, flat_params
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
 from symjax_mlp._hybrid.settings import check_settings, static_args
 from symjax_mlp._hybrid.staged import Staged
@@ -83,7 +84,7 @@ class Hybrid(Staged, NoPickle):
         nums, names = static_args(inputs, name, static_argnums, static_argnames)
         over = _mesh.DataParallel.over  # a mesh refuses params_as_constants
         parallel = None if mesh is None else over(name, mesh, axis, pad, params_as_constants)
-        leaves, treedef = _args.flat_params(name, params, passed=not params_as_constants)
+        leaves, treedef = flat_params(name, params, passed=not params_as_constants)
         # a donating call consumes the held state: never the caller's buffers nor another's
         owned = donate and model.stateful and mesh is None
         held = HeldState(name, {} if state is None else state, own=owned)
@@ -338,7 +339,7 @@ class Hybrid(Staged, NoPickle):
         """``(out, new_state)`` of the compiled pure function; nnx objects given written back."""
         static, dyn, dyn_kw = self._partition(args, kwargs, caller)
         variables = given(dyn, dyn_kw, caller)
-        _args.check_given(caller, params)  # (jit: a big-endian array's [0., 0.])
+        check_given(caller, params)  # (jit: a big-endian array's [0., 0.])
         if self._apply is None:  # never donating: params and state are the caller's
             apply = functools.partial(self._traced.run, entry="apply")
             self._set(_apply=self._jit(apply, static_argnums=0))

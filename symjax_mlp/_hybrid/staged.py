@@ -9,8 +9,8 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._hybrid.args import flat_params
 from symjax_mlp._hybrid.graph import Graph
+from symjax_mlp._hybrid.params import flat_params
 from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
 
 

@@ -25,9 +25,10 @@ from symjax_mlp._errors import (
     unbound_axis,
     unbound_axis_error,
 )
-from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, not_data, overflowing, rebuild
+from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, not_data, rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
+from symjax_mlp._hybrid.params import overflowing
 from symjax_mlp._hybrid.pure import (
     PureModel,
     is_key,

@@ -1,0 +1,92 @@
+"""A Hybrid's params as a compiled call passes them: their leaves refused by path where jit
+cannot take one (an equinox module given whole, a setting, a Python int past JAX's int)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid.args import JAX_ARRAYS, equinox_modules, quoted, traceable, unwalkable
+from symjax_mlp._specs import unfit_array
+
+_PARAM_LEAF = (
+    "{name}: params{path} is a {kind}, which a compiled call cannot pass to the model (params "
+    "are arrays or numbers, traced). Keep a setting out of the params: close over it "
+    "(lambda p, x: f(p, x, setting)) or pass it in the call (h(x, setting)); or bake the params "
+    "into the program: hybridize(..., params_as_constants=True)."
+)
+
+_EQX_PARAM_LEAF = (
+    "{name}: params{path} is a {kind}, which a compiled call cannot pass to the model (params "
+    "are arrays or numbers, traced): the params hold the whole equinox {module}, its functions "
+    "and placeholders (eqx.nn.Shared's SharedNode) with its arrays. A Hybrid takes its float "
+    "arrays, shaped as h.params: pass eqx.filter(model, eqx.is_inexact_array)."
+)
+
+_PARAM_INT = (
+    "{name}: params{path} is the Python int {value}, past {dtype}'s range [{low}, {high}], "
+    "{how}. Pass it as a float, float(...), if it is a number to compute with."
+)
+_PASSED_INT = "which a compiled call passes a Python int as (JAX's weak type)"
+_BAKED_INT = (
+    "which JAX could not make an array of where the model computed with it ({error}); baked "
+    "in (params_as_constants=True), such an int serves only the model's Python arithmetic"
+)
+
+
+def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any]:
+    """``jax.tree.flatten(params)``; if ``passed`` (not baked), a leaf jit cannot take refused."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=unwalkable)
+    for path, leaf in paths if passed else ():
+        where, kind = jax.tree_util.keystr(path), type(leaf).__name__
+        if not traceable(leaf):
+            modules = equinox_modules(params)  # given whole: hybridize(model) had split it
+            message = _EQX_PARAM_LEAF if modules else _PARAM_LEAF
+            module = type(modules[0]).__name__ if modules else None
+            raise ConfigError(message.format(name=name, path=where, kind=kind, module=module))
+        if error := _past_int(name, where, leaf) or unfit_array(name, f"params{where}", leaf):
+            raise error  # jit's raw OverflowError; big-endian weights (a file's)
+    return [leaf for _, leaf in paths], treedef
+
+
+def check_given(caller: str, params: Any) -> None:
+    """:func:`flat_params`' refusals of params given to a call (``h.apply``), made where a leaf
+    is no JAX array (NumPy's: big-endian?) or JAX's walk raised: an iterator leaf's
+    DeprecationWarning under ``-W error`` (an error in a later JAX). One walk, no ``is_leaf``
+    (a callback per node: 1-5 us a call), so a shown warning may come first."""
+    try:
+        leaves = jax.tree.leaves(params)
+    except Exception as e:  # (refused below, out of the except: no warning chained to it)
+        walk_error = e
+    else:
+        if all(map(JAX_ARRAYS.__contains__, map(type, leaves))):
+            return
+        walk_error = None
+    flat_params(caller, params, passed=True)
+    if walk_error is not None:  # nothing to refuse: JAX's own error
+        raise walk_error
+
+
+def overflowing(name: str, params: Any, error: Exception) -> ConfigError | None:
+    """If the model raised an ``OverflowError``: a baked Python int among ``params`` past JAX's
+    int, refused by path (baked, one may serve the model's Python arithmetic: not refused when
+    made; passed, :func:`flat_params` refused it)."""
+    if not isinstance(error, OverflowError):
+        return None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=unwalkable)[0]:
+        if refusal := _past_int(name, jax.tree_util.keystr(path), leaf, error):
+            return refusal
+    return None
+
+
+def _past_int(name: str, where: str, leaf: Any, error: Exception | None = None):
+    """The :class:`ConfigError` for a Python int past JAX's int (2**70; 2**40 without x64)."""
+    info = np.iinfo(jax.dtypes.canonicalize_dtype(np.int64)) if type(leaf) is int else None
+    if info is None or info.min <= leaf <= info.max:
+        return None
+    how = _PASSED_INT if error is None else _BAKED_INT.format(error=quoted(error))
+    fields = {"dtype": info.dtype, "low": info.min, "high": info.max, "value": leaf}
+    return ConfigError(_PARAM_INT.format(name=name, path=where, how=how, **fields))
