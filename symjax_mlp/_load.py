@@ -119,6 +119,7 @@ def load(
         )
     allowed = ops.normalize_allow(allow, f"{call}, ")
     tree = isinstance(params, Mapping | list | tuple) or hasattr(params, "shape")
+    tree = tree or jax.tree.structure(params).num_nodes > 1  # a pytree node: an equinox module
     if not (params is None or tree or isinstance(params, str | os.PathLike)):
         kind = type(params).__name__  # else a mismatch: "extra: params: int32[]"
         raise ConfigError(
