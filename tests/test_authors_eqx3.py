@@ -216,7 +216,8 @@ def test_a_tied_weight_is_one_param_trained_exported_and_loaded_as_one(tmp_path)
     """The embedding and unembedding share one array: one leaf of h.params, its grads summed
     over both uses (equinox's), one tensor in params.safetensors; the trained params given to
     ``sm.load(params=h.params)``, which refused an equinox model's params as 'a _VmapWrapper'
-    though its message names h.params as what it takes."""
+    though its message names h.params as what it takes; the model whole refused naming them
+    (it said to cast its SharedNode 'object' to a dtype)."""
     case = CASES[0]
     h, (x,) = case.hybridize(), case.inputs(0)
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(h.params)]
@@ -236,6 +237,9 @@ def test_a_tied_weight_is_one_param_trained_exported_and_loaded_as_one(tmp_path)
     assert {k: v.shape for k, v in tensors.items()} == {
         "_fun/shared/pytree/0/weight": (16, 8), "_fun/shared/pytree/1/bias": (16,)
     }  # fmt: skip
+    with pytest.raises(sm.ArtifactError, match=r"pytree/1/weight is a SharedNode, not an array.*"
+                       r"eqx\.filter\(model, eqx\.is_inexact_array\)"):  # fmt: skip
+        sm.load(tmp_path / "m", params=model, allow=case.allow)  # it said: cast the object
     m = sm.load(tmp_path / "m", params=trained.params, allow=case.allow)
     chex.assert_trees_all_close(m(np.asarray(x)), model(x), **TOL)
     tokens, labels = np.asarray(x), np.arange(2)

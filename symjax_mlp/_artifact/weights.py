@@ -91,6 +91,12 @@ def _param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
             )
         path = "/".join(parts) or "params"  # a single array as the params: one tensor
         arr = np.asarray(leaf)
+        if arr.dtype.kind in "OUSV" and not hasattr(leaf, "dtype"):  # a function, str, object
+            raise ArtifactError(
+                f"param {path} is a {type(leaf).__name__}, not an array: params are a tree of "
+                "arrays, as h.params holds them (of an equinox model, its float arrays: "
+                "eqx.filter(model, eqx.is_inexact_array)). Pass that tree."
+            )
         if arr.flags.writeable or arr.base is None or isinstance(arr.base, np.ndarray):
             arr = arr.copy()  # NumPy's, not JAX's buffer: the caller may still change it
         if (to := jax.dtypes.canonicalize_dtype(arr.dtype)) != arr.dtype:  # x64 off: 32 bits
