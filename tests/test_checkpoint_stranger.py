@@ -143,6 +143,25 @@ def test_an_orbax_step_whose_files_lead_out_block_or_bloat_is_refused_before_rea
     assert "Resume from an older checkpoint" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[" * 10**5 + "]" * 10**5, "_CHECKPOINT_METADATA is not a JSON object"),
+        ("[1, 2]", "_CHECKPOINT_METADATA is not a JSON object"),
+        ('{"item_handlers": 5}', r"Orbax cannot read its steps' metadata \(ValueError"),
+    ],
+    ids=["nested", "a list", "a field of another type"],
+)
+def test_an_orbax_steps_own_metadata_edited_is_a_checkpoint_error(copy, text, says):
+    """Orbax's CheckpointManager reads each step's _CHECKPOINT_METADATA as it starts: train()
+    raised its RecursionError or ValueError, naming no checkpoint."""
+    path, _ = copy
+    (path / "_CHECKPOINT_METADATA").write_text(text)
+    with pytest.raises(sm.CheckpointError, match=says) as e:
+        _restore(path)
+    assert str(path.parent) in str(e.value) and "remove" in str(e.value).lower()
+
+
 def test_an_orbax_step_of_more_files_than_a_save_writes_is_refused(copy, monkeypatch):
     path, _ = copy
     monkeypatch.setattr(_orbax, "_MAX_ENTRIES", 12)

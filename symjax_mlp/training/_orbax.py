@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
+import json
 import math
 import os
 import stat
@@ -25,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from symjax_mlp._errors import CheckpointError
 from symjax_mlp.training._checkpoint import broken, check_manifest
-from symjax_mlp.training._paths import checkpoints, entries
+from symjax_mlp.training._paths import COMMITTED, checkpoints, entries
 from symjax_mlp.training._state import TrainState, check_fit, named_leaves, specs, state_of
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
@@ -125,6 +127,13 @@ def check_files(path: Path) -> None:
         else:
             what = "neither a file nor a directory (a FIFO, socket or device)"
         raise broken(path, f"{entry} is {what}")
+    if (marker := path / COMMITTED).is_file():  # regular and bounded, now: Orbax parses it
+        try:
+            ok = isinstance(json.loads(marker.read_bytes()), dict)
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion
+            ok = False
+        if not ok:
+            raise broken(path, f"{marker} is not a JSON object, as Orbax writes it")
 
 
 class OrbaxCheckpoints:
@@ -172,9 +181,16 @@ class OrbaxCheckpoints:
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         for args in (ocp.args.PyTreeSave, ocp.args.PyTreeRestore):
             registry.add("state", args, handler)
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=options, handler_registry=registry
-        )
+        try:  # it reads every step's _CHECKPOINT_METADATA, each a JSON object (check_files)
+            self.manager = ocp.CheckpointManager(
+                self.directory, options=options, handler_registry=registry
+            )
+        except Exception as e:  # a field of the wrong type: Orbax's ValueError
+            raise CheckpointError(
+                f"{self.directory}: Orbax cannot read its steps' metadata ({type(e).__name__}: "
+                f"{str(e)[:200]}): a step's {COMMITTED} was edited or corrupted. Remove that "
+                "step's directory (a resume picks the newest left), or use another directory."
+            ) from None
         self.waits: list[float] = []  # how long each save held up the steps
         self.superseded: list[int] = []  # the steps of saves not written: one was committing
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "symjax_mlp-save")

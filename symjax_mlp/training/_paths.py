@@ -14,7 +14,7 @@ from symjax_mlp._files import MANIFEST
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more past step 99,999,999
 _ORBAX_DIR = re.compile(r"^(\d+)$")
-_COMMITTED = "_CHECKPOINT_METADATA"  # what Orbax writes last, committing a save
+COMMITTED = "_CHECKPOINT_METADATA"  # what Orbax writes last, committing a save
 
 
 def check_path(path: Any, caller: str) -> None:
@@ -102,7 +102,7 @@ def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path, bool]
             "Pass a checkpoint directory this user may read."
         ) from None
     found = sorted((int(m.group(1)), directory / n) for n in listed if (m := pattern.match(n)))
-    marked = (lambda p: (p / _COMMITTED).exists()) if orbax else (lambda p: True)
+    marked = (lambda p: (p / COMMITTED).exists()) if orbax else (lambda p: True)
     return [
         (step, p, p.name == step_name(step, orbax) and p.is_dir() and not p.is_symlink()
          and marked(p))
@@ -142,7 +142,7 @@ def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False)
                 "a symlink" if p.is_symlink() else "a file" if not p.is_dir()
                 else f"a directory whose name no save writes (step {step}'s is "
                 f"{step_name(step, orbax)})" if p.name != step_name(step, orbax)
-                else f"a directory without {_COMMITTED} (an Orbax save never committed)"
+                else f"a directory without {COMMITTED} (an Orbax save never committed)"
             )  # fmt: skip
             raise CheckpointError(
                 f"{caller}: {p} is {kind}, not a checkpoint directory, but is named like a step "
