@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._errors import SignatureError, SymjaxError
+from symjax_mlp._errors import SignatureError, SymjaxError, message
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._specs import TensorSpec, shape_dims
 
@@ -59,7 +59,8 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
         if isinstance(e, (SymjaxError, *TRACER_ERRORS)) or not symbolic:
             raise
         error = e
-    first = str(error).splitlines()[0].rstrip(".")
+    lines = message(error).splitlines()  # ValueError() has none; its __str__ may raise
+    first = lines[0].rstrip(".") if lines else type(error).__name__
     if any(shared):  # e.g. x (4, 3) and w (3,): w is no batch of 4 rows
         rows = {f"args[{i}]": x.shape[0] if x.shape else None for i, x in enumerate(examples)}
         raise SignatureError(
