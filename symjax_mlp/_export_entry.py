@@ -21,6 +21,7 @@ from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent, walk
 from symjax_mlp._hybrid.mesh import constrained
+from symjax_mlp._hybrid.params import refuse_donated
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, unbindable
 from symjax_mlp._specs import (
@@ -89,6 +90,7 @@ def stage(
     shapes: Sequence[str | None] | None, constraints: Sequence[str],
 ) -> Stage:  # fmt: skip
     """``h`` ready for ``jax.export``: checked, its inputs as structs, its params as stored."""
+    refuse_donated(f"export({h.name})", h.params)  # (a bare RuntimeError from JAX)
     given = tuple(example) if isinstance(example, (tuple, list)) else (example,)
     kw = dict(kwargs or {})
     static, examples, array_kwargs = partition(

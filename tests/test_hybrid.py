@@ -345,11 +345,11 @@ def test_stages_are_exposed(chapter):
 
 def test_compile_partitions_its_arguments_once_and_is_refused_as_compile(monkeypatch):
     # h.compile(x) partitioned (walked, checked) its arguments twice: as compile, then as lower
-    from symjax_mlp._hybrid import args, hybrid
+    from symjax_mlp._hybrid import args, staged
 
     calls = []
     monkeypatch.setattr(
-        hybrid, "partition", lambda *a, **k: calls.append(a) or args.partition(*a, **k)
+        staged, "partition", lambda *a, **k: calls.append(a) or args.partition(*a, **k)
     )
     h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
     assert "multiply" in h.compile(jnp.ones(3)).as_text() and len(calls) == 1

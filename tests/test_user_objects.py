@@ -570,3 +570,24 @@ def test_verify_takes_a_tolerance_of_any_real_number_type(tmp_path):
     art = sm.export(h, tmp_path / "m", example=np.ones((1, 3), np.float32))
     report = sm.verify(art.path, h, rtol=fractions.Fraction(1, 10**5), batches=(1,))
     assert report.ok and type(report.rtol) is float and report.rtol == 1e-5
+
+
+@pytest.mark.parametrize("where", ["one device", "eight devices"])
+def test_params_a_donating_jit_deleted_are_named_not_a_crash(where, tmp_path):
+    """Equinox's and JAX's own training steps donate the model (filter_jit(donate="all"),
+    donate_argnums=0). Given the arrays a Hybrid holds, h(x) of params on eight devices killed
+    the process (SIGSEGV in jaxlib); on one, JAX's raw ValueError; h.eager and export a bare
+    RuntimeError."""
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    if where == "eight devices":
+        mesh = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+        params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.P()))
+    h, x = sm.hybridize(lambda p, x: x @ p["w"] + p["b"], params), np.ones((2, 4), np.float32)
+    want = h(x)
+    jax.jit(lambda p: jax.tree.map(lambda a: a + 1, p), donate_argnums=0)(params)
+    says = r"params\['b'\] \(and 1 more\) were deleted: a jit that donates .*h.replace\(params="
+    for run in (h, h.eager, lambda x: sm.export(h, tmp_path / "a", example=x)):
+        with pytest.raises(sm.ConfigError, match=says):
+            run(x)
+    again = h.replace(params={"w": jnp.ones((4, 3)), "b": jnp.zeros(3)})  # the fix it names
+    np.testing.assert_array_equal(again(x), want)

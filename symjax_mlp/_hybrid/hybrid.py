@@ -17,8 +17,8 @@ from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import pure as _pure
 from symjax_mlp._hybrid import trace as _trace
-from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY, partition
-from symjax_mlp._hybrid.params import check_given, flat_params
+from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY
+from symjax_mlp._hybrid.params import check_given, flat_params, refuse_donated, several_devices
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
 from symjax_mlp._hybrid.settings import check_settings, static_args
 from symjax_mlp._hybrid.staged import Staged
@@ -97,6 +97,7 @@ class Hybrid(Staged, NoPickle):
             options, leaves = parallel.jit(trace, model.stateful), parallel.replicate(leaves)
             if model.stateful:
                 held.hold(parallel.replicate(held.leaves))
+        spans = parallel is not None or several_devices(leaves)
         self._set(
             fn=model.inference(name), name=name, max_traces=max_traces, compiled=compiled,
             axis=axis, pad=pad, static_argnums=nums, static_argnames=names, donate=donate,
@@ -106,8 +107,8 @@ class Hybrid(Staged, NoPickle):
             __signature__=None if inputs is None else inspect.Signature(inputs),
             _model=model, _given=params, _treedef=treedef, _held=held, _log=log, _apply=None,
             _modes=None if model.settings is None else ModuleModes(model), _traced=traced,
-            _parallel=parallel, _leaves=() if baked else leaves,
-            _fast=compiled and not nums and parallel is None,
+            _parallel=parallel, _leaves=() if baked else leaves, _spans=spans,
+            _fast=compiled and not nums and not spans,
         )  # fmt: skip
         self._set(_jitted=self._jit(options.pop("fun"), static_argnums=0, **options))
 
@@ -232,7 +233,7 @@ class Hybrid(Staged, NoPickle):
                 except _pure.StateAdded as e:
                     return self._stateful(e)(*args)
                 except (TypeError, ValueError) as e:  # jit's: an array of str, two devices
-                    self._partition(args, {}, self.name)  # (refuses an array of str)
+                    self._partition(args, {}, self.name, failed=True)  # (an array of str)
                     refuse_two_devices(self.name, e)
                     raise
         if not self.compiled:
@@ -279,6 +280,7 @@ class Hybrid(Staged, NoPickle):
         """Runs the model op by op, its Python and the ``on_trace`` callbacks on every call; a
         stateful model's state is carried as in compiled calls."""
         _args.refuse_abstract(f"{self.name}.eager", self.name, args, kwargs)
+        refuse_donated(f"{self.name}.eager", self.params)
         self._log.run_callbacks(args, kwargs)
         with self._held.lock, one_device(f"{self.name}.eager"):  # else JAX's, naming an op
             try:
@@ -385,13 +387,6 @@ class Hybrid(Staged, NoPickle):
         inputs already traced, from any thread."""
         self._log.add(callback)
         return callback
-
-    def _partition(self, args: Any, kwargs: Any, caller: str) -> tuple:
-        """The call's static key (with the module's settings), traced args, kwargs."""
-        self._model.refuse_keywords(caller, kwargs)  # linen's h(x, method=...)
-        nums, names, own = self.static_argnums, self.static_argnames, (self, self._model.source)
-        static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
-        return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw
 
     def __repr__(self) -> str:
         where = "" if self.mesh is None else f", mesh={dict(self.mesh.shape)}, axis={self.axis!r}"

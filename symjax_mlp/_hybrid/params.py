@@ -37,6 +37,35 @@ _BAKED_INT = (
 )
 
 
+_DONATED = (
+    "{caller}: params{path} {were} deleted: a jit that donates its arguments "
+    "(jax.jit(..., donate_argnums=...), eqx.filter_jit(donate=...)) was given the arrays this "
+    "Hybrid holds, and took their buffers. Hold what that jit returned, h = "
+    "h.replace(params=new_params), or donate a copy: jax.tree.map(jnp.copy, h.params)."
+)
+
+
+def several_devices(leaves: list[Any]) -> bool:
+    """Whether a leaf is one array over several devices (where JAX's call of a deleted one
+    crashes the process, jaxlib 0.10: checked before every call)."""
+    return any(isinstance(a, jax.Array) and len(a.sharding.device_set) > 1 for a in leaves)
+
+
+def refuse_donated(caller: str, params: Any) -> None:
+    """Raises a :class:`ConfigError` naming the params a donating jit deleted (JAX's own error
+    names no path; eager and export raised a bare ``RuntimeError``)."""
+    if any(map(_deleted, jax.tree.leaves(params))):  # (a call's cost: no paths walked)
+        paths, _ = jax.tree_util.tree_flatten_with_path(params)
+        gone = [jax.tree_util.keystr(p) for p, a in paths if _deleted(a)]
+        path = gone[0] + (f" (and {len(gone) - 1} more)" if len(gone) > 1 else "")
+        were = "were" if len(gone) > 1 else "was"
+        raise ConfigError(_DONATED.format(caller=caller, path=path, were=were))
+
+
+def _deleted(a: Any) -> bool:
+    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted()
+
+
 def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any]:
     """``jax.tree.flatten(params)``; if ``passed`` (not baked), a leaf jit cannot take refused."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=unwalkable)

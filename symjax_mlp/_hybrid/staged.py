@@ -9,8 +9,9 @@ from typing import Any
 
 import jax
 
+from symjax_mlp._hybrid.args import partition
 from symjax_mlp._hybrid.graph import Graph
-from symjax_mlp._hybrid.params import flat_params
+from symjax_mlp._hybrid.params import flat_params, refuse_donated
 from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
 
 
@@ -48,6 +49,17 @@ class Staged:
             overflow = e
         flat_params(f"{self.name}.graph", self.params, passed=True)  # refused by its path
         raise overflow
+
+    def _partition(self, args: Any, kwargs: Any, caller: str, failed: bool = False) -> tuple:
+        """The call's static key (with the module's settings), traced args, kwargs; params a
+        donating jit deleted refused first where a call of them crashes (several devices), or
+        once a call ``failed``."""
+        if failed or self._spans:
+            refuse_donated(caller, self.params)
+        self._model.refuse_keywords(caller, kwargs)  # linen's h(x, method=...)
+        nums, names, own = self.static_argnums, self.static_argnames, (self, self._model.source)
+        static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
+        return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw
 
     def _split(self, method: str, args: tuple, kwargs: dict) -> tuple:
         """The call's partition; arguments the model does not take named, with ``h.method``."""
