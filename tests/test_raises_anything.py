@@ -148,3 +148,17 @@ def test_a_callback_raising_anything_leaves_whole_checkpoints_and_resumes(raised
     assert e.value is error
     assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000004"]
     assert sm.training.train(sm.mlp((8, 2)), tiny, resume=True, **run).step == 6
+
+
+@pytest.mark.parametrize("base", [TypeError, ValueError])
+def test_an_unreadable_model_error_on_an_input_no_array_is_named_by_the_input(base):
+    """The refusal of a str input quotes the model's error: its __str__'s ValueError('no
+    text') came out in place of the refusal."""
+
+    def model(p, x, s):
+        raise _unreadable(base)()
+
+    h = sm.hybridize(model, jnp.float32(2))
+    for call in (h, h.eager):
+        with pytest.raises(sm.SignatureError, match=r"args\[1\].*str.*could not be read"):
+            call(X, "abc")

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError
+from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, message
 from symjax_mlp._specs import array_types, foreign_array, unfit_array
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -170,7 +170,7 @@ def not_data(caller: str, error: Exception, args: Sequence[Any], kwargs: dict[st
 
 def quoted(error: BaseException) -> str:
     """``error`` as a message quotes it: its type and first line, at most 200 characters."""
-    return f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]}"[:200]
+    return f"{type(error).__name__}: {(message(error).strip() or '?').splitlines()[0]}"[:200]
 
 
 def traceable(leaf: Any) -> bool:
