@@ -145,7 +145,9 @@ def test_shard_errors_say_what_to_do():
     with pytest.raises(sm.SignatureError, match="per-example outputs"):
         sm.hybridize(lambda p, x: jnp.sum(x) * p, jnp.float32(1)).shard()(x)
     two = sm.hybridize(lambda p, a, b: a + b, {})
-    with pytest.raises(sm.SignatureError, match=r"batch\) dimensions differ: \[1, 2\]"):
+    with pytest.raises(
+        sm.SignatureError, match=r"batch\) dimensions differ: \{'args\[0\]': 1, 'args\[1\]': 2\}"
+    ):
         two.shard()(x[:1], x[:2])
 
 
@@ -159,6 +161,21 @@ def test_public_names():
 
 
 # -- eight devices, in process -------------------------------------------------------------
+@pytest.mark.slow  # an 8-device program: 0.7 s
+def test_a_sharded_hybrid_splits_the_arrays_of_a_dict_or_tuple_input():
+    """h(x) takes tuples and dicts of arrays, its shard refused them: a dict as 'args[0] is a
+    scalar' (NumPy's shape of a dict), a tuple as batch sizes [1, 8] (NumPy's array of it)."""
+    h = sm.hybridize(lambda p, d, t: d["x"] @ p + t[0], jnp.ones((3, 2)))
+    x, b = jnp.arange(24.0).reshape(8, 3), jnp.ones((8, 2))
+    s = h.shard(sm.data_mesh(8))
+    got = s({"x": x[:5]}, (b[:5],))  # padded to 8 rows, and trimmed
+    np.testing.assert_allclose(got, x[:5] @ jnp.ones((3, 2)) + 1, rtol=1e-6)
+    with pytest.raises(sm.SignatureError, match=r"args\[0\]\['x'\] is a scalar; every input"):
+        s({"x": jnp.float32(1)}, (b,))
+    with pytest.raises(sm.SignatureError, match=r"differ: .*'args\[1\]\[0\]': 4\}"):
+        s({"x": x}, (b[:4],))
+
+
 def test_8_devices_inference_equals_one_device():
     h, x = _hybrid()
     s = h.shard(sm.data_mesh(8))

@@ -93,20 +93,25 @@ def place(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def batch_size(arrays: Sequence[Any], caller: str) -> int:
-    shapes = [np.shape(a) for a in arrays]
-    if () in shapes:
+def batch_size(dyn: Sequence[Any], caller: str, dyn_kw: dict[str, Any] | None = None) -> int:
+    """The inputs' one leading dimension, each array in their tuples and dicts (an equinox
+    ``eqx.nn.State``) named by its path where one has none or another."""
+    inputs = [(f"args[{i}]", x) for i, x in enumerate(dyn)]
+    inputs += [(f"kwargs[{k!r}]", v) for k, v in (dyn_kw or {}).items()]
+    flat = jax.tree_util.tree_leaves_with_path
+    shapes = {at + jax.tree_util.keystr(p): np.shape(a) for at, x in inputs for p, a in flat(x)}
+    if scalar := next((at for at, shape in shapes.items() if shape == ()), None):
         raise SignatureError(
-            f"{caller}: args[{shapes.index(())}] is a scalar; every input needs the batch as its "
+            f"{caller}: {scalar} is a scalar; every input needs the batch as its "
             "leading dimension to be split over the mesh."
         )
-    sizes = [shape[0] for shape in shapes]
-    if len(set(sizes)) > 1:
+    sizes = {at: shape[0] for at, shape in shapes.items()}
+    if len(set(sizes.values())) > 1:
         raise SignatureError(
             f"{caller}: the inputs' leading (batch) dimensions differ: {sizes}. Every input "
             "must have the same batch size."
         )
-    return sizes[0] if sizes else 0
+    return next(iter(sizes.values()), 0)
 
 
 def pad_rows(x: Any, pad: int, *, fill: float | None = None) -> Any:
@@ -183,7 +188,7 @@ class DataParallel:
 
     def per_example(self, out: Any, dyn: Any) -> Any:
         """``out``, each leaf checked to lead with the batch."""
-        batch = dyn[0].shape[0]
+        batch = jax.tree.leaves(dyn)[0].shape[0]
         for path, leaf in jax.tree_util.tree_leaves_with_path(out):
             if leaf.ndim == 0 or leaf.shape[0] != batch:
                 raise SignatureError(
@@ -198,11 +203,11 @@ class DataParallel:
         caller = f"{self.name}.shard(...)"
         if not dyn:
             raise SignatureError(f"{caller}: needs at least one batched input.")
-        size = batch_size([*dyn, *dyn_kw.values()], caller)
+        size = batch_size(dyn, caller, dyn_kw)
         extra = padding(size, self.n_shards, self.pad, caller)
 
-        def put(x: Any) -> jax.Array:
-            return place(pad_rows(x, extra), self.batch)
+        def put(x: Any) -> Any:  # an array, or a tuple or dict of them
+            return jax.tree.map(lambda leaf: place(pad_rows(leaf, extra), self.batch), x)
 
         return size, tuple(map(put, dyn)), {k: put(v) for k, v in dyn_kw.items()}
 
@@ -216,7 +221,7 @@ class DataParallel:
         """A call of ``jitted``, its batch padded and placed, the result trimmed, ``held`` (or
         ``None``) passed and taken back; refused padded if the new state ``sees_rows``."""
         batch, *call = self.prepare(dyn, dyn_kw)
-        padded = call[0][0].shape[0] != batch
+        padded = jax.tree.leaves(call[0])[0].shape[0] != batch
         if held is None:
             out = jitted(static, leaves, *call)
         else:
