@@ -39,6 +39,12 @@ _MIXED_BATCH = (
     "then the trace fails ({error}). Give every batched input the same number of rows in "
     "example=, or pass shapes= to say which dimensions are the batch."
 )
+_SHAPES = (
+    "export({name}, shapes=...): with the dimensions shapes= makes symbolic ({types}) the trace "
+    "fails ({error}), while the example's own shapes trace: the model takes one of them as a "
+    "Python number (float(n), range(n), a size it caches by). Keep only the batch symbolic, "
+    "e.g. shapes={fix}, or pass batch=None to export the example's static shapes."
+)
 _SHARED = (
     "; if an input has no batch dimension (a mask or weights shared by every row), give it "
     "None in shapes=, e.g. shapes=({specs})"
@@ -56,11 +62,20 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
     try:
         return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
     except (TypeError, ValueError) as e:
-        if isinstance(e, (SymjaxError, *TRACER_ERRORS)) or not symbolic:
+        if isinstance(e, (SymjaxError, *TRACER_ERRORS)) or not (symbolic or stage.per_input_shapes):
             raise
         error = e
     lines = message(error).splitlines()  # ValueError() has none; its __str__ may raise
     first = lines[0].rstrip(".") if lines else type(error).__name__
+    types = [TensorSpec(f"args[{i}]", shape_dims(x.shape), str(x.dtype)).type
+             for i, x in enumerate(stage.in_specs)]  # fmt: skip
+    if stage.per_input_shapes:  # the caller's symbolic dimensions
+        if not _traces(jitted, p_structs, examples):
+            raise error  # not the shapes' doing: the model's own error
+        fix = tuple(_batch_only(s, x) for s, x in zip(stage.in_specs, examples, strict=True))
+        raise SignatureError(
+            _SHAPES.format(name=stage.h.name, types=", ".join(types), error=first, fix=fix)
+        ) from None
     if any(shared):  # e.g. x (4, 3) and w (3,): w is no batch of 4 rows
         rows = {f"args[{i}]": x.shape[0] if x.shape else None for i, x in enumerate(examples)}
         raise SignatureError(
@@ -71,8 +86,6 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
     static, one = _traces(jitted, p_structs, examples), _traces(jitted, p_structs, rows)
     if not (static or one):
         raise error  # not the batch's doing: the model's own error
-    types = [TensorSpec(f"args[{i}]", shape_dims(x.shape), str(x.dtype)).type
-             for i, x in enumerate(stage.in_specs)]  # fmt: skip
     head = _FAILS.format(
         name=stage.h.name, batch=batch, types=", ".join(types), error=first,
         traced="the example's own shapes trace" if static else "one row of it traces",
@@ -91,6 +104,13 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
             shared="" if len(examples) < 2 else _SHARED.format(specs=specs),
         )
     ) from None  # fmt: skip
+
+
+def _batch_only(spec: Any, example: Any) -> str | None:
+    """``spec``'s shape with only its leading dimension symbolic, as shapes= writes it."""
+    if not spec.shape or isinstance(spec.shape[0], int):
+        return None  # no batch: shared by every row
+    return ", ".join(map(str, (spec.shape[0], *example.shape[1:])))
 
 
 def _traces(jitted: Any, p_structs: Any, inputs: Sequence[Any]) -> bool:

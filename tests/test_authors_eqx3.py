@@ -262,3 +262,23 @@ def test_an_equinox_model_given_whole_as_params_is_refused_naming_its_filtered_a
         h.replace(params=mlp)
     params = eqx.filter(eqx.filter_vmap(mlp), eqx.is_inexact_array)  # as it says (the tied
     assert h.replace(params=params).params is params  # model's test above runs it so)
+
+
+# -- RotaryPositionalEmbedding: a symbolic sequence length -----------------------------------------
+@pytest.mark.slow
+def test_a_symbolic_sequence_rope_takes_as_a_number_is_refused_naming_static_shapes(tmp_path):
+    """RoPE computes its frequencies with ``float(seq_len)`` (cached by size): exported with the
+    sequence symbolic, shapes=("b, s, 8", "b, s, s"), export raised that raw TypeError
+    ('float() argument must be ... not _DimExpr') from inside equinox."""
+    case = CASES[2]
+    h, (x, mask) = case.hybridize(), case.inputs(0)
+    fix = "shapes=('b, 6, 8', 'b, 6, 6')"
+    with pytest.raises(sm.SignatureError, match=r"^export\(_VmapWrapper, shapes=\.\.\.\): .*"
+                       r"\(float32\[b, s, 8\], bool\[b, s, s\]\) the trace fails \(float\(\) .*"
+                       r"_DimExpr'\), while the example's own shapes trace") as e:  # fmt: skip
+        sm.export(h, tmp_path / "m", example=(x, mask), shapes=("b, s, 8", "b, s, s"))
+    assert fix in str(e.value)
+    sm.export(h, tmp_path / "m", example=(x, mask), shapes=("b, 6, 8", "b, 6, 6"))  # as it says
+    m = sm.load(tmp_path / "m", allow=case.allow)
+    chex.assert_trees_all_close(m(np.asarray(x[:3]), np.asarray(mask[:3])), h(x[:3], mask[:3]),
+                                **TOL)  # fmt: skip
