@@ -282,3 +282,50 @@ def test_a_symbolic_sequence_rope_takes_as_a_number_is_refused_naming_static_sha
     m = sm.load(tmp_path / "m", allow=case.allow)
     chex.assert_trees_all_close(m(np.asarray(x[:3]), np.asarray(mask[:3])), h(x[:3], mask[:3]),
                                 **TOL)  # fmt: skip
+
+
+# -- inference_mode's model: trained with its state threaded, as train()'s refusal says ------------
+@pytest.mark.slow
+def test_a_stateful_dropout_model_trains_over_apply_as_equinox_trains_it():
+    """Three adam steps over ``h.apply(params, x, ctx, key=key)``, its BatchNorm state threaded
+    and a dropout key per step, equal equinox's own (eqx.filter_value_and_grad, has_aux); then
+    served by inference_mode with the trained state."""
+    case = CASES[1]
+    model, ctx = _inference()
+    h, x = case.hybridize(), case.inputs(0)[0]
+    y = jnp.sin(x[:, :1])
+    with pytest.raises(sm.ConfigError, match=r"h\.apply\(params, x\).*h\.replace\(params="):
+        data = sm.training.Dataset(np.asarray(x), np.arange(4) % 2, np.asarray(x), np.arange(4), 2)
+        sm.training.train(model, data, epochs=1)
+    opt = optax.adam(1e-2)
+
+    def loss(p, ctx, key):
+        out, ctx = h.apply(p, x, ctx, key=key)
+        return jnp.mean((out - y) ** 2), ctx
+
+    @eqx.filter_value_and_grad(has_aux=True)
+    def theirs(m, ctx, key):
+        out, ctx = ctx_batch(m, x, ctx, key=key)
+        return jnp.mean((out - y) ** 2), ctx
+
+    params, state, ours_ctx = h.params, opt.init(h.params), ctx
+    their_state, their_ctx = opt.init(eqx.filter(model, eqx.is_inexact_array)), _inference()[1]
+    for i in range(3):
+        key = jr.key(10 + i)
+        (value, ours_ctx), grads = jax.value_and_grad(loss, has_aux=True)(params, ours_ctx, key)
+        updates, state = opt.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        (want, their_ctx), grads = theirs(model, their_ctx, key)
+        updates, their_state = opt.update(grads, their_state, eqx.filter(model, eqx.is_array))
+        model = eqx.apply_updates(model, updates)
+        np.testing.assert_allclose(value, want, **TOL)
+    chex.assert_trees_all_close(
+        jax.tree.leaves(params), jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)), **TOL
+    )
+    chex.assert_trees_all_close(jax.tree.leaves(ours_ctx), jax.tree.leaves(their_ctx), **TOL)
+    trained = eqx.combine(params, eqx.filter(model, eqx.is_inexact_array, inverse=True))
+    served = sm.hybridize(
+        infer, eqx.Partial(eqx.nn.inference_mode(trained), ctx=ours_ctx, key=None)
+    )
+    want = infer(eqx.Partial(eqx.nn.inference_mode(model), ctx=their_ctx, key=None), x)
+    chex.assert_trees_all_close(served(x), want, **TOL)
