@@ -17,7 +17,7 @@ from symjax_mlp._hybrid.args import equinox_modules
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.pure import PureModel, plain, refuse_nested_nnx_state
 from symjax_mlp._hybrid.pure.linen_module import linen
-from symjax_mlp._hybrid.pure.nnx_module import nnx_module
+from symjax_mlp._hybrid.pure.nnx_module import closed_module_error, nnx_module
 
 _TAKES_NO = {  # why, and the fix
     "nnx": "the module carries its own state (nnx.Rngs, nnx.BatchStat). Write hybridize(module).",
@@ -125,6 +125,9 @@ def hybridize(
             f"a pure function fn(params, *inputs); got {type(model).__name__}."
         )
     elif params is None:
+        label = f"hybridize({name or getattr(model, '__name__', 'fn')})"
+        if (closed := closed_module_error(label, model)) is not None:
+            raise closed
         raise ConfigError(
             "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
             "For a function without params write hybridize(lambda _, x: f(x), {})."

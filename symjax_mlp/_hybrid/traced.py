@@ -39,6 +39,7 @@ from symjax_mlp._hybrid.pure import (
     unwrap_keys,
     wrap_keys,
 )
+from symjax_mlp._hybrid.pure.nnx_module import outer_write
 from symjax_mlp._hybrid.trace import TraceLog, symbolic
 
 PROGRAM_SUFFIX = "_hybrid"
@@ -303,6 +304,10 @@ class TracedModel:
             if (unfit := unfit_params(caller, self.treedef, params, e)) is None:
                 raise
             raise unfit from e
+        except Exception as e:  # flax's: a closed-over module's Variable written (cached_partial)
+            if (outer := outer_write(self.log.name, e)) is None:
+                raise
+            raise outer from None
         return (*result, [v.get_value() for v in given]) if given else result
 
     def stateless(self, static: Any, leaves: list[Any], /, *dyn: Any, **dyn_kw: Any) -> Any:

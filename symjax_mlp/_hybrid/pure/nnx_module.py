@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -124,3 +125,52 @@ def _reassigned(params: Any, now: Any) -> str:
     now = nnx.to_pure_dict(now)
     pairs = zip(leaf_paths((now, {})), jax.tree.leaves(now), strict=True)
     return ", ".join(p.removeprefix("params") for p, v in pairs if given.get(p) is not v)
+
+
+_CLOSED = (
+    "{name}: {what} made outside the compiled call{how}, which a compiled call cannot write "
+    "(flax's TraceContextError): its calls write its Variables in place (a BatchNorm's "
+    "statistics, an Rngs' count, the Params nnx.jit writes back). Give the Hybrid the module: "
+    "sm.hybridize(model) for its own call, or sm.hybridize(f, model) to call f(model, *inputs) "
+    "(f the function nnx.cached_partial was given), which splits it and carries its state; for "
+    "a step over more nnx objects (an nnx.Optimizer), graphdef, state = "
+    "nnx.split((model, optimizer)) and sm.hybridize(lambda state, *xs: step(graphdef, state, "
+    "*xs), state), the step merging them."
+)
+
+
+def closed_module(fn: Any) -> Any:
+    """The nnx graph node (a module, an optimizer) or Variable ``fn`` closes over, directly or
+    in a tuple (``nnx.cached_partial``'s cached arguments); ``None`` if none."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return None
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        for v in value if type(value) is tuple else (value,):
+            if isinstance(v, (nnx.Module, nnx.Pytree, nnx.Variable)):
+                return v
+    return None
+
+
+def closed_module_error(name: str, fn: Any) -> ConfigError | None:
+    """The refusal of ``hybridize(fn)`` (no params) of a function closing over an nnx module,
+    as ``nnx.cached_partial(f, model)`` returns one; ``None`` if it holds none."""
+    if (node := closed_module(fn)) is None:
+        return None
+    what = f"the function closes over an nnx {type(node).__name__}"
+    how = " (as nnx.cached_partial(f, model) holds it)" if hasattr(fn, "__wrapped__") else ""
+    return ConfigError(_CLOSED.format(name=name, what=what, how=how))
+
+
+def outer_write(name: str, error: Exception) -> ConfigError | None:
+    """The refusal of a call that wrote an nnx Variable made outside the compiled call (of a
+    module a function closes over): flax's ``TraceContextError``; ``None`` for another."""
+    outer = getattr(sys.modules.get("flax.errors"), "TraceContextError", ())
+    if not isinstance(error, outer):
+        return None
+    how = " (of a module the function closes over)"
+    return ConfigError(_CLOSED.format(name=name, what="the call wrote an nnx Variable", how=how))
