@@ -61,15 +61,18 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
     specs = [x if s else b for x, b, s in zip(examples, stage.in_specs, shared, strict=True)]
     try:
         return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
-    except (TypeError, ValueError) as e:
-        if isinstance(e, (SymjaxError, *TRACER_ERRORS)) or not (symbolic or stage.per_input_shapes):
+    except (TypeError, ValueError, jax.errors.InconclusiveDimensionOperation) as e:
+        shapes = stage.per_input_shapes  # the caller's symbolic dimensions
+        if isinstance(e, (SymjaxError, *TRACER_ERRORS)) or not (symbolic or shapes):
             raise
+        if isinstance(e, jax.errors.InconclusiveDimensionOperation) and not shapes:
+            raise  # export names the batch
         error = e
     lines = message(error).splitlines()  # ValueError() has none; its __str__ may raise
     first = lines[0].rstrip(".") if lines else type(error).__name__
     types = [TensorSpec(f"args[{i}]", shape_dims(x.shape), str(x.dtype)).type
              for i, x in enumerate(stage.in_specs)]  # fmt: skip
-    if stage.per_input_shapes:  # the caller's symbolic dimensions
+    if stage.per_input_shapes:  # (s > 6 inconclusive, or float(s))
         if not _traces(jitted, p_structs, examples):
             raise error  # not the shapes' doing: the model's own error
         fix = tuple(_batch_only(s, x) for s, x in zip(stage.in_specs, examples, strict=True))
