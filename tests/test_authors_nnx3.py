@@ -268,3 +268,61 @@ def test_the_fsdp_mlp_runs_differentiates_trains_and_exports_sharded(tmp_path):
     chex.assert_trees_all_close(trained(x), model(x), **TOL)
     sm.export(trained, tmp_path / "m", example=x)
     chex.assert_trees_all_close(sm.load(tmp_path / "m")(X), np.asarray(model(x)), **TOL)
+
+
+# -- examples/nnx_toy_examples/01_functional_api.py, as written there (its jax.jit train_step
+# raises flax's TraceContextError on flax 0.12: the counts jit rebuilds are written inside
+# jax.grad's trace; its test_step and the merge it does by hand run) ---------------------------
+class Linear(nnx.Module):
+    def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+        self.w = nnx.Param(jax.random.uniform(rngs.params(), (din, dout)))
+        self.b = nnx.Param(jnp.zeros((dout,)))
+
+    def __call__(self, x):
+        return x @ self.w[...] + self.b[...]
+
+
+class Count(nnx.Variable[nnx.A]):
+    pass
+
+
+class FunctionalMLP(nnx.Module):  # the example's MLP
+    def __init__(self, din, dhidden, dout, *, rngs: nnx.Rngs):
+        self.count = Count(jnp.array(0))
+        self.linear1 = Linear(din, dhidden, rngs=rngs)
+        self.linear2 = Linear(dhidden, dout, rngs=rngs)
+
+    def __call__(self, x):
+        self.count[...] += 1
+        return self.linear2(jax.nn.relu(self.linear1(x) * 0.5))
+
+
+def test_counts_made_outside_jax_grad_are_refused_naming_a_copy_made_inside():
+    """h.apply(p, counts, x) of the example's merge by hand, its counts (an nnx.State of Count)
+    made outside jax.grad: the refusal said '(an nnx.Rngs advances per draw)' and named
+    rngs=nnx.Rngs(key), which a Count is not."""
+    graphdef, params, counts = nnx.split(
+        FunctionalMLP(din=1, dhidden=8, dout=1, rngs=nnx.Rngs(0)), nnx.Param, Count
+    )
+
+    def test_step(params: nnx.State, counts: nnx.State, batch):
+        x, y = batch
+        model = nnx.merge(graphdef, params, counts)
+        y_pred = model(x)
+        loss = jnp.mean((y - y_pred) ** 2)
+        return {"loss": loss}
+
+    h, batch = sm.hybridize(test_step, params), (XY[0][:, :1], XY[1][:, :1])
+    chex.assert_trees_all_close(h(counts, batch), jax.jit(test_step)(params, counts, batch))
+    assert int(counts["count"][...]) == 1  # written back, as eager nnx leaves it
+
+    def loss(p, counts):
+        return h.apply(p, counts, batch)["loss"]
+
+    with pytest.raises(sm.ConfigError, match=r"nnx Count given was made outside .*"
+                       r"nnx\.clone\(state\) inside the loss") as e:  # fmt: skip
+        jax.grad(loss)(h.params, counts)
+    assert "nnx.Rngs" not in str(e.value)
+    got = jax.grad(lambda p: loss(p, nnx.clone(counts)))(h.params)  # as it says
+    want = jax.grad(lambda p: test_step(p, nnx.clone(counts), batch)["loss"])(params)
+    chex.assert_trees_all_close(got, want, **TOL)

@@ -20,10 +20,11 @@ from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY
 from symjax_mlp._hybrid.params import check_given, flat_params, refuse_donated, several_devices
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
+from symjax_mlp._hybrid.pure.nnx_module import write_back
 from symjax_mlp._hybrid.settings import check_settings, static_args
 from symjax_mlp._hybrid.staged import Staged
 from symjax_mlp._hybrid.trace import NoPickle, TraceEvent, TraceLog, symbolic
-from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given, write_back
+from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given
 
 _FROZEN = (
     "{name}: a Hybrid is a frozen result (like jax.stages.Compiled): its {field!r} cannot be "

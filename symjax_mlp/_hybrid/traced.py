@@ -372,24 +372,3 @@ def given(dyn: Any, dyn_kw: Any, caller: str, sharded: bool = False) -> list[Any
         twice = next(v for i, v in enumerate(found) if any(v is w for w in found[:i]))
         raise SignatureError(_TWICE.format(caller=caller, kind=type(twice).__name__))
     return found
-
-
-_OUTER = (
-    "{caller}: the nnx {kind} given (an nnx.Rngs advances per draw) was made outside the JAX "
-    "transform the call runs under (jax.grad, jax.vmap, ...), so nnx cannot write the new "
-    "value into it (TraceContextError). Make it inside the transformed function from a key "
-    "split each step, jax.grad(lambda p: loss(h.apply(p, x, rngs=nnx.Rngs(key))))(h.params), "
-    "or use nnx.grad."
-)
-
-
-def write_back(variables: list[Any], new: list[Any], caller: str = "Hybrid") -> None:
-    """Sets the caller's ``variables`` to a compiled call's ``new`` values."""
-    for v, value in zip(variables, new, strict=True):
-        try:
-            v.set_value(value)
-        except Exception as e:
-            outer = getattr(sys.modules.get("flax.errors"), "TraceContextError", ())
-            if not isinstance(e, outer):
-                raise
-            raise ConfigError(_OUTER.format(caller=caller, kind=type(v).__name__)) from None

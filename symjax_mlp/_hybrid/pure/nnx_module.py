@@ -166,11 +166,45 @@ def closed_module_error(name: str, fn: Any) -> ConfigError | None:
     return ConfigError(_CLOSED.format(name=name, what=what, how=how))
 
 
+def _outer(error: Exception) -> bool:
+    """Whether ``error`` is flax's ``TraceContextError``: a Variable made outside the JAX
+    transform (or compiled call) written from inside it."""
+    return isinstance(error, getattr(sys.modules.get("flax.errors"), "TraceContextError", ()))
+
+
 def outer_write(name: str, error: Exception) -> ConfigError | None:
     """The refusal of a call that wrote an nnx Variable made outside the compiled call (of a
     module a function closes over): flax's ``TraceContextError``; ``None`` for another."""
-    outer = getattr(sys.modules.get("flax.errors"), "TraceContextError", ())
-    if not isinstance(error, outer):
+    if not _outer(error):
         return None
     how = " (of a module the function closes over)"
     return ConfigError(_CLOSED.format(name=name, what="the call wrote an nnx Variable", how=how))
+
+
+_OUTER = (
+    "{caller}: the nnx {kind} given{why} was made outside the JAX transform the call runs under "
+    "(jax.grad, jax.vmap, ...), so nnx cannot write the new value into it (TraceContextError). "
+    "Make it inside the transformed function{fix}, or use nnx.grad."
+)
+_RNG_FIX = (
+    " (an nnx.Rngs advances per draw)",
+    " from a key split each step, jax.grad(lambda p: loss(h.apply(p, x, rngs=nnx.Rngs(key))))"
+    "(h.params)",
+)
+_COPY_FIX = ("", ", a copy of what you pass, nnx.clone(state) inside the loss (nnx.merge, "
+             "nnx.split and nnx.state keep the Variables they are given)")  # fmt: skip
+
+
+def write_back(variables: list[Any], new: list[Any], caller: str = "Hybrid") -> None:
+    """Sets the caller's nnx ``variables`` to a compiled call's ``new`` values."""
+    from flax import nnx
+
+    for v, value in zip(variables, new, strict=True):
+        try:
+            v.set_value(value)
+        except Exception as e:
+            if not _outer(e):
+                raise
+            why, fix = _RNG_FIX if isinstance(v, nnx.RngState) else _COPY_FIX
+            kind = type(v).__name__
+            raise ConfigError(_OUTER.format(caller=caller, kind=kind, why=why, fix=fix)) from None
