@@ -326,3 +326,22 @@ def test_counts_made_outside_jax_grad_are_refused_naming_a_copy_made_inside():
     got = jax.grad(lambda p: loss(p, nnx.clone(counts)))(h.params)  # as it says
     want = jax.grad(lambda p: test_step(p, nnx.clone(counts), batch)["loss"])(params)
     chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_the_guides_optimizer_step_trains_h_module_and_replace_gives_the_hybrid_it():
+    """performance.md's nnx.Optimizer step over h.module: a module rebuilt at each read, trained
+    in place as the guide trains its model; the Hybrid holds its own params and state until
+    h.replace gives it the trained module's (Params, BatchStats, the Dropout's rng)."""
+    h = sm.hybridize(Model(2, 8, 3, rngs=nnx.Rngs(0)))
+    model, before = h.module, jax.tree.map(np.asarray, h.params)
+    assert model is not h.module
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    losses = [float(train_step(model, optimizer, metrics, *XY)) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    chex.assert_trees_all_close(h.params, before)  # the Hybrid's own
+    assert not np.allclose(model.linear.kernel[...], before["linear"]["kernel"])
+    params, state = (nnx.to_pure_dict(nnx.state(model, f)) for f in (nnx.Param, nnx.Not(nnx.Param)))
+    trained = h.replace(params=params, state=state)
+    for _ in range(2):  # train mode: Dropout draws from the trained module's stream, as it does
+        chex.assert_trees_all_close(trained(XY[0]), model(XY[0]), **TOL)

@@ -148,7 +148,9 @@ class Hybrid(Staged, NoPickle):
 
     @property
     def module(self) -> Any:
-        """The model: an nnx module rebuilt with the current state, or the linen module."""
+        """The model: an nnx module rebuilt with the params and current state, a new one at each
+        read (a module trained in place leaves the Hybrid as it is: h.replace(params=...,
+        state=...) gives it that module's nnx.state), or the linen module."""
         if self._model.kind != "nnx":
             return self._model.module
         return self._model.module(self.params, self._held.copy() if self.donate else self.state)
