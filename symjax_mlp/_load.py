@@ -142,7 +142,7 @@ def load(
 
     def confirm(manifest: Any, blobs: dict[str, Any]) -> None:  # before the weights are read
         if unchanged is not None:
-            unchanged()  # what a parser reads is what was verified
+            unchanged(manifest)  # what a parser reads is what was verified
         _check_card(path, manifest)
         _check_x64(path, manifest)
         importlib.import_module(f"symjax_mlp._runtimes.{runtime}").check_supported(path, manifest)

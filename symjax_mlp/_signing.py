@@ -1,13 +1,17 @@
 """Who made an artifact: signing with the OpenSSF ``model-signing`` package, offline, by key.
 
 Every file of the directory but ``model.sig`` (a Sigstore bundle) is signed, and verified
-before any parser reads a byte; only regular files and directories are allowed.
+before any parser reads a byte; only regular files and directories are allowed. A loader then
+checks that the manifest it parsed is the one signed (by its sha256 in ``model.sig``), whose
+sha256s it checks each file it reads by: it uses the bytes signed, whatever changed meanwhile.
 """
 
 from __future__ import annotations
 
+import base64
 import errno
 import importlib
+import json
 import os
 import re
 import stat
@@ -16,9 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from symjax_mlp._artifact.format import printable  # model-signing quotes model.sig's text
+from symjax_mlp._artifact.format import MAX_MANIFEST_BYTES, printable, unique_pairs
 from symjax_mlp._errors import ArtifactError, ConfigError
-from symjax_mlp._files import write_file_atomic
+from symjax_mlp._files import MANIFEST, sha256, write_file_atomic
+from symjax_mlp._reader import read_regular
 
 SIGNATURE = "model.sig"
 MAX_ENTRIES = 4096
@@ -117,6 +122,8 @@ def _checked(path: Any, key: Any, *, private: bool, call: tuple[str, str]) -> tu
         held = None if ok else f"an {type(got).__name__}"
     except (ValueError, TypeError) as e:  # TypeError: an encrypted private key
         held = f"no PEM {kind} key ({printable(str(e).split('. ')[0][:120])})"
+        if not private and b"-----BEGIN CERTIFICATE-----" in data:  # sm.sign signs by key
+            held = "a certificate, not a key (its key: openssl x509 -pubkey -noout -in FILE)"
     except OSError as e:  # a regular file no read of which succeeds: permissions, /proc's
         held = f"nothing this process can read ({printable(e.strerror or str(e))[:120]})"
     if held:
@@ -134,12 +141,12 @@ def _checked(path: Any, key: Any, *, private: bool, call: tuple[str, str]) -> tu
     return path, file
 
 
-def snapshot(path: Path, call: tuple[str, str]) -> dict[str, tuple[int, int, int, int]]:
-    """``{relative path: (device, inode, size, ctime_ns)}`` of every entry under ``path``;
-    ArtifactError for a symlink, FIFO or device inside, or past :data:`MAX_ENTRIES`, begun
-    with ``call`` (:func:`_call`)."""
+def snapshot(path: Path, call: tuple[str, str]) -> dict[str, tuple[int, ...]]:
+    """``{relative path: (device, inode, size, ctime_ns, is a file)}`` of each entry under
+    ``path``; ArtifactError for a symlink, FIFO or device inside, or past :data:`MAX_ENTRIES`,
+    begun with ``call`` (:func:`_call`)."""
     head, done = _call(call, path), "signed" if call[0].endswith(".sign") else "verified"
-    out: dict[str, tuple[int, int, int, int]] = {}
+    out: dict[str, tuple[int, ...]] = {}
     todo = [path]
     while todo:
         directory = todo.pop()
@@ -162,7 +169,8 @@ def snapshot(path: Path, call: tuple[str, str]) -> dict[str, tuple[int, int, int
                     f"{head}: {printable(rel)} is not a regular file (a symlink, FIFO or "
                     f"device); a signed artifact holds only files. Nothing was {done}."
                 )
-            out[rel] = (info.st_dev, info.st_ino, info.st_size, info.st_ctime_ns)
+            file = stat.S_ISREG(info.st_mode)
+            out[rel] = (info.st_dev, info.st_ino, info.st_size, info.st_ctime_ns, file)
     return out
 
 
@@ -242,28 +250,71 @@ def check(
             "refusing it. Ask its author to sign it with symjax_mlp.sign(path, private_key), or "
             "load it without verify_signature= if you trust where it came from."
         )
-    if before[SIGNATURE][2] > MAX_SIGNATURE_BYTES:
+    size, file = before[SIGNATURE][2], before[SIGNATURE][4]
+    if size > MAX_SIGNATURE_BYTES or not file:
+        what = f"has more than {MAX_SIGNATURE_BYTES} bytes" if file else "is a directory"
         raise ArtifactError(
-            f"{head}: {SIGNATURE} has more than {MAX_SIGNATURE_BYTES} bytes; it is no signature. "
-            "Ask its author to sign it again with symjax_mlp.sign(path, private_key)."
+            f"{head}: {SIGNATURE} {what}; it is no signature. Ask its author to sign it again "
+            "with symjax_mlp.sign(path, private_key)."
         )
-    try:
-        config.use_elliptic_key_verifier(public_key=key).verify(path, path / SIGNATURE)
-    except Exception as e:  # model_signing, sigstore and cryptography raise their own types
-        files = _MISMATCH.findall(str(e))  # not their digests
-        why = f"{type(e).__name__}: {str(e)[:400]}"
-        why = f"it signs other contents of {', '.join(files[:8])}" if files else why
-        raise ArtifactError(
-            f"{head}: the signature {SIGNATURE} does not verify with {printable(str(key))}: "
-            f"{printable(why)}. The artifact was changed after it was signed, or signed by "
-            "someone else: refusing it."
-        ) from None
+    changed = f"{head}: the artifact changed while it was verified and read; load it again."
+    with tempfile.TemporaryDirectory() as scratch:  # model-signing reads a path: the bytes
+        copy = Path(scratch, SIGNATURE)  # verified are then the very bytes parsed below
+        try:
+            copy.write_bytes(read_regular(path / SIGNATURE, limit=MAX_SIGNATURE_BYTES,
+                                          error=ArtifactError))  # fmt: skip
+        except (FileNotFoundError, ArtifactError):  # a regular file of that size a moment ago
+            raise ArtifactError(changed) from None
+        try:  # files it does not sign are refused below, never hashed (a 1 TB sparse one)
+            verifier = config.set_ignore_unsigned_files(True)
+            verifier.use_elliptic_key_verifier(public_key=key).verify(path, copy)
+        except Exception as e:  # model_signing, sigstore and cryptography raise their own types
+            files = _MISMATCH.findall(str(e))  # not their digests
+            why = f"{type(e).__name__}: {str(e)[:400].rstrip('. ')}"
+            why = f"it signs other contents of {', '.join(files[:8])}" if files else why
+            raise _refused(head, key, why) from None
+        signed = _digests(copy.read_bytes())
+    added = sorted(f for f, entry in before.items() if entry[4] and f not in {*signed, SIGNATURE})
+    if added:
+        raise _refused(head, key, f"it does not sign {', '.join(added[:8])}")
 
-    def unchanged() -> None:
+    def unchanged(manifest: Any = None) -> None:
+        """Raises if a file's metadata changed, or ``manifest`` (as a loader parsed it) is not
+        the one signed: a write through a shared mmap changes bytes and no metadata."""
         if snapshot(path, call) != before:
-            raise ArtifactError(
-                f"{head}: the artifact changed while it was verified and read; load it again."
-            )
+            raise ArtifactError(changed)
+        if manifest is not None and json.dumps(manifest) != _signed_manifest(path, signed):
+            raise ArtifactError(changed)  # (None: the signed bytes are no JSON)
 
     unchanged()
     return unchanged
+
+
+def _refused(head: str, key: Path, why: str) -> ArtifactError:
+    return ArtifactError(
+        f"{head}: the signature {SIGNATURE} does not verify with {printable(str(key))}: "
+        f"{printable(why)}. The artifact was changed after it was signed, or signed by someone "
+        "else: refusing it."
+    )
+
+
+def _digests(bundle: bytes) -> dict[str, str]:
+    """``{file: sha256}`` that a verified ``model.sig`` signs ({} if not model-signing's)."""
+    try:
+        payload = json.loads(bundle)["dsseEnvelope"]["payload"]
+        resources = json.loads(base64.b64decode(payload))["predicate"]["resources"]
+        return {r["name"]: r["digest"] for r in resources if r["algorithm"] == "sha256"}
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
+def _signed_manifest(path: Path, signed: dict[str, str]) -> str | None:
+    """``json.dumps`` of the manifest read again, if its bytes have the sha256 ``signed``
+    records (else ``None``, as for bytes that are no JSON, which load's reading refuses)."""
+    try:
+        data = read_regular(path / MANIFEST, limit=MAX_MANIFEST_BYTES, error=ArtifactError)
+        if sha256(data) == signed.get(MANIFEST):
+            return json.dumps(json.loads(data, object_pairs_hook=unique_pairs))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError, RecursionError):
+        pass
+    return None
