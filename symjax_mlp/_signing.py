@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import errno
 import importlib
+import itertools
 import json
 import os
 import re
@@ -150,23 +151,29 @@ def snapshot(path: Path, call: tuple[str, str]) -> dict[str, tuple[int, ...]]:
     todo = [path]
     while todo:
         directory = todo.pop()
-        try:
-            entries = list(os.scandir(directory))
+        try:  # a path past PATH_MAX (directories nested thousands deep) fails to stat
+            with os.scandir(directory) as listing:
+                more = itertools.islice(listing, MAX_ENTRIES + 1 - len(out))
+                entries = [(e.path, e.stat(follow_symlinks=False)) for e in more]
         except OSError as e:
-            raise ArtifactError(f"{head}: {printable(str(directory))} cannot be listed: {e}") from e
-        for entry in entries:
+            rel = os.path.relpath(directory, path)
+            raise ArtifactError(
+                f"{head}: {'the directory' if rel == '.' else printable(rel[:300])} cannot be "
+                f"read ({e.strerror or e}); nothing was {done}. Pass the directory written by "
+                "symjax_mlp.export, as it wrote it."
+            ) from None
+        for entry, info in entries:
             if len(out) >= MAX_ENTRIES:
                 raise ArtifactError(
                     f"{head}: the directory holds more than {MAX_ENTRIES} files; it is not an "
                     "artifact. Pass the directory written by symjax_mlp.export."
                 )
-            info = entry.stat(follow_symlinks=False)
-            rel = os.path.relpath(entry.path, path)
+            rel = os.path.relpath(entry, path)
             if stat.S_ISDIR(info.st_mode):
-                todo.append(Path(entry.path))
+                todo.append(Path(entry))
             elif not stat.S_ISREG(info.st_mode):
                 raise ArtifactError(
-                    f"{head}: {printable(rel)} is not a regular file (a symlink, FIFO or "
+                    f"{head}: {printable(rel[:300])} is not a regular file (a symlink, FIFO or "
                     f"device); a signed artifact holds only files. Nothing was {done}."
                 )
             file = stat.S_ISREG(info.st_mode)

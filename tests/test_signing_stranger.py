@@ -336,3 +336,34 @@ def test_a_second_entry_point_added_to_the_manifest_is_refused(signed, tmp_path)
     (art / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(sm.ArtifactError, match=r"it signs other contents of manifest.json"):
         sm.load(art, verify_signature=public)
+
+
+def _nested(art, levels, name="d" * 255):
+    """``art/ddd.../ddd...``, ``levels`` deep: past PATH_MAX, made one directory at a time."""
+    fd = os.open(art, os.O_RDONLY)
+    try:
+        for _ in range(levels):
+            os.mkdir(name, dir_fd=fd)
+            fd, parent = os.open(name, os.O_RDONLY, dir_fd=fd), fd
+            os.close(parent)
+    finally:
+        os.close(fd)
+
+
+def test_directories_nested_past_path_max_are_an_artifact_error_naming_them_briefly(
+    signed, tmp_path
+):
+    """Python's raw OSError (File name too long), with a 4 kB path, came out of sign,
+    verify_signature and load(verify_signature=)."""
+    _, private, public, _, _ = signed
+    art = _copy(signed, tmp_path)
+    _nested(art, 20)
+    for call in (
+        lambda: sm.load(art, verify_signature=public),
+        lambda: sm.verify_signature(art, public),
+        lambda: sm.sign(art, private),
+    ):
+        says = r"dd/dd.* cannot be read \(File name too long\); nothing was (verified|signed)\."
+        with pytest.raises(sm.ArtifactError, match=says + " Pass the directory") as info:
+            call()
+        assert len(str(info.value)) < 800
