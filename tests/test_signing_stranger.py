@@ -14,6 +14,8 @@ import json
 import mmap
 import os
 import shutil
+import threading
+import time
 
 import jax
 import model_signing.verifying
@@ -81,13 +83,7 @@ def test_files_rewritten_through_a_shared_mmap_after_verification_are_refused(
     it, and load ran the twin's weights as the signed model."""
     _, _, public, x, twin = signed
     art = _copy(signed, tmp_path)
-    names = ("params.safetensors", "selftest.safetensors")
-    text = (art / "manifest.json").read_bytes()
-    listed = json.loads(text)["files"]
-    for name in names:  # the twin's digests in the signed manifest: a consistent artifact
-        digest = hashlib.sha256((twin / name).read_bytes()).hexdigest()
-        text = text.replace(listed[name]["sha256"].encode(), digest.encode())
-    swap = {"manifest.json": text, **{n: (twin / n).read_bytes() for n in names}}
+    swap = _twin_bytes(art, twin)
     maps = {}
     for name, data in swap.items():
         assert len(data) == (art / name).stat().st_size
@@ -108,6 +104,64 @@ def test_files_rewritten_through_a_shared_mmap_after_verification_are_refused(
     finally:
         for m in maps.values():
             m.close()
+
+
+def _twin_bytes(art, twin):
+    """The twin's weights and self-test, and the signed manifest naming their digests: files
+    of the signed ones' sizes that make a consistent artifact."""
+    names = ("params.safetensors", "selftest.safetensors")
+    text = (art / "manifest.json").read_bytes()
+    listed = json.loads(text)["files"]
+    for name in names:
+        digest = hashlib.sha256((twin / name).read_bytes()).hexdigest()
+        text = text.replace(listed[name]["sha256"].encode(), digest.encode())
+    return {"manifest.json": text, **{n: (twin / n).read_bytes() for n in names}}
+
+
+@pytest.mark.slow
+def test_a_thread_rewriting_a_signed_artifact_through_mmap_never_gets_its_twin_loaded(
+    signed, tmp_path
+):
+    """No hook: a thread flips the files between the signed bytes and the twin's, through
+    shared mappings (no metadata changes), while loads run without the self-test; before the
+    fix about one load in 45 returned the twin's model."""
+    _, _, public, x, twin = signed
+    art = _copy(signed, tmp_path)
+    theirs = _twin_bytes(art, twin)
+    ours = {name: (art / name).read_bytes() for name in theirs}
+    maps = {}
+    for name in theirs:
+        with open(art / name, "r+b") as f:
+            maps[name] = mmap.mmap(f.fileno(), 0)
+        maps[name][:] = ours[name]
+    want = np.asarray(sm.load(art)(x))
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            for files in (theirs, ours):
+                for name, data in files.items():
+                    maps[name][:] = data
+                time.sleep(0.0003)
+
+    racer = threading.Thread(target=flip, daemon=True)
+    racer.start()
+    loaded = refused = 0
+    try:
+        while loaded + refused < 600:
+            try:
+                m = sm.load(art, verify_signature=public, self_test=False)
+            except sm.ArtifactError:
+                refused += 1
+                continue
+            np.testing.assert_array_equal(np.asarray(m(x)), want)
+            loaded += 1
+    finally:
+        stop.set()
+        racer.join()
+        for m in maps.values():
+            m.close()
+    assert refused > 0  # the race ran
 
 
 def test_a_directory_swapped_for_a_twin_and_back_while_it_is_read_is_refused(
