@@ -1249,6 +1249,8 @@ def test_a_signed_artifact_loads_with_its_key_and_nothing_else_does(
     sm.verify_signature(art, public)
     np.testing.assert_array_equal(sm.load(art, verify_signature=public)(x), sm.load(src)(x))
     assert main(["verify", str(art), "--key", str(public), "--batches", "2"]) == 0
+    assert main(["verify", str(art), "--verify-signature", str(public)]) == 0  # load's name
+    assert main(["verify", str(src), "--verify-signature", str(public)]) == 2  # not signed
     with pytest.raises(sm.ArtifactError, match=r"is not signed"):
         sm.load(src, verify_signature=public)
     with pytest.raises(sm.ArtifactError, match=r"does not verify with .*theirs.pub"):

@@ -20,7 +20,7 @@ from typing import Any
 
 def subcommand(
     sub: Any, name: str, help: str, handler: Callable[..., int | None],
-    options: Sequence[tuple[str, dict[str, Any]]] = (), more: str = "", epilog: str | None = None,
+    options: Sequence[tuple[Any, dict[str, Any]]] = (), more: str = "", epilog: str | None = None,
 ) -> None:  # fmt: skip
     """Declares the subcommand ``name`` on ``sub`` (``add_subparsers()``'s), run by
     ``handler(args)`` (its exit code, ``None``: 0), with ``options``, each ``(name, add_argument's
@@ -29,8 +29,8 @@ def subcommand(
     p = sub.add_parser(name, help=help, description=help + more, formatter_class=formatter)
     p.set_defaults(handler=handler)
     p.epilog = epilog
-    for option, keywords in options:
-        p.add_argument(option, **keywords)
+    for option, keywords in options:  # an option of two names: a tuple
+        p.add_argument(*((option,) if isinstance(option, str) else option), **keywords)
 
 
 def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Any:
@@ -192,7 +192,8 @@ TRUST = (
      "artifacts you trust as code"}),
     ("--trust", {"action": "store_true", "help": "skip the program checks, as load(trust=True): "
      "only for artifacts you made"}),
-    ("--key", {"help": "a PEM public key: refuse unless every file is signed by it"}),
+    (("--key", "--verify-signature"), {"metavar": "PEM", "help": "a PEM public key: refuse "
+     "unless every file is signed by it, as load(verify_signature=...) does"}),
 )  # fmt: skip
 
 
