@@ -77,10 +77,37 @@ def _surgery():
     return model, None
 
 
+# -- docs_nnx/guides/view.md, as written there: modes set by nnx.view, the views sharing the
+# model's Variables (its eval view as the guide's first one sets it) --------------------------
+class MyModel(nnx.Module):
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, dropout_rate: float, *,
+                 rngs: nnx.Rngs):  # fmt: skip
+        self.lin1 = nnx.Linear(in_dim, hidden_dim, rngs=rngs)
+        self.do = nnx.Dropout(dropout_rate)
+        self.bn = nnx.BatchNorm(hidden_dim, rngs=rngs)
+        self.lin2 = nnx.Linear(hidden_dim, out_dim, rngs=rngs)
+
+    def __call__(self, x, *, rngs=None):
+        x = nnx.relu(self.do(self.bn(self.lin1(x)), rngs=rngs))
+        return self.lin2(x)
+
+
+def _view(mode: str):
+    def build():
+        model = MyModel(16, 8, 2, 0.1, rngs=nnx.Rngs(0))
+        if mode == "train":
+            return nnx.view(model, deterministic=False), None
+        return nnx.view(model, deterministic=True, use_running_average=True), None
+
+    return build
+
+
 CASES = (
     Case("nnx_performance", "nnx", _performance("train"), lambda s: (_x(s, (4, 2)),),
          served=_performance("eval")),
     Case("nnx_surgery", "nnx", _surgery, lambda s: (_x(s, (4, 16)),), classes=10),
+    Case("nnx_view", "nnx", _view("train"), lambda s: (_x(s, (4, 16)),),
+         train={"rngs": lambda: nnx.Rngs(5)}, served=_view("eval")),
 )  # fmt: skip
 
 
@@ -345,3 +372,38 @@ def test_the_guides_optimizer_step_trains_h_module_and_replace_gives_the_hybrid_
     trained = h.replace(params=params, state=state)
     for _ in range(2):  # train mode: Dropout draws from the trained module's stream, as it does
         chex.assert_trees_all_close(trained(XY[0]), model(XY[0]), **TOL)
+
+
+def test_a_hybrid_of_a_view_trained_in_place_is_refused_at_export_naming_replace(tmp_path):
+    """view.md's loop: train_step over the train view, the eval view sharing its Variables.
+    A Hybrid made of the eval view before training holds its params as of sm.hybridize; its
+    export wrote the untrained ones (loss 1.76 every epoch where eval_step fell to 0.98)."""
+    rngs = nnx.Rngs(0)
+    x, y = rngs.normal((16, 16)), rngs.normal((16, 2))
+    model = MyModel(16, 8, 2, 0.1, rngs=rngs)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    train_model = nnx.view(model, deterministic=False)  # training view
+    eval_model = nnx.view(model, deterministic=True, use_running_average=True)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y, rngs):
+        def loss_fn(model, rngs):
+            return ((model(x, rngs=rngs) - y) ** 2).mean()
+
+        grads = nnx.grad(loss_fn)(model, rngs)
+        optimizer.update(model, grads)
+
+    h = sm.hybridize(eval_model)
+    assert h.trained_in_place() == []
+    train_step(train_model, optimizer, x, y, rngs)
+    assert "['lin1']['kernel']" in h.trained_in_place()
+    head = r"holds other Params \(\['bn'\]\['bias'\], .* and 3 more\) .*trained in place since"
+    with pytest.raises(sm.ConfigError, match=head + r" sm\.hybridize.*h\.replace\(params="):
+        sm.export(h, tmp_path / "m", example=x)
+    assert not (tmp_path / "m").exists()
+    params = nnx.to_pure_dict(nnx.state(eval_model, nnx.Param))
+    trained = h.replace(params=params, state=nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+    sm.export(trained, tmp_path / "m", example=x)  # as it says
+    chex.assert_trees_all_close(sm.load(tmp_path / "m")(np.asarray(x)), eval_model(x), **TOL)
+    as_hybridized = h.replace(params=jax.tree.map(jnp.copy, h.params))
+    assert as_hybridized.trained_in_place() == []

@@ -75,6 +75,12 @@ class Staged:
         static, dyn, dyn_kw = self._split("moved_state", args, kwargs)
         return self._traced.moved(static, self._leaves, dyn, dyn_kw) if self.stateful else []
 
+    def trained_in_place(self) -> list[str]:
+        """The Params an nnx module holds now in place of those it was hybridized with (trained
+        in place since: an nnx.Optimizer's update, a view's), as ``"['w1']"``; none once other
+        params were given (``h.replace(params=...)``), and for other models."""
+        return [] if self._model.trained is None else self._model.trained(self.params)
+
     def training_mode(self, /, *args: Any, **kwargs: Any) -> tuple[str, ...]:
         """An nnx module's settings that ``module.eval()`` would flip and that change the
         program on these inputs, as ``"path=value"``; ``()`` in eval mode or for other models."""

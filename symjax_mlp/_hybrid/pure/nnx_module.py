@@ -83,7 +83,7 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
                 raise
             raise unfit from None
         if wrt is not nnx.Param and (changed := _reassigned(params, nnx.state(m, wrt))):
-            raise ConfigError(_REASSIGNED.format(name=module_name, changed=changed))
+            raise ConfigError(_REASSIGNED.format(name=module_name, changed=", ".join(changed)))
         if not state and not keep:  # a Hybrid that carries none: what a call adds, it would drop
             if added := leaf_paths(({}, nnx.to_pure_dict(nnx.state(m, nnx.Not(wrt))))):
                 added = ", ".join(p.removeprefix("state") for p in added)
@@ -97,9 +97,15 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
             graphdefs.setdefault(tuple(leaf_paths((params, new_state))), grown)
         return out, new_state
 
+    born = [id(a) for a in jax.tree.leaves(params)]  # ids: the arrays are h.params' to keep
+
+    def trained(given: Any) -> list[str]:  # the module trained in place (nnx.Optimizer, a view)
+        same = [id(a) for a in jax.tree.leaves(given)] == born
+        return _reassigned(given, nnx.state(module, wrt)) if same else []
+
     target = type(module).__call__ if fn is None else fn
     model = PureModel(call, bool(state), "nnx", merge, target, settings if watched else None,
-                      names, owners, module)  # fmt: skip
+                      names, owners, module, trained=trained)  # fmt: skip
     return model, params, state
 
 
@@ -116,15 +122,15 @@ def trainable(module: Any) -> Any:
     return lambda _, v: isinstance(v, jax.Array) and jax.numpy.issubdtype(v.dtype, floating)
 
 
-def _reassigned(params: Any, now: Any) -> str:
-    """The float arrays (the params of a module of no Param) that a call assigned or added:
-    not the arrays it was given."""
+def _reassigned(params: Any, now: Any) -> list[str]:
+    """The paths of the params in ``now`` that are not the arrays given: the float arrays a
+    call assigned or added (a module of no Param), the Params training assigned in place."""
     from flax import nnx
 
     given = dict(zip(leaf_paths((params, {})), jax.tree.leaves(params), strict=True))
     now = nnx.to_pure_dict(now)
     pairs = zip(leaf_paths((now, {})), jax.tree.leaves(now), strict=True)
-    return ", ".join(p.removeprefix("params") for p, v in pairs if given.get(p) is not v)
+    return [p.removeprefix("params") for p, v in pairs if given.get(p) is not v]
 
 
 _CLOSED = (
