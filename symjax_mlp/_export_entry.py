@@ -23,6 +23,7 @@ from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent, walk
 from symjax_mlp._hybrid.mesh import constrained
 from symjax_mlp._hybrid.params import refuse_donated
 from symjax_mlp._hybrid.pure import is_key
+from symjax_mlp._hybrid.staged import refuse_trained_in_place
 from symjax_mlp._hybrid.trace import TRACER_ERRORS, control_flow_error, unbindable
 from symjax_mlp._specs import (
     TensorSpec,
@@ -37,14 +38,6 @@ _TRAINING = (
     "export({name}): the nnx module is in training mode ({settings}, as built), which changes "
     "its program: the artifact would drop units with one fixed key and normalise each batch by "
     "its own statistics. Call module.eval() before export() (module.train() to train on)."
-)
-_TRAINED = (
-    "export({name}): the nnx module holds other Params ({paths}) than the Hybrid was made of: "
-    "it was trained in place since sm.hybridize (an nnx.Optimizer's update, a view's training "
-    "step), and the Hybrid holds its params as of sm.hybridize, so the artifact would hold the "
-    "untrained ones. Export sm.hybridize(model) of the trained module, or h.replace(params="
-    "nnx.to_pure_dict(nnx.state(model, nnx.Param))); for the params as hybridized, "
-    "h.replace(params=jax.tree.map(jnp.copy, h.params))."
 )
 _FIXED_KEY = (
     "export({name}): the program draws random numbers from the rng stream{s} {streams} that "
@@ -117,9 +110,7 @@ def stage(
         raise unbound
     if training := h.training_mode(*given, **kw):  # once they bind (else its trace refuses)
         raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
-    if trained := h.trained_in_place():
-        more = f" and {len(trained) - 3} more" if len(trained) > 3 else ""
-        raise ConfigError(_TRAINED.format(name=h.name, paths=", ".join(trained[:3]) + more))
+    refuse_trained_in_place(h, f"export({h.name})", "the artifact would hold")
     in_specs = input_structs(examples, batch, shapes, tuple(constraints), h.name)
     stored, fn, baked = _exportable(h)
     streams = _moved(h, static, examples, kw)

@@ -401,6 +401,8 @@ def test_a_hybrid_of_a_view_trained_in_place_is_refused_at_export_naming_replace
     with pytest.raises(sm.ConfigError, match=head + r" sm\.hybridize.*h\.replace\(params="):
         sm.export(h, tmp_path / "m", example=x)
     assert not (tmp_path / "m").exists()
+    with pytest.raises(sm.ConfigError, match=r"^Batcher\(.*\): .*" + head):  # nor served
+        sm.serving.Batcher(h, example=x)
     params = nnx.to_pure_dict(nnx.state(eval_model, nnx.Param))
     trained = h.replace(params=params, state=nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
     sm.export(trained, tmp_path / "m", example=x)  # as it says

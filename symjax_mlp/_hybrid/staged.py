@@ -9,10 +9,30 @@ from typing import Any
 
 import jax
 
+from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import partition
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.params import flat_params, refuse_donated
 from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
+
+_TRAINED = (
+    "{caller}: the nnx module holds other Params ({paths}) than the Hybrid was made of: it was "
+    "trained in place since sm.hybridize (an nnx.Optimizer's update, a view's training step), "
+    "and the Hybrid holds its params as of sm.hybridize, so {what} the untrained ones. Use "
+    "sm.hybridize(model) of the trained module, or h.replace(params=nnx.to_pure_dict("
+    "nnx.state(model, nnx.Param))); for the params as hybridized, h.replace(params="
+    "jax.tree.map(jnp.copy, h.params))."
+)
+
+
+def refuse_trained_in_place(h: Any, caller: str, what: str) -> None:
+    """Raises a ``ConfigError`` if ``h``'s nnx module was trained in place since it was
+    hybridized: ``what`` (export's artifact, a Batcher) would hold the untrained params."""
+    if trained := h.trained_in_place():
+        paths = ", ".join(trained[:3]) + (
+            f" and {len(trained) - 3} more" if len(trained) > 3 else ""
+        )
+        raise ConfigError(_TRAINED.format(caller=caller, paths=paths, what=what))
 
 
 class Staged:

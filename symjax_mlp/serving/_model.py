@@ -20,6 +20,7 @@ import numpy as np
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._hybrid.staged import refuse_trained_in_place
 from symjax_mlp._specs import by_place, keyword_arrays
 
 
@@ -130,6 +131,7 @@ def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
             f"the nnx module is in training mode ({', '.join(training)}: the mode it is built in)"
         )
         raise ConfigError(_TRAINING.format(name=name, what=what, fix=". Call module.eval()."))
+    refuse_trained_in_place(model, f"Batcher({name})", "the batcher would serve")
     h = model.snapshot()  # its module's mode and state as of now, whatever model does later
     if not h.stateful:
         return functools.partial(h, **kwargs) if kwargs else h
