@@ -72,7 +72,7 @@ def load(
         ``symjax_mlp[iree]`` extra).
       self_test: refuse a model that no longer reproduces its self-test vectors.
       mesh: for an artifact of a sharded Hybrid, a mesh of exactly its ``nr_devices``
-        (default: the caller's mesh of that size, else the first ``nr_devices`` devices).
+        (default: the caller's mesh of that size, else the program's own over the first).
       trust: ``True`` skips the checks of the program's ops: for an artifact you trust as
         code you run.
       allow: what the program may do beyond an MLP's ops, by name, e.g.

@@ -5,7 +5,9 @@ replicated (XLA's SPMD partitioner); a batch that does not divide over the shard
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +47,19 @@ def data_mesh(
         )
     n = int(n)  # a NumPy int too
     return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,), devices=devices[:n])
+
+
+def program_mesh(exported: Any, n: int) -> Mesh:
+    """The mesh an exported program of ``n`` devices was sharded over, as Shardy records it
+    (``sdy.mesh @mesh = <["data"=2, "model"=4]>``: a model's own ``with_sharding_constraint``),
+    over the first ``n`` devices; else :func:`data_mesh` of ``n`` (a sharded Hybrid's)."""
+    meshes = re.findall(r"sdy\.mesh @\S+ = <\[([^\]]*)\]", exported.mlir_module())
+    axes = [(a, int(k)) for a, k in re.findall(r'"(\w+)"=(\d+)', meshes[0])] if meshes else []
+    if len(meshes) != 1 or not axes or math.prod(k for _, k in axes) != n:
+        return data_mesh(n)
+    names, sizes = zip(*axes, strict=True)
+    return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names),
+                         devices=jax.devices()[:n])  # fmt: skip
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:

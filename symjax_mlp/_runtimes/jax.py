@@ -21,7 +21,7 @@ from symjax_mlp._artifact import reading
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._compat import skipping_lapack
 from symjax_mlp._errors import ArtifactError, ConfigError
-from symjax_mlp._hybrid.mesh import data_mesh
+from symjax_mlp._hybrid.mesh import program_mesh
 from symjax_mlp._runtimes.transforms import Program, forward_traced
 
 
@@ -120,7 +120,8 @@ def runner(
     if n == 1:  # a LoadedModel calls the program straight for arrays of a signature that ran
         call_checked.direct = run, single  # type: ignore[attr-defined]
         return call_checked, weights
-    mesh = data_mesh(n)  # the first n devices (check_supported saw enough), unless the caller's
+    # the program's mesh over the first n devices (check_supported saw enough), unless the caller's
+    mesh = program_mesh(exported, n)
 
     def run_sharded(inputs: list[Any]) -> list[Any]:
         try:
@@ -131,7 +132,8 @@ def runner(
             raise ConfigError(
                 f"load({str(path)!r}): the artifact runs sharded over {n} devices, and under a "
                 "transformation (jax.grad, jax.vmap) it needs the mesh set around it: "
-                f"with jax.set_mesh(jax.make_mesh(({n},), ('data',))): jax.grad(...)(x)."
+                f"with jax.set_mesh(jax.make_mesh({mesh.axis_sizes}, {mesh.axis_names})): "
+                "jax.grad(...)(x)."
             ) from None
         if not current.empty and current.size == n:
             return call_checked(inputs)
