@@ -36,9 +36,16 @@ def _shuffle(rng: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     return rng, jax.random.permutation(key, n)
 
 
+def _unplaced(tree: Any) -> tuple[Any, ...]:
+    """``tree``'s structure and each leaf's shape, dtype and weak type: its avals, mesh aside."""
+    leaves, structure = jax.tree.flatten(tree)
+    return structure, tuple((a.shape, a.dtype, a.weak_type) for a in map(jax.typeof, leaves))
+
+
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The training step and the prediction, and the step's traces (a second one raises)."""
+    """The training step and the prediction, and the step's traces (a second one raises but
+    for the params' placement on the model's own mesh, once)."""
 
     step: Callable[..., Any]
     predict: Callable[..., Any]
@@ -55,10 +62,16 @@ class Programs:
         devices with ``watch``."""
         step = step_of(model, optimizer, train_flags=spec.train_flags, blocks=blocks, known=spec)
         traces: list[tuple[Any, ...]] = []
+        states: list[Any] = []  # each trace's params and optimizer state, placement aside
 
         def counted(params, opt_state, x, y, w, **kw):
             traces.append(tuple(jax.typeof(a) for a in (x, y, w)))
-            if len(traces) > 1:
+            states.append(_unplaced((params, opt_state)))
+            # a model pinning its activations to its own mesh (with_sharding_constraint, as
+            # flax's pjit guide writes it) returns its params placed there: the second step
+            # traces once more for that placement, and every later step reuses it
+            placed = len(traces) == 2 and traces[1] == traces[0] and states[1] == states[0]
+            if len(traces) > 1 and not placed:
                 raise RetraceError(
                     f"train step traced again (trace #{len(traces) - 1}) with inputs "
                     f"{traces[-1]}; the first trace had {traces[0]}. Every step should see one "
@@ -158,7 +171,8 @@ class TrainResult:
       test_accuracy: accuracy on the test split of the final params.
       train_seconds: wall time of this call (init, compile, epochs, evaluation).
       compiled: whether the step was jit-compiled.
-      trace_count: how often this call traced the step (1 when compiled, 0 eagerly).
+      trace_count: how often this call traced the step (1 when compiled, 2 for a model that
+        places its params on its own mesh, 0 eagerly).
       resumed_from: the checkpoint this call continued from, or ``None``.
       checkpoint: the newest checkpoint written or resumed from, or ``None``.
       num_features: the model's input width.
