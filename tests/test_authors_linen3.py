@@ -315,3 +315,19 @@ def test_the_guides_logical_mlp_runs_trains_exports_and_shards_as_flax(tmp_path)
 
 def _paths(tree):
     return ["/".join(str(k.key) for k in path) for path, _ in jax.tree.leaves_with_path(tree)]
+
+
+@pytest.mark.slow
+def test_a_mesh_of_its_devices_but_not_its_shape_is_refused_naming_the_programs(exported):  # noqa: F811
+    """Its program runs on its 2x4 mesh only: on a mesh of 8 of another shape (load's mesh=,
+    or one set around the call) the ArtifactError said it was corrupted; export it again."""
+    h, path = exported(CASES[0])
+    x = np.asarray(CASES[0].inputs(1)[0])
+    chex.assert_trees_all_close(sm.load(path, mesh=mesh)(x), h(x), **matrix.TOL)
+    fix = r"\{'data': 2, 'model': 4\}.*not the \{'data': 8\}.*\(\(2, 4\), \('data', 'model'\)\)"
+    with pytest.raises(sm.ConfigError, match=fix):
+        sm.load(path, mesh=sm.data_mesh(8))(x)
+    m = sm.load(path)
+    with jax.set_mesh(sm.data_mesh(8)), pytest.raises(sm.ConfigError, match=fix):
+        m(x)
+    chex.assert_trees_all_close(m(x), h(x), **matrix.TOL)  # on its own mesh again

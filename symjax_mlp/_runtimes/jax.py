@@ -136,7 +136,17 @@ def runner(
                 "jax.grad(...)(x)."
             ) from None
         if not current.empty and current.size == n:
-            return call_checked(inputs)
+            try:
+                return call_checked(inputs)
+            except Exception as e:  # the caller's mesh (or load's mesh=), of another shape
+                if current.axis_sizes == mesh.axis_sizes:
+                    raise
+                raise ConfigError(
+                    f"load({str(path)!r}): the artifact's program is sharded over a mesh "
+                    f"{dict(mesh.shape)} and runs on a mesh of that shape, not the "
+                    f"{dict(current.shape)} set around the call (or passed as load's mesh=): "
+                    f"pass mesh=jax.make_mesh({mesh.axis_sizes}, {mesh.axis_names}), or none."
+                ) from e
         with jax.set_mesh(mesh):
             return call_checked(inputs)
 
