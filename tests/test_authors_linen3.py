@@ -209,6 +209,7 @@ TIED = LM1B.replace(logits_via_embedding=True)
 CASES = (
     Case("pjit_mlp", "linen", _init(MLP(2, 8, False), X8), lambda s: (_x(s, (8, 8)),), classes=8),
     Case("pjit_mlp_scan", "linen", _init(MLP(2, 8, True), X8), lambda s: (_x(s, (8, 8)),),
+         classes=8,
          allow=frozenset({"dynamic_slice", "dynamic_update_slice", "real_dynamic_slice"})),
     Case("pjit_mlp_unboxed", "linen", _init(MLP(2, 8, False), X8, unbox=True),
          lambda s: (_x(s, (8, 8)),)),
@@ -331,3 +332,16 @@ def test_a_mesh_of_its_devices_but_not_its_shape_is_refused_naming_the_programs(
     with jax.set_mesh(sm.data_mesh(8)), pytest.raises(sm.ConfigError, match=fix):
         m(x)
     chex.assert_trees_all_close(m(x), h(x), **matrix.TOL)  # on its own mesh again
+
+
+@pytest.mark.slow
+def test_the_guides_mlp_shards_over_its_mesh_and_exports_sharded(tmp_path):
+    """``sm.shard`` over the guide's 2x4 mesh (batch over 'data'), boxed params: as flax, and
+    its artifact loads on that mesh by default."""
+    model, variables = CASES[0].build()
+    x = np.asarray(_x(7, (8, 8)))
+    want = model.apply(variables, x)  # eager flax under set_mesh unboxes by a constraint: raises
+    s = sm.shard(sm.hybridize(model, variables), mesh)
+    chex.assert_trees_all_close(s(x), want, **matrix.TOL)
+    sm.export(s, tmp_path / "m", example=x)
+    chex.assert_trees_all_close(sm.load(tmp_path / "m")(x), want, **matrix.TOL)
