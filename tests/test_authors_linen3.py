@@ -332,6 +332,12 @@ def test_a_mesh_of_its_devices_but_not_its_shape_is_refused_naming_the_programs(
     with jax.set_mesh(sm.data_mesh(8)), pytest.raises(sm.ConfigError, match=fix):
         m(x)
     chex.assert_trees_all_close(m(x), h(x), **matrix.TOL)  # on its own mesh again
+    # under jax.jit, the mesh to set around it: it named a 1-D one, on which it fails
+    with pytest.raises(sm.ConfigError, match=r"jax\.make_mesh\(\(2, 4\), \('data', 'model'\)\)"):
+        jax.jit(m)(x)
+    want = h(x)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):  # as it says: Explicit axes
+        chex.assert_trees_all_close(jax.jit(m)(x), want, **matrix.TOL)
 
 
 @pytest.mark.slow
