@@ -589,5 +589,7 @@ def test_params_a_donating_jit_deleted_are_named_not_a_crash(where, tmp_path):
     for run in (h, h.eager, lambda x: sm.export(h, tmp_path / "a", example=x)):
         with pytest.raises(sm.ConfigError, match=says):
             run(x)
-    again = h.replace(params={"w": jnp.ones((4, 3)), "b": jnp.zeros(3)})  # the fix it names
+    fresh = jax.device_put({"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}, h.params["w"].sharding)
+    np.testing.assert_array_equal(h.apply(fresh, x), want)  # h.apply runs the params given
+    again = h.replace(params=fresh)  # the fix it names
     np.testing.assert_array_equal(again(x), want)

@@ -342,7 +342,7 @@ class Hybrid(Staged, NoPickle):
 
     def _apply_pure(self, caller: str, params: Any, state: Any, args: Any, kwargs: Any) -> Any:
         """``(out, new_state)`` of the compiled pure function; nnx objects given written back."""
-        static, dyn, dyn_kw = self._partition(args, kwargs, caller)
+        static, dyn, dyn_kw = self._partition(args, kwargs, caller, params=params)
         variables = given(dyn, dyn_kw, caller)
         check_given(caller, params)  # (jit: a big-endian array's [0., 0.])
         if self._apply is None:  # never donating: params and state are the caller's

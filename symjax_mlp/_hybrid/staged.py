@@ -70,12 +70,14 @@ class Staged:
         flat_params(f"{self.name}.graph", self.params, passed=True)  # refused by its path
         raise overflow
 
-    def _partition(self, args: Any, kwargs: Any, caller: str, failed: bool = False) -> tuple:
-        """The call's static key (with the module's settings), traced args, kwargs; params a
-        donating jit deleted refused first where a call of them crashes (several devices), or
-        once a call ``failed``."""
+    def _partition(
+        self, args: Any, kwargs: Any, caller: str, failed: bool = False, params: Any = None
+    ) -> tuple:
+        """The call's static key (with the module's settings), traced args, kwargs; the params
+        it runs (``params``, else the held ones) refused first if a donating jit deleted them,
+        where a call of them crashes (several devices), or once a call ``failed``."""
         if failed or self._spans:
-            refuse_donated(caller, self.params)
+            refuse_donated(caller, self.params if params is None else params)
         self._model.refuse_keywords(caller, kwargs)  # linen's h(x, method=...)
         nums, names, own = self.static_argnums, self.static_argnames, (self, self._model.source)
         static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
