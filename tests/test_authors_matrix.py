@@ -25,7 +25,22 @@ import symjax_mlp as sm
 
 N = 2  # the second call runs on the state (and rng streams) the first left
 TOL = {"rtol": 2e-5, "atol": 2e-5}
-IDS = [c.name for c in MATRIX]
+#: The nine heaviest families (about half the matrix's time: eager op-by-op runs of ViT, BERT,
+#: a GAN...) run every feature under `-m slow`, which CI runs after the README's suite: that
+#: suite stays within its 10 minutes on 2 cores with every feature over the other families.
+HEAVY = frozenset({"sst2", "eqx_gan", "eqx_vit", "vit", "eqx_bert", "lm1b", "eqx_diffusion",
+                   "tutorial_cnn", "mixer"})  # fmt: skip
+
+
+def _params(items, name):
+    """``items`` as pytest params, a heavy family's marked slow."""
+    slow = [pytest.mark.slow]
+    return [pytest.param(*(i if isinstance(i, tuple) else (i,)), id=name(i),
+                         marks=slow if (i[0] if isinstance(i, tuple) else i).name in HEAVY else ())
+            for i in items]  # fmt: skip
+
+
+FAMILIES = _params(MATRIX, lambda c: c.name)
 LAYERS = ("dot_general", "conv_general_dilated", "scan", "reduce_window_sum", "reduce_window_max")
 
 
@@ -85,7 +100,7 @@ def loaded(exported):
 MODES = [(c, m) for c in MATRIX for m in ("train", "eval") if m == "train" or c.eval or c.served]
 
 
-@pytest.mark.parametrize(("case", "mode"), MODES, ids=[f"{c.name}-{m}" for c, m in MODES])
+@pytest.mark.parametrize(("case", "mode"), _params(MODES, lambda cm: f"{cm[0].name}-{cm[1]}"))
 def test_compiled_equals_eager_equals_the_plain_framework(case, mode):
     want, want_state, want_settings = plain_calls(case, mode, N)
     for compiled in (True, False):
@@ -139,7 +154,7 @@ def _want_grads(case, mode, xs, state):
     return eqx.filter(grads, eqx.is_array)
 
 
-@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+@pytest.mark.parametrize("case", FAMILIES)
 def test_grads_through_apply_equal_the_frameworks(case):
     # in training mode where its rng is the caller's (an equinox key, an nnx.Rngs made in the
     # loss); linen's rng streams are the Hybrid's own, so its models in eval mode
@@ -174,7 +189,7 @@ def test_an_nnx_rngs_made_outside_jax_grad_is_refused_naming_one_made_inside():
 
 
 # -- 3. sm.stage and h.graph -----------------------------------------------------------------
-@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+@pytest.mark.parametrize("case", FAMILIES)
 def test_stage_and_graph_count_the_same_layers(case):
     h, xs, settings = case.hybridize("eval"), case.inputs(0), case.settings("eval")
     graph = h.graph(*xs, **settings).primitive_counts
@@ -228,7 +243,7 @@ def test_stage_splits_an_equinox_module_among_its_arguments_as_filter_make_jaxpr
 
 
 # -- 4. export -> load, in JAX and under IREE (exported with a VJP: 7. takes grads) -----------
-@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+@pytest.mark.parametrize("case", FAMILIES)
 def test_export_loads_in_jax_and_iree_as_the_source(case, exported, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # IREE's modules: this test's own
     h, path = exported(case)
@@ -364,7 +379,7 @@ def _piece_steps(case, data, n=3):
 CLASSIFIERS = [c for c in MATRIX if c.classes]
 
 
-@pytest.mark.parametrize("case", CLASSIFIERS, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", _params(CLASSIFIERS, lambda c: c.name))
 def test_a_classifier_trains_or_is_refused_naming_a_fix_that_trains(case):
     data = _dataset(case)
     model, _ = case.build()
@@ -387,7 +402,7 @@ def test_a_classifier_trains_or_is_refused_naming_a_fix_that_trains(case):
 
 
 # -- 6. a Batcher on the artifact and on the Hybrid ------------------------------------------
-@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+@pytest.mark.parametrize("case", FAMILIES)
 def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case, loaded):
     (h, m), settings = loaded(case), case.settings("eval")
     xs = tuple(map(np.asarray, case.inputs(1)))
@@ -411,7 +426,7 @@ def test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case,
 
 
 # -- 7. vmap and grad over the loaded model, and timeit over both ----------------------------
-@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+@pytest.mark.parametrize("case", FAMILIES)
 def test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, loaded):
     h, m = loaded(case)
     source = _source(h, case)
@@ -426,7 +441,7 @@ def test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, loaded):
     _close(got, jax.grad(lambda *a: _loss(source(*a)), argnums=floats)(*xs))
 
 
-@pytest.mark.parametrize("case", MATRIX, ids=IDS)
+@pytest.mark.parametrize("case", FAMILIES)
 def test_timeit_times_the_hybrid_and_the_loaded_model(case, loaded):
     (h, m), settings = loaded(case), case.settings("eval")
     xs = case.inputs(0)

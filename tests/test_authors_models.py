@@ -364,6 +364,7 @@ def test_a_linen_dropout_exported_in_training_is_refused_and_the_named_fix_draws
     assert not np.allclose(m(x, k1), m(x, k2))  # a mask per key, not one baked in
 
 
+@pytest.mark.slow  # (the README suite: within 10 minutes on 2 cores)
 def test_seq2seq_draws_its_lstm_stream_per_call_and_exports_with_the_key_an_input(tmp_path):
     """flax examples/seq2seq: nn.RNN cells sampling from an "lstm" stream on every call (no
     mode turns it off). A Hybrid given that stream splits it per call as the example's loop

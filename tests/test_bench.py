@@ -177,6 +177,7 @@ def test_the_latency_mode_row_runs_h_with_synchronous_dispatch_in_its_own_proces
     assert "torch_fastest_over_latency_mode" not in report.targets
 
 
+@pytest.mark.slow  # (the README suite: within 10 minutes on 2 cores)
 def test_a_benchmark_run_in_latency_mode_says_so():
     """Run from a process already in latency mode, the table's own rows are synchronous: the
     report says which dispatch it ran in, and does not claim a hand-off it did not pay."""

@@ -556,6 +556,7 @@ def test_train_refuses_a_json_that_is_its_checkpoint_directory(tmp_path, capsys)
     assert "Pass --json another path." in err and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # (the README suite: within 10 minutes on 2 cores)
 def test_verify_json_tolerances_and_exit_1_on_a_failed_check(tmp_path, capsys):
     import json
 

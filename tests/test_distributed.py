@@ -323,6 +323,7 @@ def test_an_artifact_for_more_devices_than_visible_is_refused(tmp_path):
 
 
 # -- two processes (jax.distributed), one CPU device each ----------------------------------
+@pytest.mark.slow  # (the README suite: within 10 minutes on 2 cores)
 def test_two_processes_agree_with_one(tmp_path):
     net, _, variables, x, y = _problem()
     leaves = jax.tree.leaves(variables)

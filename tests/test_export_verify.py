@@ -72,6 +72,7 @@ def test_a_batch_the_constraints_refuse_is_named_and_the_rest_checked(tmp_path, 
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # (the README suite: within 10 minutes on 2 cores)
 def test_verify_of_a_model_that_returns_an_rng_key_compares_its_key_data(tmp_path, capsys):
     """The fresh process turned outputs into NumPy arrays with np.asarray, which refuses a key:
     `symjax-mlp verify` printed its traceback and FAILED. A key is compared by its key data."""

@@ -565,6 +565,7 @@ def test_the_benchmark_times_the_same_vmfb_natively_and_holds_the_iree_targets(c
     assert native["value"] == 1.3 and native["target"] == "<= 1.2" and native["met"] is False
 
 
+@pytest.mark.slow  # (the README suite: within 10 minutes on 2 cores)
 def test_the_per_request_table_has_both_iree_rows_and_their_targets():
     """``bench_per_request(iree=True)``: the IREE rows (from Python, and the same .vmfb in
     iree-benchmark-module) are timed in the same process as h(x), interleaved with it, and the
