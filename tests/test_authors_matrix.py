@@ -25,11 +25,11 @@ import symjax_mlp as sm
 
 N = 2  # the second call runs on the state (and rng streams) the first left
 TOL = {"rtol": 2e-5, "atol": 2e-5}
-#: The nine heaviest families (about half the matrix's time: eager op-by-op runs of ViT, BERT,
-#: a GAN...) run every feature under `-m slow`, which CI runs after the README's suite: that
-#: suite stays within its 10 minutes on 2 cores with every feature over the other families.
+#: The twelve heaviest families (over half the matrix's time: eager op-by-op runs of ViT,
+#: BERT, a GAN...) run every feature under `-m slow`, which CI runs after the README's suite:
+#: that suite stays within its 10 minutes on 2 cores with every feature over the others.
 HEAVY = frozenset({"sst2", "eqx_gan", "eqx_vit", "vit", "eqx_bert", "lm1b", "eqx_diffusion",
-                   "tutorial_cnn", "mixer"})  # fmt: skip
+                   "tutorial_cnn", "mixer", "nnx_minigpt", "eqx_cnn", "resnet"})  # fmt: skip
 
 
 def _params(items, name):
