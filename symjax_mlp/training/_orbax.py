@@ -28,7 +28,7 @@ import numpy as np
 
 from symjax_mlp._errors import CheckpointError
 from symjax_mlp.training._checkpoint import broken, check_manifest
-from symjax_mlp.training._paths import COMMITTED, checkpoints, entries
+from symjax_mlp.training._paths import COMMITTED, entries
 from symjax_mlp.training._state import TrainState, check_fit, named_leaves, specs, state_of
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
@@ -37,11 +37,6 @@ _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
 _QUEUED = 2
 _MAX_ENTRIES = 100_000  # in one step's directory: its arrays' data files are a few per process
 _MAX_READ_WHOLE = 64 << 20  # a file Orbax reads whole (JSON, OCDBT's manifest)
-
-
-def orbax_steps(directory: Path) -> list[int]:
-    """The committed Orbax steps in ``directory``."""
-    return [step for step, _ in checkpoints(directory, orbax=True)]
 
 
 def _digest(tensors: dict[str, Any]) -> str:
