@@ -39,11 +39,14 @@ _MIXED_BATCH = (
     "then the trace fails ({error}). Give every batched input the same number of rows in "
     "example=, or pass shapes= to say which dimensions are the batch."
 )
-_SHAPES = (
+_SHAPES_FAIL = (
     "export({name}, shapes=...): with the dimensions shapes= makes symbolic ({types}) the trace "
-    "fails ({error}), while the example's own shapes trace: the model takes one of them as a "
-    "Python number (float(n), range(n), a size it caches by). Keep only the batch symbolic, "
-    "e.g. shapes={fix}, or pass batch=None to export the example's static shapes."
+    "fails ({error}), while the example's own shapes trace"
+)
+_SHAPES = (
+    ": the model takes one of them as a Python number (float(n), range(n), a size it caches "
+    "by). Keep only the batch symbolic, e.g. shapes={fix}, or pass batch=None to export the "
+    "example's static shapes."
 )
 _SHARED = (
     "; if an input has no batch dimension (a mask or weights shared by every row), give it "
@@ -75,10 +78,13 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
     if stage.per_input_shapes:  # (s > 6 inconclusive, or float(s))
         if not _traces(jitted, p_structs, examples):
             raise error  # not the shapes' doing: the model's own error
-        fix = tuple(_batch_only(s, x) for s, x in zip(stage.in_specs, examples, strict=True))
-        raise SignatureError(
-            _SHAPES.format(name=stage.h.name, types=", ".join(types), error=first, fix=fix)
-        ) from None
+        head = _SHAPES_FAIL.format(name=stage.h.name, types=", ".join(types), error=first)
+        if any(not isinstance(d, int) for x in stage.in_specs for d in x.shape[1:]):
+            fix = tuple(_batch_only(s, x) for s, x in zip(stage.in_specs, examples, strict=True))
+            raise SignatureError(head + _SHAPES.format(fix=fix)) from None
+        # only the batch symbolic: the model fixes its rows (it named this very shapes= as the fix)
+        why = _ensemble(p_structs, lead) or _FIXED.format(lead=lead[0])
+        raise SignatureError(f"{head}. {why}") from None
     if any(shared):  # e.g. x (4, 3) and w (3,): w is no batch of 4 rows
         rows = {f"args[{i}]": x.shape[0] if x.shape else None for i, x in enumerate(examples)}
         raise SignatureError(
@@ -93,10 +99,8 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
         name=stage.h.name, batch=batch, types=", ".join(types), error=first,
         traced="the example's own shapes trace" if static else "one row of it traces",
     )  # fmt: skip
-    members = {p: s.shape for p, s in p_structs.items() if s.shape[:1] == lead}
-    if static and members and len(members) == len(p_structs):
-        path, shape = next(iter(members.items()))
-        raise SignatureError(head + _ENSEMBLE.format(lead=lead[0], path=path, shape=shape))
+    if static and (ensemble := _ensemble(p_structs, lead)) is not None:
+        raise SignatureError(head + ensemble)
     if static and not one:
         raise SignatureError(head + _FIXED.format(lead=lead[0])) from None
     spec = f"{batch}, {', '.join(map(str, examples[0].shape[1:]))}".strip(", ")
@@ -107,6 +111,15 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
             shared="" if len(examples) < 2 else _SHARED.format(specs=specs),
         )
     ) from None  # fmt: skip
+
+
+def _ensemble(p_structs: Any, lead: tuple[int, ...]) -> str | None:
+    """Why a model whose every param leads with the example's rows takes no batch, or ``None``."""
+    members = {p: s.shape for p, s in p_structs.items() if s.shape[:1] == lead}
+    if not members or len(members) != len(p_structs):
+        return None
+    path, shape = next(iter(members.items()))
+    return _ENSEMBLE.format(lead=lead[0], path=path, shape=shape)
 
 
 def _batch_only(spec: Any, example: Any) -> str | None:

@@ -291,6 +291,14 @@ def _holds_arrays(value: Any) -> bool:
 
 
 def _list_error(caller: str, path: str, value: list) -> Exception:
+    if value and all(isinstance(v, (str, bytes)) for v in value):  # no array to make of it
+        shown = repr(tuple(value))
+        return SignatureError(
+            f"{caller}: {path} is a Python list of {len(value)} name(s), but an input must be "
+            "an array and a setting hashable, which a list is not. A list of names is a "
+            f"setting, as flax's mutable= is: pass the tuple "
+            f"{shown if len(shown) <= 120 else f'tuple({path})'}."
+        )
     holding, fix = "", f"Pass jnp.asarray({path}), or a tuple if it is a setting."
     if _holds_arrays(value):
         holding = " holding arrays"

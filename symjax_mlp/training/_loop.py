@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from symjax_mlp._errors import CheckpointError, ConfigError, ControlFlowError, as_int
+from symjax_mlp._errors import CheckpointError, ConfigError, ControlFlowError, SymjaxError, as_int
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._models import mlp
 from symjax_mlp.training._checkpoint import save_checkpoint
@@ -50,6 +50,14 @@ _CONTROL_FLOW = (
     "dtypes are known: a Python if/while on an array, float(x), int(x) or np.asarray(x) in "
     "__call__ cannot be decided. Stay symbolic: jnp.where or jax.lax.cond for an if, "
     "jax.lax.while_loop for a while, jnp operations for float(x)."
+)
+_ONE_ROW = (  # a note on what the model raised
+    "{caller}: raised by the model on one row of x_train, shape {shape}: train() looks at the "
+    "model on one row, and trains it on batches of any size up to batch_size (the last one "
+    "smaller). A model whose params fix its rows (an ensemble, one member per row: nnx.vmap or "
+    "eqx.filter_vmap over stacked params) trains in a loop of your own over h.apply: "
+    "h = sm.hybridize(model), jax.grad of your loss of h.apply(params, x), an optax update, "
+    "h.replace(params=params)."
 )
 _PAST = (
     "symjax_mlp.training.train(epochs={epochs}, resume=True): the newest checkpoint, {found}, "
@@ -312,6 +320,10 @@ def _classifier(
     except TRACER_ERRORS as e:  # the model's Python control flow on an array
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
         raise ControlFlowError(_CONTROL_FLOW.format(caller=caller, error=error)) from e
+    except Exception as e:  # the model's own, raised as it is: on the one row it is looked at
+        if not isinstance(e, SymjaxError):
+            e.add_note(_ONE_ROW.format(caller=caller, shape=example.shape))
+        raise
     out = spec.out  # an inference call's, as its spec found it
     shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
     if shape is None or len(shape) != 2 or not jnp.issubdtype(dtype, jnp.floating):
