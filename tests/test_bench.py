@@ -924,9 +924,10 @@ def test_interleaved_rows_can_pause_between_repeats(monkeypatch):
 
 @pytest.mark.slow
 def test_the_http_rows_answer_every_request_and_say_where_a_lone_requests_time_goes():
-    """``--serving``'s HTTP section, tiny: serve and both bare endpoints answer every request,
-    the ratios are computed in the run, and the lone-request probe reports serve's own
-    Server-Timing stages beside the artifact's call hot, after an idle CPU and after a spin."""
+    """``--serving``'s HTTP section, tiny: serve, both bare endpoints and serve's ceiling (the
+    bare one answering the model's outputs) answer every request, the ratios are computed in
+    the run, and the lone-request probe reports serve's own Server-Timing stages beside the
+    artifact's call hot, after an idle CPU and after a spin."""
     from benchmarks.http_rows import http_rows
     from benchmarks.serving import format_serving
 
@@ -936,16 +937,19 @@ def test_the_http_rows_answer_every_request_and_say_where_a_lone_requests_time_g
         max_batch=4, env=env, timeout=300, say=lambda _: None, rounds=1,
     )  # fmt: skip
     assert {r["body"] for r in h["rows"]} == {"json", "npy"} and h["server_exit_code"] == 0
-    for r in [*h["rows"], *h["bare"], *h["bare_stdlib"]]:
+    for r in [*h["rows"], *h["bare"], *h["bare_stdlib"], *h["ceiling"]]:
         assert r["errors"] == 0 and r["n"] == 20 and r["throughput_rps"] > 0, r
     json_row = next(r for r in h["rows"] if r["body"] == "json")
     assert json_row["vs_bare"] == json_row["throughput_rps"] / h["bare"][0]["throughput_rps"]
+    assert json_row["vs_ceiling"] == json_row["throughput_rps"] / h["ceiling"][0]["throughput_rps"]
     lone = h["lone"]
     assert "idle_probe_error" not in lone, lone
     for key in ("served_queued_s", "served_compute_s", "call_hot_s", "call_after_sleep_s",
                 "call_after_spin_s"):  # fmt: skip
         assert 0 < lone[key] < 1, (key, lone)
-    assert "a lone client's request: the model's call" in format_serving({"http": h})
+    shown = format_serving({"http": h})
+    assert "a lone client's request: the model's call" in shown
+    assert "serve's ceiling" in shown and "against its ceiling" in shown
 
 
 @pytest.mark.ray

@@ -5,9 +5,12 @@
 bounded concurrency (:func:`http_load`), reading rows per batch from its ``/metrics``. The
 yardstick runs beside it: a bare starlette endpoint under the same uvicorn settings
 (:data:`_BARE`) that parses the JSON body into a NumPy array (with orjson, as ``serve``
-does) and answers a constant of the output's shape, driven by the same clients. Every row is
-run ``rounds`` times, interleaved with the others, and reported by its run of median req/s,
-with the CPU time its server process spent a request (``/proc``): where the time goes.
+does) and answers a constant of the output's shape, driven by the same clients; and serve's
+ceiling (:data:`_CEILING`), that endpoint answering the model's outputs: no model's call can
+reach the bare endpoint, and serve adds to the ceiling what its batcher, checks and bounds
+cost. Every row is run ``rounds`` times, interleaved with the others, and reported by its run of
+median req/s, with the CPU time its server process spent a request (``/proc``): where the time
+goes.
 """
 
 from __future__ import annotations
@@ -54,6 +57,21 @@ uvicorn.Server(config).run(sockets=[sock])
 
 #: The same endpoint parsing with the standard library's json (the issue's first yardstick).
 _BARE_STDLIB = _BARE.replace("from orjson import loads", "from json import loads")
+
+#: ``serve``'s ceiling: the bare endpoint answering the artifact's outputs, ``python -c _CEILING
+#: OUT_WIDTH ARTIFACT``; loaded as ``serve`` loads it (latency mode; gc.freeze once compiled),
+#: called on each parsed array, written by orjson. No batcher, no checks, no bounds: what serve
+#: would reach if all it added to the bare endpoint were the model's call.
+_CEILING = _BARE.replace(
+    "from benchmarks.bare import app",
+    """from benchmarks.bare import app
+import gc, numpy as np, orjson, symjax_mlp as sm
+sm.serving.latency_mode()
+model = sm.load(sys.argv[2])
+answer = lambda x: orjson.dumps({"outputs": np.asarray(model(x)).tolist()})
+answer(np.zeros((1, *model.signature.inputs[0].shape[1:]), np.float32))
+gc.freeze()""",
+).replace("app(int(sys.argv[1]), loads)", "app(int(sys.argv[1]), loads, answer)")
 
 
 @contextlib.contextmanager
@@ -172,6 +190,7 @@ def http_rows(
     rows: list[dict] = []
     bare: dict[int, dict] = {}
     stdlib: dict[int, dict] = {}
+    ceiling: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="symjax_mlp_serve_") as tmp:
         art = os.path.join(tmp, "mlp")
         sm.export(h, art, example=xn, batch="b")
@@ -183,14 +202,16 @@ def http_rows(
             _server(serve, env, timeout) as (host, port, proc),
             _server(yardstick, env, timeout) as bare_server,
             _server([*yardstick[:2], _BARE_STDLIB, *yardstick[3:]], env, timeout) as std,
+            _server([*yardstick[:2], _CEILING, *yardstick[3:], art], env, timeout) as top,
         ):
             body, kind = bodies["json"]
             for c in clients:
                 say(f"HTTP: {c} client(s), serve and the bare endpoints, {rounds} rounds")
-                runs: dict[str, list[dict]] = {k: [] for k in ("bare", "stdlib", *bodies)}
+                runs: dict[str, list[dict]] = {k: [] for k in ("bare", "stdlib", "top", *bodies)}
                 for _ in range(rounds):  # interleaved: drift hits every row alike
                     runs["bare"].append(_measure(*bare_server, body, kind, c, requests))
                     runs["stdlib"].append(_measure(*std, body, kind, c, requests))
+                    runs["top"].append(_measure(*top, body, kind, c, requests))
                     for name, (b, k) in bodies.items():
                         before = _scrape(host, port)
                         row = _measure(host, port, proc, b, k, c, requests)
@@ -206,6 +227,7 @@ def http_rows(
                 bare[c] = {"clients": c, "body": "json", **_median_run(runs["bare"])}
                 stdlib[c] = {"clients": c, "body": "json", "parser": "json",
                              **_median_run(runs["stdlib"])}  # fmt: skip
+                ceiling[c] = {"clients": c, "body": "json", **_median_run(runs["top"])}
                 rows += [{"clients": c, "body": n, **_median_run(runs[n])} for n in bodies]
             say("HTTP: where a lone request's time goes (Server-Timing; an idle CPU)")
             lone = {**served_timing(host, port, *bodies["json"]), **_idle_probe(art, env, timeout)}
@@ -215,10 +237,12 @@ def http_rows(
         if row["body"] == "json":
             row["vs_bare"] = row["throughput_rps"] / bare[row["clients"]]["throughput_rps"]
             row["vs_bare_stdlib"] = row["throughput_rps"] / stdlib[row["clients"]]["throughput_rps"]
+            row["vs_ceiling"] = row["throughput_rps"] / ceiling[row["clients"]]["throughput_rps"]
     return {
         "rows": rows,
         "bare": list(bare.values()),
         "bare_stdlib": list(stdlib.values()),
+        "ceiling": list(ceiling.values()),
         "server_exit_code": exit_code,
         "metrics": metrics,
         "rounds": rounds,

@@ -390,11 +390,19 @@ def format_serving(result: Mapping[str, Any]) -> str:
                     f"{us(r['p50_s']):>10} {us(r['p99_s']):>10} {cpu(r):>10}  "
                     f"(starlette, {parser}, constant)"
                 )
+        for r in h.get("ceiling", []):  # the bare endpoint answering the model's outputs
+            lines.append(
+                f"  {r['clients']:>7} {'ceil':<5} {r['throughput_rps']:>9.0f} "
+                f"{us(r['p50_s']):>10} {us(r['p99_s']):>10} {cpu(r):>10}  "
+                "(starlette, orjson, the model's call: serve's ceiling)"
+            )
         for r in h["rows"]:
             if "vs_bare_stdlib" in r:
+                top = r.get("vs_ceiling")  # what serve adds to the model's call
                 lines.append(
                     f"  serve/bare at {r['clients']} client(s): {r['vs_bare']:.2f} (both orjson, "
                     f"the target's); against the stdlib-json endpoint {r['vs_bare_stdlib']:.2f}"
+                    + ("" if top is None else f"; against its ceiling {top:.2f}")
                 )
         lone = h.get("lone", {})
         if "served_compute_s" in lone and "call_hot_s" in lone:
