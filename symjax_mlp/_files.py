@@ -28,6 +28,41 @@ _AT_FDCWD, _RENAME_NOREPLACE, _RENAME_EXCHANGE = -100, 1, 2
 _UNSUPPORTED = (22, 38, 95)  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot do it
 
 
+def exhausted(e: OSError, size: int | None = None) -> str | None:
+    """What to do about the system limit ``e`` hit writing (``size`` bytes, if known) or opening
+    a file: a full disk, a file-size or open-file limit; ``None`` for any other error."""
+    big = f"{size:,} bytes is" if size is not None else "The file is"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "Free space there (or raise this user's quota), or write to another filesystem."
+    if e.errno == errno.EFBIG and (soft := _soft_limit("RLIMIT_FSIZE")) is not None:
+        return (
+            f"{big} more than the {soft:,} bytes this process may write to a file (ulimit -f, "
+            "RLIMIT_FSIZE): raise that limit (ulimit -f unlimited)."
+        )
+    if e.errno == errno.EFBIG:
+        return f"{big} more than a file there may hold: write to another filesystem."
+    if e.errno == errno.EMFILE:
+        held = f"the {soft:,} files" if (soft := _soft_limit("RLIMIT_NOFILE")) else "the files"
+        return (
+            f"This process has open all {held} it may (ulimit -n, RLIMIT_NOFILE): raise that "
+            "limit, or open fewer files or connections at once."
+        )
+    if e.errno == errno.ENFILE:
+        return "The system has open all the files it may (fs.file-max): close some, or raise it."
+    return None
+
+
+def _soft_limit(name: str) -> int | None:
+    """This process's soft ``resource`` limit ``name``; ``None``: unlimited, or no such limit."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(getattr(resource, name))[0]
+    except (ImportError, AttributeError, OSError, ValueError):  # not POSIX
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -133,10 +168,9 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
     except OSError as e:
         kept = "" if special else f"; what each {'other ' if done else ''}path held is unchanged"
         wrote = f"; written already: {', '.join(done)}" if done else ""
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)  # else: a directory there, no access
+        fix = exhausted(e, len(data)) or "Pass another path."  # else: a directory, no access
         raise ConfigError(
-            f"cannot write {os.fspath(file)} ({e.strerror or e}){wrote}{kept}. "
-            + ("Free space there, or pass another path." if full else "Pass another path.")
+            f"cannot write {os.fspath(file)} ({e.strerror or e}){wrote}{kept}. {fix}"
         ) from None
     finally:
         for tmp, *_ in staged:
@@ -146,10 +180,12 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
 def write_dir(
     path: Path, files: Mapping[str, bytes], *, overwrite: bool,
     check: Callable[[Path, bool], None], error: type[SymjaxError], what: str = "",
+    then: str = "",
 ) -> None:  # fmt: skip
     """Writes ``files`` (name -> bytes, in order: the manifest last) as the directory ``path``,
     replacing one only when ``overwrite``; ``check(path, overwrite)`` raises if ``path`` may
-    not be written (first and before the rename); other failures raise ``error``."""
+    not be written (first and before the rename); other failures raise ``error``, naming the
+    file, what to do and ``then`` (what to do after)."""
     target = f"{what} {path}" if what else str(path)
     check(path, overwrite)
     tmp = _sibling(path)
@@ -160,9 +196,11 @@ def write_dir(
             f"cannot write {target}: {e.strerror or e} in {path.parent}, so nothing was written. "
             "Write it in a directory this user may write, or make that one writable."
         ) from e
+    name, data = "", b""  # the file being written: named if that fails
     try:
         for name, data in files.items():
             write_file(tmp / name, data)
+        name = ""
         _fsync_dir(tmp)
         check(path, overwrite)  # it may have appeared while we were writing
         if overwrite and (path.exists() or path.is_symlink()):
@@ -177,7 +215,15 @@ def write_dir(
             check(path, False)  # says so, as for an existing path
             raise error(f"cannot write {target}: another writer created it meanwhile.") from None
         if isinstance(e, OSError):
-            raise error(f"cannot write {target}: {e}. Anything there before is unchanged.") from e
+            at = f" (its file {name}, {len(data):,} bytes)" if name else ""
+            fix = exhausted(e, len(data) if name else None) or (
+                f"Check that this user may write {path.parent} and has room there, or write "
+                "elsewhere."
+            )
+            raise error(
+                f"cannot write {target}{at}: {e.strerror or e}. Anything there before is "
+                f"unchanged. {fix}" + (f" {then}" if then else "")
+            ) from e
         raise
     finally:
         os.close(lock)

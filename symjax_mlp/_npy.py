@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from symjax_mlp._errors import SignatureError
-from symjax_mlp._files import write_output
+from symjax_mlp._files import exhausted, write_output
 from symjax_mlp._specs import TensorSpec, cast_to, out_of_range
 
 
@@ -40,6 +40,10 @@ def read_npy(
     except Exception as e:  # a bad header, a pickle, a broken zip, a missing file
         if short:
             raise
+        if isinstance(e, OSError) and (fix := exhausted(e)):  # the process's limit, not the file's
+            raise error(
+                f"{what} cannot be opened ({e.strerror}): nothing is wrong with it. {fix}"
+            ) from None
         why = str(e)
         if head is not None and not head.startswith((b"\x93NUMPY", b"PK", b"\x80")):
             # NumPy reads any other bytes as a pickle, and says so: not a pickle, not an array

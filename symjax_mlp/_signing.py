@@ -23,7 +23,7 @@ from typing import Any
 
 from symjax_mlp._artifact.format import MAX_MANIFEST_BYTES, printable, unique_pairs
 from symjax_mlp._errors import ArtifactError, ConfigError
-from symjax_mlp._files import MANIFEST, sha256, write_file_atomic
+from symjax_mlp._files import MANIFEST, exhausted, sha256, write_file_atomic
 from symjax_mlp._reader import read_regular
 
 SIGNATURE = "model.sig"
@@ -207,15 +207,21 @@ def sign(path: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> P
         try:
             config.use_elliptic_key_signer(private_key=key).sign(path, Path(scratch, SIGNATURE))
         except (ValueError, TypeError, OSError) as e:
+            if isinstance(e, OSError) and (fix := exhausted(e)):  # a limit of this process's
+                raise ArtifactError(
+                    f"{_call(call, path)}: model-signing could not finish ({e.strerror}), so "
+                    f"nothing was signed; any {SIGNATURE} there before is unchanged. {fix}"
+                ) from e
             raise ConfigError(
                 f"{_call(call, path)}: model-signing failed: {printable(str(e))}"
             ) from e
         try:
             write_file_atomic(path / SIGNATURE, Path(scratch, SIGNATURE).read_bytes())
         except OSError as e:
+            fix = exhausted(e) or "Remove what is there, or make room there."
             raise ArtifactError(
                 f"{_call(call, path)}: {SIGNATURE} cannot be written ({e.strerror or e}); "
-                "anything there before is unchanged. Remove what is there, or make room there."
+                f"anything there before is unchanged. {fix}"
             ) from None
     return path / SIGNATURE
 

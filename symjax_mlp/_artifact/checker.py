@@ -27,7 +27,7 @@ from symjax_mlp._artifact.format import MAX_VJP_ORDER
 from symjax_mlp._artifact.ops import ModuleReport, Problem, check_main
 from symjax_mlp._artifact.walk import analyze_module
 from symjax_mlp._errors import ArtifactError
-from symjax_mlp._files import read_cached, sha256, write_cached
+from symjax_mlp._files import exhausted, read_cached, sha256, write_cached
 
 
 def analyze(mlirbc: bytes, *, file: Path) -> ModuleReport:
@@ -117,6 +117,7 @@ class Checker:
     START_TIMEOUT = 120.0  # seconds the child may take to import JAX and say it is ready
 
     def __init__(self) -> None:
+        tempfile.gettempdir()  # found now: out of files, its search says there is none
         self.proc: Any = None
         self.log: Any = None
         self.lock = threading.Lock()
@@ -131,11 +132,19 @@ class Checker:
             f"import sys; sys.path[:] = {paths!r}; "
             f"from symjax_mlp._artifact.checker import serve; serve({os.getpid()})"
         )
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the child)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self.log, cwd=tempfile.gettempdir(),
-        )  # fmt: skip
+        try:  # out of files or processes (ulimit -n, -u): this process's limit, said
+            self.log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the child)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=self.log, cwd=tempfile.gettempdir(),
+            )  # fmt: skip
+        except OSError as e:
+            self.close()
+            raise ArtifactError(
+                f"{file}: the module checker, the child process that reads StableHLO for the "
+                f"loader, cannot be started ({e.strerror or e}); nothing was compiled. "
+                + (exhausted(e) or "Free memory or processes, and try again.")
+            ) from e
         ready, _, _ = select.select([self.proc.stdout], [], [], self.START_TIMEOUT)
         if ready and self.proc.stdout.readline() == b"ready\n":
             return self.proc

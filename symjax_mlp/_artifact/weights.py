@@ -143,7 +143,28 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> by
         )
         for k, a in keep.items()
     }
-    return bytes(safetensors.serialize(specs, metadata=dict(metadata)))
+    nbytes = sum(a.nbytes for a in keep.values())
+    return serialized(lambda: safetensors.serialize(specs, metadata=dict(metadata)), nbytes)
+
+
+def serialized(make: Callable[[], bytes], nbytes: int) -> bytes:
+    """``make()``, safetensors' bytes of ``nbytes`` of tensors, or a MemoryError saying so:
+    safetensors builds them in Rust, then copies them into Python, and where it cannot allocate
+    Rust aborts the process (pyo3 panics for Python), so the room for both is asked first."""
+    said = (
+        f"out of memory serializing {nbytes:,} bytes of tensors (safetensors holds them twice "
+        "at once): free memory, or raise this process's limit (ulimit -v), and write them again."
+    )
+    try:
+        np.empty(2 * nbytes + (1 << 20), np.uint8)  # mapped, never touched: only room asked
+    except MemoryError:
+        raise MemoryError(said) from None
+    try:
+        return bytes(make())
+    except BaseException as e:  # pyo3's PanicException, where Python could not allocate
+        if type(e).__name__ != "PanicException" or "null" not in str(e):
+            raise
+        raise MemoryError(said) from None
 
 
 def decode_params(data: bytes | bytearray, *, file: Path | str) -> dict[str, np.ndarray]:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from symjax_mlp._artifact.format import printable  # a newline in a path: still one line
+from symjax_mlp._files import exhausted
 from symjax_mlp.cli import _args, _run, _serve, _train
 from symjax_mlp.cli._args import count, int_list, keywords, show, subcommand
 
@@ -304,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sizes = " (--sizes)" if "sizes" in vars(args) else ""
             print(f"{where}: error: out of memory ({said}); use smaller layers{sizes}, batches "
                   "or inputs, or a machine with more memory.", file=sys.stderr)  # fmt: skip
+            return 2
+        if isinstance(e, OSError) and (fix := exhausted(e)):  # this process's limit: no bug
+            print(f"{where}: error: {printable(str(e))}. {fix}", file=sys.stderr)
             return 2
         return _bug(where)
 

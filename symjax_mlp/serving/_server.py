@@ -36,6 +36,7 @@ from symjax_mlp.serving._app import (
 )
 from symjax_mlp.serving._batcher import Batcher, seconds
 from symjax_mlp.serving._bodies import short
+from symjax_mlp.serving._fds import room
 from symjax_mlp.serving._intake import check_limits
 from symjax_mlp.serving._requests import check_count, headed
 
@@ -99,7 +100,7 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
     model, intake = app.state.model, app.state.intake
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-        open, limit = 0, 1 << 62  # connections now, all of this server's; limited() sets limit
+        open, limit, files = 0, 1 << 62, 1 << 62  # connections now; limited(), room() set these
         _deferred = False  # a 400 waits for the answers to the requests before it
 
         def connection_made(self, transport: Any) -> None:
@@ -144,7 +145,8 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
             head = b"HTTP/1.1 %d %s\r\n" % (status, HTTPStatus(status).phrase.encode())
             head += b"".join(b"%s: %s\r\n" % pair for pair in said.raw_headers)
             self.transport.write(head + b"\r\n" + said.body)
-            self.transport.close(linger=bool(busy))  # busy: its request comes, to be dropped
+            # busy: its request comes, to be dropped (if this process has files left for it)
+            self.transport.close(linger=bool(busy) and self.open <= self.files)
 
         def pause_writing(self) -> None:  # answers wait for the client to read them
             super().pause_writing()
@@ -344,7 +346,7 @@ def serve(
             url = f"http://{shown}:{sock.getsockname()[1]}"
             heads = bounded_heads(body_timeout, app=app)  # within time, 64 KiB
             server = uvicorn.Server(uvicorn.Config(
-                limited(app, heads, max_connections),  # not limit_concurrency: a text 503
+                limited(app, heads, room(heads, max_connections, where)),  # a 503, not a reset
                 log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=30,
                 http=heads, ws="none",  # no websocket endpoint: an upgrade is plain HTTP (a 405)
                 # h11 (uvicorn without httptools) stops a head at 16 KiB with a 400: past ours

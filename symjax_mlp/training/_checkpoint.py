@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import save
 
-from symjax_mlp._artifact.weights import MAX_TENSORS, read_safetensors_file
+from symjax_mlp._artifact.weights import MAX_TENSORS, read_safetensors_file, serialized
 from symjax_mlp._errors import CheckpointError, ConfigError, as_int
 from symjax_mlp._files import MANIFEST, sha256, write_dir
 from symjax_mlp._reader import read_regular
@@ -57,10 +57,7 @@ _NO_CHECKPOINT = (
     "holding manifest.json, as save_checkpoint and train(checkpoint=...) write: pass one, or the "
     "directory holding them (its newest is restored)."
 )
-_WRITE_FAILED = (
-    "Free space, or make the directory writable (or pass another), then save again: "
-    "train(resume=True) continues from the newest checkpoint there."
-)
+_WRITE_FAILED = "Then save again: train(resume=True) continues from the newest checkpoint there."
 _METADATA = (
     _SAVE + "(metadata=...): the metadata is a dict whose 'config' (if given) is a dict "
     "and whose 'history' (if given) is a list of EpochRecord fields, as train() writes them; "
@@ -181,7 +178,7 @@ def save_checkpoint(
         )
     tensors = {name: np.asarray(leaf) for name, leaf in named_leaves(state).items()}
     try:
-        state_bytes = save(tensors)
+        state_bytes = serialized(lambda: save(tensors), sum(a.nbytes for a in tensors.values()))
     except SafetensorError:  # a str, object or complex128 leaf: no safetensors dtype
         name, a = next((n, a) for n, a in tensors.items() if not _storable(a))
         raise ConfigError(
@@ -211,10 +208,11 @@ def save_checkpoint(
         raise ConfigError(_METADATA.format(got=str(metadata)[:200])) from None
     files = {_STATE_FILE: state_bytes, MANIFEST: (text + "\n").encode()}
     try:
-        write_dir(final, files, overwrite=False, check=_check_new, error=CheckpointError)
-    except CheckpointError as e:  # a full disk, a failing device: the call and what to do
+        write_dir(final, files, overwrite=False, check=_check_new, error=CheckpointError,
+                  then=_WRITE_FAILED)  # fmt: skip
+    except CheckpointError as e:  # a full disk, a failing device: the call first
         if isinstance(e.__cause__, OSError):
-            raise CheckpointError(f"{_SAVE}: {e} {_WRITE_FAILED}") from e.__cause__
+            raise CheckpointError(f"{_SAVE}: {e}") from e.__cause__
         raise
     for _, old in checkpoints(directory)[:-keep]:
         if old != final:  # a writer racing ours saved a newer step: ours stays, for it

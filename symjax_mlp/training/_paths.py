@@ -73,6 +73,9 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
         raise refuse(f"{directory} {what} a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         where = " (the working directory)" if probe == Path(".") else ""
+        if _read_only(probe):  # no user may: making it writable is no fix
+            raise refuse(f"{directory} cannot be written: '{probe}'{where} is on a read-only "
+                         "file system; pass a path on a writable one")  # fmt: skip
         raise refuse(
             f"{directory} cannot be written: this user may not write to '{probe}'{where}; make "
             "it writable, or pass a path this user may write"
@@ -160,3 +163,11 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """
     check_path(directory, "symjax_mlp.training.latest_checkpoint")
     return next((p for _, p in reversed(checkpoints(Path(directory)))), None)
+
+
+def _read_only(path: Path) -> bool:
+    """Whether ``path`` is on a file system mounted read-only (where the system says)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # not POSIX
+        return False
