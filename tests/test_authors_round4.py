@@ -16,6 +16,9 @@ its source runs where it fits none of the matrix's shapes.
   (``nn.remat_scan``); and, as they run, ``nn.while_loop`` (its count carried in 'state'),
   ``nn.cond`` and ``nn.switch`` (a branch per call, counted), ``nn.switch`` over heads of other
   shapes (the index an input shared by every row), ``nn.custom_vjp`` (sign grads).
+- ``nnx_cookbook``: flax docs_nnx/guides/optimization_cookbook.md's toy ``nnx.Sequential``;
+  its recipes (LoRA by ``wrt=nnx.LoRAParam``, LBFGS, per-parameter rates, ``optax.MultiSteps``)
+  as optax loops over ``h.apply``, and its ``nnx.EMA`` model exported after training.
 - flax docs_nnx/guides/transforms.md: ``WeightStack`` (``nnx.vmap`` of ``__init__`` and
   ``__call__``: a member per row) and ``noisy_vector_dot`` (``nnx.split_rngs(splits=4)`` over
   an ``nnx.vmap`` of ``nnx.StateAxes``: a count and a noise stream carried across calls).
@@ -58,6 +61,8 @@ def _linen(model, *example):
 
 CASES = (
     Case("eqx_init_apply", "eqx", _init_apply, lambda s: (_x(s, (4, 2)),)),
+    Case("nnx_cookbook", "nnx", lambda: (zoo4.make_model(nnx.Rngs(0)), None),
+         lambda s: (_x(s, (4, 2)),), classes=8),
     Case("linen_checkpoint", "linen", _linen(zoo4.CheckpointedMLP(), jnp.ones((1, 16))),
          lambda s: (_x(s, (4, 16)),)),
     Case("linen_scan_lstm", "linen", _linen(zoo4.LSTM(4), jnp.ones((2, 5, 3))),
@@ -417,3 +422,126 @@ def test_shapes_of_only_the_batch_on_an_ensemble_name_its_members_not_the_same_s
     assert "Python number" not in str(e.value) and "batch=None" in str(e.value)
     sm.export(h, tmp_path / "m", example=example, batch=None)  # as it says
     _close(sm.load(tmp_path / "m")(*map(np.asarray, example)), jnp.full((4, 2), 6.0))
+
+
+# -- optimization_cookbook.md's recipes, over h.apply, against its nnx.Optimizer loops ---------
+def _cookbook_tx(recipe, labels):
+    """The cookbook's optimizer for ``recipe``; ``labels`` its per-param rates' partition."""
+    rates = {"kernel": optax.adam(1e-3), "bias": optax.adam(1e-2)}
+    if recipe == "per_param":
+        return optax.partition(rates, labels)
+    if recipe == "multisteps":
+        return optax.MultiSteps(optax.adam(1e-3), every_k_schedule=3)
+    return optax.lbfgs(1e-3) if recipe == "lbfgs" else optax.adam(1e-3)
+
+
+def _cookbook_theirs(recipe, x, y, steps):
+    """The cookbook's own loop for ``recipe``, as written there (nnx.jit where it jits)."""
+    model = (zoo4.lora_model if recipe == "lora" else zoo4.make_model)(nnx.Rngs(1))
+    wrt = nnx.LoRAParam if recipe == "lora" else nnx.Param
+    param_tys = nnx.map_state(lambda p, v: list(p)[-1], nnx.state(model, nnx.Param))
+    optimizer = nnx.Optimizer(model, _cookbook_tx(recipe, param_tys), wrt=wrt)
+
+    def train_step(model, optimizer, x, y):
+        if recipe != "lbfgs":
+            loss, grads = nnx.value_and_grad(zoo4.loss_fn, argnums=nnx.DiffState(0, wrt))(
+                model, x, y
+            )
+            optimizer.update(model, grads)
+            return loss
+        graphdef = nnx.graphdef(model)  # Create state-based loss function for LBFGS
+        loss_fn_state = lambda state: zoo4.loss_fn(nnx.merge(graphdef, state), x, y)  # noqa: E731
+        loss, grads = nnx.value_and_grad(zoo4.loss_fn)(model, x, y)
+        optimizer.update(model, grads, grad=grads, value=loss, value_fn=loss_fn_state)
+        return loss
+
+    step = train_step if recipe == "lbfgs" else nnx.jit(train_step)
+    losses = [float(step(model, optimizer, x, y)) for _ in range(steps)]
+    return model, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["lora", "lbfgs", "per_param", "multisteps"])
+def test_the_cookbooks_recipes_over_apply_train_as_its_nnx_optimizer(recipe):
+    """Each recipe of optimization_cookbook.md as an optax loop over ``h.apply`` (its frozen
+    base the params a ``set_to_zero`` partition holds still, LBFGS's line search calling
+    h.apply through ``value_fn``, per-parameter rates partitioned by h.params' names, adam
+    every 3 steps) gives the losses and the model its own ``nnx.Optimizer`` loop gives."""
+    rngs = nnx.Rngs(0)
+    x, y = rngs.normal((32, 2)), rngs.normal((32, 8))  # its fake data
+    h = sm.hybridize((zoo4.lora_model if recipe == "lora" else zoo4.make_model)(nnx.Rngs(1)))
+    names = jax.tree_util.tree_map_with_path(lambda p, _: p[-1].key, h.params)
+    if recipe == "lora":  # what wrt=nnx.LoRAParam trains, the rest held still
+        labels = jax.tree.map(lambda n: "lora" if n.startswith("lora") else "frozen", names)
+        tx = optax.partition({"lora": _cookbook_tx("lora", None), "frozen": optax.set_to_zero()},
+                             labels)  # fmt: skip
+    else:
+        tx = _cookbook_tx(recipe, names)
+
+    def loss(p):
+        return jnp.mean((h.apply(p, x) - y) ** 2)
+
+    params, state, losses = h.params, tx.init(h.params), []
+    for _ in range(4):
+        value, grads = jax.value_and_grad(loss)(params)
+        extra = {"value": value, "grad": grads, "value_fn": loss} if recipe == "lbfgs" else {}
+        updates, state = tx.update(grads, state, params, **extra)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(value))
+    theirs, their_losses = _cookbook_theirs(recipe, x, y, 4)
+    np.testing.assert_allclose(losses, their_losses, **TOL)
+    _close(h.replace(params=params)(x), theirs(x))
+    if recipe == "lora":  # its base as it was
+        _close(params["layers"][0]["base_module"], h.params["layers"][0]["base_module"])
+
+
+@pytest.mark.slow
+def test_the_cookbooks_ema_model_exports_its_averages_once_hybridized_after_training(tmp_path):
+    """``ema.apply_to(model)``, hybridized before the cookbook's steps (its ``ema.update``
+    moves the averages in place): export refuses the stale params naming sm.hybridize of the
+    trained module; so hybridized, it equals ``ema_model`` and its eval loss (its nnx.jit
+    eval_step no training), exported too."""
+    rngs = nnx.Rngs(0)
+    x, y = rngs.normal((32, 2)), rngs.normal((32, 8))
+    model = zoo4.make_model(nnx.Rngs(1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    ema = nnx.EMA(model, decay=0.9)
+    ema_model = ema.apply_to(model)
+    early = sm.hybridize(ema_model)
+
+    @nnx.jit
+    def train_step(model, optimizer, ema, x, y):
+        loss, grads = nnx.value_and_grad(zoo4.loss_fn)(model, x, y)  # noqa: RUF059 (as written)
+        optimizer.update(model, grads)
+        ema.update(model)
+
+    @nnx.jit
+    def eval_step(model, x, y):
+        return zoo4.loss_fn(model, x, y)
+
+    for _ in range(3):
+        train_step(model, optimizer, ema, x, y)
+    with pytest.raises(sm.ConfigError, match=r"trained in place since sm\.hybridize.*"
+                       r"Use sm\.hybridize\(model\) of the trained module"):  # fmt: skip
+        sm.export(early, tmp_path / "m", example=x)
+    h = sm.hybridize(ema_model)  # as it says
+    _close(h(x), ema_model(x))
+    np.testing.assert_allclose(zoo4.loss_fn(h, x, y), eval_step(ema_model, x, y), **TOL)
+    sm.export(h, tmp_path / "m", example=x)
+    _close(sm.load(tmp_path / "m")(np.asarray(x)), ema_model(x))
+
+
+@pytest.mark.slow  # nnx.jit, an export: 1.4 s
+def test_an_nnx_jit_eval_step_is_no_training_in_place_to_export(tmp_path):
+    """The cookbook's ``eval_step`` (an nnx.jit of the loss) writes the module's Params back as
+    new arrays of the same values: export refused the Hybrid as 'trained in place since
+    sm.hybridize', naming a fix it did not need; an optimizer's step still is refused."""
+    model, x = zoo4.make_model(nnx.Rngs(1)), jnp.ones((4, 2))
+    h = sm.hybridize(model)
+    nnx.jit(zoo4.loss_fn)(model, x, jnp.ones((4, 8)))  # the cookbook's eval_step
+    sm.export(h, tmp_path / "m", example=x)
+    _close(sm.load(tmp_path / "m")(np.asarray(x)), model(x))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    optimizer.update(model, nnx.grad(zoo4.loss_fn)(model, x, jnp.ones((4, 8))))
+    with pytest.raises(sm.ConfigError, match=r"trained in place since sm\.hybridize"):
+        sm.export(h, tmp_path / "n", example=x)

@@ -8,6 +8,9 @@ its source path and commit.
   CheckpointedMLP, ``nn.scan``'s LSTM (both forms) and ResidualMLP, ``nn.remat_scan``'s
   BigModel, ``nn.while_loop``'s WhileLoopExample, ``nn.cond``'s CondExample, ``nn.switch``'s
   SwitchExample and MultiHeadSwitchExample, ``nn.custom_vjp``'s Foo;
+- flax docs_nnx/guides/optimization_cookbook.md: its toy ``make_model`` and ``loss_fn``, and
+  its rank-2 LoRA of every Linear by ``nnx.recursive_map`` (``rngs`` passed in: the cookbook's
+  is a global);
 - flax docs_nnx/guides/transforms.md: ``WeightStack`` (``nnx.vmap`` of ``__init__`` and
   ``__call__``) and ``noisy_vector_dot`` (``nnx.split_rngs`` over an ``nnx.vmap`` of
   ``nnx.StateAxes``) (google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0).
@@ -529,6 +532,32 @@ class UNet(eqx.Module):
         for layer in self.final_conv_layers:
             h = layer(h)
         return h
+
+
+# -- flax docs_nnx/guides/optimization_cookbook.md, as written there ---------------------------
+lecun_normal = jax.nn.initializers.lecun_normal()
+
+
+def make_model(rngs, init=lecun_normal):
+    return nnx.Sequential(
+        nnx.Linear(2, 8, rngs=rngs, kernel_init=init), nnx.Linear(8, 8, rngs=rngs, kernel_init=init)
+    )
+
+
+def loss_fn(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def lora_model(rngs):
+    """The cookbook's ``nnx.recursive_map(add_rank2_lora, make_model(rngs))``."""
+
+    def add_rank2_lora(path, node):
+        if isinstance(node, nnx.Linear):
+            return nnx.LoRA(node.in_features, 2, node.out_features, base_module=node, rngs=rngs)
+        return node
+
+    base_model = make_model(rngs)
+    return nnx.recursive_map(add_rank2_lora, base_model)
 
 
 # -- flax docs_nnx/guides/transforms.md, "Transforming methods", as written there ---------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -101,7 +102,7 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
 
     def trained(given: Any) -> list[str]:  # the module trained in place (nnx.Optimizer, a view)
         same = [id(a) for a in jax.tree.leaves(given)] == born
-        return _reassigned(given, nnx.state(module, wrt)) if same else []
+        return _reassigned(given, nnx.state(module, wrt), _equal) if same else []
 
     target = type(module).__call__ if fn is None else fn
     model = PureModel(call, bool(state), "nnx", merge, target, settings if watched else None,
@@ -122,7 +123,7 @@ def trainable(module: Any) -> Any:
     return lambda _, v: isinstance(v, jax.Array) and jax.numpy.issubdtype(v.dtype, floating)
 
 
-def _reassigned(params: Any, now: Any) -> list[str]:
+def _reassigned(params: Any, now: Any, same: Callable[[Any, Any], bool] = operator.is_) -> list:
     """The paths of the params in ``now`` that are not the arrays given: the float arrays a
     call assigned or added (a module of no Param), the Params training assigned in place."""
     from flax import nnx
@@ -130,7 +131,20 @@ def _reassigned(params: Any, now: Any) -> list[str]:
     given = dict(zip(leaf_paths((params, {})), jax.tree.leaves(params), strict=True))
     now = nnx.to_pure_dict(now)
     pairs = zip(leaf_paths((now, {})), jax.tree.leaves(now), strict=True)
-    return [p.removeprefix("params") for p, v in pairs if given.get(p) is not v]
+    return [p.removeprefix("params") for p, v in pairs if not same(given.get(p), v)]
+
+
+def _equal(given: Any, now: Any) -> bool:
+    """Whether ``now`` holds ``given``'s values: an ``nnx.jit`` step writes a module's Params
+    back as new arrays, of the same values where it trained nothing (an eval step)."""
+    if given is now:
+        return True
+    if given is None or (given.shape, given.dtype) != (now.shape, now.dtype):
+        return False
+    try:
+        return bool(jax.numpy.array_equal(given, now, equal_nan=True))
+    except Exception:  # shards of other processes' (not addressable here): taken as trained
+        return False
 
 
 _CLOSED = (
