@@ -19,6 +19,8 @@ its source runs where it fits none of the matrix's shapes.
 - ``nnx_cookbook``: flax docs_nnx/guides/optimization_cookbook.md's toy ``nnx.Sequential``;
   its recipes (LoRA by ``wrt=nnx.LoRAParam``, LBFGS, per-parameter rates, ``optax.MultiSteps``)
   as optax loops over ``h.apply``, and its ``nnx.EMA`` model exported after training.
+- JAX examples/advi.py: its jitted ``objective(params, t)`` of a seed, trained by its
+  ``update`` loop (example_libraries' momentum) over ``h.apply``, exported whole and per seed.
 - flax docs_nnx/guides/transforms.md: ``WeightStack`` (``nnx.vmap`` of ``__init__`` and
   ``__call__``: a member per row) and ``noisy_vector_dot`` (``nnx.split_rngs(splits=4)`` over
   an ``nnx.vmap`` of ``nnx.StateAxes``: a count and a noise stream carried across calls).
@@ -545,3 +547,51 @@ def test_an_nnx_jit_eval_step_is_no_training_in_place_to_export(tmp_path):
     optimizer.update(model, nnx.grad(zoo4.loss_fn)(model, x, jnp.ones((4, 8))))
     with pytest.raises(sm.ConfigError, match=r"trained in place since sm\.hybridize"):
         sm.export(h, tmp_path / "n", example=x)
+
+
+# -- JAX's advi.py: its jitted objective of a seed, trained by example_libraries' momentum ---------
+@pytest.mark.slow
+def test_advi_trains_as_its_main_loop_and_serves_its_objective_per_seed(tmp_path):
+    """``objective(params, t)`` (jitted as written, its seed ``random.key(t)``) hybridized with
+    the variational params: equal for an int32 seed; five steps of its ``update`` loop (momentum
+    of ``grad(objective)``) over ``h.apply`` give its params; exported whole (a scalar seed:
+    shapes=(None,)) a Batcher refused it naming export(batch='b'), which refuses a scalar; now
+    named a model of one value per call and jax.vmap over the seeds, which serves each."""
+    h = sm.hybridize(zoo4.objective, zoo4.init_params)
+    _close(h(jnp.int32(3)), zoo4.objective(zoo4.init_params, 3))
+    opt_state = theirs = zoo4.opt_init(zoo4.init_params)
+
+    @jax.jit
+    def update(i, opt_state):  # its update, over h.apply
+        gradient = jax.grad(h.apply)(zoo4.get_params(opt_state), i)
+        return zoo4.opt_update(i, gradient, opt_state)
+
+    for t in range(5):
+        opt_state, theirs = update(t, opt_state), zoo4.update(t, theirs)
+    params = zoo4.get_params(opt_state)
+    _close(params, zoo4.get_params(theirs))
+    trained = h.replace(params=params)
+    sm.export(trained, tmp_path / "m", example=jnp.int32(0), shapes=(None,))
+    m = sm.load(tmp_path / "m")
+    _close(m(np.int32(7)), zoo4.objective(params, 7))
+    with pytest.raises(sm.ConfigError, match=r"every input is a scalar.*jax\.vmap"):
+        sm.serving.Batcher(m, max_batch=4)
+    per_seed = sm.hybridize(jax.vmap(zoo4.objective, in_axes=(None, 0)), params)  # as it says
+    sm.export(per_seed, tmp_path / "seeds", example=jnp.arange(4, dtype=jnp.int32))
+    with sm.serving.Batcher(sm.load(tmp_path / "seeds", allow={"real_dynamic_slice"}),
+                            max_batch=4) as b:  # fmt: skip
+        got = [f.result(30) for f in [b.submit(np.array([t], np.int32)) for t in (7, 8, 9)]]
+    _close(np.concatenate(got), jnp.stack([zoo4.objective(params, t) for t in (7, 8, 9)]))
+
+
+@pytest.mark.slow  # an export: 2 s
+def test_a_batcher_of_a_model_of_scalars_names_a_vmap_not_the_batch_it_cannot_have(tmp_path):
+    """An artifact whose every input is a scalar (advi's objective of a seed) takes one value a
+    call: a Batcher named export(..., batch='b'), which refuses a scalar ('no batch
+    dimension'); now it names calling it directly or a jax.vmap over the values."""
+    h = sm.hybridize(lambda p, t: p * t, jnp.float32(2))
+    sm.export(h, tmp_path / "m", example=jnp.float32(3), batch=None)
+    with pytest.raises(sm.ConfigError) as e:
+        sm.serving.Batcher(sm.load(tmp_path / "m"), max_batch=4)
+    assert "every input is a scalar: the model takes one value per call" in str(e.value)
+    assert "batch='b'" not in str(e.value) and "jax.vmap(fn, in_axes=(None, 0))" in str(e.value)

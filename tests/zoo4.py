@@ -8,6 +8,9 @@ its source path and commit.
   CheckpointedMLP, ``nn.scan``'s LSTM (both forms) and ResidualMLP, ``nn.remat_scan``'s
   BigModel, ``nn.while_loop``'s WhileLoopExample, ``nn.cond``'s CondExample, ``nn.switch``'s
   SwitchExample and MultiHeadSwitchExample, ``nn.custom_vjp``'s Foo;
+- JAX examples/advi.py (jax-ml/jax@cec06d116c05f0d52adfceee3d3b730fdbcb0ce5): its ELBO, the
+  jitted ``objective(params, t)`` of its main block, and its ``update`` step (the plotting
+  left out);
 - flax docs_nnx/guides/optimization_cookbook.md: its toy ``make_model`` and ``loss_fn``, and
   its rank-2 LoRA of every Linear by ``nnx.recursive_map`` (``rngs`` passed in: the cookbook's
   is a global);
@@ -21,14 +24,17 @@ its source path and commit.
 import json
 import math
 from collections.abc import Callable
+from functools import partial
 
 import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jax.scipy.stats.norm as norm
 from flax import nnx
-from jax import random
+from jax import grad, jit, random, vmap
+from jax.example_libraries import optimizers
 
 
 # -- equinox docs/examples/init_apply.ipynb, as written there --------------------------------
@@ -809,3 +815,55 @@ class Foo(nn.Module):
 
         sign_grad = nn.custom_vjp(f, forward_fn=fwd, backward_fn=bwd)
         return sign_grad(nn.Dense(1), x).reshape(())
+
+
+# -- JAX examples/advi.py, as written there (its plotting and callback left out) ----------------
+def diag_gaussian_sample(rng, mean, log_std):
+    # Take a single sample from a diagonal multivariate Gaussian.
+    return mean + jnp.exp(log_std) * random.normal(rng, mean.shape)
+
+
+def diag_gaussian_logpdf(x, mean, log_std):
+    # Evaluate a single point on a diagonal multivariate Gaussian.
+    return jnp.sum(vmap(norm.logpdf)(x, mean, jnp.exp(log_std)))
+
+
+def elbo(logprob, rng, mean, log_std):
+    # Single-sample Monte Carlo estimate of the variational lower bound.
+    sample = diag_gaussian_sample(rng, mean, log_std)
+    return logprob(sample) - diag_gaussian_logpdf(sample, mean, log_std)
+
+
+def batch_elbo(logprob, rng, params, num_samples):
+    # Average over a batch of random samples.
+    rngs = random.split(rng, num_samples)
+    vectorized_elbo = vmap(partial(elbo, logprob), in_axes=(0, None, None))
+    return jnp.mean(vectorized_elbo(rngs, *params))
+
+
+def funnel_log_density(params):
+    return norm.logpdf(params[0], 0, jnp.exp(params[1])) + norm.logpdf(params[1], 0, 1.35)
+
+
+num_samples = 40
+
+
+@jit
+def objective(params, t):
+    rng = random.key(t)
+    return -batch_elbo(funnel_log_density, rng, params, num_samples)
+
+
+# Set up optimizer.
+D = 2
+init_mean = jnp.zeros(D)
+init_std = jnp.zeros(D)
+init_params = (init_mean, init_std)
+opt_init, opt_update, get_params = optimizers.momentum(step_size=0.1, mass=0.9)
+
+
+@jit
+def update(i, opt_state):
+    params = get_params(opt_state)
+    gradient = grad(objective)(params, i)
+    return opt_update(i, gradient, opt_state)

@@ -163,6 +163,12 @@ _SHARED = (
     "many requests. Serve a model with it fixed: export a function that closes over it (or "
     "takes it among the params), or call the loaded model directly."
 )
+_NO_ROWS = (
+    "Batcher({path}): input {spec.path} is {spec.type}, but batching needs rows, and every "
+    "input is a scalar: the model takes one value per call, none for a batcher to merge. Call "
+    "the loaded model directly, or export a model of rows: jax.vmap of the function "
+    "(sm.hybridize(jax.vmap(fn, in_axes=(None, 0)), params)), exported with its batch symbolic."
+)
 _MIXED = "its manifest says that its rows are not independent"
 MAX_BATCH = 1 << 16  # the most rows a batcher's model call may take (its largest bucket)
 
@@ -179,6 +185,8 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
         if batch is not None and not isinstance(lead, str):
             raise ConfigError(_SHARED.format(path=model.path, spec=spec, batch=batch))
         rest = spec.shape[1:]
+        if not any(s.shape for s in sig.inputs):  # all scalars: one value per call, no rows
+            raise ConfigError(_NO_ROWS.format(path=model.path, spec=spec))
         if lead is None or any(isinstance(d, str) for d in rest):
             raise ConfigError(
                 f"Batcher({model.path}): input {spec.path} is {spec.type}, but batching needs "
