@@ -246,6 +246,42 @@ def test_a_checkpoint_directory_on_a_read_only_file_system_says_so(tmp_path, mon
     assert "make it writable" not in said
 
 
+def test_the_resume_probe_holds_its_leaf_not_six_times_it(monkeypatch):
+    """train()'s resume probe set each float leaf to a cos pattern made whole in float64: three
+    arrays of 8 bytes a parameter at once, six times a float32 leaf. Under RLIMIT_AS a model of
+    a 64 MiB leaf that trained with 600 MiB to spare failed with 300 ('Unable to allocate 128.
+    MiB ... float64', in _resume._fixed). Now it is made in chunks, bitwise the same values."""
+    import math
+    import tracemalloc
+
+    import jax.numpy as jnp
+
+    from symjax_mlp.training import _resume
+
+    def whole(a, i, state):  # what it was
+        fan_in = math.prod(a.shape[:-1]) if a.ndim >= 2 else 1
+        pattern = np.cos(np.arange(a.size, dtype=np.float64) * 0.7 + i)
+        pattern = pattern / 2 + 1 if state else pattern / math.sqrt(fan_in)
+        return np.asarray(jnp.asarray(pattern.reshape(a.shape), a.dtype))
+
+    monkeypatch.setattr(_resume, "_CHUNK", 1000)  # leaves over several chunks
+    leaves = {"w": jnp.zeros((33, 129)), "b": jnp.zeros((2, 3, 411), jnp.bfloat16)}
+    for state in (False, True):
+        got = _resume._fixed(leaves, state=state)
+        for i, name in enumerate(sorted(leaves)):  # jax.tree.flatten's order
+            want = whole(leaves[name], i, state)
+            assert np.asarray(got[name]).tobytes() == want.tobytes(), (name, state)
+    monkeypatch.undo()
+    big = jnp.zeros((1024, 2048))  # 8 MiB
+    tracemalloc.start()
+    try:
+        _resume._fixed({"w": big})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2.5 * big.nbytes, peak  # it was 4 times: 32 MiB of float64 at once
+
+
 # -- end to end, in processes that import JAX: under -m slow
 _WRITERS = """
 import json, os, resource, subprocess, sys

@@ -256,9 +256,7 @@ def _fixed(params: Any, *, state: bool = False, rng: bool = False) -> Any:
     for i, a in enumerate(map(jnp.asarray, leaves)):
         if jnp.issubdtype(a.dtype, jnp.floating):
             fan_in = math.prod(a.shape[:-1]) if a.ndim >= 2 else 1
-            pattern = np.cos(np.arange(a.size, dtype=np.float64) * 0.7 + i)
-            pattern = pattern / 2 + 1 if state else pattern / math.sqrt(fan_in)
-            a = jnp.asarray(pattern.reshape(a.shape), a.dtype)
+            a = jnp.asarray(_pattern(a.size, i, state, fan_in, a.dtype).reshape(a.shape))
         elif rng and jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
             zeros = jnp.zeros_like(jax.random.key_data(a))
             a = jax.random.wrap_key_data(zeros, impl=jax.random.key_impl(a))
@@ -266,3 +264,17 @@ def _fixed(params: Any, *, state: bool = False, rng: bool = False) -> Any:
             a = jnp.zeros_like(a)
         out.append(a)
     return jax.tree.unflatten(treedef, out)
+
+
+_CHUNK = 1 << 18  # elements of a pattern made at once (2 MiB of float64)
+
+
+def _pattern(size: int, i: int, state: bool, fan_in: int, dtype: Any) -> np.ndarray:
+    """``cos(0.7 k + i)`` for ``k < size``, scaled, made in float64 a chunk at a time, each cast
+    to ``dtype`` as made: the leaf's bytes at once, not three float64 arrays of its size (six
+    times a float32 leaf's: out of memory, for a model that fits). Bitwise the same values."""
+    out = np.empty(size, dtype)
+    for start in range(0, size, _CHUNK):
+        p = np.cos(np.arange(start, min(start + _CHUNK, size), dtype=np.float64) * 0.7 + i)
+        out[start : start + p.size] = p / 2 + 1 if state else p / math.sqrt(fan_in)
+    return out
