@@ -192,9 +192,13 @@ def write_dir(
     try:
         lock = _locked_dir(path, tmp)
     except OSError as e:  # its directory takes no new entry (read-only, not ours): not its name
+        fix = (
+            exhausted(e)
+            or "Write it in a directory this user may write, or make that one writable."
+        )
         raise error(
             f"cannot write {target}: {e.strerror or e} in {path.parent}, so nothing was written. "
-            "Write it in a directory this user may write, or make that one writable."
+            + fix
         ) from e
     name, data = "", b""  # the file being written: named if that fails
     try:
@@ -278,7 +282,11 @@ def _locked_dir(path: Path, tmp: Path) -> int:
     new = _sibling(path, "new")
     path.parent.mkdir(parents=True, exist_ok=True)
     new.mkdir()
-    fd = os.open(new, os.O_RDONLY)
+    try:
+        fd = os.open(new, os.O_RDONLY)
+    except OSError:  # out of descriptors: not left behind
+        new.rmdir()
+        raise
     try:
         with contextlib.suppress(OSError):  # a filesystem without locks: age decides
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

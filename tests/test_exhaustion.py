@@ -110,6 +110,8 @@ import json, os, resource, sys
 from pathlib import Path
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 from symjax_mlp._artifact.checker import Checker
+from symjax_mlp._errors import CheckpointError
+from symjax_mlp._files import write_dir
 from symjax_mlp.cli import main
 held = []
 def exhaust():
@@ -124,6 +126,11 @@ try:
     Checker().report(b"module", file=Path("m/model.jaxexport"))
 except Exception as e:
     said["checker"] = [type(e).__name__, str(e)]
+try:
+    write_dir(Path(sys.argv[1]) / "step_1", {"a": b""}, overwrite=False,
+              check=lambda p, o: None, error=CheckpointError)
+except CheckpointError as e:
+    said["dir"] = str(e)
 said["cli"] = main(["run", *sys.argv[1:3], "--output", sys.argv[3]])  # imports on: none left
 for fd in held:
     os.close(fd)
@@ -149,6 +156,12 @@ def test_no_file_descriptor_left_is_said_as_the_limit_not_as_a_bug(tmp_path):
         "m/model.jaxexport: the module checker, the child process that reads StableHLO for the "
         "loader, cannot be started (Too many open files); nothing was compiled. " + limit,
     ]
+    assert said["dir"] == (  # was '... Write it in a directory this user may write, or make
+        # that one writable.'
+        f"cannot write {tmp_path / 'm' / 'step_1'}: Too many open files in {tmp_path / 'm'}, so "
+        "nothing was written. " + limit
+    )
+    assert os.listdir(tmp_path / "m") == []
     assert said["cli"] == 2 and "Traceback" not in done.stderr and "bug" not in done.stderr
     assert done.stderr.startswith("symjax-mlp run: error: [Errno 24] Too many open files: ")
     assert done.stderr.strip().endswith(limit) and len(done.stderr.splitlines()) == 1
