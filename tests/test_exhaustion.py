@@ -411,6 +411,59 @@ def test_a_checkpoint_without_the_memory_to_serialize_is_a_memory_error(tmp_path
     assert os.listdir(tmp_path / "ck") == []
 
 
+_ORBAX = """
+import dataclasses, json, os, resource, sys
+import jax, numpy as np, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from symjax_mlp.training import TrainState
+from symjax_mlp.training._orbax import OrbaxCheckpoints
+where = sys.argv[1]
+replicated = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), PartitionSpec())
+p = {"w": jax.random.normal(jax.random.key(1), (256, 256))}  # 256 kB, incompressible
+state = TrainState(p, optax.adam(0.1).init(p), jax.random.key(0), step=1)
+store = OrbaxCheckpoints(where, timeout=60, sharding=replicated)
+store.save(state, {})
+store._finish()
+store.manager.wait_until_finished()
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
+said = {}
+try:
+    store.save(dataclasses.replace(state, step=2), {}, last=True)
+    store.close()
+except Exception as e:
+    said["save"] = [type(e).__name__, str(e)]
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+said["left"] = sorted(os.listdir(where))
+again = OrbaxCheckpoints(where, timeout=60, sharding=replicated)
+said["restored"] = int(again.restore(again.latest(), state)[0].step)
+again.save(dataclasses.replace(state, step=2), {}, last=True)
+again.close()
+said["after"] = sorted(os.listdir(where))
+print(json.dumps(said))
+"""
+
+
+@POSIX
+@pytest.mark.slow  # a process importing JAX and Orbax (~10 s)
+def test_a_multi_process_runs_orbax_save_past_a_file_size_limit_is_a_checkpoint_error(tmp_path):
+    """A multi-process run's Orbax save under RLIMIT_FSIZE raised TensorStore's ValueError
+    ('OUT_OF_RANGE: Error writing ... File too large [os_error_code='27']') out of train():
+    no CheckpointError, nothing to do. The step before stays the newest, and resumes."""
+    said = _child(_ORBAX, str(tmp_path / "ck"), timeout=300)
+    kind, text = said["save"]
+    assert kind == "CheckpointError" and text.startswith(
+        f"symjax_mlp.training.train: a checkpoint in {tmp_path / 'ck'} could not be written "
+        "(ValueError: OUT_OF_RANGE: "
+    )
+    assert text.endswith(
+        "the newest whole one is kept. The file is more than the 20,000 bytes this process may "
+        "write to a file (ulimit -f, RLIMIT_FSIZE): raise that limit (ulimit -f unlimited). "
+        "Then train(resume=True) continues from it."
+    )
+    assert said["left"] == ["1", "2.orbax-checkpoint-tmp"]  # Orbax's, never taken for a step
+    assert said["restored"] == 1 and said["after"] == ["1", "2"]
+
+
 @POSIX
 @pytest.mark.slow  # a server under ulimit -n 64 and 200 clients (~8 s)
 def test_a_server_out_of_descriptors_answers_503_and_serves_after_the_flood(tmp_path):

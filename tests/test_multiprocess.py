@@ -214,8 +214,9 @@ def _states(opt: optax.GradientTransformation | None = None):
 def test_saves_queue_two_deep_then_wait_and_a_failed_one_raises_at_the_next(tmp_path, monkeypatch):
     """Orbax's blocking part of a save can take longer than the steps between two saves: the
     training thread queues up to two (each a device copy), waits past that, and a save that
-    failed raises in the training thread at the next save; every queued one is handed to Orbax,
-    in order (none superseded here: Orbax says no save is committing)."""
+    failed raises in the training thread at the next save, a CheckpointError naming the
+    directory; every queued one is handed to Orbax, in order (none superseded here: Orbax says
+    no save is committing)."""
     import threading
 
     from symjax_mlp.training import _orbax
@@ -242,7 +243,7 @@ def test_saves_queue_two_deep_then_wait_and_a_failed_one_raises_at_the_next(tmp_
     gate.set()
     third.join(30)
     assert not third.is_alive()
-    with pytest.raises(OSError, match="disk full"):  # 3 failed: said at the next save
+    with pytest.raises(sm.CheckpointError, match="disk full"):  # 3 failed: said at the next
         for step in (4, 5, 6):
             store.save(state(step), {})
     store.close()

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import math
 import os
+import re
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from symjax_mlp._errors import CheckpointError
+from symjax_mlp._files import exhausted
 from symjax_mlp.training._checkpoint import broken, check_manifest
 from symjax_mlp.training._paths import COMMITTED, entries
 from symjax_mlp.training._state import TrainState, check_fit, named_leaves, specs, state_of
@@ -246,8 +249,27 @@ class OrbaxCheckpoints:
         pending = self._pending
         while pending and (pending[0][1].done() or len(pending) > keep):
             step, write = pending.popleft()
-            if not write.result():
-                self.superseded.append(step)
+            with self._writing():
+                if not write.result():
+                    self.superseded.append(step)
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A write that failed on the disk (TensorStore's error, an OSError) a CheckpointError
+        saying why and what to do; any other error as raised."""
+        try:
+            yield
+        except Exception as e:
+            code = re.search(r"os_error_code='(\d+)'", str(e))
+            if not isinstance(e, OSError) and code is None:
+                raise
+            number = e.errno if isinstance(e, OSError) else int(code[1])
+            fix = exhausted(OSError(number, "")) or "Check that this user may write it."
+            raise CheckpointError(
+                f"symjax_mlp.training.train: a checkpoint in {self.directory} could not be "
+                f"written ({type(e).__name__}: {str(e)[:400]}); the newest whole one is kept. "
+                f"{fix} Then train(resume=True) continues from it."
+            ) from e
 
     def restore(self, path: Path, like: TrainState) -> tuple[TrainState, dict]:
         """Reads ``path`` into the structure of ``like``, each array replicated."""
@@ -287,4 +309,5 @@ class OrbaxCheckpoints:
             self._finish()
         finally:
             self._thread.shutdown()
-            self.manager.close()  # waits for Orbax's last commit
+            with self._writing():
+                self.manager.close()  # waits for Orbax's last commit
