@@ -117,7 +117,8 @@ class Checker:
     START_TIMEOUT = 120.0  # seconds the child may take to import JAX and say it is ready
 
     def __init__(self) -> None:
-        tempfile.gettempdir()  # found now: out of files, its search says there is none
+        with contextlib.suppress(OSError):  # none usable: said when the checker starts
+            tempfile.gettempdir()  # found now: out of files, its search says there is none
         self.proc: Any = None
         self.log: Any = None
         self.lock = threading.Lock()
