@@ -100,8 +100,12 @@ def cache_secret() -> bytes | None:
     key = cache_dir() / "key"
     with contextlib.suppress(OSError):
         fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(32))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+        except OSError:  # a full disk: a key cut short would turn the cache off for good
+            key.unlink()
+            raise
     try:
         with Reader(key, size=32, error=SymjaxError) as r:
             return bytes(r.read(32)) if _mine(os.fstat(r.fd), 0o077) else None

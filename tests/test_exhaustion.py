@@ -84,6 +84,29 @@ def test_a_file_size_limit_names_the_file_its_size_and_the_limit_to_raise(tmp_pa
     assert os.listdir(art) == ["manifest.json"] and out.read_bytes() == b"what was there"
 
 
+_KEY = """
+import json, resource, sys
+if sys.argv[1] == "limited":
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.RLIM_INFINITY))
+from symjax_mlp._files import cache_secret, read_cached, write_cached
+write_cached("ops", "entry", b"body")
+print(json.dumps([cache_secret() is not None, read_cached("ops", "entry") == b"body"]))
+"""
+
+
+@POSIX
+def test_a_cache_key_cut_short_by_a_full_disk_does_not_turn_the_cache_off(tmp_path):
+    """The key signing cache entries was made and written in place: a write cut short (a full
+    disk, ulimit -f) left 16 of its 32 bytes, and every later process found no key: no cache,
+    the module checker's child started at every load, silently, for good."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    for run, cached in (("limited", [False, False]), ("free", [True, True])):
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(_KEY), run], env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout) == cached, run
+
+
 def test_a_full_disk_exporting_says_to_free_space(tmp_path, monkeypatch):
     """ENOSPC exporting said '[Errno 28] No space left on device. Anything there before is
     unchanged.' and stopped: a checkpoint's said what to do, an artifact's nothing."""
