@@ -12,6 +12,7 @@ raise it from the write seam. These limits are the system's own.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import subprocess
@@ -211,6 +212,35 @@ def test_an_input_that_cannot_be_opened_for_want_of_descriptors_is_not_blamed(
     assert "np.save" not in said and "ulimit -n" in said
 
 
+class _ShortWrites(io.BytesIO):
+    """A stream at a file-size limit: a write takes what fits, the next one fails."""
+
+    name = "<stdout>"
+
+    def write(self, data):
+        if self.tell() >= 4096:
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+        return super().write(bytes(data)[: 4096 - self.tell()])
+
+
+def test_an_output_to_stdout_cut_short_is_an_error_not_exit_0():
+    """``symjax-mlp run --output - > y.npy`` under ``ulimit -f 4``: BufferedWriter took 4096 of
+    the 8320 bytes (a short write), nothing looked at the count, and it exited 0 ('wrote stdout:
+    float32[4, 512]') with half a .npy written."""
+    from symjax_mlp._npy import write_outputs
+
+    stream = _ShortWrites()
+    with pytest.raises(sm.ConfigError) as e:
+        write_outputs(np.ones((4, 512), np.float32), stream)
+    assert str(e.value).startswith(
+        "cannot write <stdout> (File too large): it got at most the first 4,096 of the 8,320 "
+        "bytes, an incomplete .npy. "
+    )
+    whole = io.BytesIO()
+    write_outputs(np.ones((4, 512), np.float32), whole)
+    assert np.load(io.BytesIO(whole.getvalue())).shape == (4, 512)
+
+
 class _Heads:
     files = 1 << 62
 
@@ -347,6 +377,11 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, resource.RLIM_INFINITY))
 run = subprocess.run(["symjax-mlp", "run", art, "--input", x, "--output", y], text=True,
                      capture_output=True)
 said["run"] = [run.returncode, run.stderr]
+with open(y + ".out", "wb") as out:  # --output -: stdout, a file
+    run = subprocess.run(["symjax-mlp", "run", art, "--input", x, "--output", "-"], stdout=out,
+                         stderr=subprocess.PIPE, text=True)
+said["stdout"] = [run.returncode, run.stderr]
+os.unlink(y + ".out")
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 said["steps"] = sorted(os.listdir(ck))
 said["resumed"] = len(train(4).history)
@@ -395,6 +430,9 @@ def test_export_checkpoint_run_and_sign_under_a_real_file_size_limit(tmp_path):
     assert said["sign"][0] == "ArtifactError" and "nothing was signed" in said["sign"][1]
     assert said["run"][0] == 2 and limit in said["run"][1] and "Traceback" not in said["run"][1]
     assert y.read_bytes() == b"before"
+    code, err = said["stdout"]  # was exit 0, 'wrote stdout', and 49,152 of its 240,128 bytes
+    assert code == 2 and "cannot write <stdout> (File too large): it got at most the first " in err
+    assert "of the 240,128 bytes, an incomplete .npy." in err and limit in err
     assert said["steps"] == ["step_00000001", "step_00000002"] and said["resumed"] == 4
     assert said["loads"] == 2.0  # the artifact there before, whole, and its signature verifies
     assert sorted(os.listdir(tmp_path)) == ["ck", "key.pem", "key.pem.pub", "m", "x.npy", "y.npy"]
