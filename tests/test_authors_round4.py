@@ -19,6 +19,8 @@ its source runs where it fits none of the matrix's shapes.
 - ``nnx_cookbook``: flax docs_nnx/guides/optimization_cookbook.md's toy ``nnx.Sequential``;
   its recipes (LoRA by ``wrt=nnx.LoRAParam``, LBFGS, per-parameter rates, ``optax.MultiSteps``)
   as optax loops over ``h.apply``, and its ``nnx.EMA`` model exported after training.
+- flax docs_nnx/guides/extracting_intermediates.md: ``nnx.capture`` of sown features
+  hybridized as a function of the module (exported flattened), and its perturbation step.
 - JAX examples/advi.py: its jitted ``objective(params, t)`` of a seed, trained by its
   ``update`` loop (example_libraries' momentum) over ``h.apply``, exported whole and per seed.
 - flax docs_nnx/guides/transforms.md: ``WeightStack`` (``nnx.vmap`` of ``__init__`` and
@@ -595,3 +597,36 @@ def test_a_batcher_of_a_model_of_scalars_names_a_vmap_not_the_batch_it_cannot_ha
         sm.serving.Batcher(sm.load(tmp_path / "m"), max_batch=4)
     assert "every input is a scalar: the model takes one value per call" in str(e.value)
     assert "batch='b'" not in str(e.value) and "jax.vmap(fn, in_axes=(None, 0))" in str(e.value)
+
+
+# -- extracting_intermediates.md: nnx.capture of sown features, and of perturbations' grads --------
+@pytest.mark.slow
+def test_captured_intermediates_come_back_as_nnx_captures_them_and_export_flattened(tmp_path):
+    """``nnx.capture(model, nnx.Intermediate)(x, y)`` hybridized as a function of the module:
+    its loss and its two sown features equal the guide's, its grads nnx.grad's; export refuses
+    the State it returns naming ``tuple(jax.tree.leaves(out))``, which exports and loads equal.
+    The guide's perturbation ``train_step`` (nnx.grad inside, of a module holding no Param)
+    gives its grads and activations as the guide's."""
+    rngs = nnx.Rngs(0)
+    model = zoo4.SowFoo(rngs=rngs)
+    x, y = rngs.normal((2, 8))  # Dummy input for testing
+
+    def captured(m, x, y):
+        return nnx.capture(m, nnx.Intermediate)(x, y)
+
+    h = sm.hybridize(captured, model)
+    result, intms = nnx.capture(model, nnx.Intermediate)(x, y)
+    got, got_intms = h(x, y)
+    _close(got, result)
+    _close(nnx.to_pure_dict(got_intms), nnx.to_pure_dict(intms))
+    grads = jax.grad(lambda p: h.apply(p, x, y)[0])(h.params)
+    _close(grads, nnx.to_pure_dict(nnx.grad(lambda m: captured(m, x, y)[0])(model)))
+    with pytest.raises(sm.SignatureError, match=r"Return tuple\(jax\.tree\.leaves\(out\)\)"):
+        sm.export(h, tmp_path / "m", example=(x, y), batch=None)
+    flat = sm.hybridize(lambda m, x, y: tuple(jax.tree.leaves(captured(m, x, y))), model)
+    sm.export(flat, tmp_path / "m", example=(x, y), batch=None)  # as it says
+    _close(list(sm.load(tmp_path / "m")(np.asarray(x), np.asarray(y))),
+           [result, *jax.tree.leaves(intms)])  # fmt: skip
+    step = sm.hybridize(zoo4.perturb_train_step, zoo4.PerturbModel())
+    want = zoo4.perturb_train_step(zoo4.PerturbModel(), jnp.float32(1.0))
+    _close(nnx.to_pure_dict(step(jnp.float32(1.0))), nnx.to_pure_dict(want))

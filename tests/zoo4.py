@@ -8,6 +8,9 @@ its source path and commit.
   CheckpointedMLP, ``nn.scan``'s LSTM (both forms) and ResidualMLP, ``nn.remat_scan``'s
   BigModel, ``nn.while_loop``'s WhileLoopExample, ``nn.cond``'s CondExample, ``nn.switch``'s
   SwitchExample and MultiHeadSwitchExample, ``nn.custom_vjp``'s Foo;
+- flax docs_nnx/guides/extracting_intermediates.md: ``Foo`` (``self.sow`` of its features,
+  read by ``nnx.capture``) and ``Model`` (``self.perturb``) with its ``train_step`` (renamed
+  ``SowFoo``, ``PerturbModel`` and ``perturb_train_step`` here);
 - JAX examples/advi.py (jax-ml/jax@cec06d116c05f0d52adfceee3d3b730fdbcb0ce5): its ELBO, the
   jitted ``objective(params, t)`` of its main block, and its ``update`` step (the plotting
   left out);
@@ -867,3 +870,40 @@ def update(i, opt_state):
     params = get_params(opt_state)
     gradient = grad(objective)(params, i)
     return opt_update(i, gradient, opt_state)
+
+
+# -- flax docs_nnx/guides/extracting_intermediates.md, as written there (renamed) --------------
+class SowFoo(nnx.Module):  # the guide's Foo
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.dense1 = nnx.Linear(8, 32, rngs=rngs)
+        self.dense2 = nnx.Linear(32, 1, rngs=rngs)
+
+    def features(self, x, rngs=None):
+        feature = nnx.relu(self.dense1(x))
+        self.sow(nnx.Intermediate, "features", feature)
+        return feature
+
+    def loss(self, x_features, y_features):
+        return jnp.sum((x_features - y_features) ** 2)
+
+    def __call__(self, x, y):
+        return self.loss(self.features(x), self.features(y))
+
+
+class PerturbModel(nnx.Module):  # the guide's Model
+    def __call__(self, x):
+        x2 = self.perturb("grad_of_x", x)
+        self.sow(nnx.Intermediate, "activations", x2)
+        return 3 * x2
+
+
+def perturb_train_step(model, x):  # the guide's train_step
+    _, perturbations = nnx.capture(model, nnx.Perturbation)(x)
+
+    def loss(model, perturbations, x):
+        return nnx.capture(model, nnx.Intermediate, init=perturbations)(x)
+
+    (grads, perturb_grads), sowed = nnx.grad(loss, argnums=(0, 1), has_aux=True)(
+        model, perturbations, x
+    )
+    return nnx.merge_state(perturb_grads, sowed)
