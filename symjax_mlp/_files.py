@@ -18,6 +18,7 @@ import stat
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from symjax_mlp._errors import ConfigError, SymjaxError
 from symjax_mlp._reader import Reader
@@ -179,6 +180,23 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
     finally:
         for tmp, *_ in staged:
             tmp.unlink(missing_ok=True)
+
+
+def write_stream(stream: Any, data: bytes) -> None:
+    """Writes all of ``data`` to the binary ``stream`` (stdout): a short write (a file-size
+    limit reached), which Python's own writes take for all, is followed by the next, which
+    raises; a :class:`ConfigError` naming the stream, what got there and what to do."""
+    done = 0
+    try:
+        while done < len(data):
+            done += stream.write(memoryview(data)[done:]) or 0
+        stream.flush()
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write {getattr(stream, 'name', 'the stream')} ({e.strerror or e}): it got at "
+            f"most the first {done:,} of the {len(data):,} bytes, so what is there is incomplete. "
+            + (exhausted(e, len(data)) or "Write to a file path instead.")
+        ) from None
 
 
 def write_dir(

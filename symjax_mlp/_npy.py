@@ -13,8 +13,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from symjax_mlp._errors import ConfigError, SignatureError
-from symjax_mlp._files import exhausted, write_output
+from symjax_mlp._errors import SignatureError
+from symjax_mlp._files import exhausted, write_output, write_stream
 from symjax_mlp._specs import TensorSpec, cast_to, out_of_range
 
 
@@ -201,25 +201,8 @@ def write_outputs(
         first = outs if first is None else first
     write_output(*files)  # whole or not at all
     for stream, data in streams:
-        _write_all(stream, data)
+        write_stream(stream, data)
     return first
-
-
-def _write_all(stream: BinaryIO, data: bytes) -> None:
-    """Writes all of ``data`` to ``stream``: a short write (a file-size limit reached) is
-    followed by the next, which raises; a ConfigError naming the stream and what got there."""
-    done = 0
-    try:
-        while done < len(data):
-            done += stream.write(memoryview(data)[done:]) or 0
-        stream.flush()
-    except OSError as e:
-        name = getattr(stream, "name", "the stream")
-        raise ConfigError(
-            f"cannot write {name} ({e.strerror or e}): it got at most the first {done:,} of "
-            f"the {len(data):,} bytes, an incomplete .npy. "
-            + (exhausted(e, len(data)) or "Write to a file path instead.")
-        ) from None
 
 
 def arrays(out: Any) -> list[np.ndarray]:

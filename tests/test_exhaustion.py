@@ -234,11 +234,27 @@ def test_an_output_to_stdout_cut_short_is_an_error_not_exit_0():
         write_outputs(np.ones((4, 512), np.float32), stream)
     assert str(e.value).startswith(
         "cannot write <stdout> (File too large): it got at most the first 4,096 of the 8,320 "
-        "bytes, an incomplete .npy. "
+        "bytes, so what is there is incomplete. "
     )
     whole = io.BytesIO()
     write_outputs(np.ones((4, 512), np.float32), whole)
     assert np.load(io.BytesIO(whole.getvalue())).shape == (4, 512)
+
+
+def test_json_to_stdout_cut_short_is_an_error_not_exit_0(monkeypatch):
+    """``symjax-mlp inspect ART --json > m.json`` under ``ulimit -f 1``: exit 0, and 1024 of the
+    1699 bytes of JSON (Python's text stdout takes a short write for all of it)."""
+    from symjax_mlp.cli._args import emit_json
+
+    buffer = _ShortWrites()
+    text = io.TextIOWrapper(buffer, encoding="utf-8")
+    monkeypatch.setattr(sys, "stdout", text)
+    with pytest.raises(sm.ConfigError, match=r"^cannot write <stdout> \(File too large\): it got "
+                       r"at most the first 4,096 of the 8,[0-9]{3} bytes"):  # fmt: skip
+        emit_json({"x": "y" * 8_000}, "-")
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(whole := io.BytesIO(), encoding="utf-8"))
+    emit_json({"x": "y" * 8_000}, "-")
+    assert json.loads(whole.getvalue()) == {"x": "y" * 8_000}
 
 
 class _Heads:
@@ -432,7 +448,7 @@ def test_export_checkpoint_run_and_sign_under_a_real_file_size_limit(tmp_path):
     assert y.read_bytes() == b"before"
     code, err = said["stdout"]  # was exit 0, 'wrote stdout', and 49,152 of its 240,128 bytes
     assert code == 2 and "cannot write <stdout> (File too large): it got at most the first " in err
-    assert "of the 240,128 bytes, an incomplete .npy." in err and limit in err
+    assert "of the 240,128 bytes, so what is there is incomplete." in err and limit in err
     assert said["steps"] == ["step_00000001", "step_00000002"] and said["resumed"] == 4
     assert said["loads"] == 2.0  # the artifact there before, whole, and its signature verifies
     assert sorted(os.listdir(tmp_path)) == ["ck", "key.pem", "key.pem.pub", "m", "x.npy", "y.npy"]

@@ -91,13 +91,16 @@ def json_option(what: str) -> tuple[str, dict[str, Any]]:
 
 def emit_json(data: Any, target: str) -> None:
     """Writes ``data`` as JSON to the file ``target`` (whole or not at all), or stdout (``-``)."""
-    from symjax_mlp._files import write_output
+    from symjax_mlp._files import write_output, write_stream
 
     text = json.dumps(_finite(data), indent=2, default=str, allow_nan=False) + "\n"
-    if target == "-":
-        stdout("--json -").write(text)
-    else:
+    if target != "-":
         write_output((target, text.encode()))
+    elif (raw := getattr(out := stdout("--json -"), "buffer", None)) is None:  # main() called
+        out.write(text)  # in-process with a text stream
+    else:  # all of it, or an error: Python's own writes may stop short and say nothing
+        out.flush()
+        write_stream(raw, text.encode())
 
 
 def _finite(data: Any) -> Any:
