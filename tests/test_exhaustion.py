@@ -187,7 +187,7 @@ def test_no_file_descriptor_left_is_said_as_the_limit_not_as_a_bug(tmp_path):
     )
     assert os.listdir(tmp_path / "m") == []
     assert said["cli"] == 2 and "Traceback" not in done.stderr and "bug" not in done.stderr
-    assert done.stderr.startswith("symjax-mlp run: error: [Errno 24] Too many open files: ")
+    assert done.stderr.startswith("symjax-mlp run: error: ") and "Too many open" in done.stderr
     assert done.stderr.strip().endswith(limit) and len(done.stderr.splitlines()) == 1
 
 
