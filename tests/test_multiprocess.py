@@ -30,6 +30,7 @@ from helpers import STRICT_WARNINGS
 
 import symjax_mlp as sm
 from symjax_mlp.training._orbax import OrbaxCheckpoints
+from symjax_mlp.training._paths import checkpoints
 
 WORKER = Path(__file__).parent / "workers" / "multiprocess_worker.py"
 README = Path(__file__).parent.parent / "README.md"
@@ -38,6 +39,11 @@ from multiprocess_worker import BATCH, LR, SIZES, problem  # noqa: E402
 
 TIMEOUT = 6  # the runs' timeout (s): a missing or stalled process fails the others after it
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+
+
+def orbax_steps(directory: Path) -> list[int]:
+    """The committed Orbax steps in ``directory``."""
+    return [step for step, _ in checkpoints(directory, orbax=True)]
 
 
 def _port() -> str:
@@ -219,8 +225,6 @@ def test_saves_queue_two_deep_then_wait_and_a_failed_one_raises_at_the_next(tmp_
     no save is committing)."""
     import threading
 
-    from symjax_mlp.training import _orbax
-
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
     monkeypatch.setattr(store.manager, "is_saving_in_progress", lambda: False)
@@ -247,7 +251,7 @@ def test_saves_queue_two_deep_then_wait_and_a_failed_one_raises_at_the_next(tmp_
         for step in (4, 5, 6):
             store.save(state(step), {})
     store.close()
-    assert written[:3] == [1, 2, 3] and _orbax.orbax_steps(tmp_path / "ck")[-1] >= 2
+    assert written[:3] == [1, 2, 3] and orbax_steps(tmp_path / "ck")[-1] >= 2
 
 
 def test_a_save_made_while_the_one_before_commits_is_superseded_and_the_last_is_written(
@@ -259,8 +263,6 @@ def test_a_save_made_while_the_one_before_commits_is_superseded_and_the_last_is_
     restores bitwise; the steps past the newest two are deleted (in Orbax's background) by
     then. Orbax's commit is faked slow: it ends when ``committed`` is set."""
     import threading
-
-    from symjax_mlp.training import _orbax
 
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
@@ -287,13 +289,13 @@ def test_a_save_made_while_the_one_before_commits_is_superseded_and_the_last_is_
     saver.join(20)
     assert not saver.is_alive() and not committed.is_set()  # none waited for the commit
     store._finish()  # the writer is done with 2..5, all superseded
-    assert store.superseded == [2, 3, 4, 5] and _orbax.orbax_steps(tmp_path / "ck") == []
+    assert store.superseded == [2, 3, 4, 5] and orbax_steps(tmp_path / "ck") == []
     path = store.save(state(6), {"last": True}, last=True)  # 1 still commits: written anyway
     assert waiting.wait(10)  # the writer waits for 1's commit, then writes 6
     committed.set()
     store.save(state(7), {"last": True})  # none committing: written
     store.close()
-    assert store.superseded == [2, 3, 4, 5] and _orbax.orbax_steps(tmp_path / "ck") == [6, 7]
+    assert store.superseded == [2, 3, 4, 5] and orbax_steps(tmp_path / "ck") == [6, 7]
     reader = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=sharding)
     got, meta = reader.restore(path, state(0))
     reader.close()
