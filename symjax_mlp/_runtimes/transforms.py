@@ -6,7 +6,9 @@ rows stay apart (``rows``, checked against the module at load) and every mapped 
 batch dimension, the mapped axis merges into it (``(n, b, ...)`` to ``(n * b, ...)``) and the
 program runs once; anywhere else once per example (``jax.lax.map``), vmap's own meaning. A
 ``custom_vjp`` runs the artifact's VJP module for ``jax.grad``, checked first; forward mode is
-refused as it traces, else where JAX refuses it (:func:`refusing_forward`).
+refused as it traces, else where JAX refuses it (:func:`refusing_forward`). Inside
+``jax.shard_map`` its outputs vary along the mesh axes its inputs vary along (:func:`varying`),
+and a cotangent is summed over the devices where its input is the same on each (:func:`summed`).
 """
 
 from __future__ import annotations
@@ -169,7 +171,11 @@ class Program:
 
     def wrap(self, module: Any, order: int = 0, n: int | None = None) -> Callable[..., Any]:
         """``module.call`` (the program, or its VJP module of ``order``) as the class says."""
-        batched, vjp_order = custom_vmap(module.call), self.manifest.get("vjp_order", 0)
+
+        def run(*args: Any) -> Any:  # varying along the mesh axes of its inputs
+            return varying(module.call(*args), varies(args))
+
+        batched, vjp_order = custom_vmap(run), self.manifest.get("vjp_order", 0)
         batched.def_vmap(self.merge if order == 0 else functools.partial(_one_by_one, batched))
 
         @jax.custom_vjp
@@ -205,7 +211,8 @@ class Program:
             m = sum(math.prod(x.shape) for x in jax.tree.leaves(args[1:])) if n is None else n
             self.check(vjp.call, vjp_args, m, order + 1)
             out = self.wrap(vjp, order + 1, m)(*vjp_args)
-            return tuple(jax.tree.unflatten(jax.tree.structure(args), jax.tree.leaves(out)))
+            out = jax.tree.unflatten(jax.tree.structure(args), jax.tree.leaves(out))
+            return jax.tree.map(summed, out, tuple(args))
 
         call.defvjp(forward, backward)
         refused = functools.partial(ConfigError, forward_mode(self.caller, vjp_order))
@@ -252,6 +259,33 @@ class Program:
             split.append(y if k is None else jnp.moveaxis(y, k, 0))
         batched = [k is not None for k in outs]
         return (split[0], batched[0]) if single else (tuple(split), tuple(batched))
+
+
+def varies(xs: Any) -> frozenset[str]:
+    """The mesh axes along which one of ``xs`` varies inside ``jax.shard_map`` (none outside)."""
+    axes: set[str] = set()
+    for x in jax.tree.leaves(xs):
+        axes.update(getattr(getattr(jax.typeof(x), "manual_axis_type", None), "varying", ()))
+    return frozenset(axes)
+
+
+def varying(ys: Any, axes: frozenset[str]) -> Any:
+    """``ys`` typed as varying along ``axes``: ``Exported.call`` types its outputs as the same
+    on every device, and ``jax.shard_map`` then took one device's output for all of them
+    (``out_specs=P()``) where the model's own outputs are refused, and jax.grad failed."""
+
+    def one(y: Any) -> Any:
+        missing = tuple(sorted(axes - varies(y)))
+        return jax.lax.pcast(y, missing, to="varying") if missing else y
+
+    return jax.tree.map(one, ys) if axes else ys
+
+
+def summed(ct: Any, primal: Any) -> Any:
+    """``ct``, the cotangent of ``primal`` from every device, summed along the mesh axes along
+    which it varies and ``primal`` does not (the transpose of using one value on each)."""
+    extra = tuple(sorted(varies(ct) - varies(primal)))
+    return jax.lax.psum(ct, extra) if extra and ct.dtype != jax.dtypes.float0 else ct
 
 
 def axes(specs: Any, dim: str | None) -> list[int | None]:
