@@ -28,7 +28,7 @@ from symjax_mlp.training._data import (
     load_digits,
 )
 from symjax_mlp.training._epoch import Programs, TrainResult
-from symjax_mlp.training._optimizer import checked_optimizer, init_state
+from symjax_mlp.training._optimizer import checked_optimizer, init_state, only
 from symjax_mlp.training._orbax import OrbaxCheckpoints
 from symjax_mlp.training._paths import check_directory
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
@@ -72,6 +72,7 @@ def train(
     data: Dataset | None = None,
     *,
     optimizer: optax.GradientTransformation | None = None,
+    wrt: Any = None,
     learning_rate: float | None = None,
     epochs: int = 20,
     batch_size: int = 64,
@@ -99,6 +100,13 @@ def train(
       data: a :class:`Dataset` (default: :func:`load_digits`).
       optimizer: any ``optax.GradientTransformation`` or ``optax.MultiSteps`` (default: adam);
         one taking extra arguments gets ``value=`` the batch's loss (``reduce_on_plateau``).
+        Its ``init`` gets the params as a dict of dicts of arrays, a linen model's as ``init``
+        gives them, an nnx module's as ``nnx.to_pure_dict`` (no Variable types: see ``wrt``).
+      wrt: the params to train, the others held bitwise as they are (the optimizer's state
+        the trained params' only, as ``nnx.Optimizer(model, tx, wrt=...)`` keeps): an nnx
+        filter (``nnx.LoRAParam``, ``nnx.PathContains('head')``), of a linen model's params by
+        path (a tuple of names) and array, e.g. ``lambda path, _: path[0] == 'head'``;
+        ``result.opt_state`` is then ``optax.multi_transform``'s. Default: every param.
       learning_rate: the default adam's learning rate (default 1e-3); not used otherwise.
       epochs: total epochs to reach, counting those done before a resumed checkpoint.
       batch_size: examples per step.
@@ -164,11 +172,14 @@ def train(
     model, spec, num_outputs = _classifier(model, data, train_flags, eval_flags)
     check_outputs(data, num_outputs)
     blocks = _check_batches(batch_size, blocks, len(data.x_train))
-    state = _initial_state(model, spec, data.x_train[:1], optimizer, seed)
+    state, wrapped, trained = _initial_state(model, spec, data.x_train[:1], optimizer, seed, wrt)
     config = run_config(
         model, spec, state.params, data, optimizer,
         seed=seed, batch_size=batch_size, num_outputs=num_outputs,
     )  # fmt: skip
+    optimizer = wrapped  # the one given is the run's fingerprint, the params wrt trains its own
+    if trained is not None:  # recorded only when set, as blocks
+        config["wrt"] = trained
     if blocks != 1:  # recorded only when set: older checkpoints resume as they are
         config["blocks"] = blocks
     programs, store, watch = _processes(
@@ -338,13 +349,16 @@ def _classifier(
 
 
 def _initial_state(
-    model: Any, spec: Any, example: np.ndarray, optimizer: optax.GradientTransformation, seed: int
-) -> TrainState:
+    model: Any, spec: Any, example: np.ndarray, optimizer: Any, seed: int, wrt: Any
+) -> tuple[TrainState, optax.GradientTransformation, list[str] | None]:
     """Params from ``seed`` and the optimizer's state, its leaves copied (both trees are
-    donated)."""
+    donated); the optimizer over the params ``wrt`` selects (:func:`only`), their paths."""
     rng, init_key = jax.random.split(jax.random.key(seed))
     params = init_of(model, spec, init_key, example)
     trainable = params.params if isinstance(params, ModelVars) else params
     check_trainable(trainable, f"symjax_mlp.training.train({type(model).__name__})")
+    trained = None
+    if wrt is not None:
+        optimizer, trained = only(optimizer, wrt, model, trainable, _CALLER)
     opt_state = init_state(optimizer, trainable, _CALLER)
-    return TrainState(params, owned(opt_state), rng)
+    return TrainState(params, owned(opt_state), rng), optimizer, trained

@@ -1,7 +1,8 @@
 """The optimizer as training calls it: any optax ``GradientTransformation`` (the default adam,
 ``MultiSteps`` unwrapped), its state made and its update traced on shapes before the first step,
 so that an optimizer of another form is a ConfigError naming ``optimizer.init`` or
-``optimizer.update``, never a raw error from inside a step."""
+``optimizer.update``, never a raw error from inside a step; :func:`only` restricts it to the
+params train()'s ``wrt`` selects, the others frozen."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from symjax_mlp._errors import ConfigError
+from symjax_mlp._hybrid.pure.nnx_module import trainable
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 
 _INIT_RAISED = (
@@ -48,6 +51,18 @@ _STATE_MOVED = (
     "{caller}: the optimizer's update returned a state unlike the one it was given ({was} -> "
     "{got}). A compiled step needs the same structure, shapes and dtypes at every step, and a "
     "checkpoint restores init's. Make update return a state like init's (cast with .astype)."
+)
+
+_WRT_NONE = (
+    "{caller}: wrt={wrt!r} selects none of the {n} params of {model} ({paths}): every step "
+    "would leave them as they are. Pass a filter that selects those to train: an nnx filter "
+    "(nnx.LoRAParam, nnx.PathContains('head')) or a function (path, value) -> bool, path the "
+    "param's names, e.g. lambda path, _: path[0] == 'head'."
+)
+_WRT_KIND = (
+    "{caller}: wrt must be an nnx filter (a Variable type such as nnx.LoRAParam, "
+    "nnx.PathContains('head'), nnx.All/nnx.Any of them) or a function (path, value) -> bool; "
+    "got {wrt!r:.100} ({e}). Pass e.g. wrt=nnx.LoRAParam, or wrt=None to train every param."
 )
 
 
@@ -149,3 +164,38 @@ def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> No
 
 def _like(tree: Any) -> Any:  # its structure, each leaf as its dtype and shape
     return jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}", tree)
+
+
+def only(optimizer: Any, wrt: Any, model: Any, params: Any, caller: str) -> tuple[Any, list]:
+    """``(optimizer over the params wrt selects, their paths)``: the others' updates are
+    ``optax.set_to_zero()``'s (bitwise as they were), the state the selected params' only, as
+    ``nnx.Optimizer(model, tx, wrt=...)`` keeps. ``wrt`` is an nnx filter of an nnx module's
+    variables, or of a linen model's params by path (a tuple of names) and array."""
+    try:
+        if isinstance(model, nnx.Module):  # nnx's own filter semantics, on its Variables
+            picked = nnx.to_pure_dict(nnx.state(model, nnx.All(trainable(model), wrt)))
+            chosen = {
+                jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(picked)
+            }
+        else:
+            test = nnx.filterlib.to_predicate(wrt)
+            leaves = jax.tree_util.tree_leaves_with_path(params)
+            chosen = {jax.tree_util.keystr(p) for p, a in leaves if test(_names(p), a)}
+    except Exception as e:  # not a filter: nnx's TypeError/ValueError, or the function's own
+        error = f"{type(e).__name__}: {e}"
+        raise ConfigError(_WRT_KIND.format(caller=caller, wrt=wrt, e=error)) from e
+    keys = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    paths = ["/".join(map(str, _names(p))) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    if not (trained := [path for key, path in zip(keys, paths, strict=True) if key in chosen]):
+        what = {"caller": caller, "wrt": wrt, "n": len(paths), "model": type(model).__name__}
+        shown = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
+        raise ConfigError(_WRT_NONE.format(**what, paths=shown))
+    labels = jax.tree_util.tree_map_with_path(
+        lambda p, _: "trained" if jax.tree_util.keystr(p) in chosen else "frozen", params
+    )
+    transforms = {"trained": optimizer, "frozen": optax.set_to_zero()}
+    return optax.multi_transform(transforms, labels), trained
+
+
+def _names(path: tuple) -> tuple:  # a key path's names, as nnx's filters see an nnx state's
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
