@@ -22,7 +22,7 @@ from symjax_mlp._errors import ConfigError, OverloadError, RetraceError
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._lane import Blocking, Lane, claim, clock
-from symjax_mlp.serving._model import call_of
+from symjax_mlp.serving._model import call_of, fixed_rows
 from symjax_mlp.serving._requests import (
     AsyncRequest,
     RequestCheck,
@@ -172,6 +172,10 @@ class Batcher:
             e.add_note(f"{self.name} traces the model once per bucket, {self.buckets}: pass buckets"
                        f"=({self.max_batch},) (one trace), or max_traces >= {n}.")  # fmt: skip
             raise
+        except Exception as e:  # an ensemble's rows, fixed by its params: named, as export does
+            if (fixed := fixed_rows(self.name, model, example, lane.warming, self.buckets)) is None:
+                raise
+            raise fixed from e
         self._finalizer = weakref.finalize(self, lane.close, False)
 
     def _enqueue(self, request: Any, wake: bool = True) -> None:

@@ -146,3 +146,32 @@ def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
 
     inference.__name__ = h.name
     return inference
+
+
+_FIXED_ROWS = (
+    "{name}: the model raised warming up on a batch of {bucket} rows (zeros), and every param "
+    "leads with the example's {rows} rows ({path}: {shape}): a model that maps its inputs' "
+    "rows over its params' (an ensemble, one member per row: nnx.vmap or eqx.filter_vmap over "
+    "stacked params) takes {rows} rows, one per member, never a batch of another size, while "
+    "a batcher pads and merges requests into batches of {buckets} rows. Serve one whole input "
+    "of {rows} rows per request, a batch of them on a new leading axis: "
+    "Batcher(jax.vmap(h), example=x[None]); or call h(x) as it is."
+)
+
+
+def fixed_rows(name: str, model: Any, example: Any, bucket: int, buckets: tuple) -> Any:
+    """The ConfigError for a Hybrid that raised at ``bucket`` rows while every param leads
+    with the example's rows (``None`` otherwise): the warm-up's error path, never a request's."""
+    if not isinstance(model, Hybrid):
+        return None
+    first = (example if isinstance(example, tuple) else (example,))[:1]
+    rows = np.shape(first[0])[:1] if first else ()
+    params = jax.tree_util.tree_leaves_with_path(model.params)
+    if not rows or rows == (bucket,) or not params:
+        return None
+    if any(np.shape(a)[:1] != rows for _, a in params):
+        return None
+    path, leaf = params[0]
+    where = jax.tree_util.keystr(path, simple=True, separator="/")
+    what = {"name": name, "bucket": bucket, "rows": rows[0], "buckets": buckets}
+    return ConfigError(_FIXED_ROWS.format(**what, path=where, shape=np.shape(leaf)))
