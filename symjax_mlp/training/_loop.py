@@ -59,6 +59,13 @@ _ONE_ROW = (  # a note on what the model raised
     "h = sm.hybridize(model), jax.grad of your loss of h.apply(params, x), an optax update, "
     "h.replace(params=params)."
 )
+_NNX_TREE = (  # a note on the optimizer's refusal of an nnx module's params
+    f"{_CALLER}: an nnx module's params reach the optimizer as nnx.to_pure_dict(nnx.state("
+    "model, nnx.Param)) gives them, a dict of arrays by path: no nnx.State (labels made by "
+    "nnx.map_state do not fit it) and no Variable types (a label function's isinstance(v, "
+    "nnx.LoRAParam) is never true). To train some params only, pass wrt= an nnx filter: "
+    "train(model, data, optimizer=tx, wrt=nnx.LoRAParam)."
+)
 _PAST = (
     "symjax_mlp.training.train(epochs={epochs}, resume=True): the newest checkpoint, {found}, "
     "is at epoch {s.epoch} (step {s.step}), past the {epochs} epoch(s) asked for; epochs counts "
@@ -360,5 +367,9 @@ def _initial_state(
     trained = None
     if wrt is not None:
         optimizer, trained = only(optimizer, wrt, model, trainable, _CALLER)
-    opt_state = init_state(optimizer, trainable, _CALLER)
+    try:
+        opt_state = init_state(optimizer, trainable, _CALLER)
+    except ConfigError as e:  # an nnx user's labels, of an nnx.State: what the optimizer gets
+        isinstance(spec, NnxSpec) and e.add_note(_NNX_TREE)
+        raise
     return TrainState(params, owned(opt_state), rng), optimizer, trained
