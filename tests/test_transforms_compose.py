@@ -330,3 +330,46 @@ def test_grad_through_batchnorm_and_dropout_in_train_mode_as_flax_apply():
         chex.assert_trees_all_close(got, want, **TOL)
     chex.assert_trees_all_close(h_apply(h.params, x)[0], h_apply(h.params, x)[0])
     assert not np.allclose(h_apply(h.params, x)[0], h.apply(h.params, x)[0])  # eval: no dropout
+
+
+def test_a_loaded_model_exported_again_with_a_symbolic_batch(models, tmp_path):
+    """jax.export (and sm.export) of a function calling m traces it with a symbolic batch, and
+    m's checks compared it with numbers: JAX's InconclusiveDimensionOperation ("Symbolic
+    dimension comparison 'b' > '2147483647' is inconclusive"), which sm.export took for the
+    function's own use of the batch ("the function needs a concrete value of the symbolic
+    batch"); under jax.vmap the merged batch's ('2*n' <= '2147483647'), as an ArtifactError."""
+    m, source = models["m"], models["source"]
+    (b,) = jax.export.symbolic_shape("b")
+    x, s = _xs(4, 5), _xs(5, seed=2)
+    specs = jax.ShapeDtypeStruct((b, 5), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32)
+    again = jax.export.export(jax.jit(m))(*specs)
+    chex.assert_trees_all_close(again.call(x, s), source(x, s), **TOL)
+
+
+@pytest.mark.slow  # a jax.export and an sm.export (~1 s)
+def test_vmap_of_a_loaded_model_and_a_hybrid_calling_it_exported_again(models, tmp_path):
+    m, source = models["m"], models["source"]
+    (b,) = jax.export.symbolic_shape("b")
+    x, s = _xs(4, 5), _xs(5, seed=2)
+    mapped = jax.ShapeDtypeStruct((b, 2, 5), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32)
+    again = jax.export.export(jax.jit(jax.vmap(m, in_axes=(0, None))))(*mapped)
+    want = jax.vmap(source, in_axes=(0, None))(x.reshape(2, 2, 5), s)
+    chex.assert_trees_all_close(again.call(x.reshape(2, 2, 5), s), want, **TOL)
+    outer = sm.hybridize(lambda p, x, s: m(x, s) * p, jnp.float32(2))
+    art = sm.export(outer, tmp_path / "again", example=(x, s), shapes=("b, 5", None))
+    chex.assert_trees_all_close(sm.load(art.path)(x, s), 2 * source(x, s), **TOL)
+
+
+@pytest.mark.slow  # an export and two jax.exports (~1.5 s)
+def test_vmap_of_a_bounded_model_exported_again_runs_one_example_at_a_time(tmp_path):
+    """A symbolic merged batch may break the bound (b <= 3) as it runs: vmap maps one call per
+    example then, each checked by the artifact as it runs; without a bound it merges."""
+    h = sm.hybridize(lambda p, x: jnp.tanh(x @ p), W)
+    art = sm.export(h, tmp_path / "m", example=jnp.ones((2, 5)), shapes=("b, 5",),
+                    constraints=("b <= 3",))  # fmt: skip
+    m, (n,) = sm.load(art.path), jax.export.symbolic_shape("n")
+    xs = _xs(4, 2, 5)
+    for shape in ((n, 2, 5), (4, n, 5)):
+        again = jax.export.export(jax.jit(jax.vmap(m)))(jax.ShapeDtypeStruct(shape, jnp.float32))
+        assert "stablehlo.while" in again.mlir_module()  # one example at a time
+        chex.assert_trees_all_close(again.call(xs), jax.vmap(h)(xs), **TOL)

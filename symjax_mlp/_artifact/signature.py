@@ -103,11 +103,12 @@ class Signature:
                     raise SignatureError(
                         f"{at}, not {dim}. Pass an array whose dimension {i} is {dim}."
                     )
-                if got < 1:
+                symbolic = type(got) is not int  # jax.export tracing a call: checked as it runs
+                if not symbolic and got < 1:
                     raise SignatureError(
                         f"{at}, and a batch of {got} is rejected. Pass at least one row."
                     )
-                if got > MAX_SYMBOLIC:  # else the program's shape refinement fails (int32)
+                if not symbolic and got > MAX_SYMBOLIC:  # else refinement fails (int32)
                     raise SignatureError(
                         f"{at}, past the {MAX_SYMBOLIC:,} a symbolic dimension may be (an "
                         "exported program computes it as an int32). Split the input: call it on "
@@ -123,8 +124,9 @@ class Signature:
                 given = inputs[self.inputs.index(spec)]  # as passed: a list, an array
                 raise SignatureError(_dtype_refused(caller, spec, x, given))
         self._check_terms(sizes, caller)
+        known = {k: v for k, (_, v) in sizes.items() if type(v) is int}  # symbolic: unknown
         for constraint in self.constraints:
-            if not _holds(constraint, {k: v for k, (_, v) in sizes.items()}):
+            if not _holds(constraint, known):
                 where = ", ".join(f"{k} = {v} ({p})" for k, (p, v) in sorted(sizes.items()))
                 raise SignatureError(
                     f"{caller}: the inputs give {where}, but the artifact requires "
@@ -206,6 +208,8 @@ def sizes_at(signature: Signature, batch: int) -> dict[str, int] | None:
 def admits(signature: Signature, sizes: Mapping[str, int]) -> bool:
     """Whether ``sizes`` of symbolic dimensions (``{"b": 8}``) satisfy every constraint and fit
     a call (:data:`MAX_SYMBOLIC`): where ``jax.vmap`` may merge examples into one batch."""
+    if any(type(n) is not int for n in sizes.values()):  # symbolic: jax.export tracing vmap
+        return not signature.constraints  # a bound it may break as it runs: one by one
     fits = all(0 < n <= MAX_SYMBOLIC for n in sizes.values())
     return fits and all(_holds(c, sizes) for c in signature.constraints)
 
