@@ -373,3 +373,22 @@ def test_vmap_of_a_bounded_model_exported_again_runs_one_example_at_a_time(tmp_p
         again = jax.export.export(jax.jit(jax.vmap(m)))(jax.ShapeDtypeStruct(shape, jnp.float32))
         assert "stablehlo.while" in again.mlir_module()  # one example at a time
         chex.assert_trees_all_close(again.call(xs), jax.vmap(h)(xs), **TOL)
+
+
+@pytest.mark.slow  # (~0.6-2 s)
+def test_ensembles_and_per_example_gradients_over_h_apply():
+    """jax.vmap of h.apply over stacked params (an ensemble) and of jax.grad over examples
+    (per-example gradients, as DP-SGD takes them), as of flax's apply."""
+    net, x = sm.mlp((8, 3)), _xs(6, 5)
+    variables = net.init(jax.random.key(0), x)
+    h = sm.hybridize(net, variables)
+    stacked = jax.vmap(lambda k: net.init(k, x))(jax.random.split(jax.random.key(5), 3))
+
+    def loss(apply):
+        return lambda p, x: (apply(p, x[None]) ** 2).sum()
+
+    def both(apply, params):
+        ensemble = jax.vmap(apply, in_axes=(0, None))(stacked, x)
+        return ensemble, jax.jit(jax.vmap(jax.grad(loss(apply)), in_axes=(None, 0)))(params, x)
+
+    chex.assert_trees_all_close(both(h.apply, h.params), both(net.apply, variables), **TOL)
