@@ -96,6 +96,8 @@ def test_shard_map_with_grad_vmap_and_a_hessian_inside_as_the_source(models, nam
     chex.assert_trees_all_close(jax.jit(_sharded(f))(x, s), source(x, s), **TOL)
     with pytest.raises(ValueError, match=r"out_specs is P\(\) which implies that the"):
         _sharded(f, out=P())(x, s)
+    mean = _sharded(lambda x, s: jax.lax.pmean(f(x, s), "d"), out=P())  # one, replicated
+    chex.assert_trees_all_close(mean(x, s), source(x, s).reshape(4, 2, 3).mean(0), **TOL)
 
     def loss(f, check_vma=True):
         return lambda x, s: (_sharded(f, check_vma)(x, s) ** 2).sum()
