@@ -231,3 +231,5 @@ def _asyncio(b: Any, rows: list[np.ndarray], c: int, requests: int) -> tuple[lis
 
 
 KINDS = {"threads": _threads, "futures": _futures, "asyncio": _asyncio}
+#: The batcher section's runs, each in a fresh process, and their keys in the result.
+BATCHER_RUNS = {"sync": "batcher", "async": "batcher_async", "pinned": "batcher_pinned"}
