@@ -8,135 +8,36 @@ default) next to ``path``, and returns the paths written.
 :func:`plot_sweep` draws a :func:`sweep`, :func:`plot_devices` the result
 of :func:`bench_devices`, :func:`plot_training` the history of
 :func:`symjax_mlp.training.train`. matplotlib (``pip install 'symjax_mlp[plot]'``) is imported
-only when a figure is drawn, and without pyplot: no global state, no display needed.
+only when a figure is drawn, and without pyplot: no global state, no display needed. What the
+figures share (the axes, the ticks, the caption, the files) is :mod:`benchmarks.plotting`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from benchmarks.devices import CPU_NOTE
+from benchmarks.plotting import (
+    caption,
+    count_tick,
+    log2_x,
+    log_y,
+    machine_line,
+    matplotlib_parts,
+    save,
+    seconds_tick,
+    versions_line,
+)
 from benchmarks.scaling import SweepReport
 from benchmarks.timing import environment
 from symjax_mlp import ConfigError
 
 #: The formats every figure is written in, by default.
 FORMATS = ("png", "svg")
-_IMAGE_SUFFIXES = {".png", ".svg", ".pdf", ".jpg", ".jpeg"}
 _MODE_STYLE = {"hybridized": ("C0", "o"), "eager": ("C3", "s")}
-
-
-def _paths(path: str | os.PathLike[str], formats: Sequence[str]) -> list[Path]:
-    """``out/sweep`` or ``out/sweep.png`` -> ``out/sweep.png``, ``out/sweep.svg``."""
-    if not formats:
-        raise ConfigError("a figure needs at least one format, e.g. formats=('png', 'svg').")
-    p = Path(path)
-    stem = p.with_suffix("") if p.suffix.lower() in _IMAGE_SUFFIXES else p
-    return [stem.with_name(f"{stem.name}.{f.lstrip('.')}") for f in formats]
-
-
-def _save(fig: Any, path: str | os.PathLike[str], formats: Sequence[str]) -> tuple[str, ...]:
-    """Writes ``fig`` once per format; an SVG keeps its text as text (searchable, editable)."""
-    from matplotlib import rc_context
-
-    written = []
-    with rc_context({"svg.fonttype": "none", "svg.hashsalt": "symjax_mlp"}):
-        for p in _paths(path, formats):
-            fig.savefig(p, dpi=120)
-            written.append(os.fspath(p))
-    return tuple(written)
-
-
-def _matplotlib() -> tuple[Any, Any, Any]:
-    from matplotlib import ticker  # optional extra (symjax_mlp[plot]); no pyplot
-    from matplotlib.figure import Figure
-    from matplotlib.legend_handler import HandlerTuple
-
-    return Figure, ticker, HandlerTuple
-
-
-def _machine(env: Mapping[str, Any]) -> str:
-    """One line: the CPU, its cores, the JAX backend and device."""
-    cpu = env.get("cpu_model") or env.get("processor") or "unknown CPU"
-    cores = f"{env.get('cpu_usable', '?')} of {env.get('cpu_count', '?')} cores usable"
-    return f"machine: {cpu}, {cores}; JAX backend {env.get('backend')} ({env.get('device')})"
-
-
-def _versions(env: Mapping[str, Any]) -> str:
-    keys = ("jax", "jaxlib", "flax", "symjax_mlp", "python")
-    text = ", ".join(f"{k} {env[k]}" for k in keys if env.get(k))
-    return f"versions: {text}" + (f"; run {env['time']}" if env.get("time") else "")
-
-
-def _caption(fig: Any, lines: Sequence[str]) -> None:
-    """The caption under the axes, left-aligned, small, each line wrapped to the figure's width
-    (constrained layout makes room for it)."""
-    width = int(fig.get_figwidth() * 14)  # characters of 8 pt text per line, with a margin
-    wrapped = [part for line in lines for part in _wrap(line, width)]
-    fig.supxlabel("\n".join(wrapped), x=0.01, ha="left", fontsize=8, linespacing=1.5)
-
-
-def _si(v: float) -> str:
-    """1 -> '1', 1024 -> '1k', 65536 -> '64k': batch sizes and device counts on a tick."""
-    if v >= 1 << 20 and v % (1 << 20) == 0:
-        return f"{int(v) >> 20}M"
-    if v >= 1024 and v % 1024 == 0:
-        return f"{int(v) >> 10}k"
-    return f"{v:g}"
-
-
-def _seconds(v: float) -> str:
-    """A tick of a log axis in seconds: '1 µs', '10 ms', '1 s'."""
-    if v <= 0:
-        return ""
-    for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns")):
-        if v >= scale * 0.999:
-            return f"{v / scale:.3g} {unit}"
-    return f"{v:.0e} s"
-
-
-def _log2_batches(ax: Any, ticker: Any, values: Sequence[int]) -> None:
-    """A log2 x axis with a labelled tick at every power of two (every other, when many)."""
-    lo, hi = min(values), max(values)
-    ax.set_xscale("log", base=2)
-    powers = [2**i for i in range(int(math.log2(lo)), int(math.log2(hi)) + 1)]
-    step = 1 if len(powers) <= 9 else 2
-    ax.xaxis.set_major_locator(ticker.FixedLocator(powers[::step]))
-    ax.xaxis.set_minor_locator(ticker.FixedLocator(powers))
-    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: _si(v)))
-    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-    pad = 2**0.3
-    ax.set_xlim(lo / pad, hi * pad)
-
-
-def _log_y(ax: Any, ticker: Any, fmt: Any, values: Sequence[float]) -> None:
-    """A log y axis labelled by ``fmt``: decades only over a wide range, more ticks over a
-    narrow one (so that a range within one decade still has labelled ticks)."""
-    positive = [v for v in values if v > 0]
-    decades = math.log10(max(positive) / min(positive)) if positive else 3.0
-    if decades > 2.5:
-        subs: tuple[float, ...] = (1.0,)
-    elif decades > 0.8:
-        subs = (1.0, 2.0, 5.0)
-    else:
-        subs = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=subs, numticks=40))
-    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: fmt(v)))
-    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-
-
-def _count(v: float) -> str:
-    """150000 -> '150k', 2e6 -> '2M', 0.5 -> '0.5': a rate on a tick."""
-    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if v >= scale:
-            return f"{v / scale:.3g}{unit}"
-    return f"{v:.3g}"
 
 
 def plot_sweep(
@@ -169,7 +70,7 @@ def plot_sweep(
             f"plot_sweep: the sweep has {len(batches)} batch size(s) {batches}; a curve needs "
             "at least 2. Sweep a range, e.g. batch_sizes=(1, 16, 256)."
         )
-    Figure, ticker, HandlerTuple = _matplotlib()
+    Figure, ticker, HandlerTuple = matplotlib_parts()
     fig = Figure(figsize=(12, 6), layout="constrained")
     grid = fig.add_gridspec(2, 2, height_ratios=(1, 14))
     key = fig.add_subplot(grid[0, :])  # the shared legend, between the title and the panels
@@ -194,7 +95,7 @@ def plot_sweep(
     floor = report.floor_seconds_per_example
     ax_t.axhline(floor, color="k", ls="--", lw=1.1)
     ax_t.annotate(
-        f"compute floor: {_seconds(floor)} per example",
+        f"compute floor: {seconds_tick(floor)} per example",
         xy=(0.015, floor), xycoords=("axes fraction", "data"), xytext=(0, 3),
         textcoords="offset points", va="bottom", fontsize=8,
     )  # fmt: skip
@@ -205,7 +106,7 @@ def plot_sweep(
         textcoords="offset points", va="top", fontsize=8,
     )  # fmt: skip
     for ax in (ax_t, ax_r):
-        _log2_batches(ax, ticker, batches)
+        log2_x(ax, ticker, batches)
         ax.set_xlabel("batch size (examples per call, log scale)")
         ax.grid(True, which="major", alpha=0.35)
         ax.grid(True, which="minor", axis="x", alpha=0.12)
@@ -216,8 +117,8 @@ def plot_sweep(
         t for p in report.points for t in (p.seconds_per_example, p.seconds_per_example_median)
     ]
     rates = [r for p in report.points for r in (p.gflops, p.gflops_median)]
-    _log_y(ax_t, ticker, _seconds, [*times, floor])
-    _log_y(ax_r, ticker, lambda v: f"{v:g}", [*rates, report.peak_gflops])
+    log_y(ax_t, ticker, seconds_tick, [*times, floor])
+    log_y(ax_r, ticker, lambda v: f"{v:g}", [*rates, report.peak_gflops])
     ax_t.set_ylabel("seconds per example (log scale)")
     ax_t.set_title("time per example (lower is better)", fontsize=10)
     ax_r.set_ylabel("achieved GFLOP/s (log scale)")
@@ -228,7 +129,7 @@ def plot_sweep(
         "throughput against batch size",
         fontsize=12,
     )
-    _caption(
+    caption(
         fig,
         [
             f"Each point: the fastest (solid) and the median (dotted) of {c['repeats']} repeats, "
@@ -239,11 +140,11 @@ def plot_sweep(
             "jnp.dot measured in this run (not the hardware's peak; a point can pass it when its "
             "weights stay in cache), and the compute floor, one example's "
             f"{report.flops_per_example:.3g} FLOPs at that rate.",
-            _machine(e),
-            _versions(e),
+            machine_line(e),
+            versions_line(e),
         ],
     )
-    return _save(fig, path, formats)
+    return save(fig, path, formats)
 
 
 def plot_devices(
@@ -270,7 +171,7 @@ def plot_devices(
     rows = sorted(result["rows"], key=lambda r: r["devices"])
     if not rows:
         raise ConfigError("plot_devices: the result has no rows; run bench_devices(n) first.")
-    Figure, ticker, _ = _matplotlib()
+    Figure, ticker, _ = matplotlib_parts()
     env = environment() if env is None else env
     fig = Figure(figsize=(10, 5.6), layout="constrained")
     ax = fig.add_subplot()
@@ -284,11 +185,11 @@ def plot_devices(
         if len(counts) > 1:
             ax.plot(counts, [ys[0] * k / counts[0] for k in counts], "--", color=color,
                     lw=1, alpha=0.6, label=f"{label.split()[0]}: ideal linear scaling")  # fmt: skip
-    _log2_batches(ax, ticker, counts)
+    log2_x(ax, ticker, counts)
     ax.xaxis.set_major_locator(ticker.FixedLocator(counts))
     rates = [r[k] for r in rows for k in ("inference_examples_per_s", "train_examples_per_s")]
     ideal = [r * counts[-1] / counts[0] for r in rates[:2]]
-    _log_y(ax, ticker, _count, [*rates, *ideal])
+    log_y(ax, ticker, count_tick, [*rates, *ideal])
     ax.set_xlabel("devices (log scale)")
     ax.set_ylabel("examples per second (log scale)")
     ax.grid(True, which="major", alpha=0.35)
@@ -309,24 +210,18 @@ def plot_devices(
         fontsize=9,
     )
     note = CPU_NOTE if virtual else result.get("note", "")
-    _caption(
+    caption(
         fig,
         [
             f"Inference: {result.get('repeats', '?')} calls; training: "
             f"{result.get('train_steps', '?')} steps after the compile; backend "
             f"{result.get('backend')} / {result.get('device_kind')}.",
             f"Note: {note}",
-            _machine(env),
-            _versions(env),
+            machine_line(env),
+            versions_line(env),
         ],
     )
-    return _save(fig, path, formats)
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    import textwrap
-
-    return textwrap.wrap(text, width) or [""]
+    return save(fig, path, formats)
 
 
 def _history(result_or_history: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -376,13 +271,13 @@ def plot_training(
       ConfigError: the history is empty or not a training history.
     """
     epochs, summary = _history(result_or_history)
-    Figure, ticker, _ = _matplotlib()
+    Figure, ticker, _ = matplotlib_parts()
     env = environment() if env is None else env
     fig = Figure(figsize=(11, 4.8), layout="constrained")
     ax_l, ax_a = fig.subplots(1, 2)
     xs = [r["epoch"] for r in epochs]
     ax_l.plot(xs, [r["loss"] for r in epochs], "-o", ms=3.5, color="C0", label="training loss")
-    _log_y(ax_l, ticker, lambda v: f"{v:g}", [r["loss"] for r in epochs])
+    log_y(ax_l, ticker, lambda v: f"{v:g}", [r["loss"] for r in epochs])
     ax_l.set_ylabel("mean training loss per epoch\n(cross-entropy, log scale)")
     ax_l.set_title("loss (lower is better)", fontsize=10)
     for key, label, color, marker in (
@@ -415,13 +310,13 @@ def plot_training(
         how.append(f"{summary['train_seconds']:.1f} s in all")
     elif all("seconds" in r for r in epochs):
         how.append(f"{sum(r['seconds'] for r in epochs):.1f} s of epochs")
-    _caption(
+    caption(
         fig,
         [
             "Loss: mean over the epoch's batches; accuracy: evaluated after each epoch"
             + (f"; {', '.join(how)}." if how else "."),
-            _machine(env),
-            _versions(env),
+            machine_line(env),
+            versions_line(env),
         ],
     )
-    return _save(fig, path, formats)
+    return save(fig, path, formats)
