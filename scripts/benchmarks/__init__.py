@@ -17,8 +17,10 @@ module:
   and JSON (``"schema": 1``), :mod:`~benchmarks.twins` the same MLP in plain jax.numpy and
   PyTorch, :mod:`~benchmarks.remote` its latency-mode row in a fresh process;
 - :mod:`~benchmarks.scaling` (batch-size sweep, matmul peak), :mod:`~benchmarks.devices`,
-  :mod:`~benchmarks.figures` (PNG and SVG), :mod:`~benchmarks.train_step`;
-- serving: :mod:`~benchmarks.serving` (the entry, targets, text) over
+  :mod:`~benchmarks.figures` (PNG and SVG; what they share, :mod:`~benchmarks.plotting`),
+  :mod:`~benchmarks.train_step`;
+- serving: :mod:`~benchmarks.serving` (the entry) and :mod:`~benchmarks.serving_report` (the
+  targets, the text) over
   :mod:`~benchmarks.latency`, :mod:`~benchmarks.batcher` and :mod:`~benchmarks.http_rows`,
   on :mod:`~benchmarks.calls` (one call at a time) and :mod:`~benchmarks.children` (fresh
   processes);
@@ -26,5 +28,6 @@ module:
   in the same process, its targets) over :mod:`~benchmarks.rivals` (what a user would pick
   instead: PyTorch's modes, AOTInductor, ONNX Runtime);
 - :mod:`~benchmarks.stateful`, :mod:`~benchmarks.coldstart`, :mod:`~benchmarks.compare`
-  (``--diff``), and :mod:`~benchmarks.cli` (the options).
+  (``--diff``), and :mod:`~benchmarks.cli` (the command line) with
+  :mod:`~benchmarks.options` (its options).
 """
