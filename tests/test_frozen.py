@@ -156,6 +156,35 @@ def test_labels_of_an_nnx_state_are_refused_with_the_tree_the_optimizer_gets_and
     ]
 
 
+@pytest.mark.slow  # two runs of train() (2 s)
+def test_a_first_epoch_that_moves_no_param_is_warned_and_one_that_moves_any_is_not():
+    """A label function testing isinstance(v, nnx.LoRAParam) gets plain arrays, so
+    optax.multi_transform froze every param and train() trained nothing, in silence: after the
+    first epoch, every param bitwise as built, a RuntimeWarning says so and names wrt=. Labels
+    by path that train the head: no warning (warnings are errors here)."""
+    model = zoo4.lora_model(nnx.Rngs(1))
+    frozen = optax.multi_transform(
+        {"lora": optax.adam(1e-2), "frozen": optax.set_to_zero()},
+        lambda params: jax.tree.map(
+            lambda v: "lora" if isinstance(v, nnx.LoRAParam) else "frozen", params
+        ),
+    )
+    with pytest.warns(RuntimeWarning, match=r"after epoch 1 \(1 steps\) every param is bitwise"):
+        got = sm.training.train(model, _data(), optimizer=frozen, epochs=2, batch_size=32)
+    built = _leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    trained = _leaves(got.params)
+    assert trained.keys() == built.keys()
+    for k, a in built.items():
+        np.testing.assert_array_equal(trained[k], a, err_msg=k)
+    head = optax.multi_transform(
+        {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()},
+        lambda params: jax.tree_util.tree_map_with_path(
+            lambda path, _: "train" if path[0].key == "head" else "frozen", params
+        ),
+    )
+    sm.training.train(_Head(), _data(), optimizer=head, epochs=2, batch_size=32)
+
+
 @pytest.mark.slow  # nnx.vmap's init and a Batcher's warm-up (0.6 to 1 s)
 def test_a_batcher_of_an_ensemble_names_its_fixed_rows_and_serves_it_vmapped_as_it_says():
     """WeightStack (a member per row, every param leading with 4): a Batcher of its Hybrid

@@ -28,7 +28,7 @@ from symjax_mlp.training._data import (
     load_digits,
 )
 from symjax_mlp.training._epoch import Programs, TrainResult
-from symjax_mlp.training._optimizer import checked_optimizer, init_state, only
+from symjax_mlp.training._optimizer import Moved, checked_optimizer, init_state, only
 from symjax_mlp.training._orbax import OrbaxCheckpoints
 from symjax_mlp.training._paths import check_directory
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
@@ -207,9 +207,13 @@ def train(
         if state.epoch > epochs:  # the run asked for is shorter than the one found
             raise CheckpointError(_PAST.format(epochs=epochs, found=resumed_from, s=state))
         newest = resumed_from
+        moved = Moved(programs.local(_trainable(state.params))) if state.epoch == 0 else None
         for epoch in range(state.epoch + 1, epochs + 1):
             state, record = programs.epoch(state, data, batch_size, epoch, newest=newest)
             history.append(record)
+            if moved is not None:  # a first epoch that trained nothing: said, once
+                moved.check(programs.local(_trainable(state.params)), state.step, _CALLER)
+                moved = None
             if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
                 meta = {"config": config, "history": [dataclasses.asdict(r) for r in history]}
                 if store:  # superseded while the one before commits, unless it is the last;
@@ -355,6 +359,10 @@ def _classifier(
     return model, spec, int(out.shape[-1])
 
 
+def _trainable(params: Any) -> Any:  # the params an optimizer moves (no model state)
+    return params.params if isinstance(params, ModelVars) else params
+
+
 def _initial_state(
     model: Any, spec: Any, example: np.ndarray, optimizer: Any, seed: int, wrt: Any
 ) -> tuple[TrainState, optax.GradientTransformation, list[str] | None]:
@@ -362,7 +370,7 @@ def _initial_state(
     donated); the optimizer over the params ``wrt`` selects (:func:`only`), their paths."""
     rng, init_key = jax.random.split(jax.random.key(seed))
     params = init_of(model, spec, init_key, example)
-    trainable = params.params if isinstance(params, ModelVars) else params
+    trainable = _trainable(params)
     check_trainable(trainable, f"symjax_mlp.training.train({type(model).__name__})")
     trained = None
     if wrt is not None:

@@ -2,12 +2,15 @@
 ``MultiSteps`` unwrapped), its state made and its update traced on shapes before the first step,
 so that an optimizer of another form is a ConfigError naming ``optimizer.init`` or
 ``optimizer.update``, never a raw error from inside a step; :func:`only` restricts it to the
-params train()'s ``wrt`` selects, the others frozen."""
+params train()'s ``wrt`` selects, the others frozen; :class:`Moved` warns where a first epoch
+moved no param."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
+import warnings
 from typing import Any
 
 import jax
@@ -199,3 +202,34 @@ def only(optimizer: Any, wrt: Any, model: Any, params: Any, caller: str) -> tupl
 
 def _names(path: tuple) -> tuple:  # a key path's names, as nnx's filters see an nnx state's
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+_NOTHING_MOVED = (
+    "{caller}: after epoch 1 ({steps} steps) every param is bitwise as it was: the optimizer "
+    "updated none. An optax.multi_transform whose labels freeze them all does this (labels by "
+    "isinstance on an nnx module's params: the optimizer gets them as plain arrays, no "
+    "Variable types), as does a learning rate of 0. Select the params to train with wrt= "
+    "(wrt=nnx.LoRAParam), or label them by path."
+)
+
+
+class Moved:
+    """Whether a run's first epoch moved any param: ``Moved(params)`` hashes the params'
+    bytes before it (they are donated to the first step), :meth:`check` after, warning if none
+    moved. Two host copies of the params a run, once."""
+
+    def __init__(self, params: Any) -> None:
+        self.before = _digest(params)
+
+    def check(self, params: Any, steps: int, caller: str) -> None:
+        if self.before == _digest(params):
+            warnings.warn(
+                _NOTHING_MOVED.format(caller=caller, steps=steps), RuntimeWarning, stacklevel=3
+            )
+
+
+def _digest(params: Any) -> str:
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return digest.hexdigest()
