@@ -249,4 +249,8 @@ class DataParallel:
                         _PADDED_STATE.format(name=self.name, batch=batch, n=self.n_shards)
                     )
             out = held.call(jitted, (static, leaves, *call))[0]
+        if any(isinstance(y, jax.core.Tracer) for y in jax.tree.leaves(out)):
+            # jax.grad's eager transpose of the jit refuses a cotangent of another sharding
+            # (one a trim or a replicated factor gives it): the constraint reshards it
+            out = jax.tree.map(lambda y: place(y, self.batch), out)
         return jax.tree.map(lambda y: y[:batch], out) if padded else out

@@ -13,10 +13,17 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from symjax_mlp._errors import ConfigError, SignatureError, as_bool
+from symjax_mlp._hybrid.jaxpr import input_dependent
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
-from symjax_mlp.training._step import UNEVEN
+from symjax_mlp.training._step import UNEVEN, ModelVars
 
 _CALL = "symjax_mlp.training.shard_step(...)"
+_PADDED_STATE = (
+    "{caller}: a batch of {rows} rows does not divide over {n} shards, and the model's state "
+    "moves with the rows (BatchNorm's batch statistics): padding rows would enter the "
+    "statistics, and through them every row's gradient, whatever their weight. Pass a batch "
+    "that is a multiple of {n} (drop or add real rows)."
+)
 
 
 class ShardedStep:
@@ -37,6 +44,7 @@ class ShardedStep:
         except ConfigError as e:
             raise ConfigError(f"{_CALL}: {e}") from None
         self.axis, self.pad = axis, pad
+        self._sees: dict[Any, bool] = {}  # a padded call's signature -> its rows reach the state
         rep, dat = self.replicated, self.batch_sharding
         self.blocks = getattr(step, "blocks", 1)
         if self.blocks > 1:  # each device its blocks, gathered in the step: a fixed order
@@ -84,7 +92,24 @@ class ShardedStep:
         return self._jitted.lower(*self._placed(params, opt_state, x, y, w))
 
     def _placed(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any) -> tuple[Any, ...]:
-        return self.replicate(params), self.replicate(opt_state), *self.shard_batch(x, y, w)
+        batch = self.shard_batch(x, y, w)
+        if isinstance(params, ModelVars) and batch[0].shape[0] != np.shape(x)[0]:
+            self._refuse_rows_in_state(params, opt_state, batch, np.shape(x)[0])
+        return self.replicate(params), self.replicate(opt_state), *batch
+
+    def _refuse_rows_in_state(self, params: ModelVars, opt_state: Any, batch: Any, rows: int):
+        """Refuses a padded batch whose rows the model's new state depends on (BatchNorm's
+        statistics, each row's output through them); a dropout key's does not."""
+        args = (params, opt_state, *batch)
+        key = (jax.tree.structure(args), *map(jax.typeof, jax.tree.leaves(args)))
+        if (seen := self._sees.get(key)) is None:
+            jaxpr = jax.make_jaxpr(self.step)(*args).jaxpr
+            x_at = len(jax.tree.leaves((params, opt_state)))  # its outputs: params, state, ...
+            state = slice(len(jax.tree.leaves(params.params)), len(jax.tree.leaves(params)))
+            moved = input_dependent(jaxpr, [jaxpr.invars[x_at]])[state]
+            seen = self._sees[key] = any(moved)
+        if seen:
+            raise SignatureError(_PADDED_STATE.format(caller=_CALL, rows=rows, n=self.n_shards))
 
 
 def shard_step(
@@ -105,7 +130,8 @@ def shard_step(
       axis: the mesh axis the batch is split over.
       donate: donate params and optimizer state to the step (their old buffers are reused).
       pad: pad an indivisible batch with weight-0 rows, exact for a ``w``-weighted loss
-        (``False``: raise :class:`~symjax_mlp.SignatureError`).
+        (``False``: raise :class:`~symjax_mlp.SignatureError`); a model whose state moves with
+        the rows (BatchNorm's statistics) raises it padded, as the rows would enter them.
 
     Returns:
       A :class:`ShardedStep`; its params after N steps equal single-device training up to
