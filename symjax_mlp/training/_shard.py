@@ -93,8 +93,8 @@ class ShardedStep:
 
     def _placed(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any) -> tuple[Any, ...]:
         batch = self.shard_batch(x, y, w)
-        if isinstance(params, ModelVars) and batch[0].shape[0] != np.shape(x)[0]:
-            self._refuse_rows_in_state(params, opt_state, batch, np.shape(x)[0])
+        if isinstance(params, ModelVars) and batch[0].shape[0] != len(x):  # padded
+            self._refuse_rows_in_state(params, opt_state, batch, len(x))
         return self.replicate(params), self.replicate(opt_state), *batch
 
     def _refuse_rows_in_state(self, params: ModelVars, opt_state: Any, batch: Any, rows: int):
