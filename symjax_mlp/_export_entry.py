@@ -111,6 +111,8 @@ def stage(
     if training := h.training_mode(*given, **kw):  # once they bind (else its trace refuses)
         raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
     refuse_trained_in_place(h, f"export({h.name})", "the artifact would hold")
+    if shapes is not None and len(shapes) == len(given) != len(examples):  # a spec per setting
+        raise ConfigError(_setting_specs(h.name, tuple(shapes), given, static))
     in_specs = input_structs(examples, batch, shapes, tuple(constraints), h.name)
     stored, fn, baked = _exportable(h)
     streams = _moved(h, static, examples, kw)
@@ -327,14 +329,37 @@ def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:
     return stored, with_keys, True
 
 
+_FLAT_MODULE = (
+    "Return tuple(jax.tree.leaves(out)) from a function of the module's apply, exported with the "
+    "same example= and kwargs=: "
+    "sm.hybridize(lambda params, *xs, **kw: tuple(jax.tree.leaves(h.apply(params, *xs, **kw))), "
+    "h.params); the loaded model returns the leaves of {tree} in order (jax.tree.unflatten of "
+    "that structure rebuilds it)."
+)
+
+
+def _setting_specs(name: str, shapes: tuple, given: tuple, static: tuple) -> str:
+    places = [k for k, *_ in static if isinstance(k, int)]
+    settings = ", ".join(f"args[{i}] ({given[i]!r})" for i in places)
+    kept = tuple(s for i, s in enumerate(shapes) if i not in places)
+    are = "are settings" if len(places) > 1 else "is a setting"
+    return (
+        f"export({name}, shapes={shapes!r}): one spec per input array, and the example has "
+        f"{len(given) - len(places)}: {settings} {are}, baked into the export, no input of the "
+        f"artifact. Pass shapes={kept!r}."
+    )
+
+
 def _output_kind(exported: Any, h: Hybrid) -> str:
     out_tree = exported.out_tree
     if out_tree == jax.tree.structure(0):
         return "array"
     if out_tree == jax.tree.structure((0,) * out_tree.num_leaves):
         return "tuple"
+    fix = "Return tuple(jax.tree.leaves(out)) from the function you export."
+    if h.kind in ("nnx", "linen", "eqx"):  # a module's output: no function of the user's to edit
+        fix = _FLAT_MODULE.format(tree=out_tree)
     raise SignatureError(
         f"export({h.name}): the function returns {out_tree}; an artifact returns an array or a "
-        "flat tuple of arrays (what every runtime, IREE included, can hand back). Return "
-        "tuple(jax.tree.leaves(out)) from the function you export."
+        f"flat tuple of arrays (what every runtime, IREE included, can hand back). {fix}"
     )

@@ -169,6 +169,13 @@ _NO_ROWS = (
     "the loaded model directly, or export a model of rows: jax.vmap of the function "
     "(sm.hybridize(jax.vmap(fn, in_axes=(None, 0)), params)), exported with its batch symbolic."
 )
+_SIZES = (
+    "Batcher({path}): input {spec.path} is {spec.type}, but batching needs static sizes beside "
+    "the batch {batch!r}, and its {are} symbolic: a batcher pads and merges the rows of many "
+    "requests into one array. Call the loaded model directly (it takes any size there), or "
+    "serve one artifact per size: exported with only the batch symbolic (export(..., "
+    "batch='b') of an example at that size)."
+)
 _MIXED = "its manifest says that its rows are not independent"
 MAX_BATCH = 1 << 16  # the most rows a batcher's model call may take (its largest bucket)
 
@@ -187,7 +194,11 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
         rest = spec.shape[1:]
         if not any(s.shape for s in sig.inputs):  # all scalars: one value per call, no rows
             raise ConfigError(_NO_ROWS.format(path=model.path, spec=spec))
-        if lead is None or any(isinstance(d, str) for d in rest):
+        sizes = sorted({d for d in rest if isinstance(d, str)})
+        if isinstance(lead, str) and sizes:
+            are = f"sizes {', '.join(sizes)} are" if len(sizes) > 1 else f"size {sizes[0]} is"
+            raise ConfigError(_SIZES.format(path=model.path, spec=spec, batch=lead, are=are))
+        if lead is None or sizes:
             raise ConfigError(
                 f"Batcher({model.path}): input {spec.path} is {spec.type}, but batching needs "
                 "the batch as leading dimension and static sizes elsewhere. Export the model "
