@@ -247,9 +247,7 @@ class Hybrid(Staged, NoPickle):
             variables = given(dyn, dyn_kw, self.name, sharded=self._parallel is not None)
             if self._parallel is not None:
                 held = self._held if self.stateful else None
-                return self._parallel.call(
-                    self._jitted, static, self._leaves, held, dyn, dyn_kw, self._traced.sees_rows
-                )
+                return self._parallel.call(self._jitted, static, self._leaves, held, dyn, dyn_kw)
             if self.stateful:
                 return self._call_held(static, dyn, dyn_kw, variables)
             try:

@@ -188,11 +188,13 @@ def shard(h: Hybrid, mesh: Mesh | None = None, *, axis: str = "data", pad: bool 
     """Runs ``h`` data-parallel over ``mesh``: batch split over ``axis``, params replicated.
 
     Args:
-      h: the :class:`Hybrid`; padding is exact if it treats examples independently.
+      h: the :class:`Hybrid`.
       mesh: a ``jax.sharding.Mesh`` (default: :func:`~symjax_mlp.data_mesh`, every device).
       axis: the mesh axis the batch is split over.
-      pad: pad an indivisible batch and trim the result (``False``: raise
-        :class:`~symjax_mlp.SignatureError`).
+      pad: take a batch that does not divide over the shards (``False``: raise
+        :class:`~symjax_mlp.SignatureError`): it goes in whole and XLA splits it unevenly
+        inside the program, its output replicated; exact for any model (a batch mean,
+        BatchNorm's statistics in training: nothing is padded).
 
     Returns:
       ``h.shard(mesh)``: its result equals ``h``'s up to float rounding.

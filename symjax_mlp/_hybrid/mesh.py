@@ -1,6 +1,8 @@
 """Data parallelism: one ``jax.jit`` with the batch split over the mesh's data axis, the params
-replicated (XLA's SPMD partitioner); a batch that does not divide over the shards is padded
-(inference repeats the last row, training pads with weight ``0``) and the result trimmed."""
+replicated (XLA's SPMD partitioner). A batch that does not divide over the shards goes in
+whole, replicated, and is constrained to the split inside the program: XLA splits it unevenly,
+exact for any model (one mixing its rows, BatchNorm's statistics in training too).
+``shard_step`` pads such a batch with weight-``0`` rows (see :func:`pad_rows`)."""
 
 from __future__ import annotations
 
@@ -140,12 +142,14 @@ def pad_rows(x: Any, pad: int, *, fill: float | None = None) -> Any:
     return xp.concatenate([x, rows])
 
 
-def padding(batch: int, n: int, pad: bool, caller: str) -> int:
+def padding(batch: int, n: int, pad: bool, caller: str, taken: str = "to pad and trim") -> int:
+    """The rows ``batch`` lacks to divide over ``n``; refused where not ``pad`` (``pad=True``
+    takes it ``taken``)."""
     extra = -batch % n
     if extra and not pad:
         raise SignatureError(
             f"{caller}: batch {batch} does not divide over {n} shards. Pass a batch that is a "
-            f"multiple of {n} (e.g. {batch + extra}), or shard with pad=True to pad and trim."
+            f"multiple of {n} (e.g. {batch + extra}), or shard with pad=True {taken}."
         )
     return extra
 
@@ -155,17 +159,13 @@ _BAKED = (
     "program, but a sharded Hybrid places them on every device. Shard it without: "
     "h.replace(params_as_constants=False).shard(mesh)."
 )
-_PADDED_STATE = (
-    "{name}.shard(...): a batch of {batch} rows does not divide over {n} shards, and the new "
-    "state depends on the rows (BatchNorm's statistics in training, a sown batch sum): padding "
-    "would change it. Pass a batch that is a multiple of {n}, or call it in eval mode."
-)
 
 
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
     """A sharded Hybrid's call: the ``batch`` split over ``axis`` of ``mesh`` (Auto axes), the
-    params and state ``replicated``."""
+    params and state ``replicated``; a batch that does not divide over the shards split
+    inside :meth:`uneven`'s program."""
 
     name: str
     mesh: Mesh
@@ -174,8 +174,8 @@ class DataParallel:
     n_shards: int
     replicated: NamedSharding
     batch: NamedSharding
-    # a call's signature -> whether its new state sees its rows
-    _sees: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # a program -> its twin for a batch that does not divide (see uneven)
+    _uneven: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def over(
@@ -193,10 +193,11 @@ class DataParallel:
         rep, dat = self.replicated, self.batch
 
         def sharded(static: Any, leaves: Any, *call: Any) -> Any:  # (held,) dyn, dyn_kw
+            held, (dyn, dyn_kw) = call[:-2], self.spread(call[-2:])  # (see uneven)
             if not stateful:
-                return self.per_example(trace(static, leaves, *call[0], **call[1]), call[0])
-            out, new_held = trace(static, leaves, *call)
-            return self.per_example(out, call[1]), new_held
+                return self.spread(self.per_example(trace(static, leaves, *dyn, **dyn_kw), dyn))
+            out, new_held = trace(static, leaves, *held, dyn, dyn_kw)
+            return self.spread(self.per_example(out, dyn)), new_held
 
         ins, outs = ((rep, rep, dat, dat), (dat, rep)) if stateful else ((rep, dat, dat), dat)
         return {"fun": sharded, "in_shardings": ins, "out_shardings": outs}
@@ -213,44 +214,59 @@ class DataParallel:
                 )
         return out
 
-    def prepare(self, dyn: tuple[Any, ...], dyn_kw: dict[str, Any]) -> tuple[int, Any, Any]:
-        """The call's batch size and its inputs padded and placed on :attr:`batch`."""
+    def prepare(
+        self, jitted: Any, dyn: tuple[Any, ...], dyn_kw: dict[str, Any]
+    ) -> tuple[Any, Any, Any]:
+        """The program for the call's batch and its inputs placed: ``jitted`` and the inputs
+        on :attr:`batch`; for a batch that does not divide over the shards, :meth:`uneven`'s
+        program and the inputs replicated."""
         caller = f"{self.name}.shard(...)"
         if not dyn:
             raise SignatureError(f"{caller}: needs at least one batched input.")
-        size = batch_size(dyn, caller, dyn_kw)
-        extra = padding(size, self.n_shards, self.pad, caller)
+        size, uneven = batch_size(dyn, caller, dyn_kw), "to split it unevenly inside"
+        if padding(size, self.n_shards, self.pad, caller, uneven):
+            jitted, sharding = self.uneven(jitted), self.replicated
+        else:
+            sharding = self.batch
 
         def put(x: Any) -> Any:  # an array, or a tuple or dict of them
-            return jax.tree.map(lambda leaf: place(pad_rows(leaf, extra), self.batch), x)
+            return jax.tree.map(lambda leaf: place(leaf, sharding), x)
 
-        return size, tuple(map(put, dyn)), {k: put(v) for k, v in dyn_kw.items()}
+        return jitted, tuple(map(put, dyn)), {k: put(v) for k, v in dyn_kw.items()}
+
+    def uneven(self, jitted: Any) -> Any:
+        """``jitted``'s twin for a batch that does not divide over the shards: it takes the
+        batch replicated and gives its outputs replicated (a jax.Array cannot be split
+        unevenly); inside, :meth:`spread` constrains them to the split, XLA's own (which masks
+        what it pads: a mean over the rows is the batch's)."""
+        if (program := self._uneven.get(jitted)) is None:
+            rep = self.replicated
+            program = self._uneven[jitted] = jax.jit(  # the same function: its name, its trace
+                jitted.__wrapped__, static_argnums=0, in_shardings=rep, out_shardings=rep
+            )
+        return program
+
+    def spread(self, tree: Any) -> Any:
+        """``tree`` constrained to :attr:`batch` where its batch does not divide over the
+        shards (:meth:`uneven`'s program, traced); a batch that divides: as it is."""
+        leaves = jax.tree.leaves(tree)
+        if not leaves or leaves[0].shape[0] % self.n_shards == 0:
+            return tree
+        return jax.lax.with_sharding_constraint(tree, self.batch)
 
     def replicate(self, leaves: Sequence[Any]) -> list[Any]:
         return [place(leaf, self.replicated) for leaf in leaves]
 
-    def call(
-        self, jitted: Any, static: Any, leaves: Any, held: Any, dyn: Any, dyn_kw: Any,
-        sees_rows: Callable[[Any, Any, Any, Any], bool],
-    ) -> Any:  # fmt: skip
-        """A call of ``jitted``, its batch padded and placed, the result trimmed, ``held`` (or
-        ``None``) passed and taken back; refused padded if the new state ``sees_rows``."""
-        batch, *call = self.prepare(dyn, dyn_kw)
-        padded = jax.tree.leaves(call[0])[0].shape[0] != batch
+    def call(self, jitted: Any, static: Any, leaves: Any, held: Any, dyn: Any, dyn_kw: Any) -> Any:
+        """A call of :meth:`prepare`'s program, ``held`` (or ``None``) passed and taken back."""
+        program, *call = self.prepare(jitted, dyn, dyn_kw)
         if held is None:
-            out = jitted(static, leaves, *call)
+            out = program(static, leaves, *call)
         else:
-            if padded:
-                key = (static, *((x.shape, x.dtype) for x in jax.tree.leaves(call)))
-                if (seen := self._sees.get(key)) is None:
-                    seen = self._sees[key] = sees_rows(static, leaves, *call)
-                if seen:
-                    raise SignatureError(
-                        _PADDED_STATE.format(name=self.name, batch=batch, n=self.n_shards)
-                    )
-            out = held.call(jitted, (static, leaves, *call))[0]
+            out = held.call(program, (static, leaves, *call))[0]
         if any(isinstance(y, jax.core.Tracer) for y in jax.tree.leaves(out)):
             # jax.grad's eager transpose of the jit refuses a cotangent of another sharding
-            # (one a trim or a replicated factor gives it): the constraint reshards it
-            out = jax.tree.map(lambda y: place(y, self.batch), out)
-        return jax.tree.map(lambda y: y[:batch], out) if padded else out
+            # (one a replicated factor gives it): the constraint reshards it as jit gave it
+            sharding = self.batch if program is jitted else self.replicated
+            out = jax.tree.map(lambda y: place(y, sharding), out)
+        return out

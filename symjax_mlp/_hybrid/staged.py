@@ -42,7 +42,7 @@ class Staged:
 
     def lower(self, /, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Traces and lowers for the inputs: ``.as_text()`` is the StableHLO module (sharded:
-        one SPMD module for every device, for the padded batch)."""
+        one SPMD module for every device)."""
         return self._lower("lower", args, kwargs)
 
     def compile(self, /, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
@@ -52,12 +52,13 @@ class Staged:
     def _lower(self, method: str, args: tuple, kwargs: dict) -> jax.stages.Lowered:
         static, dyn, dyn_kw = self._split(method, args, kwargs)  # refused as h.<method>
         held = (self._held.leaves,) if self.stateful else ()
+        jitted = self._jitted
         with symbolic(self.name):
             if self._parallel is not None:
-                _, dyn, dyn_kw = self._parallel.prepare(dyn, dyn_kw)
+                jitted, dyn, dyn_kw = self._parallel.prepare(jitted, dyn, dyn_kw)
             elif not self.stateful:
-                return self._jitted.lower(static, self._leaves, *dyn, **dyn_kw)
-            return self._jitted.lower(static, self._leaves, *held, dyn, dyn_kw)
+                return jitted.lower(static, self._leaves, *dyn, **dyn_kw)
+            return jitted.lower(static, self._leaves, *held, dyn, dyn_kw)
 
     def graph(self, /, *args: Any, **kwargs: Any) -> Graph:
         """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every

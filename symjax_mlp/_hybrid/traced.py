@@ -250,12 +250,6 @@ class TracedModel:
 
         return jax.make_jaxpr(staged)(state, dyn, dyn_kw).jaxpr
 
-    def sees_rows(self, *call: Any) -> bool:
-        """Whether a call's new state, what it adds too (a sown sum), depends on its inputs
-        (BatchNorm's statistics)."""
-        new = self.staged(*call[:2], self.held.tree, *call[2:], 1)
-        return any(input_dependent(new, new.invars[len(self.held.leaves) :]))
-
     def moved(self, *call: Any, draws: bool = True) -> list[str]:
         """``state['path']`` of each held leaf a call computes from its inputs (BatchNorm's
         statistics) or, with ``draws``, whose rng key its output draws on (Dropout); not what
