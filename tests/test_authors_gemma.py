@@ -304,3 +304,32 @@ def test_a_modules_tree_output_and_a_spec_for_a_setting_are_refused_naming_what_
     sm.export(flat, tmp_path / "m", example=(x, None), shapes=("b, 3",))
     (y,) = sm.load(tmp_path / "m")(np.ones((4, 3), np.float32))
     np.testing.assert_allclose(y, h(jnp.ones((4, 3)), None)[0], **TOL)
+
+
+@pytest.mark.slow  # three exports: about two seconds
+def test_an_embedding_lookup_keeps_rows_apart_and_a_gather_across_rows_does_not(tmp_path):
+    """Gemma's first op, ``nnx.Embed``'s gather of a table at each row's tokens, was "not known
+    to keep rows apart": every token model's rows ran one request at a time under a Batcher and
+    ``jax.vmap`` of the loaded model called it once per example. A gather from a table (no row)
+    at indices of the batch axis now keeps that axis; one from the rows stays refused."""
+    table = jax.random.normal(jax.random.key(0), (7, 3))
+    tokens = jax.random.randint(jax.random.key(1), (2, 4, 5), 0, 7)
+    lookups = {
+        "embed": (lambda p, t: jnp.take(p, t, axis=0).sum(1), True),
+        "embed-t": (lambda p, t: jnp.take(p, t.T, axis=0).sum(0), True),  # batch axis 1 of idx
+        "rows": (lambda p, t: jnp.take(p[t].sum(1), t[:, 0] % t.shape[0], axis=0), False),
+    }
+    for name, (fn, apart) in lookups.items():
+        h = sm.hybridize(fn, table)
+        sm.export(h, tmp_path / name, example=tokens[0])
+        m = sm.load(tmp_path / name, trust=True)
+        rows = m.manifest["rows"]
+        assert rows["independent"] is apart, (name, rows)
+        assert apart or "gather" in rows["why"]
+        want = jnp.stack([h(t) for t in tokens])
+        np.testing.assert_allclose(jax.vmap(m)(tokens), want, **TOL)
+        requests = [np.asarray(t[i : i + 1]) for t in tokens for i in range(4)]
+        with sm.serving.Batcher(m, max_batch=8) as b:  # merged where rows are apart
+            got = np.concatenate([f.result(30) for f in [b.submit(r) for r in requests]])
+        np.testing.assert_allclose(got, np.concatenate([m(r) for r in requests]), **TOL)
+        assert np.allclose(got, want.reshape(8, 3), **TOL) is apart  # a row alone: its own mix

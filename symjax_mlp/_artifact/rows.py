@@ -215,9 +215,24 @@ class _Rows:
                 return (dims.output_batch_dimension,)
         if name == "reshape":
             return (_reshaped(op, k, _dynamic_at(op.results[0].type)),)
+        if name in ("gather", "dynamic_gather") and ins[0] is FREE and ins[1] == k:
+            return (_gathered(op, k),)  # rows of indices into a table (an embedding's lookup)
         if name in _MOVES and all(s == k for s in (ins if name == "concatenate" else ins[:1])):
             return (_moved(op, name, k),)
         raise Mixed(f"{op.name} is not known to keep rows apart")
+
+
+def _gathered(op: Any, k: int) -> int:
+    """Where a gather of a table (no row) at indices of batch axis ``k`` puts that axis: the
+    output's axes that are no offset take the indices' axes but the index vector's, in order."""
+    from jax.extend.mlir.dialects import stablehlo as hlo
+
+    dims = hlo.GatherDimensionNumbers(op.attributes["dimension_numbers"])
+    if k == dims.index_vector_dim or list(dims.start_indices_batching_dims):
+        raise Mixed(f"{op.name} indexes with the batch axis")
+    out = [i for i in range(op.results[0].type.rank) if i not in list(dims.offset_dims)]
+    at = [i for i in range(op.operands[1].type.rank) if i != dims.index_vector_dim]
+    return out[at.index(k)]
 
 
 def _moved(op: Any, name: str, k: int) -> int:
