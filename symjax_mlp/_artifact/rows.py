@@ -215,7 +215,7 @@ class _Rows:
                 return (dims.output_batch_dimension,)
         if name == "reshape":
             return (_reshaped(op, k, _dynamic_at(op.results[0].type)),)
-        if name in ("gather", "dynamic_gather") and ins[0] is FREE and ins[1] == k:
+        if name in ("gather", "dynamic_gather") and [*ins[:1], *ins[2:]] == [FREE] * (len(ins) - 1):
             return (_gathered(op, k),)  # rows of indices into a table (an embedding's lookup)
         if name in _MOVES and all(s == k for s in (ins if name == "concatenate" else ins[:1])):
             return (_moved(op, name, k),)
