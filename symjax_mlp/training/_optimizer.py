@@ -206,10 +206,11 @@ def _names(path: tuple) -> tuple:  # a key path's names, as nnx's filters see an
 
 _NOTHING_MOVED = (
     "{caller}: after epoch 1 ({steps} steps) every param is bitwise as it was: the optimizer "
-    "updated none. An optax.multi_transform whose labels freeze them all does this (labels by "
-    "isinstance on an nnx module's params: the optimizer gets them as plain arrays, no "
-    "Variable types), as does a learning rate of 0. Select the params to train with wrt= "
-    "(wrt=nnx.LoRAParam), or label them by path."
+    "updated none. Either the gradients are zero (a loss that does not depend on the params: "
+    "a classifier of one class), or the optimizer zeroes them: an optax.multi_transform whose "
+    "labels freeze every param (labels by isinstance on an nnx module's params: the optimizer "
+    "gets them as plain arrays, no Variable types), a learning rate of 0. Select the params "
+    "to train with wrt= (wrt=nnx.LoRAParam), or label them by path."
 )
 
 
