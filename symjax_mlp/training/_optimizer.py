@@ -7,7 +7,6 @@ moved no param."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import numbers
 import warnings
@@ -22,6 +21,7 @@ from flax import nnx
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.pure.nnx_module import trainable
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
+from symjax_mlp.training._state import digest
 
 _INIT_RAISED = (
     "{caller}: optimizer.init(params) raised {kind}: {e!s:.200}. train() passes the model's "
@@ -220,17 +220,14 @@ class Moved:
     moved. Two host copies of the params a run, once."""
 
     def __init__(self, params: Any) -> None:
-        self.before = _digest(params)
+        self.before = self.digest(params)
 
     def check(self, params: Any, steps: int, caller: str) -> None:
-        if self.before == _digest(params):
+        if self.before == self.digest(params):
             warnings.warn(
                 _NOTHING_MOVED.format(caller=caller, steps=steps), RuntimeWarning, stacklevel=3
             )
 
-
-def _digest(params: Any) -> str:
-    digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(params):
-        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
-    return digest.hexdigest()
+    @staticmethod
+    def digest(params: Any) -> str:
+        return digest(dict(enumerate(jax.tree.leaves(params))))

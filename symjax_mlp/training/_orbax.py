@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -32,7 +31,14 @@ from symjax_mlp._errors import CheckpointError
 from symjax_mlp._files import exhausted
 from symjax_mlp.training._checkpoint import broken, check_manifest
 from symjax_mlp.training._paths import COMMITTED, entries
-from symjax_mlp.training._state import TrainState, check_fit, named_leaves, specs, state_of
+from symjax_mlp.training._state import (
+    TrainState,
+    check_fit,
+    digest,
+    named_leaves,
+    specs,
+    state_of,
+)
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
 #: Saves handed to the writer thread and not yet to Orbax, each a device copy of the state:
@@ -40,15 +46,6 @@ _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
 _QUEUED = 2
 _MAX_ENTRIES = 100_000  # in one step's directory: its arrays' data files are a few per process
 _MAX_READ_WHOLE = 64 << 20  # a file Orbax reads whole (JSON, OCDBT's manifest)
-
-
-def _digest(tensors: dict[str, Any]) -> str:
-    digest = hashlib.sha256()
-    for name, a in tensors.items():
-        host = np.ascontiguousarray(np.asarray(a))
-        digest.update(f"{name}|{host.shape}|{host.dtype}|".encode())
-        digest.update(host.tobytes())
-    return digest.hexdigest()
 
 
 def _local(a: Any) -> Any:
@@ -233,7 +230,7 @@ class OrbaxCheckpoints:
             "step": step,
             "epoch": epoch,
             "tensors": [[n, list(a.shape), str(a.dtype)] for n, a in tensors.items()],
-            "sha256": _digest({n: _local(a) for n, a in tensors.items()}),
+            "sha256": digest({n: _local(a) for n, a in tensors.items()}),
             "metadata": metadata,
         }
         items = {_key(i, n): a for i, (n, a) in enumerate(tensors.items())}
@@ -277,7 +274,7 @@ class OrbaxCheckpoints:
         try:
             meta = self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))["meta"]
             stored = {n: (tuple(s), d) for n, s, d in meta["tensors"]}
-            digest = meta["sha256"]
+            recorded = meta["sha256"]
         except Exception as e:  # missing, truncated or edited JSON: the reader's own error
             what = f"its meta item is missing or malformed ({type(e).__name__}: {str(e)[:200]})"
             raise broken(path, what) from None
@@ -299,7 +296,7 @@ class OrbaxCheckpoints:
             what = f"its arrays cannot be read ({type(e).__name__}: {str(e)[:300]})"
             raise broken(path, what) from None
         arrays = {n: items[_key(i, n)] for i, n in enumerate(wanted)}
-        if _digest({n: _local(a) for n, a in arrays.items()}) != digest:
+        if digest({n: _local(a) for n, a in arrays.items()}) != recorded:
             raise broken(path, "its arrays are not the ones saved (their sha256 differs)")
         return state_of(arrays, like, meta), meta.get("metadata", {})
 

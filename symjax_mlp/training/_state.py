@@ -5,6 +5,7 @@ a typed PRNG key as its key data), the layout both checkpoint formats store."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import typing
 from typing import Any
 
@@ -59,6 +60,17 @@ def _name(prefix: str, path: Any) -> str:
 def _is_key(leaf: Any) -> bool:
     """A typed PRNG key (optax.noisy_sgd's state holds one): stored as its key data."""
     return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def digest(tensors: dict[Any, Any]) -> str:
+    """A sha256 of ``tensors`` (name -> array, host copies): their names, shapes, dtypes and
+    bytes, in order."""
+    sha = hashlib.sha256()
+    for name, a in tensors.items():
+        host = np.ascontiguousarray(np.asarray(a))
+        sha.update(f"{name}|{host.shape}|{host.dtype}|".encode())
+        sha.update(host.tobytes())
+    return sha.hexdigest()
 
 
 def named_leaves(state: TrainState) -> dict[str, Any]:
