@@ -35,13 +35,7 @@ from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
 from symjax_mlp.training._spec import TRAIN_FORM, NnxSpec, spec_of
 from symjax_mlp.training._state import EpochRecord, TrainState, is_count
-from symjax_mlp.training._step import (
-    ModelVars,
-    check_model,
-    check_trainable,
-    init_of,
-    owned,
-)
+from symjax_mlp.training._step import ModelVars, check_model, check_trainable, init_of, owned
 
 _CALLER = "symjax_mlp.training.train"
 _CONTROL_FLOW = (

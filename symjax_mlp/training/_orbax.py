@@ -1,11 +1,8 @@
 """Checkpoints of a multi-process run: Orbax, asynchronous, with our manifest on top.
 
-A save copies the arrays on their devices and returns; a writer thread hands the copy to Orbax,
-which commits ``<dir>/<step>`` in the background once every process has written. A save made
-while the one before it is still committing is superseded (not written) rather than waited for:
-process 0 decides and every process follows (Orbax's ``ContinuousCheckpointingPolicy`` posts
-the decision through the coordinator); a run's last save is always written. A restore checks
-the item ``meta`` first, the arrays' sha256 after.
+A save copies the arrays on their devices; a writer thread hands the copy to Orbax, which
+commits ``<dir>/<step>`` once every process has written. A save made while the one before it
+is still committing is superseded (process 0 decides for all); a run's last is always written.
 """
 
 from __future__ import annotations
@@ -31,14 +28,7 @@ from symjax_mlp._errors import CheckpointError
 from symjax_mlp._files import exhausted
 from symjax_mlp.training._checkpoint import broken, check_manifest
 from symjax_mlp.training._paths import COMMITTED, entries
-from symjax_mlp.training._state import (
-    TrainState,
-    check_fit,
-    digest,
-    named_leaves,
-    specs,
-    state_of,
-)
+from symjax_mlp.training._state import TrainState, check_fit, digest, named_leaves, specs, state_of
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
 #: Saves handed to the writer thread and not yet to Orbax, each a device copy of the state:
@@ -76,8 +66,7 @@ def _pack(leaves: list[Any]) -> tuple[dict[str, jax.Array], list[jax.Array]]:
 
 def _unpack(specs: list[tuple], packed: tuple[dict[str, jax.Array], list]) -> list[jax.Array]:
     """The leaves of ``specs`` (shape, dtype, sharding) :func:`_pack` packed, bitwise: sliced on
-    the host (each leaf replicated, as a run's are), then put back with its sharding. (Compiled,
-    the slicing took 0.3-0.6 s to compile at the first save: the save after next waited.)"""
+    the host (a compiled slicing's compile held up the first saves), put back with its sharding."""
     flat, keys = packed
     host, keys = {dtype: np.asarray(_local(a)) for dtype, a in flat.items()}, iter(keys)
     at, leaves = dict.fromkeys(host, 0), []
@@ -159,16 +148,11 @@ class OrbaxCheckpoints:
             multiprocessing_options=processes,
         )
         # jax.Array's default handler also writes an ArrayMetadata store, whose directory the
-        # other processes poll for every 250 ms: a commit took 260 ms, not 60. Our manifest
-        # holds what it would (shapes, dtypes; PRNG keys are stored as their key data).
+        # other processes poll, slowing each commit; our manifest holds what it would
         types = ocp.type_handlers
+        others = [(t, types.get_type_handler(t)) for t in types.supported_types()]
         arrays = types.create_type_handler_registry(
-            *(
-                (t, types.get_type_handler(t))
-                for t in types.supported_types()
-                if t is not jax.Array
-            ),
-            (jax.Array, types.ArrayHandler()),
+            *(o for o in others if o[0] is not jax.Array), (jax.Array, types.ArrayHandler())
         )
         handler = ocp.PyTreeCheckpointHandler(
             multiprocessing_options=processes, type_handler_registry=arrays
@@ -189,9 +173,7 @@ class OrbaxCheckpoints:
         self.waits: list[float] = []  # how long each save held up the steps
         self.superseded: list[int] = []  # the steps of saves not written: one was committing
         self._thread = concurrent.futures.ThreadPoolExecutor(1, "symjax_mlp-save")
-        self._pending: collections.deque[tuple[int, concurrent.futures.Future]] = (
-            collections.deque()
-        )
+        self._pending: collections.deque = collections.deque()  # (step, its write's future)
 
     def latest(self) -> Path | None:
         step = self.manager.latest_step()

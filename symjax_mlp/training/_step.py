@@ -20,14 +20,7 @@ from flax.errors import ScopeParamShapeError
 from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.trace import unfit_input
 from symjax_mlp.training._optimizer import update
-from symjax_mlp.training._spec import (
-    STEP_FORM,
-    ModelSpec,
-    NnxSpec,
-    bound,
-    init_variables,
-    spec_of,
-)
+from symjax_mlp.training._spec import STEP_FORM, ModelSpec, NnxSpec, bound, init_variables, spec_of
 from symjax_mlp.training._state import is_count
 
 #: ``step(params, opt_state, x, y, w) -> (params, opt_state, {"loss", "correct"})``.
