@@ -37,13 +37,18 @@ from symjax_mlp.serving._bodies import BadRequest, decode, short, to_json, to_np
 from symjax_mlp.serving._intake import Intake, Watch, check_limits
 from symjax_mlp.serving._lane import LOG
 from symjax_mlp.serving._requests import UNAWAITABLE
-from symjax_mlp.serving._stats import METRIC_NAME
+from symjax_mlp.serving._stats import METRIC_NAME, exposition
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"
 _STOPPED = "the server stopped before the request was answered; retry it."
 _LATE = (
     "the model did not answer within request_timeout={:g} s, so the request was cancelled (a batch "
     "that had started runs on). Retry later; if the model is this slow, raise request_timeout."
+)
+_ANSWERS = "/predict's answers and serve's refusals, by status code."
+_HELD = (
+    "Bytes held of bodies being read and of answers clients have not read (bounded by "
+    "max_inflight_bytes)."
 )
 _TIMING = b"queued;dur=%.3f, padded;dur=%.3f, compute;dur=%.3f, split;dur=%.3f"
 REFUSED = "symjax_mlp.refused"  # a scope's key: the status serve's server answered it with
@@ -83,8 +88,7 @@ DRAIN_SECONDS = 30.0
 
 
 def drain(batcher: Batcher, cancel: bool = False) -> None:
-    """Closes ``batcher``, waiting at most :data:`DRAIN_SECONDS`; a model still running then
-    is logged and left to its (daemon) thread, so a server that must stop, stops."""
+    """Closes ``batcher`` within :data:`DRAIN_SECONDS`; a model still running is left behind."""
     try:
         batcher.close(cancel=cancel, timeout=DRAIN_SECONDS)
     except TimeoutError:
@@ -280,12 +284,10 @@ def create_app(
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def metrics(request: Request) -> Response:
-        name = f"{prefix}_http_requests_total"
-        text = batcher.stats.to_prometheus(f"{prefix}_batcher")
-        text += f"# HELP {name} /predict's answers and serve's refusals, by status code.\n"
-        text += f"# TYPE {name} counter\n"
-        text += "".join(f'{name}{{code="{c}"}} {n}\n' for c, n in sorted(by_code.items()))
-        text += intake.to_prometheus(f"{prefix}_http")
+        codes = [(f'{{code="{c}"}}', n) for c, n in sorted(by_code.items())]
+        http = [("requests_total", "counter", _ANSWERS, codes)]
+        http += [("held_bytes", "gauge", _HELD, intake.held)]
+        text = batcher.stats.to_prometheus(f"{prefix}_batcher") + exposition(f"{prefix}_http", http)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def signature(request: Request) -> Response:

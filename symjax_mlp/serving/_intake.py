@@ -1,17 +1,8 @@
-"""Request bodies read within bounds, as nginx and Apache read them, on the server's one loop.
-
-:class:`Intake` bounds a body's size (413), its pace (408: nothing for ``body_timeout`` seconds
-between two reads, nginx's ``client_body_timeout``; or the whole body slower than
-:data:`MIN_BODY_RATE` after its first ``body_timeout`` seconds, Apache's mod_reqtimeout, so a
-byte now and then holds no connection for hours; or not whole after :data:`MAX_BODY_TIMEOUTS`
-of them, as mod_reqtimeout's ``body=20-40``) and the bytes held at once (503; no lock: one loop
-runs every read): all bodies', and (counted by ``serve``'s connections) those of answers waiting
-in a write buffer for a client that does not read them, so slow readers pin no more than slow
-senders. One timer per loop watches every read (:class:`_Deadlines`): the timeout is the same
-for all, so deadlines kept in the order set are in time order, and a body there at once costs a
-dict entry, not a timer of its own; a body behind the rate has its own timer while it is. The
-app's ``request_timeout`` watches the answers the same way (:class:`Watch`: one limit's
-deadlines, per loop).
+"""Request bodies read within bounds (size: 413; pace: 408; bytes held at once: 503), as nginx
+and Apache read them, on the server's one loop (so no lock). The bytes held count bodies being
+read and (through ``serve``'s connections) answers waiting for a client to read them. One timer
+per loop watches every read (:class:`_Deadlines`): the timeout is the same for all, so deadlines
+kept in the order set are in time order; a body behind :data:`MIN_BODY_RATE` has its own timer.
 """
 
 from __future__ import annotations
@@ -60,14 +51,6 @@ class Intake:
         self.max_inflight_bytes = max_inflight_bytes
         self.held = 0  # bytes of bodies in flight and answers waiting, all connections'
         self._reads = Watch(body_timeout)
-
-    def to_prometheus(self, prefix: str) -> str:
-        """The bytes held now (bodies being read, answers waiting), as a Prometheus gauge."""
-        name = f"{prefix}_held_bytes"
-        return (
-            f"# HELP {name} Bytes held of bodies being read and of answers clients have not read "
-            f"(bounded by max_inflight_bytes).\n# TYPE {name} gauge\n{name} {self.held}\n"
-        )
 
     async def read(self, receive: Any, hold: list[int], size: bytes = b"") -> bytes:
         """The body an ASGI ``receive`` gives (``size``: its Content-Length), its bytes counted
@@ -131,8 +114,7 @@ class Intake:
 
 
 class Watch:
-    """Deadlines of ``limit`` seconds on the last loop that asked for them (a task that set one
-    keeps its loop's :class:`_Deadlines`, which it clears itself)."""
+    """Deadlines of ``limit`` seconds, kept per loop: the last loop that asked for them."""
 
     def __init__(self, limit: float) -> None:
         self.limit, self._last = limit, None
@@ -145,8 +127,7 @@ class Watch:
 
 
 class _Deadlines:
-    """The reads of one loop: each task's deadline, in the order set (so in time order), the
-    tasks cancelled for being late, and one timer at the first deadline."""
+    """One loop's deadlines, in the order set (so in time order), with one timer at the first."""
 
     def __init__(self, loop: Any, limit: float) -> None:
         self.loop, self.limit = loop, limit
@@ -166,8 +147,7 @@ class _Deadlines:
     def at(
         self, task: Any, when: float, timer: asyncio.TimerHandle | None
     ) -> asyncio.TimerHandle | None:
-        """A timer making ``task`` late at ``when`` if that comes before its deadline (in
-        :attr:`due`, which is in the order set); ``timer``, the last one, cancelled."""
+        """A timer making ``task`` late at ``when``, if before its deadline; ``timer`` cancelled."""
         if timer is not None:
             timer.cancel()
         return self.loop.call_at(when, self.cancel, task) if when < self.due[task] else None
@@ -181,10 +161,9 @@ class _Deadlines:
     def clear(self, task: Any) -> bool:
         """Forgets ``task``'s deadline; whether it was cancelled for being late."""
         self.due.pop(task, None)
-        if task in self.late:
-            self.late.discard(task)
-            return True
-        return False
+        late = task in self.late
+        self.late.discard(task)
+        return late
 
     def _expire(self) -> None:
         """Cancels the reads past their deadline; waits for the next one."""

@@ -119,12 +119,17 @@ class BatcherStats:
             ("stage_seconds", "summary", _STAGES, stages),
             ("request_seconds", "histogram", "Seconds from call to result.", hist),
         ]
-        lines: list[str] = []
-        for name, kind, help, samples in metrics:
-            samples = samples if isinstance(samples, list) else [("", samples)]
-            lines += [f"# HELP {prefix}_{name} {help}", f"# TYPE {prefix}_{name} {kind}"]
-            lines += [f"{prefix}_{name}{labels} {_number(v)}" for labels, v in samples]
-        return "\n".join(lines) + "\n"
+        return exposition(prefix, metrics)
+
+
+def exposition(prefix: str, metrics: list[tuple[str, str, str, Any]]) -> str:
+    """Prometheus text of ``(name, type, help, value or [(labels, value)])`` per metric."""
+    lines: list[str] = []
+    for name, kind, help, samples in metrics:
+        samples = samples if isinstance(samples, list) else [("", samples)]
+        lines += [f"# HELP {prefix}_{name} {help}", f"# TYPE {prefix}_{name} {kind}"]
+        lines += [f"{prefix}_{name}{labels} {_number(v)}" for labels, v in samples]
+    return "\n".join(lines) + "\n"
 
 
 def _number(v: float) -> str:
