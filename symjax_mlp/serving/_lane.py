@@ -1,9 +1,8 @@
 """A batcher's executor lane: the queue, the thread that runs batches, and how results go out.
 
 :class:`Lane` is the state a Batcher shares with its thread (which holds no Batcher, so dropping
-the Batcher ends the thread). Whoever holds the lane's token runs the model. As a
-``ThreadPoolExecutor``'s workers, the thread outlives what it runs: whatever the model raises,
-``BaseException`` included, goes to the batch's requests, and the loop goes on.
+the Batcher ends the thread). Whoever holds the lane's token runs the model. Whatever the model
+raises, ``BaseException`` included, goes to the batch's requests, and the thread goes on.
 """
 
 from __future__ import annotations
@@ -54,9 +53,8 @@ _RAISED = (  # a note on what the model raised
 
 
 def _cut(record: logging.LogRecord) -> bool:
-    """:data:`LOG`'s filter: ``record``'s traceback as a handler's Formatter writes it, each
-    message (a part of the text past :data:`_LOGGED` characters) cut, saying how much more; the
-    frames whole. A Formatter writes ``exc_text`` where set, as its own text, cached."""
+    """:data:`LOG`'s filter: each message of ``record``'s traceback cut to :data:`_LOGGED`
+    characters, the frames whole (a Formatter writes ``exc_text``, where set, as it is)."""
     if record.exc_info and not record.exc_text:
         text = ""
         for part in traceback.format_exception(*record.exc_info):

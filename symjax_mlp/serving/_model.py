@@ -1,10 +1,6 @@
-"""What a batcher calls (:func:`call_of`: a Hybrid's inference call, as of now, refused in
-training mode) and what it returns: checked on the warm-up's batches (arrays of numbers, one row
-per input row, of one kind at every batch size), then each batch's against the warm-up's.
-
-A batch's outputs are split into its requests' rows, so a model whose outputs are no arrays of
-rows (a generator, Python objects, a reduction over the batch) is refused when the batcher is
-made, naming the output; one whose outputs change later fails that batch's requests only.
+"""What a batcher calls (:func:`call_of`) and what it returns: arrays of rows, checked on the
+warm-up's batches (refused when the batcher is made, naming the output), then each batch's
+against the warm-up's (a batch whose outputs changed fails its requests only).
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ from symjax_mlp._specs import by_place, keyword_arrays
 
 
 def warmed(name: str, out: Any, bucket: int, first: tuple | None) -> tuple[list, Any, tuple]:
-    """A warm-up's outputs for a batch of ``bucket`` rows: ``(pairs, tree, first)``, its leaves
-    (path, NumPy array), its tree, and ``first`` (the first bucket and the outputs' kind shown),
-    refused unless they are arrays of rows of the kind ``first`` shows."""
+    """A warm-up's outputs at ``bucket`` rows: their (path, NumPy array) leaves, their tree, and
+    ``first`` (the first bucket, the outputs' kind shown), refused unless of that kind."""
     leaf = Iterator.__instancecheck__  # a generator: numpy() refuses it, JAX warns
     pairs, tree = jax.tree_util.tree_flatten_with_path(out, is_leaf=leaf)
     pairs = [(path, numpy(name, path, y, bucket)) for path, y in pairs]
@@ -69,8 +64,7 @@ def numpy(name: str, path: Any, y: Any, bucket: int) -> np.ndarray:
 
 
 def unlike(lane: Any, out: Any, rows: int) -> RuntimeError | None:
-    """Why ``out``, a batch of ``rows`` rows on ``lane``, is unlike the warm-up's (``None``: an
-    equal dtype)."""
+    """Why ``out``, a batch of ``rows`` rows, is unlike the warm-up's (``None``: an equal dtype)."""
     bucket, host = lane.bucket_of[rows], lane.to_host(out)
     leaves, tree = jax.tree_util.tree_flatten_with_path(host)
     if (lane.single and not isinstance(out, jax.Array | np.ndarray)) or tree != lane.tree:
@@ -99,9 +93,8 @@ _INFERENCE = "the settings of its inference call, e.g. kwargs={'train': False}."
 
 
 def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
-    """What a batcher calls for a Hybrid or a callable, ``kwargs`` fixed: refused if a signature
-    it has does not take them and the example's inputs; a Hybrid as of now (a stateful one's
-    inference with the state it holds now, never moved)."""
+    """What a batcher calls for a Hybrid (its inference as of now) or a callable, ``kwargs``
+    fixed; refused where its signature does not take them and the example's inputs."""
     arrays = example if isinstance(example, tuple) else (example,)
     try:
         signature = inspect.signature(model)

@@ -38,11 +38,8 @@ _CPUS = (
 
 
 class Replica:
-    """One Ray Serve replica: the artifact loaded and compiled, a batcher, our ASGI app.
-
-    Made by Ray from :func:`ray_app`'s arguments, never by hand. ``predict(*inputs)`` is the
-    handle method (NumPy arrays in and out, as ``Batcher.run``); ``stats()`` what it has done.
-    """
+    """One Ray Serve replica (made by Ray from :func:`ray_app`'s arguments): the artifact
+    loaded and compiled, a batcher, our ASGI app; ``predict`` is the handle method."""
 
     def __init__(self, artifact: str, load_options: dict, batcher_options: dict, app_options: dict,
                  dispatch: str) -> None:  # fmt: skip
@@ -72,11 +69,7 @@ class Replica:
         return create_app(self.batcher, **self._app_options)
 
     async def predict(self, *inputs: Any) -> Any:
-        """The model's answer to ``inputs`` (rows first), batched with the replica's others.
-
-        Raises:
-          SignatureError, OverloadError: as :meth:`Batcher.submit`.
-        """
+        """The model's answer to ``inputs`` (rows first), batched with the replica's others."""
         return await self.batcher.asubmit(*inputs)
 
     def stats(self) -> dict[str, Any]:
@@ -227,15 +220,9 @@ def serve_on_ray(
     name: str = "symjax_mlp",
     **options: Any,
 ) -> None:
-    """``symjax-mlp serve --ray``: :func:`ray_app` on the Ray cluster at ``address``
-    (``None``: ``ray.init()``'s rule), behind Ray's HTTP proxy on ``host:port``, until SIGINT
-    or SIGTERM; then deletes the application (its replicas finish what they hold), shuts Serve
-    down unless other applications use it, and disconnects.
-
-    Raises:
-      ConfigError: the cluster has fewer CPUs than the replicas ask for (``serve.run`` would
-        wait for them forever, saying nothing).
-    """
+    """``symjax-mlp serve --ray``: :func:`ray_app` on the Ray cluster at ``address``, behind
+    Ray's HTTP proxy on ``host:port``, until SIGINT or SIGTERM; then the application is deleted
+    (its replicas finish what they hold), and Serve shut down unless others use it."""
     app = ray_app(artifact, name=name, **options)  # a bad artifact: refused before Ray starts
     import ray
     from ray import serve

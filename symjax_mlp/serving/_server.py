@@ -1,13 +1,9 @@
 """The server around the app: ``serve()`` binds a socket, runs uvicorn, stops on a signal.
 
-Heads come within bounds, as nginx's ``client_header_timeout`` and ``large_client_header_buffers``
-(uvicorn over httptools has neither): a head must arrive within ``head_timeout`` seconds (else 408)
-and :data:`MAX_HEAD_BYTES` (else 431); one sent while a request runs is read once it is answered (as
-h11 does). An answer given before the body ended closes the connection lingering, so the client
-reads it. Answers waiting in a write buffer count in the app's ``max_inflight_bytes``; a client
-taking none of them for ``head_timeout`` is dropped (nginx's ``send_timeout``). uvicorn's answers
-(400 with the parser's reason, 503 past ``max_connections``) are the JSON error body too; a client
-that shuts down its side mid-request gets a 400. /metrics counts these refusals, as the app's own.
+uvicorn over httptools bounds no head: here a head must come within ``head_timeout`` (else 408)
+and :data:`MAX_HEAD_BYTES` (else 431), as nginx's ``client_header_timeout`` and
+``large_client_header_buffers``; a client reading no answer for it is dropped (``send_timeout``).
+uvicorn's own refusals are the JSON error body too, counted on /metrics as the app's are.
 """
 
 from __future__ import annotations
