@@ -36,9 +36,8 @@ _EXTRAS = {  # a missing module -> the optional extra that installs it
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argparse parser whose usage errors are one line (and a pointer to ``--help``);
-    ``options``: every action ``add_argument`` returned, in order (what messages may name),
-    ``commands``: the root parser's subcommands' parsers by name (``build_parser`` fills it)."""
+    """An argparse parser whose usage errors are one line (and a pointer to ``--help``), which
+    keeps its ``options`` in order (what messages may name) and its subcommands' ``commands``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.options: list[argparse.Action] = []  # before argparse's own add_argument("-h")

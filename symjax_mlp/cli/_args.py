@@ -22,9 +22,8 @@ def subcommand(
     sub: Any, name: str, help: str, handler: Callable[..., int | None],
     options: Sequence[tuple[Any, dict[str, Any]]] = (), more: str = "", epilog: str | None = None,
 ) -> None:  # fmt: skip
-    """Declares the subcommand ``name`` on ``sub`` (``add_subparsers()``'s), run by
-    ``handler(args)`` (its exit code, ``None``: 0), with ``options``, each ``(name, add_argument's
-    keywords)``: ``help`` is its one-line help, with ``more`` its description; ``epilog``."""
+    """Declares the subcommand ``name``, run by ``handler(args)`` (its exit code; ``None``: 0),
+    with ``options``, each ``(name, add_argument's keywords)``; ``help + more``: its description."""
     formatter = argparse.RawDescriptionHelpFormatter
     p = sub.add_parser(name, help=help, description=help + more, formatter_class=formatter)
     p.set_defaults(handler=handler)

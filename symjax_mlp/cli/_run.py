@@ -109,10 +109,8 @@ def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> Any:
 
 
 def _binary(option: str) -> Any:
-    """Where ``--input -`` reads and ``--output -`` writes .npy bytes: stdin's or stdout's byte
-    buffer, or the stream itself where it is binary (``io.BytesIO``); refused where it is closed,
-    a terminal, or a text stream without one (main() called in-process with ``io.StringIO``, a
-    notebook's)."""
+    """Where ``--input -`` reads and ``--output -`` writes .npy bytes (stdin's or stdout's byte
+    buffer); refused where it is closed, a terminal, or a text stream without one (a notebook's)."""
     name, does = ("stdin", "give") if option == "--input" else ("stdout", "take")
     stream = sys.stdin if name == "stdin" else _args.stdout(f"{option} -")
     if stream is None:  # the shell closed it (<&-)

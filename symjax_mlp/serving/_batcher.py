@@ -297,9 +297,8 @@ class Batcher:
         return request
 
     def _end_of_pass(self, loop: Any) -> None:
-        """Runs the pass's requests here, on the loop, if the lane is idle and that is cheaper
-        than a hand-off to the batcher's thread and back (a lone request, or a batch of this
-        loop's requests whose bucket last ran within ``ON_LOOP_SECONDS``); else wakes the thread."""
+        """Runs the pass's requests on the loop where the lane is idle and that is cheaper than a
+        hand-off (a lone request, or a quick bucket: ``ON_LOOP_SECONDS``); else wakes the thread."""
         lone, lane = self._passes.pop(loop), self._lane
         with lane.lock:
             q = lane.queue

@@ -191,10 +191,8 @@ def from_json(
     batcher: Batcher, spec: Any, value: Any, *, bools: bool = True, texts: bool = True,
     top: float | None = None,
 ) -> np.ndarray:  # fmt: skip
-    """JSON numbers as the input's dtype, refusing what the cast would change; ``NaN`` and
-    ``Infinity`` are floats, ``true``/``false`` only a bool input's values (``bools=False``,
-    ``texts=False``: ``value`` holds no booleans, no strings; ``top``: the dtype is NumPy's
-    float16, 32 or 64, whose largest number it is)."""
+    """JSON numbers as the input's dtype, refusing what the cast would change (``bools``,
+    ``texts``: whether ``value`` may hold them; ``top``: a NumPy float dtype's largest number)."""
     if top is not None and not texts and not (bools and _first(value, bool)):  # the usual body
         try:  # numbers for a float: as float64 (Python's floats), cast once known in range
             x = np.asarray(value, np.float64)

@@ -16,10 +16,8 @@ SPARE = 16  # descriptors kept for the server's own (its event loop, a refusal's
 
 
 def room(heads: Any, max_connections: int, where: str) -> int:
-    """The connections this process can hold open at once, ``max_connections`` at most, with as
-    many refusals lingering (``heads.files``: the most connections, lingering ones too): the
-    soft open-file limit is raised toward the hard one as far as they need; fewer, said in a
-    warning, where even the hard limit is short."""
+    """The connections this process can hold open, ``max_connections`` at most, and as many
+    refusals lingering (``heads.files``), the soft limit raised as they need (else a warning)."""
     try:
         import resource
     except ImportError:  # not POSIX: nothing to read

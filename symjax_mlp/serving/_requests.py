@@ -181,9 +181,8 @@ MAX_BATCH = 1 << 16  # the most rows a batcher's model call may take (its larges
 
 
 def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None, str, Any]:
-    """The per-request specs of an artifact, its static batch (``None``: symbolic), why each
-    request runs alone, never merged nor padded (``""``: rows may merge, or it does not say), and
-    ``(signature, "b")`` where constraints bound its batch (see :func:`fits`), else ``None``."""
+    """An artifact's per-request specs, static batch (or ``None``), why each request runs alone
+    (``""``: rows may merge), and ``(signature, "b")`` where constraints bound its batch."""
     sig = model.signature
     specs, static = [], set()
     leads = [spec.shape[0] if spec.shape else None for spec in sig.inputs]
