@@ -1,9 +1,6 @@
-"""The optimizer as training calls it: any optax ``GradientTransformation`` (the default adam,
-``MultiSteps`` unwrapped), its state made and its update traced on shapes before the first step,
-so that an optimizer of another form is a ConfigError naming ``optimizer.init`` or
-``optimizer.update``, never a raw error from inside a step; :func:`only` restricts it to the
-params train()'s ``wrt`` selects, the others frozen; :class:`Moved` warns where a first epoch
-moved no param."""
+"""The optimizer as training calls it, checked on shapes before the first step: one of another
+form is a ConfigError naming ``optimizer.init`` or ``optimizer.update``, never a raw error from
+inside a step. :func:`only` restricts it to the params train()'s ``wrt`` selects."""
 
 from __future__ import annotations
 
@@ -119,10 +116,9 @@ def init_state(optimizer: optax.GradientTransformation, params: Any, caller: str
 
 
 def update(optimizer: Any, grads: Any, opt_state: Any, params: Any, loss: Any, caller: str):
-    """``optimizer.update(grads, opt_state, params)``, with ``value=`` the loss for an optimizer
-    taking extra arguments (``reduce_on_plateau``); one needing more (``optax.lbfgs``: ``grad=``
-    and ``value_fn=``) is a ConfigError naming what the step passes (was optax's TypeError), as
-    is a result other than the updates and a state like ``opt_state`` (jit would trace again)."""
+    """``optimizer.update(grads, opt_state, params)`` (``value=`` the loss for one taking extra
+    arguments); one needing more, or returning other than updates and a state like ``opt_state``
+    (jit would trace again), is a ConfigError."""
     kw = {"value": loss} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
     try:
         out = optimizer.update(grads, opt_state, params, **kw)
@@ -170,31 +166,27 @@ def _like(tree: Any) -> Any:  # its structure, each leaf as its dtype and shape
 
 
 def only(optimizer: Any, wrt: Any, model: Any, params: Any, caller: str) -> tuple[Any, list]:
-    """``(optimizer over the params wrt selects, their paths)``: the others' updates are
-    ``optax.set_to_zero()``'s (bitwise as they were), the state the selected params' only, as
-    ``nnx.Optimizer(model, tx, wrt=...)`` keeps. ``wrt`` is an nnx filter of an nnx module's
-    variables, or of a linen model's params by path (a tuple of names) and array."""
+    """``(optimizer over the params wrt selects, their paths)``, the others' updates zero and
+    their state none, as ``nnx.Optimizer(model, tx, wrt=...)`` keeps; ``wrt`` filters an nnx
+    module's variables, or a linen model's params by path (a tuple of names) and array."""
+    keystr, leaves = jax.tree_util.keystr, jax.tree_util.tree_leaves_with_path
     try:
         if isinstance(model, nnx.Module):  # nnx's own filter semantics, on its Variables
             picked = nnx.to_pure_dict(nnx.state(model, nnx.All(trainable(model), wrt)))
-            chosen = {
-                jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(picked)
-            }
+            chosen = {keystr(p) for p, _ in leaves(picked)}
         else:
             test = nnx.filterlib.to_predicate(wrt)
-            leaves = jax.tree_util.tree_leaves_with_path(params)
-            chosen = {jax.tree_util.keystr(p) for p, a in leaves if test(_names(p), a)}
+            chosen = {keystr(p) for p, a in leaves(params) if test(_names(p), a)}
     except Exception as e:  # not a filter: nnx's TypeError/ValueError, or the function's own
         error = f"{type(e).__name__}: {e}"
         raise ConfigError(_WRT_KIND.format(caller=caller, wrt=wrt, e=error)) from e
-    keys = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-    paths = ["/".join(map(str, _names(p))) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-    if not (trained := [path for key, path in zip(keys, paths, strict=True) if key in chosen]):
+    paths = {keystr(p): "/".join(map(str, _names(p))) for p, _ in leaves(params)}
+    if not (trained := [path for key, path in paths.items() if key in chosen]):
         what = {"caller": caller, "wrt": wrt, "n": len(paths), "model": type(model).__name__}
-        shown = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
+        shown = ", ".join(list(paths.values())[:6]) + (", ..." if len(paths) > 6 else "")
         raise ConfigError(_WRT_NONE.format(**what, paths=shown))
     labels = jax.tree_util.tree_map_with_path(
-        lambda p, _: "trained" if jax.tree_util.keystr(p) in chosen else "frozen", params
+        lambda p, _: "trained" if keystr(p) in chosen else "frozen", params
     )
     transforms = {"trained": optimizer, "frozen": optax.set_to_zero()}
     return optax.multi_transform(transforms, labels), trained
@@ -215,9 +207,8 @@ _NOTHING_MOVED = (
 
 
 class Moved:
-    """Whether a run's first epoch moved any param: ``Moved(params)`` hashes the params'
-    bytes before it (they are donated to the first step), :meth:`check` after, warning if none
-    moved. Two host copies of the params a run, once."""
+    """Whether a run's first epoch moved any param: ``Moved(params)`` hashes them before it
+    (they are donated to its first step), :meth:`check` after, warning if none moved."""
 
     def __init__(self, params: Any) -> None:
         self.before = self.digest(params)

@@ -82,10 +82,9 @@ def _unpack(specs: list[tuple], packed: tuple[dict[str, jax.Array], list]) -> li
 
 
 def check_files(path: Path) -> None:
-    """Refuses a step holding more than ``_MAX_ENTRIES`` entries, anything but directories and
-    regular files (Orbax and TensorStore follow a link out of the checkpoint directory and block
-    on a FIFO), or a file they read whole (all but the arrays' data files, in ``d/``) past
-    ``_MAX_READ_WHOLE`` bytes. A CheckpointManager reads each step's metadata as it starts."""
+    """Refuses a step of over ``_MAX_ENTRIES`` entries, anything but directories and regular
+    files (Orbax follows a link out and blocks on a FIFO), or a file read whole (all but the
+    arrays' data, in ``d/``) past ``_MAX_READ_WHOLE`` bytes."""
 
     def refuse(error: OSError) -> None:
         raise broken(path, f"{error.filename} cannot be read ({error.strerror})")
@@ -183,10 +182,9 @@ class OrbaxCheckpoints:
         self, state: TrainState, metadata: dict[str, Any], *, last: bool = False,
         derived: Callable[[TrainState], dict[str, Any]] | None = None,
     ) -> Path:  # fmt: skip
-        """Starts writing ``state`` as ``<dir>/<state.step>`` from a device copy (the next step
-        donates it), superseded if the save before it is still committing unless ``last``;
-        waits while ``_QUEUED`` saves are queued; a failed one raises at the next.
-        ``derived(copy)``: more metadata, computed on the writer thread, beside the steps."""
+        """Writes ``state`` as ``<dir>/<state.step>`` from a device copy, superseded if the one
+        before is still committing unless ``last``; waits while ``_QUEUED`` are queued; a failed
+        one raises at the next. ``derived(copy)``: more metadata, made on the writer thread."""
         t0 = time.perf_counter()
         self._finish(keep=_QUEUED - 1)
         leaves, tree = jax.tree.flatten((state.params, state.opt_state))

@@ -125,10 +125,9 @@ def checkpoints(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
 
 
 def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False) -> None:
-    """Refuses the other format's checkpoints (Orbax's are a multi-process run's), and an entry
-    named like a step newer than the newest checkpoint that is none (a file, a symlink, an
-    uncommitted Orbax save, a name no save writes): resuming, and saving that step, would trip
-    on it."""
+    """Refuses the other format's checkpoints, and an entry named like a step newer than the
+    newest checkpoint that is none (a file, a symlink, an uncommitted Orbax save, a name no save
+    writes): resuming, and saving that step, would trip on it."""
     if checkpoints(Path(directory), not orbax):
         them = "single-process run (step_* safetensors)" if orbax else "multi-process run (Orbax)"
         raise CheckpointError(

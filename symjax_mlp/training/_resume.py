@@ -184,8 +184,7 @@ def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
 
 def optimizer_probe(optimizer: optax.GradientTransformation) -> Callable[[Any, Any], list]:
     """``probe(params, opt_state)``: the update from ``opt_state`` for a fixed gradient, sampled
-    per leaf, as JSON (``[]``: an optimizer that needs more than a gradient); compiled once, as
-    each save of a run calls it (op by op, it took a step's time or more)."""
+    per leaf, as JSON (``[]``: an optimizer that needs more than a gradient); compiled once."""
 
     @jax.jit
     def sampled(gradient: Any, opt_state: Any, params: Any) -> list[jax.Array]:
@@ -270,9 +269,8 @@ _CHUNK = 1 << 18  # elements of a pattern made at once (2 MiB of float64)
 
 
 def _pattern(size: int, i: int, state: bool, fan_in: int, dtype: Any) -> np.ndarray:
-    """``cos(0.7 k + i)`` for ``k < size``, scaled, made in float64 a chunk at a time, each cast
-    to ``dtype`` as made: the leaf's bytes at once, not three float64 arrays of its size (six
-    times a float32 leaf's: out of memory, for a model that fits). Bitwise the same values."""
+    """``cos(0.7 k + i)`` for ``k < size``, scaled, made in float64 a chunk at a time and cast
+    to ``dtype``: no float64 array the leaf's size (out of memory, for a model that fits)."""
     out = np.empty(size, dtype)
     for start in range(0, size, _CHUNK):
         p = np.cos(np.arange(start, min(start + _CHUNK, size), dtype=np.float64) * 0.7 + i)
