@@ -149,10 +149,8 @@ class OrbaxCheckpoints:
         # jax.Array's default handler also writes an ArrayMetadata store, whose directory the
         # other processes poll, slowing each commit; our manifest holds what it would
         types = ocp.type_handlers
-        others = [(t, types.get_type_handler(t)) for t in types.supported_types()]
-        arrays = types.create_type_handler_registry(
-            *(o for o in others if o[0] is not jax.Array), (jax.Array, types.ArrayHandler())
-        )
+        kept = [(t, types.get_type_handler(t)) for t in types.supported_types() if t != jax.Array]
+        arrays = types.create_type_handler_registry(*kept, (jax.Array, types.ArrayHandler()))
         handler = ocp.PyTreeCheckpointHandler(
             multiprocessing_options=processes, type_handler_registry=arrays
         )
