@@ -332,10 +332,12 @@ def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:
 _FLAT_MODULE = (
     "Return tuple(jax.tree.leaves(out)) from a function of the module's apply, exported with the "
     "same example= and kwargs=: "
-    "sm.hybridize(lambda params, *xs, **kw: tuple(jax.tree.leaves(h.apply(params, *xs, **kw))), "
-    "h.params); the loaded model returns the leaves of {tree} in order (jax.tree.unflatten of "
-    "that structure rebuilds it)."
+    "sm.hybridize(lambda params, *xs, **kw: tuple(jax.tree.leaves(h.apply(params, *xs, **kw)"
+    "{out}))), h.params){why}; the loaded model returns the leaves of {tree} in order "
+    "(jax.tree.unflatten of that structure rebuilds it)."
 )
+#: A stateful Hybrid's apply returns (out, new_state): the artifact returns out alone.
+_STATEFUL_OUT = "[0]", " (h.apply returns (out, new_state): [0] is the output, no state)"
 
 
 def _setting_specs(name: str, shapes: tuple, given: tuple, static: tuple) -> str:
@@ -358,7 +360,8 @@ def _output_kind(exported: Any, h: Hybrid) -> str:
         return "tuple"
     fix = "Return tuple(jax.tree.leaves(out)) from the function you export."
     if h.kind in ("nnx", "linen", "eqx"):  # a module's output: no function of the user's to edit
-        fix = _FLAT_MODULE.format(tree=out_tree)
+        out, why = _STATEFUL_OUT if h.stateful else ("", "")
+        fix = _FLAT_MODULE.format(tree=out_tree, out=out, why=why)
     raise SignatureError(
         f"export({h.name}): the function returns {out_tree}; an artifact returns an array or a "
         f"flat tuple of arrays (what every runtime, IREE included, can hand back). {fix}"

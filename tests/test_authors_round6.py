@@ -1,0 +1,159 @@
+"""Code we did not write, round six (tests/zoo6.py, each headed by its source path and commit)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import test_authors_matrix as matrix
+import zoo6
+from helpers import Case, _x
+from test_authors_matrix import exported, loaded  # noqa: F401 - the matrix's fixtures
+
+import symjax_mlp as sm
+
+TOL = {"rtol": 2e-5, "atol": 2e-5}
+
+
+def _linen(model, *example):
+    """``(model, variables)``: big_vision's ``model.init(rng, dummy_input)``."""
+    return lambda: (model, model.init(jax.random.key(0), *example))
+
+
+IMAGES = jnp.ones((1, 8, 8, 3))
+VIT = zoo6.Model(3, patch_size=(4, 4), width=16, depth=2, mlp_dim=32, num_heads=2,
+                 posemb="sincos2d", dropout=0.1, pool_type="map", scan=True,
+                 head_zeroinit=False)  # fmt: skip
+MIXER = zoo6.MlpMixer(patch_size=(4, 4), num_classes=3, num_blocks=2, hidden_dim=8,
+                      tokens_mlp_dim=8, channels_mlp_dim=16, stoch_depth=0.5)  # fmt: skip
+BIT = zoo6.BiT(num_classes=3, width=0.5, depth=(1, 1))
+
+CASES = (
+    Case("bv_vit", "linen", _linen(VIT, IMAGES), lambda s: (_x(s, (4, 8, 8, 3)),),
+         train={"train": True}, eval={"train": False}, rng=jax.random.key(3), classes=3,
+         logits=lambda out: out[0]),
+    Case("bv_mixer", "linen", _linen(MIXER, IMAGES), lambda s: (_x(s, (4, 8, 8, 3)),),
+         train={"train": True}, eval={"train": False}, rng=jax.random.key(3), classes=3,
+         logits=lambda out: out[0]),
+    Case("bv_bit", "linen", _linen(BIT, jnp.ones((1, 16, 16, 3))),
+         lambda s: (_x(s, (4, 16, 16, 3)),), classes=3, logits=lambda out: out[0]),
+)  # fmt: skip
+
+
+def _flat(case):
+    """The module's eval call as export's refusal of its ``(logits, out)`` says to export it:
+    ``tuple(jax.tree.leaves(out))`` of a function of its apply."""
+
+    def build():
+        model, variables = case.build()
+        return lambda v, image, **kw: tuple(jax.tree.leaves(model.apply(v, image, **kw))), variables
+
+    return build
+
+
+FLAT = tuple(Case(f"{c.name}_flat", "fn", _flat(c), c.inputs, train=c.eval, allow=allow)
+             for c, allow in zip(CASES, (
+                 {"convolution", "dynamic_slice", "dynamic_update_slice", "dynamic_gather",
+                  "real_dynamic_slice", "scatter"},  # nn.scan's slices, MAPHead's tile in VJP
+                 {"convolution"},
+                 {"convolution", "reduce_window", "real_dynamic_slice", "select_and_scatter"},
+             ), strict=True))  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_every_matrix_feature_of_the_module(case, monkeypatch):
+    """Compiled == eager == linen (train and eval: its dropout and stochastic depth drawing from
+    the Hybrid's 'dropout' stream), grads through h.apply, graph and stage."""
+    if case.name == "bv_vit":  # its grads reach 2e2 (the loss squares every output in `out`)
+        monkeypatch.setattr(matrix, "TOL", {"rtol": 2e-5, "atol": 1e-4})
+    for mode in ("train", "eval") if case.eval else ("train",):
+        matrix.test_compiled_equals_eager_equals_the_plain_framework(case, mode)
+    matrix.test_grads_through_apply_equal_the_frameworks(case)
+    matrix.test_stage_and_graph_count_the_same_layers(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FLAT, ids=lambda c: c.name)
+def test_every_matrix_feature_of_the_flat_export(case, exported, loaded, tmp_path, monkeypatch):  # noqa: F811
+    """Its eval call flattened, as the refusal says: export (batch symbolic) -> load in JAX and
+    IREE, a Batcher, vmap and grad over the loaded model, equal to the source."""
+    if case.name == "bv_vit_flat":
+        monkeypatch.setattr(matrix, "TOL", {"rtol": 2e-5, "atol": 1e-4})
+    matrix.test_compiled_equals_eager_equals_the_plain_framework(case, "train")
+    matrix.test_export_loads_in_jax_and_iree_as_the_source(case, exported, tmp_path, monkeypatch)
+    matrix.test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case, loaded)
+    matrix.test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, loaded)
+
+
+# -- export's refusal of (logits, out), for a Hybrid holding rng streams ------------------------
+@pytest.mark.slow  # an export and a load: 1 s warm
+def test_a_stateful_modules_dict_output_is_refused_naming_its_output_alone(tmp_path):
+    """mlp_mixer.py's MlpMixer returns ``(logits, out)``; its Hybrid holds the 'dropout' stream
+    its stochastic depth draws from, so ``h.apply`` returns ``((logits, out), new_state)``. The
+    refusal named ``tuple(jax.tree.leaves(h.apply(...)))``, which exported the Hybrid's next
+    rng key as a last output (8 outputs for 7 leaves: jax.tree.unflatten of the tree it named
+    raised); now it names ``h.apply(...)[0]``, which loads as the tree's leaves."""
+    model = zoo6.MlpMixer(patch_size=(4, 4), num_classes=2, num_blocks=1, hidden_dim=4,
+                          tokens_mlp_dim=4, channels_mlp_dim=4, stoch_depth=0.5)  # fmt: skip
+    x = _x(0, (2, 4, 4, 3))
+    h = sm.hybridize(model, model.init(jax.random.key(0), x), rngs=jax.random.key(3))
+    with pytest.raises(sm.SignatureError, match=r"returns PyTreeDef\(\(\*, \{'block_0'") as e:
+        sm.export(h, tmp_path / "m", example=x, kwargs={"train": False})
+    assert "h.apply(params, *xs, **kw)[0]))), h.params) (h.apply returns (out, new_state)" in str(
+        e.value
+    )
+    flat = sm.hybridize(  # as it says
+        lambda params, *xs, **kw: tuple(jax.tree.leaves(h.apply(params, *xs, **kw)[0])), h.params
+    )
+    sm.export(flat, tmp_path / "m", example=x, kwargs={"train": False})
+    want = h(x, train=False)
+    got = sm.load(tmp_path / "m", allow={"convolution"})(np.asarray(x))
+    chex.assert_trees_all_close(jax.tree.unflatten(jax.tree.structure(want), got), want, **TOL)
+
+
+# -- big_vision/train.py's update_fn over the Hybrid, as the original steps ----------------------
+class _KeyedApply:
+    """``model.apply(variables, images, train=True, rngs={"dropout": key})`` through the Hybrid
+    that the refusal of ``rngs=`` names: ``sm.hybridize(lambda variables, x, key: ...)``."""
+
+    def __init__(self, model, variables):
+        self.h = sm.hybridize(
+            lambda v, x, key: model.apply(v, x, train=True, rngs={"dropout": key}), variables
+        )
+
+    def apply(self, variables, images, *, train, rngs):
+        assert train
+        return self.h.apply(variables, images, rngs["dropout"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
+def test_big_visions_update_fn_steps_over_the_hybrid_as_over_linen(case):
+    """train.py's update_fn (sigmoid_xent of one-hot labels, a 'dropout' key folded from the
+    step count) over ``h.apply``: three steps' params and losses equal the original's over
+    ``model.apply``, the ViT's grads through its nn.scan of nn.remat blocks, the Mixer's
+    through its stochastic depth. The Hybrid of the module itself refuses ``rngs=``, naming
+    this function of the key."""
+    model, variables = case.build()
+    images = _x(5, (4, 8, 8, 3))
+    batch = {"image": images, "labels": jax.nn.one_hot(jnp.arange(4) % 3, 3)}
+    with pytest.raises(sm.ConfigError, match=r"rngs= is .*\.apply's own keyword.*"
+                       r"lambda variables, x, key: model\.apply\(variables, x, rngs="):  # fmt: skip
+        case.hybridize().apply(variables, images, train=True, rngs={"dropout": jax.random.key(0)})
+    # sgd: adam scales the zero grads of attention's key bias (float noise) to full steps
+    tx, rng = optax.sgd(0.1), jax.random.key(9)
+    runs = []
+    for apply in (model, _KeyedApply(model, variables)):
+        update_fn = jax.jit(zoo6.make_update_fn(apply, tx))
+        state, losses = {"params": variables["params"]}, []
+        state["opt"] = tx.init(state["params"])
+        for step in range(3):
+            state, measurements = update_fn(state, rng, batch, step)
+            losses.append(float(measurements["training_loss"]))
+        runs.append((state["params"], losses))
+    (want, want_losses), (got, losses) = runs
+    chex.assert_trees_all_close(got, want, **TOL)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert losses[-1] < losses[0]
