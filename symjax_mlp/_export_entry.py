@@ -333,7 +333,7 @@ _FLAT_MODULE = (
     "Return tuple(jax.tree.leaves(out)) from a function of the module's apply, exported with the "
     "same example= and kwargs=: "
     "sm.hybridize(lambda params, *xs, **kw: tuple(jax.tree.leaves(h.apply(params, *xs, **kw)"
-    "{out}))), h.params){why}; the loaded model returns the leaves of {tree} in order "
+    "{out})), h.params){why}; the loaded model returns the leaves of {tree} in order "
     "(jax.tree.unflatten of that structure rebuilds it)."
 )
 #: A stateful Hybrid's apply returns (out, new_state): the artifact returns out alone.

@@ -101,9 +101,8 @@ def test_a_stateful_modules_dict_output_is_refused_naming_its_output_alone(tmp_p
     h = sm.hybridize(model, model.init(jax.random.key(0), x), rngs=jax.random.key(3))
     with pytest.raises(sm.SignatureError, match=r"returns PyTreeDef\(\(\*, \{'block_0'") as e:
         sm.export(h, tmp_path / "m", example=x, kwargs={"train": False})
-    assert "h.apply(params, *xs, **kw)[0]))), h.params) (h.apply returns (out, new_state)" in str(
-        e.value
-    )
+    code = "lambda params, *xs, **kw: tuple(jax.tree.leaves(h.apply(params, *xs, **kw)[0]))"
+    assert f"sm.hybridize({code}, h.params) (h.apply returns (out, new_state)" in str(e.value)
     flat = sm.hybridize(  # as it says
         lambda params, *xs, **kw: tuple(jax.tree.leaves(h.apply(params, *xs, **kw)[0])), h.params
     )
