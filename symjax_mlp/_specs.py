@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._export_example import not_an_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,37 +189,6 @@ def cast_to(dtype: str) -> str:
     return f"{'np' if numpys else 'jnp'}.{dtype}"
 
 
-_EQX_STATE = (
-    "export(example=...): args[{i}] is an equinox eqx.nn.State, which an artifact's inputs "
-    "(arrays) cannot carry. Export the model with its state held in it, as equinox runs "
-    "inference: inference_model = eqx.Partial(eqx.nn.inference_mode(model), state=state); "
-    "export(sm.hybridize(lambda m, x: jax.vmap(m)(x)[0], inference_model), path, example=x)."
-)
-
-
-_DICT_INPUT = (
-    "export({name}, example=...): args[{i}] is a dict with keys {keys}, but an artifact's "
-    "inputs are positional arrays (what every runtime, IREE included, passes). Export a function "
-    "that takes its arrays by place and rebuilds the dict, with d that dict: leaves, tree = "
-    "jax.tree.flatten(d); sm.hybridize(lambda params, {head}*xs: h.apply(params, {head}"
-    "jax.tree.unflatten(tree, xs{cut}){tail}), h.params) with example={example}, "
-    "and call the artifact with the arrays in that order."
-)
-
-
-def _dict_input(name: str, i: int, d: Mapping[str, Any], n: int) -> SignatureError:
-    """The refusal of ``d``, a dict at ``args[i]`` of ``n`` inputs (nested, or among others:
-    decoding's cache), naming a function taking its leaves by place, the others around them."""
-    head = "".join(f"x{j}, " for j in range(i))
-    after = [f"x{j}" for j in range(i + 1, n)]
-    k = len(jax.tree.leaves(d))
-    cut, tail = (f"[:{k}]", f", *xs[{k}:]") if after else ("", "")
-    example = f"({head}*leaves{''.join(f', {x}' for x in after)})" if n > 1 else "tuple(leaves)"
-    said = _DICT_INPUT.format(name=name, i=i, keys=list(d), head=head, cut=cut, tail=tail,
-                              example=example)  # fmt: skip
-    return SignatureError(said)
-
-
 def keyword_arrays(signature: Any, n: int, given: Mapping[str, Any]) -> tuple[list[str], int]:
     """Where ``n`` arrays by place outnumber the positional parameters of ``signature`` (an
     ``inspect.Signature``): the keyword-only ones without a default, not in ``given``, that the
@@ -274,14 +244,7 @@ def input_structs(
     """The inputs' structs: the leading dimension ``batch``, or the ``shapes`` specs."""
     for i, x in enumerate(examples):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":
-                raise SignatureError(_EQX_STATE.format(i=i))
-            if isinstance(x, Mapping) and x and all(isinstance(k, str) for k in x):
-                raise _dict_input(name, i, x, len(examples))
-            raise SignatureError(
-                f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
-                "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."
-            )
+            raise not_an_array(name, i, x, len(examples))
     if shapes is None:
         dim = jax.export.symbolic_shape(batch)[0] if batch else None
         for i, x in enumerate(examples):

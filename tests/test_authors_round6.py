@@ -7,7 +7,9 @@ import numpy as np
 import optax
 import pytest
 import test_authors_matrix as matrix
+import test_authors_nnx3 as nnx3
 import zoo6
+from flax import nnx
 from helpers import Case, _x
 from test_authors_matrix import exported, loaded  # noqa: F401 - the matrix's fixtures
 
@@ -39,6 +41,32 @@ CASES = (
     Case("bv_bit", "linen", _linen(BIT, jnp.ones((1, 16, 16, 3))),
          lambda s: (_x(s, (4, 16, 16, 3)),), classes=3, logits=lambda out: out[0]),
 )  # fmt: skip
+
+
+def _scan_mlp(mode="train"):
+    """06_scan_over_layers.py's ``ScanMLP(10, n_layers=5, rngs=nnx.Rngs(0))``; ``.eval()`` in
+    eval mode (its BatchNorms' averages, its Dropouts off)."""
+    model = zoo6.ScanMLP(10, n_layers=5, rngs=nnx.Rngs(0))
+    if mode == "eval":
+        model.eval()
+    return model, None
+
+
+#: Models that fit every shape of the matrix: each runs all its features.
+WHOLE = (
+    # (no classifier: the example trains nothing, and its 5 Dropouts of rate 0.5 leave a
+    # 2-epoch loss to noise)
+    Case("nnx_scan_over_layers", "nnx", _scan_mlp, lambda s: (_x(s, (4, 10)),),
+         served=lambda: _scan_mlp("eval"),
+         allow=frozenset({"dynamic_slice", "dynamic_update_slice", "real_dynamic_slice"})),
+)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", WHOLE, ids=lambda c: c.name)
+def test_every_matrix_feature(case, exported, loaded, tmp_path, monkeypatch):  # noqa: F811
+    """Each feature test_authors_matrix.py runs over MATRIX, as round three runs them."""
+    nnx3.test_every_matrix_feature(case, exported, loaded, tmp_path, monkeypatch)
 
 
 def _flat(case):
@@ -156,3 +184,134 @@ def test_big_visions_update_fn_steps_over_the_hybrid_as_over_linen(case):
     chex.assert_trees_all_close(got, want, **TOL)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert losses[-1] < losses[0]
+
+
+# -- flax nnx_toy_examples 02_lifted_transforms.py and 03_train_state.py -------------------------
+X = np.linspace(0, 1, 8, dtype=np.float32)[:, None]  # their X, cut to 8 rows
+#: Their Linear and MLP read ``.value``, which flax 0.12 deprecates (pytest makes it an error).
+OLD_VALUE = pytest.mark.filterwarnings("ignore:'.value' (access|setter) is now deprecated")
+BATCH = X, 0.8 * X**2 + 0.1  # their Y, less its noise
+
+
+def _mlp():
+    return zoo6.MLP(din=1, dhidden=8, dout=1, rngs=nnx.Rngs(0))
+
+
+def _hybrid_steps(h, tx, n=3):
+    """An optax loop over ``h.apply_with_state``, the counts carried: ``(params, counts)``."""
+    x, y = BATCH
+
+    def loss_fn(params, counts):
+        y_pred, counts = h.apply_with_state(params, counts, x)
+        return jnp.mean((y - y_pred) ** 2), counts
+
+    @jax.jit
+    def step(params, opt_state, counts):
+        grads, counts = jax.grad(loss_fn, has_aux=True)(params, counts)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, counts
+
+    params, opt_state, counts = h.params, tx.init(h.params), h.state
+    for _ in range(n):
+        params, opt_state, counts = step(params, opt_state, counts)
+    return params, counts
+
+
+@pytest.mark.slow
+@OLD_VALUE
+def test_the_lifted_transforms_example_trains_exports_and_serves_as_nnx(tmp_path):
+    """02_lifted_transforms.py: its MLP counts its calls in a Count Variable. The Hybrid's call
+    equals nnx's and counts as it does; an optax loop over ``h.apply_with_state`` steps as the
+    example's nnx.jit train_step (nnx.Optimizer, sgd) does, params and count; its test_step,
+    cached as it caches it, equals the trained Hybrid's loss; the trained Hybrid exports (batch
+    symbolic, a VJP), loads equal, under jax.vmap and jax.grad, and a Batcher serves it."""
+    model, h = _mlp(), sm.hybridize(_mlp())
+    chex.assert_trees_all_close(h(X), model(X), **TOL)
+    assert int(h.state["count"]) == int(model.count[...]) == 1
+    assert h.graph(X).primitive_counts["dot_general"] == 2
+    tx = optax.sgd(0.1)  # (the example's 1e-3 moves 3 steps' params by as little as the noise)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    cached_train_step = nnx.cached_partial(zoo6.train_step, model, optimizer)
+    for _ in range(3):
+        cached_train_step(BATCH)
+    params, counts = _hybrid_steps(h, tx)
+    chex.assert_trees_all_close(params, nnx.to_pure_dict(nnx.state(model, nnx.Param)), **TOL)
+    assert int(counts["count"]) == int(model.count[...]) == 4
+    trained = h.replace(params=params, state=counts)
+    logs = nnx.cached_partial(zoo6.test_step, model)(BATCH)
+    chex.assert_trees_all_close(jnp.mean((BATCH[1] - trained(X)) ** 2), logs["loss"], **TOL)
+    sm.export(trained, tmp_path / "m", example=X, vjp_order=1)
+    m, want = sm.load(tmp_path / "m", allow={"real_dynamic_slice"}), model(X)
+    chex.assert_trees_all_close(m(X), want, **TOL)
+    chex.assert_trees_all_close(
+        jax.vmap(m)(np.stack([X, X[::-1]])), np.stack([want, want[::-1]]), **TOL
+    )
+    graphdef, variables = nnx.split(model)  # merged inside jax.grad: its count written there
+    want = jax.grad(lambda x: nnx.merge(graphdef, variables, copy=True)(x).sum())(X)
+    chex.assert_trees_all_close(jax.grad(lambda x: m(x).sum())(X), want, **TOL)
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        got = [f.result(30) for f in [b.submit(X[i : i + 1]) for i in range(3)]]
+    chex.assert_trees_all_close(np.concatenate(got), m(X)[:3], **TOL)
+
+
+def _train_state(h=None):
+    """03_train_state.py's ``TrainState.create``: of its model split by hand, or (``h``) of a
+    Hybrid's params and state (its graphdef then unused)."""
+    if h is None:
+        graphdef, params, counts = nnx.split(_mlp(), nnx.Param, zoo6.Count)
+    else:
+        graphdef, params, counts = None, h.params, h.state
+    return zoo6.TrainState.create(apply_fn=None, graphdef=graphdef, params=params,
+                                  tx=optax.sgd(0.1), counts=counts)  # fmt: skip
+
+
+@pytest.mark.slow
+@OLD_VALUE
+def test_the_train_state_example_steps_over_the_hybrid_as_over_its_merge(tmp_path):
+    """03_train_state.py: its jax.jit train_step merges the model inside jax.grad (copy=True)
+    and carries the counts in a flax TrainState. The same TrainState over
+    ``h.apply_with_state`` steps equal, params and counts; its test_step hybridized over the
+    TrainState equals it, and exports by the refusal's function of its batch's leaves."""
+    state, h = _train_state(), sm.hybridize(_mlp())
+    ours = _train_state(h)
+
+    @jax.jit
+    def train_step(state, batch):  # the example's, its merge as h.apply_with_state
+        x, y = batch
+
+        def loss_fn(params):
+            y_pred, counts = h.apply_with_state(params, state.counts, x)
+            return jnp.mean((y - y_pred) ** 2), counts
+
+        grads, counts = jax.grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, counts=counts)
+
+    for _ in range(3):
+        state, ours = zoo6.ts_train_step(state, BATCH), train_step(ours, BATCH)
+    chex.assert_trees_all_close(ours.params, nnx.to_pure_dict(state.params), **TOL)
+    assert int(ours.counts["count"]) == int(state.counts["count"][...]) == 3
+    h = sm.hybridize(zoo6.ts_test_step, state)
+    chex.assert_trees_all_close(h(BATCH), zoo6.ts_test_step(state, BATCH), **TOL)
+    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a tuple of 2 arrays"):
+        sm.export(h, tmp_path / "m", example=(BATCH,))
+    leaves, tree = jax.tree.flatten(BATCH)  # as it says, its loss the output
+    f = sm.hybridize(lambda params, *xs: h.apply(params, jax.tree.unflatten(tree, xs))["loss"],
+                     h.params)  # fmt: skip
+    sm.export(f, tmp_path / "m", example=tuple(leaves))
+    got = sm.load(tmp_path / "m")(*leaves)
+    chex.assert_trees_all_close(got, zoo6.ts_test_step(state, BATCH)["loss"], **TOL)
+
+
+def test_a_batch_tuple_example_is_refused_naming_a_function_of_its_leaves(tmp_path):
+    """``export(h, example=((x, y),))`` of a function of a ``batch`` (03_train_state.py's
+    test_step): 'args[0] is a tuple; pass an array (or a tuple of arrays)', which it was;
+    now it names the function of its leaves that exports (the dict refusal's)."""
+    h = sm.hybridize(lambda p, batch: jnp.mean((batch[1] - batch[0] * p) ** 2), jnp.float32(2))
+    said = r"^export\(<lambda>, example=\.\.\.\): args\[0\] is a tuple of 2 arrays, but an artif"
+    with pytest.raises(sm.SignatureError, match=said) as e:
+        sm.export(h, tmp_path / "m", example=(BATCH,))
+    assert "leaves, tree = jax.tree.flatten(d); sm.hybridize(lambda params, *xs: h.apply(" in str(
+        e.value
+    )
+    assert "jax.tree.unflatten(tree, xs)), h.params) with example=tuple(leaves)" in str(e.value)
+    assert not (tmp_path / "m").exists()

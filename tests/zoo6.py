@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
+from flax.training import train_state
 from helpers import MixerMlpBlock
 
 
@@ -540,3 +542,124 @@ def make_update_fn(model, tx):
         return {"params": params, "opt": opt}, measurements
 
     return update_fn
+
+
+# -- flax examples/nnx_toy_examples/06_scan_over_layers.py, as written there -----------------------
+class Block(nnx.Module):
+    def __init__(self, dim: int, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(dim, dim, rngs=rngs)
+        self.bn = nnx.BatchNorm(dim, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x: jax.Array):
+        return jax.nn.gelu(self.dropout(self.bn(self.linear(x))))
+
+
+class ScanMLP(nnx.Module):
+    """
+    An MLP that uses `vmap` during `__init__` to create a Block instance
+    with an additional `layer` axis, and `scan` during `__call__` to apply
+    the sequence of layers iteratively over the input / output `x`.
+    """
+
+    def __init__(self, dim: int, *, n_layers: int, rngs: nnx.Rngs):
+        self.n_layers = n_layers
+
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(axis_size=n_layers)
+        def create_block(rngs: nnx.Rngs):
+            return Block(dim, rngs=rngs)
+
+        self.layers = create_block(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan
+        def scan_fn(x: jax.Array, block: Block):
+            x = block(x)
+            return x, None
+
+        x, _ = scan_fn(x, self.layers)
+
+        return x
+
+
+# -- flax examples/nnx_toy_examples/02_lifted_transforms.py, as written there (its Count is
+# 03_train_state.py's, nnx.Variable[nnx.A]: the two examples' modules are otherwise one) ---------
+class Linear(nnx.Module):
+    def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+        self.w = nnx.Param(jax.random.uniform(rngs.params(), (din, dout)))
+        self.b = nnx.Param(jnp.zeros((dout,)))
+
+    def __call__(self, x):
+        return x @ self.w.value + self.b.value
+
+
+class Count(nnx.Variable[nnx.A]):
+    pass
+
+
+class MLP(nnx.Module):
+    def __init__(self, din, dhidden, dout, *, rngs: nnx.Rngs):
+        self.count = Count(jnp.array(0))
+        self.linear1 = Linear(din, dhidden, rngs=rngs)
+        self.linear2 = Linear(dhidden, dout, rngs=rngs)
+
+    def __call__(self, x):
+        self.count.value += 1
+        x = self.linear1(x)
+        x = jax.nn.relu(x)
+        x = self.linear2(x)
+        return x
+
+
+@nnx.jit
+def train_step(model: MLP, optimizer: nnx.Optimizer, batch):
+    x, y = batch
+
+    def loss_fn(model: MLP):
+        y_pred = model(x)
+        return jnp.mean((y - y_pred) ** 2)
+
+    grads: nnx.State = nnx.grad(loss_fn)(model)
+    optimizer.update(model, grads)
+
+
+@nnx.jit
+def test_step(model: MLP, batch):
+    x, y = batch
+    y_pred = model(x)
+    loss = jnp.mean((y - y_pred) ** 2)
+    return {"loss": loss}
+
+
+# -- flax examples/nnx_toy_examples/03_train_state.py, as written there ---------------------------
+class TrainState(train_state.TrainState):
+    counts: nnx.State
+    graphdef: nnx.GraphDef
+
+
+@jax.jit
+def ts_train_step(state: TrainState, batch):  # 03's train_step
+    x, y = batch
+
+    def loss_fn(params):
+        model = nnx.merge(state.graphdef, params, state.counts, copy=True)
+        y_pred = model(x)
+        loss = jnp.mean((y - y_pred) ** 2)
+        counts = nnx.state(model, Count)
+        return loss, counts
+
+    grads, counts = jax.grad(loss_fn, has_aux=True)(state.params)
+    # sdg update
+    state = state.apply_gradients(grads=grads, counts=counts)
+
+    return state
+
+
+@jax.jit
+def ts_test_step(state: nnx.TrainState[MLP], batch):  # 03's test_step
+    x, y = batch
+    model = nnx.merge(state.graphdef, state.params, state.counts)
+    y_pred = model(x)
+    loss = jnp.mean((y - y_pred) ** 2)
+    return {"loss": loss}

@@ -1,0 +1,62 @@
+"""The refusals of an export's example item that is no array: an equinox State, a container of
+arrays (a dict, a tuple or list: a ``batch`` of ``(x, y)``), anything else; each naming what
+exports."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from symjax_mlp._errors import SignatureError
+
+_EQX_STATE = (
+    "export(example=...): args[{i}] is an equinox eqx.nn.State, which an artifact's inputs "
+    "(arrays) cannot carry. Export the model with its state held in it, as equinox runs "
+    "inference: inference_model = eqx.Partial(eqx.nn.inference_mode(model), state=state); "
+    "export(sm.hybridize(lambda m, x: jax.vmap(m)(x)[0], inference_model), path, example=x)."
+)
+
+_CONTAINER_INPUT = (
+    "export({name}, example=...): args[{i}] is {what}, but an artifact's inputs are positional "
+    "arrays (what every runtime, IREE included, passes). Export a function that takes its arrays "
+    "by place and rebuilds the {kind}, with d that {kind}: leaves, tree = jax.tree.flatten(d); "
+    "sm.hybridize(lambda params, {head}*xs: h.apply(params, {head}"
+    "jax.tree.unflatten(tree, xs{cut}){tail}), h.params) with example={example}, "
+    "and call the artifact with the arrays in that order."
+)
+
+
+def _container(x: Any) -> tuple[str, str] | None:
+    """``(what x is, its kind)`` if ``x`` is a dict of str keys, or a tuple or list of arrays
+    (any depth); else ``None``."""
+    if isinstance(x, Mapping) and x and all(isinstance(k, str) for k in x):
+        return f"a dict with keys {list(x)}", "dict"
+    leaves = jax.tree.leaves(x)
+    if isinstance(x, tuple | list) and leaves and all(hasattr(a, "shape") for a in leaves):
+        kind = type(x).__name__
+        return f"a {kind} of {len(leaves)} array{'s' * (len(leaves) > 1)}", kind
+    return None
+
+
+def not_an_array(name: str, i: int, x: Any, n: int) -> SignatureError:
+    """The refusal of ``x``, no array, at ``args[i]`` of ``n`` inputs: a container of arrays
+    (nested, or among others: decoding's cache, a ``batch``) names a function taking its leaves
+    by place, the others around them."""
+    if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":
+        return SignatureError(_EQX_STATE.format(i=i))
+    if (container := _container(x)) is None:
+        return SignatureError(
+            f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
+            "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."
+        )
+    head = "".join(f"x{j}, " for j in range(i))
+    after = [f"x{j}" for j in range(i + 1, n)]
+    k = len(jax.tree.leaves(x))
+    cut, tail = (f"[:{k}]", f", *xs[{k}:]") if after else ("", "")
+    example = f"({head}*leaves{''.join(f', {x}' for x in after)})" if n > 1 else "tuple(leaves)"
+    what, kind = container
+    said = _CONTAINER_INPUT.format(name=name, i=i, what=what, kind=kind, head=head, cut=cut,
+                                   tail=tail, example=example)  # fmt: skip
+    return SignatureError(said)
