@@ -105,10 +105,9 @@ def entries(directory: Path, orbax: bool = False) -> list[tuple[int, Path, bool]
             "Pass a checkpoint directory this user may read."
         ) from None
     found = sorted((int(m.group(1)), directory / n) for n in listed if (m := pattern.match(n)))
-    marked = (lambda p: (p / COMMITTED).exists()) if orbax else (lambda p: True)
     return [
         (step, p, p.name == step_name(step, orbax) and p.is_dir() and not p.is_symlink()
-         and marked(p))
+         and (not orbax or (p / COMMITTED).exists()))
         for step, p in found
     ]  # fmt: skip
 
