@@ -35,7 +35,7 @@ from symjax_mlp._artifact.signature import Signature, admits_any
 from symjax_mlp._artifact.weights import encode
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_bool, as_int
 from symjax_mlp._export_entry import Stage, export_program, stage
-from symjax_mlp._export_options import check_options
+from symjax_mlp._export_options import check_options, serialized
 from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._reader import read_regular
@@ -132,7 +132,7 @@ def export(
                                          inputs=", ".join(map(str, signature.inputs)))
             )  # fmt: skip
         roles = entry_files(name) if i else {r: r for r in (JAXEXPORT, MLIRBC, SELFTEST)}
-        files[roles[JAXEXPORT]] = bytes(exported.serialize(vjp_order=vjp_order))
+        files[roles[JAXEXPORT]] = serialized(exported, vjp_order, entry.h.name, signature.inputs)
         needs.update(_needs(files[roles[JAXEXPORT]], path / roles[JAXEXPORT]))
         files[roles[MLIRBC]] = bytes(exported.mlir_module_serialized)
         vectors = _self_test_vectors(exported, signature, own, entry)

@@ -10,6 +10,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax
+
 from symjax_mlp._artifact.format import (
     MAX_DEPTH,
     MAX_VJP_ORDER,
@@ -235,3 +237,24 @@ def _card(metadata: Any, name: str) -> dict[str, Any]:
                 "printable text: a multi-line text as a list of its lines, binary data as base64."
             )
     return card
+
+
+_VJP_SYMBOLIC = (
+    "export({name}, vjp_order={order}): the model's VJP (what jax.grad of the loaded model runs) "
+    "needs a concrete value of a symbolic dimension of its inputs ({inputs}): {error}. Export "
+    "it with vjp_order=0 to keep them symbolic (the loaded model runs; jax.grad of it is "
+    "refused), or with static shapes (batch=None, or shapes= of numbers) and vjp_order={order}."
+)
+
+
+def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) -> bytes:
+    """``exported.serialize(vjp_order)``; refused where its VJP compares a symbolic dimension
+    (the GP's cholesky of (7, 7) and its b test points: 'b' < '7' is inconclusive)."""
+    try:
+        return bytes(exported.serialize(vjp_order=vjp_order))
+    except jax.errors.InconclusiveDimensionOperation as e:
+        error = str(e).splitlines()[0].rstrip(".")
+        said = ", ".join(map(str, inputs))
+        raise SignatureError(
+            _VJP_SYMBOLIC.format(name=name, order=vjp_order, inputs=said, error=error)
+        ) from None

@@ -1,5 +1,7 @@
 """Code we did not write, round six (tests/zoo6.py, each headed by its source path and commit)."""
 
+from functools import partial
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -315,3 +317,112 @@ def test_a_batch_tuple_example_is_refused_naming_a_function_of_its_leaves(tmp_pa
     )
     assert "jax.tree.unflatten(tree, xs)), h.params) with example=tuple(leaves)" in str(e.value)
     assert not (tmp_path / "m").exists()
+
+
+# -- JAX examples/kernel_lsq.py ------------------------------------------------------------------
+@pytest.mark.slow
+def test_kernel_least_squares_predicts_exports_and_minimizes_over_the_hybrid(tmp_path):
+    """kernel_lsq.py's ``train(linear_kernel, xs, ys)`` (its 10,000 momentum steps; n=8, d=3 for
+    its 100 and 20): the jitted ``vmap(predict)`` it returns, params-less, hybridizes as the
+    refusal says, equals it, counts its one dot_general, exports with its batch symbolic and
+    a VJP, loads equal, under jax.vmap and jax.grad, and a Batcher serves it. Its ``predict``
+    of ``v`` over ``h.apply`` is the ``gram_mat @ v`` its objective fits: ``minimize`` of
+    that objective steps as of the original's."""
+    rng = np.random.RandomState(0)
+    truth, xs = rng.randn(3), rng.randn(8, 3).astype(np.float32)
+    ys = jnp.dot(xs, truth)
+    predict = zoo6.train(zoo6.linear_kernel, xs, ys)
+    assert float(jnp.sum((predict(xs) - ys) ** 2.0)) < 1e-3  # its MSE
+    with pytest.raises(sm.ConfigError, match=r"hybridize\(lambda _, x: f\(x\), \{\}\)"):
+        sm.hybridize(predict)
+    h = sm.hybridize(lambda _, x: predict(x), {})  # as it says
+    chex.assert_trees_all_close(h(xs), predict(xs), **TOL)
+    assert h.graph(xs).primitive_counts["dot_general"] == 1
+    sm.export(h, tmp_path / "m", example=xs, vjp_order=1)
+    m = sm.load(tmp_path / "m", allow={"real_dynamic_slice"})
+    chex.assert_trees_all_close(m(xs[:3]), predict(xs[:3]), **TOL)
+    stacked = np.stack([predict(xs), predict(-xs)])
+    chex.assert_trees_all_close(jax.vmap(m)(np.stack([xs, -xs])), stacked, **TOL)
+    want = jax.grad(lambda x: predict(x).sum())(xs)
+    chex.assert_trees_all_close(jax.grad(lambda x: m(x).sum())(xs), want, **TOL)
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        got = [f.result(30) for f in [b.submit(xs[i : i + 2]) for i in (0, 2, 4)]]
+    chex.assert_trees_all_close(np.concatenate(got), predict(xs[:6]), **TOL)
+
+    def predict_of(v, x):  # train's predict, v its argument (train closes over its own)
+        prods = jax.vmap(lambda x_: zoo6.linear_kernel(x, x_))(xs)
+        return jnp.sum(v * prods)
+
+    hv = sm.hybridize(jax.vmap(predict_of, in_axes=(None, 0)), jnp.zeros(8))
+    gram_mat = zoo6.gram(zoo6.linear_kernel, xs)
+
+    def objective(v, fit):  # train's objective, its fit gram_mat @ v or the Hybrid's
+        risk = 0.5 * jnp.sum((fit(v) - ys) ** 2.0)
+        return risk + 0.01 * jnp.sum(v**2.0)
+
+    steps = [zoo6.minimize(partial(objective, fit=fit), jnp.zeros(8), num_steps=5)
+             for fit in (lambda v: jnp.dot(gram_mat, v), lambda v: hv.apply(v, xs))]  # fmt: skip
+    chex.assert_trees_all_close(steps[1], steps[0], **TOL)
+    assert float(jnp.abs(steps[0]).sum()) > 0
+
+
+# -- JAX examples/gaussian_process_regression.py -------------------------------------------------
+LAPACK = {"custom_call:lapack_spotrf_ffi", "custom_call:lapack_strsm_ffi"}  # cholesky, solves
+
+
+@pytest.mark.slow
+def test_gaussian_process_regression_predicts_exports_and_trains_over_the_hybrid(tmp_path):
+    """gaussian_process_regression.py: ``predict(params, x, y, xtest)`` (a cholesky of the 7
+    training points' covariance; the mean and the (b, b) covariance of b test points) equals
+    it through a Hybrid. Its export names its fixes: batch='b' (x and y are no batch: shapes=),
+    then a VJP with 'b' symbolic, which was JAX's raw InconclusiveDimensionOperation ('b' < '7')
+    from serialize; each fix named loads equal (static shapes: under jax.vmap and jax.grad).
+    Its train_step over ``h.apply`` of the marginal likelihood steps as the original's."""
+    marginal_likelihood, predict, train_step = zoo6.gp_functions(7)
+    params, momentums, scales, x, y, xtest = zoo6.gp_data(7)
+    xtest = xtest[::25]  # 8 of its 200 test points
+    h = sm.hybridize(predict, params)
+    chex.assert_trees_all_close(h(x, y, xtest), predict(params, x, y, xtest), **TOL)
+    counts = h.graph(x, y, xtest).primitive_counts
+    assert (counts["cholesky"], counts["triangular_solve"]) == (1, 3)
+    with pytest.raises(sm.SignatureError, match=r"'args\[2\]': 8.*pass shapes="):
+        sm.export(h, tmp_path / "m", example=(x, y, xtest))
+    shapes = ("7, 1", "7, 1", "b, 1")  # as it says
+    said = r"^export\(partial, vjp_order=1\): the model's VJP .*'b' < '7' is inconclusive\. "
+    with pytest.raises(sm.SignatureError, match=said + "Export it with vjp_order=0"):
+        sm.export(h, tmp_path / "m", example=(x, y, xtest), shapes=shapes, vjp_order=1)
+    assert not (tmp_path / "m").exists()
+    sm.export(h, tmp_path / "m", example=(x, y, xtest), shapes=shapes)  # as it says: either
+    sm.export(h, tmp_path / "s", example=(x, y, xtest), batch=None, vjp_order=1)
+    m, s = sm.load(tmp_path / "m", allow=LAPACK), sm.load(tmp_path / "s", allow=LAPACK)
+    for t in (xtest, xtest[:3]):
+        chex.assert_trees_all_close(m(x, y, t), predict(params, x, y, t), **TOL)
+    stacked = jax.vmap(s, in_axes=(None, None, 0))(x, y, jnp.stack([xtest, xtest + 1]))
+    chex.assert_trees_all_close(stacked[0][1], predict(params, x, y, xtest + 1)[0], **TOL)
+    got = jax.grad(lambda t: s(x, y, t)[0].sum())(xtest)
+    chex.assert_trees_all_close(got, jax.grad(lambda t: predict(params, x, y, t)[0].sum())(xtest),
+                                **TOL)  # fmt: skip
+    hm, want = sm.hybridize(marginal_likelihood, params), (params, momentums, scales)
+    chex.assert_trees_all_close(hm(x, y), marginal_likelihood(params, x, y), **TOL)
+    grad_fun, got = jax.jit(jax.grad(hm.apply)), jax.tree.map(jnp.copy, want)
+    for _ in range(3):
+        want = train_step(*want, x, y)
+        params, momentums, scales, grads = *got, grad_fun(got[0], x, y)
+        for k in params:  # train_step's, grad_fun over the Hybrid
+            momentums[k] = 0.9 * momentums[k] + 0.1 * grads[k][0]
+            scales[k] = 0.9 * scales[k] + 0.1 * grads[k][0] ** 2
+            params[k] -= 0.01 * momentums[k] / jnp.sqrt(scales[k] + 1e-5)
+        got = params, momentums, scales
+    chex.assert_trees_all_close(got, want, **TOL)
+    assert float(hm.apply(got[0], x, y)) < float(hm(x, y))  # its neg marginal likelihood
+
+
+def test_a_batcher_of_outputs_whose_rows_grow_with_the_batch_says_so_not_an_ensemble():
+    """The GP's predict of test points returns their (b, b) covariance, and its params are
+    (1, 1): a Batcher of it (example 1 row) said every param leads with the example's 1 rows,
+    an ensemble to serve by jax.vmap(h); now the outputs' rows that grow with the batch."""
+    h = sm.hybridize(lambda p, t: (t * p["amplitude"], t @ t.T), {"amplitude": jnp.ones((1, 1))})
+    with pytest.raises(sm.ConfigError, match=r"rows float32\[1\], float32\[2\], but for a batch "
+                       r"of 1, .*rows do not depend on the batch's size") as e:  # fmt: skip
+        sm.serving.Batcher(h, example=np.ones((1, 1), np.float32), max_batch=2)
+    assert "ensemble" not in str(e.value)

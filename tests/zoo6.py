@@ -17,18 +17,24 @@ not here), each headed by its source path and commit.
   the GP's ``main`` split into its functions (``numpts`` an argument, the plotting left out).
 """
 
-# ruff: noqa: UP006, UP007, UP035, UP045, E741, RUF059 (the authors' code, as written)
+# ruff: noqa: UP006, UP007, UP035, UP045, E741, RUF059, E731, E501 (the authors' code, as written)
 
+from functools import partial
 from typing import Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import jax.random as random
+import jax.scipy as scipy
 import numpy as np
 import optax
+import orbax.checkpoint as orbax
 from flax import nnx
 from flax.training import train_state
 from helpers import MixerMlpBlock
+from jax import grad, jit, lax, vmap
+from jax.example_libraries import optimizers
 
 
 # -- big_vision/models/vit.py, as written there --------------------------------------------------
@@ -313,10 +319,10 @@ def decode_variant(variant):
     return {
         # pylint:disable=line-too-long
         # Reference: Table 2 of https://arxiv.org/abs/2106.04560.
-        "width": {"mu": 32, "Ti": 192, "S": 384, "M": 512, "B": 768, "L": 1024, "So400m": 1152, "H": 1280, "g": 1408, "g-opt": 1536, "G": 1664, "G-opt": 1536, "e": 1792}[v],  # noqa: E501
-        "depth": {"mu": 1, "Ti": 12, "S": 12, "M": 12, "B": 12, "L": 24, "So400m": 27, "H": 32, "g": 40, "g-opt": 40, "G": 48, "G-opt": 48, "e": 56}[v],  # noqa: E501
-        "mlp_dim": {"mu": 128, "Ti": 768, "S": 1536, "M": 2048, "B": 3072, "L": 4096, "So400m": 4304, "H": 5120, "g": 6144, "g-opt": 6144, "G": 8192, "G-opt": 8192, "e": 15360}[v],  # noqa: E501
-        "num_heads": {"mu": 2, "Ti": 3, "S": 6, "M": 8, "B": 12, "L": 16, "So400m": 16, "H": 16, "g": 16, "g-opt": 16, "G": 16, "G-opt": 16, "e": 16}[v],  # noqa: E501
+        "width": {"mu": 32, "Ti": 192, "S": 384, "M": 512, "B": 768, "L": 1024, "So400m": 1152, "H": 1280, "g": 1408, "g-opt": 1536, "G": 1664, "G-opt": 1536, "e": 1792}[v],
+        "depth": {"mu": 1, "Ti": 12, "S": 12, "M": 12, "B": 12, "L": 24, "So400m": 27, "H": 32, "g": 40, "g-opt": 40, "G": 48, "G-opt": 48, "e": 56}[v],
+        "mlp_dim": {"mu": 128, "Ti": 768, "S": 1536, "M": 2048, "B": 3072, "L": 4096, "So400m": 4304, "H": 5120, "g": 6144, "g-opt": 6144, "G": 8192, "G-opt": 8192, "e": 15360}[v],
+        "num_heads": {"mu": 2, "Ti": 3, "S": 6, "M": 8, "B": 12, "L": 16, "So400m": 16, "H": 16, "g": 16, "g-opt": 16, "G": 16, "G-opt": 16, "e": 16}[v],
         # pylint:enable=line-too-long
         **patch
     }
@@ -663,3 +669,211 @@ def ts_test_step(state: nnx.TrainState[MLP], batch):  # 03's test_step
     y_pred = model(x)
     loss = jnp.mean((y - y_pred) ** 2)
     return {"loss": loss}
+
+
+# -- flax examples/nnx_toy_examples/04_data_parallel_with_jit.py, as written there (its mesh and
+# shardings made in the test, over conftest's 8 CPU devices) ------------------------------------
+class DataParallelMLP(nnx.Module):  # 04's MLP
+    def __init__(self, din, dmid, dout, *, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(din, dmid, rngs=rngs)
+        self.linear2 = nnx.Linear(dmid, dout, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+@nnx.jit
+def dp_train_step(model: DataParallelMLP, optimizer: nnx.Optimizer, x, y):  # 04's train_step
+    def loss_fn(model: DataParallelMLP):
+        y_pred = model(x)
+        return jnp.mean((y - y_pred) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+# -- flax examples/nnx_toy_examples/08_save_load_checkpoints.py, as written there -----------------
+class CheckpointMLP(nnx.Module):  # 08's MLP
+    def __init__(self, din: int, dmid: int, dout: int, *, rngs: nnx.Rngs):
+        self.dense1 = nnx.Linear(din, dmid, rngs=rngs)
+        self.dense2 = nnx.Linear(dmid, dout, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.dense1(x)
+        x = jax.nn.relu(x)
+        x = self.dense2(x)
+        return x
+
+
+def create_model(seed: int):
+    return CheckpointMLP(10, 20, 30, rngs=nnx.Rngs(seed))
+
+
+def create_and_save(seed: int, path: str):
+    model = create_model(seed)
+    state = nnx.state(model)
+    # Save the parameters
+    checkpointer = orbax.PyTreeCheckpointer()
+    checkpointer.save(f"{path}/state", state)
+
+
+def load_model(path: str) -> CheckpointMLP:
+    # create that model with abstract shapes
+    model = nnx.eval_shape(lambda: create_model(0))
+    state = nnx.state(model)
+    # Load the parameters
+    checkpointer = orbax.PyTreeCheckpointer()
+    state = checkpointer.restore(f"{path}/state", item=state)
+    # update the model with the loaded state
+    nnx.update(model, state)
+    return model
+
+
+# -- JAX examples/kernel_lsq.py, as written there (before jax-ml/jax@c856560f0e removed it) -------
+def gram(kernel, xs):
+    """Compute a Gram matrix from a kernel and an array of data points.
+
+    Args:
+      kernel: callable, maps pairs of data points to scalars.
+      xs: array of data points, stacked along the leading dimension.
+
+    Returns:
+      A 2d array `a` such that `a[i, j] = kernel(xs[i], xs[j])`.
+    """
+    return vmap(lambda x: vmap(lambda y: kernel(x, y))(xs))(xs)
+
+
+def minimize(f, x, num_steps=10000, step_size=0.000001, mass=0.9):
+    opt_init, opt_update, get_params = optimizers.momentum(step_size, mass)
+
+    @jit
+    def update(i, opt_state):
+        x = get_params(opt_state)
+        return opt_update(i, grad(f)(x), opt_state)
+
+    opt_state = opt_init(x)
+    for i in range(num_steps):
+        opt_state = update(i, opt_state)
+    return get_params(opt_state)
+
+
+def train(kernel, xs, ys, regularization=0.01):
+    gram_ = jit(partial(gram, kernel))
+    gram_mat = gram_(xs)
+    n = xs.shape[0]
+
+    def objective(v):
+        risk = 0.5 * jnp.sum((jnp.dot(gram_mat, v) - ys) ** 2.0)
+        reg = regularization * jnp.sum(v**2.0)
+        return risk + reg
+
+    v = minimize(objective, jnp.zeros(n))
+
+    def predict(x):
+        prods = vmap(lambda x_: kernel(x, x_))(xs)
+        return jnp.sum(v * prods)
+
+    return jit(vmap(predict))
+
+
+# its __main__'s kernels
+linear_kernel = lambda x, y: jnp.dot(x, y, precision=lax.Precision.HIGH)
+rbf_kernel = lambda x, y: jnp.exp(-jnp.sum((x - y) ** 2))
+
+
+# -- JAX examples/gaussian_process_regression.py, as written there (before jax-ml/jax@c856560f0e
+# removed it): its main's functions, made by gp_functions(numpts), and its data, by gp_data ----
+def gp_functions(numpts=7):
+    eye = jnp.eye(numpts)
+
+    def cov_map(cov_func, xs, xs2=None):
+        """Compute a covariance matrix from a covariance function and data points.
+
+        Args:
+          cov_func: callable function, maps pairs of data points to scalars.
+          xs: array of data points, stacked along the leading dimension.
+        Returns:
+          A 2d array `a` such that `a[i, j] = cov_func(xs[i], xs[j])`.
+        """
+        if xs2 is None:
+            return vmap(lambda x: vmap(lambda y: cov_func(x, y))(xs))(xs)
+        else:
+            return vmap(lambda x: vmap(lambda y: cov_func(x, y))(xs))(xs2).T
+
+    def softplus(x):
+        return jnp.logaddexp(x, 0.0)
+
+    # Note, writing out the vectorized form of the identity
+    # ||x-y||^2 = <x-y,x-y> = ||x||^2 + ||y||^2 - 2<x,y>
+    # for computing squared distances would be more efficient (but less succinct).
+    def exp_quadratic(x1, x2):
+        return jnp.exp(-jnp.sum((x1 - x2) ** 2))
+
+    def gp(params, x, y, xtest=None, compute_marginal_likelihood=False):
+        noise = softplus(params["noise"])
+        amp = softplus(params["amplitude"])
+        ls = softplus(params["lengthscale"])
+        ymean = jnp.mean(y)
+        y = y - ymean
+        x = x / ls
+        train_cov = amp * cov_map(exp_quadratic, x) + eye * (noise + 1e-6)
+        chol = scipy.linalg.cholesky(train_cov, lower=True)
+        kinvy = scipy.linalg.solve_triangular(
+            chol.T, scipy.linalg.solve_triangular(chol, y, lower=True)
+        )
+        if compute_marginal_likelihood:
+            log2pi = jnp.log(2.0 * 3.1415)
+            ml = jnp.sum(
+                -0.5 * jnp.dot(y.T, kinvy)
+                - jnp.sum(jnp.log(jnp.diag(chol)))
+                - (numpts / 2.0) * log2pi
+            )
+            ml -= jnp.sum(
+                -0.5 * jnp.log(2 * 3.1415) - jnp.log(amp) - 0.5 * jnp.log(amp) ** 2
+            )  # lognormal prior
+            return -ml
+
+        if xtest is not None:
+            xtest = xtest / ls
+        cross_cov = amp * cov_map(exp_quadratic, x, xtest)
+        mu = jnp.dot(cross_cov.T, kinvy) + ymean
+        v = scipy.linalg.solve_triangular(chol, cross_cov, lower=True)
+        var = amp * cov_map(exp_quadratic, xtest) - jnp.dot(v.T, v)
+        return mu, var
+
+    marginal_likelihood = partial(gp, compute_marginal_likelihood=True)
+    predict = partial(gp, compute_marginal_likelihood=False)
+    grad_fun = jit(grad(marginal_likelihood))
+
+    lr = 0.01  # Learning rate
+
+    def train_step(params, momentums, scales, x, y):
+        grads = grad_fun(params, x, y)
+        for k in params:
+            momentums[k] = 0.9 * momentums[k] + 0.1 * grads[k][0]
+            scales[k] = 0.9 * scales[k] + 0.1 * grads[k][0] ** 2
+            params[k] -= lr * momentums[k] / jnp.sqrt(scales[k] + 1e-5)
+        return params, momentums, scales
+
+    return marginal_likelihood, predict, train_step
+
+
+def gp_data(numpts=7):
+    key = random.key(0)
+
+    # Covariance hyperparameters to be learned
+    params = {
+        "amplitude": jnp.zeros((1, 1)),
+        "noise": jnp.zeros((1, 1)) - 5.0,
+        "lengthscale": jnp.zeros((1, 1)),
+    }
+    momentums = {k: p * 0.0 for k, p in params.items()}
+    scales = {k: p * 0.0 + 1.0 for k, p in params.items()}
+
+    # Create a really simple toy 1D function
+    y_fun = lambda x: jnp.sin(x) + 0.1 * random.normal(key, shape=(x.shape[0], 1))
+    x = (random.uniform(key, shape=(numpts, 1)) * 4.0) + 1
+    y = y_fun(x)
+    xtest = jnp.linspace(0, 6.0, 200)[:, None]
+    return params, momentums, scales, x, y, xtest
