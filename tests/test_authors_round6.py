@@ -426,3 +426,70 @@ def test_a_batcher_of_outputs_whose_rows_grow_with_the_batch_says_so_not_an_ense
                        r"of 1, .*rows do not depend on the batch's size") as e:  # fmt: skip
         sm.serving.Batcher(h, example=np.ones((1, 1), np.float32), max_batch=2)
     assert "ensemble" not in str(e.value)
+
+
+# -- flax nnx_toy_examples 04_data_parallel_with_jit.py and 08_save_load_checkpoints.py ----------
+@pytest.mark.slow
+def test_the_data_parallel_example_trains_over_the_hybrid_as_its_train_step(tmp_path):
+    """04_data_parallel_with_jit.py over conftest's 8 CPU devices: the model and its adamw
+    optimizer replicated (P()), the data sharded on 'data'. The Hybrid holds the replicated
+    params, answers the sharded batch as nnx does, and an optax loop over ``h.apply`` steps as
+    the example's nnx.jit train_step, loss by loss; trained, it exports from the sharded example,
+    loads equal, and a Batcher serves it."""
+    from jax.experimental import mesh_utils
+
+    mesh = jax.sharding.Mesh(mesh_utils.create_device_mesh((jax.local_device_count(),)),
+                             ("data",))  # fmt: skip
+    model_sharding = jax.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    data_sharding = jax.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    model = zoo6.DataParallelMLP(1, 16, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    state = jax.device_put(nnx.state((model, optimizer)), model_sharding)  # replicate state
+    nnx.update((model, optimizer), state)
+    h = sm.hybridize(model)
+    assert h.params["linear1"]["kernel"].sharding == model_sharding
+    X = np.linspace(-2, 2, 16, dtype=np.float32)[:, None]
+    x, y = jax.device_put((X, 0.8 * X**2 + 0.1), data_sharding)  # shard data
+    assert len(x.sharding.device_set) == jax.local_device_count() > 1
+    chex.assert_trees_all_close(h(x), model(x), **TOL)
+    tx = optax.adamw(1e-2)
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((y - h.apply(p, x)) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params, opt_state, losses = h.params, tx.init(h.params), []
+    for _ in range(3):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append([float(loss), float(zoo6.dp_train_step(model, optimizer, x, y))])
+    np.testing.assert_allclose(*zip(*losses, strict=True), rtol=1e-5)
+    assert losses[-1][0] < losses[0][0]
+    chex.assert_trees_all_close(params, nnx.to_pure_dict(nnx.state(model, nnx.Param)), **TOL)
+    sm.export(h.replace(params=params), tmp_path / "m", example=x)
+    m = sm.load(tmp_path / "m")
+    chex.assert_trees_all_close(m(X), model(x), **TOL)
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        chex.assert_trees_all_close(b(X[:3]), m(X[:3]), **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")  # the example's
+def test_a_model_restored_from_the_checkpoint_example_hybridizes_and_exports(tmp_path):
+    """08_save_load_checkpoints.py: ``create_and_save(42, path)`` (Orbax's PyTreeCheckpointer of
+    ``nnx.state(model)``), then ``load_model(path)`` (``nnx.eval_shape``, restore, nnx.update).
+    The restored model's Hybrid equals the one saved, exports and loads equal, under jax.vmap
+    and jax.grad."""
+    zoo6.create_and_save(42, str(tmp_path))
+    model, saved = zoo6.load_model(str(tmp_path)), zoo6.create_model(42)
+    x = _x(1, (4, 10))
+    h = sm.hybridize(model)
+    chex.assert_trees_all_close(h(jnp.ones((1, 10))), saved(jnp.ones((1, 10))), **TOL)
+    sm.export(h, tmp_path / "m", example=x, vjp_order=1)
+    m = sm.load(tmp_path / "m", allow={"real_dynamic_slice"})
+    chex.assert_trees_all_close(m(x), saved(x), **TOL)
+    chex.assert_trees_all_close(jax.vmap(m)(jnp.stack([x, -x])), jnp.stack([saved(x), saved(-x)]),
+                                **TOL)  # fmt: skip
+    want = jax.grad(lambda x: saved(x).sum())(x)
+    chex.assert_trees_all_close(jax.grad(lambda x: m(x).sum())(x), want, **TOL)
