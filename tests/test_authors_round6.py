@@ -29,12 +29,18 @@ IMAGES = jnp.ones((1, 8, 8, 3))
 VIT = zoo6.Model(3, patch_size=(4, 4), width=16, depth=2, mlp_dim=32, num_heads=2,
                  posemb="sincos2d", dropout=0.1, pool_type="map", scan=True,
                  head_zeroinit=False)  # fmt: skip
+VIT_TOK = zoo6.Model(3, patch_size=(4, 4), width=16, depth=2, mlp_dim=32, num_heads=2,
+                     dropout=0.1, pool_type="tok", rep_size=True, head_zeroinit=False)  # fmt: skip
 MIXER = zoo6.MlpMixer(patch_size=(4, 4), num_classes=3, num_blocks=2, hidden_dim=8,
                       tokens_mlp_dim=8, channels_mlp_dim=16, stoch_depth=0.5)  # fmt: skip
 BIT = zoo6.BiT(num_classes=3, width=0.5, depth=(1, 1))
 
 CASES = (
     Case("bv_vit", "linen", _linen(VIT, IMAGES), lambda s: (_x(s, (4, 8, 8, 3)),),
+         train={"train": True}, eval={"train": False}, rng=jax.random.key(3), classes=3,
+         logits=lambda out: out[0]),
+    # its encoder a Python loop of blocks, a [cls] token, a learned posemb, a pre-logits layer
+    Case("bv_vit_tok", "linen", _linen(VIT_TOK, IMAGES), lambda s: (_x(s, (4, 8, 8, 3)),),
          train={"train": True}, eval={"train": False}, rng=jax.random.key(3), classes=3,
          logits=lambda out: out[0]),
     Case("bv_mixer", "linen", _linen(MIXER, IMAGES), lambda s: (_x(s, (4, 8, 8, 3)),),
@@ -86,6 +92,7 @@ FLAT = tuple(Case(f"{c.name}_flat", "fn", _flat(c), c.inputs, train=c.eval, allo
              for c, allow in zip(CASES, (
                  {"convolution", "dynamic_slice", "dynamic_update_slice", "dynamic_gather",
                   "real_dynamic_slice", "scatter"},  # nn.scan's slices, MAPHead's tile in VJP
+                 {"convolution", "dynamic_gather", "real_dynamic_slice", "scatter"},
                  {"convolution"},
                  {"convolution", "reduce_window", "real_dynamic_slice", "select_and_scatter"},
              ), strict=True))  # fmt: skip
@@ -96,7 +103,7 @@ FLAT = tuple(Case(f"{c.name}_flat", "fn", _flat(c), c.inputs, train=c.eval, allo
 def test_every_matrix_feature_of_the_module(case, monkeypatch):
     """Compiled == eager == linen (train and eval: its dropout and stochastic depth drawing from
     the Hybrid's 'dropout' stream), grads through h.apply, graph and stage."""
-    if case.name == "bv_vit":  # its grads reach 2e2 (the loss squares every output in `out`)
+    if case.name.startswith("bv_vit"):  # grads reach 2e2 (the loss squares every output in `out`)
         monkeypatch.setattr(matrix, "TOL", {"rtol": 2e-5, "atol": 1e-4})
     for mode in ("train", "eval") if case.eval else ("train",):
         matrix.test_compiled_equals_eager_equals_the_plain_framework(case, mode)
@@ -109,12 +116,34 @@ def test_every_matrix_feature_of_the_module(case, monkeypatch):
 def test_every_matrix_feature_of_the_flat_export(case, exported, loaded, tmp_path, monkeypatch):  # noqa: F811
     """Its eval call flattened, as the refusal says: export (batch symbolic) -> load in JAX and
     IREE, a Batcher, vmap and grad over the loaded model, equal to the source."""
-    if case.name == "bv_vit_flat":
+    if case.name.startswith("bv_vit"):
         monkeypatch.setattr(matrix, "TOL", {"rtol": 2e-5, "atol": 1e-4})
     matrix.test_compiled_equals_eager_equals_the_plain_framework(case, "train")
     matrix.test_export_loads_in_jax_and_iree_as_the_source(case, exported, tmp_path, monkeypatch)
     matrix.test_a_batcher_on_the_artifact_and_on_the_hybrid_gives_the_direct_rows(case, loaded)
     matrix.test_vmap_and_grad_over_the_loaded_model_equal_the_sources(case, loaded)
+
+
+@pytest.mark.slow
+def test_a_pyloop_vits_params_converted_to_scan_serve_the_scan_vits_hybrid_as_it():
+    """vit.py's ``pyloop_to_scan`` and ``scan_to_pyloop`` (its checkpoints' conversions): the
+    Python-loop ViT's params, stacked, given to the nn.scan ViT's Hybrid by ``h.replace``, give
+    the loop's eval outputs; and back. (In training each draws its masks: the scan splits the
+    'dropout' stream per block, the loop folds it by name.)"""
+    sizes = {"patch_size": (4, 4), "width": 16, "depth": 2, "mlp_dim": 32, "num_heads": 2}
+    loop, scan = (zoo6.Model(3, **sizes, dropout=0.1, head_zeroinit=False, scan=s)
+                  for s in (False, True))  # fmt: skip
+    variables, x = loop.init(jax.random.key(0), IMAGES), _x(1, (4, 8, 8, 3))
+    h_loop = sm.hybridize(loop, variables, rngs=jax.random.key(3))
+    h_scan = sm.hybridize(scan, scan.init(jax.random.key(1), IMAGES), rngs=jax.random.key(3))
+    h_scan = h_scan.replace(params={"params": zoo6.pyloop_to_scan(variables["params"])})
+    chex.assert_trees_all_close(h_scan(x, train=False)[0], h_loop(x, train=False)[0], **TOL)
+    chex.assert_trees_all_close(
+        zoo6.scan_to_pyloop(h_scan.params["params"]), variables["params"], **TOL
+    )
+    logits = [h(x, train=True)[0] for h in (h_loop, h_scan)]  # dropout on: the stream split
+    assert not np.allclose(logits[0], h_loop(x, train=False)[0])
+    assert logits[0].shape == logits[1].shape == (4, 3)
 
 
 # -- export's refusal of (logits, out), for a Hybrid holding rng streams ------------------------
@@ -158,7 +187,7 @@ class _KeyedApply:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES[::2], ids=lambda c: c.name)
 def test_big_visions_update_fn_steps_over_the_hybrid_as_over_linen(case):
     """train.py's update_fn (sigmoid_xent of one-hot labels, a 'dropout' key folded from the
     step count) over ``h.apply``: three steps' params and losses equal the original's over

@@ -3,8 +3,9 @@ not here), each headed by its source path and commit.
 
 - google-research/big_vision@0127fb6b337ee2a27bf4e54dea79cff176527356:
   big_vision/models/vit.py (``posemb_sincos_2d``, ``MlpBlock``, ``Encoder1DBlock``, ``Encoder``
-  with its ``nn.scan`` of an ``nn.remat`` block, ``MAPHead``, ``_Model`` and ``Model``; its
-  checkpoint loading left out: it reads big_vision's own ``utils``), big_vision/models/
+  with its ``nn.scan`` of an ``nn.remat`` block, ``MAPHead``, ``_Model``, ``Model``,
+  ``pyloop_to_scan`` and ``scan_to_pyloop``; its checkpoint loading left out: it reads
+  big_vision's own ``utils``), big_vision/models/
   mlp_mixer.py (``MixerBlock``'s stochastic depth, ``_stoch_depth_mask``, drawing from the
   'dropout' rng; its one ``einops.rearrange`` written as the reshape it is: einops is no
   dependency here) and big_vision/models/bit.py (``StdConv``'s weight standardization,
@@ -327,6 +328,50 @@ def decode_variant(variant):
         **patch
     }
     # fmt: on
+
+
+def pyloop_to_scan(params_pyloop):
+    """Converts a python for-loop ViT checkpoint to a lax.scan based one."""
+    # On a high level, they are the same except that the for loop has separate
+    # array pytrees for each encoderblock, while the scan one has just one
+    # encoderblock pytree, with all block's params concatenated.
+
+    params_scan = jax.tree.map(lambda x: x, params_pyloop)  # Structural copy
+    t = params_scan["Transformer"]
+
+    # Find highest index of encoderblocks in the checkpoint (they start at 0):
+    encoderblocks = {k for k in t if k.startswith("encoderblock_")}
+    depth = 1 + max({int(k.split("_")[-1]) for k in encoderblocks})
+
+    def stack(*values):
+        return np.stack(values)
+
+    # Stack all encoderblocks into a single one:
+    t["encoderblock"] = jax.tree.map(stack, *[t[f"encoderblock_{lyr}"] for lyr in range(depth)])
+
+    for lyr in range(depth):
+        del t[f"encoderblock_{lyr}"]
+
+    return params_scan
+
+
+def scan_to_pyloop(params_scan):
+    """Converts a lax.scan ViT checkpoint to a python for-loop based one."""
+    # See comment in pyloop_to_scan.
+
+    params_scan = jax.tree.map(lambda x: x, params_scan)  # Structural copy
+    t = params_scan["Transformer"]
+
+    # Find out how many encoderblocks there are
+    depth = len(t["encoderblock"]["LayerNorm_0"]["bias"])
+
+    # Create that many encoderblocks, each with their slice of their sub-pytree.
+    for lyr in range(depth):
+        block = jax.tree.map(lambda x, lyr=lyr: x[lyr], t["encoderblock"])
+        t[f"encoderblock_{lyr}"] = block
+
+    del t["encoderblock"]
+    return params_scan
 
 
 # -- big_vision/models/mlp_mixer.py, as written there (its rearrange as a reshape; its MlpBlock
