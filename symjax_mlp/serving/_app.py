@@ -33,10 +33,10 @@ from symjax_mlp._errors import ConfigError, OverloadError, SignatureError
 from symjax_mlp._load import load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp.serving._batcher import Batcher
-from symjax_mlp.serving._bodies import BadRequest, decode, short, to_json, to_npy
+from symjax_mlp.serving._bodies import BadRequest, decode, to_json, to_npy
 from symjax_mlp.serving._intake import Intake, Watch, check_limits
 from symjax_mlp.serving._lane import LOG
-from symjax_mlp.serving._requests import UNAWAITABLE
+from symjax_mlp.serving._requests import UNAWAITABLE, short
 from symjax_mlp.serving._stats import METRIC_NAME, exposition
 
 ENDPOINTS = "POST /predict, GET /health, GET /metrics, GET /signature"

@@ -24,6 +24,7 @@ from symjax_mlp._errors import SignatureError
 from symjax_mlp._npy import npy_array, read_npy
 from symjax_mlp._specs import beyond_range
 from symjax_mlp.serving._batcher import Batcher
+from symjax_mlp.serving._requests import short
 
 try:  # the serve extra's JSON parser: ~10x the standard library's on a body of numbers
     from orjson import JSONDecodeError as _FastError
@@ -342,12 +343,6 @@ def _holds(
     return SignatureError(
         f"{batcher.name}: {what} holds {held}, but the model takes {takes}; {fix}."
     )
-
-
-def short(text: str, limit: int = 300, more: int = 0) -> str:
-    """``text`` cut to ``limit`` characters (``more``: cut before), as errors quote inputs."""
-    more += max(len(text) - limit, 0)
-    return text[:limit] + f"... ({more} more)" if more else text
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps makes one per call

@@ -26,7 +26,7 @@ from symjax_mlp import _compat as compat
 from symjax_mlp._compat import after_finish, finish_futures, start_future
 from symjax_mlp._errors import SymjaxError
 from symjax_mlp.serving._model import unlike, warmed
-from symjax_mlp.serving._requests import AsyncRequest, RequestFuture
+from symjax_mlp.serving._requests import AsyncRequest, RequestFuture, short
 from symjax_mlp.serving._stats import Counters
 
 _CANCELLED = "the batcher was closed with cancel=True"
@@ -56,10 +56,8 @@ def _cut(record: logging.LogRecord) -> bool:
     """:data:`LOG`'s filter: each message of ``record``'s traceback cut to :data:`_LOGGED`
     characters, the frames whole (a Formatter writes ``exc_text``, where set, as it is)."""
     if record.exc_info and not record.exc_text:
-        text = ""
-        for part in traceback.format_exception(*record.exc_info):
-            more = len(part) - _LOGGED  # said as _bodies.short says it
-            text += part if more <= 0 else f"{part[:_LOGGED]}... ({more} more)\n"
+        parts = traceback.format_exception(*record.exc_info)
+        text = "".join(p if len(p) <= _LOGGED else short(p, _LOGGED) + "\n" for p in parts)
         record.exc_text = text.removesuffix("\n")
     return True
 

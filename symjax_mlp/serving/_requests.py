@@ -373,6 +373,12 @@ class RequestCheck:
         return ""
 
 
+def short(text: str, limit: int = 300, more: int = 0) -> str:
+    """``text`` cut to ``limit`` characters (``more``: cut before), as errors quote inputs."""
+    more += max(len(text) - limit, 0)
+    return text[:limit] + f"... ({more} more)" if more else text
+
+
 def headed(where: str) -> str:
     """A refusal's heading: ``where`` and a colon, or none for ``""`` (a caller whose own line
     says where already, as the CLI's ``symjax-mlp serve: error:``)."""

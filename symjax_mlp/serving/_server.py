@@ -31,10 +31,9 @@ from symjax_mlp.serving._app import (
     require,
 )
 from symjax_mlp.serving._batcher import Batcher, seconds
-from symjax_mlp.serving._bodies import short
 from symjax_mlp.serving._fds import room
 from symjax_mlp.serving._intake import check_limits
-from symjax_mlp.serving._requests import check_count, headed
+from symjax_mlp.serving._requests import check_count, headed, short
 
 #: The most bytes of one request's line and headers, or trailers (nginx: 4 x 8 KiB by default).
 MAX_HEAD_BYTES = 64 * 2**10
