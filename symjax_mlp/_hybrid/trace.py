@@ -112,15 +112,6 @@ def unfit_input(name: str, error: Exception, args: Any, kwargs: Any) -> Signatur
     )  # fmt: skip
 
 
-def unfit_empty(name: str, args: Any, kwargs: Any) -> SignatureError | None:
-    """The :class:`~symjax_mlp.SignatureError` for flax's ``ZeroDivisionError`` on an input
-    with a dimension of size 0 (a param's initializer divided by it); ``None`` if none has one."""
-    specs = _input_specs(args, kwargs)
-    if not any(0 in s.shape for s in specs):
-        return None
-    return SignatureError(_EMPTY.format(name=name, inputs=", ".join(map(str, specs))))
-
-
 def unbindable(
     name: str, target: Any, args: Any, kwargs: Any, *, skip: int = 1, fix: str = MODEL_FIX,
     whose: str = "the model's",
@@ -147,11 +138,19 @@ def unbindable(
 
 
 def unfit_call(
-    name: str, error: TypeError, target: Any, params: Any, args: Any, kwargs: Any
+    name: str, error: Exception, target: Any, params: Any, args: Any, kwargs: Any
 ) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for a model's ``TypeError``: arguments not binding
     (:func:`unbindable`), or an input's last dimension unlike a weight's first (equinox's: last);
-    or ``None``."""
+    for flax's ``ZeroDivisionError``, an input with a dimension of size 0 (a param's initializer
+    divided by it), else its ``ScopeParamShapeError`` (:func:`unfit_input`); or ``None``."""
+    if isinstance(error, ZeroDivisionError):
+        specs = _input_specs(args, kwargs)
+        if not any(0 in s.shape for s in specs):
+            return None
+        return SignatureError(_EMPTY.format(name=name, inputs=", ".join(map(str, specs))))
+    if not isinstance(error, TypeError):
+        return unfit_input(name, error, args, kwargs)
     if (unbound := unbindable(name, target, args, kwargs)) is not None:
         return unbound
     if (found := _PRODUCT.search(message(error))) is None:

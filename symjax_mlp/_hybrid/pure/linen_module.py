@@ -125,15 +125,7 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
                 lifted = LIFTED_RNG.format(name=name, error=error, giver=giver, stream=held[1])
                 raise ConfigError(lifted) from None
             raise ConfigError(_NO_RNG.format(name=name, error=error, streams=streams)) from None
-        except ScopeParamShapeError as e:
-            if (unfit := _trace.unfit_input(name, e, args, kwargs)) is None:
-                raise
-            raise unfit from None
-        except ZeroDivisionError:
-            if (unfit := _trace.unfit_empty(name, args, kwargs)) is None:
-                raise
-            raise unfit from None
-        except TypeError as e:
+        except (ScopeParamShapeError, ZeroDivisionError, TypeError) as e:
             target = type(model).__call__
             if (unfit := _trace.unfit_call(name, e, target, variables, args, kwargs)) is None:
                 raise
