@@ -1,4 +1,22 @@
-"""Code we did not write, round six (tests/zoo6.py, each headed by its source path and commit)."""
+"""Code we did not write, round six: research code as its authors wrote it (tests/zoo6.py, each
+headed by its source path and commit), run over every feature test_authors_matrix.py runs over
+MATRIX (its test functions, called here), or as its source runs where it fits none of the
+matrix's shapes.
+
+- google-research/big_vision's ViT (``nn.scan`` of ``nn.remat`` encoder blocks, sincos posemb,
+  MAP head; and as a Python loop of blocks with a [cls] token), MLP-Mixer (stochastic depth
+  drawing from 'dropout') and BiT (weight-standardized convs, GroupNorm): compiled == eager ==
+  linen in train and eval, grads, graph; their ``(logits, out)`` exported flattened as export's
+  refusal says, loaded in JAX and IREE, served, under vmap and grad; trained by big_vision's
+  own ``update_fn`` over ``h.apply``; its ``pyloop_to_scan`` checkpoints through ``h.replace``.
+- flax nnx_toy_examples 02 (a Count variable, nnx.Optimizer, ``nnx.cached_partial``), 03 (a
+  flax TrainState over a merge by hand), 04 (data parallel over 8 CPU devices), 06 (``nnx.vmap``
+  of ``__init__`` and ``nnx.scan`` of BatchNorm and Dropout blocks: the whole matrix) and 08 (an
+  Orbax checkpoint restored into ``nnx.eval_shape``'s model).
+- JAX's removed examples kernel_lsq.py (a params-less jitted predictor; its ``minimize`` over
+  ``h.apply``) and gaussian_process_regression.py (cholesky and triangular solves; a (b, b)
+  covariance output; its training step over ``h.apply``).
+"""
 
 from functools import partial
 
