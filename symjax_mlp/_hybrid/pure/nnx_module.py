@@ -157,13 +157,14 @@ _CLOSED = (
     "nnx.split((model, optimizer)) and sm.hybridize(lambda state, *xs: step(graphdef, state, "
     "*xs), state), the step merging them."
 )
+_CACHED = " (as nnx.cached_partial(f, model) holds it)"
 
 
-def closed_module(fn: Any) -> Any:
-    """The nnx graph node (a module, an optimizer) or Variable ``fn`` closes over, directly or
-    in a tuple (``nnx.cached_partial``'s cached arguments); ``None`` if none."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:
+def closed_module_error(name: str, fn: Any) -> ConfigError | None:
+    """The refusal of ``hybridize(fn)`` (no params) of a function closing over an nnx graph node
+    (a module, an optimizer) or Variable, directly or in a tuple (``nnx.cached_partial(f,
+    model)``'s cached arguments); ``None`` if it holds none."""
+    if (nnx := sys.modules.get("flax.nnx")) is None:
         return None
     for cell in getattr(fn, "__closure__", None) or ():
         try:
@@ -172,18 +173,10 @@ def closed_module(fn: Any) -> Any:
             continue
         for v in value if type(value) is tuple else (value,):
             if isinstance(v, (nnx.Module, nnx.Pytree, nnx.Variable)):
-                return v
+                what = f"the function closes over an nnx {type(v).__name__}"
+                how = _CACHED if hasattr(fn, "__wrapped__") else ""
+                return ConfigError(_CLOSED.format(name=name, what=what, how=how))
     return None
-
-
-def closed_module_error(name: str, fn: Any) -> ConfigError | None:
-    """The refusal of ``hybridize(fn)`` (no params) of a function closing over an nnx module,
-    as ``nnx.cached_partial(f, model)`` returns one; ``None`` if it holds none."""
-    if (node := closed_module(fn)) is None:
-        return None
-    what = f"the function closes over an nnx {type(node).__name__}"
-    how = " (as nnx.cached_partial(f, model) holds it)" if hasattr(fn, "__wrapped__") else ""
-    return ConfigError(_CLOSED.format(name=name, what=what, how=how))
 
 
 def _outer(error: Exception) -> bool:
