@@ -3,6 +3,7 @@ its rng streams (split anew by each call); ``apply``'s own keywords in a call re
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Mapping, Sequence
@@ -135,9 +136,7 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             out = out, {c: updates.pop(c, {}) for c in sown}
         return out, {**state, **updates}
 
-    def refuse(caller: str, kwargs: Mapping[str, Any]) -> None:
-        refuse_apply_keywords(model, caller, kwargs)
-
+    refuse = functools.partial(refuse_apply_keywords, model)
     pure = PureModel(call, bool(state), "linen", model, type(model).__call__, source=model,
                      refuse_keywords=refuse)  # fmt: skip
     return pure, params, state
