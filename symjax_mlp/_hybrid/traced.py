@@ -250,14 +250,14 @@ class TracedModel:
 
         return jax.make_jaxpr(staged)(state, dyn, dyn_kw).jaxpr
 
-    def moved(self, *call: Any, draws: bool = True) -> list[str]:
+    def moved(self, *call: Any) -> list[str]:
         """``state['path']`` of each held leaf a call computes from its inputs (BatchNorm's
-        statistics) or, with ``draws``, whose rng key its output draws on (Dropout); not what
-        the call adds (a sow): a new state's leaves, named by its own paths."""
+        statistics) or whose rng key its output draws on (Dropout); not what the call adds (a
+        sow): a new state's leaves, named by its own paths."""
         state, n = self.held.tree, len(self.held.leaves)
         new = self.staged(*call[:2], state, *call[2:], 1)
         rows, keys = input_dependent(new, new.invars[n:]), list(map(is_key, jax.tree.leaves(state)))
-        if draws and any(keys):
+        if draws := any(keys):
             out = self.staged(*call[:2], state, *call[2:], 0)  # its inputs: the state's, then ours
             drawn = [v for v, k in zip(out.invars, keys, strict=False) if k]
             draws = any(input_dependent(out, drawn))
