@@ -139,9 +139,7 @@ def numbered(pairs: Iterable[tuple[Any, str]]) -> list[tuple[Any, str]]:
 
 def input_dependent(jaxpr: jex_core.Jaxpr, sources: Any) -> list[bool]:
     """Per output of ``jaxpr``: whether it depends on ``sources`` (some of its ``invars``),
-    followed into calls, ``scan`` and ``while`` carries and ``cond`` branches (a step count a
-    scan carries beside the rows does not depend on them); any other equation with a dependent
-    operand makes all its outputs dependent."""
+    followed into calls, ``scan`` and ``while`` carries and ``cond`` branches."""
     seen = set(sources)
     for eqn in jaxpr.eqns:
         given = [isinstance(v, jex_core.Var) and v in seen for v in eqn.invars]

@@ -235,10 +235,8 @@ class DataParallel:
         return jitted, tuple(map(put, dyn)), {k: put(v) for k, v in dyn_kw.items()}
 
     def uneven(self, jitted: Any) -> Any:
-        """``jitted``'s twin for a batch that does not divide over the shards: it takes the
-        batch replicated and gives its outputs replicated (a jax.Array cannot be split
-        unevenly); inside, :meth:`spread` constrains them to the split, XLA's own (which masks
-        what it pads: a mean over the rows is the batch's)."""
+        """``jitted``'s twin for a batch that does not divide over the shards, taken and given
+        replicated (a jax.Array cannot be split unevenly); :meth:`spread` splits it inside."""
         if (program := self._uneven.get(jitted)) is None:
             rep = self.replicated
             program = self._uneven[jitted] = jax.jit(  # the same function: its name, its trace

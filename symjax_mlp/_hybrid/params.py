@@ -82,10 +82,8 @@ def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any
 
 
 def check_given(caller: str, params: Any) -> None:
-    """:func:`flat_params`' refusals of params given to a call (``h.apply``), made where a leaf
-    is no JAX array (NumPy's: big-endian?) or JAX's walk raised: an iterator leaf's
-    DeprecationWarning under ``-W error`` (an error in a later JAX). One walk, no ``is_leaf``
-    (a callback per node: 1-5 us a call), so a shown warning may come first."""
+    """:func:`flat_params`' refusals of params given to a call (``h.apply``), made only where a
+    leaf is no JAX array or JAX's walk raised (an iterator leaf's warning under ``-W error``)."""
     try:
         leaves = jax.tree.leaves(params)
     except Exception as e:  # (refused below, out of the except: no warning chained to it)
@@ -100,9 +98,8 @@ def check_given(caller: str, params: Any) -> None:
 
 
 def overflowing(name: str, params: Any, error: Exception) -> ConfigError | None:
-    """If the model raised an ``OverflowError``: a baked Python int among ``params`` past JAX's
-    int, refused by path (baked, one may serve the model's Python arithmetic: not refused when
-    made; passed, :func:`flat_params` refused it)."""
+    """For a model's ``OverflowError``: the refusal of a baked Python int among ``params`` past
+    JAX's int (baked, one may serve the model's Python arithmetic, so it is not refused early)."""
     if not isinstance(error, OverflowError):
         return None
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=unwalkable)[0]:
