@@ -315,7 +315,8 @@ def _self_test_vectors(
         selftest.against_source(entry.h.name, *both, at, symbolic)
     if xs is None or any(str(s.dtype).startswith("key") for s in signature.outputs):
         return None  # (as for an rng-key input: a vector file holds no key)
-    return selftest.encode(xs, [np.asarray(y) for y in jax.tree.leaves(outs)])
+    compute = selftest.narrowest(exported.mlir_module())
+    return selftest.encode(xs, [np.asarray(y) for y in jax.tree.leaves(outs)], compute)
 
 
 _DRAWN_BYTES = 256 << 20  # inputs drawn for the vectors (or the comparison) at most

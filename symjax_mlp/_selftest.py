@@ -3,6 +3,7 @@ export, in ``selftest.safetensors``; ``load`` refuses a model that no longer rep
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,30 @@ TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}  # XLA may fuse differently across CPUs
 ULPS = 4  # a narrower float's outputs: this many of its epsilons (relative and absolute)
 
 
-def tolerance(dtype: Any) -> dict[str, float]:
-    """``TOLERANCE``, or for a float narrower than float32 ``ULPS`` of its epsilon."""
+COMPUTE = "compute"  # a vector of no element: the narrowest float the program computes in
+_NARROW = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}  # StableHLO's, as NumPy's
+
+
+def tolerance(dtype: Any, compute: Any = None) -> dict[str, float]:
+    """``TOLERANCE``, or for a float narrower than float32 (the output's, or ``compute``, one its
+    program computes in: bfloat16 matmuls of float32 outputs) ``ULPS`` of its epsilon."""
+    eps = [float(ml_dtypes.finfo(d).eps) for d in (dtype, compute) if _is_float(d)]
+    return {k: max(v, ULPS * max(eps, default=0.0)) for k, v in TOLERANCE.items()}
+
+
+def _is_float(dtype: Any) -> bool:
+    """Whether ``dtype`` is a float ml_dtypes.finfo reads (not None, an int or a bool)."""
     try:
-        eps = float(ml_dtypes.finfo(dtype).eps)
-    except ValueError:  # not a float: integers and bools compare at TOLERANCE
-        return dict(TOLERANCE)
-    return {k: max(v, ULPS * eps) for k, v in TOLERANCE.items()}
+        return dtype is not None and ml_dtypes.finfo(dtype) is not None
+    except (ValueError, TypeError):
+        return False
+
+
+def narrowest(module: str) -> Any:
+    """The narrowest float (bfloat16, then float16) an exported program's StableHLO text computes
+    in, its tensors' element types; ``None`` if none is narrower than float32."""
+    found = set(re.findall(r"[x<](bf16|f16)>", module))
+    return next((_NARROW[t] for t in _NARROW if t in found), None)
 
 
 def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
@@ -45,11 +63,15 @@ def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
     return [draw(rng, s, str(spec.dtype), high=4) for s, spec in zip(shapes, specs, strict=True)]
 
 
-def encode(xs: Sequence[np.ndarray], outs: Sequence[np.ndarray]) -> bytes | None:
-    """The vectors as safetensors: ``args[i]`` and ``out[i]``; ``None`` if load could not read
-    them back (a float8 or int4 tensor, which safetensors or its reader lacks)."""
+def encode(
+    xs: Sequence[np.ndarray], outs: Sequence[np.ndarray], compute: Any = None
+) -> bytes | None:
+    """The vectors as safetensors: ``args[i]`` and ``out[i]``, and ``compute`` (:func:`narrowest`)
+    as an empty vector of that dtype; ``None`` if load could not read them back (a float8 or
+    int4 tensor, which safetensors or its reader lacks)."""
     tensors = {f"args[{i}]": x for i, x in enumerate(xs)}
     tensors |= {f"out[{i}]": y for i, y in enumerate(outs)}
+    tensors |= {} if compute is None else {COMPUTE: np.zeros(0, compute)}
     try:
         data = encode_tensors(tensors, {"format": "symjax_mlp.selftest"})
         decode_params(data, file=SELFTEST)
@@ -84,8 +106,9 @@ def against_source(name: str, got: Any, want: Any, xs: Sequence[Any], symbolic: 
 
 def vectors(
     path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes]
-) -> tuple[Path, list[np.ndarray], list[np.ndarray]] | None:
-    """The self-test's file, inputs and outputs, each input a call the signature admits;
+) -> tuple[Path, list[np.ndarray], list[np.ndarray], Any] | None:
+    """The self-test's file, inputs, outputs and the narrowest float its program computes in
+    (``None``: float32, or an artifact of before), each input a call the signature admits;
     ``None`` for an entry point without vectors (rng key inputs). Raises
     :class:`~symjax_mlp.ArtifactError` for a vector missing or of a shape or dtype refused."""
     name = program_file(manifest, SELFTEST)
@@ -117,7 +140,7 @@ def vectors(
             f"{file}: its input vectors, {shapes}, are no call its signature {signature} "
             "admits; the artifact is corrupted or was edited. Export it again."
         ) from None
-    return file, xs, want
+    return file, xs, want, getattr(found.get(COMPUTE), "dtype", None)
 
 
 def run(
@@ -128,11 +151,11 @@ def run(
     unless every output matches. An entry point without vectors (rng key inputs) passes."""
     if (found := vectors(path, manifest, blobs)) is None:
         return
-    file, xs, want = found
+    file, xs, want, compute = found
     caller = f'symjax_mlp.load("{printable(str(path))}")'
     try:  # block_until_ready first: np.asarray of a failed result aborts the process
         got = [np.asarray(y) for y in jax.block_until_ready(call(list(xs)))]
-        differs = [difference(g, w) for g, w in zip(got, want, strict=True)]  # in float64
+        differs = [difference(g, w, compute) for g, w in zip(got, want, strict=True)]  # float64
     except (JaxRuntimeError, SymjaxError) as e:  # failed as it ran, or as it was called
         cause = e if isinstance(e, JaxRuntimeError) else e.__cause__
         # (XLA's out of memory as jaxlib's C++ dispatch raises it is a ValueError)
@@ -157,9 +180,10 @@ def run(
             )
 
 
-def difference(got: np.ndarray, want: np.ndarray) -> str | None:
+def difference(got: np.ndarray, want: np.ndarray, compute: Any = None) -> str | None:
     """How ``got`` differs from the vector ``want``, or ``None`` if it reproduces it: NaN equals
-    NaN, an infinity the same infinity, every other value within :func:`tolerance` of it."""
+    NaN, an infinity the same infinity, every other value within :func:`tolerance` of it (of
+    ``compute``'s epsilon too, a float its program computes in)."""
     if got.shape != want.shape:
         return f"has shape {got.shape}, but gave {want.shape} at export"
     if got.dtype == want.dtype and np.array_equal(got, want):  # as a rerun here mostly is
@@ -167,7 +191,7 @@ def difference(got: np.ndarray, want: np.ndarray) -> str | None:
     parts = np.iscomplexobj(got) or np.iscomplexobj(want)  # (re, im) on a last axis, each apart
     g64, w64 = (np.asarray(np.stack([a.real, a.imag], -1) if parts else a, np.float64)
                 for a in (got, want))  # fmt: skip
-    tol = tolerance(want.dtype)
+    tol = tolerance(want.dtype, compute)
     if np.allclose(g64, w64, equal_nan=True, **tol):
         return None
     nan_g, nan_w = np.isnan(g64), np.isnan(w64)
