@@ -257,7 +257,8 @@ class TracedModel:
         state, n = self.held.tree, len(self.held.leaves)
         new = self.staged(*call[:2], state, *call[2:], 1)
         rows, keys = input_dependent(new, new.invars[n:]), list(map(is_key, jax.tree.leaves(state)))
-        if draws := any(keys):
+        draws = False  # whether its output draws on a held rng key
+        if any(keys):
             out = self.staged(*call[:2], state, *call[2:], 0)  # its inputs: the state's, then ours
             drawn = [v for v, k in zip(out.invars, keys, strict=False) if k]
             draws = any(input_dependent(out, drawn))

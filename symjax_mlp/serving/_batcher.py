@@ -172,12 +172,10 @@ class Batcher:
             e.add_note(f"{self.name} traces the model once per bucket, {self.buckets}: pass buckets"
                        f"=({self.max_batch},) (one trace), or max_traces >= {n}.")  # fmt: skip
             raise
+        except ConfigError:  # its own cause named (outputs' rows that depend on the batch's)
+            raise
         except Exception as e:  # an ensemble's rows, fixed by its params: named, as export does
-            # (a ConfigError names its own cause: the outputs' rows that depend on the batch's)
-            fixed = None if isinstance(e, ConfigError) else fixed_rows(
-                self.name, model, example, lane.warming, self.buckets
-            )  # fmt: skip
-            if fixed is None:
+            if (fixed := fixed_rows(self.name, model, example, lane.warming, self.buckets)) is None:
                 raise
             raise fixed from e
         self._finalizer = weakref.finalize(self, lane.close, False)

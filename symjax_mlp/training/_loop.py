@@ -372,6 +372,7 @@ def _initial_state(
     try:
         opt_state = init_state(optimizer, trainable, _CALLER)
     except ConfigError as e:  # an nnx user's labels, of an nnx.State: what the optimizer gets
-        isinstance(spec, NnxSpec) and e.add_note(_NNX_TREE)
+        if isinstance(spec, NnxSpec):
+            e.add_note(_NNX_TREE)
         raise
     return TrainState(params, owned(opt_state), rng), optimizer, trained
