@@ -31,6 +31,7 @@ import pytest
 from helpers import ZOO, NnxModes, keyless, zoo_artifact
 
 import symjax_mlp as sm
+from symjax_mlp.serving._model import alone_rows
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -1176,6 +1177,22 @@ def test_an_artifact_whose_rows_mix_runs_each_request_alone_and_unpadded(tmp_pat
         assert set(stats.batches_by_bucket) <= {len(r) for r in requests}
     else:
         assert stats.batches < stats.requests and stats.mean_batch_rows > 3
+
+
+def test_an_artifact_served_alone_whose_outputs_rows_grow_with_the_batch_is_refused(tmp_path):
+    """A (b, b) covariance (JAX's gaussian_process_regression) served alone: the batcher warmed
+    its smallest size only and took it, then a 2-row request failed with a RuntimeError. Now
+    refused when made, from the artifact's output shapes (a (1, 1) sum of rows too)."""
+    h = sm.hybridize(lambda p, t: (t * p, t @ t.T), jnp.float32(2))
+    m = sm.load(sm.export(h, tmp_path / "m", example=jnp.ones((3, 1))).path)
+    assert m.manifest["rows"]["independent"] is False
+    with pytest.raises(sm.ConfigError, match=r"output out\[1\] is float32\[b, b\], but a "
+                       r"batcher needs outputs of 'b' rows of static sizes .*alone.*Call the "
+                       r"loaded model directly"):  # fmt: skip
+        sm.serving.Batcher(m, max_batch=4)
+    outputs = (m.signature.outputs[0], sm.TensorSpec("out[1]", (1, 1), "float32"))
+    with pytest.raises(sm.ConfigError, match=r"output out\[1\] is float32\[1, 1\], but"):
+        alone_rows(m.path, outputs, "b", m.manifest["rows"]["why"])
 
 
 @pytest.mark.parametrize("mix", [False, True], ids=["rows-apart", "rows-mix"])

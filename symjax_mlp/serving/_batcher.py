@@ -90,7 +90,8 @@ class Batcher:
         it and ``kwargs``), a LoadedModel with one; an nnx module in training mode; bad
         ``max_batch``/``buckets``/``max_queue``, or buckets an artifact's constraints refuse
         all of; an artifact whose batch is not its inputs' leading dimension; outputs not
-        arrays per row, or whose rows differ between batch sizes; a bad ``warm_up_timeout``.
+        arrays per row, or whose rows differ between batch sizes (served alone, an artifact's
+        outputs by its signature: the batch of static-size rows); a bad ``warm_up_timeout``.
       TimeoutError: the warm-up took longer than ``warm_up_timeout``.
 
     Example:

@@ -168,3 +168,21 @@ def fixed_rows(name: str, model: Any, example: Any, bucket: int, buckets: tuple)
     where = jax.tree_util.keystr(path, simple=True, separator="/")
     what = {"name": name, "bucket": bucket, "rows": rows[0], "buckets": buckets}
     return ConfigError(_FIXED_ROWS.format(**what, path=where, shape=np.shape(leaf)))
+
+
+_GROWN = (
+    "Batcher({path}): output {spec.path} is {spec.type}, but a batcher needs outputs of "
+    "{batch!r} rows of static sizes ({dtype}[{batch}, ...]): each request runs alone at its own "
+    "rows ({why}), answered by the row shapes of one warm-up batch. Call the loaded model "
+    "directly (it answers any batch), or export a model with one output row per input row (a "
+    "covariance's diagonal, say)."
+)
+
+
+def alone_rows(path: Any, outputs: Any, batch: str, why: str) -> None:
+    """Refuses an artifact whose requests run alone (``why``) unless each output is ``batch``
+    rows of static sizes: its warm-up runs one batch size only, so no other checks them."""
+    for spec in outputs:
+        if tuple(spec.shape[:1]) != (batch,) or any(isinstance(d, str) for d in spec.shape[1:]):
+            what = {"path": path, "spec": spec, "why": why, "batch": batch, "dtype": spec.dtype}
+            raise ConfigError(_GROWN.format(**what))

@@ -25,6 +25,7 @@ from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec, out_of_range, unfit_array
+from symjax_mlp.serving._model import alone_rows
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -214,6 +215,7 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
     rows = model.manifest.get("rows") or {}  # a static batch never shows its rows apart
     why = "" if rows.get("independent", True) else rows.get("why") or _MIXED
     bound = (sig, batch) if batch and sig.constraints else None
+    why and isinstance(batch, str) and alone_rows(model.path, sig.outputs, batch, why)
     return tuple(specs), (static.pop() if static else None), why, bound
 
 
