@@ -31,8 +31,9 @@ MAX_ENTRIES = 4096
 MAX_SIGNATURE_BYTES = 1 << 20
 
 
-def _config(kind: str) -> Any:
-    """``model_signing.{kind}.Config()`` hashing every file but the signature, ``.git`` too."""
+def _config(kind: str, first: Callable[[], None] | None = None) -> Any:
+    """``model_signing.{kind}.Config()`` hashing every file but the signature, ``.git`` too;
+    ``first()`` runs before, once a signature verified."""
     try:
         import model_signing.hashing
 
@@ -42,7 +43,13 @@ def _config(kind: str) -> Any:
             "signing artifacts needs the optional package model-signing: "
             f"pip install 'symjax_mlp[sign]' ({e})"
         ) from e
-    hashing = model_signing.hashing.Config()
+
+    class Hashing(model_signing.hashing.Config):
+        def hash(self, *args: Any, **kwargs: Any) -> Any:
+            first and first()
+            return super().hash(*args, **kwargs)
+
+    hashing = Hashing()
     hashing.set_ignored_paths(paths=[SIGNATURE], ignore_git_paths=False)
     return module.Config().set_hashing_config(hashing)
 
@@ -254,7 +261,12 @@ def check(
     changed since (a loader calls it after reading the files). ``call``: the public function
     that was called and its keyword that took the key, ``("symjax_mlp.load",
     "verify_signature")`` unless given."""
-    config = _config("verifying")
+
+    def sized() -> None:  # the signature verified, before a file is hashed: one resized (huge)
+        if resized := _resized(_signed_manifest(path, _digests(copy.read_bytes())), before):
+            raise ArtifactError(resized)  # refused unread
+
+    config = _config("verifying", sized)
     path, key = _checked(path, public_key, private=False, call=call)
     before, head = snapshot(path, call), _call(call, path)
     if SIGNATURE not in before:
@@ -281,6 +293,8 @@ def check(
         try:  # files it does not sign are refused below, never hashed (a 1 TB sparse one)
             verifier = config.set_ignore_unsigned_files(True)
             verifier.use_elliptic_key_verifier(public_key=key).verify(path, copy)
+        except ArtifactError as e:  # sized()'s
+            raise _refused(head, key, str(e)) from None
         except Exception as e:  # model_signing, sigstore and cryptography raise their own types
             files = _MISMATCH.findall(str(e))  # not their digests
             why = f"{type(e).__name__}: {str(e)[:400].rstrip('. ')}"
@@ -319,6 +333,19 @@ def _digests(bundle: bytes) -> dict[str, str]:
         return {r["name"]: r["digest"] for r in resources if r["algorithm"] == "sha256"}
     except (ValueError, KeyError, TypeError):
         return {}
+
+
+def _resized(manifest: str | None, before: dict[str, tuple]) -> str | None:
+    """Which file the signed manifest (``None``: the manifest is not the one signed) lists at
+    another size than it has now (``before``'s), said; ``None`` if none."""
+    try:
+        for name, entry in sorted(json.loads(manifest or "{}").get("files", {}).items()):
+            if name in before and before[name][4] and before[name][2] != entry["bytes"]:
+                return (f"{name} has {before[name][2]:,} bytes, where the manifest it signs "
+                        f"lists {entry['bytes']:,} (refused unread)")  # fmt: skip
+    except (AttributeError, KeyError, TypeError):  # no manifest load reads: refused there
+        pass
+    return None
 
 
 def _signed_manifest(path: Path, signed: dict[str, str]) -> str | None:

@@ -18,6 +18,7 @@ import threading
 import time
 
 import jax
+import model_signing.hashing
 import model_signing.verifying
 import numpy as np
 import pytest
@@ -379,6 +380,26 @@ def test_a_file_added_after_signing_is_refused_unread(signed, tmp_path, monkeypa
     with pytest.raises(sm.ArtifactError, match=rf"does not verify .*: it does not sign {name}\."):
         bounded(lambda: sm.load(art, verify_signature=public), 30)
     with pytest.raises(sm.ArtifactError, match=rf"it does not sign {name}\."):
+        bounded(lambda: sm.verify_signature(art, public), 30)
+
+
+@pytest.mark.parametrize("name", ["params.safetensors", "model.jaxexport"])
+def test_a_listed_file_replaced_by_a_huge_one_is_refused_by_its_size_unhashed(
+    signed, tmp_path, monkeypatch, name
+):
+    """A signed file replaced by a 10 GiB sparse one was hashed whole by model-signing before
+    the mismatch refused it (1 GiB: 1.2 s to verify_signature, 5.5 s to load; 1 TB: hours).
+    Now, the signature verified, its size against the manifest it signs refuses it, unhashed."""
+    _, _, public, _, _ = signed
+    art = _copy(signed, tmp_path)
+    listed = json.loads((art / "manifest.json").read_text())["files"][name]["bytes"]
+    _sparse(art / name, 10 << 30)
+    hashed = lambda *a, **k: pytest.fail("model-signing hashed the files")  # noqa: E731
+    monkeypatch.setattr(model_signing.hashing.Config, "hash", hashed)
+    said = rf"does not verify .*: {name} has 10,737,418,240 bytes, where the manifest it signs "
+    with pytest.raises(sm.ArtifactError, match=said + rf"lists {listed:,} \(refused unread\)"):
+        bounded(lambda: sm.load(art, verify_signature=public), 30)
+    with pytest.raises(sm.ArtifactError, match=said):
         bounded(lambda: sm.verify_signature(art, public), 30)
 
 
