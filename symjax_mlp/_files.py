@@ -191,6 +191,8 @@ def write_stream(stream: Any, data: bytes) -> None:
         while done < len(data):
             done += stream.write(memoryview(data)[done:]) or 0
         stream.flush()
+    except BrokenPipeError:  # its reader left (`| head`): the CLI stops quietly, as cat does
+        raise
     except OSError as e:
         raise ConfigError(
             f"cannot write {getattr(stream, 'name', 'the stream')} ({e.strerror or e}): it got at "

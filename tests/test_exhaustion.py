@@ -215,12 +215,12 @@ def test_an_input_that_cannot_be_opened_for_want_of_descriptors_is_not_blamed(
 class _ShortWrites(io.BytesIO):
     """A stream at a file-size limit: a write takes what fits, the next one fails."""
 
-    name = "<stdout>"
+    name, limit = "<stdout>", 4096
 
     def write(self, data):
-        if self.tell() >= 4096:
+        if self.tell() >= self.limit:
             raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
-        return super().write(bytes(data)[: 4096 - self.tell()])
+        return super().write(bytes(data)[: self.limit - self.tell()])
 
 
 def test_an_output_to_stdout_cut_short_is_an_error_not_exit_0():
@@ -255,6 +255,34 @@ def test_json_to_stdout_cut_short_is_an_error_not_exit_0(monkeypatch):
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(whole := io.BytesIO(), encoding="utf-8"))
     emit_json({"x": "y" * 8_000}, "-")
     assert json.loads(whole.getvalue()) == {"x": "y" * 8_000}
+
+
+class _ShortLine(_ShortWrites):
+    """A stream at a file-size limit 16 bytes in: a line's write takes what fits, then fails."""
+
+    limit = 16
+
+
+@pytest.mark.slow  # an export, a load: 0.4 s warm, 2 s in a fresh process
+def test_the_clis_text_to_stdout_cut_short_is_an_error_not_exit_0(monkeypatch, tmp_path, capsys):
+    """``symjax-mlp inspect ART > a.txt`` (or ``run``'s "wrote y.npy: ...") at a file-size
+    limit: Python's print took a short write for all of its text and exited 0, the text cut;
+    only ``--json -`` and ``--output -`` were checked. Now all of it, or exit 2 saying so."""
+    from symjax_mlp.cli import main
+
+    art = sm.chapter.export_mlp(tmp_path / "m").path  # the chapter's, as other tests export
+    np.save(tmp_path / "x.npy", np.ones((1, 512), np.float32))
+    run = ["run", str(art), "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npy")]
+    for argv in (run, ["inspect", str(art)]):
+        stdout = io.TextIOWrapper(short := _ShortLine(), encoding="utf-8")
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert main(argv) == 2
+        said = f"symjax-mlp {argv[0]}: error: cannot write <stdout> (File too large): it got at "
+        assert said in capsys.readouterr().err
+        assert len(short.getvalue()) == 16
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(whole := io.BytesIO(), encoding="utf-8"))
+    assert main(["inspect", str(art)]) == 0  # all of it
+    assert whole.getvalue().decode() == f"{sm.inspect(art)}\n"
 
 
 class _Heads:

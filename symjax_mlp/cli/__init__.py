@@ -95,7 +95,7 @@ def _run_tour(args: argparse.Namespace) -> None:
 def _run_graph(args: argparse.Namespace) -> None:
     from symjax_mlp.chapter import describe_mlp
 
-    print(describe_mlp(args.sizes, **keywords(args, "in_features batch activation format")))
+    _args.say(describe_mlp(args.sizes, **keywords(args, "in_features batch activation format")))
 
 
 def _run_export(args: argparse.Namespace) -> None:
@@ -105,7 +105,7 @@ def _run_export(args: argparse.Namespace) -> None:
     options = keywords(args, "sizes in_features activation seed batch overwrite")
     art = export_mlp(args.path, platforms=platforms, **options)
     where = printable(str(art.path))  # a byte no locale decodes: \xfc, not a UnicodeEncodeError
-    print(f"exported {where}: {art.signature}; platforms {', '.join(art.platforms)}")
+    _args.say(f"exported {where}: {art.signature}; platforms {', '.join(art.platforms)}")
 
 
 def _run_inspect(args: argparse.Namespace) -> None:

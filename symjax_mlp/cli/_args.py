@@ -90,16 +90,28 @@ def json_option(what: str) -> tuple[str, dict[str, Any]]:
 
 def emit_json(data: Any, target: str) -> None:
     """Writes ``data`` as JSON to the file ``target`` (whole or not at all), or stdout (``-``)."""
-    from symjax_mlp._files import write_output, write_stream
+    from symjax_mlp._files import write_output
 
-    text = json.dumps(_finite(data), indent=2, default=str, allow_nan=False) + "\n"
+    text = json.dumps(_finite(data), indent=2, default=str, allow_nan=False)
     if target != "-":
-        write_output((target, text.encode()))
-    elif (raw := getattr(out := stdout("--json -"), "buffer", None)) is None:  # main() called
-        out.write(text)  # in-process with a text stream
-    else:  # all of it, or an error: Python's own writes may stop short and say nothing
+        write_output((target, text.encode() + b"\n"))
+    else:
+        say(text, stdout("--json -"))
+
+
+def say(text: str, stream: Any = None) -> None:
+    """Prints ``text`` and a newline to ``stream`` (stdout; closed, ``>&-``: nothing) whole, or
+    a ConfigError naming it: Python's own writes may stop short at a file-size limit, silent."""
+    from symjax_mlp._files import write_stream
+
+    out, text = sys.stdout if stream is None else stream, text + "\n"
+    if out is None:
+        return
+    if (raw := getattr(out, "buffer", None)) is None:  # main() called in-process with a text
+        out.write(text)  # stream
+    else:
         out.flush()
-        write_stream(raw, text.encode())
+        write_stream(raw, text.encode(out.encoding or "utf-8", out.errors or "strict"))
 
 
 def _finite(data: Any) -> Any:
@@ -119,7 +131,7 @@ def show(result: Any, data: Any, target: str | None) -> None:
     if target:
         emit_json(data, target)
     else:
-        print(result)
+        say(str(result))
 
 
 def outside_artifact(path: str, option: str, artifact: str | None) -> None:

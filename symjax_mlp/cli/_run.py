@@ -72,9 +72,9 @@ def run(args: argparse.Namespace) -> None:
         outs = arrays(y)
         shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in outs)
         where = "stdout" if to_stdout else printable(path)  # \x1b, \xfc: not acted on
-        print(f"wrote {where}: {shapes}", file=stream)
+        _args.say(f"wrote {where}: {shapes}", stream)
         for note in raw_dtype_notes(outs):
-            print(f"note: {note}", file=stream)
+            _args.say(f"note: {note}", stream)
 
 
 def _check_outputs(paths: list[str], inputs: list[Any], artifact: str) -> Any:

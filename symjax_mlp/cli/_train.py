@@ -76,12 +76,12 @@ def run(args: argparse.Namespace) -> None:
     if args.export is not None:
         result.export(args.export, overwrite=args.overwrite)
         where = printable(args.export)  # as export prints it: \x1b, \xfc not acted on
-        print(f"exported the trained model to {where} (it takes raw pixels)")
-    print(
+        _args.say(f"exported the trained model to {where} (it takes raw pixels)")
+    _args.say(
         f"test accuracy {result.test_accuracy:.2%} after {result.epoch} epochs "
         f"({result.step} steps, {'compiled' if result.compiled else 'eager'}) "
         f"in {result.train_seconds:.1f} s",
-        file=sys.stderr if args.json == "-" else sys.stdout,
+        sys.stderr if args.json == "-" else sys.stdout,
     )
 
 
