@@ -59,9 +59,9 @@ def hybridize(
         leaves, has its float arrays as params), an ``equinox.Module`` (no ``params``: its float
         arrays are, as ``eqx.filter_grad`` takes them; its bool and int arrays are held with
         the rest, baked into the program), or any pure function ``fn(params, *args, **kwargs)``.
-      params: the variables or params; omitted for an nnx or equinox module. An nnx module as
-        ``fn``'s params is split as its own Hybrid splits it; one inside the params (or given
-        later to ``h.apply``, ``h.replace``) must hold ``Param`` s only.
+      params: the variables or params; omitted for an nnx or equinox module. An nnx module (or
+        ``nnx.Pytree``) as ``fn``'s params is split as its own Hybrid splits it; one inside the
+        params (or given later to ``h.apply``, ``h.replace``) must hold ``Param`` s only.
       name: shown in trace logs and errors (default: the function or module class name).
       max_traces: a budget of traces; one more raises :class:`~symjax_mlp.RetraceError`.
       static_argnums, static_argnames: arguments static even when they are arrays, as in
@@ -136,7 +136,7 @@ def hybridize(
         )
     elif equinox_modules(params):
         model, params = _equinox(model, params)
-    elif _flax_kind(params) == "nnx":  # its BatchStats and rng counts carried, not dropped
+    elif _flax_kind(params) == "nnx" or _nnx_pytree(params):  # BatchStats, counts carried
         model, params, state = nnx_module(params, model)
     else:
         refuse_nested_nnx_state("hybridize(fn, params)", params)
@@ -156,6 +156,14 @@ def _flax_kind(model: Any) -> str | None:
         return "linen"
     eqx = sys.modules.get("equinox")
     return "eqx" if eqx is not None and isinstance(model, eqx.Module) else None
+
+
+def _nnx_pytree(params: Any) -> bool:
+    """Whether ``params`` is an ``nnx.Pytree`` (pytree.md's: its arrays are data, not Variables),
+    split as an nnx module is; an ``nnx.Rngs`` is refused as params, as before."""
+    nnx = sys.modules.get("flax.nnx")
+    pytree = getattr(nnx, "Pytree", None)
+    return pytree is not None and isinstance(params, pytree) and not isinstance(params, nnx.Rngs)
 
 
 def _wraps_a_function(module: Any) -> bool:

@@ -63,7 +63,8 @@ _PARAM_SHAPE = (
 )
 _SYMBOLIC_WIDTH = (
     " A param's shape is fixed, so a dimension it depends on cannot be symbolic: in export's "
-    "shapes=, write that dimension as its number, not as a name."
+    "shapes=, write that dimension as its number, not as a name; or export with batch=None "
+    "(the example's shapes, every dimension static)."
 )
 #: flax's ScopeParamShapeError, its parts: parameter, scope, shape expected, shape held
 _SCOPE_PARAM_SHAPE = re.compile(

@@ -29,6 +29,12 @@ _UNFIT = (
     "as nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[1:]) gives them."
 )
 
+_NOT_ARRAY = (
+    "{name}: {path} holds {what}, not an array: nnx keeps it in the module's state (it took the "
+    "place of a sub-module or array), and a compiled call takes that state as arrays (nnx.jit "
+    "refuses it too). Mark it static, model.{attr} = nnx.static(value), or make it an "
+    "nnx.Module."
+)
 _REASSIGNED = (
     "{name}: the call assigned {changed}, a float array of an nnx module holding no Param, "
     "whose float arrays are its weights (as nnx's array-leaves example trains them, "
@@ -47,6 +53,7 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     wrt, module_name = trainable(module), type(module).__name__
     graphdef, params, rest = nnx.split(module, wrt, ...)
     params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+    _refuse_non_arrays(module_name, state)
     watched = [
         (path, sub, attr)
         for path, sub in nnx.iter_modules(module)
@@ -108,6 +115,17 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     model = PureModel(call, bool(state), "nnx", merge, target, settings if watched else None,
                       names, owners, module, trained=trained)  # fmt: skip
     return model, params, state
+
+
+def _refuse_non_arrays(name: str, state: Any) -> None:
+    """Refuses a state leaf no compiled call can take (surgery.md's monkey-patching, a function
+    assigned where a sub-module was), naming the attribute: else jax.jit's TypeError."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not (isinstance(leaf, int | float | complex) or hasattr(leaf, "dtype")):
+            what = f"the {type(leaf).__name__} {getattr(leaf, '__qualname__', '')}".rstrip()
+            attr = ".".join(str(getattr(k, "key", k)) for k in path)
+            where = f"state{jax.tree_util.keystr(path)}"
+            raise ConfigError(_NOT_ARRAY.format(name=name, path=where, what=what, attr=attr))
 
 
 def trainable(module: Any) -> Any:

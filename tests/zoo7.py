@@ -1,0 +1,440 @@
+"""The models of test_authors_round7.py: Flax's own guides, as their authors wrote them (sizes cut
+in the tests, not here), from google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0. Classes the
+guides all call ``Model`` (or ``Block``) are renamed by their guide and section, said at each.
+
+- docs/guides/flax_fundamentals/rng_guide.md: "Managing RNG streams inside a training loop"
+  (``SubModule``, ``Model`` -> ``RngLoopModel``, its ``update`` made by ``make_update``),
+  "Using jax.jit" (``Model`` -> ``NoiseModel``: ``make_rng('params')`` inside ``apply``, a
+  traced ``add_noise`` flag), the
+  lifted ``nn.vmap`` (``Model`` -> ``VmapModel`` and ``BatchModel``) and ``nn.scan``
+  (``ResidualMLPBlock``, ``ScanMLP``), and the sharp edge (``Leaf``, ``Node``, ``Model`` ->
+  ``SharpEdgeModel``: no params at all, a stream named ``'rng'``);
+- docs/guides/converting_and_upgrading/haiku_migration_guide.rst, the Flax side: "Handling State"
+  (``Block`` -> ``BnBlock``, ``Model`` -> ``BnModel``, its ``train_step`` made by
+  ``make_bn_train_step(model)``), "Using Multiple Methods" (``AutoEncoder``), "Lifted
+  Transforms" (``RNNCell``, ``RNN``) and the top-level ``FooModule`` (a counter); its "Scan over
+  layers" is linen_to_nnx.rst's Linen side, tests/helpers.py's ``ScanLayersMLP``, covered;
+- docs/guides/model_inspection/model_surgery.md (``CNN`` -> ``SurgeryCNN``, ``surgery``: its
+  flatten / normalize ``Dense_1/kernel`` / unflatten / freeze steps as one function);
+- docs_nnx/guides/surgery.md (``TwoLayerMLP``: its swapping, sharing, weight-tying and
+  monkey-patching done in the tests, as the guide does them to a made model);
+- docs_nnx/guides/pytree.md (``Linear`` -> ``PytreeLinear`` and ``forward``: an nnx module as
+  a jitted function's argument; ``nnx.Pytree``'s ``Linear`` -> ``DataLinear``, ``MLP`` ->
+  ``DataMLP``, and ``Bar``);
+- docs_nnx/guides/jax_and_nnx_transforms.rst, "Differences" (its two ``train_step`` s ->
+  ``nnx_train_step`` and ``jax_train_step``);
+- docs_nnx/guides/flax_gspmd.md (``DotReluDot``, ``MultiDotReluDot``, ``train_step`` ->
+  ``gspmd_train_step``; its mesh is made in the test, with ``AxisType.Auto`` axes: the guide's
+  ``jax.make_mesh((2, 4), ...)`` makes Explicit axes in the installed JAX 0.10, under which its
+  own ``model(input)`` raises ShardingTypeError, contracting dims sharded).
+"""
+
+# ruff: noqa: E501 (the authors' code, as written)
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx, traverse_util
+from flax.core import freeze
+from jax.sharding import PartitionSpec as P
+
+
+# -- rng_guide.md, "Managing RNG streams inside a training loop", as written there --------------
+class SubModule(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+        # variables created using `self.param` will use `self.make_rng('params')`
+        kernel = self.param("submodule_kernel", jax.random.normal, x.shape)
+        x = x + kernel
+        # `nn.Dropout` will use self.make_rng('dropout')
+        x = nn.Dropout(0.2)(x, deterministic=not train)
+        # `nn.Dense` will use self.make_rng('params')
+        x = nn.Dense(3)(x)
+        return x
+
+
+class RngLoopModel(nn.Module):  # the guide's Model
+    @nn.compact
+    def __call__(self, x, train):
+        # make kernel use `self.make_rng('other')`
+        kernel = self.variable(
+            "other_collection",
+            "module_kernel",
+            lambda: jax.random.normal(self.make_rng("other"), x.shape),
+        )
+        x = x + kernel.value  # `.value` will extract the underlying value of the variable
+        x = SubModule()(x, train)
+        # `nn.Dropout` will use self.make_rng('dropout')
+        x = nn.Dropout(0.2)(x, deterministic=not train)
+        # `nn.Dense` will use self.make_rng('params')
+        x = nn.Dense(2)(x)
+        return x
+
+
+def make_update(module, x, y):
+    """The guide's ``update`` (its globals ``module``, ``x``, ``y`` made arguments)."""
+
+    def update(variables, rng):
+        # we don't need to provide a 'params' or 'other' rng, as only 'dropout' rng will be used during training
+        # split the rng to get a dropout_rng to be used for this training iteration,
+        # and to get another rng key to be used for the next training iteration
+        dropout_rng, next_rng = jax.random.split(rng)
+
+        def loss(params):
+            out = module.apply(
+                {"params": params, "other_collection": variables["other_collection"]},
+                x,
+                train=True,
+                rngs={"dropout": dropout_rng},
+            )
+            return jnp.mean((y - out) ** 2)
+
+        grads = jax.grad(loss)(variables["params"])
+        params = jax.tree_util.tree_map(lambda p, g: p - 1e-3 * g, variables["params"], grads)
+        return {
+            "params": params,
+            "other_collection": variables["other_collection"],
+        }, next_rng
+
+    return update
+
+
+# -- rng_guide.md, "Using jax.jit", as written there ---------------------------------------------
+class NoiseModel(nn.Module):  # the guide's Model
+    @nn.compact
+    def __call__(self, x, add_noise):
+        x = nn.Dense(1)(x)
+        # use jnp.where for control flow; for more details see: https://jax.readthedocs.io/en/latest/errors.html#jax.errors.TracerBoolConversionError
+        return jnp.where(add_noise, x + jax.random.normal(self.make_rng("params"), x.shape), x)
+
+
+# -- rng_guide.md, "Lifted transforms": nn.vmap, as written there --------------------------------
+class VmapModel(nn.Module):  # the guide's Model
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(2)(x)
+        kernel = self.variable(
+            "other_collection",
+            "kernel",
+            lambda: jax.random.normal(self.make_rng("other"), x.shape),
+        )
+        return x + kernel.value
+
+
+BatchModel = nn.vmap(
+    VmapModel,
+    in_axes=0,
+    out_axes=0,
+    variable_axes={"params": 0, "other_collection": 0},
+    split_rngs={"params": True, "other": True},
+)
+
+
+# -- rng_guide.md, "Lifted transforms": nn.scan, as written there --------------------------------
+class ResidualMLPBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.Dense(features=2)(x)
+        h = nn.relu(h)
+        return x + h, None  # return an empty carry
+
+
+ScanMLP = nn.scan(
+    ResidualMLPBlock,
+    variable_axes={"params": 0},
+    variable_broadcast=False,
+    split_rngs={"params": True},
+    length=3,
+)
+
+
+# -- rng_guide.md, "Sharp edge - unintentionally generating the same values", as written there ---
+class Leaf(nn.Module):
+    def __call__(self, x):
+        return x + jax.random.randint(self.make_rng("rng"), (), 0, 100)
+
+
+class Node(nn.Module):
+    leaf_name: str
+
+    @nn.compact
+    def __call__(self, x):
+        return Leaf(name=self.leaf_name)(x)
+
+
+class SharpEdgeModel(nn.Module):  # the guide's Model
+    @nn.compact
+    def __call__(self, x):
+        return (
+            Node(name="ab", leaf_name="cdef")(x),
+            Node(name="abc", leaf_name="def")(x),
+        )
+
+
+# -- haiku_migration_guide.rst, "Handling State" (Flax), as written there ------------------------
+class BnBlock(nn.Module):  # the guide's Block
+    features: int
+
+    @nn.compact
+    def __call__(self, x, training: bool):
+        x = nn.Dense(self.features)(x)
+        x = nn.BatchNorm(momentum=0.99)(x, use_running_average=not training)
+        x = jax.nn.relu(x)
+        return x
+
+
+class BnModel(nn.Module):  # the guide's Model
+    dmid: int
+    dout: int
+
+    @nn.compact
+    def __call__(self, x, training: bool):
+        x = BnBlock(self.dmid)(x, training)
+        x = nn.Dense(self.dout)(x)
+        return x
+
+
+def make_bn_train_step(model):
+    """The guide's ``train_step`` (its global ``model`` made an argument)."""
+    import optax
+
+    def train_step(params, batch_stats, inputs, labels):
+        def loss_fn(params):
+            logits, updates = model.apply(
+                {"params": params, "batch_stats": batch_stats},
+                inputs,
+                training=True,  # <== inputs
+                mutable="batch_stats",
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            return loss, updates["batch_stats"]
+
+        grads, batch_stats = jax.grad(loss_fn, has_aux=True)(params)
+        params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+        return params, batch_stats
+
+    return train_step
+
+
+# -- haiku_migration_guide.rst, "Using Multiple Methods" (Flax), as written there ----------------
+class AutoEncoder(nn.Module):
+    embed_dim: int
+    output_dim: int
+
+    def setup(self):
+        self.encoder = nn.Dense(self.embed_dim)
+        self.decoder = nn.Dense(self.output_dim)
+
+    def encode(self, x):
+        return self.encoder(x)
+
+    def decode(self, x):
+        return self.decoder(x)
+
+    def __call__(self, x):
+        x = self.encode(x)
+        x = self.decode(x)
+        return x
+
+
+# -- haiku_migration_guide.rst, "Lifted Transforms" (Flax), as written there ---------------------
+class RNNCell(nn.Module):
+    hidden_size: int
+
+    @nn.compact
+    def __call__(self, carry, x):
+        x = jnp.concatenate([carry, x], axis=-1)
+        x = nn.Dense(self.hidden_size)(x)
+        x = jax.nn.relu(x)
+        return x, x
+
+    def initial_state(self, batch_size: int):
+        return jnp.zeros((batch_size, self.hidden_size))
+
+
+class RNN(nn.Module):
+    hidden_size: int
+
+    @nn.compact
+    def __call__(self, x):
+        rnn = nn.scan(
+            RNNCell,
+            variable_broadcast="params",
+            split_rngs={"params": False},
+            in_axes=1,
+            out_axes=1,
+        )(self.hidden_size)
+        carry = rnn.initial_state(x.shape[0])
+        carry, y = rnn(carry, x)
+        return y
+
+
+# -- haiku_migration_guide.rst, "Top-level Haiku functions vs top-level Flax modules" ------------
+class FooModule(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        counter = self.variable("counter", "count", lambda: jnp.ones((), jnp.int32))
+        multiplier = self.param("multiplier", nn.initializers.ones_init(), [1], x.dtype)
+        output = x + multiplier * counter.value
+        if not self.is_initializing():  # otherwise model.init() also increases it
+            counter.value += 1
+        return output
+
+
+# -- model_surgery.md, "Surgery with Flax Modules", as written there -----------------------------
+class SurgeryCNN(nn.Module):  # the guide's CNN
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(features=32, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = nn.Conv(features=64, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))
+        x = nn.Dense(features=256)(x)
+        x = nn.relu(x)
+        x = nn.Dense(features=10)(x)
+        x = nn.log_softmax(x)
+        return x
+
+
+def surgery(params):
+    """The guide's steps on ``params``: flatten, normalize ``Dense_1/kernel``, unflatten, freeze."""
+    # Get a flattened key-value list.
+    flat_params = traverse_util.flatten_dict(params, sep="/")
+    # Somehow modify a layer
+    dense_kernel = flat_params["Dense_1/kernel"]
+    flat_params["Dense_1/kernel"] = dense_kernel / jnp.linalg.norm(dense_kernel)
+    # Unflatten.
+    unflat_params = traverse_util.unflatten_dict(flat_params, sep="/")
+    # Refreeze.
+    unflat_params = freeze(unflat_params)
+    return unflat_params
+
+
+# -- docs_nnx/guides/surgery.md, as written there ------------------------------------------------
+class TwoLayerMLP(nnx.Module):
+    def __init__(self, dim, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(dim, dim, rngs=rngs)
+        self.linear2 = nnx.Linear(dim, dim, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.linear1(x)
+        return self.linear2(x)
+
+
+# -- docs_nnx/guides/pytree.md, as written there ---------------------------------------------------
+class PytreeLinear(nnx.Module):  # the guide's first Linear
+    def __init__(self, din, dout, rngs: nnx.Rngs):
+        self.din, self.dout = din, dout
+        self.kernel = nnx.Param(rngs.normal((din, dout)))
+
+
+def forward(weights, x):  # the guide's @jax.jit forward, unjitted: the Hybrid compiles it
+    return x @ weights.kernel
+
+
+class DataLinear(nnx.Pytree):  # the guide's nnx.Pytree Linear
+    def __init__(self, din: int, dout: int):
+        self.din = nnx.static(din)
+        self.dout = nnx.static(dout)
+        self.w = nnx.data(jnp.ones((din, dout)))
+        self.b = nnx.data(jnp.zeros((dout,)))
+
+
+class DataMLP(nnx.Pytree):  # the guide's nnx.Pytree MLP
+    def __init__(self, num_layers, dim):
+        self.num_layers = nnx.static(num_layers)
+        self.layers = nnx.data([DataLinear(dim, dim) for _ in range(num_layers)])
+
+
+class Bar(nnx.Pytree):
+    def __init__(self, x, use_bias: bool):
+        self.x = nnx.data(x)  # constrain inputs (e.g. user could pass Array or float)
+        self.y = nnx.data(42)  # force types that are not data by default
+        self.ls = nnx.List([jnp.array(i) for i in range(3)])  # use nnx.List for lists of data
+        self.bias = nnx.data(None)  # optional values that can be data
+        if use_bias:
+            self.bias = nnx.Param(jnp.array(0.0))
+
+
+# -- docs_nnx/guides/jax_and_nnx_transforms.rst, "Differences", as written there ------------------
+@nnx.jit
+def nnx_train_step(model, x, y):  # the guide's Flax NNX train_step
+    def loss_fn(model):
+        return ((model(x) - y) ** 2).mean()
+
+    grads = nnx.grad(loss_fn)(model)
+    params = nnx.state(model, nnx.Param)
+    params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    nnx.update(model, params)
+
+
+@jax.jit
+def jax_train_step(graphdef, state, x, y):  # the guide's JAX train_step
+    def loss_fn(graphdef, state):
+        model = nnx.merge(graphdef, state)
+        return ((model(x) - y) ** 2).mean()
+
+    grads = jax.grad(loss_fn, argnums=1)(graphdef, state)
+
+    model = nnx.merge(graphdef, state)
+    params = nnx.state(model, nnx.Param)
+    params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    nnx.update(model, params)
+    return nnx.split(model)
+
+
+# -- docs_nnx/guides/flax_gspmd.md, as written there ----------------------------------------------
+class DotReluDot(nnx.Module):
+    def __init__(self, depth: int, rngs: nnx.Rngs):
+        init_fn = nnx.initializers.lecun_normal()
+        self.dot1 = nnx.Linear(
+            depth,
+            depth,
+            kernel_init=nnx.with_partitioning(init_fn, (None, "model")),
+            use_bias=False,  # or use `bias_init` to give it annotation too
+            rngs=rngs,
+        )
+        self.w2 = nnx.Param(
+            init_fn(rngs.params(), (depth, depth)),  # RNG key and shape for W2 creation
+            sharding=("model", None),
+        )
+
+    def __call__(self, x: jax.Array):
+        y = self.dot1(x)
+        y = jax.nn.relu(y)
+        y = jax.lax.with_sharding_constraint(y, P("data", "model"))
+        z = jnp.dot(y, self.w2[...])
+        return z
+
+
+class MultiDotReluDot(nnx.Module):
+    def __init__(self, depth: int, num_layers: int, rngs: nnx.Rngs):
+        # Annotate the additional axis with sharding=None, meaning it will be
+        # replicated across all devices.
+        @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: None})
+        def create_sublayers(r):
+            return DotReluDot(depth, r)
+
+        self.layers = create_sublayers(rngs.fork(split=num_layers))
+
+    def __call__(self, x):
+        def scan_over_layers(x, layer):
+            return layer(x), None
+
+        x, _ = jax.lax.scan(scan_over_layers, x, self.layers)
+        return x
+
+
+@jax.jit
+def gspmd_train_step(model, optimizer, x, y):  # the guide's train_step
+    def loss_fn(model: DotReluDot):
+        y_pred = model(x)
+        return jnp.mean((y_pred - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return model, loss
