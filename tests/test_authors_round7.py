@@ -12,6 +12,8 @@ them where they fit none of the matrix's shapes.
   the ``AutoEncoder``'s ``method="encode"`` and the ``nn.scan`` of ``RNNCell`` s (the whole
   matrix); ``FooModule``'s counter.
 - model_surgery.md's CNN (the whole matrix), its surgery given by ``h.replace``.
+- ensembling.rst's pmapped ensemble of 8 CNNs trained over ``h.apply``, its mean probabilities
+  served; flax_sharp_bits.md's dropout mode as a module attribute.
 - docs_nnx: surgery.md's ``TwoLayerMLP`` swapped, shared, weight-tied (the whole matrix) and
   monkey-patched; pytree.md's nnx module as a jitted function's argument and its
   ``nnx.Pytree`` s as params; jax_and_nnx_transforms.rst's two train steps; flax_gspmd.md's
@@ -464,3 +466,103 @@ def test_the_gspmd_guides_sharded_model_runs_trains_and_exports_on_its_mesh(tmp_
         loss(jnp.asarray(rows))  # sharded over 8 devices: the mesh set around, as it says
     with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
         _close(loss(jnp.asarray(rows)), want_grads)
+
+
+@pytest.mark.slow
+def test_the_ensembling_guides_pmapped_ensemble_trains_over_h_apply_as_over_linen(tmp_path):
+    """ensembling.rst: an ensemble of 8 CNNs, one per CPU device, made by its pmapped
+    ``create_train_state``; one epoch of its ``train_epoch`` (pmapped ``apply_model`` with
+    ``pmean`` of the members' probabilities, ``update_model``) over a Hybrid's ``h.apply`` gives
+    linen's states, losses and accuracies. (Its fake data are zeros; random images here, so the
+    members' convolutions train.) The ensemble's mean probabilities, hybridized over the
+    stacked params, export (batch symbolic), load, serve and differentiate as the members'."""
+    from flax import jax_utils
+
+    linen = zoo7.make_ensemble(zoo7.SurgeryCNN().apply, init_shape=(1, 8, 8, 1))
+    create_train_state, _, _, train_epoch = linen
+    state = create_train_state(jax.random.split(jax.random.key(0), jax.device_count()), 0.1, 0.9)
+    h = sm.hybridize(zoo7.SurgeryCNN(), {"params": jax_utils.unreplicate(state.params)})
+    hybrid_train_epoch = zoo7.make_ensemble(h.apply, init_shape=(1, 8, 8, 1))[3]
+    images, labels = _x(1, (32, 8, 8, 1)), jnp.arange(32) % 10
+    train_ds = {"image": images, "label": labels}
+    want = train_epoch(state, train_ds, 8, jax.random.key(1))
+    got = hybrid_train_epoch(state, train_ds, 8, jax.random.key(1))
+    _close(got[0].params, want[0].params)
+    _close(got[1:], want[1:])
+    stacked = want[0].params
+
+    def ensemble(params, x):  # the members' mean probabilities, as apply_model's pmean
+        return jnp.mean(jax.vmap(lambda p: jax.nn.softmax(h.apply({"params": p}, x)))(params), 0)
+
+    x = images[:4]
+    probs = jnp.mean(
+        jnp.stack([jax.nn.softmax(zoo7.SurgeryCNN().apply({"params": p}, x))
+                   for p in (jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(8))]),
+        0,
+    )  # fmt: skip
+    served = sm.hybridize(ensemble, stacked)
+    _close(served(x), probs)
+    m = _exported(tmp_path, served, (x,), allow={"convolution", "reduce_window"}, vjp_order=1)
+    _close(m(np.asarray(x[:3])), probs[:3])
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        _close(b.submit(np.asarray(x[:1])).result(30), probs[:1])
+    _close(jax.grad(lambda x: m(x)[:, 0].sum())(x), jax.grad(lambda x: served(x)[:, 0].sum())(x))
+
+
+@pytest.mark.slow
+def test_the_sharp_bits_dropout_as_a_module_attribute_runs_as_linen(tmp_path):
+    """flax_sharp_bits.md's ``MyModel`` (its dropout mode the module's ``training``
+    attribute, no call flag; 3-d inputs): ``training=False`` as the guide's ``apply`` with its
+    dropout key (off), exported (batch symbolic) and loaded as it; ``training=True`` (its
+    ``clone``) draws from the Hybrid's 'dropout' stream as linen does, export refusing to bake
+    the stream in."""
+    root_key = jax.random.key(seed=0)
+    main_key, params_key, dropout_key = jax.random.split(key=root_key, num=3)
+    my_model = zoo7.MyModel(num_neurons=3, training=False)
+    x = jax.random.uniform(key=main_key, shape=(3, 4, 4))
+    variables = my_model.init(params_key, x)
+    y = my_model.apply(variables, x, rngs={"dropout": dropout_key})
+    h = sm.hybridize(my_model, variables, rngs=dropout_key)
+    _close(h(x), y)
+    m = _exported(tmp_path, h, (x,))
+    _close(m(np.asarray(x[:2])), y[:2])
+    training = my_model.clone(training=True)
+    ht = sm.hybridize(training, variables, rngs=dropout_key)
+    _, sub = jax.random.split(dropout_key)
+    got = ht(x)
+    _close(got, training.apply(variables, x, rngs={"dropout": sub}))
+    assert (got == 0).any() and not (y == 0).any()
+    with pytest.raises(sm.ConfigError, match=r"stream 'dropout'.*wrap_key_data"):
+        sm.export(ht, tmp_path / "t", example=(x,))
+
+
+@pytest.mark.slow
+def test_the_lr_schedule_guides_steps_equal_the_librarys_train_step_and_the_hybrids():
+    """lr_schedule.rst: its warmup-cosine schedule in ``optax.sgd``; 4 steps of its
+    ``train_step`` (over linen's apply, and over the Hybrid's ``h.apply``) and of
+    ``sm.training.train_step`` with the same optimizer give the same params and losses, and
+    the schedule's learning rates (0 at step 0, rising in the warm-up)."""
+    config = zoo7.get_config()
+    config.batch_size, config.train_ds_size = 8, 16
+    steps_per_epoch = config.train_ds_size // config.batch_size
+    learning_rate_fn = zoo7.create_learning_rate_fn(config, 0.1, steps_per_epoch)
+    state = zoo7.create_train_state(jax.random.key(0), config, learning_rate_fn, (1, 8, 8, 1))
+    h = sm.hybridize(zoo7.SurgeryCNN(), {"params": state.params})
+    guide_step = zoo7.make_lr_train_step(zoo7.SurgeryCNN().apply)
+    hybrid_step = zoo7.make_lr_train_step(h.apply)
+    tx = optax.sgd(learning_rate_fn, config.momentum)
+    step = jax.jit(sm.training.train_step(zoo7.SurgeryCNN(), tx))
+    params, opt_state, hybrid_state = state.params, tx.init(state.params), state
+    batch = {"image": _x(2, (8, 8, 8, 1)), "label": jnp.arange(8) % 10}
+    rates = []
+    for _ in range(4):
+        state, metrics = guide_step(state, batch, learning_rate_fn)
+        hybrid_state, hybrid_metrics = hybrid_step(hybrid_state, batch, learning_rate_fn)
+        params, opt_state, ours = step(params, opt_state, batch["image"], batch["label"],
+                                       jnp.ones(8))  # fmt: skip
+        _close(hybrid_metrics, metrics)
+        _close(ours["loss"], metrics["loss"])
+        rates.append(float(metrics["learning_rate"]))
+    _close(hybrid_state.params, state.params)
+    _close(params, state.params)
+    assert rates[0] == 0.0 and rates[0] < rates[1] < rates[2]

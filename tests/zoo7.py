@@ -16,6 +16,13 @@ guides all call ``Model`` (or ``Block``) are renamed by their guide and section,
   layers" is linen_to_nnx.rst's Linen side, tests/helpers.py's ``ScanLayersMLP``, covered;
 - docs/guides/model_inspection/model_surgery.md (``CNN`` -> ``SurgeryCNN``, ``surgery``: its
   flatten / normalize ``Dense_1/kernel`` / unflatten / freeze steps as one function);
+- docs/guides/parallel_training/ensembling.rst, its Ensemble side (``make_ensemble``: its
+  pmapped functions; its CNN, examples/mnist's, is ``SurgeryCNN`` less the last
+  ``log_softmax``, under which its softmax and cross-entropy are the same: ``SurgeryCNN`` here);
+- docs/guides/flax_sharp_bits.md (``MyModel``: the dropout mode a module attribute);
+- docs/guides/training_techniques/lr_schedule.rst, its schedule side (``get_config``,
+  ``compute_metrics``, ``create_learning_rate_fn``, ``train_step`` made by
+  ``make_lr_train_step``, ``create_train_state``);
 - docs_nnx/guides/surgery.md (``TwoLayerMLP``: its swapping, sharing, weight-tying and
   monkey-patching done in the tests, as the guide does them to a made model);
 - docs_nnx/guides/pytree.md (``Linear`` -> ``PytreeLinear`` and ``forward``: an nnx module as
@@ -438,3 +445,164 @@ def gspmd_train_step(model, optimizer, x, y):  # the guide's train_step
     loss, grads = jax.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return model, loss
+
+
+# -- docs/guides/parallel_training/ensembling.rst, its Ensemble side, as written there -----------
+def make_ensemble(cnn_apply, init_shape=(1, 28, 28, 1)):
+    """The guide's pmapped ``create_train_state``, ``apply_model``, ``update_model`` and
+    ``train_epoch``; ``cnn_apply`` is its ``CNN().apply`` (a Hybrid's ``h.apply`` in its
+    place), ``init_shape`` its ``[1, 28, 28, 1]``."""
+    import functools
+
+    import numpy as np
+    import optax
+    from flax import jax_utils
+    from flax.training import train_state
+
+    @functools.partial(jax.pmap, static_broadcasted_argnums=(1, 2))
+    def create_train_state(rng, learning_rate, momentum):
+        cnn = SurgeryCNN()
+        params = cnn.init(rng, jnp.ones(init_shape))["params"]
+        tx = optax.sgd(learning_rate, momentum)
+        return train_state.TrainState.create(apply_fn=cnn.apply, params=params, tx=tx)
+
+    @functools.partial(jax.pmap, axis_name="ensemble")
+    def apply_model(state, images, labels):
+        def loss_fn(params):
+            logits = cnn_apply({"params": params}, images)
+            one_hot = jax.nn.one_hot(labels, 10)
+            loss = optax.softmax_cross_entropy(logits=logits, labels=one_hot).mean()
+            return loss, logits
+
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, logits), grads = grad_fn(state.params)
+        probs = jax.lax.pmean(jax.nn.softmax(logits), axis_name="ensemble")
+        accuracy = jnp.mean(jnp.argmax(probs, -1) == labels)
+        return grads, loss, accuracy
+
+    @jax.pmap
+    def update_model(state, grads):
+        return state.apply_gradients(grads=grads)
+
+    def train_epoch(state, train_ds, batch_size, rng):
+        train_ds_size = len(train_ds["image"])
+        steps_per_epoch = train_ds_size // batch_size
+
+        perms = jax.random.permutation(rng, len(train_ds["image"]))
+        perms = perms[: steps_per_epoch * batch_size]
+        perms = perms.reshape((steps_per_epoch, batch_size))
+
+        epoch_loss = []
+        epoch_accuracy = []
+
+        for perm in perms:
+            batch_images = jax_utils.replicate(train_ds["image"][perm, ...])
+            batch_labels = jax_utils.replicate(train_ds["label"][perm, ...])
+            grads, loss, accuracy = apply_model(state, batch_images, batch_labels)
+            state = update_model(state, grads)
+            epoch_loss.append(jax_utils.unreplicate(loss))
+            epoch_accuracy.append(jax_utils.unreplicate(accuracy))
+        train_loss = np.mean(epoch_loss)
+        train_accuracy = np.mean(epoch_accuracy)
+        return state, train_loss, train_accuracy
+
+    return create_train_state, apply_model, update_model, train_epoch
+
+
+# -- docs/guides/flax_sharp_bits.md, "flax.linen.Dropout layer and randomness", as written there --
+class MyModel(nn.Module):
+    num_neurons: int
+    training: bool
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.num_neurons)(x)
+        # Set the dropout layer with a rate of 50% .
+        # When the `deterministic` flag is `True`, dropout is turned off.
+        x = nn.Dropout(rate=0.5, deterministic=not self.training)(x)
+        return x
+
+
+# -- docs/guides/training_techniques/lr_schedule.rst, its schedule side, as written there (its
+# config an ml_collections.ConfigDict, not installed here: a SimpleNamespace; its CNN
+# examples/mnist's, SurgeryCNN here as in ensembling.rst) -----------------------------------------
+def get_config():
+    """Get the default hyperparameter configuration."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace()
+    config.learning_rate = 0.001
+    config.momentum = 0.9
+    config.batch_size = 128
+    config.num_epochs = 10
+    config.warmup_epochs = 2
+    config.train_ds_size = 128
+    return config
+
+
+def compute_metrics(logits, labels):
+    import optax
+
+    one_hot = jax.nn.one_hot(labels, 10)
+    loss = jnp.mean(optax.softmax_cross_entropy(logits, one_hot))
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+    metrics = {
+        "loss": loss,
+        "accuracy": accuracy,
+    }
+    return metrics
+
+
+def create_learning_rate_fn(config, base_learning_rate, steps_per_epoch):
+    """Creates learning rate schedule."""
+    import optax
+
+    warmup_fn = optax.linear_schedule(
+        init_value=0.0,
+        end_value=base_learning_rate,
+        transition_steps=config.warmup_epochs * steps_per_epoch,
+    )
+    cosine_epochs = max(config.num_epochs - config.warmup_epochs, 1)
+    cosine_fn = optax.cosine_decay_schedule(
+        init_value=base_learning_rate, decay_steps=cosine_epochs * steps_per_epoch
+    )
+    schedule_fn = optax.join_schedules(
+        schedules=[warmup_fn, cosine_fn], boundaries=[config.warmup_epochs * steps_per_epoch]
+    )
+    return schedule_fn
+
+
+def make_lr_train_step(apply):
+    """The guide's ``train_step``; ``apply`` is its ``CNN().apply``."""
+    import functools
+
+    import optax
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def train_step(state, batch, learning_rate_fn):
+        def loss_fn(params):
+            logits = apply({"params": params}, batch["image"])
+            one_hot = jax.nn.one_hot(batch["label"], 10)
+            loss = jnp.mean(optax.softmax_cross_entropy(logits, one_hot))
+            return loss, logits
+
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, logits), grads = grad_fn(state.params)
+        new_state = state.apply_gradients(grads=grads)
+        metrics = compute_metrics(logits, batch["label"])
+        lr = learning_rate_fn(state.step)
+        metrics["learning_rate"] = lr
+        return new_state, metrics
+
+    return train_step
+
+
+def create_train_state(rng, config, learning_rate_fn, init_shape=(1, 28, 28, 1)):
+    """Creates initial `TrainState`."""
+    import optax
+    from flax.training import train_state
+
+    cnn = SurgeryCNN()
+    params = cnn.init(rng, jnp.ones(init_shape))["params"]
+    tx = optax.sgd(learning_rate_fn, config.momentum)
+    return train_state.TrainState.create(apply_fn=cnn.apply, params=params, tx=tx)
