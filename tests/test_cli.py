@@ -1,7 +1,9 @@
 """The command line: each subcommand runs, prints what it promises, exits with the right code."""
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -280,16 +282,28 @@ def test_broken_pipe_is_quiet(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+@contextlib.contextmanager
+def _ctrl_c_handled():
+    """SIGINT handled (Python's handler) in the block, so a child started there starts with it
+    at its default, as from a terminal: a pytest started with SIGINT ignored (``nohup``, a CI's
+    background job) passed SIG_IGN on, and the child never saw the SIGINT these tests send."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
 def test_ctrl_c_exits_130_in_one_line():
-    import signal
     import time
 
-    proc = subprocess.Popen(
-        [sys.executable, "-u", "-m", "symjax_mlp", "tour", "--calls", "100000000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with _ctrl_c_handled():
+        proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "symjax_mlp", "tour", "--calls", "100000000"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     proc.stdout.readline()  # the tour's first line: past the imports, inside the tour
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
@@ -325,9 +339,10 @@ def test_a_ctrl_c_python_can_only_print_still_stops_the_command():
     """CI saw `symjax-mlp tour` run on for a minute after its SIGINT: the KeyboardInterrupt
     landed in JAX's garbage-collector callback, where Python prints an exception and drops
     it ("Exception ignored in: <function _xla_gc_callback>"). It is raised again."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _SWALLOWED], capture_output=True, text=True, timeout=60
-    )
+    with _ctrl_c_handled():
+        proc = subprocess.run(
+            [sys.executable, "-c", _SWALLOWED], capture_output=True, text=True, timeout=60
+        )
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stderr.strip().endswith("symjax-mlp tour: interrupted"), proc.stderr[-2000:]
 
@@ -349,8 +364,8 @@ def test_a_ctrl_c_in_a_collector_callback_on_the_main_thread_is_raised_again():
 
     hook = sys.unraisablehook
     sys.unraisablehook = functools.partial(cli._interrupt_again, hook)
-    try:
-        with pytest.raises(KeyboardInterrupt):
+    try:  # Ctrl-C handled, as a terminal's CLI has it (ignored: interrupt_main does nothing)
+        with _ctrl_c_handled(), pytest.raises(KeyboardInterrupt):
             gc.callbacks.append(once)
             gc.collect()
             for _ in range(1000):  # the command going on: the interrupt lands here
@@ -362,7 +377,6 @@ def test_a_ctrl_c_in_a_collector_callback_on_the_main_thread_is_raised_again():
 
 
 def test_ctrl_c_leaves_at_once_while_other_threads_still_work():
-    import signal
 
     # XLA compiles on its own threads; an interrupt mid-compile used to crash (a segfault)
     # or hang the interpreter's teardown. Here a thread that is still working stands in for
@@ -376,12 +390,13 @@ def test_ctrl_c_leaves_at_once_while_other_threads_still_work():
         cli.run()
         """
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-u", "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with _ctrl_c_handled():
+        proc = subprocess.Popen(
+            [sys.executable, "-u", "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     proc.stdout.readline()  # the tour's first line: inside the command, the thread working
     proc.send_signal(signal.SIGINT)
     assert_interrupted(proc, timeout=90)
@@ -1436,17 +1451,17 @@ def test_ctrl_c_amid_the_imports_exits_130_in_one_line():
     """A Ctrl-C in the CLI's first second, while JAX was imported, printed a KeyboardInterrupt
     traceback (or crashed in jaxlib's initialisation, a segfault). Each Ctrl-C here lands while
     NumPy and JAX are imported: the command exits 130 with its one line."""
-    import signal
     import time
     from pathlib import Path
 
     for delay in (0, 0.03, 0.1):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "symjax_mlp", "tour", "--calls", "100000000"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        with _ctrl_c_handled():
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "symjax_mlp", "tour", "--calls", "100000000"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         try:
             while "numpy" not in Path(f"/proc/{proc.pid}/maps").read_text():  # imports begun
                 time.sleep(0.001)
