@@ -566,3 +566,19 @@ def test_the_lr_schedule_guides_steps_equal_the_librarys_train_step_and_the_hybr
     _close(hybrid_state.params, state.params)
     _close(params, state.params)
     assert rates[0] == 0.0 and rates[0] < rates[1] < rates[2]
+
+
+@pytest.mark.slow  # (nnx.Linear's first initializations: over 0.5 s alone)
+def test_an_nnx_module_given_as_its_hybrids_params_is_refused_naming_its_values():
+    """pytree.md passes its nnx module itself to its jitted ``forward(weights, x)``; given so to
+    ``h.apply`` (or ``h.replace(params=)``), the refusal listed the same names twice, 'missing
+    params['kernel'], unexpected params.kernel'; now it says the module was given, not its
+    values, and names ``nnx.state(module, nnx.Param)``, which runs as the guide's forward."""
+    weights, x = zoo7.PytreeLinear(2, 3, rngs=nnx.Rngs(0)), jnp.ones((1, 2))
+    h = sm.hybridize(zoo7.forward, weights)
+    said = r"nnx module PytreeLinear itself, not its values.*nnx\.state\(module, nnx\.Param\)"
+    with pytest.raises(sm.ConfigError, match=said):
+        h.apply(weights, x)
+    with pytest.raises(sm.ConfigError, match=said):
+        h.replace(params=weights)(x)
+    _close(h.apply(nnx.state(weights, nnx.Param), x), zoo7.forward(weights, x))

@@ -29,6 +29,11 @@ _UNFIT = (
     "as nnx.to_pure_dict(nnx.split(module, nnx.Param, ...)[1:]) gives them."
 )
 
+_MODULE_GIVEN = (
+    "{name}: the params given are the nnx {kind} itself, not its values: pass them as h.params "
+    "holds them, nnx.state(module, nnx.Param) for a module of Params (its other Variables, "
+    "nnx.state(module, nnx.Not(nnx.Param)), are the state, as h.state holds it)."
+)
 _NOT_ARRAY = (
     "{name}: {path} holds {what}, not an array: nnx keeps it in the module's state (it took the "
     "place of a sub-module or array), and a compiled call takes that state as arrays (nnx.jit "
@@ -71,6 +76,9 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
 
     def merge(params, state):  # nnx would match the leaves by place, whatever their names
         if (known := graphdefs.get(tuple(got := leaf_paths((params, state))))) is None:
+            if isinstance(params, getattr(nnx, "Pytree", nnx.Module)):  # (an nnx.State is not)
+                kind = f"module {type(params).__name__}"
+                raise ConfigError(_MODULE_GIVEN.format(name=module_name, kind=kind))
             raise ConfigError(_UNFIT.format(name=module_name, diff=path_diff(expected, got)))
         m = nnx.merge(known, params, state) if state else nnx.merge(known, params)
         if watched:
