@@ -582,3 +582,24 @@ def test_an_nnx_module_given_as_its_hybrids_params_is_refused_naming_its_values(
     with pytest.raises(sm.ConfigError, match=said):
         h.replace(params=weights)(x)
     _close(h.apply(nnx.state(weights, nnx.Param), x), zoo7.forward(weights, x))
+
+
+@pytest.mark.slow
+def test_an_nnx_pytree_of_plain_arrays_inside_the_params_is_a_pytree_of_them(tmp_path):
+    """pytree.md's ``nnx.Pytree`` MLP inside plain params (``{'mlp': mlp}``): refused before as
+    'holding ArrayImpl variables, which its calls change' (under ``h.apply``: 'holding
+    DynamicJaxprTracer variables'), though it holds no Variable; now its arrays are the params'
+    leaves, as any pytree's: equal to the plain function, grads as JAX's, exported and loaded.
+    An nnx module holding a BatchStat inside the params is still refused (test_hybrid_state)."""
+    mlp, x = zoo7.DataMLP(num_layers=2, dim=3), _x(0, (2, 3))
+
+    def fn(p, x):
+        return _mlp_forward(p["mlp"], x)
+
+    h = sm.hybridize(fn, {"mlp": mlp})
+    _close(h(x), _mlp_forward(mlp, x))
+    grads = jax.grad(lambda p: h.apply(p, x).sum())(h.params)
+    want = jax.grad(lambda p: fn(p, x).sum())({"mlp": mlp})
+    _close(jax.tree.leaves(grads), jax.tree.leaves(want))
+    m = _exported(tmp_path, h, (x,))
+    _close(m(np.asarray(x)), _mlp_forward(mlp, x))

@@ -119,7 +119,8 @@ _NESTED_NNX = (
 
 def refuse_nested_nnx_state(caller: str, params: Any) -> None:
     """Refuses an nnx module (or ``nnx.Rngs``) inside plain params that holds variables other
-    than ``Param`` s: a compiled call would drop what it changes in them."""
+    than ``Param`` s: a compiled call would drop what it changes in them. Plain arrays
+    (``nnx.data``, pytree.md's ``nnx.Pytree`` s) are leaves of the params, as any pytree's."""
     if (nnx := sys.modules.get("flax.nnx")) is None:  # flax not imported: no nnx module exists
         return
     graph = getattr(nnx, "Pytree", nnx.Module)  # nnx.Rngs too, where flax has nnx.Pytree
@@ -131,6 +132,7 @@ def refuse_nested_nnx_state(caller: str, params: Any) -> None:
     for path, leaf in (node for node in nodes[0] if isinstance(node[1], graph)):
         held = nnx.state(leaf, nnx.Not(nnx.Param))
         variables = jax.tree.leaves(held, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        variables = [v for v in variables if isinstance(v, nnx.Variable)]  # (not nnx.data's)
         if kinds := ", ".join(sorted({type(v).__name__ for v in variables})):
             where, kind = jax.tree_util.keystr(path), type(leaf).__name__
             raise ConfigError(_NESTED_NNX.format(caller=caller, path=where, kind=kind, held=kinds))
