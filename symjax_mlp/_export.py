@@ -286,9 +286,13 @@ def _self_test_vectors(
     it gives the model's own results at the example's shapes: all in one compiled program."""
     here = jax.export.default_export_platform()
     xs = _drawn(signature.inputs)
+    params = {p: a for p, (_, a) in own.items()}
+    symbolic = any(isinstance(d, str) for s in signature.inputs for d in s.shape)
+    if xs is not None and exported.nr_devices != 1 and symbolic:
+        selftest.check_resolves(entry.h.name, exported, params, xs)  # (its vectors skipped)
     if xs is None or here not in exported.platforms or exported.nr_devices != 1:
         return None
-    params, at = {p: a for p, (_, a) in own.items()}, _drawn(entry.examples, seed=1)
+    at = _drawn(entry.examples, seed=1)
     at = None if at is None or any(x.size == 0 for x in at) else at
 
     def programs(params: Any, xs: Any, at: Any) -> Any:
@@ -311,7 +315,6 @@ def _self_test_vectors(
             return None
         outs, both = jax.jit(programs)(params, at if xs is None else xs, at)
     if both is not None:
-        symbolic = any(isinstance(d, str) for s in signature.inputs for d in s.shape)
         selftest.against_source(entry.h.name, *both, at, symbolic)
     if xs is None or any(str(s.dtype).startswith("key") for s in signature.outputs):
         return None  # (as for an rng-key input: a vector file holds no key)

@@ -18,7 +18,9 @@ from symjax_mlp._artifact.format import JAXEXPORT, SELFTEST, printable, program_
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import decode_params
 from symjax_mlp._artifact.weights import encode as encode_tensors
+from symjax_mlp._compat import skipping_lapack
 from symjax_mlp._errors import ArtifactError, SignatureError, SymjaxError
+from symjax_mlp._hybrid.mesh import program_mesh
 from symjax_mlp._npy import draw, host
 
 BATCH = 2  # rows per symbolic batch dimension in the vectors
@@ -102,6 +104,50 @@ def against_source(name: str, got: Any, want: Any, xs: Sequence[Any], symbolic: 
             raise SignatureError(
                 _NOT_THE_SOURCE.format(name=name, shapes=shapes, i=i, differs=differs, why=why)
             )
+
+
+_UNRESOLVED = (
+    "export({name}): the program is sharded over {n} devices ({mesh}) and its shapes are "
+    "symbolic ({inputs}), and JAX cannot resolve them for a call (its shape refinement fails: "
+    "{error}, below): load() would refuse every call, as jax.export's own call fails. (JAX "
+    "fails so for a program exported under jax.set_mesh of Explicit axes.) Pass batch=None to "
+    "export the example's static shapes, sharded as they are, or export outside "
+    "jax.set_mesh (on one device) where the model runs without the mesh."
+)
+
+
+def check_resolves(name: str, exported: Any, params: Any, xs: Sequence[Any]) -> None:
+    """Raises a ``SignatureError`` where a sharded program's symbolic shapes do not resolve
+    for ``xs`` (drawn at the signature's shapes) on the mesh load runs it on: each call of
+    the artifact would fail (its self-test, skipped for its devices, would not tell)."""
+    mesh = program_mesh(exported, exported.nr_devices)
+    try:
+        with jax.set_mesh(mesh):
+            refine_shapes(exported.call, (params, *xs))
+    except Exception as e:  # MLIR raises plain exceptions; JAX its runtime errors
+        raise SignatureError(
+            _UNRESOLVED.format(name=name, n=exported.nr_devices, mesh=dict(mesh.shape),
+                               inputs=", ".join(map(str, exported.in_avals[-len(xs) :])),
+                               error=type(e).__name__)
+        ) from e  # fmt: skip
+
+
+def refine_shapes(fn: Any, args: Sequence[Any], custom_calls: Any = None) -> bytes:
+    """The StableHLO bytecode of ``jax.jit(fn)(*args)``, its symbolic shapes refined to
+    ``args``' (what calling an exported program does); raises what JAX and MLIR raise."""
+    import io
+
+    import jax.extend.mlir as jex
+
+    lowered = fn if hasattr(fn, "lower") else jax.jit(fn)
+    with skipping_lapack(custom_calls):
+        ir_module = lowered.lower(*args).compiler_ir("stablehlo")
+    buffer = io.BytesIO()
+    ir_module.operation.write_bytecode(buffer)
+    return jex.refine_polymorphic_shapes(
+        buffer.getvalue(), enable_shape_assertions=True, validate_static_shapes=True,
+        enable_shardy=jax.config.jax_use_shardy_partitioner,
+    )  # fmt: skip
 
 
 def vectors(

@@ -29,8 +29,9 @@ from jax.interpreters.ad import JVPTracer
 
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._artifact.signature import Signature, admits
-from symjax_mlp._compat import backward_rule, linearizing, skipping_lapack
+from symjax_mlp._compat import backward_rule, linearizing
 from symjax_mlp._errors import ArtifactError, ConfigError
+from symjax_mlp._selftest import refine_shapes
 
 
 def refined(
@@ -39,22 +40,11 @@ def refined(
 ) -> Any:  # fmt: skip
     """The StableHLO of ``jax.jit(fn)(*args)``, every shape refined to ``args``', and its MLIR
     context; ``module`` names what ``fn`` calls, for messages."""
-    import io
-
-    import jax.extend.mlir as jex
     from jax.interpreters import mlir as jax_mlir
 
-    lowered = fn if hasattr(fn, "lower") else jax.jit(fn)
     shapes = [tuple(a.shape) for a in args if not isinstance(a, Mapping)]  # not the params
     try:
-        with skipping_lapack(custom_calls):
-            ir_module = lowered.lower(*args).compiler_ir("stablehlo")
-        buffer = io.BytesIO()
-        ir_module.operation.write_bytecode(buffer)
-        refined_bytes = jex.refine_polymorphic_shapes(
-            buffer.getvalue(), enable_shape_assertions=True, validate_static_shapes=True,
-            enable_shardy=jax.config.jax_use_shardy_partitioner,
-        )  # fmt: skip
+        refined_bytes = refine_shapes(fn, args, custom_calls)
     except Exception as e:  # MLIR raises plain exceptions; jax.export ValueErrors
         raise _unresolved(path / program_file(manifest, JAXEXPORT), module, shapes, e) from None
     context = jax_mlir.make_ir_context()
