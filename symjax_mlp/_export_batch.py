@@ -10,7 +10,7 @@ import jax
 
 from symjax_mlp._errors import SignatureError, SymjaxError, message
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
-from symjax_mlp._specs import TensorSpec, shape_dims
+from symjax_mlp._specs import TensorSpec, ensemble_member, shape_dims
 
 _FAILS = (
     "export({name}, batch={batch!r}): with every input's leading dimension as the symbolic "
@@ -115,11 +115,9 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
 
 def _ensemble(p_structs: Any, lead: tuple[int, ...]) -> str | None:
     """Why a model whose every param leads with the example's rows takes no batch, or ``None``."""
-    members = {p: s.shape for p, s in p_structs.items() if s.shape[:1] == lead}
-    if not members or len(members) != len(p_structs):
+    if (member := ensemble_member({p: s.shape for p, s in p_structs.items()}, lead)) is None:
         return None
-    path, shape = next(iter(members.items()))
-    return _ENSEMBLE.format(lead=lead[0], path=path, shape=shape)
+    return _ENSEMBLE.format(lead=lead[0], path=member[0], shape=member[1])
 
 
 def _batch_only(spec: Any, example: Any) -> str | None:

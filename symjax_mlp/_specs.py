@@ -62,6 +62,14 @@ _UNSERIALIZABLE = (
 )
 
 
+def ensemble_member(shapes: Mapping[str, Any], rows: tuple) -> tuple[str, tuple] | None:
+    """The first ``(path, shape)`` of the params' ``shapes`` if every one leads with ``rows``,
+    the example's: an ensemble's members, one per row, which take no batch; else ``None``."""
+    if not rows or not shapes or any(tuple(s[:1]) != tuple(rows) for s in shapes.values()):
+        return None
+    return next(iter(shapes.items()))
+
+
 def unserializable(name: str, structs: Mapping[str, Any]) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for the first of ``structs`` (by path) whose
     dtype ``jax.export`` cannot serialize (int2, uint1); ``None`` if it can serialize them all."""

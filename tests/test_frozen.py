@@ -185,6 +185,17 @@ def test_a_first_epoch_that_moves_no_param_is_warned_and_one_that_moves_any_is_n
     sm.training.train(_Head(), _data(), optimizer=head, epochs=2, batch_size=32)
 
 
+def test_export_and_the_batcher_tell_an_ensemble_by_one_predicate():
+    """Export's refusal of an ensemble's batch and a Batcher's of its fixed rows each tested
+    "every param leads with the example's rows" (two copies, one of them raising IndexError for
+    no rows); one predicate now, naming the first member, and no rows is no ensemble."""
+    from symjax_mlp._specs import ensemble_member
+
+    assert ensemble_member({"bias": (4, 3), "kernel": (4, 2, 3)}, (4,)) == ("bias", (4, 3))
+    assert ensemble_member({"bias": (4, 3), "kernel": (2, 3)}, (4,)) is None
+    assert ensemble_member({}, (4,)) is None and ensemble_member({"scale": ()}, ()) is None
+
+
 @pytest.mark.slow  # nnx.vmap's init and a Batcher's warm-up (0.6 to 1 s)
 def test_a_batcher_of_an_ensemble_names_its_fixed_rows_and_serves_it_vmapped_as_it_says():
     """WeightStack (a member per row, every param leading with 4): a Batcher of its Hybrid

@@ -388,6 +388,28 @@ def test_a_hybrid_says_its_kind_its_pure_function_with_state_and_the_state_a_cal
     np.testing.assert_allclose(plain.fn_with_state(plain.params, {}, x)[0], 2 * x)
 
 
+def test_moved_state_runs_the_model_once_per_part_it_reads():
+    """moved_state (a Batcher's check of a stateful Hybrid) ran the model three times: the new
+    state's jaxpr, the output's (a held rng key), and jax.eval_shape for the new state's paths,
+    which the first trace's shapes give. Now twice, once without a held rng key."""
+    runs = []
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs, drop: bool) -> None:
+            self.bn = nnx.BatchNorm(2, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs) if drop else (lambda y: y)
+
+        def __call__(self, x):
+            runs.append(x.shape)
+            return self.drop(self.bn(x))
+
+    x, stats = jnp.arange(6.0).reshape(3, 2), ["state['bn']['mean']", "state['bn']['var']"]
+    for drop, moved in ((True, ["state['drop']['rngs']['key']"]), (False, [])):
+        h = sm.hybridize(Net(nnx.Rngs(0), drop))
+        runs.clear()
+        assert h.moved_state(x) == [*stats, *moved] and len(runs) == 1 + drop
+
+
 def test_fn_with_state_names_a_state_that_is_not_the_models():
     """A linen model's h.fn_with_state(params, None, x) raised "TypeError: 'NoneType' object
     is not iterable", a state of other collections "KeyError: 'batch_stats'", from inside the

@@ -23,6 +23,7 @@ from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild, split_equinox
 from symjax_mlp._hybrid.jaxpr import Body, bodies, call_name, count_flops, layer_of, numbered, walk
+from symjax_mlp._hybrid.pure.linen_module import APPLY_FIXES  # apply's own keywords
 from symjax_mlp._hybrid.trace import symbolic, unbindable
 
 
@@ -205,10 +206,6 @@ def _nnx_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-#: flax.linen.Module.apply's own keywords, not its module's call's
-_APPLY = ("rngs", "method", "mutable", "capture_intermediates")
-
-
 def _unbound_apply(fn: Any, name: str, args: tuple, kwargs: dict) -> SignatureError | None:
     """Arguments of a linen ``model.apply`` (no ``method=``) that its module's call does not
     take, as :func:`unbindable` names them; ``None`` if they bind or ``fn`` is no such apply."""
@@ -217,7 +214,7 @@ def _unbound_apply(fn: Any, name: str, args: tuple, kwargs: dict) -> SignatureEr
         return None
     if getattr(fn, "__name__", None) != "apply" or not args:
         return None
-    model, own = type(module).__name__, {k: v for k, v in kwargs.items() if k not in _APPLY}
+    model, own = type(module).__name__, {k: v for k, v in kwargs.items() if k not in APPLY_FIXES}
     fix = f"Pass them as {model} takes them: stage({name})(variables, {{call}})."
     return unbindable(f"stage({name})", module.__call__, args[1:], own, skip=0, fix=fix,
                       whose=f"{model}'s")  # fmt: skip

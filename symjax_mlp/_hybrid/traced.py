@@ -240,22 +240,24 @@ class TracedModel:
 
     def staged(
         self, static: Any, leaves: Any, state: Any, dyn: Any, dyn_kw: Any, part: int,
-        settings: tuple | None = None,
+        settings: tuple | None = None, shape: bool = False,
     ) -> Any:  # fmt: skip
-        """The jaxpr of the output (``part`` 0) or new state (1), on the state, then the inputs."""
+        """The jaxpr of the output (``part`` 0) or new state (1), on the state, then the inputs
+        (and, with ``shape``, that part's shapes: the same trace's)."""
         params = self.params(leaves)
 
         def staged(state: Any, dyn: Any, dyn_kw: Any) -> Any:
             return self.call(static, params, state, dyn, dyn_kw, settings)[part]
 
-        return jax.make_jaxpr(staged)(state, dyn, dyn_kw).jaxpr
+        closed, shapes = jax.make_jaxpr(staged, return_shape=True)(state, dyn, dyn_kw)
+        return (closed.jaxpr, shapes) if shape else closed.jaxpr
 
     def moved(self, *call: Any) -> list[str]:
         """``state['path']`` of each held leaf a call computes from its inputs (BatchNorm's
         statistics) or whose rng key its output draws on (Dropout); not what the call adds (a
         sow): a new state's leaves, named by its own paths."""
         state, n = self.held.tree, len(self.held.leaves)
-        new = self.staged(*call[:2], state, *call[2:], 1)
+        new, grown = self.staged(*call[:2], state, *call[2:], 1, shape=True)
         rows, keys = input_dependent(new, new.invars[n:]), list(map(is_key, jax.tree.leaves(state)))
         draws = False  # whether its output draws on a held rng key
         if any(keys):
@@ -263,8 +265,7 @@ class TracedModel:
             drawn = [v for v, k in zip(out.invars, keys, strict=False) if k]
             draws = any(input_dependent(out, drawn))
         held = dict(zip(_paths(jax.tree.structure(state)), keys, strict=True))
-        grown = jax.eval_shape(lambda: self.call(call[0], self.params(call[1]), state, *call[2:]))
-        paths = zip(_paths(jax.tree.structure(grown[1])), rows, strict=True)
+        paths = zip(_paths(jax.tree.structure(grown)), rows, strict=True)
         return [f"state{p}" for p, r in paths if p in held and (r or (draws and held[p]))]
 
     def changes(self, *call: Any) -> list[str]:

@@ -17,7 +17,7 @@ import numpy as np
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.staged import refuse_trained_in_place
-from symjax_mlp._specs import by_place, keyword_arrays
+from symjax_mlp._specs import by_place, ensemble_member, keyword_arrays
 
 
 def warmed(name: str, out: Any, bucket: int, first: tuple | None) -> tuple[list, Any, tuple]:
@@ -160,14 +160,11 @@ def fixed_rows(name: str, model: Any, example: Any, bucket: int, buckets: tuple)
     first = (example if isinstance(example, tuple) else (example,))[:1]
     rows = np.shape(first[0])[:1] if first else ()
     params = jax.tree_util.tree_leaves_with_path(model.params)
-    if not rows or rows == (bucket,) or not params:
+    shapes = {jax.tree_util.keystr(p, simple=True, separator="/"): np.shape(a) for p, a in params}
+    if rows == (bucket,) or (member := ensemble_member(shapes, rows)) is None:
         return None
-    if any(np.shape(a)[:1] != rows for _, a in params):
-        return None
-    path, leaf = params[0]
-    where = jax.tree_util.keystr(path, simple=True, separator="/")
     what = {"name": name, "bucket": bucket, "rows": rows[0], "buckets": buckets}
-    return ConfigError(_FIXED_ROWS.format(**what, path=where, shape=np.shape(leaf)))
+    return ConfigError(_FIXED_ROWS.format(**what, path=member[0], shape=member[1]))
 
 
 _GROWN = (

@@ -40,12 +40,13 @@ LIFTED_RNG = (
     "Name it there, e.g. split_rngs={{'params': True, {stream!r}: True}} (a key per step; "
     "False: one key shared by the steps)."
 )
-#: linen ``model.apply``'s own keywords, given to a call of a Hybrid of the module: what to do
+#: linen ``model.apply``'s own keywords (``APPLY_FIXES``' keys, what to do with each), given to
+#: a call of a Hybrid of the module
 _APPLY_KEYWORD = (
     "{caller}: {key}= is {name}.apply's own keyword, not an input of {name}.__call__ "
     "({inputs}), which a Hybrid of the module runs. {fix}"
 )
-_APPLY_FIXES = {
+APPLY_FIXES = {
     "method": "To run {value}, hybridize a function of the params that applies it: "
     "sm.hybridize(lambda params, *xs: model.apply({{'params': params}}, *xs, method={value}), "
     "variables['params']); a collection it writes (a decode cache) is then an argument and a "
@@ -145,7 +146,7 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 def refuse_apply_keywords(module: Any, caller: str, kwargs: Mapping[str, Any]) -> None:
     """Refuses linen ``apply``'s own keywords (``method=``, ``mutable=``, ``rngs=``) in a
     call of a Hybrid of ``module``, unless its ``__call__`` takes them."""
-    if not (given := _APPLY_FIXES.keys() & kwargs.keys()):
+    if not (given := APPLY_FIXES.keys() & kwargs.keys()):
         return
     params = list(inspect.signature(type(module).__call__).parameters.values())[1:]
     if any(p.kind is p.VAR_KEYWORD for p in params):
@@ -154,6 +155,6 @@ def refuse_apply_keywords(module: Any, caller: str, kwargs: Mapping[str, Any]) -
         name, value = type(module).__name__, kwargs[key]
         value = f"{name}.{value.__name__}" if hasattr(value, "__name__") else repr(value)
         inputs = ", ".join(map(str, params))
-        fix = _APPLY_FIXES[key].format(value=value)
+        fix = APPLY_FIXES[key].format(value=value)
         said = _APPLY_KEYWORD.format(caller=caller, key=key, name=name, inputs=inputs, fix=fix)
         raise ConfigError(said)
