@@ -10,10 +10,11 @@ jax-ml/jax@cec06d116c05f0d52adfceee3d3b730fdbcb0ce5).
   tricks.md's symmetric-weight MLP (``eqx.tree_at(..., replace_fn=Symmetric)``), and the
   SpectralNorm'd Linear (stateful, ``eqx.nn.make_with_state``; served by
   ``eqx.nn.inference_mode``).
-- Apart: stateful.md's Counter and vmap'd Counter; tricks.md's surgery, custom initialisation
-  (``h.replace`` after ``eqx.tree_at``), the symmetric model's grads, an ensemble on the same
-  data; test_spectral_norm's ``eqx.tree_at`` "gradient descent"; JAX's stateful-computations
-  page (CounterV2, linear regression), the shard_map notebook's data-parallel loss over 8 CPU
+- Apart: the cells' scans exported with a symbolic sequence length; stateful.md's Counter and
+  vmap'd Counter; tricks.md's surgery, custom initialisation (``h.replace`` after
+  ``eqx.tree_at``), the symmetric model's grads, an ensemble on the same data;
+  test_spectral_norm's ``eqx.tree_at`` "gradient descent"; JAX's stateful-computations page
+  (CounterV2, linear regression), the shard_map notebook's data-parallel loss over 8 CPU
   devices, the tfds notebook's per-example MLP and its ``update``, and example_libraries
   optimizers' docstring ``step``.
 """
@@ -367,3 +368,23 @@ def test_the_tfds_notebooks_per_example_mlp_exports_vmapped_as_refused_and_train
     )
     np.testing.assert_allclose(values, want_values, **TOL)
     chex.assert_trees_all_close(stepped, want, **TOL)
+
+
+@pytest.mark.slow  # two exports: 2 s
+@pytest.mark.parametrize("case", CASES[:2], ids=IDS[:2])
+def test_the_rnn_cells_scans_export_a_symbolic_sequence_length(case, tmp_path):
+    """GRUCell's and LSTMCell's docstring models scan any number of steps: exported with
+    shapes=("b, t, 3",) the artifact (its loop's trip count t, which load names and takes
+    allowed by name) answers as equinox for 6, 2 and 9 steps; a Batcher over it is refused
+    naming the symbolic t (it pads and merges rows)."""
+    h, (x,) = case.hybridize(), case.inputs(0)
+    model, _ = case.build()
+    sm.export(h, tmp_path / "m", example=x, shapes=("b, t, 3",))
+    with pytest.raises(sm.ArtifactError, match=r"a while loop whose trip count is not a const"):
+        sm.load(tmp_path / "m")  # its scan's steps are t: named, and allowed by name
+    m = sm.load(tmp_path / "m", allow={"real_dynamic_slice", "while"})
+    for steps in (6, 2, 9):
+        xs = _x(steps, (3, steps, 3))
+        chex.assert_trees_all_close(m(np.asarray(xs)), model(xs), **TOL)
+    with pytest.raises(sm.ConfigError, match=r"float32\[b, t, 3\].*its size t is symbolic"):
+        sm.serving.Batcher(m, max_batch=4)
