@@ -17,7 +17,9 @@ them where they fit none of the matrix's shapes.
 - docs_nnx: surgery.md's ``TwoLayerMLP`` swapped, shared, weight-tied (the whole matrix) and
   monkey-patched; pytree.md's nnx module as a jitted function's argument and its
   ``nnx.Pytree`` s as params; jax_and_nnx_transforms.rst's two train steps; flax_gspmd.md's
-  sharded ``MultiDotReluDot`` on a 2x4 mesh of the 8 CPU devices.
+  sharded ``MultiDotReluDot`` on a 2x4 mesh of the 8 CPU devices; haiku_to_flax.rst's nnx
+  side: its dropout ``Model`` (the whole matrix, and its ``train_step``), ``AutoEncoder.encode``
+  and ``nnx.scan`` RNN (the whole matrix), its ``Counter`` FooModule.
 """
 
 from types import SimpleNamespace
@@ -31,7 +33,7 @@ import pytest
 import test_authors_nnx3 as nnx3
 import zoo7
 from flax import nnx
-from helpers import Case, _x
+from helpers import Case, _x, keyless
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from test_authors_matrix import exported, loaded  # noqa: F401 - the matrix's fixtures
@@ -69,6 +71,13 @@ def _nnx_surgery(how):
     return build
 
 
+def _hk_nnx_eval():
+    """haiku_to_flax.rst's ``Model(784, 256, 10, rngs=nnx.Rngs(0))`` (sizes cut), ``.eval()``."""
+    model = zoo7.NnxModel(12, 16, 10, rngs=nnx.Rngs(0))
+    model.eval()
+    return model, None
+
+
 WHOLE = (
     Case("haiku_bn", "linen", _linen(zoo7.BnModel(16, 10), jnp.ones((1, 12)), training=False),
          lambda s: (_x(s, (4, 12)),), train={"training": True}, eval={"training": False}),
@@ -81,6 +90,14 @@ WHOLE = (
     Case("haiku_autoencoder_encode", "fn",
          lambda: (lambda v, x: zoo7.AutoEncoder(8, 12).apply(v, x, method="encode"),
                   zoo7.AutoEncoder(8, 12).init(jax.random.key(0), x=jnp.ones((1, 12)))),
+         lambda s: (_x(s, (4, 12)),)),
+    Case("hk_nnx_model", "nnx", lambda: (zoo7.NnxModel(12, 16, 10, rngs=nnx.Rngs(0)), None),
+         lambda s: (_x(s, (4, 12)),), served=_hk_nnx_eval),
+    Case("hk_nnx_rnn", "nnx", lambda: (zoo7.NnxRNN(4, 8, rngs=nnx.Rngs(0)), None),
+         lambda s: (_x(s, (4, 5, 4)),),
+         allow=frozenset({"dynamic_update_slice", "real_dynamic_slice"})),
+    Case("hk_nnx_encode", "nnx",
+         lambda: (lambda m, x: m.encode(x), zoo7.NnxAutoEncoder(12, 8, 12, rngs=nnx.Rngs(0))),
          lambda s: (_x(s, (4, 12)),)),
     Case("nnx_surgery_swapped", "nnx", _nnx_surgery("swapped"), lambda s: (_x(s, (4, 4)),)),
     Case("nnx_surgery_shared", "nnx", _nnx_surgery("shared"), lambda s: (_x(s, (4, 4)),)),
@@ -603,3 +620,59 @@ def test_an_nnx_pytree_of_plain_arrays_inside_the_params_is_a_pytree_of_them(tmp
     _close(jax.tree.leaves(grads), jax.tree.leaves(want))
     m = _exported(tmp_path, h, (x,))
     _close(m(np.asarray(x)), _mlp_forward(mlp, x))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:'.value' (access|setter) is now deprecated")  # the guide's
+def test_the_nnx_haiku_guides_counter_counts_as_nnx_and_exports_as_its_refusal_says(tmp_path):
+    """haiku_to_flax.rst's nnx FooModule (a ``Counter(nnx.Variable)`` each call adds 1 to, with
+    the guide's deprecated ``.value``): the Hybrid's calls and counter are eager nnx's; export
+    refuses to bake the counter in, and one step as a function of it, over the guide's own
+    ``nnx.split(model, nnx.Param, Counter)``, exports (batch symbolic) and loads as nnx."""
+    model, eager = (zoo7.NnxFooModule(rngs=nnx.Rngs(0)) for _ in range(2))
+    x = _x(0, (2, 6))
+    h = sm.hybridize(model)
+    for _ in range(3):
+        _close(h(x), eager(x))
+    _close(h.state, {"counter": eager.counter[...]})
+    with pytest.raises(sm.ConfigError, match=r"'counter'.*one step as a function of that state"):
+        sm.export(h, tmp_path / "x", example=(x,))
+    graphdef, params, counter = nnx.split(
+        zoo7.NnxFooModule(rngs=nnx.Rngs(0)), nnx.Param, zoo7.Counter
+    )
+
+    def step(params, x, count):
+        m = nnx.merge(graphdef, params, jax.tree.map(lambda _: count, counter))
+        return m(x), m.counter[...]
+
+    m = _exported(tmp_path, sm.hybridize(step, params), (x, jnp.int32(5)), shapes=("b, ...", None))
+    fresh = zoo7.NnxFooModule(rngs=nnx.Rngs(0))
+    fresh.counter[...] = jnp.int32(5)
+    _close(m(np.asarray(x), np.int32(5)), (fresh(x), fresh.counter[...]))
+
+
+@pytest.mark.slow
+def test_the_nnx_haiku_guides_dropout_train_step_over_h_apply_equals_its_own():
+    """haiku_to_flax.rst's nnx ``train_step`` (``model.train()``, dropout drawing from the
+    module's Rngs, SGD 0.1 over ``nnx.split(model, nnx.Param, ...)``), 3 steps; the same over
+    the Hybrid's ``h.apply_with_state`` (its rng state threaded) gives the same params and
+    rng state, and the trained Hybrid in eval mode nnx's ``model.eval()`` answers."""
+    model, labels = zoo7.NnxModel(12, 16, 10, rngs=nnx.Rngs(0)), jnp.arange(4) % 10
+    hybridized = zoo7.NnxModel(12, 16, 10, rngs=nnx.Rngs(0))
+    h = sm.hybridize(hybridized)
+    model.train()  # set deterministic=False
+    params, state, x = h.params, h.state, _x(0, (4, 12))
+
+    def loss(params, state):
+        logits, state = h.apply_with_state(params, state, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), state
+
+    for _ in range(3):
+        zoo7.nnx_hk_train_step(model, x, labels)
+        grads, state = jax.grad(loss, has_aux=True)(params, state)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    _close(params, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    _close(keyless(state), keyless(nnx.state(model, nnx.Not(nnx.Param))))
+    model.eval()
+    hybridized.eval()  # the Hybrid's module: its mode switches the Hybrid
+    _close(h.replace(params=params, state=state)(x), model(x))

@@ -30,6 +30,10 @@ guides all call ``Model`` (or ``Block``) are renamed by their guide and section,
   ``DataMLP``, and ``Bar``);
 - docs_nnx/guides/jax_and_nnx_transforms.rst, "Differences" (its two ``train_step`` s ->
   ``nnx_train_step`` and ``jax_train_step``);
+- docs_nnx/migrating/haiku_to_flax.rst, its Flax NNX side (``Block``, ``Model``, ``train_step``,
+  ``AutoEncoder``, ``RNNCell``, ``RNN``, ``FooModule`` prefixed ``Nnx``, ``train_step`` ->
+  ``nnx_hk_train_step``; ``Counter``; its ``MLP`` of ``nnx.split_rngs`` / ``nnx.vmap`` /
+  ``nnx.scan`` is nnx_toy_examples 06's ``ScanMLP``, in tests/zoo6.py);
 - docs_nnx/guides/flax_gspmd.md (``DotReluDot``, ``MultiDotReluDot``, ``train_step`` ->
   ``gspmd_train_step``; its mesh is made in the test, with ``AxisType.Auto`` axes: the guide's
   ``jax.make_mesh((2, 4), ...)`` makes Explicit axes in the installed JAX 0.10, under which its
@@ -606,3 +610,108 @@ def create_train_state(rng, config, learning_rate_fn, init_shape=(1, 28, 28, 1))
     params = cnn.init(rng, jnp.ones(init_shape))["params"]
     tx = optax.sgd(learning_rate_fn, config.momentum)
     return train_state.TrainState.create(apply_fn=cnn.apply, params=params, tx=tx)
+
+
+# -- docs_nnx/migrating/haiku_to_flax.rst, its Flax NNX side, as written there (its classes
+# prefixed Nnx, apart from the linen guide's) -------------------------------------------------------
+class NnxBlock(nnx.Module):  # "Basic Module definition"'s Block
+    def __init__(self, in_features: int, out_features: int, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(in_features, out_features, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.linear(x)
+        x = self.dropout(x)
+        x = jax.nn.relu(x)
+        return x
+
+
+class NnxModel(nnx.Module):  # its Model
+    def __init__(self, din: int, dmid: int, dout: int, rngs: nnx.Rngs):
+        self.block = NnxBlock(din, dmid, rngs=rngs)
+        self.linear = nnx.Linear(dmid, dout, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.block(x)
+        x = self.linear(x)
+        return x
+
+
+@nnx.jit
+def nnx_hk_train_step(model, inputs, labels):  # its train_step
+    import optax
+
+    def loss_fn(model):
+        logits = model(
+            inputs,  # <== inputs
+        )
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    grads = nnx.grad(loss_fn)(model)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    nnx.update(model, nnx.merge_state(params, rest))
+
+
+class NnxAutoEncoder(nnx.Module):  # "Using multiple methods"
+    def __init__(self, in_dim: int, embed_dim: int, output_dim: int, rngs):
+        self.encoder = nnx.Linear(in_dim, embed_dim, rngs=rngs)
+        self.decoder = nnx.Linear(embed_dim, output_dim, rngs=rngs)
+
+    def encode(self, x):
+        return self.encoder(x)
+
+    def decode(self, x):
+        return self.decoder(x)
+
+
+class NnxRNNCell(nnx.Module):  # "Transformations"
+    def __init__(self, input_size, hidden_size, rngs):
+        self.linear = nnx.Linear(hidden_size + input_size, hidden_size, rngs=rngs)
+        self.hidden_size = hidden_size
+
+    def __call__(self, carry, x):
+        x = jnp.concatenate([carry, x], axis=-1)
+        x = self.linear(x)
+        x = jax.nn.relu(x)
+        return x, x
+
+    def initial_state(self, batch_size: int):
+        return jnp.zeros((batch_size, self.hidden_size))
+
+
+class NnxRNN(nnx.Module):
+    def __init__(self, input_size: int, hidden_size: int, rngs: nnx.Rngs):
+        self.hidden_size = hidden_size
+        self.cell = NnxRNNCell(input_size, self.hidden_size, rngs=rngs)
+
+    def __call__(self, x):
+        scan_fn = lambda carry, cell, x: cell(carry, x)  # noqa: E731
+        carry = self.cell.initial_state(x.shape[0])
+        carry, y = nnx.scan(scan_fn, in_axes=(nnx.Carry, None, 1), out_axes=(nnx.Carry, 1))(
+            carry, self.cell, x
+        )
+        return y
+
+
+class Counter(nnx.Variable):  # "Top-level Haiku functions vs top-level Flax modules"
+    pass
+
+
+class NnxFooModule(nnx.Module):
+    def __init__(self, rngs):
+        self.counter = Counter(jnp.ones((), jnp.int32))
+        self.multiplier = nnx.Param(
+            nnx.initializers.ones(
+                rngs.params(),
+                [
+                    1,
+                ],
+                jnp.float32,
+            )
+        )
+
+    def __call__(self, x):
+        output = x + self.multiplier * self.counter.value
+        self.counter.value += 1
+        return output
