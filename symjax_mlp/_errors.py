@@ -37,6 +37,10 @@ class RetraceError(SymjaxError):
     """A :class:`~symjax_mlp.Hybrid` traced more often than its ``max_traces`` budget allows."""
 
 
+class RetraceWarning(UserWarning):
+    """A :class:`~symjax_mlp.Hybrid` traced again for a new value of a Python number alone."""
+
+
 class ControlFlowError(SymjaxError, TypeError):
     """Python control flow or a host conversion was applied to a traced (symbolic) value."""
 

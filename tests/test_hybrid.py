@@ -16,6 +16,7 @@ from flax import nnx
 from helpers import ZOO
 
 import symjax_mlp as sm
+from symjax_mlp._errors import RetraceWarning
 from symjax_mlp.chapter import HybridNet
 
 
@@ -212,6 +213,35 @@ def test_retrace_reasons_name_path_and_change():
     assert "args[1] (static) changed from (absent) to 2.0" in reasons[4]
     assert "args[0]['a']: float32[3]" in str(h.trace_log[0])
     assert "args[1]=2.0" in str(h.trace_log[4])
+
+
+def test_a_python_number_retraced_per_value_is_warned_of_once_naming_it_and_the_fixes():
+    """JAX's advi example called h(t) of a Python int: 12 traces for 12 calls, said by nothing
+    but max_traces=. Now the retrace that only a number's value made warns once per Hybrid,
+    naming it, jnp.asarray and static_argnums; a deliberate static, or a shape's change, not (a
+    type's, 4 -> 4.0: test_zoo's test_settings_python_calls_equal_but_of_other_types...)."""
+    f = lambda p, x, t, scale=1.0: x * p * scale + t  # noqa: E731
+    h, x = sm.hybridize(f, jnp.float32(2)), jnp.ones(3)
+    h(x, 0)
+    h(jnp.ones(4), 1)  # a shape changed too: no warning
+    with pytest.warns(RetraceWarning) as said:
+        h(x, 2)
+    assert re.search(r"Python number args\[1\] \(0 -> 2\).*jnp\.asarray\(\.\.\.\).*"
+                     r"static_argnums=\(1,\)", str(said[0].message))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h(x, 3)  # once per Hybrid
+        h.apply(h.params, x, 4)
+        assert h.trace_count == 5
+        s = sm.hybridize(f, jnp.float32(2), static_argnums=(1,), static_argnames=("scale",))
+        for t in range(2):
+            s(x, t, scale=t + 1.0)  # static on purpose: a trace per value, unwarned
+        assert s.trace_count == 2
+    k = sm.hybridize(f, jnp.float32(2))
+    k(x, jnp.float32(0), scale=1.0)
+    with pytest.warns(RetraceWarning, match=r"kwargs\['scale'\] \(1\.0 -> 0\.5\).*"
+                      r"static_argnames=\('scale',\)"):  # fmt: skip
+        k(x, jnp.float32(1), scale=0.5)
 
 
 def test_max_traces_raises_with_the_explanation(chapter):
@@ -525,8 +555,9 @@ def test_a_static_nan_or_negative_zero_keys_its_own_trace_as_eagerly():
     # new float('nan') (nan != nan) missed the cache: a trace per call
     h = sm.hybridize(lambda p, x, d=1.0, t=(1.0,): x / d * t[0], {})
     x = jnp.ones(2)
-    for d, t in ((0.0, (1.0,)), (-0.0, (1.0,)), (1.0, (-0.0,))):
-        np.testing.assert_array_equal(h(x, d=d, t=t), h.eager(x, d=d, t=t))
+    with pytest.warns(RetraceWarning, match=r"kwargs\['d'\] \(0\.0 -> -0\.0\)"):
+        for d, t in ((0.0, (1.0,)), (-0.0, (1.0,)), (1.0, (-0.0,))):
+            np.testing.assert_array_equal(h(x, d=d, t=t), h.eager(x, d=d, t=t))
     assert "kwargs['d'] (static) changed from 0.0 to -0.0" in h.trace_log[1].reason
     count = h.trace_count
     for _ in range(3):

@@ -90,7 +90,7 @@ class Hybrid(Staged, NoPickle):
         owned = donate and model.stateful and mesh is None
         held = HeldState(name, {} if state is None else state, own=owned)
         log, baked = TraceLog(name, max_traces), params_as_constants
-        traced = TracedModel(model, treedef, leaves if baked else None, held, log)
+        traced = TracedModel(model, treedef, leaves if baked else None, held, log, nums | names)
         trace = traced.stateful if model.stateful else traced.stateless
         if parallel is None:
             options = {"fun": trace, "donate_argnums": (2,) if model.stateful and donate else ()}

@@ -28,6 +28,7 @@ from symjax_mlp._errors import (
 from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, not_data, rebuild
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
+from symjax_mlp._hybrid.numbers import warn_numbers
 from symjax_mlp._hybrid.params import overflowing
 from symjax_mlp._hybrid.pure import (
     PureModel,
@@ -209,6 +210,8 @@ class TracedModel:
     constants: list[Any] | None
     held: HeldState
     log: TraceLog
+    deliberate: frozenset = frozenset()  # static_argnums and static_argnames: never warned of
+    warned: threading.Event = dataclasses.field(default_factory=threading.Event)  # numbers'
 
     def __post_init__(self) -> None:
         self.held.grows = self.model.kind == "nnx"  # nnx.jit keeps what a call adds
@@ -290,6 +293,10 @@ class TracedModel:
         params = leaves if entry == "apply" else self.params(leaves)
         given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
         held = [f"state{p}" for p in _paths(jax.tree.structure(state))]
+        if not self.warned.is_set() and warn_numbers(
+            self.log.name, self.log.events, self.deliberate, static, dyn, dyn_kw, entry
+        ):
+            self.warned.set()  # once per Hybrid
         try:
             with self.log.tracing(static, dyn, dyn_kw, entry, held):
                 result = self.call(static, params, state, dyn, dyn_kw)
