@@ -15,7 +15,7 @@ them where they fit none of the matrix's shapes.
 - ensembling.rst's pmapped ensemble of 8 CNNs trained over ``h.apply``, its mean probabilities
   served; flax_sharp_bits.md's dropout mode as a module attribute.
 - docs_nnx: surgery.md's ``TwoLayerMLP`` swapped, shared, weight-tied (the whole matrix) and
-  monkey-patched; pytree.md's nnx module as a jitted function's argument and its
+  monkey-patched, its renamed checkpoint and its LoRA partial initialization; pytree.md's nnx module as a jitted function's argument and its
   ``nnx.Pytree`` s as params; jax_and_nnx_transforms.rst's two train steps; flax_gspmd.md's
   sharded ``MultiDotReluDot`` on a 2x4 mesh of the 8 CPU devices; haiku_to_flax.rst's nnx
   side: its dropout ``Model`` (the whole matrix, and its ``train_step``), ``AutoEncoder.encode``
@@ -676,3 +676,49 @@ def test_the_nnx_haiku_guides_dropout_train_step_over_h_apply_equals_its_own():
     model.eval()
     hybridized.eval()  # the Hybrid's module: its mode switches the Hybrid
     _close(h.replace(params=params, state=state)(x), model(x))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")  # the guide's
+def test_the_nnx_surgery_guides_renamed_checkpoint_restores_and_replaces_as_nnx(tmp_path):
+    """surgery.md's checkpoint surgery: ``TwoLayerMLP``'s state saved by Orbax, restored as a
+    raw dict, ``linear1/2`` renamed ``layer1/2``, fitted into ``ModifiedTwoLayerMLP`` by
+    ``nnx.replace_by_pure_dict``: the restored model's Hybrid answers as the old model; the
+    same renaming given to a fresh ModifiedTwoLayerMLP's Hybrid by ``h.replace`` does too,
+    and the old names given unrenamed are refused naming both."""
+    import orbax.checkpoint as orbax
+
+    x = jnp.ones((3, 4))
+    checkpointer = orbax.PyTreeCheckpointer()
+    old_model = zoo7.TwoLayerMLP(4, rngs=nnx.Rngs(0))
+    checkpointer.save(tmp_path / "nnx-surgery-state", nnx.state(old_model), force=True)
+    raw_dict = checkpointer.restore(tmp_path / "nnx-surgery-state")
+    raw_dict["layer1"] = raw_dict.pop("linear1")
+    raw_dict["layer2"] = raw_dict.pop("linear2")
+    abs_model = nnx.eval_shape(lambda: zoo7.ModifiedTwoLayerMLP(4, rngs=nnx.Rngs(0)))
+    graph_def, state = nnx.split(abs_model)
+    nnx.replace_by_pure_dict(state, zoo7.process_raw_dict(raw_dict))
+    restored_model = nnx.merge(graph_def, state)
+    want = old_model(x)
+    _close(sm.hybridize(restored_model)(x), want)
+    h_old = sm.hybridize(old_model)
+    h = sm.hybridize(zoo7.ModifiedTwoLayerMLP(4, rngs=nnx.Rngs(1)))
+    renamed = {"layer1": h_old.params["linear1"], "layer2": h_old.params["linear2"]}
+    _close(h.replace(params=renamed)(x), want)
+    with pytest.raises(sm.ConfigError, match=r"missing .*'layer1'.*unexpected .*'linear1'"):
+        h.replace(params=h_old.params)(x)
+
+
+@pytest.mark.slow
+def test_the_nnx_surgery_guides_partially_initialized_lora_model_hybridizes_and_exports(tmp_path):
+    """surgery.md's memory-efficient partial initialization (an ``nnx.jit``-made TwoLayerMLP
+    whose ``linear1`` is a LoRALinear, the old state donated into it): its Hybrid holds the
+    LoRA params beside the old ones, answers as it, and exports (batch symbolic) and loads."""
+    old_state = nnx.state(zoo7.TwoLayerMLP(4, rngs=nnx.Rngs(0)))
+    good_model, x = zoo7.partial_init(old_state, nnx.Rngs(42)), _x(0, (3, 4))
+    h = sm.hybridize(good_model)
+    assert set(h.params["linear1"]["lora"]) == {"lora_a", "lora_b"}
+    want = good_model(x)
+    _close(h(x), want)
+    m = _exported(tmp_path, h, (x,))
+    _close(m(np.asarray(x[:2])), want[:2])

@@ -24,7 +24,8 @@ guides all call ``Model`` (or ``Block``) are renamed by their guide and section,
   ``compute_metrics``, ``create_learning_rate_fn``, ``train_step`` made by
   ``make_lr_train_step``, ``create_train_state``);
 - docs_nnx/guides/surgery.md (``TwoLayerMLP``: its swapping, sharing, weight-tying and
-  monkey-patching done in the tests, as the guide does them to a made model);
+  monkey-patching done in the tests, as the guide does them to a made model; its checkpoint
+  surgery's ``ModifiedTwoLayerMLP`` and ``process_raw_dict``, its ``partial_init``);
 - docs_nnx/guides/pytree.md (``Linear`` -> ``PytreeLinear`` and ``forward``: an nnx module as
   a jitted function's argument; ``nnx.Pytree``'s ``Linear`` -> ``DataLinear``, ``MLP`` ->
   ``DataMLP``, and ``Bar``);
@@ -715,3 +716,34 @@ class NnxFooModule(nnx.Module):
         output = x + self.multiplier * self.counter.value
         self.counter.value += 1
         return output
+
+
+# -- docs_nnx/guides/surgery.md, "Checkpoint surgery", as written there ---------------------------
+class ModifiedTwoLayerMLP(nnx.Module):
+    def __init__(self, dim, rngs: nnx.Rngs):
+        self.layer1 = nnx.Linear(dim, dim, rngs=rngs)  # no longer linear1!
+        self.layer2 = nnx.Linear(dim, dim, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.layer1(x)
+        return self.layer2(x)
+
+
+def process_raw_dict(raw_state_dict):
+    flattened = nnx.traversals.flatten_mapping(raw_state_dict)
+    # Cut the '.value' postfix on every leaf path.
+    flattened = {
+        (path[:-1] if path[-1] == "value" else path): value for path, value in flattened.items()
+    }
+    return nnx.traversals.unflatten_mapping(flattened)
+
+
+# -- docs_nnx/guides/surgery.md, "Memory-efficient partial initialization", as written there ------
+@nnx.jit(donate_argnums=0)
+def partial_init(old_state, rngs):
+    model = TwoLayerMLP(4, rngs=rngs)
+    # Create a new state.
+    model.linear1 = nnx.LoRALinear(4, 4, lora_rank=3, rngs=rngs)
+    # Add the existing state.
+    nnx.update(model, old_state)
+    return model
