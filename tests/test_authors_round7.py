@@ -15,11 +15,12 @@ them where they fit none of the matrix's shapes.
 - ensembling.rst's pmapped ensemble of 8 CNNs trained over ``h.apply``, its mean probabilities
   served; flax_sharp_bits.md's dropout mode as a module attribute.
 - docs_nnx: surgery.md's ``TwoLayerMLP`` swapped, shared, weight-tied (the whole matrix) and
-  monkey-patched, its renamed checkpoint and its LoRA partial initialization; pytree.md's nnx module as a jitted function's argument and its
-  ``nnx.Pytree`` s as params; jax_and_nnx_transforms.rst's two train steps; flax_gspmd.md's
-  sharded ``MultiDotReluDot`` on a 2x4 mesh of the 8 CPU devices; haiku_to_flax.rst's nnx
-  side: its dropout ``Model`` (the whole matrix, and its ``train_step``), ``AutoEncoder.encode``
-  and ``nnx.scan`` RNN (the whole matrix), its ``Counter`` FooModule.
+  monkey-patched, its renamed checkpoint and its LoRA partial initialization; pytree.md's nnx
+  module as a jitted function's argument and its ``nnx.Pytree`` s as params;
+  jax_and_nnx_transforms.rst's two train steps; flax_gspmd.md's sharded ``MultiDotReluDot`` on
+  a 2x4 mesh of the 8 CPU devices; haiku_to_flax.rst's nnx side: its dropout ``Model`` (the
+  whole matrix, and its ``train_step``), ``AutoEncoder.encode`` and ``nnx.scan`` RNN (the whole
+  matrix), its ``Counter`` FooModule.
 """
 
 from types import SimpleNamespace
