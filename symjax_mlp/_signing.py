@@ -262,9 +262,16 @@ def check(
     that was called and its keyword that took the key, ``("symjax_mlp.load",
     "verify_signature")`` unless given."""
 
-    def sized() -> None:  # the signature verified, before a file is hashed: one resized (huge)
-        if resized := _resized(_signed_manifest(path, _digests(copy.read_bytes())), before):
-            raise ArtifactError(resized)  # refused unread
+    def sized() -> None:  # the signature verified, before a file is hashed: refused unread, a
+        signed = _digests(copy.read_bytes())  # file resized (huge) or the manifest changed
+        try:
+            data = read_regular(path / MANIFEST, limit=MAX_MANIFEST_BYTES, error=ArtifactError)
+        except FileNotFoundError:  # model-signing names it
+            return
+        if MANIFEST in signed and sha256(data) != signed[MANIFEST]:  # no sizes to trust
+            raise ArtifactError(f"it signs other contents of {MANIFEST}")  # the rest unread
+        if resized := _resized(_signed_manifest(path, signed), before):
+            raise ArtifactError(resized)
 
     config = _config("verifying", sized)
     path, key = _checked(path, public_key, private=False, call=call)

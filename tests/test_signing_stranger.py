@@ -383,21 +383,29 @@ def test_a_file_added_after_signing_is_refused_unread(signed, tmp_path, monkeypa
         bounded(lambda: sm.verify_signature(art, public), 30)
 
 
-@pytest.mark.parametrize("name", ["params.safetensors", "model.jaxexport"])
+@pytest.mark.parametrize("name", ["params.safetensors", "model.jaxexport", "manifest.json"])
 def test_a_listed_file_replaced_by_a_huge_one_is_refused_by_its_size_unhashed(
     signed, tmp_path, monkeypatch, name
 ):
     """A signed file replaced by a 10 GiB sparse one was hashed whole by model-signing before
     the mismatch refused it (1 GiB: 1.2 s to verify_signature, 5.5 s to load; 1 TB: hours).
-    Now, the signature verified, its size against the manifest it signs refuses it, unhashed."""
+    Now, the signature verified, its size against the manifest it signs refuses it, unhashed;
+    a manifest listing the huge size, edited, is not the one signed: refused, the rest unread."""
     _, _, public, _, _ = signed
     art = _copy(signed, tmp_path)
-    listed = json.loads((art / "manifest.json").read_text())["files"][name]["bytes"]
-    _sparse(art / name, 10 << 30)
+    manifest = json.loads((art / "manifest.json").read_text())
+    huge = "params.safetensors" if name == "manifest.json" else name
+    listed, manifest["files"][huge]["bytes"] = manifest["files"][huge]["bytes"], 10 << 30
+    _sparse(art / huge, 10 << 30)
+    if name == "manifest.json":
+        (art / name).write_text(json.dumps(manifest))
     hashed = lambda *a, **k: pytest.fail("model-signing hashed the files")  # noqa: E731
     monkeypatch.setattr(model_signing.hashing.Config, "hash", hashed)
-    said = rf"does not verify .*: {name} has 10,737,418,240 bytes, where the manifest it signs "
-    with pytest.raises(sm.ArtifactError, match=said + rf"lists {listed:,} \(refused unread\)"):
+    said = rf"does not verify .*: {huge} has 10,737,418,240 bytes, where the manifest it signs "
+    said += rf"lists {listed:,} \(refused unread\)"
+    if name == "manifest.json":
+        said = r"does not verify .*: it signs other contents of manifest\.json\. The artifact"
+    with pytest.raises(sm.ArtifactError, match=said):
         bounded(lambda: sm.load(art, verify_signature=public), 30)
     with pytest.raises(sm.ArtifactError, match=said):
         bounded(lambda: sm.verify_signature(art, public), 30)
