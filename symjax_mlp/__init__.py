@@ -20,6 +20,7 @@ from symjax_mlp._errors import ControlFlowError as ControlFlowError
 from symjax_mlp._errors import DataError as DataError
 from symjax_mlp._errors import DivergenceError as DivergenceError
 from symjax_mlp._errors import RetraceError as RetraceError
+from symjax_mlp._errors import RetraceWarning as RetraceWarning
 from symjax_mlp._errors import SignatureError as SignatureError
 from symjax_mlp._errors import SymjaxError as SymjaxError
 
@@ -108,6 +109,7 @@ __all__ = [
     "HybridSequential",
     "LoadedModel",
     "RetraceError",
+    "RetraceWarning",
     "Signature",
     "SignatureError",
     "SymjaxError",

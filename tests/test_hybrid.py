@@ -16,7 +16,7 @@ from flax import nnx
 from helpers import ZOO
 
 import symjax_mlp as sm
-from symjax_mlp._errors import RetraceWarning
+from symjax_mlp import RetraceWarning
 from symjax_mlp.chapter import HybridNet
 
 
