@@ -723,3 +723,27 @@ def test_the_nnx_surgery_guides_partially_initialized_lora_model_hybridizes_and_
     _close(h(x), want)
     m = _exported(tmp_path, h, (x,))
     _close(m(np.asarray(x[:2])), want[:2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["shared", "replaced"])
+def test_nnx_surgery_after_hybridize_is_refused_by_export_and_a_batcher(how, tmp_path):
+    """surgery.md's sharing (``model.linear2 = model.linear1``) or monkey-patching (an
+    ``nnx.static`` function in ``linear2``'s place) done to a module after ``sm.hybridize``: the
+    Hybrid runs the module as hybridized (its Params held then), and export wrote that
+    silently, an artifact of a model that no longer is (a swap was refused, as trained in
+    place); now export and a Batcher refuse both, naming the Params gone and the module
+    operated on; hybridized again, it exports as it is now."""
+    model, x = zoo7.TwoLayerMLP(4, rngs=nnx.Rngs(0)), _x(0, (3, 4))
+    h = sm.hybridize(model)
+    if how == "shared":
+        model.linear2 = model.linear1
+    else:
+        model.linear2 = nnx.static(lambda x: x)
+    said = r"holds other Params \(\['linear2'\]\['bias'\], \['linear2'\]\['kernel'\]\).*operated on"
+    with pytest.raises(sm.ConfigError, match=said):
+        sm.export(h, tmp_path / "x", example=(x,))
+    with pytest.raises(sm.ConfigError, match=said):
+        sm.serving.Batcher(h, example=x[:1], max_batch=4)
+    m = _exported(tmp_path, sm.hybridize(model), (x,))
+    _close(m(np.asarray(x)), model(x))

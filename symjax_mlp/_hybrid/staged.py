@@ -17,9 +17,10 @@ from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
 
 _TRAINED = (
     "{caller}: the nnx module holds other Params ({paths}) than the Hybrid was made of: it was "
-    "trained in place since sm.hybridize (an nnx.Optimizer's update, a view's training step), "
-    "and the Hybrid holds its params as of sm.hybridize, so {what} the untrained ones. Use "
-    "sm.hybridize(model) of the trained module, or h.replace(params=nnx.to_pure_dict("
+    "trained in place since sm.hybridize (an nnx.Optimizer's update, a view's training step) "
+    "or operated on (a sub-module shared, swapped or replaced), and the Hybrid holds its "
+    "params as of sm.hybridize, so {what} the ones before. Use sm.hybridize(model) of the "
+    "trained module (or operated on), or h.replace(params=nnx.to_pure_dict("
     "nnx.state(model, nnx.Param))); for the params as hybridized, h.replace(params="
     "jax.tree.map(jnp.copy, h.params))."
 )

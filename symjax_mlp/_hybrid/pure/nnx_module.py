@@ -116,8 +116,12 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     born = [id(a) for a in jax.tree.leaves(params)]  # ids: the arrays are h.params' to keep
 
     def trained(given: Any) -> list[str]:  # the module trained in place (nnx.Optimizer, a view)
-        same = [id(a) for a in jax.tree.leaves(given)] == born
-        return _reassigned(given, nnx.state(module, wrt), _equal) if same else []
+        if [id(a) for a in jax.tree.leaves(given)] != born:
+            return []
+        now = nnx.state(module, wrt)  # and those surgery took away (a sub-module shared)
+        gone = set(leaf_paths((given, {}))) - set(leaf_paths((nnx.to_pure_dict(now), {})))
+        changed = _reassigned(given, now, _equal)
+        return changed + [p.removeprefix("params") for p in sorted(gone)]
 
     target = type(module).__call__ if fn is None else fn
     model = PureModel(call, bool(state), "nnx", merge, target, settings if watched else None,
