@@ -3,12 +3,14 @@ the cause: inputs of mixed leading dimensions, a model of one example, an ensemb
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from symjax_mlp._errors import SignatureError, SymjaxError, message
+from symjax_mlp._hybrid.jaxpr import walk
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._specs import TensorSpec, ensemble_member, shape_dims
 
@@ -111,6 +113,43 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
             shared="" if len(examples) < 2 else _SHARED.format(specs=specs),
         )
     ) from None  # fmt: skip
+
+
+def trace_placed(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any], Any]:
+    """:func:`trace_batch`'s jaxpr and inputs, and the params' structs: with the shardings of
+    arrays split over a mesh where the program maps them by hand (a shard_map: each device
+    takes its shard, FSDP's params), else as one device's program, as it was (its artifact
+    loads on one device; a trace that fails with them fails here as it did)."""
+    if stage.placed or any(s.sharding is not None for s in stage.in_specs):
+        try:
+            jaxpr, specs = trace_batch(jitted, p_structs, stage)
+            if any(e.primitive.name == "shard_map" for e, _ in walk(jaxpr)):
+                return jaxpr, specs, p_structs
+        except Exception:  # (a mesh of Explicit axes refuses some models' sharded trace)
+            pass
+    bare = {p: _bare(s) for p, s in p_structs.items()}
+    stage = dataclasses.replace(stage, in_specs=[*map(_bare, stage.in_specs)],
+                                examples=tuple(map(_bare, stage.examples)))  # fmt: skip
+    return (*trace_batch(jitted, bare, stage), bare)
+
+
+def split_over_mesh(x: Any) -> Any:
+    """The sharding of a jax.Array split over a mesh's devices, else ``None`` (replicated, or
+    on one device)."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):  # (export under a jit:
+        return None  # refused later, by the tracer's conversion to NumPy, as it was)
+    return None if x.sharding.is_fully_replicated else x.sharding
+
+
+def placed_struct(shape: Any, x: Any, sharded: bool) -> jax.ShapeDtypeStruct:
+    """``x``'s struct at ``shape``, with its sharding where it is split over a mesh and the
+    shape static (JAX splits no symbolic dimension: 'does not evenly divide ... b')."""
+    split = sharded and all(isinstance(d, int) for d in shape)
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=split_over_mesh(x) if split else None)
+
+
+def _bare(s: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(s.shape, s.dtype)
 
 
 def _ensemble(p_structs: Any, lead: tuple[int, ...]) -> str | None:

@@ -16,7 +16,7 @@ from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import check_paths, param_specs
 from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
-from symjax_mlp._export_batch import trace_batch
+from symjax_mlp._export_batch import placed_struct, split_over_mesh, trace_placed
 from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent, walk
@@ -81,6 +81,7 @@ class Stage:
     per_input_shapes: bool
     constraints: tuple[str, ...]
     examples: tuple[jax.ShapeDtypeStruct, ...] = ()  # the example's own (static) shapes
+    placed: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # params' shardings
     baked_keys: bool = False  # rng keys h holds, baked in as constants
     streams: tuple[str, ...] = ()  # the rng streams a call moves (split or counted)
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # settings given
@@ -117,6 +118,12 @@ def stage(
     stored, fn, baked = _exportable(h)
     streams = _moved(h, static, examples, kw)
     specs, host_params = param_specs(stored)  # as jax.export traces them
+    # arrays split over a mesh, as a shard_map takes them (see trace_placed); a sharded
+    # Hybrid's (h.shard) own constraints place its inputs
+    mine, leaves = h.mesh is None, jax.tree.leaves(stored)
+    placed = {s.path: p for s, x in zip(specs, leaves, strict=True)
+              if mine and (p := split_over_mesh(x)) is not None}  # fmt: skip
+    in_specs = [placed_struct(s.shape, x, mine) for s, x in zip(in_specs, examples, strict=True)]
     treedef, paths = jax.tree.structure(stored), tuple(s.path for s in specs)
     fn = constrained(h.mesh, h.axis, fn) if h.mesh is not None else fn
     check_paths(f"export({h.name})", paths)
@@ -130,8 +137,8 @@ def stage(
     order = sorted(range(len(specs)), key=lambda i: specs[i].path)
     return Stage(h, static, in_specs, [specs[i] for i in order], [host_params[i] for i in order],
                  model, batch, shapes is not None, (*constraints,),
-                 tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in examples),
-                 baked, streams, kw)  # fmt: skip
+                 tuple(placed_struct(x.shape, x, mine) for x in examples),
+                 placed, baked, streams, kw)  # fmt: skip
 
 
 def export_program(
@@ -139,11 +146,12 @@ def export_program(
 ) -> tuple[Any, Signature, dict[str, Any]]:
     """``jax.export`` of one entry point (params by path), its signature and rows verdict."""
     h = stage.h
-    p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in sorted(own.items())}
+    p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=stage.placed.get(p))
+                 for p, (_, a) in sorted(own.items())}  # fmt: skip
     jitted, jaxpr = jax.jit(stage.fn), None
     try:
         with without_source_locations():  # reproducible bytes: no path of this machine inside
-            jaxpr, in_specs = trace_batch(jitted, p_structs, stage)  # traced once: export reuses it
+            jaxpr, in_specs, p_structs = trace_placed(jitted, p_structs, stage)  # export reuses
             outs = [v.aval for v in jaxpr.outvars]
             named = {f"args[{i}]": x for i, x in enumerate(in_specs)}
             named |= {"out" if len(outs) == 1 else f"out[{i}]": a for i, a in enumerate(outs)}

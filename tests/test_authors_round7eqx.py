@@ -211,7 +211,8 @@ def test_the_symmetric_models_grads_through_apply_equal_its_loss_fns():
 def test_an_ensemble_evaluated_on_the_same_data_exports_with_static_shapes_as_refused(tmp_path):
     """tricks.md's ``evaluate_ensemble`` (every member on one example, no batch): a symbolic
     batch is refused naming batch=None, which exports, loads and answers as equinox; a
-    Batcher over it is refused naming per-row outputs."""
+    Batcher over it is refused naming per-row outputs, with max_batch=4 too (it named a
+    symbolic batch, which export refuses for this model)."""
     mlp_ensemble = zoo.make_ensemble(jax.random.split(jax.random.PRNGKey(0), 8))
     x = jax.random.normal(jax.random.PRNGKey(0), (2,))
     h = sm.hybridize(zoo.evaluate_ensemble, mlp_ensemble)
@@ -222,8 +223,9 @@ def test_an_ensemble_evaluated_on_the_same_data_exports_with_static_shapes_as_re
     sm.export(h, tmp_path / "m", example=x, batch=None)  # as it says
     m = sm.load(tmp_path / "m")
     chex.assert_trees_all_close(m(np.asarray(x)), want, **TOL)
-    with pytest.raises(sm.ConfigError, match=r"out is of shape \(8, 2\).*per-row outputs"):
-        sm.serving.Batcher(m)
+    for max_batch in (None, 4):  # 4 said 'export it with a symbolic batch', refused above
+        with pytest.raises(sm.ConfigError, match=r"out is of shape \(8, 2\).*per-row outputs"):
+            sm.serving.Batcher(m, max_batch=max_batch)
 
 
 # -- jax docs/stateful-computations.md -----------------------------------------------------------
@@ -317,6 +319,38 @@ def test_the_shard_map_data_parallel_loss_runs_differentiates_and_exports_on_its
     inputs = np.asarray(batch[0])[:5]
     got = sm.load(tmp_path / "p")(inputs)
     np.testing.assert_allclose(got, zoo.sm_predict(jax.device_get(params), inputs), **TOL)
+
+
+@pytest.mark.slow  # shard_map over 4 devices, two exports and loads: 2 s (6 s first)
+def test_the_shard_map_fsdp_loss_exports_with_its_params_sharded_and_loads(tmp_path):
+    """The notebook's ``loss_fsdp`` takes its params sharded ``P('batch')``, each device a
+    fragment it all-gathers. Export staged them unsharded, so every device saw the whole
+    arrays and the model raised (dot_general's contracting dimensions, 16 and 64), which was
+    named 'args[0] is a Python tuple ... not an array'. Export stages params and inputs
+    split over a mesh as they are where the program maps them by hand (a shard_map): the
+    artifact (4 devices) loads and answers as the notebook's ``loss``; with the batch
+    symbolic it is refused naming batch=None. A model of no shard_map over those params
+    (``predict``) exports one device's program, as it did, which loads anywhere."""
+    mesh = jax.make_mesh((4,), ("batch",))  # the last bias has 4 features: 8 do not divide it
+    params, batch = zoo.sm_init(jax.random.key(0), zoo.layer_sizes, zoo.batch_size)
+    want = zoo.sm_loss(params, batch)
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(batch, P("batch"))
+        params = jax.device_put(params, P("batch"))
+        h = sm.hybridize(zoo.loss_fsdp_of(P), params)
+        np.testing.assert_allclose(h(batch), want, **TOL)
+        flat = sm.hybridize(lambda p, inputs, targets: h.apply(p, (inputs, targets)), params)
+        with pytest.raises(sm.SignatureError, match=r"sharded over 4 devices.*Pass batch=None"):
+            sm.export(flat, tmp_path / "m", example=batch)
+        art = sm.export(flat, tmp_path / "m", example=batch, batch=None)
+    assert art.manifest["nr_devices"] == 4
+    m = sm.load(art.path, allow={"all_reduce", "all_gather"})
+    np.testing.assert_allclose(m(*map(np.asarray, batch)), want, **TOL)
+    inputs = np.asarray(batch[0])
+    art = sm.export(sm.hybridize(zoo.sm_predict, params), tmp_path / "p", example=inputs)
+    assert art.manifest["nr_devices"] == 1
+    want = zoo.sm_predict(jax.device_get(params), inputs[:5])
+    np.testing.assert_allclose(sm.load(art.path)(inputs[:5]), want, **TOL)
 
 
 # -- jax docs/notebooks/neural_network_with_tfds_data.md, and optimizers' docstring -------------

@@ -551,6 +551,25 @@ def test_odd_numpy_objects_are_named_at_every_door(case, tmp_path):
             call()
 
 
+def test_a_tuple_or_dict_of_arrays_the_model_unpacks_keeps_the_models_own_type_error():
+    """h(batch) of a tuple of arrays the model unpacks, whose arrays disagree in a shape (FSDP
+    params exported unsharded: dot_general's contracting dimensions 16 and 64): every door
+    named the tuple ('args[0] is a Python tuple ... not an array'), the wrong cause. The
+    model's TypeError is its own; a tree it takes as an array ({'a': x} @ w) is still named."""
+    h = sm.hybridize(lambda p, b: (b[0] @ b[1]) * p, jnp.float32(2))
+    g = sm.hybridize(lambda p, b: (b["a"] @ b["b"]) * p, jnp.float32(2))
+    x, y = jnp.ones((3, 16)), jnp.ones((4, 2))
+    doors = [lambda: h((x, y)), lambda: h.eager((x, y)), lambda: h.apply(h.params, (x, y)),
+             lambda: h.graph((x, y)), lambda: sm.stage(lambda b: b[0] @ b[1])((x, y)),
+             lambda: g({"a": x, "b": y})]  # fmt: skip
+    for call in doors:
+        with pytest.raises(TypeError, match=r"^dot_general requires contracting") as e:
+            call()
+        assert not isinstance(e.value, sm.SymjaxError)
+    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a Python dict.*'dict'"):
+        sm.hybridize(lambda p, b: b @ p, jnp.ones((16, 2)))({"a": x})
+
+
 @pytest.mark.parametrize("option", ["rtol", "batches", "timeout"])
 def test_verify_refuses_a_numpy_duration_for_a_number(option, tmp_path):
     """np.timedelta64 is a numbers.Integral to Python: verify(rtol=it) raised NumPy's

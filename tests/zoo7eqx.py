@@ -11,14 +11,15 @@ Sources (each section below names its file):
   per-parameter behaviour, ensembling on the same data).
 - jax-ml/jax@cec06d116c05f0d52adfceee3d3b730fdbcb0ce5: docs/stateful-computations.md
   (CounterV2, linear regression), docs/notebooks/shard_map.md ("Neural networks", "8-way batch
-  data parallelism"), docs/notebooks/neural_network_with_tfds_data.md (its MLP; tensorflow and
-  tensorflow_datasets are not installed: its data loading is cut) and
+  data parallelism", its FSDP), docs/notebooks/neural_network_with_tfds_data.md (its MLP;
+  tensorflow and tensorflow_datasets are not installed: its data loading is cut) and
   jax/example_libraries/optimizers.py's module docstring (its ``step``).
 
 Sizes are cut to the smallest that run, each cut said where it is made.
 """
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import equinox as eqx
@@ -376,6 +377,30 @@ def loss_dp_of(P):
         return jax.lax.pmean(local_loss, "batch")
 
     return loss_dp
+
+
+def loss_fsdp_of(P):
+    """``loss_fsdp``, the notebook's FSDP (its params sharded ``P('batch')``, each layer's
+    fragments all-gathered inside a remat that saves no all_gather), over the mesh set by
+    ``jax.set_mesh`` when this is called."""
+
+    @partial(jax.remat, policy=lambda op, *_, **__: str(op) != "all_gather")
+    def predict_fsdp(params_frag, inputs):
+        for W_frag, b_frag in params_frag:
+            W = jax.lax.all_gather(W_frag, "batch", tiled=True)
+            b = jax.lax.all_gather(b_frag, "batch", tiled=True)
+            outputs = jnp.dot(inputs, W) + b
+            inputs = jax.nn.relu(outputs)
+        return outputs
+
+    @jax.shard_map(out_specs=P())
+    def loss_fsdp(local_params, local_batch):
+        inputs, targets = local_batch
+        predictions = predict_fsdp(local_params, inputs)
+        local_loss = jnp.mean(jnp.sum((predictions - targets) ** 2, axis=-1))
+        return jax.lax.pmean(local_loss, "batch")
+
+    return loss_fsdp
 
 
 # -- jax docs/notebooks/neural_network_with_tfds_data.md: a per-example MLP, vmapped ------------

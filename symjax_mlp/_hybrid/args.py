@@ -160,12 +160,24 @@ def not_data(caller: str, error: Exception, args: Sequence[Any], kwargs: dict[st
     kinds = ((str, bytes, np.str_, np.bytes_, type(None)), trees, (int, float, complex))
     typed = [(k, v, next((t for t in trees if isinstance(v, t)), type(v))) for k, v in inputs]
     for path, v in ((path_of(k), v) for ks in kinds for k, v, t in typed if t in ks):
+        if _own(error, v):
+            continue
         shown = f"keys {sorted(map(str, v))[:5]}" if isinstance(v, dict) else repr(v)[:40]
         kind = ("NumPy " if isinstance(v, np.generic) else "Python ") + type(v).__name__
         what = "None" if v is None else f"a {kind} ({shown})"  # (a bool: a setting, not here)
         said = quoted(error)
         return SignatureError(_NOT_DATA.format(caller=caller, path=path, what=what, error=said))
     return None
+
+
+def _own(error: Exception, value: Any) -> bool:
+    """Whether ``error`` is the model's own on a tree of arrays it takes (h(batch) of a tuple
+    it unpacks): a TypeError that names no tree (dot_general's contracting dimensions, a shape
+    its arrays disagree in), not one of Python on the tree itself ('dict' and ...)."""
+    leaves = jax.tree.leaves(value) if isinstance(value, dict | tuple | list) else ()
+    if not leaves or not all(isinstance(x, np.ndarray | jax.Array) for x in leaves):
+        return False
+    return isinstance(error, TypeError) and f"'{type(value).__name__}'" not in message(error)
 
 
 def quoted(error: BaseException) -> str:
