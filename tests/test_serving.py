@@ -1110,8 +1110,23 @@ def test_a_loaded_artifact_with_a_static_batch(tmp_path):
         assert not b.merges and "static shapes" in b.why_alone  # its rows are not shown apart
         np.testing.assert_allclose(b(rows(4)), np.asarray(m(rows(4))), rtol=1e-6, atol=1e-6)
         assert b.stats.padded_rows == 0
-    with pytest.raises(ValueError, match="static batch of 4"):
+    with pytest.raises(ValueError, match="static batch of 4") as e:
         sm.serving.Batcher(m, max_batch=8)
+    # both ways, neither promised: a symbolic batch is refused for a model that fixes its rows
+    assert "pass max_batch=4) to serve it so, one request of 4 rows" in str(e.value)
+    assert "symbolic batch (batch='b') where the model takes one (not where" in str(e.value)
+
+
+def test_a_static_batch_artifact_of_rows_unlike_its_batch_is_refused_whatever_max_batch(tmp_path):
+    """An artifact of static shapes whose output is not its batch's rows (an ensemble's members
+    on one example: (8, 2) for 2 rows): Batcher(m, max_batch=4) named a symbolic batch, which
+    export refuses for such a model, and max_batch=2 then failed at warm-up. Refused naming
+    per-row outputs whatever max_batch, as warm-up refused it without one."""
+    h = sm.hybridize(lambda p, x: p * x, jnp.ones((8, 1)))
+    m = sm.load(sm.export(h, tmp_path / "m", example=jnp.ones((2,)), batch=None).path)
+    for max_batch in (None, 2, 4):
+        with pytest.raises(sm.ConfigError, match=r"out is of shape \(8, 2\) for a batch of 2, "):
+            sm.serving.Batcher(m, max_batch=max_batch)
 
 
 @pytest.mark.parametrize("n", [1, 3, 5])

@@ -55,12 +55,15 @@ def numpy(name: str, path: Any, y: Any, bucket: int) -> np.ndarray:
     except Exception as e:  # its __array__ raised, or a typed PRNG key's (its str may too)
         said = traceback.format_exception_only(e)[-1].strip()[:300]
         what = f"of type {type(y).__name__}, which NumPy cannot read as an array ({said}),"
-    raise ConfigError(
-        f"{name}: output out{jax.tree_util.keystr(path)} is {what} for a batch of "
-        f"{bucket}, but batching needs per-row outputs: arrays of numbers with the batch "
-        f"({bucket}) as leading dimension. Serve a model that returns one result per input "
-        "row (reduce over rows afterwards)."
-    ) from None
+    out = f"out{jax.tree_util.keystr(path)}"
+    raise ConfigError(_PER_ROW.format(name=name, out=out, what=what, bucket=bucket)) from None
+
+
+_PER_ROW = (
+    "{name}: output {out} is {what} for a batch of {bucket}, but batching needs per-row "
+    "outputs: arrays of numbers with the batch ({bucket}) as leading dimension. Serve a model "
+    "that returns one result per input row (reduce over rows afterwards)."
+)
 
 
 def unlike(lane: Any, out: Any, rows: int) -> RuntimeError | None:
@@ -165,6 +168,15 @@ def fixed_rows(name: str, model: Any, example: Any, bucket: int, buckets: tuple)
         return None
     what = {"name": name, "bucket": bucket, "rows": rows[0], "buckets": buckets}
     return ConfigError(_FIXED_ROWS.format(**what, path=member[0], shape=member[1]))
+
+
+def static_rows(path: Any, outputs: Any, batch: int) -> None:
+    """Refuses an artifact of a static ``batch`` whose outputs are not that many rows, as its
+    warm-up would: before its max_batch is checked, which no value of serves it."""
+    for spec in outputs:
+        if tuple(spec.shape[:1]) != (batch,):
+            what = {"out": spec.path, "what": f"of shape {tuple(spec.shape)}", "bucket": batch}
+            raise ConfigError(_PER_ROW.format(name=f"Batcher({path})", **what))
 
 
 _GROWN = (

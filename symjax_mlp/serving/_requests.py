@@ -25,7 +25,7 @@ from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec, out_of_range, unfit_array
-from symjax_mlp.serving._model import alone_rows
+from symjax_mlp.serving._model import alone_rows, static_rows
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -212,11 +212,13 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
             f"Batcher({model.path}): the inputs' leading dimensions {sig} disagree; batching "
             "needs one batch dimension shared by every input."
         )
+    fixed = static.pop() if static else None
+    fixed is None or static_rows(model.path, sig.outputs, fixed)
     rows = model.manifest.get("rows") or {}  # a static batch never shows its rows apart
     why = "" if rows.get("independent", True) else rows.get("why") or _MIXED
     bound = (sig, batch) if batch and sig.constraints else None
     why and isinstance(batch, str) and alone_rows(model.path, sig.outputs, batch, why)
-    return tuple(specs), (static.pop() if static else None), why, bound
+    return tuple(specs), fixed, why, bound
 
 
 def fits(bound: tuple[Signature, str] | None, n: int) -> bool:
@@ -231,8 +233,9 @@ def bucket_sizes(name: str, max_batch: int | None, buckets: Sequence[int] | None
         if (max_batch not in (None, static)) or (buckets is not None and list(buckets) != [static]):
             raise ConfigError(
                 f"{name}: the artifact was exported for a static batch of {static}, so every "
-                f"model call runs {static} rows; drop max_batch/buckets (or pass {static}), or "
-                "export it with a symbolic batch (batch='b') to batch freely."
+                f"model call runs {static} rows. Drop max_batch/buckets (or pass max_batch="
+                f"{static}) to serve it so, one request of {static} rows at a time; to batch "
+                f"freely, export it again with a symbolic batch (batch='b') {_WHERE}."
             )
         return (static,)
     max_batch = None if max_batch is None else check_count(name, "max_batch", max_batch)
@@ -266,10 +269,12 @@ def bucket_sizes(name: str, max_batch: int | None, buckets: Sequence[int] | None
     return kept
 
 
+_WHERE = "where the model takes one (not where it fixes its rows: an ensemble's members)"
 _STATIC = (
     ": it has {rows} rows. The artifact was exported for a static batch of {static}, and "
     "its rows are not shown independent ({why}), so a request is never padded nor merged: pass "
-    "exactly {static} rows, or export the model with a symbolic batch (batch='b')."
+    "exactly {static} rows, or export the model again with a symbolic batch (batch='b') "
+    "{where}."
 )
 _NUMBERS = (bool, int, float, complex, list, tuple)  # Python's, not an array
 
@@ -359,7 +364,7 @@ class RequestCheck:
         if n < 1:
             return ": it has no rows. Pass at least one row."
         if self.static and n != self.static:
-            return _STATIC.format(rows=n, static=self.static, why=self.why)
+            return _STATIC.format(rows=n, static=self.static, why=self.why, where=_WHERE)
         if n < self.least:  # rows mix (self.why): never padded up to a size the artifact takes
             return f": it has {n} rows, and its rows mix: never padded. Pass {self.least} or more."
         if n > self.max_batch:
