@@ -31,7 +31,7 @@ import pytest
 from helpers import ZOO, NnxModes, keyless, zoo_artifact
 
 import symjax_mlp as sm
-from symjax_mlp.serving._model import alone_rows
+from symjax_mlp.serving._model import alone_rows, static_rows
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -1117,6 +1117,7 @@ def test_a_loaded_artifact_with_a_static_batch(tmp_path):
     assert "symbolic batch (batch='b') where the model takes one (not where" in str(e.value)
 
 
+@pytest.mark.slow  # an export: 0.15 s after others, 1.9 s as a process's first
 def test_a_static_batch_artifact_of_rows_unlike_its_batch_is_refused_whatever_max_batch(tmp_path):
     """An artifact of static shapes whose output is not its batch's rows (an ensemble's members
     on one example: (8, 2) for 2 rows): Batcher(m, max_batch=4) named a symbolic batch, which
@@ -1127,6 +1128,18 @@ def test_a_static_batch_artifact_of_rows_unlike_its_batch_is_refused_whatever_ma
     for max_batch in (None, 2, 4):
         with pytest.raises(sm.ConfigError, match=r"out is of shape \(8, 2\) for a batch of 2, "):
             sm.serving.Batcher(m, max_batch=max_batch)
+
+
+def test_outputs_of_a_static_batch_artifact_must_be_its_rows():
+    """What a Batcher of a static-batch artifact checks its outputs by (see above), before its
+    max_batch: (8, 2) or a scalar for 2 rows is refused, naming the output; (2, 8) passes."""
+    rows = sm.TensorSpec("out[0]", (2, 8), "float32")
+    for shape in ((8, 2), ()):
+        outputs = (rows, sm.TensorSpec("out[1]", shape, "float32"))
+        said = rf"^Batcher\(m\): output out\[1\] is of shape {re.escape(str(shape))} for a "
+        with pytest.raises(sm.ConfigError, match=said + r"batch of 2, but batching needs per-row"):
+            static_rows("m", outputs, 2)
+    assert static_rows("m", (rows,), 2) is None
 
 
 @pytest.mark.parametrize("n", [1, 3, 5])
