@@ -36,7 +36,7 @@ import pytest
 import zoo6
 import zoo7eqx as zoo
 from flax import nnx
-from helpers import N_DEVICES, BatchNormGuideMLP, MiniGPT, _ints, _x, made_once
+from helpers import N_DEVICES, BatchNormGuideMLP, DropoutGuideModel, MiniGPT, _ints, _x, made_once
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -452,3 +452,53 @@ def test_a_spectral_norm_training_loop_threads_its_state_as_equinox():
     chex.assert_trees_all_close(losses, want_losses, **GRAD_TOL)
     chex.assert_trees_all_close(jax.tree.leaves((trained, state_h)),
                                 jax.tree.leaves((want, state_eqx)), **GRAD_TOL)  # fmt: skip
+
+
+TRAIN_TRANSFORMS = {
+    "jit": lambda f, x: jax.jit(f)(x),
+    "vmap": lambda f, x: jax.vmap(lambda r: f(r[None]))(x),
+    "grad": lambda f, x: jax.grad(lambda x: f(x).sum())(x),
+    "eval_shape": lambda f, x: jax.eval_shape(f, x),
+    "shard_map": lambda f, x: jax.shard_map(f, mesh=MESH, in_specs=P("d"), out_specs=P("d"))(x),
+    "checkpoint-scan": lambda f, x: jax.lax.scan(
+        lambda c, _: (c, jax.checkpoint(f)(c)), x, None, length=2
+    ),
+}
+
+
+@pytest.mark.slow  # six refusals and an eager call (~1 s)
+def test_the_batchnorm_hybrids_own_train_call_inside_a_transform_is_refused_naming_apply():
+    """``h(x, train=True)`` of the BatchNorm guide's MLP inside jax.jit, vmap, grad, eval_shape,
+    shard_map or a checkpointed scan would hold tracers as its batch statistics: refused by
+    name, pointing to ``h.apply`` (the loop above), the held statistics untouched; an eager call
+    after it moves them as flax's own apply does."""
+    x = _x(10, (8, 5))
+    variables = BN.init(jax.random.key(0), x, train=False)
+    h = sm.hybridize(BN, variables)
+    for transform in TRAIN_TRANSFORMS.values():
+        with pytest.raises(sm.ControlFlowError, match=r"inside a JAX transformation.*h\.apply"):
+            transform(lambda x: h(x, train=True), x)
+        chex.assert_trees_all_equal(h.state, {"batch_stats": variables["batch_stats"]})
+    out, new = BN.apply(variables, x, train=True, mutable=["batch_stats"])
+    chex.assert_trees_all_close(h(x, train=True), out, **TOL)
+    chex.assert_trees_all_close(h.state, new, **TOL)
+
+
+@pytest.mark.slow  # ~1 s
+def test_the_dropout_guides_train_call_under_vmap_and_grad_draws_as_flax_under_them():
+    """``h(x, training=True)`` of the dropout guide's model (``rngs=`` held) under jax.vmap and
+    jax.grad: its key is split outside the traced rows (no tracer held), so each call is one
+    draw, every row masked by one key as flax's own apply under the same vmap; the held stream
+    moves once per call (the second call's mask differs)."""
+    model, x, key = DropoutGuideModel(8), _x(11, (8, 5)), jax.random.key(3)
+    variables = model.init(jax.random.key(0), x, training=False)
+    h = sm.hybridize(model, variables, rngs=key)
+
+    def flax(x, dropout):
+        return model.apply(variables, x, training=True, rngs={"dropout": dropout})
+
+    first, second = jax.random.split(key)[1], jax.random.split(jax.random.split(key)[0])[1]
+    got = jax.vmap(lambda r: h(r[None], training=True)[0])(x)
+    chex.assert_trees_all_close(got, jax.vmap(lambda r: flax(r[None], first)[0])(x), **TOL)
+    got = jax.grad(lambda x: (h(x, training=True) ** 2).sum())(x)
+    chex.assert_trees_all_close(got, jax.grad(lambda x: (flax(x, second) ** 2).sum())(x), **TOL)
