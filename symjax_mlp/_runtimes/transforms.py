@@ -73,9 +73,11 @@ _FORWARD = (
     "{caller}: jax.jvp, jax.jacfwd, jax.hessian and jax.linearize differentiate forward, and "
     "a loaded model differentiates in reverse mode only: jax.export serializes VJP modules, and "
     "this artifact holds {held}, so jax.grad, jax.vjp and jax.jacrev work up to that order. Use "
-    "jax.jacrev (a Hessian is jax.jacrev(jax.jacrev(f)), with vjp_order=2), or export again "
-    "from the model's source with the vjp_order you need: sm.export(h, path, example=x, "
-    "vjp_order=2)."
+    "jax.jacrev (a Hessian is jax.jacrev(jax.jacrev(f))){again}."
+)
+_AGAIN = (
+    ", or export again from the model's source with the order a Hessian needs: "
+    "sm.export(h, path, example=x, vjp_order=2)"
 )
 
 
@@ -84,7 +86,7 @@ def forward_mode(caller: str, vjp_order: int) -> str:
     held = (
         f"them up to order {vjp_order}" if vjp_order else "none (it was exported with vjp_order=0)"
     )
-    return _FORWARD.format(caller=caller, held=held)
+    return _FORWARD.format(caller=caller, held=held, again=_AGAIN if vjp_order < 2 else "")
 
 
 @functools.cache
