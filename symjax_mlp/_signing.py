@@ -46,7 +46,8 @@ def _config(kind: str, first: Callable[[], None] | None = None) -> Any:
 
     class Hashing(model_signing.hashing.Config):
         def hash(self, *args: Any, **kwargs: Any) -> Any:
-            first and first()
+            if first is not None:
+                first()
             return super().hash(*args, **kwargs)
 
     hashing = Hashing()

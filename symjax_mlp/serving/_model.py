@@ -170,6 +170,16 @@ def fixed_rows(name: str, model: Any, example: Any, bucket: int, buckets: tuple)
     return ConfigError(_FIXED_ROWS.format(**what, path=member[0], shape=member[1]))
 
 
+def refuse_outputs(path: Any, outputs: Any, batch: int | str | None, why: str) -> None:
+    """Refuses an artifact's outputs no batcher serves: a static ``batch``'s not that many rows
+    (:func:`static_rows`), or, with requests run alone (``why``), a symbolic one's not its
+    rows of static sizes (:func:`alone_rows`)."""
+    if isinstance(batch, int):
+        static_rows(path, outputs, batch)
+    elif why and isinstance(batch, str):
+        alone_rows(path, outputs, batch, why)
+
+
 def static_rows(path: Any, outputs: Any, batch: int) -> None:
     """Refuses an artifact of a static ``batch`` whose outputs are not that many rows, as its
     warm-up would: before its max_batch is checked, which no value of serves it."""

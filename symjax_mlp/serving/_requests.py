@@ -25,7 +25,7 @@ from symjax_mlp._errors import ConfigError, SignatureError, as_int
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec, out_of_range, unfit_array
-from symjax_mlp.serving._model import alone_rows, static_rows
+from symjax_mlp.serving._model import refuse_outputs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -213,11 +213,10 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
             "needs one batch dimension shared by every input."
         )
     fixed = static.pop() if static else None
-    fixed is None or static_rows(model.path, sig.outputs, fixed)
     rows = model.manifest.get("rows") or {}  # a static batch never shows its rows apart
     why = "" if rows.get("independent", True) else rows.get("why") or _MIXED
     bound = (sig, batch) if batch and sig.constraints else None
-    why and isinstance(batch, str) and alone_rows(model.path, sig.outputs, batch, why)
+    refuse_outputs(model.path, sig.outputs, batch if fixed is None else fixed, why)
     return tuple(specs), fixed, why, bound
 
 
