@@ -1,0 +1,209 @@
+"""The models of test_authors_round8.py: JAX's own notebooks, as their authors wrote them, from
+jax-ml/jax@cec06d116c05f0d52adfceee3d3b730fdbcb0ce5 (sizes as written there: already tiny).
+
+- docs/notebooks/Custom_derivative_rules_for_Python_code.md: "Example: Numerical stability"
+  (``log1pexp``, its ``jax.custom_jvp`` by ``defjvp``), "Example: Enforcing a differentiation
+  convention" (``f`` -> ``sqrt_ratio``, its ``defjvps`` convenience version), "Example:
+  Gradient clipping" (``clip_gradient``, a ``jax.custom_vjp``, and ``clip_sin``) and "Example:
+  Implicit function differentiation of iterative implementations" (``fixed_point``, a
+  ``custom_vjp`` with ``nondiff_argnums`` over a ``lax.while_loop``, ``newton_sqrt``). The
+  notebook has functions, not models: ``custom_dense`` (ours, said there) puts each in a
+  one-layer net's activation, as a user would.
+- docs/notebooks/vmapped_log_probs.md: Bayesian logistic regression, its data (``np.random``
+  seed 10009, 100 points, 10 features), ``log_joint`` (the jitted version, scale 10),
+  ``batched_log_joint``, ``elbo``, ``normal_sample``; ``matplotlib`` (its plots) left out.
+- docs/notebooks/autodiff_cookbook.md, "Gradients" and "Jacobians and Hessians": ``sigmoid``,
+  ``predict``, its toy ``inputs``/``targets``, ``loss2``, ``predict_dict``, the reverse-over-
+  reverse ``hvp``; its ``random.split`` draws of ``W`` and ``b`` as ``cookbook_params``.
+"""
+
+# ruff: noqa: E731 (the authors' code, as written)
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import jax.scipy as jsp
+import numpy as np
+import scipy as sp
+from jax import custom_jvp, custom_vjp, random, vjp
+from jax.lax import while_loop
+
+
+# -- Custom_derivative_rules_for_Python_code.md, "Numerical stability", as written there ---------
+@custom_jvp
+def log1pexp(x):
+    return jnp.log(1.0 + jnp.exp(x))
+
+
+@log1pexp.defjvp
+def log1pexp_jvp(primals, tangents):
+    (x,) = primals
+    (x_dot,) = tangents
+    ans = log1pexp(x)
+    ans_dot = (1 - 1 / (1 + jnp.exp(x))) * x_dot
+    return ans, ans_dot
+
+
+# -- "Enforcing a differentiation convention", its convenience wrapper version (f -> sqrt_ratio)
+@custom_jvp
+def sqrt_ratio(x):
+    return x / (1 + jnp.sqrt(x))
+
+
+sqrt_ratio.defjvps(lambda t, ans, x: ((jnp.sqrt(x) + 2) / (2 * (jnp.sqrt(x) + 1) ** 2)) * t)
+
+
+# -- "Gradient clipping", as written there -----------------------------------------------------
+@custom_vjp
+def clip_gradient(lo, hi, x):
+    return x  # identity function
+
+
+def clip_gradient_fwd(lo, hi, x):
+    return x, (lo, hi)  # save bounds as residuals
+
+
+def clip_gradient_bwd(res, g):
+    lo, hi = res
+    return (None, None, jnp.clip(g, lo, hi))  # use None to indicate zero cotangents for lo and hi
+
+
+clip_gradient.defvjp(clip_gradient_fwd, clip_gradient_bwd)
+
+
+def clip_sin(x):
+    x = clip_gradient(-0.75, 0.75, x)
+    return jnp.sin(x)
+
+
+# -- "Implicit function differentiation of iterative implementations", its custom_vjp version --
+@partial(custom_vjp, nondiff_argnums=(0,))
+def fixed_point(f, a, x_guess):
+    def cond_fun(carry):
+        x_prev, x = carry
+        return jnp.abs(x_prev - x) > 1e-6
+
+    def body_fun(carry):
+        _, x = carry
+        return x, f(a, x)
+
+    _, x_star = while_loop(cond_fun, body_fun, (x_guess, f(a, x_guess)))
+    return x_star
+
+
+def fixed_point_fwd(f, a, x_init):
+    x_star = fixed_point(f, a, x_init)
+    return x_star, (a, x_star)
+
+
+def fixed_point_rev(f, res, x_star_bar):
+    a, x_star = res
+    _, vjp_a = vjp(lambda a: f(a, x_star), a)
+    (a_bar,) = vjp_a(fixed_point(partial(rev_iter, f), (a, x_star, x_star_bar), x_star_bar))
+    return a_bar, jnp.zeros_like(x_star)
+
+
+def rev_iter(f, packed, u):
+    a, x_star, x_star_bar = packed
+    _, vjp_x = vjp(lambda x: f(a, x), x_star)
+    return x_star_bar + vjp_x(u)[0]
+
+
+fixed_point.defvjp(fixed_point_fwd, fixed_point_rev)
+
+
+def newton_sqrt(a):
+    update = lambda a, x: 0.5 * (x + a / x)
+    return fixed_point(update, a, a)
+
+
+def custom_dense(activation):
+    """Ours, not the notebook's: ``fn(params, x) = activation(x @ w + b)``, a one-layer net whose
+    activation is one of the notebook's functions (``newton_sqrt`` is scalar: vmapped)."""
+
+    def fn(params, x):
+        return activation(x @ params["w"] + params["b"])
+
+    return fn
+
+
+# -- vmapped_log_probs.md, as written there (matplotlib's plots left out) ----------------------
+np.random.seed(10009)
+
+num_features = 10
+num_points = 100
+
+true_beta = np.random.randn(num_features).astype(jnp.float32)
+all_x = np.random.randn(num_points, num_features).astype(jnp.float32)
+y = (np.random.rand(num_points) < sp.special.expit(all_x.dot(true_beta))).astype(jnp.int32)
+
+
+@jax.jit
+def log_joint(beta):
+    result = 0.0
+    # Note that no `axis` parameter is provided to `jnp.sum`.
+    result = result + jnp.sum(jsp.stats.norm.logpdf(beta, loc=0.0, scale=10.0))
+    result = result + jnp.sum(-jnp.log(1 + jnp.exp(-(2 * y - 1) * jnp.dot(all_x, beta))))
+    return result
+
+
+batched_log_joint = jax.jit(jax.vmap(log_joint))
+
+
+def elbo(beta_loc, beta_log_scale, epsilon):
+    beta_sample = beta_loc + jnp.exp(beta_log_scale) * epsilon
+    return jnp.mean(batched_log_joint(beta_sample), 0) + jnp.sum(
+        beta_log_scale - 0.5 * np.log(2 * np.pi)
+    )
+
+
+elbo = jax.jit(elbo)
+elbo_val_and_grad = jax.jit(jax.value_and_grad(elbo, argnums=(0, 1)))
+
+
+def normal_sample(key, shape):
+    """Convenience function for quasi-stateful RNG."""
+    new_key, sub_key = random.split(key)
+    return new_key, random.normal(sub_key, shape)
+
+
+normal_sample = jax.jit(normal_sample, static_argnums=(1,))
+
+
+# -- autodiff_cookbook.md, "Gradients", as written there ----------------------------------------
+def sigmoid(x):
+    return 0.5 * (jnp.tanh(x / 2) + 1)
+
+
+# Outputs probability of a label being true.
+def predict(W, b, inputs):
+    return sigmoid(jnp.dot(inputs, W) + b)
+
+
+# Build a toy dataset.
+inputs = jnp.array(
+    [[0.52, 1.12, 0.77], [0.88, -1.08, 0.15], [0.52, 0.06, -1.30], [0.74, -2.49, 1.39]]
+)
+targets = jnp.array([True, True, False, True])
+
+
+def loss2(params_dict):
+    preds = predict(params_dict["W"], params_dict["b"], inputs)
+    label_probs = preds * targets + (1 - preds) * (1 - targets)
+    return -jnp.sum(jnp.log(label_probs))
+
+
+def hvp(f, x, v):
+    return jax.grad(lambda x: jnp.vdot(jax.grad(f)(x), v))(x)
+
+
+def predict_dict(params, inputs):
+    return predict(params["W"], params["b"], inputs)
+
+
+def cookbook_params():
+    """The cookbook's ``key, W_key, b_key = random.split(key, 3)`` draws."""
+    key = random.key(0)
+    key, W_key, b_key = random.split(key, 3)
+    return {"W": random.normal(W_key, (3,)), "b": random.normal(b_key, ())}
