@@ -15,10 +15,14 @@ artifact of ``vjp_order=2``), a Batcher's answers, and the original's own traini
   reverse-over-reverse ``hvp`` over the loaded model.
 """
 
+import functools
+
 import chex
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import zoo8
 
@@ -146,3 +150,97 @@ def test_the_autodiff_cookbooks_predict_and_hvp_over_the_loaded_model(tmp_path):
         return -jnp.sum(jnp.log(label_probs))
 
     _close(jax.grad(loss2)(params), jax.grad(zoo8.loss2)(params))
+
+
+def _state_params_tx():
+    return optax.sgd(learning_rate=0.02)  # state_params.rst's tx
+
+
+@pytest.mark.slow
+def test_state_params_bias_adder_trains_as_its_update_step_and_refuses_export_naming_a_step(
+    tmp_path,
+):
+    """state_params.rst's ``BiasAdderWithRunningMean``: its running mean (initialized (4,),
+    written (1, 4)) is carried across ``h(x)`` calls as linen's ``mutable`` gives it; the guide's
+    ``update_step`` with an ``apply_fn`` over ``h.apply`` (the state given by ``h.replace``)
+    takes its steps, equal; export refuses its cross-call state naming a step function."""
+    model, x = zoo8.BiasAdderWithRunningMean(), jax.random.normal(jax.random.key(1), (3, 4))
+    variables = model.init(jax.random.key(0), jnp.ones((3, 4)))
+    h, v = sm.hybridize(model, variables), variables
+    for _ in range(3):
+        want, updated = model.apply(v, x, mutable=["batch_stats"])
+        v = {**v, **updated}
+        _close(h(x), want)
+    _close(h.state, {"batch_stats": v["batch_stats"]})
+    tx = _state_params_tx()
+    state, params = flax.core.pop(variables, "params")
+    step = zoo8.make_update_step(tx)
+    opt_state, h = tx.init(params), sm.hybridize(model, variables)
+    ours = (opt_state, params, state)
+    for _ in range(3):
+        opt_state, params, state = step(model.apply, x, opt_state, params, state)
+        held = h.replace(state=dict(ours[2]))
+
+        def apply_fn(v, x, mutable, held=held):
+            return held.apply({"params": v["params"]}, x)
+
+        ours = step(apply_fn, x, *ours)
+    _close(ours, (opt_state, params, state))
+    with pytest.raises(sm.ConfigError, match=r"batch_stats.*Export one step"):
+        sm.export(h, tmp_path / "m", example=(x,))
+
+
+def _vmap_update_steps(model, variables, X, Y, train):
+    """Two of state_params.rst's vmapped ``update_step`` s over ``model.apply`` (``train``
+    bound) and over ``h.apply`` (the state held given by ``h.replace``): equal; returns the
+    trained ``(params, state)``."""
+    tx = _state_params_tx()
+    state, params = flax.core.pop(variables, "params")
+    step, h = zoo8.make_vmap_update_step(tx), sm.hybridize(model, variables)
+    opt_state = tx.init(params)
+    ours = (opt_state, params, state)
+    for _ in range(2):
+        apply = functools.partial(model.apply, train=train)
+        opt_state, params, state, loss = step(apply, X, Y, opt_state, params, state)
+        held = h.replace(state=dict(ours[2]))
+
+        def apply_fn(v, x, mutable, held=held):
+            return held.apply({"params": v["params"]}, x, train=train)
+
+        *ours, our_loss = step(apply_fn, X, Y, *ours)
+        _close(our_loss, loss)
+    _close(tuple(ours), (opt_state, params, state))
+    return params, state
+
+
+@pytest.mark.slow
+def test_state_params_vmapped_batchnorm_mlp_as_its_update_step(tmp_path):
+    """state_params.rst's ``MLP`` (``BatchNorm(axis_name='batch')``) of one example (100,):
+    eval mode over every feature (batch symbolic: rows of 100); train mode called plainly is
+    refused naming the vmap that binds 'batch'; ``jax.vmap(h, axis_name='batch')`` in train mode
+    gives linen's outputs and running stats; the guide's vmapped ``update_step`` over
+    ``h.apply`` takes its steps (sgd 0.02), equal, as written (its ``apply_fn`` is called without
+    ``train=True``: BatchNorm normalizes by its running stats, which never change, the guide's
+    own quirk) and with ``train=True`` bound; the trained Hybrid exports as linen."""
+    model = zoo8.StateMLP(hidden_size=10, out_size=1)
+    variables = model.init(jax.random.key(0), jnp.ones((100,)))
+    key1, key2 = jax.random.split(jax.random.key(0), num=2)
+    X, Y = jax.random.normal(key1, (8, 100)), jax.random.normal(key2, (8, 1))
+    h = sm.hybridize(model, variables)
+    _close(h(X[0]), model.apply(variables, X[0]))
+    _every_feature(tmp_path / "eval", h, lambda r: model.apply(variables, r), X)
+    with pytest.raises(sm.ConfigError, match=r"axis name 'batch'.*jax\.vmap"):
+        h(X, train=True)
+    out = jax.vmap(lambda r: h(r, train=True), axis_name="batch")(X)
+    want, updated = jax.vmap(
+        lambda r: model.apply(variables, r, train=True, mutable=["batch_stats"]),
+        axis_name="batch",
+        out_axes=(0, None),
+    )(X)
+    _close(out, want)
+    _close(h.state, dict(updated))
+    for train in (False, True):  # the guide's apply_fn is called as written: train=False
+        params, state = _vmap_update_steps(model, variables, X, Y, train)
+    trained = h.replace(params={"params": params}, state=dict(state))
+    sm.export(trained, tmp_path / "m", example=(X,))
+    _close(sm.load(tmp_path / "m")(np.asarray(X)), model.apply({"params": params, **state}, X))

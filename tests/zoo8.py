@@ -15,16 +15,25 @@ jax-ml/jax@cec06d116c05f0d52adfceee3d3b730fdbcb0ce5 (sizes as written there: alr
 - docs/notebooks/autodiff_cookbook.md, "Gradients" and "Jacobians and Hessians": ``sigmoid``,
   ``predict``, its toy ``inputs``/``targets``, ``loss2``, ``predict_dict``, the reverse-over-
   reverse ``hvp``; its ``random.split`` draws of ``W`` and ``b`` as ``cookbook_params``.
+
+From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
+
+- docs/guides/flax_fundamentals/state_params.rst: ``BiasAdderWithRunningMean`` and its
+  ``update_step`` (made by ``make_update_step(tx)``: its ``tx`` is defined after it there), the
+  ``vmap``-across-the-batch ``MLP`` (-> ``StateMLP``: ``BatchNorm(axis_name='batch')``) and its
+  ``update_step`` (``make_vmap_update_step(tx)``).
 """
 
-# ruff: noqa: E731 (the authors' code, as written)
+# ruff: noqa: E731, E741, RUF059 (the authors' code, as written)
 
 from functools import partial
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jax.scipy as jsp
 import numpy as np
+import optax
 import scipy as sp
 from jax import custom_jvp, custom_vjp, random, vjp
 from jax.lax import while_loop
@@ -207,3 +216,85 @@ def cookbook_params():
     key = random.key(0)
     key, W_key, b_key = random.split(key, 3)
     return {"W": random.normal(W_key, (3,)), "b": random.normal(b_key, ())}
+
+
+# -- docs/guides/flax_fundamentals/state_params.rst, as written there ---------------------------
+class BiasAdderWithRunningMean(nn.Module):
+    momentum: float = 0.9
+
+    @nn.compact
+    def __call__(self, x):
+        is_initialized = self.has_variable("batch_stats", "mean")
+        mean = self.variable("batch_stats", "mean", jnp.zeros, x.shape[1:])
+        bias = self.param("bias", lambda rng, shape: jnp.zeros(shape), x.shape[1:])
+        if is_initialized:
+            mean.value = self.momentum * mean.value + (1.0 - self.momentum) * jnp.mean(
+                x, axis=0, keepdims=True
+            )
+        return mean.value + bias
+
+
+def make_update_step(tx):
+    """state_params.rst's first ``update_step`` (its ``tx``, defined below it there, passed in)."""
+
+    def update_step(apply_fn, x, opt_state, params, state):
+        def loss(params):
+            y, updated_state = apply_fn({"params": params, **state}, x, mutable=list(state.keys()))
+            l = ((x - y) ** 2).sum()  # Replace with your loss here.
+            return l, updated_state
+
+        (l, updated_state), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state)  # Defined below.
+        params = optax.apply_updates(params, updates)
+        return opt_state, params, updated_state
+
+    return update_step
+
+
+class StateMLP(nn.Module):  # the guide's "vmap accross the batch dimension" MLP
+    hidden_size: int
+    out_size: int
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        norm = partial(
+            nn.BatchNorm,
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            axis_name="batch",  # Name batch dim
+        )
+        x = nn.Dense(self.hidden_size)(x)
+        x = norm()(x)
+        x = nn.relu(x)
+        x = nn.Dense(self.hidden_size)(x)
+        x = norm()(x)
+        x = nn.relu(x)
+        y = nn.Dense(self.out_size)(x)
+        return y
+
+
+def make_vmap_update_step(tx):
+    """state_params.rst's second ``update_step``: the loss vmapped with ``axis_name='batch'``."""
+
+    def update_step(apply_fn, x_batch, y_batch, opt_state, params, state):
+        def batch_loss(params):
+            def loss_fn(x, y):
+                pred, updated_state = apply_fn(
+                    {"params": params, **state}, x, mutable=list(state.keys())
+                )
+                return (pred - y) ** 2, updated_state
+
+            loss, updated_state = jax.vmap(
+                loss_fn,
+                out_axes=(0, None),  # Do not vmap `updated_state`.
+                axis_name="batch",  # Name batch dim
+            )(x_batch, y_batch)  # vmap only `x`, `y`, but not `state`.
+            return jnp.mean(loss), updated_state
+
+        (loss, updated_state), grads = jax.value_and_grad(batch_loss, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state)  # Defined below.
+        params = optax.apply_updates(params, updates)
+        return opt_state, params, updated_state, loss
+
+    return update_step
