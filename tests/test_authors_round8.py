@@ -48,12 +48,19 @@ def _every_feature(tmp_path, h, ref, x, *, allow=None, batch="b", **ref_tol):
     _close(m(np.asarray(rows)), ref(rows), **tol)
     one = lambda f: lambda r: f(r[None]).sum()  # noqa: E731 - one row's scalar
     _close(jax.grad(lambda r: m(r).sum())(rows), jax.grad(lambda r: ref(r).sum())(rows), **tol)
-    _close(jax.vmap(jax.grad(one(m)))(x), jax.vmap(jax.grad(one(ref)))(x), **tol)
-    _close(jax.jacrev(jax.jacrev(one(m)))(x[0]), jax.jacrev(jax.jacrev(one(ref)))(x[0]), **tol)
+    if batch:  # per-row grads and Hessians, one row a call
+        _close(jax.vmap(jax.grad(one(m)))(x), jax.vmap(jax.grad(one(ref)))(x), **tol)
+        hess = lambda f: jax.jacrev(jax.jacrev(one(f)))(x[0])  # noqa: E731
+    else:  # a static batch: the whole batch's Hessian
+        hess = lambda f: jax.jacrev(jax.jacrev(lambda r: f(r).sum()))(x)  # noqa: E731
+    _close(hess(m), hess(ref), **tol)
     if batch:
         with sm.serving.Batcher(m, max_batch=4) as b:
             got = [b.submit(np.asarray(x[i : i + 1])).result(30) for i in range(2)]
         _close(np.concatenate(got), ref(x[:2]), **tol)
+    else:  # a static batch: served one request of its rows at a time
+        with sm.serving.Batcher(m) as b:
+            _close(b.submit(np.asarray(x)).result(30), ref(x), **tol)
     return m
 
 
@@ -244,3 +251,33 @@ def test_state_params_vmapped_batchnorm_mlp_as_its_update_step(tmp_path):
     trained = h.replace(params={"params": params}, state=dict(state))
     sm.export(trained, tmp_path / "m", example=(X,))
     _close(sm.load(tmp_path / "m")(np.asarray(X)), model.apply({"params": params, **state}, X))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ManualVmapMLP", "LinenVmapMLP"])
+def test_the_lifting_guides_per_row_mlps_export_their_static_batch(name, tmp_path):
+    """lift.md: an MLP per row of ``xs``, by a manual ``jax.vmap`` of ``init``/``apply`` inside
+    ``self.param`` or by ``nn.vmap(variable_axes={'params': 0})``: its params fix the rows (3),
+    so export's default symbolic batch is refused naming ``batch=None``, which exports, loads,
+    differentiates and serves (one request of 3 rows) as linen."""
+    model, xs = getattr(zoo8, name)(), jnp.ones((3, 4))
+    variables = model.init(jax.random.key(0), xs)
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    h = sm.hybridize(model, variables)
+    with pytest.raises(sm.SignatureError, match="batch=None"):
+        sm.export(h, tmp_path / "b", example=(x,))
+    _every_feature(tmp_path, h, lambda r: model.apply(variables, r), x, batch=None)
+
+
+def test_the_lifting_guides_stateful_vmap_fails_in_flax_itself():
+    """lift.md's ``LinenStatefulVmapMLP``: Flax's own ``init``, as written (no ``train``) or
+    with ``train=False``, raises a TypeError: the guide's own limitation (nn.vmap warns that it
+    ignores keyword arguments and passes no ``train`` on), said here, not ours to hybridize."""
+    xs = jnp.ones((3, 4))
+    with pytest.raises(TypeError, match="train"):
+        zoo8.LinenStatefulVmapMLP().init(jax.random.key(0), xs)
+    with (
+        pytest.warns(RuntimeWarning, match="kwargs are not supported in vmap"),
+        pytest.raises(TypeError, match=r"StatefulMLP.*train"),
+    ):
+        zoo8.LinenStatefulVmapMLP().init(jax.random.key(0), xs, train=False)

@@ -22,6 +22,10 @@ From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
   ``update_step`` (made by ``make_update_step(tx)``: its ``tx`` is defined after it there), the
   ``vmap``-across-the-batch ``MLP`` (-> ``StateMLP``: ``BatchNorm(axis_name='batch')``) and its
   ``update_step`` (``make_vmap_update_step(tx)``).
+- docs/developer_notes/lift.md (the lifting guide): ``MLP`` (-> ``LiftMLP``), ``ManualVmapMLP``,
+  ``LinenVmapMLP``, ``StatefulMLP`` and ``LinenStatefulVmapMLP`` (whose ``init`` as the guide
+  writes it, with no ``train``, raises in Flax, as does any call: ``nn.vmap`` here passes no
+  keyword ``train`` on to ``StatefulMLP``, the guide's own limitation).
 """
 
 # ruff: noqa: E731, E741, RUF059 (the authors' code, as written)
@@ -298,3 +302,54 @@ def make_vmap_update_step(tx):
         return opt_state, params, updated_state, loss
 
     return update_step
+
+
+# -- docs/developer_notes/lift.md, as written there ---------------------------------------------
+class LiftMLP(nn.Module):  # the guide's MLP
+    @nn.compact
+    def __call__(self, xs):
+        h = nn.Dense(4, name="hidden")(xs)
+        h = nn.relu(h)
+        return nn.Dense(1, name="out")(h)
+
+
+class ManualVmapMLP(nn.Module):
+    @nn.compact
+    def __call__(self, xs):
+        mlp = LiftMLP(parent=None)
+        init_fn = lambda rng, xs: jax.vmap(mlp.init, in_axes=0)(random.split(rng, xs.shape[0]), xs)[
+            "params"
+        ]
+        apply_fn = jax.vmap(mlp.apply, in_axes=0)
+        mlp_params = self.param("mlp", init_fn, xs)
+        return apply_fn({"params": mlp_params}, xs)
+
+
+class LinenVmapMLP(nn.Module):
+    @nn.compact
+    def __call__(self, xs):
+        VmapMLP = nn.vmap(
+            LiftMLP, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=0
+        )
+        return VmapMLP(name="mlp")(xs)
+
+
+class StatefulMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, train):
+        h = nn.Dense(4, name="hidden")(x)
+        h = nn.BatchNorm(axis_name="batch")(h, use_running_average=not train)
+        h = nn.relu(h)
+        return nn.Dense(1, name="out")(h)
+
+
+class LinenStatefulVmapMLP(nn.Module):
+    @nn.compact
+    def __call__(self, xs, *, train):
+        VmapMLP = nn.vmap(
+            StatefulMLP,
+            variable_axes={"params": 0, "batch_stats": 0},
+            split_rngs={"params": True},
+            in_axes=0,
+        )
+        return VmapMLP(name="mlp")(xs, train=train)
