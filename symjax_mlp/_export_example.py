@@ -21,10 +21,12 @@ _EQX_STATE = (
 _CONTAINER_INPUT = (
     "export({name}, example=...): args[{i}] is {what}, but an artifact's inputs are positional "
     "arrays (what every runtime, IREE included, passes). Export a function that takes its arrays "
-    "by place and rebuilds the {kind}, with d that {kind}: leaves, tree = jax.tree.flatten(d); "
+    "by place and rebuilds the {kind}, where d is that {kind}: leaves, tree = jax.tree.flatten(d); "
     "sm.hybridize(lambda params, {head}*xs: h.apply(params, {head}"
     "jax.tree.unflatten(tree, xs{cut}){tail}), h.params) with example={example}, "
-    "and call the artifact with the arrays in that order."
+    "and call the artifact with the arrays in that order. An artifact returns an array or a "
+    "flat tuple of arrays: where the model returns a tree too (a carry with its outputs), wrap "
+    "that call as tuple(jax.tree.leaves(h.apply(...)))."
 )
 
 

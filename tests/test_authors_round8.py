@@ -281,3 +281,64 @@ def test_the_lifting_guides_stateful_vmap_fails_in_flax_itself():
         pytest.raises(TypeError, match=r"StatefulMLP.*train"),
     ):
         zoo8.LinenStatefulVmapMLP().init(jax.random.key(0), xs, train=False)
+
+
+_LSTM_ALLOW = frozenset({"dynamic_update_slice", "real_dynamic_slice"})  # a scan's
+
+
+@pytest.mark.slow
+def test_the_rnncell_upgrade_guides_simple_lstms_over_every_feature(tmp_path):
+    """rnncell_upgrade_guide.rst (New side), batch 4, seq_len 5, in 6, out 8 (cut from 32, 10,
+    64, 128): the idiomatic ``SimpleLSTM`` (its carry made inside) over every feature, batch
+    symbolic; the first ``SimpleLSTM`` takes its carry from ``initialize_carry`` and returns
+    ``(carry, ys)``: the Hybrid equals linen; export refuses the carry tuple naming a function of
+    its arrays returning the leaves of its tree (before: the recipe left the returned carry
+    out, refused in turn), which (the refusal's recipe) exports with a symbolic batch, loads,
+    and equals linen, its grads through carry and inputs too."""
+    batch_size, seq_len, in_features, out_features = 4, 5, 6, 8
+    x = jax.random.normal(jax.random.key(1), (batch_size, seq_len, in_features))
+    model = zoo8.SimpleLSTM(features=out_features)
+    variables = model.init(jax.random.key(0), x)
+    h = sm.hybridize(model, variables)
+    ref = lambda r: model.apply(variables, r)  # noqa: E731
+    _every_feature(tmp_path / "idiomatic", h, ref, x, allow=_LSTM_ALLOW)
+    model = zoo8.CarrySimpleLSTM()
+    carry = zoo8.CarrySimpleLSTM.initialize_carry((batch_size,), out_features)
+    variables = model.init(jax.random.key(0), carry, x)
+    h = sm.hybridize(model, variables)
+    _close(h(carry, x), model.apply(variables, carry, x))
+    assert h.graph(carry, x).flops > 0
+    with pytest.raises(sm.SignatureError, match=r"tuple of 2 arrays.*tuple\(jax\.tree\.leaves"):
+        sm.export(h, tmp_path / "refused", example=(carry, x))
+    leaves, tree = jax.tree.flatten(carry)  # the refusal's recipe, as it says, outputs wrapped
+
+    def flat_apply(params, *xs):
+        return tuple(jax.tree.leaves(h.apply(params, jax.tree.unflatten(tree, xs[:2]), *xs[2:])))
+
+    flat = sm.hybridize(flat_apply, h.params)
+    sm.export(flat, tmp_path / "carry", example=(*leaves, x), vjp_order=1)
+    m = sm.load(tmp_path / "carry", allow=_LSTM_ALLOW)
+    c3 = jax.tree.map(lambda a: a[:3] + 0.5, carry)
+
+    def loss(c0, c1, r, f=m):  # the loaded model's outputs: the carry's arrays, then ys
+        out = jax.tree.leaves(f(c0, c1, r))
+        return out[-1].sum() + out[0].sum()
+
+    _close(m(*c3, x[:3]), tuple(jax.tree.leaves(model.apply(variables, c3, x[:3]))))
+
+    def ref(c0, c1, r):
+        return model.apply(variables, (c0, c1), r)
+
+    _close(jax.grad(loss, (0, 1, 2))(*c3, x[:3]), jax.grad(loss, (0, 1, 2))(*c3, x[:3], f=ref))
+
+
+def test_a_carry_input_refusal_names_the_flat_outputs_a_carry_model_needs(tmp_path):
+    """A model taking a carry tuple and returning ``(carry, y)`` (rnncell_upgrade_guide's first
+    ``SimpleLSTM``): the refusal of the tuple input names wrapping the call's outputs in
+    ``tuple(jax.tree.leaves(...))`` too (before: its recipe, followed, was refused again for
+    the returned tree); the rnncell test follows it to an export."""
+    h = sm.hybridize(lambda p, c, x: ((c[0] * p, c[1]), x + c[1]), jnp.float32(2.0))
+    carry, x = (jnp.ones((2, 3)), jnp.zeros((2, 3))), jnp.ones((2, 3))
+    with pytest.raises(sm.SignatureError, match=r"tuple\(jax\.tree\.leaves\(h\.apply") as e:
+        sm.export(h, tmp_path / "refused", example=(carry, x))
+    assert "jax.tree.unflatten(tree, xs[:2]), *xs[2:]), h.params) with example=" in str(e.value)

@@ -26,10 +26,14 @@ From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
   ``LinenVmapMLP``, ``StatefulMLP`` and ``LinenStatefulVmapMLP`` (whose ``init`` as the guide
   writes it, with no ``train``, raises in Flax, as does any call: ``nn.vmap`` here passes no
   keyword ``train`` on to ``StatefulMLP``, the guide's own limitation).
+- docs/guides/converting_and_upgrading/rnncell_upgrade_guide.rst, its New side: the first
+  ``SimpleLSTM`` (-> ``CarrySimpleLSTM``: a scanned ``OptimizedLSTMCell`` taking the carry) and
+  the idiomatic ``SimpleLSTM`` (its carry made in ``__call__``); sizes cut in the tests.
 """
 
 # ruff: noqa: E731, E741, RUF059 (the authors' code, as written)
 
+import functools
 from functools import partial
 
 import flax.linen as nn
@@ -353,3 +357,42 @@ class LinenStatefulVmapMLP(nn.Module):
             in_axes=0,
         )
         return VmapMLP(name="mlp")(xs, train=train)
+
+
+# -- docs/guides/converting_and_upgrading/rnncell_upgrade_guide.rst, its New side ---------------
+class CarrySimpleLSTM(nn.Module):  # the guide's first (minimal-change) SimpleLSTM
+    @functools.partial(
+        nn.transforms.scan,
+        variable_broadcast="params",
+        in_axes=1,
+        out_axes=1,
+        split_rngs={"params": False},
+    )
+    @nn.compact
+    def __call__(self, carry, x):
+        features = carry[0].shape[-1]
+        return nn.OptimizedLSTMCell(features)(carry, x)
+
+    @staticmethod
+    def initialize_carry(batch_dims, hidden_size):
+        return nn.OptimizedLSTMCell(hidden_size, parent=None).initialize_carry(
+            jax.random.key(0), (*batch_dims, hidden_size)
+        )
+
+
+class SimpleLSTM(nn.Module):  # the guide's idiomatic SimpleLSTM
+    features: int
+
+    def setup(self):
+        self.scan_cell = nn.transforms.scan(
+            nn.OptimizedLSTMCell,
+            variable_broadcast="params",
+            in_axes=1,
+            out_axes=1,
+            split_rngs={"params": False},
+        )(self.features)
+
+    @nn.compact
+    def __call__(self, x):
+        carry = self.scan_cell.initialize_carry(jax.random.key(0), x[:, 0].shape)
+        return self.scan_cell(carry, x)[1]  # only return the output
