@@ -16,6 +16,7 @@ artifact of ``vjp_order=2``), a Batcher's answers, and the original's own traini
 """
 
 import functools
+from types import SimpleNamespace
 
 import chex
 import flax
@@ -25,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 import zoo8
+from flax import linen as nn
 
 import symjax_mlp as sm
 
@@ -342,3 +344,112 @@ def test_a_carry_input_refusal_names_the_flat_outputs_a_carry_model_needs(tmp_pa
     with pytest.raises(sm.SignatureError, match=r"tuple\(jax\.tree\.leaves\(h\.apply") as e:
         sm.export(h, tmp_path / "refused", example=(carry, x))
     assert "jax.tree.unflatten(tree, xs[:2]), *xs[2:]), h.params) with example=" in str(e.value)
+
+
+@pytest.mark.slow
+def test_flax_basics_linear_regression_trains_as_written_over_h_apply():
+    """flax_basics: ``nn.Dense(features=5)`` init on one sample (10,); its jitted ``mse``
+    (``jax.vmap`` of ``model.apply`` per sample) with ``h.apply`` for ``model.apply`` takes its
+    gradient-descent steps (0.3) and its Adam steps, equal to the guide's own."""
+    model = nn.Dense(features=5)
+    key1, key2 = jax.random.split(jax.random.key(0))
+    params = model.init(key2, jax.random.normal(key1, (10,)))
+    true_params, x_samples, y_samples = zoo8.regression_data()
+    h = sm.hybridize(model, params)
+    mse, ours = zoo8.make_mse(model), zoo8.make_mse(SimpleNamespace(apply=h.apply))
+    _close(ours(true_params, x_samples, y_samples), mse(true_params, x_samples, y_samples))
+    learning_rate, theirs, mine = 0.3, params, params
+    for _ in range(3):
+        loss_val, grads = jax.value_and_grad(mse)(theirs, x_samples, y_samples)
+        theirs = zoo8.update_params(theirs, learning_rate, grads)
+        our_val, our_grads = jax.value_and_grad(ours)(mine, x_samples, y_samples)
+        mine = zoo8.update_params(mine, learning_rate, our_grads)
+        _close(our_val, loss_val)
+    _close(mine, theirs)
+    tx = optax.adam(learning_rate=learning_rate)
+    states = [tx.init(theirs), tx.init(mine)]
+    for _ in range(3):
+        for i, loss in enumerate((mse, ours)):
+            p = (theirs, mine)[i]
+            _, grads = jax.value_and_grad(loss)(p, x_samples, y_samples)
+            updates, states[i] = tx.update(grads, states[i])
+            p = optax.apply_updates(p, updates)
+            theirs, mine = (p, mine) if i == 0 else (theirs, p)
+    _close(mine, theirs)
+
+
+BASICS = {
+    "ExplicitMLP": lambda: zoo8.ExplicitMLP(features=[3, 4, 5]),
+    "SimpleMLP": lambda: zoo8.SimpleMLP(features=[3, 4, 5]),
+    "SimpleDense": lambda: zoo8.SimpleDense(features=3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BASICS)
+def test_flax_basics_modules_over_every_feature(name, tmp_path):
+    """flax_basics' ``ExplicitMLP`` (setup's list of layers), ``SimpleMLP`` (compact, named)
+    and ``SimpleDense`` (``self.param`` s), on its ``random.uniform`` (4, 4) inputs."""
+    key1, key2 = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.uniform(key1, (4, 4))
+    model = BASICS[name]()
+    params = model.init(key2, x)
+    h = sm.hybridize(model, params)
+    _every_feature(tmp_path, h, lambda r: model.apply(params, r), x)
+
+
+@pytest.mark.slow
+def test_flax_basics_bias_adder_and_its_jitted_update_step_with_h_apply_static(tmp_path):
+    """flax_basics' ``BiasAdderWithRunningMean``: ``h(val * ones)`` for its 1., 2., 3. carries
+    the running mean as its loop of ``mutable=['batch_stats']``; its ``update_step``, jitted
+    with ``tx`` and ``apply_fn`` static, takes an ``apply_fn`` over ``h.apply`` (a hashable
+    static argument) and gives the guide's three steps."""
+    model, x = zoo8.BasicsBiasAdder(), jnp.ones((10, 5))
+    key1, _ = jax.random.split(jax.random.key(0), 2)
+    variables = model.init(key1, x)
+    h = sm.hybridize(model, variables)
+    for val in [1.0, 2.0, 3.0]:
+        x = val * jnp.ones((10, 5))
+        y, updated_state = model.apply(variables, x, mutable=["batch_stats"])
+        _old_state, params = flax.core.pop(variables, "params")  # the guide: old_state
+        variables = flax.core.freeze({"params": params, **updated_state})
+        _close(h(x), y)
+    _close(h.state, dict(updated_state))
+    x = jnp.ones((10, 5))
+    variables = model.init(jax.random.key(0), x)
+    state, params = flax.core.pop(variables, "params")
+    tx = optax.sgd(learning_rate=0.02)
+    h = sm.hybridize(model, variables)
+    theirs = ours = (tx.init(params), params, state)
+    for _ in range(3):
+        theirs = zoo8.basics_update_step(tx, model.apply, x, *theirs)
+        held = h.replace(state=dict(ours[2]))
+        ours = zoo8.basics_update_step(tx, _StateApply(held), x, *ours)
+    _close(ours, theirs)
+    other = {"batch_stats": {"mean": jnp.full((5,), 7.0)}}  # the refusal's fix, as it names
+    out, state = h.apply_with_state({"params": params}, other, x)
+    want = model.apply({"params": params, **other}, x, mutable=["batch_stats"])
+    _close((out, state), want)
+
+
+class _StateApply:
+    """An ``apply_fn(variables, x, mutable)`` over ``held.apply`` (its state held), hashable as
+    the guide's static ``apply_fn``."""
+
+    def __init__(self, held):
+        self.held = held
+
+    def __call__(self, v, x, mutable):
+        return self.held.apply({"params": v["params"]}, x)
+
+
+def test_h_apply_of_variables_holding_the_held_state_is_refused_naming_apply_with_state():
+    """flax_basics' ``update_step`` calls ``apply_fn({'params': params, **state}, x, ...)``:
+    ``h.apply`` given those variables (linen's ``model.apply`` takes them so) is refused naming
+    ``h.apply_with_state`` (before: the given batch_stats were silently replaced by the held
+    ones, the output off by the mean's difference); the bias-adder test runs that fix."""
+    model, x = zoo8.BasicsBiasAdder(), jnp.ones((10, 5))
+    variables = model.init(jax.random.key(0), x)
+    h, other = sm.hybridize(model, variables), {"batch_stats": {"mean": jnp.full((5,), 7.0)}}
+    with pytest.raises(sm.ConfigError, match=r"\['batch_stats'\].*h\.apply_with_state"):
+        h.apply({"params": variables["params"], **other}, x)

@@ -29,13 +29,20 @@ From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
 - docs/guides/converting_and_upgrading/rnncell_upgrade_guide.rst, its New side: the first
   ``SimpleLSTM`` (-> ``CarrySimpleLSTM``: a scanned ``OptimizedLSTMCell`` taking the carry) and
   the idiomatic ``SimpleLSTM`` (its carry made in ``__call__``); sizes cut in the tests.
+- docs/guides/flax_fundamentals/flax_basics.md: its linear regression (``mse`` made by
+  ``make_mse(model)``, ``update_params``, the data as ``regression_data()``), ``ExplicitMLP``,
+  ``SimpleMLP``, ``SimpleDense``, its ``BiasAdderWithRunningMean`` (-> ``BasicsBiasAdder``:
+  ``decay``, ``x - mean + bias``) and its jitted ``update_step`` (-> ``basics_update_step``,
+  ``tx`` and ``apply_fn`` static).
 """
 
 # ruff: noqa: E731, E741, RUF059 (the authors' code, as written)
 
 import functools
+from collections.abc import Callable, Sequence
 from functools import partial
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -396,3 +403,130 @@ class SimpleLSTM(nn.Module):  # the guide's idiomatic SimpleLSTM
     def __call__(self, x):
         carry = self.scan_cell.initialize_carry(jax.random.key(0), x[:, 0].shape)
         return self.scan_cell(carry, x)[1]  # only return the output
+
+
+# -- docs/guides/flax_fundamentals/flax_basics.md, as written there -----------------------------
+def make_mse(model):
+    """flax_basics' ``mse`` (over its global ``model``, passed in)."""
+
+    # Same as JAX version but using model.apply().
+    @jax.jit
+    def mse(params, x_batched, y_batched):
+        # Define the squared loss for a single pair (x,y)
+        def squared_error(x, y):
+            pred = model.apply(params, x)
+            return jnp.inner(y - pred, y - pred) / 2.0
+
+        # Vectorize the previous to compute the average of the loss on all samples.
+        return jnp.mean(jax.vmap(squared_error)(x_batched, y_batched), axis=0)
+
+    return mse
+
+
+@jax.jit
+def update_params(params, learning_rate, grads):
+    params = jax.tree_util.tree_map(lambda p, g: p - learning_rate * g, params, grads)
+    return params
+
+
+def regression_data():
+    """flax_basics' fake data: ``(true_params, x_samples, y_samples)``."""
+    # Set problem dimensions.
+    n_samples = 20
+    x_dim = 10
+    y_dim = 5
+
+    # Generate random ground truth W and b.
+    key = random.key(0)
+    k1, k2 = random.split(key)
+    W = random.normal(k1, (x_dim, y_dim))
+    b = random.normal(k2, (y_dim,))
+    # Store the parameters in a FrozenDict pytree.
+    true_params = flax.core.freeze({"params": {"bias": b, "kernel": W}})
+
+    # Generate samples with additional noise.
+    key_sample, key_noise = random.split(k1)
+    x_samples = random.normal(key_sample, (n_samples, x_dim))
+    y_samples = jnp.dot(x_samples, W) + b + 0.1 * random.normal(key_noise, (n_samples, y_dim))
+    return true_params, x_samples, y_samples
+
+
+class ExplicitMLP(nn.Module):
+    features: Sequence[int]
+
+    def setup(self):
+        # we automatically know what to do with lists, dicts of submodules
+        self.layers = [nn.Dense(feat) for feat in self.features]
+        # for single submodules, we would just write:
+        # self.layer1 = nn.Dense(feat1)
+
+    def __call__(self, inputs):
+        x = inputs
+        for i, lyr in enumerate(self.layers):
+            x = lyr(x)
+            if i != len(self.layers) - 1:
+                x = nn.relu(x)
+        return x
+
+
+class SimpleMLP(nn.Module):
+    features: Sequence[int]
+
+    @nn.compact
+    def __call__(self, inputs):
+        x = inputs
+        for i, feat in enumerate(self.features):
+            x = nn.Dense(feat, name=f"layers_{i}")(x)
+            if i != len(self.features) - 1:
+                x = nn.relu(x)
+            # providing a name is optional though!
+            # the default autonames would be "Dense_0", "Dense_1", ...
+        return x
+
+
+class SimpleDense(nn.Module):
+    features: int
+    kernel_init: Callable = nn.initializers.lecun_normal()
+    bias_init: Callable = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, inputs):
+        kernel = self.param(
+            "kernel",
+            self.kernel_init,  # Initialization function
+            (inputs.shape[-1], self.features),
+        )  # shape info.
+        y = jnp.dot(inputs, kernel)
+        bias = self.param("bias", self.bias_init, (self.features,))
+        y = y + bias
+        return y
+
+
+class BasicsBiasAdder(nn.Module):  # flax_basics' BiasAdderWithRunningMean
+    decay: float = 0.99
+
+    @nn.compact
+    def __call__(self, x):
+        # easy pattern to detect if we're initializing via empty variable tree
+        is_initialized = self.has_variable("batch_stats", "mean")
+        ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s), x.shape[1:])
+        bias = self.param("bias", lambda rng, shape: jnp.zeros(shape), x.shape[1:])
+        if is_initialized:
+            ra_mean.value = self.decay * ra_mean.value + (1.0 - self.decay) * jnp.mean(
+                x, axis=0, keepdims=True
+            )
+
+        return x - ra_mean.value + bias
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def basics_update_step(tx, apply_fn, x, opt_state, params, state):  # its update_step
+    def loss(params):
+        y, updated_state = apply_fn({"params": params, **state}, x, mutable=list(state.keys()))
+        l = ((x - y) ** 2).sum()
+        return l, updated_state
+
+    (l, state), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state)
+    params = optax.apply_updates(params, updates)
+    return opt_state, params, state

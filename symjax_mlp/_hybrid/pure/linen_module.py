@@ -28,6 +28,12 @@ _OTHER_PARAMS = (
     "{name}: the variables given do not fit the model: {error}. They are another model's, or "
     "its layers under other names: pass what {name}.init returns (shaped as h.params)."
 )
+_HELD_GIVEN = (
+    "{name}: the params given hold {clash}, which the Hybrid holds as its state (what a call "
+    "writes) and passes each call itself: the given values would be ignored. Pass the params "
+    "alone, shaped as h.params ({{'params': variables['params']}}), and give a state with "
+    "h.apply_with_state(params, state, x) (state shaped as h.state) or h.replace(state=...)."
+)
 _NO_RNG = (
     "{name}: {error}, and the Hybrid holds the rng streams {streams}. Give a linen model's "
     "streams once, split anew by each call: sm.hybridize(model, variables, "
@@ -103,6 +109,8 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
         if not isinstance(params, Mapping):  # h.apply(None, x), h.replace(params=[...])
             got = type(params).__name__
             raise ConfigError(_NOT_VARIABLES.format(caller=name, name=name, got=got))
+        if clash := [c for c in mutable if c in params and c not in sown]:  # (model.apply's)
+            raise ConfigError(_HELD_GIVEN.format(name=name, clash=clash))
         state, streams = dict(state), state.get(_RNGS, {})
         pairs = {n: jax.random.split(k) for n, k in streams.items()}
         keys = {n: k[1] for n, k in pairs.items()} or None
