@@ -453,3 +453,39 @@ def test_h_apply_of_variables_holding_the_held_state_is_refused_naming_apply_wit
     h, other = sm.hybridize(model, variables), {"batch_stats": {"mean": jnp.full((5,), 7.0)}}
     with pytest.raises(sm.ConfigError, match=r"\['batch_stats'\].*h\.apply_with_state"):
         h.apply({"params": variables["params"], **other}, x)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`flax.traverse_util.Traversal` will be deprecated")
+@pytest.mark.parametrize("name", ["sgd", "chain", "adam_decay", "clip", "schedule", "masked"])
+def test_the_optax_update_guides_transformations_step_over_h_apply(name, tmp_path):
+    """optax_update_guide.rst: its testsetup's ``nn.Dense(1)`` on an image batch, each section's
+    ``tx`` in its ``train_step``; the guide's ``loss`` is a stub (0.), so ours is a squared
+    error of ``model.apply``, and the same over ``h.apply``: two steps' params equal; the
+    trained Hybrid exports (batch symbolic) and loads as linen. Adam with decayed weights passes
+    ``params`` to ``tx.update``, as the guide's note there says. The guide's masks use
+    ``ModelParamTraversal``, which Flax warns it will deprecate (the guide's own; ignored)."""
+    batch = {"image": jax.random.normal(jax.random.key(1), (2, 28, 28, 1)), "label": jnp.ones(2)}
+    model = nn.Dense(1)
+    variables = model.init(jax.random.key(0), batch["image"])
+    h = sm.hybridize(model, variables)
+
+    def loss_of(apply):
+        return lambda params, batch: jnp.mean(
+            (apply({"params": params}, batch["image"])[..., 0, 0, 0] - batch["label"]) ** 2
+        )
+
+    params = variables["params"]
+    tx = zoo8.optax_guide_txs(params)[name]
+    theirs = ours = (params, tx.init(params))
+    with_params = name == "adam_decay"  # the guide's note there
+    steps = [
+        zoo8.make_optax_train_step(tx, loss_of(f), with_params) for f in (model.apply, h.apply)
+    ]
+    for _ in range(2):
+        theirs, ours = steps[0](*theirs, batch), steps[1](*ours, batch)
+    _close(ours, theirs)
+    trained = h.replace(params={"params": ours[0]})
+    sm.export(trained, tmp_path / "m", example=(batch["image"],))
+    x = np.asarray(batch["image"][:1])
+    _close(sm.load(tmp_path / "m")(x), model.apply({"params": theirs[0]}, x))

@@ -34,6 +34,10 @@ From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
   ``SimpleMLP``, ``SimpleDense``, its ``BiasAdderWithRunningMean`` (-> ``BasicsBiasAdder``:
   ``decay``, ``x - mean + bias``) and its jitted ``update_step`` (-> ``basics_update_step``,
   ``tx`` and ``apply_fn`` static).
+- docs/guides/converting_and_upgrading/optax_update_guide.rst, its optax side: each section's
+  ``tx`` (``optax_guide_txs``: sgd, chain, Adam with decayed weights, clipping, a schedule, the
+  masked kernels/biases of ``ModelParamTraversal``) and its ``train_step``
+  (``make_optax_train_step(tx, loss)``: its ``loss`` is a stub there, ``jnp.array(0.)``).
 """
 
 # ruff: noqa: E731, E741, RUF059 (the authors' code, as written)
@@ -530,3 +534,63 @@ def basics_update_step(tx, apply_fn, x, opt_state, params, state):  # its update
     updates, opt_state = tx.update(grads, opt_state)
     params = optax.apply_updates(params, updates)
     return opt_state, params, state
+
+
+# -- docs/guides/converting_and_upgrading/optax_update_guide.rst, its optax side ----------------
+def optax_guide_txs(params, schedule=lambda step: 0.1 / (1 + step)):
+    """The guide's optax transformations, by section (its testsetup's ``learning_rate, momentum,
+    weight_decay, grad_clip_norm``; ``schedule``, undefined there, passed in)."""
+    learning_rate, momentum, weight_decay, grad_clip_norm = 0.1, 0.9, 1e-3, 1.0
+    kernels = flax.traverse_util.ModelParamTraversal(lambda p, _: "kernel" in p)
+    biases = flax.traverse_util.ModelParamTraversal(lambda p, _: "bias" in p)
+    all_false = jax.tree_util.tree_map(lambda _: False, params)
+    kernels_mask = kernels.update(lambda _: True, all_false)
+    biases_mask = biases.update(lambda _: True, all_false)
+    return {
+        "sgd": optax.sgd(learning_rate, momentum),
+        "chain": optax.chain(
+            optax.trace(decay=momentum),
+            # Note that `optax.apply_updates()` simply adds the final updates to the
+            # parameters, so we must make sure to flip the sign here for gradient descent.
+            optax.scale(-learning_rate),
+        ),
+        "adam_decay": optax.chain(
+            optax.scale_by_adam(),
+            optax.add_decayed_weights(weight_decay),
+            # params -= learning_rate * (adam(grads) + params * weight_decay)
+            optax.scale(-learning_rate),
+        ),
+        "clip": optax.chain(
+            optax.clip_by_global_norm(grad_clip_norm),
+            optax.trace(decay=momentum),
+            optax.scale(-learning_rate),
+        ),
+        "schedule": optax.chain(
+            optax.trace(decay=momentum),
+            # Note that we still want a negative value for scaling the updates!
+            optax.scale_by_schedule(lambda step: -schedule(step)),
+        ),
+        "masked": optax.chain(
+            optax.trace(decay=momentum),
+            optax.masked(optax.scale(-learning_rate), kernels_mask),
+            optax.masked(optax.scale(-learning_rate * 0.1), biases_mask),
+        ),
+    }
+
+
+def make_optax_train_step(tx, loss, with_params=False):
+    """The guide's ``train_step`` (its ``tx`` and ``loss`` passed in; ``with_params``: as its
+    weight-decay section's note says, "you'll need to specify `params`": ``tx.update(grads,
+    opt_state, params)``)."""
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        if with_params:
+            updates, opt_state = tx.update(grads, opt_state, params)
+        else:
+            updates, opt_state = tx.update(grads, opt_state)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state
+
+    return train_step
