@@ -489,3 +489,46 @@ def test_the_optax_update_guides_transformations_step_over_h_apply(name, tmp_pat
     sm.export(trained, tmp_path / "m", example=(batch["image"],))
     x = np.asarray(batch["image"][:1])
     _close(sm.load(tmp_path / "m")(x), model.apply({"params": theirs[0]}, x))
+
+
+LIFECYCLE = {
+    "LifecycleMLP": lambda: zoo8.LifecycleMLP(hidden_size=4, out_size=5),
+    "CompactScaledMLP": lambda: zoo8.CompactScaledMLP(hidden_size=4, out_size=5),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LIFECYCLE)
+def test_the_module_lifecycle_mlps_over_every_feature(name, tmp_path):
+    """module_lifecycle.rst's setup ``MLP`` and ``CompactScaledMLP`` (a ``scale`` param shaped
+    by the inputs' features, ``x *= scale[None]``), on its (3, 2) inputs."""
+    model, x = LIFECYCLE[name](), jax.random.normal(jax.random.key(1), (3, 2))
+    variables = model.init(jax.random.key(0), jax.numpy.ones((3, 2)))
+    h = sm.hybridize(model, variables)
+    _every_feature(tmp_path, h, lambda r: model.apply(variables, r), x)
+
+
+@pytest.mark.slow
+def test_the_module_lifecycles_mode_string_and_partial_closure(tmp_path):
+    """module_lifecycle.rst: ``CorrectModule``'s str ``mode`` (its variables from
+    ``nn.init(init_fn, mdl)``) is a static setting: ``h(x, 'encode')`` and ``h(z, 'decode')``
+    equal linen's and each mode exports (``kwargs``) and loads as linen; ``Foo``'s ``nn.vmap``
+    of a method given a ``flax.struct`` ``Partial`` (params per row: 3) exports its static
+    batch, refusing a symbolic one naming ``batch=None``."""
+    mdl, x = zoo8.CorrectModule(), jax.random.normal(jax.random.key(1), (3, 2))
+    variables = nn.init(zoo8.init_fn, mdl)(jax.random.key(0))
+    h = sm.hybridize(mdl, variables)
+    z = h(x, "encode")
+    _close(z, mdl.apply(variables, x, "encode"))
+    _close(h(z, "decode"), mdl.apply(variables, z, "decode"))
+    for mode, inputs in (("encode", x), ("decode", z)):
+        sm.export(h, tmp_path / mode, example=(inputs,), kwargs={"mode": mode})
+        got = sm.load(tmp_path / mode)(np.asarray(inputs[:2]))
+        _close(got, mdl.apply(variables, inputs[:2], mode))
+    foo = zoo8.Foo()
+    variables = foo.init(jax.random.key(0), jax.numpy.ones((3, 2)))
+    assert variables["params"]["Dense_0"]["kernel"].shape == (3, 2, 2)  # the guide's own check
+    h = sm.hybridize(foo, variables)
+    with pytest.raises(sm.SignatureError, match="batch=None"):
+        sm.export(h, tmp_path / "foo_b", example=(x,))
+    _every_feature(tmp_path / "foo", h, lambda r: foo.apply(variables, r), x, batch=None)

@@ -38,13 +38,17 @@ From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
   ``tx`` (``optax_guide_txs``: sgd, chain, Adam with decayed weights, clipping, a schedule, the
   masked kernels/biases of ``ModelParamTraversal``) and its ``train_step``
   (``make_optax_train_step(tx, loss)``: its ``loss`` is a stub there, ``jnp.array(0.)``).
+- docs/developer_notes/module_lifecycle.rst: ``MLP`` (-> ``LifecycleMLP``), ``CompactScaledMLP``,
+  ``CorrectModule`` and its hidden ``init_fn``, ``Partial`` and the second ``Foo`` (an
+  ``nn.vmap`` of a method given a ``Partial`` closing over a Dense).
 """
 
-# ruff: noqa: E731, E741, RUF059 (the authors' code, as written)
+# ruff: noqa: B007, E731, E741, RUF059 (the authors' code, as written)
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -594,3 +598,75 @@ def make_optax_train_step(tx, loss, with_params=False):
         return params, opt_state
 
     return train_step
+
+
+# -- docs/developer_notes/module_lifecycle.rst, as written there --------------------------------
+class LifecycleMLP(nn.Module):  # the guide's MLP
+    # 1. Attribute annotations
+    hidden_size: int
+    out_size: int
+
+    # 2. The ``setup`` method
+    def setup(self):
+        self.hidden = nn.Dense(self.hidden_size)
+        self.out = nn.Dense(self.out_size)
+
+    # 3. User methods
+    def __call__(self, x):
+        a = self.hidden(x)
+        h = nn.relu(a)
+        return self.out(h)
+
+
+class CompactScaledMLP(nn.Module):
+    hidden_size: int
+    out_size: int
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones_init(), x.shape[-1:])
+        x *= scale[None]
+        a = nn.Dense(self.hidden_size)(x)
+        h = nn.relu(a)
+        return nn.Dense(self.out_size)(h)
+
+
+class CorrectModule(nn.Module):
+    @nn.compact
+    def __call__(self, x, mode):
+        encoder = nn.Dense(8)
+        decoder = nn.Dense(4)
+        if mode == "encode":
+            return encoder(x)
+        elif mode == "decode":
+            return decoder(x)
+
+
+def init_fn(mdl):
+    x = jax.numpy.ones((3, 2))
+    z = mdl(x, "encode")
+    return mdl(z, "decode")
+
+
+class Partial(flax.struct.PyTreeNode):
+    fn: Callable = flax.struct.field(pytree_node=False)
+    args: Iterable[Any]
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*(tuple(self.args) + args), **kwargs)
+
+
+class Foo(nn.Module):  # the guide's second Foo (its closure a Partial)
+    @nn.compact
+    def __call__(self, x):
+        dense = nn.Dense(x.shape[-1])
+        fn = lambda mdl, x: mdl(x) + 1
+        vmap_inner = nn.vmap(
+            Foo.inner, in_axes=0, variable_axes={"params": 0}, split_rngs={"params": True}
+        )
+        return vmap_inner(self, x, Partial(fn, [dense]))
+
+    def inner(self, x, fn):
+        for i in range(3):
+            x = fn(x)
+        return x
