@@ -532,3 +532,36 @@ def test_the_module_lifecycles_mode_string_and_partial_closure(tmp_path):
     with pytest.raises(sm.SignatureError, match="batch=None"):
         sm.export(h, tmp_path / "foo_b", example=(x,))
     _every_feature(tmp_path / "foo", h, lambda r: foo.apply(variables, r), x, batch=None)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")
+def test_the_checkpointing_guides_restored_train_state_hybridizes_and_exports(tmp_path):
+    """use_checkpointing.md: its bundle saved with ``orbax.checkpoint.PyTreeCheckpointer`` and
+    ``save_args_from_target``, restored raw and into its target (a zeroed ``TrainState``): the
+    Hybrid of ``nn.Dense(3)`` over either restored params equals the saved state's
+    ``apply_fn``; exported (batch symbolic), loaded, a Batcher's rows and grads equal. Orbax
+    warns of the guide's restore without sharding info (the guide's own; ignored)."""
+    import orbax.checkpoint
+    from flax.training import orbax_utils
+
+    ckpt, model, variables, x1, tx = zoo8.checkpoint_bundle()
+    orbax_checkpointer = orbax.checkpoint.PyTreeCheckpointer()
+    save_args = orbax_utils.save_args_from_target(ckpt)
+    orbax_checkpointer.save(tmp_path / "single_save", ckpt, save_args=save_args)
+    raw_restored = orbax_checkpointer.restore(tmp_path / "single_save")
+    empty_state = zoo8.train_state.TrainState.create(
+        apply_fn=model.apply,
+        params=jax.tree_util.tree_map(np.zeros_like, variables["params"]),
+        tx=tx,
+    )
+    empty_config = {"dimensions": np.array([0, 0])}
+    target = {"model": empty_state, "config": empty_config, "data": [jnp.zeros_like(x1)]}
+    state_restored = orbax_checkpointer.restore(tmp_path / "single_save", item=target)
+    state = ckpt["model"]
+    x = jax.random.normal(jax.random.key(2), (4, 5))
+    for params in (raw_restored["model"]["params"], state_restored["model"].params):
+        h = sm.hybridize(model, {"params": params})
+        _close(h(x), state.apply_fn({"params": state.params}, x))
+    ref = lambda r: state.apply_fn({"params": state.params}, r)  # noqa: E731
+    _every_feature(tmp_path / "m", h, ref, x)

@@ -41,6 +41,9 @@ From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
 - docs/developer_notes/module_lifecycle.rst: ``MLP`` (-> ``LifecycleMLP``), ``CompactScaledMLP``,
   ``CorrectModule`` and its hidden ``init_fn``, ``Partial`` and the second ``Foo`` (an
   ``nn.vmap`` of a method given a ``Partial`` closing over a Dense).
+- docs/guides/training_techniques/use_checkpointing.md: its "Save checkpoints" bundle (a
+  ``TrainState`` of ``nn.Dense(3)`` after one update, a config, data) as ``checkpoint_bundle()``;
+  its Orbax save and restore (with and without a target) are run in the test.
 """
 
 # ruff: noqa: B007, E731, E741, RUF059 (the authors' code, as written)
@@ -58,6 +61,7 @@ import jax.scipy as jsp
 import numpy as np
 import optax
 import scipy as sp
+from flax.training import train_state
 from jax import custom_jvp, custom_vjp, random, vjp
 from jax.lax import while_loop
 
@@ -670,3 +674,27 @@ class Foo(nn.Module):  # the guide's second Foo (its closure a Partial)
         for i in range(3):
             x = fn(x)
         return x
+
+
+# -- docs/guides/training_techniques/use_checkpointing.md, "Save checkpoints", as written there --
+def checkpoint_bundle():
+    """The guide's ``ckpt`` (and its ``model``, ``variables``, ``x1``, ``tx``)."""
+    # A simple model with one linear layer.
+    key1, key2 = random.split(random.key(0))
+    x1 = random.normal(key1, (5,))  # A simple JAX array.
+    model = nn.Dense(features=3)
+    variables = model.init(key2, x1)
+
+    # Flax's TrainState is a pytree dataclass and is supported in checkpointing.
+    # Define your class with `@flax.struct.dataclass` decorator to make it compatible.
+    tx = optax.sgd(learning_rate=0.001)  # An Optax SGD optimizer.
+    state = train_state.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+    # Perform a simple gradient update similar to the one during a normal training workflow.
+    state = state.apply_gradients(grads=jax.tree_util.tree_map(jnp.ones_like, state.params))
+
+    # Some arbitrary nested pytree with a dictionary and a NumPy array.
+    config = {"dimensions": np.array([5, 3])}
+
+    # Bundle everything together.
+    ckpt = {"model": state, "config": config, "data": [x1]}
+    return ckpt, model, variables, x1, tx
