@@ -12,6 +12,10 @@ jax-ml/jax@cec06d116c05f0d52adfceee3d3b730fdbcb0ce5 (sizes as written there: alr
 - docs/notebooks/vmapped_log_probs.md: Bayesian logistic regression, its data (``np.random``
   seed 10009, 100 points, 10 features), ``log_joint`` (the jitted version, scale 10),
   ``batched_log_joint``, ``elbo``, ``normal_sample``; ``matplotlib`` (its plots) left out.
+- docs/notebooks/Distributed_arrays_and_automatic_parallelization.md, from the commit before
+  its removal (jax-ml/jax@220f0751106a31289082d7d0060eff2a8d3facfc), "Examples: neural
+  networks": ``predict`` -> ``dist_predict``, ``loss`` -> ``dist_loss``, ``init_layer``,
+  ``init_model``; its sizes (784, 8192 x3, 10; batch 8192) cut in the test.
 - docs/notebooks/autodiff_cookbook.md, "Gradients" and "Jacobians and Hessians": ``sigmoid``,
   ``predict``, its toy ``inputs``/``targets``, ``loss2``, ``predict_dict``, the reverse-over-
   reverse ``hvp``; its ``random.split`` draws of ``W`` and ``b`` as ``cookbook_params``.
@@ -698,3 +702,35 @@ def checkpoint_bundle():
     # Bundle everything together.
     ckpt = {"model": state, "config": config, "data": [x1]}
     return ckpt, model, variables, x1, tx
+
+
+# -- Distributed_arrays_and_automatic_parallelization.md, "Examples: neural networks" -----------
+def dist_predict(params, inputs):  # its predict
+    for W, b in params:
+        outputs = jnp.dot(inputs, W) + b
+        inputs = jnp.maximum(outputs, 0)
+    return outputs
+
+
+def dist_loss(params, batch):  # its loss
+    inputs, targets = batch
+    predictions = dist_predict(params, inputs)
+    return jnp.mean(jnp.sum((predictions - targets) ** 2, axis=-1))
+
+
+def init_layer(key, n_in, n_out):
+    k1, k2 = jax.random.split(key)
+    W = jax.random.normal(k1, (n_in, n_out)) / jnp.sqrt(n_in)
+    b = jax.random.normal(k2, (n_out,))
+    return W, b
+
+
+def init_model(key, layer_sizes, batch_size):
+    key, *keys = jax.random.split(key, len(layer_sizes))
+    params = list(map(init_layer, keys, layer_sizes[:-1], layer_sizes[1:]))
+
+    key, *keys = jax.random.split(key, 3)
+    inputs = jax.random.normal(keys[0], (batch_size, layer_sizes[0]))
+    targets = jax.random.normal(keys[1], (batch_size, layer_sizes[-1]))
+
+    return params, (inputs, targets)
