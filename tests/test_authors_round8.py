@@ -13,6 +13,15 @@ artifact of ``vjp_order=2``), a Batcher's answers, and the original's own traini
   notebook's own variational steps over ``h.apply``.
 - autodiff_cookbook.md: ``predict_dict`` and ``loss2``: per-example grads, Jacobians, the
   reverse-over-reverse ``hvp`` over the loaded model.
+- Distributed_arrays_and_automatic_parallelization.md's MLP: 8-way batch, then 4x2
+  batch/model sharded, its ``gradfun`` steps over ``h.apply``.
+- Flax: state_params.rst (a running mean carried; BatchNorm(axis_name='batch') under
+  ``jax.vmap``; both ``update_step`` s over ``h.apply``), lift.md (params per row: a static
+  batch), rnncell_upgrade_guide.rst (both ``SimpleLSTM`` s; a carry tuple's refusal now names
+  the flat outputs), flax_basics.md (its regression's gd and Adam steps, its modules, its
+  jitted ``update_step`` with a static ``apply_fn``; ``h.apply`` of variables holding the held
+  state now refused), optax_update_guide.rst (each ``tx``), module_lifecycle.rst (a str mode,
+  a ``flax.struct`` closure under ``nn.vmap``), use_checkpointing.md (Orbax-restored params).
 """
 
 import functools
