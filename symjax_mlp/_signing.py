@@ -269,9 +269,11 @@ def check(
             data = read_regular(path / MANIFEST, limit=MAX_MANIFEST_BYTES, error=ArtifactError)
         except FileNotFoundError:  # model-signing names it
             return
-        if MANIFEST in signed and sha256(data) != signed[MANIFEST]:  # no sizes to trust
+        if MANIFEST not in signed:  # no sizes to trust: its files are refused below, unread
+            return
+        if sha256(data) != signed[MANIFEST]:
             raise ArtifactError(f"it signs other contents of {MANIFEST}")  # the rest unread
-        if resized := _resized(_signed_manifest(path, signed), before):
+        if resized := _resized(data, before):
             raise ArtifactError(resized)
 
     config = _config("verifying", sized)
@@ -343,16 +345,17 @@ def _digests(bundle: bytes) -> dict[str, str]:
         return {}
 
 
-def _resized(manifest: str | None, before: dict[str, tuple]) -> str | None:
-    """Which file the signed manifest (``None``: the manifest is not the one signed) lists at
-    another size than it has now (``before``'s), said; ``None`` if none."""
+def _resized(manifest: bytes, before: dict[str, tuple]) -> str | None:
+    """Which file the signed ``manifest`` (its bytes, as read once) lists at another size than
+    it has now (``before``'s), said; ``None`` if none."""
     try:
-        for name, entry in sorted(json.loads(manifest or "{}").get("files", {}).items()):
+        files = json.loads(manifest, object_pairs_hook=unique_pairs).get("files", {})
+        for name, entry in sorted(files.items()):
             if name in before and before[name][4] and before[name][2] != entry["bytes"]:
                 return (f"{name} has {before[name][2]:,} bytes, where the manifest it signs "
                         f"lists {entry['bytes']:,} (refused unread)")  # fmt: skip
-    except (AttributeError, KeyError, TypeError):  # no manifest load reads: refused there
-        pass
+    except (AttributeError, KeyError, TypeError, ValueError, RecursionError):  # no manifest
+        pass  # load reads: refused there
     return None
 
 
