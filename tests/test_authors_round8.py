@@ -411,8 +411,9 @@ def test_flax_basics_modules_over_every_feature(name, tmp_path):
 def test_flax_basics_bias_adder_and_its_jitted_update_step_with_h_apply_static(tmp_path):
     """flax_basics' ``BiasAdderWithRunningMean``: ``h(val * ones)`` for its 1., 2., 3. carries
     the running mean as its loop of ``mutable=['batch_stats']``; its ``update_step``, jitted
-    with ``tx`` and ``apply_fn`` static, takes an ``apply_fn`` over ``h.apply`` (a hashable
-    static argument) and gives the guide's three steps."""
+    with ``tx`` and ``apply_fn`` static, runs with ``h.apply`` as its ``apply_fn`` (a hashable
+    static argument; ``{'params': params, **state}`` and ``mutable=`` as model.apply takes them)
+    and gives the guide's three steps; ``h.apply_with_state`` runs from a state given."""
     model, x = zoo8.BasicsBiasAdder(), jnp.ones((10, 5))
     key1, _ = jax.random.split(jax.random.key(0), 2)
     variables = model.init(key1, x)
@@ -432,36 +433,58 @@ def test_flax_basics_bias_adder_and_its_jitted_update_step_with_h_apply_static(t
     theirs = ours = (tx.init(params), params, state)
     for _ in range(3):
         theirs = zoo8.basics_update_step(tx, model.apply, x, *theirs)
-        held = h.replace(state=dict(ours[2]))
-        ours = zoo8.basics_update_step(tx, _StateApply(held), x, *ours)
+        ours = zoo8.basics_update_step(tx, h.apply, x, *ours)
     _close(ours, theirs)
-    other = {"batch_stats": {"mean": jnp.full((5,), 7.0)}}  # the refusal's fix, as it names
+    other = {"batch_stats": {"mean": jnp.full((5,), 7.0)}}
     out, state = h.apply_with_state({"params": params}, other, x)
     want = model.apply({"params": params, **other}, x, mutable=["batch_stats"])
     _close((out, state), want)
 
 
-class _StateApply:
-    """An ``apply_fn(variables, x, mutable)`` over ``held.apply`` (its state held), hashable as
-    the guide's static ``apply_fn``."""
-
-    def __init__(self, held):
-        self.held = held
-
-    def __call__(self, v, x, mutable):
-        return self.held.apply({"params": v["params"]}, x)
-
-
-def test_h_apply_of_variables_holding_the_held_state_is_refused_naming_apply_with_state():
-    """flax_basics' ``update_step`` calls ``apply_fn({'params': params, **state}, x, ...)``:
-    ``h.apply`` given those variables (linen's ``model.apply`` takes them so) is refused naming
-    ``h.apply_with_state`` (before: the given batch_stats were silently replaced by the held
-    ones, the output off by the mean's difference); the bias-adder test runs that fix."""
+def test_h_apply_of_variables_holding_the_state_runs_as_model_apply_from_that_state():
+    """flax_basics' ``update_step`` calls ``apply_fn({'params': params, **state}, x,
+    mutable=list(state.keys()))``: ``h.apply`` given those variables runs as linen's
+    ``model.apply`` (jitted) does, from the given batch_stats: ``(out, updates)`` bitwise;
+    without ``mutable=``, Flax's refusal to write an immutable collection. Before: a
+    ConfigError naming ``h.apply_with_state``. The held state is kept; ``h.apply_with_state``
+    given a state twice (in the params too) is refused."""
     model, x = zoo8.BasicsBiasAdder(), jnp.ones((10, 5))
     variables = model.init(jax.random.key(0), x)
     h, other = sm.hybridize(model, variables), {"batch_stats": {"mean": jnp.full((5,), 7.0)}}
+    given = {"params": variables["params"], **other}
+    want = jax.jit(model.apply, static_argnames="mutable")(given, x, mutable=("batch_stats",))
+    chex.assert_trees_all_equal(h.apply(given, x, mutable=["batch_stats"]), want)
+    with pytest.raises(flax.errors.ModifyScopeVariableError):
+        h.apply(given, x)
+    chex.assert_trees_all_equal(h.state, {"batch_stats": variables["batch_stats"]})
     with pytest.raises(sm.ConfigError, match=r"\['batch_stats'\].*h\.apply_with_state"):
-        h.apply({"params": variables["params"], **other}, x)
+        h.apply_with_state(given, other, x)
+
+
+@pytest.mark.slow
+def test_h_apply_of_variables_holding_the_state_under_grad_and_without_mutable():
+    """``h.apply({'params': p, **state}, x, mutable=[...])`` under ``jax.value_and_grad``
+    (jitted): the loss, output, updates and grad bitwise model.apply's; without ``mutable=``,
+    ``out`` alone, as Flax returns it, of a model that writes no collection (BatchNorm's
+    running average), from the given statistics."""
+    model, x = zoo8.BasicsBiasAdder(), jnp.ones((10, 5))
+    variables = model.init(jax.random.key(0), x)
+    h, other = sm.hybridize(model, variables), {"batch_stats": {"mean": jnp.full((5,), 7.0)}}
+    params, jitted = variables["params"], jax.jit(model.apply, static_argnames="mutable")
+
+    def step(apply, mutable):
+        def loss(params):
+            y, state = apply({"params": params, **other}, x, mutable=mutable)
+            return ((x - y) ** 2).sum(), (y, state)
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    chex.assert_trees_all_equal(step(h.apply, ["batch_stats"]), step(jitted, ("batch_stats",)))
+    norm = nn.BatchNorm(use_running_average=True)
+    variables = norm.init(jax.random.key(0), x)
+    given = {"params": variables["params"], "batch_stats": other["batch_stats"] | {"var": x[0]}}
+    out = sm.hybridize(norm, variables).apply(given, x)
+    chex.assert_trees_all_equal(out, jax.jit(norm.apply)(given, x))
 
 
 @pytest.mark.slow

@@ -301,6 +301,7 @@ class Hybrid(Staged, NoPickle):
 
         Traced as ``entry="apply"`` (counted against ``max_traces``). Returns ``out``, or
         ``(out, new_state)`` from :attr:`state` if stateful; every keyword goes to the model.
+        A linen model's ``{'params': p, **state}`` runs as ``model.apply`` runs it, mutable= too.
 
         Example:
           >>> import jax, jax.numpy as jnp
@@ -314,7 +315,7 @@ class Hybrid(Staged, NoPickle):
             out, new_state = self._apply_pure(f"{self.name}.apply", params, state, args, kwargs)
         except _pure.StateAdded as e:
             return self._stateful(e).apply(params, *args, **kwargs)
-        return (out, new_state) if self.stateful else out
+        return (out, new_state) if self.stateful and new_state is not None else out  # (Flax's)
 
     def apply_with_state(self, params: Any, state: Any, /, *args: Any, **kwargs: Any) -> Any:
         """:meth:`apply` of a stateful model from ``state``: ``(out, new_state)``, for a loop
@@ -336,6 +337,8 @@ class Hybrid(Staged, NoPickle):
         caller = f"{self.name}.apply_with_state"
         if not self.stateful:
             raise ConfigError(_STATELESS.format(caller=caller, name=self.name))
+        if self._model.given_state(params):  # a state in the params too: refused as fn's is
+            self.fn_with_state(params, state, *args, **kwargs)
         return self._apply_pure(caller, params, state, args, kwargs)
 
     def _apply_pure(self, caller: str, params: Any, state: Any, args: Any, kwargs: Any) -> Any:

@@ -80,7 +80,13 @@ class Staged:
         where a call of them crashes (several devices), or once a call ``failed``."""
         if failed or self._spans:
             refuse_donated(caller, self.params if params is None else params)
-        self._model.refuse_keywords(caller, kwargs)  # linen's h(x, method=...)
+        # model.apply's own mutable=, in h.apply of linen variables holding state
+        flax = "mutable" in kwargs and self._model.given_state(params) is not None
+        rest = {k: v for k, v in kwargs.items() if k != "mutable"} if flax else kwargs
+        self._model.refuse_keywords(caller, rest)  # linen's h(x, method=...)
+        if flax:  # (a list, as Flax's guides pass it: a tuple, static)
+            mutable = kwargs["mutable"]
+            kwargs = {**rest, "mutable": tuple(mutable) if isinstance(mutable, list) else mutable}
         nums, names, own = self.static_argnums, self.static_argnames, (self, self._model.source)
         static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
         return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw

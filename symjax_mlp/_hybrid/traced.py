@@ -217,20 +217,24 @@ class TracedModel:
         self.held.grows = self.model.kind == "nnx"  # nnx.jit keeps what a call adds
 
     def call(
-        self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any, settings=None
-    ) -> tuple[Any, Any]:
+        self, static: Any, params: Any, state: Any, dyn: Any, dyn_kw: Any, settings=None,
+        pure: Callable[..., tuple[Any, Any]] | None = None,
+    ) -> tuple[Any, Any]:  # fmt: skip
         """``(out, new_state)``, with the module settings the static key holds (or these)."""
         if settings is None:
             settings = tuple(v for k, v, _ in static if type(k) is ModuleSetting)
         with self.model.pinned(settings), symbolic(self.log.name):
-            result = self.call_model(params, state, *rebuild(static, dyn, dyn_kw))
+            result = self.call_model(params, state, *rebuild(static, dyn, dyn_kw), pure)
         returned(result[0], self.log.name)
         return result
 
-    def call_model(self, params: Any, state: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        """The model's ``call``; an input no array, or an axis name no transform binds, refused."""
+    def call_model(
+        self, params: Any, state: Any, args: tuple, kwargs: dict, pure: Any = None
+    ) -> tuple[Any, Any]:
+        """The model's ``call`` (or ``pure``); an input no array, or an axis name no transform
+        binds, refused."""
         try:
-            return self.model.call(params, state, args, kwargs)
+            return (pure or self.model.call)(params, state, args, kwargs)
         except Exception as e:  # an input no array (h("abc") was Flax's error), an unbound axis
             axis, name = unbound_axis(e), self.log.name
             error = (
@@ -297,9 +301,11 @@ class TracedModel:
             self.log.name, self.log.events, self.deliberate, static, dyn, dyn_kw, entry
         ):
             self.warned.set()  # once per Hybrid
+        # h.apply of variables holding state (linen's): model.apply's call, (result, None)
+        pure = self.model.given_state(params) if entry == "apply" else None
         try:
             with self.log.tracing(static, dyn, dyn_kw, entry, held):
-                result = self.call(static, params, state, dyn, dyn_kw)
+                result = self.call(static, params, state, dyn, dyn_kw, pure=pure)
         except (LookupError, TypeError, AttributeError, ValueError) as e:  # the model's own
             caller = f"{self.log.name}.apply(params, ...)"  # (h.apply(None, x): p["w"] of None)
             if entry != "apply" or isinstance(e, SymjaxError):

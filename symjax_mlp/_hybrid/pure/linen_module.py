@@ -32,7 +32,8 @@ _HELD_GIVEN = (
     "{name}: the params given hold {clash}, which the Hybrid holds as its state (what a call "
     "writes) and passes each call itself: the given values would be ignored. Pass the params "
     "alone, shaped as h.params ({{'params': variables['params']}}), and give a state with "
-    "h.apply_with_state(params, state, x) (state shaped as h.state) or h.replace(state=...)."
+    "h.apply_with_state(params, state, x) (state shaped as h.state) or h.replace(state=...); "
+    "h.apply(variables, x) takes them as model.apply does."
 )
 _NO_RNG = (
     "{name}: {error}, and the Hybrid holds the rng streams {streams}. Give a linen model's "
@@ -59,7 +60,9 @@ APPLY_FIXES = {
     "result of that function: model.apply({{'params': params, 'cache': cache}}, *xs, "
     "method={value}, mutable=['cache']).",
     "mutable": "The Hybrid holds the collections its calls write (all but 'params', or those "
-    "sm.hybridize(model, variables, mutable=[...]) names) and passes each call the last's.",
+    "sm.hybridize(model, variables, mutable=[...]) names) and passes each call the last's; "
+    "h.apply({{'params': params, **state}}, x, mutable=[...]) takes a state and mutable= as "
+    "model.apply does.",
     "rngs": "The Hybrid holds its rng streams, split anew by each call: give them once, "
     "sm.hybridize(model, variables, rngs={{'dropout': key}}); for a key per call, hybridize "
     "sm.hybridize(lambda variables, x, key: model.apply(variables, x, rngs={{'dropout': key}}), "
@@ -145,9 +148,25 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             out = out, {c: updates.pop(c, {}) for c in sown}
         return out, {**state, **updates}
 
+    def flax_apply(variables, state, args, kwargs):  # h.apply's, of variables holding state
+        kwargs = dict(kwargs)
+        writes = kwargs.pop("mutable", False)  # Flax's default: out alone
+        keys = {n: jax.random.split(k)[1] for n, k in state.get(_RNGS, {}).items()} or None
+
+        def run(m: Any) -> Any:
+            return m(*args, **kwargs)
+
+        return model.apply(variables, rngs=keys, mutable=writes, method=run), None
+
+    def given_state(variables: Any) -> Any:
+        held = (c for c in mutable if c not in sown)
+        if isinstance(variables, Mapping) and any(c in variables for c in held):
+            return flax_apply
+        return None
+
     refuse = functools.partial(refuse_apply_keywords, model)
     pure = PureModel(call, bool(state), "linen", model, type(model).__call__, source=model,
-                     refuse_keywords=refuse)  # fmt: skip
+                     refuse_keywords=refuse, given_state=given_state)  # fmt: skip
     return pure, params, state
 
 
