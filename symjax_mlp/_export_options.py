@@ -249,12 +249,30 @@ _VJP_SYMBOLIC = (
 
 def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) -> bytes:
     """``exported.serialize(vjp_order)``; refused where its VJP compares a symbolic dimension
-    (the GP's cholesky of (7, 7) and its b test points: 'b' < '7' is inconclusive)."""
+    (the GP's cholesky of (7, 7) and its b test points: 'b' < '7' is inconclusive), or where
+    JAX cannot reverse-differentiate it (a dynamic while_loop, a pallas_call) at all."""
     try:
         return bytes(exported.serialize(vjp_order=vjp_order))
     except jax.errors.InconclusiveDimensionOperation as e:
-        error = str(e).splitlines()[0].rstrip(".")
         said = ", ".join(map(str, inputs))
         raise SignatureError(
-            _VJP_SYMBOLIC.format(name=name, order=vjp_order, inputs=said, error=error)
+            _VJP_SYMBOLIC.format(name=name, order=vjp_order, inputs=said, error=first_line(e))
         ) from None
+    except (ValueError, NotImplementedError) as e:  # JAX cannot reverse-differentiate it
+        if vjp_order == 0:
+            raise
+        exported.serialize(vjp_order=0)  # raises again where the VJP is not the cause
+        raise ConfigError(_NO_VJP.format(name=name, order=vjp_order, error=first_line(e))) from None
+
+
+_NO_VJP = (
+    "export({name}, vjp_order={order}): JAX cannot reverse-differentiate the model, so no VJP "
+    "can be stored ({error}). Export it with vjp_order=0 (the loaded model runs; jax.grad of "
+    "it is refused), or make it differentiable (lax.scan for a while_loop, a custom_vjp for "
+    "an op without a rule such as a pallas_call) before exporting with vjp_order={order}."
+)
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, without its final period."""
+    return str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__

@@ -22,13 +22,14 @@ from symjax_mlp._artifact.format import NEEDS, caller, printable
 from symjax_mlp._compat import constraint_named
 from symjax_mlp._errors import ArtifactError, ConfigError
 
-# ops computing each element from the same element of each operand (rows keeps rows apart)
+# ops computing each element from the same element of each operand (rows keeps rows apart);
+# reduce_precision: the VJP of jax.checkpoint with a policy rounds its saved residuals
 ELEMENTWISE = frozenset(str.split("""
     abs add and atan2 bitcast_convert cbrt ceil clamp compare complex convert cosine divide
     exponential exponential_minus_one floor imag is_finite log log_plus_one logistic maximum
-    minimum multiply negate not or power real remainder round_nearest_afz round_nearest_even
-    rsqrt select shift_left shift_right_arithmetic shift_right_logical sign sine sqrt subtract
-    tan tanh xor
+    minimum multiply negate not or power real reduce_precision remainder round_nearest_afz
+    round_nearest_even rsqrt select shift_left shift_right_arithmetic shift_right_logical sign
+    sine sqrt subtract tan tanh xor
 """))  # fmt: skip
 # custom calls: allowed by target
 ALLOWED_OPS = frozenset({"builtin.module", "func.func", "func.return", "func.call"}) | {

@@ -104,6 +104,13 @@ NOT_AN_INPUT_FIX = (
     "mark a hashable one static (static_argnames=)."
 )
 _OWN_FIX = "The Hybrid holds its model and params: pass only the model's inputs (arrays), h(x)."
+_SETTING_AMONG_ARRAYS = (
+    "{caller}: {path} is the str {leaf!r:.60}, a leaf of an input that holds arrays (a "
+    "tuple's or NamedTuple's every field is one): a compiled call traces that input's leaves, "
+    "and a str is no array. A setting is keyed on only as an argument of its own (a str, or a "
+    "tuple of settings): pass it so, or make it static in its container (the meta_fields= of "
+    "jax.tree_util.register_dataclass, a flax.struct.field(pytree_node=False))."
+)
 
 
 def unwalkable(v: Any) -> bool:
@@ -135,6 +142,8 @@ def _refuse_objects(caller: str, key: Any, value: Any, own: tuple[Any, ...]) -> 
             if not is_own(leaf) and (error := foreign_array(caller, at, leaf)):  # torch's
                 raise error
             what, fix = f"of type {type(leaf).__name__}", NOT_AN_INPUT_FIX
+            if isinstance(leaf, str):  # a setting, but among the arrays of a container
+                raise ConfigError(_SETTING_AMONG_ARRAYS.format(caller=caller, path=at, leaf=leaf))
             if is_own(leaf):  # own: the Hybrid, then its model
                 what = "the Hybrid itself" if leaf is own[0] else f"the model, {what}"
                 what, fix = f"{what}, given as its own input", _OWN_FIX

@@ -1,0 +1,232 @@
+"""Code we did not write, round nine: JAX's own docs and tests where no round looked, as their
+authors wrote them (tests/zoo9.py; sources and commit there), over every feature: hybridize,
+``h(x)`` equal to the plain model, its graph, export (a symbolic batch where the model allows
+one) + load + call equal, grads/Hessians over the loaded model (``vjp_order=2``), a Batcher's
+answers, the original's own training steps; or export's refusal, naming what works.
+
+- external-callbacks.md: ``pure_callback``, ``io_callback``, ``jax.debug.callback`` and
+  ``jax.debug.print`` in a net: the Hybrid runs them (the debug callback under ``grad`` too),
+  export refuses each naming it; ``jv`` (a ``pure_callback`` given a ``custom_jvp``): grads and
+  the docs' ``jax.hessian`` over the Hybrid equal the plain function's.
+- gradient-checkpointing.md: ``f``, ``f2``, ``f3`` and ``f4`` (a policy's saved residuals are
+  rounded by ``reduce_precision`` in the VJP: loaded without ``allow`` now).
+- ode_test.py: the pendulum's ``odeint`` (a ``while_loop`` and a ``custom_vjp``) per row of
+  ``y0``, its ``m``/``g`` the params: every feature, the loader naming what it must allow.
+- pallas/quickstart.md: ``matmul`` with a fused activation (``interpret=True``): exported with
+  no VJP; ``vjp_order=1`` is refused naming ``vjp_order=0`` (JAX's raw ``ValueError`` before).
+- custom_pytrees.md: the registered containers in and out of the Hybrid; export refuses one
+  as an input, naming the arrays it takes.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import zoo9
+from test_authors_round8 import _every_feature
+
+import symjax_mlp as sm
+
+TOL = {"rtol": 2e-5, "atol": 2e-5}
+
+
+def _close(a, b, **tol):
+    chex.assert_trees_all_close(a, b, **(tol or TOL))
+
+
+def _w(shape=(4, 3), seed=0):
+    return jax.random.normal(jax.random.key(seed), shape) * 0.5
+
+
+CALLBACKS = {  # net -> the primitive export names
+    "pure_callback": zoo9.net_pure,
+    "io_callback": zoo9.net_io,
+    "debug_callback": zoo9.net_debug,
+    "debug_print": zoo9.net_print,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prim", CALLBACKS)
+def test_external_callbacks_run_in_the_hybrid_and_export_refuses_them_by_name(
+    prim, tmp_path, capsys
+):
+    """Each flavour of callback after a layer: the Hybrid runs it (io_callback's global
+    generator drawn as the plain net draws it; the debug ones print), its graph counts it, and
+    export refuses the model naming the callback and what to do (no Python in an artifact)."""
+    net, p = CALLBACKS[prim], _w()
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    h = sm.hybridize(net, p)
+    zoo9.global_rng = np.random.default_rng(0)
+    got = h(x)
+    zoo9.global_rng = np.random.default_rng(0)
+    _close(got, net(p, x))
+    assert h.graph(x).primitive_counts[prim] == 1
+    if prim.startswith("debug"):
+        said = "log:" if prim == "debug_callback" else "intermediate value"
+        assert said in capsys.readouterr().out
+    with pytest.raises(sm.ConfigError, match=rf"calls back into Python \({prim}\).*jnp/lax"):
+        sm.export(h, tmp_path / "m", example=(x,), batch="b")
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_debug_callback_under_grad_trains_as_the_plain_net():
+    """The docs: ``debug.callback`` is compatible with ``grad``. Three SGD steps over
+    ``h.apply`` of the logging net equal the plain net's, and the callback logs each time."""
+    p, x = _w(), jax.random.normal(jax.random.key(1), (5, 4))
+    h, tx = sm.hybridize(zoo9.net_debug, p), optax.sgd(0.1)
+
+    def steps(apply, p):
+        state = tx.init(p)
+        for _ in range(3):
+            g = jax.grad(lambda p: (apply(p, x) ** 2).mean())(p)
+            updates, state = tx.update(g, state)
+            p = optax.apply_updates(p, updates)
+        return p
+
+    _close(steps(h.apply, p), steps(zoo9.net_debug, p))
+
+
+@pytest.mark.slow
+def test_jv_pure_callback_with_custom_jvp_differentiates_in_the_hybrid(tmp_path):
+    """``j1`` (scipy's Bessel function via ``pure_callback``, its ``custom_jvp``) after a layer:
+    the Hybrid, grads of its params via ``h.apply`` and the docs' ``jax.hessian`` over the
+    Hybrid equal the plain net's; export refuses it naming ``pure_callback``."""
+    p, x = _w(), jax.random.normal(jax.random.key(1), (2, 4))
+    h = sm.hybridize(zoo9.net_j1, p)
+    _close(h(x), zoo9.net_j1(p, x))
+    loss = lambda apply: lambda p: apply(p, x).sum()  # noqa: E731
+    _close(jax.grad(loss(h.apply))(p), jax.grad(loss(zoo9.net_j1))(p))
+    hess = lambda fn: jax.hessian(lambda r: fn(r).sum())(x)  # noqa: E731
+    _close(hess(h), hess(lambda r: zoo9.net_j1(p, r)), rtol=1e-4, atol=1e-5)
+    with pytest.raises(sm.ConfigError, match=r"\(pure_callback\)"):
+        sm.export(h, tmp_path / "m", example=(x,))
+
+
+CHECKPOINTED = {"f": zoo9.f_plain, "f2": zoo9.f2, "f3": zoo9.f3, "f4": zoo9.f4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CHECKPOINTED)
+def test_gradient_checkpointing_exports_loads_and_differentiates(name, tmp_path):
+    """The guide's ``f`` of ``W1, W2, W3`` and ``x`` (a vector: a static batch), each way it
+    checkpoints: every feature, grads and Hessians over the loaded model equal the plain
+    function's. ``f3``/``f4``'s policies save residuals through ``reduce_precision`` (to the
+    same precision) in their VJP: loaded as is (refused, ``allow={'reduce_precision'}``, before);
+    ``jax.vmap`` of it over a batch of ``x``, every feature, batch symbolic; three SGD steps
+    of the W's over its ``h.apply`` equal the plain ones."""
+    fn, (Ws, x) = CHECKPOINTED[name], zoo9.checkpoint_weights()
+    model = lambda Ws, x: fn(*Ws, x)  # noqa: E731
+    h = sm.hybridize(model, Ws)
+    counts = h.graph(x).primitive_counts
+    assert counts.get("remat2", 0) == {"f": 0, "f2": 3}.get(name, 1)
+    _close(h(x), model(Ws, x))
+    sm.export(h, tmp_path / "one", example=(x,), batch=None, vjp_order=2)
+    one = sm.load(tmp_path / "one")
+    _close(one(np.asarray(x)), model(Ws, x))
+    hess = lambda f: jax.jacrev(jax.jacrev(lambda r: f(r).sum()))(x)  # noqa: E731
+    _close(hess(one), hess(lambda r: model(Ws, r)))
+    rows = jax.vmap(model, (None, 0))  # a batch of x: every feature, batch symbolic
+    hb, xb = sm.hybridize(rows, Ws), jax.random.normal(jax.random.key(2), (5, 4)) * 0.3
+    _every_feature(tmp_path, hb, lambda r: rows(Ws, r), xb)
+
+    def steps(apply, Ws):
+        for _ in range(3):
+            g = jax.grad(lambda Ws: (apply(Ws, xb) ** 2).sum())(Ws)
+            Ws = jax.tree.map(lambda w, d: w - 0.05 * d, Ws, g)
+        return Ws
+
+    _close(steps(hb.apply, Ws), steps(rows, Ws))
+
+
+@pytest.mark.slow
+def test_ode_pendulum_per_row_exports_loads_and_differentiates(tmp_path):
+    """ode_test's pendulum: ``odeint`` of ``y0`` (a row: theta, omega) over ``ts``, its ``m``
+    and ``g`` the params. Every feature, batch symbolic: its artifact (a ``while_loop``, its
+    ``custom_vjp``'s adjoint ODE, gathers) is refused by default naming each op to allow; with
+    those the loaded model, its grads and per-row Hessians equal the plain ``odeint``'s."""
+    p = {"m": jnp.float32(zoo9.PEND_ARGS[0]), "g": jnp.float32(zoo9.PEND_ARGS[1])}
+
+    def model(p, y0):
+        one = lambda r: jnp.stack(zoo9.integrate([r[0], r[1]], zoo9.PEND_TS, p["m"], p["g"]), -1)  # noqa: E731
+        return jax.vmap(one)(y0)
+
+    x = jnp.array([zoo9.PEND_Y0, [0.5, 0.1], [1.0, -0.2], [0.2, 0.0]], jnp.float32)
+    h = sm.hybridize(model, p)
+    sm.export(h, tmp_path / "refused", example=(x,), batch="b")
+    refused = r"(?s)while loop whose trip count.*pass allow=\{'dynamic_slice', 'dynamic_upd"
+    with pytest.raises(sm.ArtifactError, match=refused):
+        sm.load(tmp_path / "refused")
+    allow = {"while", "dynamic_slice", "dynamic_update_slice", "real_dynamic_slice", "scatter"}
+    allow |= {"dynamic_gather", "compute"}  # its VJPs' (order 2: the adjoint's own adjoint)
+    _every_feature(tmp_path, h, lambda r: model(p, r), x, allow=allow, rtol=1e-4, atol=1e-4)
+    m = sm.load(tmp_path / "m", allow=allow)  # its params' grads: the docs' check_grads, rev
+    loss = lambda fn: lambda p: fn(p, x).sum()  # noqa: E731
+    _close(jax.grad(loss(h.apply))(p), jax.grad(loss(model))(p), rtol=1e-4, atol=1e-4)
+    assert m.signature.inputs[0].shape[0] == "b"
+
+
+GRID = {"dynamic_slice", "dynamic_update_slice", "while"}
+
+
+@pytest.mark.slow
+def test_pallas_matmul_exports_without_a_vjp_and_vjp_order_one_is_refused(tmp_path):
+    """The quickstart's ``matmul`` (grid (2, 2), relu fused; ``interpret=True``) of the input
+    and a weight: the Hybrid and its graph equal/count it, its artifact of ``vjp_order=0``
+    loads and answers; ``vjp_order=1`` is a ConfigError naming what JAX said and
+    ``vjp_order=0`` (it was JAX's raw ``ValueError``, "Linearization failed ...")."""
+    w, x = _w((8, 8)), jax.random.normal(jax.random.key(1), (4, 8))
+    net = lambda w, x: zoo9.matmul(x, w, activation=jax.nn.relu)  # noqa: E731
+    h = sm.hybridize(net, w)
+    _close(h(x), net(w, x))
+    assert h.graph(x).primitive_counts["pallas_call"] == 1
+    with pytest.raises(sm.ConfigError, match=r"vjp_order=1\): JAX cannot reverse-diff.*"
+                       r"Linearization failed.*vjp_order=0") as e:  # fmt: skip
+        sm.export(h, tmp_path / "m", example=(x,), batch=None, vjp_order=1)
+    assert e.value.__cause__ is None and not (tmp_path / "m").exists()
+    sm.export(h, tmp_path / "m", example=(x,), batch=None)
+    with pytest.raises(sm.ArtifactError, match=r"allow=\{'dynamic_slice', 'dynamic_update_slic"):
+        sm.load(tmp_path / "m")  # interpret mode: the grid a while loop of dynamic slices
+    _close(sm.load(tmp_path / "m", allow=GRID)(np.asarray(x)), net(w, x))
+
+
+@pytest.mark.slow
+def test_pallas_add_vectors_as_written(tmp_path):
+    """The quickstart's first kernel, ``add_vectors`` (jitted, ``interpret=True``) of the
+    input and a bias: every feature but the VJP's (refused as ``matmul``'s is), batch
+    symbolic (the kernel's one block is the whole array, any size)."""
+    b, x = jnp.arange(8.0), jnp.arange(8.0)
+    h = sm.hybridize(lambda b, x: zoo9.add_vectors(x, b), b)
+    _close(h(x), zoo9.add_vectors(x, b))
+    sm.export(h, tmp_path / "m", example=(x,), batch=None)
+    m = sm.load(tmp_path / "m", allow=GRID)
+    _close(m(np.asarray(x)), x + b)
+    with sm.serving.Batcher(m) as batcher:
+        _close(batcher.submit(np.asarray(x)).result(30), x + b)
+
+
+def test_custom_pytree_containers_in_and_out_of_the_hybrid(tmp_path):
+    """custom_pytrees.md's containers: ``MyDataclassContainer`` (``name`` a meta field) into
+    the Hybrid of the docs' jitted ``f`` after a layer, a ``RegisteredSpecial`` out of it,
+    equal to the plain net. ``MyOtherContainer`` (a NamedTuple: its ``name`` a leaf) is
+    refused, as jit refuses it in the docs, naming the str and the docs' way (``meta_fields``)
+    (it said the str was no "None, bool, int, float, complex, str" setting before); export
+    refuses a container as an input, naming the arrays it takes."""
+    p = _w((3, 3))
+    net = lambda p, c: zoo9.RegisteredSpecial(zoo9.f_container(c) @ p, c.c)  # noqa: E731
+    h, ones = sm.hybridize(net, p), jnp.ones((4, 3))
+    mdc = zoo9.MyDataclassContainer("mdc", ones, 2 * ones, jnp.zeros(4))
+    got, want = h(mdc), net(p, mdc)
+    assert isinstance(got, zoo9.RegisteredSpecial)
+    _close((got.x, got.y), (want.x, want.y))
+    moc = zoo9.MyOtherContainer("moc", ones, 3 * ones, jnp.ones(4))
+    with pytest.raises(TypeError, match=r"path x\.name"):  # JAX's own, as the docs show
+        net(p, moc)
+    with pytest.raises(sm.ConfigError, match=r"args\[0\]\.name is the str 'moc', a leaf of an "
+                       r"input that holds arrays.*meta_fields="):  # fmt: skip
+        h(moc)
+    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a MyDataclassContainer; pass an"):
+        sm.export(h, tmp_path / "m", example=(mdc,))

@@ -1,0 +1,273 @@
+"""The models of test_authors_round9.py: JAX's own docs and tests, as their authors wrote them,
+from jax-ml/jax@cec06d116c05f0d52adfceee3d3b730fdbcb0ce5 (sizes as written there, or cut where
+said; the docs' functions become a model where a user would put them: ``net_*``, ours).
+
+- docs/external-callbacks.md: ``f_host``/``f`` (``jax.pure_callback``, ``vmap_method=
+  'sequential'``), ``host_side_random_like``/``numpy_random_like`` (``io_callback``, its
+  ``global_rng``), ``log_value`` (``jax.debug.callback``), the ``jax.debug.print`` of "Why
+  callbacks?", and "Example: ``pure_callback`` with ``custom_jvp``": ``jv`` (scipy's Bessel
+  function) and its ``_jv_jvp``, ``j1``.
+- docs/gradient-checkpointing.md: ``g``, ``f`` (no checkpoint), ``f2`` (``jax.checkpoint`` of
+  each ``g``), ``f3`` (``policy=dots_with_no_batch_dims_saveable``), ``f4`` (``checkpoint_name``
+  and ``save_only_these_names('a')``) and its ``W1, W2, W3, x`` (``jnp.ones``, as written).
+- tests/ode_test.py ``test_pend_grads``: ``pend`` and its ``y0``, ``ts``, ``args`` (m, g),
+  ``odeint`` of ``partial(pend, jnp)``; ``test_grad_closure``'s ``experiment`` (a closure over
+  ``x``), its time grid cut from 100 steps to 10.
+- docs/pallas/quickstart.md: ``add_vectors_kernel``/``add_vectors`` and the fused-activation
+  ``matmul_kernel``/``matmul`` (grid (2, 2)), each ``interpret=True`` (this machine has no
+  GPU/TPU), ``matmul``'s 1024 x 1024 cut to 8 x 8.
+- docs/custom_pytrees.md: ``RegisteredSpecial`` (``register_pytree_node``),
+  ``MyOtherContainer`` (a ``NamedTuple``), ``MyDataclassContainer`` (``register_dataclass``,
+  ``name`` a meta field) and its jitted ``f`` (``x.a + x.b``).
+"""
+
+# ruff: noqa: E731 (the authors' code, as written)
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.special
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import io_callback
+from jax.experimental import pallas as pl
+from jax.experimental.ode import odeint
+
+
+# -- external-callbacks.md, "Exploring pure_callback" -------------------------------------------
+def f_host(x):
+    # call a numpy (not jax.numpy) operation:
+    return np.sin(x).astype(x.dtype)
+
+
+def f(x):
+    result_shape = jax.ShapeDtypeStruct.like(x)
+    return jax.pure_callback(f_host, result_shape, x, vmap_method="sequential")
+
+
+# -- "Exploring io_callback" ---------------------------------------------------------------------
+global_rng = np.random.default_rng(0)
+
+
+def host_side_random_like(x):
+    """Generate a random array like x using the global_rng state"""
+    # We have two side-effects here:
+    # - printing the shape and dtype
+    # - calling global_rng, thus updating its state
+    print(f"generating {x.dtype}{list(x.shape)}")
+    return global_rng.uniform(size=x.shape).astype(x.dtype)
+
+
+@jax.jit
+def numpy_random_like(x):
+    return io_callback(host_side_random_like, x, x)
+
+
+# -- "Exploring debug.callback" ------------------------------------------------------------------
+def log_value(x):
+    # This could be an actual logging call; we'll use
+    # print() for demonstration
+    print("log:", x)
+
+
+# -- "Example: pure_callback with custom_jvp" ----------------------------------------------------
+def jv(v, z):
+    v, z = jnp.asarray(v), jnp.asarray(z)
+
+    # Require the order v to be integer type: this simplifies
+    # the JVP rule below.
+    assert jnp.issubdtype(v.dtype, jnp.integer)
+
+    # Promote the input to inexact (float/complex).
+    # Note that jnp.result_type() accounts for the enable_x64 flag.
+    z = z.astype(jnp.result_type(float, z.dtype))
+
+    # Wrap scipy function to return the expected dtype.
+    _scipy_jv = lambda v, z: scipy.special.jv(v, z).astype(z.dtype)
+
+    # Define the expected shape & dtype of output.
+    result_shape_dtype = jax.ShapeDtypeStruct(
+        shape=jnp.broadcast_shapes(v.shape, z.shape), dtype=z.dtype
+    )
+
+    # Use vmap_method="broadcast_all" because scipy.special.jv handles broadcasted inputs.
+    return jax.pure_callback(_scipy_jv, result_shape_dtype, v, z, vmap_method="broadcast_all")
+
+
+jv = jax.custom_jvp(jv)
+
+
+@jv.defjvp
+def _jv_jvp(primals, tangents):
+    v, z = primals
+    _, z_dot = tangents  # Note: v_dot is always 0 because v is integer.
+    jv_minus_1, jv_plus_1 = jv(v - 1, z), jv(v + 1, z)
+    djv_dz = jnp.where(v == 0, -jv_plus_1, 0.5 * (jv_minus_1 - jv_plus_1))
+    return jv(v, z), z_dot * djv_dz
+
+
+j1 = partial(jv, 1)
+
+
+# each callback where a user puts one: after a layer (ours)
+def net_pure(p, x):
+    return f(x @ p)
+
+
+def net_io(p, x):
+    y = x @ p
+    return y + numpy_random_like(y)
+
+
+def net_debug(p, x):
+    y = x @ p
+    jax.debug.callback(log_value, y)
+    return jnp.tanh(y)
+
+
+def net_print(p, x):  # "Why callbacks?"'s f, its y = x + 1 a layer
+    y = x @ p + 1
+    jax.debug.print("intermediate value: {}", y)
+    return y * 2
+
+
+def net_j1(p, x):
+    return j1(x @ p)
+
+
+# -- gradient-checkpointing.md -------------------------------------------------------------------
+def g(W, x):
+    y = jnp.dot(W, x)
+    return jnp.sin(y)
+
+
+def f_plain(W1, W2, W3, x):  # the guide's first ``f``
+    x = g(W1, x)
+    x = g(W2, x)
+    x = g(W3, x)
+    return x
+
+
+def f2(W1, W2, W3, x):
+    x = jax.checkpoint(g)(W1, x)
+    x = jax.checkpoint(g)(W2, x)
+    x = jax.checkpoint(g)(W3, x)
+    return x
+
+
+f3 = jax.checkpoint(f_plain, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+def f4(W1, W2, W3, x):
+    x = checkpoint_name(g(W1, x), name="a")
+    x = checkpoint_name(g(W2, x), name="b")
+    x = checkpoint_name(g(W3, x), name="c")
+    return x
+
+
+f4 = jax.checkpoint(f4, policy=jax.checkpoint_policies.save_only_these_names("a"))
+
+
+def checkpoint_weights():
+    """The guide's ``W1, W2, W3`` and ``x``, as written."""
+    return (jnp.ones((5, 4)), jnp.ones((6, 5)), jnp.ones((7, 6))), jnp.ones(4)
+
+
+# -- tests/ode_test.py ---------------------------------------------------------------------------
+def pend(_np, y, _, m, g):
+    theta, omega = y
+    return [omega, -m * omega - g * _np.sin(theta)]
+
+
+PEND_Y0 = [np.pi - 0.1, 0.0]
+PEND_TS = np.linspace(0.0, 1.0, 11)
+PEND_ARGS = (0.25, 9.8)
+integrate = partial(odeint, partial(pend, jnp))
+
+
+def experiment(x):  # test_grad_closure's, its np.arange(0, 10, 0.1) cut to 10 steps
+    def model(y, t):
+        return -x * y
+
+    history = odeint(model, 1.0, np.arange(0, 1, 0.1))
+    return history[-1]
+
+
+# -- pallas/quickstart.md ------------------------------------------------------------------------
+def add_vectors_kernel(x_ref, y_ref, o_ref):
+    x, y = x_ref[...], y_ref[...]
+    o_ref[...] = x + y
+
+
+@jax.jit
+def add_vectors(x: jax.Array, y: jax.Array) -> jax.Array:
+    return pl.pallas_call(
+        add_vectors_kernel, out_shape=jax.ShapeDtypeStruct.like(x), interpret=True
+    )(x, y)
+
+
+def matmul_kernel(x_ref, y_ref, z_ref, *, activation):
+    z_ref[...] = activation(x_ref[...] @ y_ref[...])
+
+
+def matmul(x: jax.Array, y: jax.Array, *, activation):
+    return pl.pallas_call(
+        partial(matmul_kernel, activation=activation),
+        out_shape=jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), x.dtype),
+        grid=(2, 2),
+        in_specs=[
+            pl.BlockSpec((x.shape[0] // 2, x.shape[1]), lambda i, j: (i, 0)),
+            pl.BlockSpec((y.shape[0], y.shape[1] // 2), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((x.shape[0] // 2, y.shape[1] // 2), lambda i, j: (i, j)),
+        interpret=True,
+    )(x, y)
+
+
+# -- custom_pytrees.md ---------------------------------------------------------------------------
+class Special:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+
+class RegisteredSpecial(Special):
+    def __repr__(self):
+        return f"RegisteredSpecial(x={self.x}, y={self.y})"
+
+
+def special_flatten(v):
+    children = (v.x, v.y)
+    aux_data = None
+    return (children, aux_data)
+
+
+def special_unflatten(aux_data, children):
+    return RegisteredSpecial(*children)
+
+
+jax.tree_util.register_pytree_node(RegisteredSpecial, special_flatten, special_unflatten)
+
+
+class MyOtherContainer(NamedTuple):
+    name: str
+    a: Any
+    b: Any
+    c: Any
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["a", "b", "c"], meta_fields=["name"])
+@dataclass
+class MyDataclassContainer:
+    name: str
+    a: Any
+    b: Any
+    c: Any
+
+
+@jax.jit
+def f_container(x: MyDataclassContainer | MyOtherContainer):  # the guide's jitted ``f``
+    return x.a + x.b
