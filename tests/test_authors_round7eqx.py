@@ -174,8 +174,8 @@ def test_spectral_norms_power_iterations_run_in_the_hybrid_and_follow_its_surger
 def test_tricks_surgery_and_custom_init_reach_the_hybrid_by_replace():
     """``eqx.tree_at(where, mlp, new_final_layer)`` and ``init_linear_weight(model, trunc_init,
     key)``: a new model of the same shapes given to the Hybrid by ``h.replace`` of its arrays
-    answers as the new model; a final layer of another size is refused at the call naming
-    hybridizing the other model, which answers as it."""
+    answers as the new model; a final layer of another size is refused at ``h.replace``
+    naming hybridizing the other model, which answers as it."""
     mlp = eqx.nn.MLP(2, 2, 8, 2, key=jr.key(0))  # the page's MLP(...)
     h, x = sm.hybridize(eqx.filter_vmap(mlp)), jr.normal(jr.key(1), (4, 2))
     where = lambda m: m.layers[-1]  # noqa: E731
@@ -186,12 +186,25 @@ def test_tricks_surgery_and_custom_init_reach_the_hybrid_by_replace():
         chex.assert_trees_all_close(got, jax.vmap(new)(x), **TOL)
         assert not np.allclose(got, h(x))
     wider = eqx.tree_at(where, mlp, eqx.nn.Linear(8, 3, key=jr.key(5)))
-    replaced = h.replace(params=eqx.filter(eqx.filter_vmap(wider), eqx.is_inexact_array))
-    with pytest.raises(sm.ConfigError, match=r"a module of another class or size.*hybridize "
-                       r"the other model"):  # fmt: skip
-        replaced(x)  # (refused at its call)
+    with pytest.raises(sm.ConfigError, match=r"layers\[2\]\.weight is shaped \(3, 8\).*hybridize"):
+        h.replace(params=eqx.filter(eqx.filter_vmap(wider), eqx.is_inexact_array))
     got = sm.hybridize(eqx.filter_vmap(wider))(x)  # as it says
     chex.assert_trees_all_close(got, jax.vmap(wider)(x), **TOL)
+
+
+def test_replace_with_an_equinox_layer_of_another_size_is_refused_at_replace():
+    """``h.replace(params=...)`` of a ``Linear(3, 4)``'s arrays resized as a ``Linear(3, 5)``'s:
+    refused at ``replace``, naming the leaf, both shapes and hybridizing the other module
+    (before: at the first call, naming neither leaf nor shapes); arrays of the same size are
+    taken."""
+    h = sm.hybridize(eqx.nn.Linear(3, 4, key=jr.key(0)))
+    resized = (jnp.zeros((5, 3)), jnp.zeros(5))
+    other = eqx.tree_at(lambda m: (m.weight, m.bias), h.params, resized)
+    said = r"^Linear\.replace\(params=\.\.\.\): params\.weight is shaped \(5, 3\), where "
+    with pytest.raises(sm.ConfigError, match=said + r".* is \(4, 3\).*sm\.hybridize\(new_"):
+        h.replace(params=other)
+    same = jax.tree.map(jnp.zeros_like, h.params)
+    assert h.replace(params=same).params is same
 
 
 @pytest.mark.slow  # the MLP's initialisers and two grads compile: 1.4 s

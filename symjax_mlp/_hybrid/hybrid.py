@@ -177,6 +177,7 @@ class Hybrid(Staged, NoPickle):
         if "params" in changes:  # (None: refused, as hybridize(fn, None) is)
             _pure.refuse_none_params(f"{self.name}.replace(params=None)", params)
             refuse_nested_nnx_state(f"{self.name}.replace(params=...)", params)
+            _pure.refuse_resized(f"{self.name}.replace(params=...)", self.kind, self.params, params)
         tail = ", or leave state out to keep the held one"
         state = refit(f"{self.name}.replace(state=...)", self.state, state, tail)
         if self.donate and not settings["donate"] and "state" not in changes:

@@ -211,6 +211,29 @@ def unfit_params(caller: str, held: Any, params: Any, error: BaseException) -> C
     return ConfigError(_UNFIT_PARAMS.format(caller=caller, got=kind, diff=diff, error=said))
 
 
+_RESIZED = (
+    "{caller}: params{path} is shaped {got}, where the equinox module's is {held}: the Hybrid "
+    "holds the module's sizes with the rest of it (static, as eqx.partition splits it), so new "
+    "params keep its shapes. For a module of another size, hybridize it: sm.hybridize("
+    "new_model); for new values of this one, pass eqx.filter(model, eqx.is_inexact_array) of "
+    "one built alike."
+)
+
+
+def refuse_resized(caller: str, kind: str, held: Any, params: Any) -> None:
+    """Refuses an equinox module's (``kind`` ``"eqx"``) params holding a leaf shaped otherwise
+    than the ``held`` one at its path (a layer of another size), by path and shapes."""
+    if kind != "eqx":
+        return
+    flat = jax.tree_util.tree_flatten_with_path
+    shapes = {jax.tree_util.keystr(p): getattr(x, "shape", None) for p, x in flat(held)[0]}
+    for path, leaf in flat(params)[0]:
+        at = jax.tree_util.keystr(path)
+        if at in shapes and (got := getattr(leaf, "shape", None)) != shapes[at]:
+            said = _RESIZED.format(caller=caller, path=at, got=got, held=shapes[at])
+            raise ConfigError(said)
+
+
 def mode_settings(model: PureModel, values: tuple, *, train: bool) -> tuple:
     """An nnx module's settings ``values`` as ``module.train()`` or ``eval()`` would set them."""
     pairs = zip(model.setting_names, values, strict=True)
