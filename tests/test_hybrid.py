@@ -1,6 +1,7 @@
 """The Hybrid object: eager vs compiled, tracing made visible, control flow, threads."""
 
 import copy
+import inspect
 import pickle
 import re
 import threading
@@ -242,6 +243,24 @@ def test_a_python_number_retraced_per_value_is_warned_of_once_naming_it_and_the_
     with pytest.warns(RetraceWarning, match=r"kwargs\['scale'\] \(1\.0 -> 0\.5\).*"
                       r"static_argnames=\('scale',\)"):  # fmt: skip
         k(x, jnp.float32(1), scale=0.5)
+
+
+def test_the_retrace_warning_points_at_the_users_line_that_called_the_hybrid():
+    """The RetraceWarning is raised while jax.jit traces, under JAX's frames and ours: its
+    filename and line are the user's call, ``h(x, 1)``, here and inside a jitted function of
+    the user's (before: a line of the library, stacklevel=2)."""
+    h, x = sm.hybridize(lambda p, x, t: x * p + t, jnp.float32(2)), jnp.ones(3)
+    h(x, 0)
+    with pytest.warns(RetraceWarning) as said:
+        line = inspect.currentframe().f_lineno + 1
+        h(x, 1)
+    assert (said[0].filename, said[0].lineno) == (__file__, line)
+    g = sm.hybridize(lambda p, x, t: x * p + t, jnp.float32(2))
+    g.apply(g.params, x, 0)
+    with pytest.warns(RetraceWarning) as said:
+        line = inspect.currentframe().f_lineno + 1
+        jax.jit(lambda x: g.apply(g.params, x, 1))(x)
+    assert (said[0].filename, said[0].lineno) == (__file__, line)
 
 
 def test_max_traces_raises_with_the_explanation(chapter):

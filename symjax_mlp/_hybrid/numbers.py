@@ -1,10 +1,15 @@
 """The retrace of a Hybrid for a new value of a Python number alone (a setting, so a trace per
-value): warned of once per Hybrid, on the retrace path, naming the number and the fixes."""
+value): warned of once per Hybrid, on the retrace path, naming the number and the fixes, at
+the user's line that called the Hybrid."""
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any
+
+import jax
 
 from symjax_mlp._errors import RetraceWarning
 from symjax_mlp._hybrid.args import ModuleSetting, path_of
@@ -16,6 +21,20 @@ _NUMBER = (
     "jnp.asarray(...), to trace it once for every value; or, if each value is meant to be its "
     "own program, mark it static on purpose: sm.hybridize(..., {fix})."
 )
+
+
+#: where the frames between the user's call and the warning live: this library's and JAX's
+_INTERNAL = tuple(os.path.dirname(p) + os.sep for p in (os.path.dirname(__file__), jax.__file__))
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` from its caller for the first frame outside this
+    library and JAX (a trace runs under jax.jit's frames): the user's line. (Python 3.12's
+    ``skip_file_prefixes`` says the same; we run 3.11.)"""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def numbers_changed(static: Any, trace: Any, events: Any, deliberate: Any) -> list[tuple]:
@@ -57,5 +76,6 @@ def warn_numbers(name: str, events: tuple[TraceEvent, ...], deliberate: Any, sta
     said = ", ".join(f"{path_of(k)} ({was} -> {now})" for k, was, now in changed)
     key = changed[0][0]
     fix = f"static_argnums=({key},)" if isinstance(key, int) else f"static_argnames=({key!r},)"
-    warnings.warn(_NUMBER.format(name=name, changed=said, fix=fix), RetraceWarning, stacklevel=2)
+    warned = _NUMBER.format(name=name, changed=said, fix=fix)
+    warnings.warn(warned, RetraceWarning, stacklevel=user_stacklevel())
     return True
