@@ -31,7 +31,7 @@ import pytest
 from helpers import ZOO, NnxModes, keyless, zoo_artifact
 
 import symjax_mlp as sm
-from symjax_mlp.serving._model import alone_rows, static_rows
+from symjax_mlp.serving._model import refuse_outputs
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -1138,8 +1138,8 @@ def test_outputs_of_a_static_batch_artifact_must_be_its_rows():
         outputs = (rows, sm.TensorSpec("out[1]", shape, "float32"))
         said = rf"^Batcher\(m\): output out\[1\] is of shape {re.escape(str(shape))} for a "
         with pytest.raises(sm.ConfigError, match=said + r"batch of 2, but batching needs per-row"):
-            static_rows("m", outputs, 2)
-    assert static_rows("m", (rows,), 2) is None
+            refuse_outputs("m", outputs, 2, "")
+    assert refuse_outputs("m", (rows,), 2, "") is None
 
 
 @pytest.mark.parametrize("n", [1, 3, 5])
@@ -1229,8 +1229,8 @@ def test_outputs_served_alone_must_be_the_batchs_rows_of_static_sizes():
         outputs = (rows, sm.TensorSpec("out[1]", shape, "float32"))
         said = rf"^Batcher\(m\): output out\[1\] is float32\[{', '.join(map(str, shape))}\], but"
         with pytest.raises(sm.ConfigError, match=said + r".*\(a dot_general mixes rows\)"):
-            alone_rows("m", outputs, "b", why)
-    assert alone_rows("m", (rows,), "b", why) is None
+            refuse_outputs("m", outputs, "b", why)
+    assert refuse_outputs("m", (rows,), "b", why) is None
 
 
 @pytest.mark.parametrize("mix", [False, True], ids=["rows-apart", "rows-mix"])

@@ -170,25 +170,6 @@ def fixed_rows(name: str, model: Any, example: Any, bucket: int, buckets: tuple)
     return ConfigError(_FIXED_ROWS.format(**what, path=member[0], shape=member[1]))
 
 
-def refuse_outputs(path: Any, outputs: Any, batch: int | str | None, why: str) -> None:
-    """Refuses an artifact's outputs no batcher serves: a static ``batch``'s not that many rows
-    (:func:`static_rows`), or, with requests run alone (``why``), a symbolic one's not its
-    rows of static sizes (:func:`alone_rows`)."""
-    if isinstance(batch, int):
-        static_rows(path, outputs, batch)
-    elif why and isinstance(batch, str):
-        alone_rows(path, outputs, batch, why)
-
-
-def static_rows(path: Any, outputs: Any, batch: int) -> None:
-    """Refuses an artifact of a static ``batch`` whose outputs are not that many rows, as its
-    warm-up would: before its max_batch is checked, which no value of serves it."""
-    for spec in outputs:
-        if tuple(spec.shape[:1]) != (batch,):
-            what = {"out": spec.path, "what": f"of shape {tuple(spec.shape)}", "bucket": batch}
-            raise ConfigError(_PER_ROW.format(name=f"Batcher({path})", **what))
-
-
 _GROWN = (
     "Batcher({path}): output {spec.path} is {spec.type}, but a batcher needs outputs of "
     "{batch!r} rows of static sizes ({dtype}[{batch}, ...]): each request runs alone at its own "
@@ -198,10 +179,20 @@ _GROWN = (
 )
 
 
-def alone_rows(path: Any, outputs: Any, batch: str, why: str) -> None:
-    """Refuses an artifact whose requests run alone (``why``) unless each output is ``batch``
-    rows of static sizes: its warm-up runs one batch size only, so no other checks them."""
+def refuse_outputs(path: Any, outputs: Any, batch: int | str | None, why: str) -> None:
+    """Refuses an artifact's outputs no batcher serves, as its warm-up would, before its
+    max_batch is checked (which no value of serves it): a static ``batch``'s not that many
+    rows; with requests run alone (``why``), a symbolic one's not its rows of static sizes
+    (its warm-up runs one batch size only, so no other checks them)."""
+    alone = bool(why) and isinstance(batch, str)
+    if not (alone or isinstance(batch, int)):
+        return
     for spec in outputs:
-        if tuple(spec.shape[:1]) != (batch,) or any(isinstance(d, str) for d in spec.shape[1:]):
+        symbolic = any(isinstance(d, str) for d in spec.shape[1:])  # a size of its own
+        if tuple(spec.shape[:1]) == (batch,) and not (alone and symbolic):
+            continue
+        if alone:
             what = {"path": path, "spec": spec, "why": why, "batch": batch, "dtype": spec.dtype}
             raise ConfigError(_GROWN.format(**what))
+        what = {"out": spec.path, "what": f"of shape {tuple(spec.shape)}", "bucket": batch}
+        raise ConfigError(_PER_ROW.format(name=f"Batcher({path})", **what))
