@@ -13,7 +13,7 @@ import jax
 
 from symjax_mlp._errors import RetraceWarning
 from symjax_mlp._hybrid.args import ModuleSetting, path_of
-from symjax_mlp._hybrid.trace import TraceEvent, signature
+from symjax_mlp._hybrid.trace import TraceEvent, TraceLog
 
 _NUMBER = (
     "{name}: traced again only because the Python number {changed} took a new value: a Python "
@@ -64,18 +64,18 @@ def _type(text: str) -> type | None:
     return None
 
 
-def warn_numbers(name: str, events: tuple[TraceEvent, ...], deliberate: Any, static: Any,
-                 dyn: Any, dyn_kw: Any, entry: str) -> bool:  # fmt: skip
-    """Whether it warned (a :class:`RetraceWarning`): a new trace of ``static, dyn, dyn_kw``
-    differs from one of ``events`` by Python numbers' values alone (none ``deliberate``)."""
+def warn_numbers(log: TraceLog, deliberate: Any, static: Any, event: TraceEvent) -> bool:
+    """Whether it warned (a :class:`RetraceWarning`): ``event``, a trace begun of ``static``,
+    differs from one of the log's events by Python numbers' values alone (none ``deliberate``)."""
+    events = log.events
     if not events or not any(type(v) in (int, float, complex) for _, v, _ in static):
         return False
-    sig, tree, _ = signature(dyn, dyn_kw, static)
-    if not (changed := numbers_changed(static, (sig, tree, entry), events, deliberate)):
+    trace = (event.signature, event.tree, event.entry)
+    if not (changed := numbers_changed(static, trace, events, deliberate)):
         return False
     said = ", ".join(f"{path_of(k)} ({was} -> {now})" for k, was, now in changed)
     key = changed[0][0]
     fix = f"static_argnums=({key},)" if isinstance(key, int) else f"static_argnames=({key!r},)"
-    warned = _NUMBER.format(name=name, changed=said, fix=fix)
+    warned = _NUMBER.format(name=log.name, changed=said, fix=fix)
     warnings.warn(warned, RetraceWarning, stacklevel=user_stacklevel())
     return True

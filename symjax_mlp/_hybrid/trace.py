@@ -369,9 +369,9 @@ class TraceLog:
             self._running.on = False
 
     @contextlib.contextmanager
-    def tracing(self, static: Any, dyn: Any, dyn_kw: Any, entry: str, held=()) -> Iterator[None]:
-        """One trace in the block (of a state of paths ``held``): callbacks run first, a
-        RetraceError past the budget (racing traces counted), logged if the block succeeds."""
+    def tracing(self, static: Any, dyn: Any, dyn_kw: Any, entry: str, held=()) -> Iterator[Any]:
+        """One trace in the block (of a state of paths ``held``), its event given: callbacks run
+        first, a RetraceError past the budget (racing traces counted), logged if it succeeds."""
         sig, tree, shown = signature(dyn, dyn_kw, static)
         with self._lock:
             added = [p for p in held if self._events and p not in self._held][:5]
@@ -388,7 +388,7 @@ class TraceLog:
         try:
             if self._running.__dict__.pop("ran", None) != (sig, tree, shown, entry):  # follow
                 self.run_callbacks(*rebuild(static, dyn, dyn_kw))
-            yield
+            yield event
         except BaseException:
             self._running.failed = (sig, tree, shown, entry)
             with self._lock:

@@ -297,14 +297,13 @@ class TracedModel:
         params = leaves if entry == "apply" else self.params(leaves)
         given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
         held = [f"state{p}" for p in _paths(jax.tree.structure(state))]
-        if not self.warned.is_set() and warn_numbers(
-            self.log.name, self.log.events, self.deliberate, static, dyn, dyn_kw, entry
-        ):
-            self.warned.set()  # once per Hybrid
         # h.apply of variables holding state (linen's): model.apply's call, (result, None)
         pure = self.model.given_state(params) if entry == "apply" else None
         try:
-            with self.log.tracing(static, dyn, dyn_kw, entry, held):
+            with self.log.tracing(static, dyn, dyn_kw, entry, held) as event:
+                warn = not self.warned.is_set()
+                if warn and warn_numbers(self.log, self.deliberate, static, event):
+                    self.warned.set()  # once per Hybrid
                 result = self.call(static, params, state, dyn, dyn_kw, pure=pure)
         except (LookupError, TypeError, AttributeError, ValueError) as e:  # the model's own
             caller = f"{self.log.name}.apply(params, ...)"  # (h.apply(None, x): p["w"] of None)
