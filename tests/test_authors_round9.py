@@ -16,6 +16,10 @@ answers, the original's own training steps; or export's refusal, naming what wor
   no VJP; ``vjp_order=1`` is refused naming ``vjp_order=0`` (JAX's raw ``ValueError`` before).
 - custom_pytrees.md: the registered containers in and out of the Hybrid; export refuses one
   as an input, naming the arrays it takes.
+- Flax's docs_nnx/guides/checkpointing.md: ``TwoLayerMLP`` saved and restored with Orbax as
+  the guide does; the restored model over every feature; the abstract model (``nnx.eval_shape``)
+  stages its graph, and a call or export of it is refused naming the param and the restore
+  (jit's raw TypeError before); the modified model given the old pure dict names the biases.
 """
 
 import chex
@@ -23,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 import zoo9
+from flax import nnx
 from test_authors_round8 import _every_feature
 
 import symjax_mlp as sm
@@ -230,3 +236,54 @@ def test_custom_pytree_containers_in_and_out_of_the_hybrid(tmp_path):
         h(moc)
     with pytest.raises(sm.SignatureError, match=r"args\[0\] is a MyDataclassContainer; pass an"):
         sm.export(h, tmp_path / "m", example=(mdc,))
+
+
+@pytest.mark.slow
+def test_nnx_checkpointing_guide_restored_and_abstract_models(tmp_path):
+    """The guide's TwoLayerMLP saved (its ``nnx.State`` and a pure dict), restored into the
+    abstract model's state and as a pure dict (``nnx.replace_by_pure_dict``): each restored
+    model's Hybrid equals the saved one, every feature, batch symbolic, and three SGD steps of
+    ``h.apply`` equal nnx's own. The abstract model itself hybridizes and stages its graph
+    (shapes only); its call, eager call and export are ConfigErrors naming the param and the
+    restore (jax.jit's raw "not a valid JAX type" TypeError before). The modified model given
+    the old pure dict is refused naming the biases it lacks, as the guide's fix then adds."""
+    model = zoo9.TwoLayerMLP(4, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(42), (3, 4))
+    ckpt_dir = ocp.test_utils.erase_and_create_empty(tmp_path / "my-checkpoints")
+    _, state = nnx.split(model)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(ckpt_dir / "state", state)
+    checkpointer.save(ckpt_dir / "pure_dict", nnx.to_pure_dict(state))
+    checkpointer.wait_until_finished()
+    abstract_model = nnx.eval_shape(lambda: zoo9.TwoLayerMLP(4, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract_model)
+    h_abstract = sm.hybridize(abstract_model)
+    assert h_abstract.graph(x).primitive_counts["dot_general"] == 2
+    said = r"params\['linear1'\]\['kernel'\] is a jax\.ShapeDtypeStruct \(float32\[4, 4\]\).*store"
+    for call in (h_abstract, h_abstract.eager):
+        with pytest.raises(sm.ConfigError, match=said):
+            call(x)
+    with pytest.raises(sm.ConfigError, match=said):
+        sm.export(h_abstract, tmp_path / "abstract", example=(x,))
+    state_restored = checkpointer.restore(ckpt_dir / "state", abstract_state)
+    restored = nnx.merge(graphdef, state_restored)
+    restored_pure_dict = checkpointer.restore(ckpt_dir / "pure_dict")
+    nnx.replace_by_pure_dict(abstract_state, restored_pure_dict)
+    from_dict = nnx.merge(graphdef, abstract_state)
+    _close(h_abstract.replace(params=restored_pure_dict)(x), model(x))
+    h = sm.hybridize(restored)
+    _close(sm.hybridize(from_dict)(x), model(x))
+    _every_feature(tmp_path, h, model, x)
+    tx = optax.sgd(0.1)
+
+    def steps(apply, p):
+        for _ in range(3):
+            g = jax.grad(lambda p: (apply(p, x) ** 2).mean())(p)
+            p = optax.apply_updates(p, tx.update(g, tx.init(p))[0])
+        return p
+
+    nnx_apply = lambda p, x: nnx.merge(graphdef, nnx.State(p))(x)  # noqa: E731
+    _close(steps(h.apply, h.params), nnx.to_pure_dict(nnx.State(steps(nnx_apply, h.params))))
+    modified = sm.hybridize(zoo9.ModifiedTwoLayerMLP(4, rngs=nnx.Rngs(0)))
+    with pytest.raises(sm.ConfigError, match=r"missing \[\"params\['linear1'\]\['bias'\]\""):
+        modified.apply(restored_pure_dict, x)

@@ -19,6 +19,15 @@ said; the docs' functions become a model where a user would put them: ``net_*``,
 - docs/custom_pytrees.md: ``RegisteredSpecial`` (``register_pytree_node``),
   ``MyOtherContainer`` (a ``NamedTuple``), ``MyDataclassContainer`` (``register_dataclass``,
   ``name`` a meta field) and its jitted ``f`` (``x.a + x.b``).
+
+From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
+
+- docs_nnx/guides/checkpointing.md: ``TwoLayerMLP`` and ``ModifiedTwoLayerMLP`` (its biases
+  added); the guide's Orbax save and restore (an ``nnx.State``, a pure dict, the abstract model
+  of ``nnx.eval_shape``) are run in the test.
+- docs_nnx/hijax/hijax.md is left out: its own training loop raises in the installed Flax
+  0.12.8 (``DynamicJaxprTracer has no attribute mutable``), as does ``jax.grad`` through
+  ``nnx.merge`` of a hijax state (``jvp not implemented for 'get_variable'``).
 """
 
 # ruff: noqa: E731 (the authors' code, as written)
@@ -31,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.special
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import io_callback
 from jax.experimental import pallas as pl
@@ -271,3 +281,26 @@ class MyDataclassContainer:
 @jax.jit
 def f_container(x: MyDataclassContainer | MyOtherContainer):  # the guide's jitted ``f``
     return x.a + x.b
+
+
+# -- flax docs_nnx/guides/checkpointing.md -------------------------------------------------------
+class TwoLayerMLP(nnx.Module):
+    def __init__(self, dim, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(dim, dim, rngs=rngs, use_bias=False)
+        self.linear2 = nnx.Linear(dim, dim, rngs=rngs, use_bias=False)
+
+    def __call__(self, x):
+        x = self.linear1(x)
+        return self.linear2(x)
+
+
+class ModifiedTwoLayerMLP(nnx.Module):
+    """A modified version of TwoLayerMLP, which requires bias arrays."""
+
+    def __init__(self, dim, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(dim, dim, rngs=rngs, use_bias=True)  # We need bias now!
+        self.linear2 = nnx.Linear(dim, dim, rngs=rngs, use_bias=True)  # We need bias now!
+
+    def __call__(self, x):
+        x = self.linear1(x)
+        return self.linear2(x)

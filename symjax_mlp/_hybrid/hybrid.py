@@ -18,7 +18,7 @@ from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import pure as _pure
 from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY
-from symjax_mlp._hybrid.params import check_given, flat_params, refuse_donated, several_devices
+from symjax_mlp._hybrid.params import check_given, checked_each_call, flat_params, refuse_donated
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
 from symjax_mlp._hybrid.pure.nnx_module import write_back
 from symjax_mlp._hybrid.settings import check_settings, static_args
@@ -98,7 +98,7 @@ class Hybrid(Staged, NoPickle):
             options, leaves = parallel.jit(trace, model.stateful), parallel.replicate(leaves)
             if model.stateful:
                 held.hold(parallel.replicate(held.leaves))
-        spans = parallel is not None or several_devices(leaves)
+        spans = parallel is not None or checked_each_call(leaves)
         self._set(
             fn=model.inference(name), name=name, max_traces=max_traces, compiled=compiled,
             axis=axis, pad=pad, static_argnums=nums, static_argnames=names, donate=donate,

@@ -45,16 +45,37 @@ _DONATED = (
 )
 
 
-def several_devices(leaves: list[Any]) -> bool:
-    """Whether a leaf is one array over several devices (where JAX's call of a deleted one
-    crashes the process, jaxlib 0.10: checked before every call)."""
-    return any(isinstance(a, jax.Array) and len(a.sharding.device_set) > 1 for a in leaves)
+def checked_each_call(leaves: list[Any]) -> bool:
+    """Whether the params are checked (:func:`refuse_donated`) before every call: a leaf is
+    one array over several devices (where JAX's call of a deleted one crashes the process,
+    jaxlib 0.10), or abstract (an nnx.eval_shape model's: jit's raw TypeError else)."""
+    return any(
+        (isinstance(a, jax.Array) and len(a.sharding.device_set) > 1)
+        or isinstance(a, jax.ShapeDtypeStruct)
+        for a in leaves
+    )
 
 
-def refuse_donated(caller: str, params: Any) -> None:
+_ABSTRACT_PARAMS = (
+    "{caller}: params{path} is a jax.ShapeDtypeStruct ({type}), a shape and dtype without "
+    "values (nnx.eval_shape, jax.eval_shape or an abstract checkpoint target makes them), "
+    "where this needs values. Restore or initialize the params first (orbax's "
+    "checkpointer.restore(path, abstract_state), then nnx.merge; model.init) and hybridize "
+    "those, or pass them: h.replace(params=...). h.graph(x) and h.lower(x) take these as they are."
+)
+
+
+def refuse_donated(caller: str, params: Any, *, staging: bool = False) -> None:
     """Raises a :class:`ConfigError` naming the params a donating jit deleted (JAX's own error
-    names no path; eager and export raised a bare ``RuntimeError``)."""
-    if any(map(_deleted, jax.tree.leaves(params))):  # (a call's cost: no paths walked)
+    names no path; eager and export raised a bare ``RuntimeError``), or abstract ones unless
+    ``staging`` (a graph or lowering needs no values)."""
+    leaves = jax.tree.leaves(params)
+    if not staging and any(isinstance(a, jax.ShapeDtypeStruct) for a in leaves):  # jit's raw
+        paths, _ = jax.tree_util.tree_flatten_with_path(params)
+        at, a = next((p, a) for p, a in paths if isinstance(a, jax.ShapeDtypeStruct))
+        shown, path = f"{a.dtype}{list(a.shape)}", jax.tree_util.keystr(at)
+        raise ConfigError(_ABSTRACT_PARAMS.format(caller=caller, path=path, type=shown))
+    if any(map(_deleted, leaves)):  # (a call's cost: no paths walked)
         paths, _ = jax.tree_util.tree_flatten_with_path(params)
         gone = [jax.tree_util.keystr(p) for p, a in paths if _deleted(a)]
         path = gone[0] + (f" (and {len(gone) - 1} more)" if len(gone) > 1 else "")

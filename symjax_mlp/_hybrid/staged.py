@@ -73,13 +73,16 @@ class Staged:
         raise overflow
 
     def _partition(
-        self, args: Any, kwargs: Any, caller: str, failed: bool = False, params: Any = None
-    ) -> tuple:
+        self, args: Any, kwargs: Any, caller: str, failed: bool = False, params: Any = None,
+        staging: bool = False,
+    ) -> tuple:  # fmt: skip
         """The call's static key (with the module's settings), traced args, kwargs; the params
-        it runs (``params``, else the held ones) refused first if a donating jit deleted them,
-        where a call of them crashes (several devices), or once a call ``failed``."""
+        it runs (``params``, else the held ones) refused first if a donating jit deleted them
+        (or, unless ``staging``, they are abstract), where a call of them crashes (several
+        devices), or once a call ``failed``."""
         if failed or self._spans:
-            refuse_donated(caller, self.params if params is None else params)
+            given = self.params if params is None else params
+            refuse_donated(caller, given, staging=staging)
         # model.apply's own mutable=, in h.apply of linen variables holding state
         flax = "mutable" in kwargs and self._model.given_state(params) is not None
         rest = {k: v for k, v in kwargs.items() if k != "mutable"} if flax else kwargs
@@ -93,7 +96,7 @@ class Staged:
 
     def _split(self, method: str, args: tuple, kwargs: dict) -> tuple:
         """The call's partition; arguments the model does not take named, with ``h.method``."""
-        split = self._partition(args, kwargs, self.name)  # (its inputs refused first, as h's)
+        split = self._partition(args, kwargs, self.name, staging=True)  # (inputs refused first)
         fix = MODEL_FIX.replace("h(", f"h.{method}(")  # (a trace would name h(...))
         if unbound := unbindable(f"{self.name}.{method}", self, args, kwargs, skip=0, fix=fix):
             raise unbound
