@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from symjax_mlp._artifact.reading import Artifact
+from symjax_mlp._artifact.weights import memory
 from symjax_mlp._errors import ConfigError, ControlFlowError, as_int
 from symjax_mlp._export import export
 from symjax_mlp._hybrid.graph import stage
@@ -103,7 +103,7 @@ def _mlp(
         f"{in_features} inputs has {params:,} parameters, more than this process can hold in "
         "memory; pass smaller widths."
     )
-    if 4 * params > _memory():  # XLA may abort the process, not raise, on such an allocation
+    if 4 * params > memory():  # XLA may abort the process, not raise, on such an allocation
         raise too_large
     key = jax.random.key(seed)
     if name is None:
@@ -117,14 +117,6 @@ def _mlp(
             raise
         raise too_large from None
     return hybridize(net, variables, name=name), x
-
-
-def _memory() -> float:
-    """This machine's physical memory in bytes (infinite where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # Windows has no sysconf
-        return math.inf
 
 
 def describe_mlp(

@@ -204,10 +204,10 @@ def read_safetensors_file(
             return r.read(at.stop - at.start)
 
         entries, metadata, start = _parse_header(read, r.size, r.refuse, max_tensors)
-        if (held := r.size - start) > _memory():  # a sparse file is terabytes of nothing
+        if (held := r.size - start) > memory():  # a sparse file is terabytes of nothing
             raise r.refuse(
                 f"holds {held:,} bytes of tensors, more than this machine's memory "
-                f"({_memory():,} bytes); nothing was read",
+                f"({memory():,} bytes); nothing was read",
                 "Load it where they fit.",
             )
         if expected is not None:  # the header, before any tensor is allocated (views of 0-d)
@@ -227,8 +227,8 @@ def read_safetensors_file(
     return out, metadata
 
 
-def _memory() -> int:
-    """This machine's physical memory in bytes (where the system does not say: no bound)."""
+def memory() -> int:
+    """This machine's physical memory in bytes (2**62, no bound, where the system does not say)."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
