@@ -12,7 +12,6 @@ entry is compiled again, never run; compiled code is never read from the artifac
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import math
 import platform
@@ -101,7 +100,7 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
 def vmfb_cache_key(module_sha256: str) -> str:
     """The cache file name for a module: sha256 of the module, IREE version, target and CPU."""
     text = " ".join([module_sha256, iree_version(), TARGET, _host_key(), *compile_flags()])
-    return f"{hashlib.sha256(text.encode()).hexdigest()}.vmfb"
+    return f"{sha256(text.encode())}.vmfb"
 
 
 def _host_key() -> str:
@@ -113,7 +112,7 @@ def _host_key() -> str:
             m = re.search(rf"^{field}\s*:\s*(.*)$", info, re.M)
             text += "|" + (m.group(1) if m else "")
     text += "|" + platform.processor()
-    return f"{platform.machine()}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+    return f"{platform.machine()}-{sha256(text.encode())[:10]}"
 
 
 def check_program(file: Path, report: Any) -> None:
