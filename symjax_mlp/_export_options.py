@@ -258,18 +258,30 @@ def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) 
         raise SignatureError(
             _VJP_SYMBOLIC.format(name=name, order=vjp_order, inputs=said, error=first_line(e))
         ) from None
-    except (ValueError, NotImplementedError) as e:  # JAX cannot reverse-differentiate it
+    except (ValueError, NotImplementedError) as e:  # JAX's, building the VJP
         if vjp_order == 0:
             raise
         exported.serialize(vjp_order=0)  # raises again where the VJP is not the cause
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+            raise ConfigError(_EXPLICIT_VJP.format(name=name, order=vjp_order)) from e
         raise ConfigError(_NO_VJP.format(name=name, order=vjp_order, error=first_line(e))) from None
 
 
+_EXPLICIT_VJP = (
+    "export({name}, vjp_order={order}): under jax.set_mesh of Explicit axes, JAX builds no VJP "
+    "of the program export stages (one device's, its params not split over the mesh: JAX's "
+    "ValueError below). Export it outside jax.set_mesh, where the model runs on one device, "
+    "or with vjp_order=0 (the loaded model runs; jax.grad of it is refused)."
+)
+
+
 _NO_VJP = (
-    "export({name}, vjp_order={order}): JAX cannot reverse-differentiate the model, so no VJP "
-    "can be stored ({error}). Export it with vjp_order=0 (the loaded model runs; jax.grad of "
-    "it is refused), or make it differentiable (lax.scan for a while_loop, a custom_vjp for "
-    "an op without a rule such as a pallas_call) before exporting with vjp_order={order}."
+    "export({name}, vjp_order={order}): JAX could not build the model's VJP, so none can be "
+    "stored ({error}). Export it with vjp_order=0 (the loaded model runs; jax.grad of it is "
+    "refused); where JAX cannot reverse-differentiate the model, make it differentiable "
+    "(lax.scan for a while_loop, a custom_vjp for an op without a rule such as a pallas_call) "
+    "before exporting with vjp_order={order}."
 )
 
 

@@ -14,6 +14,10 @@ answers, the original's own training steps; or export's refusal, naming what wor
   ``y0``, its ``m``/``g`` the params: every feature, the loader naming what it must allow.
 - pallas/quickstart.md: ``matmul`` with a fused activation (``interpret=True``): exported with
   no VJP; ``vjp_order=1`` is refused naming ``vjp_order=0`` (JAX's raw ``ValueError`` before).
+- new_docs/201/sharding.md: its ``f`` (``with_sharding_constraint``) under its Auto mesh,
+  exported there, loaded and called on or off the mesh; under its Explicit mesh an export of
+  ``vjp_order=1`` (JAX builds no VJP of the one-device program staged there: its raw
+  ValueError said to enter a mesh, already entered) names exporting outside the mesh.
 - custom_pytrees.md: the registered containers in and out of the Hybrid; export refuses one
   as an input, naming the arrays it takes.
 - Flax's docs_nnx/guides/checkpointing.md: ``TwoLayerMLP`` saved and restored with Orbax as
@@ -189,8 +193,8 @@ def test_pallas_matmul_exports_without_a_vjp_and_vjp_order_one_is_refused(tmp_pa
     h = sm.hybridize(net, w)
     _close(h(x), net(w, x))
     assert h.graph(x).primitive_counts["pallas_call"] == 1
-    with pytest.raises(sm.ConfigError, match=r"vjp_order=1\): JAX cannot reverse-diff.*"
-                       r"Linearization failed.*vjp_order=0") as e:  # fmt: skip
+    with pytest.raises(sm.ConfigError, match=r"vjp_order=1\): JAX could not build the model's "
+                       r"VJP.*Linearization failed.*vjp_order=0") as e:  # fmt: skip
         sm.export(h, tmp_path / "m", example=(x,), batch=None, vjp_order=1)
     assert e.value.__cause__ is None and not (tmp_path / "m").exists()
     sm.export(h, tmp_path / "m", example=(x,), batch=None)
@@ -287,3 +291,41 @@ def test_nnx_checkpointing_guide_restored_and_abstract_models(tmp_path):
     modified = sm.hybridize(zoo9.ModifiedTwoLayerMLP(4, rngs=nnx.Rngs(0)))
     with pytest.raises(sm.ConfigError, match=r"missing \[\"params\['linear1'\]\['bias'\]\""):
         modified.apply(restored_pure_dict, x)
+
+
+@pytest.mark.slow
+def test_sharding_guide_constraint_under_auto_and_explicit_meshes(tmp_path):
+    """The guide's ``f`` of ``x`` and its weight ``y`` under its Auto mesh: the Hybrid equals
+    it, sharded as the constraint says, its graph counts the constraint; exported there (batch
+    symbolic, vjp_order=1) the artifact loads, answers and differentiates on the mesh and off
+    it. Under the Explicit mesh, ``jnp.tanh(x @ w)`` (the contracted axis unsharded) runs
+    sharded; ``vjp_order=1`` is a ConfigError naming the export outside ``jax.set_mesh``
+    (JAX's raw ValueError before, "Please enter your `jit` into a mesh context" in one),
+    where it exports and its grads equal the plain ones."""
+    with jax.set_mesh(zoo9.auto_mesh()):
+        x, y = zoo9.sharding_xy()
+        h = sm.hybridize(lambda y, x: zoo9.f_sharded(x, y), y)
+        out, want = h(x), zoo9.f_sharded(x, y)
+        _close(out, want)
+        assert out.sharding.spec == jax.P("X", None)
+        assert h.graph(x).primitive_counts["sharding_constraint"] == 1
+        sm.export(h, tmp_path / "auto", example=(x,), batch="b", vjp_order=1)
+        _close(sm.load(tmp_path / "auto")(np.asarray(x)), want)
+    host, w = np.asarray(x), np.asarray(y)
+    m = sm.load(tmp_path / "auto")
+    _close(m(host[:4]), host[:4] @ w)
+    with jax.set_mesh(zoo9.auto_mesh()):
+        _close(jax.grad(lambda r: m(r).sum())(host), jax.grad(lambda r: (r @ w).sum())(host))
+    g = lambda w, x: jnp.tanh(x @ w)  # noqa: E731
+    with jax.set_mesh(zoo9.explicit_mesh()):
+        xe = jax.device_put(jnp.arange(8 * 4.0).reshape(8, 4) / 32, jax.P("X", None))
+        we = jax.device_put(jnp.ones((4, 4)), jax.P(None, "Y"))
+        he = sm.hybridize(g, we)
+        _close(he(xe), g(we, xe))
+        with pytest.raises(sm.ConfigError, match=r"under jax\.set_mesh of Explicit axes.*"
+                           r"Export it outside jax\.set_mesh"):  # fmt: skip
+            sm.export(he, tmp_path / "explicit", example=(xe,), batch=None, vjp_order=1)
+    sm.export(he, tmp_path / "explicit", example=(np.asarray(xe),), batch="b", vjp_order=1)
+    me, ones = sm.load(tmp_path / "explicit"), np.ones((4, 4), np.float32)
+    xs = np.asarray(xe)
+    _close(jax.grad(lambda r: me(r).sum())(xs), jax.grad(lambda r: g(ones, r).sum())(xs))

@@ -237,6 +237,32 @@ def matmul(x: jax.Array, y: jax.Array, *, activation):
     )(x, y)
 
 
+# -- new_docs/201/sharding.md -------------------------------------------------------------------
+Auto = jax.sharding.AxisType.Auto
+
+
+def auto_mesh():
+    return jax.make_mesh((4, 2), ("X", "Y"), (Auto, Auto))
+
+
+def explicit_mesh():  # "explicit mode by default"
+    return jax.make_mesh((4, 2), ("X", "Y"))
+
+
+def sharding_xy():
+    """The guide's x and y, placed as it places them (under ``jax.set_mesh(auto_mesh())``)."""
+    x = jax.device_put(jnp.arange(8 * 4.0).reshape(8, 4), jax.P(None, "X"))
+    y = jax.device_put(jnp.arange(4 * 16.0).reshape(4, 16), jax.P("X", None))
+    return x, y
+
+
+@jax.jit
+def f_sharded(x, y):  # the guide's ``f``
+    z = jnp.dot(x, y)
+    z = jax.lax.with_sharding_constraint(z, jax.P("X", None))
+    return z
+
+
 # -- custom_pytrees.md ---------------------------------------------------------------------------
 class Special:
     def __init__(self, x, y):
