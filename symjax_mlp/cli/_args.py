@@ -234,7 +234,6 @@ def load_options(args: argparse.Namespace) -> dict:
 
 def load_model(args: argparse.Namespace) -> Any:
     """``load(PATH, runtime=..., ...)``, its ``--entry`` if one was given."""
-    from symjax_mlp import load
+    from symjax_mlp.serving._app import load_entry
 
-    model = load(args.path, runtime=args.runtime, **load_options(args))
-    return model if args.entry is None else model[args.entry]
+    return load_entry(args.path, args.entry, runtime=args.runtime, **load_options(args))
