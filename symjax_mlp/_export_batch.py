@@ -115,15 +115,21 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
     ) from None  # fmt: skip
 
 
+#: what maps a program onto a mesh: a shard_map (by hand), a with_sharding_constraint (XLA's
+#: partitioner, as jax.jit runs a model of arrays split over a mesh)
+_ON_A_MESH = ("shard_map", "sharding_constraint")
+
+
 def trace_placed(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any], Any]:
     """:func:`trace_batch`'s jaxpr and inputs, and the params' structs: with the shardings of
-    arrays split over a mesh where the program maps them by hand (a shard_map: each device
-    takes its shard, FSDP's params), else as one device's program, as it was (its artifact
-    loads on one device; a trace that fails with them fails here as it did)."""
+    arrays split over a mesh where the program runs on a mesh (a shard_map: each device takes
+    its shard, FSDP's params; a with_sharding_constraint: model parallelism as jax.jit runs
+    it), else as one device's program, as it was (its artifact loads on one device; a trace
+    that fails with them fails here as it did)."""
     if stage.placed or any(s.sharding is not None for s in stage.in_specs):
         try:
             jaxpr, specs = trace_batch(jitted, p_structs, stage)
-            if any(e.primitive.name == "shard_map" for e, _ in walk(jaxpr)):
+            if any(e.primitive.name in _ON_A_MESH for e, _ in walk(jaxpr)):
                 return jaxpr, specs, p_structs
         except Exception:  # (a mesh of Explicit axes refuses some models' sharded trace)
             pass

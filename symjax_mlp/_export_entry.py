@@ -118,7 +118,7 @@ def stage(
     stored, fn, baked = _exportable(h)
     streams = _moved(h, static, examples, kw)
     specs, host_params = param_specs(stored)  # as jax.export traces them
-    # arrays split over a mesh, as a shard_map takes them (see trace_placed); a sharded
+    # arrays split over a mesh, as a shard_map or jit takes them (see trace_placed); a sharded
     # Hybrid's (h.shard) own constraints place its inputs
     mine, leaves = h.mesh is None, jax.tree.leaves(stored)
     placed = {s.path: p for s, x in zip(specs, leaves, strict=True)

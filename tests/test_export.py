@@ -20,6 +20,8 @@ import pytest
 import safetensors
 import safetensors.numpy
 from helpers import rand, small
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import symjax_mlp as sm
 import symjax_mlp._files as files_seam  # the documented write seam
@@ -917,3 +919,30 @@ def test_64_bit_weights_past_the_32_bit_range_are_refused_not_narrowed_in_silenc
     said = str(e.value)
     assert said.startswith(f'symjax_mlp.load("{m.path}", params=...): param w is {kind}'), said
     assert f"beyond {w.dtype}'s range" in said and f"({became})" in said, said
+
+
+@pytest.mark.slow  # an 8-device export, its load and compile: 1.6 s
+def test_params_split_over_a_mesh_under_a_sharding_constraint_are_staged_split(tmp_path):
+    """Params split over a (data, model) mesh (jax.device_put on a NamedSharding) of a model that
+    pins its activations by with_sharding_constraint, as JAX's sharded-computation doc writes
+    model parallelism: the artifact, a program over the mesh's 8 devices, takes each param
+    split as the live call does (before: staged whole, every device holding every param). It
+    loads and answers as the Hybrid. A model that maps nothing onto a mesh exports one
+    device's program, as before (test_authors_round7eqx's fsdp test)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    split = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    w1, w2 = rand(16, 32, seed=1), rand(32, 16, seed=2)
+    params = {
+        "w1": jax.device_put(w1, split(None, "model")),
+        "w2": jax.device_put(w2, split("model")),
+    }
+
+    def model(p, x):
+        y = jax.lax.with_sharding_constraint(jax.nn.relu(x @ p["w1"]), split("data", "model"))
+        return y @ p["w2"]
+
+    x, h = rand(8, 16), sm.hybridize(model, params)
+    art = sm.export(h, tmp_path / "m", example=x)
+    exported = jax.export.deserialize(bytearray((art.path / "model.jaxexport").read_bytes()))
+    assert art.manifest["nr_devices"] == 8 and None not in exported.in_shardings_hlo[:2]
+    np.testing.assert_allclose(sm.load(art.path)(np.asarray(x)), h(x), rtol=1e-5, atol=1e-5)
