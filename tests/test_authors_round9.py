@@ -12,6 +12,8 @@ answers, the original's own training steps; or export's refusal, naming what wor
   rounded by ``reduce_precision`` in the VJP: loaded without ``allow`` now).
 - ode_test.py: the pendulum's ``odeint`` (a ``while_loop`` and a ``custom_vjp``) per row of
   ``y0``, its ``m``/``g`` the params: every feature, the loader naming what it must allow.
+- ode_test.py's ``test_grad_closure`` (``with_vmap`` too): ``odeint`` of a closure over the
+  param, its grads over ``h.apply`` (vmapped) equal the plain ones.
 - pallas/quickstart.md: ``matmul`` with a fused activation (``interpret=True``): exported with
   no VJP; ``vjp_order=1`` is refused naming ``vjp_order=0`` (JAX's raw ``ValueError`` before).
 - new_docs/201/sharding.md: its ``f`` (``with_sharding_constraint``) under its Auto mesh,
@@ -20,6 +22,8 @@ answers, the original's own training steps; or export's refusal, naming what wor
   ValueError said to enter a mesh, already entered) names exporting outside the mesh.
 - custom_pytrees.md: the registered containers in and out of the Hybrid; export refuses one
   as an input, naming the arrays it takes.
+- Equinox's all-of-equinox.md: both networks per example and ``jax.vmap`` ped, the filter_jit
+  function handed to us, the guide's gradient-descent step over ``h.apply`` equal to its own.
 - Flax's docs_nnx/guides/checkpointing.md: ``TwoLayerMLP`` saved and restored with Orbax as
   the guide does; the restored model over every feature; the abstract model (``nnx.eval_shape``)
   stages its graph, and a call or export of it is refused naming the param and the restore
@@ -27,6 +31,7 @@ answers, the original's own training steps; or export's refusal, naming what wor
 """
 
 import chex
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -329,3 +334,47 @@ def test_sharding_guide_constraint_under_auto_and_explicit_meshes(tmp_path):
     me, ones = sm.load(tmp_path / "explicit"), np.ones((4, 4), np.float32)
     xs = np.asarray(xe)
     _close(jax.grad(lambda r: me(r).sum())(xs), jax.grad(lambda r: g(ones, r).sum())(xs))
+
+
+@pytest.mark.slow
+def test_ode_grad_closure_over_h_apply_and_vmapped():
+    """ode_test's ``experiment``: ``odeint`` of a model closing over ``x`` (the param). The
+    Hybrid of ``s * experiment(x)`` equals it; the grad of ``x`` over ``h.apply`` equals
+    ``jax.grad(experiment)``, and ``jax.vmap(jax.value_and_grad(...))`` over a grid of ``x``
+    (its ``test_grad_closure_with_vmap``) equals the plain one."""
+    model = lambda x, s: s * zoo9.experiment(x)  # noqa: E731
+    h = sm.hybridize(model, jnp.float32(0.01))
+    one = jnp.float32(1.0)
+    _close(h(one), zoo9.experiment(jnp.float32(0.01)))
+    _close(jax.grad(lambda x: h.apply(x, one))(jnp.float32(0.3)), jax.grad(zoo9.experiment)(0.3))
+    t = jnp.arange(0.0, 1.0, 0.25)
+    got = jax.vmap(jax.value_and_grad(lambda x: h.apply(x, one)))(t)
+    _close(got, jax.vmap(jax.value_and_grad(zoo9.experiment))(t), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", ["NeuralNetwork", "NeuralNetwork2"])
+def test_all_of_equinox_networks_as_written(cls, tmp_path):
+    """all-of-equinox.md: each network per example (the Hybrid of the module) and over the
+    guide's batch (``jax.vmap`` of it; the same function wrapped in ``eqx.filter_jit``), every
+    feature, batch symbolic; grads over ``h.apply`` equal ``filtered_loss``'s (and the jitted
+    ``loss``'s, NeuralNetwork's: jit refuses NeuralNetwork2's relu leaf, the guide's point),
+    and the guide's step ``m - 0.1 * g`` over them equals its own."""
+    x, y, model_key = zoo9.eqx_data()
+    model = getattr(zoo9, cls)(model_key)
+    _close(sm.hybridize(model)(x[0]), model(x[0]))
+    batched = lambda m, x: jax.vmap(m)(x)  # noqa: E731
+    _close(sm.hybridize(eqx.filter_jit(batched), model)(x), jax.vmap(model)(x))
+    h = sm.hybridize(batched, model)
+    _every_feature(tmp_path, h, jax.vmap(model), x[:5])
+    grads = jax.grad(lambda p: jnp.mean((y - h.apply(p, x)) ** 2))(h.params)
+    filtered = zoo9.filtered_loss(model, x, y)
+    _close(grads, eqx.filter(filtered, eqx.is_inexact_array))
+    if cls == "NeuralNetwork":  # the guide's jax.jit loss and step (NeuralNetwork2's relu is
+        plain = zoo9.eqx_loss(model, x, y)  # no array: why the guide filters, jit refuses it)
+        _close(grads, eqx.filter(plain, eqx.is_inexact_array))
+        new_model = jax.tree_util.tree_map(lambda m, g: m - 0.1 * g, model, plain)
+    else:
+        new_model = eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, filtered))
+    stepped = jax.tree.map(lambda m, g: m - 0.1 * g, h.params, grads)
+    _close(h.apply(stepped, x), jax.vmap(new_model)(x))

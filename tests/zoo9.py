@@ -20,6 +20,12 @@ said; the docs' functions become a model where a user would put them: ``net_*``,
   ``MyOtherContainer`` (a ``NamedTuple``), ``MyDataclassContainer`` (``register_dataclass``,
   ``name`` a meta field) and its jitted ``f`` (``x.a + x.b``).
 
+From patrick-kidger/equinox@9336d820b2ef66b360fc6cb3611b3da5cefbb14d:
+
+- docs/all-of-equinox.md: ``NeuralNetwork`` (its ``extra_bias``) and ``NeuralNetwork2`` (a
+  ``jax.nn.relu`` among its layers), its data (100 x 2), the jitted ``jax.grad`` ``loss`` and
+  its gradient-descent step, and the filtered ``eqx.filter_jit``/``eqx.filter_grad`` ``loss``.
+
 From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
 
 - docs_nnx/guides/checkpointing.md: ``TwoLayerMLP`` and ``ModifiedTwoLayerMLP`` (its biases
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -330,3 +337,58 @@ class ModifiedTwoLayerMLP(nnx.Module):
     def __call__(self, x):
         x = self.linear1(x)
         return self.linear2(x)
+
+
+# -- equinox docs/all-of-equinox.md --------------------------------------------------------------
+class NeuralNetwork(eqx.Module):
+    layers: tuple
+    extra_bias: jax.Array
+
+    def __init__(self, key):
+        key1, key2, key3 = jax.random.split(key, 3)
+        # These contain trainable parameters.
+        self.layers = (
+            eqx.nn.Linear(2, 8, key=key1),
+            eqx.nn.Linear(8, 8, key=key2),
+            eqx.nn.Linear(8, 2, key=key3),
+        )
+        # This is also a trainable parameter.
+        self.extra_bias = jax.numpy.ones(2)
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.relu(layer(x))
+        return self.layers[-1](x) + self.extra_bias
+
+
+class NeuralNetwork2(eqx.Module):
+    layers: tuple
+
+    def __init__(self, key):
+        key1, key2 = jax.random.split(key)
+        self.layers = (eqx.nn.Linear(2, 8, key=key1), jax.nn.relu, eqx.nn.Linear(8, 2, key=key2))
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@jax.jit  # compile this function to make it run fast.
+@jax.grad  # differentiate all floating-point arrays in `model`.
+def eqx_loss(model, x, y):  # the guide's first ``loss``
+    pred_y = jax.vmap(model)(x)  # vectorise the model over a batch of data
+    return jax.numpy.mean((y - pred_y) ** 2)  # L2 loss
+
+
+@eqx.filter_jit
+@eqx.filter_grad
+def filtered_loss(model, x, y):  # its "Option 2"
+    pred_y = jax.vmap(model)(x)
+    return jax.numpy.mean((y - pred_y) ** 2)
+
+
+def eqx_data():
+    """The guide's keys and data: ``x``, ``y`` (100 x 2) and the model's key."""
+    x_key, y_key, model_key = jax.random.split(jax.random.PRNGKey(0), 3)
+    return jax.random.normal(x_key, (100, 2)), jax.random.normal(y_key, (100, 2)), model_key
