@@ -24,6 +24,8 @@ answers, the original's own training steps; or export's refusal, naming what wor
   as an input, naming the arrays it takes.
 - Equinox's all-of-equinox.md: both networks per example and ``jax.vmap`` ped, the filter_jit
   function handed to us, the guide's gradient-descent step over ``h.apply`` equal to its own.
+- Flax's examples/linen_design_test: mlp_lazy's ``MLP`` over every feature; the linear
+  regression's loop over ``h.apply`` equal to its own.
 - Flax's docs_nnx/guides/checkpointing.md: ``TwoLayerMLP`` saved and restored with Orbax as
   the guide does; the restored model over every feature; the abstract model (``nnx.eval_shape``)
   stages its graph, and a call or export of it is refused naming the param and the restore
@@ -378,3 +380,27 @@ def test_all_of_equinox_networks_as_written(cls, tmp_path):
         new_model = eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, filtered))
     stepped = jax.tree.map(lambda m, g: m - 0.1 * g, h.params, grads)
     _close(h.apply(stepped, x), jax.vmap(new_model)(x))
+
+
+@pytest.mark.slow
+def test_linen_design_test_lazy_mlp_and_linear_regression(tmp_path):
+    """linen_design_test: mlp_lazy's ``MLP`` (``setup``'s Denses, shapes known at the first
+    call) over every feature, batch symbolic; linear_regression's loop (``value_and_grad`` of
+    its ``loss_fn``, ``lr = 0.03``) over the Hybrid of its ``model`` (``h.apply`` of its params
+    at its ``X``) equals the example's own, loss for loss."""
+    mlp_variables = zoo9.LazyMLP().init(jax.random.key(10), jnp.zeros((1, 3)))
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    h = sm.hybridize(zoo9.LazyMLP(), mlp_variables)
+    _every_feature(tmp_path, h, lambda r: zoo9.LazyMLP().apply(mlp_variables, r), x)
+    params = zoo9.init_params(jax.random.key(42))
+    hr = sm.hybridize(zoo9.model, {"params": params})
+    loss = lambda p: jnp.mean(jnp.abs(zoo9.Y - hr.apply({"params": p}, zoo9.X)))  # noqa: E731
+    mine, theirs = params, params
+    for _ in range(5):
+        got, grad = jax.value_and_grad(loss)(mine)
+        want, wgrad = jax.value_and_grad(zoo9.loss_fn)(theirs)
+        _close(got, want)
+        mine = jax.tree_util.tree_map(lambda x, d: x - 0.03 * d, mine, grad)
+        theirs = jax.tree_util.tree_map(lambda x, d: x - 0.03 * d, theirs, wgrad)
+    _close(mine, theirs)
+    _close(hr.apply({"params": mine}, zoo9.X), zoo9.predict(theirs))

@@ -31,6 +31,13 @@ From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
 - docs_nnx/guides/checkpointing.md: ``TwoLayerMLP`` and ``ModifiedTwoLayerMLP`` (its biases
   added); the guide's Orbax save and restore (an ``nnx.State``, a pure dict, the abstract model
   of ``nnx.eval_shape``) are run in the test.
+- examples/linen_design_test: dense.py's ``Dense`` (-> ``DesignDense``: a ``lax.dot_general``
+  and its ``use_bias``), mlp_lazy.py's ``MLP`` (-> ``LazyMLP``: ``setup``'s lazy Denses) and
+  linear_regression.py's ``predict``/``loss_fn``/``init_params`` and its loop (its ``X``, ``Y``;
+  50 steps cut to 5). Left out: attention_simple.py (its ``init`` raises in Flax 0.12.8:
+  ``concise_vmap`` names the collection ``param``, "collection 'params' ... is empty"),
+  autoencoder.py (``jnp.prod`` of a tuple raises in JAX 0.10), mlp_explicit.py (it imports
+  ``flax.deprecated``, gone).
 - docs_nnx/hijax/hijax.md is left out: its own training loop raises in the installed Flax
   0.12.8 (``DynamicJaxprTracer has no attribute mutable``), as does ``jax.grad`` through
   ``nnx.merge`` of a hijax state (``jvp not implemented for 'get_variable'``).
@@ -38,6 +45,7 @@ From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
 
 # ruff: noqa: E731 (the authors' code, as written)
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -47,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.special
+from flax import linen as nn
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import io_callback
@@ -392,3 +401,55 @@ def eqx_data():
     """The guide's keys and data: ``x``, ``y`` (100 x 2) and the model's key."""
     x_key, y_key, model_key = jax.random.split(jax.random.PRNGKey(0), 3)
     return jax.random.normal(x_key, (100, 2)), jax.random.normal(y_key, (100, 2)), model_key
+
+
+# -- flax examples/linen_design_test -------------------------------------------------------------
+class DesignDense(nn.Module):  # dense.py's ``Dense``
+    features: int
+    kernel_init: Callable = nn.initializers.lecun_normal()
+    bias_init: Callable = nn.initializers.zeros_init()
+    use_bias: bool = True
+
+    @nn.compact
+    def __call__(self, inputs):
+        kernel = self.param("kernel", self.kernel_init, (inputs.shape[-1], self.features))
+        y = jax.lax.dot_general(
+            inputs,
+            kernel,
+            (((inputs.ndim - 1,), (0,)), ((), ())),
+        )
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, (self.features,))
+            y = y + bias
+        return y
+
+
+class LazyMLP(nn.Module):  # mlp_lazy.py's ``MLP``
+    def setup(self):
+        self.dense1 = DesignDense(features=2)
+        self.dense2 = DesignDense(features=1)
+
+    def __call__(self, x):
+        return self.dense2(nn.relu(self.dense1(x)))
+
+
+# linear_regression.py
+X = jnp.ones((1, 10))
+Y = jnp.ones((5,))
+model = DesignDense(features=5)
+
+
+@jax.jit
+def predict(params):
+    return model.apply({"params": params}, X)
+
+
+@jax.jit
+def loss_fn(params):
+    return jnp.mean(jnp.abs(Y - predict(params)))
+
+
+@jax.jit
+def init_params(rng):
+    mlp_variables = model.init({"params": rng}, X)
+    return mlp_variables["params"]
