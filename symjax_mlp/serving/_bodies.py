@@ -46,8 +46,17 @@ class BadRequest(Exception):
         self.status = status
 
 
-def decode(batcher: Batcher, body: bytes, content_type: str) -> tuple[list[Any], bool]:
-    """The request's inputs, and whether it came as .npy (answer in kind)."""
+def decode(
+    batcher: Batcher, body: bytes, content_type: str, coding: bytes = b""
+) -> tuple[list[Any], bool]:
+    """The request's inputs, and whether it came as .npy (answer in kind); ``coding``: its
+    Content-Encoding (none but ``identity`` is decoded: a 415)."""
+    if any(c.strip(b" \t").lower() not in (b"", b"identity") for c in coding.split(b",")):
+        raise BadRequest(415, (
+            f"the body came with Content-Encoding {short(repr(coding.decode('latin-1')), 60)}, "
+            "which this server does not decode; send it as it is, without Content-Encoding: "
+            f'application/json ({{"inputs": [[...]]}}) or {NPY} (a .npy file).'
+        ))  # fmt: skip
     specs = batcher.specs
     kind = content_type.split(";")[0].strip().lower()
     if kind in _NPY_TYPES:

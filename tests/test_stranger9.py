@@ -1,0 +1,71 @@
+"""Round nine of a stranger's attacks (session 57): whole, self-consistent hostile inputs
+that reach past every integrity check, each refused with a clear error of the library's.
+The rounds before: test_export_hostile.py, test_security.py, test_http_hostile.py,
+test_serving_hostile.py, test_checkpoint_stranger.py, test_signing_stranger.py, ..."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import io
+import json
+
+import numpy as np
+import pytest
+
+import symjax_mlp as sm
+
+
+def _asgi_post(app, body: bytes, headers: dict[bytes, bytes]) -> tuple[int, bytes]:
+    """``POST /predict`` of ``body`` with ``headers`` straight into the ASGI ``app``: its
+    status and answer (no server: the app's own reading of the request)."""
+    sent: list[dict] = []
+    given = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return given.pop(0) if given else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    head = [(b"content-length", b"%d" % len(body)), *headers.items()]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/predict", "raw_path": b"/predict", "query_string": b"",
+        "root_path": "", "headers": head, "client": ("127.0.0.1", 1), "server": ("x", 80),
+    }  # fmt: skip
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], data
+
+
+@pytest.fixture(scope="module")
+def app():
+    model = lambda x: x * 2  # noqa: E731
+    with sm.serving.Batcher(model, example=np.zeros((1, 4), np.float32), max_batch=4) as b:
+        yield sm.serving.create_app(b, close_batcher=False)
+
+
+@pytest.mark.parametrize("kind", ["application/json", "application/x-npy"])
+def test_a_compressed_body_is_a_415_naming_its_content_encoding(app, kind):
+    """A body sent with Content-Encoding: gzip (as a client compressing its requests sends it)
+    was read as it came: a 400 "not valid JSON ('utf-8' codec can't decode byte 0x8b)", or
+    "does not begin with .npy's magic string", naming neither the encoding nor what to send.
+    Now a 415 that names the Content-Encoding and says to send the body as it is;
+    ``identity`` (no coding) is read as before."""
+    x = np.ones((1, 4), np.float32)
+    if kind == "application/json":
+        body = json.dumps({"inputs": x.tolist()}).encode()
+    else:
+        np.save(buffer := io.BytesIO(), x)
+        body = buffer.getvalue()
+    type_ = {b"content-type": kind.encode()}
+    for coding in (b"gzip", b"br", b"identity, gzip"):
+        code, raw = _asgi_post(app, gzip.compress(body), {**type_, b"content-encoding": coding})
+        said = json.loads(raw)
+        assert code == 415, (code, said)
+        assert f"Content-Encoding '{coding.decode()}'" in said["message"], said
+        assert "does not decode; send it as it is, without Content-Encoding" in said["message"]
+    code, raw = _asgi_post(app, body, {**type_, b"content-encoding": b"Identity"})
+    assert code == 200, (code, raw)
