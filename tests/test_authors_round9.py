@@ -225,6 +225,7 @@ def test_pallas_add_vectors_as_written(tmp_path):
         _close(batcher.submit(np.asarray(x)).result(30), x + b)
 
 
+@pytest.mark.slow
 def test_custom_pytree_containers_in_and_out_of_the_hybrid(tmp_path):
     """custom_pytrees.md's containers: ``MyDataclassContainer`` (``name`` a meta field) into
     the Hybrid of the docs' jitted ``f`` after a layer, a ``RegisteredSpecial`` out of it,
@@ -247,6 +248,19 @@ def test_custom_pytree_containers_in_and_out_of_the_hybrid(tmp_path):
         h(moc)
     with pytest.raises(sm.SignatureError, match=r"args\[0\] is a MyDataclassContainer; pass an"):
         sm.export(h, tmp_path / "m", example=(mdc,))
+
+
+def test_a_namedtuple_container_s_str_field_is_refused_as_a_str_among_arrays():
+    """custom_pytrees.md's ``MyOtherContainer('moc', ...)`` given to a Hybrid (jit refuses it
+    in the docs): the refusal names its ``name`` field as a str among the arrays and the
+    docs' way, a meta field; it said the str was no "None, bool, int, float, complex, str"
+    setting before, which a str is."""
+    h = sm.hybridize(lambda p, c: c.a @ p, jnp.ones((3, 3)))
+    moc = zoo9.MyOtherContainer("moc", jnp.ones((4, 3)), jnp.ones((4, 3)), jnp.ones(4))
+    with pytest.raises(sm.ConfigError, match=r"args\[0\]\.name is the str 'moc', a leaf of "
+                       r"an input that holds arrays.*register_dataclass"):  # fmt: skip
+        h(moc)
+    assert h.eager(moc).shape == (4, 3)  # op by op, the str unread: runs as plain Python does
 
 
 @pytest.mark.slow
