@@ -69,3 +69,28 @@ def test_a_compressed_body_is_a_415_naming_its_content_encoding(app, kind):
         assert "does not decode; send it as it is, without Content-Encoding" in said["message"]
     code, raw = _asgi_post(app, body, {**type_, b"content-encoding": b"Identity"})
     assert code == 200, (code, raw)
+
+
+def test_a_checkpoints_config_of_megabytes_or_escapes_is_shown_cut_and_escaped(tmp_path):
+    """A checkpoint's manifest is anyone's JSON: the settings it records (metadata.config)
+    were shown whole and its keys raw in the refusal of a resume with other settings. A value of
+    10 MB made a message of 10 MB (300,000 keys: 13 MB), a key holding \\x1b[31m coloured the
+    terminal. Now six settings are shown, each cut, keys escaped, and the rest counted."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from symjax_mlp.training import TrainState, save_checkpoint
+    from symjax_mlp.training._resume import resume_run
+
+    params = {"w": jnp.ones((2,), jnp.float32)}
+    state = TrainState(params, optax.sgd(0.1).init(params), jax.random.key(0), step=0, epoch=0)
+    config = {"seed": 0}
+    hostile = {"a": "s" * 10**6, "\x1b[31mred": 1, **{f"k{i}": i for i in range(10**4)}}
+    save_checkpoint(tmp_path, state, metadata={"config": hostile})
+    with pytest.raises(sm.CheckpointError, match="was written with") as e:
+        resume_run(tmp_path, state, config, resume=True, store=None, update=lambda s: [])
+    said, n = str(e.value), len(str(e.value))
+    assert n < 1500 and "\x1b" not in said[:1500], (n, said[:1500])
+    assert "'a': 'sssss" in said and "'a': None" in said and "; and 9997 more)" in said, said
+    assert "what differs: \\x1b[31mred; a; k0; k1; k10; k100; and" in said, said

@@ -12,6 +12,7 @@ import hashlib
 import math
 import os
 import re
+import reprlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import CheckpointError
 from symjax_mlp.training._checkpoint import broken, read_checkpoint
 from symjax_mlp.training._data import Dataset
@@ -40,6 +42,9 @@ OPTIMIZER_PROBE = "optimizer_probe"  # in each checkpoint's metadata, not the ru
 _UPDATE_TOLERANCE = {"rtol": 1e-5, "atol": 1e-9}  # the same state and ops: bitwise on one
 # machine; another's last bits (an update near 0 is a difference of near-equal terms) pass
 _NAN_INF = ("nan", "inf", "-inf")
+_SHOWN = 6  # the settings a refusal shows, each cut as _REPR cuts it: a checkpoint's manifest
+_REPR = reprlib.Repr()  # is anyone's JSON (megabytes of keys or text, terminal escapes)
+_REPR.maxdict, _REPR.maxstring, _REPR.maxother = _SHOWN, 100, 100
 _NOT_THAT_RUN = (
     "Resuming would not continue that run; resume with {same}, or start over in an empty directory."
 )
@@ -115,11 +120,12 @@ def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, up
     probes = (PROBE, PROBE_TRAIN)  # compared within a tolerance, below
     changed = [k for k in keys if k not in probes and recorded.get(k) != config.get(k)]
     if changed:
-        was = {k: recorded.get(k) for k in changed}
-        what = "; ".join(_FINGERPRINTED.get(k, k) for k in changed)
+        was, now = ({k: given.get(k) for k in changed[:_SHOWN]} for given in (recorded, config))
+        what = "; ".join(_FINGERPRINTED.get(k) or printable(k[:80]) for k in changed[:_SHOWN])
+        what += f"; and {len(changed) - _SHOWN} more" if len(changed) > _SHOWN else ""
         raise CheckpointError(
-            f"{_CALLER}: {found} was written with {was}, but this run has "
-            f"{ {k: config.get(k) for k in changed} } (what differs: {what}). "
+            f"{_CALLER}: {found} was written with {_REPR.repr(was)}, but this run has "
+            f"{_REPR.repr(now)} (what differs: {what}). "
             + _NOT_THAT_RUN.format(same="the same settings")
         )
     for where, key in ((recorded, PROBE), (recorded, PROBE_TRAIN), (meta, OPTIMIZER_PROBE)):
