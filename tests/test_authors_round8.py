@@ -462,6 +462,38 @@ def test_h_apply_of_variables_holding_the_state_runs_as_model_apply_from_that_st
 
 
 @pytest.mark.slow
+def test_h_apply_of_variables_holding_the_state_draws_from_the_rngs_given_as_model_apply():
+    """A model with Dropout and BatchNorm, as flax_basics' ``update_step`` would step it:
+    ``h.apply({'params': p, **state}, x, mutable=[...], rngs={'dropout': key})`` is
+    ``model.apply``'s result bitwise, another key another mask; without ``rngs=`` a
+    ConfigError naming ``rngs=`` (Flax's InvalidRngError), never the Hybrid's held key, which
+    no such call advances: each step of a loop drew the same mask."""
+
+    class DropoutBatchNorm(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = True):
+            x = nn.BatchNorm(use_running_average=not train)(nn.Dense(8)(x))
+            return nn.Dropout(0.5, deterministic=not train)(x)
+
+    model, x = DropoutBatchNorm(), jax.random.normal(jax.random.key(9), (4, 3))
+    variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    h = sm.hybridize(model, variables, rngs={"dropout": jax.random.key(2)})
+    jitted = jax.jit(model.apply, static_argnames="mutable")
+    outs = []
+    for seed in (5, 6):
+        rngs = {"dropout": jax.random.key(seed)}
+        outs.append(h.apply(variables, x, mutable=["batch_stats"], rngs=rngs))
+        chex.assert_trees_all_equal(
+            outs[-1], jitted(variables, x, mutable=("batch_stats",), rngs=rngs)
+        )
+    assert (outs[0][0] != outs[1][0]).any()
+    with pytest.raises(
+        sm.ConfigError, match=r'needs PRNG for "dropout".*rngs=\{\'dropout\': key\}'
+    ):
+        h.apply(variables, x, mutable=["batch_stats"])
+
+
+@pytest.mark.slow
 def test_h_apply_of_variables_holding_the_state_under_grad_and_without_mutable():
     """``h.apply({'params': p, **state}, x, mutable=[...])`` under ``jax.value_and_grad``
     (jitted): the loss, output, updates and grad bitwise model.apply's; without ``mutable=``,

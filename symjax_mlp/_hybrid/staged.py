@@ -15,6 +15,8 @@ from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.params import flat_params, refuse_donated
 from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
 
+_APPLY = frozenset(("mutable", "rngs"))  # model.apply's keywords h.apply takes as Flax's
+
 _TRAINED = (
     "{caller}: the nnx module holds other Params ({paths}) than the Hybrid was made of: it was "
     "trained in place since sm.hybridize (an nnx.Optimizer's update, a view's training step) "
@@ -83,13 +85,14 @@ class Staged:
         if failed or self._spans:
             given = self.params if params is None else params
             refuse_donated(caller, given, staging=staging)
-        # model.apply's own mutable=, in h.apply of linen variables holding state
-        flax = "mutable" in kwargs and self._model.given_state(params) is not None
-        rest = {k: v for k, v in kwargs.items() if k != "mutable"} if flax else kwargs
+        # model.apply's own mutable= and rngs=, in h.apply of linen variables holding state
+        flax = _APPLY.intersection(kwargs) and self._model.given_state(params) is not None
+        rest = {k: v for k, v in kwargs.items() if k not in _APPLY} if flax else kwargs
         self._model.refuse_keywords(caller, rest)  # linen's h(x, method=...)
-        if flax:  # (a list, as Flax's guides pass it: a tuple, static)
-            mutable = kwargs["mutable"]
-            kwargs = {**rest, "mutable": tuple(mutable) if isinstance(mutable, list) else mutable}
+        if flax:  # (mutable= a list, as Flax's guides pass it: a tuple, static)
+            mutable = kwargs.get("mutable", False)
+            mutable = tuple(mutable) if isinstance(mutable, list) else mutable
+            kwargs = {**rest, "mutable": mutable, "rngs": kwargs.get("rngs")}
         nums, names, own = self.static_argnums, self.static_argnames, (self, self._model.source)
         static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
         return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw

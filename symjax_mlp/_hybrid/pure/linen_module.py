@@ -40,6 +40,11 @@ _NO_RNG = (
     "streams once, split anew by each call: sm.hybridize(model, variables, "
     "rngs=jax.random.key(0)) for 'dropout', or rngs={{'name': key, ...}}."
 )
+_GIVEN_NO_RNG = (
+    "{name}.apply: {error}. Variables holding the state run as model.apply runs them, the rng "
+    "streams given each call: h.apply(variables, x, mutable=[...], rngs={{'dropout': key}}), a "
+    "new key each step."
+)
 #: a stream given to apply and dropped on the way: by the Hybrid's call and by training's
 LIFTED_RNG = (
     "{name}: {error}, though {giver} passes apply the stream {stream!r}: a lifted transform "
@@ -149,14 +154,17 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
         return out, {**state, **updates}
 
     def flax_apply(variables, state, args, kwargs):  # h.apply's, of variables holding state
-        kwargs = dict(kwargs)
-        writes = kwargs.pop("mutable", False)  # Flax's default: out alone
-        keys = {n: jax.random.split(k)[1] for n, k in state.get(_RNGS, {}).items()} or None
+        kwargs = dict(kwargs)  # model.apply's mutable= and rngs= (none: Flax's, no held keys,
+        writes, keys = kwargs.pop("mutable", False), kwargs.pop("rngs", None)  # never re-drawn)
 
         def run(m: Any) -> Any:
             return m(*args, **kwargs)
 
-        return model.apply(variables, rngs=keys, mutable=writes, method=run), None
+        try:
+            return model.apply(variables, rngs=keys, mutable=writes, method=run), None
+        except InvalidRngError as e:  # (the held streams are h(x)'s and h.apply(params, x)'s)
+            error = str(e).split(" (")[0]
+            raise ConfigError(_GIVEN_NO_RNG.format(name=name, error=error)) from None
 
     def given_state(variables: Any) -> Any:
         held = (c for c in mutable if c not in sown)
