@@ -20,6 +20,9 @@ answers, the original's own training steps; or export's refusal, naming what wor
   exported there, loaded and called on or off the mesh; under its Explicit mesh an export of
   ``vjp_order=1`` (JAX builds no VJP of the one-device program staged there: its raw
   ValueError said to enter a mesh, already entered) names exporting outside the mesh.
+- the-training-cookbook.py: its transformer (``dot_dict`` params, bfloat16, FSDP over its
+  Explicit mesh, ``out_sharding=``): the Hybrid, its export (the loader naming ``gather``) and
+  its own ``train_step`` (Adam on ``jax.ref`` s) against the same step over ``h.apply``.
 - custom_pytrees.md: the registered containers in and out of the Hybrid; export refuses one
   as an input, naming the arrays it takes.
 - Equinox's all-of-equinox.md: both networks per example and ``jax.vmap`` ped, the filter_jit
@@ -31,6 +34,8 @@ answers, the original's own training steps; or export's refusal, naming what wor
   stages its graph, and a call or export of it is refused naming the param and the restore
   (jit's raw TypeError before); the modified model given the old pure dict names the biases.
 """
+
+import functools
 
 import chex
 import equinox as eqx
@@ -418,3 +423,72 @@ def test_linen_design_test_lazy_mlp_and_linear_regression(tmp_path):
         theirs = jax.tree_util.tree_map(lambda x, d: x - 0.03 * d, theirs, wgrad)
     _close(mine, theirs)
     _close(hr.apply({"params": mine}, zoo9.X), zoo9.predict(theirs))
+
+
+@pytest.mark.slow
+def test_training_cookbook_transformer_fsdp_over_its_explicit_mesh(tmp_path):
+    """JAX's training cookbook, its sizes cut (2 layers, width 16, 8 heads of 4, sequences of
+    8, a batch of 8; its learning rate 1e-4 raised to 1e-2, so that two steps move bfloat16
+    params): its ``Config`` sets its Explicit 8-way ``fsdp`` mesh; the Hybrid of
+    ``model_apply`` over the ``dot_dict`` params equals it, sharded as its ``out_sharding``
+    says; exported (static shapes, as the Explicit mesh allows) it loads with
+    ``allow={'gather'}`` (its embedding lookup; refused by name without) and answers off the
+    mesh. Two of its own ``train_step`` s (Adam on ``jax.ref`` s) equal the same step with
+    ``h.apply`` in place of ``model_apply``, and move the params."""
+    outer = jax.make_mesh((8,), ("fsdp",), (jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(outer):  # (restored on exit: the Config sets the mesh globally)
+        config = zoo9.Config(seq_length=8, num_layers=2, embed_dim=16, mlp_dim=32, num_heads=8,
+                             head_dim=4, host_batch_size=8, learning_rate=1e-2)  # fmt: skip
+        params = zoo9.init_train_state(config).params
+        obs = np.frombuffer(zoo9.ode.encode("ascii"), dtype=np.uint8)
+        raw = {"observed_ids": np.tile(obs[:8], (8, 1)),
+               "target_ids": np.tile(np.roll(obs, -1)[:8], (8, 1))}  # fmt: skip
+        shard = lambda a: jax.make_array_from_process_local_data(jax.P("fsdp"), a)  # noqa: E731
+        batch = {k: shard(v) for k, v in raw.items()}
+        apply = lambda p, t: zoo9.model_apply(config, p, t)  # noqa: E731
+        h, tokens = sm.hybridize(apply, params), batch["observed_ids"]
+        want = jax.jit(apply)(params, tokens)
+        got = h(tokens)
+        assert jax.typeof(got).sharding.spec == jax.P("fsdp", None, None)
+        _close(got.astype(jnp.float32), want.astype(jnp.float32), rtol=2e-2, atol=2e-2)
+        sm.export(h, tmp_path / "m", example=(tokens,), batch=None)
+        with pytest.raises(sm.ArtifactError, match=r"allow=\{'gather'\}"):
+            sm.load(tmp_path / "m")
+        theirs = jax.tree.map(jax.ref.new_ref, zoo9.init_train_state(config))
+        mine = jax.tree.map(jax.ref.new_ref, zoo9.init_train_state(config))
+
+        @jax.jit
+        def step(train_state, batch):  # its train_step, h.apply in place of model_apply
+            def loss_fn(params):
+                logits = h.apply(params, batch["observed_ids"])
+                labels = jax.nn.one_hot(batch["target_ids"], config.vocab_size)
+                return -(labels * jax.nn.log_softmax(logits)).mean()
+
+            params = jax.tree.map(jax.ref.get, train_state.params)
+            loss, grad = jax.value_and_grad(loss_fn)(params)
+            update = functools.partial(zoo9.adam_update, config)
+            jax.tree.map(update, train_state.params, grad, train_state.opt)
+            return {"train_loss": loss}
+
+        for _ in range(2):
+            _close(step(mine, batch), zoo9.train_step(config, theirs, batch))
+        a, b = (jax.tree.map(lambda r: jax.ref.get(r).astype(jnp.float32), s.params)
+                for s in (mine, theirs))  # fmt: skip
+        _close(a, b)
+        moved = jax.tree.map(lambda x, y: bool(jnp.any(x != y)), a, params)
+        assert any(jax.tree.leaves(moved))
+    m = sm.load(tmp_path / "m", allow={"gather"})
+    host = np.asarray(tokens)
+    _close(np.asarray(m(host), np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_dot_dict_params_whose_getattr_raises_keyerror_hybridize():
+    """The cookbook's ``dot_dict`` (``__getattr__ = dict.__getitem__``: a missing attribute is
+    a KeyError) as params, equinox imported: hybridize asked it for ``dtype`` and raised that
+    KeyError ('dtype'); it is walked as the pytree it is, the call equal to the plain one."""
+    assert eqx.Module  # imported, as a process using both has it
+    params = zoo9.dot_dict(w=jnp.full((3, 2), 0.5), layers=zoo9.dot_dict(b=jnp.ones(2)))
+    fn = lambda p, x: x @ p.w + p.layers.b  # noqa: E731
+    h, x = sm.hybridize(fn, params), jnp.ones((4, 3))
+    assert isinstance(h.params, zoo9.dot_dict)
+    _close(h(x), fn(params, x))

@@ -43,8 +43,10 @@ From google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0:
   ``nnx.merge`` of a hijax state (``jvp not implemented for 'get_variable'``).
 """
 
-# ruff: noqa: E731 (the authors' code, as written)
+# ruff: noqa: B905, E731, RUF009 (the authors' code, as written)
 
+import functools as ft
+import itertools as it
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -61,6 +63,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.ode import odeint
+from jax.sharding import AxisType
 
 
 # -- external-callbacks.md, "Exploring pure_callback" -------------------------------------------
@@ -453,3 +456,194 @@ def loss_fn(params):
 def init_params(rng):
     mlp_variables = model.init({"params": rng}, X)
     return mlp_variables["params"]
+
+
+# -- docs/the-training-cookbook.py, as written there (formatted as this file: 4-space indents) -
+ode = """
+We are the music makers
+    And we are the dreamers of dreams
+Wandering by lone sea-breakers
+    And sitting by desolate streams;
+World-losers and world-forsakers
+    On whom the pale moon gleams
+Yet we are the movers and shaker
+    Of the world for ever, it seems
+"""
+
+
+# tag: config
+@jax.tree_util.register_static
+@dataclass(kw_only=True, frozen=True)
+class Config:
+    mesh_axis_names: tuple[str, ...] = ("fsdp",)
+    mesh_shape: tuple[int, ...] = (8,)
+    seq_length: int = 128
+
+    num_train_steps: int = 10**6
+    host_batch_size: int = 16
+    learning_rate: float = 1e-4
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    eps: float = 1e-8
+    eps_root: float = 0.0
+
+    param_seed: int = 12738
+    num_layers: int = 4
+    embed_dim: int = 512
+    mlp_dim: int = 512 * 4
+    vocab_size: int = 2**8  # uint8 ascii encoding
+    num_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    embed: jax.P = jax.P(None, None)
+    pos_embed: jax.P = jax.P(None, None)
+    att_qkv: jax.P = jax.P(None, "fsdp", None, None)
+    att_out: jax.P = jax.P("fsdp", None, None)
+    mlp_in: jax.P = jax.P("fsdp", None)
+    mlp_out: jax.P = jax.P(None, "fsdp")
+    in_kernel: jax.P = jax.P(None, None)
+    in_bias: jax.P = jax.P(None)
+    out_kernel: jax.P = jax.P("fsdp", None)
+    out_bias: jax.P = jax.P(None)
+
+    act_ids: jax.P = jax.P("fsdp")
+    act_seq: jax.P = jax.P("fsdp", None, None)
+    act_att: jax.P = jax.P("fsdp", None, None, None)
+    act_hidden: jax.P = jax.P("fsdp", None, None)
+
+    def __post_init__(self):
+        mesh = jax.make_mesh(
+            self.mesh_shape, self.mesh_axis_names, len(self.mesh_shape) * (AxisType.Explicit,)
+        )
+        jax.sharding.set_mesh(mesh)
+
+    # tag: config
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class dot_dict(dict):
+    __setattr__ = dict.__setitem__
+    __getattr__ = dict.__getitem__
+
+    def tree_flatten_with_keys(self):
+        keys = tuple(sorted(self))
+        return tuple((jax.tree_util.DictKey(k), self[k]) for k in keys), keys
+
+    @classmethod
+    def tree_unflatten(cls, keys, values):
+        return cls(zip(keys, values))
+
+
+# tag: get-param-state
+def init_param_state(config: Config) -> dot_dict:
+    root_key = jax.random.key(config.param_seed)
+    key = map(ft.partial(jax.random.fold_in, root_key), it.count())
+    zero_init = jax.nn.initializers.constant(0.0)
+    he_init = jax.nn.initializers.he_normal(1, 1)
+    dtype = config.dtype
+
+    params = dot_dict(
+        pos_embed=zero_init(
+            next(key), (config.seq_length, config.embed_dim), dtype, config.pos_embed
+        ),
+        layers=dot_dict(),
+    )
+    params.embedding = he_init(
+        next(key), (config.vocab_size, config.embed_dim), dtype, config.embed
+    )
+    params.linear_in = dot_dict(
+        kernel=he_init(next(key), (1, config.embed_dim), dtype, config.in_kernel),
+        bias=zero_init(next(key), (config.embed_dim,), dtype, config.in_bias),
+    )
+    params.linear_out = dot_dict(
+        kernel=he_init(next(key), (config.embed_dim, config.vocab_size), dtype, config.out_kernel),
+    )
+    for layer in range(config.num_layers):
+        qkv_shape = (3, config.embed_dim, config.num_heads, config.head_dim)
+        out_shape = (config.num_heads, config.head_dim, config.embed_dim)
+        params.layers[layer] = dot_dict(
+            attention=dot_dict(
+                qkv=he_init(next(key), qkv_shape, dtype, config.att_qkv),
+                out=he_init(next(key), out_shape, dtype, config.att_out),
+            ),
+            mlp=dot_dict(
+                in_kernel=he_init(
+                    next(key), (config.embed_dim, config.mlp_dim), dtype, config.mlp_in
+                ),
+                out_kernel=he_init(
+                    next(key), (config.mlp_dim, config.embed_dim), dtype, config.mlp_out
+                ),
+            ),
+        )
+    return params  # tag: get-param-state
+
+
+# tag: model-apply
+def model_apply(config: Config, params: dot_dict, tokens: jax.Array) -> jax.Array:
+    out = params.embedding.at[tokens].get(out_sharding=config.act_seq)
+    out += params.pos_embed
+    del tokens
+
+    for layer in range(config.num_layers):
+        block = params.layers[layer]
+        att_skip = out  # 1 billion dollars in venture capital funding please
+        qkv = jnp.einsum("bsd,3dkh->bs3kh", out, block.attention.qkv, out_sharding=config.act_att)
+        out = jax.nn.dot_product_attention(
+            qkv[:, :, 0, :], qkv[:, :, 1, :], qkv[:, :, 2, :], is_causal=True
+        )
+        out = jnp.einsum("bskh,khd->bsd", out, block.attention.out, out_sharding=config.act_seq)
+        out += att_skip
+        out *= jax.lax.rsqrt(jnp.linalg.norm(out, axis=-1, keepdims=True) + 1e-6)
+
+        mlp_skip = out  # machine learning circa 1986
+        out = jnp.einsum("bsd,dh->bsh", out, block.mlp.in_kernel, out_sharding=config.act_hidden)
+        out = jax.nn.gelu(out)
+        out = jnp.einsum("bsh,hd->bsd", out, block.mlp.out_kernel, out_sharding=config.act_seq)
+        out += mlp_skip
+        out *= jax.lax.rsqrt(jnp.linalg.norm(out, axis=-1, keepdims=True) + 1e-6)
+
+    logits = jnp.einsum("bsd,dl->bsl", out, params.linear_out.kernel, out_sharding=config.act_seq)
+    return logits  # tag: model-apply
+
+
+# tag: get-adam-state
+def init_adam_state(param: jax.Array) -> dot_dict:
+    adam_state = dot_dict(mu=jnp.zeros_like(param), nu=jnp.zeros_like(param), count=jnp.array(0))
+    return adam_state  # tag: get-adam-state
+
+
+# tag: adam-apply
+def adam_update(config: Config, param: jax.Ref, grad: jax.Array, adam_state: dot_dict):
+    adam_state.mu[...] = (1 - config.beta_1) * adam_state.mu[...] + config.beta_1 * grad
+    adam_state.nu[...] = (1 - config.beta_2) * adam_state.nu[...] + config.beta_2 * grad**2
+    adam_state.count[...] += 1
+
+    mu_hat = adam_state.mu[...] / (1 - config.beta_1 ** adam_state.count[...])
+    nu_hat = adam_state.nu[...] / (1 - config.beta_2 ** adam_state.count[...])
+    param[...] -= config.learning_rate * mu_hat / (jnp.sqrt(nu_hat + config.eps_root) + config.eps)
+    # tag: adam-apply
+
+
+# tag: get-train-state
+@jax.jit
+def init_train_state(config: Config) -> dot_dict:
+    train_state = dot_dict()
+    train_state.params = init_param_state(config)
+    train_state.opt = jax.tree.map(init_adam_state, train_state.params)
+    return train_state  # tag: get-train-state
+
+
+# tag: train-step
+@jax.jit
+def train_step(config: Config, train_state: dot_dict, batch: dict) -> dict:
+    def loss_fn(params):
+        logits = model_apply(config, params, batch["observed_ids"])
+        labels = jax.nn.one_hot(batch["target_ids"], config.vocab_size)
+        return -(labels * jax.nn.log_softmax(logits)).mean()
+
+    params = jax.tree.map(jax.ref.get, train_state.params)
+    loss, grad = jax.value_and_grad(loss_fn)(params)
+    jax.tree.map(ft.partial(adam_update, config), train_state.params, grad, train_state.opt)
+    metrics = {"train_loss": loss}
+    return metrics  # tag: train-step

@@ -227,8 +227,8 @@ def split_equinox(
 
 def equinox_modules(value: Any) -> list[Any]:
     """The equinox modules in ``value`` (never importing equinox)."""
-    eqx = sys.modules.get("equinox")
-    if eqx is None or hasattr(value, "dtype"):
+    eqx = sys.modules.get("equinox")  # (an array's class has dtype; the cookbook's dot_dict's
+    if eqx is None or hasattr(type(value), "dtype"):  # __getattr__ raises KeyError for one)
         return []
     leaves = jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.Module) or unwalkable(x))
     return [m for m in leaves if isinstance(m, eqx.Module)]
