@@ -181,10 +181,19 @@ _FOREIGN = (
 )
 
 
+def array_like(x: Any) -> bool:
+    """Whether ``x`` has a ``shape`` and a ``dtype``; an object whose ``__getattr__`` raises
+    another error for them (the JAX training cookbook's ``dot_dict``: a KeyError) has not."""
+    try:
+        return hasattr(x, "shape") and hasattr(x, "dtype")
+    except Exception:  # whatever a user's __getattr__ raises
+        return False
+
+
 def foreign_array(caller: str, path: str, x: Any) -> ConfigError | None:
     """The :class:`~symjax_mlp.ConfigError` for ``x`` at ``path`` if, no JAX or NumPy array,
     it has a shape and dtype: another library's (torch's, TensorFlow's), which jit cannot take."""
-    if isinstance(x, type) or not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    if isinstance(x, type) or not array_like(x):
         return None  # (a type: np.float32 has both, as descriptors)
     kind = f"{type(x).__module__}.{type(x).__qualname__}"
     return ConfigError(_FOREIGN.format(caller=caller, path=path, kind=kind))
@@ -251,7 +260,7 @@ def input_structs(
 ) -> list[jax.ShapeDtypeStruct]:  # fmt: skip
     """The inputs' structs: the leading dimension ``batch``, or the ``shapes`` specs."""
     for i, x in enumerate(examples):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        if not array_like(x):
             raise not_an_array(name, i, x, len(examples))
     if shapes is None:
         dim = jax.export.symbolic_shape(batch)[0] if batch else None

@@ -482,13 +482,21 @@ def test_training_cookbook_transformer_fsdp_over_its_explicit_mesh(tmp_path):
     _close(np.asarray(m(host), np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
-def test_dot_dict_params_whose_getattr_raises_keyerror_hybridize():
+def test_dot_dict_params_whose_getattr_raises_keyerror_hybridize(tmp_path):
     """The cookbook's ``dot_dict`` (``__getattr__ = dict.__getitem__``: a missing attribute is
     a KeyError) as params, equinox imported: hybridize asked it for ``dtype`` and raised that
-    KeyError ('dtype'); it is walked as the pytree it is, the call equal to the plain one."""
+    KeyError ('dtype'); it is walked as the pytree it is, the call equal to the plain one. As
+    export's example and as a static setting it was KeyError('shape'); now each refusal of a
+    dict, or of an unhashable static, names it."""
     assert eqx.Module  # imported, as a process using both has it
     params = zoo9.dot_dict(w=jnp.full((3, 2), 0.5), layers=zoo9.dot_dict(b=jnp.ones(2)))
     fn = lambda p, x: x @ p.w + p.layers.b  # noqa: E731
     h, x = sm.hybridize(fn, params), jnp.ones((4, 3))
     assert isinstance(h.params, zoo9.dot_dict)
     _close(h(x), fn(params, x))
+    given = zoo9.dot_dict(a=x)  # as an example to export, and a static setting: named, as a dict
+    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a dict with keys \['a'\]"):
+        sm.export(sm.hybridize(lambda p, c: c.a @ p.w, params), tmp_path, example=(given,))
+    static = sm.hybridize(lambda p, x, c: x, {}, static_argnames="c")
+    with pytest.raises(sm.ConfigError, match=r"kwargs\['c'\] is marked static but is a dot_dict"):
+        static(x, c=given)

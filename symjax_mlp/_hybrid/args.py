@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, message
-from symjax_mlp._specs import array_types, foreign_array, unfit_array
+from symjax_mlp._specs import array_like, array_types, foreign_array, unfit_array
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 ARRAYS = array_types()  # what a hot path takes as it is
@@ -53,8 +53,7 @@ class _Frozen:
 def _static_value(path: str, value: Any) -> Any:
     if is_static(value):
         return value
-    array = hasattr(value, "shape") and hasattr(value, "dtype")
-    if array and not isinstance(value, jax.core.Tracer):
+    if array_like(value) and not isinstance(value, jax.core.Tracer):
         return _Frozen(value)
     try:
         hash(value)
