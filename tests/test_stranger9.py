@@ -10,7 +10,10 @@ import gzip
 import io
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import symjax_mlp as sm
@@ -76,15 +79,10 @@ def test_a_checkpoints_config_of_megabytes_or_escapes_is_shown_cut_and_escaped(t
     were shown whole and its keys raw in the refusal of a resume with other settings. A value of
     10 MB made a message of 10 MB (300,000 keys: 13 MB), a key holding \\x1b[31m coloured the
     terminal. Now six settings are shown, each cut, keys escaped, and the rest counted."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    from symjax_mlp.training import TrainState, save_checkpoint
+    from symjax_mlp.training import save_checkpoint
     from symjax_mlp.training._resume import resume_run
 
-    params = {"w": jnp.ones((2,), jnp.float32)}
-    state = TrainState(params, optax.sgd(0.1).init(params), jax.random.key(0), step=0, epoch=0)
+    state = _state({"w": jnp.ones((2,), jnp.float32)})
     config = {"seed": 0}
     hostile = {"a": "s" * 10**6, "\x1b[31mred": 1, **{f"k{i}": i for i in range(10**4)}}
     save_checkpoint(tmp_path, state, metadata={"config": hostile})
@@ -94,3 +92,26 @@ def test_a_checkpoints_config_of_megabytes_or_escapes_is_shown_cut_and_escaped(t
     assert n < 1500 and "\x1b" not in said[:1500], (n, said[:1500])
     assert "'a': 'sssss" in said and "'a': None" in said and "; and 9997 more)" in said, said
     assert "what differs: \\x1b[31mred; a; k0; k1; k10; k100; and" in said, said
+
+
+def _state(params):
+    from symjax_mlp.training import TrainState
+
+    return TrainState(params, optax.sgd(0.1).init(params), jax.random.key(0), step=0, epoch=0)
+
+
+def test_a_checkpoint_of_tensors_named_in_megabytes_is_refused_in_a_few_lines(tmp_path):
+    """A checkpoint whose state.safetensors names a tensor in 1 MB (its header may hold 100 MB),
+    or a thousand tensors the model lacks, was refused with each name whole: five names, a
+    message of megabytes. Now six at most, each cut."""
+    from symjax_mlp.training import restore_checkpoint, save_checkpoint
+
+    names = {"\x1b[31m" + "n" * 10**6: jnp.ones(1), **{f"t{i}": jnp.ones(1) for i in range(1000)}}
+    save_checkpoint(tmp_path, _state(names))
+    with pytest.raises(sm.CheckpointError, match="does not fit this model") as e:
+        restore_checkpoint(tmp_path, _state({"w": jnp.ones(1)}))
+    said, n = str(e.value), len(str(e.value))
+    assert n < 1500 and "\x1b" not in said[:1500], (n, said[:1500])
+    assert "missing tensors ['params/w'], unexpected tensors ['params/\\x1b[31mnnnn" in said, said
+    assert "nnn...nnn" in said and "nnn', 'params/t0', 'params/t1'," in said, said
+    assert "'params/t101', ...]. Resume" in said, said

@@ -12,7 +12,6 @@ import hashlib
 import math
 import os
 import re
-import reprlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from symjax_mlp.training._checkpoint import broken, read_checkpoint
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._paths import check_strays, latest_checkpoint
 from symjax_mlp.training._spec import NnxSpec
-from symjax_mlp.training._state import EpochRecord, TrainState
+from symjax_mlp.training._state import SHOWN, EpochRecord, TrainState
 from symjax_mlp.training._step import ModelVars, apply_model
 
 _CALLER = "symjax_mlp.training.train"
@@ -42,9 +41,7 @@ OPTIMIZER_PROBE = "optimizer_probe"  # in each checkpoint's metadata, not the ru
 _UPDATE_TOLERANCE = {"rtol": 1e-5, "atol": 1e-9}  # the same state and ops: bitwise on one
 # machine; another's last bits (an update near 0 is a difference of near-equal terms) pass
 _NAN_INF = ("nan", "inf", "-inf")
-_SHOWN = 6  # the settings a refusal shows, each cut as _REPR cuts it: a checkpoint's manifest
-_REPR = reprlib.Repr()  # is anyone's JSON (megabytes of keys or text, terminal escapes)
-_REPR.maxdict, _REPR.maxstring, _REPR.maxother = _SHOWN, 100, 100
+_SHOWN = SHOWN.maxdict  # the settings a refusal shows (a manifest is anyone's JSON)
 _NOT_THAT_RUN = (
     "Resuming would not continue that run; resume with {same}, or start over in an empty directory."
 )
@@ -124,8 +121,8 @@ def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, up
         what = "; ".join(_FINGERPRINTED.get(k) or printable(k[:80]) for k in changed[:_SHOWN])
         what += f"; and {len(changed) - _SHOWN} more" if len(changed) > _SHOWN else ""
         raise CheckpointError(
-            f"{_CALLER}: {found} was written with {_REPR.repr(was)}, but this run has "
-            f"{_REPR.repr(now)} (what differs: {what}). "
+            f"{_CALLER}: {found} was written with {SHOWN.repr(was)}, but this run has "
+            f"{SHOWN.repr(now)} (what differs: {what}). "
             + _NOT_THAT_RUN.format(same="the same settings")
         )
     for where, key in ((recorded, PROBE), (recorded, PROBE_TRAIN), (meta, OPTIMIZER_PROBE)):

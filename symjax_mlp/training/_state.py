@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import reprlib
 import typing
 from typing import Any
 
@@ -28,6 +29,11 @@ class EpochRecord:
 
 
 RECORD = typing.get_type_hints(EpochRecord)  # its fields, as a manifest checks them
+#: a checkpoint's names, shapes and settings as a message shows them (``SHOWN.repr(x)``): six
+#: at most, each cut; its files are anyone's (names of megabytes, thousands of settings)
+SHOWN = reprlib.Repr()
+SHOWN.maxlist = SHOWN.maxdict = SHOWN.maxtuple = 6
+SHOWN.maxstring = SHOWN.maxother = 100
 
 
 @jax.tree_util.register_dataclass
@@ -112,8 +118,9 @@ def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> 
     missing, extra = sorted(set(wanted) - set(stored)), sorted(set(stored) - set(wanted))
     if missing or extra:
         raise CheckpointError(
-            f"{path} does not fit this model and optimizer: missing tensors {missing[:5]}, "
-            f"unexpected tensors {extra[:5]}. Resume with the model and optimizer that wrote it."
+            f"{path} does not fit this model and optimizer: missing tensors "
+            f"{SHOWN.repr(missing)}, unexpected tensors {SHOWN.repr(extra)}. Resume with the "
+            "model and optimizer that wrote it."
         )
     for name, (shape, dtype) in wanted.items():
         got_shape, got_dtype = stored[name]
@@ -127,8 +134,8 @@ def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> 
                 "the same ones."
             )
             raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {tuple(got_shape)} and dtype {got_dtype}, but "
-                f"this model expects shape {tuple(shape)} and dtype {dtype}. {fix}"
+                f"{path}: tensor {name!r} has shape {SHOWN.repr(tuple(got_shape))} and dtype "
+                f"{got_dtype}, but this model expects shape {tuple(shape)} and dtype {dtype}. {fix}"
             )
 
 
