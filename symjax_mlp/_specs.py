@@ -42,10 +42,12 @@ class TensorSpec:
         return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
 
     def to_json(self) -> dict[str, Any]:
+        """``{"path", "shape", "dtype"}`` as JSON data (:meth:`from_json` reads it back)."""
         return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> TensorSpec:
+        """The spec :meth:`to_json` wrote; a ``KeyError`` if a field is missing."""
         return cls(str(d["path"]), tuple(d["shape"]), str(d["dtype"]))
 
 

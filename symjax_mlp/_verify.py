@@ -81,6 +81,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether every check passed (``False`` with none run, or with any error)."""
         return bool(self.checks) and not self.errors and all(c.ok for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
@@ -202,7 +203,8 @@ def verify(
         raise ConfigError(f"verify(trust={trust!r}): expected True or False.")
     seed = as_int(seed)  # each refused here, not as NumPy's or subprocess's raw error
     real = isinstance(timeout, numbers.Real) and not isinstance(timeout, _NO_NUMBER)
-    names = allow is None or (isinstance(allow, Iterable) and not isinstance(allow, str | bytes))
+    allow = (allow,) if isinstance(allow, str) else allow  # one name, as load(allow=) takes it
+    names = allow is None or (isinstance(allow, Iterable) and not isinstance(allow, bytes))
     signed = verify_signature is None or isinstance(verify_signature, str | os.PathLike)
     checks = {
         "seed": (seed, type(seed) is int and seed >= 0, "an int >= 0, e.g. seed=0"),

@@ -1052,14 +1052,15 @@ def test_verify_refuses_an_infinite_tolerance(tmp_path, capsys):
 def test_verify_refuses_a_seed_timeout_allow_or_signature_of_the_wrong_kind(tmp_path):
     """sm.verify(seed='1') and seed=-1 were NumPy's TypeError and ValueError, timeout='10'
     and nan Python's, verify_signature=3 os.fspath's; allow='name' was read as its letters
-    (load refused {'a', 'e', 'm', 'n'}) and timeout=0 a FAILED report, after the export."""
+    (load refused {'a', 'e', 'm', 'n'}: now one name, as load takes it, test_first_afternoon)
+    and timeout=0 a FAILED report, after the export."""
     import symjax_mlp as sm
 
     art = str(tmp_path / "not read")  # each refused before the artifact is read
     cases = {
         "seed": ("1", -1, 1.0, True),
         "timeout": ("10", float("nan"), 0, -1, float("inf")),
-        "allow": ("name", b"name", 3),
+        "allow": (b"name", 3),
         "verify_signature": (3, ["x.sig"]),
     }
     for option, values in cases.items():

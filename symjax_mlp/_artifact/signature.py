@@ -54,6 +54,7 @@ class Signature:
         return f"({ins}) -> {outs}{where}"
 
     def to_json(self) -> dict[str, Any]:
+        """The signature as JSON data, as the manifest stores it (:meth:`from_json` reads it)."""
         return {
             "inputs": [s.to_json() for s in self.inputs],
             "outputs": [s.to_json() for s in self.outputs],
@@ -64,6 +65,7 @@ class Signature:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Signature:
+        """The signature :meth:`to_json` wrote (a manifest's ``"signature"``)."""
         specs = [tuple(TensorSpec.from_json(s) for s in d[k]) for k in ("inputs", "outputs")]
         constraints = tuple(str(c) for c in d.get("constraints", ()))
         return cls(*specs, str(d["output_kind"]), d.get("batch"), constraints)

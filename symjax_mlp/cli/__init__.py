@@ -119,7 +119,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     from symjax_mlp import verify
 
     runtimes = tuple(args.runtime or ("jax",))
-    options = keywords(args, "batches rtol atol")
+    options = keywords(args, "batches rtol atol seed timeout")
     report = verify(args.path, runtimes=runtimes, **options, **_args.load_options(args))
     show(report, report.to_dict(), args.json)
     return 0 if report.ok else 1
@@ -165,6 +165,9 @@ _COMMANDS = {
         ("--batches", {"type": int_list, "default": (1, 7, 128), "help": "e.g. 1,7,128"}),
         ("--rtol", {"type": _args.nonnegative, "default": 1e-5}),
         ("--atol", {"type": _args.nonnegative, "default": 1e-5}),
+        ("--seed", {"type": int, "default": 0, "help": "seeds the random inputs"}),
+        ("--timeout", {"type": _args.positive, "default": 300.0, "metavar": "SECONDS",
+                       "help": "the most the fresh process may take"}),
         *_args.TRUST, _args.json_option("the report"))),
     "bench": ("time an artifact's calls against its AOT-compiled floor (sm.timeit): min and "
               "median per call, synced and pipelined. The project's benchmark is python "

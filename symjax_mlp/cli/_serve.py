@@ -35,7 +35,8 @@ _DEFAULTS = {
 _HELP = "serve an artifact over HTTP (JSON and .npy), with a micro-batcher underneath"
 _MORE = (
     ".\nEndpoints: POST /predict, GET /health, GET /metrics, GET /signature. Needs the "
-    "symjax_mlp[serve] extra."
+    'symjax_mlp[serve] extra.\nA /predict body is JSON, {"inputs": [[...], ...]} (rows first; '
+    '{"inputs": {"args[0]": ..., ...}} by name), or .npy bytes (application/x-npy).'
 )
 _OPTIONS = (
     ("path", {"help": "the artifact directory (symjax-mlp export)"}),

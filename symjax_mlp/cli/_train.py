@@ -24,7 +24,8 @@ _OPTIONS = (
     ("--learning-rate", {"type": positive, "default": 1e-3, "help": "adam's"}),
     ("--seed", {"type": int, "default": 0}),
     ("--eager", {"action": "store_true", "help": "run the step eagerly, not compiled"}),
-    ("--checkpoint", {"metavar": "DIR", "help": "write a checkpoint every epoch here"}),
+    ("--checkpoint", {"metavar": "DIR", "help": "write checkpoints here: every "
+     "--checkpoint-every epochs, and after the last"}),
     ("--checkpoint-every", {"type": count, "default": 1, "metavar": "EPOCHS"}),
     ("--resume", {"action": "store_true", "help": "continue from --checkpoint DIR"}),
     _args.json_option("the history"),

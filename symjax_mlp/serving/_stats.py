@@ -75,6 +75,7 @@ class BatcherStats:
         return self.rows / self.batches if self.batches else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """Every counter as JSON data, with :attr:`mean_batch_rows`."""
         return {**dataclasses.asdict(self), "mean_batch_rows": self.mean_batch_rows}
 
     def to_prometheus(self, prefix: str = "symjax_mlp_batcher") -> str:

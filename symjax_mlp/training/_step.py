@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
@@ -23,8 +23,20 @@ from symjax_mlp.training._optimizer import update
 from symjax_mlp.training._spec import STEP_FORM, ModelSpec, NnxSpec, bound, init_variables, spec_of
 from symjax_mlp.training._state import is_count
 
-#: ``step(params, opt_state, x, y, w) -> (params, opt_state, {"loss", "correct"})``.
-Step = Callable[..., tuple[Any, Any, dict[str, jax.Array]]]
+
+class Step(Protocol):
+    """The type of what :func:`train_step` returns (and :func:`shard_step` runs in parallel).
+
+    ``step(params, opt_state, x, y, w) -> (params, opt_state, {"loss", "correct"})``: the
+    params and optimizer state after one optax update on the batch ``x``, ``y`` with
+    per-example weights ``w`` (0 marks padding), and the batch's metrics.
+    """
+
+    def __call__(
+        self, params: Any, opt_state: Any, x: Any, y: Any, w: Any, /
+    ) -> tuple[Any, Any, dict[str, jax.Array]]: ...
+
+
 NOT_FLAX = (
     "{caller}: the model must be a flax.linen or nnx module; got a {kind}. "
     "For another model, write the loop with optax over the Hybrid's pure form: "

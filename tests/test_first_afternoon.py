@@ -1,0 +1,116 @@
+"""A researcher's first afternoon: what the docs, --help and sibling APIs promise, held to it.
+
+Each test pins one thing found by using the library as its README says, on one's own models:
+a public name with no docstring, a --help that said what the code does not do, a Python
+keyword with no command-line twin, a keyword spelt one way in ``load`` and refused in
+``verify``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_serving import _asgi_post
+
+import symjax_mlp as sm
+from symjax_mlp import cli
+
+#: public names still without a docstring, each owned elsewhere: _artifact/reading.py is at
+#: its 400 lines (proposed to its owner in session 57's report)
+_UNDOCUMENTED = {"Artifact.platforms"}
+
+
+def _public(module):
+    for name in module.__all__:
+        yield (
+            f"{module.__name__.removeprefix('symjax_mlp')}.{name}".lstrip("."),
+            getattr(module, name),
+        )
+
+
+def test_every_public_name_and_its_public_methods_have_a_docstring():
+    """help(sm.training.Step) showed collections.abc.Callable's help; VerifyReport.ok,
+    Signature.to_json, TensorSpec.to_json and BatcherStats.to_dict had none at all."""
+    missing = []
+    for module in (sm, sm.serving, sm.training, sm.chapter):
+        for where, obj in _public(module):
+            if inspect.ismodule(obj) or not (callable(obj) or isinstance(obj, type)):
+                continue  # a constant (EXIT_STATUS, ACTIVATIONS) is documented by its module
+            if not inspect.getdoc(obj) or inspect.getdoc(obj) == inspect.getdoc(type(obj)):
+                missing.append(where)
+            if not isinstance(obj, type):
+                continue
+            for attr, value in vars(obj).items():
+                member = getattr(value, "__func__", value)  # a classmethod's function
+                documented = callable(member) or isinstance(member, property)
+                if not attr.startswith("_") and documented and not inspect.getdoc(member):
+                    missing.append(f"{obj.__name__}.{attr}")
+    assert set(missing) == _UNDOCUMENTED, sorted(set(missing) - _UNDOCUMENTED)
+
+
+def test_the_training_step_type_is_documented_as_what_train_step_returns():
+    """``Step`` was a bare ``Callable`` alias: its help was Callable's, saying nothing of the
+    five arguments a step takes or the three things it returns."""
+    doc = inspect.getdoc(sm.training.Step)
+    assert "step(params, opt_state, x, y, w)" in doc and "train_step" in doc
+    params = list(inspect.signature(sm.training.Step.__call__).parameters)
+    assert params == ["self", "params", "opt_state", "x", "y", "w"]
+
+
+def test_cli_verify_takes_seed_and_timeout_as_sm_verify_does(monkeypatch, tmp_path):
+    """``sm.verify(path, seed=, timeout=)`` had no command-line twin: a slow machine's
+    artifact could not be given more than 300 s from the shell."""
+    got = {}
+
+    def fake_verify(path, **options):
+        got.update(options, path=path)
+        raise sm.ConfigError("stop here")
+
+    monkeypatch.setattr(sm, "verify", fake_verify)
+    argv = ["verify", str(tmp_path / "art"), "--seed", "3", "--timeout", "900"]
+    assert cli.main(argv) == 2
+    assert got["seed"] == 3 and got["timeout"] == 900.0 and got["path"] == str(tmp_path / "art")
+
+
+def test_cli_train_checkpoint_help_says_every_checkpoint_every_epochs():
+    """``--checkpoint DIR`` said "write a checkpoint every epoch here", next to a
+    ``--checkpoint-every`` that makes it every N epochs (and after the last, as train does)."""
+    train = cli.build_parser().commands["train"]
+    (action,) = [a for a in train._actions if "--checkpoint" in a.option_strings]
+    assert "a checkpoint every epoch" not in action.help
+    assert "--checkpoint-every" in action.help and "after the last" in action.help
+
+
+def test_serve_help_shows_the_predict_body_the_app_takes(capsys):
+    """``symjax-mlp serve --help`` (and the README) said "JSON" without its shape; a first
+    ``curl -d '[[1, 2, 3]]'`` got a 400. The help now shows ``{"inputs": [[...], ...]}``,
+    and that body is answered."""
+    assert cli.main(["serve", "--help"]) == 0
+    shown = capsys.readouterr().out
+    assert '{"inputs": [[...], ...]}' in shown and "application/x-npy" in shown
+
+    async def post(app, x):
+        scope, receive, send, sent = _asgi_post(x)  # its body: {"inputs": x.tolist()}
+        await app(scope, receive, send)
+        return sent[0]["status"], json.loads(sent[1]["body"])
+
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    with sm.serving.Batcher(h, example=jnp.ones((1, 3)), max_batch=2) as b:
+        app = sm.serving.create_app(b, close_batcher=False)
+        status, answer = asyncio.run(post(app, np.array([[1, 2, 3]], np.float32)))
+    assert status == 200 and answer["outputs"] == [[2.0, 4.0, 6.0]]
+
+
+@pytest.mark.slow
+def test_verify_takes_one_allow_name_as_load_does(tmp_path):
+    """``sm.load(path, allow="gather")`` takes one name; ``sm.verify(path, allow="gather")``
+    was a ConfigError ("pass a tuple of names"): the same keyword, spelt two ways."""
+    art = sm.chapter.export_mlp(tmp_path / "mlp", sizes=(4, 2))
+    assert sm.load(art.path, allow="gather").allowed == sm.load(art.path, allow=["gather"]).allowed
+    report = sm.verify(art.path, allow="gather", batches=(1,))
+    assert report.ok, report
