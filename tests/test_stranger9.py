@@ -9,6 +9,7 @@ import asyncio
 import gzip
 import io
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -115,3 +116,22 @@ def test_a_checkpoint_of_tensors_named_in_megabytes_is_refused_in_a_few_lines(tm
     assert "missing tensors ['params/w'], unexpected tensors ['params/\\x1b[31mnnnn" in said, said
     assert "nnn...nnn" in said and "nnn', 'params/t0', 'params/t1'," in said, said
     assert "'params/t101', ...]. Resume" in said, said
+
+
+def test_an_orbax_steps_file_names_reach_its_refusal_escaped(tmp_path):
+    """An Orbax step's entries are named by whoever wrote the directory: a FIFO named
+    ``\\x1b[31m...`` (or a symlink pointing at such a name) was quoted raw in the refusal, and
+    ``symjax-mlp train`` printed it, colouring the terminal. Now each is escaped."""
+    from symjax_mlp.training._orbax import check_files
+
+    step = tmp_path / "5"
+    step.mkdir()
+    os.mkfifo(step / "\x1b[31mfifo")
+    with pytest.raises(sm.CheckpointError) as e:
+        check_files(step)
+    assert "\x1b" not in str(e.value) and "5/\\x1b[31mfifo is neither a file" in str(e.value)
+    os.unlink(step / "\x1b[31mfifo")
+    (step / "link").symlink_to("\x1b]0;title\x07")
+    with pytest.raises(sm.CheckpointError) as e:
+        check_files(step)
+    assert "\x1b" not in str(e.value) and "a symlink to \\x1b]0;title\\x07:" in str(e.value)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import CheckpointError
 from symjax_mlp._files import exhausted
 from symjax_mlp.training._checkpoint import broken, check_manifest
@@ -98,8 +99,8 @@ def check_files(path: Path) -> None:
         st = os.lstat(entry)
         if stat.S_ISLNK(st.st_mode):
             what = (
-                f"a symlink to {os.readlink(entry)}: a checkpoint is read from its own files "
-                "(Orbax would read, and prune, what it points to)"
+                f"a symlink to {printable(os.readlink(entry))}: a checkpoint is read from its "
+                "own files (Orbax would read, and prune, what it points to)"
             )
         elif stat.S_ISREG(st.st_mode):
             if entry.parent.name == "d" or st.st_size <= _MAX_READ_WHOLE:
@@ -109,7 +110,7 @@ def check_files(path: Path) -> None:
             continue
         else:
             what = "neither a file nor a directory (a FIFO, socket or device)"
-        raise broken(path, f"{entry} is {what}")
+        raise broken(path, f"{printable(str(entry))} is {what}")  # its name: anyone's
     if (marker := path / COMMITTED).is_file():  # regular and bounded, now: Orbax parses it
         try:
             ok = isinstance(json.loads(marker.read_bytes()), dict)
