@@ -114,3 +114,16 @@ def test_verify_takes_one_allow_name_as_load_does(tmp_path):
     assert sm.load(art.path, allow="gather").allowed == sm.load(art.path, allow=["gather"]).allowed
     report = sm.verify(art.path, allow="gather", batches=(1,))
     assert report.ok, report
+
+
+def test_a_batcher_given_a_tuple_of_inputs_says_to_pass_each_to_submit():
+    """``Batcher(h, example=(x, y))`` takes a tuple, so ``b.submit((x, y))`` is the natural
+    first try; it said "Call it as b(args[0], args[1])", naming neither ``submit`` nor what
+    was wrong."""
+    h = sm.hybridize(lambda p, x, y: x * p + y, jnp.float32(2))
+    x, y = np.ones((1, 3), np.float32), np.ones((1, 3), np.float32)
+    with sm.serving.Batcher(h, example=(x, y), max_batch=1) as b:
+        with pytest.raises(sm.SignatureError, match="got 1") as e:
+            b.submit((x, y))
+        assert "its own argument: b.submit(args[0], args[1])" in str(e.value)
+        np.testing.assert_array_equal(b.submit(x, y).result(), 3 * x)

@@ -315,10 +315,10 @@ class RequestCheck:
 
     def _read(self, inputs: tuple[Any, ...]) -> tuple[Sequence[Any], int]:
         if len(inputs) != len(self.dtypes):
-            want = ", ".join(map(str, self.specs))
+            want, paths = ", ".join(map(str, self.specs)), ", ".join(s.path for s in self.specs)
             raise SignatureError(
                 f"{self.name}: a request takes {len(self.dtypes)} input(s) ({want}); got "
-                f"{len(inputs)}. Call it as b({', '.join(s.path for s in self.specs)})."
+                f"{len(inputs)}. Pass each as its own argument: b.submit({paths}), b({paths})."
             )
         arrays, rows, numpy = [], None, True
         for i, x in enumerate(inputs):
