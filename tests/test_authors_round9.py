@@ -8,6 +8,10 @@ answers, the original's own training steps; or export's refusal, naming what wor
   ``jax.debug.print`` in a net: the Hybrid runs them (the debug callback under ``grad`` too),
   export refuses each naming it; ``jv`` (a ``pure_callback`` given a ``custom_jvp``): grads and
   the docs' ``jax.hessian`` over the Hybrid equal the plain function's.
+- checkify_guide.md: ``checkify.checkify(f)`` (its ``(*args, **kwargs)``) hybridized, its
+  error value as jit's; export refused for its Error output (it was refused as given "too
+  many positional arguments": the ``*args`` taking the params was dropped with them), a
+  ``*args`` wrapper of it exported; the unchecked ``f`` refused by JAX as under jit.
 - gradient-checkpointing.md: ``f``, ``f2``, ``f3`` and ``f4`` (a policy's saved residuals are
   rounded by ``reduce_precision`` in the VJP: loaded without ``allow`` now).
 - ode_test.py: the pendulum's ``odeint`` (a ``while_loop`` and a ``custom_vjp``) per row of
@@ -500,3 +504,30 @@ def test_dot_dict_params_whose_getattr_raises_keyerror_hybridize(tmp_path):
     static = sm.hybridize(lambda p, x, c: x, {}, static_argnames="c")
     with pytest.raises(sm.ConfigError, match=r"kwargs\['c'\] is marked static but is a dot_dict"):
         static(x, c=given)
+
+
+@pytest.mark.slow
+def test_checkify_guide_checked_function_hybridized_and_exported(tmp_path):
+    """checkify_guide.md: ``jittable_f`` (``checkify.checkify(f)``, whose signature is
+    ``(*args, **kwargs)``) with ``x`` as its params: the Hybrid's error and value equal
+    ``jax.jit(jittable_f)``'s for a bad and a good index; export refuses its output (an Error
+    pytree) naming the flat tuple an artifact returns, where it refused the call's arguments
+    ("too many positional arguments", the ``*args`` dropped with the params); ``lambda *a:
+    jittable_f(*a)[1]`` exports, loads and answers. ``f`` itself, unchecked, is refused by
+    JAX's own "not functionalized" error, as the guide shows under ``jax.jit``."""
+    x = jnp.arange(5.0)
+    h = sm.hybridize(zoo9.jittable_f, x)
+    for i in (jnp.int32(-2), jnp.int32(3)):
+        (err, z), (want_err, want) = h(i), jax.jit(zoo9.jittable_f)(x, i)
+        assert err.get() == want_err.get()
+        _close(z, want)
+    assert "index needs to be non-negative, got -2" in h(jnp.int32(-2))[0].get()
+    i = jnp.int32(1)  # (a scalar index, as the guide's: its check takes a scalar)
+    with pytest.raises(sm.SignatureError, match=r"an artifact returns an array or a flat tuple"):
+        sm.export(h, tmp_path / "checked", example=(i,), batch=None)
+    value = sm.hybridize(lambda *a: zoo9.jittable_f(*a)[1], x)
+    sm.export(value, tmp_path / "value", example=(i,), batch=None)
+    loaded = sm.load(tmp_path / "value", allow={"dynamic_slice"})  # x[i]
+    _close(loaded(np.int32(4)), jnp.sin(x[4]))
+    with pytest.raises(ValueError, match="not functionalized"):
+        sm.hybridize(zoo9.checkify_f, x)(jnp.int32(2))

@@ -60,7 +60,7 @@ import scipy.special
 from flax import linen as nn
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.experimental import io_callback
+from jax.experimental import checkify, io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.ode import odeint
 from jax.sharding import AxisType
@@ -254,6 +254,17 @@ def matmul(x: jax.Array, y: jax.Array, *, activation):
         out_specs=pl.BlockSpec((x.shape[0] // 2, y.shape[1] // 2), lambda i, j: (i, j)),
         interpret=True,
     )(x, y)
+
+
+# -- debugging/checkify_guide.md ----------------------------------------------------------------
+def checkify_f(x, i):  # the guide's ``f``
+    checkify.check(i >= 0, "index needs to be non-negative, got {i}", i=i)
+    y = x[i]
+    z = jnp.sin(y)
+    return z
+
+
+jittable_f = checkify.checkify(checkify_f)
 
 
 # -- new_docs/201/sharding.md -------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence, ValuesView
@@ -222,6 +223,14 @@ def split_equinox(
         return a, {n: eqx.combine(v, held[n][1]) if n in held else v for n, v in k.items()}
 
     return args, kwargs, join
+
+
+def inputs_after(target: Any, skip: int) -> list[inspect.Parameter]:
+    """``target``'s parameters after its first ``skip`` (params, ``self``); a ``*args`` first is
+    kept, taking them and the inputs (``checkify.checkify(f)``'s ``(*args, **kwargs)``).
+    Raises ``TypeError``/``ValueError`` where it has no signature to read."""
+    given = list(inspect.signature(target).parameters.values())
+    return given if given and given[0].kind is given[0].VAR_POSITIONAL else given[skip:]
 
 
 def equinox_modules(value: Any) -> list[Any]:

@@ -23,7 +23,7 @@ from symjax_mlp._errors import (
     message,
     refuse_two_devices,
 )
-from symjax_mlp._hybrid.args import NOT_AN_INPUT, NOT_AN_INPUT_FIX, path_of, rebuild
+from symjax_mlp._hybrid.args import NOT_AN_INPUT, NOT_AN_INPUT_FIX, inputs_after, path_of, rebuild
 from symjax_mlp._specs import TensorSpec, shape_dims
 
 TRACER_ERRORS = (
@@ -121,7 +121,7 @@ def unbindable(
     inputs after its first ``skip`` (params, ``self``); ``None`` if they bind or it has no
     signature. ``fix`` may name ``{call}``: the required inputs, as ``a, b, key=key``."""
     try:
-        given = list(inspect.signature(target).parameters.values())[skip:]
+        given = inputs_after(target, skip)
         inputs = inspect.Signature([p.replace(annotation=p.empty) for p in given])
     except (TypeError, ValueError):  # no signature to read
         return None

@@ -16,7 +16,7 @@ import jax
 
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid import trace as _trace
-from symjax_mlp._hybrid.args import ModuleSetting, quoted, unwalkable
+from symjax_mlp._hybrid.args import ModuleSetting, inputs_after, quoted, unwalkable
 
 #: ``(module's watch list, settings)``: what a trace of that nnx module runs with
 PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -72,7 +72,7 @@ class PureModel:
     def parameters(self) -> list[inspect.Parameter] | None:
         """The inputs' parameters (params or ``self`` dropped), or ``None``."""
         try:
-            return list(inspect.signature(self.target).parameters.values())[1:]
+            return inputs_after(self.target, 1)
         except (TypeError, ValueError):  # a builtin, a C callable: no signature to read
             return None
 
