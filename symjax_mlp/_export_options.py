@@ -67,9 +67,11 @@ def check_options(
     if batch is not None and not (
         isinstance(batch, str) and batch.isidentifier() and batch not in {*_SPEC_FUNCTIONS, "_"}
     ):
+        rows = f" (an example of {batch} rows: a static batch of {batch})" * (type(batch) is int)
         raise ConfigError(
-            f"export(batch={batch!r}): pass a name such as 'b' (not '_' or a function of "
-            f"jax.export's specs, {', '.join(sorted(_SPEC_FUNCTIONS))}), or None."
+            f"export(batch={batch!r}): pass a name such as 'b' for a symbolic batch (not '_' or "
+            f"a function of jax.export's specs, {', '.join(sorted(_SPEC_FUNCTIONS))}), or None "
+            f"for the example's static shapes{rows}."
         )
     _check_tuple("", "platforms", platforms)
     if not platforms or set(platforms) - set(PLATFORMS) or len(set(platforms)) < len(platforms):

@@ -60,7 +60,8 @@ SHAPES = ("b, 8",)  # small()'s input
         pytest.param({"vjp_order": "1"}, sm.ConfigError, r"vjp_order='1'\): pass an int",
                      id="vjp-str"),
         pytest.param({"batch": "max"}, sm.ConfigError,
-                     r"batch='max'\): pass a name such as 'b' \(not '_' or a function",
+                     r"batch='max'\): pass a name such as 'b' for a symbolic batch \(not '_' or a "
+                     r"function",
                      id="batch-a-spec-function"),  # a bare ValueError from jax.export
         pytest.param({"shapes": SHAPES, "constraints": ("b <= 99999999999999999999",)},
                      sm.ConfigError, r"'b <= 9+' holds 9+, past the sizes jax.export computes",

@@ -127,3 +127,15 @@ def test_a_batcher_given_a_tuple_of_inputs_says_to_pass_each_to_submit():
             b.submit((x, y))
         assert "its own argument: b.submit(args[0], args[1])" in str(e.value)
         np.testing.assert_array_equal(b.submit(x, y).result(), 3 * x)
+
+
+def test_export_of_an_int_batch_says_none_exports_the_examples_static_batch(tmp_path):
+    """``chapter.export_mlp(batch=4)`` and ``symjax-mlp export --batch 4`` take a static size;
+    ``sm.export(h, batch=4)`` said only "pass a name such as 'b' (...), or None", not what None
+    does: a researcher with a static batch in mind had to find it in the docstring."""
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    with pytest.raises(sm.ConfigError, match=r"^export\(batch=4\)") as e:
+        sm.export(h, tmp_path / "m", example=jnp.ones((4, 3)), batch=4)
+    said = str(e.value)
+    assert "or None for the example's static shapes (an example of 4 rows: a static" in said
+    assert not (tmp_path / "m").exists()
