@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
@@ -26,7 +27,7 @@ def read_npy(
     ``error`` (its message naming ``source`` as ``what``) for an ``.npz``, a pickle, other bytes."""
     head = more = short = None
     try:
-        with open(source, "rb") if not isinstance(source, bytes) else io.BytesIO(source) as f:
+        with _opened(source) as f:
             head = f.read(6)
             f.seek(0)
             if short := _refused(f):
@@ -40,6 +41,8 @@ def read_npy(
     except Exception as e:  # a bad header, a pickle, a broken zip, a missing file
         if short:
             raise
+        if isinstance(e, _Irregular):
+            raise error(f"{what} {e}") from None
         if isinstance(e, OSError) and (fix := exhausted(e)):  # the process's limit, not the file's
             raise error(
                 f"{what} cannot be opened ({e.strerror}): nothing is wrong with it. {fix}"
@@ -66,6 +69,33 @@ def read_npy(
     if x.dtype.byteorder == (">" if sys.byteorder == "little" else "<"):
         x = x.astype(x.dtype.newbyteorder("="))  # the same numbers, in this CPU's order
     return x
+
+
+class _Irregular(Exception):
+    """What :func:`_opened` refuses to read: no regular file."""
+
+
+def _opened(source: str | os.PathLike[str] | bytes) -> BinaryIO:
+    """``source``'s bytes, or its regular file: opened without blocking, as a FIFO would (one
+    put in place of a file after the caller checked it, as run checks its --input)."""
+    if isinstance(source, bytes):
+        return io.BytesIO(source)
+
+    def opener(path: str, flags: int) -> int:
+        return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+
+    try:
+        f = open(source, "rb", opener=opener)  # noqa: SIM115 - read_npy's with closes it
+    except IsADirectoryError:
+        f = None
+    if f is None or not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        if f is not None:
+            f.close()
+        raise _Irregular(
+            "is not a regular file (a FIFO, device or directory); nothing was read from it. "
+            "Pass a .npy file."
+        )
+    return f
 
 
 def _refused(f: BinaryIO) -> str | None:

@@ -6,6 +6,7 @@ test_serving_hostile.py, test_checkpoint_stranger.py, test_signing_stranger.py, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import io
 import json
@@ -102,12 +103,12 @@ def _state(params):
 
 
 def test_a_checkpoint_of_tensors_named_in_megabytes_is_refused_in_a_few_lines(tmp_path):
-    """A checkpoint whose state.safetensors names a tensor in 1 MB (its header may hold 100 MB),
-    or a thousand tensors the model lacks, was refused with each name whole: five names, a
-    message of megabytes. Now six at most, each cut."""
+    """A checkpoint whose state.safetensors names tensors the model lacks was refused with five
+    names, each whole: its header may hold 100 MB of them, a message of as many (a name of 5 MB:
+    5 MB, checked with train(resume=True)). Now six at most, each cut (100 KB names here)."""
     from symjax_mlp.training import restore_checkpoint, save_checkpoint
 
-    names = {"\x1b[31m" + "n" * 10**6: jnp.ones(1), **{f"t{i}": jnp.ones(1) for i in range(1000)}}
+    names = {"\x1b[31m" + "n" * 10**5: jnp.ones(1), **{f"t{i}": jnp.ones(1) for i in range(200)}}
     save_checkpoint(tmp_path, _state(names))
     with pytest.raises(sm.CheckpointError, match="does not fit this model") as e:
         restore_checkpoint(tmp_path, _state({"w": jnp.ones(1)}))
@@ -135,3 +136,28 @@ def test_an_orbax_steps_file_names_reach_its_refusal_escaped(tmp_path):
     with pytest.raises(sm.CheckpointError) as e:
         check_files(step)
     assert "\x1b" not in str(e.value) and "a symlink to \\x1b]0;title\\x07:" in str(e.value)
+
+
+def test_an_npy_input_replaced_by_a_fifo_after_it_was_checked_never_blocks(tmp_path):
+    """``symjax-mlp run`` checks each --input is a regular file as it parses its options, then
+    loads the artifact (seconds), then reads them: a file replaced by a FIFO in between (the
+    directory changing under it) blocked the run for ever in open(). The read now opens
+    without blocking and refuses what is no regular file, naming it."""
+    from helpers import bounded
+
+    from symjax_mlp._npy import read_npy
+
+    fifo = tmp_path / "x.npy"
+    os.mkfifo(fifo)
+    try:
+        with pytest.raises(sm.SignatureError) as e:
+            bounded(lambda: read_npy(fifo, what="x.npy"), seconds=10)
+    finally:  # without the fix: the blocked open is given a writer, and ends
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert str(e.value) == (
+        "x.npy is not a regular file (a FIFO, device or directory); nothing was read from it. "
+        "Pass a .npy file."
+    )
+    with pytest.raises(sm.SignatureError, match=r"x\.npy is not a regular file"):
+        read_npy(tmp_path, what="x.npy")  # a directory: was "[Errno 21] Is a directory"
