@@ -141,6 +141,14 @@ def stage(
                  placed, baked, streams, kw)  # fmt: skip
 
 
+_CLOSED_REF = (
+    "export({name}): the function closes over a jax.Ref (jax.new_ref's mutable array), state "
+    "that lives in this process, and an artifact carries none (jax.export fails on it: 'Too "
+    "many leaves for PyTreeDef'). Pass its value in as an input or a param (ref[...]), or keep "
+    "the Ref's update outside the exported function."
+)
+
+
 def export_program(
     stage: Stage, own: Mapping[str, tuple[TensorSpec, Any]], platforms: tuple[str, ...]
 ) -> tuple[Any, Signature, dict[str, Any]]:
@@ -157,6 +165,8 @@ def export_program(
             named |= {"out" if len(outs) == 1 else f"out[{i}]": a for i, a in enumerate(outs)}
             if (odd := unserializable(h.name, named)) is not None:
                 raise odd  # else jax's raw KeyError from serialize, or its lowering's error
+            if any(isinstance(v.aval, jax.ref.AbstractRef) for v in jaxpr.constvars):
+                raise ConfigError(_CLOSED_REF.format(name=h.name))  # jax.export's raw ValueError
             exported = jax.export.export(jitted, platforms=platforms)(p_structs, *in_specs)
     except TRACER_ERRORS as e:
         raise control_flow_error(h.name, e) from e

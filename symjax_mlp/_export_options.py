@@ -252,7 +252,7 @@ _VJP_SYMBOLIC = (
 def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) -> bytes:
     """``exported.serialize(vjp_order)``; refused where its VJP compares a symbolic dimension
     (the GP's cholesky of (7, 7) and its b test points: 'b' < '7' is inconclusive), or where
-    JAX cannot reverse-differentiate it (a dynamic while_loop, a pallas_call) at all."""
+    JAX cannot build its VJP of that order (a dynamic while_loop, a pallas_call: none)."""
     try:
         return bytes(exported.serialize(vjp_order=vjp_order))
     except jax.errors.InconclusiveDimensionOperation as e:
@@ -260,14 +260,27 @@ def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) 
         raise SignatureError(
             _VJP_SYMBOLIC.format(name=name, order=vjp_order, inputs=said, error=first_line(e))
         ) from None
-    except (ValueError, NotImplementedError) as e:  # JAX's, building the VJP
+    except (ValueError, NotImplementedError, AttributeError, TypeError) as e:  # JAX's, its VJP
         if vjp_order == 0:
             raise
-        exported.serialize(vjp_order=0)  # raises again where the VJP is not the cause
+        works = _highest_order(exported, vjp_order)  # raises where the VJP is not the cause
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
             raise ConfigError(_EXPLICIT_VJP.format(name=name, order=vjp_order)) from e
-        raise ConfigError(_NO_VJP.format(name=name, order=vjp_order, error=first_line(e))) from None
+        said = _NO_VJP.format(name=name, order=vjp_order, error=first_line(e), works=works)
+        raise ConfigError(said) from None
+
+
+def _highest_order(exported: Any, failed: int) -> int:
+    """The highest VJP order below ``failed`` that ``exported`` serializes with (0 re-raises)."""
+    for order in range(failed - 1, 0, -1):
+        try:
+            exported.serialize(vjp_order=order)
+        except (ValueError, NotImplementedError, AttributeError, TypeError):
+            continue
+        return order
+    exported.serialize(vjp_order=0)
+    return 0
 
 
 _EXPLICIT_VJP = (
@@ -279,11 +292,12 @@ _EXPLICIT_VJP = (
 
 
 _NO_VJP = (
-    "export({name}, vjp_order={order}): JAX could not build the model's VJP, so none can be "
-    "stored ({error}). Export it with vjp_order=0 (the loaded model runs; jax.grad of it is "
-    "refused); where JAX cannot reverse-differentiate the model, make it differentiable "
-    "(lax.scan for a while_loop, a custom_vjp for an op without a rule such as a pallas_call) "
-    "before exporting with vjp_order={order}."
+    "export({name}, vjp_order={order}): JAX could not build the model's VJP of order {order} "
+    "({error}); it builds those of order {works} and below. Export it with vjp_order={works} "
+    "(jax.grad of the loaded model goes {works} deep; vjp_order=0: none); where JAX cannot "
+    "reverse-differentiate the model, make it differentiable (lax.scan for a while_loop, a "
+    "custom_vjp for an op without a rule such as a pallas_call) before exporting with "
+    "vjp_order={order}."
 )
 
 

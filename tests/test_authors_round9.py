@@ -8,6 +8,9 @@ answers, the original's own training steps; or export's refusal, naming what wor
   ``jax.debug.print`` in a net: the Hybrid runs them (the debug callback under ``grad`` too),
   export refuses each naming it; ``jv`` (a ``pure_callback`` given a ``custom_jvp``): grads and
   the docs' ``jax.hessian`` over the Hybrid equal the plain function's.
+- array_refs.md: refs made inside a net (its ``g``, ``pure1``: JAX serializes no VJP of order
+  2 of it; refused naming order 1) over every feature; a net closing over a ref is a
+  ConfigError naming it (jax.export's raw "Too many leaves").
 - checkify_guide.md: ``checkify.checkify(f)`` (its ``(*args, **kwargs)``) hybridized, its
   error value as jit's; export refused for its Error output (it was refused as given "too
   many positional arguments": the ``*args`` taking the params was dropped with them), a
@@ -531,3 +534,33 @@ def test_checkify_guide_checked_function_hybridized_and_exported(tmp_path):
     _close(loaded(np.int32(4)), jnp.sin(x[4]))
     with pytest.raises(ValueError, match="not functionalized"):
         sm.hybridize(zoo9.checkify_f, x)(jnp.int32(2))
+
+
+@pytest.mark.slow
+def test_array_refs_inside_a_net_and_a_closed_over_ref(tmp_path):
+    """array_refs.md: ``g`` (its ``jax.grad`` 0.54 at 1.0: ``cos(1)``) per element after a
+    layer: every feature, batch symbolic. ``pure1`` after a layer: JAX builds no VJP of order
+    2 of it (serialize raises AttributeError, raw before), refused naming order 1, which
+    exports and differentiates. A net closing over a ref (after its
+    ``impure2``) runs in the Hybrid, counting, and its export is a ConfigError naming the
+    closed-over jax.Ref and what to do (jax.export's raw "Too many leaves for PyTreeDef")."""
+    _close(jax.grad(zoo9.g_ref)(1.0), jnp.cos(1.0))
+    p, x = _w(), jax.random.normal(jax.random.key(1), (5, 4))
+    fn = lambda p, r: jax.vmap(jax.vmap(zoo9.g_ref))(r @ p)  # noqa: E731
+    _every_feature(tmp_path / "g", sm.hybridize(fn, p), lambda r: fn(p, r), x)
+    fn = lambda p, r: zoo9.pure1(r @ p)  # noqa: E731 - JAX builds no VJP of order 2 of it
+    h = sm.hybridize(fn, p)  # (jax.export's serialize(vjp_order=2) raises AttributeError)
+    _close(h(x), 2 * x @ p)
+    with pytest.raises(sm.ConfigError, match=r"VJP of order 2 \(DynamicJaxprTracer has no "
+                       r"attribute accum\); it builds those of order 1.*vjp_order=1"):  # fmt: skip
+        sm.export(h, tmp_path / "pure1", example=(x,), batch="b", vjp_order=2)
+    sm.export(h, tmp_path / "pure1", example=(x,), batch="b", vjp_order=1)
+    m = sm.load(tmp_path / "pure1")
+    _close(jax.grad(lambda r: m(r).sum())(x), jax.grad(lambda r: fn(p, r).sum())(x))
+    h = sm.hybridize(zoo9.net_counting, p)
+    before = float(zoo9.calls[...])
+    _close(h(x), x @ p)
+    assert float(zoo9.calls[...]) == before + 1
+    with pytest.raises(sm.ConfigError, match=r"export\(net_counting\): the function closes over "
+                       r"a jax\.Ref.*Pass its value in"):  # fmt: skip
+        sm.export(h, tmp_path / "m", example=(x,))

@@ -256,6 +256,28 @@ def matmul(x: jax.Array, y: jax.Array, *, activation):
     )(x, y)
 
 
+# -- array_refs.md ------------------------------------------------------------------------------
+def g_ref(x):  # the guide's ``g``
+    x_ref = jax.new_ref(0.0)
+    x_ref[...] = jnp.sin(x)
+    return x_ref[...]
+
+
+@jax.jit
+def pure1(x):
+    ref = jax.new_ref(x)
+    ref[...] = ref[...] + ref[...]
+    return ref[...]
+
+
+calls = jax.new_ref(jnp.zeros(()))  # ours, after its impure2
+
+
+def net_counting(p, x):
+    calls[...] += 1.0
+    return x @ p
+
+
 # -- debugging/checkify_guide.md ----------------------------------------------------------------
 def checkify_f(x, i):  # the guide's ``f``
     checkify.check(i >= 0, "index needs to be non-negative, got {i}", i=i)
