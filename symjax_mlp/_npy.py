@@ -98,11 +98,24 @@ def _opened(source: str | os.PathLike[str] | bytes) -> BinaryIO:
     return f
 
 
+_MAX_HEADER = 10_000  # np.load's max_header_size
+
+
 def _refused(f: BinaryIO) -> str | None:
     """Why a .npy header is refused before NumPy reads on: Python objects (a pickle), or an
     array past the bytes after it (NumPy would allocate it first)."""
     try:
         version = np.lib.format.read_magic(f)
+        width = 2 if version[0] == 1 else 4  # the header's size's
+        size = int.from_bytes(f.read(width), "little")
+        if size > _MAX_HEADER and version[0] <= 3:  # NumPy's refusal: trust it, allow_pickle
+            return (
+                f"is not a readable .npy array: its header has {size:,} bytes, more than the "
+                f"{_MAX_HEADER:,} NumPy reads safely (np.save writes about 128 for an array of "
+                "numbers); it was crafted, or its dtype has thousands of fields. Save an array "
+                "of numbers: np.save(file, np.asarray(x, np.float32)) (or the dtype expected)."
+            )
+        f.seek(-width, os.SEEK_CUR)
         header = getattr(np.lib.format, f"read_array_header_{min(version[0], 2)}_0")
         shape, _, dtype = header(f)
         start = f.tell()

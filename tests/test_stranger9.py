@@ -161,3 +161,20 @@ def test_an_npy_input_replaced_by_a_fifo_after_it_was_checked_never_blocks(tmp_p
     )
     with pytest.raises(sm.SignatureError, match=r"x\.npy is not a regular file"):
         read_npy(tmp_path, what="x.npy")  # a directory: was "[Errno 21] Is a directory"
+
+
+def test_an_npy_header_past_numpys_limit_is_refused_in_one_line_never_advising_pickle():
+    """A .npy whose header is over the 10,000 bytes np.load reads (a crafted one; a dtype of
+    thousands of fields) was refused in NumPy's three lines, telling the client or the user
+    of ``run`` to 'fully trust the .npy file using allow_pickle=True'. Now one line of ours."""
+    from symjax_mlp._npy import read_npy
+
+    x = np.zeros(1, dtype=[(f"f{i}", "<f4") for i in range(2000)])
+    np.save(buffer := io.BytesIO(), x)
+    with pytest.raises(sm.SignatureError) as e:
+        read_npy(buffer.getvalue(), what="x.npy")
+    said = str(e.value)
+    assert "\n" not in said and "pickle" not in said, said
+    assert said.startswith("x.npy is not a readable .npy array: its header has 34,998 bytes, ")
+    np.save(buffer := io.BytesIO(), np.ones(2, np.float32))  # an array of numbers: read
+    np.testing.assert_array_equal(read_npy(buffer.getvalue(), what="x.npy"), np.ones(2))
