@@ -339,7 +339,14 @@ def beyond_range(want: Any) -> str:
     """What an input (an array, a JSON body) holds past a float dtype's range, said."""
     import ml_dtypes
 
-    return f"numbers beyond {want}'s range (largest {float(ml_dtypes.finfo(want).max):.4g})"
+    info = ml_dtypes.finfo(want)
+    if float(info.min) > 0:  # float8_e8m0fnu: powers of two, none zero or negative (0 and -2 were
+        # said to be past its largest)
+        return (
+            f"numbers outside {want}'s range, {float(info.min):.4g} to {float(info.max):.4g} "
+            "(it holds no zero and no negative number)"
+        )
+    return f"numbers beyond {want}'s range (largest {float(info.max):.4g})"
 
 
 def out_of_range(a: Any, dtype: Any) -> str:

@@ -178,3 +178,23 @@ def test_an_npy_header_past_numpys_limit_is_refused_in_one_line_never_advising_p
     assert said.startswith("x.npy is not a readable .npy array: its header has 34,998 bytes, ")
     np.save(buffer := io.BytesIO(), np.ones(2, np.float32))  # an array of numbers: read
     np.testing.assert_array_equal(read_npy(buffer.getvalue(), what="x.npy"), np.ones(2))
+
+
+def test_a_json_zero_or_negative_for_an_e8m0_input_is_said_to_be_outside_its_range():
+    """float8_e8m0fnu (MX scales) holds powers of two only, no zero and no negative number:
+    a JSON 0 or -2 for it was refused as 'beyond its range (largest 1.701e+38)', which 0 is
+    not. Now its range is said whole, and why."""
+    import ml_dtypes
+
+    from symjax_mlp.serving._bodies import decode
+
+    e8m0 = ml_dtypes.float8_e8m0fnu
+    with sm.serving.Batcher(lambda x: x, example=np.ones((1, 2), e8m0), max_batch=2) as b:
+        for row in ("[0, 1]", "[-2, 1]"):
+            with pytest.raises(sm.SignatureError) as e:
+                decode(b, f'{{"inputs": [{row}]}}'.encode(), "application/json")
+            assert "holds numbers outside float8_e8m0fnu's range, 5.877e-39 to 1.701e+38 (it " in (
+                str(e.value)
+            )
+        [x], _ = decode(b, b'{"inputs": [[0.5, 4]]}', "application/json")
+        assert x.dtype == e8m0 and x.astype(np.float32).tolist() == [[0.5, 4.0]]
