@@ -377,10 +377,12 @@ def _output_kind(exported: Any, h: Hybrid) -> str:
     if out_tree == jax.tree.structure((0,) * out_tree.num_leaves):
         return "tuple"
     fix = "Return tuple(jax.tree.leaves(out)) from the function you export."
+    tree = str(out_tree)  # (checkify's Error: 1,300 characters, of tracebacks' addresses)
+    tree = tree if len(tree) <= 300 else f"{tree[:240]}... ({out_tree.num_leaves} arrays)"
     if h.kind in ("nnx", "linen", "eqx"):  # a module's output: no function of the user's to edit
         out, why = _STATEFUL_OUT if h.stateful else ("", "")
-        fix = _FLAT_MODULE.format(tree=out_tree, out=out, why=why)
+        fix = _FLAT_MODULE.format(tree=tree, out=out, why=why)
     raise SignatureError(
-        f"export({h.name}): the function returns {out_tree}; an artifact returns an array or a "
+        f"export({h.name}): the function returns {tree}; an artifact returns an array or a "
         f"flat tuple of arrays (what every runtime, IREE included, can hand back). {fix}"
     )
