@@ -198,3 +198,23 @@ def test_a_json_zero_or_negative_for_an_e8m0_input_is_said_to_be_outside_its_ran
             )
         [x], _ = decode(b, b'{"inputs": [[0.5, 4]]}', "application/json")
         assert x.dtype == e8m0 and x.astype(np.float32).tolist() == [[0.5, 4.0]]
+
+
+@pytest.mark.parametrize("where", ["config", "metadata"])
+def test_a_checkpoints_probe_holding_an_int_past_float64_is_a_checkpoint_error(tmp_path, where):
+    """A resume compares the model's and the optimizer's probes (logits, updates) with those
+    the checkpoint's manifest records, anyone's JSON: an integer of 400 digits among them was
+    taken as a number and raised float()'s OverflowError from train(resume=True) (symjax-mlp
+    train: a traceback, exit 1). Now the checkpoint is refused as edited."""
+    from symjax_mlp.training import save_checkpoint
+    from symjax_mlp.training._resume import resume_run
+
+    state = _state({"w": jnp.ones((2,), jnp.float32)})
+    config = {"seed": 0, "model_probe": [0.5, 1.5]}
+    if where == "config":
+        meta = {"config": {"seed": 0, "model_probe": [10**400, 1.5]}}
+    else:
+        meta = {"config": config, "optimizer_probe": [10**400]}
+    save_checkpoint(tmp_path, state, metadata=meta)
+    with pytest.raises(sm.CheckpointError, match="probe is not a list of numbers; the checkpoint"):
+        resume_run(tmp_path, state, config, resume=True, store=None, update=lambda s: [0.0])

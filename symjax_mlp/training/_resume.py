@@ -12,6 +12,7 @@ import hashlib
 import math
 import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ OPTIMIZER_PROBE = "optimizer_probe"  # in each checkpoint's metadata, not the ru
 _UPDATE_TOLERANCE = {"rtol": 1e-5, "atol": 1e-9}  # the same state and ops: bitwise on one
 # machine; another's last bits (an update near 0 is a difference of near-equal terms) pass
 _NAN_INF = ("nan", "inf", "-inf")
+_FLOAT_MAX = sys.float_info.max  # a Python float: an int compares with it exactly
 _SHOWN = SHOWN.maxdict  # the settings a refusal shows (a manifest is anyone's JSON)
 _NOT_THAT_RUN = (
     "Resuming would not continue that run; resume with {same}, or start over in an empty directory."
@@ -128,7 +130,8 @@ def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, up
     for where, key in ((recorded, PROBE), (recorded, PROBE_TRAIN), (meta, OPTIMIZER_PROBE)):
         probe = where.get(key, [])  # numbers, "nan", "inf" or "-inf"
         if not isinstance(probe, list) or not all(
-            type(v) in (int, float) or v in _NAN_INF for v in probe
+            type(v) is float or (type(v) is int and abs(v) <= _FLOAT_MAX) or v in _NAN_INF
+            for v in probe  # an int past float64's range: float() raised OverflowError
         ):
             raise broken(f"{_CALLER}: {found}", f"its metadata's {key} is not a list of numbers")
     # a checkpoint written before the probe was recorded has none: its config still matched
