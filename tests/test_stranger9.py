@@ -218,3 +218,23 @@ def test_a_checkpoints_probe_holding_an_int_past_float64_is_a_checkpoint_error(t
     save_checkpoint(tmp_path, state, metadata=meta)
     with pytest.raises(sm.CheckpointError, match="probe is not a list of numbers; the checkpoint"):
         resume_run(tmp_path, state, config, resume=True, store=None, update=lambda s: [0.0])
+
+
+def test_a_checkpoints_history_of_an_int_past_float64_is_refused_not_carried_on(tmp_path):
+    """A checkpoint's history (its manifest: anyone's JSON) holding a loss of 10**400 was read
+    as a number: resumed, the run carried it into its result, its next checkpoint and
+    ``symjax-mlp train --json`` (a 401-digit "loss"). Now the checkpoint is refused as edited,
+    as a NaN there is; and a save of such a history is refused before it is written."""
+    from symjax_mlp.training import restore_checkpoint, save_checkpoint
+
+    state = _state({"w": jnp.ones((2,), jnp.float32)})
+    record = dict(epoch=1, step=0, loss=0.5, train_accuracy=1.0, test_accuracy=1.0, seconds=1.0)
+    save_checkpoint(tmp_path, state, metadata={"history": [record]})
+    manifest = tmp_path / "step_00000000" / "manifest.json"
+    edited = json.loads(manifest.read_text())
+    edited["metadata"]["history"][0]["loss"] = 10**400
+    manifest.write_text(json.dumps(edited))
+    with pytest.raises(sm.CheckpointError, match=r"the field\(s\) metadata.history are missing"):
+        restore_checkpoint(tmp_path, state)
+    with pytest.raises(sm.ConfigError, match="restore_checkpoint would refuse"):
+        save_checkpoint(tmp_path / "b", state, metadata={"history": [{**record, "loss": 10**400}]})

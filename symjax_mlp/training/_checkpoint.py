@@ -13,6 +13,7 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +112,10 @@ def check_manifest(
 def _history_ok(history: Any) -> bool:
     """A list of epoch records: each exactly the fields of ``EpochRecord``, as numbers."""
 
-    def number(v: Any, kind: type) -> bool:  # json reads NaN and Infinity
-        return type(v) in (int, kind) and (type(v) is int or math.isfinite(v))
+    def number(v: Any, kind: type) -> bool:  # json reads NaN and Infinity, and 10**400
+        if type(v) not in (int, kind):
+            return False
+        return abs(v) <= sys.float_info.max if type(v) is int else math.isfinite(v)
 
     return isinstance(history, list) and all(
         isinstance(r, dict)
