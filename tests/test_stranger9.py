@@ -238,3 +238,21 @@ def test_a_checkpoints_history_of_an_int_past_float64_is_refused_not_carried_on(
         restore_checkpoint(tmp_path, state)
     with pytest.raises(sm.ConfigError, match="restore_checkpoint would refuse"):
         save_checkpoint(tmp_path / "b", state, metadata={"history": [{**record, "loss": 10**400}]})
+
+
+def test_a_tensors_dtype_an_orbax_meta_names_reaches_the_refusal_cut_and_escaped():
+    """An Orbax step's meta (JSON, anyone's) names each tensor's shape and dtype, which the
+    refusal of a tensor that does not fit quoted whole and raw: a dtype of 1 MB, a shape of
+    100,000 dimensions, a \\x1b[31m. Now cut and escaped (a dtype as it was: float16)."""
+    from symjax_mlp.training._state import check_fit
+
+    wanted = {"params/w": ((2,), "float32")}
+    hostile = {"params/w": ((1,) * 10**5, "\x1b[31m" + "x" * 10**6)}
+    with pytest.raises(sm.CheckpointError) as e:
+        check_fit("ck/4", hostile, wanted)
+    said, n = str(e.value), len(str(e.value))
+    assert n < 1000 and "\x1b" not in said, (n, said[:1000])
+    assert said.startswith("ck/4: tensor 'params/w' has shape (1, 1, 1, 1, 1, 1, ...) and dtype ")
+    assert "dtype \\x1b[31mxxx" in said, said
+    with pytest.raises(sm.CheckpointError, match="The checkpoint holds float16 values: build"):
+        check_fit("ck/4", {"params/w": ((2,), "float16")}, wanted)

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import CheckpointError, ConfigError
 
 
@@ -123,8 +124,9 @@ def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> 
             "model and optimizer that wrote it."
         )
     for name, (shape, dtype) in wanted.items():
-        got_shape, got_dtype = stored[name]
+        got_shape, got_dtype = stored[name]  # Orbax's: as its meta's JSON says, anyone's
         if tuple(got_shape) != tuple(shape) or str(got_dtype) != str(dtype):
+            got_dtype = printable(str(got_dtype)[:40])
             fix = (  # the same model in another dtype, or another model
                 f"The checkpoint holds {got_dtype} values: build the params and optimizer state "
                 f"in {got_dtype} (the model's param_dtype, the same jax_enable_x64 setting), as "
