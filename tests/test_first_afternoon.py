@@ -139,3 +139,31 @@ def test_export_of_an_int_batch_says_none_exports_the_examples_static_batch(tmp_
     said = str(e.value)
     assert "or None for the example's static shapes (an example of 4 rows: a static" in said
     assert not (tmp_path / "m").exists()
+
+
+def test_train_result_export_documents_its_arguments_return_and_errors():
+    """``result.export(path)``, the step after ``train``, said neither what it returns nor
+    what it raises, nor which of export's options it takes (``example=`` it refuses)."""
+    doc = inspect.getdoc(sm.training.TrainResult.export)
+    for section in ("Args:", "Returns:", "Raises:", "ConfigError", "ArtifactError"):
+        assert section in doc, section
+    for name in inspect.signature(sm.training.TrainResult.export).parameters:
+        assert name == "self" or f"  {name}:" in doc, name
+    assert "example" in doc and "batch=None" in doc
+
+
+@pytest.mark.slow
+def test_train_result_export_does_what_its_docstring_says(tmp_path):
+    """The docstring's promises: ``example=`` refused, ``batch=None`` a static row, the
+    artifact returned; an existing path an ArtifactError."""
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    result = sm.training.train(
+        sm.mlp((4, 2)), sm.training.Dataset(x, y, x, y), epochs=1, batch_size=8
+    )
+    with pytest.raises(sm.ConfigError, match="drop example="):
+        result.export(tmp_path / "m", example=x)
+    art = result.export(tmp_path / "m", batch=None)
+    assert isinstance(art, sm.Artifact) and art.signature.inputs[0].shape == (1, 3)
+    with pytest.raises(sm.ArtifactError, match="already exists"):
+        result.export(tmp_path / "m")

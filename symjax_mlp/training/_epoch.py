@@ -227,9 +227,23 @@ class TrainResult:
     ) -> Artifact:
         """Exports the trained model in inference mode, with a symbolic batch.
 
-        With ``raw_inputs`` the data's :attr:`standardize` is baked in: the artifact takes raw
-        features. ``kwargs`` go to :func:`~symjax_mlp.export`; its ``kwargs=`` (the model's
-        keywords) add to :attr:`eval_flags`.
+        Args:
+          path: the artifact directory, as for :func:`~symjax_mlp.export`.
+          raw_inputs: bake the data's :attr:`standardize` in: the artifact takes raw features
+            (``False``: standardised ones, as the model was trained on).
+          kwargs: the other options of :func:`~symjax_mlp.export` (``overwrite``,
+            ``metadata``, ``batch=None`` for a static batch of one row...); its ``kwargs=``
+            (the model's keywords) add to :attr:`eval_flags`. Not ``example``: a row of
+            :attr:`num_features` features is the result's own.
+
+        Returns:
+          The :class:`~symjax_mlp.Artifact`; ``sm.load(path)`` runs it.
+
+        Raises:
+          ConfigError: ``raw_inputs`` not True or False, ``example=`` given, ``kwargs=`` not
+            a dict, or an option :func:`~symjax_mlp.export` refuses (an nnx module left in
+            training mode among them).
+          ArtifactError: ``path`` exists (without ``overwrite=True``) or cannot be written.
         """
         where = "symjax_mlp.training.TrainResult.export"
         if raw_inputs not in (False, True):  # "no" was truthy: the standardisation baked in
