@@ -256,3 +256,16 @@ def test_a_tensors_dtype_an_orbax_meta_names_reaches_the_refusal_cut_and_escaped
     assert "dtype \\x1b[31mxxx" in said, said
     with pytest.raises(sm.CheckpointError, match="The checkpoint holds float16 values: build"):
         check_fit("ck/4", {"params/w": ((2,), "float16")}, wanted)
+
+
+def test_a_checkpoint_manifest_of_one_json_string_is_quoted_escaped(tmp_path):
+    """A checkpoint's manifest.json of one JSON string (not an object) was quoted raw in its
+    refusal: "\\u001b[31m" there reached the terminal as \\x1b[31m. Now escaped."""
+    from symjax_mlp.training import restore_checkpoint, save_checkpoint
+
+    state = _state({"w": jnp.ones((2,), jnp.float32)})
+    save_checkpoint(tmp_path, state)
+    (tmp_path / "step_00000000" / "manifest.json").write_text(json.dumps("\x1b[31mred"))
+    with pytest.raises(sm.CheckpointError) as e:
+        restore_checkpoint(tmp_path, state)
+    assert "\x1b" not in str(e.value) and "(its manifest holds \\x1b[31mred)" in str(e.value)

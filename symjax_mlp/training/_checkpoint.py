@@ -23,6 +23,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import save
 
+from symjax_mlp._artifact.format import printable
 from symjax_mlp._artifact.weights import MAX_TENSORS, read_safetensors_file, serialized
 from symjax_mlp._errors import CheckpointError, ConfigError, as_int
 from symjax_mlp._files import MANIFEST, sha256, write_dir
@@ -88,7 +89,7 @@ def check_manifest(
         got = {k: manifest.get(k) for k in header} if isinstance(manifest, dict) else manifest
         raise CheckpointError(
             f"{file.parent} is not a symjax_mlp checkpoint of {header} (its manifest holds "
-            f"{str(got)[:80]}). Resume from a checkpoint train() wrote."
+            f"{printable(str(got)[:80])}). Resume from a checkpoint train() wrote."
         )
     meta = manifest.get("metadata", {})
     records = meta if isinstance(meta, dict) else {}
