@@ -167,3 +167,13 @@ def test_train_result_export_does_what_its_docstring_says(tmp_path):
     assert isinstance(art, sm.Artifact) and art.signature.inputs[0].shape == (1, 3)
     with pytest.raises(sm.ArtifactError, match="already exists"):
         result.export(tmp_path / "m")
+
+
+@pytest.mark.slow
+def test_ray_app_takes_one_allow_name_as_load_does(tmp_path):
+    """``ray_app(path, allow="gather")`` passed ``tuple("gather")`` on: load refused
+    ``allow={'a', 'e', 'g', 'h', 'r', 't'}``, letters the user never wrote."""
+    pytest.importorskip("ray.serve")
+    art = sm.chapter.export_mlp(tmp_path / "mlp", sizes=(4, 2))
+    app = sm.serving.ray_app(art.path, allow="gather", replicas=1)
+    assert type(app).__name__ == "Application"

@@ -185,7 +185,7 @@ def ray_app(
         "runtime": runtime,
         "params_as_constants": params_as_constants,
         "trust": trust,
-        "allow": None if allow is None else tuple(allow),
+        "allow": allow if allow is None or isinstance(allow, str) else tuple(allow),  # as load
         "verify_signature": verify_signature,
         "entry": entry,
     }
