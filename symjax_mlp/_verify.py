@@ -252,10 +252,12 @@ def verify(
                 timeout=timeout,
             )
         except subprocess.TimeoutExpired:
-            return _failed(art.path, f"the fresh process ran past {timeout:g} s")
+            return _failed(art.path, rtol, atol, f"the fresh process ran past {timeout:g} s")
         if proc.returncode != 0 or not (work / "result.json").exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
-            return _failed(art.path, f"the fresh process exited {proc.returncode}:\n{tail}")
+            return _failed(
+                art.path, rtol, atol, f"the fresh process exited {proc.returncode}:\n{tail}"
+            )
         result = json.loads((work / "result.json").read_text())
         ref_name = "the artifact's JAX run in this process"
         if reference is None:
@@ -371,8 +373,8 @@ def _compare(
     return VerifyCheck(rt, b, not detail, err, detail)
 
 
-def _failed(path: Path, why: str) -> VerifyReport:
-    return VerifyReport(path, "-", math.nan, math.nan, (), {}, (why,))
+def _failed(path: Path, rtol: float, atol: float, why: str) -> VerifyReport:
+    return VerifyReport(path, "-", rtol, atol, (), {}, (why,))  # the tolerances asked for
 
 
 def _worker(job_file: str) -> int:

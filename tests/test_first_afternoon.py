@@ -177,3 +177,14 @@ def test_ray_app_takes_one_allow_name_as_load_does(tmp_path):
     art = sm.chapter.export_mlp(tmp_path / "mlp", sizes=(4, 2))
     app = sm.serving.ray_app(art.path, allow="gather", replicas=1)
     assert type(app).__name__ == "Application"
+
+
+@pytest.mark.slow
+def test_a_verify_whose_fresh_process_fails_reports_the_tolerances_asked_for(tmp_path):
+    """``symjax-mlp verify --timeout`` too short printed "rtol nan, atol nan": the report of a
+    fresh process that ran out of time (or died) dropped the tolerances given."""
+    art = sm.chapter.export_mlp(tmp_path / "mlp", sizes=(4, 2))
+    report = sm.verify(art.path, rtol=1e-3, atol=2e-4, timeout=1e-3, batches=(1,))
+    assert not report.ok and "ran past" in report.errors[0]
+    assert (report.rtol, report.atol) == (1e-3, 2e-4)
+    assert "rtol 0.001, atol 0.0002" in str(report)
