@@ -71,6 +71,40 @@ def read_npy(
     return x
 
 
+def read_stream(stream: BinaryIO, *, what: str) -> bytes:
+    """A ``.npy`` file's bytes from ``stream`` (stdin), for :func:`read_npy`: its first MiB and,
+    past it, only the bytes its header declares and one more (a second array is refused), so
+    an endless stream is not read to its end (nor past its first MiB if no .npy)."""
+    from symjax_mlp._artifact.weights import memory
+
+    data = _read_up_to(stream, 1 << 20)
+    try:
+        f = io.BytesIO(data)
+        version = np.lib.format.read_magic(f)
+        shape, _, dtype = getattr(np.lib.format, f"read_array_header_{min(version[0], 2)}_0")(f)
+        end = f.tell() + math.prod(shape) * dtype.itemsize
+    except Exception:  # read_npy says what the bytes are
+        return data
+    if dtype.hasobject:  # refused by read_npy, unread
+        return data
+    if end - len(data) > (held := memory()):
+        raise SignatureError(
+            f"{what} declares an array of shape {shape} and dtype {dtype}, {end:,} bytes, more "
+            f"than this machine's memory ({held:,} bytes); nothing more of it was read. Pass a "
+            "smaller array."
+        )
+    return data + _read_up_to(stream, end + 1 - len(data))
+
+
+def _read_up_to(stream: BinaryIO, n: int) -> bytes:
+    """At most ``n`` bytes of ``stream``: fewer only at its end."""
+    parts = []
+    while n > 0 and (chunk := stream.read(min(n, 1 << 24))):
+        parts.append(chunk)
+        n -= len(chunk)
+    return b"".join(parts)
+
+
 class _Irregular(Exception):
     """What :func:`_opened` refuses to read: no regular file."""
 

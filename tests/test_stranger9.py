@@ -269,3 +269,64 @@ def test_a_checkpoint_manifest_of_one_json_string_is_quoted_escaped(tmp_path):
     with pytest.raises(sm.CheckpointError) as e:
         restore_checkpoint(tmp_path, state)
     assert "\x1b" not in str(e.value) and "(its manifest holds \\x1b[31mred)" in str(e.value)
+
+
+class _Endless(io.RawIOBase):
+    """A stream that never ends: ``head``, then zeros for ever (``/dev/zero``, a stranger's
+    server); counts what was read of it."""
+
+    def __init__(self, head: bytes = b""):
+        self.head, self.taken = head, 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        n = len(buffer)
+        chunk = (self.head[self.taken :] + bytes(n))[:n]
+        buffer[:n] = chunk
+        self.taken += n
+        return n
+
+
+def test_run_reads_an_endless_stdin_no_further_than_its_npy_header_says():
+    """``symjax-mlp run --input -`` read stdin to its end: one that never ends (< /dev/zero, a
+    stranger's server piped in) was read until memory ran out. Now its first MiB and, past it,
+    only the bytes its .npy header declares and one more (so a second array is refused), none
+    where it declares more than this machine's memory."""
+    from symjax_mlp._npy import read_npy, read_stream
+
+    np.save(buffer := io.BytesIO(), np.ones((2**19, 1), np.float32))  # 2 MiB, then zeros
+    head = buffer.getvalue()
+    stream = _Endless(head)
+    data = read_stream(io.BufferedReader(stream), what="stdin")
+    assert len(data) == len(head) + 1 and stream.taken <= len(head) + 2 * io.DEFAULT_BUFFER_SIZE
+    with pytest.raises(sm.SignatureError, match=r"stdin has more bytes after its array \(float32"):
+        read_npy(data, what="stdin")
+    stream = _Endless()  # no .npy at all: its first MiB, then what it is
+    with pytest.raises(sm.SignatureError, match=r"does not begin with \.npy's magic string"):
+        read_npy(read_stream(stream, what="stdin"), what="stdin")
+    assert stream.taken == 1 << 20
+    huge = head[:128].replace(b"(524288, 1)", b"(%d, 1)" % 10**15)
+    with pytest.raises(sm.SignatureError, match="more than this machine's memory"):
+        read_stream(_Endless(huge), what="stdin")
+    got = read_npy(read_stream(io.BytesIO(head), what="stdin"), what="stdin")
+    np.testing.assert_array_equal(got, np.ones((2**19, 1), np.float32))
+
+
+@pytest.mark.slow  # an export (1-2 s)
+def test_run_given_an_endless_stdin_refuses_it_in_one_line(tmp_path, monkeypatch, capsys):
+    """The command itself: ``symjax-mlp run ART --input - < /dev/zero`` (here a stream of a
+    .npy header then zeros for ever) read until memory ran out; now it exits 2 in one line."""
+    from symjax_mlp.cli import main
+
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 3), jnp.float32))
+    np.save(buffer := io.BytesIO(), np.ones((2, 3), np.float32))
+    stream = _Endless(buffer.getvalue())
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BufferedReader(stream)))
+    argv = ["run", str(art.path), "--input", "-", "--output", str(tmp_path / "y.npy")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stdin has more bytes after its array" in err, err
+    assert stream.taken <= (1 << 20) + 2 * io.DEFAULT_BUFFER_SIZE
