@@ -86,13 +86,13 @@ def test_a_checkpoints_config_of_megabytes_or_escapes_is_shown_cut_and_escaped(t
 
     state = _state({"w": jnp.ones((2,), jnp.float32)})
     config = {"seed": 0}
-    hostile = {"a": "s" * 10**6, "\x1b[31mred": 1, **{f"k{i}": i for i in range(10**4)}}
+    hostile = {"a": "s" * 10**5, "\x1b[31mred": 1, **{f"k{i}": i for i in range(2000)}}
     save_checkpoint(tmp_path, state, metadata={"config": hostile})
     with pytest.raises(sm.CheckpointError, match="was written with") as e:
         resume_run(tmp_path, state, config, resume=True, store=None, update=lambda s: [])
     said, n = str(e.value), len(str(e.value))
     assert n < 1500 and "\x1b" not in said[:1500], (n, said[:1500])
-    assert "'a': 'sssss" in said and "'a': None" in said and "; and 9997 more)" in said, said
+    assert "'a': 'sssss" in said and "'a': None" in said and "; and 1997 more)" in said, said
     assert "what differs: \\x1b[31mred; a; k0; k1; k10; k100; and" in said, said
 
 
