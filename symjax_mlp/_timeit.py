@@ -218,6 +218,7 @@ def timeit(
     repeats: int = 7,
     warmup: int = 50,
     kwargs: Mapping[str, Any] | None = None,
+    **keywords: Any,
 ) -> CallTiming:
     """Times ``model(*args)`` against its floor: the same function, AOT-compiled, called bare.
 
@@ -236,13 +237,15 @@ def timeit(
       repeats: repeats of each row (5 or more give a min and a median worth reading).
       warmup: untimed calls of each row first (at least one: the first call compiles).
       kwargs: a Hybrid's keyword arguments (``{"train": False}``); the floor closes over them.
+      **keywords: none: ``timeit(h, x, train=False)`` is refused, naming ``kwargs=``.
 
     Returns:
       A :class:`CallTiming`; ``print()`` it for a table.
 
     Raises:
       ConfigError: a count below 1, a sharded model, neither a Hybrid nor a LoadedModel, no
-        inputs for a Hybrid, a ``batch`` that sizes nothing, or kwargs for a LoadedModel.
+        inputs for a Hybrid, a ``batch`` that sizes nothing, or kwargs for a LoadedModel; a
+        model's keyword passed as timeit's own.
       SignatureError: ``args`` do not fit the artifact's signature.
 
     Example:
@@ -274,6 +277,12 @@ def timeit(
         name = f"{model.path}[{model.entry!r}]"
     if args and batch != 1:
         raise ConfigError(_BATCH_OF_ARGS.format(name=name, batch=batch))
+    if keywords:  # Python's TypeError named neither the model's keyword nor kwargs=
+        given = ", ".join(f"{k!r}: {v!r:.40}" for k, v in keywords.items())
+        raise ConfigError(
+            f"timeit({name}, {'=..., '.join(keywords)}=...): timeit takes no such keyword; the "
+            f"model's keywords go in kwargs=, a dict: timeit(model, x, kwargs={{{given}}})."
+        )
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise ConfigError(

@@ -188,3 +188,12 @@ def test_a_verify_whose_fresh_process_fails_reports_the_tolerances_asked_for(tmp
     assert not report.ok and "ran past" in report.errors[0]
     assert (report.rtol, report.atol) == (1e-3, 2e-4)
     assert "rtol 0.001, atol 0.0002" in str(report)
+
+
+def test_timeit_given_a_models_keyword_names_kwargs():
+    """``sm.timeit(h, x, train=False)``, as one calls ``h(x, train=False)``, was Python's
+    "unexpected keyword argument 'train'", naming neither ``kwargs=`` nor the fix."""
+    h = sm.hybridize(lambda p, x, train=True: x * p, jnp.float32(2))
+    with pytest.raises(sm.ConfigError, match=r"^timeit\(<lambda>, train=\.\.\.\): ") as e:
+        sm.timeit(h, jnp.ones(3), train=False, calls=1, repeats=1)
+    assert "timeit(model, x, kwargs={'train': False})" in str(e.value)
