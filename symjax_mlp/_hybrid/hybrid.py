@@ -15,10 +15,10 @@ from jax.sharding import Mesh
 from symjax_mlp._errors import ConfigError, one_device, refuse_two_devices
 from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
+from symjax_mlp._hybrid import params as _params
 from symjax_mlp._hybrid import pure as _pure
 from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY
-from symjax_mlp._hybrid.params import check_given, checked_each_call, flat_params, refuse_donated
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
 from symjax_mlp._hybrid.pure.nnx_module import write_back
 from symjax_mlp._hybrid.settings import check_settings, static_args
@@ -85,7 +85,7 @@ class Hybrid(Staged, NoPickle):
         nums, names = static_args(inputs, name, static_argnums, static_argnames)
         over = _mesh.DataParallel.over  # a mesh refuses params_as_constants
         parallel = None if mesh is None else over(name, mesh, axis, pad, params_as_constants)
-        leaves, treedef = flat_params(name, params, passed=not params_as_constants)
+        leaves, treedef = _params.flat_params(name, params, passed=not params_as_constants)
         # a donating call consumes the held state: never the caller's buffers nor another's
         owned = donate and model.stateful and mesh is None
         held = HeldState(name, {} if state is None else state, own=owned)
@@ -98,7 +98,7 @@ class Hybrid(Staged, NoPickle):
             options, leaves = parallel.jit(trace, model.stateful), parallel.replicate(leaves)
             if model.stateful:
                 held.hold(parallel.replicate(held.leaves))
-        spans = parallel is not None or checked_each_call(leaves)
+        spans = parallel is not None or _params.checked_each_call(leaves)
         self._set(
             fn=model.inference(name), name=name, max_traces=max_traces, compiled=compiled,
             axis=axis, pad=pad, static_argnums=nums, static_argnames=names, donate=donate,
@@ -132,8 +132,8 @@ class Hybrid(Staged, NoPickle):
     @property
     def params(self) -> Any:
         """What gradients are taken of (read-only): a linen model's variables but the mutable
-        collections, an nnx module's ``Param`` values, or the params given."""
-        return self._given if self.mesh is None else jax.tree.unflatten(self._treedef, self._leaves)
+        collections, an nnx module's ``Param`` values, or the params given, as of hybridize."""
+        return _params.held(self._given, self._treedef, self._leaves, mesh=self.mesh)
 
     @property
     def state(self) -> Any:
@@ -282,7 +282,7 @@ class Hybrid(Staged, NoPickle):
         """Runs the model op by op, its Python and the ``on_trace`` callbacks on every call; a
         stateful model's state is carried as in compiled calls."""
         _args.refuse_abstract(f"{self.name}.eager", self.name, args, kwargs)
-        refuse_donated(f"{self.name}.eager", self.params)
+        _params.refuse_donated(f"{self.name}.eager", self.params)
         self._log.run_callbacks(args, kwargs)
         with self._held.lock, one_device(f"{self.name}.eager"):  # else JAX's, naming an op
             try:
@@ -346,7 +346,7 @@ class Hybrid(Staged, NoPickle):
         """``(out, new_state)`` of the compiled pure function; nnx objects given written back."""
         static, dyn, dyn_kw = self._partition(args, kwargs, caller, params=params)
         variables = given(dyn, dyn_kw, caller)
-        check_given(caller, params)  # (jit: a big-endian array's [0., 0.])
+        _params.check_given(caller, params)  # (jit: a big-endian array's [0., 0.])
         if self._apply is None:  # never donating: params and state are the caller's
             apply = functools.partial(self._traced.run, entry="apply")
             self._set(_apply=self._jit(apply, static_argnums=0))

@@ -3,6 +3,7 @@ cannot take one (an equinox module given whole, a setting, a Python int past JAX
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
@@ -100,6 +101,25 @@ def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any
         if error := _past_int(name, where, leaf) or unfit_array(name, f"params{where}", leaf):
             raise error  # jit's raw OverflowError; big-endian weights (a file's)
     return [leaf for _, leaf in paths], treedef
+
+
+def held(given: Any, treedef: Any, leaves: list[Any], *, mesh: Any) -> Any:
+    """A Hybrid's params: ``given`` while it still holds the ``leaves`` its compiled call reads,
+    else those leaves (replicated over a ``mesh``: always). A container mutated since hybridize
+    (``p["w"] = ...``, a registered pytree's static field set) is not what ``h(x)`` reads, so
+    eager, graph and export do not read it either (``h.replace(params=...)`` takes new ones).
+    Baked params (no ``leaves``) are ``given``."""
+    if not leaves:
+        return given
+    if mesh is None:
+        now, tree = jax.tree_util.tree_flatten(given, is_leaf=unwalkable)
+        try:
+            same = len(now) == len(leaves) and all(map(operator.is_, now, leaves))
+            if same and tree == treedef:  # an aux field == cannot compare (an array): changed
+                return given
+        except Exception:  # (then held, as changed)
+            pass
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def check_given(caller: str, params: Any) -> None:
