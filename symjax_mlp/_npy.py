@@ -71,12 +71,11 @@ def read_npy(
     return x
 
 
-def read_stream(stream: BinaryIO, *, what: str) -> bytes:
+def read_stream(stream: BinaryIO, *, what: str, memory: int) -> bytes:
     """A ``.npy`` file's bytes from ``stream`` (stdin), for :func:`read_npy`: its first MiB and,
     past it, only the bytes its header declares and one more (a second array is refused), so
-    an endless stream is not read to its end (nor past its first MiB if no .npy)."""
-    from symjax_mlp._artifact.weights import memory
-
+    an endless stream is not read to its end (nor past its first MiB if no .npy); a header
+    declaring more than ``memory`` (this machine's) bytes is refused."""
     data = _read_up_to(stream, 1 << 20)
     try:
         f = io.BytesIO(data)
@@ -87,10 +86,10 @@ def read_stream(stream: BinaryIO, *, what: str) -> bytes:
         return data
     if dtype.hasobject:  # refused by read_npy, unread
         return data
-    if end - len(data) > (held := memory()):
+    if end - len(data) > memory:
         raise SignatureError(
             f"{what} declares an array of shape {shape} and dtype {dtype}, {end:,} bytes, more "
-            f"than this machine's memory ({held:,} bytes); nothing more of it was read. Pass a "
+            f"than this machine's memory ({memory:,} bytes); nothing more of it was read. Pass a "
             "smaller array."
         )
     return data + _read_up_to(stream, end + 1 - len(data))

@@ -36,6 +36,7 @@ _OPTIONS = (
 def run(args: argparse.Namespace) -> None:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
     from symjax_mlp._artifact.format import printable
+    from symjax_mlp._artifact.weights import memory
     from symjax_mlp._npy import arrays, raw_dtype_notes, read_inputs, read_stream, write_outputs
 
     paths = args.output
@@ -61,8 +62,9 @@ def run(args: argparse.Namespace) -> None:
             f", {types}. Pass one --output per output, in order, or one .npz path for them all "
             "(out0, out1, ...); nothing was written."
         )
-    # stdin: as much as its .npy header declares (a stranger's stream may never end)
-    files = [read_stream(stdin, what="stdin") if f == "-" else f for f in args.input]
+    if stdin is not None:  # as much as its .npy header declares: a stream may never end
+        stdin = read_stream(stdin, what="stdin", memory=memory())
+    files = [stdin if f == "-" else f for f in args.input]
     names = ["stdin" if f == "-" else str(f) for f in args.input]
     out = model(*read_inputs(files, inputs, names=names))
     to_stdout = sink is not None
