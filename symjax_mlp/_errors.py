@@ -93,6 +93,18 @@ def as_bool(x: Any) -> Any:
     return bool(x) if isinstance(x, np.bool_) else x
 
 
+def refuse_keywords(call: str, keywords: dict[str, Any], fix: str) -> None:
+    """``f(h, x, train=False)`` where ``f`` takes the model's keywords as ``kwargs=``: a
+    :class:`ConfigError` headed ``call`` (``"timeit(Net"``), with ``fix`` (``"timeit(model,
+    x"``) completed by them. Python's own TypeError named neither ``kwargs=`` nor the fix."""
+    if keywords:
+        given = ", ".join(f"{k!r}: {v!r:.40}" for k, v in keywords.items())
+        raise ConfigError(
+            f"{call}, {'=..., '.join(keywords)}=...): takes no such keyword; the model's "
+            f"keywords go in kwargs=, a dict: {fix}, kwargs={{{given}}})."
+        )
+
+
 def artifact_path(call: str, path: Any) -> Path:
     """``path`` as a ``Path``; refused, ``symjax_mlp.<call>(path)`` named, unless it is a str or
     an ``os.PathLike`` of one without a NUL character (else pathlib's or os's raw error)."""

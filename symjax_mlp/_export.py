@@ -33,7 +33,14 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._artifact.reading import Artifact, freeze, mlir_arguments
 from symjax_mlp._artifact.signature import Signature, admits_any
 from symjax_mlp._artifact.weights import encode
-from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_bool, as_int
+from symjax_mlp._errors import (
+    ArtifactError,
+    ConfigError,
+    SignatureError,
+    as_bool,
+    as_int,
+    refuse_keywords,
+)
 from symjax_mlp._export_entry import Stage, export_program, stage
 from symjax_mlp._export_options import check_options, serialized
 from symjax_mlp._files import sha256, write_dir
@@ -58,6 +65,7 @@ def export(
     constraints: Sequence[str] = (),
     metadata: Mapping[str, Any] | None = None,
     vjp_order: int = 0,
+    **keywords: Any,
 ) -> Artifact:
     """Exports ``h`` as a portable artifact directory (StableHLO + safetensors + manifest).
 
@@ -73,7 +81,8 @@ def export(
         >= 1), or ``None`` for the example's static shapes.
       platforms: the JAX platforms to lower for, e.g. ``("cpu", "cuda")`` (no device needed).
       overwrite: replace an existing artifact at ``path``.
-      kwargs: keyword settings baked into the export, e.g. ``{"train": False}``.
+      kwargs: keyword settings baked into the export, e.g. ``{"train": False}``; given as
+        export's own (``train=False``), a ConfigError naming ``kwargs=``.
       shapes: instead of ``batch``, a ``jax.export`` shape spec per input, e.g.
         ``("b, t", "512")`` (``None``: the example's static shape); names are shared.
       constraints: ``jax.export`` constraints on those names, e.g. ``("t <= 1024",)``.
@@ -107,6 +116,7 @@ def export(
         )
     if not text:  # Path("") is the working directory
         raise ArtifactError("export: the path is ''; pass the artifact directory to write.")
+    refuse_keywords("export(h", keywords, "sm.export(h, path, example=x")
     vjp_order = as_int(vjp_order)  # a sweep's np.int64: an int (a bool stays refused)
     overwrite = as_bool(overwrite)  # np.True_: True, as train and a Hybrid take it
     points, settings, platforms, meta = check_options(

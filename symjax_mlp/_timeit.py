@@ -16,7 +16,7 @@ import numpy as np
 
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._artifact.signature import sizes_at
-from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_int
+from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_int, refuse_keywords
 from symjax_mlp._hybrid.args import partition
 from symjax_mlp._npy import draw
 from symjax_mlp._reader import read_regular
@@ -277,12 +277,7 @@ def timeit(
         name = f"{model.path}[{model.entry!r}]"
     if args and batch != 1:
         raise ConfigError(_BATCH_OF_ARGS.format(name=name, batch=batch))
-    if keywords:  # Python's TypeError named neither the model's keyword nor kwargs=
-        given = ", ".join(f"{k!r}: {v!r:.40}" for k, v in keywords.items())
-        raise ConfigError(
-            f"timeit({name}, {'=..., '.join(keywords)}=...): timeit takes no such keyword; the "
-            f"model's keywords go in kwargs=, a dict: timeit(model, x, kwargs={{{given}}})."
-        )
+    refuse_keywords(f"timeit({name}", keywords, "timeit(model, x")
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise ConfigError(

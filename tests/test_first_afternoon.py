@@ -197,3 +197,18 @@ def test_timeit_given_a_models_keyword_names_kwargs():
     with pytest.raises(sm.ConfigError, match=r"^timeit\(<lambda>, train=\.\.\.\): ") as e:
         sm.timeit(h, jnp.ones(3), train=False, calls=1, repeats=1)
     assert "timeit(model, x, kwargs={'train': False})" in str(e.value)
+
+
+def test_export_and_batcher_given_a_models_keyword_name_kwargs_as_timeit(tmp_path):
+    """``sm.export(h, path, example=x, train=False)`` and ``Batcher(h, example=x,
+    train=False)`` were Python's "unexpected keyword argument 'train'": the three siblings
+    that take the model's keywords as ``kwargs=`` now all say so."""
+    h = sm.hybridize(lambda p, x, train=True: x * p, jnp.float32(2))
+    x = jnp.ones((1, 3))
+    with pytest.raises(sm.ConfigError, match=r"^export\(h, train=\.\.\.\): ") as e:
+        sm.export(h, tmp_path / "m", example=x, train=False)
+    assert "sm.export(h, path, example=x, kwargs={'train': False})" in str(e.value)
+    assert not (tmp_path / "m").exists()
+    with pytest.raises(sm.ConfigError, match=r"^Batcher\(model, train=\.\.\.\): ") as e:
+        sm.serving.Batcher(h, example=x, train=False)
+    assert "Batcher(model, example=x, kwargs={'train': False})" in str(e.value)

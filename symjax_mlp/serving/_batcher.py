@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from symjax_mlp._artifact.format import NEEDS
-from symjax_mlp._errors import ConfigError, OverloadError, RetraceError
+from symjax_mlp._errors import ConfigError, OverloadError, RetraceError, refuse_keywords
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._lane import Blocking, Lane, claim, clock
@@ -81,7 +81,8 @@ class Batcher:
       max_queue: most requests waiting; one more is refused with :class:`OverloadError`.
       name: shown in errors (default: the model's name or artifact path).
       kwargs: keyword settings passed to every call of a Hybrid or callable, e.g.
-        ``{"train": False}`` for the batch-norm guide's ``MLP(x, train)``.
+        ``{"train": False}`` for the batch-norm guide's ``MLP(x, train)``; given as the
+        Batcher's own (``train=False``), a ConfigError naming ``kwargs=``.
       warm_up_timeout: most seconds the warm-up (each bucket compiled and run on zero rows, on
         the batcher's thread) may take (``None``: no limit); past it, a ``TimeoutError``.
 
@@ -110,7 +111,9 @@ class Batcher:
         self, model: Any, *, example: Any = None, max_batch: int | None = None,
         buckets: Sequence[int] | None = None, max_queue: int = 1024, name: str | None = None,
         kwargs: dict[str, Any] | None = None, warm_up_timeout: float | None = 300.0,
+        **keywords: Any,
     ) -> None:  # fmt: skip
+        refuse_keywords("Batcher(model", keywords, "Batcher(model, example=x")
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise ConfigError(
                 f"Batcher(kwargs={kwargs!r}): pass a dict of keyword settings for every call, "
