@@ -25,9 +25,16 @@ _ONE_EXAMPLE = (
 _FIXED = (
     "Either the example is one example of the model, as eqx.nn layers take one (export "
     "sm.hybridize(eqx.filter_vmap(model)), jax.vmap for a function), or the model fixes its "
-    "batch size to {lead} rows, a reshape or a vmap of axis_size={lead} (make it take any "
-    "number: x.reshape(-1, ...), no axis_size). Or pass batch=None to export the example's "
-    "static shapes."
+    "batch size to {lead} rows{how}. Or pass batch=None to export the example's static shapes."
+)
+_RESHAPE = (
+    ", a reshape or a vmap of axis_size={lead} (make it take any number: x.reshape(-1, ...), no "
+    "axis_size)"
+)
+_PYTHON_INT = (  # TypeError: '_DimExpr' object cannot be interpreted as an integer
+    ", reading a dimension as a Python int (range(x.shape[0]) or range(len(x)) loops over its "
+    "rows: loop with jax.vmap or lax.map instead); if its rows are another axis (jax.vmap(f, "
+    "in_axes=1)), say which in shapes=, e.g. shapes=({spec!r},)"
 )
 _ENSEMBLE = (
     "Every param's leading dimension is the example's {lead} rows ({path}: {shape}): a model "
@@ -85,7 +92,7 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
             fix = tuple(_batch_only(s, x) for s, x in zip(stage.in_specs, examples, strict=True))
             raise SignatureError(head + _SHAPES.format(fix=fix)) from None
         # only the batch symbolic: the model fixes its rows (it named this very shapes= as the fix)
-        why = _ensemble(p_structs, lead) or _FIXED.format(lead=lead[0])
+        why = _ensemble(p_structs, lead) or _fixed(lead, examples, first)
         raise SignatureError(f"{head}. {why}") from None
     if any(shared):  # e.g. x (4, 3) and w (3,): w is no batch of 4 rows
         rows = {f"args[{i}]": x.shape[0] if x.shape else None for i, x in enumerate(examples)}
@@ -104,7 +111,7 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
     if static and (ensemble := _ensemble(p_structs, lead)) is not None:
         raise SignatureError(head + ensemble)
     if static and not one:
-        raise SignatureError(head + _FIXED.format(lead=lead[0])) from None
+        raise SignatureError(head + _fixed(lead, examples, first, batch)) from None
     spec = f"{batch}, {', '.join(map(str, examples[0].shape[1:]))}".strip(", ")
     specs = ", ".join([repr(spec)] + ["None"] * (len(examples) - 1))
     raise SignatureError(
@@ -113,6 +120,15 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
             shared="" if len(examples) < 2 else _SHARED.format(specs=specs),
         )
     ) from None  # fmt: skip
+
+
+def _fixed(lead: tuple[int, ...], examples: Sequence[Any], error: str, batch: str = "b") -> str:
+    """:data:`_FIXED`, its cause a Python int read off the batch where ``error`` says so."""
+    how = _RESHAPE.format(lead=lead[0])
+    if "interpreted as an integer" in error and len(examples[0].shape) > 1:
+        dims = [str(lead[0]), batch, *map(str, examples[0].shape[2:])]
+        how = _PYTHON_INT.format(spec=", ".join(dims))
+    return _FIXED.format(lead=lead[0], how=how)
 
 
 #: what maps a program onto a mesh: a shard_map (by hand), a with_sharding_constraint (XLA's

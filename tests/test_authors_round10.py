@@ -217,3 +217,46 @@ def test_jit_methods_strategy_3_pytree_class_as_params(tmp_path):
     _close(h.replace(params=c)(y), y)
     with pytest.raises(sm.ConfigError, match=r"CustomClass1.*close over it"):
         sm.hybridize(lambda c, y: c.calc(y), zoo10.CustomClass1(jnp.array(2.0), True))
+
+
+VECTORIZED = {  # automatic-vectorization.md's batched convolves, ``w`` the param
+    "manually_vectorized": lambda p, xs: zoo10.manually_vectorized_convolve(xs, p),
+    "auto_batch": lambda p, xs: zoo10.auto_batch_convolve(
+        xs, jnp.broadcast_to(p, (xs.shape[0], 3))
+    ),
+    "v3": lambda p, xs: zoo10.batch_convolve_v3(xs, p),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", VECTORIZED)
+def test_automatic_vectorization_convolves(name, tmp_path):
+    """The doc's batched ``convolve`` s, ``w`` the param: every feature, batch symbolic (the
+    loaded model needs what load names: a row's slices under a symbolic batch)."""
+    w, xs = jnp.array([2.0, 3.0, 4.0]), _n((4, 5), 8)
+    net = VECTORIZED[name]
+    allow = {"dynamic_gather", "real_dynamic_slice", "dynamic_slice", "scatter"}
+    _every_feature(tmp_path, sm.hybridize(net, w), lambda r: net(w, r), xs, allow=allow)
+
+
+@pytest.mark.slow
+def test_automatic_vectorization_python_loops_refused_naming_the_loop(tmp_path):
+    """``manually_batched_convolve`` loops over ``range(xs.shape[0])`` and ``convolve`` under
+    ``vmap(in_axes=1)`` over ``range(len(x))`` of the leading axis: a symbolic batch was
+    refused as "fixes its batch size ... a reshape or a vmap of axis_size" (neither is there);
+    now it names the Python loop, jax.vmap/lax.map, and the shapes= of a batch in axis 1,
+    which exports, loads and answers as the doc's function."""
+    w, xs = jnp.array([2.0, 3.0, 4.0]), _n((4, 5), 9)
+    manual = lambda p, xs: zoo10.manually_batched_convolve(xs, jnp.broadcast_to(p, (4, 3)))  # noqa: E731
+    loop = r"Python int \(range\(x.shape\[0\]\).*jax.vmap or lax.map"
+    with pytest.raises(sm.SignatureError, match=loop):
+        sm.export(sm.hybridize(manual, w), tmp_path / "manual", example=(xs,))
+    sm.export(sm.hybridize(manual, w), tmp_path / "manual", example=(xs,), batch=None)
+    _close(sm.load(tmp_path / "manual")(np.asarray(xs)), manual(w, xs))
+    v2 = lambda p, xst: zoo10.auto_batch_convolve_v2(xst, jnp.tile(p[:, None], (1, xst.shape[1])))  # noqa: E731
+    h2, xst = sm.hybridize(v2, w), xs.T
+    with pytest.raises(sm.SignatureError, match=loop + r".*shapes=\('5, b',\)"):
+        sm.export(h2, tmp_path / "v2", example=(xst,))
+    sm.export(h2, tmp_path / "v2", example=(xst,), shapes=("5, b",))
+    m = sm.load(tmp_path / "v2", allow={"real_dynamic_slice", "dynamic_slice"})
+    _close(m(np.asarray(xst[:, :2])), v2(w, xst[:, :2]))

@@ -272,3 +272,30 @@ class CustomClass:  # Strategy 3: registering the class as a pytree
 jax.tree_util.register_pytree_node(
     CustomClass, CustomClass._tree_flatten, CustomClass._tree_unflatten
 )
+
+
+# -- automatic-vectorization.md ------------------------------------------------------------------
+def convolve(x, w):
+    output = []
+    for i in range(1, len(x) - 1):
+        output.append(jnp.dot(x[i - 1 : i + 2], w))
+    return jnp.array(output)
+
+
+def manually_batched_convolve(xs, ws):
+    output = []
+    for i in range(xs.shape[0]):
+        output.append(convolve(xs[i], ws[i]))
+    return jnp.stack(output)
+
+
+def manually_vectorized_convolve(xs, ws):
+    output = []
+    for i in range(1, xs.shape[-1] - 1):
+        output.append(jnp.sum(xs[:, i - 1 : i + 2] * ws, axis=1))
+    return jnp.stack(output, axis=1)
+
+
+auto_batch_convolve = jax.vmap(convolve)
+auto_batch_convolve_v2 = jax.vmap(convolve, in_axes=1, out_axes=1)
+batch_convolve_v3 = jax.vmap(convolve, in_axes=[0, None])
