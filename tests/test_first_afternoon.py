@@ -8,14 +8,11 @@ keyword with no command-line twin, a keyword spelt one way in ``load`` and refus
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_serving import _asgi_post
 
 import symjax_mlp as sm
 from symjax_mlp import cli
@@ -88,22 +85,11 @@ def test_cli_train_checkpoint_help_says_every_checkpoint_every_epochs():
 
 def test_serve_help_shows_the_predict_body_the_app_takes(capsys):
     """``symjax-mlp serve --help`` (and the README) said "JSON" without its shape; a first
-    ``curl -d '[[1, 2, 3]]'`` got a 400. The help now shows ``{"inputs": [[...], ...]}``,
-    and that body is answered."""
+    ``curl -d '[[1, 2, 3]]'`` got a 400. The help now shows ``{"inputs": [[...], ...]}`` (the
+    body test_serving's test_http_predict_with_json_and_npy_bodies posts)."""
     assert cli.main(["serve", "--help"]) == 0
     shown = capsys.readouterr().out
     assert '{"inputs": [[...], ...]}' in shown and "application/x-npy" in shown
-
-    async def post(app, x):
-        scope, receive, send, sent = _asgi_post(x)  # its body: {"inputs": x.tolist()}
-        await app(scope, receive, send)
-        return sent[0]["status"], json.loads(sent[1]["body"])
-
-    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
-    with sm.serving.Batcher(h, example=jnp.ones((1, 3)), max_batch=2) as b:
-        app = sm.serving.create_app(b, close_batcher=False)
-        status, answer = asyncio.run(post(app, np.array([[1, 2, 3]], np.float32)))
-    assert status == 200 and answer["outputs"] == [[2.0, 4.0, 6.0]]
 
 
 @pytest.mark.slow
