@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zoo10
+from flax import nnx
 from test_authors_round8 import _every_feature
 
 import symjax_mlp as sm
@@ -260,3 +261,27 @@ def test_automatic_vectorization_python_loops_refused_naming_the_loop(tmp_path):
     sm.export(h2, tmp_path / "v2", example=(xst,), shapes=("5, b",))
     m = sm.load(tmp_path / "v2", allow={"real_dynamic_slice", "dynamic_slice"})
     _close(m(np.asarray(xst[:, :2])), v2(w, xst[:, :2]))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:'.value' (access|setter) is now deprecated")  # the demo's
+def test_nnx_demo_surgery_monkey_patched_block(tmp_path):
+    """docs_nnx/guides/demo.md's MLP after its surgery: the monkey-patched function in
+    ``blocks`` is refused naming ``model.blocks[2] = nnx.static(...)`` (it said
+    ``model.blocks.2``, no Python); so marked, the shared block and tied kernel train as the
+    module does (two train-mode calls, its BatchNorm stats and ``Count`` carried), and in eval
+    mode every feature answers as the module."""
+    model = zoo10.demo_model()
+    with pytest.raises(sm.ConfigError, match=r"model\.blocks\[2\] = nnx\.static\("):
+        sm.hybridize(model)
+    model.blocks[2] = nnx.static(zoo10.my_optimized_layer)
+    ref = nnx.clone(model)
+    h = sm.hybridize(model)
+    x = _n((3, 4), 10)
+    for _ in range(2):
+        _close(h(x), ref(x), rtol=1e-5, atol=1e-5)
+    assert int(h.state["count"]) == int(ref.count.get_value()) == 3
+    model.eval()
+    ref.eval()
+    fresh = lambda r: nnx.clone(ref)(r)  # noqa: E731 - its Count written under jax.grad too
+    _every_feature(tmp_path, h, fresh, x, rtol=1e-4, atol=1e-4)

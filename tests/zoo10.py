@@ -24,6 +24,7 @@ from functools import wraps
 import jax
 import jax.numpy as jnp
 import jax.scipy as jsp
+from flax import nnx
 from jax import jit, lax
 from jax._src.util import safe_map
 from jax.extend import core
@@ -299,3 +300,49 @@ def manually_vectorized_convolve(xs, ws):
 auto_batch_convolve = jax.vmap(convolve)
 auto_batch_convolve_v2 = jax.vmap(convolve, in_axes=1, out_axes=1)
 batch_convolve_v3 = jax.vmap(convolve, in_axes=[0, None])
+
+
+# -- google/flax@18f8f311c275d57f46d95e41b15aa97b454754c0 docs_nnx/guides/demo.md: [1] and [2] --
+# (its ``self.blocks`` a plain list raises in Flax 0.12.8, "Disable pytree for this class":
+# nnx.List here; its [3] uses ``model.split()``, gone, and is left out)
+class Block(nnx.Module):
+    def __init__(self, din, dout, *, rngs):
+        self.linear = nnx.Linear(din, dout, rngs=rngs)
+        self.bn = nnx.BatchNorm(dout, use_running_average=False, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(self.bn(self.linear(x)))
+
+
+class MLP(nnx.Module):
+    def __init__(self, nlayers, dim, *, rngs):  # explicit RNG threading
+        self.blocks = nnx.List([Block(dim, dim, rngs=rngs) for _ in range(nlayers)])
+        self.count = Count(0)  # stateful variables are defined as attributes
+
+    def __call__(self, x):
+        self.count.value += 1  # in-place stateful updates
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Count(nnx.Variable):  # custom Variable types define the "collections"
+    pass
+
+
+def my_optimized_layer(x):
+    return x
+
+
+def demo_model():
+    """The demo's ``model`` after its surgery: sharing, weight tying, monkey patching."""
+    model = MLP(5, 4, rngs=nnx.Rngs(0))  # no special `init` method
+    model.set_attributes(use_running_average=False)  # set flags
+    model(jnp.ones((2, 4)))  # call methods directly
+    # Module sharing
+    model.blocks[1] = model.blocks[3]
+    # Weight tying
+    model.blocks[0].linear.kernel = model.blocks[-1].linear.kernel
+    # Monkey patching
+    model.blocks[2] = my_optimized_layer
+    return model

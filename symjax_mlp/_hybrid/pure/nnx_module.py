@@ -135,7 +135,8 @@ def _refuse_non_arrays(name: str, state: Any) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         if not (isinstance(leaf, int | float | complex) or hasattr(leaf, "dtype")):
             what = f"the {type(leaf).__name__} {getattr(leaf, '__qualname__', '')}".rstrip()
-            attr = ".".join(str(getattr(k, "key", k)) for k in path)
+            keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]  # a list's: [2]
+            attr = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys)[1:]
             where = f"state{jax.tree_util.keystr(path)}"
             raise ConfigError(_NOT_ARRAY.format(name=name, path=where, what=what, attr=attr))
 
