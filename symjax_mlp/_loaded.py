@@ -213,8 +213,10 @@ class LoadedModel(NoPickle):
         """Raises, in the handler of ``e`` that a call's program raised, ``e`` itself where it
         is ours or the caller's own tracing error, else an error naming the artifact."""
         tracing = isinstance(e, (*TRACER_ERRORS, jax.errors.UnexpectedTracerError))
-        if isinstance(e, SymjaxError) or (tracing and self.runtime == "jax"):
-            raise  # ours, or the caller's own jax.jit code's, not the artifact's
+        flagged = jax.config.jax_debug_nans or jax.config.jax_debug_infs  # the caller's check
+        checked = isinstance(e, FloatingPointError) and flagged
+        if isinstance(e, SymjaxError) or ((tracing or checked) and self.runtime == "jax"):
+            raise  # ours, or the caller's own jax.jit code's or NaN check's, not the artifact's
         if tracing:
             raise ConfigError(
                 f"{self._caller}: the {self.runtime} runtime runs outside JAX, so jax.jit, "

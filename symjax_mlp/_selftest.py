@@ -3,8 +3,9 @@ export, in ``selftest.safetensors``; ``load`` refuses a model that no longer rep
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,14 @@ def vectors(
     return file, xs, want, getattr(found.get(COMPUTE), "dtype", None)
 
 
+@contextlib.contextmanager
+def flags_off() -> Iterator[None]:
+    """``jax.debug_nans`` and ``jax.debug_infs`` off: a self-test's NaN or inf is the model's
+    recorded answer, not the caller's bug (under them, load said the artifact was corrupted)."""
+    with jax.debug_nans(False), jax.debug_infs(False):
+        yield
+
+
 def run(
     path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, bytes],
     call: Callable[[list[Any]], list[Any]],
@@ -200,7 +209,8 @@ def run(
     file, xs, want, compute = found
     caller = f'symjax_mlp.load("{printable(str(path))}")'
     try:  # block_until_ready first: np.asarray of a failed result aborts the process
-        got = [np.asarray(y) for y in jax.block_until_ready(call(list(xs)))]
+        with flags_off():
+            got = [np.asarray(y) for y in jax.block_until_ready(call(list(xs)))]
         differs = [difference(g, w, compute) for g, w in zip(got, want, strict=True)]  # float64
     except (JaxRuntimeError, SymjaxError) as e:  # failed as it ran, or as it was called
         cause = e if isinstance(e, JaxRuntimeError) else e.__cause__

@@ -285,3 +285,22 @@ def test_nnx_demo_surgery_monkey_patched_block(tmp_path):
     ref.eval()
     fresh = lambda r: nnx.clone(ref)(r)  # noqa: E731 - its Count written under jax.grad too
     _every_feature(tmp_path, h, fresh, x, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_debug_nans_flag_over_export_load_and_call(tmp_path):
+    """thinking_in_jax.md's debugging flags (``jax.debug_nans``) over a net whose example gives
+    NaN (``jnp.log`` of negatives, recorded in its self-test): under the flag, export raised
+    FloatingPointError for its own vectors and load said the artifact "is corrupted, was
+    edited, or was made for another JAX"; now both pass, and a call that makes a NaN raises
+    JAX's FloatingPointError, as a jitted function under the flag does (not ArtifactError)."""
+    x = _n((4, 3), 11)
+    h = sm.hybridize(lambda p, x: jnp.log(x) * p, jnp.asarray(1.0))
+    with jax.debug_nans(True):
+        sm.export(h, tmp_path / "m", example=(x,))
+        m = sm.load(tmp_path / "m")
+        _close(m(np.abs(np.asarray(x))), jnp.log(jnp.abs(x)))
+        with pytest.raises(FloatingPointError):
+            m(np.asarray(x))
+    got = sm.load(tmp_path / "m")(np.asarray(x))  # the flag off: NaN where JAX gives NaN
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(jnp.log(x)))
