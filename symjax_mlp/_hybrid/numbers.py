@@ -4,8 +4,8 @@ the user's line that called the Hybrid."""
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
 import warnings
 from typing import Any
 
@@ -31,7 +31,8 @@ def user_stacklevel() -> int:
     """``warnings.warn``'s ``stacklevel`` from its caller for the first frame outside this
     library and JAX (a trace runs under jax.jit's frames): the user's line. (Python 3.12's
     ``skip_file_prefixes`` says the same; we run 3.11.)"""
-    frame, level = sys._getframe(1), 1
+    here = inspect.currentframe()  # (None where Python keeps no frames: the caller's line)
+    frame, level = (here.f_back if here is not None else None), 1
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     return level if frame is not None else 2

@@ -51,7 +51,9 @@ def decode(
 ) -> tuple[list[Any], bool]:
     """The request's inputs, and whether it came as .npy (answer in kind); ``coding``: its
     Content-Encoding (none but ``identity`` is decoded: a 415)."""
-    if any(c.strip(b" \t").lower() not in (b"", b"identity") for c in coding.split(b",")):
+    if coding and any(
+        c.strip(b" \t").lower() not in (b"", b"identity") for c in coding.split(b",")
+    ):
         raise BadRequest(415, (
             f"the body came with Content-Encoding {short(repr(coding.decode('latin-1')), 60)}, "
             "which this server does not decode; send it as it is, without Content-Encoding: "
