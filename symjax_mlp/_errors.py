@@ -1,5 +1,5 @@
-"""The errors symjax_mlp raises (every one derives from :class:`SymjaxError`), and the integer
-and path reading its settings' checks share."""
+"""The errors symjax_mlp raises (every one derives from :class:`SymjaxError`), the integer
+and path reading its settings' checks share, and :class:`NoPickle`, pickle's refusal."""
 
 from __future__ import annotations
 
@@ -208,3 +208,25 @@ def one_device(name: str) -> Iterator[None]:
     except ValueError as e:
         refuse_two_devices(name, e)
         raise
+
+
+_NO_PICKLE = (
+    "pickle.dumps({name}): a {kind} holds compiled programs and locks, and is never pickled "
+    "(nor sent to another process, which pickles it). {instead}"
+)
+
+
+class NoPickle:
+    """A base of a :class:`Hybrid` and a loaded model: ``pickle`` refuses them, saying what to
+    do instead (``_INSTEAD``); ``copy.copy`` shares their fields (``deepcopy``: their own)."""
+
+    _INSTEAD = ""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        kind = type(self).__name__
+        name = getattr(self, "_caller", getattr(self, "name", kind))  # a loaded model's load()
+        raise ConfigError(_NO_PICKLE.format(name=name, kind=kind, instead=self._INSTEAD))
+
+    def __copy__(self) -> Any:
+        (twin := object.__new__(type(self))).__dict__.update(self.__dict__)
+        return twin

@@ -20,8 +20,8 @@ from symjax_mlp._artifact.format import (
 )
 from symjax_mlp._artifact.reading import thaw
 from symjax_mlp._artifact.signature import Signature, as_array, is_array
-from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError
-from symjax_mlp._hybrid.trace import TRACER_ERRORS, NoPickle
+from symjax_mlp._errors import ConfigError, NoPickle, SignatureError, SymjaxError
+from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._runtimes.transforms import axes, forward_mode, forward_traced
 from symjax_mlp._selftest import run_failed
 from symjax_mlp._specs import array_types

@@ -198,3 +198,25 @@ def test_export_and_batcher_given_a_models_keyword_name_kwargs_as_timeit(tmp_pat
     with pytest.raises(sm.ConfigError, match=r"^Batcher\(model, train=\.\.\.\): ") as e:
         sm.serving.Batcher(h, example=x, train=False)
     assert "Batcher(model, example=x, kwargs={'train': False})" in str(e.value)
+
+
+def test_an_on_trace_callback_s_stop_iteration_reaches_the_caller_as_it_is():
+    """The callbacks ran inside a ``@contextlib.contextmanager`` generator: a callback's
+    ``StopIteration`` came out of ``h(x)`` as ``RuntimeError('generator raised
+    StopIteration')`` (``h.eager`` raised it as it is); the trace it stopped is not logged."""
+    stops = [StopIteration("done"), StopIteration("again")]
+
+    def callback(*args, **kwargs):
+        if stops:
+            raise stops[0]
+
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    h.on_trace(callback)
+    x = np.ones((2, 3), np.float32)
+    for call in (h, h.eager):
+        with pytest.raises(StopIteration) as caught:
+            call(x)
+        assert caught.value is stops.pop(0) and caught.value.__cause__ is None
+    assert h.trace_log == ()
+    np.testing.assert_array_equal(h(x), 2 * x)
+    assert [e.reason for e in h.trace_log] == ["first call"]

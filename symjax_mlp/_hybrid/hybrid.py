@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from symjax_mlp._errors import ConfigError, one_device, refuse_two_devices
+from symjax_mlp._errors import ConfigError, NoPickle, one_device, refuse_two_devices
 from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
 from symjax_mlp._hybrid import params as _params
@@ -23,7 +23,7 @@ from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse
 from symjax_mlp._hybrid.pure.nnx_module import write_back
 from symjax_mlp._hybrid.settings import check_settings, static_args
 from symjax_mlp._hybrid.staged import Staged
-from symjax_mlp._hybrid.trace import NoPickle, TraceEvent, TraceLog, symbolic
+from symjax_mlp._hybrid.trace import TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given
 
 _FROZEN = (

@@ -173,28 +173,6 @@ def unfit_call(
     return None
 
 
-_NO_PICKLE = (
-    "pickle.dumps({name}): a {kind} holds compiled programs and locks, and is never pickled "
-    "(nor sent to another process, which pickles it). {instead}"
-)
-
-
-class NoPickle:
-    """A base of a :class:`Hybrid` and a loaded model: ``pickle`` refuses them, saying what to
-    do instead (``_INSTEAD``); ``copy.copy`` shares their fields (``deepcopy``: their own)."""
-
-    _INSTEAD = ""
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        kind = type(self).__name__
-        name = getattr(self, "_caller", getattr(self, "name", kind))  # a loaded model's load()
-        raise ConfigError(_NO_PICKLE.format(name=name, kind=kind, instead=self._INSTEAD))
-
-    def __copy__(self) -> Any:
-        (twin := object.__new__(type(self))).__dict__.update(self.__dict__)
-        return twin
-
-
 #: jax.jit's refusal of an input of a Hybrid's program (its path is the program's, not yours)
 _UNTRACEABLE = re.compile(
     r"_hybrid at 0x[0-9a-f]+> as an abstract array\. "
@@ -368,8 +346,7 @@ class TraceLog:
         finally:
             self._running.on = False
 
-    @contextlib.contextmanager
-    def tracing(self, static: Any, dyn: Any, dyn_kw: Any, entry: str, held=()) -> Iterator[Any]:
+    def tracing(self, static: Any, dyn: Any, dyn_kw: Any, entry: str, held=()) -> _Trace:
         """One trace in the block (of a state of paths ``held``), its event given: callbacks run
         first, a RetraceError past the budget (racing traces counted), logged if it succeeds."""
         sig, tree, shown = signature(dyn, dyn_kw, static)
@@ -385,16 +362,37 @@ class TraceLog:
                                     reason=reason, history=history)
                 )  # fmt: skip
             self._under_way += 1
-        try:
-            if self._running.__dict__.pop("ran", None) != (sig, tree, shown, entry):  # follow
-                self.run_callbacks(*rebuild(static, dyn, dyn_kw))
-            yield event
-        except BaseException:
-            self._running.failed = (sig, tree, shown, entry)
-            with self._lock:
-                self._under_way -= 1
-            raise
+        return _Trace(self, event, (sig, tree, shown, entry), lambda: rebuild(static, dyn, dyn_kw),
+                      frozenset(held))  # fmt: skip
+
+    def _begin(self, key: Any, call: Callable[[], Any]) -> None:
+        if self._running.__dict__.pop("ran", None) != key:  # follow's
+            self.run_callbacks(*call())
+
+    def _end(self, event: TraceEvent, key: Any, held: frozenset[str], failed: bool) -> None:
+        if failed:
+            self._running.failed = key
         with self._lock:
             self._under_way -= 1
-            self._events.append(dataclasses.replace(event, index=len(self._events)))
-            self._held = frozenset(held)
+            if not failed:
+                self._events.append(dataclasses.replace(event, index=len(self._events)))
+                self._held = held
+
+
+class _Trace:
+    """:meth:`TraceLog.tracing`'s block: a class, not a generator, so that what a callback
+    raises reaches the caller as it is (a generator's ``StopIteration`` became a RuntimeError)."""
+
+    def __init__(self, log: TraceLog, event: TraceEvent, key: Any, call: Any, held: Any) -> None:
+        self.log, self.event, self.key, self.call, self.held = log, event, key, call, held
+
+    def __enter__(self) -> TraceEvent:
+        try:
+            self.log._begin(self.key, self.call)
+        except BaseException:
+            self.log._end(self.event, self.key, self.held, failed=True)
+            raise
+        return self.event
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        self.log._end(self.event, self.key, self.held, failed=kind is not None)
