@@ -33,6 +33,19 @@ class SignatureError(SymjaxError, ValueError):
     """An input does not match the shape or dtype a compiled program or artifact expects."""
 
 
+class EntryPointError(ConfigError, KeyError):
+    """``m[name]`` of a loaded model for a name its artifact has no entry point of: a
+    :class:`ConfigError`, and a ``KeyError`` as a mapping's missing key is."""
+
+    def __str__(self) -> str:  # a KeyError would show its message quoted
+        return str(self.args[0])
+
+
+class PositionalInputsError(SignatureError, TypeError):
+    """``m(x=x)``: a loaded model's inputs are positional; a :class:`SignatureError`, and a
+    ``TypeError`` as Python's for an argument a function does not take."""
+
+
 class RetraceError(SymjaxError):
     """A :class:`~symjax_mlp.Hybrid` traced more often than its ``max_traces`` budget allows."""
 

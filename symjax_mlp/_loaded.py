@@ -20,7 +20,14 @@ from symjax_mlp._artifact.format import (
 )
 from symjax_mlp._artifact.reading import thaw
 from symjax_mlp._artifact.signature import Signature, as_array, is_array
-from symjax_mlp._errors import ConfigError, NoPickle, SignatureError, SymjaxError
+from symjax_mlp._errors import (
+    ConfigError,
+    EntryPointError,
+    NoPickle,
+    PositionalInputsError,
+    SignatureError,
+    SymjaxError,
+)
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._runtimes.transforms import axes, forward_mode, forward_traced
 from symjax_mlp._selftest import run_failed
@@ -29,22 +36,11 @@ from symjax_mlp._specs import array_types
 _ARRAYS = array_types()
 
 
-class _NoEntryPoint(ConfigError, KeyError):
-    """``m[name]`` for a name the artifact has no entry point of (a ``KeyError`` too)."""
-
-    def __str__(self) -> str:  # a KeyError would show its message quoted
-        return str(self.args[0])
-
-
 _NOT_APART = (
     "If it is one example (jax.vmap passes each without its batch dimension), this artifact "
     "takes none: its rows are not known to stay apart ({why}). Give it a batch of one: "
     "m(x[None])[0], under jax.vmap: jax.vmap(lambda x: m(x[None])[0])."
 )
-
-
-class _ByName(SignatureError, TypeError):
-    """``m(x=x)``: a loaded model's inputs are positional (a ``TypeError`` too, as Python's)."""
 
 
 class LoadedModel(NoPickle):
@@ -118,7 +114,7 @@ class LoadedModel(NoPickle):
         if name == self.entry:
             return self
         if name not in self.entries:
-            raise _NoEntryPoint(
+            raise EntryPointError(
                 f'symjax_mlp.load("{printable(str(self.path))}") has no entry point '
                 f"{printable(repr(name))}; it has {', '.join(self.entries)}."
             )
@@ -151,7 +147,7 @@ class LoadedModel(NoPickle):
                     self._fail(e, inputs)
                 return out if self._single_output else tuple(out)
         if named:  # Python's TypeError would name neither the inputs nor how to pass them
-            raise _ByName(self._by_name(named, len(inputs)))
+            raise PositionalInputsError(self._by_name(named, len(inputs)))
         if forward_traced(inputs):  # else JAX's TypeError, where jax.jit lowers it (if at all)
             raise ConfigError(forward_mode(self._caller, self.manifest.get("vjp_order", 0)))
         try:

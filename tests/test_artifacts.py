@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 
 import chex
 import jax
@@ -41,6 +42,14 @@ def mlp(tmp_path_factory):
 def loaded(mlp):
     """``mlp``'s artifact loaded, once per worker: for tests that only call it."""
     return sm.load(mlp[2].path)
+
+
+def assert_public_class(error):
+    """``error``'s class has a public name, found under it in its module (a traceback showed
+    ``symjax_mlp._loaded._NoEntryPoint``), and a docstring saying what it is."""
+    kind = type(error)
+    assert not any(part.startswith("_") for part in kind.__qualname__.split(".")), kind
+    assert getattr(sys.modules[kind.__module__], kind.__qualname__) is kind and kind.__doc__
 
 
 def test_the_same_model_exports_to_the_same_bytes_and_no_local_path(mlp, tmp_path):
@@ -160,8 +169,9 @@ def test_inputs_passed_by_name_are_refused_naming_the_inputs_and_their_order(mlp
         TypeError,
         match=r"got y= by name.*args\[0\]: float32\[b, 5\], "
         r"args\[1\]: float32\[b, 3\]\. .*m\(args\[0\], args\[1\]\)",
-    ):
+    ) as caught:
         sm.load(art.path)(jnp.ones((2, 5)), y=jnp.ones((2, 3)))
+    assert_public_class(caught.value)  # was symjax_mlp._loaded._ByName
 
 
 def test_pickle_of_a_loaded_model_is_refused_saying_to_load_it_where_it_runs(mlp, loaded):
@@ -457,8 +467,10 @@ def test_several_entry_points_share_one_weight_file(tmp_path):
         for name, h in points.items():  # decode at a batch its load did not compile
             x = jnp.full((7 if name == "decode" else 2, examples[name].shape[1]), 0.5)
             chex.assert_trees_all_close(m[name](x), h(x), **TOL)
-        with pytest.raises(KeyError, match=r"no entry point .nope.; it has predict, embed"):
+        with pytest.raises(KeyError, match=r"no entry point .nope.; it has predict, embed") as e:
             m["nope"]
+        assert isinstance(e.value, sm.ConfigError)
+        assert_public_class(e.value)  # was symjax_mlp._loaded._NoEntryPoint
     m = sm.load(art.path)
     for k, w in m.params.items():  # one copy of the weights, whatever the entry point
         assert np.shares_memory(w, m["embed"].params[k]), k
