@@ -34,6 +34,12 @@ from symjax_mlp.serving._requests import (
 )
 from symjax_mlp.serving._stats import BatcherStats
 
+_KEYS = (
+    "Batcher({path}): input {spec.path} is {spec.type}, typed rng keys, while a batcher merges "
+    "the rows of many requests in NumPy buffers, which hold no key type. Serve the keys' data: "
+    "export a function of jax.random.key_data(keys) (uint32 rows) that calls "
+    "jax.random.wrap_key_data on it, or call the loaded model directly."
+)
 _BOUNDED = NEEDS - {"while"}  # allow= keys whose ops compute tensors from tensors, bounded
 
 
@@ -129,6 +135,8 @@ class Batcher:
                     f"({model.signature}) and settings; drop {given}."
                 )
             specs, static, alone, bound = artifact_specs(model)
+            if key := next((s for s in specs if s.dtype.startswith("key<")), None):
+                raise ConfigError(_KEYS.format(path=model.path, spec=key))  # else NumPy's
             name = name or str(model.path)
         elif callable(model):
             linen = sys.modules.get("flax.linen")  # never imported here

@@ -1,0 +1,231 @@
+"""Code we did not write, round eleven: JAX's docs where no round looked, as their authors wrote
+them (tests/zoo11.py; sources and commit there), over every feature: hybridize, ``h(x)`` equal
+to the plain model, its graph, export (a symbolic batch where the model allows one) + load +
+call equal, grads/Hessians over the loaded model (``vjp_order=2``), a Batcher's answers, and
+the original's own steps where it trains.
+
+- complex-differentiation.md: complex inputs and params: ``f(z)`` (C -> R) trains by the docs'
+  conjugate step, ``jnp.sin`` differentiates ``holomorphic=True`` through the loaded model,
+  and the complex Cholesky's LAPACK kernels are refused at load naming ``allow=``.
+- random-numbers.md: ``jax.vmap(random.normal)(subkeys)`` takes a batch of typed keys; a dense
+  layer drawing from one key it is given exports with ``shapes=(None, 'b, ...')``, which the
+  refusal of the default batch names.
+- higher-order.md: ``td_loss``'s ``stop_gradient`` survives export (the loaded model's grads
+  are TD(0)'s), its update steps over ``h.apply`` equal the docs' ``td_update``; the
+  straight-through estimator's grads are the identity's through the loaded model.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import zoo11
+from jax import random
+from test_authors_round8 import _every_feature
+
+import symjax_mlp as sm
+
+TOL = {"rtol": 2e-5, "atol": 2e-5}
+
+
+def _close(a, b, **tol):
+    chex.assert_trees_all_close(a, b, **(tol or TOL))
+
+
+def _z(shape, seed=0):
+    k1, k2 = random.split(random.key(seed))
+    return (random.normal(k1, shape) + 1j * random.normal(k2, shape)).astype(jnp.complex64)
+
+
+@pytest.mark.slow
+def test_complex_rows_to_real_and_the_docs_conjugate_step(tmp_path):
+    """``f(z) = x**2 + y**2`` of complex rows: the Hybrid, the loaded model (batch symbolic)
+    and its grads (complex, as ``grad(f)(z)``), per-row grads and a Batcher's answers equal
+    the plain net's; the docs' step for a C -> R loss (along the conjugate of ``grad``) over
+    ``h.apply`` of complex params equals the plain one's."""
+    p = {"w": jnp.asarray([1.0, 2.0 - 1j, 0.5j], jnp.complex64)}
+    z = _z((5, 3))
+    ref = lambda r: zoo11.net_abs2(p, r)  # noqa: E731
+    h = sm.hybridize(zoo11.net_abs2, p)
+    _close(h(z), ref(z))
+    assert h.graph(z).primitive_counts["imag"] == 1
+    sm.export(h, tmp_path / "m", example=(z,), vjp_order=2)
+    m = sm.load(tmp_path / "m")
+    _close(m(np.asarray(z[:3])), ref(z[:3]))
+    _close(jax.grad(lambda r: m(r).sum())(z), jax.grad(lambda r: ref(r).sum())(z))
+    one = lambda f: lambda r: f(r[None]).sum()  # noqa: E731
+    _close(jax.vmap(jax.grad(one(m)))(z), jax.vmap(jax.grad(one(ref)))(z))
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        got = [b.submit(np.asarray(z[i : i + 1])).result(30) for i in range(2)]
+    _close(np.concatenate(got), ref(z[:2]))
+    loss = lambda apply: lambda q: apply(q, z).mean()  # noqa: E731
+    ours, theirs = p, p
+    for _ in range(3):
+        ours = jax.tree.map(lambda w, g: w - 0.1 * jnp.conj(g), ours, jax.grad(loss(h.apply))(ours))
+        theirs = jax.tree.map(
+            lambda w, g: w - 0.1 * jnp.conj(g), theirs, jax.grad(loss(zoo11.net_abs2))(theirs)
+        )
+    _close(ours, theirs)
+    assert loss(h.apply)(ours) < loss(h.apply)(p)
+
+
+@pytest.mark.slow
+def test_holomorphic_sin_through_the_loaded_model(tmp_path):
+    """``jnp.sin`` of complex rows (C -> C): ``grad(..., holomorphic=True)`` and its Hessian
+    (jacrev of jacrev, both holomorphic) over the loaded model equal the plain net's."""
+    p = {"w": jnp.asarray([1.0, 2.0, 0.5 + 0.5j], jnp.complex64)}
+    z = 0.3 * _z((4, 3), 1)
+    ref = lambda r: zoo11.net_sin(p, r)  # noqa: E731
+    h = sm.hybridize(zoo11.net_sin, p)
+    _close(h(z), ref(z))
+    sm.export(h, tmp_path / "m", example=(z,), vjp_order=2)
+    m = sm.load(tmp_path / "m")
+    _close(m(np.asarray(z[:3])), ref(z[:3]))
+    g = lambda f: jax.grad(lambda r: f(r).sum(), holomorphic=True)(z)  # noqa: E731
+    _close(g(m), g(ref))
+    one = lambda f: lambda r: f(r[None]).sum()  # noqa: E731
+    hess = lambda f: jax.jacrev(jax.jacrev(one(f), holomorphic=True), holomorphic=True)(z[0])  # noqa: E731
+    _close(hess(m), hess(ref))
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        _close(b.submit(np.asarray(z[:1])).result(30), ref(z[:1]))
+
+
+@pytest.mark.slow
+def test_complex_cholesky_refused_at_load_naming_allow(tmp_path):
+    """``f(X)``'s ``jnp.linalg.cholesky`` of a complex Hermitian matrix, per matrix of a batch:
+    load refuses its native kernels naming the ``allow=`` that loads them; loaded so, its
+    answers and ``holomorphic=True`` grads equal the plain net's."""
+    p = {"s": jnp.asarray(1.0, jnp.complex64)}
+    X = jnp.stack([zoo11.A, 2.0 * zoo11.A, zoo11.A + 3.0 * jnp.eye(3)]).astype(jnp.complex64)
+    ref = lambda r: zoo11.net_chol(p, r)  # noqa: E731
+    h = sm.hybridize(zoo11.net_chol, p)
+    _close(h(X), ref(X), rtol=1e-4, atol=1e-4)
+    assert h.graph(X).primitive_counts["cholesky"] == 1
+    sm.export(h, tmp_path / "m", example=(X,), vjp_order=1)
+    with pytest.raises(sm.ArtifactError, match=r"pass allow=\{'custom_call:") as e:
+        sm.load(tmp_path / "m")
+    allow = eval(str(e.value).split("pass allow=")[1].split(" (just these)")[0])
+    m = sm.load(tmp_path / "m", allow=allow)
+    _close(m(np.asarray(X[:2])), ref(X[:2]), rtol=1e-4, atol=1e-4)
+    g = lambda f: jax.grad(lambda r: f(r).sum(), holomorphic=True)(X)  # noqa: E731
+    _close(g(m), g(ref), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_vmap_of_random_normal_over_a_batch_of_keys(tmp_path):
+    """``jax.vmap(random.normal)(subkeys)`` of ``random.split(random.key(42), 3)``: the loaded
+    model (batch symbolic over typed keys) draws the docs' numbers for any number of keys; a
+    Batcher answers each key's row; grads over the params through the loaded model equal."""
+    p = {"loc": jnp.asarray(1.0), "scale": jnp.asarray(2.0)}
+    subkeys = random.split(random.key(42), 3)
+    ref = lambda k: zoo11.net_noise(p, k)  # noqa: E731
+    h = sm.hybridize(zoo11.net_noise, p)
+    _close(h(subkeys), 1.0 + 2.0 * jax.vmap(random.normal)(subkeys))
+    assert h.graph(subkeys).primitive_counts
+    sm.export(h, tmp_path / "m", example=(subkeys,))
+    with pytest.raises(sm.ArtifactError, match=r"allow=\{'real_dynamic_slice'\}"):
+        sm.load(tmp_path / "m")  # threefry's slices of the symbolic batch's bits
+    m = sm.load(tmp_path / "m", allow={"real_dynamic_slice"})
+    more = random.split(random.key(7), 5)
+    _close(m(subkeys), ref(subkeys))
+    _close(m(more), ref(more))
+    with pytest.raises(sm.ConfigError, match=r"key<fry>\[b\], typed rng keys.*key_data"):
+        sm.serving.Batcher(m)  # was NumPy's TypeError: data type 'key<fry>' not understood
+    h_data = sm.hybridize(lambda q, kd: zoo11.net_noise(q, random.wrap_key_data(kd)), p)
+    sm.export(h_data, tmp_path / "data", example=(random.key_data(subkeys),))
+    served = sm.load(tmp_path / "data", allow={"real_dynamic_slice"})
+    with sm.serving.Batcher(served, max_batch=4) as b:
+        got = [b.submit(np.asarray(random.key_data(more[i : i + 1]))).result(30) for i in range(3)]
+    _close(np.concatenate(got), ref(more[:3]))
+    _close(
+        jax.grad(lambda q: h.apply(q, more).sum())(p),
+        jax.grad(lambda q: zoo11.net_noise(q, more).sum())(p),
+    )
+
+
+@pytest.mark.slow
+def test_a_dense_layer_drawing_from_the_key_it_is_given(tmp_path):
+    """A dense layer plus ``random.normal(subkey, ...)`` of ``random.split(key)``: the default
+    batch's refusal names ``shapes=(None, 'b, ...')`` (a key has no rows); exported so, the
+    loaded model equals the plain layer for each key, under ``jax.vmap`` over keys, and its
+    grads and Hessians over the rows equal; a Batcher refuses the shared key naming the fix."""
+    p = {"w": jax.random.normal(random.key(0), (4, 3)) * 0.5, "b": jnp.full((3,), 0.1)}
+    key, x = random.key(42), jax.random.normal(random.key(1), (5, 4))
+    ref = lambda k, r: zoo11.net_noisy_dense(p, k, r)  # noqa: E731
+    h = sm.hybridize(zoo11.net_noisy_dense, p)
+    _close(h(key, x), ref(key, x))
+    with pytest.raises(sm.SignatureError, match=r"shapes=\(None, 'b, \.\.\.'\)"):
+        sm.export(h, tmp_path / "refused", example=(key, x))
+    sm.export(h, tmp_path / "m", example=(key, x), shapes=(None, "b, ..."), vjp_order=2)
+    m = sm.load(tmp_path / "m")
+    _close(m(key, np.asarray(x[:2])), ref(key, x[:2]))
+    keys = random.split(key, 3)
+    _close(jax.vmap(lambda k: m(k, x))(keys), jax.vmap(lambda k: ref(k, x))(keys))
+    g = lambda f: jax.grad(lambda r: f(key, r).sum())(x)  # noqa: E731
+    _close(g(m), g(ref))
+    hess = lambda f: jax.jacrev(jax.jacrev(lambda r: f(key, r[None]).sum()))(x[0])  # noqa: E731
+    _close(hess(m), hess(ref))
+    with pytest.raises(sm.ConfigError, match="without the batch 'b'"):
+        sm.serving.Batcher(m)
+
+
+@pytest.mark.slow
+def test_td_loss_stop_gradient_and_its_update_steps(tmp_path):
+    """``td_loss`` per transition of a batch: the loaded model's grad over ``s_tm1`` keeps the
+    docs' ``stop_gradient`` of the target (it differs from the naive loss's), and TD(0) steps
+    over ``h.apply`` equal the docs' ``td_update`` (``[1.2, 2.4, -1.2]`` first) and its
+    ``delta_theta_original_calculation``."""
+    p = {"theta": zoo11.theta}
+    S = jnp.stack([zoo11.s_tm1, zoo11.s_t, -zoo11.s_tm1])
+    R = jnp.asarray([1.0, 0.5, -1.0])
+    T = jnp.stack([zoo11.s_t, zoo11.s_tm1, zoo11.s_t])
+    ref = lambda a, r, b: zoo11.td_loss_batch(p, a, r, b)  # noqa: E731
+    h = sm.hybridize(zoo11.td_loss_batch, p)
+    _close(h(S, R, T), ref(S, R, T))
+    sm.export(h, tmp_path / "m", example=(S, R, T), vjp_order=2)
+    m = sm.load(tmp_path / "m")
+    _close(m(S[:2], R[:2], T[:2]), ref(S[:2], R[:2], T[:2]))
+    gt = lambda f: jax.grad(lambda b: f(S, R, b).sum())(T)  # noqa: E731
+    _close(gt(m), jnp.zeros_like(T))  # the target's state: stopped
+    _close(gt(m), gt(ref))
+    ga = lambda f: jax.grad(lambda a: f(a, R, T).sum())(S)  # noqa: E731
+    _close(ga(m), ga(ref))
+    one = lambda f: lambda a: f(a[None], R[:1], T[:1]).sum()  # noqa: E731
+    _close(jax.jacrev(jax.jacrev(one(m)))(S[0]), jax.jacrev(jax.jacrev(one(ref)))(S[0]))
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        _close(b.submit(S[:1], R[:1], T[:1]).result(30), ref(S[:1], R[:1], T[:1]))
+    td_update = jax.grad(zoo11.td_loss)
+    delta = jax.grad(
+        lambda q: h.apply(q, zoo11.s_tm1[None], zoo11.r_t[None], zoo11.s_t[None]).sum()
+    )(p)
+    _close(delta["theta"], td_update(zoo11.theta, zoo11.s_tm1, zoo11.r_t, zoo11.s_t))
+    _close(delta["theta"], jnp.asarray([1.2, 2.4, -1.2]))
+    ours, theirs = p, zoo11.theta
+    step = jax.grad(lambda q, a, r, b: h.apply(q, a[None], r[None], b[None]).sum())
+    for i in range(3):
+        ours = {"theta": ours["theta"] + 0.1 * step(ours, S[i], R[i], T[i])["theta"]}
+        theirs = theirs + 0.1 * td_update(theirs, S[i], R[i], T[i])
+    _close(ours["theta"], theirs)
+    s_grad = jax.grad(zoo11.value_fn)(zoo11.theta, zoo11.s_tm1)
+    original = (
+        zoo11.r_t
+        + zoo11.value_fn(zoo11.theta, zoo11.s_t)
+        - zoo11.value_fn(zoo11.theta, zoo11.s_tm1)
+    ) * s_grad
+    _close(delta["theta"], original)
+
+
+@pytest.mark.slow
+def test_straight_through_estimator_as_an_activation(tmp_path):
+    """``straight_through_f`` after a dense layer: rounds forward (the loaded model's answers
+    are integers) and differentiates as the identity (its grads are the dense layer's): every
+    feature, batch symbolic."""
+    p = {"w": jax.random.normal(random.key(0), (4, 3)) * 2.0, "b": jnp.full((3,), 0.1)}
+    x = jax.random.normal(random.key(1), (5, 4))
+    h = sm.hybridize(zoo11.net_straight_through, p)
+    m = _every_feature(tmp_path, h, lambda r: zoo11.net_straight_through(p, r), x)
+    out = m(np.asarray(x[:3]))
+    _close(out, jnp.round(out))
+    g = jax.grad(lambda r: m(r).sum())(x[:3])
+    _close(g, jnp.broadcast_to(p["w"].sum(1), (3, 4)))
