@@ -220,3 +220,15 @@ def test_an_on_trace_callback_s_stop_iteration_reaches_the_caller_as_it_is():
     assert h.trace_log == ()
     np.testing.assert_array_equal(h(x), 2 * x)
     assert [e.reason for e in h.trace_log] == ["first call"]
+
+
+def test_cli_list_options_refuse_with_an_example_of_their_own(tmp_path, capsys):
+    """``verify --batches 0`` said "such as 256,128,2": layer widths, --sizes' example."""
+    for argv, example in (
+        (["verify", str(tmp_path), "--batches", "0"], "such as 1,7,128;"),
+        (["export", str(tmp_path / "a"), "--sizes", "8,0"], "such as 256,128,2;"),
+        (["train", "--sizes", "x", "--out", str(tmp_path / "c")], "such as 128,64,10;"),
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert example in err and len(err.splitlines()) == 1, err

@@ -135,7 +135,7 @@ def _run_bench(args: argparse.Namespace) -> None:
 
 
 _MLP = (  # the library's message offers None as an activation: here it is one
-    ("--sizes", {"type": int_list, "default": (256, 128, 2), "help": "layer widths"}),
+    ("--sizes", {"type": int_list("256,128,2"), "default": (256, 128, 2), "help": "layer widths"}),
     ("--in-features", {"type": count, "default": 512}),
     ("--activation", {"type": lambda name: None if name in ("None", "none") else name,
                       "default": "relu", "help": "a jax.nn activation name, or none (linear)"}),
@@ -162,7 +162,8 @@ _COMMANDS = {
     "verify": ("reload an artifact in a fresh process and check it", _run_verify, (
         _ARTIFACT,
         ("--runtime", {"action": "append", "choices": ("jax", "iree"), "help": "repeatable"}),
-        ("--batches", {"type": int_list, "default": (1, 7, 128), "help": "e.g. 1,7,128"}),
+        ("--batches", {"type": int_list("1,7,128"), "default": (1, 7, 128),
+                       "help": "e.g. 1,7,128"}),
         ("--rtol", {"type": _args.nonnegative, "default": 1e-5}),
         ("--atol", {"type": _args.nonnegative, "default": 1e-5}),
         ("--seed", {"type": int, "default": 0, "help": "seeds the random inputs"}),

@@ -53,11 +53,15 @@ nonnegative = _checked(float, lambda v: v >= 0, "a number >= 0")
 port = _checked(int, lambda v: 0 <= v <= 65535, "an int from 0 to 65535 (0: any free port)")
 
 
-int_list = _checked(
-    lambda text: tuple(int(s) for s in text.split(",")),
-    lambda v: min(v) >= 1,
-    "comma-separated ints >= 1 such as 256,128,2",
-)
+def int_list(example: str) -> Any:
+    """The argparse type of comma-separated ints >= 1, its refusal naming ``example``."""
+    return _checked(
+        lambda text: tuple(int(s) for s in text.split(",")),
+        lambda v: min(v) >= 1,
+        f"comma-separated ints >= 1 such as {example}",
+    )
+
+
 batch = _checked(  # --batch: a symbolic dimension's name, or a static size
     lambda text: int(text) if text.isdigit() else text,
     lambda v: v >= 1 if isinstance(v, int) else v.isidentifier(),

@@ -18,7 +18,8 @@ from symjax_mlp.cli import _args
 from symjax_mlp.cli._args import count, positive
 
 _OPTIONS = (
-    ("--sizes", {"type": _args.int_list, "default": (128, 64, 10), "help": "layer widths"}),
+    ("--sizes", {"type": _args.int_list("128,64,10"), "default": (128, 64, 10),
+                 "help": "layer widths"}),
     ("--epochs", {"type": count, "default": 20}),
     ("--batch-size", {"type": count, "default": 64}),
     ("--learning-rate", {"type": positive, "default": 1e-3, "help": "adam's"}),
