@@ -252,12 +252,16 @@ def _key(file: Any, x: np.ndarray, spec: TensorSpec, to: str) -> Any:
     )
 
 
+_NPZ = "Write to a .npz path to keep them all (out0, out1, ...)."
+
+
 def write_outputs(
-    out: Any, target: str | os.PathLike[str] | BinaryIO, *more: tuple[Any, Any]
+    out: Any, target: str | os.PathLike[str] | BinaryIO, *more: tuple[Any, Any], fix: str = _NPZ
 ) -> list[np.ndarray]:
     """Writes a model's outputs: one array as ``.npy`` to a path or stream, or all into a
     ``.npz`` path (``out0``, ...); ``more``: further ``(out, target)`` pairs, all paths or
-    none. Returns the first's arrays; a ``SignatureError`` for several outputs to a ``.npy``."""
+    none. Returns the first's arrays; a ``SignatureError`` for several outputs to a ``.npy``,
+    ``fix`` saying what to do (the caller's ways: the command line's ``--output`` per output)."""
     files, streams, first = [], [], None
     for y, to in ((out, target), *more):
         outs = arrays(y)
@@ -268,8 +272,7 @@ def write_outputs(
         elif len(outs) != 1:
             name = os.fspath(to) if is_path else getattr(to, "name", "the stream")
             raise SignatureError(
-                f"the model returns {len(outs)} arrays, but {name} is one .npy array. Write to "
-                "a .npz path to keep them all (out0, out1, ...)."
+                f"the model returns {len(outs)} arrays, but {name} is one .npy array. {fix}"
             )
         else:
             np.save(buffer, outs[0])

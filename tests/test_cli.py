@@ -685,6 +685,7 @@ def test_run_refuses_several_outputs_for_one_npy(tmp_path, capsys):
     assert main([*run, str(tmp_path / "y.npy")]) == 2
     err = capsys.readouterr().err
     assert f"the model returns 2 arrays, but {tmp_path / 'y.npy'} is one .npy array" in err
+    assert "Pass one --output per output, in order, or one .npz path" in err  # was: .npz alone
     assert not (tmp_path / "y.npy").exists() and "Traceback" not in err
     assert main([*run, str(tmp_path / "y.npz")]) == 0
     with np.load(tmp_path / "y.npz") as got:  # closed: a later test's gc warned of it, failing

@@ -33,6 +33,12 @@ _OPTIONS = (
 )  # fmt: skip
 
 
+_ONE_PER_OUTPUT = (
+    "Pass one --output per output, in order, or one .npz path for them all (out0, out1, ...); "
+    "nothing was written."
+)
+
+
 def run(args: argparse.Namespace) -> None:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
     from symjax_mlp._artifact.format import printable
@@ -59,8 +65,7 @@ def run(args: argparse.Namespace) -> None:
         n, types = len(outputs), ", ".join(o.type for o in outputs)
         raise argparse.ArgumentTypeError(
             f"{len(paths)} --output paths, but the model returns {n} array{'s' if n != 1 else ''}"
-            f", {types}. Pass one --output per output, in order, or one .npz path for them all "
-            "(out0, out1, ...); nothing was written."
+            f", {types}. {_ONE_PER_OUTPUT}"
         )
     if stdin is not None:  # as much as its .npy header declares: a stream may never end
         stdin = read_stream(stdin, what="stdin", memory=memory())
@@ -69,7 +74,7 @@ def run(args: argparse.Namespace) -> None:
     out = model(*read_inputs(files, inputs, names=names))
     to_stdout = sink is not None
     pairs = list(zip(out if len(paths) > 1 else [out], [sink] if to_stdout else paths, strict=True))
-    write_outputs(*pairs[0], *pairs[1:])  # every path, or none of them
+    write_outputs(*pairs[0], *pairs[1:], fix=_ONE_PER_OUTPUT)  # every path, or none of them
     stream = sys.stderr if to_stdout else sys.stdout
     for (y, _), path in zip(pairs, paths, strict=True):
         outs = arrays(y)
