@@ -19,8 +19,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import zoo11
+from flax import nnx
 from jax import random
 from test_authors_round8 import _every_feature
 
@@ -229,3 +231,125 @@ def test_straight_through_estimator_as_an_activation(tmp_path):
     _close(out, jnp.round(out))
     g = jax.grad(lambda r: m(r).sum())(x[:3])
     _close(g, jnp.broadcast_to(p["w"].sum(1), (3, 4)))
+
+
+# -- Flax's docs_nnx/migrating/pytorch_to_jax_flax.rst ------------------------------------------
+CONV = {"convolution"}  # load() names it: an MLP artifact never convolves
+
+
+def _nhwc(t_out):
+    return np.transpose(t_out.detach().cpu().numpy(), (0, 2, 3, 1))  # [N, C, H, W] -> NHWC
+
+
+def _nchw(x):
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(np.transpose(np.array(x), (0, 3, 1, 2)))
+
+
+@pytest.mark.slow
+def test_pytorch_guide_model_and_its_train_step(tmp_path):
+    """``Model(10, 10, 12)``: every feature, batch symbolic; three of the guide's ``train_step``
+    (``nnx.value_and_grad`` of ``loss_function`` over ``nnx.split(model, nnx.Param, ...)``,
+    ``nnx.Optimizer`` of ``optax.adamw(0.001)``) equal the same steps over ``h.apply``."""
+    model = zoo11.Model(10, 10, 12, rngs=nnx.Rngs(12))
+    x = jax.random.normal(random.key(1), (5, 10))
+    y = jax.random.normal(random.key(2), (5, 10))
+    h = sm.hybridize(model)
+    _every_feature(tmp_path, h, model, x)
+    tx = optax.adamw(0.001)
+    params = h.params
+    state = tx.init(params)
+    loss = lambda p: ((h.apply(p, x) - y) ** 2).mean()  # noqa: E731
+    for _ in range(3):
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        params = optax.apply_updates(params, updates)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    losses = [float(zoo11.train_step(model, optimizer, (x, y))) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    _close(params, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    _close(h.replace(params=params)(x), model(x))
+
+
+@pytest.mark.slow
+def test_pytorch_guide_param_and_buffer(tmp_path):
+    """The guide's ``nnx.Param`` beside a ``Buffer`` (its own ``nnx.Variable`` subclass, as
+    torch's ``register_buffer``): every feature, batch symbolic; ``h.apply``'s grads are the
+    Params' (``nnx.grad``'s), the buffer held as ``h.state``, not a param."""
+    model = zoo11.BufferModel(nnx.Rngs(0))
+    x = jax.random.normal(random.key(1), (5, 10))
+    h = sm.hybridize(model)
+    _every_feature(tmp_path, h, model, x)
+    assert "b" not in h.params and h.state["b"].shape == (5,)  # held as state
+    grads = jax.grad(lambda p: h.apply(p, x)[0].sum())(h.params)  # (out, new_state)
+    want = nnx.grad(lambda m: m(x).sum())(model)
+    _close(grads, nnx.to_pure_dict(want))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:'.value' setter")  # the guide's own
+def test_pytorch_guide_jmodel_with_torch_weights(tmp_path):
+    """``JModel`` with ``TModel``'s weights ported as the guide ports them (kernels transposed):
+    the loaded model (batch symbolic; ``x.reshape(x.shape[0], -1)`` of the symbolic batch)
+    equals torch's answers to ``decimal=6`` as the guide's ``assert_almost_equal``; every
+    feature against the nnx model."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+
+    class TModel(torch.nn.Module):
+        def __init__(self):
+            super(TModel, self).__init__()  # noqa: UP008 - as the guide writes it
+            self.conv = torch.nn.Conv2d(
+                in_channels=3, out_channels=4, kernel_size=2, padding="valid"
+            )
+            self.fc = torch.nn.Linear(in_features=100, out_features=2)
+
+        def forward(self, x):
+            x = self.conv(x)
+            x = x.reshape(x.shape[0], -1)
+            x = self.fc(x)
+            return x
+
+    t_model = TModel()
+    j_model = zoo11.JModel(nnx.Rngs(0))
+    sd = {k: v.detach().cpu().numpy() for k, v in t_model.state_dict().items()}
+    j_model.conv.kernel.value = jnp.transpose(sd["conv.weight"], (2, 3, 1, 0))
+    j_model.conv.bias.value = sd["conv.bias"]
+    j_model.linear.kernel.value = jnp.transpose(sd["fc.weight"], (1, 0))
+    j_model.linear.bias.value = sd["fc.bias"]
+    x = random.normal(random.key(0), (4, 6, 6, 3))
+    h = sm.hybridize(j_model)
+    m = _every_feature(tmp_path, h, j_model, x, allow=CONV, rtol=1e-5, atol=1e-5)
+    t_out = t_model(_nchw(x[:3])).detach().cpu().numpy()
+    np.testing.assert_almost_equal(m(np.asarray(x[:3])), t_out, decimal=5)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:'.value' setter")  # the guide's own
+def test_pytorch_guide_batch_norm_pool_and_conv_transpose(tmp_path):
+    """The guide's layers side by side with torch's: ``nnx.BatchNorm(use_running_average=True)``
+    (torch's ``eval()``), ``avg_pool`` by ``nnx.pool`` without padded zeros
+    (``count_include_pad=False``) and ``nnx.ConvTranspose(transpose_kernel=True)`` with
+    ``ConvTranspose2d``'s weights: every feature, batch symbolic; the loaded models equal
+    torch's answers."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    x = random.normal(random.key(0), (4, 6, 6, 3))
+    j_bn = nnx.BatchNorm(num_features=3, momentum=0.9, use_running_average=True, rngs=nnx.Rngs(0))
+    m = _every_feature(tmp_path / "bn", sm.hybridize(j_bn), j_bn, x)
+    t_bn = torch.nn.BatchNorm2d(num_features=3, momentum=0.1)
+    t_bn.eval()
+    np.testing.assert_almost_equal(m(np.asarray(x[:3])), _nhwc(t_bn(_nchw(x[:3]))), decimal=5)
+    p = {"s": jnp.asarray(1.0)}
+    h = sm.hybridize(zoo11.net_avg_pool, p)
+    pool = {"reduce_window", "real_dynamic_slice"}  # load() names them
+    m = _every_feature(tmp_path / "pool", h, lambda r: zoo11.net_avg_pool(p, r), x, allow=pool)
+    t_pool = torch.nn.AvgPool2d(kernel_size=2, stride=1, padding=1, count_include_pad=False)
+    np.testing.assert_almost_equal(m(np.asarray(x[:3])), _nhwc(t_pool(_nchw(x[:3]))), decimal=5)
+    t_conv = torch.nn.ConvTranspose2d(in_channels=3, out_channels=4, kernel_size=2, padding=0)
+    j_conv = nnx.ConvTranspose(
+        3, 4, kernel_size=(2, 2), padding="VALID", transpose_kernel=True, rngs=nnx.Rngs(0)
+    )
+    j_conv.kernel.value = jnp.transpose(t_conv.weight.detach().cpu().numpy(), (2, 3, 1, 0))
+    j_conv.bias.value = t_conv.bias.detach().cpu().numpy()
+    m = _every_feature(tmp_path / "convT", sm.hybridize(j_conv), j_conv, x, allow=CONV)
+    np.testing.assert_almost_equal(m(np.asarray(x[:3])), _nhwc(t_conv(_nchw(x[:3]))), decimal=5)

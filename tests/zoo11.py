@@ -8,10 +8,17 @@ and inputs for tests/test_authors_round11.py.
   over the subkeys (a model drawing from the keys it is given).
 - docs/higher-order.md: ``value_fn``, the TD(0) ``td_loss`` with ``jax.lax.stop_gradient`` of
   its target, and ``straight_through_f`` (``jnp.round`` with a straight-through gradient).
+
+And Flax's docs_nnx/migrating/pytorch_to_jax_flax.rst (google/flax at
+18f8f311c275d57f46d95e41b15aa97b454754c0): ``Model``, the buffer (an ``nnx.Variable``
+subclass), ``JModel`` (a conv transposed to NCHW before its Linear), ``nnx.BatchNorm``,
+the ``nnx.pool`` ``avg_pool`` without padded zeros, ``nnx.ConvTranspose(transpose_kernel=True)``
+and the guide's ``train_step``.
 """
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import random
 
 # --- docs/complex-differentiation.md -------------------------------------------------------
@@ -98,3 +105,89 @@ def straight_through_f(x):
 def net_straight_through(p, x):
     """A dense layer whose activation is ``straight_through_f``: rounds forward, identity back."""
     return straight_through_f(x @ p["w"] + p["b"])
+
+
+# --- flax docs_nnx/migrating/pytorch_to_jax_flax.rst (google/flax at
+# 18f8f311c275d57f46d95e41b15aa97b454754c0); the torch halves are the tests' reference -------
+
+
+class Model(nnx.Module):
+    def __init__(self, n: int, m: int, h: int, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(n, h, rngs=rngs)
+        self.act = nnx.relu
+        self.linear2 = nnx.Linear(h, m, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.linear1(x)
+        x = self.act(x)
+        return self.linear2(x)
+
+
+class Buffer(nnx.Variable):
+    pass
+
+
+class BufferModel(nnx.Module):
+    """The guide's "a learnable parameter and a buffer" (its ``...`` filled in: ``Model``'s
+    layers, and a ``__call__``, ours, that reads both)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.inner = Model(10, 10, 12, rngs=rngs)
+        self.p = nnx.Param(jnp.ones((10,)))
+        self.b = Buffer(jnp.ones(5))
+
+    def __call__(self, x):
+        return self.inner(x) * self.p + self.b.mean()
+
+
+class JModel(nnx.Module):
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(3, 4, kernel_size=(2, 2), padding="valid", rngs=rngs)
+        self.linear = nnx.Linear(100, 2, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.conv(x)
+        # [N, H, W, C] -> [N, C, H, W]
+        x = jnp.transpose(x, (0, 3, 1, 2))
+        x = jnp.reshape(x, (x.shape[0], -1))
+        x = self.linear(x)
+        return x
+
+
+def avg_pool(inputs, window_shape, strides=None, padding="VALID"):
+    """
+    Pools the input by taking the average over a window.
+    In comparison to nnx.avg_pool(), this pooling operation does not
+    consider the padded zero's for the average computation.
+    """
+    assert len(window_shape) == 2
+
+    y = nnx.pool(inputs, 0.0, jax.lax.add, window_shape, strides, padding)
+    counts = nnx.pool(jnp.ones_like(inputs), 0.0, jax.lax.add, window_shape, strides, padding)
+    y = y / counts
+    return y
+
+
+def net_avg_pool(p, x):
+    """The guide's ``avg_pool(x, window_shape=(2, 2), strides=(1, 1), padding=((1, 1), (1, 1)))``
+    of scaled images."""
+    return avg_pool(p["s"] * x, window_shape=(2, 2), strides=(1, 1), padding=((1, 1), (1, 1)))
+
+
+def loss_function(params, graphdef, nondiff, x, y):
+    """The guide's ``loss_function`` without its ``rngs`` (its ``Model`` takes none: the guide's
+    ``model(x, rngs=rngs)`` raises TypeError)."""
+    model = nnx.merge(graphdef, params, nondiff)
+    logits = model(x)
+    # For example, we compute MSE
+    return ((logits - y) ** 2).mean()
+
+
+@nnx.jit(donate_argnames=("model", "optimizer"))
+def train_step(model, optimizer, batch):
+    x, y = batch
+    graphdef, params, nondiff = nnx.split(model, nnx.Param, ...)
+    grad_fn = nnx.value_and_grad(loss_function)
+    loss, grads = grad_fn(params, graphdef, nondiff, x, y)
+    optimizer.update(model, grads)
+    return loss
