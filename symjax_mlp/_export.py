@@ -30,7 +30,8 @@ from symjax_mlp._artifact.format import (
     entry_files,
     printable,
 )
-from symjax_mlp._artifact.reading import Artifact, freeze, mlir_arguments
+from symjax_mlp._artifact.module import mlir_arguments
+from symjax_mlp._artifact.reading import Artifact, freeze
 from symjax_mlp._artifact.signature import Signature, admits_any
 from symjax_mlp._artifact.weights import encode
 from symjax_mlp._errors import (

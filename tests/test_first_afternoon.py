@@ -9,6 +9,7 @@ keyword with no command-line twin, a keyword spelt one way in ``load`` and refus
 from __future__ import annotations
 
 import inspect
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +18,26 @@ import pytest
 import symjax_mlp as sm
 from symjax_mlp import cli
 
-#: public names still without a docstring, each owned elsewhere: _artifact/reading.py is at
-#: its 400 lines (proposed to its owner in session 57's report)
-_UNDOCUMENTED = {"Artifact.platforms"}
+#: public names still without a docstring
+_UNDOCUMENTED = set()
+
+#: public functions and methods whose docstrings do not yet name an argument, ``where(arg)``:
+#: session 57 left these (the chapter's teaching helpers; a Step's, HybridSequential's, named
+#: in their class's docstring)
+_ARGUMENTS_UNNAMED = {
+    "CallTiming.over_compiled(mode)", "Hybrid.fn_with_state(params)",
+    "HybridConcurrent.__call__(x)", "HybridSequential.__call__(x)", "Signature.from_json(d)",
+    "Signature.check(caller)", "TensorSpec.from_json(d)", "training.Step.__call__(params)",
+    "training.Step.__call__(opt_state)", "training.Step.__call__(x)",
+    "training.Step.__call__(y)", "training.Step.__call__(w)", "chapter.HybridNet.__call__(x)",
+    "chapter.chapter_mlp(sizes)", "chapter.chapter_mlp(activation)", "chapter.chapter_mlp(seed)",
+    "chapter.describe_mlp(sizes)", "chapter.describe_mlp(in_features)",
+    "chapter.describe_mlp(batch)", "chapter.describe_mlp(activation)",
+    "chapter.describe_mlp(format)", "chapter.export_mlp(path)", "chapter.export_mlp(activation)",
+    "chapter.export_mlp(platforms)", "chapter.export_mlp(overwrite)", "chapter.fancy_func(a)",
+    "chapter.fancy_func(b)", "chapter.fancy_func(c)", "chapter.fancy_func(d)",
+    "chapter.tour(calls)", "chapter.tour(print)",
+}  # fmt: skip
 
 
 def _public(module):
@@ -48,6 +66,41 @@ def test_every_public_name_and_its_public_methods_have_a_docstring():
                 if not attr.startswith("_") and documented and not inspect.getdoc(member):
                     missing.append(f"{obj.__name__}.{attr}")
     assert set(missing) == _UNDOCUMENTED, sorted(set(missing) - _UNDOCUMENTED)
+
+
+def _unnamed_arguments(where, fn):
+    doc = inspect.getdoc(fn) or ""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [
+        f"{where}({p.name})"
+        for p in parameters
+        if p.name not in ("self", "cls") and p.kind not in variadic
+        and not re.search(rf"\b{re.escape(p.name)}\b", doc)
+    ]  # fmt: skip
+
+
+def test_public_functions_and_methods_name_their_arguments():
+    """Artifact.op_counts(entry), Hybrid.hybridize(active), Hybrid.shard(axis, pad),
+    BatcherStats.to_prometheus(prefix), ShardedStep.__call__/lower and Graph.of/traced(name):
+    help() showed an argument its docstring never said a word of."""
+    unnamed = []
+    for module in (sm, sm.serving, sm.training, sm.chapter):
+        for where, obj in _public(module):
+            if inspect.ismodule(obj):
+                continue
+            if not isinstance(obj, type):
+                unnamed += _unnamed_arguments(where, obj) if callable(obj) else []
+                continue
+            for attr, value in vars(obj).items():
+                member = getattr(value, "__func__", value)  # a classmethod's function
+                public = not attr.startswith("_") or attr == "__call__"
+                if public and callable(member) and not isinstance(member, type):
+                    unnamed += _unnamed_arguments(f"{where}.{attr}", member)
+    assert set(unnamed) == _ARGUMENTS_UNNAMED, sorted(set(unnamed) ^ _ARGUMENTS_UNNAMED)
 
 
 def test_the_training_step_type_is_documented_as_what_train_step_returns():

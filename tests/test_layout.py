@@ -50,6 +50,7 @@ STAGES = (
     "symjax_mlp._artifact.walk",
     "symjax_mlp._artifact.rows",
     "symjax_mlp._artifact.checker",
+    "symjax_mlp._artifact.module",
     "symjax_mlp._artifact.reading",
     "symjax_mlp._artifact",
     "symjax_mlp._signing",

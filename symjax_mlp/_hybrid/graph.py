@@ -91,7 +91,8 @@ class Graph:
 
     @classmethod
     def of(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
-        """Stages ``fn(*args, **kwargs)``, Python settings static (:func:`stage`)."""
+        """Stages ``fn(*args, **kwargs)``, Python settings static (:func:`stage`); ``name``
+        names the graph and its errors (``stage(name)``)."""
         fix = f"Pass them as {name} takes them: stage({name})({{call}})."
         unbound = unbindable(f"stage({name})", fn, args, kwargs, skip=0, fix=fix, whose=name + "'s")
         if unbound := unbound or _unbound_apply(fn, name, args, kwargs):  # (apply passes them on)
@@ -112,7 +113,8 @@ class Graph:
 
     @classmethod
     def traced(cls, fn: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Graph:
-        """Stages ``fn(*args, **kwargs)``, every argument traced (a Hybrid's split call)."""
+        """Stages ``fn(*args, **kwargs)``, every argument traced (a Hybrid's split call);
+        ``name`` names the graph and its errors (the Hybrid's)."""
         with symbolic(name):
             jaxpr = jax.make_jaxpr(fn)(*args, **kwargs)
         return cls(jaxpr, name, lambda: jax.jit(fn).lower(*args, **kwargs))

@@ -19,7 +19,7 @@ from symjax_mlp._hybrid import params as _params
 from symjax_mlp._hybrid import pure as _pure
 from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY
-from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit, refuse_nested_nnx_state
+from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit
 from symjax_mlp._hybrid.pure.nnx_module import write_back
 from symjax_mlp._hybrid.settings import check_settings, static_args
 from symjax_mlp._hybrid.staged import Staged
@@ -175,9 +175,7 @@ class Hybrid(Staged, NoPickle):
         settings |= changes
         params, state = settings.pop("params"), settings.pop("state")
         if "params" in changes:  # (None: refused, as hybridize(fn, None) is)
-            _pure.refuse_none_params(f"{self.name}.replace(params=None)", params)
-            refuse_nested_nnx_state(f"{self.name}.replace(params=...)", params)
-            _pure.refuse_resized(f"{self.name}.replace(params=...)", self.kind, self.params, params)
+            _pure.refuse_new_params(self.name, self.kind, self.params, params)
         tail = ", or leave state out to keep the held one"
         state = refit(f"{self.name}.replace(state=...)", self.state, state, tail)
         if self.donate and not settings["donate"] and "state" not in changes:
@@ -368,11 +366,13 @@ class Hybrid(Staged, NoPickle):
         return self
 
     def hybridize(self, active: bool = True) -> Hybrid:
-        """A twin, compiled (``True``) or eager; it shares params and callbacks, not traces."""
+        """A twin compiled if ``active``, else eager; it shares params and callbacks, not traces."""
         return self.replace(compiled=active)
 
     def shard(self, mesh: Mesh | None = None, *, axis: str = "data", pad: bool = True) -> Hybrid:
-        """This Hybrid run data-parallel over ``mesh``; see :func:`~symjax_mlp.shard`."""
+        """This Hybrid run data-parallel over ``mesh`` (default: every device) along its
+        ``axis``, a batch the shards do not divide padded and trimmed (``pad``) or refused; see
+        :func:`~symjax_mlp.shard`."""
         mesh = _mesh.data_mesh(axis=axis) if mesh is None else mesh
         return self.replace(mesh=mesh, axis=axis, pad=pad)
 

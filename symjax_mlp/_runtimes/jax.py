@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.core import Tracer
 
-from symjax_mlp._artifact import reading
+from symjax_mlp._artifact import module
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._compat import skipping_lapack
 from symjax_mlp._errors import ArtifactError, ConfigError
@@ -34,7 +34,7 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
         raise ArtifactError(
             f"{path / JAXEXPORT}: the artifact uses jax.export calling convention version "
             f"{version}, but jax {jax.__version__} loads versions {lo} to {hi} only: it is outside "
-            f"JAX's compatibility window. {reading.compatibility_note(manifest)}"
+            f"JAX's compatibility window. {module.compatibility_note(manifest)}"
         )
     here = jax.export.default_export_platform()
     listed = tuple(manifest["platforms"])
@@ -59,9 +59,9 @@ _MAX_CALLS = 8
 
 
 def deserialize(path: Path, manifest: Mapping[str, Any], blobs: Mapping[str, Any]) -> Any:
-    """:func:`~symjax_mlp._artifact.reading.deserialize`, of the module loaded before if any."""
+    """:func:`~symjax_mlp._artifact.module.deserialize`, of the module loaded before if any."""
     cached = _CALLS.get(manifest["files"][program_file(manifest, JAXEXPORT)]["sha256"])
-    return reading.deserialize(path, manifest, blobs, cached[0] if cached else None)
+    return module.deserialize(path, manifest, blobs, cached[0] if cached else None)
 
 
 def runner(

@@ -79,7 +79,8 @@ class BatcherStats:
         return {**dataclasses.asdict(self), "mean_batch_rows": self.mean_batch_rows}
 
     def to_prometheus(self, prefix: str = "symjax_mlp_batcher") -> str:
-        """The counters in Prometheus' text exposition format (version 0.0.4).
+        """The counters in Prometheus' text exposition format (version 0.0.4), each metric's
+        name beginning with ``prefix`` (a Prometheus metric name): ``{prefix}_rows_total``, ...
 
         Example:
           >>> import jax.numpy as jnp

@@ -84,11 +84,15 @@ class ShardedStep:
         return tuple(place(a, self.batch_sharding) for a in arrays)
 
     def __call__(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any = None) -> Any:
-        """One step: ``(params, opt_state, metrics)``, all replicated."""
+        """One step of ``params`` and ``opt_state`` (replicated) on the batch ``x``, ``y`` and
+        row weights ``w`` (``None``: ones), padded with weight-0 rows to divide over the shards
+        and split: the new ``(params, opt_state, metrics)``, all replicated."""
         return self._jitted(*self._placed(params, opt_state, x, y, w))
 
     def lower(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any = None):
-        """The lowered step; ``.compile().as_text()`` shows XLA's all-reduce of the gradients."""
+        """The step lowered for these ``params``, ``opt_state``, ``x``, ``y`` and ``w``, placed
+        as :meth:`__call__` places them; ``.compile().as_text()`` shows XLA's all-reduce of the
+        gradients."""
         return self._jitted.lower(*self._placed(params, opt_state, x, y, w))
 
     def _placed(self, params: Any, opt_state: Any, x: Any, y: Any, w: Any) -> tuple[Any, ...]:

@@ -186,10 +186,14 @@ _NONE_PARAMS = (
 )
 
 
-def refuse_none_params(caller: str, params: Any) -> None:
-    """Refuses params of None (``h.replace(params=None)``), as ``hybridize(fn, None)`` is."""
+def refuse_new_params(name: str, kind: str, held: Any, params: Any) -> None:
+    """The checks of ``h.replace(params=...)`` on the Hybrid ``name`` of ``kind``, holding
+    ``held``: params of None (as ``hybridize(fn, None)``), an nnx state nested in them, an
+    equinox layer of another size (:func:`refuse_resized`)."""
     if params is None:
-        raise ConfigError(_NONE_PARAMS.format(caller=caller))
+        raise ConfigError(_NONE_PARAMS.format(caller=f"{name}.replace(params=None)"))
+    refuse_nested_nnx_state(f"{name}.replace(params=...)", params)
+    refuse_resized(f"{name}.replace(params=...)", kind, held, params)
 
 
 _UNFIT_PARAMS = (
