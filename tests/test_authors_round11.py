@@ -13,6 +13,11 @@ the original's own steps where it trains.
 - higher-order.md: ``td_loss``'s ``stop_gradient`` survives export (the loaded model's grads
   are TD(0)'s), its update steps over ``h.apply`` equal the docs' ``td_update``; the
   straight-through estimator's grads are the identity's through the loaded model.
+- jacobian-vector-products.md: the Hybrid takes the docs' three HVPs; the loaded model takes
+  reverse over reverse and refuses forward mode naming ``jax.jacrev``.
+- Flax's pytorch_to_jax_flax.rst: ``Model`` and its ``train_step``, a Param beside a Buffer,
+  and ``JModel``, ``BatchNorm``, ``avg_pool``, ``ConvTranspose`` with torch's weights, equal to
+  torch's answers as the guide asserts.
 """
 
 import chex
@@ -353,3 +358,31 @@ def test_pytorch_guide_batch_norm_pool_and_conv_transpose(tmp_path):
     j_conv.bias.value = t_conv.bias.detach().cpu().numpy()
     m = _every_feature(tmp_path / "convT", sm.hybridize(j_conv), j_conv, x, allow=CONV)
     np.testing.assert_almost_equal(m(np.asarray(x[:3])), _nhwc(t_conv(_nchw(x[:3]))), decimal=5)
+
+
+@pytest.mark.slow
+def test_jacobian_vector_products_hvps_of_the_loaded_model(tmp_path):
+    """jacobian-vector-products.md's ``predict`` (its ``sigmoid``, its toy ``inputs``): the
+    Hybrid takes the docs' three Hessian-vector products (reverse over reverse, forward over
+    reverse, reverse over forward) and ``vgrad``, equal to the plain net's; the loaded model
+    (``vjp_order=2``) takes ``vgrad`` and reverse over reverse, equal, and refuses the forward
+    ones naming ``jax.jacrev`` (jax.export keeps VJPs only)."""
+    p = {"W": jax.random.normal(random.key(1), (3,)), "b": jnp.asarray(0.3)}
+    x, v = zoo11.inputs, 0.1 * jax.random.normal(random.key(2), zoo11.inputs.shape)
+    ref = lambda r: zoo11.net_predict(p, r)  # noqa: E731
+    h = sm.hybridize(zoo11.net_predict, p)
+    loss = lambda f: lambda X: jnp.sum(jnp.tanh(f(X)) ** 2)  # noqa: E731 - the docs' f over it
+    for how in (
+        lambda f: zoo11.vgrad(f, x),
+        lambda f: zoo11.hvp_rev(loss(f), x, v),
+        lambda f: zoo11.hvp(loss(f), (x,), (v,)),
+        lambda f: zoo11.hvp_revfwd(loss(f), (x,), (v,))[0],
+    ):
+        _close(how(h), how(ref))
+    sm.export(h, tmp_path / "m", example=(x,), vjp_order=2)
+    m = sm.load(tmp_path / "m")
+    _close(zoo11.vgrad(m, x), zoo11.vgrad(ref, x))
+    _close(zoo11.hvp_rev(loss(m), x, v), zoo11.hvp_rev(loss(ref), x, v))
+    for forward in (zoo11.hvp, zoo11.hvp_revfwd):
+        with pytest.raises(sm.ConfigError, match=r"reverse mode only.*Use jax\.jacrev"):
+            forward(loss(m), (x,), (v,))

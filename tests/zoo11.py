@@ -8,6 +8,8 @@ and inputs for tests/test_authors_round11.py.
   over the subkeys (a model drawing from the keys it is given).
 - docs/higher-order.md: ``value_fn``, the TD(0) ``td_loss`` with ``jax.lax.stop_gradient`` of
   its target, and ``straight_through_f`` (``jnp.round`` with a straight-through gradient).
+- docs/jacobian-vector-products.md: ``predict`` (its ``sigmoid``), ``vgrad`` and the three
+  Hessian-vector products (reverse/reverse, forward/reverse, reverse/forward).
 
 And Flax's docs_nnx/migrating/pytorch_to_jax_flax.rst (google/flax at
 18f8f311c275d57f46d95e41b15aa97b454754c0): ``Model``, the buffer (an ``nnx.Variable``
@@ -191,3 +193,46 @@ def train_step(model, optimizer, batch):
     loss, grads = grad_fn(params, graphdef, nondiff, x, y)
     optimizer.update(model, grads)
     return loss
+
+
+# --- docs/jacobian-vector-products.md (jax-ml/jax, the commit above) ------------------------
+
+
+# Define a sigmoid function.
+def sigmoid(x):
+    return 0.5 * (jnp.tanh(x / 2) + 1)
+
+
+# Outputs probability of a label being true.
+def predict(W, b, inputs):
+    return sigmoid(jnp.dot(inputs, W) + b)
+
+
+# Build a toy dataset.
+inputs = jnp.array(
+    [[0.52, 1.12, 0.77], [0.88, -1.08, 0.15], [0.52, 0.06, -1.30], [0.74, -2.49, 1.39]]
+)
+
+
+def net_predict(p, inputs):
+    return predict(p["W"], p["b"], inputs)
+
+
+def vgrad(f, x):
+    y, vjp_fn = jax.vjp(f, x)
+    return vjp_fn(jnp.ones(y.shape))[0]
+
+
+def hvp_rev(f, x, v):  # the docs' first ``hvp``: reverse over reverse
+    return jax.grad(lambda x: jnp.vdot(jax.grad(f)(x), v))(x)
+
+
+# forward-over-reverse
+def hvp(f, primals, tangents):
+    return jax.jvp(jax.grad(f), primals, tangents)[1]
+
+
+# Reverse-over-forward
+def hvp_revfwd(f, primals, tangents):
+    g = lambda primals: jax.jvp(f, primals, tangents)[1]  # noqa: E731 - as the docs write it
+    return jax.grad(g)(primals)
