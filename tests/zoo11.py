@@ -10,6 +10,8 @@ and inputs for tests/test_authors_round11.py.
   its target, and ``straight_through_f`` (``jnp.round`` with a straight-through gradient).
 - docs/jacobian-vector-products.md: ``predict`` (its ``sigmoid``), ``vgrad`` and the three
   Hessian-vector products (reverse/reverse, forward/reverse, reverse/forward).
+- docs/pytrees.md: ``init_mlp_params`` (NumPy float64 leaves in a list of dicts), ``forward``,
+  ``loss_fn`` and the jitted SGD ``update`` by ``jax.tree.map``.
 
 And Flax's docs_nnx/migrating/pytorch_to_jax_flax.rst (google/flax at
 18f8f311c275d57f46d95e41b15aa97b454754c0): ``Model``, the buffer (an ``nnx.Variable``
@@ -20,6 +22,7 @@ and the guide's ``train_step``.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import random
 
@@ -236,3 +239,48 @@ def hvp(f, primals, tangents):
 def hvp_revfwd(f, primals, tangents):
     g = lambda primals: jax.jvp(f, primals, tangents)[1]  # noqa: E731 - as the docs write it
     return jax.grad(g)(primals)
+
+
+# --- docs/pytrees.md (jax-ml/jax, the commit above) ------------------------------------------
+
+
+def init_mlp_params(layer_widths):
+    params = []
+    for n_in, n_out in zip(layer_widths[:-1], layer_widths[1:]):  # noqa: B905, RUF007 - as written
+        params.append(
+            dict(
+                weights=np.random.normal(size=(n_in, n_out)) * np.sqrt(2 / n_in),
+                biases=np.ones(shape=(n_out,)),
+            )
+        )
+    return params
+
+
+# Define the forward pass.
+def forward(params, x):
+    *hidden, last = params
+    for layer in hidden:
+        x = jax.nn.relu(x @ layer["weights"] + layer["biases"])
+    return x @ last["weights"] + last["biases"]
+
+
+# Define the loss function.
+def loss_fn(params, x, y):
+    return jnp.mean((forward(params, x) - y) ** 2)
+
+
+# Set the learning rate.
+LEARNING_RATE = 0.0001
+
+
+# Using the stochastic gradient descent, define the parameter update function.
+# Apply `@jax.jit` for JIT compilation (speed).
+@jax.jit
+def update(params, x, y):
+    # Calculate the gradients with `jax.grad`.
+    grads = jax.grad(loss_fn)(params, x, y)
+    # Note that `grads` is a pytree with the same structure as `params`.
+    # `jax.grad` is one of many JAX functions that has
+    # built-in support for pytrees.
+    # This is useful - you can apply the SGD update using JAX pytree utilities.
+    return jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads)
