@@ -23,6 +23,7 @@ and the guide's ``train_step``.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import zoo8
 from flax import nnx
 from jax import random
 
@@ -201,20 +202,9 @@ def train_step(model, optimizer, batch):
 # --- docs/jacobian-vector-products.md (jax-ml/jax, the commit above) ------------------------
 
 
-# Define a sigmoid function.
-def sigmoid(x):
-    return 0.5 * (jnp.tanh(x / 2) + 1)
-
-
-# Outputs probability of a label being true.
-def predict(W, b, inputs):
-    return sigmoid(jnp.dot(inputs, W) + b)
-
-
-# Build a toy dataset.
-inputs = jnp.array(
-    [[0.52, 1.12, 0.77], [0.88, -1.08, 0.15], [0.52, 0.06, -1.30], [0.74, -2.49, 1.39]]
-)
+# ``sigmoid``, ``predict`` and the toy ``inputs`` as autodiff_cookbook.md writes them, word for
+# word: zoo8's copy.
+sigmoid, predict, inputs = zoo8.sigmoid, zoo8.predict, zoo8.inputs
 
 
 def net_predict(p, inputs):

@@ -136,9 +136,10 @@ _EXAMPLE = (
     "dimension, e.g. x[None]."
 )
 _KEY = (
-    "Batcher(example=...): input {i} is a typed rng key ({dtype}{shape}), one value shared by "
-    "every row, while a batcher merges the rows of many requests. Serve a function closing over "
-    "it: sm.hybridize(lambda params, x: model.apply(params, x, key), variables), example=x."
+    "Batcher(example=...): input {i} is a typed rng key ({dtype}{shape}), which a batcher cannot "
+    "merge into NumPy buffers. Serve a function closing over it: sm.hybridize(lambda params, x: "
+    "model.apply(params, x, key), variables), example=x; for a key per row, a function of "
+    "jax.random.key_data(keys) (uint32 rows) that calls jax.random.wrap_key_data on it."
 )
 
 
