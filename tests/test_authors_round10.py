@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zoo10
+from features import every_feature
 from flax import nnx
-from test_authors_round8 import _every_feature
 
 import symjax_mlp as sm
 
@@ -48,7 +48,7 @@ def test_custom_interpreter_eval_jaxpr_as_a_model(tmp_path):
     x = _n((5, 4), 1)
     h = sm.hybridize(zoo10.net_eval, p)
     _close(h(x), zoo10.f_dense(p["w"], p["b"], x))
-    _every_feature(tmp_path, h, lambda r: zoo10.net_eval(p, r), x)
+    every_feature(tmp_path, h, lambda r: zoo10.net_eval(p, r), x)
 
 
 @pytest.mark.slow
@@ -60,7 +60,7 @@ def test_custom_interpreter_inverse_as_a_model(tmp_path):
     y = zoo10.f(x)
     h = sm.hybridize(zoo10.net_inverse, p)
     _close(h(y), 2.0 * x, rtol=1e-4, atol=1e-4)
-    _every_feature(tmp_path, h, lambda r: zoo10.net_inverse(p, r), y, rtol=1e-4, atol=1e-4)
+    every_feature(tmp_path, h, lambda r: zoo10.net_inverse(p, r), y, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
@@ -70,10 +70,10 @@ def test_convolve_smoothing_1d_and_2d(tmp_path):
     p = {"s": jnp.asarray(1.5)}
     y = jnp.sin(jnp.linspace(0, 10, 24)) + 0.2 * _n((4, 24), 3)
     h = sm.hybridize(zoo10.net_smooth, p)
-    _every_feature(tmp_path / "1d", h, lambda r: zoo10.net_smooth(p, r), y, allow=CONV)
+    every_feature(tmp_path / "1d", h, lambda r: zoo10.net_smooth(p, r), y, allow=CONV)
     img = 50 * _n((4, 12, 10), 4)
     h2 = sm.hybridize(zoo10.net_smooth_image, p)
-    _every_feature(
+    every_feature(
         tmp_path / "2d",
         h2,
         lambda r: zoo10.net_smooth_image(p, r),
@@ -93,7 +93,7 @@ def test_conv_general_dilated_with_dimension_numbers(name, tmp_path):
     img = zoo10.make_img(4) + 0.1 * _n((4, 12, 10, 3), 5)
     net = zoo10.net_conv(*zoo10.CONVS[name])
     h = sm.hybridize(net, p)
-    _every_feature(tmp_path, h, lambda r: net(p, r), img, allow=CONV, rtol=1e-4, atol=1e-4)
+    every_feature(tmp_path, h, lambda r: net(p, r), img, allow=CONV, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
@@ -205,7 +205,7 @@ def test_jit_methods_strategy_3_pytree_class_as_params(tmp_path):
     c = zoo10.CustomClass(jnp.array(2.0), True)
     h = sm.hybridize(lambda c, y: c.calc(y), c)
     y = _n((5, 3), 7)
-    _every_feature(tmp_path / "s3", h, lambda r: c.calc(r), y)
+    every_feature(tmp_path / "s3", h, lambda r: c.calc(r), y)
     off = zoo10.CustomClass(jnp.array(2.0), False)
     _close(h.apply(off, y), off.calc(y))
     _close(jax.grad(lambda c: h.apply(c, y).sum())(c).x, jax.grad(lambda c: c.calc(y).sum())(c).x)
@@ -237,7 +237,7 @@ def test_automatic_vectorization_convolves(name, tmp_path):
     w, xs = jnp.array([2.0, 3.0, 4.0]), _n((4, 5), 8)
     net = VECTORIZED[name]
     allow = {"dynamic_gather", "real_dynamic_slice", "dynamic_slice", "scatter"}
-    _every_feature(tmp_path, sm.hybridize(net, w), lambda r: net(w, r), xs, allow=allow)
+    every_feature(tmp_path, sm.hybridize(net, w), lambda r: net(w, r), xs, allow=allow)
 
 
 @pytest.mark.slow
@@ -284,7 +284,7 @@ def test_nnx_demo_surgery_monkey_patched_block(tmp_path):
     model.eval()
     ref.eval()
     fresh = lambda r: nnx.clone(ref)(r)  # noqa: E731 - its Count written under jax.grad too
-    _every_feature(tmp_path, h, fresh, x, rtol=1e-4, atol=1e-4)
+    every_feature(tmp_path, h, fresh, x, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -27,9 +27,9 @@ import numpy as np
 import optax
 import pytest
 import zoo11
+from features import every_feature
 from flax import nnx
 from jax import random
-from test_authors_round8 import _every_feature
 
 import symjax_mlp as sm
 
@@ -231,7 +231,7 @@ def test_straight_through_estimator_as_an_activation(tmp_path):
     p = {"w": jax.random.normal(random.key(0), (4, 3)) * 2.0, "b": jnp.full((3,), 0.1)}
     x = jax.random.normal(random.key(1), (5, 4))
     h = sm.hybridize(zoo11.net_straight_through, p)
-    m = _every_feature(tmp_path, h, lambda r: zoo11.net_straight_through(p, r), x)
+    m = every_feature(tmp_path, h, lambda r: zoo11.net_straight_through(p, r), x)
     out = m(np.asarray(x[:3]))
     _close(out, jnp.round(out))
     g = jax.grad(lambda r: m(r).sum())(x[:3])
@@ -260,7 +260,7 @@ def test_pytorch_guide_model_and_its_train_step(tmp_path):
     x = jax.random.normal(random.key(1), (5, 10))
     y = jax.random.normal(random.key(2), (5, 10))
     h = sm.hybridize(model)
-    _every_feature(tmp_path, h, model, x)
+    every_feature(tmp_path, h, model, x)
     tx = optax.adamw(0.001)
     params = h.params
     state = tx.init(params)
@@ -283,7 +283,7 @@ def test_pytorch_guide_param_and_buffer(tmp_path):
     model = zoo11.BufferModel(nnx.Rngs(0))
     x = jax.random.normal(random.key(1), (5, 10))
     h = sm.hybridize(model)
-    _every_feature(tmp_path, h, model, x)
+    every_feature(tmp_path, h, model, x)
     assert "b" not in h.params and h.state["b"].shape == (5,)  # held as state
     grads = jax.grad(lambda p: h.apply(p, x)[0].sum())(h.params)  # (out, new_state)
     want = nnx.grad(lambda m: m(x).sum())(model)
@@ -323,7 +323,7 @@ def test_pytorch_guide_jmodel_with_torch_weights(tmp_path):
     j_model.linear.bias.value = sd["fc.bias"]
     x = random.normal(random.key(0), (4, 6, 6, 3))
     h = sm.hybridize(j_model)
-    m = _every_feature(tmp_path, h, j_model, x, allow=CONV, rtol=1e-5, atol=1e-5)
+    m = every_feature(tmp_path, h, j_model, x, allow=CONV, rtol=1e-5, atol=1e-5)
     t_out = t_model(_nchw(x[:3])).detach().cpu().numpy()
     np.testing.assert_almost_equal(m(np.asarray(x[:3])), t_out, decimal=5)
 
@@ -340,14 +340,14 @@ def test_pytorch_guide_batch_norm_pool_and_conv_transpose(tmp_path):
     torch.manual_seed(0)
     x = random.normal(random.key(0), (4, 6, 6, 3))
     j_bn = nnx.BatchNorm(num_features=3, momentum=0.9, use_running_average=True, rngs=nnx.Rngs(0))
-    m = _every_feature(tmp_path / "bn", sm.hybridize(j_bn), j_bn, x)
+    m = every_feature(tmp_path / "bn", sm.hybridize(j_bn), j_bn, x)
     t_bn = torch.nn.BatchNorm2d(num_features=3, momentum=0.1)
     t_bn.eval()
     np.testing.assert_almost_equal(m(np.asarray(x[:3])), _nhwc(t_bn(_nchw(x[:3]))), decimal=5)
     p = {"s": jnp.asarray(1.0)}
     h = sm.hybridize(zoo11.net_avg_pool, p)
     pool = {"reduce_window", "real_dynamic_slice"}  # load() names them
-    m = _every_feature(tmp_path / "pool", h, lambda r: zoo11.net_avg_pool(p, r), x, allow=pool)
+    m = every_feature(tmp_path / "pool", h, lambda r: zoo11.net_avg_pool(p, r), x, allow=pool)
     t_pool = torch.nn.AvgPool2d(kernel_size=2, stride=1, padding=1, count_include_pad=False)
     np.testing.assert_almost_equal(m(np.asarray(x[:3])), _nhwc(t_pool(_nchw(x[:3]))), decimal=5)
     t_conv = torch.nn.ConvTranspose2d(in_channels=3, out_channels=4, kernel_size=2, padding=0)
@@ -356,7 +356,7 @@ def test_pytorch_guide_batch_norm_pool_and_conv_transpose(tmp_path):
     )
     j_conv.kernel.value = jnp.transpose(t_conv.weight.detach().cpu().numpy(), (2, 3, 1, 0))
     j_conv.bias.value = t_conv.bias.detach().cpu().numpy()
-    m = _every_feature(tmp_path / "convT", sm.hybridize(j_conv), j_conv, x, allow=CONV)
+    m = every_feature(tmp_path / "convT", sm.hybridize(j_conv), j_conv, x, allow=CONV)
     np.testing.assert_almost_equal(m(np.asarray(x[:3])), _nhwc(t_conv(_nchw(x[:3]))), decimal=5)
 
 

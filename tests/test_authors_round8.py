@@ -35,44 +35,10 @@ import numpy as np
 import optax
 import pytest
 import zoo8
+from features import close, every_feature
 from flax import linen as nn
 
 import symjax_mlp as sm
-
-TOL = {"rtol": 2e-5, "atol": 2e-5}
-
-
-def _close(a, b, **tol):
-    chex.assert_trees_all_close(a, b, **(tol or TOL))
-
-
-def _every_feature(tmp_path, h, ref, x, *, allow=None, batch="b", **ref_tol):
-    """``h`` (a Hybrid of ``ref``, a function of the inputs ``x``) over every feature; returns
-    the loaded model (its artifact of ``vjp_order=2``, ``batch`` symbolic)."""
-    tol = ref_tol or TOL
-    _close(h(x), ref(x), **tol)
-    graph = h.graph(x)
-    assert graph.flops > 0 and graph.primitive_counts
-    sm.export(h, tmp_path / "m", example=(x,), batch=batch, vjp_order=2)
-    m = sm.load(tmp_path / "m", allow=allow)
-    rows = x[:3] if batch else x
-    _close(m(np.asarray(rows)), ref(rows), **tol)
-    one = lambda f: lambda r: f(r[None]).sum()  # noqa: E731 - one row's scalar
-    _close(jax.grad(lambda r: m(r).sum())(rows), jax.grad(lambda r: ref(r).sum())(rows), **tol)
-    if batch:  # per-row grads and Hessians, one row a call
-        _close(jax.vmap(jax.grad(one(m)))(x), jax.vmap(jax.grad(one(ref)))(x), **tol)
-        hess = lambda f: jax.jacrev(jax.jacrev(one(f)))(x[0])  # noqa: E731
-    else:  # a static batch: the whole batch's Hessian
-        hess = lambda f: jax.jacrev(jax.jacrev(lambda r: f(r).sum()))(x)  # noqa: E731
-    _close(hess(m), hess(ref), **tol)
-    if batch:
-        with sm.serving.Batcher(m, max_batch=4) as b:
-            got = [b.submit(np.asarray(x[i : i + 1])).result(30) for i in range(2)]
-        _close(np.concatenate(got), ref(x[:2]), **tol)
-    else:  # a static batch: served one request of its rows at a time
-        with sm.serving.Batcher(m) as b:
-            _close(b.submit(np.asarray(x)).result(30), ref(x), **tol)
-    return m
 
 
 def _dense():
@@ -103,11 +69,11 @@ def test_custom_derivative_rules_hybridize_export_and_differentiate_as_written(n
         sm.export(h, tmp_path / "refused", example=(x,))
         with pytest.raises(sm.ArtifactError, match=r"allow=\{'while'\}"):
             sm.load(tmp_path / "refused")
-    _every_feature(tmp_path, h, lambda r: fn(p, r), x, allow=allow)
+    every_feature(tmp_path, h, lambda r: fn(p, r), x, allow=allow)
     if name == "clip_sin":  # the custom VJP is what grad runs: its cotangents clipped
         big = jnp.full((1, 4), 3.0)
         g = jax.grad(lambda r: (100.0 * sm.load(tmp_path / "m")(r)).sum())(big)
-        _close(g, jax.grad(lambda r: (100.0 * fn(p, r)).sum())(big))
+        close(g, jax.grad(lambda r: (100.0 * fn(p, r)).sum())(big))
         assert np.abs(g).max() <= 0.75 * np.abs(p["w"]).sum(1).max() + 1e-6
 
 
@@ -120,7 +86,7 @@ def test_vmapped_log_probs_per_example_and_its_elbo_steps(tmp_path):
     number of samples, and a Batcher refuses it naming a per-row model."""
     beta = jnp.asarray(np.random.RandomState(0).randn(6, zoo8.num_features), jnp.float32)
     h = sm.hybridize(lambda p, b: zoo8.batched_log_joint(b), {})
-    _every_feature(tmp_path / "lj", h, zoo8.batched_log_joint, beta, rtol=1e-4, atol=1e-3)
+    every_feature(tmp_path / "lj", h, zoo8.batched_log_joint, beta, rtol=1e-4, atol=1e-3)
     p = {"loc": jnp.zeros(zoo8.num_features), "log_scale": jnp.zeros(zoo8.num_features)}
     he = sm.hybridize(lambda p, eps: zoo8.elbo(p["loc"], p["log_scale"], eps), p)
     key, beta_loc, beta_log_scale, step_size = jax.random.key(10003), p["loc"], p["log_scale"], 0.01
@@ -133,12 +99,12 @@ def test_vmapped_log_probs_per_example_and_its_elbo_steps(tmp_path):
         beta_log_scale += step_size * beta_log_scale_grad
         val, g = jax.value_and_grad(he.apply)(p, epsilon)
         p = jax.tree.map(lambda a, d: a + step_size * d, p, g)
-        _close(val, elbo_val, rtol=1e-5, atol=1e-3)
-    _close(p, {"loc": beta_loc, "log_scale": beta_log_scale})
+        close(val, elbo_val, rtol=1e-5, atol=1e-3)
+    close(p, {"loc": beta_loc, "log_scale": beta_log_scale})
     he = he.replace(params=p)
     sm.export(he, tmp_path / "elbo", example=(epsilon,), batch="b")
     m = sm.load(tmp_path / "elbo")
-    _close(
+    close(
         m(np.asarray(epsilon[:5])),
         zoo8.elbo(beta_loc, beta_log_scale, epsilon[:5]),
         rtol=1e-5,
@@ -156,18 +122,18 @@ def test_the_autodiff_cookbooks_predict_and_hvp_over_the_loaded_model(tmp_path):
     params = zoo8.cookbook_params()
     h = sm.hybridize(zoo8.predict_dict, params)
     ref = lambda r: zoo8.predict_dict(params, r)  # noqa: E731
-    m = _every_feature(tmp_path, h, ref, zoo8.inputs)
+    m = every_feature(tmp_path, h, ref, zoo8.inputs)
     v = jnp.ones(3)
-    _close(zoo8.hvp(lambda r: m(r[None]).sum(), zoo8.inputs[0], v),
+    close(zoo8.hvp(lambda r: m(r[None]).sum(), zoo8.inputs[0], v),
            zoo8.hvp(lambda r: ref(r[None]).sum(), zoo8.inputs[0], v))  # fmt: skip
-    _close(jax.jacrev(lambda r: m(r))(zoo8.inputs), jax.jacrev(ref)(zoo8.inputs))
+    close(jax.jacrev(lambda r: m(r))(zoo8.inputs), jax.jacrev(ref)(zoo8.inputs))
 
     def loss2(params_dict):  # the cookbook's loss2, over h.apply
         preds = h.apply(params_dict, zoo8.inputs)
         label_probs = preds * zoo8.targets + (1 - preds) * (1 - zoo8.targets)
         return -jnp.sum(jnp.log(label_probs))
 
-    _close(jax.grad(loss2)(params), jax.grad(zoo8.loss2)(params))
+    close(jax.grad(loss2)(params), jax.grad(zoo8.loss2)(params))
 
 
 def _state_params_tx():
@@ -188,8 +154,8 @@ def test_state_params_bias_adder_trains_as_its_update_step_and_refuses_export_na
     for _ in range(3):
         want, updated = model.apply(v, x, mutable=["batch_stats"])
         v = {**v, **updated}
-        _close(h(x), want)
-    _close(h.state, {"batch_stats": v["batch_stats"]})
+        close(h(x), want)
+    close(h.state, {"batch_stats": v["batch_stats"]})
     tx = _state_params_tx()
     state, params = flax.core.pop(variables, "params")
     step = zoo8.make_update_step(tx)
@@ -203,7 +169,7 @@ def test_state_params_bias_adder_trains_as_its_update_step_and_refuses_export_na
             return held.apply({"params": v["params"]}, x)
 
         ours = step(apply_fn, x, *ours)
-    _close(ours, (opt_state, params, state))
+    close(ours, (opt_state, params, state))
     with pytest.raises(sm.ConfigError, match=r"batch_stats.*Export one step"):
         sm.export(h, tmp_path / "m", example=(x,))
 
@@ -226,8 +192,8 @@ def _vmap_update_steps(model, variables, X, Y, train):
             return held.apply({"params": v["params"]}, x, train=train)
 
         *ours, our_loss = step(apply_fn, X, Y, *ours)
-        _close(our_loss, loss)
-    _close(tuple(ours), (opt_state, params, state))
+        close(our_loss, loss)
+    close(tuple(ours), (opt_state, params, state))
     return params, state
 
 
@@ -245,8 +211,8 @@ def test_state_params_vmapped_batchnorm_mlp_as_its_update_step(tmp_path):
     key1, key2 = jax.random.split(jax.random.key(0), num=2)
     X, Y = jax.random.normal(key1, (8, 100)), jax.random.normal(key2, (8, 1))
     h = sm.hybridize(model, variables)
-    _close(h(X[0]), model.apply(variables, X[0]))
-    _every_feature(tmp_path / "eval", h, lambda r: model.apply(variables, r), X)
+    close(h(X[0]), model.apply(variables, X[0]))
+    every_feature(tmp_path / "eval", h, lambda r: model.apply(variables, r), X)
     with pytest.raises(sm.ConfigError, match=r"axis name 'batch'.*jax\.vmap"):
         h(X, train=True)
     out = jax.vmap(lambda r: h(r, train=True), axis_name="batch")(X)
@@ -255,13 +221,13 @@ def test_state_params_vmapped_batchnorm_mlp_as_its_update_step(tmp_path):
         axis_name="batch",
         out_axes=(0, None),
     )(X)
-    _close(out, want)
-    _close(h.state, dict(updated))
+    close(out, want)
+    close(h.state, dict(updated))
     for train in (False, True):  # the guide's apply_fn is called as written: train=False
         params, state = _vmap_update_steps(model, variables, X, Y, train)
     trained = h.replace(params={"params": params}, state=dict(state))
     sm.export(trained, tmp_path / "m", example=(X,))
-    _close(sm.load(tmp_path / "m")(np.asarray(X)), model.apply({"params": params, **state}, X))
+    close(sm.load(tmp_path / "m")(np.asarray(X)), model.apply({"params": params, **state}, X))
 
 
 @pytest.mark.slow
@@ -277,7 +243,7 @@ def test_the_lifting_guides_per_row_mlps_export_their_static_batch(name, tmp_pat
     h = sm.hybridize(model, variables)
     with pytest.raises(sm.SignatureError, match="batch=None"):
         sm.export(h, tmp_path / "b", example=(x,))
-    _every_feature(tmp_path, h, lambda r: model.apply(variables, r), x, batch=None)
+    every_feature(tmp_path, h, lambda r: model.apply(variables, r), x, batch=None)
 
 
 def test_the_lifting_guides_stateful_vmap_fails_in_flax_itself():
@@ -298,7 +264,7 @@ _LSTM_ALLOW = frozenset({"dynamic_update_slice", "real_dynamic_slice"})  # a sca
 
 
 @pytest.mark.slow
-def test_the_rnncell_upgrade_guides_simple_lstms_over_every_feature(tmp_path):
+def test_the_rnncell_upgrade_guides_simple_lstms_overevery_feature(tmp_path):
     """rnncell_upgrade_guide.rst (New side), batch 4, seq_len 5, in 6, out 8 (cut from 32, 10,
     64, 128): the idiomatic ``SimpleLSTM`` (its carry made inside) over every feature, batch
     symbolic; the first ``SimpleLSTM`` takes its carry from ``initialize_carry`` and returns
@@ -312,12 +278,12 @@ def test_the_rnncell_upgrade_guides_simple_lstms_over_every_feature(tmp_path):
     variables = model.init(jax.random.key(0), x)
     h = sm.hybridize(model, variables)
     ref = lambda r: model.apply(variables, r)  # noqa: E731
-    _every_feature(tmp_path / "idiomatic", h, ref, x, allow=_LSTM_ALLOW)
+    every_feature(tmp_path / "idiomatic", h, ref, x, allow=_LSTM_ALLOW)
     model = zoo8.CarrySimpleLSTM()
     carry = zoo8.CarrySimpleLSTM.initialize_carry((batch_size,), out_features)
     variables = model.init(jax.random.key(0), carry, x)
     h = sm.hybridize(model, variables)
-    _close(h(carry, x), model.apply(variables, carry, x))
+    close(h(carry, x), model.apply(variables, carry, x))
     assert h.graph(carry, x).flops > 0
     with pytest.raises(sm.SignatureError, match=r"tuple of 2 arrays.*tuple\(jax\.tree\.leaves"):
         sm.export(h, tmp_path / "refused", example=(carry, x))
@@ -335,12 +301,12 @@ def test_the_rnncell_upgrade_guides_simple_lstms_over_every_feature(tmp_path):
         out = jax.tree.leaves(f(c0, c1, r))
         return out[-1].sum() + out[0].sum()
 
-    _close(m(*c3, x[:3]), tuple(jax.tree.leaves(model.apply(variables, c3, x[:3]))))
+    close(m(*c3, x[:3]), tuple(jax.tree.leaves(model.apply(variables, c3, x[:3]))))
 
     def ref(c0, c1, r):
         return model.apply(variables, (c0, c1), r)
 
-    _close(jax.grad(loss, (0, 1, 2))(*c3, x[:3]), jax.grad(loss, (0, 1, 2))(*c3, x[:3], f=ref))
+    close(jax.grad(loss, (0, 1, 2))(*c3, x[:3]), jax.grad(loss, (0, 1, 2))(*c3, x[:3], f=ref))
 
 
 def test_a_carry_input_refusal_names_the_flat_outputs_a_carry_model_needs(tmp_path):
@@ -366,15 +332,15 @@ def test_flax_basics_linear_regression_trains_as_written_over_h_apply():
     true_params, x_samples, y_samples = zoo8.regression_data()
     h = sm.hybridize(model, params)
     mse, ours = zoo8.make_mse(model), zoo8.make_mse(SimpleNamespace(apply=h.apply))
-    _close(ours(true_params, x_samples, y_samples), mse(true_params, x_samples, y_samples))
+    close(ours(true_params, x_samples, y_samples), mse(true_params, x_samples, y_samples))
     learning_rate, theirs, mine = 0.3, params, params
     for _ in range(3):
         loss_val, grads = jax.value_and_grad(mse)(theirs, x_samples, y_samples)
         theirs = zoo8.update_params(theirs, learning_rate, grads)
         our_val, our_grads = jax.value_and_grad(ours)(mine, x_samples, y_samples)
         mine = zoo8.update_params(mine, learning_rate, our_grads)
-        _close(our_val, loss_val)
-    _close(mine, theirs)
+        close(our_val, loss_val)
+    close(mine, theirs)
     tx = optax.adam(learning_rate=learning_rate)
     states = [tx.init(theirs), tx.init(mine)]
     for _ in range(3):
@@ -384,7 +350,7 @@ def test_flax_basics_linear_regression_trains_as_written_over_h_apply():
             updates, states[i] = tx.update(grads, states[i])
             p = optax.apply_updates(p, updates)
             theirs, mine = (p, mine) if i == 0 else (theirs, p)
-    _close(mine, theirs)
+    close(mine, theirs)
 
 
 BASICS = {
@@ -396,7 +362,7 @@ BASICS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BASICS)
-def test_flax_basics_modules_over_every_feature(name, tmp_path):
+def test_flax_basics_modules_overevery_feature(name, tmp_path):
     """flax_basics' ``ExplicitMLP`` (setup's list of layers), ``SimpleMLP`` (compact, named)
     and ``SimpleDense`` (``self.param`` s), on its ``random.uniform`` (4, 4) inputs."""
     key1, key2 = jax.random.split(jax.random.key(0), 2)
@@ -404,7 +370,7 @@ def test_flax_basics_modules_over_every_feature(name, tmp_path):
     model = BASICS[name]()
     params = model.init(key2, x)
     h = sm.hybridize(model, params)
-    _every_feature(tmp_path, h, lambda r: model.apply(params, r), x)
+    every_feature(tmp_path, h, lambda r: model.apply(params, r), x)
 
 
 @pytest.mark.slow
@@ -423,8 +389,8 @@ def test_flax_basics_bias_adder_and_its_jitted_update_step_with_h_apply_static(t
         y, updated_state = model.apply(variables, x, mutable=["batch_stats"])
         _old_state, params = flax.core.pop(variables, "params")  # the guide: old_state
         variables = flax.core.freeze({"params": params, **updated_state})
-        _close(h(x), y)
-    _close(h.state, dict(updated_state))
+        close(h(x), y)
+    close(h.state, dict(updated_state))
     x = jnp.ones((10, 5))
     variables = model.init(jax.random.key(0), x)
     state, params = flax.core.pop(variables, "params")
@@ -434,11 +400,11 @@ def test_flax_basics_bias_adder_and_its_jitted_update_step_with_h_apply_static(t
     for _ in range(3):
         theirs = zoo8.basics_update_step(tx, model.apply, x, *theirs)
         ours = zoo8.basics_update_step(tx, h.apply, x, *ours)
-    _close(ours, theirs)
+    close(ours, theirs)
     other = {"batch_stats": {"mean": jnp.full((5,), 7.0)}}
     out, state = h.apply_with_state({"params": params}, other, x)
     want = model.apply({"params": params, **other}, x, mutable=["batch_stats"])
-    _close((out, state), want)
+    close((out, state), want)
 
 
 def test_h_apply_of_variables_holding_the_state_runs_as_model_apply_from_that_state():
@@ -548,11 +514,11 @@ def test_the_optax_update_guides_transformations_step_over_h_apply(name, tmp_pat
     ]
     for _ in range(2):
         theirs, ours = steps[0](*theirs, batch), steps[1](*ours, batch)
-    _close(ours, theirs)
+    close(ours, theirs)
     trained = h.replace(params={"params": ours[0]})
     sm.export(trained, tmp_path / "m", example=(batch["image"],))
     x = np.asarray(batch["image"][:1])
-    _close(sm.load(tmp_path / "m")(x), model.apply({"params": theirs[0]}, x))
+    close(sm.load(tmp_path / "m")(x), model.apply({"params": theirs[0]}, x))
 
 
 LIFECYCLE = {
@@ -563,13 +529,13 @@ LIFECYCLE = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LIFECYCLE)
-def test_the_module_lifecycle_mlps_over_every_feature(name, tmp_path):
+def test_the_module_lifecycle_mlps_overevery_feature(name, tmp_path):
     """module_lifecycle.rst's setup ``MLP`` and ``CompactScaledMLP`` (a ``scale`` param shaped
     by the inputs' features, ``x *= scale[None]``), on its (3, 2) inputs."""
     model, x = LIFECYCLE[name](), jax.random.normal(jax.random.key(1), (3, 2))
     variables = model.init(jax.random.key(0), jax.numpy.ones((3, 2)))
     h = sm.hybridize(model, variables)
-    _every_feature(tmp_path, h, lambda r: model.apply(variables, r), x)
+    every_feature(tmp_path, h, lambda r: model.apply(variables, r), x)
 
 
 @pytest.mark.slow
@@ -583,19 +549,19 @@ def test_the_module_lifecycles_mode_string_and_partial_closure(tmp_path):
     variables = nn.init(zoo8.init_fn, mdl)(jax.random.key(0))
     h = sm.hybridize(mdl, variables)
     z = h(x, "encode")
-    _close(z, mdl.apply(variables, x, "encode"))
-    _close(h(z, "decode"), mdl.apply(variables, z, "decode"))
+    close(z, mdl.apply(variables, x, "encode"))
+    close(h(z, "decode"), mdl.apply(variables, z, "decode"))
     for mode, inputs in (("encode", x), ("decode", z)):
         sm.export(h, tmp_path / mode, example=(inputs,), kwargs={"mode": mode})
         got = sm.load(tmp_path / mode)(np.asarray(inputs[:2]))
-        _close(got, mdl.apply(variables, inputs[:2], mode))
+        close(got, mdl.apply(variables, inputs[:2], mode))
     foo = zoo8.Foo()
     variables = foo.init(jax.random.key(0), jax.numpy.ones((3, 2)))
     assert variables["params"]["Dense_0"]["kernel"].shape == (3, 2, 2)  # the guide's own check
     h = sm.hybridize(foo, variables)
     with pytest.raises(sm.SignatureError, match="batch=None"):
         sm.export(h, tmp_path / "foo_b", example=(x,))
-    _every_feature(tmp_path / "foo", h, lambda r: foo.apply(variables, r), x, batch=None)
+    every_feature(tmp_path / "foo", h, lambda r: foo.apply(variables, r), x, batch=None)
 
 
 @pytest.mark.slow
@@ -626,9 +592,9 @@ def test_the_checkpointing_guides_restored_train_state_hybridizes_and_exports(tm
     x = jax.random.normal(jax.random.key(2), (4, 5))
     for params in (raw_restored["model"]["params"], state_restored["model"].params):
         h = sm.hybridize(model, {"params": params})
-        _close(h(x), state.apply_fn({"params": state.params}, x))
+        close(h(x), state.apply_fn({"params": state.params}, x))
     ref = lambda r: state.apply_fn({"params": state.params}, r)  # noqa: E731
-    _every_feature(tmp_path / "m", h, ref, x)
+    every_feature(tmp_path / "m", h, ref, x)
 
 
 @pytest.mark.slow
@@ -649,7 +615,7 @@ def test_the_distributed_arrays_mlp_trains_sharded_over_h_apply(tmp_path):
     batch = jax.device_put(batch, NamedSharding(mesh, P("batch")))
     params = jax.device_put(params, NamedSharding(mesh, P()))
     h = sm.hybridize(zoo8.dist_predict, params)
-    _close(h(batch[0]), zoo8.dist_predict(params, batch[0]))
+    close(h(batch[0]), zoo8.dist_predict(params, batch[0]))
 
     def h_loss(params, batch):
         inputs, targets = batch
@@ -680,8 +646,8 @@ def test_the_distributed_arrays_mlp_trains_sharded_over_h_apply(tmp_path):
             (W - step_size * dW, b - step_size * db)
             for (W, b), (dW, db) in zip(mine, our_grads, strict=True)
         ]
-    _close(mine, theirs)
+    close(mine, theirs)
     trained = h.replace(params=[tuple(np.asarray(a) for a in layer) for layer in mine])
     sm.export(trained, tmp_path / "m", example=(np.asarray(batch[0]),))
     got = sm.load(tmp_path / "m")(np.asarray(batch[0][:3]))
-    _close(got, zoo8.dist_predict(theirs, batch[0][:3]))
+    close(got, zoo8.dist_predict(theirs, batch[0][:3]))

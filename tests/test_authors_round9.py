@@ -53,8 +53,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 import zoo9
+from features import every_feature
 from flax import nnx
-from test_authors_round8 import _every_feature
 
 import symjax_mlp as sm
 
@@ -160,7 +160,7 @@ def test_gradient_checkpointing_exports_loads_and_differentiates(name, tmp_path)
     _close(hess(one), hess(lambda r: model(Ws, r)))
     rows = jax.vmap(model, (None, 0))  # a batch of x: every feature, batch symbolic
     hb, xb = sm.hybridize(rows, Ws), jax.random.normal(jax.random.key(2), (5, 4)) * 0.3
-    _every_feature(tmp_path, hb, lambda r: rows(Ws, r), xb)
+    every_feature(tmp_path, hb, lambda r: rows(Ws, r), xb)
 
     def steps(apply, Ws):
         for _ in range(3):
@@ -191,7 +191,7 @@ def test_ode_pendulum_per_row_exports_loads_and_differentiates(tmp_path):
         sm.load(tmp_path / "refused")
     allow = {"while", "dynamic_slice", "dynamic_update_slice", "real_dynamic_slice", "scatter"}
     allow |= {"dynamic_gather", "compute"}  # its VJPs' (order 2: the adjoint's own adjoint)
-    _every_feature(tmp_path, h, lambda r: model(p, r), x, allow=allow, rtol=1e-4, atol=1e-4)
+    every_feature(tmp_path, h, lambda r: model(p, r), x, allow=allow, rtol=1e-4, atol=1e-4)
     m = sm.load(tmp_path / "m", allow=allow)  # its params' grads: the docs' check_grads, rev
     loss = lambda fn: lambda p: fn(p, x).sum()  # noqa: E731
     _close(jax.grad(loss(h.apply))(p), jax.grad(loss(model))(p), rtol=1e-4, atol=1e-4)
@@ -310,7 +310,7 @@ def test_nnx_checkpointing_guide_restored_and_abstract_models(tmp_path):
     _close(h_abstract.replace(params=restored_pure_dict)(x), model(x))
     h = sm.hybridize(restored)
     _close(sm.hybridize(from_dict)(x), model(x))
-    _every_feature(tmp_path, h, model, x)
+    every_feature(tmp_path, h, model, x)
     tx = optax.sgd(0.1)
 
     def steps(apply, p):
@@ -394,7 +394,7 @@ def test_all_of_equinox_networks_as_written(cls, tmp_path):
     batched = lambda m, x: jax.vmap(m)(x)  # noqa: E731
     _close(sm.hybridize(eqx.filter_jit(batched), model)(x), jax.vmap(model)(x))
     h = sm.hybridize(batched, model)
-    _every_feature(tmp_path, h, jax.vmap(model), x[:5])
+    every_feature(tmp_path, h, jax.vmap(model), x[:5])
     grads = jax.grad(lambda p: jnp.mean((y - h.apply(p, x)) ** 2))(h.params)
     filtered = zoo9.filtered_loss(model, x, y)
     _close(grads, eqx.filter(filtered, eqx.is_inexact_array))
@@ -417,7 +417,7 @@ def test_linen_design_test_lazy_mlp_and_linear_regression(tmp_path):
     mlp_variables = zoo9.LazyMLP().init(jax.random.key(10), jnp.zeros((1, 3)))
     x = jax.random.normal(jax.random.key(1), (5, 3))
     h = sm.hybridize(zoo9.LazyMLP(), mlp_variables)
-    _every_feature(tmp_path, h, lambda r: zoo9.LazyMLP().apply(mlp_variables, r), x)
+    every_feature(tmp_path, h, lambda r: zoo9.LazyMLP().apply(mlp_variables, r), x)
     params = zoo9.init_params(jax.random.key(42))
     hr = sm.hybridize(zoo9.model, {"params": params})
     loss = lambda p: jnp.mean(jnp.abs(zoo9.Y - hr.apply({"params": p}, zoo9.X)))  # noqa: E731
@@ -550,7 +550,7 @@ def test_array_refs_inside_a_net_and_a_closed_over_ref(tmp_path):
     _close(jax.grad(zoo9.g_ref)(1.0), jnp.cos(1.0))
     p, x = _w(), jax.random.normal(jax.random.key(1), (5, 4))
     fn = lambda p, r: jax.vmap(jax.vmap(zoo9.g_ref))(r @ p)  # noqa: E731
-    _every_feature(tmp_path / "g", sm.hybridize(fn, p), lambda r: fn(p, r), x)
+    every_feature(tmp_path / "g", sm.hybridize(fn, p), lambda r: fn(p, r), x)
     fn = lambda p, r: zoo9.pure1(r @ p)  # noqa: E731 - JAX builds no VJP of order 2 of it
     h = sm.hybridize(fn, p)  # (jax.export's serialize(vjp_order=2) raises AttributeError)
     _close(h(x), 2 * x @ p)

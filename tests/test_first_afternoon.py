@@ -285,3 +285,34 @@ def test_cli_list_options_refuse_with_an_example_of_their_own(tmp_path, capsys):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         assert example in err and len(err.splitlines()) == 1, err
+
+
+def test_no_test_module_imports_another_s_helpers():
+    """test_authors_round9.py (and 10, 11) imported ``_every_feature`` from
+    test_authors_round8.py: a test module's private helper, and the rounds ran round8's module
+    body with theirs. Shared helpers live in tests/features.py (zoo*.py, helpers.py); from a
+    test module, only its pytest fixtures are imported by name (the matrix's)."""
+    import ast
+    import functools
+    from pathlib import Path
+
+    texts = {p.stem: p.read_text() for p in Path(__file__).parent.glob("test_*.py")}
+
+    @functools.cache
+    def fixtures(module):  # its top-level defs under @pytest.fixture
+        return {
+            node.name for node in ast.parse(texts[module]).body
+            if isinstance(node, ast.FunctionDef)
+            and any("fixture" in ast.unparse(d) for d in node.decorator_list)
+        }  # fmt: skip
+
+    imported = [
+        f"{stem}: {node.module}.{alias.name}"
+        for stem, text in texts.items()
+        if "from test_" in text
+        for node in ast.parse(text).body
+        if isinstance(node, ast.ImportFrom) and node.module in texts
+        for alias in node.names
+        if alias.name not in fixtures(node.module)
+    ]
+    assert not imported, imported
