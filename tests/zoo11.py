@@ -20,10 +20,14 @@ the ``nnx.pool`` ``avg_pool`` without padded zeros, ``nnx.ConvTranspose(transpos
 and the guide's ``train_step``.
 """
 
+from typing import Any
+
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import zoo8
+from flax import linen as nn
 from flax import nnx
 from jax import random
 
@@ -274,3 +278,39 @@ def update(params, x, y):
     # built-in support for pytrees.
     # This is useful - you can apply the SGD update using JAX pytree utilities.
     return jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads)
+
+
+# --- flax docs/guides/quantization/fp8_basics.md (google/flax, the commit above); its
+# ``assert jtu.is_cuda_compute_capability_at_least("9.0")`` cut: XLA's CPU converts to and from
+# float8_e4m3fn too (no FP8 kernel, the same numbers) ---------------------------------------
+
+
+class FooModule(nn.Module):
+    einsum: Any = None
+
+    @nn.compact
+    def __call__(self, a, b):
+        if self.einsum is not None:
+            einsum_fn = self.einsum()
+        elif self.einsum is None:
+            einsum_fn = jnp.einsum
+        c = einsum_fn("mk,kn->mn", a, b)
+        return c
+
+
+def fp8_update(params, grads):
+    """The guide's step: ``params`` move by ``0.01 * grads``, ``_overwrite_with_gradient``'s
+    scales and amax histories are replaced by their "gradients"."""
+    params = flax.core.unfreeze(params)
+    params = flax.traverse_util.flatten_dict(params, sep="/")
+    grads = flax.traverse_util.flatten_dict(grads, sep="/")
+
+    for key, value in params.items():
+        if key.startswith("params"):
+            params[key] = value + 0.01 * grads[key]
+        if key.startswith("_overwrite_with_gradient"):
+            params[key] = grads[key]
+
+    params = flax.traverse_util.unflatten_dict(params, sep="/")
+    params = flax.core.freeze(params)
+    return params

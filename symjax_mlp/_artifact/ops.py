@@ -159,6 +159,7 @@ def check(report: ModuleReport, *, file: Path, allow: frozenset[str], caller: st
     if not refused:
         return
     keys = sorted({p.key for p in refused})
+    wanted = sorted({p.key for p in report.problems})  # with those allow= already let through
     declared = show_keys(needs or ())
     if signed and needs is not None and NEEDS.intersection(keys):
         note = (f"It is signed, and its manifest declares that it needs {declared}, less than "
@@ -176,7 +177,7 @@ def check(report: ModuleReport, *, file: Path, allow: frozenset[str], caller: st
     raise ArtifactError(
         f"{file}: {caller} refuses to compile this module; it does what an MLP artifact "
         f"never needs:\n{lines}{more}\n{note}If you trust whoever made the artifact as you trust "
-        f"code you run, pass allow={show_keys(keys)} (just these) or trust=True (anything) to "
+        f"code you run, pass allow={show_keys(wanted)} (just these) or trust=True (anything) to "
         f"{caller}. An untrusted artifact is untrusted code: run it in a sandbox."
     )
 
