@@ -15,6 +15,7 @@ the original's own steps where it trains.
   straight-through estimator's grads are the identity's through the loaded model.
 - jacobian-vector-products.md: the Hybrid takes the docs' three HVPs; the loaded model takes
   reverse over reverse and refuses forward mode naming ``jax.jacrev``.
+- pytrees.md: an MLP of NumPy float64 params in a list of dicts trains by the docs' ``update``.
 - Flax's pytorch_to_jax_flax.rst: ``Model`` and its ``train_step``, a Param beside a Buffer,
   and ``JModel``, ``BatchNorm``, ``avg_pool``, ``ConvTranspose`` with torch's weights, equal to
   torch's answers as the guide asserts.
@@ -28,6 +29,7 @@ import optax
 import pytest
 import zoo11
 from features import every_feature
+from flax import linen as nn
 from flax import nnx
 from jax import random
 
@@ -386,3 +388,80 @@ def test_jacobian_vector_products_hvps_of_the_loaded_model(tmp_path):
     for forward in (zoo11.hvp, zoo11.hvp_revfwd):
         with pytest.raises(sm.ConfigError, match=r"reverse mode only.*Use jax\.jacrev"):
             forward(loss(m), (x,), (v,))
+
+
+@pytest.mark.slow
+def test_pytrees_mlp_of_numpy_float64_params_and_its_update(tmp_path):
+    """pytrees.md's MLP: params a list of dicts of NumPy float64 arrays (``init_mlp_params``,
+    widths cut to ``[1, 8, 8, 1]``): every feature, batch symbolic; three of the docs' jitted
+    ``update`` (SGD by ``jax.tree.map``) equal the same steps over ``h.apply``. The artifact's
+    input is float32, as JAX computes it: a float64 row is refused naming the cast."""
+    np.random.seed(0)
+    params = zoo11.init_mlp_params([1, 8, 8, 1])
+    x = np.linspace(-1, 1, 6, dtype=np.float32)[:, None]
+    y = x**2
+    h = sm.hybridize(zoo11.forward, params)
+    every_feature(tmp_path, h, lambda r: zoo11.forward(params, r), x, rtol=1e-5, atol=1e-5)
+    ours, theirs = h.params, params
+    step = jax.grad(lambda q: jnp.mean((h.apply(q, x) - y) ** 2))
+    for _ in range(3):
+        ours = jax.tree.map(lambda p, g: p - zoo11.LEARNING_RATE * g, ours, step(ours))
+        theirs = zoo11.update(theirs, x, y)
+    _close(ours, theirs)
+    with pytest.raises(
+        sm.SignatureError, match=r"dtype float64 .*Cast it: x\.astype\(np\.float32\)"
+    ):
+        sm.load(tmp_path / "m")(x.astype(np.float64))
+
+
+def test_a_batcher_of_a_hybrid_over_a_batch_of_keys_names_their_data():
+    """``Batcher(h, example=subkeys)`` of random-numbers.md's ``jax.vmap(random.normal)``: one
+    key per row, refused naming ``random.key_data``/``wrap_key_data`` (it said the keys were
+    'one value shared by every row', and named only a function closing over one key)."""
+    h = sm.hybridize(zoo11.net_noise, {"loc": jnp.asarray(1.0), "scale": jnp.asarray(2.0)})
+    subkeys = random.split(random.key(42), 3)
+    with pytest.raises(sm.ConfigError, match=r"key<fry>\[3\].*key_data\(keys\).*wrap_key_data"):
+        sm.serving.Batcher(h, example=subkeys)
+
+
+@pytest.mark.slow
+def test_fp8_dense_and_einsum_and_the_guides_update(tmp_path):
+    """fp8_basics.md: ``nn.Dense(dot_general_cls=fp8_ops.Fp8DotGeneral)`` (features cut to 6):
+    every feature, batch symbolic (load names the ``scatter`` and ``gather`` of its amax
+    history's VJPs, both where ``allow=`` had one);
+    ``FooModule(einsum=fp8_ops.Fp8Einsum)`` of two inputs equals; three of the guide's steps
+    (``jax.grad(train_step, (0, 1))``, ``params`` plus ``0.01 * grads``, the FP8 scales and
+    amax histories overwritten by their gradients) over ``h.apply`` equal the plain ones."""
+    from flax.linen import fp8_ops
+
+    k0, k1, k2 = random.split(random.key(0), 3)
+    A = random.normal(k1, (4, 8))
+    model = nn.Dense(features=6, dot_general_cls=fp8_ops.Fp8DotGeneral)
+    params = model.init(k0, A)
+    h = sm.hybridize(model, params)
+    sm.export(h, tmp_path / "part", example=(A,), vjp_order=2)
+    with pytest.raises(sm.ArtifactError, match=r"pass allow=\{'gather', 'scatter'\} \(just"):
+        sm.load(tmp_path / "part", allow={"scatter"})  # it said allow={'gather'}: not enough
+    every_feature(tmp_path, h, lambda r: model.apply(params, r), A, allow={"gather", "scatter"})
+
+    def train_step(apply):
+        return lambda var, a: jnp.sum(apply(var, a))
+
+    ours, theirs = params, params
+    for _ in range(3):
+        ours = zoo11.fp8_update(ours, jax.grad(train_step(h.apply), (0, 1))(ours, A)[0])
+        theirs = zoo11.fp8_update(
+            theirs, jax.jit(jax.grad(train_step(model.apply), (0, 1)))(theirs, A)[0]
+        )
+    _close(ours, theirs)
+    assert not np.allclose(ours["params"]["kernel"], params["params"]["kernel"])
+    foo = zoo11.FooModule(einsum=fp8_ops.Fp8Einsum)
+    b = random.normal(k2, (8, 5))
+    fparams = foo.init(k0, A, b)
+    hf = sm.hybridize(foo, fparams)
+    _close(hf(A, b), foo.apply(fparams, A, b))
+    sm.export(hf, tmp_path / "foo", example=(A, b), shapes=("b, 8", None), vjp_order=1)
+    m = sm.load(tmp_path / "foo", allow={"scatter"})
+    _close(m(A[:2], b), foo.apply(fparams, A[:2], b))
+    g = lambda f: jax.grad(lambda r: f(r, b).sum())(A)  # noqa: E731
+    _close(g(m), g(lambda a, bb: foo.apply(fparams, a, bb)))
