@@ -16,23 +16,18 @@ or export's refusal, naming what works. None of these originals trains.
   ``jax_check_positive_even`` (ints in, bools out).
 """
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import zoo10
+from features import close as _close
 from features import every_feature
 from flax import nnx
 
 import symjax_mlp as sm
 
-TOL = {"rtol": 2e-5, "atol": 2e-5}
 CONV = {"convolution"}  # load() names it: an MLP artifact never convolves
-
-
-def _close(a, b, **tol):
-    chex.assert_trees_all_close(a, b, **(tol or TOL))
 
 
 def _n(shape, seed=0):

@@ -21,25 +21,19 @@ the original's own steps where it trains.
   torch's answers as the guide asserts.
 """
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 import zoo11
+from features import close as _close
 from features import every_feature
 from flax import linen as nn
 from flax import nnx
 from jax import random
 
 import symjax_mlp as sm
-
-TOL = {"rtol": 2e-5, "atol": 2e-5}
-
-
-def _close(a, b, **tol):
-    chex.assert_trees_all_close(a, b, **(tol or TOL))
 
 
 def _z(shape, seed=0):

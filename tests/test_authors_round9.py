@@ -44,7 +44,6 @@ answers, the original's own training steps; or export's refusal, naming what wor
 
 import functools
 
-import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -53,16 +52,11 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 import zoo9
+from features import close as _close
 from features import every_feature
 from flax import nnx
 
 import symjax_mlp as sm
-
-TOL = {"rtol": 2e-5, "atol": 2e-5}
-
-
-def _close(a, b, **tol):
-    chex.assert_trees_all_close(a, b, **(tol or TOL))
 
 
 def _w(shape=(4, 3), seed=0):
