@@ -8,6 +8,7 @@ before the first collective; :class:`Watchdog` ends a process whose step waits p
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -69,6 +70,13 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
         raise ConfigError(f"{given}: {'; '.join(bad)}.")
     if jax.distributed.is_initialized():
         raise ConfigError(f"{given}: jax.distributed is already initialized in this process.")
+    if process_id == 0 and (taken := _port_taken(port)):
+        raise ConfigError(
+            f"{given}: process 0 serves the coordinator on port {port}, but another process "
+            f"holds that port already ({taken}): a process 0 of another run, or of this one "
+            "started twice (each peer would join one of them at random). Stop it, or start "
+            "every process with another port."
+        )
     others = [i for i in range(num_processes) if i != process_id]
 
     def missing() -> str:
@@ -122,6 +130,24 @@ def host_port(coordinator: Any) -> tuple[str, int]:
         host = host[1:-1]
     number = int(port) if port.isascii() and port.isdigit() else 0
     return (host, number) if host and 0 < number < 65536 else ("", 0)
+
+
+def _port_taken(port: int) -> str:
+    """Why JAX's coordinator could not serve ``port`` (on ``JAX_COORDINATOR_BIND_ADDRESS``, else
+    every address), or ``""``: gRPC binds with SO_REUSEPORT, so a second coordinator on a port
+    served already (a stale run's) shares it, and each peer joins one of them at random."""
+    host, bound = host_port(os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}"))
+    tried = [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)]
+    for family, host in [*tried, (socket.AF_INET, "0.0.0.0")]:  # no IPv6 here: IPv4's
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT's: free
+                s.bind((host, bound))
+                return ""
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return e.strerror or "address in use"
+    return ""  # no address of ours to test: JAX's own error, if any, comes
 
 
 def _reachable(host: str, port: int) -> bool:

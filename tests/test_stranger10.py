@@ -1,0 +1,84 @@
+"""Round ten of a stranger's attacks (session 58): the doors earlier rounds did not reach, each
+way in refused with a clear error of the library's. The rounds before: test_stranger9.py,
+test_export_hostile.py, test_http_hostile.py, test_serving_hostile.py,
+test_checkpoint_stranger.py, test_signing_stranger.py, ..."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+import symjax_mlp as sm
+
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+
+
+def _served(port: int) -> bool:
+    """Whether a process listens on ``port`` (a connection to it is taken)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _train_process_0(port: int, timeout: int) -> list[str]:
+    """``symjax-mlp train`` as process 0 of 2 whose coordinator is 127.0.0.1:``port``."""
+    return [
+        sys.executable, "-m", "symjax_mlp", "train", "--epochs", "1", "--quiet",
+        "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0",
+        "--timeout", str(timeout),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6], ids=["ipv4", "ipv6"])
+def test_a_coordinator_port_another_process_holds_is_refused_before_jax_starts(family):
+    """Process 0 on a port something else listens on: JAX's 'Failed to start RPC server'
+    (JaxRuntimeError) came out of initialize, and the command line showed it as a bug of ours,
+    traceback and all. Refused now before JAX's runtime starts, naming the port and what to do."""
+    with socket.socket(family) as held:
+        held.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))  # not JAX's [::]
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(sm.ConfigError) as e:
+            sm.training.initialize(f"127.0.0.1:{port}", 2, 0, timeout=5)
+    message = str(e.value)
+    assert f"process 0 serves the coordinator on port {port}, but another process" in message
+    assert "Stop it, or start every process with another port." in message
+    assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.slow  # two processes of the command line (~5 s)
+def test_a_second_process_0_on_a_coordinators_port_is_refused_not_sharing_it(tmp_path):
+    """gRPC binds with SO_REUSEPORT: a second process 0 (this run's started twice, or another
+    run's on the same port) shared the port with the first, each peer joined either one, and
+    both waited out their timeout saying their process 1 never connected. The second now exits
+    2 at once, in one line without a traceback; the first is left as it was."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = subprocess.Popen(
+        _train_process_0(port, 60), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _served(port) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert first.poll() is None and _served(port), "the first process 0 did not serve"
+        second = subprocess.run(
+            _train_process_0(port, 60), env=ENV, capture_output=True, text=True, timeout=60
+        )
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.splitlines()
+        assert "Traceback" not in second.stderr and "a bug" not in second.stderr, second.stderr
+        assert f"process 0 serves the coordinator on port {port}" in lines[0], lines
+        assert first.poll() is None  # still serving: its run is not the second's to end
+    finally:
+        first.kill()
+        first.communicate()
