@@ -3,6 +3,7 @@ entry point staged by :mod:`symjax_mlp._export_entry`, one weight file, written 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -32,7 +33,7 @@ from symjax_mlp._artifact.format import (
 )
 from symjax_mlp._artifact.module import mlir_arguments
 from symjax_mlp._artifact.reading import Artifact, freeze
-from symjax_mlp._artifact.signature import Signature, admits_any
+from symjax_mlp._artifact.signature import Signature, admits_any, sizes_at
 from symjax_mlp._artifact.weights import encode
 from symjax_mlp._errors import (
     ArtifactError,
@@ -297,7 +298,9 @@ def _self_test_vectors(
     """Seeded inputs and what the exported program gives for them, where it runs here, once
     it gives the model's own results at the example's shapes: all in one compiled program."""
     here = jax.export.default_export_platform()
-    xs = _drawn(signature.inputs)
+    # each dimension variable at BATCH, a dimension at its term's value there ("b + 15": 17)
+    sizes = sizes_at(dataclasses.replace(signature, constraints=()), selftest.BATCH)
+    xs = _drawn(signature.inputs, sizes=sizes)
     params = {p: a for p, (_, a) in own.items()}
     symbolic = any(isinstance(d, str) for s in signature.inputs for d in s.shape)
     if xs is not None and exported.nr_devices != 1 and symbolic:
@@ -337,13 +340,13 @@ def _self_test_vectors(
 _DRAWN_BYTES = 256 << 20  # inputs drawn for the vectors (or the comparison) at most
 
 
-def _drawn(specs: Any, seed: int = 0) -> list[np.ndarray] | None:
+def _drawn(specs: Any, seed: int = 0, sizes: Any = None) -> list[np.ndarray] | None:
     """``selftest.inputs(specs)``; ``None`` past :data:`_DRAWN_BYTES` (a static shape of 2**40
     rows exports, but no process could draw it, nor run it here)."""
-    sizes = [math.prod(selftest.BATCH if isinstance(d, str) else d for d in s.shape)
-             * np.dtype(str(s.dtype)).itemsize
-             for s in specs if not str(s.dtype).startswith("key")]  # fmt: skip
-    return None if sum(sizes) > _DRAWN_BYTES else selftest.inputs(specs, seed=seed)
+    held = [(s, shape) for s, shape in zip(specs, selftest.drawn_shapes(specs, sizes), strict=True)
+            if not str(s.dtype).startswith("key")]  # fmt: skip
+    total = sum(math.prod(shape) * np.dtype(str(s.dtype)).itemsize for s, shape in held)
+    return None if total > _DRAWN_BYTES else selftest.inputs(specs, seed=seed, sizes=sizes)
 
 
 def _refusal(call: Any, params: Any, xs: Any) -> Exception | None:
@@ -356,7 +359,7 @@ def _refusal(call: Any, params: Any, xs: Any) -> Exception | None:
 
 _CLAIMS_MORE = (
     "export({name}): the exported program's signature, {signature}, admits {shapes} (each "
-    "symbolic dimension {n}), and the program refuses them ({error}). The model fixes a size "
+    "dimension variable {n}), and the program refuses them ({error}). The model fixes a size "
     "its signature leaves open: a reshape to the example's rows, a vmap of a fixed axis_size. "
     "Make it take any size (x.reshape(-1, ...)), or pass batch=None (or shapes= with a "
     "constraint) to export what it takes."

@@ -4,6 +4,7 @@ the cause: inputs of mixed leading dimensions, a model of one example, an ensemb
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +58,19 @@ _SHAPES = (
     "by). Keep only the batch symbolic, e.g. shapes={fix}, or pass batch=None to export the "
     "example's static shapes."
 )
+_INCONCLUSIVE = (
+    ": the model compares sizes that jax.export cannot decide for every size (a branch, a "
+    "slice's bound, max or min of sizes). If it holds for every size you will call it with, "
+    "say so, and the artifact checks it on each call: export(..., constraints={constraints!r}). "
+    "Else compute the size with jax.export's dimension arithmetic (jax.core.max_dim, not "
+    "max).{keep}"
+)
+_UNSOLVABLE = (
+    "export({name}, shapes=...): a call gives each dimension variable by an input's "
+    "size, and jax.export can only solve it from a dimension linear in that variable alone "
+    "(b, 2*b, b + 15), not from {dims} ({error}). Name a variable for that size (shapes='n' "
+    "for a*a) and take what the model needs from it."
+)
 _SHARED = (
     "; if an input has no batch dimension (a mask or weights shared by every row), give it "
     "None in shapes=, e.g. shapes=({specs})"
@@ -88,8 +102,16 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
         if not _traces(jitted, p_structs, examples):
             raise error  # not the shapes' doing: the model's own error
         head = _SHAPES_FAIL.format(name=stage.h.name, types=", ".join(types), error=first)
-        if any(not isinstance(d, int) for x in stage.in_specs for d in x.shape[1:]):
-            fix = tuple(_batch_only(s, x) for s, x in zip(stage.in_specs, examples, strict=True))
+        fix = tuple(_batch_only(s, x) for s, x in zip(stage.in_specs, examples, strict=True))
+        more = any(not isinstance(d, int) for x in stage.in_specs for d in x.shape[1:])
+        if (compared := _compared(error)) is not None:  # as shape_poly.md adds it
+            keep = (f" Keep only the batch symbolic, e.g. shapes={fix}, or pass batch=None to "
+                    "export the example's static shapes.") if more else ""  # fmt: skip
+            constraints = (*stage.constraints, compared)
+            raise SignatureError(
+                head + _INCONCLUSIVE.format(constraints=constraints, keep=keep)
+            ) from None
+        if more:
             raise SignatureError(head + _SHAPES.format(fix=fix)) from None
         # only the batch symbolic: the model fixes its rows (it named this very shapes= as the fix)
         why = _ensemble(p_structs, lead) or _fixed(lead, examples, first)
@@ -120,6 +142,25 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
             shared="" if len(examples) < 2 else _SHARED.format(specs=specs),
         )
     ) from None  # fmt: skip
+
+
+def _compared(error: Exception) -> str | None:
+    """The comparison jax.export found inconclusive, as a constraint (``"b >= mod(b, 3)"``)."""
+    if not isinstance(error, jax.errors.InconclusiveDimensionOperation):
+        return None
+    said = re.search(r"comparison '([^']+)' (>=|<=|==|>|<) '([^']+)' is inconclusive", str(error))
+    return None if said is None else " ".join(said.groups())
+
+
+def unsolvable(name: str, error: Exception) -> SignatureError | None:
+    """The refusal of ``shapes=`` whose dimension variables no input's size gives (``a*a``),
+    where ``error`` (jax.export's ValueError) says so; else ``None``."""
+    said = message(error)
+    if not said.startswith("Cannot solve for values of dimension variables"):
+        return None
+    dims = re.findall(r"'([^']+)' for dimension size", said) or ["its dimensions"]
+    first = said.split(". ")[0]
+    return SignatureError(_UNSOLVABLE.format(name=name, dims=", ".join(dims), error=first))
 
 
 def _fixed(lead: tuple[int, ...], examples: Sequence[Any], error: str, batch: str = "b") -> str:

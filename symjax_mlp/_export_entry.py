@@ -16,7 +16,7 @@ from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import check_paths, param_specs
 from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
-from symjax_mlp._export_batch import placed_struct, split_over_mesh, trace_placed
+from symjax_mlp._export_batch import placed_struct, split_over_mesh, trace_placed, unsolvable
 from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent, walk
@@ -190,6 +190,8 @@ def export_program(
             "static shapes with batch=None."
         ) from e
     except MODEL_ERRORS as e:  # raised on an input no array (example=(x, "abc")): named as h's
+        if (unsolved := unsolvable(h.name, e)) is not None:
+            raise unsolved from None  # shapes=('a*a',): jax.export's raw ValueError
         given = rebuild(stage.static, stage.examples, {})  # the settings in their places
         if (named := not_data(f"export({h.name})", e, *given)) is None:
             raise

@@ -56,13 +56,22 @@ def narrowest(module: str) -> Any:
     return next((_NARROW[t] for t in _NARROW if t in found), None)
 
 
-def inputs(specs: Sequence[Any], seed: int = 0) -> list[np.ndarray] | None:
-    """Seeded random inputs of ``specs``' shapes (symbolic dims as ``BATCH``, integers below 4),
-    or ``None`` when an input cannot be stored (an rng key)."""
+def drawn_shapes(specs: Sequence[Any], sizes: Mapping[str, int] | None = None) -> list[tuple]:
+    """``specs``' shapes, a symbolic dimension at its size in ``sizes`` (``"b + 15"``: 17 where
+    ``b`` is 2), else ``BATCH``."""
+    at = sizes or {}
+    return [tuple(at.get(d, BATCH) if isinstance(d, str) else d for d in s.shape) for s in specs]
+
+
+def inputs(
+    specs: Sequence[Any], seed: int = 0, sizes: Mapping[str, int] | None = None
+) -> list[np.ndarray] | None:
+    """Seeded random inputs of ``specs``' :func:`drawn_shapes` (integers below 4), or ``None``
+    when an input cannot be stored (an rng key)."""
     if any(str(spec.dtype).startswith("key") for spec in specs):
         return None
     rng = np.random.default_rng(seed)
-    shapes = [tuple(BATCH if isinstance(d, str) else d for d in spec.shape) for spec in specs]
+    shapes = drawn_shapes(specs, sizes)
     return [draw(rng, s, str(spec.dtype), high=4) for s, spec in zip(shapes, specs, strict=True)]
 
 

@@ -48,8 +48,7 @@ class Signature:
         outs = ", ".join(o.type for o in self.outputs)
         if self.output_kind == "tuple":
             outs = f"({outs})"
-        names = sorted({d for s in self.inputs for d in s.shape if isinstance(d, str)})
-        bounds = [f"{n} >= 1" for n in names] + list(self.constraints)
+        bounds = [f"{n} >= 1" for n in _variables(self.inputs)] + list(self.constraints)
         where = f"  with {', '.join(bounds)}" if bounds else ""
         return f"({ins}) -> {outs}{where}"
 
@@ -125,8 +124,9 @@ class Signature:
             if str(x.dtype) != spec.dtype:  # as text: bfloat16 and rng key types included
                 given = inputs[self.inputs.index(spec)]  # as passed: a list, an array
                 raise SignatureError(_dtype_refused(caller, spec, x, given))
-        self._check_terms(sizes, caller)
+        solved = self._check_terms(sizes, caller)
         known = {k: v for k, (_, v) in sizes.items() if type(v) is int}  # symbolic: unknown
+        known |= solved
         for constraint in self.constraints:
             if not _holds(constraint, known):
                 where = ", ".join(f"{k} = {v} ({p})" for k, (p, v) in sorted(sizes.items()))
@@ -136,17 +136,32 @@ class Signature:
                 )
         return arrays
 
-    def _check_terms(self, sizes: Mapping[str, tuple[str, int]], caller: str) -> None:
+    def _check_terms(self, sizes: Mapping[str, tuple[str, int]], caller: str) -> dict[str, int]:
         """Refuses a dimension written as a term (``2*b``: jax.export writes ``t == 2*b`` so)
-        whose size is not the term's at the sizes of the names in it (``b``)."""
-        names = {k: v for k, (_, v) in sizes.items() if k.isidentifier() and type(v) is int}
+        whose size is not the term's at the sizes of the names in it (``b``); a name seen only
+        in terms (``2*d``) is solved from the first, which must give a whole ``d >= 1``.
+        Returns the names' sizes."""
+        names = {k: (at, v) for k, (at, v) in sizes.items() if k.isidentifier() and type(v) is int}
         for dim, (at, got) in sizes.items():  # int sizes only: a symbolic one is jax's to check
-            if dim.isidentifier() or type(got) is not int or _evaluate(dim, names) in (None, got):
+            used = list(dict.fromkeys(re.findall(r"[A-Za-z_]\w*", dim)))
+            if dim.isidentifier() or type(got) is not int:
                 continue
-            want = _evaluate(dim, names)
-            used = dict.fromkeys(re.findall(r"[A-Za-z_]\w*", dim))
-            where = ", ".join(f"{n} = {names[n]}" for n in used)
-            origin = ", ".join(sizes[n][0] for n in used)
+            unknown = [n for n in used if n not in names]
+            known = {n: v for n, (_, v) in names.items()}
+            if len(unknown) == 1 and (solved := _solve(dim, unknown[0], got, known)) is not None:
+                if solved < 1:  # "b + 15" given 10, "2*d" given 5
+                    fits = [_evaluate(dim, {**known, unknown[0]: k}) for k in (1, 2, 3)]
+                    raise SignatureError(
+                        f"{caller}: input {at} is {got}, but the artifact requires {dim} for a "
+                        f"whole {unknown[0]} >= 1 ({str(fits)[1:-1]}, ...). Pass an input whose "
+                        f"{at} is one of those sizes."
+                    )
+                names[unknown[0]] = (at, solved)
+                continue
+            if (want := _evaluate(dim, known)) in (None, got):
+                continue
+            where = ", ".join(f"{n} = {names[n][1]}" for n in used)
+            origin = ", ".join(names[n][0] for n in used)
             said = [c for c in self.constraints if _bare(dim) in map(_bare, _split(c)[1:])]
             rule = f"{said[0]}, so " if said else ""
             raise SignatureError(
@@ -154,9 +169,10 @@ class Signature:
                 f"({where}, from {origin}). Pass inputs whose sizes agree: {at} = {want} for "
                 f"{where}."
             )
+        return {n: v for n, (_, v) in names.items()}
 
     def _expects(self, spec: TensorSpec) -> str:
-        names = sorted({d for d in spec.shape if isinstance(d, str)})
+        names = _variables([spec])
         where = f" with {', '.join(names)} >= 1" if names else ""
         inner = ", ".join(map(str, spec.shape))
         return (f"({inner},)" if len(spec.shape) == 1 else f"({inner})") + where
@@ -236,6 +252,23 @@ def admits_any(signature: Signature, tries: Sequence[int] = ()) -> bool:
         if all(_holds(c, sizes) for c in signature.constraints):
             return True
     return False
+
+
+def _variables(specs: Sequence[TensorSpec]) -> list[str]:
+    """The dimension variables of ``specs``' shapes, sorted: ``b`` and ``d`` of ``(b, 2*d)``
+    (``mod`` of ``mod(b, 3)`` is no variable)."""
+    dims = [d for s in specs for d in s.shape if isinstance(d, str)]
+    return sorted({n for d in dims for n in re.findall(r"[A-Za-z_]\w*\b(?!\s*\()", d)})
+
+
+def _solve(term: str, name: str, size: int, sizes: Mapping[str, int]) -> int | None:
+    """The ``name`` at which ``term`` (linear in it, as jax.export solves) is ``size``:
+    ``None`` where it is not linear; not whole, or below 1, as 0 (no such ``name`` >= 1)."""
+    at = [_evaluate(term, {**sizes, name: k}) for k in (0, 1, 2)]
+    if None in at or at[1] - at[0] != at[2] - at[1] or at[1] == at[0]:
+        return None
+    n, rest = divmod(size - at[0], at[1] - at[0])
+    return 0 if rest else n
 
 
 def _bare(term: str) -> str:
