@@ -3,7 +3,9 @@ the cause: inputs of mixed leading dimensions, a model of one example, an ensemb
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -71,9 +73,9 @@ _UNSOLVABLE = (
     "(b, 2*b, b + 15), not from {dims} ({error}). Name a variable for that size (shapes='n' "
     "for a*a) and take what the model needs from it."
 )
-_SHARED = (
-    "; if an input has no batch dimension (a mask or weights shared by every row), give it "
-    "None in shapes=, e.g. shapes=({specs})"
+_NO_BATCH = (
+    "an input has no batch dimension (a mask or weights shared by every row, a raw "
+    "jax.random.PRNGKey's uint32[2]), give it None in shapes=, e.g. shapes=({specs})"
 )
 
 
@@ -87,7 +89,8 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
     specs = [x if s else b for x, b, s in zip(examples, stage.in_specs, shared, strict=True)]
     try:
         return jitted.trace(p_structs, *specs).jaxpr.jaxpr, specs
-    except (TypeError, ValueError, jax.errors.InconclusiveDimensionOperation) as e:
+    except (TypeError, ValueError, AssertionError, jax.errors.InconclusiveDimensionOperation) as e:
+        # (an AssertionError: the model's own assert x.shape == (3, 2), as aot.md's g)
         shapes = stage.per_input_shapes  # the caller's symbolic dimensions
         if isinstance(e, (SymjaxError, *TRACER_ERRORS)) or not (symbolic or shapes):
             raise
@@ -132,14 +135,16 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
     )  # fmt: skip
     if static and (ensemble := _ensemble(p_structs, lead)) is not None:
         raise SignatureError(head + ensemble)
-    if static and not one:
-        raise SignatureError(head + _fixed(lead, examples, first, batch)) from None
     spec = f"{batch}, {', '.join(map(str, examples[0].shape[1:]))}".strip(", ")
     specs = ", ".join([repr(spec)] + ["None"] * (len(examples) - 1))
+    no_batch = "" if len(examples) < 2 else _NO_BATCH.format(specs=specs)
+    if static and not one:  # (a key's data of 2 rows as the batch's: one row of it is no key)
+        also = f" If {no_batch}." if no_batch else ""
+        raise SignatureError(head + _fixed(lead, examples, first, batch) + also) from None
     raise SignatureError(
         head + _ONE_EXAMPLE.format(
             static=", or pass batch=None for the example's static shapes" if static else "",
-            shared="" if len(examples) < 2 else _SHARED.format(specs=specs),
+            shared=f"; if {no_batch}" if no_batch else "",
         )
     ) from None  # fmt: skip
 
@@ -177,23 +182,40 @@ def _fixed(lead: tuple[int, ...], examples: Sequence[Any], error: str, batch: st
 _ON_A_MESH = ("shard_map", "sharding_constraint")
 
 
-def trace_placed(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any], Any]:
-    """:func:`trace_batch`'s jaxpr and inputs, and the params' structs: with the shardings of
-    arrays split over a mesh where the program runs on a mesh (a shard_map: each device takes
-    its shard, FSDP's params; a with_sharding_constraint: model parallelism as jax.jit runs
-    it), else as one device's program, as it was (its artifact loads on one device; a trace
-    that fails with them fails here as it did)."""
+def trace_placed(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any], Any, Any]:
+    """:func:`trace_batch`'s jaxpr and inputs, the params' structs and where to stage them
+    (a context manager's factory): with the shardings of arrays split over a mesh where the
+    program runs on a mesh (a shard_map: each device takes its shard, FSDP's params; a
+    with_sharding_constraint: model parallelism as jax.jit runs it), else as one device's
+    program, as it was (its artifact loads on one device; a trace that fails with them fails
+    here as it did), outside a ``jax.set_mesh`` of Explicit axes where it traces there (on
+    that mesh its avals carry the mesh, and JAX builds no VJP of it: 'Length of device
+    assignment 1 is not equal to the size of the mesh 8')."""
     if stage.placed or any(s.sharding is not None for s in stage.in_specs):
         try:
             jaxpr, specs = trace_batch(jitted, p_structs, stage)
-            if any(e.primitive.name in _ON_A_MESH for e, _ in walk(jaxpr)):
-                return jaxpr, specs, p_structs
+            if _on_a_mesh(jaxpr):
+                return jaxpr, specs, p_structs, contextlib.nullcontext
         except Exception:  # (a mesh of Explicit axes refuses some models' sharded trace)
             pass
     bare = {p: _bare(s) for p, s in p_structs.items()}
     stage = dataclasses.replace(stage, in_specs=[*map(_bare, stage.in_specs)],
                                 examples=tuple(map(_bare, stage.examples)))  # fmt: skip
-    return (*trace_batch(jitted, bare, stage), bare)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+        off = functools.partial(jax.set_mesh, None)
+        try:  # (a model of the mesh's names, a reshard to P('X'), a shard_map: staged there)
+            with off():
+                jaxpr, specs = trace_batch(jitted, bare, stage)
+            if not _on_a_mesh(jaxpr):
+                return jaxpr, specs, bare, off
+        except Exception:
+            pass
+    return (*trace_batch(jitted, bare, stage), bare, contextlib.nullcontext)
+
+
+def _on_a_mesh(jaxpr: Any) -> bool:
+    return any(e.primitive.name in _ON_A_MESH for e, _ in walk(jaxpr))
 
 
 def split_over_mesh(x: Any) -> Any:

@@ -17,6 +17,7 @@ from symjax_mlp._artifact.weights import check_paths, param_specs
 from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
 from symjax_mlp._export_batch import placed_struct, split_over_mesh, trace_placed, unsolvable
+from symjax_mlp._export_example import calls_back
 from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent, walk
@@ -159,7 +160,7 @@ def export_program(
     jitted, jaxpr = jax.jit(stage.fn), None
     try:
         with without_source_locations():  # reproducible bytes: no path of this machine inside
-            jaxpr, in_specs, p_structs = trace_placed(jitted, p_structs, stage)  # export reuses
+            jaxpr, in_specs, p_structs, where = trace_placed(jitted, p_structs, stage)
             outs = [v.aval for v in jaxpr.outvars]
             named = {f"args[{i}]": x for i, x in enumerate(in_specs)}
             named |= {"out" if len(outs) == 1 else f"out[{i}]": a for i, a in enumerate(outs)}
@@ -167,21 +168,14 @@ def export_program(
                 raise odd  # else jax's raw KeyError from serialize, or its lowering's error
             if any(isinstance(v.aval, jax.ref.AbstractRef) for v in jaxpr.constvars):
                 raise ConfigError(_CLOSED_REF.format(name=h.name))  # jax.export's raw ValueError
-            exported = jax.export.export(jitted, platforms=platforms)(p_structs, *in_specs)
+            with where():  # where it traced (export reuses that trace)
+                exported = jax.export.export(jitted, platforms=platforms)(p_structs, *in_specs)
     except TRACER_ERRORS as e:
         raise control_flow_error(h.name, e) from e
     except RuntimeError:  # e.g. std::bad_cast from a host callback's lowering
-        names = {eqn.primitive.name for eqn, _ in walk(jaxpr)} if jaxpr is not None else ()
-        # pure_callback, io_callback, debug_callback; jax.debug.print is debug_print
-        callbacks = sorted(n for n in names if "callback" in n or n.startswith("debug_"))
-        if not callbacks:
+        if (called := calls_back(h.name, jaxpr)) is None:
             raise
-        raise ConfigError(
-            f"export({h.name}): the function calls back into Python ({', '.join(callbacks)}), "
-            "and an artifact carries no Python: it runs where your code is not. Compute it "
-            "with jnp/lax operations, or keep that step (a jax.debug.print too) outside the "
-            "exported function."
-        ) from None
+        raise called from None
     except jax.errors.InconclusiveDimensionOperation as e:
         raise SignatureError(
             f"export({h.name}, batch={stage.batch!r}): the function needs a concrete value of "

@@ -264,9 +264,6 @@ def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) 
         if vjp_order == 0:
             raise
         works = _highest_order(exported, vjp_order)  # raises where the VJP is not the cause
-        mesh = jax.sharding.get_abstract_mesh()
-        if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
-            raise ConfigError(_EXPLICIT_VJP.format(name=name, order=vjp_order)) from e
         said = _NO_VJP.format(name=name, order=vjp_order, error=first_line(e), works=works)
         raise ConfigError(said) from None
 
@@ -281,14 +278,6 @@ def _highest_order(exported: Any, failed: int) -> int:
         return order
     exported.serialize(vjp_order=0)
     return 0
-
-
-_EXPLICIT_VJP = (
-    "export({name}, vjp_order={order}): under jax.set_mesh of Explicit axes, JAX builds no VJP "
-    "of the program export stages (one device's, its params not split over the mesh: JAX's "
-    "ValueError below). Export it outside jax.set_mesh, where the model runs on one device, "
-    "or with vjp_order=0 (the loaded model runs; jax.grad of it is refused)."
-)
 
 
 _NO_VJP = (

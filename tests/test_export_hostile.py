@@ -186,6 +186,21 @@ def test_a_vmap_of_a_fixed_size_is_refused_naming_both_readings_of_its_example(t
         sm.export(sm.hybridize(vm, {"s": 2.0}), tmp_path / "a", example=jnp.ones((4, 6)))
 
 
+def test_a_raw_prng_key_of_as_many_rows_as_the_batch_is_refused_naming_none_in_shapes(tmp_path):
+    """A raw ``jax.random.PRNGKey`` (uint32[2]) beside 2 rows is read as batched, as a typed
+    key's refusal (a scalar) names ``shapes=(..., None)``; this one named only batch=None and a
+    model fixing its rows."""
+
+    def noisy(p, x, k):
+        return x * p + jax.random.normal(jax.random.wrap_key_data(k), x.shape)
+
+    h, x, key = sm.hybridize(noisy, jnp.float32(2)), jnp.ones((2, 3)), jax.random.PRNGKey(0)
+    with pytest.raises(sm.SignatureError, match=r"fixes its batch size to 2 rows.*If an input "
+                       r"has no batch dimension.*PRNGKey.*shapes=\('b, 3', None\)\.$"):  # fmt: skip
+        sm.export(h, tmp_path / "a", example=(x, key))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_model_that_raises_at_its_examples_shapes_is_not_exported_unchecked(tmp_path):
     """It traces with a symbolic batch and raises at the example's concrete one: the check
     against the model was skipped (any ValueError there was taken for the artifact's

@@ -348,6 +348,25 @@ def test_control_flow_on_traced_values_is_a_clear_error(fn):
         assert isinstance(info.value.__cause__, jax.errors.JAXTypeError)
 
 
+def test_a_shape_error_naming_a_tracer_is_jaxs_not_a_control_flow_error():
+    """``checkify.check`` of a vector (a model bug) is JAX's TypeError, as under jax.jit and
+    eagerly ('takes a scalar pred ... JitTracer(bool[3])'); it was a ControlFlowError asking
+    for a concrete value. A shape from a traced scalar (``jnp.zeros(n)``) stays one."""
+    from jax.experimental import checkify
+
+    def positive(p, x):
+        checkify.check(x > 0, "x must be positive")
+        return x
+
+    x = jnp.ones(3)
+    for call in (sm.hybridize(positive, {}), sm.hybridize(positive, {}).eager):
+        with pytest.raises(TypeError, match=r"scalar pred") as info:
+            call(x)
+        assert not isinstance(info.value, sm.ControlFlowError)
+    with pytest.raises(sm.ControlFlowError, match=r"concrete values"):
+        sm.hybridize(lambda p, n: jnp.zeros(n), {})(jnp.int32(2))
+
+
 def test_python_for_over_a_static_range_unrolls():
     def repeat(p, x):
         for _ in range(4):

@@ -178,12 +178,14 @@ _UNTRACEABLE = re.compile(
     r"_hybrid at 0x[0-9a-f]+> as an abstract array\. "
     r"The problematic value is of type <class '([^']+)'>"
 )
+_CONCRETE = re.compile(r"concrete|static|(Tracer\(|Traced<)(\w+\()?~?\w+\[\]")  # see symbolic
 
 
 @contextlib.contextmanager
 def symbolic(name: str) -> Iterator[None]:
-    """JAX's tracer errors in the block as :func:`control_flow_error` (the ``IndexError`` or
-    ``TypeError`` of a shape from a traced array, ``x[:n]``, too); arrays on two devices named."""
+    """JAX's tracer errors in the block as :func:`control_flow_error`, and its TypeError of a
+    tracer for a value it needs (x[:n]: 'concrete', 'static', a traced scalar; not checkify's
+    'takes a scalar pred' of a vector, the model's); arrays on two devices named."""
     try:
         yield
     except TRACER_ERRORS as e:
@@ -196,7 +198,7 @@ def symbolic(name: str) -> Iterator[None]:
             at, what = "an input (or a leaf of a tuple/dict input)", f"of type {kind[1]}"
             error = NOT_AN_INPUT.format(caller=name, path=at, what=what, fix=NOT_AN_INPUT_FIX)
             raise ConfigError(error) from None
-        if not any(t in message(e) for t in ("Tracer(", "Traced<")):
+        if not _CONCRETE.search(said := message(e)) or not ("Tracer(" in said or "Traced<" in said):
             raise
         raise control_flow_error(name, e) from e
 
