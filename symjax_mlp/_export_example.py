@@ -1,6 +1,6 @@
 """The refusals of an export's example item that is no array: an equinox State, a container of
-arrays (a dict, a tuple or list: a ``batch`` of ``(x, y)``), anything else; each naming what
-exports."""
+arrays (a dict, a tuple or list: a ``batch`` of ``(x, y)``), anything else; and of a function
+calling back into Python; each naming what exports."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._errors import SignatureError
+from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._hybrid.jaxpr import walk
 
 _EQX_STATE = (
     "export(example=...): args[{i}] is an equinox eqx.nn.State, which an artifact's inputs "
@@ -62,3 +63,32 @@ def not_an_array(name: str, i: int, x: Any, n: int) -> SignatureError:
     said = _CONTAINER_INPUT.format(name=name, i=i, what=what, kind=kind, head=head, cut=cut,
                                    tail=tail, example=example)  # fmt: skip
     return SignatureError(said)
+
+
+_EQX_CHECKS = (
+    " Here it is equinox's runtime check (eqx.error_if, or an eqx layer's own): set the "
+    "environment variable EQX_ON_ERROR=off (no check) or EQX_ON_ERROR=nan (NaN outputs where "
+    "it fails; export with batch=None) before equinox is imported."
+)
+
+
+def calls_back(name: str, jaxpr: Any) -> ConfigError | None:
+    """The refusal of a traced function calling back into Python (``pure_callback``,
+    ``io_callback``, ``jax.debug.print``'s ``debug_print``); ``None`` if ``jaxpr`` has none."""
+    eqns = [eqn for eqn, _ in walk(jaxpr)] if jaxpr is not None else []
+    names = {e.primitive.name for e in eqns}
+    if not (callbacks := sorted(n for n in names if "callback" in n or n.startswith("debug_"))):
+        return None
+    checks = any(map(_equinox_check, eqns))
+    return ConfigError(
+        f"export({name}): the function calls back into Python ({', '.join(callbacks)}), and an "
+        "artifact carries no Python: it runs where your code is not. Compute it with jnp/lax "
+        "operations, or keep that step (a jax.debug.print too) outside the exported function."
+        + (_EQX_CHECKS if checks else "")
+    )
+
+
+def _equinox_check(eqn: Any) -> bool:
+    """Whether ``eqn`` is the host callback of equinox's ``error_if`` (its raising function)."""
+    raises = getattr(eqn.params.get("callback"), "callback_func", None)
+    return getattr(raises, "__module__", "").startswith("equinox")
