@@ -287,3 +287,37 @@ def test_a_times_a_is_refused_naming_a_variable(tmp_path):
     h = sm.hybridize(lambda p, x: zoo12.size_of(x) * p["s"], P)
     with pytest.raises(sm.SignatureError, match=r"not from a\^2 \(Cannot solve .*shapes='n'"):
         sm.export(h, tmp_path / "m", example=(np.ones(4, np.float32),), shapes=("a*a",))
+
+
+# --- aot.md --------------------------------------------------------------------------------
+
+
+def test_aot_stages_handed_to_hybridize():
+    """The guide's ``f`` as ``jax.jit(f).trace(x, y)``: a Traced hybridizes and answers as
+    ``f``; its ``.lower()`` and ``.lower().compile()`` are refused naming the function itself
+    (the Compiled was taken, and every call raised jax's TypeError, 'Cannot apply JAX
+    transformations to a function lowered and compiled for a particular signature')."""
+    net = lambda p, x: zoo12.f_aot(x, p)  # noqa: E731 - y, the guide's 4, as the param
+    x, p = jnp.ones((3, 2)), jnp.float32(4)
+    traced = jax.jit(net).trace(p, x)
+    close(sm.hybridize(traced, p)(x), zoo12.f_aot(x, p))
+    for stage in (traced.lower(), traced.lower().compile()):
+        kind = type(stage).__name__
+        with pytest.raises(sm.ConfigError, match=rf"got a jax\.stages\.{kind} .*sm\.hybridize\(f"):
+            sm.hybridize(stage, p)
+
+
+@pytest.mark.slow
+def test_aot_g_asserting_its_shape_exports_static_and_maps(tmp_path):
+    """``g`` asserts its input is (3, 2): with the batch symbolic the assert fails, which
+    export raised bare (``AssertionError``, no message); now refused naming its 3 rows and
+    ``batch=None``. Exported so, ``jax.vmap`` of the loaded model over ``zs`` is the guide's
+    ``jax.vmap(g_jit)(zs)``, where ``jax.vmap(g_aot)`` raises."""
+    h = sm.hybridize(lambda p, x: zoo12.g(x) * p, jnp.float32(1))
+    z, zs = zoo12.make_z(3, 2), zoo12.make_z(4, 3, 2)
+    with pytest.raises(sm.SignatureError, match=r"fails \(AssertionError\).*3 rows.*batch=None"):
+        sm.export(h, tmp_path / "m", example=(z,))
+    sm.export(h, tmp_path / "m", example=(z,), batch=None)
+    want = jnp.float32([[1, 5, 9], [13, 17, 21], [25, 29, 33], [37, 41, 45]])
+    close(jax.vmap(sm.load(tmp_path / "m"))(zs), want)
+    close(jax.vmap(jax.jit(zoo12.g))(zs), want)

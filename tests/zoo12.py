@@ -13,6 +13,8 @@ params and inputs for tests/test_authors_round12.py (our artifact IS jax.export)
   inconclusive ``0 if x.shape[0] + 1 >= x.shape[1] else 1``, ``my_top_k`` and
   ``my_top_k_with_dimensions`` (``k`` from an empty ``(0, k)`` array), the identity of
   ``"b, b, 2*d"`` and ``x.shape[0]`` of ``(a * a,)``.
+- docs/aot.md: ``f`` (``2 * x + y``) and its traced, lowered and compiled stages, and ``g``
+  (``assert x.shape == (3, 2)``) with ``make_z``, which the guide maps with ``jax.vmap``.
 """
 
 import jax.numpy as jnp
@@ -87,6 +89,22 @@ def my_top_k_with_dimensions(dimensions, x):  # dimensions: i32[0, k], x: i32[4,
 
 
 x_top = np.arange(40, dtype=np.int32).reshape((4, 10))
+
+# --- docs/aot.md ---------------------------------------------------------------------------
+
+
+def f_aot(x, y):
+    return 2 * x + y
+
+
+def g(x):
+    assert x.shape == (3, 2)
+    return x @ jnp.ones(2)
+
+
+def make_z(*shape):
+    return jnp.arange(np.prod(shape)).reshape(shape)
+
 
 # --- nets: each a function of params and inputs, the guide's function inside ----------------
 

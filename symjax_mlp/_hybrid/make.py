@@ -19,6 +19,12 @@ from symjax_mlp._hybrid.pure import PureModel, plain, refuse_nested_nnx_state
 from symjax_mlp._hybrid.pure.linen_module import linen
 from symjax_mlp._hybrid.pure.nnx_module import closed_module_error, nnx_module
 
+_STAGED = (  # aot.md's stages: a Compiled's call raises jax's TypeError under any transform
+    "hybridize() got a jax.stages.{kind} (jax.jit(f).trace(...).lower()...): it runs only at "
+    "the shapes and dtypes it was lowered for, and JAX transforms none of it (no jax.grad, "
+    "jax.vmap or export of it). Hybridize the function itself: sm.hybridize(f, params), f "
+    "or jax.jit(f) taking (params, *inputs)."
+)
 _TAKES_NO = {  # why, and the fix
     "nnx": "the module carries its own state (nnx.Rngs, nnx.BatchStat). Write hybridize(module).",
     "eqx": "an equinox module's float arrays are its params, the rest is held static. Write "
@@ -121,6 +127,8 @@ def hybridize(
             "hybridize(fn, params, mutable=/rngs=): those are settings of a flax.linen module. "
             "A pure function carries no state: return what changes and pass it back in."
         )
+    elif isinstance(model, jax.stages.Lowered | jax.stages.Compiled):
+        raise ConfigError(_STAGED.format(kind=type(model).__name__))
     elif not callable(model):
         raise ConfigError(
             "hybridize() expects a flax.linen.Module with its variables, a flax.nnx.Module, or "
