@@ -82,3 +82,29 @@ def test_a_second_process_0_on_a_coordinators_port_is_refused_not_sharing_it(tmp
     finally:
         first.kill()
         first.communicate()
+
+
+@pytest.mark.slow  # a local Ray cluster started and stopped (~20 s)
+@pytest.mark.ray
+@pytest.mark.xdist_group("ray")
+def test_serve_on_ray_on_a_port_in_use_is_refused_as_serve_refuses_it(tmp_path):
+    """``symjax-mlp serve --ray --port P`` with P in use: Ray's proxy could not bind, and its
+    RayTaskError came out as a bug of ours, traceback and all, where ``serve`` without --ray
+    says 'cannot listen on ...' in one line (exit status 2)."""
+    pytest.importorskip("ray.serve", reason="needs the ray extra: pip install 'symjax_mlp[ray]'")
+    art = sm.chapter.export_mlp(tmp_path / "mlp")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "symjax_mlp", "serve", str(art.path), "--ray"]
+        cmd += ["--replicas", "1", "--replica-cpus", "0.5", "--host", "127.0.0.1"]
+        done = subprocess.run(
+            [*cmd, "--port", str(port)], env=ENV, capture_output=True, text=True, timeout=300
+        )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "a bug" not in done.stderr, done.stderr[-3000:]
+    said = done.stderr.strip().splitlines()[-1]
+    assert said.startswith(
+        f"symjax-mlp serve: error: cannot listen on 127.0.0.1:{port} (Address already in use)."
+    ), said

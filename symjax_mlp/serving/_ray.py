@@ -20,7 +20,7 @@ from symjax_mlp.serving._batcher import Batcher, seconds
 from symjax_mlp.serving._intake import check_limits
 from symjax_mlp.serving._latency import latency_mode
 from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count
-from symjax_mlp.serving._server import on_signals
+from symjax_mlp.serving._server import bind, on_signals
 
 _EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "traces",
@@ -239,7 +239,11 @@ def serve_on_ray(
             raise ConfigError(
                 _CPUS.format(artifact=str(artifact), n=replicas, each=each, need=need, cpus=cpus)
             )
-        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.start(http_options={"host": host, "port": port})
+        except Exception:  # Ray's proxy could not start: a port in use is the caller's error
+            bind(host, port, "").close()  # a ConfigError, as serve's, unless it binds now
+            raise
         serve.run(app, name=name, route_prefix="/")
         stop = threading.Event()
         with on_signals(lambda *_: stop.set()):
