@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import equinox_modules
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.pure import PureModel, plain, refuse_nested_nnx_state
-from symjax_mlp._hybrid.pure.linen_module import linen
+from symjax_mlp._hybrid.pure.linen_module import APPLY_FIXES, linen
 from symjax_mlp._hybrid.pure.nnx_module import closed_module_error, nnx_module
 
 _STAGED = (  # aot.md's stages: a Compiled's call raises jax's TypeError under any transform
@@ -64,7 +65,9 @@ def hybridize(
         export is refused (``h.replace(params=...)``); one holding no ``Param``, as nnx's array
         leaves, has its float arrays as params), an ``equinox.Module`` (no ``params``: its float
         arrays are, as ``eqx.filter_grad`` takes them; its bool and int arrays are held with
-        the rest, baked into the program), or any pure function ``fn(params, *args, **kwargs)``.
+        the rest, baked into the program), or any pure function ``fn(params, *args, **kwargs)``
+        (an nnx module's method, ``model.encode``, runs as ``encode(model, *inputs)``; a linen
+        module's is refused, naming ``model.apply(..., method=...)``).
       params: the variables or params; omitted for an nnx or equinox module. An nnx module (or
         ``nnx.Pytree``) as ``fn``'s params is split as its own Hybrid splits it; one inside the
         params (or given later to ``h.apply``, ``h.replace``) must hold ``Param`` s only.
@@ -103,6 +106,15 @@ def hybridize(
     """
     if isinstance(model, Hybrid):
         raise ConfigError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
+    owner = _flax_kind(model.__self__) if inspect.ismethod(model) else None
+    if owner == "nnx" and params is None:  # hybridize(model.encode): encode(model, *inputs)
+        name, model, params = name or model.__name__, model.__func__, model.__self__
+    elif owner == "linen":  # else called as encode(params, *inputs), outside model.apply
+        said = f"{type(model.__self__).__name__}.{model.__name__}"
+        raise ConfigError(
+            f"hybridize({said}): a method of a flax.linen module runs only inside its apply. "
+            + APPLY_FIXES["method"].format(value=repr(model.__name__))
+        )
     kind, state = _flax_kind(model), None
     if kind == "eqx" and params is not None and _wraps_a_function(model):
         kind = None  # eqx.filter_vmap(f), eqx.filter_jit(f) of a function f(params, *inputs)
