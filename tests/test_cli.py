@@ -1495,3 +1495,63 @@ def test_run_and_train_print_an_odd_output_path_escaped(tmp_path, capsys, monkey
     monkeypatch.setattr(symjax_mlp.training, "train", lambda *a, **k: done)  # no epoch run
     assert main(["train", "--quiet", "--export", str(odd)]) == 0
     assert capsys.readouterr().out.startswith(f"exported the trained model to {tmp_path}/y\\x1b")
+
+
+def test_run_passes_params_to_load(monkeypatch, tmp_path):
+    """``run --params FILE`` is ``load(path, params=FILE)`` (the slow test below runs it)."""
+    import symjax_mlp as sm
+    from symjax_mlp.serving import _app
+
+    got = {}
+
+    def fake_load(path, **options):
+        got.update(options)
+        raise sm.ConfigError("stop here")
+
+    monkeypatch.setattr(_app, "load", fake_load)
+    (tmp_path / "x.npy").write_bytes(b"")
+    x, y = str(tmp_path / "x.npy"), str(tmp_path / "y.npy")
+    argv = ["run", str(tmp_path / "m"), "--input", x, "--output", y]
+    assert main([*argv, "--params", "w.safetensors"]) == 2
+    assert got["params"] == "w.safetensors"
+    assert main(argv) == 2 and got["params"] is None
+
+
+@pytest.mark.slow  # two exports, three runs: 4 s
+def test_run_takes_params_as_load_does(tmp_path, capsys):
+    """``sm.load(path, params=...)`` had no ``run`` twin: other weights for the artifact's
+    program could not be run from the shell. ``--params`` runs seed 0's program on seed 1's
+    weights, as seed 1's artifact answers."""
+    import numpy as np
+
+    for seed in ("0", "1"):
+        argv = ["export", str(tmp_path / seed), "--sizes", "3", "--in-features", "2"]
+        assert main([*argv, "--seed", seed]) == 0
+    np.save(tmp_path / "x.npy", np.arange(8, dtype=np.float32).reshape(4, 2))
+    run = ["run", str(tmp_path / "0"), "--input", str(tmp_path / "x.npy"), "--output"]
+    assert main([*run, str(tmp_path / "y0.npy")]) == 0
+    other = str(tmp_path / "1" / "params.safetensors")
+    assert main([*run, str(tmp_path / "y.npy"), "--params", other]) == 0
+    run[1] = str(tmp_path / "1")
+    assert main([*run, str(tmp_path / "y1.npy")]) == 0
+    y, y0, y1 = (np.load(tmp_path / f"{n}.npy") for n in ("y", "y0", "y1"))
+    np.testing.assert_array_equal(y, y1)
+    assert not np.array_equal(y, y0)
+
+
+def test_bench_takes_warmup_as_timeit_does(monkeypatch, tmp_path):
+    """``sm.timeit(..., warmup=)`` had no ``bench`` twin: its 50 untimed calls per row were
+    fixed from the shell."""
+    import symjax_mlp as sm
+    from symjax_mlp.cli import _args
+
+    got = {}
+
+    def fake_timeit(model, **options):
+        got.update(options)
+        raise sm.ConfigError("stop here")
+
+    monkeypatch.setattr(_args, "load_model", lambda args: "model")
+    monkeypatch.setattr(sm, "timeit", fake_timeit)
+    assert main(["bench", str(tmp_path), "--warmup", "3", "--calls", "10"]) == 2
+    assert got["warmup"] == 3 and got["calls"] == 10

@@ -130,7 +130,7 @@ def _run_bench(args: argparse.Namespace) -> None:
 
     if args.dispatch == "sync":
         _args.sync_dispatch()
-    timing = timeit(_args.load_model(args), **keywords(args, "batch calls repeats"))
+    timing = timeit(_args.load_model(args), **keywords(args, "batch calls repeats warmup"))
     show(timing, timing.to_dict(), args.json)
 
 
@@ -180,6 +180,7 @@ _COMMANDS = {
         ("--batch", {"type": count, "default": 1, "help": "the size of the symbolic batch"}),
         ("--calls", {"type": count, "default": 1000, "help": "calls per repeat"}),
         ("--repeats", {"type": count, "default": 7, "help": "repeats of each row"}),
+        ("--warmup", {"type": count, "default": 50, "help": "untimed calls of each row first"}),
         ("--dispatch", {"choices": ("async", "sync"), "default": "async", "help": "JAX's CPU "
                         "dispatch: async is JAX's default, sync the latency mode "
                         "(sm.serving.latency_mode(): calls run on the calling thread)"}),

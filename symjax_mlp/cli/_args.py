@@ -236,8 +236,8 @@ def load_options(args: argparse.Namespace) -> dict:
     return {"allow": args.allow, "trust": args.trust, "verify_signature": args.key}
 
 
-def load_model(args: argparse.Namespace) -> Any:
-    """``load(PATH, runtime=..., ...)``, its ``--entry`` if one was given."""
+def load_model(args: argparse.Namespace, **more: Any) -> Any:
+    """``load(PATH, runtime=..., ..., **more)``, its ``--entry`` if one was given."""
     from symjax_mlp.serving._app import load_entry
 
-    return load_entry(args.path, args.entry, runtime=args.runtime, **load_options(args))
+    return load_entry(args.path, args.entry, runtime=args.runtime, **load_options(args), **more)

@@ -29,6 +29,8 @@ _OPTIONS = (
      "(out0, out1, ...); or once per output, in order"}),
     ("--runtime", {"choices": ("jax", "iree"), "default": "jax"}),
     ("--entry", {"help": "the entry point to run (default: the artifact's default)"}),
+    ("--params", {"metavar": "SAFETENSORS", "help": "other weights for the same param tree, as "
+     "load(params=...) takes them: a .safetensors file (another export's params.safetensors)"}),
     *_args.TRUST,
 )  # fmt: skip
 
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> None:
             f"--input -: given {n} times; stdin holds one array. Pass the others as files."
         )
     stdin = _binary("--input") if n else None
-    model = _args.load_model(args)
+    model = _args.load_model(args, params=args.params)
     inputs, outputs = model.signature.inputs, model.signature.outputs
     if len(args.input) != len(inputs):
         n, types = len(inputs), ", ".join(f"{i.path}: {i.type}" for i in inputs)
