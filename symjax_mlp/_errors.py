@@ -141,6 +141,15 @@ def message(error: BaseException) -> str:
         return f"(its message could not be read: its __str__ raised {type(failed).__name__})"
 
 
+def first_line(error: BaseException, most: int | None = None, *, typed: bool = False) -> str:
+    """The first line of ``error``'s :func:`message` without its final period, after its type's
+    name where ``typed`` (``TypeError: ...``), at most ``most`` characters; its type's name
+    where it says nothing."""
+    line = next(iter(message(error).strip().splitlines()), "").rstrip(".")
+    name = type(error).__name__
+    return ((f"{name}: {line}" if typed else line) if line else name)[:most]
+
+
 def unbound_axis(error: BaseException) -> str | None:
     """The axis name a collective reduced over that no transform binds (a
     ``BatchNorm(axis_name=...)`` outside ``jax.pmap``): read from JAX's ``NameError``, which

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._errors import SignatureError, SymjaxError, message
+from symjax_mlp._errors import SignatureError, SymjaxError, first_line, message
 from symjax_mlp._hybrid.jaxpr import walk
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._specs import TensorSpec, ensemble_member, shape_dims
@@ -97,8 +97,7 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
         if isinstance(e, jax.errors.InconclusiveDimensionOperation) and not shapes:
             raise  # export names the batch
         error = e
-    lines = message(error).splitlines()  # ValueError() has none; its __str__ may raise
-    first = lines[0].rstrip(".") if lines else type(error).__name__
+    first = first_line(error)
     types = [TensorSpec(f"args[{i}]", shape_dims(x.shape), str(x.dtype)).type
              for i, x in enumerate(stage.in_specs)]  # fmt: skip
     if stage.per_input_shapes:  # (s > 6 inconclusive, or float(s))

@@ -15,7 +15,7 @@ from symjax_mlp._artifact.rows import verdict
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import check_paths, param_specs
 from symjax_mlp._compat import without_source_locations
-from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError
+from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, first_line
 from symjax_mlp._export_batch import placed_struct, split_over_mesh, trace_placed, unsolvable
 from symjax_mlp._export_example import calls_back
 from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild
@@ -179,7 +179,7 @@ def export_program(
     except jax.errors.InconclusiveDimensionOperation as e:
         raise SignatureError(
             f"export({h.name}, batch={stage.batch!r}): the function needs a concrete value of "
-            f"the symbolic batch {stage.batch!r} ({str(e).splitlines()[0]}). Keep the batch "
+            f"the symbolic batch {stage.batch!r} ({first_line(e)}). Keep the batch "
             "symbolic (use x.shape[0] only inside jnp operations, reshape with -1), or export "
             "static shapes with batch=None."
         ) from e

@@ -19,7 +19,7 @@ from symjax_mlp._artifact.format import (
     is_entry_name,
     printable,
 )
-from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._errors import ConfigError, SignatureError, first_line
 from symjax_mlp._hybrid.hybrid import Hybrid
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -288,8 +288,3 @@ _NO_VJP = (
     "custom_vjp for an op without a rule such as a pallas_call) before exporting with "
     "vjp_order={order}."
 )
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of ``e``'s message, without its final period."""
-    return str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__

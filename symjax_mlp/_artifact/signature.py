@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from symjax_mlp._artifact.format import printable
-from symjax_mlp._errors import SignatureError
+from symjax_mlp._errors import SignatureError, first_line
 from symjax_mlp._specs import MASKED_INPUT, TensorSpec, cast_to, out_of_range
 
 MAX_SYMBOLIC = 2**31 - 1  # the largest size of a symbolic dimension a call may give
@@ -352,7 +352,7 @@ CONVERSION_ERRORS = (ValueError, TypeError, OverflowError)
 def not_an_array(x: Any, spec: TensorSpec, caller: str, error: Exception) -> SignatureError:
     """The refusal of input ``x``, which ``np.asarray`` could not make an array of ``spec``'s."""
     kind = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
-    why = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    why = first_line(error, 200)
     return SignatureError(
         f"{caller}: input {spec.path} is {an(kind)} that is not an array ({why}); the "
         f"artifact expects {spec.type}. Pass a NumPy or JAX array of that shape."

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, message
+from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, first_line, message
 from symjax_mlp._specs import array_like, array_types, foreign_array, unfit_array
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -174,7 +174,7 @@ def not_data(caller: str, error: Exception, args: Sequence[Any], kwargs: dict[st
         shown = f"keys {sorted(map(str, v))[:5]}" if isinstance(v, dict) else repr(v)[:40]
         kind = ("NumPy " if isinstance(v, np.generic) else "Python ") + type(v).__name__
         what = "None" if v is None else f"a {kind} ({shown})"  # (a bool: a setting, not here)
-        said = quoted(error)
+        said = first_line(error, 200, typed=True)
         return SignatureError(_NOT_DATA.format(caller=caller, path=path, what=what, error=said))
     return None
 
@@ -187,11 +187,6 @@ def _own(error: Exception, value: Any) -> bool:
     if not leaves or not all(isinstance(x, np.ndarray | jax.Array) for x in leaves):
         return False
     return isinstance(error, TypeError) and f"'{type(value).__name__}'" not in message(error)
-
-
-def quoted(error: BaseException) -> str:
-    """``error`` as a message quotes it: its type and first line, at most 200 characters."""
-    return f"{type(error).__name__}: {(message(error).strip() or '?').splitlines()[0]}"[:200]
 
 
 def traceable(leaf: Any) -> bool:

@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._errors import ConfigError
-from symjax_mlp._hybrid.args import JAX_ARRAYS, equinox_modules, quoted, traceable, unwalkable
+from symjax_mlp._errors import ConfigError, first_line
+from symjax_mlp._hybrid.args import JAX_ARRAYS, equinox_modules, traceable, unwalkable
 from symjax_mlp._specs import unfit_array
 
 _PARAM_LEAF = (
@@ -154,6 +154,7 @@ def _past_int(name: str, where: str, leaf: Any, error: Exception | None = None):
     info = np.iinfo(jax.dtypes.canonicalize_dtype(np.int64)) if type(leaf) is int else None
     if info is None or info.min <= leaf <= info.max:
         return None
-    how = _PASSED_INT if error is None else _BAKED_INT.format(error=quoted(error))
+    said = None if error is None else first_line(error, 200, typed=True)
+    how = _PASSED_INT if said is None else _BAKED_INT.format(error=said)
     fields = {"dtype": info.dtype, "low": info.min, "high": info.max, "value": leaf}
     return ConfigError(_PARAM_INT.format(name=name, path=where, how=how, **fields))

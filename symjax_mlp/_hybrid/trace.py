@@ -20,6 +20,7 @@ from symjax_mlp._errors import (
     RetraceError,
     SignatureError,
     SymjaxError,
+    first_line,
     message,
     refuse_two_devices,
 )
@@ -49,10 +50,8 @@ _CONTROL_FLOW_HELP = (
 
 def control_flow_error(name: str, e: Exception) -> ControlFlowError:
     """The :class:`~symjax_mlp.ControlFlowError` for JAX's tracer error ``e`` in ``name``."""
-    return ControlFlowError(
-        f"{name}: Python needed a concrete value from a traced (symbolic) array while "
-        f"compiling: {type(e).__name__}: {str(e).strip().splitlines()[0]}\n{_CONTROL_FLOW_HELP}"
-    )
+    said = f"{name}: Python needed a concrete value from a traced (symbolic) array while compiling"
+    return ControlFlowError(f"{said}: {first_line(e, typed=True)}\n{_CONTROL_FLOW_HELP}")
 
 
 _PARAM_SHAPE = (

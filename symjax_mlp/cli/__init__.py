@@ -253,7 +253,7 @@ def _options_said(message: str, command: _Parser) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit code, as the module docstring lists them."""
-    from symjax_mlp import SymjaxError
+    from symjax_mlp._errors import SymjaxError, first_line
 
     parser, given = build_parser(), list(sys.argv[1:] if argv is None else argv)
     try:
@@ -304,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:
-        said = str(e).strip().split("\n")[0].rstrip(".")
+        said = first_line(e)
         if isinstance(e, MemoryError) or said.startswith("RESOURCE_EXHAUSTED"):  # XLA's
             sizes = " (--sizes)" if "sizes" in vars(args) else ""
             print(f"{where}: error: out of memory ({said}); use smaller layers{sizes}, batches "

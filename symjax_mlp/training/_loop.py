@@ -16,7 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from symjax_mlp._errors import CheckpointError, ConfigError, ControlFlowError, SymjaxError, as_int
+from symjax_mlp._errors import (
+    CheckpointError,
+    ConfigError,
+    ControlFlowError,
+    SymjaxError,
+    as_int,
+    first_line,
+)
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._models import mlp
 from symjax_mlp.training._checkpoint import save_checkpoint
@@ -334,7 +341,7 @@ def _classifier(
     try:
         spec = spec_of(model, example, train_flags, eval_flags, caller=caller, form=TRAIN_FORM)
     except TRACER_ERRORS as e:  # the model's Python control flow on an array
-        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+        error = first_line(e, typed=True)
         raise ControlFlowError(_CONTROL_FLOW.format(caller=caller, error=error)) from e
     except Exception as e:  # the model's own, raised as it is: on the one row it is looked at
         if not isinstance(e, SymjaxError):

@@ -14,9 +14,9 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, first_line
 from symjax_mlp._hybrid import trace as _trace
-from symjax_mlp._hybrid.args import ModuleSetting, inputs_after, quoted, unwalkable
+from symjax_mlp._hybrid.args import ModuleSetting, inputs_after, unwalkable
 
 #: ``(module's watch list, settings)``: what a trace of that nnx module runs with
 PINNED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -211,7 +211,7 @@ def unfit_params(caller: str, held: Any, params: Any, error: BaseException) -> C
     if got == expected:
         return None
     kind = "None" if params is None else f"a {type(params).__name__}"
-    diff, said = path_diff(expected, got), quoted(error)
+    diff, said = path_diff(expected, got), first_line(error, 200, typed=True)
     return ConfigError(_UNFIT_PARAMS.format(caller=caller, got=kind, diff=diff, error=said))
 
 
