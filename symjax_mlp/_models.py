@@ -125,6 +125,7 @@ class HybridSequential(nn.Module):
         super().__post_init__()
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """``x`` through the layers in turn: the last one's output."""
         for layer in self.layers:
             x = layer(x)
         return x
@@ -153,6 +154,7 @@ class HybridConcurrent(nn.Module):
         super().__post_init__()
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """Every branch's output on ``x``, concatenated along ``axis``."""
         outs = [branch(x) for branch in self.branches]
         rank = outs[0].ndim
         if not rank:

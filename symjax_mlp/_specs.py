@@ -47,7 +47,7 @@ class TensorSpec:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> TensorSpec:
-        """The spec :meth:`to_json` wrote; a ``KeyError`` if a field is missing."""
+        """The spec :meth:`to_json` wrote, ``d``; a ``KeyError`` if a field is missing."""
         return cls(str(d["path"]), tuple(d["shape"]), str(d["dtype"]))
 
 

@@ -91,7 +91,8 @@ class CallTiming:
         return statistics.median(self._row("median", row))
 
     def over_compiled(self, mode: str = "synced") -> float:
-        """The model's min over the floor's, ``"synced"`` or ``"pipelined"``: 1.0 is no cost."""
+        """The model's min over the floor's in ``mode``, ``"synced"`` or ``"pipelined"``: 1.0 is
+        no cost."""
         return min(self._row("over_compiled", mode, _ROWS[:2])) / self.min(f"compiled_{mode}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -39,7 +39,8 @@ def add(a: Any, b: Any) -> Any:
 
 
 def fancy_func(a: Any, b: Any, c: Any, d: Any) -> Any:
-    """The chapter's example: three additions, in imperative Python."""
+    """The chapter's example: ``(a + b) + (c + d)``, three additions in imperative Python, of
+    ``a``, ``b``, ``c`` and ``d`` (numbers or arrays)."""
     e = add(a, b)
     f = add(c, d)
     g = add(e, f)
@@ -51,6 +52,7 @@ class HybridNet(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        """The two outputs of ``x``, printing it and the hidden layer's output (once a trace)."""
         print("value x: ", x)
         x = Dense(4, activation="relu", name="hidden")(x)
         print("result : ", x)
@@ -61,7 +63,8 @@ def chapter_mlp(
     sizes: Sequence[int] = (256, 128, 2), *, in_features: int = 512, batch: int = 1,
     activation: str | None = "relu", seed: int = 0,
 ) -> tuple[Hybrid, jax.Array]:  # fmt: skip
-    """The chapter's MLP, hybridized, and a random input of shape ``(batch, in_features)``."""
+    """The chapter's MLP, hybridized, and a random input of shape ``(batch, in_features)``: the
+    layer widths ``sizes``, ``activation`` between them, its weights initialised from ``seed``."""
     return _mlp("chapter_mlp", sizes, activation, in_features, batch, seed, name="mlp")
 
 
@@ -123,7 +126,9 @@ def describe_mlp(
     sizes: Sequence[int] = (256, 128, 2), *, in_features: int = 512, batch: int = 1,
     activation: str | None = "relu", format: str = "summary",
 ) -> str:  # fmt: skip
-    """One view of an MLP's program: ``jaxpr``, ``stablehlo``, ``hlo``, ``dot`` or ``summary``."""
+    """One view of an MLP's program, ``format``: ``jaxpr``, ``stablehlo``, ``hlo``, ``dot`` or
+    ``summary``; the MLP of layer widths ``sizes`` and ``activation`` on a ``(batch,
+    in_features)`` input."""
     h, x = _mlp("describe_mlp", sizes, activation, in_features, batch, 0, name="mlp")
     views: dict[str, Callable[[], str]] = {
         "jaxpr": lambda: str(h.graph(x)),
@@ -174,9 +179,10 @@ def export_mlp(
     activation: str = "relu", seed: int = 0, batch: str | int = "b",
     platforms: Sequence[str] = ("cpu",), overwrite: bool = False,
 ) -> Artifact:  # fmt: skip
-    """Exports the chapter's MLP (``mlp(sizes)`` on ``in_features`` inputs, initialised from
-    ``seed``), what ``symjax-mlp export`` runs; ``batch``: a name for a symbolic batch dimension,
-    or an int for a static one; the others as :func:`~symjax_mlp.export` takes them."""
+    """Exports the chapter's MLP (``mlp(sizes, activation)`` on ``in_features`` inputs,
+    initialised from ``seed``) to ``path``, what ``symjax-mlp export`` runs; ``batch``: a name
+    for a symbolic batch dimension, or an int for a static one; ``platforms`` and ``overwrite``
+    as :func:`~symjax_mlp.export` takes them."""
     static = type(as_int(batch)) is int  # an int of any kind, not a bool
     h, x = _mlp("export_mlp", sizes, activation, in_features, batch if static else 1, seed)
     batch = None if static else batch
@@ -184,7 +190,8 @@ def export_mlp(
 
 
 def tour(*, calls: int = 1000, print: Callable[..., None] = print) -> None:
-    """Walks through the chapter: imperative, symbolic, hybrid, tracing, timing, control flow."""
+    """Walks through the chapter: imperative, symbolic, hybrid, tracing, timing (``calls``
+    calls), control flow; each line goes to ``print``."""
     calls, step = _int("tour", "calls", calls, 0), iter(range(1, 100))
     if not callable(print):
         raise ConfigError(

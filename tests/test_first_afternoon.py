@@ -21,23 +21,8 @@ from symjax_mlp import cli
 #: public names still without a docstring
 _UNDOCUMENTED = set()
 
-#: public functions and methods whose docstrings do not yet name an argument, ``where(arg)``:
-#: session 57 left these (the chapter's teaching helpers; a Step's, HybridSequential's, named
-#: in their class's docstring)
-_ARGUMENTS_UNNAMED = {
-    "CallTiming.over_compiled(mode)", "Hybrid.fn_with_state(params)",
-    "HybridConcurrent.__call__(x)", "HybridSequential.__call__(x)", "Signature.from_json(d)",
-    "Signature.check(caller)", "TensorSpec.from_json(d)", "training.Step.__call__(params)",
-    "training.Step.__call__(opt_state)", "training.Step.__call__(x)",
-    "training.Step.__call__(y)", "training.Step.__call__(w)", "chapter.HybridNet.__call__(x)",
-    "chapter.chapter_mlp(sizes)", "chapter.chapter_mlp(activation)", "chapter.chapter_mlp(seed)",
-    "chapter.describe_mlp(sizes)", "chapter.describe_mlp(in_features)",
-    "chapter.describe_mlp(batch)", "chapter.describe_mlp(activation)",
-    "chapter.describe_mlp(format)", "chapter.export_mlp(path)", "chapter.export_mlp(activation)",
-    "chapter.export_mlp(platforms)", "chapter.export_mlp(overwrite)", "chapter.fancy_func(a)",
-    "chapter.fancy_func(b)", "chapter.fancy_func(c)", "chapter.fancy_func(d)",
-    "chapter.tour(calls)", "chapter.tour(print)",
-}  # fmt: skip
+#: public functions and methods whose docstrings do not yet name an argument, ``where(arg)``
+_ARGUMENTS_UNNAMED = set()
 
 
 def _public(module):

@@ -64,13 +64,14 @@ class Signature:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Signature:
-        """The signature :meth:`to_json` wrote (a manifest's ``"signature"``)."""
+        """The signature :meth:`to_json` wrote, ``d`` (a manifest's ``"signature"``)."""
         specs = [tuple(TensorSpec.from_json(s) for s in d[k]) for k in ("inputs", "outputs")]
         constraints = tuple(str(c) for c in d.get("constraints", ()))
         return cls(*specs, str(d["output_kind"]), d.get("batch"), constraints)
 
     def check(self, inputs: Sequence[Any], *, caller: str) -> list[Any]:
-        """Checks a call's inputs; returns them as arrays (JAX arrays are passed through).
+        """Checks a call's ``inputs``; returns them as arrays (JAX arrays are passed through).
+        A refusal's message begins with ``caller``, the call's name (``"timeit(model)"``).
 
         Raises:
           SignatureError: wrong number of inputs, rank, shape, dtype, or a batch of 0.

@@ -258,8 +258,8 @@ class Hybrid(Staged, NoPickle):
             return out[0] if variables else out
 
     def fn_with_state(self, params: Any, state: Any, /, *args: Any, **kwargs: Any) -> Any:
-        """The model's pure function, un-jitted (no trace logged): ``(out, new_state)`` as
-        :meth:`apply_with_state` returns them; a stateless model gives ``state`` back as is."""
+        """The model's pure function of ``params``, un-jitted (no trace logged): ``(out,
+        new_state)`` as :meth:`apply_with_state` gives; stateless, its new_state is ``state``."""
         try:
             return self._model.call(params, state, args, kwargs)
         except (TypeError, KeyError):  # Flax's, reading a state that is no h.state: named so

@@ -34,7 +34,9 @@ class Step(Protocol):
 
     def __call__(
         self, params: Any, opt_state: Any, x: Any, y: Any, w: Any, /
-    ) -> tuple[Any, Any, dict[str, jax.Array]]: ...
+    ) -> tuple[Any, Any, dict[str, jax.Array]]:
+        """One update of ``params`` and ``opt_state`` on inputs ``x``, labels ``y`` and weights
+        ``w``: the new params, the new optimizer state and the batch's metrics."""
 
 
 NOT_FLAX = (
