@@ -2,7 +2,8 @@
 
 :func:`initialize` names who never connected; :func:`agree` compares every process's config
 before the first collective; :class:`Watchdog` ends a process whose step waits past the timeout
-(gloo never times out, and Python cannot interrupt a collective), naming the peers behind.
+(gloo never times out, and Python cannot interrupt a collective), naming the peers behind, or
+whose step's collective failed as a peer went (else JAX aborts the process at exit).
 """
 
 from __future__ import annotations
@@ -216,6 +217,10 @@ class Watchdog:
         self.busy = (step, time.monotonic())
         try:
             yield
+        except jax.errors.JaxRuntimeError as e:  # a peer gone (Ctrl-C, a crash) closes gloo's
+            if "gloo" not in str(e).lower():  # pairs: the step fails at once, before any wait
+                raise
+            end(self._lost(step, e))
         finally:
             self.busy, self.done = None, step
 
@@ -233,6 +238,15 @@ class Watchdog:
                 )
             if busy is not None and time.monotonic() - busy[1] > self.timeout:
                 end(self._message(busy[0]))
+
+    def _lost(self, step: int, error: Exception) -> str:
+        who = f"process {1 - self.me}" if self.n == 2 else "another process"
+        return (
+            f"{self.caller}: process {self.me} of {self.n} lost {who} in step {step}: its "
+            f"collective failed ({str(error).splitlines()[0]:.200}), as when a process is "
+            "interrupted or dies. Relaunch every process with resume=True to continue from the "
+            "last committed checkpoint."
+        )
 
     def _message(self, step: int) -> str:
         behind = []
