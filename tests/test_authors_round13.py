@@ -13,6 +13,7 @@ a Batcher's answers, and the original's own steps where it trains.
 - filters_guide.md: int ``Param`` s, a bool ``BatchStat``, a ``Param`` subclass.
 - arguments.md: ``nn.merge_param``'s dropout passed down a ``ResidualModel``'s blocks.
 - setup_or_nncompact.rst: the two MLPs are one (the same params, the same answers).
+- recurrent.py: ``Bidirectional`` (with ``seq_lengths``, int rows), ``RNN(return_carry=True)``.
 - Equinox: pattern.md's ``CubicInterpolation`` (its ``AbstractVar``), the FAQ's buffer and
   ``rollout``, ``error_if`` (export's refusal names ``EQX_ON_ERROR``), ``filter_custom_jvp``'s
   rule through the loaded model, ``field(converter=...)``/``static=True``.
@@ -38,6 +39,7 @@ import symjax_mlp as sm
 
 SLICE = {"real_dynamic_slice"}  # a scan's slices of a symbolic batch; load() names it
 LOOP = {"while", "dynamic_slice", "dynamic_update_slice"}  # a scan of a symbolic length
+UPDATE = {"dynamic_update_slice"}  # a scan's outputs written per step
 
 
 def _x(seed, shape):
@@ -77,7 +79,7 @@ def test_hybridize_of_a_linen_modules_method_is_refused_naming_method():
     """``sm.hybridize(model.encode, variables)`` of why.rst's linen ``AutoEncoder`` (its
     ``model.apply(..., method='encode')``): refused naming the function of the params that
     applies it, which runs as the guide's. It was a SignatureError saying encode took no
-    inputs, its fix ``h()``."""
+    inputs, its fix ``h()``; a Batcher of it, flax's AttributeError at its warm-up."""
     model, x = zoo13.LinenAutoEncoder(), jnp.ones((1, 2))
     params = model.init(random.key(0), x)["params"]
     for given in ({"params": params}, None):
@@ -85,6 +87,8 @@ def test_hybridize_of_a_linen_modules_method_is_refused_naming_method():
             sm.hybridize(model.encode, given)
     h = sm.hybridize(lambda p, *xs: model.apply({"params": p}, *xs, method="encode"), params)
     close(h(x), model.apply({"params": params}, x, method="encode"))
+    with pytest.raises(sm.ConfigError, match=r"Batcher\(LinenAutoEncoder.encode\).*method='encode"):
+        sm.serving.Batcher(model.encode, example=x)  # was flax's AttributeError at warm-up
 
 
 @pytest.mark.slow
@@ -245,6 +249,59 @@ def test_setup_and_compact_mlps_are_one(tmp_path):
     every_feature(tmp_path / "s", hs, lambda r: setup.apply(vs, r), x)
     every_feature(tmp_path / "c", sm.hybridize(compact, vc), lambda r: compact.apply(vc, r), x)
     close(hs.replace(params=vc)(x), compact.apply(vc, x))
+
+
+# -- flax/nnx/nn/recurrent.py ----------------------------------------------------------------------
+
+
+def _fresh(module):
+    """The module, a copy per call made inside the transform (nnx's own limit: an RNN's Rngs
+    counted under jax.grad raises TraceContextError)."""
+    graphdef, held = nnx.split(module)
+    return lambda *a, **k: nnx.merge(graphdef, nnx.clone(held))(*a, **k)
+
+
+@pytest.mark.slow
+def test_bidirectional_rnn_with_and_without_seq_lengths(tmp_path):
+    """``Bidirectional``'s docstring layer (two ``RNN`` s of a ``GRUCell``, its Rngs held as
+    state): every feature, batch symbolic; with ``seq_lengths`` (int rows beside the float
+    ones, the backward RNN flipping each row by its length) the loaded model, its grads and a
+    Batcher's answers equal the layer's."""
+    layer = zoo13.bidirectional()
+    x = _x(1, (4, 3, 3))
+    assert layer(x).shape == (4, 3, 8)  # the docstring's (2, 3, 8), batch 4
+    ref = _fresh(layer)
+    every_feature(tmp_path / "x", sm.hybridize(layer), ref, x, allow=SLICE | UPDATE)
+    lengths = jnp.array([1, 2, 3, 3], jnp.int32)
+    h = sm.hybridize(lambda m, r, n: m(r, seq_lengths=n), layer)
+    close(h(x, lengths), ref(x, seq_lengths=lengths))
+    sm.export(h, tmp_path / "n", example=(x, lengths), vjp_order=1)
+    m = sm.load(tmp_path / "n", allow=SLICE | UPDATE | {"gather", "scatter"})
+    close(m(x[:2], lengths[:2]), ref(x[:2], seq_lengths=lengths[:2]))
+    g = lambda f: jax.grad(lambda r: f(r, lengths).sum())(x)  # noqa: E731
+    close(g(m), g(lambda r, n: ref(r, seq_lengths=n)))
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        got = [b.submit(np.asarray(x[i : i + 1]), lengths[i : i + 1]).result(30) for i in range(3)]
+    close(np.concatenate(got), ref(x[:3], seq_lengths=lengths[:3]))
+
+
+@pytest.mark.slow
+def test_rnn_return_carry_exports_as_refused(tmp_path):
+    """``nnx.RNN(nnx.LSTMCell(...), return_carry=True)``: its ``((c, h), outputs)`` is refused
+    at export naming ``tuple(jax.tree.leaves(h.apply(...)[0]))``; so exported, the loaded model
+    returns those leaves, equal."""
+    rnn = nnx.RNN(nnx.LSTMCell(3, 5, rngs=nnx.Rngs(0)), return_carry=True)
+    x = _x(1, (4, 3, 3))
+    h = sm.hybridize(rnn)
+    close(h(x), _fresh(rnn)(x))
+    with pytest.raises(sm.SignatureError, match=r"tuple\(jax\.tree\.leaves\(h\.apply\("):
+        sm.export(h, tmp_path / "refused", example=(x,))
+    flat = sm.hybridize(  # as it says
+        lambda params, *xs, **kw: tuple(jax.tree.leaves(h.apply(params, *xs, **kw)[0])), h.params
+    )
+    sm.export(flat, tmp_path / "m", example=(x,), vjp_order=1)
+    m = sm.load(tmp_path / "m", allow=SLICE | UPDATE)
+    close(m(x[:2]), tuple(jax.tree.leaves(_fresh(rnn)(x[:2]))))
 
 
 # -- Equinox ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ google/flax at 18f8f311c275d57f46d95e41b15aa97b454754c0:
 - docs/guides/flax_fundamentals/arguments.md: ``MyDropout`` (``nn.merge_param``) and
   ``ResidualModel`` (a dropout template passed down).
 - docs/guides/flax_fundamentals/setup_or_nncompact.rst: ``MLP`` both ways.
+- flax/nnx/nn/recurrent.py: ``Bidirectional``'s docstring (two ``RNN`` s of a ``GRUCell``).
 
 patrick-kidger/equinox at 9336d820b2ef66b360fc6cb3611b3da5cefbb14d:
 
@@ -278,6 +279,20 @@ class CompactMLP(nn.Module):  # the guide's ``MLP`` "Using nn.compact"
         x = nn.relu(x)
         x = nn.Dense(32, name="dense2")(x)
         return x
+
+
+# --- flax/nnx/nn/recurrent.py, Bidirectional's docstring --------------------------------------
+
+
+def bidirectional():
+    """The docstring's ``layer``."""
+    # Define forward and backward RNNs
+    forward_rnn = nnx.RNN(nnx.GRUCell(in_features=3, hidden_features=4, rngs=nnx.Rngs(0)))
+    backward_rnn = nnx.RNN(nnx.GRUCell(in_features=3, hidden_features=4, rngs=nnx.Rngs(0)))
+
+    # Create Bidirectional layer
+    layer = nnx.Bidirectional(forward_rnn=forward_rnn, backward_rnn=backward_rnn)
+    return layer
 
 
 # --- equinox docs/pattern.md -------------------------------------------------------------------

@@ -140,11 +140,14 @@ class Batcher:
             name = name or str(model.path)
         elif callable(model):
             linen = sys.modules.get("flax.linen")  # never imported here
-            if linen is not None and isinstance(model, linen.Module) and model.scope is None:
-                raise ConfigError(  # else flax's CallCompactUnboundModuleError at warm-up
-                    f"Batcher({type(model).__name__}): a flax.linen module has no params of its "
-                    "own; hybridize it with its variables first: "
-                    "Batcher(sm.hybridize(model, variables), example=x)."
+            owner = getattr(model, "__self__", model)  # a method's module: model.encode
+            if linen is not None and isinstance(owner, linen.Module) and owner.scope is None:
+                run = "" if owner is model else f".{model.__name__}"  # else flax's, at warm-up
+                how = f"lambda v, *xs: model.apply(v, *xs, method={run[1:]!r})" if run else "model"
+                raise ConfigError(
+                    f"Batcher({type(owner).__name__}{run}): a flax.linen module has no params of "
+                    f"its own; hybridize it with its variables first: Batcher(sm.hybridize({how}, "
+                    "variables), example=x)."
                 )
             if example is None:
                 raise ConfigError(
