@@ -13,7 +13,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+
+import symjax_mlp as sm
+from symjax_mlp.serving import _bodies
 
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
 
@@ -60,3 +64,16 @@ def test_ctrl_c_of_one_process_ends_the_other_with_exit_75_naming_it(tmp_path):
     assert "process 0 of 2 lost process 1 in step" in err0, err0
     assert "resume=True" in err0 and "bug" not in err0, err0
     assert took < 30, took  # at once: not after the 60 s timeout
+
+
+def test_curl_d_without_a_content_type_is_told_the_header_to_add():
+    """`curl -d '{"inputs": ...}' localhost:8000/predict`, the first try at the server, sends a
+    form (application/x-www-form-urlencoded): the 415 said to send application/json, not how."""
+    with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32), max_batch=1) as b:
+        with pytest.raises(_bodies.BadRequest) as e:
+            _bodies.decode(b, b'{"inputs": [[1, 2]]}', "application/x-www-form-urlencoded")
+        with pytest.raises(_bodies.BadRequest) as other:
+            _bodies.decode(b, b"hello", "text/plain")
+    assert e.value.status == 415, e.value
+    assert "with curl, -H 'Content-Type: application/json'" in str(e.value), e.value
+    assert "curl" not in str(other.value), other.value  # only where curl's default is the cause

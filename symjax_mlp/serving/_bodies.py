@@ -71,9 +71,11 @@ def decode(
         x = read_npy(bytes(body), what="the body", error=functools.partial(BadRequest, 400))
         return [npy_array(x, specs[0].dtype)], True  # bfloat16 arrives as |V2: its bytes
     if kind not in ("application/json", ""):
-        raise BadRequest(415, (
+        curl = "; with curl, -H 'Content-Type: application/json' (-d alone sends a form)"
+        raise BadRequest(415, (  # a form is what curl -d sends unless told: its first try
             f"unsupported Content-Type {short(repr(content_type), 100)}; send application/json "
-            f'({{"inputs": [[...]]}}) or {NPY} (a .npy file).'
+            f'({{"inputs": [[...]]}}) or {NPY} (a .npy file)'
+            f"{curl if kind == 'application/x-www-form-urlencoded' else ''}."
         ))  # fmt: skip
     types, per_row, floats, tops = _plan(specs)
     most = batcher.max_batch * per_row  # numbers, at most
