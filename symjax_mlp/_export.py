@@ -41,10 +41,10 @@ from symjax_mlp._errors import (
     SignatureError,
     as_bool,
     as_int,
-    first_line,
     refuse_keywords,
 )
 from symjax_mlp._export_entry import Stage, export_program, stage
+from symjax_mlp._export_gather import refuse_clamped_gathers
 from symjax_mlp._export_options import check_options, serialized
 from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
@@ -139,6 +139,8 @@ def export(
         # the default entry point takes every weight; the others their own
         own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
         exported, signature, rows = export_program(entry, own, platforms)
+        structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in own.items()}
+        refuse_clamped_gathers(entry.h.name, entry.fn, (structs, *entry.in_specs), vjp_order)
         if not admits_any(signature, [n for x in entry.examples for n in x.shape]):
             raise ConfigError(
                 _NOTHING_ADMITTED.format(name=entry.h.name, constraints=entry.constraints,
@@ -375,7 +377,7 @@ def _claims_more(name: str, signature: Signature, xs: list[Any], refused: Except
     except SignatureError:
         return  # a constraint refuses them: the signature says so itself
     shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in xs)
-    error = first_line(refused, 300)
+    error = str(refused).splitlines()[0][:300] if str(refused) else type(refused).__name__
     raise SignatureError(
         _CLAIMS_MORE.format(name=name, signature=signature, shapes=shapes, n=selftest.BATCH,
                             error=error)

@@ -321,3 +321,58 @@ def test_aot_g_asserting_its_shape_exports_static_and_maps(tmp_path):
     want = jnp.float32([[1, 5, 9], [13, 17, 21], [25, 29, 33], [37, 41, 45]])
     close(jax.vmap(sm.load(tmp_path / "m"))(zs), want)
     close(jax.vmap(jax.jit(zoo12.g))(zs), want)
+
+
+# --- Common_Gotchas_in_JAX.md --------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_gotchas_in_place_updates(tmp_path):
+    """The guide's ``.at[1, :].set`` and ``.at[::2, 3:].add`` over a batch: every feature (its
+    scatters loaded by ``allow=``)."""
+    p = {"set": jnp.float32(1.0), "add": jnp.float32(7.0)}
+    arrays = _x((4, 5, 6), 1)
+    h = sm.hybridize(zoo12.net_updates, p)
+    every_feature(tmp_path / "at", h, lambda r: zoo12.net_updates(p, r), arrays,
+                  allow={"scatter", "gather", "dynamic_gather"})  # fmt: skip
+
+
+@pytest.mark.slow
+def test_gotchas_nansum_2_over_rows_with_nans(tmp_path):
+    """``nansum_2`` per row of rows holding NaNs: every feature (NaN-free answers and grads,
+    zero at the NaNs, as JAX's); the guide's ``nansum`` (a boolean mask) is JAX's own
+    NonConcreteBooleanIndexError, as under jax.jit."""
+    x = _x((5, 3)).at[1, 1].set(jnp.nan).at[3, 0].set(jnp.nan)
+    ref = jax.vmap(zoo12.nansum_2)
+    h = sm.hybridize(lambda p, r: ref(r * p), jnp.float32(1))
+    m = every_feature(tmp_path, h, ref, x)
+    assert not np.isnan(np.asarray(m(np.asarray(x)))).any()
+    with pytest.raises(jax.errors.NonConcreteBooleanIndexError):
+        sm.hybridize(lambda p, r: zoo12.nansum(r * p), jnp.float32(1))(x)
+
+
+def test_gotchas_read_past_the_end_refused_where_its_gradient_would_be_lost(tmp_path):
+    """``x[:, 11]`` of 10 columns reads the last (clamped, as the guide's
+    ``jnp.arange(10)[11]``): at a symbolic batch jax.export stages a gather whose VJP drops
+    that entry, and the loaded model's grad was silently zero there (JAX's: the param's);
+    now export refuses it with gradients, naming in-bounds indices and mode='clip'."""
+    p, x = {"s": jnp.float32(1.5)}, _x((5, 10))
+    h = sm.hybridize(zoo12.net_out_of_bounds, p)
+    with pytest.raises(sm.SignatureError, match=r"dimension 1 of \(b, 10\) at 11.*clamps to 9.*"
+                       r"x\[\.\.\., 9\].*mode='clip'"):  # fmt: skip
+        sm.export(h, tmp_path / "grads", example=(x,), vjp_order=1)
+
+
+@pytest.mark.slow
+def test_gotchas_reads_past_the_end_without_gradients_and_the_clamp_asked_for(tmp_path):
+    """Without gradients the read past the end exports and reads 9 and NaN (mode='fill') as
+    the guide; ``.at[:, 11].get(mode='clip')``, as the refusal names: every feature, its grads
+    the clamped column's (the loaded model's equal JAX's)."""
+    p, x = {"s": jnp.float32(1.5)}, _x((5, 10))
+    allow = {"gather", "dynamic_gather", "dynamic_slice", "scatter"}
+    sm.export(sm.hybridize(zoo12.net_out_of_bounds, p), tmp_path / "m", example=(x,))
+    got = sm.load(tmp_path / "m", allow=allow)(x[:2])
+    close(got[:, 0], 1.5 * x[:2, 9])
+    assert np.isnan(np.asarray(got[:, 1])).all()
+    h = sm.hybridize(zoo12.net_clipped, p)
+    every_feature(tmp_path / "clip", h, lambda r: zoo12.net_clipped(p, r), x, allow=allow)

@@ -57,6 +57,7 @@ STAGES = (
     "symjax_mlp._selftest",
     "symjax_mlp._export_options",
     "symjax_mlp._export_batch",
+    "symjax_mlp._export_gather",
     "symjax_mlp._export_entry",
     "symjax_mlp._export",
     "symjax_mlp._runtimes",

@@ -15,8 +15,13 @@ params and inputs for tests/test_authors_round12.py (our artifact IS jax.export)
   ``"b, b, 2*d"`` and ``x.shape[0]`` of ``(a * a,)``.
 - docs/aot.md: ``f`` (``2 * x + y``) and its traced, lowered and compiled stages, and ``g``
   (``assert x.shape == (3, 2)``) with ``make_z``, which the guide maps with ``jax.vmap``.
+- docs/notebooks/Common_Gotchas_in_JAX.md (its ``CustomClass`` is zoo10's): the
+  ``.at[1, :].set`` and ``.at[::2, 3:].add`` updates, out-of-bounds reads
+  (``jnp.arange(10)[11]``, ``.at[11].get(mode='fill', fill_value=jnp.nan)``), and ``nansum``
+  (a boolean mask: no static shape) beside ``nansum_2`` (``jnp.where``).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -104,6 +109,38 @@ def g(x):
 
 def make_z(*shape):
     return jnp.arange(np.prod(shape)).reshape(shape)
+
+
+# --- docs/notebooks/Common_Gotchas_in_JAX.md ----------------------------------------------
+
+
+def nansum(x):
+    mask = ~jnp.isnan(x)  # boolean mask selecting non-nan values
+    x_without_nans = x[mask]
+    return x_without_nans.sum()
+
+
+@jax.jit
+def nansum_2(x):
+    mask = ~jnp.isnan(x)  # boolean mask selecting non-nan values
+    return jnp.where(mask, x, 0).sum()
+
+
+def net_updates(p, jax_array):
+    """The guide's two updates of a batch of (5, 6) arrays, ``p`` the values set and added."""
+    updated_array = jax_array.at[:, 1, :].set(p["set"])
+    return updated_array.at[:, ::2, 3:].add(p["add"])
+
+
+def net_out_of_bounds(p, x):
+    """``x[:, 11]`` of 10 columns (the guide's ``jnp.arange(10)[11]``: the last, clamped) and
+    ``.at[:, 11].get(mode='fill', fill_value=jnp.nan)`` (NaN), scaled."""
+    return jnp.stack([x[:, 11], x.at[:, 11].get(mode="fill", fill_value=jnp.nan)], -1) * p["s"]
+
+
+def net_clipped(p, x):
+    """The guide's read past the end, the clamp asked for: ``.at[:, 11].get(mode='clip')``."""
+    return x.at[:, 11].get(mode="clip") * p["s"]
 
 
 # --- nets: each a function of params and inputs, the guide's function inside ----------------
