@@ -41,6 +41,7 @@ from symjax_mlp._errors import (
     SignatureError,
     as_bool,
     as_int,
+    first_line,
     refuse_keywords,
 )
 from symjax_mlp._export_entry import Stage, export_program, stage
@@ -377,7 +378,7 @@ def _claims_more(name: str, signature: Signature, xs: list[Any], refused: Except
     except SignatureError:
         return  # a constraint refuses them: the signature says so itself
     shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in xs)
-    error = str(refused).splitlines()[0][:300] if str(refused) else type(refused).__name__
+    error = first_line(refused, 300)
     raise SignatureError(
         _CLAIMS_MORE.format(name=name, signature=signature, shapes=shapes, n=selftest.BATCH,
                             error=error)
