@@ -77,3 +77,22 @@ def test_curl_d_without_a_content_type_is_told_the_header_to_add():
     assert e.value.status == 415, e.value
     assert "with curl, -H 'Content-Type: application/json'" in str(e.value), e.value
     assert "curl" not in str(other.value), other.value  # only where curl's default is the cause
+
+
+@pytest.mark.slow  # 3 s: a training run and three exports
+def test_a_trained_models_artifact_says_it_takes_raw_features(tmp_path):
+    """`result.export(path)` bakes the data's standardisation in, and `result.hybridize()` does
+    not: a colleague given the artifact (and `symjax-mlp inspect`) could not tell which it
+    takes, and standardised inputs (`data.x_test`) gave 31% on digits, silently."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(5.0, 3.0, (16, 3)).astype(np.float32), np.arange(16) % 2
+    data = sm.training.Dataset(x, y, x, y, mean=x.mean(0), std=x.std(0))
+    result = sm.training.train(sm.mlp((4, 2)), data, epochs=1, batch_size=16)
+    raw = result.export(tmp_path / "raw", metadata={"license": "MIT"})
+    standardised = result.export(tmp_path / "std", raw_inputs=False)
+    assert sorted(raw.metadata) == ["inputs", "license"], raw.metadata
+    assert raw.metadata["inputs"].startswith("raw features"), raw.metadata
+    assert sm.inspect(tmp_path / "raw").metadata == raw.metadata  # as a colleague reads it
+    assert standardised.metadata == {}
+    mine = result.export(tmp_path / "mine", metadata={"inputs": "pixels, 0..16"})
+    assert mine.metadata == {"inputs": "pixels, 0..16"}  # the user's card wins

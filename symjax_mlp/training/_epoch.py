@@ -29,6 +29,9 @@ from symjax_mlp.training._shard import ShardedStep
 from symjax_mlp.training._state import EpochRecord, TrainState
 from symjax_mlp.training._step import apply_model, step_of
 
+#: an artifact of :meth:`TrainResult.export` records in its metadata what it takes
+RAW_INPUTS = "raw features: the program standardises them as the model was trained on them"
+
 
 @functools.partial(jax.jit, static_argnums=1)
 def _shuffle(rng: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
@@ -217,7 +220,9 @@ class TrainResult:
 
     def hybridize(self, **kwargs: Any) -> Hybrid:
         """The trained model as a :class:`~symjax_mlp.Hybrid` (``kwargs`` go to ``hybridize``);
-        call it in inference mode with :attr:`eval_flags` (``h(x, train=False)``)."""
+        call it in inference mode with :attr:`eval_flags` (``h(x, train=False)``). It takes the
+        features standardised, as the model was trained on them (as ``data.x_test`` holds
+        them), and so does ``sm.export`` of it; :meth:`export`'s artifact takes raw ones."""
         if isinstance(self.model, nnx.Module):
             return hybridize(self.model, **kwargs)
         return hybridize(self.model, self.variables, **kwargs)
@@ -229,8 +234,9 @@ class TrainResult:
 
         Args:
           path: the artifact directory, as for :func:`~symjax_mlp.export`.
-          raw_inputs: bake the data's :attr:`standardize` in: the artifact takes raw features
-            (``False``: standardised ones, as the model was trained on).
+          raw_inputs: bake the data's :attr:`standardize` in: the artifact takes raw features,
+            as its metadata's ``"inputs"`` says (``False``: standardised ones, as the model was
+            trained on).
           kwargs: the other options of :func:`~symjax_mlp.export` (``overwrite``,
             ``metadata``, ``batch=None`` for a static batch of one row...); its ``kwargs=``
             (the model's keywords) add to :attr:`eval_flags`. Not ``example``: a row of
@@ -273,6 +279,9 @@ class TrainResult:
             return fn(variables, (x - mean) / std, **flags)
 
         h = hybridize(raw_model, trained.variables, name=type(self.model).__name__)
+        card = kwargs.get("metadata")  # says so to whoever gets it (inspect shows it)
+        if card is None or isinstance(card, Mapping):  # export() refuses anything else
+            kwargs["metadata"] = {"inputs": RAW_INPUTS, **(card or {})}
         return export(h, path, example=example, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
