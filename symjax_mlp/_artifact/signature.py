@@ -142,27 +142,27 @@ class Signature:
         whose size is not the term's at the sizes of the names in it (``b``); a name seen only
         in terms (``2*d``) is solved from the first, which must give a whole ``d >= 1``.
         Returns the names' sizes."""
-        names = {k: (at, v) for k, (at, v) in sizes.items() if k.isidentifier() and type(v) is int}
+        names = {k: v for k, (_, v) in sizes.items() if k.isidentifier() and type(v) is int}
         for dim, (at, got) in sizes.items():  # int sizes only: a symbolic one is jax's to check
-            used = list(dict.fromkeys(re.findall(r"[A-Za-z_]\w*", dim)))
             if dim.isidentifier() or type(got) is not int:
                 continue
+            used = list(dict.fromkeys(re.findall(r"[A-Za-z_]\w*", dim)))
             unknown = [n for n in used if n not in names]
-            known = {n: v for n, (_, v) in names.items()}
-            if len(unknown) == 1 and (solved := _solve(dim, unknown[0], got, known)) is not None:
+            if len(unknown) == 1 and (solved := _solve(dim, unknown[0], got, names)) is not None:
                 if solved < 1:  # "b + 15" given 10, "2*d" given 5
-                    fits = [_evaluate(dim, {**known, unknown[0]: k}) for k in (1, 2, 3)]
+                    fits = [_evaluate(dim, {**names, unknown[0]: k}) for k in (1, 2, 3)]
                     raise SignatureError(
                         f"{caller}: input {at} is {got}, but the artifact requires {dim} for a "
                         f"whole {unknown[0]} >= 1 ({str(fits)[1:-1]}, ...). Pass an input whose "
                         f"{at} is one of those sizes."
                     )
-                names[unknown[0]] = (at, solved)
+                names[unknown[0]] = solved
+                sizes = {**sizes, unknown[0]: (at, solved)}  # where it came from, for messages
                 continue
-            if (want := _evaluate(dim, known)) in (None, got):
+            if (want := _evaluate(dim, names)) in (None, got):
                 continue
-            where = ", ".join(f"{n} = {names[n][1]}" for n in used)
-            origin = ", ".join(names[n][0] for n in used)
+            where = ", ".join(f"{n} = {names[n]}" for n in used)
+            origin = ", ".join(sizes[n][0] for n in used)
             said = [c for c in self.constraints if _bare(dim) in map(_bare, _split(c)[1:])]
             rule = f"{said[0]}, so " if said else ""
             raise SignatureError(
@@ -170,7 +170,7 @@ class Signature:
                 f"({where}, from {origin}). Pass inputs whose sizes agree: {at} = {want} for "
                 f"{where}."
             )
-        return {n: v for n, (_, v) in names.items()}
+        return names
 
     def _expects(self, spec: TensorSpec) -> str:
         names = _variables([spec])
