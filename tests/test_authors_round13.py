@@ -19,6 +19,7 @@ a Batcher's answers, and the original's own steps where it trains.
   rule through the loaded model, ``field(converter=...)``/``static=True``.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -40,6 +41,7 @@ import symjax_mlp as sm
 SLICE = {"real_dynamic_slice"}  # a scan's slices of a symbolic batch; load() names it
 LOOP = {"while", "dynamic_slice", "dynamic_update_slice"}  # a scan of a symbolic length
 UPDATE = {"dynamic_update_slice"}  # a scan's outputs written per step
+AE = None  # a script's module-level model (why.rst's ``model = AutoEncoder(...)``), set by a test
 
 
 def _x(seed, shape):
@@ -60,6 +62,32 @@ def test_hybridize_of_an_nnx_modules_method_runs_it_over_the_modules_params():
     assert h.name == "encode"
     close(h.params, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     close(h(x), model.encode(x))
+
+
+def _encode(x):
+    return AE.encode(x)  # the module-level model, read as a script reads it
+
+
+def test_hybridize_of_a_function_holding_a_module_names_it_as_the_params():
+    """``sm.hybridize(fn)`` of a function holding a module (``functools.partial(f, model)``,
+    a global it reads, an equinox module in its closure): refused naming
+    ``sm.hybridize(f, model)``. It named ``hybridize(lambda _, x: f(x), {})``, which bakes
+    the module's params into the program (only an nnx module in a closure was caught)."""
+    global AE
+    AE = zoo13.AutoEncoder(nnx.Rngs(0))
+    linear = eqx.nn.Linear(2, 3, key=random.key(0))
+    rows = lambda m, r: jax.vmap(m)(r)  # noqa: E731
+    nnx_held, eqx_held = r"closes over an nnx AutoEncoder", r"holds an equinox Linear"
+    for fn, said in (
+        (functools.partial(zoo13.AutoEncoder.encode, AE), nnx_held),
+        (_encode, nnx_held),
+        (functools.partial(rows, linear), eqx_held),
+        (lambda r: rows(linear, r), eqx_held),
+    ):
+        with pytest.raises(sm.ConfigError, match=said + r".*sm\.hybridize\(f, model\)"):
+            sm.hybridize(fn)
+    h = sm.hybridize(rows, linear)  # as it says: its weight and bias are the params
+    assert [a.shape for a in jax.tree.leaves(h.params)] == [(3, 2), (3,)]
 
 
 @pytest.mark.slow

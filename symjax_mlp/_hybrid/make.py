@@ -18,7 +18,7 @@ from symjax_mlp._hybrid.args import equinox_modules
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.pure import PureModel, plain, refuse_nested_nnx_state
 from symjax_mlp._hybrid.pure.linen_module import APPLY_FIXES, linen
-from symjax_mlp._hybrid.pure.nnx_module import closed_module_error, nnx_module
+from symjax_mlp._hybrid.pure.nnx_module import closed_module_error, held_values, nnx_module
 
 _STAGED = (  # aot.md's stages: a Compiled's call raises jax's TypeError under any transform
     "hybridize() got a jax.stages.{kind} (jax.jit(f).trace(...).lower()...): it runs only at "
@@ -31,6 +31,12 @@ _TAKES_NO = {  # why, and the fix
     "eqx": "an equinox module's float arrays are its params, the rest is held static. Write "
     "hybridize(module); pass a key or an eqx.nn.State to each call.",
 }
+_EQX_HELD = (
+    "{label}: the function holds an equinox {kind} (in its closure, a functools.partial's "
+    "arguments or a global it reads), whose float arrays are params: hybridize(lambda _, x: "
+    "f(x), {{}}) would bake them into the program, untrained, unexported. Give the module as "
+    "the params: sm.hybridize(f, model), f called as f(model, *inputs)."
+)
 _EQX_PARAMS = (
     "{kind}: the params given (a {got}) do not fit the equinox {kind} the Hybrid was made of (its "
     "float arrays, combined with the rest held static): a module of another class or size. Pass "
@@ -150,6 +156,9 @@ def hybridize(
         label = f"hybridize({name or getattr(model, '__name__', 'fn')})"
         if (closed := closed_module_error(label, model)) is not None:
             raise closed
+        held = next((v for v in held_values(model) if _flax_kind(v) == "eqx"), None)
+        if held is not None:  # (an eqx.nn.Sequential has a len)
+            raise ConfigError(_EQX_HELD.format(label=label, kind=type(held).__name__))
         raise ConfigError(
             "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
             "For a function without params write hybridize(lambda _, x: f(x), {})."

@@ -191,17 +191,27 @@ _CLOSED = (
 _CACHED = " (as nnx.cached_partial(f, model) holds it)"
 
 
-def closed_module_error(name: str, fn: Any) -> ConfigError | None:
-    """The refusal of ``hybridize(fn)`` (no params) of a function closing over an nnx graph node
-    (a module, an optimizer) or Variable, directly or in a tuple (``nnx.cached_partial(f,
-    model)``'s cached arguments); ``None`` if it holds none."""
-    if (nnx := sys.modules.get("flax.nnx")) is None:
-        return None
+def held_values(fn: Any) -> Any:
+    """What ``fn`` holds: its closure's values, a ``functools.partial``'s arguments, and the
+    globals its code names (a script's ``model``, read by ``lambda x: model(x)``)."""
     for cell in getattr(fn, "__closure__", None) or ():
         try:
-            value = cell.cell_contents
+            yield cell.cell_contents
         except ValueError:  # an empty cell
             continue
+    if isinstance(fn, functools.partial):
+        yield from (*fn.args, *fn.keywords.values())
+    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    yield from (names[n] for n in getattr(code, "co_names", ()) if n in names)
+
+
+def closed_module_error(name: str, fn: Any) -> ConfigError | None:
+    """The refusal of ``hybridize(fn)`` (no params) of a function holding an nnx graph node
+    (a module, an optimizer) or Variable (``held_values``), directly or in a tuple
+    (``nnx.cached_partial(f, model)``'s cached arguments); ``None`` if it holds none."""
+    if (nnx := sys.modules.get("flax.nnx")) is None:
+        return None
+    for value in held_values(fn):
         for v in value if type(value) is tuple else (value,):
             if isinstance(v, (nnx.Module, nnx.Pytree, nnx.Variable)):
                 what = f"the function closes over an nnx {type(v).__name__}"
