@@ -262,6 +262,7 @@ def test_top_k_static_and_k_from_an_empty_array(tmp_path):
         m(np.zeros((0, 11), np.float32), x)
 
 
+@pytest.mark.slow  # an export and a load (0.4 s warm, 3 s cold)
 def test_b_b_2d_names_an_odd_size_as_the_callers(tmp_path):
     """``f(x) = x`` of ``"b, b, 2*d"``, called with the guide's ``(3, 3, 5)``: refused as the
     caller's input, naming the sizes ``2*d`` takes (was an ArtifactError, 'the shapes of the
@@ -376,3 +377,18 @@ def test_gotchas_reads_past_the_end_without_gradients_and_the_clamp_asked_for(tm
     assert np.isnan(np.asarray(got[:, 1])).all()
     h = sm.hybridize(zoo12.net_clipped, p)
     every_feature(tmp_path / "clip", h, lambda r: zoo12.net_clipped(p, r), x, allow=allow)
+
+
+# --- automatic-differentiation.md ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_four_derivatives_through_a_vjp_order_4_artifact(tmp_path):
+    """The guide's ``f`` and ``d4fdx = grad(grad(grad(grad(f))))``: exported with
+    ``vjp_order=4``, the loaded model's value and four derivatives at 1.0 are the guide's
+    (1, 4, 10, 6, 0)."""
+    h = sm.hybridize(lambda p, x: zoo12.f_poly(x * p), jnp.float32(1))
+    sm.export(h, tmp_path / "m", example=(jnp.float32(1.0),), batch=None, vjp_order=4)
+    m, g = sm.load(tmp_path / "m"), jax.grad
+    got = [f(1.0) for f in (m, g(m), g(g(m)), g(g(g(m))), g(g(g(g(m)))))]
+    close(got, [jnp.float32(v) for v in (1.0, 4.0, 10.0, 6.0, 0.0)])

@@ -19,6 +19,8 @@ params and inputs for tests/test_authors_round12.py (our artifact IS jax.export)
   ``.at[1, :].set`` and ``.at[::2, 3:].add`` updates, out-of-bounds reads
   (``jnp.arange(10)[11]``, ``.at[11].get(mode='fill', fill_value=jnp.nan)``), and ``nansum``
   (a boolean mask: no static shape) beside ``nansum_2`` (``jnp.where``).
+- docs/automatic-differentiation.md: ``f = lambda x: x**3 + 2*x**2 - 3*x + 1`` and its four
+  derivatives ``dfdx`` .. ``d4fdx``.
 """
 
 import jax
@@ -141,6 +143,11 @@ def net_out_of_bounds(p, x):
 def net_clipped(p, x):
     """The guide's read past the end, the clamp asked for: ``.at[:, 11].get(mode='clip')``."""
     return x.at[:, 11].get(mode="clip") * p["s"]
+
+
+# --- docs/automatic-differentiation.md -----------------------------------------------------
+
+f_poly = lambda x: x**3 + 2 * x**2 - 3 * x + 1  # noqa: E731 - the guide's ``f``
 
 
 # --- nets: each a function of params and inputs, the guide's function inside ----------------
