@@ -64,6 +64,36 @@ def test_hybridize_of_an_nnx_modules_method_runs_it_over_the_modules_params():
     close(h(x), model.encode(x))
 
 
+class EqxAutoEncoder(eqx.Module):
+    """Ours: why.rst's nnx ``AutoEncoder`` written in equinox (a row at a time)."""
+
+    encoder: eqx.nn.Linear
+    decoder: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = random.split(key)
+        self.encoder, self.decoder = eqx.nn.Linear(2, 10, key=k1), eqx.nn.Linear(10, 2, key=k2)
+
+    def __call__(self, x):
+        return self.decoder(self.encoder(x))
+
+    def encode(self, x):
+        return jax.vmap(self.encoder)(x)
+
+
+def test_hybridize_of_an_equinox_modules_method_takes_the_modules_params():
+    """``sm.hybridize(model.encode)`` of an equinox module: its params are the module's (as
+    ``sm.hybridize(EqxAutoEncoder.encode, model)``), so the model trained is given by
+    ``h.replace(params=eqx.filter(trained, eqx.is_inexact_array))``. They were equinox's
+    ``BoundMethod``'s: that replace was refused, the artifact's params named
+    ``__self__/encoder/weight``, the Hybrid ``BoundMethod``."""
+    model, x = EqxAutoEncoder(random.key(0)), _x(1, (4, 2))
+    h = sm.hybridize(model.encode)
+    assert h.name == "encode"
+    trained = eqx.tree_at(lambda m: m.encoder.weight, model, 2.0 * model.encoder.weight)
+    close(h.replace(params=eqx.filter(trained, eqx.is_inexact_array))(x), trained.encode(x))
+
+
 def _encode(x):
     return AE.encode(x)  # the module-level model, read as a script reads it
 

@@ -72,8 +72,8 @@ def hybridize(
         leaves, has its float arrays as params), an ``equinox.Module`` (no ``params``: its float
         arrays are, as ``eqx.filter_grad`` takes them; its bool and int arrays are held with
         the rest, baked into the program), or any pure function ``fn(params, *args, **kwargs)``
-        (an nnx module's method, ``model.encode``, runs as ``encode(model, *inputs)``; a linen
-        module's is refused, naming ``model.apply(..., method=...)``).
+        (an nnx or equinox module's method, ``model.encode``, runs as ``encode(model, *inputs)``;
+        a linen module's is refused, naming ``model.apply(..., method=...)``).
       params: the variables or params; omitted for an nnx or equinox module. An nnx module (or
         ``nnx.Pytree``) as ``fn``'s params is split as its own Hybrid splits it; one inside the
         params (or given later to ``h.apply``, ``h.replace``) must hold ``Param`` s only.
@@ -112,8 +112,9 @@ def hybridize(
     """
     if isinstance(model, Hybrid):
         raise ConfigError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
-    owner = _flax_kind(model.__self__) if inspect.ismethod(model) else None
-    if owner == "nnx" and params is None:  # hybridize(model.encode): encode(model, *inputs)
+    method = inspect.ismethod(model) or hasattr(model, "__func__")  # equinox's BoundMethod too
+    owner = _flax_kind(model.__self__) if method else None
+    if owner in ("nnx", "eqx") and params is None:  # model.encode: encode(model, *inputs)
         name, model, params = name or model.__name__, model.__func__, model.__self__
     elif owner == "linen":  # else called as encode(params, *inputs), outside model.apply
         said = f"{type(model.__self__).__name__}.{model.__name__}"
