@@ -7,6 +7,7 @@ added per request. Ray is imported only here, when used.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -14,12 +15,13 @@ from typing import Any
 
 import jax
 
+from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._app import create_app, load_entry, model_name, require
 from symjax_mlp.serving._batcher import Batcher, seconds
 from symjax_mlp.serving._intake import check_limits
 from symjax_mlp.serving._latency import latency_mode
-from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count
+from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count, short
 from symjax_mlp.serving._server import bind, on_signals
 
 _EVENTS = {
@@ -227,9 +229,7 @@ def serve_on_ray(
     import ray
     from ray import serve
 
-    with warnings.catch_warnings():  # Ray forks its daemons and execs them at once: harmless
-        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
-        ray.init(address=address)
+    _join(ray, address)
     try:
         replicas = options.get("replicas", 2)
         each = (options.get("ray_actor_options") or {}).get("num_cpus", 1)  # Ray's default: 1
@@ -255,3 +255,28 @@ def serve_on_ray(
             serve.shutdown()
     finally:
         ray.shutdown()
+
+
+def _join(ray: Any, address: str | None) -> None:
+    """``ray.init(address=address)``; a ConfigError where no cluster answers at ``address``
+    (Ray retries a host:port nothing listens on for ever, and raises its own errors raw)."""
+    if not address:  # a local cluster, started here
+        return _init(ray, address)
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        if host and port.isdigit():
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        _init(ray, address)
+    except (OSError, OverflowError, ValueError) as e:  # ConnectionError: an OSError
+        raise ConfigError(
+            f"--ray-address {printable(address)}: no Ray cluster answers there "
+            f"({type(e).__name__}: {short(printable(str(e)), 200)}). Pass a running cluster's "
+            "address (its head's host:port, or ray://host:10001), start one there (ray start "
+            "--head), or leave --ray-address out to start a local cluster."
+        ) from None
+
+
+def _init(ray: Any, address: str | None) -> None:
+    with warnings.catch_warnings():  # Ray forks its daemons and execs them at once: harmless
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        ray.init(address=address)
