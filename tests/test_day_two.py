@@ -96,3 +96,20 @@ def test_a_trained_models_artifact_says_it_takes_raw_features(tmp_path):
     assert standardised.metadata == {}
     mine = result.export(tmp_path / "mine", metadata={"inputs": "pixels, 0..16"})
     assert mine.metadata == {"inputs": "pixels, 0..16"}  # the user's card wins
+
+
+@pytest.mark.slow  # 3 s: a fresh process
+def test_process_0_refuses_its_json_target_before_it_joins_the_run(tmp_path):
+    """Relaunching README's 2-process run with --resume found run.json from the first run:
+    process 0 refused it after joining, so process 1 waited, and when JAX's shutdown barrier
+    timed out it aborted both (SIGABRT, a C++ stack trace). Now the refusal comes first: exit
+    2, no coordinator started (a process 1 then names process 0 as not running)."""
+    (tmp_path / "run.json").write_text("{}")
+    cmd = [sys.executable, "-P", "-m", "symjax_mlp", "train", "--coordinator",
+           f"127.0.0.1:{_port()}", "--num-processes", "2", "--process-id", "0",
+           "--json", "run.json", "--timeout", "5"]  # fmt: skip
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr  # was 75 after the timeout: process 1 never came
+    assert "--json run.json: already exists" in done.stderr, done.stderr
+    assert time.monotonic() - t0 < 5 + 3, done.stderr  # before initialize's wait

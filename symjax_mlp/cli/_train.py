@@ -1,8 +1,8 @@
 """``symjax-mlp train``: :func:`symjax_mlp.training.train` on the bundled digits data.
 
 The ``--json`` and ``--export`` targets are refused before the first epoch; in a
-multi-process run (``--coordinator``) process 0 writes them. Progress: a rich bar on a
-terminal, plain lines on stderr otherwise.
+multi-process run (``--coordinator``) process 0 writes them, and refuses them before it joins.
+Progress: a rich bar on a terminal, plain lines on stderr otherwise.
 """
 
 from __future__ import annotations
@@ -52,11 +52,10 @@ def run(args: argparse.Namespace) -> None:
     from symjax_mlp._artifact.format import check_target, printable
     from symjax_mlp.training import initialize, train
 
-    if args.num_processes > 1 or args.coordinator or args.process_id:
-        if not args.coordinator:  # else --process-id N alone would skip --json and --export
-            given = "--num-processes" if args.num_processes > 1 else "--process-id"
-            raise argparse.ArgumentTypeError(f"{given} needs --coordinator HOST:PORT")
-        initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
+    several = args.num_processes > 1 or args.coordinator or args.process_id
+    if several and not args.coordinator:  # else --process-id N alone would skip the targets
+        given = "--num-processes" if args.num_processes > 1 else "--process-id"
+        raise argparse.ArgumentTypeError(f"{given} needs --coordinator HOST:PORT")
     if args.process_id:  # one writer of the results: process 0
         args.json = args.export = None
     if args.json is not None:  # refused before training, never after ("" too)
@@ -69,6 +68,9 @@ def run(args: argparse.Namespace) -> None:
         _args.writable_in(next(p for p in target.parents if p.exists()), f"--export {args.export}:")
         others = {"--checkpoint": args.checkpoint, "--json": args.json}
         _apart("--export", args.export, others, "the artifact is a directory")
+    if several:  # after the targets' checks: a refusal once joined left the others waiting,
+        # then JAX aborted every process (SIGABRT) when its shutdown barrier timed out
+        initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
     with _progress(args.epochs, quiet=args.quiet) as on_epoch:
         options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume blocks"
         keyed = _args.keywords(args, options)
