@@ -81,7 +81,14 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
     others = [i for i in range(num_processes) if i != process_id]
 
     def missing() -> str:
-        if process_id and not _reachable(host, port):
+        fix = (
+            f"Start every process, ids 0..{num_processes - 1}, with the same coordinator and "
+            "number of processes."
+        )
+        if unknown := _unknown(host, port):  # no process reaches it, process 0 included
+            who = f"its host {host} is not found ({unknown}), so no process can reach it"
+            fix = "Pass process 0's address: its IP, or a name this machine resolves."
+        elif process_id and not _reachable(host, port):
             who = f"process 0 (the coordinator, serving {coordinator}) is not running"
         elif len(others) == 1:
             who = f"process {others[0]} never connected"
@@ -89,8 +96,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
             who = f"one or more of processes {others} never connected"
         return (
             f"{caller}: process {process_id} of {num_processes} waited {timeout} s at the "
-            f"coordinator {coordinator}: {who}. Start every process, ids 0..{num_processes - 1}, "
-            "with the same coordinator and number of processes."
+            f"coordinator {coordinator}: {who}. {fix}"
         )
 
     timer = threading.Timer(timeout, lambda: end(missing()))
@@ -149,6 +155,16 @@ def _port_taken(port: int) -> str:
             if e.errno == errno.EADDRINUSE:
                 return e.strerror or "address in use"
     return ""  # no address of ours to test: JAX's own error, if any, comes
+
+
+def _unknown(host: str, port: int) -> str:
+    """Why ``host`` does not resolve (a name looked up at the timeout only: a cluster's DNS
+    may name process 0 only once it runs), or ``""``."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return ""
+    except (OSError, UnicodeError) as e:
+        return getattr(e, "strerror", None) or str(e)
 
 
 def _reachable(host: str, port: int) -> bool:
