@@ -33,8 +33,8 @@ _OPTIONS = (
     ("--export", {"metavar": "PATH", "help": "export the trained model as an artifact"}),
     ("--overwrite", {"action": "store_true", "help": "replace --export/--json targets"}),
     ("--quiet", {"action": "store_true", "help": "no progress"}),
-    ("--blocks", {"type": count, "help": "gradient blocks (default: 1, or the number of "
-     "processes): bitwise the same for any process count"}),
+    ("--blocks", {"type": count, "help": "gradient blocks (default: 1, or with --coordinator "
+     "the run's number of devices): bitwise the same for any process count"}),
     ("--coordinator", {"metavar": "HOST:PORT", "help": "process 0's address: one of "
      "--num-processes processes"}),
     ("--num-processes", {"type": count, "default": 1}),
