@@ -173,7 +173,8 @@ def export_program(
     except TRACER_ERRORS as e:
         raise control_flow_error(h.name, e) from e
     except RuntimeError:  # e.g. std::bad_cast from a host callback's lowering
-        if (called := calls_back(h.name, jaxpr)) is None:
+        eqns = [eqn for eqn, _ in walk(jaxpr)] if jaxpr is not None else []
+        if (called := calls_back(h.name, eqns)) is None:
             raise
         raise called from None
     except jax.errors.InconclusiveDimensionOperation as e:

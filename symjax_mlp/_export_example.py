@@ -4,13 +4,12 @@ calling back into Python; each naming what exports."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
 from symjax_mlp._errors import ConfigError, SignatureError
-from symjax_mlp._hybrid.jaxpr import walk
 
 _EQX_STATE = (
     "export(example=...): args[{i}] is an equinox eqx.nn.State, which an artifact's inputs "
@@ -72,10 +71,10 @@ _EQX_CHECKS = (
 )
 
 
-def calls_back(name: str, jaxpr: Any) -> ConfigError | None:
+def calls_back(name: str, eqns: Sequence[Any]) -> ConfigError | None:
     """The refusal of a traced function calling back into Python (``pure_callback``,
-    ``io_callback``, ``jax.debug.print``'s ``debug_print``); ``None`` if ``jaxpr`` has none."""
-    eqns = [eqn for eqn, _ in walk(jaxpr)] if jaxpr is not None else []
+    ``io_callback``, ``jax.debug.print``'s ``debug_print``), given its equations (nested ones
+    too); ``None`` if it makes no such call."""
     names = {e.primitive.name for e in eqns}
     if not (callbacks := sorted(n for n in names if "callback" in n or n.startswith("debug_"))):
         return None
