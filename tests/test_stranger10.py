@@ -138,10 +138,11 @@ def test_serve_on_ray_on_a_port_in_use_is_refused_as_serve_refuses_it(tmp_path):
 @pytest.mark.slow  # Ray imported, the artifact loaded per address (~5 s)
 @pytest.mark.ray
 @pytest.mark.xdist_group("ray")
-def test_serve_on_ray_joining_no_cluster_is_refused_in_one_line(tmp_path, capsys):
-    """``--ray-address`` where no cluster answers: a closed host:port was retried by Ray for
-    ever (a process that never served nor ended), ``ray://`` to it and a malformed address were
-    Ray's ConnectionError and ValueError, shown as bugs of ours with their tracebacks."""
+def test_serve_on_ray_joining_no_cluster_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """``--ray-address`` (or RAY_ADDRESS) where no cluster answers: a closed host:port was
+    retried by Ray for ever (a process that never served nor ended), ``ray://`` to it and a
+    malformed address were Ray's ConnectionError and ValueError, shown as bugs of ours with
+    their tracebacks."""
     ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'symjax_mlp[ray]'")
     with warnings.catch_warnings():  # Ray Serve's own pydantic deprecations, as it imports
         warnings.simplefilter("ignore")
@@ -152,15 +153,18 @@ def test_serve_on_ray_joining_no_cluster_is_refused_in_one_line(tmp_path, capsys
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]  # nothing listens there once the block ends
-    for address in (f"127.0.0.1:{closed}", f"ray://127.0.0.1:{closed}", "no-address"):
-        argv = ["serve", str(art.path), "--ray", "--replicas", "1", "--replica-cpus", "0.5"]
-        argv += ["--host", "127.0.0.1", "--port", "0", "--dispatch", "async"]  # JAX ran here
-        argv += ["--ray-address", address]
-        assert main(argv) == 2
+    argv = ["serve", str(art.path), "--ray", "--replicas", "1", "--replica-cpus", "0.5"]
+    argv += ["--host", "127.0.0.1", "--port", "0", "--dispatch", "async"]  # JAX ran here
+    addresses = (f"127.0.0.1:{closed}", f"ray://127.0.0.1:{closed}", "no-address", None)
+    for address in addresses:  # None: Ray's own RAY_ADDRESS, as the variable was given
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{closed}")
+        what = "RAY_ADDRESS" if address is None else "--ray-address"
+        assert main(argv if address is None else [*argv, "--ray-address", address]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1, err
         assert err.startswith(
-            f"symjax-mlp serve: error: --ray-address {address}: no Ray cluster answers there ("
+            f"symjax-mlp serve: error: {what} {address or f'127.0.0.1:{closed}'}: no Ray "
+            "cluster answers there ("
         ), err
-        assert "leave --ray-address out to start a local cluster." in err
+        assert f"leave {what} out to start a local cluster." in err
         assert not ray.is_initialized()

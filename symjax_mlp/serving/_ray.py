@@ -258,21 +258,24 @@ def serve_on_ray(
 
 
 def _join(ray: Any, address: str | None) -> None:
-    """``ray.init(address=address)``; a ConfigError where no cluster answers at ``address``
-    (Ray retries a host:port nothing listens on for ever, and raises its own errors raw)."""
-    if not address:  # a local cluster, started here
+    """``ray.init(address=address)``; a ConfigError where no cluster answers at ``address`` (or
+    RAY_ADDRESS): Ray retries a host:port nothing listens on for ever, and raises its own errors
+    raw."""
+    env = os.environ.get("RAY_ADDRESS", "")
+    given, what = (address, "--ray-address") if address else (env, "RAY_ADDRESS")
+    if not given:  # a local cluster, started here
         return _init(ray, address)
-    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host, _, port = given.removeprefix("ray://").rpartition(":")
     try:
         if host and port.isdigit():
             socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
         _init(ray, address)
     except (OSError, OverflowError, ValueError) as e:  # ConnectionError: an OSError
         raise ConfigError(
-            f"--ray-address {printable(address)}: no Ray cluster answers there "
-            f"({type(e).__name__}: {short(printable(str(e)), 200)}). Pass a running cluster's "
-            "address (its head's host:port, or ray://host:10001), start one there (ray start "
-            "--head), or leave --ray-address out to start a local cluster."
+            f"{what} {printable(given)}: no Ray cluster answers there ({type(e).__name__}: "
+            f"{short(printable(str(e)), 200)}). Pass a running cluster's address (its head's "
+            "host:port, or ray://host:10001), start one there (ray start --head), or leave "
+            f"{what} out to start a local cluster."
         ) from None
 
 
