@@ -38,7 +38,7 @@ def refuse_clamped_gathers(name: str, fn: Any, structs: Any, order: int) -> None
         jaxpr = jax.jit(fn).trace(*structs).jaxpr.jaxpr
     except Exception:  # traced otherwise there (an input shared by every row, a mesh)
         return
-    known: dict[Any, np.ndarray] = {}
+    known: dict[Any, Any] = {}
     for eqn, _ in walk(jaxpr):
         values = [v.val if isinstance(v, Literal) else known.get(v) for v in eqn.invars]
         gather = eqn.primitive.name == "gather" and values[1] is not None
@@ -52,7 +52,7 @@ def refuse_clamped_gathers(name: str, fn: Any, structs: Any, order: int) -> None
         except Exception:  # what cannot fold is no constant here
             continue
         got = got if eqn.primitive.multiple_results else [got]
-        known.update((v, np.asarray(g)) for v, g in zip(eqn.outvars, got, strict=True))
+        known.update(zip(eqn.outvars, got, strict=True))  # (as bound: a key stays a key)
 
 
 def _small(avals: list[Any]) -> bool:
