@@ -113,3 +113,19 @@ def test_process_0_refuses_its_json_target_before_it_joins_the_run(tmp_path):
     assert done.returncode == 2, done.stderr  # was 75 after the timeout: process 1 never came
     assert "--json run.json: already exists" in done.stderr, done.stderr
     assert time.monotonic() - t0 < 5 + 3, done.stderr  # before initialize's wait
+
+
+@pytest.mark.slow  # two short training runs (2-7 s)
+def test_train_resume_says_what_it_resumes_or_that_it_starts_over(tmp_path, capsys):
+    """`symjax-mlp train --checkpoint ckpt_typo --resume` trained from the start, as silently as
+    a resume (train's resume=True continues a checkpoint "if it holds one"): only an "epoch 1/N"
+    told the two apart, and nothing under --quiet but the JSON's resumed_from."""
+    from symjax_mlp.cli import main
+
+    argv = ["train", "--sizes", "8,10", "--checkpoint", str(tmp_path / "ckpt"), "--resume"]
+    assert main([*argv, "--epochs", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"--resume: {tmp_path / 'ckpt'} holds no checkpoint yet; training from the start" in err
+    assert main([*argv, "--epochs", "2"]) == 0
+    err = capsys.readouterr().err
+    assert f"resuming from {tmp_path / 'ckpt' / 'step_00000023'}" in err, err

@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> None:
     from symjax_mlp import mlp
     from symjax_mlp._artifact.format import check_target, printable
     from symjax_mlp.training import initialize, train
+    from symjax_mlp.training._paths import checkpoints
 
     several = args.num_processes > 1 or args.coordinator or args.process_id
     if several and not args.coordinator:  # else --process-id N alone would skip the targets
@@ -71,6 +72,14 @@ def run(args: argparse.Namespace) -> None:
     if several:  # after the targets' checks: a refusal once joined left the others waiting,
         # then JAX aborted every process (SIGABRT) when its shutdown barrier timed out
         initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
+    if args.resume and args.checkpoint and not args.quiet:  # a typo in DIR: from the start
+        found = {kind: checkpoints(Path(args.checkpoint), kind) for kind in (False, True)}
+        if mine := found[bool(several)]:  # the other kind's alone: train refuses them
+            _args.say(f"resuming from {printable(str(mine[-1][1]))}", sys.stderr)
+        elif not found[not several]:
+            where = printable(args.checkpoint)
+            _args.say(f"--resume: {where} holds no checkpoint yet; training from the start",
+                      sys.stderr)  # fmt: skip
     with _progress(args.epochs, quiet=args.quiet) as on_epoch:
         options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume blocks"
         keyed = _args.keywords(args, options)
