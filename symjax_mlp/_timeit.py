@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
+from symjax_mlp._artifact.format import JAXEXPORT, caller, printable, program_file
 from symjax_mlp._artifact.signature import sizes_at
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, as_int, refuse_keywords
 from symjax_mlp._hybrid.args import partition
@@ -105,7 +105,7 @@ class CallTiming:
 
     def __str__(self) -> str:
         lines = [
-            f"{self.name}: {self.calls} calls x {len(self.synced)} repeats, per call, "
+            f"{printable(self.name)}: {self.calls} calls x {len(self.synced)} repeats, per call, "
             f"JAX {self.dispatch} dispatch",
             f"{'':<22}{'min':>10}{'median':>10}{'min / compiled':>16}",
         ]

@@ -104,7 +104,7 @@ class VerifyReport:
     def __str__(self) -> str:
         loads = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.load_seconds.items())
         lines = [
-            f"verify {self.path}: {'OK' if self.ok else 'FAILED'}",
+            f"verify {printable(str(self.path))}: {'OK' if self.ok else 'FAILED'}",
             f"  reference: {self.reference}; rtol {self.rtol:g}, atol {self.atol:g}",
             f"  load in a fresh process: {loads or '-'}",
         ]

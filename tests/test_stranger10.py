@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import jax
 import pytest
@@ -168,3 +169,25 @@ def test_serve_on_ray_joining_no_cluster_is_refused_in_one_line(tmp_path, capsys
         ), err
         assert f"leave {what} out to start a local cluster." in err
         assert not ray.is_initialized()
+
+
+def test_serve_verify_and_bench_print_an_odd_artifact_path_escaped(capsys):
+    """An artifact directory named with an escape and a newline (a stranger's download, a
+    shared volume): ``inspect``, ``run`` and every error printed it escaped, but ``serve``'s
+    ready line, ``verify``'s report and ``bench``'s table printed it raw, so the escape acted on
+    the terminal and the newline split the line (a log reader took 'x on http://...' for a
+    line of its own)."""
+    from symjax_mlp.serving._app import print_ready
+
+    odd, shown = "/srv/es\x1b[31mc\nx", "/srv/es\\x1b[31mc\\nx"
+    print_ready(odd)("http://127.0.0.1:8000")
+    out = capsys.readouterr().out
+    assert out.startswith(f"serving {shown} on http://127.0.0.1:8000 (POST /predict") and (
+        out.count("\n") == 1
+    ), out
+    check = sm.VerifyCheck("jax", 1, True, 0.0)
+    report = sm.VerifyReport(Path(odd), "the artifact", 1e-5, 1e-5, (check,), {"jax": 0.5})
+    assert str(report).splitlines()[0] == f"verify {shown}: OK"
+    timing = sm.CallTiming(odd, 10, "async", (2e-6,), (1e-6,), (1e-6,), (1e-6,))
+    assert str(timing).splitlines()[0].startswith(f"{shown}: 10 calls x 1 repeats, per call")
+    assert "\x1b" not in str(report) + str(timing)

@@ -397,4 +397,4 @@ class Public:
 
 def print_ready(artifact: Any) -> Callable[[str], None]:
     """``serve``'s default ``ready``: prints the URL it serves ``artifact`` on."""
-    return lambda url: print(f"serving {artifact} on {url} ({ENDPOINTS})", flush=True)
+    return lambda url: print(printable(f"serving {artifact} on {url} ({ENDPOINTS})"), flush=True)
