@@ -27,7 +27,7 @@ from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._shard import ShardedStep
 from symjax_mlp.training._state import EpochRecord, TrainState
-from symjax_mlp.training._step import apply_model, step_of
+from symjax_mlp.training._step import ModelVars, apply_model, step_of
 
 #: an artifact of :meth:`TrainResult.export` records in its metadata what it takes
 RAW_INPUTS = "raw features: the program standardises them as the model was trained on them"
@@ -98,8 +98,9 @@ class Programs:
         """``tree`` as this process holds it (a multi-process run's arrays: its copy)."""
         return tree if self.watch is None else jax.tree.map(lambda a: a.addressable_data(0), tree)
 
-    def accuracy(self, params: Any, data: Dataset) -> float:  # of the test split
-        predicted = np.asarray(self.predict(self.local(params), data.x_test))
+    def accuracy(self, params: Any, opt_state: Any, data: Dataset) -> float:  # of the test split
+        params = evaluated(*self.local((params, opt_state)))
+        predicted = np.asarray(self.predict(params, data.x_test))
         return int(np.sum(predicted == data.y_test)) / len(data.y_test)
 
     def epoch(
@@ -129,10 +130,30 @@ class Programs:
             step=state.step + len(xb),
             loss=float(np.sum(losses * wb.sum(axis=1)) / n_train),
             train_accuracy=float(sum(float(m["correct"]) for m in metrics) / n_train),
-            test_accuracy=self.accuracy(params, data),
+            test_accuracy=self.accuracy(params, opt_state, data),
             seconds=time.perf_counter() - t0,
         )
         return TrainState(params, opt_state, rng, step=record.step, epoch=epoch), record
+
+
+def evaluated(params: Any, opt_state: Any) -> Any:
+    """The params to evaluate and export: a schedule-free optimizer's (optax.contrib's
+    ``schedule_free``, found anywhere in ``opt_state``) as ``schedule_free_eval_params`` gives
+    them, its ``x`` and not the ``y`` its steps take gradients at; else ``params``."""
+    free = optax.contrib.ScheduleFreeState
+    found = [
+        s for s in jax.tree.leaves(opt_state, is_leaf=free.__instancecheck__) if isinstance(s, free)
+    ]
+    if len(found) != 1:  # none, or several (each of some params): ours to leave as they are
+        return params
+    b1, z = found[0].b1, found[0].z
+
+    def x(y: jax.Array, z: Any) -> jax.Array:  # a param wrt= froze has no z (a MaskedNode)
+        return y if isinstance(z, optax.MaskedNode) else ((y - (1.0 - b1) * z) / b1).astype(y.dtype)
+
+    if isinstance(params, ModelVars):
+        return ModelVars(jax.tree.map(x, params.params, z), params.state)
+    return jax.tree.map(x, params, z)
 
 
 def _check_finite(
@@ -167,7 +188,8 @@ class TrainResult:
 
     Attributes:
       model: the ``flax.linen`` module trained, or a new nnx module, trained, in eval mode.
-      params: its trained ``"params"`` collection (an nnx module's ``Param`` values).
+      params: its trained ``"params"`` collection (an nnx module's ``Param`` values); a
+        schedule-free optimizer's as ``optax.contrib.schedule_free_eval_params`` gives them.
       opt_state: the final optimizer state.
       step, epoch: optimizer steps and epochs completed (including resumed ones).
       history: one :class:`EpochRecord` per completed epoch, oldest first.

@@ -34,7 +34,7 @@ from symjax_mlp.training._data import (
     default_classes,
     load_digits,
 )
-from symjax_mlp.training._epoch import Programs, TrainResult
+from symjax_mlp.training._epoch import Programs, TrainResult, evaluated
 from symjax_mlp.training._optimizer import Moved, checked_optimizer, init_state, only
 from symjax_mlp.training._orbax import OrbaxCheckpoints
 from symjax_mlp.training._paths import check_directory
@@ -107,7 +107,8 @@ def train(
         ``train()`` and ``eval()`` set; ``result.model`` is a new module, trained.
       data: a :class:`Dataset` (default: :func:`load_digits`).
       optimizer: any ``optax.GradientTransformation`` or ``optax.MultiSteps`` (default: adam);
-        one taking extra arguments gets ``value=`` the batch's loss (``reduce_on_plateau``).
+        one whose update takes ``value=`` gets the batch's loss (``reduce_on_plateau``); a
+        schedule-free one's params are evaluated and exported as ``schedule_free_eval_params``.
         Its ``init`` gets the params as a dict of dicts of arrays, a linen model's as ``init``
         gives them, an nnx module's as ``nnx.to_pure_dict`` (no Variable types: see ``wrt``).
       wrt: the params to train, the others held bitwise as they are (the optimizer's state
@@ -213,8 +214,8 @@ def train(
             state, record = programs.epoch(state, data, batch_size, epoch, newest=newest)
             history.append(record)
             if moved is not None:  # a first epoch that trained nothing: said, once
-                moved.check(programs.local(_trainable(state.params)), state.step, _CALLER)
-                moved = None
+                now = programs.local((_trainable(state.params), state.opt_state))
+                moved = None if moved.check(*now, record, _CALLER) else moved
             if checkpoint is not None and (epoch % checkpoint_every == 0 or epoch == epochs):
                 meta = {"config": config, "history": [dataclasses.asdict(r) for r in history]}
                 if store:  # superseded while the one before commits, unless it is the last;
@@ -231,7 +232,8 @@ def train(
         _close(parts, e)
         raise
     _close(parts)
-    params, opt_state = programs.local((state.params, state.opt_state))
+    opt_state = programs.local(state.opt_state)  # the params evaluated as the optimizer says
+    params = evaluated(programs.local(state.params), opt_state)
     stateful = isinstance(params, ModelVars)
     params, model_state = (params.params, params.state) if stateful else (params, None)
     if isinstance(spec, NnxSpec):  # the trained module, rebuilt from its trained values
@@ -239,7 +241,8 @@ def train(
         model = spec.module(params, model_state or {})
     return TrainResult(
         model=model, params=params, opt_state=opt_state, step=state.step, epoch=state.epoch,
-        history=tuple(history), test_accuracy=programs.accuracy(state.params, data),
+        history=tuple(history),
+        test_accuracy=programs.accuracy(state.params, state.opt_state, data),
         train_seconds=time.perf_counter() - start,
         compiled=compiled,  # a multi-process run's too: refused unless compiled
         trace_count=len(programs.traces), resumed_from=resumed_from, checkpoint=newest,

@@ -4,6 +4,7 @@ inside a step. :func:`only` restricts it to the params train()'s ``wrt`` selects
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import warnings
@@ -119,7 +120,7 @@ def update(optimizer: Any, grads: Any, opt_state: Any, params: Any, loss: Any, c
     """``optimizer.update(grads, opt_state, params)`` (``value=`` the loss for one taking extra
     arguments); one needing more, or returning other than updates and a state like ``opt_state``
     (jit would trace again), is a ConfigError."""
-    kw = {"value": loss} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
+    kw = {"value": loss} if takes_value(optimizer) else {}
     try:
         out = optimizer.update(grads, opt_state, params, **kw)
     except TRACER_ERRORS:  # Python control flow on a traced value: JAX's own error says it
@@ -144,6 +145,18 @@ def update(optimizer: Any, grads: Any, opt_state: Any, params: Any, loss: Any, c
             _STATE_MOVED.format(caller=caller, was=f"{was!s:.300}", got=f"{got!s:.300}")
         )
     return out
+
+
+def takes_value(optimizer: Any) -> bool:
+    """Whether ``optimizer.update`` takes ``value=``: an extra-args transformation's that names
+    it or takes ``**extra_args`` (optax.contrib.sam's takes neither: its example passes none)."""
+    if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
+        return False
+    try:
+        accepted = inspect.signature(optimizer.update).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: as optax's own chain passes it
+        return True
+    return any(p.name == "value" or p.kind is p.VAR_KEYWORD for p in accepted)
 
 
 def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> None:
@@ -197,7 +210,7 @@ def _names(path: tuple) -> tuple:  # a key path's names, as nnx's filters see an
 
 
 _NOTHING_MOVED = (
-    "{caller}: after epoch 1 ({steps} steps) every param is bitwise as it was: the optimizer "
+    "{caller}: after epoch {epoch} ({steps} steps) every param is bitwise as it was: the optimizer "
     "updated none. Either the gradients are zero (a loss that does not depend on the params: "
     "a classifier of one class), or the optimizer zeroes them: an optax.multi_transform whose "
     "labels freeze every param (labels by isinstance on an nnx module's params: the optimizer "
@@ -207,17 +220,28 @@ _NOTHING_MOVED = (
 
 
 class Moved:
-    """Whether a run's first epoch moved any param: ``Moved(params)`` hashes them before it
+    """Whether a run's first epoch (its first update) moved any param: ``Moved(params)``
+    hashes them before it
     (they are donated to its first step), :meth:`check` after, warning if none moved."""
 
     def __init__(self, params: Any) -> None:
         self.before = self.digest(params)
 
-    def check(self, params: Any, steps: int, caller: str) -> None:
-        if self.before == self.digest(params):
-            warnings.warn(
-                _NOTHING_MOVED.format(caller=caller, steps=steps), RuntimeWarning, stacklevel=3
-            )
+    def check(self, params: Any, opt_state: Any, record: Any, caller: str) -> bool:
+        """Whether it is decided: not while an optax.MultiSteps has yet to apply its first
+        update (fewer steps so far than its every_k_schedule), which moves nothing."""
+        if self.before != self.digest(params):
+            return True
+        multi = optax.MultiStepsState
+        found = jax.tree.leaves(opt_state, is_leaf=multi.__instancecheck__)
+        if any(isinstance(s, multi) and int(s.gradient_step) == 0 for s in found):
+            return False
+        warnings.warn(
+            _NOTHING_MOVED.format(caller=caller, epoch=record.epoch, steps=record.step),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return True
 
     @staticmethod
     def digest(params: Any) -> str:
