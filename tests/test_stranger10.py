@@ -80,6 +80,31 @@ def test_a_coordinator_whose_host_is_not_found_is_named_so_at_the_timeout(monkey
     assert message.endswith("Pass process 0's address: its IP, or a name this machine resolves.")
 
 
+@pytest.mark.slow  # initialize's shortest timeout, 1 s
+def test_a_coordinator_address_answered_by_something_else_is_not_blamed_on_a_missing_peer(
+    monkeypatch,
+):
+    """Process 1 of 2 at an address where a process answers but lets it join no run (another
+    program on the port, or a process 0 started with another number of processes): it said
+    'process 0 never connected', though what answered there was up all along."""
+    from symjax_mlp.training import _processes
+
+    said, ended = [], threading.Event()
+    monkeypatch.setattr(_processes, "end", lambda message: (said.append(message), ended.set()))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: ended.wait(30))
+    monkeypatch.setitem(_processes._settings, "timeout", 60)
+    with socket.socket() as other:  # another program's port
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        sm.training.initialize(f"127.0.0.1:{port}", 2, 1, timeout=1)
+    (message,) = said
+    assert f"127.0.0.1:{port}: a process answers there, but not as process 0 of this run (" in (
+        message
+    ), message
+    assert "never connected" not in message and "is not running" not in message, message
+
+
 @pytest.mark.slow  # two processes of the command line (~5 s)
 def test_a_second_process_0_on_a_coordinators_port_is_refused_not_sharing_it(tmp_path):
     """gRPC binds with SO_REUSEPORT: a second process 0 (this run's started twice, or another

@@ -90,6 +90,11 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *, timeout
             fix = "Pass process 0's address: its IP, or a name this machine resolves."
         elif process_id and not _reachable(host, port):
             who = f"process 0 (the coordinator, serving {coordinator}) is not running"
+        elif process_id and len(others) == 1:  # this run's process 0 would have let it join
+            who = (
+                "a process answers there, but not as process 0 of this run (one started with "
+                "another number of processes, or another program on that port)"
+            )
         elif len(others) == 1:
             who = f"process {others[0]} never connected"
         else:  # JAX tells no one who has connected until all have
