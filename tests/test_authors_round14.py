@@ -26,8 +26,6 @@ from flax import nnx
 
 import symjax_mlp as sm
 
-pytestmark = pytest.mark.slow  # each trains: over 0.5 s, a compile or more apiece
-
 N = 48  # training examples: one full batch a step, so each epoch is one step
 
 
@@ -54,6 +52,7 @@ def _train(data, tx, epochs, **kw):
     return sm.training.train(zoo14.net, data, optimizer=tx, epochs=epochs, batch_size=N, **kw)
 
 
+@pytest.mark.slow  # it trains: a compile or more
 def test_reduce_on_plateau_trains_as_the_notebooks_train_step(data):
     params, batch = _init(data), (data.x_train, data.y_train)
     opt_state, step = zoo14.opt.init(params), zoo14.make_train_step(zoo14.opt)
@@ -64,6 +63,7 @@ def test_reduce_on_plateau_trains_as_the_notebooks_train_step(data):
     close(run.opt_state, opt_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "build", [lambda: zoo14.sam_opt, zoo14.sam_mom, zoo14.sam_adam], ids=["sam", "mom", "adam"]
 )
@@ -81,6 +81,7 @@ def test_sam_trains_as_the_notebooks_make_step(build, data):
     close(run.params, store.params)
 
 
+@pytest.mark.slow  # it trains: a compile or more
 def test_a_schedule_free_run_is_evaluated_and_exported_at_its_eval_params(data, tmp_path):
     """train() evaluated and exported schedule-free's y (where gradients are taken), not the
     x that schedule_free_eval_params gives, as the optax docstring's loop evaluates."""
@@ -100,6 +101,7 @@ def test_a_schedule_free_run_is_evaluated_and_exported_at_its_eval_params(data, 
     close(loaded(data.x_test), logits)
 
 
+@pytest.mark.slow  # it trains: a compile or more
 def test_gradient_accumulation_is_one_batch_and_its_first_epochs_are_not_warned_of(data):
     """MultiSteps(every_k_schedule=3) over three batches of a third is the notebook's one batch;
     its first epochs (fewer steps than 3) moved nothing, warned of as a frozen optimizer."""
@@ -128,6 +130,7 @@ EXAMPLES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_each_example_optimizer_resumes_bitwise_and_ships(name, data, tmp_path):
     tx = EXAMPLES[name]()
@@ -144,3 +147,40 @@ def test_each_example_optimizer_resumes_bitwise_and_ships(name, data, tmp_path):
     close(loaded(data.x_test), zoo14.net.apply({"params": run.params}, data.x_test))
     predicted = np.argmax(np.asarray(loaded(data.x_test)), -1)
     assert np.mean(predicted == data.y_test) == pytest.approx(run.test_accuracy, abs=1e-9)
+
+
+REFUSED = {  # each refused before the first step, naming what works instead
+    "lookahead": (lambda: zoo14.solver, r"(?s)'fast'.*LookaheadParams.*lookahead_mnist"),
+    "dpsgd": (zoo14.dp_tx, r"(?s)per-example gradients.*differentially_private_sgd example"),
+    "sophia": (lambda: optax.contrib.sophia(1e-2), r"(?s)obj_fn.*obj_fn=loss"),
+}
+
+
+@pytest.mark.slow  # the first pays train()'s compile of the model's init: ~1 s
+@pytest.mark.parametrize("name", REFUSED)
+def test_an_optimizer_the_step_cannot_feed_is_refused_naming_what_works(name, data):
+    """lookahead_mnist's solver updates LookaheadParams, dpsgd per-example gradients, sophia
+    calls obj_fn=: each refusal said 'fix the optimizer, or pass optax.adam'."""
+    build, said = REFUSED[name]
+    with pytest.raises(sm.ConfigError, match=said):
+        _train(data, build(), 1)
+
+
+@pytest.mark.slow
+def test_dpsgd_runs_in_the_notebooks_loop_over_h_apply(data, tmp_path):
+    """The loop dpsgd's refusal names runs over a Hybrid's h.apply as over the stax predict,
+    and the trained model exports."""
+    _, params = zoo14.init_random_params(jax.random.PRNGKey(1337), (-1, *zoo14.DP_IMG))
+    h = sm.hybridize(zoo14.predict, params)
+    images = jnp.asarray(np.resize(data.x_train, (N, *zoo14.DP_IMG)))
+    batch = (images, jnp.asarray(data.y_train))
+    theirs, ours = (params, zoo14.dp_tx().init(params)), (h.params, zoo14.dp_tx().init(h.params))
+    their_step = zoo14.make_dp_train_step(zoo14.dp_tx(), zoo14.predict)
+    our_step = zoo14.make_dp_train_step(zoo14.dp_tx(), h.apply)
+    for _ in range(3):
+        theirs, ours = their_step(*theirs, batch), our_step(*ours, batch)
+    close(ours[0], theirs[0])
+    trained = h.replace(params=ours[0])
+    sm.export(trained, tmp_path / "dp", example=(images[:2],), batch="b")
+    loaded = sm.load(tmp_path / "dp", allow={"convolution", "reduce_window"})
+    close(loaded(np.asarray(images[:5])), zoo14.predict(theirs[0], images[:5]))

@@ -16,9 +16,16 @@ commit below), shrunk to a few features, classes and steps, for tests/test_autho
   (whose ``opt.update`` gets no ``value=``).
 - optax/contrib/_schedule_free.py (cb8ce5412120d2398eb3d77cf8299e3b4ba16005):
   ``schedule_free_adamw``'s docstring loop, evaluating ``schedule_free_eval_params``.
+- examples/lookahead_mnist.ipynb (7afa8808b421b60589f702d6837783c0b77f39e3): the nnx ``CNN``
+  and ``optax.lookahead(fast_solver, SYNC_PERIOD, SLOW_LEARNING_RATE)``.
+- examples/contrib/differentially_private_sgd.ipynb (86b101ecb6a0a641c4df6fb9db94ff5b39d6bf30):
+  the stax CNN, ``loss_fn``, ``contrib.dpsgd(...)`` and ``train_step`` (per-example gradients
+  by ``jax.vmap``), its ``predict`` passed in to run over a Hybrid's ``h.apply``.
 """
 
+import warnings
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -26,6 +33,7 @@ import jax.numpy as jnp
 import optax
 from flax import linen as nn
 from flax import nnx
+from jax.example_libraries import stax
 from optax import contrib
 
 NUM_CLASSES = 3  # fashion_mnist's 10, shrunk
@@ -219,3 +227,96 @@ def schedule_free_run(solver, f, params, steps):
         params = optax.apply_updates(params, updates)
         eval_params = optax.contrib.schedule_free_eval_params(opt_state, params)
     return params, eval_params, opt_state
+
+
+# --- examples/lookahead_mnist.ipynb ------------------------------------------------------------
+
+FAST_LEARNING_RATE = 0.002
+SLOW_LEARNING_RATE = 0.1
+SYNC_PERIOD = 5
+IMG = (8, 8, 1)  # mnist's (28, 28, 1), shrunk
+
+
+class CNN(nnx.Module):
+    """A simple CNN model."""
+
+    def __init__(self, in_features, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(in_features=in_features, out_features=4, kernel_size=(3, 3),
+                              rngs=rngs)  # fmt: skip
+        self.pool1 = partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+        self.conv2 = nnx.Conv(in_features=4, out_features=8, kernel_size=(3, 3), rngs=rngs)
+        self.pool2 = partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+        self.dense1 = nnx.Linear(in_features=2 * 2 * 8, out_features=16, rngs=rngs)
+        self.dense2 = nnx.Linear(in_features=16, out_features=NUM_CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.conv1(x)
+        x = nnx.relu(x)
+        x = self.pool1(x)
+        x = self.conv2(x)
+        x = nnx.relu(x)
+        x = self.pool2(x)
+        x = x.reshape((x.shape[0], -1))  # flatten
+        x = self.dense1(x)
+        x = nnx.relu(x)
+        x = self.dense2(x)
+        return x
+
+
+fast_solver = optax.adam(FAST_LEARNING_RATE)
+solver = optax.lookahead(fast_solver, SYNC_PERIOD, SLOW_LEARNING_RATE)
+
+# --- examples/contrib/differentially_private_sgd.ipynb ---------------------------------------
+
+DPSGD = True
+LEARNING_RATE_DP = 0.25  # the notebook's LEARNING_RATE
+NOISE_MULTIPLIER = 1.3
+L2_NORM_CLIP = 1.5
+DP_IMG = (16, 16, 1)  # mnist's (28, 28, 1), shrunk
+
+init_random_params, predict = stax.serial(
+    stax.Conv(4, (4, 4), padding="SAME", strides=(2, 2)),  # 16 (8, 8), shrunk
+    stax.Relu,
+    stax.MaxPool((2, 2), (1, 1)),
+    stax.Conv(8, (2, 2), padding="VALID", strides=(2, 2)),  # 32 (4, 4), shrunk
+    stax.Relu,
+    stax.MaxPool((2, 2), (1, 1)),
+    stax.Flatten,
+    stax.Dense(16),  # 32, shrunk
+    stax.Relu,
+    stax.Dense(NUM_CLASSES),
+)
+
+
+def dp_tx():
+    """The notebook's ``tx`` (optax 0.2.8 warns that its ``seed`` is deprecated, and takes
+    no ``key`` yet)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", '"seed" is deprecated', DeprecationWarning)
+        return contrib.dpsgd(
+            learning_rate=LEARNING_RATE_DP, l2_norm_clip=L2_NORM_CLIP,
+            noise_multiplier=NOISE_MULTIPLIER, seed=1337)  # fmt: skip
+
+
+def make_dp_train_step(tx, predict):
+    """The notebook's ``loss_fn`` and ``train_step`` of ``tx``, over the ``predict`` given."""
+
+    def loss_fn(params, batch):
+        images, labels = batch
+        logits = predict(params, images)
+        return optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), logits
+
+    @jax.jit
+    def train_step(params, opt_state, batch):
+        grad_fn = jax.grad(loss_fn, has_aux=True)
+        if DPSGD:
+            # Inserts a dimension in axis 1 to use jax.vmap over the batch.
+            batch = jax.tree.map(lambda x: x[:, None], batch)
+            # Uses jax.vmap across the batch to extract per-example gradients.
+            grad_fn = jax.vmap(grad_fn, in_axes=(None, 0))
+        grads, _ = grad_fn(params, batch)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        return new_params, new_opt_state
+
+    return train_step

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, first_line
 from symjax_mlp._hybrid.pure.nnx_module import trainable
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp.training._state import digest
@@ -48,6 +48,26 @@ _EXTRA_ARGS = (
     "own, e.g. optax's lbfgs example with optax.value_and_grad_from_state. Pass an optimizer "
     "such as optax.adam(1e-3), optax.sgd(0.1) or one taking value= (reduce_on_plateau)."
 )
+_UNSTEPPED_RAISED = "{caller}: optimizer.update(grads, opt_state, params) raised {e}. "
+#: optimizers whose update needs what train()'s step does not give, by their state's type
+_UNSTEPPED = {
+    optax.LookaheadState: (
+        "optax.lookahead updates optax.LookaheadParams (fast and slow params), not the model's "
+        "params that train() passes. Train its fast optimizer alone (optimizer=optax.adam(...)), "
+        "or write optax's lookahead_mnist loop over h.apply with "
+        "optax.LookaheadParams.init_synced(params), its slow params the trained model."
+    ),
+    optax.contrib.DifferentiallyPrivateAggregateState: (
+        "optax.contrib.dpsgd clips each example's gradient: it needs per-example gradients (a "
+        "batch axis first, jax.vmap of jax.grad), and train() computes the batch's gradient. "
+        "Write the loop of optax's differentially_private_sgd example over h.apply."
+    ),
+    optax.contrib.SophiaState: (
+        "optax.contrib.sophia estimates the Hessian by calling obj_fn=, the loss of the params, "
+        "which train()'s step does not pass. Write optax's loop over h.apply, "
+        "tx.update(grads, state, params, obj_fn=loss), or pass an optimizer such as optax.adam."
+    ),
+}
 _STATE_MOVED = (
     "{caller}: the optimizer's update returned a state unlike the one it was given ({was} -> "
     "{got}). A compiled step needs the same structure, shapes and dtypes at every step, and a "
@@ -171,6 +191,12 @@ def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> No
     except ConfigError:
         raise
     except Exception as e:
+        kinds = tuple(_UNSTEPPED)
+        found = jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
+        why = next((_UNSTEPPED[type(s)] for s in found if isinstance(s, kinds)), None)
+        if why is not None:
+            said = _UNSTEPPED_RAISED.format(caller=caller, e=first_line(e, 200, typed=True))
+            raise ConfigError(said + why) from e
         raise ConfigError(_UPDATE_RAISED.format(caller=caller, e=e, kind=type(e).__name__)) from e
 
 
