@@ -260,8 +260,8 @@ def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) 
         raise SignatureError(
             _VJP_SYMBOLIC.format(name=name, order=vjp_order, inputs=said, error=first_line(e))
         ) from None
-    except (ValueError, NotImplementedError, AttributeError, TypeError) as e:  # JAX's, its VJP
-        if vjp_order == 0:
+    except _NO_VJP_ERRORS as e:  # JAX's, its VJP (equinox's RuntimeError: an input it
+        if vjp_order == 0:  # cannot differentiate, filter_custom_vjp's *args)
             raise
         works = _highest_order(exported, vjp_order)  # raises where the VJP is not the cause
         said = _NO_VJP.format(name=name, order=vjp_order, error=first_line(e), works=works)
@@ -273,18 +273,20 @@ def _highest_order(exported: Any, failed: int) -> int:
     for order in range(failed - 1, 0, -1):
         try:
             exported.serialize(vjp_order=order)
-        except (ValueError, NotImplementedError, AttributeError, TypeError):
+        except _NO_VJP_ERRORS:
             continue
         return order
     exported.serialize(vjp_order=0)
     return 0
 
 
+_NO_VJP_ERRORS = (ValueError, NotImplementedError, AttributeError, TypeError, RuntimeError)
 _NO_VJP = (
     "export({name}, vjp_order={order}): JAX could not build the model's VJP of order {order} "
     "({error}); it builds those of order {works} and below. Export it with vjp_order={works} "
     "(jax.grad of the loaded model goes {works} deep; vjp_order=0: none); where JAX cannot "
     "reverse-differentiate the model, make it differentiable (lax.scan for a while_loop, a "
-    "custom_vjp for an op without a rule such as a pallas_call) before exporting with "
+    "custom_vjp for an op without a rule such as a pallas_call, an input of equinox's "
+    "filter_custom_vjp moved into its first argument) before exporting with "
     "vjp_order={order}."
 )
