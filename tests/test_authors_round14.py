@@ -184,3 +184,18 @@ def test_dpsgd_runs_in_the_notebooks_loop_over_h_apply(data, tmp_path):
     sm.export(trained, tmp_path / "dp", example=(images[:2],), batch="b")
     loaded = sm.load(tmp_path / "dp", allow={"convolution", "reduce_window"})
     close(loaded(np.asarray(images[:5])), zoo14.predict(theirs[0], images[:5]))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_value_taking_optimizer_is_refused(data, tmp_path):
+    """reduce_on_plateau's update needs value=: the optimizer's fingerprint and the probe of its
+    next update ran without it and measured nothing, so the notebook's checkpoint resumed under
+    adam(0.1) in place of adam(0.01), silently."""
+    _train(data, zoo14.opt, 2, checkpoint=tmp_path)
+    plateau = optax.contrib.reduce_on_plateau(
+        patience=zoo14.PATIENCE, cooldown=zoo14.COOLDOWN, factor=zoo14.FACTOR, rtol=zoo14.RTOL,
+        accumulation_size=zoo14.ACCUMULATION_SIZE,
+    )  # fmt: skip
+    other = optax.chain(optax.adam(10 * zoo14.LEARNING_RATE), plateau)
+    with pytest.raises(sm.CheckpointError, match="updates otherwise"):
+        _train(data, other, 4, checkpoint=tmp_path, resume=True)

@@ -27,6 +27,7 @@ from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import CheckpointError
 from symjax_mlp.training._checkpoint import broken, read_checkpoint
 from symjax_mlp.training._data import Dataset
+from symjax_mlp.training._optimizer import takes_value
 from symjax_mlp.training._paths import check_strays, latest_checkpoint
 from symjax_mlp.training._spec import NnxSpec
 from symjax_mlp.training._state import SHOWN, EpochRecord, TrainState
@@ -144,7 +145,7 @@ def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, up
             "dropout rate or order of layers). "
             + _NOT_THAT_RUN.format(same="the model that wrote it")
         )
-    differs = OPTIMIZER_PROBE in meta and probe_difference(
+    differs = bool(meta.get(OPTIMIZER_PROBE)) and probe_difference(  # []: none was measured
         meta[OPTIMIZER_PROBE], update(state), "updates", _UPDATE_TOLERANCE
     )
     if differs:
@@ -194,7 +195,8 @@ def optimizer_probe(optimizer: optax.GradientTransformation) -> Callable[[Any, A
 
     @jax.jit
     def sampled(gradient: Any, opt_state: Any, params: Any) -> list[jax.Array]:
-        updates, _ = optimizer.update(gradient, opt_state, params)
+        kw = {"value": jnp.float32(1.0)} if takes_value(optimizer) else {}  # reduce_on_plateau
+        updates, _ = optimizer.update(gradient, opt_state, params, **kw)
         leaves = [jnp.stack([u.real, u.imag], -1) if jnp.iscomplexobj(u) else u
                   for u in jax.tree.leaves(updates)]  # fmt: skip
         k = max(1, PROBE_VALUES // max(1, len(leaves)))
