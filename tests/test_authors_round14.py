@@ -199,3 +199,27 @@ def test_a_checkpoint_of_another_value_taking_optimizer_is_refused(data, tmp_pat
     other = optax.chain(optax.adam(10 * zoo14.LEARNING_RATE), plateau)
     with pytest.raises(sm.CheckpointError, match="updates otherwise"):
         _train(data, other, 4, checkpoint=tmp_path, resume=True)
+
+
+@pytest.mark.slow
+def test_schedule_free_over_the_params_wrt_selects_is_evaluated_at_theirs(data):
+    """With wrt=, schedule-free's state is in multi_transform's, a MaskedNode for each frozen
+    param: the trained ones are evaluated at their eval params, the frozen ones as they were."""
+    start, xy = _init(data), (data.x_train, data.y_train)
+    labels = {k: jax.tree.map(lambda _, k=k: "on" if k == "Dense_2" else "off", v)
+              for k, v in start.items()}  # fmt: skip
+    free = {"on": optax.contrib.schedule_free_adamw(1e-2), "off": optax.set_to_zero()}
+    loss = lambda p: zoo14.loss_accuracy(p, xy)[0]  # noqa: E731 - the docstring's f
+    tx = optax.multi_transform(free, labels)
+    y, state = start, tx.init(start)
+    for _ in range(3):  # the docstring's loop, its eval params taken of the inner state below
+        updates, state = tx.update(jax.grad(loss)(y), state, y)
+        y = optax.apply_updates(y, updates)
+    inner = state.inner_states["on"].inner_state  # z: a MaskedNode for each frozen param
+    b1 = inner.b1
+    x = jax.tree.map(lambda y, z: (y - (1.0 - b1) * z) / b1, y["Dense_2"], inner.z["Dense_2"])
+    wrt = lambda p, _: p[0] == "Dense_2"  # noqa: E731
+    run = _train(data, optax.contrib.schedule_free_adamw(1e-2), 3, wrt=wrt)
+    close(run.params["Dense_2"], x)
+    for frozen in ("Dense_0", "Dense_1"):
+        assert all(map(np.array_equal, _leaves(run.params[frozen]), _leaves(start[frozen])))
