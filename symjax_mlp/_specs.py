@@ -290,7 +290,7 @@ def _specs(examples: tuple[Any, ...], shapes: tuple, constraints: tuple, name: s
         )
     try:
         scope = jax.export.SymbolicScope(constraints)
-        specs = [  # like: '...' stands for the example's own dimensions ('b, ...')
+        specs = [  # like: '...' and '_' stand for the example's own dimensions ('b, ...')
             s if s is None else jax.export.symbolic_shape(s, scope=scope, like=_like(s, x))
             for s, x in zip(shapes, examples, strict=True)
         ]
@@ -324,7 +324,10 @@ def _specs(examples: tuple[Any, ...], shapes: tuple, constraints: tuple, name: s
 
 
 def _like(spec: str, x: Any) -> tuple[int, ...] | None:
-    return tuple(x.shape) if "..." in spec and hasattr(x, "shape") else None
+    """The example's shape where ``spec`` takes dimensions from it: ``...`` (the rest) or ``_``
+    (one, shape_poly.md's ``"(b, _, _)"``)."""
+    placeholder = "..." in spec or "_" in (d.strip(" ()") for d in spec.split(","))
+    return tuple(x.shape) if placeholder and hasattr(x, "shape") else None
 
 
 _ONE_SIZE = (

@@ -173,6 +173,17 @@ def test_the_batch_size_as_a_value(tmp_path):
     close(got, (jnp.float32(8.0), jnp.int32([3, 2, 1, 0, -1]), jnp.full(3, 4.14112, jnp.float32)))
 
 
+@pytest.mark.slow  # an export (0.3 s warm, 1.8 s cold)
+def test_the_guides_placeholder_specs(tmp_path):
+    """shape_poly.md's ``("(b, _, _)", None)``: ``_`` takes one dimension from the example, as
+    jax.export does (it was refused: 'spec contains ... but no like shape was given', the
+    example's shape passed only for ``...``)."""
+    h = sm.hybridize(lambda p, x, w: (x @ w) * p, jnp.float32(1))
+    art = sm.export(h, tmp_path / "m", example=(jnp.ones((4, 3, 2)), jnp.ones(2)),
+                    shapes=("(b, _, _)", None))  # fmt: skip
+    assert str(art.signature).startswith("(args[0]: float32[b, 3, 2], args[1]: float32[2])")
+
+
 @pytest.mark.slow
 def test_b_plus_15_exports_and_a_shorter_input_is_refused_by_name(tmp_path):
     """``x[0:16]`` of ``"b + 15"``: export drew its self-test inputs at size 2 (each symbolic
