@@ -21,10 +21,11 @@ from symjax_mlp._specs import TensorSpec, cast_to, out_of_range
 
 def read_npy(
     source: str | os.PathLike[str] | bytes, *, what: str,
-    error: Callable[[str], Exception] = SignatureError,
+    error: Callable[[str], Exception] = SignatureError, altered: str = "",
 ) -> np.ndarray:  # fmt: skip
     """The one array of a ``.npy`` file (a path, or its bytes), in this CPU's byte order;
-    ``error`` (its message naming ``source`` as ``what``) for an ``.npz``, a pickle, other bytes."""
+    ``error`` (its message naming ``source`` as ``what``) for an ``.npz``, a pickle, other bytes;
+    ``altered``: a note where a .npy's bytes were cut or changed (how they may have been)."""
     head = more = short = None
     try:
         with _opened(source) as f:
@@ -52,8 +53,10 @@ def read_npy(
             # NumPy reads any other bytes as a pickle, and says so: not a pickle, not an array
             why = f"it does not begin with .npy's magic string \\x93NUMPY but {head!r}"
             why = "it is empty" if not head else why
+        altered = altered if head and head.startswith(b"\x93NUMPY") else ""
         raise error(
-            f"{what} is not a readable .npy array ({why}); write one with np.save(file, x)."
+            f"{what} is not a readable .npy array ({why}); write one with np.save(file, x)"
+            f"{altered}."
         ) from None
     if x is None:
         raise error(

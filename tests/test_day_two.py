@@ -116,6 +116,7 @@ def test_process_0_refuses_its_json_target_before_it_joins_the_run(tmp_path):
 
 
 @pytest.mark.slow  # two short training runs (2-7 s)
+@pytest.mark.filterwarnings("default:--resume.*holds no checkpoint yet:UserWarning")  # train's
 def test_train_resume_says_what_it_resumes_or_that_it_starts_over(tmp_path, capsys):
     """`symjax-mlp train --checkpoint ckpt_typo --resume` trained from the start, as silently as
     a resume (train's resume=True continues a checkpoint "if it holds one"): only an "epoch 1/N"
@@ -125,7 +126,8 @@ def test_train_resume_says_what_it_resumes_or_that_it_starts_over(tmp_path, caps
     argv = ["train", "--sizes", "8,10", "--checkpoint", str(tmp_path / "ckpt"), "--resume"]
     assert main([*argv, "--epochs", "1"]) == 0
     err = capsys.readouterr().err
-    assert f"--resume: {tmp_path / 'ckpt'} holds no checkpoint yet; training from the start" in err
+    said = f"--resume: {tmp_path / 'ckpt'} holds no checkpoint yet; training from the start"
+    assert f"symjax-mlp train: warning: {said}\n" in err, err  # train's warning, in the CLI's words
     assert main([*argv, "--epochs", "2"]) == 0
     err = capsys.readouterr().err
     assert f"resuming from {tmp_path / 'ckpt' / 'step_00000023'}" in err, err

@@ -29,6 +29,8 @@ _OPTIONS = (
      "--checkpoint-every epochs, and after the last"}),
     ("--checkpoint-every", {"type": count, "default": 1, "metavar": "EPOCHS"}),
     ("--resume", {"action": "store_true", "help": "continue from --checkpoint DIR"}),
+    ("--init-from", {"metavar": "DIR", "help": "start a new run (its own optimizer state, epoch "
+     "0) from the weights of DIR's newest checkpoint, which stays as it is"}),
     _args.json_option("the history"),
     ("--export", {"metavar": "PATH", "help": "export the trained model as an artifact"}),
     ("--overwrite", {"action": "store_true", "help": "replace --export/--json targets"}),
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> None:
     from symjax_mlp._artifact.format import check_target, printable
     from symjax_mlp.training import initialize, train
     from symjax_mlp.training._paths import checkpoints
+    from symjax_mlp.training._processes import RESUME
 
     several = args.num_processes > 1 or args.coordinator or args.process_id
     if several and not args.coordinator:  # else --process-id N alone would skip the targets
@@ -61,29 +64,33 @@ def run(args: argparse.Namespace) -> None:
         args.json = args.export = None
     if args.json is not None:  # refused before training, never after ("" too)
         _args.writable(args.json, "--json", overwrite=args.overwrite)
-        _apart("--json", args.json, {"--checkpoint": args.checkpoint}, "the JSON is a file")
+        others = {"--checkpoint": args.checkpoint, "--init-from": args.init_from}
+        _apart("--json", args.json, others, "the JSON is a file")
     if args.export is not None:
         if not args.export:  # Path("") is the working directory
             raise argparse.ArgumentTypeError("--export '': is empty; pass a directory path")
         check_target(target := Path(args.export), args.overwrite)
         _args.writable_in(next(p for p in target.parents if p.exists()), f"--export {args.export}:")
-        others = {"--checkpoint": args.checkpoint, "--json": args.json}
+        others = {
+            "--checkpoint": args.checkpoint,
+            "--json": args.json,
+            "--init-from": args.init_from,
+        }
         _apart("--export", args.export, others, "the artifact is a directory")
     if several:  # after the targets' checks: a refusal once joined left the others waiting,
         # then JAX aborted every process (SIGABRT) when its shutdown barrier timed out
         initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
-    if args.resume and args.checkpoint and not args.quiet:  # a typo in DIR: from the start
-        found = {kind: checkpoints(Path(args.checkpoint), kind) for kind in (False, True)}
-        if mine := found[bool(several)]:  # the other kind's alone: train refuses them
-            _args.say(f"resuming from {printable(str(mine[-1][1]))}", sys.stderr)
-        elif not found[not several]:
-            where = printable(args.checkpoint)
-            _args.say(f"--resume: {where} holds no checkpoint yet; training from the start",
-                      sys.stderr)  # fmt: skip
-    with _progress(args.epochs, quiet=args.quiet) as on_epoch:
-        options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume blocks"
-        keyed = _args.keywords(args, options)
-        result = train(mlp(args.sizes), compiled=not args.eager, on_epoch=on_epoch, **keyed)
+    told = args.resume and args.checkpoint and not args.quiet  # none: train's warning says so
+    if told and (mine := checkpoints(Path(args.checkpoint), bool(several))):  # its kind's
+        _args.say(f"resuming from {printable(str(mine[-1][1]))}", sys.stderr)
+    resume = RESUME.set("--resume")  # train's words, in the CLI's (a relaunch, no checkpoint)
+    try:
+        with _progress(args.epochs, quiet=args.quiet) as on_epoch:
+            options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume "
+            keyed = _args.keywords(args, options + "init_from blocks")
+            result = train(mlp(args.sizes), compiled=not args.eager, on_epoch=on_epoch, **keyed)
+    finally:
+        RESUME.reset(resume)
     if args.json is not None:
         _args.emit_json(result.to_dict(), args.json)
     if args.export is not None:

@@ -36,6 +36,8 @@ except ImportError:  # pragma: no cover - the standard library parses alone
 
 NPY, NPZ = "application/x-npy", "application/x-npz"
 _NPY_TYPES = (NPY, "application/octet-stream", "application/npy")
+_CURL = "; with curl, -H 'Content-Type: {}' (-d alone sends a form){}"  # curl -d's default
+_BINARY = "send the file with --data-binary @FILE (-d strips its newlines)"  # curl -d @x.npy
 
 
 class BadRequest(Exception):
@@ -47,10 +49,11 @@ class BadRequest(Exception):
 
 
 def decode(
-    batcher: Batcher, body: bytes, content_type: str, coding: bytes = b""
+    batcher: Batcher, body: bytes, content_type: str, heads: dict[bytes, bytes] | None = None
 ) -> tuple[list[Any], bool]:
-    """The request's inputs, and whether it came as .npy (answer in kind); ``coding``: its
-    Content-Encoding (none but ``identity`` is decoded: a 415)."""
+    """The request's inputs, and whether it came as .npy (answer in kind); ``heads``: its other
+    headers (no Content-Encoding but ``identity`` is decoded: a 415; curl's User-Agent)."""
+    coding, agent = ((heads or {}).get(k, b"") for k in (b"content-encoding", b"user-agent"))
     if coding and any(
         c.strip(b" \t").lower() not in (b"", b"identity") for c in coding.split(b",")
     ):
@@ -68,10 +71,13 @@ def decode(
                 f"({', '.join(map(str, specs))}); send JSON "
                 '{"inputs": {"args[0]": [...], ...}} instead.'
             ))  # fmt: skip
-        x = read_npy(bytes(body), what="the body", error=functools.partial(BadRequest, 400))
+        curl = f"; with curl, {_BINARY}" if agent.lower().startswith(b"curl/") else ""
+        x = read_npy(bytes(body), what="the body", error=functools.partial(BadRequest, 400),
+                     altered=curl)  # fmt: skip
         return [npy_array(x, specs[0].dtype)], True  # bfloat16 arrives as |V2: its bytes
     if kind not in ("application/json", ""):
-        curl = "; with curl, -H 'Content-Type: application/json' (-d alone sends a form)"
+        npy = body.startswith(b"\x93NUMPY")
+        curl = _CURL.format(NPY, f" and {_BINARY}") if npy else _CURL.format("application/json", "")
         raise BadRequest(415, (  # a form is what curl -d sends unless told: its first try
             f"unsupported Content-Type {short(repr(content_type), 100)}; send application/json "
             f'({{"inputs": [[...]]}}) or {NPY} (a .npy file)'
@@ -133,19 +139,19 @@ def decode(
     for spec, v, top in zip(specs, values, tops, strict=True):
         x = from_json(batcher, spec, v, bools=bools, texts=texts, top=top)
         if x.ndim != len(spec.shape):  # said in JSON's words (not x[None])
-            raise _nested(batcher, spec, x.ndim, x.shape == tuple(spec.shape[1:]))
+            raise _nested(batcher, spec, x.ndim, x.shape)
         arrays.append(x)
     return arrays, False
 
 
-def _nested(batcher: Batcher, spec: Any, depth: int, one_row: bool = False) -> SignatureError:
-    got = "a number" if depth == 0 else f"lists nested {depth} deep"
-    fix = f"send lists nested {len(spec.shape)} deep, rows first"
-    fix = "wrap the one row in a list, [[...]], a batch of one" if one_row else fix
-    return SignatureError(
-        f"{batcher.name}: input {spec.path} holds {got}, but the model takes {spec.type}, a "
-        f"list of rows; {fix}."
-    )
+def _nested(batcher: Batcher, spec: Any, depth: int, shape: tuple | None = None) -> SignatureError:
+    rows = f"lists nested {len(spec.shape)} deep, rows first"
+    got, fix = ("a number" if depth == 0 else f"lists nested {depth} deep"), f"send {rows}"
+    if shape == (0,):  # {"inputs": []}: it held no rows, not too few lists
+        got, fix = "no rows (an empty list)", f"send at least one row, {rows}"
+    elif shape == tuple(spec.shape[1:]):
+        fix = "wrap the one row in a list, [[...]], a batch of one"
+    return _holds(batcher, f"input {spec.path}", got, f"{spec.type}, a list of rows", fix)
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,6 +14,7 @@ import secrets
 import shutil
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -269,8 +270,12 @@ def restore_checkpoint(
         raise CheckpointError(f"{_RESTORE}: {e}") from None
 
 
-def read_checkpoint(path: Path, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
-    """:func:`restore_checkpoint`, its errors naming the checkpoint, not the call."""
+def read_checkpoint(
+    path: Path, like: TrainState, *, weights: Callable[[Path, dict], None] | None = None
+) -> tuple[TrainState, dict[str, Any]]:
+    """:func:`restore_checkpoint`, its errors naming the checkpoint, not the call. With
+    ``weights``, a new run's start: only its params are read (the rest are ``like``'s, step and
+    epoch 0), once ``weights(checkpoint, metadata)`` has checked its metadata."""
     try:  # os.stat: Path's raises past NAME_MAX where this names the error
         why = None if stat.S_ISDIR(os.stat(path).st_mode) else "is a file, not a checkpoint"
     except FileNotFoundError:
@@ -293,6 +298,10 @@ def read_checkpoint(path: Path, like: TrainState) -> tuple[TrainState, dict[str,
     digest = files.get(_STATE_FILE) if isinstance(files, dict) else None
     sha_ok = isinstance(digest, str) and _SHA256.fullmatch(digest) is not None
     check_manifest(file, manifest, _HEADER, step, files=sha_ok)
+    metadata = manifest.get("metadata", {})
+    if weights is not None:  # its model checked before its tensors: a refusal says which differs
+        weights(path, metadata)
+        manifest = {"step": 0, "epoch": 0}
     try:  # the artifact reader's own checks (no link or FIFO, strict, hashed), a checkpoint's fix
         stored, _ = read_safetensors_file(
             path / _STATE_FILE, sha256=digest, error=CheckpointError, max_tensors=_MAX_TENSORS,
@@ -300,6 +309,9 @@ def read_checkpoint(path: Path, like: TrainState) -> tuple[TrainState, dict[str,
         )  # fmt: skip
     except FileNotFoundError:
         raise broken(path / _STATE_FILE, "the file is missing") from None
-    check_fit(path, specs(stored), specs(named_leaves(like)))
+    leaves = named_leaves(like)  # with weights: its params (model state too), like's others
+    fresh = {n: a for n, a in leaves.items() if weights and not n.startswith("params/")}
+    stored = {n: a for n, a in stored.items() if not weights or n.startswith("params/")}
+    check_fit(path, specs(stored), specs({n: a for n, a in leaves.items() if n not in fresh}))
     arrays = {name: jnp.asarray(a) for name, a in stored.items()}
-    return state_of(arrays, like, manifest), manifest.get("metadata", {})
+    return state_of({**arrays, **fresh}, like, manifest), metadata

@@ -39,7 +39,15 @@ from symjax_mlp.training._optimizer import Moved, checked_optimizer, init_state,
 from symjax_mlp.training._orbax import OrbaxCheckpoints
 from symjax_mlp.training._paths import check_directory
 from symjax_mlp.training._processes import Watchdog, agree, run_timeout
-from symjax_mlp.training._resume import OPTIMIZER_PROBE, optimizer_probe, resume_run, run_config
+from symjax_mlp.training._resume import (
+    OPTIMIZER_PROBE,
+    check_init_from,
+    init_run,
+    optimizer_probe,
+    resume_run,
+    run_config,
+)
+from symjax_mlp.training._shard import check_batches
 from symjax_mlp.training._spec import TRAIN_FORM, NnxSpec, spec_of
 from symjax_mlp.training._state import EpochRecord, TrainState, is_count
 from symjax_mlp.training._step import ModelVars, check_model, check_trainable, init_of, owned
@@ -91,6 +99,7 @@ def train(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = 1,
     resume: bool = False,
+    init_from: str | os.PathLike | None = None,
     on_epoch: Callable[[EpochRecord], None] | None = None,
     blocks: int | None = None,
     timeout: int | None = None,
@@ -127,7 +136,12 @@ def train(
       compiled: run the step jit-compiled, params and optimizer state donated (else eagerly).
       checkpoint: a directory for checkpoints (``None``: none are written).
       checkpoint_every: write a checkpoint every this many epochs (and after the last one).
-      resume: continue from the newest checkpoint in ``checkpoint``, if it holds one.
+      resume: continue from the newest checkpoint in ``checkpoint``, if it holds one (else a
+        warning says it trains from the start).
+      init_from: a checkpoint directory (its newest) or ``step_*`` checkpoint, only read: a new
+        run (a fresh optimizer state, epoch 0) starts from its params and model state, which
+        this model must have written; optimizer, data and seed may differ (fine-tuning, a new
+        schedule). Not used where ``resume`` continues a checkpoint of ``checkpoint``.
       on_epoch: called with each :class:`EpochRecord` as soon as the epoch ends.
       blocks: each batch's gradient is the sum of this many equal blocks' gradients, added in
         block order (see :func:`train_step`): runs with the same ``blocks`` give bitwise the
@@ -150,7 +164,8 @@ def train(
       DivergenceError: the loss became NaN or infinite; the last good checkpoint is kept.
       CheckpointError: ``checkpoint`` cannot hold checkpoints (checked before any step); it
         already holds some and ``resume`` is false; or the one found does not fit this model,
-        optimizer, data, seed or batch size, or is past ``epochs``.
+        optimizer, data, seed or batch size, or is past ``epochs``; ``init_from`` holds none
+        of this model.
       ConfigError: a hyperparameter is out of range; the model's flags do not switch its mode;
         it has no params, or an int one; another process was started with other settings.
       ControlFlowError: the model applies Python control flow to an array (``if``, float(x)).
@@ -174,13 +189,15 @@ def train(
                           "from.")  # fmt: skip
     if checkpoint is not None:  # refused now, not after the first epoch
         check_directory(checkpoint, _CALLER)
+    if init_from is not None:
+        check_init_from(init_from, checkpoint)
     if model is not None:
         check_model(model, _CALLER)
     start = time.perf_counter()
     data = check_dataset(load_digits() if data is None else data)
     model, spec, num_outputs = _classifier(model, data, train_flags, eval_flags)
     check_outputs(data, num_outputs)
-    blocks = _check_batches(batch_size, blocks, len(data.x_train))
+    blocks = check_batches(batch_size, blocks, len(data.x_train), _CALLER)
     state, wrapped, trained = _initial_state(model, spec, data.x_train[:1], optimizer, seed, wrt)
     config = run_config(
         model, spec, state.params, data, optimizer,
@@ -193,7 +210,8 @@ def train(
         config["blocks"] = blocks
     programs, store, watch = _processes(
         model, spec, optimizer, config, compiled=compiled, blocks=blocks, timeout=timeout,
-        checkpoint=checkpoint, run={"epochs": epochs, "every": checkpoint_every, "resume": resume},
+        checkpoint=checkpoint, run={"epochs": epochs, "every": checkpoint_every, "resume": resume,
+        "init_from": init_from and os.path.realpath(init_from)},
     )  # fmt: skip
 
     probe = optimizer_probe(optimizer)
@@ -208,6 +226,8 @@ def train(
         )
         if state.epoch > epochs:  # the run asked for is shorter than the one found
             raise CheckpointError(_PAST.format(epochs=epochs, found=resumed_from, s=state))
+        if init_from is not None and resumed_from is None:  # a new run, from its weights
+            state, _ = init_run(init_from, state, config)
         newest = resumed_from
         moved = Moved(programs.local(_trainable(state.params))) if state.epoch == 0 else None
         for epoch in range(state.epoch + 1, epochs + 1):
@@ -271,28 +291,6 @@ def _check_settings(
     if on_epoch is not None and not callable(on_epoch):  # refused now, not after an epoch
         raise ConfigError(f"{_CALLER}: on_epoch must be a function called with each EpochRecord; "
                           f"got {on_epoch!r}.")  # fmt: skip
-
-
-def _check_batches(batch_size: int, blocks: int | None, examples: int) -> int:
-    """The run's blocks (default: its devices), refused unless they split each batch evenly."""
-    if batch_size > examples:  # each epoch is padded to whole batches of it
-        raise ConfigError(
-            f"{_CALLER}: batch_size={batch_size} is more than the {examples} training examples: "
-            f"every step would be mostly padding. Pass batch_size <= {examples}."
-        )
-    devices = jax.device_count() if jax.process_count() > 1 else 1
-    blocks = devices if blocks is None else blocks
-    if not is_count(blocks, 1):
-        raise ConfigError(
-            f"{_CALLER}: blocks must be an int >= 1; got {blocks!r}. Pass e.g. blocks={devices}."
-        )
-    if batch_size % blocks or blocks % devices:
-        raise ConfigError(
-            f"{_CALLER}: blocks={blocks} must divide batch_size={batch_size} and be a multiple "
-            f"of the run's {devices} device(s) (each device computes whole blocks). Pass e.g. "
-            f"blocks={devices} with a batch_size that is a multiple of it."
-        )
-    return blocks
 
 
 def _close(parts: dict[str, Any], error: BaseException | None = None) -> None:

@@ -9,6 +9,7 @@ whose step's collective failed as a peer went (else JAX aborts the process at ex
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import itertools
 import json
@@ -28,6 +29,8 @@ from symjax_mlp.training._state import is_count
 #: The exit status of a process ended because another did not arrive or stalled (EX_TEMPFAIL:
 #: relaunch every process; ``resume=True`` continues from the last committed checkpoint).
 EXIT_STATUS = 75
+#: how the caller spells resuming, in what a run says: ``resume=True``, the CLI's ``--resume``
+RESUME: contextvars.ContextVar[str] = contextvars.ContextVar("resume", default="resume=True")
 _runs = itertools.count()  # every process starts its runs in the same order
 _settings = {"timeout": 60}  # initialize's
 _MAX_S = 10**9  # ~31 years: JAX's runtime takes int32 seconds, its store int64 milliseconds
@@ -227,6 +230,7 @@ class Watchdog:
     def __init__(self, run: str, timeout: int, caller: str):
         self.client, self.me, self.n = _client(), jax.process_index(), jax.process_count()
         self.run, self.timeout, self.caller = run, timeout, caller
+        self.resume = RESUME.get()  # read here: the watching thread has a context of its own
         self.busy: tuple[int, float] | None = None
         self.done = -1
         self._stop = threading.Event()
@@ -265,8 +269,8 @@ class Watchdog:
         return (
             f"{self.caller}: process {self.me} of {self.n} lost {who} in step {step}: its "
             f"collective failed ({str(error).splitlines()[0]:.200}), as when a process is "
-            "interrupted or dies. Relaunch every process with resume=True to continue from the "
-            "last committed checkpoint."
+            f"interrupted or dies. Relaunch every process with {self.resume} to continue from "
+            "the last committed checkpoint."
         )
 
     def _message(self, step: int) -> str:
@@ -283,6 +287,6 @@ class Watchdog:
         who = ", ".join(behind) or "another process"
         return (
             f"{self.caller}: process {self.me} of {self.n} waited {self.timeout} s in step "
-            f"{step} for {who}: it stalled or died. Relaunch every process with resume=True "
+            f"{step} for {who}: it stalled or died. Relaunch every process with {self.resume} "
             "to continue from the last committed checkpoint."
         )

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,12 @@ import optax
 from flax import nnx
 
 from symjax_mlp._artifact.format import printable
-from symjax_mlp._errors import CheckpointError
+from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp.training._checkpoint import broken, read_checkpoint
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._optimizer import takes_value
-from symjax_mlp.training._paths import check_strays, latest_checkpoint
+from symjax_mlp.training._paths import check_path, check_strays, latest_checkpoint
+from symjax_mlp.training._processes import RESUME
 from symjax_mlp.training._spec import NnxSpec
 from symjax_mlp.training._state import SHOWN, EpochRecord, TrainState
 from symjax_mlp.training._step import ModelVars, apply_model
@@ -48,6 +50,16 @@ _SHOWN = SHOWN.maxdict  # the settings a refusal shows (a manifest is anyone's J
 _NOT_THAT_RUN = (
     "Resuming would not continue that run; resume with {same}, or start over in an empty directory."
 )
+_NEW_RUN = (  # where the model is the same: its weights can start a run of other settings
+    " Or carry on from its weights with this run's settings (a new optimizer, schedule or data): "
+    "start a new run from them, init_from=DIR naming that directory and checkpoint=DIR another."
+)
+_NOT_THAT_MODEL = (
+    "A new run starts from the weights of the model that wrote them: pass that model, or leave "
+    "init_from out to train this one from its own initialisation."
+)
+_NO_CHECKPOINT = "{resume}: {where} holds no checkpoint yet; training from the start"
+_MODEL = ("num_features", "num_outputs", "model_sha256")  # what init_from's weights must fit
 _FINGERPRINTED = {  # what a differing sha256 of the config stands for
     "data_sha256": "the training data, x_train and y_train",
     "model_sha256": "the model's configuration: its layers, widths or param shapes",
@@ -90,6 +102,9 @@ def resume_run(
         return state, [], None
     check_strays(checkpoint, _CALLER, orbax=store is not None)
     if not (found := latest_checkpoint(checkpoint) if store is None else store.latest()):
+        if resume:  # a typo in its name trains from the start: said, not silent
+            where = printable(os.fspath(checkpoint))
+            warnings.warn(_NO_CHECKPOINT.format(resume=RESUME.get(), where=where), stacklevel=3)
         return state, [], None
     if not resume:
         raise CheckpointError(
@@ -112,39 +127,45 @@ def resume_run(
     return state, history, found
 
 
+def check_init_from(directory: Any, checkpoint: Any) -> None:
+    """Refuses an ``init_from`` that is not a path, or that the run's ``checkpoint`` directory
+    is, holds or is inside: the run would write among the checkpoints it starts from."""
+    caller = f"{_CALLER}(init_from={printable(str(directory))[:200]!r})"
+    check_path(directory, caller)
+    homes = [os.path.realpath(p) for p in (directory, checkpoint) if p is not None]
+    if len(homes) == 2 and os.path.commonpath(homes) in homes:
+        raise ConfigError(
+            f"{caller}: checkpoint={printable(os.fspath(checkpoint))!r} is, holds or is inside "
+            "that directory: the new run would write its checkpoints among the ones it starts "
+            "from, and prune them. Pass checkpoint=DIR another directory (or none)."
+        )
+
+
+def init_run(
+    directory: str | os.PathLike, state: TrainState, config: dict[str, Any]
+) -> tuple[TrainState, Path]:
+    """``(state, found)``: a new run's first ``state`` with the params (and model state) of the
+    newest checkpoint in ``directory`` (or of that checkpoint), refused unless the model of
+    ``config`` wrote it; the optimizer's state, rng, step and epoch stay ``state``'s."""
+    read: list[Path] = []
+
+    def same_model(found: Path, meta: dict) -> None:
+        read.append(found)
+        _check_model(found, config, meta, "", keys=_MODEL, then=_NOT_THAT_MODEL)
+
+    caller = f"{_CALLER}(init_from={printable(os.fspath(directory))[:200]!r})"
+    try:
+        state, _ = read_checkpoint(Path(directory), state, weights=same_model)
+    except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
+        raise CheckpointError(f"{caller}: {e}") from None
+    return state, read[0]
+
+
 def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, update) -> None:
     """Refuses a checkpoint of another run: its config, its model probes or the optimizer's next
     update from its ``state`` differ from this run's."""
-    recorded = meta.get("config", {})
-    keys = sorted(set(config) | set(recorded))  # a setting only one of them records differs
-    probes = (PROBE, PROBE_TRAIN)  # compared within a tolerance, below
-    changed = [k for k in keys if k not in probes and recorded.get(k) != config.get(k)]
-    if changed:
-        was, now = ({k: given.get(k) for k in changed[:_SHOWN]} for given in (recorded, config))
-        what = "; ".join(_FINGERPRINTED.get(k) or printable(k[:80]) for k in changed[:_SHOWN])
-        what += f"; and {len(changed) - _SHOWN} more" if len(changed) > _SHOWN else ""
-        raise CheckpointError(
-            f"{_CALLER}: {found} was written with {SHOWN.repr(was)}, but this run has "
-            f"{SHOWN.repr(now)} (what differs: {what}). "
-            + _NOT_THAT_RUN.format(same="the same settings")
-        )
-    for where, key in ((recorded, PROBE), (recorded, PROBE_TRAIN), (meta, OPTIMIZER_PROBE)):
-        probe = where.get(key, [])  # numbers, "nan", "inf" or "-inf"
-        if not isinstance(probe, list) or not all(
-            type(v) is float or (type(v) is int and abs(v) <= _FLOAT_MAX) or v in _NAN_INF
-            for v in probe  # an int past float64's range: float() raised OverflowError
-        ):
-            raise broken(f"{_CALLER}: {found}", f"its metadata's {key} is not a list of numbers")
-    # a checkpoint written before the probe was recorded has none: its config still matched
-    differs = (probe_difference(recorded[k], config[k]) for k in probes if k in recorded)
-    if differs := next(filter(None, differs), None):
-        raise CheckpointError(
-            f"{_CALLER}: {found} was written by a model that computes something else: with fixed "
-            f"weights on a fixed input, {differs} from this model's. Its class, name and "
-            "parameter shapes are the same, but its __call__ is not (another activation, scale, "
-            "dropout rate or order of layers). "
-            + _NOT_THAT_RUN.format(same="the model that wrote it")
-        )
+    then = _NOT_THAT_RUN.format(same="the same settings")
+    _check_model(found, config, meta, f"{_CALLER}: ", keys=None, then=then)
     differs = bool(meta.get(OPTIMIZER_PROBE)) and probe_difference(  # []: none was measured
         meta[OPTIMIZER_PROBE], update(state), "updates", _UPDATE_TOLERANCE
     )
@@ -153,7 +174,46 @@ def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, up
             f"{_CALLER}: {found} was written by an optimizer that updates otherwise at its step "
             f"{state.step}: from its saved state, for a fixed gradient, {differs} from this "
             "optimizer's. Its kind and state are the same, but a learning-rate schedule or a "
-            "hyperparameter is not. " + _NOT_THAT_RUN.format(same="the optimizer that wrote it")
+            "hyperparameter is not. "
+            + _NOT_THAT_RUN.format(same="the optimizer that wrote it")
+            + _NEW_RUN
+        )
+
+
+def _check_model(
+    found: Path, config: dict, meta: dict, heading: str, *, keys: tuple | None, then: str
+) -> None:
+    """Refuses a checkpoint whose recorded config differs from ``config`` in ``keys`` (every
+    setting: ``None``) or whose model probes differ; ``then``: what to do instead."""
+    recorded = meta.get("config", {})
+    probes = (PROBE, PROBE_TRAIN)  # compared within a tolerance, below
+    every = sorted(set(config) | set(recorded)) if keys is None else keys  # one's alone differs
+    changed = [k for k in every if k not in probes and recorded.get(k) != config.get(k)]
+    if changed:
+        was, now = ({k: given.get(k) for k in changed[:_SHOWN]} for given in (recorded, config))
+        what = "; ".join(_FINGERPRINTED.get(k) or printable(k[:80]) for k in changed[:_SHOWN])
+        what += f"; and {len(changed) - _SHOWN} more" if len(changed) > _SHOWN else ""
+        new_run = _NEW_RUN if keys is None and not set(changed) & set(_MODEL) else ""
+        raise CheckpointError(
+            f"{heading}{found} was written with {SHOWN.repr(was)}, but this run has "
+            f"{SHOWN.repr(now)} (what differs: {what}). {then}{new_run}"
+        )
+    for where, key in ((recorded, PROBE), (recorded, PROBE_TRAIN), (meta, OPTIMIZER_PROBE)):
+        probe = where.get(key, [])  # numbers, "nan", "inf" or "-inf"
+        if not isinstance(probe, list) or not all(
+            type(v) is float or (type(v) is int and abs(v) <= _FLOAT_MAX) or v in _NAN_INF
+            for v in probe  # an int past float64's range: float() raised OverflowError
+        ):
+            raise broken(f"{heading}{found}", f"its metadata's {key} is not a list of numbers")
+    # a checkpoint written before the probe was recorded has none: its config still matched
+    differs = (probe_difference(recorded[k], config[k]) for k in probes if k in recorded)
+    if differs := next(filter(None, differs), None):
+        then = then if keys else _NOT_THAT_RUN.format(same="the model that wrote it")
+        raise CheckpointError(
+            f"{heading}{found} was written by a model that computes something else: with fixed "
+            f"weights on a fixed input, {differs} from this model's. Its class, name and "
+            "parameter shapes are the same, but its __call__ is not (another activation, scale, "
+            f"dropout rate or order of layers). {then}"
         )
 
 

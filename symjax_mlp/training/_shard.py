@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from symjax_mlp._errors import ConfigError, SignatureError, as_bool
 from symjax_mlp._hybrid.jaxpr import input_dependent
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
+from symjax_mlp.training._state import is_count
 from symjax_mlp.training._step import UNEVEN, ModelVars
 
 _CALL = "symjax_mlp.training.shard_step(...)"
@@ -160,3 +161,25 @@ def shard_step(
             "such as sm.training.train_step(model, optimizer) and donate, pad True or False."
         )
     return ShardedStep(step, mesh, axis, donate, pad)
+
+
+def check_batches(batch_size: int, blocks: int | None, examples: int, caller: str) -> int:
+    """The run's blocks (default: its devices), refused unless they split each batch evenly."""
+    if batch_size > examples:  # each epoch is padded to whole batches of it
+        raise ConfigError(
+            f"{caller}: batch_size={batch_size} is more than the {examples} training examples: "
+            f"every step would be mostly padding. Pass batch_size <= {examples}."
+        )
+    devices = jax.device_count() if jax.process_count() > 1 else 1
+    blocks = devices if blocks is None else blocks
+    if not is_count(blocks, 1):
+        raise ConfigError(
+            f"{caller}: blocks must be an int >= 1; got {blocks!r}. Pass e.g. blocks={devices}."
+        )
+    if batch_size % blocks or blocks % devices:
+        raise ConfigError(
+            f"{caller}: blocks={blocks} must divide batch_size={batch_size} and be a multiple "
+            f"of the run's {devices} device(s) (each device computes whole blocks). Pass e.g. "
+            f"blocks={devices} with a batch_size that is a multiple of it."
+        )
+    return blocks
