@@ -15,7 +15,15 @@ grads and vmap over the loaded model, a Batcher's answers or its refusal, and ev
   constrained ``x[:x.shape[1], :16]``, ``slice_in_dim`` by ``mod(b, 3)`` and the inconclusive
   branch (refusals now name the guide's constraint), ``my_top_k`` with ``k`` from a ``(0, k)``
   array, ``"b, b, 2*d"`` called with an odd size (was an ArtifactError saying to export
-  again) and ``(a * a,)`` (was jax's raw ValueError).
+  again), ``(a * a,)`` (was jax's raw ValueError) and the ``"(b, _, _)"`` placeholder (was
+  refused as a syntax error).
+- aot.md: a ``jax.stages.Traced`` hybridizes; a ``Lowered`` or ``Compiled`` is refused naming
+  the function (a Compiled was taken, each call jax's TypeError); ``g``'s own shape assert at
+  the symbolic batch is refused naming its rows (was a bare AssertionError).
+- Common_Gotchas_in_JAX.md: the ``.at`` updates and ``nansum_2`` over every feature; a read
+  past the end (``x[:, 11]`` of 10 columns) with gradients at a symbolic batch is refused (the
+  loaded model's grad was silently zero at the clamped entry), ``mode='clip'`` works.
+- automatic-differentiation.md: four derivatives of ``f`` through ``vjp_order=4``.
 """
 
 import re
