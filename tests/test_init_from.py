@@ -94,6 +94,14 @@ def test_init_from_the_runs_own_checkpoint_directory_is_refused_before_any_work(
             sm.training.train(epochs=0, init_from=tmp_path, checkpoint=checkpoint)
 
 
+def test_init_from_a_multi_process_runs_orbax_checkpoints_is_refused_naming_them(tmp_path):
+    """init_from reads step_* checkpoints; an Orbax directory was "holds no step_* checkpoint"."""
+    (tmp_path / "8").mkdir()
+    (tmp_path / "8" / "_CHECKPOINT_METADATA").write_text("{}")  # a committed Orbax save
+    with pytest.raises(sm.CheckpointError, match=r"multi-process run's checkpoints \(Orbax\) only"):
+        sm.training.train(epochs=0, init_from=tmp_path)
+
+
 @pytest.mark.slow  # a run of no epochs: the model traced, its probes compiled (0.7-1.2 s)
 def test_resume_with_a_directory_holding_no_checkpoint_warns_that_it_starts_over(tiny, tmp_path):
     """train(checkpoint=typo, resume=True) trained from scratch as silently as a resume."""

@@ -29,7 +29,7 @@ from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp.training._checkpoint import broken, read_checkpoint
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._optimizer import takes_value
-from symjax_mlp.training._paths import check_path, check_strays, latest_checkpoint
+from symjax_mlp.training._paths import check_path, check_strays, checkpoints, latest_checkpoint
 from symjax_mlp.training._processes import RESUME
 from symjax_mlp.training._spec import NnxSpec
 from symjax_mlp.training._state import SHOWN, EpochRecord, TrainState
@@ -128,8 +128,9 @@ def resume_run(
 
 
 def check_init_from(directory: Any, checkpoint: Any) -> None:
-    """Refuses an ``init_from`` that is not a path, or that the run's ``checkpoint`` directory
-    is, holds or is inside: the run would write among the checkpoints it starts from."""
+    """Refuses an ``init_from`` that is not a path, that the run's ``checkpoint`` directory is,
+    holds or is inside (the run would write among the checkpoints it starts from), or that holds
+    Orbax checkpoints only (a multi-process run's: not read)."""
     caller = f"{_CALLER}(init_from={printable(str(directory))[:200]!r})"
     check_path(directory, caller)
     homes = [os.path.realpath(p) for p in (directory, checkpoint) if p is not None]
@@ -138,6 +139,12 @@ def check_init_from(directory: Any, checkpoint: Any) -> None:
             f"{caller}: checkpoint={printable(os.fspath(checkpoint))!r} is, holds or is inside "
             "that directory: the new run would write its checkpoints among the ones it starts "
             "from, and prune them. Pass checkpoint=DIR another directory (or none)."
+        )
+    if checkpoints(Path(directory), orbax=True) and not checkpoints(Path(directory)):
+        raise CheckpointError(
+            f"{caller}: it holds a multi-process run's checkpoints (Orbax) only, which "
+            "init_from does not read: it reads a one-process run's step_* checkpoints. Continue "
+            "that run as it was written (resume=True, every process after initialize(...))."
         )
 
 
