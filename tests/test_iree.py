@@ -23,6 +23,7 @@ from iree.compiler.tools.binaries import find_tool
 import symjax_mlp as sm
 import symjax_mlp._runtimes.iree as iree_rt  # the cache file name: vmfb_cache_key
 from symjax_mlp import _files  # the cache location: cache_dir
+from symjax_mlp import _selftest as selftest  # vectors: an artifact without them
 from symjax_mlp.cli import main
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -114,6 +115,22 @@ def test_a_constrained_artifact_loads_in_iree_at_its_self_tests_shapes(
     x = np.asarray(jax.random.normal(jax.random.key(0), example), np.float32)
     np.testing.assert_allclose(m(x), np.asarray(h(x)), **TOL)
     assert len(compiles) == 1
+
+
+@pytest.mark.slow  # an IREE compile (~1.3 s)
+def test_without_self_test_vectors_iree_compiles_a_dimension_term_at_its_value(
+    tmp_path, monkeypatch, compiles
+):
+    """An artifact with no self-test vectors: IREE drew its first module's shapes with each
+    symbolic dim 2, which ``"b + 15"`` refuses (b = -13): load failed ("the shapes of the
+    module cannot be resolved"). It draws them as export does: 17 rows (b = 2)."""
+    h = sm.hybridize(lambda p, x: x[0:16] * p, jnp.float32(2))
+    x = np.arange(20, dtype=np.float32)
+    sm.export(h, tmp_path / "m", example=(x,), shapes=("b + 15",))
+    monkeypatch.setattr(selftest, "vectors", lambda *_: None)  # none, as for an rng-key input
+    m = sm.load(tmp_path / "m", runtime="iree", allow={"gather"})
+    np.testing.assert_allclose(m(x[:17]), 2 * x[:16], **TOL)
+    assert len(compiles) == 1  # 17 rows: the module load compiled
 
 
 def test_iree_matches_jax_with_a_static_module_per_input_shape_cached_per_user(

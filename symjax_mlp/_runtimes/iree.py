@@ -12,6 +12,7 @@ entry is compiled again, never run; compiled code is never read from the artifac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import platform
@@ -26,7 +27,7 @@ import numpy as np
 
 from symjax_mlp import _selftest as selftest
 from symjax_mlp._artifact.format import MLIRBC, program_file
-from symjax_mlp._artifact.signature import Signature
+from symjax_mlp._artifact.signature import Signature, sizes_at
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import read_cached, sha256, write_cached
 from symjax_mlp._selftest import BATCH
@@ -265,8 +266,11 @@ def runner(
     found = None  # the self-test's shapes: each symbolic dim 2, or a constrained export's
     with contextlib.suppress(ArtifactError):  # unreadable: the self-test, if run, says so
         found = selftest.vectors(path, manifest, blobs)
+    # none: drawn as export draws them, a dimension at its term's value ("b + 15": 17)
+    loose = dataclasses.replace(signature, constraints=())
+    sizes = sizes_at(signature, BATCH) or sizes_at(loose, BATCH)
     first = tuple(x.shape for x in found[1]) if found else tuple(
-        tuple(BATCH if isinstance(d, str) else d for d in s.shape) for s in signature.inputs
+        selftest.drawn_shapes(signature.inputs, sizes)
     )  # fmt: skip
     calls[first] = static(  # at load: a module that cannot compile fails here
         first,
