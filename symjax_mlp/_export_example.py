@@ -31,15 +31,16 @@ _CONTAINER_INPUT = (
 
 
 def _container(x: Any) -> tuple[str, str] | None:
-    """``(what x is, its kind)`` if ``x`` is a dict of str keys, or a tuple or list of arrays
-    (any depth); else ``None``."""
+    """``(what x is, its kind)`` if ``x`` is a dict of str keys, or a tuple, list or registered
+    pytree (custom_pytrees.md's dataclass) of arrays (any depth); else ``None``."""
     if isinstance(x, Mapping) and x and all(isinstance(k, str) for k in x):
         return f"a dict with keys {list(x)}", "dict"
     leaves = jax.tree.leaves(x)
-    if isinstance(x, tuple | list) and leaves and all(hasattr(a, "shape") for a in leaves):
-        kind = type(x).__name__
-        return f"a {kind} of {len(leaves)} array{'s' * (len(leaves) > 1)}", kind
-    return None
+    if not leaves or leaves[0] is x or not all(hasattr(a, "shape") for a in leaves):
+        return None
+    kind, arrays = type(x).__name__, f"{len(leaves)} array{'s' * (len(leaves) > 1)}"
+    pytree = "" if isinstance(x, tuple | list) else " (a registered pytree)"
+    return f"a {kind}{pytree} of {arrays}", kind
 
 
 def not_an_array(name: str, i: int, x: Any, n: int) -> SignatureError:

@@ -238,7 +238,8 @@ def test_custom_pytree_containers_in_and_out_of_the_hybrid(tmp_path):
     equal to the plain net. ``MyOtherContainer`` (a NamedTuple: its ``name`` a leaf) is
     refused, as jit refuses it in the docs, naming the str and the docs' way (``meta_fields``)
     (it said the str was no "None, bool, int, float, complex, str" setting before); export
-    refuses a container as an input, naming the arrays it takes."""
+    refuses a container as an input, naming the arrays it takes and the flatten/unflatten
+    recipe dict inputs get (it said "pass an array"), which exports."""
     p = _w((3, 3))
     net = lambda p, c: zoo9.RegisteredSpecial(zoo9.f_container(c) @ p, c.c)  # noqa: E731
     h, ones = sm.hybridize(net, p), jnp.ones((4, 3))
@@ -252,8 +253,16 @@ def test_custom_pytree_containers_in_and_out_of_the_hybrid(tmp_path):
     with pytest.raises(sm.ConfigError, match=r"args\[0\]\.name is the str 'moc', a leaf of an "
                        r"input that holds arrays.*meta_fields="):  # fmt: skip
         h(moc)
-    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a MyDataclassContainer; pass an"):
+    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a MyDataclassContainer \(a "
+                       r"registered pytree\) of 3 arrays.*jax\.tree\.unflatten"):  # fmt: skip
         sm.export(h, tmp_path / "m", example=(mdc,))
+    leaves, tree = jax.tree.flatten(mdc)  # the refusal's recipe
+
+    def flat(params, *xs):
+        return tuple(jax.tree.leaves(h.apply(params, jax.tree.unflatten(tree, xs))))
+
+    sm.export(sm.hybridize(flat, h.params), tmp_path / "m", example=tuple(leaves))
+    _close(sm.load(tmp_path / "m")(*leaves), (want.x, want.y))
 
 
 def test_a_namedtuple_container_s_str_field_is_refused_as_a_str_among_arrays():
