@@ -41,7 +41,7 @@ def _same(a, b):
     return jax.tree.all(jax.tree.map(lambda u, v: np.array_equal(u, v), a, b))
 
 
-@pytest.mark.slow  # four short runs of a small model (4-9 s)
+@pytest.mark.slow  # six short runs of a small model (5-10 s)
 def test_a_new_run_starts_from_a_checkpoints_weights_and_batch_stats_with_a_fresh_optimizer(
     tiny, tmp_path
 ):
@@ -68,6 +68,14 @@ def test_a_new_run_starts_from_a_checkpoints_weights_and_batch_stats_with_a_fres
                             optimizer=tx, checkpoint=tmp_path / "new", **run)  # fmt: skip
     assert (new.step, new.epoch, new.checkpoint.name) == (4, 1, "step_00000004")
     assert not _same(new.params, first.params)  # trained on, by the new optimizer
+    again = {"init_from": old, "optimizer": tx, "resume": True, **run}  # a relaunchable run:
+    with pytest.warns(UserWarning, match="holds no checkpoint yet; a new run, from init_from"):
+        start = sm.training.train(LinenBatchNorm(), tiny, epochs=0, checkpoint=tmp_path / "a",
+                                  **again)  # fmt: skip
+    assert _same(start.params, first.params)  # from init_from, then from its own checkpoints
+    resumed = sm.training.train(LinenBatchNorm(), tiny, epochs=1, checkpoint=tmp_path / "new",
+                                **again)  # fmt: skip
+    assert (resumed.resumed_from.name, resumed.step) == ("step_00000004", 4)
 
     with pytest.raises(sm.CheckpointError) as e:  # another model's weights
         sm.training.train(sm.mlp((8, 3)), tiny, epochs=0, init_from=old)

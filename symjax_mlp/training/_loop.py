@@ -42,7 +42,6 @@ from symjax_mlp.training._processes import Watchdog, agree, run_timeout
 from symjax_mlp.training._resume import (
     OPTIMIZER_PROBE,
     check_init_from,
-    init_run,
     optimizer_probe,
     resume_run,
     run_config,
@@ -221,13 +220,12 @@ def train(
 
     parts = {"its checkpoints": store, "its watchdog": watch}
     try:
-        state, history, resumed_from = resume_run(
-            checkpoint, state, config, resume=resume, store=store, update=update
-        )
+        state, history, resumed_from = resume_run(  # or a new run's (from init_from's weights)
+            checkpoint, state, config, resume=resume, store=store, update=update,
+            init_from=init_from,
+        )  # fmt: skip
         if state.epoch > epochs:  # the run asked for is shorter than the one found
             raise CheckpointError(_PAST.format(epochs=epochs, found=resumed_from, s=state))
-        if init_from is not None and resumed_from is None:  # a new run, from its weights
-            state, _ = init_run(init_from, state, config)
         newest = resumed_from
         moved = Moved(programs.local(_trainable(state.params))) if state.epoch == 0 else None
         for epoch in range(state.epoch + 1, epochs + 1):

@@ -58,7 +58,7 @@ _NOT_THAT_MODEL = (
     "A new run starts from the weights of the model that wrote them: pass that model, or leave "
     "init_from out to train this one from its own initialisation."
 )
-_NO_CHECKPOINT = "{resume}: {where} holds no checkpoint yet; training from the start"
+_NO_CHECKPOINT = "{resume}: {where} holds no checkpoint yet; {start}"
 _MODEL = ("num_features", "num_outputs", "model_sha256")  # what init_from's weights must fit
 _FINGERPRINTED = {  # what a differing sha256 of the config stands for
     "data_sha256": "the training data, x_train and y_train",
@@ -95,17 +95,22 @@ def resume_run(
     resume: bool,
     store: Any,
     update: Callable[[TrainState], list[Any]],
+    init_from: str | os.PathLike | None = None,
 ) -> tuple[TrainState, list[EpochRecord], Path | None]:
     """``(state, history, found)`` of the newest checkpoint (in ``store``, if given) if it
-    continues the run of ``config``; ``update``: a state's :func:`optimizer_probe`."""
-    if checkpoint is None:
-        return state, [], None
-    check_strays(checkpoint, _CALLER, orbax=store is not None)
-    if not (found := latest_checkpoint(checkpoint) if store is None else store.latest()):
+    continues the run of ``config``, else of a new run (from ``init_from``'s weights, if given:
+    :func:`init_run`); ``update``: a state's :func:`optimizer_probe`."""
+    found = None
+    if checkpoint is not None:
+        check_strays(checkpoint, _CALLER, orbax=store is not None)
+        found = latest_checkpoint(checkpoint) if store is None else store.latest()
+    if not found:
         if resume:  # a typo in its name trains from the start: said, not silent
+            start = "training from the start" if init_from is None else "a new run, from init_from"
             where = printable(os.fspath(checkpoint))
-            warnings.warn(_NO_CHECKPOINT.format(resume=RESUME.get(), where=where), stacklevel=3)
-        return state, [], None
+            said = _NO_CHECKPOINT.format(resume=RESUME.get(), where=where, start=start)
+            warnings.warn(said, stacklevel=3)
+        return state if init_from is None else init_run(init_from, state, config), [], None
     if not resume:
         raise CheckpointError(
             f"{_CALLER}: {checkpoint} already holds checkpoints (newest: {found.name}). Pass "
@@ -148,24 +153,19 @@ def check_init_from(directory: Any, checkpoint: Any) -> None:
         )
 
 
-def init_run(
-    directory: str | os.PathLike, state: TrainState, config: dict[str, Any]
-) -> tuple[TrainState, Path]:
-    """``(state, found)``: a new run's first ``state`` with the params (and model state) of the
-    newest checkpoint in ``directory`` (or of that checkpoint), refused unless the model of
-    ``config`` wrote it; the optimizer's state, rng, step and epoch stay ``state``'s."""
-    read: list[Path] = []
+def init_run(directory: str | os.PathLike, state: TrainState, config: dict[str, Any]) -> TrainState:
+    """A new run's first ``state`` with the params (and model state) of the newest checkpoint
+    in ``directory`` (or of that checkpoint), refused unless the model of ``config`` wrote it;
+    the optimizer's state, rng, step and epoch stay ``state``'s."""
 
     def same_model(found: Path, meta: dict) -> None:
-        read.append(found)
         _check_model(found, config, meta, "", keys=_MODEL, then=_NOT_THAT_MODEL)
 
     caller = f"{_CALLER}(init_from={printable(os.fspath(directory))[:200]!r})"
     try:
-        state, _ = read_checkpoint(Path(directory), state, weights=same_model)
+        return read_checkpoint(Path(directory), state, weights=same_model)[0]
     except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
         raise CheckpointError(f"{caller}: {e}") from None
-    return state, read[0]
 
 
 def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, update) -> None:
