@@ -172,6 +172,18 @@ def test_a_cached_partial_is_refused_naming_the_module_given_to_the_hybrid():
     chex.assert_trees_all_close(keyless(h.state), keyless(want_state), **TOL)
 
 
+def test_a_jit_of_a_module_is_refused_naming_the_module_itself():
+    """``sm.hybridize(nnx.jit(model))`` (or ``jax.jit(model)``) was refused as a function
+    wanting params, naming ``hybridize(lambda _, x: f(x), {})``; it names the module's own
+    Hybrid, which is jit-compiled already, and that runs as the module does."""
+    model, _, _ = _guide_objects()
+    for jitted in (nnx.jit(model), jax.jit(model)):
+        with pytest.raises(sm.ConfigError, match=r"fn is nnx\.jit \(or jax\.jit\) of an nnx "
+                           r"Model.*sm\.hybridize\(model\)"):  # fmt: skip
+            sm.hybridize(jitted)
+    chex.assert_trees_all_close(sm.hybridize(model)(XY[0]), model(XY[0]), **TOL)
+
+
 def test_the_guides_functional_loop_hybridized_trains_as_jax_jit():
     """performance.md's jax_train_step over nnx.split((model, optimizer, metrics)): the state
     (Params, adam's moments, BatchStats, the Dropout's rng key and count, the metric's sums)

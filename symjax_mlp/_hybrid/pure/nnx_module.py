@@ -189,6 +189,11 @@ _CLOSED = (
     "*xs), state), the step merging them."
 )
 _CACHED = " (as nnx.cached_partial(f, model) holds it)"
+_JITTED = (
+    "{name}: fn is nnx.jit (or jax.jit) of an nnx {kind}, which hybridize cannot split into "
+    "params and state. Hybridize the module itself, sm.hybridize(model) (the model given to the "
+    "jit): its calls are jit-compiled already."
+)
 
 
 def held_values(fn: Any) -> Any:
@@ -208,9 +213,12 @@ def held_values(fn: Any) -> Any:
 def closed_module_error(name: str, fn: Any) -> ConfigError | None:
     """The refusal of ``hybridize(fn)`` (no params) of a function holding an nnx graph node
     (a module, an optimizer) or Variable (``held_values``), directly or in a tuple
-    (``nnx.cached_partial(f, model)``'s cached arguments); ``None`` if it holds none."""
+    (``nnx.cached_partial(f, model)``'s cached arguments), or a jit of a module
+    (``nnx.jit(model)``); ``None`` if it holds none."""
     if (nnx := sys.modules.get("flax.nnx")) is None:
         return None
+    if isinstance(module := getattr(fn, "__wrapped__", None), nnx.Module):
+        return ConfigError(_JITTED.format(name=name, kind=type(module).__name__))
     for value in held_values(fn):
         for v in value if type(value) is tuple else (value,):
             if isinstance(v, (nnx.Module, nnx.Pytree, nnx.Variable)):
