@@ -11,7 +11,8 @@ the loaded model (``vjp_order=2``), a Batcher's answers, and equinox's own steps
 - ``LayerNorm``'s FAQ, ``filter_vmap``'s ``f``/``g``, ``tree_at``'s MLP surgery trained as
   equinox trains it.
 - Ours: ``MultiheadAttention`` with a mask and a dropout key (passed by keyword, as equinox
-  passes keys; exported by place as the refusal says), ``inference_mode``; Embedding, the 1d
+  passes keys; exported by place as the refusal says), ``inference_mode`` (a model so given
+  whole to ``h.replace``/``h.apply`` is refused naming a new Hybrid); Embedding, the 1d
   pools, GroupNorm and ``MLP(use_final_bias=False)`` on int tokens.
 """
 
@@ -191,6 +192,25 @@ def test_attention_with_a_mask_and_a_dropout_key_trains_and_exports_by_place(tmp
         close(m(np.asarray(x), np.asarray(mask), np.asarray(k)), model(x, mask, key=k))
     grads = jax.grad(lambda r: m(r, mask, key).sum())(x)
     close(grads, jax.grad(lambda r: model(r, mask, key=key).sum())(x))
+
+
+def test_an_inference_mode_model_given_whole_is_refused_naming_a_new_hybrid():
+    """``h.replace(params=eqx.nn.inference_mode(model))`` and ``h.apply(that, ...)``: its
+    Python bool flag was traced and equinox's ``if inference`` failed as a ControlFlowError
+    advising ``jnp.where``; refused naming the flag and ``sm.hybridize(...)`` anew, which is
+    the inference model's answer."""
+    model, x = zoo15.Attention(jr.PRNGKey(0)), _x(1, (4, 8))
+    mask, key = jnp.tril(jnp.ones((4, 4), bool)), jr.PRNGKey(3)
+    h, inference = sm.hybridize(model), eqx.nn.inference_mode(model)
+    said = (
+        r"params\.mha\.dropout\.inference is the Python bool True, a setting of the whole "
+        r"equinox Attention.*sm\.hybridize\(eqx\.nn\.inference_mode\(model\)\)"
+    )
+    with pytest.raises(sm.ConfigError, match=r"^Attention: " + said):
+        h.replace(params=inference)
+    with pytest.raises(sm.ConfigError, match=r"^Attention\.apply: " + said):
+        h.apply(inference, x, mask, key=key)
+    close(sm.hybridize(inference)(x, mask, key=key), model(x, mask))  # as it says
 
 
 def test_attention_without_a_key_over_every_feature(tmp_path):

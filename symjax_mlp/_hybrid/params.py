@@ -27,6 +27,14 @@ _EQX_PARAM_LEAF = (
     "arrays, shaped as h.params: pass eqx.filter(model, eqx.is_inexact_array)."
 )
 
+_EQX_SETTING = (
+    "{name}: params{path} is the Python bool {value}, a setting of the whole equinox {module} "
+    "given as params (eqx.nn.inference_mode's flag: traced, a Python `if` on it fails). A "
+    "Hybrid holds an equinox model's settings as of hybridize and takes its float arrays, shaped "
+    "as h.params: for new weights pass eqx.filter(model, eqx.is_inexact_array); for new "
+    "settings hybridize the model anew, sm.hybridize(eqx.nn.inference_mode(model))."
+)
+
 _PARAM_INT = (
     "{name}: params{path} is the Python int {value}, past {dtype}'s range [{low}, {high}], "
     "{how}. Pass it as a float, float(...), if it is a number to compute with."
@@ -93,6 +101,9 @@ def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any
     paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=unwalkable)
     for path, leaf in paths if passed else ():
         where, kind = jax.tree_util.keystr(path), type(leaf).__name__
+        if type(leaf) is bool and (modules := equinox_modules(params)):  # given whole
+            module = type(modules[0]).__name__
+            raise ConfigError(_EQX_SETTING.format(name=name, path=where, value=leaf, module=module))
         if not traceable(leaf):
             modules = equinox_modules(params)  # given whole: hybridize(model) had split it
             message = _EQX_PARAM_LEAF if modules else _PARAM_LEAF
