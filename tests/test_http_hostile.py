@@ -1873,10 +1873,10 @@ def test_a_body_naming_its_inputs_is_not_walked_for_booleans_it_cannot_hold(monk
     """The check for JSON booleans among the numbers looked for an "r" or an "a" in the body,
     which every input name (args[0]) holds: each request naming its inputs had its numbers
     walked in Python (~3 ms for 64 rows of 512). true and false are still refused."""
-    from symjax_mlp.serving import _bodies
+    from symjax_mlp.serving import _bodies, _values
 
-    walked, first = [], _bodies._first
-    monkeypatch.setattr(_bodies, "_first", lambda v, k, *a: walked.append(k) or first(v, k, *a))
+    walked, first = [], _values._first
+    monkeypatch.setattr(_values, "_first", lambda v, k, *a: walked.append(k) or first(v, k, *a))
     ex = (np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32))
     with sm.serving.Batcher(lambda x, y: x + y, example=ex, max_batch=2) as b:
         for x, bad in (("[[1, 2]]", False), ("[[NaN, 2]]", False), ("[[true, 2]]", True)):

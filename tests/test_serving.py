@@ -1491,6 +1491,28 @@ def test_a_lone_requests_answer_costs_the_app_few_python_calls(server):
     assert len(counted) < 40, " ".join(counted)
 
 
+def test_a_request_with_two_content_types_is_a_400_naming_them():
+    """A head with Content-Type twice (a second Content-Length uvicorn refuses itself: httptools'
+    'Duplicate Content-Length') was read by its first, while a proxy before the server may read
+    the last: a .npy to one, JSON to the other. It is a 400 naming both; a repeated other header
+    (Accept) is answered as before."""
+    scope, receive, send, sent = _asgi_post(rows(1, 3))
+    twice = [*scope["headers"], (b"content-type", b"application/x-npy")]
+    accepts = [*scope["headers"], (b"accept", b"*/*"), (b"accept", b"application/json")]
+
+    async def post(app):
+        for heads in (twice, accepts):
+            await app({**scope, "headers": heads}, receive, send)
+
+    with sm.serving.Batcher(lambda x: 2 * x, example=rows(1, 3), max_batch=2) as b:
+        asyncio.run(post(sm.serving.create_app(b, close_batcher=False)))
+    assert [m["status"] for m in sent if "status" in m] == [400, 200]
+    said = json.loads(sent[1]["body"])["message"]
+    assert re.search(r"2 Content-Type headers \('application/json', 'application/x-npy'\).*"
+                     r"send one Content-Type", said), said  # fmt: skip
+    np.testing.assert_allclose(json.loads(sent[3]["body"])["outputs"], 2 * rows(1, 3))
+
+
 def test_middleware_a_user_adds_sees_every_predict_request(server):
     """POST /predict skips starlette's own layers, never a user's: an app given an API-key
     middleware (``app.add_middleware``) must refuse a /predict without the key, as any route."""

@@ -205,7 +205,7 @@ def create_app(
             return Response(status_code=499)
         try:
             media = heads.get(b"content-type", b"").decode("latin-1")
-            inputs, as_npy = decode(batcher, body, media, heads)
+            inputs, as_npy = decode(batcher, body, media, heads, scope["headers"])
             del body
             intake.release(hold)  # decoded: the arrays are the queue's to bound (max_queue)
             request = batcher.asubmit(*inputs)
