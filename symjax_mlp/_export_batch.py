@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._errors import SignatureError, SymjaxError, first_line, message
+from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, first_line, message
 from symjax_mlp._hybrid.jaxpr import walk
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._specs import TensorSpec, ensemble_member, shape_dims
@@ -210,11 +210,33 @@ def trace_placed(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any
                 return jaxpr, specs, bare, off
         except Exception:
             pass
-    return (*trace_batch(jitted, bare, stage), bare, contextlib.nullcontext)
+    jaxpr, specs = trace_batch(jitted, bare, stage)
+    if axes := sorted({a for e, _ in walk(jaxpr) for a in _pending(e)}):
+        raise ConfigError(_UNSPLIT.format(name=stage.h.name, axes=", ".join(axes)))
+    return jaxpr, specs, bare, contextlib.nullcontext
 
 
 def _on_a_mesh(jaxpr: Any) -> bool:
-    return any(e.primitive.name in _ON_A_MESH for e, _ in walk(jaxpr))
+    """Whether the program needs its mesh: a shard_map or sharding constraint, or a value
+    reduced or unreduced over a mesh axis (sharding-ad.md's ``reshard(w, P(reduced={'X'}))``:
+    off its mesh, or with its inputs unsplit, JAX builds no VJP of it)."""
+    return any(e.primitive.name in _ON_A_MESH or _pending(e) for e, _ in walk(jaxpr))
+
+
+def _pending(eqn: Any) -> set[str]:
+    """The mesh axes ``eqn``'s outputs are reduced or unreduced over."""
+    specs = [getattr(getattr(v.aval, "sharding", None), "spec", None) for v in eqn.outvars]
+    return {a for s in specs for a in (*getattr(s, "reduced", ()), *getattr(s, "unreduced", ()))}
+
+
+_UNSPLIT = (
+    "export({name}): the function reduces over the mesh's axes {axes} (a value reduced or "
+    "unreduced there, as sharding-ad.md's jax.reshard(w, P(reduced={{'X'}}))), and JAX stages "
+    "it only with the inputs split over that mesh, which it does for static shapes only (it "
+    "splits no symbolic batch; unsplit, its VJP and shape checks fail). Export with "
+    "batch=None and the example split over the mesh (jax.device_put(x, P('X', ...))), or "
+    "replicate w instead (P(): the same values and grads)."
+)
 
 
 def split_over_mesh(x: Any) -> Any:
