@@ -1,6 +1,7 @@
 """A model's inputs read from ``.npy`` files (no pickle), its outputs written to them. ml_dtypes
 types are stored as raw bytes (``|V2`` for bfloat16) and read back as the dtype the model
-expects; nothing else is cast."""
+expects; nothing else is cast. An input of another dtype, from a file or a call, is refused here
+saying the cast to make (for rng keys, the call that makes or wraps them)."""
 
 from __future__ import annotations
 
@@ -245,13 +246,58 @@ def _key(file: Any, x: np.ndarray, spec: TensorSpec, to: str) -> Any:
     import jax
 
     impl = KEY_IMPLS.get(spec.dtype)
-    size = jax.random.key_data(jax.random.key(0, impl=impl or "threefry2x32"))
-    if impl and x.dtype == np.uint32 and x.shape[-1:] == size.shape:
+    size = _key_size(impl or "threefry2x32")
+    if impl and x.dtype == np.uint32 and x.shape[-1:] == (size,):
         return jax.random.wrap_key_data(x, impl=impl)
     raise SignatureError(
         f"{file} ({spec.path}) holds {x.dtype}{list(x.shape)} but the artifact expects "
         f"{spec.type}, rng keys, which .npy stores as their data: uint32 with a last axis of "
-        f"{size.shape[0]}. Save the keys' data: np.save({to}, jax.random.key_data(keys))."
+        f"{size}. Save the keys' data: np.save({to}, jax.random.key_data(keys))."
+    )
+
+
+def _key_size(impl: str) -> int:
+    """The length of one key's data (``jax.random.key_data``'s last axis) for ``impl``."""
+    import jax
+
+    return int(jax.random.key_data(jax.random.key(0, impl=impl)).shape[-1])
+
+
+def dtype_refused(caller: str, spec: TensorSpec, x: Any, given: Any) -> str:
+    """The message for a call's input ``x`` (``given`` as the caller passed it) of a dtype not
+    ``spec``'s: for rng keys, how to make them (:func:`_key_refused`); else the values a cast
+    would change past ``spec``'s range, else the cast to make."""
+    if spec.dtype.startswith("key<"):
+        return _key_refused(caller, spec, x)
+    if not (held := out_of_range(x, spec.dtype)):
+        return (
+            f"{caller}: input {spec.path} has dtype {x.dtype} but the artifact expects "
+            f"{spec.type}. Cast it: x.astype({cast_to(spec.dtype)})."
+        )
+    python = "" if hasattr(given, "dtype") else f" (a Python {type(given).__name__})"
+    return (
+        f"{caller}: input {spec.path} has dtype {x.dtype}{python} but the artifact expects "
+        f"{spec.type}: it {held}. Pass values in range."
+    )
+
+
+def _key_refused(caller: str, spec: TensorSpec, x: Any) -> str:
+    """The message for ``x``, no rng keys of ``spec``'s dtype (``key<fry>``): a raw key's data
+    (``jax.random.PRNGKey``'s uint32[2]) is wrapped; other arrays, keys are made (no cast makes
+    one), of the impl the artifact records."""
+    impl = KEY_IMPLS.get(spec.dtype)
+    name = repr(impl) if impl else f"'...' (the {spec.dtype} impl it was exported with)"
+    got = f"{caller}: input {spec.path} is {x.dtype}{list(x.shape)}"
+    want = f"the artifact expects {spec.type}, typed rng keys of impl {name}"
+    raw = x.dtype == np.uint32 and len(x.shape) == len(spec.shape) + 1
+    if impl and raw and x.shape[-1] == _key_size(impl):
+        return (
+            f"{got}, raw key data (jax.random.PRNGKey's), but {want}. Wrap it: "
+            f"jax.random.wrap_key_data(x, impl={name})."
+        )
+    return (
+        f"{got} but {want}; no cast makes a key. Pass keys made so: jax.random.key(seed, "
+        f"impl={name}) (from raw uint32 key data: jax.random.wrap_key_data(data, impl={name}))."
     )
 
 

@@ -292,10 +292,33 @@ def test_single_array_params_and_rng_key_inputs(tmp_path):
     noisy = sm.hybridize(lambda p, key, x: x * p + jax.random.normal(key, x.shape), jnp.float32(1))
     art = sm.export(noisy, tmp_path / "key", example=(jax.random.key(0), jnp.ones((2, 3))),
                     batch=None)  # fmt: skip
-    key = jax.random.key(7)
-    chex.assert_trees_all_close(
-        sm.load(art.path)(key, jnp.ones((2, 3))), noisy(key, jnp.ones((2, 3)))
-    )
+    key, m = jax.random.key(7), sm.load(art.path)
+    chex.assert_trees_all_close(m(key, jnp.ones((2, 3))), noisy(key, jnp.ones((2, 3))))
+    wrap = re.escape("Wrap it: jax.random.wrap_key_data(x, impl='threefry2x32').")
+    with pytest.raises(sm.SignatureError, match=r"args\[0\] is uint32\[2\], raw key data.*" + wrap):
+        m(jax.random.PRNGKey(7), jnp.ones((2, 3)))  # was "Pass an array of rank 0"
+
+
+def test_an_input_for_rng_keys_given_no_typed_key_is_told_how_to_make_one():
+    """A key input given a uint32 seed, another impl's key or floats is told the call that
+    makes keys of the artifact's impl (it was "Cast it: x.astype(jnp.key<fry>)", no code);
+    a raw key's data (jax.random.PRNGKey's, split too) the call that wraps it."""
+    fry = sm.Signature((sm.TensorSpec("keys", ("b",), "key<fry>"),), (), "array", "b")
+    rbg = sm.Signature((sm.TensorSpec("key", (), "key<rbg>"),), (), "array", None)
+    make = re.escape("jax.random.key(seed, impl='threefry2x32') (from raw uint32 key data: "
+                     "jax.random.wrap_key_data(data, impl='threefry2x32')).")  # fmt: skip
+    for x in (np.uint32([3, 4]), jax.random.split(jax.random.key(0, impl="rbg"), 2), [1.0]):
+        with pytest.raises(sm.SignatureError, match=r"expects key<fry>\[b\].*no cast.*" + make):
+            fry.check([x], caller="m")
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    with pytest.raises(sm.SignatureError, match=r"is uint32\[4, 2\], raw key data"):
+        fry.check([keys], caller="m")
+    with pytest.raises(
+        sm.SignatureError, match=r"is uint32\[2\] but .*impl 'rbg'.*key\(seed, impl='rbg'\)"
+    ):
+        rbg.check([jax.random.PRNGKey(0)], caller="m")  # rbg's data is uint32[4]: no wrap
+    typed = jax.random.wrap_key_data(keys, impl="threefry2x32")  # as advised: admitted
+    assert fry.check([typed], caller="m")[0] is typed
 
 
 def test_an_entry_point_without_self_test_vectors_loads_with_the_self_test_on(tmp_path):

@@ -17,7 +17,8 @@ import numpy as np
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError, first_line
-from symjax_mlp._specs import MASKED_INPUT, TensorSpec, cast_to, out_of_range
+from symjax_mlp._npy import dtype_refused
+from symjax_mlp._specs import MASKED_INPUT, TensorSpec
 
 MAX_SYMBOLIC = 2**31 - 1  # the largest size of a symbolic dimension a call may give
 
@@ -88,6 +89,9 @@ class Signature:
             shape = tuple(x.shape)
             head = f"{caller}: input {spec.path} has shape {shape}"
             if len(shape) != len(spec.shape):
+                if spec.dtype.startswith("key<") and str(x.dtype) != spec.dtype:  # PRNGKey's data
+                    given = inputs[self.inputs.index(spec)]
+                    raise SignatureError(dtype_refused(caller, spec, x, given))
                 want = len(spec.shape)
                 hint = f"Pass an array of rank {want}."
                 if want == len(shape) + 1 and tuple(spec.shape[1:]) == shape:
@@ -124,7 +128,7 @@ class Signature:
                     )
             if str(x.dtype) != spec.dtype:  # as text: bfloat16 and rng key types included
                 given = inputs[self.inputs.index(spec)]  # as passed: a list, an array
-                raise SignatureError(_dtype_refused(caller, spec, x, given))
+                raise SignatureError(dtype_refused(caller, spec, x, given))
         solved = self._check_terms(sizes, caller)
         known = {k: v for k, (_, v) in sizes.items() if type(v) is int}  # symbolic: unknown
         known |= solved
@@ -363,22 +367,6 @@ def not_an_array(x: Any, spec: TensorSpec, caller: str, error: Exception) -> Sig
 def an(kind: str) -> str:
     """``kind`` with its article, printable: an object, an int, a str."""
     return f"a{'n' * (kind[:1] in tuple('aeiou'))} {printable(kind)}"
-
-
-def _dtype_refused(caller: str, spec: TensorSpec, x: Any, given: Any) -> str:
-    """The message for input ``x`` (``given`` as the caller passed it) of a dtype not ``spec``'s:
-    the values a cast would change past ``spec``'s range, else the cast to make."""
-    held = out_of_range(x, spec.dtype)
-    if not held:
-        return (
-            f"{caller}: input {spec.path} has dtype {x.dtype} but the artifact expects "
-            f"{spec.type}. Cast it: x.astype({cast_to(spec.dtype)})."
-        )
-    python = "" if is_array(given) else f" (a Python {type(given).__name__})"
-    return (
-        f"{caller}: input {spec.path} has dtype {x.dtype}{python} but the artifact expects "
-        f"{spec.type}: it {held}. Pass values in range."
-    )
 
 
 def _weak(a: np.ndarray, spec: TensorSpec) -> np.ndarray:
