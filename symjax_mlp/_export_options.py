@@ -3,6 +3,7 @@ option, the model card; nothing is traced or written when one is wrong."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import json
@@ -253,19 +254,27 @@ def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) 
     """``exported.serialize(vjp_order)``; refused where its VJP compares a symbolic dimension
     (the GP's cholesky of (7, 7) and its b test points: 'b' < '7' is inconclusive), or where
     JAX cannot build its VJP of that order (a dynamic while_loop, a pallas_call: none)."""
-    try:
-        return bytes(exported.serialize(vjp_order=vjp_order))
-    except jax.errors.InconclusiveDimensionOperation as e:
-        said = ", ".join(map(str, inputs))
-        raise SignatureError(
-            _VJP_SYMBOLIC.format(name=name, order=vjp_order, inputs=said, error=first_line(e))
-        ) from None
-    except _NO_VJP_ERRORS as e:  # JAX's, its VJP (equinox's RuntimeError: an input it
-        if vjp_order == 0:  # cannot differentiate, filter_custom_vjp's *args)
-            raise
-        works = _highest_order(exported, vjp_order)  # raises where the VJP is not the cause
-        said = _NO_VJP.format(name=name, order=vjp_order, error=first_line(e), works=works)
-        raise ConfigError(said) from None
+    with _as_staged(exported):  # (its VJP built as its forward was staged)
+        try:
+            return bytes(exported.serialize(vjp_order=vjp_order))
+        except jax.errors.InconclusiveDimensionOperation as e:
+            said = ", ".join(map(str, inputs))
+            raise SignatureError(
+                _VJP_SYMBOLIC.format(name=name, order=vjp_order, inputs=said, error=first_line(e))
+            ) from None
+        except _NO_VJP_ERRORS as e:  # JAX's, its VJP (equinox's RuntimeError: an input it
+            if vjp_order == 0:  # cannot differentiate, filter_custom_vjp's *args)
+                raise
+            works = _highest_order(exported, vjp_order)  # raises where the VJP is not the cause
+            said = _NO_VJP.format(name=name, order=vjp_order, error=first_line(e), works=works)
+            raise ConfigError(said) from None
+
+
+def _as_staged(exported: Any) -> contextlib.AbstractContextManager:
+    """Off the caller's mesh where ``exported`` is one device's program (staged off a mesh of
+    Explicit axes, see trace_placed): its VJP is built as its forward was (built on the mesh,
+    jax.grad of the loaded model failed 'expects static assert_what' for a symbolic batch)."""
+    return jax.set_mesh(None) if exported.nr_devices == 1 else contextlib.nullcontext()
 
 
 def _highest_order(exported: Any, failed: int) -> int:

@@ -67,7 +67,6 @@ def test_sharding_ad_losses_over_every_feature_on_their_mesh(tmp_path, mesh, fn)
         b.submit(np.asarray(x)).result(30)  # a loss: one number for the batch, not per row
 
 
-@pytest.mark.slow
 def test_reduced_weights_unsplit_are_refused_naming_what_works(tmp_path, mesh):
     """``loss2`` with ``batch='b'`` (JAX splits no symbolic dimension) or of an example on one
     device: staged unsplit, its VJP has no split to contract (was JAX's raw
@@ -145,3 +144,19 @@ def test_fno_over_every_feature_and_the_notebooks_adam_steps(tmp_path):
         model, m_state, want = make_step(model, m_state, x, y)
         close(loss, want, rtol=1e-5, atol=1e-6)
     close(h.replace(params=params)(x), jax.vmap(model)(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_grads_of_a_model_exported_on_an_explicit_mesh_with_a_symbolic_batch(tmp_path, mesh):
+    """The docs' ``x @ w`` per row (``jnp.tanh``), exported under the mesh with ``batch='b'``
+    (its one-device program staged off the mesh): ``jax.grad`` of the loaded model raised
+    ArtifactError 'expects static assert_what ... Export the model again' (its VJP was built
+    on the caller's mesh); its grads now equal the plain net's, the example split or not."""
+    w, x = _docs_arrays()
+    net = lambda w, r: jnp.tanh(r @ w)  # noqa: E731
+    rows = np.asarray(x)[:3]
+    want = jax.grad(lambda r: net(np.asarray(w), r).sum())(rows)
+    for i, example in enumerate((x, np.asarray(x))):
+        sm.export(sm.hybridize(net, w), tmp_path / str(i), example=(example,), vjp_order=1)
+        m = sm.load(tmp_path / str(i))
+        close(jax.grad(lambda r: m(r).sum())(rows), want)  # noqa: B023
