@@ -8,6 +8,9 @@ equal, grads/Hessians over the loaded model, a Batcher's answers, and what is sp
   batch); ``loss2``'s export staged its program unsplit (JAX's raw ShardingTypeError from its
   VJP), now kept on the split; a symbolic batch (JAX splits none over a mesh) or an unsplit
   example is refused naming ``batch=None`` with a split one.
+  A per-row ``tanh(x @ w)`` exported on the mesh with ``batch='b'``: the loaded model's
+  grads (its VJP was built on the caller's mesh, the forward off it: 'expects static
+  assert_what').
   ``loss_fanout``'s two uses of ``w`` and the capstone's microbatch ``step`` over ``h.apply``:
   its gradients come back unreduced (the docs' ``assert`` holds) and its weights equal the
   docs' step's.
