@@ -139,9 +139,8 @@ def export(
     for i, (name, entry) in enumerate(zip(names, staged, strict=True)):
         # the default entry point takes every weight; the others their own
         own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
-        exported, signature, rows = export_program(entry, own, platforms)
-        structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype) for p, (_, a) in own.items()}
-        refuse_clamped_gathers(entry.h.name, entry.fn, (structs, *entry.in_specs), vjp_order)
+        exported, signature, rows, jaxpr = export_program(entry, own, platforms)
+        refuse_clamped_gathers(entry.h.name, jaxpr, vjp_order)
         if not admits_any(signature, [n for x in entry.examples for n in x.shape]):
             raise ConfigError(
                 _NOTHING_ADMITTED.format(name=entry.h.name, constraints=entry.constraints,

@@ -152,8 +152,9 @@ _CLOSED_REF = (
 
 def export_program(
     stage: Stage, own: Mapping[str, tuple[TensorSpec, Any]], platforms: tuple[str, ...]
-) -> tuple[Any, Signature, dict[str, Any]]:
-    """``jax.export`` of one entry point (params by path), its signature and rows verdict."""
+) -> tuple[Any, Signature, dict[str, Any], Any]:
+    """``jax.export`` of one entry point (params by path), its signature, rows verdict and the
+    jaxpr it traced (params, *inputs)."""
     h = stage.h
     p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=stage.placed.get(p))
                  for p, (_, a) in sorted(own.items())}  # fmt: skip
@@ -204,7 +205,7 @@ def export_program(
         raise ArtifactError(f"export({h.name}): param paths collide with input names: {names}")
     lead = signature.inputs[0].shape[:1] if signature.inputs else ()
     dim = signature.batch or next((d for d in lead if isinstance(d, str)), None)
-    return exported, signature, verdict(exported, dim)
+    return exported, signature, verdict(exported, dim), jaxpr
 
 
 def _moved(h: Hybrid, static: Any, examples: tuple, kw: Mapping[str, Any]) -> tuple[str, ...]:
