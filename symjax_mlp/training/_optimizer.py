@@ -246,8 +246,7 @@ _NOTHING_MOVED = (
 
 
 class Moved:
-    """Whether a run's first epoch (its first update) moved any param: ``Moved(params)``
-    hashes them before it
+    """Whether a run's first update moved any param: ``Moved(params)`` hashes them before it
     (they are donated to its first step), :meth:`check` after, warning if none moved."""
 
     def __init__(self, params: Any) -> None:
