@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from symjax_mlp._errors import ConfigError, DistributedError, as_int
+from symjax_mlp._errors import ConfigError, DistributedError, as_int, first_line
 from symjax_mlp.training._state import is_count
 
 #: The exit status of a process ended because another did not arrive or stalled (EX_TEMPFAIL:
@@ -268,7 +268,7 @@ class Watchdog:
         who = f"process {1 - self.me}" if self.n == 2 else "another process"
         return (
             f"{self.caller}: process {self.me} of {self.n} lost {who} in step {step}: its "
-            f"collective failed ({str(error).splitlines()[0]:.200}), as when a process is "
+            f"collective failed ({first_line(error, 200)}), as when a process is "
             f"interrupted or dies. Relaunch every process with {self.resume} to continue from "
             "the last committed checkpoint."
         )
