@@ -145,6 +145,8 @@ def test_hybridize_of_a_linen_modules_method_is_refused_naming_method():
             sm.hybridize(model.encode, given)
     h = sm.hybridize(lambda p, *xs: model.apply({"params": p}, *xs, method="encode"), params)
     close(h(x), model.apply({"params": params}, x, method="encode"))
+    h = sm.hybridize(model.apply, {"params": params})  # model.apply is fn(variables, *inputs)
+    close(h(x), model.apply({"params": params}, x))
     with pytest.raises(sm.ConfigError, match=r"Batcher\(LinenAutoEncoder.encode\).*method='encode"):
         sm.serving.Batcher(model.encode, example=x)  # was flax's AttributeError at warm-up
 

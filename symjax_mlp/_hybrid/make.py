@@ -116,7 +116,8 @@ def hybridize(
     owner = _flax_kind(model.__self__) if method else None
     if owner in ("nnx", "eqx") and params is None:  # model.encode: encode(model, *inputs)
         name, model, params = name or model.__name__, model.__func__, model.__self__
-    elif owner == "linen":  # else called as encode(params, *inputs), outside model.apply
+    elif owner == "linen" and model.__name__ != "apply":  # model.apply: fn(variables, *xs)
+        # else called as encode(params, *inputs), outside model.apply
         said = f"{type(model.__self__).__name__}.{model.__name__}"
         raise ConfigError(
             f"hybridize({said}): a method of a flax.linen module runs only inside its apply. "

@@ -142,7 +142,8 @@ class Batcher:
             linen = sys.modules.get("flax.linen")  # never imported here
             owner = getattr(model, "__self__", model)  # a method's module: model.encode
             if linen is not None and isinstance(owner, linen.Module) and owner.scope is None:
-                run = "" if owner is model else f".{model.__name__}"  # else flax's, at warm-up
+                plain = owner is model or model.__name__ == "apply"  # else flax's, at warm-up
+                run = "" if plain else f".{model.__name__}"
                 how = f"lambda v, *xs: model.apply(v, *xs, method={run[1:]!r})" if run else "model"
                 raise ConfigError(
                     f"Batcher({type(owner).__name__}{run}): a flax.linen module has no params of "
