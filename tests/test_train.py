@@ -382,6 +382,28 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(digit
     assert e.value.checkpoint is None
 
 
+class _NanOnOutliers(nn.Module):  # its loss and gradients are NaN on a batch holding an outlier
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(x) * jnp.where(jnp.any(x[:, 0] > 5), jnp.nan, 1.0)
+
+
+@pytest.mark.slow
+def test_apply_if_finites_skipped_steps_are_not_a_divergence():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 3, 64).astype(np.int32)
+    x[7, 0] = 9.0  # one batch an epoch holds it
+    data = sm.training.Dataset(x, y, x[:16], y[:16])
+    with pytest.raises(sm.DivergenceError, match="the loss is nan"):
+        sm.training.train(_NanOnOutliers(), data=data, epochs=2, batch_size=8)
+    skipping = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=5)
+    result = sm.training.train(_NanOnOutliers(), data=data, epochs=2, batch_size=8,
+                               optimizer=skipping)  # fmt: skip
+    assert int(result.opt_state.total_notfinite) == 2 and result.step == 16  # one an epoch
+    assert all(np.isfinite(r.loss) for r in result.history)  # its finite steps' mean
+    assert all(np.isfinite(a).all() for a in jax.tree.leaves(result.params))
+
+
 def test_eager_step_matches_compiled(digits, four_epochs):
     full, _ = four_epochs
     eager = sm.training.train(data=digits, epochs=1, compiled=False)

@@ -124,11 +124,16 @@ class Programs:
             metrics.append(m)
         metrics = jax.device_get(metrics)
         losses = np.array([m["loss"] for m in metrics])
-        _check_finite(losses, self.local(params), first_step=state.step, epoch=epoch, newest=newest)
+        skipped = _skips_non_finite(opt_state) & ~np.isfinite(losses)  # apply_if_finite's own
+        _check_finite(
+            np.where(skipped, 0.0, losses), self.local(params),
+            first_step=state.step, epoch=epoch, newest=newest,
+        )  # fmt: skip
+        counted = wb.sum(axis=1) * ~skipped
         record = EpochRecord(
             epoch=epoch,
             step=state.step + len(xb),
-            loss=float(np.sum(losses * wb.sum(axis=1)) / n_train),
+            loss=float(np.sum(np.where(skipped, 0.0, losses) * counted) / max(counted.sum(), 1)),
             train_accuracy=float(sum(float(m["correct"]) for m in metrics) / n_train),
             test_accuracy=self.accuracy(params, opt_state, data),
             seconds=time.perf_counter() - t0,
@@ -154,6 +159,15 @@ def evaluated(params: Any, opt_state: Any) -> Any:
     if isinstance(params, ModelVars):
         return ModelVars(jax.tree.map(x, params.params, z), params.state)
     return jax.tree.map(x, params, z)
+
+
+def _skips_non_finite(opt_state: Any) -> bool:
+    """Whether the optimizer is ``optax.apply_if_finite``'s, which skips a step whose gradients
+    are not finite: its non-finite losses are batches skipped, not a divergence."""
+    skips = optax.ApplyIfFiniteState
+    return any(
+        isinstance(s, skips) for s in jax.tree.leaves(opt_state, is_leaf=skips.__instancecheck__)
+    )
 
 
 def _check_finite(

@@ -116,7 +116,9 @@ def train(
       data: a :class:`Dataset` (default: :func:`load_digits`).
       optimizer: any ``optax.GradientTransformation`` or ``optax.MultiSteps`` (default: adam);
         one whose update takes ``value=`` gets the batch's loss (``reduce_on_plateau``); a
-        schedule-free one's params are evaluated and exported as ``schedule_free_eval_params``.
+        schedule-free one's params are evaluated and exported as ``schedule_free_eval_params``;
+        ``optax.apply_if_finite``'s non-finite losses are its steps to skip (not a divergence;
+        each epoch's loss is its finite steps' mean).
         Its ``init`` gets the params as a dict of dicts of arrays, a linen model's as ``init``
         gives them, an nnx module's as ``nnx.to_pure_dict`` (no Variable types: see ``wrt``).
       wrt: the params to train, the others held bitwise as they are (the optimizer's state
