@@ -32,7 +32,7 @@ from symjax_mlp.training._optimizer import takes_value
 from symjax_mlp.training._paths import check_path, check_strays, checkpoints, latest_checkpoint
 from symjax_mlp.training._processes import RESUME
 from symjax_mlp.training._spec import NnxSpec
-from symjax_mlp.training._state import SHOWN, EpochRecord, TrainState
+from symjax_mlp.training._state import SHOWN, EpochRecord, TrainState, named_leaves
 from symjax_mlp.training._step import ModelVars, apply_model
 
 _CALLER = "symjax_mlp.training.train"
@@ -59,6 +59,16 @@ _NOT_THAT_MODEL = (
     "init_from out to train this one from its own initialisation."
 )
 _NO_CHECKPOINT = "{resume}: {where} holds no checkpoint yet; {start}"
+_NON_FINITE = (  # train() stops at a non-finite loss or param: no run of it wrote these
+    "{found}: its params hold {value} ({name}{more}): it was edited, or written by another "
+    "program than train(), and a run from it diverges at its first step. {fix}"
+)
+_OLDER = {  # a non-finite checkpoint's fix
+    "resume": "Resume from an older checkpoint (remove this one's directory: resume=True picks "
+    "the newest), or start over in an empty directory.",
+    "init_from": "Start from another checkpoint (init_from=DIR/step_N names one), or leave "
+    "init_from out to train from the model's own initialisation.",
+}
 _MODEL = ("num_features", "num_outputs", "model_sha256")  # what init_from's weights must fit
 _FINGERPRINTED = {  # what a differing sha256 of the config stands for
     "data_sha256": "the training data, x_train and y_train",
@@ -120,6 +130,7 @@ def resume_run(
         state, meta = (read_checkpoint if store is None else store.restore)(found, state)
     except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
         raise CheckpointError(f"{_CALLER}: {e}") from None
+    _check_finite(found, state, f"{_CALLER}: ", "resume")
     _check_same_run(found, config, meta, state, update)
     history = [EpochRecord(**r) for r in meta.get("history", [])]  # checked as it was read
     ends = history[-1].step if history else 0
@@ -160,12 +171,33 @@ def init_run(directory: str | os.PathLike, state: TrainState, config: dict[str, 
 
     def same_model(found: Path, meta: dict) -> None:
         _check_model(found, config, meta, "", keys=_MODEL, then=_NOT_THAT_MODEL)
+        read.append(found)
 
-    caller = f"{_CALLER}(init_from={printable(os.fspath(directory))[:200]!r})"
+    caller, read = f"{_CALLER}(init_from={printable(os.fspath(directory))[:200]!r})", []
     try:
-        return read_checkpoint(Path(directory), state, weights=same_model)[0]
+        state = read_checkpoint(Path(directory), state, weights=same_model)[0]
     except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
         raise CheckpointError(f"{caller}: {e}") from None
+    _check_finite(read[0], state, f"{caller}: ", "init_from")
+    return state
+
+
+def _check_finite(found: Path, state: TrainState, heading: str, how: str) -> None:
+    """Refuses a checkpoint whose params (a model's state too) hold a NaN or an infinity: a run
+    from them diverged at once, its message advising a lower learning rate (or, skipping
+    non-finite steps, ran none and kept them)."""
+    leaves = {n: jnp.asarray(a) for n, a in named_leaves(state).items() if n.startswith("params/")}
+    bad = [
+        (name, a) for name, a in leaves.items()
+        if jnp.issubdtype(a.dtype, jnp.inexact) and not jnp.isfinite(a).all()
+    ]  # fmt: skip
+    if bad:
+        name, a = bad[0]
+        value = np.asarray(a.ravel()[jnp.argmin(jnp.isfinite(a.ravel()))]).item()
+        more = f", and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""
+        raise CheckpointError(heading + _NON_FINITE.format(
+            found=found, value=value, name=printable(name[:200]), more=more, fix=_OLDER[how]
+        ))  # fmt: skip
 
 
 def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, update) -> None:
