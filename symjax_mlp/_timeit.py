@@ -38,6 +38,11 @@ _STATIC = (
 #: the heading of a refusal of inputs drawn at a batch (Signature.check's), and its fix
 _DRAWN = "timeit({call}, batch={batch}): the inputs drawn at batch {batch} do not fit the artifact"
 _DRAWN_FIX = "Pass a batch it accepts, or the inputs: timeit(model, x, ...)."
+_TOO_LARGE = (  # no batch the caller passes is smaller
+    "timeit({call}): its input {spec.path}, {spec.dtype}{shape} at the smallest batch its "
+    "signature admits, is more than this process can hold in memory. That is no model's row: "
+    "check what the artifact declares (its manifest's signature), or time it where it fits."
+)
 _BATCH_OF_ARGS = (
     "timeit({name}, *args, batch={batch}): batch sizes the inputs drawn for an artifact, and "
     "you passed the inputs, which are timed at their own shapes. Drop batch, or pass inputs "
@@ -191,11 +196,13 @@ def _inputs(m: Any, given: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
                 "for which no input is drawn; pass the inputs: timeit(model, x, ...)."
             ) from None
         except (MemoryError, ValueError):  # ValueError: more bytes than an array may have
-            raise ConfigError(
-                f"timeit({call}, batch={batch}): its input {spec.path} "
-                f"at that batch, {spec.dtype}{list(shape)}, is more than this process can hold "
-                "in memory; pass a smaller batch."
-            ) from None
+            if batch > 1 and any(isinstance(d, str) for d in spec.shape):
+                raise ConfigError(
+                    f"timeit({call}, batch={batch}): its input {spec.path} "
+                    f"at that batch, {spec.dtype}{list(shape)}, is more than this process can "
+                    "hold in memory; pass a smaller batch."
+                ) from None
+            raise ConfigError(_TOO_LARGE.format(call=call, spec=spec, shape=list(shape))) from None
     try:  # its refusal headed as drawn at the batch, then the batch's fix
         return tuple(m.signature.check(inputs, caller=drawn))
     except SignatureError as e:
