@@ -9,8 +9,11 @@ import hashlib
 import json
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save
 
 import symjax_mlp as sm
@@ -75,3 +78,59 @@ def test_a_checkpoint_of_non_finite_weights_is_refused_at_the_start_not_trained_
     said = str(e.value)
     assert said.startswith(f"symjax_mlp.training.train: {step}: its params hold nan"), said
     assert "Resume from an older checkpoint" in said and "learning rate" not in said, said
+
+
+class _LazyParam(nnx.Module):
+    """Makes a Param on its first call, drawn from the rngs it keeps (a lazy layer)."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(2, 3, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x):
+        if not hasattr(self, "shift"):
+            self.shift = nnx.Param(jax.random.normal(self.rngs.params(), (3,)))
+        return self.linear(x) + self.shift
+
+
+@pytest.mark.slow  # a refused trace, then a compile (~1 s)
+def test_a_module_making_a_param_in_its_call_is_refused_not_drawn_anew_each_call():
+    """An nnx module whose call makes a Param (lazily, on its first): the module keeps it and
+    answers alike from then on, but its Hybrid held no such Param, so each h(x) made it anew
+    from the next draw of the rng it carries: three calls, three answers, silently (h.params
+    without it: trained by nothing, exported by nothing). Refused now, saying what to do."""
+    x = jnp.ones((1, 2))
+    with pytest.raises(sm.ConfigError) as e:
+        sm.hybridize(_LazyParam(nnx.Rngs(0)))(x)
+    said = str(e.value)
+    assert said.startswith("_LazyParam: the call made the Params ['shift'] of the nnx module"), said
+    assert "Create them in __init__, or call the module once (model(x)) before" in said, said
+    model = _LazyParam(nnx.Rngs(0))
+    first = model(x)  # the fix it names: then the Hybrid holds it, and answers as the module
+    h = sm.hybridize(model)
+    assert "shift" in h.params
+    np.testing.assert_allclose(h(x), first, rtol=1e-6)
+    np.testing.assert_allclose(h(x), model(x), rtol=1e-6)
+
+
+@pytest.mark.slow  # an export, a load, the command line (~1-2 s)
+def test_timing_an_artifact_whose_fixed_input_no_memory_holds_never_says_pass_a_smaller_batch(
+    tmp_path, capsys
+):
+    """An artifact of a fixed input of 2**40 rows (whole: its program, manifest and weights
+    agree): ``timeit`` and ``symjax-mlp bench --trust`` said "pass a smaller batch" (the CLI:
+    "batch= is --batch") though it was drawn at batch 1 and no batch changes its shape."""
+    from symjax_mlp.cli import main
+
+    h = sm.hybridize(lambda p, x: x @ p, jnp.ones((8, 3)))
+    big = jax.ShapeDtypeStruct((1 << 40, 8), jnp.float32)
+    art = sm.export(h, tmp_path / "a", example=big, batch=None)
+    with pytest.raises(sm.ConfigError) as e:
+        sm.timeit(sm.load(art.path, trust=True))
+    said = str(e.value)
+    assert said.startswith(f'timeit(symjax_mlp.load("{art.path}")): its input args[0], ')
+    assert "float32[1099511627776, 8]" in said and "is more than this process can hold" in said
+    assert "smaller batch" not in said, said
+    assert main(["bench", str(art.path), "--trust", "--calls", "1", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "smaller batch" not in err and "--batch" not in err and "Traceback" not in err, err

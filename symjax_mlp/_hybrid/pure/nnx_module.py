@@ -23,6 +23,13 @@ _ADDED = (
     "its Hybrid once first, h(x), which turns it stateful to carry them as nnx.jit keeps them "
     "in the module; or call the module once (model(x)) before, or create them in __init__."
 )
+_PARAMS_MADE = (
+    "{name}: the call made the Params {made} of the nnx module (lazily, as it ran), which the "
+    "Hybrid does not hold: it holds the module's Params as of sm.hybridize, so each compiled "
+    "call would make them anew (untrained, another draw of an rng each time) and export would "
+    "leave them out. Create them in __init__, or call the module once (model(x)) before "
+    "sm.hybridize(model)."
+)
 _UNFIT = (
     "{name}: the params and state given do not fit the nnx module: {diff}. Pass "
     "trees shaped as h.params (its Param values) and h.state (its other Variables' values), "
@@ -98,6 +105,12 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
             if (unfit := _trace.unfit_call(module_name, e, target, params, args, kwargs)) is None:
                 raise
             raise unfit from None
+        given = set(leaf_paths((params, {})))  # a Param the call made: made anew each call
+        if made := [
+            p for p in leaf_paths((nnx.to_pure_dict(nnx.state(m, wrt)), {})) if p not in given
+        ]:
+            made = ", ".join(p.removeprefix("params") for p in made[:5])
+            raise ConfigError(_PARAMS_MADE.format(name=module_name, made=made))
         if wrt is not nnx.Param and (changed := _reassigned(params, nnx.state(m, wrt))):
             raise ConfigError(_REASSIGNED.format(name=module_name, changed=", ".join(changed)))
         if not state and not keep:  # a Hybrid that carries none: what a call adds, it would drop
