@@ -304,7 +304,7 @@ def _self_test_vectors(
     # each dimension variable at BATCH, a dimension at its term's value there ("b + 15": 17)
     sizes = sizes_at(dataclasses.replace(signature, constraints=()), selftest.BATCH)
     xs = _drawn(signature.inputs, sizes=sizes)
-    params = {p: a for p, (_, a) in own.items()}
+    params = {p: entry.weak.get(p, a) for p, (_, a) in own.items()}  # the model's, weak too
     symbolic = any(isinstance(d, str) for s in signature.inputs for d in s.shape)
     if xs is not None and exported.nr_devices != 1 and symbolic:
         selftest.check_resolves(entry.h.name, exported, params, xs)  # (its vectors skipped)

@@ -249,13 +249,22 @@ def split_over_mesh(x: Any) -> Any:
 
 def placed_struct(shape: Any, x: Any, sharded: bool) -> jax.ShapeDtypeStruct:
     """``x``'s struct at ``shape``, with its sharding where it is split over a mesh and the
-    shape static (JAX splits no symbolic dimension: 'does not evenly divide ... b')."""
+    shape static (JAX splits no symbolic dimension: 'does not evenly divide ... b'), and its
+    weak type (:func:`weakly_typed`)."""
     split = sharded and all(isinstance(d, int) for d in shape)
-    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=split_over_mesh(x) if split else None)
+    sharding = split_over_mesh(x) if split else None
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding, weak_type=weakly_typed(x))
+
+
+def weakly_typed(x: Any) -> bool:
+    """Whether jit traces ``x`` weakly typed (type_promotion.rst): a Python number, or an array
+    that is (``jnp.asarray(2)``). Export traces it so, as the Hybrid did: else a bfloat16
+    model's ``* 0.5`` promotes to float32, an int8 input times ``2`` to int32."""
+    return type(x) in (int, float, complex) or bool(getattr(x, "weak_type", False))
 
 
 def _bare(s: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(s.shape, s.dtype)
+    return jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type)
 
 
 def _ensemble(p_structs: Any, lead: tuple[int, ...]) -> str | None:

@@ -16,7 +16,13 @@ from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import check_paths, param_specs
 from symjax_mlp._compat import without_source_locations
 from symjax_mlp._errors import ArtifactError, ConfigError, SignatureError, first_line
-from symjax_mlp._export_batch import placed_struct, split_over_mesh, trace_placed, unsolvable
+from symjax_mlp._export_batch import (
+    placed_struct,
+    split_over_mesh,
+    trace_placed,
+    unsolvable,
+    weakly_typed,
+)
 from symjax_mlp._export_example import calls_back
 from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
@@ -86,6 +92,8 @@ class Stage:
     baked_keys: bool = False  # rng keys h holds, baked in as constants
     streams: tuple[str, ...] = ()  # the rng streams a call moves (split or counted)
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # settings given
+    weak: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # params jit traces
+    # weakly typed (a Python float), as h holds them
 
 
 def stage(
@@ -125,6 +133,7 @@ def stage(
     placed = {s.path: p for s, x in zip(specs, leaves, strict=True)
               if mine and (p := split_over_mesh(x)) is not None}  # fmt: skip
     in_specs = [placed_struct(s.shape, x, mine) for s, x in zip(in_specs, examples, strict=True)]
+    weak = {s.path: x for s, x in zip(specs, leaves, strict=True) if weakly_typed(x)}
     treedef, paths = jax.tree.structure(stored), tuple(s.path for s in specs)
     fn = constrained(h.mesh, h.axis, fn) if h.mesh is not None else fn
     check_paths(f"export({h.name})", paths)
@@ -139,7 +148,7 @@ def stage(
     return Stage(h, static, in_specs, [specs[i] for i in order], [host_params[i] for i in order],
                  model, batch, shapes is not None, (*constraints,),
                  tuple(placed_struct(x.shape, x, mine) for x in examples),
-                 placed, baked, streams, kw)  # fmt: skip
+                 placed, baked, streams, kw, weak)  # fmt: skip
 
 
 _CLOSED_REF = (
@@ -156,7 +165,8 @@ def export_program(
     """``jax.export`` of one entry point (params by path), its signature, rows verdict and the
     jaxpr it traced (params, *inputs)."""
     h = stage.h
-    p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=stage.placed.get(p))
+    p_structs = {p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=stage.placed.get(p),
+                                         weak_type=p in stage.weak)
                  for p, (_, a) in sorted(own.items())}  # fmt: skip
     jitted, jaxpr = jax.jit(stage.fn), None
     try:

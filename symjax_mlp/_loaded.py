@@ -211,8 +211,14 @@ class LoadedModel(NoPickle):
         tracing = isinstance(e, (*TRACER_ERRORS, jax.errors.UnexpectedTracerError))
         flagged = jax.config.jax_debug_nans or jax.config.jax_debug_infs  # the caller's check
         checked = isinstance(e, FloatingPointError) and flagged
-        if isinstance(e, SymjaxError) or ((tracing or checked) and self.runtime == "jax"):
-            raise  # ours, or the caller's own jax.jit code's or NaN check's, not the artifact's
+        guards = (
+            jax.config.jax_transfer_guard_host_to_device,
+            jax.config.jax_transfer_guard_device_to_device,
+        )
+        guarded = any(str(g).startswith("disallow") for g in guards)  # the caller's transfer guard
+        callers = tracing or checked or guarded
+        if isinstance(e, SymjaxError) or (callers and self.runtime == "jax"):
+            raise  # ours, or the caller's own jax.jit code's, NaN check's or transfer guard's
         if tracing:
             raise ConfigError(
                 f"{self._caller}: the {self.runtime} runtime runs outside JAX, so jax.jit, "

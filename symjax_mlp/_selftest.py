@@ -202,8 +202,10 @@ def vectors(
 @contextlib.contextmanager
 def flags_off() -> Iterator[None]:
     """``jax.debug_nans`` and ``jax.debug_infs`` off: a self-test's NaN or inf is the model's
-    recorded answer, not the caller's bug (under them, load said the artifact was corrupted)."""
-    with jax.debug_nans(False), jax.debug_infs(False):
+    recorded answer, not the caller's bug (under them, load said the artifact was corrupted);
+    ``jax.transfer_guard`` allowing: its vectors' trip to the device is ours, not the caller's
+    unintended transfer (under "disallow", load said the program failed on its vectors)."""
+    with jax.debug_nans(False), jax.debug_infs(False), jax.transfer_guard("allow"):
         yield
 
 

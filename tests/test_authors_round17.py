@@ -1,0 +1,177 @@
+"""Code we did not write, round seventeen: JAX's own docs where no round looked (tests/zoo17.py;
+sources and commit there), over every feature (hybridize, ``h(x)`` equal to the plain
+function, its graph, export + load + call equal, grads/Hessians over the loaded model, a
+Batcher's answers) and what each doc promises of it.
+
+- jit-compilation.md: ``selu`` over every feature, and on the doc's int32 ``jnp.arange``
+  exported and served (float32 out, as jax.jit gives); ``f``'s Python ``if`` and ``g``'s
+  Python ``while`` on ``n``: static as the doc's ``static_argnums``/``static_argnames`` make
+  them, exported with the setting baked in; a traced ``x`` refused naming the fix.
+- type_promotion.rst's weak types: ``2 * x`` of an int8 ``x`` is int8, its ``2`` a Python int
+  or ``jnp.asarray(2)`` in the params or the example; a bfloat16 input times a Python float
+  param stays bfloat16. The loaded model gave int32 and float32 (export traced the ``2`` and
+  the ``0.5`` strongly typed, the Hybrid weakly): now the Hybrid's dtypes and values.
+- precision.md: the ``precision='BF16_BF16_F32'`` dot over every feature; the gradient's
+  transposed dot carries the same algorithm, as the doc's jaxpr shows, through ``h.apply``.
+- debugging.md's ``jax_debug_nans``: its ``f`` raises FloatingPointError from the Hybrid and
+  the loaded model as from ``jax.jit(f)``; exported under the flag; NaN out without it.
+- transfer-guard.rst: under ``jax.transfer_guard("disallow")`` export and load worked not
+  (their self-test's own transfer was refused, load called the artifact's program failed), and
+  a loaded model's NumPy input, refused as jax.jit refuses it, was called a corrupted artifact.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import zoo17
+from features import close, every_feature
+
+import symjax_mlp as sm
+
+
+def _rows(shape=(4, 3), seed=0):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+@pytest.mark.slow
+def test_selu_over_every_feature_and_on_the_docs_int32_arange(tmp_path):
+    """``selu`` of float rows over every feature; of the doc's int32 ``jnp.arange`` (cut to
+    12, as rows of 3): exported with a symbolic batch, loaded and served, float32 as jit's."""
+    h = sm.hybridize(lambda _, x: zoo17.selu(x), {})
+    every_feature(tmp_path, h, zoo17.selu, _rows())
+    x = jnp.arange(-6, 6).reshape(4, 3)
+    sm.export(h, tmp_path / "ints", example=(x,))
+    m = sm.load(tmp_path / "ints")
+    want = jax.jit(zoo17.selu)(x)
+    assert m(np.asarray(x)).dtype == want.dtype == jnp.float32
+    close(m(np.asarray(x)), want)
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        close(b.submit(np.asarray(x[:1])).result(30), want[:1])
+
+
+def test_static_settings_of_the_docs_if_and_while(tmp_path):
+    """``f``'s ``if x > 0`` and ``g``'s ``while i < n``: Python ints are static settings, as the
+    doc's ``static_argnums=0`` / ``static_argnames=['n']`` make them (``g_jit_decorated``
+    too, called inside the model); ``g`` exported with ``n`` baked in; ``f`` of a traced
+    array refused as jax.jit refuses it, naming the static setting."""
+    hf = sm.hybridize(lambda _, x: zoo17.f(x), {}, static_argnums=0)
+    assert hf(10) == jax.jit(zoo17.f, static_argnums=0)(10) and hf(-3) == -6
+    xs = _rows((3, 2))
+    for fn in (zoo17.g, zoo17.g_jit_decorated):
+        h = sm.hybridize(lambda _, x, n, fn=fn: fn(x, n), {}, static_argnames="n")
+        close(h(xs, 20), jax.jit(zoo17.g, static_argnames=["n"])(xs, 20))
+        close(h(xs, n=5), zoo17.g(xs, 5))
+    sm.export(h, tmp_path / "g", example=(xs,), kwargs={"n": 20})
+    close(sm.load(tmp_path / "g")(np.asarray(xs)), zoo17.g(xs, 20))
+    with pytest.raises(sm.ControlFlowError, match="static"):
+        sm.hybridize(lambda _, x: zoo17.f(x), {})(jnp.asarray(10))
+
+
+@pytest.mark.parametrize("two", [2, jnp.asarray(2)], ids=["python_int", "weak_array"])
+def test_a_weak_param_keeps_the_docs_int8_through_export(tmp_path, two):
+    """type_promotion.rst: ``2 * x`` of ``x = jnp.arange(5, dtype='int8')`` is int8; the ``2``
+    held as the params (a Python int, or the doc's weakly typed ``jnp.asarray(2)``). The
+    loaded model gave int32 (``jnp.int32(2) * x``, as the doc warns): export traced the params
+    strongly typed, the Hybrid weakly, as jax.jit does."""
+    x = jnp.arange(5, dtype="int8").reshape(5, 1)
+    h = sm.hybridize(zoo17.net_twice, two)
+    want = jax.jit(zoo17.net_twice)(two, x)
+    assert h(x).dtype == want.dtype == jnp.int8
+    sm.export(h, tmp_path / "m", example=(x,))
+    m = sm.load(tmp_path / "m")
+    got = m(np.asarray(x))
+    assert got.dtype == jnp.int8 and str(m.signature.outputs[0].dtype) == "int8"
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_weak_example_is_traced_as_the_hybrid_traced_it(tmp_path):
+    """The doc's ``jnp.asarray(2)`` as an input of the example: the artifact computes ``2 * x``
+    in int8 as ``h(jnp.asarray(2), x)`` did (it gave int32), and takes any int32 there."""
+    x = jnp.arange(5, dtype="int8")
+    h = sm.hybridize(lambda _, two, x: zoo17.net_twice(two, x), {})
+    two = jnp.asarray(2)
+    assert two.weak_type and h(two, x).dtype == jnp.int8
+    sm.export(h, tmp_path / "m", example=(two, x), batch=None)
+    m = sm.load(tmp_path / "m")
+    for given in (2, np.int32(2)):
+        got = m(given, np.asarray(x))
+        assert got.dtype == jnp.int8
+        np.testing.assert_array_equal(got, h(two, x))
+
+
+@pytest.mark.slow
+def test_bfloat16_rows_times_a_python_float_param_stay_bfloat16(tmp_path):
+    """``tanh(0.5 * x)`` of bfloat16 rows, the ``0.5`` a Python float param: every feature in
+    bfloat16, as jax.jit computes it (the loaded model computed it in float32 and returned
+    float32: values off by bfloat16's rounding, no error)."""
+    params, x = {"scale": 0.5}, _rows((4, 3)).astype(jnp.bfloat16) * 3
+    h = sm.hybridize(zoo17.net_scaled, params)
+    ref = lambda r: jax.jit(zoo17.net_scaled)(params, r)  # noqa: E731
+    m = every_feature(tmp_path, h, ref, x, rtol=1e-2, atol=1e-2)
+    got = m(np.asarray(x))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref(x), np.float32))
+
+
+def _dots(jaxpr):
+    """The precision of each ``dot_general`` in ``jaxpr``, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(str(eqn.params["precision"]))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _dots(inner)
+    return found
+
+
+@pytest.mark.slow
+def test_a_dot_algorithm_over_every_feature_and_in_its_gradient(tmp_path):
+    """precision.md's ``BF16_BF16_F32`` dot over every feature (per row, ``loss`` without
+    its sum); ``loss``'s gradient over ``h.apply`` carries the preset on both dots, the
+    forward and the transposed one, as the doc's jaxpr of ``jax.grad(loss)`` does."""
+    w, x = _rows((8, 2), 1), _rows((4, 8), 2)
+    net = lambda w, x: jnp.dot(x, w, precision="BF16_BF16_F32")  # noqa: E731
+    every_feature(tmp_path, sm.hybridize(net, w), lambda r: net(w, r), x)
+    h = sm.hybridize(lambda w, x: zoo17.loss(x, w), zoo17.w)
+    grad = jax.grad(h.apply)
+    dots = _dots(jax.make_jaxpr(grad)(zoo17.w, zoo17.x).jaxpr)
+    assert len(dots) == 2 and all("BF16_BF16_F32" in d for d in dots)
+    close(grad(zoo17.w, zoo17.x), jax.grad(zoo17.loss, argnums=1)(zoo17.x, zoo17.w))
+
+
+def test_debug_nans_raises_from_the_hybrid_and_the_loaded_model(tmp_path):
+    """debugging.md: under ``jax.debug_nans(True)`` the doc's ``f`` raises FloatingPointError
+    from ``jax.jit(f)``; from the Hybrid and the loaded model too (exported under the flag:
+    its self-test's NaN is the model's answer); without it, NaN as jit's."""
+    h = sm.hybridize(lambda _, x: zoo17.f_nan(x), {})
+    x = jnp.full((2, 3), 5.0)
+    with jax.debug_nans(True):
+        sm.export(h, tmp_path / "m", example=(x,))
+        m = sm.load(tmp_path / "m")
+        for call in (jax.jit(zoo17.f_nan), h, m):
+            with pytest.raises(FloatingPointError):
+                call(x)
+    assert np.isnan(m(x)).all() and np.isnan(jax.jit(zoo17.f_nan)(x)).all()
+
+
+def test_a_transfer_guard_refuses_what_jax_refuses_and_nothing_of_ours(tmp_path):
+    """transfer-guard.rst's ``jax.transfer_guard("disallow")``: export and load run (their
+    self-tests' vectors are ours to move; load said the program failed on them); a loaded
+    model runs on device arrays, and a NumPy input is refused with JAX's own error, as
+    ``jax.jit`` refuses it (it was an ArtifactError calling the artifact corrupted); explicit
+    ``jax.device_put`` passes."""
+    h = sm.hybridize(lambda _, x: zoo17.selu(x), {})
+    x, host = _rows(), np.asarray(_rows())
+    jitted = jax.jit(zoo17.selu)
+    with jax.transfer_guard("disallow"):
+        sm.export(h, tmp_path / "m", example=(x,))
+        m = sm.load(tmp_path / "m")
+        close(m(x), jitted(x))
+        close(m(jax.device_put(host)), jitted(x))
+        for call in (jitted, m):
+            with pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed host-to-device"):
+                call(host)
