@@ -134,3 +134,24 @@ def test_timing_an_artifact_whose_fixed_input_no_memory_holds_never_says_pass_a_
     assert main(["bench", str(art.path), "--trust", "--calls", "1", "--repeats", "1"]) == 2
     err = capsys.readouterr().err
     assert "smaller batch" not in err and "--batch" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("stray", ["symlink", "file"])
+def test_init_from_a_directory_whose_newest_step_is_no_checkpoint_is_refused_naming_it(
+    tmp_path, stray
+):
+    """init_from a directory whose newest step_* is a symlink (to another run's checkpoint, say)
+    or a file: it was passed over, and the new run started, silently, from the older checkpoint
+    beside it (where none was, "holds no step_* checkpoint" though one was named there). A
+    resume refuses it (check_strays); init_from does now, before any work, naming it."""
+    elsewhere = tmp_path / "elsewhere" / "step_00000009"
+    elsewhere.mkdir(parents=True)
+    (tmp_path / "ckpt" / "step_00000004").mkdir(parents=True)  # refused before it is read
+    newest = tmp_path / "ckpt" / "step_00000009"
+    newest.symlink_to(elsewhere) if stray == "symlink" else newest.write_text("")
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.train(epochs=0, init_from=tmp_path / "ckpt")
+    said = str(e.value)
+    assert said.startswith(f"symjax_mlp.training.train(init_from='{tmp_path / 'ckpt'}'): "), said
+    assert f"{newest} is a {stray}, not a checkpoint directory" in said, said
+    assert "newer than step_00000004" in said, said

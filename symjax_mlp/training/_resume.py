@@ -146,7 +146,8 @@ def resume_run(
 def check_init_from(directory: Any, checkpoint: Any) -> None:
     """Refuses an ``init_from`` that is not a path, that the run's ``checkpoint`` directory is,
     holds or is inside (the run would write among the checkpoints it starts from), or that holds
-    Orbax checkpoints only (a multi-process run's: not read)."""
+    Orbax checkpoints only (a multi-process run's: not read), or an entry named like a step
+    newer than its newest checkpoint that is none (a symlink, a file): it would be passed over."""
     caller = f"{_CALLER}(init_from={printable(str(directory))[:200]!r})"
     check_path(directory, caller)
     homes = [os.path.realpath(p) for p in (directory, checkpoint) if p is not None]
@@ -162,6 +163,7 @@ def check_init_from(directory: Any, checkpoint: Any) -> None:
             "init_from does not read: it reads a one-process run's step_* checkpoints. Continue "
             "that run as it was written (resume=True, every process after initialize(...))."
         )
+    check_strays(directory, caller)  # a newer step_* that is none: its newest, passed over
 
 
 def init_run(directory: str | os.PathLike, state: TrainState, config: dict[str, Any]) -> TrainState:
