@@ -1,0 +1,177 @@
+"""Code we did not write, round eighteen (tests/zoo18.py; sources and commit there), over
+every feature: hybridize, ``h(x)`` equal to the plain model, its graph, export + load + call
+equal, grads/Hessians over the loaded model, a Batcher's answers, and what is specific.
+
+- view.md: ``MyModel``'s eval view (``nnx.view(model, deterministic=True,
+  use_running_average=True)``) over every feature, batch symbolic; three of the guide's
+  ``train_step`` (``nnx.Optimizer(..., wrt=nnx.Param)`` over the training view, its
+  ``rngs`` advancing) equal three steps of ``nnx.value_and_grad`` over ``h.apply_with_state``
+  of the training view, the same ``rngs`` passed in; the guide's claim that the views share
+  their weights: a Hybrid of the eval view made before training refuses export (it holds the
+  weights as of hybridize), one made after equals the guide's ``eval_step``.
+  ``nnx.with_attributes``' train and eval ``NoisyLinear`` s and ``nnx.recursive_map``'s
+  ``add_noise``: the noise drawn from the ``rngs`` passed in, call by call as eager.
+- randomness.md: ``sample_from_model`` (``nnx.with_rngs(split=5)`` over an ``nnx.vmap``
+  whose ``in_axes`` is ``nnx.prefix`` of the guide's global ``model``) hybridized over the
+  model: was JAX's ValueError 'vmap in_axes ... different types ... Dropout ... Dropout' (a
+  Hybrid ran the function's layers as subclasses naming their ops); now its samples, call by
+  call, equal the guide's. ``rnn_forward``'s recurrent dropout over an ``nnx.scan``: each
+  call and the cell's ``Count`` as eager.
+- vit_training.md: the ViT (sizes cut, float32) evaluated through ``nnx.view(model,
+  deterministic=True)`` over every feature, batch symbolic; three of the guide's
+  ``train_step`` (``optax.sgd`` with Nesterov momentum on a linear schedule, a fork of the
+  rngs a step) equal the same steps over ``h.apply_with_state``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import zoo18
+from features import close, every_feature
+from flax import nnx
+
+import symjax_mlp as sm
+
+pytestmark = pytest.mark.slow  # each a compile or more (~3 s or more)
+
+
+def _my_model():
+    """view.md's ``rngs``, data and model, as the guide draws them (``ndata`` 16)."""
+    rngs = nnx.Rngs(0)
+    x, y = rngs.normal((16, zoo18.in_dim)), rngs.normal((16, zoo18.out_dim))
+    model = zoo18.MyModel(zoo18.in_dim, zoo18.hidden_dim, zoo18.out_dim, 0.1, rngs=rngs)
+    return model, rngs, x, y
+
+
+def test_view_eval_model_every_feature_and_the_guides_train_steps(tmp_path):
+    """MyModel's eval view over every feature; three of the guide's training steps (its views,
+    its ``nnx.Optimizer``) equal ours over the training view's ``h.apply_with_state``, the
+    same dropout masks drawn from the ``rngs`` each passes in; the eval view hybridized before
+    training refuses export, after it equals the guide's ``eval_step``."""
+    model, rngs, x, y = _my_model()
+    eval_model = nnx.view(model, deterministic=True, use_running_average=True)
+    before = sm.hybridize(eval_model)
+    every_feature(tmp_path, before, eval_model, x)
+
+    h, mine = sm.hybridize(nnx.view(model, deterministic=False)), nnx.clone(rngs)
+    tx = optax.adam(1e-3)
+    params, state, opt = h.params, h.state, tx.init(h.params)
+
+    def loss(p, s, r):
+        out, s = h.apply_with_state(p, s, x, rngs=r)
+        return ((out - y) ** 2).mean(), s
+
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    train_model = nnx.view(model, deterministic=False)  # training view
+    for _ in range(3):
+        (_, state), grads = nnx.value_and_grad(loss, has_aux=True)(params, state, mine)
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+        zoo18.train_step(train_model, optimizer, x, y, rngs)  # use train_model
+    assert int(mine.default.count[...]) == int(rngs.default.count[...])
+    trained = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for p in (params, trained):  # the bias before the BatchNorm: zero grads, adam's noise
+        p["lin1"] = {"kernel": p["lin1"]["kernel"]}
+    close(params, trained, rtol=1e-5, atol=1e-6)
+    close(state["bn"], nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))["bn"], atol=1e-4)
+
+    with pytest.raises(sm.ConfigError, match=r"trained in place since sm\.hybridize"):
+        sm.export(before, tmp_path / "stale", example=(x,))
+    after = sm.hybridize(eval_model)
+    close(((after(x) - y) ** 2).mean(), zoo18.eval_step(eval_model, x, y))
+
+
+def test_with_attributes_and_recursive_map_draw_noise_as_eager():
+    """``nnx.with_attributes``' training ``NoisyLinear`` s draw their noise from the ``rngs``
+    passed to each call, two calls as eager's two; the eval view's exports. ``recursive_map``'s
+    ``add_noise`` leaves ``training`` None (the guide's own call then fails its ``assert``):
+    made a training view, the same."""
+    rngs = nnx.Rngs(0)
+    model = nnx.Sequential(zoo18.NoisyLinear(4, 8, rngs=rngs), zoo18.NoisyLinear(8, 2, rngs=rngs))
+    plain = nnx.Sequential(nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs))
+    noisy = nnx.with_attributes(nnx.recursive_map(zoo18.add_noise, plain), training=True)
+    x = jnp.ones((3, 4))
+    for m in (nnx.with_attributes(model, training=True), noisy):
+        h, ours, theirs = sm.hybridize(m), nnx.Rngs(7), nnx.Rngs(7)
+        first = h(x, rngs=ours)
+        close(first, m(x, rngs=theirs))
+        close(h(x, rngs=ours), m(x, rngs=theirs))
+        assert not np.allclose(first, h(x, rngs=ours))  # the stream moved on
+    eval_model = nnx.with_attributes(model, training=False)
+    close(sm.hybridize(eval_model)(x), eval_model(x))
+
+
+def test_randomness_guides_sample_from_model_over_a_hybrid():
+    """The guide's ``sample_from_model`` (its ``in_axes``: ``nnx.prefix`` of its global
+    ``model``) hybridized over that model: JAX's ValueError 'vmap in_axes specification must
+    be a tree prefix ... Dropout ... Dropout' (the Hybrid ran the layers as subclasses naming
+    their ops, no longer of the prefix's types); now two calls equal the guide's two on a
+    twin, the five masks not one, and the stream advanced as the twin's."""
+    twin = zoo18.Model(nnx.Rngs(params=0, dropout=1))
+    h = sm.hybridize(zoo18.sample_from_model, zoo18.model)
+    x = jnp.ones((1, 20))
+    for _ in range(2):
+        got = h(x)
+        close(got, zoo18.sample_from_model(twin, x))
+        assert got.shape == (5, 1, 10) and len({np.asarray(s).tobytes() for s in got}) > 1
+    held = h.state["drop"]["rngs"]["count"]
+    assert int(held) == int(twin.drop.rngs.count[...]) == 2
+    assert h.graph(x).primitive_counts["dot_general"] >= 1
+
+
+def test_randomness_guides_recurrent_dropout_over_a_hybrid():
+    """``rnn_forward`` (``nnx.with_rngs(broadcast=)``, ``nnx.scan``) hybridized over a cell
+    (din 3, dout 4): two calls as the guide's two on a twin, and the cell's ``Count`` of steps
+    as the twin's."""
+    cell = zoo18.RNNCell(3, 4, nnx.Rngs(params=0, recurrent_dropout=1))
+    twin = zoo18.RNNCell(3, 4, nnx.Rngs(params=0, recurrent_dropout=1))
+    xs = jax.random.normal(jax.random.key(0), (2, 5, 3))
+    h = sm.hybridize(zoo18.rnn_forward, cell)
+    for _ in range(2):
+        close(h(xs), zoo18.rnn_forward(twin, xs))
+    assert int(h.state["count"]) == int(twin.count[...]) == 10
+
+
+def _vit():
+    config = zoo18.ModelConfig(num_classes=3, in_channels=1, img_size=4, patch_size=2,
+                               num_layers=1, num_heads=2, mlp_dim=16, hidden_size=8,
+                               use_bfloat16=False)  # fmt: skip
+    return zoo18.VisionTransformer(config, rngs=nnx.Rngs(1))
+
+
+def test_vit_eval_view_every_feature_and_the_guides_train_steps(tmp_path):
+    """The ViT's eval view over every feature (compared with the view under ``jax.jit``:
+    Hessians of it eager take half a minute); three of the guide's ``train_step`` (its
+    ``nnx.Optimizer``, a fork of ``nnx.Rngs(12)`` a step) equal three over
+    ``h.apply_with_state``, each given an ``nnx.Rngs`` of the same fork's key."""
+    model = _vit()
+    x = jax.random.normal(jax.random.key(0), (5, 4, 4, 1))
+    labels = jnp.array([0, 1, 2, 1, 0])
+    eval_model = nnx.view(model, deterministic=True)
+    allow = {"convolution", "dynamic_gather", "real_dynamic_slice", "scatter"}
+    ref = jax.jit(lambda r: eval_model(r))
+    every_feature(tmp_path, sm.hybridize(eval_model), ref, x, allow=allow)
+
+    h = sm.hybridize(nnx.view(model, deterministic=False))
+    tx = optax.sgd(optax.linear_schedule(1e-3, 0.0, 10), 0.8, nesterov=True)
+    params, state, opt = h.params, h.state, tx.init(h.params)
+
+    def loss(p, s, key):
+        logits, s = h.apply_with_state(p, s, x, rngs=nnx.Rngs(key))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), s
+
+    theirs = _vit()
+    optimizer = nnx.Optimizer(theirs, tx, wrt=nnx.Param)
+    ours_rngs, their_rngs, ours, want = nnx.Rngs(12), nnx.Rngs(12), [], []
+    for _ in range(3):
+        key = ours_rngs.fork().default.key[...]
+        (value, state), grads = jax.value_and_grad(loss, has_aux=True)(params, state, key)
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+        ours.append(value)
+        train_view = nnx.view(theirs, deterministic=False)
+        want.append(zoo18.vit_train_step(train_view, optimizer, their_rngs, (x, labels)))
+    close(ours, want)
+    close(params, nnx.to_pure_dict(nnx.state(theirs, nnx.Param)))

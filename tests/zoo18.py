@@ -1,0 +1,355 @@
+"""Code we did not write, round eighteen: Flax NNX's newest guides, as their authors wrote them
+(sizes cut where said), for tests/test_authors_round18.py.
+
+google/flax at 18f8f311c275d57f46d95e41b15aa97b454754c0:
+
+- docs_nnx/guides/view.md: ``MyModel`` (Linear, Dropout drawing from the ``rngs`` passed in,
+  BatchNorm, Linear), its ``train_step`` (``nnx.Optimizer(model, tx, wrt=nnx.Param)`` over
+  the ``nnx.view(model, deterministic=False)`` training view) and ``eval_step``;
+  ``NoisyLinear`` (made train or eval by ``nnx.with_attributes``) and ``add_noise`` (every
+  ``nnx.Linear`` made a ``NoisyLinear`` by ``nnx.recursive_map``).
+- docs_nnx/guides/randomness.md, as it is at this commit (round six took it at 06611168):
+  "Splitting implicit random state", the implicit-rngs ``Model`` sampled five times by
+  ``sample_from_model`` (``nnx.with_rngs(split=5)`` over an ``nnx.vmap`` whose ``in_axes``
+  is ``nnx.prefix`` of the guide's global ``model``, ``graph=False``); "Transforming implicit
+  state", ``RNNCell`` and ``rnn_forward`` (one recurrent dropout mask broadcast over the
+  steps by ``nnx.with_rngs(broadcast=...)``, an ``nnx.scan``, ``graph=False``); sizes cut.
+- docs_nnx/examples/vit_training.md: ``ShardingConfig``, ``ModelConfig``,
+  ``VisionTransformer`` and ``TransformerEncoder`` (``out_sharding=`` at each layer; Dropout
+  and attention dropout drawing from the ``rngs`` passed in), ``compute_losses_and_logits``
+  and ``train_step`` (``nnx.Optimizer`` of ``optax.sgd`` with Nesterov momentum, a fork of
+  the rngs a step); the config's sizes are cut by the test, its Food-101 data left out.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+# --- docs_nnx/guides/view.md ------------------------------------------------------------------
+
+in_dim, hidden_dim, out_dim = 4, 8, 2  # the guide's 16, 32, 2
+
+
+class MyModel(nnx.Module):
+    def __init__(
+        self,
+        in_dim: int,
+        hidden_dim: int,
+        out_dim: int,
+        dropout_rate: float,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        self.lin1 = nnx.Linear(in_dim, hidden_dim, rngs=rngs)
+        self.do = nnx.Dropout(dropout_rate)
+        self.bn = nnx.BatchNorm(hidden_dim, rngs=rngs)
+        self.lin2 = nnx.Linear(hidden_dim, out_dim, rngs=rngs)
+
+    def __call__(self, x, *, rngs=None):
+        x = nnx.relu(self.do(self.bn(self.lin1(x)), rngs=rngs))
+        return self.lin2(x)
+
+
+@nnx.jit
+def train_step(model, optimizer, x, y, rngs):
+    def loss_fn(model, rngs):
+        return ((model(x, rngs=rngs) - y) ** 2).mean()
+
+    grads = nnx.grad(loss_fn)(model, rngs)
+    optimizer.update(model, grads)
+
+
+@nnx.jit
+def eval_step(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+class NoisyLinear(nnx.Module):
+    def __init__(self, din, dout, *, training=None, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(din, dout, rngs=rngs)
+        self.training = training
+
+    def __call__(self, x, rngs=None):
+        assert self.training is not None
+        x = self.linear(x)
+        if self.training:
+            x = x + rngs.normal(x.shape) * 0.1
+        return x
+
+
+def add_noise(path, node):
+    if isinstance(node, nnx.Linear):
+        noisy = nnx.eval_shape(
+            lambda: NoisyLinear(node.in_features, node.out_features, rngs=nnx.Rngs(0))
+        )
+        noisy.linear = node
+        return noisy
+    return node
+
+
+# --- docs_nnx/guides/randomness.md --------------------------------------------------------------
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(20, 10, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(self.drop(self.linear(x)))
+
+
+model = Model(nnx.Rngs(params=0, dropout=1))
+
+in_axes = nnx.prefix(model, {"dropout": 0, ...: None}, graph=False)
+
+
+@nnx.with_rngs(split=5, only="dropout", graph=False)
+@nnx.vmap(in_axes=(in_axes, None), out_axes=0, graph=False)
+def sample_from_model(model, x):
+    return model(x)
+
+
+class Count(nnx.Variable):
+    pass
+
+
+class RNNCell(nnx.Module):
+    def __init__(self, din, dout, rngs):
+        self.linear = nnx.Linear(dout + din, dout, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs, rng_collection="recurrent_dropout")
+        self.dout = dout
+        self.count = Count(jnp.array(0, jnp.uint32))
+
+    def __call__(self, h, x) -> tuple[jax.Array, jax.Array]:
+        h = self.drop(h)  # Recurrent dropout.
+        y = nnx.relu(self.linear(jnp.concatenate([h, x], axis=-1)))
+        self.count[...] = self.count[...] + 1
+        return y, y
+
+    def initial_state(self, batch_size: int):
+        return jnp.zeros((batch_size, self.dout))
+
+
+@nnx.jit(graph=False)
+def rnn_forward(cell: RNNCell, x: jax.Array):
+    h = cell.initial_state(batch_size=x.shape[0])
+    # Broadcast the 'recurrent_dropout' PRNG state to have the same mask on every step.
+    broadcast_cell = nnx.with_rngs(cell, broadcast=x.shape[1], graph=False)
+    in_axes = nnx.prefix(broadcast_cell, {"recurrent_dropout": 0, ...: None}, graph=False)
+
+    @nnx.scan(in_axes=(in_axes, nnx.Carry, 1), out_axes=(nnx.Carry, 1), graph=False)
+    def unroll(cell, h, x) -> tuple[jax.Array, jax.Array]:
+        h, y = cell(h, x)
+        return h, y
+
+    _, y = unroll(broadcast_cell, h, x)
+    return y
+
+
+# --- docs_nnx/examples/vit_training.md ----------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class ShardingConfig:
+    attn_qkvo_weight_ndh: P | None = None  # sharding for Q, K, V, Out weights
+    mlp_weight_df: P | None = None
+    mlp_weight_fd: P | None = None
+    act_btd: P | None = None  # sharding of the activation (B, T, D)
+    act_btf: P | None = None
+    act_btnh: P | None = None
+    act_bc: P | None = None  # sharding of the final logits
+    fsdp_axis_name: str = "fsdp"
+
+    @staticmethod
+    def no_sharding():
+        return ShardingConfig()
+
+    @staticmethod
+    def fsdp_sharding(fsdp_axis_name: str = "fsdp"):
+        fsdp = fsdp_axis_name
+        return ShardingConfig(
+            attn_qkvo_weight_ndh=P(None, fsdp, None),
+            mlp_weight_df=P(fsdp, None),
+            mlp_weight_fd=P(None, fsdp),
+            act_btd=P(fsdp, None, None),
+            act_btf=P(fsdp, None, None),
+            act_btnh=P(fsdp, None, None, None),
+            act_bc=P(fsdp, None),
+            fsdp_axis_name=fsdp_axis_name,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    num_classes: int = 1000
+    in_channels: int = 3
+    img_size: int = 224
+    patch_size: int = 16
+    num_layers: int = 12
+    num_heads: int = 12
+    mlp_dim: int = 3072
+    hidden_size: int = 768
+    dropout_rate: float = 0.1
+    sharding: ShardingConfig = ShardingConfig.no_sharding()  # noqa: RUF009 - as written
+    use_bfloat16: bool = True
+
+
+class VisionTransformer(nnx.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        act_dtype = jnp.bfloat16 if config.use_bfloat16 else jnp.float32
+        param_dtype = jnp.float32
+        n_patches = (config.img_size // config.patch_size) ** 2
+        self.patch_embeddings = nnx.Conv(
+            config.in_channels,
+            config.hidden_size,
+            kernel_size=(config.patch_size, config.patch_size),
+            strides=(config.patch_size, config.patch_size),
+            padding="VALID",
+            use_bias=True,
+            dtype=act_dtype,  # activations dtype
+            param_dtype=param_dtype,  # weights dtype
+            rngs=rngs,
+        )
+
+        initializer = jax.nn.initializers.truncated_normal(stddev=0.02)
+        self.position_embeddings = nnx.Param(
+            initializer(rngs.params(), (1, n_patches + 1, config.hidden_size), param_dtype)
+        )  # Shape `(1, n_patches +1, hidden_size`)
+        self.dropout = nnx.Dropout(config.dropout_rate)
+
+        self.cls_token = nnx.Param(jnp.zeros((1, 1, config.hidden_size), dtype=param_dtype))
+
+        self.encoder = nnx.Sequential(*[
+            TransformerEncoder(config, rngs=rngs) for i in range(config.num_layers)
+        ])  # fmt: skip
+        self.final_norm = nnx.LayerNorm(
+            config.hidden_size, rngs=rngs, dtype=act_dtype, param_dtype=param_dtype
+        )
+        self.classifier = nnx.Linear(
+            config.hidden_size,
+            config.num_classes,
+            rngs=rngs,
+            dtype=act_dtype,
+            param_dtype=param_dtype,
+        )
+        self.config = config
+
+    def embed(self, x: jax.Array) -> jax.Array:
+        patches = self.patch_embeddings(x, out_sharding=self.config.sharding.act_btd)
+        batch_size = patches.shape[0]
+        patches = patches.reshape(batch_size, -1, patches.shape[-1])
+
+        cls_token = jnp.tile(self.cls_token.astype(x.dtype), (batch_size, 1, 1))
+        if self.config.sharding.act_btd is not None:
+            cls_token = jax.device_put(cls_token, device=self.config.sharding.act_btd)
+        x = jnp.concat([cls_token, patches], axis=1)
+        return x + self.position_embeddings.astype(x.dtype)
+
+    def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        x = self.embed(x)
+        x = self.dropout(x, rngs=rngs)
+        x = self.encoder(x, rngs=rngs)
+        x = self.final_norm(x)
+        x = x[:, 0]
+        return self.classifier(x, out_sharding=self.config.sharding.act_bc)
+
+
+class TransformerEncoder(nnx.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+    ) -> None:
+        act_dtype = jnp.bfloat16 if config.use_bfloat16 else jnp.float32
+        param_dtype = jnp.float32
+
+        self.norm1 = nnx.LayerNorm(
+            config.hidden_size, rngs=rngs, dtype=act_dtype, param_dtype=param_dtype
+        )
+        self.mha = nnx.MultiHeadAttention(
+            num_heads=config.num_heads,
+            in_features=config.hidden_size,
+            dropout_rate=config.dropout_rate,
+            broadcast_dropout=False,
+            decode=False,
+            deterministic=False,
+            kernel_metadata={"out_sharding": config.sharding.attn_qkvo_weight_ndh},
+            out_kernel_metadata={"out_sharding": config.sharding.attn_qkvo_weight_ndh},
+            keep_rngs=False,
+            dtype=act_dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.norm2 = nnx.LayerNorm(config.hidden_size, rngs=rngs)
+        self.mlp_up_proj = nnx.Linear(
+            config.hidden_size,
+            config.mlp_dim,
+            kernel_metadata={"out_sharding": config.sharding.mlp_weight_df},
+            dtype=act_dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.mlp_down_proj = nnx.Linear(
+            config.mlp_dim,
+            config.hidden_size,
+            kernel_metadata={"out_sharding": config.sharding.mlp_weight_fd},
+            dtype=act_dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.mlp_drop = nnx.Dropout(config.dropout_rate, rngs=rngs)
+        self.config = config
+
+    def attn(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        return self.mha(
+            x,
+            rngs=rngs,
+            out_sharding=self.config.sharding.act_btd,
+            qkv_sharding=self.config.sharding.act_btnh,
+        )
+
+    def mlp(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        x = self.mlp_up_proj(x, out_sharding=self.config.sharding.act_btf)
+        x = nnx.gelu(x)
+        x = self.mlp_drop(x, rngs=rngs)
+        x = self.mlp_down_proj(x, out_sharding=self.config.sharding.act_btd)
+        return self.mlp_drop(x, rngs=rngs)
+
+    def __call__(self, x: jax.Array, rngs: nnx.Rngs | None = None) -> jax.Array:
+        x = x + self.attn(self.norm1(x), rngs=rngs)
+        x = x + self.mlp(self.norm2(x), rngs=rngs)
+        return x
+
+
+def compute_losses_and_logits(
+    model: nnx.Module, images: jax.Array, labels: jax.Array, rngs: nnx.Rngs | None = None
+) -> tuple[jax.Array, jax.Array]:
+    logits = model(images, rngs=rngs)
+
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits=logits.astype(jnp.float32), labels=labels
+    ).mean()
+    return loss, logits
+
+
+@nnx.jit(donate_argnames=("model", "optimizer"))
+def vit_train_step(  # the guide's train_step (view.md's is above)
+    model: nnx.Module, optimizer: nnx.Optimizer, rngs: nnx.Rngs, batch: tuple[jax.Array, jax.Array]
+):
+    images, labels = batch
+    grad_fn = nnx.value_and_grad(compute_losses_and_logits, has_aux=True)
+    (loss, _), grads = grad_fn(model, images, labels, rngs.fork())
+    optimizer.update(model, grads)
+
+    return loss
