@@ -155,3 +155,15 @@ def test_init_from_a_directory_whose_newest_step_is_no_checkpoint_is_refused_nam
     assert said.startswith(f"symjax_mlp.training.train(init_from='{tmp_path / 'ckpt'}'): "), said
     assert f"{newest} is a {stray}, not a checkpoint directory" in said, said
     assert "newer than step_00000004" in said, said
+
+
+def test_a_staticmethod_object_is_hybridized_as_the_function_it_holds():
+    """``sm.hybridize(Model.__dict__["apply"], params)``, a staticmethod object (callable since
+    Python 3.10): hybridize took it for a bound method, as it has a ``__func__``, and raised
+    AttributeError: 'staticmethod' object has no attribute '__self__'."""
+
+    def scale(p, x):
+        return x * p
+
+    h = sm.hybridize(staticmethod(scale), jnp.float32(2))
+    np.testing.assert_array_equal(h.eager(jnp.ones(2)), scale(jnp.float32(2), jnp.ones(2)))

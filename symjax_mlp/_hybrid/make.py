@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -112,7 +111,8 @@ def hybridize(
     """
     if isinstance(model, Hybrid):
         raise ConfigError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
-    method = inspect.ismethod(model) or hasattr(model, "__func__")  # equinox's BoundMethod too
+    # a bound method (equinox's BoundMethod too); a staticmethod object has no __self__
+    method = hasattr(model, "__self__") and hasattr(model, "__func__")
     owner = _flax_kind(model.__self__) if method else None
     if owner in ("nnx", "eqx") and params is None:  # model.encode: encode(model, *inputs)
         name, model, params = name or model.__name__, model.__func__, model.__self__
