@@ -24,6 +24,7 @@ from symjax_mlp._errors import ConfigError, SymjaxError
 from symjax_mlp._reader import Reader
 
 MANIFEST = "manifest.json"
+SIGNATURE = "model.sig"  # symjax_mlp.sign's, beside the files the manifest lists
 
 _AT_FDCWD, _RENAME_NOREPLACE, _RENAME_EXCHANGE = -100, 1, 2
 _UNSUPPORTED = (22, 38, 95)  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot do it

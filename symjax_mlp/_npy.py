@@ -263,6 +263,10 @@ def _key_size(impl: str) -> int:
     return int(jax.random.key_data(jax.random.key(0, impl=impl)).shape[-1])
 
 
+#: why an array a user's code made is float64 where it was float32 before
+X64 = " (jax_enable_x64 is on: jnp.ones, jnp.asarray of Python floats and jax.random make float64)"
+
+
 def dtype_refused(caller: str, spec: TensorSpec, x: Any, given: Any) -> str:
     """The message for a call's input ``x`` (``given`` as the caller passed it) of a dtype not
     ``spec``'s: for rng keys, how to make them (:func:`_key_refused`); else the values a cast
@@ -270,8 +274,12 @@ def dtype_refused(caller: str, spec: TensorSpec, x: Any, given: Any) -> str:
     if spec.dtype.startswith("key<"):
         return _key_refused(caller, spec, x)
     if not (held := out_of_range(x, spec.dtype)):
+        import jax
+
+        made = isinstance(given, jax.Array) and jax.config.jax_enable_x64  # by jnp, not np
+        why = X64 if x.dtype == "float64" and made else ""
         return (
-            f"{caller}: input {spec.path} has dtype {x.dtype} but the artifact expects "
+            f"{caller}: input {spec.path} has dtype {x.dtype}{why} but the artifact expects "
             f"{spec.type}. Cast it: x.astype({cast_to(spec.dtype)})."
         )
     python = "" if hasattr(given, "dtype") else f" (a Python {type(given).__name__})"

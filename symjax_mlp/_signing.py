@@ -23,10 +23,9 @@ from typing import Any
 
 from symjax_mlp._artifact.format import MAX_MANIFEST_BYTES, printable, unique_pairs
 from symjax_mlp._errors import ArtifactError, ConfigError
-from symjax_mlp._files import MANIFEST, exhausted, sha256, write_file_atomic
+from symjax_mlp._files import MANIFEST, SIGNATURE, exhausted, sha256, write_file_atomic
 from symjax_mlp._reader import read_regular
 
-SIGNATURE = "model.sig"
 MAX_ENTRIES = 4096
 MAX_SIGNATURE_BYTES = 1 << 20
 
@@ -309,6 +308,12 @@ def check(
             files = _MISMATCH.findall(str(e))  # not their digests
             why = f"{type(e).__name__}: {str(e)[:400].rstrip('. ')}"
             why = f"it signs other contents of {', '.join(files[:8])}" if files else why
+            if not files and "Key mismatch" in str(e):  # the files may be as signed: the key is not
+                raise ArtifactError(
+                    f"{head}: the signature {SIGNATURE} does not verify with {printable(str(key))}"
+                    ": it was made with another key (model-signing's Key mismatch), whose public "
+                    "key this is not: refusing it. Ask its author for that public key."
+                ) from None
             raise _refused(head, key, why) from None
         signed = _digests(copy.read_bytes())
     added = sorted(f for f, entry in before.items() if entry[4] and f not in {*signed, SIGNATURE})

@@ -33,9 +33,11 @@ from symjax_mlp._artifact.ops import ModuleReport, show_keys
 from symjax_mlp._artifact.signature import Signature
 from symjax_mlp._artifact.weights import read_safetensors_file
 from symjax_mlp._errors import ArtifactError, artifact_path
-from symjax_mlp._files import MANIFEST
+from symjax_mlp._files import MANIFEST, SIGNATURE
 from symjax_mlp._reader import hash_regular, read_regular
 from symjax_mlp._specs import TensorSpec
+
+_CARD = 300  # the characters of a model card's key or value that __str__ shows
 
 USED = (JAXEXPORT, MLIRBC, PARAMS)  # the files a loader reads into memory; others are hashed
 
@@ -160,7 +162,12 @@ class Artifact:
             lines.append(f"loads in   JAX releases until {until} (jax.export window)")
         for key, value in (m.get("metadata") or {}).items():
             shown = value if isinstance(value, str) else json.dumps(thaw(value))
-            lines.append(f"card       {key}: {shown}")
+            cut = len(shown) - _CARD
+            more = f"... ({cut:,} more: .metadata holds it whole)" if cut > 0 else ""
+            lines.append(f"card       {key[:_CARD]}: {shown[:_CARD]}{more}")  # never megabytes
+        if (self.path / SIGNATURE).is_file():  # someone's signed artifact: say how to check it
+            lines.append(f"signed     {SIGNATURE}, not verified by inspect: load(path, verify_"
+                         "signature=PUBLIC_KEY) checks that it signs every file")  # fmt: skip
         lines.append("files      sha256")
         width = max(20, *map(len, m["files"]))
         for k, f in m["files"].items():
