@@ -238,11 +238,40 @@ _NO_PICKLE = (
 )
 
 
+_MODES = "a linen model's flag is an argument of the call, h(x, train=False); an nnx module's "
+_WEIGHTS = "a dict of arrays by layer; a Dense kernel is (in, out), a torch.nn.Linear weight's "
+_TAPE = "JAX records no tape: a call computes no gradients, and none is kept; "
+#: PyTorch's names a Hybrid and a loaded model lack, and their own ways: (names, h's, m's)
+_TORCH = (
+    (("eval", "train"), f"it has no mode of its own: {_MODES}module.eval() and .train() switch it",
+     "it runs as it was exported: one program, its settings fixed at export"),
+    (("state_dict", "parameters", "named_parameters", "load_state_dict"),
+     f"its weights are h.params, {_WEIGHTS}transpose; new ones: h.replace(params=...)",
+     "its weights are m.params, by name; other weights: load(path, params=...)"),
+    (("no_grad", "zero_grad", "requires_grad_", "backward", "detach"),
+     f"{_TAPE}take them with jax.grad of h.apply(params, x) over params",
+     f"{_TAPE}jax.grad(lambda x: m(x).sum())(x) takes them (export with vjp_order=1)"),
+    (("save",), "sm.export(h, path, example=x) writes what sm.load(path) runs with no source "
+     "(as torch.jit.save and torch.jit.load)", None),
+    (("forward",), "call it: h(x) compiled, h.eager(x) op by op", "call it: m(x)"),
+    (("to", "cuda", "cpu"), "JAX places arrays, not models: jax.device_put(x, device); "
+     "h.shard(mesh) runs it over several devices", None),
+)  # fmt: skip
+TORCH_NAMES = {n: {"Hybrid": h, "LoadedModel": m} for names, h, m in _TORCH for n in names}
+
+
 class NoPickle:
     """A base of a :class:`Hybrid` and a loaded model: ``pickle`` refuses them, saying what to
-    do instead (``_INSTEAD``); ``copy.copy`` shares their fields (``deepcopy``: their own)."""
+    do instead (``_INSTEAD``); ``copy.copy`` shares their fields (``deepcopy``: their own); a
+    name PyTorch's modules have and they lack says what to use (:data:`TORCH_NAMES`)."""
 
     _INSTEAD = ""
+
+    def __getattr__(self, name: str) -> Any:  # only a name not found: never on a call's path
+        kind = type(self).__name__
+        how = TORCH_NAMES.get(name, {}).get(kind)
+        said = f"'{kind}' object has no attribute '{name}'"
+        raise AttributeError(f"{said}; {how}" if how else said, name=name, obj=self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         kind = type(self).__name__

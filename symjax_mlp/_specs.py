@@ -64,6 +64,16 @@ _UNSERIALIZABLE = (
 )
 
 
+def input_specs(args: Any, kwargs: Any) -> list[TensorSpec]:
+    """A spec of each array leaf of a call's ``(args, kwargs)``, by path: for a message."""
+    leaves = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    return [
+        TensorSpec(("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:]),
+                   shape_dims(x.shape), str(x.dtype))
+        for p, x in leaves if hasattr(x, "shape") and hasattr(x, "dtype")
+    ]  # fmt: skip
+
+
 def ensemble_member(shapes: Mapping[str, Any], rows: tuple) -> tuple[str, tuple] | None:
     """The first ``(path, shape)`` of the params' ``shapes`` if every one leads with ``rows``,
     the example's: an ensemble's members, one per row, which take no batch; else ``None``."""

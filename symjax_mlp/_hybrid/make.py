@@ -94,7 +94,11 @@ def hybridize(
         :func:`~symjax_mlp.export` still take them as inputs. Not with :meth:`Hybrid.shard`.
 
     Returns:
-      A :class:`Hybrid`; ``h(x)`` is XLA-compiled, ``h.eager(x)`` imperative.
+      A :class:`Hybrid`; ``h(x)`` is XLA-compiled, ``h.eager(x)`` imperative. ``h(x)`` returns
+      once its program is dispatched (JAX's asynchronous dispatch; a PyTorch call on CPU returns
+      when done): to time a loop of calls, wait for them (``jax.block_until_ready(h(x))`` on the
+      last) or use :func:`~symjax_mlp.timeit`. A ``print`` in the model runs when it is traced,
+      once per input signature, not on every call (``jax.debug.print`` does; export refuses it).
 
     Raises:
       TypeError: ``model`` is none of the above, or params are missing or superfluous.

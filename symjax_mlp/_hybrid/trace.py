@@ -25,7 +25,7 @@ from symjax_mlp._errors import (
     refuse_two_devices,
 )
 from symjax_mlp._hybrid.args import NOT_AN_INPUT, NOT_AN_INPUT_FIX, inputs_after, path_of, rebuild
-from symjax_mlp._specs import TensorSpec, shape_dims
+from symjax_mlp._specs import TensorSpec, input_specs
 
 TRACER_ERRORS = (
     jax.errors.ConcretizationTypeError,  # includes TracerBoolConversionError
@@ -56,9 +56,15 @@ def control_flow_error(name: str, e: Exception) -> ControlFlowError:
 
 _PARAM_SHAPE = (
     "{name}: the inputs ({inputs}) do not fit the params: param {param} has shape {have}, and "
-    "these inputs make it {want}. The params were made for inputs of other shapes (model.init "
-    "fixes each layer's input width): pass inputs of those shapes, or init the model again for "
-    "these.{symbolic}"
+    "these inputs make it {want}. {fix}"
+)
+_OTHER_INPUTS = (
+    "The params were made for inputs of other shapes (model.init fixes each layer's input width): "
+    "pass inputs of those shapes, or init the model again for these."
+)
+_TRANSPOSED = (  # a PyTorch user's weights, copied in as they are
+    "It holds the transpose: a Dense kernel is (in, out), a torch.nn.Linear weight (out, in). "
+    "Copying a PyTorch model's weights, pass each weight.T as its kernel."
 )
 _SYMBOLIC_WIDTH = (
     " A param's shape is fixed, so a dimension it depends on cannot be symbolic: in export's "
@@ -89,26 +95,19 @@ _PRODUCT_SHAPE = (
 )
 
 
-def _input_specs(args: Any, kwargs: Any) -> list[TensorSpec]:
-    leaves = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
-    return [
-        TensorSpec(("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:]),
-                   shape_dims(x.shape), str(x.dtype))
-        for p, x in leaves if hasattr(x, "shape") and hasattr(x, "dtype")
-    ]  # fmt: skip
-
-
 def unfit_input(name: str, error: Exception, args: Any, kwargs: Any) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for flax's ``ScopeParamShapeError``: the
     inputs (by path, shape, dtype) that do not fit a param's shape; ``None`` if unparsed."""
     if (found := _SCOPE_PARAM_SHAPE.search(message(error))) is None:
         return None
     param, scope, want, have = found.groups()
-    inputs = ", ".join(map(str, _input_specs(args, kwargs))) or "none"
-    symbolic = _SYMBOLIC_WIDTH if re.search(r"[A-Za-z_]", want) else ""
+    inputs = ", ".join(map(str, input_specs(args, kwargs))) or "none"
+    fix = _OTHER_INPUTS + (_SYMBOLIC_WIDTH if re.search(r"[A-Za-z_]", want) else "")
+    if have != want and re.findall(r"\w+", have) == re.findall(r"\w+", want)[::-1]:
+        fix = _TRANSPOSED
     return SignatureError(
         _PARAM_SHAPE.format(name=name, inputs=inputs, have=have, want=want,
-                            param=f"{scope.strip('/')}/{param}".lstrip("/"), symbolic=symbolic)
+                            param=f"{scope.strip('/')}/{param}".lstrip("/"), fix=fix)
     )  # fmt: skip
 
 
@@ -145,7 +144,7 @@ def unfit_call(
     for flax's ``ZeroDivisionError``, an input with a dimension of size 0 (a param's initializer
     divided by it), else its ``ScopeParamShapeError`` (:func:`unfit_input`); or ``None``."""
     if isinstance(error, ZeroDivisionError):
-        specs = _input_specs(args, kwargs)
+        specs = input_specs(args, kwargs)
         if not any(0 in s.shape for s in specs):
             return None
         return SignatureError(_EMPTY.format(name=name, inputs=", ".join(map(str, specs))))
@@ -155,7 +154,7 @@ def unfit_call(
         return unbound
     if (found := _PRODUCT.search(message(error))) is None:
         return None
-    specs = _input_specs(args, kwargs)  # x @ w (flax); w @ x (equinox's Linear): axis -1
+    specs = input_specs(args, kwargs)  # x @ w (flax); w @ x (equinox's Linear): axis -1
     for got, want, axis in ((found[1], found[2], 0), (found[2], found[1], -1)):
         weights = [  # got: a size, or a symbolic dimension's name
             f"{jax.tree_util.keystr(p, simple=True, separator='/')} {tuple(x.shape)}"
