@@ -167,3 +167,25 @@ def test_a_staticmethod_object_is_hybridized_as_the_function_it_holds():
 
     h = sm.hybridize(staticmethod(scale), jnp.float32(2))
     np.testing.assert_array_equal(h.eager(jnp.ones(2)), scale(jnp.float32(2), jnp.ones(2)))
+
+
+@pytest.mark.slow  # an export, inspected twice (~1-3 s)
+def test_inspect_shows_a_model_card_of_megabytes_cut_and_says_where_it_is_whole(tmp_path, capsys):
+    """An artifact whose card (export's metadata=) holds a value of a megabyte, or thousands of
+    keys: ``symjax-mlp inspect`` (``str(sm.inspect(path))``) printed all of it, a line of a
+    megabyte to the terminal; every other manifest string a message shows is cut."""
+    from symjax_mlp.cli import main
+
+    card = {"inputs": "x" * 1_000_000, **{f"k{i}": i for i in range(60)}}
+    h = sm.hybridize(lambda p, x: x @ p, jnp.ones((4, 3)))
+    art = sm.export(h, tmp_path / "a", example=jnp.ones((2, 4)), metadata=card)
+    shown = str(sm.inspect(art.path))
+    assert len(shown) < 20_000, len(shown)
+    assert "card       inputs: " + "x" * 300 + "... (999,700 more: .metadata holds it whole)" in (
+        shown
+    )
+    assert "card       k48: 48\n" in shown and "k49" not in shown, shown
+    assert "card       and 11 more keys (in .metadata)" in shown
+    assert sm.inspect(art.path).metadata == card  # the card itself, whole
+    assert main(["inspect", str(art.path)]) == 0
+    assert len(capsys.readouterr().out) < 20_000

@@ -37,7 +37,7 @@ from symjax_mlp._files import MANIFEST, SIGNATURE
 from symjax_mlp._reader import hash_regular, read_regular
 from symjax_mlp._specs import TensorSpec
 
-_CARD = 300  # the characters of a model card's key or value that __str__ shows
+_CARD, _CARD_KEYS = 300, 50  # the characters of a card's key or value, its keys, __str__ shows
 
 USED = (JAXEXPORT, MLIRBC, PARAMS)  # the files a loader reads into memory; others are hashed
 
@@ -160,11 +160,14 @@ class Artifact:
         lines.append("mlir args  " + ", ".join(m["mlir_arguments"]))
         if until := m.get("compatible_until"):
             lines.append(f"loads in   JAX releases until {until} (jax.export window)")
-        for key, value in (m.get("metadata") or {}).items():
+        card = m.get("metadata") or {}
+        for key, value in list(card.items())[:_CARD_KEYS]:
             shown = value if isinstance(value, str) else json.dumps(thaw(value))
             cut = len(shown) - _CARD
             more = f"... ({cut:,} more: .metadata holds it whole)" if cut > 0 else ""
             lines.append(f"card       {key[:_CARD]}: {shown[:_CARD]}{more}")  # never megabytes
+        if len(card) > _CARD_KEYS:
+            lines.append(f"card       and {len(card) - _CARD_KEYS:,} more keys (in .metadata)")
         if (self.path / SIGNATURE).is_file():  # someone's signed artifact: say how to check it
             lines.append(f"signed     {SIGNATURE}, not verified by inspect: load(path, verify_"
                          "signature=PUBLIC_KEY) checks that it signs every file")  # fmt: skip
