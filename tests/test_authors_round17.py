@@ -18,6 +18,8 @@ Batcher's answers) and what each doc promises of it.
 - transfer-guard.rst: under ``jax.transfer_guard("disallow")`` export and load worked not
   (their self-test's own transfer was refused, load called the artifact's program failed), and
   a loaded model's NumPy input, refused as jax.jit refuses it, was called a corrupted artifact.
+  Under the doc's global ``jax.config.update("jax_transfer_guard", "disallow")`` a Batcher
+  serves (its thread's transfers are its own; its warm-up was refused as the model's fault).
 """
 
 import jax
@@ -143,6 +145,7 @@ def test_a_dot_algorithm_over_every_feature_and_in_its_gradient(tmp_path):
     close(grad(zoo17.w, zoo17.x), jax.grad(zoo17.loss, argnums=1)(zoo17.x, zoo17.w))
 
 
+@pytest.mark.slow
 def test_debug_nans_raises_from_the_hybrid_and_the_loaded_model(tmp_path):
     """debugging.md: under ``jax.debug_nans(True)`` the doc's ``f`` raises FloatingPointError
     from ``jax.jit(f)``; from the Hybrid and the loaded model too (exported under the flag:
@@ -175,3 +178,21 @@ def test_a_transfer_guard_refuses_what_jax_refuses_and_nothing_of_ours(tmp_path)
         for call in (jitted, m):
             with pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed host-to-device"):
                 call(host)
+
+
+@pytest.mark.slow
+def test_a_batcher_serves_under_a_global_transfer_guard(tmp_path):
+    """transfer-guard.rst's global ``jax.config.update("jax_transfer_guard", "disallow")``: a
+    Batcher's thread moves its batches to the device and back, its own transfers; it was
+    refused at warm-up, as if the model could not run on zero rows."""
+    h = sm.hybridize(lambda _, x: zoo17.selu(x), {})
+    x = _rows()
+    sm.export(h, tmp_path / "m", example=(x,))
+    m, rows = sm.load(tmp_path / "m"), np.asarray(x)
+    jax.config.update("jax_transfer_guard", "disallow")
+    try:
+        with sm.serving.Batcher(m, max_batch=4) as b:
+            got = [b.submit(rows[i : i + 1]).result(30) for i in range(2)]
+    finally:
+        jax.config.update("jax_transfer_guard", None)
+    close(np.concatenate(got), zoo17.selu(x[:2]))

@@ -169,13 +169,14 @@ class Lane:
         """Starts the thread (warm-up, then batches); waits ``timeout`` s at most for warm-up."""
         ready, failed, self.warming = threading.Event(), [], self.buckets[0]  # its bucket now
 
-        def warm_then_work() -> None:
-            try:
-                self.warm_up()
-            except BaseException as e:
-                failed.append(e)
-            ready.set()
-            failed or self.work()  # returns at once if the caller stopped waiting: closing
+        def warm_then_work() -> None:  # its batches' trips to the device and back are ours:
+            with jax.transfer_guard("allow"):  # a global "disallow" refused them at warm-up
+                try:
+                    self.warm_up()
+                except BaseException as e:
+                    failed.append(e)
+                ready.set()
+                failed or self.work()  # returns at once if the caller stopped waiting: closing
 
         thread = threading.Thread(target=warm_then_work, name=self.name, daemon=True)
         thread.start()
