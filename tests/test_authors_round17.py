@@ -15,6 +15,9 @@ Batcher's answers) and what each doc promises of it.
   transposed dot carries the same algorithm, as the doc's jaxpr shows, through ``h.apply``.
 - debugging.md's ``jax_debug_nans``: its ``f`` raises FloatingPointError from the Hybrid and
   the loaded model as from ``jax.jit(f)``; exported under the flag; NaN out without it.
+- vjp-objects.md: its two-layer pipeline of ``fwd_and_bwd`` (VJP objects out of one jit into
+  another) over ``h.apply`` and over two loaded models (their VJP modules): the gradients
+  of ``jax.grad(two_layers)``; ``layer`` over every feature.
 - transfer-guard.rst: under ``jax.transfer_guard("disallow")`` export and load worked not
   (their self-test's own transfer was refused, load called the artifact's program failed), and
   a loaded model's NumPy input, refused as jax.jit refuses it, was called a corrupted artifact.
@@ -196,3 +199,28 @@ def test_a_batcher_serves_under_a_global_transfer_guard(tmp_path):
     finally:
         jax.config.update("jax_transfer_guard", None)
     close(np.concatenate(got), zoo17.selu(x[:2]))
+
+
+@pytest.mark.slow
+def test_vjp_objects_pipeline_over_the_hybrid_and_loaded_layers(tmp_path):
+    """vjp-objects.md: forward through two layers, then backward, on its own schedule, with
+    ``fwd_and_bwd`` of ``h.apply`` (weights and input) and of two loaded models (each layer
+    exported, its input only): the gradients end-to-end ``jax.grad(two_layers)`` gives."""
+    W1, W2, x0 = zoo17.W1, zoo17.W2, zoo17.x0 / 10  # (tanh of ones @ ones saturates)
+    h = sm.hybridize(zoo17.layer, W1)
+    every_feature(tmp_path / "every", h, lambda r: zoo17.layer(W1, r), _rows((4, 3)))
+    dW1_ref, dW2_ref, dx0_ref = jax.grad(zoo17.two_layers, argnums=(0, 1, 2))(W1, W2, x0)
+    fwd, bwd = zoo17.fwd_and_bwd(h.apply)
+    x1, res1 = fwd(W1, x0)
+    x2, res2 = fwd(W2, x1)
+    dW2, dx1 = bwd(res2, jnp.ones_like(x2))
+    dW1, dx0 = bwd(res1, dx1)
+    close((dW1, dW2, dx0), (dW1_ref, dW2_ref, dx0_ref))
+    for name, w in (("l1", W1), ("l2", W2)):
+        sm.export(h.replace(params=w), tmp_path / name, example=(x0,), vjp_order=1)
+    (fwd1, bwd1), (fwd2, bwd2) = (zoo17.fwd_and_bwd(sm.load(tmp_path / n)) for n in ("l1", "l2"))
+    x1, res1 = fwd1(x0)
+    x2, res2 = fwd2(x1)
+    (dx1,) = bwd2(res2, jnp.ones_like(x2))
+    (dx0,) = bwd1(res1, dx1)
+    close(dx0, dx0_ref)

@@ -14,12 +14,16 @@ expression, not a function, it becomes a model where a user would put it (``net_
 - docs/new_docs/201/precision.md: ``loss`` (``jnp.dot(x, w, precision='BF16_BF16_F32')``)
   and its ``x, w`` (``jnp.ones``), and the scoped ``jax.default_matmul_precision``.
 - docs/new_docs/201/debugging.md, ``jax_debug_nans``: ``f`` (``jnp.log(-3 * x**2)``: NaN).
+- docs/new_docs/301/vjp-objects.md: ``fwd_and_bwd`` (``jax.vjp`` split into two jitted
+  functions, the VJP object a pytree passed between them), ``layer``, ``W1, W2, x0`` and
+  ``two_layers``; its ``saveable_args`` is left out (JAX 0.10.2's ``jax.vjp`` lacks it).
 - docs/new_docs/501/transfer-guard.rst: ``jax.transfer_guard("disallow")`` around a call, its
   explicit transfers (``jax.device_put``) allowed, its implicit ones refused.
 """
 
 import jax
 import jax.numpy as jnp
+from jax import jit
 
 # --- docs/jit-compilation.md ----------------------------------------------------------------
 
@@ -84,3 +88,28 @@ x, w = jnp.ones((4, 8)), jnp.ones((8, 2))
 def f_nan(x):  # the doc's ``f``
     w = 3 * jnp.square(x)
     return jnp.log(-w)
+
+
+# --- docs/new_docs/301/vjp-objects.md -------------------------------------------------------
+
+
+def fwd_and_bwd(f):
+    def fwd(*args):
+        return jax.vjp(f, *args)
+
+    def bwd(f_vjp, y_bar):
+        return f_vjp(y_bar)
+
+    return jit(fwd), jit(bwd)
+
+
+def layer(W, x):
+    return jnp.tanh(x @ W)
+
+
+W1, W2 = jnp.ones((3, 3)), 2.0 * jnp.ones((3, 3))
+x0 = jnp.ones((2, 3))
+
+
+def two_layers(W1, W2, x):
+    return jnp.sum(layer(W2, layer(W1, x)))
