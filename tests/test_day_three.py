@@ -328,7 +328,8 @@ def test_day_three_two_ray_serve_replicas_answer_as_serve_does(handed_over):
     server = subprocess.Popen(serve, cwd=d, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        _wait_for(f"http://127.0.0.1:{port}/health", server, seconds=240)
+        _wait_for(f"http://127.0.0.1:{port}/health", server, seconds=240)  # one replica up
+        assert "serving digits_mlp on" in server.stdout.readline()  # both: serve runs them
         body = json.dumps({"inputs": np.load(d / "x.npy").tolist()}).encode()
         ask = urllib.request.Request(f"http://127.0.0.1:{port}/predict", body,
                                      {"Content-Type": "application/json"})  # fmt: skip
@@ -406,7 +407,7 @@ def test_the_same_weights_in_torch_answer_the_same(small):
             p = h.params["params"][f"layers_{i}"]
             linear.weight.copy_(torch.from_numpy(np.asarray(p["kernel"]).T.copy()))
             linear.bias.copy_(torch.from_numpy(np.array(p["bias"])))
-        want = tnet(torch.from_numpy(np.asarray(x))).numpy()
+        want = tnet(torch.from_numpy(np.array(x))).numpy()
     np.testing.assert_allclose(h(x), want, rtol=1e-4, atol=1e-5)
     state = {k: v.numpy() for k, v in tnet.state_dict().items()}
     back = {"params": {f"layers_{i}": {"kernel": state[f"{2 * i}.weight"].T,
