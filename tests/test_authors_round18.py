@@ -21,6 +21,14 @@ equal, grads/Hessians over the loaded model, a Batcher's answers, and what is sp
   deterministic=True)`` over every feature, batch symbolic; three of the guide's
   ``train_step`` (``optax.sgd`` with Nesterov momentum on a linear schedule, a fork of the
   rngs a step) equal the same steps over ``h.apply_with_state``.
+- bridge_guide.md (``out_dim`` 64 cut to 6): ``ToNNX(LinenDot)``, ``NNXOuter``,
+  ``to_linen(NNXDot)``, ``ToLinen(NNXAddConstant, skip_rng=True)`` and ``LinenOuter`` over
+  every feature, batch symbolic; the guide's weight swapped in place after hybridize: export
+  refused, a new Hybrid as the swapped model. ``ToNNX(nn.Dropout)``: calls as eager's.
+  ``to_linen(nnx.Dropout)`` given ``rngs={'dropout': key}`` as ``apply`` takes it: was
+  nnx's TypeError 'rngs must be a Rngs ... got dict' (its ``**kwargs`` let apply's keyword
+  through to the nnx module), now refused naming the function of a key to hybridize, which
+  answers as ``apply`` per key.
 """
 
 import jax
@@ -30,7 +38,9 @@ import optax
 import pytest
 import zoo18
 from features import close, every_feature
+from flax import linen as nn
 from flax import nnx
+from flax.nnx import bridge
 
 import symjax_mlp as sm
 
@@ -175,3 +185,80 @@ def test_vit_eval_view_every_feature_and_the_guides_train_steps(tmp_path):
         want.append(zoo18.vit_train_step(train_view, optimizer, their_rngs, (x, labels)))
     close(ours, want)
     close(params, nnx.to_pure_dict(nnx.state(theirs, nnx.Param)))
+
+
+X32 = jax.random.normal(jax.random.key(42), (4, 32))
+
+
+def _linen_dot():
+    """The guide's ``bridge.lazy_init(bridge.ToNNX(LinenDot(64), rngs=nnx.Rngs(0)), x)``."""
+    model = bridge.ToNNX(zoo18.LinenDot(6), rngs=nnx.Rngs(0))
+    return bridge.lazy_init(model, X32)
+
+
+def _plain(module):
+    """A ToNNX module's linen apply over its weights now (eager ToNNX under jax.grad draws
+    from its own Rngs across trace levels: flax's TraceContextError)."""
+    return lambda r: module.to_nnx__module.apply({"params": {"w": module.w[...]}}, r)
+
+
+BRIDGED = {
+    "to_nnx": lambda: (_linen_dot(), None),
+    "nnx_outer": lambda: (bridge.lazy_init(zoo18.NNXOuter(6, rngs=nnx.Rngs(0)), X32), None),
+    "to_linen": lambda: (m := bridge.to_linen(zoo18.NNXDot, 32, out_dim=6),
+                         m.init(jax.random.key(0), X32)),
+    "to_linen_skip_rng": lambda: (m := bridge.ToLinen(zoo18.NNXAddConstant, skip_rng=True),
+                                  m.init(jax.random.key(0), X32)),
+    "linen_outer": lambda: (m := zoo18.LinenOuter(out_dim=6), m.init(jax.random.key(0), X32)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BRIDGED)
+def test_bridge_guides_modules_every_feature(tmp_path, name):
+    """Each of the guide's bridged modules over every feature, batch symbolic (an nnx module
+    compared through its linen apply or a jitted twin, a linen one through ``apply``)."""
+    model, variables = BRIDGED[name]()
+    if variables is not None:
+        h, ref = sm.hybridize(model, variables), lambda r: model.apply(variables, r)
+    elif name == "to_nnx":
+        h, ref = sm.hybridize(model), _plain(model)
+    else:
+        twin = BRIDGED[name]()[0]
+        h, ref = sm.hybridize(model), lambda r: twin.b[...] + _plain(twin.dot)(r)
+    every_feature(tmp_path, h, ref, X32)
+
+
+def test_bridge_weight_swapped_in_place_and_dropout_keys(tmp_path):
+    """ "In-place swap your weight array and the model still works": the Hybrid made before
+    refuses export, one made after answers as the swapped model. ``ToNNX(nn.Dropout)``: two
+    calls as eager's two. ``to_linen(nnx.Dropout)`` called with apply's ``rngs=`` dict is
+    refused (was nnx's TypeError), and the function of a key it names gives ``apply``'s
+    answer per key: the same key, the same mask."""
+    model = _linen_dot()
+    h = sm.hybridize(model)
+    model.w[...] = jax.random.normal(jax.random.key(1), (32, 6))  # the guide's .value warns
+    with pytest.raises(sm.ConfigError, match=r"\['w'\]"):
+        sm.export(h, tmp_path / "m", example=(X32,))
+    close(sm.hybridize(model)(X32), _plain(model)(X32))
+
+    def dropout():
+        m = bridge.ToNNX(nn.Dropout(rate=0.5, deterministic=False), rngs=nnx.Rngs(dropout=0))
+        return bridge.lazy_init(m, X32)
+
+    h, twin = sm.hybridize(dropout()), dropout()
+    for _ in range(2):
+        close(h(X32), twin(X32))
+
+    model = bridge.to_linen(nnx.Dropout, rate=0.5)
+    variables = model.init({"dropout": jax.random.key(0)}, X32)
+    h = sm.hybridize(model, variables)
+    with pytest.raises(sm.ConfigError, match=r"rngs= is ToLinen\.apply's own keyword"):
+        h(X32, rngs={"dropout": jax.random.key(1)})
+    keyed = sm.hybridize(
+        lambda variables, x, key: model.apply(variables, x, rngs={"dropout": key}), variables
+    )
+    got = [keyed(X32, jax.random.key(k)) for k in (1, 2, 1)]
+    for k, y in zip((1, 2, 1), got, strict=True):
+        close(y, model.apply(variables, X32, rngs={"dropout": jax.random.key(k)}))
+    assert not np.allclose(got[0], got[1])
+    close(got[0], got[2])

@@ -19,14 +19,23 @@ google/flax at 18f8f311c275d57f46d95e41b15aa97b454754c0:
   and attention dropout drawing from the ``rngs`` passed in), ``compute_losses_and_logits``
   and ``train_step`` (``nnx.Optimizer`` of ``optax.sgd`` with Nesterov momentum, a fork of
   the rngs a step); the config's sizes are cut by the test, its Food-101 data left out.
+- docs_nnx/guides/bridge_guide.md, "The Basics" and "Handling RNG keys" (round ten took its
+  variable types): ``LinenDot`` in ``bridge.ToNNX``, ``NNXOuter`` (a ToNNX sub-module),
+  ``NNXDot`` by ``bridge.to_linen``, ``NNXAddConstant`` by ``bridge.ToLinen(...,
+  skip_rng=True)``, ``LinenOuter`` (a to_linen sub-module); ``nn.Dropout`` in ``ToNNX`` and
+  ``nnx.Dropout`` by ``to_linen`` (built by the test as the guide builds them).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax.nnx import bridge
 from jax.sharding import PartitionSpec as P
 
 # --- docs_nnx/guides/view.md ------------------------------------------------------------------
@@ -353,3 +362,52 @@ def vit_train_step(  # the guide's train_step (view.md's is above)
     optimizer.update(model, grads)
 
     return loss
+
+
+# --- docs_nnx/guides/bridge_guide.md --------------------------------------------------------------
+
+
+class LinenDot(nn.Module):
+    out_dim: int
+    w_init: Callable[..., Any] = nn.initializers.lecun_normal()
+
+    @nn.compact
+    def __call__(self, x):
+        # Linen might need the input shape to create the weight!
+        w = self.param("w", self.w_init, (x.shape[-1], self.out_dim))
+        return x @ w
+
+
+class NNXOuter(nnx.Module):
+    def __init__(self, out_dim: int, rngs: nnx.Rngs):
+        self.dot = nnx.bridge.ToNNX(LinenDot(out_dim), rngs=rngs)
+        self.b = nnx.Param(jax.random.uniform(rngs.params(), (1, out_dim)))
+
+    def __call__(self, x):
+        return self.dot(x) + self.b
+
+
+class NNXDot(nnx.Module):
+    def __init__(self, in_dim: int, out_dim: int, rngs: nnx.Rngs):
+        self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (in_dim, out_dim)))
+
+    def __call__(self, x: jax.Array):
+        return x @ self.w
+
+
+class NNXAddConstant(nnx.Module):
+    def __init__(self):
+        self.constant = nnx.Variable(jnp.array(1))
+
+    def __call__(self, x):
+        return x + self.constant
+
+
+class LinenOuter(nn.Module):
+    out_dim: int
+
+    @nn.compact
+    def __call__(self, x):
+        dot = bridge.to_linen(NNXDot, x.shape[-1], self.out_dim)
+        b = self.param("b", nn.initializers.lecun_normal(), (1, self.out_dim))
+        return dot(x) + b
