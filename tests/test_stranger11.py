@@ -12,6 +12,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save
@@ -189,3 +190,24 @@ def test_inspect_shows_a_model_card_of_megabytes_cut_and_says_where_it_is_whole(
     assert sm.inspect(art.path).metadata == card  # the card itself, whole
     assert main(["inspect", str(art.path)]) == 0
     assert len(capsys.readouterr().out) < 20_000
+
+
+@pytest.mark.slow  # two short runs per model (~2-4 s)
+@pytest.mark.parametrize("stateful", [False, True], ids=["mlp", "batchnorm"])
+def test_init_from_a_schedule_free_run_starts_from_the_weights_it_reported(
+    tiny, tmp_path, stateful
+):
+    """A schedule-free run (optax.contrib.schedule_free_adamw) reports and exports its eval
+    params, but its checkpoint holds the point its gradients were taken at: init_from (a new
+    run with another optimizer) started, silently, from those, not from the weights the run
+    reported, tested and exported. Now from its eval params, as ``result.params`` holds them."""
+    from helpers import LinenBatchNorm
+
+    model = LinenBatchNorm if stateful else lambda: sm.mlp((4, 3))
+    run = {"epochs": 2, "batch_size": 16, "optimizer": optax.contrib.schedule_free_adamw(1e-2)}
+    first = sm.training.train(model(), tiny, checkpoint=tmp_path, **run)
+    start = sm.training.train(model(), tiny, epochs=0, init_from=tmp_path,
+                              optimizer=optax.adam(1e-3))  # fmt: skip
+    for was, now in zip(jax.tree.leaves(first.params), jax.tree.leaves(start.params), strict=True):
+        np.testing.assert_allclose(now, was, rtol=1e-6, atol=1e-7)
+    assert start.test_accuracy == first.test_accuracy

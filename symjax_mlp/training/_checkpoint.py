@@ -310,8 +310,30 @@ def read_checkpoint(
     except FileNotFoundError:
         raise broken(path / _STATE_FILE, "the file is missing") from None
     leaves = named_leaves(like)  # with weights: its params (model state too), like's others
+    stored = _evaluated(stored) if weights else stored
     fresh = {n: a for n, a in leaves.items() if weights and not n.startswith("params/")}
     stored = {n: a for n, a in stored.items() if not weights or n.startswith("params/")}
     check_fit(path, specs(stored), specs({n: a for n, a in leaves.items() if n not in fresh}))
     arrays = {name: jnp.asarray(a) for name, a in stored.items()}
     return state_of({**arrays, **fresh}, like, manifest), metadata
+
+
+def _evaluated(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A schedule-free run's params as its eval params, as train() reported and exported them
+    (``schedule_free_eval_params``): its checkpoint holds the point its gradients were taken
+    at, ``y``, and ``z``: ``x = (y - (1 - b1) z) / b1``. Any other run's, as they are."""
+    found = [n.removesuffix("b1") for n in stored if n.startswith("opt_state/")
+             and n.endswith("/b1") and n.removesuffix("b1") + "weight_sum" in stored]  # fmt: skip
+    if len(found) != 1:  # none, or several (each of some params): as train() leaves them
+        return stored
+    (prefix,), out = found, dict(stored)
+    b1 = stored[prefix + "b1"]
+    for name, z in stored.items():  # z/PATH: params/PATH (a model's state: params/params/PATH)
+        if not name.startswith(prefix + "z/"):
+            continue
+        path = name.removeprefix(prefix + "z/")
+        ys = [f"params/{path}", f"params/params/{path}"]
+        y = next((n for n in ys if getattr(stored.get(n), "shape", None) == z.shape), None)
+        if y is not None:  # a param wrt= froze has no z: as it is
+            out[y] = ((stored[y] - (1.0 - b1) * z) / b1).astype(stored[y].dtype)
+    return out
