@@ -118,6 +118,22 @@ def test_a_float64_jax_array_under_x64_is_refused_saying_x64_made_it(small):
     assert "jax_enable_x64" not in str(plain.value), plain.value
 
 
+def test_the_folder_an_artifact_was_unpacked_into_names_the_artifact_inside(tmp_path):
+    """The colleague unpacked `tar xf digits_mlp.tar` into `received/` and loaded `received`:
+    "not a complete symjax_mlp artifact ... Export it again", which they cannot (no source)."""
+    inner = tmp_path / "received" / "digits_mlp"
+    inner.mkdir(parents=True)
+    (inner / "manifest.json").write_text("{}")  # any artifact: the folder is what is named
+    for look in (sm.load, sm.inspect):
+        with pytest.raises(sm.ArtifactError) as e:
+            look(tmp_path / "received")
+        assert f"It holds one: pass {inner}." in str(e.value), e.value
+        assert "Export it again" not in str(e.value), e.value
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(sm.ArtifactError, match="Export it again"):
+        sm.load(tmp_path / "empty")
+
+
 # ---------------------------------------------------------------- the port: the stumbles
 
 

@@ -39,9 +39,8 @@ _UNDECODED = re.compile("[\udc80-\udcff]+")  # os.fsdecode's stand-ins for bytes
 NEEDS = frozenset({  # what "needs" may name: ops computing tensors from tensors, and loops
     "while", "convolution", "reduce_window", "select_and_scatter", "gather", "scatter", "sort",
     "dynamic_slice", "dynamic_update_slice", "real_dynamic_slice", "dynamic_pad", "map", "fft",
-    "dynamic_gather", "dynamic_conv",
-    "reduce_precision", "real", "imag", "complex", "popcnt", "count_leading_zeros", "cholesky",
-    "triangular_solve", "rng_bit_generator"})  # fmt: skip
+    "dynamic_gather", "dynamic_conv", "triangular_solve", "rng_bit_generator", "cholesky",
+    "reduce_precision", "real", "imag", "complex", "popcnt", "count_leading_zeros"})  # fmt: skip
 
 
 def looked_up(path: Path) -> None:
@@ -74,9 +73,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
             raise ArtifactError(f"{file} {message}; it is corrupted or crafted.")
         manifest = json.loads(data, object_pairs_hook=unique_pairs)
     except FileNotFoundError:
+        inner = next(path.glob(f"*/{MANIFEST}"), None)  # an archive unpacked into path holds it
+        fix = f"It holds one: pass {printable(str(inner.parent))}." if inner else "Export it again."
         raise ArtifactError(
             f"{file} is missing: {path} is not a complete symjax_mlp artifact (the manifest is "
-            "written last, so an export that did not finish has none). Export it again."
+            f"written last, so an export that did not finish has none). {fix}"
         ) from None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ArtifactError(f"{file} is not valid JSON ({e}); the artifact is corrupted.") from e
@@ -195,7 +196,6 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
 
 
 _TENSORS = "a list of {path, shape, dtype} (each dimension a size below 2**63, or a name)"
-
 
 _MISSING = type("_Missing", (), {"__repr__": lambda self: "(missing)"})()
 
