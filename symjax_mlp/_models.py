@@ -187,7 +187,10 @@ def mlp(
     (none after the last); the input width comes from the data at ``init``.
 
     Args:
-      sizes: output width of each layer, at least one positive int.
+      sizes: output width of each layer, at least one positive int. No layer is given its
+        input width (as ``torch.nn.Linear(in, out)`` is): the chapter's 512 -> 256 -> 128 -> 2
+        is ``mlp((256, 128, 2))``; ``mlp((512, 256, 128, 2))`` is four layers, the first 512
+        wide.
       activation: name of a :mod:`jax.nn` activation (see :data:`ACTIVATIONS`) or ``None``.
       dtype: computation dtype of every layer (``None``: from the inputs).
 
