@@ -29,6 +29,11 @@ equal, grads/Hessians over the loaded model, a Batcher's answers, and what is sp
   nnx's TypeError 'rngs must be a Rngs ... got dict' (its ``**kwargs`` let apply's keyword
   through to the nnx module), now refused naming the function of a key to hybridize, which
   answers as ``apply`` per key.
+- transforms.md: ``nnx.vmap(vector_dot, in_axes=0, out_axes=1)`` hybridized over ``Weights``
+  (ten kernels, one per row of ``x``) over every feature, the batch static;
+  ``stateful_vector_dot`` with its count mapped and broadcast (``nnx.StateAxes``) and
+  ``noisy_vector_dot``'s ten noise streams: two calls, their outputs and the held counts as
+  the guide's on a twin; the guide's ``y1`` and ``y2`` differ.
 """
 
 import jax
@@ -262,3 +267,51 @@ def test_bridge_weight_swapped_in_place_and_dropout_keys(tmp_path):
         close(y, model.apply(variables, X32, rngs={"dropout": jax.random.key(k)}))
     assert not np.allclose(got[0], got[1])
     close(got[0], got[2])
+
+
+def _weights(cls, count=None, **kw):
+    """The guide's ``Weights(kernel=..., bias=...)`` of ten rows (or one, with ``seed``)."""
+    rows = () if "seed" in kw else (10,)
+    kernel, bias = jax.random.uniform(jax.random.key(0), (*rows, 2, 3)), jnp.zeros((*rows, 3))
+    return cls(kernel, bias, **({} if count is None else {"count": count}), **kw)
+
+
+def test_transforms_guides_vector_dot_every_feature(tmp_path):
+    """``vector_dot`` over ``nnx.vmap`` (``in_axes=0, out_axes=1``) of ten weights, row by row
+    of ``x`` (10, 2): every feature with the batch static (the rows are tied to the weights),
+    but a Batcher's, which refuses its rows out along axis 1;
+    compared with the weights made anew inside each transform (eager nnx refuses a module
+    made outside ``jax.grad``'s trace)."""
+    weights, x = _weights(zoo18.Weights), jax.random.normal(jax.random.key(1), (10, 2))
+    f = nnx.vmap(zoo18.vector_dot, in_axes=0, out_axes=1)
+    ref = lambda r: f(_weights(zoo18.Weights), r)  # noqa: E731 - made in each trace
+    with pytest.raises(sm.ConfigError, match="per-row outputs"):  # its last feature: (3, 10)
+        every_feature(tmp_path, sm.hybridize(f, weights), ref, x, batch=None)
+
+
+SPLIT_NOISE = nnx.StateAxes({nnx.RngState: 0, (nnx.Param, zoo18.Count): None})
+STATEFUL = {  # the guide's weights, its function of them, and where it reads the count
+    "mapped": (lambda: _weights(zoo18.CountedWeights, jnp.arange(10)),
+               nnx.vmap(zoo18.stateful_vector_dot, in_axes=0, out_axes=1)),
+    "broadcast": (lambda: _weights(zoo18.CountedWeights, jnp.array(0)),
+                  nnx.vmap(zoo18.stateful_vector_dot, out_axes=1,
+                           in_axes=(nnx.StateAxes({nnx.Param: 0, zoo18.Count: None}), 0))),
+    "noise": (lambda: _weights(zoo18.NoisyWeights, jnp.array(0),
+                               seed=jax.random.split(jax.random.key(0), num=10)),
+              nnx.vmap(zoo18.noisy_vector_dot, in_axes=(SPLIT_NOISE, 0))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_transforms_guides_state_propagates_through_a_hybrid(name):
+    """Two calls of the guide's function hybridized over its weights: outputs and the count
+    the Hybrid holds as the guide's on a twin (each row's, or one broadcast); the noisy one's
+    two calls differ, as the guide prints."""
+    build, f = STATEFUL[name]
+    twin, x = build(), jax.random.normal(jax.random.key(1), (10, 2))
+    h, got = sm.hybridize(f, build()), []
+    for _ in range(2):
+        got.append(h(x))
+        close(got[-1], f(twin, x))
+        close(h.state["count"], twin.count[...])
+    assert (name == "noise") != np.allclose(got[0], got[1])

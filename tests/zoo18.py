@@ -24,6 +24,13 @@ google/flax at 18f8f311c275d57f46d95e41b15aa97b454754c0:
   ``NNXDot`` by ``bridge.to_linen``, ``NNXAddConstant`` by ``bridge.ToLinen(...,
   skip_rng=True)``, ``LinenOuter`` (a to_linen sub-module); ``nn.Dropout`` in ``ToNNX`` and
   ``nnx.Dropout`` by ``to_linen`` (built by the test as the guide builds them).
+- docs_nnx/guides/transforms.md (round four took "Transforming methods"): "Basic example"'s
+  ``Weights`` and ``vector_dot``; "State propagation"'s ``stateful_vector_dot`` (its
+  ``Weights`` of a ``Count`` renamed ``CountedWeights``; ``Count`` is the randomness guide's
+  above, the same class) over ``nnx.vmap`` with ``in_axes=0`` and with ``nnx.StateAxes``
+  broadcasting the count; "Random state"'s ``noisy_vector_dot`` (its ``Weights`` renamed
+  ``NoisyWeights``). The guide's ``weights.count += 1`` raises in the installed Flax
+  ("In-place operations are no longer supported for Variable"): written ``[...] += 1``.
 """
 
 from collections.abc import Callable
@@ -411,3 +418,45 @@ class LinenOuter(nn.Module):
         dot = bridge.to_linen(NNXDot, x.shape[-1], self.out_dim)
         b = self.param("b", nn.initializers.lecun_normal(), (1, self.out_dim))
         return dot(x) + b
+
+
+# --- docs_nnx/guides/transforms.md ---------------------------------------------------------------
+
+
+class Weights(nnx.Module):
+    def __init__(self, kernel: jax.Array, bias: jax.Array):
+        self.kernel, self.bias = nnx.Param(kernel), nnx.Param(bias)
+
+
+def vector_dot(weights: Weights, x: jax.Array):
+    assert weights.kernel.ndim == 2, "Batch dimensions not allowed"
+    assert x.ndim == 1, "Batch dimensions not allowed"
+    return x @ weights.kernel + weights.bias
+
+
+class CountedWeights(nnx.Module):
+    def __init__(self, kernel: jax.Array, bias: jax.Array, count: jax.Array):
+        self.kernel, self.bias = nnx.Param(kernel), nnx.Param(bias)
+        self.count = Count(count)
+
+
+def stateful_vector_dot(weights: CountedWeights, x: jax.Array):
+    assert weights.kernel.ndim == 2, "Batch dimensions not allowed"
+    assert x.ndim == 1, "Batch dimensions not allowed"
+    weights.count[...] += 1
+    return x @ weights.kernel + weights.bias
+
+
+class NoisyWeights(nnx.Module):
+    def __init__(self, kernel, bias, count, seed):
+        self.kernel, self.bias = nnx.Param(kernel), nnx.Param(bias)
+        self.count = Count(count)
+        self.rngs = nnx.Rngs(noise=seed)
+
+
+def noisy_vector_dot(weights: NoisyWeights, x: jax.Array):
+    assert weights.kernel.ndim == 2, "Batch dimensions not allowed"
+    assert x.ndim == 1, "Batch dimensions not allowed"
+    weights.count[...] += 1
+    y = x @ weights.kernel + weights.bias
+    return y + jax.random.normal(weights.rngs.noise(), y.shape)
