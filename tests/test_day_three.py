@@ -134,6 +134,23 @@ def test_the_folder_an_artifact_was_unpacked_into_names_the_artifact_inside(tmp_
         sm.load(tmp_path / "empty")
 
 
+def test_images_given_to_a_model_of_rows_are_told_to_flatten():
+    """The digits model takes rows of 64 raw pixels; the colleague's images, (5, 8, 8) as
+    sklearn's `digits.images` holds them or (5, 1, 8, 8) as a PyTorch loader gives them, were
+    refused with "Pass an array of rank 2", not how to make one."""
+    spec = {"path": "args[0]", "shape": ["b", 64], "dtype": "float32"}
+    sig = sm.Signature.from_json({"inputs": [spec], "outputs": [{**spec, "shape": ["b", 10]}],
+                                  "output_kind": "array", "batch": "b"})  # fmt: skip
+    for shape in ((5, 8, 8), (5, 1, 8, 8)):
+        with pytest.raises(sm.SignatureError) as e:
+            sig.check([np.zeros(shape, np.float32)], caller="m")
+        assert "Flatten each row to 64 values: x.reshape(len(x), -1)." in str(e.value), e.value
+    with pytest.raises(sm.SignatureError) as other:  # 16 values a row: no reshape makes 64
+        sig.check([np.zeros((5, 4, 4), np.float32)], caller="m")
+    assert "Pass an array of rank 2." in str(other.value), other.value
+    assert sig.check([np.zeros((5, 64), np.float32)], caller="m")[0].shape == (5, 64)
+
+
 # ---------------------------------------------------------------- the port: the stumbles
 
 

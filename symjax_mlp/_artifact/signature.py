@@ -96,6 +96,8 @@ class Signature:
                 hint = f"Pass an array of rank {want}."
                 if want == len(shape) + 1 and tuple(spec.shape[1:]) == shape:
                     hint = "Add the batch dimension: x[None] (one row) or x.reshape(1, -1)."
+                elif want == 2 < len(shape) and np.prod(shape[1:]) == spec.shape[1]:  # images
+                    hint = f"Flatten each row to {spec.shape[1]} values: x.reshape(len(x), -1)."
                 raise SignatureError(
                     f"{head}, rank {len(shape)}, but the artifact expects rank {want}: "
                     f"{self._expects(spec)}. {hint}"
