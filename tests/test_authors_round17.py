@@ -10,7 +10,9 @@ Batcher's answers) and what each doc promises of it.
 - type_promotion.rst's weak types: ``2 * x`` of an int8 ``x`` is int8, its ``2`` a Python int
   or ``jnp.asarray(2)`` in the params or the example; a bfloat16 input times a Python float
   param stays bfloat16. The loaded model gave int32 and float32 (export traced the ``2`` and
-  the ``0.5`` strongly typed, the Hybrid weakly): now the Hybrid's dtypes and values.
+  the ``0.5`` strongly typed, the Hybrid weakly): now the Hybrid's dtypes and values. Under
+  its ``jax.numpy_dtype_promotion('strict')`` train trains as under the standard rules (it was
+  refused: optax's adam mixes a Python float with an int32, our step a bool with floats).
 - precision.md: the ``precision='BF16_BF16_F32'`` dot over every feature; the gradient's
   transposed dot carries the same algorithm, as the doc's jaxpr shows, through ``h.apply``.
 - debugging.md's ``jax_debug_nans``: its ``f`` raises FloatingPointError from the Hybrid and
@@ -25,6 +27,7 @@ Batcher's answers) and what each doc promises of it.
   serves (its thread's transfers are its own; its warm-up was refused as the model's fault).
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,3 +227,15 @@ def test_vjp_objects_pipeline_over_the_hybrid_and_loaded_layers(tmp_path):
     (dx1,) = bwd2(res2, jnp.ones_like(x2))
     (dx0,) = bwd1(res1, dx1)
     close(dx0, dx0_ref)
+
+
+@pytest.mark.slow
+def test_train_runs_under_the_docs_strict_promotion():
+    """type_promotion.rst's ``jax.numpy_dtype_promotion('strict')``: ``sm.training.train``
+    trains as under the standard rules, bitwise (it was refused: optax's adam mixes a Python
+    float with its int32 count, blamed on the optimizer with optax.adam as the fix; then our
+    step's accuracy multiplied the weights by a bool)."""
+    want = sm.training.train(epochs=1)
+    with jax.numpy_dtype_promotion("strict"):
+        got = sm.training.train(epochs=1)
+    chex.assert_trees_all_equal(got.params, want.params)

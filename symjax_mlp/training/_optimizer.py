@@ -141,8 +141,9 @@ def update(optimizer: Any, grads: Any, opt_state: Any, params: Any, loss: Any, c
     arguments); one needing more, or returning other than updates and a state like ``opt_state``
     (jit would trace again), is a ConfigError."""
     kw = {"value": loss} if takes_value(optimizer) else {}
-    try:
-        out = optimizer.update(grads, opt_state, params, **kw)
+    try:  # optax's own arithmetic (adam's Python floats and int32 count) under its promotion
+        with jax.numpy_dtype_promotion("standard"):  # rules: strict mode is for the model's code
+            out = optimizer.update(grads, opt_state, params, **kw)
     except TRACER_ERRORS:  # Python control flow on a traced value: JAX's own error says it
         raise
     except TypeError as e:

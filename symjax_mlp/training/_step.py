@@ -295,7 +295,8 @@ def _weighted_loss(model: Any, spec: Any, params: Any, x: Any, y: Any, w: Any) -
     if jnp.shape(logits)[:1] != jnp.shape(x)[:1]:  # optax would broadcast them: a wrong loss
         raise ConfigError(_NOT_LOGITS.format(got=f"logits of shape {logits.shape}", x=jnp.shape(x)))
     losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, y)
-    return jnp.sum(w * losses), jnp.sum(w * (jnp.argmax(logits, axis=-1) == y)), params
+    hits = (jnp.argmax(logits, axis=-1) == y).astype(w.dtype)  # (strict promotion: no bool * w)
+    return jnp.sum(w * losses), jnp.sum(w * hits), params
 
 
 _NOT_LOGITS = (
