@@ -58,6 +58,7 @@ def test_selu_over_every_feature_and_on_the_docs_int32_arange(tmp_path):
         close(b.submit(np.asarray(x[:1])).result(30), want[:1])
 
 
+@pytest.mark.slow
 def test_static_settings_of_the_docs_if_and_while(tmp_path):
     """``f``'s ``if x > 0`` and ``g``'s ``while i < n``: Python ints are static settings, as the
     doc's ``static_argnums=0`` / ``static_argnames=['n']`` make them (``g_jit_decorated``
