@@ -10,7 +10,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,11 +193,14 @@ def read_safetensors_file(
     max_tensors: int = MAX_TENSORS,
     expected: Sequence[TensorSpec] | None = None,
     fix: str | None = None,
+    select: Callable[[dict[str, np.ndarray]], Container[str]] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """``(tensors, metadata)`` of a safetensors file read in one hashed pass, each tensor in a
     64-byte-aligned buffer; FileNotFoundError for no file, ``error`` for anything else. Its
     header is checked against ``expected`` (an artifact's own params) before any tensor is;
-    ``fix``: the caller's, in place of each refusal's own (a checkpoint's)."""
+    ``select(declared)`` (the header's tensors as views of a 0-d array: nothing held) checks
+    them too and names those to read, the others hashed, never held; ``fix``: the caller's, in
+    place of each refusal's own (a checkpoint's)."""
     with Reader(file, size=size, error=error, fix=fix) as r:
 
         def read(at: slice) -> bytes:  # called in file order
@@ -210,14 +213,18 @@ def read_safetensors_file(
                 f"({memory():,} bytes); nothing was read",
                 "Load it where they fit.",
             )
-        if expected is not None:  # the header, before any tensor is allocated (views of 0-d)
-            declared = {
-                e[2]: np.broadcast_to(np.zeros((), _ST_DTYPES[e[3]]), e[4]) for e in entries
-            }
+        declared = {  # the header, before any tensor is allocated (views of 0-d)
+            e[2]: np.broadcast_to(np.zeros((), _ST_DTYPES[e[3]]), e[4]) for e in entries
+        }
+        if expected is not None:
             check_params(declared, expected, file=file, own=True)
+        wanted = declared if select is None else select(declared)
         out = {}
         for _, _, name, dtype, shape, count in entries:  # in file order, back to back
             nbytes = count * _ST_ITEMSIZE[dtype]
+            if name not in wanted:
+                r.skip(nbytes)
+                continue
             raw = np.empty(nbytes + 64, np.uint8)
             start = (-raw.ctypes.data) % 64
             raw = raw[start : start + nbytes]

@@ -302,38 +302,62 @@ def read_checkpoint(
     if weights is not None:  # its model checked before its tensors: a refusal says which differs
         weights(path, metadata)
         manifest = {"step": 0, "epoch": 0}
+    leaves = named_leaves(like)  # with weights: its params (model state too), like's others
+    fresh = {n: a for n, a in leaves.items() if weights and not n.startswith("params/")}
+
+    def select(declared: dict[str, np.ndarray]) -> set[str]:  # before a tensor is held
+        mine = {n: a for n, a in declared.items() if not weights or n.startswith("params/")}
+        check_fit(path, specs(mine), specs({n: a for n, a in leaves.items() if n not in fresh}))
+        if not weights or (evaluation := _evaluation(declared)) is None:
+            return set(mine)  # init_from: the optimizer's tensors unread (another's, any size)
+        prefix, made = evaluation
+        return {*mine, prefix + "b1", prefix + "weight_sum", *made.values()}
+
     try:  # the artifact reader's own checks (no link or FIFO, strict, hashed), a checkpoint's fix
         stored, _ = read_safetensors_file(
             path / _STATE_FILE, sha256=digest, error=CheckpointError, max_tensors=_MAX_TENSORS,
-            fix=_FIX,
+            fix=_FIX, select=select,
         )  # fmt: skip
     except FileNotFoundError:
         raise broken(path / _STATE_FILE, "the file is missing") from None
-    leaves = named_leaves(like)  # with weights: its params (model state too), like's others
     stored = _evaluated(stored) if weights else stored
-    fresh = {n: a for n, a in leaves.items() if weights and not n.startswith("params/")}
     stored = {n: a for n, a in stored.items() if not weights or n.startswith("params/")}
-    check_fit(path, specs(stored), specs({n: a for n, a in leaves.items() if n not in fresh}))
     arrays = {name: jnp.asarray(a) for name, a in stored.items()}
     return state_of({**arrays, **fresh}, like, manifest), metadata
+
+
+def _evaluation(tensors: dict[str, np.ndarray]) -> tuple[str, dict[str, str]] | None:
+    """A schedule-free run's state among ``tensors``: its prefix (of scalars ``b1`` and
+    ``weight_sum``), and each param's ``z`` by the param's name; ``None`` for another run's."""
+    ends = [
+        n.removesuffix("b1") for n in tensors if n.startswith("opt_state/") and n.endswith("/b1")
+    ]
+    found = [
+        p
+        for p in ends
+        if tensors[p + "b1"].ndim == 0 == getattr(tensors.get(p + "weight_sum"), "ndim", 1)
+    ]
+    if len(found) != 1:  # none, or several (each of some params): as train() leaves them
+        return None
+    (prefix,), made = found, {}
+    for name, z in tensors.items():  # z/PATH: params/PATH (a model's state: params/params/PATH)
+        if name.startswith(prefix + "z/"):
+            path = name.removeprefix(prefix + "z/")
+            ys = [f"params/{path}", f"params/params/{path}"]
+            y = next((n for n in ys if getattr(tensors.get(n), "shape", None) == z.shape), None)
+            if y is not None:  # a param wrt= froze has no z: as it is
+                made[y] = name
+    return prefix, made
 
 
 def _evaluated(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A schedule-free run's params as its eval params, as train() reported and exported them
     (``schedule_free_eval_params``): its checkpoint holds the point its gradients were taken
     at, ``y``, and ``z``: ``x = (y - (1 - b1) z) / b1``. Any other run's, as they are."""
-    found = [n.removesuffix("b1") for n in stored if n.startswith("opt_state/")
-             and n.endswith("/b1") and n.removesuffix("b1") + "weight_sum" in stored]  # fmt: skip
-    if len(found) != 1:  # none, or several (each of some params): as train() leaves them
+    if (evaluation := _evaluation(stored)) is None:
         return stored
-    (prefix,), out = found, dict(stored)
+    (prefix, made), out = evaluation, dict(stored)
     b1 = stored[prefix + "b1"]
-    for name, z in stored.items():  # z/PATH: params/PATH (a model's state: params/params/PATH)
-        if not name.startswith(prefix + "z/"):
-            continue
-        path = name.removeprefix(prefix + "z/")
-        ys = [f"params/{path}", f"params/params/{path}"]
-        y = next((n for n in ys if getattr(stored.get(n), "shape", None) == z.shape), None)
-        if y is not None:  # a param wrt= froze has no z: as it is
-            out[y] = ((stored[y] - (1.0 - b1) * z) / b1).astype(stored[y].dtype)
+    for y, z in made.items():
+        out[y] = ((stored[y] - (1.0 - b1) * stored[z]) / b1).astype(stored[y].dtype)
     return out

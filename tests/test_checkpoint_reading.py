@@ -1,0 +1,105 @@
+"""What session 59's Part E closed in reading a checkpoint: a foreign checkpoint's header is
+checked against the run's own state before a byte of its tensors is held (a sparse file that
+declares a gigabyte costs nothing), and a new run's start (``init_from``) reads the weights
+only, never another optimizer's state."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tracemalloc
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import symjax_mlp as sm
+from symjax_mlp.training._checkpoint import read_checkpoint
+
+GIB = 1 << 30
+
+
+def _state() -> sm.training.TrainState:
+    params = sm.mlp((8, 2)).init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
+    return sm.training.TrainState(params, optax.adam(0.1).init(params), jax.random.key(3), step=4)
+
+
+def _declaring(step, name, shape, *, hashed=False):
+    """``step``'s state.safetensors rewritten to declare ``name`` as float32 of ``shape`` (its
+    bytes a hole: a sparse file), the manifest's record of it updated (its sha256 if
+    ``hashed``): a self-consistent checkpoint whose only fault is that tensor."""
+    file, manifest_file = step / "state.safetensors", step / "manifest.json"
+    raw = file.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header, data = json.loads(raw[8 : 8 + size]), raw[8 + size :]
+    header.pop("__metadata__", None)
+    order = sorted(header, key=lambda n: header[n]["data_offsets"][0])
+    new, chunks, at = {}, {}, 0
+    for n in order:
+        info = header[n]
+        old = data[slice(*info["data_offsets"])]
+        info = {"dtype": "F32", "shape": list(shape)} if n == name else info
+        nbytes = int(np.prod(info["shape"])) * 4 if n == name else len(old)
+        new[n] = {**info, "data_offsets": [at, at + nbytes]}
+        chunks[at] = None if n == name else old
+        at += nbytes
+    text = json.dumps(new).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        base = f.tell()
+        for offset, chunk in chunks.items():
+            if chunk is not None:
+                f.seek(base + offset)
+                f.write(chunk)
+    os.truncate(file, base + at)
+    manifest = json.loads(manifest_file.read_text())
+    manifest["tensors"][name] = {"shape": list(shape), "dtype": "float32"}
+    if hashed:
+        sha = hashlib.sha256()
+        with open(file, "rb") as f:
+            while block := f.read(1 << 20):
+                sha.update(block)
+        manifest["files"]["state.safetensors"] = sha.hexdigest()
+    manifest_file.write_text(json.dumps(manifest))
+
+
+def _peak(call):
+    """``call()``'s result (or the exception it raised) and the most NumPy held meanwhile."""
+    tracemalloc.start()
+    try:
+        try:
+            out = call()
+        except Exception as e:  # returned for the test to check
+            out = e
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("name", ["params/layers_0/kernel", "opt_state/0/mu/layers_0/kernel"])
+def test_a_checkpoint_declaring_a_gigabyte_tensor_is_refused_before_it_is_read(tmp_path, name):
+    """restore_checkpoint (and resume, through it) allocated each declared tensor and read the
+    file before comparing shapes with the run's: a sparse file declaring a gigabyte (up to this
+    machine's memory) took a gigabyte, and its read's time, to be refused."""
+    step = sm.training.save_checkpoint(tmp_path, _state())
+    _declaring(step, name, (GIB // 4 // 8, 8))
+    like = _state()
+    err, peak = _peak(lambda: sm.training.restore_checkpoint(tmp_path, like))
+    assert peak < GIB // 16, f"{peak:,} bytes held to refuse it"
+    assert isinstance(err, sm.CheckpointError), err
+    assert name in str(err) and "this model expects shape" in str(err)
+
+
+def test_a_new_runs_start_reads_the_weights_not_another_optimizers_state(tmp_path):
+    """init_from read every tensor of the checkpoint, the optimizer's too, to keep its params:
+    a checkpoint of another optimizer with a large state cost its size in memory."""
+    step = sm.training.save_checkpoint(tmp_path, _state())
+    _declaring(step, "opt_state/0/mu/layers_0/kernel", (1 << 20, 8), hashed=True)  # 32 MiB
+    like = _state()
+    got, peak = _peak(lambda: read_checkpoint(step, like, weights=lambda *_: None))
+    assert not isinstance(got, Exception), got
+    assert jax.tree.all(jax.tree.map(np.array_equal, got[0].params, _state().params))
+    assert peak < (1 << 25) // 4, f"{peak:,} bytes held to read the weights"
