@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import small
 
 import symjax_mlp as sm
 from symjax_mlp.training._checkpoint import read_checkpoint
@@ -103,3 +104,20 @@ def test_a_new_runs_start_reads_the_weights_not_another_optimizers_state(tmp_pat
     assert not isinstance(got, Exception), got
     assert jax.tree.all(jax.tree.map(np.array_equal, got[0].params, _state().params))
     assert peak < (1 << 25) // 4, f"{peak:,} bytes held to read the weights"
+
+
+@pytest.mark.slow  # an export and a load (2-3 s)
+def test_a_checkpoints_state_passed_as_an_artifacts_weights_says_how_to_export_it(tmp_path):
+    """load(params=...) (``symjax-mlp run --params``) of a checkpoint's state.safetensors listed
+    its optimizer's tensors as extras and said to use another export's params.safetensors,
+    which the user, holding a checkpoint, has none of."""
+    h, x = small()
+    artifact = sm.export(h, tmp_path / "m", example=x)
+    params = h.variables["params"]
+    state = sm.training.TrainState(params, optax.adam(0.1).init(params), jax.random.key(0))
+    step = sm.training.save_checkpoint(tmp_path / "ck", state)
+    with pytest.raises(sm.ArtifactError) as e:
+        sm.load(artifact.path, params=step / "state.safetensors")
+    said = str(e.value)
+    assert "training checkpoint's state" in said and "resume=True).export(PATH)" in said
+    assert "another export" not in said

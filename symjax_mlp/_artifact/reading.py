@@ -31,7 +31,7 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._artifact.module import deserialize
 from symjax_mlp._artifact.ops import ModuleReport, show_keys
 from symjax_mlp._artifact.signature import Signature
-from symjax_mlp._artifact.weights import read_safetensors_file
+from symjax_mlp._artifact.weights import EXPORT_CHECKPOINT, read_safetensors_file
 from symjax_mlp._errors import ArtifactError, artifact_path
 from symjax_mlp._files import MANIFEST, SIGNATURE
 from symjax_mlp._reader import hash_regular, read_regular
@@ -276,10 +276,9 @@ def read_artifact(path: Path, **options: Any) -> tuple[dict[str, Any], dict[str,
 
 
 _CHECKPOINT = (
-    "{path} is {what}, not an artifact (what symjax_mlp.export writes). To get one, resume the "
-    "run at the epochs it holds and export the result: symjax_mlp.training.train(..., "
-    "checkpoint=DIR, resume=True).export(PATH) (TrainResult.export), or on the command line "
-    "symjax-mlp train ... --checkpoint DIR --resume --export PATH."
+    "{path} is {what}, not an artifact (what symjax_mlp.export writes). To get one, "
+    + EXPORT_CHECKPOINT
+    + "."
 )
 
 

@@ -66,6 +66,14 @@ def _storable_path(path: str) -> bool:  # as params.safetensors and the manifest
     return path.isprintable() and len(path) <= 4096 and path != "__metadata__"
 
 
+_HIJAX_PARAM = (
+    "param {path} is a {kind}, a value of a jax.experimental.hijax type: jax.export lowers it "
+    "to arrays inside a program, but params.safetensors stores arrays, not {kind}s. Keep the "
+    "arrays it is made from as the params and make the {kind} inside the model (hijax-types.md's "
+    "quantize(w) of float weights w)."
+)
+
+
 def param_specs(tree: Any, caller: str = "") -> tuple[list[TensorSpec], list[np.ndarray]]:
     """Flattens a params pytree into (specs, host arrays), paths joined with ``/``, each array
     in the dtype JAX traces it with (with x64 off, float64 params are float32), so that the
@@ -92,6 +100,10 @@ def _param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
         path = "/".join(parts) or "params"  # a single array as the params: one tensor
         arr = np.asarray(leaf)
         if arr.dtype.kind in "OUSV" and not hasattr(leaf, "dtype"):  # a function, str, object
+            from symjax_mlp._hybrid.args import traceable
+
+            if traceable(leaf):  # a hijax type's value (a Hybrid passes it to jit whole)
+                raise ArtifactError(_HIJAX_PARAM.format(path=path, kind=type(leaf).__name__))
             raise ArtifactError(
                 f"param {path} is a {type(leaf).__name__}, not an array: params are a tree of "
                 "arrays, as h.params holds them (of an equinox model, its float arrays: "
@@ -320,6 +332,20 @@ _OWN = (
 )
 
 
+#: how a training checkpoint becomes an artifact, whose weights and program a load takes
+EXPORT_CHECKPOINT = (
+    "resume the run at the epochs it holds and export the result: symjax_mlp.training.train(..., "
+    "checkpoint=DIR, resume=True).export(PATH) (TrainResult.export), or on the command line "
+    "symjax-mlp train ... --checkpoint DIR --resume --export PATH"
+)
+_STATE = ("params/", "opt_state/")  # and "rng": a training checkpoint's tensors
+_STATE_NOT_PARAMS = (
+    "{file} is a training checkpoint's state (its params, the optimizer's state and the rng, as "
+    "train(checkpoint=DIR) writes them), not an artifact's weights. Pass the params.safetensors "
+    "of an export of it; to get one, "
+)
+
+
 def check_params(
     found: Mapping[str, np.ndarray], expected: Sequence[TensorSpec], *, file: Path | str,
     own: bool = False,
@@ -339,6 +365,8 @@ def check_params(
     want = {s.path: s for s in expected}
     missing = [k for k in want if k not in found]
     extra = [k for k in found if k not in want]
+    if extra and "rng" in found and all(k.startswith(_STATE) for k in found if k != "rng"):
+        raise ArtifactError(_STATE_NOT_PARAMS.format(file=file) + EXPORT_CHECKPOINT + ".")
     if missing or extra:
         extras = [TensorSpec(e, tuple(found[e].shape), str(found[e].dtype)) for e in extra]
         twins: dict[str, list[str]] = {}  # by type: a missing param's likely new name
