@@ -20,6 +20,11 @@ Batcher's answers) and what each doc promises of it.
 - vjp-objects.md: its two-layer pipeline of ``fwd_and_bwd`` (VJP objects out of one jit into
   another) over ``h.apply`` and over two loaded models (their VJP modules): the gradients
   of ``jax.grad(two_layers)``; ``layer`` over every feature.
+- hijax-types.md: its quantized ``qw`` (a ``QArray``, a hijax type jit takes whole) as the
+  params of ``matmul_q``, and a ``QArray`` as an input: the Hybrid refused both ("a compiled
+  call cannot pass"); now its calls and grads are jit's and the doc's, and export refuses a
+  ``QArray`` param by name, naming the model that exports: float weights quantized inside
+  it, exported, loaded and differentiated (no vmap: JAX 0.10.2 lacks the doc's MappingSpec).
 - transfer-guard.rst: under ``jax.transfer_guard("disallow")`` export and load worked not
   (their self-test's own transfer was refused, load called the artifact's program failed), and
   a loaded model's NumPy input, refused as jax.jit refuses it, was called a corrupted artifact.
@@ -240,3 +245,26 @@ def test_train_runs_under_the_docs_strict_promotion():
     with jax.numpy_dtype_promotion("strict"):
         got = sm.training.train(epochs=1)
     chex.assert_trees_all_equal(got.params, want.params)
+
+
+@pytest.mark.slow
+def test_hijax_quantized_arrays_as_params_and_inputs(tmp_path):
+    """hijax-types.md's ``QArray``: ``qw`` as the params of ``matmul_q`` (jit takes a value of
+    a registered hijax type whole; the Hybrid refused it as no array) and as an input to
+    ``dequantize``: calls and the doc's ``loss`` grads as jit's; export refuses a QArray param
+    naming the hijax type and what exports, the float weights quantized in the model."""
+    x, qw, w = zoo17.x_q, zoo17.qw, zoo17.w_q
+    h = sm.hybridize(lambda qw, x: zoo17.matmul_q(x, qw), qw)
+    close(h(x), jax.jit(zoo17.matmul_q)(x, qw))
+    close(h.eager(x), zoo17.matmul_q(x, qw))
+    grads = jax.grad(lambda x, qw: jnp.sum(h.apply(qw, x) ** 2), argnums=(0, 1))(x, qw)
+    close(grads, jax.grad(zoo17.loss_q, argnums=(0, 1))(x, qw))
+    hd = sm.hybridize(lambda _, q: zoo17.dequantize(q), {})
+    close(hd(qw), jax.jit(zoo17.dequantize)(qw))
+    with pytest.raises(sm.ArtifactError, match=r"QArray, a value of a jax\.experimental\.hijax"):
+        sm.export(h, tmp_path / "q", example=(x,))
+    net = lambda w, x: zoo17.matmul_q(x, zoo17.quantize(w))  # noqa: E731
+    sm.export(sm.hybridize(net, w), tmp_path / "m", example=(x,), vjp_order=1)
+    m = sm.load(tmp_path / "m")
+    close(m(np.asarray(x)), net(w, x))
+    close(jax.grad(lambda r: m(r).sum())(x), jax.grad(lambda r: net(w, r).sum())(x))

@@ -190,8 +190,16 @@ def _own(error: Exception, value: Any) -> bool:
 
 
 def traceable(leaf: Any) -> bool:
-    """What jit traces: a JAX or NumPy array (or its spec), a number, a ``__jax_array__``."""
-    return isinstance(leaf, _TRACEABLE) or hasattr(leaf, "__jax_array__")
+    """What jit traces: a JAX or NumPy array (or its spec), a number, a ``__jax_array__``, a
+    value of a type registered with ``jax.experimental.hijax`` (hijax-types.md's QArray)."""
+    if isinstance(leaf, _TRACEABLE) or hasattr(leaf, "__jax_array__"):
+        return True
+    if (hijax := sys.modules.get("jax.experimental.hijax")) is None:  # none registered
+        return False
+    try:
+        return isinstance(jax.typeof(leaf), hijax.HiType)
+    except TypeError:  # no JAX type
+        return False
 
 
 _EQX_INPUT = (

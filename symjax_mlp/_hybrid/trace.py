@@ -253,7 +253,8 @@ def signature(
             if prefix == "args":  # the first key is the place among the traced args
                 at = f"args[{places[path[0].idx]}]" + jax.tree_util.keystr(path[1:])
             weak = bool(getattr(aval, "weak_type", False))
-            specs.append(TensorSpec(at, tuple(aval.shape), str(aval.dtype), weak))
+            dtype = getattr(aval, "dtype", type(aval).__name__)  # (a hijax type has none)
+            specs.append(TensorSpec(at, tuple(aval.shape), str(dtype), weak))
     tree = trees[0] if trees[1] == str(jax.tree.structure({})) else " ".join(trees)
     return tuple(specs), tree, tuple((path_of(k), repr(v)) for k, v, _ in static)
 
