@@ -34,6 +34,7 @@ import pytest
 import zoo13
 from features import close, every_feature
 from flax import nnx
+from helpers import NnxDropout
 from jax import random
 
 import symjax_mlp as sm
@@ -118,6 +119,36 @@ def test_hybridize_of_a_function_holding_a_module_names_it_as_the_params():
             sm.hybridize(fn)
     h = sm.hybridize(rows, linear)  # as it says: its weight and bias are the params
     assert [a.shape for a in jax.tree.leaves(h.params)] == [(3, 2), (3,)]
+
+
+@pytest.mark.slow  # five compiles (1.5 s)
+def test_hybridize_of_a_partial_of_a_modules_call_or_method_runs_over_its_params():
+    """``sm.hybridize(functools.partial(model, deterministic=True))`` (or of ``model.method``)
+    got the generic 'needs params' refusal, whose ``lambda _, x: f(x), {}`` bakes the module's
+    weights into the program: it runs over the module's params, as ``model.method`` does."""
+    model, x = NnxDropout(nnx.Rngs(0)), _x(2, (4, 5))
+    for partial in (
+        functools.partial(model, deterministic=True),
+        functools.partial(model.__call__, deterministic=True),
+    ):
+        h = sm.hybridize(partial)
+        close(h(x), model(x, deterministic=True))
+        doubled = jax.tree.map(lambda a: 2 * a, h.params)  # the weights are inputs, not constants
+        nnx.update(twin := nnx.clone(model), doubled)
+        close(h.apply(doubled, x)[0], twin(x, deterministic=True))  # (out, its rng state)
+    mlp = eqx.nn.MLP(5, 3, 8, 1, key=random.key(0))
+    h = sm.hybridize(functools.partial(mlp, key=None))
+    close(h(x[0]), mlp(x[0]))
+    assert len(jax.tree.leaves(h.params)) == len(jax.tree.leaves(eqx.filter(mlp, eqx.is_array)))
+
+
+def test_hybridize_of_a_partial_fixing_a_modules_input_names_it_as_the_params():
+    """A partial that fixes an input as well got the generic refusal whose fix bakes the
+    module's weights in; it names ``sm.hybridize(f, model)``, as other holders of one do."""
+    model, x = NnxDropout(nnx.Rngs(0)), _x(2, (4, 5))
+    for partial in (functools.partial(model, x), functools.partial(model.__call__, x)):
+        with pytest.raises(sm.ConfigError, match=r"nnx NnxDropout.*sm\.hybridize\(f, model\)"):
+            sm.hybridize(partial)
 
 
 @pytest.mark.slow

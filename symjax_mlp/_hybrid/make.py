@@ -71,8 +71,9 @@ def hybridize(
         leaves, has its float arrays as params), an ``equinox.Module`` (no ``params``: its float
         arrays are, as ``eqx.filter_grad`` takes them; its bool and int arrays are held with
         the rest, baked into the program), or any pure function ``fn(params, *args, **kwargs)``
-        (an nnx or equinox module's method, ``model.encode``, runs as ``encode(model, *inputs)``;
-        a linen module's is refused, naming ``model.apply(..., method=...)``).
+        (an nnx or equinox module's method, ``model.encode``, runs as ``encode(model, *inputs)``,
+        ``functools.partial(model.encode, k=v)`` as ``encode(model, *inputs, k=v)``; a linen
+        module's is refused, naming ``model.apply(..., method=...)``).
       params: the variables or params; omitted for an nnx or equinox module. An nnx module (or
         ``nnx.Pytree``) as ``fn``'s params is split as its own Hybrid splits it; one inside the
         params (or given later to ``h.apply``, ``h.replace``) must hold ``Param`` s only.
@@ -115,6 +116,12 @@ def hybridize(
     """
     if isinstance(model, Hybrid):
         raise ConfigError("hybridize() got a Hybrid; it is already hybridized. Use it directly.")
+    if params is None and isinstance(model, functools.partial) and not model.args:
+        f = model.func  # partial(model.encode, k=v), partial(model, k=v): as model.encode is
+        if _flax_kind(owner := getattr(f, "__self__", f)) in ("nnx", "eqx"):
+            name = name or (type(f).__name__ if f is owner else f.__name__)
+            call = type(f).__call__ if f is owner else f.__func__
+            model, params = functools.partial(call, **model.keywords), owner
     # a bound method (equinox's BoundMethod too); a staticmethod object has no __self__
     method = hasattr(model, "__self__") and hasattr(model, "__func__")
     owner = _flax_kind(model.__self__) if method else None

@@ -214,15 +214,16 @@ _JITTED = (
 
 
 def held_values(fn: Any) -> Any:
-    """What ``fn`` holds: its closure's values, a ``functools.partial``'s arguments, and the
-    globals its code names (a script's ``model``, read by ``lambda x: model(x)``)."""
+    """What ``fn`` holds: its closure's values, a ``functools.partial``'s arguments and function
+    (a module, or the module whose method it is), and the globals its code names (a script's
+    ``model``, read by ``lambda x: model(x)``)."""
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             yield cell.cell_contents
         except ValueError:  # an empty cell
             continue
     if isinstance(fn, functools.partial):
-        yield from (*fn.args, *fn.keywords.values())
+        yield from (*fn.args, *fn.keywords.values(), fn.func, getattr(fn.func, "__self__", None))
     code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
     yield from (names[n] for n in getattr(code, "co_names", ()) if n in names)
 
