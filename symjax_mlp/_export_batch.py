@@ -51,6 +51,11 @@ _MIXED_BATCH = (
     "then the trace fails ({error}). Give every batched input the same number of rows in "
     "example=, or pass shapes= to say which dimensions are the batch."
 )
+_RAW_KEY = (
+    " args[0], a uint32[2], reads as a raw jax.random.PRNGKey (hk.transform's apply takes its "
+    "rng there): one key for every row, not a batch of 2. Pass shapes={fix!r}, which keeps it "
+    "whole and batches the rest."
+)
 _SHAPES_FAIL = (
     "export({name}, shapes=...): with the dimensions shapes= makes symbolic ({types}) the trace "
     "fails ({error}), while the example's own shapes trace"
@@ -120,10 +125,12 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
         raise SignatureError(f"{head}. {why}") from None
     if any(shared):  # e.g. x (4, 3) and w (3,): w is no batch of 4 rows
         rows = {f"args[{i}]": x.shape[0] if x.shape else None for i, x in enumerate(examples)}
-        raise SignatureError(
-            _MIXED_BATCH.format(name=stage.h.name, batch=batch, rows=rows, lead=lead[0],
-                                error=first)
-        ) from None  # fmt: skip
+        said = _MIXED_BATCH.format(name=stage.h.name, batch=batch, rows=rows, lead=lead[0],
+                                   error=first)  # fmt: skip
+        if examples[0].shape == (2,) and str(examples[0].dtype) == "uint32":  # hk.transform's rng
+            fix = (None, *(f"{batch}, ..." if x.shape else None for x in examples[1:]))
+            said += _RAW_KEY.format(fix=fix)
+        raise SignatureError(said) from None
     rows = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in examples]  # one example
     static, one = _traces(jitted, p_structs, examples), _traces(jitted, p_structs, rows)
     if not (static or one):

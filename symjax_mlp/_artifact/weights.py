@@ -89,15 +89,16 @@ def param_specs(tree: Any, caller: str = "") -> tuple[list[TensorSpec], list[np.
 def _param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
     import jax
 
-    specs, arrays = [], []
+    specs, arrays, seen = [], [], set()
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         parts = [_key_name(k) for k in keys]
-        if bad := [p for p in parts if "/" in p or not p]:
-            raise ArtifactError(
-                f"param key {bad[0]!r} is empty or contains '/', which joins param paths in "
-                "params.safetensors. Rename it."
-            )
         path = "/".join(parts) or "params"  # a single array as the params: one tensor
+        if "" in parts or path in seen:  # a key may hold '/' (Haiku's 'mlp/~/linear_0')
+            raise ArtifactError(
+                f"param path {path!r} has an empty key or is made twice ('/' joins keys into "
+                "params.safetensors' paths, and a key may hold '/'). Rename the key."
+            )
+        seen.add(path)
         arr = np.asarray(leaf)
         if arr.dtype.kind in "OUSV" and not hasattr(leaf, "dtype"):  # a function, str, object
             from symjax_mlp._hybrid.args import traceable

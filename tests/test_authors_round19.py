@@ -1,0 +1,175 @@
+"""Code we did not write, round nineteen (tests/zoo19.py; sources and commits there), over
+every feature: hybridize, ``h(x)`` equal to the plain model, its graph, export + load + call
+equal, grads/Hessians over the loaded model, a Batcher's answers, and what is specific.
+
+- Haiku's mnist.py: ``hk.without_apply_rng(hk.transform(net_fn))`` hybridized as
+  ``hybridize(network.apply, params)`` over every feature, batch symbolic; three of the
+  example's ``update`` (adam, its L2 loss, the EMA ``avg_params``) equal three of ours over
+  ``h.apply``. The README's ``forward_fn`` (``MyLinear``) under ``hk.transform``, its apply
+  called with the README's ``None`` rng. ``MyDropout``: ``h(key, x)`` as ``forward.apply(params,
+  key, x)`` for raw and typed keys; export of the raw key first (the rng's place in
+  ``apply``) was refused as inputs of unequal rows, the fix unsaid; now the refusal names the
+  key and the ``shapes=`` that exports it, and that artifact's masks are Haiku's key by key.
+  ``hk.transform_with_state``'s ResNet (``is_training`` a setting): ``h(state, None, x,
+  is_training=True)`` returns Haiku's output and new state, the eval function over every
+  feature.
+- Diffrax's neural_ode.ipynb (in a process of its own, ``EQX_ON_ERROR=off``, as our refusal
+  says): see ``test_neural_ode_...``.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import zoo19
+from features import close, every_feature
+
+import symjax_mlp as sm
+
+pytestmark = pytest.mark.slow  # each a compile or more (~3 s or more)
+
+
+def _images(n=4):
+    return jax.random.uniform(jax.random.key(1), (n, 28, 28, 1)) * 255
+
+
+def test_mnist_net_every_feature_and_the_examples_update(tmp_path):
+    """mnist.py's network as its ``apply`` and params over every feature; three of the
+    example's ``update`` equal three adam steps of its ``loss`` over ``h.apply``."""
+    network = hk.without_apply_rng(hk.transform(zoo19.net_fn))
+    images = _images()
+    params = network.init(jax.random.PRNGKey(0), images)
+    h = sm.hybridize(network.apply, params)
+    every_feature(tmp_path, h, lambda x: network.apply(params, x), images)
+
+    optimiser = optax.adam(1e-3)
+    loss, update = zoo19.authors_update(network, optimiser)
+    batch = zoo19.Batch(images, jnp.arange(4) % zoo19.NUM_CLASSES)
+    state = zoo19.TrainingState(params, params, optimiser.init(params))
+    p, opt, avg = h.params, optimiser.init(h.params), h.params
+
+    def ours(p, b):
+        logits = h.apply(p, b.image)
+        l2 = 0.5 * sum(jnp.sum(jnp.square(w)) for w in jax.tree.leaves(p))
+        labels = jax.nn.one_hot(b.label, zoo19.NUM_CLASSES)
+        return -jnp.sum(labels * jax.nn.log_softmax(logits)) / len(b.image) + 1e-4 * l2
+
+    for _ in range(3):
+        close(jax.grad(ours)(p, batch), jax.grad(loss)(state.params, batch))
+        state = update(state, batch)
+        updates, opt = optimiser.update(jax.grad(ours)(p, batch), opt)
+        p = optax.apply_updates(p, updates)
+        avg = optax.incremental_update(p, avg, step_size=0.001)
+    close(p, state.params)
+    close(avg, state.avg_params)
+    close(h.replace(params=avg)(images), network.apply(state.avg_params, images))
+
+
+def test_readme_forward_fn_with_its_none_rng(tmp_path):
+    """README's ``forward_fn`` (``MyLinear``) under ``hk.transform``: the Hybrid of its apply
+    called and exported with the README's ``None`` rng answers as ``forward.apply``."""
+    forward = hk.transform(zoo19.forward_fn)
+    x = jax.random.normal(jax.random.key(2), (4, 3))
+    params = forward.init(next(hk.PRNGSequence(42)), x)
+    h = sm.hybridize(forward.apply, params)
+    close(h(None, x), forward.apply(params, None, x))
+    one = sm.hybridize(lambda p, x: forward.apply(p, None, x), params)
+    every_feature(tmp_path, one, lambda r: forward.apply(params, None, r), x)
+
+
+def test_my_dropout_rng_first_exports_as_the_refusal_says(tmp_path):
+    """README's ``MyDropout``: ``h(key, x)`` is ``forward.apply(params, key, x)`` for a raw
+    and a typed key; export with the raw key first was refused as inputs of unequal rows;
+    now the refusal names the key and ``shapes=``, and that artifact's masks are Haiku's."""
+    forward = hk.transform(lambda x: zoo19.MyDropout()(x))
+    key1, key2 = jax.random.split(jax.random.PRNGKey(42), 2)
+    x = jax.random.normal(jax.random.key(2), (4, 3))
+    params = forward.init(key1, x)
+    h = sm.hybridize(forward.apply, params)
+    for key in (key2, jax.random.key(7)):
+        close(h(key, x), forward.apply(params, key, x))
+    with pytest.raises(
+        sm.SignatureError, match=r"raw jax.random.PRNGKey.*shapes=\(None, 'b, \.\.\.'\)"
+    ):
+        sm.export(h, tmp_path / "refused", example=(key2, x))
+    sm.export(h, tmp_path / "m", example=(key2, x), shapes=(None, "b, ..."))
+    m = sm.load(tmp_path / "m")
+    for key in (key2, jax.random.PRNGKey(9)):
+        close(m(np.asarray(key), np.asarray(x[:3])), forward.apply(params, key, x[:3]))
+
+
+def test_transform_with_state_resnet_state_and_eval_every_feature(tmp_path):
+    """The README's ``transform_with_state`` ResNet: ``h(state, None, x, is_training=True)``
+    returns Haiku's output and state, twice over; its eval (the state the training calls
+    left) over every feature, batch static: its export was refused, "param key
+    'res_net18/~/block_group_0/...' ... contains '/' ... Rename it" (Haiku names every module
+    so); the loaded model takes Haiku's params tree as ``load(params=...)``."""
+    fwd = hk.transform_with_state(zoo19.forward)
+    x = jax.random.normal(jax.random.key(3), (2, 16, 16, 3))
+    params, state = fwd.init(jax.random.PRNGKey(0), x, is_training=True)
+    h = sm.hybridize(fwd.apply, params)
+    ours, theirs = state, state
+    for _ in range(2):
+        out, ours = h(ours, None, x, is_training=True)
+        want, theirs = fwd.apply(params, theirs, None, x, is_training=True)
+        close(out, want, rtol=1e-4, atol=1e-4)
+        close(ours, theirs, rtol=1e-4, atol=1e-4)
+    ev = lambda p, r: fwd.apply(p, theirs, None, r, is_training=False)[0]  # noqa: E731
+    every_feature(tmp_path, sm.hybridize(ev, params), lambda r: ev(params, r), x, batch=None,
+                  allow={"convolution", "reduce_window", "select_and_scatter"},
+                  rtol=1e-4, atol=1e-4)  # fmt: skip
+    m = sm.load(
+        tmp_path / "m", allow={"convolution", "reduce_window", "select_and_scatter"}, params=params
+    )  # Haiku's own tree, its keys 'res_net18/~/...'
+    close(m(np.asarray(x)), ev(params, x), rtol=1e-4, atol=1e-4)
+
+
+_ODE = """
+import sys; sys.path.insert(0, sys.argv[2])
+import diffrax, equinox as eqx, jax, jax.numpy as jnp, jax.random as jr, numpy as np, pytest, zoo19
+from features import close
+import symjax_mlp as sm
+model = zoo19.NeuralODE(2, 8, 2, key=jr.PRNGKey(5678))
+ts, y0 = jnp.linspace(0, 1, 5), jr.uniform(jr.PRNGKey(1), (4, 2), minval=-0.6, maxval=1)
+f = lambda m, y: jax.vmap(m, in_axes=(None, 0))(ts, y)
+h = sm.hybridize(f, model)
+close(h(y0), f(model, y0))
+with pytest.raises(sm.ConfigError, match="VJP of order 2 .*Export it with vjp_order=1"):
+    sm.export(h, sys.argv[1] + "/two", example=(y0,), vjp_order=2)
+sm.export(h, sys.argv[1] + "/m", example=(y0,), vjp_order=1)
+m = sm.load(sys.argv[1] + "/m", allow={"compute", "while", "scatter", "gather", "dynamic_slice",
+    "dynamic_gather", "dynamic_update_slice", "sort", "dynamic_update_slice"})
+close(m(np.asarray(y0[:3])), f(model, y0[:3]))
+close(jax.grad(lambda r: m(r).sum())(y0[:3]), jax.grad(lambda r: f(model, r).sum())(y0[:3]))
+print("ok")
+"""
+
+
+def test_neural_ode_through_the_loaded_model(tmp_path):
+    """neural_ode.ipynb's ``NeuralODE`` (Tsit5, PIDController, RecursiveCheckpointAdjoint) over
+    a batch of initial values, in a process of its own under ``EQX_ON_ERROR=off`` (diffrax's
+    max-steps check is an ``eqx.error_if``, which our refusal names): the Hybrid, the loaded
+    model and its grads equal the original's; ``vjp_order=2`` is refused naming order 1 (the
+    original's own ``jacrev(jacrev)`` fails: its adaptive loop's trip count is data's)."""
+    here = os.path.dirname(__file__)
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_ODE), str(tmp_path), here],
+        env={**os.environ, "EQX_ON_ERROR": "off"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout.split()[-1] == "ok", run.stderr[-3000:]
+
+
+def test_params_whose_slashed_keys_join_to_one_path_are_refused(tmp_path):
+    """Keys holding '/' are stored as Haiku names them; two that join to the same path
+    ({'a/b': w, 'a': {'b': v}}) are refused naming it (one would have shadowed the other)."""
+    p = {"a/b": jnp.ones(3), "a": {"b": jnp.zeros(3)}}
+    h = sm.hybridize(lambda p, x: x * p["a/b"] + p["a"]["b"], p)
+    with pytest.raises(sm.ArtifactError, match=r"param path 'a/b' .*made twice"):
+        sm.export(h, tmp_path / "m", example=(jnp.ones((2, 3)),))
