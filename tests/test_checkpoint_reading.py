@@ -106,18 +106,75 @@ def test_a_new_runs_start_reads_the_weights_not_another_optimizers_state(tmp_pat
     assert peak < (1 << 25) // 4, f"{peak:,} bytes held to read the weights"
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``(h, artifact path)``: small()'s MLP exported."""
+    h, x = small()
+    return h, sm.export(h, tmp_path_factory.mktemp("exported") / "m", example=x).path
+
+
 @pytest.mark.slow  # an export and a load (2-3 s)
-def test_a_checkpoints_state_passed_as_an_artifacts_weights_says_how_to_export_it(tmp_path):
+def test_a_checkpoints_state_passed_as_an_artifacts_weights_says_how_to_export_it(
+    tmp_path, exported
+):
     """load(params=...) (``symjax-mlp run --params``) of a checkpoint's state.safetensors listed
     its optimizer's tensors as extras and said to use another export's params.safetensors,
     which the user, holding a checkpoint, has none of."""
-    h, x = small()
-    artifact = sm.export(h, tmp_path / "m", example=x)
+    h, artifact = exported
     params = h.variables["params"]
     state = sm.training.TrainState(params, optax.adam(0.1).init(params), jax.random.key(0))
     step = sm.training.save_checkpoint(tmp_path / "ck", state)
     with pytest.raises(sm.ArtifactError) as e:
-        sm.load(artifact.path, params=step / "state.safetensors")
+        sm.load(artifact, params=step / "state.safetensors")
     said = str(e.value)
     assert "training checkpoint's state" in said and "resume=True).export(PATH)" in said
     assert "another export" not in said
+
+
+def _stray(directory, kind):
+    """``directory/step_00000009``, a ``kind`` ("symlink" to another run's step, or "file"):
+    named like a step newer than the checkpoints beside it, but none."""
+    newest = directory / "step_00000009"
+    if kind == "symlink":
+        (elsewhere := directory.parent / "elsewhere" / "step_00000009").mkdir(parents=True)
+        newest.symlink_to(elsewhere)
+    else:
+        newest.write_text("")
+    return newest
+
+
+@pytest.mark.parametrize("kind", ["symlink", "file"])
+def test_restoring_a_directory_whose_newest_step_is_no_checkpoint_is_refused_naming_it(
+    tmp_path, kind
+):
+    """restore_checkpoint(DIR) passed over a newer step_* that is a symlink or a file and read
+    the older checkpoint beside it, silently (resume and init_from refuse it)."""
+    sm.training.save_checkpoint(tmp_path / "ck", _state())
+    newest = _stray(tmp_path / "ck", kind)
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.restore_checkpoint(tmp_path / "ck", _state())
+    said = str(e.value)
+    assert said.startswith(f"symjax_mlp.training.restore_checkpoint: {newest} is a {kind}"), said
+    assert "would pass it over for" in said and "step_00000004" in said, said
+    assert sm.training.restore_checkpoint(tmp_path / "ck" / "step_00000004", _state())[0].step == 4
+
+
+@pytest.mark.slow  # two train() starts (2-3 s)
+def test_init_from_an_artifact_or_past_a_stray_step_is_refused_in_its_own_words(tmp_path, exported):
+    """train(init_from=...) of an exported artifact said "Resume from a checkpoint train()
+    wrote", and of a directory whose newest step_* is no checkpoint "a resume would pass it
+    over": a new run's start is no resume."""
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype(np.float32)
+    data = sm.training.Dataset(x[:16], np.arange(16) % 3, x[16:], np.arange(16) % 3, name="t")
+    run = {"epochs": 0, "batch_size": 8}
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.train(sm.mlp((16, 3)), data, init_from=exported[1], **run)
+    said = str(e.value)
+    assert "not a symjax_mlp checkpoint" in said and "A new run starts from" in said, said
+    assert "Resume" not in said, said
+    sm.training.save_checkpoint(tmp_path / "ck", _state())
+    _stray(tmp_path / "ck", "symlink")
+    with pytest.raises(sm.CheckpointError) as e:
+        sm.training.train(sm.mlp((16, 3)), data, init_from=tmp_path / "ck", **run)
+    said = str(e.value)
+    assert "would pass it over for" in said and "a resume" not in said, said

@@ -827,7 +827,8 @@ def test_an_odd_step_name_says_what_it_is_what_a_checkpoint_is_and_what_to_pass(
     no fix; a step_* that does not exist or is a symlink loop was 'the file is missing; the
     checkpoint is incomplete, corrupted or was edited' or an Errno, no fix; a NUL in the path
     was os's raw ValueError from save_checkpoint. Each names the path, what a checkpoint is and
-    what to pass; no OSError escapes; latest_checkpoint passes the odd names over."""
+    what to pass; no OSError escapes; latest_checkpoint passes the odd names over (restoring
+    the directory refuses them, as resume and init_from do)."""
     saved = sm.training.save_checkpoint(tmp_path / "run", _state())
     (tmp_path / "run" / "step_00000009").symlink_to(tmp_path / "run" / "step_00000009")
     (tmp_path / "run" / "step_00000010").write_text("a file")
@@ -851,7 +852,8 @@ def test_an_odd_step_name_says_what_it_is_what_a_checkpoint_is_and_what_to_pass(
     with pytest.raises(sm.CheckpointError, match=rf"empty holds no step_\* checkpoint{fix}"):
         sm.training.restore_checkpoint(tmp_path / "empty", _state())
     assert sm.training.latest_checkpoint(tmp_path / "run") == saved
-    assert sm.training.restore_checkpoint(tmp_path / "run", _state())[0].step == 0
+    with pytest.raises(sm.CheckpointError, match=r"step_00000009 is a symlink.*pass it over"):
+        sm.training.restore_checkpoint(tmp_path / "run", _state())  # as resume and init_from
     for call in (
         lambda p: sm.training.save_checkpoint(p, _state()),
         lambda p: sm.training.restore_checkpoint(p, _state()),

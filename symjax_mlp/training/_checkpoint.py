@@ -32,6 +32,7 @@ from symjax_mlp._reader import read_regular
 from symjax_mlp.training._paths import (
     check_directory,
     check_path,
+    check_strays,
     checkpoints,
     latest_checkpoint,
     named_step,
@@ -81,16 +82,26 @@ def broken(path: Any, what: str) -> CheckpointError:
     return CheckpointError(f"{path}: {what}; {_FIX}")
 
 
+_FOREIGN = (  # a foreign manifest's fix: a resume's, a new run's start (init_from)
+    "Resume from a checkpoint train() wrote.",
+    "A new run starts from the weights of a checkpoint train(checkpoint=DIR) wrote (an exported "
+    "artifact is none): pass that directory, or one of its step_* checkpoints, or leave "
+    "init_from out to train from the model's own initialisation.",
+)
+
+
 def check_manifest(
-    file: Path, manifest: Any, header: dict[str, Any], step: int | None, **fields: bool
-) -> None:
-    """Refuses a manifest without ``header``, with a field missing or mistyped, or of a step
-    other than ``step`` (its directory's); ``fields``: the format's own fields' checks."""
+    file: Path, manifest: Any, header: dict[str, Any], step: int | None, *,
+    init_from: bool = False, **fields: bool,
+) -> None:  # fmt: skip
+    """Refuses a manifest without ``header`` (its fix a resume's, or ``init_from``'s), with a
+    field missing or mistyped, or of a step other than ``step`` (its directory's); ``fields``:
+    the format's own fields' checks."""
     if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in header.items()):
         got = {k: manifest.get(k) for k in header} if isinstance(manifest, dict) else manifest
         raise CheckpointError(
             f"{file.parent} is not a symjax_mlp checkpoint of {header} (its manifest holds "
-            f"{printable(str(got)[:80])}). Resume from a checkpoint train() wrote."
+            f"{printable(str(got)[:80])}). {_FOREIGN[init_from]}"
         )
     meta = manifest.get("metadata", {})
     records = meta if isinstance(meta, dict) else {}
@@ -284,6 +295,8 @@ def read_checkpoint(
         why = f"cannot be read ({e.strerror})"
     if why is None and named_step(path) is None and not os.path.lexists(path / MANIFEST):
         newest = latest_checkpoint(path)  # a checkpoint directory: its newest
+        if newest is not None:  # none newer that is no checkpoint (a symlink), passed over
+            check_strays(path, "", reading=True)
         path, why = (path, "holds no step_* checkpoint") if newest is None else (newest, None)
     if why is not None:
         raise CheckpointError(_NO_CHECKPOINT.format(path=path, why=why))
@@ -297,7 +310,7 @@ def read_checkpoint(
     files = manifest.get("files") if isinstance(manifest, dict) else None
     digest = files.get(_STATE_FILE) if isinstance(files, dict) else None
     sha_ok = isinstance(digest, str) and _SHA256.fullmatch(digest) is not None
-    check_manifest(file, manifest, _HEADER, step, files=sha_ok)
+    check_manifest(file, manifest, _HEADER, step, init_from=weights is not None, files=sha_ok)
     metadata = manifest.get("metadata", {})
     if weights is not None:  # its model checked before its tensors: a refusal says which differs
         weights(path, metadata)

@@ -123,11 +123,23 @@ def checkpoints(directory: Path, orbax: bool = False) -> list[tuple[int, Path]]:
     return [(step, p) for step, p, complete in entries(directory, orbax) if complete]
 
 
-def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False) -> None:
-    """Refuses the other format's checkpoints, and an entry named like a step newer than the
-    newest checkpoint that is none (a file, a symlink, an uncommitted Orbax save, a name no save
-    writes): resuming, and saving that step, would trip on it."""
-    if checkpoints(Path(directory), not orbax):
+_PASSED_OVER = (  # what an entry named like a newer step that is none makes of a run or a read
+    "a resume would pass it over or fail on it, and saving that step fail on it or delete it, "
+    "after its epoch's work. Remove it, or use another checkpoint directory.",
+    "reading the directory's newest checkpoint would pass it over for {newest}, an older one. "
+    "Remove it, or name the checkpoint to read ({newest} or another step_* directory).",
+)
+
+
+def check_strays(
+    directory: str | os.PathLike, caller: str, orbax: bool = False, *, reading: bool = False
+) -> None:
+    """Refuses the other format's checkpoints (unless ``reading``: a directory's newest is
+    read, not resumed), and an entry named like a step newer than the newest checkpoint that
+    is none (a file, a symlink, an uncommitted Orbax save, a name no save writes): resuming,
+    saving that step and reading the newest would trip on it or pass it over; ``caller``
+    heads the refusal (``""``: none)."""
+    if not reading and checkpoints(Path(directory), not orbax):
         them = "single-process run (step_* safetensors)" if orbax else "multi-process run (Orbax)"
         raise CheckpointError(
             f"{caller}: {directory} holds checkpoints of a {them}, which this run cannot resume. "
@@ -146,10 +158,9 @@ def check_strays(directory: str | os.PathLike, caller: str, orbax: bool = False)
                 else f"a directory without {COMMITTED} (an Orbax save never committed)"
             )  # fmt: skip
             raise CheckpointError(
-                f"{caller}: {p} is {kind}, not a checkpoint directory, but is named like a step "
-                f"newer than {newest[1].name}: a resume would pass it over or fail on it, and "
-                "saving that step fail on it or delete it, after its epoch's work. Remove it, or "
-                "use another checkpoint directory."
+                f"{caller}: " * bool(caller) + f"{p} is {kind}, not a checkpoint directory, but "
+                f"is named like a step newer than {newest[1].name}: "
+                + _PASSED_OVER[reading].format(newest=newest[1])
             )
 
 

@@ -163,7 +163,7 @@ def check_init_from(directory: Any, checkpoint: Any) -> None:
             "init_from does not read: it reads a one-process run's step_* checkpoints. Continue "
             "that run as it was written (resume=True, every process after initialize(...))."
         )
-    check_strays(directory, caller)  # a newer step_* that is none: its newest, passed over
+    check_strays(directory, caller, reading=True)  # a newer step_* that is none: passed over
 
 
 def init_run(directory: str | os.PathLike, state: TrainState, config: dict[str, Any]) -> TrainState:
