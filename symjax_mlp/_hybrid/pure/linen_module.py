@@ -180,11 +180,16 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
 
 def refuse_apply_keywords(module: Any, caller: str, kwargs: Mapping[str, Any]) -> None:
     """Refuses linen ``apply``'s own keywords (``method=``, ``mutable=``, ``rngs=``) in a
-    call of a Hybrid of ``module``, unless its ``__call__`` names them: ``model.apply`` never
-    passes them on, so ``**kwargs`` (``bridge.to_linen``'s module's) do not take them."""
+    call of a Hybrid of ``module``, unless its ``__call__`` takes them (names them, or takes
+    ``**kwargs``: a user's names are theirs). ``bridge.to_linen``'s module passes its
+    ``**kwargs`` on to an nnx module, where ``rngs=`` means nnx's: refused there too."""
     if not (given := APPLY_FIXES.keys() & kwargs.keys()):
         return
     params = list(inspect.signature(type(module).__call__).parameters.values())[1:]
+    from flax.nnx import bridge  # (imported by flax.linen's users only)
+
+    if not isinstance(module, bridge.ToLinen) and any(p.kind is p.VAR_KEYWORD for p in params):
+        return
     for key in sorted(given - {p.name for p in params}):
         name, value = type(module).__name__, kwargs[key]
         value = f"{name}.{value.__name__}" if hasattr(value, "__name__") else repr(value)
