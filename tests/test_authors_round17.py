@@ -268,3 +268,25 @@ def test_hijax_quantized_arrays_as_params_and_inputs(tmp_path):
     m = sm.load(tmp_path / "m")
     close(m(np.asarray(x)), net(w, x))
     close(jax.grad(lambda r: m(r).sum())(x), jax.grad(lambda r: net(w, r).sum())(x))
+
+
+@pytest.mark.slow
+def test_train_runs_under_a_global_transfer_guard(tmp_path):
+    """transfer-guard.rst's global ``jax.config.update("jax_transfer_guard", "disallow")``:
+    ``sm.training.train`` moves its own data and keys (JAX's error at its first key, then called
+    the model's fault on one row), checkpoints, and gives bitwise the params it gives without
+    the guard; ``on_epoch``, the user's code, still runs under the user's guard."""
+    want, guarded = sm.training.train(epochs=1), []
+
+    def on_epoch(_):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed host-to-device"):
+            jax.jit(jnp.sin)(np.ones(3))
+        guarded.append(True)
+
+    jax.config.update("jax_transfer_guard", "disallow")
+    try:
+        got = sm.training.train(epochs=1, checkpoint=tmp_path / "c", on_epoch=on_epoch)
+    finally:
+        jax.config.update("jax_transfer_guard", None)
+    chex.assert_trees_all_equal(got.params, want.params)
+    assert guarded == [True]

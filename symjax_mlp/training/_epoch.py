@@ -33,6 +33,30 @@ from symjax_mlp.training._step import ModelVars, apply_model, step_of
 RAW_INPUTS = "raw features: the program standardises them as the model was trained on them"
 
 
+def moves_its_own(train: Callable[..., Any]) -> Callable[..., Any]:
+    """``train`` under ``jax.transfer_guard("allow")``: its data's and keys' trips to the device
+    are its own (a global "disallow" refused its first key); ``on_epoch`` runs under the guards
+    the caller set, each direction's."""
+    c, ways = jax.config, ("host_to_device", "device_to_device", "device_to_host")
+
+    @functools.wraps(train)
+    def run(*args: Any, on_epoch: Any = None, **kwargs: Any) -> Any:
+        guards = {w: getattr(c, f"jax_transfer_guard_{w}") for w in ways}  # the caller's
+        if callable(on_epoch):
+            on_epoch = functools.partial(_guarded, on_epoch, guards)
+        with jax.transfer_guard("allow"):
+            return train(*args, on_epoch=on_epoch, **kwargs)
+
+    return run
+
+
+def _guarded(f: Callable[..., Any], guards: dict[str, Any], *args: Any) -> Any:
+    with contextlib.ExitStack() as stack:
+        for way, level in guards.items():
+            stack.enter_context(getattr(jax, f"transfer_guard_{way}")(level))
+        return f(*args)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _shuffle(rng: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     rng, key = jax.random.split(rng)

@@ -34,7 +34,7 @@ from symjax_mlp.training._data import (
     default_classes,
     load_digits,
 )
-from symjax_mlp.training._epoch import Programs, TrainResult, evaluated
+from symjax_mlp.training._epoch import Programs, TrainResult, evaluated, moves_its_own
 from symjax_mlp.training._optimizer import Moved, checked_optimizer, init_state, only
 from symjax_mlp.training._orbax import OrbaxCheckpoints
 from symjax_mlp.training._paths import check_directory
@@ -82,6 +82,7 @@ _PAST = (
 )
 
 
+@moves_its_own
 def train(
     model: nn.Module | None = None,
     data: Dataset | None = None,
