@@ -33,13 +33,12 @@ from features import close, every_feature
 
 import symjax_mlp as sm
 
-pytestmark = pytest.mark.slow  # each a compile or more (~3 s or more)
-
 
 def _images(n=4):
     return jax.random.uniform(jax.random.key(1), (n, 28, 28, 1)) * 255
 
 
+@pytest.mark.slow  # a compile or more (~3 s or more)
 def test_mnist_net_every_feature_and_the_examples_update(tmp_path):
     """mnist.py's network as its ``apply`` and params over every feature; three of the
     example's ``update`` equal three adam steps of its ``loss`` over ``h.apply``."""
@@ -72,6 +71,7 @@ def test_mnist_net_every_feature_and_the_examples_update(tmp_path):
     close(h.replace(params=avg)(images), network.apply(state.avg_params, images))
 
 
+@pytest.mark.slow  # a compile or more (~3 s or more)
 def test_readme_forward_fn_with_its_none_rng(tmp_path):
     """README's ``forward_fn`` (``MyLinear``) under ``hk.transform``: the Hybrid of its apply
     called and exported with the README's ``None`` rng answers as ``forward.apply``."""
@@ -84,6 +84,7 @@ def test_readme_forward_fn_with_its_none_rng(tmp_path):
     every_feature(tmp_path, one, lambda r: forward.apply(params, None, r), x)
 
 
+@pytest.mark.slow  # a compile or more (~3 s or more)
 def test_my_dropout_rng_first_exports_as_the_refusal_says(tmp_path):
     """README's ``MyDropout``: ``h(key, x)`` is ``forward.apply(params, key, x)`` for a raw
     and a typed key; export with the raw key first was refused as inputs of unequal rows;
@@ -105,6 +106,7 @@ def test_my_dropout_rng_first_exports_as_the_refusal_says(tmp_path):
         close(m(np.asarray(key), np.asarray(x[:3])), forward.apply(params, key, x[:3]))
 
 
+@pytest.mark.slow  # a compile or more (~3 s or more)
 def test_transform_with_state_resnet_state_and_eval_every_feature(tmp_path):
     """The README's ``transform_with_state`` ResNet: ``h(state, None, x, is_training=True)``
     returns Haiku's output and state, twice over; its eval (the state the training calls
@@ -185,6 +187,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a compile or more (~3 s or more)
 def test_neural_ode_through_the_loaded_model(tmp_path):
     """neural_ode.ipynb's ``NeuralODE`` (Tsit5, PIDController, RecursiveCheckpointAdjoint) over
     a batch of initial values, in a process of its own under ``EQX_ON_ERROR=off`` (diffrax's
@@ -203,6 +206,7 @@ def test_neural_ode_through_the_loaded_model(tmp_path):
     assert run.returncode == 0 and run.stdout.split()[-1] == "ok", run.stderr[-3000:]
 
 
+@pytest.mark.slow  # a compile or more (~3 s or more)
 def test_params_whose_slashed_keys_join_to_one_path_are_refused(tmp_path):
     """Keys holding '/' are stored as Haiku names them; two that join to the same path
     ({'a/b': w, 'a': {'b': v}}) are refused naming it (one would have shadowed the other)."""
@@ -210,3 +214,12 @@ def test_params_whose_slashed_keys_join_to_one_path_are_refused(tmp_path):
     h = sm.hybridize(lambda p, x: x * p["a/b"] + p["a"]["b"], p)
     with pytest.raises(sm.ArtifactError, match=r"param path 'a/b' .*made twice"):
         sm.export(h, tmp_path / "m", example=(jnp.ones((2, 3)),))
+
+
+def test_an_init_apply_pair_is_told_to_hybridize_its_apply():
+    """``hybridize(f, params)`` of Haiku's ``Transformed`` and ``TransformedWithState`` (an
+    (init, apply) pair, not callable) said only what it expects; now it names ``f.apply``, the
+    params of ``init``'s ``(params, state)``, and the rng and state arguments of ``h``."""
+    for make in (hk.transform, hk.transform_with_state):
+        with pytest.raises(sm.ConfigError, match=r"got Transformed.*sm.hybridize\(f.apply, "):
+            sm.hybridize(make(zoo19.forward_fn), {"my_linear": {"w": jnp.ones((3, 10))}})

@@ -43,6 +43,13 @@ _EQX_PARAMS = (
     "alike, or hybridize the other model."
 )
 
+_PAIR = (
+    " That is an (init, apply) pair of pure functions (Haiku's hk.transform, stax's): hybridize "
+    "its apply, sm.hybridize(f.apply, params), with the params init returns (of "
+    "hk.transform_with_state's (params, state), the params), and call h with apply's other "
+    "arguments: h(None, x) where apply takes an rng (None or a key), h(state, None, x) with state."
+)
+
 
 def hybridize(
     model: Any,
@@ -161,9 +168,11 @@ def hybridize(
     elif isinstance(model, jax.stages.Lowered | jax.stages.Compiled):
         raise ConfigError(_STAGED.format(kind=type(model).__name__))
     elif not callable(model):
+        pair = isinstance(model, tuple) and len(model) == 2 and all(map(callable, model))
         raise ConfigError(
             "hybridize() expects a flax.linen.Module with its variables, a flax.nnx.Module, or "
             f"a pure function fn(params, *inputs); got {type(model).__name__}."
+            + (_PAIR if pair else "")
         )
     elif params is None:
         label = f"hybridize({name or getattr(model, '__name__', 'fn')})"
