@@ -178,3 +178,26 @@ def test_init_from_an_artifact_or_past_a_stray_step_is_refused_in_its_own_words(
         sm.training.train(sm.mlp((16, 3)), data, init_from=tmp_path / "ck", **run)
     said = str(e.value)
     assert "would pass it over for" in said and "a resume" not in said, said
+
+
+@pytest.mark.slow  # three short runs (4-6 s)
+def test_resuming_reduce_on_plateau_with_another_patience_or_factor_is_refused(tmp_path):
+    """The optimizer's fingerprint ran its update without value=, which reduce_on_plateau needs:
+    it recorded the optimizer's type only, and the probe of its next update sees no plateau
+    setting, so a resume with another patience or factor went through, silently."""
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+    y = (np.arange(64) % 3).astype(np.int32)
+    data = sm.training.Dataset(x[:48], y[:48], x[48:], y[48:], name="t")
+
+    def run(patience, factor, resume=False):
+        plateau = optax.contrib.reduce_on_plateau(patience=patience, factor=factor)
+        return sm.training.train(
+            sm.mlp((16, 3)), data, optimizer=optax.chain(optax.adam(1e-2), plateau), epochs=1,
+            batch_size=16, checkpoint=tmp_path, resume=resume,
+        )  # fmt: skip
+
+    run(3, 0.5)
+    for patience, factor in ((4, 0.5), (3, 0.1)):
+        with pytest.raises(sm.CheckpointError, match="the optimizer: its kind, hyperparameters"):
+            run(patience, factor, resume=True)
+    assert run(3, 0.5, resume=True).history[-1].epoch == 1  # the same optimizer: resumed

@@ -8,6 +8,7 @@ optimizer's next update for a fixed gradient (a schedule), each compared within 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -277,16 +278,27 @@ def _model_fingerprint(model: Any, spec: Any, params: Any) -> str:
     return hashlib.sha256(f"{config}|{tree}".encode()).hexdigest()
 
 
+_PLATEAU_STEPS = 48  # a value= optimizer's updates of a loss that stops improving at once
+
+
 def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
-    """The optimizer's first two updates of a fixed small problem (its closures cannot be read)."""
+    """The optimizer's first two updates of a fixed small problem (its closures cannot be read);
+    of one whose update needs ``value=`` (reduce_on_plateau), its first ``_PLATEAU_STEPS`` of
+    a constant loss: when and how far it scales its updates (patience, factor, cooldown)."""
     w = {"w": jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)}
     g = {"w": jnp.cos(jnp.arange(8, dtype=jnp.float32))}
     digest = hashlib.sha256(type(optimizer).__name__.encode())
-    with contextlib.suppress(Exception):  # an optimizer that cannot run on a toy tree: its type
-        opt_state = optimizer.init(w)
-        for _ in range(2):
-            updates, opt_state = optimizer.update(g, opt_state, w)
-            digest.update(np.asarray(updates["w"], np.float32).tobytes())
+    plateau = functools.partial(optimizer.update, value=jnp.float32(1.0))
+    for update, steps in ((optimizer.update, 2), (jax.jit(plateau), _PLATEAU_STEPS)):
+        with contextlib.suppress(Exception):  # one that cannot run on a toy tree: its type
+            opt_state, seen = optimizer.init(w), []
+            for _ in range(steps):  # (compiled: op by op, each plateau step takes 0.2 s)
+                updates, opt_state = update(g, opt_state, w)
+                seen.append(np.asarray(updates["w"], np.float32).tobytes())
+            digest.update(b"".join(seen))
+            break
+        if not takes_value(optimizer):
+            break
     return digest.hexdigest()
 
 
