@@ -149,6 +149,7 @@ def describe_mlp(
 _UNKNOWN = {
     "while": "a while_loop's trip count is unknown",
     "call_exported": "a loaded model's program is not counted",
+    "call_hi_primitive": "a hijax primitive's ops are not counted",
 }
 
 

@@ -290,3 +290,48 @@ def test_train_runs_under_a_global_transfer_guard(tmp_path):
         jax.config.update("jax_transfer_guard", None)
     chex.assert_trees_all_equal(got.params, want.params)
     assert guarded == [True]
+
+
+def test_a_hijax_primitives_flops_are_not_counted_and_said_so():
+    """hijax-types.md's ``MatmulQ`` of a ``QArray`` in ``h.graph``: its primitive is counted
+    and its flops are said not to be (``flops_exact`` false, a lower bound): they read 0,
+    exact, a silent wrong figure."""
+    h = sm.hybridize(lambda qw, x: zoo17.matmul_q(x, qw), zoo17.qw)
+    g = h.graph(zoo17.x_q)
+    assert g.primitive_counts == {"call_hi_primitive": 1}
+    assert not g.flops_exact and g.flops_unknown == ("call_hi_primitive",)
+
+
+@pytest.mark.slow
+def test_hijax_quantized_matmul_eager_and_in_a_batcher():
+    """hijax-types.md's ``MatmulQ`` of a ``QArray``: ``h.eager`` and a Batcher of the Hybrid
+    give jit's answers, row by row."""
+    x, qw = zoo17.x_q, zoo17.qw
+    h = sm.hybridize(lambda qw, x: zoo17.matmul_q(x, qw), qw)
+    want = jax.jit(zoo17.matmul_q)(x, qw)
+    close(h.eager(x), want)
+    with sm.serving.Batcher(h, max_batch=4, example=x[:1]) as b:
+        got = [b.submit(np.asarray(x[i : i + 1])).result(30) for i in range(len(x))]
+    close(np.concatenate(got), want)
+
+
+def test_debug_print_and_callback_fire_per_call_and_export_refuses_them(tmp_path, capfd):
+    """debugging.md's ``jax.debug.print`` and ``jax.debug.callback`` inside a hybridized model
+    fire on every call of one trace, as under ``jax.jit`` (a ``print`` only per trace); export
+    refuses them by name, as the README says."""
+    seen = []
+
+    def f(w, x):
+        jax.debug.print("x sum {}", x.sum())
+        jax.debug.callback(lambda v: seen.append(float(v)), x.sum())
+        return x @ w
+
+    h = sm.hybridize(f, zoo17.w_q)
+    for _ in range(2):
+        jax.block_until_ready(h(zoo17.x_q))
+    jax.effects_barrier()
+    want = float(zoo17.x_q.sum())
+    assert seen == [want, want] and h.trace_count == 1
+    assert capfd.readouterr().out.count(f"x sum {want}") == 2
+    with pytest.raises(sm.ConfigError, match="debug_callback, debug_print"):
+        sm.export(h, tmp_path / "m", example=(zoo17.x_q,))

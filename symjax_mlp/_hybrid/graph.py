@@ -74,7 +74,8 @@ class Graph:
         element; transcendentals and layout ops none. A ``scan`` body counts ``length`` times,
         a ``cond`` as its costliest branch; a ``while_loop``'s body is not counted (its trip
         count is unknown: :attr:`flops_exact` is false and this is a lower bound), nor a loaded
-        model's program (``call_exported``, whose ops the jaxpr does not show).
+        model's program (``call_exported``) nor a ``jax.experimental.hijax`` primitive's
+        (``call_hi_primitive``), whose ops the jaxpr does not show.
         """
         return self._flops[0]
 
@@ -86,7 +87,8 @@ class Graph:
     @property
     def flops_unknown(self) -> tuple[str, ...]:
         """The primitives whose bodies run an unknown number of times, e.g. ``("while",)``, or
-        whose ops are not shown (``"call_exported"``, a loaded model's program)."""
+        whose ops are not shown (``"call_exported"``, a loaded model's program;
+        ``"call_hi_primitive"``, a hijax primitive)."""
         return self._flops[1]
 
     @classmethod

@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import math
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -28,8 +29,9 @@ _CALLS = frozenset({
     "jit", "pjit", "closed_call", "core_call", "named_call", "custom_jvp_call", "custom_vjp_call",
     "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint", "custom_vmap_call",
 })  # fmt: skip
-#: Primitives whose flops the jaxpr does not show: a loaded model's program (jax.export's)
-_OPAQUE = frozenset({"call_exported"})
+#: Primitives whose flops the jaxpr does not show: a loaded model's program (jax.export's), a
+#: hijax primitive's (hijax-types.md's MatmulQ: its ops are its ``expand``'s, not shown)
+_OPAQUE = frozenset({"call_exported", "call_hi_primitive"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,13 +211,13 @@ def _forwards(eqn: Any) -> list[int | None]:
 
 def count_flops(jaxpr: jex_core.Jaxpr) -> tuple[int, tuple[str, ...]]:
     """``(flops, unknown)``: one run's flops (see ``Graph.flops``), and the primitives whose
-    trip counts (or, ``call_exported``, flops) are unknown."""
+    trip counts (or, ``call_exported`` and hijax primitives, flops) are unknown."""
     total, unknown = 0, []
     for eqn in jaxpr.eqns:
         subs = bodies(eqn)
         if not subs:
             total += eqn_flops(eqn)
-            unknown += [eqn.primitive.name] if eqn.primitive.name in _OPAQUE else []
+            unknown += [eqn.primitive.name] if _opaque(eqn.primitive) else []
             continue
         counted = [(b, *count_flops(b.jaxpr)) for b in subs]
         if eqn.primitive.name == "cond":
@@ -225,6 +227,12 @@ def count_flops(jaxpr: jex_core.Jaxpr) -> tuple[int, tuple[str, ...]]:
         unknown += [eqn.primitive.name for b in subs if not b.exact]
         unknown += [name for _, _, names in counted for name in names]
     return total, tuple(dict.fromkeys(unknown))
+
+
+def _opaque(primitive: Any) -> bool:
+    hijax = sys.modules.get("jax.experimental.hijax")  # not imported: no hijax primitive made
+    hi = hijax is not None and isinstance(primitive, hijax.HiPrimitive)
+    return hi or primitive.name in _OPAQUE
 
 
 def eqn_flops(eqn: Any) -> int:
