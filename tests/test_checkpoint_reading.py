@@ -201,3 +201,20 @@ def test_resuming_reduce_on_plateau_with_another_patience_or_factor_is_refused(t
         with pytest.raises(sm.CheckpointError, match="the optimizer: its kind, hyperparameters"):
             run(patience, factor, resume=True)
     assert run(3, 0.5, resume=True).history[-1].epoch == 1  # the same optimizer: resumed
+
+
+@pytest.mark.slow  # two short CLI runs (3-5 s)
+def test_the_cli_says_resuming_from_what_train_resumes_not_what_it_listed(tmp_path, capsys):
+    """The CLI listed the checkpoint directory itself and said "resuming from" its newest before
+    train() had looked at it: a checkpoint of another run was said resumed, then refused. It
+    is train()'s line now (its logger's, at INFO), said once the checkpoint is checked."""
+    from symjax_mlp.cli import main
+
+    argv = ["train", "--epochs", "1", "--checkpoint", str(tmp_path / "ck")]
+    assert main([*argv, "--sizes", "8,10"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--sizes", "9,10", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "written for another model" in err and "resuming from" not in err, err
+    assert main([*argv, "--sizes", "8,10", "--resume"]) == 0
+    assert f"resuming from {tmp_path / 'ck' / 'step_00000023'}\n" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -53,7 +54,6 @@ def run(args: argparse.Namespace) -> None:
     from symjax_mlp import mlp
     from symjax_mlp._artifact.format import check_target, printable
     from symjax_mlp.training import initialize, train
-    from symjax_mlp.training._paths import checkpoints
     from symjax_mlp.training._processes import RESUME
 
     several = args.num_processes > 1 or args.coordinator or args.process_id
@@ -80,10 +80,12 @@ def run(args: argparse.Namespace) -> None:
     if several:  # after the targets' checks: a refusal once joined left the others waiting,
         # then JAX aborted every process (SIGABRT) when its shutdown barrier timed out
         initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
-    told = args.resume and args.checkpoint and not args.quiet  # none: train's warning says so
-    if told and (mine := checkpoints(Path(args.checkpoint), bool(several))):  # its kind's
-        _args.say(f"resuming from {printable(str(mine[-1][1]))}", sys.stderr)
     resume = RESUME.set("--resume")  # train's words, in the CLI's (a relaunch, no checkpoint)
+    told, log = _Told(), logging.getLogger("symjax_mlp.training")  # train's "resuming from"
+    level = log.level
+    if not args.quiet:
+        log.addHandler(told)
+        log.setLevel(logging.INFO)
     try:
         with _progress(args.epochs, quiet=args.quiet) as on_epoch:
             options = "learning_rate epochs batch_size seed checkpoint checkpoint_every resume "
@@ -91,6 +93,8 @@ def run(args: argparse.Namespace) -> None:
             result = train(mlp(args.sizes), compiled=not args.eager, on_epoch=on_epoch, **keyed)
     finally:
         RESUME.reset(resume)
+        log.removeHandler(told)
+        log.setLevel(level)
     if args.json is not None:
         _args.emit_json(result.to_dict(), args.json)
     if args.export is not None:
@@ -103,6 +107,13 @@ def run(args: argparse.Namespace) -> None:
         f"in {result.train_seconds:.1f} s",
         sys.stderr if args.json == "-" else sys.stdout,
     )
+
+
+class _Told(logging.Handler):
+    """What train() logs (``resuming from PATH``, once that checkpoint is checked), on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        _args.say(record.getMessage(), sys.stderr)
 
 
 def _apart(option: str, target: str, others: dict[str, str | None], what: str) -> None:

@@ -139,7 +139,8 @@ def train(
       checkpoint: a directory for checkpoints (``None``: none are written).
       checkpoint_every: write a checkpoint every this many epochs (and after the last one).
       resume: continue from the newest checkpoint in ``checkpoint``, if it holds one (else a
-        warning says it trains from the start).
+        warning says it trains from the start); the ``"symjax_mlp.training"`` logger says
+        ``resuming from PATH`` at INFO once that checkpoint is checked.
       init_from: a checkpoint directory (its newest) or ``step_*`` checkpoint, only read: a new
         run (a fresh optimizer state, epoch 0) starts from its params and model state, which
         this model must have written; optimizer, data and seed may differ (fine-tuning, a new

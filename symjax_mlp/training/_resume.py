@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import math
 import os
 import re
@@ -37,6 +38,7 @@ from symjax_mlp.training._state import SHOWN, EpochRecord, TrainState, named_lea
 from symjax_mlp.training._step import ModelVars, apply_model
 
 _CALLER = "symjax_mlp.training.train"
+LOG = logging.getLogger("symjax_mlp.training")  # "resuming from ...", at INFO, once it is sure
 PROBE = "model_probe"  # compared within a tolerance, not for equality
 PROBE_TRAIN = "model_probe_train"  # the training call's (dropout with a fixed rng): the same
 PROBE_ROWS = 2  # rows of the probe input
@@ -45,6 +47,7 @@ TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 OPTIMIZER_PROBE = "optimizer_probe"  # in each checkpoint's metadata, not the run's config
 _UPDATE_TOLERANCE = {"rtol": 1e-5, "atol": 1e-9}  # the same state and ops: bitwise on one
 # machine; another's last bits (an update near 0 is a difference of near-equal terms) pass
+_PLATEAU_STEPS = 48  # a value= optimizer's updates of a loss that stops improving at once
 _NAN_INF = ("nan", "inf", "-inf")
 _FLOAT_MAX = sys.float_info.max  # a Python float: an int compares with it exactly
 _SHOWN = SHOWN.maxdict  # the settings a refusal shows (a manifest is anyone's JSON)
@@ -141,6 +144,7 @@ def resume_run(
             f"it records epoch {state.epoch} and step {state.step}, but its history has "
             f"{len(history)} epoch(s) ending at step {ends}: resuming would skip or repeat epochs",
         )
+    LOG.info("resuming from %s", printable(os.fspath(found)))
     return state, history, found
 
 
@@ -276,9 +280,6 @@ def _model_fingerprint(model: Any, spec: Any, params: Any) -> str:
     else:
         config = repr(model)
     return hashlib.sha256(f"{config}|{tree}".encode()).hexdigest()
-
-
-_PLATEAU_STEPS = 48  # a value= optimizer's updates of a loss that stops improving at once
 
 
 def _optimizer_fingerprint(optimizer: optax.GradientTransformation) -> str:
