@@ -335,3 +335,23 @@ def test_debug_print_and_callback_fire_per_call_and_export_refuses_them(tmp_path
     assert capfd.readouterr().out.count(f"x sum {want}") == 2
     with pytest.raises(sm.ConfigError, match="debug_callback, debug_print"):
         sm.export(h, tmp_path / "m", example=(zoo17.x_q,))
+
+
+def _doubling(w, x):  # a while_loop whose trip count depends on the input: no VJP
+    return jax.lax.while_loop(lambda c: c.sum() < 100.0, lambda c: c * w, x)
+
+
+@pytest.mark.slow
+def test_grad_of_a_loaded_while_loop_says_what_export_with_a_vjp_needs(tmp_path):
+    """A model whose ``lax.while_loop`` carries its input, exported with ``vjp_order=0``:
+    ``jax.grad`` of the loaded model says its loop must become a ``lax.scan`` first (it said
+    only "export it again with vjp_order=1", which export refuses for that loop, as here)."""
+    h, x = sm.hybridize(_doubling, jnp.float32(1.5)), jnp.ones((2, 3))
+    with pytest.raises(sm.ConfigError, match="while_loop"):
+        sm.export(h, tmp_path / "vjp", example=(x,), vjp_order=1)
+    sm.export(h, tmp_path / "m", example=(x,))
+    m = sm.load(tmp_path / "m", allow={"while"})
+    close(m(x), jax.jit(_doubling)(1.5, x))
+    with pytest.raises(sm.ConfigError, match="reverse-differentiate one that carries") as e:
+        jax.grad(lambda x: m(x).sum())(x)
+    assert "lax.scan" in str(e.value) and "vjp_order=1" in str(e.value)

@@ -65,7 +65,13 @@ def _unresolved(file: Path, module: str, shapes: list, e: Exception) -> Artifact
 _NO_VJP = (
     "{caller}: jax.grad of the loaded model runs the artifact's VJP module of order {order}, "
     "and it was exported without one (vjp_order={have}). Export it again with "
-    "vjp_order={order}: sm.export(h, path, example=x, vjp_order={order})."
+    "vjp_order={order}: sm.export(h, path, example=x, vjp_order={order}).{loop}"
+)
+_LOOP = (  # needs "while": a loop JAX may not reverse-differentiate (export then refuses it)
+    " Its program holds a while loop (a lax.while_loop, or a fori_loop with traced bounds), and "
+    "JAX cannot reverse-differentiate one that carries what jax.grad differentiates: that export "
+    "then refuses it, naming the loop. Make it a lax.scan (or a fori_loop with static bounds) "
+    "first."
 )
 
 
@@ -183,8 +189,10 @@ class Program:
 
         def backward(args: Any, cts: Any) -> Any:
             if not module.has_vjp():
-                have = self.manifest.get("vjp_order", 0)
-                raise ConfigError(_NO_VJP.format(caller=self.caller, order=order + 1, have=have))
+                have, loop = self.manifest.get("vjp_order", 0), self.manifest.get("needs", ())
+                loop = _LOOP if "while" in loop else ""
+                said = _NO_VJP.format(caller=self.caller, order=order + 1, have=have, loop=loop)
+                raise ConfigError(said)
             vjp = module.vjp()
             primals, cts = jax.tree.leaves(args), jax.tree.leaves(cts)
             expected = vjp.in_avals[len(primals) :]
