@@ -12,8 +12,9 @@ google/flax at 18f8f311c275d57f46d95e41b15aa97b454754c0:
   "Splitting implicit random state", the implicit-rngs ``Model`` sampled five times by
   ``sample_from_model`` (``nnx.with_rngs(split=5)`` over an ``nnx.vmap`` whose ``in_axes``
   is ``nnx.prefix`` of the guide's global ``model``, ``graph=False``); "Transforming implicit
-  state", ``RNNCell`` and ``rnn_forward`` (one recurrent dropout mask broadcast over the
-  steps by ``nnx.with_rngs(broadcast=...)``, an ``nnx.scan``, ``graph=False``); sizes cut.
+  state", ``rnn_forward`` (one recurrent dropout mask broadcast over the steps by
+  ``nnx.with_rngs(broadcast=...)``, an ``nnx.scan``, ``graph=False``) over ``RNNCell``
+  (tests/helpers.py's, unchanged since round six took it); sizes cut.
 - docs_nnx/examples/vit_training.md: ``ShardingConfig``, ``ModelConfig``,
   ``VisionTransformer`` and ``TransformerEncoder`` (``out_sharding=`` at each layer; Dropout
   and attention dropout drawing from the ``rngs`` passed in), ``compute_losses_and_logits``
@@ -31,6 +32,11 @@ google/flax at 18f8f311c275d57f46d95e41b15aa97b454754c0:
   broadcasting the count; "Random state"'s ``noisy_vector_dot`` (its ``Weights`` renamed
   ``NoisyWeights``). The guide's ``weights.count += 1`` raises in the installed Flax
   ("In-place operations are no longer supported for Variable"): written ``[...] += 1``.
+- docs_nnx/examples/digits_diffusion_model.md: ``UNet`` (time embedding, four ``ResBlock``
+  levels, self-attention, a bridge, skip connections), ``ResBlock``, the flow-matching
+  ``loss_fn`` (its times and noise drawn from the ``rngs`` passed in) and ``train_step``
+  (renamed ``diffusion_train_step``: ``nnx.ModelAndOptimizer`` of ``optax.adamw`` on a
+  warm-up and cosine schedule, clipped); its diffrax sampling left out (not installed).
 """
 
 from collections.abc import Callable
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import optax
@@ -134,21 +141,7 @@ class Count(nnx.Variable):
     pass
 
 
-class RNNCell(nnx.Module):
-    def __init__(self, din, dout, rngs):
-        self.linear = nnx.Linear(dout + din, dout, rngs=rngs)
-        self.drop = nnx.Dropout(0.1, rngs=rngs, rng_collection="recurrent_dropout")
-        self.dout = dout
-        self.count = Count(jnp.array(0, jnp.uint32))
-
-    def __call__(self, h, x) -> tuple[jax.Array, jax.Array]:
-        h = self.drop(h)  # Recurrent dropout.
-        y = nnx.relu(self.linear(jnp.concatenate([h, x], axis=-1)))
-        self.count[...] = self.count[...] + 1
-        return y, y
-
-    def initial_state(self, batch_size: int):
-        return jnp.zeros((batch_size, self.dout))
+RNNCell = helpers.RNNCell  # the guide's, unchanged since round six took it (its Count too)
 
 
 @nnx.jit(graph=False)
@@ -460,3 +453,217 @@ def noisy_vector_dot(weights: NoisyWeights, x: jax.Array):
     weights.count[...] += 1
     y = x @ weights.kernel + weights.bias
     return y + jax.random.normal(weights.rngs.noise(), y.shape)
+
+
+# --- docs_nnx/examples/digits_diffusion_model.md -----------------------------------------------
+
+
+class UNet(nnx.Module):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        features: int,
+        time_emb_dim: int = 128,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        """
+        Initialize the U-Net architecture with time embedding.
+        """
+        self.features = features
+
+        # Time embedding layers for diffusion timestep conditioning.
+        self.time_mlp = nnx.Sequential(
+            nnx.Linear(in_features=time_emb_dim, out_features=time_emb_dim, rngs=rngs),
+            nnx.gelu,
+            nnx.Linear(in_features=time_emb_dim, out_features=time_emb_dim, rngs=rngs),
+        )
+
+        # Time projection layers for different scales.
+        self.time_proj = nnx.List(
+            [
+                nnx.Linear(in_features=time_emb_dim, out_features=features, rngs=rngs),
+                nnx.Linear(in_features=time_emb_dim, out_features=features * 2, rngs=rngs),
+                nnx.Linear(in_features=time_emb_dim, out_features=features * 4, rngs=rngs),
+                nnx.Linear(in_features=time_emb_dim, out_features=features * 8, rngs=rngs),
+            ]
+        )
+
+        # The encoder path.
+        self.down_convs = nnx.List(
+            [
+                ResBlock(in_channels, features, rngs),
+                ResBlock(features, features * 2, rngs),
+                ResBlock(features * 2, features * 4, rngs),
+                ResBlock(features * 4, features * 8, rngs),
+            ]
+        )
+
+        # Multi-head self-attention blocks.
+        self.attention1 = nnx.MultiHeadAttention(
+            num_heads=1, in_features=features * 4, decode=False, rngs=rngs
+        )
+        self.attention2 = nnx.MultiHeadAttention(
+            num_heads=1, in_features=features * 8, decode=False, rngs=rngs
+        )
+
+        # The bridge connecting the encoder and the decoder.
+        self.bridge_down = ResBlock(features * 8, features * 16, rngs)
+        self.bridge_attention = nnx.MultiHeadAttention(
+            num_heads=1, in_features=features * 16, decode=False, rngs=rngs
+        )
+        self.bridge_up = ResBlock(features * 16, features * 16, rngs)
+
+        # Decoder path with skip connections.
+        self.up_convs = nnx.List(
+            [
+                ResBlock(features * 24, features * 8, rngs),
+                ResBlock(features * 12, features * 4, rngs),
+                ResBlock(features * 6, features * 2, rngs),
+                ResBlock(features * 3, features, rngs),
+            ]
+        )
+
+        # Output layers.
+        self.final_norm = nnx.LayerNorm(features, rngs=rngs)
+        self.final_conv = nnx.Conv(
+            in_features=features,
+            out_features=out_channels,
+            kernel_size=(3, 3),
+            strides=(1, 1),
+            padding=((1, 1), (1, 1)),
+            rngs=rngs,
+        )
+
+    def _apply_attention(self, attn: nnx.MultiHeadAttention, x: jax.Array) -> jax.Array:
+        B, H, W, C = x.shape
+        # Flatten spatial dimensions, apply attention, then restore the spatial shape.
+        out = attn(x.reshape(B, H * W, C)).reshape(B, H, W, C)
+        return x + out  # A ResNet-style residual connection.
+
+    def _pos_encoding(self, t: jax.Array, dim: int) -> jax.Array:
+        """Applies sinusoidal positional encoding for time embedding.
+
+        Args:
+            t (jax.Array): The time embedding, representing the timestep.
+            dim (int): The dimension of the output positional encoding.
+
+        Returns:
+            jax.Array: The sinusoidal positional embedding per timestep.
+
+        """
+        # Calculate half the embedding dimension.
+        half_dim = dim // 2
+        # Compute the logarithmic scaling factor for sinusoidal frequencies.
+        emb = jnp.log(10000.0) / (half_dim - 1)
+        # Generate a range of sinusoidal frequencies.
+        emb = jnp.exp(jnp.arange(half_dim) * -emb)
+        # Create the positional encoding by multiplying time embeddings with.
+        emb = (1000 * t[:, None]) * emb[None, :]
+
+        # Concatenate sine and cosine components for richer representation.
+        emb = jnp.concatenate([jnp.sin(emb), jnp.cos(emb)], axis=1)
+        return emb
+
+    def _downsample(self, x: jax.Array) -> jax.Array:
+        """Downsamples the input feature map with max pooling."""
+        return nnx.max_pool(x, window_shape=(2, 2), strides=(2, 2), padding="SAME")
+
+    def _upsample(self, x: jax.Array, target_size: int) -> jax.Array:
+        """Upsamples the input feature map using nearest neighbor interpolation."""
+        return jax.image.resize(
+            x, (x.shape[0], target_size, target_size, x.shape[3]), method="nearest"
+        )
+
+    def __call__(self, x: jax.Array, t: jax.Array) -> jax.Array:
+        """Perform the forward pass through the U-Net using time embeddings."""
+
+        # Time embedding and projection.
+        t_emb = self.time_mlp(
+            self._pos_encoding(t, 128)
+        )  # Sinusoidal positional encoding for time.
+
+        # The encoder path with time injection.
+        t_embs = [proj(t_emb)[:, None, None, :] for proj in self.time_proj]
+        attns = [None, None, self.attention1, self.attention2]
+
+        ds = []
+        for conv, t_e, attn in zip(self.down_convs, t_embs, attns):  # noqa: B905 - as written
+            inp = self._downsample(ds[-1]) if ds else x
+            d = conv(inp)
+            if attn is not None:
+                d = self._apply_attention(attn, d)  # Apply self-attention.
+            d = d + jnp.broadcast_to(t_e, d.shape)  # Add the time embedding to the feature map.
+            ds.append(d)
+
+        # The bridge.
+        b = self._downsample(ds[-1])
+        b = self.bridge_down(b)
+        b = self._apply_attention(self.bridge_attention, b)
+        b = self.bridge_up(b)
+
+        # The decoder path with skip connections.
+        u = b
+        for conv, skip in zip(self.up_convs, reversed(ds)):  # noqa: B905 - as written
+            u = conv(jnp.concatenate([self._upsample(u, skip.shape[1]), skip], axis=-1))
+
+        # Final layers.
+        x = self.final_norm(u)
+        x = nnx.gelu(x)
+        return self.final_conv(x)
+
+
+class ResBlock(nnx.Module):
+    def __init__(self, in_channels: int, out_channels: int, rngs: nnx.Rngs):
+        # Convolutional layers with layer normalization.
+        self.conv1 = nnx.Conv(
+            in_features=in_channels,
+            out_features=out_channels,
+            kernel_size=(3, 3),
+            strides=(1, 1),
+            padding=((1, 1), (1, 1)),
+            rngs=rngs,
+        )
+        self.norm1 = nnx.LayerNorm(out_channels, rngs=rngs)
+        self.conv2 = nnx.Conv(
+            in_features=out_channels,
+            out_features=out_channels,
+            kernel_size=(3, 3),
+            strides=(1, 1),
+            padding=((1, 1), (1, 1)),
+            rngs=rngs,
+        )
+        self.norm2 = nnx.LayerNorm(out_channels, rngs=rngs)
+
+        # Projection shortcut if dimensions change.
+        self.shortcut = nnx.Conv(
+            in_features=in_channels,
+            out_features=out_channels,
+            kernel_size=(1, 1),
+            strides=(1, 1),
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        identity = self.shortcut(x)
+        x = nnx.gelu(self.norm1(self.conv1(x)))
+        x = nnx.gelu(self.norm2(self.conv2(x)))
+        return x + identity
+
+
+def loss_fn(model, x1, rngs):
+    batch_size = x1.shape[0]
+    u = rngs.normal((batch_size,))
+    t = jax.nn.sigmoid(u)  # Logit-normal time sampling (SD3/Flux).
+    t_full = t[:, None, None, None]
+    x0 = rngs.normal(x1.shape)
+    xt = (1 - t_full) * x0 + t_full * x1
+    return jnp.mean((model(xt, t) - (x1 - x0)) ** 2)
+
+
+@nnx.jit
+def diffusion_train_step(model, data, rngs, optimizer):  # the example's train_step
+    loss, grads = nnx.value_and_grad(loss_fn)(model, data, rngs)
+    optimizer.update(grads)
+    return loss
