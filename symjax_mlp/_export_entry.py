@@ -123,7 +123,8 @@ def stage(
     refuse_trained_in_place(h, f"export({h.name})", "the artifact would hold")
     if shapes is not None and len(shapes) == len(given) != len(examples):  # a spec per setting
         raise ConfigError(_setting_specs(h.name, tuple(shapes), given, static))
-    in_specs = input_structs(examples, batch, shapes, tuple(constraints), h.name)
+    placed = {k: v for k, v, _ in static if isinstance(k, int)}  # hk's None rng among them
+    in_specs = input_structs(examples, batch, shapes, tuple(constraints), h.name, placed)
     stored, fn, baked = _exportable(h)
     streams = _moved(h, static, examples, kw)
     specs, host_params = param_specs(stored)  # as jax.export traces them

@@ -22,7 +22,7 @@ _CONTAINER_INPUT = (
     "export({name}, example=...): args[{i}] is {what}, but an artifact's inputs are positional "
     "arrays (what every runtime, IREE included, passes). Export a function that takes its arrays "
     "by place and rebuilds the {kind}, where d is that {kind}: leaves, tree = jax.tree.flatten(d); "
-    "sm.hybridize(lambda params, {head}*xs: h.apply(params, {head}"
+    "sm.hybridize(lambda params, {head}*xs: h.apply(params, {call}"
     "jax.tree.unflatten(tree, xs{cut}){tail}), h.params) with example={example}, "
     "and call the artifact with the arrays in that order. An artifact returns an array or a "
     "flat tuple of arrays: where the model returns a tree too (a carry with its outputs), wrap "
@@ -43,10 +43,12 @@ def _container(x: Any) -> tuple[str, str] | None:
     return f"a {kind}{pytree} of {arrays}", kind
 
 
-def not_an_array(name: str, i: int, x: Any, n: int) -> SignatureError:
+def not_an_array(name: str, i: int, x: Any, n: int, placed: Any = None) -> SignatureError:
     """The refusal of ``x``, no array, at ``args[i]`` of ``n`` inputs: a container of arrays
     (nested, or among others: decoding's cache, a ``batch``) names a function taking its leaves
-    by place, the others around them."""
+    by place, the others around them, and the settings ``placed`` ({place in the call: value},
+    hk.transform_with_state's ``None`` rng) in their places."""
+    placed = placed or {}
     if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":
         return SignatureError(_EQX_STATE.format(i=i))
     if (container := _container(x)) is None:
@@ -54,14 +56,22 @@ def not_an_array(name: str, i: int, x: Any, n: int) -> SignatureError:
             f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
             "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."
         )
+    k, it = len(jax.tree.leaves(x)), iter(range(n))
+    full = [repr(placed[a]) if a in placed else next(it) for a in range(n + len(placed))]
+    at = full.index(i)  # the call's arguments: the arrays' numbers, the settings' reprs
     head = "".join(f"x{j}, " for j in range(i))
-    after = [f"x{j}" for j in range(i + 1, n)]
-    k = len(jax.tree.leaves(x))
-    cut, tail = (f"[:{k}]", f", *xs[{k}:]") if after else ("", "")
-    example = f"({head}*leaves{''.join(f', {x}' for x in after)})" if n > 1 else "tuple(leaves)"
+    call = "".join(f"{a if isinstance(a, str) else f'x{a}'}, " for a in full[:at])
+    after = full[at + 1 :]
+    if any(isinstance(a, str) for a in after):  # a setting after it: each in its place
+        tail = "".join(f", {a if isinstance(a, str) else f'xs[{k + a - i - 1}]'}" for a in after)
+    else:
+        tail = f", *xs[{k}:]" if after else ""
+    cut = f"[:{k}]" if after else ""
+    later = "".join(f", x{j}" for j in range(i + 1, n))
+    example = f"({head}*leaves{later})" if n > 1 else "tuple(leaves)"
     what, kind = container
-    said = _CONTAINER_INPUT.format(name=name, i=i, what=what, kind=kind, head=head, cut=cut,
-                                   tail=tail, example=example)  # fmt: skip
+    said = _CONTAINER_INPUT.format(name=name, i=at, what=what, kind=kind, head=head, cut=cut,
+                                   tail=tail, example=example, call=call)  # fmt: skip
     return SignatureError(said)
 
 

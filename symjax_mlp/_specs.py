@@ -268,12 +268,12 @@ def array_kwargs_error(
 
 def input_structs(
     examples: tuple[Any, ...], batch: str | None, shapes: Sequence[str | None] | None,
-    constraints: tuple[str, ...], name: str,
+    constraints: tuple[str, ...], name: str, placed: Any = None,
 ) -> list[jax.ShapeDtypeStruct]:  # fmt: skip
     """The inputs' structs: the leading dimension ``batch``, or the ``shapes`` specs."""
     for i, x in enumerate(examples):
         if not array_like(x):
-            raise not_an_array(name, i, x, len(examples))
+            raise not_an_array(name, i, x, len(examples), placed)
     if shapes is None:
         dim = jax.export.symbolic_shape(batch)[0] if batch else None
         for i, x in enumerate(examples):

@@ -18,6 +18,7 @@ equal, grads/Hessians over the loaded model, a Batcher's answers, and what is sp
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -223,3 +224,30 @@ def test_an_init_apply_pair_is_told_to_hybridize_its_apply():
     for make in (hk.transform, hk.transform_with_state):
         with pytest.raises(sm.ConfigError, match=r"got Transformed.*sm.hybridize\(f.apply, "):
             sm.hybridize(make(zoo19.forward_fn), {"my_linear": {"w": jnp.ones((3, 10))}})
+
+
+@pytest.mark.slow  # two exports (~3 s)
+def test_transform_with_state_apply_exports_as_its_refusal_writes_it(tmp_path):
+    """``transform_with_state``'s apply exported with its state dict, the ``None`` rng and
+    ``is_training`` as Haiku's users pass them: refused (an artifact's inputs are arrays),
+    naming a function over the dict's leaves. That function called ``h.apply(params, state,
+    x)``, dropping the settings between and after (Haiku then took ``x`` as its rng); now
+    they are in their places, and the function as written exports and answers as Haiku."""
+    fwd = hk.transform_with_state(
+        lambda x, is_training: hk.Linear(2)(hk.BatchNorm(True, True, 0.9)(x, is_training))
+    )
+    x = jax.random.normal(jax.random.key(4), (4, 3))
+    params, state = fwd.init(jax.random.PRNGKey(0), x, True)
+    h = sm.hybridize(fwd.apply, params)
+    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a dict") as refused:
+        sm.export(h, tmp_path / "refused", example=(state, None, x, False), batch=None)
+    leaves, tree = jax.tree.flatten(state)
+    written = re.search(r"sm\.hybridize\(lambda .*?, h\.params\)", str(refused.value)).group()
+    f = eval(written, {"sm": sm, "jax": jax, "h": h, "tree": tree})  # our advice, as written
+    g = sm.hybridize(lambda p, *xs: tuple(jax.tree.leaves(f.apply(p, *xs))), h.params)
+    sm.export(g, tmp_path / "m", example=(*leaves, x), batch=None)
+    m = sm.load(tmp_path / "m")
+    close(
+        m(*map(np.asarray, leaves), np.asarray(x)),
+        tuple(jax.tree.leaves(fwd.apply(params, state, None, x, False))),
+    )
