@@ -85,6 +85,19 @@ class DistributedError(SymjaxError, RuntimeError):
     names it. Relaunch every process (``resume=True`` continues from the last checkpoint)."""
 
 
+#: how a training checkpoint becomes an artifact, whose weights and program a load takes
+EXPORT_CHECKPOINT = (
+    "resume the run at the epochs it holds and export the result: symjax_mlp.training.train(..., "
+    "checkpoint=DIR, resume=True).export(PATH) (TrainResult.export), or on the command line "
+    "symjax-mlp train ... --checkpoint DIR --resume --export PATH"
+)
+CHECKPOINT_STATE = (  # given as an artifact's weights: then EXPORT_CHECKPOINT
+    "{file} is a training checkpoint's state (its params, the optimizer's state and the rng, as "
+    "train(checkpoint=DIR) writes them), not an artifact's weights. Pass the params.safetensors "
+    "of an export of it; to get one, "
+)
+
+
 def as_int(x: Any) -> Any:
     """``x`` as an int if it is an integer of any kind (``np.int64``, a 0-d int array) but a
     bool; else ``x`` as it is, for the setting's check to refuse."""

@@ -31,8 +31,8 @@ from symjax_mlp._artifact.format import (
 from symjax_mlp._artifact.module import deserialize
 from symjax_mlp._artifact.ops import ModuleReport, show_keys
 from symjax_mlp._artifact.signature import Signature
-from symjax_mlp._artifact.weights import EXPORT_CHECKPOINT, read_safetensors_file
-from symjax_mlp._errors import ArtifactError, artifact_path
+from symjax_mlp._artifact.weights import read_safetensors_file
+from symjax_mlp._errors import EXPORT_CHECKPOINT, ArtifactError, artifact_path
 from symjax_mlp._files import MANIFEST, SIGNATURE
 from symjax_mlp._reader import hash_regular, read_regular
 from symjax_mlp._specs import TensorSpec

@@ -28,7 +28,13 @@ from symjax_mlp._artifact.format import (
     too_many_values,
     unique_pairs,
 )
-from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
+from symjax_mlp._errors import (
+    CHECKPOINT_STATE,
+    EXPORT_CHECKPOINT,
+    ArtifactError,
+    ConfigError,
+    SymjaxError,
+)
 from symjax_mlp._reader import Reader, refusal
 from symjax_mlp._specs import TensorSpec, cast_to
 
@@ -333,20 +339,6 @@ _OWN = (
 )
 
 
-#: how a training checkpoint becomes an artifact, whose weights and program a load takes
-EXPORT_CHECKPOINT = (
-    "resume the run at the epochs it holds and export the result: symjax_mlp.training.train(..., "
-    "checkpoint=DIR, resume=True).export(PATH) (TrainResult.export), or on the command line "
-    "symjax-mlp train ... --checkpoint DIR --resume --export PATH"
-)
-_STATE = ("params/", "opt_state/")  # and "rng": a training checkpoint's tensors
-_STATE_NOT_PARAMS = (
-    "{file} is a training checkpoint's state (its params, the optimizer's state and the rng, as "
-    "train(checkpoint=DIR) writes them), not an artifact's weights. Pass the params.safetensors "
-    "of an export of it; to get one, "
-)
-
-
 def check_params(
     found: Mapping[str, np.ndarray], expected: Sequence[TensorSpec], *, file: Path | str,
     own: bool = False,
@@ -366,8 +358,9 @@ def check_params(
     want = {s.path: s for s in expected}
     missing = [k for k in want if k not in found]
     extra = [k for k in found if k not in want]
-    if extra and "rng" in found and all(k.startswith(_STATE) for k in found if k != "rng"):
-        raise ArtifactError(_STATE_NOT_PARAMS.format(file=file) + EXPORT_CHECKPOINT + ".")
+    state = ("params/", "opt_state/")  # and "rng": a training checkpoint's tensors
+    if extra and "rng" in found and all(k.startswith(state) for k in found if k != "rng"):
+        raise ArtifactError(CHECKPOINT_STATE.format(file=file) + EXPORT_CHECKPOINT + ".")
     if missing or extra:
         extras = [TensorSpec(e, tuple(found[e].shape), str(found[e].dtype)) for e in extra]
         twins: dict[str, list[str]] = {}  # by type: a missing param's likely new name
