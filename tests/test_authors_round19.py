@@ -184,6 +184,13 @@ sm.export(hb, sys.argv[1] + "/b", example=(y0,), vjp_order=1)
 mb = sm.load(sys.argv[1] + "/b", trust=True)
 close(mb(np.asarray(y0[:3])), back(model, y0[:3]))
 close(jax.grad(lambda r: mb(r).sum())(y0[:3]), jax.grad(lambda r: back(model, r).sum())(y0[:3]))
+# the README's quick example (Dopri5, dt0=0.1): its solve of each row's y0
+rs = lambda p, y: jax.vmap(zoo19.readme_solve)(y * p["s"])
+hr = sm.hybridize(rs, {"s": jnp.asarray(1.0)})
+sm.export(hr, sys.argv[1] + "/r", example=(y0,), vjp_order=1)
+mr = sm.load(sys.argv[1] + "/r", trust=True)
+close(mr(np.asarray(y0[:3])), jax.vmap(zoo19.readme_solve)(y0[:3]))
+close(jax.grad(lambda r: mr(r).sum())(y0[:3]), jax.grad(lambda r: rs(hr.params, r).sum())(y0[:3]))
 print("ok")
 """
 
@@ -198,7 +205,8 @@ def test_neural_ode_through_the_loaded_model(tmp_path):
     milliseconds); ``vjp_order=2`` is refused naming order 1 (the original's own
     ``jacrev(jacrev)`` fails: its loop's trip count is data's); three of the notebook's
     ``make_step`` (adabelief) equal three steps over ``h.apply``; under ``BacksolveAdjoint``
-    the Hybrid's param grads and the loaded model's input grads are diffrax's."""
+    the Hybrid's param grads and the loaded model's input grads are diffrax's; so are the
+    README's quick example's (Dopri5) through its loaded model."""
     here = os.path.dirname(__file__)
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_ODE), str(tmp_path), here],
