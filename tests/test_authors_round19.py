@@ -259,3 +259,28 @@ def test_transform_with_state_apply_exports_as_its_refusal_writes_it(tmp_path):
         m(*map(np.asarray, leaves), np.asarray(x)),
         tuple(jax.tree.leaves(fwd.apply(params, state, None, x, False))),
     )
+
+
+def _noisy(x, rng=None):  # an f whose argument Haiku's apply also names: rng
+    y = hk.Linear(3)(x)
+    return y if rng is None else y + jax.random.normal(rng, y.shape)
+
+
+@pytest.mark.slow  # compiles and an export (~2 s)
+def test_an_argument_named_as_apply_s_rng_goes_in_as_apply_takes_it(tmp_path):
+    """``f(x, rng=None)``: Haiku's apply declares ``(params, rng=None, x)`` (f's ``rng`` lost
+    into its own, a default before ``x``), and ``hybridize`` raised inspect's ValueError;
+    ``without_apply_rng``'s declares ``(params, x)``, and export refused ``(x, key)`` as too
+    many arguments. Both go in positionally, as apply takes them; by name, Haiku says why not."""
+    x, key = jax.random.normal(jax.random.key(2), (4, 3)), jax.random.PRNGKey(5)
+    forward = hk.transform(_noisy)
+    params = forward.init(jax.random.PRNGKey(0), x)
+    close(sm.hybridize(forward.apply, params)(None, x, key), forward.apply(params, None, x, key))
+    bare = hk.without_apply_rng(hk.transform(_noisy))
+    h = sm.hybridize(bare.apply, params)
+    close(h(x, key), bare.apply(params, x, key))
+    with pytest.raises(TypeError, match="pass them positionally"):
+        h(x, rng=key)
+    sm.export(h, tmp_path / "m", example=(x, key), shapes=("b, ...", None))
+    m = sm.load(tmp_path / "m")
+    close(m(np.asarray(x[:2]), np.asarray(key)), bare.apply(params, x[:2], key))

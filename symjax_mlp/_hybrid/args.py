@@ -231,8 +231,19 @@ def split_equinox(
 def inputs_after(target: Any, skip: int) -> list[inspect.Parameter]:
     """``target``'s parameters after its first ``skip`` (params, ``self``); a ``*args`` first is
     kept, taking them and the inputs (``checkify.checkify(f)``'s ``(*args, **kwargs)``).
-    Raises ``TypeError``/``ValueError`` where it has no signature to read."""
+    Raises ``TypeError``/``ValueError`` where it has no signature to read. A ``__signature__``
+    a function of ``*args, **kwargs`` declares gains them: Haiku's apply declares ``params,
+    rng`` then ``f``'s, where an ``f`` argument named ``rng``, ``state`` or ``params`` is lost
+    (or, with a default, invalid unchecked: a ValueError here)."""
     given = list(inspect.signature(target).parameters.values())
+    if inspect.isfunction(target) and "__signature__" in vars(target):
+        inspect.Signature(given)  # ValueError: a default before a required argument
+        flags, kinds, p = target.__code__.co_flags, {p.kind for p in given}, inspect.Parameter
+        if flags & inspect.CO_VARARGS and p.VAR_POSITIONAL not in kinds:
+            at = next((i for i, q in enumerate(given) if q.kind > p.VAR_POSITIONAL), len(given))
+            given.insert(at, p("args", p.VAR_POSITIONAL))
+        if flags & inspect.CO_VARKEYWORDS and p.VAR_KEYWORD not in kinds:
+            given.append(p("kwargs", p.VAR_KEYWORD))
     return given if given and given[0].kind is given[0].VAR_POSITIONAL else given[skip:]
 
 
