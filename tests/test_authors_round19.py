@@ -12,7 +12,9 @@ equal, grads/Hessians over the loaded model, a Batcher's answers, and what is sp
   key and the ``shapes=`` that exports it, and that artifact's masks are Haiku's key by key.
   ``hk.transform_with_state``'s ResNet (``is_training`` a setting): ``h(state, None, x,
   is_training=True)`` returns Haiku's output and new state, the eval function over every
-  feature.
+  feature. haiku_lstms.ipynb's ``unroll_net`` (an LSTM under ``hk.dynamic_unroll``) over every
+  feature, its ``update`` against ours. An ``f`` whose ``rng`` argument apply's signature
+  lost goes in positionally, as apply takes it.
 - Diffrax's neural_ode.ipynb (in a process of its own, ``EQX_ON_ERROR=off``, as our refusal
   says): see ``test_neural_ode_...``.
 """
@@ -284,3 +286,38 @@ def test_an_argument_named_as_apply_s_rng_goes_in_as_apply_takes_it(tmp_path):
     sm.export(h, tmp_path / "m", example=(x, key), shapes=("b, ...", None))
     m = sm.load(tmp_path / "m")
     close(m(np.asarray(x[:2]), np.asarray(key)), bare.apply(params, x[:2], key))
+
+
+@pytest.mark.slow  # an unroll's export of vjp_order=2 and its loads (~30 s)
+def test_haiku_lstms_unroll_net_every_feature_and_its_update(tmp_path):
+    """haiku_lstms.ipynb's ``unroll_net`` (``hk.LSTM`` under ``hk.dynamic_unroll``, time-major
+    ``[T, B, F]``, so the batch static): ``h(None, x)`` is ``model.apply``'s output and
+    ``LSTMState``, its prediction over every feature (a scan's slices allowed); three of
+    ``train_model``'s ``update`` (adam over its MSE) equal three steps over ``h.apply``."""
+    x, y = zoo19.sine_seq(np.array([0.1, 1.0, 2.0, 3.0]), 6, 3 * 6 / 4)
+    x, y = jnp.asarray(x[..., None], jnp.float32), jnp.asarray(y[..., None], jnp.float32)
+    params = zoo19.model.init(jax.random.PRNGKey(428), x)
+    h = sm.hybridize(zoo19.model.apply, params)
+    close(h(None, x), zoo19.model.apply(params, None, x))
+    pred = sm.hybridize(lambda p, s: zoo19.model.apply(p, None, s)[0], params)
+    allow = {"dynamic_slice", "dynamic_update_slice"}
+    every_feature(tmp_path, pred, lambda s: zoo19.model.apply(params, None, s)[0], x,
+                  batch=None, allow=allow)  # fmt: skip
+
+    opt = optax.adam(1e-3)
+    loss, update = zoo19.authors_lstm_update(opt)
+    theirs, their_opt = params, opt.init(params)
+    p, o = h.params, opt.init(h.params)
+
+    def ours(p, x, y):
+        return jnp.mean(jnp.square(h.apply(p, None, x)[0] - y))
+
+    for step in range(3):
+        their_loss, theirs, their_opt = update(step, theirs, their_opt, x, y)
+        got, grads = jax.value_and_grad(ours)(p, x, y)
+        close(got, their_loss)
+        updates, o = opt.update(grads, o)
+        p = optax.apply_updates(p, updates)
+    close(p, theirs)
+    close(ours(p, x, y), loss(theirs, x, y))
+    close(h.replace(params=p)(None, x), zoo19.model.apply(theirs, None, x))

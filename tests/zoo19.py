@@ -19,8 +19,12 @@ google-deepmind/dm-haiku at f4d858a5cbb29140855d68f81f5fd625e078a5ae:
   of ``hk.transform``) and the non-trainable state example, ``forward(x, is_training)`` of
   ``hk.transform_with_state``, whose ``hk.nets.ResNet50(1000)`` is cut to ``hk.nets.ResNet18``
   of 10 classes (``hk.nets.ResNet``'s BatchNorm state, as the README means it).
+- examples/haiku_lstms.ipynb: ``sine_seq``, ``unroll_net`` (``hk.LSTM(32)`` cut to 8) and
+  ``model``; ``train_model``'s ``loss`` and ``update`` kept as written, in
+  ``authors_lstm_update(opt)`` (its data, plots and loop left out).
 """
 
+import math
 from typing import NamedTuple
 
 import diffrax
@@ -242,3 +246,52 @@ class MyDropout(hk.Module):
 def forward(x, is_training):
     net = hk.nets.ResNet18(10)  # the README's hk.nets.ResNet50(1000), cut
     return net(x, is_training)
+
+
+# --- haiku: examples/haiku_lstms.ipynb ---
+
+
+def sine_seq(
+    phase: float,
+    seq_len: int,
+    samples_per_cycle: int,
+):
+    """Returns x, y in [T, B] tensor."""
+    t = np.arange(seq_len + 1) * (2 * math.pi / samples_per_cycle)
+    t = t.reshape([-1, 1]) + phase
+    sine_t = np.sin(t)
+    return sine_t[:-1, :], sine_t[1:, :]
+
+
+def unroll_net(seqs: jax.Array):
+    """Unrolls an LSTM over seqs, mapping each output to a scalar."""
+    # seqs is [T, B, F].
+    core = hk.LSTM(LSTM_SIZE)  # the notebook's hk.LSTM(32), cut
+    batch_size = seqs.shape[1]
+    outs, state = hk.dynamic_unroll(core, seqs, core.initial_state(batch_size))
+    # We could include this Linear as part of the recurrent core!
+    # However, it's more efficient on modern accelerators to run the linear once
+    # over the entire sequence than once per sequence element.
+    return hk.BatchApply(hk.Linear(1))(outs), state
+
+
+LSTM_SIZE = 8
+model = hk.transform(unroll_net)
+
+
+def authors_lstm_update(opt):
+    """``train_model``'s ``loss`` and ``update``, as written there (nested in it)."""
+
+    @jax.jit
+    def loss(params, x, y):
+        pred, _ = model.apply(params, None, x)
+        return jnp.mean(jnp.square(pred - y))
+
+    @jax.jit
+    def update(step, params, opt_state, x, y):
+        l, grads = jax.value_and_grad(loss)(params, x, y)  # noqa: E741 - the authors' name
+        grads, opt_state = opt.update(grads, opt_state)
+        params = optax.apply_updates(params, grads)
+        return l, params, opt_state
+
+    return loss, update
