@@ -158,71 +158,71 @@ def constraint_named(message: str) -> str | None:
 
 
 # -- 6. an nnx module's layers, named in its programs ---------------------------------------
-# Why: linen names each submodule's ops by layer, nnx does not; a subclass per (class, path)
-# whose __call__ opens jax.named_scope of that path is swapped in (__class__) for the block
-# only: the copies nnx.scan and nnx.vmap run (nnx.merge makes the graphdef's class) are named
-# too. Internal: assigning __class__, and nnx's private ``_pytree__is_pytree`` (the subclass
-# registers as its base does). Fallback: no scopes: the same program, its ops not grouped.
-#: whether this context runs a block, and the path of the call we are in
-_SCOPING: contextvars.ContextVar[bool] = contextvars.ContextVar("symjax_scoping", default=False)
+# Why: linen names each submodule's ops by layer, nnx does not. While a block runs, the class
+# owning a layer's __call__ holds a wrapper running it under jax.named_scope of the layer's path
+# (other calls pass through); no layer changes class, as type(layer) is nnx.Linear needs. Internal:
+# a class's __call__, replaced for the block. Fallback: no scopes. nnx.scan and nnx.vmap's copies
+# of layers are not named (nothing ties a copy to its layer). _LAYERS: the blocks' layers, by id.
+_LAYERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("symjax_layers", default=None)
 _CALLER: contextvars.ContextVar[tuple] = contextvars.ContextVar("symjax_caller", default=())
-_SCOPED: dict[tuple[type, tuple], type] = {}
-_SCOPED_LOCK = threading.Lock()
+_WRAPPED: dict[type, list] = {}  # owner: [its own __call__, the wrapper, blocks running]
+_WRAPPED_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def layer_scopes(module: Any) -> Iterator[None]:
-    """Within the block, each submodule of the nnx ``module`` (a fresh ``nnx.merge``) runs its
-    ``__call__`` under ``jax.named_scope`` of its path relative to its caller's (``"hidden/0"``);
-    the user's classes are never changed, nor do concurrent blocks see each other's scopes."""
+    """Within the block, each submodule of the nnx ``module`` runs its ``__call__`` under
+    ``jax.named_scope`` of its path relative to its caller's (``"hidden/0"``); no layer changes
+    class, nor do concurrent blocks see each other's scopes."""
     if not INTERNALS["layer_scopes"]:
         yield
         return
     from flax import nnx
 
-    swapped: dict[int, tuple[Any, type, tuple[Any, ...]]] = {}
-    for path, sub in nnx.iter_modules(module):
-        if path and id(sub) not in swapped and callable(sub):
-            swapped[id(sub)] = sub, type(sub), tuple(path)
-    token = _SCOPING.set(True)
+    found = {id(s): (s, tuple(p)) for p, s in nnx.iter_modules(module) if p and callable(s)}
+    layers = {**found, **(_LAYERS.get() or {})}
+    owners = {next(k for k in type(s).__mro__ if "__call__" in vars(k)) for s, _ in layers.values()}
+    _wrap(owners, 1)
+    token = _LAYERS.set(layers)
     try:
-        for sub, cls, path in swapped.values():
-            object.__setattr__(sub, "__class__", _scoped(cls, path))
         yield
     finally:
-        for sub, cls, _ in swapped.values():
-            object.__setattr__(sub, "__class__", cls)
-        _SCOPING.reset(token)
+        _LAYERS.reset(token)
+        _wrap(owners, -1)
 
 
-def _scoped(cls: type, path: tuple[Any, ...]) -> type:
-    """The subclass of ``cls`` whose ``__call__`` runs under the named scope of ``path`` (one
-    per class and path: nnx registers every Module class as a graph node and pytree)."""
+def _wrap(owners: set[type], step: int) -> None:
+    """One block more (1) or fewer (-1) on each owner: the first wraps its call, the last not."""
+    with _WRAPPED_LOCK:
+        for owner in owners:
+            entry = _WRAPPED.setdefault(owner, [None, None, 0])
+            if not inspect.isfunction(own := vars(owner)["__call__"]):
+                continue  # (a staticmethod, a C function: left as is)
+            if entry[2] == 0 and entry[0] is not own:
+                entry[:2] = own, _wrapper(own)  # (first block, or the class's call reassigned)
+            entry[2] += step
+            if entry[2] == (step > 0):  # 1 block after the first's start, 0 after the last's
+                type.__setattr__(owner, "__call__", entry[1] if step > 0 else entry[0])
+
+
+def _wrapper(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call``, run under the named scope of ``self``'s path for a layer of a block."""
     import jax
 
-    with _SCOPED_LOCK:
-        if (cls, path) not in _SCOPED:
-            base_call = cls.__call__
+    @functools.wraps(call)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        layer, caller = (_LAYERS.get() or {}).get(id(self)), _CALLER.get()
+        if layer is None or layer[0] is not self or layer[1] == caller:  # (super().__call__)
+            return call(self, *args, **kwargs)
+        inner = layer[1][len(caller) :] if layer[1][: len(caller)] == caller else layer[1]
+        token = _CALLER.set(layer[1])
+        try:
+            with jax.named_scope("/".join(map(str, inner))):
+                return call(self, *args, **kwargs)
+        finally:
+            _CALLER.reset(token)
 
-            @functools.wraps(base_call)
-            def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-                if not _SCOPING.get():  # a copy called outside the block
-                    return base_call(self, *args, **kwargs)
-                caller = _CALLER.get()
-                inner = path[len(caller) :] if path[: len(caller)] == caller else path
-                token = _CALLER.set(path)
-                try:
-                    with jax.named_scope("/".join(map(str, inner))):
-                        return base_call(self, *args, **kwargs)
-                finally:
-                    _CALLER.reset(token)
-
-            namespace = {"__call__": __call__, "__module__": cls.__module__}
-            namespace["__qualname__"] = cls.__qualname__
-            pytree = getattr(cls, "_pytree__is_pytree", None)
-            kwargs = {} if pytree is None else {"pytree": pytree}
-            _SCOPED[cls, path] = type(cls)(cls.__name__, (cls,), namespace, **kwargs)
-        return _SCOPED[cls, path]
+    return __call__
 
 
 # -- 7. whether the GIL is on ----------------------------------------------------------------

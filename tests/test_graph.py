@@ -354,7 +354,7 @@ def test_nnx_layer_names_leave_the_model_and_its_results_alone():
     h.graph(x, depth)
     for _, m in nnx.iter_modules(h.module):  # no class swapped in for good
         assert type(m) in (NnxDepth, nnx.Linear, nnx.List), type(m)
-    assert nnx.Linear.__call__ is call  # the class itself is never patched
+    assert nnx.Linear.__call__ is call  # its call, wrapped only while a program is traced
 
 
 class _Block(nnx.Module):
@@ -395,16 +395,52 @@ class _Scanned(nnx.Module):
         return nnx.vmap(lambda head, x: head(x), in_axes=(None, 0))(self.head, x[None])[0]
 
 
-def test_nnx_layers_run_by_nnx_scan_and_nnx_vmap_are_named():
-    """nnx.scan and nnx.vmap run a copy of the layers; once named as no layer at all."""
+def test_nnx_layers_run_by_nnx_scan_and_nnx_vmap_compute_as_eager():
+    """nnx.scan and nnx.vmap run copies of the layers (nnx.merge), which nothing ties to the
+    layers they copy: their ops are their caller's, unnamed (the layers keep their classes)."""
     model, x = _Scanned(nnx.Rngs(0)), jnp.ones((1, 4))
     h = sm.hybridize(model)
     layers = h.graph(x).by_layer
-    assert layers["blocks/linear"]["dot_general"] == 1  # JAX names a scope under vmap so:
-    assert layers["vmap(head)"]["dot_general"] == 1
-    assert layers["blocks"]["custom_jvp_call"] == 1  # the relu, in the scanned block's call
+    assert layers[""]["scan"] == 1 and layers[""]["custom_jvp_call"] == 1  # the scanned blocks
+    assert not {"blocks", "blocks/linear", "vmap(head)"} & set(layers)
     chex.assert_trees_all_close(h(x), model(x), rtol=1e-6)
     assert type(model.blocks) is _Block and type(model.head) is nnx.Linear
+
+
+class _TypeBranch(nnx.Module):
+    """Scales the output of each layer that is exactly an ``nnx.Linear``."""
+
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(3, 3, rngs=rngs), nnx.Linear(3, 3, rngs=rngs)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x) * (2.0 if type(layer) is nnx.Linear else 1.0)
+        return x
+
+
+class _Averaged(nnx.Module):
+    """Runs the average of two layers of one class, ``jax.tree.map`` over the modules."""
+
+    def __init__(self, rngs):
+        self.a = nnx.Linear(3, 3, rngs=rngs)
+        self.b = nnx.Linear(3, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.tree.map(lambda p, q: (p + q) / 2, self.a, self.b)(x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", [_TypeBranch, _Averaged], ids=lambda c: c.__name__)
+def test_an_nnx_module_sees_its_layers_classes_in_a_compiled_call(cls):
+    """Naming the layers swapped each layer's class for a subclass in compiled calls: a module
+    branching on ``type(layer) is nnx.Linear`` answered otherwise than eager, silently, and
+    ``jax.tree.map`` over two layers refused them as of different types."""
+    model, x = cls(nnx.Rngs(0)), jnp.ones((2, 3))
+    want, h = model(x), sm.hybridize(model)
+    chex.assert_trees_all_close(h(x), want, rtol=1e-6)
+    chex.assert_trees_all_close(h.apply(h.params, x), want, rtol=1e-6)
+    assert h.graph(x).primitive_counts["dot_general"] == (2 if cls is _TypeBranch else 1)
 
 
 @pytest.mark.parametrize("name", ["nnx_batchnorm", "nnx_dropout"])

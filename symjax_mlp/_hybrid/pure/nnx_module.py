@@ -3,7 +3,6 @@ array leaves, its float arrays), its state (every other variable), and its setti
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import operator
@@ -99,11 +98,8 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
 
     def call(params, state, args, kwargs, keep=False):  # keep: a call may add the first state
         m = merge(params, state)
-        # a function given the module may match its layers against trees made outside (the
-        # randomness guide's nnx.prefix(model, ...)): they keep their classes, their ops unnamed
-        scopes = layer_scopes(m) if fn is None else contextlib.nullcontext()
         try:
-            with scopes:
+            with layer_scopes(m):  # (its layers keep their classes: a function's too)
                 out = m(*args, **kwargs) if fn is None else fn(m, *args, **kwargs)
         except TypeError as e:  # target: the module's __call__ (or fn), set below
             if (unfit := _trace.unfit_call(module_name, e, target, params, args, kwargs)) is None:
