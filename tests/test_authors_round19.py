@@ -16,7 +16,8 @@ equal, grads/Hessians over the loaded model, a Batcher's answers, and what is sp
   feature, its ``update`` against ours. An ``f`` whose ``rng`` argument apply's signature
   lost goes in positionally, as apply takes it.
 - Diffrax's neural_ode.ipynb (in a process of its own, ``EQX_ON_ERROR=off``, as our refusal
-  says): see ``test_neural_ode_...``.
+  says): see ``test_neural_ode_...``; continuous_normalising_flow.ipynb's ``CNF.train``
+  (tests/zoo19b.py) likewise, its grads through the loaded model as diffrax's.
 """
 
 import os
@@ -321,3 +322,48 @@ def test_haiku_lstms_unroll_net_every_feature_and_its_update(tmp_path):
     close(p, theirs)
     close(ours(p, x, y), loss(theirs, x, y))
     close(h.replace(params=p)(None, x), zoo19.model.apply(theirs, None, x))
+
+
+_CNF = r"""
+import sys; sys.path.insert(0, sys.argv[2])
+import equinox as eqx, jax, jax.random as jr, numpy as np, pytest, zoo19b
+from features import close
+import symjax_mlp as sm
+model = zoo19b.CNF(data_size=2, exact_logp=True, num_blocks=1, width_size=8, depth=1,
+                   key=jr.PRNGKey(5678))
+y = jr.uniform(jr.PRNGKey(1), (4, 2), minval=-1, maxval=1)
+f = lambda m, y: jax.vmap(lambda r: m.train(r, key=jr.PRNGKey(0)))(y)
+h = sm.hybridize(f, model)
+close(h(y), f(model, y))
+assert h.graph(y).flops > 0
+close(jax.grad(lambda q: h.apply(q, y).sum())(h.params),
+      eqx.filter_grad(lambda mm: f(mm, y).sum())(model))
+with pytest.raises(sm.ConfigError, match="VJP of order 2 .*Export it with vjp_order=1"):
+    sm.export(h, sys.argv[1] + "/two", example=(y,), vjp_order=2)
+with pytest.raises(ValueError, match="Reverse-mode differentiation does not work"):
+    jax.jacrev(jax.jacrev(lambda r: f(model, r[None]).sum()))(y[0])  # nor does the original
+sm.export(h, sys.argv[1] + "/m", example=(y,), vjp_order=1)
+m = sm.load(sys.argv[1] + "/m", trust=True)
+rows, one = y[:3], lambda g: lambda r: g(r[None]).sum()
+close(m(np.asarray(rows)), f(model, rows))
+close(jax.grad(lambda r: m(r).sum())(rows), jax.grad(lambda r: f(model, r).sum())(rows))
+close(jax.vmap(jax.grad(one(m)))(y), jax.vmap(jax.grad(one(lambda r: f(model, r))))(y))
+with sm.serving.Batcher(m, max_batch=4) as b:
+    got = [b.submit(np.asarray(y[i : i + 1])).result(30) for i in range(2)]
+close(np.concatenate(got), f(model, y[:2]))
+print("ok")
+"""
+
+
+@pytest.mark.slow  # a process of its own, exports of nested solves (~60 s)
+def test_continuous_normalising_flow_through_the_loaded_model(tmp_path):
+    """continuous_normalising_flow.ipynb's ``CNF.train`` (``exact_logp``: a ``jax.vjp`` in the
+    vector field, Tsit5's fixed steps backward in time) over a batch, in a process of its own
+    under ``EQX_ON_ERROR=off``: the Hybrid, its param grads, the loaded model, its input grads
+    (per row too) and a Batcher's answers equal the original's; ``vjp_order=2`` is refused
+    naming order 1, as the original's own Hessian fails."""
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_CNF), str(tmp_path), os.path.dirname(__file__)],
+        env={**os.environ, "EQX_ON_ERROR": "off"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout.split()[-1] == "ok", run.stderr[-3000:]
