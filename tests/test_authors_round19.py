@@ -34,6 +34,7 @@ import optax
 import pytest
 import zoo19
 from features import close, every_feature
+from flax import nnx
 
 import symjax_mlp as sm
 
@@ -287,6 +288,9 @@ def test_an_argument_named_as_apply_s_rng_goes_in_as_apply_takes_it(tmp_path):
     sm.export(h, tmp_path / "m", example=(x, key), shapes=("b, ...", None))
     m = sm.load(tmp_path / "m")
     close(m(np.asarray(x[:2]), np.asarray(key)), bare.apply(params, x[:2], key))
+    linear = nnx.Linear(3, 2, rngs=nnx.Rngs(0))  # stage's wrapper of (*args, **kwargs): as declared
+    with pytest.raises(sm.SignatureError, match=r"do not fit Linear's inputs \(inputs, "):
+        sm.stage(linear)(x, nope=1)
 
 
 @pytest.mark.slow  # an unroll's export of vjp_order=2 and its loads (~30 s)

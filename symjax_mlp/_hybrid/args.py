@@ -232,13 +232,16 @@ def inputs_after(target: Any, skip: int) -> list[inspect.Parameter]:
     """``target``'s parameters after its first ``skip`` (params, ``self``); a ``*args`` first is
     kept, taking them and the inputs (``checkify.checkify(f)``'s ``(*args, **kwargs)``).
     Raises ``TypeError``/``ValueError`` where it has no signature to read. A ``__signature__``
-    a function of ``*args, **kwargs`` declares gains them: Haiku's apply declares ``params,
-    rng`` then ``f``'s, where an ``f`` argument named ``rng``, ``state`` or ``params`` is lost
-    (or, with a default, invalid unchecked: a ValueError here)."""
+    declared over a function of ``(params, *args, **kwargs)`` (its own arguments, then any)
+    gains the ``*args``/``**kwargs``: Haiku's apply declares ``params, rng`` then ``f``'s, where
+    an ``f`` argument named ``rng``, ``state`` or ``params`` is lost (or, with a default,
+    invalid unchecked: a ValueError here). A wrapper of ``(*args, **kwargs)`` is as declared."""
     given = list(inspect.signature(target).parameters.values())
-    if inspect.isfunction(target) and "__signature__" in vars(target):
+    code = getattr(target, "__code__", None)
+    own = code.co_varnames[: code.co_argcount] if inspect.isfunction(target) else ()
+    if own and "__signature__" in vars(target) and tuple(p.name for p in given[: len(own)]) == own:
         inspect.Signature(given)  # ValueError: a default before a required argument
-        flags, kinds, p = target.__code__.co_flags, {p.kind for p in given}, inspect.Parameter
+        flags, kinds, p = code.co_flags, {p.kind for p in given}, inspect.Parameter
         if flags & inspect.CO_VARARGS and p.VAR_POSITIONAL not in kinds:
             at = next((i for i, q in enumerate(given) if q.kind > p.VAR_POSITIONAL), len(given))
             given.insert(at, p("args", p.VAR_POSITIONAL))
