@@ -62,7 +62,8 @@ def check_paths(caller: str, paths: Sequence[str]) -> None:
         twice = sorted({p for p in paths if paths.count(p) > 1})
         raise ConfigError(
             f"{caller}: two params share the path {twice[0]!r} (keys that print alike, "
-            "such as 1 and '1'); params.safetensors names each tensor by its path. Rename one."
+            "such as 1 and '1', or that join alike, such as 'a/b' and 'a' holding 'b'); "
+            "params.safetensors names each tensor by its path. Rename one."
         )
     if odd := next((p for p in paths if not _storable_path(p)), None):
         raise ConfigError(_ODD_PATH.format(caller=caller, path=odd))
@@ -95,16 +96,15 @@ def param_specs(tree: Any, caller: str = "") -> tuple[list[TensorSpec], list[np.
 def _param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
     import jax
 
-    specs, arrays, seen = [], [], set()
+    specs, arrays = [], []
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         parts = [_key_name(k) for k in keys]
         path = "/".join(parts) or "params"  # a single array as the params: one tensor
-        if "" in parts or path in seen:  # a key may hold '/' (Haiku's 'mlp/~/linear_0')
+        if "" in parts:  # a key may hold '/' (Haiku's 'mlp/~/linear_0'); two alike: check_paths
             raise ArtifactError(
-                f"param path {path!r} has an empty key or is made twice ('/' joins keys into "
-                "params.safetensors' paths, and a key may hold '/'). Rename the key."
+                f"param path {path!r} has an empty key ('/' joins keys into "
+                "params.safetensors' paths). Rename the key."
             )
-        seen.add(path)
         arr = np.asarray(leaf)
         if arr.dtype.kind in "OUSV" and not hasattr(leaf, "dtype"):  # a function, str, object
             from symjax_mlp._hybrid.args import traceable
