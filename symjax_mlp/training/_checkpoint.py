@@ -43,6 +43,7 @@ from symjax_mlp.training._state import (
     TrainState,
     check_fit,
     check_state,
+    eval_point,
     is_count,
     named_leaves,
     specs,
@@ -372,5 +373,5 @@ def _evaluated(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     (prefix, made), out = evaluation, dict(stored)
     b1 = stored[prefix + "b1"]
     for y, z in made.items():
-        out[y] = ((stored[y] - (1.0 - b1) * stored[z]) / b1).astype(stored[y].dtype)
+        out[y] = eval_point(stored[y], stored[z], b1)
     return out

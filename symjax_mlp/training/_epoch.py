@@ -26,7 +26,7 @@ from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._shard import ShardedStep
-from symjax_mlp.training._state import EpochRecord, TrainState
+from symjax_mlp.training._state import EpochRecord, TrainState, eval_point
 from symjax_mlp.training._step import ModelVars, apply_model, step_of
 
 #: an artifact of :meth:`TrainResult.export` records in its metadata what it takes
@@ -178,7 +178,7 @@ def evaluated(params: Any, opt_state: Any) -> Any:
     b1, z = found[0].b1, found[0].z
 
     def x(y: jax.Array, z: Any) -> jax.Array:  # a param wrt= froze has no z (a MaskedNode)
-        return y if isinstance(z, optax.MaskedNode) else ((y - (1.0 - b1) * z) / b1).astype(y.dtype)
+        return y if isinstance(z, optax.MaskedNode) else eval_point(y, z, b1)
 
     if isinstance(params, ModelVars):
         return ModelVars(jax.tree.map(x, params.params, z), params.state)

@@ -161,3 +161,9 @@ def check_state(state: Any, caller: str) -> None:
             f"with rng a PRNG key; got {got}. Wrap yours: TrainState(params, opt_state, "
             "jax.random.key(seed), step=step)."
         )
+
+
+def eval_point(y: Any, z: Any, b1: Any) -> Any:
+    """A schedule-free run's eval params ``x`` from the point its gradients are taken at, ``y``,
+    and its ``z`` (as ``optax.contrib.schedule_free_eval_params``), in ``y``'s dtype."""
+    return ((y - (1.0 - b1) * z) / b1).astype(y.dtype)
