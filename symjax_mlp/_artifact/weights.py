@@ -100,7 +100,7 @@ def _param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         parts = [_key_name(k) for k in keys]
         path = "/".join(parts) or "params"  # a single array as the params: one tensor
-        if "" in parts:  # a key may hold '/' (Haiku's 'mlp/~/linear_0'); two alike: check_paths
+        if "" in parts or "" in path.split("/"):  # 'mlp/~/linear_0' joins, 'a/' and 'a//b' not
             raise ArtifactError(
                 f"param path {path!r} has an empty key ('/' joins keys into "
                 "params.safetensors' paths). Rename the key."

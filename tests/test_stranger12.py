@@ -1,0 +1,43 @@
+"""Round twelve of a stranger's attacks (session 60): whole, self-consistent inputs against what
+session 59 added (transfer guards, '/' in param keys, hijax types, checkpoint headers), hostile
+but well-formed StableHLO, HTTP clients and models that raise anything. Each way in that got
+through has a test failing without its fix; each surface that held keeps one test showing it.
+The rounds before: test_stranger11.py, test_stranger10.py, test_stranger9.py, test_security.py,
+test_checker_limits.py, test_http_hostile.py, test_raises_anything.py, ..."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import symjax_mlp as sm
+
+X = np.ones((2, 3), np.float32)
+
+
+def _linear(p, x):
+    return x @ p["net/~/linear"]["w"] + p["net/~/linear"]["b"]
+
+
+def _haiku(**more):
+    """Params as Haiku names them (a key holding '/'), and ``more`` keys beside them."""
+    w, b = np.arange(6, dtype=np.float32).reshape(3, 2), np.ones(2, np.float32)
+    return {"net/~/linear": {"w": w, "b": b}, **more}
+
+
+@pytest.mark.slow  # three exports (~1 s)
+@pytest.mark.parametrize("key", ["x/", "a//b", "/x"])
+def test_a_param_key_whose_path_holds_an_empty_part_is_refused_at_export(key, tmp_path):
+    """Export took a key holding '/' (Haiku's) since session 59, and with it 'x/' or 'a//b':
+    it wrote the artifact, whose own ``m.params`` ``load(params=...)`` then refused ("has an
+    empty key"), so its weights could never be given back. Refused at export, as the empty
+    key always was; Haiku's own names still export and reload."""
+    h = sm.hybridize(_linear, _haiku(**{key: np.zeros(1, np.float32)}))
+    with pytest.raises(sm.ArtifactError, match=rf"param path '{key}' has an empty key"):
+        sm.export(h, tmp_path / "empty", example=X)
+    assert not (tmp_path / "empty").exists()
+    art = sm.export(sm.hybridize(_linear, _haiku()), tmp_path / "haiku", example=X).path
+    m = sm.load(art)
+    np.testing.assert_allclose(sm.load(art, params=m.params)(X), _linear(_haiku(), X))
