@@ -270,8 +270,9 @@ def verify(
             if "error" in got:
                 errors.append(f"{rt}: {got['error']}")
                 continue
-            for b, xs in inputs.items():
-                want = [host(w) for w in _as_list(reference(*xs))]  # a key: its data
+            for b, xs in inputs.items():  # its inputs and outputs cross as verify's own
+                with jax.transfer_guard("allow"):  # under the caller's "disallow" too
+                    want = [host(w) for w in _as_list(reference(*xs))]  # a key: its data
                 outs = [_read(work, n, got["dtypes"]) for n in got["outputs"][str(b)]]
                 checks.append(_compare(rt, b, outs, want, rtol, atol))
     loads = {rt: result[rt]["load_seconds"] for rt in runtimes if "load_seconds" in result[rt]}
@@ -388,8 +389,9 @@ def _worker(job_file: str) -> int:
             model = load(job["path"], runtime=rt, **job.get("options", {}))
             entry = {"load_seconds": time.perf_counter() - t0, "outputs": {}, "dtypes": {}}
             for b, names in job["batches"].items():
-                outs = _as_list(model(*[_read(work, n, job["dtypes"]) for n in names]))
-                outs = [host(y) for y in outs]  # an rng key: its key data
+                with jax.transfer_guard("allow"):  # JAX_TRANSFER_GUARD: verify's own inputs
+                    outs = _as_list(model(*[_read(work, n, job["dtypes"]) for n in names]))
+                    outs = [host(y) for y in outs]  # an rng key: its key data
                 entry["outputs"][b] = _write(work, f"y_{rt}_{b}", outs, entry["dtypes"])
         except SymjaxError as e:
             entry = {"error": f"{type(e).__name__}: {e}"}

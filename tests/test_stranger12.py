@@ -41,3 +41,24 @@ def test_a_param_key_whose_path_holds_an_empty_part_is_refused_at_export(key, tm
     art = sm.export(sm.hybridize(_linear, _haiku()), tmp_path / "haiku", example=X).path
     m = sm.load(art)
     np.testing.assert_allclose(sm.load(art, params=m.params)(X), _linear(_haiku(), X))
+
+
+@pytest.mark.slow  # verify runs a fresh process (~3 s)
+def test_verify_runs_its_own_inputs_under_a_global_transfer_guard(tmp_path, monkeypatch):
+    """transfer-guard.rst's global ``jax_transfer_guard="disallow"`` (and JAX_TRANSFER_GUARD in
+    the environment, which verify's fresh process inherits): verify drew its own NumPy inputs
+    and gave them to the reference and the loaded model, so it raised JAX's "Disallowed
+    host-to-device transfer" (or reported the fresh process failing) for a sound artifact.
+    Its inputs and outputs are verify's own to move, as load's self-test vectors are."""
+    net = sm.mlp((4, 2))
+    x = jnp.ones((2, 3), jnp.float32)
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    art = sm.export(h, tmp_path / "m", example=x, batch="b").path
+    monkeypatch.setenv("JAX_TRANSFER_GUARD", "disallow")
+    jax.config.update("jax_transfer_guard", "disallow")
+    try:
+        reports = [sm.verify(art, reference, batches=(1, 7)) for reference in (None, h)]
+    finally:
+        jax.config.update("jax_transfer_guard", None)
+    assert all(r.ok for r in reports), [str(r) for r in reports]
+    assert [len(r.checks) for r in reports] == [2, 2]
