@@ -1,0 +1,147 @@
+"""Code we did not write, round twenty-two (tests/zoo22.py, tests/zoo22b.py; sources and
+commits there), over every feature: hybridize, ``h(x)`` equal to the plain model, its graph,
+export + load + call equal, grads/Hessians over the loaded model, a Batcher's answers, and the
+authors' training.
+
+- Flax's ogbg_molpcba ``GraphNet`` and ``GraphConvNet`` on a small padded ``jraph.GraphsTuple``
+  (two molecules of 3 and 2 atoms padded to 9 nodes, 12 edges, 3 graphs): ``h(graphs)``
+  returns jraph's GraphsTuple; export refuses the GraphsTuple as an input, naming the
+  flattening it takes, and the flattened function (its seven arrays in, the GraphsTuple's
+  seven out) exports, loads, is called, differentiated twice and served as the model;
+  exported with the batch symbolic, the nodes' count is ``b`` and the manifest says its rows
+  mix (a node's output reads its neighbours'), so a Batcher never merges two requests'
+  graphs. Three of the example's ``train_step`` (adam, its masked binary cross-entropy, its
+  ``rngs`` for dropout) over a ``TrainState`` whose ``apply_fn`` is ours equal three over
+  ``model.apply``. ``rngs=`` given to ``h.apply`` of the module itself is refused, naming
+  the hybridized ``model.apply`` the test runs.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from features import close
+
+import symjax_mlp as sm
+
+jraph = pytest.importorskip("jraph")
+zoo22b = pytest.importorskip("zoo22b")
+train_state = pytest.importorskip("flax.training.train_state")
+
+pytestmark = pytest.mark.slow  # each a compile of a model or more (~3 s or more)
+
+GRAPH_OPS = {"gather", "scatter", "reduce_window"}
+
+
+def _graphs(seed=0, classes=4, pad=(9, 12, 3)):
+    """Two molecules (3 and 2 atoms), as ogbg_molpcba's input pipeline pads them
+    (``jraph.pad_with_graphs``), int32 as JAX holds them; ``globals``: labels, NaN unknown."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, (2, classes)).astype(np.float32)
+    labels[0, 1] = labels[1, 2] = np.nan
+    graphs = jraph.GraphsTuple(
+        nodes=rng.normal(size=(5, 3)).astype(np.float32),
+        edges=rng.normal(size=(6, 2)).astype(np.float32),
+        senders=np.array([0, 1, 2, 1, 3, 4]), receivers=np.array([1, 0, 1, 2, 4, 3]),
+        n_node=np.array([3, 2]), n_edge=np.array([4, 2]), globals=labels,
+    )  # fmt: skip
+    padded = jraph.pad_with_graphs(graphs, *pad)
+    return jax.tree.map(lambda a: a.astype(np.int32) if a.dtype == np.int64 else a, padded)
+
+
+def _model(kind, **kw):
+    cls = {"graph_net": zoo22b.GraphNet, "graph_conv_net": zoo22b.GraphConvNet}[kind]
+    return cls(latent_size=8, num_mlp_layers=2, message_passing_steps=2,
+               output_globals_size=4, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["graph_net", "graph_conv_net"])
+def test_ogbg_graph_nets_over_every_feature(kind, tmp_path):
+    """The example's eval model (``deterministic=True``) on a GraphsTuple: ``h(graphs)`` is
+    jraph's; export takes the flattened function its refusal names; the artifact's call,
+    grads and Hessian (of the graphs' logits in the nodes' features) and a Batcher's answer
+    equal the model's."""
+    graphs = zoo22b.replace_globals(_graphs())
+    model = _model(kind)
+    variables = model.init(jax.random.key(0), graphs)
+    h = sm.hybridize(model, variables)
+    out = h(graphs)
+    assert isinstance(out, jraph.GraphsTuple)
+    close(out, model.apply(variables, graphs))
+    assert h.graph(graphs).flops > 0
+    with pytest.raises(sm.SignatureError, match=r"GraphsTuple of 7 arrays.*jax.tree.unflatten"):
+        sm.export(h, tmp_path / "refused", example=(graphs,), batch=None)
+
+    leaves, tree = jax.tree.flatten(graphs)
+    flat = sm.hybridize(
+        lambda v, *xs: tuple(jax.tree.leaves(h.apply(v, jax.tree.unflatten(tree, xs)))), h.params
+    )
+    sm.export(flat, tmp_path / "m", example=tuple(leaves), batch=None, vjp_order=2)
+    m = sm.load(tmp_path / "m", allow=GRAPH_OPS)
+    close(m(*leaves), tuple(jax.tree.leaves(model.apply(variables, graphs))))
+
+    def logits(f, nodes):  # the graphs' logits, as a function of the nodes' features
+        return f(nodes).sum()
+
+    theirs = lambda n: model.apply(variables, graphs._replace(nodes=n)).globals  # noqa: E731
+    ours = lambda n: m(n, *leaves[1:])[4]  # noqa: E731 - globals: the fifth leaf
+    close(jax.grad(lambda n: logits(ours, n))(graphs.nodes),
+          jax.grad(lambda n: logits(theirs, n))(graphs.nodes))  # fmt: skip
+    hess = lambda f: jax.jacrev(jax.jacrev(lambda n: (f(n) ** 2).sum()))(graphs.nodes)  # noqa: E731
+    close(hess(ours), hess(theirs), rtol=1e-4, atol=1e-4)
+    with pytest.raises(sm.ConfigError, match=r"leading dimensions .*args\[0\]: float32\[9, 3\], "
+                       r"args\[1\]: float32\[12, 2\].* disagree"):  # fmt: skip
+        sm.serving.Batcher(m)  # nodes, edges, graphs: no rows to merge (see the next test)
+
+
+def test_a_graph_nets_symbolic_batch_is_its_nodes_and_its_rows_are_never_merged(tmp_path):
+    """Padded to 8 nodes, 8 edges and 8 graphs and exported with ``batch='b'``, the
+    GraphConvNet's every input is ``b`` rows; the manifest says its rows mix, and a Batcher
+    given two such graphs answers each as the artifact alone does (never merged: merged, the
+    second's senders would index the first's nodes)."""
+    model = _model("graph_conv_net")
+    graphs = zoo22b.replace_globals(_graphs(pad=(8, 8, 8)))
+    variables = model.init(jax.random.key(0), graphs)
+    h = sm.hybridize(model, variables)
+    leaves, tree = jax.tree.flatten(graphs)
+    flat = sm.hybridize(
+        lambda v, *xs: tuple(jax.tree.leaves(h.apply(v, jax.tree.unflatten(tree, xs)))), h.params
+    )
+    art = sm.export(flat, tmp_path / "m", example=tuple(leaves), vjp_order=1)
+    assert not art.manifest["rows"]["independent"]
+    # (jraph's pool: jnp.repeat of a symbolic total, a cumsum: XLA's dynamic_reduce_window)
+    dynamic = {"real_dynamic_slice", "custom_call:stablehlo.dynamic_reduce_window"}
+    m = sm.load(tmp_path / "m", allow={"gather", "scatter"} | dynamic)
+    other = jax.tree.leaves(zoo22b.replace_globals(_graphs(seed=5, pad=(8, 8, 8))))
+    with sm.serving.Batcher(m, max_batch=32) as b:
+        got = [b.submit(*xs) for xs in (leaves, other)]
+        got = [g.result(30) for g in got]
+    close(got, [m(*leaves), m(*other)])
+    close(got[0], tuple(jax.tree.leaves(model.apply(variables, graphs))))
+
+
+def test_ogbg_train_step_over_ours_equals_over_model_apply():
+    """Three of the example's ``train_step`` (its ``@jax.jit``, adam, masked BCE, dropout 0.3
+    from the ``rngs`` passed in) over a TrainState whose ``apply_fn`` is the Hybrid of
+    ``model.apply`` with the dropout key an input, as the refusal of ``rngs=`` names it,
+    equal three over ``model.apply``: the losses and the params."""
+    graphs = _graphs()
+    model = _model("graph_net", dropout_rate=0.3, deterministic=False)
+    variables = model.init(jax.random.key(0), zoo22b.replace_globals(graphs))
+    with pytest.raises(sm.ConfigError, match=r"rngs= is GraphNet.apply's own keyword.*key"):
+        sm.hybridize(model, variables).apply(variables, graphs, rngs={"dropout": jax.random.key(0)})
+    h = sm.hybridize(lambda v, x, key: model.apply(v, x, rngs={"dropout": key}), variables)
+    tx = optax.adam(1e-3)
+    ours = train_state.TrainState.create(
+        apply_fn=lambda v, x, rngs: h.apply(v, x, rngs["dropout"]), params=h.params, tx=tx
+    )
+    theirs = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    losses = []
+    for step in range(3):
+        rngs = {"dropout": jax.random.key(step)}
+        ours, mine = zoo22b.train_step(ours, graphs, rngs)
+        theirs, want = zoo22b.train_step(theirs, graphs, rngs)
+        losses.append((mine, want))
+    close(*zip(*losses, strict=True))
+    assert len({float(w) for _, w in losses}) == 3  # the params move, each step's loss its own
+    close(ours.params, theirs.params)
