@@ -62,3 +62,35 @@ def test_verify_runs_its_own_inputs_under_a_global_transfer_guard(tmp_path, monk
         jax.config.update("jax_transfer_guard", None)
     assert all(r.ok for r in reports), [str(r) for r in reports]
     assert [len(r.checks) for r in reports] == [2, 2]
+
+
+@pytest.fixture(scope="module")
+def loaded_mlp(tmp_path_factory):
+    """``sm.mlp((4, 2))`` on rows of 3, exported at a symbolic batch: its path, its answer to X."""
+    net = sm.mlp((4, 2))
+    h = sm.hybridize(net, net.init(jax.random.key(0), jnp.ones((2, 3), jnp.float32)))
+    art = sm.export(h, tmp_path_factory.mktemp("mlp") / "m", example=X, batch="b").path
+    return art, np.asarray(h(X))
+
+
+@pytest.fixture
+def disallowed():
+    """transfer-guard.rst's global ``jax.config.update("jax_transfer_guard", "disallow")``."""
+    jax.config.update("jax_transfer_guard", "disallow")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_transfer_guard", None)
+
+
+def test_run_moves_its_files_arrays_itself_under_a_transfer_guard(loaded_mlp, disallowed, tmp_path):
+    """``symjax-mlp run`` with JAX_TRANSFER_GUARD=disallow (or a global guard in-process): the
+    arrays it reads from .npy files are its own to move, yet it printed JAX's traceback
+    ("Disallowed host-to-device transfer") and "this is a bug in symjax_mlp"."""
+    from symjax_mlp.cli import main
+
+    art, want = loaded_mlp
+    np.save(tmp_path / "x.npy", X)
+    x, y = str(tmp_path / "x.npy"), str(tmp_path / "y.npy")
+    assert main(["run", str(art), "--input", x, "--output", y]) == 0
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), want, rtol=1e-6)

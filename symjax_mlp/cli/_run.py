@@ -43,6 +43,8 @@ _ONE_PER_OUTPUT = (
 
 def run(args: argparse.Namespace) -> None:
     """``run``: .npy files in, the artifact's outputs out (dtypes as ``DTYPES`` says)."""
+    import jax
+
     from symjax_mlp._artifact.format import printable
     from symjax_mlp._artifact.weights import memory
     from symjax_mlp._npy import arrays, raw_dtype_notes, read_inputs, read_stream, write_outputs
@@ -73,10 +75,12 @@ def run(args: argparse.Namespace) -> None:
         stdin = read_stream(stdin, what="stdin", memory=memory())
     files = [stdin if f == "-" else f for f in args.input]
     names = ["stdin" if f == "-" else str(f) for f in args.input]
-    out = model(*read_inputs(files, inputs, names=names))
     to_stdout = sink is not None
-    pairs = list(zip(out if len(paths) > 1 else [out], [sink] if to_stdout else paths, strict=True))
-    write_outputs(*pairs[0], *pairs[1:], fix=_ONE_PER_OUTPUT)  # every path, or none of them
+    with jax.transfer_guard("allow"):  # the files' arrays are run's own to move, to and back
+        out = model(*read_inputs(files, inputs, names=names))  # (JAX_TRANSFER_GUARD=disallow)
+        pairs = list(zip(out if len(paths) > 1 else [out], [sink] if to_stdout else paths,
+                         strict=True))  # fmt: skip
+        write_outputs(*pairs[0], *pairs[1:], fix=_ONE_PER_OUTPUT)  # every path, or none
     stream = sys.stderr if to_stdout else sys.stdout
     for (y, _), path in zip(pairs, paths, strict=True):
         outs = arrays(y)
