@@ -94,3 +94,26 @@ def test_run_moves_its_files_arrays_itself_under_a_transfer_guard(loaded_mlp, di
     x, y = str(tmp_path / "x.npy"), str(tmp_path / "y.npy")
     assert main(["run", str(art), "--input", x, "--output", y]) == 0
     np.testing.assert_allclose(np.load(tmp_path / "y.npy"), want, rtol=1e-6)
+
+
+def test_a_batcher_runs_a_lone_call_and_one_on_an_event_loop_under_a_transfer_guard(
+    loaded_mlp, disallowed
+):
+    """A Batcher served its thread's batches under a global "disallow" (session 59), not the
+    ones that run elsewhere: ``b(x)`` in the caller's thread, and a quick batch on the event
+    loop that awaits it, which is every request of ``symjax-mlp serve`` under
+    JAX_TRANSFER_GUARD=disallow: each raised, or was answered 500, with JAX's "Disallowed
+    host-to-device transfer". The rows are the batcher's own to move, as its thread's are."""
+    import asyncio
+
+    art, want = loaded_mlp
+    want = want[:1]
+    with sm.serving.Batcher(sm.load(art), max_batch=4) as b:
+        np.testing.assert_allclose(b(X[:1]), want, rtol=1e-6)
+
+        async def awaited():
+            return [await b.asubmit(X[:1]) for _ in range(3)]  # the lone ones run on the loop
+
+        for got in asyncio.run(awaited()):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert b.stats.requests == 4, b.stats

@@ -65,6 +65,16 @@ def _cut(record: logging.LogRecord) -> bool:
 LOG.addFilter(_cut)
 
 
+def _guarded() -> bool:
+    """Whether a transfer guard (this thread's, else the global one) refuses a batch's trips to
+    the device or back, which are the lane's own: a global "disallow" failed every b(x)."""
+    to, back = (
+        jax.config.jax_transfer_guard_host_to_device,
+        jax.config.jax_transfer_guard_device_to_host,
+    )
+    return (to is not None and "dis" in to) or (back is not None and "dis" in back)
+
+
 class Blocking:
     """A blocking ``b(x)`` in the queue: its inputs, and the held lock its caller waits on."""
 
@@ -256,6 +266,9 @@ class Lane:
     def compute(self, batch: Sequence[Any], rows: int, t0: Any) -> tuple[list[Any], tuple]:
         """The model's results for ``batch`` (``rows`` rows), one per request, and its timing
         record ``(t0, t1, ..., t4, rows, bucket)``: t0 its request's or requests' starts."""
+        if _guarded():  # a caller's transfer guard (b(x), on an event loop): the trips are ours
+            with jax.transfer_guard("allow"):
+                return self.compute(batch, rows, t0)
         nested = self.since is not None  # b(x) inside the model: the outer batch's mark stays
         try:  # counted: in bulk, later, or at once as failed
             t1 = clock()
