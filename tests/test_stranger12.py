@@ -7,6 +7,12 @@ test_checker_limits.py, test_http_hostile.py, test_raises_anything.py, ..."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,3 +123,115 @@ def test_a_batcher_runs_a_lone_call_and_one_on_an_event_loop_under_a_transfer_gu
         for got in asyncio.run(awaited()):
             np.testing.assert_allclose(got, want, rtol=1e-6)
         assert b.stats.requests == 4, b.stats
+
+
+# -- 2. well-formed, hostile StableHLO: refused before XLA compiles, quickly, memory bounded -----
+def _in_symbolic_relu(text: str, lines: str) -> str:
+    """``lines`` (reading ``%OUT``, the symbolic MLP's first ReLU, of ``tensor<?x4xf32>``;
+    ``%arg0`` is the batch ``b``) put after it, whose ``%hostile`` @relu returns instead."""
+    head, sep, tail = text.partition("func.func private @relu(")
+    found = re.search(r"    %(\d+) = stablehlo\.maximum %arg1, %(\d+) : tensor<\?x4xf32>\n", tail)
+    assert sep and found, "not the symbolic base MLP module"
+    out = f"%{found.group(1)}"
+    tail = tail.replace(found.group(0), found.group(0) + lines.replace("%OUT", out), 1)
+    return head + sep + tail.replace(f"return {out} :", "return %hostile :", 1)
+
+
+def _splat(text: str) -> str:
+    """A constant declared of 10**10 elements, given one value (a splat): 40 GB from 20 bytes."""
+    from fuzzing import forge
+
+    return forge.in_relu(text, (
+        "    %big = stablehlo.constant dense<1.0> : tensor<100000x100000xf32>\n"
+        "    %z = stablehlo.constant dense<0.0> : tensor<f32>\n"
+        "    %s = stablehlo.reduce(%big init: %z) applies stablehlo.add across dimensions = [0, 1] "
+        ": (tensor<100000x100000xf32>, tensor<f32>) -> tensor<f32>\n"
+        "    %sb = stablehlo.broadcast_in_dim %s, dims = [] : (tensor<f32>) -> tensor<2x4xf32>\n"
+        "    %hostile = stablehlo.add %IN, %sb : tensor<2x4xf32>\n"
+    ))  # fmt: skip
+
+
+def _host_function(text: str) -> str:
+    """A ``custom_call`` naming the host callback of JAX before its FFI one."""
+    from fuzzing import forge
+
+    return forge.in_relu(text, (
+        "    %hostile = stablehlo.custom_call @xla_python_cpu_callback(%IN) {backend_config = "
+        '"140000000000000", has_side_effect = true} : (tensor<2x4xf32>) -> tensor<2x4xf32>\n'
+    ))  # fmt: skip
+
+
+def _loop_of_b_trips(text: str) -> str:
+    """A while loop of ``b`` trips (the batch a caller chooses), each over the whole batch."""
+    return _in_symbolic_relu(text, (
+        "    %c0 = stablehlo.constant dense<0> : tensor<i32>\n"
+        "    %w:2 = stablehlo.while(%i = %c0, %v = %OUT) : tensor<i32>, tensor<?x4xf32>\n"
+        "    cond {\n"
+        "      %p = stablehlo.compare LT, %i, %arg0, SIGNED "
+        ": (tensor<i32>, tensor<i32>) -> tensor<i1>\n"
+        "      stablehlo.return %p : tensor<i1>\n"
+        "    } do {\n"
+        "      %c1 = stablehlo.constant dense<1> : tensor<i32>\n"
+        "      %n = stablehlo.add %i, %c1 : tensor<i32>\n"
+        "      %v2 = stablehlo.add %v, %v : tensor<?x4xf32>\n"
+        "      stablehlo.return %n, %v2 : tensor<i32>, tensor<?x4xf32>\n"
+        "    }\n"
+        "    %hostile = stablehlo.add %w#1, %OUT : tensor<?x4xf32>\n"
+    ))  # fmt: skip
+
+
+def _negative_once_bound(text: str) -> str:
+    """A tensor of shape (b - 10, 4): well-formed, and negative at every batch below 10."""
+    from fuzzing import forge
+
+    return forge.dynamic_huge(text, (
+        "    %ten = stablehlo.constant dense<10> : tensor<i32>\n"
+        "    %k1 = stablehlo.constant dense<4> : tensor<1xi32>\n"
+        "    %d = stablehlo.subtract %arg0, %ten : tensor<i32>\n"
+        "    %rows1 = stablehlo.reshape %d : (tensor<i32>) -> tensor<1xi32>\n"
+        "    %hs = stablehlo.concatenate %rows1, %k1, dim = 0 "
+        ": (tensor<1xi32>, tensor<1xi32>) -> tensor<2xi32>\n"
+    ))  # fmt: skip
+
+
+HOSTILE = {  # edit, symbolic base?, what the refusal says
+    "splat of 10**10": (_splat, False, "a tensor of 10,000,000,000 elements in stablehlo.constant"),
+    "host function": (_host_function, False, "'custom_call:xla_python_cpu_callback'"),
+    "loop of b trips": (_loop_of_b_trips, True, "a while loop whose trip count is not a constant"),
+    "negative once bound": (_negative_once_bound, True, "output shape [-8, 4] is incompatible"),
+}
+
+
+@pytest.mark.slow  # two exports, four forged artifacts, a fresh process loading them (~10 s)
+def test_well_formed_hostile_programs_are_refused_before_compiling_in_bounded_memory(tmp_path):
+    """Whole artifacts whose StableHLO is well-formed but hostile (a constant declared of 10**10
+    elements and given one, a custom_call naming a host function, a loop whose trip count is the
+    caller's batch, a shape negative once the batch is bound): ``load`` and ``bench`` refuse
+    each with an ArtifactError naming it, before XLA compiles, in a fresh process whose peak
+    memory stays that of an import of JAX (measured, not timed: a generous bound)."""
+    from fuzzing import forge
+
+    bases = {s: forge.base(tmp_path / f"base{s}", batch="b" if s else None)[0] for s in (0, 1)}
+    arts = [str(forge.forge(bases[sym], tmp_path / name.replace(" ", "_"), edit))
+            for name, (edit, sym, _) in HOSTILE.items()]  # fmt: skip
+    code = (
+        "import json, resource, sys, time\nimport symjax_mlp as sm\n"
+        "from symjax_mlp.cli import main\nsaid = []\nfor art in sys.argv[1:]:\n"
+        "    t0 = time.perf_counter()\n    try:\n        sm.load(art)\n"
+        "        said.append('loaded')\n    except sm.ArtifactError as e:\n"
+        "        said.append(str(e))\n"
+        "    said.append(main(['bench', art, '--calls', '1', '--repeats', '1']))\n"
+        "    said.append(time.perf_counter() - t0)\n"
+        "print(json.dumps([said, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))\n"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # no verdict remembered before
+    done = subprocess.run([sys.executable, "-c", code, *arts], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    said, peak_kib = json.loads(done.stdout.strip().splitlines()[-1])
+    for i, (name, (_, _, says)) in enumerate(HOSTILE.items()):
+        refusal, bench_rc, seconds = said[3 * i : 3 * i + 3]
+        assert says in refusal and arts[i] in refusal, (name, refusal)
+        assert bench_rc == 2 and f"{arts[i]}" in done.stderr, (name, done.stderr[-2000:])
+        assert seconds < 60, (name, seconds)  # a compile of 10**10 elements: minutes, 40 GB
+    assert peak_kib < 1_500_000, peak_kib  # KiB; an import of JAX and the checks: ~0.4 GB
