@@ -29,6 +29,14 @@ _CONTAINER_INPUT = (
     "that call as tuple(jax.tree.leaves(h.apply(...)))."
 )
 
+_HIJAX_INPUT = (
+    "export(example=...): args[{i}] is a {kind}, a value of a jax.experimental.hijax type, and "
+    "an artifact's inputs are arrays that any caller can pass (a Hybrid takes a {kind}, as "
+    "jax.jit does). Export a function taking the arrays it is made from and making the {kind} "
+    "inside (hijax-types.md's quantize(w) of float weights w), and call the artifact with those "
+    "arrays."
+)
+
 
 def _container(x: Any) -> tuple[str, str] | None:
     """``(what x is, its kind)`` if ``x`` is a dict of str keys, or a tuple, list or registered
@@ -52,6 +60,10 @@ def not_an_array(name: str, i: int, x: Any, n: int, placed: Any = None) -> Signa
     if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":
         return SignatureError(_EQX_STATE.format(i=i))
     if (container := _container(x)) is None:
+        from symjax_mlp._hybrid.args import traceable
+
+        if traceable(x) and not hasattr(x, "__jax_array__"):  # a hijax type's value (QArray)
+            return SignatureError(_HIJAX_INPUT.format(i=i, kind=type(x).__name__))
         return SignatureError(
             f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "
             "tuple of arrays), e.g. example=jnp.zeros((1, 512), jnp.float32)."

@@ -70,6 +70,25 @@ def test_verify_runs_its_own_inputs_under_a_global_transfer_guard(tmp_path, monk
     assert [len(r.checks) for r in reports] == [2, 2]
 
 
+@pytest.mark.slow  # the Hybrid's call over a QArray compiles (~0.5 s)
+def test_a_hijax_input_to_export_is_told_to_pass_the_arrays_it_is_made_from(tmp_path):
+    """A Hybrid takes a value of a ``jax.experimental.hijax`` type (hijax-types.md's QArray) as
+    an input since session 59; given to export as an example it was told "args[1] is a QArray;
+    pass an array, e.g. example=jnp.zeros((1, 512), jnp.float32)", no way on for such a model.
+    Now it names the hijax type and the arrays to pass, as the refusal of such a param does."""
+    import zoo17
+
+    q = zoo17.quantize(jnp.arange(6, dtype=jnp.float32).reshape(3, 2))
+    h = sm.hybridize(lambda _, x, q: x @ zoo17.dequantize(q), {})
+    np.testing.assert_allclose(h(X, q), X @ zoo17.dequantize(q))  # the Hybrid takes it
+    with pytest.raises(sm.SignatureError) as e:
+        sm.export(h, tmp_path / "q", example=(X, q))
+    said = str(e.value)
+    assert said.startswith("export(example=...): args[1] is a QArray, a value of a "), said
+    assert "jax.experimental.hijax type" in said and "quantize(w)" in said, said
+    assert "512" not in said and not (tmp_path / "q").exists()
+
+
 @pytest.fixture(scope="module")
 def loaded_mlp(tmp_path_factory):
     """``sm.mlp((4, 2))`` on rows of 3, exported at a symbolic batch: its path, its answer to X."""
