@@ -254,3 +254,138 @@ def test_well_formed_hostile_programs_are_refused_before_compiling_in_bounded_me
         assert bench_rc == 2 and f"{arts[i]}" in done.stderr, (name, done.stderr[-2000:])
         assert seconds < 60, (name, seconds)  # a compile of 10**10 elements: minutes, 40 GB
     assert peak_kib < 1_500_000, peak_kib  # KiB; an import of JAX and the checks: ~0.4 GB
+
+
+# -- surfaces that held: one test each -----------------------------------------------------------
+class Fatal(BaseException):
+    """A BaseException of the caller's own."""
+
+
+def test_a_batchers_future_callbacks_raising_anything_leave_it_serving():
+    """Done callbacks that raise a BaseException of the caller's, SystemExit, KeyboardInterrupt
+    or GeneratorExit (which ``concurrent.futures`` lets out of the thread that settles the
+    future): every future of the batch still settles, and the next requests are served."""
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    with sm.serving.Batcher(h, example=X[:1], max_batch=4) as b:
+        for kind in (Fatal, SystemExit, KeyboardInterrupt, GeneratorExit):
+
+            def raising(_, kind=kind):
+                raise kind("from a done callback")
+
+            futures = [b.submit(X[:1]) for _ in range(3)]
+            for f in futures:
+                f.add_done_callback(raising)
+            for f in futures:
+                np.testing.assert_allclose(f.result(timeout=30), 2 * X[:1])
+            np.testing.assert_allclose(b(X[:1]), 2 * X[:1])
+        assert b.stats.failed == 0, b.stats
+
+
+@pytest.mark.slow  # a run of one epoch, then two refusals (~1-2 s)
+def test_a_checkpoint_header_declaring_a_tensor_past_its_file_is_refused_unread(tmp_path):
+    """A checkpoint whose safetensors header declares a kernel of 2**40 elements whose bytes
+    lie past the file's end, its manifest rewritten to agree (digest, shapes): init_from and
+    resume refuse it as a CheckpointError naming the file, before any tensor is held."""
+    import hashlib
+    import shutil
+    import struct
+
+    x = np.random.default_rng(0).normal(size=(96, 5)).astype(np.float32)
+    y = np.digitize(x[:, 0] + x[:, 1], [-0.5, 0.5]).astype(np.int32)
+    data = sm.training.Dataset(x[:64], y[:64], x[64:], y[64:], name="tiny")
+    sm.training.train(sm.mlp((4, 3)), data, epochs=1, batch_size=16, checkpoint=tmp_path / "w")
+    shutil.copytree(tmp_path / "w", tmp_path / "big")
+    (step,) = (tmp_path / "big").glob("step_*")
+    raw = (step / "state.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    kernel = header["params/layers_1/kernel"]
+    start = kernel["data_offsets"][0]
+    kernel.update(shape=[1 << 20, 1 << 20], data_offsets=[start, start + (1 << 42)])
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    forged = struct.pack("<Q", len(head)) + head + raw[8 + n :]
+    (step / "state.safetensors").write_bytes(forged)
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["files"]["state.safetensors"] = hashlib.sha256(forged).hexdigest()
+    manifest["tensors"]["params/layers_1/kernel"]["shape"] = [1 << 20, 1 << 20]
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    for kwargs in ({"epochs": 0, "init_from": tmp_path / "big"},
+                   {"epochs": 2, "checkpoint": tmp_path / "big", "resume": True}):  # fmt: skip
+        with pytest.raises(sm.CheckpointError, match=re.escape(str(step / "state.safetensors"))):
+            sm.training.train(sm.mlp((4, 3)), data, batch_size=16, **kwargs)
+
+
+@pytest.mark.slow  # an export, a signature (~1 s)
+def test_inspect_of_a_signed_artifact_whose_card_a_stranger_wrote_is_cut_and_escaped(
+    tmp_path, capsys
+):
+    """A stranger's signed artifact whose manifest card (written past export's checks, then
+    signed: every digest agrees) holds 2 MB, terminal escapes and a bell in keys and values:
+    ``symjax-mlp inspect`` prints it cut and escaped, and says it is signed, unverified."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from symjax_mlp.cli import main
+
+    pytest.importorskip("model_signing")
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())  # fmt: skip
+    (tmp_path / "k.pem").write_bytes(pem)
+    h = sm.hybridize(lambda p, x: x @ p, jnp.ones((3, 2)))
+    art = sm.export(h, tmp_path / "a", example=X, metadata={"inputs": "rows"}).path
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["metadata"] = {"inputs": "\x1b[2J" + "x" * 2_000_000,
+                            **{f"k\x1b]0;{i}\x07": "\x07" for i in range(100)}}  # fmt: skip
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    sm.sign(art, tmp_path / "k.pem")
+    assert main(["inspect", str(art)]) == 0
+    shown = capsys.readouterr().out
+    assert len(shown) < 20_000 and "\x1b" not in shown and "\x07" not in shown, len(shown)
+    assert "signed     model.sig, not verified by inspect" in shown
+
+
+@pytest.mark.slow  # a serve process (~5 s)
+def test_serve_refuses_a_short_body_past_the_cap_deep_json_and_reads_a_long_number(loaded_mlp):
+    """``symjax-mlp serve`` against a Content-Length past --max-body-bytes with a short body
+    (413 at once, nothing waited for), JSON of 10**6 nested lists (400, read by no recursive
+    parser), a number of 10**6 digits (read, and answered as the model answers it); the
+    server's memory after them stays where it was, and it answers the next request."""
+    import socket
+
+    from test_http_hostile import _port, _rss, _serving
+
+    art, want = loaded_mlp
+    x = np.asarray([[5 / 9, 1, 1]], np.float32)
+    cmd = [sys.executable, "-m", "symjax_mlp", "serve", str(art), "--host", "127.0.0.1",
+           "--port", "0", "--max-body-bytes", str(4 << 20)]  # fmt: skip
+    with _serving(cmd) as (proc, url):
+
+        def ask(raw):
+            with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s:
+                s.sendall(raw)
+                got = b""
+                while chunk := s.recv(65536):
+                    got += chunk
+            status, _, body = got.partition(b"\r\n\r\n")
+            return int(status.split()[1]), json.loads(body)
+
+        def post(body):
+            head = ("POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")  # fmt: skip
+            return ask(head.encode() + body)
+
+        before = _rss(proc.pid)
+        short = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        status, said = ask(short + b"Content-Length: 99999999999\r\n\r\n[[1,2,3]]")
+        assert status == 413 and "99999999999 bytes" in said["message"], said
+        status, said = post(b"[" * 10**6 + b"]" * 10**6)
+        assert status == 400 and "nests JSON lists or objects too deep" in said["message"], said
+        long = b"0." + b"5" * (10**6 - 1)  # 0.555... to a million digits: 5/9
+        status, said = post(b'{"inputs": [[' + long + b", 1, 1]]}")
+        assert status == 200, said
+        np.testing.assert_allclose(said["outputs"], sm.load(art)(x), rtol=1e-5)
+        status, said = post(json.dumps({"inputs": X[:1].tolist()}).encode())
+        np.testing.assert_allclose(said["outputs"], want[:1], rtol=1e-5)
+        assert _rss(proc.pid) - before < 64 << 20  # no body of megabytes held after its answer
