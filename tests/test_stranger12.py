@@ -217,7 +217,7 @@ HOSTILE = {  # edit, symbolic base?, what the refusal says
     "splat of 10**10": (_splat, False, "a tensor of 10,000,000,000 elements in stablehlo.constant"),
     "host function": (_host_function, False, "'custom_call:xla_python_cpu_callback'"),
     "loop of b trips": (_loop_of_b_trips, True, "a while loop whose trip count is not a constant"),
-    "negative once bound": (_negative_once_bound, True, "output shape [-8, 4] is incompatible"),
+    "negative once bound": (_negative_once_bound, True, "an artifact you did not export was made"),
 }
 
 
@@ -251,6 +251,7 @@ def test_well_formed_hostile_programs_are_refused_before_compiling_in_bounded_me
     for i, (name, (_, _, says)) in enumerate(HOSTILE.items()):
         refusal, bench_rc, seconds = said[3 * i : 3 * i + 3]
         assert says in refusal and arts[i] in refusal, (name, refusal)
+        assert "incompatible" in refusal or "negative" not in name, refusal  # [-8, 4]: JAX's
         assert bench_rc == 2 and f"{arts[i]}" in done.stderr, (name, done.stderr[-2000:])
         assert seconds < 60, (name, seconds)  # a compile of 10**10 elements: minutes, 40 GB
     assert peak_kib < 1_500_000, peak_kib  # KiB; an import of JAX and the checks: ~0.4 GB

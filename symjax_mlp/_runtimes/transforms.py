@@ -58,7 +58,8 @@ def _unresolved(file: Path, module: str, shapes: list, e: Exception) -> Artifact
     said = re.sub(r"(\S+\.py:\d+:\d+: (error|note): )|Module shape refinement failed: ", "", str(e))
     return ArtifactError(
         f"{file}: the shapes of {module} cannot be resolved for inputs {shapes} "
-        f"({type(e).__name__}: {said.splitlines()[0][:300]}). Export the model again."
+        f"({type(e).__name__}: {said.splitlines()[0][:300]}). Export the model again; an "
+        "artifact you did not export was made otherwise than export writes one: do not run it."
     )
 
 
