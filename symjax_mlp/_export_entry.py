@@ -107,8 +107,11 @@ def stage(
     static, examples, array_kwargs = partition(
         given, kw, h.static_argnums, h.static_argnames, caller=f"export({h.name})"
     )
-    if array_kwargs:
-        kept = {k: v for k, v in kw.items() if k not in array_kwargs}
+    if array_kwargs:  # the example's settings by place too, by the names its places have
+        params = list(getattr(h.__signature__, "parameters", {}).values())[: len(given)]
+        kept = {params[k].name: v for k, v, _ in static if isinstance(k, int) and k < len(params)
+                and params[k].kind is params[k].POSITIONAL_OR_KEYWORD}  # fmt: skip
+        kept |= {k: v for k, v in kw.items() if k not in array_kwargs}
         raise SignatureError(array_kwargs_error(h.name, [*array_kwargs], len(examples), kept))
     names, placed = keyword_arrays(h.__signature__, len(examples), kw)  # more arrays than places
     if names:

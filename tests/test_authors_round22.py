@@ -17,13 +17,16 @@ authors' training.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from features import close
+from features import close, every_feature
 
 import symjax_mlp as sm
 
+ml_collections = pytest.importorskip("ml_collections")
+zoo22 = pytest.importorskip("zoo22")
 jraph = pytest.importorskip("jraph")
 zoo22b = pytest.importorskip("zoo22b")
 train_state = pytest.importorskip("flax.training.train_state")
@@ -145,3 +148,94 @@ def test_ogbg_train_step_over_ours_equals_over_model_apply():
     close(*zip(*losses, strict=True))
     assert len({float(w) for _, w in losses}) == 3  # the params move, each step's loss its own
     close(ours.params, theirs.params)
+
+
+# --- scenic's DETR --------------------------------------------------------------------------
+
+#: scenic's DETR, sizes cut: hidden size 8, two heads, one encoder and one decoder layer, four
+#: queries; its backbone scenic's ResNet of ``num_layers=9`` (four stages of one block, stride
+#: 32) with 2 filters: a 32 x 64 image is 1 x 2 tokens.
+DETR = zoo22.DETR(num_classes=3, hidden_dim=8, num_queries=4, transformer_num_heads=2,
+                  transformer_num_encoder_layers=1, transformer_num_decoder_layers=1,
+                  transformer_qkv_dim=8, transformer_mlp_dim=8, backbone_num_filters=2,
+                  backbone_num_layers=9, dropout_rate=0.1, attention_dropout_rate=0.1)  # fmt: skip
+IMAGES = jax.random.normal(jax.random.key(1), (3, 32, 64, 1))
+MASK = np.ones((3, 32, 64), bool)
+MASK[1, :, 32:] = False  # the second image padded on its right half: its second token
+DETR_OPS = {"convolution", "dynamic_gather", "real_dynamic_slice", "reduce_window",
+            "select_and_scatter"}  # fmt: skip
+
+
+def _detr_variables():
+    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    return jax.jit(lambda: DETR.init(keys, IMAGES, False, padding_mask=MASK))()
+
+
+def test_detr_over_every_feature(tmp_path):
+    """DETR in eval (``train`` False, as scenic's eval step calls it) over every feature, its
+    ``{'pred_boxes', 'pred_logits'}`` refused by export, exported as one array (the heads
+    concatenated, as every_feature takes one), batch symbolic; then with its ``padding_mask``
+    (a keyword-only input): export of ``example=(x, False)``, ``kwargs={'padding_mask':
+    mask}`` is refused, naming the function that gives the mask a place, ``train=False`` kept
+    in it (was: left out, and the function it named failed: DETR takes ``train`` by place);
+    that function exported, its artifact's calls, grads and a Batcher's answers are DETR's,
+    the padded image's unlike the unpadded one's."""
+    variables = _detr_variables()
+    h = sm.hybridize(DETR, variables)
+    ref = lambda x, mask=None: DETR.apply(variables, x, False, padding_mask=mask)  # noqa: E731
+    close(h(IMAGES, False, padding_mask=MASK), ref(IMAGES, MASK))
+    with pytest.raises(sm.SignatureError, match=r"returns PyTreeDef\(\{'pred_boxes'.*\[0\] is"):
+        sm.export(h, tmp_path / "dict", example=(IMAGES, False))
+    heads = lambda out: jnp.concatenate(jax.tree.leaves(out), -1)  # noqa: E731 - boxes, logits
+    flat = sm.hybridize(lambda v, x: heads(h.apply(v, x, False)[0]), h.params)
+    every_feature(tmp_path, flat, lambda x: heads(ref(x)), IMAGES, allow=DETR_OPS,
+                  rtol=1e-4, atol=1e-4)  # fmt: skip
+
+    with pytest.raises(sm.SignatureError, match="padding_mask=padding_mask, train=False\\)"):
+        sm.export(h, tmp_path / "x", example=(IMAGES, False), kwargs={"padding_mask": MASK})
+    masked = sm.hybridize(
+        lambda params, x, padding_mask: tuple(jax.tree.leaves(
+            h.apply(params, x, padding_mask=padding_mask, train=False)[0])), h.params,
+    )  # fmt: skip
+    sm.export(masked, tmp_path / "masked", example=(IMAGES, MASK), vjp_order=1)
+    m = sm.load(tmp_path / "masked", allow=DETR_OPS)
+    want = tuple(jax.tree.leaves(ref(IMAGES, MASK)))
+    close(m(np.asarray(IMAGES), MASK), want, rtol=1e-4, atol=1e-4)
+    unpadded = tuple(jax.tree.leaves(ref(IMAGES)))
+    assert not np.allclose(want[0][1], unpadded[0][1])
+    grad = lambda f: jax.grad(lambda x: f(x)[1].sum())(IMAGES)  # noqa: E731 - the logits'
+    close(grad(lambda x: m(x, MASK)), grad(lambda x: tuple(jax.tree.leaves(ref(x, MASK)))),
+          rtol=1e-4, atol=1e-4)  # fmt: skip
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        got = [b.submit(np.asarray(IMAGES[i : i + 1]), MASK[i : i + 1]) for i in range(3)]
+        got = [np.concatenate(parts) for parts in zip(*(g.result(30) for g in got), strict=True)]
+    close(tuple(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_detr_scenic_train_steps_forward_over_h_apply():
+    """scenic's DETR ``train_step``'s forward (trainer.py's ``loss_fn``: ``flax_model.apply``
+    of ``{'params': params, **model_state}``, ``padding_mask=``, ``update_batch_stats=True``,
+    ``mutable=['batch_stats']``, ``train=True``, ``rngs={'dropout': rng}``) called on
+    ``h.apply`` as written: the predictions (dropout 0.1 from that rng), the backbone's new
+    batch stats and the grads of a loss of them equal Flax's."""
+    variables = _detr_variables()
+    h = sm.hybridize(DETR, variables)
+
+    def forward(apply, params, rng):
+        return apply({"params": params, "batch_stats": variables["batch_stats"]}, IMAGES,
+                     padding_mask=MASK, update_batch_stats=True, mutable=["batch_stats"],
+                     train=True, rngs={"dropout": rng}, debug=False)  # fmt: skip
+
+    def loss(apply, params, rng):
+        predictions, new_model_state = forward(apply, params, rng)
+        return (predictions["pred_logits"] ** 2).sum() + predictions["pred_boxes"].sum(), (
+            predictions, new_model_state)  # fmt: skip
+
+    rng = jax.random.key(7)
+    ours = jax.value_and_grad(loss, argnums=1, has_aux=True)(h.apply, h.params["params"], rng)
+    theirs = jax.value_and_grad(jax.jit(loss, static_argnums=0), argnums=1, has_aux=True)(
+        DETR.apply, variables["params"], rng
+    )
+    close(ours, theirs, rtol=1e-4, atol=1e-4)
+    other = forward(h.apply, h.params["params"], jax.random.key(8))[0]
+    assert not np.allclose(other["pred_logits"], ours[0][1][0]["pred_logits"])  # dropout on
