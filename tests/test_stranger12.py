@@ -89,6 +89,23 @@ def test_a_hijax_input_to_export_is_told_to_pass_the_arrays_it_is_made_from(tmp_
     assert "512" not in said and not (tmp_path / "q").exists()
 
 
+@pytest.mark.slow  # an export and its load (~1 s)
+def test_a_weakly_typed_example_exports_as_the_model_takes_it(tmp_path):
+    """Export traces a weakly typed example as jit does since session 59 (a bfloat16 model
+    times jnp.asarray(2.0) stays bfloat16), but its self-test ran the model on drawn float32
+    arrays, strong, which promote to float32: every such export was refused as "the exported
+    program does not give the model's results ... Do not ship it; report it". The model is
+    compared at a weakly typed value, as the program was traced."""
+    params = {"w": jnp.arange(1, 4, dtype=jnp.bfloat16)}
+    h = sm.hybridize(lambda p, x: p["w"] * x, params)
+    weak = jnp.asarray(1.5)
+    assert jax.typeof(weak).weak_type and h(weak).dtype == jnp.bfloat16
+    art = sm.export(h, tmp_path / "m", example=weak, batch=None).path
+    got = sm.load(art)(np.float32(1.5))
+    assert got.dtype == jnp.bfloat16  # the artifact's answer: the model's at a weak 1.5
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(h(weak), np.float32))
+
+
 @pytest.fixture(scope="module")
 def loaded_mlp(tmp_path_factory):
     """``sm.mlp((4, 2))`` on rows of 3, exported at a symbolic batch: its path, its answer to X."""
