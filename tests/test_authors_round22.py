@@ -125,19 +125,17 @@ def test_a_graph_nets_symbolic_batch_is_its_nodes_and_its_rows_are_never_merged(
 
 def test_ogbg_train_step_over_ours_equals_over_model_apply():
     """Three of the example's ``train_step`` (its ``@jax.jit``, adam, masked BCE, dropout 0.3
-    from the ``rngs`` passed in) over a TrainState whose ``apply_fn`` is the Hybrid of
-    ``model.apply`` with the dropout key an input, as the refusal of ``rngs=`` names it,
-    equal three over ``model.apply``: the losses and the params."""
+    from the ``rngs`` passed in) over a TrainState whose ``apply_fn`` is ``h.apply`` (called
+    as ``apply_fn(params, graphs, rngs=rngs)``) equal three over ``model.apply``: the losses
+    and the params. ``h.apply`` of a Hybrid holding no state took ``rngs=`` as an input of
+    ``GraphNet.__call__`` and refused it (now Flax's, as model.apply takes it); one holding
+    rng streams of its own still refuses it (see round six)."""
     graphs = _graphs()
     model = _model("graph_net", dropout_rate=0.3, deterministic=False)
     variables = model.init(jax.random.key(0), zoo22b.replace_globals(graphs))
-    with pytest.raises(sm.ConfigError, match=r"rngs= is GraphNet.apply's own keyword.*key"):
-        sm.hybridize(model, variables).apply(variables, graphs, rngs={"dropout": jax.random.key(0)})
-    h = sm.hybridize(lambda v, x, key: model.apply(v, x, rngs={"dropout": key}), variables)
+    h = sm.hybridize(model, variables)
     tx = optax.adam(1e-3)
-    ours = train_state.TrainState.create(
-        apply_fn=lambda v, x, rngs: h.apply(v, x, rngs["dropout"]), params=h.params, tx=tx
-    )
+    ours = train_state.TrainState.create(apply_fn=h.apply, params=h.params, tx=tx)
     theirs = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
     losses = []
     for step in range(3):
@@ -239,3 +237,72 @@ def test_detr_scenic_train_steps_forward_over_h_apply():
     close(ours, theirs, rtol=1e-4, atol=1e-4)
     other = forward(h.apply, h.params["params"], jax.random.key(8))[0]
     assert not np.allclose(other["pred_logits"], ours[0][1][0]["pred_logits"])  # dropout on
+
+
+# --- scenic's TokenLearner ------------------------------------------------------------------
+
+
+def _token_learner(fuse, v11):
+    """scenic's TokenLearnerViT, sizes cut (hidden size 8, three layers, two heads, 4 x 4
+    patches of a 16 x 16 image, four learned tokens from the second layer on), its tokenizer
+    an ml_collections.ConfigDict as scenic's configs give it; its variables (its head
+    zero-initialised: every logit 0) moved off their init, as a trained model's are."""
+    tokenizer = ml_collections.ConfigDict(dict(
+        type="dynamic", patches=dict(size=(4, 4)), num_tokens=4, tokenlearner_loc=1,
+        use_tokenfuse=fuse, use_v11=v11))  # fmt: skip
+    model = zoo22.TokenLearnerViT(num_classes=3, mlp_dim=16, num_layers=3, num_heads=2,
+                                  tokenizer=tokenizer, hidden_size=8, representation_size=None,
+                                  dropout_rate=0.1, attention_dropout_rate=0.1)  # fmt: skip
+    variables = jax.jit(lambda: model.init(jax.random.key(0), TL_IMAGES, train=False))()
+    leaves, tree = jax.tree.flatten(variables)
+    keys = jax.random.split(jax.random.key(4), len(leaves))
+    moved = [p + 0.3 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys, strict=True)]
+    return model, jax.tree.unflatten(tree, moved)
+
+
+TL_IMAGES = jax.random.normal(jax.random.key(1), (4, 16, 16, 3))
+
+
+@pytest.mark.parametrize(("fuse", "v11"), [(False, True), (True, False)],
+                         ids=["tokenlearner_v11", "tokenfuser_v10"])  # fmt: skip
+def test_token_learner_vit_over_every_feature(fuse, v11, tmp_path):
+    """TokenLearnerViT (its ConfigDict attribute, version 1.1's MLP tokenizer, or 1.0's convs
+    with the TokenFuser) in eval over every feature, batch symbolic: ``h(x, train=False)`` is
+    Flax's, the eval call hybridized as a function of ``h.apply``."""
+    model, variables = _token_learner(fuse, v11)
+    h = sm.hybridize(model, variables)
+    ref = jax.jit(lambda x: model.apply(variables, x, train=False))
+    close(h(TL_IMAGES, train=False), ref(TL_IMAGES))
+    assert float(jnp.abs(ref(TL_IMAGES)).min()) > 0  # (not the zero head's init)
+    evaluated = sm.hybridize(lambda v, x: h.apply(v, x, train=False), h.params)
+    every_feature(tmp_path, evaluated, ref, TL_IMAGES, allow={"convolution"}, rtol=1e-4,
+                  atol=1e-4)  # fmt: skip
+
+
+def test_token_learner_scenic_classification_train_steps_loss_over_h_apply():
+    """scenic's classification_trainer.train_step's ``training_loss_fn`` (train_lib, as it
+    calls ``flax_model.apply({'params': params, **model_state}, x, mutable=['batch_stats'],
+    train=True, rngs={'dropout': dropout_rng}, debug=debug)``, ``model_state`` empty for a
+    model of no BatchNorm) on ``h.apply``: the logits (dropout 0.1 from that rng), the empty
+    new state and the grads of a cross-entropy equal Flax's. It was refused (``mutable=`` taken
+    as an input of ``TokenLearnerViT.__call__``)."""
+    model, variables = _token_learner(False, True)
+    h = sm.hybridize(model, variables)
+    labels = jax.nn.one_hot(jnp.arange(4) % 3, 3)
+
+    def training_loss_fn(apply, params, dropout_rng):
+        variables = {"params": params, **{}}  # **train_state.model_state
+        logits, new_model_state = apply(
+            variables, TL_IMAGES, mutable=["batch_stats"], train=True,
+            rngs={"dropout": dropout_rng}, debug=False)  # fmt: skip
+        loss = -(jax.nn.log_softmax(logits) * labels).sum(-1).mean()
+        return loss, (new_model_state, logits)
+
+    rng = jax.random.key(3)
+    grad = jax.value_and_grad(training_loss_fn, argnums=1, has_aux=True)
+    ours = grad(h.apply, h.params["params"], rng)
+    theirs = jax.jit(grad, static_argnums=0)(model.apply, variables["params"], rng)
+    close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert ours[0][1][0] == {}
+    other = training_loss_fn(h.apply, h.params["params"], jax.random.key(4))[1][1]
+    assert not np.allclose(other, ours[0][1][1])  # dropout drawn from the rng given

@@ -174,17 +174,13 @@ def _in_symbolic_relu(text: str, lines: str) -> str:
 
 
 def _splat(text: str) -> str:
-    """A constant declared of 10**10 elements, given one value (a splat): 40 GB from 20 bytes."""
+    """A constant declared of 10**10 elements, given one value (a splat): 40 GB from 20 bytes;
+    forge's huge_compute with its iota made that constant."""
     from fuzzing import forge
 
-    return forge.in_relu(text, (
-        "    %big = stablehlo.constant dense<1.0> : tensor<100000x100000xf32>\n"
-        "    %z = stablehlo.constant dense<0.0> : tensor<f32>\n"
-        "    %s = stablehlo.reduce(%big init: %z) applies stablehlo.add across dimensions = [0, 1] "
-        ": (tensor<100000x100000xf32>, tensor<f32>) -> tensor<f32>\n"
-        "    %sb = stablehlo.broadcast_in_dim %s, dims = [] : (tensor<f32>) -> tensor<2x4xf32>\n"
-        "    %hostile = stablehlo.add %IN, %sb : tensor<2x4xf32>\n"
-    ))  # fmt: skip
+    kind = "tensor<100000x100000xf32>"
+    iota, splat = f"stablehlo.iota dim = 0 : {kind}", f"stablehlo.constant dense<1.0> : {kind}"
+    return forge.huge_compute(text).replace(iota, splat)
 
 
 def _host_function(text: str) -> str:

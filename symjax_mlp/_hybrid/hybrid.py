@@ -300,7 +300,7 @@ class Hybrid(Staged, NoPickle):
 
         Traced as ``entry="apply"`` (counted against ``max_traces``). Returns ``out``, or
         ``(out, new_state)`` from :attr:`state` if stateful; every keyword goes to the model.
-        A linen model's ``{'params': p, **state}`` runs as ``model.apply`` runs it, mutable= too.
+        A linen model's ``{'params': p, **state}`` runs as ``model.apply`` does (mutable=, rngs=).
 
         Example:
           >>> import jax, jax.numpy as jnp

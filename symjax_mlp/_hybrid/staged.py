@@ -86,7 +86,7 @@ class Staged:
             given = self.params if params is None else params
             refuse_donated(caller, given, staging=staging)
         # model.apply's own mutable= and rngs=, in h.apply of linen variables holding state
-        flax = not _APPLY.isdisjoint(kwargs) and self._model.given_state(params) is not None
+        flax = not _APPLY.isdisjoint(kwargs) and self._model.given_state(params, True) is not None
         rest = {k: v for k, v in kwargs.items() if k not in _APPLY} if flax else kwargs
         self._model.refuse_keywords(caller, rest)  # linen's h(x, method=...)
         if flax:  # (mutable= a list, as Flax's guides pass it: a tuple, static)

@@ -298,7 +298,8 @@ class TracedModel:
         given = variables_in((dyn, dyn_kw))  # copies of the caller's nnx Variables
         held = [f"state{p}" for p in _paths(jax.tree.structure(state))]
         # h.apply of variables holding state (linen's): model.apply's call, (result, None)
-        pure = self.model.given_state(params) if entry == "apply" else None
+        keywords = any(k == "mutable" for k, *_ in static)  # (placed there by _partition)
+        pure = self.model.given_state(params, keywords) if entry == "apply" else None
         try:
             with self.log.tracing(static, dyn, dyn_kw, entry, held) as event:
                 warn = not self.warned.is_set()

@@ -44,10 +44,11 @@ class PureModel:
     #: ``(params) -> str``: an nnx module's Params that it holds now in place of those it was
     #: hybridized with (none for params given since), :mod:`.nnx_module`
     trained: Callable[[Any], list[str]] | None = None
-    #: ``(variables) -> call | None``: a linen model's ``model.apply`` as Flax runs it, the
-    #: variables' collections the call's state (``mutable=`` Flax's; ``(result, None)``), for
-    #: variables holding collections the Hybrid holds as state (``h.apply``'s); else ``None``
-    given_state: Callable[[Any], Callable[..., tuple[Any, None]] | None] = lambda v: None
+    #: ``(variables, keywords) -> call | None``: a linen model's ``model.apply`` as Flax runs
+    #: it, the variables' collections the call's state (``mutable=`` Flax's; ``(result,
+    #: None)``), for variables holding collections the Hybrid holds as state (``h.apply``'s),
+    #: or given apply's ``mutable=``/``rngs=`` (``keywords``) where it holds none; else ``None``
+    given_state: Callable[..., Callable[..., tuple[Any, None]] | None] = lambda v, k=False: None
 
     @contextlib.contextmanager
     def pinned(self, values: tuple) -> Iterator[None]:

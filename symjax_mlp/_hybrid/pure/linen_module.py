@@ -166,9 +166,16 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
             error = str(e).split(" (")[0]
             raise ConfigError(_GIVEN_NO_RNG.format(name=name, error=error)) from None
 
-    def given_state(variables: Any) -> Any:
+    # apply's mutable= and rngs= are Flax's where the Hybrid holds no state, unless __call__
+    # takes them itself (names them, or takes **kwargs)
+    own = inspect.signature(type(model).__call__).parameters.values()
+    free = not state and not any(p.kind is p.VAR_KEYWORD or p.name in ("mutable", "rngs")
+                                 for p in own)  # fmt: skip
+
+    def given_state(variables: Any, keywords: bool = False) -> Any:
         held = (c for c in mutable if c not in sown)
-        if isinstance(variables, Mapping) and any(c in variables for c in held):
+        if isinstance(variables, Mapping) and (any(c in variables for c in held) or
+                                               (keywords and free)):  # fmt: skip
             return flax_apply
         return None
 
