@@ -23,7 +23,7 @@ from symjax_mlp._export_batch import (
     unsolvable,
     weakly_typed,
 )
-from symjax_mlp._export_example import calls_back
+from symjax_mlp._export_example import calls_back, unguaranteed
 from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent, walk
@@ -200,7 +200,7 @@ def export_program(
             "static shapes with batch=None."
         ) from e
     except MODEL_ERRORS as e:  # raised on an input no array (example=(x, "abc")): named as h's
-        if (unsolved := unsolvable(h.name, e)) is not None:
+        if (unsolved := unsolvable(h.name, e) or unguaranteed(h.name, e)) is not None:
             raise unsolved from None  # shapes=('a*a',): jax.export's raw ValueError
         given = rebuild(stage.static, stage.examples, {})  # the settings in their places
         if (named := not_data(f"export({h.name})", e, *given)) is None:

@@ -1,15 +1,16 @@
 """The refusals of an export's example item that is no array: an equinox State, a container of
 arrays (a dict, a tuple or list: a ``batch`` of ``(x, y)``), anything else; and of a function
-calling back into Python; each naming what exports."""
+calling back into Python, or into a kernel JAX will not export; each naming what exports."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
-from symjax_mlp._errors import ConfigError, SignatureError
+from symjax_mlp._errors import ConfigError, SignatureError, message
 
 _EQX_STATE = (
     "export(example=...): args[{i}] is an equinox eqx.nn.State, which an artifact's inputs "
@@ -114,3 +115,27 @@ def _equinox_check(eqn: Any) -> bool:
     """Whether ``eqn`` is the host callback of equinox's ``error_if`` (its raising function)."""
     raises = getattr(eqn.params.get("callback"), "callback_func", None)
     return getattr(raises, "__module__", "").startswith("equinox")
+
+
+_UNGUARANTEED = (
+    "export({name}): the function calls the kernel(s) {targets}, which jax.export refuses to "
+    "write: JAX gives them no compatibility guarantee (another jaxlib may lack or change them), "
+    "so no artifact can carry them.{ormqr} Compute that step with operations whose kernels JAX "
+    "guarantees (jnp.linalg.qr, svd, cholesky, solve), or keep it outside the exported function."
+)
+_ORMQR = (
+    " ormqr is jax.lax.linalg.ormqr's, as lineax's QR solver calls it (optimistix's "
+    "LevenbergMarquardt's by default; AutoLinearSolver's for a matrix not square): give the "
+    "solver linear_solver=lx.SVD() or lx.Normal(lx.Cholesky()), which export."
+)
+
+
+def unguaranteed(name: str, error: Exception) -> ConfigError | None:
+    """The refusal of a function calling custom-call kernels jax.export will not serialize,
+    where ``error`` (jax.export's ValueError) says so; else ``None``."""
+    said = message(error)
+    if not said.startswith("Cannot serialize code with custom calls whose targets have no"):
+        return None
+    targets = sorted(set(re.findall(r"custom_call @([\w.$]+)", said))) or ["(unnamed)"]
+    ormqr = _ORMQR if any("ormqr" in t for t in targets) else ""
+    return ConfigError(_UNGUARANTEED.format(name=name, targets=", ".join(targets), ormqr=ormqr))

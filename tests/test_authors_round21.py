@@ -12,6 +12,9 @@ against ours over ``h.apply``.
 - steady_state.ipynb: ``loss`` (to ``t1=inf``, ``steady_state_event``, ``ImplicitAdjoint``).
 - latent_ode.ipynb: ``LatentODE.train`` and ``sample``, their ``key`` keyword-only.
 - kalman_filter.ipynb: ``KalmanFilter`` (``Dopri5``, a ``LinearInterpolation`` of the data).
+- Optimistix's optimise_diffeq.ipynb (tests/zoo21c.py): ``least_squares`` of its ``residuals``
+  by ``LevenbergMarquardt``, the fitted parameters as a function of the data, an implicit
+  layer (its grads by the implicit function theorem).
 
 An adaptive solve's steps depend on the program it is compiled in (rounding decides a step's
 acceptance), so its answers are compared with the original compiled alike (both
@@ -24,9 +27,11 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-pytestmark = pytest.mark.slow  # each a process of its own, exports of adaptive solves
+import symjax_mlp as sm
 
 
 def _run(script, tmp_path):
@@ -88,6 +93,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a process of its own, exports of solves (30 s or more)
 def test_neural_cde_through_the_loaded_model_and_its_make_step(tmp_path):
     """neural_cde.ipynb's ``NeuralCDE`` over a batch of its spirals (``ts`` and the four
     coefficient arrays of ``backward_hermite_coefficients``, five inputs, batch symbolic):
@@ -129,6 +135,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a process of its own, exports of solves (30 s or more)
 def test_stiff_ode_main_in_64_bits_through_the_loaded_model(tmp_path):
     """stiff_ode.ipynb's ``main`` (``Kvaerno5`` with ``PIDController(rtol=1e-8)``) under the
     notebook's ``jax_enable_x64``, over a batch of rate constants: the Hybrid's, the loaded
@@ -166,6 +173,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a process of its own, exports of solves (30 s or more)
 def test_steady_state_loss_and_make_step_through_the_implicit_adjoint(tmp_path):
     """steady_state.ipynb's ``loss`` (a solve to ``t1=inf`` with no step bound, stopped by
     ``steady_state_event``, differentiated by the implicit function theorem) as a Hybrid of
@@ -230,6 +238,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a process of its own, exports of solves (30 s or more)
 def test_latent_ode_keyword_key_train_sample_and_make_step(tmp_path):
     """latent_ode.ipynb's ``LatentODE``: ``train(ts, ys, *, key)`` hybridized as a bound
     method answers as the original for each key (the key an input, not the first call's
@@ -277,6 +286,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a process of its own, exports of solves (30 s or more)
 def test_kalman_filter_through_the_loaded_model_and_its_masked_make_step(tmp_path):
     """kalman_filter.ipynb's ``KalmanFilter`` (state and covariance one ``Dopri5`` solve, its
     measurements a ``LinearInterpolation``) hybridized as the module: the Hybrid, the loaded
@@ -285,3 +295,66 @@ def test_kalman_filter_through_the_loaded_model_and_its_masked_make_step(tmp_pat
     only) has the value and grads of ours over those two leaves of ``h.apply``'s params (its
     ``make_step`` fails in optax 0.2.8's adam, which refuses the other leaves' None grads)."""
     _run(_KALMAN, tmp_path)
+
+
+_FIT = r"""
+import sys; sys.path.insert(0, sys.argv[2])
+import jax, jax.numpy as jnp, lineax as lx, numpy as np, optimistix as optx, pytest, zoo21c
+from features import close
+import symjax_mlp as sm
+(y0s, values) = zoo21c.get_data()
+init_parameters = jnp.zeros(4)
+
+def fitted(solver):  # the notebook's sol = optx.least_squares(...), of the data
+    return lambda p, values: optx.least_squares(
+        zoo21c.residuals, solver, p, args=(y0s, values)).value
+
+solver = optx.LevenbergMarquardt(rtol=1e-8, atol=1e-8, verbose=True)  # as written
+h = sm.hybridize(fitted(solver), init_parameters)
+close(h(values), jax.jit(fitted(solver))(init_parameters, values), rtol=1e-4, atol=1e-6)
+with pytest.raises(sm.ConfigError, match=r"calls back into Python \(debug_print\)"):
+    sm.export(h, sys.argv[1] + "/verbose", example=(values,), batch=None)
+quiet = sm.hybridize(fitted(optx.LevenbergMarquardt(rtol=1e-8, atol=1e-8)), init_parameters)
+with pytest.raises(sm.ConfigError, match=r"lapack_sormqr_ffi.*linear_solver=lx\.SVD\(\)"):
+    sm.export(quiet, sys.argv[1] + "/qr", example=(values,), batch=None)  # lineax's QR
+fit = fitted(optx.LevenbergMarquardt(rtol=1e-8, atol=1e-8, linear_solver=lx.SVD()))
+h = sm.hybridize(fit, init_parameters)  # as the refusal says
+sm.export(h, sys.argv[1] + "/m", example=(values,), batch=None, vjp_order=1)
+m = sm.load(sys.argv[1] + "/m", trust=True)
+close(m(np.asarray(values)), jax.jit(fit)(init_parameters, values), rtol=1e-4, atol=1e-6)
+close(m(np.asarray(values)), jnp.array([0.1, 0.02, 0.4, 0.02]), rtol=1e-3, atol=1e-5)
+close(jax.grad(lambda v: m(v)[0])(values), jax.grad(lambda v: fit(init_parameters, v)[0])(values),
+      rtol=1e-3, atol=1e-6)  # the implicit function theorem's, through the loaded model
+print("ok")
+"""
+
+
+@pytest.mark.slow  # a process of its own, exports of solves (30 s or more)
+def test_optimise_diffeq_fit_as_an_implicit_layer_exports_as_the_refusal_says(tmp_path):
+    """optimise_diffeq.ipynb's fit (``least_squares`` of ``residuals``, Levenberg-Marquardt)
+    as a function of the data: the Hybrid equals the original; export refuses the solver's
+    ``verbose=True`` (a ``jax.debug.print``) and then lineax's QR, whose ``ormqr`` kernel
+    ``jax.export`` will not write (it raised JAX's bare ValueError: now a ConfigError naming
+    the kernel and ``linear_solver=lx.SVD()``); with that solver it exports, and the loaded
+    model's fit and its grad in the data (implicit) are the original's."""
+    _run(_FIT, tmp_path)
+
+
+def _ormqr(p, x):  # jax.lax.linalg.ormqr's documented use, as lineax's QR solver calls it
+    h, taus = jnp.linalg.qr(p["a"], mode="raw")
+    return jax.lax.linalg.ormqr(h.mT, taus, x.T, transpose=True).T
+
+
+@pytest.mark.slow  # an export (~1 s)
+def test_a_kernel_jax_will_not_export_is_refused_naming_it_and_what_does(tmp_path):
+    """A function calling ``jax.lax.linalg.ormqr`` (lineax's QR solve, optimistix's
+    Levenberg-Marquardt's): export raised jax.export's bare ValueError ("Cannot serialize
+    code with custom calls whose targets have no compatibility guarantees"); now a
+    ConfigError names the kernel, why no artifact can carry it, and the solvers that export."""
+    h = sm.hybridize(_ormqr, {"a": jax.random.normal(jax.random.key(0), (4, 4))})
+    x = jnp.ones((2, 4))
+    assert h(x).shape == (2, 4)
+    with pytest.raises(sm.ConfigError, match=r"export\(_ormqr\): .*kernel\(s\) lapack_sormqr_ffi,"
+                       r" .*no compatibility guarantee.*linear_solver=lx\.SVD\(\)"):  # fmt: skip
+        sm.export(h, tmp_path / "m", example=(x,))
+    assert not (tmp_path / "m").exists()
