@@ -11,7 +11,6 @@ import dataclasses
 import datetime
 import functools
 import importlib
-import math
 import os
 import threading
 import warnings
@@ -33,7 +32,7 @@ from symjax_mlp._artifact.format import (
     printable,
     program_file,
 )
-from symjax_mlp._artifact.reading import USED, freeze, read_artifact
+from symjax_mlp._artifact.reading import USED, check_card, check_x64, freeze, read_artifact
 from symjax_mlp._artifact.signature import Signature, admits_any, an
 from symjax_mlp._artifact.weights import check_params, param_specs, read_safetensors_file
 from symjax_mlp._compat import transformed
@@ -128,6 +127,8 @@ def load(
             "of arrays (as h.params or m.params give it). Pass one, or leave params out for the "
             "artifact's own weights."
         )
+    if tree and (traced := _traced(params)):
+        raise ConfigError(_TRACED.format(call=call, traced=traced))
     if not os.path.exists(path) and (file := next((p for p in path.parents if p.is_file()), None)):
         raise ArtifactError(
             f"{call}): {file} is a file, not a directory, so there is no "
@@ -143,8 +144,8 @@ def load(
     def confirm(manifest: Any, blobs: dict[str, Any]) -> None:  # before the weights are read
         if unchanged is not None:
             unchanged(manifest)  # what a parser reads is what was verified
-        _check_card(path, manifest)
-        _check_x64(path, manifest)
+        check_card(path, manifest)
+        check_x64(path, manifest)
         importlib.import_module(f"symjax_mlp._runtimes.{runtime}").check_supported(path, manifest)
         from symjax_mlp._runtimes.jax import deserialize  # both runtimes: the module that runs
 
@@ -307,6 +308,26 @@ class Guard:
         checker.remember(verdict)
 
 
+_TRACED = (
+    "{call}, params=...): param {traced} is traced (load called inside jax.jit, jax.vmap or "
+    "jax.grad over the weights): load reads weights once, as arrays, and a loaded model's are "
+    "fixed, so JAX can neither map nor differentiate them. For an ensemble, load each set "
+    "outside the transformation, models = [sm.load(path, params=p) for p in trees], and stack "
+    "the outputs, jnp.stack([m(x) for m in models]); a loaded model differentiates with respect "
+    "to its inputs only: gradients of the weights (fine-tuning) need the model's source, "
+    "jax.grad of h.apply(params, x)."
+)
+
+
+def _traced(params: Any) -> str | None:
+    """The path and type of the first traced leaf of ``params``, if one is."""
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if isinstance(leaf, jax.core.Tracer):
+            name = jax.tree_util.keystr(keys, simple=True, separator="/")
+            return f"{printable(name)[:200]} ({leaf.aval.str_short()})"
+    return None
+
+
 def _nested(params: Any) -> Any:
     """A flat ``{"params/layers_0/kernel": array}`` (what ``m.params`` gives) as the tree whose
     paths those are; any other params as they are (``param_specs`` names what is wrong)."""
@@ -342,40 +363,6 @@ def _check_mesh(path: Path, manifest: Any, mesh: Mesh | None) -> Mesh | None:
             f"sm.data_mesh({need}), or export again on a mesh of {mesh.size}."
         )
     return auto_mesh(mesh)
-
-
-def _check_card(path: Path, manifest: Any) -> None:
-    """Refuses a model card holding a number JSON has not (``1e400`` reads as inf), as export
-    refuses to write one."""
-    todo = [(manifest.get("metadata", {}), "metadata")]
-    while todo:  # depth first, in the card's order, without recursion
-        value, at = todo.pop()
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ArtifactError(
-                f'symjax_mlp.load("{printable(str(path))}"): its model card\'s '
-                f"{printable(at[:200])} is {value}, a number JSON cannot hold (export refuses "
-                "it; the manifest was edited or written by another tool). Export it again, or "
-                "load an artifact whose card holds finite numbers."
-            )
-        if isinstance(value, dict | list):
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            todo += reversed([(v, f"{at}[{k!r}]") for k, v in items])
-
-
-def _check_x64(path: Path, manifest: Any) -> None:
-    """Refuses 64-bit tensors where JAX runs without x64 (it would make them 32-bit)."""
-    if jax.config.jax_enable_x64:
-        return
-    specs = [*manifest["params"]]
-    for view in (manifest, *manifest.get("entries", {}).values()):
-        specs += [*view["signature"]["inputs"], *view["signature"]["outputs"]]
-    if wide := sorted({s["dtype"] for s in specs} & {"float64", "int64", "uint64", "complex128"}):
-        raise ArtifactError(
-            f'symjax_mlp.load("{path}"): the artifact holds {", ".join(wide)} tensors, and JAX '
-            "here runs without 64-bit types (it would make them 32-bit). Enable them before "
-            "JAX starts (JAX_ENABLE_X64=1, or jax.config.update('jax_enable_x64', True)), or "
-            "export the model in 32-bit types."
-        )
 
 
 def _under(mesh: Mesh, run: Callable[[list[Any]], list[Any]], inputs: list[Any]) -> list[Any]:

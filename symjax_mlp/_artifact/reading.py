@@ -223,6 +223,42 @@ def thaw(x: Any) -> Any:
     return x
 
 
+def check_card(path: Path, manifest: Any) -> None:
+    """Refuses a model card holding a number JSON has not (``1e400`` reads as inf), as export
+    refuses to write one."""
+    todo = [(manifest.get("metadata", {}), "metadata")]
+    while todo:  # depth first, in the card's order, without recursion
+        value, at = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ArtifactError(
+                f'symjax_mlp.load("{printable(str(path))}"): its model card\'s '
+                f"{printable(at[:200])} is {value}, a number JSON cannot hold (export refuses "
+                "it; the manifest was edited or written by another tool). Export it again, or "
+                "load an artifact whose card holds finite numbers."
+            )
+        if isinstance(value, dict | list):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            todo += reversed([(v, f"{at}[{k!r}]") for k, v in items])
+
+
+def check_x64(path: Path, manifest: Any) -> None:
+    """Refuses 64-bit tensors where JAX runs without x64 (it would make them 32-bit)."""
+    import jax
+
+    if jax.config.jax_enable_x64:
+        return
+    specs = [*manifest["params"]]
+    for view in (manifest, *manifest.get("entries", {}).values()):
+        specs += [*view["signature"]["inputs"], *view["signature"]["outputs"]]
+    if wide := sorted({s["dtype"] for s in specs} & {"float64", "int64", "uint64", "complex128"}):
+        raise ArtifactError(
+            f'symjax_mlp.load("{path}"): the artifact holds {", ".join(wide)} tensors, and JAX '
+            "here runs without 64-bit types (it would make them 32-bit). Enable them before "
+            "JAX starts (JAX_ENABLE_X64=1, or jax.config.update('jax_enable_x64', True)), or "
+            "export the model in 32-bit types."
+        )
+
+
 def read_files(
     path: Path, manifest: Mapping[str, Any], *, keep: tuple[str, ...] = USED,
     only: Sequence[str] | None = None, skip: tuple[str, ...] = (),
