@@ -310,12 +310,11 @@ class Guard:
 
 _TRACED = (
     "{call}, params=...): param {traced} is traced (load called inside jax.jit, jax.vmap or "
-    "jax.grad over the weights): load reads weights once, as arrays, and a loaded model's are "
-    "fixed, so JAX can neither map nor differentiate them. For an ensemble, load each set "
-    "outside the transformation, models = [sm.load(path, params=p) for p in trees], and stack "
-    "the outputs, jnp.stack([m(x) for m in models]); a loaded model differentiates with respect "
-    "to its inputs only: gradients of the weights (fine-tuning) need the model's source, "
-    "jax.grad of h.apply(params, x)."
+    "jax.grad over the weights): load reads weights once, as arrays. Load once, outside the "
+    "transformation, and transform m.apply, the program as a pure function of its weights: "
+    "jax.vmap(m.apply, in_axes=(0, None))(stacked, x) for an ensemble, "
+    "jax.grad(lambda p: m.apply(p, x).sum())(m.params) to fine-tune (exported with "
+    "vjp_order=1)."
 )
 
 

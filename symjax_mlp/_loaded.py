@@ -3,7 +3,7 @@ call checks its inputs once per (shape, dtype) and runs what a runtime prepared.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -59,7 +59,8 @@ class LoadedModel(NoPickle):
     ``jax.vmap(m)`` merges the mapped axis into the batch where rows stay apart
     (``manifest["rows"]``, checked against the program), and then ``m`` also takes one
     example; else it runs ``m`` once per example. ``m["embed"]`` is another entry point, over
-    the same weights, checked alike on first use.
+    the same weights, checked alike on first use. ``m.apply(params, *inputs)`` runs it over
+    other weights, for ``jax.vmap`` over an ensemble's and ``jax.grad`` with respect to them.
 
     Attributes:
       path: the artifact directory.
@@ -133,6 +134,43 @@ class LoadedModel(NoPickle):
         for view in views.values():
             view.flags.writeable = False
         return views
+
+    def apply(self, params: Any, *inputs: jax.typing.ArrayLike) -> Any:
+        """The program over ``params``, of :attr:`params`' names, shapes and dtypes, as
+        ``m(*inputs)`` runs it over its own: a pure function of both, as ``h.apply`` is, for
+        ``jax.vmap`` over stacked weights (an ensemble) and ``jax.grad`` with respect to them
+        (needs ``export(..., vjp_order=1)``). JAX runtime, one device, weights not constants."""
+        program = getattr(self._run, "program", None)
+        if program is None:
+            raise ConfigError(
+                f"{self._caller}: m.apply runs the program over other weights, and this load "
+                "cannot pass them (IREE, params_as_constants=True, or sharded over devices). "
+                "Load it with runtime='jax' on one device, without params_as_constants."
+            )
+        own = self._params
+        if not isinstance(params, Mapping) or set(params) != set(own):
+            got = sorted(params)[:4] if isinstance(params, Mapping) else type(params).__name__
+            raise SignatureError(
+                f"{self._caller}.apply(params, ...): params must be a dict by the names of "
+                f"m.params, {sorted(own)[:4]}...; got {printable(str(got))[:200]}. Pass "
+                "m.params, or a tree of the same names (stacked along a new first axis for "
+                "jax.vmap)."
+            )
+        for name, w in own.items():
+            p = params[name]
+            shape, dtype = tuple(getattr(p, "shape", ())), getattr(p, "dtype", None)
+            if shape != w.shape or dtype != w.dtype:
+                raise SignatureError(
+                    f"{self._caller}.apply(params, ...): params[{name!r}] is "
+                    f"{dtype}{list(shape)}, the artifact's is {w.dtype}{list(w.shape)}. Pass "
+                    f"arrays as m.params holds them (under jax.vmap, one set per call)."
+                )
+        inputs = self.signature.check(inputs, caller=self._caller)
+        try:
+            outs = program(dict(params), *inputs)
+        except Exception as e:  # the program failed: XLA raised
+            self._fail(e, inputs)
+        return outs if self._single_output else tuple(outs)
 
     def __call__(self, *inputs: jax.typing.ArrayLike, **named: Any) -> Any:
         # hot path: concrete arrays of a (shape, dtype) that passed every check before go

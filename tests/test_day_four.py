@@ -35,17 +35,44 @@ def test_load_of_traced_params_says_what_to_do(art, transform):
     """An ensemble as a JAX user writes it, jax.vmap(lambda p: sm.load(path, params=p)(x))
     over stacked weights (or jax.grad over them, to fine-tune an artifact whose source is
     lost), raised JAX's TracerArrayConversionError from load's NumPy copy of the weights: it
-    named neither load nor that a loaded model's weights are fixed, nor the ensemble that
-    works."""
-    path, x, other = art
+    named neither load nor what to transform instead."""
+    path, x, _ = art
     m = sm.load(path)
-    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), dict(m.params), dict(m.params))
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), dict(m.params))
     run = lambda p: sm.load(path, params=p)(x).sum()  # noqa: E731
     f = {"vmap": jax.vmap(run), "grad": jax.grad(run), "jit": jax.jit(run)}[transform]
-    with pytest.raises(sm.ConfigError, match=r"params/layers_0/bias \(float32\[.*is traced"):
+    with pytest.raises(sm.ConfigError, match=r"params/layers_0/bias \(float32\[.*m\.apply"):
         f(stacked if transform == "vmap" else dict(m.params))
-    # what the message says instead works, and is the ensemble
-    models = [sm.load(path, params=p) for p in (dict(m.params), other)]
-    out = jnp.stack([model(x) for model in models])
-    assert jnp.array_equal(out[0], m(x))
-    assert not jnp.array_equal(out[1], out[0])
+
+
+def test_an_ensemble_of_loaded_weights_under_vmap_of_m_apply(art):
+    """A loaded model had no function of its weights: an ensemble of artifacts of one
+    architecture (other seeds, other fine-tunings) could only loop over loaded models.
+    ``m.apply(params, x)`` is the program over other weights; under jax.vmap over stacked
+    weights each set runs as its own (the program's vmap rule kept the first set only, as it
+    did for the copies lax.cond makes: every member gave the first one's answer)."""
+    path, x, other = art
+    m, mo = sm.load(path), sm.load(path, params=other)
+    assert jnp.array_equal(m.apply(m.params, x), m(x))
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), dict(m.params), dict(mo.params))
+    out = jax.jit(jax.vmap(m.apply, in_axes=(0, None)))(stacked, x)
+    assert jnp.allclose(out[0], m(x)) and jnp.allclose(out[1], mo(x))
+    assert not jnp.allclose(out[0], out[1])
+    with pytest.raises(sm.SignatureError, match=r"params\['params/layers_0/bias'\] is bfloat16"):
+        m.apply(jax.tree.map(lambda a: a.astype(jnp.bfloat16), dict(m.params)), x)
+    with pytest.raises(sm.ConfigError, match=r"m\.apply runs the program over other weights"):
+        sm.load(path, params_as_constants=True).apply(m.params, x)
+
+
+def test_gradients_of_a_loaded_models_weights(tmp_path):
+    """Fine-tuning an artifact whose source is lost: jax.grad of m.apply with respect to the
+    weights, and per example (vmap of grad), equal jax.grad of h.apply over the source."""
+    net, x = sm.mlp((8, 2)), jax.random.normal(jax.random.key(1), (3, 4))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    m = sm.load(sm.export(h, tmp_path / "m", example=x, batch="b", vjp_order=1).path)
+    loss = lambda p, x: (m.apply(p, x) ** 2).sum()  # noqa: E731
+    g = jax.grad(loss)(m.params, x)
+    want = jax.grad(lambda p: (h.apply(p, x) ** 2).sum())(h.params)["params"]["layers_0"]
+    assert jnp.allclose(g["params/layers_0/kernel"], want["kernel"], atol=1e-5)
+    each = jax.vmap(jax.grad(loss), in_axes=(None, 0))(m.params, x[:, None])
+    assert jnp.allclose(each["params/layers_0/kernel"].sum(0), want["kernel"], atol=1e-5)

@@ -119,6 +119,8 @@ def runner(
     n = manifest["nr_devices"]
     if n == 1:  # a LoadedModel calls the program straight for arrays of a signature that ran
         call_checked.direct = run, single  # type: ignore[attr-defined]
+        if not constants:  # m.apply(params, *inputs): the program over other weights
+            call_checked.program = program.checked  # type: ignore[attr-defined]
         return call_checked, weights
     # the program's mesh over the first n devices (check_supported saw enough), unless the caller's
     mesh = program_mesh(exported, n)

@@ -232,6 +232,7 @@ class Program:
         ins, outs = (axes(sig[k], rows.get("dim")) for k in ("inputs", "outputs"))
         lone = [on and k is None for k, on in zip(ins, mapped[1:], strict=True)]
         apart = rows.get("independent") and not any(lone)  # and each mapped input has rows
+        apart = apart and not any(jax.tree.leaves(mapped[0]))  # one program: one set of weights
         if apart:  # and the merged batch is one the program takes (b <= 3: not 4 rows of 2)
             n = next(x.shape[k + on] for k, x, on in zip(ins, inputs, mapped[1:], strict=True)
                      if k is not None)  # fmt: skip
@@ -246,8 +247,6 @@ class Program:
             out, batched = self.merge(1, mapped, *jax.tree.map(one, [weights, *inputs], mapped))
             return jax.tree.map(lambda y, on: y[:0] if on else y, out, batched), batched
         merged = []
-        # weights come batched only as JAX's copies of one (lax.cond under vmap batches them)
-        weights = jax.tree.map(lambda w, on: w[0] if on else w, weights, mapped[0])
         for k, x, on in zip(ins, inputs, mapped[1:], strict=True):
             if k is not None:  # (size, ..., b, ...) -> (..., size * b, ...)
                 x = jnp.moveaxis(x if on else jnp.broadcast_to(x, (size, *x.shape)), 0, k)
