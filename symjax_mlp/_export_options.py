@@ -156,9 +156,19 @@ def _dim_names(specs: Iterable[str]) -> set[str]:
     return {n for s in specs for n in re.findall(r"[A-Za-z_]\w*", s)} - _SPEC_FUNCTIONS
 
 
+_LOADED = (
+    "export() got a loaded model (sm.load's), an artifact already: copy its directory {path} to "
+    "ship it as it is. To export its program over other weights (fine-tuned with m.apply), "
+    "hybridize m.apply: sm.export(sm.hybridize(m.apply, params), path, example=x), params as "
+    "m.params names them; sm.load(m.path, params=params) runs them with no new export."
+)
+
+
 def _entry_points(h: Any) -> dict[str, Hybrid]:
     """``h`` as named entry points: one Hybrid is the entry point ``main``."""
     points = {"main": h} if isinstance(h, Hybrid) else h
+    if hasattr(h, "manifest") and callable(getattr(h, "apply", None)):  # sm.load's LoadedModel
+        raise ConfigError(_LOADED.format(path=printable(str(getattr(h, "path", "")))[:200]))
     if not isinstance(points, Mapping) or not points:
         got = "an empty dict" if isinstance(points, Mapping) else type(h).__name__
         raise ConfigError(

@@ -76,3 +76,16 @@ def test_gradients_of_a_loaded_models_weights(tmp_path):
     assert jnp.allclose(g["params/layers_0/kernel"], want["kernel"], atol=1e-5)
     each = jax.vmap(jax.grad(loss), in_axes=(None, 0))(m.params, x[:, None])
     assert jnp.allclose(each["params/layers_0/kernel"].sum(0), want["kernel"], atol=1e-5)
+
+
+def test_a_loaded_model_exported_again_over_fine_tuned_weights(art, tmp_path):
+    """sm.export(m, ...) of a loaded model said to write sm.export(sm.hybridize(model,
+    variables), ...): the source this researcher does not have. It now says that m is an
+    artifact already and how to export its program over other weights, which works."""
+    path, x, other = art
+    m = sm.load(path)
+    with pytest.raises(sm.ConfigError, match=r"sm\.hybridize\(m\.apply, params\)"):
+        sm.export(m, tmp_path / "again", example=x)
+    tuned = dict(sm.load(path, params=other).params)
+    sm.export(sm.hybridize(m.apply, tuned), tmp_path / "again", example=x, batch="b")
+    assert jnp.allclose(sm.load(tmp_path / "again")(x), m.apply(tuned, x))
