@@ -153,7 +153,7 @@ class LoadedModel(NoPickle):
             raise SignatureError(
                 f"{self._caller}.apply(params, ...): params must be a dict by the names of "
                 f"m.params, {sorted(own)[:4]}...; got {printable(str(got))[:200]}. Pass "
-                "m.params, or a tree of the same names (stacked along a new first axis for "
+                "m.params, or a dict of the same names (stacked along a new first axis for "
                 "jax.vmap)."
             )
         for name, w in own.items():
