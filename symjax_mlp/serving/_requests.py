@@ -211,7 +211,7 @@ def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | No
     if len(static) > 1:
         raise ConfigError(
             f"Batcher({model.path}): the inputs' leading dimensions {sig} disagree; batching "
-            "needs one batch dimension shared by every input."
+            "needs one batch dimension shared by every input: call the loaded model directly."
         )
     fixed = static.pop() if static else None
     rows = model.manifest.get("rows") or {}  # a static batch never shows its rows apart
