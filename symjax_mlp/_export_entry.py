@@ -101,6 +101,7 @@ def stage(
     shapes: Sequence[str | None] | None, constraints: Sequence[str],
 ) -> Stage:  # fmt: skip
     """``h`` ready for ``jax.export``: checked, its inputs as structs, its params as stored."""
+    refuse_trained_in_place(h, f"export({h.name})", "the artifact would hold")
     refuse_donated(f"export({h.name})", h.params)  # (a bare RuntimeError from JAX)
     given = tuple(example) if isinstance(example, (tuple, list)) else (example,)
     kw = dict(kwargs or {})
@@ -123,7 +124,6 @@ def stage(
         raise unbound
     if training := h.training_mode(*given, **kw):  # once they bind (else its trace refuses)
         raise ConfigError(_TRAINING.format(name=h.name, settings=", ".join(training)))
-    refuse_trained_in_place(h, f"export({h.name})", "the artifact would hold")
     if shapes is not None and len(shapes) == len(given) != len(examples):  # a spec per setting
         raise ConfigError(_setting_specs(h.name, tuple(shapes), given, static))
     placed = {k: v for k, v, _ in static if isinstance(k, int)}  # hk's None rng among them

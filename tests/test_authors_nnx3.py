@@ -9,6 +9,7 @@ after construction); 10_fsdp_and_optimizer.py's MLP (params sharded over a 2 x 4
 test_authors_matrix.py runs over MATRIX (its test functions, called here), or as its source runs.
 """
 
+import copy
 import dataclasses
 
 import chex
@@ -409,7 +410,7 @@ def test_a_hybrid_of_a_view_trained_in_place_is_refused_at_export_naming_replace
     assert h.trained_in_place() == []
     train_step(train_model, optimizer, x, y, rngs)
     assert "['lin1']['kernel']" in h.trained_in_place()
-    head = r"holds other Params \(\['bn'\]\['bias'\], .* and 3 more\) .*trained in place since"
+    head = r"holds other Variables \(\['bn'\]\['bias'\], .* and 5 more\) .*trained in place since"
     with pytest.raises(sm.ConfigError, match=head + r" sm\.hybridize.*h\.replace\(params="):
         sm.export(h, tmp_path / "m", example=x)
     assert not (tmp_path / "m").exists()
@@ -419,5 +420,7 @@ def test_a_hybrid_of_a_view_trained_in_place_is_refused_at_export_naming_replace
     trained = h.replace(params=params, state=nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
     sm.export(trained, tmp_path / "m", example=x)  # as it says
     chex.assert_trees_all_close(sm.load(tmp_path / "m")(np.asarray(x)), eval_model(x), **TOL)
-    as_hybridized = h.replace(params=jax.tree.map(jnp.copy, h.params))
+    as_hybridized = copy.deepcopy(h)  # as it says: its own copies, whatever the module does
     assert as_hybridized.trained_in_place() == []
+    with pytest.raises(sm.ConfigError, match=r"^MyModel\.params: .*h = h\.refresh\(\)"):
+        _ = h.params  # the old ones, read as if they were the module's

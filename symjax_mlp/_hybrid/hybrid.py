@@ -34,9 +34,6 @@ _STATELESS = (
     "{caller}(params, state, ...): the model is stateless, so there is no state to pass. Call "
     "{name}.apply(params, *args, **kwargs); a keyword state=... reaches the model as any does."
 )
-#: what replace() takes besides params and state, as the Hybrid's attributes
-_SETTINGS = ("name", "max_traces", "compiled", "mesh", "axis", "pad", "static_argnums",
-             "static_argnames", "donate", "params_as_constants")  # fmt: skip
 
 
 class Hybrid(Staged, NoPickle):
@@ -132,14 +129,16 @@ class Hybrid(Staged, NoPickle):
     @property
     def params(self) -> Any:
         """What gradients are taken of (read-only): a linen model's variables but the mutable
-        collections, an nnx module's ``Param`` values, or the params given, as of hybridize."""
-        return _params.held(self._given, self._treedef, self._leaves, mesh=self.mesh)
+        collections, an nnx module's ``Param`` values, or the params given, as of hybridize
+        (refused once the nnx module's Variables changed since: :meth:`refresh`)."""
+        return self._read("params")
 
     @property
     def state(self) -> Any:
         """What calls carry forward, as of the last call (read-only; ``{}`` when stateless): a
-        linen model's mutable collections and rng streams, or an nnx module's other variables."""
-        return self._held.tree
+        linen model's mutable collections and rng streams, or an nnx module's other variables
+        (refused once the nnx module's Variables changed since hybridize: :meth:`refresh`)."""
+        return self._read("state")
 
     @property
     def variables(self) -> Any:
@@ -149,8 +148,8 @@ class Hybrid(Staged, NoPickle):
     @property
     def module(self) -> Any:
         """The model: an nnx module rebuilt with the params and current state, a new one at each
-        read (a module trained in place leaves the Hybrid as it is: h.replace(params=...,
-        state=...) gives it that module's nnx.state), or the linen module."""
+        read (refused once the module given was trained in place: :meth:`refresh`), or the
+        linen module."""
         if self._model.kind != "nnx":
             return self._model.module
         return self._model.module(self.params, self._held.copy() if self.donate else self.state)
@@ -175,19 +174,14 @@ class Hybrid(Staged, NoPickle):
         settings |= changes
         params, state = settings.pop("params"), settings.pop("state")
         if "params" in changes:  # (None: refused, as hybridize(fn, None) is)
-            _pure.refuse_new_params(self.name, self.kind, self.params, params)
+            _pure.refuse_new_params(self.name, self.kind, self._read("params", False), params)
         tail = ", or leave state out to keep the held one"
-        state = refit(f"{self.name}.replace(state=...)", self.state, state, tail)
+        state = refit(f"{self.name}.replace(state=...)", self._held.tree, state, tail)
         if self.donate and not settings["donate"] and "state" not in changes:
             state = self._held.copy()  # self's next call consumes what it holds
         twin = Hybrid(self._model, params, state=state, **settings)
         twin._log.callbacks = self._log.callbacks
         return twin
-
-    def _settings(self) -> dict[str, Any]:
-        """What :meth:`replace` takes, as it is now: the params, state and settings."""
-        settings = {k: getattr(self, k) for k in ("params", "state", *_SETTINGS)}
-        return settings | {k: tuple(settings[k]) for k in ("static_argnums", "static_argnames")}
 
     def snapshot(self) -> Hybrid:
         """This Hybrid as it runs now, whatever happens to its model later (what a Batcher
@@ -215,7 +209,8 @@ class Hybrid(Staged, NoPickle):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Hybrid:
         """A twin with its own copies of the params and state, as :meth:`snapshot` fixes it."""
-        params, state = jax.tree.map(lambda a: copy.deepcopy(a, memo), (self.params, self.state))
+        both = (self._read("params", False), self._held.tree)  # (untied: a copy of each array)
+        params, state = jax.tree.map(lambda a: copy.deepcopy(a, memo), both)
         return self.replace(params=params, state=state).snapshot()
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
@@ -264,7 +259,7 @@ class Hybrid(Staged, NoPickle):
             return self._model.call(params, state, args, kwargs)
         except (TypeError, KeyError):  # Flax's, reading a state that is no h.state: named so
             caller = f"{self.name}.fn_with_state(params, state, ...)"
-            if not (unfit := self.stateful and _pure.unfit_state(caller, self.state, state)):
+            if not (unfit := self.stateful and _pure.unfit_state(caller, self._held.tree, state)):
                 raise
         raise unfit
 
@@ -309,7 +304,7 @@ class Hybrid(Staged, NoPickle):
           >>> jax.grad(lambda p: h.apply(p, jnp.ones(3)).sum())(h.params)
           {'w': Array(3., dtype=float32)}
         """
-        state = self._held.copy() if self.donate else self.state  # a call may consume it
+        state = self._held.copy() if self.donate else self._held.tree  # a call may consume it
         try:
             out, new_state = self._apply_pure(f"{self.name}.apply", params, state, args, kwargs)
         except _pure.StateAdded as e:

@@ -73,8 +73,9 @@ def hybridize(
         keeps them; one holding ``Param`` s only carries none, so a call that adds one is
         refused: call the module once before. ``module.eval()`` and ``module.train()`` switch
         the Hybrid too, one trace per mode, but its ``Param`` s are held as of this call: the
-        module (or a view of it) trained in place later leaves the Hybrid as it is, and its
-        export is refused (``h.replace(params=...)``); one holding no ``Param``, as nnx's array
+        module (or a view of it) trained in place or reseeded later leaves ``h(x)`` as it is,
+        and its export, a Batcher of it, ``h.params`` and ``h.state`` are refused
+        (``h.refresh()`` reads it again); one holding no ``Param``, as nnx's array
         leaves, has its float arrays as params), an ``equinox.Module`` (no ``params``: its float
         arrays are, as ``eqx.filter_grad`` takes them; its bool and int arrays are held with
         the rest, baked into the program), or any pure function ``fn(params, *args, **kwargs)``

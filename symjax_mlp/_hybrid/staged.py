@@ -12,30 +12,42 @@ import jax
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import partition
 from symjax_mlp._hybrid.graph import Graph
-from symjax_mlp._hybrid.params import flat_params, refuse_donated
+from symjax_mlp._hybrid.params import flat_params, held, refuse_donated
+from symjax_mlp._hybrid.pure.nnx_module import refreshed
 from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
 
 _APPLY = frozenset(("mutable", "rngs"))  # model.apply's keywords h.apply takes as Flax's
+#: what Hybrid.replace() takes besides params and state, as the Hybrid's attributes
+_SETTINGS = ("name", "max_traces", "compiled", "mesh", "axis", "pad", "static_argnums",
+             "static_argnames", "donate", "params_as_constants")  # fmt: skip
 
 _TRAINED = (
-    "{caller}: the nnx module holds other Params ({paths}) than the Hybrid was made of: it was "
-    "trained in place since sm.hybridize (an nnx.Optimizer's update, a view's training step) "
-    "or operated on (a sub-module shared, swapped or replaced), and the Hybrid holds its "
-    "params as of sm.hybridize, so {what} the ones before. Use sm.hybridize(model) of the "
-    "trained module (or operated on), or h.replace(params=nnx.to_pure_dict("
-    "nnx.state(model, nnx.Param))); for the params as hybridized, h.replace(params="
-    "jax.tree.map(jnp.copy, h.params))."
+    "{caller}: the nnx module holds other {kind} ({paths}) than the Hybrid was made of: it was "
+    "trained in place since sm.hybridize (an nnx.Optimizer's update, model.kernel[...] = ..., "
+    "nnx.update, a view's training step), reseeded (nnx.reseed) or operated on (a sub-module "
+    "shared, swapped or replaced), and the Hybrid holds them as of sm.hybridize (h(x) runs "
+    "those), so {what} the ones before. Take the module as it is now: h = h.refresh() (as "
+    "sm.hybridize(model) anew; or h.replace(params=..., state=...) of its nnx.state); for a "
+    "Hybrid that keeps them as hybridized whatever the module does, take copy.deepcopy(h) "
+    "before you change the module."
+)
+_NO_MODULE = (
+    "{name}.refresh(): the Hybrid is of a {kind} model, whose params it was given; only an nnx "
+    "module's Variables (sm.hybridize(model), sm.hybridize(f, model)) are read again. For "
+    "new params write h = h.replace(params=...)."
 )
 
 
-def refuse_trained_in_place(h: Any, caller: str, what: str) -> None:
-    """Raises a ``ConfigError`` if ``h``'s nnx module was trained in place since it was
-    hybridized: ``what`` (export's artifact, a Batcher) would hold the untrained params."""
-    if trained := h.trained_in_place():
+def refuse_trained_in_place(h: Any, caller: str, what: str, quick: bool = False) -> None:
+    """Raises a ``ConfigError`` if ``h``'s nnx module's Variables changed since it was
+    hybridized: ``what`` (export's artifact, a Batcher) would hold the old ones. ``quick``:
+    only the Variables it was split into are compared (``is``), not the module walked."""
+    if trained := h.trained_in_place(quick=quick):
         paths = ", ".join(trained[:3]) + (
             f" and {len(trained) - 3} more" if len(trained) > 3 else ""
         )
-        raise ConfigError(_TRAINED.format(caller=caller, paths=paths, what=what))
+        kind = "Params" if not any(p.startswith("state") for p in trained) else "Variables"
+        raise ConfigError(_TRAINED.format(caller=caller, kind=kind, paths=paths, what=what))
 
 
 class Staged:
@@ -67,11 +79,13 @@ class Staged:
         """Stages the un-jitted model on the inputs into a :class:`~symjax_mlp.Graph`, every
         layer shown (not counted in :attr:`trace_count`)."""
         static, dyn, dyn_kw = self._split("graph", args, kwargs)
+        refuse_trained_in_place(self, f"{self.name}.graph", "the graph would show")
+        params, state = self._read("params", checked=False), self._held.tree
         try:
-            return self._traced.graph(static, self.params, self.state, dyn, dyn_kw)
+            return self._traced.graph(static, params, state, dyn, dyn_kw)
         except OverflowError as e:  # a baked Python int past JAX's (2**70): graph traces params
             overflow = e
-        flat_params(f"{self.name}.graph", self.params, passed=True)  # refused by its path
+        flat_params(f"{self.name}.graph", params, passed=True)  # refused by its path
         raise overflow
 
     def _partition(
@@ -83,7 +97,7 @@ class Staged:
         (or, unless ``staging``, they are abstract), where a call of them crashes (several
         devices), or once a call ``failed``."""
         if failed or self._spans:
-            given = self.params if params is None else params
+            given = self._read("params", checked=False) if params is None else params
             refuse_donated(caller, given, staging=staging)
         # model.apply's own mutable= and rngs=, in h.apply of linen variables holding state
         flax = not _APPLY.isdisjoint(kwargs) and self._model.given_state(params, True) is not None
@@ -111,11 +125,61 @@ class Staged:
         static, dyn, dyn_kw = self._split("moved_state", args, kwargs)
         return self._traced.moved(static, self._leaves, dyn, dyn_kw) if self.stateful else []
 
-    def trained_in_place(self) -> list[str]:
+    def trained_in_place(self, quick: bool = False) -> list[str]:
         """The Params an nnx module holds now in place of those it was hybridized with (trained
-        in place since: an nnx.Optimizer's update, a view's), as ``"['w1']"``; none once other
-        params were given (``h.replace(params=...)``), and for other models."""
-        return [] if self._model.trained is None else self._model.trained(self.params)
+        in place since: an nnx.Optimizer's update, a view's), as ``"['w1']"``, then its other
+        Variables changed since (``nnx.reseed``'s keys, a BatchNorm's statistics; not an rng
+        count, which a draw moves), as ``"state['bn']['mean']"``; none once other params were
+        given (``h.replace(params=...)``), and for other models. ``quick``: a sub-module swapped
+        in may go unseen."""
+        if self._model.trained is None:
+            return []
+        return self._model.trained(self._read("params", checked=False), quick)
+
+    def _read(self, what: str, checked: bool = True) -> Any:
+        """:attr:`params` or :attr:`state` (``what``), refused first if ``checked`` and the nnx
+        module's Variables changed since hybridize (a quick check: no walk of the module)."""
+        if checked:
+            refuse_trained_in_place(self, f"{self.name}.{what}", f"h.{what} would be", True)
+        if what == "state":
+            return self._held.tree
+        return held(self._given, self._treedef, self._leaves, mesh=self.mesh)
+
+    def _settings(self) -> dict[str, Any]:
+        """What :meth:`replace` takes, as it is now: the params, state and settings."""
+        settings = {"params": self._read("params", False), "state": self._held.tree}
+        settings |= {k: getattr(self, k) for k in _SETTINGS}
+        return settings | {k: tuple(settings[k]) for k in ("static_argnums", "static_argnames")}
+
+    def refresh(self) -> Any:
+        """A new Hybrid of the nnx module as it is now: its Params and other Variables read
+        again (after the module was trained in place, ``nnx.Optimizer``'s update, or reseeded,
+        ``nnx.reseed``), this one's settings and ``on_trace`` callbacks kept; as
+        ``sm.hybridize(model)`` anew. A Hybrid holds the Variables as of ``sm.hybridize``:
+        ``h(x)`` runs those, and export, a Batcher, :attr:`params` and :attr:`state` refuse
+        them once the module's changed.
+
+        Raises:
+          ConfigError: the model is no nnx module (its params were given: ``h.replace``).
+
+        Example:
+          >>> import jax.numpy as jnp, optax
+          >>> import symjax_mlp as sm
+          >>> from flax import nnx
+          >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+          >>> h = sm.hybridize(model)
+          >>> model.kernel[...] = jnp.zeros((2, 1))  # trained in place
+          >>> h.refresh()(jnp.ones((1, 2))) == model(jnp.ones((1, 2)))
+          Array([[ True]], dtype=bool)
+        """
+        if self._model.trained is None:
+            raise ConfigError(_NO_MODULE.format(name=self.name, kind=self.kind))
+        model, params, state = refreshed(self._model)
+        settings = self._settings()
+        del settings["params"], settings["state"]
+        twin = type(self)(model, params, state=state, **settings)
+        twin._log.callbacks = self._log.callbacks
+        return twin
 
     def training_mode(self, /, *args: Any, **kwargs: Any) -> tuple[str, ...]:
         """An nnx module's settings that ``module.eval()`` would flip and that change the
@@ -123,6 +187,6 @@ class Staged:
         if self._modes is None:
             return ()
         static, dyn, dyn_kw = self._split("training_mode", args, kwargs)
-        staged = functools.partial(self._traced.staged, static, self._leaves, self.state, dyn)
+        staged = functools.partial(self._traced.staged, static, self._leaves, self._held.tree, dyn)
         with symbolic(self.name):
             return self._modes.training(lambda v: str(staged(dyn_kw, 0, v)))

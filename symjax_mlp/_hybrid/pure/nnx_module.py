@@ -63,8 +63,8 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     from flax import nnx
 
     wrt, module_name = trainable(module), type(module).__name__
-    graphdef, params, rest = nnx.split(module, wrt, ...)
-    params, state = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+    graphdef, split, rest = nnx.split(module, wrt, ...)
+    params, state = nnx.to_pure_dict(split), nnx.to_pure_dict(rest)
     _refuse_non_arrays(module_name, state)
     watched = [
         (path, sub, attr)
@@ -127,19 +127,45 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
         return out, new_state
 
     born = [id(a) for a in jax.tree.leaves(params)]  # ids: the arrays are h.params' to keep
+    # not a draw's count nor what a call sows: outputs of the module's calls, not their inputs
+    moving = nnx.All(nnx.Not(wrt), nnx.Not(nnx.Any(nnx.RngCount, nnx.Intermediate)))
+    was = nnx.to_pure_dict(nnx.state(module, moving))  # the state as of hybridize
+    held = jax.tree.leaves((split, nnx.state(module, moving)), is_leaf=_is_variable)
+    values = [v.get_raw_value() for v in held] if all(map(_is_variable, held)) else None
 
-    def trained(given: Any) -> list[str]:  # the module trained in place (nnx.Optimizer, a view)
+    def trained(given: Any, quick: bool = False) -> list[str]:  # nnx.Optimizer, nnx.reseed
         if [id(a) for a in jax.tree.leaves(given)] != born:
             return []
+        if quick and values is not None and all(map(_holds, held, values)):
+            return []  # (quick: the Variables held; a sub-module swapped shows in the walk)
         now = nnx.state(module, wrt)  # and those surgery took away (a sub-module shared)
         gone = set(leaf_paths((given, {}))) - set(leaf_paths((nnx.to_pure_dict(now), {})))
         changed = _reassigned(given, now, _equal)
-        return changed + [p.removeprefix("params") for p in sorted(gone)]
+        now = nnx.state(module, moving)
+        gone_state = set(leaf_paths((was, {}))) - set(leaf_paths((nnx.to_pure_dict(now), {})))
+        moved = [f"state{p}" for p in _reassigned(was, now, _equal)]
+        gone_state = [f"state{p.removeprefix('params')}" for p in sorted(gone_state)]
+        return changed + [p.removeprefix("params") for p in sorted(gone)] + moved + gone_state
 
     target = type(module).__call__ if fn is None else fn
     model = PureModel(call, bool(state), "nnx", merge, target, settings if watched else None,
                       names, owners, module, trained=trained)  # fmt: skip
     return model, params, state
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, sys.modules["flax.nnx"].Variable)
+
+
+def _holds(variable: Any, value: Any) -> bool:
+    """Whether the nnx ``variable`` still holds ``value`` (the very array)."""
+    return variable.get_raw_value() is value
+
+
+def refreshed(model: PureModel) -> tuple:
+    """:func:`nnx_module` of the module ``model`` was made of, as it is now (``h.refresh()``)."""
+    module = model.source
+    return nnx_module(module, None if model.target is type(module).__call__ else model.target)
 
 
 def _refuse_non_arrays(name: str, state: Any) -> None:
