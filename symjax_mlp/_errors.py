@@ -260,10 +260,12 @@ _TORCH = (
      "it runs as it was exported: one program, its settings fixed at export"),
     (("state_dict", "parameters", "named_parameters", "load_state_dict"),
      f"its weights are h.params, {_WEIGHTS}transpose; new ones: h.replace(params=...)",
-     "its weights are m.params, by name; other weights: load(path, params=...)"),
+     "its weights are m.params, by name; other weights: load(path, params=...), or "
+     "m.apply(params, x) under jax.vmap and jax.grad"),
     (("no_grad", "zero_grad", "requires_grad_", "backward", "detach"),
      f"{_TAPE}take them with jax.grad of h.apply(params, x) over params",
-     f"{_TAPE}jax.grad(lambda x: m(x).sum())(x) takes them (export with vjp_order=1)"),
+     f"{_TAPE}jax.grad(lambda x: m(x).sum())(x) takes them (export with vjp_order=1), "
+     "of its weights jax.grad(lambda p: m.apply(p, x).sum())(m.params)"),
     (("save",), "sm.export(h, path, example=x) writes what sm.load(path) runs with no source "
      "(as torch.jit.save and torch.jit.load)", None),
     (("forward",), "call it: h(x) compiled, h.eager(x) op by op", "call it: m(x)"),

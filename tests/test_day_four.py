@@ -62,6 +62,9 @@ def test_an_ensemble_of_loaded_weights_under_vmap_of_m_apply(art):
         m.apply(jax.tree.map(lambda a: a.astype(jnp.bfloat16), dict(m.params)), x)
     with pytest.raises(sm.ConfigError, match=r"m\.apply runs the program over other weights"):
         sm.load(path, params_as_constants=True).apply(m.params, x)
+    for torch_name in ("state_dict", "backward"):  # PyTorch's names point to it
+        with pytest.raises(AttributeError, match=r"m\.apply\("):
+            getattr(m, torch_name)
 
 
 def test_gradients_of_a_loaded_models_weights(tmp_path):
