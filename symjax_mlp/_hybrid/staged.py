@@ -130,11 +130,15 @@ class Staged:
         in place since: an nnx.Optimizer's update, a view's), as ``"['w1']"``, then its other
         Variables changed since (``nnx.reseed``'s keys, a BatchNorm's statistics; not an rng
         count, which a draw moves), as ``"state['bn']['mean']"``; none once other params were
-        given (``h.replace(params=...)``), and for other models. ``quick``: a sub-module swapped
-        in may go unseen."""
+        given (``h.replace(params=...)``), and for other models. ``quick``: the module walked
+        only if a Variable it was split into holds another value (a sub-module swapped in, then
+        unseen)."""
         if self._model.trained is None:
             return []
-        return self._model.trained(self._read("params", checked=False), quick)
+        leaves = self._leaves or jax.tree.leaves(self._given)  # (baked: none held)
+        if quick and not self._model.trained(leaves, True):
+            return []
+        return self._model.trained(self._read("params", checked=False))
 
     def _read(self, what: str, checked: bool = True) -> Any:
         """:attr:`params` or :attr:`state` (``what``), refused first if ``checked`` and the nnx

@@ -134,10 +134,10 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     values = [v.get_raw_value() for v in held] if all(map(_is_variable, held)) else None
 
     def trained(given: Any, quick: bool = False) -> list[str]:  # nnx.Optimizer, nnx.reseed
-        if [id(a) for a in jax.tree.leaves(given)] != born:
+        if [id(a) for a in (given if quick else jax.tree.leaves(given))] != born:
             return []
-        if quick and values is not None and all(map(_holds, held, values)):
-            return []  # (quick: the Variables held; a sub-module swapped shows in the walk)
+        if quick:  # given: the leaves; the Variables split held (a sub-module swapped: unseen)
+            return [] if values is not None and all(map(_holds, held, values)) else ["?"]
         now = nnx.state(module, wrt)  # and those surgery took away (a sub-module shared)
         gone = set(leaf_paths((given, {}))) - set(leaf_paths((nnx.to_pure_dict(now), {})))
         changed = _reassigned(given, now, _equal)
