@@ -144,3 +144,14 @@ def test_export_and_batcher_of_a_reseeded_module_are_refused_and_refresh_exports
         sm.serving.Batcher(h, example=X)
     sm.export(h.refresh(), tmp_path / "m", example=X)
     chex.assert_trees_all_close(sm.load(tmp_path / "m")(np.asarray(X)), model(X), **TOL)
+
+
+def test_a_sharded_hybrid_of_a_module_trained_in_place_is_refused():
+    """A mesh's Hybrid holds replicas of the params: they were taken for other params given,
+    and its export wrote the Params of hybridize, silently."""
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    h = sm.hybridize(model).shard()
+    model.bias[...] = jnp.ones(2)
+    assert h.trained_in_place() == ["['bias']"]
+    with pytest.raises(sm.ConfigError, match=r"^Linear\.params: .*\(\['bias'\]\)"):
+        _ = h.params

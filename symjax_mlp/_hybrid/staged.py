@@ -135,10 +135,11 @@ class Staged:
         unseen)."""
         if self._model.trained is None:
             return []
-        leaves = self._leaves or jax.tree.leaves(self._given)  # (baked: none held)
-        if quick and not self._model.trained(leaves, True):
+        mesh = self.mesh is not None  # the params given: a mesh's leaves are their replicas
+        leaves = self._leaves if self._leaves and not mesh else jax.tree.leaves(self._given)
+        if quick and not self._model.trained(leaves, True):  # (baked: no leaves held)
             return []
-        return self._model.trained(self._read("params", checked=False))
+        return self._model.trained(self._given if mesh else self._read("params", checked=False))
 
     def _read(self, what: str, checked: bool = True) -> Any:
         """:attr:`params` or :attr:`state` (``what``), refused first if ``checked`` and the nnx
