@@ -26,18 +26,17 @@ authors' training.
 
 import jax
 import jax.numpy as jnp
+import jraph
+import ml_collections
 import numpy as np
 import optax
 import pytest
+import zoo22
+import zoo22b
 from features import close, every_feature
+from flax.training import train_state
 
 import symjax_mlp as sm
-
-ml_collections = pytest.importorskip("ml_collections")
-zoo22 = pytest.importorskip("zoo22")
-jraph = pytest.importorskip("jraph")
-zoo22b = pytest.importorskip("zoo22b")
-train_state = pytest.importorskip("flax.training.train_state")
 
 pytestmark = pytest.mark.slow  # each a compile of a model or more (~3 s or more)
 
