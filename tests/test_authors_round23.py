@@ -11,7 +11,8 @@ Batcher's answers) and the authors' own training.
   positional arrays), and the refusal's route, as a batch named inside, exports with
   ``batch=None`` only: penzai's axis sizes are ints, held in the NamedArray's tree;
   three of penzai's ``StatefulTrainer`` steps of the notebook's ``loss_fn`` equal three of
-  ours over ``h.apply``.
+  ours over ``h.apply``. Hybridized without params (as a model, or a function holding one) it is
+  refused, naming penzai's unbinding: the generic refusal's advice baked its variables in.
 - distrax's flow.py: ``log_prob`` (``hk.without_apply_rng``'s ``Transformed`` of a
   ``MaskedCoupling`` flow of rational-quadratic splines, cut to 2 layers of a 16 x 16 MLP,
   4 x 4 images) over every feature; three of the example's ``update`` equal three of ours over
@@ -46,6 +47,22 @@ def _mlp():
     return zoo23.SimpleMLP.from_config(name="mlp", init_base_rng=jax.random.key(42),
                                        feature_sizes=[8, 32, 32, 8], activation=jax.nn.relu,
                                        features_axis="features")  # fmt: skip
+
+
+def test_penzai_model_without_params_names_unbind_params():
+    """A penzai model hybridized as a model, or a function holding one, with no params: its
+    Parameters are mutable variables, which ``hybridize(lambda _, x: model(x), {})`` (the
+    generic refusal's advice) bakes into the program, h.params empty and the model's training
+    in place unseen (h(x) 1.8 off after 3 of penzai's trainer steps). The refusal names
+    penzai's own route, ``pz.unbind_params(model, freeze=True)`` and ``stateless_call``. The
+    model as the notebook's cell 81 builds it, ``init_base_rng=None`` (no arrays made)."""
+    model = zoo23.SimpleMLP.from_config(name="mlp", init_base_rng=None,
+                                        feature_sizes=[8, 32, 32, 8], activation=jax.nn.relu,
+                                        features_axis="features")  # fmt: skip
+    said = r"a penzai SimpleMLP holds its Parameters.*pz.unbind_params\(model, freeze=True\)"
+    for f in (model, lambda x: model(x)):
+        with pytest.raises(sm.ConfigError, match=said):
+            sm.hybridize(f)
 
 
 @pytest.mark.slow  # a compile or more (~0.5 s or more)

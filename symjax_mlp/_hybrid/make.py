@@ -42,6 +42,14 @@ _EQX_PARAMS = (
     "its arrays, shaped as h.params: eqx.filter(model, eqx.is_inexact_array) of a {kind} built "
     "alike, or hybridize the other model."
 )
+_PENZAI = (
+    "{label}: a penzai {kind} holds its Parameters as mutable variables, not as params: "
+    "hybridize(lambda _, x: model(x), {{}}) would bake them into the program as they are now "
+    "(h.params empty, the model's later training unseen). Unbind them, as penzai's "
+    "jitting_and_sharding notebook does: unbound, params = pz.unbind_params(model, freeze=True); "
+    "sm.hybridize(lambda p, x: unbound.stateless_call(p, x)[0], params). An artifact takes "
+    "arrays: export a function of x that names its axes inside, pz.nx.wrap(x).tag(...)."
+)
 
 _PAIR = (
     " That is an (init, apply) pair of pure functions (Haiku's hk.transform, stax's): hybridize "
@@ -182,6 +190,10 @@ def hybridize(
         held = next((v for v in held_values(model) if _flax_kind(v) == "eqx"), None)
         if held is not None:  # (an eqx.nn.Sequential has a len)
             raise ConfigError(_EQX_HELD.format(label=label, kind=type(held).__name__))
+        layer = sys.modules.get("penzai.nn.layer")
+        penzai = [v for v in (model, *held_values(model)) if layer and isinstance(v, layer.Layer)]
+        if penzai:
+            raise ConfigError(_PENZAI.format(label=label, kind=type(penzai[0]).__name__))
         raise ConfigError(
             "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
             "For a function without params write hybridize(lambda _, x: f(x), {})."
