@@ -5,6 +5,7 @@ calling back into Python, or into a kernel JAX will not export; each naming what
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,6 +53,17 @@ def _container(x: Any) -> tuple[str, str] | None:
     return f"a {kind}{pytree} of {arrays}", kind
 
 
+def hijax_value(x: Any) -> bool:
+    """Whether ``x`` is a value of a type registered with ``jax.experimental.hijax``
+    (hijax-types.md's QArray), which ``jax.jit`` traces as it traces an array."""
+    if (hijax := sys.modules.get("jax.experimental.hijax")) is None:  # none registered
+        return False
+    try:
+        return isinstance(jax.typeof(x), hijax.HiType)
+    except TypeError:  # no JAX type
+        return False
+
+
 def not_an_array(name: str, i: int, x: Any, n: int, placed: Any = None) -> SignatureError:
     """The refusal of ``x``, no array, at ``args[i]`` of ``n`` inputs: a container of arrays
     (nested, or among others: decoding's cache, a ``batch``) names a function taking its leaves
@@ -61,9 +73,7 @@ def not_an_array(name: str, i: int, x: Any, n: int, placed: Any = None) -> Signa
     if type(x).__module__.startswith("equinox") and type(x).__name__ == "State":
         return SignatureError(_EQX_STATE.format(i=i))
     if (container := _container(x)) is None:
-        from symjax_mlp._hybrid.args import traceable
-
-        if traceable(x) and not hasattr(x, "__jax_array__"):  # a hijax type's value (QArray)
+        if hijax_value(x):  # (QArray)
             return SignatureError(_HIJAX_INPUT.format(i=i, kind=type(x).__name__))
         return SignatureError(
             f"export(example=...): args[{i}] is a {type(x).__name__}; pass an array (or a "

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, first_line, message
+from symjax_mlp._export_example import hijax_value
 from symjax_mlp._specs import array_like, array_types, foreign_array, unfit_array
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -192,14 +193,7 @@ def _own(error: Exception, value: Any) -> bool:
 def traceable(leaf: Any) -> bool:
     """What jit traces: a JAX or NumPy array (or its spec), a number, a ``__jax_array__``, a
     value of a type registered with ``jax.experimental.hijax`` (hijax-types.md's QArray)."""
-    if isinstance(leaf, _TRACEABLE) or hasattr(leaf, "__jax_array__"):
-        return True
-    if (hijax := sys.modules.get("jax.experimental.hijax")) is None:  # none registered
-        return False
-    try:
-        return isinstance(jax.typeof(leaf), hijax.HiType)
-    except TypeError:  # no JAX type
-        return False
+    return isinstance(leaf, _TRACEABLE) or hasattr(leaf, "__jax_array__") or hijax_value(leaf)
 
 
 _EQX_INPUT = (
