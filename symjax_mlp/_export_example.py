@@ -30,6 +30,12 @@ _CONTAINER_INPUT = (
     "flat tuple of arrays: where the model returns a tree too (a carry with its outputs), wrap "
     "that call as tuple(jax.tree.leaves(h.apply(...)))."
 )
+_NAMED_ARRAY = (
+    " A penzai NamedArray's tree holds its axes' sizes, so rebuilt so it fixes the batch at the "
+    "example's rows (export with batch=None); for any batch, export a function of the "
+    "positional array that names one row's axes inside, under jax.vmap: lambda p, x: "
+    "jax.vmap(lambda r: h.apply(p, pz.nx.wrap(r).tag(...)).unwrap(...))(x)."
+)
 
 _HIJAX_INPUT = (
     "export(example=...): args[{i}] is a {kind}, a value of a jax.experimental.hijax type, and "
@@ -95,6 +101,8 @@ def not_an_array(name: str, i: int, x: Any, n: int, placed: Any = None) -> Signa
     what, kind = container
     said = _CONTAINER_INPUT.format(name=name, i=at, what=what, kind=kind, head=head, cut=cut,
                                    tail=tail, example=example, call=call)  # fmt: skip
+    if type(x).__module__.startswith("penzai") and hasattr(x, "named_axes"):
+        said += _NAMED_ARRAY
     return SignatureError(said)
 
 

@@ -88,15 +88,23 @@ def test_penzai_simple_mlp_over_named_arrays_and_every_feature(tmp_path):
 @pytest.mark.slow  # a compile or more (~0.5 s or more)
 def test_penzai_named_array_export_is_refused_and_its_routes(tmp_path):
     """An artifact's inputs are positional arrays: a NamedArray is refused, naming the function
-    of its leaves to export. Its tree holds the named axes' sizes (static metadata), so that
-    function fixes the batch at the example's 4 rows, and a NamedArray made inside of a
-    symbolic batch is refused by penzai (its sizes are ints): each refused with a symbolic
-    batch, naming penzai's complaint and ``batch=None``; exported with ``batch=None``."""
+    of its leaves to export, and (once unsaid) that its tree holds the named axes' sizes
+    (static metadata): that function fixes the batch at the example's 4 rows; the route it
+    names for any batch, a row named inside under ``jax.vmap``, exports as said. Rebuilt from
+    its tree, or made inside of a symbolic batch (penzai's sizes are ints), it is refused with
+    a symbolic batch, naming penzai's complaint and ``batch=None``; exported with that."""
     model = _mlp()
     unbound, params = pz.unbind_params(model, freeze=True)
     h = sm.hybridize(lambda p, x: unbound.stateless_call(p, x)[0], params)
-    with pytest.raises(sm.SignatureError, match=r"NamedArray \(a registered pytree\) of 1 arr"):
+    said = r"NamedArray \(a registered pytree\) of 1 arr.*fixes the batch.*batch=None.*pz.nx.wrap"
+    with pytest.raises(sm.SignatureError, match=said):
         sm.export(h, tmp_path / "named", example=(_named(X),))
+
+    def row(p, x):  # as the refusal writes it
+        return jax.vmap(lambda r: h.apply(p, pz.nx.wrap(r).tag("features")).unwrap("features"))(x)
+
+    sm.export(sm.hybridize(row, h.params), tmp_path / "row", example=(X,))
+    close(sm.load(tmp_path / "row")(np.asarray(X[:3])), model(_named(X[:3])).unwrap(*AXES))
     leaves, tree = jax.tree.flatten(_named(X))
     flat = lambda p, *xs: tuple(jax.tree.leaves(h.apply(p, jax.tree.unflatten(tree, xs))))  # noqa: E731
     inside = lambda p, x: h.apply(p, _named(x)).unwrap(*AXES)  # noqa: E731
