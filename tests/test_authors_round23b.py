@@ -12,7 +12,6 @@ JAX MD's FEATURES.md example over every feature.
 import jax
 import numpy as np
 import pytest
-import zoo23b
 from features import close, every_feature
 
 import symjax_mlp as sm
@@ -24,15 +23,25 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64 requested in"),
 ]
 
-# 8 particles of 2 dimensions in a box of side 3 (the example's density is 1000 in 32 x 32)
-R, DISPLACEMENT, ENERGY, FORCE = zoo23b.features_example(N=8, spatial_dimension=2, box_size=3.0)
 SYSTEMS = 3.0 * jax.random.uniform(jax.random.key(1), (4, 8, 2))
 
 
+@pytest.fixture(scope="module")
+def example():
+    """``(R, energy_fn, force_fn)`` of FEATURES.md's example, 8 particles of 2 dimensions in a
+    box of side 3 (its density is 1000 in 32 x 32). Imported here, not at collection: JAX MD's
+    import takes ~8 s, which the default (fast) selection would pay for no test."""
+    import zoo23b
+
+    r, _, energy_fn, force_fn = zoo23b.features_example(N=8, spatial_dimension=2, box_size=3.0)
+    return r, energy_fn, force_fn
+
+
 @pytest.mark.parametrize("quantity", ["energy", "force"])
-def test_jax_md_systems_every_feature(tmp_path, quantity):
+def test_jax_md_systems_every_feature(tmp_path, example, quantity):
     """The example's energy and force over a batch of systems, ``jax.vmap`` as JAX MD batches
     them; the loaded energy's grad is minus JAX MD's force."""
+    _, ENERGY, FORCE = example
     f = jax.vmap({"energy": ENERGY, "force": FORCE}[quantity])
     assert float(np.abs(f(SYSTEMS)).min()) > 0  # the particles overlap: no zero energy
     m = every_feature(tmp_path, sm.hybridize(lambda _, rs: f(rs), {}), f, SYSTEMS)
@@ -40,11 +49,12 @@ def test_jax_md_systems_every_feature(tmp_path, quantity):
         close(-jax.grad(lambda rs: m(rs).sum())(SYSTEMS[:2]), jax.vmap(FORCE)(SYSTEMS[:2]))
 
 
-def test_jax_md_one_system_is_served_alone(tmp_path):
+def test_jax_md_one_system_is_served_alone(tmp_path, example):
     """One system's force, its particles the leading axis: exported with that axis symbolic
     (export's default), the loaded model gives JAX MD's forces at 8 and 5 particles; served,
     two requests of 5 and 3 particles get each their own system's forces, never the forces
     of the 8 particles merged, as the module does not show its rows independent."""
+    R, _, FORCE = example
     h = sm.hybridize(lambda _, r: FORCE(r), {})
     close(h(R), FORCE(R))
     sm.export(h, tmp_path / "f", example=(R,))
