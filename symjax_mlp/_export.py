@@ -7,7 +7,6 @@ import dataclasses
 import datetime
 import importlib.metadata
 import json
-import math
 import os
 import platform as _platform
 from collections.abc import Mapping, Sequence
@@ -46,7 +45,7 @@ from symjax_mlp._errors import (
 )
 from symjax_mlp._export_entry import Stage, export_program, stage
 from symjax_mlp._export_gather import refuse_clamped_gathers
-from symjax_mlp._export_options import check_options, serialized
+from symjax_mlp._export_options import check_options, serialized, tolerance_option
 from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._reader import read_regular
@@ -69,6 +68,7 @@ def export(
     constraints: Sequence[str] = (),
     metadata: Mapping[str, Any] | None = None,
     vjp_order: int = 0,
+    self_test_tolerance: float | Mapping[str, float] | None = None,
     **keywords: Any,
 ) -> Artifact:
     """Exports ``h`` as a portable artifact directory (StableHLO + safetensors + manifest).
@@ -93,6 +93,9 @@ def export(
       metadata: a model card, JSON data (labels, metrics, license), kept in the manifest and
         in ``params.safetensors``'s ``__metadata__``.
       vjp_order: the orders of gradients the artifact carries (``1``: ``jax.grad`` works).
+      self_test_tolerance: how far load lets the outputs of the self-test vectors move (rtol
+        and atol; ``{"rtol": r, "atol": a}`` apart), at most ``0.1``: a model whose answer moves
+        within its own tolerance (an adaptive ODE solver's rtol) on another machine or jaxlib.
 
     Returns:
       The :class:`~symjax_mlp.Artifact`.
@@ -127,6 +130,7 @@ def export(
         h, batch, platforms, example=example, kwargs=kwargs, shapes=shapes,
         constraints=constraints, overwrite=overwrite, metadata=metadata, vjp_order=vjp_order,
     )  # fmt: skip
+    tolerance = tolerance_option(self_test_tolerance)  # None: load's default
     path, names = Path(path), list(points)
     staged = [
         stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
@@ -194,6 +198,7 @@ def export(
         "created": created.isoformat(timespec="seconds"),
         "compatible_until": (created + COMPATIBILITY_WINDOW).date().isoformat(),
         "vjp_order": vjp_order,
+        **({"self_test_tolerance": tolerance} if tolerance else {}),
         "metadata": meta,
         "versions": _versions(),
         "platforms": list(platforms),
@@ -303,14 +308,14 @@ def _self_test_vectors(
     here = jax.export.default_export_platform()
     # each dimension variable at BATCH, a dimension at its term's value there ("b + 15": 17)
     sizes = sizes_at(dataclasses.replace(signature, constraints=()), selftest.BATCH)
-    xs = _drawn(signature.inputs, sizes=sizes)
+    xs = selftest.drawn(signature.inputs, sizes=sizes)
     params = {p: entry.weak.get(p, a) for p, (_, a) in own.items()}  # the model's, weak too
     symbolic = any(isinstance(d, str) for s in signature.inputs for d in s.shape)
     if xs is not None and exported.nr_devices != 1 and symbolic:
         selftest.check_resolves(entry.h.name, exported, params, xs)  # (its vectors skipped)
     if xs is None or here not in exported.platforms or exported.nr_devices != 1:
         return None
-    at = _drawn(entry.examples, seed=1)
+    at = selftest.drawn(entry.examples, seed=1)
     at = None if at is None or any(x.size == 0 for x in at) else at
     if at is not None:  # a weakly typed scalar example (2.0) as the model and program take it
         at = [jax.numpy.asarray(a.item()) if e.weak_type and not a.shape else a
@@ -341,18 +346,6 @@ def _self_test_vectors(
         return None  # (as for an rng-key input: a vector file holds no key)
     compute = selftest.narrowest(exported.mlir_module())
     return selftest.encode(xs, [np.asarray(y) for y in jax.tree.leaves(outs)], compute)
-
-
-_DRAWN_BYTES = 256 << 20  # inputs drawn for the vectors (or the comparison) at most
-
-
-def _drawn(specs: Any, seed: int = 0, sizes: Any = None) -> list[np.ndarray] | None:
-    """``selftest.inputs(specs)``; ``None`` past :data:`_DRAWN_BYTES` (a static shape of 2**40
-    rows exports, but no process could draw it, nor run it here)."""
-    held = [(s, shape) for s, shape in zip(specs, selftest.drawn_shapes(specs, sizes), strict=True)
-            if not str(s.dtype).startswith("key")]  # fmt: skip
-    total = sum(math.prod(shape) * np.dtype(str(s.dtype)).itemsize for s, shape in held)
-    return None if total > _DRAWN_BYTES else selftest.inputs(specs, seed=seed, sizes=sizes)
 
 
 def _refusal(call: Any, params: Any, xs: Any) -> Exception | None:

@@ -15,13 +15,16 @@ import jax
 
 from symjax_mlp._artifact.format import (
     MAX_DEPTH,
+    MAX_TOLERANCE,
     MAX_VJP_ORDER,
     RESERVED_ENTRY_NAMES,
     is_entry_name,
     printable,
+    tolerance,
 )
 from symjax_mlp._errors import ConfigError, SignatureError, first_line
 from symjax_mlp._hybrid.hybrid import Hybrid
+from symjax_mlp._selftest import TOLERANCE
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 PER_ENTRY = ("example", "kwargs", "shapes", "constraints")  # may differ by entry point
@@ -115,6 +118,29 @@ def check_options(
                     f"use, or use {unknown[0]!r} in a spec."
                 )
     return points, settings, tuple(platforms), card
+
+
+_TOLERANCE = (
+    "export(self_test_tolerance={value!r}): pass a number from 0 to {cap} (the rtol and atol "
+    "load checks the self-test's outputs to; the default is {default}), or a dict of them "
+    "apart, e.g. {{'rtol': 1e-3, 'atol': 1e-6}}: an adaptive solver's rtol. More than {cap} "
+    "would let the self-test pass other weights or another program."
+)
+
+
+def tolerance_option(value: Any) -> dict[str, float] | None:
+    """``self_test_tolerance`` as the manifest's ``{"rtol", "atol"}`` (a number: both; a key
+    left out of a dict: the default's), ``None`` for none; refused unless each is a number
+    from 0 to :data:`MAX_TOLERANCE` (not NaN), as load checks a stranger's manifest."""
+    if value is None:
+        return None
+    given = dict(value) if isinstance(value, Mapping) else dict.fromkeys(TOLERANCE, value)
+    # a NumPy or JAX scalar (np.float32(1e-3)) as the number it holds
+    tol = {**TOLERANCE, **{k: v.item() if getattr(v, "shape", 0) == () else v
+                           for k, v in given.items()}}  # fmt: skip
+    if not tolerance(tol):  # as load checks a manifest's
+        raise ConfigError(_TOLERANCE.format(value=value, cap=MAX_TOLERANCE, default=TOLERANCE))
+    return {k: float(v) for k, v in tol.items()}
 
 
 def _check_tuple(name: str, option: str, value: Any) -> None:

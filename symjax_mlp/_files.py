@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from symjax_mlp._errors import ConfigError, SymjaxError
+from symjax_mlp._errors import ArtifactError, ConfigError, SymjaxError
 from symjax_mlp._reader import Reader
 
 MANIFEST = "manifest.json"
@@ -63,6 +63,17 @@ def _soft_limit(name: str) -> int | None:
     except (ImportError, AttributeError, OSError, ValueError):  # not POSIX
         return None
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+def looked_up(path: Path) -> None:
+    """Raises :class:`ArtifactError` where the system refuses to look ``path`` up at all (a
+    name too long, a directory it may not search); a missing path is for the caller to say."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as e:
+        raise ArtifactError(f"{path}: {e.strerror or e}; pass another path.") from None
 
 
 def sha256(data: bytes) -> str:

@@ -4,6 +4,7 @@ export, in ``selftest.safetensors``; ``load`` refuses a model that no longer rep
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -34,11 +35,12 @@ COMPUTE = "compute"  # a vector of no element: the narrowest float the program c
 _NARROW = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}  # StableHLO's, as NumPy's
 
 
-def tolerance(dtype: Any, compute: Any = None) -> dict[str, float]:
-    """``TOLERANCE``, or for a float narrower than float32 (the output's, or ``compute``, one its
-    program computes in: bfloat16 matmuls of float32 outputs) ``ULPS`` of its epsilon."""
+def tolerance(dtype: Any, compute: Any = None, given: Any = None) -> dict[str, float]:
+    """``given`` (the export's ``self_test_tolerance``) or ``TOLERANCE``, and for a float
+    narrower than float32 (the output's, or ``compute``, one its program computes in: bfloat16
+    matmuls of float32 outputs) at least ``ULPS`` of its epsilon."""
     eps = [float(ml_dtypes.finfo(d).eps) for d in (dtype, compute) if _is_float(d)]
-    return {k: max(v, ULPS * max(eps, default=0.0)) for k, v in TOLERANCE.items()}
+    return {k: max(v, ULPS * max(eps, default=0.0)) for k, v in (given or TOLERANCE).items()}
 
 
 def _is_float(dtype: Any) -> bool:
@@ -73,6 +75,18 @@ def inputs(
     rng = np.random.default_rng(seed)
     shapes = drawn_shapes(specs, sizes)
     return [draw(rng, s, str(spec.dtype), high=4) for s, spec in zip(shapes, specs, strict=True)]
+
+
+DRAWN_BYTES = 256 << 20  # inputs drawn for the vectors (or export's comparison) at most
+
+
+def drawn(specs: Any, seed: int = 0, sizes: Any = None) -> list[np.ndarray] | None:
+    """:func:`inputs` of ``specs``; ``None`` past :data:`DRAWN_BYTES` (a static shape of 2**40
+    rows exports, but no process could draw it, nor run it here)."""
+    held = [(s, shape) for s, shape in zip(specs, drawn_shapes(specs, sizes), strict=True)
+            if not str(s.dtype).startswith("key")]  # fmt: skip
+    total = sum(math.prod(shape) * np.dtype(str(s.dtype)).itemsize for s, shape in held)
+    return None if total > DRAWN_BYTES else inputs(specs, seed=seed, sizes=sizes)
 
 
 def encode(
@@ -222,7 +236,8 @@ def run(
     try:  # block_until_ready first: np.asarray of a failed result aborts the process
         with flags_off():
             got = [np.asarray(y) for y in jax.block_until_ready(call(list(xs)))]
-        differs = [difference(g, w, compute) for g, w in zip(got, want, strict=True)]  # float64
+        given = manifest.get("self_test_tolerance")  # check_schema's: within MAX_TOLERANCE
+        differs = [difference(g, w, compute, given) for g, w in zip(got, want, strict=True)]
     except (JaxRuntimeError, SymjaxError) as e:  # failed as it ran, or as it was called
         cause = e if isinstance(e, JaxRuntimeError) else e.__cause__
         # (XLA's out of memory as jaxlib's C++ dispatch raises it is a ValueError)
@@ -240,17 +255,29 @@ def run(
         ) from e
     for i, d in enumerate(differs):
         if d is not None:
+            loop = _ADAPTIVE * ("while" in manifest.get("needs", ()))
             raise ArtifactError(
                 f"{caller}: the model no longer reproduces its self-test: out[{i}] {d}. The "
                 "weights, the module or this platform's numerics changed; do not trust its "
                 "answers. Export it again, or load with self_test=False to inspect it anyway."
+                + loop.format(tol="the tolerance its exporter set" if given else "the default's")
             )
 
 
-def difference(got: np.ndarray, want: np.ndarray, compute: Any = None) -> str | None:
+_ADAPTIVE = (
+    " Its program has a while loop whose trip count depends on values (an adaptive ODE "
+    "solver's steps): another CPU, jaxlib or XLA flags may round it into other steps, moving "
+    "its answer within the model's own tolerance but past {tol}. If so, its exporter can "
+    "export it with sm.export(..., self_test_tolerance=<the solver's rtol, e.g. 1e-3>)."
+)
+
+
+def difference(
+    got: np.ndarray, want: np.ndarray, compute: Any = None, given: Any = None
+) -> str | None:
     """How ``got`` differs from the vector ``want``, or ``None`` if it reproduces it: NaN equals
     NaN, an infinity the same infinity, every other value within :func:`tolerance` of it (of
-    ``compute``'s epsilon too, a float its program computes in)."""
+    ``compute``'s epsilon too, a float its program computes in; ``given``: the export's)."""
     if got.shape != want.shape:
         return f"has shape {got.shape}, but gave {want.shape} at export"
     if got.dtype == want.dtype and np.array_equal(got, want):  # as a rerun here mostly is
@@ -258,7 +285,7 @@ def difference(got: np.ndarray, want: np.ndarray, compute: Any = None) -> str | 
     parts = np.iscomplexobj(got) or np.iscomplexobj(want)  # (re, im) on a last axis, each apart
     g64, w64 = (np.asarray(np.stack([a.real, a.imag], -1) if parts else a, np.float64)
                 for a in (got, want))  # fmt: skip
-    tol = tolerance(want.dtype, compute)
+    tol = tolerance(want.dtype, compute, given)
     if np.allclose(g64, w64, equal_nan=True, **tol):
         return None
     nan_g, nan_w = np.isnan(g64), np.isnan(w64)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from symjax_mlp._errors import ArtifactError
-from symjax_mlp._files import MANIFEST
+from symjax_mlp._files import MANIFEST, looked_up
 from symjax_mlp._reader import read_regular
 
 FORMAT = "symjax_mlp.artifact"
@@ -32,6 +32,7 @@ MAX_PARAMS = 65_536  # param tensors (and inputs, outputs) an artifact may have
 MAX_FILES = 1_024  # files a manifest may list
 MAX_CONSTRAINT_CHARS = 256
 MAX_VJP_ORDER = 8  # orders of gradients an artifact may carry (each doubles its program)
+MAX_TOLERANCE = 0.1  # a self-test's rtol and atol: 10% still refuses other weights or programs
 MAX_DEPTH = 32  # JSON nesting of a manifest; json.loads reads deeper than Python recursion
 VALUES_PER_TENSOR = 64  # JSON values a manifest or safetensors header may have per tensor
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -41,17 +42,6 @@ NEEDS = frozenset({  # what "needs" may name: ops computing tensors from tensors
     "dynamic_slice", "dynamic_update_slice", "real_dynamic_slice", "dynamic_pad", "map", "fft",
     "dynamic_gather", "dynamic_conv", "triangular_solve", "rng_bit_generator", "cholesky",
     "reduce_precision", "real", "imag", "complex", "popcnt", "count_leading_zeros"})  # fmt: skip
-
-
-def looked_up(path: Path) -> None:
-    """Raises :class:`ArtifactError` where the system refuses to look ``path`` up at all (a
-    name too long, a directory it may not search); a missing path is for the caller to say."""
-    try:
-        os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    except OSError as e:
-        raise ArtifactError(f"{path}: {e.strerror or e}; pass another path.") from None
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -162,6 +152,8 @@ def check_schema(manifest: Mapping[str, Any], *, file: Path) -> None:
         ("vjp_order", m.get("vjp_order", 0), lambda v: is_size(v) and v <= MAX_VJP_ORDER,
          f"an int from 0 to {MAX_VJP_ORDER}"),
         ("compatible_until", m.get("compatible_until", ""), _is_str, "a date"),
+        ("self_test_tolerance", m.get("self_test_tolerance", {"rtol": 0, "atol": 0}), tolerance,
+         f'{{"rtol": r, "atol": a}}, each a number from 0 to {MAX_TOLERANCE}'),
         ("entry", m.get("entry", "main"), is_entry_name, "an entry point name"),
         ("entries", m.get("entries", {}),
          lambda v: isinstance(v, dict) and len(v) < MAX_ENTRIES
@@ -238,6 +230,14 @@ def is_entry_name(x: Any) -> bool:
     """A name an entry point may have (its files are named by it)."""
     ok = _is_str(x) and x.isidentifier() and x.isascii() and len(x) <= 64
     return ok and x not in RESERVED_ENTRY_NAMES
+
+
+def tolerance(x: Any) -> bool:
+    """A self-test's tolerance: its rtol and atol, each a number from 0 to MAX_TOLERANCE (a
+    stranger's inf or 1e9 would let any output pass; NaN fails ``<=``)."""
+    return isinstance(x, dict) and set(x) == {"rtol", "atol"} and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= MAX_TOLERANCE
+        for v in x.values())  # fmt: skip
 
 
 def _is_str(x: Any) -> bool:

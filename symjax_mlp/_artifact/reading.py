@@ -160,6 +160,9 @@ class Artifact:
         lines.append("mlir args  " + ", ".join(m["mlir_arguments"]))
         if until := m.get("compatible_until"):
             lines.append(f"loads in   JAX releases until {until} (jax.export window)")
+        if tol := m.get("self_test_tolerance"):  # (check_schema's: two numbers)
+            lines.append(f"self-test  load checks its outputs to rtol {tol['rtol']:g}, atol "
+                         f"{tol['atol']:g} (export's self_test_tolerance)")  # fmt: skip
         card = m.get("metadata") or {}
         for key, value in list(card.items())[:_CARD_KEYS]:
             shown = value if isinstance(value, str) else json.dumps(thaw(value))
