@@ -502,8 +502,8 @@ def test_the_cookbooks_recipes_over_apply_train_as_its_nnx_optimizer(recipe):
 @pytest.mark.slow
 def test_the_cookbooks_ema_model_exports_its_averages_once_hybridized_after_training(tmp_path):
     """``ema.apply_to(model)``, hybridized before the cookbook's steps (its ``ema.update``
-    moves the averages in place): export refuses the stale params naming sm.hybridize of the
-    trained module; so hybridized, it equals ``ema_model`` and its eval loss (its nnx.jit
+    moves the averages in place): export refuses the stale params naming ``h.refresh()``;
+    refreshed, it equals ``ema_model`` and its eval loss (its nnx.jit
     eval_step no training), exported too."""
     rngs = nnx.Rngs(0)
     x, y = rngs.normal((32, 2)), rngs.normal((32, 8))
@@ -526,9 +526,9 @@ def test_the_cookbooks_ema_model_exports_its_averages_once_hybridized_after_trai
     for _ in range(3):
         train_step(model, optimizer, ema, x, y)
     with pytest.raises(sm.ConfigError, match=r"trained in place since sm\.hybridize.*"
-                       r"Use sm\.hybridize\(model\) of the trained module"):  # fmt: skip
+                       r"Take the module as it is now: h = h\.refresh\(\)"):  # fmt: skip
         sm.export(early, tmp_path / "m", example=x)
-    h = sm.hybridize(ema_model)  # as it says
+    h = early.refresh()  # as it says
     _close(h(x), ema_model(x))
     np.testing.assert_allclose(zoo4.loss_fn(h, x, y), eval_step(ema_model, x, y), **TOL)
     sm.export(h, tmp_path / "m", example=x)
