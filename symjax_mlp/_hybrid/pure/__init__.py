@@ -41,8 +41,8 @@ class PureModel:
     #: ``(caller, kwargs) -> None``, raising for keywords a call of the model never takes
     #: (linen ``apply``'s own, :mod:`.linen_module`)
     refuse_keywords: Callable[[str, Any], None] = lambda caller, kwargs: None
-    #: ``(params) -> str``: an nnx module's Params that it holds now in place of those it was
-    #: hybridized with (none for params given since), :mod:`.nnx_module`
+    #: ``(params, quick) -> list[str]``: an nnx module's Variables that it holds now in place of
+    #: those it was hybridized with (none for params given since), :mod:`.nnx_module`
     trained: Callable[[Any], list[str]] | None = None
     #: ``(variables, keywords) -> call | None``: a linen model's ``model.apply`` as Flax runs
     #: it, the variables' collections the call's state (``mutable=`` Flax's; ``(result,

@@ -138,19 +138,21 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
             return []
         if quick:  # given: the leaves; the Variables split held (a sub-module swapped: unseen)
             return [] if values is not None and all(map(_holds, held, values)) else ["?"]
-        now = nnx.state(module, wrt)  # and those surgery took away (a sub-module shared)
-        gone = set(leaf_paths((given, {}))) - set(leaf_paths((nnx.to_pure_dict(now), {})))
-        changed = _reassigned(given, now, _equal)
-        now = nnx.state(module, moving)
-        gone_state = set(leaf_paths((was, {}))) - set(leaf_paths((nnx.to_pure_dict(now), {})))
-        moved = [f"state{p}" for p in _reassigned(was, now, _equal)]
-        gone_state = [f"state{p.removeprefix('params')}" for p in sorted(gone_state)]
-        return changed + [p.removeprefix("params") for p in sorted(gone)] + moved + gone_state
+        params_now = _changed(given, nnx.state(module, wrt))  # (surgery: a sub-module shared)
+        return params_now + [f"state{p}" for p in _changed(was, nnx.state(module, moving))]
 
     target = type(module).__call__ if fn is None else fn
     model = PureModel(call, bool(state), "nnx", merge, target, settings if watched else None,
                       names, owners, module, trained=trained)  # fmt: skip
     return model, params, state
+
+
+def _changed(before: Any, now: Any) -> list[str]:
+    """The paths of ``before`` (a pure dict) whose values the nnx State ``now`` holds no
+    longer: reassigned, then gone (surgery took them away)."""
+    pure = sys.modules["flax.nnx"].to_pure_dict(now)
+    gone = set(leaf_paths((before, {}))) - set(leaf_paths((pure, {})))
+    return _reassigned(before, now, _equal) + [p.removeprefix("params") for p in sorted(gone)]
 
 
 def _is_variable(x: Any) -> bool:
