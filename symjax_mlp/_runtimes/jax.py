@@ -8,7 +8,12 @@ under the caller's mesh of N devices, else a mesh of the first N.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import getpass
+import grp
+import os
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +31,8 @@ from symjax_mlp._runtimes.transforms import Program, forward_traced
 
 
 def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
-    """Refuses artifacts this JAX cannot run: calling convention, platform, device count."""
+    """Refuses artifacts this JAX cannot run (calling convention, platform, device count), and
+    a compilation cache that others may write (its entries are executables run as the model's)."""
     version = manifest["calling_convention_version"]
     lo = jax.export.minimum_supported_calling_convention_version
     hi = jax.export.maximum_supported_calling_convention_version
@@ -51,6 +57,45 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
             f"here sees {have} {here} device(s). Run it where {need} devices are visible, or "
             "re-export it unsharded."
         )
+    folder = jax.config.jax_compilation_cache_dir
+    on = folder and jax.config.jax_enable_compilation_cache and "://" not in folder
+    if on and (why := shared_by_others(folder)):
+        raise ConfigError(
+            f"load({str(path)!r}): JAX's compilation cache, jax_compilation_cache_dir="
+            f"{folder!r}, is not yours alone: {why}. An entry there is native code XLA would "
+            "run in this process as this program's. Point JAX_COMPILATION_CACHE_DIR (or "
+            "jax.config.update('jax_compilation_cache_dir', ...)) at a folder only you can "
+            "write, such as $HOME/.cache/jax, or unset it."
+        )
+
+
+def shared_by_others(folder: str) -> str | None:
+    """Why another user could write in ``folder`` (made 0700 if missing) or swap it for theirs:
+    it, a folder above it, a link on the way or where it leads is not this user's nor root's,
+    or others may write there (one's own private group aside, as umask 002 makes; above it, a
+    sticky folder such as /tmp is fine); else ``None``."""
+    with contextlib.suppress(OSError):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    me, own = getattr(os, "getuid", lambda: None)(), -1
+    with contextlib.suppress(KeyError, OSError):  # this user's private group
+        g = grp.getgrgid(os.getgid())
+        own = os.getgid() if {g.gr_name, *g.gr_mem} <= {getpass.getuser()} else -1
+    for leaf in dict.fromkeys((os.path.abspath(folder), os.path.realpath(folder))):
+        path = leaf
+        while me is not None:
+            try:
+                st = os.lstat(path)
+            except OSError as e:
+                return f"{path} cannot be checked ({e.strerror or e})"
+            mode = stat.S_IMODE(st.st_mode) & (0o1757 if st.st_gid == own else 0o1777)
+            if st.st_uid not in (me, 0):
+                return f"{path} belongs to user id {st.st_uid}, not to you"
+            sticky = path != leaf and mode & 0o1000  # others may add there, not swap it
+            if mode & 0o022 and not (stat.S_ISLNK(st.st_mode) or sticky):
+                return f"others may write in {path} (mode {stat.S_IMODE(st.st_mode):o})"
+            if path == (path := os.path.dirname(path)):
+                break
+    return None
 
 
 # sha256 of model.jaxexport -> (Exported, its Program, what made it), the most recent last
