@@ -7,13 +7,29 @@ import contextlib
 import operator
 import os
 import re
+import sys
+import sysconfig
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 
 class SymjaxError(Exception):
-    """Base class of every error raised by symjax_mlp; catch this to catch them all."""
+    """Base class of every error raised by symjax_mlp; catch this to catch them all.
+
+    IPython and Jupyter show one as the frames of the code that called symjax_mlp (a cell's
+    line) and the message, symjax_mlp's own frames hidden: a user error is no bug of ours to
+    step through (``%xmode Verbose`` shows every frame)."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython's hook; plain Python shows them all
+        shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+        if shell is None:
+            return traceback.format_exception(self)
+        if getattr(shell.InteractiveTB, "mode", "") == "Verbose":
+            return shell.InteractiveTB.structured_traceback(type(self), self, self.__traceback__)
+        return _shown(shell.InteractiveTB, self, set())
 
 
 class ConfigError(SymjaxError, ValueError, TypeError):
@@ -95,6 +111,55 @@ CHECKPOINT_STATE = (  # given as an artifact's weights: then EXPORT_CHECKPOINT
     "{file} is a training checkpoint's state (its params, the optimizer's state and the rng, as "
     "train(checkpoint=DIR) writes them), not an artifact's weights. Pass the params.safetensors "
     "of an export of it; to get one, "
+)
+
+
+def _shown(tb_format: Any, e: BaseException, seen: set[int]) -> list[str]:
+    """``e`` as IPython's ``tb_format`` shows it, and the exceptions it was raised from, each
+    without the frames of symjax_mlp, JAX, Flax and the standard library between the cell's
+    line and the model's (one raised by hand in a cell has none: it is shown whole)."""
+    frames, hidden, tb = [], 0, e.__traceback__
+    while tb is not None:
+        if _hidden(tb.tb_frame.f_code.co_filename):
+            hidden += 1
+        else:
+            frames.append(tb)
+        tb = tb.tb_next
+    kept = None
+    for t in reversed(frames if hidden else ()):
+        kept = TracebackType(kept, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    cause = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    chain = e.__cause__, e.__context__, e.__suppress_context__
+    try:  # IPython shows what e was raised from with every frame: each is shown here instead
+        e.__cause__ = e.__context__ = None
+        tb, offset = kept if hidden else e.__traceback__, 0 if seen else None  # (the cell's
+        stb = tb_format.structured_traceback(type(e), e, tb, tb_offset=offset)  # runner: 1)
+    finally:
+        e.__cause__, e.__context__, e.__suppress_context__ = chain
+    if hidden and getattr(tb_format, "mode", "") != "Minimal":  # (that one: the message alone)
+        stb[-1:-1] = [f"    [... {hidden} frames of symjax_mlp, JAX, Flax and Python's own "
+                      "hidden: %xmode Verbose shows them]"]  # fmt: skip
+    if cause is None or id(cause) in (seen := seen | {id(e)}):
+        return stb
+    link = (
+        "\nThe above exception was the direct cause of the following exception:\n"
+        if e.__cause__ is not None
+        else "\nDuring handling of the above exception, another exception occurred:\n"
+    )
+    return [*_shown(tb_format, cause, seen), link, *stb]
+
+
+def _hidden(file: str) -> bool:  # a frame of symjax_mlp, JAX, Flax or the standard library
+    found = [sys.modules[__name__.partition(".")[0]]] + [
+        m for name in ("jax", "flax") if (m := sys.modules.get(name)) is not None
+    ]
+    dirs = tuple(os.path.join(os.path.dirname(os.path.abspath(m.__file__)), "") for m in found)
+    return file.startswith(dirs) or (file.startswith(_STDLIB) and not file.startswith(_SITE))
+
+
+_STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
+_SITE = tuple(  # the user's other libraries, under the stdlib's directory outside a venv
+    os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "platlib")
 )
 
 

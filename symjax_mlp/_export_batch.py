@@ -15,6 +15,7 @@ import jax
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, first_line, message
 from symjax_mlp._hybrid.jaxpr import walk
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
+from symjax_mlp._npy import weakly_typed
 from symjax_mlp._specs import TensorSpec, ensemble_member, shape_dims
 
 _FAILS = (
@@ -257,17 +258,13 @@ def split_over_mesh(x: Any) -> Any:
 def placed_struct(shape: Any, x: Any, sharded: bool) -> jax.ShapeDtypeStruct:
     """``x``'s struct at ``shape``, with its sharding where it is split over a mesh and the
     shape static (JAX splits no symbolic dimension: 'does not evenly divide ... b'), and its
-    weak type (:func:`weakly_typed`)."""
+    weak type (:func:`weakly_typed`) where it is a scalar: the artifact records it, and its self
+    test passes one as a Python number (none makes a weak array of more; jax.export records
+    none: an array traces strong, as ``h(np.asarray(x))`` does)."""
     split = sharded and all(isinstance(d, int) for d in shape)
     sharding = split_over_mesh(x) if split else None
-    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding, weak_type=weakly_typed(x))
-
-
-def weakly_typed(x: Any) -> bool:
-    """Whether jit traces ``x`` weakly typed (type_promotion.rst): a Python number, or an array
-    that is (``jnp.asarray(2)``). Export traces it so, as the Hybrid did: else a bfloat16
-    model's ``* 0.5`` promotes to float32, an int8 input times ``2`` to int32."""
-    return type(x) in (int, float, complex) or bool(getattr(x, "weak_type", False))
+    weak = weakly_typed(x) and not shape
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding, weak_type=weak)
 
 
 def _bare(s: Any) -> jax.ShapeDtypeStruct:

@@ -211,7 +211,7 @@ def export_program(
     out_kind, ins = _output_kind(exported, h), exported.in_avals[len(p_structs) :]
     outs = [_spec("out" if out_kind == "array" else f"out[{i}]", a)
             for i, a in enumerate(exported.out_avals)]  # fmt: skip
-    args = [_spec(f"args[{i}]", a) for i, a in enumerate(ins)]
+    args = [_spec(f"args[{i}]", a, a.weak_type) for i, a in enumerate(ins)]  # as jit traced
     batch = None if stage.per_input_shapes else stage.batch
     signature = Signature(tuple(args), tuple(outs), out_kind, batch, stage.constraints)
     names = [*p_structs, *(s.path for s in signature.inputs)]
@@ -338,8 +338,8 @@ def _draws_a_constant_key(jaxpr: Any) -> bool:
     return any(id(v) in read and is_key(v.aval) for v in jaxpr.constvars)
 
 
-def _spec(path: str, x: Any) -> TensorSpec:
-    return TensorSpec(path, shape_dims(x.shape), str(x.dtype))
+def _spec(path: str, x: Any, weak: bool = False) -> TensorSpec:
+    return TensorSpec(path, shape_dims(x.shape), str(x.dtype), weak)
 
 
 def _exportable(h: Hybrid) -> tuple[Any, Callable[..., Any], bool]:

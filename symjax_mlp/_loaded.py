@@ -93,6 +93,8 @@ class LoadedModel(NoPickle):
         direct, single = getattr(run, "direct", (None, None))
         self._direct = direct if single == self._single_output else None
         self._ready: set[tuple[Any, ...]] = set()  # their (shape, dtype)s
+        # how many each holds: none where a (shape, dtype) is not all (an input exported weak)
+        self._cap = 0 if any(s.weak_type for s in self.signature.inputs) else 256
 
     _INSTEAD = "Pass its path, and load it where it runs: sm.load(m.path)."
 
@@ -190,7 +192,7 @@ class LoadedModel(NoPickle):
             raise ConfigError(forward_mode(self._caller, self.manifest.get("vjp_order", 0)))
         try:
             outs = self._outputs(inputs)
-            if key is not None and None not in key and len(self._ready) < 256:
+            if key is not None and None not in key and len(self._ready) < self._cap:
                 self._ready.add(key)
         except SignatureError as wrong:  # one example (jax.vmap(m) per example) or wrong
             axes = self._example_axes(inputs)
@@ -236,7 +238,7 @@ class LoadedModel(NoPickle):
             key = tuple([(x.shape, x.dtype) for x in inputs])
         if key is None or key not in self._checked:
             inputs = self.signature.check(inputs, caller=self._caller)
-            if key is not None and len(self._checked) < 256:
+            if key is not None and len(self._checked) < self._cap:
                 self._checked.add(key)
         try:
             return self._run(list(inputs))

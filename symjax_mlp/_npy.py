@@ -289,6 +289,26 @@ def dtype_refused(caller: str, spec: TensorSpec, x: Any, given: Any) -> str:
     )
 
 
+def weakly_typed(x: Any) -> bool:
+    """Whether jit traces ``x`` weakly typed (type_promotion.rst): a Python number, or an array
+    that is (``jnp.asarray(2)``). Export traces it so, as the Hybrid did: else a bfloat16
+    model's ``* 0.5`` promotes to float32, an int8 input times ``2`` to int32."""
+    return type(x) in (int, float, complex) or bool(getattr(x, "weak_type", False))
+
+
+def strong_refused(caller: str, spec: TensorSpec, given: Any) -> str:
+    """The message for ``given``, strongly typed, where ``spec`` was exported weakly typed: the
+    program computes as the model does for a Python number, which it may not for an array."""
+    return (
+        f"{caller}: input {spec.path} was exported at a weakly typed example (a Python number, "
+        f"or jnp.asarray(2.0)), so the program computes as the model does for one; "
+        f"this {type(given).__name__} {getattr(given, 'dtype', '')} is strongly typed, "
+        "and the model answers it otherwise (a bfloat16 model times a float32 array answers "
+        f"float32). Pass a Python number, or export at a strongly typed example "
+        f"(np.{spec.dtype}(2.0)) for the artifact to take arrays."
+    )
+
+
 def _key_refused(caller: str, spec: TensorSpec, x: Any) -> str:
     """The message for ``x``, no rng keys of ``spec``'s dtype (``key<fry>``): a raw key's data
     (``jax.random.PRNGKey``'s uint32[2]) is wrapped; other arrays, keys are made (no cast makes

@@ -123,7 +123,7 @@ def against_source(name: str, got: Any, want: Any, xs: Sequence[Any], symbolic: 
     for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
         if (differs := difference(host(g), host(w))) is not None:
             differs = differs.replace(" at export", " in the model")
-            shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in xs)
+            shapes = ", ".join(f"{np.asarray(x).dtype}{list(np.shape(x))}" for x in xs)
             why = _SHAPE_BRANCH if symbolic else "Do not ship it; report it, with the model."
             raise SignatureError(
                 _NOT_THE_SOURCE.format(name=name, shapes=shapes, i=i, differs=differs, why=why)
@@ -202,10 +202,13 @@ def vectors(
                     "corrupted or was edited. Export it again."
                 )
             kept.append(a)
+    # a weakly typed scalar as the program was traced on one: a Python number (a.item())
+    weak = [s.weak_type for s in signature.inputs]
+    xs = [a.item() if w and not a.shape else a for a, w in zip(xs, weak, strict=True)]
     try:  # each symbolic dim one size, within the constraints
         signature.check(xs, caller=str(file))
     except SignatureError:
-        shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in xs)
+        shapes = ", ".join(f"{np.asarray(x).dtype}{list(np.shape(x))}" for x in xs)
         raise ArtifactError(
             f"{file}: its input vectors, {shapes}, are no call its signature {signature} "
             "admits; the artifact is corrupted or was edited. Export it again."

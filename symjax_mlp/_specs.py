@@ -1,6 +1,5 @@
-"""The path, shape and dtype of an array: an input leaf a Hybrid traced on (its ``weak_type``
-matters there) or a tensor of an artifact's contract (a dimension may be a name, ``"b"``); and
-an export's input structs, from its example and its ``batch`` or ``shapes=`` specs."""
+"""The path, shape, dtype and weak type of an array a Hybrid traced or an artifact takes (a
+dimension may be a name, ``"b"``); an export's input structs, from its example and its specs."""
 
 from __future__ import annotations
 
@@ -42,13 +41,14 @@ class TensorSpec:
         return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
 
     def to_json(self) -> dict[str, Any]:
-        """``{"path", "shape", "dtype"}`` as JSON data (:meth:`from_json` reads it back)."""
-        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype}
+        """``{"path", "shape", "dtype"}`` as JSON data, ``"weak_type": true`` if weak."""
+        d = {"path": self.path, "shape": list(self.shape), "dtype": self.dtype}
+        return d | {"weak_type": True} if self.weak_type else d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> TensorSpec:
         """The spec :meth:`to_json` wrote, ``d``; a ``KeyError`` if a field is missing."""
-        return cls(str(d["path"]), tuple(d["shape"]), str(d["dtype"]))
+        return cls(str(d["path"]), tuple(d["shape"]), str(d["dtype"]), d.get("weak_type") is True)
 
 
 def shape_dims(shape: Sequence[Any]) -> tuple[int | str, ...]:

@@ -101,7 +101,7 @@ def test_a_weakly_typed_example_exports_as_the_model_takes_it(tmp_path):
     weak = jnp.asarray(1.5)
     assert jax.typeof(weak).weak_type and h(weak).dtype == jnp.bfloat16
     art = sm.export(h, tmp_path / "m", example=weak, batch=None).path
-    got = sm.load(art)(np.float32(1.5))
+    got = sm.load(art)(1.5)  # (a float32 array: refused, test_one_answer)
     assert got.dtype == jnp.bfloat16  # the artifact's answer: the model's at a weak 1.5
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(h(weak), np.float32))
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError, first_line
-from symjax_mlp._npy import dtype_refused
+from symjax_mlp._npy import dtype_refused, strong_refused, weakly_typed
 from symjax_mlp._specs import MASKED_INPUT, TensorSpec
 
 MAX_SYMBOLIC = 2**31 - 1  # the largest size of a symbolic dimension a call may give
@@ -128,9 +128,11 @@ class Signature:
                         f"{caller}: {spec.path}.shape[{i}] is {got} but {seen[0]} is "
                         f"{seen[1]}; both are the symbolic dimension {dim} and must agree."
                     )
+            given = inputs[self.inputs.index(spec)]  # as passed: a list, an array
             if str(x.dtype) != spec.dtype:  # as text: bfloat16 and rng key types included
-                given = inputs[self.inputs.index(spec)]  # as passed: a list, an array
                 raise SignatureError(dtype_refused(caller, spec, x, given))
+            if spec.weak_type and not weakly_typed(given):  # the program promotes as for 2.0
+                raise SignatureError(strong_refused(caller, spec, given))
         solved = self._check_terms(sizes, caller)
         known = {k: v for k, (_, v) in sizes.items() if type(v) is int}  # symbolic: unknown
         known |= solved

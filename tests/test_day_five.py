@@ -1,0 +1,139 @@
+"""A researcher's day five (session 61, Part D): a day in a notebook.
+
+The models of days one to four driven through a real IPython shell, cell by cell, as a
+Jupyter user writes them without reading the library's code: a class redefined by a re-run
+cell, a user error in a cell, what a cell ending in ``sm.export(...)``, ``sm.timeit(...)``,
+``sm.verify(...)`` or ``train(...)`` shows, the stop button during a first call.
+
+Each cheap test is a stumble of that walk: it failed before its fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import pytest
+
+import symjax_mlp as sm
+
+IPython = pytest.importorskip("IPython")
+
+
+@pytest.fixture(scope="module")
+def shell(tmp_path_factory):
+    """An IPython shell as Jupyter's kernel runs one (its history in memory, no colours)."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    before = os.environ.get("IPYTHONDIR")
+    os.environ["IPYTHONDIR"] = str(tmp_path_factory.mktemp("ipython"))
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    sh = InteractiveShell.instance(config=config, colors="NoColor")
+    sh.run_cell("import jax, jax.numpy as jnp, flax.linen as nn\nimport symjax_mlp as sm")
+    yield sh
+    InteractiveShell.clear_instance()
+    if before is None:
+        os.environ.pop("IPYTHONDIR", None)
+    else:
+        os.environ["IPYTHONDIR"] = before
+
+
+def run(sh, source: str) -> tuple[BaseException | None, str]:
+    """Runs one cell: its error, and what the notebook shows under it."""
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as shown:
+        result = sh.run_cell(source, store_history=True)
+    text = [shown.stdout, shown.stderr, *(o.data.get("text/plain", "") for o in shown.outputs)]
+    return result.error_in_exec, "".join(text)
+
+
+def frames_in(shown: str, package: str) -> int:
+    """How many frames of ``package``'s files a shown traceback has."""
+    return sum(line.startswith("File ") and f"/{package}/" in line for line in shown.splitlines())
+
+
+MODEL_CELL = """
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Dense(8)(x)
+        if y.sum() > 0:  # a Python if on a traced value
+            y = -y
+        return nn.Dense(2)(y)
+
+x = jnp.ones((3, 4))
+net = MLP()
+h = sm.hybridize(net, net.init(jax.random.key(0), x))
+"""
+
+
+@pytest.mark.slow  # an IPython shell and a first trace and compile: seconds
+def test_a_user_error_in_a_cell_shows_its_line_and_message_not_our_frames(shell):
+    """A wrong input in a cell showed a traceback through seven of symjax_mlp's frames
+    (traced.py, linen_module.py, ...) before the message: a user error read as a bug of ours
+    to step through. The cell's line and the message are shown, the frames hidden and counted,
+    and ``%xmode Verbose`` shows them all."""
+    run(shell, MODEL_CELL)
+    error, shown = run(shell, "h(jnp.ones((3, 5)))")
+    assert isinstance(error, sm.SignatureError)
+    assert "----> 1 h(jnp.ones((3, 5)))" in shown and "do not fit the params" in shown
+    assert frames_in(shown, "symjax_mlp") == 0 and "%xmode Verbose shows them" in shown
+    run(shell, "%xmode Verbose")
+    try:
+        _, verbose = run(shell, "h(jnp.ones((3, 5)))")
+    finally:
+        run(shell, "%xmode Context")
+    assert frames_in(verbose, "symjax_mlp") > 3  # nothing lost for whoever wants it
+
+
+@pytest.mark.slow  # an IPython shell and a first trace and compile: seconds
+def test_control_flow_in_a_cells_model_points_at_its_if_line(shell):
+    """A Python ``if`` on a traced value in a model defined in an earlier cell: the line of
+    that ``if`` (in JAX's error it was raised from) is shown with the fix, without the
+    thirteen frames of symjax_mlp, Flax and JAX around it."""
+    run(shell, MODEL_CELL)
+    error, shown = run(shell, "h(x)")
+    assert isinstance(error, sm.ControlFlowError)
+    assert "----> 5     if y.sum() > 0:" in shown and "jnp.where(x > 0, a, b)" in shown
+    assert "The above exception was the direct cause" in shown
+    assert frames_in(shown, "symjax_mlp") == frames_in(shown, "flax") == 0
+
+
+@pytest.mark.slow  # an IPython shell and a first trace and compile: seconds
+def test_an_error_raised_by_hand_in_a_cell_is_shown_whole(shell):
+    """Nothing of ours to hide: a user's own ``raise sm.ConfigError(...)`` is shown as
+    IPython shows any exception."""
+    error, shown = run(shell, "raise sm.ConfigError('mine')")
+    assert isinstance(error, sm.ConfigError)
+    assert "----> 1 raise sm.ConfigError('mine')" in shown and "hidden" not in shown
+
+
+STOPPED_CELL = """
+stop = []
+class Stopped(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        if stop:
+            stop.pop()
+            raise KeyboardInterrupt  # the stop button, mid-trace
+        return nn.Dense(2)(x)
+
+s = Stopped()
+hs = sm.hybridize(s, s.init(jax.random.key(0), jnp.ones((3, 4))))
+"""
+
+
+@pytest.mark.slow  # an IPython shell and a first trace and compile: seconds
+def test_the_stop_button_in_a_first_trace_leaves_the_hybrid_working(shell):
+    """Interrupted (the notebook's stop button) inside its first trace, the Hybrid is not
+    stuck: the next cell's call traces once and answers as eager Flax does."""
+    run(shell, STOPPED_CELL)
+    error, _ = run(shell, "stop.append(True)\nhs(jnp.ones((3, 4)))")
+    assert isinstance(error, KeyboardInterrupt)
+    error, _ = run(shell, "y = hs(jnp.ones((3, 4)))")
+    hs = shell.user_ns["hs"]
+    assert error is None and hs.trace_count == 1
+    assert jnp.array_equal(shell.user_ns["y"], hs.eager(jnp.ones((3, 4))))

@@ -1,0 +1,163 @@
+"""One model, one answer through every door: ``net.apply``, ``h(x)``, ``h.apply``, the loaded
+``m(x)`` and ``m.apply``, a Batcher over either, ``symjax-mlp run`` on a .npy file and HTTP's
+``/predict`` (session 61, part E). Each door answers an input with h's values and dtype, or
+refuses it with a message that says what to pass; none answers in another dtype in silence.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import symjax_mlp as sm
+from symjax_mlp.cli import main
+
+X = (np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5) / 7
+
+
+def _same(got, want):
+    """``got`` has ``want``'s dtype and values (the dtype first: a bfloat16 answer where the
+    model answers float32 may hold the same rounded values)."""
+    assert np.asarray(got).dtype == np.asarray(want).dtype, (got, want)
+    np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+
+
+@pytest.mark.slow  # an export, its load and h's four traces: 1.8 s
+def test_an_export_at_a_weak_scalar_answers_as_h_or_refuses_a_strong_one(tmp_path):
+    """Export traced a weakly typed scalar example (jnp.asarray(1.5), a Python number) as jit
+    does, so a bfloat16 model times it stays bfloat16; but the artifact recorded the input as a
+    plain float32 (jax.export serializes no weak type), and the loaded model took a float32
+    array there and answered bfloat16 where h promotes to float32: another dtype, in silence.
+    The manifest records the weak type; a weakly typed input answers as h does, a strongly
+    typed one is refused by every door that takes it (m, m.apply), a jax.Array after a weak one
+    of its shape too (the call's cache of checked shapes keeps none for such an artifact)."""
+    h = sm.hybridize(lambda p, x: p["w"] * x, {"w": jnp.arange(1, 4, dtype=jnp.bfloat16)})
+    weak = jnp.asarray(1.5)
+    m = sm.load(sm.export(h, tmp_path / "m", example=weak, batch=None).path)
+    assert m.signature.inputs[0].weak_type and "(weak)" in str(m.signature)
+    for x in (1.5, weak, 2):  # weakly typed: the model's answer, bfloat16
+        _same(m(x), h(x))
+        _same(m.apply(m.params, x), h(x))
+    assert h(weak).dtype == jnp.bfloat16
+    for x in (np.float32(1.5), np.asarray(1.5, np.float32), jnp.float32(1.5)):
+        assert h(x).dtype == jnp.float32  # what the artifact cannot answer
+        for door in (m, functools.partial(m.apply, m.params)):
+            with pytest.raises(sm.SignatureError) as e:
+                door(x)
+            said = str(e.value)
+            assert said.startswith(f'symjax_mlp.load("{m.path}"): input args[0] was exported'), said
+            assert "weakly typed example" in said and "Pass a Python number" in said, said
+            assert "np.float32(2.0)" in said, said
+
+
+def test_an_export_at_a_weak_array_takes_arrays_as_h_does(tmp_path):
+    """An example of more than one value that is weakly typed (jnp.full's, a weak scalar
+    broadcast) exports as jax.export records it, strongly typed, as a NumPy array of it traces:
+    the loaded model answers a float32 array as h does (float32 for a bfloat16 model)."""
+    h = sm.hybridize(lambda p, x: p["w"] * x, {"w": jnp.arange(1, 4, dtype=jnp.bfloat16)})
+    weak = jnp.full((2, 3), 1.5)
+    assert jax.typeof(weak).weak_type
+    m = sm.load(sm.export(h, tmp_path / "m", example=weak).path)
+    assert not m.signature.inputs[0].weak_type
+    _same(m(X), h(X))
+    _same(m.apply(m.params, X), h(X))
+    assert m(X).dtype == jnp.float32
+
+
+@pytest.fixture(scope="module")
+def doors(tmp_path_factory):
+    """Each door of one float32 MLP, by name: a function of an input that answers or raises."""
+    from test_http_hostile import _in_thread, _post  # (skipped without the serve extra)
+
+    net = sm.mlp((4, 2))
+    variables = net.init(jax.random.key(0), X)
+    h = sm.hybridize(net, variables)
+    where = tmp_path_factory.mktemp("doors")
+    m = sm.load(sm.export(h, where / "m", example=X).path)
+    out = where / "y.npy"
+
+    def cli(x):
+        np.save(where / "x.npy", np.asarray(x))
+        if main(["run", str(m.path), "--input", str(where / "x.npy"), "--output", str(out)]):
+            raise sm.SignatureError("run refused it")  # (its one line: test_cli's)
+        return np.load(out)
+
+    def http(x):
+        body = x if isinstance(x, (list, tuple)) else np.asarray(x).tolist()
+        code, raw = _post(url, json.dumps({"inputs": body}).encode())
+        if code != 200:
+            assert 400 <= code < 500 and "message" in json.loads(raw), raw
+            raise sm.SignatureError(json.loads(raw)["message"])
+        return np.asarray(json.loads(raw)["outputs"], np.float32)  # JSON: float32's values
+
+    with (
+        sm.serving.Batcher(m, max_batch=4) as bm,
+        sm.serving.Batcher(h, example=X, max_batch=4) as bh,
+        sm.serving.Batcher(m, max_batch=4) as served,
+        _in_thread(sm.serving.create_app(served, close_batcher=False), lifespan="off") as url,
+    ):
+        yield {
+            "net.apply": lambda x: net.apply(variables, x),
+            "h": h,
+            "h.apply": lambda x: h.apply(h.params, x),
+            "m": m,
+            "m.apply": lambda x: m.apply(m.params, x),
+            "Batcher(m)": bm,
+            "Batcher(h)": bh,
+            "run": cli,
+            "http": http,
+        }
+
+
+def _readonly(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+KINDS = {  # what a user may pass: h's answer is the reference where h takes it
+    "float32": lambda: X,
+    "list": lambda: X.tolist(),
+    "nested tuple": lambda: tuple(map(tuple, X.tolist())),
+    "float64": lambda: X.astype(np.float64),
+    "int": lambda: np.arange(6).reshape(2, 3),
+    "bool": lambda: X > 0,
+    "bfloat16": lambda: X.astype(jnp.bfloat16),
+    "float16": lambda: X.astype(np.float16),
+    "non-contiguous": lambda: np.repeat(X, 2, axis=1)[:, ::2],
+    "Fortran order": lambda: np.asfortranarray(X),
+    "read-only": lambda: _readonly(X),
+    "jax.Array": lambda: jnp.asarray(X),
+    "jax.Array on device 1": lambda: jax.device_put(X, jax.devices()[1]),
+    "a row as a list of ints": lambda: [[1, 2, 3]],
+}
+
+
+@pytest.mark.slow  # a CLI run and an HTTP request per input: ~0.3 s each, 1.2 s the fixture
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_door_answers_an_input_as_h_does_or_refuses_it(doors, kind):
+    """Every door that answers gives one dtype and one set of values: h's where h takes the
+    input, else (a Python list, which h refuses) those of its array; a door that does not
+    answer refuses with a symjax_mlp error (run: exit 2, HTTP: a 4xx JSON body). Nothing is
+    cast to another dtype behind the caller's back."""
+    x = KINDS[kind]()
+    answers, refused = {}, {}
+    for name, door in doors.items():
+        try:
+            answers[name] = np.asarray(door(x))
+        except sm.SymjaxError as e:
+            refused[name] = str(e)
+        except DeprecationWarning as e:  # JAX's of a model given a list, an error to come
+            assert name in ("net.apply", "h", "h.apply") and isinstance(x, (list, tuple)), e
+    assert "m" in answers or "h" in answers, refused  # each kind is taken somewhere
+    want = answers.get("h", answers.get("net.apply"))
+    if want is None:  # h refuses it (a list, JAX a tuple): the array it is, as m makes it
+        want = np.asarray(doors["h"](np.asarray(x, np.float32)))
+    for name, got in answers.items():
+        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
