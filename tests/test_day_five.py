@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -137,3 +138,18 @@ def test_the_stop_button_in_a_first_trace_leaves_the_hybrid_working(shell):
     hs = shell.user_ns["hs"]
     assert error is None and hs.trace_count == 1
     assert jnp.array_equal(shell.user_ns["y"], hs.eager(jnp.ones((3, 4))))
+
+
+@pytest.mark.slow  # an export: about a second on 2 cores
+def test_a_cell_ending_in_export_shows_one_line(shell, tmp_path):
+    """``sm.export(h, path, ...)`` ending a cell (the artifact it returns) showed the whole
+    manifest as nested mappingproxies, 2 kB of sha256s and versions; ``sm.inspect(path)``
+    too. One line says where and what (``print(art)`` is the full summary)."""
+    run(shell, "h2 = sm.hybridize(sm.mlp((8, 2)), sm.mlp((8, 2)).init(jax.random.key(0), x))")
+    shell.user_ns["where"] = str(tmp_path / "a")
+    error, shown = run(shell, "sm.export(h2, where, example=x, batch='b')")
+    assert error is None and "mappingproxy" not in shown
+    line = f"Artifact({str(tmp_path / 'a')!r}, (args[0]: float32[b, 4]) -> float32[b, 2]"
+    assert line in shown and len(shown.strip().splitlines()) == 1
+    assert repr(sm.inspect(tmp_path / "a")) in shown
+    assert jax.tree.leaves(sm.load(tmp_path / "a").params)

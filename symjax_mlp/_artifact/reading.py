@@ -42,10 +42,11 @@ _CARD, _CARD_KEYS = 300, 50  # the characters of a card's key or value, its keys
 USED = (JAXEXPORT, MLIRBC, PARAMS)  # the files a loader reads into memory; others are hashed
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Artifact:
     """An exported model on disk: its directory and its (checked) manifest.
 
+    ``repr`` is one line (a notebook shows it for ``sm.export(...)`` ending a cell);
     ``str(artifact)`` is the summary ``symjax-mlp inspect`` prints; run it with
     :func:`~symjax_mlp.load`.
 
@@ -133,6 +134,11 @@ class Artifact:
         exported = deserialize(path, view, blobs)  # checked against manifest and mlirbc
         file, digest = path / names[0], m["files"][names[0]]["sha256"]
         return exported, checker.program(file, digest, exported)[0]
+
+    def __repr__(self) -> str:  # one line, as LoadedModel's: not the manifest's 2 kB
+        names = entry_names(self.manifest)
+        more = f", entries={list(names)}" if len(names) > 1 else ""
+        return printable(f"Artifact({str(self.path)!r}, {self.signature}{more})")
 
     def __str__(self) -> str:
         m = self.manifest
