@@ -108,6 +108,9 @@ class CallTiming:
                       "median_s": self.median(row)} for row in _ROWS}  # fmt: skip
         return {**head, **rows, "over_compiled": {m: self.over_compiled(m) for m in _ROWS[:2]}}
 
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # a notebook shows the table, as print
+        p.text(str(self))
+
     def __str__(self) -> str:
         lines = [
             f"{printable(self.name)}: {self.calls} calls x {len(self.synced)} repeats, per call, "

@@ -89,17 +89,13 @@ class VerifyReport:
         checks = [dataclasses.asdict(c) for c in self.checks]
         for c in checks:  # JSON has no NaN
             c["max_abs_err"] = None if math.isnan(c["max_abs_err"]) else c["max_abs_err"]
-        return {
-            "path": str(self.path),
-            "ok": self.ok,
-            "reference": self.reference,
-            "rtol": self.rtol,
-            "atol": self.atol,
-            "checks": checks,
-            "load_seconds": dict(self.load_seconds),
-            "errors": list(self.errors),
-            "skipped": list(self.skipped),
-        }
+        return {"path": str(self.path), "ok": self.ok, "reference": self.reference,
+                "rtol": self.rtol, "atol": self.atol, "checks": checks,
+                "load_seconds": dict(self.load_seconds), "errors": list(self.errors),
+                "skipped": list(self.skipped)}  # fmt: skip
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # a notebook shows the table, as print
+        p.text(str(self))
 
     def __str__(self) -> str:
         loads = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.load_seconds.items())

@@ -11,6 +11,7 @@ Each cheap test is a stumble of that walk: it failed before its fix.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +139,23 @@ def test_the_stop_button_in_a_first_trace_leaves_the_hybrid_working(shell):
     hs = shell.user_ns["hs"]
     assert error is None and hs.trace_count == 1
     assert jnp.array_equal(shell.user_ns["y"], hs.eager(jnp.ones((3, 4))))
+
+
+@pytest.mark.slow  # an IPython shell and a first trace and compile: seconds
+def test_timeit_and_verify_ending_a_cell_show_their_tables(shell):
+    """``sm.timeit(h, x)`` ending a cell showed its dataclass: eight tuples of floats in
+    seconds; ``sm.verify(...)`` its checks as nested reprs. A cell shows the tables ``print``
+    shows (and ``symjax-mlp bench`` / ``verify`` print)."""
+    from IPython.lib.pretty import pretty
+
+    from symjax_mlp import VerifyCheck, VerifyReport
+
+    run(shell, "h2 = sm.hybridize(sm.mlp((8, 2)), sm.mlp((8, 2)).init(jax.random.key(0), x))")
+    error, shown = run(shell, "sm.timeit(h2, x, calls=3, repeats=1)")
+    assert error is None and "min / compiled" in shown and "synced=(" not in shown
+    check = VerifyCheck(runtime="jax", batch=7, ok=True, max_abs_err=0.0)
+    report = VerifyReport(Path("a"), "h", 1e-5, 1e-5, (check,), {"jax": 0.4})
+    assert pretty(report) == str(report) and "verify a: OK" in pretty(report)
 
 
 @pytest.mark.slow  # an export: about a second on 2 cores
