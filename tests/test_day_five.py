@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import symjax_mlp as sm
@@ -156,6 +157,23 @@ def test_timeit_and_verify_ending_a_cell_show_their_tables(shell):
     check = VerifyCheck(runtime="jax", batch=7, ok=True, max_abs_err=0.0)
     report = VerifyReport(Path("a"), "h", 1e-5, 1e-5, (check,), {"jax": 0.4})
     assert pretty(report) == str(report) and "verify a: OK" in pretty(report)
+
+
+def test_a_train_result_ending_a_cell_shows_its_figures_not_its_arrays():
+    """``sm.training.train(...)`` ending a cell (or ``print(result)``) showed the trained
+    params, the optimizer's state and the data's 64-feature mean and std: pages of arrays
+    around the few figures a notebook wants. Its repr keeps the figures."""
+    from symjax_mlp.training import TrainResult
+
+    big = np.zeros(4096, np.float32)
+    result = TrainResult(
+        model=sm.mlp((8, 2)), params={"w": big}, opt_state=(big,), step=92, epoch=4,
+        history=(), test_accuracy=0.93, train_seconds=4.7, compiled=True, trace_count=1,
+        resumed_from=None, checkpoint=None, num_features=64, standardize=(big, big),
+    )  # fmt: skip
+    shown = repr(result)
+    assert "test_accuracy=0.93" in shown and "epoch=4" in shown
+    assert "array" not in shown and len(shown) < 400
 
 
 @pytest.mark.slow  # an export: about a second on 2 cores

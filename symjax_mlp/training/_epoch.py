@@ -250,12 +250,13 @@ class TrainResult:
         written because the one before it was still being committed; never the last.
     """
 
-    model: Any
-    params: Any
-    opt_state: Any
+    # repr: the figures, not the arrays (a notebook's `train(...)` ending a cell showed pages)
+    model: Any = dataclasses.field(repr=False)
+    params: Any = dataclasses.field(repr=False)
+    opt_state: Any = dataclasses.field(repr=False)
     step: int
     epoch: int
-    history: tuple[EpochRecord, ...]
+    history: tuple[EpochRecord, ...] = dataclasses.field(repr=False)
     test_accuracy: float
     train_seconds: float
     compiled: bool
@@ -263,9 +264,9 @@ class TrainResult:
     resumed_from: Path | None
     checkpoint: Path | None
     num_features: int
-    model_state: Any = None
+    model_state: Any = dataclasses.field(default=None, repr=False)
     eval_flags: dict[str, bool] = dataclasses.field(default_factory=dict)
-    standardize: tuple[np.ndarray, np.ndarray] | None = None
+    standardize: tuple[np.ndarray, np.ndarray] | None = dataclasses.field(default=None, repr=False)
     checkpoint_waits: tuple[float, ...] = ()
     checkpoints_superseded: tuple[int, ...] = ()
 
