@@ -142,3 +142,57 @@ def test_a_private_cache_below_a_sticky_folder_such_as_tmp_loads(tmp_path):
     finally:
         jax.config.update("jax_compilation_cache_dir", old[0])
         jax.config.update("jax_enable_compilation_cache", old[1])
+
+
+# one process: waits for argv[2] to appear, then exports the chapter's MLP of seed argv[1] once
+# to art0 (no overwrite), then three times to art1 (overwrite); prints what it made and refused
+_EXPORT = """
+import json, os, sys, time
+import jax, jax.numpy as jnp, symjax_mlp as sm
+net, x, go = sm.mlp((4, 2)), jnp.ones((1, 8)), sys.argv[2]
+h = sm.hybridize(net, net.init(jax.random.key(int(sys.argv[1])), x))
+while not os.path.exists(go):
+    time.sleep(0.001)
+made, refused = [0, 0], []
+for i, n in enumerate((1, 3)):
+    for _ in range(n):
+        try:
+            sm.export(h, os.path.join(os.path.dirname(go), f"art{i}"), example=x, overwrite=i == 1)
+            made[i] += 1
+        except sm.ArtifactError as e:
+            refused.append(str(e))
+print(json.dumps([made, refused]))
+"""
+
+
+@pytest.mark.slow  # two fresh processes at once (~15 s on 2 cores)
+def test_two_processes_exporting_to_one_path_at_once_leave_one_whole_artifact(tmp_path):
+    """Held: two processes export to the same path at the same moment. Without overwrite, one
+    export is made and the other refused ("already exists"), never two half-artifacts mixed;
+    with overwrite, the last rename wins and what is left loads whole (its self-test passes)
+    and answers as one of the two models; no temporary sibling is left behind."""
+    answers = []
+    for seed in (0, 1):
+        net = sm.mlp((4, 2))
+        answers.append(sm.hybridize(net, net.init(jax.random.key(seed), jnp.asarray(X)))(X))
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _EXPORT, str(seed), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (0, 1)
+    ]
+    go.touch()
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    (made0, refused0), (made1, refused1) = (json.loads(o) for o, _ in outs)
+    assert sorted([made0[0], made1[0]]) == [0, 1] and made0[1] == made1[1] == 3, outs
+    (refusal,) = refused0 + refused1
+    assert "art0 already exists; export does not replace it silently" in refusal
+    for art in ("art0", "art1"):
+        y = np.asarray(sm.load(tmp_path / art)(X))
+        assert any(np.allclose(y, a, rtol=1e-6) for a in answers), (y, answers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art0", "art1", "go"]
