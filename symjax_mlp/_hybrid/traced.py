@@ -26,6 +26,7 @@ from symjax_mlp._errors import (
     unbound_axis_error,
 )
 from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, not_data, rebuild
+from symjax_mlp._hybrid.effects import outer_handlers
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
 from symjax_mlp._hybrid.numbers import warn_numbers
@@ -305,7 +306,8 @@ class TracedModel:
                 warn = not self.warned.is_set()
                 if warn and warn_numbers(self.log, self.deliberate, static, event):
                     self.warned.set()  # once per Hybrid
-                result = self.call(static, params, state, dyn, dyn_kw, pure=pure)
+                with outer_handlers(self.log.name):  # NumPyro's, entered outside the Hybrid
+                    result = self.call(static, params, state, dyn, dyn_kw, pure=pure)
         except (LookupError, TypeError, AttributeError, ValueError) as e:  # the model's own
             caller = f"{self.log.name}.apply(params, ...)"  # (h.apply(None, x): p["w"] of None)
             if entry != "apply" or isinstance(e, SymjaxError):
