@@ -196,3 +196,24 @@ def test_two_processes_exporting_to_one_path_at_once_leave_one_whole_artifact(tm
         y = np.asarray(sm.load(tmp_path / art)(X))
         assert any(np.allclose(y, a, rtol=1e-6) for a in answers), (y, answers)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art0", "art1", "go"]
+
+
+def test_training_refuses_a_compilation_cache_others_may_write_before_any_step(tmp_path):
+    """The same cache under ``symjax-mlp train`` and ``sm.training.train``: a planted
+    executable of the training step would run as the step (the weights it returns, native
+    code), as the model's did under load. Refused before any step, in the same words."""
+    from symjax_mlp import training
+
+    shared = tmp_path / "jax_cache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    old = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    try:
+        jax.config.update("jax_enable_compilation_cache", True)  # (CI's slow run turns it off)
+        jax.config.update("jax_compilation_cache_dir", str(shared))
+        with pytest.raises(sm.ConfigError, match=r"^symjax_mlp.training.train: JAX's compil"):
+            training.train(epochs=1, checkpoint=str(tmp_path / "ckpt"))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old[0])
+        jax.config.update("jax_enable_compilation_cache", old[1])
+    assert not (tmp_path / "ckpt").exists()

@@ -57,15 +57,21 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
             f"here sees {have} {here} device(s). Run it where {need} devices are visible, or "
             "re-export it unsharded."
         )
+    refuse_shared_cache(f"load({str(path)!r})")
+
+
+def refuse_shared_cache(head: str) -> None:
+    """Refuses JAX's persistent compilation cache where others may write (or swap) its folder:
+    its entries are executables, native code XLA runs as the program whose key names them."""
     folder = jax.config.jax_compilation_cache_dir
     on = folder and jax.config.jax_enable_compilation_cache and "://" not in folder
     if on and (why := shared_by_others(folder)):
         raise ConfigError(
-            f"load({str(path)!r}): JAX's compilation cache, jax_compilation_cache_dir="
-            f"{folder!r}, is not yours alone: {why}. An entry there is native code XLA would "
-            "run in this process as this program's. Point JAX_COMPILATION_CACHE_DIR (or "
-            "jax.config.update('jax_compilation_cache_dir', ...)) at a folder only you can "
-            "write, such as $HOME/.cache/jax, or unset it."
+            f"{head}: JAX's compilation cache, jax_compilation_cache_dir={folder!r}, is not "
+            f"yours alone: {why}. An entry there is native code XLA would run in this process "
+            "as this program's. Point JAX_COMPILATION_CACHE_DIR (or jax.config.update("
+            "'jax_compilation_cache_dir', ...)) at a folder only you can write, such as "
+            "$HOME/.cache/jax, or unset it."
         )
 
 

@@ -26,6 +26,7 @@ from symjax_mlp._errors import (
 )
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._models import mlp
+from symjax_mlp._runtimes.jax import refuse_shared_cache
 from symjax_mlp.training._checkpoint import save_checkpoint
 from symjax_mlp.training._data import (
     Dataset,
@@ -184,6 +185,7 @@ def train(
         as_int(v) for v in (epochs, batch_size, checkpoint_every, seed, blocks, timeout)
     )
     _check_settings(epochs, batch_size, checkpoint_every, seed, compiled, resume, on_epoch)
+    refuse_shared_cache(_CALLER)  # before XLA reads an executable from there
     compiled, resume = bool(compiled), bool(resume)  # np.True_, 1: JSON's true in the results
     optimizer = checked_optimizer(optimizer, learning_rate, _CALLER)
     timeout = run_timeout(timeout, _CALLER)  # checked in one process too, not once scaled out
