@@ -7,6 +7,7 @@ test_stranger12.py, test_stranger11.py, ..., test_security.py, test_checker_limi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -46,6 +47,21 @@ def _artifacts(tmp_path):
         out[name] = sm.export(h, tmp_path / name, example=X).path
         out[name + "_y"] = np.asarray(h(X3))
     return out
+
+
+@contextlib.contextmanager
+def _cache_at(folder):
+    """JAX's compilation cache set to ``folder`` in this process, then as it was. JAX settled
+    at the process's first compilation whether it uses a cache: the folder is checked, not read."""
+    jax.block_until_ready(jax.jit(lambda v: v + 1)(1.0))
+    old = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    try:
+        jax.config.update("jax_enable_compilation_cache", True)  # (CI's slow run turns it off)
+        jax.config.update("jax_compilation_cache_dir", str(folder))
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old[0])
+        jax.config.update("jax_enable_compilation_cache", old[1])
 
 
 def _run(art, cache, **env):
@@ -121,27 +137,19 @@ def test_a_damaged_entry_in_ones_own_cache_is_compiled_again(tmp_path, damage):
 def test_a_private_cache_below_a_sticky_folder_such_as_tmp_loads(tmp_path):
     """Held (no false alarm): a cache folder of one's own (0700, made by load if missing) in a
     folder every user may write but not rename in (sticky, as /tmp); while one others may write
-    is refused in this process too. (JAX settles whether it uses a cache at the process's first
-    compilation, so here the folder is only checked, never read.)"""
+    is refused in this process too."""
     net = sm.mlp((2,))
     h = sm.hybridize(net, net.init(jax.random.key(0), jnp.asarray(X)))
     art = sm.export(h, tmp_path / "m", example=X).path
     sticky = tmp_path / "tmp"
     sticky.mkdir()
     sticky.chmod(0o1777)
-    jax.block_until_ready(jax.jit(lambda v: v + 1)(1.0))  # JAX's choice is made: no cache here
-    old = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
-    try:
-        jax.config.update("jax_enable_compilation_cache", True)  # (CI's slow run turns it off)
-        jax.config.update("jax_compilation_cache_dir", str(sticky / "jax_cache"))
+    with _cache_at(sticky / "jax_cache"):
         assert sm.load(art)(X).shape == (1, 2)
         assert oct((sticky / "jax_cache").stat().st_mode & 0o777) == oct(0o700)
         (sticky / "jax_cache").chmod(0o707)
         with pytest.raises(sm.ConfigError, match=r"others may write in .*jax_cache \(mode 707\)"):
             sm.load(art)
-    finally:
-        jax.config.update("jax_compilation_cache_dir", old[0])
-        jax.config.update("jax_enable_compilation_cache", old[1])
 
 
 # one process: waits for argv[2] to appear, then exports the chapter's MLP of seed argv[1] once
@@ -207,13 +215,6 @@ def test_training_refuses_a_compilation_cache_others_may_write_before_any_step(t
     shared = tmp_path / "jax_cache"
     shared.mkdir()
     shared.chmod(0o777)
-    old = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
-    try:
-        jax.config.update("jax_enable_compilation_cache", True)  # (CI's slow run turns it off)
-        jax.config.update("jax_compilation_cache_dir", str(shared))
-        with pytest.raises(sm.ConfigError, match=r"^symjax_mlp.training.train: JAX's compil"):
-            training.train(epochs=1, checkpoint=str(tmp_path / "ckpt"))
-    finally:
-        jax.config.update("jax_compilation_cache_dir", old[0])
-        jax.config.update("jax_enable_compilation_cache", old[1])
+    with _cache_at(shared), pytest.raises(sm.ConfigError, match=r"^symjax_mlp.training.train: "):
+        training.train(epochs=1, checkpoint=str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
