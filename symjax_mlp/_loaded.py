@@ -20,6 +20,7 @@ from symjax_mlp._artifact.format import (
 )
 from symjax_mlp._artifact.reading import thaw
 from symjax_mlp._artifact.signature import Signature, as_array, is_array
+from symjax_mlp._artifact.weights import param_paths
 from symjax_mlp._errors import (
     ConfigError,
     EntryPointError,
@@ -149,14 +150,16 @@ class LoadedModel(NoPickle):
                 "cannot pass them (IREE, params_as_constants=True, or sharded over devices). "
                 "Load it with runtime='jax' on one device, without params_as_constants."
             )
-        own = self._params
+        own, given = self._params, params
         if not isinstance(params, Mapping) or set(params) != set(own):
-            got = sorted(params)[:4] if isinstance(params, Mapping) else type(params).__name__
+            params = _by_path(params)  # the tree of those paths, as h.params (the source) holds it
+        if params is None or set(params) != set(own):
+            got = sorted(given)[:4] if isinstance(given, Mapping) else type(given).__name__
             raise SignatureError(
                 f"{self._caller}.apply(params, ...): params must be a dict by the names of "
-                f"m.params, {sorted(own)[:4]}...; got {printable(str(got))[:200]}. Pass "
-                "m.params, or a dict of the same names (stacked along a new first axis for "
-                "jax.vmap)."
+                f"m.params, {sorted(own)[:4]}..., or the tree whose paths they are (as h.params "
+                f"holds it); got {printable(str(got))[:200]}. Pass m.params, or such a dict or "
+                "tree (stacked along a new first axis for jax.vmap)."
             )
         for name, w in own.items():
             p = params[name]
@@ -287,3 +290,14 @@ def _at(xs: list[Any], axes: list[int | None], index: int | None) -> list[Any]:
     return [
         x if k is None else x[(slice(None),) * k + (index,)] for x, k in zip(xs, axes, strict=True)
     ]
+
+
+def _by_path(tree: Any) -> dict[str, Any] | None:
+    """``tree``'s leaves by the paths an artifact names params by; ``None`` where two leaves
+    share one or a key cannot be named (``{"a/b": x, "a": {"b": y}}``, an empty key)."""
+    try:
+        named = list(param_paths(tree))
+    except ArtifactError:
+        return None
+    out = dict(named)
+    return out if len(out) == len(named) else None

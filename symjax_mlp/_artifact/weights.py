@@ -10,10 +10,11 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 import safetensors
@@ -47,6 +48,7 @@ _ST_DTYPES = {  # safetensors dtype codes -> NumPy dtypes (bfloat16 from ml_dtyp
     "C64": np.dtype(np.complex64),
 }
 _NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
+_KEY_ATTRS = ("key", "idx", "name")  # what names a dict's, a sequence's, an attribute's key
 
 
 _ODD_PATH = (
@@ -93,18 +95,22 @@ def param_specs(tree: Any, caller: str = "") -> tuple[list[TensorSpec], list[np.
         raise (ArtifactError(f"{caller}: {e}") if caller else e) from None
 
 
-def _param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
-    import jax
-
-    specs, arrays = [], []
+def param_paths(tree: Any) -> Iterator[tuple[str, Any]]:
+    """``tree``'s leaves by the paths that name them in an artifact (keys joined by ``/``)."""
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = [_key_name(k) for k in keys]
+        parts = [str(next((getattr(k, a) for a in _KEY_ATTRS if hasattr(k, a)), k)) for k in keys]
         path = "/".join(parts) or "params"  # a single array as the params: one tensor
         if "" in parts or "" in path.split("/"):  # 'mlp/~/linear_0' joins, 'a/' and 'a//b' not
             raise ArtifactError(
                 f"param path {path!r} has an empty key ('/' joins keys into "
                 "params.safetensors' paths). Rename the key."
             )
+        yield path, leaf
+
+
+def _param_specs(tree: Any) -> tuple[list[TensorSpec], list[np.ndarray]]:
+    specs, arrays = [], []
+    for path, leaf in param_paths(tree):
         arr = np.asarray(leaf)
         if arr.dtype.kind in "OUSV" and not hasattr(leaf, "dtype"):  # a function, str, object
             from symjax_mlp._hybrid.args import traceable
@@ -144,13 +150,6 @@ def _narrowed(path: str, arr: np.ndarray, to: np.dtype) -> np.ndarray:
         f"in with x64 off: they would change ({'inf' if to.kind in 'fc' else 'wrapped'}). Scale "
         f"them into {to}'s range, or enable x64 (jax.config.update('jax_enable_x64', True))."
     )
-
-
-def _key_name(key: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
 
 
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
