@@ -1,9 +1,10 @@
 """Round thirteen of a stranger's attacks (session 61): whole, self-consistent inputs on surfaces
-no round reached. Here JAX's persistent compilation cache (``jax_compilation_cache_dir``,
+no round reached. JAX's persistent compilation cache (``jax_compilation_cache_dir``,
 JAX_COMPILATION_CACHE_DIR): an entry is a serialized executable, native code that XLA runs as
-the program whose cache key names it. Each way in that got through has a test failing without
-its fix; each surface that held keeps one test showing it. The rounds before:
-test_stranger12.py, test_stranger11.py, ..., test_security.py, test_checker_limits.py."""
+the program whose cache key names it. Then two processes exporting to one path at once, and an
+Orbax step's sharding file. Each way in that got through has a test failing without its fix;
+each surface that held keeps one test showing it. The rounds before: test_stranger12.py,
+test_stranger11.py, ..., test_security.py, test_checker_limits.py."""
 
 from __future__ import annotations
 
@@ -214,3 +215,33 @@ def test_training_refuses_a_compilation_cache_others_may_write_before_any_step(t
     with _cache_at(shared), pytest.raises(sm.ConfigError, match=r"^symjax_mlp.training.train: "):
         training.train(epochs=1, checkpoint=str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow  # an Orbax save and two restores (~3 s)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax's futures
+def test_an_orbax_steps_sharding_file_naming_devices_that_do_not_exist_is_not_followed(tmp_path):
+    """Held: a multi-process run's Orbax step whose ``state/_sharding`` names a device this
+    machine lacks (a TPU core 977), or is no JSON at all: the restore places the arrays by the
+    run's own sharding, never by the file's, and reads the same weights."""
+    import optax
+
+    from symjax_mlp.training._orbax import OrbaxCheckpoints
+
+    here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = sm.mlp((8, 2)).init(jax.random.key(0), np.zeros((1, 12), np.float32))["params"]
+    state = sm.training.TrainState(params, optax.sgd(0.1).init(params), jax.random.key(3), step=4)
+    store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=here)
+    step = store.save(state, {"config": {}, "history": []})
+    store.close()
+    sharding = step / "state" / "_sharding"
+    assert "cpu:0" in sharding.read_text()
+    for text in (sharding.read_text().replace("cpu:0", "tpu:977"), "{" * 100_000):
+        sharding.write_text(text)
+        store = OrbaxCheckpoints(tmp_path / "ck", timeout=30, sharding=here)
+        try:
+            got, _ = store.restore(store.latest(), state)
+        finally:
+            store.close()
+        for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(a, b)
+            assert a.sharding == here
