@@ -22,6 +22,7 @@ from symjax_mlp._artifact.reading import thaw
 from symjax_mlp._artifact.signature import Signature, as_array, is_array
 from symjax_mlp._artifact.weights import param_paths
 from symjax_mlp._errors import (
+    ArtifactError,
     ConfigError,
     EntryPointError,
     NoPickle,
