@@ -204,7 +204,7 @@ def test_numpyro_handlers_around_a_hybrid_and_a_loaded_network(tmp_path):
     network a Hybrid (``h.apply``) or the loaded model (``m.apply``): under ``seed`` and
     ``trace`` the sites and draws of bnn.py's own model, under ``substitute`` its ``predict``
     (bnn.py's own helper) and its log density, and ``Predictive`` over stacked weights (a
-    vmap over ``m.apply``) equal to bnn.py's."""
+    ``lax.map``, or with ``parallel=True`` a vmap, over ``m.apply``) equal to bnn.py's."""
     X, Y, X_test = zoo25.get_data(N=20, N_test=30)
     shapes = {"w1": (3, D_H), "w2": (D_H, D_H), "w3": (D_H, 1)}
     w = {k: jax.random.normal(jax.random.key(i), s) for i, (k, s) in enumerate(shapes.items())}
@@ -225,7 +225,8 @@ def test_numpyro_handlers_around_a_hybrid_and_a_loaded_network(tmp_path):
               zoo25.predict(zoo25.model, key, one, X_test, D_H))  # fmt: skip
         close(log_density(model, (X, Y, D_H), {}, one)[0],
               log_density(zoo25.model, (X, Y, D_H), {}, one)[0])  # fmt: skip
-        close(Predictive(model, samples)(key, X_test, None, D_H)["Y"], want)
+        for parallel in (False, True):  # samples one at a time (lax.map), or a vmap
+            close(Predictive(model, samples, parallel=parallel)(key, X_test, None, D_H)["Y"], want)
 
 
 @pytest.mark.slow  # a compile or more (~0.5 s or more)
