@@ -137,8 +137,9 @@ def _shown(tb_format: Any, e: BaseException, seen: set[int]) -> list[str]:
     finally:
         e.__cause__, e.__context__, e.__suppress_context__ = chain
     if hidden and getattr(tb_format, "mode", "") != "Minimal":  # (that one: the message alone)
-        stb[-1:-1] = [f"    [... {hidden} frames of symjax_mlp, JAX, Flax and Python's own "
-                      "hidden: %xmode Verbose shows them]"]  # fmt: skip
+        frames = f"{hidden} frame{'s' * (hidden > 1)}"
+        stb[-1:-1] = [f"    [... {frames} of symjax_mlp, JAX, Flax and Python's own hidden: "
+                      "%xmode Verbose shows them]"]  # fmt: skip
     if cause is None or id(cause) in (seen := seen | {id(e)}):
         return stb
     link = (
@@ -149,6 +150,25 @@ def _shown(tb_format: Any, e: BaseException, seen: set[int]) -> list[str]:
     return [*_shown(tb_format, cause, seen), link, *stb]
 
 
+def user_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` from its caller for the first frame outside
+    symjax_mlp, JAX, Flax and the standard library (a trace runs under jax.jit's frames,
+    ``train`` under its wrapper): the user's line, so that a notebook shows it under that
+    cell, each time it is run; the command line's, which shows ours in one line. (Python
+    3.12's ``skip_file_prefixes`` says it; we run 3.11.)"""
+    import inspect
+
+    here = inspect.currentframe()  # (None where Python keeps no frames: the caller's line)
+    frame, level = (here.f_back if here is not None else None), 1
+    while (
+        frame is not None
+        and _hidden(file := frame.f_code.co_filename)
+        and not file.startswith(_CLI)
+    ):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
 def _hidden(file: str) -> bool:  # a frame of symjax_mlp, JAX, Flax or the standard library
     found = [sys.modules[__name__.partition(".")[0]]] + [
         m for name in ("jax", "flax") if (m := sys.modules.get(name)) is not None
@@ -157,6 +177,7 @@ def _hidden(file: str) -> bool:  # a frame of symjax_mlp, JAX, Flax or the stand
     return file.startswith(dirs) or (file.startswith(_STDLIB) and not file.startswith(_SITE))
 
 
+_CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli", "")
 _STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
 _SITE = tuple(  # the user's other libraries, under the stdlib's directory outside a venv
     os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "platlib")

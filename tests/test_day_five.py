@@ -189,3 +189,23 @@ def test_a_cell_ending_in_export_shows_one_line(shell, tmp_path):
     assert line in shown and len(shown.strip().splitlines()) == 1
     assert repr(sm.inspect(tmp_path / "a")) in shown
     assert jax.tree.leaves(sm.load(tmp_path / "a").params)
+
+
+@pytest.mark.slow  # a training of one epoch: seconds
+def test_trainings_warnings_are_shown_under_the_cells_line(shell, tmp_path):
+    """``train(..., resume=True)`` of a checkpoint folder that holds none, and an optimizer
+    that moved no param, warned from ``symjax_mlp/training/_epoch.py:48``, quoting our line
+    (a wrapper of train's had moved the user's frame one further): and Python shows a warning
+    once per line it is charged to, so in a notebook the cell run again (the same typo, the
+    same frozen optimizer) said nothing. Both are charged to the cell's line."""
+    shell.user_ns["where"] = str(tmp_path / "typo")
+    error, _ = run(
+        shell,
+        "import optax, warnings\n"
+        "with warnings.catch_warnings(record=True) as said:\n"
+        "    warnings.simplefilter('always')\n"
+        "    sm.training.train(epochs=1, optimizer=optax.sgd(0.0), checkpoint=where, resume=True)",
+    )
+    said = {str(w.message)[:40]: w.filename for w in shell.user_ns["said"]}
+    assert error is None and len(said) == 2, said
+    assert all(file.startswith("<ipython-input-") for file in said.values()), said

@@ -4,14 +4,10 @@ the user's line that called the Hybrid."""
 
 from __future__ import annotations
 
-import inspect
-import os
 import warnings
 from typing import Any
 
-import jax
-
-from symjax_mlp._errors import RetraceWarning
+from symjax_mlp._errors import RetraceWarning, user_stacklevel
 from symjax_mlp._hybrid.args import ModuleSetting, path_of
 from symjax_mlp._hybrid.trace import TraceEvent, TraceLog
 
@@ -21,21 +17,6 @@ _NUMBER = (
     "jnp.asarray(...), to trace it once for every value; or, if each value is meant to be its "
     "own program, mark it static on purpose: sm.hybridize(..., {fix})."
 )
-
-
-#: where the frames between the user's call and the warning live: this library's and JAX's
-_INTERNAL = tuple(os.path.dirname(p) + os.sep for p in (os.path.dirname(__file__), jax.__file__))
-
-
-def user_stacklevel() -> int:
-    """``warnings.warn``'s ``stacklevel`` from its caller for the first frame outside this
-    library and JAX (a trace runs under jax.jit's frames): the user's line. (Python 3.12's
-    ``skip_file_prefixes`` says the same; we run 3.11.)"""
-    here = inspect.currentframe()  # (None where Python keeps no frames: the caller's line)
-    frame, level = (here.f_back if here is not None else None), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
 
 
 def numbers_changed(static: Any, trace: Any, events: Any, deliberate: Any) -> list[tuple]:

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from symjax_mlp._errors import ConfigError, first_line
+from symjax_mlp._errors import ConfigError, first_line, user_stacklevel
 from symjax_mlp._hybrid.pure.nnx_module import trainable
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp.training._state import digest
@@ -265,7 +265,7 @@ class Moved:
         warnings.warn(
             _NOTHING_MOVED.format(caller=caller, epoch=record.epoch, steps=record.step),
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return True
 

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 
 from symjax_mlp._artifact.format import printable
-from symjax_mlp._errors import CheckpointError, ConfigError
+from symjax_mlp._errors import CheckpointError, ConfigError, user_stacklevel
 from symjax_mlp.training._checkpoint import broken, read_checkpoint
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._optimizer import takes_value
@@ -123,7 +123,7 @@ def resume_run(
             start = "training from the start" if init_from is None else "a new run, from init_from"
             where = printable(os.fspath(checkpoint))
             said = _NO_CHECKPOINT.format(resume=RESUME.get(), where=where, start=start)
-            warnings.warn(said, stacklevel=3)
+            warnings.warn(said, stacklevel=user_stacklevel())
         return state if init_from is None else init_run(init_from, state, config), [], None
     if not resume:
         raise CheckpointError(
