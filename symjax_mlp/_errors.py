@@ -117,17 +117,9 @@ CHECKPOINT_STATE = (  # given as an artifact's weights: then EXPORT_CHECKPOINT
 def _shown(tb_format: Any, e: BaseException, seen: set[int]) -> list[str]:
     """``e`` as IPython's ``tb_format`` shows it, and the exceptions it was raised from, each
     without the frames of symjax_mlp, JAX, Flax and the standard library between the cell's
-    line and the model's (one raised by hand in a cell has none: it is shown whole)."""
-    frames, hidden, tb = [], 0, e.__traceback__
-    while tb is not None:
-        if _hidden(tb.tb_frame.f_code.co_filename):
-            hidden += 1
-        else:
-            frames.append(tb)
-        tb = tb.tb_next
-    kept = None
-    for t in reversed(frames if hidden else ()):
-        kept = TracebackType(kept, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    line and the model's (one raised by hand in a cell has none: it is shown whole); one it
+    was raised from in those frames alone (a manifest's JSONDecodeError) is in its message."""
+    kept, hidden = _kept(e.__traceback__)
     cause = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     chain = e.__cause__, e.__context__, e.__suppress_context__
     try:  # IPython shows what e was raised from with every frame: each is shown here instead
@@ -140,7 +132,7 @@ def _shown(tb_format: Any, e: BaseException, seen: set[int]) -> list[str]:
         frames = f"{hidden} frame{'s' * (hidden > 1)}"
         stb[-1:-1] = [f"    [... {frames} of symjax_mlp, JAX, Flax and Python's own hidden: "
                       "%xmode Verbose shows them]"]  # fmt: skip
-    if cause is None or id(cause) in (seen := seen | {id(e)}):
+    if cause is None or id(cause) in (seen := seen | {id(e)}) or not _kept(cause.__traceback__)[0]:
         return stb
     link = (
         "\nThe above exception was the direct cause of the following exception:\n"
@@ -148,6 +140,21 @@ def _shown(tb_format: Any, e: BaseException, seen: set[int]) -> list[str]:
         else "\nDuring handling of the above exception, another exception occurred:\n"
     )
     return [*_shown(tb_format, cause, seen), link, *stb]
+
+
+def _kept(tb: TracebackType | None) -> tuple[TracebackType | None, int]:
+    """``tb`` without the frames :func:`_hidden` hides (``None``: none left), and how many."""
+    frames, hidden = [], 0
+    while tb is not None:
+        if _hidden(tb.tb_frame.f_code.co_filename):
+            hidden += 1
+        else:
+            frames.append(tb)
+        tb = tb.tb_next
+    kept = None
+    for t in reversed(frames):
+        kept = TracebackType(kept, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return kept, hidden
 
 
 def user_stacklevel() -> int:

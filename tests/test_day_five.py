@@ -105,6 +105,19 @@ def test_control_flow_in_a_cells_model_points_at_its_if_line(shell):
     assert frames_in(shown, "symjax_mlp") == frames_in(shown, "flax") == 0
 
 
+@pytest.mark.slow  # an IPython shell: a second
+def test_an_error_raised_from_one_of_pythons_own_is_shown_once(shell, tmp_path):
+    """A corrupted manifest: the ArtifactError quotes the JSONDecodeError it was raised from;
+    that error's traceback, all in symjax_mlp and the json module, was shown above it too."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "manifest.json").write_text("{")
+    shell.user_ns["where"] = str(tmp_path / "a")
+    error, shown = run(shell, "sm.load(where)")
+    assert isinstance(error, sm.ArtifactError) and "is not valid JSON (Expecting" in shown
+    assert "JSONDecodeError" not in shown.replace("(Expecting", "").split("ArtifactError")[0]
+    assert "direct cause" not in shown
+
+
 @pytest.mark.slow  # an IPython shell and a first trace and compile: seconds
 def test_an_error_raised_by_hand_in_a_cell_is_shown_whole(shell):
     """Nothing of ours to hide: a user's own ``raise sm.ConfigError(...)`` is shown as
