@@ -169,7 +169,7 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
     staged, special, file, done = [], [], None, []
     try:
         for file, data in items:
-            path = Path(os.path.realpath(file))
+            path = Path(os.path.realpath(_planted(file)))
             if path.exists() and not path.is_file():
                 special.append((file, path, data))
                 continue
@@ -192,6 +192,29 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
     finally:
         for tmp, *_ in staged:
             tmp.unlink(missing_ok=True)
+
+
+def _planted(file: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """``file``, unless it is a link (or leads through links) that another user made in a sticky
+    folder anyone may write (/tmp): following it, the kernel's protected_symlinks refuses."""
+    path = os.path.abspath(file)
+    for _ in range(40):  # the kernel's own limit
+        with contextlib.suppress(OSError):
+            st, folder = os.lstat(path), os.stat(os.path.dirname(path))
+            if not stat.S_ISLNK(st.st_mode):
+                break
+            shared = folder.st_mode & stat.S_ISVTX and folder.st_mode & stat.S_IWOTH
+            if shared and st.st_uid not in (folder.st_uid, getattr(os, "getuid", int)()):
+                raise ConfigError(
+                    f"cannot write {os.fspath(file)}: {path} is a link that user id {st.st_uid} "
+                    "made in a folder anyone may write (sticky, as /tmp), so they would choose "
+                    "which file is replaced (the kernel's protected_symlinks refuses it too). "
+                    "Remove the link, or pass another path."
+                )
+            path = os.path.join(os.path.dirname(path), os.readlink(path))
+            continue
+        break
+    return file
 
 
 def write_stream(stream: Any, data: bytes) -> None:

@@ -245,3 +245,33 @@ def test_an_orbax_steps_sharding_file_naming_devices_that_do_not_exist_is_not_fo
         for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(params), strict=True):
             np.testing.assert_array_equal(a, b)
             assert a.sharding == here
+
+
+@pytest.mark.slow  # an export and two runs (~2 s)
+@pytest.mark.skipif(getattr(os, "geteuid", lambda: 1)() != 0, reason="plants another user's link")
+def test_run_does_not_follow_a_link_another_user_planted_in_a_sticky_folder(tmp_path, capsys):
+    """``symjax-mlp run ... --output /tmp/y.npy`` where another user made /tmp/y.npy a link to
+    one of your files: run followed it (realpath, then a sibling renamed over the target), so
+    the file the link named was replaced with .npy bytes, silently, even where the kernel's
+    protected_symlinks refuses np.save's plain open of that link. Refused now, naming the link
+    and its owner; the file is untouched. A link of one's own is followed, as before."""
+    from symjax_mlp.cli import main
+
+    net = sm.mlp((2,))
+    h = sm.hybridize(net, net.init(jax.random.key(0), jnp.asarray(X)))
+    art = sm.export(h, tmp_path / "m", example=X).path
+    np.save(tmp_path / "x.npy", X)
+    sticky, mine = tmp_path / "tmp", tmp_path / "precious.txt"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    mine.write_text("precious")
+    (sticky / "y.npy").symlink_to(mine)
+    os.chown(sticky / "y.npy", 65534, 65534, follow_symlinks=False)  # nobody's link
+    run = ["run", str(art), "--input", str(tmp_path / "x.npy"), "--output"]
+    assert main([*run, str(sticky / "y.npy")]) == 2
+    err = capsys.readouterr().err
+    assert f"{sticky / 'y.npy'} is a link that user id 65534 made in a folder anyone may" in err
+    assert mine.read_text() == "precious" and os.listdir(sticky) == ["y.npy"]
+    (sticky / "own.npy").symlink_to(mine)  # this user's own link in the same folder
+    assert main([*run, str(sticky / "own.npy")]) == 0
+    np.testing.assert_allclose(np.load(mine), h(X), rtol=1e-6)
