@@ -162,9 +162,11 @@ class LoadedModel(NoPickle):
                 f"holds it); got {printable(str(got))[:200]}. Pass m.params, or such a dict or "
                 "tree (stacked along a new first axis for jax.vmap)."
             )
+        numbers = (bool, int, float, complex)  # Python's, as h.params may hold (gymnax's EnvParams)
+        params = {n: jax.numpy.asarray(p) if type(p) in numbers else p for n, p in params.items()}
         for name, w in own.items():
             p = params[name]
-            shape, dtype = tuple(getattr(p, "shape", ())), getattr(p, "dtype", None)
+            shape, dtype = tuple(getattr(p, "shape", ())), getattr(p, "dtype", type(p).__name__)
             if shape != w.shape or dtype != w.dtype:
                 raise SignatureError(
                     f"{self._caller}.apply(params, ...): params[{name!r}] is "

@@ -233,3 +233,46 @@ def test_rlax_dqn_learner_and_actor_over_h_apply_and_m_apply(tmp_path):
             got = ours.actor_step(p_ours, env_output, ours.initial_actor_state(), key, evaluation)
             close(got, theirs.actor_step(p_theirs, env_output, theirs.initial_actor_state(), key,
                                          evaluation))  # fmt: skip
+
+
+def test_gymnax_cartpole_step_as_an_artifact_and_its_params_under_vmap(tmp_path):
+    """gymnax's own ``env.step`` (CartPole-v1, its auto-reset included), its ``EnvParams`` the
+    params (Python numbers): the Hybrid equals it; export refuses the ``EnvState`` input,
+    naming the route (its leaves by place), which exports; 40 steps of the loaded environment,
+    its state carried as its own outputs, equal gymnax's rollout through two resets; ``m.apply``
+    takes the ``EnvParams`` as the source holds them (refused: their Python numbers have no
+    dtype), and ``jax.vmap`` of it over three gravities equals gymnax's step member by member."""
+    import gymnax
+
+    env, env_params = gymnax.make("CartPole-v1")
+    _, state = env.reset(jax.random.key(0), env_params)
+    h = sm.hybridize(lambda p, key, state, action: env.step(key, state, action, p), env_params)
+    key = jax.random.key(1)
+    close(h(key, state, 1), env.step(key, state, 1, env_params))
+    with pytest.raises(sm.SignatureError, match=r"args\[1\] is a EnvState .* of 5 arrays"):
+        sm.export(h, tmp_path / "refused", example=(key, state, jnp.int32(1)), batch=None)
+    leaves, tree = jax.tree.flatten(state)
+    leaves = [np.asarray(x) for x in leaves]  # reset's time is weakly typed: the outputs' is not
+
+    def by_place(p, key, *xs):  # the refusal's route: the state's arrays by place, out too
+        return tuple(jax.tree.leaves(h.apply(p, key, tree.unflatten(xs[:5]), *xs[5:])))
+
+    example = (key, *leaves, np.int32(1))
+    sm.export(sm.hybridize(by_place, h.params), tmp_path / "env", example=example, batch=None)
+    m = sm.load(tmp_path / "env")
+    theirs, ours, dones = state, leaves, 0
+    for t in range(40):
+        step_key, action = jax.random.fold_in(key, t), np.int32(t % 3 != 0)
+        obs, theirs, reward, done, info = env.step(step_key, theirs, action, env_params)
+        got = m(step_key, *ours, action)
+        close(got, (obs, *jax.tree.leaves(theirs), reward, done, info["discount"]))
+        ours, dones = got[1:6], dones + int(done)
+    assert dones >= 2  # episodes ended and gymnax's auto-reset ran in the artifact too
+    close(m.apply(env_params, *example), m(*example))
+    worlds = [env_params.replace(gravity=g) for g in (9.8, 1.6, 24.8)]
+    stacked = jax.tree.map(lambda *v: jnp.stack([jnp.asarray(x) for x in v]), *worlds)
+    got = jax.vmap(m.apply, (0, *[None] * 7))(stacked, *example)
+    for i, world in enumerate(worlds):
+        want = jax.tree.leaves(env.step(key, state, 1, world))
+        close([g[i] for g in got], want)
+    assert not np.allclose(got[5][0], got[5][1])  # theta_dot: each world its own gravity
