@@ -204,7 +204,10 @@ def test_numpyro_handlers_around_a_hybrid_and_a_loaded_network(tmp_path):
     network a Hybrid (``h.apply``) or the loaded model (``m.apply``): under ``seed`` and
     ``trace`` the sites and draws of bnn.py's own model, under ``substitute`` its ``predict``
     (bnn.py's own helper) and its log density, and ``Predictive`` over stacked weights (a
-    ``lax.map``, or with ``parallel=True`` a vmap, over ``m.apply``) equal to bnn.py's."""
+    ``lax.map``, or with ``parallel=True`` a vmap, over ``m.apply``) equal to bnn.py's; the
+    potential NUTS samples (``initialize_model``'s), its value and gradient too. (A NUTS chain
+    over it is not bnn.py's chain: the gradients differ by float32 rounding, 1e-7 relative,
+    another compilation, which a few dozen leapfrog steps of a tanh network amplify.)"""
     X, Y, X_test = zoo25.get_data(N=20, N_test=30)
     shapes = {"w1": (3, D_H), "w2": (D_H, D_H), "w3": (D_H, 1)}
     w = {k: jax.random.normal(jax.random.key(i), s) for i, (k, s) in enumerate(shapes.items())}
@@ -227,6 +230,11 @@ def test_numpyro_handlers_around_a_hybrid_and_a_loaded_network(tmp_path):
               log_density(zoo25.model, (X, Y, D_H), {}, one)[0])  # fmt: skip
         for parallel in (False, True):  # samples one at a time (lax.map), or a vmap
             close(Predictive(model, samples, parallel=parallel)(key, X_test, None, D_H)["Y"], want)
+    theirs_potential = initialize_model(key, zoo25.model, model_args=(X, Y, D_H))[1]
+    ours_potential = initialize_model(key, model, model_args=(X, Y, D_H))[1]  # m.apply's
+    for i in range(3):  # NUTS's potential (unconstrained), its value and gradient
+        z = jax.tree.map(lambda a, i=i: a * (1 + i), {**one, "prec_obs": jnp.log(one["prec_obs"])})
+        close(jax.value_and_grad(ours_potential)(z), jax.value_and_grad(theirs_potential)(z))
 
 
 @pytest.mark.slow  # a compile or more (~0.5 s or more)
