@@ -19,6 +19,10 @@ feature and inside the authors' own jitted loops.
   ``optax.periodic_update`` of the target) and ``actor_step`` with the network's apply
   ``h.apply``, then a loaded artifact's ``m.apply`` (Haiku's params tree, its keys holding
   ``/``), equal the author's over three steps.
+- gymnax's own CartPole ``env.step`` (the package's, not copied), its ``EnvParams`` of Python
+  numbers the params: an environment as an artifact, stepped through its auto-resets as
+  gymnax steps, and under ``jax.vmap`` of ``m.apply`` over other worlds' params (m.apply
+  refused the source's Python numbers: "is None[]").
 """
 
 import collections
