@@ -22,6 +22,7 @@ sets, the workload of ``jax.vmap(m.apply, ...)`` over a loaded model.
   Three ``SVI`` steps of an ``AutoNormal`` guide through ``h.apply`` equal bnn.py's own.
 """
 
+import threading
 import types
 
 import blackjax
@@ -281,3 +282,43 @@ def test_numpyro_svi_of_an_auto_normal_guide_through_h_apply():
         runs.append((losses, svi.get_params(state)))
     _same(runs[1], runs[0])
     assert runs[0][0][0] != runs[0][0][2]
+
+
+@pytest.mark.slow  # a compile or more (~0.5 s or more)
+def test_another_threads_numpyro_model_passes_a_hybrids_trace():
+    """NumPyro's handler stack is one list for every thread: while a Hybrid (no site of its
+    own) traces here, another thread's model, inside its own ``seed``, draws its site as it
+    would alone (the refusal is for the tracing thread's sites only)."""
+    entered, traced, drawn, finished = (threading.Event() for _ in range(4))
+    got = {}
+
+    def model():
+        entered.set()
+        traced.wait(30)
+        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
+        drawn.set()
+        finished.wait(30)  # its seed exits after the trace: NumPyro's stack is last in, first out
+        return z
+
+    def other():
+        try:
+            got["z"] = handlers.seed(model, jax.random.key(0))()
+        except Exception as e:  # (what the test reports)
+            got["error"] = e
+            drawn.set()
+
+    def f(_, x):
+        traced.set()
+        drawn.wait(30)  # the other thread draws while this trace runs
+        return x * 2
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    entered.wait(30)
+    h = sm.hybridize(f, {})
+    close(h(jnp.ones(3)), 2 * jnp.ones(3))
+    finished.set()
+    thread.join(30)
+    assert "error" not in got, got.get("error")
+    alone = handlers.seed(lambda: numpyro.sample("z", dist.Normal(0.0, 1.0)), jax.random.key(0))
+    _same(got["z"], alone())

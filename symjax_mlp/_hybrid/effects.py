@@ -7,12 +7,14 @@ holding tracers), and never on a later call, which draws the same numbers again 
 So while a Hybrid traces under handlers entered outside it, the first message that would reach
 them is refused; handlers entered inside the function (``Predictive``, ``seed`` around the
 model there) handle their sites within the program, as ``jax.jit`` needs. Nothing is done
-where NumPyro is not imported or no handler is active (the usual trace)."""
+where NumPyro is not imported or no handler is active (the usual trace). NumPyro's stack is
+one list for every thread: another thread's model, its sites and its handlers, pass by."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Any
 
 from symjax_mlp._errors import ConfigError
@@ -38,11 +40,19 @@ def outer_handlers(name: str) -> Any:
         return contextlib.nullcontext()
     handlers = ", ".join(dict.fromkeys(type(h).__name__ for h in reversed(stack)))
 
+    tracing = threading.get_ident()
+
     class Edge(primitives.Messenger):  # entered last, it is the first handler outside the trace
         def process_message(self, msg: dict) -> None:
+            if threading.get_ident() != tracing:  # another thread's model: not this trace's
+                return
             kind, site = msg.get("type"), msg.get("name")
             raise ConfigError(
                 _OUTER_HANDLERS.format(name=name, kind=kind, site=site, handlers=handlers)
             )
+
+        def __exit__(self, *exc: object) -> None:  # itself only: the stack is every thread's
+            if self in stack:
+                stack.remove(self)
 
     return Edge()
