@@ -49,6 +49,7 @@ from symjax_mlp._export_options import check_options, serialized, tolerance_opti
 from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._reader import read_regular
+from symjax_mlp._runtimes.jax import refuse_shared_cache_once
 from symjax_mlp._signing import SIGNATURE
 from symjax_mlp._specs import TensorSpec
 
@@ -325,6 +326,7 @@ def _self_test_vectors(
         both = None if at is None else (exported.call(params, *at), entry.fn(params, *at))
         return exported.call(params, *xs), both
 
+    refuse_shared_cache_once(f"export({entry.h.name})")  # compiled through JAX's cache
     try:
         outs, both = jax.jit(programs)(params, xs, at)
     except (ValueError, TypeError):  # a shape the program's constraints refuse, or the model

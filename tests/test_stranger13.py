@@ -275,3 +275,38 @@ def test_run_does_not_follow_a_link_another_user_planted_in_a_sticky_folder(tmp_
     (sticky / "own.npy").symlink_to(mine)  # this user's own link in the same folder
     assert main([*run, str(sticky / "own.npy")]) == 0
     np.testing.assert_allclose(np.load(mine), h(X), rtol=1e-6)
+
+
+# Session 61, part H: what part C left open
+
+
+@pytest.mark.slow  # six refusals, one compile (~4 s)
+def test_hybrids_exports_batchers_and_sharded_steps_refuse_a_cache_others_may_write(tmp_path):
+    """Beyond load and train, every compilation of ours read the shared cache unchecked: a
+    Hybrid's first call (h(x), h.compile), DataParallel, export's self-test (its vectors are
+    what load checks later), a Batcher's warm-up, shard_step. A planted entry there would
+    silently change h(x). Each is refused where it first compiles, naming the folder; the
+    Hybrid made before the folder changed is refused too (the check runs at its trace)."""
+    from symjax_mlp import serving, training
+
+    net = sm.mlp((2,))
+    params = net.init(jax.random.key(0), jnp.asarray(X))
+    h = sm.hybridize(net, params)
+    shared = tmp_path / "jax_cache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    why = rf"JAX's compilation cache, .*others may write in {shared} \(mode 777\)"
+    with _cache_at(shared):
+        cases = {
+            "h(x)": lambda: h(X),
+            "compile": lambda: sm.hybridize(net, params).compile(X),
+            "shard": lambda: sm.shard(sm.hybridize(net, params))(X),
+            "export": lambda: sm.export(h, tmp_path / "m", example=X),
+            "batcher": lambda: serving.Batcher(lambda v: v + 1, example=X),
+            "shard_step": lambda: training.shard_step(lambda p, o, x, y, w: (p, o, 0.0)),
+        }
+        for what, call in cases.items():
+            with pytest.raises(sm.ConfigError, match=why):
+                call()
+            assert not (tmp_path / "m").exists(), what
+    np.testing.assert_allclose(h(X), net.apply(params, X), rtol=1e-6)  # its own folder again

@@ -25,6 +25,7 @@ from symjax_mlp._hybrid.settings import check_settings, static_args
 from symjax_mlp._hybrid.staged import Staged
 from symjax_mlp._hybrid.trace import TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given
+from symjax_mlp._runtimes.jax import refuse_shared_cache_once
 
 _FROZEN = (
     "{name}: a Hybrid is a frozen result (like jax.stages.Compiled): its {field!r} cannot be "
@@ -114,6 +115,7 @@ class Hybrid(Staged, NoPickle):
         """``jax.jit`` of ``trace``, its module named ``jit_<name>_hybrid`` (see ``traced``)."""
 
         def program(*args: Any, **kwargs: Any) -> Any:
+            refuse_shared_cache_once(self.name)  # traced: XLA compiles (or reads an entry) next
             return trace(*args, **kwargs)
 
         program.__name__ = program.__qualname__ = f"{self.name}{PROGRAM_SUFFIX}"

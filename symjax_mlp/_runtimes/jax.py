@@ -75,6 +75,18 @@ def refuse_shared_cache(head: str) -> None:
         )
 
 
+_PASSED: set[tuple[str, bool]] = set()  # (folder, enabled) checked by refuse_shared_cache_once
+
+
+def refuse_shared_cache_once(head: str) -> None:
+    """:func:`refuse_shared_cache`, once per process per cache folder: where a Hybrid traces (a
+    compilation follows), a step or a batcher is made, an export's self-test compiles."""
+    seen = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    if seen not in _PASSED:
+        refuse_shared_cache(head)
+        _PASSED.add(seen)
+
+
 def shared_by_others(folder: str) -> str | None:
     """Why another user could write in ``folder`` (made 0700 if missing) or swap it for theirs:
     it, a folder above it, a link on the way or where it leads is not this user's nor root's,

@@ -17,6 +17,7 @@ import numpy as np
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.staged import refuse_trained_in_place
+from symjax_mlp._runtimes.jax import refuse_shared_cache_once
 from symjax_mlp._specs import by_place, ensemble_member, keyword_arrays
 
 
@@ -98,6 +99,7 @@ _INFERENCE = "the settings of its inference call, e.g. kwargs={'train': False}."
 def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
     """What a batcher calls for a Hybrid (its inference as of now) or a callable, ``kwargs``
     fixed; refused where its signature does not take them and the example's inputs."""
+    refuse_shared_cache_once(f"Batcher({name})")  # its warm-up compiles through JAX's cache
     arrays = example if isinstance(example, tuple) else (example,)
     try:
         signature = inspect.signature(model)

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from symjax_mlp._errors import ConfigError, SignatureError, as_bool
 from symjax_mlp._hybrid.jaxpr import input_dependent
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
+from symjax_mlp._runtimes.jax import refuse_shared_cache_once
 from symjax_mlp.training._state import is_count
 from symjax_mlp.training._step import UNEVEN, ModelVars
 
@@ -62,6 +63,7 @@ class ShardedStep:
                 out_specs=P(),
                 check_vma=False,
             )
+        refuse_shared_cache_once(_CALL)  # its jax.jit compiles through JAX's cache
         self._jitted = jax.jit(
             step,
             in_shardings=(rep, rep, dat, dat, dat),
