@@ -169,7 +169,9 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
     staged, special, file, done = [], [], None, []
     try:
         for file, data in items:
-            path = Path(os.path.realpath(_planted(file)))
+            if why := planted_link(file):
+                raise ConfigError(f"cannot write {os.fspath(file)}: {why}. Pass another path.")
+            path = Path(os.path.realpath(file))
             if path.exists() and not path.is_file():
                 special.append((file, path, data))
                 continue
@@ -194,9 +196,10 @@ def write_output(*items: tuple[str | os.PathLike[str], bytes]) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def _planted(file: str | os.PathLike[str]) -> str | os.PathLike[str]:
-    """``file``, unless it is a link (or leads through links) that another user made in a sticky
-    folder anyone may write (/tmp): following it, the kernel's protected_symlinks refuses."""
+def planted_link(file: str | os.PathLike[str]) -> str | None:
+    """Why following ``file`` would let another user choose where it leads: it is a link (or
+    leads through links) they made in a sticky folder anyone may write (/tmp), as the kernel's
+    protected_symlinks refuses; ``None`` for a path or one's own link."""
     path = os.path.abspath(file)
     for _ in range(40):  # the kernel's own limit
         with contextlib.suppress(OSError):
@@ -205,16 +208,15 @@ def _planted(file: str | os.PathLike[str]) -> str | os.PathLike[str]:
                 break
             shared = folder.st_mode & stat.S_ISVTX and folder.st_mode & stat.S_IWOTH
             if shared and st.st_uid not in (folder.st_uid, getattr(os, "getuid", int)()):
-                raise ConfigError(
-                    f"cannot write {os.fspath(file)}: {path} is a link that user id {st.st_uid} "
-                    "made in a folder anyone may write (sticky, as /tmp), so they would choose "
-                    "which file is replaced (the kernel's protected_symlinks refuses it too). "
-                    "Remove the link, or pass another path."
+                return (
+                    f"{path} is a link that user id {st.st_uid} made in a folder anyone may "
+                    "write (sticky, as /tmp), so they would choose where it leads (the kernel's "
+                    "protected_symlinks refuses it too)"
                 )
             path = os.path.join(os.path.dirname(path), os.readlink(path))
             continue
         break
-    return file
+    return None
 
 
 def write_stream(stream: Any, data: bytes) -> None:

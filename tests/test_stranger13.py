@@ -310,3 +310,33 @@ def test_hybrids_exports_batchers_and_sharded_steps_refuse_a_cache_others_may_wr
                 call()
             assert not (tmp_path / "m").exists(), what
     np.testing.assert_allclose(h(X), net.apply(params, X), rtol=1e-6)  # its own folder again
+
+
+@pytest.mark.skipif(getattr(os, "geteuid", lambda: 1)() != 0, reason="plants another user's link")
+def test_checkpoints_do_not_follow_a_link_another_user_planted_in_a_sticky_folder(tmp_path):
+    """``save_checkpoint("/tmp/ck", ...)`` or ``train(checkpoint="/tmp/ck")`` (multi-process
+    runs: Orbax's directory, resolved) where another user made /tmp/ck a link to a folder of
+    their choosing: ours wrote the run's weights there, and pruned (keep=) the step_* folders
+    it found there. Refused now, naming the link and its owner, before any step; nothing is
+    written where it leads. A link of one's own is followed, as before."""
+    import optax
+
+    from symjax_mlp import training
+
+    sticky, theirs = tmp_path / "tmp", tmp_path / "theirs"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    theirs.mkdir()
+    (sticky / "ck").symlink_to(theirs)
+    os.chown(sticky / "ck", 65534, 65534, follow_symlinks=False)  # nobody's link
+    p = {"w": jnp.zeros(2)}
+    state = training.TrainState(p, optax.sgd(0.1).init(p), jax.random.key(0), step=3)
+    planted = rf"{sticky / 'ck'} is a link that user id 65534 made in a folder anyone may write"
+    with pytest.raises(sm.CheckpointError, match=planted):
+        training.save_checkpoint(sticky / "ck", state)
+    with pytest.raises(sm.CheckpointError, match=rf"^symjax_mlp.training.train: .*{planted}"):
+        training.train(epochs=1, checkpoint=str(sticky / "ck"))
+    assert os.listdir(theirs) == []
+    (sticky / "own").symlink_to(theirs)  # this user's own link in the same folder
+    assert training.save_checkpoint(sticky / "own", state).parent == sticky / "own"
+    assert os.listdir(theirs) == ["step_00000003"]

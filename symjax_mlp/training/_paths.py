@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from symjax_mlp._errors import CheckpointError, ConfigError
-from symjax_mlp._files import MANIFEST
+from symjax_mlp._files import MANIFEST, planted_link
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # 8 digits, more past step 99,999,999
 _ORBAX_DIR = re.compile(r"^(\d+)$")
@@ -37,9 +37,9 @@ def check_path(path: Any, caller: str) -> None:
 
 
 def check_directory(directory: str | os.PathLike, caller: str) -> None:
-    """Refuses a file, a dangling symlink, a path below a file, a checkpoint (not a directory
-    of them), or a directory this user cannot write or list; a path that does not exist yet is
-    fine below a directory this user can write."""
+    """Refuses a file, a dangling symlink, another user's link in /tmp (:func:`planted_link`),
+    a path below a file, a checkpoint (not a directory of them), or a directory this user
+    cannot write or list; a path that does not exist yet is fine below one this user can write."""
 
     def refuse(why: str) -> CheckpointError:
         return CheckpointError(
@@ -48,6 +48,8 @@ def check_directory(directory: str | os.PathLike, caller: str) -> None:
         )
 
     check_path(directory, caller)
+    if why := planted_link(directory):  # (Orbax's directory too: train passes it resolved)
+        raise refuse(f"{directory} cannot be used: {why}")
     path = Path(directory)
     try:
         os.lstat(path)
