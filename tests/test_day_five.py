@@ -222,3 +222,45 @@ def test_trainings_warnings_are_shown_under_the_cells_line(shell, tmp_path):
     said = {str(w.message)[:40]: w.filename for w in shell.user_ns["said"]}
     assert error is None and len(said) == 2, said
     assert all(file.startswith("<ipython-input-") for file in said.values()), said
+
+
+@pytest.mark.slow  # two exports, the module checker's child started three times: seconds
+@pytest.mark.parametrize("stopped_at", ["start", "answer"])
+def test_the_stop_button_while_the_module_checker_reads_leaves_no_answer_behind(
+    tmp_path, monkeypatch, stopped_at
+):
+    """The stop button while ``load``, ``inspect(...).op_counts()`` or ``export`` waited for
+    the child that reads StableHLO left that child running with its answer unread: the next
+    module's check in the kernel read it instead. Stopped while the child started, the next
+    load failed with a raw ``JSONDecodeError`` ("ready" read as a report); stopped while it
+    read a module, the next module got that module's report: its ops, and what load refuses,
+    a stranger's module judged by the one before it. The child is ended on the interrupt."""
+    import select
+
+    from symjax_mlp._artifact import checker
+
+    x = jnp.ones((3, 4))
+    net = sm.mlp((8, 2))
+    models = {"a": sm.hybridize(net, net.init(jax.random.key(0), x))}
+    models["b"] = sm.hybridize(lambda p, x: jnp.sin(x) * p["w"], {"w": jnp.ones(4)})
+    modules = {}
+    for name, model in models.items():
+        sm.export(model, tmp_path / name, example=x)
+        modules[name] = (tmp_path / name / "model.mlirbc").read_bytes()
+    checker.CHECKER.close()  # a child of this test's own
+    b = checker.CHECKER.report(modules["b"], file=tmp_path / "b")  # the child started
+    if stopped_at == "start":
+        checker.CHECKER.close()
+    real = select.select
+
+    def stop(*args):
+        monkeypatch.setattr(select, "select", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(select, "select", stop)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checker.CHECKER.report(modules["a"], file=tmp_path / "a")
+        assert checker.CHECKER.report(modules["b"], file=tmp_path / "b") == b
+    finally:
+        checker.CHECKER.close()  # none left behind for another test, fixed or not

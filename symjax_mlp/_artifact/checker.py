@@ -146,9 +146,13 @@ class Checker:
                 f"loader, cannot be started ({e.strerror or e}); nothing was compiled. "
                 + (exhausted(e) or "Free memory or processes, and try again.")
             ) from e
-        ready, _, _ = select.select([self.proc.stdout], [], [], self.START_TIMEOUT)
-        if ready and self.proc.stdout.readline() == b"ready\n":
-            return self.proc
+        try:  # Ctrl-C (a notebook's stop button) here: its "ready" would be the next's answer
+            ready, _, _ = select.select([self.proc.stdout], [], [], self.START_TIMEOUT)
+            if ready and self.proc.stdout.readline() == b"ready\n":
+                return self.proc
+        except BaseException:
+            self.close()
+            raise
         self.log.seek(0)
         said = self.log.read()[-800:].decode("utf-8", "replace").strip().splitlines()
         self.close()
@@ -162,18 +166,12 @@ class Checker:
 
     def report(self, data: bytes, *, file: Path) -> ModuleReport:
         with self.lock:
-            for _ in (0, 1):
-                proc = self._start(file)
-                try:
-                    proc.stdin.write(len(data).to_bytes(8, "little") + data)
-                    proc.stdin.flush()
-                    break
-                except OSError:  # it had exited (idle, killed): a new one
-                    self.close()
-            else:
-                raise ArtifactError(f"{file}: the module checker does not start.")
-            ready, _, _ = select.select([proc.stdout], [], [], self.TIMEOUT)
-            if line := (proc.stdout.readline() if ready else None):
+            try:  # interrupted (Ctrl-C) between the module sent and its answer read, the child
+                line, proc = self._ask(data, file)  # is ended: else the next module's answer
+            except BaseException:  # would be this one's, or a half-sent module its start
+                self.close()
+                raise
+            if line:
                 answer = json.loads(line)
                 if "error" in answer:
                     raise ArtifactError(f"{file}: {answer['error']}")
@@ -190,6 +188,21 @@ class Checker:
             "child process that reads modules for the loader: the module is corrupted or "
             "crafted. Refused; nothing was compiled."
         )
+
+    def _ask(self, data: bytes, file: Path) -> tuple[bytes | None, Any]:
+        """Sends ``data`` to the child; its answer's line (``None``: none within the timeout)."""
+        for _ in (0, 1):
+            proc = self._start(file)
+            try:
+                proc.stdin.write(len(data).to_bytes(8, "little") + data)
+                proc.stdin.flush()
+                break
+            except OSError:  # it had exited (idle, killed): a new one
+                self.close()
+        else:
+            raise ArtifactError(f"{file}: the module checker does not start.")
+        ready, _, _ = select.select([proc.stdout], [], [], self.TIMEOUT)
+        return (proc.stdout.readline() if ready else None), proc
 
     def close(self) -> None:
         proc, self.proc = self.proc, None
