@@ -43,6 +43,7 @@ from symjax_mlp._errors import (
     first_line,
     refuse_keywords,
 )
+from symjax_mlp._export_batch import weak_typed
 from symjax_mlp._export_entry import Stage, export_program, stage
 from symjax_mlp._export_gather import refuse_clamped_gathers
 from symjax_mlp._export_options import check_options, serialized, tolerance_option
@@ -145,6 +146,8 @@ def export(
         # the default entry point takes every weight; the others their own
         own = shared if i == 0 else {s.path: shared[s.path] for s in entry.specs}
         exported, signature, rows, jaxpr = export_program(entry, own, platforms)
+        params = {p: entry.weak.get(p, a) for p, (_, a) in own.items()}  # the model's, weak too
+        signature = weak_typed(signature, entry.fn, params, entry.examples)
         refuse_clamped_gathers(entry.h.name, jaxpr, vjp_order)
         if not admits_any(signature, [n for x in entry.examples for n in x.shape]):
             raise ConfigError(

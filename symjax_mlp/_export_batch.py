@@ -267,6 +267,44 @@ def placed_struct(shape: Any, x: Any, sharded: bool) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding, weak_type=weak)
 
 
+def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any]) -> Any:
+    """``signature`` with a scalar input weakly typed where it was and that matters, and
+    ``strong`` the strongly typed ones where it matters (:func:`weak_matters`); any other
+    input takes a Python number and an array alike, as the model answers them alike."""
+    matters = weak_matters(fn, params, examples)
+    ins = tuple(
+        dataclasses.replace(s, weak_type=s.weak_type and s.path in matters)
+        for s in signature.inputs
+    )
+    strong = tuple(s.path for s in ins if s.path in matters and not s.weak_type)
+    return dataclasses.replace(signature, inputs=ins, strong=strong)
+
+
+def weak_matters(fn: Any, params: Any, examples: Sequence[Any]) -> tuple[str, ...]:
+    """The scalar inputs (``args[i]``) whose weak type changes the dtypes ``fn(params,
+    *examples)`` answers in (a bfloat16 model times np.float32(2) answers float32, times 2.0
+    bfloat16): where the artifact takes only what it was exported at, a Python number or not."""
+    numbers = ((jax.numpy.complexfloating, 0j), (jax.numpy.floating, 0.0), (jax.numpy.integer, 0))
+
+    def dtypes(xs: Sequence[Any]) -> list[Any]:
+        return [a.dtype for a in jax.tree.leaves(jax.eval_shape(fn, params, *xs))]
+
+    found, own = [], None
+    for i, x in enumerate(examples):
+        kind = next((n for t, n in numbers if jax.numpy.issubdtype(x.dtype, t)), None)
+        if x.shape or kind is None:
+            continue
+        flip = jax.numpy.result_type(kind) if not x.weak_type else x.dtype  # (a Python number)
+        flip = jax.ShapeDtypeStruct((), flip, weak_type=not x.weak_type)
+        try:
+            own = own or dtypes(examples)
+            if dtypes([*examples[:i], flip, *examples[i + 1 :]]) != own:
+                found.append(f"args[{i}]")
+        except Exception:  # the model takes no other there: nothing to refuse
+            continue
+    return tuple(found)
+
+
 def _bare(s: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type)
 

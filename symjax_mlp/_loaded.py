@@ -96,7 +96,8 @@ class LoadedModel(NoPickle):
         self._direct = direct if single == self._single_output else None
         self._ready: set[tuple[Any, ...]] = set()  # their (shape, dtype)s
         # how many each holds: none where a (shape, dtype) is not all (an input exported weak)
-        self._cap = 0 if any(s.weak_type for s in self.signature.inputs) else 256
+        weak = any(s.weak_type for s in self.signature.inputs) or self.signature.strong
+        self._cap = 0 if weak else 256
 
     _INSTEAD = "Pass its path, and load it where it runs: sm.load(m.path)."
 

@@ -309,6 +309,18 @@ def strong_refused(caller: str, spec: TensorSpec, given: Any) -> str:
     )
 
 
+def weak_refused(caller: str, spec: TensorSpec, given: Any) -> str:
+    """The message for ``given``, weakly typed (a Python number), where ``spec`` was exported
+    strongly typed and the model answers a Python number there in other dtypes."""
+    return (
+        f"{caller}: input {spec.path} was exported at a strongly typed {spec.dtype} example, "
+        f"and the model answers a Python number there in other dtypes (a bfloat16 model times "
+        f"np.float32(2.0) answers float32, times 2.0 bfloat16); this {type(given).__name__} "
+        f"is weakly typed. Pass np.{spec.dtype}(x), or export at a Python number for the "
+        "artifact to take them."
+    )
+
+
 def _key_refused(caller: str, spec: TensorSpec, x: Any) -> str:
     """The message for ``x``, no rng keys of ``spec``'s dtype (``key<fry>``): a raw key's data
     (``jax.random.PRNGKey``'s uint32[2]) is wrapped; other arrays, keys are made (no cast makes

@@ -55,6 +55,35 @@ def test_an_export_at_a_weak_scalar_answers_as_h_or_refuses_a_strong_one(tmp_pat
             assert "np.float32(2.0)" in said, said
 
 
+@pytest.mark.slow  # two exports and loads: 1.3 s
+def test_an_export_at_a_strong_scalar_refuses_a_python_number_h_answers_otherwise(tmp_path):
+    """The converse: exported at np.float32(1.5), a bfloat16 model answers float32, and m(1.5)
+    cast the Python number to float32 and answered float32 where h(1.5) answers bfloat16, in
+    silence. Export records the scalar inputs where a Python number changes the model's dtypes
+    and the loaded model refuses one there (a weak jax.Array too, after a strong one of its
+    shape); where it changes nothing (x's float32 rows decide), a Python number still answers
+    as h does."""
+    h = sm.hybridize(
+        lambda p, x, s: (p["w"] * s, x * s), {"w": jnp.arange(1, 4, dtype=jnp.bfloat16)}
+    )
+    example = (X, np.float32(1.5))
+    m = sm.load(sm.export(h, tmp_path / "m", example=example, batch=None).path)
+    assert m.signature.strong == ("args[1]",)
+    _same(m(*example)[0], h(*example)[0])
+    assert h(X, 1.5)[0].dtype == jnp.bfloat16  # what the artifact cannot answer
+    for s in (1.5, 2, jnp.asarray(1.5)):
+        for door in (m, functools.partial(m.apply, m.params)):
+            with pytest.raises(sm.SignatureError) as e:
+                door(X, s)
+            said = str(e.value)
+            assert said.startswith(f'symjax_mlp.load("{m.path}"): input args[1] was exported'), said
+            assert "strongly typed float32 example" in said and "np.float32(x)" in said, said
+    same = sm.hybridize(lambda p, x, s: x * s * p["w"], {"w": jnp.ones(3, jnp.float32)})
+    m = sm.load(sm.export(same, tmp_path / "same", example=example, batch=None).path)
+    assert m.signature.strong == ()
+    _same(m(X, 1.5), same(X, 1.5))
+
+
 def test_an_export_at_a_weak_array_takes_arrays_as_h_does(tmp_path):
     """An example of more than one value that is weakly typed (jnp.full's, a weak scalar
     broadcast) exports as jax.export records it, strongly typed, as a NumPy array of it traces:

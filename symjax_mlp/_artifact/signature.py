@@ -17,7 +17,7 @@ import numpy as np
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError, first_line
-from symjax_mlp._npy import dtype_refused, strong_refused, weakly_typed
+from symjax_mlp._npy import dtype_refused, strong_refused, weak_refused, weakly_typed
 from symjax_mlp._specs import MASKED_INPUT, TensorSpec
 
 MAX_SYMBOLIC = 2**31 - 1  # the largest size of a symbolic dimension a call may give
@@ -43,6 +43,7 @@ class Signature:
     output_kind: str
     batch: str | None
     constraints: tuple[str, ...] = ()
+    strong: tuple[str, ...] = ()  # scalar inputs a Python number would answer otherwise
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))
@@ -61,14 +62,16 @@ class Signature:
             "output_kind": self.output_kind,
             "batch": self.batch,
             "constraints": list(self.constraints),
-        }
+        } | ({"strong": list(self.strong)} if self.strong else {})
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Signature:
         """The signature :meth:`to_json` wrote, ``d`` (a manifest's ``"signature"``)."""
         specs = [tuple(TensorSpec.from_json(s) for s in d[k]) for k in ("inputs", "outputs")]
         constraints = tuple(str(c) for c in d.get("constraints", ()))
-        return cls(*specs, str(d["output_kind"]), d.get("batch"), constraints)
+        strong = d.get("strong")  # (a stranger's other than a list: none)
+        strong = tuple(map(str, strong)) if isinstance(strong, (list, tuple)) else ()
+        return cls(*specs, str(d["output_kind"]), d.get("batch"), constraints, strong)
 
     def check(self, inputs: Sequence[Any], *, caller: str) -> list[Any]:
         """Checks a call's ``inputs``; returns them as arrays (JAX arrays are passed through).
@@ -133,6 +136,8 @@ class Signature:
                 raise SignatureError(dtype_refused(caller, spec, x, given))
             if spec.weak_type and not weakly_typed(given):  # the program promotes as for 2.0
                 raise SignatureError(strong_refused(caller, spec, given))
+            if spec.path in self.strong and weakly_typed(given):  # h: another dtype for 2.0
+                raise SignatureError(weak_refused(caller, spec, given))
         solved = self._check_terms(sizes, caller)
         known = {k: v for k, (_, v) in sizes.items() if type(v) is int}  # symbolic: unknown
         known |= solved
