@@ -340,3 +340,55 @@ def test_checkpoints_do_not_follow_a_link_another_user_planted_in_a_sticky_folde
     (sticky / "own").symlink_to(theirs)  # this user's own link in the same folder
     assert training.save_checkpoint(sticky / "own", state).parent == sticky / "own"
     assert os.listdir(theirs) == ["step_00000003"]
+
+
+# one process started with JAX's cache at argv[2] (shared): a first computation (JAX opens that
+# folder), load argv[1] refused; the cache set to argv[3], private, as the refusal says; load
+# again and call on (3, 8) ones: prints the answer
+_SWITCH = """
+import json, sys
+import jax, numpy as np, symjax_mlp as sm
+jax.block_until_ready(jax.numpy.ones(3) * 2)
+try:
+    sm.load(sys.argv[1])
+    raise SystemExit("not refused")
+except sm.ConfigError:
+    pass
+jax.config.update("jax_compilation_cache_dir", sys.argv[3])
+y = np.asarray(sm.load(sys.argv[1])(np.ones((3, 8), np.float32)))
+print(json.dumps({"y": y.tolist()}))
+"""
+
+
+@pytest.mark.slow  # three fresh processes (~12 s)
+def test_a_cache_folder_changed_after_jax_opened_one_is_the_one_read(tmp_path):
+    """JAX opens its cache folder at the process's first compilation and keeps it, whatever is
+    set since. A notebook started with JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache ran a
+    computation, load refused that cache, the user pointed jax_compilation_cache_dir at a
+    private folder as the refusal says: load checked the new folder and passed, and JAX read
+    the shared one, running the stranger's planted executable as the model, silently (its key
+    names the folder set: a guessable one, as $HOME/.cache/jax, the refusal's example). Now JAX
+    is made to open the folder checked (its public reset_cache): the model's own answer."""
+    made = _artifacts(tmp_path)
+    shared, private = tmp_path / "jax_cache", tmp_path / "mine"
+    private.mkdir(mode=0o700)
+    keys = {}  # a key names the folder set (XLA's autotune cache below it): the private one
+    for name in ("stranger", "victim"):
+        r, got = _run(made[name], private, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+        assert got is not None, r.stderr[-2000:]
+        (keys[name],) = [k for k in got["new"] if k.startswith("jit_call")]
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    (shared / keys["victim"]).write_bytes((private / keys["stranger"]).read_bytes())
+    for entry in private.iterdir():
+        entry.unlink()
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(shared)}
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "true"  # (CI runs the slow tests with it off)
+    r = subprocess.run(
+        [sys.executable, "-c", _SWITCH, str(made["victim"]), str(shared), str(private)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    y = json.loads(r.stdout.splitlines()[-1])["y"]
+    assert not np.allclose(y, made["stranger_y"]), "the planted executable ran as the model"
+    np.testing.assert_allclose(y, made["victim_y"], rtol=1e-5)

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.core import Tracer
+from jax.experimental.compilation_cache import compilation_cache
 
 from symjax_mlp._artifact import module
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
@@ -60,11 +61,15 @@ def check_supported(path: Path, manifest: Mapping[str, Any]) -> None:
     refuse_shared_cache(f"load({str(path)!r})")
 
 
+_LIVE: dict[str, Any] = {}  # "seen": the cache settings JAX was last made to open (reset_cache)
+
+
 def refuse_shared_cache(head: str) -> None:
     """Refuses JAX's persistent compilation cache where others may write (or swap) its folder:
-    its entries are executables, native code XLA runs as the program whose key names them."""
-    folder = jax.config.jax_compilation_cache_dir
-    on = folder and jax.config.jax_enable_compilation_cache and "://" not in folder
+    its entries are executables, native code XLA runs as the program whose key names them. The
+    settings checked are those JAX opens at its next compilation (JAX's reset_cache, public)."""
+    folder, enabled = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    on = folder and enabled and "://" not in folder
     if on and (why := shared_by_others(folder)):
         raise ConfigError(
             f"{head}: JAX's compilation cache, jax_compilation_cache_dir={folder!r}, is not "
@@ -73,6 +78,9 @@ def refuse_shared_cache(head: str) -> None:
             "'jax_compilation_cache_dir', ...)) at a folder only you can write, such as "
             "$HOME/.cache/jax, or unset it."
         )
+    if _LIVE.get("seen") != (folder, enabled):  # JAX keeps the folder it opened at its first
+        compilation_cache.reset_cache()  # compilation, whatever is set since: this one, next
+        _LIVE["seen"] = folder, enabled
 
 
 _PASSED: set[tuple[str, bool]] = set()  # (folder, enabled) checked by refuse_shared_cache_once
