@@ -8,7 +8,9 @@ import difflib
 import inspect
 import json
 import re
+import traceback
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -302,7 +304,8 @@ def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) 
             if vjp_order == 0:  # cannot differentiate, filter_custom_vjp's *args)
                 raise
             works = _highest_order(exported, vjp_order)  # raises where the VJP is not the cause
-            said = _NO_VJP.format(name=name, order=vjp_order, error=first_line(e), works=works)
+            said = _NO_VJP if "host_callbacks" not in str(e) else _VJP_CALLS_BACK
+            said = said.format(name=name, order=vjp_order, error=_why(e), works=works)
             raise ConfigError(said) from None
 
 
@@ -325,7 +328,17 @@ def _highest_order(exported: Any, failed: int) -> int:
     return 0
 
 
-_NO_VJP_ERRORS = (ValueError, NotImplementedError, AttributeError, TypeError, RuntimeError)
+def _why(e: BaseException) -> str:
+    """JAX's reason, or where an assert failed (lineax's transpose of its operator at order 2
+    asserts, its message a tuple of JAX's internal values)."""
+    if not isinstance(e, AssertionError):
+        return first_line(e)
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return f"an assert failed in {'/'.join(Path(frame.filename).parts[-2:])}, line {frame.lineno}"
+
+
+_NO_VJP_ERRORS = (ValueError, NotImplementedError, AttributeError, TypeError, RuntimeError,
+                  AssertionError)  # fmt: skip
 _NO_VJP = (
     "export({name}, vjp_order={order}): JAX could not build the model's VJP of order {order} "
     "({error}); it builds those of order {works} and below. Export it with vjp_order={works} "
@@ -334,4 +347,13 @@ _NO_VJP = (
     "custom_vjp for an op without a rule such as a pallas_call, an input of equinox's "
     "filter_custom_vjp moved into its first argument) before exporting with "
     "vjp_order={order}."
+)
+_VJP_CALLS_BACK = (
+    "export({name}, vjp_order={order}): the model's VJP of order {order} calls back into Python "
+    "(a host callback; JAX: {error}), and an artifact carries no Python. Where it is equinox's "
+    "runtime check (eqx.error_if: lineax's linear_solve checks its answer with one in its VJP, "
+    "as optimistix's solvers and OTT's implicit differentiation call it), set the environment "
+    "variable EQX_ON_ERROR=nan (NaN where a check fails) or EQX_ON_ERROR=off before equinox is "
+    "imported; or export with vjp_order={works} (the highest order it builds: jax.grad of the "
+    "loaded model goes {works} deep)."
 )
