@@ -37,6 +37,7 @@ STAGES = (
     "symjax_mlp._hybrid.mesh",
     "symjax_mlp._hybrid.jaxpr",
     "symjax_mlp._hybrid.graph",
+    "symjax_mlp._hybrid.effects",
     "symjax_mlp._hybrid.traced",
     "symjax_mlp._hybrid.staged",
     "symjax_mlp._hybrid.hybrid",
