@@ -36,6 +36,12 @@ _NAMED_ARRAY = (
     "positional array that names one row's axes inside, under jax.vmap: lambda p, x: "
     "jax.vmap(lambda r: h.apply(p, pz.nx.wrap(r).tag(...)).unwrap(...))(x)."
 )
+_HALIAX = (
+    " A haliax NamedArray's tree holds its axes (hax.Axis, each with its size), so rebuilt so it "
+    "fixes the batch at the example's rows (export with batch=None); for any batch, export a "
+    "function of the positional array that names its axes inside: lambda p, x: "
+    "h.apply(p, hax.named(x, ('batch', ...))).array."
+)
 
 _HIJAX_INPUT = (
     "export(example=...): args[{i}] is a {kind}, a value of a jax.experimental.hijax type, and "
@@ -57,6 +63,13 @@ def _container(x: Any) -> tuple[str, str] | None:
     kind, arrays = type(x).__name__, f"{len(leaves)} array{'s' * (len(leaves) > 1)}"
     pytree = "" if isinstance(x, tuple | list) else " (a registered pytree)"
     return f"a {kind}{pytree} of {arrays}", kind
+
+
+def tree_of_arrays(x: Any) -> bool:
+    """Whether ``x`` is a registered pytree holding arrays, no array itself though it may have
+    a ``shape`` and a ``dtype`` (haliax's NamedArray: its shape a dict of its axes' sizes)."""
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and leaves[0] is not x
 
 
 def hijax_value(x: Any) -> bool:
@@ -103,6 +116,8 @@ def not_an_array(name: str, i: int, x: Any, n: int, placed: Any = None) -> Signa
                                    tail=tail, example=example, call=call)  # fmt: skip
     if type(x).__module__.startswith("penzai") and hasattr(x, "named_axes"):
         said += _NAMED_ARRAY
+    elif type(x).__module__.startswith("haliax") and hasattr(x, "axes"):
+        said += _HALIAX
     return SignatureError(said)
 
 

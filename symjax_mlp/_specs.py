@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError
-from symjax_mlp._export_example import not_an_array
+from symjax_mlp._export_example import not_an_array, tree_of_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +272,7 @@ def input_structs(
 ) -> list[jax.ShapeDtypeStruct]:  # fmt: skip
     """The inputs' structs: the leading dimension ``batch``, or the ``shapes`` specs."""
     for i, x in enumerate(examples):
-        if not array_like(x):
+        if not array_like(x) or tree_of_arrays(x):  # (haliax's NamedArray has both)
             raise not_an_array(name, i, x, len(examples), placed)
     if shapes is None:
         dim = jax.export.symbolic_shape(batch)[0] if batch else None
