@@ -7,7 +7,8 @@ feature and inside the authors' own jitted loops.
   source's structure rebuilding the distribution from the loaded model's) over every feature;
   the loaded policy's actions and log-probs equal the source's for the same key. Its whole
   ``make_train`` (CartPole-v1 from gymnax, 2 updates) under one ``jax.jit`` with ``h.apply`` as
-  the network's apply equals the author's: the trained params and every metric.
+  the network's apply equals the author's: the trained params and every metric; with a loaded
+  artifact's ``m.apply`` as the apply (PPO of a policy whose source is lost) too.
 - evosax's RL notebook (CartPole, SNES, a population of 8): its population of the source's
   params tree through ``jax.vmap(h.apply, (0, None))`` and a loaded artifact's
   ``jax.vmap(m.apply, (0, None))`` equals the author's policy member by member, no member
@@ -97,16 +98,18 @@ PPO_CONFIG = {  # ppo.py's __main__ config, cut to 2 updates of 4 envs x 16 step
 }
 
 
-def test_purejaxrl_make_train_with_h_apply_equals_the_authors(monkeypatch):
-    """ppo.py's ``make_train`` builds ``ActorCritic(n, activation=...)`` inside ``train`` and
-    calls its ``init`` and ``apply``: with ``apply`` the Hybrid's (``init`` the network's own),
-    the whole of it under one ``jax.jit`` (env steps, GAE, minibatch PPO updates, all
-    ``lax.scan``) gives the author's trained params and every metric, from the same key."""
-    network, params = _actor_critic()
-    h = sm.hybridize(network, params)
-    theirs = jax.jit(zoo27.make_train(dict(PPO_CONFIG)))(jax.random.PRNGKey(30))
+@pytest.fixture(scope="module")
+def ppo_theirs():
+    """ppo.py's ``make_train`` under one ``jax.jit``, as its ``__main__`` runs it (key 30)."""
+    return jax.jit(zoo27.make_train(dict(PPO_CONFIG)))(jax.random.PRNGKey(30))
 
-    class Hybridized:  # ActorCritic as make_train calls it, its apply the Hybrid's
+
+def _train(monkeypatch, apply):
+    """``make_train`` as the author runs it, ``ActorCritic``'s apply ``apply`` (``init`` the
+    network's own): it builds ``ActorCritic(n, activation=...)`` inside ``train``."""
+    network, _ = _actor_critic()
+
+    class Network:  # ActorCritic as make_train calls it
         def __init__(self, action_dim, activation):
             self.network = network.clone(action_dim=action_dim, activation=activation)
 
@@ -114,16 +117,42 @@ def test_purejaxrl_make_train_with_h_apply_equals_the_authors(monkeypatch):
             return self.network.init(rng, x)
 
         def apply(self, params, x):
-            return h.apply(params, x)
+            return apply(params, x)
 
-    monkeypatch.setattr(zoo27, "ActorCritic", Hybridized)
-    ours = jax.jit(zoo27.make_train(dict(PPO_CONFIG)))(jax.random.PRNGKey(30))
-    trained = theirs["runner_state"][0].params
-    close(ours["runner_state"][0].params, trained)
+    with monkeypatch.context() as patch:
+        patch.setattr(zoo27, "ActorCritic", Network)
+        return jax.jit(zoo27.make_train(dict(PPO_CONFIG)))(jax.random.PRNGKey(30))
+
+
+def _same_training(ours, theirs):
+    close(ours["runner_state"][0].params, theirs["runner_state"][0].params)
     close(ours["metrics"], theirs["metrics"])
+
+
+def test_purejaxrl_make_train_with_h_apply_equals_the_authors(monkeypatch, ppo_theirs):
+    """The whole of ``make_train`` under one ``jax.jit`` (env steps, GAE, minibatch PPO
+    updates, all ``lax.scan``), the network's apply the Hybrid's: the author's trained params
+    and every metric, from the same key."""
+    network, params = _actor_critic()
+    h = sm.hybridize(network, params)
+    _same_training(_train(monkeypatch, h.apply), ppo_theirs)
+    trained = ppo_theirs["runner_state"][0].params
     moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), trained, params)
     assert max(jax.tree.leaves(moved)) > 1e-3  # it trained (from train's own init, not ours)
-    assert theirs["metrics"]["returned_episode"].any()  # episodes ended: resets ran
+    assert ppo_theirs["metrics"]["returned_episode"].any()  # episodes ended: resets ran
+
+
+def test_purejaxrl_make_train_over_a_loaded_policy_equals_the_authors(
+    tmp_path, monkeypatch, ppo_theirs
+):
+    """PPO of an artifact whose source is lost: the network's apply a loaded model's
+    ``m.apply`` (``vjp_order=1``), over the params tree ``train`` initializes and updates (as
+    the source's), the distribution rebuilt from its leaves; the author's training."""
+    network, params = _actor_critic()
+    leaves = sm.hybridize(lambda p, x: tuple(jax.tree.leaves(network.apply(p, x))), params)
+    m = sm.load(sm.export(leaves, tmp_path / "m", example=(OBS,), batch="b", vjp_order=1).path)
+    tree = jax.tree.structure(network.apply(params, OBS))
+    _same_training(_train(monkeypatch, lambda p, x: tree.unflatten(m.apply(p, x))), ppo_theirs)
 
 
 class _Policy:  # the notebook's policy as GymnaxProblem calls it, its apply another's
