@@ -79,6 +79,7 @@ def test_haliax_named_array_export_is_refused_naming_hax_named(tmp_path):
 
 
 @pytest.mark.slow  # compiles the attention several times
+@pytest.mark.filterwarnings("ignore:jax.core.is_constant_dim is deprecated")  # haliax's, on b
 def test_haliax_attention_keeps_its_axes_and_exports_named_inside(tmp_path):
     """``h(x)`` of the NamedArray is the model's, its axes kept; the refusal's route, the
     positional array named inside (haliax takes a symbolic batch as an axis size), over every
@@ -116,7 +117,7 @@ def test_e3nn_tetris_exported_is_equivariant_and_equal(tmp_path):
     h = sm.hybridize(model, params)
     want = model.apply(params, graphs)
     close(h(graphs), want, rtol=1e-4, atol=1e-4)
-    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a GraphsTuple .* of 6 arrays"):
+    with pytest.raises(sm.SignatureError, match=r"args\[0\] is a GraphsTuple of 6 arrays"):
         sm.export(h, tmp_path / "g", example=(graphs,), batch=None)
 
     def ref(pos):
