@@ -13,6 +13,9 @@ Batcher's answers) where their inputs allow it.
 - e3nn-jax's tetris example: the Model over a jraph GraphsTuple; its positions exported (the
   graph held), the loaded model equal, invariant under a rotation, its chiral logits swapped
   by a reflection, its grads the model's.
+- jaxtyping's ``batch_outer_product`` checked by beartype: its check runs at the Hybrid's
+  trace (its own TypeCheckError for a batch that disagrees), exported with both inputs' ``b``
+  one symbolic batch: the loaded model equal, and rows that disagree refused.
 """
 
 import e3nn_jax as e3nn
@@ -133,3 +136,24 @@ def test_e3nn_tetris_exported_is_equivariant_and_equal(tmp_path):
     close(m(np.asarray(-pos))[:, :2], want[:, 1::-1], rtol=1e-4, atol=1e-4)
     grads = jax.grad(lambda p: m(p)[0, 0])(pos)
     close(grads, jax.grad(lambda p: ref(p)[0, 0])(pos), rtol=1e-4, atol=1e-4)
+
+
+# -- jaxtyping: jaxtyping/_decorator.py, jaxtyped's docstring -----------------------------------
+
+
+@pytest.mark.slow  # a trace and an export: over 0.5 s
+def test_jaxtyping_checked_by_beartype_exports_one_symbolic_batch(tmp_path):
+    """The type check runs at the trace: ``h(x, y)`` with 4 rows of ``y`` to 5 of ``x`` is
+    jaxtyping's TypeCheckError; exported, ``b`` is one symbolic batch: equal on 2 rows, 2 and
+    3 rows refused naming both."""
+    h = sm.hybridize(lambda _, x, y: zoo26.batch_outer_product(x, y), {})
+    x, y = jr.normal(jr.key(0), (5, 3)), jr.normal(jr.key(1), (5, 2))
+    close(h(x, y), zoo26.batch_outer_product(x, y))
+    with pytest.raises(Exception, match="whilst typechecking parameter 'y'") as e:
+        h(x, y[:4])
+    assert type(e.value).__module__.startswith("jaxtyping")
+    sm.export(h, tmp_path / "m", example=(x, y), vjp_order=1)
+    m = sm.load(tmp_path / "m")
+    close(m(np.asarray(x[:2]), np.asarray(y[:2])), zoo26.batch_outer_product(x[:2], y[:2]))
+    with pytest.raises(sm.SignatureError, match=r"args\[1\]\.shape\[0\] is 3 but args\[0\]"):
+        m(np.asarray(x[:2]), np.asarray(y[:3]))

@@ -23,11 +23,16 @@ e3nn/e3nn-jax at 04e761c8e9a42c339cc712fb8b9af85ddd618eab:
 - examples/tetris_point.py: ``tetris``, ``Layer`` and ``Model`` as written (``train`` and
   its timing left out).
 
-All three formatted by ``ruff format`` (a comment's space, ``1E9`` as ``1e9``, lines
+patrick-kidger/jaxtyping at f4083b20aed1e41355041331ebfa5dc109c1c851:
+
+- jaxtyping/_decorator.py, ``jaxtyped``'s docstring: ``batch_outer_product`` type-checked by
+  beartype, its ``torch.Tensor`` read as ``jax.Array`` (``Array as Tensor``).
+
+All four formatted by ``ruff format`` (a comment's space, ``1E9`` as ``1e9``, lines
 joined); the code is as written.
 """
 
-# ruff: noqa: B905, E741 - as the authors wrote it
+# ruff: noqa: B905, E741, F722 - as the authors wrote it (F722: jaxtyping's shape strings)
 
 import warnings
 
@@ -43,6 +48,8 @@ from flowjax.distributions import Normal
 from flowjax.flows import masked_autoregressive_flow
 from flowjax.tasks import two_moons
 from flowjax.train import fit_to_data
+from jaxtyping import Array as Tensor  # the docstring's torch Tensor
+from jaxtyping import Float, jaxtyped
 
 with warnings.catch_warnings():  # haliax reads jax.experimental.shard_map, deprecated in jax 0.8
     warnings.filterwarnings("ignore", "jax.experimental.shard_map is deprecated")
@@ -225,3 +232,17 @@ class Model(flax.linen.Module):
         assert logits.shape == (len(graphs.n_node), 8)  # [num_graphs, num_classes]
 
         return logits
+
+
+# --- jaxtyping: jaxtyping/_decorator.py, jaxtyped's docstring ------------------------------------
+
+# Use your favourite typechecker: usually one of the two lines below.
+from beartype import beartype as typechecker  # noqa: E402
+
+
+# Type-check a function
+@jaxtyped(typechecker=typechecker)
+def batch_outer_product(x: Float[Tensor, "b c1"],
+                        y: Float[Tensor, "b c2"]
+                      ) -> Float[Tensor, "b c1 c2"]:  # fmt: skip
+    return x[:, :, None] * y[:, None, :]
