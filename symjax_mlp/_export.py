@@ -34,6 +34,7 @@ from symjax_mlp._artifact.module import mlir_arguments
 from symjax_mlp._artifact.reading import Artifact, freeze
 from symjax_mlp._artifact.signature import Signature, admits_any, sizes_at
 from symjax_mlp._artifact.weights import encode
+from symjax_mlp._cache import refuse_shared_cache_once
 from symjax_mlp._errors import (
     ArtifactError,
     ConfigError,
@@ -50,7 +51,6 @@ from symjax_mlp._export_options import check_options, serialized, tolerance_opti
 from symjax_mlp._files import sha256, write_dir
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._reader import read_regular
-from symjax_mlp._runtimes.jax import refuse_shared_cache_once
 from symjax_mlp._signing import SIGNATURE
 from symjax_mlp._specs import TensorSpec
 

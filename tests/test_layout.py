@@ -22,6 +22,7 @@ SCRIPTS = ROOT.parent / "scripts"
 STAGES = (
     "symjax_mlp._compat",
     "symjax_mlp._errors",
+    "symjax_mlp._cache",
     "symjax_mlp._export_example",
     "symjax_mlp._specs",
     "symjax_mlp._reader",

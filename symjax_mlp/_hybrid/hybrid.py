@@ -12,6 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from symjax_mlp._cache import refuse_shared_cache_once
 from symjax_mlp._errors import ConfigError, NoPickle, one_device, refuse_two_devices
 from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
@@ -25,7 +26,6 @@ from symjax_mlp._hybrid.settings import check_settings, static_args
 from symjax_mlp._hybrid.staged import Staged
 from symjax_mlp._hybrid.trace import TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given
-from symjax_mlp._runtimes.jax import refuse_shared_cache_once
 
 _FROZEN = (
     "{name}: a Hybrid is a frozen result (like jax.stages.Compiled): its {field!r} cannot be "

@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from symjax_mlp._cache import refuse_shared_cache_once
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.staged import refuse_trained_in_place
-from symjax_mlp._runtimes.jax import refuse_shared_cache_once
 from symjax_mlp._specs import by_place, ensemble_member, keyword_arrays
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from symjax_mlp._cache import refuse_shared_cache
 from symjax_mlp._errors import (
     CheckpointError,
     ConfigError,
@@ -26,7 +27,6 @@ from symjax_mlp._errors import (
 )
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
 from symjax_mlp._models import mlp
-from symjax_mlp._runtimes.jax import refuse_shared_cache
 from symjax_mlp.training._checkpoint import save_checkpoint
 from symjax_mlp.training._data import (
     Dataset,

@@ -12,10 +12,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from symjax_mlp._cache import refuse_shared_cache_once
 from symjax_mlp._errors import ConfigError, SignatureError, as_bool
 from symjax_mlp._hybrid.jaxpr import input_dependent
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
-from symjax_mlp._runtimes.jax import refuse_shared_cache_once
 from symjax_mlp.training._state import is_count
 from symjax_mlp.training._step import UNEVEN, ModelVars
 
