@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 
 import jax
 import numpy as np
@@ -102,12 +103,20 @@ def test_init_from_the_runs_own_checkpoint_directory_is_refused_before_any_work(
             sm.training.train(epochs=0, init_from=tmp_path, checkpoint=checkpoint)
 
 
-def test_init_from_a_multi_process_runs_orbax_checkpoints_is_refused_naming_them(tmp_path):
-    """init_from reads step_* checkpoints; an Orbax directory was "holds no step_* checkpoint"."""
+def test_init_from_orbax_checkpoints_passes_over_no_uncommitted_save_as_resume_does(tmp_path):
+    """init_from reads a multi-process run's Orbax checkpoints (it refused them all, once:
+    tests/test_multiprocess.py reads a real run's); a save never committed, newer than the newest
+    committed one, is refused before any work, as a resume refuses it, not passed over."""
     (tmp_path / "8").mkdir()
     (tmp_path / "8" / "_CHECKPOINT_METADATA").write_text("{}")  # a committed Orbax save
-    with pytest.raises(sm.CheckpointError, match=r"multi-process run's checkpoints \(Orbax\) only"):
+    (tmp_path / "16" / "state").mkdir(parents=True)  # its save killed before Orbax committed it
+    with pytest.raises(
+        sm.CheckpointError, match=r"16 is a directory without _CHECKPOINT_METADATA \(an Orbax save"
+    ) as e:
         sm.training.train(epochs=0, init_from=tmp_path)
+    assert re.search(
+        r"pass it over for \S+/8, an older one.* or another of its steps", str(e.value)
+    )
 
 
 @pytest.mark.slow  # a run of no epochs: the model traced, its probes compiled (0.7-1.2 s)

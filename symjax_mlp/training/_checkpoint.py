@@ -334,7 +334,7 @@ def read_checkpoint(
         )  # fmt: skip
     except FileNotFoundError:
         raise broken(path / _STATE_FILE, "the file is missing") from None
-    stored = _evaluated(stored) if weights else stored
+    stored = evaluated_weights(stored) if weights else stored
     stored = {n: a for n, a in stored.items() if not weights or n.startswith("params/")}
     arrays = {name: jnp.asarray(a) for name, a in stored.items()}
     return state_of({**arrays, **fresh}, like, manifest), metadata
@@ -364,7 +364,7 @@ def _evaluation(tensors: dict[str, np.ndarray]) -> tuple[str, dict[str, str]] | 
     return prefix, made
 
 
-def _evaluated(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def evaluated_weights(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A schedule-free run's params as its eval params, as train() reported and exported them
     (``schedule_free_eval_params``): its checkpoint holds the point its gradients were taken
     at, ``y``, and ``z``: ``x = (y - (1 - b1) z) / b1``. Any other run's, as they are."""

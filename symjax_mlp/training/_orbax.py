@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import json
 import math
+import operator
 import os
 import re
 import stat
@@ -27,8 +28,8 @@ import numpy as np
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import CheckpointError
 from symjax_mlp._files import exhausted
-from symjax_mlp.training._checkpoint import broken, check_manifest
-from symjax_mlp.training._paths import COMMITTED, entries
+from symjax_mlp.training._checkpoint import broken, check_manifest, evaluated_weights
+from symjax_mlp.training._paths import COMMITTED, checkpoints, entries, step_name
 from symjax_mlp.training._state import TrainState, check_fit, digest, named_leaves, specs, state_of
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
@@ -51,6 +52,15 @@ def _key(i: int, name: str) -> str:
 
 def _is_key(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _declared(shape: Any, dtype: Any, keys: dict[str, Any]) -> tuple[tuple, Any]:
+    """``(shape, dtype)`` of a tensor a meta item declares (a PRNG key's dtype by its name);
+    a TypeError or ValueError for a shape or dtype no array has."""
+    dims = tuple(operator.index(d) for d in shape)  # a TypeError for a str, a float
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape {dims} has a negative dimension")
+    return dims, keys[dtype] if dtype in keys else jnp.dtype(dtype)
 
 
 @jax.jit
@@ -120,15 +130,41 @@ def check_files(path: Path) -> None:
             raise broken(path, f"{marker} is not a JSON object, as Orbax writes it")
 
 
+def orbax_weights(
+    path: Path, like: TrainState, check: Callable[[Path, dict], None]
+) -> TrainState | None:
+    """:meth:`OrbaxCheckpoints.weights` of ``path``, an Orbax step or a directory of Orbax
+    checkpoints only (its newest committed); ``None`` for any other path (step_* checkpoints)."""
+    step = path if path.name.isdigit() and path.name == step_name(int(path.name), True) else None
+    if step is not None and not (step / COMMITTED).is_file():
+        if not (step / "meta").exists():
+            return None  # no Orbax step: the step_* reader names what it is
+        raise broken(step, f"it has no {COMMITTED}: its save was never committed")
+    if step is None and (checkpoints(path) or not checkpoints(path, orbax=True)):
+        return None
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    reader = OrbaxCheckpoints(
+        path if step is None else path.parent, timeout=60, sharding=sharding, read_only=True
+    )
+    try:
+        newest = reader.latest() if step is None else step
+        return reader.weights(newest, like, check)
+    finally:
+        reader.manager.close()
+
+
 class OrbaxCheckpoints:
     """An Orbax ``CheckpointManager`` of ``directory``: async saves, the newest two kept."""
 
-    def __init__(self, directory: str | Path, *, timeout: int, sharding: Any):
+    def __init__(
+        self, directory: str | Path, *, timeout: int, sharding: Any, read_only: bool = False
+    ):  # read_only: another run's, read (init_from), not written or cleaned up
         import orbax.checkpoint as ocp
 
         self.ocp, self.directory = ocp, Path(directory).absolute()
         self.sharding = sharding  # where restored arrays go: replicated over the run's mesh
-        self.directory.mkdir(parents=True, exist_ok=True)  # each process: Orbax will not
+        if not read_only:
+            self.directory.mkdir(parents=True, exist_ok=True)  # each process: Orbax will not
         for _, step, _ in entries(self.directory, orbax=True):  # the manager reads them all
             if step.is_dir() or step.is_symlink():  # a file: check_strays names it
                 check_files(step)
@@ -137,15 +173,19 @@ class OrbaxCheckpoints:
         processes = ocp.options.MultiprocessingOptions(
             active_processes=set(range(jax.process_count()))
         )
+        writes = {
+            "max_to_keep": 2,
+            "enable_background_delete": True,  # the old step's deletion is off the commit
+            "save_decision_policy": ocp.checkpoint_managers.ContinuousCheckpointingPolicy(),
+            "cleanup_tmp_directories": True,  # a save a killed process left unfinished
+        }
         options = ocp.CheckpointManagerOptions(
             create=False,
-            max_to_keep=2,
-            enable_async_checkpointing=True,
-            enable_background_delete=True,  # the old step's deletion is off the commit
-            save_decision_policy=ocp.checkpoint_managers.ContinuousCheckpointingPolicy(),
-            cleanup_tmp_directories=True,  # a save a killed process left unfinished
+            read_only=read_only,
+            enable_async_checkpointing=not read_only,
             async_options=ocp.AsyncOptions(timeout_secs=timeout),
             multiprocessing_options=processes,
+            **({"save_interval_steps": 0} if read_only else writes),
         )
         # jax.Array's default handler also writes an ArrayMetadata store, whose directory the
         # other processes poll, slowing each commit; our manifest holds what it would
@@ -249,22 +289,62 @@ class OrbaxCheckpoints:
 
     def restore(self, path: Path, like: TrainState) -> tuple[TrainState, dict]:
         """Reads ``path`` into the structure of ``like``, each array replicated."""
+        meta, stored = self._meta(path)
+        wanted = named_leaves(like)
+        check_fit(path, stored, specs(wanted))
+        targets = {n: a if n == "rng" else (a.shape, a.dtype) for n, a in wanted.items()}
+        arrays = self._arrays(path, meta, targets, self.sharding)
+        return state_of(arrays, like, meta), meta.get("metadata", {})
+
+    def weights(
+        self, path: Path, like: TrainState, check: Callable[[Path, dict], None]
+    ) -> TrainState:
+        """A new run's start (``init_from``) from ``path``, written by any number of processes:
+        ``like`` with the params (model state too) ``path`` holds, each on this process's first
+        device, once ``check(path, metadata)`` has passed; its optimizer's may be another's."""
+        meta, stored = self._meta(path, init_from=True)
+        check(path, meta.get("metadata", {}))
+        leaves = named_leaves(like)
+        wanted = {n: a for n, a in leaves.items() if n.startswith("params/") or n == "rng"}
+        check_fit(path, {n: s for n, s in stored.items() if n in wanted or n[:7] == "params/"},
+                  specs(wanted))  # fmt: skip
+        keys = [jax.random.key(0, impl=k).dtype for k in ("threefry2x32", "rbg", "unsafe_rbg")]
+        dtypes = {str(k): k for k in keys}  # a PRNG key's (an optimizer's state may hold one)
+        try:  # every tensor, as saved: the sha256 over all says whether they are whole
+            targets = {
+                n: np.zeros(shape, dtype) if n == "rng" else _declared(shape, dtype, dtypes)
+                for n, (shape, dtype) in stored.items()
+            }
+        except (TypeError, ValueError) as e:  # anyone's JSON: a shape or dtype of no array
+            what = f"its meta item declares a tensor no array can be ({type(e).__name__}: {e})"
+            raise broken(path, what[:400]) from None
+        local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        arrays = evaluated_weights(
+            {n: _local(a) for n, a in self._arrays(path, meta, targets, local).items()}
+        )  # a schedule-free run's eval params, as train() reported them
+        fresh = {n: a for n, a in leaves.items() if not n.startswith("params/")}
+        mine = {n: jnp.asarray(arrays[n]) for n in wanted if n != "rng"}
+        return state_of({**mine, **fresh}, like, {"step": 0, "epoch": 0})
+
+    def _meta(self, path: Path, init_from: bool = False) -> tuple[dict, dict[str, tuple]]:
+        """``path``'s meta item, checked, and its tensors' ``{name: (shape, dtype)}``."""
         args, step = self.ocp.args, int(path.name)
         try:
             meta = self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))["meta"]
-            stored = {n: (tuple(s), d) for n, s, d in meta["tensors"]}
-            recorded = meta["sha256"]
+            stored, _ = {n: (tuple(s), d) for n, s, d in meta["tensors"]}, meta["sha256"]
         except Exception as e:  # missing, truncated or edited JSON: the reader's own error
             what = f"its meta item is missing or malformed ({type(e).__name__}: {str(e)[:200]})"
             raise broken(path, what) from None
-        check_manifest(path / "meta", meta, _HEADER, step)
-        wanted = named_leaves(like)
-        check_fit(path, stored, specs(wanted))
+        check_manifest(path / "meta", meta, _HEADER, step, init_from=init_from)
+        return meta, stored
+
+    def _arrays(self, path: Path, meta: dict, targets: dict[str, Any], sharding: Any) -> dict:
+        """The tensors of ``targets`` (``rng``: its NumPy value; others: ``(shape, dtype)``) as
+        ``path`` holds them, placed by ``sharding``; refused unless their sha256 is recorded."""
+        args, step = self.ocp.args, int(path.name)
         target = {
-            _key(i, n): np.asarray(a)
-            if n == "rng"
-            else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding)
-            for i, (n, a) in enumerate(wanted.items())
+            _key(i, n): t if n == "rng" else jax.ShapeDtypeStruct(*t, sharding=sharding)
+            for i, (n, t) in enumerate(targets.items())
         }
         restore = args.PyTreeRestore(
             target, restore_args=self.ocp.checkpoint_utils.construct_restore_args(target)
@@ -274,10 +354,10 @@ class OrbaxCheckpoints:
         except Exception as e:  # a truncated or missing array file: tensorstore's error
             what = f"its arrays cannot be read ({type(e).__name__}: {str(e)[:300]})"
             raise broken(path, what) from None
-        arrays = {n: items[_key(i, n)] for i, n in enumerate(wanted)}
-        if digest({n: _local(a) for n, a in arrays.items()}) != recorded:
+        arrays = {n: items[_key(i, n)] for i, n in enumerate(targets)}
+        if digest({n: _local(a) for n, a in arrays.items()}) != meta["sha256"]:
             raise broken(path, "its arrays are not the ones saved (their sha256 differs)")
-        return state_of(arrays, like, meta), meta.get("metadata", {})
+        return arrays
 
     def close(self) -> None:
         """Waits for the last save to commit (a failed one raises), then releases the manager."""

@@ -129,7 +129,7 @@ _PASSED_OVER = (  # what an entry named like a newer step that is none makes of 
     "a resume would pass it over or fail on it, and saving that step fail on it or delete it, "
     "after its epoch's work. Remove it, or use another checkpoint directory.",
     "reading the directory's newest checkpoint would pass it over for {newest}, an older one. "
-    "Remove it, or name the checkpoint to read ({newest} or another step_* directory).",
+    "Remove it, or name the checkpoint to read ({newest} or another of its steps).",
 )
 
 

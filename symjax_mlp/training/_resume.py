@@ -31,6 +31,7 @@ from symjax_mlp._errors import CheckpointError, ConfigError, user_stacklevel
 from symjax_mlp.training._checkpoint import broken, read_checkpoint
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._optimizer import takes_value
+from symjax_mlp.training._orbax import orbax_weights
 from symjax_mlp.training._paths import check_path, check_strays, checkpoints, latest_checkpoint
 from symjax_mlp.training._processes import RESUME
 from symjax_mlp.training._spec import NnxSpec
@@ -150,9 +151,9 @@ def resume_run(
 
 def check_init_from(directory: Any, checkpoint: Any) -> None:
     """Refuses an ``init_from`` that is not a path, that the run's ``checkpoint`` directory is,
-    holds or is inside (the run would write among the checkpoints it starts from), or that holds
-    Orbax checkpoints only (a multi-process run's: not read), or an entry named like a step
-    newer than its newest checkpoint that is none (a symlink, a file): it would be passed over."""
+    holds or is inside (the run would write among the checkpoints it starts from), or an entry
+    named like a step newer than its newest checkpoint that is none (a symlink, a file, an
+    uncommitted Orbax save): it would be passed over."""
     caller = f"{_CALLER}(init_from={printable(str(directory))[:200]!r})"
     check_path(directory, caller)
     homes = [os.path.realpath(p) for p in (directory, checkpoint) if p is not None]
@@ -162,13 +163,8 @@ def check_init_from(directory: Any, checkpoint: Any) -> None:
             "that directory: the new run would write its checkpoints among the ones it starts "
             "from, and prune them. Pass checkpoint=DIR another directory (or none)."
         )
-    if checkpoints(Path(directory), orbax=True) and not checkpoints(Path(directory)):
-        raise CheckpointError(
-            f"{caller}: it holds a multi-process run's checkpoints (Orbax) only, which "
-            "init_from does not read: it reads a one-process run's step_* checkpoints. Continue "
-            "that run as it was written (resume=True, every process after initialize(...))."
-        )
-    check_strays(directory, caller, reading=True)  # a newer step_* that is none: passed over
+    orbax = bool(checkpoints(Path(directory), orbax=True)) and not checkpoints(Path(directory))
+    check_strays(directory, caller, orbax, reading=True)  # a newer step that is none: passed over
 
 
 def init_run(directory: str | os.PathLike, state: TrainState, config: dict[str, Any]) -> TrainState:
@@ -181,8 +177,9 @@ def init_run(directory: str | os.PathLike, state: TrainState, config: dict[str, 
         read.append(found)
 
     caller, read = f"{_CALLER}(init_from={printable(os.fspath(directory))[:200]!r})", []
-    try:
-        state = read_checkpoint(Path(directory), state, weights=same_model)[0]
+    try:  # a multi-process run's (Orbax), or a one-process run's
+        found = orbax_weights(Path(directory), state, same_model)
+        state = found or read_checkpoint(Path(directory), state, weights=same_model)[0]
     except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
         raise CheckpointError(f"{caller}: {e}") from None
     _check_finite(read[0], state, f"{caller}: ", "init_from")

@@ -7,9 +7,10 @@ Run by ``tests/test_multiprocess.py``, never collected by pytest::
 It trains a small MLP on a fixed synthetic problem (:func:`problem`, also what the test trains
 in one process) and saves the trained params as ``param_0, param_1, ...`` (``jax.tree.leaves``
 order), ``step``, ``resumed_step`` (-1: a fresh start) and ``checkpoint_waits`` to
-``OUT.npz``. Options: ``--checkpoint DIR``, ``--resume``, ``--epochs N``, ``--seed S``,
-``--blocks B``, ``--timeout S``; faults: ``--kill-after-save EPOCH`` (SIGKILL itself while
-that epoch's asynchronous save is still being written, once an earlier one is committed),
+``OUT.npz``. Options: ``--checkpoint DIR``, ``--resume``, ``--init-from DIR``, ``--epochs N``,
+``--seed S``, ``--blocks B``, ``--timeout S``; faults: ``--kill-after-save EPOCH`` (SIGKILL
+itself while that epoch's asynchronous save is still being written, once an earlier one is
+committed),
 ``--stall-after EPOCH`` (sleeps an hour after that epoch), ``--committing`` (this process's
 Orbax says a save is always committing: only process 0's answer may decide a save).
 """
@@ -46,6 +47,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--checkpoint")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--init-from")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--blocks", type=int)
@@ -89,6 +91,7 @@ def main() -> None:
         blocks=args.blocks,
         checkpoint=args.checkpoint,
         resume=args.resume,
+        init_from=args.init_from,
         on_epoch=on_epoch,
     )
     out = {f"param_{i}": np.asarray(a) for i, a in enumerate(jax.tree.leaves(result.params))}
