@@ -13,6 +13,15 @@ and a loaded ``m.apply`` as over the plain ``net.apply``.
 - kfac-jax 0.0.8 (the brief's first library) does not run here at all: its tracer's
   ``eval_jaxpr_eqn`` unpacks two values from ``get_bind_params``, which jax 0.10 returns three
   of, so its README example fails on the plain ``net.apply`` as on ours; left out.
+  neural-tangents 0.6.5 (the second) does not import with jax 0.10 (``from jax.core import
+  Jaxpr``, gone), and needs tensorflow; left out too.
+- Open: jaxopt's default implicit differentiation of ``LBFGS(...).run`` (``solve_normal_cg``
+  transposes the optimality function's VJP with ``jax.linear_transpose``) over a loaded
+  ``m.apply`` of ``vjp_order=2`` fails in JAX (no transpose rule for ``custom_vjp_call``);
+  ``implicit_diff_solve=solve_cg`` (the Hessian is symmetric) runs. At ``vjp_order=1`` our
+  refusal (a ConfigError, a TypeError) is caught by jaxopt's ``except TypeError`` and
+  re-raised as "``init`` of solve_normal_cg is compulsory when ``matvec`` is nonsquare", ours
+  chained below it.
 """
 
 import flax.linen as nn
