@@ -156,13 +156,7 @@ class LoadedModel(NoPickle):
         if not isinstance(params, Mapping) or set(params) != set(own):
             params = _by_path(params)  # the tree of those paths, as h.params (the source) holds it
         if params is None or set(params) != set(own):
-            got = sorted(given)[:4] if isinstance(given, Mapping) else type(given).__name__
-            raise SignatureError(
-                f"{self._caller}.apply(params, ...): params must be a dict by the names of "
-                f"m.params, {sorted(own)[:4]}..., or the tree whose paths they are (as h.params "
-                f"holds it); got {printable(str(got))[:200]}. Pass m.params, or such a dict or "
-                "tree (stacked along a new first axis for jax.vmap)."
-            )
+            raise SignatureError(self._unlike(own, given, params))
         numbers = (bool, int, float, complex)  # Python's, as h.params may hold (gymnax's EnvParams)
         params = {n: jax.numpy.asarray(p) if type(p) in numbers else p for n, p in params.items()}
         for name, w in own.items():
@@ -273,6 +267,29 @@ class LoadedModel(NoPickle):
             ) from e
         raise run_failed(self._caller, self._file, e, inputs) from e
 
+    def _unlike(self, own: Mapping[str, Any], given: Any, named: Any) -> str:
+        """The message refusing ``m.apply``'s ``given`` params (``named``: by their paths, or
+        ``None``), naming the keys it has that ``m.params`` lacks and those it lacks."""
+        got = sorted(given)[:4] if isinstance(given, Mapping) else type(given).__name__
+        said = (
+            f"{self._caller}.apply(params, ...): params must be a dict by the names of "
+            f"m.params, {sorted(own)[:4]}..., or the tree whose paths they are (as h.params "
+            f"holds it); got {printable(str(got))[:200]}."
+        )
+        if named is None:
+            along = "stacked along a new first axis for jax.vmap"
+            return f"{said} Pass m.params, or such a dict or tree ({along})."
+        extra, missing = sorted(set(named) - set(own)), sorted(set(own) - set(named))
+        if missing:
+            said += f" It lacks {_few(missing)}."
+        if extra:
+            said += f" It has {_few(extra)}, not a weight of this model."
+        if extra and not missing and isinstance(given, Mapping) and set(own) <= set(given):
+            return f"{said} Pass the model's only: {{k: params[k] for k in m.params}}."
+        if extra and not missing:
+            return f"{said} Pass the tree without {'it' if len(extra) == 1 else 'them'}."
+        return f"{said} Pass a dict or tree of m.params' paths, no more and no fewer."
+
     def _by_name(self, named: dict[str, Any], n: int) -> str:
         """The message refusing inputs passed by name (``m(x=x)``), ``n`` of them by position."""
         specs, keys = self.signature.inputs, list(named)
@@ -294,6 +311,12 @@ def _at(xs: list[Any], axes: list[int | None], index: int | None) -> list[Any]:
     return [
         x if k is None else x[(slice(None),) * k + (index,)] for x, k in zip(xs, axes, strict=True)
     ]
+
+
+def _few(keys: list[str]) -> str:
+    """Up to four of ``keys``, quoted, and how many more."""
+    more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+    return ", ".join(printable(repr(k))[:80] for k in keys[:4]) + more
 
 
 def _by_path(tree: Any) -> dict[str, Any] | None:

@@ -92,3 +92,18 @@ def test_a_loaded_model_exported_again_over_fine_tuned_weights(art, tmp_path):
     tuned = dict(sm.load(path, params=other).params)
     sm.export(sm.hybridize(m.apply, tuned), tmp_path / "again", example=x, batch="b")
     assert jnp.allclose(sm.load(tmp_path / "again")(x), m.apply(tuned, x))
+
+
+def test_m_apply_names_the_key_too_many_or_missing(art):
+    """Raw MCMC samples (NumPyro's get_samples(), with the noise's ``prec_obs``) passed to
+    m.apply were refused with a list of what it got and what it expected, naming neither the
+    extra key nor the missing one: each is now named, with how to keep the model's only."""
+    path, x, _ = art
+    m = sm.load(path)
+    samples = {**m.params, "prec_obs": jnp.ones(())}
+    with pytest.raises(sm.SignatureError, match=r"has 'prec_obs', not a weight.*k in m\.params"):
+        m.apply(samples, x)
+    fewer = {k: v for k, v in m.params.items() if k != "params/layers_0/bias"}
+    with pytest.raises(sm.SignatureError, match=r"lacks 'params/layers_0/bias'"):
+        m.apply(fewer, x)
+    assert jnp.array_equal(m.apply({k: samples[k] for k in m.params}, x), m(x))
