@@ -36,7 +36,13 @@ from symjax_mlp._artifact.reading import USED, check_card, check_x64, freeze, re
 from symjax_mlp._artifact.signature import Signature, admits_any, an
 from symjax_mlp._artifact.weights import check_params, param_specs, read_safetensors_file
 from symjax_mlp._compat import transformed
-from symjax_mlp._errors import ArtifactError, ConfigError, artifact_path, as_bool
+from symjax_mlp._errors import (
+    ArtifactError,
+    ConfigError,
+    artifact_path,
+    as_bool,
+    user_stacklevel,
+)
 from symjax_mlp._hybrid.mesh import auto_mesh
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
@@ -381,5 +387,5 @@ def _warn_if_expiring(path: Path, manifest: Any) -> None:
             f"on {end} ({'in ' + str(left) + ' days' if left >= 0 else 'already'}): newer JAX "
             "releases may refuse it. Export it again from its source with this JAX.",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),  # the caller's line, through serve() or the CLI too
         )

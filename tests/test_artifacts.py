@@ -5,6 +5,7 @@ Every test is a round trip: export, then load (in this process) and call.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import io
@@ -14,6 +15,7 @@ import pickle
 import re
 import shutil
 import sys
+import warnings
 
 import chex
 import jax
@@ -820,3 +822,29 @@ def test_a_path_of_bytes_the_locale_cannot_decode_is_shown_as_utf8_or_byte_escap
         sm.load(tmp_path / "chapter_\udcc3\udcbc" / "manifest.json")
     said = f"{art}/manifest.json is a file, not an artifact directory. Pass its directory, {art}."
     assert str(e.value) == said
+
+
+@pytest.mark.slow  # a server's load and warm-up (~1 s)
+def test_the_compatibility_warning_is_charged_to_the_callers_line(mlp, tmp_path):
+    """An expiring artifact served from a script (sm.serving.serve) had load's FutureWarning
+    charged to symjax_mlp/serving/_app.py (a fixed stacklevel counted from load's caller), a
+    line of ours under the user's cell; it is the caller's line, as sm.load's is."""
+    from symjax_mlp import serving
+
+    path = shutil.copytree(mlp[2].path, tmp_path / "m")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["compatible_until"] = "2000-01-01"
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+    class Served(Exception):
+        pass
+
+    def ready(url):
+        raise Served(url)
+
+    for call in (lambda: sm.load(path), lambda: serving.serve(path, port=0, ready=ready)):
+        with warnings.catch_warnings(record=True) as caught, contextlib.suppress(Served):
+            warnings.simplefilter("always")
+            call()
+        said = [w.filename for w in caught if "compatibility window" in str(w.message)]
+        assert said == [__file__], said

@@ -618,3 +618,35 @@ def _status(url: str) -> int | str:
         return e.code
     except OSError as e:
         return repr(e)
+
+
+@pytest.mark.slow  # a small model's export, load and a server's warm-up (~5 s)
+def test_the_open_file_limits_warning_is_charged_to_the_callers_line(monkeypatch, tmp_path):
+    """serve()'s warning that ``ulimit -n`` holds fewer connections than max_connections is
+    charged to the line that called serve (the CLI's, shown in one line, as the ulimit test
+    above reads it), found by walking out of the library: a fixed stacklevel drifts as soon as
+    serve's body moves into a helper."""
+    import resource
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    from symjax_mlp import serving
+
+    net, x = sm.mlp((3, 2)), jnp.ones((2, 4))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    art = sm.export(h, tmp_path / "m", example=x).path  # one batch size: one warm-up
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (64, 64))
+
+    class Served(Exception):
+        pass
+
+    def ready(url):
+        raise Served(url)
+
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(Served):
+        warnings.simplefilter("always")
+        serving.serve(art, port=0, ready=ready)
+    said = [w.filename for w in caught if "ulimit -n" in str(w.message)]
+    assert said == [__file__], said

@@ -10,6 +10,7 @@ import os
 import warnings
 from typing import Any
 
+from symjax_mlp._errors import user_stacklevel
 from symjax_mlp.serving._requests import headed
 
 SPARE = 16  # descriptors kept for the server's own (its event loop, a refusal's, logs)
@@ -41,7 +42,7 @@ def room(heads: Any, max_connections: int, where: str) -> int:
             f"the 503, where it would be reset. For {max_connections}, raise ulimit -n to "
             f"{need}.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return min(fits, max_connections)
 
