@@ -4,7 +4,9 @@ and a loaded ``m.apply`` as over the plain ``net.apply``.
 
 - docs/unconstrained.rst's ``jaxopt.LBFGS(fun=...).run(...)`` fitting a Flax MLP whose loss
   calls ``h.apply`` or ``m.apply`` (the solver's ``lax.while_loop`` and zoom line search over
-  our program, its gradients ours): the same fitted weights and loss as over ``net.apply``.
+  our program, its gradients ours): the same fitted weights and loss as over ``net.apply``;
+  ``jax.grad`` through a converged ``run`` (jaxopt's implicit differentiation, which
+  transposes the VJP of the loss's gradient) over ``h.apply`` equal to that over ``net.apply``.
 - ridge_reg_implicit_diff.py's ``outer_objective`` (``ridge_solver``, implicit
   differentiation by ``custom_root``) over the features of a hybridized or a loaded model:
   its gradients with respect to ``theta`` and to the model's weights (through the implicit
@@ -31,6 +33,7 @@ import numpy as np
 import pytest
 import zoo28
 from features import close, every_feature
+from zoo28 import jaxopt
 
 import symjax_mlp as sm
 
@@ -110,3 +113,27 @@ def test_a_model_ending_in_the_authors_ridge_solver_over_every_feature(tmp_path)
 
     h = sm.hybridize(fitted, VARIABLES)
     every_feature(tmp_path, h, lambda x: fitted(VARIABLES, x), X, batch=None, allow={"while"})
+
+
+def test_lbfgs_implicit_diff_through_h_apply_as_through_net_apply():
+    """``jax.grad`` through ``LBFGS(...).run`` (jaxopt's implicit differentiation of its
+    solution, ``solve_normal_cg`` over the transposed VJP of the loss's gradient) with respect
+    to ``l2reg``, run to convergence over ``h.apply``: ``net.apply``'s solution and
+    derivative (the iteration counts may differ by a few, rounding's)."""
+    h = sm.hybridize(NET.apply, VARIABLES)
+
+    def fitted(l2reg, apply, params):
+        def objective(p, l2reg, X, y):  # the page's names
+            penalty = sum(jnp.sum(w**2) for w in jax.tree.leaves(p))
+            return jnp.mean((apply(p, X)[:, 0] - y) ** 2) + 0.5 * l2reg * penalty
+
+        solver = jaxopt.LBFGS(fun=objective, maxiter=300, tol=1e-5)
+        res = solver.run(params, l2reg=l2reg, X=X, y=Y)
+        return jax.tree.leaves(res.params)[1].sum(), res.state.error
+
+    got = jax.value_and_grad(fitted, has_aux=True)(0.3, h.apply, h.params)
+    want = jax.value_and_grad(fitted, has_aux=True)(0.3, NET.apply, VARIABLES)
+    assert float(want[0][1]) < 1e-5 and float(got[0][1]) < 1e-5  # both converged
+    assert abs(float(want[1])) > 0.1
+    close(got[0][0], want[0][0], rtol=1e-3, atol=1e-4)
+    close(got[1], want[1], rtol=1e-3, atol=1e-4)
