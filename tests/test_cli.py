@@ -141,7 +141,7 @@ def test_each_options_help_says_its_default_once(capsys, command):
         (["export", "x", "--in-features", "0"], "--in-features: must be an int >= 1"),
         (["export", "x", "--batch", "-3"], "--batch: must be a name for a symbolic batch"),
         (["verify", "x", "--batches", "0"], "--batches: must be comma-separated ints >= 1"),
-        (["train", "--epochs", "0"], "--epochs: must be an int >= 1"),
+        (["train", "--epochs", "-1"], "--epochs: must be an int >= 0"),
     ],
 )
 def test_bad_values_are_one_line_exit_2(capsys, argv, message):

@@ -209,3 +209,24 @@ def test_the_cli_starts_a_new_run_from_a_checkpoint_with_init_from(tmp_path, cap
         main([*argv, "--init-from", str(old), "--learning-rate", "0.01", "--json", str(out)]) == 0
     )
     assert json.loads(out.read_text())["step"] == 23 and _files(old) == kept
+
+
+@pytest.mark.slow  # two short CLI runs and an export (3 s)
+def test_the_cli_exports_a_checkpoints_weights_with_epochs_0(tmp_path):
+    """`symjax-mlp train --init-from DIR --epochs 0 --export ART`: a checkpoint's weights shipped
+    from the shell, as train(epochs=0, init_from=DIR).export(path) ships them (--epochs was an
+    int >= 1, so the shell had to train one more epoch first)."""
+    from safetensors.numpy import load_file
+
+    import symjax_mlp as sm
+    from symjax_mlp.cli import main
+
+    old, art, argv = tmp_path / "old", tmp_path / "art", ["train", "--sizes", "8,10", "--quiet"]
+    assert main([*argv, "--epochs", "1", "--checkpoint", str(old)]) == 0
+    assert main([*argv, "--epochs", "0", "--init-from", str(old), "--export", str(art)]) == 0
+    (state,) = old.glob("step_*/state.safetensors")
+    saved = {k: v for k, v in load_file(state).items() if k.startswith("params/")}
+    shipped = sm.load(art).params
+    assert len(saved) == len(shipped) == 4
+    for name, w in saved.items():  # the checkpoint's own names
+        np.testing.assert_array_equal(np.asarray(shipped[name]), w)

@@ -48,6 +48,7 @@ def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -
 
 
 count = _checked(int, lambda v: v >= 1, "an int >= 1")
+natural = _checked(int, lambda v: v >= 0, "an int >= 0")
 positive = _checked(float, lambda v: v > 0, "a number > 0")
 nonnegative = _checked(float, lambda v: v >= 0, "a number >= 0")
 port = _checked(int, lambda v: 0 <= v <= 65535, "an int from 0 to 65535 (0: any free port)")

@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from symjax_mlp.cli import _args
-from symjax_mlp.cli._args import count, positive
+from symjax_mlp.cli._args import count, natural, positive
 
 _OPTIONS = (
     ("--sizes", {"type": _args.int_list("128,64,10"), "default": (128, 64, 10),
                  "help": "layer widths"}),
-    ("--epochs", {"type": count, "default": 20}),
+    ("--epochs", {"type": natural, "default": 20}),  # 0: --init-from's weights as they are
     ("--batch-size", {"type": count, "default": 64}),
     ("--learning-rate", {"type": positive, "default": 1e-3, "help": "adam's"}),
     ("--seed", {"type": int, "default": 0}),
