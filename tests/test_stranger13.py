@@ -392,3 +392,25 @@ def test_a_cache_folder_changed_after_jax_opened_one_is_the_one_read(tmp_path):
     y = json.loads(r.stdout.splitlines()[-1])["y"]
     assert not np.allclose(y, made["stranger_y"]), "the planted executable ran as the model"
     np.testing.assert_allclose(y, made["victim_y"], rtol=1e-5)
+
+
+@pytest.mark.slow  # Orbax's import (~1 s)
+@pytest.mark.skipif(getattr(os, "geteuid", lambda: 1)() != 0, reason="plants another user's link")
+def test_orbaxs_store_refuses_a_link_planted_after_trains_check(tmp_path):
+    """A multi-process train(checkpoint="/tmp/ck") checked /tmp/ck before it compiled and agreed
+    with the other processes (seconds, minutes for a large model), then made it where Orbax
+    writes: another user who made /tmp/ck a link in between had every process's checkpoints
+    written, and pruned, in their folder. The store refuses the link where it makes the
+    directory, naming it and its owner; their folder stays empty."""
+    from symjax_mlp.training._orbax import OrbaxCheckpoints
+
+    sticky, theirs = tmp_path / "tmp", tmp_path / "theirs"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    theirs.mkdir()
+    (sticky / "ck").symlink_to(theirs)
+    os.chown(sticky / "ck", 65534, 65534, follow_symlinks=False)  # nobody's link
+    here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(sm.CheckpointError, match=r"ck is a link that user id 65534 made"):
+        OrbaxCheckpoints(sticky / "ck", timeout=30, sharding=here)
+    assert os.listdir(theirs) == []

@@ -29,7 +29,13 @@ from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import CheckpointError
 from symjax_mlp._files import exhausted
 from symjax_mlp.training._checkpoint import broken, check_manifest, evaluated_weights
-from symjax_mlp.training._paths import COMMITTED, checkpoints, entries, step_name
+from symjax_mlp.training._paths import (
+    COMMITTED,
+    check_directory,
+    checkpoints,
+    entries,
+    step_name,
+)
 from symjax_mlp.training._state import TrainState, check_fit, digest, named_leaves, specs, state_of
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
@@ -163,7 +169,8 @@ class OrbaxCheckpoints:
 
         self.ocp, self.directory = ocp, Path(directory).absolute()
         self.sharding = sharding  # where restored arrays go: replicated over the run's mesh
-        if not read_only:
+        if not read_only:  # train checked it before compiling: a link planted since, refused
+            check_directory(self.directory, "symjax_mlp.training.train")
             self.directory.mkdir(parents=True, exist_ok=True)  # each process: Orbax will not
         for _, step, _ in entries(self.directory, orbax=True):  # the manager reads them all
             if step.is_dir() or step.is_symlink():  # a file: check_strays names it
