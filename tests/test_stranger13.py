@@ -312,6 +312,18 @@ def test_hybrids_exports_batchers_and_sharded_steps_refuse_a_cache_others_may_wr
     np.testing.assert_allclose(h(X), net.apply(params, X), rtol=1e-6)  # its own folder again
 
 
+def _planted_ck(tmp_path):
+    """``(sticky, theirs)``: a folder anyone may write (sticky, as /tmp) holding ``ck``, a link
+    that user nobody (65534) made to ``theirs``, an empty folder."""
+    sticky, theirs = tmp_path / "tmp", tmp_path / "theirs"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    theirs.mkdir()
+    (sticky / "ck").symlink_to(theirs)
+    os.chown(sticky / "ck", 65534, 65534, follow_symlinks=False)  # nobody's link
+    return sticky, theirs
+
+
 @pytest.mark.skipif(getattr(os, "geteuid", lambda: 1)() != 0, reason="plants another user's link")
 def test_checkpoints_do_not_follow_a_link_another_user_planted_in_a_sticky_folder(tmp_path):
     """``save_checkpoint("/tmp/ck", ...)`` or ``train(checkpoint="/tmp/ck")`` (multi-process
@@ -323,12 +335,7 @@ def test_checkpoints_do_not_follow_a_link_another_user_planted_in_a_sticky_folde
 
     from symjax_mlp import training
 
-    sticky, theirs = tmp_path / "tmp", tmp_path / "theirs"
-    sticky.mkdir()
-    sticky.chmod(0o1777)
-    theirs.mkdir()
-    (sticky / "ck").symlink_to(theirs)
-    os.chown(sticky / "ck", 65534, 65534, follow_symlinks=False)  # nobody's link
+    sticky, theirs = _planted_ck(tmp_path)
     p = {"w": jnp.zeros(2)}
     state = training.TrainState(p, optax.sgd(0.1).init(p), jax.random.key(0), step=3)
     planted = rf"{sticky / 'ck'} is a link that user id 65534 made in a folder anyone may write"
@@ -404,12 +411,7 @@ def test_orbaxs_store_refuses_a_link_planted_after_trains_check(tmp_path):
     directory, naming it and its owner; their folder stays empty."""
     from symjax_mlp.training._orbax import OrbaxCheckpoints
 
-    sticky, theirs = tmp_path / "tmp", tmp_path / "theirs"
-    sticky.mkdir()
-    sticky.chmod(0o1777)
-    theirs.mkdir()
-    (sticky / "ck").symlink_to(theirs)
-    os.chown(sticky / "ck", 65534, 65534, follow_symlinks=False)  # nobody's link
+    sticky, theirs = _planted_ck(tmp_path)
     here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with pytest.raises(sm.CheckpointError, match=r"ck is a link that user id 65534 made"):
         OrbaxCheckpoints(sticky / "ck", timeout=30, sharding=here)
