@@ -155,14 +155,16 @@ def _narrowed(path: str, arr: np.ndarray, to: np.dtype) -> np.ndarray:
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
     """``tensors`` by name as safetensors bytes, ``metadata`` (strings) its ``__metadata__``."""
     keep = {k: np.asarray(a, order="C") for k, a in tensors.items()}  # 0-d stays 0-d
-    specs = {
-        k: safetensors.TensorSpec(
-            dtype=str(a.dtype), shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
-        )
-        for k, a in keep.items()
-    }
-    nbytes = sum(a.nbytes for a in keep.values())
-    return serialized(lambda: safetensors.serialize(specs, metadata=dict(metadata)), nbytes)
+    specs = {k: safetensors.TensorSpec(dtype=str(a.dtype), shape=list(a.shape),
+                                       data_ptr=a.ctypes.data, data_len=a.nbytes)
+             for k, a in keep.items()}  # fmt: skip
+    data = serialized(lambda: safetensors.serialize(specs), sum(a.nbytes for a in keep.values()))
+    n = int.from_bytes(data[:8], "little")  # metadata ours: Rust's is a HashMap, order random
+    header = {**({"__metadata__": dict(sorted(metadata.items()))} if metadata else {}),
+              **json.loads(data[8 : 8 + n])}  # fmt: skip
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the tensors 8-byte aligned, as safetensors writes them
+    return b"".join([len(text).to_bytes(8, "little"), text, memoryview(data)[8 + n :]])
 
 
 def serialized(make: Callable[[], bytes], nbytes: int) -> bytes:
