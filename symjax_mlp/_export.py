@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from symjax_mlp import _export_options as options
 from symjax_mlp import _selftest as selftest
 from symjax_mlp._artifact.format import (
     FORMAT,
@@ -80,7 +81,8 @@ def export(
         or a dict of entry points over that one file, ``{"predict": h, "embed": h_embed}``,
         the first the default; ``example``, ``kwargs``, ``shapes`` and ``constraints`` may
         then be dicts by name.
-      path: the artifact directory, written atomically.
+      path: the artifact directory, written atomically; two exports of one model write the
+        same bytes where ``SOURCE_DATE_EPOCH`` (reproducible-builds.org) dates the manifest.
       example: an input array, or a tuple of them; only shapes and dtypes are used. Python
         settings in it (``(x, 2)`` for a depth) are baked into the export.
       batch: the name of a symbolic leading dimension shared by every input (any batch size
@@ -133,6 +135,7 @@ def export(
         constraints=constraints, overwrite=overwrite, metadata=metadata, vjp_order=vjp_order,
     )  # fmt: skip
     tolerance = tolerance_option(self_test_tolerance)  # None: load's default
+    created = options.created_at()  # SOURCE_DATE_EPOCH's, checked before any work
     path, names = Path(path), list(points)
     staged = [
         stage(points[n], batch, **{k: v[i] for k, v in settings.items()})
@@ -173,9 +176,7 @@ def export(
                 "mlir_arguments": mlir_arguments(
                     exported, [*own, *(s.path for s in signature.inputs)]
                 ),
-                "static": {
-                    (f"args[{k}]" if isinstance(k, int) else k): repr(v) for k, v, _ in entry.static
-                },
+                "static": options.shown(entry.static),
                 "program_files": roles,
                 "nr_devices": exported.nr_devices,
                 "calling_convention_version": exported.calling_convention_version,
@@ -193,7 +194,6 @@ def export(
     mirror = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
     tensors = {p: shared[p][1] for p in sorted(shared)}
     files[PARAMS] = encode(tensors, {**mirror, "format": "symjax_mlp.params"})
-    created = datetime.datetime.now(datetime.UTC)
     main = programs[0]
     manifest = {
         "format": FORMAT,

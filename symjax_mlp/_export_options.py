@@ -4,9 +4,11 @@ option, the model card; nothing is traced or written when one is wrong."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import difflib
 import inspect
 import json
+import os
 import re
 import traceback
 from collections.abc import Iterable, Mapping
@@ -120,6 +122,33 @@ def check_options(
                     f"use, or use {unknown[0]!r} in a spec."
                 )
     return points, settings, tuple(platforms), card
+
+
+_EPOCH = (
+    "export: SOURCE_DATE_EPOCH={value!r} is not a time: reproducible-builds.org's variable is "
+    "whole seconds since 1970-01-01 UTC, as date +%s prints them (git log -1 --format=%ct gives "
+    "the last commit's). Set it to such a number, or unset it to date the artifact now."
+)
+
+
+def created_at() -> datetime.datetime:
+    """The manifest's ``created``: now, or ``SOURCE_DATE_EPOCH``'s time where that is set, as
+    reproducible-builds.org defines it (two exports of one model then write the same bytes)."""
+    if not (value := os.environ.get("SOURCE_DATE_EPOCH", "")):
+        return datetime.datetime.now(datetime.UTC)
+    try:
+        if value.isascii() and value.isdigit():
+            return datetime.datetime.fromtimestamp(int(value), datetime.UTC)
+    except (ValueError, OverflowError, OSError):  # beyond year 9999
+        pass
+    raise ConfigError(_EPOCH.format(value=value))
+
+
+def shown(static: Iterable[tuple[Any, Any, Any]]) -> dict[str, str]:
+    """The static settings by place, as the manifest shows them: each repr without a memory
+    address (``<function act at 0x7f..>``: one model's manifest differed run to run)."""
+    return {(f"args[{k}]" if isinstance(k, int) else k): re.sub(r" at 0x[0-9a-fA-F]+>", ">",
+            repr(v)) for k, v, _ in static}  # fmt: skip
 
 
 _TOLERANCE = (

@@ -1,0 +1,137 @@
+"""A researcher's day six (session 61, Part M): reproducible artifacts and runs.
+
+The models of days one to five exported, trained and shared as a paper's artifact-evaluation
+committee, DVC, git-lfs or a content-addressed store expect them: one model exported twice
+(in one process, in two, with another ``PYTHONHASHSEED``) must give the same bytes file by
+file, the manifest's date pinned by ``SOURCE_DATE_EPOCH`` as reproducible-builds.org defines
+it, no address of this process's memory in an artifact, a teammate's artifact compared with
+``sm.verify``.
+
+Each cheap test is a stumble of that walk: it failed before its fix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import symjax_mlp as sm
+from symjax_mlp._artifact.weights import encode
+
+_EPOCH = "1700000000"  # 2023-11-14T22:13:20Z
+_CARD = {"license": "MIT", "labels": ["a", "b"], "author": "Zoë", "task": "digits", "v": 2}
+
+
+def _export(path, **kw):
+    net, x = sm.mlp((8, 2)), jnp.ones((3, 4))
+    h = sm.hybridize(net, net.init(jax.random.key(0), x))
+    return sm.export(h, path, example=x, metadata=_CARD, **kw).path
+
+
+def _files(path):
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
+
+
+def test_params_metadata_is_written_in_one_order():
+    """Two exports of one model (a trained one: result.export writes the model card's keys
+    into params.safetensors' __metadata__) wrote params.safetensors with other bytes each
+    time, in one process: safetensors writes the metadata from a Rust HashMap, whose order is
+    new at each call, so its sha256 in the manifest differed too (DVC and git-lfs stored a
+    new copy of unchanged weights, and a signature did not carry over)."""
+    tensors = {"b": np.arange(3, dtype=np.float32), "a": np.ones((2, 2), np.int8)}
+    metadata = {f"key{i}": f"välue {i}" for i in range(8)} | {"format": "x"}
+    written = {encode(tensors, metadata) for _ in range(6)}
+    assert len(written) == 1
+    data = written.pop()
+    n = int.from_bytes(data[:8], "little")
+    assert list(json.loads(data[8 : 8 + n])["__metadata__"]) == sorted(metadata)
+    assert (8 + n) % 8 == 0  # the tensors aligned, as safetensors writes them
+    read = safetensors.numpy.load(data)
+    assert read.keys() == tensors.keys()
+    assert all(np.array_equal(read[k], v) and read[k].dtype == v.dtype for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("value", ["yesterday", "1.5e9", "-1", " 17", "9" * 30])
+def test_a_malformed_source_date_epoch_is_refused_before_any_work(value, tmp_path, monkeypatch):
+    """SOURCE_DATE_EPOCH, reproducible-builds.org's way to pin a build's date, was ignored:
+    the manifest's ``created`` was the time of the export, so no two exports of one model
+    were the same bytes, and the documented way to pin it did nothing. A value that is not
+    whole seconds since 1970 is refused (the spec: a malformed one fails the build)."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", value)
+    with pytest.raises(sm.ConfigError, match=r"SOURCE_DATE_EPOCH=.* date \+%s"):
+        _export(tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.slow  # three exports, one in a fresh process: seconds
+def test_two_exports_of_one_model_are_the_same_bytes(tmp_path, monkeypatch):
+    """With SOURCE_DATE_EPOCH set, one model exported twice in this process and once in a
+    fresh one with another PYTHONHASHSEED writes the same bytes, file by file, dated at the
+    epoch; without it only the manifest's ``created`` (and the window counted from it)
+    differs."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", _EPOCH)
+    a, b = _export(tmp_path / "a"), _export(tmp_path / "b")
+    code = (
+        "import jax, jax.numpy as jnp, symjax_mlp as sm\n"
+        "net, x = sm.mlp((8, 2)), jnp.ones((3, 4))\n"
+        "h = sm.hybridize(net, net.init(jax.random.key(0), x))\n"
+        f"sm.export(h, {str(tmp_path / 'c')!r}, example=x, metadata={_CARD!r})\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "SOURCE_DATE_EPOCH": _EPOCH}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    assert _files(a) == _files(b) == _files(tmp_path / "c")
+    created = json.loads((a / "manifest.json").read_text())["created"]
+    epoch = datetime.datetime.fromtimestamp(int(_EPOCH), datetime.UTC)
+    assert datetime.datetime.fromisoformat(created) == epoch
+    monkeypatch.delenv("SOURCE_DATE_EPOCH")
+    d = _files(_export(tmp_path / "d"))
+    assert {k for k in d if d[k] != _files(a)[k]} <= {"manifest.json"}
+    differ = [line for line in d["manifest.json"].splitlines() if line not in _files(a)[
+        "manifest.json"].splitlines()]  # fmt: skip
+    assert all(b'"created"' in line or b'"compatible_until"' in line for line in differ)
+
+
+@pytest.mark.slow  # an export: a second
+def test_a_static_setting_is_shown_without_its_address(tmp_path):
+    """A model exported with a function as a static setting (an activation) had its repr in
+    the manifest, ``<function act at 0x7f3c...>``: this process's memory address, other bytes
+    at each run (and an address of the exporter's process handed to whoever gets the file)."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, activation):
+            return activation(nn.Dense(2)(x))
+
+    def act(v):
+        return v * 2
+
+    x = jnp.ones((3, 4))
+    h = sm.hybridize(Net(), Net().init(jax.random.key(0), x, act), static_argnums=(1,))
+    path = sm.export(h, tmp_path / "a", example=(x, act)).path
+    static = json.loads((path / "manifest.json").read_text())["static"]
+    assert static == {"args[1]": "<function test_a_static_setting_is_shown_without_its_address"
+                      ".<locals>.act>"}  # fmt: skip
+    assert jnp.array_equal(sm.load(path)(x), h(x, act))
+
+
+@pytest.mark.slow  # an export: a second
+def test_verify_against_a_teammates_artifact_path_says_to_load_it(tmp_path):
+    """``sm.verify(mine, reference="their_mlp")``, comparing with a teammate's artifact by
+    its directory, said only "pass a callable such as the exported Hybrid": it names
+    ``reference=sm.load('their_mlp')``, which works."""
+    mine, theirs = _export(tmp_path / "mine"), _export(tmp_path / "theirs")
+    with pytest.raises(sm.ConfigError, match=r"reference=sm\.load\('.*theirs'\)"):
+        sm.verify(mine, reference=str(theirs))
+    with pytest.raises(sm.ConfigError, match=r"reference=sm\.load\('.*theirs'\)"):
+        sm.verify(mine, reference=theirs)
+    assert sm.verify(mine, reference=sm.load(theirs), batches=(2,)).ok
