@@ -173,9 +173,11 @@ def verify(
         )
     path = artifact_path("verify", path)  # named as verify's, not the inspect it calls
     if reference is not None and not callable(reference):
+        where = os.fspath(reference) if isinstance(reference, str | os.PathLike) else "its_path"
         raise ConfigError(
             f"verify(reference={reference!r}): pass what to compare with, a callable such as "
-            "the exported Hybrid, or None (the artifact's own JAX run in this process)."
+            "the exported Hybrid or another artifact loaded (a teammate's: reference=sm.load("
+            f"{where!r})), or None (the artifact's own JAX run in this process)."
         )
     if (
         isinstance(batches, str)
