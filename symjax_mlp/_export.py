@@ -82,7 +82,8 @@ def export(
         the first the default; ``example``, ``kwargs``, ``shapes`` and ``constraints`` may
         then be dicts by name.
       path: the artifact directory, written atomically; two exports of one model write the
-        same bytes where ``SOURCE_DATE_EPOCH`` (reproducible-builds.org) dates the manifest.
+        same bytes where ``SOURCE_DATE_EPOCH`` (reproducible-builds.org) dates the manifest
+        (and starts its 6-month ``compatible_until`` window: pin a recent time, a commit's).
       example: an input array, or a tuple of them; only shapes and dtypes are used. Python
         settings in it (``(x, 2)`` for a depth) are baked into the export.
       batch: the name of a symbolic leading dimension shared by every input (any batch size

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -28,7 +29,7 @@ import safetensors.numpy
 import symjax_mlp as sm
 from symjax_mlp._artifact.weights import encode
 
-_EPOCH = "1700000000"  # 2023-11-14T22:13:20Z
+_EPOCH = str(int(time.time()) // 86_400 * 86_400)  # today, 00:00 UTC: load's window is open
 _CARD = {"license": "MIT", "labels": ["a", "b"], "author": "Zoë", "task": "digits", "v": 2}
 
 
@@ -135,3 +136,59 @@ def test_verify_against_a_teammates_artifact_path_says_to_load_it(tmp_path):
     with pytest.raises(sm.ConfigError, match=r"reference=sm\.load\('.*theirs'\)"):
         sm.verify(mine, reference=theirs)
     assert sm.verify(mine, reference=sm.load(theirs), batches=(2,)).ok
+
+
+_TRAIN_AND_EXPORT = """
+import sys
+import symjax_mlp as sm
+from symjax_mlp.training import load_digits, train
+result = train(sm.mlp((16, 10)), load_digits(), epochs=1, seed=3)
+result.export(sys.argv[1])
+"""
+
+
+@pytest.mark.slow  # two short trainings, one in a fresh process: seconds
+def test_one_seed_trained_in_two_processes_exports_the_same_bytes(tmp_path, monkeypatch):
+    """The artifact-evaluation committee's check: ``train`` with one seed here and in a fresh
+    process (another PYTHONHASHSEED) gives bitwise-equal params, and their exports (which
+    carry the data's standardisation as metadata: two keys in params.safetensors) the same
+    bytes; params.safetensors and the manifest differed before."""
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", _EPOCH)
+    env = {**os.environ, "PYTHONHASHSEED": "777"}
+    there = tmp_path / "there"
+    subprocess.run([sys.executable, "-c", _TRAIN_AND_EXPORT, str(there)], env=env, check=True,
+                   timeout=300)  # fmt: skip
+    here = tmp_path / "here"
+    result = sm.training.train(sm.mlp((16, 10)), sm.training.load_digits(), epochs=1, seed=3)
+    result.export(here)
+    assert _files(here) == _files(there)
+    assert all(np.array_equal(v, sm.load(there).params[k]) for k, v in sm.load(here).params.items())
+
+
+@pytest.mark.slow  # an export, a signature, a second export: seconds
+def test_a_signature_carries_over_to_a_reexport_of_the_same_model(tmp_path, monkeypatch):
+    """A teammate re-exports the signed model from the same source and weights, under the
+    same SOURCE_DATE_EPOCH: the bytes are the same, so the signature made for the first
+    export verifies the second (it covers every file, the manifest's date too: without the
+    epoch, it is refused, as it must be)."""
+    pytest.importorskip("model_signing")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key, pem = ec.generate_private_key(ec.SECP256R1()), serialization.Encoding.PEM
+    private, public = tmp_path / "k.pem", tmp_path / "k.pub"
+    private.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))  # fmt: skip
+    public.write_bytes(key.public_key().public_bytes(
+        pem, serialization.PublicFormat.SubjectPublicKeyInfo))  # fmt: skip
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", _EPOCH)
+    signed = _export(tmp_path / "signed")
+    sm.sign(signed, private)
+    again = _export(tmp_path / "again")
+    (again / "model.sig").write_bytes((signed / "model.sig").read_bytes())
+    sm.verify_signature(again, public)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", str(int(_EPOCH) + 1))
+    later = _export(tmp_path / "later")
+    (later / "model.sig").write_bytes((signed / "model.sig").read_bytes())
+    with pytest.raises(sm.ArtifactError):
+        sm.verify_signature(later, public)
