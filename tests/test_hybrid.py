@@ -1022,3 +1022,19 @@ def test_a_list_input_is_told_to_pass_that_input_as_an_array_not_all_the_args():
         h([[1.0, 2.0]])
     with pytest.raises(sm.SignatureError, match=r"Pass tuple\(kwargs\['y'\]\) to trace it"):
         h(jnp.ones(2), y=[jnp.ones(2)])
+
+
+def test_the_trace_log_shows_in_a_cell_as_its_events_print():
+    """``h.trace_log`` as a notebook cell's last line showed a tuple of TraceEvent reprs (every
+    TensorSpec's fields, one long line); it shows what ``for e in h.trace_log: print(e)``
+    prints (README), one trace a line, in IPython's display and repr alike."""
+    from IPython.lib.pretty import pretty
+
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2))
+    assert repr(h.trace_log) == "()"
+    h(jnp.ones((1, 3)))
+    h(jnp.ones((8, 3)))
+    printed = "\n".join(str(e) for e in h.trace_log)
+    assert printed.count("\n") == 1 and "args[0].shape changed from (1, 3) to (8, 3)" in printed
+    assert pretty(h.trace_log) == repr(h.trace_log) == printed
+    assert h.trace_log == tuple(h.trace_log) and h.trace_log[-1].index == 1

@@ -16,7 +16,7 @@ import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError, SymjaxError, first_line, message
 from symjax_mlp._export_example import hijax_value
-from symjax_mlp._specs import array_like, array_types, foreign_array, unfit_array
+from symjax_mlp._specs import TensorSpec, array_like, array_types, foreign_array, unfit_array
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 ARRAYS = array_types()  # what a hot path takes as it is
@@ -375,3 +375,25 @@ def path_of(key: Any) -> str:
     if isinstance(key, ModuleSetting):
         return f"module.{key.path}"
     return f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
+
+
+def signature(
+    args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, ...]
+) -> tuple[tuple[TensorSpec, ...], str, tuple[tuple[str, str], ...]]:
+    """The traced leaves' specs (each at its place in the call), their tree, the static values."""
+    fixed = {k for k, *_ in static if isinstance(k, int)}
+    places = [i for i in range(len(args) + len(fixed)) if i not in fixed]
+    specs, trees = [], []
+    for prefix, tree in (("args", tuple(args)), ("kwargs", dict(kwargs))):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        trees.append(str(treedef))
+        for path, leaf in leaves:
+            aval = jax.typeof(leaf)
+            at = prefix + jax.tree_util.keystr(path)
+            if prefix == "args":  # the first key is the place among the traced args
+                at = f"args[{places[path[0].idx]}]" + jax.tree_util.keystr(path[1:])
+            weak = bool(getattr(aval, "weak_type", False))
+            dtype = getattr(aval, "dtype", type(aval).__name__)  # (a hijax type has none)
+            specs.append(TensorSpec(at, tuple(aval.shape), str(dtype), weak))
+    tree = trees[0] if trees[1] == str(jax.tree.structure({})) else " ".join(trees)
+    return tuple(specs), tree, tuple((path_of(k), repr(v)) for k, v, _ in static)

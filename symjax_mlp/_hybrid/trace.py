@@ -24,7 +24,13 @@ from symjax_mlp._errors import (
     message,
     refuse_two_devices,
 )
-from symjax_mlp._hybrid.args import NOT_AN_INPUT, NOT_AN_INPUT_FIX, inputs_after, path_of, rebuild
+from symjax_mlp._hybrid.args import (
+    NOT_AN_INPUT,
+    NOT_AN_INPUT_FIX,
+    inputs_after,
+    rebuild,
+    signature,
+)
 from symjax_mlp._specs import TensorSpec, input_specs
 
 TRACER_ERRORS = (
@@ -229,34 +235,20 @@ class TraceEvent:
         return f"trace #{self.index}{where} [{sig}]: {self.reason}"
 
 
+class TraceEvents(tuple):
+    """``h.trace_log``: its :class:`TraceEvent` s, oldest first, shown one a line (in a
+    notebook's cell too) as ``print(event)`` prints each, not as the fields of each."""
+
+    def __repr__(self) -> str:
+        return "\n".join(map(str, self)) if self else "()"
+
+
 #: what nnx's ``Module.train()`` and ``eval()`` set: the module settings a trace's line shows
 MODE_ATTRIBUTES = ("deterministic", "use_running_average")
 
 
 def _shown(path: str) -> bool:
     return not path.startswith("module.") or path.rpartition("/")[2] in MODE_ATTRIBUTES
-
-
-def signature(
-    args: Sequence[Any], kwargs: dict[str, Any], static: tuple[Any, ...]
-) -> tuple[tuple[TensorSpec, ...], str, tuple[tuple[str, str], ...]]:
-    """The traced leaves' specs (each at its place in the call), their tree, the static values."""
-    fixed = {k for k, *_ in static if isinstance(k, int)}
-    places = [i for i in range(len(args) + len(fixed)) if i not in fixed]
-    specs, trees = [], []
-    for prefix, tree in (("args", tuple(args)), ("kwargs", dict(kwargs))):
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        trees.append(str(treedef))
-        for path, leaf in leaves:
-            aval = jax.typeof(leaf)
-            at = prefix + jax.tree_util.keystr(path)
-            if prefix == "args":  # the first key is the place among the traced args
-                at = f"args[{places[path[0].idx]}]" + jax.tree_util.keystr(path[1:])
-            weak = bool(getattr(aval, "weak_type", False))
-            dtype = getattr(aval, "dtype", type(aval).__name__)  # (a hijax type has none)
-            specs.append(TensorSpec(at, tuple(aval.shape), str(dtype), weak))
-    tree = trees[0] if trees[1] == str(jax.tree.structure({})) else " ".join(trees)
-    return tuple(specs), tree, tuple((path_of(k), repr(v)) for k, v, _ in static)
 
 
 def _changed(old: Sequence[TensorSpec], new: Sequence[TensorSpec]) -> list[str]:
@@ -320,8 +312,8 @@ class TraceLog:
         self._running = threading.local()  # this thread runs the callbacks
 
     @property
-    def events(self) -> tuple[TraceEvent, ...]:
-        return tuple(self._events)
+    def events(self) -> TraceEvents:
+        return TraceEvents(self._events)
 
     def follow(self, earlier: TraceLog, traced: bool) -> None:
         """Goes on from ``earlier`` (a Hybrid's, turned stateful); if ``traced``, the retrace
