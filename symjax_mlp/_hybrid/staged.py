@@ -16,7 +16,8 @@ from symjax_mlp._hybrid.params import flat_params, held, refuse_donated
 from symjax_mlp._hybrid.pure.nnx_module import refreshed
 from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
 
-_APPLY = frozenset(("mutable", "rngs"))  # model.apply's keywords h.apply takes as Flax's
+#: model.apply's keywords h.apply takes as Flax's (capture_intermediates=: Flax's guides')
+_APPLY = frozenset(("mutable", "rngs", "capture_intermediates"))
 #: what Hybrid.replace() takes besides params and state, as the Hybrid's attributes
 _SETTINGS = ("name", "max_traces", "compiled", "mesh", "axis", "pad", "static_argnums",
              "static_argnames", "donate", "params_as_constants")  # fmt: skip
@@ -106,8 +107,12 @@ class Staged:
         if flax:  # (mutable= a list, as Flax's guides pass it: a tuple, static)
             mutable = kwargs.get("mutable", False)
             mutable = tuple(mutable) if isinstance(mutable, list) else mutable
-            kwargs = {**rest, "mutable": mutable, "rngs": kwargs.get("rngs")}
+            capture = kwargs.get("capture_intermediates", False)
+            kwargs = {**rest, "mutable": mutable, "rngs": kwargs.get("rngs"),
+                      "capture_intermediates": capture}  # fmt: skip
         nums, names, own = self.static_argnums, self.static_argnames, (self, self._model.source)
+        if flax:  # its filter, a function of (module, method name), keyed on as jax.jit's static
+            names = names | {"capture_intermediates"}
         static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
         return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw
 

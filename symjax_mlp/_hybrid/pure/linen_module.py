@@ -78,6 +78,9 @@ APPLY_FIXES = {
 }
 
 
+_FLAX_OWN = ("mutable", "rngs", "capture_intermediates")  # what h.apply passes model.apply
+
+
 def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) -> tuple:
     from flax.errors import (
         InvalidRngError,
@@ -156,20 +159,23 @@ def linen(model: Any, variables: Any, mutable: Sequence[str] | None, rngs: Any) 
     def flax_apply(variables, state, args, kwargs):  # h.apply's, of variables holding state
         kwargs = dict(kwargs)  # model.apply's mutable= and rngs= (none: Flax's, no held keys,
         writes, keys = kwargs.pop("mutable", False), kwargs.pop("rngs", None)  # never re-drawn)
+        capture = kwargs.pop("capture_intermediates", False)  # (its layers' outputs: Flax's)
 
         def run(m: Any) -> Any:
             return m(*args, **kwargs)
 
         try:
-            return model.apply(variables, rngs=keys, mutable=writes, method=run), None
+            out = model.apply(variables, rngs=keys, mutable=writes, method=run,
+                              capture_intermediates=capture)  # fmt: skip
+            return out, None
         except InvalidRngError as e:  # (the held streams are h(x)'s and h.apply(params, x)'s)
             error = str(e).split(" (")[0]
             raise ConfigError(_GIVEN_NO_RNG.format(name=name, error=error)) from None
 
-    # apply's mutable= and rngs= are Flax's where the Hybrid holds no state, unless __call__
-    # takes them itself (names them, or takes **kwargs)
+    # apply's mutable=, rngs= and capture_intermediates= are Flax's where the Hybrid holds no
+    # state, unless __call__ takes them itself (names them, or takes **kwargs)
     own = inspect.signature(type(model).__call__).parameters.values()
-    free = not state and not any(p.kind is p.VAR_KEYWORD or p.name in ("mutable", "rngs")
+    free = not state and not any(p.kind is p.VAR_KEYWORD or p.name in _FLAX_OWN
                                  for p in own)  # fmt: skip
 
     def given_state(variables: Any, keywords: bool = False) -> Any:
