@@ -101,17 +101,20 @@ def test_a_weak_param_keeps_the_docs_int8_through_export(tmp_path, two):
 
 def test_a_weak_example_is_traced_as_the_hybrid_traced_it(tmp_path):
     """The doc's ``jnp.asarray(2)`` as an input of the example: the artifact computes ``2 * x``
-    in int8 as ``h(jnp.asarray(2), x)`` did (it gave int32), and takes any int32 there."""
+    in int8 as ``h(jnp.asarray(2), x)`` did (it gave int32), and takes a Python number there;
+    a strongly typed int32, which ``h`` answers in int32, is refused, not answered in int8."""
     x = jnp.arange(5, dtype="int8")
     h = sm.hybridize(lambda _, two, x: zoo17.net_twice(two, x), {})
     two = jnp.asarray(2)
     assert two.weak_type and h(two, x).dtype == jnp.int8
     sm.export(h, tmp_path / "m", example=(two, x), batch=None)
     m = sm.load(tmp_path / "m")
-    for given in (2, np.int32(2)):
-        got = m(given, np.asarray(x))
-        assert got.dtype == jnp.int8
-        np.testing.assert_array_equal(got, h(two, x))
+    got = m(2, np.asarray(x))
+    assert got.dtype == jnp.int8
+    np.testing.assert_array_equal(got, h(two, x))
+    assert h(np.int32(2), x).dtype == jnp.int32
+    with pytest.raises(sm.SignatureError, match="Pass a Python number, or export at a strongly"):
+        m(np.int32(2), np.asarray(x))
 
 
 @pytest.mark.slow
