@@ -154,14 +154,20 @@ class LoadedModel(NoPickle):
             )
         own, given = self._params, params
         if not isinstance(params, Mapping) or set(params) != set(own):
-            params = _by_path(params)  # the tree of those paths, as h.params (the source) holds it
+            params = _by_path(params, self._caller)  # the tree of those paths, as h.params holds
         if params is None or set(params) != set(own):
             raise SignatureError(self._unlike(own, given, params))
         numbers = (bool, int, float, complex)  # Python's, as h.params may hold (gymnax's EnvParams)
         params = {n: jax.numpy.asarray(p) if type(p) in numbers else p for n, p in params.items()}
         for name, w in own.items():
             p = params[name]
-            shape, dtype = tuple(getattr(p, "shape", ())), getattr(p, "dtype", type(p).__name__)
+            if not is_array(p):  # its .shape, .dtype or __array__ would be its own code's word
+                raise SignatureError(
+                    f"{self._caller}.apply(params, ...): params[{name!r}] is a "
+                    f"{printable(type(p).__name__)[:80]}, not an array. Pass NumPy or JAX arrays "
+                    "as m.params holds them."
+                )
+            shape, dtype = tuple(p.shape), p.dtype
             if shape != w.shape or dtype != w.dtype:
                 raise SignatureError(
                     f"{self._caller}.apply(params, ...): params[{name!r}] is "
@@ -319,12 +325,41 @@ def _few(keys: list[str]) -> str:
     return ", ".join(printable(repr(k))[:80] for k in keys[:4]) + more
 
 
-def _by_path(tree: Any) -> dict[str, Any] | None:
+def _by_path(tree: Any, caller: str) -> dict[str, Any] | None:
     """``tree``'s leaves by the paths an artifact names params by; ``None`` where two leaves
-    share one or a key cannot be named (``{"a/b": x, "a": {"b": y}}``, an empty key)."""
+    share one or a key cannot be named (``{"a/b": x, "a": {"b": y}}``, an empty key). Refuses
+    a tree JAX cannot flatten: one holding itself (JAX recurses until the interpreter breaks)
+    or a dict of keys of several types (JAX sorts them)."""
+    if why := _unflattenable(tree):
+        raise SignatureError(
+            f"{caller}.apply(params, ...): params {why}, which JAX cannot flatten. Pass "
+            "m.params, or a dict or tree of arrays by its paths."
+        )
     try:
         named = list(param_paths(tree))
     except ArtifactError:
         return None
     out = dict(named)
     return out if len(out) == len(named) else None
+
+
+def _unflattenable(tree: Any) -> str | None:
+    """Why JAX cannot flatten ``tree``'s dicts, lists and tuples, or ``None``: walked without
+    recursion, each once (a subtree held twice is fine; one holding itself is not)."""
+    todo, inside, done = [(tree, False)], set(), set()
+    while todo:
+        x, leaving = todo.pop()
+        if leaving:
+            inside.discard(id(x))
+            done.add(id(x))
+            continue
+        if not isinstance(x, (dict, list, tuple)) or id(x) in done:
+            continue
+        if id(x) in inside:
+            return f"holds a {type(x).__name__} that contains itself"
+        if isinstance(x, dict) and len(kinds := {type(k).__name__ for k in x}) > 1:
+            return f"holds a dict whose keys are of several types ({', '.join(sorted(kinds))})"
+        inside.add(id(x))
+        todo.append((x, True))
+        todo.extend((c, False) for c in (x.values() if isinstance(x, dict) else x))
+    return None
