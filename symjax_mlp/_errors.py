@@ -118,28 +118,33 @@ def _shown(tb_format: Any, e: BaseException, seen: set[int]) -> list[str]:
     """``e`` as IPython's ``tb_format`` shows it, and the exceptions it was raised from, each
     without the frames of symjax_mlp, JAX, Flax and the standard library between the cell's
     line and the model's (one raised by hand in a cell has none: it is shown whole); one it
-    was raised from in those frames alone (a manifest's JSONDecodeError) is in its message."""
-    kept, hidden = _kept(e.__traceback__)
-    cause = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
-    chain = e.__cause__, e.__context__, e.__suppress_context__
-    try:  # IPython shows what e was raised from with every frame: each is shown here instead
-        e.__cause__ = e.__context__ = None
-        tb, offset = kept if hidden else e.__traceback__, 0 if seen else None  # (the cell's
-        stb = tb_format.structured_traceback(type(e), e, tb, tb_offset=offset)  # runner: 1)
-    finally:
-        e.__cause__, e.__context__, e.__suppress_context__ = chain
-    if hidden and getattr(tb_format, "mode", "") != "Minimal":  # (that one: the message alone)
-        frames = f"{hidden} frame{'s' * (hidden > 1)}"
-        stb[-1:-1] = [f"    [... {frames} of symjax_mlp, JAX, Flax and Python's own hidden: "
-                      "%xmode Verbose shows them]"]  # fmt: skip
-    if cause is None or id(cause) in (seen := seen | {id(e)}) or not _kept(cause.__traceback__)[0]:
-        return stb
-    link = (
-        "\nThe above exception was the direct cause of the following exception:\n"
-        if e.__cause__ is not None
-        else "\nDuring handling of the above exception, another exception occurred:\n"
-    )
-    return [*_shown(tb_format, cause, seen), link, *stb]
+    was raised from in those frames alone (a manifest's JSONDecodeError) is in its message.
+    The chain is walked without recursion (a model's may be thousands long)."""
+    blocks: list[list[str]] = []  # e's, the link, its cause's, ...: shown the other way round
+    while True:
+        kept, hidden = _kept(e.__traceback__)
+        cause = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        chain = e.__cause__, e.__context__, e.__suppress_context__
+        try:  # IPython shows what e was raised from with every frame: each is shown here instead
+            e.__cause__ = e.__context__ = None
+            tb, offset = kept if hidden else e.__traceback__, 0 if seen else None  # (the cell's
+            stb = tb_format.structured_traceback(type(e), e, tb, tb_offset=offset)  # runner: 1)
+        finally:
+            e.__cause__, e.__context__, e.__suppress_context__ = chain
+        if hidden and getattr(tb_format, "mode", "") != "Minimal":  # (that one: the message alone)
+            frames = f"{hidden} frame{'s' * (hidden > 1)}"
+            stb[-1:-1] = [f"    [... {frames} of symjax_mlp, JAX, Flax and Python's own hidden: "
+                          "%xmode Verbose shows them]"]  # fmt: skip
+        blocks.append(stb)
+        seen.add(id(e))
+        if cause is None or id(cause) in seen or not _kept(cause.__traceback__)[0]:
+            return [line for block in reversed(blocks) for line in block]
+        blocks.append([
+            "\nThe above exception was the direct cause of the following exception:\n"
+            if e.__cause__ is not None
+            else "\nDuring handling of the above exception, another exception occurred:\n"
+        ])  # fmt: skip
+        e = cause
 
 
 def _kept(tb: TracebackType | None) -> tuple[TracebackType | None, int]:
