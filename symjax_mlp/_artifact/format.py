@@ -117,13 +117,12 @@ def depth(x: Any) -> int:
     deepest, todo = 0, [(x, 1)]
     while todo:
         v, d = todo.pop()
-        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
-        if children is None:
+        if not isinstance(v, (dict, list)):
             continue
         deepest = max(deepest, d)
         if deepest > MAX_DEPTH:  # deep enough to refuse: stop walking
             return deepest
-        todo.extend((c, d + 1) for c in children)
+        todo.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
     return deepest
 
 
@@ -206,6 +205,8 @@ def _program_rules(m: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, An
         (f"{prefix}signature.batch", s.get("batch"), lambda v: v is None or (_is_str(v) and [
             i["shape"][:1] for i in s["inputs"][:1]] in ([], [[v]])),  # what a Batcher merges
          "the name args[0]'s shape begins with, or null"),
+        (f"{prefix}signature.strong", s.get("strong", []), lambda v: v == [] or (_platforms(v)
+         and set(v) <= {i["path"] for i in s["inputs"] if not i["shape"]}), "scalar inputs' paths"),
         (f"{prefix}signature.constraints", s.get("constraints", []),
          lambda v: _str_list(v) and len(v) <= 64
          and all(0 < len(c) <= MAX_CONSTRAINT_CHARS for c in v),
@@ -271,14 +272,13 @@ def _platforms(x: Any) -> bool:
 
 
 def _tensors(symbolic: bool) -> Callable[[Any], bool]:
-    def dim_ok(d: Any) -> bool:
-        return (is_size(d) and d < 1 << 63) or (symbolic and _name(d) and d != "")
-
-    def ok(x: Any) -> bool:
+    def ok(x: Any) -> bool:  # a weak type: an input's, a scalar's (a Python number's)
         return isinstance(x, list) and len(x) <= MAX_PARAMS and all(
             isinstance(d, dict) and isinstance(d.get("shape"), list)
             and all(_name(d.get(k)) and d[k] != "" for k in ("path", "dtype"))
-            and all(map(dim_ok, d["shape"])) for d in x
+            and all((is_size(n) and n < 1 << 63) or (symbolic and _name(n) and n != "")
+                    for n in d["shape"]) and (d.get("weak_type", False) is False or (
+                        symbolic and d["shape"] == [] and d["weak_type"] is True)) for d in x
         ) and len({d["path"] for d in x}) == len(x)  # fmt: skip
 
     return ok
