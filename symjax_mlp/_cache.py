@@ -29,6 +29,9 @@ def refuse_shared_cache(head: str) -> None:
     settings checked are those JAX opens at its next compilation (JAX's reset_cache, public)."""
     folder, enabled = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
     on = folder and enabled and "://" not in folder
+    if on and not os.path.isabs(folder):  # JAX opens it from each later working directory:
+        folder = os.path.abspath(folder)  # it is the folder checked here that JAX keeps
+        jax.config.update("jax_compilation_cache_dir", folder)
     if on and (why := shared_by_others(folder)):
         raise ConfigError(
             f"{head}: JAX's compilation cache, jax_compilation_cache_dir={folder!r}, is not "
@@ -65,7 +68,11 @@ def shared_by_others(folder: str) -> str | None:
     with contextlib.suppress(KeyError, OSError):  # this user's private group
         g = grp.getgrgid(os.getgid())
         own = os.getgid() if {g.gr_name, *g.gr_mem} <= {getpass.getuser()} else -1
-    for leaf in dict.fromkeys((os.path.abspath(folder), os.path.realpath(folder))):
+    try:  # (a link it may not read, as /proc/1/root, fails realpath: PermissionError)
+        leaves = dict.fromkeys((os.path.abspath(folder), os.path.realpath(folder)))
+    except OSError as e:
+        return f"{folder} cannot be checked ({e.strerror or e})"
+    for leaf in leaves:
         path = leaf
         while me is not None:
             try:
