@@ -9,7 +9,8 @@ intermediates, as their authors capture them, through a Hybrid, an artifact and 
   ``perturb`` section's ``loss_fn`` over ``h.apply``, its grads of the perturbations the guide's;
   the features exported as an entry point of their own beside ``predict``, loaded and served.
 - flax's nnx integration test: ``Linear`` sets ``self.y = nnx.Intermediate(y)``; after
-  ``h(x)`` the Hybrid's module (``h.module``) pops what eager nnx pops.
+  ``h(x)`` the Hybrid's module (``h.module``) pops what eager nnx pops; under jax.grad or
+  jax.jit the call that would hold ``y`` as a tracer is refused, the held ``y`` left as it was.
 - flax's nnx VAE example: ``train_step``'s ``loss_fn`` pops the encoder's ``Loss``; three
   steps over ``h.apply_with_state`` (its ``kl_loss`` read from the new state, popped from the
   state carried on) equal three of the example's own: the losses and the weights.
@@ -46,6 +47,8 @@ def test_a_module_called_twice_sows_two_features_each_call_as_the_guides_predict
         assert len(sown["intermediates"]["SowCNN"]["features"]) == 2  # the guide's assert
         close((out, sown["intermediates"]["SowCNN"]["features"]), (preds, feats))
     assert h.state == {} and h.trace_count == 1  # each call's own two: none held, no regrowth
+    out, sown = jax.jit(lambda x: h(x))(X)  # under the user's jit: returned, not held
+    close((out, sown["intermediates"]["SowCNN"]["features"]), zoo29.sow_predict(variables, X))
     out, sown = h.apply(variables, X, mutable="intermediates")  # as predict calls apply
     close((out, sown["intermediates"]["SowCNN"]["features"]), zoo29.sow_predict(variables, X))
 
@@ -149,6 +152,24 @@ def test_an_nnx_intermediate_set_in_call_is_popped_from_h_module_as_from_eager_n
     close(nnx.to_pure_dict(intermediates), nnx.to_pure_dict(nnx.pop(want, nnx.Intermediate)))
     sm.export(h, tmp_path / "m", example=(x,), batch="b")  # the output alone: y is state
     close(sm.load(tmp_path / "m")(np.asarray(x[:3])), want(x[:3]))
+
+
+def test_an_nnx_intermediate_set_under_a_jax_transform_is_refused_never_held_as_a_tracer():
+    """Called under jax.grad/jax.jit, the Hybrid's call would hold the sown ``y`` as a tracer:
+    refused, naming ``state['y']`` and ``h.apply``; the held ``y`` stays the last call's array,
+    and grads through ``h.apply`` (which returns the new state) are JAX's of the module."""
+    x = jax.random.normal(jax.random.key(1), (8, 12))
+    model = zoo29.Linear(12, 2, rngs=nnx.Rngs(0))
+    h = sm.hybridize(zoo29.Linear(12, 2, rngs=nnx.Rngs(0)))
+    h(x)
+    for transform in (jax.grad, jax.jit):
+        with pytest.raises(sm.ControlFlowError, match=r"state\['y'\](.|\n)*h\.apply\(h\.params"):
+            transform(lambda x: h(x).sum())(x + 1)
+        assert isinstance(h.state["y"], jax.Array) and not isinstance(h.state["y"], jax.core.Tracer)
+        close(h.state["y"], model(x))
+    grads = jax.grad(lambda p: h.apply(p, x)[0].sum())(h.params)
+    want = nnx.grad(lambda m: m(x).sum())(model)
+    close(grads, nnx.to_pure_dict(want))
 
 
 def test_the_vae_examples_train_steps_pop_its_loss_as_h_apply_with_state_returns_it():
