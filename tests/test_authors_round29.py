@@ -20,6 +20,7 @@ reads ``jax.interpreters.xla.pytype_aval_mappings``, gone in JAX 0.10: it does n
 """
 
 import flax
+import flax.linen as nn
 import helpers
 import jax
 import jax.numpy as jnp
@@ -78,10 +79,30 @@ def test_capture_intermediates_in_h_apply_as_the_guides_predict_passes_it_to_app
                         ["__call__"][0].sum())(variables)  # fmt: skip
 
     close(grads(h.apply), grads(zoo29.CNN().apply))
-    with pytest.raises(
-        sm.ConfigError, match=r"capture_intermediates= is \w*CNN\.apply.s own keyword"
-    ):
+    said = r"capture_intermediates= is \w*CNN\.apply.s own keyword(.|\n)*pass it to h\.apply"
+    with pytest.raises(sm.ConfigError, match=said):
         h(X, capture_intermediates=True)
+
+
+def test_capture_intermediates_in_h_apply_of_variables_holding_the_state_as_model_apply():
+    """README's Net (BatchNorm: the Hybrid holds batch_stats): h.apply of variables holding the
+    state takes capture_intermediates= beside mutable= as model.apply does; of h.params alone
+    (the state the Hybrid's), it is refused, naming that form."""
+
+    class Net(nn.Module):  # README's
+        @nn.compact
+        def __call__(self, x, train: bool = False):
+            x = nn.BatchNorm(use_running_average=not train)(nn.Dense(16)(x))
+            return nn.Dense(2)(nn.relu(x))
+
+    x, model = jax.random.normal(jax.random.key(1), (4, 8)), Net()
+    variables = model.init(jax.random.key(0), x)
+    h = sm.hybridize(model, variables)
+    keywords = {"capture_intermediates": True, "mutable": ["batch_stats", "intermediates"]}
+    got = h.apply({**h.params, **h.state}, x, train=True, **keywords)
+    close(got, model.apply(variables, x, train=True, **keywords))
+    with pytest.raises(sm.ConfigError, match=r"h\.apply\(variables, x, capture_intermediates="):
+        h.apply(h.params, x, capture_intermediates=True)
 
 
 def test_the_guides_filter_fn_and_sown_c_through_h_apply():

@@ -72,7 +72,9 @@ APPLY_FIXES = {
     "sm.hybridize(model, variables, rngs={{'dropout': key}}); for a key per call, hybridize "
     "sm.hybridize(lambda variables, x, key: model.apply(variables, x, rngs={{'dropout': key}}), "
     "variables).",
-    "capture_intermediates": "For its layers' outputs, hybridize sm.hybridize(lambda variables, "
+    "capture_intermediates": "For its layers' outputs, pass it to h.apply as to model.apply: "
+    "h.apply(variables, x, capture_intermediates=True, mutable=['intermediates']) (variables "
+    "holding the state, if the Hybrid holds one), or hybridize sm.hybridize(lambda variables, "
     "x: model.apply(variables, x, capture_intermediates=True, mutable=['intermediates']), "
     "variables).",
 }
