@@ -50,4 +50,4 @@ if jax.config.jax_compilation_cache_dir is None:  # JAX was imported before this
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-from helpers import chapter  # noqa: E402, F401  (a fixture, shared by every test module)
+from helpers import chapter, shell  # noqa: E402, F401  (fixtures, shared by every test module)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import fcntl
+import os
 import threading
 from pathlib import Path
 
@@ -87,6 +88,38 @@ def small(seed=0, sizes=(16, 3), features=8):
 def rand(batch, features=8, seed=0):
     """A (batch, features) float32 normal input."""
     return jax.random.normal(jax.random.key(seed), (batch, features), jnp.float32)
+
+
+# -- a notebook: IPython as Jupyter's kernel runs it -------------------------------------------
+@pytest.fixture(scope="module")
+def shell(tmp_path_factory):
+    """An IPython shell as Jupyter's kernel runs one (its history in memory, no colours): a
+    notebook's, for test_day_five.py and test_stranger14.py."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    before = os.environ.get("IPYTHONDIR")
+    os.environ["IPYTHONDIR"] = str(tmp_path_factory.mktemp("ipython"))
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    sh = InteractiveShell.instance(config=config, colors="NoColor")
+    sh.run_cell("import jax, jax.numpy as jnp, flax.linen as nn\nimport symjax_mlp as sm")
+    yield sh
+    InteractiveShell.clear_instance()
+    if before is None:
+        os.environ.pop("IPYTHONDIR", None)
+    else:
+        os.environ["IPYTHONDIR"] = before
+
+
+def run_cell(sh, source: str) -> tuple[BaseException | None, str]:
+    """Runs one cell: its error, and what the notebook shows under it."""
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as shown:
+        result = sh.run_cell(source, store_history=True)
+    text = [shown.stdout, shown.stderr, *(o.data.get("text/plain", "") for o in shown.outputs)]
+    return result.error_in_exec, "".join(text)
 
 
 # -- the model zoo: ordinary Flax models, as researchers write them ------------------------------

@@ -23,7 +23,7 @@ import pytest
 import symjax_mlp as sm
 
 pytest.importorskip("IPython")  # (day five's shell, below)
-from test_day_five import run, shell  # noqa: F401 - day five's IPython shell
+from helpers import run_cell as run
 
 X = np.ones((2, 3), np.float32)
 ONE = np.ones((1, 8), np.float32)
@@ -223,7 +223,7 @@ raise sm.ConfigError("top") from deep(600)
 
 
 @pytest.mark.slow  # an IPython shell showing 600 tracebacks: ~2-7 s
-def test_a_symjax_error_raised_from_a_chain_thousands_long_shows_in_a_notebook(shell):  # noqa: F811
+def test_a_symjax_error_raised_from_a_chain_thousands_long_shows_in_a_notebook(shell):
     """A SymjaxError raised from a model's error whose own causes are 3,000 deep (a model that
     raises anything; here 600 under a limit of 500, as fast): our IPython hook walked the chain
     by recursion, hit Python's limit, and the notebook showed "Unexpected exception formatting
@@ -243,7 +243,7 @@ def test_a_symjax_error_raised_from_a_chain_thousands_long_shows_in_a_notebook(s
 
 
 @pytest.mark.slow  # an export, a load and an IPython shell: ~2 s
-def test_a_hostile_artifact_shows_one_clean_line_in_a_notebook(shell, model, tmp_path):  # noqa: F811
+def test_a_hostile_artifact_shows_one_clean_line_in_a_notebook(shell, model, tmp_path):
     """What held: an artifact named with terminal escapes (clear the screen, set the window's
     title, a right-to-left override) and a 10 MB model card of them: repr of the Artifact and
     LoadedModel, as a notebook shows a cell ending in one, are one line with no escape;
