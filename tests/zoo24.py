@@ -17,8 +17,8 @@ ott-jax/ott at 6aace50f673b877cc3394d0b53a24da0bbf11308:
   test draws the tutorial's batches afresh; its ``plot_samples`` call left out), which the
   tests assign to this module's globals.
 Ours: the ott imports under a filter of the one DeprecationWarning that importing jaxopt (an
-ott dependency) raises. Both notebooks' imports are cut to what the kept cells use; lines are joined to our width
-(``ruff format``), the code is as written.
+ott dependency) raises. Both notebooks' imports are cut to what the kept cells use; lines are
+joined to our width (``ruff format``), the code is as written.
 """
 
 # ruff: noqa: RUF059, UP045 - as the authors wrote it
