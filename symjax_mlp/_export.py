@@ -163,7 +163,7 @@ def export(
         needs.update(_needs(files[roles[JAXEXPORT]], path / roles[JAXEXPORT]))
         files[roles[MLIRBC]] = bytes(exported.mlir_module_serialized)
         with selftest.flags_off():  # (else jax.debug_nans raised for the vectors' NaN)
-            vectors = _self_test_vectors(exported, signature, own, entry)
+            vectors = _self_test_vectors(exported, signature, params, entry)
         if vectors is None or len(vectors) > MAX_HELD_BYTES:  # more than load holds
             del roles[SELFTEST]
         else:
@@ -306,7 +306,7 @@ def _shared_params(names: list[str], staged: list[Stage]) -> dict[str, tuple[Ten
 
 
 def _self_test_vectors(
-    exported: Any, signature: Signature, own: Mapping[str, tuple[TensorSpec, Any]], entry: Stage
+    exported: Any, signature: Signature, params: Mapping[str, Any], entry: Stage
 ) -> bytes | None:
     """Seeded inputs and what the exported program gives for them, where it runs here, once
     it gives the model's own results at the example's shapes: all in one compiled program."""
@@ -314,7 +314,6 @@ def _self_test_vectors(
     # each dimension variable at BATCH, a dimension at its term's value there ("b + 15": 17)
     sizes = sizes_at(dataclasses.replace(signature, constraints=()), selftest.BATCH)
     xs = selftest.drawn(signature.inputs, sizes=sizes)
-    params = {p: entry.weak.get(p, a) for p, (_, a) in own.items()}  # the model's, weak too
     symbolic = any(isinstance(d, str) for s in signature.inputs for d in s.shape)
     if xs is not None and exported.nr_devices != 1 and symbolic:
         selftest.check_resolves(entry.h.name, exported, params, xs)  # (its vectors skipped)

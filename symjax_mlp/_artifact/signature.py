@@ -88,12 +88,11 @@ class Signature:
             )
         arrays = [as_array(x, spec, caller) for x, spec in zip(inputs, self.inputs, strict=True)]
         sizes: dict[str, tuple[str, int]] = {}
-        for spec, x in zip(self.inputs, arrays, strict=True):
+        for spec, x, given in zip(self.inputs, arrays, inputs, strict=True):  # given: as passed
             shape = tuple(x.shape)
             head = f"{caller}: input {spec.path} has shape {shape}"
             if len(shape) != len(spec.shape):
                 if spec.dtype.startswith("key<") and str(x.dtype) != spec.dtype:  # PRNGKey's data
-                    given = inputs[self.inputs.index(spec)]
                     raise SignatureError(dtype_refused(caller, spec, x, given))
                 want = len(spec.shape)
                 hint = f"Pass an array of rank {want}."
@@ -131,7 +130,6 @@ class Signature:
                         f"{caller}: {spec.path}.shape[{i}] is {got} but {seen[0]} is "
                         f"{seen[1]}; both are the symbolic dimension {dim} and must agree."
                     )
-            given = inputs[self.inputs.index(spec)]  # as passed: a list, an array
             if str(x.dtype) != spec.dtype:  # as text: bfloat16 and rng key types included
                 raise SignatureError(dtype_refused(caller, spec, x, given))
             if spec.weak_type and not weakly_typed(given):  # the program promotes as for 2.0

@@ -338,7 +338,9 @@ class OrbaxCheckpoints:
         args, step = self.ocp.args, int(path.name)
         try:
             meta = self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))["meta"]
-            stored, _ = {n: (tuple(s), d) for n, s, d in meta["tensors"]}, meta["sha256"]
+            stored = {n: (tuple(s), d) for n, s, d in meta["tensors"]}
+            if "sha256" not in meta:  # (_arrays compares it)
+                raise KeyError("sha256")
         except Exception as e:  # missing, truncated or edited JSON: the reader's own error
             what = f"its meta item is missing or malformed ({type(e).__name__}: {str(e)[:200]})"
             raise broken(path, what) from None
