@@ -67,7 +67,8 @@ class RetraceError(SymjaxError):
 
 
 class RetraceWarning(UserWarning):
-    """A :class:`~symjax_mlp.Hybrid` traced again for a new value of a Python number alone."""
+    """A :class:`~symjax_mlp.Hybrid` traced again for a new value of a Python number alone, or
+    at each call for held state that grows (``sow`` outside ``nnx.capture``)."""
 
 
 class ControlFlowError(SymjaxError, TypeError):

@@ -1,6 +1,7 @@
-"""The retrace of a Hybrid for a new value of a Python number alone (a setting, so a trace per
-value): warned of once per Hybrid, on the retrace path, naming the number and the fixes, at
-the user's line that called the Hybrid."""
+"""The retraces a Hybrid warns of, on the retrace path, at the user's line that called it: for
+a new value of a Python number alone (a setting, so a trace per value), once per Hybrid,
+naming the number and the fixes; and for held state that grows at every call (an nnx
+module's ``sow`` outside ``nnx.capture``), naming ``nnx.capture``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ _NUMBER = (
     "number is a setting, so each value is traced and compiled anew. Pass it as an array, "
     "jnp.asarray(...), to trace it once for every value; or, if each value is meant to be its "
     "own program, mark it static on purpose: sm.hybridize(..., {fix})."
+)
+#: the traces in a row, each for held state grown alone, that are warned of (once a run)
+GROWN = 3
+_GREW = "the held state grew"
+_GROWING = (
+    "{name}: traced again at each of the last {n} calls because the held state grew ({reason}): "
+    "the Hybrid keeps what an nnx module's call adds to its Variables, as nnx.jit does, so each "
+    "call compiles anew and holds more. An nnx module's self.sow(nnx.Intermediate, ...) outside "
+    "nnx.capture appends every call's value (deprecated since flax 0.12.8). Have each call "
+    "return them instead: h = sm.hybridize(lambda m, *a: nnx.capture(m, nnx.Intermediate)(*a), "
+    "model) answers (out, intermediates), traced once; or keep one value (self.y = "
+    "nnx.Intermediate(y), or sow's reduce_fn); max_traces=... makes the growth an error."
 )
 
 
@@ -59,5 +72,20 @@ def warn_numbers(log: TraceLog, deliberate: Any, static: Any, event: TraceEvent)
     key = changed[0][0]
     fix = f"static_argnums=({key},)" if isinstance(key, int) else f"static_argnames=({key!r},)"
     warned = _NUMBER.format(name=log.name, changed=said, fix=fix)
+    warnings.warn(warned, RetraceWarning, stacklevel=user_stacklevel())
+    return True
+
+
+def warn_growing(log: TraceLog, event: TraceEvent) -> bool:
+    """Whether it warned (a :class:`RetraceWarning`): ``event`` is the :data:`GROWN` th trace
+    in a row each for held state a call grew (warned once for a run of them)."""
+    events = log.events
+    if not event.reason.startswith(_GREW) or len(events) < GROWN - 1:
+        return False
+    run = [e.reason.startswith(_GREW) for e in events[-GROWN:]]  # and one before: not grown
+    if not all(run[-(GROWN - 1) :]) or (len(run) == GROWN and run[0]):
+        return False
+    reason = event.reason.removeprefix(f"{_GREW}: ")
+    warned = _GROWING.format(name=log.name, n=GROWN, reason=reason)
     warnings.warn(warned, RetraceWarning, stacklevel=user_stacklevel())
     return True

@@ -29,7 +29,7 @@ from symjax_mlp._hybrid.args import ARRAYS, ModuleSetting, not_data, rebuild
 from symjax_mlp._hybrid.effects import outer_handlers
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.jaxpr import forwarded, input_dependent
-from symjax_mlp._hybrid.numbers import warn_numbers
+from symjax_mlp._hybrid.numbers import warn_growing, warn_numbers
 from symjax_mlp._hybrid.params import overflowing
 from symjax_mlp._hybrid.pure import (
     PureModel,
@@ -306,6 +306,7 @@ class TracedModel:
                 warn = not self.warned.is_set()
                 if warn and warn_numbers(self.log, self.deliberate, static, event):
                     self.warned.set()  # once per Hybrid
+                warn_growing(self.log, event)  # once per run of traces grown alone
                 with outer_handlers(self.log.name):  # NumPyro's, entered outside the Hybrid
                     result = self.call(static, params, state, dyn, dyn_kw, pure=pure)
         except (LookupError, TypeError, AttributeError, ValueError) as e:  # the model's own

@@ -1,0 +1,78 @@
+"""What a Hybrid holds between calls, and what writes reach it.
+
+- An nnx module's ``self.sow(nnx.Intermediate, ...)`` outside ``nnx.capture`` (deprecated in
+  flax 0.12.8) appends every call's value: the Hybrid keeps it as ``nnx.jit`` does, so its
+  held state grows and each call traces again. Flax's own guide (tests/zoo29b.py's ``MLP``):
+  warned once, a :class:`~symjax_mlp.RetraceWarning` naming ``nnx.capture``, whose route
+  traces once.
+"""
+
+import warnings
+
+import chex
+import jax
+import numpy as np
+import pytest
+import zoo29
+import zoo29b
+from flax import nnx
+
+import symjax_mlp as sm
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+#: the guide's x is jnp.ones((10, 20)): every row alike, BatchNorm divides rounding by sqrt(eps)
+X = jax.random.normal(jax.random.key(1), (10, 20))
+
+
+def _warned(call, n):
+    """The RetraceWarnings ``n`` calls raised, each call's answer."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        answers = [call() for _ in range(n)]
+    return [w for w in said if w.category is sm.RetraceWarning], answers
+
+
+@pytest.mark.slow
+def test_the_guides_sow_outside_capture_grows_the_state_and_warns_once_naming_capture():
+    """Each call traced again with no word of why (pytree.md's MLP, called as a module)."""
+    x = X
+    model, eager = zoo29b.MLP(3, 20, nnx.Rngs(0)), zoo29b.MLP(3, 20, nnx.Rngs(0))
+    h = sm.hybridize(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # flax's, of sow outside capture
+        said, answers = _warned(lambda: h(x), 5)
+        want = [eager(x) for _ in range(5)]
+    chex.assert_trees_all_close(answers, want, **TOL)  # as nnx runs it: the state carried on
+    sown = nnx.to_pure_dict(nnx.state(eager, nnx.Intermediate))
+    chex.assert_trees_all_close(h.state["blocks"][2]["y_mean"], sown["blocks"][2]["y_mean"])
+    assert len(h.state["blocks"][0]["y_mean"]) == 5 and h.trace_count == 5
+    assert len(said) == 1, [str(w.message) for w in said]
+    message = str(said[0].message)
+    assert message.startswith("MLP: traced again at each of the last 3 calls because")
+    assert "state['blocks'][0]['y_mean'][" in message
+    assert "sm.hybridize(lambda m, *a: nnx.capture(m, nnx.Intermediate)(*a), model)" in message
+    assert said[0].filename == __file__  # the user's line
+
+
+@pytest.mark.slow
+def test_the_route_the_warning_names_traces_once_and_answers_the_guides_capture():
+    model, x = zoo29b.guide()[0], X  # (its capture: one call made)
+    h = sm.hybridize(lambda m, *a: nnx.capture(m, nnx.Intermediate)(*a), zoo29b.guide()[0])
+    said, answers = _warned(lambda: h(x), 3)
+    for got, got_intms in answers:
+        result, intms = nnx.capture(model, nnx.Intermediate)(x)
+        chex.assert_trees_all_close(got, result, **TOL)
+        chex.assert_trees_all_close(nnx.to_pure_dict(got_intms), nnx.to_pure_dict(intms), **TOL)
+    sown = jax.tree.map(np.shape, nnx.to_pure_dict(got_intms))
+    assert sown == {"blocks": {i: {"y_mean": ((),)} for i in range(3)}}  # one value a call
+    assert (h.trace_count, said) == (1, [])
+
+
+@pytest.mark.slow
+def test_an_intermediate_set_once_a_call_is_no_growth_and_no_warning():
+    """flax's integration test's Linear assigns ``self.y``: added by the first call, then
+    replaced; the Hybrid turns stateful once and traces no more."""
+    x = jax.random.normal(jax.random.key(1), (8, 12))
+    h = sm.hybridize(zoo29.Linear(12, 2, rngs=nnx.Rngs(0)))
+    said, _ = _warned(lambda: h(x), 5)
+    assert said == [] and h.trace_count <= 2
