@@ -79,7 +79,7 @@ def hijax_value(x: Any) -> bool:
         return False
     try:
         return isinstance(jax.typeof(x), hijax.HiType)
-    except TypeError:  # no JAX type
+    except (TypeError, ValueError):  # no JAX type (a __jax_array__'s: JAX 0.10 refuses it)
         return False
 
 

@@ -13,6 +13,12 @@ artifact, a Batcher and ``symjax-mlp run``.
   training=True)`` returns the BatchNormalization statistics and the Dropout seed generator's
   state as Keras returns them, hybridized and exported; its ``@jax.jit`` ``train_step`` run by
   ``h.apply`` equals its own; at inference, every feature and ``symjax-mlp run`` on .npy files.
+- Found: the guides' state is ``model.trainable_variables`` itself, Keras Variables. JAX 0.10
+  refuses them under jit ("Triggering __jax_array__() during abstractification is no longer
+  supported"), the guides' own ``jax.jit(train_step)`` included (Keras's, not ours); a Hybrid
+  took them at ``hybridize`` and raised that bare ValueError at the first call, naming no
+  path. Now a ConfigError at ``hybridize`` (and ``h.apply``) naming the leaf and
+  ``v.value``; such an input, ``h(keras.Variable(x))``, is refused as another library's array.
 
 ``KERAS_BACKEND`` must be set before keras is imported: the ``zoo`` fixture sets it around
 that import and restores it, so no other test module's process sees it.
@@ -184,3 +190,48 @@ def test_the_convnet_at_inference_over_every_feature_and_symjax_mlp_run(zoo, tmp
     argv = ["run", str(tmp_path / "m"), "--input", str(tmp_path / "x.npy"), "--allow", *allow]
     assert main([*argv, "--output", str(tmp_path / "y.npy")]) == 0
     close(np.load(tmp_path / "y.npy"), model(IMAGES[:3]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # keras's import and its model (~10 s on two cores)
+def test_keras_variables_as_params_or_inputs_are_refused_naming_them_and_their_values(zoo):
+    """The guides' state, ``model.trainable_variables`` itself: a ConfigError at
+    ``hybridize`` (and ``h.apply``) naming the leaf and ``v.value``, where a Hybrid took them
+    and the first call raised JAX's bare ValueError ("Triggering __jax_array__() during
+    abstractification is no longer supported"), as ``jax.jit`` of the guide's step does; a
+    Keras Variable as an input is refused as another library's array."""
+    import keras
+
+    model = zoo[0].model
+    forward = _forward(model, False)
+    raw = (model.trainable_variables, model.non_trainable_variables)
+    with pytest.raises(ValueError, match="__jax_array__"):  # Keras's own guide, JAX 0.10
+        jax.jit(forward)(raw, X)
+    with pytest.raises(sm.ConfigError) as e:
+        sm.hybridize(forward, raw)
+    said = str(e.value)
+    assert said.startswith("forward: params[0][0] is a keras.src.backend"), said
+    assert "[v.value for v in model.trainable_variables]" in said, said
+    h = sm.hybridize(forward, (_values(raw[0]), []))
+    with pytest.raises(sm.ConfigError, match=r"forward.apply: params\[0\]\[0\] is a keras"):
+        h.apply(raw, X)
+    with pytest.raises(sm.ConfigError, match=r"args\[0\] is a keras.*another library's array"):
+        h(keras.Variable(X))
+    close(h(X), model(X))  # the values: Keras's own answer
+
+
+def test_a_leaf_jax_converts_no_more_is_refused_at_hybridize_not_at_the_first_call():
+    """Any object with a ``__jax_array__`` (JAX 0.10 refuses them all, ``jnp.sin`` too) among
+    the params or inputs: a ConfigError naming it, not JAX's bare ValueError from the call."""
+
+    class Wrapped:
+        def __init__(self, a):
+            self.a = a
+
+        def __jax_array__(self):
+            return self.a
+
+    with pytest.raises(sm.ConfigError, match=r"params\['w'\] is a test_authors_round30.*Wrapped"):
+        sm.hybridize(lambda p, x: x * p["w"], {"w": Wrapped(jnp.ones(3))})
+    h = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.ones(3)})
+    with pytest.raises(sm.ConfigError, match=r"args\[0\] is of type Wrapped"):
+        h(Wrapped(jnp.ones(3)))

@@ -191,9 +191,9 @@ def _own(error: Exception, value: Any) -> bool:
 
 
 def traceable(leaf: Any) -> bool:
-    """What jit traces: a JAX or NumPy array (or its spec), a number, a ``__jax_array__``, a
-    value of a type registered with ``jax.experimental.hijax`` (hijax-types.md's QArray)."""
-    return isinstance(leaf, _TRACEABLE) or hasattr(leaf, "__jax_array__") or hijax_value(leaf)
+    """What jit traces: a JAX or NumPy array (or its spec), a number, a hijax type's value
+    (hijax-types.md's QArray); no ``__jax_array__`` (a Keras Variable's): JAX 0.10 refuses it."""
+    return isinstance(leaf, _TRACEABLE) or hijax_value(leaf)
 
 
 _EQX_INPUT = (

@@ -11,13 +11,21 @@ import numpy as np
 
 from symjax_mlp._errors import ConfigError, first_line
 from symjax_mlp._hybrid.args import JAX_ARRAYS, equinox_modules, traceable, unwalkable
-from symjax_mlp._specs import unfit_array
+from symjax_mlp._specs import array_like, unfit_array
 
 _PARAM_LEAF = (
     "{name}: params{path} is a {kind}, which a compiled call cannot pass to the model (params "
     "are arrays or numbers, traced). Keep a setting out of the params: close over it "
     "(lambda p, x: f(p, x, setting)) or pass it in the call (h(x, setting)); or bake the params "
     "into the program: hybridize(..., params_as_constants=True)."
+)
+
+_FOREIGN_PARAM = (
+    "{name}: params{path} is a {kind}, another library's array or variable (a Keras Variable, a "
+    "torch tensor), which a compiled call cannot pass (JAX 0.10 no longer converts a leaf by its "
+    "__jax_array__). Pass arrays: jax.tree.map(np.asarray, params); of a Keras model, the "
+    "variables' values, [v.value for v in model.trainable_variables] (and so for its "
+    "non_trainable_variables and an optimizer's variables)."
 )
 
 _EQX_PARAM_LEAF = (
@@ -105,6 +113,9 @@ def flat_params(name: str, params: Any, *, passed: bool) -> tuple[list[Any], Any
             module = type(modules[0]).__name__
             raise ConfigError(_EQX_SETTING.format(name=name, path=where, value=leaf, module=module))
         if not traceable(leaf):
+            if not isinstance(leaf, type) and (hasattr(leaf, "__jax_array__") or array_like(leaf)):
+                kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+                raise ConfigError(_FOREIGN_PARAM.format(name=name, path=where, kind=kind))
             modules = equinox_modules(params)  # given whole: hybridize(model) had split it
             message = _EQX_PARAM_LEAF if modules else _PARAM_LEAF
             module = type(modules[0]).__name__ if modules else None
