@@ -178,9 +178,11 @@ class Lane:
     def start(self, timeout: float | None) -> threading.Thread:
         """Starts the thread (warm-up, then batches); waits ``timeout`` s at most for warm-up."""
         ready, failed, self.warming = threading.Event(), [], self.buckets[0]  # its bucket now
+        x64 = jax.config.jax_enable_x64  # the caller's: a `with jax.enable_x64(True)` block's
 
         def warm_then_work() -> None:  # its batches' trips to the device and back are ours:
-            with jax.transfer_guard("allow"):  # a global "disallow" refused them at warm-up
+            # a global "disallow" refused them at warm-up; its 64-bit types are the caller's:
+            with jax.transfer_guard("allow"), jax.enable_x64(x64):  # a thread starts without
                 try:
                     self.warm_up()
                 except BaseException as e:
