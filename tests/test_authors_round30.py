@@ -19,6 +19,9 @@ artifact, a Batcher and ``symjax-mlp run``.
   took them at ``hybridize`` and raised that bare ValueError at the first call, naming no
   path. Now a ConfigError at ``hybridize`` (and ``h.apply``) naming the leaf and
   ``v.value``; such an input, ``h(keras.Variable(x))``, is refused as another library's array.
+- Found: ``sm.hybridize(model)`` of a Keras model (or a function closing over one) was told
+  "write hybridize(lambda _, x: f(x), {})", which bakes its Variables into the program as they
+  are (h.params empty); now the refusal names ``stateless_call`` over the variables' values.
 
 ``KERAS_BACKEND`` must be set before keras is imported: the ``zoo`` fixture sets it around
 that import and restores it, so no other test module's process sees it.
@@ -235,3 +238,20 @@ def test_a_leaf_jax_converts_no_more_is_refused_at_hybridize_not_at_the_first_ca
     h = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.ones(3)})
     with pytest.raises(sm.ConfigError, match=r"args\[0\] is of type Wrapped"):
         h(Wrapped(jnp.ones(3)))
+
+
+@pytest.mark.slow  # keras's import (the fixture's, ~10 s on two cores)
+def test_a_keras_model_without_params_is_refused_naming_its_stateless_call(zoo):
+    """``sm.hybridize(model)`` of a Keras model, a function closing over one, or its bound
+    ``stateless_call``: the ConfigError names Keras's Variables and the guide's route, where it
+    said "for a function without params write hybridize(lambda _, x: f(x), {})", which bakes
+    the weights as they are into the program (h.params empty, later training unseen)."""
+    model = zoo[0].model
+    layer = model.layers[1]
+    for fn, kind in ((model, "Functional"), (lambda x: model(x), "Functional"),
+                     (model.stateless_call, "Functional"), (layer, "Dense")):  # fmt: skip
+        with pytest.raises(sm.ConfigError) as e:
+            sm.hybridize(fn)
+        said = str(e.value)
+        assert f"a Keras {kind} holds its weights as Keras Variables" in said, said
+        assert "model.stateless_call(*v, x)[0]" in said, said

@@ -51,6 +51,18 @@ _PENZAI = (
     "arrays: export a function of x that names its axes inside, pz.nx.wrap(x).tag(...)."
 )
 
+_KERAS = (
+    "{label}: a Keras {kind} holds its weights as Keras Variables, not as params: "
+    "hybridize(lambda _, x: model(x), {{}}) would bake them into the program as they are now "
+    "(h.params empty, the model's later training unseen). Pass their values to its pure "
+    "stateless_call, as keras-io's guide to a training loop in JAX does: variables = "
+    "([v.value for v in model.trainable_variables], [v.value for v in "
+    "model.non_trainable_variables]); sm.hybridize(lambda v, x: model.stateless_call(*v, x)[0], "
+    "variables)."
+)
+#: the libraries whose ``Layer`` holds its weights as variables of its own, and what to do
+_HOLDING_VARIABLES = (("penzai.nn.layer", _PENZAI), ("keras", _KERAS))
+
 _PAIR = (
     " That is an (init, apply) pair of pure functions (Haiku's hk.transform, stax's): hybridize "
     "its apply, sm.hybridize(f.apply, params), with the params init returns (of "
@@ -190,10 +202,11 @@ def hybridize(
         held = next((v for v in held_values(model) if _flax_kind(v) == "eqx"), None)
         if held is not None:  # (an eqx.nn.Sequential has a len)
             raise ConfigError(_EQX_HELD.format(label=label, kind=type(held).__name__))
-        layer = sys.modules.get("penzai.nn.layer")
-        penzai = [v for v in (model, *held_values(model)) if layer and isinstance(v, layer.Layer)]
-        if penzai:
-            raise ConfigError(_PENZAI.format(label=label, kind=type(penzai[0]).__name__))
+        held = (model, getattr(model, "__self__", None), *held_values(model))  # (a method's)
+        for library, said in _HOLDING_VARIABLES:
+            layer = getattr(sys.modules.get(library), "Layer", None)
+            if layer is not None and (found := [v for v in held if isinstance(v, layer)]):
+                raise ConfigError(said.format(label=label, kind=type(found[0]).__name__))
         raise ConfigError(
             "hybridize(fn, params) needs params: fn is called as fn(params, *inputs). "
             "For a function without params write hybridize(lambda _, x: f(x), {})."
