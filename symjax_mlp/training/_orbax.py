@@ -36,7 +36,15 @@ from symjax_mlp.training._paths import (
     entries,
     step_name,
 )
-from symjax_mlp.training._state import TrainState, check_fit, digest, named_leaves, specs, state_of
+from symjax_mlp.training._state import (
+    TrainState,
+    check_fit,
+    check_others,
+    digest,
+    named_leaves,
+    specs,
+    state_of,
+)
 
 _HEADER = {"format": "symjax_mlp.orbax_checkpoint"}
 #: Saves handed to the writer thread and not yet to Orbax, each a device copy of the state:
@@ -325,6 +333,7 @@ class OrbaxCheckpoints:
         except (TypeError, ValueError) as e:  # anyone's JSON: a shape or dtype of no array
             what = f"its meta item declares a tensor no array can be ({type(e).__name__}: {e})"
             raise broken(path, what[:400]) from None
+        check_others(path, {n: t for n, t in targets.items() if n not in wanted}, wanted)
         local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         arrays = evaluated_weights(
             {n: _local(a) for n, a in self._arrays(path, meta, targets, local).items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import reprlib
 import typing
 from typing import Any
@@ -139,6 +140,26 @@ def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> 
                 f"{path}: tensor {name!r} has shape {SHOWN.repr(tuple(got_shape))} and dtype "
                 f"{got_dtype}, but this model expects shape {tuple(shape)} and dtype {dtype}. {fix}"
             )
+
+
+#: init_from reads another run's optimizer state for its sha256 only: at most ``_TIMES`` the
+#: params' tensors and bytes (optax's optimizers keep a few copies of them), or ``_FLOOR`` bytes
+_TIMES, _FLOOR = 16, 64 << 20
+
+
+def check_others(path: Any, others: dict[str, tuple], params: dict[str, Any]) -> None:
+    """Refuses another run's optimizer state (``others``: its declared ``(shape, dtype)``) past
+    ``_TIMES`` its ``params``' tensors or bytes: a meta of kilobytes declared terabytes of zeros
+    (compressed), and init_from read them all."""
+    size = sum(math.prod(s) * d.itemsize for s, d in others.values())
+    mine = sum(math.prod(s) * np.dtype(d).itemsize for s, d in specs(params).values())
+    if len(others) > _TIMES * len(params) or size > max(_TIMES * mine, _FLOOR):
+        raise CheckpointError(
+            f"{path}: besides the params, it declares {len(others):,} tensors of {size:,} bytes "
+            f"of optimizer state, more than any optimizer keeps for {len(params):,} tensors of "
+            f"{mine:,} bytes ({_TIMES} times them, or {_FLOOR:,} bytes): it was not written as "
+            "saved. Start from another checkpoint, or leave init_from out."
+        )
 
 
 def specs(tensors: dict[str, Any]) -> dict[str, tuple]:
