@@ -37,6 +37,7 @@ from symjax_mlp.training._paths import (
     step_name,
 )
 from symjax_mlp.training._state import (
+    SHOWN,
     TrainState,
     check_fit,
     check_others,
@@ -373,6 +374,13 @@ class OrbaxCheckpoints:
             what = f"its arrays cannot be read ({type(e).__name__}: {str(e)[:300]})"
             raise broken(path, what) from None
         arrays = {n: items[_key(i, n)] for i, n in enumerate(targets)}
+        for name, a in arrays.items():  # Orbax returns a value of state/checkpoint as it is
+            want = (targets[name].shape, targets[name].dtype) if name == "rng" else targets[name]
+            got = (getattr(a, "shape", None), getattr(a, "dtype", None))
+            if got != want:
+                got = f"{got[0]} {got[1]}" if got[1] else f"a {type(a).__name__} {SHOWN.repr(a)}"
+                what = f"its tensor {printable(name)[:200]} was read as {got}, not as the {want[0]}"
+                raise broken(path, f"{what} {want[1]} its meta declares (as every save writes)")
         if digest({n: _local(a) for n, a in arrays.items()}) != meta["sha256"]:
             raise broken(path, "its arrays are not the ones saved (their sha256 differs)")
         return arrays
