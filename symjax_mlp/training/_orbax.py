@@ -244,7 +244,8 @@ class OrbaxCheckpoints:
         self._finish(keep=_QUEUED - 1)
         leaves, tree = jax.tree.flatten((state.params, state.opt_state))
         specs = [(a.shape, a.dtype, a.sharding) for a in leaves]
-        copied = (tree, specs, _pack(leaves), state.rng)  # the rng is not donated
+        x64 = jax.config.jax_enable_x64  # this thread's: jax.enable_x64(True) is one thread's
+        copied = (tree, specs, _pack(leaves), state.rng, x64)  # the rng is not donated
         step, epoch = int(state.step), int(state.epoch)
         write = self._thread.submit(self._write, step, epoch, copied, metadata, last, derived)
         self._pending.append((step, write))
@@ -255,26 +256,27 @@ class OrbaxCheckpoints:
         self, step: int, epoch: int, copied: tuple, metadata: dict, last: bool, derived: Any
     ) -> bool:
         """Hands the state ``save`` packed to Orbax; whether it is written (else superseded)."""
-        tree, specs, packed, rng = copied
-        state = TrainState(*jax.tree.unflatten(tree, _unpack(specs, packed)), rng)
-        metadata = metadata if derived is None else {**metadata, **derived(state)}
-        tensors = named_leaves(state)
-        tensors["rng"] = np.asarray(_local(tensors["rng"]))  # this process's: not on the mesh
-        meta = {
-            **_HEADER,
-            "step": step,
-            "epoch": epoch,
-            "tensors": [[n, list(a.shape), str(a.dtype)] for n, a in tensors.items()],
-            "sha256": digest({n: _local(a) for n, a in tensors.items()}),
-            "metadata": metadata,
-        }
-        items = {_key(i, n): a for i, (n, a) in enumerate(tensors.items())}
-        args = self.ocp.args
-        return self.manager.save(  # every process asks; process 0's answer holds for all
-            step,
-            args=args.Composite(state=args.PyTreeSave(items), meta=args.JsonSave(meta)),
-            force=last,
-        )
+        tree, specs, packed, rng, x64 = copied
+        with jax.enable_x64(x64):  # its float64 state made float32 on this thread, else
+            state = TrainState(*jax.tree.unflatten(tree, _unpack(specs, packed)), rng)
+            metadata = metadata if derived is None else {**metadata, **derived(state)}
+            tensors = named_leaves(state)
+            tensors["rng"] = np.asarray(_local(tensors["rng"]))  # this process's: not on the mesh
+            meta = {
+                **_HEADER,
+                "step": step,
+                "epoch": epoch,
+                "tensors": [[n, list(a.shape), str(a.dtype)] for n, a in tensors.items()],
+                "sha256": digest({n: _local(a) for n, a in tensors.items()}),
+                "metadata": metadata,
+            }
+            items = {_key(i, n): a for i, (n, a) in enumerate(tensors.items())}
+            args = self.ocp.args
+            return self.manager.save(  # every process asks; process 0's answer holds for all
+                step,
+                args=args.Composite(state=args.PyTreeSave(items), meta=args.JsonSave(meta)),
+                force=last,
+            )
 
     def _finish(self, keep: int = 0) -> None:
         """Waits until at most ``keep`` saves are queued; a failed one raises here."""
