@@ -1,5 +1,5 @@
-"""Code we did not write, round thirty (tests/zoo30.py, tests/zoo30b.py; sources and commits
-there): Keras 3 on the JAX backend, the guides' ``model.stateless_call`` and
+"""Code we did not write, round thirty (tests/zoo30.py, zoo30b.py, zoo30c.py; sources and
+commits there): Keras 3 on the JAX backend, the guides' ``model.stateless_call`` and
 ``optimizer.stateless_apply`` as pure functions of the variables' values, through a Hybrid, an
 artifact, a Batcher and ``symjax-mlp run``.
 
@@ -13,6 +13,9 @@ artifact, a Batcher and ``symjax-mlp run``.
   training=True)`` returns the BatchNormalization statistics and the Dropout seed generator's
   state as Keras returns them, hybridized and exported; its ``@jax.jit`` ``train_step`` run by
   ``h.apply`` equals its own; at inference, every feature and ``symjax-mlp run`` on .npy files.
+- "Customizing what happens in fit() with JAX": the ``CustomModel``'s ``train_step``, a
+  method, hybridized over the state ``fit`` builds: two steps by ``h.apply`` give the logs
+  (its compiled loss and ``mae``) and the state of ``jax.jit(model.train_step)``.
 - Found: the guides' state is ``model.trainable_variables`` itself, Keras Variables. JAX 0.10
   refuses them under jit ("Triggering __jax_array__() during abstractification is no longer
   supported"), the guides' own ``jax.jit(train_step)`` included (Keras's, not ours); a Hybrid
@@ -41,12 +44,12 @@ import symjax_mlp as sm
 
 @pytest.fixture(scope="module")
 def zoo():
-    """``(zoo30, zoo30b)``, imported with ``KERAS_BACKEND=jax`` (restored after)."""
+    """``(zoo30, zoo30b, zoo30c)``, imported with ``KERAS_BACKEND=jax`` (restored after)."""
     before = os.environ.get("KERAS_BACKEND")
     os.environ["KERAS_BACKEND"] = "jax"
     try:
         keras = pytest.importorskip("keras")
-        modules = importlib.import_module("zoo30"), importlib.import_module("zoo30b")
+        modules = tuple(map(importlib.import_module, ("zoo30", "zoo30b", "zoo30c")))
     finally:
         if before is None:
             os.environ.pop("KERAS_BACKEND")
@@ -255,3 +258,27 @@ def test_a_keras_model_without_params_is_refused_naming_its_stateless_call(zoo):
         said = str(e.value)
         assert f"a Keras {kind} holds its weights as Keras Variables" in said, said
         assert "model.stateless_call(*v, x)[0]" in said, said
+
+
+@pytest.mark.slow  # a fit of one batch and the guide's step compiled twice (~3 s)
+def test_a_custom_models_train_step_method_through_h_apply_equals_keras_jit(zoo):
+    """The guide's ``CustomModel.train_step`` (a bound method, ``self.optimizer`` and
+    ``self.metrics`` inside) hybridized over the state its ``fit`` built (the guide's "just
+    use fit as usual", one batch): two steps by ``h.apply`` give the logs and the state that
+    ``jax.jit(model.train_step)`` gives; the Adam step count and the metrics' totals moved."""
+    model = zoo[2].make_model()
+    x, y = RNG.rand(64, 32).astype(np.float32), RNG.rand(64, 1).astype(np.float32)
+    model.fit(x[:32], y[:32], epochs=1, batch_size=32, verbose=0)
+    state = (_values(model.trainable_variables), _values(model.non_trainable_variables),
+             _values(model.optimizer.variables), _values(model.metrics_variables))  # fmt: skip
+    h = sm.hybridize(model.train_step, state)
+    keras_step = jax.jit(model.train_step)
+    want, got = state, state
+    for rows in (slice(0, 32), slice(32, 64)):
+        want_logs, want = keras_step(want, (x[rows], y[rows]))
+        got_logs, got = h.apply(got, (x[rows], y[rows]))
+        close(got_logs, want_logs)
+    close(got, want)
+    assert set(got_logs) == {"loss", "compile_metrics"} and "mae" in got_logs["compile_metrics"]
+    assert int(got[2][0]) == int(state[2][0]) + 2  # Adam's iterations
+    assert not np.allclose(got[3], state[3])

@@ -13,6 +13,7 @@ tests compare ours with), as written.
 Cut: ``os.environ["KERAS_BACKEND"] = "jax"`` (the test module's), ``import tensorflow as tf``,
 the ``jax.sharding`` imports, ``get_datasets`` (MNIST, tf.data), ``model.build(one_batch)`` (a
 functional model is built), the mesh, replication and the training loop.
+``ruff format`` joins lines the guide breaks at 88 columns; the code is as written.
 """
 
 import jax
