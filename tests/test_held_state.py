@@ -5,12 +5,18 @@
   held state grows and each call traces again. Flax's own guide (tests/zoo29b.py's ``MLP``):
   warned once, a :class:`~symjax_mlp.RetraceWarning` naming ``nnx.capture``, whose route
   traces once.
+- ``h.params`` and ``h.state`` stay plain dicts (``jax.tree.map`` against a dict, optax and
+  ``jax.vmap`` take them as they are; a read-only mapping type would be another pytree node):
+  a write into one changes nothing the Hybrid holds, and no door reads it (``h.state`` was the
+  dict the Hybrid kept, and baked params were the dict given: h.eager, h.apply, h.module and
+  ``h.replace()`` ran the write while ``h(x)`` ran what it held).
 """
 
 import warnings
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import zoo29
@@ -18,6 +24,8 @@ import zoo29b
 from flax import nnx
 
 import symjax_mlp as sm
+
+pytestmark = pytest.mark.slow  # (each over 0.5 s: traces, eager calls, a BatchNorm)
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 #: the guide's x is jnp.ones((10, 20)): every row alike, BatchNorm divides rounding by sqrt(eps)
@@ -32,7 +40,6 @@ def _warned(call, n):
     return [w for w in said if w.category is sm.RetraceWarning], answers
 
 
-@pytest.mark.slow
 def test_the_guides_sow_outside_capture_grows_the_state_and_warns_once_naming_capture():
     """Each call traced again with no word of why (pytree.md's MLP, called as a module)."""
     x = X
@@ -54,7 +61,6 @@ def test_the_guides_sow_outside_capture_grows_the_state_and_warns_once_naming_ca
     assert said[0].filename == __file__  # the user's line
 
 
-@pytest.mark.slow
 def test_the_route_the_warning_names_traces_once_and_answers_the_guides_capture():
     model, x = zoo29b.guide()[0], X  # (its capture: one call made)
     h = sm.hybridize(lambda m, *a: nnx.capture(m, nnx.Intermediate)(*a), zoo29b.guide()[0])
@@ -68,7 +74,6 @@ def test_the_route_the_warning_names_traces_once_and_answers_the_guides_capture(
     assert (h.trace_count, said) == (1, [])
 
 
-@pytest.mark.slow
 def test_an_intermediate_set_once_a_call_is_no_growth_and_no_warning():
     """flax's integration test's Linear assigns ``self.y``: added by the first call, then
     replaced; the Hybrid turns stateful once and traces no more."""
@@ -76,3 +81,44 @@ def test_an_intermediate_set_once_a_call_is_no_growth_and_no_warning():
     h = sm.hybridize(zoo29.Linear(12, 2, rngs=nnx.Rngs(0)))
     said, _ = _warned(lambda: h(x), 5)
     assert said == [] and h.trace_count <= 2
+
+
+# -- writes into what a property returned: plain dicts (jax.tree.map and optax take them as
+# they are), which no door reads: h(x), h.eager, h.apply, h.module, h.replace() agree ---------
+
+BN_X = jnp.arange(6.0).reshape(3, 2)
+
+
+def _doors(h, x):
+    """What each door answers on ``x`` (an eval BatchNorm's: it moves no state), those that
+    hold no new state first (a call held its state anew: the kept dict with it)."""
+    return {
+        "state": h.state["mean"], "module": h.module(x), "apply": h.apply(h.params, x)[0],
+        "replace()": h.replace()(x), "eager": h.eager(x), "h(x)": h(x),
+    }  # fmt: skip
+
+
+def test_a_write_into_h_state_reaches_no_door():
+    """h.state was the very dict the Hybrid kept: a write into it showed in h.state, h.module,
+    h.eager, h.apply and h.replace(), while h(x) ran the state held (silent)."""
+    model = nnx.BatchNorm(2, use_running_average=True, rngs=nnx.Rngs(0))
+    h = sm.hybridize(model)
+    before = _doors(h, BN_X)
+    h.state["mean"] = jnp.full((2,), 100.0)
+    state = h.state
+    state["mean"] = jnp.full((2,), 100.0)
+    chex.assert_trees_all_close(_doors(h, BN_X), before)
+    chex.assert_trees_all_close(before["h(x)"], model(BN_X))
+
+
+def test_a_write_into_baked_params_reaches_no_door():
+    """params_as_constants=True: h.params was the dict given, which h.eager, h.graph and
+    h.replace() read, while the program held the constants baked (silent)."""
+    x = jnp.ones((2, 3))
+    h = sm.hybridize(lambda p, x: x @ p["w"], {"w": jnp.ones((3, 2))}, params_as_constants=True)
+    want = h(x)
+    h.params["w"] = jnp.zeros((3, 2))
+    chex.assert_trees_all_close(h.params, {"w": jnp.ones((3, 2))})
+    for door in (h, h.eager, h.replace(), h.hybridize(False)):
+        chex.assert_trees_all_close(door(x), want)
+    assert h.graph(x).flops > 0 and h.replace(params={"w": jnp.zeros((3, 2))})(x).sum() == 0

@@ -130,7 +130,7 @@ def held(given: Any, treedef: Any, leaves: list[Any], *, mesh: Any) -> Any:
     else those leaves (replicated over a ``mesh``: always). A container mutated since hybridize
     (``p["w"] = ...``, a registered pytree's static field set) is not what ``h(x)`` reads, so
     eager, graph and export do not read it either (``h.replace(params=...)`` takes new ones).
-    Baked params (no ``leaves``) are ``given``."""
+    Baked params: ``leaves`` are the constants their program holds."""
     if not leaves:
         return given
     if mesh is None:

@@ -152,8 +152,9 @@ class Staged:
         if checked:
             refuse_trained_in_place(self, f"{self.name}.{what}", f"h.{what} would be", True)
         if what == "state":
-            return self._held.tree
-        return held(self._given, self._treedef, self._leaves, mesh=self.mesh)
+            return self._held.view()
+        baked = self._traced.constants or ()  # (what the program holds: a write is not in it)
+        return held(self._given, self._treedef, self._leaves or baked, mesh=self.mesh)
 
     def _settings(self) -> dict[str, Any]:
         """What :meth:`replace` takes, as it is now: the params, state and settings."""

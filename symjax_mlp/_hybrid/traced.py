@@ -103,6 +103,11 @@ class HeldState:
                 tree = self._tree = self.unflatten(self.leaves)
         return tree
 
+    def view(self) -> Any:
+        """A new tree of the held leaves (``h.state``): a write into it reaches nothing held."""
+        with self.lock, jax.ensure_compile_time_eval():
+            return self.unflatten(self.leaves)
+
     def unflatten(self, leaves: list[Any]) -> Any:
         """A tree of the held structure from flat ``leaves`` (raw key data wrapped)."""
         return jax.tree.unflatten(self._structure, wrap_keys(leaves, self._key_impls))
