@@ -18,7 +18,7 @@ from symjax_mlp._artifact.format import (
     printable,
     program_file,
 )
-from symjax_mlp._artifact.reading import thaw
+from symjax_mlp._artifact.reading import check_x64, thaw
 from symjax_mlp._artifact.signature import Signature, as_array, is_array
 from symjax_mlp._artifact.weights import param_paths
 from symjax_mlp._errors import (
@@ -271,6 +271,7 @@ class LoadedModel(NoPickle):
                 f"{self._caller}: the {self.runtime} runtime runs outside JAX, so jax.jit, "
                 "jax.vmap and jax.grad cannot trace it. Load it with runtime='jax'."
             ) from e
+        check_x64(self.path, self.manifest, loaded=True)  # another thread's x64: not the file
         raise run_failed(self._caller, self._file, e, inputs) from e
 
     def _unlike(self, own: Mapping[str, Any], given: Any, named: Any) -> str:

@@ -302,6 +302,35 @@ def test_bad_batcher_or_app_options_are_refused_before_any_replica_starts(tmp_pa
         sm.serving.ray_app(bound, max_batch=64)
 
 
+def test_each_replica_answers_on_rays_own_event_loop(cluster, handle):
+    """ray_app's replicas start with RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 (read in
+    each replica process's own environment): Ray runs predict on the replica's loop, with no
+    thread hop to a second loop and back, where Ray's default hopped twice a request."""
+    pids = {s["pid"] for s in replica_stats(handle).values()}
+    assert len(pids) == 2
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(v.partition(b"=")[::2] for v in f.read().split(b"\0") if v)
+        assert env.get(b"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == b"0"
+
+
+def test_the_one_loop_setting_keeps_the_callers_runtime_env_and_yields_to_theirs(tmp_path):
+    """Only ray_app's own replicas get the setting, under the caller's runtime_env (kept, and
+    their own value of the variable wins); the caller's dict is not changed."""
+    path = sm.chapter.export_mlp(tmp_path / "m", sizes=(4, 2)).path
+    given = {"num_cpus": 0.5, "runtime_env": {"env_vars": {"MINE": "1"}, "pip": ["six"]}}
+    app = sm.serving.ray_app(path, replicas=1, ray_actor_options=given)
+    actor = app._bound_deployment.ray_actor_options  # Ray gives no public accessor
+    assert actor["num_cpus"] == 0.5 and actor["runtime_env"]["pip"] == ["six"]
+    want = {"MINE": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    assert actor["runtime_env"]["env_vars"] == want
+    assert given["runtime_env"]["env_vars"] == {"MINE": "1"}  # the caller's, unchanged
+    theirs = {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}}}
+    app = sm.serving.ray_app(path, replicas=1, deployment_options={"ray_actor_options": theirs})
+    env = app._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
+    assert env == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}
+
+
 def test_the_cli_refuses_more_replicas_than_the_cluster_has_cpus(cluster):
     path, _, _ = cluster
     address = ray.get_runtime_context().gcs_address  # the module's cluster: 2 CPUs

@@ -250,8 +250,9 @@ def check_card(path: Path, manifest: Any) -> None:
             todo += reversed([(v, f"{at}[{k!r}]") for k, v in items])
 
 
-def check_x64(path: Path, manifest: Any) -> None:
-    """Refuses 64-bit tensors where JAX runs without x64 (it would make them 32-bit)."""
+def check_x64(path: Path, manifest: Any, *, loaded: bool = False) -> None:
+    """Refuses 64-bit tensors where JAX runs without x64 (it would make them 32-bit);
+    ``loaded``: at a call of the model, which was loaded where x64 was on."""
     import jax
 
     if jax.config.jax_enable_x64:
@@ -262,10 +263,18 @@ def check_x64(path: Path, manifest: Any) -> None:
     if wide := sorted({s["dtype"] for s in specs} & {"float64", "int64", "uint64", "complex128"}):
         raise ArtifactError(
             f'symjax_mlp.load("{path}"): the artifact holds {", ".join(wide)} tensors, and JAX '
-            "here runs without 64-bit types (it would make them 32-bit). Enable them before "
+            f"here runs without 64-bit types (it would make them 32-bit). {_X64[loaded]} before "
             "JAX starts (JAX_ENABLE_X64=1, or jax.config.update('jax_enable_x64', True)), or "
             "export the model in 32-bit types."
         )
+
+
+_X64 = {
+    False: "Enable them",
+    True: "It was loaded with them on: a `with jax.enable_x64(True)` block holds only in the "
+    "thread that entered it, so call the model inside one in this thread too, or enable them "
+    "for every thread",
+}
 
 
 def read_files(

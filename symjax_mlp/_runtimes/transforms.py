@@ -28,6 +28,7 @@ from jax.custom_batching import custom_vmap
 from jax.interpreters.ad import JVPTracer
 
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
+from symjax_mlp._artifact.reading import check_x64
 from symjax_mlp._artifact.signature import Signature, admits
 from symjax_mlp._compat import backward_rule, linearizing
 from symjax_mlp._errors import ArtifactError, ConfigError
@@ -46,6 +47,7 @@ def refined(
     try:
         refined_bytes = refine_shapes(fn, args, custom_calls)
     except Exception as e:  # MLIR raises plain exceptions; jax.export ValueErrors
+        check_x64(path, manifest, loaded=True)  # another thread's x64: not the artifact's fault
         raise _unresolved(path / program_file(manifest, JAXEXPORT), module, shapes, e) from None
     context = jax_mlir.make_ir_context()
     with context:
