@@ -259,8 +259,8 @@ def placed_struct(shape: Any, x: Any, sharded: bool) -> jax.ShapeDtypeStruct:
     """``x``'s struct at ``shape``, with its sharding where it is split over a mesh and the
     shape static (JAX splits no symbolic dimension: 'does not evenly divide ... b'), and its
     weak type (:func:`weakly_typed`) where it is a scalar: the artifact records it, and its self
-    test passes one as a Python number (none makes a weak array of more; jax.export records
-    none: an array traces strong, as ``h(np.asarray(x))`` does)."""
+    test passes one as a Python number (an array traces strong, as ``h(np.asarray(x))`` does;
+    where a weak one is answered otherwise, the artifact refuses it: :func:`weak_matters`)."""
     split = sharded and all(isinstance(d, int) for d in shape)
     sharding = split_over_mesh(x) if split else None
     weak = weakly_typed(x) and not shape
@@ -269,8 +269,8 @@ def placed_struct(shape: Any, x: Any, sharded: bool) -> jax.ShapeDtypeStruct:
 
 def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any]) -> Any:
     """``signature`` with a scalar input weakly typed where it was and that matters, and
-    ``strong`` the strongly typed ones where it matters (:func:`weak_matters`); any other
-    input takes a Python number and an array alike, as the model answers them alike."""
+    ``strong`` the strongly typed ones where it matters (:func:`weak_matters`), arrays too; any
+    other input takes both kinds alike (2.0 and np.float32(2.0)), as the model answers them."""
     matters = weak_matters(fn, params, examples)
     ins = tuple(
         dataclasses.replace(s, weak_type=s.weak_type and s.path in matters)
@@ -281,9 +281,9 @@ def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any]) ->
 
 
 def weak_matters(fn: Any, params: Any, examples: Sequence[Any]) -> tuple[str, ...]:
-    """The scalar inputs (``args[i]``) whose weak type changes the dtypes ``fn(params,
-    *examples)`` answers in (a bfloat16 model times np.float32(2) answers float32, times 2.0
-    bfloat16): where the artifact takes only what it was exported at, a Python number or not."""
+    """The inputs (``args[i]``) whose weak type changes the dtypes ``fn(params, *examples)``
+    answers in (a bfloat16 model times np.float32(2) answers float32, times 2.0 or a weak
+    jnp.full(s, 2.0) bfloat16): where the artifact takes only what it was exported at."""
     numbers = ((jax.numpy.complexfloating, 0j), (jax.numpy.floating, 0.0), (jax.numpy.integer, 0))
 
     def dtypes(xs: Sequence[Any]) -> list[Any]:
@@ -292,10 +292,10 @@ def weak_matters(fn: Any, params: Any, examples: Sequence[Any]) -> tuple[str, ..
     found, own = [], None
     for i, x in enumerate(examples):
         kind = next((n for t, n in numbers if jax.numpy.issubdtype(x.dtype, t)), None)
-        if x.shape or kind is None:
-            continue
+        if kind is None or (x.shape and x.dtype != jax.numpy.result_type(kind)):
+            continue  # a weak array is of the default dtype (jnp.full(s, 2.0)'s float32)
         flip = jax.numpy.result_type(kind) if not x.weak_type else x.dtype  # (a Python number)
-        flip = jax.ShapeDtypeStruct((), flip, weak_type=not x.weak_type)
+        flip = jax.ShapeDtypeStruct(x.shape, flip, weak_type=not x.weak_type)
         try:
             own = own or dtypes(examples)
             if dtypes([*examples[:i], flip, *examples[i + 1 :]]) != own:

@@ -31,6 +31,7 @@ from symjax_mlp._errors import (
     SymjaxError,
 )
 from symjax_mlp._hybrid.trace import TRACER_ERRORS
+from symjax_mlp._npy import weak_refusal, weakly_typed
 from symjax_mlp._runtimes.transforms import axes, forward_mode, forward_traced
 from symjax_mlp._selftest import run_failed
 from symjax_mlp._specs import array_types
@@ -95,9 +96,16 @@ class LoadedModel(NoPickle):
         direct, single = getattr(run, "direct", (None, None))
         self._direct = direct if single == self._single_output else None
         self._ready: set[tuple[Any, ...]] = set()  # their (shape, dtype)s
-        # how many each holds: none where a (shape, dtype) is not all (an input exported weak)
-        weak = any(s.weak_type for s in self.signature.inputs) or self.signature.strong
-        self._cap = 0 if weak else 256
+        self._cap = 256  # how many each holds (the weak type: _Typed's to check, before them)
+        strong, ins = self.signature.strong, self.signature.inputs
+        self._typed = [(i, s) for i, s in enumerate(ins) if s.weak_type or s.path in strong]
+
+    def __new__(cls, path: Path, manifest: Any, *args: Any) -> LoadedModel:
+        """A :class:`_Typed` where the weak type of an input changes the model's dtypes: only
+        such artifacts' calls check it, chosen here, at load."""
+        sig = manifest["signature"]
+        typed = sig.get("strong") or any(s.get("weak_type") for s in sig["inputs"])
+        return super().__new__(_Typed if typed and cls is LoadedModel else cls)
 
     _INSTEAD = "Pass its path, and load it where it runs: sm.load(m.path)."
 
@@ -311,6 +319,23 @@ class LoadedModel(NoPickle):
 
     def __repr__(self) -> str:
         return f"LoadedModel({str(self.path)!r}, runtime={self.runtime!r}, {self.signature})"
+
+
+class _Typed(LoadedModel):
+    """A loaded model some of whose inputs take only weakly typed values (a scalar exported at
+    a Python number) or only strongly typed ones (``signature.strong``: NumPy's, not 2.0 or
+    jnp.full(s, 2.0)), the model answering the other kind in other dtypes. A call checks their
+    weak type first; then a (shape, dtype) checked before is all, as for any loaded model."""
+
+    def __call__(self, *inputs: jax.typing.ArrayLike, **named: Any) -> Any:
+        if len(inputs) == len(self.signature.inputs):
+            for i, spec in self._typed:
+                if weakly_typed(inputs[i]) != spec.weak_type:
+                    raise SignatureError(str(weak_refusal(self._caller, spec, inputs[i], True)))
+        return super().__call__(*inputs, **named)
+
+
+_Typed.__name__ = _Typed.__qualname__ = "LoadedModel"  # as its user knows it (pickle's refusal)
 
 
 def _at(xs: list[Any], axes: list[int | None], index: int | None) -> list[Any]:

@@ -296,28 +296,30 @@ def weakly_typed(x: Any) -> bool:
     return type(x) in (int, float, complex) or bool(getattr(x, "weak_type", False))
 
 
-def strong_refused(caller: str, spec: TensorSpec, given: Any) -> str:
-    """The message for ``given``, strongly typed, where ``spec`` was exported weakly typed: the
-    program computes as the model does for a Python number, which it may not for an array."""
+def weak_refusal(caller: str, spec: TensorSpec, given: Any, strong: bool) -> str | None:
+    """Why ``given`` is refused where ``spec`` takes only a weakly typed scalar (exported at a
+    Python number) or, ``strong``, only strongly typed values; ``None`` where it is taken."""
+    if weakly_typed(given) == spec.weak_type or not (spec.weak_type or strong):
+        return None
+    two, dtype, weak = "2" if "int" in spec.dtype else "2.0", spec.dtype, spec.weak_type
+    got = f"a {'JAX' if hasattr(given, 'weak_type') else 'NumPy'} {getattr(given, 'dtype', '')}"
+    got = f"{got}{list(np.shape(given))}, {'strongly' if weak else 'weakly'} typed"
+    if type(given) in (int, float, complex):
+        got = f"the Python {type(given).__name__} {str(given)[:40]}, weakly typed"
+    eg = ("2.0", "np.float32(2.0)") if not spec.shape else ("jnp.full(s, 2.0)", "jnp.ones(s)")
+    if weak:
+        takes = f"a Python number such as {two}, as it was exported"
+        fix = f"Pass a Python number, x.item(); or export at np.{dtype}({two}) to take arrays."
+    elif not spec.shape:
+        takes = f"a strongly typed {dtype} scalar such as np.{dtype}({two}), as it was exported"
+        fix = f"Pass np.{dtype}(x); or export at a Python number to take weakly typed ones."
+    else:
+        takes = f"a strongly typed {dtype} array, as NumPy arrays and jnp.ones(s) are"
+        fix = f"Pass x.astype(jnp.{dtype}) (jnp.full(s, {two}) and jax.vmap over numbers are weak)."
     return (
-        f"{caller}: input {spec.path} was exported at a weakly typed example (a Python number, "
-        f"or jnp.asarray(2.0)), so the program computes as the model does for one; "
-        f"this {type(given).__name__} {getattr(given, 'dtype', '')} is strongly typed, "
-        "and the model answers it otherwise (a bfloat16 model times a float32 array answers "
-        f"float32). Pass a Python number, or export at a strongly typed example "
-        f"(np.{spec.dtype}(2.0)) for the artifact to take arrays."
-    )
-
-
-def weak_refused(caller: str, spec: TensorSpec, given: Any) -> str:
-    """The message for ``given``, weakly typed (a Python number), where ``spec`` was exported
-    strongly typed and the model answers a Python number there in other dtypes."""
-    return (
-        f"{caller}: input {spec.path} was exported at a strongly typed {spec.dtype} example, "
-        f"and the model answers a Python number there in other dtypes (a bfloat16 model times "
-        f"np.float32(2.0) answers float32, times 2.0 bfloat16); this {type(given).__name__} "
-        f"is weakly typed. Pass np.{spec.dtype}(x), or export at a Python number for the "
-        "artifact to take them."
+        f"{caller}: input {spec.path} takes only {takes}; got {got}, which the model answers "
+        f"in other dtypes (a bfloat16 model times {eg[0]} answers bfloat16, times {eg[1]} "
+        f"float32). {fix}"
     )
 
 

@@ -35,7 +35,7 @@ def test_an_export_at_a_weak_scalar_answers_as_h_or_refuses_a_strong_one(tmp_pat
     array there and answered bfloat16 where h promotes to float32: another dtype, in silence.
     The manifest records the weak type; a weakly typed input answers as h does, a strongly
     typed one is refused by every door that takes it (m, m.apply), a jax.Array after a weak one
-    of its shape too (the call's cache of checked shapes keeps none for such an artifact)."""
+    of its shape too (a call checks the weak type before its cache of checked shapes)."""
     h = sm.hybridize(lambda p, x: p["w"] * x, {"w": jnp.arange(1, 4, dtype=jnp.bfloat16)})
     weak = jnp.asarray(1.5)
     m = sm.load(sm.export(h, tmp_path / "m", example=weak, batch=None).path)
@@ -50,9 +50,10 @@ def test_an_export_at_a_weak_scalar_answers_as_h_or_refuses_a_strong_one(tmp_pat
             with pytest.raises(sm.SignatureError) as e:
                 door(x)
             said = str(e.value)
-            assert said.startswith(f'symjax_mlp.load("{m.path}"): input args[0] was exported'), said
-            assert "weakly typed example" in said and "Pass a Python number" in said, said
-            assert "np.float32(2.0)" in said, said
+            head = f'symjax_mlp.load("{m.path}"): input args[0] takes only a Python number such '
+            assert said.startswith(head + "as 2.0, as it was exported; got a "), said
+            assert "float32[], strongly typed" in said and "Pass a Python number, x.item()" in said
+            assert "or export at np.float32(2.0) to take arrays." in said, said
 
 
 @pytest.mark.slow  # two exports and loads: 1.3 s
@@ -76,8 +77,9 @@ def test_an_export_at_a_strong_scalar_refuses_a_python_number_h_answers_otherwis
             with pytest.raises(sm.SignatureError) as e:
                 door(X, s)
             said = str(e.value)
-            assert said.startswith(f'symjax_mlp.load("{m.path}"): input args[1] was exported'), said
-            assert "strongly typed float32 example" in said and "np.float32(x)" in said, said
+            head = f'symjax_mlp.load("{m.path}"): input args[1] takes only a strongly typed '
+            assert said.startswith(head + "float32 scalar such as np.float32(2.0)"), said
+            assert ", weakly typed, " in said and "Pass np.float32(x);" in said, said
     same = sm.hybridize(lambda p, x, s: x * s * p["w"], {"w": jnp.ones(3, jnp.float32)})
     m = sm.load(sm.export(same, tmp_path / "same", example=example, batch=None).path)
     assert m.signature.strong == ()
@@ -190,3 +192,71 @@ def test_every_door_answers_an_input_as_h_does_or_refuses_it(doors, kind):
     for name, got in answers.items():
         assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def _bf16():
+    """A bfloat16 weight times the input: float32 for a strongly typed float32 input, bfloat16
+    for a weakly typed one (JAX's promotion, type_promotion.rst)."""
+    return sm.hybridize(lambda p, x: p["w"] * x, {"w": jnp.arange(1, 4, dtype=jnp.bfloat16)})
+
+
+@pytest.mark.slow  # two exports and loads, a Batcher, h's and m's traces: ~3 s
+@pytest.mark.parametrize("at", ["strong", "weak"])
+def test_a_weak_array_the_model_answers_otherwise_is_refused_at_each_door(tmp_path, at):
+    """A bfloat16 model exported at a float32 array (at a weak one too: export records it
+    strong, as jax.export does) answers float32; h answers a weakly typed array
+    (jnp.full(s, 1.5), jax.vmap over Python numbers) in bfloat16, and m, m.apply, jax.jit(m),
+    jax.vmap(m) and a Batcher over m took it and answered float32, in silence. Export now
+    records it in ``strong`` and each door refuses a weak array there, a shape it answered
+    before too, naming x.astype(jnp.float32); strong ones are answered as h answers them."""
+    h = _bf16()
+    weak = jnp.full(X.shape, 1.5)
+    example = X if at == "strong" else jnp.full(X.shape, 0.5)
+    m = sm.load(sm.export(h, tmp_path / "m", example=example).path)
+    assert h(weak).dtype == jnp.bfloat16 and m.signature.strong == ("args[0]",)
+    _same(m(jnp.asarray(X)), h(X))  # a strong jax.Array of weak's shape first: cached
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        doors = {
+            "m": m,
+            "m.apply": functools.partial(m.apply, m.params),
+            "jax.jit(m)": jax.jit(m),
+            "jax.vmap(m)": lambda x: jax.vmap(m)(x),  # each row: float32[3], weakly typed
+            "Batcher(m)": b,
+        }
+        for name, door in doors.items():
+            with pytest.raises(sm.SignatureError) as e:
+                door(weak)
+            said = str(e.value)
+            assert "input args[0] takes only a strongly typed float32 array" in said, name
+            assert "weakly typed" in said and "Pass x.astype(jnp.float32)" in said, (name, said)
+            strong = weak.astype(jnp.float32)
+            _same(door(strong), h(strong))
+    _same(m(X), h(X))
+
+
+@pytest.mark.slow  # an export and its load: ~1 s
+def test_a_model_a_weak_array_changes_nothing_for_takes_both_on_the_plain_path(tmp_path):
+    """Where a weak array is answered as a strong one (float32 weights), nothing is recorded
+    and the loaded model is the plain one, whose calls check no weak type: both answer as h."""
+    h = sm.hybridize(lambda p, x: p["w"] * x, {"w": jnp.arange(1, 4, dtype=jnp.float32)})
+    m = sm.load(sm.export(h, tmp_path / "m", example=X).path)
+    assert m.signature.strong == () and type(m) is sm.LoadedModel
+    for x in (X, jnp.full(X.shape, 1.5), jnp.asarray(X)):
+        _same(m(x), h(x))
+
+
+@pytest.mark.slow  # two exports and loads: ~1.5 s
+def test_vmap_of_weak_scalars_answers_as_h_or_is_refused(tmp_path):
+    """jax.vmap over Python numbers' array (jnp.full(n, 1.5), weakly typed) gives m a weak
+    scalar per example: an export at a Python number answers it as h does (bfloat16), one at
+    np.float32(1.5) refuses it (h: bfloat16, the program: float32); a strong array's scalars
+    go the other way."""
+    h = _bf16()
+    weak, strong = jnp.full((2,), 1.5), jnp.asarray([1.5, 2.0])
+    for example, takes in ((jnp.asarray(1.5), weak), (np.float32(1.5), strong)):
+        where = tmp_path / ("weak" if takes is weak else "strong")
+        m = sm.load(sm.export(h, where, example=example, batch=None).path)
+        _same(jax.vmap(m)(takes), jax.vmap(h)(takes))
+        other = strong if takes is weak else weak
+        with pytest.raises(sm.SignatureError, match=r"input args\[0\] takes only a "):
+            jax.vmap(m)(other)

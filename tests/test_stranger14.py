@@ -54,6 +54,10 @@ def _strong(value):
     return lambda m: m["signature"].__setitem__("strong", value)
 
 
+def _both(*edits):
+    return lambda m: [edit(m) for edit in edits]
+
+
 def _weak(where, i, value):
     def edit(m):
         (m["signature"]["inputs"] if where == "inputs" else m["params"])[i]["weak_type"] = value
@@ -67,15 +71,17 @@ def test_a_manifests_strong_list_or_weak_type_no_export_writes_is_refused_at_loa
 ):
     """``signature.strong`` and an input's ``"weak_type"`` were read as they came: a strong list
     of 10^5 (or 10^6) names loaded and each call scanned it (20 ms a call, not 12 us: a
-    thousandfold slower, in silence), one naming inputs that do not exist or an array input
-    loaded as if it said nothing, a ``"weak_type": "yes"`` or ``1`` was read as strong, one on
-    a param or an array input was kept. Each is now refused at load, naming the field; what an
-    export writes (args[1] strong) loads."""
+    thousandfold slower, in silence), one naming inputs that do not exist loaded as if it said
+    nothing, a ``"weak_type": "yes"`` or ``1`` was read as strong, one on a param or an array
+    input was kept. Each is now refused at load, naming the field, as is a strong list naming
+    an input that takes only Python numbers; what an export writes (args[1], arrays too) loads."""
     assert sm.load(scalar_art).signature.strong == ("args[1]",)
+    arrays = _edited(scalar_art, tmp_path / "arrays", _strong(["args[0]", "args[1]"]))
+    assert sm.load(arrays).signature.strong == ("args[0]", "args[1]")  # as an export may write
     hostile = {
         "strong names no input": _strong(["args[7]"]),
         "strong twice": _strong(["args[1]", "args[1]"]),
-        "strong an array input": _strong(["args[0]"]),
+        "strong a weak input": _both(_strong(["args[1]"]), _weak("inputs", 1, True)),
         "strong not a string": _strong([1]),
         "strong not a list": _strong("args[1]"),
         "strong 10^5 names": _strong([f"args[{i}]" for i in range(1, 10**5)]),
@@ -89,7 +95,7 @@ def test_a_manifests_strong_list_or_weak_type_no_export_writes_is_refused_at_loa
         with pytest.raises(sm.ArtifactError) as e:
             sm.load(art)
         said = str(e.value)
-        field = "params" if "param" in name else "signature.inputs" if "weak" in name else (
+        field = "params" if "param" in name else "signature.inputs" if name[:4] == "weak" else (
             "signature.strong")  # fmt: skip
         assert f"manifest.json: {field} is " in said and "corrupted or was edited" in said, name
 

@@ -206,7 +206,7 @@ def _program_rules(m: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, An
             i["shape"][:1] for i in s["inputs"][:1]] in ([], [[v]])),  # what a Batcher merges
          "the name args[0]'s shape begins with, or null"),
         (f"{prefix}signature.strong", s.get("strong", []), lambda v: v == [] or (_platforms(v)
-         and set(v) <= {i["path"] for i in s["inputs"] if not i["shape"]}), "scalar inputs' paths"),
+         and set(v) <= {i["path"] for i in s["inputs"] if not i.get("weak_type")}), "input paths"),
         (f"{prefix}signature.constraints", s.get("constraints", []),
          lambda v: _str_list(v) and len(v) <= 64
          and all(0 < len(c) <= MAX_CONSTRAINT_CHARS for c in v),

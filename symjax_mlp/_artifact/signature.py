@@ -17,7 +17,7 @@ import numpy as np
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import SignatureError, first_line
-from symjax_mlp._npy import dtype_refused, strong_refused, weak_refused, weakly_typed
+from symjax_mlp._npy import dtype_refused, weak_refusal
 from symjax_mlp._specs import MASKED_INPUT, TensorSpec
 
 MAX_SYMBOLIC = 2**31 - 1  # the largest size of a symbolic dimension a call may give
@@ -36,6 +36,8 @@ class Signature:
         always ``>= 1``.
       constraints: further bounds on the symbolic dimensions, as ``jax.export`` writes them
         (``"t <= 1024"``); checked on every call.
+      strong: the inputs that take only strongly typed values (``np.float32(2.0)``, a NumPy
+        array), the model answering weakly typed ones (``2.0``, ``jnp.full(s, 2.0)``) otherwise.
     """
 
     inputs: tuple[TensorSpec, ...]
@@ -43,7 +45,7 @@ class Signature:
     output_kind: str
     batch: str | None
     constraints: tuple[str, ...] = ()
-    strong: tuple[str, ...] = ()  # scalar inputs a Python number would answer otherwise
+    strong: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))
@@ -132,10 +134,8 @@ class Signature:
                     )
             if str(x.dtype) != spec.dtype:  # as text: bfloat16 and rng key types included
                 raise SignatureError(dtype_refused(caller, spec, x, given))
-            if spec.weak_type and not weakly_typed(given):  # the program promotes as for 2.0
-                raise SignatureError(strong_refused(caller, spec, given))
-            if spec.path in self.strong and weakly_typed(given):  # h: another dtype for 2.0
-                raise SignatureError(weak_refused(caller, spec, given))
+            if why := weak_refusal(caller, spec, given, spec.path in self.strong):  # h: 2.0's
+                raise SignatureError(why)  # dtypes are not np.float32(2.0)'s
         solved = self._check_terms(sizes, caller)
         known = {k: v for k, (_, v) in sizes.items() if type(v) is int}  # symbolic: unknown
         known |= solved

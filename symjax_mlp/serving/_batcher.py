@@ -22,7 +22,7 @@ from symjax_mlp._errors import ConfigError, OverloadError, RetraceError, refuse_
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._lane import Blocking, Lane, claim, clock
-from symjax_mlp.serving._model import call_of, fixed_rows
+from symjax_mlp.serving._model import call_of, fixed_rows, typed_check
 from symjax_mlp.serving._requests import (
     AsyncRequest,
     RequestCheck,
@@ -175,7 +175,8 @@ class Batcher:
         #: Why each request runs alone at its own rows (``""``: requests merge): see above.
         self.why_alone: str = alone
         lane = Lane(served, specs, self.buckets, self.name, merges=not alone)
-        self._check = RequestCheck(specs, lane, static, alone, bound).check
+        strong = model.signature.strong if isinstance(model, LoadedModel) else ()
+        self._check = typed_check(RequestCheck(specs, lane, static, alone, bound), strong)
         # Per event loop, this pass's asubmit (None: several), see _end_of_pass: run on the loop
         # only for an XLA program the checker bounded to tensor ops (no loop: /health answers).
         self._passes: dict[Any, AsyncRequest | None] = {}

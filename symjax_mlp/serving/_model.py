@@ -15,9 +15,10 @@ import jax
 import numpy as np
 
 from symjax_mlp._cache import refuse_shared_cache_once
-from symjax_mlp._errors import ConfigError
+from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.staged import refuse_trained_in_place
+from symjax_mlp._npy import weak_refusal, weakly_typed
 from symjax_mlp._specs import by_place, ensemble_member, keyword_arrays
 
 
@@ -94,6 +95,26 @@ _TRAINING = (
     "random, so a request's answer would depend on the others{fix}"
 )
 _INFERENCE = "the settings of its inference call, e.g. kwargs={'train': False}."
+
+
+def typed_check(requests: Any, strong: tuple[str, ...]) -> Any:
+    """``requests.check`` (a RequestCheck's), first refusing a weakly typed array (a JAX one:
+    ``jnp.full(s, 2.0)``) at the ``strong`` inputs, where a loaded model takes only strongly
+    typed ones: the batcher reads each request as NumPy, strongly typed, where the model
+    answers it in other dtypes. The check itself where none is: no work per request."""
+    typed = [(i, s) for i, s in enumerate(requests.specs) if s.path in strong]
+    if not typed:
+        return requests.check
+
+    def check(inputs: tuple[Any, ...]) -> tuple[Any, int]:
+        for i, spec in typed:
+            if i < len(inputs) and weakly_typed(inputs[i]):
+                with requests.lane.lock:
+                    requests.lane.n.rejected["signature"] += 1
+                raise SignatureError(str(weak_refusal(requests.name, spec, inputs[i], True)))
+        return requests.check(inputs)
+
+    return check
 
 
 def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
