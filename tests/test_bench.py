@@ -972,6 +972,7 @@ def test_the_ray_rows_reach_both_apps_by_handle_and_through_rays_http_proxy():
     *text, last = proc.stdout.strip().splitlines()
     r = json.loads(last)
     assert r["lone"]["ours"]["p50_s"] > 0 and r["lone"]["noop"]["p50_s"] > 0
+    assert r["lone"]["noop_one_loop"]["p50_s"] > 0 and "over the no-op on one loop" in proc.stdout
     for c in ("1", "16"):
         for app in ("ours", "bare"):
             row = r["http"][c][app]
