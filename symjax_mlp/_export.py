@@ -20,7 +20,6 @@ from symjax_mlp import _export_options as options
 from symjax_mlp import _selftest as selftest
 from symjax_mlp._artifact.format import (
     FORMAT,
-    FORMAT_VERSION,
     JAXEXPORT,
     MANIFEST,
     MAX_HELD_BYTES,
@@ -172,6 +171,7 @@ def export(
             {
                 "name": entry.h.name,
                 "signature": signature.to_json(),
+                "format_version": signature.format_version,  # 3 where weak types decide
                 "rows": rows,
                 "params": sorted(own),
                 "mlir_arguments": mlir_arguments(
@@ -198,7 +198,7 @@ def export(
     main = programs[0]
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": max(p["format_version"] for p in programs),
         "name": main["name"],
         "created": created.isoformat(timespec="seconds"),
         "compatible_until": (created + COMPATIBILITY_WINDOW).date().isoformat(),

@@ -15,7 +15,7 @@ from symjax_mlp._files import MANIFEST, looked_up
 from symjax_mlp._reader import read_regular
 
 FORMAT = "symjax_mlp.artifact"
-FORMAT_VERSION = 2  # 1: exports before 0.5, which wrote model.mlir too (read as 2)
+FORMAT_VERSION = 3  # 3: Signature.format_version; 1: before 0.5, with model.mlir (read as 2)
 JAXEXPORT = "model.jaxexport"
 MLIRBC = "model.mlirbc"
 MLIR = "model.mlir"  # text that earlier exports wrote beside the module: listed, never read

@@ -56,6 +56,12 @@ class Signature:
         where = f"  with {', '.join(bounds)}" if bounds else ""
         return f"({ins}) -> {outs}{where}"
 
+    @property
+    def format_version(self) -> int:
+        """3 where a weak type or ``strong`` decides a call's dtypes, else 2: symjax_mlp 0.15
+        and older read format 2, neither field, and answered such calls in other dtypes."""
+        return 3 if self.strong or any(s.weak_type for s in self.inputs) else 2
+
     def to_json(self) -> dict[str, Any]:
         """The signature as JSON data, as the manifest stores it (:meth:`from_json` reads it)."""
         return {
