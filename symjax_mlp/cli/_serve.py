@@ -72,8 +72,9 @@ _OPTIONS = (
     *_args.TRUST,
     ("--log-level", {"help": f"uvicorn's log level (default: {_DEFAULTS['log_level']})"}),
     ("--ray", {"action": "store_true", "help": "serve it as Ray Serve replicas, each a batcher, "
-     "behind Ray's HTTP proxy on --host/--port (the symjax_mlp[ray] extra); --max-connections "
-     "and --log-level are uvicorn's: refused with it"}),
+     "behind Ray's HTTP proxy on --host/--port (the symjax_mlp[ray] extra), each answering on "
+     "Ray's own event loop (RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 in its environment); "
+     "--max-connections and --log-level are uvicorn's: refused with it"}),
     ("--replicas", {"type": count, "help": "with --ray: replicas (default: "
      f"{_DEFAULTS['replicas']})"}),
     ("--replica-cpus", {"type": positive, "help": "with --ray: the CPUs Ray reserves for each "
