@@ -3,7 +3,8 @@
 An entry of that cache is an executable: native code XLA runs as the program whose key names
 it. So every place that compiles (``load``, ``train``, a Hybrid's trace, export's self-test, a
 Batcher, ``shard_step``) first refuses a cache folder that another user may write or swap, and
-makes JAX open the folder it checked (JAX keeps the one it opened at its first compilation).
+makes JAX open the folder it checked (JAX keeps the one it opened at its first compilation);
+so too what ``XLA_FLAGS`` names that XLA reads kernels or autotuning results back from.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import contextlib
 import getpass
 import grp
 import os
+import re
+import shlex
 import stat
+import warnings
 from typing import Any
 
 import jax
@@ -23,10 +27,30 @@ from symjax_mlp._errors import ConfigError
 _LIVE: dict[str, Any] = {}  # "seen": the cache settings JAX was last made to open (reset_cache)
 
 
+# XLA_FLAGS naming a file or folder XLA reads compiled code or autotuning results back from
+# (what only writes, as --xla_dump_to or --xla_gpu_dump_autotune_results_to, is not checked)
+XLA_READS = {
+    "xla_gpu_kernel_cache_file": "compiled GPU kernels",
+    "xla_gpu_ptx_file": "PTX it compiles in place of its own",
+    "xla_gpu_llvm_ir_file": "LLVM IR it compiles in place of its own",
+    "xla_gpu_per_fusion_autotune_cache_dir": "autotuning results (the kernel each fusion runs)",
+    "xla_gpu_experimental_autotuner_cache_dir": "autotuning results (the kernel each fusion runs)",
+    "xla_gpu_load_autotune_results_from": "autotuning results (the kernel each fusion runs)",
+    "xla_gpu_gemm_autotuner_override_file": "autotuning results (the kernel each matmul runs)",
+}
+_FLAG = re.compile(r"--?(" + "|".join(XLA_READS) + r")=(.+)")
+_WARNED: set[str] = set()  # remote caches warned of in this process
+
+
 def refuse_shared_cache(head: str) -> None:
     """Refuses JAX's persistent compilation cache where others may write (or swap) its folder:
-    its entries are executables, native code XLA runs as the program whose key names them. The
-    settings checked are those JAX opens at its next compilation (JAX's reset_cache, public)."""
+    its entries are executables, native code XLA runs as the program whose key names them; so
+    too the files and folders named in ``XLA_FLAGS`` that XLA reads kernels or autotuning
+    results back from, and those JAX points XLA at inside its cache. Checked at each place that
+    compiles, every time (a few ``lstat`` calls, next to a trace and a compilation): a folder
+    made others' since is seen. The settings checked are those JAX opens at its next
+    compilation (JAX's reset_cache, public). A remote cache (``gs://...``) cannot be checked
+    from here: it is warned of once per process."""
     folder, enabled = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
     on = folder and enabled and "://" not in folder
     if on and not os.path.isabs(folder):  # JAX opens it from each later working directory:
@@ -40,30 +64,60 @@ def refuse_shared_cache(head: str) -> None:
             "'jax_compilation_cache_dir', ...)) at a folder only you can write, such as "
             "$HOME/.cache/jax, or unset it."
         )
+    for flag, path, named in _xla_paths(folder if on else None):
+        if why := shared_by_others(path, make=False):
+            raise ConfigError(
+                f"{head}: {named} --{flag}={path!r}, is not yours alone: {why}. XLA reads "
+                f"{XLA_READS[flag]} back from there into what it compiles for this program. "
+                + (f"Remove --{flag} from XLA_FLAGS or point it at a folder only you can write."
+                   if named == "XLA_FLAGS'" else
+                   "Make it yours alone (or remove it), or set jax_persistent_cache_enable_xla"
+                   "_caches to '' (JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=) to keep XLA out.")
+            )  # fmt: skip
+    if folder and enabled and "://" in folder and folder not in _WARNED:
+        _WARNED.add(folder)
+        warnings.warn(
+            f"{head}: JAX's compilation cache, jax_compilation_cache_dir={folder!r}, is remote: "
+            "whether others may write there cannot be checked from here, and an entry there is "
+            "native code XLA runs in this process as this program's. Use it only where no one "
+            "but you (and your own jobs) may write in it.",
+            UserWarning,
+            stacklevel=3,
+        )
     if _LIVE.get("seen") != (folder, enabled):  # JAX keeps the folder it opened at its first
         compilation_cache.reset_cache()  # compilation, whatever is set since: this one, next
         _LIVE["seen"] = folder, enabled
 
 
-_PASSED: set[tuple[str, bool]] = set()  # (folder, enabled) checked by refuse_shared_cache_once
+def _xla_paths(folder: str | None) -> list[tuple[str, str, str]]:
+    """(flag, absolute path, what names it) XLA reads back from: ``XLA_FLAGS``' own, and those
+    JAX's ``jax_persistent_cache_enable_xla_caches`` sets inside the cache ``folder``."""
+    out = []
+    try:
+        words = shlex.split(os.environ.get("XLA_FLAGS", ""))
+    except ValueError:  # a quote left open: its words as they stand
+        words = os.environ.get("XLA_FLAGS", "").split()
+    for word in words:
+        if match := _FLAG.fullmatch(word):
+            out.append((match[1], os.path.abspath(match[2]), "XLA_FLAGS'"))
+    caches = jax.config.jax_persistent_cache_enable_xla_caches or ""
+    for flag in ("xla_gpu_kernel_cache_file", "xla_gpu_per_fusion_autotune_cache_dir"):
+        path = os.path.join(folder or "", flag)  # (where missing, the folder checked is it)
+        if folder and (caches == "all" or flag in caches) and os.path.lexists(path):
+            out.append((flag, path, "JAX's cache, as"))
+    return out
 
 
-def refuse_shared_cache_once(head: str) -> None:
-    """:func:`refuse_shared_cache`, once per process per cache folder: where a Hybrid traces (a
-    compilation follows), a step or a batcher is made, an export's self-test compiles."""
-    seen = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
-    if seen not in _PASSED:
-        refuse_shared_cache(head)
-        _PASSED.add(seen)
-
-
-def shared_by_others(folder: str) -> str | None:
-    """Why another user could write in ``folder`` (made 0700 if missing) or swap it for theirs:
+def shared_by_others(folder: str, make: bool = True) -> str | None:
+    """Why another user could write in ``folder`` (made 0700 if missing, or else checked from
+    the folder above that is there) or swap it for theirs:
     it, a folder above it, a link on the way or where it leads is not this user's nor root's,
     or others may write there (one's own private group aside, as umask 002 makes; above it, a
     sticky folder such as /tmp is fine); else ``None``."""
     with contextlib.suppress(OSError):
-        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True) if make else None
+    while not make and not os.path.lexists(folder) and folder != os.path.dirname(folder):
+        folder = os.path.dirname(folder)  # (who may write here may make it)
     me, own = getattr(os, "getuid", lambda: None)(), -1
     with contextlib.suppress(KeyError, OSError):  # this user's private group
         g = grp.getgrgid(os.getgid())

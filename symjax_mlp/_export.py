@@ -34,7 +34,7 @@ from symjax_mlp._artifact.module import mlir_arguments
 from symjax_mlp._artifact.reading import Artifact, freeze
 from symjax_mlp._artifact.signature import Signature, admits_any, sizes_at
 from symjax_mlp._artifact.weights import encode
-from symjax_mlp._cache import refuse_shared_cache_once
+from symjax_mlp._cache import refuse_shared_cache
 from symjax_mlp._errors import (
     ArtifactError,
     ConfigError,
@@ -329,7 +329,7 @@ def _self_test_vectors(
         both = None if at is None else (exported.call(params, *at), entry.fn(params, *at))
         return exported.call(params, *xs), both
 
-    refuse_shared_cache_once(f"export({entry.h.name})")  # compiled through JAX's cache
+    refuse_shared_cache(f"export({entry.h.name})")  # compiled through JAX's cache
     try:
         outs, both = jax.jit(programs)(params, xs, at)
     except (ValueError, TypeError):  # a shape the program's constraints refuse, or the model

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 import zlib
 
 import jax
@@ -416,3 +417,83 @@ def test_orbaxs_store_refuses_a_link_planted_after_trains_check(tmp_path):
     with pytest.raises(sm.CheckpointError, match=r"ck is a link that user id 65534 made"):
         OrbaxCheckpoints(sticky / "ck", timeout=30, sharding=here)
     assert os.listdir(theirs) == []
+
+
+@pytest.mark.slow  # a Batcher, three refusals (~1.2 s)
+def test_a_cache_folder_made_others_after_its_first_check_is_refused_at_the_next_compile(
+    tmp_path,
+):
+    """A private cache, checked when a Hybrid first traced (and a Batcher, a shard_step, an
+    export were made), then ``chmod o+w`` (a shared-machine setup script, a teammate's
+    ``chmod -R``): the check had passed once for that folder in this process, so a Hybrid's
+    new shape, a new Batcher and a new shard_step read and wrote executables there unchecked
+    (load and train check each time). Each compilation checks again now; ``h(x)`` of a shape
+    already compiled runs no check (its trace is not run)."""
+    from symjax_mlp import serving, training
+
+    h = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.ones(8)})
+    folder = tmp_path / "jax_cache"
+    folder.mkdir(mode=0o700)
+    with _cache_at(folder):
+        h(X)
+        serving.Batcher(lambda v: v + 1, example=X).close()
+        folder.chmod(0o777)
+        np.testing.assert_allclose(h(X), X)  # compiled before: nothing read from the cache
+        why = rf"JAX's compilation cache, .*others may write in {folder} \(mode 777\)"
+        for call in (
+            lambda: h(X3),
+            lambda: serving.Batcher(lambda v: v + 2, example=X),
+            lambda: training.shard_step(lambda p, o, x, y, w: (p, o, 0.0)),
+        ):
+            with pytest.raises(sm.ConfigError, match=why):
+                call()
+
+
+def test_files_xla_reads_kernels_or_autotuning_back_from_are_checked_as_the_cache(
+    tmp_path, monkeypatch
+):
+    """``XLA_FLAGS=--xla_gpu_kernel_cache_file=/tmp/kernels`` (or an autotuning cache, a PTX
+    file in place of XLA's own): XLA reads compiled kernels, or which kernel each fusion runs,
+    back from there; a folder anyone may write was read unchecked, as JAX's own cache was.
+    Refused as that cache is, naming the flag; so is JAX's autotuning folder inside a private
+    cache made others'. A flag XLA only writes to (``--xla_dump_to``) is not checked."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    flags = os.environ.get("XLA_FLAGS", "")
+    h = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.ones(8)})
+    monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_dump_to={shared}/dump")
+    np.testing.assert_allclose(h(X), X)
+    for flag in ("xla_gpu_kernel_cache_file", "xla_gpu_per_fusion_autotune_cache_dir"):
+        monkeypatch.setenv("XLA_FLAGS", f"{flags} --{flag}={shared}/k")
+        with pytest.raises(sm.ConfigError, match=rf"XLA_FLAGS' --{flag}='{shared}/k'.*777"):
+            h(np.ones((4, 8), np.float32))
+    monkeypatch.setenv("XLA_FLAGS", flags)
+
+    folder = tmp_path / "jax_cache"
+    folder.mkdir(mode=0o755)
+    (folder / "xla_gpu_per_fusion_autotune_cache_dir").mkdir(mode=0o777)
+    (folder / "xla_gpu_per_fusion_autotune_cache_dir").chmod(0o777)
+    with _cache_at(folder), pytest.raises(sm.ConfigError, match=r"JAX's cache, as --xla_gpu_"):
+        h(np.ones((5, 8), np.float32))
+
+
+def test_a_remote_cache_that_cannot_be_checked_is_warned_of_once(monkeypatch):
+    """``jax_compilation_cache_dir=gs://bucket/jax``: whether others may write in a bucket
+    cannot be checked from here, and it was trusted in silence. A warning, once per process
+    per cache, says so (a team's cache of a TPU pod is JAX's own advice: not refused)."""
+    from symjax_mlp._cache import refuse_shared_cache
+
+    old = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    try:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", "gs://bucket-a/jax")
+        with pytest.warns(UserWarning, match=r"'gs://bucket-a/jax', is remote: whether others"):
+            refuse_shared_cache("h")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            refuse_shared_cache("h")  # once
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old[0])
+        jax.config.update("jax_enable_compilation_cache", old[1])
+        refuse_shared_cache("h")  # JAX opens the cache it had at its next compilation

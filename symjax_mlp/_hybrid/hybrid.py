@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from symjax_mlp._cache import refuse_shared_cache_once
+from symjax_mlp._cache import refuse_shared_cache
 from symjax_mlp._errors import ConfigError, NoPickle, one_device, refuse_two_devices
 from symjax_mlp._hybrid import args as _args
 from symjax_mlp._hybrid import mesh as _mesh
@@ -115,7 +115,7 @@ class Hybrid(Staged, NoPickle):
         """``jax.jit`` of ``trace``, its module named ``jit_<name>_hybrid`` (see ``traced``)."""
 
         def program(*args: Any, **kwargs: Any) -> Any:
-            refuse_shared_cache_once(self.name)  # traced: XLA compiles (or reads an entry) next
+            refuse_shared_cache(self.name)  # traced: XLA compiles (or reads an entry) next
             return trace(*args, **kwargs)
 
         program.__name__ = program.__qualname__ = f"{self.name}{PROGRAM_SUFFIX}"

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from symjax_mlp._cache import refuse_shared_cache_once
+from symjax_mlp._cache import refuse_shared_cache
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.staged import refuse_trained_in_place
@@ -120,7 +120,7 @@ def typed_check(requests: Any, strong: tuple[str, ...]) -> Any:
 def call_of(model: Any, example: Any, kwargs: dict[str, Any], name: str) -> Any:
     """What a batcher calls for a Hybrid (its inference as of now) or a callable, ``kwargs``
     fixed; refused where its signature does not take them and the example's inputs."""
-    refuse_shared_cache_once(f"Batcher({name})")  # its warm-up compiles through JAX's cache
+    refuse_shared_cache(f"Batcher({name})")  # its warm-up compiles through JAX's cache
     arrays = example if isinstance(example, tuple) else (example,)
     try:
         signature = inspect.signature(model)

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from symjax_mlp._cache import refuse_shared_cache_once
+from symjax_mlp._cache import refuse_shared_cache
 from symjax_mlp._errors import ConfigError, SignatureError, as_bool
 from symjax_mlp._hybrid.jaxpr import input_dependent
 from symjax_mlp._hybrid.mesh import batch_size, pad_rows, padding, place, shardings
@@ -63,7 +63,7 @@ class ShardedStep:
                 out_specs=P(),
                 check_vma=False,
             )
-        refuse_shared_cache_once(_CALL)  # its jax.jit compiles through JAX's cache
+        refuse_shared_cache(_CALL)  # its jax.jit compiles through JAX's cache
         self._jitted = jax.jit(
             step,
             in_shardings=(rep, rep, dat, dat, dat),
