@@ -146,9 +146,19 @@ def created_at() -> datetime.datetime:
 
 def shown(static: Iterable[tuple[Any, Any, Any]]) -> dict[str, str]:
     """The static settings by place, as the manifest shows them: each repr without a memory
-    address (``<function act at 0x7f..>``: one model's manifest differed run to run)."""
+    address (``<function act at 0x7f..>``: one model's manifest differed run to run), a set's
+    items sorted (the order a set of strings iterates in is PYTHONHASHSEED's, each process's)."""
     return {(f"args[{k}]" if isinstance(k, int) else k): re.sub(r" at 0x[0-9a-fA-F]+>", ">",
-            repr(v)) for k, v, _ in static}  # fmt: skip
+            _sorted_repr(v)) for k, v, _ in static}  # fmt: skip
+
+
+def _sorted_repr(v: Any) -> str:
+    """``repr(v)``, a frozenset's items sorted, in a tuple too (static settings are hashable)."""
+    if isinstance(v, frozenset) and v:
+        return f"{type(v).__name__}({{{', '.join(sorted(map(_sorted_repr, v)))}}})"
+    if type(v) is tuple:
+        return "(" + ", ".join(map(_sorted_repr, v)) + ("," if len(v) == 1 else "") + ")"
+    return repr(v)
 
 
 _TOLERANCE = (

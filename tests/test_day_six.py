@@ -125,6 +125,27 @@ def test_a_static_setting_is_shown_without_its_address(tmp_path):
     assert jnp.array_equal(sm.load(path)(x), h(x, act))
 
 
+@pytest.mark.slow  # an export (~2 s)
+def test_a_set_as_a_static_setting_is_shown_in_one_order(tmp_path):
+    """A frozenset of names as a static setting (the layers to freeze, the outputs to give):
+    the manifest showed its repr, in the order a set of strings iterates in, which is
+    PYTHONHASHSEED's: two exports of one model in two processes differed in manifest.json.
+    Its items are sorted now (in this process, a set whose order is not theirs sorted)."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, names):
+            return nn.Dense(len(names))(x)
+
+    names = next(s for s in (frozenset(f"n{i}" for i in range(k)) for k in range(2, 99))
+                 if list(s) != sorted(s))  # fmt: skip
+    x = jnp.ones((3, 4))
+    h = sm.hybridize(Net(), Net().init(jax.random.key(0), x, names), static_argnums=(1,))
+    path = sm.export(h, tmp_path / "a", example=(x, names)).path
+    static = json.loads((path / "manifest.json").read_text())["static"]
+    assert static == {"args[1]": f"frozenset({{{', '.join(map(repr, sorted(names)))}}})"}
+
+
 @pytest.mark.slow  # an export: a second
 def test_verify_against_a_teammates_artifact_path_says_to_load_it(tmp_path):
     """``sm.verify(mine, reference="their_mlp")``, comparing with a teammate's artifact by
