@@ -271,7 +271,7 @@ def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any]) ->
     """``signature`` with a scalar input weakly typed where it was and that matters, and
     ``strong`` the strongly typed ones where it matters (:func:`weak_matters`), arrays too; any
     other input takes both kinds alike (2.0 and np.float32(2.0)), as the model answers them."""
-    matters = weak_matters(fn, params, examples)
+    matters = weak_matters(fn, params, examples, [o.dtype for o in signature.outputs])
     ins = tuple(
         dataclasses.replace(s, weak_type=s.weak_type and s.path in matters)
         for s in signature.inputs
@@ -280,16 +280,16 @@ def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any]) ->
     return dataclasses.replace(signature, inputs=ins, strong=strong)
 
 
-def weak_matters(fn: Any, params: Any, examples: Sequence[Any]) -> tuple[str, ...]:
+def weak_matters(fn: Any, params: Any, examples: Sequence[Any], own: Any) -> tuple[str, ...]:
     """The inputs (``args[i]``) whose weak type changes the dtypes ``fn(params, *examples)``
-    answers in (a bfloat16 model times np.float32(2) answers float32, times 2.0 or a weak
-    jnp.full(s, 2.0) bfloat16): where the artifact takes only what it was exported at."""
+    answers in, ``own`` (a bfloat16 model times np.float32(2) answers float32, times 2.0 or a
+    weak jnp.full(s, 2.0) bfloat16): where the artifact takes only what it was exported at."""
     numbers = ((jax.numpy.complexfloating, 0j), (jax.numpy.floating, 0.0), (jax.numpy.integer, 0))
 
-    def dtypes(xs: Sequence[Any]) -> list[Any]:
-        return [a.dtype for a in jax.tree.leaves(jax.eval_shape(fn, params, *xs))]
+    def dtypes(xs: Sequence[Any]) -> list[str]:  # as a multiset: the order leaves come in
+        return sorted(str(a.dtype) for a in jax.tree.leaves(jax.eval_shape(fn, params, *xs)))
 
-    found, own = [], None
+    found, own = [], sorted(map(str, own))  # the export's own: one trace less
     for i, x in enumerate(examples):
         kind = next((n for t, n in numbers if jax.numpy.issubdtype(x.dtype, t)), None)
         if kind is None or (x.shape and x.dtype != jax.numpy.result_type(kind)):
@@ -297,7 +297,6 @@ def weak_matters(fn: Any, params: Any, examples: Sequence[Any]) -> tuple[str, ..
         flip = jax.numpy.result_type(kind) if not x.weak_type else x.dtype  # (a Python number)
         flip = jax.ShapeDtypeStruct(x.shape, flip, weak_type=not x.weak_type)
         try:
-            own = own or dtypes(examples)
             if dtypes([*examples[:i], flip, *examples[i + 1 :]]) != own:
                 found.append(f"args[{i}]")
         except Exception:  # the model takes no other there: nothing to refuse
