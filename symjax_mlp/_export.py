@@ -332,6 +332,9 @@ def _self_test_vectors(
     refuse_shared_cache(f"export({entry.h.name})")  # compiled through JAX's cache
     try:
         outs, both = jax.jit(programs)(params, xs, at)
+    except jax.errors.JaxRuntimeError as e:  # out of memory: this machine's, not the model's
+        selftest.out_of_memory(f"export({entry.h.name})", e, " in the self-test export runs")
+        raise
     except (ValueError, TypeError):  # a shape the program's constraints refuse, or the model
         # The drawn shapes (each symbolic dim 2) may break a constraint (t >= 4): then the
         # vectors are drawn at the example's shapes, which the constraints admit (if small);

@@ -326,6 +326,13 @@ _RUN_FAILED = (
 )
 
 
+def out_of_memory(caller: str, error: Exception, where: str) -> None:
+    """Raises :func:`run_failed`'s out-of-memory ``ArtifactError`` where ``error``, raised as
+    a program ran, is XLA's RESOURCE_EXHAUSTED (this machine's memory, not the program)."""
+    if "RESOURCE_EXHAUSTED" in str(error):
+        raise run_failed(caller, None, error, None, where) from error
+
+
 def run_failed(
     caller: str, file: Any, error: Exception, inputs: Any = None, where: str = ""
 ) -> ArtifactError:

@@ -650,3 +650,37 @@ def test_the_open_file_limits_warning_is_charged_to_the_callers_line(monkeypatch
         serving.serve(art, port=0, ready=ready)
     said = [w.filename for w in caught if "ulimit -n" in str(w.message)]
     assert said == [__file__], said
+
+
+_EXPORT_UNDER_AS = """
+import json, resource, sys
+import jax.numpy as jnp, numpy as np, symjax_mlp as sm
+def vm():
+    status = open("/proc/self/status").read().splitlines()
+    return next(int(l.split()[1]) << 10 for l in status if l.startswith("VmSize"))
+h = sm.hybridize(lambda p, x: x[:, :1] * p["w"] * jnp.ones((1, 2**27)), {"w": jnp.ones(())})
+resource.setrlimit(resource.RLIMIT_AS, (vm() + (1280 << 20), resource.RLIM_INFINITY))
+try:
+    sm.export(h, sys.argv[1], example=np.ones((1, 8), np.float32))
+    said = None
+except Exception as e:
+    said = [type(e).__name__, str(e)]
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+print(json.dumps(said))
+"""
+
+
+@POSIX
+@pytest.mark.slow  # a process importing JAX, 1.5 GB of outputs refused (~5 s)
+def test_export_whose_self_test_runs_out_of_memory_says_so_not_a_raw_runtime_error(tmp_path):
+    """A model whose output is 512 MiB a row, exported under RLIMIT_AS without room for what
+    its self-test computes (two drawn rows and the example's, the program's and the model's):
+    export raised jaxlib's raw JaxRuntimeError ('RESOURCE_EXHAUSTED: Out of memory allocating
+    536870912 bytes.') through JAX's frames, as if export itself had failed. An ArtifactError
+    now says the program ran out of memory in export's self-test and what to do; nothing is
+    written."""
+    said = _child(_EXPORT_UNDER_AS, str(tmp_path / "m"), timeout=120)
+    assert said[0] == "ArtifactError", said
+    assert said[1].startswith("export(<lambda>): its program ran out of memory in the self-test")
+    assert "RESOURCE_EXHAUSTED" in said[1] and "more memory is available" in said[1]
+    assert not (tmp_path / "m").exists()
