@@ -10,6 +10,11 @@
   a write into one changes nothing the Hybrid holds, and no door reads it (``h.state`` was the
   dict the Hybrid kept, and baked params were the dict given: h.eager, h.apply, h.module and
   ``h.replace()`` ran the write while ``h(x)`` ran what it held).
+- An nnx module trained in place by its own loop after ``sm.hybridize`` (Flax's MNIST
+  tutorial, tests/zoo29b.py): ``h(x)`` runs the Variables as of hybridize, as designed (its
+  hot path reads no module); every door that would hand those on as the module's refuses,
+  naming ``h.refresh()``, and ``h.apply(params, x)`` too once the loop moved the state it
+  runs from (it ran the new Params over the old BatchNorm statistics: silent).
 """
 
 import warnings
@@ -18,6 +23,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import zoo29
 import zoo29b
@@ -122,3 +128,64 @@ def test_a_write_into_baked_params_reaches_no_door():
     for door in (h, h.eager, h.replace(), h.hybridize(False)):
         chex.assert_trees_all_close(door(x), want)
     assert h.graph(x).flops > 0 and h.replace(params={"w": jnp.zeros((3, 2))})(x).sum() == 0
+
+
+# -- an nnx module trained in place by the user's own loop (the MNIST tutorial's) ----------------
+
+REFRESH = r"nnx module holds other Variables \({}.*h = h\.refresh\(\)"
+
+
+def test_after_the_mnist_tutorials_own_loop_each_door_refuses_or_runs_the_module_as_now(tmp_path):
+    """h.apply(params, x) of the module's new Params ran them over the BatchNorm statistics
+    held as of hybridize, which the loop had moved: an answer neither the module's nor h's
+    (silent), where h.state, h.params, export and h.eager refuse."""
+    model = zoo29b.CNN(rngs=nnx.Rngs(0))
+    optimizer, metrics = zoo29b.make_training(model)
+    train_model, eval_model = zoo29b.views(model)
+    x = jax.random.uniform(jax.random.key(0), (4, 28, 28, 1))
+    batch = {"image": x, "label": jnp.array([1, 2, 3, 4])}
+    h = sm.hybridize(eval_model)
+    before, rngs = h(x), nnx.Rngs(0)
+    for _ in range(2):
+        zoo29b.train_step(train_model, optimizer, metrics, rngs, batch)
+    zoo29b.eval_step(eval_model, metrics, batch)
+    now = eval_model(x)
+    assert not np.allclose(now, before, atol=1e-3)
+    chex.assert_trees_all_close(h(x), before)  # the Variables as of hybridize, as designed
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    said = REFRESH.format(r"state\['batch_norm1'\]\['mean'\]")
+    with pytest.raises(sm.ConfigError, match=rf"^TutorialCNN\.apply: the {said}"):
+        h.apply(params, x)  # (its state named: the params are given)
+    for door in (lambda: h.state, lambda: h.eager(x)):
+        with pytest.raises(sm.ConfigError, match=REFRESH.format("")):
+            door()
+    with pytest.raises(sm.ConfigError, match=r"nnx module holds other Variables"):
+        sm.export(h, tmp_path / "old", example=(x,))
+    fresh = h.refresh()
+    chex.assert_trees_all_close(fresh(x), now, **TOL)
+    chex.assert_trees_all_close(fresh.apply(params, x)[0], now, **TOL)
+    sm.export(fresh, tmp_path / "m", example=(x,), batch="b")
+    chex.assert_trees_all_close(
+        sm.load(tmp_path / "m", allow={"convolution", "reduce_window"})(np.asarray(x[:2])),
+        now[:2],
+        **TOL,
+    )
+
+
+def test_params_alone_trained_in_place_h_apply_of_them_runs_as_the_module():
+    """Its state unmoved (an eval BatchNorm's statistics), h.apply of the Params the user's
+    nnx.Optimizer wrote runs from the held state, which is the module's: not refused."""
+    model = nnx.Sequential(
+        nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+        nnx.BatchNorm(2, use_running_average=True, rngs=nnx.Rngs(0)),
+    )
+    h = sm.hybridize(model)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    optimizer.update(model, nnx.grad(lambda m: (m(BN_X) ** 2).sum())(model))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    out, state = h.apply(params, BN_X)
+    chex.assert_trees_all_close(
+        (out, state), (model(BN_X), nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))), **TOL
+    )
+    with pytest.raises(sm.ConfigError, match=REFRESH.replace("Variables", "Params").format("")):
+        h.eager(BN_X)

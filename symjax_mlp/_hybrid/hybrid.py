@@ -306,7 +306,7 @@ class Hybrid(Staged, NoPickle):
           >>> jax.grad(lambda p: h.apply(p, jnp.ones(3)).sum())(h.params)
           {'w': Array(3., dtype=float32)}
         """
-        state = self._held.copy() if self.donate else self._held.tree  # a call may consume it
+        state = self._apply_state()  # (a donating one's copied: a call may consume it)
         try:
             out, new_state = self._apply_pure(f"{self.name}.apply", params, state, args, kwargs)
         except _pure.StateAdded as e:

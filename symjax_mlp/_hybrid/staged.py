@@ -39,11 +39,17 @@ _NO_MODULE = (
 )
 
 
-def refuse_trained_in_place(h: Any, caller: str, what: str, quick: bool = False) -> None:
+def refuse_trained_in_place(
+    h: Any, caller: str, what: str, quick: bool = False, state: bool = False
+) -> None:
     """Raises a ``ConfigError`` if ``h``'s nnx module's Variables changed since it was
     hybridized: ``what`` (export's artifact, a Batcher) would hold the old ones. ``quick``:
-    only the Variables it was split into are compared (``is``), not the module walked."""
-    if trained := h.trained_in_place(quick=quick):
+    only the Variables it was split into are compared (``is``), not the module walked;
+    ``state``: refused only if its other Variables (not its Params) changed."""
+    trained = h.trained_in_place(quick=quick)
+    if state:  # its other Variables alone (h.apply is given params)
+        trained = [p for p in trained if p.startswith("state")]
+    if trained:
         paths = ", ".join(trained[:3]) + (
             f" and {len(trained) - 3} more" if len(trained) > 3 else ""
         )
@@ -130,20 +136,30 @@ class Staged:
         static, dyn, dyn_kw = self._split("moved_state", args, kwargs)
         return self._traced.moved(static, self._leaves, dyn, dyn_kw) if self.stateful else []
 
-    def trained_in_place(self, quick: bool = False) -> list[str]:
+    def _apply_state(self) -> Any:
+        """The held state :meth:`apply` runs from, refused as :attr:`state` is once the nnx
+        module's other Variables changed in place (its Params alone: ``apply`` is given some)."""
+        if self.stateful and self.trained_in_place(quick="state"):
+            what = "h.apply(params, ...) would run from the held state: its Variables are"
+            refuse_trained_in_place(self, f"{self.name}.apply", what, state=True)
+        return self._held.copy() if self.donate else self._held.tree
+
+    def trained_in_place(self, quick: bool | str = False) -> list[str]:
         """The Params an nnx module holds now in place of those it was hybridized with (trained
         in place since: an nnx.Optimizer's update, a view's), as ``"['w1']"``, then its other
         Variables changed since (``nnx.reseed``'s keys, a BatchNorm's statistics; not an rng
         count, which a draw moves), as ``"state['bn']['mean']"``; none once other params were
         given (``h.replace(params=...)``), and for other models. ``quick``: the module walked
         only if a Variable it was split into holds another value (a sub-module swapped in, then
-        unseen)."""
+        unseen); ``"state"``: only if one of its other Variables does (``["?"]``, not walked)."""
         if self._model.trained is None:
             return []
         mesh = self.mesh is not None  # the params given: a mesh's leaves are their replicas
         leaves = self._leaves if self._leaves and not mesh else jax.tree.leaves(self._given)
-        if quick and not self._model.trained(leaves, True):  # (baked: no leaves held)
+        if quick and not self._model.trained(leaves, quick):  # (baked: no leaves held)
             return []
+        if quick == "state":
+            return ["?"]
         return self._model.trained(self._given if mesh else self._read("params", checked=False))
 
     def _read(self, what: str, checked: bool = True) -> Any:
@@ -168,7 +184,7 @@ class Staged:
         ``nnx.reseed``), this one's settings and ``on_trace`` callbacks kept; as
         ``sm.hybridize(model)`` anew. A Hybrid holds the Variables as of ``sm.hybridize``:
         ``h(x)`` runs those, and export, a Batcher, :attr:`params` and :attr:`state` refuse
-        them once the module's changed.
+        them once the module's changed (``apply``, which is given params: once its state has).
 
         Raises:
           ConfigError: the model is no nnx module (its params were given: ``h.replace``).

@@ -132,12 +132,15 @@ def nnx_module(module: Any, fn: Callable[..., Any] | None = None) -> tuple:
     was = nnx.to_pure_dict(nnx.state(module, moving))  # the state as of hybridize
     held = jax.tree.leaves((split, nnx.state(module, moving)), is_leaf=_is_variable)
     values = [v.get_raw_value() for v in held] if all(map(_is_variable, held)) else None
+    n_params = len(jax.tree.leaves(split, is_leaf=_is_variable))
 
-    def trained(given: Any, quick: bool = False) -> list[str]:  # nnx.Optimizer, nnx.reseed
+    def trained(given: Any, quick: bool | str = False) -> list[str]:  # nnx.Optimizer, reseed
         if [id(a) for a in (given if quick else jax.tree.leaves(given))] != born:
             return []
         if quick:  # given: the leaves; the Variables split held (a sub-module swapped: unseen)
-            return [] if values is not None and all(map(_holds, held, values)) else ["?"]
+            at = n_params if quick == "state" else 0  # "state": the other Variables alone
+            same = values is not None and all(map(_holds, held[at:], values[at:]))
+            return [] if same else ["?"]
         params_now = _changed(given, nnx.state(module, wrt))  # (surgery: a sub-module shared)
         return params_now + [f"state{p}" for p in _changed(was, nnx.state(module, moving))]
 
