@@ -13,7 +13,11 @@ the authors' own jitted loops.
   ``jax_enable_x64``): the forces as an artifact over every feature (a Batcher's thread ran
   without the caller's x64 block); the energy exported, forces as ``-jax.grad`` of the LOADED
   energy equal jax-md's own ``quantity.force``, its gradient over the species' sigmas equals
-  too, and ten ``simulate.nve`` steps over the loaded energy equal jax-md's.
+  too, and ten ``simulate.nve`` steps over the loaded energy equal jax-md's. Its neural network
+  potential (``energy.graph_network_neighbor_list``, an nnx model's state the params, a
+  neighbor list inside): the loaded energy and its forces equal the notebook's, the gradient
+  of its energy-and-force loss over ``m.apply`` (``vjp_order=2``) equals its ``grad(loss)``,
+  NVE steps over it equal.
 - jmp's README: ``layer`` under its float16-compute policy, and under bfloat16: the answer's
   dtype through every door (Hybrid, export, load, ``m.apply``, grads, a Batcher) equals the
   source's; its dynamic loss scaling's ``train_step`` over the loaded layer equals the
@@ -193,6 +197,50 @@ def test_jax_md_forces_of_the_loaded_energy_and_nve_steps_over_it(tmp_path, nve)
     close(ours, theirs, **X64)
     assert ours.position.dtype == np.float64
     assert jnp.abs(theirs.position - nve.R).max() > 1e-4  # they moved
+
+
+def test_jax_md_graph_network_potential_loaded_its_forces_and_the_notebooks_loss_gradient(
+    tmp_path,
+):
+    """neural_networks.py's graph network potential (an nnx model split to its state, a
+    neighbor list inside ``train_energy``) hybridized over that state and exported
+    (``vjp_order=2``: the notebook trains on forces): the loaded energy under ``vmap`` and its
+    forces (``-jax.grad``) equal the notebook's ``vectorized_energy_fn`` and
+    ``vectorized_force_fn``; the gradient of the notebook's energy-and-force loss over the
+    loaded model's ``m.apply`` (the state as the source holds it) equals its ``grad(loss)``;
+    five ``simulate.nve`` steps over the loaded energy equal those over the notebook's."""
+    k = jax.random.split(jax.random.key(3), 3)
+    positions = jax.random.uniform(k[0], (3, 64, 3), maxval=10.862)  # 64 atoms, its box
+    nn = zoo31.neural_network_potential(positions)
+    h = sm.hybridize(nn.train_energy, nn.params)
+    sm.export(h, tmp_path / "gnn", example=(positions[0],), batch=None, vjp_order=2)
+    m = sm.load(tmp_path / "gnn", allow={"gather", "reduce_window", "scatter", "sort"})
+    tol = {"rtol": 1e-4, "atol": 1e-3}
+    close(jax.vmap(m)(positions), nn.vectorized_energy_fn(nn.params, positions), **tol)
+    forces = jax.vmap(lambda r: -jax.grad(m)(r))(positions)
+    close(forces, nn.vectorized_force_fn(nn.params, positions), **tol)
+    targets = (jax.random.normal(k[1], (3,)), jax.random.normal(k[2], (3, 64, 3)))
+
+    def loss(params):  # the notebook's loss, its train_energy the loaded model's m.apply
+        energies = jax.vmap(m.apply, (None, 0))(params, positions)
+        force = jax.vmap(lambda r: -jax.grad(m.apply, argnums=1)(params, r))(positions)
+        return jnp.mean((energies - targets[0]) ** 2) + jnp.mean(
+            jnp.sum((force - targets[1]) ** 2, axis=(1, 2))
+        )
+
+    want = jax.grad(nn.loss)(nn.params, positions, targets)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want))  # sums of 1e4s
+    close(jax.grad(loss)(nn.params), want, rtol=1e-4, atol=1e-6 * scale)  # float32's rounding
+    theirs = lambda r: nn.vectorized_energy_fn(nn.params, r[None])[0]  # noqa: E731
+    steps = []
+    for fn in (theirs, m):
+        init, apply = simulate.nve(fn, nn.shift, 1e-3)
+        state = init(k[1], positions[0], kT=1e-3)
+        for _ in range(5):
+            state = jax.jit(apply)(state)
+        steps.append(state)
+    close(steps[1].position, steps[0].position, **tol)
+    assert jnp.abs(steps[0].position - positions[0]).max() > 1e-5  # they moved
 
 
 def test_a_float64_artifact_called_from_a_thread_without_x64_names_the_block(tmp_path):

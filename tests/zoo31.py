@@ -25,6 +25,11 @@ jax-md/jax-md at a41c7d19f6468f4e5263c32c12c9ed6cba26ebff:
   80.0 there); its ``config.update('jax_enable_x64', True)`` is the caller's (the tests run it
   under ``jax.enable_x64(True)``); matplotlib's cells left out; the run loop's
   ``lax.fori_loop(0, 10, step, state)`` is the test's.
+- examples/neural_networks.py: the cells "Define the Periodic Space" to "Optimizer" (the
+  graph network potential, ``energy.graph_network_neighbor_list``, an nnx model split to its
+  state; its energy, force, losses and ``update_step``) in ``neural_network_potential``; the
+  silicon data set it downloads is the test's random positions in its box; ``update_epoch``,
+  training and the NVT simulation left out.
 
 google-deepmind/jmp at 9c1cdbbf78da8b2bfaee475d42611c72626e31d0:
 
@@ -48,6 +53,8 @@ import jax as jx
 import jax.numpy as jnp
 import jmp
 import mctx
+import optax
+from flax import nnx
 from jax import grad, jit, random, vmap
 from jax import numpy as np
 from jax.example_libraries.optimizers import make_schedule, optimizer
@@ -582,6 +589,95 @@ def nve_simulation(N, box_size):
     init, apply = simulate.nve(energy_fn, shift, 1e-2)
     step = jit(lambda i, state: apply(state))
     state = init(key, R, kT=0.0)
+    return types.SimpleNamespace(**locals())
+
+
+def neural_network_potential(positions):
+    """examples/neural_networks.py's cells from "Define the Periodic Space" to "Optimizer", as
+    written (its ``nnx.display`` and prints left out); ``positions`` stands for the silicon
+    data set's (64 atoms a frame, downloaded there): their names."""
+    # %% [markdown]
+    # ## Define the Periodic Space
+    #
+    # We create a space for our systems to live in using ``periodic`` boundary
+    # conditions.
+
+    # %%
+    box_size = 10.862
+    displacement, shift = space.periodic(box_size)
+
+    # %% [markdown]
+    # ## Construct the Graph Network
+    # (the notebook's words cut)
+
+    # %%
+    key = random.PRNGKey(0)
+    neighbor_fn, energy_fn = energy.graph_network_neighbor_list(
+        displacement, box_size, r_cutoff=3.0, dr_threshold=0.0, key=key
+    )
+
+    # %% [markdown]
+    # ## Allocate a Neighbor Prototype
+    # (the notebook's words cut)
+
+    # %%
+    neighbor = neighbor_fn.allocate(positions[0], extra_capacity=6)
+
+    # %% [markdown]
+    # ## Define Energy and Force Functions
+    # (the notebook's words cut)
+
+    # %%
+    graphdef, state = nnx.split(energy_fn.model)
+    init_params = state
+    params = init_params
+
+    def apply(state, *args, **kwargs):
+        out, _ = graphdef.apply(state)(*args, **kwargs)
+        return out
+
+    def train_energy(params, R):
+        return apply(params, R, neighbor.update(R))
+
+    vectorized_energy_fn = jit(vmap(train_energy, (None, 0)))
+    vectorized_force_fn = jit(
+        vmap(lambda params, R: -grad(train_energy, argnums=1)(params, R), (None, 0))
+    )
+
+    # %% [markdown]
+    # ## Define Losses
+    #
+    # We define losses for the energy and the force as well as a total loss that
+    # combines the two terms.  We fit both using Mean-Squared-Error (MSE) loss.
+
+    # %%
+    @jit
+    def energy_loss(params, R, energy_targets):
+        return np.mean((vectorized_energy_fn(params, R) - energy_targets) ** 2)
+
+    @jit
+    def force_loss(params, R, force_targets):
+        dforces = vectorized_force_fn(params, R) - force_targets
+        return np.mean(np.sum(dforces**2, axis=(1, 2)))
+
+    @jit
+    def loss(params, R, targets):
+        return energy_loss(params, R, targets[0]) + force_loss(params, R, targets[1])
+
+    # %% [markdown]
+    # ## Optimizer
+    #
+    # We create an optimizer using Adam with gradient clipping and write helper
+    # functions to perform a single update step and an entire epoch of updates.
+
+    # %%
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+
+    @jit
+    def update_step(params, opt_state, R, labels):
+        updates, opt_state = opt.update(grad(loss)(params, R, labels), opt_state)
+        return optax.apply_updates(params, updates), opt_state
+
     return types.SimpleNamespace(**locals())
 
 
