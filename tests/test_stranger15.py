@@ -357,3 +357,25 @@ def test_an_orbax_save_under_jax_enable_x64_keeps_the_float64_state(tmp_path):
             store.close()
     w = np.asarray(got.params["w"])
     assert w.dtype == np.float64 and w[0] == 1 + 2**-40
+
+
+# -- part J: a checkpoint folder a stranger can still write ------------------------------------
+def test_init_from_of_a_broken_checkpoint_says_to_start_from_another_not_to_resume(copy, tmp_path):
+    """``broken()``'s fix was a resume's ('Resume from an older checkpoint ... or start over in
+    an empty directory'), said by init_from's refusals too: a new run starts from another
+    checkpoint, or from the model's own initialisation, and has no older one of its own."""
+    meta = copy / "meta" / "metadata"
+    meta.write_text(meta.read_text()[:-5])
+    with pytest.raises(sm.CheckpointError) as e:
+        init_run(copy, _state(optax.sgd(0.1)), {})
+    said = str(e.value)
+    assert "its meta item is missing or malformed" in said and "Resume" not in said, said
+    assert said.endswith("or leave init_from out to train from the model's own initialisation.")
+    params = {"w": np.arange(3.0, dtype=np.float32)}
+    state = sm.training.TrainState(params, (), jax.random.key(0), step=3)
+    path = sm.training.save_checkpoint(tmp_path / "own", state)
+    with open(path / "state.safetensors", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 1)
+    with pytest.raises(sm.CheckpointError, match="Start from another checkpoint") as e:
+        init_run(path, state, {})
+    assert "Resume" not in str(e.value), e.value

@@ -5,6 +5,7 @@ and ``manifest.json``, written atomically. A restore's checks serve Orbax's chec
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import math
 import numbers
@@ -14,7 +15,7 @@ import secrets
 import shutil
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,16 +72,36 @@ _METADATA = (
 )
 
 
-#: a broken checkpoint's fix, whatever is wrong with its files
-_FIX = (
-    "the checkpoint is incomplete, corrupted or was edited. Resume from an older checkpoint "
-    "(remove this checkpoint's directory: resume=True picks the newest), or start over in an "
-    "empty directory."
-)
+#: what to do with a checkpoint that cannot be used: a resume's, and a new run's start's
+#: (``init_from``, whose reads run in :func:`starting_from`)
+OLDER = {
+    "resume": "Resume from an older checkpoint (remove this checkpoint's directory: resume=True "
+    "picks the newest), or start over in an empty directory.",
+    "init_from": "Start from another checkpoint (init_from=DIR/step_N names one), or leave "
+    "init_from out to train from the model's own initialisation.",
+}
+_READING = contextvars.ContextVar("symjax_mlp_checkpoint_reading", default="resume")
+
+
+def broken_fix() -> str:
+    """A broken checkpoint's fix, whatever is wrong with its files: the reader's (a resume's,
+    or in :func:`starting_from` a new run's start's)."""
+    return f"the checkpoint is incomplete, corrupted or was edited. {OLDER[_READING.get()]}"
 
 
 def broken(path: Any, what: str) -> CheckpointError:
-    return CheckpointError(f"{path}: {what}; {_FIX}")
+    return CheckpointError(f"{path}: {what}; {broken_fix()}")
+
+
+@contextlib.contextmanager
+def starting_from() -> Iterator[None]:
+    """The reads of a new run's start (``init_from``): a broken checkpoint's fix is to start
+    from another or from the model's own initialisation, not a resume's (an older one of it)."""
+    token = _READING.set("init_from")
+    try:
+        yield
+    finally:
+        _READING.reset(token)
 
 
 _FOREIGN = (  # a foreign manifest's fix: a resume's, a new run's start (init_from)
@@ -330,7 +351,7 @@ def read_checkpoint(
     try:  # the artifact reader's own checks (no link or FIFO, strict, hashed), a checkpoint's fix
         stored, _ = read_safetensors_file(
             path / _STATE_FILE, sha256=digest, error=CheckpointError, max_tensors=_MAX_TENSORS,
-            fix=_FIX, select=select,
+            fix=broken_fix(), select=select,
         )  # fmt: skip
     except FileNotFoundError:
         raise broken(path / _STATE_FILE, "the file is missing") from None

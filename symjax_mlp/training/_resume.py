@@ -28,7 +28,7 @@ from flax import nnx
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import CheckpointError, ConfigError, user_stacklevel
-from symjax_mlp.training._checkpoint import broken, read_checkpoint
+from symjax_mlp.training._checkpoint import OLDER, broken, read_checkpoint, starting_from
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._optimizer import takes_value
 from symjax_mlp.training._orbax import orbax_weights
@@ -68,12 +68,6 @@ _NON_FINITE = (  # train() stops at a non-finite loss or param: no run of it wro
     "{found}: its params hold {value} ({name}{more}): it was edited, or written by another "
     "program than train(), and a run from it diverges at its first step. {fix}"
 )
-_OLDER = {  # a non-finite checkpoint's fix
-    "resume": "Resume from an older checkpoint (remove this one's directory: resume=True picks "
-    "the newest), or start over in an empty directory.",
-    "init_from": "Start from another checkpoint (init_from=DIR/step_N names one), or leave "
-    "init_from out to train from the model's own initialisation.",
-}
 _MODEL = ("num_features", "num_outputs", "model_sha256")  # what init_from's weights must fit
 _FINGERPRINTED = {  # what a differing sha256 of the config stands for
     "data_sha256": "the training data, x_train and y_train",
@@ -178,8 +172,9 @@ def init_run(directory: str | os.PathLike, state: TrainState, config: dict[str, 
 
     caller, read = f"{_CALLER}(init_from={printable(os.fspath(directory))[:200]!r})", []
     try:  # a multi-process run's (Orbax), or a one-process run's
-        found = orbax_weights(Path(directory), state, same_model)
-        state = found or read_checkpoint(Path(directory), state, weights=same_model)[0]
+        with starting_from():  # a broken one's fix: another checkpoint, not an older one of it
+            found = orbax_weights(Path(directory), state, same_model)
+            state = found or read_checkpoint(Path(directory), state, weights=same_model)[0]
     except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
         raise CheckpointError(f"{caller}: {e}") from None
     _check_finite(read[0], state, f"{caller}: ", "init_from")
@@ -200,7 +195,7 @@ def _check_finite(found: Path, state: TrainState, heading: str, how: str) -> Non
         value = np.asarray(a.ravel()[jnp.argmin(jnp.isfinite(a.ravel()))]).item()
         more = f", and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""
         raise CheckpointError(heading + _NON_FINITE.format(
-            found=found, value=value, name=printable(name[:200]), more=more, fix=_OLDER[how]
+            found=found, value=value, name=printable(name[:200]), more=more, fix=OLDER[how]
         ))  # fmt: skip
 
 
