@@ -360,6 +360,73 @@ def test_an_orbax_save_under_jax_enable_x64_keeps_the_float64_state(tmp_path):
 
 
 # -- part J: a checkpoint folder a stranger can still write ------------------------------------
+def _refused_for_others(path, says):
+    with pytest.raises(sm.CheckpointError) as e:
+        init_run(path, _state(optax.sgd(0.1)), {})
+    said = str(e.value)
+    assert f"is not yours alone: {says}" in said, said
+    assert "cp -r" in said and "start from the copy (init_from=" in said, said  # what to do
+
+
+def test_init_from_an_orbax_checkpoint_others_may_write_is_refused_before_orbax_opens_it(copy):
+    """Orbax (TensorStore) opens a step's files by their names seconds after ``check_files``
+    passed them: whoever may write the step's folders (a shared lab folder, a download folder
+    others write) swaps one for a FIFO in between, and init_from hung for ever. A folder others
+    may write, in the checkpoint or above it, or a file of another user's, is refused before
+    Orbax reads anything; a resume reads the run's own folder, where its user chose to write."""
+    directory = copy.parent
+    for folder in (copy / "state" / "ocdbt.process_0" / "d", directory):
+        folder.chmod(0o777)
+        _refused_for_others(directory, f"others may write in {folder} (mode 777)")
+        _refused_for_others(copy, f"others may write in {folder} (mode 777)")  # its step alone
+        folder.chmod(0o755)
+    if os.geteuid() == 0:  # (CI runs as root) a file of another user's: it may write it
+        os.chown(copy / "_CHECKPOINT_METADATA", 65534, 65534)
+        _refused_for_others(directory, f"{copy}/_CHECKPOINT_METADATA belongs to user id 65534")
+        os.chown(copy / "_CHECKPOINT_METADATA", 0, 0)
+    assert _weights(copy).step == 0  # the same files, now the user's alone
+    directory.chmod(0o777)
+    store = OrbaxCheckpoints(directory, timeout=30, sharding=DEVICE)
+    try:
+        assert store.restore(copy, _state())[0].step == 4  # a resume: the run's own folder
+    finally:
+        store.close()
+
+
+_FIFO_INIT_FROM = """
+import os, shutil, sys
+import jax, numpy as np, optax
+import symjax_mlp as sm
+from symjax_mlp.training._resume import init_run
+
+params = {"w": np.arange(3.0, dtype=np.float32)}
+state = sm.training.TrainState(params, optax.adam(0.1).init(params), jax.random.key(0), step=3)
+path = sm.training.save_checkpoint(os.path.join(sys.argv[1], "ck"), state)
+for name in ("manifest.json", "state.safetensors"):
+    fifo = os.path.join(sys.argv[1], name, path.name)
+    shutil.copytree(path, fifo)
+    os.unlink(os.path.join(fifo, name))
+    os.mkfifo(os.path.join(fifo, name))
+    try:
+        init_run(fifo, state, {})
+    except sm.CheckpointError as e:
+        print(e)
+"""
+
+
+def test_held_init_from_of_our_own_checkpoint_with_a_fifo_in_place_of_a_file(tmp_path):
+    """A one-process run's checkpoint is read file by file, each opened once with O_NOFOLLOW |
+    O_NONBLOCK, checked by fstat and read up to the size fstat gave (one byte more is 'changed
+    while it was read'): a FIFO swapped in after any check is refused at once, never waited on."""
+    done = subprocess.run([sys.executable, "-c", _FIFO_INIT_FROM, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    said = done.stdout.splitlines()
+    assert len(said) == 2, done.stdout + done.stderr[-2000:]
+    for line, name in zip(said, ("manifest.json", "state.safetensors"), strict=True):
+        assert f"{name}/step_00000003/{name}" in line and "Resume from" not in line, line
+        assert "is not a regular file (a directory, FIFO or device); nothing was read" in line
+
+
 def test_init_from_of_a_broken_checkpoint_says_to_start_from_another_not_to_resume(copy, tmp_path):
     """``broken()``'s fix was a resume's ('Resume from an older checkpoint ... or start over in
     an empty directory'), said by init_from's refusals too: a new run starts from another

@@ -12,7 +12,6 @@ import concurrent.futures
 import contextlib
 import json
 import math
-import operator
 import os
 import re
 import stat
@@ -32,6 +31,7 @@ from symjax_mlp.training._checkpoint import broken, check_manifest, evaluated_we
 from symjax_mlp.training._paths import (
     COMMITTED,
     check_directory,
+    check_own,
     checkpoints,
     entries,
     step_name,
@@ -41,6 +41,7 @@ from symjax_mlp.training._state import (
     TrainState,
     check_fit,
     check_others,
+    declared,
     digest,
     named_leaves,
     specs,
@@ -67,15 +68,6 @@ def _key(i: int, name: str) -> str:
 
 def _is_key(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _declared(shape: Any, dtype: Any, keys: dict[str, Any]) -> tuple[tuple, Any]:
-    """``(shape, dtype)`` of a tensor a meta item declares (a PRNG key's dtype by its name);
-    a TypeError or ValueError for a shape or dtype no array has."""
-    dims = tuple(operator.index(d) for d in shape)  # a TypeError for a str, a float
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape {dims} has a negative dimension")
-    return dims, keys[dtype] if dtype in keys else jnp.dtype(dtype)
 
 
 @jax.jit
@@ -107,10 +99,11 @@ def _unpack(specs: list[tuple], packed: tuple[dict[str, jax.Array], list]) -> li
     return leaves
 
 
-def check_files(path: Path) -> None:
+def check_files(path: Path, others: bool = False) -> None:
     """Refuses a step of over ``_MAX_ENTRIES`` entries, anything but directories and regular
     files (Orbax follows a link out and blocks on a FIFO), or a file read whole (all but the
-    arrays' data, in ``d/``) past ``_MAX_READ_WHOLE`` bytes."""
+    arrays' data, in ``d/``) past ``_MAX_READ_WHOLE`` bytes; ``others``: another run's step
+    (init_from's), refused where another user may write or swap its files (:func:`check_own`)."""
 
     def refuse(error: OSError) -> None:
         raise broken(path, f"{error.filename} cannot be read ({error.strerror})")
@@ -136,6 +129,8 @@ def check_files(path: Path) -> None:
         else:
             what = "neither a file nor a directory (a FIFO, socket or device)"
         raise broken(path, f"{printable(str(entry))} is {what}")  # its name: anyone's
+    if others:  # a resume's are the run's own, in the folder its user chose to write in
+        check_own(path, found)
     if (marker := path / COMMITTED).is_file():  # regular and bounded, now: Orbax parses it
         try:
             ok = isinstance(json.loads(marker.read_bytes()), dict)
@@ -183,7 +178,7 @@ class OrbaxCheckpoints:
             self.directory.mkdir(parents=True, exist_ok=True)  # each process: Orbax will not
         for _, step, _ in entries(self.directory, orbax=True):  # the manager reads them all
             if step.is_dir() or step.is_symlink():  # a file: check_strays names it
-                check_files(step)
+                check_files(step, others=read_only)
         # every process named: Orbax's barriers are then the coordinator's (with the timeout),
         # not a collective each
         processes = ocp.options.MultiprocessingOptions(
@@ -326,11 +321,9 @@ class OrbaxCheckpoints:
         wanted = {n: a for n, a in leaves.items() if n.startswith("params/") or n == "rng"}
         check_fit(path, {n: s for n, s in stored.items() if n in wanted or n[:7] == "params/"},
                   specs(wanted))  # fmt: skip
-        keys = [jax.random.key(0, impl=k).dtype for k in ("threefry2x32", "rbg", "unsafe_rbg")]
-        dtypes = {str(k): k for k in keys}  # a PRNG key's (an optimizer's state may hold one)
         try:  # every tensor, as saved: the sha256 over all says whether they are whole
             targets = {
-                n: np.zeros(shape, dtype) if n == "rng" else _declared(shape, dtype, dtypes)
+                n: np.zeros(shape, dtype) if n == "rng" else declared(shape, dtype)
                 for n, (shape, dtype) in stored.items()
             }
         except (TypeError, ValueError) as e:  # anyone's JSON: a shape or dtype of no array

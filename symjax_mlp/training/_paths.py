@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from symjax_mlp._artifact.format import printable
+from symjax_mlp._cache import shared_by_others
 from symjax_mlp._errors import CheckpointError, ConfigError
 from symjax_mlp._files import MANIFEST, planted_link
 
@@ -34,6 +36,24 @@ def check_path(path: Any, caller: str) -> None:
         raise ConfigError(
             f"{caller}: the checkpoint directory {what}. Pass a directory, e.g. 'checkpoints'."
         )
+
+
+def check_own(step: Path, found: list[Path]) -> None:
+    """Refuses another run's checkpoint ``step`` (``init_from``'s) where another user may write
+    or swap one of its ``found`` files or folders, or a folder above (JAX's compilation cache's
+    rule, :func:`shared_by_others`): Orbax opens each by its name after it was checked, so one
+    swapped for a FIFO since hangs the run for ever."""
+    below = {entry.parent for entry in found}  # each check covers the folders above it
+    for entry in (entry for entry in found if entry not in below):
+        if why := shared_by_others(str(entry), make=False):
+            raise CheckpointError(
+                f"{step} is not yours alone: {printable(why)}. A multi-process run's checkpoint "
+                "(Orbax) is read by its files' names after they are checked: whoever may write "
+                "there could swap one in since (a FIFO: the run would hang for ever). Copy it "
+                f"into a folder only you can write (mkdir -p ~/checkpoints && cp -r {step} "
+                f"~/checkpoints/) and start from the copy (init_from=os.path.expanduser('~/"
+                f"checkpoints/{step.name}'))."
+            )
 
 
 def check_directory(directory: str | os.PathLike, caller: str) -> None:

@@ -5,13 +5,16 @@ a typed PRNG key as its key data), the layout both checkpoint formats store."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
+import operator
 import reprlib
 import typing
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from symjax_mlp._artifact.format import printable
@@ -160,6 +163,23 @@ def check_others(path: Any, others: dict[str, tuple], params: dict[str, Any]) ->
             f"{mine:,} bytes ({_TIMES} times them, or {_FLOOR:,} bytes): it was not written as "
             "saved. Start from another checkpoint, or leave init_from out."
         )
+
+
+def declared(shape: Any, dtype: Any) -> tuple[tuple, Any]:
+    """``(shape, dtype)`` of a tensor a checkpoint's meta declares (a PRNG key's dtype by its
+    name: an optimizer's state may hold one); a TypeError or ValueError for a shape or dtype no
+    array has."""
+    dims = tuple(operator.index(d) for d in shape)  # a TypeError for a str, a float
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape {dims} has a negative dimension")
+    keys = _key_dtypes()
+    return dims, keys[dtype] if dtype in keys else jnp.dtype(dtype)
+
+
+@functools.cache
+def _key_dtypes() -> dict[str, Any]:
+    keys = [jax.random.key(0, impl=k).dtype for k in ("threefry2x32", "rbg", "unsafe_rbg")]
+    return {str(k): k for k in keys}
 
 
 def specs(tensors: dict[str, Any]) -> dict[str, tuple]:
