@@ -66,6 +66,11 @@ _SHAPES = (
     "by). Keep only the batch symbolic, e.g. shapes={fix}, or pass batch=None to export the "
     "example's static shapes."
 )
+_BOUNDED = (
+    ": the model slices an array of a fixed size by it ({expr} in its shapes: {name} rows of a "
+    "buffer {n} long, as a causal mask of n positions). Bound it: constraints={constraints} "
+    "keeps {name} symbolic up to {n}."
+)
 _INCONCLUSIVE = (
     ": the model compares sizes that jax.export cannot decide for every size (a branch, a "
     "slice's bound, max or min of sizes). If it holds for every size you will call it with, "
@@ -119,6 +124,11 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
             raise SignatureError(
                 head + _INCONCLUSIVE.format(constraints=constraints, keep=keep)
             ) from None
+        if more and (bound := _bounded(first)) is not None:  # x[:t] of a buffer: min(32, t)
+            expr, name, n = bound
+            constraints = (*stage.constraints, f"{name} <= {n}")
+            said = _BOUNDED.format(expr=expr, name=name, n=n, constraints=constraints)
+            raise SignatureError(head + said) from None
         if more:
             raise SignatureError(head + _SHAPES.format(fix=fix)) from None
         # only the batch symbolic: the model fixes its rows (it named this very shapes= as the fix)
@@ -154,6 +164,15 @@ def trace_batch(jitted: Any, p_structs: Any, stage: Any) -> tuple[Any, list[Any]
             shared=f"; if {no_batch}" if no_batch else "",
         )
     ) from None  # fmt: skip
+
+
+def _bounded(said: str) -> tuple[str, str, int] | None:
+    """``min(32, t)`` in an error (a slice of a 32-long buffer by ``t``): it, ``t`` and 32."""
+    found = re.search(r"min\((\d+), ([A-Za-z_]\w*)\)|min\(([A-Za-z_]\w*), (\d+)\)", said)
+    if found is None:
+        return None
+    n, name = (found[1], found[2]) if found[1] else (found[4], found[3])
+    return found[0], name, int(n)
 
 
 def _compared(error: Exception) -> str | None:

@@ -245,3 +245,23 @@ def test_a_call_breaking_an_equality_constraint_is_a_signature_error_naming_it(t
         m(rand(3, 4), rand(3, 6))
     x, t = rand(3, 3), rand(3, 6)
     np.testing.assert_allclose(m(x, t), h(x, t), rtol=1e-6)
+
+
+def test_a_length_slicing_a_fixed_buffer_names_the_constraint_that_keeps_it_symbolic(tmp_path):
+    """A model that slices a buffer of fixed size by a symbolic length (GPT-2's causal mask of
+    n_positions, ``mask[:t, :t]``, shapes min(32, t)): export said it takes the length as a
+    Python number and to drop it from shapes=; it names ``constraints=('t <= 32',)``, with
+    which the artifact takes any length up to 32."""
+    import jax.numpy as jnp
+
+    mask = jnp.tril(jnp.ones((32, 32)))
+    h = sm.hybridize(lambda p, x: x @ mask[: x.shape[1], : x.shape[1]] * p, jnp.float32(2))
+    x = jnp.ones((2, 5))
+    with pytest.raises(sm.SignatureError) as e:
+        sm.export(h, tmp_path / "a", example=x, shapes=("b, t",))
+    assert "min(32, t) in its shapes" in str(e.value)
+    assert "constraints=('t <= 32',) keeps t symbolic up to 32" in str(e.value)
+    assert "Python number" not in str(e.value)
+    m = sm.load(sm.export(h, tmp_path / "b", example=x, shapes=("b, t",),
+                          constraints=("t <= 32",)).path, allow={"dynamic_gather"})  # fmt: skip
+    np.testing.assert_allclose(m(rand(3, 7)), h(rand(3, 7)), rtol=1e-6)
