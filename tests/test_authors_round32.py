@@ -10,8 +10,10 @@ random weights, through every door.
   three steps' losses, learning rates and weights equal those of the model's own ``__call__``;
   its ``eval_step`` over a loaded model's ``m.apply`` equal too.
 - ``FlaxGPT2LMHeadModel.generate`` (greedy): a decode step (the last position's argmax)
-  exported with a symbolic sequence length and looped from the loaded model gives the same
-  tokens.
+  exported with a symbolic sequence length (``constraints=("t <= 32",)``: its causal mask
+  is n_positions long) and looped from the loaded model gives the same tokens; so does its
+  cache-carrying ``__call__`` (``init_cache``, ``past_key_values``' leaves by place), one
+  token a call.
 - ``FlaxViTForImageClassification`` at inference over every feature (a Batcher included) and
   ``symjax-mlp run`` on .npy files.
 """
@@ -166,3 +168,33 @@ def test_vit_over_every_feature_and_symjax_mlp_run(zoo, tmp_path):
     ]
     assert main([*argv, "--output", str(tmp_path / "y.npy")]) == 0
     close(np.load(tmp_path / "y.npy"), model(x[:3]).logits, **TOL)
+
+
+def test_gpt2_cache_carrying_decode_step_loaded_and_looped_equals_greedy_generate(zoo, tmp_path):
+    """GPT-2's ``__call__`` with ``init_cache``'s ``past_key_values``, one token a call, its
+    cache's leaves in and out by place (as export's refusal of the dict says): loaded and
+    looped over the prompt then its own argmax, the tokens of ``model.generate`` (greedy)."""
+    tr = zoo[1]
+    config = tr.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    model = tr.FlaxGPT2LMHeadModel(config, seed=1)
+    prompt = IDS[:1, :5]
+    want = model.generate(prompt, max_new_tokens=6, do_sample=False).sequences
+    leaves, tree = jax.tree.flatten(model.init_cache(1, 16))
+    mask = jnp.ones((1, 16), jnp.int32)
+
+    def step(params, token, pos, *cache):
+        out = model.__call__(token, mask, pos, params=params,
+                             past_key_values=jax.tree.unflatten(tree, cache))  # fmt: skip
+        return (jnp.argmax(out.logits[:, -1], -1), *jax.tree.leaves(out.past_key_values))
+
+    h = sm.hybridize(step, model.params)
+    example = (prompt[:, :1], jnp.zeros((1, 1), jnp.int32), *leaves)
+    sm.export(h, tmp_path / "d", example=example, batch=None)
+    m = sm.load(tmp_path / "d", allow=ALLOW | {"dynamic_slice", "dynamic_update_slice"})
+    tokens, cache = list(np.asarray(prompt[0])), [np.asarray(x) for x in leaves]
+    for i in range(prompt.shape[1] + 5):
+        token = np.array([[tokens[i]]], np.int32)
+        nxt, *cache = m(token, np.array([[i]], np.int32), *cache)
+        if i >= prompt.shape[1] - 1:
+            tokens.append(int(nxt[0]))
+    np.testing.assert_array_equal(tokens, np.asarray(want[0]))
