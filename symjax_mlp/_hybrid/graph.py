@@ -19,11 +19,11 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from symjax_mlp._compat import layer_scopes
 from symjax_mlp._errors import ConfigError, SignatureError
 from symjax_mlp._hybrid.args import MODEL_ERRORS, not_data, partition, rebuild, split_equinox
 from symjax_mlp._hybrid.jaxpr import Body, bodies, call_name, count_flops, layer_of, numbered, walk
 from symjax_mlp._hybrid.pure.linen_module import APPLY_FIXES  # apply's own keywords
+from symjax_mlp._hybrid.pure.nnx_module import layer_scopes
 from symjax_mlp._hybrid.trace import symbolic, unbindable
 
 

@@ -1,18 +1,23 @@
 """An nnx module as a pure call: its params (its ``Param`` s; a module of none, as nnx's
-array leaves, its float arrays), its state (every other variable), and its settings."""
+array leaves, its float arrays), its state (every other variable), and its settings; its layers
+named in its programs (:func:`layer_scopes`)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
+import inspect
 import operator
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
-from symjax_mlp._compat import layer_scopes
+from symjax_mlp._compat import INTERNALS
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.pure import PINNED, PureModel, StateAdded, leaf_paths, path_diff
@@ -315,3 +320,72 @@ def write_back(variables: list[Any], new: list[Any], caller: str = "Hybrid") -> 
             why, fix = _RNG_FIX if isinstance(v, nnx.RngState) else _COPY_FIX
             kind = type(v).__name__
             raise ConfigError(_OUTER.format(caller=caller, kind=kind, why=why, fix=fix)) from None
+
+
+# -- an nnx module's layers, named in its programs ------------------------------------------
+# Why: linen names each submodule's ops by layer, nnx does not. While a block runs, the class
+# owning a layer's __call__ holds a wrapper running it under jax.named_scope of the layer's path
+# (other calls pass through); no layer changes class, as type(layer) is nnx.Linear needs. No
+# private name: a class's __call__, replaced for the block (off, INTERNALS['layer_scopes'] in
+# _compat: no scopes). nnx.scan and nnx.vmap's copies of layers are not named (nothing ties a
+# copy to its layer). _LAYERS: the blocks' layers, by id.
+_LAYERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("symjax_layers", default=None)
+_CALLER: contextvars.ContextVar[tuple] = contextvars.ContextVar("symjax_caller", default=())
+_WRAPPED: dict[type, list] = {}  # owner: [its own __call__, the wrapper, blocks running]
+_WRAPPED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def layer_scopes(module: Any) -> Iterator[None]:
+    """Within the block, each submodule of the nnx ``module`` runs its ``__call__`` under
+    ``jax.named_scope`` of its path relative to its caller's (``"hidden/0"``); no layer changes
+    class, nor do concurrent blocks see each other's scopes."""
+    if not INTERNALS["layer_scopes"]:
+        yield
+        return
+    from flax import nnx
+
+    found = {id(s): (s, tuple(p)) for p, s in nnx.iter_modules(module) if p and callable(s)}
+    layers = {**found, **(_LAYERS.get() or {})}
+    owners = {next(k for k in type(s).__mro__ if "__call__" in vars(k)) for s, _ in layers.values()}
+    _wrap(owners, 1)
+    token = _LAYERS.set(layers)
+    try:
+        yield
+    finally:
+        _LAYERS.reset(token)
+        _wrap(owners, -1)
+
+
+def _wrap(owners: set[type], step: int) -> None:
+    """One block more (1) or fewer (-1) on each owner: the first wraps its call, the last not."""
+    with _WRAPPED_LOCK:
+        for owner in owners:
+            entry = _WRAPPED.setdefault(owner, [None, None, 0])
+            if not inspect.isfunction(own := vars(owner)["__call__"]):
+                continue  # (a staticmethod, a C function: left as is)
+            if entry[2] == 0 and entry[0] is not own:
+                entry[:2] = own, _wrapper(own)  # (first block, or the class's call reassigned)
+            entry[2] += step
+            if entry[2] == (step > 0):  # 1 block after the first's start, 0 after the last's
+                type.__setattr__(owner, "__call__", entry[1] if step > 0 else entry[0])
+
+
+def _wrapper(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call``, run under the named scope of ``self``'s path for a layer of a block."""
+    import jax
+
+    @functools.wraps(call)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        layer, caller = (_LAYERS.get() or {}).get(id(self)), _CALLER.get()
+        if layer is None or layer[0] is not self or layer[1] == caller:  # (super().__call__)
+            return call(self, *args, **kwargs)
+        inner = layer[1][len(caller) :] if layer[1][: len(caller)] == caller else layer[1]
+        token = _CALLER.set(layer[1])
+        try:
+            with jax.named_scope("/".join(map(str, inner))):
+                return call(self, *args, **kwargs)
+        finally:
+            _CALLER.reset(token)
+
+    return __call__
