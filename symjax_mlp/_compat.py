@@ -17,7 +17,7 @@ from typing import Any
 #: Whether each internal is used (``False``: its fallback); read at each use (the GIL's: once).
 INTERNALS: dict[str, bool] = dict.fromkeys((
     "threefry", "lapack", "source_locations", "backend_started", "layer_scopes", "futures", "gil",
-    "transformed", "linearizing", "constraints",
+    "transformed", "linearizing", "constraints", "dispatch_cache",
 ), True)  # fmt: skip
 
 
@@ -110,15 +110,24 @@ def backend_started() -> bool | None:
     return None if started is None else bool(started())
 
 
-# -- 5. whether a call runs under a JAX transformation -------------------------------------
-# Why: a stateful Hybrid's call looks for tracers in its new state only under a transform (jit,
-# grad, vmap): one check per call, not one per leaf. Internal: jax._src.core's trace_ctx and
-# eval_trace. Fallback: ``None`` (unknown): every leaf is looked at.
+# -- 5. a stateful Hybrid's call: whether it runs under a JAX transformation, its dispatch ---
+# Why: it looks for tracers in its new state only under a transform (jit, grad, vmap): one check
+# per call, not one per leaf; a signature whose first call gave up its trace (to trace unlocked)
+# jaxlib dispatches by Python for good (~5x slower) unless dropped. Internal: jax._src.core's
+# trace_ctx and eval_trace; jit's C++ _clear_cache (clear_cache drops the traces too). Fallback:
+# ``None`` (unknown): every leaf is looked at; each call of such a signature by Python.
 def transformed() -> bool | None:
     """Whether this thread runs under a JAX transformation (``None``: unknown)."""
     core = sys.modules.get("jax._src.core") if INTERNALS["transformed"] else None
     trace = getattr(getattr(core, "trace_ctx", None), "trace", None)
     return None if trace is None else trace is not getattr(core, "eval_trace", None)
+
+
+def clear_dispatch_cache(jitted: Any) -> None:
+    """Drops ``jitted``'s dispatch entries: each signature's next call is Python's, once (its
+    trace and executable read from JAX's caches), then C++'s again."""
+    if INTERNALS["dispatch_cache"] and (clear := getattr(jitted, "_clear_cache", None)):
+        clear()
 
 
 # -- 5b. whether forward mode (jax.linearize, jax.jvp, jax.jacfwd), not jax.vjp, traces a call -

@@ -11,12 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import NnxDropout
+from helpers import NnxDropout, keyless
 
 import symjax_mlp as sm
 from symjax_mlp import _compat
@@ -27,7 +28,7 @@ ROOT = Path(sm.__file__).parent
 # jax.extend.mlir), nnx's privates, and the CPython internals it wraps.
 _PRIVATE = re.compile(
     r"jax\._src|jaxlib\.|_pytree__|backends_are_initialized|traceback_in_locations_limit"
-    r"|futures\._base|_is_gil_enabled|_threefry2x32|_getframe"
+    r"|futures\._base|_is_gil_enabled|_threefry2x32|_getframe|_clear_cache"
 )
 _FUTURE_FIELDS = {"_state", "_waiters", "_condition", "_done_callbacks", "_invoke_callbacks"}
 
@@ -168,6 +169,17 @@ def test_nnx_layers_named_or_not_the_model_computes_the_same(internals):
     assert "dense" not in fallback.graph(x).by_layer  # the ops, not grouped by layer
     np.testing.assert_array_equal(fallback(x, deterministic=False), want[0])
     np.testing.assert_array_equal(fallback(x), want[1])
+
+
+def test_a_stateful_hybrids_dispatch_cache_kept_or_not_it_computes_the_same(internals):
+    def run():  # train mode: each call draws dropout bits and moves the held state
+        h = sm.hybridize(NnxDropout(nnx.Rngs(0, dropout=1)))
+        outs = [h(x, deterministic=False) for x in (jnp.ones((2, 5)), jnp.ones((3, 5))) * 3]
+        return outs, keyless(h.state)
+
+    want = run()
+    internals("dispatch_cache")
+    chex.assert_trees_all_equal(run(), want)
 
 
 def test_gil_check_and_its_fallback(internals):

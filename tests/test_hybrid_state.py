@@ -409,3 +409,41 @@ def test_a_float_array_leaf_the_call_reassigns_is_refused_naming_a_variable_that
     h = sm.hybridize(Counted(jnp.array(0)))  # as it says
     h(x), h(x)
     assert int(h.state["count"]) == 2 and set(h.params) == {"w"}
+
+
+def _nnx_modes():
+    module = NnxModes(nnx.Rngs(0, dropout=1))
+    module.train()  # batch statistics and dropout: every call moves the state
+    return sm.hybridize(module), {}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (_linen(), {"train": True}),
+        lambda: (_nnx(), {"train": True}),
+        lambda: (sm.hybridize(NnxDropout(nnx.Rngs(0, dropout=1))), {"deterministic": False}),
+        _nnx_modes,  # h(x): the hot path
+    ],
+    ids=["linen-batchnorm", "nnx-batchnorm", "nnx-dropout", "nnx-train-mode"],
+)
+def test_a_stateful_hybrid_is_dispatched_by_jaxs_cpp_path_after_its_first_call(monkeypatch, make):
+    # the first call of a signature gives up its trace under the state's lock (to trace
+    # unlocked); jaxlib left such a signature on jit's Python path for good: each later call
+    # of the Hybrid was dispatched by Python (~10x a stateless call's time), silently
+    from jax._src import pjit  # (a probe: each call jit dispatches by Python reads its fast path)
+
+    h, kw = make()
+    wide = rand(6, 5)
+    for x in (X, wide, X, wide):  # two signatures, each traced once
+        h(x, **kw)
+    python = []
+    fast_path = pjit._get_fastpath_data
+    monkeypatch.setattr(pjit, "_get_fastpath_data", lambda *a: python.append(1) or fast_path(*a))
+    before = keyless(h.state)
+    for _ in range(5):
+        h(X, **kw), h(wide, **kw)
+    assert python == []
+    assert h.trace_count == 2
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), before, keyless(h.state))
+    assert any(jax.tree.leaves(moved))  # (the calls ran: the state moved)

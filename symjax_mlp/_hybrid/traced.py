@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from symjax_mlp._compat import install_unrolled_threefry, transformed
+from symjax_mlp._compat import clear_dispatch_cache, install_unrolled_threefry, transformed
 from symjax_mlp._errors import (
     ConfigError,
     ControlFlowError,
@@ -150,6 +150,7 @@ class HeldState:
             gate = self._gates.setdefault((static, tree, *map(jax.typeof, flat)), threading.RLock())
         with gate:
             jitted.trace(static, leaves, self.leaves, dyn, dyn_kw)
+        clear_dispatch_cache(jitted)  # (the call given up left its signature on Python's path)
         return self._step(jitted, args, changes, first=False)
 
     def _step(self, jitted: Any, args: tuple, changes: Any, first: bool) -> list[Any]:
