@@ -1038,3 +1038,34 @@ def test_the_trace_log_shows_in_a_cell_as_its_events_print():
     assert printed.count("\n") == 1 and "args[0].shape changed from (1, 3) to (8, 3)" in printed
     assert pretty(h.trace_log) == repr(h.trace_log) == printed
     assert h.trace_log == tuple(h.trace_log) and h.trace_log[-1].index == 1
+
+
+def test_a_call_with_settings_seen_before_takes_the_hot_path_and_answers_the_same(monkeypatch):
+    """``h(x, train=False)`` (a linen model's flag) read its keywords on the slow path at every
+    call, twice the time of ``h(x)``: a call whose settings (bools, strs, None) an earlier call
+    gave goes straight to the program; a setting passed by place, or an int, still does not."""
+    import flax.linen as nn
+
+    from symjax_mlp._hybrid.staged import Staged
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = False, scale=1):
+            x = nn.Dropout(0.5, deterministic=not train)(nn.Dense(4)(x))
+            return x * scale
+
+    x, net = jnp.ones((2, 3)), Net()
+    variables = net.init(jax.random.key(0), x)
+    h = sm.hybridize(net, variables)
+    read, partition = [], Staged._partition
+    monkeypatch.setattr(Staged, "_partition", lambda *a, **k: read.append(1) or partition(*a, **k))
+    want = net.apply(variables, x, train=False)
+    for _ in range(3):
+        chex.assert_trees_all_close(h(x, train=False), want)
+    assert len(read) == 1 and h.trace_count == 1  # the first call's, then none
+    chex.assert_trees_all_close(h(x, False), want)  # by place: read each call
+    chex.assert_trees_all_close(h(x, False), want)
+    assert len(read) == 3
+    chex.assert_trees_all_close(h(x, train=False, scale=2), want * 2)  # an int: read each call
+    chex.assert_trees_all_close(h(x, train=False, scale=True), want)  # not scale=1's entries
+    assert len(read) == 5 and h.trace_count == 4

@@ -22,7 +22,7 @@ from symjax_mlp._hybrid import trace as _trace
 from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY
 from symjax_mlp._hybrid.pure import ModuleModes, PureModel, plain, refit
 from symjax_mlp._hybrid.pure.nnx_module import write_back
-from symjax_mlp._hybrid.settings import check_settings, static_args
+from symjax_mlp._hybrid.settings import check_settings, keyed, remember, static_args
 from symjax_mlp._hybrid.staged import Staged
 from symjax_mlp._hybrid.trace import TraceEvent, TraceLog, symbolic
 from symjax_mlp._hybrid.traced import PROGRAM_SUFFIX, HeldState, TracedModel, given
@@ -107,7 +107,7 @@ class Hybrid(Staged, NoPickle):
             _model=model, _given=params, _treedef=treedef, _held=held, _log=log, _apply=None,
             _modes=None if model.settings is None else ModuleModes(model), _traced=traced,
             _parallel=parallel, _leaves=() if baked else leaves, _spans=spans,
-            _fast=compiled and not nums and not spans,
+            _fast=compiled and not nums and not spans, _statics={},
         )  # fmt: skip
         self._set(_jitted=self._jit(options.pop("fun"), static_argnums=0, **options))
 
@@ -217,12 +217,13 @@ class Hybrid(Staged, NoPickle):
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         """Runs the compiled program (or :meth:`eager`, for a ``hybridize(False)`` twin)."""
-        if self._fast and not kwargs:  # the hot path: arrays in, one dispatch
+        static = self._statics.get(keyed(kwargs)) if kwargs else ()  # settings seen: train=False
+        if self._fast and static is not None:  # the hot path: arrays in, one dispatch
             for a in args:  # (jit's fast path reads a big-endian array's bytes as native ones)
                 if type(a) not in JAX_ARRAYS and not (type(a) is NDARRAY and a.dtype.isnative):
                     break
             else:
-                key = () if self._modes is None else self._modes.key(())
+                key = static if self._modes is None else self._modes.key(())
                 try:
                     if not self.stateful:
                         return self._jitted(key, self._leaves, *args)
@@ -230,9 +231,9 @@ class Hybrid(Staged, NoPickle):
                 except _trace.TRACER_ERRORS as e:
                     raise _trace.control_flow_error(self.name, e) from e
                 except _pure.StateAdded as e:
-                    return self._stateful(e)(*args)
+                    return self._stateful(e)(*args, **kwargs)
                 except (TypeError, ValueError) as e:  # jit's: an array of str, two devices
-                    self._partition(args, {}, self.name, failed=True)  # (an array of str)
+                    self._partition(args, kwargs, self.name, failed=True)  # (an array of str)
                     refuse_two_devices(self.name, e)
                     raise
         if not self.compiled:
@@ -241,6 +242,8 @@ class Hybrid(Staged, NoPickle):
         with symbolic(self.name):  # the slow path: settings, nnx objects, a mesh
             static, dyn, dyn_kw = self._partition(args, kwargs, self.name)
             variables = given(dyn, dyn_kw, self.name, sharded=self._parallel is not None)
+            if self._fast and self._modes is None and not (dyn_kw or variables):  # for the hot
+                remember(self._statics, kwargs, static, every_arg=len(dyn) == len(args))  # path
             if self._parallel is not None:
                 held = self._held if self.stateful else None
                 return self._parallel.call(self._jitted, static, self._leaves, held, dyn, dyn_kw)

@@ -73,5 +73,20 @@ def static_args(
     return frozenset(nums), frozenset(names)
 
 
+def keyed(kwargs: dict[str, Any]) -> tuple | None:
+    """A call's keywords as the key of the static entries a call gave them (``None``: a value
+    other than a bool, str or None, which the Hybrid's hot path does not key on: 1 == True)."""
+    if all(type(v) is bool or type(v) is str or v is None for v in kwargs.values()):
+        return tuple(kwargs.items())
+    return None
+
+
+def remember(statics: dict[tuple, Any], kwargs: dict[str, Any], static: tuple, every_arg: bool):
+    """Keeps ``static``, the entries a call's ``kwargs`` gave, for calls with the same settings
+    (64 kinds at most), where ``every_arg`` positional one was traced (none a setting)."""
+    if every_arg and (named := keyed(kwargs)) and len(statics) < 64:
+        statics[named] = static
+
+
 def _as_tuple(x: Any, single: type | tuple[type, ...]) -> tuple | None:
     return (x,) if isinstance(x, single) else tuple(x) if isinstance(x, tuple | list) else None
