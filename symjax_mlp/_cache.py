@@ -114,8 +114,9 @@ def shared_by_others(folder: str, make: bool = True) -> str | None:
     it, a folder above it, a link on the way or where it leads is not this user's nor root's,
     or others may write there (one's own private group aside, as umask 002 makes; above it, a
     sticky folder such as /tmp is fine); else ``None``."""
-    with contextlib.suppress(OSError):
-        os.makedirs(folder, mode=0o700, exist_ok=True) if make else None
+    if make:
+        with contextlib.suppress(OSError):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
     while not make and not os.path.lexists(folder) and folder != os.path.dirname(folder):
         folder = os.path.dirname(folder)  # (who may write here may make it)
     me, own = getattr(os, "getuid", lambda: None)(), -1
