@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
+import jax
+import ml_dtypes
 import numpy as np
 
 from symjax_mlp._errors import SignatureError
@@ -184,9 +186,6 @@ KEY_IMPLS = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<unsafe_rbg>": "
 def draw(rng: np.random.Generator, shape: tuple[int, ...], dtype: str, *, high: int = 2) -> Any:
     """A random input of the spec dtype ``dtype``: normal floats, integers from 0 below ``high``,
     bools, or rng keys split from one (ml_dtypes' too); ``TypeError`` for another dtype."""
-    import jax
-    import ml_dtypes
-
     if dtype in KEY_IMPLS:
         key = jax.random.key(int(rng.integers(2**31)), impl=KEY_IMPLS[dtype])
         return jax.random.split(key, shape) if shape else key
@@ -208,8 +207,6 @@ def npy_array(x: np.ndarray, dtype: str) -> np.ndarray:
     itemsize; any other array as it is, for the caller to check."""
     if x.dtype.kind != "V" or x.dtype.names is not None or x.dtype.subdtype is not None:
         return x
-    import ml_dtypes
-
     kind = getattr(ml_dtypes, dtype, None)
     same_size = isinstance(kind, type) and issubclass(kind, np.generic)
     return x.view(kind) if same_size and np.dtype(kind).itemsize == x.dtype.itemsize else x
@@ -243,8 +240,6 @@ def read_inputs(
 def _key(file: Any, x: np.ndarray, spec: TensorSpec, to: str) -> Any:
     """The rng keys whose data ``x`` holds (``jax.random.key_data``'s uint32, a last axis of
     the impl's size), or a ``SignatureError`` saying how to write them (to ``to``)."""
-    import jax
-
     impl = KEY_IMPLS.get(spec.dtype)
     size = _key_size(impl or "threefry2x32")
     if impl and x.dtype == np.uint32 and x.shape[-1:] == (size,):
@@ -258,8 +253,6 @@ def _key(file: Any, x: np.ndarray, spec: TensorSpec, to: str) -> Any:
 
 def _key_size(impl: str) -> int:
     """The length of one key's data (``jax.random.key_data``'s last axis) for ``impl``."""
-    import jax
-
     return int(jax.random.key_data(jax.random.key(0, impl=impl)).shape[-1])
 
 
@@ -274,8 +267,6 @@ def dtype_refused(caller: str, spec: TensorSpec, x: Any, given: Any) -> str:
     if spec.dtype.startswith("key<"):
         return _key_refused(caller, spec, x)
     if not (held := out_of_range(x, spec.dtype)):
-        import jax
-
         made = isinstance(given, jax.Array) and jax.config.jax_enable_x64  # by jnp, not np
         why = X64 if x.dtype == "float64" and made else ""
         return (

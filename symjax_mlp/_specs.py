@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, SignatureError
@@ -85,9 +87,6 @@ def ensemble_member(shapes: Mapping[str, Any], rows: tuple) -> tuple[str, tuple]
 def unserializable(name: str, structs: Mapping[str, Any]) -> SignatureError | None:
     """The :class:`~symjax_mlp.SignatureError` for the first of ``structs`` (by path) whose
     dtype ``jax.export`` cannot serialize (int2, uint1); ``None`` if it can serialize them all."""
-    import jax
-    import jax.numpy as jnp
-
     for path, x in structs.items():
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) or _serializable(x.dtype):
             continue  # an rng key's dtype is extended: serialized as its kind
@@ -104,8 +103,6 @@ def unserializable(name: str, structs: Mapping[str, Any]) -> SignatureError | No
 @functools.cache
 def _serializable(dtype: Any) -> bool:
     """Whether ``jax.export`` serializes ``dtype``, probed once: the identity exported on it."""
-    import jax
-
     try:
         jax.export.export(jax.jit(lambda x: x))(jax.ShapeDtypeStruct((1,), dtype)).serialize()
     except Exception:  # KeyError (int2), TypeError (complex32), ValueError (uint1), ...
@@ -116,10 +113,7 @@ def _serializable(dtype: Any) -> bool:
 def array_types() -> frozenset[type]:
     """The concrete array types a hot path may take as they are: ``np.ndarray`` and every class
     below ``jax.Array`` (a tracer is not one), found without creating an array (which would
-    start JAX's backend). Imports JAX: call it where JAX is imported anyway."""
-    import jax
-    import numpy as np
-
+    start JAX's backend)."""
     types, todo = {np.ndarray}, [jax.Array]
     while todo:
         for sub in todo.pop().__subclasses__():
@@ -350,8 +344,6 @@ _ONE_SIZE = (
 
 def beyond_range(want: Any) -> str:
     """What an input (an array, a JSON body) holds past a float dtype's range, said."""
-    import ml_dtypes
-
     info = ml_dtypes.finfo(want)
     if float(info.min) > 0:  # float8_e8m0fnu: powers of two, none zero or negative (0 and -2 were
         # said to be past its largest)
@@ -366,8 +358,6 @@ def out_of_range(a: Any, dtype: Any) -> str:
     """What NumPy array ``a`` holds that a cast to ``dtype`` would make inf or wrap, said
     (``"holds integers outside uint8's range [0, 255], which a cast wraps (-1 among them)"``);
     ``""`` where it holds none, or ``a`` is a JAX array. Error paths only: it reads every value."""
-    import ml_dtypes
-
     if not isinstance(a, (np.ndarray, np.generic)):
         return ""
     with contextlib.suppress(TypeError, ValueError, OverflowError), np.errstate(over="ignore"):

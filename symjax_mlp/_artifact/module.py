@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from symjax_mlp._artifact.format import JAXEXPORT, MLIRBC, program_file, show
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._specs import shape_dims
@@ -14,8 +16,6 @@ from symjax_mlp._specs import shape_dims
 
 def compatibility_note(manifest: Mapping[str, Any]) -> str:
     """The compatibility window, and how to re-export, for error messages."""
-    import jax
-
     made = show(manifest["versions"].get("jax", "?"))[1:-1]
     created = show(manifest["created"])[1:-1]
     return (
@@ -35,8 +35,6 @@ def deserialize(
 ) -> Any:
     """``model.jaxexport`` deserialized (unless ``exported``, its module loaded before) and
     checked against the manifest and ``model.mlirbc``."""
-    import jax
-
     file = program_file(manifest, JAXEXPORT)
     if exported is None:
         try:
@@ -62,8 +60,6 @@ def _check_agrees(
 ) -> None:
     """Checks that the module, the manifest and ``model.mlirbc`` are one program (checksums
     prove only that each file is what the manifest recorded)."""
-    import jax
-
     sig, n_dev = manifest["signature"], manifest["nr_devices"]
     jaxexport, mlirbc = program_file(manifest, JAXEXPORT), program_file(manifest, MLIRBC)
     symbolic = any(not isinstance(d, int) for a in exported.in_avals for d in a.shape)

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from symjax_mlp._artifact.format import NEEDS, caller, printable
 from symjax_mlp._compat import constraint_named
 from symjax_mlp._errors import ArtifactError, ConfigError
@@ -246,8 +248,6 @@ _ELEMENTS = {"bool": "i1", "bfloat16": "bf16", "complex64": "complex<f32>",
 def mlir_type(aval: Any) -> str | None:
     """``tensor<?x3xf32>`` for ``float32[b, 3]``: the type MLIR prints for ``aval`` (``None``
     for an element type not spelt here); rng keys as their data (``key<fry>[2]``: ``2x2xui32``)."""
-    import jax
-
     shape = tuple(aval.shape)
     if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
         aval = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), aval.dtype))

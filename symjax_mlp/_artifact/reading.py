@@ -15,6 +15,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import jax
+
 from symjax_mlp._artifact import checker
 from symjax_mlp._artifact.format import (
     CORE_FILES,
@@ -253,8 +255,6 @@ def check_card(path: Path, manifest: Any) -> None:
 def check_x64(path: Path, manifest: Any, *, loaded: bool = False) -> None:
     """Refuses 64-bit tensors where JAX runs without x64 (it would make them 32-bit);
     ``loaded``: at a call of the model, which was loaded where x64 was on."""
-    import jax
-
     if jax.config.jax_enable_x64:
         return
     specs = [*manifest["params"]]

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from symjax_mlp._artifact.format import printable
@@ -386,8 +387,6 @@ def _weak(a: np.ndarray, spec: TensorSpec) -> np.ndarray:
     """Python numbers (a scalar, a list of them) in the artifact's dtype, as JAX's weakly typed
     scalars take one: a bool only bool, an int any number type it fits, a float a float or
     complex one; else ``a`` as NumPy made it (64-bit), for the dtype check to refuse."""
-    import ml_dtypes
-
     want = getattr(np, spec.dtype, None) if spec.dtype != "bool" else np.bool_
     want = np.dtype(getattr(ml_dtypes, spec.dtype, want) or "V")
     kind = want.kind if want.kind != "V" else "f" if "float" in want.name else want.name[:1]
