@@ -861,7 +861,8 @@ def test_stateful_rows_carry_state_the_same_way():
 # -- per request, against floors measured in the same run -------------------------------------
 def test_per_request_rows_floors_and_targets():
     r = per_request.bench_per_request(sizes=(8, 2), in_features=16, calls=5, repeats=2)
-    keys = ["dispatch_floor", "aot_constants", "aot_arguments", "h", "h_constants", "artifact_jax"]
+    keys = ["dispatch_floor", "aot_constants", "aot_constants_init", "aot_arguments", "h",
+            "h_constants", "artifact_jax"]  # fmt: skip
     assert list(r["rows"]) == keys and r["skipped"] == {} and r["notes"] == []
     assert r["dispatch"] == "sync"  # its own fresh process, in latency mode
     assert r["traces"] == {"h": 1, "h_constants": 1}  # compiled once each, never retraced
@@ -886,6 +887,24 @@ def test_per_request_rows_floors_and_targets():
     assert "JAX sync dispatch" in text and "dispatch floor " in text
     assert "(target <= 1.05)" in text
     json.dumps(r)
+
+
+@pytest.mark.slow  # three compiles (init, the Adam step, h): ~0.6 s
+def test_the_benchmarks_net_has_a_trained_models_params_not_its_init():
+    """At init every bias is zero, which XLA folds out of the params-as-constants floor (no
+    add) and never out of h(x)'s program: the benchmarks time the params as a trained model
+    has them (one Adam step), the init ones only in the per-request table's 'at init' row."""
+    from benchmarks.calls import chapter_init, chapter_net
+
+    h, variables, x = chapter_net((8, 2), 16, "relu", 0)
+    _, init, x0 = chapter_init((8, 2), 16, "relu", 0)
+    np.testing.assert_array_equal(x, x0)
+    assert h.params is variables
+    for layer, at_init in init["params"].items():
+        assert not np.any(np.asarray(at_init["bias"]))  # zeros at init
+        trained = variables["params"][layer]
+        assert np.all(np.asarray(trained["bias"]) != 0)  # every one moved off zero
+        assert np.all(np.asarray(trained["kernel"]) != np.asarray(at_init["kernel"]))
 
 
 def test_per_request_targets_name_pytorchs_fastest_and_the_others():

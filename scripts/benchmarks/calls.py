@@ -3,8 +3,8 @@
 Every section of :func:`benchmarks.serving.bench_serving` times requests one by one (a
 request's latency is the figure, not a mean over a loop) and summarises them the same way
 (:func:`percentiles`, :func:`summary`); concurrent clients start together behind a barrier
-(:func:`gated`); :func:`chapter_net` builds the net they serve, in the subprocess that times
-it.
+(:func:`gated`); :func:`chapter_net` builds the net they serve, its params as a trained
+model's (:func:`trained`), in the subprocess that times it.
 """
 
 from __future__ import annotations
@@ -71,8 +71,21 @@ def gated(client: Callable[[int], None], c: int, gate: threading.Barrier) -> flo
 def chapter_net(
     sizes: Sequence[int], in_features: int, activation: str | None, seed: int
 ) -> tuple[Any, Any, np.ndarray]:
-    """``(h, variables, x)``: the chapter's MLP hybridized, its variables, and a batch-1 input,
-    all from ``seed`` (the same in every process)."""
+    """``(h, variables, x)``: the chapter's MLP hybridized, its variables as a trained model
+    has them (:func:`trained`), and a batch-1 input, all from ``seed`` (the same in every
+    process)."""
+    import symjax_mlp as sm
+
+    net, variables, xn = chapter_init(sizes, in_features, activation, seed)
+    variables = trained(net, variables, xn, seed)
+    return sm.hybridize(net, variables, name="mlp"), variables, xn
+
+
+def chapter_init(
+    sizes: Sequence[int], in_features: int, activation: str | None, seed: int
+) -> tuple[Any, Any, np.ndarray]:
+    """``(net, variables, x)``: the chapter's MLP, its variables at init (every bias zero)
+    and a batch-1 input, from ``seed``."""
     import jax
 
     import symjax_mlp as sm
@@ -80,5 +93,28 @@ def chapter_net(
     net = sm.mlp(tuple(sizes), activation=activation)
     rng = np.random.default_rng(seed)
     xn = rng.standard_normal((1, in_features), dtype=np.float32)
-    variables = jax.jit(net.init)(jax.random.key(seed), xn)
-    return sm.hybridize(net, variables, name="mlp"), variables, xn
+    return net, jax.jit(net.init)(jax.random.key(seed), xn), xn
+
+
+def trained(net: Any, variables: Any, x: np.ndarray, seed: int) -> Any:
+    """``variables`` after one Adam step (lr 1e-3) on a regression batch shaped as ``x``, drawn
+    from ``seed``: every bias non-zero, as a trained model's. At init a Dense's bias is all
+    zeros, which XLA folds out of a program that holds the params as constants (no add), never
+    out of one that takes them as arguments: a floor measured at init is not the program a
+    user serves."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    rng = np.random.default_rng(seed + 1)
+    xb = rng.standard_normal((64, *x.shape[1:]), dtype=np.float32)
+    yb = rng.standard_normal(jax.eval_shape(net.apply, variables, xb).shape, dtype=np.float32)
+    optimizer = optax.adam(1e-3)
+
+    @jax.jit
+    def step(v: Any) -> Any:
+        grads = jax.grad(lambda v: jnp.mean((net.apply(v, xb) - yb) ** 2))(v)
+        updates, _ = optimizer.update(grads, optimizer.init(v), v)
+        return optax.apply_updates(v, updates)
+
+    return step(variables)

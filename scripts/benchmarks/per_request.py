@@ -9,6 +9,10 @@ ratios compare like with like:
   costs here) and the MLP lowered and compiled ahead of time with its params as constants
   (``jax.jit(lambda x: net.apply(variables, x)).lower(x).compile()``), and with its params as
   arguments; the compute part is the constants executable less the dispatch floor;
+- every row runs the same params, as a trained model has them (one Adam step from init:
+  :func:`benchmarks.calls.trained`); one more row, the constants executable of the params at
+  init, shows what a floor measured there would miss: their zero biases, which XLA folds out
+  of a program holding them as constants, never out of one taking them as arguments;
 - ``h(x)`` and ``h(x)`` with ``params_as_constants=True``;
 - the exported artifact loaded in JAX (and IREE, when asked and installed: from Python, and
   the same ``.vmfb`` in IREE's native ``iree-benchmark-module``, :mod:`benchmarks.iree_native`);
@@ -39,6 +43,7 @@ from benchmarks.timing import Progress, format_seconds
 LABELS = {
     "dispatch_floor": "jitted x + 1 (dispatch floor)",
     "aot_constants": "AOT executable, params as constants",
+    "aot_constants_init": "AOT executable, params as constants, at init",
     "aot_arguments": "AOT executable, params as arguments",
     "h": "h(x)",
     "h_constants": "h(x), params_as_constants=True",
@@ -84,7 +89,7 @@ def measure(
     import symjax_mlp as sm
     from benchmarks import iree_native
     from benchmarks import rivals as rv
-    from benchmarks.calls import chapter_net
+    from benchmarks.calls import chapter_init, chapter_net
     from benchmarks.timing import time_interleaved
 
     sm.serving.latency_mode()  # before anything starts JAX's CPU backend
@@ -98,11 +103,14 @@ def measure(
 
     plus_one = jax.jit(lambda x: x + 1).lower(x).compile()
     constants = jax.jit(lambda x: net.apply(variables, x)).lower(x).compile()
+    at_init = chapter_init(sizes, in_features, activation, seed)[1]
+    constants_init = jax.jit(lambda x: net.apply(at_init, x)).lower(x).compile()
     arguments = jax.jit(with_args).lower(leaves, x).compile()
     hc = h.replace(params_as_constants=True)
     fns = {
         "dispatch_floor": lambda: plus_one(x),
         "aot_constants": lambda: constants(x),
+        "aot_constants_init": lambda: constants_init(x),
         "aot_arguments": lambda: arguments(leaves, x),
         "h": lambda: h(x),
         "h_constants": lambda: hc(x),
@@ -147,7 +155,7 @@ def measure(
                 fns[r.key], syncs[r.key], stages[r.key] = r.call, (lambda _: None), r.stage_s
                 starters.append(r)
         for key, fn in fns.items():
-            if key == "dispatch_floor":  # x + 1: another function
+            if key in ("dispatch_floor", "aot_constants_init"):  # another function, other params
                 continue
             got = np.asarray(fn())
             if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=1e-4):
@@ -258,14 +266,15 @@ def format_per_request(result: Mapping[str, Any]) -> str:
     lines = [
         f"Per request, against floors measured in the same run: one fresh process, JAX "
         f"{result['dispatch']} dispatch, mlp({c['sizes']}) at batch 1, {c['calls']} synced calls "
-        f"x {c['repeats']} repeats, rows interleaved",
-        f"  {'row':<40}{'min':>10}{'median':>10}{'vs AOT const':>14}{'stage':>10}{'cold':>9}",
+        f"x {c['repeats']} repeats, rows interleaved; params after one Adam step from init (every "
+        f"bias non-zero, as a trained model's), but the row 'at init' (zero biases, folded out)",
+        f"  {'row':<48}{'min':>10}{'median':>10}{'vs AOT const':>14}{'stage':>10}{'cold':>9}",
     ]
     for r in rows.values():
         stage = us(r["stage_s"]) if r["stage_s"] is not None else ""
         cold = f"{r['cold_start_s']:.2f} s" if r["cold_start_s"] is not None else ""
         lines.append(
-            f"  {r['label'][:39]:<40}{us(r['min_s']):>10}{us(r['median_s']):>10}"
+            f"  {r['label'][:47]:<48}{us(r['min_s']):>10}{us(r['median_s']):>10}"
             f"{r['min_s'] / base:>13.3f}x{stage:>10}{cold:>9}"
         )
     f = result["floors"]
