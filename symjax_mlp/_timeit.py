@@ -6,6 +6,7 @@ wait per repeat); after a warm-up the four rows take turns, the order rotating e
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -42,6 +43,13 @@ _TOO_LARGE = (  # no batch the caller passes is smaller
     "timeit({call}): its input {spec.path}, {spec.dtype}{shape} at the smallest batch its "
     "signature admits, is more than this process can hold in memory. That is no model's row: "
     "check what the artifact declares (its manifest's signature), or time it where it fits."
+)
+MAX_DRAWN = 2**24  # values per row of the batch timeit draws for an artifact: 64 MiB of float32
+_TOO_MANY = (  # what its signature sizes, which a stranger writes: seconds to draw, hours to time
+    "timeit({call}): the inputs it would draw for {sig} at batch {batch} hold {values:,} values "
+    "(input {spec.path} the most: {spec.dtype}{shape}), more than the {cap:,} per row of the "
+    "batch that timeit draws. That is no model's row: check what the artifact declares "
+    "(symjax-mlp inspect), or pass inputs of your own: timeit(model, x)."
 )
 _BATCH_OF_ARGS = (
     "timeit({name}, *args, batch={batch}): batch sizes the inputs drawn for an artifact, and "
@@ -189,8 +197,13 @@ def _inputs(m: Any, given: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
     if (sizes := sizes_at(m.signature, batch)) is None:
         reason = f"it takes {m.signature}, whose constraints refuse batch {batch}."
         raise SignatureError(f"{drawn}: {reason} {_DRAWN_FIX}")
-    for spec in specs:
-        shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
+    shapes = [tuple(sizes[d] if isinstance(d, str) else d for d in s.shape) for s in specs]
+    if (values := sum(map(math.prod, shapes))) > MAX_DRAWN * batch:  # a stranger's manifest's
+        big = max(range(len(specs)), key=lambda i: math.prod(shapes[i]))
+        raise ConfigError(_TOO_MANY.format(
+            call=call, batch=batch, sig=m.signature, values=values, cap=MAX_DRAWN,
+            spec=specs[big], shape=list(shapes[big])))  # fmt: skip
+    for spec, shape in zip(specs, shapes, strict=True):
         try:
             inputs.append(draw(rng, shape, spec.dtype))
         except TypeError:
@@ -256,7 +269,8 @@ def timeit(
     Raises:
       ConfigError: a count below 1, a sharded model, neither a Hybrid nor a LoadedModel, no
         inputs for a Hybrid, a ``batch`` that sizes nothing, or kwargs for a LoadedModel; a
-        model's keyword passed as timeit's own.
+        model's keyword passed as timeit's own; inputs to draw of more than ``MAX_DRAWN``
+        values per row of the batch (what a stranger's signature may ask).
       SignatureError: ``args`` do not fit the artifact's signature.
 
     Example:

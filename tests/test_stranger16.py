@@ -1,0 +1,186 @@
+"""Round sixteen of a stranger's attacks (session 63): whole, self-consistent artifacts against
+what session 62 added (format 3, whose ``signature.strong`` and ``weak_type`` decide dtypes, and
+the golden files older releases wrote) and the artifact commands that size their own inputs
+(``symjax-mlp bench DIR``, ``sm.timeit``). A downgrade: a format-3 artifact re-declared format 1
+or 2, signed or not. Each way in that got through has a test failing without its fix; each
+surface that held keeps one test showing it. The rounds before: test_stranger15.py, ...,
+test_stranger14.py (a ``strong`` list naming no input, twice, 10^5 names; ``weak_type`` on a
+param, an array or not a bool: not repeated here), test_security.py, test_signing_stranger.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+import symjax_mlp as sm
+from symjax_mlp.cli import main
+
+S = np.ones((2, 3), np.float32)
+PEM = serialization.Encoding.PEM
+
+
+def _scalar(p, x, s):
+    return p["w"] * s, x * s  # a bfloat16 weight times a float32 scalar: its weak type decides
+
+
+@pytest.fixture(scope="module")
+def strong(tmp_path_factory):
+    """A format-3 artifact whose args[1] takes only strongly typed scalars (``strong``), signed
+    by a key made here; its Hybrid and the key's public half."""
+    d = tmp_path_factory.mktemp("strong")
+    h = sm.hybridize(_scalar, {"w": jnp.arange(1, 4, dtype=jnp.bfloat16)})
+    path = sm.export(h, d / "m", example=(S, np.float32(1.5)), batch=None).path
+    key = ec.generate_private_key(ec.SECP256R1())
+    (d / "k.pem").write_bytes(key.private_bytes(
+        PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
+    public = key.public_key().public_bytes(PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    (d / "k.pub").write_bytes(public)
+    return path, h, d / "k.pem", d / "k.pub"
+
+
+def _edited(src, to, edit):
+    """A copy of the artifact ``src`` at ``to``, its manifest changed by ``edit`` (no hashed
+    file touched: the copy is whole); a signature copied with it is no longer the manifest's."""
+    shutil.copytree(src, to)
+    manifest = json.loads((to / "manifest.json").read_text())
+    edit(manifest)
+    (to / "manifest.json").write_text(json.dumps(manifest))
+    return to
+
+
+def _declared(version):
+    return lambda m: m.__setitem__("format_version", version)
+
+
+@pytest.mark.slow  # an export, three loads: ~2 s
+def test_a_format_3_artifact_declared_format_1_or_2_still_refuses_the_other_weak_kind(
+    strong, tmp_path
+):
+    """Held. ``format_version`` decides nothing but what a release may read: today's reader
+    reads ``strong`` and ``weak_type`` whatever version a manifest declares, so a downgrade
+    (format 1 or 2, which no format-3 field may be in) answers the strongly typed scalar as h
+    does and still refuses 1.5, which h answers in other dtypes, and ``typed_check`` picks the
+    same class; a downgrade to 0 or 4 is refused as a version this release does not read."""
+    path, h = strong[:2]
+    assert json.loads((path / "manifest.json").read_text())["format_version"] == 3
+    for version in (1, 2):
+        m = sm.load(_edited(path, tmp_path / f"v{version}", _declared(version)))
+        assert m.signature.strong == ("args[1]",) and type(m) is not sm.LoadedModel  # _Typed
+        got, want = m(S, np.float32(1.5)), h(S, np.float32(1.5))
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and np.array_equal(np.asarray(g), np.asarray(w))
+        assert h(S, 1.5)[0].dtype != want[0].dtype  # what m(S, 1.5) would have got wrong
+        with pytest.raises(sm.SignatureError, match=r"input args\[1\] takes only a strongly"):
+            m(S, 1.5)
+        with pytest.raises(sm.SignatureError, match=r"input args\[1\] takes only a strongly"):
+            m.apply(m.params, S, 1.5)
+    for version in (0, 4):
+        with pytest.raises(sm.ArtifactError, match=f"format version {version}; this symjax_mlp"):
+            sm.load(_edited(path, tmp_path / f"v{version}", _declared(version)))
+
+
+@pytest.mark.slow  # signing, two verifications: ~1 s
+def test_a_signed_format_3_artifact_declared_older_or_stripped_of_strong_is_refused(
+    strong, tmp_path
+):
+    """Held. The signature covers manifest.json: a signed artifact re-declared format 2, or
+    stripped of ``strong`` (so that 1.5 would be answered in float32 where the model answers
+    bfloat16), is refused by ``verify_signature`` in one line, before any parser reads it."""
+    path, _, private, public = strong
+    signed = shutil.copytree(path, tmp_path / "signed")
+    sm.sign(signed, private)
+    assert sm.load(signed, verify_signature=public).signature.strong == ("args[1]",)
+
+    def stripped(m):
+        del m["signature"]["strong"]
+        m["format_version"] = 2
+
+    for name, edit in (("older", _declared(2)), ("stripped", stripped)):
+        art = _edited(signed, tmp_path / name, edit)
+        with pytest.raises(sm.ArtifactError) as e:
+            sm.load(art, verify_signature=public)
+        assert "manifest.json" in str(e.value) and "\n" not in str(e.value), name
+
+
+@pytest.mark.slow  # an export, then seven manifests read: ~1 s
+def test_a_strong_list_of_a_bool_a_negative_index_or_a_null_picks_no_class_silently(
+    strong, tmp_path
+):
+    """Held. ``signature.strong`` decides the class load picks (``_Typed``, whose calls check a
+    weak type): a bool, a bare string, a negative or out-of-range index, a null in the list or
+    an entry point's list naming the default's inputs are refused at load, naming the field;
+    ``strong: []`` (what no export writes, but means none) loads as a plain model."""
+    path = strong[0]
+
+    def strong_as(value):
+        return lambda m: m["signature"].__setitem__("strong", value)
+
+    hostile = {
+        "a bool": strong_as(True),
+        "a string": strong_as("args[1]"),
+        "a negative index": strong_as(["args[-1]"]),
+        "an index past the inputs": strong_as(["args[2]"]),
+        "a null": strong_as([None]),
+        "an int": strong_as([1]),
+        "the array input's 0": strong_as(["args[1]", 0]),
+    }
+    for name, edit in hostile.items():  # each copy's folder named for what it holds
+        with pytest.raises(sm.ArtifactError, match=r"signature\.strong is .*corrupted or was"):
+            sm.load(_edited(path, tmp_path / name, edit))
+    plain = sm.load(_edited(path, tmp_path / "none", strong_as([])))
+    assert plain.signature.strong == () and type(plain) is sm.LoadedModel  # no _Typed
+
+
+@pytest.fixture(scope="module")
+def gigabytes(tmp_path_factory):
+    """Artifacts of x * w whose signatures size their inputs for bench: ``t >= 2**26`` (float32
+    [b, t], 256 MiB at batch 1, what the manifest's constraint asks) and a fixed uint8[2**29],
+    each whole (its program takes those shapes)."""
+    d = tmp_path_factory.mktemp("big")
+    h = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.ones((), jnp.float32)})
+    bounded = sm.export(h, d / "t", example=S, shapes=("b, t",), constraints=("t >= 67108864",))
+    g = sm.hybridize(lambda p, x: x + p["w"], {"w": jnp.ones((), jnp.uint8)})
+    fixed = sm.export(g, d / "u", example=jax.ShapeDtypeStruct((2**29,), jnp.uint8), batch=None)
+    return bounded.path, fixed.path
+
+
+@pytest.mark.slow  # two exports, loads, the command line: ~3 s
+@pytest.mark.parametrize("which", [0, 1])
+def test_bench_refuses_inputs_a_manifest_sizes_in_gigabytes_before_drawing_them(
+    gigabytes, which, capsys
+):
+    """``symjax-mlp bench DIR`` and ``sm.timeit(m)`` drew the inputs the artifact's signature
+    sizes, whatever it said: a constraint ``t >= 2**26`` had bench draw 256 MiB (2**28: 1 GiB,
+    4.4 GB of peak memory) at batch 1 and time 28,000 calls of it by default (hours), where
+    ``verify`` refuses past 64 MiB. Inputs of more than 2**24 values per row of the batch
+    (64 MiB of float32) are now refused before any is drawn, naming the input and its shape."""
+    path = gigabytes[which]
+    m = sm.load(path)
+    for batch in (1, 2) if which == 0 else (1,):
+        with pytest.raises(sm.ConfigError) as e:
+            sm.timeit(m, batch=batch, calls=1, repeats=1, warmup=1)
+        said = str(e.value)
+        assert said.startswith(f'timeit(symjax_mlp.load("{path}")): the inputs it would draw')
+        assert "input args[0] the most: " in said and "pass inputs of your own" in said, said
+        shape = f"float32[{batch}, 67108864]" if which == 0 else "uint8[536870912]"
+        assert shape in said and "smaller batch" not in said, said
+    assert main(["bench", str(path), "--calls", "1", "--repeats", "1", "--warmup", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the inputs it would draw" in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow  # an export, a load, a short timing: ~2 s
+def test_timeit_draws_an_artifacts_inputs_within_the_bound_as_before(tmp_path):
+    """The bound is per row of the batch: a model of 4096 inputs per row is timed at batch 64
+    (a million values drawn), as before."""
+    h = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.ones((), jnp.float32)})
+    m = sm.load(sm.export(h, tmp_path / "m", example=np.ones((1, 4096), np.float32)).path)
+    t = sm.timeit(m, batch=64, calls=2, repeats=1, warmup=1)
+    assert t.calls == 2 and t.min() > 0
