@@ -25,6 +25,7 @@ from symjax_mlp._export import export
 from symjax_mlp._hybrid.hybrid import Hybrid
 from symjax_mlp._hybrid.make import hybridize
 from symjax_mlp.training._data import Dataset
+from symjax_mlp.training._optimizer import states
 from symjax_mlp.training._shard import ShardedStep
 from symjax_mlp.training._state import EpochRecord, TrainState, eval_point
 from symjax_mlp.training._step import ModelVars, apply_model, step_of
@@ -92,6 +93,8 @@ class Programs:
         states: list[Any] = []  # each trace's params and optimizer state, placement aside
 
         def counted(params, opt_state, x, y, w, **kw):
+            if jax.config.jax_disable_jit:  # jax.disable_jit(): each step op by op, no trace
+                return step(params, opt_state, x, y, w, **kw)
             traces.append(tuple(jax.typeof(a) for a in (x, y, w)))
             states.append(_unplaced((params, opt_state)))
             # a model pinning its activations to its own mesh (with_sharding_constraint, as
@@ -148,7 +151,10 @@ class Programs:
             metrics.append(m)
         metrics = jax.device_get(metrics)
         losses = np.array([m["loss"] for m in metrics])
-        skipped = _skips_non_finite(opt_state) & ~np.isfinite(losses)  # apply_if_finite's own
+        # optax.apply_if_finite skips a step whose gradients are not finite: its non-finite
+        # losses are batches skipped, not a divergence
+        skips = bool(states(opt_state, optax.ApplyIfFiniteState))
+        skipped = skips & ~np.isfinite(losses)
         _check_finite(
             np.where(skipped, 0.0, losses), self.local(params),
             first_step=state.step, epoch=epoch, newest=newest,
@@ -169,10 +175,7 @@ def evaluated(params: Any, opt_state: Any) -> Any:
     """The params to evaluate and export: a schedule-free optimizer's (optax.contrib's
     ``schedule_free``, found anywhere in ``opt_state``) as ``schedule_free_eval_params`` gives
     them, its ``x`` and not the ``y`` its steps take gradients at; else ``params``."""
-    free = optax.contrib.ScheduleFreeState
-    found = [
-        s for s in jax.tree.leaves(opt_state, is_leaf=free.__instancecheck__) if isinstance(s, free)
-    ]
+    found = states(opt_state, optax.contrib.ScheduleFreeState)
     if len(found) != 1:  # none, or several (each of some params): ours to leave as they are
         return params
     b1, z = found[0].b1, found[0].z
@@ -183,15 +186,6 @@ def evaluated(params: Any, opt_state: Any) -> Any:
     if isinstance(params, ModelVars):
         return ModelVars(jax.tree.map(x, params.params, z), params.state)
     return jax.tree.map(x, params, z)
-
-
-def _skips_non_finite(opt_state: Any) -> bool:
-    """Whether the optimizer is ``optax.apply_if_finite``'s, which skips a step whose gradients
-    are not finite: its non-finite losses are batches skipped, not a divergence."""
-    skips = optax.ApplyIfFiniteState
-    return any(
-        isinstance(s, skips) for s in jax.tree.leaves(opt_state, is_leaf=skips.__instancecheck__)
-    )
 
 
 def _check_finite(

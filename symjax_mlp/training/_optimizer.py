@@ -192,13 +192,17 @@ def check_update(optimizer: Any, params: Any, opt_state: Any, caller: str) -> No
     except ConfigError:
         raise
     except Exception as e:
-        kinds = tuple(_UNSTEPPED)
-        found = jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
-        why = next((_UNSTEPPED[type(s)] for s in found if isinstance(s, kinds)), None)
+        why = next((_UNSTEPPED[type(s)] for s in states(opt_state, tuple(_UNSTEPPED))), None)
         if why is not None:
             said = _UNSTEPPED_RAISED.format(caller=caller, e=first_line(e, 200, typed=True))
             raise ConfigError(said + why) from e
         raise ConfigError(_UPDATE_RAISED.format(caller=caller, e=e, kind=type(e).__name__)) from e
+
+
+def states(opt_state: Any, kinds: type | tuple[type, ...]) -> list[Any]:
+    """The states of ``kinds`` anywhere in ``opt_state`` (in a chain's, a multi_transform's)."""
+    found = jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
+    return [s for s in found if isinstance(s, kinds)]
 
 
 def _like(tree: Any) -> Any:  # its structure, each leaf as its dtype and shape
@@ -258,9 +262,7 @@ class Moved:
         update (fewer steps so far than its every_k_schedule), which moves nothing."""
         if self.before != self.digest(params):
             return True
-        multi = optax.MultiStepsState
-        found = jax.tree.leaves(opt_state, is_leaf=multi.__instancecheck__)
-        if any(isinstance(s, multi) and int(s.gradient_step) == 0 for s in found):
+        if any(int(s.gradient_step) == 0 for s in states(opt_state, optax.MultiStepsState)):
             return False
         warnings.warn(
             _NOTHING_MOVED.format(caller=caller, epoch=record.epoch, steps=record.step),
