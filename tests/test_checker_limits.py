@@ -395,3 +395,18 @@ def test_regions_nested_deeper_than_xla_compiles_are_refused(levels, per_functio
     """XLA crashed (SIGSEGV) compiling 300 nested ifs, ran 200; calls nest as they inline."""
     deep = [p.what for p in report(nested_ifs(levels, per_function)).problems]
     assert any("nested" in w for w in deep) == (levels * per_function > ops.MAX_NESTING), deep
+
+
+def test_a_walked_module_is_not_kept_alive_by_the_walk():
+    """The walk held every module it read (a cache decorating the wrong function: a load
+    process kept each refined module of each new input shape, the checker's child each module
+    it checked, with their MLIR contexts): once its report is made, the module is the caller's."""
+    import gc
+    import sys
+
+    with jax_mlir.make_ir_context():
+        module = ir.Module.parse(fanout(2))
+        before = sys.getrefcount(module)
+        walk.analyze_module(module)
+        gc.collect()
+        assert sys.getrefcount(module) == before

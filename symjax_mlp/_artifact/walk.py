@@ -279,7 +279,6 @@ _EMPTY = {"work": 0, "ops": 0, "bytes": 0, "depth": 0}  # a function's totals be
 
 
 # -- attribute and type helpers ----------------------------------------------------------------
-@functools.cache  # built on first use: MLIR's bindings import only in the checker
 def _main_types(module: Any) -> dict[str, list[str]] | None:
     """The MLIR types ``main`` takes and returns (its ``func.return``'s): what JAX calls it
     with and reads back as the export's avals (:func:`ops.check_main`); ``None``: no main."""
@@ -295,6 +294,7 @@ def _main_types(module: Any) -> dict[str, list[str]] | None:
     return None
 
 
+@functools.cache  # built once, on first use (MLIR's bindings import only in the checker)
 def _attribute_kinds() -> dict[str, tuple[type, ...]]:
     from jax.extend.mlir import ir
 
