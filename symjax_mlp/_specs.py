@@ -50,7 +50,7 @@ class TensorSpec:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> TensorSpec:
         """The spec :meth:`to_json` wrote, ``d``; a ``KeyError`` if a field is missing."""
-        return cls(str(d["path"]), tuple(d["shape"]), str(d["dtype"]), d.get("weak_type") is True)
+        return cls(d["path"], tuple(d["shape"]), d["dtype"], d.get("weak_type", False))
 
 
 def shape_dims(shape: Sequence[Any]) -> tuple[int | str, ...]:

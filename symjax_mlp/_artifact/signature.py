@@ -75,12 +75,11 @@ class Signature:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Signature:
-        """The signature :meth:`to_json` wrote, ``d`` (a manifest's ``"signature"``)."""
+        """The signature :meth:`to_json` wrote, ``d`` (a manifest's ``"signature"``, whose
+        fields ``check_schema`` checked)."""
         specs = [tuple(TensorSpec.from_json(s) for s in d[k]) for k in ("inputs", "outputs")]
-        constraints = tuple(str(c) for c in d.get("constraints", ()))
-        strong = d.get("strong")  # (a stranger's other than a list: none)
-        strong = tuple(map(str, strong)) if isinstance(strong, (list, tuple)) else ()
-        return cls(*specs, str(d["output_kind"]), d.get("batch"), constraints, strong)
+        constraints, strong = tuple(d.get("constraints", ())), tuple(d.get("strong", ()))
+        return cls(*specs, d["output_kind"], d.get("batch"), constraints, strong)
 
     def check(self, inputs: Sequence[Any], *, caller: str) -> list[Any]:
         """Checks a call's ``inputs``; returns them as arrays (JAX arrays are passed through).
