@@ -135,19 +135,15 @@ def calls_back(name: str, eqns: Sequence[Any]) -> ConfigError | None:
     names = {e.primitive.name for e in eqns}
     if not (callbacks := sorted(n for n in names if "callback" in n or n.startswith("debug_"))):
         return None
-    checks = any(map(_equinox_check, eqns))
+    # equinox's error_if: the host callback's raising function is equinox's
+    raising = [getattr(e.params.get("callback"), "callback_func", None) for e in eqns]
+    checks = any(getattr(f, "__module__", "").startswith("equinox") for f in raising)
     return ConfigError(
         f"export({name}): the function calls back into Python ({', '.join(callbacks)}), and an "
         "artifact carries no Python: it runs where your code is not. Compute it with jnp/lax "
         "operations, or keep that step (a jax.debug.print too) outside the exported function."
         + (_EQX_CHECKS if checks else "")
     )
-
-
-def _equinox_check(eqn: Any) -> bool:
-    """Whether ``eqn`` is the host callback of equinox's ``error_if`` (its raising function)."""
-    raises = getattr(eqn.params.get("callback"), "callback_func", None)
-    return getattr(raises, "__module__", "").startswith("equinox")
 
 
 _UNGUARANTEED = (

@@ -331,7 +331,10 @@ def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) 
     """``exported.serialize(vjp_order)``; refused where its VJP compares a symbolic dimension
     (the GP's cholesky of (7, 7) and its b test points: 'b' < '7' is inconclusive), or where
     JAX cannot build its VJP of that order (a dynamic while_loop, a pallas_call: none)."""
-    with _as_staged(exported):  # (its VJP built as its forward was staged)
+    # off the caller's mesh where exported is one device's program (staged off a mesh of
+    # Explicit axes, see trace_placed): its VJP is built as its forward was (built on the mesh,
+    # jax.grad of the loaded model failed 'expects static assert_what' for a symbolic batch)
+    with jax.set_mesh(None) if exported.nr_devices == 1 else contextlib.nullcontext():
         try:
             return bytes(exported.serialize(vjp_order=vjp_order))
         except jax.errors.InconclusiveDimensionOperation as e:
@@ -346,13 +349,6 @@ def serialized(exported: Any, vjp_order: int, name: str, inputs: Iterable[Any]) 
             said = _NO_VJP if "host_callbacks" not in str(e) else _VJP_CALLS_BACK
             said = said.format(name=name, order=vjp_order, error=_why(e), works=works)
             raise ConfigError(said) from None
-
-
-def _as_staged(exported: Any) -> contextlib.AbstractContextManager:
-    """Off the caller's mesh where ``exported`` is one device's program (staged off a mesh of
-    Explicit axes, see trace_placed): its VJP is built as its forward was (built on the mesh,
-    jax.grad of the loaded model failed 'expects static assert_what' for a symbolic batch)."""
-    return jax.set_mesh(None) if exported.nr_devices == 1 else contextlib.nullcontext()
 
 
 def _highest_order(exported: Any, failed: int) -> int:
