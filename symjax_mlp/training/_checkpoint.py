@@ -48,6 +48,7 @@ from symjax_mlp.training._state import (
     is_count,
     named_leaves,
     specs,
+    started_from,
     state_of,
 )
 
@@ -72,21 +73,31 @@ _METADATA = (
 )
 
 
-#: what to do with a checkpoint that cannot be used: a resume's, and a new run's start's
-#: (``init_from``, whose reads run in :func:`starting_from`)
-OLDER = {
+#: what to do with a checkpoint that cannot be used (``_OLDER``) or that train() did not write
+#: (``_FOREIGN``), by who reads it: a resume, or a new run's start (``init_from``), whose reads
+#: run in :func:`starting_from`
+_OLDER = {
     "resume": "Resume from an older checkpoint (remove this checkpoint's directory: resume=True "
     "picks the newest), or start over in an empty directory.",
     "init_from": "Start from another checkpoint (init_from=DIR/step_N names one), or leave "
     "init_from out to train from the model's own initialisation.",
 }
+_FOREIGN = {
+    "resume": "Resume from a checkpoint train() wrote.",
+    "init_from": "A new run starts from the weights of a checkpoint train(checkpoint=DIR) wrote "
+    "(an exported artifact is none): pass that directory, or one of its step_* checkpoints, or "
+    "leave init_from out to train from the model's own initialisation.",
+}
 _READING = contextvars.ContextVar("symjax_mlp_checkpoint_reading", default="resume")
 
 
-def broken_fix() -> str:
-    """A broken checkpoint's fix, whatever is wrong with its files: the reader's (a resume's,
-    or in :func:`starting_from` a new run's start's)."""
-    return f"the checkpoint is incomplete, corrupted or was edited. {OLDER[_READING.get()]}"
+def older() -> str:
+    """What to do instead of reading a checkpoint that cannot be used, as its reader goes on."""
+    return _OLDER[_READING.get()]
+
+
+def broken_fix() -> str:  # whatever is wrong with the checkpoint's files
+    return f"the checkpoint is incomplete, corrupted or was edited. {older()}"
 
 
 def broken(path: Any, what: str) -> CheckpointError:
@@ -95,8 +106,7 @@ def broken(path: Any, what: str) -> CheckpointError:
 
 @contextlib.contextmanager
 def starting_from() -> Iterator[None]:
-    """The reads of a new run's start (``init_from``): a broken checkpoint's fix is to start
-    from another or from the model's own initialisation, not a resume's (an older one of it)."""
+    """The reads of a new run's start (``init_from``), whose fixes are :data:`_OLDER`'s."""
     token = _READING.set("init_from")
     try:
         yield
@@ -104,26 +114,16 @@ def starting_from() -> Iterator[None]:
         _READING.reset(token)
 
 
-_FOREIGN = (  # a foreign manifest's fix: a resume's, a new run's start (init_from)
-    "Resume from a checkpoint train() wrote.",
-    "A new run starts from the weights of a checkpoint train(checkpoint=DIR) wrote (an exported "
-    "artifact is none): pass that directory, or one of its step_* checkpoints, or leave "
-    "init_from out to train from the model's own initialisation.",
-)
-
-
 def check_manifest(
-    file: Path, manifest: Any, header: dict[str, Any], step: int | None, *,
-    init_from: bool = False, **fields: bool,
-) -> None:  # fmt: skip
-    """Refuses a manifest without ``header`` (its fix a resume's, or ``init_from``'s), with a
-    field missing or mistyped, or of a step other than ``step`` (its directory's); ``fields``:
-    the format's own fields' checks."""
+    file: Path, manifest: Any, header: dict[str, Any], step: int | None, **fields: bool
+) -> None:
+    """Refuses a manifest without ``header``, with a field missing or mistyped, or of a step
+    other than ``step`` (its directory's); ``fields``: the format's own fields' checks."""
     if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in header.items()):
         got = {k: manifest.get(k) for k in header} if isinstance(manifest, dict) else manifest
         raise CheckpointError(
             f"{file.parent} is not a symjax_mlp checkpoint of {header} (its manifest holds "
-            f"{printable(str(got)[:80])}). {_FOREIGN[init_from]}"
+            f"{printable(str(got)[:80])}). {_FOREIGN[_READING.get()]}"
         )
     meta = manifest.get("metadata", {})
     records = meta if isinstance(meta, dict) else {}
@@ -332,17 +332,17 @@ def read_checkpoint(
     files = manifest.get("files") if isinstance(manifest, dict) else None
     digest = files.get(_STATE_FILE) if isinstance(files, dict) else None
     sha_ok = isinstance(digest, str) and _SHA256.fullmatch(digest) is not None
-    check_manifest(file, manifest, _HEADER, step, init_from=weights is not None, files=sha_ok)
+    check_manifest(file, manifest, _HEADER, step, files=sha_ok)
     metadata = manifest.get("metadata", {})
     if weights is not None:  # its model checked before its tensors: a refusal says which differs
         weights(path, metadata)
-        manifest = {"step": 0, "epoch": 0}
-    leaves = named_leaves(like)  # with weights: its params (model state too), like's others
-    fresh = {n: a for n, a in leaves.items() if weights and not n.startswith("params/")}
+    wanted = {  # with weights: its params (model state too) only
+        n: a for n, a in named_leaves(like).items() if not weights or n.startswith("params/")
+    }
 
     def select(declared: dict[str, np.ndarray]) -> set[str]:  # before a tensor is held
         mine = {n: a for n, a in declared.items() if not weights or n.startswith("params/")}
-        check_fit(path, specs(mine), specs({n: a for n, a in leaves.items() if n not in fresh}))
+        check_fit(path, specs(mine), specs(wanted))
         if not weights or (evaluation := _evaluation(declared)) is None:
             return set(mine)  # init_from: the optimizer's tensors unread (another's, any size)
         prefix, made = evaluation
@@ -355,10 +355,9 @@ def read_checkpoint(
         )  # fmt: skip
     except FileNotFoundError:
         raise broken(path / _STATE_FILE, "the file is missing") from None
-    stored = evaluated_weights(stored) if weights else stored
-    stored = {n: a for n, a in stored.items() if not weights or n.startswith("params/")}
-    arrays = {name: jnp.asarray(a) for name, a in stored.items()}
-    return state_of({**arrays, **fresh}, like, manifest), metadata
+    if weights:
+        return started_from(evaluated_weights(stored), like), metadata
+    return state_of({n: jnp.asarray(a) for n, a in stored.items()}, like, manifest), metadata
 
 
 def _evaluation(tensors: dict[str, np.ndarray]) -> tuple[str, dict[str, str]] | None:

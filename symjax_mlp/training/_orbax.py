@@ -45,6 +45,7 @@ from symjax_mlp.training._state import (
     digest,
     named_leaves,
     specs,
+    started_from,
     state_of,
 )
 
@@ -103,7 +104,7 @@ def check_files(path: Path, others: bool = False) -> None:
     """Refuses a step of over ``_MAX_ENTRIES`` entries, anything but directories and regular
     files (Orbax follows a link out and blocks on a FIFO), or a file read whole (all but the
     arrays' data, in ``d/``) past ``_MAX_READ_WHOLE`` bytes; ``others``: another run's step
-    (init_from's), refused where another user may write or swap its files (:func:`check_own`)."""
+    (init_from's), refused where another user may write (:func:`check_own`)."""
 
     def refuse(error: OSError) -> None:
         raise broken(path, f"{error.filename} cannot be read ({error.strerror})")
@@ -315,7 +316,7 @@ class OrbaxCheckpoints:
         """A new run's start (``init_from``) from ``path``, written by any number of processes:
         ``like`` with the params (model state too) ``path`` holds, each on this process's first
         device, once ``check(path, metadata)`` has passed; its optimizer's may be another's."""
-        meta, stored = self._meta(path, init_from=True)
+        meta, stored = self._meta(path)
         check(path, meta.get("metadata", {}))
         leaves = named_leaves(like)
         wanted = {n: a for n, a in leaves.items() if n.startswith("params/") or n == "rng"}
@@ -334,11 +335,9 @@ class OrbaxCheckpoints:
         arrays = evaluated_weights(
             {n: _local(a) for n, a in self._arrays(path, meta, targets, local).items()}
         )  # a schedule-free run's eval params, as train() reported them
-        fresh = {n: a for n, a in leaves.items() if not n.startswith("params/")}
-        mine = {n: jnp.asarray(arrays[n]) for n in wanted if n != "rng"}
-        return state_of({**mine, **fresh}, like, {"step": 0, "epoch": 0})
+        return started_from(arrays, like)
 
-    def _meta(self, path: Path, init_from: bool = False) -> tuple[dict, dict[str, tuple]]:
+    def _meta(self, path: Path) -> tuple[dict, dict[str, tuple]]:
         """``path``'s meta item, checked, and its tensors' ``{name: (shape, dtype)}``."""
         args, step = self.ocp.args, int(path.name)
         try:
@@ -349,7 +348,7 @@ class OrbaxCheckpoints:
         except Exception as e:  # missing, truncated or edited JSON: the reader's own error
             what = f"its meta item is missing or malformed ({type(e).__name__}: {str(e)[:200]})"
             raise broken(path, what) from None
-        check_manifest(path / "meta", meta, _HEADER, step, init_from=init_from)
+        check_manifest(path / "meta", meta, _HEADER, step)
         return meta, stored
 
     def _arrays(self, path: Path, meta: dict, targets: dict[str, Any], sharding: Any) -> dict:

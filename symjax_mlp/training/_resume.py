@@ -28,7 +28,7 @@ from flax import nnx
 
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import CheckpointError, ConfigError, user_stacklevel
-from symjax_mlp.training._checkpoint import OLDER, broken, read_checkpoint, starting_from
+from symjax_mlp.training._checkpoint import broken, older, read_checkpoint, starting_from
 from symjax_mlp.training._data import Dataset
 from symjax_mlp.training._optimizer import takes_value
 from symjax_mlp.training._orbax import orbax_weights
@@ -127,9 +127,9 @@ def resume_run(
         )
     try:
         state, meta = (read_checkpoint if store is None else store.restore)(found, state)
+        _check_finite(found, state)
     except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
         raise CheckpointError(f"{_CALLER}: {e}") from None
-    _check_finite(found, state, f"{_CALLER}: ", "resume")
     _check_same_run(found, config, meta, state, update)
     history = [EpochRecord(**r) for r in meta.get("history", [])]  # checked as it was read
     ends = history[-1].step if history else 0
@@ -145,9 +145,7 @@ def resume_run(
 
 def check_init_from(directory: Any, checkpoint: Any) -> None:
     """Refuses an ``init_from`` that is not a path, that the run's ``checkpoint`` directory is,
-    holds or is inside (the run would write among the checkpoints it starts from), or an entry
-    named like a step newer than its newest checkpoint that is none (a symlink, a file, an
-    uncommitted Orbax save): it would be passed over."""
+    holds or is inside, or that holds a stray newer than its newest checkpoint."""
     caller = f"{_CALLER}(init_from={printable(str(directory))[:200]!r})"
     check_path(directory, caller)
     homes = [os.path.realpath(p) for p in (directory, checkpoint) if p is not None]
@@ -175,16 +173,14 @@ def init_run(directory: str | os.PathLike, state: TrainState, config: dict[str, 
         with starting_from():  # a broken one's fix: another checkpoint, not an older one of it
             found = orbax_weights(Path(directory), state, same_model)
             state = found or read_checkpoint(Path(directory), state, weights=same_model)[0]
+            _check_finite(read[0], state)
     except CheckpointError as e:  # it names the checkpoint; train()'s messages name the call
         raise CheckpointError(f"{caller}: {e}") from None
-    _check_finite(read[0], state, f"{caller}: ", "init_from")
     return state
 
 
-def _check_finite(found: Path, state: TrainState, heading: str, how: str) -> None:
-    """Refuses a checkpoint whose params (a model's state too) hold a NaN or an infinity: a run
-    from them diverged at once, its message advising a lower learning rate (or, skipping
-    non-finite steps, ran none and kept them)."""
+def _check_finite(found: Path, state: TrainState) -> None:
+    """Refuses a checkpoint whose params (a model's state too) hold a NaN or an infinity."""
     leaves = {n: jnp.asarray(a) for n, a in named_leaves(state).items() if n.startswith("params/")}
     bad = [
         (name, a) for name, a in leaves.items()
@@ -194,9 +190,8 @@ def _check_finite(found: Path, state: TrainState, heading: str, how: str) -> Non
         name, a = bad[0]
         value = np.asarray(a.ravel()[jnp.argmin(jnp.isfinite(a.ravel()))]).item()
         more = f", and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""
-        raise CheckpointError(heading + _NON_FINITE.format(
-            found=found, value=value, name=printable(name[:200]), more=more, fix=OLDER[how]
-        ))  # fmt: skip
+        what = {"found": found, "value": value, "name": printable(name[:200]), "more": more}
+        raise CheckpointError(_NON_FINITE.format(**what, fix=older()))
 
 
 def _check_same_run(found: Path, config: dict, meta: dict, state: TrainState, update) -> None:

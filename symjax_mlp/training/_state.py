@@ -118,6 +118,14 @@ def state_of(arrays: dict[str, Any], like: TrainState, manifest: dict[str, Any])
     return TrainState(params, opt_state, rng, step=manifest["step"], epoch=manifest["epoch"])
 
 
+def started_from(arrays: dict[str, Any], like: TrainState) -> TrainState:
+    """A new run's first state: ``like`` (a fresh one) with the params (model state too) of
+    ``arrays`` (as :func:`named_leaves` names them), at step and epoch 0."""
+    fresh = {n: a for n, a in named_leaves(like).items() if not n.startswith("params/")}
+    mine = {n: jnp.asarray(a) for n, a in arrays.items() if n.startswith("params/")}
+    return state_of({**mine, **fresh}, like, {"step": 0, "epoch": 0})
+
+
 def check_fit(path: Any, stored: dict[str, tuple], wanted: dict[str, tuple]) -> None:
     """Refuses a checkpoint whose tensors (``{name: (shape, dtype)}``) are not ``wanted``'s."""
     missing, extra = sorted(set(wanted) - set(stored)), sorted(set(stored) - set(wanted))
@@ -152,8 +160,7 @@ _TIMES, _FLOOR = 16, 64 << 20
 
 def check_others(path: Any, others: dict[str, tuple], params: dict[str, Any]) -> None:
     """Refuses another run's optimizer state (``others``: its declared ``(shape, dtype)``) past
-    ``_TIMES`` its ``params``' tensors or bytes: a meta of kilobytes declared terabytes of zeros
-    (compressed), and init_from read them all."""
+    ``_TIMES`` its ``params``' tensors or bytes (a few kilobytes may declare terabytes)."""
     size = sum(math.prod(s) * d.itemsize for s, d in others.values())
     mine = sum(math.prod(s) * np.dtype(d).itemsize for s, d in specs(params).values())
     if len(others) > _TIMES * len(params) or size > max(_TIMES * mine, _FLOOR):
