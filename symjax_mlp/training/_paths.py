@@ -40,9 +40,7 @@ def check_path(path: Any, caller: str) -> None:
 
 def check_own(step: Path, found: list[Path]) -> None:
     """Refuses another run's checkpoint ``step`` (``init_from``'s) where another user may write
-    or swap one of its ``found`` files or folders, or a folder above (JAX's compilation cache's
-    rule, :func:`shared_by_others`): Orbax opens each by its name after it was checked, so one
-    swapped for a FIFO since hangs the run for ever."""
+    one of its ``found`` files or folders, or a folder above (:func:`shared_by_others`)."""
     below = {entry.parent for entry in found}  # each check covers the folders above it
     for entry in (entry for entry in found if entry not in below):
         if why := shared_by_others(str(entry), make=False):
@@ -57,9 +55,8 @@ def check_own(step: Path, found: list[Path]) -> None:
 
 
 def check_directory(directory: str | os.PathLike, caller: str) -> None:
-    """Refuses a file, a dangling symlink, another user's link in /tmp (:func:`planted_link`),
-    a path below a file, a checkpoint (not a directory of them), or a directory this user
-    cannot write or list; a path that does not exist yet is fine below one this user can write."""
+    """Refuses a path that cannot be a directory of checkpoints this user writes; one that does
+    not exist yet is fine below one this user can write."""
 
     def refuse(why: str) -> CheckpointError:
         return CheckpointError(
@@ -158,9 +155,7 @@ def check_strays(
 ) -> None:
     """Refuses the other format's checkpoints (unless ``reading``: a directory's newest is
     read, not resumed), and an entry named like a step newer than the newest checkpoint that
-    is none (a file, a symlink, an uncommitted Orbax save, a name no save writes): resuming,
-    saving that step and reading the newest would trip on it or pass it over; ``caller``
-    heads the refusal (``""``: none)."""
+    is none; ``caller`` heads the refusal (``""``: none)."""
     if not reading and checkpoints(Path(directory), not orbax):
         them = "single-process run (step_* safetensors)" if orbax else "multi-process run (Orbax)"
         raise CheckpointError(
