@@ -339,9 +339,13 @@ class TraceLog:
         finally:
             self._running.on = False
 
-    def tracing(self, static: Any, dyn: Any, dyn_kw: Any, entry: str, held=()) -> _Trace:
+    def tracing(self, static: Any, dyn: Any, dyn_kw: Any, entry: str, held=()) -> Any:
         """One trace in the block (of a state of paths ``held``), its event given: callbacks run
-        first, a RetraceError past the budget (racing traces counted), logged if it succeeds."""
+        first, a RetraceError past the budget (racing traces counted), logged if it succeeds;
+        under ``jax.disable_jit()`` a run op by op, as ``h.eager``'s: no trace, its event None."""
+        if jax.config.jax_disable_jit:  # (this thread's): neither logged nor counted
+            self.run_callbacks(*rebuild(static, dyn, dyn_kw))
+            return contextlib.nullcontext()
         sig, tree, shown = signature(dyn, dyn_kw, static)
         with self._lock:
             added = [p for p in held if self._events and p not in self._held][:5]

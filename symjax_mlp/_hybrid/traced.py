@@ -309,10 +309,12 @@ class TracedModel:
         pure = self.model.given_state(params, keywords) if entry == "apply" else None
         try:
             with self.log.tracing(static, dyn, dyn_kw, entry, held) as event:
-                warn = not self.warned.is_set()
-                if warn and warn_numbers(self.log, self.deliberate, static, event):
-                    self.warned.set()  # once per Hybrid
-                warn_growing(self.log, event)  # once per run of traces grown alone
+                if event is not None:  # None: jax.disable_jit()'s run, not a trace
+                    if not self.warned.is_set() and warn_numbers(
+                        self.log, self.deliberate, static, event
+                    ):
+                        self.warned.set()  # once per Hybrid
+                    warn_growing(self.log, event)  # once per run of traces grown alone
                 with outer_handlers(self.log.name):  # NumPyro's, entered outside the Hybrid
                     result = self.call(static, params, state, dyn, dyn_kw, pure=pure)
         except (LookupError, TypeError, AttributeError, ValueError) as e:  # the model's own
