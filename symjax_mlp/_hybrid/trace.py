@@ -283,13 +283,18 @@ def explain(
         if was.get(p) != now.get(p)
     ]
     changes += [f"the held state grew: the last call added {', '.join(added)}"] if added else []
-    return "; ".join(changes) or "same signature traced again (a new jax.jit cache entry)"
+    return "; ".join(changes) or _SAME
 
 
+_SAME = (  # jax.jit's cache no longer held the program: nothing in the inputs changed
+    "same signature traced again (jax.clear_caches() emptied JAX's caches, a jax.config setting "
+    "such as jax_enable_x64 changed, or a static argument is a new object at each call)"
+)
 _RETRACE = (
     "{name}: trace #{index} would exceed max_traces={budget}. Why it retraced: {reason}.\n"
     "  Earlier traces:\n  {history}\nCall it with one shape and dtype (pad the batch, cast "
-    "once) and fixed settings, or raise max_traces if each is intended."
+    "once) and fixed settings, or raise max_traces if each is intended (after "
+    "jax.clear_caches(), each signature traces once more)."
 )
 _REENTERED = (
     "{name}: an on_trace callback called the Hybrid on inputs that trace it again (or ran it "
