@@ -104,12 +104,14 @@ class Hybrid(Staged, NoPickle):
             mesh=None if parallel is None else parallel.mesh,
             n_shards=1 if parallel is None else parallel.n_shards,
             __signature__=None if inputs is None else inspect.Signature(inputs),
-            _model=model, _given=params, _treedef=treedef, _held=held, _log=log, _apply=None,
+            _model=model, _given=params, _treedef=treedef, _held=held, _log=log, _statics={},
             _modes=None if model.settings is None else ModuleModes(model), _traced=traced,
             _parallel=parallel, _leaves=() if baked else leaves, _spans=spans,
-            _fast=compiled and not nums and not spans, _statics={},
+            _fast=compiled and not nums and not spans, _applied=None if nums or spans else {},
         )  # fmt: skip
-        self._set(_jitted=self._jit(options.pop("fun"), static_argnums=0, **options))
+        apply = functools.partial(traced.run, entry="apply")  # never donating: the caller's
+        self._set(_jitted=self._jit(options.pop("fun"), static_argnums=0, **options),
+                  _apply=self._jit(apply, static_argnums=0))  # fmt: skip
 
     def _jit(self, trace: Callable[..., Any], **options: Any) -> Any:
         """``jax.jit`` of ``trace``, its module named ``jit_<name>_hybrid`` (see ``traced``)."""
@@ -342,14 +344,12 @@ class Hybrid(Staged, NoPickle):
 
     def _apply_pure(self, caller: str, params: Any, state: Any, args: Any, kwargs: Any) -> Any:
         """``(out, new_state)`` of the compiled pure function; nnx objects given written back."""
-        static, dyn, dyn_kw = self._partition(args, kwargs, caller, params=params)
-        variables = given(dyn, dyn_kw, caller)
-        _params.check_given(caller, params)  # (jit: a big-endian array's [0., 0.])
-        if self._apply is None:  # never donating: params and state are the caller's
-            apply = functools.partial(self._traced.run, entry="apply")
-            self._set(_apply=self._jit(apply, static_argnums=0))
-        with symbolic(self.name):
+        static, dyn, dyn_kw, variables = self._apply_split(caller, params, args, kwargs)
+        try:
             out, new_state, *new = self._apply(static, params, state, dyn, dyn_kw)
+        except Exception:  # named as in any call (a context manager: 1.5 µs a call)
+            with symbolic(self.name):
+                raise
         if variables:
             write_back(variables, new[0], caller)
         return out, new_state

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, as_bool, as_int
+from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY
 
 
 def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> tuple[Any, ...]:
@@ -76,15 +77,35 @@ def static_args(
 def keyed(kwargs: dict[str, Any]) -> tuple | None:
     """A call's keywords as the key of the static entries a call gave them (``None``: a value
     other than a bool, str or None, which the Hybrid's hot path does not key on: 1 == True)."""
-    if all(type(v) is bool or type(v) is str or v is None for v in kwargs.values()):
-        return tuple(kwargs.items())
-    return None
+    for v in kwargs.values():  # (a loop: a generator's all() is twice its time, on h(x)'s path)
+        if not (type(v) is bool or type(v) is str or v is None):
+            return None
+    return tuple(kwargs.items())
 
 
-def remember(statics: dict[tuple, Any], kwargs: dict[str, Any], static: tuple, every_arg: bool):
+def hot(statics: dict[tuple, Any] | None, args: tuple, kwargs: dict[str, Any], modes: Any):
+    """The static entries a call with ``kwargs`` gave (:func:`remember`; none given: ``()``),
+    with the nnx module's ``modes`` as they are now, where every input is a JAX array or a
+    NumPy one of numbers in this machine's byte order (jit's C++ path reads a big-endian one's
+    bytes as native ones, and gives its own error for str or objects); else ``None``."""
+    static = None if statics is None else statics.get(keyed(kwargs)) if kwargs else ()
+    if static is None:
+        return None
+    for a in args:
+        if type(a) not in JAX_ARRAYS and not (
+            type(a) is NDARRAY and a.dtype.isnative and a.dtype.kind in "biufc"
+        ):
+            return None
+    return static if modes is None else modes.key(static)
+
+
+def remember(
+    statics: dict[tuple, Any] | None, kwargs: dict[str, Any], static: tuple, every_arg: bool
+):
     """Keeps ``static``, the entries a call's ``kwargs`` gave, for calls with the same settings
-    (64 kinds at most), where ``every_arg`` positional one was traced (none a setting)."""
-    if every_arg and (named := keyed(kwargs)) and len(statics) < 64:
+    (64 kinds at most), where ``every_arg`` positional one was traced (none a setting); none
+    where ``statics`` is ``None`` (no hot path)."""
+    if statics is not None and every_arg and (named := keyed(kwargs)) and len(statics) < 64:
         statics[named] = static
 
 

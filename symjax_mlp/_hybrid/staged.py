@@ -12,9 +12,11 @@ import jax
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._hybrid.args import partition
 from symjax_mlp._hybrid.graph import Graph
-from symjax_mlp._hybrid.params import flat_params, held, refuse_donated
+from symjax_mlp._hybrid.params import check_given, flat_params, held, refuse_donated
 from symjax_mlp._hybrid.pure.nnx_module import refreshed
+from symjax_mlp._hybrid.settings import hot, remember
 from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
+from symjax_mlp._hybrid.traced import given
 
 #: model.apply's keywords h.apply takes as Flax's (capture_intermediates=: Flax's guides')
 _APPLY = frozenset(("mutable", "rngs", "capture_intermediates"))
@@ -121,6 +123,19 @@ class Staged:
             names = names | {"capture_intermediates"}
         static, dyn, dyn_kw = partition(args, kwargs, nums, names, caller=caller, own=own)
         return (static if self._modes is None else self._modes.key(static)), dyn, dyn_kw
+
+    def _apply_split(self, caller: str, params: Any, args: tuple, kwargs: dict) -> tuple:
+        """:meth:`apply`'s partition and the nnx objects given, the params checked; for settings
+        an earlier call gave (bools, strs, None) and arrays alone, its static entries reused."""
+        if (static := hot(self._applied, args, kwargs, self._modes)) is not None:
+            check_given(caller, params)  # (jit: a big-endian array's [0., 0.])
+            return static, args, {}, []
+        static, dyn, dyn_kw = self._partition(args, kwargs, caller, params=params)
+        variables = given(dyn, dyn_kw, caller)
+        check_given(caller, params)
+        if not (variables or dyn_kw) and self._modes is None and _APPLY.isdisjoint(kwargs):
+            remember(self._applied, kwargs, static, every_arg=len(dyn) == len(args))
+        return static, dyn, dyn_kw, variables
 
     def _split(self, method: str, args: tuple, kwargs: dict) -> tuple:
         """The call's partition; arguments the model does not take named, with ``h.method``."""
