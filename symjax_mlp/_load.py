@@ -22,7 +22,7 @@ import jax
 from jax.sharding import Mesh
 
 from symjax_mlp import _selftest as selftest
-from symjax_mlp._artifact import checker, ops, rows, walk
+from symjax_mlp._artifact import checker, ops, rows
 from symjax_mlp._artifact.format import (
     JAXEXPORT,
     MLIRBC,
@@ -295,9 +295,11 @@ class Guard:
         verdict = f"{self.digest}{of} fits {shapes!r} in {ops.MAX_WORK} ops, {ops.MAX_BYTES} B"
         if checker.remembered(verdict):
             return
+        from symjax_mlp._artifact.walk import analyze_module  # MLIR's bindings, once needed
+
         refined, context = refine()
         with context:
-            report = walk.analyze_module(refined)
+            report = analyze_module(refined)
         sizes = self.sizes[min(order, len(self.sizes) - 1)]
         for amount, static, bound, unit in zip(
             (report.work, report.bytes_made), sizes, (ops.MAX_WORK, ops.MAX_BYTES),

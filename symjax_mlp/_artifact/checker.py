@@ -25,7 +25,6 @@ from typing import Any
 from symjax_mlp._artifact import rows
 from symjax_mlp._artifact.format import MAX_VJP_ORDER
 from symjax_mlp._artifact.ops import ModuleReport, Problem, check_main
-from symjax_mlp._artifact.walk import analyze_module
 from symjax_mlp._errors import ArtifactError
 from symjax_mlp._files import exhausted, read_cached, sha256, write_cached
 
@@ -234,6 +233,8 @@ def serve(parent: int) -> None:
         return  # the parent died before the line above
     import jax.extend.mlir as jex
     from jax.interpreters import mlir as jax_mlir
+
+    from symjax_mlp._artifact.walk import analyze_module  # MLIR's bindings: the child's alone
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     stdout.write(b"ready\n")

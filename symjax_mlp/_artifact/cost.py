@@ -7,6 +7,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+
 _INT_MAX = (1 << 31) - 1
 # ops whose regions XLA runs per element (or pair of elements) they combine
 REDUCERS = frozenset(f"stablehlo.{n}" for n in (
@@ -26,8 +29,6 @@ def region_runs(op: Any) -> int:
     if name == "stablehlo.scatter":
         return ins[-1] if ins else most
     if name in ("stablehlo.reduce_window", "stablehlo.select_and_scatter"):
-        from jax.extend.mlir import ir
-
         window = attr(op, "window_dimensions")  # select_and_scatter: per source element
         base = (outs if name == "stablehlo.reduce_window" else ins[1:]) or [most]
         known = isinstance(window, ir.DenseI64ArrayAttr)
@@ -44,8 +45,6 @@ def region_runs(op: Any) -> int:
 
 def nbytes(t: Any) -> int:
     """The bytes of a tensor of type ``t`` (dynamic dimensions as 1)."""
-    from jax.extend.mlir import ir
-
     if not isinstance(t, ir.RankedTensorType):
         return 8
     et, k = t.element_type, 1
@@ -55,8 +54,6 @@ def nbytes(t: Any) -> int:
 
 
 def elements(t: Any) -> int:
-    from jax.extend.mlir import ir
-
     return _static_size(t, range(t.rank)) if isinstance(t, ir.RankedTensorType) else 1
 
 
@@ -71,9 +68,6 @@ def _static_size(t: Any, dims: Any) -> int:
 
 def contracting(op: Any) -> int:
     """The contracted size of a ``dot_general`` (its operands' largest, if unreadable)."""
-    from jax.extend.mlir import ir
-    from jax.extend.mlir.dialects import stablehlo as hlo
-
     try:
         dims = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
         lhs = op.operands[0].type
@@ -87,8 +81,6 @@ def contracting(op: Any) -> int:
 def window(op: Any) -> int:
     """What a ``convolution`` reads per output element: its kernel less the output features
     (the whole kernel, if unreadable)."""
-    from jax.extend.mlir.dialects import stablehlo as hlo
-
     kernel = op.operands[1].type
     try:
         dims = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
@@ -107,8 +99,6 @@ def attr(op: Any, name: str) -> Any:
 
 def _scalar_int(value: Any) -> int | None:
     """The value of a scalar int32/int64 ``stablehlo.constant``, else None."""
-    from jax.extend.mlir import ir
-
     const = _made_by(value, "stablehlo.constant")
     dense = attr(const, "value") if const is not None else None
     if not isinstance(dense, ir.DenseIntElementsAttr) or not dense.is_splat:
@@ -120,24 +110,18 @@ def _scalar_int(value: Any) -> int | None:
 
 def scalar_type(t: Any, widths: set[int]) -> bool:
     """Whether ``t`` is a 0-d tensor of integers of one of ``widths`` bits."""
-    from jax.extend.mlir import ir
-
     et = t.element_type if isinstance(t, ir.RankedTensorType) and t.rank == 0 else None
     return isinstance(et, ir.IntegerType) and et.width in widths
 
 
 def _made_by(value: Any, name: str, block: Any = None) -> Any:
     """The op named ``name`` (in ``block``, if given) whose result ``value`` is, else None."""
-    from jax.extend.mlir import ir
-
     op = value.owner.operation if isinstance(value, ir.OpResult) else None
     ok = op is not None and op.name == name and (block is None or op.block == block)
     return op if ok else None
 
 
 def _arg_number(value: Any, block: Any) -> int | None:
-    from jax.extend.mlir import ir
-
     ok = isinstance(value, ir.BlockArgument) and value.owner == block
     return value.arg_number if ok else None
 
@@ -149,8 +133,6 @@ def trip_count(op: Any) -> int | None:
     that starts at a constant and that the body increments by a constant ``step >= 1``, with
     ``limit`` a constant and ``limit + step`` within int32 (no wrap-around).
     """
-    from jax.extend.mlir.dialects import stablehlo as hlo
-
     try:
         cond, body = op.regions[0].blocks[0], op.regions[1].blocks[0]
         (pred,) = list(cond.operations)[-1].operands

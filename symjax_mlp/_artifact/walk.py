@@ -13,6 +13,8 @@ import functools
 import graphlib
 from typing import Any
 
+from jax.extend.mlir import ir
+
 from symjax_mlp._artifact import cost, ops
 from symjax_mlp._errors import ArtifactError
 
@@ -149,8 +151,6 @@ class _Walk:
     def _attributes(self, op: Any, name: str) -> None:
         """Dialect-prefixed attributes (``jax.*``, ``mhlo.*``: nothing verifies those) must
         be ones jax.export writes, of the type it writes: JAX and XLA read them unchecked."""
-        from jax.extend.mlir import ir
-
         for attr_name in op.attributes:  # only those checked are read: a complex constant's
             if "." in attr_name:  # value has no Python class (reading it raises TypeError)
                 self._attribute(name, attr_name, op.attributes[attr_name])
@@ -179,8 +179,6 @@ class _Walk:
         """A custom call jax.export emits must look exactly like what it emits: JAX's shape
         refinement read a forged ``shape_assertion`` (an error_message that was no string)
         and crashed (SIGSEGV)."""
-        from jax.extend.mlir import ir
-
         attrs = {n: op.attributes[n] for n in op.attributes}
         operands, results = list(op.operands), list(op.results)
         want = {"call_target_name": ir.StringAttr, "api_version": ir.IntegerAttr,
@@ -294,10 +292,8 @@ def _main_types(module: Any) -> dict[str, list[str]] | None:
     return None
 
 
-@functools.cache  # built once, on first use (MLIR's bindings import only in the checker)
+@functools.cache  # built once, on first use
 def _attribute_kinds() -> dict[str, tuple[type, ...]]:
-    from jax.extend.mlir import ir
-
     string, integer, boolean = (ir.StringAttr,), (ir.IntegerAttr,), (ir.BoolAttr,)
     return {
         **dict.fromkeys(("jax.uses_shape_polymorphism", "jax.buffer_donor"), boolean),
@@ -311,15 +307,11 @@ def _attribute_kinds() -> dict[str, tuple[type, ...]]:
 
 
 def _str_attr(op: Any, name: str) -> str | None:
-    from jax.extend.mlir import ir
-
     a = cost.attr(op, name)  # value_bytes: a forged name need not be UTF-8
     return a.value_bytes.decode("utf-8", "replace") if isinstance(a, ir.StringAttr) else None
 
 
 def _symbol_attr(op: Any, name: str) -> str:
-    from jax.extend.mlir import ir
-
     a = cost.attr(op, name)
     if not isinstance(a, ir.FlatSymbolRefAttr):
         return "?"
