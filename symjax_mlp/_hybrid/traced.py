@@ -78,6 +78,9 @@ class TraceFirst(Exception):
     """Raised by a trace begun under the lock (:meth:`HeldState.call` then traces unlocked)."""
 
 
+_Locked = type("_Locked", (threading.local,), {"on": False})  # on: a trace under call's lock
+
+
 class HeldState:
     """A Hybrid's flat state as of the last call (``leaves``), and the ``lock`` held around a
     call that moves it; ``own``: held in buffers of its own (a donating Hybrid's)."""
@@ -91,7 +94,7 @@ class HeldState:
         leaves = unwrap_keys(jax.tree.leaves(state), self._key_impls)
         self.leaves = _copies(leaves) if own else leaves
         self._tree = None if own else state  # rebuilt on the first read after a call
-        self.lock, self._locked = threading.RLock(), threading.local()
+        self.lock, self._locked = threading.RLock(), _Locked()
         self._gates: dict[Any, threading.RLock] = {}  # a lock per signature traced
 
     @property
@@ -155,12 +158,14 @@ class HeldState:
 
     def _step(self, jitted: Any, args: tuple, changes: Any, first: bool) -> list[Any]:
         """One locked call; ``first``: a trace it begins raises :class:`TraceFirst`."""
+        static, leaves, dyn, dyn_kw = args
         with self.lock:
-            was, self._locked.on = getattr(self._locked, "on", False), first
+            locked = self._locked
+            was, locked.on = locked.on, first
             try:
-                out, held, *rest = jitted(*args[:2], self.leaves, *args[2:])
+                out, held, *rest = jitted(static, leaves, self.leaves, dyn, dyn_kw)
             finally:
-                self._locked.on = was
+                locked.on = was
             # concrete unless under a transform (there any leaf may be traced)
             if transformed() is not False and any(isinstance(leaf, Tracer) for leaf in held):
                 if (changed := None if changes is None else changes(*args)) != []:
@@ -171,7 +176,7 @@ class HeldState:
 
     def tracing(self) -> None:
         """Called as a trace begins: :class:`TraceFirst` if under :meth:`call`'s lock."""
-        if getattr(self._locked, "on", False):
+        if self._locked.on:
             raise TraceFirst
 
     def hold(self, leaves: list[Any]) -> None:
