@@ -184,3 +184,75 @@ def test_timeit_draws_an_artifacts_inputs_within_the_bound_as_before(tmp_path):
     m = sm.load(sm.export(h, tmp_path / "m", example=np.ones((1, 4096), np.float32)).path)
     t = sm.timeit(m, batch=64, calls=2, repeats=1, warmup=1)
     assert t.calls == 2 and t.min() > 0
+
+
+def _hostile_constraints(names):
+    """64 constraints of at most 256 characters: a cycle no sizes settle (``d1 >= d2 + 1``,
+    ``d2 >= d1 + 1``), then bounds written as sums of thousands of distinct numbers, each of
+    which ``admits_any`` tried a batch at (and beside). ``names[0]`` is the batch."""
+    numbers, out = iter(range(1000, 10**6, 7)), [f"{names[1]} >= {names[2]} + 1"]
+    out.append(f"{names[2]} >= {names[1]} + 1")
+    while len(out) < 64:
+        c = f"{names[len(out) % len(names)]} <= "
+        while len(c) < 245:
+            c += f"{next(numbers)} + "
+        out.append(c.removesuffix(" + "))
+    return out
+
+
+class _Budget:
+    """``signature._evaluate`` counted, refused past ``most`` calls (a test, not hours)."""
+
+    def __init__(self, monkeypatch, most):
+        from symjax_mlp._artifact import signature
+
+        self.calls, self.most, evaluate = 0, most, signature._evaluate
+
+        def counted(*args):
+            self.calls += 1
+            assert self.calls <= most, f"more than {most:,} evaluations: it would take hours"
+            return evaluate(*args)
+
+        monkeypatch.setattr(signature, "_evaluate", counted)
+
+
+@pytest.mark.slow  # an export of eight inputs, a load: ~3 s
+def test_a_manifests_constraints_of_thousands_of_numbers_load_in_bounded_work(
+    tmp_path, monkeypatch
+):
+    """An artifact without self-test vectors has its constraints checked at load for some
+    sizes they admit (``admits_any``): a batch tried at each number in them and beside it, each
+    running ``sizes_at``'s passes. A stranger's 64 constraints of sums of 2,800 distinct numbers
+    and a cycle had load try 8,448 batches, 10^7 evaluations of 256-character terms for eight
+    inputs (hours; 100 inputs: 10^8). It now tries at most MAX_TRIES batches, then leaves each
+    call to refuse the bound it breaks; the load answers as the program does."""
+    names = [f"d{i}" for i in range(8)]
+    h = sm.hybridize(lambda p, *xs: xs[0] * p["w"], {"w": jnp.ones((), jnp.float32)})
+    ex = tuple(np.ones((2,), np.float32) for _ in names)
+    path = sm.export(h, tmp_path / "m", example=ex, shapes=tuple(names)).path
+
+    def hostile(m):
+        m["signature"]["constraints"] = _hostile_constraints(names)
+        del m["files"]["selftest.safetensors"]
+
+    art = _edited(path, tmp_path / "hostile", hostile)
+    (art / "selftest.safetensors").unlink()
+    budget = _Budget(monkeypatch, 200_000)
+    m = sm.load(art)
+    assert budget.calls > 0  # the check ran, within its bound
+    with pytest.raises(sm.SignatureError, match="d1 >= d2 \\+ 1"):
+        m(*ex)
+
+
+def test_sizes_at_settles_a_stranger_cycle_in_as_many_passes_as_constraints(monkeypatch):
+    """``sizes_at`` made a pass per dimension name while a cycle moved sizes: 200 inputs of
+    their own dimension and two constraints, 201 passes over every constraint per batch
+    tried. Each pass settles one constraint's bound at least, so it makes one per constraint
+    and one more, at most."""
+    from symjax_mlp._artifact.signature import Signature, sizes_at
+    from symjax_mlp._specs import TensorSpec
+
+    ins = tuple(TensorSpec(f"args[{i}]", (f"d{i}",), "float32") for i in range(200))
+    sig = Signature(ins, ins[:1], "array", None, ("d1 >= d2 + 1", "d2 >= d1 + 1"))  # d0: batch
+    budget = _Budget(monkeypatch, 3 * 4 + 200 + 4)  # 3 passes of 4 sides; each dim; a check
+    assert sizes_at(sig, 1) is None and budget.calls > 0

@@ -22,6 +22,7 @@ from symjax_mlp._npy import dtype_refused, weak_refusal
 from symjax_mlp._specs import MASKED_INPUT, TensorSpec
 
 MAX_SYMBOLIC = 2**31 - 1  # the largest size of a symbolic dimension a call may give
+MAX_TRIES = 16  # batches admits_any tries: a stranger's numbers, each one's sizes_at passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,7 @@ def sizes_at(signature: Signature, batch: int) -> dict[str, int] | None:
     names = list(dict.fromkeys(n for d in dims for n in re.findall(r"[A-Za-z_]\w*", d)))
     lead = signature.batch if signature.batch in names else names[0] if names else None
     sizes: dict[str, int] = dict.fromkeys(names, batch)
-    for _ in range(len(names) + 1):  # each pass may settle one more dimension
+    for _ in range(min(len(names), len(signature.constraints)) + 1):  # each may settle one
         moved = False
         for constraint in signature.constraints:
             op, left, right = _split(constraint)
@@ -253,14 +254,15 @@ def admits(signature: Signature, sizes: Mapping[str, int]) -> bool:
 def admits_any(signature: Signature, tries: Sequence[int] = ()) -> bool:
     """Whether some sizes of the symbolic dimensions satisfy the constraints (each >= 1): the
     batch tried at 1, 2, ``tries`` and each number of the constraints and beside it (where a
-    bound's interval ends). ``True`` for a dimension beyond :func:`sizes_at`'s arithmetic."""
+    bound's interval ends). ``True`` for a dimension beyond :func:`sizes_at`'s arithmetic, or
+    where the first ``MAX_TRIES`` of those batches admit nothing and there are more."""
     dims = {d for s in signature.inputs for d in s.shape if isinstance(d, str)}
     ones = {n: 1 for d in dims for n in re.findall(r"[A-Za-z_]\w*", d)}
     if not signature.constraints or any(_evaluate(d, ones) is None for d in dims):
         return True
     numbers = {int(n) for c in signature.constraints for n in re.findall(r"\d+", c)}
-    tries = {1, 2, *tries, *(n + d for n in numbers for d in (-1, 0, 1))}
-    for b in sorted(t for t in tries if t >= 1):
+    tries = {1, 2, *tries, *(n + d for n in numbers for d in (-1, 0, 1))} - {-1, 0}
+    for b in sorted(tries)[:MAX_TRIES]:
         if (sizes := sizes_at(signature, b)) is None:
             continue
         for c in signature.constraints:  # a name jax.export replaced by its term (t == 2*b)
@@ -269,7 +271,7 @@ def admits_any(signature: Signature, tries: Sequence[int] = ()) -> bool:
                 sizes[left] = v
         if all(_holds(c, sizes) for c in signature.constraints):
             return True
-    return False
+    return len(tries) > MAX_TRIES  # not all tried: the calls refuse what their bounds do
 
 
 def _variables(specs: Sequence[TensorSpec]) -> list[str]:
