@@ -46,6 +46,13 @@ _NOT_APART = (
 )
 
 
+_NAN = (
+    "{caller}: its output holds a NaN or an inf, found by jax_debug_nans / jax_debug_infs. An "
+    "artifact is one compiled program, with no line of your model to point at: call the Hybrid "
+    "it was exported from under the same flag (h(x) raises at your model's line)."
+)
+
+
 class LoadedModel(NoPickle):
     """An artifact ready to call: checked, deserialized (JAX) or compiled (IREE).
 
@@ -272,6 +279,8 @@ class LoadedModel(NoPickle):
         )
         guarded = any(str(g).startswith("disallow") for g in guards)  # the caller's transfer guard
         callers = tracing or checked or guarded
+        if checked and self.runtime == "jax":  # (JAX's own: "consider opening a bug report")
+            raise FloatingPointError(_NAN.format(caller=self._caller)) from e
         if isinstance(e, SymjaxError) or (callers and self.runtime == "jax"):
             raise  # ours, or the caller's own jax.jit code's, NaN check's or transfer guard's
         if tracing:

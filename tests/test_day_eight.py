@@ -114,6 +114,22 @@ def test_debug_nans_points_at_the_models_own_line():
             assert any(f.filename == __file__ and f.name == "__call__" for f in frames)
 
 
+@pytest.mark.slow
+def test_debug_nans_on_a_loaded_model_names_the_artifact(tmp_path):
+    """A loaded artifact's NaN under ``jax.debug_nans(True)`` raised JAX's message for a jitted
+    function whose de-optimized run found none ("consider opening a bug report at
+    https://github.com/jax-ml/jax"): an artifact has no op by op run to point at."""
+    model = _Log()
+    h = sm.hybridize(model, model.init(jax.random.key(63), X))  # weights of this test only
+    loaded = sm.load(sm.export(h, tmp_path / "nan", example=X).path)
+    assert np.isnan(loaded(X)).any()
+    with jax.debug_nans(True):
+        for _ in range(2):
+            with pytest.raises(FloatingPointError, match="no line of your model") as raised:
+                loaded(X)
+            assert str(tmp_path / "nan") in str(raised.value)
+
+
 def test_debug_print_and_callback_run_at_every_call_and_export_refuses_them():
     """Held: ``jax.debug.print``/``callback`` run at every call (a ``print`` only at a trace),
     and export refuses the callback an artifact cannot carry, as README's table says."""
