@@ -22,7 +22,7 @@ import jax
 from jax.sharding import Mesh
 
 from symjax_mlp import _selftest as selftest
-from symjax_mlp._artifact import checker, ops, rows
+from symjax_mlp._artifact import checker, ops
 from symjax_mlp._artifact.format import (
     JAXEXPORT,
     MLIRBC,
@@ -216,6 +216,7 @@ class _Opener:
             return self.opened[name]
 
     def _open(self, view: dict[str, Any], arrays: list[Any] | None) -> LoadedModel:
+        from symjax_mlp._artifact import rows  # MLIR's bindings, once needed
         from symjax_mlp._runtimes.jax import deserialize
 
         path, blobs, options = self.path, self.blobs, self.options

@@ -22,7 +22,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from symjax_mlp._artifact import rows
 from symjax_mlp._artifact.format import MAX_VJP_ORDER
 from symjax_mlp._artifact.ops import ModuleReport, Problem, check_main
 from symjax_mlp._errors import ArtifactError
@@ -234,7 +233,8 @@ def serve(parent: int) -> None:
     import jax.extend.mlir as jex
     from jax.interpreters import mlir as jax_mlir
 
-    from symjax_mlp._artifact.walk import analyze_module  # MLIR's bindings: the child's alone
+    from symjax_mlp._artifact import rows  # MLIR's bindings: the child's alone
+    from symjax_mlp._artifact.walk import analyze_module
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     stdout.write(b"ready\n")

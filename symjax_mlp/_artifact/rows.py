@@ -16,6 +16,11 @@ import functools
 import math
 from typing import Any
 
+import jax.extend.mlir as jex
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo as hlo
+from jax.interpreters import mlir as jax_mlir
+
 from symjax_mlp._artifact.ops import CALLS, ELEMENTWISE, MAX_OPS, composite_key
 
 FREE = None
@@ -98,9 +103,6 @@ def _unshown(e: Any, dim: str, report: Any) -> str:
 @functools.lru_cache(maxsize=16)
 def _here(module: bytes) -> dict[str, Any] | None:
     """:func:`analyze` of a trusted module, read in this process (``None``: unreadable)."""
-    import jax.extend.mlir as jex
-    from jax.interpreters import mlir as jax_mlir
-
     with jax_mlir.make_ir_context(), contextlib.suppress(Exception):
         return analyze(jex.deserialize_portable_artifact(module))
     return None
@@ -208,8 +210,6 @@ class _Rows:
         if name == "dot_general":
             return (_dot(op, *ins),)
         if name == "convolution" and ins[1] is FREE and a["batch_group_count"].value == 1:
-            from jax.extend.mlir.dialects import stablehlo as hlo
-
             dims = hlo.ConvDimensionNumbers(a["dimension_numbers"])
             if dims.input_batch_dimension == k:
                 return (dims.output_batch_dimension,)
@@ -225,8 +225,6 @@ class _Rows:
 def _gathered(op: Any, k: int) -> int:
     """Where a gather of a table (no row) at indices of batch axis ``k`` puts that axis: the
     output's axes that are no offset take the indices' axes but the index vector's, in order."""
-    from jax.extend.mlir.dialects import stablehlo as hlo
-
     dims = hlo.GatherDimensionNumbers(op.attributes["dimension_numbers"])
     if k == dims.index_vector_dim or list(dims.start_indices_batching_dims):
         raise Mixed(f"{op.name} indexes with the batch axis")
@@ -256,8 +254,6 @@ def _moved(op: Any, name: str, k: int) -> int:
 
 def _dot(op: Any, lhs: Any, rhs: Any) -> int:
     """The batch axis of a ``dot_general``'s result: a free or batching dimension's."""
-    from jax.extend.mlir.dialects import stablehlo as hlo
-
     d = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
     lb, rb = list(d.lhs_batching_dimensions), list(d.rhs_batching_dimensions)
     lc, rc = list(d.lhs_contracting_dimensions), list(d.rhs_contracting_dimensions)
@@ -334,8 +330,6 @@ def _sized(op: Any, name: str, ins: list[Any]) -> Any:
 
 def _bind(env: dict[Any, Any], name: str, values: Any, states: Any) -> None:
     """Records each value's state, refused where its type has other dynamic dimensions."""
-    from jax.extend.mlir import ir
-
     for v, s in zip(values, states, strict=True):
         t = v.type
         if not isinstance(t, ir.RankedTensorType):
