@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import gzip
 import traceback
 import weakref
 
@@ -123,6 +124,8 @@ def test_debug_nans_on_a_loaded_model_names_the_artifact(tmp_path):
     h = sm.hybridize(model, model.init(jax.random.key(63), X))  # weights of this test only
     loaded = sm.load(sm.export(h, tmp_path / "nan", example=X).path)
     assert np.isnan(loaded(X)).any()
+    with jax.disable_jit():  # held: the artifact runs (a program, with no ops to run one by one)
+        np.testing.assert_allclose(loaded(X), h(X), rtol=1e-5, equal_nan=True)
     with jax.debug_nans(True):
         for _ in range(2):
             with pytest.raises(FloatingPointError, match="no line of your model") as raised:
@@ -191,6 +194,19 @@ def test_checking_leaks_finds_none_in_the_zoo(case):
     h = case.hybridize()
     with jax.checking_leaks():
         h(*case.inputs(0), **case.settings("train"))
+
+
+@pytest.mark.slow
+def test_profiler_trace_records_the_compiled_calls(tmp_path):
+    """Held: ``jax.profiler.trace`` around calls writes the trace TensorBoard and Perfetto read,
+    the Hybrid's program and a ``TraceAnnotation`` of the caller's among its events."""
+    h, _ = _runs()
+    h(X)
+    with jax.profiler.trace(tmp_path), jax.profiler.TraceAnnotation("day_eight_step"):
+        jax.block_until_ready(h(X))
+    (found,) = tmp_path.glob("plugins/profile/*/*.trace.json.gz")
+    text = gzip.decompress(found.read_bytes()).decode()
+    assert "day_eight_step" in text and "forward" in text
 
 
 # -- the sweep ------------------------------------------------------------------------------------
