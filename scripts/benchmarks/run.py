@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.calls import trained
 from benchmarks.remote import LatencyRow
 from benchmarks.report import PIPELINED, BenchReport, make_rows, targets
 from benchmarks.scaling import measure_peak
@@ -150,6 +151,7 @@ def benchmark(
     inputs = rng.standard_normal((calls, 1, in_features), dtype=np.float32)
     x, xs, xb = (jnp.asarray(a) for a in (inputs[0], inputs, inputs[:, 0]))
     variables = jax.jit(net.init)(jax.random.key(seed), x)  # one compile, not one per op
+    variables = trained(net, variables, inputs[0], seed)  # as a trained model's (all rows)
 
     # Stages first, on a fresh function: nothing has been traced or compiled yet.
     say("timing trace / lower / compile")
