@@ -302,7 +302,8 @@ def weak_typed(signature: Any, fn: Any, params: Any, examples: Sequence[Any]) ->
 def weak_matters(fn: Any, params: Any, examples: Sequence[Any], own: Any) -> tuple[str, ...]:
     """The inputs (``args[i]``) whose weak type changes the dtypes ``fn(params, *examples)``
     answers in, ``own`` (a bfloat16 model times np.float32(2) answers float32, times 2.0 or a
-    weak jnp.full(s, 2.0) bfloat16): where the artifact takes only what it was exported at."""
+    weak jnp.full(s, 2.0) bfloat16), or that it refuses: where the artifact takes only what it
+    was exported at."""
     numbers = ((jax.numpy.complexfloating, 0j), (jax.numpy.floating, 0.0), (jax.numpy.integer, 0))
 
     def dtypes(xs: Sequence[Any]) -> list[str]:  # as a multiset: the order leaves come in
@@ -318,6 +319,8 @@ def weak_matters(fn: Any, params: Any, examples: Sequence[Any], own: Any) -> tup
         try:
             if dtypes([*examples[:i], flip, *examples[i + 1 :]]) != own:
                 found.append(f"args[{i}]")
+        except SignatureError:  # it refuses the other kind (a loaded model's m.apply): so does
+            found.append(f"args[{i}]")  # its export, else answering it in the example's dtypes
         except Exception:  # the model takes no other there: nothing to refuse
             continue
     return tuple(found)

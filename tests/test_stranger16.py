@@ -256,3 +256,30 @@ def test_sizes_at_settles_a_stranger_cycle_in_as_many_passes_as_constraints(monk
     sig = Signature(ins, ins[:1], "array", None, ("d1 >= d2 + 1", "d2 >= d1 + 1"))  # d0: batch
     budget = _Budget(monkeypatch, 3 * 4 + 200 + 4)  # 3 passes of 4 sides; each dim; a check
     assert sizes_at(sig, 1) is None and budget.calls > 0
+
+
+@pytest.mark.slow  # two exports, two re-exports, loads: ~4 s
+@pytest.mark.parametrize("kind", ["strong", "weak"])
+def test_a_format_3_model_re_exported_through_m_apply_stays_format_3(kind, tmp_path):
+    """README's re-export of a loaded model (``sm.export(sm.hybridize(m.apply, params), ...)``)
+    of an artifact whose scalar's weak type decides its dtypes wrote format 2, neither
+    ``strong`` nor ``weak_type``: export saw m.apply refuse the other kind and took it for a
+    model that takes no other ("nothing to refuse"), so the re-export answered m2(x, 1.5) in
+    float32 where m refuses it and h answers bfloat16, in silence (a downgrade). Such an input
+    is now recorded as the original records it: format 3, the other kind refused."""
+    example, other = (np.float32(1.5), 1.5) if kind == "strong" else (jnp.asarray(1.5), 1.5)
+    other = other if kind == "strong" else np.float32(1.5)
+    h = sm.hybridize(_scalar, {"w": jnp.arange(1, 4, dtype=jnp.bfloat16)})
+    m = sm.load(sm.export(h, tmp_path / "m", example=(S, example), batch=None).path)
+    again = sm.hybridize(m.apply, m.params)
+    path = sm.export(again, tmp_path / "again", example=(S, example), batch=None).path
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format_version"] == 3, manifest["signature"]
+    m2 = sm.load(path)
+    assert m2.signature.strong == m.signature.strong
+    assert [s.weak_type for s in m2.signature.inputs] == [s.weak_type for s in m.signature.inputs]
+    assert h(S, other)[0].dtype != h(S, example)[0].dtype  # what m2(S, other) got wrong
+    with pytest.raises(sm.SignatureError, match=r"input args\[1\] takes only"):
+        m2(S, other)
+    for g, w in zip(m2(S, example), h(S, example), strict=True):
+        assert g.dtype == w.dtype and np.array_equal(np.asarray(g), np.asarray(w))
