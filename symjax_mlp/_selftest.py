@@ -77,6 +77,13 @@ def inputs(
     return [draw(rng, s, str(spec.dtype), high=4) for s, spec in zip(shapes, specs, strict=True)]
 
 
+def as_traced(signature: Signature, xs: Sequence[Any]) -> list[Any]:
+    """``xs``, arrays, each weakly typed scalar input as the program was traced on one: a
+    Python number (``a.item()``), which is all such an input takes."""
+    weak = [s.weak_type for s in signature.inputs]
+    return [a.item() if w and not np.shape(a) else a for a, w in zip(xs, weak, strict=True)]
+
+
 DRAWN_BYTES = 256 << 20  # inputs drawn for the vectors (or export's comparison) at most
 
 
@@ -202,9 +209,7 @@ def vectors(
                     "corrupted or was edited. Export it again."
                 )
             kept.append(a)
-    # a weakly typed scalar as the program was traced on one: a Python number (a.item())
-    weak = [s.weak_type for s in signature.inputs]
-    xs = [a.item() if w and not a.shape else a for a, w in zip(xs, weak, strict=True)]
+    xs = as_traced(signature, xs)
     try:  # each symbolic dim one size, within the constraints
         signature.check(xs, caller=str(file))
     except SignatureError:

@@ -36,6 +36,7 @@ from symjax_mlp._errors import (
 from symjax_mlp._load import RUNTIMES, check_admits, load
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._npy import KEY_IMPLS, draw, host, npy_array
+from symjax_mlp._selftest import as_traced
 from symjax_mlp._signing import check as check_signature
 from symjax_mlp._specs import TensorSpec
 
@@ -270,7 +271,7 @@ def verify(
                 continue
             for b, xs in inputs.items():  # its inputs and outputs cross as verify's own
                 with jax.transfer_guard("allow"):  # under the caller's "disallow" too
-                    want = [host(w) for w in _as_list(reference(*xs))]  # a key: its data
+                    want = [host(w) for w in _as_list(reference(*as_traced(sig, xs)))]
                 outs = [_read(work, n, got["dtypes"]) for n in got["outputs"][str(b)]]
                 checks.append(_compare(rt, b, outs, want, rtol, atol))
     loads = {rt: result[rt]["load_seconds"] for rt in runtimes if "load_seconds" in result[rt]}
@@ -388,7 +389,8 @@ def _worker(job_file: str) -> int:
             entry = {"load_seconds": time.perf_counter() - t0, "outputs": {}, "dtypes": {}}
             for b, names in job["batches"].items():
                 with jax.transfer_guard("allow"):  # JAX_TRANSFER_GUARD: verify's own inputs
-                    outs = _as_list(model(*[_read(work, n, job["dtypes"]) for n in names]))
+                    xs = as_traced(model.signature, [_read(work, n, job["dtypes"]) for n in names])
+                    outs = _as_list(model(*xs))
                     outs = [host(y) for y in outs]  # an rng key: its key data
                 entry["outputs"][b] = _write(work, f"y_{rt}_{b}", outs, entry["dtypes"])
         except SymjaxError as e:

@@ -283,3 +283,16 @@ def test_a_format_3_model_re_exported_through_m_apply_stays_format_3(kind, tmp_p
         m2(S, other)
     for g, w in zip(m2(S, example), h(S, example), strict=True):
         assert g.dtype == w.dtype and np.array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.slow  # an export, verify's fresh process: ~8 s
+def test_verify_of_an_artifact_exported_at_a_weak_scalar_passes_it_as_a_python_number(tmp_path):
+    """``sm.verify(path)`` and ``symjax-mlp verify DIR`` of a sound artifact exported at a weakly
+    typed scalar (``jnp.asarray(1.5)``) reported it FAILED: they drew a NumPy float32 scalar,
+    which such an input refuses (it takes Python numbers, as its model answers them). They now
+    pass it as the self-test does, a Python number, in the fresh process and the reference."""
+    h = sm.hybridize(_scalar, {"w": jnp.arange(1, 4, dtype=jnp.bfloat16)})
+    path = sm.export(h, tmp_path / "weak", example=(S, jnp.asarray(1.5)), batch=None).path
+    assert sm.load(path).signature.inputs[1].weak_type
+    report = sm.verify(path, reference=h)
+    assert report.ok and report.checks and not report.errors, str(report)  # (the CLI's call)
