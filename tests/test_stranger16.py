@@ -1,11 +1,13 @@
 """Round sixteen of a stranger's attacks (session 63): whole, self-consistent artifacts against
 what session 62 added (format 3, whose ``signature.strong`` and ``weak_type`` decide dtypes, and
 the golden files older releases wrote) and the artifact commands that size their own inputs
-(``symjax-mlp bench DIR``, ``sm.timeit``). A downgrade: a format-3 artifact re-declared format 1
-or 2, signed or not. Each way in that got through has a test failing without its fix; each
-surface that held keeps one test showing it. The rounds before: test_stranger15.py, ...,
-test_stranger14.py (a ``strong`` list naming no input, twice, 10^5 names; ``weak_type`` on a
-param, an array or not a bool: not repeated here), test_security.py, test_signing_stranger.py."""
+(``symjax-mlp bench DIR``, ``sm.timeit``, ``verify``). A downgrade: a format-3 artifact
+re-declared format 1 or 2, signed or not, or re-exported through ``m.apply``. Then a manifest's
+constraints, which load checks for some sizes they admit. Each way in that got through has a
+test failing without its fix; each surface that held keeps one test showing it. The rounds
+before: test_stranger15.py, ..., test_stranger14.py (a ``strong`` list naming no input, twice,
+10^5 names; ``weak_type`` on a param, an array or not a bool: not repeated here),
+test_security.py, test_signing_stranger.py."""
 
 from __future__ import annotations
 
