@@ -256,11 +256,11 @@ def test_a_sweep_frees_each_config_and_survives_clear_caches(tmp_path):
     gc.collect()
     before = len(jax.live_arrays())
     dropped = []
-    for i in range(1, 4):
+    for i in (1, 2):
         h, loss = _config(i)
         assert np.isfinite(loss)
         dropped.append(weakref.ref(h))
-        if i == 2:
+        if i == 1:
             jax.clear_caches()
         del h
     gc.collect()
@@ -291,7 +291,7 @@ def test_a_sweep_in_threads_gives_each_config_its_own_answer():
         return np.asarray(sm.hybridize(model, variables)(x)), np.asarray(model.apply(variables, x))
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        for got, expected in pool.map(run, range(6)):
+        for got, expected in pool.map(run, range(4)):
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
