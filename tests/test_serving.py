@@ -742,6 +742,73 @@ def test_a_lone_asubmit_of_an_artifact_with_a_while_loop_runs_on_the_batchers_th
             assert gate.threads == [b._thread.ident], (path.name, options)
 
 
+@pytest.mark.slow  # an export: 0.2 s after others, ~1 to 10 s as a process's first
+def test_an_asubmit_alone_runs_at_once_and_answers_as_its_pass_would(tmp_path):
+    """``asubmit(x, alone=True)`` (serve's, on its one connection) runs a request on an idle
+    batcher of an artifact at once, on the loop: done when returned, no pass of the loop to
+    wait for. Its answer is the pass's bit for bit (dtype, timing's sizes, counts); a refusal
+    is the same; on a busy batcher, or a callable's (its Python may block), it queues as any."""
+    m = sm.load(sm.chapter.export_mlp(tmp_path / "mlp").path)
+    xs = [rows(1, seed=3), rows(3, seed=4)]
+
+    async def both(b):
+        out = []
+        for x in xs:
+            alone = b.asubmit(x, alone=True)
+            assert alone.future.done()  # ran in the call
+            passed = b.asubmit(x)
+            assert not passed.future.done()  # runs as the pass ends
+            out.append((alone, await alone, passed, await passed))
+        return out
+
+    with sm.serving.Batcher(m, max_batch=4) as b:
+        gate = Gated(b._lane.call)
+        b._lane.call = gate
+        answers = asyncio.run(both(b))
+        assert gate.threads == [threading.get_ident()] * 4 and gate.sizes == [1, 1, 4, 4]
+        stats = b.stats
+        assert (stats.requests, stats.completed, stats.batches) == (4, 4, 4)
+        for alone, y, passed, want in answers:
+            assert y.dtype == want.dtype == np.float32
+            np.testing.assert_array_equal(y, want)
+            t, u = alone.timing, passed.timing
+            assert (t.rows, t.batch_rows, t.batch_requests, t.bucket) == (
+                u.rows, u.batch_rows, u.batch_requests, u.bucket)  # fmt: skip
+
+        async def refused(**alone):
+            with pytest.raises(sm.SignatureError) as e:
+                b.asubmit(rows(1, 3), **alone)
+            return str(e.value)
+
+        assert asyncio.run(refused(alone=True)) == asyncio.run(refused())
+        first = gate.busy(b, rows(1))  # a batch runs on the batcher's thread: it queues
+
+        async def behind():
+            r = b.asubmit(rows(1, seed=5), alone=True)
+            assert not r.future.done()
+            gate.open.set()
+            return await r
+
+        got = asyncio.run(behind())
+        first.result(30)
+        np.testing.assert_array_equal(got, b(rows(1, seed=5)))
+
+
+def test_an_asubmit_alone_of_a_callable_runs_on_the_thread_and_hands_on_its_error(chapter):
+    _, _, h, x = chapter
+
+    async def call(b, **alone):
+        with pytest.raises(FloatingPointError, match="NaN row"):
+            await b.asubmit(nan_row(), **alone)
+        r = b.asubmit(rows(1), **alone)
+        assert not r.future.done()  # a user's Python: never on the loop
+        return await r
+
+    with sm.serving.Batcher(refusing_nan(h), example=x, max_batch=2) as b:
+        np.testing.assert_array_equal(asyncio.run(call(b, alone=True)), asyncio.run(call(b)))
+        assert b.stats.failed == 2
+
+
 def test_asubmit_refuses_cancels_and_reports_errors(chapter):
     _, _, h, x = chapter
     gate = Gated(h)
@@ -1457,6 +1524,64 @@ def test_the_app_answers_a_lone_request_from_its_pass_and_merges_a_pass_of_many(
             json.loads(body)["outputs"], np.asarray(m(x)), rtol=1e-6, atol=1e-6
         )
     assert (stats.requests, stats.completed, stats.batches) == (4, 4, 2)
+
+
+@pytest.mark.slow  # an export: 0.2 s after others, ~1 to 10 s as a process's first
+def test_the_apps_request_alone_on_its_server_answers_as_one_from_its_pass(tmp_path):
+    """Where its server says it has one connection (``app.state.connections``, serve's), a request
+    runs as it is decoded, not when the loop's pass ends: the same status, headers (but the
+    timings) and body bytes, the same counts."""
+    m = sm.load(sm.chapter.export_mlp(tmp_path / "mlp").path)
+
+    async def post(app, x):
+        scope, receive, send, sent = _asgi_post(x)
+        await app(scope, receive, send)
+        return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
+
+    answers, counts = {}, {}
+    for alone in (False, True):
+        with sm.serving.Batcher(m, max_batch=4) as b:
+            app = sm.serving.create_app(b, close_batcher=False)
+            app.state.connections[0] = 1 if alone else 2
+            answers[alone] = [asyncio.run(post(app, rows(n, seed=n))) for n in (1, 3)]
+            s = b.stats
+            counts[alone] = (s.requests, s.completed, s.batches, dict(app.state.answered))
+    assert counts[True] == counts[False] == (2, 2, 2, {200: 2})
+    for (code, heads, body), (code2, heads2, body2) in zip(*answers.values(), strict=True):
+        assert code == code2 == 200 and body == body2
+        assert heads.pop(b"server-timing") and heads2.pop(b"server-timing")
+        assert heads == heads2
+
+
+def test_serve_answers_its_one_connection_as_it_answers_one_of_two(server):
+    """serve runs the request of its one connection at once (nothing else can join its batch);
+    with a second connection open, as the loop's pass ends: the same bytes either way."""
+    import http.client
+
+    url, m = server
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    x = rows(2, seed=11)
+    body = json.dumps({"inputs": x.tolist()}).encode()
+
+    def post(conn):
+        conn.request("POST", "/predict", body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.getheader("X-Batch"), r.read()
+
+    one = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        alone = post(one)
+        other = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            other.connect()
+            two = post(one)
+            assert post(other) == two
+        finally:
+            other.close()
+    finally:
+        one.close()
+    assert alone == two and alone[:2] == (200, "rows=2; requests=1; bucket=2")
+    np.testing.assert_allclose(json.loads(alone[2])["outputs"], np.asarray(m(x)), rtol=1e-6)
 
 
 def test_a_lone_requests_answer_costs_the_app_few_python_calls(server):

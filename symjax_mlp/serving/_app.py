@@ -46,10 +46,8 @@ _LATE = (
     "that had started runs on). Retry later; if the model is this slow, raise request_timeout."
 )
 _ANSWERS = "/predict's answers and serve's refusals, by status code."
-_HELD = (
-    "Bytes held of bodies being read and of answers clients have not read (bounded by "
-    "max_inflight_bytes)."
-)
+_HELD = ("Bytes held of bodies being read and of answers clients have not read (bounded by "
+         "max_inflight_bytes).")  # fmt: skip
 _TIMING = b"queued;dur=%.3f, padded;dur=%.3f, compute;dur=%.3f, split;dur=%.3f"
 REFUSED = "symjax_mlp.refused"  # a scope's key: the status serve's server answered it with
 # what a model's message may hold of the server's files, for a client: a traceback's frames
@@ -208,7 +206,7 @@ def create_app(
             inputs, as_npy = decode(batcher, body, media, heads, scope["headers"])
             del body
             intake.release(hold)  # decoded: the arrays are the queue's to bound (max_queue)
-            request = batcher.asubmit(*inputs)
+            request = batcher.asubmit(*inputs, alone=connections[0] == 1)  # done if alone
         except (BadRequest, SignatureError) as e:  # unreadable (its status), or not the model's
             return error(getattr(e, "status", 422), e)
         except OverloadError as e:
@@ -335,6 +333,7 @@ def create_app(
     app = App(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: unrouted})
     app.router.redirect_slashes = False  # POST /predict/: the JSON 404, not an empty 307
     app.state.answered, app.state.model, app.state.intake = by_code, public.name, intake  # serve's
+    app.state.connections = connections = [0]  # serve's count (1: no other request can come)
     return app
 
 

@@ -202,9 +202,8 @@ class Batcher:
         with lane.lock:
             if lane.closing:
                 lane.n.rejected["closed"] += 1
-                raise RuntimeError(
-                    f"{self.name} is closed: it takes no more requests; make a new one."
-                )
+                said = f"{self.name} is closed: it takes no more requests; make a new one."
+                raise RuntimeError(said)
             if len(lane.queue) >= self.max_queue:
                 lane.n.rejected["overload"] += 1
                 raise OverloadError(
@@ -281,14 +280,14 @@ class Batcher:
 
     __call__ = run
 
-    def asubmit(self, *inputs: Any) -> AsyncRequest:
+    def asubmit(self, *inputs: Any, alone: bool = False) -> AsyncRequest:
         """Queues one request from asyncio code: ``y = await b.asubmit(x)``.
 
-        It checks and queues the request at once, like :meth:`submit`; the requests of one
-        pass of the loop go to the batcher when the pass ends (a lone one on an idle batcher of
-        a LoadedModel runs then, on the loop, if load checked its ops and allowed none beyond
-        tensor ops: no while loop). Cancelling it drops the request if its batch has not
-        started.
+        It checks and queues the request at once, like :meth:`submit`; the requests of one pass of
+        the loop go to the batcher when the pass ends (a lone one on an idle batcher of a
+        LoadedModel runs then, on the loop, if load checked its ops and allowed none beyond tensor
+        ops: no while loop; at once, if ``alone=True``: none other can come this pass, as on a
+        server's one connection). Cancelling it drops the request if its batch has not started.
 
         Raises:
           SignatureError, OverloadError: as :meth:`submit`; nothing is queued.
@@ -301,9 +300,8 @@ class Batcher:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             raise RuntimeError(
-                f"{self.name}.asubmit(): no asyncio event loop runs on this thread. Call it "
-                "in a coroutine (y = await b.asubmit(x)); from plain threads, call b.submit(x) "
-                "or b(x)."
+                f"{self.name}.asubmit(): no asyncio event loop runs on this thread. Call it in a "
+                "coroutine (y = await b.asubmit(x)); from plain threads, call b.submit(x) or b(x)."
             ) from None
         request = AsyncRequest(arrays, rows, t0, loop.create_future())
         self._enqueue(request, wake=False)  # woken, or run here, when this pass ends
@@ -312,7 +310,10 @@ class Batcher:
             passes[loop] = None  # more than one this pass: the batcher's thread runs them
         else:
             passes[loop] = request
-            loop.call_soon(self._end_of_pass, loop)
+            if alone:  # nothing can join it: the pass's end is now
+                self._end_of_pass(loop)
+            else:
+                loop.call_soon(self._end_of_pass, loop)
         return request
 
     def _end_of_pass(self, loop: Any) -> None:

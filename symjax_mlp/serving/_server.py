@@ -92,7 +92,7 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
     bounded; its refusals name ``app``'s model and are counted on its /metrics, as its own are."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    model, intake = app.state.model, app.state.intake
+    model, intake, connections = app.state.model, app.state.intake, app.state.connections
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         open, limit, files = 0, 1 << 62, 1 << 62  # connections now; limited(), room() set these
@@ -100,6 +100,7 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
 
         def connection_made(self, transport: Any) -> None:
             BoundedHeads.open += 1
+            connections[0] += 1  # the app's: one, its request runs at once
             super().connection_made(_Lingering(transport, self, head_timeout))
             self._head_bytes, self._unsent, self._head_timer, self._send_timer = 0, 0, None, None
             if BoundedHeads.open > BoundedHeads.limit:  # refused at once: nothing of it is read
@@ -230,6 +231,7 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
 
         def connection_lost(self, exc: Exception | None) -> None:
             BoundedHeads.open -= 1
+            connections[0] -= 1
             self._disarm()
             self.resume_writing()  # its timer, off
             super().connection_lost(exc)
