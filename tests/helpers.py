@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -67,6 +69,17 @@ def zoo_artifact(tmp_path_factory, case, h=None) -> Path:
         sm.export(h or case.hybridize(), path, example=case.inputs(0), kwargs=case.eval)
 
     return made_once(tmp_path_factory, f"zoo/{case.name}", make)
+
+
+def manifest_edited(src: Path, to: Path, edit) -> Path:
+    """A copy of the artifact ``src`` at ``to``, its manifest changed in place by ``edit``: no
+    file the manifest hashes is touched, so the copy is whole, as a stranger makes it (a
+    signature copied with it no longer covers the manifest)."""
+    shutil.copytree(src, to)
+    manifest = json.loads((to / "manifest.json").read_text())
+    edit(manifest)
+    (to / "manifest.json").write_text(json.dumps(manifest))
+    return to
 
 
 @pytest.fixture

@@ -9,9 +9,7 @@ test_selftest_tolerance.py shows (not repeated here)."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -23,6 +21,7 @@ import pytest
 import symjax_mlp as sm
 
 pytest.importorskip("IPython")  # (day five's shell, below)
+from helpers import manifest_edited
 from helpers import run_cell as run
 
 X = np.ones((2, 3), np.float32)
@@ -38,16 +37,6 @@ def scalar_art(tmp_path_factory):
     )
     path = tmp_path_factory.mktemp("scalar") / "m"
     return sm.export(h, path, example=(X, np.float32(1.5)), batch=None).path
-
-
-def _edited(src, to, edit):
-    """A copy of the artifact ``src`` at ``to``, its manifest changed by ``edit`` (no file the
-    manifest hashes is touched: the copy is whole)."""
-    shutil.copytree(src, to)
-    manifest = json.loads((to / "manifest.json").read_text())
-    edit(manifest)
-    (to / "manifest.json").write_text(json.dumps(manifest))
-    return to
 
 
 def _strong(value):
@@ -76,7 +65,7 @@ def test_a_manifests_strong_list_or_weak_type_no_export_writes_is_refused_at_loa
     input was kept. Each is now refused at load, naming the field, as is a strong list naming
     an input that takes only Python numbers; what an export writes (args[1], arrays too) loads."""
     assert sm.load(scalar_art).signature.strong == ("args[1]",)
-    arrays = _edited(scalar_art, tmp_path / "arrays", _strong(["args[0]", "args[1]"]))
+    arrays = manifest_edited(scalar_art, tmp_path / "arrays", _strong(["args[0]", "args[1]"]))
     assert sm.load(arrays).signature.strong == ("args[0]", "args[1]")  # as an export may write
     hostile = {
         "strong names no input": _strong(["args[7]"]),
@@ -91,7 +80,7 @@ def test_a_manifests_strong_list_or_weak_type_no_export_writes_is_refused_at_loa
         "weak a param": _weak("params", 0, True),
     }
     for i, (name, edit) in enumerate(hostile.items()):
-        art = _edited(scalar_art, tmp_path / str(i), edit)
+        art = manifest_edited(scalar_art, tmp_path / str(i), edit)
         with pytest.raises(sm.ArtifactError) as e:
             sm.load(art)
         said = str(e.value)
@@ -260,7 +249,7 @@ def test_a_hostile_artifact_shows_one_clean_line_in_a_notebook(shell, model, tmp
         m["name"] = escapes + "model"
         m["metadata"] = {"card" + escapes: escapes * 1000, "big": "x" * (10 << 20)}
 
-    art = _edited(model.path, tmp_path / "hostile", hostile)
+    art = manifest_edited(model.path, tmp_path / "hostile", hostile)
     shell.user_ns["where"] = str(art)
     for cell in ("sm.inspect(where)", "sm.load(where)", "print(sm.inspect(where))"):
         error, shown = run(shell, cell)

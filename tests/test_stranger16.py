@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from helpers import manifest_edited
 
 import symjax_mlp as sm
 from symjax_mlp.cli import main
@@ -47,16 +48,6 @@ def strong(tmp_path_factory):
     return path, h, d / "k.pem", d / "k.pub"
 
 
-def _edited(src, to, edit):
-    """A copy of the artifact ``src`` at ``to``, its manifest changed by ``edit`` (no hashed
-    file touched: the copy is whole); a signature copied with it is no longer the manifest's."""
-    shutil.copytree(src, to)
-    manifest = json.loads((to / "manifest.json").read_text())
-    edit(manifest)
-    (to / "manifest.json").write_text(json.dumps(manifest))
-    return to
-
-
 def _declared(version):
     return lambda m: m.__setitem__("format_version", version)
 
@@ -73,7 +64,7 @@ def test_a_format_3_artifact_declared_format_1_or_2_still_refuses_the_other_weak
     path, h = strong[:2]
     assert json.loads((path / "manifest.json").read_text())["format_version"] == 3
     for version in (1, 2):
-        m = sm.load(_edited(path, tmp_path / f"v{version}", _declared(version)))
+        m = sm.load(manifest_edited(path, tmp_path / f"v{version}", _declared(version)))
         assert m.signature.strong == ("args[1]",) and type(m) is not sm.LoadedModel  # _Typed
         got, want = m(S, np.float32(1.5)), h(S, np.float32(1.5))
         for g, w in zip(got, want, strict=True):
@@ -85,7 +76,7 @@ def test_a_format_3_artifact_declared_format_1_or_2_still_refuses_the_other_weak
             m.apply(m.params, S, 1.5)
     for version in (0, 4):
         with pytest.raises(sm.ArtifactError, match=f"format version {version}; this symjax_mlp"):
-            sm.load(_edited(path, tmp_path / f"v{version}", _declared(version)))
+            sm.load(manifest_edited(path, tmp_path / f"v{version}", _declared(version)))
 
 
 @pytest.mark.slow  # signing, two verifications: ~1 s
@@ -105,7 +96,7 @@ def test_a_signed_format_3_artifact_declared_older_or_stripped_of_strong_is_refu
         m["format_version"] = 2
 
     for name, edit in (("older", _declared(2)), ("stripped", stripped)):
-        art = _edited(signed, tmp_path / name, edit)
+        art = manifest_edited(signed, tmp_path / name, edit)
         with pytest.raises(sm.ArtifactError) as e:
             sm.load(art, verify_signature=public)
         assert "manifest.json" in str(e.value) and "\n" not in str(e.value), name
@@ -135,8 +126,8 @@ def test_a_strong_list_of_a_bool_a_negative_index_or_a_null_picks_no_class_silen
     }
     for name, edit in hostile.items():  # each copy's folder named for what it holds
         with pytest.raises(sm.ArtifactError, match=r"signature\.strong is .*corrupted or was"):
-            sm.load(_edited(path, tmp_path / name, edit))
-    plain = sm.load(_edited(path, tmp_path / "none", strong_as([])))
+            sm.load(manifest_edited(path, tmp_path / name, edit))
+    plain = sm.load(manifest_edited(path, tmp_path / "none", strong_as([])))
     assert plain.signature.strong == () and type(plain) is sm.LoadedModel  # no _Typed
 
 
@@ -237,7 +228,7 @@ def test_a_manifests_constraints_of_thousands_of_numbers_load_in_bounded_work(
         m["signature"]["constraints"] = _hostile_constraints(names)
         del m["files"]["selftest.safetensors"]
 
-    art = _edited(path, tmp_path / "hostile", hostile)
+    art = manifest_edited(path, tmp_path / "hostile", hostile)
     (art / "selftest.safetensors").unlink()
     budget = _Budget(monkeypatch, 200_000)
     m = sm.load(art)
