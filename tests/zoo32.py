@@ -2,7 +2,8 @@
 example, as its authors wrote it, for tests/test_authors_round32.py (transformers 4.57.6 from
 the package index, the last line with Flax models; transformers 5 dropped them).
 
-huggingface/transformers at 02c067295c47e3021d0a8c3cb3d24c7aaaa8c4b1:
+huggingface/transformers at 02c067295c47e3021d0a8c3cb3d24c7aaaa8c4b1, a stored commit of 2021
+(examples/flax is in no 4.57 release: pull request #40654 removed it in September 2025):
 
 - examples/flax/text-classification/run_flax_glue.py: ``create_train_state`` (its
   ``TrainState`` with ``logits_fn``/``loss_fn``, adamw masked off biases and LayerNorm scales)
