@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from symjax_mlp._errors import ConfigError, as_bool, as_int
-from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY
 
 
 def check_settings(max_traces: Any = None, **given: tuple[Any, type, str]) -> tuple[Any, ...]:
@@ -81,26 +80,6 @@ def keyed(kwargs: dict[str, Any]) -> tuple | None:
         if not (type(v) is bool or type(v) is str or v is None):
             return None
     return tuple(kwargs.items())
-
-
-def hot(statics: dict[tuple, Any] | None, args: tuple, kwargs: dict[str, Any], modes: Any):
-    """The static entries a call with ``kwargs`` gave (:func:`remember`; none given: ``()``),
-    with the nnx module's ``modes`` as they are now, where every input is a JAX array or a
-    NumPy one of numbers in this machine's byte order (jit's C++ path reads a big-endian one's
-    bytes as native ones, and gives its own error for str, objects or long doubles); else
-    ``None``."""
-    static = None if statics is None else statics.get(keyed(kwargs)) if kwargs else ()
-    if static is None:
-        return None
-    for a in args:
-        if type(a) not in JAX_ARRAYS and not (
-            type(a) is NDARRAY
-            and a.dtype.isnative
-            and a.dtype.kind in "biufc"
-            and a.dtype.char not in "gG"  # np.longdouble, np.clongdouble: no JAX dtype
-        ):
-            return None
-    return static if modes is None else modes.key(static)
 
 
 def remember(

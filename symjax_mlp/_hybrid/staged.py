@@ -10,11 +10,11 @@ from typing import Any
 import jax
 
 from symjax_mlp._errors import ConfigError
-from symjax_mlp._hybrid.args import partition
+from symjax_mlp._hybrid.args import JAX_ARRAYS, NDARRAY, partition
 from symjax_mlp._hybrid.graph import Graph
 from symjax_mlp._hybrid.params import check_given, flat_params, held, refuse_donated
 from symjax_mlp._hybrid.pure.nnx_module import refreshed
-from symjax_mlp._hybrid.settings import hot, remember
+from symjax_mlp._hybrid.settings import keyed, remember
 from symjax_mlp._hybrid.trace import MODEL_FIX, symbolic, unbindable
 from symjax_mlp._hybrid.traced import given
 
@@ -57,6 +57,26 @@ def refuse_trained_in_place(
         )
         kind = "Params" if not any(p.startswith("state") for p in trained) else "Variables"
         raise ConfigError(_TRAINED.format(caller=caller, kind=kind, paths=paths, what=what))
+
+
+def hot(statics: dict[tuple, Any] | None, args: tuple, kwargs: dict[str, Any], modes: Any):
+    """The static entries a call with ``kwargs`` gave (:func:`remember`; none given: ``()``),
+    with the nnx module's ``modes`` as they are now, where every input is a JAX array or a
+    NumPy one of numbers in this machine's byte order (jit's C++ path reads a big-endian one's
+    bytes as native ones, and gives its own error for str, objects or long doubles); else
+    ``None``."""
+    static = None if statics is None else statics.get(keyed(kwargs)) if kwargs else ()
+    if static is None:
+        return None
+    for a in args:
+        if type(a) not in JAX_ARRAYS and not (
+            type(a) is NDARRAY
+            and a.dtype.isnative
+            and a.dtype.kind in "biufc"
+            and a.dtype.char not in "gG"  # np.longdouble, np.clongdouble: no JAX dtype
+        ):
+            return None
+    return static if modes is None else modes.key(static)
 
 
 class Staged:
