@@ -3,8 +3,10 @@ what session 62 added (format 3, whose ``signature.strong`` and ``weak_type`` de
 the golden files older releases wrote) and the artifact commands that size their own inputs
 (``symjax-mlp bench DIR``, ``sm.timeit``, ``verify``). A downgrade: a format-3 artifact
 re-declared format 1 or 2, signed or not, or re-exported through ``m.apply``. Then a manifest's
-constraints, which load checks for some sizes they admit. Each way in that got through has a
-test failing without its fix; each surface that held keeps one test showing it. The rounds
+constraints, which load checks for some sizes they admit; ``serve`` of an artifact whose one row
+no request body could carry (and the bytes its warm-up draws); ``weak_type`` on a bool input,
+which no export writes. Each way in that got through has a test failing without its fix; each
+surface that held keeps one test showing it. The rounds
 before: test_stranger15.py, ..., test_stranger14.py (a ``strong`` list naming no input, twice,
 10^5 names; ``weak_type`` on a param, an array or not a bool: not repeated here),
 test_security.py, test_signing_stranger.py."""
@@ -289,3 +291,76 @@ def test_verify_of_an_artifact_exported_at_a_weak_scalar_passes_it_as_a_python_n
     assert sm.load(path).signature.inputs[1].weak_type
     report = sm.verify(path, reference=h)
     assert report.ok and report.checks and not report.errors, str(report)  # (the CLI's call)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """An artifact of x * w whose one row is float32[4096] (16 KiB), rows merging: a stranger's
+    256 MiB row scaled down, served under a ``max_body_bytes`` scaled down with it."""
+    h = sm.hybridize(lambda p, x: x * p["w"], {"w": jnp.ones((), jnp.float32)})
+    d = tmp_path_factory.mktemp("wide")
+    return sm.export(h, d / "m", example=np.ones((2, 4096), np.float32)).path
+
+
+class _Served(Exception):
+    """Raised by ``ready``: serve got as far as listening."""
+
+
+def _stop(url):
+    raise _Served(url)
+
+
+@pytest.mark.slow  # an export, loads, the command line: ~2 s
+def test_serve_refuses_an_artifact_whose_one_row_no_request_body_could_carry(
+    wide, monkeypatch, capsys
+):
+    """``serve`` (and ``symjax-mlp serve``) of an artifact whose one row is larger than
+    ``max_body_bytes`` (a stranger's 256 MiB row under the 64 MiB default) warmed every bucket
+    up to 64 rows first (16 GiB drawn and compiled for 256 MiB rows), then refused every
+    request with 413. It is now refused before the batcher draws a row, in one line naming the
+    row's bytes, the limit and what to do; ``create_app`` of such a batcher is refused too."""
+    from symjax_mlp.serving import _lane
+
+    drawn = []
+    warm_up = _lane.Lane.warm_up
+    monkeypatch.setattr(_lane.Lane, "warm_up", lambda lane: drawn.append(lane) or warm_up(lane))
+    said = r"one row of the model's inputs \(args\[0\] float32\[4096\]\) is 16,384 bytes, more "
+    with pytest.raises(sm.ConfigError, match=said + r"than max_body_bytes=16,383.*serve another"):
+        sm.serving.serve(wide, port=0, max_body_bytes=16383, ready=_stop)
+    assert not drawn  # refused before the warm-up
+    cli = ["serve", str(wide), "--port", "0", "--max-body-bytes", "16383", "--dispatch", "async"]
+    assert main(cli) == 2  # (sync dispatch is set before JAX starts: not in this process)
+    err = capsys.readouterr().err
+    said = "16,384 bytes, more than max_body_bytes=16,383"
+    assert said in err.splitlines()[0] and "Traceback" not in err, err
+    assert "--max-body-bytes BYTES" in err.splitlines()[1] and not drawn, err  # the option
+    refused = pytest.raises(sm.ConfigError, match="create_app: one row of the model's inputs")
+    with sm.serving.Batcher(sm.load(wide), max_batch=1) as b, refused:
+        sm.serving.create_app(b, max_body_bytes=16383)
+
+
+@pytest.mark.slow  # an export, three warm-ups: ~2 s
+def test_serve_bounds_the_default_batch_by_the_bytes_a_server_holds(wide, monkeypatch):
+    """Where ``max_batch`` is not given, serve warmed buckets up to 64 rows whatever a row
+    held: 64 rows of 64 MiB (4 GiB) under the default limits. Its default is now the largest
+    power of two up to 64 whose rows fit in ``max_inflight_bytes`` (4 bodies by default): a
+    row of 16 KiB under a 16 KiB body limit (64 KiB held: the row fits a body) is served at
+    buckets 1, 2, 4; a ``max_batch`` given, or rows that fit 64 times, as before."""
+    from symjax_mlp.serving import _server
+
+    made = []
+
+    class Kept(sm.serving.Batcher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.buckets)
+
+    monkeypatch.setattr(_server, "Batcher", Kept)
+    for options, buckets in (
+        ({"max_body_bytes": 16384}, (1, 2, 4)),
+        ({"max_body_bytes": 16384, "max_batch": 8}, (1, 2, 4, 8)),
+        ({"max_body_bytes": 16384, "max_inflight_bytes": 64 * 16384}, (1, 2, 4, 8, 16, 32, 64)),
+    ):
+        with pytest.raises(_Served):
+            sm.serving.serve(wide, port=0, ready=_stop, **options)
+        assert made.pop() == buckets, options

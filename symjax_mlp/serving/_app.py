@@ -129,7 +129,8 @@ def create_app(
 
     Raises:
       ConfigError: ``batcher`` is not an open Batcher, a limit is not a number > 0,
-        ``max_inflight_bytes < max_body_bytes``, or ``prefix`` is no Prometheus name.
+        ``max_inflight_bytes < max_body_bytes`` or a row of ``batcher``, or ``prefix`` is no
+        Prometheus name.
       ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
 
     Example:
@@ -166,7 +167,7 @@ def create_app(
             f"got {prefix!r}. Pass e.g. prefix='my_model'."
         )
     by_code: collections.Counter[int] = collections.Counter()  # answers, on the one loop
-    limits = max_body_bytes, body_timeout, max_inflight_bytes
+    limits = max_body_bytes, body_timeout, max_inflight_bytes, batcher.specs  # a row in a body
     intake = Intake(*check_limits("create_app", *limits, request_timeout=request_timeout))
     waits, public = Watch(request_timeout), Public(batcher)
 

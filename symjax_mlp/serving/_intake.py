@@ -8,12 +8,17 @@ kept in the order set are in time order; a body behind :data:`MIN_BODY_RATE` has
 from __future__ import annotations
 
 import asyncio
+import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from symjax_mlp._errors import ConfigError
+from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._bodies import BadRequest
-from symjax_mlp.serving._requests import headed
+from symjax_mlp.serving._requests import artifact_specs, headed
 
 #: Bytes a second a body must average after its first ``body_timeout`` seconds (a phone on
 #: GPRS sends 5 000; Apache's mod_reqtimeout asks 500 by default).
@@ -24,10 +29,11 @@ MAX_BODY_TIMEOUTS = 10
 
 
 def check_limits(
-    where: str, max_body_bytes: Any, body_timeout: Any, max_inflight_bytes: Any, **more: Any
-) -> tuple[int, float, int]:
+    where: str, max_body_bytes: Any, body_timeout: Any, max_inflight_bytes: Any,
+    rows: Sequence[TensorSpec] = (), **more: Any,
+) -> tuple[int, float, int]:  # fmt: skip
     """The app's limits, ``max_inflight_bytes`` defaulted; a :class:`ConfigError` if bad (or
-    one of ``more``, seconds or counts > 0 too)."""
+    one of ``more``, seconds or counts > 0 too, or one of ``rows`` larger than a body)."""
     limits = {"max_body_bytes": max_body_bytes, "body_timeout": body_timeout}
     for option, value in {**limits, "max_inflight_bytes": max_inflight_bytes, **more}.items():
         if option == "max_inflight_bytes" and value is None:  # default: 4 bodies
@@ -40,7 +46,41 @@ def check_limits(
             f"{max_body_bytes}, so a body between the two could never be read; pass "
             "max_inflight_bytes >= max_body_bytes."
         )
+    row_bytes(where, rows, max_body_bytes)
     return max_body_bytes, body_timeout, max_inflight_bytes
+
+
+_ROW = (
+    "{where}one row of the model's inputs ({rows}) is {size:,} bytes, more than max_body_bytes="
+    "{limit:,}, so no request could carry one, and every batch size would be compiled and run "
+    "on such rows first. Pass max_body_bytes >= {size:,} (and max_inflight_bytes with it), or "
+    "serve another artifact."
+)
+
+
+def row_bytes(where: str, specs: Sequence[TensorSpec], max_body_bytes: int) -> int:
+    """The bytes of one row of ``specs`` (a batcher's: ``b`` first, static sizes after); a
+    :class:`ConfigError` where that is more than ``max_body_bytes``."""
+    sizes = [math.prod(s.shape[1:]) * np.dtype(s.dtype).itemsize for s in specs]
+    if (size := sum(sizes)) > max_body_bytes:
+        rows = ", ".join(f"{s.path} {s.dtype}{list(s.shape[1:])}" for s in specs)
+        limit = max_body_bytes
+        raise ConfigError(_ROW.format(where=headed(where), rows=rows, size=size, limit=limit))
+    return size
+
+
+def serving_batch(where: str, model: Any, max_batch: Any, limits: tuple[int, float, int]) -> Any:
+    """The ``max_batch`` to serve a LoadedModel at under ``limits`` (:func:`check_limits`'),
+    checked before its batcher draws a row: where ``max_batch`` is None and its batches merge,
+    the largest power of two up to 64 whose rows fit in ``max_inflight_bytes`` (the warm-up
+    runs each bucket on zeros; a 64 MiB row at 64 rows: 4 GiB)."""
+    specs, fixed, alone, _ = artifact_specs(model)  # its refusals, as the batcher's
+    if any(s.dtype.startswith("key<") for s in specs):
+        return max_batch  # no NumPy type: the batcher refuses it
+    size = row_bytes(where, specs, limits[0])
+    if max_batch is not None or fixed is not None or alone or 64 * size <= limits[2]:
+        return max_batch
+    return 1 << ((limits[2] // max(size, 1)).bit_length() - 1)
 
 
 class Intake:

@@ -19,7 +19,7 @@ from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._app import create_app, load_entry, model_name, require
 from symjax_mlp.serving._batcher import Batcher, seconds
-from symjax_mlp.serving._intake import check_limits
+from symjax_mlp.serving._intake import check_limits, serving_batch
 from symjax_mlp.serving._latency import latency_mode
 from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count, short
 from symjax_mlp.serving._server import bind, on_signals
@@ -185,7 +185,7 @@ def ray_app(
     check_count(where, "replicas", replicas)
     check_count(where, "max_queue", max_queue)
     wait = seconds(warm_up_timeout, f"ray_app({str(artifact)!r}, warm_up_timeout")
-    check_limits(where, max_body_bytes, body_timeout, max_inflight_bytes)
+    limits = check_limits(where, max_body_bytes, body_timeout, max_inflight_bytes)
     if max_ongoing_requests is not None:
         check_count(where, "max_ongoing_requests", max_ongoing_requests)
     if dispatch not in ("sync", "async"):
@@ -202,6 +202,7 @@ def ray_app(
         "entry": entry,
     }
     model = load_entry(artifact, **load_options)  # refused here, not in a replica's log
+    max_batch = serving_batch(where, model, max_batch, limits)  # a row within a body
     _, static, _, bound = artifact_specs(model)
     buckets = bucket_sizes(where, max_batch, None, static, bound)  # those its constraints admit
     batcher_options = {"max_batch": max_batch, "max_queue": max_queue, "warm_up_timeout": wait}

@@ -32,7 +32,7 @@ from symjax_mlp.serving._app import (
 )
 from symjax_mlp.serving._batcher import Batcher, seconds
 from symjax_mlp.serving._fds import room
-from symjax_mlp.serving._intake import check_limits
+from symjax_mlp.serving._intake import check_limits, serving_batch
 from symjax_mlp.serving._requests import check_count, headed, short
 
 #: The most bytes of one request's line and headers, or trailers (nginx: 4 x 8 KiB by default).
@@ -298,7 +298,8 @@ def serve(
       artifact: the artifact directory.
       host, port: where to listen.
       runtime: ``"jax"`` or ``"iree"``.
-      max_batch, max_queue, warm_up_timeout: see :class:`~symjax_mlp.serving.Batcher`.
+      max_batch, max_queue, warm_up_timeout: see :class:`~symjax_mlp.serving.Batcher` (default
+        ``max_batch``: 64, less where 64 rows hold more than ``max_inflight_bytes``).
       max_body_bytes, body_timeout, max_inflight_bytes: see :func:`create_app`; a head must come
         within ``body_timeout`` (and 64 KiB; else 408, 431), and a client taking none of its
         answers for it is dropped, their bytes counted in ``max_inflight_bytes`` while they wait.
@@ -312,7 +313,8 @@ def serve(
       where: the heading of its own refusals (``""``: none, where the caller's line names it).
 
     Raises:
-      ConfigError: ``params_as_constants`` with ``runtime="iree"`` or a sharded artifact.
+      ConfigError: ``params_as_constants`` with ``runtime="iree"`` or a sharded artifact; a
+        row larger than ``max_body_bytes`` (no request could carry it).
       ImportError: starlette or uvicorn is missing (``pip install 'symjax_mlp[serve]'``).
       ArtifactError: the artifact cannot be loaded.
       TimeoutError: the batcher's warm-up took longer than ``warm_up_timeout``.
@@ -322,7 +324,7 @@ def serve(
 
     check_count(where, "max_connections", max_connections)
     limits = max_body_bytes, body_timeout, max_inflight_bytes  # before the load, as the port
-    check_limits(where, *limits, request_timeout=request_timeout)
+    limits = check_limits(where, *limits, request_timeout=request_timeout)
     waits = {"warm_up_timeout": seconds(warm_up_timeout, "serve(warm_up_timeout")}
     levels = uvicorn.config.LOG_LEVELS
     if not isinstance(log_level, int) and str(log_level).lower() not in levels:
@@ -333,6 +335,7 @@ def serve(
             artifact, entry, runtime=runtime, params_as_constants=params_as_constants,
             trust=trust, allow=allow, verify_signature=verify_signature,
         )  # fmt: skip
+        max_batch = serving_batch(where, model, max_batch, limits)  # a row within a body
         sizes = {"max_batch": max_batch, "max_queue": max_queue, "name": model_name(model)}
         batcher = Batcher(model, **sizes, **waits)
         try:
