@@ -155,6 +155,19 @@ def backward_rule(bwd: Any) -> Any:  # the custom_vjp rule custom_lin's bwd wrap
     return getattr(bwd, "f", None) if INTERNALS["linearizing"] else None
 
 
+def transpose_rule(bwd: Any) -> tuple[Any, Any]:
+    """The custom_vjp rule a custom_vjp_call's ``bwd`` wraps, and which of its outputs the
+    call keeps where JAX's dead-code elimination wrapped it (``None``: all; rule ``None``:
+    unknown)."""
+    rule, used = backward_rule(bwd), None
+    if rule is not None and rule.__name__ == "dce_bwd" and rule.__closure__:
+        cells = dict(zip(rule.__code__.co_freevars, rule.__closure__, strict=True))
+        if "bwd" in cells and "used_outs" in cells:
+            rule = backward_rule(cells["bwd"].cell_contents)
+            used = tuple(cells["used_outs"].cell_contents)
+    return rule, used
+
+
 # -- 5c. the shape constraints a program checks, read from its shape assertions -------------
 # Why: jax.export serializes no constraints (b >= 2): the module checks them, each by a
 # shape_assertion whose message names it; a manifest that drops one is refused at load. Internal:

@@ -6,7 +6,8 @@ rows stay apart (``rows``, checked against the module at load) and every mapped 
 batch dimension, the mapped axis merges into it (``(n, b, ...)`` to ``(n * b, ...)``) and the
 program runs once; anywhere else once per example (``jax.lax.map``), vmap's own meaning. A
 ``custom_vjp`` runs the artifact's VJP module for ``jax.grad``, checked first; forward mode is
-refused as it traces, else where JAX refuses it (:func:`refusing_forward`). Inside
+refused as it traces, else where JAX refuses it (:func:`refusing_forward`); a VJP module's call
+(linear in its cotangents) transposes by the next order's (:func:`transposing`). Inside
 ``jax.shard_map`` its outputs vary along the mesh axes its inputs vary along (:func:`varying`),
 and a cotangent is summed over the devices where its input is the same on each (:func:`summed`).
 """
@@ -30,7 +31,7 @@ from jax.interpreters.ad import JVPTracer
 from symjax_mlp._artifact.format import JAXEXPORT, caller, program_file
 from symjax_mlp._artifact.reading import check_x64
 from symjax_mlp._artifact.signature import Signature, admits
-from symjax_mlp._compat import backward_rule, linearizing
+from symjax_mlp._compat import backward_rule, linearizing, transpose_rule
 from symjax_mlp._errors import ArtifactError, ConfigError
 from symjax_mlp._selftest import refine_shapes
 
@@ -96,6 +97,37 @@ def forward_mode(caller: str, vjp_order: int) -> str:
         f"them up to order {vjp_order}" if vjp_order else "none (it was exported with vjp_order=0)"
     )
     return _FORWARD.format(caller=caller, held=held, again=_AGAIN if vjp_order < 2 else "")
+
+
+_TRANSPOSE = (
+    "{caller}: jax.linear_transpose of the loaded model's VJP of order {order} (jaxopt's "
+    "default implicit differentiation, solve_normal_cg, transposes one) runs its VJP module of "
+    "order {next}, and the artifact holds them up to order {have}; the program itself (order 0) "
+    "is not linear and has no transpose. Export it again with vjp_order={next}: "
+    "sm.export(h, path, example=x, vjp_order={next}), or solve without a transpose where the "
+    "system is symmetric (a Hessian: jaxopt's optimality of a loss's gradient): "
+    "implicit_diff_solve=jaxopt.linear_solve.solve_cg."
+)
+
+
+@functools.cache
+def transposing() -> None:
+    """Gives ``custom_vjp_call`` a transpose rule where the custom_vjp is a loaded model's
+    (:meth:`Program.transposed`); another keeps JAX's NotImplementedError."""
+    from jax.extend.core.primitives import custom_vjp_call_p
+    from jax.interpreters import ad
+
+    def transpose(cts: Any, *args: Any, bwd: Any, num_consts: int, **params: Any) -> Any:
+        found, used = transpose_rule(bwd)
+        rule = getattr(found, "transpose", None)
+        if rule is None or any(ad.is_undefined_primal(a) for a in args[:num_consts]):
+            raise NotImplementedError(
+                "Transpose rule (for reverse-mode differentiation) for 'custom_vjp_call' not "
+                "implemented"
+            )  # JAX's own words where it has no rule
+        return [None] * num_consts + rule(cts, used, *args[num_consts:])
+
+    ad.primitive_transposes[custom_vjp_call_p] = transpose
 
 
 @functools.cache
@@ -170,8 +202,11 @@ class Program:
         self.guard(refine, n, shapes, order=order)
         return True
 
-    def wrap(self, module: Any, order: int = 0, n: int | None = None) -> Callable[..., Any]:
-        """``module.call`` (the program, or its VJP module of ``order``) as the class says."""
+    def wrap(
+        self, module: Any, order: int = 0, n: int | None = None, linear_from: int = 0
+    ) -> Callable[..., Any]:
+        """``module.call`` (the program, or its VJP module of ``order``, linear in its inputs
+        from ``linear_from`` on: the cotangents) as the class says."""
 
         def run(*args: Any) -> Any:  # varying along the mesh axes of its inputs
             return varying(module.call(*args), varies(args))
@@ -213,15 +248,43 @@ class Program:
             vjp_args = [*primals, *cts]
             m = sum(math.prod(x.shape) for x in jax.tree.leaves(args[1:])) if n is None else n
             self.check(vjp.call, vjp_args, m, order + 1)
-            out = self.wrap(vjp, order + 1, m)(*vjp_args)
+            out = self.wrap(vjp, order + 1, m, len(primals))(*vjp_args)
             out = jax.tree.unflatten(jax.tree.structure(args), jax.tree.leaves(out))
             return jax.tree.map(summed, out, tuple(args))
 
         call.defvjp(forward, backward)
         refused = functools.partial(ConfigError, forward_mode(self.caller, vjp_order))
         backward.forward_error = refused  # type: ignore[attr-defined]
+        backward.transpose = functools.partial(  # type: ignore[attr-defined]
+            self.transposed, call, order, linear_from
+        )
         refusing_forward()
+        transposing()
         return call
+
+    def transposed(
+        self, call: Any, order: int, linear_from: int, cts: Any, used: Any, *args: Any
+    ) -> Any:
+        """``call``'s transpose rule: ``call`` (the VJP module of ``order``) is linear in its
+        inputs from ``linear_from`` on, and their cotangents for ``cts`` (of the outputs
+        ``used``; ``None``: all) are the ones the VJP module of ``order + 1`` gives (at 0)."""
+        from jax.interpreters import ad
+
+        undefined = [ad.is_undefined_primal(a) for a in args]
+        have = self.manifest.get("vjp_order", 0)
+        if order == 0 or any(undefined[:linear_from]) or order + 1 > have:
+            said = _TRANSPOSE.format(caller=self.caller, order=order, next=order + 1, have=have)
+            raise ConfigError(said)
+        fixed = [jnp.zeros(a.aval.shape, a.aval.dtype) if u else a
+                 for a, u in zip(args, undefined, strict=True)]  # fmt: skip
+        linear = lambda *c: jax.tree.leaves(call(*fixed[:linear_from], *c))  # noqa: E731
+        outs, pull = jax.vjp(linear, *fixed[linear_from:])
+        given = iter(cts)
+        cts = [ad.instantiate_zeros(next(given)) if used is None or kept else jnp.zeros_like(y)
+               for y, kept in zip(outs, used or outs, strict=True)]  # fmt: skip
+        out = pull(cts)
+        tail = [c if u else None for c, u in zip(out, undefined[linear_from:], strict=True)]
+        return [None] * linear_from + tail
 
     def checked(self, *args: Any) -> Any:
         """``call(*args)`` once the guard has checked the module for ``args``' shapes."""

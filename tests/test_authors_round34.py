@@ -1,0 +1,77 @@
+"""Code we did not write, round thirty-four (jaxopt's examples are tests/zoo28.py's; sources
+and commits there): what round twenty-eight left open.
+
+- jaxopt's DEFAULT implicit differentiation of ``LBFGS(...).run`` (``solve_normal_cg``, which
+  builds its ``rmatvec`` with ``jax.linear_transpose`` of the VJP of the loss's gradient) over
+  a loaded ``m.apply``: JAX raised its NotImplementedError (no transpose rule for
+  ``custom_vjp_call``). A loaded model's VJP module of order k is linear in its cotangents, and
+  its transpose is what the VJP module of order k + 1 gives for them: exported with
+  ``vjp_order=3`` the default solve now runs and equals ``net.apply``'s derivative; with
+  ``vjp_order=2`` a ConfigError names both ways out (``vjp_order=3``, or
+  ``implicit_diff_solve=solve_cg``, the Hessian being symmetric).
+- At ``vjp_order=1`` our refusal (a ConfigError, which is a TypeError) is raised as jaxopt
+  traces its ``matvec`` inside ``try: ... except TypeError`` and re-raised as "``init`` of
+  solve_normal_cg is compulsory when ``matvec`` is nonsquare": ours shows chained above it.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from features import close
+from test_authors_round28 import NET, VARIABLES, X, Y
+from zoo28 import jaxopt
+
+import symjax_mlp as sm
+
+pytestmark = pytest.mark.slow  # each exports a model with VJP modules and runs a solver
+
+
+def _loaded(tmp_path, vjp_order):
+    h = sm.hybridize(NET.apply, VARIABLES)
+    sm.export(h, tmp_path / f"m{vjp_order}", example=(X,), batch="b", vjp_order=vjp_order)
+    return sm.load(tmp_path / f"m{vjp_order}"), h.params
+
+
+def _fitted(l2reg, apply, params, **options):
+    """``jaxopt.LBFGS(fun=objective).run`` as docs/unconstrained.rst writes it, to convergence,
+    over ``apply``: the solution's squared norm (its derivative: implicit)."""
+
+    def objective(p, l2reg, X, y):  # the page's names
+        penalty = sum(jnp.sum(w**2) for w in jax.tree.leaves(p))
+        return jnp.mean((apply(p, X)[:, 0] - y) ** 2) + 0.5 * l2reg * penalty
+
+    solver = jaxopt.LBFGS(fun=objective, maxiter=300, tol=1e-5, **options)
+    fit = solver.run(params, l2reg=l2reg, X=X, y=Y).params
+    return sum(jnp.sum(w**2) for w in jax.tree.leaves(fit))
+
+
+def test_linear_transpose_of_a_loaded_models_vjp_is_its_jvp(tmp_path):
+    """``jax.linear_transpose`` of ``c -> vjp(m, x)(c)`` (linear in ``c``): ``net``'s JVP."""
+    m, _ = _loaded(tmp_path, 2)
+    x, w = X[:3], jax.random.normal(jax.random.key(340), X[:3].shape)
+    pull = lambda f: lambda c: jax.vjp(f, x)[1](c)[0]  # noqa: E731 - the input's cotangent
+    got = jax.linear_transpose(pull(m), jnp.zeros((3, 4)))(w)[0]
+    want = jax.jvp(lambda x: NET.apply(VARIABLES, x), (x,), (w,))[1]
+    close(got, want)
+    assert jnp.abs(want).max() > 0.1
+
+
+def test_jaxopt_default_implicit_diff_over_a_loaded_model(tmp_path):
+    """Round 28's open case: ``jax.grad`` through ``LBFGS(...).run`` with jaxopt's default
+    ``implicit_diff_solve`` over ``m.apply`` (``vjp_order=3``) equals it over ``net.apply``."""
+    m, params = _loaded(tmp_path, 3)
+    want = jax.grad(_fitted)(0.3, NET.apply, VARIABLES)
+    got = jax.grad(_fitted)(0.3, m.apply, params)
+    assert abs(float(want)) > 0.1
+    close(got, want, rtol=1e-3, atol=1e-4)
+
+
+def test_jaxopt_default_implicit_diff_one_order_short_names_the_ways_out(tmp_path):
+    """At ``vjp_order=2`` the transpose needs the module of order 3: our ConfigError naming
+    ``vjp_order=3`` and ``solve_cg``, not JAX's NotImplementedError; ``solve_cg`` then runs."""
+    m, params = _loaded(tmp_path, 2)
+    with pytest.raises(sm.ConfigError, match=r"vjp_order=3.*implicit_diff_solve=jaxopt"):
+        jax.grad(_fitted)(0.3, m.apply, params)
+    solve_cg = jaxopt.linear_solve.solve_cg
+    got = jax.grad(_fitted)(0.3, m.apply, params, implicit_diff_solve=solve_cg)
+    close(got, jax.grad(_fitted)(0.3, NET.apply, VARIABLES), rtol=1e-3, atol=1e-4)
