@@ -12,12 +12,18 @@ and commits there): what round twenty-eight left open.
 - At ``vjp_order=1`` our refusal (a ConfigError, which is a TypeError) is raised as jaxopt
   traces its ``matvec`` inside ``try: ... except TypeError`` and re-raised as "``init`` of
   solve_normal_cg is compulsory when ``matvec`` is nonsquare": ours shows chained above it.
+- OTT-JAX's ICNN (tests/zoo34.py: the neural dual's default potentials), a potential whose
+  gradient is the transport map: over every feature at a static batch, and ``jax.grad`` of
+  the loaded potential equals ott's ``potential_gradient_fn``. A symbolic batch is refused
+  by our SignatureError: its ``__call__`` ends in ``z.squeeze()`` (no axis), which JAX's
+  shape polymorphism does not support (theirs).
 """
 
 import jax
 import jax.numpy as jnp
 import pytest
-from features import close
+import zoo34
+from features import close, every_feature
 from test_authors_round28 import NET, VARIABLES, X, Y
 from zoo28 import jaxopt
 
@@ -75,3 +81,24 @@ def test_jaxopt_default_implicit_diff_one_order_short_names_the_ways_out(tmp_pat
     solve_cg = jaxopt.linear_solve.solve_cg
     got = jax.grad(_fitted)(0.3, m.apply, params, implicit_diff_solve=solve_cg)
     close(got, jax.grad(_fitted)(0.3, NET.apply, VARIABLES), rtol=1e-3, atol=1e-4)
+
+
+def test_otts_icnn_potential_and_its_transport_map_loaded(tmp_path):
+    """The neural dual's default ``neural_f`` (an ICNN) over every feature (a static batch:
+    it squeezes), and the loaded potential's gradient equal to ott's transport map."""
+    neural_f, _ = zoo34.default_potentials(2)
+    x = jax.random.normal(jax.random.key(344), (8, 2))
+    params = neural_f.init(jax.random.key(345), x)["params"]  # at init, the identity map
+    noise = lambda w: 0.3 * jax.random.normal(jax.random.key(346), w.shape)  # noqa: E731
+    params = jax.tree.map(lambda w: jnp.abs(w + noise(w)), params)  # a trained-like potential
+
+    def potential(p, x):
+        return neural_f.apply({"params": p}, x)
+
+    h = sm.hybridize(potential, params)
+    m = every_feature(tmp_path, h, lambda x: potential(params, x), x, batch=None)
+    transport = neural_f.potential_gradient_fn(params)
+    close(jax.grad(lambda x: m(x).sum())(x), transport(x))
+    assert jnp.abs(transport(x) - x).max() > 1e-3  # not the identity map
+    with pytest.raises(sm.SignatureError, match="squeeze"):
+        sm.export(h, tmp_path / "b", example=(x,), batch="b")
