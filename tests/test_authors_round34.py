@@ -17,13 +17,20 @@ and commits there): what round twenty-eight left open.
   the loaded potential equals ott's ``potential_gradient_fn``. A symbolic batch is refused
   by our SignatureError: its ``__call__`` ends in ``z.squeeze()`` (no axis), which JAX's
   shape polymorphism does not support (theirs).
+- scenic's DETR (tests/zoo22.py) called with ``capture_intermediates=True``: ``h.apply``'s
+  sown intermediates are Flax's; exported (flattened: export refuses a dict, saying so) and
+  loaded, the same. scenic's ``hungarian_matcher`` (scipy in ``jax.pure_callback`` under a
+  custom_vjp) in a DETR-style matching loss: hybridized, its value and grads are Flax's;
+  export refuses it with our ConfigError naming pure_callback (an artifact holds no Python).
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import zoo34
 from features import close, every_feature
+from test_authors_round22 import DETR, DETR_OPS, IMAGES, _detr_variables
 from test_authors_round28 import NET, VARIABLES, X, Y
 from zoo28 import jaxopt
 
@@ -102,3 +109,33 @@ def test_otts_icnn_potential_and_its_transport_map_loaded(tmp_path):
     assert jnp.abs(transport(x) - x).max() > 1e-3  # not the identity map
     with pytest.raises(sm.SignatureError, match="squeeze"):
         sm.export(h, tmp_path / "b", example=(x,), batch="b")
+
+
+def test_scenic_detr_intermediates_and_hungarian_matching_loss(tmp_path):
+    """DETR's sown intermediates through ``h.apply``, exported and loaded; a matching loss
+    of scenic's ``hungarian_matcher`` hybridized (value, grads) and refused by export."""
+    variables = _detr_variables()
+    h = sm.hybridize(DETR, variables)
+    kw = {"capture_intermediates": True, "mutable": ["intermediates"]}
+    theirs = DETR.apply(variables, IMAGES, False, **kw)
+    close(h.apply(variables, IMAGES, False, **kw), theirs, rtol=1e-4, atol=1e-4)
+    sown = lambda v, x: tuple(jax.tree.leaves(DETR.apply(v, x, False, **kw)[1]))  # noqa: E731
+    flat = sm.hybridize(sown, variables)
+    sm.export(flat, tmp_path / "sown", example=(IMAGES,), batch="b")
+    m = sm.load(tmp_path / "sown", allow=DETR_OPS)
+    close(m(np.asarray(IMAGES)), tuple(jax.tree.leaves(theirs[1])), rtol=1e-4, atol=1e-4)
+
+    targets = jax.random.uniform(jax.random.key(347), (3, 4, 4))  # boxes to match
+
+    def matching_loss(v, x):  # DETR's: L1 box cost, matched, then the matched pairs' loss
+        boxes = DETR.apply(v, x, False)["pred_boxes"]
+        cost = jnp.abs(boxes[:, :, None] - targets[:, None]).sum(-1)
+        match = zoo34.hungarian_matcher(cost)  # [batch, 2, 4]: rows, columns
+        matched = jnp.take_along_axis(boxes, match[:, 0, :, None], axis=1)
+        return jnp.abs(matched - jnp.take_along_axis(targets, match[:, 1, :, None], 1)).sum()
+
+    hm = sm.hybridize(matching_loss, variables)
+    close(jax.value_and_grad(lambda v: hm.apply(v, IMAGES))(variables),
+          jax.value_and_grad(matching_loss)(variables, IMAGES), rtol=1e-4, atol=1e-4)  # fmt: skip
+    with pytest.raises(sm.ConfigError, match="pure_callback"):
+        sm.export(hm, tmp_path / "match", example=(IMAGES,), batch=None)  # targets: 3 rows
