@@ -17,13 +17,14 @@ and a loaded ``m.apply`` as over the plain ``net.apply``.
   of, so its README example fails on the plain ``net.apply`` as on ours; left out.
   neural-tangents 0.6.5 (the second) does not import with jax 0.10 (``from jax.core import
   Jaxpr``, gone), and needs tensorflow; left out too.
-- Open: jaxopt's default implicit differentiation of ``LBFGS(...).run`` (``solve_normal_cg``
+- jaxopt's default implicit differentiation of ``LBFGS(...).run`` (``solve_normal_cg``
   transposes the optimality function's VJP with ``jax.linear_transpose``) over a loaded
-  ``m.apply`` of ``vjp_order=2`` fails in JAX (no transpose rule for ``custom_vjp_call``);
-  ``implicit_diff_solve=solve_cg`` (the Hessian is symmetric) runs. At ``vjp_order=1`` our
-  refusal (a ConfigError, a TypeError) is caught by jaxopt's ``except TypeError`` and
-  re-raised as "``init`` of solve_normal_cg is compulsory when ``matvec`` is nonsquare", ours
-  chained below it.
+  ``m.apply`` failed in JAX (no transpose rule for ``custom_vjp_call``); since session 63 it
+  runs at ``vjp_order=3`` and names the order one short (tests/test_authors_round34.py);
+  ``implicit_diff_solve=solve_cg`` (the Hessian is symmetric) runs at ``vjp_order=2``. At
+  ``vjp_order=1`` our refusal (a ConfigError, a TypeError) is caught by jaxopt's
+  ``except TypeError`` and re-raised as "``init`` of solve_normal_cg is compulsory when
+  ``matvec`` is nonsquare", ours chained below it.
 """
 
 import flax.linen as nn
