@@ -177,6 +177,12 @@ def _detr_variables():
     return jax.jit(lambda: DETR.init(keys, IMAGES, False, padding_mask=MASK))()
 
 
+@pytest.fixture(scope="module")
+def detr():
+    """DETR, its variables, images and ops, as round thirty-four's tests take them."""
+    return DETR, _detr_variables(), IMAGES, DETR_OPS
+
+
 def test_detr_over_every_feature(tmp_path):
     """DETR in eval (``train`` False, as scenic's eval step calls it) over every feature, its
     ``{'pred_boxes', 'pred_logits'}`` refused by export, exported as one array (the heads

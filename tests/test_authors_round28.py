@@ -56,6 +56,12 @@ NET = MLP()
 VARIABLES = NET.init(jax.random.key(282), X)
 
 
+@pytest.fixture(scope="module")
+def jaxopt_net():
+    """The network, its variables and its data, as round thirty-four's tests take them."""
+    return NET, VARIABLES, X, Y
+
+
 def _applies(tmp_path):
     """``net.apply``, ``h.apply`` and a loaded ``m.apply`` (vjp_order=2), with their weights."""
     h = sm.hybridize(NET.apply, VARIABLES)

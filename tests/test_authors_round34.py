@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 import zoo34
 from features import close, every_feature
-from test_authors_round22 import DETR, DETR_OPS, IMAGES, _detr_variables
-from test_authors_round28 import NET, VARIABLES, X, Y
+from test_authors_round22 import detr  # noqa: F401 - round twenty-two's fixture
+from test_authors_round28 import jaxopt_net  # noqa: F401 - round twenty-eight's fixture
 from zoo28 import jaxopt
 
 import symjax_mlp as sm
@@ -39,13 +39,14 @@ import symjax_mlp as sm
 pytestmark = pytest.mark.slow  # each exports a model with VJP modules and runs a solver
 
 
-def _loaded(tmp_path, vjp_order):
-    h = sm.hybridize(NET.apply, VARIABLES)
-    sm.export(h, tmp_path / f"m{vjp_order}", example=(X,), batch="b", vjp_order=vjp_order)
+def _loaded(tmp_path, vjp_order, case):
+    net, variables, x, _ = case
+    h = sm.hybridize(net.apply, variables)
+    sm.export(h, tmp_path / f"m{vjp_order}", example=(x,), batch="b", vjp_order=vjp_order)
     return sm.load(tmp_path / f"m{vjp_order}"), h.params
 
 
-def _fitted(l2reg, apply, params, **options):
+def _fitted(l2reg, apply, params, data, **options):
     """``jaxopt.LBFGS(fun=objective).run`` as docs/unconstrained.rst writes it, to convergence,
     over ``apply``: the solution's squared norm (its derivative: implicit)."""
 
@@ -54,40 +55,40 @@ def _fitted(l2reg, apply, params, **options):
         return jnp.mean((apply(p, X)[:, 0] - y) ** 2) + 0.5 * l2reg * penalty
 
     solver = jaxopt.LBFGS(fun=objective, maxiter=300, tol=1e-5, **options)
-    fit = solver.run(params, l2reg=l2reg, X=X, y=Y).params
+    fit = solver.run(params, l2reg=l2reg, X=data[0], y=data[1]).params
     return sum(jnp.sum(w**2) for w in jax.tree.leaves(fit))
 
 
-def test_linear_transpose_of_a_loaded_models_vjp_is_its_jvp(tmp_path):
+def test_linear_transpose_of_a_loaded_models_vjp_is_its_jvp(tmp_path, jaxopt_net):  # noqa: F811 - the fixture imported
     """``jax.linear_transpose`` of ``c -> vjp(m, x)(c)`` (linear in ``c``): ``net``'s JVP."""
-    m, _ = _loaded(tmp_path, 2)
-    x, w = X[:3], jax.random.normal(jax.random.key(340), X[:3].shape)
+    (m, _), (net, variables, xs, _) = _loaded(tmp_path, 2, jaxopt_net), jaxopt_net
+    x, w = xs[:3], jax.random.normal(jax.random.key(340), xs[:3].shape)
     pull = lambda f: lambda c: jax.vjp(f, x)[1](c)[0]  # noqa: E731 - the input's cotangent
     got = jax.linear_transpose(pull(m), jnp.zeros((3, 4)))(w)[0]
-    want = jax.jvp(lambda x: NET.apply(VARIABLES, x), (x,), (w,))[1]
+    want = jax.jvp(lambda x: net.apply(variables, x), (x,), (w,))[1]
     close(got, want)
     assert jnp.abs(want).max() > 0.1
 
 
-def test_jaxopt_default_implicit_diff_over_a_loaded_model(tmp_path):
+def test_jaxopt_default_implicit_diff_over_a_loaded_model(tmp_path, jaxopt_net):  # noqa: F811 - the fixture imported
     """Round 28's open case: ``jax.grad`` through ``LBFGS(...).run`` with jaxopt's default
     ``implicit_diff_solve`` over ``m.apply`` (``vjp_order=3``) equals it over ``net.apply``."""
-    m, params = _loaded(tmp_path, 3)
-    want = jax.grad(_fitted)(0.3, NET.apply, VARIABLES)
-    got = jax.grad(_fitted)(0.3, m.apply, params)
+    (m, params), (net, variables, *data) = _loaded(tmp_path, 3, jaxopt_net), jaxopt_net
+    want = jax.grad(_fitted)(0.3, net.apply, variables, data)
+    got = jax.grad(_fitted)(0.3, m.apply, params, data)
     assert abs(float(want)) > 0.1
     close(got, want, rtol=1e-3, atol=1e-4)
 
 
-def test_jaxopt_default_implicit_diff_one_order_short_names_the_ways_out(tmp_path):
+def test_jaxopt_default_implicit_diff_one_order_short_names_the_ways_out(tmp_path, jaxopt_net):  # noqa: F811 - the fixture imported
     """At ``vjp_order=2`` the transpose needs the module of order 3: our ConfigError naming
     ``vjp_order=3`` and ``solve_cg``, not JAX's NotImplementedError; ``solve_cg`` then runs."""
-    m, params = _loaded(tmp_path, 2)
+    (m, params), (net, variables, *data) = _loaded(tmp_path, 2, jaxopt_net), jaxopt_net
     with pytest.raises(sm.ConfigError, match=r"vjp_order=3.*implicit_diff_solve=jaxopt"):
-        jax.grad(_fitted)(0.3, m.apply, params)
+        jax.grad(_fitted)(0.3, m.apply, params, data)
     solve_cg = jaxopt.linear_solve.solve_cg
-    got = jax.grad(_fitted)(0.3, m.apply, params, implicit_diff_solve=solve_cg)
-    close(got, jax.grad(_fitted)(0.3, NET.apply, VARIABLES), rtol=1e-3, atol=1e-4)
+    got = jax.grad(_fitted)(0.3, m.apply, params, data, implicit_diff_solve=solve_cg)
+    close(got, jax.grad(_fitted)(0.3, net.apply, variables, data), rtol=1e-3, atol=1e-4)
 
 
 def test_otts_icnn_potential_and_its_transport_map_loaded(tmp_path):
@@ -111,10 +112,10 @@ def test_otts_icnn_potential_and_its_transport_map_loaded(tmp_path):
         sm.export(h, tmp_path / "b", example=(x,), batch="b")
 
 
-def test_scenic_detr_intermediates_and_hungarian_matching_loss(tmp_path):
+def test_scenic_detr_intermediates_and_hungarian_matching_loss(tmp_path, detr):  # noqa: F811 - the fixture imported
     """DETR's sown intermediates through ``h.apply``, exported and loaded; a matching loss
     of scenic's ``hungarian_matcher`` hybridized (value, grads) and refused by export."""
-    variables = _detr_variables()
+    DETR, variables, IMAGES, DETR_OPS = detr
     h = sm.hybridize(DETR, variables)
     kw = {"capture_intermediates": True, "mutable": ["intermediates"]}
     theirs = DETR.apply(variables, IMAGES, False, **kw)

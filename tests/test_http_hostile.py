@@ -1032,7 +1032,8 @@ def test_create_app_refuses_limits_that_are_not_positive():
         # a body past max_inflight_bytes was a 503 with Retry-After, whenever it was retried
         with pytest.raises(sm.ConfigError, match="max_inflight_bytes=1000 is less than"):
             sm.serving.create_app(b, max_body_bytes=2000, max_inflight_bytes=1000)
-        sm.serving.create_app(b, close_batcher=False, max_body_bytes=10, max_inflight_bytes=10)
+        # limits as small as one row (3 float32: 12 bytes) are taken; smaller: test_stranger16
+        sm.serving.create_app(b, close_batcher=False, max_body_bytes=12, max_inflight_bytes=12)
 
 
 def test_create_app_refuses_a_metrics_prefix_prometheus_cannot_read():
