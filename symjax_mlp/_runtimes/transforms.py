@@ -102,12 +102,14 @@ def forward_mode(caller: str, vjp_order: int) -> str:
 _TRANSPOSE = (
     "{caller}: jax.linear_transpose of the loaded model's VJP of order {order} (jaxopt's "
     "default implicit differentiation, solve_normal_cg, transposes one) runs its VJP module of "
-    "order {next}, and the artifact holds them up to order {have}; the program itself (order 0) "
-    "is not linear and has no transpose. Export it again with vjp_order={next}: "
-    "sm.export(h, path, example=x, vjp_order={next}), or solve without a transpose where the "
-    "system is symmetric (a Hessian: jaxopt's optimality of a loss's gradient): "
-    "implicit_diff_solve=jaxopt.linear_solve.solve_cg."
+    "order {next}, and the artifact holds them up to order {have}. Export it again with "
+    "vjp_order={next}: sm.export(h, path, example=x, vjp_order={next}), or solve without a "
+    "transpose where the system is symmetric (a Hessian: jaxopt's optimality of a loss's "
+    "gradient): implicit_diff_solve=jaxopt.linear_solve.solve_cg."
 )
+
+
+_NO_RULE = "Transpose rule (for reverse-mode differentiation) for 'custom_vjp_call' not implemented"
 
 
 @functools.cache
@@ -121,10 +123,7 @@ def transposing() -> None:
         found, used = transpose_rule(bwd)
         rule = getattr(found, "transpose", None)
         if rule is None or any(ad.is_undefined_primal(a) for a in args[:num_consts]):
-            raise NotImplementedError(
-                "Transpose rule (for reverse-mode differentiation) for 'custom_vjp_call' not "
-                "implemented"
-            )  # JAX's own words where it has no rule
+            raise NotImplementedError(_NO_RULE)  # JAX's own words where it has no rule
         return [None] * num_consts + rule(cts, used, *args[num_consts:])
 
     ad.primitive_transposes[custom_vjp_call_p] = transpose
@@ -255,9 +254,10 @@ class Program:
         call.defvjp(forward, backward)
         refused = functools.partial(ConfigError, forward_mode(self.caller, vjp_order))
         backward.forward_error = refused  # type: ignore[attr-defined]
-        backward.transpose = functools.partial(  # type: ignore[attr-defined]
-            self.transposed, call, order, linear_from
-        )
+        if order:  # a VJP module (linear in its cotangents); the program has no transpose
+            backward.transpose = functools.partial(  # type: ignore[attr-defined]
+                self.transposed, call, order, linear_from
+            )
         refusing_forward()
         transposing()
         return call
@@ -272,7 +272,9 @@ class Program:
 
         undefined = [ad.is_undefined_primal(a) for a in args]
         have = self.manifest.get("vjp_order", 0)
-        if order == 0 or any(undefined[:linear_from]) or order + 1 > have:
+        if any(undefined[:linear_from]):  # a primal, in which it is not linear: JAX's words
+            raise NotImplementedError(_NO_RULE)
+        if order + 1 > have:
             said = _TRANSPOSE.format(caller=self.caller, order=order, next=order + 1, have=have)
             raise ConfigError(said)
         fixed = [jnp.zeros(a.aval.shape, a.aval.dtype) if u else a
