@@ -285,13 +285,19 @@ def test_t5_greedy_generate_from_a_loaded_encoder_and_decode_step(zoo, tmp_path)
 def readme():
     """tests/zoo33b.py (dynamax's README): its Gaussian HMM, true parameters and sample.
     ``hmm.initialize`` samples tfp-nightly's Wishart, whose gamma sampler calls
-    ``jnp.shape(None)``: JAX 0.10 warns that a future JAX will refuse it (theirs)."""
+    ``jnp.shape(None)``: JAX 0.10 warns that a future JAX will refuse it (theirs). dynamax's
+    import sets ``jax_default_matmul_precision`` to float32 for the whole process (theirs):
+    put back after this module, or every later test's matmuls in this worker change (and
+    test_day_six's exports differ from a fresh process's, byte for byte)."""
+    precision = jax.config.jax_default_matmul_precision
     pytest.importorskip("dynamax")
     import zoo33b
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "shape requires ndarray or scalar arguments")
-        return zoo33b.readme()
+        case = zoo33b.readme()
+    yield case
+    jax.config.update("jax_default_matmul_precision", precision)
 
 
 def test_dynamax_hmm_log_prob_filter_and_smoother_hybridized_equal_their_own(readme):
