@@ -12,6 +12,7 @@ tests import it (``import benchmarks``) as ``python scripts/bench.py`` does.
 """
 
 import atexit
+import contextlib
 import os
 import shutil
 import sys
@@ -50,9 +51,61 @@ if jax.config.jax_compilation_cache_dir is None:  # JAX was imported before this
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+import pytest  # noqa: E402
 from helpers import chapter, shell  # noqa: E402, F401  (fixtures, shared by every test module)
+
+
+def _jax_config():
+    """JAX's settings as this thread sees them (a ``with`` block's value included)."""
+    return {name: repr(getattr(jax.config, name, None)) for name in jax.config.values}
+
+
+_SETTINGS = _jax_config()  # as this file left them, before any test module is imported
+_INITIAL = dict(jax.config.values)
+
+
+def _changed(since):
+    now = _jax_config()
+    return {name: (was, now.get(name)) for name, was in since.items() if now.get(name) != was}
+
+
+def _put_back(changed, values):
+    for name in changed:
+        with contextlib.suppress(Exception):  # a flag JAX refuses to change once started
+            jax.config.update(name, values[name])
+
+
+def pytest_collection_finish(session):
+    """A test module that imports, at its top, a library setting JAX's config at import
+    changes every later test in that process (CI, sessions 62-63: dynamax's matmul precision
+    changed the bytes test_day_six exports): refused here, naming the flags."""
+    if changed := _changed(_SETTINGS):
+        raise pytest.UsageError(
+            f"importing the test modules changed jax.config: {changed} (was, now). Import that "
+            "library inside a fixture that puts the setting back."
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a module's last test (its fixtures torn down), JAX's config is as it was: a test
+    or a library it imported that leaves a flag changed fails here, naming the flag, and the
+    flag is put back, so no later test in this worker runs under it."""
+    yield
+    if nextitem is not None and getattr(nextitem, "module", 0) is getattr(item, "module", 1):
+        return
+    if changed := _changed(_SETTINGS):
+        _put_back(changed, _INITIAL)
+        raise AssertionError(
+            f"{item.module.__name__ if hasattr(item, 'module') else item.nodeid} left "
+            f"jax.config changed: {changed} (was, now). Put each back when the test or its "
+            "fixture ends (a library that sets one at import: import it in such a fixture)."
+        )
+
 
 # Keras reads KERAS_BACKEND when it is first imported, and without it imports TensorFlow: the
 # zoo's Keras modules are imported only by test_authors_round30.py, under its own setting, never
-# by --doctest-modules' collection (they hold no doctest).
-collect_ignore_glob = ["zoo30*.py"]
+# by --doctest-modules' collection (they hold no doctest). zoo33b imports dynamax, whose import
+# sets JAX's matmul precision for the whole process: only test_authors_round33.py's fixture
+# imports it, and puts the setting back (collected, it changed every test in every worker).
+collect_ignore_glob = ["zoo30*.py", "zoo33b.py"]
