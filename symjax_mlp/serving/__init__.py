@@ -23,10 +23,10 @@ from symjax_mlp.serving._latency import latency_mode as latency_mode
 from symjax_mlp.serving._ray import ray_app as ray_app
 from symjax_mlp.serving._requests import AsyncRequest as AsyncRequest
 from symjax_mlp.serving._requests import RequestFuture as RequestFuture
-from symjax_mlp.serving._requests import RequestTiming as RequestTiming
 from symjax_mlp.serving._server import serve as serve
 from symjax_mlp.serving._stats import LATENCY_BUCKETS as LATENCY_BUCKETS
 from symjax_mlp.serving._stats import BatcherStats as BatcherStats
+from symjax_mlp.serving._stats import RequestTiming as RequestTiming
 
 __all__ = [
     "LATENCY_BUCKETS",

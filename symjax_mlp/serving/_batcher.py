@@ -10,7 +10,6 @@ one loop's requests runs on that loop too where its bucket last ran within a mil
 from __future__ import annotations
 
 import asyncio
-import numbers
 import sys
 import threading
 import weakref
@@ -31,6 +30,7 @@ from symjax_mlp.serving._requests import (
     bucket_sizes,
     check_count,
     example_specs,
+    seconds,
 )
 from symjax_mlp.serving._stats import BatcherStats
 
@@ -41,15 +41,6 @@ _KEYS = (
     "jax.random.wrap_key_data on it, or call the loaded model directly."
 )
 _BOUNDED = NEEDS - {"while"}  # allow= keys whose ops compute tensors from tensors, bounded
-
-
-def seconds(value: Any, given: str) -> float | None:
-    """A timeout (seconds >= 0, or None: no limit) as threading waits on it: a float (not
-    NumPy's, nor a Fraction), or None (past ``threading.TIMEOUT_MAX`` too: inf)."""
-    bad = isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0
-    if value is not None and bad:
-        raise ConfigError(f"{given}={value!r}): pass seconds >= 0, or None for no limit.")
-    return None if value is None or value >= threading.TIMEOUT_MAX else float(value)
 
 
 class Batcher:

@@ -18,10 +18,16 @@ import jax
 from symjax_mlp._artifact.format import printable
 from symjax_mlp._errors import ConfigError
 from symjax_mlp.serving._app import create_app, load_entry, model_name, require
-from symjax_mlp.serving._batcher import Batcher, seconds
+from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._intake import check_limits, serving_batch
 from symjax_mlp.serving._latency import latency_mode
-from symjax_mlp.serving._requests import artifact_specs, bucket_sizes, check_count, short
+from symjax_mlp.serving._requests import (
+    artifact_specs,
+    bucket_sizes,
+    check_count,
+    seconds,
+    short,
+)
 from symjax_mlp.serving._server import bind, on_signals
 
 _EVENTS = {

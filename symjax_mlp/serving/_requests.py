@@ -6,7 +6,8 @@ settled a whole batch at a time; an :class:`AsyncRequest` its asyncio counterpar
 
 from __future__ import annotations
 
-import dataclasses
+import numbers
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,61 +27,13 @@ from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec, out_of_range, unfit_array
 from symjax_mlp.serving._model import refuse_outputs
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestTiming:
-    """Where one request's time went, in seconds; the last three are its batch's.
-
-    Attributes:
-      queued: from the call (or ``submit``) to its batch starting.
-      padded: assembling the batch: stacking the requests, zero-filling the padding rows.
-      compute: the model call, results on the host (synced).
-      split: cutting the results into one per request.
-      rows: the request's rows.
-      batch_rows: the real rows of its batch (all its requests).
-      batch_requests: the requests merged into its batch.
-      bucket: the compiled batch size it ran at (``bucket - batch_rows`` padding rows); its
-        own rows where the batcher does not merge (:attr:`Batcher.merges`).
-    """
-
-    queued: float
-    padded: float
-    compute: float
-    split: float
-    rows: int
-    batch_rows: int
-    batch_requests: int
-    bucket: int
-
-    @property
-    def total(self) -> float:
-        """Seconds from the call to the result."""
-        return self.queued + self.padded + self.compute + self.split
-
-
-class _Timed:
-    """A request's ``timing``: set by the lane, ``batch_record``, before its result is."""
-
-    __slots__ = ()
-    batch_record: tuple | None  # its batch's (t1, t2, t3, t4, rows, bucket, requests)
-    rows: int
-    t0: float
-
-    @property
-    def timing(self) -> RequestTiming | None:
-        """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
-        if (batch := self.batch_record) is None:
-            return None
-        t1, t2, t3, t4, real, bucket, n = batch  # its real rows, bucket and requests
-        return RequestTiming(t1 - self.t0, t2 - t1, t3 - t2, t4 - t3, self.rows, real, n, bucket)
-
+from symjax_mlp.serving._stats import Timed
 
 #: what :meth:`AsyncRequest.fail` hands on as a RuntimeError from it (the cause: the model's)
 UNAWAITABLE = (StopIteration, GeneratorExit, KeyboardInterrupt, SystemExit)
 
 
-class AsyncRequest(_Timed):
+class AsyncRequest(Timed):
     """What :meth:`Batcher.asubmit` returns: await it for the result.
 
     Attributes:
@@ -120,7 +73,7 @@ class AsyncRequest(_Timed):
         self.future.set_exception(error)
 
 
-class RequestFuture(SharedLockFuture, _Timed):
+class RequestFuture(SharedLockFuture, Timed):
     """What :meth:`Batcher.submit` returns: a ``concurrent.futures.Future`` of the result.
 
     Attributes:
@@ -398,3 +351,12 @@ def check_count(where: str, option: str, value: Any) -> int:
     if type(count) is not int or count < 1:
         raise ConfigError(f"{headed(where)}{option} must be an int >= 1; got {value!r}.")
     return count
+
+
+def seconds(value: Any, given: str) -> float | None:
+    """A timeout (seconds >= 0, or None: no limit) as threading waits on it: a float (not
+    NumPy's, nor a Fraction), or None (past ``threading.TIMEOUT_MAX`` too: inf)."""
+    bad = isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0
+    if value is not None and bad:
+        raise ConfigError(f"{given}={value!r}): pass seconds >= 0, or None for no limit.")
+    return None if value is None or value >= threading.TIMEOUT_MAX else float(value)

@@ -30,10 +30,10 @@ from symjax_mlp.serving._app import (
     print_ready,
     require,
 )
-from symjax_mlp.serving._batcher import Batcher, seconds
+from symjax_mlp.serving._batcher import Batcher
 from symjax_mlp.serving._fds import room
 from symjax_mlp.serving._intake import check_limits, serving_batch
-from symjax_mlp.serving._requests import check_count, headed, short
+from symjax_mlp.serving._requests import check_count, headed, seconds, short
 
 #: The most bytes of one request's line and headers, or trailers (nginx: 4 x 8 KiB by default).
 MAX_HEAD_BYTES = 64 * 2**10

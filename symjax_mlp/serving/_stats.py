@@ -1,4 +1,4 @@
-"""A batcher's counters: the running tallies, and the snapshot a reader gets.
+"""A batcher's counters: the running tallies, the snapshot a reader gets, one request's timing.
 
 Whoever runs a batch appends one tuple of timestamps to a deque (no lock); the tallies are
 folded from it, vectorized, when the stats are read or every few thousand batches.
@@ -27,6 +27,54 @@ _PADDED = "Zero rows added to reach a compiled batch size."
 _STAGES = "Seconds per stage of completed requests (batch stages counted per request)."
 #: What Prometheus takes as a metric name (a prefix of ours too).
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestTiming:
+    """Where one request's time went, in seconds; the last three are its batch's.
+
+    Attributes:
+      queued: from the call (or ``submit``) to its batch starting.
+      padded: assembling the batch: stacking the requests, zero-filling the padding rows.
+      compute: the model call, results on the host (synced).
+      split: cutting the results into one per request.
+      rows: the request's rows.
+      batch_rows: the real rows of its batch (all its requests).
+      batch_requests: the requests merged into its batch.
+      bucket: the compiled batch size it ran at (``bucket - batch_rows`` padding rows); its
+        own rows where the batcher does not merge (:attr:`Batcher.merges`).
+    """
+
+    queued: float
+    padded: float
+    compute: float
+    split: float
+    rows: int
+    batch_rows: int
+    batch_requests: int
+    bucket: int
+
+    @property
+    def total(self) -> float:
+        """Seconds from the call to the result."""
+        return self.queued + self.padded + self.compute + self.split
+
+
+class Timed:
+    """A request's ``timing``: set by the lane, ``batch_record``, before its result is."""
+
+    __slots__ = ()
+    batch_record: tuple | None  # its batch's (t1, t2, t3, t4, rows, bucket, requests)
+    rows: int
+    t0: float
+
+    @property
+    def timing(self) -> RequestTiming | None:
+        """The request's :class:`RequestTiming` (``None`` until its batch ran)."""
+        if (batch := self.batch_record) is None:
+            return None
+        t1, t2, t3, t4, real, bucket, n = batch  # its real rows, bucket and requests
+        return RequestTiming(t1 - self.t0, t2 - t1, t3 - t2, t4 - t3, self.rows, real, n, bucket)
 
 
 @dataclasses.dataclass(frozen=True)
