@@ -464,6 +464,31 @@ def test_max_connections_of_one_serves_a_lone_client():
             assert code == 503 and json.loads(raw)["error"] == "OverloadError", raw
 
 
+def test_max_connections_and_the_apps_lone_request_read_one_count_of_connections():
+    """serve counted its open connections twice, moved at the same lines: its protocol's (for
+    max_connections and the 503 past it) and its app's (a request alone on its server runs at
+    once). Now there is one, the app's, which the protocol moves and both read."""
+    from symjax_mlp.serving._server import bounded_heads, limited
+
+    with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b:
+        app = sm.serving.create_app(b, close_batcher=False)
+        heads, count = bounded_heads(5.0, app), app.state.connections
+        assert heads.connections is count and not hasattr(heads, "open")
+        body = json.dumps({"inputs": [[1.0, 2.0]]}).encode()
+        with _in_thread(limited(app, heads, 2), http=heads) as url:
+            address = ("127.0.0.1", _port(url))
+            with socket.create_connection(address), socket.create_connection(address):
+                _until(lambda: count[0] == 2, f"{count[0]} connections counted, not 2")
+                code, raw = _post(url, body)  # a third: past max_connections=2, as it opens
+                assert code == 503, raw
+                assert "has 3 connections open, past max_connections=2" in raw.decode(), raw
+            _until(lambda: count[0] == 0, f"{count[0]} connections counted once all closed")
+            assert _post(url, body) == (200, b'{"outputs":[[1.0,2.0]]}')
+            count[0] = 2  # as the app reads it: a request alone, or one of two (test_serving)
+            code, raw = _post(url, body)  # 3 now: past max_connections=2, as it opens
+            assert code == 503 and "has 3 connections open" in raw.decode(), raw
+
+
 def test_a_model_raising_cancelled_error_and_a_cancelling_close_are_json_answers():
     """The app re-raised every CancelledError as its own: uvicorn answered a text/plain 500
     and logged a traceback, for a model that raised it (alone or batched: now the JSON 500)
@@ -575,7 +600,7 @@ def test_a_client_that_reads_no_answer_is_dropped_within_the_timeout():
                 s.sendall(_WIDE_POST + _WIDE)
         _until(lambda: intake.held, "no answer waited for the client")  # nothing is read here
         start = time.monotonic()
-        _until(lambda: not heads.open, "the connection was never dropped")
+        _until(lambda: not heads.connections[0], "the connection was never dropped")
         assert time.monotonic() - start < 10 and intake.held == 0
         code, raw = _post(url, _WIDE)  # the others are served
         assert code == 200 and len(json.loads(raw)["outputs"]) == 8
@@ -606,7 +631,7 @@ def test_answers_left_unread_count_in_the_inflight_bytes_until_they_go():
                 assert "answers" in json.loads(e.read())["message"]
             for s in clients[:2]:  # the others are dropped unread
                 s.close()
-            _until(lambda: heads.open == 0, "the unread clients were never dropped")
+            _until(lambda: heads.connections[0] == 0, "the unread clients were never dropped")
             assert intake.held == 0 and _held_on_metrics(url) == 0
             for s in clients[2:]:
                 s.close()
@@ -1664,7 +1689,7 @@ def test_every_error_body_of_serve_names_the_model(server):
                 data += chunk
             answers.append(data.partition(b"\r\n\r\n")[2])
     with sm.serving.Batcher(lambda x: x, example=np.zeros((1, 2), np.float32)) as b:
-        heads = type("Heads", (), {"open": 0})
+        heads = type("Heads", (), {"connections": [0]})
         with _in_thread(limited(sm.serving.create_app(b, close_batcher=False), heads, 0)) as u:
             answers.append(_post(u, json.dumps({"inputs": [[1.0, 0.0]]}).encode())[1])
     models = [json.loads(raw)["model"] for raw in answers]

@@ -95,16 +95,16 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
     model, intake, connections = app.state.model, app.state.intake, app.state.connections
 
     class BoundedHeads(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-        open, limit, files = 0, 1 << 62, 1 << 62  # connections now; limited(), room() set these
+        limit, files = 1 << 62, 1 << 62  # limited(), room() set these
+        connections = app.state.connections  # open now: the app's count (1: answered at once)
         _deferred = False  # a 400 waits for the answers to the requests before it
 
         def connection_made(self, transport: Any) -> None:
-            BoundedHeads.open += 1
-            connections[0] += 1  # the app's: one, its request runs at once
+            connections[0] += 1
             super().connection_made(_Lingering(transport, self, head_timeout))
             self._head_bytes, self._unsent, self._head_timer, self._send_timer = 0, 0, None, None
-            if BoundedHeads.open > BoundedHeads.limit:  # refused at once: nothing of it is read
-                said = f"the server has {self.open} connections open, past max_connections="
+            if connections[0] > BoundedHeads.limit:  # refused at once: nothing of it is read
+                said = f"the server has {connections[0]} connections open, past max_connections="
                 return self._refuse(503, f"{said}{self.limit}; retry shortly.")
             self._bound()
 
@@ -142,7 +142,7 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
             head += b"".join(b"%s: %s\r\n" % pair for pair in said.raw_headers)
             self.transport.write(head + b"\r\n" + said.body)
             # busy: its request comes, to be dropped (if this process has files left for it)
-            self.transport.close(linger=bool(busy) and self.open <= self.files)
+            self.transport.close(linger=bool(busy) and connections[0] <= self.files)
 
         def pause_writing(self) -> None:  # answers wait for the client to read them
             super().pause_writing()
@@ -230,7 +230,6 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
             return super().eof_received()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            BoundedHeads.open -= 1
             connections[0] -= 1
             self._disarm()
             self.resume_writing()  # its timer, off
@@ -244,13 +243,14 @@ def limited(app: Any, heads: type, limit: int) -> Any:
     than ``limit`` connections of ``heads`` are open or ``limit`` requests run (uvicorn's
     ``limit_concurrency`` answers in text/plain, and refuses every request at 1)."""
     running, heads.limit = [0], limit  # a connection past it: refused as it opens (bounded_heads)
+    count = heads.connections  # connections open now: the app's count
 
     async def limited_app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await app(scope, receive, send)
-        if heads.open > limit or running[0] >= limit:
+        if count[0] > limit or running[0] >= limit:
             app.state.answered[503] += 1  # any path's
-            message = (f"the server has {heads.open} connections open and {running[0]} requests "
+            message = (f"the server has {count[0]} connections open and {running[0]} requests "
                        f"running, past max_connections={limit}; retry shortly.")  # fmt: skip
             headers = {"Connection": "close", "Retry-After": "1"}
             said = error_body(503, "OverloadError", message, app.state.model, headers)
