@@ -385,6 +385,28 @@ def test_a_bad_timeout_or_cancel_is_refused_before_a_request_is_queued(chapter):
         f0.result(30)
 
 
+def test_asubmit_refuses_an_alone_that_is_no_bool_as_close_refuses_a_cancel(chapter):
+    """``asubmit(x, alone="no")`` (or 1, None) was taken for its truth: "no" ran the request at
+    once, as if no other could join its pass. Now refused before it is queued, as close(cancel=)
+    refuses one (which took 1 for True); NumPy's bool is a bool to both."""
+    _, _, h, x = chapter
+    with sm.serving.Batcher(h, example=x, max_batch=4) as b:
+
+        async def submit(alone):
+            return await b.asubmit(rows(1), alone=alone)
+
+        for bad in ("no", 1, None):
+            said = rf"asubmit\(alone={re.escape(repr(bad))}\): expected True or False\.$"
+            with pytest.raises(sm.ConfigError, match=said):
+                asyncio.run(submit(bad))
+            with pytest.raises(sm.ConfigError, match=rf"close\(cancel={re.escape(repr(bad))}\)"):
+                b.close(cancel=bad)
+        assert b.stats.requests == 0 and not b.closed  # nothing queued, nothing closed
+        np.testing.assert_array_equal(asyncio.run(submit(np.True_)), b(rows(1)))
+        b.close(cancel=np.False_)
+        assert b.closed
+
+
 def test_a_model_error_reaches_every_request_of_its_batch_and_the_batcher_carries_on(chapter):
     _, _, h, x = chapter
 

@@ -30,6 +30,7 @@ from symjax_mlp.serving._requests import (
     bucket_sizes,
     check_count,
     example_specs,
+    flag,
     seconds,
 )
 from symjax_mlp.serving._stats import BatcherStats
@@ -284,8 +285,11 @@ class Batcher:
           SignatureError, OverloadError: as :meth:`submit`; nothing is queued.
           RuntimeError: the batcher is closed, or no event loop runs on this thread (from
             plain threads, call ``b.submit(x)`` or ``b(x)``).
+          ConfigError: ``alone`` is not True or False; nothing is queued.
         """
         t0 = clock()
+        if alone is not False and alone is not True:  # 1, "no": refused, not taken as True
+            alone = flag(alone, f"{self.name}.asubmit(alone")
         arrays, rows = self._check(inputs)
         try:
             loop = asyncio.get_running_loop()
@@ -364,8 +368,7 @@ class Batcher:
           TimeoutError: the work did not finish within ``timeout`` (the thread keeps going).
           ConfigError: ``cancel`` is not True or False, or ``timeout`` not None or >= 0.
         """
-        if cancel not in (False, True):
-            raise ConfigError(f"{self.name}.close(cancel={cancel!r}): expected True or False.")
+        cancel = flag(cancel, f"{self.name}.close(cancel")
         wait = seconds(timeout, f"{self.name}.close(timeout")
         self._lane.close(cancel)
         self._finalizer.detach()

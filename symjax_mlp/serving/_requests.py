@@ -22,7 +22,7 @@ from symjax_mlp._artifact.signature import (
     not_an_array,
 )
 from symjax_mlp._compat import SharedLockFuture
-from symjax_mlp._errors import ConfigError, SignatureError, as_int
+from symjax_mlp._errors import ConfigError, SignatureError, as_bool, as_int
 from symjax_mlp._hybrid.pure import is_key
 from symjax_mlp._loaded import LoadedModel
 from symjax_mlp._specs import TensorSpec, out_of_range, unfit_array
@@ -360,3 +360,10 @@ def seconds(value: Any, given: str) -> float | None:
     if value is not None and bad:
         raise ConfigError(f"{given}={value!r}): pass seconds >= 0, or None for no limit.")
     return None if value is None or value >= threading.TIMEOUT_MAX else float(value)
+
+
+def flag(value: Any, given: str) -> bool:
+    """``value`` as a bool (NumPy's too); refused unless it is one (``1``, ``"yes"``: no bools)."""
+    if not isinstance(value := as_bool(value), bool):
+        raise ConfigError(f"{given}={value!r}): expected True or False.")
+    return value
