@@ -407,6 +407,31 @@ def test_asubmit_refuses_an_alone_that_is_no_bool_as_close_refuses_a_cancel(chap
         assert b.closed
 
 
+def test_a_batchers_default_max_batch_holds_its_warm_up_within_a_stated_bound(chapter):
+    """``Batcher(model)`` warmed up to 64 rows whatever a row held: a model of 64 MiB rows ran
+    4 GiB of zeros as the batcher was made. Its default is now the largest power of two of rows
+    within WARM_UP_BYTES (256 MiB), as serve's within max_inflight_bytes; max_batch= warms more;
+    the chapter MLP's small rows still batch to 64."""
+    from symjax_mlp.serving._requests import WARM_UP_BYTES
+
+    warmed = []
+
+    def first(x):
+        warmed.append(x.shape[0])
+        return x[:, :1]
+
+    big = np.zeros((1, 16 * 2**20), np.float32)  # one row of 64 MiB (zeros: no page touched)
+    with sm.serving.Batcher(first, example=big) as b:
+        assert b.max_batch == max(warmed) == WARM_UP_BYTES // big.nbytes < 64, warmed
+        with pytest.raises(sm.SignatureError, match=rf"max_batch >= {b.max_batch + 1}\.$"):
+            b(np.zeros((b.max_batch + 1, *big.shape[1:]), np.float32))
+    with sm.serving.Batcher(first, example=big, max_batch=2 * b.max_batch) as b2:
+        assert b2.max_batch == max(warmed) == 2 * b.max_batch
+    _, _, _, x = chapter  # the chapter MLP's rows (3 KiB): as before
+    with sm.serving.Batcher(first, example=np.asarray(x)) as b:
+        assert b.max_batch == max(warmed) == 64 and b.buckets == (1, 2, 4, 8, 16, 32, 64)
+
+
 def test_a_model_error_reaches_every_request_of_its_batch_and_the_batcher_carries_on(chapter):
     _, _, h, x = chapter
 

@@ -31,6 +31,7 @@ from symjax_mlp.serving._requests import (
     check_count,
     example_specs,
     flag,
+    row_size,
     seconds,
 )
 from symjax_mlp.serving._stats import BatcherStats
@@ -72,6 +73,9 @@ class Batcher:
         for several inputs) giving each input's row shape and dtype. Not for a LoadedModel.
       max_batch: most rows in one model call (default 64, or a static artifact batch; where
         an artifact's constraints bound its batch, ``b <= 6``, the largest they admit up to it).
+        Where requests merge, the default is fewer where 64 rows of inputs hold over 256 MiB:
+        the largest power of two of rows within it (a row of 64 MiB: 4), each bucket being run
+        on zeros when the batcher is made; pass ``max_batch=`` to warm up more.
       buckets: the batch sizes compiled ahead of time (default: powers of two up to
         ``max_batch``, and ``max_batch``); the largest must be ``max_batch``. Of an artifact,
         those its constraints admit (``b >= 2``: a request of 1 row is padded to 2, or, where
@@ -157,7 +161,8 @@ class Batcher:
                 f"(sm.hybridize(...)) or a callable; got {type(model).__name__}."
             )
         self.name = f"Batcher({name})"
-        self.buckets = bucket_sizes(self.name, max_batch, buckets, static, bound)
+        row = 0 if alone else row_size(specs)  # merged: a default max_batch within WARM_UP_BYTES
+        self.buckets = bucket_sizes(self.name, max_batch, buckets, static, bound, row)
         self.max_batch = self.buckets[-1]
         self.max_queue = check_count(self.name, "max_queue", max_queue)
         wait = seconds(warm_up_timeout, f"Batcher({name}, warm_up_timeout")

@@ -8,17 +8,14 @@ kept in the order set are in time order; a body behind :data:`MIN_BODY_RATE` has
 from __future__ import annotations
 
 import asyncio
-import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from symjax_mlp._errors import ConfigError
 from symjax_mlp._specs import TensorSpec
 from symjax_mlp.serving._bodies import BadRequest
-from symjax_mlp.serving._requests import artifact_specs, headed
+from symjax_mlp.serving._requests import artifact_specs, default_batch, headed, row_size
 
 #: Bytes a second a body must average after its first ``body_timeout`` seconds (a phone on
 #: GPRS sends 5 000; Apache's mod_reqtimeout asks 500 by default).
@@ -61,8 +58,7 @@ _ROW = (
 def row_bytes(where: str, specs: Sequence[TensorSpec], max_body_bytes: int) -> int:
     """The bytes of one row of ``specs`` (a batcher's: ``b`` first, static sizes after); a
     :class:`ConfigError` where that is more than ``max_body_bytes``."""
-    sizes = [math.prod(s.shape[1:]) * np.dtype(s.dtype).itemsize for s in specs]
-    if (size := sum(sizes)) > max_body_bytes:
+    if (size := row_size(specs)) > max_body_bytes:
         rows = ", ".join(f"{s.path} {s.dtype}{list(s.shape[1:])}" for s in specs)
         limit = max_body_bytes
         raise ConfigError(_ROW.format(where=headed(where), rows=rows, size=size, limit=limit))
@@ -72,15 +68,14 @@ def row_bytes(where: str, specs: Sequence[TensorSpec], max_body_bytes: int) -> i
 def serving_batch(where: str, model: Any, max_batch: Any, limits: tuple[int, float, int]) -> Any:
     """The ``max_batch`` to serve a LoadedModel at under ``limits`` (:func:`check_limits`'),
     checked before its batcher draws a row: where ``max_batch`` is None and its batches merge,
-    the largest power of two up to 64 whose rows fit in ``max_inflight_bytes`` (the warm-up
-    runs each bucket on zeros; a 64 MiB row at 64 rows: 4 GiB)."""
+    :func:`default_batch` within ``max_inflight_bytes`` (64, or fewer where 64 rows hold more)."""
     specs, fixed, alone, _ = artifact_specs(model)  # its refusals, as the batcher's
     if any(s.dtype.startswith("key<") for s in specs):
         return max_batch  # no NumPy type: the batcher refuses it
     size = row_bytes(where, specs, limits[0])
-    if max_batch is not None or fixed is not None or alone or 64 * size <= limits[2]:
+    if max_batch is not None or fixed is not None or alone:
         return max_batch
-    return 1 << ((limits[2] // max(size, 1)).bit_length() - 1)
+    return default_batch(size, limits[2])
 
 
 class Intake:

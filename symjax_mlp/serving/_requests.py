@@ -6,6 +6,7 @@ settled a whole batch at a time; an :class:`AsyncRequest` its asyncio counterpar
 
 from __future__ import annotations
 
+import math
 import numbers
 import threading
 from collections.abc import Iterable, Sequence
@@ -133,6 +134,9 @@ _SIZES = (
 )
 _MIXED = "its manifest says that its rows are not independent"
 MAX_BATCH = 1 << 16  # the most rows a batcher's model call may take (its largest bucket)
+#: The most bytes of input rows in a batch of a batcher's default ``max_batch``: its warm-up
+#: runs each bucket on zeros (256 MiB: serve's default ``max_inflight_bytes``, 4 bodies).
+WARM_UP_BYTES = 256 * 2**20
 
 
 def artifact_specs(model: LoadedModel) -> tuple[tuple[TensorSpec, ...], int | None, str, Any]:
@@ -179,9 +183,24 @@ def fits(bound: tuple[Signature, str] | None, n: int) -> bool:
     return bound is None or admits(bound[0], {bound[1]: n})
 
 
-def bucket_sizes(name: str, max_batch: int | None, buckets: Sequence[int] | None,
-                 static: int | None, bound: Any = None) -> tuple[int, ...]:  # fmt: skip
-    """The batch sizes to compile, of those the artifact admits (``bound``: :func:`fits`)."""
+def row_size(specs: Sequence[TensorSpec]) -> int:
+    """The bytes of one row of ``specs`` (a batcher's: ``b`` first, static sizes after)."""
+    return sum(math.prod(s.shape[1:]) * np.dtype(s.dtype).itemsize for s in specs)
+
+
+def default_batch(size: int, limit: int = 0) -> int:
+    """64, or the largest power of two of rows of ``size`` bytes within ``limit`` bytes (0:
+    :data:`WARM_UP_BYTES`), 1 at least: a 64 MiB row at 64 rows is 4 GiB of warm-up."""
+    limit = limit or WARM_UP_BYTES
+    return 64 if 64 * size <= limit else 1 << max(limit // max(size, 1), 1).bit_length() - 1
+
+
+def bucket_sizes(
+    name: str, max_batch: int | None, buckets: Sequence[int] | None, static: int | None,
+    bound: Any = None, row: int = 0,
+) -> tuple[int, ...]:  # fmt: skip
+    """The batch sizes to compile, of those the artifact admits (``bound``: :func:`fits`); by
+    default up to :func:`default_batch` of rows of ``row`` bytes."""
     if static is not None:
         if (max_batch not in (None, static)) or (buckets is not None and list(buckets) != [static]):
             raise ConfigError(
@@ -204,7 +223,7 @@ def bucket_sizes(name: str, max_batch: int | None, buckets: Sequence[int] | None
                 f"64); got {buckets!r}."
             )
         max_batch = max(buckets)
-    max_batch = max_batch or 64
+    max_batch = max_batch or default_batch(row)
     if max_batch > MAX_BATCH:  # every bucket is compiled and run once when the batcher is made
         raise ConfigError(
             f"{name}: max_batch={max_batch:,} rows is more than one model call may take here "
