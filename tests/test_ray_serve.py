@@ -302,6 +302,27 @@ def test_bad_batcher_or_app_options_are_refused_before_any_replica_starts(tmp_pa
         sm.serving.ray_app(bound, max_batch=64)
 
 
+def test_ray_apps_default_max_batch_is_the_one_its_docstring_states(tmp_path):
+    """ray_app's docstring stated no default max_batch, which since 0.18 is bounded by
+    max_inflight_bytes, as serve's: it states it now, and each replica's batcher (and Ray's
+    max_ongoing_requests, twice its largest batch) gets what it states."""
+    doc = " ".join(sm.serving.ray_app.__doc__.replace("``", "").split())
+    assert (
+        "The default max_batch is 64, or, where 64 rows of inputs hold more than "
+        "max_inflight_bytes, the largest power of two of rows within it" in doc
+    ), doc
+    h = sm.hybridize(lambda p, x: x * p, jnp.float32(2.0))
+    row = 2**16  # float32: 256 KiB a row
+    path = sm.export(h, tmp_path / "m", example=jnp.ones((1, row)), shapes=(f"b, {row}",)).path
+    for limits in ({}, {"max_body_bytes": 2**20}, {"max_body_bytes": 2**20, "max_batch": 32}):
+        held = limits.get("max_body_bytes", 64 * 2**20) * 4  # max_inflight_bytes' default
+        want = limits.get("max_batch") or min(64, 2 ** int(np.log2(held // (4 * row))))
+        app = sm.serving.ray_app(path, replicas=1, **limits)
+        deployment = app._bound_deployment  # Ray gives no public accessor
+        assert deployment.init_args[2]["max_batch"] == want, limits
+        assert deployment.max_ongoing_requests == 2 * want, limits
+
+
 def test_each_replica_answers_on_rays_own_event_loop(cluster, handle):
     """ray_app's replicas start with RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 (read in
     each replica process's own environment): Ray runs predict on the replica's loop, with no

@@ -147,7 +147,9 @@ def ray_app(
       artifact: the artifact directory.
       replicas: Ray Serve's ``num_replicas``.
       max_batch, max_queue, warm_up_timeout: each replica's
-        :class:`~symjax_mlp.serving.Batcher`'s.
+        :class:`~symjax_mlp.serving.Batcher`'s. The default ``max_batch`` is 64, or, where 64
+        rows of inputs hold more than ``max_inflight_bytes``, the largest power of two of rows
+        within it (a static batch: its own; where constraints bound it, the largest they admit).
       runtime, entry, params_as_constants, trust, allow, verify_signature: as for
         :func:`~symjax_mlp.serving.serve` (passed to :func:`~symjax_mlp.load`).
       max_body_bytes, body_timeout, max_inflight_bytes: see
