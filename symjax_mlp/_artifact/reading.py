@@ -42,6 +42,9 @@ from symjax_mlp._specs import TensorSpec
 _CARD, _CARD_KEYS = 300, 50  # the characters of a card's key or value, its keys, __str__ shows
 
 USED = (JAXEXPORT, MLIRBC, PARAMS)  # the files a loader reads into memory; others are hashed
+#: The bytes of the listed files but the weights that a load reads or hashes: an export writes
+#: modules and self-test vectors of at most MAX_HELD_BYTES each, an entry point's few
+MAX_OTHER_BYTES = 4 * MAX_HELD_BYTES
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -290,6 +293,18 @@ def read_files(
     if lacking := sorted(set(CORE_FILES) - set(listed)):
         raise ArtifactError(f"{path / MANIFEST} does not list {', '.join(lacking)}; corrupted.")
     blobs, names = {}, set(listed if only is None else only) - set(skip)
+    others = {name: listed[name]["bytes"] for name in names - {PARAMS}}
+    if (total := sum(others.values())) > MAX_OTHER_BYTES:  # sparse files, or one under many names
+        most = ", ".join(
+            f"{n} {others[n]:,}" for n in sorted(others, key=lambda n: (-others[n], n))[:3]
+        )
+        raise ArtifactError(
+            f"{path / MANIFEST} lists {len(others)} files besides {PARAMS} of {total:,} bytes in "
+            f"all (the largest: {most}), more than the {MAX_OTHER_BYTES:,} a load reads, "
+            "where an export writes each entry point's module and self-test vectors, each under "
+            f"{MAX_HELD_BYTES + 1:,} bytes: such files (sparse, or linked under many names) "
+            "would keep every load hashing for hours. Nothing was read; export the model again."
+        )
     for name in [*sorted(names - {PARAMS}), None, *(names & {PARAMS})]:
         if name is None:  # every other file checked, no weight read yet
             confirm and confirm(manifest, blobs)
