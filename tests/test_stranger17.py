@@ -12,10 +12,17 @@ FIFO, a file or a device; chunk sizes past 2**64 or never sent; a request split 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -94,6 +101,180 @@ def test_an_artifact_listing_sparse_files_under_many_names_is_refused_before_any
     x = np.full((1, 512), 0.5, np.float32)
     np.testing.assert_array_equal(np.asarray(sm.load(art)(x)), mlp[1])
     assert {"z0", "z1"} <= set(hashed)  # each listed file hashed, as before
+
+
+def test_a_protocol_queues_at_most_max_pipelined_requests_of_a_read():
+    """uvicorn's httptools protocol parses all it reads at once and queues every request in
+    it: 256 KiB of 18-byte requests were 14,563 queued requests (2 kB each, 30 MB), and it read
+    again after each answer. serve's protocol queues at most MAX_PIPELINED; the parser stops at
+    the next, and its refusal, a 429, names the bound and what to do."""
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("httptools")
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    from symjax_mlp.serving._fds import MAX_PIPELINED, Pipeline
+
+    written = []
+
+    class Transport(asyncio.Transport):  # what a protocol asks of its connection
+        def get_extra_info(self, name, default=None):
+            return ("127.0.0.1", 1) if name in ("peername", "sockname") else default
+
+        def write(self, data):
+            written.append(data)
+
+        def is_closing(self):
+            return False
+
+        def pause_reading(self):
+            pass
+
+        def resume_reading(self):
+            pass
+
+        def close(self):  # uvicorn's own 400, for the parser's error
+            pass
+
+    async def app(scope, receive, send):
+        await asyncio.Event().wait()  # the first request runs until the test ends
+
+    async def feed():
+        config = uvicorn.Config(app, http="httptools", log_level="critical")
+        config.load()
+        p = HttpToolsProtocol(config, ServerState(), app_state={})
+        p.pipeline = Pipeline(p, 64 * 2**10)
+        p.connection_made(Transport())
+        one = b"GET / HTTP/1.1\r\n\r\n"
+        p.data_received(one * (256 * 2**10 // len(one)))
+        queued, newest = len(p.pipeline), p.cycle
+        for task in list(p.tasks):
+            task.cancel()
+        await asyncio.sleep(0)
+        return queued, newest is p.pipeline[0][0], p.pipeline.refusal
+
+    queued, newest, refusal = asyncio.run(feed())
+    assert queued == MAX_PIPELINED and newest  # the newest queued is answered, then the 429
+    assert refusal[0] == 429 and f"past the {MAX_PIPELINED} requests" in refusal[1], refusal
+    assert "Read each answer before sending more" in refusal[1]
+
+
+@pytest.fixture(scope="module")
+def served(mlp):
+    """``symjax-mlp serve`` of the MLP with small limits: its port, until the module ends."""
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("starlette")
+    cmd = [sys.executable, "-m", "symjax_mlp", "serve", str(mlp[0]), "--port", "0"]
+    cmd += ["--body-timeout", "2", "--max-body-bytes", str(MB), "--max-batch", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = bounded(proc.stdout.readline, 120)
+        found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert found, f"serve did not start: {line!r} {proc.poll() and proc.stderr.read()}"
+        yield int(found.group(1)), mlp[1]
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=60)
+        proc.kill()
+
+
+def _exchange(port, sends, pause=0.0):
+    """What the server answered to ``sends`` (bytes each), read until it closed the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with contextlib.suppress(ConnectionError):
+            for data in sends:
+                s.sendall(data)
+                time.sleep(pause)
+        got = b""
+        with contextlib.suppress(ConnectionError):
+            while chunk := s.recv(MB):
+                got += chunk
+    return got
+
+
+def _answers(got):
+    """``[(status, JSON body)]`` of the answers in ``got``, in order."""
+    out, rest = [], got
+    while head := re.match(rb"HTTP/1\.1 (\d+) [^\r]*\r\n(.*?)\r\n\r\n", rest, re.S):
+        size = int(re.search(rb"content-length: (\d+)", head.group(2), re.I).group(1))
+        body = rest[head.end() : head.end() + size]
+        out.append((int(head.group(1)), json.loads(body)))
+        rest = rest[head.end() + size :]
+    assert rest == b"", rest[:200]
+    return out
+
+
+_ROW = json.dumps({"inputs": [[0.5] * 512]}).encode()
+_POST = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+_HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.slow  # a serve process: ~10 s to start, shared by the module's tests
+def test_requests_pipelined_past_the_bound_get_their_answers_then_one_429(served):
+    """A client sending requests ahead of their answers (HTTP pipelining) and not reading them
+    grew serve without end: uvicorn parsed every request of each read, queued them (2 kB each,
+    for 33 bytes sent) and read again after each answer: three clients that sent 4 MiB each held
+    +350 MB within 8 s, growing on. Now serve queues 32: 2,000 pipelined requests get 33
+    answers in order, then a 429 naming the bound, and nothing more of them is read. 16
+    pipelined predictions are each answered, in order, as one alone is."""
+    port, want = served
+    answers = _answers(bounded(lambda: _exchange(port, [_HEALTH * 2000]), 120))
+    assert [s for s, _ in answers] == [200] * 33 + [429], [s for s, _ in answers][-3:]
+    said = answers[-1][1]["message"]
+    assert "more than 32 requests ahead of their answers (HTTP pipelining)" in said, said
+    assert "Read each answer before sending more, or open more connections." in said
+    metrics = _exchange(port, [b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"])
+    assert b'http_requests_total{code="429"} 1\n' in metrics  # counted as the server's others
+    post = _POST + b"Content-Length: %d\r\n\r\n%s" % (len(_ROW), _ROW)
+    last = _POST + b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_ROW), _ROW)
+    answers = _answers(bounded(lambda: _exchange(port, [post * 15 + last]), 120))
+    assert [s for s, _ in answers] == [200] * 16
+    for _, body in answers:
+        np.testing.assert_array_equal(np.asarray(body["outputs"], np.float32), want)
+
+
+@pytest.mark.slow  # the module's serve process; a body that stops: the 2 s body timeout
+def test_chunk_sizes_past_2_to_the_64_or_never_sent_are_bounded(served):
+    """Held. A chunk size past 2**64 is the JSON 400 naming the overflow; one of 2**64 - 1 whose
+    bytes stop coming is the 408 at the body timeout; the chunked body sent whole is answered."""
+    port, want = served
+    chunked = _POST + b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    [(status, answer)] = _answers(_exchange(port, [chunked + b"10000000000000000\r\n[[1"]))
+    assert status == 400 and "Chunk size overflow" in answer["message"], answer
+    sent = [chunked + b"ffffffffffffffff\r\n" + b"[" * 4000]
+    [(status, answer)] = _answers(bounded(lambda: _exchange(port, sent), 60))
+    assert status == 408 and "after 4000 bytes" in answer["message"], answer
+    whole = chunked + b"%x\r\n%s\r\n0\r\n\r\n" % (len(_ROW), _ROW)
+    [(status, answer)] = _answers(_exchange(port, [whole]))
+    assert status == 200 and np.array_equal(np.asarray(answer["outputs"], np.float32), want)
+
+
+@pytest.mark.slow  # the module's serve process; 300 one-byte sends
+def test_a_request_split_byte_by_byte_is_answered_as_sent_whole(served):
+    """Held. A request's head and body sent one byte a segment (TCP_NODELAY) is read as the
+    same request: the same answer as sent whole."""
+    port, want = served
+    row = json.dumps({"inputs": [[0.5] * 512]}, separators=(",", ":")).encode()
+    sent = _POST + b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(row), row)
+    head, body = sent[:150], sent[150:]
+    pieces = [head[i : i + 1] for i in range(len(head))] + [body[:-150]]
+    pieces += [body[-150:][i : i + 1] for i in range(150)]
+    [(status, answer)] = _answers(bounded(lambda: _exchange(port, pieces, 0.001), 60))
+    assert status == 200 and np.array_equal(np.asarray(answer["outputs"], np.float32), want)
+
+
+@pytest.mark.slow  # the module's serve process
+def test_expect_100_continue_for_a_body_past_the_limit_is_413_and_never_invited(served):
+    """Held. ``Expect: 100-continue`` with a Content-Length past max_body_bytes: the 413 at once,
+    no ``100 Continue`` sent first, so the client never sends the body."""
+    port, _ = served
+    ask = _POST + b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (64 * MB)
+    got = bounded(lambda: _exchange(port, [ask]), 60)
+    assert b"100 Continue" not in got
+    [(status, answer)] = _answers(got)
+    assert status == 413 and "more than max_body_bytes=1048576" in answer["message"], answer
 
 
 @pytest.mark.parametrize("kind", ["fifo", "file", "device"])

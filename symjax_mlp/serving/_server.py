@@ -31,7 +31,7 @@ from symjax_mlp.serving._app import (
     require,
 )
 from symjax_mlp.serving._batcher import Batcher
-from symjax_mlp.serving._fds import room
+from symjax_mlp.serving._fds import Pipeline, bind, room
 from symjax_mlp.serving._intake import check_limits, serving_batch
 from symjax_mlp.serving._requests import check_count, headed, seconds, short
 
@@ -71,7 +71,8 @@ class _Lingering:
 
     def close(self, linger: bool = False) -> None:  # linger: whatever the request (a 503)
         self.write(b"")  # a head held: sent first
-        linger = linger or getattr(self._protocol.cycle, "more_body", False)
+        cut = getattr(self._protocol.cycle, "more_body", False) or self._protocol.pipeline.refusal
+        linger = linger or bool(cut)  # a body, or requests sent ahead of a 429, left unread
         if not linger or self.is_closing() or not self._t.can_write_eof():
             return self._t.close()
         self._t.write_eof()
@@ -113,12 +114,13 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
             said = short(printable(msg if why is None else str(why)), 100).rstrip(".")
             said = (f"the request is not HTTP/1.1 that this server reads ({said}); send a "
                     "well-formed request (one Content-Length, or a chunked body).")  # fmt: skip
+            status, said = self.pipeline.refusal or (400, said)  # or too many sent ahead: 429
             cycle = self.cycle  # the newest request (httptools queues those pipelined)
             if self._waiting() or cycle.more_body:  # in no request, or within this one's body
-                return self._refuse(400, said)
+                return self._refuse(status, said)
             if not self._deferred:  # after the answers to the requests before it (once: the
                 self._deferred, done = True, cycle.on_response  # parser raises on new bytes)
-                cycle.on_response = lambda: (done(), self._refuse(400, said))
+                cycle.on_response = lambda: (done(), self._refuse(status, said))
 
         def _unsupported_upgrade_warning(self) -> None:  # uvicorn's logs "install websockets"
             # httptools took a body for the new protocol's bytes, and dropped it (h11 reads it)
@@ -129,6 +131,10 @@ def bounded_heads(head_timeout: float, app: Any) -> type:
                     f"the request asks to switch protocols (Upgrade: {what}), which this server "
                     "does not do, so its body was not read; send it without Upgrade."
                 ))  # fmt: skip
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.pipeline = Pipeline(self, MAX_HEAD_BYTES)  # requests sent ahead: bounded
 
         def _refuse(self, status: int, message: str) -> None:
             if not self._waiting():  # the app reads this request: it counts this answer
@@ -359,32 +365,6 @@ def serve(
             if not batcher.closed:  # uvicorn stopped before its lifespan closed it
                 drain(batcher, cancel=True)
             sys.stdout.flush()
-
-
-def bind(host: str, port: int, where: str = "serve") -> socket.socket:
-    """A TCP socket bound to ``host:port`` (not yet listening); raises :class:`ConfigError`,
-    headed ``where``, where that address cannot be had (a port in use, a host not this one's)."""
-    if isinstance(port, bool):  # True was port 1
-        raise ConfigError(f"{headed(where)}port must be an int from 0 to 65535; got {port!r}.")
-    if not isinstance(host, str) or not host.strip():  # "" is every interface, in silence
-        raise ConfigError(
-            f"{headed(where)}host={host!r} names no address; pass 127.0.0.1 (this machine only) or "
-            "0.0.0.0 (every interface)."
-        )
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except (OSError, OverflowError, TypeError, UnicodeError) as e:  # TypeError: port="80"
-        sock.close()
-        why = getattr(e, "strerror", None) or str(e)
-        raise ConfigError(
-            f"{headed(where)}cannot listen on {host}:{port} ({why}). Pass a free port (0: any free "
-            "one) and a host address of this machine (127.0.0.1, 0.0.0.0)."
-        ) from None
-    return sock
 
 
 @contextlib.contextmanager
