@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import hashlib
 import json
 import os
@@ -233,6 +234,24 @@ def test_requests_pipelined_past_the_bound_get_their_answers_then_one_429(served
     assert [s for s, _ in answers] == [200] * 16
     for _, body in answers:
         np.testing.assert_array_equal(np.asarray(body["outputs"], np.float32), want)
+
+
+@pytest.mark.slow  # the module's serve process
+def test_two_content_encoding_lines_are_one_list_and_a_gzip_among_them_is_the_415(served):
+    """``Content-Encoding: identity`` then ``Content-Encoding: gzip`` (RFC 9110: one list,
+    ``identity, gzip``) was read as its first line: the gzip body got "not valid JSON ('utf-8'
+    codec ...)", the answer session 57 fixed for one line. Now the lines are one list: the 415
+    names the encoding; two lines of identity are read as the body it is."""
+    port, want = served
+    body = gzip.compress(_ROW)
+    twice = b"Content-Encoding: identity\r\nContent-Encoding: gzip\r\nConnection: close\r\n"
+    sent = _POST + twice + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    [(status, answer)] = _answers(bounded(lambda: _exchange(port, [sent]), 60))
+    assert status == 415 and "Content-Encoding 'identity,gzip'" in answer["message"], answer
+    plain = b"Content-Encoding: identity\r\nContent-Encoding: identity\r\nConnection: close\r\n"
+    sent = _POST + plain + b"Content-Length: %d\r\n\r\n%s" % (len(_ROW), _ROW)
+    [(status, answer)] = _answers(bounded(lambda: _exchange(port, [sent]), 60))
+    assert status == 200 and np.array_equal(np.asarray(answer["outputs"], np.float32), want)
 
 
 @pytest.mark.slow  # the module's serve process; a body that stops: the 2 s body timeout

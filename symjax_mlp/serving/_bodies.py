@@ -55,7 +55,9 @@ def decode(
     first of a name; ``raw``: the head's (name, value) pairs, read where a name came twice."""
     heads = heads or {}
     if raw is not None and len(raw) != len(heads):  # a name twice: read (no call else)
-        _one_type(raw)
+        _one_type(raw)  # and Content-Encoding's lines are one list (RFC 9110), not the first
+        codings = b",".join(v for k, v in raw if k == b"content-encoding")
+        heads = {**heads, b"content-encoding": codings}
     # two gets, no generator: each of its steps is a Python call on the hot path
     coding, agent = heads.get(b"content-encoding", b""), heads.get(b"user-agent", b"")
     if coding and any(
